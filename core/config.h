@@ -1,0 +1,48 @@
+/* Flags and MESHD_* environment variables from one table.
+ *
+ * Each program describes its options once, as an array of config_flag_t. A flag
+ * `--drain-seconds 5` (or `--drain-seconds=5`) may also be given as the
+ * environment variable MESHD_DRAIN_SECONDS=5. Precedence: command line, then
+ * environment, then the table's default. Strings are not copied: targets point
+ * into argv, the environment or the table, which outlive the program's use. */
+#ifndef MESHD_CONFIG_H
+#define MESHD_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+typedef enum {
+  CONFIG_STRING, /* target: const char ** */
+  CONFIG_INT,    /* target: int64_t *, checked against [min, max] */
+  CONFIG_DOUBLE, /* target: double *, checked against [min, max] */
+  CONFIG_BOOL,   /* target: bool *; "--flag" alone means true; values true/false/1/0/yes/no */
+  CONFIG_BYTES,  /* target: uint64_t *; "512", "4KiB", "4MiB", "8GiB", "1K", "2M", "3G" */
+} config_type_t;
+
+typedef struct config_flag {
+  const char *name;          /* "drain-seconds": --drain-seconds, MESHD_DRAIN_SECONDS */
+  config_type_t type;
+  const char *default_value; /* as it would be written on the command line; NULL = unset */
+  const char *help;
+  void *target;
+  double min, max;           /* CONFIG_INT and CONFIG_DOUBLE; min == max means unchecked */
+} config_flag_t;
+
+/* Parses argv[1..argc) against the table, then the environment, then defaults.
+ * Positional arguments (anything not starting with "--", and everything after a
+ * lone "--") are moved to argv[1..] in order and their count stored in *npositional.
+ * Returns 0 on success, 1 if --help or -h was given, -1 on error with a message
+ * naming the flag and what was wrong in err ("--drain-seconds: 'x' is not a number"). */
+int config_parse(const config_flag_t *flags, size_t nflags, int argc, char **argv,
+                 int *npositional, char *err, size_t errlen);
+
+/* Prints "usage: PROG SYNOPSIS" and one line per flag with its env name and default. */
+void config_usage(FILE *out, const char *prog, const char *synopsis,
+                  const config_flag_t *flags, size_t nflags);
+
+/* "4MiB" -> 4194304. false on junk or overflow. */
+bool config_parse_bytes(const char *text, uint64_t *out);
+
+#endif

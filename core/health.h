@@ -1,0 +1,37 @@
+/* grpc.health.v1.Health (Check and Watch) with the standard semantics.
+ *
+ * Service "" is the process itself. Check on an unknown service is NOT_FOUND;
+ * Watch on one sends SERVICE_UNKNOWN and stays open, then sends the status when
+ * the service appears. Watch sends the current status at once and every change. */
+#ifndef MESHD_HEALTH_H
+#define MESHD_HEALTH_H
+
+#include "rpc.h"
+
+typedef enum {
+  HEALTH_UNKNOWN = 0,
+  HEALTH_SERVING = 1,
+  HEALTH_NOT_SERVING = 2,
+  HEALTH_SERVICE_UNKNOWN = 3,
+} health_status_t;
+
+typedef struct health health_t;
+
+health_t *health_create(void);
+/* Registers Check and Watch on srv (before rpc_server_start). Returns 0 or -1. */
+int health_add_methods(health_t *h, rpc_server_t *srv);
+/* Sets a service's status and pushes it to its watchers if it changed. */
+void health_set(health_t *h, const char *service, health_status_t status);
+/* HEALTH_SERVICE_UNKNOWN if the service was never set. */
+health_status_t health_get(health_t *h, const char *service);
+/* Number of open Watch calls (all services). */
+int health_watchers(health_t *h);
+/* Shutdown: every service NOT_SERVING (pushed), then every Watch call ends with
+ * UNAVAILABLE "server shutting down". Later Watch calls get NOT_SERVING then end. */
+void health_shutdown(health_t *h);
+/* After the rpc server is shut down. */
+void health_destroy(health_t *h);
+
+const char *health_status_name(health_status_t s);
+
+#endif

@@ -1,0 +1,24 @@
+/* One line per event: "2026-11-30T13:20:58.123Z INFO  server: message".
+ * Thread-safe; each line is written with a single write(2) to stderr. */
+#ifndef MESHD_LOG_H
+#define MESHD_LOG_H
+
+#include <stdbool.h>
+
+typedef enum { LOG_LEVEL_DEBUG, LOG_LEVEL_INFO, LOG_LEVEL_WARN, LOG_LEVEL_ERROR } log_level_t;
+
+void log_set_level(log_level_t level);
+log_level_t log_get_level(void);
+/* "debug", "info", "warn", "error" (case-insensitive). false if unknown. */
+bool log_parse_level(const char *text, log_level_t *out);
+/* `component` names the part that speaks ("server", "agent", "rpc", "supervisor").
+ * file/line are printed at debug level only. */
+void log_write(log_level_t level, const char *component, const char *file, int line,
+               const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+#define log_debug(comp, ...) log_write(LOG_LEVEL_DEBUG, comp, __FILE__, __LINE__, __VA_ARGS__)
+#define log_info(comp, ...) log_write(LOG_LEVEL_INFO, comp, __FILE__, __LINE__, __VA_ARGS__)
+#define log_warn(comp, ...) log_write(LOG_LEVEL_WARN, comp, __FILE__, __LINE__, __VA_ARGS__)
+#define log_error(comp, ...) log_write(LOG_LEVEL_ERROR, comp, __FILE__, __LINE__, __VA_ARGS__)
+
+#endif

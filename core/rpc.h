@@ -1,0 +1,195 @@
+/* meshd's small layer over the gRPC C core (1.51) and protobuf-c.
+ *
+ * Server side: a program fills a table of rpc_method_t (one row per RPC) and the
+ * layer serves it from one shared completion queue polled by a pool of threads.
+ * Handlers are callbacks; they never block a completion-queue thread. A handler
+ * that needs to wait (for an agent, a timer) keeps a reference to the call and
+ * answers later from any thread: every rpc_call_* function is thread-safe.
+ *
+ * Client side: blocking helpers (unary with deadline, streaming calls with
+ * separate read and write sides that may be used from two threads at once).
+ *
+ * Messages are protobuf-c messages; the layer packs and unpacks them. */
+#ifndef MESHD_RPC_H
+#define MESHD_RPC_H
+
+#include <grpc/status.h>
+#include <protobuf-c/protobuf-c.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Trailing metadata key that carries a meshd error kind ("WRONG_MESH"). */
+#define RPC_KIND_KEY "meshd-error-kind"
+
+/* ================================================================== server */
+
+typedef enum {
+  RPC_UNARY,            /* request -> response */
+  RPC_CLIENT_STREAMING, /* stream request -> response */
+  RPC_SERVER_STREAMING, /* request -> stream response */
+  RPC_BIDI,             /* stream request -> stream response */
+} rpc_kind_t;
+
+typedef struct rpc_call rpc_call_t;
+typedef struct rpc_server rpc_server_t;
+
+/* One row of a server's method table.
+ *
+ * Callback order for one call: on_start once; then, for streaming requests,
+ * on_message for each request message and on_message(NULL) at the client's
+ * half-close; then on_end once. Callbacks of one call never run concurrently,
+ * and on_end runs after every other callback of that call has returned. */
+typedef struct rpc_method {
+  const char *path;                          /* "/meshd.v1.TensorService/Execute" */
+  rpc_kind_t kind;
+  const ProtobufCMessageDescriptor *request; /* requests are unpacked with it */
+  /* Unary and server-streaming: `req` is the request. Streaming requests: NULL.
+   * `req` belongs to the layer and is valid until the callback returns.
+   * Unary handlers must eventually answer with rpc_call_reply or rpc_call_finish. */
+  void (*on_start)(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
+  /* Streaming requests only (may be NULL for other kinds). Owned by the layer. */
+  void (*on_message)(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);
+  /* The call is over: status sent, or the peer cancelled / disconnected
+   * (cancelled = true). May be NULL. Release handler state here. */
+  void (*on_end)(rpc_call_t *call, bool cancelled, void *arg);
+  void *arg;                                 /* passed to every callback */
+} rpc_method_t;
+
+typedef struct rpc_server_opts {
+  const char *listen;          /* "127.0.0.1:0", "[::]:50051"; port 0 picks a free one */
+  int threads;                 /* completion-queue threads; <= 0: 2 */
+  int max_message_bytes;       /* both directions; <= 0: 4 MiB */
+  int keepalive_ms;            /* server pings idle clients this often; <= 0: 10000 */
+  /* TLS plugs in here: when both are set the port uses SSL credentials. */
+  const char *tls_cert_file;
+  const char *tls_key_file;
+} rpc_server_opts_t;
+
+/* Creates a server. Returns NULL and a message in err on failure. */
+rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t errlen);
+/* Adds rows to the method table; the rows must outlive the server. Before start only.
+ * Returns 0, or -1 if a path is already registered. */
+int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n);
+/* Binds the port, starts the threads. Returns the bound port (> 0) or -1 with err
+ * ("address already in use: 127.0.0.1:50051"). Unknown methods are answered with
+ * UNIMPLEMENTED naming the method. */
+int rpc_server_start(rpc_server_t *srv, char *err, size_t errlen);
+int rpc_server_port(const rpc_server_t *srv);
+/* Calls started and not yet ended (all methods). */
+int rpc_server_active_calls(rpc_server_t *srv);
+/* Stops accepting new calls; calls already running go on. Idempotent. */
+void rpc_server_stop_accepting(rpc_server_t *srv);
+/* Waits up to grace_seconds for running calls to end, then cancels the rest,
+ * stops and joins the threads. Every on_end has run when it returns. Idempotent;
+ * implies stop_accepting. */
+void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds);
+/* Frees the server; shuts it down first (grace 0) if needed. */
+void rpc_server_destroy(rpc_server_t *srv);
+
+/* --- calls: all thread-safe ------------------------------------------------ */
+
+/* Queues a message on a server-streaming or bidi call (or the single response of
+ * a client-streaming one). Packed at once; the caller keeps ownership of msg.
+ * Returns 0, or -1 if the call has ended or a status is already queued. */
+int rpc_call_send(rpc_call_t *call, const ProtobufCMessage *msg);
+/* Ends the call with a status after every queued message is sent. `kind`, when
+ * not NULL, travels as trailing metadata RPC_KIND_KEY. Later calls are ignored. */
+void rpc_call_finish(rpc_call_t *call, grpc_status_code code, const char *kind,
+                     const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* rpc_call_send(msg) then rpc_call_finish(OK). */
+void rpc_call_reply(rpc_call_t *call, const ProtobufCMessage *msg);
+/* Messages queued and not yet sent: a handler producing many messages pauses
+ * when this grows. Reads are not re-armed while it is above 64 (backpressure). */
+size_t rpc_call_pending(rpc_call_t *call);
+/* True once on_end has run or is about to. */
+bool rpc_call_ended(rpc_call_t *call);
+/* Request metadata value for key into buf (NUL-terminated, truncated to len-1).
+ * Returns buf, or NULL if absent. */
+const char *rpc_call_metadata(rpc_call_t *call, const char *key, char *buf, size_t len);
+/* The peer's address as gRPC reports it ("ipv4:127.0.0.1:4242"). Caller frees. */
+char *rpc_call_peer(rpc_call_t *call);
+const char *rpc_call_method(const rpc_call_t *call);
+/* One pointer of handler state, set in on_start. */
+void rpc_call_set_data(rpc_call_t *call, void *data);
+void *rpc_call_data(const rpc_call_t *call);
+/* Keeps the call alive past on_end (e.g. held in a list another thread walks).
+ * Each rpc_call_ref needs one rpc_call_unref. Without a ref a handler must not
+ * touch the call after on_end returns. */
+void rpc_call_ref(rpc_call_t *call);
+void rpc_call_unref(rpc_call_t *call);
+
+/* ================================================================== client */
+
+typedef struct rpc_channel rpc_channel_t;
+
+typedef struct rpc_channel_opts {
+  int max_message_bytes;   /* <= 0: 4 MiB */
+  int keepalive_ms;        /* client pings this often; 0: gRPC's default (off) */
+  int keepalive_timeout_ms;/* <= 0: 2000 */
+  bool own_connection;     /* don't share the TCP connection with other channels */
+} rpc_channel_opts_t;
+
+typedef struct rpc_status {
+  grpc_status_code code;
+  char kind[32];           /* RPC_KIND_KEY trailing metadata, "" if none */
+  char message[512];
+} rpc_status_t;
+
+typedef struct rpc_md {
+  const char *key;
+  const char *value;
+} rpc_md_t;
+
+/* opts may be NULL. Never fails for a syntactically valid target; connection
+ * problems show up on calls (UNAVAILABLE) or in rpc_channel_wait_ready. */
+rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *opts);
+void rpc_channel_destroy(rpc_channel_t *ch);
+/* Connects now; true once READY, false on timeout or failure. */
+bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms);
+
+/* Blocking unary call. On OK stores the unpacked reply in *resp (free with
+ * protobuf_c_message_free_unpacked) and returns GRPC_STATUS_OK. Otherwise
+ * returns the code, *resp = NULL, and st (may be NULL) says why. A reply that is
+ * not a valid `resp_desc` message is INTERNAL. timeout_ms <= 0: no deadline. */
+grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                           const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_status_t *st);
+
+/* A client-streaming, server-streaming or bidi call. One thread may read while
+ * another writes; each side is used by one thread at a time. */
+typedef struct rpc_stream rpc_stream_t;
+
+/* Starts the call. timeout_ms <= 0: no deadline. Returns NULL only on a bad method. */
+rpc_stream_t *rpc_stream_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
+                              size_t nmd, int timeout_ms);
+/* Sends one message and waits until gRPC took it. `last` half-closes after it.
+ * Returns 0, or -1 if the call is over (read the status with rpc_stream_finish). */
+int rpc_stream_write(rpc_stream_t *s, const ProtobufCMessage *msg, bool last);
+/* Half-closes without a message. Returns 0 or -1. */
+int rpc_stream_close_send(rpc_stream_t *s);
+/* Waits for the next message. Returns 1 with *out set (free with
+ * protobuf_c_message_free_unpacked), 0 at the end of the stream, -1 if the
+ * message does not unpack, -2 on timeout (the read stays armed; call again).
+ * timeout_ms <= 0 waits without limit. */
+int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
+                    ProtobufCMessage **out, int timeout_ms);
+/* Cancels the call (from any thread): blocked reads and writes return. */
+void rpc_stream_cancel(rpc_stream_t *s);
+/* Waits for the call's status (reads must have returned 0 or the call be
+ * cancelled) and returns its code; st may be NULL. */
+grpc_status_code rpc_stream_finish(rpc_stream_t *s, rpc_status_t *st);
+/* Frees the stream; cancels it first if it is still running. */
+void rpc_stream_destroy(rpc_stream_t *s);
+
+/* ================================================================== misc */
+
+/* gRPC init/shutdown, counted: every program and test calls rpc_init() once
+ * before any other function here and rpc_shutdown() at the end. */
+void rpc_init(void);
+void rpc_shutdown(void);
+
+/* Milliseconds on a monotonic clock. */
+int64_t rpc_now_ms(void);
+
+#endif
