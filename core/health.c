@@ -1,1 +1,185 @@
-/* placeholder: being written */
+/* grpc.health.v1.Health on the rpc layer.
+ *
+ * Lock order: health->mu, then a call's own lock (taken inside rpc_call_*).
+ * Each Watch call is held in `watchers` with an rpc_call_ref until its on_end. */
+#include "health.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "log.h"
+
+typedef struct service {
+  struct service *next;
+  char *name;
+  health_status_t status;
+} service_t;
+
+typedef struct watcher {
+  struct watcher *next;
+  rpc_call_t *call;
+  char *service;
+} watcher_t;
+
+struct health {
+  pthread_mutex_t mu;
+  service_t *services;
+  watcher_t *watchers;
+  bool shutting_down;
+  rpc_method_t methods[2];
+};
+
+static const char *const status_names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+
+const char *health_status_name(health_status_t s) {
+  return (unsigned)s < sizeof status_names / sizeof *status_names ? status_names[s] : "INVALID";
+}
+
+static service_t *find_locked(health_t *h, const char *name) {
+  for (service_t *s = h->services; s; s = s->next)
+    if (strcmp(s->name, name) == 0) return s;
+  return NULL;
+}
+
+static health_status_t get_locked(health_t *h, const char *name) {
+  service_t *s = find_locked(h, name);
+  return s ? s->status : HEALTH_SERVICE_UNKNOWN;
+}
+
+static void send_status(rpc_call_t *call, health_status_t st) {
+  Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+  r.status = (Grpc__Health__V1__HealthCheckResponse__ServingStatus)st;
+  rpc_call_send(call, &r.base);
+}
+
+health_status_t health_get(health_t *h, const char *service) {
+  pthread_mutex_lock(&h->mu);
+  health_status_t st = get_locked(h, service);
+  pthread_mutex_unlock(&h->mu);
+  return st;
+}
+
+void health_set(health_t *h, const char *service, health_status_t status) {
+  pthread_mutex_lock(&h->mu);
+  if (h->shutting_down) status = HEALTH_NOT_SERVING;
+  service_t *s = find_locked(h, service);
+  bool changed = !s || s->status != status;
+  if (!s && (s = calloc(1, sizeof *s))) {
+    s->name = strdup(service);
+    s->next = h->services;
+    h->services = s;
+  }
+  if (s) s->status = status;
+  if (changed) {
+    log_info("health", "%s is %s", *service ? service : "\"\"", health_status_name(status));
+    for (watcher_t *w = h->watchers; w; w = w->next)
+      if (strcmp(w->service, service) == 0) send_status(w->call, status);
+  }
+  pthread_mutex_unlock(&h->mu);
+}
+
+int health_watchers(health_t *h) {
+  pthread_mutex_lock(&h->mu);
+  int n = 0;
+  for (watcher_t *w = h->watchers; w; w = w->next) n++;
+  pthread_mutex_unlock(&h->mu);
+  return n;
+}
+
+static void on_check(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  health_t *h = arg;
+  const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
+  health_status_t st = health_get(h, req->service);
+  if (st == HEALTH_SERVICE_UNKNOWN) {
+    rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, NULL, "unknown service \"%s\"", req->service);
+    return;
+  }
+  Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+  r.status = (Grpc__Health__V1__HealthCheckResponse__ServingStatus)st;
+  rpc_call_reply(call, &r.base);
+}
+
+static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  health_t *h = arg;
+  const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
+  pthread_mutex_lock(&h->mu);
+  send_status(call, get_locked(h, req->service));
+  if (h->shutting_down) {
+    pthread_mutex_unlock(&h->mu);
+    rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL, "server shutting down");
+    return;
+  }
+  watcher_t *w = calloc(1, sizeof *w);
+  if (w) {
+    w->call = call;
+    w->service = strdup(req->service);
+    w->next = h->watchers;
+    h->watchers = w;
+    rpc_call_ref(call);
+    rpc_call_set_data(call, w);
+  }
+  pthread_mutex_unlock(&h->mu);
+  if (!w) rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory");
+}
+
+static void on_watch_end(rpc_call_t *call, bool cancelled, void *arg) {
+  health_t *h = arg;
+  watcher_t *w = rpc_call_data(call);
+  if (!w) return;
+  pthread_mutex_lock(&h->mu);
+  for (watcher_t **p = &h->watchers; *p; p = &(*p)->next) {
+    if (*p == w) {
+      *p = w->next;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&h->mu);
+  free(w->service);
+  free(w);
+  rpc_call_unref(call);
+}
+
+health_t *health_create(void) {
+  health_t *h = calloc(1, sizeof *h);
+  if (!h) return NULL;
+  pthread_mutex_init(&h->mu, NULL);
+  const ProtobufCMessageDescriptor *req = &grpc__health__v1__health_check_request__descriptor;
+  h->methods[0] = (rpc_method_t){"/grpc.health.v1.Health/Check", RPC_UNARY, req, on_check, NULL,
+                                 NULL, h};
+  h->methods[1] = (rpc_method_t){"/grpc.health.v1.Health/Watch", RPC_SERVER_STREAMING, req,
+                                 on_watch, NULL, on_watch_end, h};
+  return h;
+}
+
+int health_add_methods(health_t *h, rpc_server_t *srv) {
+  return rpc_server_add_methods(srv, h->methods, 2);
+}
+
+void health_shutdown(health_t *h) {
+  pthread_mutex_lock(&h->mu);
+  h->shutting_down = true;
+  for (service_t *s = h->services; s; s = s->next) {
+    if (s->status == HEALTH_NOT_SERVING) continue;
+    s->status = HEALTH_NOT_SERVING;
+    for (watcher_t *w = h->watchers; w; w = w->next)
+      if (strcmp(w->service, s->name) == 0) send_status(w->call, HEALTH_NOT_SERVING);
+  }
+  for (watcher_t *w = h->watchers; w; w = w->next)
+    rpc_call_finish(w->call, GRPC_STATUS_UNAVAILABLE, NULL, "server shutting down");
+  pthread_mutex_unlock(&h->mu);
+  log_info("health", "every service is NOT_SERVING: shutting down");
+}
+
+void health_destroy(health_t *h) {
+  if (!h) return;
+  for (service_t *s = h->services, *next; s; s = next) {
+    next = s->next;
+    free(s->name);
+    free(s);
+  }
+  /* Watchers are gone: each on_end ran before the rpc server finished shutting down. */
+  pthread_mutex_destroy(&h->mu);
+  free(h);
+}

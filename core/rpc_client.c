@@ -1,1 +1,358 @@
-/* placeholder: being written */
+/* Client half of the rpc layer: blocking calls over the gRPC C core.
+ *
+ * Every call gets its own pluck completion queue, so calls on one channel are
+ * independent and a stream's reader, writer and finisher can wait on their own
+ * tags from different threads (at most GRPC_MAX_COMPLETION_QUEUE_PLUCKERS). */
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpc.h"
+#include "rpc_wire.h"
+
+typedef struct method_handle {
+  struct method_handle *next;
+  char *method;
+  void *handle;
+} method_handle_t;
+
+struct rpc_channel {
+  grpc_channel *ch;
+  pthread_mutex_t mu;
+  method_handle_t *methods;
+};
+
+rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *opts) {
+  rpc_channel_opts_t o = opts ? *opts : (rpc_channel_opts_t){0};
+  rpc_channel_t *ch = calloc(1, sizeof *ch);
+  if (!ch) return NULL;
+  int max_msg = o.max_message_bytes > 0 ? o.max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
+  wire_args_t a = {0};
+  wire_args_int(&a, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg);
+  wire_args_int(&a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
+  /* Reconnect fast: agents come back within 2 s of a server restart. */
+  wire_args_int(&a, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  wire_args_int(&a, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  wire_args_int(&a, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  if (o.keepalive_ms > 0) {
+    wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIME_MS, o.keepalive_ms);
+    wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                  o.keepalive_timeout_ms > 0 ? o.keepalive_timeout_ms : 2000);
+    wire_args_int(&a, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
+  if (o.own_connection) wire_args_int(&a, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  ch->ch = grpc_channel_create(target, creds, wire_args_done(&a));
+  grpc_channel_credentials_release(creds);
+  pthread_mutex_init(&ch->mu, NULL);
+  return ch;
+}
+
+void rpc_channel_destroy(rpc_channel_t *ch) {
+  if (!ch) return;
+  for (method_handle_t *m = ch->methods, *next; m; m = next) {
+    next = m->next;
+    free(m->method);
+    free(m);
+  }
+  grpc_channel_destroy(ch->ch);
+  pthread_mutex_destroy(&ch->mu);
+  free(ch);
+}
+
+/* Registered-call handles are cached per channel: registering parses the
+ * method once instead of on every call. */
+static void *method_handle(rpc_channel_t *ch, const char *method) {
+  pthread_mutex_lock(&ch->mu);
+  method_handle_t *m = ch->methods;
+  while (m && strcmp(m->method, method) != 0) m = m->next;
+  if (!m && (m = calloc(1, sizeof *m))) {
+    m->method = strdup(method);
+    m->handle = grpc_channel_register_call(ch->ch, method, NULL, NULL);
+    m->next = ch->methods;
+    ch->methods = m;
+  }
+  pthread_mutex_unlock(&ch->mu);
+  return m ? m->handle : NULL;
+}
+
+bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) {
+  gpr_timespec deadline = wire_deadline(timeout_ms);
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+  bool ready = false;
+  int tag;
+  for (;;) {
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch->ch, 1);
+    if (s == GRPC_CHANNEL_READY) {
+      ready = true;
+      break;
+    }
+    if (s == GRPC_CHANNEL_SHUTDOWN) break;
+    grpc_channel_watch_connectivity_state(ch->ch, s, deadline, cq, &tag);
+    grpc_event ev = grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (!ev.success) break; /* the deadline passed */
+  }
+  grpc_completion_queue_shutdown(cq);
+  grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  grpc_completion_queue_destroy(cq);
+  return ready;
+}
+
+static grpc_metadata *make_md(const rpc_md_t *md, size_t nmd) {
+  if (nmd == 0) return NULL;
+  grpc_metadata *out = calloc(nmd, sizeof *out);
+  for (size_t i = 0; out && i < nmd; i++) {
+    out[i].key = grpc_slice_from_static_string(md[i].key);
+    out[i].value = grpc_slice_from_copied_string(md[i].value);
+  }
+  return out;
+}
+
+static void free_md(grpc_metadata *md, size_t nmd) {
+  for (size_t i = 0; md && i < nmd; i++) grpc_slice_unref(md[i].value);
+  free(md);
+}
+
+/* Fills st from a finished call's status, details and trailing metadata. */
+static void fill_status(rpc_status_t *st, grpc_status_code code, grpc_slice details,
+                        const grpc_metadata_array *trailers) {
+  if (!st) return;
+  st->code = code;
+  size_t n = GRPC_SLICE_LENGTH(details);
+  if (n >= sizeof st->message) n = sizeof st->message - 1;
+  memcpy(st->message, GRPC_SLICE_START_PTR(details), n);
+  st->message[n] = '\0';
+  st->kind[0] = '\0';
+  for (size_t i = 0; trailers && i < trailers->count; i++) {
+    if (grpc_slice_str_cmp(trailers->metadata[i].key, RPC_KIND_KEY) != 0) continue;
+    size_t k = GRPC_SLICE_LENGTH(trailers->metadata[i].value);
+    if (k >= sizeof st->kind) k = sizeof st->kind - 1;
+    memcpy(st->kind, GRPC_SLICE_START_PTR(trailers->metadata[i].value), k);
+    st->kind[k] = '\0';
+  }
+}
+
+static void destroy_cq(grpc_completion_queue *cq) {
+  grpc_completion_queue_shutdown(cq);
+  grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  grpc_completion_queue_destroy(cq);
+}
+
+grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                           const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_status_t *st) {
+  *resp = NULL;
+  void *handle = method_handle(ch, method);
+  if (!handle) {
+    fill_status(st, GRPC_STATUS_INTERNAL, grpc_slice_from_static_string("out of memory"), NULL);
+    return GRPC_STATUS_INTERNAL;
+  }
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+  grpc_call *call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                                        handle, wire_deadline(timeout_ms), NULL);
+  grpc_metadata *send_md = make_md(md, nmd);
+  grpc_byte_buffer *out = wire_pack(req);
+  grpc_byte_buffer *in = NULL;
+  grpc_metadata_array init_md, trailers;
+  grpc_metadata_array_init(&init_md);
+  grpc_metadata_array_init(&trailers);
+  grpc_status_code code = GRPC_STATUS_UNKNOWN;
+  grpc_slice details = grpc_empty_slice();
+
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = nmd;
+  ops[0].data.send_initial_metadata.metadata = send_md;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = out;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &in;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &trailers;
+  ops[5].data.recv_status_on_client.status = &code;
+  ops[5].data.recv_status_on_client.status_details = &details;
+  int tag;
+  grpc_call_error e = grpc_call_start_batch(call, ops, 6, &tag, NULL);
+  if (e == GRPC_CALL_OK) {
+    grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  } else {
+    code = GRPC_STATUS_INTERNAL;
+    grpc_slice_unref(details);
+    details = grpc_slice_from_copied_string(grpc_call_error_to_string(e));
+  }
+  if (code == GRPC_STATUS_OK) {
+    *resp = wire_unpack(in, resp_desc);
+    if (!*resp) {
+      code = GRPC_STATUS_INTERNAL;
+      grpc_slice_unref(details);
+      char msg[256];
+      snprintf(msg, sizeof msg, "the reply of %s is not a valid %s", method, resp_desc->name);
+      details = grpc_slice_from_copied_string(msg);
+    }
+  }
+  fill_status(st, code, details, &trailers);
+  grpc_slice_unref(details);
+  if (in) grpc_byte_buffer_destroy(in);
+  grpc_byte_buffer_destroy(out);
+  grpc_metadata_array_destroy(&init_md);
+  grpc_metadata_array_destroy(&trailers);
+  free_md(send_md, nmd);
+  grpc_call_unref(call);
+  destroy_cq(cq);
+  return code;
+}
+
+/* ------------------------------------------------------------------ streams */
+
+struct rpc_stream {
+  grpc_call *call;
+  grpc_completion_queue *cq;
+  grpc_metadata *send_md;
+  size_t nmd;
+  grpc_metadata_array init_md, trailers;
+  grpc_byte_buffer *recv_buf;
+  grpc_status_code code;
+  grpc_slice details;
+  pthread_mutex_t mu;
+  bool read_pending;    /* a RECV_MESSAGE batch is started and not yet plucked */
+  bool got_init_md;
+  bool status_done;
+  bool write_closed;
+  int t_read, t_write, t_status, t_start;
+};
+
+rpc_stream_t *rpc_stream_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
+                              size_t nmd, int timeout_ms) {
+  void *handle = method_handle(ch, method);
+  if (!handle) return NULL;
+  rpc_stream_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->cq = grpc_completion_queue_create_for_pluck(NULL);
+  s->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq,
+                                                handle, wire_deadline(timeout_ms), NULL);
+  s->send_md = make_md(md, nmd);
+  s->nmd = nmd;
+  grpc_metadata_array_init(&s->init_md);
+  grpc_metadata_array_init(&s->trailers);
+  s->details = grpc_empty_slice();
+  s->code = GRPC_STATUS_UNKNOWN;
+  pthread_mutex_init(&s->mu, NULL);
+
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_INITIAL_METADATA;
+  op.data.send_initial_metadata.count = nmd;
+  op.data.send_initial_metadata.metadata = s->send_md;
+  if (grpc_call_start_batch(s->call, &op, 1, &s->t_start, NULL) == GRPC_CALL_OK)
+    grpc_completion_queue_pluck(s->cq, &s->t_start, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  op.data.recv_status_on_client.trailing_metadata = &s->trailers;
+  op.data.recv_status_on_client.status = &s->code;
+  op.data.recv_status_on_client.status_details = &s->details;
+  grpc_call_start_batch(s->call, &op, 1, &s->t_status, NULL);
+  return s;
+}
+
+int rpc_stream_write(rpc_stream_t *s, const ProtobufCMessage *msg, bool last) {
+  grpc_byte_buffer *buf = wire_pack(msg);
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  ops[n].op = GRPC_OP_SEND_MESSAGE;
+  ops[n++].data.send_message.send_message = buf;
+  if (last) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  int rc = -1;
+  if (grpc_call_start_batch(s->call, ops, n, &s->t_write, NULL) == GRPC_CALL_OK) {
+    grpc_event ev =
+        grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    rc = ev.success ? 0 : -1;
+  }
+  if (last) s->write_closed = true;
+  grpc_byte_buffer_destroy(buf);
+  return rc;
+}
+
+int rpc_stream_close_send(rpc_stream_t *s) {
+  if (s->write_closed) return 0;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  s->write_closed = true;
+  if (grpc_call_start_batch(s->call, &op, 1, &s->t_write, NULL) != GRPC_CALL_OK) return -1;
+  grpc_event ev =
+      grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  return ev.success ? 0 : -1;
+}
+
+int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
+                    ProtobufCMessage **out, int timeout_ms) {
+  *out = NULL;
+  if (!s->read_pending) {
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    size_t n = 0;
+    if (!s->got_init_md) {
+      ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+      ops[n++].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+      s->got_init_md = true;
+    }
+    ops[n].op = GRPC_OP_RECV_MESSAGE;
+    ops[n++].data.recv_message.recv_message = &s->recv_buf;
+    if (grpc_call_start_batch(s->call, ops, n, &s->t_read, NULL) != GRPC_CALL_OK) return 0;
+    s->read_pending = true;
+  }
+  grpc_event ev = grpc_completion_queue_pluck(s->cq, &s->t_read, wire_deadline(timeout_ms), NULL);
+  if (ev.type == GRPC_QUEUE_TIMEOUT) return -2;
+  s->read_pending = false;
+  grpc_byte_buffer *buf = s->recv_buf;
+  s->recv_buf = NULL;
+  if (!buf) return 0; /* end of stream, or the call failed: rpc_stream_finish says which */
+  *out = wire_unpack(buf, desc);
+  grpc_byte_buffer_destroy(buf);
+  return *out ? 1 : -1;
+}
+
+void rpc_stream_cancel(rpc_stream_t *s) { grpc_call_cancel(s->call, NULL); }
+
+grpc_status_code rpc_stream_finish(rpc_stream_t *s, rpc_status_t *st) {
+  pthread_mutex_lock(&s->mu);
+  if (!s->status_done) {
+    grpc_completion_queue_pluck(s->cq, &s->t_status, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    s->status_done = true;
+  }
+  fill_status(st, s->code, s->details, &s->trailers);
+  grpc_status_code code = s->code;
+  pthread_mutex_unlock(&s->mu);
+  return code;
+}
+
+void rpc_stream_destroy(rpc_stream_t *s) {
+  if (!s) return;
+  if (!s->status_done) {
+    grpc_call_cancel(s->call, NULL);
+    rpc_stream_finish(s, NULL);
+  }
+  if (s->read_pending) {
+    grpc_completion_queue_pluck(s->cq, &s->t_read, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (s->recv_buf) grpc_byte_buffer_destroy(s->recv_buf);
+  }
+  grpc_call_unref(s->call);
+  destroy_cq(s->cq);
+  grpc_slice_unref(s->details);
+  grpc_metadata_array_destroy(&s->init_md);
+  grpc_metadata_array_destroy(&s->trailers);
+  free_md(s->send_md, s->nmd);
+  pthread_mutex_destroy(&s->mu);
+  free(s);
+}

@@ -1,1 +1,725 @@
-/* placeholder: being written */
+/* Server half of the rpc layer: a method table served from one shared
+ * completion queue by a pool of threads (GRPC_NOTES §2, §7).
+ *
+ * Each accepted call is an rpc_call_t with one embedded tag per batch kind.
+ * At most one RECV_MESSAGE and one SEND_MESSAGE batch are in flight per call;
+ * outgoing messages wait in an outbox. `refs` counts batches in flight, the
+ * "alive" reference (from NEW until on_end has run) and handler references;
+ * the call is freed when it reaches zero. */
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "rpc.h"
+#include "rpc_wire.h"
+
+#define OUTBOX_HIGH 64 /* stop re-arming reads above this many queued messages */
+#define OUTBOX_LOW 16  /* resume below this */
+
+typedef enum { TAG_NEW, TAG_READ, TAG_WRITE, TAG_STATUS, TAG_CLOSE } tag_kind_t;
+
+typedef struct tag {
+  tag_kind_t kind;
+  rpc_call_t *call;
+} tag_t;
+
+typedef struct outmsg {
+  struct outmsg *next;
+  grpc_byte_buffer *buf;
+} outmsg_t;
+
+typedef struct method_slot {
+  const rpc_method_t *m;
+  void *handle; /* from grpc_server_register_method */
+} method_slot_t;
+
+struct rpc_call {
+  rpc_server_t *srv;
+  method_slot_t *slot; /* NULL: a call to a method not in the table */
+  grpc_call *call;
+  grpc_call_details details; /* unknown methods only */
+  grpc_metadata_array md;
+  gpr_timespec deadline;
+  grpc_byte_buffer *payload; /* request of unary / server-streaming calls */
+  grpc_byte_buffer *recv_buf;
+  int close_cancelled; /* RECV_CLOSE_ON_SERVER out-param; read only after the CLOSE event */
+  tag_t t_new, t_read, t_write, t_status, t_close;
+
+  pthread_mutex_t mu;
+  int refs;
+  int in_callback;
+  bool accepted;       /* counted in srv->active */
+  bool sent_initial_md;
+  bool reading, read_paused, writing;
+  bool status_queued, status_started;
+  bool closed;          /* CLOSE event seen */
+  bool end_done;        /* on_end ran (or is running) */
+  bool cancelled;
+  outmsg_t *out_head, *out_tail;
+  size_t out_len;
+  grpc_status_code status_code;
+  grpc_slice status_details;
+  grpc_metadata trailer;
+  bool has_trailer;
+  void *data;
+};
+
+struct rpc_server {
+  grpc_server *server;
+  grpc_completion_queue *cq;
+  grpc_completion_queue *shutdown_cq;
+  pthread_t *threads;
+  int nthreads;
+  int port;
+  char listen[256];
+  bool started, stopping, shut_down;
+  grpc_server_credentials *creds;
+  method_slot_t *slots;
+  size_t nslots, cap;
+  int posts_per_method;
+  pthread_mutex_t mu;
+  int active;
+  int shutdown_tag;
+};
+
+static void post_request(rpc_server_t *srv, method_slot_t *slot);
+static void start_reading_locked(rpc_call_t *c);
+static void pump_locked(rpc_call_t *c);
+
+/* ------------------------------------------------------------------ refs */
+
+static void call_free(rpc_call_t *c) {
+  grpc_metadata_array_destroy(&c->md);
+  if (!c->slot) grpc_call_details_destroy(&c->details);
+  if (c->payload) grpc_byte_buffer_destroy(c->payload);
+  if (c->recv_buf) grpc_byte_buffer_destroy(c->recv_buf);
+  for (outmsg_t *o = c->out_head, *next; o; o = next) {
+    next = o->next;
+    grpc_byte_buffer_destroy(o->buf);
+    free(o);
+  }
+  grpc_slice_unref(c->status_details);
+  if (c->has_trailer) grpc_slice_unref(c->trailer.value);
+  if (c->call) grpc_call_unref(c->call);
+  pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+void rpc_call_ref(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  c->refs++;
+  pthread_mutex_unlock(&c->mu);
+}
+
+void rpc_call_unref(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int left = --c->refs;
+  pthread_mutex_unlock(&c->mu);
+  if (left == 0) call_free(c);
+}
+
+static rpc_call_t *call_new(rpc_server_t *srv, method_slot_t *slot) {
+  rpc_call_t *c = calloc(1, sizeof *c);
+  if (!c) abort(); /* a server that cannot allocate 300 bytes cannot do anything useful */
+  c->srv = srv;
+  c->slot = slot;
+  pthread_mutex_init(&c->mu, NULL);
+  grpc_metadata_array_init(&c->md);
+  if (!slot) grpc_call_details_init(&c->details);
+  c->status_details = grpc_empty_slice();
+  c->t_new = (tag_t){TAG_NEW, c};
+  c->t_read = (tag_t){TAG_READ, c};
+  c->t_write = (tag_t){TAG_WRITE, c};
+  c->t_status = (tag_t){TAG_STATUS, c};
+  c->t_close = (tag_t){TAG_CLOSE, c};
+  c->refs = 1; /* the NEW batch */
+  return c;
+}
+
+/* ------------------------------------------------------------------ batches */
+
+static bool start_batch_locked(rpc_call_t *c, grpc_op *ops, size_t n, tag_t *tag) {
+  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+  if (e != GRPC_CALL_OK) {
+    log_error("rpc", "%s: start_batch failed: %s", rpc_call_method(c), grpc_call_error_to_string(e));
+    return false;
+  }
+  c->refs++;
+  return true;
+}
+
+static size_t add_initial_md(rpc_call_t *c, grpc_op *op) {
+  if (c->sent_initial_md) return 0;
+  memset(op, 0, sizeof *op);
+  op->op = GRPC_OP_SEND_INITIAL_METADATA;
+  c->sent_initial_md = true;
+  return 1;
+}
+
+/* Sends what can be sent: the next queued message, then the status. When the
+ * status is queued and one message is left, both go in one batch (unary). */
+static void pump_locked(rpc_call_t *c) {
+  if (c->writing || c->status_started || c->closed) return;
+  grpc_op ops[4];
+  size_t n = 0;
+  if (c->out_head) {
+    n += add_initial_md(c, &ops[n]);
+    memset(&ops[n], 0, sizeof ops[n]);
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n].data.send_message.send_message = c->out_head->buf;
+    n++;
+    bool with_status = c->status_queued && c->out_head->next == NULL;
+    if (!with_status) {
+      c->writing = start_batch_locked(c, ops, n, &c->t_write);
+      return;
+    }
+  } else if (!c->status_queued) {
+    return;
+  }
+  n += add_initial_md(c, &ops[n]);
+  memset(&ops[n], 0, sizeof ops[n]);
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = c->status_code;
+  ops[n].data.send_status_from_server.status_details = &c->status_details;
+  ops[n].data.send_status_from_server.trailing_metadata_count = c->has_trailer ? 1 : 0;
+  ops[n].data.send_status_from_server.trailing_metadata = c->has_trailer ? &c->trailer : NULL;
+  n++;
+  c->status_started = start_batch_locked(c, ops, n, &c->t_status);
+}
+
+static void start_reading_locked(rpc_call_t *c) {
+  if (c->reading || c->closed || c->status_queued) return;
+  if (c->out_len > OUTBOX_HIGH) {
+    c->read_paused = true;
+    return;
+  }
+  c->read_paused = false;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &c->recv_buf;
+  c->reading = start_batch_locked(c, &op, 1, &c->t_read);
+}
+
+/* ------------------------------------------------------------------ call API */
+
+static int queue_locked(rpc_call_t *c, grpc_byte_buffer *buf) {
+  if (c->closed || c->status_queued) {
+    grpc_byte_buffer_destroy(buf);
+    return -1;
+  }
+  outmsg_t *o = malloc(sizeof *o);
+  if (!o) {
+    grpc_byte_buffer_destroy(buf);
+    return -1;
+  }
+  o->next = NULL;
+  o->buf = buf;
+  if (c->out_tail) c->out_tail->next = o;
+  else c->out_head = o;
+  c->out_tail = o;
+  c->out_len++;
+  return 0;
+}
+
+int rpc_call_send(rpc_call_t *c, const ProtobufCMessage *msg) {
+  grpc_byte_buffer *buf = wire_pack(msg); /* packed outside the lock */
+  pthread_mutex_lock(&c->mu);
+  int rc = queue_locked(c, buf);
+  if (rc == 0) pump_locked(c);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static void finish_locked(rpc_call_t *c, grpc_status_code code, const char *kind, const char *msg) {
+  if (c->status_queued || c->closed) return;
+  c->status_queued = true;
+  c->status_code = code;
+  grpc_slice_unref(c->status_details);
+  c->status_details = grpc_slice_from_copied_string(msg ? msg : "");
+  if (kind && *kind) {
+    c->trailer.key = grpc_slice_from_static_string(RPC_KIND_KEY);
+    c->trailer.value = grpc_slice_from_copied_string(kind);
+    c->has_trailer = true;
+  }
+  pump_locked(c);
+}
+
+void rpc_call_finish(rpc_call_t *c, grpc_status_code code, const char *kind, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&c->mu);
+  finish_locked(c, code, kind, msg);
+  pthread_mutex_unlock(&c->mu);
+}
+
+void rpc_call_reply(rpc_call_t *c, const ProtobufCMessage *msg) {
+  grpc_byte_buffer *buf = wire_pack(msg);
+  pthread_mutex_lock(&c->mu);
+  if (queue_locked(c, buf) == 0) finish_locked(c, GRPC_STATUS_OK, NULL, "");
+  pthread_mutex_unlock(&c->mu);
+}
+
+size_t rpc_call_pending(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  size_t n = c->out_len;
+  pthread_mutex_unlock(&c->mu);
+  return n;
+}
+
+bool rpc_call_ended(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  bool ended = c->closed;
+  pthread_mutex_unlock(&c->mu);
+  return ended;
+}
+
+const char *rpc_call_metadata(rpc_call_t *c, const char *key, char *buf, size_t len) {
+  for (size_t i = 0; i < c->md.count; i++) {
+    if (grpc_slice_str_cmp(c->md.metadata[i].key, key) != 0) continue;
+    const grpc_slice v = c->md.metadata[i].value;
+    size_t n = GRPC_SLICE_LENGTH(v);
+    if (len == 0) return NULL;
+    if (n >= len) n = len - 1;
+    memcpy(buf, GRPC_SLICE_START_PTR(v), n);
+    buf[n] = '\0';
+    return buf;
+  }
+  return NULL;
+}
+
+char *rpc_call_peer(rpc_call_t *c) {
+  char *p = grpc_call_get_peer(c->call);
+  char *copy = strdup(p ? p : "");
+  gpr_free(p);
+  return copy;
+}
+
+const char *rpc_call_method(const rpc_call_t *c) {
+  return c->slot ? c->slot->m->path : "(unknown method)";
+}
+
+void rpc_call_set_data(rpc_call_t *c, void *data) { c->data = data; }
+void *rpc_call_data(const rpc_call_t *c) { return c->data; }
+
+/* ------------------------------------------------------------------ events */
+
+/* Runs on_end once every other callback of the call has returned. Called with
+ * the lock held; returns with it held. */
+static void maybe_end_locked(rpc_call_t *c) {
+  if (!c->closed || c->end_done || c->in_callback > 0) return;
+  c->end_done = true;
+  const rpc_method_t *m = c->slot->m;
+  bool cancelled = c->cancelled;
+  pthread_mutex_unlock(&c->mu);
+  if (m->on_end) m->on_end(c, cancelled, m->arg);
+  pthread_mutex_lock(&c->mu);
+  c->refs--; /* the alive reference */
+  pthread_mutex_lock(&c->srv->mu);
+  c->srv->active--;
+  pthread_mutex_unlock(&c->srv->mu);
+}
+
+static void answer_unknown(rpc_call_t *c) {
+  char method[256];
+  size_t n = GRPC_SLICE_LENGTH(c->details.method);
+  if (n >= sizeof method) n = sizeof method - 1;
+  memcpy(method, GRPC_SLICE_START_PTR(c->details.method), n);
+  method[n] = '\0';
+  log_debug("rpc", "unknown method %s", method);
+  char msg[320];
+  snprintf(msg, sizeof msg, "unknown method %s: this server does not implement it", method);
+  pthread_mutex_lock(&c->mu);
+  c->status_details = grpc_slice_from_copied_string(msg);
+  grpc_op ops[3];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[1].data.send_status_from_server.status = GRPC_STATUS_UNIMPLEMENTED;
+  ops[1].data.send_status_from_server.status_details = &c->status_details;
+  ops[2].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  ops[2].data.recv_close_on_server.cancelled = &c->close_cancelled;
+  start_batch_locked(c, ops, 3, &c->t_status);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void on_new(rpc_call_t *c, bool ok) {
+  rpc_server_t *srv = c->srv;
+  if (!ok) return; /* shutting down: the call never existed */
+  pthread_mutex_lock(&srv->mu);
+  bool repost = !srv->stopping;
+  pthread_mutex_unlock(&srv->mu);
+  if (repost) post_request(srv, c->slot);
+  if (!c->slot) {
+    answer_unknown(c);
+    return;
+  }
+
+  const rpc_method_t *m = c->slot->m;
+  pthread_mutex_lock(&srv->mu);
+  srv->active++;
+  pthread_mutex_unlock(&srv->mu);
+
+  pthread_mutex_lock(&c->mu);
+  c->accepted = true;
+  c->refs++; /* alive until on_end has run */
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &c->close_cancelled;
+  start_batch_locked(c, &op, 1, &c->t_close);
+
+  ProtobufCMessage *req = NULL;
+  bool single_request = m->kind == RPC_UNARY || m->kind == RPC_SERVER_STREAMING;
+  if (single_request) {
+    if (!c->payload) {
+      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "request missing");
+      pthread_mutex_unlock(&c->mu);
+      return;
+    }
+    req = wire_unpack(c->payload, m->request);
+    grpc_byte_buffer_destroy(c->payload);
+    c->payload = NULL;
+    if (!req) {
+      char msg[300];
+      snprintf(msg, sizeof msg, "request to %s is not a valid %s message", m->path, m->request->name);
+      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", msg);
+      pthread_mutex_unlock(&c->mu);
+      return;
+    }
+  }
+  c->in_callback++;
+  pthread_mutex_unlock(&c->mu);
+
+  if (m->on_start) m->on_start(c, req, m->arg);
+  else rpc_call_finish(c, GRPC_STATUS_UNIMPLEMENTED, NULL, "%s has no handler", m->path);
+  if (req) protobuf_c_message_free_unpacked(req, NULL);
+
+  pthread_mutex_lock(&c->mu);
+  c->in_callback--;
+  if (!single_request) start_reading_locked(c);
+  maybe_end_locked(c);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void on_read(rpc_call_t *c, bool ok) {
+  const rpc_method_t *m = c->slot->m;
+  pthread_mutex_lock(&c->mu);
+  c->reading = false;
+  grpc_byte_buffer *buf = c->recv_buf;
+  c->recv_buf = NULL;
+  if (c->closed || c->status_queued) {
+    if (buf) grpc_byte_buffer_destroy(buf);
+    return;
+  }
+  ProtobufCMessage *msg = NULL;
+  bool deliver = false;
+  if (ok && buf) {
+    msg = wire_unpack(buf, m->request);
+    grpc_byte_buffer_destroy(buf);
+    if (!msg) {
+      char text[300];
+      snprintf(text, sizeof text, "a message on %s is not a valid %s", m->path, m->request->name);
+      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", text);
+      return;
+    }
+    deliver = true;
+  } else if (ok && !grpc_call_failed_before_recv_message(c->call)) {
+    deliver = true; /* half-close: on_message(NULL) */
+  } else {
+    if (buf) grpc_byte_buffer_destroy(buf);
+    return; /* cancelled or broken: the CLOSE event will say so */
+  }
+  if (deliver && m->on_message) {
+    c->in_callback++;
+    pthread_mutex_unlock(&c->mu);
+    m->on_message(c, msg, m->arg);
+    pthread_mutex_lock(&c->mu);
+    c->in_callback--;
+  }
+  if (msg) {
+    protobuf_c_message_free_unpacked(msg, NULL);
+    start_reading_locked(c);
+  }
+  maybe_end_locked(c);
+}
+
+static void on_write(rpc_call_t *c, bool ok) {
+  pthread_mutex_lock(&c->mu);
+  c->writing = false;
+  outmsg_t *o = c->out_head;
+  if (o) {
+    c->out_head = o->next;
+    if (!c->out_head) c->out_tail = NULL;
+    c->out_len--;
+    grpc_byte_buffer_destroy(o->buf);
+    free(o);
+  }
+  if (!ok) {
+    /* The stream is broken; nothing more will be sent. */
+    for (outmsg_t *p = c->out_head, *next; p; p = next) {
+      next = p->next;
+      grpc_byte_buffer_destroy(p->buf);
+      free(p);
+    }
+    c->out_head = c->out_tail = NULL;
+    c->out_len = 0;
+    return;
+  }
+  pump_locked(c);
+  if (c->read_paused && c->out_len <= OUTBOX_LOW) start_reading_locked(c);
+}
+
+static void on_status(rpc_call_t *c, bool ok) {
+  pthread_mutex_lock(&c->mu);
+  /* Messages sent together with the status are gone now. */
+  for (outmsg_t *p = c->out_head, *next; p; p = next) {
+    next = p->next;
+    grpc_byte_buffer_destroy(p->buf);
+    free(p);
+  }
+  c->out_head = c->out_tail = NULL;
+  c->out_len = 0;
+  (void)ok;
+}
+
+static void on_close(rpc_call_t *c, bool ok) {
+  pthread_mutex_lock(&c->mu);
+  c->closed = true;
+  c->cancelled = c->close_cancelled != 0 || !ok;
+  maybe_end_locked(c);
+}
+
+static void dispatch(tag_t *t, bool ok) {
+  rpc_call_t *c = t->call;
+  switch (t->kind) {
+    case TAG_NEW:
+      on_new(c, ok);
+      rpc_call_unref(c);
+      return;
+    case TAG_READ: on_read(c, ok); break;
+    case TAG_WRITE: on_write(c, ok); break;
+    case TAG_STATUS:
+      if (!c->slot) {
+        rpc_call_unref(c); /* the unknown-method batch */
+        return;
+      }
+      on_status(c, ok);
+      break;
+    case TAG_CLOSE: on_close(c, ok); break;
+  }
+  /* Each handler above returns with the lock held: drop the batch's ref. */
+  int left = --c->refs;
+  pthread_mutex_unlock(&c->mu);
+  if (left == 0) call_free(c);
+}
+
+static void *worker(void *arg) {
+  rpc_server_t *srv = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    dispatch(ev.tag, ev.success != 0);
+  }
+  return NULL;
+}
+
+static void post_request(rpc_server_t *srv, method_slot_t *slot) {
+  rpc_call_t *c = call_new(srv, slot);
+  grpc_call_error e;
+  if (slot) {
+    bool single = slot->m->kind == RPC_UNARY || slot->m->kind == RPC_SERVER_STREAMING;
+    e = grpc_server_request_registered_call(srv->server, slot->handle, &c->call, &c->deadline,
+                                            &c->md, single ? &c->payload : NULL, srv->cq, srv->cq,
+                                            &c->t_new);
+  } else {
+    e = grpc_server_request_call(srv->server, &c->call, &c->details, &c->md, srv->cq, srv->cq,
+                                 &c->t_new);
+  }
+  if (e != GRPC_CALL_OK) {
+    log_error("rpc", "cannot accept calls for %s: %s", slot ? slot->m->path : "unknown methods",
+              grpc_call_error_to_string(e));
+    call_free(c);
+  }
+}
+
+/* ------------------------------------------------------------------ server */
+
+static char *read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *buf = n >= 0 ? malloc((size_t)n + 1) : NULL;
+  if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+    free(buf);
+    buf = NULL;
+  }
+  if (buf) buf[n] = '\0';
+  fclose(f);
+  return buf;
+}
+
+static grpc_server_credentials *make_creds(const rpc_server_opts_t *o, char *err, size_t errlen) {
+  if (!o->tls_cert_file && !o->tls_key_file) return grpc_insecure_server_credentials_create();
+  if (!o->tls_cert_file || !o->tls_key_file) {
+    snprintf(err, errlen, "TLS needs both a certificate and a key file");
+    return NULL;
+  }
+  char *cert = read_file(o->tls_cert_file);
+  char *key = read_file(o->tls_key_file);
+  grpc_server_credentials *creds = NULL;
+  if (!cert || !key) {
+    snprintf(err, errlen, "cannot read %s", !cert ? o->tls_cert_file : o->tls_key_file);
+  } else {
+    grpc_ssl_pem_key_cert_pair pair = {key, cert};
+    creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);
+    if (!creds) snprintf(err, errlen, "invalid TLS certificate or key");
+  }
+  free(cert);
+  free(key);
+  return creds;
+}
+
+rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t errlen) {
+  rpc_server_t *srv = calloc(1, sizeof *srv);
+  if (!srv) {
+    snprintf(err, errlen, "out of memory");
+    return NULL;
+  }
+  srv->creds = make_creds(opts, err, errlen);
+  if (!srv->creds) {
+    free(srv);
+    return NULL;
+  }
+  snprintf(srv->listen, sizeof srv->listen, "%s", opts->listen ? opts->listen : "127.0.0.1:0");
+  srv->nthreads = opts->threads > 0 ? opts->threads : 2;
+  srv->posts_per_method = srv->nthreads * 2 < 4 ? 4 : srv->nthreads * 2;
+  int max_msg = opts->max_message_bytes > 0 ? opts->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
+  wire_args_t a = {0};
+  wire_args_int(&a, GRPC_ARG_ALLOW_REUSEPORT, 0); /* a second server on a port must fail */
+  wire_args_int(&a, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg);
+  wire_args_int(&a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
+  int keepalive = opts->keepalive_ms > 0 ? opts->keepalive_ms : 10000;
+  wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIME_MS, keepalive);
+  wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive < 2000 ? keepalive : 2000);
+  wire_args_int(&a, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  /* Agents ping every second to notice a dead server; allow it. */
+  wire_args_int(&a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+  wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  srv->server = grpc_server_create(wire_args_done(&a), NULL);
+  srv->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
+  pthread_mutex_init(&srv->mu, NULL);
+  return srv;
+}
+
+int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n) {
+  if (srv->started) return -1;
+  for (size_t i = 0; i < n; i++) {
+    for (size_t j = 0; j < srv->nslots; j++)
+      if (strcmp(srv->slots[j].m->path, methods[i].path) == 0) return -1;
+    if (srv->nslots == srv->cap) {
+      size_t cap = srv->cap ? srv->cap * 2 : 16;
+      method_slot_t *s = realloc(srv->slots, cap * sizeof *s);
+      if (!s) return -1;
+      srv->slots = s;
+      srv->cap = cap;
+    }
+    bool single = methods[i].kind == RPC_UNARY || methods[i].kind == RPC_SERVER_STREAMING;
+    void *h = grpc_server_register_method(
+        srv->server, methods[i].path, NULL,
+        single ? GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER : GRPC_SRM_PAYLOAD_NONE, 0);
+    if (!h) return -1;
+    srv->slots[srv->nslots++] = (method_slot_t){&methods[i], h};
+  }
+  return 0;
+}
+
+int rpc_server_start(rpc_server_t *srv, char *err, size_t errlen) {
+  if (srv->started) return srv->port;
+  srv->port = grpc_server_add_http2_port(srv->server, srv->listen, srv->creds);
+  if (srv->port <= 0) {
+    snprintf(err, errlen, "cannot listen on %s (address in use, or not a valid address)",
+             srv->listen);
+    return -1;
+  }
+  grpc_server_start(srv->server);
+  srv->started = true;
+  srv->shutdown_cq = grpc_completion_queue_create_for_pluck(NULL);
+  for (size_t i = 0; i < srv->nslots; i++)
+    for (int k = 0; k < srv->posts_per_method; k++) post_request(srv, &srv->slots[i]);
+  for (int k = 0; k < srv->posts_per_method; k++) post_request(srv, NULL);
+  srv->threads = calloc((size_t)srv->nthreads, sizeof *srv->threads);
+  for (int i = 0; i < srv->nthreads; i++) pthread_create(&srv->threads[i], NULL, worker, srv);
+  return srv->port;
+}
+
+int rpc_server_port(const rpc_server_t *srv) { return srv->port; }
+
+int rpc_server_active_calls(rpc_server_t *srv) {
+  pthread_mutex_lock(&srv->mu);
+  int n = srv->active;
+  pthread_mutex_unlock(&srv->mu);
+  return n;
+}
+
+void rpc_server_stop_accepting(rpc_server_t *srv) {
+  pthread_mutex_lock(&srv->mu);
+  bool first = srv->started && !srv->stopping;
+  srv->stopping = true;
+  pthread_mutex_unlock(&srv->mu);
+  if (first) grpc_server_shutdown_and_notify(srv->server, srv->shutdown_cq, &srv->shutdown_tag);
+}
+
+void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
+  if (!srv->started || srv->shut_down) return;
+  rpc_server_stop_accepting(srv);
+  int grace_ms = grace_seconds > 0 ? (int)(grace_seconds * 1000) : 1;
+  grpc_event ev = grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag,
+                                              wire_deadline(grace_ms), NULL);
+  if (ev.type == GRPC_QUEUE_TIMEOUT) {
+    log_info("rpc", "%d call(s) still running after %.1f s: cancelling them",
+             rpc_server_active_calls(srv), grace_seconds);
+    grpc_server_cancel_all_calls(srv->server);
+    grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag, wire_deadline(0), NULL);
+  }
+  grpc_completion_queue_shutdown(srv->shutdown_cq);
+  grpc_completion_queue_pluck(srv->shutdown_cq, NULL, wire_deadline(0), NULL);
+  grpc_completion_queue_destroy(srv->shutdown_cq);
+  srv->shutdown_cq = NULL;
+  grpc_completion_queue_shutdown(srv->cq);
+  for (int i = 0; i < srv->nthreads; i++) pthread_join(srv->threads[i], NULL);
+  srv->shut_down = true;
+}
+
+void rpc_server_destroy(rpc_server_t *srv) {
+  if (!srv) return;
+  if (srv->started) rpc_server_shutdown(srv, 0);
+  grpc_server_destroy(srv->server);
+  if (!srv->started) grpc_completion_queue_shutdown(srv->cq);
+  /* Drain whatever is left (nothing when the workers ran to the shutdown). */
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type == GRPC_OP_COMPLETE) dispatch(ev.tag, false);
+  }
+  grpc_completion_queue_destroy(srv->cq);
+  grpc_server_credentials_release(srv->creds);
+  pthread_mutex_destroy(&srv->mu);
+  free(srv->threads);
+  free(srv->slots);
+  free(srv);
+}

@@ -1,1 +1,182 @@
-/* placeholder: being written */
+/* meshd: the front-end server. Serves TensorService, AgentRegistry and Health,
+ * optionally supervises local CPU agents, drains on SIGTERM/SIGINT. */
+#include <errno.h>
+#include <libgen.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent_pool.h"
+#include "config.h"
+#include "health.h"
+#include "log.h"
+#include "registry.h"
+#include "rpc.h"
+#include "runtime.h"
+#include "supervisor.h"
+#include "tensor_service.h"
+
+typedef struct options {
+  const char *listen, *port_file, *agent_binary, *log_level;
+  int64_t local_agents, min_agents, threads, session_ttl;
+  double drain_seconds;
+  uint64_t max_message_bytes;
+} options_t;
+
+static options_t opt;
+
+static const config_flag_t flags[] = {
+    {"listen", CONFIG_STRING, "0.0.0.0:50051", "gRPC address; port 0 picks a free port", &opt.listen, 0, 0},
+    {"port-file", CONFIG_STRING, NULL, "write the bound port here once serving", &opt.port_file, 0, 0},
+    {"local-agents", CONFIG_INT, "0", "start and supervise N cpu agents on loopback", &opt.local_agents, 0, 256},
+    {"agent-binary", CONFIG_STRING, NULL, "meshd-agent to run (default: next to meshd)", &opt.agent_binary, 0, 0},
+    {"min-agents", CONFIG_INT, "-1",
+     "TensorService is SERVING with at least N healthy agents (-1: --local-agents, or 1)", &opt.min_agents, -1, 1 << 20},
+    {"drain-seconds", CONFIG_DOUBLE, "10", "on SIGTERM, how long running calls may finish", &opt.drain_seconds, 0, 3600},
+    {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
+    {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction", &opt.max_message_bytes, 0, 0},
+    {"session-ttl", CONFIG_INT, "300", "session lease in seconds", &opt.session_ttl, 1, 86400 * 7},
+    {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
+};
+#define NFLAGS (sizeof flags / sizeof flags[0])
+
+static const char *synopsis = "[--listen ADDR] [--local-agents N] [flags]";
+
+typedef struct server_state {
+  health_t *health;
+  int min_agents;
+} server_state_t;
+
+static void agents_changed(int healthy, void *arg) {
+  server_state_t *st = arg;
+  health_set(st->health, TENSOR_SERVICE_NAME,
+             healthy >= st->min_agents ? HEALTH_SERVING : HEALTH_NOT_SERVING);
+}
+
+static void default_agent_binary(char *out, size_t len) {
+  char self[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) {
+    snprintf(out, len, "meshd-agent");
+    return;
+  }
+  self[n] = '\0';
+  snprintf(out, len, "%s/meshd-agent", dirname(self));
+}
+
+static int usage_error(const char *prog, const char *msg) {
+  fprintf(stderr, "meshd: %s\n", msg);
+  config_usage(stderr, prog, synopsis, flags, NFLAGS);
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  char err[512];
+  int npos = 0;
+  int rc = config_parse(flags, NFLAGS, argc, argv, &npos, err, sizeof err);
+  if (rc == 1) {
+    config_usage(stdout, "meshd", synopsis, flags, NFLAGS);
+    return 0;
+  }
+  if (rc < 0) return usage_error("meshd", err);
+  if (npos > 0) {
+    snprintf(err, sizeof err, "unexpected argument '%s'", argv[1]);
+    return usage_error("meshd", err);
+  }
+  log_level_t level;
+  if (!log_parse_level(opt.log_level, &level)) {
+    snprintf(err, sizeof err, "--log-level: '%s' is not one of debug, info, warn, error", opt.log_level);
+    return usage_error("meshd", err);
+  }
+  if (opt.max_message_bytes < 1024 || opt.max_message_bytes > INT_MAX) {
+    snprintf(err, sizeof err, "--max-message-bytes: %llu is out of range [1KiB, 2GiB)",
+             (unsigned long long)opt.max_message_bytes);
+    return usage_error("meshd", err);
+  }
+  log_set_level(level);
+  int min_agents = opt.min_agents >= 0 ? (int)opt.min_agents
+                                       : (opt.local_agents > 0 ? (int)opt.local_agents : 1);
+
+  runtime_block_signals();
+  rpc_init();
+
+  char server_id[33];
+  runtime_random_hex(server_id, 16);
+  server_state_t state = {health_create(), min_agents};
+  agent_pool_t *pool = agent_pool_create(agents_changed, &state);
+  registry_t *registry = registry_create(pool, server_id, 3000);
+  rpc_server_opts_t so = {.listen = opt.listen,
+                          .threads = (int)opt.threads,
+                          .max_message_bytes = (int)opt.max_message_bytes,
+                          .keepalive_ms = 1000};
+  rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
+  if (!srv || !state.health || !pool || !registry) {
+    log_error("server", "cannot start: %s", srv ? "out of memory" : err);
+    return 1;
+  }
+  size_t n;
+  const rpc_method_t *m = registry_methods(registry, &n);
+  rpc_server_add_methods(srv, m, n);
+  m = tensor_service_methods(pool, &n);
+  rpc_server_add_methods(srv, m, n);
+  health_add_methods(state.health, srv);
+  health_set(state.health, "", HEALTH_SERVING);
+  health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
+
+  int port = rpc_server_start(srv, err, sizeof err);
+  if (port < 0) {
+    log_error("server", "%s", err);
+    rpc_server_destroy(srv);
+    return 1;
+  }
+  if (opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
+    log_error("server", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
+    rpc_server_destroy(srv);
+    return 1;
+  }
+  log_info("server", "meshd %s (server %s) listening on %s, port %d; TensorService needs %d agent(s)",
+           MESHD_VERSION, server_id, opt.listen, port, min_agents);
+
+  supervisor_t *sup = NULL;
+  if (opt.local_agents > 0) {
+    char binary[PATH_MAX], server_addr[300];
+    if (opt.agent_binary) snprintf(binary, sizeof binary, "%s", opt.agent_binary);
+    else default_agent_binary(binary, sizeof binary);
+    runtime_local_address(opt.listen, port, server_addr, sizeof server_addr);
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    uint64_t total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+    supervisor_opts_t sopts = {binary, server_addr, (int)opt.local_agents,
+                               total / (uint64_t)opt.local_agents, opt.log_level};
+    sup = supervisor_start(&sopts);
+    if (!sup) {
+      rpc_server_shutdown(srv, 0);
+      rpc_server_destroy(srv);
+      return 1;
+    }
+  }
+
+  int sig;
+  while ((sig = runtime_wait_signal(1000)) == 0) {
+  }
+  log_info("server", "%s: draining for up to %.1f s", strsignal(sig), opt.drain_seconds);
+
+  health_shutdown(state.health);
+  rpc_server_stop_accepting(srv);
+  int64_t deadline = rpc_now_ms() + (int64_t)(opt.drain_seconds * 1000);
+  while (rpc_server_active_calls(srv) > registry_open_calls(registry) && rpc_now_ms() < deadline)
+    usleep(20000);
+  supervisor_stop(sup, 3.0);
+  registry_close_all(registry);
+  int64_t left = deadline - rpc_now_ms();
+  rpc_server_shutdown(srv, left > 1000 ? (double)left / 1000 : 1.0);
+  registry_destroy(registry);
+  rpc_server_destroy(srv);
+  agent_pool_destroy(pool);
+  health_destroy(state.health);
+  rpc_shutdown();
+  log_info("server", "stopped");
+  return 0;
+}

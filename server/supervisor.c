@@ -1,1 +1,207 @@
-/* placeholder: being written */
+#include "supervisor.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "rpc.h"
+
+#define POLL_MS 50
+
+typedef struct child {
+  pid_t pid;
+  int restarts_in_row;
+  int64_t started_ms;
+  int64_t restart_at_ms; /* when pid == 0: when to start it again */
+} child_t;
+
+struct supervisor {
+  supervisor_opts_t o;
+  child_t *children;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool stopping;
+  pthread_t thread;
+};
+
+/* Runs in the child between fork and exec: async-signal-safe calls only. */
+static void exec_agent(char *const argv[], pid_t parent) {
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL); /* meshd blocks signals for sigwait; agents must not inherit that */
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  sigaction(SIGPIPE, &dfl, NULL);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) _exit(1); /* meshd died before prctl took effect */
+  execv(argv[0], argv);
+  _exit(127);
+}
+
+static pid_t spawn(supervisor_t *s, int i) {
+  char rank[16], mem[32];
+  snprintf(rank, sizeof rank, "%d", i);
+  snprintf(mem, sizeof mem, "%llu", (unsigned long long)s->o.memory_bytes);
+  char *argv[16];
+  int n = 0;
+  argv[n++] = (char *)s->o.agent_binary;
+  argv[n++] = "--server";
+  argv[n++] = (char *)s->o.server;
+  argv[n++] = "--listen";
+  argv[n++] = "127.0.0.1:0";
+  argv[n++] = "--rank";
+  argv[n++] = rank;
+  argv[n++] = "--device";
+  argv[n++] = "cpu";
+  if (s->o.memory_bytes) {
+    argv[n++] = "--memory-bytes";
+    argv[n++] = mem;
+  }
+  if (s->o.log_level) {
+    argv[n++] = "--log-level";
+    argv[n++] = (char *)s->o.log_level;
+  }
+  argv[n] = NULL;
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid == 0) exec_agent(argv, parent);
+  if (pid < 0) {
+    log_error("supervisor", "cannot start agent %d: %s", i, strerror(errno));
+    return 0;
+  }
+  log_info("supervisor", "started agent rank %d (pid %d)", i, (int)pid);
+  return pid;
+}
+
+static void describe_exit(int status, char *buf, size_t len) {
+  if (WIFEXITED(status)) snprintf(buf, len, "exit code %d", WEXITSTATUS(status));
+  else if (WIFSIGNALED(status)) snprintf(buf, len, "signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  else snprintf(buf, len, "status %d", status);
+}
+
+static void *watch(void *arg) {
+  supervisor_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  while (!s->stopping) {
+    int64_t now = rpc_now_ms();
+    for (int i = 0; i < s->o.count; i++) {
+      child_t *c = &s->children[i];
+      if (c->pid > 0) {
+        int status;
+        pid_t r = waitpid(c->pid, &status, WNOHANG);
+        if (r != c->pid) continue;
+        char why[96];
+        describe_exit(status, why, sizeof why);
+        /* An agent that lived a while gets restarted at once; one that keeps
+         * dying right after start backs off (100 ms doubling, at most 1 s). */
+        if (now - c->started_ms > 5000) c->restarts_in_row = 0;
+        int delay = c->restarts_in_row == 0 ? 0 : 100 << (c->restarts_in_row < 4 ? c->restarts_in_row - 1 : 3);
+        if (delay > 1000) delay = 1000;
+        c->restarts_in_row++;
+        log_warn("supervisor", "agent rank %d (pid %d) exited with %s; restarting in %d ms", i,
+                 (int)c->pid, why, delay);
+        c->pid = 0;
+        c->restart_at_ms = now + delay;
+      }
+      if (c->pid == 0 && now >= c->restart_at_ms) {
+        c->pid = spawn(s, i);
+        c->started_ms = now;
+        if (c->pid == 0) c->restart_at_ms = now + 1000;
+      }
+    }
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_nsec += POLL_MS * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec++;
+      until.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&s->cv, &s->mu, &until);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+supervisor_t *supervisor_start(const supervisor_opts_t *opts) {
+  if (access(opts->agent_binary, X_OK) != 0) {
+    log_error("supervisor", "cannot run the agent binary %s: %s (set --agent-binary)",
+              opts->agent_binary, strerror(errno));
+    return NULL;
+  }
+  supervisor_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->o = *opts;
+  s->children = calloc((size_t)opts->count, sizeof *s->children);
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  /* The watch thread forks: PR_SET_PDEATHSIG follows the thread that forked,
+   * and this thread lives until supervisor_stop has reaped every child. */
+  if (!s->children || pthread_create(&s->thread, NULL, watch, s) != 0) {
+    free(s->children);
+    free(s);
+    return NULL;
+  }
+  return s;
+}
+
+pid_t supervisor_pid(supervisor_t *s, int i) {
+  pthread_mutex_lock(&s->mu);
+  pid_t pid = i >= 0 && i < s->o.count ? s->children[i].pid : 0;
+  pthread_mutex_unlock(&s->mu);
+  return pid;
+}
+
+void supervisor_stop(supervisor_t *s, double timeout_s) {
+  if (!s) return;
+  pthread_mutex_lock(&s->mu);
+  s->stopping = true;
+  pthread_cond_signal(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  pthread_join(s->thread, NULL);
+
+  for (int i = 0; i < s->o.count; i++)
+    if (s->children[i].pid > 0) kill(s->children[i].pid, SIGTERM);
+  int64_t deadline = rpc_now_ms() + (int64_t)(timeout_s * 1000);
+  for (;;) {
+    int left = 0;
+    for (int i = 0; i < s->o.count; i++) {
+      child_t *c = &s->children[i];
+      if (c->pid <= 0) continue;
+      int status;
+      if (waitpid(c->pid, &status, WNOHANG) == c->pid) c->pid = 0;
+      else left++;
+    }
+    if (left == 0) break;
+    if (rpc_now_ms() >= deadline) {
+      for (int i = 0; i < s->o.count; i++) {
+        child_t *c = &s->children[i];
+        if (c->pid <= 0) continue;
+        log_warn("supervisor", "agent rank %d (pid %d) ignored SIGTERM; killing it", i, (int)c->pid);
+        kill(c->pid, SIGKILL);
+        waitpid(c->pid, NULL, 0);
+        c->pid = 0;
+      }
+      break;
+    }
+    usleep(20000);
+  }
+  log_info("supervisor", "all %d agents stopped", s->o.count);
+  pthread_cond_destroy(&s->cv);
+  pthread_mutex_destroy(&s->mu);
+  free(s->children);
+  free(s);
+}

@@ -1,0 +1,71 @@
+#include "rpc_wire.h"
+
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/slice.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+
+#include "rpc.h"
+
+grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg) {
+  if (!msg) return NULL;
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  grpc_slice s = grpc_slice_malloc(len);
+  protobuf_c_message_pack(msg, GRPC_SLICE_START_PTR(s));
+  grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  return buf;
+}
+
+ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc) {
+  grpc_byte_buffer_reader r;
+  if (!buf || !grpc_byte_buffer_reader_init(&r, buf)) return NULL;
+  grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+  grpc_byte_buffer_reader_destroy(&r);
+  ProtobufCMessage *msg =
+      protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+  grpc_slice_unref(s);
+  return msg;
+}
+
+void wire_args_int(wire_args_t *a, const char *key, int value) {
+  size_t n = a->ca.num_args;
+  if (n >= sizeof a->args / sizeof a->args[0]) return;
+  a->args[n].type = GRPC_ARG_INTEGER;
+  a->args[n].key = (char *)key;
+  a->args[n].value.integer = value;
+  a->ca.num_args = n + 1;
+}
+
+const grpc_channel_args *wire_args_done(wire_args_t *a) {
+  a->ca.args = a->args;
+  return &a->ca;
+}
+
+gpr_timespec wire_deadline(int timeout_ms) {
+  if (timeout_ms <= 0) return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+  return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+}
+
+static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+static int init_count;
+
+void rpc_init(void) {
+  pthread_mutex_lock(&init_mu);
+  if (init_count++ == 0) grpc_init();
+  pthread_mutex_unlock(&init_mu);
+}
+
+void rpc_shutdown(void) {
+  pthread_mutex_lock(&init_mu);
+  if (init_count > 0 && --init_count == 0) grpc_shutdown();
+  pthread_mutex_unlock(&init_mu);
+}
+
+int64_t rpc_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}

@@ -1,0 +1,28 @@
+/* Internal to core/rpc_*.c: protobuf-c <-> grpc_byte_buffer, channel args. */
+#ifndef MESHD_RPC_WIRE_H
+#define MESHD_RPC_WIRE_H
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
+
+#define RPC_DEFAULT_MAX_MESSAGE (4 * 1024 * 1024)
+
+/* Packs msg into a new byte buffer (caller destroys). NULL only if msg is NULL. */
+grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg);
+/* Unpacks buf as desc (caller frees with protobuf_c_message_free_unpacked).
+ * NULL if the bytes are not a valid message. buf is not consumed. */
+ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc);
+
+/* A small fixed-capacity builder for grpc_channel_args. */
+typedef struct wire_args {
+  grpc_arg args[16];
+  grpc_channel_args ca;
+} wire_args_t;
+void wire_args_int(wire_args_t *a, const char *key, int value);
+const grpc_channel_args *wire_args_done(wire_args_t *a);
+
+/* Absolute deadline timeout_ms from now; infinite for timeout_ms <= 0. */
+gpr_timespec wire_deadline(int timeout_ms);
+
+#endif

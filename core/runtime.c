@@ -1,0 +1,78 @@
+#include "runtime.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static sigset_t blocked(void) {
+  sigset_t s;
+  sigemptyset(&s);
+  sigaddset(&s, SIGTERM);
+  sigaddset(&s, SIGINT);
+  sigaddset(&s, SIGHUP);
+  return s;
+}
+
+void runtime_block_signals(void) {
+  sigset_t s = blocked();
+  pthread_sigmask(SIG_BLOCK, &s, NULL);
+  signal(SIGPIPE, SIG_IGN);
+}
+
+int runtime_wait_signal(int timeout_ms) {
+  sigset_t s = blocked();
+  struct timespec ts = {timeout_ms / 1000, (long)(timeout_ms % 1000) * 1000000L};
+  int sig = sigtimedwait(&s, NULL, &ts);
+  return sig > 0 ? sig : 0;
+}
+
+int runtime_write_port_file(const char *path, int port) {
+  char tmp[4096];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  FILE *f = fopen(tmp, "w");
+  if (!f) return -1;
+  int ok = fprintf(f, "%d\n", port) > 0;
+  ok = (fclose(f) == 0) && ok;
+  if (!ok || rename(tmp, path) != 0) {
+    int e = errno;
+    unlink(tmp);
+    errno = e;
+    return -1;
+  }
+  return 0;
+}
+
+void runtime_random_hex(char *out, size_t n) {
+  unsigned char buf[64];
+  if (n > sizeof buf) n = sizeof buf;
+  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  ssize_t got = fd >= 0 ? read(fd, buf, n) : -1;
+  if (fd >= 0) close(fd);
+  if (got != (ssize_t)n) { /* no urandom: time and pid still make ids unique enough per host */
+    srand((unsigned)time(NULL) ^ (unsigned)getpid());
+    for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)rand();
+  }
+  for (size_t i = 0; i < n; i++) sprintf(out + 2 * i, "%02x", buf[i]);
+  out[2 * n] = '\0';
+}
+
+void runtime_local_address(const char *listen, int port, char *out, size_t len) {
+  const char *colon = strrchr(listen, ':');
+  size_t hostlen = colon ? (size_t)(colon - listen) : strlen(listen);
+  char host[256];
+  if (hostlen >= sizeof host) hostlen = sizeof host - 1;
+  memcpy(host, listen, hostlen);
+  host[hostlen] = '\0';
+  if (!*host || !strcmp(host, "0.0.0.0") || !strcmp(host, "[::]") || !strcmp(host, "::") ||
+      !strcmp(host, "*"))
+    snprintf(host, sizeof host, "127.0.0.1");
+  snprintf(out, len, "%s:%d", host, port);
+}

@@ -1,0 +1,22 @@
+/* Process plumbing shared by meshd and meshd-agent. */
+#ifndef MESHD_RUNTIME_H
+#define MESHD_RUNTIME_H
+
+#include <stddef.h>
+
+/* Blocks SIGTERM, SIGINT and SIGHUP in the calling thread (call it first in
+ * main, before any thread exists, so every thread inherits the mask) and
+ * ignores SIGPIPE. */
+void runtime_block_signals(void);
+/* Waits up to timeout_ms for one of the blocked signals; returns it, or 0. */
+int runtime_wait_signal(int timeout_ms);
+/* Writes "PORT\n" to path atomically (temp file + rename), so a reader never
+ * sees a partial file. Returns 0, or -1 with errno set. */
+int runtime_write_port_file(const char *path, int port);
+/* 2*n random hex characters from /dev/urandom into out (size >= 2n+1). */
+void runtime_random_hex(char *out, size_t n);
+/* "HOST:PORT" that a local peer dials to reach a server listening on `listen`
+ * with bound port `port`: a wildcard host (0.0.0.0, [::], empty) becomes 127.0.0.1. */
+void runtime_local_address(const char *listen, int port, char *out, size_t len);
+
+#endif

@@ -1,0 +1,31 @@
+/* `meshd --local-agents N`: N meshd-agent processes as direct children.
+ *
+ * Agent i runs `AGENT --server SERVER --listen 127.0.0.1:0 --rank i --device cpu`.
+ * A child that exits is restarted within 2 s (at once, then with a backoff of up
+ * to 1 s if it keeps dying). Children get SIGTERM if meshd dies (PR_SET_PDEATHSIG),
+ * so no agent outlives its supervisor. */
+#ifndef MESHD_SUPERVISOR_H
+#define MESHD_SUPERVISOR_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+typedef struct supervisor supervisor_t;
+
+typedef struct supervisor_opts {
+  const char *agent_binary;  /* path of meshd-agent */
+  const char *server;        /* host:port the agents register with */
+  int count;
+  uint64_t memory_bytes;     /* each agent's reported capacity; 0: the agent's default */
+  const char *log_level;     /* passed on */
+} supervisor_opts_t;
+
+/* Starts the agents and the thread that watches them. NULL (and a log line) if
+ * the binary is missing or a thread cannot start. */
+supervisor_t *supervisor_start(const supervisor_opts_t *opts);
+/* The pid of agent i now (0 while it is being restarted). */
+pid_t supervisor_pid(supervisor_t *s, int i);
+/* SIGTERM to every agent, SIGKILL after timeout_s, reaps them all, frees. */
+void supervisor_stop(supervisor_t *s, double timeout_s);
+
+#endif
