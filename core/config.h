@@ -32,17 +32,27 @@ typedef struct config_flag {
 
 /* Parses argv[1..argc) against the table, then the environment, then defaults.
  * Positional arguments (anything not starting with "--", and everything after a
- * lone "--") are moved to argv[1..] in order and their count stored in *npositional.
- * Returns 0 on success, 1 if --help or -h was given, -1 on error with a message
- * naming the flag and what was wrong in err ("--drain-seconds: 'x' is not a number"). */
+ * lone "--") are moved to argv[1..] in order and their count stored in *npositional;
+ * on success argv[1 + *npositional] is set to NULL.
+ * `--name value` takes the next argument unless it starts with "--" (then: "needs a
+ * value"; write `--name=--x`). A CONFIG_BOOL takes a value only as `--flag=value`.
+ * An empty environment variable counts as unset. A flag with no value from any
+ * source leaves its target as it was. npositional and err may be NULL.
+ * Returns 0 on success, 1 if --help or -h was given (also after a bad flag earlier
+ * on the line), -1 on error with a message naming the flag (or the environment
+ * variable) and what was wrong in err: "--threads: 'x' is not an integer",
+ * "MESHD_THREADS: 0 is out of range [1, 64]". */
 int config_parse(const config_flag_t *flags, size_t nflags, int argc, char **argv,
                  int *npositional, char *err, size_t errlen);
 
-/* Prints "usage: PROG SYNOPSIS" and one line per flag with its env name and default. */
+/* Prints "usage: PROG SYNOPSIS" and one line per flag with its env name and default:
+ * "  --threads N   help (env MESHD_THREADS, default 2)", then a "-h, --help" line. */
 void config_usage(FILE *out, const char *prog, const char *synopsis,
                   const config_flag_t *flags, size_t nflags);
 
-/* "4MiB" -> 4194304. false on junk or overflow. */
+/* "4MiB" -> 4194304. Decimal digits, then optionally B, or K/M/G/T/P/E alone or
+ * with "iB" (powers of 1024, case-insensitive). false on junk or overflow; *out is
+ * written only on success. */
 bool config_parse_bytes(const char *text, uint64_t *out);
 
 #endif

@@ -1,5 +1,9 @@
 /* One line per event: "2026-11-30T13:20:58.123Z INFO  server: message".
- * Thread-safe; each line is written with a single write(2) to stderr. */
+ * Thread-safe; each line is written with a single write(2) to stderr, at most
+ * 4096 bytes (PIPE_BUF) with the newline: longer messages end in "...", and
+ * newlines inside a message become spaces. errno is preserved.
+ * The level is info unless log_set_level is called or, before that, the first
+ * log call finds MESHD_LOG_LEVEL set to a level name. */
 #ifndef MESHD_LOG_H
 #define MESHD_LOG_H
 
@@ -12,7 +16,7 @@ log_level_t log_get_level(void);
 /* "debug", "info", "warn", "error" (case-insensitive). false if unknown. */
 bool log_parse_level(const char *text, log_level_t *out);
 /* `component` names the part that speaks ("server", "agent", "rpc", "supervisor").
- * file/line are printed at debug level only. */
+ * When the level is debug every line ends in " (basename.c:line)". */
 void log_write(log_level_t level, const char *component, const char *file, int line,
                const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 

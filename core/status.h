@@ -8,13 +8,15 @@
 
 #include <grpc/status.h>
 
+#include "log.h"
+
 #define MESHD_STATUS_MAP(XX)                                                         \
   XX(OK, GRPC_STATUS_OK, "ok")                                                       \
   XX(INVALID, GRPC_STATUS_INVALID_ARGUMENT, "invalid argument")                      \
   XX(NOT_FOUND, GRPC_STATUS_NOT_FOUND, "not found")                                  \
   XX(EXISTS, GRPC_STATUS_ALREADY_EXISTS, "already exists")                           \
-  XX(NO_MEMORY, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory")                     \
   XX(EXHAUSTED, GRPC_STATUS_RESOURCE_EXHAUSTED, "resource exhausted")                \
+  XX(NO_MEMORY, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory")                     \
   XX(UNAVAILABLE, GRPC_STATUS_UNAVAILABLE, "unavailable")                            \
   XX(TIMEOUT, GRPC_STATUS_DEADLINE_EXCEEDED, "timed out")                            \
   XX(CANCELLED, GRPC_STATUS_CANCELLED, "cancelled")                                  \
@@ -37,11 +39,12 @@ const char *meshd_status_name(meshd_status_t s);
 const char *meshd_status_str(meshd_status_t s);
 /* The gRPC status code a meshd status travels as. */
 grpc_status_code meshd_status_to_grpc(meshd_status_t s);
-/* The other direction, for what a peer answered. */
+/* The other direction, for what a peer answered. Where rows share a code the first
+ * row wins (RESOURCE_EXHAUSTED -> EXHAUSTED); codes no row uses -> INTERNAL. */
 meshd_status_t meshd_status_from_grpc(grpc_status_code c);
-/* errno -> status (ENOMEM -> NO_MEMORY, ETIMEDOUT -> TIMEOUT, ...). */
+/* errno -> status (ENOMEM -> NO_MEMORY, ETIMEDOUT -> TIMEOUT, ...; others -> IO). */
 meshd_status_t meshd_status_from_errno(int err);
-/* gRPC code name as grpc-status spells it: "INVALID_ARGUMENT". */
+/* gRPC code name as grpc-status spells it: "INVALID_ARGUMENT"; "UNKNOWN" outside 0..16. */
 const char *meshd_grpc_code_name(grpc_status_code c);
 
 /* Fallible call in a function shaped `... out: cleanup; return ret;`.
