@@ -39,7 +39,8 @@ typedef struct rpc_server rpc_server_t;
  * Callback order for one call: on_start once; then, for streaming requests,
  * on_message for each request message and on_message(NULL) at the client's
  * half-close; then on_end once. Callbacks of one call never run concurrently,
- * and on_end runs after every other callback of that call has returned. */
+ * and on_end runs after every other callback of that call has returned. A call
+ * refused before on_start (its request does not decode) gets no callback at all. */
 typedef struct rpc_method {
   const char *path;                          /* "/meshd.v1.TensorService/Execute" */
   rpc_kind_t kind;

@@ -56,6 +56,7 @@ struct rpc_call {
   int refs;
   int in_callback;
   bool accepted;       /* counted in srv->active */
+  bool started;        /* on_start ran: only then does on_end run */
   bool sent_initial_md;
   bool reading, read_paused, writing;
   bool status_queued, status_started;
@@ -322,7 +323,7 @@ static void maybe_end_locked(rpc_call_t *c) {
   const rpc_method_t *m = c->slot->m;
   bool cancelled = c->cancelled;
   pthread_mutex_unlock(&c->mu);
-  if (m->on_end) m->on_end(c, cancelled, m->arg);
+  if (m->on_end && c->started) m->on_end(c, cancelled, m->arg);
   pthread_mutex_lock(&c->mu);
   c->refs--; /* the alive reference */
   pthread_mutex_lock(&c->srv->mu);
@@ -399,6 +400,7 @@ static void on_new(rpc_call_t *c, bool ok) {
     }
   }
   c->in_callback++;
+  c->started = true;
   pthread_mutex_unlock(&c->mu);
 
   if (m->on_start) m->on_start(c, req, m->arg);
@@ -691,8 +693,10 @@ void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
   grpc_event ev = grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag,
                                               wire_deadline(grace_ms), NULL);
   if (ev.type == GRPC_QUEUE_TIMEOUT) {
-    log_info("rpc", "%d call(s) still running after %.1f s: cancelling them",
-             rpc_server_active_calls(srv), grace_seconds);
+    int active = rpc_server_active_calls(srv);
+    if (active > 0)
+      log_info("rpc", "%d call(s) still running after %.1f s: cancelling them", active,
+               grace_seconds);
     grpc_server_cancel_all_calls(srv->server);
     grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag, wire_deadline(0), NULL);
   }

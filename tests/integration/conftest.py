@@ -1,0 +1,131 @@
+"""Fixtures for the meshd integration tests (run with /usr/bin/python3 -m pytest).
+
+meshd_server(local_agents=0, *flags, min_agents=None, env=None, listen=..., wait_serving=True)
+    starts `meshd --listen 127.0.0.1:0 --port-file F`, reads F, waits for Health ""
+    SERVING and returns a Process (unpacks as (port, proc, log_path)).
+agent(server_port, *flags, rank=None, wait_registered=True)
+    starts `meshd-agent --server 127.0.0.1:PORT --port-file F` and returns a Process.
+
+Every process a fixture started is stopped at teardown, even when the test failed:
+SIGTERM, then SIGKILL after a bound. The agents a meshd supervises are collected
+from /proc/<pid>/task/*/children before it is stopped and must be gone after.
+On failure the tail of every log is printed.
+"""
+
+import os
+import signal
+
+import pytest
+
+import meshd_testlib as lib
+
+
+def pytest_configure(config):
+    missing = [b for b in (lib.MESHD, lib.AGENT, lib.MESHCTL) if not os.access(b, os.X_OK)]
+    config._meshd_missing = missing
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+def _failed(request):
+    rep = getattr(request.node, "rep_call", None)
+    return rep is None or rep.failed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _binaries(pytestconfig):
+    # Without the binaries there is nothing to test: fail loudly rather than skip,
+    # so that a ctest run on an incomplete build is red.
+    missing = pytestconfig._meshd_missing
+    assert not missing, (f"binaries not built: {missing} (MESHD_BIN_DIR={lib.BIN_DIR}); "
+                         "build first, e.g. cmake --build build")
+    lib.health_pb2()  # generate the Python modules once, early
+
+
+class _Registry:
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.servers = []
+        self.agents = []
+
+    def teardown(self, show_logs):
+        problems = []
+        for a in reversed(self.agents):
+            lib.stop(a)
+        for s in reversed(self.servers):
+            kids = lib.agent_children(s.pid) if s.proc.poll() is None else {}
+            lib.stop(s)
+            left = lib.wait_gone(kids, 5.0)
+            if left:
+                problems.append(f"meshd pid {s.pid} exited ({s.proc.returncode}) but its agents "
+                                f"{sorted(left)} survive")
+                for pid in left:  # our own descendants: clean up, then report
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        if show_logs or problems:
+            for p in self.servers + self.agents:
+                print(f"\n===== {p.kind} pid {p.pid} rc {p.proc.returncode}: {' '.join(p.args)}\n"
+                      f"{lib.log_tail(p.log, 80)}")
+        assert not problems, "; ".join(problems)
+
+
+@pytest.fixture
+def _procs(request, tmp_path):
+    reg = _Registry(tmp_path)
+    yield reg
+    reg.teardown(_failed(request))
+
+
+@pytest.fixture
+def meshd_server(_procs):
+    def start(local_agents=0, *flags, min_agents=None, env=None, listen="127.0.0.1:0",
+              wait_serving=True):
+        args = ["--listen", listen]
+        if local_agents:
+            args += ["--local-agents", str(local_agents)]
+        if min_agents is not None:
+            args += ["--min-agents", str(min_agents)]
+        args += [str(f) for f in flags]
+        p = lib.spawn("meshd", lib.MESHD, args, str(_procs.tmp), env=env)
+        _procs.servers.append(p)
+        if wait_serving:
+            lib.wait_health(p.port, "", lib.SERVING(), proc=p.proc, log=p.log)
+        return p
+    return start
+
+
+@pytest.fixture
+def agent(_procs):
+    def start(server_port, *flags, rank=None, wait_registered=True, env=None):
+        args = ["--server", f"127.0.0.1:{server_port}", "--listen", "127.0.0.1:0"]
+        if rank is not None:
+            args += ["--rank", str(rank)]
+        args += [str(f) for f in flags]
+        p = lib.spawn("agent", lib.AGENT, args, str(_procs.tmp), env=env)
+        _procs.agents.append(p)
+        if wait_registered:
+            lib.wait_health(p.port, lib.AGENT_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                            proc=p.proc, log=p.log)
+        return p
+    return start
+
+
+@pytest.fixture
+def watches():
+    """Health Watch streams opened by the test; all cancelled at teardown."""
+    opened = []
+
+    def open_watch(port, service=""):
+        w = lib.Watch(port, service)
+        opened.append(w)
+        return w
+    yield open_watch
+    for w in opened:
+        w.close()

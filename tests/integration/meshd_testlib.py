@@ -1,0 +1,469 @@
+"""Helpers for the meshd integration tests: generated protos, processes, health.
+
+The tests treat meshd as a black box: they start the real binaries on free
+loopback ports (``--listen 127.0.0.1:0 --port-file F``), talk to them with
+grpcio as a third-party client would, and kill only the pids they started.
+
+Environment (set by ctest through MESHD_TEST_ENV):
+  MESHD_BIN_DIR     where meshd, meshd-agent and meshctl are
+  MESHD_SOURCE_DIR  the source tree (for api/*.proto)
+  MESHD_BUILD_DIR   the build tree (unused here except as a default for the bin dir)
+"""
+
+import atexit
+import glob
+import importlib
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+# ---------------------------------------------------------------- locations
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_DIR = os.environ.get("MESHD_SOURCE_DIR") or os.path.normpath(os.path.join(HERE, "..", ".."))
+BUILD_DIR = os.environ.get("MESHD_BUILD_DIR") or os.path.join(SOURCE_DIR, "build")
+BIN_DIR = os.environ.get("MESHD_BIN_DIR") or os.path.join(BUILD_DIR, "bin")
+
+MESHD = os.path.join(BIN_DIR, "meshd")
+AGENT = os.path.join(BIN_DIR, "meshd-agent")
+MESHCTL = os.path.join(BIN_DIR, "meshctl")
+
+TENSOR_SERVICE = "meshd.v1.TensorService"
+AGENT_SERVICE = "meshd.agent.v1.Agent"
+
+# Upper bounds on waits (never assertions on speed).
+START_TIMEOUT = 20.0     # a process writes its port file and turns SERVING
+REGISTER_TIMEOUT = 20.0  # an agent registers and is dialled back
+EXIT_TIMEOUT = 15.0      # a process exits after SIGTERM (when the test does not time it)
+
+_CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+# ---------------------------------------------------------------- generated protos
+
+_pb = {}
+_gen_dir = None
+
+
+def _generate():
+    """protoc --python_out into a private temp dir; health.proto flat so that no
+    top-level `grpc` package shadows grpcio; tensor_service.proto flat too so that
+    no top-level `meshd` package shadows the Python client."""
+    global _gen_dir
+    _gen_dir = tempfile.mkdtemp(prefix="meshd-it-pb-")
+    atexit.register(shutil.rmtree, _gen_dir, True)
+    api = os.path.join(SOURCE_DIR, "api")
+    for proto_path, name in ((os.path.join(api, "grpc", "health", "v1"), "health.proto"),
+                             (os.path.join(api, "meshd", "v1"), "tensor_service.proto")):
+        subprocess.run(["protoc", "--proto_path=" + proto_path, "--python_out=" + _gen_dir,
+                        os.path.join(proto_path, name)], check=True)
+    sys.path.insert(0, _gen_dir)
+    _pb["health"] = importlib.import_module("health_pb2")
+    _pb["tensor"] = importlib.import_module("tensor_service_pb2")
+
+
+def health_pb2():
+    if not _pb:
+        _generate()
+    return _pb["health"]
+
+
+def tensor_pb2():
+    if not _pb:
+        _generate()
+    return _pb["tensor"]
+
+
+def status_name(value):
+    return health_pb2().HealthCheckResponse.ServingStatus.Name(value)
+
+
+def SERVING():
+    return health_pb2().HealthCheckResponse.SERVING
+
+
+def NOT_SERVING():
+    return health_pb2().HealthCheckResponse.NOT_SERVING
+
+
+def SERVICE_UNKNOWN():
+    return health_pb2().HealthCheckResponse.SERVICE_UNKNOWN
+
+
+# ---------------------------------------------------------------- processes
+
+_started = []  # every Popen this module started; the atexit net kills survivors
+
+
+def _kill_leftovers():
+    for p in _started:
+        if p.poll() is None:
+            try:
+                p.kill()
+                p.wait(5)
+            except Exception:
+                pass
+
+
+atexit.register(_kill_leftovers)
+
+
+def clean_env(extra=None):
+    """The environment for a child: no proxies (gRPC C-core honours http_proxy), no
+    MESHD_* variables leaking in from the caller (ctest's MESHD_BIN_DIR included),
+    plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
+           and not k.startswith("MESHD_")}
+    if extra:
+        env.update(extra)
+    return env
+
+
+def proc_starttime(pid):
+    """Field 22 of /proc/PID/stat, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    rest = data[data.rindex(")") + 2:].split()
+    return int(rest[19])
+
+
+def proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return data[data.rindex(")") + 2:].split()[0]
+
+
+def proc_cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def children(pid):
+    """Direct children of pid (all its threads), as {pid: starttime}."""
+    out = {}
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                for tok in f.read().split():
+                    c = int(tok)
+                    st = proc_starttime(c)
+                    if st is not None and proc_state(c) not in ("Z", "X"):
+                        out[c] = st
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def agent_children(pid):
+    """Live meshd-agent children of pid: {pid: starttime}."""
+    return {c: st for c, st in children(pid).items()
+            if any(os.path.basename(a) == "meshd-agent" for a in proc_cmdline(c)[:1])}
+
+
+def child_rank(pid):
+    """The --rank a supervised agent was started with, or None."""
+    args = proc_cmdline(pid)
+    for i, a in enumerate(args):
+        if a == "--rank" and i + 1 < len(args):
+            return int(args[i + 1])
+        if a.startswith("--rank="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+def alive(pid, starttime):
+    """True if the process (pid, starttime) still exists and is not a zombie."""
+    st = proc_starttime(pid)
+    return st is not None and st == starttime and proc_state(pid) not in ("Z", "X")
+
+
+def wait_gone(pids, timeout):
+    """Waits until none of {pid: starttime} is alive; returns the survivors."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {p: st for p, st in pids.items() if alive(p, st)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def log_tail(path, lines=60):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def read_port_file(path, proc, log_path, timeout=START_TIMEOUT):
+    """Polls until path holds a port number and a newline; fails early if proc exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read()
+            if text.endswith("\n") and text.strip().isdigit():
+                port = int(text.strip())
+                assert 0 < port < 65536, f"port file {path} holds {text!r}"
+                return port
+        except FileNotFoundError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args[0]} exited with {proc.returncode} before writing "
+                                 f"{path}\n--- log ---\n{log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{proc.args[0]} wrote no port to {path} within {timeout} s\n"
+                                 f"--- log ---\n{log_tail(log_path)}")
+        time.sleep(0.05)
+
+
+class Process:
+    """A started binary: proc, port, log path. Unpacks as (port, proc, log)."""
+
+    def __init__(self, kind, proc, port, log, port_file, args):
+        self.kind, self.proc, self.port, self.log = kind, proc, port, log
+        self.port_file, self.args = port_file, args
+
+    def __iter__(self):
+        return iter((self.port, self.proc, self.log))
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def log_text(self):
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+
+def spawn(kind, binary, args, workdir, env=None, port_file=True, wait_port=True):
+    """Starts binary with args (+ --port-file), stdout+stderr to a log in workdir."""
+    os.makedirs(workdir, exist_ok=True)
+    n = len(glob.glob(os.path.join(workdir, f"{kind}-*.log")))
+    log = os.path.join(workdir, f"{kind}-{n}.log")
+    pf = os.path.join(workdir, f"{kind}-{n}.port") if port_file else None
+    argv = [binary] + list(args) + (["--port-file", pf] if pf else [])
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                env=clean_env(env))
+    _started.append(proc)
+    port = read_port_file(pf, proc, log) if (pf and wait_port) else None
+    return Process(kind, proc, port, log, pf, argv)
+
+
+def stop(p, sig=signal.SIGTERM, timeout=EXIT_TIMEOUT):
+    """Signals p and waits for it; SIGKILL after timeout. Returns the exit code."""
+    if p.proc.poll() is None:
+        try:
+            os.kill(p.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            p.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait(10)
+    return p.proc.returncode
+
+
+def run(binary, args, env=None, timeout=20):
+    """Runs a short-lived command; returns CompletedProcess (text)."""
+    return subprocess.run([binary] + list(args), stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, env=clean_env(env), timeout=timeout)
+
+
+def free_port():
+    """A port nothing listens on (bound and released; good enough on loopback)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# ---------------------------------------------------------------- grpc helpers
+
+def channel(port):
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS)
+
+
+def health_check(port, service="", timeout=5.0):
+    """Health/Check; returns the ServingStatus value or raises grpc.RpcError."""
+    h = health_pb2()
+    with channel(port) as ch:
+        call = ch.unary_unary("/grpc.health.v1.Health/Check",
+                              request_serializer=h.HealthCheckRequest.SerializeToString,
+                              response_deserializer=h.HealthCheckResponse.FromString)
+        return call(h.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def wait_health(port, service, want, timeout=START_TIMEOUT, proc=None, log=None):
+    """Polls Check until it returns `want`; fails with the last answer otherwise."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            last = health_check(port, service, timeout=2.0)
+            if last == want:
+                return
+            last = status_name(last)
+        except grpc.RpcError as e:
+            last = f"{e.code()}: {e.details()}"
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for health "
+                                 f"{service!r} = {status_name(want)}; last: {last}\n--- log ---\n"
+                                 f"{log_tail(log) if log else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"health {service!r} on port {port} not {status_name(want)} "
+                                 f"within {timeout} s; last: {last}"
+                                 + (f"\n--- log ---\n{log_tail(log)}" if log else ""))
+        time.sleep(0.1)
+
+
+class Watch:
+    """A Health/Watch stream read on a background thread.
+
+    Messages go to a queue as ("msg", status); the end as ("end", grpc.StatusCode, details)."""
+
+    def __init__(self, port, service=""):
+        h = health_pb2()
+        self._ch = channel(port)
+        stream = self._ch.unary_stream("/grpc.health.v1.Health/Watch",
+                                       request_serializer=h.HealthCheckRequest.SerializeToString,
+                                       response_deserializer=h.HealthCheckResponse.FromString)
+        self.call = stream(h.HealthCheckRequest(service=service))
+        self.q = queue.Queue()
+        self.seen = []
+        self.end = None  # (code, details) once ended
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self):
+        try:
+            for m in self.call:
+                self.q.put(("msg", m.status))
+            self.q.put(("end", grpc.StatusCode.OK, ""))
+        except grpc.RpcError as e:
+            self.q.put(("end", e.code(), e.details()))
+
+    def next(self, timeout):
+        """The next event, ("msg", status) or ("end", code, details), or None on timeout."""
+        try:
+            ev = self.q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if ev[0] == "msg":
+            self.seen.append(ev[1])
+        else:
+            self.end = (ev[1], ev[2])
+        return ev
+
+    def first(self, timeout=10.0):
+        ev = self.next(timeout)
+        assert ev is not None, f"Watch delivered nothing within {timeout} s"
+        assert ev[0] == "msg", f"Watch ended before its first message: {ev[1]} {ev[2]!r}"
+        return ev[1]
+
+    def wait_for(self, want, timeout):
+        """Reads until a message with status `want`; fails on the end or the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ev = self.next(max(0.0, left)) if left > 0 else None
+            if ev is None:
+                raise AssertionError(f"Watch: no {status_name(want)} within {timeout} s; saw "
+                                     f"{[status_name(s) for s in self.seen]}")
+            if ev[0] == "end":
+                raise AssertionError(f"Watch ended ({ev[1]}: {ev[2]!r}) before {status_name(want)}; "
+                                     f"saw {[status_name(s) for s in self.seen]}")
+            if ev[1] == want:
+                return
+
+    def wait_end(self, timeout):
+        """Reads to the end; returns (code, details, statuses seen meanwhile) or fails."""
+        deadline = time.monotonic() + timeout
+        while self.end is None:
+            left = deadline - time.monotonic()
+            ev = self.next(left) if left > 0 else None
+            if ev is None:
+                raise AssertionError(f"Watch did not end within {timeout} s; saw "
+                                     f"{[status_name(s) for s in self.seen]}")
+        return self.end
+
+    def close(self):
+        try:
+            self.call.cancel()
+        except Exception:
+            pass
+        self._t.join(5)
+        self._ch.close()
+
+
+def unary(port, method, request, response_cls, timeout=5.0, serializer=None, metadata=None):
+    """A unary call by full method path; raises grpc.RpcError."""
+    with channel(port) as ch:
+        call = ch.unary_unary(method,
+                              request_serializer=serializer or (lambda m: m.SerializeToString()),
+                              response_deserializer=response_cls.FromString)
+        return call(request, timeout=timeout, metadata=metadata)
+
+
+def list_agents(port, timeout=5.0):
+    t = tensor_pb2()
+    return list(unary(port, "/meshd.v1.TensorService/ListAgents", t.ListAgentsRequest(),
+                      t.ListAgentsReply, timeout=timeout).agents)
+
+
+def describe_agents(agents):
+    return [f"rank={a.rank} id={a.agent_id} addr={a.address} healthy={a.healthy}" for a in agents]
+
+
+def wait_agents(port, predicate, timeout=REGISTER_TIMEOUT, what="agents", log=None):
+    """Polls ListAgents until predicate(agents) is true; returns the agents."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            agents = list_agents(port, timeout=2.0)
+            if predicate(agents):
+                return agents
+            last = describe_agents(agents)
+        except grpc.RpcError as e:
+            last = f"{e.code()}: {e.details()}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"ListAgents: {what} not seen within {timeout} s; last: {last}"
+                                 + (f"\n--- log ---\n{log_tail(log)}" if log else ""))
+        time.sleep(0.1)
+
+
+def healthy_ranks(agents):
+    return sorted(a.rank for a in agents if a.healthy)

@@ -1,0 +1,278 @@
+"""Process lifecycle and robustness of meshd (docs/operations.md: "Agents and the
+server", "Lifecycle", "Binaries and flags")."""
+
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+
+import meshd_testlib as lib
+
+
+# ---------------------------------------------------------------- supervised agents
+
+def _wait_children(srv, n, timeout=lib.REGISTER_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while True:
+        kids = lib.agent_children(srv.pid)
+        if len(kids) == n or time.monotonic() > deadline:
+            return kids
+        time.sleep(0.05)
+
+
+def test_local_agents_are_children_with_ranks(meshd_server):
+    srv = meshd_server(2)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    proc=srv.proc, log=srv.log)
+    agents = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1],
+                             what="ranks 0 and 1 healthy", log=srv.log)
+    kids = _wait_children(srv, 2)
+    assert sorted(lib.child_rank(p) for p in kids) == [0, 1], \
+        {p: lib.proc_cmdline(p) for p in kids}
+    for a in agents:
+        assert a.device == "cpu"
+        assert a.address.startswith("127.0.0.1:"), a.address
+        assert a.memory_bytes > 0
+        assert a.agent_id
+
+
+def test_sigkilled_agent_is_dropped_and_restarted(meshd_server):
+    srv = meshd_server(2)
+    before = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1],
+                             what="ranks 0 and 1 healthy", log=srv.log)
+    kids = _wait_children(srv, 2)
+    victim = next(p for p in kids if lib.child_rank(p) == 0)
+    old_id = next(a.agent_id for a in before if a.rank == 0)
+
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    # Dropped: the old registration is gone or unhealthy within 2 s.
+    def dropped(agents):
+        return not any(a.agent_id == old_id and a.healthy for a in agents)
+    lib.wait_agents(srv.port, dropped, timeout=2.0, what=f"agent {old_id} (rank 0) dropped",
+                    log=srv.log)
+    assert time.monotonic() - killed_at <= 2.5  # wait_agents' own bound, plus one poll
+
+    # Restarted: a new child with --rank 0 (new pid), registered again as rank 0.
+    deadline = time.monotonic() + 15.0
+    while True:
+        kids2 = lib.agent_children(srv.pid)
+        new = [p for p in kids2 if lib.child_rank(p) == 0 and p != victim]
+        if new or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert new, f"no new rank-0 agent child within 15 s; children: " \
+                f"{ {p: lib.proc_cmdline(p) for p in kids2} }\n{lib.log_tail(srv.log)}"
+    after = lib.wait_agents(
+        srv.port, lambda ag: any(a.rank == 0 and a.healthy and a.agent_id != old_id for a in ag),
+        timeout=15.0, what="a new rank-0 agent", log=srv.log)
+    assert lib.healthy_ranks(after) == [0, 1], lib.describe_agents(after)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=10.0, log=srv.log)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_drains_and_exits_zero(meshd_server, watches, sig):
+    drain = 2
+    srv = meshd_server(2, "--drain-seconds", drain)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    proc=srv.proc, log=srv.log)
+    kids = _wait_children(srv, 2)
+    assert len(kids) == 2
+    w_default = watches(srv.port, "")
+    w_tensor = watches(srv.port, lib.TENSOR_SERVICE)
+    assert lib.status_name(w_default.first()) == "SERVING"
+    assert lib.status_name(w_tensor.first()) == "SERVING"
+
+    os.kill(srv.pid, sig)
+    t0 = time.monotonic()
+    for w in (w_default, w_tensor):
+        w.wait_for(lib.NOT_SERVING(), drain + 2)
+        code, details, = w.wait_end(drain + 2)
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+    try:
+        rc = srv.proc.wait(max(0.1, drain + 2 - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"meshd still running {drain + 2} s after {sig.name} "
+                    f"(--drain-seconds {drain})\n{lib.log_tail(srv.log)}")
+    assert rc == 0, f"exit code {rc}\n{lib.log_tail(srv.log)}"
+    left = lib.wait_gone(kids, 1.0)
+    assert not left, f"agents {sorted(left)} outlived meshd"
+
+
+def test_sigkilled_meshd_leaves_no_agents(meshd_server):
+    # PR_SET_PDEATHSIG: children get SIGTERM if meshd dies.
+    srv = meshd_server(2)
+    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1],
+                    what="ranks 0 and 1 healthy", log=srv.log)
+    kids = _wait_children(srv, 2)
+    assert len(kids) == 2
+    srv.signal(signal.SIGKILL)
+    srv.proc.wait(10)
+    left = lib.wait_gone(kids, 10.0)
+    assert not left, f"agents {sorted(left)} survived a SIGKILLed meshd"
+
+
+def test_agent_survives_server_restart(meshd_server, agent):
+    first = meshd_server()
+    a = agent(first.port)
+    agents = lib.wait_agents(first.port, lambda ag: len(ag) == 1 and ag[0].healthy,
+                             what="one healthy agent", log=first.log)
+    agent_id = agents[0].agent_id
+    port = first.port
+    assert lib.stop(first) == 0, lib.log_tail(first.log)
+
+    second = meshd_server(0, listen=f"127.0.0.1:{port}")
+    assert second.port == port
+    again = lib.wait_agents(
+        port, lambda ag: any(x.agent_id == agent_id and x.healthy for x in ag),
+        timeout=lib.REGISTER_TIMEOUT, what=f"agent {agent_id} registered again", log=second.log)
+    assert len(again) == 1, lib.describe_agents(again)
+    assert a.proc.poll() is None
+    lib.wait_health(a.port, lib.AGENT_SERVICE, lib.SERVING(), timeout=10.0, log=a.log)
+    lib.wait_health(port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=10.0, log=second.log)
+
+
+def test_second_server_on_a_taken_port_fails(meshd_server, tmp_path):
+    # SO_REUSEPORT is off: a second meshd on the same port must not start serving.
+    first = meshd_server()
+    try:
+        r = lib.run(lib.MESHD, ["--listen", f"127.0.0.1:{first.port}",
+                                "--port-file", str(tmp_path / "second.port")], timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a second meshd on the taken port {first.port} kept running")
+    assert r.returncode != 0, f"second meshd on port {first.port} exited 0\n{r.stderr}"
+    assert lib.health_check(first.port, "") == lib.SERVING()
+
+
+# ---------------------------------------------------------------- flags and env
+
+BINARIES = {"meshd": lambda: lib.MESHD, "meshd-agent": lambda: lib.AGENT,
+            "meshctl": lambda: lib.MESHCTL}
+# Flags that exist on every binary: meshd and meshd-agent have --threads; meshctl --timeout-ms.
+NUMERIC_FLAG = {"meshd": "--threads", "meshd-agent": "--threads", "meshctl": "--timeout-ms"}
+# Safe args so that a binary that wrongly accepts a bad flag does not bind 50051 or hang.
+SAFE_ARGS = {"meshd": ["--listen", "127.0.0.1:0"],
+             "meshd-agent": ["--server", "127.0.0.1:1", "--listen", "127.0.0.1:0"],
+             "meshctl": ["--server", "127.0.0.1:1"]}
+# A usage error exits 2 for the daemons; meshctl uses 64 (EX_USAGE) because 2
+# already means "could not connect" in its grpc_health_probe-style codes.
+USAGE_EXIT = {"meshd": 2, "meshd-agent": 2, "meshctl": 64}
+
+
+def _run_bad(binary, args, env=None):
+    try:
+        return lib.run(BINARIES[binary](), SAFE_ARGS[binary] + args, env=env, timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{binary} {' '.join(args)}: still running after 10 s (bad flag accepted)")
+
+
+@pytest.mark.parametrize("binary", list(BINARIES))
+def test_unknown_flag_is_a_usage_error(binary):
+    r = _run_bad(binary, ["--no-such-flag", "1"] + (["health"] if binary == "meshctl" else []))
+    assert r.returncode == USAGE_EXIT[binary], (r.returncode, r.stderr)
+    assert "no-such-flag" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("binary", list(BINARIES))
+def test_non_numeric_flag_is_a_usage_error(binary):
+    flag = NUMERIC_FLAG[binary]
+    r = _run_bad(binary, [flag, "abc"] + (["health"] if binary == "meshctl" else []))
+    assert r.returncode == USAGE_EXIT[binary], (r.returncode, r.stderr)
+    assert flag.lstrip("-") in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--local-agents", "257"], "local-agents"),      # out of range (0..256)
+    (["--local-agents", "-1"], "local-agents"),
+    (["--drain-seconds"], "drain-seconds"),           # missing value
+    (["--max-message-bytes", "lots"], "max-message-bytes"),
+], ids=["out-of-range", "negative", "missing-value", "bad-bytes"])
+def test_meshd_bad_flag_values_exit_2(args, named):
+    r = _run_bad("meshd", args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert named in r.stderr, r.stderr
+
+
+def test_meshd_bad_env_value_exits_2():
+    # Every flag is also an environment variable; a bad value there is as bad.
+    r = _run_bad("meshd", [], env={"MESHD_THREADS": "abc"})
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "threads" in r.stderr.lower(), r.stderr
+
+
+@pytest.mark.parametrize("binary", list(BINARIES))
+def test_help_exits_0(binary):
+    r = lib.run(BINARIES[binary](), ["--help"], timeout=10)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "usage" in (r.stdout + r.stderr).lower()
+
+
+def test_env_local_agents_like_flag(meshd_server):
+    srv = meshd_server(env={"MESHD_LOCAL_AGENTS": "1"})
+    agents = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0],
+                             what="one healthy agent from MESHD_LOCAL_AGENTS=1", log=srv.log)
+    assert len(agents) == 1
+    # --min-agents defaults to the local agent count (1).
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=10.0, log=srv.log)
+    assert len(_wait_children(srv, 1)) == 1
+
+
+def test_flag_beats_env(meshd_server):
+    srv = meshd_server(1, env={"MESHD_LOCAL_AGENTS": "2"})
+    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0], what="rank 0 healthy",
+                    log=srv.log)
+    time.sleep(1.0)  # give a wrongly started second agent the time to show up
+    agents = lib.list_agents(srv.port)
+    assert len(agents) == 1, lib.describe_agents(agents)
+    assert len(lib.agent_children(srv.pid)) == 1
+
+
+# ---------------------------------------------------------------- bad calls
+
+def test_unknown_method_unimplemented(meshd_server):
+    port, _, _ = meshd_server()
+    t = lib.tensor_pb2()
+    for method in ("/meshd.v1.TensorService/NoSuchMethod", "/no.such.Service/Call"):
+        with pytest.raises(grpc.RpcError) as e:
+            lib.unary(port, method, t.ListAgentsRequest(), t.ListAgentsReply)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (method, e.value.details())
+    assert lib.health_check(port, "") == lib.SERVING()
+
+
+def test_invalid_protobuf_is_invalid_argument(meshd_server):
+    port, _, _ = meshd_server()
+    t = lib.tensor_pb2()
+    with pytest.raises(grpc.RpcError) as e:
+        lib.unary(port, "/meshd.v1.TensorService/ListAgents", b"\xff\xff\xff", t.ListAgentsReply,
+                  serializer=lambda x: x)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    # Same for the health service, then both still work.
+    h = lib.health_pb2()
+    with pytest.raises(grpc.RpcError) as e:
+        lib.unary(port, "/grpc.health.v1.Health/Check", b"\xff\xff\xff", h.HealthCheckResponse,
+                  serializer=lambda x: x)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert lib.health_check(port, "") == lib.SERVING()
+    lib.list_agents(port)
+
+
+def test_message_over_limit_resource_exhausted(meshd_server):
+    limit = 1024
+    port, _, _ = meshd_server(0, "--max-message-bytes", limit)
+    t = lib.tensor_pb2()
+    # A valid ListAgentsRequest (one unknown length-delimited field 15) of ~2 KiB:
+    # only the size makes it wrong.
+    payload = b"\x7a" + bytes([0xd0, 0x0f]) + b"x" * 2000   # field 15, len 2000
+    assert len(payload) > limit
+    with pytest.raises(grpc.RpcError) as e:
+        lib.unary(port, "/meshd.v1.TensorService/ListAgents", payload, t.ListAgentsReply,
+                  serializer=lambda x: x)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    # A small valid message with an unknown field is fine, and the server still serves.
+    lib.unary(port, "/meshd.v1.TensorService/ListAgents", b"\x7a\x02xx", t.ListAgentsReply,
+              serializer=lambda x: x)
+    assert lib.health_check(port, "") == lib.SERVING()

@@ -1,0 +1,967 @@
+/* The rpc layer (core/rpc.h): an in-process Echo server and client on
+ * 127.0.0.1:0. Criterion forks per test, so each test initialises gRPC. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "echo_server.h"
+#include "rpc.h"
+
+static echo_server_t *es;
+static rpc_channel_t *ch;
+static char target[64];
+
+static void start_server(int max_message_bytes) {
+  rpc_server_opts_t opts = {.listen = "127.0.0.1:0", .threads = 2,
+                            .max_message_bytes = max_message_bytes};
+  char err[256] = "";
+  es = echo_server_start(&opts, err, sizeof err);
+  cr_assert_not_null(es, "echo_server_start: %s", err);
+  cr_assert_gt(echo_server_port(es), 0);
+  snprintf(target, sizeof target, "127.0.0.1:%d", echo_server_port(es));
+  ch = rpc_channel_create(target, NULL);
+  cr_assert_not_null(ch);
+}
+
+static void stop_server(void) {
+  if (ch) rpc_channel_destroy(ch);
+  ch = NULL;
+  echo_server_stop(es, 0);
+  es = NULL;
+}
+
+static void setup(void) {
+  rpc_init();
+  start_server(0);
+}
+
+static void teardown(void) {
+  stop_server();
+  rpc_shutdown();
+}
+
+TestSuite(rpc, .init = setup, .fini = teardown, .timeout = 30);
+
+/* Polls a counter until it reaches want; returns its last value. */
+static int wait_counter(int (*get)(echo_server_t *), int want, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  int v;
+  while ((v = get(es)) < want && rpc_now_ms() < end) usleep(2000);
+  return v;
+}
+
+static int wait_active(int want, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  int v;
+  while ((v = rpc_server_active_calls(echo_server_rpc(es))) != want && rpc_now_ms() < end)
+    usleep(2000);
+  return v;
+}
+
+/* A status the layer must overwrite: every byte set, strings not terminated
+ * early, so a field the layer forgets to fill shows up as garbage. */
+static void poison_status(rpc_status_t *st) {
+  memset(st, 'Z', sizeof *st);
+  st->code = (grpc_status_code)-12345;
+  st->kind[sizeof st->kind - 1] = '\0';
+  st->message[sizeof st->message - 1] = '\0';
+}
+
+static grpc_status_code call_unary(rpc_channel_t *c, const char *method, const EchoRequest *req,
+                                   EchoReply **rep, const rpc_md_t *md, size_t nmd,
+                                   int timeout_ms, rpc_status_t *st) {
+  static EchoReply sentinel;
+  *rep = &sentinel; /* must come back NULL on failure */
+  poison_status(st);
+  return rpc_unary(c, method, &req->base, &echo_reply__descriptor, (ProtobufCMessage **)rep, md,
+                   nmd, timeout_ms, st);
+}
+
+static void free_reply(EchoReply *rep) {
+  if (rep) protobuf_c_message_free_unpacked(&rep->base, NULL);
+}
+
+static void assert_unary_ok(const char *text) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = (char *)text;
+  EchoReply *rep;
+  rpc_status_t st;
+  grpc_status_code code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "unary '%s': code %d (%s)", text, code, st.message);
+  cr_assert_not_null(rep);
+  cr_assert_str_eq(rep->text, text);
+  free_reply(rep);
+}
+
+/* ---------------------------------------------------------------- unary */
+
+Test(rpc, unary_ok) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  uint8_t payload[6] = {0, 1, 2, 0xff, 0, 7};
+  req.text = "hello";
+  req.payload.data = payload;
+  req.payload.len = sizeof payload;
+  EchoReply *rep;
+  rpc_status_t st;
+  grpc_status_code code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "code %d: %s", code, st.message);
+  cr_assert_not_null(rep);
+  cr_assert_str_eq(rep->text, "hello");
+  cr_assert_eq(rep->payload.len, sizeof payload);
+  cr_assert_arr_eq(rep->payload.data, payload, sizeof payload);
+  cr_assert_eq(rep->index, 0);
+  cr_assert_str_eq(rep->metadata, "", "no x-echo was sent, got '%s'", rep->metadata);
+  free_reply(rep);
+
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1, "on_end did not run once");
+  cr_assert_eq(echo_server_calls_started(es), 1);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0, "a completed call reported cancelled");
+  cr_assert_eq(wait_active(0, 2000), 0);
+
+  /* No deadline at all. */
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 0, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "timeout 0: code %d: %s", code, st.message);
+  cr_assert_str_eq(rep->text, "hello");
+  free_reply(rep);
+}
+
+Test(rpc, metadata_round_trip) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "md";
+  rpc_md_t md[2] = {{"x-other", "not-this-one"}, {"x-echo", "round-trip-42"}};
+  EchoReply *rep;
+  rpc_status_t st;
+  grpc_status_code code = call_unary(ch, ECHO_UNARY, &req, &rep, md, 2, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "code %d: %s", code, st.message);
+  cr_assert_str_eq(rep->metadata, "round-trip-42");
+  free_reply(rep);
+
+  /* rpc_call_metadata truncates to its buffer (256 in the echo server). */
+  char long_value[400];
+  memset(long_value, 'v', sizeof long_value - 1);
+  long_value[sizeof long_value - 1] = '\0';
+  rpc_md_t lmd = {"x-echo", long_value};
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, &lmd, 1, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "code %d: %s", code, st.message);
+  cr_assert_eq(strlen(rep->metadata), 255, "got %zu bytes", strlen(rep->metadata));
+  cr_assert_eq(strncmp(rep->metadata, long_value, 255), 0);
+  free_reply(rep);
+
+  /* The next call on the same channel carries no metadata: nothing sticks. */
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK);
+  cr_assert_str_eq(rep->metadata, "");
+  free_reply(rep);
+}
+
+Test(rpc, error_status_with_kind) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "boom";
+  req.fail_code = GRPC_STATUS_FAILED_PRECONDITION;
+  req.fail_kind = "WRONG_MESH";
+  EchoReply *rep;
+  rpc_status_t st;
+  grpc_status_code code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_FAILED_PRECONDITION, "code %d", code);
+  cr_assert_null(rep, "*resp must be NULL on failure");
+  cr_assert_eq(st.code, GRPC_STATUS_FAILED_PRECONDITION);
+  cr_assert_str_eq(st.kind, "WRONG_MESH");
+  cr_assert_str_eq(st.message, "echo failure: boom");
+
+  /* Without a kind the trailer is absent and st.kind is empty. */
+  req.text = "no kind";
+  req.fail_code = GRPC_STATUS_NOT_FOUND;
+  req.fail_kind = "";
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_NOT_FOUND);
+  cr_assert_null(rep);
+  cr_assert_eq(st.code, GRPC_STATUS_NOT_FOUND);
+  cr_assert_str_eq(st.kind, "", "kind must be empty, got '%.31s'", st.kind);
+  cr_assert_str_eq(st.message, "echo failure: no kind");
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 2, 2000), 2);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0, "a call ended by a status is not cancelled");
+
+  /* grpc-message is percent-encoded on the wire: it must come back verbatim. */
+  req.text = "100% \xc3\xbcnicode, tab\tand newline\n%41";
+  req.fail_code = GRPC_STATUS_INTERNAL;
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_INTERNAL);
+  cr_assert_str_eq(st.message, "echo failure: 100% \xc3\xbcnicode, tab\tand newline\n%41");
+
+  /* Too long for rpc_status_t: truncated, still terminated. */
+  char long_text[1200];
+  memset(long_text, 'm', sizeof long_text - 1);
+  long_text[sizeof long_text - 1] = '\0';
+  char long_kind[64];
+  memset(long_kind, 'K', sizeof long_kind - 1);
+  long_kind[sizeof long_kind - 1] = '\0';
+  req.text = long_text;
+  req.fail_kind = long_kind;
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_INTERNAL);
+  cr_assert_eq(strlen(st.message), sizeof st.message - 1, "message length %zu",
+               strlen(st.message));
+  cr_assert_eq(strncmp(st.message, "echo failure: mmmm", 18), 0);
+  cr_assert_eq(strlen(st.kind), sizeof st.kind - 1, "kind length %zu", strlen(st.kind));
+  cr_assert_eq(strncmp(st.kind, long_kind, sizeof st.kind - 1), 0);
+}
+
+typedef struct {
+  int delay_ms;
+  int fail_code;
+  grpc_status_code code;
+  char text[64];
+  char metadata[64];
+  char message[512];
+  int64_t elapsed_ms;
+} delayed_call_t;
+
+static void *delayed_call_thread(void *p) {
+  delayed_call_t *d = p;
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "later";
+  req.delay_ms = d->delay_ms;
+  req.fail_code = d->fail_code;
+  rpc_md_t md = {"x-echo", "held"};
+  EchoReply *rep;
+  rpc_status_t st;
+  int64_t t0 = rpc_now_ms();
+  d->code = call_unary(ch, ECHO_UNARY, &req, &rep, &md, 1, 5000, &st);
+  d->elapsed_ms = rpc_now_ms() - t0;
+  if (d->code == GRPC_STATUS_OK) {
+    snprintf(d->text, sizeof d->text, "%s", rep->text);
+    snprintf(d->metadata, sizeof d->metadata, "%s", rep->metadata);
+    free_reply(rep);
+  } else {
+    snprintf(d->message, sizeof d->message, "%s", st.message);
+  }
+  return NULL;
+}
+
+Test(rpc, delayed_answer_from_another_thread) {
+  delayed_call_t ok = {.delay_ms = 400}, bad = {.delay_ms = 300, .fail_code = GRPC_STATUS_ABORTED};
+  pthread_t t1, t2;
+  pthread_create(&t1, NULL, delayed_call_thread, &ok);
+  pthread_create(&t2, NULL, delayed_call_thread, &bad);
+  /* While both wait, the server answers other calls at once. */
+  usleep(50 * 1000);
+  int64_t t0 = rpc_now_ms();
+  assert_unary_ok("meanwhile");
+  int64_t quick = rpc_now_ms() - t0;
+  cr_assert_eq(wait_active(2, 300), 2, "the two delayed calls are open");
+  pthread_join(t1, NULL);
+  pthread_join(t2, NULL);
+  cr_assert_lt(quick, 250, "a quick call took %lld ms while others were delayed", (long long)quick);
+
+  cr_assert_eq(ok.code, GRPC_STATUS_OK, "code %d: %s", ok.code, ok.message);
+  cr_assert_str_eq(ok.text, "later");
+  cr_assert_str_eq(ok.metadata, "held");
+  cr_assert_geq(ok.elapsed_ms, 395, "answered after %lld ms", (long long)ok.elapsed_ms);
+  cr_assert_lt(ok.elapsed_ms, 2000);
+
+  cr_assert_eq(bad.code, GRPC_STATUS_ABORTED, "code %d", bad.code);
+  cr_assert_str_eq(bad.message, "echo failure: later");
+  cr_assert_geq(bad.elapsed_ms, 295);
+
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 3, 2000), 3);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0);
+}
+
+Test(rpc, unknown_method_is_unimplemented) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "x";
+  EchoReply *rep;
+  rpc_status_t st;
+  grpc_status_code code =
+      call_unary(ch, "/meshd.test.v1.Echo/Nope", &req, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_UNIMPLEMENTED, "code %d: %s", code, st.message);
+  cr_assert_null(rep);
+  cr_assert_eq(st.code, GRPC_STATUS_UNIMPLEMENTED);
+  cr_assert_not_null(strstr(st.message, "/meshd.test.v1.Echo/Nope"),
+                     "message does not name the method: '%s'", st.message);
+
+  /* The same for a streaming call to an unknown method. */
+  rpc_stream_t *s = rpc_stream_open(ch, "/meshd.test.v1.Echo/NopeStream", NULL, 0, 5000);
+  cr_assert_not_null(s);
+  ProtobufCMessage *m = NULL;
+  int r = rpc_stream_read(s, &echo_reply__descriptor, &m, 5000);
+  cr_assert_eq(r, 0, "read on an unimplemented stream returned %d", r);
+  poison_status(&st);
+  code = rpc_stream_finish(s, &st);
+  cr_assert_eq(code, GRPC_STATUS_UNIMPLEMENTED, "code %d: %s", code, st.message);
+  cr_assert_not_null(strstr(st.message, "/meshd.test.v1.Echo/NopeStream"), "'%s'", st.message);
+  rpc_stream_destroy(s);
+
+  assert_unary_ok("still serving");
+}
+
+Test(rpc, malformed_request_is_invalid_argument) {
+  /* EchoReply.metadata is field 4 as a length-delimited string; in EchoRequest
+   * field 4 is the varint fail_code, so the bytes do not parse. */
+  EchoReply bogus = ECHO_REPLY__INIT;
+  bogus.metadata = "not a varint";
+  uint8_t buf[64];
+  size_t n = protobuf_c_message_pack(&bogus.base, buf);
+  ProtobufCMessage *check = protobuf_c_message_unpack(&echo_request__descriptor, NULL, n, buf);
+  cr_assert_null(check, "test premise: the bytes must not unpack as EchoRequest");
+
+  ProtobufCMessage *rep = (ProtobufCMessage *)&bogus;
+  rpc_status_t st;
+  poison_status(&st);
+  grpc_status_code code =
+      rpc_unary(ch, ECHO_UNARY, &bogus.base, &echo_reply__descriptor, &rep, NULL, 0, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_INVALID_ARGUMENT, "code %d: %s", code, st.message);
+  cr_assert_null(rep);
+  cr_assert_eq(st.code, GRPC_STATUS_INVALID_ARGUMENT);
+  cr_assert_neq(st.message[0], '\0', "the status should say what was wrong");
+  cr_assert_eq(echo_server_calls_started(es), 0, "on_start ran for an unparsable request");
+  cr_assert_eq(echo_server_calls_ended(es), 0, "on_end ran for a call whose on_start never ran");
+
+  /* Malformed bytes on a stream end that stream the same way. */
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 5000);
+  cr_assert_not_null(s);
+  cr_assert_eq(rpc_stream_write(s, &bogus.base, false), 0);
+  ProtobufCMessage *m = NULL;
+  int r = rpc_stream_read(s, &echo_reply__descriptor, &m, 5000);
+  cr_assert_eq(r, 0, "read returned %d", r);
+  code = rpc_stream_finish(s, &st);
+  cr_assert_eq(code, GRPC_STATUS_INVALID_ARGUMENT, "bidi: code %d: %s", code, st.message);
+  rpc_stream_destroy(s);
+
+  assert_unary_ok("still serving");
+}
+
+static grpc_status_code echo_payload(rpc_channel_t *c, size_t len, rpc_status_t *st) {
+  uint8_t *payload = malloc(len);
+  cr_assert_not_null(payload);
+  for (size_t i = 0; i < len; i++) payload[i] = (uint8_t)(i * 31 + 7);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "big";
+  req.payload.data = payload;
+  req.payload.len = len;
+  EchoReply *rep;
+  grpc_status_code code = call_unary(c, ECHO_UNARY, &req, &rep, NULL, 0, 10000, st);
+  if (code == GRPC_STATUS_OK) {
+    cr_assert_eq(rep->payload.len, len);
+    cr_assert_arr_eq(rep->payload.data, payload, len);
+    free_reply(rep);
+  } else {
+    cr_assert_null(rep);
+  }
+  free(payload);
+  return code;
+}
+
+Test(rpc, message_over_server_limit_is_resource_exhausted) {
+  stop_server();
+  start_server(64 * 1024);
+  rpc_status_t st;
+  grpc_status_code code = echo_payload(ch, 60 * 1024, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "60 KiB under a 64 KiB limit: code %d: %s", code,
+               st.message);
+  code = echo_payload(ch, 100 * 1024, &st);
+  cr_assert_eq(code, GRPC_STATUS_RESOURCE_EXHAUSTED, "100 KiB: code %d: %s", code, st.message);
+  cr_assert_eq(st.code, GRPC_STATUS_RESOURCE_EXHAUSTED);
+  /* The server keeps serving, on the same connection. */
+  assert_unary_ok("after the big one");
+  code = echo_payload(ch, 1000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK);
+}
+
+Test(rpc, message_over_channel_limit_is_resource_exhausted) {
+  rpc_channel_opts_t o = {.max_message_bytes = 64 * 1024};
+  rpc_channel_t *small = rpc_channel_create(target, &o);
+  rpc_status_t st;
+  grpc_status_code code = echo_payload(small, 100 * 1024, &st);
+  cr_assert_eq(code, GRPC_STATUS_RESOURCE_EXHAUSTED, "code %d: %s", code, st.message);
+  code = echo_payload(small, 1000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "code %d: %s", code, st.message);
+  rpc_channel_destroy(small);
+}
+
+/* ---------------------------------------------------------------- streams */
+
+Test(rpc, client_streaming) {
+  static const char *parts[] = {"al", "pha", "-", "be", "ta"};
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_CLIENT_STREAM, NULL, 0, 5000);
+  cr_assert_not_null(s);
+  for (int i = 0; i < 5; i++) {
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = (char *)parts[i];
+    cr_assert_eq(rpc_stream_write(s, &req.base, false), 0, "write %d", i);
+  }
+  cr_assert_eq(rpc_stream_close_send(s), 0);
+  EchoReply *rep = NULL;
+  int r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 1, "read returned %d", r);
+  cr_assert_str_eq(rep->text, "alpha-beta");
+  cr_assert_eq(rep->index, 5);
+  free_reply(rep);
+  r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 0, "one reply only, then the end; got %d", r);
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_OK, "%s", st.message);
+  rpc_stream_destroy(s);
+
+  /* One message carrying the half-close, then none at all. */
+  s = rpc_stream_open(ch, ECHO_CLIENT_STREAM, NULL, 0, 5000);
+  EchoRequest last = ECHO_REQUEST__INIT;
+  last.text = "only";
+  cr_assert_eq(rpc_stream_write(s, &last.base, true), 0);
+  r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 1);
+  cr_assert_str_eq(rep->text, "only");
+  cr_assert_eq(rep->index, 1);
+  free_reply(rep);
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 0);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+
+  s = rpc_stream_open(ch, ECHO_CLIENT_STREAM, NULL, 0, 5000);
+  cr_assert_eq(rpc_stream_close_send(s), 0);
+  r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 1);
+  cr_assert_str_eq(rep->text, "");
+  cr_assert_eq(rep->index, 0);
+  free_reply(rep);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 3, 2000), 3);
+}
+
+Test(rpc, server_streaming_1000) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_SERVER_STREAM, NULL, 0, 10000);
+  cr_assert_not_null(s);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "tick";
+  req.reply_count = 1000;
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  for (int i = 0; i < 1000; i++) {
+    EchoReply *rep = NULL;
+    int r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+    cr_assert_eq(r, 1, "reply %d: read returned %d", i, r);
+    cr_assert_eq(rep->index, i, "reply %d has index %d", i, rep->index);
+    cr_assert_str_eq(rep->text, "tick");
+    free_reply(rep);
+  }
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_OK, "%s", st.message);
+  rpc_stream_destroy(s);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0);
+}
+
+Test(rpc, server_streaming_error_after_replies) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_SERVER_STREAM, NULL, 0, 5000);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "partial";
+  req.reply_count = 3;
+  req.fail_code = GRPC_STATUS_DATA_LOSS;
+  req.fail_kind = "LOST";
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  for (int i = 0; i < 3; i++) {
+    EchoReply *rep = NULL;
+    cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000),
+                 1, "replies queued before the status arrive first (%d)", i);
+    cr_assert_eq(rep->index, i);
+    free_reply(rep);
+  }
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  rpc_status_t st;
+  poison_status(&st);
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_DATA_LOSS);
+  cr_assert_eq(st.code, GRPC_STATUS_DATA_LOSS);
+  cr_assert_str_eq(st.kind, "LOST");
+  cr_assert_str_eq(st.message, "echo failure: partial");
+  rpc_stream_destroy(s);
+}
+
+enum { BIDI_N = 10000 };
+
+typedef struct {
+  rpc_stream_t *s;
+  int written, write_err;
+  int read, bad_index, bad_text, end_code;
+} bidi_run_t;
+
+static void *bidi_writer(void *p) {
+  bidi_run_t *b = p;
+  for (int i = 0; i < BIDI_N; i++) {
+    char text[16];
+    snprintf(text, sizeof text, "m%05d", i);
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = text;
+    if (rpc_stream_write(b->s, &req.base, i == BIDI_N - 1) != 0) {
+      b->write_err = i + 1;
+      return NULL;
+    }
+    b->written++;
+  }
+  return NULL;
+}
+
+static void *bidi_reader(void *p) {
+  bidi_run_t *b = p;
+  for (;;) {
+    EchoReply *rep = NULL;
+    int r = rpc_stream_read(b->s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 10000);
+    if (r != 1) {
+      b->end_code = r;
+      return NULL;
+    }
+    char want[16];
+    snprintf(want, sizeof want, "m%05d", b->read);
+    if (rep->index != b->read + 1 && !b->bad_index) b->bad_index = b->read + 1;
+    if (strcmp(rep->text, want) != 0 && !b->bad_text) b->bad_text = b->read + 1;
+    b->read++;
+    free_reply(rep);
+  }
+}
+
+Test(rpc, bidi_10000_pipelined) {
+  bidi_run_t b = {.s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 20000)};
+  cr_assert_not_null(b.s);
+  pthread_t w, r;
+  pthread_create(&r, NULL, bidi_reader, &b);
+  pthread_create(&w, NULL, bidi_writer, &b);
+  pthread_join(w, NULL);
+  pthread_join(r, NULL);
+  rpc_status_t st;
+  grpc_status_code code = rpc_stream_finish(b.s, &st);
+  rpc_stream_destroy(b.s);
+  cr_assert_eq(b.write_err, 0, "write %d failed", b.write_err);
+  cr_assert_eq(b.written, BIDI_N);
+  cr_assert_eq(b.read, BIDI_N, "read %d replies", b.read);
+  cr_assert_eq(b.end_code, 0, "the stream ended with read %d", b.end_code);
+  cr_assert_eq(b.bad_index, 0, "reply %d out of order", b.bad_index);
+  cr_assert_eq(b.bad_text, 0, "reply %d has the wrong text", b.bad_text);
+  cr_assert_eq(code, GRPC_STATUS_OK, "code %d: %s", code, st.message);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0);
+}
+
+Test(rpc, bidi_error_midstream) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 5000);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "one";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  req.text = "two";
+  req.fail_code = GRPC_STATUS_OUT_OF_RANGE;
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  EchoReply *rep = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1);
+  cr_assert_str_eq(rep->text, "one");
+  free_reply(rep);
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 0);
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_OUT_OF_RANGE);
+  cr_assert_str_eq(st.message, "echo failure: two");
+  cr_assert_str_eq(st.kind, "");
+  rpc_stream_destroy(s);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1);
+}
+
+static void *cancel_later(void *p) {
+  usleep(200 * 1000);
+  rpc_stream_cancel(p);
+  return NULL;
+}
+
+Test(rpc, client_cancel_mid_bidi) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 0);
+  cr_assert_not_null(s);
+  for (int i = 0; i < 3; i++) {
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = "c";
+    cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+    EchoReply *rep = NULL;
+    cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1);
+    cr_assert_eq(rep->index, i + 1);
+    free_reply(rep);
+  }
+  cr_assert_eq(echo_server_calls_ended(es), 0, "the call is still open");
+  cr_assert_eq(rpc_server_active_calls(echo_server_rpc(es)), 1);
+
+  /* A read blocked without a timeout returns when another thread cancels. */
+  pthread_t t;
+  pthread_create(&t, NULL, cancel_later, s);
+  int64_t t0 = rpc_now_ms();
+  ProtobufCMessage *m = NULL;
+  int r = rpc_stream_read(s, &echo_reply__descriptor, &m, 0);
+  int64_t took = rpc_now_ms() - t0;
+  pthread_join(t, NULL);
+  cr_assert(r == 0 || r == -1, "read after cancel returned %d", r);
+  cr_assert_lt(took, 3000, "blocked read took %lld ms to notice the cancel", (long long)took);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "after cancel";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), -1, "write after cancel must fail");
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_CANCELLED, "code %d: %s", st.code,
+               st.message);
+  rpc_stream_destroy(s);
+
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 5000), 1,
+               "server on_end did not see cancelled=true");
+  cr_assert_eq(echo_server_calls_ended(es), 1);
+  cr_assert_eq(wait_active(0, 2000), 0);
+}
+
+Test(rpc, deadline_exceeded_on_delayed_unary) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "slow";
+  req.delay_ms = 600;
+  EchoReply *rep;
+  rpc_status_t st;
+  int64_t t0 = rpc_now_ms();
+  grpc_status_code code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 150, &st);
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert_eq(code, GRPC_STATUS_DEADLINE_EXCEEDED, "code %d: %s", code, st.message);
+  cr_assert_null(rep);
+  cr_assert_eq(st.code, GRPC_STATUS_DEADLINE_EXCEEDED);
+  cr_assert_geq(took, 140, "returned after %lld ms", (long long)took);
+  cr_assert_lt(took, 550, "returned after %lld ms", (long long)took);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 3000), 1,
+               "server on_end did not see the deadline as a cancellation");
+
+  /* The held call is answered after it ended (a no-op), then released. */
+  usleep(700 * 1000);
+  assert_unary_ok("after the deadline");
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 2, 2000), 2);
+}
+
+Test(rpc, stream_read_timeout_keeps_read_armed) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 10000);
+  cr_assert_not_null(s);
+  ProtobufCMessage *m = NULL;
+  int64_t t0 = rpc_now_ms();
+  int r = rpc_stream_read(s, &echo_reply__descriptor, &m, 150);
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert_eq(r, -2, "read with nothing to read returned %d", r);
+  cr_assert_geq(took, 140, "timed out after %lld ms", (long long)took);
+  cr_assert_lt(took, 1000);
+
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "late";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  EchoReply *rep = NULL;
+  r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 1, "the message after a timed-out read: %d", r);
+  cr_assert_str_eq(rep->text, "late");
+  cr_assert_eq(rep->index, 1);
+  free_reply(rep);
+
+  /* Time out again, then the message that was in flight during the timeout. */
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 50), -2);
+  req.text = "later";
+  req.delay_ms = 0;
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 1);
+  cr_assert_str_eq(rep->text, "later");
+  cr_assert_eq(rep->index, 2, "no message lost or duplicated by the timeouts");
+  free_reply(rep);
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+}
+
+/* ---------------------------------------------------------------- lifecycle */
+
+Test(rpc, shutdown_with_open_bidi_stream) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 0);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "open";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  EchoReply *rep = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1);
+  free_reply(rep);
+  cr_assert_eq(rpc_server_active_calls(echo_server_rpc(es)), 1);
+
+  int64_t t0 = rpc_now_ms();
+  rpc_server_shutdown(echo_server_rpc(es), 0.5);
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert_lt(took, 1500, "shutdown with grace 0.5 s took %lld ms", (long long)took);
+  cr_assert_geq(took, 450, "shutdown did not wait for the grace period (%lld ms)",
+                (long long)took);
+  cr_assert_eq(echo_server_calls_ended(es), 1, "on_end must have run when shutdown returns");
+  cr_assert_eq(rpc_server_active_calls(echo_server_rpc(es)), 0);
+
+  ProtobufCMessage *m = NULL;
+  int r = rpc_stream_read(s, &echo_reply__descriptor, &m, 3000);
+  cr_assert(r == 0 || r == -1, "client read after server shutdown returned %d", r);
+  rpc_status_t st;
+  grpc_status_code code = rpc_stream_finish(s, &st);
+  cr_assert_neq(code, GRPC_STATUS_OK, "the client must not see OK for a cut stream");
+  rpc_stream_destroy(s);
+
+  /* Idempotent: a second shutdown returns at once. */
+  t0 = rpc_now_ms();
+  rpc_server_shutdown(echo_server_rpc(es), 5);
+  cr_assert_lt(rpc_now_ms() - t0, 500);
+}
+
+Test(rpc, port_in_use_fails) {
+  char listen[64], err[256] = "", port[16];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", echo_server_port(es));
+  snprintf(port, sizeof port, "%d", echo_server_port(es));
+  rpc_server_opts_t opts = {.listen = listen, .threads = 1};
+  rpc_server_t *second = rpc_server_create(&opts, err, sizeof err);
+  cr_assert_not_null(second, "%s", err);
+  int got = rpc_server_start(second, err, sizeof err);
+  cr_assert_eq(got, -1, "a second server on %s started (port %d)", listen, got);
+  cr_assert_neq(err[0], '\0', "no error message");
+  cr_assert_not_null(strstr(err, port), "the error should name the address: '%s'", err);
+  rpc_server_destroy(second);
+
+  err[0] = '\0';
+  echo_server_t *third = echo_server_start(&opts, err, sizeof err);
+  cr_assert_null(third, "echo_server_start on a used port succeeded");
+  cr_assert_neq(err[0], '\0');
+
+  /* The first server still owns the port and answers, also on a new connection. */
+  assert_unary_ok("first server");
+  rpc_channel_opts_t co = {.own_connection = true};
+  rpc_channel_t *fresh = rpc_channel_create(target, &co);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "fresh";
+  EchoReply *rep;
+  rpc_status_t st;
+  for (int i = 0; i < 20; i++) {
+    cr_assert_eq(call_unary(fresh, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st), GRPC_STATUS_OK);
+    free_reply(rep);
+  }
+  rpc_channel_destroy(fresh);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 21, 2000), 21);
+}
+
+static int closed_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  cr_assert_geq(fd, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  socklen_t len = sizeof a;
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  close(fd); /* never listened: connections are refused */
+  return ntohs(a.sin_port);
+}
+
+Test(rpc, channel_wait_ready) {
+  cr_assert(rpc_channel_wait_ready(ch, 5000), "a live server must become READY");
+
+  char closed[64];
+  snprintf(closed, sizeof closed, "127.0.0.1:%d", closed_port());
+  rpc_channel_t *dead = rpc_channel_create(closed, NULL);
+  cr_assert_not_null(dead, "creating a channel never fails for a valid target");
+  int64_t t0 = rpc_now_ms();
+  bool ready = rpc_channel_wait_ready(dead, 500);
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert_not(ready, "READY against a closed port %s", closed);
+  cr_assert_lt(took, 3000, "wait_ready(500) took %lld ms", (long long)took);
+
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "nobody";
+  EchoReply *rep;
+  rpc_status_t st;
+  grpc_status_code code = call_unary(dead, ECHO_UNARY, &req, &rep, NULL, 0, 2000, &st);
+  cr_assert(code == GRPC_STATUS_UNAVAILABLE || code == GRPC_STATUS_DEADLINE_EXCEEDED,
+            "unary to a closed port: code %d (%s)", code, st.message);
+  rpc_channel_destroy(dead);
+}
+
+enum { CONC_THREADS = 8, CONC_CALLS = 100 };
+
+static void *concurrent_caller(void *p) {
+  intptr_t id = (intptr_t)p;
+  for (int i = 0; i < CONC_CALLS; i++) {
+    char text[32];
+    snprintf(text, sizeof text, "t%ld-%d", (long)id, i);
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = text;
+    EchoReply *rep;
+    rpc_status_t st;
+    if (call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st) != GRPC_STATUS_OK)
+      return (void *)(intptr_t)(i + 1);
+    int same = strcmp(rep->text, text) == 0;
+    free_reply(rep);
+    if (!same) return (void *)(intptr_t)(-(i + 1));
+  }
+  return NULL;
+}
+
+Test(rpc, unary_from_many_threads) {
+  pthread_t t[CONC_THREADS];
+  for (intptr_t i = 0; i < CONC_THREADS; i++)
+    pthread_create(&t[i], NULL, concurrent_caller, (void *)i);
+  for (int i = 0; i < CONC_THREADS; i++) {
+    void *ret;
+    pthread_join(t[i], &ret);
+    cr_assert_null(ret, "thread %d: call %ld failed (negative: wrong reply)", i, (long)(intptr_t)ret);
+  }
+  cr_assert_eq(wait_counter(echo_server_calls_ended, CONC_THREADS * CONC_CALLS, 3000),
+               CONC_THREADS * CONC_CALLS);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0);
+}
+
+enum { OPEN_STREAMS = 64 };
+
+Test(rpc, many_open_streams) {
+  rpc_stream_t *s[OPEN_STREAMS];
+  for (int i = 0; i < OPEN_STREAMS; i++) {
+    s[i] = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 10000);
+    cr_assert_not_null(s[i]);
+    char text[16];
+    snprintf(text, sizeof text, "s%d", i);
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = text;
+    cr_assert_eq(rpc_stream_write(s[i], &req.base, false), 0, "stream %d", i);
+  }
+  for (int i = 0; i < OPEN_STREAMS; i++) {
+    char text[16];
+    snprintf(text, sizeof text, "s%d", i);
+    EchoReply *rep = NULL;
+    int r = rpc_stream_read(s[i], &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+    cr_assert_eq(r, 1, "stream %d of %d open: read %d", i, OPEN_STREAMS, r);
+    cr_assert_str_eq(rep->text, text);
+    free_reply(rep);
+  }
+  cr_assert_eq(wait_active(OPEN_STREAMS, 2000), OPEN_STREAMS);
+  for (int i = 0; i < OPEN_STREAMS; i++) {
+    cr_assert_eq(rpc_stream_close_send(s[i]), 0);
+    ProtobufCMessage *m = NULL;
+    cr_assert_eq(rpc_stream_read(s[i], &echo_reply__descriptor, &m, 5000), 0);
+    cr_assert_eq(rpc_stream_finish(s[i], NULL), GRPC_STATUS_OK);
+    rpc_stream_destroy(s[i]);
+  }
+  cr_assert_eq(wait_counter(echo_server_calls_ended, OPEN_STREAMS, 2000), OPEN_STREAMS);
+  cr_assert_eq(echo_server_calls_cancelled(es), 0);
+}
+
+enum { BP_N = 20000, BP_PAYLOAD = 1024 };
+
+typedef struct {
+  rpc_stream_t *s;
+  atomic_int written;
+  int err;
+} bp_writer_t;
+
+static void *bp_writer(void *p) {
+  bp_writer_t *w = p;
+  static uint8_t payload[BP_PAYLOAD];
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "bp";
+  req.payload.data = payload;
+  req.payload.len = sizeof payload;
+  for (int i = 0; i < BP_N; i++) {
+    if (rpc_stream_write(w->s, &req.base, i == BP_N - 1) != 0) {
+      w->err = i + 1;
+      return NULL;
+    }
+    atomic_fetch_add(&w->written, 1);
+  }
+  return NULL;
+}
+
+/* A client that writes and does not read: the server stops reading once its
+ * outbox is full, the writer blocks, and all resumes when the client reads. */
+Test(rpc, bidi_backpressure_resumes) {
+  bp_writer_t w = {.s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 20000)};
+  pthread_t t;
+  pthread_create(&t, NULL, bp_writer, &w);
+  usleep(500 * 1000);
+  int before = atomic_load(&w.written);
+  cr_assert_lt(before, BP_N, "all %d KiB were taken without the client reading: no backpressure",
+               BP_N * BP_PAYLOAD / 1024);
+  int n = 0, r;
+  EchoReply *rep = NULL;
+  while ((r = rpc_stream_read(w.s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000)) == 1) {
+    n++;
+    cr_assert_eq(rep->index, n);
+    free_reply(rep);
+  }
+  pthread_join(t, NULL);
+  cr_assert_eq(r, 0, "read ended with %d after %d replies", r, n);
+  cr_assert_eq(w.err, 0, "write %d failed", w.err);
+  cr_assert_eq(n, BP_N);
+  cr_assert_eq(rpc_stream_finish(w.s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(w.s);
+}
+
+Test(rpc, stream_destroy_cancels) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 0);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "x";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  EchoReply *rep = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1);
+  free_reply(rep);
+  rpc_stream_destroy(s); /* neither finished nor cancelled */
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 5000), 1,
+               "destroying a running stream must cancel the call");
+  cr_assert_eq(echo_server_calls_ended(es), 1);
+}
+
+Test(rpc, stop_accepting_keeps_running_calls) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 10000);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "before";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  EchoReply *rep = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1);
+  free_reply(rep);
+
+  rpc_server_stop_accepting(echo_server_rpc(es));
+  rpc_server_stop_accepting(echo_server_rpc(es)); /* idempotent */
+
+  req.text = "after";
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0);
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1,
+               "a running stream must go on after stop_accepting");
+  cr_assert_str_eq(rep->text, "after");
+  cr_assert_eq(rep->index, 2);
+  free_reply(rep);
+
+  rpc_channel_opts_t co = {.own_connection = true};
+  rpc_channel_t *fresh = rpc_channel_create(target, &co);
+  EchoRequest ureq = ECHO_REQUEST__INIT;
+  ureq.text = "new";
+  rpc_status_t st;
+  grpc_status_code code = call_unary(fresh, ECHO_UNARY, &ureq, &rep, NULL, 0, 2000, &st);
+  cr_assert_neq(code, GRPC_STATUS_OK, "a new call was accepted after stop_accepting");
+  rpc_channel_destroy(fresh);
+
+  cr_assert_eq(rpc_stream_close_send(s), 0);
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_OK, "%s", st.message);
+  rpc_stream_destroy(s);
+}
+
+/* A handler holding an rpc_call_ref past the grace period (a delayed answer
+ * still waiting) must not hold up shutdown: the call is cancelled, on_end runs,
+ * and the ref is dropped later. */
+Test(rpc, shutdown_with_held_call) {
+  delayed_call_t held = {.delay_ms = 3000};
+  pthread_t t;
+  pthread_create(&t, NULL, delayed_call_thread, &held);
+  cr_assert_eq(wait_active(1, 2000), 1, "the delayed call did not start");
+  int64_t t0 = rpc_now_ms();
+  rpc_server_shutdown(echo_server_rpc(es), 0.3);
+  int64_t took = rpc_now_ms() - t0;
+  pthread_join(t, NULL);
+  cr_assert_lt(took, 1300, "shutdown with grace 0.3 s took %lld ms while a handler held a ref",
+               (long long)took);
+  cr_assert_eq(echo_server_calls_ended(es), 1, "on_end must have run when shutdown returns");
+  cr_assert_eq(echo_server_calls_cancelled(es), 1);
+  cr_assert_neq(held.code, GRPC_STATUS_OK, "the cut call must not look answered");
+  cr_assert_lt(held.elapsed_ms, 2500, "the client waited %lld ms", (long long)held.elapsed_ms);
+}
