@@ -9,7 +9,8 @@ agent(server_port, *flags, rank=None, wait_registered=True)
 Every process a fixture started is stopped at teardown, even when the test failed:
 SIGTERM, then SIGKILL after a bound. The agents a meshd supervises are collected
 from /proc/<pid>/task/*/children before it is stopped and must be gone after.
-On failure the tail of every log is printed.
+On failure the tail of every log is printed. A log holding a sanitizer report
+(ASan, LSan, UBSan; local agents log into meshd's log) fails the test.
 """
 
 import os
@@ -69,6 +70,10 @@ class _Registry:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+        for p in self.servers + self.agents:
+            hit = lib.sanitizer_report(p.log)
+            if hit:
+                problems.append(f"{p.kind} pid {p.pid}: sanitizer report: {hit}")
         if show_logs or problems:
             for p in self.servers + self.agents:
                 print(f"\n===== {p.kind} pid {p.pid} rc {p.proc.returncode}: {' '.join(p.args)}\n"

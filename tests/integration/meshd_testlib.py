@@ -467,3 +467,19 @@ def wait_agents(port, predicate, timeout=REGISTER_TIMEOUT, what="agents", log=No
 
 def healthy_ranks(agents):
     return sorted(a.rank for a in agents if a.healthy)
+
+
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:",
+                   "WARNING: ThreadSanitizer")
+
+
+def sanitizer_report(log_path):
+    """The first line of a sanitizer report in the log, or None."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                if any(m in line for m in SANITIZER_MARKS):
+                    return line.strip()
+    except FileNotFoundError:
+        pass
+    return None
