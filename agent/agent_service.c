@@ -1,1 +1,46 @@
-/* placeholder: being written */
+/* meshd.agent.v1.Agent: what the server calls on an agent it dialed back. */
+#include <string.h>
+
+#include "agent.h"
+#include "log.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+
+/* The server registers an agent, then calls Hello with the id it was given: a
+ * mismatch means the advertised address reached some other process (a stale
+ * port, a wrong --advertise), and the server must not count this agent. */
+static void hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  const agent_info_t *self = arg;
+  const Meshd__Agent__V1__HelloRequest *req = (const Meshd__Agent__V1__HelloRequest *)msg;
+
+  if (strcmp(req->agent_id, self->id) != 0) {
+    log_warn("agent", "hello for agent %s (rank %u) reached agent %s", req->agent_id,
+             req->rank, self->id);
+    rpc_call_finish(call, GRPC_STATUS_FAILED_PRECONDITION, NULL,
+                    "hello for agent %s reached agent %s", req->agent_id, self->id);
+    return;
+  }
+  log_debug("agent", "hello from server %s for rank %u", req->server_id, req->rank);
+
+  Meshd__Agent__V1__HelloReply reply = MESHD__AGENT__V1__HELLO_REPLY__INIT;
+  reply.agent_id = (char *)self->id;
+  reply.device = (char *)self->device;
+  reply.memory_bytes = self->memory_bytes;
+  reply.allocated_bytes = 0; /* no allocator yet */
+  rpc_call_reply(call, &reply.base);
+}
+
+static rpc_method_t methods[] = {
+    {
+        .path = "/meshd.agent.v1.Agent/Hello",
+        .kind = RPC_UNARY,
+        .request = &meshd__agent__v1__hello_request__descriptor,
+        .on_start = hello,
+    },
+};
+
+const rpc_method_t *agent_service_methods(const agent_info_t *info, size_t *n) {
+  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++)
+    methods[i].arg = (void *)info;
+  *n = sizeof methods / sizeof methods[0];
+  return methods;
+}

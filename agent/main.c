@@ -1,1 +1,207 @@
-/* placeholder: being written */
+/* meshd-agent: one process per device. Serves the Agent and Health services,
+ * registers with the server, and on SIGTERM/SIGINT drains and exits 0. */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent.h"
+#include "config.h"
+#include "health.h"
+#include "log.h"
+#include "rpc.h"
+#include "runtime.h"
+
+#define PROG "meshd-agent"
+#define SYNOPSIS "--server HOST:PORT [options]"
+
+typedef struct options {
+  const char *server;
+  const char *listen;
+  const char *advertise;
+  const char *port_file;
+  const char *device;
+  int64_t rank;
+  uint64_t memory_bytes;
+  double drain_seconds;
+  int64_t threads;
+  uint64_t max_message_bytes;
+  const char *log_level;
+} options_t;
+
+static options_t opt;
+
+static const config_flag_t flags[] = {
+    {"server", CONFIG_STRING, NULL, "where to register (required)", &opt.server, 0, 0},
+    {"listen", CONFIG_STRING, "127.0.0.1:0", "the agent's gRPC address; port 0 picks a free port",
+     &opt.listen, 0, 0},
+    {"advertise", CONFIG_STRING, NULL,
+     "address the server dials back (default: host of --listen + bound port)", &opt.advertise,
+     0, 0},
+    {"port-file", CONFIG_STRING, NULL, "write the bound port there", &opt.port_file, 0, 0},
+    {"device", CONFIG_STRING, "cpu", "device to serve: cpu", &opt.device, 0, 0},
+    {"rank", CONFIG_INT, "-1", "ask for this world rank; -1: any free rank", &opt.rank, -1,
+     INT32_MAX},
+    {"memory-bytes", CONFIG_BYTES, NULL,
+     "capacity reported to the server (default: physical memory)", &opt.memory_bytes, 0, 0},
+    {"drain-seconds", CONFIG_DOUBLE, "5", "on SIGTERM/SIGINT, how long running calls may finish",
+     &opt.drain_seconds, 0, 3600},
+    {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 256},
+    {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction",
+     &opt.max_message_bytes, 0, 0},
+    {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
+};
+#define NFLAGS (sizeof flags / sizeof flags[0])
+
+__attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "%s: ", PROG);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  config_usage(stderr, PROG, SYNOPSIS, flags, NFLAGS);
+  return 2;
+}
+
+/* Returns -1 to go on, else the exit code. */
+static int parse_options(int argc, char **argv) {
+  char err[256];
+  int npos = 0;
+  int rc = config_parse(flags, NFLAGS, argc, argv, &npos, err, sizeof err);
+  if (rc == 1) {
+    config_usage(stdout, PROG, SYNOPSIS, flags, NFLAGS);
+    return 0;
+  }
+  if (rc < 0)
+    return usage_error("%s", err);
+  if (npos > 0)
+    return usage_error("unexpected argument '%s'", argv[1]);
+  if (!opt.server || !*opt.server)
+    return usage_error("--server is required (or MESHD_SERVER)");
+  if (strcmp(opt.device, "cpu") != 0)
+    return usage_error("--device: '%s' is not supported by this build (only 'cpu')", opt.device);
+  if (opt.max_message_bytes < 1024 || opt.max_message_bytes > INT_MAX)
+    return usage_error("--max-message-bytes: must be between 1KiB and 2GiB-1");
+  log_level_t level;
+  if (!log_parse_level(opt.log_level, &level))
+    return usage_error("--log-level: '%s' is not one of debug, info, warn, error",
+                       opt.log_level);
+  log_set_level(level);
+  return -1;
+}
+
+static uint64_t cgroup_memory_limit(void) {
+  static const char *const files[] = {
+      "/sys/fs/cgroup/memory.max",                   /* cgroup v2; "max" = none */
+      "/sys/fs/cgroup/memory/memory.limit_in_bytes", /* v1; huge = none */
+  };
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+    FILE *f = fopen(files[i], "r");
+    if (!f)
+      continue;
+    unsigned long long v = 0;
+    int n = fscanf(f, "%llu", &v);
+    fclose(f);
+    if (n == 1 && v > 0)
+      return v;
+  }
+  return 0;
+}
+
+/* Physical memory, or the container's limit when that is smaller: allocating
+ * past a cgroup limit gets the agent OOM-killed, not an error. */
+static uint64_t default_memory_bytes(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  uint64_t mem = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+  uint64_t limit = cgroup_memory_limit();
+  if (limit && (mem == 0 || limit < mem))
+    mem = limit;
+  return mem;
+}
+
+int main(int argc, char **argv) {
+  int rc = parse_options(argc, argv);
+  if (rc >= 0)
+    return rc;
+
+  static agent_info_t info;
+  runtime_random_hex(info.id, 16);
+  info.server = opt.server;
+  info.device = opt.device;
+  info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : default_memory_bytes();
+  info.requested_rank = (int32_t)opt.rank;
+
+  /* Before rpc_init, so every thread gRPC starts inherits the mask. */
+  runtime_block_signals();
+
+  rpc_init();
+  rc = 1;
+  char err[256];
+  health_t *health = health_create();
+  registration_t *reg = NULL;
+  rpc_server_opts_t sopts = {
+      .listen = opt.listen,
+      .threads = (int)opt.threads,
+      .max_message_bytes = (int)opt.max_message_bytes,
+  };
+  rpc_server_t *srv = rpc_server_create(&sopts, err, sizeof err);
+  if (!srv) {
+    log_error("agent", "cannot create the gRPC server: %s", err);
+    goto out;
+  }
+  size_t nmethods;
+  const rpc_method_t *methods = agent_service_methods(&info, &nmethods);
+  if (health_add_methods(health, srv) != 0 ||
+      rpc_server_add_methods(srv, methods, nmethods) != 0) {
+    log_error("agent", "cannot register the Health and Agent services");
+    goto out;
+  }
+  health_set(health, AGENT_HEALTH_SERVICE, HEALTH_NOT_SERVING);
+  int port = rpc_server_start(srv, err, sizeof err);
+  if (port <= 0) {
+    log_error("agent", "%s", err);
+    goto out;
+  }
+  health_set(health, "", HEALTH_SERVING);
+
+  if (opt.advertise)
+    snprintf(info.address, sizeof info.address, "%s", opt.advertise);
+  else
+    runtime_local_address(opt.listen, port, info.address, sizeof info.address);
+  if (opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
+    log_error("agent", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
+    goto out;
+  }
+  log_info("agent", "agent %s listening on port %d, advertising %s, device %s, memory %" PRIu64
+           " bytes, pid %d", info.id, port, info.address, info.device, info.memory_bytes,
+           (int)getpid());
+
+  reg = registration_start(&info, health);
+  if (!reg)
+    goto out;
+
+  int sig;
+  while ((sig = runtime_wait_signal(1000)) == 0) {
+  }
+  log_info("agent", "%s: shutting down (drain %.1f s)", strsignal(sig), opt.drain_seconds);
+  rc = 0;
+
+out:
+  health_shutdown(health);
+  registration_stop(reg);
+  if (srv) {
+    rpc_server_shutdown(srv, opt.drain_seconds);
+    rpc_server_destroy(srv);
+  }
+  health_destroy(health);
+  rpc_shutdown();
+  if (rc == 0)
+    log_info("agent", "stopped");
+  return rc;
+}

@@ -1,1 +1,286 @@
-/* placeholder: being written */
+/* Keeps the agent registered: one long-lived AgentRegistry/RegisterAgent call,
+ * re-opened with backoff whenever it ends, until registration_stop. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "agent.h"
+#include "log.h"
+#include "meshd/v1/agent_registry.pb-c.h"
+#include "status.h"
+
+#define REGISTER_METHOD "/meshd.v1.AgentRegistry/RegisterAgent"
+
+#define BACKOFF_FIRST_MS 100
+#define BACKOFF_MAX_MS 2000
+/* A registration that held this long was healthy: the next failure starts the
+ * backoff from the beginning again. */
+#define STABLE_MS 5000
+/* While the same failure repeats, log it at warn only this often (attempts);
+ * at the 2 s ceiling that is about every 30 s. */
+#define REPEAT_LOG_EVERY 15
+
+struct registration {
+  const agent_info_t *info;
+  health_t *health;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t wake;   /* signalled by registration_stop; uses CLOCK_MONOTONIC */
+  bool stopping;         /* guarded by mu */
+  rpc_stream_t *stream;  /* the call in progress, for registration_stop to cancel; mu */
+  uint64_t rng;          /* jitter; used by the thread only */
+};
+
+/* One attempt's outcome, for the log line and the backoff. */
+typedef struct attempt {
+  bool accepted;
+  int64_t accepted_at_ms;
+  rpc_status_t st;
+} attempt_t;
+
+static uint64_t next_random(uint64_t *state) {
+  /* splitmix64: plenty for jitter, and no shared state with rand(). */
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* base ±20% */
+static int jittered(registration_t *reg, int base_ms) {
+  double u = (double)(next_random(&reg->rng) >> 11) / (double)(1ull << 53);
+  return (int)(base_ms * (0.8 + 0.4 * u));
+}
+
+static bool is_stopping(registration_t *reg) {
+  pthread_mutex_lock(&reg->mu);
+  bool stopping = reg->stopping;
+  pthread_mutex_unlock(&reg->mu);
+  return stopping;
+}
+
+/* Sleeps ms unless registration_stop wakes it. Returns false if stopping. */
+static bool sleep_unless_stopped(registration_t *reg, int ms) {
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  until.tv_sec += ms / 1000;
+  until.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&reg->mu);
+  while (!reg->stopping) {
+    if (pthread_cond_timedwait(&reg->wake, &reg->mu, &until) == ETIMEDOUT)
+      break;
+  }
+  bool stopping = reg->stopping;
+  pthread_mutex_unlock(&reg->mu);
+  return !stopping;
+}
+
+static void set_serving(registration_t *reg, bool serving) {
+  health_set(reg->health, AGENT_HEALTH_SERVICE, serving ? HEALTH_SERVING : HEALTH_NOT_SERVING);
+}
+
+static void on_server_message(registration_t *reg, const Meshd__V1__ServerToAgent *m,
+                              attempt_t *at) {
+  switch (m->msg_case) {
+  case MESHD__V1__SERVER_TO_AGENT__MSG_ACCEPTED:
+    log_info("agent", "registered as rank %u with server %s (server id %s)",
+             m->accepted->rank, reg->info->server, m->accepted->server_id);
+    if (!at->accepted) {
+      at->accepted = true;
+      at->accepted_at_ms = rpc_now_ms();
+    }
+    set_serving(reg, true);
+    break;
+  default:
+    /* A newer server may send more kinds; they are not ours to fail on. */
+    log_debug("agent", "ignoring server message kind %d", (int)m->msg_case);
+    break;
+  }
+}
+
+/* One registration call, from opening it to its status. */
+static void attempt_once(registration_t *reg, attempt_t *at) {
+  const agent_info_t *info = reg->info;
+  memset(at, 0, sizeof *at);
+
+  /* A fresh channel with its own connection per attempt: gRPC's reconnect
+   * backoff (up to minutes) would otherwise outlive a restarted server and make
+   * our own 2 s ceiling meaningless. Keepalive catches a silent server in ~2 s. */
+  rpc_channel_opts_t copts = {
+      .keepalive_ms = 1000,
+      .keepalive_timeout_ms = 1000,
+      .own_connection = true,
+  };
+  rpc_channel_t *ch = rpc_channel_create(info->server, &copts);
+  if (!ch) {
+    at->st.code = GRPC_STATUS_INVALID_ARGUMENT;
+    snprintf(at->st.message, sizeof at->st.message, "cannot make a channel to '%s'",
+             info->server);
+    return;
+  }
+  rpc_stream_t *s = rpc_stream_open(ch, REGISTER_METHOD, NULL, 0, 0);
+  if (!s) {
+    at->st.code = GRPC_STATUS_INTERNAL;
+    snprintf(at->st.message, sizeof at->st.message, "cannot open %s", REGISTER_METHOD);
+    rpc_channel_destroy(ch);
+    return;
+  }
+
+  pthread_mutex_lock(&reg->mu);
+  reg->stream = s;
+  if (reg->stopping)
+    rpc_stream_cancel(s);
+  pthread_mutex_unlock(&reg->mu);
+
+  Meshd__V1__RegisterRequest hello = MESHD__V1__REGISTER_REQUEST__INIT;
+  hello.agent_id = (char *)info->id;
+  hello.address = (char *)info->address;
+  hello.device = (char *)info->device;
+  hello.memory_bytes = info->memory_bytes;
+  hello.requested_rank = info->requested_rank;
+  hello.data_port = 0; /* no data plane yet */
+  hello.version = MESHD_VERSION;
+  hello.pid = (uint32_t)getpid();
+  Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;
+  first.msg_case = MESHD__V1__AGENT_TO_SERVER__MSG_HELLO;
+  first.hello = &hello;
+
+  if (rpc_stream_write(s, &first.base, false) == 0) {
+    for (;;) {
+      ProtobufCMessage *msg = NULL;
+      int rc = rpc_stream_read(s, &meshd__v1__server_to_agent__descriptor, &msg, 0);
+      if (rc == 1) {
+        on_server_message(reg, (const Meshd__V1__ServerToAgent *)msg, at);
+        protobuf_c_message_free_unpacked(msg, NULL);
+        continue;
+      }
+      if (rc == -1) {
+        log_error("agent", "server %s sent a message that is not a ServerToAgent; "
+                  "dropping the registration", info->server);
+        rpc_stream_cancel(s);
+      }
+      break; /* 0: the server ended the call; -1: cancelled above */
+    }
+  }
+  rpc_stream_finish(s, &at->st);
+
+  pthread_mutex_lock(&reg->mu);
+  reg->stream = NULL;
+  pthread_mutex_unlock(&reg->mu);
+  rpc_stream_destroy(s);
+  rpc_channel_destroy(ch);
+  if (at->accepted)
+    set_serving(reg, false);
+}
+
+static void log_failure(registration_t *reg, const attempt_t *at, int delay_ms,
+                        unsigned attempts, bool repeated) {
+  const char *server = reg->info->server;
+  const char *code = meshd_grpc_code_name(at->st.code);
+  const char *msg = at->st.message[0] ? at->st.message : "(no message)";
+
+  if (at->accepted) {
+    log_warn("agent", "registration with server %s ended after %.1f s: %s: %s; "
+             "re-registering in %d ms", server,
+             (double)(rpc_now_ms() - at->accepted_at_ms) / 1000.0, code, msg, delay_ms);
+    return;
+  }
+  /* UNAVAILABLE / DEADLINE_EXCEEDED: nobody answered. Anything else is the
+   * server saying no (e.g. FAILED_PRECONDITION "rank 3 is taken"). */
+  bool unreachable = at->st.code == GRPC_STATUS_UNAVAILABLE ||
+                     at->st.code == GRPC_STATUS_DEADLINE_EXCEEDED;
+  log_level_t level = unreachable ? LOG_LEVEL_WARN : LOG_LEVEL_ERROR;
+  if (repeated && attempts % REPEAT_LOG_EVERY != 0)
+    level = LOG_LEVEL_DEBUG;
+  log_write(level, "agent", __FILE__, __LINE__, "%s server %s: %s: %s; retrying in %d ms (%u %s)",
+            unreachable ? "cannot register with" : "registration rejected by", server, code,
+            msg, delay_ms, attempts, attempts == 1 ? "attempt" : "attempts");
+}
+
+static void *run(void *arg) {
+  registration_t *reg = arg;
+  int backoff_ms = BACKOFF_FIRST_MS;
+  unsigned failures = 0; /* consecutive attempts that were never accepted */
+  grpc_status_code last_code = GRPC_STATUS_OK;
+
+  while (!is_stopping(reg)) {
+    attempt_t at;
+    attempt_once(reg, &at);
+    if (is_stopping(reg))
+      break;
+
+    if (at.accepted) {
+      failures = 0;
+      if (rpc_now_ms() - at.accepted_at_ms > STABLE_MS)
+        backoff_ms = BACKOFF_FIRST_MS;
+    }
+    /* By code only: gRPC's messages vary between identical failures (the A
+     * then the AAAA lookup of a name that does not resolve). */
+    bool repeated = !at.accepted && failures > 0 && last_code == at.st.code;
+    if (!at.accepted) {
+      failures++;
+      last_code = at.st.code;
+    }
+
+    int delay_ms = jittered(reg, backoff_ms);
+    log_failure(reg, &at, delay_ms, failures, repeated);
+    if (!sleep_unless_stopped(reg, delay_ms))
+      break;
+    backoff_ms = backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : backoff_ms * 2;
+  }
+  return NULL;
+}
+
+registration_t *registration_start(const agent_info_t *info, health_t *health) {
+  registration_t *reg = calloc(1, sizeof *reg);
+  if (!reg) {
+    log_error("agent", "registration: out of memory");
+    return NULL;
+  }
+  reg->info = info;
+  reg->health = health;
+  for (const char *p = info->id; *p; p++)
+    reg->rng = reg->rng * 131 + (unsigned char)*p;
+
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&reg->wake, &ca);
+  pthread_condattr_destroy(&ca);
+  pthread_mutex_init(&reg->mu, NULL);
+
+  set_serving(reg, false);
+  int err = pthread_create(&reg->thread, NULL, run, reg);
+  if (err != 0) {
+    log_error("agent", "registration: cannot start a thread: %s", strerror(err));
+    pthread_cond_destroy(&reg->wake);
+    pthread_mutex_destroy(&reg->mu);
+    free(reg);
+    return NULL;
+  }
+  return reg;
+}
+
+void registration_stop(registration_t *reg) {
+  if (!reg)
+    return;
+  pthread_mutex_lock(&reg->mu);
+  reg->stopping = true;
+  if (reg->stream)
+    rpc_stream_cancel(reg->stream);
+  pthread_cond_signal(&reg->wake);
+  pthread_mutex_unlock(&reg->mu);
+
+  pthread_join(reg->thread, NULL);
+  pthread_cond_destroy(&reg->wake);
+  pthread_mutex_destroy(&reg->mu);
+  free(reg);
+}

@@ -47,7 +47,8 @@ typedef struct rpc_method {
   const ProtobufCMessageDescriptor *request; /* requests are unpacked with it */
   /* Unary and server-streaming: `req` is the request. Streaming requests: NULL.
    * `req` belongs to the layer and is valid until the callback returns.
-   * Unary handlers must eventually answer with rpc_call_reply or rpc_call_finish. */
+   * Unary handlers must eventually answer with rpc_call_reply or rpc_call_finish.
+   * Required for every kind: a row without it is answered UNIMPLEMENTED. */
   void (*on_start)(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
   /* Streaming requests only (may be NULL for other kinds). Owned by the layer. */
   void (*on_message)(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);

@@ -2,11 +2,13 @@
 
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/slice.h>
+#include <grpc/support/log.h>
 #include <grpc/support/time.h>
 #include <pthread.h>
 #include <string.h>
 #include <time.h>
 
+#include "log.h"
 #include "rpc.h"
 
 grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg) {
@@ -52,8 +54,19 @@ gpr_timespec wire_deadline(int timeout_ms) {
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
 static int init_count;
 
+/* gRPC's own messages go through our log, in our format: its errors are
+ * usually a second view of something we report (a failed bind), so they are
+ * warnings, and its info chatter is debug. */
+static void grpc_log(gpr_log_func_args *a) {
+  log_level_t level = a->severity == GPR_LOG_SEVERITY_ERROR  ? LOG_LEVEL_WARN
+                      : a->severity == GPR_LOG_SEVERITY_INFO ? LOG_LEVEL_DEBUG
+                                                             : LOG_LEVEL_DEBUG;
+  log_write(level, "grpc", a->file, a->line, "%s", a->message);
+}
+
 void rpc_init(void) {
   pthread_mutex_lock(&init_mu);
+  if (init_count == 0) gpr_set_log_function(grpc_log);
   if (init_count++ == 0) grpc_init();
   pthread_mutex_unlock(&init_mu);
 }

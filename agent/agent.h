@@ -1,0 +1,47 @@
+/* meshd-agent internals: who this agent is, the Agent service table, and the
+ * thread that keeps the agent registered with the server. */
+#ifndef MESHD_AGENT_H
+#define MESHD_AGENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "health.h"
+#include "rpc.h"
+
+/* The health service name that is SERVING while the agent is registered. */
+#define AGENT_HEALTH_SERVICE "meshd.agent.v1.Agent"
+
+/* What this agent process is. Filled by main before any thread starts, then
+ * read-only for the life of the process (so readers need no lock). */
+typedef struct agent_info {
+  char id[33];            /* 128 random bits in hex, made at start */
+  const char *server;     /* --server: where to register */
+  char address[256];      /* what the server dials back (--advertise or derived) */
+  const char *device;     /* "cpu" */
+  uint64_t memory_bytes;  /* capacity reported to the server */
+  int32_t requested_rank; /* -1: any free rank */
+} agent_info_t;
+
+/* ---- agent_service.c --------------------------------------------------- */
+
+/* The meshd.agent.v1.Agent method table, bound to `info` (which must outlive
+ * the server). Only implemented methods are listed; the rpc layer answers the
+ * others with UNIMPLEMENTED. Returns the rows (static storage) and their
+ * count in *n. Call once. */
+const rpc_method_t *agent_service_methods(const agent_info_t *info, size_t *n);
+
+/* ---- registration.c ---------------------------------------------------- */
+
+typedef struct registration registration_t;
+
+/* Starts the thread that registers with info->server and re-registers, with
+ * backoff, whenever the call ends. While registered, `health` has
+ * AGENT_HEALTH_SERVICE SERVING, otherwise NOT_SERVING. `info` and `health` must
+ * outlive registration_stop. Returns NULL (and logs) if the thread cannot start. */
+registration_t *registration_start(const agent_info_t *info, health_t *health);
+/* Cancels the registration call, wakes a backoff sleep, joins the thread and
+ * frees everything. Prompt: it does not wait for the server. NULL is a no-op. */
+void registration_stop(registration_t *reg);
+
+#endif
