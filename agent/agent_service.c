@@ -2,6 +2,7 @@
 #include <string.h>
 
 #include "agent.h"
+#include "execute.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 
@@ -35,6 +36,14 @@ static rpc_method_t methods[] = {
         .kind = RPC_UNARY,
         .request = &meshd__agent__v1__hello_request__descriptor,
         .on_start = hello,
+    },
+    {
+        .path = "/meshd.agent.v1.Agent/Execute",
+        .kind = RPC_BIDI,
+        .request = &meshd__agent__v1__instruction_batch__descriptor,
+        .on_start = execute_start,
+        .on_message = execute_message,
+        .on_end = execute_end,
     },
 };
 

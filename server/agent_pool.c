@@ -1,12 +1,25 @@
 #include "agent_pool.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "log.h"
+
+/* The pool's side of one Execute link: what its callbacks need, and whether
+ * its loss was reported yet (once, by whichever of the link's reader thread
+ * and agent_pool_remove gets there first). Owned by the agent slot; freed
+ * after the link is stopped. */
+typedef struct pool_link {
+  agent_pool_t *pool;
+  agent_link_t *link;
+  uint32_t rank;
+  char agent_id[64];
+  atomic_bool gone;
+} pool_link_t;
 
 typedef struct agent {
   bool used;
@@ -15,6 +28,11 @@ typedef struct agent {
   uint64_t allocated_bytes;
   int64_t registered_unix_ms;
   rpc_channel_t *channel;
+  pool_link_t *link;
+  /* Last seq of the rank's earlier links. Survives the agent (kept across the
+   * memsets) so that seqs are never reused on a rank: a (rank, seq) the
+   * watermark knows as lost cannot come back on the next agent. */
+  uint64_t seq_floor;
 } agent_t;
 
 struct agent_pool {
@@ -24,23 +42,86 @@ struct agent_pool {
   int healthy;
   agent_pool_changed_fn changed;
   void *arg;
+  agent_pool_callbacks_t cb;
+  watermark_t *marks;
 };
 
-agent_pool_t *agent_pool_create(agent_pool_changed_fn changed, void *arg) {
+agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
   agent_pool_t *p = calloc(1, sizeof *p);
   if (!p) return NULL;
+  p->marks = watermark_create();
+  if (!p->marks) {
+    free(p);
+    return NULL;
+  }
   pthread_mutex_init(&p->mu, NULL);
-  p->changed = changed;
-  p->arg = arg;
+  if (cb) p->cb = *cb;
+  p->changed = p->cb.changed;
+  p->arg = p->cb.arg;
   return p;
 }
 
 void agent_pool_destroy(agent_pool_t *p) {
   if (!p) return;
-  for (size_t i = 0; i < p->cap; i++) rpc_channel_destroy(p->agents[i].channel);
+  /* No on_lost here: the owner is tearing down; pending waits are cancelled. */
+  for (size_t i = 0; i < p->cap; i++) {
+    pool_link_t *pl = p->agents[i].link;
+    if (pl) {
+      agent_link_close(pl->link);
+      free(pl);
+    }
+    rpc_channel_destroy(p->agents[i].channel);
+  }
+  watermark_destroy(p->marks);
   free(p->agents);
   pthread_mutex_destroy(&p->mu);
   free(p);
+}
+
+/* ------------------------------------------------------------------ links */
+
+static void link_report(uint32_t rank, uint64_t executed, const Meshd__V1__Error *const *errors,
+                        size_t n, uint64_t allocated_bytes, void *arg) {
+  agent_pool_t *p = ((pool_link_t *)arg)->pool;
+  if (p->cb.on_report) p->cb.on_report(rank, executed, errors, n, allocated_bytes, p->cb.arg);
+  watermark_advance(p->marks, rank, executed);
+}
+
+/* The link carried its last instruction: tell the owner, then fail the waits
+ * on what it had not executed. The link must be broken or stopped, so its
+ * numbers are final. */
+static void link_gone(pool_link_t *pl) {
+  if (atomic_exchange(&pl->gone, true)) return;
+  agent_pool_t *p = pl->pool;
+  uint64_t executed = agent_link_executed(pl->link), last = agent_link_last_seq(pl->link);
+  if (p->cb.on_lost) p->cb.on_lost(pl->rank, p->cb.arg);
+  watermark_lost(p->marks, pl->rank, executed, last);
+}
+
+static void link_lost(uint32_t rank, void *arg) {
+  pool_link_t *pl = arg;
+  /* An agent that cannot take instructions is of no use to sessions. */
+  agent_pool_set_healthy(pl->pool, rank, pl->agent_id, false);
+  link_gone(pl);
+}
+
+/* Stops and frees a link taken out of its slot; reports its loss if the reader
+ * did not. Never with the pool lock held: callbacks take it. */
+static void drop_link(pool_link_t *pl, const char *why) {
+  if (!pl) return;
+  agent_link_stop(pl->link);
+  if (!atomic_load(&pl->gone)) { /* else the link logged its own loss */
+    agent_link_stats_t st;
+    agent_link_stats(pl->link, &st);
+    bool lost_work = st.last_seq > st.executed;
+    log_write(lost_work ? LOG_LEVEL_WARN : LOG_LEVEL_INFO, "link", __FILE__, __LINE__,
+              "rank %u (agent %s): Execute link closed: %s; executed through seq %llu of %llu, "
+              "%zu queued instruction(s) dropped", pl->rank, pl->agent_id, why,
+              (unsigned long long)st.executed, (unsigned long long)st.last_seq, st.queued);
+  }
+  link_gone(pl);
+  agent_link_close(pl->link);
+  free(pl);
 }
 
 static int64_t unix_ms(void) {
@@ -113,7 +194,9 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
     rank = (int)i;
   }
   agent_t *a = &p->agents[rank];
+  uint64_t floor = a->seq_floor;
   memset(a, 0, sizeof *a);
+  a->seq_floor = floor;
   a->used = true;
   a->d = *d;
   a->registered_unix_ms = unix_ms();
@@ -126,15 +209,21 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   pthread_mutex_lock(&p->mu);
   agent_t *a = find_locked(p, rank, agent_id);
   rpc_channel_t *ch = NULL;
+  pool_link_t *pl = NULL;
   int count = 0;
   bool changed = false;
   if (a) {
     log_info("pool", "agent rank %u (%s, %s) left: %s", rank, a->d.address, a->d.agent_id, why);
     ch = a->channel;
+    pl = a->link;
+    /* Sends take the pool lock, so the link's last seq is final here. */
+    uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor;
     memset(a, 0, sizeof *a);
+    a->seq_floor = floor;
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
+  drop_link(pl, why); /* before its channel goes */
   rpc_channel_destroy(ch);
   notify(p, changed, count);
 }
@@ -144,6 +233,12 @@ void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id
   agent_t *a = find_locked(p, rank, agent_id);
   int count = 0;
   bool changed = false;
+  /* A dialed-back agent needs its Execute link to be of use to sessions. */
+  if (a && healthy && a->channel && (!a->link || agent_link_broken(a->link->link))) {
+    log_warn("pool", "agent rank %u (%s) stays unhealthy: its Execute link is %s", rank,
+             a->d.address, a->link ? "broken" : "not open");
+    a = NULL;
+  }
   if (a && a->healthy != healthy) {
     a->healthy = healthy;
     log_info("pool", "agent rank %u (%s) is %s", rank, a->d.address, healthy ? "healthy" : "unhealthy");
@@ -164,21 +259,93 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
   pthread_mutex_lock(&p->mu);
   agent_t *a = find_locked(p, rank, agent_id);
   rpc_channel_t *old = NULL;
+  pool_link_t *old_link = NULL;
+  uint64_t first_seq = 0;
   if (a) {
     old = a->channel;
-    a->channel = ch;
-  } else {
-    old = ch; /* the agent left meanwhile */
+    old_link = a->link;
+    if (old_link) a->seq_floor = agent_link_last_seq(old_link->link);
+    a->channel = NULL;
+    a->link = NULL;
+    first_seq = a->seq_floor + 1;
   }
   pthread_mutex_unlock(&p->mu);
-  rpc_channel_destroy(old);
+  drop_link(old_link, "the agent was dialed back again");
+  if (old != ch) rpc_channel_destroy(old);
+  if (!a) { /* the agent left meanwhile */
+    rpc_channel_destroy(ch);
+    return;
+  }
+
+  /* Opened outside the lock: starting the call may take a round trip. */
+  pool_link_t *pl = calloc(1, sizeof *pl);
+  if (pl) {
+    pl->pool = p;
+    pl->rank = rank;
+    snprintf(pl->agent_id, sizeof pl->agent_id, "%s", agent_id);
+    agent_link_callbacks_t cb = {link_report, link_lost, pl};
+    pl->link = agent_link_open(ch, rank, agent_id, first_seq, &cb);
+    if (!pl->link) {
+      free(pl);
+      pl = NULL;
+    }
+  }
+  pthread_mutex_lock(&p->mu);
+  a = find_locked(p, rank, agent_id);
+  bool kept = a && !a->channel && !a->link;
+  if (kept) {
+    a->channel = ch;
+    a->link = pl;
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (!kept) {
+    drop_link(pl, "the agent left while its link opened");
+    rpc_channel_destroy(ch);
+  }
 }
+
+int agent_pool_send(agent_pool_t *p, uint32_t rank, const Meshd__Agent__V1__Instruction *ins,
+                    uint64_t *seq_out) {
+  agent_link_msg_t *m = agent_link_pack(ins); /* outside the lock: O(size) */
+  uint64_t seq = 0;
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  if (a && a->link) seq = agent_link_push(a->link->link, m);
+  else agent_link_msg_free(m);
+  pthread_mutex_unlock(&p->mu);
+  if (seq_out) *seq_out = seq;
+  return seq ? 0 : -1;
+}
+
+uint64_t agent_pool_executed(agent_pool_t *p, uint32_t rank) {
+  return watermark_executed(p->marks, rank);
+}
+
+size_t agent_pool_queued(agent_pool_t *p, uint32_t rank) {
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  size_t n = a && a->link ? agent_link_queued(a->link->link) : 0;
+  pthread_mutex_unlock(&p->mu);
+  return n;
+}
+
+watermark_t *agent_pool_watermark(agent_pool_t *p) { return p->marks; }
 
 int agent_pool_healthy(agent_pool_t *p) {
   pthread_mutex_lock(&p->mu);
   int n = p->healthy;
   pthread_mutex_unlock(&p->mu);
   return n;
+}
+
+bool *agent_pool_healthy_map(agent_pool_t *p, size_t *world) {
+  pthread_mutex_lock(&p->mu);
+  size_t n = p->cap;
+  bool *map = calloc(n ? n : 1, sizeof *map);
+  for (size_t i = 0; map && i < n; i++) map[i] = p->agents[i].used && p->agents[i].healthy;
+  pthread_mutex_unlock(&p->mu);
+  *world = map ? n : 0;
+  return map;
 }
 
 int agent_pool_size(agent_pool_t *p) {

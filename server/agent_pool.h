@@ -10,8 +10,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "agent_link.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
+#include "watermark.h"
 
 typedef struct agent_pool agent_pool_t;
 
@@ -27,7 +29,24 @@ typedef struct agent_desc {
   uint32_t pid;
 } agent_desc_t;
 
-agent_pool_t *agent_pool_create(agent_pool_changed_fn changed, void *arg);
+/* What the pool tells its owner. Every member may be NULL. Callbacks run
+ * without pool locks held; the link ones on an agent link's reader thread (or,
+ * for on_lost, the thread that removed the agent). */
+typedef struct agent_pool_callbacks {
+  agent_pool_changed_fn changed;
+  /* Every AgentReport, before the watermark moves: errors recorded here are
+   * in place when a wait on that watermark fires. */
+  agent_link_report_fn on_report;
+  /* An agent's link is gone (the agent died or left, or its Execute call
+   * broke): seqs it had not executed never will. Once per link, before the
+   * waits on those seqs fail. */
+  agent_link_lost_fn on_lost;
+  void *arg;
+} agent_pool_callbacks_t;
+
+/* cb is copied (NULL: no callbacks). */
+agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb);
+/* Closes every link, fails pending waits with WATERMARK_CANCELLED, frees. */
 void agent_pool_destroy(agent_pool_t *pool);
 
 /* Admits an agent: rank `requested` if >= 0 and free, else the lowest free rank.
@@ -41,10 +60,30 @@ void agent_pool_remove(agent_pool_t *pool, uint32_t rank, const char *agent_id, 
 void agent_pool_set_healthy(agent_pool_t *pool, uint32_t rank, const char *agent_id, bool healthy);
 void agent_pool_set_allocated(agent_pool_t *pool, uint32_t rank, const char *agent_id,
                               uint64_t bytes);
-/* Keeps the dial-back channel (the pool owns and destroys it from now on). */
+/* Keeps the dial-back channel (the pool owns and destroys it from now on) and
+ * opens the agent's Execute link on it. A healthy agent always has a link; an
+ * agent whose link breaks turns unhealthy. */
 void agent_pool_set_channel(agent_pool_t *pool, uint32_t rank, const char *agent_id,
                             rpc_channel_t *ch);
+
+/* Queues an instruction for rank (see agent_link_send: the caller keeps ins,
+ * its seq field is ignored). Never waits for the agent. Returns 0 and the seq
+ * in *seq_out (may be NULL), or -1 if rank has no live link. Seqs are per
+ * rank, strictly increasing, and not reused when the agent at a rank is
+ * replaced: a later agent continues the numbering. */
+int agent_pool_send(agent_pool_t *pool, uint32_t rank, const Meshd__Agent__V1__Instruction *ins,
+                    uint64_t *seq_out);
+/* Highest seq rank has executed (0: none). Monotone, survives agent loss. */
+uint64_t agent_pool_executed(agent_pool_t *pool, uint32_t rank);
+/* Instructions queued for rank and not yet written (0 without a link). */
+size_t agent_pool_queued(agent_pool_t *pool, uint32_t rank);
+/* The watermark fed by every link: wait on it for Sync (watermark.h). Lives
+ * as long as the pool. */
+watermark_t *agent_pool_watermark(agent_pool_t *pool);
 int agent_pool_healthy(agent_pool_t *pool);
+/* map[rank] = rank has a healthy agent, for ranks 0..*world-1 (malloc'd; free it).
+ * NULL (and *world 0) out of memory. */
+bool *agent_pool_healthy_map(agent_pool_t *pool, size_t *world);
 int agent_pool_size(agent_pool_t *pool);
 /* A snapshot for ListAgents: *out is an array of *n AgentInfo pointers, all
  * malloc'd; free with agent_pool_snapshot_free. Returns 0 or -1 (out of memory). */

@@ -10,12 +10,15 @@
 #include <unistd.h>
 
 #include "agent_pool.h"
+#include "command_service.h"
 #include "config.h"
 #include "health.h"
 #include "log.h"
 #include "registry.h"
 #include "rpc.h"
 #include "runtime.h"
+#include "session.h"
+#include "session_service.h"
 #include "supervisor.h"
 #include "tensor_service.h"
 
@@ -23,7 +26,7 @@ typedef struct options {
   const char *listen, *port_file, *agent_binary, *log_level;
   int64_t local_agents, min_agents, threads, session_ttl;
   double drain_seconds;
-  uint64_t max_message_bytes;
+  uint64_t max_message_bytes, session_quota_bytes;
 } options_t;
 
 static options_t opt;
@@ -39,6 +42,8 @@ static const config_flag_t flags[] = {
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction", &opt.max_message_bytes, 0, 0},
     {"session-ttl", CONFIG_INT, "300", "session lease in seconds", &opt.session_ttl, 1, 86400 * 7},
+    {"session-quota-bytes", CONFIG_BYTES, "0", "default per-session byte quota (0: unlimited)",
+     &opt.session_quota_bytes, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
@@ -48,7 +53,15 @@ static const char *synopsis = "[--listen ADDR] [--local-agents N] [flags]";
 typedef struct server_state {
   health_t *health;
   int min_agents;
+  command_service_t *commands;
 } server_state_t;
+
+/* A session ended (closed, expired, shutdown): its agents free what it held. */
+static void session_closed(session_t *s, session_end_t why, void *arg) {
+  server_state_t *st = arg;
+  log_info("server", "session %.8s (%s) ended: %s", s->id, s->client_name, session_end_name(why));
+  if (st->commands) command_service_session_closed(st->commands, s);
+}
 
 static void agents_changed(int healthy, void *arg) {
   server_state_t *st = arg;
@@ -105,15 +118,19 @@ int main(int argc, char **argv) {
 
   char server_id[33];
   runtime_random_hex(server_id, 16);
-  server_state_t state = {health_create(), min_agents};
-  agent_pool_t *pool = agent_pool_create(agents_changed, &state);
+  server_state_t state = {health_create(), min_agents, NULL};
+  agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .arg = &state};
+  agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_t *registry = registry_create(pool, server_id, 3000);
+  session_table_t *sessions =
+      session_table_create((uint64_t)opt.session_ttl, opt.session_quota_bytes, session_closed, &state);
+  state.commands = sessions ? command_service_create(pool, sessions) : NULL;
   rpc_server_opts_t so = {.listen = opt.listen,
                           .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes,
                           .keepalive_ms = 1000};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
-  if (!srv || !state.health || !pool || !registry) {
+  if (!srv || !state.health || !pool || !registry || !sessions || !state.commands) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);
     return 1;
   }
@@ -121,6 +138,10 @@ int main(int argc, char **argv) {
   const rpc_method_t *m = registry_methods(registry, &n);
   rpc_server_add_methods(srv, m, n);
   m = tensor_service_methods(pool, &n);
+  rpc_server_add_methods(srv, m, n);
+  m = session_service_methods(sessions, &n);
+  rpc_server_add_methods(srv, m, n);
+  m = command_service_methods(state.commands, &n);
   rpc_server_add_methods(srv, m, n);
   health_add_methods(state.health, srv);
   health_set(state.health, "", HEALTH_SERVING);
@@ -164,6 +185,7 @@ int main(int argc, char **argv) {
   log_info("server", "%s: draining for up to %.1f s", strsignal(sig), opt.drain_seconds);
 
   health_shutdown(state.health);
+  session_table_set_accepting(sessions, false);
   rpc_server_stop_accepting(srv);
   int64_t deadline = rpc_now_ms() + (int64_t)(opt.drain_seconds * 1000);
   while (rpc_server_active_calls(srv) > registry_open_calls(registry) && rpc_now_ms() < deadline)
@@ -174,6 +196,8 @@ int main(int argc, char **argv) {
   rpc_server_shutdown(srv, left > 1000 ? (double)left / 1000 : 1.0);
   registry_destroy(registry);
   rpc_server_destroy(srv);
+  session_table_destroy(sessions);
+  command_service_destroy(state.commands);
   agent_pool_destroy(pool);
   health_destroy(state.health);
   rpc_shutdown();

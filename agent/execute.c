@@ -1,0 +1,187 @@
+#include "execute.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uthash.h>
+
+#include "agent.h"
+#include "log.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+
+typedef struct session {
+  char *id;
+  uint64_t instructions;
+  UT_hash_handle hh;
+} session_t;
+
+/* One Execute call's state. Owned by the call: made in execute_start, freed in
+ * execute_end. Its callbacks never run concurrently; `mu` guards what other
+ * calls and execute_sessions() read. */
+typedef struct exec_call {
+  rpc_call_t *call;
+  char *peer;
+  uint64_t last_seq; /* 0: nothing taken yet */
+  session_t *sessions;
+  uint64_t batches, instructions;
+  bool failed;
+} exec_call_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static exec_call_t *current; /* holds a reference on current->call */
+
+static void free_sessions(exec_call_t *x) {
+  session_t *s, *tmp;
+  HASH_ITER(hh, x->sessions, s, tmp) {
+    HASH_DEL(x->sessions, s);
+    free(s->id);
+    free(s);
+  }
+}
+
+void execute_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  const agent_info_t *self = arg;
+  exec_call_t *x = calloc(1, sizeof *x);
+  if (!x) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "agent out of memory");
+    return;
+  }
+  x->call = call;
+  x->peer = rpc_call_peer(call);
+  rpc_call_set_data(call, x);
+  rpc_call_ref(call);
+  pthread_mutex_lock(&mu);
+  rpc_call_t *old = current ? current->call : NULL; /* its reference passes to us */
+  if (old)
+    log_warn("execute", "agent %s: Execute call from %s replaces the one from %s", self->id,
+             x->peer ? x->peer : "?", current->peer ? current->peer : "?");
+  else
+    log_info("execute", "agent %s: Execute call from %s open", self->id, x->peer ? x->peer : "?");
+  current = x;
+  pthread_mutex_unlock(&mu);
+  if (old) {
+    rpc_call_finish(old, GRPC_STATUS_ABORTED, NULL,
+                    "replaced by a newer Execute call to agent %s: one server drives an agent",
+                    self->id);
+    rpc_call_unref(old);
+  }
+}
+
+/* Checks one instruction against the call; fills why and returns false if the
+ * stream is broken. Holds mu. */
+static bool check_locked(const exec_call_t *x, const Meshd__Agent__V1__Instruction *ins, char *why,
+                         size_t len) {
+  if (ins->seq == 0) {
+    snprintf(why, len, "instruction seq 0: seqs start at 1");
+    return false;
+  }
+  if (x->last_seq != 0 && ins->seq != x->last_seq + 1) {
+    snprintf(why, len,
+             "instruction seq %" PRIu64 " after seq %" PRIu64 ": expected %" PRIu64
+             " (a %s; the server's instruction stream is out of order)",
+             ins->seq, x->last_seq, x->last_seq + 1, ins->seq <= x->last_seq ? "repeat" : "gap");
+    return false;
+  }
+  if (!ins->session_id || !*ins->session_id) {
+    snprintf(why, len, "instruction seq %" PRIu64 ": session_id is empty", ins->seq);
+    return false;
+  }
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY__NOT_SET) {
+    snprintf(why, len,
+             "instruction seq %" PRIu64 " has no body (or one this agent does not know: "
+             "is the agent older than the server?)", ins->seq);
+    return false;
+  }
+  return true;
+}
+
+/* Records what later execution needs; for now, which sessions are open. */
+static void take_locked(exec_call_t *x, const Meshd__Agent__V1__Instruction *ins) {
+  x->last_seq = ins->seq;
+  x->instructions++;
+  session_t *s = NULL;
+  HASH_FIND_STR(x->sessions, ins->session_id, s);
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION) {
+    if (s) {
+      HASH_DEL(x->sessions, s);
+      free(s->id);
+      free(s);
+    }
+    return;
+  }
+  if (!s) {
+    s = calloc(1, sizeof *s);
+    char *id = strdup(ins->session_id);
+    if (!s || !id) { /* the ack still goes out: execution will report the failure */
+      free(s);
+      free(id);
+      return;
+    }
+    s->id = id;
+    HASH_ADD_KEYPTR(hh, x->sessions, s->id, strlen(s->id), s);
+  }
+  s->instructions++;
+}
+
+void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  const agent_info_t *self = arg;
+  exec_call_t *x = rpc_call_data(call);
+  if (!x || x->failed) return;
+  if (!msg) { /* the server is done with this agent */
+    rpc_call_finish(call, GRPC_STATUS_OK, NULL, "done");
+    return;
+  }
+  const Meshd__Agent__V1__InstructionBatch *b = (const void *)msg;
+  char why[300] = "";
+  size_t taken = 0;
+  pthread_mutex_lock(&mu);
+  x->batches++;
+  for (; taken < b->n_instructions; taken++) {
+    if (!check_locked(x, b->instructions[taken], why, sizeof why)) break;
+    take_locked(x, b->instructions[taken]);
+  }
+  uint64_t through = x->last_seq;
+  pthread_mutex_unlock(&mu);
+
+  /* One cumulative ack per batch; the good prefix of a bad batch is acked
+   * before the call ends so the server knows exactly what was taken. */
+  if (taken > 0 || !why[0]) {
+    Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
+    rep.executed_through = through;
+    rpc_call_send(call, &rep.base);
+  }
+  if (why[0]) {
+    x->failed = true;
+    log_warn("execute", "agent %s: ending the Execute call from %s: %s", self->id,
+             x->peer ? x->peer : "?", why);
+    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, NULL, "%s", why);
+  }
+}
+
+void execute_end(rpc_call_t *call, bool cancelled, void *arg) {
+  const agent_info_t *self = arg;
+  exec_call_t *x = rpc_call_data(call);
+  if (!x) return;
+  pthread_mutex_lock(&mu);
+  bool was_current = current == x;
+  if (was_current) current = NULL;
+  unsigned open = HASH_COUNT(x->sessions);
+  pthread_mutex_unlock(&mu);
+  log_info("execute", "agent %s: Execute call from %s ended%s: %" PRIu64 " batch(es), %" PRIu64
+           " instruction(s) through seq %" PRIu64 ", %u session(s) dropped", self->id,
+           x->peer ? x->peer : "?", cancelled ? " (cancelled)" : "", x->batches, x->instructions,
+           x->last_seq, open);
+  if (was_current) rpc_call_unref(call);
+  free_sessions(x);
+  free(x->peer);
+  free(x);
+}
+
+size_t execute_sessions(void) {
+  pthread_mutex_lock(&mu);
+  size_t n = current ? HASH_COUNT(current->sessions) : 0;
+  pthread_mutex_unlock(&mu);
+  return n;
+}

@@ -1,0 +1,361 @@
+#include "agent_link.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "status.h"
+
+/* Room before a packed instruction for its seq field: tag byte + 10-byte varint. */
+#define SEQ_ROOM 11
+
+/* One queued instruction, packed without its seq; the seq is written into the
+ * room in front of it when the link takes it. Protobuf decoders accept fields
+ * in any order, so "seq first" is a valid Instruction encoding. */
+struct agent_link_msg {
+  struct agent_link_msg *next;
+  size_t off; /* where the encoding starts in bytes[] */
+  size_t len; /* encoding length from off */
+  uint8_t bytes[];
+};
+
+/* InstructionBatch as the writer sends it: `repeated Instruction instructions = 1`
+ * and `repeated bytes instructions = 1` have the same wire format (field 1,
+ * length-delimited), so already-packed instructions are concatenated by
+ * protobuf-c without unpacking them again. Only ever packed, never unpacked. */
+typedef struct raw_batch {
+  ProtobufCMessage base;
+  size_t n_instructions;
+  ProtobufCBinaryData *instructions;
+} raw_batch_t;
+
+static const ProtobufCFieldDescriptor raw_batch_fields[1] = {{
+    .name = "instructions",
+    .id = 1,
+    .label = PROTOBUF_C_LABEL_REPEATED,
+    .type = PROTOBUF_C_TYPE_BYTES,
+    .quantifier_offset = offsetof(raw_batch_t, n_instructions),
+    .offset = offsetof(raw_batch_t, instructions),
+}};
+static const unsigned raw_batch_by_name[1] = {0};
+static const ProtobufCIntRange raw_batch_ranges[2] = {{1, 0}, {0, 1}};
+static const ProtobufCMessageDescriptor raw_batch_descriptor = {
+    .magic = PROTOBUF_C__MESSAGE_DESCRIPTOR_MAGIC,
+    .name = "meshd.agent.v1.InstructionBatch",
+    .short_name = "InstructionBatch",
+    .c_name = "RawInstructionBatch",
+    .package_name = "meshd.agent.v1",
+    .sizeof_message = sizeof(raw_batch_t),
+    .n_fields = 1,
+    .fields = raw_batch_fields,
+    .fields_sorted_by_name = raw_batch_by_name,
+    .n_field_ranges = 1,
+    .field_ranges = raw_batch_ranges,
+};
+
+struct agent_link {
+  rpc_stream_t *stream;
+  uint32_t rank;
+  char agent_id[64];
+  agent_link_callbacks_t cb;
+  pthread_t writer, reader;
+  bool writer_started, reader_started;
+
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  agent_link_msg_t *head, *tail;
+  size_t queued, queued_bytes;
+  uint64_t next_seq;
+  uint64_t executed;
+  uint64_t batches_sent, instructions_sent, reports;
+  bool broken; /* the call is over: sends fail */
+  bool stop;   /* agent_link_close runs: no more callbacks */
+};
+
+/* ------------------------------------------------------------------ queue */
+
+agent_link_msg_t *agent_link_pack(const Meshd__Agent__V1__Instruction *ins) {
+  Meshd__Agent__V1__Instruction copy = *ins;
+  copy.seq = 0; /* proto3: a zero scalar is not encoded; the link writes it */
+  size_t n = protobuf_c_message_get_packed_size(&copy.base);
+  if (n > AGENT_LINK_MAX_INSTRUCTION) {
+    log_error("link", "an instruction packs to %zu bytes, over the %d-byte limit; not sent", n,
+              AGENT_LINK_MAX_INSTRUCTION);
+    return NULL;
+  }
+  agent_link_msg_t *m = malloc(sizeof *m + SEQ_ROOM + n);
+  if (!m) return NULL;
+  m->next = NULL;
+  protobuf_c_message_pack(&copy.base, m->bytes + SEQ_ROOM);
+  m->off = SEQ_ROOM;
+  m->len = n;
+  return m;
+}
+
+void agent_link_msg_free(agent_link_msg_t *m) { free(m); }
+
+static void set_seq(agent_link_msg_t *m, uint64_t seq) {
+  uint8_t v[SEQ_ROOM];
+  size_t k = 0;
+  v[k++] = 0x08; /* field 1, varint */
+  do {
+    uint8_t b = seq & 0x7f;
+    seq >>= 7;
+    v[k++] = seq ? (uint8_t)(b | 0x80) : b;
+  } while (seq);
+  m->off = SEQ_ROOM - k;
+  m->len += k;
+  memcpy(m->bytes + m->off, v, k);
+}
+
+static void free_list(agent_link_msg_t *m) {
+  while (m) {
+    agent_link_msg_t *next = m->next;
+    free(m);
+    m = next;
+  }
+}
+
+uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m) {
+  if (!m) return 0;
+  pthread_mutex_lock(&l->mu);
+  if (l->broken || l->stop) {
+    pthread_mutex_unlock(&l->mu);
+    free(m);
+    return 0;
+  }
+  uint64_t seq = l->next_seq++;
+  set_seq(m, seq);
+  if (l->tail) l->tail->next = m;
+  else l->head = m;
+  l->tail = m;
+  l->queued++;
+  l->queued_bytes += m->len;
+  pthread_cond_signal(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+  return seq;
+}
+
+uint64_t agent_link_send(agent_link_t *l, const Meshd__Agent__V1__Instruction *ins) {
+  return agent_link_push(l, agent_link_pack(ins));
+}
+
+/* ------------------------------------------------------------------ threads */
+
+static void *writer_main(void *arg) {
+  agent_link_t *l = arg;
+  ProtobufCBinaryData *items = malloc(AGENT_LINK_BATCH_MAX * sizeof *items);
+  pthread_mutex_lock(&l->mu);
+  while (items) {
+    while (!l->head && !l->stop && !l->broken) pthread_cond_wait(&l->cv, &l->mu);
+    if (l->stop || l->broken) break;
+    /* Take what is queued now: under load batches grow by themselves, and an
+     * idle link sends a lone instruction at once. */
+    agent_link_msg_t *first = l->head, *last = NULL;
+    size_t n = 0, bytes = 0;
+    for (agent_link_msg_t *m = first; m && n < AGENT_LINK_BATCH_MAX; m = m->next) {
+      if (n > 0 && bytes + m->len > AGENT_LINK_BATCH_BYTES) break;
+      items[n].data = m->bytes + m->off;
+      items[n].len = m->len;
+      n++;
+      bytes += m->len;
+      last = m;
+    }
+    l->head = last->next;
+    if (!l->head) l->tail = NULL;
+    last->next = NULL;
+    l->queued -= n;
+    l->queued_bytes -= bytes;
+    pthread_mutex_unlock(&l->mu);
+
+    raw_batch_t batch = {PROTOBUF_C_MESSAGE_INIT(&raw_batch_descriptor), n, items};
+    int rc = rpc_stream_write(l->stream, &batch.base, false);
+    free_list(first);
+
+    pthread_mutex_lock(&l->mu);
+    if (rc != 0) break; /* the call is over; the reader finds out why */
+    l->batches_sent++;
+    l->instructions_sent += n;
+  }
+  pthread_mutex_unlock(&l->mu);
+  if (!items) {
+    log_error("link", "rank %u: out of memory starting the writer", l->rank);
+    rpc_stream_cancel(l->stream);
+  }
+  free(items);
+  return NULL;
+}
+
+/* Checks a report against what was sent; returns false (with why) if the agent
+ * claims seqs it was never given. Lower watermarks than known are ignored. */
+static bool take_report(agent_link_t *l, const Meshd__Agent__V1__AgentReport *rep, uint64_t *exec,
+                        bool *stop, char *why, size_t whylen) {
+  pthread_mutex_lock(&l->mu);
+  bool ok = rep->executed_through < l->next_seq;
+  if (ok) {
+    if (rep->executed_through > l->executed) l->executed = rep->executed_through;
+    l->reports++;
+  } else {
+    snprintf(why, whylen, "the agent reported executed through seq %llu, but only %llu were sent",
+             (unsigned long long)rep->executed_through, (unsigned long long)l->next_seq - 1);
+  }
+  *exec = l->executed;
+  *stop = l->stop;
+  pthread_mutex_unlock(&l->mu);
+  return ok;
+}
+
+static void *reader_main(void *arg) {
+  agent_link_t *l = arg;
+  char why[600] = "";
+  for (;;) {
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_stream_read(l->stream, &meshd__agent__v1__agent_report__descriptor, &msg, 0);
+    if (rc == 0) break;
+    if (rc < 0) {
+      snprintf(why, sizeof why, "the agent sent a message that is not an AgentReport");
+      rpc_stream_cancel(l->stream);
+      break;
+    }
+    const Meshd__Agent__V1__AgentReport *rep = (const void *)msg;
+    uint64_t exec;
+    bool stop;
+    if (!take_report(l, rep, &exec, &stop, why, sizeof why)) {
+      protobuf_c_message_free_unpacked(msg, NULL);
+      rpc_stream_cancel(l->stream);
+      break;
+    }
+    if (!stop && l->cb.on_report)
+      l->cb.on_report(l->rank, exec, (const Meshd__V1__Error *const *)rep->errors, rep->n_errors,
+                      rep->allocated_bytes, l->cb.arg);
+    protobuf_c_message_free_unpacked(msg, NULL);
+  }
+
+  rpc_status_t st;
+  rpc_stream_finish(l->stream, &st);
+  pthread_mutex_lock(&l->mu);
+  l->broken = true;
+  bool lost = !l->stop;
+  agent_link_msg_t *dropped = NULL;
+  size_t ndropped = 0;
+  if (lost) { /* on close the queue is freed with the link */
+    dropped = l->head;
+    ndropped = l->queued;
+    l->head = l->tail = NULL;
+    l->queued = l->queued_bytes = 0;
+  }
+  uint64_t exec = l->executed, last = l->next_seq - 1;
+  pthread_cond_broadcast(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+  free_list(dropped);
+  if (!lost) return NULL;
+
+  if (!why[0])
+    snprintf(why, sizeof why, "%s: %s", meshd_grpc_code_name(st.code),
+             st.message[0] ? st.message : "(no message)");
+  log_warn("link", "rank %u (agent %s): Execute link lost: %s; executed through seq %llu of %llu, "
+           "%zu queued instruction(s) dropped", l->rank, l->agent_id, why,
+           (unsigned long long)exec, (unsigned long long)last, ndropped);
+  if (l->cb.on_lost) l->cb.on_lost(l->rank, l->cb.arg);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ life */
+
+agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
+                              uint64_t first_seq, const agent_link_callbacks_t *cb) {
+  agent_link_t *l = calloc(1, sizeof *l);
+  if (!l) return NULL;
+  l->rank = rank;
+  snprintf(l->agent_id, sizeof l->agent_id, "%s", agent_id ? agent_id : "");
+  if (cb) l->cb = *cb;
+  l->next_seq = first_seq ? first_seq : 1;
+  l->executed = l->next_seq - 1;
+  pthread_mutex_init(&l->mu, NULL);
+  pthread_cond_init(&l->cv, NULL);
+  /* No deadline: the call lives as long as the agent. */
+  l->stream = rpc_stream_open(ch, AGENT_LINK_METHOD, NULL, 0, 0);
+  if (!l->stream) goto fail;
+  l->writer_started = pthread_create(&l->writer, NULL, writer_main, l) == 0;
+  if (!l->writer_started) goto fail;
+  l->reader_started = pthread_create(&l->reader, NULL, reader_main, l) == 0;
+  if (!l->reader_started) goto fail;
+  log_info("link", "rank %u (agent %s): Execute link open, seqs from %llu", rank, l->agent_id,
+           (unsigned long long)l->next_seq);
+  return l;
+fail:
+  log_error("link", "rank %u (agent %s): cannot open the Execute link", rank, l->agent_id);
+  agent_link_close(l);
+  return NULL;
+}
+
+void agent_link_stop(agent_link_t *l) {
+  pthread_mutex_lock(&l->mu);
+  l->stop = true;
+  pthread_cond_broadcast(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+  /* Cancelling wakes a writer blocked on flow control and the reader. */
+  if (l->stream) rpc_stream_cancel(l->stream);
+  if (l->writer_started) pthread_join(l->writer, NULL);
+  if (l->reader_started) pthread_join(l->reader, NULL);
+  l->writer_started = l->reader_started = false;
+}
+
+void agent_link_close(agent_link_t *l) {
+  if (!l) return;
+  agent_link_stop(l);
+  rpc_stream_destroy(l->stream);
+  free_list(l->head);
+  pthread_cond_destroy(&l->cv);
+  pthread_mutex_destroy(&l->mu);
+  free(l);
+}
+
+/* ------------------------------------------------------------------ queries */
+
+uint64_t agent_link_executed(agent_link_t *l) {
+  pthread_mutex_lock(&l->mu);
+  uint64_t v = l->executed;
+  pthread_mutex_unlock(&l->mu);
+  return v;
+}
+
+uint64_t agent_link_last_seq(agent_link_t *l) {
+  pthread_mutex_lock(&l->mu);
+  uint64_t v = l->next_seq - 1;
+  pthread_mutex_unlock(&l->mu);
+  return v;
+}
+
+size_t agent_link_queued(agent_link_t *l) {
+  pthread_mutex_lock(&l->mu);
+  size_t v = l->queued;
+  pthread_mutex_unlock(&l->mu);
+  return v;
+}
+
+bool agent_link_broken(agent_link_t *l) {
+  pthread_mutex_lock(&l->mu);
+  bool v = l->broken;
+  pthread_mutex_unlock(&l->mu);
+  return v;
+}
+
+void agent_link_stats(agent_link_t *l, agent_link_stats_t *out) {
+  pthread_mutex_lock(&l->mu);
+  *out = (agent_link_stats_t){
+      .last_seq = l->next_seq - 1,
+      .executed = l->executed,
+      .queued = l->queued,
+      .queued_bytes = l->queued_bytes,
+      .batches_sent = l->batches_sent,
+      .instructions_sent = l->instructions_sent,
+      .reports = l->reports,
+      .broken = l->broken,
+  };
+  pthread_mutex_unlock(&l->mu);
+}
+
+uint32_t agent_link_rank(const agent_link_t *l) { return l->rank; }

@@ -1,0 +1,100 @@
+/* The instruction channel to one agent: one /meshd.agent.v1.Agent/Execute
+ * bidi call on the agent's dial-back channel (DESIGN §4).
+ *
+ * agent_link_send never waits for the network: it packs the instruction,
+ * gives it the link's next seq and queues it. A writer thread drains the
+ * queue into InstructionBatch messages (everything queued, up to
+ * AGENT_LINK_BATCH_MAX instructions or AGENT_LINK_BATCH_BYTES per batch). A
+ * reader thread receives AgentReport messages and hands them to on_report.
+ *
+ * When the call ends on its own (agent died, agent refused the stream) the
+ * link is broken: queued instructions are dropped, later sends fail, and
+ * on_lost runs once. agent_link_close does not call on_lost.
+ *
+ * Owned by whoever opened it (the agent pool); every function is thread-safe
+ * except agent_link_stop and agent_link_close: one thread, after which only
+ * queries (after stop) or nothing (after close) may follow. */
+#ifndef MESHD_AGENT_LINK_H
+#define MESHD_AGENT_LINK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "rpc.h"
+
+#define AGENT_LINK_METHOD "/meshd.agent.v1.Agent/Execute"
+#define AGENT_LINK_BATCH_MAX 1000 /* instructions per InstructionBatch */
+/* Packed bytes per batch; a larger instruction goes alone. */
+#define AGENT_LINK_BATCH_BYTES (1024 * 1024)
+/* Largest packed instruction: a batch of one stays under the 4 MiB message limit. */
+#define AGENT_LINK_MAX_INSTRUCTION (3 * 1024 * 1024)
+
+typedef struct agent_link agent_link_t;
+
+/* One AgentReport: every seq <= executed_through has run on the agent (the
+ * value never goes down from one call to the next).
+ * `errors` (root failures) belong to the link and are valid during the call. */
+typedef void (*agent_link_report_fn)(uint32_t rank, uint64_t executed_through,
+                                     const Meshd__V1__Error *const *errors, size_t n_errors,
+                                     uint64_t allocated_bytes, void *arg);
+/* The link broke; called once, from the reader thread. */
+typedef void (*agent_link_lost_fn)(uint32_t rank, void *arg);
+
+typedef struct agent_link_callbacks {
+  agent_link_report_fn on_report; /* may be NULL */
+  agent_link_lost_fn on_lost;     /* may be NULL */
+  void *arg;
+} agent_link_callbacks_t;
+
+typedef struct agent_link_stats {
+  uint64_t last_seq;        /* highest seq given out (first_seq - 1: none yet) */
+  uint64_t executed;        /* highest seq the agent reported executed */
+  size_t queued;            /* instructions waiting for the writer */
+  size_t queued_bytes;
+  uint64_t batches_sent;
+  uint64_t instructions_sent;
+  uint64_t reports;
+  bool broken;
+} agent_link_stats_t;
+
+/* Opens the Execute call on ch (which must outlive the link) and starts the
+ * threads. Seqs start at first_seq (>= 1) and go up by one per send.
+ * cb is copied. Returns NULL if the call or the threads cannot start. */
+agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
+                              uint64_t first_seq, const agent_link_callbacks_t *cb);
+
+/* Queues a copy of ins (its seq field is ignored; the caller keeps ins) and
+ * returns the seq it got, or 0 if the link is broken or closing, or the
+ * instruction packs to more than AGENT_LINK_MAX_INSTRUCTION bytes. */
+uint64_t agent_link_send(agent_link_t *l, const Meshd__Agent__V1__Instruction *ins);
+
+/* The same in two steps, so a caller can pack outside its own lock and only
+ * take a seq under it. agent_link_pack returns NULL when the instruction is
+ * too large (or out of memory); agent_link_push takes ownership of the packed
+ * instruction in every case. */
+typedef struct agent_link_msg agent_link_msg_t;
+agent_link_msg_t *agent_link_pack(const Meshd__Agent__V1__Instruction *ins);
+uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m);
+void agent_link_msg_free(agent_link_msg_t *m);
+
+/* Highest seq the agent reported executed (first_seq - 1 until the first report). */
+uint64_t agent_link_executed(agent_link_t *l);
+/* Highest seq given out. Frozen once the link is broken. */
+uint64_t agent_link_last_seq(agent_link_t *l);
+/* Instructions queued and not yet written to gRPC. */
+size_t agent_link_queued(agent_link_t *l);
+bool agent_link_broken(agent_link_t *l);
+void agent_link_stats(agent_link_t *l, agent_link_stats_t *out);
+uint32_t agent_link_rank(const agent_link_t *l);
+
+/* Cancels the call and joins the threads (a running callback finishes first;
+ * so never call it while holding a lock the callbacks take). Prompt: it does
+ * not wait for the agent. Afterwards no callback runs, sends fail, and the
+ * queries above return final values. Idempotent. */
+void agent_link_stop(agent_link_t *l);
+/* agent_link_stop, then frees. NULL: no-op. */
+void agent_link_close(agent_link_t *l);
+
+#endif

@@ -1,0 +1,72 @@
+#include "borrow.h"
+
+int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, uint64_t to_stream,
+                  bool is_mutable, meshd_error_t *e) {
+  storage_t *s = origin->tensor.storage;
+  if (origin->tensor.stream == to_stream)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Borrow: tensor %llu is already on stream '%s'; borrow it onto another stream",
+                     (unsigned long long)origin->ref, objects_stream_name(o, to_stream));
+  if (!(s->access & ACCESS_R))
+    return error_set(e, ERR_BORROWED,
+                     "Borrow: tensor %llu (or a view of it) is mutably borrowed by borrow %llu; "
+                     "drop that borrow before borrowing it again",
+                     (unsigned long long)origin->ref, (unsigned long long)s->mutable_borrow);
+  if (is_mutable && !(s->access & ACCESS_W)) {
+    if (s->borrow)
+      return error_set(e, ERR_BORROWED,
+                       "Borrow: tensor %llu is a read-only borrow (borrow %llu) and cannot be "
+                       "borrowed mutably", (unsigned long long)origin->ref,
+                       (unsigned long long)s->borrow);
+    return error_set(e, ERR_BORROWED,
+                     "Borrow: cannot borrow tensor %llu mutably because it (or a view) is already "
+                     "being borrowed non-mutably (%d read borrow%s); drop them first",
+                     (unsigned long long)origin->ref, s->read_borrows, s->read_borrows == 1 ? "" : "s");
+  }
+  obj_t *b = objects_add(o, ref, OBJ_BORROW);
+  if (!b) return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
+  obj_t *handle = objects_new_borrowed(o, result, &origin->tensor.meta, origin, to_stream, ref);
+  if (!handle) return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
+  b->borrow = (borrow_obj_t){.origin = origin->ref,
+                             .result = result,
+                             .origin_storage = s,
+                             .is_mutable = is_mutable,
+                             .from_stream = origin->tensor.stream,
+                             .to_stream = to_stream};
+  s->refs++;
+  if (is_mutable) {
+    s->access = 0;
+    s->mutable_borrow = ref;
+    handle->tensor.storage->access = ACCESS_R | ACCESS_W;
+  } else {
+    s->access = ACCESS_R;
+    s->read_borrows++;
+    handle->tensor.storage->access = ACCESS_R;
+  }
+  return 0;
+}
+
+int borrow_drop(objects_t *o, obj_t *b, uint64_t seq, meshd_error_t *e) {
+  borrow_obj_t *x = &b->borrow;
+  if (x->dropped)
+    return error_set(e, ERR_DROPPED, "DropBorrow: borrow %llu was already dropped by command %llu",
+                     (unsigned long long)b->ref, (unsigned long long)x->drop_seq);
+  obj_t *handle = objects_get(o, x->result);
+  if (handle) objects_drop_storage(o, handle->tensor.storage, seq);
+  storage_t *s = x->origin_storage;
+  if (x->is_mutable) s->mutable_borrow = 0;
+  else s->read_borrows--;
+  if (s->read_borrows == 0 && s->mutable_borrow == 0) s->access = ACCESS_R | ACCESS_W;
+  x->dropped = true;
+  x->drop_seq = seq;
+  return 0;
+}
+
+uint64_t borrow_holder(objects_t *o, const storage_t *s) {
+  if (s->mutable_borrow) return s->mutable_borrow;
+  obj_t *it, *tmp;
+  HASH_ITER(hh, o->table, it, tmp) {
+    if (it->kind == OBJ_BORROW && !it->borrow.dropped && it->borrow.origin_storage == s) return it->ref;
+  }
+  return 0;
+}

@@ -1,0 +1,244 @@
+#include "command_service.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "emit.h"
+#include "log.h"
+#include "session_service.h"
+
+/* A Sync waiting for agents (watermark.h): answered on its call when every
+ * rank it touched ran everything issued before it, or failed with AGENT_LOST. */
+typedef struct pending_sync {
+  rpc_call_t *call; /* referenced */
+  bool submit;      /* answer as a SubmitReply (stream stays open) or end the call */
+  uint64_t seq;     /* the client's command seq */
+  struct submit_state *stream; /* Submit: counts pending answers */
+} pending_sync_t;
+
+typedef struct submit_state {
+  command_service_t *cs;
+  session_t *session;
+  pthread_mutex_t mu;
+  int pending;       /* Syncs not answered yet */
+  bool half_closed;
+} submit_state_t;
+
+struct command_service {
+  frontend_t fe;
+  session_table_t *sessions;
+  rpc_method_t methods[2];
+};
+
+static void destroy_objects(void *p) { objects_destroy(p); }
+
+static objects_t *session_objects(session_t *s) {
+  if (!s->objects) session_set_objects(s, objects_create(), destroy_objects);
+  return s->objects;
+}
+
+/* ------------------------------------------------------------------ answers */
+
+static void send_result(rpc_call_t *call, bool submit, const Meshd__V1__CommandResult *res) {
+  if (!submit) {
+    rpc_call_reply(call, &res->base);
+    return;
+  }
+  Meshd__V1__SubmitReply reply = MESHD__V1__SUBMIT_REPLY__INIT;
+  reply.result = (Meshd__V1__CommandResult *)res;
+  rpc_call_send(call, &reply.base);
+}
+
+static void send_error(rpc_call_t *call, bool submit, uint64_t seq, const meshd_error_t *e) {
+  if (!submit) {
+    rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
+    return;
+  }
+  cmd_out_t out;
+  cmd_out_init(&out, seq);
+  cmd_out_error(&out, e);
+  send_result(call, true, &out.res);
+  cmd_out_free(&out);
+}
+
+static void submit_answered(submit_state_t *st, rpc_call_t *call) {
+  pthread_mutex_lock(&st->mu);
+  st->pending--;
+  bool finish = st->half_closed && st->pending == 0;
+  pthread_mutex_unlock(&st->mu);
+  if (finish) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
+}
+
+static void complete_sync(pending_sync_t *p, const meshd_error_t *e) {
+  if (e) {
+    send_error(p->call, p->submit, p->seq, e);
+  } else {
+    cmd_out_t out;
+    cmd_out_init(&out, p->seq);
+    send_result(p->call, p->submit, &out.res);
+    cmd_out_free(&out);
+  }
+  if (p->stream) submit_answered(p->stream, p->call);
+  rpc_call_unref(p->call);
+  free(p);
+}
+
+static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
+  pending_sync_t *p = arg;
+  meshd_error_t e;
+  if (result == WATERMARK_REACHED) {
+    complete_sync(p, NULL);
+    return;
+  }
+  if (result == WATERMARK_LOST)
+    error_set(&e, ERR_AGENT_LOST,
+              "Sync: the agent of rank %u was lost before it ran this session's work; tensors it "
+              "held are gone", lost_rank);
+  else
+    error_set(&e, ERR_UNAVAILABLE, "Sync: the server is shutting down");
+  complete_sync(p, &e);
+}
+
+/* Starts a Sync for session s: a StatusRequest to every rank it touched, then
+ * waits (without blocking) for their watermarks. */
+static void start_sync(command_service_t *cs, session_t *s, objects_t *o, rpc_call_t *call,
+                       bool submit, uint64_t seq, submit_state_t *stream) {
+  pending_sync_t *p = calloc(1, sizeof *p);
+  size_t cap = o->ntouched ? o->ntouched : 1;
+  uint32_t *ranks = malloc(sizeof *ranks * cap);
+  uint64_t *seqs = malloc(sizeof *seqs * cap);
+  watermark_target_t *targets = malloc(sizeof *targets * cap);
+  if (!p || !ranks || !seqs || !targets) {
+    free(p);
+    free(ranks);
+    free(seqs);
+    free(targets);
+    meshd_error_t e;
+    error_set(&e, ERR_QUOTA, "Sync: out of memory on the server");
+    send_error(call, submit, seq, &e);
+    if (stream) submit_answered(stream, call);
+    return;
+  }
+  *p = (pending_sync_t){call, submit, seq, stream};
+  rpc_call_ref(call);
+  size_t n = emit_status(&cs->fe, s, o, ranks, seqs, cap);
+  for (size_t i = 0; i < n; i++) targets[i] = (watermark_target_t){ranks[i], seqs[i]};
+  uint32_t lost = 0;
+  watermark_result_t r = watermark_wait(agent_pool_watermark(cs->fe.pool), targets, n, sync_fired,
+                                        p, NULL, &lost);
+  if (r != WATERMARK_PENDING) sync_fired(r, lost, p);
+  free(ranks);
+  free(seqs);
+  free(targets);
+}
+
+/* ------------------------------------------------------------------ one command */
+
+static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool submit,
+                    const Meshd__V1__Command *cmd, submit_state_t *stream) {
+  cmd_out_t out;
+  meshd_error_t e;
+  cmd_out_init(&out, cmd->seq);
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = session_objects(s);
+  int rc = o ? command_run(&cs->fe, s, o, cmd, &out, &e)
+             : error_set(&e, ERR_QUOTA, "%s: out of memory on the server", command_name(cmd));
+  bool sync = rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC;
+  if (o) {
+    s->bytes_held = o->bytes;
+    s->live_tensors = o->live_tensors;
+  }
+  if (sync) {
+    if (stream) {
+      pthread_mutex_lock(&stream->mu);
+      stream->pending++;
+      pthread_mutex_unlock(&stream->mu);
+    }
+    start_sync(cs, s, o, call, submit, cmd->seq, stream);
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (rc) {
+    log_debug("command", "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
+              (unsigned long long)cmd->seq, error_kind_name(e.kind), e.msg);
+    send_error(call, submit, cmd->seq, &e);
+  } else if (!sync) {
+    send_result(call, submit, &out.res);
+  }
+  cmd_out_free(&out);
+}
+
+static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  command_service_t *cs = arg;
+  session_t *s = session_from_call(cs->sessions, call);
+  if (!s) return;
+  run_one(cs, s, call, false, (const Meshd__V1__Command *)req, NULL);
+  session_release(s);
+}
+
+static void on_submit_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  command_service_t *cs = arg;
+  session_t *s = session_from_call(cs->sessions, call);
+  if (!s) return;
+  submit_state_t *st = calloc(1, sizeof *st);
+  if (!st) {
+    session_release(s);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "out of memory on the server");
+    return;
+  }
+  st->cs = cs;
+  st->session = s;
+  pthread_mutex_init(&st->mu, NULL);
+  rpc_call_set_data(call, st);
+}
+
+static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  submit_state_t *st = rpc_call_data(call);
+  if (!st) return;
+  if (!msg) { /* half-close: end once every Sync is answered */
+    pthread_mutex_lock(&st->mu);
+    st->half_closed = true;
+    bool finish = st->pending == 0;
+    pthread_mutex_unlock(&st->mu);
+    if (finish) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
+    return;
+  }
+  session_touch(st->session);
+  run_one(st->cs, st->session, call, true, (const Meshd__V1__Command *)msg, st);
+}
+
+static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
+  submit_state_t *st = rpc_call_data(call);
+  if (!st) return;
+  session_release(st->session);
+  pthread_mutex_destroy(&st->mu);
+  free(st);
+}
+
+/* ------------------------------------------------------------------ lifecycle */
+
+void command_service_session_closed(command_service_t *cs, session_t *s) {
+  pthread_mutex_lock(&s->mu);
+  if (s->objects) emit_end_session(&cs->fe, s, s->objects);
+  pthread_mutex_unlock(&s->mu);
+}
+
+command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions) {
+  command_service_t *cs = calloc(1, sizeof *cs);
+  if (!cs) return NULL;
+  cs->fe.pool = pool;
+  cs->sessions = sessions;
+  cs->methods[0] = (rpc_method_t){"/meshd.v1.TensorService/Execute", RPC_UNARY,
+                                  &meshd__v1__command__descriptor, on_execute, NULL, NULL, cs};
+  cs->methods[1] = (rpc_method_t){"/meshd.v1.TensorService/Submit", RPC_BIDI,
+                                  &meshd__v1__command__descriptor, on_submit_start,
+                                  on_submit_message, on_submit_end, cs};
+  return cs;
+}
+
+const rpc_method_t *command_service_methods(command_service_t *cs, size_t *n) {
+  *n = 2;
+  return cs->methods;
+}
+
+void command_service_destroy(command_service_t *cs) { free(cs); }

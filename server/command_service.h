@@ -1,0 +1,27 @@
+/* TensorService/Execute (one command, unary) and TensorService/Submit (a bidi
+ * stream of commands answered by seq, pipelined without waiting).
+ *
+ * Rejections: Execute ends with the kind's gRPC status, the message in the
+ * details and the kind in the `meshd-error-kind` trailer; Submit answers with a
+ * CommandResult carrying an Error and keeps the stream open. Sync is answered
+ * once every agent the session touched has run everything issued before it. */
+#ifndef MESHD_COMMAND_SERVICE_H
+#define MESHD_COMMAND_SERVICE_H
+
+#include "commands.h"
+#include "rpc.h"
+#include "session.h"
+
+typedef struct command_service command_service_t;
+
+command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions);
+/* The rows (Execute, Submit); valid while the service lives. */
+const rpc_method_t *command_service_methods(command_service_t *cs, size_t *n);
+/* Session end: tells the agents the session touched to free it. For the
+ * session table's on_closed callback. */
+void command_service_session_closed(command_service_t *cs, session_t *s);
+/* Frees the service. Pending Syncs are failed by the pool's watermark when the
+ * pool is destroyed. */
+void command_service_destroy(command_service_t *cs);
+
+#endif

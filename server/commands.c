@@ -1,0 +1,825 @@
+#include "commands.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "borrow.h"
+#include "checks.h"
+#include "emit.h"
+
+#define MAX_ARGS 16
+#define MAX_LIST 64
+
+/* ------------------------------------------------------------------ results */
+
+void cmd_out_init(cmd_out_t *out, uint64_t seq) {
+  memset(out, 0, sizeof *out);
+  meshd__v1__command_result__init(&out->res);
+  out->res.seq = seq;
+}
+
+static void *out_alloc(cmd_out_t *out, size_t size) {
+  if (out->nallocs == CMD_MAX_ALLOCS) return NULL;
+  void *p = calloc(1, size ? size : 1);
+  if (p) out->allocs[out->nallocs++] = p;
+  return p;
+}
+
+void cmd_out_free(cmd_out_t *out) {
+  for (int i = 0; i < out->nallocs; i++) free(out->allocs[i]);
+  out->nallocs = 0;
+}
+
+void cmd_out_error(cmd_out_t *out, const meshd_error_t *e) {
+  Meshd__V1__Error *err = out_alloc(out, sizeof *err);
+  if (!err) return;
+  meshd__v1__error__init(err);
+  err->kind = (Meshd__V1__ErrorKind)e->kind;
+  err->message = (char *)e->msg;
+  err->code = (int32_t)error_kind_code(e->kind);
+  err->seq = out->res.seq;
+  out->res.error = err;
+}
+
+static Meshd__V1__TensorMeta *describe_tensor(cmd_out_t *out, const obj_t *t) {
+  Meshd__V1__TensorMeta *m = out_alloc(out, sizeof *m);
+  const layout_t *l = &t->tensor.meta.layout;
+  int64_t *dims = out_alloc(out, sizeof(int64_t) * 2 * (size_t)(l->ndim ? l->ndim : 1));
+  if (!m || !dims) return NULL;
+  meshd__v1__tensor_meta__init(m);
+  m->ref = t->ref;
+  m->n_shape = m->n_strides = (size_t)l->ndim;
+  m->shape = dims;
+  m->strides = dims + l->ndim;
+  memcpy(m->shape, l->sizes, sizeof(int64_t) * (size_t)l->ndim);
+  memcpy(m->strides, l->strides, sizeof(int64_t) * (size_t)l->ndim);
+  m->storage_offset = l->offset;
+  m->dtype = (Meshd__V1__DType)t->tensor.meta.dtype;
+  m->mesh = t->tensor.mesh;
+  m->stream = t->tensor.stream;
+  m->state = (Meshd__V1__TensorState)t->tensor.state;
+  if (t->tensor.state == TENSOR_FAILED) {
+    Meshd__V1__Error *err = out_alloc(out, sizeof *err);
+    if (err) {
+      meshd__v1__error__init(err);
+      err->kind = (Meshd__V1__ErrorKind)t->tensor.fail_kind;
+      err->message = t->tensor.fail_msg;
+      err->code = (int32_t)error_kind_code(t->tensor.fail_kind);
+      err->seq = t->tensor.fail_root_seq;
+      err->ref = t->ref;
+      m->error = err;
+    }
+  }
+  return m;
+}
+
+static int add_tensor(cmd_out_t *out, const obj_t *t) {
+  if (!out->res.tensors) {
+    out->res.tensors = out_alloc(out, sizeof(Meshd__V1__TensorMeta *) * OP_MAX_RESULTS);
+    if (!out->res.tensors) return -1;
+  }
+  if (out->res.n_tensors == OP_MAX_RESULTS) return -1;
+  Meshd__V1__TensorMeta *m = describe_tensor(out, t);
+  if (!m) return -1;
+  out->res.tensors[out->res.n_tensors++] = m;
+  return 0;
+}
+
+static int add_mesh(cmd_out_t *out, const mesh_t *mesh) {
+  Meshd__V1__MeshMeta *m = out_alloc(out, sizeof *m);
+  Meshd__V1__Dim *dims = out_alloc(out, sizeof *dims * (size_t)mesh->ndim);
+  Meshd__V1__Dim **dimp = out_alloc(out, sizeof *dimp * (size_t)mesh->ndim);
+  size_t n = (size_t)mesh_len(mesh);
+  uint32_t *ranks = out_alloc(out, sizeof *ranks * n);
+  if (!m || !dims || !dimp || !ranks) return -1;
+  meshd__v1__mesh_meta__init(m);
+  m->ref = mesh->ref;
+  for (int i = 0; i < mesh->ndim; i++) {
+    meshd__v1__dim__init(&dims[i]);
+    dims[i].name = (char *)mesh->names[i];
+    dims[i].size = mesh->slice.sizes[i];
+    dimp[i] = &dims[i];
+  }
+  m->n_dims = (size_t)mesh->ndim;
+  m->dims = dimp;
+  mesh_ranks(mesh, ranks);
+  m->n_ranks = n;
+  m->ranks = ranks;
+  out->res.mesh = m;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ refs */
+
+/* A command's new refs must be fresh and increasing; they are claimed only
+ * once the command is accepted, so a rejected command consumes nothing. */
+static int check_new_refs(session_t *s, const char *cmd, const uint64_t *refs, size_t n,
+                          meshd_error_t *e) {
+  if (session_check_refs(s, refs, n, e) == 0) return 0;
+  error_prefix(e, cmd);
+  return -1;
+}
+
+static void claim_refs(session_t *s, const uint64_t *refs, size_t n) {
+  if (n) session_claim_ref(s, refs[n - 1], NULL); /* checked: the last is the highest */
+}
+
+static int check_quota(session_t *s, objects_t *o, const char *cmd, uint64_t add, meshd_error_t *e) {
+  uint64_t quota = s->quota_bytes;
+  if (quota && o->bytes + add > quota)
+    return error_set(e, ERR_QUOTA,
+                     "%s: the result needs %llu bytes across its mesh, but the session holds %llu "
+                     "of its %llu-byte quota; drop tensors you no longer need",
+                     cmd, (unsigned long long)add, (unsigned long long)o->bytes,
+                     (unsigned long long)quota);
+  return 0;
+}
+
+static uint64_t meta_bytes(const tensor_meta_t *m) {
+  uint64_t n = (uint64_t)layout_numel(&m->layout);
+  return n * dtype_size(m->dtype);
+}
+
+/* A stream argument: 0 is main, anything else must be a stream. */
+static int resolve_stream(objects_t *o, const char *cmd, uint64_t ref, meshd_error_t *e) {
+  if (ref == STREAM_MAIN) return 0;
+  char what[160];
+  snprintf(what, sizeof what, "%.100s: stream", cmd);
+  return objects_expect(o, ref, OBJ_STREAM, what, e) ? 0 : -1;
+}
+
+static mesh_t *resolve_mesh(objects_t *o, const char *cmd, const char *what, uint64_t ref,
+                            meshd_error_t *e) {
+  char where[96];
+  snprintf(where, sizeof where, "%s: %s", cmd, what);
+  if (ref == 0) {
+    error_set(e, ERR_BAD_ARGUMENT, "%s is missing: name a mesh created with CreateMesh", where);
+    return NULL;
+  }
+  obj_t *m = objects_expect(o, ref, OBJ_MESH, where, e);
+  return m ? &m->mesh : NULL;
+}
+
+/* Failure flows from inputs to results (DEPENDENT_FAILURE naming the root). */
+static const obj_t *first_failed(obj_t *const *ins, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (ins[i] && ins[i]->tensor.state == TENSOR_FAILED) return ins[i];
+  return NULL;
+}
+
+static void inherit_failure(objects_t *o, obj_t *t, const obj_t *root, uint64_t seq) {
+  if (!root) return;
+  char msg[300];
+  snprintf(msg, sizeof msg, "depends on tensor %llu, which failed at command seq %llu: %s",
+           (unsigned long long)root->ref, (unsigned long long)root->tensor.fail_root_seq,
+           root->tensor.fail_msg ? root->tensor.fail_msg : "");
+  objects_fail_tensor(o, t, seq, ERR_DEPENDENT_FAILURE, root->tensor.fail_root_seq, msg);
+}
+
+/* ------------------------------------------------------------------ meshes, streams */
+
+/* MeshSelector messages -> mesh_slice. */
+static int mesh_slice_proto(const mesh_t *parent, uint64_t ref, Meshd__V1__MeshSelector *const *sel,
+                            size_t n, const char *cmd, mesh_t *out, meshd_error_t *e) {
+  mesh_selector_t ms[NDSLICE_MAX_DIMS];
+  if (n > NDSLICE_MAX_DIMS)
+    return error_set(e, ERR_BAD_DIM, "%s: %zu selectors, but a mesh has at most %d dims", cmd, n,
+                     NDSLICE_MAX_DIMS);
+  for (size_t i = 0; i < n; i++) {
+    const Meshd__V1__MeshSelector *x = sel[i];
+    ms[i] = (mesh_selector_t){.dim = x->dim};
+    if (x->sel_case == MESHD__V1__MESH_SELECTOR__SEL_INDEX) {
+      ms[i].index = x->index;
+    } else if (x->sel_case == MESHD__V1__MESH_SELECTOR__SEL_RANGE) {
+      ms[i].is_range = true;
+      ms[i].start = x->range->start;
+      ms[i].stop = x->range->has_stop ? x->range->stop : INT64_MAX;
+      ms[i].step = x->range->step;
+    } else {
+      return error_set(e, ERR_BAD_ARGUMENT, "%s: the selector for dim '%s' has neither an index nor a range",
+                       cmd, x->dim);
+    }
+  }
+  if (mesh_slice(parent, ref, ms, n, out, e)) {
+    if (strncmp(e->msg, cmd, strlen(cmd)) != 0) error_prefix(e, cmd); /* mesh.c names SliceMesh */
+    return -1;
+  }
+  return 0;
+}
+
+static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                           cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__CreateMesh *m = c->create_mesh;
+  if (check_new_refs(s, "CreateMesh", &m->ref, 1, e)) return -1;
+  if (m->n_dims > NDSLICE_MAX_DIMS)
+    return error_set(e, ERR_BAD_ARGUMENT, "CreateMesh: %zu dims; a mesh has at most %d", m->n_dims,
+                     NDSLICE_MAX_DIMS);
+  const char *names[NDSLICE_MAX_DIMS];
+  int64_t sizes[NDSLICE_MAX_DIMS];
+  for (size_t i = 0; i < m->n_dims; i++) {
+    names[i] = m->dims[i]->name;
+    sizes[i] = m->dims[i]->size;
+  }
+  size_t world = 0;
+  bool *healthy = agent_pool_healthy_map(fe->pool, &world);
+  mesh_t mesh;
+  int rc = mesh_create_root(m->ref, names, sizes, (int)m->n_dims, healthy, world, &mesh, e);
+  free(healthy);
+  if (rc) return -1;
+  obj_t *obj = objects_add(o, m->ref, OBJ_MESH);
+  if (!obj) return error_set(e, ERR_QUOTA, "CreateMesh: out of memory on the server");
+  obj->mesh = mesh;
+  claim_refs(s, &m->ref, 1);
+  return add_mesh(out, &obj->mesh);
+}
+
+static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                          cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__SliceMesh *m = c->slice_mesh;
+  if (check_new_refs(s, "SliceMesh", &m->ref, 1, e)) return -1;
+  mesh_t *parent = resolve_mesh(o, "SliceMesh", "parent", m->parent, e);
+  if (!parent) return -1;
+  mesh_t mesh;
+  if (mesh_slice_proto(parent, m->ref, m->selectors, m->n_selectors, "SliceMesh", &mesh, e))
+    return -1;
+  obj_t *obj = objects_add(o, m->ref, OBJ_MESH);
+  if (!obj) return error_set(e, ERR_QUOTA, "SliceMesh: out of memory on the server");
+  obj->mesh = mesh;
+  claim_refs(s, &m->ref, 1);
+  return add_mesh(out, &obj->mesh);
+}
+
+static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
+                             const Meshd__V1__Command *c, cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__CreateStream *m = c->create_stream;
+  if (check_new_refs(s, "CreateStream", &m->ref, 1, e)) return -1;
+  size_t len = strlen(m->name);
+  if (len == 0 || len >= sizeof(((obj_t *)0)->stream_name))
+    return error_set(e, ERR_BAD_ARGUMENT, "CreateStream: the name must be 1..63 characters, got %zu",
+                     len);
+  int64_t existing = objects_stream_by_name(o, m->name);
+  if (existing >= 0)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "CreateStream: this session already has a stream named '%s' (ref %lld)%s",
+                     m->name, (long long)existing, existing == 0 ? ", the default stream" : "");
+  obj_t *obj = objects_add(o, m->ref, OBJ_STREAM);
+  if (!obj) return error_set(e, ERR_QUOTA, "CreateStream: out of memory on the server");
+  snprintf(obj->stream_name, sizeof obj->stream_name, "%s", m->name);
+  claim_refs(s, &m->ref, 1);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ factories */
+
+static const char *const factory_kinds[] = {"empty", "zeros", "ones", "full",
+                                            "arange", "rand", "randn", "rank"};
+
+static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                       cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Factory *f = c->factory;
+  if (check_new_refs(s, "Factory", &f->ref, 1, e)) return -1;
+  bool known = false;
+  for (size_t i = 0; i < sizeof factory_kinds / sizeof *factory_kinds; i++)
+    known |= strcmp(f->kind, factory_kinds[i]) == 0;
+  if (!known)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Factory: unknown kind '%s'; expected one of empty, zeros, ones, full, arange, "
+                     "rand, randn, rank", f->kind);
+  mesh_t *mesh = resolve_mesh(o, "Factory", "mesh", f->mesh, e);
+  if (!mesh || resolve_stream(o, "Factory", f->stream, e)) return -1;
+  const op_def_t *op = ops_find(f->kind);
+  if (!op) return error_set(e, ERR_UNKNOWN_OP, "Factory: '%s' is missing from the op catalogue", f->kind);
+
+  op_kwarg_t kw[6];
+  size_t nkw = 0;
+  op_value_t pos[3];
+  size_t npos = 0;
+  if (f->dtype != MESHD__V1__DTYPE__DTYPE_UNSPECIFIED) {
+    if (!dtype_name((dtype_t)f->dtype) || f->dtype > MESHD__V1__DTYPE__DTYPE_BOOL)
+      return error_set(e, ERR_BAD_ARGUMENT, "Factory: unknown dtype %d", (int)f->dtype);
+    kw[nkw++] = (op_kwarg_t){"dtype", {.kind = VAL_DTYPE, .dtype = (dtype_t)f->dtype}};
+  }
+  if (strcmp(f->kind, "rank") == 0) {
+    if (mesh_find_dim(mesh, f->dim) < 0) {
+      char dims[200];
+      mesh_format(mesh, dims, sizeof dims);
+      return error_set(e, ERR_BAD_DIM, "Factory rank: mesh %llu %s has no dim '%s'",
+                       (unsigned long long)mesh->ref, dims, f->dim);
+    }
+    pos[npos++] = (op_value_t){.kind = VAL_STRING, .s = f->dim};
+  } else if (strcmp(f->kind, "arange") == 0) {
+    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->start};
+    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->end};
+    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->step};
+  } else {
+    pos[npos++] = (op_value_t){.kind = VAL_INTS, .ints = f->shape, .nints = f->n_shape};
+    if (strcmp(f->kind, "full") == 0) pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->value};
+    if (f->has_seed && (strcmp(f->kind, "rand") == 0 || strcmp(f->kind, "randn") == 0))
+      kw[nkw++] = (op_kwarg_t){"seed", {.kind = VAL_INT, .i = (int64_t)f->seed}};
+  }
+  op_args_t args;
+  op_infer_t inf;
+  if (ops_bind(op, pos, npos, kw, nkw, &args, e) || ops_infer(&args, &inf, e)) return -1;
+  uint64_t ranks = (uint64_t)mesh_len(mesh);
+  if (check_quota(s, o, "Factory", meta_bytes(&inf.results[0].meta) * ranks, e)) return -1;
+  obj_t *t = objects_new_tensor(o, f->ref, &inf.results[0].meta, mesh->ref, f->stream, ranks);
+  if (!t) return error_set(e, ERR_QUOTA, "Factory: out of memory on the server");
+  claim_refs(s, &f->ref, 1);
+  emit_factory(fe, s, o, mesh, t, f);
+  return add_tensor(out, t);
+}
+
+/* ------------------------------------------------------------------ op calls */
+
+/* Arguments of a Call resolved against the session. */
+typedef struct call_args {
+  op_value_t pos[MAX_ARGS];
+  op_kwarg_t kw[MAX_ARGS];
+  size_t npos, nkw;
+  obj_t *tensors[MAX_ARGS * 2];     /* every tensor named, for checks */
+  const char *names[MAX_ARGS * 2];
+  size_t ntensors;
+  const tensor_meta_t *lists[MAX_ARGS][MAX_LIST];
+  size_t nlists;
+  char labels[MAX_ARGS * 2][48];
+} call_args_t;
+
+static obj_t *obj_of_meta(const tensor_meta_t *m) {
+  return (obj_t *)((char *)m - offsetof(obj_t, tensor.meta));
+}
+
+static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, const char *label,
+                       call_args_t *ca, op_value_t *v, meshd_error_t *e) {
+  memset(v, 0, sizeof *v);
+  switch (a->value_case) {
+    case MESHD__V1__ARG__VALUE_REF: {
+      if (ca->ntensors == MAX_ARGS * 2)
+        return error_set(e, ERR_BAD_ARGUMENT, "%s: too many tensor arguments", cmd);
+      obj_t *t = check_tensor(o, cmd, label, a->ref, e);
+      if (!t) return -1;
+      snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", label);
+      ca->names[ca->ntensors] = ca->labels[ca->ntensors];
+      ca->tensors[ca->ntensors++] = t;
+      v->kind = VAL_TENSOR;
+      v->tensor = &t->tensor.meta;
+      return 0;
+    }
+    case MESHD__V1__ARG__VALUE_REFS: {
+      if (ca->nlists == MAX_ARGS || a->refs->n_refs > MAX_LIST)
+        return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: at most %d tensors in a list", cmd, label,
+                         MAX_LIST);
+      const tensor_meta_t **list = ca->lists[ca->nlists++];
+      for (size_t i = 0; i < a->refs->n_refs; i++) {
+        char item[48];
+        snprintf(item, sizeof item, "%s[%zu]", label, i);
+        obj_t *t = check_tensor(o, cmd, item, a->refs->refs[i], e);
+        if (!t) return -1;
+        if (ca->ntensors < MAX_ARGS * 2) {
+          snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", item);
+          ca->names[ca->ntensors] = ca->labels[ca->ntensors];
+          ca->tensors[ca->ntensors++] = t;
+        }
+        list[i] = &t->tensor.meta;
+      }
+      v->kind = VAL_TENSORS;
+      v->tensors = list;
+      v->ntensors = a->refs->n_refs;
+      return 0;
+    }
+    case MESHD__V1__ARG__VALUE_F: v->kind = VAL_FLOAT; v->f = a->f; return 0;
+    case MESHD__V1__ARG__VALUE_I: v->kind = VAL_INT; v->i = a->i; return 0;
+    case MESHD__V1__ARG__VALUE_B: v->kind = VAL_BOOL; v->b = a->b; return 0;
+    case MESHD__V1__ARG__VALUE_INTS:
+      v->kind = VAL_INTS;
+      v->ints = a->ints->values;
+      v->nints = a->ints->n_values;
+      return 0;
+    case MESHD__V1__ARG__VALUE_DTYPE:
+      if (a->dtype <= MESHD__V1__DTYPE__DTYPE_UNSPECIFIED || a->dtype > MESHD__V1__DTYPE__DTYPE_BOOL)
+        return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: unknown dtype %d", cmd, label, (int)a->dtype);
+      v->kind = VAL_DTYPE;
+      v->dtype = (dtype_t)a->dtype;
+      return 0;
+    case MESHD__V1__ARG__VALUE_S: v->kind = VAL_STRING; v->s = a->s; return 0;
+    case MESHD__V1__ARG__VALUE_NONE: v->kind = VAL_NONE; return 0;
+    default:
+      return error_set(e, ERR_BAD_ARGUMENT, "%s: %s has no value", cmd, label);
+  }
+}
+
+static int resolve_call_args(objects_t *o, const char *cmd, const op_def_t *op,
+                             const Meshd__V1__Call *call, call_args_t *ca, meshd_error_t *e) {
+  memset(ca, 0, offsetof(call_args_t, lists));
+  ca->nlists = 0;
+  if (call->n_args > MAX_ARGS || call->n_kwargs > MAX_ARGS)
+    return error_set(e, ERR_BAD_ARGUMENT, "%s: at most %d positional and %d keyword arguments", cmd,
+                     MAX_ARGS, MAX_ARGS);
+  for (size_t i = 0; i < call->n_args; i++) {
+    char label[48];
+    if ((int)i < op->nparams) snprintf(label, sizeof label, "argument '%s'", op->params[i].name);
+    else snprintf(label, sizeof label, "argument %zu", i);
+    if (resolve_arg(o, cmd, call->args[i], label, ca, &ca->pos[i], e)) return -1;
+  }
+  ca->npos = call->n_args;
+  for (size_t i = 0; i < call->n_kwargs; i++) {
+    const Meshd__V1__Kwarg *k = call->kwargs[i];
+    if (!k->value)
+      return error_set(e, ERR_BAD_ARGUMENT, "%s: keyword argument '%s' has no value", cmd, k->name);
+    char label[48];
+    snprintf(label, sizeof label, "argument '%.32s'", k->name);
+    ca->kw[i].name = k->name;
+    if (resolve_arg(o, cmd, k->value, label, ca, &ca->kw[i].value, e)) return -1;
+  }
+  ca->nkw = call->n_kwargs;
+  return 0;
+}
+
+static bool param_mutated(const op_infer_t *inf, int param) {
+  for (int i = 0; i < inf->nmutates; i++)
+    if (inf->mutates[i] == param) return true;
+  return false;
+}
+
+static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                    cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Call *call = c->call;
+  char cmd[96];
+  snprintf(cmd, sizeof cmd, "Call %.64s", call->op);
+  const op_def_t *op = ops_find(call->op);
+  if (!op)
+    return error_set(e, ERR_UNKNOWN_OP,
+                     "Call: no op named '%.64s' in the catalogue; ops use ATen names, e.g. add, "
+                     "matmul, sum, relu", call->op);
+  if (op->is_factory)
+    return error_set(e, ERR_BAD_ARGUMENT, "%s: factories run on a mesh; send a Factory command",
+                     cmd);
+  if (check_new_refs(s, cmd, call->results, call->n_results, e)) return -1;
+  if (resolve_stream(o, cmd, call->stream, e)) return -1;
+  call_args_t *ca = malloc(sizeof *ca);
+  if (!ca) return error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
+  int rc = -1;
+  op_args_t args;
+  op_infer_t inf;
+  if (resolve_call_args(o, cmd, op, call, ca, e) || ops_bind(op, ca->pos, ca->npos, ca->kw, ca->nkw, &args, e) ||
+      ops_infer(&args, &inf, e))
+    goto out;
+  if (ca->ntensors == 0) {
+    error_set(e, ERR_BAD_ARGUMENT, "%s: needs at least one tensor argument (it runs on their mesh)",
+              cmd);
+    goto out;
+  }
+  /* Which tensors the op writes: the parameters in inf.mutates. */
+  tensor_use_t uses[MAX_ARGS * 2];
+  for (size_t i = 0; i < ca->ntensors; i++) uses[i] = (tensor_use_t){ca->tensors[i], ca->names[i], false};
+  for (int p = 0; p < args.nparams; p++) {
+    if (args.v[p].kind != VAL_TENSOR || !param_mutated(&inf, p)) continue;
+    for (size_t i = 0; i < ca->ntensors; i++)
+      if (&ca->tensors[i]->tensor.meta == args.v[p].tensor) uses[i].write = true;
+  }
+  uint64_t mesh_ref = 0;
+  if (check_uses(o, cmd, uses, ca->ntensors, &mesh_ref, call->stream, e)) goto out;
+  bool inplace = op->is_inplace;
+  if (call->n_results != (size_t)inf.nresults && !(inplace && call->n_results == 0)) {
+    error_set(e, ERR_BAD_ARGUMENT, "%s returns %d tensor%s but the command names %zu result ref%s",
+              cmd, inf.nresults, inf.nresults == 1 ? "" : "s", call->n_results,
+              call->n_results == 1 ? "" : "s");
+    goto out;
+  }
+  obj_t *mesh_obj = objects_get(o, mesh_ref);
+  uint64_t ranks = (uint64_t)mesh_len(&mesh_obj->mesh);
+  uint64_t need = 0;
+  for (size_t i = 0; i < call->n_results; i++)
+    if (inf.results[i].alias_param < 0) need += meta_bytes(&inf.results[i].meta) * ranks;
+  if (check_quota(s, o, cmd, need, e)) goto out;
+
+  /* Accepted: define the results. */
+  const obj_t *failed = first_failed(ca->tensors, ca->ntensors);
+  obj_t *results[OP_MAX_RESULTS] = {0};
+  for (size_t i = 0; i < call->n_results; i++) {
+    const op_result_t *r = &inf.results[i];
+    if (r->alias_param >= 0 && args.v[r->alias_param].kind == VAL_TENSOR)
+      results[i] = objects_new_view(o, call->results[i], &r->meta, obj_of_meta(args.v[r->alias_param].tensor));
+    else
+      results[i] = objects_new_tensor(o, call->results[i], &r->meta, mesh_ref, call->stream, ranks);
+    if (!results[i]) {
+      error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
+      goto out; /* refs stay unclaimed; the records made so far are harmless */
+    }
+    inherit_failure(o, results[i], failed, out->res.seq);
+  }
+  for (int p = 0; failed && p < args.nparams; p++)
+    if (args.v[p].kind == VAL_TENSOR && param_mutated(&inf, p))
+      inherit_failure(o, obj_of_meta(args.v[p].tensor), failed, out->res.seq);
+  claim_refs(s, call->results, call->n_results);
+  emit_call(fe, s, o, &mesh_obj->mesh, call, ca->tensors, ca->ntensors, results, call->n_results,
+            &inf);
+  for (size_t i = 0; i < call->n_results; i++) add_tensor(out, results[i]);
+  rc = 0;
+out:
+  free(ca);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ reduce */
+
+static const char *const reductions[] = {"sum", "avg", "product", "min", "max",
+                                         "band", "bor", "bxor", "stack"};
+
+static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                      cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Reduce *r = c->reduce;
+  const char *cmd = "Reduce";
+  bool known = false;
+  for (size_t i = 0; i < sizeof reductions / sizeof *reductions; i++)
+    known |= strcmp(r->reduction, reductions[i]) == 0;
+  if (!known)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Reduce: unknown reduction '%s'; expected one of sum, avg, product, min, max, "
+                     "band, bor, bxor, stack", r->reduction);
+  bool stack = strcmp(r->reduction, "stack") == 0;
+  if (r->inplace && r->ref)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Reduce: an in-place reduce (reduce_) returns its input; leave ref at 0");
+  if (r->ref && check_new_refs(s, cmd, &r->ref, 1, e)) return -1;
+  if (!r->inplace && !r->out && !r->ref)
+    return error_set(e, ERR_BAD_ARGUMENT, "Reduce: ref (the result) is missing");
+  if (resolve_stream(o, cmd, r->stream, e)) return -1;
+  obj_t *in = check_tensor(o, cmd, "input", r->input, e);
+  if (!in) return -1;
+  obj_t *outt = NULL;
+  if (r->out && !(outt = check_tensor(o, cmd, "out", r->out, e))) return -1;
+  if (r->inplace && outt)
+    return error_set(e, ERR_BAD_ARGUMENT, "Reduce: inplace and out cannot both be given");
+
+  tensor_use_t uses[2] = {{in, "input", r->inplace}, {outt, "out", true}};
+  uint64_t mesh_ref = 0;
+  if (check_uses(o, cmd, uses, outt ? 2 : 1, &mesh_ref, r->stream, e)) return -1;
+  const mesh_t *mesh = &objects_get(o, mesh_ref)->mesh;
+  char mesh_dims[200];
+  mesh_format(mesh, mesh_dims, sizeof mesh_dims);
+
+  /* dims: () means every dim of the mesh. */
+  int dims[NDSLICE_MAX_DIMS], ndims = 0;
+  if (r->n_dims == 0) {
+    for (int i = 0; i < mesh->ndim; i++) dims[ndims++] = i;
+  } else {
+    if (r->n_dims > NDSLICE_MAX_DIMS)
+      return error_set(e, ERR_BAD_DIM, "Reduce: %zu dims, but the mesh has %d", r->n_dims, mesh->ndim);
+    for (size_t i = 0; i < r->n_dims; i++) {
+      int d = mesh_find_dim(mesh, r->dims[i]);
+      if (d < 0)
+        return error_set(e, ERR_BAD_DIM, "Reduce: mesh %llu %s has no dim '%s'",
+                         (unsigned long long)mesh->ref, mesh_dims, r->dims[i]);
+      for (int j = 0; j < ndims; j++)
+        if (dims[j] == d)
+          return error_set(e, ERR_BAD_DIM, "Reduce: dim '%s' is named twice", r->dims[i]);
+      dims[ndims++] = d;
+    }
+  }
+  if ((stack || r->scatter) && ndims != 1)
+    return error_set(e, ERR_BAD_DIM,
+                     "Reduce: %s works over exactly one mesh dim, but %d were given (%s); reduce one "
+                     "dim at a time", stack ? "stack" : "scatter", ndims, r->n_dims ? "as named" : "all dims of the mesh");
+  const tensor_meta_t *im = &in->tensor.meta;
+  bool integral = dtype_is_integral(im->dtype, true);
+  if (!strcmp(r->reduction, "band") || !strcmp(r->reduction, "bor") || !strcmp(r->reduction, "bxor")) {
+    if (!integral)
+      return error_set(e, ERR_DTYPE_MISMATCH,
+                       "Reduce: '%s' is bitwise and needs an integer or bool tensor, not %s",
+                       r->reduction, dtype_name(im->dtype));
+  }
+  if (!strcmp(r->reduction, "avg") && integral)
+    return error_set(e, ERR_DTYPE_MISMATCH,
+                     "Reduce: 'avg' needs a floating dtype, not %s; cast first or use 'sum'",
+                     dtype_name(im->dtype));
+  int64_t group = 1;
+  for (int i = 0; i < ndims; i++) group *= mesh->slice.sizes[dims[i]];
+
+  tensor_meta_t rm = *im;
+  layout_t *l = &rm.layout;
+  if (r->scatter && (im->layout.ndim == 0 || im->layout.sizes[0] != group)) {
+    char shape[160];
+    layout_format_shape(im->layout.sizes, im->layout.ndim, shape, sizeof shape);
+    return error_set(e, ERR_SHAPE_MISMATCH,
+                     "Reduce: when scattering, the input's size(0) must equal the group size %lld "
+                     "(dim '%s'), but the input has shape %s",
+                     (long long)group, mesh->names[dims[0]], shape);
+  }
+  int64_t sizes[LAYOUT_MAX_DIMS + 1];
+  int nd = 0;
+  if (stack && !r->scatter) { /* allgather: [N, *shape] */
+    if (im->layout.ndim + 1 > LAYOUT_MAX_DIMS)
+      return error_set(e, ERR_BAD_ARGUMENT, "Reduce: stacking would give more than %d dims", LAYOUT_MAX_DIMS);
+    sizes[nd++] = group;
+    for (int i = 0; i < im->layout.ndim; i++) sizes[nd++] = im->layout.sizes[i];
+  } else if (r->scatter && !stack) { /* reducescatter: shape[1:] */
+    for (int i = 1; i < im->layout.ndim; i++) sizes[nd++] = im->layout.sizes[i];
+  } else {
+    for (int i = 0; i < im->layout.ndim; i++) sizes[nd++] = im->layout.sizes[i];
+  }
+  if (layout_contiguous(l, sizes, nd, dtype_size(im->dtype), "Reduce", e)) return -1;
+  if (r->inplace && (nd != im->layout.ndim || memcmp(sizes, im->layout.sizes, sizeof(int64_t) * (size_t)nd)))
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Reduce: in-place is only possible when the result has the input's shape; %s "
+                     "changes it", stack ? "stack" : "scatter");
+  if (outt) {
+    const tensor_meta_t *om = &outt->tensor.meta;
+    if (om->layout.ndim != nd || memcmp(om->layout.sizes, sizes, sizeof(int64_t) * (size_t)nd)) {
+      char want[160], got[160];
+      layout_format_shape(sizes, nd, want, sizeof want);
+      layout_format_shape(om->layout.sizes, om->layout.ndim, got, sizeof got);
+      return error_set(e, ERR_SHAPE_MISMATCH, "Reduce: out has shape %s but the result has shape %s",
+                       got, want);
+    }
+    if (om->dtype != im->dtype)
+      return error_set(e, ERR_DTYPE_MISMATCH, "Reduce: out is %s but the input is %s",
+                       dtype_name(om->dtype), dtype_name(im->dtype));
+  }
+  uint64_t ranks = (uint64_t)mesh_len(mesh);
+  if (!r->inplace && !outt && check_quota(s, o, cmd, meta_bytes(&rm) * ranks, e)) return -1;
+
+  obj_t *res;
+  if (r->inplace) res = in;
+  else if (r->ref == 0) res = outt;
+  else if (outt) res = objects_new_view(o, r->ref, &outt->tensor.meta, outt);
+  else res = objects_new_tensor(o, r->ref, &rm, mesh_ref, r->stream, ranks);
+  if (!res) return error_set(e, ERR_QUOTA, "Reduce: out of memory on the server");
+  if (r->ref) claim_refs(s, &r->ref, 1);
+  obj_t *ins[1] = {in};
+  inherit_failure(o, res, first_failed(ins, 1), out->res.seq);
+  emit_reduce(fe, s, o, mesh, r, in, res, dims, ndims);
+  return add_tensor(out, res);
+}
+
+/* ------------------------------------------------------------------ to_mesh */
+
+static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                       cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__ToMesh *t = c->to_mesh;
+  const char *cmd = "ToMesh";
+  if (check_new_refs(s, cmd, &t->ref, 1, e)) return -1;
+  obj_t *in = check_tensor(o, cmd, "input", t->input, e);
+  if (!in) return -1;
+  tensor_use_t use = {in, "input", false};
+  uint64_t src_ref = 0;
+  if (check_uses(o, cmd, &use, 1, &src_ref, in->tensor.stream, e)) return -1;
+  const mesh_t *whole = &objects_get(o, src_ref)->mesh;
+  mesh_t src = *whole;
+  if (t->n_selection && mesh_slice_proto(whole, whole->ref, t->selection, t->n_selection, cmd, &src, e))
+    return -1;
+  mesh_t *dst = resolve_mesh(o, cmd, "dst_mesh", t->dst_mesh, e);
+  if (!dst || resolve_stream(o, cmd, t->dst_stream, e)) return -1;
+  char sd[200], dd[200];
+  mesh_format(&src, sd, sizeof sd);
+  mesh_format(dst, dd, sizeof dd);
+  for (int i = 0; i < src.ndim; i++) {
+    int j = mesh_find_dim(dst, src.names[i]);
+    if (j < 0)
+      return error_set(e, ERR_BAD_DIM,
+                       "ToMesh: the source mesh %s has dim '%s', which the destination %s lacks; "
+                       "select one index of it first (slice_mesh(%s=i))",
+                       sd, src.names[i], dd, src.names[i]);
+    if (dst->slice.sizes[j] != src.slice.sizes[i])
+      return error_set(e, ERR_SHAPE_MISMATCH,
+                       "ToMesh: dim '%s' has size %lld on the source %s but %lld on the destination %s",
+                       src.names[i], (long long)src.slice.sizes[i], sd,
+                       (long long)dst->slice.sizes[j], dd);
+  }
+  tensor_meta_t rm;
+  rm.dtype = in->tensor.meta.dtype;
+  if (layout_contiguous(&rm.layout, in->tensor.meta.layout.sizes, in->tensor.meta.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
+    return -1;
+  uint64_t ranks = (uint64_t)mesh_len(dst);
+  if (check_quota(s, o, cmd, meta_bytes(&rm) * ranks, e)) return -1;
+  obj_t *res = objects_new_tensor(o, t->ref, &rm, dst->ref, t->dst_stream, ranks);
+  if (!res) return error_set(e, ERR_QUOTA, "ToMesh: out of memory on the server");
+  claim_refs(s, &t->ref, 1);
+  obj_t *ins[1] = {in};
+  inherit_failure(o, res, first_failed(ins, 1), out->res.seq);
+  emit_to_mesh(fe, s, o, &src, dst, in, res);
+  return add_tensor(out, res);
+}
+
+/* ------------------------------------------------------------------ borrows, drop */
+
+static int cmd_borrow(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                      cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Borrow *b = c->borrow;
+  uint64_t refs[2] = {b->ref, b->borrow};
+  if (check_new_refs(s, "Borrow", refs, 2, e)) return -1;
+  if (resolve_stream(o, "Borrow", b->stream, e)) return -1;
+  obj_t *in = check_tensor(o, "Borrow", "input", b->input, e);
+  if (!in) return -1;
+  if (borrow_create(o, b->borrow, b->ref, in, b->stream, b->mutable_, e)) return -1;
+  claim_refs(s, refs, 2);
+  obj_t *handle = objects_get(o, b->ref);
+  emit_borrow(fe, s, o, objects_get(o, b->borrow), in, handle, false);
+  return add_tensor(out, handle);
+}
+
+static int cmd_drop_borrow(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                           cmd_out_t *out, meshd_error_t *e) {
+  obj_t *b = objects_expect(o, c->drop_borrow->borrow, OBJ_BORROW, "DropBorrow: borrow", e);
+  if (!b || borrow_drop(o, b, out->res.seq, e)) return -1;
+  emit_borrow(fe, s, o, b, objects_get(o, b->borrow.origin), objects_get(o, b->borrow.result), true);
+  return 0;
+}
+
+static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                    cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Drop *d = c->drop;
+  for (size_t i = 0; i < d->n_refs; i++) { /* all or nothing */
+    char what[48];
+    snprintf(what, sizeof what, "refs[%zu]", i);
+    obj_t *t = objects_expect(o, d->refs[i], OBJ_TENSOR, what, e);
+    if (!t) {
+      if (e->msg[0] && objects_get(o, d->refs[i]))
+        error_set(e, ERR_BAD_ARGUMENT, "Drop: ref %llu is a %s; only tensors are dropped",
+                  (unsigned long long)d->refs[i], obj_kind_name(objects_get(o, d->refs[i])->kind));
+      else
+        error_set(e, ERR_UNKNOWN_REF, "Drop: ref %llu was never defined in this session",
+                  (unsigned long long)d->refs[i]);
+      return -1;
+    }
+    const storage_t *st = t->tensor.storage;
+    if (t->tensor.state != TENSOR_DROPPED && (st->read_borrows || st->mutable_borrow))
+      return error_set(e, ERR_BORROWED,
+                       "Drop: tensor %llu (or a view of it) is borrowed (borrow %llu); drop the "
+                       "borrow first", (unsigned long long)t->ref,
+                       (unsigned long long)borrow_holder(o, st));
+  }
+  for (size_t i = 0; i < d->n_refs; i++) {
+    obj_t *t = objects_get(o, d->refs[i]);
+    if (t->tensor.state == TENSOR_DROPPED) continue;
+    emit_drop(fe, s, o, t);
+    objects_drop_storage(o, t->tensor.storage, out->res.seq);
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------ sync, describe */
+
+static int cmd_sync(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                    cmd_out_t *out, meshd_error_t *e) {
+  if (c->sync->has_stream && resolve_stream(o, "Sync", c->sync->stream, e)) return -1;
+  return 0; /* the caller waits for the agents (emit_sync) before answering */
+}
+
+static int cmd_describe(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                        cmd_out_t *out, meshd_error_t *e) {
+  uint64_t ref = c->describe->ref;
+  obj_t *it = objects_get(o, ref);
+  if (!it)
+    return error_set(e, ERR_UNKNOWN_REF, "Describe: ref %llu was never defined in this session",
+                     (unsigned long long)ref);
+  if (it->kind == OBJ_TENSOR) return add_tensor(out, it);
+  if (it->kind == OBJ_MESH) return add_mesh(out, &it->mesh);
+  return error_set(e, ERR_BAD_ARGUMENT, "Describe: ref %llu is a %s; Describe takes tensors and meshes",
+                   (unsigned long long)ref, obj_kind_name(it->kind));
+}
+
+/* ------------------------------------------------------------------ the table */
+
+typedef int (*handler_fn)(frontend_t *, session_t *, objects_t *, const Meshd__V1__Command *,
+                          cmd_out_t *, meshd_error_t *);
+
+static const struct {
+  Meshd__V1__Command__KindCase kind;
+  const char *name;
+  handler_fn fn;
+} handlers[] = {
+    {MESHD__V1__COMMAND__KIND_CREATE_MESH, "CreateMesh", cmd_create_mesh},
+    {MESHD__V1__COMMAND__KIND_SLICE_MESH, "SliceMesh", cmd_slice_mesh},
+    {MESHD__V1__COMMAND__KIND_CREATE_STREAM, "CreateStream", cmd_create_stream},
+    {MESHD__V1__COMMAND__KIND_FACTORY, "Factory", cmd_factory},
+    {MESHD__V1__COMMAND__KIND_CALL, "Call", cmd_call},
+    {MESHD__V1__COMMAND__KIND_REDUCE, "Reduce", cmd_reduce},
+    {MESHD__V1__COMMAND__KIND_TO_MESH, "ToMesh", cmd_to_mesh},
+    {MESHD__V1__COMMAND__KIND_BORROW, "Borrow", cmd_borrow},
+    {MESHD__V1__COMMAND__KIND_DROP_BORROW, "DropBorrow", cmd_drop_borrow},
+    {MESHD__V1__COMMAND__KIND_DROP, "Drop", cmd_drop},
+    {MESHD__V1__COMMAND__KIND_SYNC, "Sync", cmd_sync},
+    {MESHD__V1__COMMAND__KIND_DESCRIBE, "Describe", cmd_describe},
+};
+
+const char *command_name(const Meshd__V1__Command *cmd) {
+  for (size_t i = 0; i < sizeof handlers / sizeof *handlers; i++)
+    if (handlers[i].kind == cmd->kind_case) return handlers[i].name;
+  return "(empty command)";
+}
+
+int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *cmd,
+                cmd_out_t *out, meshd_error_t *e) {
+  for (size_t i = 0; i < sizeof handlers / sizeof *handlers; i++) {
+    if (handlers[i].kind != cmd->kind_case) continue;
+    memset(e, 0, sizeof *e);
+    return handlers[i].fn(fe, s, o, cmd, out, e);
+  }
+  return error_set(e, ERR_BAD_ARGUMENT,
+                   "Command %llu has no kind: set one of create_mesh, slice_mesh, create_stream, "
+                   "factory, call, reduce, to_mesh, borrow, drop_borrow, drop, sync, describe",
+                   (unsigned long long)cmd->seq);
+}

@@ -1,0 +1,43 @@
+/* The client commands of DESIGN §3: one handler per Command kind, in one table.
+ *
+ * A handler runs every check first and changes nothing unless the command is
+ * accepted; then it claims the command's refs, updates the session's objects,
+ * sends the agent instructions (emit.h) and fills the result. The caller holds
+ * the session's lock. */
+#ifndef MESHD_COMMANDS_H
+#define MESHD_COMMANDS_H
+
+#include "agent_pool.h"
+#include "error_kind.h"
+#include "meshd/v1/tensor_service.pb-c.h"
+#include "objects.h"
+#include "session.h"
+
+#define CMD_MAX_ALLOCS 64
+
+/* A CommandResult and the memory behind its repeated fields. */
+typedef struct cmd_out {
+  Meshd__V1__CommandResult res;
+  void *allocs[CMD_MAX_ALLOCS];
+  int nallocs;
+} cmd_out_t;
+
+typedef struct frontend {
+  agent_pool_t *pool;
+} frontend_t;
+
+void cmd_out_init(cmd_out_t *out, uint64_t seq);
+/* Frees what the result points to (not `out` itself). */
+void cmd_out_free(cmd_out_t *out);
+/* Sets out's Error from e (kind, message, gRPC code, seq). */
+void cmd_out_error(cmd_out_t *out, const meshd_error_t *e);
+
+/* Runs `cmd` in session s (whose objects are `o`). Returns 0 if accepted
+ * (out filled), -1 if rejected (e says why; nothing changed). */
+int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *cmd,
+                cmd_out_t *out, meshd_error_t *e);
+
+/* "CreateMesh", "Call", ... for logs and messages. */
+const char *command_name(const Meshd__V1__Command *cmd);
+
+#endif

@@ -1,0 +1,282 @@
+#include "emit.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+
+typedef Meshd__Agent__V1__Instruction instr_t;
+typedef Meshd__Agent__V1__TensorSpec spec_t;
+
+static void spec_of(spec_t *sp, const obj_t *t) {
+  meshd__agent__v1__tensor_spec__init(sp);
+  const layout_t *l = &t->tensor.meta.layout;
+  sp->ref = t->ref;
+  sp->n_shape = sp->n_strides = (size_t)l->ndim;
+  sp->shape = (int64_t *)l->sizes;
+  sp->strides = (int64_t *)l->strides;
+  sp->storage_offset = l->offset;
+  sp->dtype = (Meshd__V1__DType)t->tensor.meta.dtype;
+  sp->storage = t->tensor.storage->id;
+}
+
+static void init_instr(instr_t *ins, session_t *s, uint64_t stream) {
+  meshd__agent__v1__instruction__init(ins);
+  ins->session_id = s->id;
+  ins->stream = stream;
+}
+
+static void send_to(frontend_t *fe, objects_t *o, uint32_t rank, instr_t *ins) {
+  objects_touch(o, rank);
+  if (agent_pool_send(fe->pool, rank, ins, NULL) != 0)
+    log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent is "
+             "gone; its tensors will report AGENT_LOST)", rank, ins->session_id);
+}
+
+/* The mesh's world ranks (malloc'd, row-major); NULL on OOM. */
+static uint32_t *ranks_of(const mesh_t *mesh, size_t *n) {
+  *n = mesh_len(mesh);
+  uint32_t *r = malloc(sizeof *r * (*n ? *n : 1));
+  if (r) mesh_ranks(mesh, r);
+  return r;
+}
+
+static void send_to_mesh(frontend_t *fe, objects_t *o, const mesh_t *mesh, instr_t *ins) {
+  size_t n;
+  uint32_t *ranks = ranks_of(mesh, &n);
+  for (size_t i = 0; ranks && i < n; i++) send_to(fe, o, ranks[i], ins);
+  free(ranks);
+}
+
+void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
+                  const Meshd__V1__Factory *f) {
+  instr_t ins;
+  init_instr(&ins, s, f->stream);
+  Meshd__Agent__V1__FactoryOp op = MESHD__AGENT__V1__FACTORY_OP__INIT;
+  spec_t result;
+  spec_of(&result, t);
+  op.factory = (Meshd__V1__Factory *)f;
+  op.result = &result;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
+  ins.factory = &op;
+  int dim = f->dim && *f->dim ? mesh_find_dim(mesh, f->dim) : -1;
+  size_t n;
+  uint32_t *ranks = ranks_of(mesh, &n);
+  for (size_t i = 0; ranks && i < n; i++) {
+    /* Each rank's own coordinate (rank(dim)) and position (its RNG stream). */
+    op.coordinate = dim >= 0 ? mesh_coord(mesh, ranks[i], dim) : 0;
+    op.mesh_rank = (uint32_t)i;
+    send_to(fe, o, ranks[i], &ins);
+  }
+  free(ranks);
+}
+
+void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
+               const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
+               obj_t *const *results, size_t nresults, const op_infer_t *inf) {
+  spec_t in_specs[32], out_specs[OP_MAX_RESULTS];
+  spec_t *in_ptrs[32], *out_ptrs[OP_MAX_RESULTS];
+  uint64_t mutates[OP_MAX_RESULTS];
+  if (ninputs > 32) ninputs = 32;
+  for (size_t i = 0; i < ninputs; i++) {
+    spec_of(&in_specs[i], inputs[i]);
+    in_ptrs[i] = &in_specs[i];
+  }
+  for (size_t i = 0; i < nresults; i++) {
+    spec_of(&out_specs[i], results[i]);
+    out_ptrs[i] = &out_specs[i];
+  }
+  Meshd__Agent__V1__OpCall op = MESHD__AGENT__V1__OP_CALL__INIT;
+  op.op = call->op;
+  op.n_args = call->n_args;
+  op.args = call->args;
+  op.n_kwargs = call->n_kwargs;
+  op.kwargs = call->kwargs;
+  op.n_inputs = ninputs;
+  op.inputs = in_ptrs;
+  op.n_results = nresults;
+  op.results = out_ptrs;
+  size_t nm = 0;
+  for (int i = 0; i < inf->nmutates && nm < OP_MAX_RESULTS; i++) mutates[nm++] = (uint64_t)inf->mutates[i];
+  op.n_mutates = nm;
+  op.mutates = mutates;
+  instr_t ins;
+  init_instr(&ins, s, call->stream);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_CALL;
+  ins.call = &op;
+  send_to_mesh(fe, o, mesh, &ins);
+}
+
+/* A stable id for the communicator of (session, mesh, dims, stream). */
+static uint64_t comm_id(const session_t *s, uint64_t mesh, uint32_t dimmask, uint64_t stream) {
+  uint64_t h = 1469598103934665603ull;
+  for (const char *p = s->id; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
+  uint64_t parts[3] = {mesh, dimmask, stream};
+  for (int i = 0; i < 3; i++) h = (h ^ parts[i]) * 1099511628211ull;
+  return h;
+}
+
+void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
+                 const Meshd__V1__Reduce *r, const obj_t *in, const obj_t *res, const int *dims,
+                 int ndims) {
+  spec_t in_spec, res_spec;
+  spec_of(&in_spec, in);
+  spec_of(&res_spec, res);
+  uint32_t mask = 0;
+  int64_t group_size = 1;
+  for (int i = 0; i < ndims; i++) {
+    mask |= 1u << dims[i];
+    group_size *= mesh->slice.sizes[dims[i]];
+  }
+  uint32_t *group = malloc(sizeof *group * (size_t)group_size);
+  size_t n;
+  uint32_t *ranks = ranks_of(mesh, &n);
+  if (!group || !ranks) goto out;
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.comm_id = comm_id(s, mesh->ref, mask, r->stream);
+  g.ranks = group;
+  g.n_ranks = (size_t)group_size;
+  Meshd__Agent__V1__ReduceOp op = MESHD__AGENT__V1__REDUCE_OP__INIT;
+  op.reduce = (Meshd__V1__Reduce *)r;
+  op.input = &in_spec;
+  op.result = &res_spec;
+  op.group = &g;
+  instr_t ins;
+  init_instr(&ins, s, r->stream);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  ins.reduce = &op;
+  for (size_t i = 0; i < n; i++) {
+    /* The group: ranks sharing every coordinate outside the reduced dims, in
+     * row-major order over the reduced dims. */
+    int64_t coords[NDSLICE_MAX_DIMS];
+    ndslice_coords(&mesh->slice, ranks[i], coords);
+    for (int64_t k = 0; k < group_size; k++) {
+      int64_t rest = k;
+      for (int d = ndims - 1; d >= 0; d--) {
+        coords[dims[d]] = rest % mesh->slice.sizes[dims[d]];
+        rest /= mesh->slice.sizes[dims[d]];
+      }
+      group[k] = (uint32_t)ndslice_rank_of(&mesh->slice, coords, NULL);
+    }
+    send_to(fe, o, ranks[i], &ins);
+  }
+out:
+  free(group);
+  free(ranks);
+}
+
+void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
+                  const obj_t *in, const obj_t *res) {
+  spec_t in_spec, res_spec;
+  spec_of(&in_spec, in);
+  spec_of(&res_spec, res);
+  size_t n;
+  uint32_t *dranks = ranks_of(dst, &n);
+  for (size_t i = 0; dranks && i < n; i++) {
+    /* Positional pairing: the source rank at the destination rank's coordinates
+     * of the shared dims; dims only the destination has are broadcast. */
+    int64_t sc[NDSLICE_MAX_DIMS];
+    for (int d = 0; d < src->ndim; d++)
+      sc[d] = mesh_coord(dst, dranks[i], mesh_find_dim(dst, src->names[d]));
+    uint32_t from = (uint32_t)ndslice_rank_of(&src->slice, sc, NULL);
+    Meshd__Agent__V1__SendTensor st = MESHD__AGENT__V1__SEND_TENSOR__INIT;
+    st.from_rank = from;
+    st.to_rank = dranks[i];
+    st.to_stream = res->tensor.stream;
+    st.comm_id = comm_id(s, 0, 0, (in->tensor.stream << 32) ^ res->tensor.stream);
+    instr_t ins;
+    if (from == dranks[i]) { /* same process: a local copy */
+      st.input = &in_spec;
+      st.result = &res_spec;
+      init_instr(&ins, s, in->tensor.stream);
+      ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+      ins.send = &st;
+      send_to(fe, o, from, &ins);
+      continue;
+    }
+    st.input = &in_spec;
+    init_instr(&ins, s, in->tensor.stream);
+    ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+    ins.send = &st;
+    send_to(fe, o, from, &ins);
+    st.input = NULL;
+    st.result = &res_spec;
+    init_instr(&ins, s, res->tensor.stream);
+    ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+    ins.send = &st;
+    send_to(fe, o, dranks[i], &ins);
+  }
+  free(dranks);
+}
+
+void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow, const obj_t *origin,
+                 const obj_t *handle, bool drop) {
+  const borrow_obj_t *b = &borrow->borrow;
+  Meshd__Agent__V1__BorrowOp op = MESHD__AGENT__V1__BORROW_OP__INIT;
+  op.borrow = borrow->ref;
+  op.tensor = b->origin;
+  op.result = b->result;
+  op.from_stream = b->from_stream;
+  op.to_stream = b->to_stream;
+  const mesh_t *mesh = &objects_get(o, origin->tensor.mesh)->mesh;
+  instr_t ins;
+  if (drop) {
+    op.phase = MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE;
+    init_instr(&ins, s, b->to_stream);
+    ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW;
+    ins.borrow = &op;
+    send_to_mesh(fe, o, mesh, &ins);
+    op.phase = MESHD__AGENT__V1__BORROW_OP__PHASE__DROP;
+  } else {
+    op.phase = MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE;
+  }
+  init_instr(&ins, s, b->from_stream);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW;
+  ins.borrow = &op;
+  send_to_mesh(fe, o, mesh, &ins);
+  (void)handle;
+}
+
+void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t) {
+  uint64_t refs[64];
+  size_t n = 0;
+  for (const obj_t *a = t->tensor.storage->aliases; a && n < 64; a = a->tensor.next_alias)
+    if (a->tensor.state != TENSOR_DROPPED) refs[n++] = a->ref;
+  Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
+  d.refs = refs;
+  d.n_refs = n;
+  instr_t ins;
+  init_instr(&ins, s, t->tensor.stream);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
+  ins.delete_refs = &d;
+  send_to_mesh(fe, o, &objects_get(o, t->tensor.mesh)->mesh, &ins);
+}
+
+size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, uint64_t *seqs,
+                   size_t cap) {
+  Meshd__Agent__V1__StatusRequest sr = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
+  instr_t ins;
+  init_instr(&ins, s, 0);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
+  ins.status = &sr;
+  size_t k = 0;
+  for (size_t r = 0; r < o->ntouched && k < cap; r++) {
+    if (!o->touched[r]) continue;
+    uint64_t seq = 0;
+    if (agent_pool_send(fe->pool, (uint32_t)r, &ins, &seq) != 0) continue;
+    ranks[k] = (uint32_t)r;
+    seqs[k++] = seq;
+  }
+  return k;
+}
+
+void emit_end_session(frontend_t *fe, session_t *s, objects_t *o) {
+  Meshd__Agent__V1__EndSession end = MESHD__AGENT__V1__END_SESSION__INIT;
+  instr_t ins;
+  init_instr(&ins, s, 0);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION;
+  ins.end_session = &end;
+  for (size_t r = 0; r < o->ntouched; r++)
+    if (o->touched[r]) agent_pool_send(fe->pool, (uint32_t)r, &ins, NULL);
+}

@@ -1,0 +1,30 @@
+/* Accepted commands -> agent instructions (agent.proto), one per involved rank,
+ * queued on that agent's Execute link in command order. Never waits for agents.
+ * The caller holds the session lock; objects records which ranks the session
+ * touched so that its end can free them. */
+#ifndef MESHD_EMIT_H
+#define MESHD_EMIT_H
+
+#include "commands.h"
+
+void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
+                  const Meshd__V1__Factory *f);
+void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
+               const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
+               obj_t *const *results, size_t nresults, const op_infer_t *inf);
+void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
+                 const Meshd__V1__Reduce *r, const obj_t *in, const obj_t *res, const int *dims,
+                 int ndims);
+void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
+                  const obj_t *in, const obj_t *res);
+void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow, const obj_t *origin,
+                 const obj_t *handle, bool drop);
+void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t);
+/* StatusRequest to every rank the session touched; the seqs to wait for go to
+ * ranks[]/seqs[] (capacity cap). Returns how many. */
+size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, uint64_t *seqs,
+                   size_t cap);
+/* EndSession to every rank the session touched. */
+void emit_end_session(frontend_t *fe, session_t *s, objects_t *o);
+
+#endif

@@ -1,0 +1,182 @@
+#include "objects.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+objects_t *objects_create(void) { return calloc(1, sizeof(objects_t)); }
+
+static void storage_unref(storage_t *s) {
+  if (s && --s->refs == 0) free(s);
+}
+
+void objects_destroy(objects_t *o) {
+  if (!o) return;
+  obj_t *it, *tmp;
+  HASH_ITER(hh, o->table, it, tmp) {
+    HASH_DEL(o->table, it);
+    if (it->kind == OBJ_TENSOR) {
+      storage_unref(it->tensor.storage);
+      free(it->tensor.fail_msg);
+    } else if (it->kind == OBJ_BORROW) {
+      storage_unref(it->borrow.origin_storage);
+    }
+    free(it);
+  }
+  free(o->touched);
+  free(o);
+}
+
+bool objects_touch(objects_t *o, uint32_t rank) {
+  if (rank >= o->ntouched) {
+    size_t n = o->ntouched ? o->ntouched : 8;
+    while (n <= rank) n *= 2;
+    uint8_t *t = realloc(o->touched, n);
+    if (!t) return false;
+    memset(t + o->ntouched, 0, n - o->ntouched);
+    o->touched = t;
+    o->ntouched = n;
+  }
+  o->touched[rank] = 1;
+  return true;
+}
+
+const char *obj_kind_name(obj_kind_t k) {
+  switch (k) {
+    case OBJ_MESH: return "mesh";
+    case OBJ_STREAM: return "stream";
+    case OBJ_TENSOR: return "tensor";
+    case OBJ_BORROW: return "borrow";
+  }
+  return "object";
+}
+
+obj_t *objects_get(objects_t *o, uint64_t ref) {
+  obj_t *it = NULL;
+  HASH_FIND(hh, o->table, &ref, sizeof ref, it);
+  return it;
+}
+
+obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind) {
+  obj_t *it = calloc(1, sizeof *it);
+  if (!it) return NULL;
+  it->ref = ref;
+  it->kind = kind;
+  HASH_ADD(hh, o->table, ref, sizeof it->ref, it);
+  return it;
+}
+
+obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *what,
+                      meshd_error_t *e) {
+  if (kind == OBJ_STREAM && ref == STREAM_MAIN) return NULL; /* caller handles main */
+  obj_t *it = objects_get(o, ref);
+  if (!it) {
+    error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which this session never defined", what,
+              (unsigned long long)ref);
+    return NULL;
+  }
+  if (it->kind != kind) {
+    error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which is a %s, not a %s", what,
+              (unsigned long long)ref, obj_kind_name(it->kind), obj_kind_name(kind));
+    return NULL;
+  }
+  return it;
+}
+
+const char *objects_stream_name(objects_t *o, uint64_t ref) {
+  if (ref == STREAM_MAIN) return "main";
+  obj_t *s = objects_get(o, ref);
+  return s && s->kind == OBJ_STREAM ? s->stream_name : "?";
+}
+
+int64_t objects_stream_by_name(objects_t *o, const char *name) {
+  if (strcmp(name, "main") == 0) return STREAM_MAIN;
+  obj_t *it, *tmp;
+  HASH_ITER(hh, o->table, it, tmp) {
+    if (it->kind == OBJ_STREAM && strcmp(it->stream_name, name) == 0) return (int64_t)it->ref;
+  }
+  return -1;
+}
+
+static uint64_t layout_bytes(const tensor_meta_t *m) {
+  /* Storage needed by a fresh (contiguous) tensor: numel * element size. */
+  uint64_t n = 1;
+  for (int i = 0; i < m->layout.ndim; i++) n *= (uint64_t)m->layout.sizes[i];
+  return n * dtype_size(m->dtype);
+}
+
+static obj_t *new_tensor_record(objects_t *o, uint64_t ref, const tensor_meta_t *meta,
+                                uint64_t mesh, uint64_t stream, storage_t *s) {
+  obj_t *t = objects_add(o, ref, OBJ_TENSOR);
+  if (!t) return NULL;
+  t->tensor.meta = *meta;
+  t->tensor.storage = s;
+  t->tensor.mesh = mesh;
+  t->tensor.stream = stream;
+  t->tensor.state = TENSOR_LIVE;
+  t->tensor.next_alias = s->aliases;
+  s->aliases = t;
+  s->refs++;
+  s->live_aliases++;
+  o->live_tensors++;
+  return t;
+}
+
+obj_t *objects_new_tensor(objects_t *o, uint64_t ref, const tensor_meta_t *meta, uint64_t mesh,
+                          uint64_t stream, uint64_t ranks) {
+  storage_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->id = ref;
+  s->access = ACCESS_R | ACCESS_W;
+  s->bytes = layout_bytes(meta);
+  s->ranks = ranks;
+  obj_t *t = new_tensor_record(o, ref, meta, mesh, stream, s);
+  if (!t) {
+    free(s);
+    return NULL;
+  }
+  o->bytes += s->bytes * s->ranks;
+  return t;
+}
+
+obj_t *objects_new_view(objects_t *o, uint64_t ref, const tensor_meta_t *meta, obj_t *base) {
+  return new_tensor_record(o, ref, meta, base->tensor.mesh, base->tensor.stream,
+                           base->tensor.storage);
+}
+
+obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *meta, obj_t *origin,
+                            uint64_t stream, uint64_t borrow) {
+  storage_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->id = ref;
+  s->borrow = borrow;
+  /* The borrowed side holds no bytes of its own: it is the origin's memory. */
+  obj_t *t = new_tensor_record(o, ref, meta, origin->tensor.mesh, stream, s);
+  if (!t) free(s);
+  return t;
+}
+
+void objects_drop_tensor(objects_t *o, obj_t *t, uint64_t seq) {
+  tensor_obj_t *x = &t->tensor;
+  if (x->state == TENSOR_DROPPED) return;
+  x->state = TENSOR_DROPPED;
+  x->state_seq = seq;
+  o->live_tensors--;
+  if (--x->storage->live_aliases == 0) o->bytes -= x->storage->bytes * x->storage->ranks;
+}
+
+void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
+  for (obj_t *it = storage->aliases; it; it = it->tensor.next_alias) objects_drop_tensor(o, it, seq);
+}
+
+void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,
+                         uint64_t root_seq, const char *msg) {
+  for (obj_t *it = t->tensor.storage->aliases; it; it = it->tensor.next_alias) {
+    if (it->tensor.state != TENSOR_LIVE) continue;
+    it->tensor.state = TENSOR_FAILED;
+    it->tensor.state_seq = seq;
+    it->tensor.fail_kind = kind;
+    it->tensor.fail_root_seq = root_seq;
+    free(it->tensor.fail_msg);
+    it->tensor.fail_msg = strdup(msg ? msg : "");
+  }
+}

@@ -1,0 +1,128 @@
+/* What a session names: one table keyed by ref, shared by meshes, streams,
+ * tensors and borrows (Monarch's single ref space).
+ *
+ * Tensors that view the same memory share a storage_t (Monarch's
+ * StorageAliases): it holds the access permissions that borrows change and
+ * the bytes counted against the session's quota. Dropped tensors keep their
+ * record (state DROPPED + the command that dropped them) so a later use gets
+ * DROPPED with its drop site rather than UNKNOWN_REF.
+ *
+ * Not thread-safe: the caller holds the session's lock. */
+#ifndef MESHD_OBJECTS_H
+#define MESHD_OBJECTS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uthash.h>
+
+#include "error_kind.h"
+#include "mesh.h"
+#include "ops.h"
+
+#define ACCESS_R 1u
+#define ACCESS_W 2u
+
+/* The default stream "main" has ref 0: every session has it. */
+#define STREAM_MAIN 0
+
+typedef enum { OBJ_MESH = 1, OBJ_STREAM, OBJ_TENSOR, OBJ_BORROW } obj_kind_t;
+typedef enum { TENSOR_LIVE = 1, TENSOR_DROPPED = 2, TENSOR_FAILED = 3 } tensor_state_t;
+
+struct obj;
+
+typedef struct storage {
+  struct obj *aliases;     /* tensor records viewing it, linked by tensor.next_alias */
+  uint64_t id;             /* ref of the tensor that created it */
+  int refs;                /* tensor records + borrows pointing here */
+  int live_aliases;        /* tensors viewing it that are not dropped */
+  unsigned access;         /* ACCESS_R | ACCESS_W */
+  int read_borrows;        /* live read borrows taken from it */
+  uint64_t mutable_borrow; /* ref of the live mutable borrow taken from it, 0 if none */
+  uint64_t borrow;         /* on a borrowed storage: the borrow that made it */
+  uint64_t bytes;          /* per rank */
+  uint64_t ranks;          /* ranks holding it (bytes * ranks count against the quota) */
+} storage_t;
+
+typedef struct tensor_obj {
+  tensor_meta_t meta;
+  storage_t *storage;
+  struct obj *next_alias;
+  uint64_t mesh;
+  uint64_t stream;
+  tensor_state_t state;
+  uint64_t state_seq;      /* command that dropped or failed it */
+  error_kind_t fail_kind;  /* REMOTE_FAILURE / DEPENDENT_FAILURE */
+  uint64_t fail_root_seq;
+  char *fail_msg;
+} tensor_obj_t;
+
+typedef struct borrow_obj {
+  uint64_t origin;         /* the borrowed tensor */
+  uint64_t result;         /* the tensor usable on to_stream */
+  storage_t *origin_storage;
+  bool is_mutable;
+  uint64_t from_stream, to_stream;
+  bool dropped;
+  uint64_t drop_seq;
+} borrow_obj_t;
+
+typedef struct obj {
+  uint64_t ref;
+  obj_kind_t kind;
+  UT_hash_handle hh;
+  union {
+    mesh_t mesh;
+    char stream_name[64];
+    tensor_obj_t tensor;
+    borrow_obj_t borrow;
+  };
+} obj_t;
+
+typedef struct objects {
+  obj_t *table;
+  uint64_t live_tensors;
+  uint64_t bytes;          /* sum over live storages of bytes * ranks */
+  uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
+  size_t ntouched;
+} objects_t;
+
+/* Records that `rank` holds state of this session. Returns false on OOM. */
+bool objects_touch(objects_t *o, uint32_t rank);
+
+objects_t *objects_create(void);
+void objects_destroy(objects_t *o);
+
+const char *obj_kind_name(obj_kind_t k);
+obj_t *objects_get(objects_t *o, uint64_t ref);
+/* Adds a zeroed record; the ref must be new (the session checked it). NULL on OOM. */
+obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind);
+
+/* Looks up ref as kind; `what` names the argument for the message:
+ * UNKNOWN_REF "Call add: argument 'other' is ref 7, which this session never
+ * defined" or "... is a mesh, not a tensor". */
+obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *what,
+                      meshd_error_t *e);
+/* A stream by ref (0 = main). */
+const char *objects_stream_name(objects_t *o, uint64_t ref);
+/* A stream ref by name, or -1 (main is 0). */
+int64_t objects_stream_by_name(objects_t *o, const char *name);
+
+/* A new tensor on a fresh storage (bytes from its layout). */
+obj_t *objects_new_tensor(objects_t *o, uint64_t ref, const tensor_meta_t *meta, uint64_t mesh,
+                          uint64_t stream, uint64_t ranks);
+/* A new tensor viewing `base`'s storage (aliases it). */
+obj_t *objects_new_view(objects_t *o, uint64_t ref, const tensor_meta_t *meta, obj_t *base);
+/* A tensor on a new storage that borrows from `origin` (see borrow.c). */
+obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *meta, obj_t *origin,
+                            uint64_t stream, uint64_t borrow);
+
+/* Drops one tensor record (state DROPPED at seq); frees its storage's bytes
+ * once no live alias is left. Dropping twice is a no-op. */
+void objects_drop_tensor(objects_t *o, obj_t *t, uint64_t seq);
+/* Drops every live tensor viewing `storage` (Monarch's drop drops all aliases). */
+void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq);
+/* Marks a tensor failed (its storage's other aliases too). */
+void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,
+                         uint64_t root_seq, const char *msg);
+
+#endif

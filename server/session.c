@@ -1,0 +1,467 @@
+#include "session.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "log.h"
+#include "rpc.h"
+
+#define EXPIRE_PERIOD_MS 500
+
+struct session_table {
+  pthread_mutex_t mu;
+  pthread_cond_t wake; /* CLOCK_MONOTONIC; signalled to stop the thread */
+  session_t *by_id;    /* uthash, in creation order; holds one ref each */
+  uint64_t default_ttl_s, default_quota;
+  session_closed_fn on_closed;
+  void *arg;
+  pthread_t thread;
+  bool stopping;
+  _Atomic bool accepting;
+};
+
+/* Sessions taken out of the table under its lock, to be announced and
+ * released after it is unlocked. */
+typedef struct ended {
+  session_t **v;
+  size_t n, cap;
+  session_t *one[16];
+} ended_t;
+
+static void ended_init(ended_t *e) {
+  e->v = e->one;
+  e->n = 0;
+  e->cap = sizeof e->one / sizeof e->one[0];
+}
+
+static bool ended_push(ended_t *e, session_t *s) {
+  if (e->n == e->cap) {
+    size_t cap = e->cap * 2;
+    session_t **v = malloc(cap * sizeof *v);
+    if (!v) return false;
+    memcpy(v, e->v, e->n * sizeof *v);
+    if (e->v != e->one) free(e->v);
+    e->v = v;
+    e->cap = cap;
+  }
+  e->v[e->n++] = s;
+  return true;
+}
+
+const char *session_end_name(session_end_t why) {
+  switch (why) {
+    case SESSION_END_CLOSED:
+      return "closed";
+    case SESSION_END_EXPIRED:
+      return "expired";
+    case SESSION_END_SHUTDOWN:
+      return "server shutdown";
+  }
+  return "unknown";
+}
+
+/* ------------------------------------------------------------------ lifetime */
+
+static void session_free(session_t *s) {
+  if (s->destroy_objects) s->destroy_objects(s->objects);
+  pthread_mutex_destroy(&s->mu);
+  free(s);
+}
+
+void session_ref(session_t *s) { atomic_fetch_add(&s->refs, 1); }
+
+void session_release(session_t *s) {
+  if (!s) return;
+  atomic_store(&s->last_used_ms, rpc_now_ms());
+  if (atomic_fetch_sub(&s->refs, 1) == 1) session_free(s);
+}
+
+void session_touch(session_t *s) { atomic_store(&s->last_used_ms, rpc_now_ms()); }
+
+void session_set_objects(session_t *s, void *objects, void (*destroy)(void *objects)) {
+  s->objects = objects;
+  s->destroy_objects = destroy;
+}
+
+/* Under t->mu: out of the index, marked closed. The table's reference moves to
+ * the caller, who announces the end and then releases it. */
+static void unlink_locked(session_table_t *t, session_t *s) {
+  HASH_DEL(t->by_id, s);
+  atomic_store(&s->closed, true);
+}
+
+static void announce(session_table_t *t, session_t *s, session_end_t why) {
+  int64_t idle = rpc_now_ms() - atomic_load(&s->last_used_ms);
+  log_info("session", "session %s (%s) %s after %lld ms idle", s->id,
+           s->client_name[0] ? s->client_name : "unnamed", session_end_name(why), (long long)idle);
+  if (t->on_closed) t->on_closed(s, why, t->arg);
+}
+
+static void announce_all(session_table_t *t, ended_t *e, session_end_t why) {
+  for (size_t i = 0; i < e->n; i++) {
+    announce(t, e->v[i], why);
+    session_release(e->v[i]);
+  }
+  if (e->v != e->one) free(e->v);
+}
+
+/* ------------------------------------------------------------------ table */
+
+static void *expire_thread(void *arg) {
+  session_table_t *t = arg;
+  pthread_mutex_lock(&t->mu);
+  while (!t->stopping) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_nsec += EXPIRE_PERIOD_MS * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&t->wake, &t->mu, &ts);
+    if (t->stopping) break;
+    pthread_mutex_unlock(&t->mu);
+    session_expire(t, rpc_now_ms());
+    pthread_mutex_lock(&t->mu);
+  }
+  pthread_mutex_unlock(&t->mu);
+  return NULL;
+}
+
+session_table_t *session_table_create(uint64_t default_ttl_s, uint64_t default_quota_bytes,
+                                      session_closed_fn on_closed, void *arg) {
+  session_table_t *t = calloc(1, sizeof *t);
+  if (!t) return NULL;
+  t->default_ttl_s = default_ttl_s ? default_ttl_s : 300;
+  t->default_quota = default_quota_bytes;
+  t->on_closed = on_closed;
+  t->arg = arg;
+  atomic_store(&t->accepting, true);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&t->wake, &ca);
+  pthread_condattr_destroy(&ca);
+  pthread_mutex_init(&t->mu, NULL);
+  if (pthread_create(&t->thread, NULL, expire_thread, t) != 0) {
+    pthread_cond_destroy(&t->wake);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+    return NULL;
+  }
+  return t;
+}
+
+void session_table_destroy(session_table_t *t) {
+  if (!t) return;
+  pthread_mutex_lock(&t->mu);
+  t->stopping = true;
+  pthread_cond_broadcast(&t->wake);
+  pthread_mutex_unlock(&t->mu);
+  pthread_join(t->thread, NULL);
+
+  ended_t e;
+  ended_init(&e);
+  for (;;) {
+    pthread_mutex_lock(&t->mu);
+    session_t *s, *tmp;
+    bool full = false;
+    HASH_ITER(hh, t->by_id, s, tmp) {
+      if (!ended_push(&e, s)) {
+        full = true;
+        break;
+      }
+      unlink_locked(t, s);
+    }
+    pthread_mutex_unlock(&t->mu);
+    announce_all(t, &e, SESSION_END_SHUTDOWN);
+    ended_init(&e);
+    if (!full) break;
+  }
+  pthread_cond_destroy(&t->wake);
+  pthread_mutex_destroy(&t->mu);
+  free(t);
+}
+
+uint64_t session_table_default_ttl(const session_table_t *t) { return t->default_ttl_s; }
+
+void session_table_set_accepting(session_table_t *t, bool accepting) {
+  atomic_store(&t->accepting, accepting);
+}
+
+bool session_table_accepting(const session_table_t *t) { return atomic_load(&t->accepting); }
+
+/* 2n hex chars of kernel randomness; no weak fallback for secrets. */
+static int random_hex(char *out, size_t n) {
+  unsigned char buf[SESSION_TOKEN_LEN / 2];
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = getrandom(buf + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    got += (size_t)r;
+  }
+  static const char hex[] = "0123456789abcdef";
+  for (size_t i = 0; i < n; i++) {
+    out[2 * i] = hex[buf[i] >> 4];
+    out[2 * i + 1] = hex[buf[i] & 15];
+  }
+  out[2 * n] = '\0';
+  return 0;
+}
+
+int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
+                   uint64_t quota_bytes, session_t **out, meshd_error_t *err) {
+  session_t *s = calloc(1, sizeof *s);
+  if (!s) return error_set(err, ERR_UNAVAILABLE, "CreateSession: out of memory");
+  if (random_hex(s->token, SESSION_TOKEN_LEN / 2) != 0) {
+    free(s);
+    return error_set(err, ERR_UNAVAILABLE, "CreateSession: no randomness for a token: %s",
+                     strerror(errno));
+  }
+  snprintf(s->client_name, sizeof s->client_name, "%s", client_name ? client_name : "");
+  s->ttl_s = ttl_s ? ttl_s : t->default_ttl_s;
+  s->quota_bytes = quota_bytes ? quota_bytes : t->default_quota;
+  s->created_ms = rpc_now_ms();
+  atomic_store(&s->last_used_ms, s->created_ms);
+  atomic_store(&s->refs, 2); /* the table's and the caller's */
+  pthread_mutex_init(&s->mu, NULL);
+
+  pthread_mutex_lock(&t->mu);
+  for (;;) {
+    if (random_hex(s->id, SESSION_ID_LEN / 2) != 0) {
+      pthread_mutex_unlock(&t->mu);
+      pthread_mutex_destroy(&s->mu);
+      free(s);
+      return error_set(err, ERR_UNAVAILABLE, "CreateSession: no randomness for an id: %s",
+                       strerror(errno));
+    }
+    session_t *dup;
+    HASH_FIND_STR(t->by_id, s->id, dup);
+    if (!dup) break;
+  }
+  HASH_ADD_STR(t->by_id, id, s);
+  pthread_mutex_unlock(&t->mu);
+  log_info("session", "session %s created for '%s' (ttl %llu s, quota %llu bytes)", s->id,
+           s->client_name, (unsigned long long)s->ttl_s, (unsigned long long)s->quota_bytes);
+  *out = s;
+  return 0;
+}
+
+/* Same time whatever the contents; only the (public) length shows. */
+static bool token_equal(const char *want, const char *got) {
+  size_t n = strnlen(got, SESSION_TOKEN_LEN + 1);
+  unsigned diff = n != SESSION_TOKEN_LEN;
+  for (size_t i = 0; i < SESSION_TOKEN_LEN; i++)
+    diff |= (unsigned)((unsigned char)want[i] ^ (unsigned char)(i < n ? got[i] : 0));
+  return diff == 0;
+}
+
+static bool idle_past_ttl(const session_t *s, int64_t now_ms) {
+  return now_ms - atomic_load(&s->last_used_ms) > (int64_t)s->ttl_s * 1000;
+}
+
+session_t *session_acquire(session_table_t *t, const char *id, const char *token,
+                           meshd_error_t *err) {
+  if (!id || !id[0] || !token || !token[0]) {
+    error_set(err, ERR_NO_SESSION,
+              "the call carries no %s: send the session id and token from CreateSession as "
+              "metadata meshd-session and meshd-token",
+              !id || !id[0] ? "session id" : "token");
+    return NULL;
+  }
+  const char *more = strlen(id) > SESSION_ID_LEN ? "..." : "";
+  int64_t now = rpc_now_ms();
+  pthread_mutex_lock(&t->mu);
+  session_t *s;
+  HASH_FIND_STR(t->by_id, id, s);
+  if (!s) {
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_NO_SESSION,
+              "no session '%.32s%s': it was closed, expired after %llu s idle, or never existed; "
+              "create a new one",
+              id, more, (unsigned long long)t->default_ttl_s);
+    return NULL;
+  }
+  if (!token_equal(s->token, token)) {
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_NO_SESSION,
+              "wrong token for session '%s': send the token CreateSession returned with this id",
+              s->id);
+    return NULL;
+  }
+  if (idle_past_ttl(s, now)) {
+    unlink_locked(t, s);
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_NO_SESSION,
+              "session '%s' expired after %llu s idle; create a new one (and call KeepAlive "
+              "more often than every %llu s)",
+              s->id, (unsigned long long)s->ttl_s, (unsigned long long)s->ttl_s);
+    announce(t, s, SESSION_END_EXPIRED);
+    session_release(s);
+    return NULL;
+  }
+  atomic_fetch_add(&s->refs, 1);
+  atomic_store(&s->last_used_ms, now);
+  pthread_mutex_unlock(&t->mu);
+  return s;
+}
+
+bool session_close(session_table_t *t, session_t *s) {
+  pthread_mutex_lock(&t->mu);
+  if (atomic_load(&s->closed)) {
+    pthread_mutex_unlock(&t->mu);
+    return false;
+  }
+  unlink_locked(t, s);
+  pthread_mutex_unlock(&t->mu);
+  announce(t, s, SESSION_END_CLOSED);
+  session_release(s);
+  return true;
+}
+
+int session_expire(session_table_t *t, int64_t now_ms) {
+  ended_t e;
+  ended_init(&e);
+  pthread_mutex_lock(&t->mu);
+  session_t *s, *tmp;
+  HASH_ITER(hh, t->by_id, s, tmp) {
+    if (!idle_past_ttl(s, now_ms)) continue;
+    if (!ended_push(&e, s)) break; /* out of memory: the rest wait for the next round */
+    unlink_locked(t, s);
+  }
+  pthread_mutex_unlock(&t->mu);
+  int n = (int)e.n;
+  announce_all(t, &e, SESSION_END_EXPIRED);
+  return n;
+}
+
+size_t session_count(session_table_t *t) {
+  pthread_mutex_lock(&t->mu);
+  size_t n = HASH_COUNT(t->by_id);
+  pthread_mutex_unlock(&t->mu);
+  return n;
+}
+
+int session_list(session_table_t *t, session_info_t **out, size_t *n) {
+  *out = NULL;
+  *n = 0;
+  int64_t now = rpc_now_ms();
+  pthread_mutex_lock(&t->mu);
+  size_t count = HASH_COUNT(t->by_id);
+  session_info_t *v = count ? calloc(count, sizeof *v) : NULL;
+  if (count && !v) {
+    pthread_mutex_unlock(&t->mu);
+    return -1;
+  }
+  size_t i = 0;
+  for (session_t *s = t->by_id; s; s = s->hh.next, i++) {
+    memcpy(v[i].id, s->id, sizeof v[i].id);
+    memcpy(v[i].client_name, s->client_name, sizeof v[i].client_name);
+    v[i].bytes_held = atomic_load(&s->bytes_held);
+    v[i].live_tensors = atomic_load(&s->live_tensors);
+    int64_t idle = now - atomic_load(&s->last_used_ms);
+    v[i].idle_ms = idle > 0 ? (uint64_t)idle : 0;
+    v[i].ttl_s = s->ttl_s;
+  }
+  pthread_mutex_unlock(&t->mu);
+  *out = v;
+  *n = count;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ refs */
+
+static int ref_error(uint64_t ref, uint64_t last, meshd_error_t *err) {
+  char next[48];
+  if (last == UINT64_MAX)
+    snprintf(next, sizeof next, "none (every ref was used)");
+  else
+    snprintf(next, sizeof next, "%llu", (unsigned long long)last + 1);
+  if (ref == 0)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "ref 0 is not valid: refs start at 1 and must strictly increase; the next "
+                     "free ref is %s",
+                     next);
+  return error_set(err, ERR_REF_REUSED,
+                   "ref %llu was already used (or is lower than the last ref %llu): refs must "
+                   "strictly increase; the next free ref is %s",
+                   (unsigned long long)ref, (unsigned long long)last, next);
+}
+
+int session_check_ref(session_t *s, uint64_t ref, meshd_error_t *err) {
+  uint64_t last = atomic_load(&s->last_ref);
+  if (ref == 0 || ref <= last) return ref_error(ref, last, err);
+  return 0;
+}
+
+int session_check_refs(session_t *s, const uint64_t *refs, size_t n, meshd_error_t *err) {
+  for (size_t i = 0; i < n; i++) {
+    if (session_check_ref(s, refs[i], err) != 0) return -1;
+    if (i > 0 && refs[i] <= refs[i - 1])
+      return error_set(err, ERR_REF_REUSED,
+                       "ref %llu comes after ref %llu in this command: a command's new refs must "
+                       "strictly increase too; the next free ref after them is %llu",
+                       (unsigned long long)refs[i], (unsigned long long)refs[i - 1],
+                       (unsigned long long)refs[i - 1] + 1);
+  }
+  return 0;
+}
+
+int session_claim_ref(session_t *s, uint64_t ref, meshd_error_t *err) {
+  uint64_t last = atomic_load(&s->last_ref);
+  for (;;) {
+    if (ref == 0 || ref <= last) return ref_error(ref, last, err);
+    if (atomic_compare_exchange_weak(&s->last_ref, &last, ref)) return 0;
+  }
+}
+
+/* ------------------------------------------------------------------ quota */
+
+static void human_bytes(uint64_t b, char *out, size_t len) {
+  static const char *const unit[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (b < 1024) {
+    snprintf(out, len, "%llu bytes", (unsigned long long)b);
+    return;
+  }
+  double v = (double)b;
+  int u = 0;
+  while (v >= 1024 && u < 6) {
+    v /= 1024;
+    u++;
+  }
+  snprintf(out, len, "%.1f %s", v, unit[u]);
+}
+
+int session_charge(session_t *s, uint64_t bytes, const char *what, meshd_error_t *err) {
+  uint64_t held = atomic_load(&s->bytes_held);
+  for (;;) {
+    uint64_t next;
+    bool over = __builtin_add_overflow(held, bytes, &next);
+    if (over || (s->quota_bytes && next > s->quota_bytes)) {
+      char need[32], have[32], quota[32];
+      human_bytes(bytes, need, sizeof need);
+      human_bytes(held, have, sizeof have);
+      human_bytes(s->quota_bytes, quota, sizeof quota);
+      return error_set(err, ERR_QUOTA,
+                       "%s needs %s but session %s already holds %s of its %s quota; drop "
+                       "tensors or create the session with a larger quota_bytes",
+                       what ? what : "this command", need, s->id, have, quota);
+    }
+    if (atomic_compare_exchange_weak(&s->bytes_held, &held, next)) return 0;
+  }
+}
+
+void session_credit(session_t *s, uint64_t bytes) {
+  uint64_t held = atomic_load(&s->bytes_held);
+  for (;;) {
+    uint64_t next = held > bytes ? held - bytes : 0;
+    if (atomic_compare_exchange_weak(&s->bytes_held, &held, next)) return;
+  }
+}

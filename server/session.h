@@ -1,0 +1,160 @@
+/* The session table: who may call, with which lease, quota and refs.
+ *
+ * A session is created by CreateSession and found again by (id, token) on every
+ * later call. It ends on CloseSession, when it sits idle past its ttl, or when
+ * the table is destroyed; the table then calls on_closed once for it (outside
+ * its locks), so the server can tell the agents to free its state.
+ *
+ * Lifetime: a session is refcounted. The table holds one reference while the
+ * session is open; session_create and session_acquire hand the caller another,
+ * which it gives back with session_release. The per-session objects (set with
+ * session_set_objects) are destroyed, and the session freed, when the last
+ * reference goes, never inside a table callback. A session pointer stays valid
+ * while its holder keeps its reference, even after the session was closed:
+ * check s->closed (atomic) before starting new work.
+ *
+ * Thread safety: every function here is thread-safe. None of them takes s->mu,
+ * which belongs to the command layer (the objects it hangs on the session). */
+#ifndef MESHD_SESSION_H
+#define MESHD_SESSION_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uthash.h>
+
+#include "error_kind.h"
+
+#define SESSION_ID_LEN 32    /* hex chars */
+#define SESSION_TOKEN_LEN 64 /* hex chars */
+#define SESSION_CLIENT_NAME_MAX 128
+#define SESSION_TTL_MAX_S (7 * 86400)
+
+typedef struct session_table session_table_t;
+
+typedef enum {
+  SESSION_END_CLOSED,   /* CloseSession or session_close */
+  SESSION_END_EXPIRED,  /* idle past its ttl */
+  SESSION_END_SHUTDOWN, /* the table was destroyed */
+} session_end_t;
+
+typedef struct session {
+  /* Set at creation, then read-only. */
+  char id[SESSION_ID_LEN + 1];
+  char client_name[SESSION_CLIENT_NAME_MAX + 1];
+  uint64_t ttl_s;
+  uint64_t quota_bytes; /* 0: unlimited */
+  int64_t created_ms;   /* rpc_now_ms() clock */
+
+  /* Counters the command handlers keep; read by ListSessions. */
+  _Atomic uint64_t bytes_held; /* see session_charge / session_credit */
+  _Atomic uint64_t live_tensors;
+
+  /* The command layer's lock for `objects` and whatever else it keeps per session. */
+  pthread_mutex_t mu;
+  void *objects;
+  void (*destroy_objects)(void *objects);
+
+  /* Table-private below. */
+  char token[SESSION_TOKEN_LEN + 1];
+  _Atomic int64_t last_used_ms;
+  _Atomic uint64_t last_ref; /* highest ref claimed, 0 before the first */
+  _Atomic int refs;
+  _Atomic bool closed;
+  UT_hash_handle hh; /* the table's by-id index */
+} session_t;
+
+/* Called once per session that ends, outside table locks, with a reference the
+ * table holds for the duration of the call (take your own with session_ref to
+ * keep it longer). Runs on whichever thread ended the session (the expiry
+ * thread, an RPC thread in session_close or session_acquire, the destroying
+ * thread), so it must not block: queue the agents' cleanup and return. Must not
+ * call session_table_destroy. */
+typedef void (*session_closed_fn)(session_t *s, session_end_t why, void *arg);
+
+/* default_ttl_s >= 1 (used when CreateSession asks for 0); default_quota_bytes 0
+ * means unlimited. on_closed may be NULL. Starts the expiry thread, which closes
+ * idle sessions every ~500 ms. Returns NULL if memory or the thread fail. */
+session_table_t *session_table_create(uint64_t default_ttl_s, uint64_t default_quota_bytes,
+                                      session_closed_fn on_closed, void *arg);
+/* Stops the expiry thread, closes every open session (on_closed with
+ * SESSION_END_SHUTDOWN) and frees the table. Sessions still referenced by
+ * others live on until released. */
+void session_table_destroy(session_table_t *t);
+uint64_t session_table_default_ttl(const session_table_t *t);
+/* While false, CreateSession is refused (the server is draining). Default true. */
+void session_table_set_accepting(session_table_t *t, bool accepting);
+bool session_table_accepting(const session_table_t *t);
+
+/* A new open session with a random id and token. ttl_s 0 or quota_bytes 0 take
+ * the table's defaults. The caller validates its arguments (session_service.c
+ * does); client_name is truncated to SESSION_CLIENT_NAME_MAX. Returns 0 with
+ * *out acquired (release it), or -1 (out of memory) with err. */
+int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
+                   uint64_t quota_bytes, session_t **out, meshd_error_t *err);
+
+/* The open session with this id if token matches (compared in constant time),
+ * acquired, its lease renewed. Otherwise NULL and err kind NO_SESSION:
+ * unknown/closed/expired id, wrong token, or missing id/token. A session found
+ * idle past its ttl is expired here rather than returned. */
+session_t *session_acquire(session_table_t *t, const char *id, const char *token,
+                           meshd_error_t *err);
+/* Another reference to a session the caller already holds. */
+void session_ref(session_t *s);
+/* Drops a reference; renews the lease (the end of a call is activity). */
+void session_release(session_t *s);
+/* Renews the lease: long-lived calls (Submit streams) call it per message. */
+void session_touch(session_t *s);
+/* Closes s: out of the table at once, on_closed(SESSION_END_CLOSED) before it
+ * returns. Returns true if this call closed it, false if it was already closed.
+ * The caller keeps its own reference. */
+bool session_close(session_table_t *t, session_t *s);
+/* Closes every session idle for more than its ttl at now_ms (rpc_now_ms()
+ * clock). Returns how many it closed. The table's thread calls it; tests may too. */
+int session_expire(session_table_t *t, int64_t now_ms);
+size_t session_count(session_table_t *t);
+
+/* A snapshot row for ListSessions. */
+typedef struct session_info {
+  char id[SESSION_ID_LEN + 1];
+  char client_name[SESSION_CLIENT_NAME_MAX + 1];
+  uint64_t bytes_held;
+  uint64_t live_tensors;
+  uint64_t idle_ms;
+  uint64_t ttl_s;
+} session_info_t;
+
+/* Open sessions, oldest first, as a malloc'd array of *n rows (free() it; NULL
+ * when there are none). Returns 0, or -1 out of memory. */
+int session_list(session_table_t *t, session_info_t **out, size_t *n);
+
+/* Claims ref for a new object of s. Refs are >= 1 and strictly increase within
+ * a session; a claimed ref stays claimed even if the command then fails.
+ * Returns 0, or -1 with REF_REUSED. */
+int session_claim_ref(session_t *s, uint64_t ref, meshd_error_t *err);
+/* The same test without claiming. */
+int session_check_ref(session_t *s, uint64_t ref, meshd_error_t *err);
+/* Checks a command's new refs together: each passes session_check_ref and they
+ * strictly increase among themselves. Claims nothing; after the command is
+ * accepted, claim the last one. Hold s->mu across check and claim when commands
+ * of one session may run concurrently. */
+int session_check_refs(session_t *s, const uint64_t *refs, size_t n, meshd_error_t *err);
+
+/* Adds bytes to s->bytes_held unless that passes the quota: -1 with QUOTA
+ * ("<what> needs 4.0 MiB but session ... holds 7.0 MiB of its 8.0 MiB quota; drop
+ * tensors or create the session with a larger quota_bytes"). `what` names the
+ * command and result, e.g. "Factory zeros ref 12". */
+int session_charge(session_t *s, uint64_t bytes, const char *what, meshd_error_t *err);
+/* Gives bytes back (saturates at 0). */
+void session_credit(session_t *s, uint64_t bytes);
+
+/* Hangs the command layer's per-session object tables on s; destroy(objects) runs when
+ * the last reference is released (never from a table callback). Call under
+ * s->mu; replaces (without destroying) any previous objects. */
+void session_set_objects(session_t *s, void *objects, void (*destroy)(void *objects));
+
+const char *session_end_name(session_end_t why);
+
+#endif

@@ -1,0 +1,160 @@
+#include "session_service.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "error_kind.h"
+#include "meshd/v1/tensor_service.pb-c.h"
+
+static void fail(rpc_call_t *call, const meshd_error_t *e) {
+  rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
+}
+
+/* "KeepAlive" from "/meshd.v1.TensorService/KeepAlive". */
+static const char *short_method(const rpc_call_t *call) {
+  const char *m = rpc_call_method(call);
+  if (!m) return "this call";
+  const char *slash = strrchr(m, '/');
+  return slash ? slash + 1 : m;
+}
+
+session_t *session_from_call(session_table_t *t, rpc_call_t *call) {
+  char id[128], token[128];
+  const char *method = short_method(call);
+  bool has_id = rpc_call_metadata(call, SESSION_MD_ID, id, sizeof id) && id[0];
+  bool has_token = rpc_call_metadata(call, SESSION_MD_TOKEN, token, sizeof token) && token[0];
+  if (!has_id || !has_token) {
+    rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, error_kind_name(ERR_NO_SESSION),
+                    "%s needs the metadata %s%s%s: call CreateSession first and send its "
+                    "session_id as %s and its token as %s with every call",
+                    method, has_id ? "" : SESSION_MD_ID, !has_id && !has_token ? " and " : "",
+                    has_token ? "" : SESSION_MD_TOKEN, SESSION_MD_ID, SESSION_MD_TOKEN);
+    return NULL;
+  }
+  meshd_error_t e;
+  session_t *s = session_acquire(t, id, token, &e);
+  if (!s)
+    rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, error_kind_name(ERR_NO_SESSION), "%s: %s",
+                    method, e.msg);
+  return s;
+}
+
+static int check_create(const session_table_t *t, const Meshd__V1__CreateSessionRequest *r,
+                        meshd_error_t *e) {
+  if (!session_table_accepting(t))
+    return error_set(e, ERR_UNAVAILABLE,
+                     "CreateSession: the server is shutting down and takes no new sessions; "
+                     "retry against another replica or after it restarts");
+  const char *name = r->client_name ? r->client_name : "";
+  size_t len = strlen(name);
+  if (len > SESSION_CLIENT_NAME_MAX)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "CreateSession: client_name is %zu bytes; at most %d are allowed", len,
+                     SESSION_CLIENT_NAME_MAX);
+  for (size_t i = 0; i < len; i++) {
+    unsigned char c = (unsigned char)name[i];
+    if (c < 0x20 || c == 0x7f)
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       "CreateSession: client_name has a control character (0x%02x) at byte %zu; "
+                       "use printable text",
+                       c, i);
+  }
+  if (r->ttl_seconds > SESSION_TTL_MAX_S)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "CreateSession: ttl_seconds %llu is too long; use 1..%d (7 days), or 0 for "
+                     "the server's default of %llu",
+                     (unsigned long long)r->ttl_seconds, SESSION_TTL_MAX_S,
+                     (unsigned long long)session_table_default_ttl(t));
+  return 0;
+}
+
+static void create_session(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  session_table_t *t = arg;
+  const Meshd__V1__CreateSessionRequest *r = (const Meshd__V1__CreateSessionRequest *)req;
+  meshd_error_t e;
+  session_t *s;
+  if (check_create(t, r, &e) != 0 ||
+      session_create(t, r->client_name, r->ttl_seconds, r->quota_bytes, &s, &e) != 0) {
+    fail(call, &e);
+    return;
+  }
+  Meshd__V1__CreateSessionReply reply = MESHD__V1__CREATE_SESSION_REPLY__INIT;
+  reply.session_id = s->id;
+  reply.token = s->token;
+  reply.ttl_seconds = s->ttl_s;
+  rpc_call_reply(call, &reply.base);
+  session_release(s);
+}
+
+static void close_session(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  session_table_t *t = arg;
+  session_t *s = session_from_call(t, call);
+  if (!s) return;
+  session_close(t, s);
+  session_release(s);
+  Meshd__V1__CloseSessionReply reply = MESHD__V1__CLOSE_SESSION_REPLY__INIT;
+  rpc_call_reply(call, &reply.base);
+}
+
+static void keep_alive(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  session_t *s = session_from_call(arg, call);
+  if (!s) return;
+  Meshd__V1__KeepAliveReply reply = MESHD__V1__KEEP_ALIVE_REPLY__INIT;
+  reply.ttl_seconds = s->ttl_s;
+  session_release(s);
+  rpc_call_reply(call, &reply.base);
+}
+
+static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  session_info_t *v;
+  size_t n;
+  if (session_list(arg, &v, &n) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing sessions");
+    return;
+  }
+  Meshd__V1__SessionInfo *rows = n ? calloc(n, sizeof *rows) : NULL;
+  Meshd__V1__SessionInfo **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
+  if (n && (!rows || !ptrs)) {
+    free(rows);
+    free(ptrs);
+    free(v);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing sessions");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    Meshd__V1__SessionInfo row = MESHD__V1__SESSION_INFO__INIT;
+    row.session_id = v[i].id;
+    row.client_name = v[i].client_name;
+    row.bytes_held = v[i].bytes_held;
+    row.live_tensors = v[i].live_tensors;
+    row.idle_ms = v[i].idle_ms;
+    rows[i] = row;
+    ptrs[i] = &rows[i];
+  }
+  Meshd__V1__ListSessionsReply reply = MESHD__V1__LIST_SESSIONS_REPLY__INIT;
+  reply.sessions = ptrs;
+  reply.n_sessions = n;
+  rpc_call_reply(call, &reply.base);
+  free(ptrs);
+  free(rows);
+  free(v);
+}
+
+#define ROW(name, type, fn)                                                                   \
+  {                                                                                           \
+    "/meshd.v1.TensorService/" name, RPC_UNARY, &meshd__v1__##type##_request__descriptor, fn, \
+        NULL, NULL, NULL                                                                      \
+  }
+
+static rpc_method_t methods[] = {
+    ROW("CreateSession", create_session, create_session),
+    ROW("CloseSession", close_session, close_session),
+    ROW("KeepAlive", keep_alive, keep_alive),
+    ROW("ListSessions", list_sessions, list_sessions),
+};
+
+const rpc_method_t *session_service_methods(session_table_t *t, size_t *n) {
+  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) methods[i].arg = t;
+  *n = sizeof methods / sizeof methods[0];
+  return methods;
+}

@@ -1,0 +1,654 @@
+/* server/agent_link.c and the pool around it, against in-process fake agents:
+ * an rpc_server with an Execute handler that acks each batch, never acks,
+ * dies after some instructions, lies about its watermark, or stops reading. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent_link.h"
+#include "agent_pool.h"
+#include "rpc.h"
+#include "watermark.h"
+
+/* ---------------------------------------------------------------- fake agent */
+
+typedef enum { FAKE_ACK, FAKE_SILENT, FAKE_DIE_AFTER, FAKE_LIE, FAKE_STUCK } fake_mode_t;
+
+#define MAX_SEQS 20000
+
+typedef struct fake {
+  rpc_server_t *srv;
+  char target[64];
+  rpc_method_t row;
+  fake_mode_t mode;
+  uint64_t die_after; /* FAKE_DIE_AFTER: instructions taken before the call ends */
+
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool release; /* FAKE_STUCK handlers return */
+  int calls;
+  uint64_t batches, instructions, reports;
+  uint64_t last_seq;
+  bool disorder; /* a seq that was not last + 1 (within a call) */
+  size_t max_batch;
+  size_t max_batch_bytes;
+  uint64_t first_seq_of_call; /* of the latest call */
+  uint64_t streams[MAX_SEQS]; /* Instruction.stream by seq - first_seq_of_call */
+  char session[64];           /* of the latest instruction */
+  int body_case;
+} fake_t;
+
+static void fake_start_call(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  fake_t *f = arg;
+  pthread_mutex_lock(&f->mu);
+  f->calls++;
+  f->last_seq = 0;
+  f->first_seq_of_call = 0;
+  pthread_mutex_unlock(&f->mu);
+}
+
+static void fake_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  fake_t *f = arg;
+  if (!msg) {
+    rpc_call_finish(call, GRPC_STATUS_OK, NULL, "bye");
+    return;
+  }
+  const Meshd__Agent__V1__InstructionBatch *b = (const void *)msg;
+  if (f->mode == FAKE_STUCK) { /* blocks a CQ thread on purpose: gRPC stops reading */
+    pthread_mutex_lock(&f->mu);
+    while (!f->release) pthread_cond_wait(&f->cv, &f->mu);
+    pthread_mutex_unlock(&f->mu);
+    return;
+  }
+  pthread_mutex_lock(&f->mu);
+  f->batches++;
+  if (b->n_instructions > f->max_batch) f->max_batch = b->n_instructions;
+  size_t bytes = protobuf_c_message_get_packed_size(msg);
+  if (bytes > f->max_batch_bytes) f->max_batch_bytes = bytes;
+  bool die = false;
+  for (size_t i = 0; i < b->n_instructions && !die; i++) {
+    const Meshd__Agent__V1__Instruction *ins = b->instructions[i];
+    if (f->first_seq_of_call == 0) f->first_seq_of_call = ins->seq;
+    else if (ins->seq != f->last_seq + 1) f->disorder = true;
+    f->last_seq = ins->seq;
+    f->instructions++;
+    uint64_t k = ins->seq - f->first_seq_of_call;
+    if (k < MAX_SEQS) f->streams[k] = ins->stream;
+    snprintf(f->session, sizeof f->session, "%s", ins->session_id);
+    f->body_case = ins->body_case;
+    die = f->mode == FAKE_DIE_AFTER && f->instructions >= f->die_after;
+  }
+  uint64_t through = f->last_seq;
+  bool ack = f->mode == FAKE_ACK || f->mode == FAKE_DIE_AFTER || f->mode == FAKE_LIE;
+  if (ack) f->reports++;
+  pthread_mutex_unlock(&f->mu);
+  if (ack) {
+    Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
+    rep.executed_through = f->mode == FAKE_LIE ? through + 5 : through;
+    rep.allocated_bytes = 4096;
+    rpc_call_send(call, &rep.base);
+  }
+  if (die) rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL, "agent died");
+}
+
+static fake_t *fake_start(fake_mode_t mode) {
+  fake_t *f = calloc(1, sizeof *f);
+  cr_assert_not_null(f);
+  f->mode = mode;
+  pthread_mutex_init(&f->mu, NULL);
+  pthread_cond_init(&f->cv, NULL);
+  f->row = (rpc_method_t){AGENT_LINK_METHOD, RPC_BIDI,
+                          &meshd__agent__v1__instruction_batch__descriptor, fake_start_call,
+                          fake_message, NULL, f};
+  rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256];
+  f->srv = rpc_server_create(&o, err, sizeof err);
+  cr_assert_not_null(f->srv, "%s", err);
+  cr_assert_eq(rpc_server_add_methods(f->srv, &f->row, 1), 0);
+  int port = rpc_server_start(f->srv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  snprintf(f->target, sizeof f->target, "127.0.0.1:%d", port);
+  return f;
+}
+
+/* Ends the fake's server (as if the agent process died): open calls are cancelled. */
+static void fake_kill(fake_t *f) {
+  if (!f->srv) return;
+  pthread_mutex_lock(&f->mu);
+  f->release = true;
+  pthread_cond_broadcast(&f->cv);
+  pthread_mutex_unlock(&f->mu);
+  rpc_server_destroy(f->srv);
+  f->srv = NULL;
+}
+
+static void fake_free(fake_t *f) {
+  if (!f) return;
+  fake_kill(f);
+  pthread_cond_destroy(&f->cv);
+  pthread_mutex_destroy(&f->mu);
+  free(f);
+}
+
+static uint64_t fake_get(fake_t *f, uint64_t *field) {
+  pthread_mutex_lock(&f->mu);
+  uint64_t v = *field;
+  pthread_mutex_unlock(&f->mu);
+  return v;
+}
+
+/* ---------------------------------------------------------------- observer */
+
+typedef struct observer {
+  pthread_mutex_t mu;
+  atomic_int lost;
+  atomic_int reports;
+  uint32_t lost_rank;
+  uint64_t last_exec[4];
+  bool regress;
+  uint64_t allocated;
+} observer_t;
+
+static observer_t obs;
+
+static void on_report(uint32_t rank, uint64_t exec, const Meshd__V1__Error *const *errors,
+                      size_t n, uint64_t allocated, void *arg) {
+  observer_t *o = arg;
+  pthread_mutex_lock(&o->mu);
+  if (rank < 4) {
+    if (exec < o->last_exec[rank]) o->regress = true;
+    o->last_exec[rank] = exec;
+  }
+  o->allocated = allocated;
+  pthread_mutex_unlock(&o->mu);
+  atomic_fetch_add(&o->reports, 1);
+}
+
+static void on_lost(uint32_t rank, void *arg) {
+  observer_t *o = arg;
+  o->lost_rank = rank;
+  atomic_fetch_add(&o->lost, 1);
+}
+
+static const agent_link_callbacks_t cbs = {on_report, on_lost, &obs};
+
+static void setup(void) {
+  rpc_init();
+  memset(&obs, 0, sizeof obs);
+  pthread_mutex_init(&obs.mu, NULL);
+}
+
+static void teardown(void) { rpc_shutdown(); }
+
+TestSuite(agent_link, .init = setup, .fini = teardown, .timeout = 60);
+
+/* Polls until pred(arg) or timeout; returns pred's last answer. */
+static bool eventually(bool (*pred)(void *), void *arg, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  while (!pred(arg)) {
+    if (rpc_now_ms() > end) return false;
+    usleep(1000);
+  }
+  return true;
+}
+
+typedef struct { agent_link_t *l; uint64_t want; } exec_want_t;
+static bool executed_reaches(void *arg) {
+  exec_want_t *w = arg;
+  return agent_link_executed(w->l) >= w->want;
+}
+static bool link_broken(void *arg) { return agent_link_broken(arg); }
+static bool lost_seen(void *arg) { return atomic_load(&obs.lost) > 0; }
+
+static Meshd__Agent__V1__StatusRequest status_body = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
+
+static void make_ins(Meshd__Agent__V1__Instruction *ins, const char *session, uint64_t stream) {
+  meshd__agent__v1__instruction__init(ins);
+  ins->session_id = (char *)session;
+  ins->stream = stream;
+  ins->body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
+  ins->status = &status_body;
+}
+
+/* ---------------------------------------------------------------- ordering */
+
+Test(agent_link, seqs_in_order_and_all_acked) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, &cbs);
+  cr_assert_not_null(l);
+  cr_assert_eq(agent_link_executed(l), 0);
+  cr_assert_eq(agent_link_last_seq(l), 0);
+
+  const uint64_t n = 3000;
+  Meshd__Agent__V1__Instruction ins;
+  for (uint64_t i = 1; i <= n; i++) {
+    make_ins(&ins, "sess-1", 1000 + i);
+    ins.seq = 77; /* ignored: the link numbers */
+    uint64_t seq = agent_link_send(l, &ins);
+    cr_assert_eq(seq, i, "send %llu got seq %llu", (unsigned long long)i, (unsigned long long)seq);
+    cr_assert_eq(ins.seq, 77, "the caller's instruction is not touched");
+  }
+  exec_want_t w = {l, n};
+  cr_assert(eventually(executed_reaches, &w, 10000), "executed %llu of %llu",
+            (unsigned long long)agent_link_executed(l), (unsigned long long)n);
+  cr_assert_eq(fake_get(f, &f->instructions), n);
+  cr_assert_not(f->disorder, "the agent saw seqs out of order");
+  cr_assert_eq(f->first_seq_of_call, 1);
+  for (uint64_t k = 0; k < n; k++)
+    cr_assert_eq(f->streams[k], 1000 + k + 1, "seq %llu carries another instruction",
+                 (unsigned long long)k + 1);
+  cr_assert_str_eq(f->session, "sess-1");
+  cr_assert_eq(f->body_case, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS);
+
+  agent_link_stats_t st;
+  agent_link_stats(l, &st);
+  cr_assert_eq(st.last_seq, n);
+  cr_assert_eq(st.instructions_sent, n);
+  cr_assert_eq(st.queued, 0);
+  cr_assert_not(st.broken);
+  cr_assert_not(obs.regress, "on_report watermarks go up only");
+  cr_assert_eq(obs.last_exec[0], n);
+  cr_assert_eq(obs.allocated, 4096);
+  cr_assert_eq(atomic_load(&obs.lost), 0);
+  agent_link_close(l);
+  cr_assert_eq(atomic_load(&obs.lost), 0, "close does not report a loss");
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+Test(agent_link, first_seq_sets_the_base) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 2, "agent-b", 41, &cbs);
+  cr_assert_eq(agent_link_executed(l), 40);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  cr_assert_eq(agent_link_send(l, &ins), 41);
+  cr_assert_eq(agent_link_send(l, &ins), 42);
+  exec_want_t w = {l, 42};
+  cr_assert(eventually(executed_reaches, &w, 5000));
+  cr_assert_eq(f->first_seq_of_call, 41);
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+/* ---------------------------------------------------------------- batching */
+
+Test(agent_link, many_sends_fewer_batches) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, &cbs);
+  const uint64_t n = 10000;
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "sess", 3);
+  for (uint64_t i = 1; i <= n; i++) cr_assert_eq(agent_link_send(l, &ins), i);
+  exec_want_t w = {l, n};
+  cr_assert(eventually(executed_reaches, &w, 10000));
+  agent_link_stats_t st;
+  agent_link_stats(l, &st);
+  cr_log_info("%llu instructions in %llu batches, largest %zu", (unsigned long long)n,
+              (unsigned long long)st.batches_sent, f->max_batch);
+  cr_assert_lt(st.batches_sent, n / 4, "%llu batches for %llu instructions",
+               (unsigned long long)st.batches_sent, (unsigned long long)n);
+  cr_assert_geq(st.batches_sent, n / AGENT_LINK_BATCH_MAX);
+  cr_assert_leq(f->max_batch, AGENT_LINK_BATCH_MAX);
+  /* One report per batch, never one per instruction. */
+  cr_assert_eq(fake_get(f, &f->batches), st.batches_sent);
+  cr_assert_eq(fake_get(f, &f->reports), st.batches_sent);
+  cr_assert_eq(st.reports, st.batches_sent);
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+Test(agent_link, batches_stay_under_the_byte_limit) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, &cbs);
+  /* 100 KiB session ids: ten fit in a batch. */
+  size_t big = 100 * 1024;
+  char *sid = malloc(big + 1);
+  memset(sid, 'x', big);
+  sid[big] = '\0';
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, sid, 0);
+  for (int i = 1; i <= 60; i++) cr_assert_eq(agent_link_send(l, &ins), (uint64_t)i);
+  exec_want_t w = {l, 60};
+  cr_assert(eventually(executed_reaches, &w, 10000));
+  cr_assert_leq(f->max_batch_bytes, AGENT_LINK_BATCH_BYTES + big + 64, "batch of %zu bytes",
+                f->max_batch_bytes);
+  cr_assert_geq(fake_get(f, &f->batches), 6);
+
+  /* One instruction over the limit is refused and does not use a seq. */
+  char *huge = malloc(AGENT_LINK_MAX_INSTRUCTION + 2);
+  memset(huge, 'y', AGENT_LINK_MAX_INSTRUCTION + 1);
+  huge[AGENT_LINK_MAX_INSTRUCTION + 1] = '\0';
+  make_ins(&ins, huge, 0);
+  cr_assert_eq(agent_link_send(l, &ins), 0);
+  make_ins(&ins, "small", 0);
+  cr_assert_eq(agent_link_send(l, &ins), 61);
+  agent_link_close(l);
+  free(huge);
+  free(sid);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+/* ---------------------------------------------------------------- failure */
+
+Test(agent_link, agent_dies_mid_stream) {
+  fake_t *f = fake_start(FAKE_DIE_AFTER);
+  f->die_after = 10;
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 3, "agent-d", 1, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  for (int i = 1; i <= 10; i++) cr_assert_eq(agent_link_send(l, &ins), (uint64_t)i);
+  cr_assert(eventually(link_broken, l, 5000), "the link did not notice the agent's end");
+  cr_assert(eventually(lost_seen, NULL, 1000));
+  /* More sends are refused; queued work is dropped. */
+  cr_assert_eq(agent_link_send(l, &ins), 0);
+  cr_assert_eq(agent_link_queued(l), 0);
+  cr_assert_eq(agent_link_executed(l), 10);
+  cr_assert_eq(agent_link_last_seq(l), 10);
+  usleep(100 * 1000);
+  cr_assert_eq(atomic_load(&obs.lost), 1, "on_lost runs once");
+  cr_assert_eq(obs.lost_rank, 3);
+  agent_link_close(l);
+  cr_assert_eq(atomic_load(&obs.lost), 1);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+Test(agent_link, agent_process_gone) {
+  fake_t *f = fake_start(FAKE_SILENT);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 1, "agent-e", 1, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  for (int i = 0; i < 100; i++) agent_link_send(l, &ins);
+  usleep(50 * 1000);
+  fake_kill(f);
+  cr_assert(eventually(lost_seen, NULL, 5000));
+  cr_assert(agent_link_broken(l));
+  cr_assert_eq(agent_link_executed(l), 0);
+  usleep(100 * 1000);
+  cr_assert_eq(atomic_load(&obs.lost), 1);
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+Test(agent_link, agent_claims_unsent_seqs) {
+  fake_t *f = fake_start(FAKE_LIE);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-f", 1, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  agent_link_send(l, &ins);
+  cr_assert(eventually(lost_seen, NULL, 5000));
+  cr_assert_eq(agent_link_executed(l), 0, "a lie does not move the watermark");
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+Test(agent_link, no_agent_listening) {
+  fake_t *f = fake_start(FAKE_ACK);
+  char target[64];
+  snprintf(target, sizeof target, "%s", f->target);
+  fake_free(f); /* nothing listens on that port any more */
+  rpc_channel_t *ch = rpc_channel_create(target, NULL);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-g", 1, &cbs);
+  cr_assert_not_null(l);
+  cr_assert(eventually(lost_seen, NULL, 5000));
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  cr_assert_eq(agent_link_send(l, &ins), 0);
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+}
+
+/* ---------------------------------------------------------------- close */
+
+static void assert_prompt_close(fake_mode_t mode, size_t n, size_t bytes_each) {
+  fake_t *f = fake_start(mode);
+  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-h", 1, &cbs);
+  char *sid = malloc(bytes_each + 1);
+  memset(sid, 's', bytes_each);
+  sid[bytes_each] = '\0';
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, sid, 0);
+  for (size_t i = 0; i < n; i++) cr_assert_neq(agent_link_send(l, &ins), 0);
+  usleep(200 * 1000); /* let the writer fill the flow-control window */
+  agent_link_stats_t st;
+  agent_link_stats(l, &st);
+  cr_log_info("before close: %zu queued, %llu batches sent", st.queued,
+              (unsigned long long)st.batches_sent);
+  int64_t t0 = rpc_now_ms();
+  agent_link_close(l);
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert_lt(took, 1000, "close took %lld ms", (long long)took);
+  cr_assert_eq(atomic_load(&obs.lost), 0);
+  free(sid);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+Test(agent_link, close_is_prompt_with_a_silent_agent) {
+  assert_prompt_close(FAKE_SILENT, 5000, 16);
+}
+
+Test(agent_link, close_is_prompt_with_a_writer_blocked_on_flow_control) {
+  /* 40 MiB towards an agent that stopped reading: the writer is stuck in a write. */
+  assert_prompt_close(FAKE_STUCK, 400, 100 * 1024);
+}
+
+/* ---------------------------------------------------------------- pool */
+
+typedef struct fire {
+  atomic_int calls;
+  watermark_result_t result;
+  uint32_t lost_rank;
+} fire_t;
+
+static void on_fire(watermark_result_t result, uint32_t lost_rank, void *arg) {
+  fire_t *f = arg;
+  f->result = result;
+  f->lost_rank = lost_rank;
+  atomic_fetch_add(&f->calls, 1);
+}
+
+static bool fired(void *arg) { return atomic_load(&((fire_t *)arg)->calls) > 0; }
+
+static atomic_int healthy_now;
+static void pool_changed(int healthy, void *arg) { atomic_store(&healthy_now, healthy); }
+
+static agent_pool_t *make_pool(void) {
+  agent_pool_callbacks_t cb = {pool_changed, on_report, on_lost, &obs};
+  agent_pool_t *p = agent_pool_create(&cb);
+  cr_assert_not_null(p);
+  return p;
+}
+
+/* Admits an agent at rank and connects it to fake f as the registry would. */
+static void admit(agent_pool_t *p, int rank, const char *id, fake_t *f) {
+  agent_desc_t d = {0};
+  snprintf(d.agent_id, sizeof d.agent_id, "%s", id);
+  snprintf(d.address, sizeof d.address, "%s", f->target);
+  snprintf(d.device, sizeof d.device, "cpu");
+  char err[256];
+  cr_assert_eq(agent_pool_add(p, &d, rank, err, sizeof err), rank, "%s", err);
+  agent_pool_set_channel(p, (uint32_t)rank, id, rpc_channel_create(f->target, NULL));
+  agent_pool_set_healthy(p, (uint32_t)rank, id, true);
+}
+
+typedef struct { agent_pool_t *p; uint32_t rank; uint64_t want; } pool_want_t;
+static bool pool_reaches(void *arg) {
+  pool_want_t *w = arg;
+  return agent_pool_executed(w->p, w->rank) >= w->want;
+}
+
+Test(agent_link, pool_send_and_wait) {
+  fake_t *a = fake_start(FAKE_ACK), *b = fake_start(FAKE_ACK);
+  agent_pool_t *p = make_pool();
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  uint64_t seq = 123;
+  cr_assert_eq(agent_pool_send(p, 0, &ins, &seq), -1, "no agent at rank 0 yet");
+  cr_assert_eq(seq, 0);
+  admit(p, 0, "agent-0", a);
+  admit(p, 1, "agent-1", b);
+  cr_assert_eq(atomic_load(&healthy_now), 2);
+
+  uint64_t last0 = 0, last1 = 0;
+  for (int i = 0; i < 500; i++) {
+    cr_assert_eq(agent_pool_send(p, 0, &ins, &last0), 0);
+    cr_assert_eq(agent_pool_send(p, 1, &ins, &last1), 0);
+  }
+  cr_assert_eq(agent_pool_send(p, 1, &ins, NULL), 0);
+  last1++;
+  cr_assert_eq(last0, 500);
+  cr_assert_eq(last1, 501);
+
+  fire_t fw = {0};
+  watermark_target_t t[] = {{0, last0}, {1, last1}};
+  watermark_result_t r = watermark_wait(agent_pool_watermark(p), t, 2, on_fire, &fw, NULL, NULL);
+  if (r == WATERMARK_PENDING) {
+    cr_assert(eventually(fired, &fw, 10000));
+    r = fw.result;
+  }
+  cr_assert_eq(r, WATERMARK_REACHED);
+  cr_assert_geq(agent_pool_executed(p, 0), last0);
+  cr_assert_geq(agent_pool_executed(p, 1), last1);
+  cr_assert_eq(agent_pool_queued(p, 0), 0);
+  /* Already through: answered at once, no callback. */
+  fire_t again = {0};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 2, on_fire, &again, NULL, NULL),
+               WATERMARK_REACHED);
+  cr_assert_eq(atomic_load(&again.calls), 0);
+  agent_pool_destroy(p);
+  cr_assert_eq(atomic_load(&obs.lost), 0, "destroy is not a loss");
+  fake_free(a);
+  fake_free(b);
+}
+
+Test(agent_link, pool_lost_agent_fails_waits) {
+  fake_t *a = fake_start(FAKE_DIE_AFTER);
+  a->die_after = 20;
+  fake_t *b = fake_start(FAKE_SILENT);
+  agent_pool_t *p = make_pool();
+  admit(p, 0, "agent-0", a);
+  admit(p, 1, "agent-1", b);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+
+  /* Waits on rank 0's seqs 10 and 30 (with silent rank 1): rank 0 dies at 20.
+   * The loss may come before or after a wait registers: either way it ends
+   * the same. */
+  fire_t early = {0}, mixed = {0};
+  uint64_t seq;
+  for (int i = 0; i < 40; i++) cr_assert_eq(agent_pool_send(p, 0, &ins, &seq), 0);
+  cr_assert_eq(agent_pool_send(p, 1, &ins, &seq), 0);
+  watermark_target_t t_early[] = {{0, 10}};
+  watermark_result_t r =
+      watermark_wait(agent_pool_watermark(p), t_early, 1, on_fire, &early, NULL, NULL);
+  watermark_target_t t_mixed[] = {{1, 1}, {0, 30}};
+  uint32_t lost_now = 99;
+  watermark_result_t m =
+      watermark_wait(agent_pool_watermark(p), t_mixed, 2, on_fire, &mixed, NULL, &lost_now);
+  if (m == WATERMARK_PENDING) {
+    cr_assert(eventually(fired, &mixed, 5000));
+    m = mixed.result;
+    lost_now = mixed.lost_rank;
+  }
+  cr_assert_eq(m, WATERMARK_LOST);
+  cr_assert_eq(lost_now, 0);
+  if (r == WATERMARK_PENDING) {
+    cr_assert(eventually(fired, &early, 1000));
+    r = early.result;
+  }
+  cr_assert_eq(r, WATERMARK_REACHED, "seqs executed before the loss still count");
+  cr_assert_eq(atomic_load(&obs.lost), 1);
+  cr_assert_eq(obs.lost_rank, 0);
+
+  /* The rank is now unusable and unhealthy; waits on its lost seqs fail at once. */
+  cr_assert_eq(agent_pool_send(p, 0, &ins, &seq), -1);
+  cr_assert_eq(atomic_load(&healthy_now), 1);
+  uint32_t lost_rank = 99;
+  watermark_target_t t_late[] = {{0, 25}};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), t_late, 1, on_fire, &early, NULL,
+                              &lost_rank), WATERMARK_LOST);
+  cr_assert_eq(lost_rank, 0);
+  cr_assert_eq(agent_pool_executed(p, 0), 20);
+
+  /* The agent leaves (its registration ends): no second on_lost. */
+  agent_pool_remove(p, 0, "agent-0", "test");
+  cr_assert_eq(atomic_load(&obs.lost), 1);
+  agent_pool_destroy(p);
+  fake_free(a);
+  fake_free(b);
+}
+
+Test(agent_link, pool_replaced_agent_continues_seqs) {
+  fake_t *a = fake_start(FAKE_SILENT), *b = fake_start(FAKE_ACK);
+  agent_pool_t *p = make_pool();
+  admit(p, 0, "agent-old", a);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  uint64_t seq = 0;
+  for (int i = 0; i < 7; i++) agent_pool_send(p, 0, &ins, &seq);
+  cr_assert_eq(seq, 7);
+  fire_t f = {0};
+  watermark_target_t t[] = {{0, 7}};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 1, on_fire, &f, NULL, NULL),
+               WATERMARK_PENDING);
+
+  /* The old agent leaves with its link healthy but nothing executed. */
+  agent_pool_remove(p, 0, "agent-old", "registration ended");
+  cr_assert_eq(atomic_load(&obs.lost), 1, "leaving counts as a loss");
+  cr_assert(eventually(fired, &f, 1000));
+  cr_assert_eq(f.result, WATERMARK_LOST);
+  cr_assert_eq(agent_pool_send(p, 0, &ins, &seq), -1);
+
+  /* A new agent at rank 0 continues the numbering. */
+  admit(p, 0, "agent-new", b);
+  cr_assert_eq(agent_pool_send(p, 0, &ins, &seq), 0);
+  cr_assert_eq(seq, 8);
+  pool_want_t w = {p, 0, 8};
+  cr_assert(eventually(pool_reaches, &w, 5000));
+  cr_assert_eq(b->first_seq_of_call, 8);
+  fire_t g = {0};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 1, on_fire, &g, NULL, NULL),
+               WATERMARK_LOST, "seq 7 was on the old agent and stays lost");
+  agent_pool_destroy(p);
+  fake_free(a);
+  fake_free(b);
+}
+
+Test(agent_link, pool_destroy_cancels_waits) {
+  fake_t *a = fake_start(FAKE_SILENT);
+  agent_pool_t *p = make_pool();
+  admit(p, 0, "agent-0", a);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  uint64_t seq;
+  agent_pool_send(p, 0, &ins, &seq);
+  fire_t f = {0};
+  watermark_target_t t[] = {{0, seq}};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 1, on_fire, &f, NULL, NULL),
+               WATERMARK_PENDING);
+  int64_t t0 = rpc_now_ms();
+  agent_pool_destroy(p);
+  cr_assert_lt(rpc_now_ms() - t0, 1000);
+  cr_assert_eq(atomic_load(&f.calls), 1);
+  cr_assert_eq(f.result, WATERMARK_CANCELLED);
+  fake_free(a);
+}
