@@ -7,20 +7,6 @@
 
 #include "ops_internal.h"
 
-double arg_double(const op_args_t *a, int i) {
-  const op_value_t *v = &a->v[i];
-  switch (v->kind) {
-  case VAL_INT: return (double)v->i;
-  case VAL_FLOAT: return v->f;
-  case VAL_BOOL: return v->b ? 1.0 : 0.0;
-  default: return 0.0;
-  }
-}
-
-bool arg_is_integral_scalar(const op_args_t *a, int i) {
-  return a->v[i].kind == VAL_INT || a->v[i].kind == VAL_BOOL;
-}
-
 const char *shape_str(const tensor_meta_t *t, char *buf) {
   return layout_format_shape(t->layout.sizes, t->layout.ndim, buf, LAYOUT_SHAPE_BUF);
 }

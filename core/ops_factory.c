@@ -54,6 +54,14 @@ static bool to_int64(const op_value_t *v, int64_t *out) {
   return true;
 }
 
+/* ceil((end - start) / step) without libm (meshd_core does not link it). */
+static double ceil_(double start, double end, double step) {
+  double q = (end - start) / step;
+  if (!(q > -9.2e18 && q < 9.2e18)) return q; /* huge values are integers already */
+  double t = (double)(int64_t)q;
+  return t < q ? t + 1 : t;
+}
+
 int rule_arange(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   /* arange(end) counts from 0, as Python's range does. */
   op_value_t zero = {.kind = VAL_INT, .i = 0};
@@ -107,7 +115,7 @@ int rule_arange(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
       return error_set(e, ERR_BAD_ARGUMENT, "%s: the range has too many elements", OPN(a));
     len = (int64_t)n;
   } else {
-    double n = ceil((de - ds) / dst);
+    double n = ceil_(ds, de, dst);
     if (!(n >= 0) || n >= 9223372036854775808.0)
       return error_set(e, ERR_BAD_ARGUMENT, "%s: the range has too many elements", OPN(a));
     len = (int64_t)n;

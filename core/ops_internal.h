@@ -76,10 +76,6 @@ static inline dtype_t arg_dtype(const op_args_t *a, int i) {
 static inline const char *arg_str(const op_args_t *a, int i) {
   return a->v[i].kind == VAL_STRING ? a->v[i].s : NULL;
 }
-/* A Scalar as a double (bool as 0/1). */
-double arg_double(const op_args_t *a, int i);
-/* A scalar value is integral (VAL_INT or VAL_BOOL). */
-bool arg_is_integral_scalar(const op_args_t *a, int i);
 
 /* "[2, 3]" of a tensor into buf (LAYOUT_SHAPE_BUF bytes). */
 const char *shape_str(const tensor_meta_t *t, char *buf);

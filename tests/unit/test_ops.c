@@ -565,6 +565,10 @@ Test(factory, arange_lengths) {
   SHAPE(r, 0, DTYPE_FLOAT32, 4);
   r = RUN("arange", vi(0), vf(2.5));
   SHAPE(r, 0, DTYPE_FLOAT32, 3);
+  r = RUN("arange", vf(1.0), vf(0.0), vf(-0.3));
+  SHAPE(r, 0, DTYPE_FLOAT32, 4); /* 1 .7 .4 .1 */
+  r = RUN("arange", vf(-2.5), vf(-1.0), vf(0.5));
+  SHAPE(r, 0, DTYPE_FLOAT32, 3);
   r = RUN("arange", vi(1), vi(1));
   FRESH(r);
   SHAPE(r, 0, DTYPE_INT64, 0);
