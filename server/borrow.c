@@ -13,7 +13,7 @@ int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, ui
                      "drop that borrow before borrowing it again",
                      (unsigned long long)origin->ref, (unsigned long long)s->mutable_borrow);
   if (is_mutable && !(s->access & ACCESS_W)) {
-    if (s->borrow)
+    if (s->borrow && s->read_borrows == 0)
       return error_set(e, ERR_BORROWED,
                        "Borrow: tensor %llu is a read-only borrow (borrow %llu) and cannot be "
                        "borrowed mutably", (unsigned long long)origin->ref,
@@ -46,6 +46,14 @@ int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, ui
   return 0;
 }
 
+/* The access a storage has with no borrow taken from it: a read borrow's
+ * handle stays read-only. */
+static unsigned own_access(objects_t *o, const storage_t *s) {
+  const obj_t *b = s->borrow ? objects_get(o, s->borrow) : NULL;
+  if (b && b->kind == OBJ_BORROW && !b->borrow.is_mutable) return ACCESS_R;
+  return ACCESS_R | ACCESS_W;
+}
+
 int borrow_drop(objects_t *o, obj_t *b, uint64_t seq, meshd_error_t *e) {
   borrow_obj_t *x = &b->borrow;
   if (x->dropped)
@@ -56,7 +64,7 @@ int borrow_drop(objects_t *o, obj_t *b, uint64_t seq, meshd_error_t *e) {
   storage_t *s = x->origin_storage;
   if (x->is_mutable) s->mutable_borrow = 0;
   else s->read_borrows--;
-  if (s->read_borrows == 0 && s->mutable_borrow == 0) s->access = ACCESS_R | ACCESS_W;
+  if (s->read_borrows == 0 && s->mutable_borrow == 0) s->access = own_access(o, s);
   x->dropped = true;
   x->drop_seq = seq;
   return 0;

@@ -8,29 +8,27 @@ obj_t *check_tensor(objects_t *o, const char *cmd, const char *what, uint64_t re
                     meshd_error_t *e) {
   char where[160];
   snprintf(where, sizeof where, "%s: %s", cmd, what);
-  obj_t *t = objects_expect(o, ref, OBJ_TENSOR, where, e);
-  if (!t) return NULL;
-  if (t->tensor.state == TENSOR_DROPPED) {
-    storage_t *s = t->tensor.storage;
-    if (s->borrow)
-      error_set(e, ERR_DROPPED,
-                "%s (tensor %llu) was dropped at command seq %llu, when its borrow %llu was "
-                "dropped; borrow the tensor again to use it on this stream",
-                where, (unsigned long long)ref, (unsigned long long)t->tensor.state_seq,
-                (unsigned long long)s->borrow);
-    else
-      error_set(e, ERR_DROPPED,
-                "%s (tensor %llu) was dropped at command seq %llu and can no longer be used", where,
-                (unsigned long long)ref, (unsigned long long)t->tensor.state_seq);
+  const tombstone_t *g = objects_get(o, ref) ? NULL : objects_dropped(o, ref);
+  if (g && g->borrow) {
+    error_set(e, ERR_DROPPED,
+              "%s (tensor %llu) was dropped at command seq %llu, when its borrow %llu was dropped; "
+              "borrow the tensor again to use it on this stream",
+              where, (unsigned long long)ref, (unsigned long long)g->seq,
+              (unsigned long long)g->borrow);
     return NULL;
   }
-  return t;
+  if (g) {
+    error_set(e, ERR_DROPPED, "%s (tensor %llu) was dropped at command seq %llu and can no longer be used",
+              where, (unsigned long long)ref, (unsigned long long)g->seq);
+    return NULL;
+  }
+  return objects_expect(o, ref, OBJ_TENSOR, where, e);
 }
 
 static void mesh_text(objects_t *o, uint64_t ref, char *buf, size_t len) {
   obj_t *m = objects_get(o, ref);
   char dims[200] = "?";
-  if (m && m->kind == OBJ_MESH) mesh_format(&m->mesh, dims, sizeof dims);
+  if (m && m->kind == OBJ_MESH) mesh_format(m->mesh, dims, sizeof dims);
   snprintf(buf, len, "mesh %llu %s", (unsigned long long)ref, dims);
 }
 
@@ -41,12 +39,6 @@ int check_uses(objects_t *o, const char *cmd, const tensor_use_t *uses, size_t n
     const tensor_use_t *u = &uses[i];
     const tensor_obj_t *t = &u->t->tensor;
     unsigned long long ref = (unsigned long long)u->t->ref;
-    if (t->state == TENSOR_DROPPED) {
-      /* Callers look tensors up with check_tensor; a record can still be dropped
-       * when a command names the same storage twice. */
-      return error_set(e, ERR_DROPPED, "%s: %s (tensor %llu) was dropped at command seq %llu", cmd,
-                       u->what, ref, (unsigned long long)t->state_seq);
-    }
     if (*mesh == 0) {
       *mesh = t->mesh;
       first = u;
@@ -77,7 +69,7 @@ int check_uses(objects_t *o, const char *cmd, const tensor_use_t *uses, size_t n
                        "until the borrow is dropped",
                        cmd, u->what, ref, (unsigned long long)s->mutable_borrow);
     if (u->write && !(s->access & ACCESS_W)) {
-      if (s->borrow)
+      if (s->borrow && s->read_borrows == 0)
         return error_set(e, ERR_MUTATING_BORROW,
                          "%s: %s (tensor %llu) is a read-only borrow (borrow %llu) and cannot be "
                          "mutated; borrow it with mutable=True to write to it",

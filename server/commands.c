@@ -160,7 +160,7 @@ static mesh_t *resolve_mesh(objects_t *o, const char *cmd, const char *what, uin
     return NULL;
   }
   obj_t *m = objects_expect(o, ref, OBJ_MESH, where, e);
-  return m ? &m->mesh : NULL;
+  return m ? m->mesh : NULL;
 }
 
 /* Failure flows from inputs to results (DEPENDENT_FAILURE naming the root). */
@@ -229,11 +229,10 @@ static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mes
   int rc = mesh_create_root(m->ref, names, sizes, (int)m->n_dims, healthy, world, &mesh, e);
   free(healthy);
   if (rc) return -1;
-  obj_t *obj = objects_add(o, m->ref, OBJ_MESH);
+  obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "CreateMesh: out of memory on the server");
-  obj->mesh = mesh;
   claim_refs(s, &m->ref, 1);
-  return add_mesh(out, &obj->mesh);
+  return add_mesh(out, obj->mesh);
 }
 
 static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
@@ -245,11 +244,10 @@ static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mesh
   mesh_t mesh;
   if (mesh_slice_proto(parent, m->ref, m->selectors, m->n_selectors, "SliceMesh", &mesh, e))
     return -1;
-  obj_t *obj = objects_add(o, m->ref, OBJ_MESH);
+  obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "SliceMesh: out of memory on the server");
-  obj->mesh = mesh;
   claim_refs(s, &m->ref, 1);
-  return add_mesh(out, &obj->mesh);
+  return add_mesh(out, obj->mesh);
 }
 
 static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
@@ -489,7 +487,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
     goto out;
   }
   obj_t *mesh_obj = objects_get(o, mesh_ref);
-  uint64_t ranks = (uint64_t)mesh_len(&mesh_obj->mesh);
+  uint64_t ranks = (uint64_t)mesh_len(mesh_obj->mesh);
   uint64_t need = 0;
   for (size_t i = 0; i < call->n_results; i++)
     if (inf.results[i].alias_param < 0) need += meta_bytes(&inf.results[i].meta) * ranks;
@@ -514,7 +512,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
     if (args.v[p].kind == VAL_TENSOR && param_mutated(&inf, p))
       inherit_failure(o, obj_of_meta(args.v[p].tensor), failed, out->res.seq);
   claim_refs(s, call->results, call->n_results);
-  emit_call(fe, s, o, &mesh_obj->mesh, call, ca->tensors, ca->ntensors, results, call->n_results,
+  emit_call(fe, s, o, mesh_obj->mesh, call, ca->tensors, ca->ntensors, results, call->n_results,
             &inf);
   for (size_t i = 0; i < call->n_results; i++) add_tensor(out, results[i]);
   rc = 0;
@@ -557,7 +555,7 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   tensor_use_t uses[2] = {{in, "input", r->inplace}, {outt, "out", true}};
   uint64_t mesh_ref = 0;
   if (check_uses(o, cmd, uses, outt ? 2 : 1, &mesh_ref, r->stream, e)) return -1;
-  const mesh_t *mesh = &objects_get(o, mesh_ref)->mesh;
+  const mesh_t *mesh = objects_get(o, mesh_ref)->mesh;
   char mesh_dims[200];
   mesh_format(mesh, mesh_dims, sizeof mesh_dims);
 
@@ -666,7 +664,7 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   tensor_use_t use = {in, "input", false};
   uint64_t src_ref = 0;
   if (check_uses(o, cmd, &use, 1, &src_ref, in->tensor.stream, e)) return -1;
-  const mesh_t *whole = &objects_get(o, src_ref)->mesh;
+  const mesh_t *whole = objects_get(o, src_ref)->mesh;
   mesh_t src = *whole;
   if (t->n_selection && mesh_slice_proto(whole, whole->ref, t->selection, t->n_selection, cmd, &src, e))
     return -1;
@@ -732,28 +730,25 @@ static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
                     cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Drop *d = c->drop;
   for (size_t i = 0; i < d->n_refs; i++) { /* all or nothing */
-    char what[48];
-    snprintf(what, sizeof what, "refs[%zu]", i);
-    obj_t *t = objects_expect(o, d->refs[i], OBJ_TENSOR, what, e);
-    if (!t) {
-      if (e->msg[0] && objects_get(o, d->refs[i]))
-        error_set(e, ERR_BAD_ARGUMENT, "Drop: ref %llu is a %s; only tensors are dropped",
-                  (unsigned long long)d->refs[i], obj_kind_name(objects_get(o, d->refs[i])->kind));
-      else
-        error_set(e, ERR_UNKNOWN_REF, "Drop: ref %llu was never defined in this session",
-                  (unsigned long long)d->refs[i]);
-      return -1;
-    }
+    uint64_t ref = d->refs[i];
+    if (objects_dropped(o, ref)) continue; /* dropping twice is a no-op */
+    obj_t *t = objects_get(o, ref);
+    if (!t)
+      return error_set(e, ERR_UNKNOWN_REF, "Drop: ref %llu was never defined in this session",
+                       (unsigned long long)ref);
+    if (t->kind != OBJ_TENSOR)
+      return error_set(e, ERR_BAD_ARGUMENT, "Drop: ref %llu is a %s; only tensors are dropped",
+                       (unsigned long long)ref, obj_kind_name(t->kind));
     const storage_t *st = t->tensor.storage;
-    if (t->tensor.state != TENSOR_DROPPED && (st->read_borrows || st->mutable_borrow))
+    if (st->read_borrows || st->mutable_borrow)
       return error_set(e, ERR_BORROWED,
                        "Drop: tensor %llu (or a view of it) is borrowed (borrow %llu); drop the "
-                       "borrow first", (unsigned long long)t->ref,
+                       "borrow first", (unsigned long long)ref,
                        (unsigned long long)borrow_holder(o, st));
   }
   for (size_t i = 0; i < d->n_refs; i++) {
-    obj_t *t = objects_get(o, d->refs[i]);
-    if (t->tensor.state == TENSOR_DROPPED) continue;
+    obj_t *t = objects_get(o, d->refs[i]); /* NULL: dropped with an earlier alias */
+    if (!t) continue;
     emit_drop(fe, s, o, t);
     objects_drop_storage(o, t->tensor.storage, out->res.seq);
   }
@@ -772,11 +767,34 @@ static int cmd_describe(frontend_t *fe, session_t *s, objects_t *o, const Meshd_
                         cmd_out_t *out, meshd_error_t *e) {
   uint64_t ref = c->describe->ref;
   obj_t *it = objects_get(o, ref);
+  const tombstone_t *g = it ? NULL : objects_dropped(o, ref);
+  if (g) { /* only the drop is known about a dropped tensor */
+    Meshd__V1__TensorMeta *m = out_alloc(out, sizeof *m);
+    Meshd__V1__TensorMeta **mp = out_alloc(out, sizeof *mp);
+    Meshd__V1__Error *err = out_alloc(out, sizeof *err);
+    char *msg = out_alloc(out, 96);
+    if (!m || !mp || !err || !msg) return error_set(e, ERR_QUOTA, "Describe: out of memory on the server");
+    meshd__v1__tensor_meta__init(m);
+    meshd__v1__error__init(err);
+    snprintf(msg, 96, "dropped at command seq %llu", (unsigned long long)g->seq);
+    err->kind = MESHD__V1__ERROR_KIND__ERROR_KIND_DROPPED;
+    err->message = msg;
+    err->code = (int32_t)error_kind_code(ERR_DROPPED);
+    err->seq = g->seq;
+    err->ref = ref;
+    m->ref = ref;
+    m->state = MESHD__V1__TENSOR_STATE__TENSOR_STATE_DROPPED;
+    m->error = err;
+    *mp = m;
+    out->res.tensors = mp;
+    out->res.n_tensors = 1;
+    return 0;
+  }
   if (!it)
     return error_set(e, ERR_UNKNOWN_REF, "Describe: ref %llu was never defined in this session",
                      (unsigned long long)ref);
   if (it->kind == OBJ_TENSOR) return add_tensor(out, it);
-  if (it->kind == OBJ_MESH) return add_mesh(out, &it->mesh);
+  if (it->kind == OBJ_MESH) return add_mesh(out, it->mesh);
   return error_set(e, ERR_BAD_ARGUMENT, "Describe: ref %llu is a %s; Describe takes tensors and meshes",
                    (unsigned long long)ref, obj_kind_name(it->kind));
 }

@@ -219,7 +219,7 @@ void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow
   op.result = b->result;
   op.from_stream = b->from_stream;
   op.to_stream = b->to_stream;
-  const mesh_t *mesh = &objects_get(o, origin->tensor.mesh)->mesh;
+  const mesh_t *mesh = objects_get(o, origin->tensor.mesh)->mesh;
   instr_t ins;
   if (drop) {
     op.phase = MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE;
@@ -242,7 +242,7 @@ void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t) {
   uint64_t refs[64];
   size_t n = 0;
   for (const obj_t *a = t->tensor.storage->aliases; a && n < 64; a = a->tensor.next_alias)
-    if (a->tensor.state != TENSOR_DROPPED) refs[n++] = a->ref;
+    refs[n++] = a->ref;
   Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
   d.refs = refs;
   d.n_refs = n;
@@ -250,7 +250,7 @@ void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t) {
   init_instr(&ins, s, t->tensor.stream);
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
   ins.delete_refs = &d;
-  send_to_mesh(fe, o, &objects_get(o, t->tensor.mesh)->mesh, &ins);
+  send_to_mesh(fe, o, objects_get(o, t->tensor.mesh)->mesh, &ins);
 }
 
 size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, uint64_t *seqs,

@@ -19,9 +19,12 @@ void objects_destroy(objects_t *o) {
       free(it->tensor.fail_msg);
     } else if (it->kind == OBJ_BORROW) {
       storage_unref(it->borrow.origin_storage);
+    } else if (it->kind == OBJ_MESH) {
+      free(it->mesh);
     }
     free(it);
   }
+  free(o->graves);
   free(o->touched);
   free(o);
 }
@@ -63,6 +66,46 @@ obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind) {
   it->kind = kind;
   HASH_ADD(hh, o->table, ref, sizeof it->ref, it);
   return it;
+}
+
+obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh) {
+  mesh_t *copy = malloc(sizeof *copy);
+  obj_t *it = copy ? objects_add(o, ref, OBJ_MESH) : NULL;
+  if (!it) {
+    free(copy);
+    return NULL;
+  }
+  *copy = *mesh;
+  it->mesh = copy;
+  return it;
+}
+
+static size_t grave_slot(const tombstone_t *g, size_t cap, uint64_t ref) {
+  size_t i = (size_t)(ref * 0x9e3779b97f4a7c15ull) & (cap - 1);
+  while (g[i].ref && g[i].ref != ref) i = (i + 1) & (cap - 1);
+  return i;
+}
+
+const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref) {
+  if (!o->gcap || ref == 0) return NULL;
+  const tombstone_t *t = &o->graves[grave_slot(o->graves, o->gcap, ref)];
+  return t->ref == ref ? t : NULL;
+}
+
+static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow) {
+  if ((o->ngraves + 1) * 2 > o->gcap) { /* keep the load under 1/2 */
+    size_t cap = o->gcap ? o->gcap * 2 : 1024;
+    tombstone_t *g = calloc(cap, sizeof *g);
+    if (!g) return; /* a lost tombstone only degrades DROPPED to UNKNOWN_REF */
+    for (size_t i = 0; i < o->gcap; i++)
+      if (o->graves[i].ref) g[grave_slot(g, cap, o->graves[i].ref)] = o->graves[i];
+    free(o->graves);
+    o->graves = g;
+    o->gcap = cap;
+  }
+  size_t i = grave_slot(o->graves, o->gcap, ref);
+  if (!o->graves[i].ref) o->ngraves++;
+  o->graves[i] = (tombstone_t){ref, seq, borrow};
 }
 
 obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *what,
@@ -155,17 +198,20 @@ obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *met
   return t;
 }
 
-void objects_drop_tensor(objects_t *o, obj_t *t, uint64_t seq) {
-  tensor_obj_t *x = &t->tensor;
-  if (x->state == TENSOR_DROPPED) return;
-  x->state = TENSOR_DROPPED;
-  x->state_seq = seq;
-  o->live_tensors--;
-  if (--x->storage->live_aliases == 0) o->bytes -= x->storage->bytes * x->storage->ranks;
-}
-
 void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
-  for (obj_t *it = storage->aliases; it; it = it->tensor.next_alias) objects_drop_tensor(o, it, seq);
+  for (obj_t *it = storage->aliases, *next; it; it = next) {
+    next = it->tensor.next_alias;
+    bury(o, it->ref, seq, storage->borrow);
+    HASH_DEL(o->table, it);
+    free(it->tensor.fail_msg);
+    free(it);
+    o->live_tensors--;
+    storage->refs--;
+  }
+  storage->aliases = NULL;
+  if (storage->live_aliases > 0) o->bytes -= storage->bytes * storage->ranks;
+  storage->live_aliases = 0;
+  if (storage->refs == 0) free(storage);
 }
 
 void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,

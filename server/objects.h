@@ -3,9 +3,10 @@
  *
  * Tensors that view the same memory share a storage_t (Monarch's
  * StorageAliases): it holds the access permissions that borrows change and
- * the bytes counted against the session's quota. Dropped tensors keep their
- * record (state DROPPED + the command that dropped them) so a later use gets
- * DROPPED with its drop site rather than UNKNOWN_REF.
+ * the bytes counted against the session's quota. Dropping a storage frees its
+ * tensor records and leaves a 24-byte tombstone per ref (the command that
+ * dropped it), so a later use gets DROPPED with its drop site rather than
+ * UNKNOWN_REF while a long session's memory stays flat.
  *
  * Not thread-safe: the caller holds the session's lock. */
 #ifndef MESHD_OBJECTS_H
@@ -71,15 +72,22 @@ typedef struct obj {
   obj_kind_t kind;
   UT_hash_handle hh;
   union {
-    mesh_t mesh;
+    mesh_t *mesh; /* owned; a pointer keeps tensor records small */
     char stream_name[64];
     tensor_obj_t tensor;
     borrow_obj_t borrow;
   };
 } obj_t;
 
+/* A dropped tensor ref: when and, for a borrowed handle, by which borrow. */
+typedef struct tombstone {
+  uint64_t ref, seq, borrow;
+} tombstone_t;
+
 typedef struct objects {
   obj_t *table;
+  tombstone_t *graves;     /* open addressing by ref; ref 0 = empty slot */
+  size_t ngraves, gcap;
   uint64_t live_tensors;
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
   uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
@@ -107,6 +115,11 @@ const char *objects_stream_name(objects_t *o, uint64_t ref);
 /* A stream ref by name, or -1 (main is 0). */
 int64_t objects_stream_by_name(objects_t *o, const char *name);
 
+/* A mesh record holding a copy of *mesh. NULL on OOM. */
+obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh);
+/* The tombstone of a dropped tensor ref, or NULL. */
+const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref);
+
 /* A new tensor on a fresh storage (bytes from its layout). */
 obj_t *objects_new_tensor(objects_t *o, uint64_t ref, const tensor_meta_t *meta, uint64_t mesh,
                           uint64_t stream, uint64_t ranks);
@@ -116,10 +129,9 @@ obj_t *objects_new_view(objects_t *o, uint64_t ref, const tensor_meta_t *meta, o
 obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *meta, obj_t *origin,
                             uint64_t stream, uint64_t borrow);
 
-/* Drops one tensor record (state DROPPED at seq); frees its storage's bytes
- * once no live alias is left. Dropping twice is a no-op. */
-void objects_drop_tensor(objects_t *o, obj_t *t, uint64_t seq);
-/* Drops every live tensor viewing `storage` (Monarch's drop drops all aliases). */
+/* Drops every tensor viewing `storage` (Monarch's drop drops all aliases): their
+ * records are freed (tombstones remain), the bytes return to the quota, and the
+ * storage is freed once no borrow refers to it. */
 void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq);
 /* Marks a tensor failed (its storage's other aliases too). */
 void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,

@@ -1,0 +1,935 @@
+/* bench_commands: commands/s accepted by meshd on Submit, as a ratio to the rpc
+ * layer's raw bidi-stream baseline measured in the same run, server CPU per
+ * command, and server memory per live tensor.
+ *
+ *   bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]
+ *                  [--live-tensors K] [--memory-seconds M] [--skip-baseline]
+ *
+ * --seconds: measured time per case (default 2); --warmup: unmeasured time
+ * before it (0.5); --agents: the agent counts of the command cases (1,4);
+ * --drop-batch: results dropped per Drop (256); --live-tensors: live refs made
+ * by the memory case (1000000; 0 skips it); --memory-seconds: the memory case
+ * stops making refs after this long and reports how many it made (90).
+ *
+ * Each case starts its own server, `$MESHD_BIN_DIR/meshd --listen 127.0.0.1:0
+ * --port-file F --local-agents N` (MESHD_BIN_DIR defaults to this program's
+ * directory), in a child process, and stops it with SIGTERM at the end.
+ *
+ * Command case: CreateSession; on one Submit stream CreateMesh {gpu: N}, Factory
+ * zeros [4], then a writer thread pipelines Call add(t, 1.0) with a fresh result
+ * each, dropping the results every B calls, while a reader thread consumes the
+ * SubmitReplies; a Sync at the end is waited for. Counts are replies (every
+ * command is answered once); CPU comes from /proc/<pid>/stat.
+ *
+ * Memory case: one agent, no drops; K Call results kept live, Sync; VmRSS of the
+ * server before and after, per live tensor.
+ *
+ * Prints JSON lines on stdout (the baseline's, then one per case); progress and
+ * diagnostics go to stderr. Not a test: run by hand. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "grpc/health/v1/health.pb-c.h"
+#include "meshd/v1/tensor_service.pb-c.h"
+#include "rpc.h"
+#include "rpc_baseline.h"
+
+#define SVC "/meshd.v1.TensorService/"
+#define HEALTH_CHECK "/grpc.health.v1.Health/Check"
+#define TENSOR_SERVICE "meshd.v1.TensorService"
+#define MAX_AGENTS 64
+#define READ_TIMEOUT_MS 15000 /* a reply gap this long is a stall */
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]\n"
+          "                      [--live-tensors K] [--memory-seconds M] [--skip-baseline]\n");
+  exit(2);
+}
+
+/* ------------------------------------------------------------------ JSON */
+
+/* bench_json_num keeps one decimal; ratios and small costs need more. */
+static void json_numf(bench_json_t *j, const char *key, double value, int prec) {
+  if (j->len >= sizeof j->buf) return;
+  size_t room = sizeof j->buf - j->len;
+  int n = isfinite(value) ? snprintf(j->buf + j->len, room, ",\"%s\":%.*f", key, prec, value)
+                          : snprintf(j->buf + j->len, room, ",\"%s\":null", key);
+  j->len += n > 0 ? (size_t)n : 0;
+}
+
+/* ------------------------------------------------------------------ /proc */
+
+static int64_t clk_tck;
+
+/* ppid, state and utime+stime (µs) of pid; -1 if it is gone. */
+static int proc_stat(pid_t pid, pid_t *ppid, char *state, int64_t *cpu_us) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  char *p = strrchr(buf, ')'); /* comm may hold spaces */
+  if (!p) return -1;
+  char st;
+  int pp;
+  unsigned long long ut, stime;
+  /* after ')': state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime */
+  if (sscanf(p + 1, " %c %d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &st, &pp, &ut,
+             &stime) != 4)
+    return -1;
+  if (ppid) *ppid = pp;
+  if (state) *state = st;
+  if (cpu_us) *cpu_us = (int64_t)(ut + stime) * 1000000 / clk_tck;
+  return 0;
+}
+
+static int64_t proc_cpu_us(pid_t pid) {
+  int64_t us = 0;
+  return proc_stat(pid, NULL, NULL, &us) == 0 ? us : -1;
+}
+
+/* A "VmRSS:" style line of /proc/<pid>/status, in bytes; -1 if absent. */
+static int64_t proc_status_bytes(pid_t pid, const char *key) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+  FILE *f = fopen(path, "re");
+  if (!f) return -1;
+  int64_t v = -1;
+  size_t kl = strlen(key);
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, key, kl) == 0 && line[kl] == ':') {
+      long long kb;
+      if (sscanf(line + kl + 1, "%lld", &kb) == 1) v = kb * 1024;
+      break;
+    }
+  }
+  fclose(f);
+  return v;
+}
+
+/* Live (not zombie) children of ppid, by scanning /proc. */
+static int proc_children(pid_t ppid, pid_t *out, int max) {
+  DIR *d = opendir("/proc");
+  if (!d) return 0;
+  int n = 0;
+  struct dirent *de;
+  while ((de = readdir(d)) && n < max) {
+    char *end;
+    long pid = strtol(de->d_name, &end, 10);
+    if (*end || pid <= 0) continue;
+    pid_t pp;
+    char st;
+    if (proc_stat((pid_t)pid, &pp, &st, NULL) == 0 && pp == ppid && st != 'Z')
+      out[n++] = (pid_t)pid;
+  }
+  closedir(d);
+  return n;
+}
+
+static bool proc_alive(pid_t pid) {
+  char st;
+  return proc_stat(pid, NULL, &st, NULL) == 0 && st != 'Z';
+}
+
+static int64_t agents_cpu_us(const pid_t *pids, int n) {
+  int64_t sum = 0;
+  for (int i = 0; i < n; i++) {
+    int64_t v = proc_cpu_us(pids[i]);
+    if (v > 0) sum += v;
+  }
+  return sum;
+}
+
+static int64_t agents_rss(const pid_t *pids, int n) {
+  int64_t sum = 0;
+  for (int i = 0; i < n; i++) {
+    int64_t v = proc_status_bytes(pids[i], "VmRSS");
+    if (v > 0) sum += v;
+  }
+  return sum;
+}
+
+static int64_t self_cpu_us(void) {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return (int64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000 + ru.ru_utime.tv_usec +
+         ru.ru_stime.tv_usec;
+}
+
+/* ------------------------------------------------------------------ the server child */
+
+typedef struct {
+  pid_t pid;
+  int port;
+  char dir[PATH_MAX];
+  char log[PATH_MAX + 16];
+  char target[64];
+  pid_t agents[MAX_AGENTS];
+  int nagents;
+  int exit_status;     /* after server_stop: exit code, or 128 + signal */
+  int agents_left;     /* agents still alive 5 s after the server exited */
+} server_t;
+
+static char bin_dir[PATH_MAX];
+
+static void find_bin_dir(const char *argv0) {
+  const char *env = getenv("MESHD_BIN_DIR");
+  if (env && *env) {
+    snprintf(bin_dir, sizeof bin_dir, "%s", env);
+    return;
+  }
+  char self[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    self[n] = '\0';
+  } else {
+    snprintf(self, sizeof self, "%s", argv0);
+  }
+  snprintf(bin_dir, sizeof bin_dir, "%s", dirname(self));
+}
+
+static int read_port_file(const char *path) {
+  FILE *f = fopen(path, "re");
+  if (!f) return -1;
+  int port = -1;
+  if (fscanf(f, "%d", &port) != 1) port = -1;
+  fclose(f);
+  return port;
+}
+
+static grpc_status_code health_check(rpc_channel_t *ch, int *status) {
+  Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+  req.service = TENSOR_SERVICE;
+  ProtobufCMessage *rep = NULL;
+  grpc_status_code code = rpc_unary(ch, HEALTH_CHECK, &req.base,
+                                    &grpc__health__v1__health_check_response__descriptor, &rep,
+                                    NULL, 0, 2000, NULL);
+  if (code == GRPC_STATUS_OK) {
+    *status = (int)((Grpc__Health__V1__HealthCheckResponse *)rep)->status;
+    protobuf_c_message_free_unpacked(rep, NULL);
+  }
+  return code;
+}
+
+static void server_stop(server_t *s);
+
+/* Starts meshd with n local agents; returns once TensorService is SERVING. */
+static int server_start(server_t *s, int nagents) {
+  memset(s, 0, sizeof *s);
+  snprintf(s->dir, sizeof s->dir, "/tmp/bench_commands.XXXXXX");
+  if (!mkdtemp(s->dir)) {
+    fprintf(stderr, "bench_commands: mkdtemp: %s\n", strerror(errno));
+    return -1;
+  }
+  char meshd[PATH_MAX + 8], port_file[PATH_MAX + 16], agents[16];
+  snprintf(meshd, sizeof meshd, "%s/meshd", bin_dir);
+  snprintf(port_file, sizeof port_file, "%s/port", s->dir);
+  snprintf(s->log, sizeof s->log, "%s/meshd.log", s->dir);
+  snprintf(agents, sizeof agents, "%d", nagents);
+  if (access(meshd, X_OK) != 0) {
+    fprintf(stderr, "bench_commands: %s: %s (set MESHD_BIN_DIR)\n", meshd, strerror(errno));
+    return -1;
+  }
+  char *argv[] = {meshd, "--listen", "127.0.0.1:0", "--port-file", port_file,
+                  "--local-agents", agents, NULL};
+  int logfd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (logfd < 0) {
+    fprintf(stderr, "bench_commands: %s: %s\n", s->log, strerror(errno));
+    return -1;
+  }
+  fflush(stdout);
+  fflush(stderr);
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) {
+    fprintf(stderr, "bench_commands: fork: %s\n", strerror(errno));
+    close(logfd);
+    return -1;
+  }
+  if (pid == 0) { /* async-signal-safe calls only until exec */
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(1);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, 0);
+    dup2(logfd, 1);
+    dup2(logfd, 2);
+    execv(meshd, argv);
+    _exit(127);
+  }
+  close(logfd);
+  s->pid = pid;
+
+  int64_t deadline = bench_now_ns() + 15 * 1000000000LL;
+  while ((s->port = read_port_file(port_file)) <= 0) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      fprintf(stderr, "bench_commands: meshd exited at start (status 0x%x); log: %s\n", st, s->log);
+      s->pid = 0;
+      return -1;
+    }
+    if (bench_now_ns() > deadline) {
+      fprintf(stderr, "bench_commands: meshd wrote no port file in 15 s; log: %s\n", s->log);
+      server_stop(s);
+      return -1;
+    }
+    usleep(20000);
+  }
+  snprintf(s->target, sizeof s->target, "127.0.0.1:%d", s->port);
+
+  rpc_channel_t *ch = rpc_channel_create(s->target, NULL);
+  int status = 0;
+  deadline = bench_now_ns() + 30 * 1000000000LL;
+  while (!(health_check(ch, &status) == GRPC_STATUS_OK && status == 1 /* SERVING */)) {
+    if (bench_now_ns() > deadline) {
+      fprintf(stderr, "bench_commands: %s not SERVING after 30 s (status %d); log: %s\n",
+              TENSOR_SERVICE, status, s->log);
+      rpc_channel_destroy(ch);
+      server_stop(s);
+      return -1;
+    }
+    usleep(50000);
+  }
+  rpc_channel_destroy(ch);
+  /* The agents registered before SERVING, so they are all there. */
+  s->nagents = proc_children(s->pid, s->agents, MAX_AGENTS);
+  if (s->nagents != nagents)
+    fprintf(stderr, "bench_commands: meshd has %d child process(es), expected %d agents\n",
+            s->nagents, nagents);
+  return 0;
+}
+
+/* SIGTERM to the meshd we started, then wait; checks its agents are gone. */
+static void server_stop(server_t *s) {
+  if (s->pid <= 0) return;
+  pid_t agents[MAX_AGENTS];
+  int nagents = proc_children(s->pid, agents, MAX_AGENTS); /* now, after any restart */
+  kill(s->pid, SIGTERM);
+  int st = 0;
+  int64_t deadline = bench_now_ns() + 20 * 1000000000LL;
+  pid_t r;
+  while ((r = waitpid(s->pid, &st, WNOHANG)) == 0 && bench_now_ns() < deadline) usleep(20000);
+  if (r == 0) {
+    fprintf(stderr, "bench_commands: meshd %d did not exit 20 s after SIGTERM; SIGKILL\n",
+            (int)s->pid);
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, &st, 0);
+  }
+  s->exit_status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  s->pid = 0;
+  /* The agents die with meshd (supervisor stop, or PDEATHSIG); give them 5 s. */
+  deadline = bench_now_ns() + 5 * 1000000000LL;
+  int left;
+  do {
+    left = 0;
+    for (int i = 0; i < nagents; i++) left += proc_alive(agents[i]);
+    if (left) usleep(20000);
+  } while (left && bench_now_ns() < deadline);
+  s->agents_left = left;
+  for (int i = 0; left && i < nagents; i++) {
+    if (!proc_alive(agents[i])) continue;
+    fprintf(stderr, "bench_commands: agent %d outlived meshd by 5 s; SIGKILL\n", (int)agents[i]);
+    kill(agents[i], SIGKILL);
+  }
+}
+
+/* Counts WARN and ERROR lines in the log and echoes the first few to stderr. */
+static void log_scan(const server_t *s, int *warns, int *errors) {
+  *warns = *errors = 0;
+  FILE *f = fopen(s->log, "re");
+  if (!f) return;
+  char line[4096];
+  int shown = 0;
+  while (fgets(line, sizeof line, f)) {
+    bool w = strstr(line, "Z WARN ") != NULL, e = strstr(line, "Z ERROR ") != NULL;
+    *warns += w;
+    *errors += e;
+    if ((w || e) && shown++ < 10) fprintf(stderr, "  meshd log: %s", line);
+  }
+  fclose(f);
+}
+
+static void server_cleanup(const server_t *s, bool keep) {
+  if (keep) {
+    fprintf(stderr, "bench_commands: kept %s\n", s->dir);
+    return;
+  }
+  char path[PATH_MAX + 16];
+  snprintf(path, sizeof path, "%s/port", s->dir);
+  unlink(path);
+  unlink(s->log);
+  rmdir(s->dir);
+}
+
+/* ------------------------------------------------------------------ session, stream */
+
+typedef struct {
+  rpc_channel_t *ch;
+  rpc_stream_t *st;
+  char id[128], token[128];
+  rpc_md_t md[2];
+} client_t;
+
+static int client_open(client_t *c, const char *target) {
+  memset(c, 0, sizeof *c);
+  rpc_channel_opts_t co = {.own_connection = true};
+  c->ch = rpc_channel_create(target, &co);
+  if (!c->ch || !rpc_channel_wait_ready(c->ch, 5000)) {
+    fprintf(stderr, "bench_commands: %s is not ready\n", target);
+    return -1;
+  }
+  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
+  req.client_name = "bench_commands";
+  ProtobufCMessage *rep = NULL;
+  rpc_status_t st;
+  grpc_status_code code = rpc_unary(c->ch, SVC "CreateSession", &req.base,
+                                    &meshd__v1__create_session_reply__descriptor, &rep, NULL, 0,
+                                    5000, &st);
+  if (code != GRPC_STATUS_OK) {
+    fprintf(stderr, "bench_commands: CreateSession: code %d: %s\n", code, st.message);
+    return -1;
+  }
+  Meshd__V1__CreateSessionReply *r = (Meshd__V1__CreateSessionReply *)rep;
+  snprintf(c->id, sizeof c->id, "%s", r->session_id);
+  snprintf(c->token, sizeof c->token, "%s", r->token);
+  protobuf_c_message_free_unpacked(rep, NULL);
+  c->md[0] = (rpc_md_t){"meshd-session", c->id};
+  c->md[1] = (rpc_md_t){"meshd-token", c->token};
+  c->st = rpc_stream_open(c->ch, SVC "Submit", c->md, 2, 0);
+  if (!c->st) {
+    fprintf(stderr, "bench_commands: Submit did not open\n");
+    return -1;
+  }
+  return 0;
+}
+
+static void client_close(client_t *c) {
+  if (c->st) rpc_stream_destroy(c->st);
+  if (c->ch) rpc_channel_destroy(c->ch);
+  memset(c, 0, sizeof *c);
+}
+
+/* Reads one reply; returns 0 if it answers seq without an error. */
+static int read_ok(client_t *c, uint64_t seq, const char *what) {
+  ProtobufCMessage *m = NULL;
+  int r = rpc_stream_read(c->st, &meshd__v1__submit_reply__descriptor, &m, READ_TIMEOUT_MS);
+  if (r != 1) {
+    rpc_status_t st = {0};
+    if (r == -2) rpc_stream_cancel(c->st);
+    grpc_status_code code = r == 0 || r == -2 ? rpc_stream_finish(c->st, &st) : GRPC_STATUS_OK;
+    fprintf(stderr, "bench_commands: %s: no reply (read %d; stream status %d: %s)\n", what, r,
+            code, st.message);
+    return -1;
+  }
+  Meshd__V1__SubmitReply *rep = (Meshd__V1__SubmitReply *)m;
+  int rc = 0;
+  if (!rep->result || rep->result->seq != seq || rep->result->error) {
+    fprintf(stderr, "bench_commands: %s: bad reply (seq %llu, error %s)\n", what,
+            rep->result ? (unsigned long long)rep->result->seq : 0ULL,
+            rep->result && rep->result->error ? rep->result->error->message : "none");
+    rc = -1;
+  }
+  protobuf_c_message_free_unpacked(m, NULL);
+  return rc;
+}
+
+/* Refs: the mesh is 1, the input tensor 2, results from 3 up. */
+#define MESH_REF 1
+#define INPUT_REF 2
+
+static int write_cmd(client_t *c, Meshd__V1__Command *cmd) {
+  return rpc_stream_write(c->st, &cmd->base, false);
+}
+
+/* CreateMesh {gpu: n}, Factory zeros [4], Sync; each answered in turn. */
+static int setup_session(client_t *c, int nagents, uint64_t *next_seq) {
+  Meshd__V1__Dim dim = MESHD__V1__DIM__INIT;
+  dim.name = "gpu";
+  dim.size = nagents;
+  Meshd__V1__Dim *dims[1] = {&dim};
+  Meshd__V1__CreateMesh cm = MESHD__V1__CREATE_MESH__INIT;
+  cm.ref = MESH_REF;
+  cm.n_dims = 1;
+  cm.dims = dims;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.seq = 1;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_MESH;
+  cmd.create_mesh = &cm;
+  if (write_cmd(c, &cmd) || read_ok(c, 1, "CreateMesh")) return -1;
+
+  int64_t shape[1] = {4};
+  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
+  f.ref = INPUT_REF;
+  f.mesh = MESH_REF;
+  f.kind = "zeros";
+  f.n_shape = 1;
+  f.shape = shape;
+  f.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
+  cmd = (Meshd__V1__Command)MESHD__V1__COMMAND__INIT;
+  cmd.seq = 2;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_FACTORY;
+  cmd.factory = &f;
+  if (write_cmd(c, &cmd) || read_ok(c, 2, "Factory")) return -1;
+
+  Meshd__V1__Sync sy = MESHD__V1__SYNC__INIT;
+  cmd = (Meshd__V1__Command)MESHD__V1__COMMAND__INIT;
+  cmd.seq = 3;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_SYNC;
+  cmd.sync = &sy;
+  if (write_cmd(c, &cmd) || read_ok(c, 3, "Sync")) return -1;
+  *next_seq = 4;
+  return 0;
+}
+
+/* ------------------------------------------------------------------ the pipelined run */
+
+typedef struct {
+  rpc_stream_t *s;
+  pid_t server;
+  const pid_t *agents;
+  int nagents;
+  /* knobs */
+  int drop_batch;        /* 0: never drop */
+  uint64_t max_calls;    /* 0: until stop */
+  int64_t deadline_ns;   /* the writer stops making calls after this (0: none) */
+  int64_t warm_end_ns, measure_ns; /* 0 measure_ns: no window */
+  /* writer */
+  uint64_t seq, ref;
+  uint64_t calls_written, drops_written;
+  _Atomic uint64_t sync_seq;
+  int64_t stop_ns, sync_sent_ns;
+  uint64_t written_at_stop;
+  int write_err;
+  /* reader */
+  atomic_bool stop;
+  uint64_t replies, call_replies, errors;
+  char first_error[512];
+  uint64_t n0, n1, c0, c1; /* replies and call replies at t0, t1 */
+  int64_t t0, t1, sync_ns;
+  int64_t srv_cpu0, srv_cpu1, srv_cpu_sync, ag_cpu0, ag_cpu1, ag_cpu_sync, self_cpu0, self_cpu1;
+  int64_t rss0, rss1;
+  int read_end;
+  bool sync_ok;
+} run_t;
+
+static void *writer(void *p) {
+  run_t *r = p;
+  Meshd__V1__Arg a_in = MESHD__V1__ARG__INIT, a_f = MESHD__V1__ARG__INIT;
+  a_in.value_case = MESHD__V1__ARG__VALUE_REF;
+  a_in.ref = INPUT_REF;
+  a_f.value_case = MESHD__V1__ARG__VALUE_F;
+  a_f.f = 1.0;
+  Meshd__V1__Arg *args[2] = {&a_in, &a_f};
+  uint64_t result = 0;
+  Meshd__V1__Call call = MESHD__V1__CALL__INIT;
+  call.op = "add";
+  call.n_args = 2;
+  call.args = args;
+  call.n_results = 1;
+  call.results = &result;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
+  cmd.call = &call;
+
+  size_t cap = r->drop_batch > 0 ? (size_t)r->drop_batch : 1;
+  uint64_t *pending = malloc(cap * sizeof *pending);
+  size_t npending = 0;
+  Meshd__V1__Drop drop = MESHD__V1__DROP__INIT;
+  drop.refs = pending;
+  Meshd__V1__Command dcmd = MESHD__V1__COMMAND__INIT;
+  dcmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
+  dcmd.drop = &drop;
+  if (!pending) {
+    r->write_err = 1;
+    atomic_store(&r->stop, true);
+  }
+
+  while (!atomic_load(&r->stop)) {
+    if (r->max_calls && r->calls_written >= r->max_calls) break;
+    if (r->deadline_ns && (r->calls_written & 1023) == 0 && bench_now_ns() > r->deadline_ns) break;
+    cmd.seq = r->seq++;
+    result = r->ref++;
+    if (rpc_stream_write(r->s, &cmd.base, false) != 0) {
+      r->write_err = 1;
+      goto out;
+    }
+    r->calls_written++;
+    if (r->drop_batch > 0) {
+      pending[npending++] = result;
+      if (npending == cap) {
+        dcmd.seq = r->seq++;
+        drop.n_refs = npending;
+        if (rpc_stream_write(r->s, &dcmd.base, false) != 0) {
+          r->write_err = 1;
+          goto out;
+        }
+        r->drops_written++;
+        npending = 0;
+      }
+    }
+  }
+  r->stop_ns = bench_now_ns();
+  r->written_at_stop = r->calls_written + r->drops_written;
+  if (npending) {
+    dcmd.seq = r->seq++;
+    drop.n_refs = npending;
+    if (rpc_stream_write(r->s, &dcmd.base, false) != 0) {
+      r->write_err = 1;
+      goto out;
+    }
+    r->drops_written++;
+  }
+  Meshd__V1__Sync sy = MESHD__V1__SYNC__INIT;
+  Meshd__V1__Command scmd = MESHD__V1__COMMAND__INIT;
+  scmd.seq = r->seq++;
+  scmd.kind_case = MESHD__V1__COMMAND__KIND_SYNC;
+  scmd.sync = &sy;
+  atomic_store(&r->sync_seq, scmd.seq);
+  r->sync_sent_ns = bench_now_ns();
+  if (rpc_stream_write(r->s, &scmd.base, true) != 0) r->write_err = 1;
+out:
+  free(pending);
+  return NULL;
+}
+
+static const char *kind_name(int kind) {
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&meshd__v1__error_kind__descriptor, kind);
+  return v ? v->name : "?";
+}
+
+static void *reader(void *p) {
+  run_t *r = p;
+  int64_t next_progress = bench_now_ns() + 5 * 1000000000LL;
+  for (;;) {
+    ProtobufCMessage *m = NULL;
+    int rc = rpc_stream_read(r->s, &meshd__v1__submit_reply__descriptor, &m, READ_TIMEOUT_MS);
+    if (rc != 1) {
+      r->read_end = rc;
+      if (rc == -2) {
+        fprintf(stderr,
+                "bench_commands: STALL: no reply for %d ms; %llu calls and %llu drops written, "
+                "%llu replies read, sync %s\n",
+                READ_TIMEOUT_MS, (unsigned long long)r->calls_written,
+                (unsigned long long)r->drops_written, (unsigned long long)r->replies,
+                atomic_load(&r->sync_seq) ? "sent" : "not sent");
+        rpc_stream_cancel(r->s);
+      }
+      atomic_store(&r->stop, true);
+      return NULL;
+    }
+    Meshd__V1__SubmitReply *rep = (Meshd__V1__SubmitReply *)m;
+    const Meshd__V1__CommandResult *res = rep->result;
+    r->replies++;
+    if (res && res->n_tensors > 0) r->call_replies++;
+    if (!res || res->error) {
+      if (r->errors++ == 0)
+        snprintf(r->first_error, sizeof r->first_error, "seq %llu: %s: %s",
+                 res ? (unsigned long long)res->seq : 0ULL,
+                 res && res->error ? kind_name(res->error->kind) : "no result",
+                 res && res->error ? res->error->message : "");
+      atomic_store(&r->stop, true);
+    }
+    uint64_t sseq = atomic_load(&r->sync_seq);
+    if (res && sseq && res->seq == sseq) {
+      r->sync_ns = bench_now_ns();
+      r->sync_ok = res->error == NULL;
+      r->srv_cpu_sync = proc_cpu_us(r->server);
+      r->ag_cpu_sync = agents_cpu_us(r->agents, r->nagents);
+    }
+    protobuf_c_message_free_unpacked(m, NULL);
+    int64_t now = bench_now_ns();
+    if (r->measure_ns) {
+      if (!r->t0 && now >= r->warm_end_ns) {
+        r->t0 = now;
+        r->n0 = r->replies;
+        r->c0 = r->call_replies;
+        r->srv_cpu0 = proc_cpu_us(r->server);
+        r->ag_cpu0 = agents_cpu_us(r->agents, r->nagents);
+        r->self_cpu0 = self_cpu_us();
+        r->rss0 = proc_status_bytes(r->server, "VmRSS");
+      } else if (r->t0 && !r->t1 && now >= r->t0 + r->measure_ns) {
+        r->t1 = now;
+        r->n1 = r->replies;
+        r->c1 = r->call_replies;
+        r->srv_cpu1 = proc_cpu_us(r->server);
+        r->ag_cpu1 = agents_cpu_us(r->agents, r->nagents);
+        r->self_cpu1 = self_cpu_us();
+        r->rss1 = proc_status_bytes(r->server, "VmRSS");
+        atomic_store(&r->stop, true);
+      }
+    } else if (now >= next_progress) {
+      fprintf(stderr, "  ... %llu replies\n", (unsigned long long)r->replies);
+      next_progress = now + 5 * 1000000000LL;
+    }
+  }
+}
+
+/* Runs writer + reader to the end of the stream; returns 0 if all went well. */
+static int run_pipeline(run_t *r) {
+  pthread_t w, rd;
+  if (pthread_create(&rd, NULL, reader, r) != 0) return -1;
+  if (pthread_create(&w, NULL, writer, r) != 0) {
+    rpc_stream_cancel(r->s);
+    pthread_join(rd, NULL);
+    return -1;
+  }
+  pthread_join(w, NULL);
+  pthread_join(rd, NULL);
+  rpc_status_t st = {0};
+  grpc_status_code code = rpc_stream_finish(r->s, &st);
+  int rc = 0;
+  if (code != GRPC_STATUS_OK || r->write_err || r->read_end != 0 || r->errors || !r->sync_ok) {
+    fprintf(stderr,
+            "bench_commands: Submit failed: stream status %d (%s) [%s], write_err %d, read_end %d, "
+            "%llu error replies (first: %s), sync %s; %llu calls + %llu drops written, %llu "
+            "replies\n",
+            code, st.message, st.kind, r->write_err, r->read_end, (unsigned long long)r->errors,
+            r->first_error, r->sync_ok ? "answered" : "NOT answered",
+            (unsigned long long)r->calls_written, (unsigned long long)r->drops_written,
+            (unsigned long long)r->replies);
+    rc = -1;
+  }
+  return rc;
+}
+
+/* ------------------------------------------------------------------ cases */
+
+typedef struct {
+  double seconds, warmup;
+  int drop_batch;
+  uint64_t live_tensors;
+  double memory_seconds;
+} opts_t;
+
+static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
+  server_t srv;
+  if (server_start(&srv, nagents) != 0) return -1;
+  fprintf(stderr, "bench_commands: meshd %d on %s with %d agent(s)\n", (int)srv.pid, srv.target,
+          nagents);
+  client_t c;
+  run_t r = {0};
+  int rc = client_open(&c, srv.target);
+  if (rc == 0) rc = setup_session(&c, nagents, &r.seq);
+  if (rc == 0) {
+    r.s = c.st;
+    r.server = srv.pid;
+    r.agents = srv.agents;
+    r.nagents = srv.nagents;
+    r.ref = INPUT_REF + 1;
+    r.drop_batch = o->drop_batch;
+    r.warm_end_ns = bench_now_ns() + (int64_t)(o->warmup * 1e9);
+    r.measure_ns = (int64_t)(o->seconds * 1e9);
+    rc = run_pipeline(&r);
+    if (!r.t1) rc = -1;
+  }
+  int64_t rss_end = proc_status_bytes(srv.pid, "VmRSS");
+  int64_t hwm = proc_status_bytes(srv.pid, "VmHWM");
+  pid_t agents_end[MAX_AGENTS];
+  int nagents_end = proc_children(srv.pid, agents_end, MAX_AGENTS);
+  int restarted = 0;
+  for (int i = 0; i < nagents_end; i++) {
+    bool known = false;
+    for (int k = 0; k < srv.nagents; k++) known |= agents_end[i] == srv.agents[k];
+    restarted += !known;
+  }
+  client_close(&c);
+  server_stop(&srv);
+  int warns, errors;
+  log_scan(&srv, &warns, &errors);
+  if (srv.exit_status != 0 || srv.agents_left || restarted || nagents_end != nagents) rc = -1;
+
+  double secs = r.t1 > r.t0 ? (double)(r.t1 - r.t0) / 1e9 : NAN;
+  double cmds = (double)(r.n1 - r.n0), calls = (double)(r.c1 - r.c0);
+  double cps = cmds / secs;
+  /* Everything from t0 to the Sync's answer: includes the drain of queued work. */
+  double cmds_to_end = (double)(r.replies - r.n0);
+  bench_json_t j;
+  bench_json_begin(&j, "commands");
+  bench_json_num(&j, "agents", nagents);
+  bench_json_num(&j, "seconds", secs);
+  bench_json_num(&j, "commands_per_s", cps);
+  bench_json_num(&j, "calls_per_s", calls / secs);
+  bench_json_num(&j, "baseline_bidi_msgs_per_s", baseline_bidi);
+  json_numf(&j, "ratio_to_bidi", cps / baseline_bidi, 3);
+  json_numf(&j, "server_cpu_us_per_command", (double)(r.srv_cpu1 - r.srv_cpu0) / cmds, 2);
+  json_numf(&j, "server_cpu_us_per_command_to_sync",
+            r.srv_cpu_sync > 0 ? (double)(r.srv_cpu_sync - r.srv_cpu0) / cmds_to_end : NAN, 2);
+  json_numf(&j, "agents_cpu_us_per_command", (double)(r.ag_cpu1 - r.ag_cpu0) / cmds, 2);
+  json_numf(&j, "client_cpu_us_per_command", (double)(r.self_cpu1 - r.self_cpu0) / cmds, 2);
+  json_numf(&j, "server_cpu_util", (double)(r.srv_cpu1 - r.srv_cpu0) / (secs * 1e6), 3);
+  json_numf(&j, "agents_cpu_util", (double)(r.ag_cpu1 - r.ag_cpu0) / (secs * 1e6), 3);
+  json_numf(&j, "sync_wait_ms",
+            r.sync_ns ? (double)(r.sync_ns - r.sync_sent_ns) / 1e6 : NAN, 1);
+  /* Written but not yet answered when the window closed: commands buffered in
+   * the client's and server's transport, which the Sync waits behind. */
+  bench_json_num(&j, "in_flight_at_stop", (double)r.written_at_stop - (double)r.n1);
+  bench_json_num(&j, "drop_batch", o->drop_batch);
+  bench_json_num(&j, "calls_total", (double)r.calls_written);
+  bench_json_num(&j, "drops_total", (double)r.drops_written);
+  bench_json_num(&j, "replies_total", (double)r.replies);
+  bench_json_num(&j, "error_replies", (double)r.errors);
+  json_numf(&j, "server_rss_growth_bytes_per_command",
+            r.rss1 > 0 && r.rss0 > 0 ? (double)(r.rss1 - r.rss0) / cmds : NAN, 1);
+  bench_json_num(&j, "server_rss_start_bytes", (double)r.rss0);
+  bench_json_num(&j, "server_rss_end_bytes", (double)rss_end);
+  bench_json_num(&j, "server_rss_peak_bytes", (double)hwm);
+  bench_json_num(&j, "agents_restarted", restarted);
+  bench_json_num(&j, "server_exit", srv.exit_status);
+  bench_json_num(&j, "agents_left", srv.agents_left);
+  bench_json_num(&j, "log_warn_lines", warns);
+  bench_json_num(&j, "log_error_lines", errors);
+  bench_json_str(&j, "status", rc == 0 ? "ok" : "failed");
+  bench_json_end(&j, stdout);
+  server_cleanup(&srv, rc != 0 || warns || errors);
+  return rc;
+}
+
+static int memory_case(const opts_t *o) {
+  server_t srv;
+  if (server_start(&srv, 1) != 0) return -1;
+  fprintf(stderr, "bench_commands: memory: meshd %d on %s, %llu live refs\n", (int)srv.pid,
+          srv.target, (unsigned long long)o->live_tensors);
+  client_t c;
+  run_t r = {0};
+  int64_t rss0 = -1, rss1 = -1, arss0 = -1, arss1 = -1, t0 = 0, t1 = 0;
+  int rc = client_open(&c, srv.target);
+  if (rc == 0) rc = setup_session(&c, 1, &r.seq);
+  if (rc == 0) {
+    usleep(200000); /* let the setup's transient allocations settle */
+    rss0 = proc_status_bytes(srv.pid, "VmRSS");
+    arss0 = agents_rss(srv.agents, srv.nagents);
+    r.s = c.st;
+    r.server = srv.pid;
+    r.agents = srv.agents;
+    r.nagents = srv.nagents;
+    r.ref = INPUT_REF + 1;
+    r.drop_batch = 0;
+    r.max_calls = o->live_tensors;
+    t0 = bench_now_ns();
+    r.deadline_ns = t0 + (int64_t)(o->memory_seconds * 1e9);
+    rc = run_pipeline(&r);
+    t1 = bench_now_ns();
+    rss1 = proc_status_bytes(srv.pid, "VmRSS");
+    arss1 = agents_rss(srv.agents, srv.nagents);
+  }
+  int64_t hwm = proc_status_bytes(srv.pid, "VmHWM");
+  client_close(&c);
+  server_stop(&srv);
+  int warns, errors;
+  log_scan(&srv, &warns, &errors);
+  if (srv.exit_status != 0 || srv.agents_left) rc = -1;
+  double live = (double)r.call_replies;
+  bench_json_t j;
+  bench_json_begin(&j, "memory");
+  bench_json_num(&j, "agents", 1);
+  bench_json_num(&j, "live_tensors", live);
+  bench_json_num(&j, "live_tensors_requested", (double)o->live_tensors);
+  json_numf(&j, "rss_bytes_per_tensor", rss1 > 0 && rss0 > 0 ? (double)(rss1 - rss0) / live : NAN,
+            1);
+  json_numf(&j, "agents_rss_bytes_per_tensor",
+            arss1 > 0 && arss0 > 0 ? (double)(arss1 - arss0) / live : NAN, 1);
+  bench_json_num(&j, "server_rss_before_bytes", (double)rss0);
+  bench_json_num(&j, "server_rss_after_bytes", (double)rss1);
+  bench_json_num(&j, "server_rss_peak_bytes", (double)hwm);
+  bench_json_num(&j, "seconds", (double)(t1 - t0) / 1e9);
+  bench_json_num(&j, "calls_per_s", live / ((double)(t1 - t0) / 1e9));
+  bench_json_num(&j, "error_replies", (double)r.errors);
+  bench_json_num(&j, "server_exit", srv.exit_status);
+  bench_json_num(&j, "agents_left", srv.agents_left);
+  bench_json_num(&j, "log_warn_lines", warns);
+  bench_json_num(&j, "log_error_lines", errors);
+  bench_json_str(&j, "status", rc == 0 ? "ok" : "failed");
+  bench_json_end(&j, stdout);
+  server_cleanup(&srv, rc != 0 || warns || errors);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ main */
+
+int main(int argc, char **argv) {
+  opts_t o = {.seconds = 2, .warmup = 0.5, .drop_batch = 256, .live_tensors = 1000000,
+              .memory_seconds = 90};
+  int agent_counts[8] = {1, 4}, ncounts = 2;
+  bool skip_baseline = false;
+  for (int i = 1; i < argc; i++) {
+    const char *v;
+    if ((v = bench_arg(argc, argv, &i, "--seconds"))) {
+      o.seconds = atof(v);
+    } else if ((v = bench_arg(argc, argv, &i, "--warmup"))) {
+      o.warmup = atof(v);
+    } else if ((v = bench_arg(argc, argv, &i, "--drop-batch"))) {
+      o.drop_batch = atoi(v);
+    } else if ((v = bench_arg(argc, argv, &i, "--live-tensors"))) {
+      o.live_tensors = strtoull(v, NULL, 10);
+    } else if ((v = bench_arg(argc, argv, &i, "--memory-seconds"))) {
+      o.memory_seconds = atof(v);
+    } else if ((v = bench_arg(argc, argv, &i, "--agents"))) {
+      ncounts = 0;
+      char buf[128];
+      snprintf(buf, sizeof buf, "%s", v);
+      for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && ncounts < 8;
+           t = strtok_r(NULL, ",", &save)) {
+        agent_counts[ncounts] = atoi(t);
+        if (agent_counts[ncounts] < 1 || agent_counts[ncounts] > MAX_AGENTS) usage();
+        ncounts++;
+      }
+    } else if (strcmp(argv[i], "--skip-baseline") == 0) {
+      skip_baseline = true;
+    } else {
+      usage();
+    }
+  }
+  if (o.seconds <= 0 || o.warmup < 0 || o.drop_batch < 0 || o.memory_seconds <= 0) usage();
+  clk_tck = sysconf(_SC_CLK_TCK);
+  if (clk_tck <= 0) clk_tck = 100;
+  find_bin_dir(argv[0]);
+  signal(SIGPIPE, SIG_IGN);
+
+  /* The baseline's echo server is forked before rpc_init (gRPC does not
+   * survive a fork); meshd children are fork + exec, which is fine later. */
+  char err[256] = "";
+  bench_echo_child_t echo = {0};
+  if (!skip_baseline && bench_echo_fork(2, &echo, err, sizeof err) != 0) {
+    fprintf(stderr, "bench_commands: %s\n", err);
+    return 1;
+  }
+  rpc_init();
+  int rc = 0;
+  rpc_baseline_t base = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
+  if (!skip_baseline) {
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", echo.port);
+    rpc_baseline_opts_t bo = {.seconds = o.seconds, .warmup_seconds = o.warmup};
+    fprintf(stderr, "bench_commands: rpc baseline against the echo server %s\n", target);
+    if (rpc_baseline_measure(target, &bo, &base) != 0) rc = 1;
+    if (bench_echo_child_stop(&echo) != 0) rc = 1;
+    bench_json_t j;
+    bench_json_begin(&j, "rpc");
+    rpc_baseline_json(&j, &base);
+    bench_json_end(&j, stdout);
+  }
+  for (int i = 0; i < ncounts; i++)
+    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s) != 0) rc = 1;
+  if (o.live_tensors > 0 && memory_case(&o) != 0) rc = 1;
+  rpc_shutdown();
+  return rc;
+}
