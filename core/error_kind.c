@@ -35,13 +35,13 @@ int error_set(meshd_error_t *e, error_kind_t kind, const char *fmt, ...) {
   return -1;
 }
 
-void error_prefix(meshd_error_t *e, const char *prefix) {
-  size_t p = strlen(prefix) + 2, n = strlen(e->msg), cap = sizeof e->msg - 1;
+void error_prefix(meshd_error_t *e, const char *prefix, const char *sep) {
+  size_t lp = strlen(prefix), ls = strlen(sep), p = lp + ls;
+  size_t n = strlen(e->msg), cap = sizeof e->msg - 1;
   if (p >= cap) return;
   if (n > cap - p) n = cap - p;
   memmove(e->msg + p, e->msg, n);
   e->msg[p + n] = '\0';
-  memcpy(e->msg, prefix, p - 2);
-  e->msg[p - 2] = ':';
-  e->msg[p - 1] = ' ';
+  memcpy(e->msg, prefix, lp);
+  memcpy(e->msg + lp, sep, ls);
 }

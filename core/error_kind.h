@@ -49,7 +49,8 @@ grpc_status_code error_kind_code(error_kind_t k);
 int error_set(meshd_error_t *e, error_kind_t kind, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Puts "PREFIX: " before e's message (truncating the end if need be). */
-void error_prefix(meshd_error_t *e, const char *prefix);
+/* Puts PREFIX and SEP before e's message (truncating the end if need be):
+ * error_prefix(e, "Call", " ") turns "add: ..." into "Call add: ...". */
+void error_prefix(meshd_error_t *e, const char *prefix, const char *sep);
 
 #endif

@@ -9,7 +9,10 @@ obj_t *check_tensor(objects_t *o, const char *cmd, const char *what, uint64_t re
   char where[160];
   snprintf(where, sizeof where, "%s: %s", cmd, what);
   const tombstone_t *g = objects_get(o, ref) ? NULL : objects_dropped(o, ref);
-  if (g && g->borrow) {
+  /* A handle the client dropped itself (Drop) also has g->borrow: blame the
+   * borrow only if dropping it is what dropped the handle. */
+  const obj_t *b = g && g->borrow ? objects_get(o, g->borrow) : NULL;
+  if (b && b->kind == OBJ_BORROW && b->borrow.dropped && b->borrow.drop_seq == g->seq) {
     error_set(e, ERR_DROPPED,
               "%s (tensor %llu) was dropped at command seq %llu, when its borrow %llu was dropped; "
               "borrow the tensor again to use it on this stream",

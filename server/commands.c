@@ -119,7 +119,7 @@ static int add_mesh(cmd_out_t *out, const mesh_t *mesh) {
 static int check_new_refs(session_t *s, const char *cmd, const uint64_t *refs, size_t n,
                           meshd_error_t *e) {
   if (session_check_refs(s, refs, n, e) == 0) return 0;
-  error_prefix(e, cmd);
+  error_prefix(e, cmd, ": ");
   return -1;
 }
 
@@ -196,7 +196,8 @@ static int mesh_slice_proto(const mesh_t *parent, uint64_t ref, Meshd__V1__MeshS
     } else if (x->sel_case == MESHD__V1__MESH_SELECTOR__SEL_RANGE) {
       ms[i].is_range = true;
       ms[i].start = x->range->start;
-      ms[i].stop = x->range->has_stop ? x->range->stop : INT64_MAX;
+      ms[i].stop = x->range->stop;
+      ms[i].has_stop = x->range->has_stop;
       ms[i].step = x->range->step;
     } else {
       return error_set(e, ERR_BAD_ARGUMENT, "%s: the selector for dim '%s' has neither an index nor a range",
@@ -204,7 +205,7 @@ static int mesh_slice_proto(const mesh_t *parent, uint64_t ref, Meshd__V1__MeshS
     }
   }
   if (mesh_slice(parent, ref, ms, n, out, e)) {
-    if (strncmp(e->msg, cmd, strlen(cmd)) != 0) error_prefix(e, cmd); /* mesh.c names SliceMesh */
+    if (strncmp(e->msg, cmd, strlen(cmd)) != 0) error_prefix(e, cmd, ": "); /* mesh.c names SliceMesh */
     return -1;
   }
   return 0;
@@ -320,7 +321,10 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   }
   op_args_t args;
   op_infer_t inf;
-  if (ops_bind(op, pos, npos, kw, nkw, &args, e) || ops_infer(&args, &inf, e)) return -1;
+  if (ops_bind(op, pos, npos, kw, nkw, &args, e) || ops_infer(&args, &inf, e)) {
+    error_prefix(e, "Factory", " "); /* "zeros: ..." -> "Factory zeros: ..." */
+    return -1;
+  }
   uint64_t ranks = (uint64_t)mesh_len(mesh);
   if (check_quota(s, o, "Factory", meta_bytes(&inf.results[0].meta) * ranks, e)) return -1;
   obj_t *t = objects_new_tensor(o, f->ref, &inf.results[0].meta, mesh->ref, f->stream, ranks);
@@ -461,9 +465,11 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   int rc = -1;
   op_args_t args;
   op_infer_t inf;
-  if (resolve_call_args(o, cmd, op, call, ca, e) || ops_bind(op, ca->pos, ca->npos, ca->kw, ca->nkw, &args, e) ||
-      ops_infer(&args, &inf, e))
+  if (resolve_call_args(o, cmd, op, call, ca, e)) goto out;
+  if (ops_bind(op, ca->pos, ca->npos, ca->kw, ca->nkw, &args, e) || ops_infer(&args, &inf, e)) {
+    error_prefix(e, "Call", " "); /* "add: ..." -> "Call add: ..." */
     goto out;
+  }
   if (ca->ntensors == 0) {
     error_set(e, ERR_BAD_ARGUMENT, "%s: needs at least one tensor argument (it runs on their mesh)",
               cmd);
@@ -721,7 +727,16 @@ static int cmd_borrow(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
 static int cmd_drop_borrow(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                            cmd_out_t *out, meshd_error_t *e) {
   obj_t *b = objects_expect(o, c->drop_borrow->borrow, OBJ_BORROW, "DropBorrow: borrow", e);
-  if (!b || borrow_drop(o, b, out->res.seq, e)) return -1;
+  if (!b) return -1;
+  /* Its handle borrowed in turn: dropping it would leave that borrow's origin gone. */
+  const obj_t *h = b->borrow.dropped ? NULL : objects_get(o, b->borrow.result);
+  if (h && (h->tensor.storage->read_borrows || h->tensor.storage->mutable_borrow))
+    return error_set(e, ERR_BORROWED,
+                     "DropBorrow: borrow %llu's tensor %llu (or a view of it) is borrowed in turn "
+                     "(borrow %llu); drop that borrow first", (unsigned long long)b->ref,
+                     (unsigned long long)h->ref,
+                     (unsigned long long)borrow_holder(o, h->tensor.storage));
+  if (borrow_drop(o, b, out->res.seq, e)) return -1;
   emit_borrow(fe, s, o, b, objects_get(o, b->borrow.origin), objects_get(o, b->borrow.result), true);
   return 0;
 }

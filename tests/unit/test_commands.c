@@ -1,0 +1,1315 @@
+/* server/commands: command_run end to end, in process, without agents.
+ *
+ * The pool holds 8 registered agents marked healthy but with no Execute link,
+ * so CreateMesh accepts meshes over ranks 0..7 and every instruction the
+ * handlers emit fails to send (logged, ignored): only the server-side checks
+ * and metadata are under test. Criterion forks per test. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "commands.h"
+#include "log.h"
+#include "rpc.h"
+
+typedef Meshd__V1__Arg arg_t;
+typedef Meshd__V1__Kwarg kwarg_t;
+typedef Meshd__V1__MeshSelector sel_t;
+typedef Meshd__V1__TensorMeta tmeta_t;
+
+static agent_pool_t *pool;
+static frontend_t fe;
+static session_table_t *table;
+static session_t *sess;
+static objects_t *objs;
+static cmd_out_t out;
+static meshd_error_t err;
+static uint64_t last_seq = 100;
+
+/* Messages built by the helpers below, freed after each test. */
+static void *arena[1024];
+static size_t narena;
+
+static void *keep(size_t size) {
+  cr_assert_lt(narena, sizeof arena / sizeof *arena, "test arena full");
+  void *p = calloc(1, size);
+  cr_assert_not_null(p);
+  return arena[narena++] = p;
+}
+
+/* World: meshes ROOT {host: 2, gpu: 4} (ranks 0..7) and SUB = ROOT[host=1]
+ * {gpu: 4} (ranks 4..7), stream SIDE "side". Tests use refs from 10 on. */
+#define ROOT 1
+#define SUB 2
+#define SIDE 3
+
+static void destroy_objects(void *p) { objects_destroy(p); }
+
+static void open_session(uint64_t quota) {
+  if (sess) session_release(sess);
+  cr_assert_eq(session_create(table, "unit", 0, quota, &sess, &err), 0, "%s", err.msg);
+  objs = objects_create();
+  cr_assert_not_null(objs);
+  pthread_mutex_lock(&sess->mu);
+  session_set_objects(sess, objs, destroy_objects);
+  pthread_mutex_unlock(&sess->mu);
+}
+
+static int run(Meshd__V1__Command *c) {
+  cmd_out_free(&out);
+  c->seq = ++last_seq;
+  cmd_out_init(&out, c->seq);
+  memset(&err, 0, sizeof err);
+  return command_run(&fe, sess, objs, c, &out, &err);
+}
+
+static void ok(int rc) {
+  cr_assert_eq(rc, 0, "rejected: %s: %s", error_kind_name(err.kind), err.msg);
+  cr_assert_null(out.res.error);
+  cr_assert_eq(out.res.seq, last_seq);
+}
+
+/* rc is a rejection of `kind` whose message holds every needle (NULL-ended). */
+static void expect_reject(int rc, error_kind_t kind, ...) {
+  cr_assert_eq(rc, -1, "accepted, but %s was expected", error_kind_name(kind));
+  cr_assert_eq(err.kind, kind, "kind %s, want %s: %s", error_kind_name(err.kind),
+               error_kind_name(kind), err.msg);
+  va_list ap;
+  va_start(ap, kind);
+  for (const char *n; (n = va_arg(ap, const char *));)
+    cr_assert(strstr(err.msg, n), "message '%s' lacks '%s'", err.msg, n);
+  va_end(ap);
+}
+#define REJECT(rc, kind, ...) expect_reject(rc, kind, __VA_ARGS__, (const char *)NULL)
+
+/* ------------------------------------------------------------------ builders */
+
+#define NAMES(...) ((const char *const[]){__VA_ARGS__})
+#define I64(...) ((const int64_t[]){__VA_ARGS__})
+#define COUNT(T, ...) (sizeof((T[]){__VA_ARGS__}) / sizeof(T))
+
+static int create_mesh(uint64_t ref, const char *const *names, const int64_t *sizes, size_t n) {
+  Meshd__V1__CreateMesh m = MESHD__V1__CREATE_MESH__INIT;
+  Meshd__V1__Dim dims[8], *dimp[8];
+  for (size_t i = 0; i < n; i++) {
+    meshd__v1__dim__init(&dims[i]);
+    dims[i].name = (char *)names[i];
+    dims[i].size = sizes[i];
+    dimp[i] = &dims[i];
+  }
+  m.ref = ref;
+  m.n_dims = n;
+  m.dims = dimp;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_CREATE_MESH;
+  c.create_mesh = &m;
+  return run(&c);
+}
+
+static sel_t *sel_index(const char *dim, int64_t i) {
+  sel_t *s = keep(sizeof *s);
+  meshd__v1__mesh_selector__init(s);
+  s->dim = (char *)dim;
+  s->sel_case = MESHD__V1__MESH_SELECTOR__SEL_INDEX;
+  s->index = i;
+  return s;
+}
+
+static sel_t *sel_range(const char *dim, int64_t start, int64_t stop) {
+  sel_t *s = keep(sizeof *s);
+  meshd__v1__mesh_selector__init(s);
+  Meshd__V1__Range *r = keep(sizeof *r);
+  meshd__v1__range__init(r);
+  r->start = start;
+  r->stop = stop;
+  r->has_stop = true;
+  s->dim = (char *)dim;
+  s->sel_case = MESHD__V1__MESH_SELECTOR__SEL_RANGE;
+  s->range = r;
+  return s;
+}
+
+static int slice_mesh(uint64_t ref, uint64_t parent, sel_t **sel, size_t n) {
+  Meshd__V1__SliceMesh m = MESHD__V1__SLICE_MESH__INIT;
+  m.ref = ref;
+  m.parent = parent;
+  m.n_selectors = n;
+  m.selectors = sel;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_SLICE_MESH;
+  c.slice_mesh = &m;
+  return run(&c);
+}
+#define SELS(...) (sel_t *[]){__VA_ARGS__}, COUNT(sel_t *, __VA_ARGS__)
+
+static int create_stream(uint64_t ref, const char *name) {
+  Meshd__V1__CreateStream m = MESHD__V1__CREATE_STREAM__INIT;
+  m.ref = ref;
+  m.name = (char *)name;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_CREATE_STREAM;
+  c.create_stream = &m;
+  return run(&c);
+}
+
+typedef struct fac {
+  uint64_t ref, mesh, stream;
+  const char *kind;
+  const int64_t *shape;
+  size_t nshape;
+  int dtype;
+  double value, start, end, step;
+  const char *dim;
+  bool has_seed;
+  uint64_t seed;
+} fac_t;
+
+static int factory(fac_t f) {
+  Meshd__V1__Factory m = MESHD__V1__FACTORY__INIT;
+  m.ref = f.ref;
+  m.mesh = f.mesh;
+  m.stream = f.stream;
+  m.kind = (char *)(f.kind ? f.kind : "zeros");
+  m.shape = (int64_t *)f.shape;
+  m.n_shape = f.nshape;
+  m.dtype = (Meshd__V1__DType)f.dtype;
+  m.value = f.value;
+  m.start = f.start;
+  m.end = f.end;
+  m.step = f.step;
+  m.has_seed = f.has_seed;
+  m.seed = f.seed;
+  if (f.dim) m.dim = (char *)f.dim;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_FACTORY;
+  c.factory = &m;
+  return run(&c);
+}
+#define FACTORY(...) factory((fac_t){__VA_ARGS__})
+#define SHAPE(...) .shape = I64(__VA_ARGS__), .nshape = COUNT(int64_t, __VA_ARGS__)
+
+/* zeros of `shape` (float32 unless dtype) on ROOT/main, which must be accepted. */
+static void zeros(uint64_t ref, uint64_t mesh, uint64_t stream, int dtype, const int64_t *shape,
+                  size_t n) {
+  ok(factory((fac_t){.ref = ref, .mesh = mesh, .stream = stream, .dtype = dtype, .shape = shape,
+                     .nshape = n}));
+}
+#define ZEROS(ref, ...) zeros(ref, ROOT, STREAM_MAIN, 0, I64(__VA_ARGS__), COUNT(int64_t, __VA_ARGS__))
+
+static arg_t *new_arg(Meshd__V1__Arg__ValueCase k) {
+  arg_t *a = keep(sizeof *a);
+  meshd__v1__arg__init(a);
+  a->value_case = k;
+  return a;
+}
+static arg_t *aref(uint64_t r) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_REF);
+  a->ref = r;
+  return a;
+}
+static arg_t *aint(int64_t i) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_I);
+  a->i = i;
+  return a;
+}
+static arg_t *afloat(double f) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_F);
+  a->f = f;
+  return a;
+}
+static arg_t *abool(bool b) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_B);
+  a->b = b;
+  return a;
+}
+static arg_t *adtype(int d) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_DTYPE);
+  a->dtype = (Meshd__V1__DType)d;
+  return a;
+}
+static arg_t *aints_(const int64_t *v, size_t n) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_INTS);
+  Meshd__V1__IntList *l = keep(sizeof *l);
+  meshd__v1__int_list__init(l);
+  l->values = keep(sizeof(int64_t) * (n ? n : 1));
+  memcpy(l->values, v, sizeof(int64_t) * n);
+  l->n_values = n;
+  a->ints = l;
+  return a;
+}
+#define AINTS(...) aints_(I64(__VA_ARGS__), COUNT(int64_t, __VA_ARGS__))
+static arg_t *arefs_(const uint64_t *v, size_t n) {
+  arg_t *a = new_arg(MESHD__V1__ARG__VALUE_REFS);
+  Meshd__V1__RefList *l = keep(sizeof *l);
+  meshd__v1__ref_list__init(l);
+  l->refs = keep(sizeof(uint64_t) * (n ? n : 1));
+  memcpy(l->refs, v, sizeof(uint64_t) * n);
+  l->n_refs = n;
+  a->refs = l;
+  return a;
+}
+#define AREFS(...) arefs_((const uint64_t[]){__VA_ARGS__}, COUNT(uint64_t, __VA_ARGS__))
+static kwarg_t *kw(const char *name, arg_t *v) {
+  kwarg_t *k = keep(sizeof *k);
+  meshd__v1__kwarg__init(k);
+  k->name = (char *)name;
+  k->value = v;
+  return k;
+}
+
+static int call_full(const char *op, uint64_t stream, arg_t **args, size_t nargs, kwarg_t **kws,
+                     size_t nkw, const uint64_t *results, size_t nres) {
+  Meshd__V1__Call m = MESHD__V1__CALL__INIT;
+  m.op = (char *)op;
+  m.stream = stream;
+  m.args = args;
+  m.n_args = nargs;
+  m.kwargs = kws;
+  m.n_kwargs = nkw;
+  m.results = (uint64_t *)results;
+  m.n_results = nres;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_CALL;
+  c.call = &m;
+  return run(&c);
+}
+#define ARGS(...) (arg_t *[]){__VA_ARGS__}, COUNT(arg_t *, __VA_ARGS__)
+#define KWARGS(...) (kwarg_t *[]){__VA_ARGS__}, COUNT(kwarg_t *, __VA_ARGS__)
+#define NOKW NULL, 0
+#define RES(...) (const uint64_t[]){__VA_ARGS__}, COUNT(uint64_t, __VA_ARGS__)
+#define NORES NULL, 0
+/* CALL(op, stream, ARGS(...), RES(...)) without keywords. */
+#define CALL(op, stream, args, res) call_full(op, stream, args, NOKW, res)
+
+typedef struct red {
+  uint64_t ref, input, out, stream;
+  const char *dims[4];
+  const char *reduction;
+  bool scatter, inplace;
+} red_t;
+
+static int reduce(red_t r) {
+  Meshd__V1__Reduce m = MESHD__V1__REDUCE__INIT;
+  m.ref = r.ref;
+  m.input = r.input;
+  m.out = r.out;
+  m.stream = r.stream;
+  size_t n = 0;
+  while (n < 4 && r.dims[n]) n++;
+  m.dims = (char **)r.dims;
+  m.n_dims = n;
+  m.reduction = (char *)(r.reduction ? r.reduction : "sum");
+  m.scatter = r.scatter;
+  m.inplace = r.inplace;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_REDUCE;
+  c.reduce = &m;
+  return run(&c);
+}
+#define REDUCE(...) reduce((red_t){__VA_ARGS__})
+
+typedef struct tomesh {
+  uint64_t ref, input, dst_mesh, dst_stream;
+  sel_t *sel[4];
+} tomesh_t;
+
+static int to_mesh(tomesh_t t) {
+  Meshd__V1__ToMesh m = MESHD__V1__TO_MESH__INIT;
+  m.ref = t.ref;
+  m.input = t.input;
+  m.dst_mesh = t.dst_mesh;
+  m.dst_stream = t.dst_stream;
+  size_t n = 0;
+  while (n < 4 && t.sel[n]) n++;
+  m.selection = t.sel;
+  m.n_selection = n;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_TO_MESH;
+  c.to_mesh = &m;
+  return run(&c);
+}
+#define TO_MESH(...) to_mesh((tomesh_t){__VA_ARGS__})
+
+static int borrow(uint64_t handle, uint64_t input, uint64_t stream, bool mut, uint64_t bref) {
+  Meshd__V1__Borrow m = MESHD__V1__BORROW__INIT;
+  m.ref = handle;
+  m.input = input;
+  m.stream = stream;
+  m.mutable_ = mut;
+  m.borrow = bref;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_BORROW;
+  c.borrow = &m;
+  return run(&c);
+}
+
+static int drop_borrow(uint64_t bref) {
+  Meshd__V1__DropBorrow m = MESHD__V1__DROP_BORROW__INIT;
+  m.borrow = bref;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_DROP_BORROW;
+  c.drop_borrow = &m;
+  return run(&c);
+}
+
+static int drop_(const uint64_t *refs, size_t n) {
+  Meshd__V1__Drop m = MESHD__V1__DROP__INIT;
+  m.refs = (uint64_t *)refs;
+  m.n_refs = n;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_DROP;
+  c.drop = &m;
+  return run(&c);
+}
+#define DROP(...) drop_((const uint64_t[]){__VA_ARGS__}, COUNT(uint64_t, __VA_ARGS__))
+
+static int sync_(bool has_stream, uint64_t stream) {
+  Meshd__V1__Sync m = MESHD__V1__SYNC__INIT;
+  m.has_stream = has_stream;
+  m.stream = stream;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_SYNC;
+  c.sync = &m;
+  return run(&c);
+}
+
+static int describe(uint64_t ref) {
+  Meshd__V1__Describe m = MESHD__V1__DESCRIBE__INIT;
+  m.ref = ref;
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_DESCRIBE;
+  c.describe = &m;
+  return run(&c);
+}
+
+/* ------------------------------------------------------------------ result checks */
+
+static const tmeta_t *result(size_t i) {
+  cr_assert_gt(out.res.n_tensors, i, "the result has %zu tensors", out.res.n_tensors);
+  return out.res.tensors[i];
+}
+
+static void expect_ints(const int64_t *got, size_t n, const int64_t *want, size_t nwant,
+                        const char *what) {
+  char g[200] = "", w[200] = "";
+  for (size_t i = 0; i < n; i++) snprintf(g + strlen(g), sizeof g - strlen(g), "%lld ", (long long)got[i]);
+  for (size_t i = 0; i < nwant; i++) snprintf(w + strlen(w), sizeof w - strlen(w), "%lld ", (long long)want[i]);
+  cr_assert_str_eq(g, w, "%s: got [%s], want [%s]", what, g, w);
+}
+#define EXPECT_SHAPE(m, ...) expect_ints((m)->shape, (m)->n_shape, I64(__VA_ARGS__), COUNT(int64_t, __VA_ARGS__), "shape")
+#define EXPECT_STRIDES(m, ...) expect_ints((m)->strides, (m)->n_strides, I64(__VA_ARGS__), COUNT(int64_t, __VA_ARGS__), "strides")
+#define EXPECT_SCALAR(m) cr_assert_eq((m)->n_shape, 0, "a 0-dim result, got %zu dims", (m)->n_shape)
+
+static void expect_meta(const tmeta_t *m, uint64_t ref, int dtype, uint64_t mesh, uint64_t stream) {
+  cr_assert_eq(m->ref, ref, "ref %llu, want %llu", (unsigned long long)m->ref, (unsigned long long)ref);
+  cr_assert_eq((int)m->dtype, dtype, "dtype %d, want %d", (int)m->dtype, dtype);
+  cr_assert_eq(m->mesh, mesh, "mesh %llu, want %llu", (unsigned long long)m->mesh, (unsigned long long)mesh);
+  cr_assert_eq(m->stream, stream);
+  cr_assert_eq(m->state, MESHD__V1__TENSOR_STATE__TENSOR_STATE_LIVE);
+  cr_assert_null(m->error);
+}
+
+static void expect_mesh_ranks(const Meshd__V1__MeshMeta *m, const uint32_t *want, size_t n) {
+  cr_assert_eq(m->n_ranks, n, "%zu ranks, want %zu", m->n_ranks, n);
+  for (size_t i = 0; i < n; i++) cr_assert_eq(m->ranks[i], want[i], "rank %zu: %u, want %u", i, m->ranks[i], want[i]);
+}
+#define EXPECT_RANKS(m, ...) expect_mesh_ranks(m, (const uint32_t[]){__VA_ARGS__}, COUNT(uint32_t, __VA_ARGS__))
+
+static void expect_mesh_dims(const Meshd__V1__MeshMeta *m, const char *const *names, const int64_t *sizes,
+                             size_t n) {
+  cr_assert_eq(m->n_dims, n);
+  for (size_t i = 0; i < n; i++) {
+    cr_assert_str_eq(m->dims[i]->name, names[i]);
+    cr_assert_eq(m->dims[i]->size, sizes[i], "dim %s", names[i]);
+  }
+}
+
+static tensor_state_t state_of(uint64_t ref) {
+  obj_t *t = objects_get(objs, ref);
+  cr_assert(t && t->kind == OBJ_TENSOR, "ref %llu is not a tensor (%p kind %d)", (unsigned long long)ref, (void *)t, t ? (int)t->kind : -1);
+  return t->tensor.state;
+}
+
+/* ref was dropped: its record is gone and its tombstone says when. */
+static uint64_t dropped_seq(uint64_t ref) {
+  cr_assert_null(objects_get(objs, ref), "ref %llu still has a record", (unsigned long long)ref);
+  const tombstone_t *g = objects_dropped(objs, ref);
+  cr_assert_not_null(g, "ref %llu has no tombstone", (unsigned long long)ref);
+  return g->seq;
+}
+
+static void expect_described_dropped(uint64_t ref, uint64_t seq) {
+  ok(describe(ref));
+  const tmeta_t *m = result(0);
+  cr_assert_eq(m->ref, ref);
+  cr_assert_eq(m->state, MESHD__V1__TENSOR_STATE__TENSOR_STATE_DROPPED);
+  cr_assert_not_null(m->error);
+  cr_assert_eq((int)m->error->kind, ERR_DROPPED);
+  cr_assert_eq(m->error->seq, seq);
+  cr_assert_eq(m->error->ref, ref);
+  char want[64];
+  snprintf(want, sizeof want, "dropped at command seq %llu", (unsigned long long)seq);
+  cr_assert(strstr(m->error->message, want), "%s", m->error->message);
+}
+
+/* The next ref is still free: a rejected command consumed nothing. */
+static void expect_ref_free(uint64_t ref) {
+  cr_assert_null(objects_get(objs, ref), "ref %llu was defined by a rejected command",
+                 (unsigned long long)ref);
+  meshd_error_t e;
+  cr_assert_eq(session_check_ref(sess, ref, &e), 0, "ref %llu was claimed: %s",
+               (unsigned long long)ref, e.msg);
+}
+
+/* ------------------------------------------------------------------ fixture */
+
+static void setup(void) {
+  log_set_level(LOG_LEVEL_ERROR); /* every send fails: no links */
+  rpc_init();
+  pool = agent_pool_create(NULL);
+  cr_assert_not_null(pool);
+  for (int i = 0; i < 8; i++) {
+    agent_desc_t d = {0};
+    snprintf(d.agent_id, sizeof d.agent_id, "agent-%d", i);
+    snprintf(d.address, sizeof d.address, "127.0.0.1:%d", 1000 + i);
+    snprintf(d.device, sizeof d.device, "cpu");
+    char msg[200];
+    cr_assert_eq(agent_pool_add(pool, &d, i, msg, sizeof msg), i, "%s", msg);
+    agent_pool_set_healthy(pool, (uint32_t)i, d.agent_id, true);
+  }
+  cr_assert_eq(agent_pool_healthy(pool), 8);
+  fe.pool = pool;
+  table = session_table_create(300, 0, NULL, NULL);
+  cr_assert_not_null(table);
+  open_session(0);
+  ok(create_mesh(ROOT, NAMES("host", "gpu"), I64(2, 4), 2));
+  ok(slice_mesh(SUB, ROOT, SELS(sel_index("host", 1))));
+  ok(create_stream(SIDE, "side"));
+}
+
+static void teardown(void) {
+  cmd_out_free(&out);
+  if (sess) session_release(sess);
+  session_table_destroy(table);
+  agent_pool_destroy(pool);
+  rpc_shutdown();
+  for (size_t i = 0; i < narena; i++) free(arena[i]);
+}
+
+TestSuite(commands, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ------------------------------------------------------------------ meshes */
+
+Test(commands, create_mesh_returns_dims_and_ranks) {
+  ok(create_mesh(10, NAMES("dp", "tp"), I64(2, 2), 2));
+  const Meshd__V1__MeshMeta *m = out.res.mesh;
+  cr_assert_not_null(m);
+  cr_assert_eq(m->ref, 10);
+  expect_mesh_dims(m, NAMES("dp", "tp"), I64(2, 2), 2);
+  EXPECT_RANKS(m, 0, 1, 2, 3);
+  cr_assert_eq(out.res.n_tensors, 0);
+  cr_assert_eq(objects_get(objs, 10)->kind, OBJ_MESH);
+  /* Describe of a mesh gives the same */
+  ok(describe(ROOT));
+  expect_mesh_dims(out.res.mesh, NAMES("host", "gpu"), I64(2, 4), 2);
+  EXPECT_RANKS(out.res.mesh, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+Test(commands, create_mesh_rejections) {
+  REJECT(create_mesh(SIDE, NAMES("gpu"), I64(2), 1), ERR_REF_REUSED, "CreateMesh: ref 3 was already used",
+         "the next free ref is 4");
+  REJECT(create_mesh(10, NAMES("a", "a"), I64(2, 2), 2), ERR_BAD_DIM, "CreateMesh: dim 'a' appears twice");
+  expect_ref_free(10);
+  REJECT(create_mesh(10, NAMES("gpu"), I64(16), 1), ERR_BAD_ARGUMENT, "CreateMesh {gpu: 16}",
+         "needs 16 agents (ranks 0..15) but only 8 are healthy");
+  REJECT(create_mesh(10, NAMES("gpu"), I64(0), 1), ERR_BAD_ARGUMENT, "CreateMesh: dim 'gpu' has size 0");
+  REJECT(create_mesh(10, NAMES("gpu"), I64(1), 0), ERR_BAD_ARGUMENT, "CreateMesh needs at least one dim");
+  expect_ref_free(10);
+  ok(create_mesh(10, NAMES("gpu"), I64(8), 1));
+}
+
+Test(commands, create_mesh_without_healthy_agents) {
+  agent_pool_t *empty = agent_pool_create(NULL);
+  frontend_t saved = fe;
+  fe.pool = empty;
+  REJECT(create_mesh(10, NAMES("gpu"), I64(2), 1), ERR_BAD_ARGUMENT,
+         "CreateMesh {gpu: 2} needs 2 agents (ranks 0..1) but none of them is healthy");
+  fe = saved;
+  agent_pool_destroy(empty);
+  expect_ref_free(10);
+}
+
+Test(commands, slice_mesh_index_and_range) {
+  ok(describe(SUB));
+  expect_mesh_dims(out.res.mesh, NAMES("gpu"), I64(4), 1);
+  EXPECT_RANKS(out.res.mesh, 4, 5, 6, 7);
+
+  ok(slice_mesh(10, ROOT, SELS(sel_range("gpu", 1, 3))));
+  cr_assert_eq(out.res.mesh->ref, 10);
+  expect_mesh_dims(out.res.mesh, NAMES("host", "gpu"), I64(2, 2), 2);
+  EXPECT_RANKS(out.res.mesh, 1, 2, 5, 6);
+
+  sel_t *open_end = sel_range("gpu", 2, 0);
+  open_end->range->has_stop = false; /* gpu=2: */
+  ok(slice_mesh(12, ROOT, SELS(open_end)));
+  expect_mesh_dims(out.res.mesh, NAMES("host", "gpu"), I64(2, 2), 2);
+  EXPECT_RANKS(out.res.mesh, 2, 3, 6, 7);
+
+  ok(slice_mesh(13, 10, SELS(sel_index("host", 0), sel_index("gpu", -1))));
+  cr_assert_eq(out.res.mesh->n_dims, 0, "every dim sliced away");
+  EXPECT_RANKS(out.res.mesh, 2);
+}
+
+Test(commands, slice_mesh_rejections) {
+  REJECT(slice_mesh(SUB, ROOT, SELS(sel_index("host", 0))), ERR_REF_REUSED, "SliceMesh: ref 2");
+  REJECT(slice_mesh(10, 0, SELS(sel_index("host", 0))), ERR_BAD_ARGUMENT,
+         "SliceMesh: parent is missing");
+  REJECT(slice_mesh(10, SIDE, SELS(sel_index("host", 0))), ERR_UNKNOWN_REF,
+         "SliceMesh: parent is ref 3, which is a stream, not a mesh");
+  REJECT(slice_mesh(10, 99, SELS(sel_index("host", 0))), ERR_UNKNOWN_REF,
+         "SliceMesh: parent is ref 99, which this session never defined");
+  REJECT(slice_mesh(10, ROOT, SELS(sel_index("rack", 0))), ERR_BAD_DIM, "SliceMesh", "'rack'");
+  REJECT(slice_mesh(10, ROOT, SELS(sel_index("host", 0), sel_index("host", 1))), ERR_BAD_DIM,
+         "SliceMesh", "host");
+  REJECT(slice_mesh(10, ROOT, SELS(sel_index("host", 2))), ERR_BAD_ARGUMENT,
+         "SliceMesh: index 2 is out of range for dim 'host' of size 2");
+  sel_t *none = sel_index("gpu", 0);
+  none->sel_case = MESHD__V1__MESH_SELECTOR__SEL__NOT_SET;
+  REJECT(slice_mesh(10, ROOT, SELS(none)), ERR_BAD_ARGUMENT,
+         "SliceMesh: the selector for dim 'gpu' has neither an index nor a range");
+  expect_ref_free(10);
+}
+
+/* ------------------------------------------------------------------ streams */
+
+Test(commands, create_stream_and_use_it) {
+  ok(create_stream(10, "comm"));
+  cr_assert_eq(out.res.n_tensors, 0);
+  cr_assert_null(out.res.mesh);
+  cr_assert_eq(objects_stream_by_name(objs, "comm"), 10);
+  ok(FACTORY(.ref = 11, .mesh = ROOT, .stream = 10, SHAPE(2)));
+  cr_assert_eq(result(0)->stream, 10);
+}
+
+Test(commands, create_stream_rejections) {
+  REJECT(create_stream(10, ""), ERR_BAD_ARGUMENT, "CreateStream: the name must be 1..63 characters, got 0");
+  char longname[65];
+  memset(longname, 'x', 64);
+  longname[64] = '\0';
+  REJECT(create_stream(10, longname), ERR_BAD_ARGUMENT, "CreateStream", "got 64");
+  REJECT(create_stream(10, "main"), ERR_BAD_ARGUMENT,
+         "CreateStream: this session already has a stream named 'main' (ref 0), the default stream");
+  REJECT(create_stream(10, "side"), ERR_BAD_ARGUMENT,
+         "CreateStream: this session already has a stream named 'side' (ref 3)");
+  cr_assert_null(strstr(err.msg, "default"), "side is not the default stream: %s", err.msg);
+  REJECT(create_stream(SIDE, "other"), ERR_REF_REUSED, "CreateStream: ref 3 was already used");
+  expect_ref_free(10);
+  cr_assert_eq(objects_stream_by_name(objs, "other"), -1);
+}
+
+/* ------------------------------------------------------------------ factories */
+
+Test(commands, factory_kinds_and_result_metadata) {
+  ok(FACTORY(.ref = 10, .mesh = ROOT, SHAPE(2, 3)));
+  const tmeta_t *m = result(0);
+  expect_meta(m, 10, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(m, 2, 3);
+  EXPECT_STRIDES(m, 3, 1);
+  cr_assert_eq(m->storage_offset, 0);
+  cr_assert_eq(objs->bytes, 2 * 3 * 4 * 8, "24 bytes on each of 8 ranks");
+  cr_assert_eq(objs->live_tensors, 1);
+
+  ok(FACTORY(.ref = 11, .mesh = SUB, .stream = SIDE, .kind = "ones", .dtype = DTYPE_INT64, SHAPE(4)));
+  expect_meta(result(0), 11, DTYPE_INT64, SUB, SIDE);
+  EXPECT_SHAPE(result(0), 4);
+  cr_assert_eq(objs->bytes, 192 + 4 * 8 * 4, "the sub-mesh has 4 ranks");
+
+  ok(FACTORY(.ref = 12, .mesh = ROOT, .kind = "full", .value = 7, .dtype = DTYPE_FLOAT64, SHAPE(1, 2, 3)));
+  expect_meta(result(0), 12, DTYPE_FLOAT64, ROOT, STREAM_MAIN);
+  EXPECT_STRIDES(result(0), 6, 3, 1);
+
+  ok(FACTORY(.ref = 13, .mesh = ROOT, .kind = "empty", .dtype = DTYPE_BOOL, SHAPE(0, 5)));
+  EXPECT_SHAPE(result(0), 0, 5);
+  cr_assert_eq((int)result(0)->dtype, DTYPE_BOOL);
+
+  ok(FACTORY(.ref = 14, .mesh = ROOT, .kind = "arange", .start = 0, .end = 10, .step = 2));
+  EXPECT_SHAPE(result(0), 5);
+
+  ok(FACTORY(.ref = 15, .mesh = ROOT, .kind = "rand", .has_seed = true, .seed = 3, SHAPE(3)));
+  expect_meta(result(0), 15, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  ok(FACTORY(.ref = 16, .mesh = ROOT, .kind = "randn", .dtype = DTYPE_FLOAT16, SHAPE(3)));
+  expect_meta(result(0), 16, DTYPE_FLOAT16, ROOT, STREAM_MAIN);
+
+  ok(FACTORY(.ref = 17, .mesh = ROOT, .kind = "rank", .dim = "gpu"));
+  expect_meta(result(0), 17, DTYPE_INT64, ROOT, STREAM_MAIN);
+  EXPECT_SCALAR(result(0));
+
+  ok(FACTORY(.ref = 18, .mesh = ROOT, SHAPE(0)));
+  EXPECT_SHAPE(result(0), 0);
+  ok(FACTORY(.ref = 19, .mesh = ROOT, .kind = "zeros"));
+  EXPECT_SCALAR(result(0));
+  cr_assert_eq(objs->live_tensors, 10);
+}
+
+Test(commands, factory_rejections) {
+  uint64_t bytes = objs->bytes;
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .kind = "eye", SHAPE(2)), ERR_BAD_ARGUMENT,
+         "Factory: unknown kind 'eye'; expected one of empty, zeros");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .dtype = 99, SHAPE(2)), ERR_BAD_ARGUMENT,
+         "Factory: unknown dtype 99");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .dtype = -1, SHAPE(2)), ERR_BAD_ARGUMENT,
+         "Factory: unknown dtype -1");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, SHAPE(2, -3)), ERR_BAD_ARGUMENT,
+         "zeros: argument 'size': negative size -3 at dim 1");
+  REJECT(FACTORY(.ref = 10, .mesh = 0, SHAPE(2)), ERR_BAD_ARGUMENT,
+         "Factory: mesh is missing: name a mesh created with CreateMesh");
+  REJECT(FACTORY(.ref = 10, .mesh = SIDE, SHAPE(2)), ERR_UNKNOWN_REF,
+         "Factory: mesh is ref 3, which is a stream, not a mesh");
+  REJECT(FACTORY(.ref = 10, .mesh = 77, SHAPE(2)), ERR_UNKNOWN_REF,
+         "Factory: mesh is ref 77, which this session never defined");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .stream = 77, SHAPE(2)), ERR_UNKNOWN_REF,
+         "Factory: stream is ref 77, which this session never defined");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .stream = ROOT, SHAPE(2)), ERR_UNKNOWN_REF,
+         "Factory: stream is ref 1, which is a mesh, not a stream");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .kind = "rank", .dim = "rack"), ERR_BAD_DIM,
+         "Factory rank: mesh 1 {host: 2, gpu: 4} has no dim 'rack'");
+  REJECT(FACTORY(.ref = 10, .mesh = SUB, .kind = "rank", .dim = "host"), ERR_BAD_DIM,
+         "Factory rank: mesh 2 {gpu: 4} has no dim 'host'");
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, .kind = "rank"), ERR_BAD_DIM, "Factory rank", "no dim ''");
+  REJECT(FACTORY(.ref = SIDE, .mesh = ROOT, SHAPE(2)), ERR_REF_REUSED, "Factory: ref 3 was already used");
+  REJECT(FACTORY(.ref = 0, .mesh = ROOT, SHAPE(2)), ERR_BAD_ARGUMENT, "Factory: ref 0 is not valid");
+  expect_ref_free(10);
+  cr_assert_eq(objs->bytes, bytes);
+  cr_assert_eq(objs->live_tensors, 0);
+  cr_assert_eq(objs->ntouched, 0, "no rejected command reached an agent");
+}
+
+/* ------------------------------------------------------------------ calls */
+
+Test(commands, call_results_shapes_dtypes_and_views) {
+  ZEROS(10, 2, 3);
+  zeros(11, ROOT, STREAM_MAIN, DTYPE_INT64, I64(3), 1);
+  ok(CALL("add", STREAM_MAIN, ARGS(aref(11), aref(10)), RES(12)));
+  expect_meta(result(0), 12, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 2, 3);
+  EXPECT_STRIDES(result(0), 3, 1);
+  cr_assert_neq(objects_get(objs, 12)->tensor.storage, objects_get(objs, 10)->tensor.storage);
+
+  uint64_t bytes = objs->bytes;
+  ok(CALL("transpose", STREAM_MAIN, ARGS(aref(10), aint(0), aint(1)), RES(13)));
+  expect_meta(result(0), 13, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 3, 2);
+  EXPECT_STRIDES(result(0), 1, 3);
+  cr_assert_eq(objects_get(objs, 13)->tensor.storage, objects_get(objs, 10)->tensor.storage,
+               "a view shares its base's storage");
+  cr_assert_eq(objs->bytes, bytes, "a view needs no bytes");
+
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(10), aint(1), aint(2)), RES(14)));
+  EXPECT_SHAPE(result(0), 2);
+  EXPECT_STRIDES(result(0), 3);
+  cr_assert_eq(result(0)->storage_offset, 2);
+
+  ok(call_full("sum", STREAM_MAIN, ARGS(aref(10)), KWARGS(kw("dim", AINTS(1)), kw("keepdim", abool(true))),
+               RES(15)));
+  EXPECT_SHAPE(result(0), 2, 1);
+
+  ok(CALL("max", STREAM_MAIN, ARGS(aref(10), aint(0)), RES(16, 17)));
+  cr_assert_eq(out.res.n_tensors, 2);
+  expect_meta(result(0), 16, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  expect_meta(result(1), 17, DTYPE_INT64, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(1), 3);
+
+  ok(CALL("matmul", STREAM_MAIN, ARGS(aref(10), aref(13)), RES(18)));
+  EXPECT_SHAPE(result(0), 2, 2);
+
+  ok(CALL("cat", STREAM_MAIN, ARGS(AREFS(10, 12), aint(0)), RES(19)));
+  EXPECT_SHAPE(result(0), 4, 3);
+
+  ok(CALL("to", STREAM_MAIN, ARGS(aref(10), adtype(DTYPE_FLOAT64)), RES(20)));
+  expect_meta(result(0), 20, DTYPE_FLOAT64, ROOT, STREAM_MAIN);
+
+  /* in place without a result ref: the command names no result */
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(10), afloat(1.5)), NORES));
+  cr_assert_eq(out.res.n_tensors, 0);
+  /* in place with a result ref: a new name for self's memory */
+  ok(CALL("mul_", STREAM_MAIN, ARGS(aref(10), aref(12)), RES(21)));
+  expect_meta(result(0), 21, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 2, 3);
+  cr_assert_eq(objects_get(objs, 21)->tensor.storage, objects_get(objs, 10)->tensor.storage);
+
+  /* ops on a sub-mesh and another stream run there */
+  zeros(22, SUB, SIDE, 0, I64(4), 1);
+  ok(CALL("neg", SIDE, ARGS(aref(22)), RES(23)));
+  expect_meta(result(0), 23, DTYPE_FLOAT32, SUB, SIDE);
+}
+
+Test(commands, call_rejections_by_kind) {
+  ZEROS(10, 2, 3);
+  ZEROS(11, 4);
+  zeros(12, SUB, STREAM_MAIN, 0, I64(2, 3), 2);
+  zeros(13, ROOT, SIDE, 0, I64(2, 3), 2);
+  zeros(14, ROOT, STREAM_MAIN, DTYPE_INT32, I64(2, 3), 2);
+  uint64_t bytes = objs->bytes, live = objs->live_tensors;
+
+  REJECT(CALL("frobnicate", STREAM_MAIN, ARGS(aref(10)), RES(20)), ERR_UNKNOWN_OP,
+         "Call: no op named 'frobnicate' in the catalogue");
+  REJECT(CALL("zeros", STREAM_MAIN, ARGS(AINTS(2)), RES(20)), ERR_BAD_ARGUMENT,
+         "Call zeros: factories run on a mesh; send a Factory command");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(10)), RES(14)), ERR_REF_REUSED,
+         "Call add: ref 14 was already used");
+  REJECT(CALL("max", STREAM_MAIN, ARGS(aref(10), aint(0)), RES(21, 20)), ERR_REF_REUSED,
+         "Call max: ref 20 comes after ref 21 in this command");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(99)), RES(20)), ERR_UNKNOWN_REF,
+         "Call add: argument 'other' is ref 99, which this session never defined");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(ROOT), aref(10)), RES(20)), ERR_UNKNOWN_REF,
+         "Call add: argument 'self' is ref 1, which is a mesh, not a tensor");
+  REJECT(CALL("cat", STREAM_MAIN, ARGS(AREFS(10, 98)), RES(20)), ERR_UNKNOWN_REF,
+         "Call cat: argument 'tensors'[1] is ref 98");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(11)), RES(20)), ERR_SHAPE_MISMATCH,
+         "add: self [2, 3] and other [4] can't be broadcast together");
+  REJECT(CALL("bitwise_and", STREAM_MAIN, ARGS(aref(10), aref(10)), RES(20)), ERR_DTYPE_MISMATCH,
+         "bitwise_and: only integer and bool dtypes", "self is float32");
+  REJECT(CALL("add_", STREAM_MAIN, ARGS(aref(14), aref(10)), NORES), ERR_DTYPE_MISMATCH,
+         "add_: result type float32 can't be cast to the desired output type int32 of argument 'self'");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(10)), RES(20, 21)), ERR_BAD_ARGUMENT,
+         "Call add returns 1 tensor but the command names 2 result refs");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(10)), NORES), ERR_BAD_ARGUMENT,
+         "Call add returns 1 tensor but the command names 0 result refs");
+  REJECT(CALL("to", STREAM_MAIN, ARGS(aref(10), adtype(42)), RES(20)), ERR_BAD_ARGUMENT,
+         "Call to: argument 'dtype': unknown dtype 42");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(12)), RES(20)), ERR_WRONG_MESH,
+         "Call add: argument 'other' (tensor 12) is on mesh 2 {gpu: 4} but argument 'self' (tensor "
+         "10) is on mesh 1 {host: 2, gpu: 4}");
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(13)), RES(20)), ERR_WRONG_STREAM,
+         "Call add: argument 'other' (tensor 13) is on stream 'side' but the command runs on "
+         "stream 'main'; borrow it onto 'main' first, or run the command on 'side'");
+  REJECT(CALL("neg", SIDE, ARGS(aref(10)), RES(20)), ERR_WRONG_STREAM,
+         "Call neg: argument 'self' (tensor 10) is on stream 'main' but the command runs on stream 'side'");
+  REJECT(CALL("neg", 77, ARGS(aref(10)), RES(20)), ERR_UNKNOWN_REF,
+         "Call neg: stream is ref 77, which this session never defined");
+  expect_ref_free(20);
+  cr_assert_eq(objs->bytes, bytes);
+  cr_assert_eq(objs->live_tensors, live);
+  cr_assert_eq(state_of(14), TENSOR_LIVE);
+
+  ok(DROP(11));
+  uint64_t drop_seq = last_seq;
+  char site[64];
+  snprintf(site, sizeof site, "was dropped at command seq %llu", (unsigned long long)drop_seq);
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(11)), RES(20)), ERR_DROPPED,
+         "Call neg: argument 'self' (tensor 11)", site);
+  expect_ref_free(20);
+}
+
+Test(commands, call_borrow_checks) {
+  ZEROS(10, 4);
+  ZEROS(11, 4);
+  ok(borrow(12, 10, SIDE, true, 13));   /* 10 mutably borrowed onto side */
+  ok(borrow(14, 11, SIDE, false, 15));  /* 11 read borrowed onto side */
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(10)), RES(20)), ERR_BORROWED,
+         "Call neg: argument 'self' (tensor 10) is mutably borrowed (borrow 13); it cannot be used "
+         "until the borrow is dropped");
+  ok(CALL("neg", STREAM_MAIN, ARGS(aref(11)), RES(20)));
+  REJECT(CALL("add_", STREAM_MAIN, ARGS(aref(11), afloat(1)), NORES), ERR_MUTATING_BORROW,
+         "Call add_: argument 'self' (tensor 11) cannot be mutated while it (or a view of it) is "
+         "borrowed for reading (borrow 15); drop the borrow first");
+  REJECT(CALL("add_", SIDE, ARGS(aref(14), afloat(1)), NORES), ERR_MUTATING_BORROW,
+         "Call add_: argument 'self' (tensor 14) is a read-only borrow (borrow 15) and cannot be "
+         "mutated; borrow it with mutable=True to write to it");
+  ok(CALL("add_", SIDE, ARGS(aref(12), aref(14)), NORES));
+  ok(drop_borrow(13));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(10), afloat(1)), NORES));
+  ok(drop_borrow(15));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(11), afloat(1)), NORES));
+}
+
+Test(commands, rejected_commands_consume_no_ref) {
+  ZEROS(10, 2, 3);
+  REJECT(CALL("add", STREAM_MAIN, ARGS(aref(10), aref(99)), RES(50)), ERR_UNKNOWN_REF, "Call add");
+  expect_ref_free(50);
+  REJECT(FACTORY(.ref = 50, .mesh = ROOT, SHAPE(-1)), ERR_BAD_ARGUMENT, "zeros");
+  expect_ref_free(50);
+  REJECT(REDUCE(.ref = 50, .input = 10, .dims = {"rack"}), ERR_BAD_DIM, "Reduce");
+  expect_ref_free(50);
+  REJECT(TO_MESH(.ref = 50, .input = 10, .dst_mesh = SUB), ERR_BAD_DIM, "ToMesh");
+  expect_ref_free(50);
+  REJECT(borrow(50, 10, STREAM_MAIN, false, 51), ERR_BAD_ARGUMENT, "Borrow");
+  expect_ref_free(50);
+  expect_ref_free(51);
+  /* the same ref then works, and a lower one afterwards is REF_REUSED */
+  ok(CALL("neg", STREAM_MAIN, ARGS(aref(10)), RES(50)));
+  REJECT(FACTORY(.ref = 49, .mesh = ROOT, SHAPE(1)), ERR_REF_REUSED, "Factory: ref 49",
+         "the next free ref is 51");
+}
+
+/* ------------------------------------------------------------------ failure propagation */
+
+Test(commands, readers_of_a_failed_tensor_fail_with_dependent_failure) {
+  ZEROS(10, 2, 3);
+  ZEROS(11, 2, 3);
+  ZEROS(12, 2, 3);
+  objects_fail_tensor(objs, objects_get(objs, 10), 40, ERR_REMOTE_FAILURE, 40,
+                      "Call index_select: index 9 out of range on rank 3");
+
+  ok(CALL("add", STREAM_MAIN, ARGS(aref(11), aref(10)), RES(20)));
+  const tmeta_t *m = result(0);
+  cr_assert_eq(m->ref, 20);
+  cr_assert_eq(m->state, MESHD__V1__TENSOR_STATE__TENSOR_STATE_FAILED);
+  cr_assert_not_null(m->error);
+  cr_assert_eq((int)m->error->kind, ERR_DEPENDENT_FAILURE);
+  cr_assert_eq(m->error->seq, 40, "the root command's seq");
+  cr_assert_eq(m->error->ref, 20);
+  cr_assert_eq(m->error->code, (int32_t)error_kind_code(ERR_DEPENDENT_FAILURE));
+  cr_assert(strstr(m->error->message, "depends on tensor 10, which failed at command seq 40"), "%s",
+            m->error->message);
+  cr_assert(strstr(m->error->message, "index 9 out of range on rank 3"), "%s", m->error->message);
+  cr_assert_eq(state_of(11), TENSOR_LIVE, "a read input is not failed");
+
+  /* dependents of dependents still name the root */
+  ok(CALL("neg", STREAM_MAIN, ARGS(aref(20)), RES(21)));
+  cr_assert_eq((int)result(0)->error->kind, ERR_DEPENDENT_FAILURE);
+  cr_assert_eq(result(0)->error->seq, 40);
+
+  /* a tensor mutated with a failed input fails too, with its views */
+  ok(CALL("view", STREAM_MAIN, ARGS(aref(12), AINTS(6)), RES(22)));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(12), aref(10)), NORES));
+  cr_assert_eq(state_of(12), TENSOR_FAILED);
+  cr_assert_eq(state_of(22), TENSOR_FAILED, "views of a mutated storage fail with it");
+  ok(describe(22));
+  cr_assert_eq((int)result(0)->error->kind, ERR_DEPENDENT_FAILURE);
+  cr_assert_eq(result(0)->error->seq, 40);
+
+  /* collectives and to_mesh on a failed input are accepted and fail their result */
+  ok(REDUCE(.ref = 23, .input = 10, .dims = {"gpu"}));
+  cr_assert_eq(result(0)->state, MESHD__V1__TENSOR_STATE__TENSOR_STATE_FAILED);
+  cr_assert_eq(result(0)->error->seq, 40);
+  ok(TO_MESH(.ref = 24, .input = 10, .dst_mesh = ROOT));
+  cr_assert_eq(result(0)->state, MESHD__V1__TENSOR_STATE__TENSOR_STATE_FAILED);
+  cr_assert_eq((int)result(0)->error->kind, ERR_DEPENDENT_FAILURE);
+
+  /* Describe shows the root failure itself */
+  ok(describe(10));
+  cr_assert_eq((int)result(0)->error->kind, ERR_REMOTE_FAILURE);
+  cr_assert_str_eq(result(0)->error->message, "Call index_select: index 9 out of range on rank 3");
+
+  /* a command not touching the failed tensor is unaffected */
+  ok(CALL("neg", STREAM_MAIN, ARGS(aref(11)), RES(25)));
+  expect_meta(result(0), 25, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+}
+
+/* ------------------------------------------------------------------ reduce */
+
+Test(commands, reduce_result_shapes) {
+  ZEROS(10, 4, 3);
+  ok(REDUCE(.ref = 11, .input = 10, .dims = {"gpu"}));
+  expect_meta(result(0), 11, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 4, 3);
+  EXPECT_STRIDES(result(0), 3, 1);
+  cr_assert_neq(objects_get(objs, 11)->tensor.storage, objects_get(objs, 10)->tensor.storage);
+
+  ok(REDUCE(.ref = 12, .input = 10, .dims = {"gpu"}, .scatter = true));
+  EXPECT_SHAPE(result(0), 3);
+
+  ok(REDUCE(.ref = 13, .input = 10, .dims = {"host"}, .reduction = "stack"));
+  EXPECT_SHAPE(result(0), 2, 4, 3);
+  EXPECT_STRIDES(result(0), 12, 3, 1);
+
+  ok(REDUCE(.ref = 14, .input = 10, .dims = {"gpu"}, .reduction = "stack", .scatter = true));
+  EXPECT_SHAPE(result(0), 4, 3);
+
+  ok(REDUCE(.ref = 15, .input = 10, .reduction = "max"));
+  EXPECT_SHAPE(result(0), 4, 3);
+  ok(REDUCE(.ref = 16, .input = 10, .dims = {"host", "gpu"}, .reduction = "avg"));
+  EXPECT_SHAPE(result(0), 4, 3);
+
+  /* out=: the result is out itself, or a new name for it */
+  ZEROS(17, 3);
+  ok(REDUCE(.input = 10, .out = 17, .dims = {"gpu"}, .scatter = true));
+  cr_assert_eq(result(0)->ref, 17);
+  EXPECT_SHAPE(result(0), 3);
+  ok(REDUCE(.ref = 18, .input = 10, .out = 17, .dims = {"gpu"}, .scatter = true));
+  cr_assert_eq(result(0)->ref, 18);
+  cr_assert_eq(objects_get(objs, 18)->tensor.storage, objects_get(objs, 17)->tensor.storage);
+
+  /* in place: the input */
+  uint64_t bytes = objs->bytes;
+  ok(REDUCE(.input = 10, .dims = {"gpu"}, .inplace = true));
+  cr_assert_eq(result(0)->ref, 10);
+  EXPECT_SHAPE(result(0), 4, 3);
+  cr_assert_eq(objs->bytes, bytes, "in place allocates nothing");
+
+  /* integers and bools: bitwise reductions */
+  zeros(19, ROOT, STREAM_MAIN, DTYPE_INT32, I64(2), 1);
+  ok(REDUCE(.ref = 20, .input = 19, .reduction = "bxor"));
+  expect_meta(result(0), 20, DTYPE_INT32, ROOT, STREAM_MAIN);
+
+  /* on a sub-mesh, over its only dim */
+  zeros(21, SUB, SIDE, 0, I64(4), 1);
+  ok(REDUCE(.ref = 22, .input = 21, .stream = SIDE, .reduction = "stack"));
+  expect_meta(result(0), 22, DTYPE_FLOAT32, SUB, SIDE);
+  EXPECT_SHAPE(result(0), 4, 4);
+}
+
+Test(commands, reduce_rejections) {
+  ZEROS(10, 4, 3);
+  zeros(11, ROOT, STREAM_MAIN, DTYPE_INT64, I64(4), 1);
+  ZEROS(12, 5);
+  zeros(13, ROOT, STREAM_MAIN, DTYPE_FLOAT64, I64(3), 1);
+  zeros(14, ROOT, SIDE, 0, I64(4), 1);
+  zeros(15, SUB, STREAM_MAIN, 0, I64(4), 1);
+  uint64_t bytes = objs->bytes;
+
+  REJECT(REDUCE(.ref = 30, .input = 10, .reduction = "mean"), ERR_BAD_ARGUMENT,
+         "Reduce: unknown reduction 'mean'; expected one of sum");
+  REJECT(REDUCE(.ref = 30, .input = 10, .inplace = true), ERR_BAD_ARGUMENT,
+         "Reduce: an in-place reduce (reduce_) returns its input; leave ref at 0");
+  REJECT(REDUCE(.input = 10), ERR_BAD_ARGUMENT, "Reduce: ref (the result) is missing");
+  REJECT(REDUCE(.ref = 14, .input = 10), ERR_REF_REUSED, "Reduce: ref 14 was already used");
+  REJECT(REDUCE(.ref = 30, .input = 99), ERR_UNKNOWN_REF, "Reduce: input is ref 99");
+  REJECT(REDUCE(.ref = 30, .input = 10, .out = 98), ERR_UNKNOWN_REF, "Reduce: out is ref 98");
+  REJECT(REDUCE(.ref = 30, .input = 10, .stream = 97), ERR_UNKNOWN_REF, "Reduce: stream is ref 97");
+  REJECT(REDUCE(.input = 10, .out = 12, .inplace = true), ERR_BAD_ARGUMENT,
+         "Reduce: inplace and out cannot both be given");
+
+  REJECT(REDUCE(.ref = 30, .input = 10, .dims = {"rack"}), ERR_BAD_DIM,
+         "Reduce: mesh 1 {host: 2, gpu: 4} has no dim 'rack'");
+  REJECT(REDUCE(.ref = 30, .input = 10, .dims = {"gpu", "gpu"}), ERR_BAD_DIM,
+         "Reduce: dim 'gpu' is named twice");
+  REJECT(REDUCE(.ref = 30, .input = 10, .dims = {"host", "gpu"}, .reduction = "stack"), ERR_BAD_DIM,
+         "Reduce: stack works over exactly one mesh dim, but 2 were given (as named)");
+  REJECT(REDUCE(.ref = 30, .input = 10, .reduction = "stack"), ERR_BAD_DIM,
+         "Reduce: stack works over exactly one mesh dim, but 2 were given (all dims of the mesh)");
+  REJECT(REDUCE(.ref = 30, .input = 10, .dims = {"host", "gpu"}, .scatter = true), ERR_BAD_DIM,
+         "Reduce: scatter works over exactly one mesh dim, but 2 were given");
+
+  REJECT(REDUCE(.ref = 30, .input = 10, .reduction = "band"), ERR_DTYPE_MISMATCH,
+         "Reduce: 'band' is bitwise and needs an integer or bool tensor, not float32");
+  REJECT(REDUCE(.ref = 30, .input = 11, .reduction = "avg"), ERR_DTYPE_MISMATCH,
+         "Reduce: 'avg' needs a floating dtype, not int64");
+
+  REJECT(REDUCE(.ref = 30, .input = 10, .dims = {"host"}, .scatter = true), ERR_SHAPE_MISMATCH,
+         "Reduce: when scattering, the input's size(0) must equal the group size 2 (dim 'host'), but "
+         "the input has shape [4, 3]");
+  REJECT(REDUCE(.ref = 30, .input = 10, .dims = {"gpu"}, .out = 12), ERR_SHAPE_MISMATCH,
+         "Reduce: out has shape [5] but the result has shape [4, 3]");
+  REJECT(REDUCE(.input = 10, .dims = {"gpu"}, .scatter = true, .out = 13), ERR_DTYPE_MISMATCH,
+         "Reduce: out is float64 but the input is float32");
+  REJECT(REDUCE(.input = 10, .dims = {"gpu"}, .scatter = true, .inplace = true), ERR_BAD_ARGUMENT,
+         "Reduce: in-place is only possible when the result has the input's shape; scatter changes it");
+  REJECT(REDUCE(.input = 10, .dims = {"gpu"}, .reduction = "stack", .inplace = true), ERR_BAD_ARGUMENT,
+         "stack changes it");
+
+  REJECT(REDUCE(.ref = 30, .input = 14), ERR_WRONG_STREAM,
+         "Reduce: input (tensor 14) is on stream 'side' but the command runs on stream 'main'");
+  REJECT(REDUCE(.ref = 30, .input = 15, .out = 11), ERR_WRONG_MESH,
+         "Reduce: out (tensor 11) is on mesh 1 {host: 2, gpu: 4} but input (tensor 15) is on mesh 2 "
+         "{gpu: 4}");
+  expect_ref_free(30);
+  cr_assert_eq(objs->bytes, bytes);
+
+  ok(borrow(31, 10, SIDE, false, 32));
+  REJECT(REDUCE(.input = 10, .dims = {"gpu"}, .inplace = true), ERR_MUTATING_BORROW,
+         "Reduce: input (tensor 10) cannot be mutated while it (or a view of it) is borrowed for "
+         "reading (borrow 32)");
+  ok(borrow(33, 13, SIDE, true, 34));
+  REJECT(REDUCE(.ref = 35, .input = 13), ERR_BORROWED, "Reduce: input (tensor 13) is mutably borrowed (borrow 34)");
+  ok(DROP(12));
+  REJECT(REDUCE(.ref = 35, .input = 12), ERR_DROPPED, "Reduce: input (tensor 12) was dropped at command seq");
+  REJECT(REDUCE(.ref = 35, .input = 11, .out = 12), ERR_DROPPED, "Reduce: out (tensor 12) was dropped");
+  expect_ref_free(35);
+}
+
+/* ------------------------------------------------------------------ to_mesh */
+
+Test(commands, to_mesh_moves_and_broadcasts) {
+  zeros(10, SUB, STREAM_MAIN, 0, I64(2, 3), 2);
+  /* {gpu: 4} -> {host: 2, gpu: 4}: host is broadcast */
+  ok(TO_MESH(.ref = 11, .input = 10, .dst_mesh = ROOT));
+  expect_meta(result(0), 11, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 2, 3);
+  EXPECT_STRIDES(result(0), 3, 1);
+  cr_assert_eq(objs->bytes, 24 * 4 + 24 * 8);
+  /* a non-contiguous view arrives contiguous, on the destination stream */
+  ok(CALL("t", STREAM_MAIN, ARGS(aref(10)), RES(12)));
+  EXPECT_STRIDES(result(0), 1, 3);
+  ok(TO_MESH(.ref = 13, .input = 12, .dst_mesh = SUB, .dst_stream = SIDE));
+  expect_meta(result(0), 13, DTYPE_FLOAT32, SUB, SIDE);
+  EXPECT_SHAPE(result(0), 3, 2);
+  EXPECT_STRIDES(result(0), 2, 1);
+  /* with a selection of the source: ROOT[host=0] -> SUB */
+  ZEROS(14, 5);
+  ok(TO_MESH(.ref = 15, .input = 14, .dst_mesh = SUB, .sel = {sel_index("host", 0)}));
+  expect_meta(result(0), 15, DTYPE_FLOAT32, SUB, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 5);
+}
+
+Test(commands, to_mesh_rejections) {
+  ZEROS(10, 2);
+  ok(slice_mesh(11, ROOT, SELS(sel_range("gpu", 0, 2))));  /* {host: 2, gpu: 2} */
+  zeros(12, SUB, STREAM_MAIN, 0, I64(2), 1);
+  uint64_t bytes = objs->bytes;
+  REJECT(TO_MESH(.ref = 12, .input = 10, .dst_mesh = ROOT), ERR_REF_REUSED, "ToMesh: ref 12");
+  REJECT(TO_MESH(.ref = 20, .input = 99, .dst_mesh = ROOT), ERR_UNKNOWN_REF, "ToMesh: input is ref 99");
+  REJECT(TO_MESH(.ref = 20, .input = 10), ERR_BAD_ARGUMENT, "ToMesh: dst_mesh is missing");
+  REJECT(TO_MESH(.ref = 20, .input = 10, .dst_mesh = SIDE), ERR_UNKNOWN_REF,
+         "ToMesh: dst_mesh is ref 3, which is a stream, not a mesh");
+  REJECT(TO_MESH(.ref = 20, .input = 10, .dst_mesh = ROOT, .dst_stream = 10), ERR_UNKNOWN_REF,
+         "ToMesh: stream is ref 10, which is a tensor, not a stream");
+  REJECT(TO_MESH(.ref = 20, .input = 10, .dst_mesh = SUB), ERR_BAD_DIM,
+         "ToMesh: the source mesh {host: 2, gpu: 4} has dim 'host', which the destination {gpu: 4} "
+         "lacks; select one index of it first (slice_mesh(host=i))");
+  REJECT(TO_MESH(.ref = 20, .input = 10, .dst_mesh = 11), ERR_SHAPE_MISMATCH,
+         "ToMesh: dim 'gpu' has size 4 on the source {host: 2, gpu: 4} but 2 on the destination "
+         "{host: 2, gpu: 2}");
+  REJECT(TO_MESH(.ref = 20, .input = 10, .dst_mesh = ROOT, .sel = {sel_index("rack", 0)}), ERR_BAD_DIM,
+         "ToMesh", "rack");
+  REJECT(TO_MESH(.ref = 20, .input = 12, .dst_mesh = 11), ERR_SHAPE_MISMATCH,
+         "ToMesh: dim 'gpu' has size 4 on the source {gpu: 4} but 2 on the destination");
+  expect_ref_free(20);
+  cr_assert_eq(objs->bytes, bytes);
+  ok(borrow(20, 10, SIDE, true, 21));
+  REJECT(TO_MESH(.ref = 22, .input = 10, .dst_mesh = ROOT), ERR_BORROWED,
+         "ToMesh: input (tensor 10) is mutably borrowed (borrow 21)");
+  ok(DROP(12));
+  REJECT(TO_MESH(.ref = 22, .input = 12, .dst_mesh = SUB), ERR_DROPPED,
+         "ToMesh: input (tensor 12) was dropped at command seq");
+  expect_ref_free(22);
+}
+
+/* ------------------------------------------------------------------ borrows, drop */
+
+Test(commands, borrow_and_drop_borrow) {
+  ZEROS(10, 2, 3);
+  ok(borrow(11, 10, SIDE, false, 12));
+  expect_meta(result(0), 11, DTYPE_FLOAT32, ROOT, SIDE);
+  EXPECT_SHAPE(result(0), 2, 3);
+  cr_assert_eq(objects_get(objs, 12)->kind, OBJ_BORROW);
+  ok(CALL("neg", SIDE, ARGS(aref(11)), RES(13)));
+  expect_meta(result(0), 13, DTYPE_FLOAT32, ROOT, SIDE);
+  ok(drop_borrow(12));
+  cr_assert_eq(out.res.n_tensors, 0);
+  uint64_t drop_seq = last_seq;
+  cr_assert_eq(dropped_seq(11), drop_seq);
+  cr_assert_eq(objects_dropped(objs, 11)->borrow, 12);
+  char site[160];
+  snprintf(site, sizeof site, "was dropped at command seq %llu, when its borrow 12 was dropped",
+           (unsigned long long)drop_seq);
+  REJECT(CALL("neg", SIDE, ARGS(aref(11)), RES(14)), ERR_DROPPED, "Call neg: argument 'self' (tensor 11)",
+         site);
+  expect_described_dropped(11, drop_seq);
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(10), afloat(1)), NORES));
+}
+
+Test(commands, handle_dropped_by_drop_then_borrow_dropped) {
+  ZEROS(10, 2);
+  ok(borrow(11, 10, SIDE, true, 12));
+  ok(DROP(11));
+  uint64_t seq = last_seq;
+  char site[96];
+  snprintf(site, sizeof site, "(tensor 11) was dropped at command seq %llu", (unsigned long long)seq);
+  REJECT(CALL("neg", SIDE, ARGS(aref(11)), RES(13)), ERR_DROPPED, "Call neg: argument 'self'", site);
+  cr_assert_null(strstr(err.msg, "when its borrow"), "the borrow is still live: %s", err.msg);
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(10)), RES(13)), ERR_BORROWED, "borrow 12");
+  ok(drop_borrow(12));
+  ok(CALL("neg", STREAM_MAIN, ARGS(aref(10)), RES(13)));
+  cr_assert_eq(dropped_seq(11), seq);
+}
+
+Test(commands, nested_borrows_drop_inner_first) {
+  /* 10 --read--> 21 (side) --read--> 23 (third). Dropping the outer borrow
+   * would drop 21 while borrow 24 still reads it on 'third' (and free the
+   * record DropBorrow 24 later needs): BORROWED, like Drop of a borrowed tensor. */
+  ZEROS(10, 2);
+  ok(create_stream(20, "third"));
+  ok(borrow(21, 10, SIDE, false, 22));
+  ok(borrow(23, 21, 20, false, 24));
+  REJECT(drop_borrow(22), ERR_BORROWED, "DropBorrow: borrow 22", "tensor 21", "borrow 24",
+         "drop that borrow first");
+  cr_assert_eq(state_of(21), TENSOR_LIVE, "the rejected DropBorrow changed nothing");
+  cr_assert_not(objects_get(objs, 22)->borrow.dropped);
+  ok(drop_borrow(24));
+  cr_assert(dropped_seq(23));
+  ok(drop_borrow(22));
+  cr_assert(dropped_seq(21));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(10), afloat(1)), NORES));
+}
+
+Test(commands, borrow_rejections) {
+  ZEROS(10, 2);
+  zeros(11, ROOT, SIDE, 0, I64(2), 1);
+  REJECT(borrow(20, 10, STREAM_MAIN, false, 21), ERR_BAD_ARGUMENT,
+         "Borrow: tensor 10 is already on stream 'main'; borrow it onto another stream");
+  REJECT(borrow(21, 10, SIDE, false, 20), ERR_REF_REUSED, "Borrow: ref 20 comes after ref 21");
+  REJECT(borrow(20, 10, SIDE, false, 11), ERR_REF_REUSED, "Borrow");
+  REJECT(borrow(20, 99, SIDE, false, 21), ERR_UNKNOWN_REF, "Borrow: input is ref 99");
+  REJECT(borrow(20, 10, 77, false, 21), ERR_UNKNOWN_REF, "Borrow: stream is ref 77");
+  REJECT(borrow(20, 10, ROOT, false, 21), ERR_UNKNOWN_REF, "Borrow: stream is ref 1, which is a mesh");
+  expect_ref_free(20);
+  expect_ref_free(21);
+
+  ok(borrow(20, 10, SIDE, true, 21));
+  REJECT(borrow(22, 10, SIDE, true, 23), ERR_BORROWED,
+         "Borrow: tensor 10 (or a view of it) is mutably borrowed by borrow 21");
+  REJECT(borrow(22, 10, SIDE, false, 23), ERR_BORROWED, "mutably borrowed by borrow 21");
+  ok(create_stream(24, "third"));
+  ok(borrow(25, 11, STREAM_MAIN, false, 26));
+  REJECT(borrow(27, 11, 24, true, 28), ERR_BORROWED,
+         "Borrow: cannot borrow tensor 11 mutably because it (or a view) is already being borrowed "
+         "non-mutably (1 read borrow)");
+  REJECT(borrow(27, 25, 24, true, 28), ERR_BORROWED,
+         "Borrow: tensor 25 is a read-only borrow (borrow 26) and cannot be borrowed mutably");
+  expect_ref_free(27);
+
+  REJECT(drop_borrow(99), ERR_UNKNOWN_REF, "DropBorrow: borrow is ref 99, which this session never defined");
+  REJECT(drop_borrow(10), ERR_UNKNOWN_REF, "DropBorrow: borrow is ref 10, which is a tensor, not a borrow");
+  ok(drop_borrow(21));
+  uint64_t seq = last_seq;
+  char site[96];
+  snprintf(site, sizeof site, "DropBorrow: borrow 21 was already dropped by command %llu",
+           (unsigned long long)seq);
+  REJECT(drop_borrow(21), ERR_DROPPED, site);
+  ok(borrow(29, 10, SIDE, true, 30));
+}
+
+Test(commands, drop_drops_every_alias_and_frees_bytes) {
+  ZEROS(10, 2, 3);
+  ZEROS(11, 4);
+  ok(CALL("t", STREAM_MAIN, ARGS(aref(10)), RES(12)));
+  cr_assert_eq(objs->live_tensors, 3);
+  cr_assert_eq(objs->bytes, 24 * 8 + 16 * 8);
+  ok(DROP(12));
+  uint64_t seq = last_seq;
+  cr_assert_eq(out.res.n_tensors, 0);
+  cr_assert_eq(dropped_seq(10), seq, "dropping a view drops its base (every alias)");
+  cr_assert_eq(dropped_seq(12), seq);
+  cr_assert_eq(state_of(11), TENSOR_LIVE);
+  cr_assert_eq(objs->live_tensors, 1);
+  cr_assert_eq(objs->bytes, 16 * 8);
+  expect_described_dropped(10, seq);
+  ok(DROP(10, 11, 11)); /* a dropped tensor again, and a ref twice: no-ops */
+  cr_assert_eq(dropped_seq(10), seq, "the first drop site is kept");
+  cr_assert_eq(dropped_seq(11), last_seq);
+  cr_assert_eq(objs->live_tensors, 0);
+  cr_assert_eq(objs->bytes, 0);
+  char site[64];
+  snprintf(site, sizeof site, "(tensor 12) was dropped at command seq %llu", (unsigned long long)seq);
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(12)), RES(13)), ERR_DROPPED, "Call neg: argument 'self'", site,
+         "can no longer be used");
+}
+
+Test(commands, drop_of_two_aliases_in_one_command) {
+  ZEROS(10, 2, 3);
+  ok(CALL("t", STREAM_MAIN, ARGS(aref(10)), RES(11)));
+  ok(DROP(11, 10));
+  cr_assert_eq(dropped_seq(10), last_seq);
+  cr_assert_eq(dropped_seq(11), last_seq);
+  cr_assert_eq(objs->live_tensors, 0);
+  cr_assert_eq(objs->bytes, 0);
+}
+
+Test(commands, drop_rejections_change_nothing) {
+  ZEROS(10, 2);
+  ZEROS(11, 2);
+  REJECT(DROP(10, 99), ERR_UNKNOWN_REF, "Drop: ref 99 was never defined in this session");
+  cr_assert_eq(state_of(10), TENSOR_LIVE, "Drop is all or nothing");
+  REJECT(DROP(10, ROOT), ERR_BAD_ARGUMENT, "Drop: ref 1 is a mesh; only tensors are dropped");
+  REJECT(DROP(SIDE), ERR_BAD_ARGUMENT, "Drop: ref 3 is a stream");
+  cr_assert_eq(state_of(10), TENSOR_LIVE);
+  ok(CALL("view", STREAM_MAIN, ARGS(aref(11), AINTS(2)), RES(12)));
+  ok(borrow(13, 11, SIDE, false, 14));
+  REJECT(DROP(10, 11), ERR_BORROWED,
+         "Drop: tensor 11 (or a view of it) is borrowed (borrow 14); drop the borrow first");
+  REJECT(DROP(12), ERR_BORROWED, "Drop: tensor 12 (or a view of it) is borrowed (borrow 14)");
+  REJECT(DROP(14), ERR_BAD_ARGUMENT, "Drop: ref 14 is a borrow");
+  cr_assert_eq(state_of(10), TENSOR_LIVE);
+  cr_assert_eq(state_of(11), TENSOR_LIVE);
+  cr_assert_eq(objs->live_tensors, 4);
+  ok(drop_borrow(14));
+  ok(DROP(12));
+  cr_assert_eq(dropped_seq(11), last_seq);
+}
+
+/* ------------------------------------------------------------------ quota */
+
+Test(commands, quota_rejects_and_changes_nothing) {
+  open_session(1000);
+  ok(create_mesh(1, NAMES("gpu"), I64(8), 1));
+  /* zeros [10] float32 on 8 ranks: 320 bytes each */
+  for (uint64_t r = 10; r < 13; r++) ok(FACTORY(.ref = r, .mesh = 1, SHAPE(10)));
+  cr_assert_eq(objs->bytes, 960);
+  REJECT(FACTORY(.ref = 13, .mesh = 1, SHAPE(10)), ERR_QUOTA,
+         "Factory: the result needs 320 bytes across its mesh, but the session holds 960 of its "
+         "1000-byte quota; drop tensors you no longer need");
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(10)), RES(13)), ERR_QUOTA, "Call neg: the result needs 320 bytes");
+  REJECT(REDUCE(.ref = 13, .input = 10), ERR_QUOTA, "Reduce: the result needs 320 bytes");
+  REJECT(TO_MESH(.ref = 13, .input = 10, .dst_mesh = 1), ERR_QUOTA, "ToMesh: the result needs 320 bytes");
+  expect_ref_free(13);
+  cr_assert_eq(objs->bytes, 960);
+  cr_assert_eq(objs->live_tensors, 3);
+  for (uint64_t r = 10; r < 13; r++) {
+    ok(describe(r));
+    expect_meta(result(0), r, DTYPE_FLOAT32, 1, STREAM_MAIN);
+    EXPECT_SHAPE(result(0), 10);
+  }
+  /* what needs no new memory still works: views, in place, out= */
+  ok(CALL("view", STREAM_MAIN, ARGS(aref(10), AINTS(2, 5)), RES(13)));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(10), aref(11)), NORES));
+  ok(REDUCE(.input = 10, .inplace = true));
+  ok(REDUCE(.input = 10, .out = 11));
+  /* dropping frees room */
+  ok(DROP(12));
+  ok(FACTORY(.ref = 14, .mesh = 1, SHAPE(10)));
+  cr_assert_eq(objs->bytes, 960);
+}
+
+/* ------------------------------------------------------------------ sync, describe, misc */
+
+Test(commands, sync_and_describe) {
+  ok(sync_(false, 0));
+  ok(sync_(true, STREAM_MAIN));
+  ok(sync_(true, SIDE));
+  REJECT(sync_(true, 77), ERR_UNKNOWN_REF, "Sync: stream is ref 77");
+  REJECT(sync_(true, ROOT), ERR_UNKNOWN_REF, "Sync: stream is ref 1, which is a mesh, not a stream");
+  ZEROS(10, 3);
+  ok(describe(10));
+  expect_meta(result(0), 10, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 3);
+  REJECT(describe(99), ERR_UNKNOWN_REF, "Describe: ref 99 was never defined in this session");
+  REJECT(describe(SIDE), ERR_BAD_ARGUMENT, "Describe: ref 3 is a stream; Describe takes tensors and meshes");
+  ok(borrow(11, 10, SIDE, false, 12));
+  REJECT(describe(12), ERR_BAD_ARGUMENT, "Describe: ref 12 is a borrow");
+}
+
+Test(commands, a_command_without_kind) {
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  REJECT(run(&c), ERR_BAD_ARGUMENT, "has no kind: set one of create_mesh");
+  cr_assert_str_eq(command_name(&c), "(empty command)");
+  c.kind_case = MESHD__V1__COMMAND__KIND_TO_MESH;
+  cr_assert_str_eq(command_name(&c), "ToMesh");
+}
+
+Test(commands, cmd_out_error_fills_the_error) {
+  REJECT(describe(99), ERR_UNKNOWN_REF, "Describe");
+  cmd_out_error(&out, &err);
+  cr_assert_not_null(out.res.error);
+  cr_assert_eq((int)out.res.error->kind, ERR_UNKNOWN_REF);
+  cr_assert_eq(out.res.error->code, GRPC_STATUS_NOT_FOUND);
+  cr_assert_eq(out.res.error->seq, last_seq);
+  cr_assert_str_eq(out.res.error->message, err.msg);
+}
+
+Test(commands, instructions_touch_only_the_mesh_ranks) {
+  cr_assert_eq(objs->ntouched, 0, "meshes and streams send nothing");
+  zeros(10, SUB, STREAM_MAIN, 0, I64(2), 1);
+  for (uint32_t r = 0; r < 8; r++)
+    cr_assert_eq(r < objs->ntouched && objs->touched[r], r >= 4, "rank %u", r);
+  ok(slice_mesh(11, ROOT, SELS(sel_index("gpu", 1))));  /* ranks 1, 5 */
+  zeros(12, 11, STREAM_MAIN, 0, I64(2), 1);
+  for (uint32_t r = 0; r < 8; r++)
+    cr_assert_eq(r < objs->ntouched && objs->touched[r], r >= 4 || r == 1, "rank %u", r);
+}
