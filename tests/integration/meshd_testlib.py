@@ -483,3 +483,379 @@ def sanitizer_report(log_path):
     except FileNotFoundError:
         pass
     return None
+
+
+# ---------------------------------------------------------------- sessions and commands
+#
+# A small client for TensorService sessions and commands (docs/protocol.md):
+#
+#   s = Session(port, "it")                          # CreateSession; metadata on every call
+#   m = s.run(create_mesh(s.new_ref(), gpu=2)).mesh  # Execute; raises CommandError if rejected
+#   err = s.fails("BAD_DIM", slice_mesh(s.new_ref(), m.ref, nope=0))
+#   results, code, details = s.submit([s.command(c) for c in cmds])
+#
+# Builders (create_mesh, factory, call, ...) return (oneof field, message) pairs;
+# Session.command wraps one into a Command with a sequence number.
+
+SESSION_MD = "meshd-session"
+TOKEN_MD = "meshd-token"
+KIND_MD = "meshd-error-kind"
+_SVC = "/meshd.v1.TensorService/"
+
+# docs/protocol.md "Error kinds -> gRPC status" (core/error_kind.h).
+KIND_CODES = {
+    "WRONG_MESH": grpc.StatusCode.INVALID_ARGUMENT,
+    "WRONG_STREAM": grpc.StatusCode.INVALID_ARGUMENT,
+    "REF_REUSED": grpc.StatusCode.INVALID_ARGUMENT,
+    "BAD_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "SHAPE_MISMATCH": grpc.StatusCode.INVALID_ARGUMENT,
+    "DTYPE_MISMATCH": grpc.StatusCode.INVALID_ARGUMENT,
+    "BAD_DIM": grpc.StatusCode.INVALID_ARGUMENT,
+    "DROPPED": grpc.StatusCode.FAILED_PRECONDITION,
+    "BORROWED": grpc.StatusCode.FAILED_PRECONDITION,
+    "MUTATING_BORROW": grpc.StatusCode.FAILED_PRECONDITION,
+    "UNKNOWN_REF": grpc.StatusCode.NOT_FOUND,
+    "UNKNOWN_OP": grpc.StatusCode.NOT_FOUND,
+    "QUOTA": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "REMOTE_FAILURE": grpc.StatusCode.ABORTED,
+    "DEPENDENT_FAILURE": grpc.StatusCode.ABORTED,
+    "AGENT_LOST": grpc.StatusCode.UNAVAILABLE,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "NO_SESSION": grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def wait_ready(srv, n, timeout=REGISTER_TIMEOUT):
+    """Waits until TensorService is SERVING and ranks 0..n-1 are registered and healthy."""
+    if n:
+        wait_health(srv.port, TENSOR_SERVICE, SERVING(), timeout=timeout, proc=srv.proc, log=srv.log)
+        wait_agents(srv.port, lambda ag: healthy_ranks(ag)[:n] == list(range(n)), timeout=timeout,
+                    what=f"ranks 0..{n - 1} healthy", log=srv.log)
+    return srv
+
+
+def kind_name(value):
+    """ErrorKind enum value -> "WRONG_MESH"."""
+    return tensor_pb2().ErrorKind.Name(value)[len("ERROR_KIND_"):]
+
+
+def dtype(name_or_value):
+    """"float32" / "DTYPE_FLOAT32" / 1 -> the DType value."""
+    if isinstance(name_or_value, int):
+        return name_or_value
+    n = name_or_value.upper()
+    return tensor_pb2().DType.Value(n if n.startswith("DTYPE_") else "DTYPE_" + n)
+
+
+def trailer(md, key):
+    for k, v in md or ():
+        if k == key:
+            return v
+    return None
+
+
+class CommandError(Exception):
+    """A rejected call or command: the gRPC code (Execute) or Error.code (Submit), the
+    kind (trailer meshd-error-kind, or Error.kind) and the message."""
+
+    def __init__(self, code, kind, message, seq=None, via="Execute"):
+        super().__init__(f"{via}: {code} {kind}: {message}")
+        self.code, self.kind, self.message, self.seq, self.via = code, kind, message, seq, via
+
+    @classmethod
+    def from_rpc(cls, e, via="Execute"):
+        return cls(e.code(), trailer(e.trailing_metadata(), KIND_MD), e.details() or "", via=via)
+
+    @classmethod
+    def from_result(cls, err):
+        code = next((c for c in grpc.StatusCode if c.value[0] == err.code), err.code)
+        return cls(code, kind_name(err.kind), err.message, seq=err.seq, via="Submit")
+
+
+def expect_kind(err, kind, name=None):
+    """Asserts that the CommandError err has kind `kind`, the gRPC code the protocol maps it
+    to, and a non-empty message that names the command (`name`, when given)."""
+    assert err.kind == kind, f"expected {kind}, got {err}"
+    assert err.code == KIND_CODES[kind], f"{kind} travels as {KIND_CODES[kind]}, got {err}"
+    assert err.message.strip(), f"{kind}: empty message ({err.via})"
+    if name is not None:
+        assert name in err.message, f"{kind}: the message does not name {name!r}: {err.message!r}"
+    return err
+
+
+class Ref(int):
+    """A tensor argument of a Call (a plain int is an int64 scalar)."""
+
+
+class Refs(list):
+    """A list of tensors argument (cat, stack)."""
+
+
+class DT(str):
+    """A dtype argument of a Call, by name."""
+
+
+def arg(v):
+    t = tensor_pb2()
+    if isinstance(v, t.Arg):
+        return v
+    if isinstance(v, Ref):
+        return t.Arg(ref=int(v))
+    if isinstance(v, Refs):
+        return t.Arg(refs=t.RefList(refs=[int(x) for x in v]))
+    if isinstance(v, DT):
+        return t.Arg(dtype=dtype(str(v)))
+    if v is None:
+        return t.Arg(none=True)
+    if isinstance(v, bool):
+        return t.Arg(b=v)
+    if isinstance(v, int):
+        return t.Arg(i=v)
+    if isinstance(v, float):
+        return t.Arg(f=v)
+    if isinstance(v, str):
+        return t.Arg(s=v)
+    if isinstance(v, (list, tuple)):
+        return t.Arg(ints=t.IntList(values=list(v)))
+    raise TypeError(f"no Arg for {v!r}")
+
+
+def _dims(dims):
+    t = tensor_pb2()
+    items = dims.items() if isinstance(dims, dict) else dims
+    return [t.Dim(name=n, size=s) for n, s in items]
+
+
+def selectors(sel):
+    """{dim: int | slice | MeshSelector} or [(dim, ...)] -> [MeshSelector]; an int is an index
+    (drops the dim), a slice a Range (keeps it)."""
+    t = tensor_pb2()
+    out = []
+    for d, v in (sel.items() if isinstance(sel, dict) else sel):
+        if isinstance(v, t.MeshSelector):
+            out.append(v)
+        elif isinstance(v, slice):
+            r = t.Range(start=v.start or 0, step=v.step or 0)
+            if v.stop is not None:
+                r.stop, r.has_stop = v.stop, True
+            out.append(t.MeshSelector(dim=d, range=r))
+        else:
+            out.append(t.MeshSelector(dim=d, index=v))
+    return out
+
+
+def create_mesh(ref, dims=None, **kw):
+    return "create_mesh", tensor_pb2().CreateMesh(ref=ref, dims=_dims(dims if dims is not None else kw))
+
+
+def slice_mesh(ref, parent, sel=None, **kw):
+    return "slice_mesh", tensor_pb2().SliceMesh(ref=ref, parent=parent,
+                                                 selectors=selectors(sel if sel is not None else kw))
+
+
+def create_stream(ref, name):
+    return "create_stream", tensor_pb2().CreateStream(ref=ref, name=name)
+
+
+def factory(ref, mesh, kind="zeros", shape=(), dtype_=None, stream=0, value=0.0, seed=None,
+            dim="", start=0.0, end=0.0, step=0.0):
+    f = tensor_pb2().Factory(ref=ref, mesh=mesh, stream=stream, kind=kind, shape=list(shape),
+                             value=value, dim=dim, start=start, end=end, step=step)
+    if dtype_ is not None:
+        f.dtype = dtype(dtype_)
+    if seed is not None:
+        f.seed, f.has_seed = seed, True
+    return "factory", f
+
+
+def call(op, *args, results=(), stream=0, **kwargs):
+    t = tensor_pb2()
+    return "call", t.Call(op=op, args=[arg(a) for a in args],
+                          kwargs=[t.Kwarg(name=k, value=arg(v)) for k, v in kwargs.items()],
+                          results=list(results), stream=stream)
+
+
+def reduce(ref, input, dims=(), reduction="sum", scatter=False, inplace=False, out=0, stream=0):
+    return "reduce", tensor_pb2().Reduce(ref=ref, input=input, dims=list(dims), reduction=reduction,
+                                         scatter=scatter, inplace=inplace, out=out, stream=stream)
+
+
+def to_mesh(ref, input, dst_mesh, selection=None, dst_stream=0):
+    return "to_mesh", tensor_pb2().ToMesh(ref=ref, input=input, dst_mesh=dst_mesh,
+                                          selection=selectors(selection or {}),
+                                          dst_stream=dst_stream)
+
+
+def borrow(ref, input, stream, mutable, borrow_ref):
+    b = tensor_pb2().Borrow(ref=ref, input=input, stream=stream, borrow=borrow_ref)
+    setattr(b, "mutable", mutable)
+    return "borrow", b
+
+
+def drop_borrow(borrow_ref):
+    return "drop_borrow", tensor_pb2().DropBorrow(borrow=borrow_ref)
+
+
+def drop(*refs):
+    return "drop", tensor_pb2().Drop(refs=list(refs))
+
+
+def sync(stream=None):
+    s = tensor_pb2().Sync()
+    if stream is not None:
+        s.stream, s.has_stream = stream, True
+    return "sync", s
+
+
+def describe(ref):
+    return "describe", tensor_pb2().Describe(ref=ref)
+
+
+class Session:
+    """One CreateSession'd session on its own channel. Refs come from new_ref() (strictly
+    increasing; gaps are allowed), seqs from run()/command() unless given."""
+
+    def __init__(self, port, client_name="it", ttl_seconds=0, quota_bytes=0, timeout=10.0):
+        t = tensor_pb2()
+        self.port, self.timeout = port, timeout
+        self.ch = channel(port)
+        reply = self.unary("CreateSession", t.CreateSessionRequest(
+            client_name=client_name, ttl_seconds=ttl_seconds, quota_bytes=quota_bytes),
+            t.CreateSessionReply, metadata=())
+        self.id, self.token, self.ttl_seconds = reply.session_id, reply.token, reply.ttl_seconds
+        self._ref = 0
+        self._seq = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shut()
+
+    @property
+    def metadata(self):
+        return ((SESSION_MD, self.id), (TOKEN_MD, self.token))
+
+    def shut(self):
+        """Closes the channel (not the session)."""
+        self.ch.close()
+
+    def unary(self, method, request, reply_cls, metadata=None, timeout=None):
+        """A unary TensorService call; metadata None means this session's. Raises grpc.RpcError."""
+        fn = self.ch.unary_unary(_SVC + method, request_serializer=lambda m: m.SerializeToString(),
+                                 response_deserializer=reply_cls.FromString)
+        return fn(request, metadata=self.metadata if metadata is None else metadata,
+                  timeout=timeout or self.timeout)
+
+    def close(self, metadata=None):
+        t = tensor_pb2()
+        return self.unary("CloseSession", t.CloseSessionRequest(), t.CloseSessionReply, metadata)
+
+    def keep_alive(self, metadata=None):
+        t = tensor_pb2()
+        return self.unary("KeepAlive", t.KeepAliveRequest(), t.KeepAliveReply, metadata)
+
+    def list_sessions(self):
+        t = tensor_pb2()
+        return list(self.unary("ListSessions", t.ListSessionsRequest(), t.ListSessionsReply,
+                               metadata=()).sessions)
+
+    def info(self):
+        """This session's row of ListSessions, or None."""
+        return next((x for x in self.list_sessions() if x.session_id == self.id), None)
+
+    def new_ref(self):
+        self._ref += 1
+        return self._ref
+
+    def skip_to(self, ref):
+        """Makes new_ref() continue after ref (for tests that pick refs by hand)."""
+        self._ref = max(self._ref, ref)
+
+    def next_seq(self):
+        self._seq += 1
+        return self._seq
+
+    def command(self, cmd, seq=None):
+        field, msg = cmd
+        c = tensor_pb2().Command(seq=self.next_seq() if seq is None else seq)
+        getattr(c, field).CopyFrom(msg)
+        return c
+
+    def execute_raw(self, command, metadata=None, timeout=None):
+        """Execute on a Command; raises CommandError when rejected."""
+        try:
+            return self.unary("Execute", command, tensor_pb2().CommandResult, metadata, timeout)
+        except grpc.RpcError as e:
+            raise CommandError.from_rpc(e) from None
+
+    def run(self, cmd, seq=None, timeout=None):
+        return self.execute_raw(self.command(cmd, seq), timeout=timeout)
+
+    def fails(self, kind, cmd, name=None, seq=None, timeout=None):
+        """Runs cmd, which must be rejected with `kind` (and its code); returns the CommandError."""
+        try:
+            res = self.run(cmd, seq, timeout)
+        except CommandError as e:
+            return expect_kind(e, kind, name)
+        raise AssertionError(f"{cmd[0]} {cmd[1]} was accepted ({res}); expected {kind}")
+
+    def submit(self, commands, timeout=60.0, metadata=None):
+        """Submit: sends every Command (pipelined, without waiting), half-closes, and reads
+        to the end. Returns ([CommandResult], final code, details)."""
+        t = tensor_pb2()
+        fn = self.ch.stream_stream(_SVC + "Submit", request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=t.SubmitReply.FromString)
+        it = fn(iter(list(commands)), metadata=self.metadata if metadata is None else metadata,
+                timeout=timeout)
+        results = []
+        try:
+            for r in it:
+                results.append(r.result)
+            return results, it.code(), it.details()
+        except grpc.RpcError as e:
+            return results, e.code(), e.details()
+
+    # -- conveniences returning metadata (each picks a fresh ref)
+
+    def mesh(self, dims=None, **kw):
+        return self.run(create_mesh(self.new_ref(), dims, **kw)).mesh
+
+    def slice(self, parent, sel=None, **kw):
+        return self.run(slice_mesh(self.new_ref(), parent, sel, **kw)).mesh
+
+    def stream(self, name):
+        ref = self.new_ref()
+        self.run(create_stream(ref, name))
+        return ref
+
+    def tensor(self, mesh, shape=(), kind="zeros", dtype_="float32", **kw):
+        return self.run(factory(self.new_ref(), mesh, kind, shape, dtype_, **kw)).tensors[0]
+
+    def op(self, op, *args, nresults=1, stream=0, **kwargs):
+        """A Call with nresults fresh result refs; returns the result TensorMetas."""
+        res = self.run(call(op, *args, results=[self.new_ref() for _ in range(nresults)],
+                            stream=stream, **kwargs))
+        return list(res.tensors)
+
+    def describe(self, ref):
+        return self.run(describe(ref))
+
+    def missing_ops(self, mesh, factories=(), calls=()):
+        """Names from `factories` (Factory kinds) and `calls` (Call ops) that the server's op
+        catalogue lacks. Probes change nothing: a Call with no arguments, a Factory with an
+        invalid dtype; both reach the catalogue lookup before any other check that could pass."""
+        missing = []
+        for k in factories:
+            try:
+                self.run(factory(self._ref + 1, mesh, k, (1,), 999))
+            except CommandError as e:
+                if e.kind == "UNKNOWN_OP":
+                    missing.append(k)
+        for op in calls:
+            try:
+                self.run(call(op))
+            except CommandError as e:
+                if e.kind == "UNKNOWN_OP":
+                    missing.append(op)
+        return missing
