@@ -1,0 +1,85 @@
+/* The device backend behind one vtable (NCCL's ncclNet_t, curl's Curl_ssl):
+ * `cpu` (agent/cpu/) is always built; `cuda` (agent/cuda/) plugs into the same
+ * slots. Code outside a backend's folder never includes its headers.
+ *
+ * Tensors an agent holds are agent_tensor_t: a view (dtype + layout, exactly
+ * the server's tensor_meta_t) on a reference-counted storage the backend
+ * allocated. Every slot is required unless its comment says NULL is allowed. */
+#ifndef MESHD_AGENT_BACKEND_H
+#define MESHD_AGENT_BACKEND_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error_kind.h"
+#include "ops.h"
+
+typedef struct backend backend_t;
+
+/* Device memory of one tensor and its views. */
+typedef struct agent_storage {
+  _Atomic int refs;
+  backend_t *backend; /* frees it */
+  void *data;         /* device pointer (host memory for cpu) */
+  size_t bytes;
+} agent_storage_t;
+
+/* A tensor: `meta` first, so an op_value_t's tensor pointer (a tensor_meta_t *)
+ * converts back to its agent_tensor_t. */
+typedef struct agent_tensor {
+  tensor_meta_t meta;     /* dtype + layout (offset and strides in elements) */
+  agent_storage_t *storage;
+} agent_tensor_t;
+
+/* An ordered queue of work on the device (a CUDA stream; the calling thread
+ * for cpu, whose kernels complete before they return). */
+typedef struct backend_stream backend_stream_t;
+
+typedef struct backend_ops {
+  const char *name; /* "cpu", "cuda" */
+  /* Opens the device ("cpu", "cuda:0"). Returns 0, or -1 with err. */
+  int (*open)(backend_t *b, const char *device, meshd_error_t *err);
+  void (*close)(backend_t *b);
+  /* Device memory; NULL when out of memory (the caller reports QUOTA /
+   * RESOURCE_EXHAUSTED for that command; the agent lives on). */
+  void *(*alloc)(backend_t *b, size_t bytes);
+  void (*free)(backend_t *b, void *ptr, size_t bytes);
+  /* Streams. NULL allowed for both on backends without streams (cpu). */
+  backend_stream_t *(*stream_create)(backend_t *b);
+  void (*stream_destroy)(backend_t *b, backend_stream_t *s);
+  /* Runs catalogue op `a->op` on bound arguments whose tensors are
+   * agent_tensor_t views (see agent_tensor_of), writing results[i], which the
+   * caller allocated from the op's inferred metas (views already point into
+   * their input's storage). Mutated inputs are written in place. Returns 0,
+   * or -1 with err (REMOTE_FAILURE with a message naming the op, e.g. an
+   * index out of range). `rank` and `coordinate` serve rank()/rand(). */
+  int (*run_op)(backend_t *b, backend_stream_t *s, const op_args_t *a, agent_tensor_t **results,
+                int nresults, const op_infer_t *inf, uint32_t mesh_rank, int64_t coordinate,
+                meshd_error_t *err);
+  /* Copies src into dst (same shape; any strides and dtypes: casts). */
+  int (*copy)(backend_t *b, backend_stream_t *s, agent_tensor_t *dst, const agent_tensor_t *src,
+              meshd_error_t *err);
+  /* Host <-> device for Upload/Fetch: dst/src are row-major bytes of the whole
+   * tensor in its dtype (non-contiguous tensors are gathered/scattered). */
+  int (*to_host)(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err);
+  int (*from_host)(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err);
+} backend_ops_t;
+
+struct backend {
+  const backend_ops_t *ops;
+  void *impl;                 /* the backend's own state */
+  _Atomic uint64_t allocated; /* bytes held now (reported to the server) */
+  uint64_t capacity;          /* bytes it may hold (--memory-bytes) */
+};
+
+/* The cpu backend's table (agent/cpu/). */
+extern const backend_ops_t cpu_backend_ops;
+
+/* The agent_tensor_t a bound tensor argument refers to. */
+static inline agent_tensor_t *agent_tensor_of(const tensor_meta_t *m) {
+  return (agent_tensor_t *)m;
+}
+
+#endif

@@ -1,0 +1,65 @@
+/* The agent-to-agent data plane for cpu agents: TCP between agents, used by
+ * collectives (reduce) and point-to-point sends (to_mesh). Every agent listens
+ * on a data port it reports at registration (RegisterRequest.data_port); the
+ * server puts each peer's "host:port" into the instructions (Group.addresses,
+ * SendTensor.peer_address), so the data plane needs no directory of its own.
+ *
+ * Buffers are host memory, contiguous, `count` elements of `dtype`. Every call
+ * is blocking, must be entered by every member of the group with the same
+ * comm_id and arguments, and fails on every rank within `timeout_ms` if a peer
+ * disappears (REMOTE_FAILURE / AGENT_LOST naming the peer) — never hangs.
+ * Thread-safe: different comm_ids may run concurrently (one per stream). */
+#ifndef MESHD_AGENT_DATAPLANE_H
+#define MESHD_AGENT_DATAPLANE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dtype.h"
+#include "error_kind.h"
+
+typedef enum {
+  DP_SUM, DP_AVG, DP_PRODUCT, DP_MIN, DP_MAX, DP_BAND, DP_BOR, DP_BXOR
+} dp_reduce_t;
+
+/* "sum" -> DP_SUM ...; -1 for "stack" or unknown. */
+int dp_reduce_parse(const char *name);
+
+typedef struct dataplane dataplane_t;
+
+/* A group: `n` members in group order; ranks[i] is at addrs[i] ("host:port");
+ * `me` is this agent's index in it. */
+typedef struct dp_group {
+  uint64_t comm_id;
+  const uint32_t *ranks;
+  const char *const *addrs;
+  size_t n;
+  size_t me;
+} dp_group_t;
+
+/* Listens on host:0 (e.g. "127.0.0.1", "0.0.0.0"). NULL with err on failure. */
+dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
+                             meshd_error_t *err);
+int dataplane_port(const dataplane_t *dp);
+/* Closes every connection (peers' pending calls fail), joins, frees. */
+void dataplane_stop(dataplane_t *dp);
+
+/* In place: buf becomes the reduction of every member's buf. */
+int dp_allreduce(dataplane_t *dp, const dp_group_t *g, void *buf, size_t count, dtype_t dtype,
+                 dp_reduce_t op, meshd_error_t *err);
+/* in: n * count elements; out: count elements, this member's reduced slice. */
+int dp_reduce_scatter(dataplane_t *dp, const dp_group_t *g, const void *in, void *out,
+                      size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+/* in: count elements; out: n * count, member i's in at slice i. */
+int dp_allgather(dataplane_t *dp, const dp_group_t *g, const void *in, void *out, size_t count,
+                 dtype_t dtype, meshd_error_t *err);
+/* in/out: n * count; out slice i = member i's in slice `me`. */
+int dp_alltoall(dataplane_t *dp, const dp_group_t *g, const void *in, void *out, size_t count,
+                dtype_t dtype, meshd_error_t *err);
+/* Point to point on channel comm_id: bytes to/from the agent at addr (rank). */
+int dp_send(dataplane_t *dp, uint64_t comm_id, uint32_t to_rank, const char *addr, const void *buf,
+            size_t bytes, meshd_error_t *err);
+int dp_recv(dataplane_t *dp, uint64_t comm_id, uint32_t from_rank, const char *addr, void *buf,
+            size_t bytes, meshd_error_t *err);
+
+#endif
