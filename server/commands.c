@@ -439,6 +439,14 @@ static int resolve_call_args(objects_t *o, const char *cmd, const op_def_t *op,
   return 0;
 }
 
+/* Same offset, sizes and strides (slots past ndim are not part of a layout). */
+static bool same_view(const layout_t *a, const layout_t *b) {
+  if (a->ndim != b->ndim || a->offset != b->offset) return false;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->sizes[i] != b->sizes[i] || a->strides[i] != b->strides[i]) return false;
+  return true;
+}
+
 static bool param_mutated(const op_infer_t *inf, int param) {
   for (int i = 0; i < inf->nmutates; i++)
     if (inf->mutates[i] == param) return true;
@@ -485,6 +493,22 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   }
   uint64_t mesh_ref = 0;
   if (check_uses(o, cmd, uses, ca->ntensors, &mesh_ref, call->stream, e)) goto out;
+  /* Like torch: an input may be the written tensor itself, but not another
+   * view of the same memory (the result would depend on the kernel's order). */
+  for (size_t i = 0; i < ca->ntensors; i++) {
+    if (!uses[i].write) continue;
+    const tensor_obj_t *w = &ca->tensors[i]->tensor;
+    for (size_t j = 0; j < ca->ntensors; j++) {
+      const tensor_obj_t *r = &ca->tensors[j]->tensor;
+      if (j == i || r->storage != w->storage) continue;
+      if (same_view(&r->meta.layout, &w->meta.layout)) continue;
+      error_set(e, ERR_BAD_ARGUMENT,
+                "%s: %s (tensor %llu) writes memory that %s (tensor %llu) views differently; "
+                "clone the input first", cmd, uses[i].what, (unsigned long long)ca->tensors[i]->ref,
+                uses[j].what, (unsigned long long)ca->tensors[j]->ref);
+      goto out;
+    }
+  }
   bool inplace = op->is_inplace;
   if (call->n_results != (size_t)inf.nresults && !(inplace && call->n_results == 0)) {
     error_set(e, ERR_BAD_ARGUMENT, "%s returns %d tensor%s but the command names %zu result ref%s",

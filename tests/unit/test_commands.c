@@ -1313,3 +1313,16 @@ Test(commands, instructions_touch_only_the_mesh_ranks) {
   for (uint32_t r = 0; r < 8; r++)
     cr_assert_eq(r < objs->ntouched && objs->touched[r], r >= 4 || r == 1, "rank %u", r);
 }
+
+Test(commands, inplace_refuses_a_partially_overlapping_input) {
+  ZEROS(20, 4, 4);
+  /* x.add_(x): the same view is fine, as in torch. */
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(20), aref(20)), RES(21)));
+  /* x.add_(x.t()): another view of the same memory would depend on kernel order. */
+  ok(CALL("t", STREAM_MAIN, ARGS(aref(20)), RES(22)));
+  REJECT(CALL("add_", STREAM_MAIN, ARGS(aref(20), aref(22)), RES(23)), ERR_BAD_ARGUMENT,
+                "Call add_", "writes memory that", "clone the input first");
+  /* A clone is a different storage: accepted. */
+  ok(CALL("clone", STREAM_MAIN, ARGS(aref(22)), RES(24)));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(20), aref(24)), RES(25)));
+}
