@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "executor.h"
 #include "health.h"
 #include "rpc.h"
 
@@ -21,7 +22,13 @@ typedef struct agent_info {
   const char *device;     /* "cpu" */
   uint64_t memory_bytes;  /* capacity reported to the server */
   int32_t requested_rank; /* -1: any free rank */
+  uint32_t data_port;     /* the data plane's port (0: none) */
+  char data_address[256]; /* its "host:port" as peers reach it */
+  executor_env_t env;     /* backend, data plane, rank: what instructions run with */
 } agent_info_t;
+
+/* This agent's world rank as the server's Hello named it; -1 before. */
+extern _Atomic int64_t agent_rank;
 
 /* ---- agent_service.c --------------------------------------------------- */
 
@@ -30,6 +37,13 @@ typedef struct agent_info {
  * others with UNIMPLEMENTED. Returns the rows (static storage) and their
  * count in *n. Call once. */
 const rpc_method_t *agent_service_methods(const agent_info_t *info, size_t *n);
+
+/* ---- data.c: Agent/Read and Agent/Write -------------------------------- */
+
+void data_read_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
+void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
+void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);
+void data_write_end(rpc_call_t *call, bool cancelled, void *arg);
 
 /* ---- registration.c ---------------------------------------------------- */
 

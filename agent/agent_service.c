@@ -21,14 +21,17 @@ static void hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     return;
   }
   log_debug("agent", "hello from server %s for rank %u", req->server_id, req->rank);
+  atomic_store(&agent_rank, (int64_t)req->rank);
 
   Meshd__Agent__V1__HelloReply reply = MESHD__AGENT__V1__HELLO_REPLY__INIT;
   reply.agent_id = (char *)self->id;
   reply.device = (char *)self->device;
   reply.memory_bytes = self->memory_bytes;
-  reply.allocated_bytes = 0; /* no allocator yet */
+  reply.allocated_bytes = self->env.backend ? atomic_load(&self->env.backend->allocated) : 0;
   rpc_call_reply(call, &reply.base);
 }
+
+_Atomic int64_t agent_rank = -1;
 
 static rpc_method_t methods[] = {
     {
@@ -44,6 +47,20 @@ static rpc_method_t methods[] = {
         .on_start = execute_start,
         .on_message = execute_message,
         .on_end = execute_end,
+    },
+    {
+        .path = "/meshd.agent.v1.Agent/Read",
+        .kind = RPC_SERVER_STREAMING,
+        .request = &meshd__agent__v1__read_request__descriptor,
+        .on_start = data_read_start,
+    },
+    {
+        .path = "/meshd.agent.v1.Agent/Write",
+        .kind = RPC_CLIENT_STREAMING,
+        .request = &meshd__agent__v1__data_chunk__descriptor,
+        .on_start = data_write_start,
+        .on_message = data_write_message,
+        .on_end = data_write_end,
     },
 };
 

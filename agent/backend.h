@@ -42,8 +42,10 @@ typedef struct backend_ops {
   /* Opens the device ("cpu", "cuda:0"). Returns 0, or -1 with err. */
   int (*open)(backend_t *b, const char *device, meshd_error_t *err);
   void (*close)(backend_t *b);
-  /* Device memory; NULL when out of memory (the caller reports QUOTA /
-   * RESOURCE_EXHAUSTED for that command; the agent lives on). */
+  /* Device memory; NULL when out of memory or when `allocated` would pass
+   * `capacity` (the caller reports QUOTA / RESOURCE_EXHAUSTED for that
+   * command; the agent lives on). Adds bytes to `allocated`; free subtracts
+   * them. cpu: 64-byte aligned, not zeroed. */
   void *(*alloc)(backend_t *b, size_t bytes);
   void (*free)(backend_t *b, void *ptr, size_t bytes);
   /* Streams. NULL allowed for both on backends without streams (cpu). */
@@ -71,7 +73,7 @@ struct backend {
   const backend_ops_t *ops;
   void *impl;                 /* the backend's own state */
   _Atomic uint64_t allocated; /* bytes held now (reported to the server) */
-  uint64_t capacity;          /* bytes it may hold (--memory-bytes) */
+  uint64_t capacity;          /* bytes it may hold (--memory-bytes); 0: no limit */
 };
 
 /* The cpu backend's table (agent/cpu/). */

@@ -27,6 +27,11 @@ typedef struct exec_call {
   session_t *sessions;
   uint64_t batches, instructions;
   bool failed;
+  executor_t *ex;
+  /* A refused stream ends once everything before the bad seq ran (mu). */
+  bool finishing, finished;
+  uint64_t finish_after;
+  char why[300];
 } exec_call_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -41,9 +46,34 @@ static void free_sessions(exec_call_t *x) {
   }
 }
 
+/* The executor's reporter thread: one AgentReport, then the end of a refused call. */
+static void report(uint64_t through, Meshd__V1__Error **errors, size_t n, uint64_t allocated,
+                   void *arg) {
+  exec_call_t *x = arg;
+  pthread_mutex_lock(&mu);
+  bool finished = x->finished;
+  pthread_mutex_unlock(&mu);
+  if (finished) return;
+  Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
+  rep.executed_through = through;
+  rep.errors = errors;
+  rep.n_errors = n;
+  rep.allocated_bytes = allocated;
+  rpc_call_send(x->call, &rep.base);
+  pthread_mutex_lock(&mu);
+  bool finish = x->finishing && !x->finished && through >= x->finish_after;
+  if (finish) x->finished = true;
+  pthread_mutex_unlock(&mu);
+  if (finish) rpc_call_finish(x->call, GRPC_STATUS_INVALID_ARGUMENT, NULL, "%s", x->why);
+}
+
 void execute_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   const agent_info_t *self = arg;
   exec_call_t *x = calloc(1, sizeof *x);
+  if (x && !(x->ex = executor_create(&self->env, report, x))) {
+    free(x);
+    x = NULL;
+  }
   if (!x) {
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "agent out of memory");
     return;
@@ -142,22 +172,29 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     if (!check_locked(x, b->instructions[taken], why, sizeof why)) break;
     take_locked(x, b->instructions[taken]);
   }
-  uint64_t through = x->last_seq;
+  uint64_t last = x->last_seq;
   pthread_mutex_unlock(&mu);
+  /* Queued, not run here: the handler never blocks. */
+  for (size_t i = 0; i < taken; i++) executor_submit(x->ex, b->instructions[i]);
 
-  /* One cumulative ack per batch; the good prefix of a bad batch is acked
-   * before the call ends so the server knows exactly what was taken. */
-  if (taken > 0 || !why[0]) {
-    Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
-    rep.executed_through = through;
-    rpc_call_send(call, &rep.base);
+  if (!why[0]) {
+    executor_kick(x->ex); /* every batch is answered */
+    return;
   }
-  if (why[0]) {
-    x->failed = true;
-    log_warn("execute", "agent %s: ending the Execute call from %s: %s", self->id,
-             x->peer ? x->peer : "?", why);
-    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, NULL, "%s", why);
-  }
+  /* The good prefix is reported as executed before the call ends, so the
+   * server knows exactly what ran. */
+  x->failed = true;
+  log_warn("execute", "agent %s: ending the Execute call from %s: %s", self->id,
+           x->peer ? x->peer : "?", why);
+  pthread_mutex_lock(&mu);
+  x->finishing = true;
+  x->finish_after = last;
+  snprintf(x->why, sizeof x->why, "%s", why);
+  bool now = taken == 0 && executor_executed(x->ex) >= last;
+  if (now) x->finished = true;
+  pthread_mutex_unlock(&mu);
+  if (now) rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, NULL, "%s", why);
+  else executor_kick(x->ex);
 }
 
 void execute_end(rpc_call_t *call, bool cancelled, void *arg) {
@@ -174,6 +211,7 @@ void execute_end(rpc_call_t *call, bool cancelled, void *arg) {
            x->peer ? x->peer : "?", cancelled ? " (cancelled)" : "", x->batches, x->instructions,
            x->last_seq, open);
   if (was_current) rpc_call_unref(call);
+  executor_close(x->ex); /* no report after this; sessions end, memory is freed */
   free_sessions(x);
   free(x->peer);
   free(x);
@@ -184,4 +222,12 @@ size_t execute_sessions(void) {
   size_t n = current ? HASH_COUNT(current->sessions) : 0;
   pthread_mutex_unlock(&mu);
   return n;
+}
+
+executor_t *execute_executor(void) {
+  pthread_mutex_lock(&mu);
+  executor_t *ex = current ? current->ex : NULL;
+  if (ex) executor_ref(ex);
+  pthread_mutex_unlock(&mu);
+  return ex;
 }

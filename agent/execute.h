@@ -5,12 +5,14 @@
  * by exactly one within the call (the first one sets the base: a server
  * continues a rank's numbering when it replaces an agent). A gap or repeat
  * ends the call with INVALID_ARGUMENT naming the seq, after acknowledging the
- * instructions before it. Each batch is answered by one AgentReport whose
- * executed_through is the last seq taken (acks are batched, GRPC_NOTES §7).
+ * instructions before it. Instructions run on the call's executor (executor.h); AgentReports
+ * carry its watermark (executed_through: every seq up to it has RUN), the
+ * root failures and the bytes allocated, whenever they change and at least
+ * once after each batch (acks are batched, GRPC_NOTES §7). A refused call
+ * ends once what it took before the bad instruction has run and been reported.
  *
- * For now instructions are recorded, not computed: the state kept is the set
- * of sessions seen on the call (EndSession drops one). That state belongs to
- * the call: when the call ends (its server is gone) it is freed.
+ * Everything belongs to the call: when it ends (its server is gone) every
+ * session it ran is ended and its memory freed.
  *
  * One call at a time: a second Execute call (a restarted or different server)
  * replaces the first, which ends with ABORTED. The handlers never block. */
@@ -19,6 +21,7 @@
 
 #include <stddef.h>
 
+#include "executor.h"
 #include "rpc.h"
 
 /* The row's handlers; `arg` is the agent_info_t (agent.h) like the other rows. */
@@ -28,5 +31,7 @@ void execute_end(rpc_call_t *call, bool cancelled, void *arg);
 
 /* Sessions open on the current Execute call (0 without one). For tests and logs. */
 size_t execute_sessions(void);
+/* The current call's executor, referenced (executor_unref it); NULL without one. */
+executor_t *execute_executor(void);
 
 #endif

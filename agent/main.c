@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "backend.h"
+#include "dataplane.h"
 #include "config.h"
 #include "health.h"
 #include "log.h"
@@ -136,6 +138,7 @@ int main(int argc, char **argv) {
   info.device = opt.device;
   info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : default_memory_bytes();
   info.requested_rank = (int32_t)opt.rank;
+  if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
 
   /* Before rpc_init, so every thread gRPC starts inherits the mask. */
   runtime_block_signals();
@@ -143,6 +146,9 @@ int main(int argc, char **argv) {
   rpc_init();
   rc = 1;
   char err[256];
+  static backend_t backend;
+  dataplane_t *dp = NULL;
+  bool backend_open = false;
   health_t *health = health_create();
   registration_t *reg = NULL;
   rpc_server_opts_t sopts = {
@@ -182,6 +188,35 @@ int main(int argc, char **argv) {
            " bytes, pid %d", info.id, port, info.address, info.device, info.memory_bytes,
            (int)getpid());
 
+  /* The device, then the data plane on the advertised host. */
+  meshd_error_t merr = {0};
+  backend.ops = &cpu_backend_ops;
+  backend.capacity = info.memory_bytes;
+  if (backend.ops->open(&backend, info.device, &merr) != 0) {
+    log_error("agent", "cannot open device %s: %s", info.device, merr.msg);
+    goto out;
+  }
+  backend_open = true;
+  char host[200];
+  snprintf(host, sizeof host, "%.199s", info.address);
+  char *colon = strrchr(host, ':');
+  if (colon) *colon = '\0';
+  if (host[0] == '[') { /* "[::1]" -> "::1" */
+    memmove(host, host + 1, strlen(host));
+    char *end = strchr(host, ']');
+    if (end) *end = '\0';
+  }
+  dp = dataplane_start(host, opt.rank >= 0 ? (uint32_t)opt.rank : 0, 30000, &merr);
+  if (dp) {
+    info.data_port = (uint32_t)dataplane_port(dp);
+    snprintf(info.data_address, sizeof info.data_address, "%s:%u", host, info.data_port);
+    log_info("agent", "data plane on %s", info.data_address);
+  } else {
+    log_warn("agent", "no data plane (%s): collectives over several agents and sends will fail",
+             merr.msg);
+  }
+  info.env = (executor_env_t){&backend, dp, info.data_address, &agent_rank};
+
   reg = registration_start(&info, health);
   if (!reg)
     goto out;
@@ -200,6 +235,8 @@ out:
     rpc_server_destroy(srv);
   }
   health_destroy(health);
+  if (dp) dataplane_stop(dp);
+  if (backend_open) backend.ops->close(&backend);
   rpc_shutdown();
   if (rc == 0)
     log_info("agent", "stopped");

@@ -146,7 +146,7 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   hello.device = (char *)info->device;
   hello.memory_bytes = info->memory_bytes;
   hello.requested_rank = info->requested_rank;
-  hello.data_port = 0; /* no data plane yet */
+  hello.data_port = info->data_port;
   hello.version = MESHD_VERSION;
   hello.pid = (uint32_t)getpid();
   Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;

@@ -82,7 +82,9 @@ void agent_pool_destroy(agent_pool_t *p) {
 
 static void link_report(uint32_t rank, uint64_t executed, const Meshd__V1__Error *const *errors,
                         size_t n, uint64_t allocated_bytes, void *arg) {
-  agent_pool_t *p = ((pool_link_t *)arg)->pool;
+  pool_link_t *pl = arg;
+  agent_pool_t *p = pl->pool;
+  agent_pool_set_allocated(p, rank, pl->agent_id, allocated_bytes);
   if (p->cb.on_report) p->cb.on_report(rank, executed, errors, n, allocated_bytes, p->cb.arg);
   watermark_advance(p->marks, rank, executed);
 }
@@ -315,6 +317,37 @@ int agent_pool_send(agent_pool_t *p, uint32_t rank, const Meshd__Agent__V1__Inst
   pthread_mutex_unlock(&p->mu);
   if (seq_out) *seq_out = seq;
   return seq ? 0 : -1;
+}
+
+const char *agent_pool_data_address(agent_pool_t *p, uint32_t rank, char *buf, size_t len) {
+  buf[0] = '\0';
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  if (a && a->d.data_port) {
+    char host[256];
+    snprintf(host, sizeof host, "%s", a->d.address);
+    char *colon = strrchr(host, ':');
+    if (colon) *colon = '\0';
+    snprintf(buf, len, "%s:%u", host, a->d.data_port);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return buf;
+}
+
+int agent_pool_address(agent_pool_t *p, uint32_t rank, char *buf, size_t len) {
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  if (a) snprintf(buf, len, "%s", a->d.address);
+  pthread_mutex_unlock(&p->mu);
+  return a ? 0 : -1;
+}
+
+uint64_t agent_pool_last_seq(agent_pool_t *p, uint32_t rank) {
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  uint64_t seq = a && a->link ? agent_link_last_seq(a->link->link) : 0;
+  pthread_mutex_unlock(&p->mu);
+  return seq;
 }
 
 uint64_t agent_pool_executed(agent_pool_t *p, uint32_t rank) {

@@ -73,6 +73,15 @@ void agent_pool_set_channel(agent_pool_t *pool, uint32_t rank, const char *agent
  * replaced: a later agent continues the numbering. */
 int agent_pool_send(agent_pool_t *pool, uint32_t rank, const Meshd__Agent__V1__Instruction *ins,
                     uint64_t *seq_out);
+/* rank's data plane "host:port" (the host of its advertised address and its
+ * data_port) into buf; "" when the rank has no agent or no data plane.
+ * Returns buf. */
+const char *agent_pool_data_address(agent_pool_t *pool, uint32_t rank, char *buf, size_t len);
+/* rank's agent address (what the server dials) into buf, for calls on a
+ * channel of the caller's own. Returns 0, or -1 if the rank has no agent. */
+int agent_pool_address(agent_pool_t *pool, uint32_t rank, char *buf, size_t len);
+/* Highest seq given out to rank (0: none). */
+uint64_t agent_pool_last_seq(agent_pool_t *pool, uint32_t rank);
 /* Highest seq rank has executed (0: none). Monotone, survives agent loss. */
 uint64_t agent_pool_executed(agent_pool_t *pool, uint32_t rank);
 /* Instructions queued for rank and not yet written (0 without a link). */

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "borrow.h"
 #include "checks.h"
@@ -330,7 +331,15 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   obj_t *t = objects_new_tensor(o, f->ref, &inf.results[0].meta, mesh->ref, f->stream, ranks);
   if (!t) return error_set(e, ERR_QUOTA, "Factory: out of memory on the server");
   claim_refs(s, &f->ref, 1);
-  emit_factory(fe, s, o, mesh, t, f);
+  /* rand/randn without a seed draw a fresh one here, so every rank of the mesh
+   * uses the same seed (and its own rank's stream of it). */
+  Meshd__V1__Factory fx = *f;
+  if (!fx.has_seed && (strcmp(f->kind, "rand") == 0 || strcmp(f->kind, "randn") == 0)) {
+    if (getrandom(&fx.seed, sizeof fx.seed, 0) != (ssize_t)sizeof fx.seed)
+      fx.seed = (uint64_t)rpc_now_ms() * 0x9e3779b97f4a7c15ull ^ f->ref;
+    fx.has_seed = true;
+  }
+  emit_factory(fe, s, o, mesh, t, &fx);
   return add_tensor(out, t);
 }
 

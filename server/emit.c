@@ -9,6 +9,8 @@
 typedef Meshd__Agent__V1__Instruction instr_t;
 typedef Meshd__Agent__V1__TensorSpec spec_t;
 
+#define EMIT_ADDR_MAX 288 /* "host:port" of a data plane */
+
 static void spec_of(spec_t *sp, const obj_t *t) {
   meshd__agent__v1__tensor_spec__init(sp);
   const layout_t *l = &t->tensor.meta.layout;
@@ -130,13 +132,18 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
     group_size *= mesh->slice.sizes[dims[i]];
   }
   uint32_t *group = malloc(sizeof *group * (size_t)group_size);
+  char **addrs = calloc((size_t)group_size, sizeof *addrs);
+  char *addr_buf = malloc((size_t)group_size * EMIT_ADDR_MAX);
   size_t n;
   uint32_t *ranks = ranks_of(mesh, &n);
-  if (!group || !ranks) goto out;
+  if (!group || !ranks || !addrs || !addr_buf) goto out;
+  for (int64_t k = 0; k < group_size; k++) addrs[k] = addr_buf + k * EMIT_ADDR_MAX;
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id(s, mesh->ref, mask, r->stream);
   g.ranks = group;
   g.n_ranks = (size_t)group_size;
+  g.addresses = addrs;
+  g.n_addresses = (size_t)group_size;
   Meshd__Agent__V1__ReduceOp op = MESHD__AGENT__V1__REDUCE_OP__INIT;
   op.reduce = (Meshd__V1__Reduce *)r;
   op.input = &in_spec;
@@ -158,11 +165,14 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
         rest /= mesh->slice.sizes[dims[d]];
       }
       group[k] = (uint32_t)ndslice_rank_of(&mesh->slice, coords, NULL);
+      agent_pool_data_address(fe->pool, group[k], addrs[k], EMIT_ADDR_MAX);
     }
     send_to(fe, o, ranks[i], &ins);
   }
 out:
   free(group);
+  free(addrs);
+  free(addr_buf);
   free(ranks);
 }
 
@@ -195,13 +205,17 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
       send_to(fe, o, from, &ins);
       continue;
     }
+    char peer[EMIT_ADDR_MAX];
+    st.peer_address = peer;
     st.input = &in_spec;
+    agent_pool_data_address(fe->pool, dranks[i], peer, sizeof peer);
     init_instr(&ins, s, in->tensor.stream);
     ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
     ins.send = &st;
     send_to(fe, o, from, &ins);
     st.input = NULL;
     st.result = &res_spec;
+    agent_pool_data_address(fe->pool, from, peer, sizeof peer);
     init_instr(&ins, s, res->tensor.stream);
     ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
     ins.send = &st;

@@ -20,6 +20,7 @@
 #include "session.h"
 #include "session_service.h"
 #include "supervisor.h"
+#include "data_service.h"
 #include "tensor_service.h"
 
 typedef struct options {
@@ -125,12 +126,13 @@ int main(int argc, char **argv) {
   session_table_t *sessions =
       session_table_create((uint64_t)opt.session_ttl, opt.session_quota_bytes, session_closed, &state);
   state.commands = sessions ? command_service_create(pool, sessions) : NULL;
+  data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes) : NULL;
   rpc_server_opts_t so = {.listen = opt.listen,
                           .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes,
                           .keepalive_ms = 1000};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
-  if (!srv || !state.health || !pool || !registry || !sessions || !state.commands) {
+  if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);
     return 1;
   }
@@ -142,6 +144,8 @@ int main(int argc, char **argv) {
   m = session_service_methods(sessions, &n);
   rpc_server_add_methods(srv, m, n);
   m = command_service_methods(state.commands, &n);
+  rpc_server_add_methods(srv, m, n);
+  m = data_service_methods(data, &n);
   rpc_server_add_methods(srv, m, n);
   health_add_methods(state.health, srv);
   health_set(state.health, "", HEALTH_SERVING);
@@ -198,6 +202,7 @@ int main(int argc, char **argv) {
   rpc_server_destroy(srv);
   session_table_destroy(sessions);
   command_service_destroy(state.commands);
+  data_service_destroy(data);
   agent_pool_destroy(pool);
   health_destroy(state.health);
   rpc_shutdown();

@@ -77,6 +77,25 @@ static int64_t read_report(rpc_stream_t *s) {
   return v;
 }
 
+/* Reports come when execution moves (executed_through means RUN), so a batch
+ * may be answered by several: reads until the watermark reaches want and
+ * returns it (never past it), or -1 at the end of the stream. */
+static int64_t read_until(rpc_stream_t *s, int64_t want) {
+  for (;;) {
+    int64_t v = read_report(s);
+    if (v < 0 || v >= want) return v;
+  }
+}
+
+/* Skips reports that repeat the watermark `at`; returns -1 at the end of the
+ * stream, else the first different value. */
+static int64_t read_end(rpc_stream_t *s, int64_t at) {
+  for (;;) {
+    int64_t v = read_report(s);
+    if (v != at || v < 0) return v;
+  }
+}
+
 static rpc_stream_t *open_execute(void) {
   rpc_stream_t *s = rpc_stream_open(ch, AGENT_LINK_METHOD, NULL, 0, 10000);
   cr_assert_not_null(s);
@@ -87,16 +106,15 @@ Test(execute, one_cumulative_report_per_batch) {
   rpc_stream_t *s = open_execute();
   uint64_t a[] = {1, 2, 3}, b[] = {4, 5}, c[] = {6};
   cr_assert_eq(write_batch(s, a, NULL, 3), 0);
-  cr_assert_eq(read_report(s), 3);
+  cr_assert_eq(read_until(s, 3), 3);
   cr_assert_eq(write_batch(s, b, NULL, 2), 0);
   cr_assert_eq(write_batch(s, c, NULL, 1), 0);
-  cr_assert_eq(read_report(s), 5);
-  cr_assert_eq(read_report(s), 6);
+  cr_assert_eq(read_until(s, 6), 6);
   /* An empty batch is answered too (the watermark as it stands). */
   cr_assert_eq(write_batch(s, NULL, NULL, 0), 0);
   cr_assert_eq(read_report(s), 6);
   cr_assert_eq(rpc_stream_close_send(s), 0);
-  cr_assert_eq(read_report(s), -1);
+  cr_assert_eq(read_end(s, 6), -1);
   cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
   rpc_stream_destroy(s);
 }
@@ -105,7 +123,7 @@ Test(execute, first_seq_is_the_base) {
   rpc_stream_t *s = open_execute();
   uint64_t a[] = {41, 42};
   cr_assert_eq(write_batch(s, a, NULL, 2), 0);
-  cr_assert_eq(read_report(s), 42);
+  cr_assert_eq(read_until(s, 42), 42);
   rpc_stream_destroy(s);
 }
 
@@ -115,13 +133,14 @@ static void assert_refused(const uint64_t *first, size_t nfirst, const uint64_t 
   rpc_stream_t *s = open_execute();
   if (nfirst) {
     cr_assert_eq(write_batch(s, first, NULL, nfirst), 0);
-    cr_assert_eq(read_report(s), (int64_t)first[nfirst - 1]);
+    cr_assert_eq(read_until(s, (int64_t)first[nfirst - 1]), (int64_t)first[nfirst - 1]);
   }
   write_batch(s, bad, sessions, nbad);
-  int64_t r = read_report(s);
+  int64_t r = read_end(s, nfirst ? (int64_t)first[nfirst - 1] : 0);
   if (acked >= 0) {
+    if (r >= 0 && r < acked) r = read_until(s, acked);
     cr_assert_eq(r, acked, "the good prefix is acked before the call ends");
-    r = read_report(s);
+    r = read_end(s, acked);
   }
   cr_assert_eq(r, -1);
   rpc_status_t st;
@@ -158,7 +177,7 @@ Test(execute, sessions_are_tracked_and_ended) {
   uint64_t a[] = {1, 2, 3};
   const char *sa[] = {"s1", "s2", "s1"};
   cr_assert_eq(write_batch(s, a, sa, 3), 0);
-  cr_assert_eq(read_report(s), 3);
+  cr_assert_eq(read_until(s, 3), 3);
   cr_assert_eq(execute_sessions(), 2);
 
   Meshd__Agent__V1__Instruction end = MESHD__AGENT__V1__INSTRUCTION__INIT;
@@ -171,7 +190,7 @@ Test(execute, sessions_are_tracked_and_ended) {
   b.n_instructions = 1;
   b.instructions = &p;
   cr_assert_eq(rpc_stream_write(s, &b.base, false), 0);
-  cr_assert_eq(read_report(s), 4);
+  cr_assert_eq(read_until(s, 4), 4);
   cr_assert_eq(execute_sessions(), 1);
   rpc_stream_destroy(s);
   /* The call's state goes with the call. */
@@ -185,14 +204,14 @@ Test(execute, a_second_call_replaces_the_first) {
   uint64_t a[] = {1};
   const char *sa[] = {"old"};
   cr_assert_eq(write_batch(first, a, sa, 1), 0);
-  cr_assert_eq(read_report(first), 1);
+  cr_assert_eq(read_until(first, 1), 1);
 
   rpc_stream_t *second = open_execute();
   uint64_t b[] = {1, 2};
   const char *sb[] = {"new1", "new2"};
   cr_assert_eq(write_batch(second, b, sb, 2), 0);
-  cr_assert_eq(read_report(second), 2);
-  cr_assert_eq(read_report(first), -1);
+  cr_assert_eq(read_until(second, 2), 2);
+  cr_assert_eq(read_end(first, 1), -1);
   rpc_status_t st;
   cr_assert_eq(rpc_stream_finish(first, &st), GRPC_STATUS_ABORTED, "%d: %s", st.code, st.message);
   cr_assert(strstr(st.message, "replaced"), "%s", st.message);
@@ -201,7 +220,7 @@ Test(execute, a_second_call_replaces_the_first) {
   /* The old call's end does not disturb the new one. */
   uint64_t c[] = {3};
   cr_assert_eq(write_batch(second, c, sb, 1), 0);
-  cr_assert_eq(read_report(second), 3);
+  cr_assert_eq(read_until(second, 3), 3);
   rpc_stream_destroy(second);
 }
 
@@ -231,7 +250,7 @@ Test(execute, real_link_to_real_handler) {
   agent_link_stats_t st;
   agent_link_stats(l, &st);
   cr_assert_lt(st.batches_sent, n / 4);
-  cr_assert_eq(st.reports, st.batches_sent);
+  cr_assert_geq(st.reports, 1); /* reports follow execution, not batches */
   cr_assert_eq(atomic_load(&lost), 0);
 
   /* A second server's link takes the agent over: the first link is lost. */

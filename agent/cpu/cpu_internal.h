@@ -1,0 +1,245 @@
+/* Inside the cpu backend: per-dtype loads and stores, half conversions, the
+ * strided N-d iterator every elementwise kernel runs on, and the kernels that
+ * run_op dispatches to (kernels_*.c). */
+#ifndef MESHD_CPU_INTERNAL_H
+#define MESHD_CPU_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "backend.h"
+
+/* backend_t.impl of the cpu backend. */
+typedef struct cpu_state {
+  _Atomic uint64_t rand_offset; /* the running offset of unseeded draws (philox.h) */
+} cpu_state_t;
+
+/* ---- float16 / bfloat16, round to nearest even ---- */
+
+static inline float cpu_half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (!man) {
+      bits = sign;
+    } else { /* subnormal: normalise */
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t cpu_float_to_half(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds past 65504 */
+  if (ax < 0x38800000u) { /* below the smallest normal half: subnormal or 0 */
+    if (ax < 0x33000000u) return (uint16_t)sign; /* under half the smallest subnormal */
+    /* value = man * 2^(E-150), in units of the half subnormal 2^-24 */
+    uint32_t man = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
+    uint32_t q = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+  }
+  uint32_t r = ax - 0x38000000u; /* rebias exponent 127 -> 15, keep 23-bit mantissa */
+  uint32_t q = r >> 13, rem = r & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (q & 1))) q++;
+  return (uint16_t)(sign | q);
+}
+
+static inline float cpu_bf16_to_float(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t cpu_float_to_bf16(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
+  x += 0x7fff + ((x >> 16) & 1);
+  return (uint16_t)(x >> 16);
+}
+
+/* ---- loads and stores: floating values as double, integral ones as int64 ---- */
+
+static inline double cpu_ld_f(dtype_t dt, const char *p) {
+  switch (dt) {
+  case DTYPE_FLOAT32: { float v; memcpy(&v, p, 4); return v; }
+  case DTYPE_FLOAT64: { double v; memcpy(&v, p, 8); return v; }
+  case DTYPE_FLOAT16: { uint16_t v; memcpy(&v, p, 2); return cpu_half_to_float(v); }
+  case DTYPE_BFLOAT16: { uint16_t v; memcpy(&v, p, 2); return cpu_bf16_to_float(v); }
+  case DTYPE_INT8: return *(const int8_t *)p;
+  case DTYPE_UINT8: return *(const uint8_t *)p;
+  case DTYPE_INT16: { int16_t v; memcpy(&v, p, 2); return v; }
+  case DTYPE_INT32: { int32_t v; memcpy(&v, p, 4); return v; }
+  case DTYPE_INT64: { int64_t v; memcpy(&v, p, 8); return (double)v; }
+  case DTYPE_BOOL: return *(const uint8_t *)p != 0;
+  default: return 0;
+  }
+}
+
+/* A double to int64 the way a cast does, without undefined behaviour outside
+ * the range (NaN -> 0, saturating). */
+static inline int64_t cpu_f2i(double v) {
+  if (v != v) return 0;
+  if (v >= 9223372036854775807.0) return INT64_MAX;
+  if (v <= -9223372036854775808.0) return INT64_MIN;
+  return (int64_t)v;
+}
+
+static inline int64_t cpu_ld_i(dtype_t dt, const char *p) {
+  switch (dt) {
+  case DTYPE_INT8: return *(const int8_t *)p;
+  case DTYPE_UINT8: return *(const uint8_t *)p;
+  case DTYPE_INT16: { int16_t v; memcpy(&v, p, 2); return v; }
+  case DTYPE_INT32: { int32_t v; memcpy(&v, p, 4); return v; }
+  case DTYPE_INT64: { int64_t v; memcpy(&v, p, 8); return v; }
+  case DTYPE_BOOL: return *(const uint8_t *)p != 0;
+  default: return cpu_f2i(cpu_ld_f(dt, p));
+  }
+}
+
+static inline void cpu_st_f(dtype_t dt, char *p, double v) {
+  switch (dt) {
+  case DTYPE_FLOAT32: { float f = (float)v; memcpy(p, &f, 4); return; }
+  case DTYPE_FLOAT64: memcpy(p, &v, 8); return;
+  case DTYPE_FLOAT16: { uint16_t h = cpu_float_to_half((float)v); memcpy(p, &h, 2); return; }
+  case DTYPE_BFLOAT16: { uint16_t h = cpu_float_to_bf16((float)v); memcpy(p, &h, 2); return; }
+  case DTYPE_BOOL: *(uint8_t *)p = v != 0; return;
+  default: break;
+  }
+  int64_t i = cpu_f2i(v);
+  switch (dt) {
+  case DTYPE_INT8: *(int8_t *)p = (int8_t)i; return;
+  case DTYPE_UINT8: *(uint8_t *)p = (uint8_t)i; return;
+  case DTYPE_INT16: { int16_t x = (int16_t)i; memcpy(p, &x, 2); return; }
+  case DTYPE_INT32: { int32_t x = (int32_t)i; memcpy(p, &x, 4); return; }
+  case DTYPE_INT64: memcpy(p, &i, 8); return;
+  default: return;
+  }
+}
+
+static inline void cpu_st_i(dtype_t dt, char *p, int64_t i) {
+  switch (dt) {
+  case DTYPE_INT8: *(int8_t *)p = (int8_t)i; return;
+  case DTYPE_UINT8: *(uint8_t *)p = (uint8_t)i; return;
+  case DTYPE_INT16: { int16_t x = (int16_t)i; memcpy(p, &x, 2); return; }
+  case DTYPE_INT32: { int32_t x = (int32_t)i; memcpy(p, &x, 4); return; }
+  case DTYPE_INT64: memcpy(p, &i, 8); return;
+  case DTYPE_BOOL: *(uint8_t *)p = i != 0; return;
+  default: cpu_st_f(dt, p, (double)i); return;
+  }
+}
+
+/* Whether values of dt are computed as int64 (integers, bool) or as double. */
+static inline bool cpu_is_int(dtype_t dt) { return !dtype_is_floating(dt); }
+
+/* ---- the strided N-d iterator ---- */
+
+#define CPU_MAX_OPS 6
+
+/* Operands (output first by convention) share one shape; each has its own
+ * byte strides (0 where it broadcasts). */
+typedef struct cpu_iter {
+  int nd, nops;
+  int64_t sizes[LAYOUT_MAX_DIMS];
+  int64_t strides[CPU_MAX_OPS][LAYOUT_MAX_DIMS];
+  char *base[CPU_MAX_OPS];
+} cpu_iter_t;
+
+/* One row of n elements; p[k] is operand k's first element, st[k] its stride. */
+typedef void (*cpu_row_fn)(void *ctx, char *const *p, const int64_t *st, int64_t n);
+
+void cpu_iter_init(cpu_iter_t *it, const int64_t *sizes, int nd);
+/* Adds a tensor broadcast to the iterator's shape (right-aligned; its size-1
+ * dims get stride 0). Returns the operand's index. */
+int cpu_iter_add(cpu_iter_t *it, const agent_tensor_t *t);
+/* Adds raw memory with a layout (strides in elements of esz bytes). */
+int cpu_iter_add_raw(cpu_iter_t *it, char *data, const layout_t *l, size_t esz);
+/* Adds one value that every element reads (stride 0). */
+int cpu_iter_add_scalar(cpu_iter_t *it, char *p);
+/* Runs fn over every row, splitting rows among threads when it pays: fn must
+ * only write its own output elements. */
+void cpu_iter_run(cpu_iter_t *it, cpu_row_fn fn, void *ctx);
+
+/* Calls fn(ctx, begin, end) over [0, n) in chunks of at least `grain`,
+ * on several threads when n > grain. */
+void cpu_parallel_for(int64_t n, int64_t grain, void (*fn)(void *ctx, int64_t begin, int64_t end),
+                      void *ctx);
+
+/* Element pointer of t at its offset. */
+static inline char *cpu_data(const agent_tensor_t *t) {
+  return (char *)t->storage->data + t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype);
+}
+
+/* Copies src into dst, casting, with src broadcast to dst's shape. */
+void cpu_copy_broadcast(agent_tensor_t *dst, const agent_tensor_t *src);
+/* A view of t: `l` on t's storage. */
+static inline agent_tensor_t cpu_view(const agent_tensor_t *t, const layout_t *l) {
+  agent_tensor_t v = {.meta = {.dtype = t->meta.dtype, .layout = *l}, .storage = t->storage};
+  return v;
+}
+
+/* ---- kernels ---- */
+
+typedef struct cpu_call {
+  backend_t *b;
+  const op_args_t *a;
+  agent_tensor_t **res;
+  int nres;
+  const op_infer_t *inf;
+  uint32_t rank;
+  int64_t coordinate;
+} cpu_call_t;
+
+typedef int (*cpu_kernel_fn)(const cpu_call_t *c, meshd_error_t *e);
+
+/* The tensor argument at param (NULL when the value is not a tensor). */
+static inline agent_tensor_t *cpu_arg(const cpu_call_t *c, int param) {
+  const op_value_t *v = &c->a->v[param];
+  return v->kind == VAL_TENSOR ? agent_tensor_of(v->tensor) : NULL;
+}
+static inline const char *cpu_opname(const cpu_call_t *c) { return c->a->op->name; }
+
+#define CPU_KERNEL(name) int name(const cpu_call_t *c, meshd_error_t *e)
+/* kernels_factory.c */
+CPU_KERNEL(cpu_kernel_fill);     /* empty zeros ones full */
+CPU_KERNEL(cpu_kernel_arange);
+CPU_KERNEL(cpu_kernel_rand);     /* rand randn */
+CPU_KERNEL(cpu_kernel_rank);
+CPU_KERNEL(cpu_kernel_fill_);    /* fill_ zero_ */
+/* kernels_elementwise.c */
+CPU_KERNEL(cpu_kernel_binary);   /* add .. bitwise_xor, add_ sub_ mul_ div_ */
+CPU_KERNEL(cpu_kernel_unary);
+CPU_KERNEL(cpu_kernel_where);
+CPU_KERNEL(cpu_kernel_clamp);    /* clamp clamp_ */
+/* kernels_reduce.c */
+CPU_KERNEL(cpu_kernel_reduce);
+CPU_KERNEL(cpu_kernel_softmax);  /* softmax log_softmax */
+/* kernels_linalg.c */
+CPU_KERNEL(cpu_kernel_matmul);   /* matmul mm bmm */
+/* kernels_tensor.c */
+CPU_KERNEL(cpu_kernel_copy);     /* clone contiguous to cast copy_ */
+CPU_KERNEL(cpu_kernel_cat);
+CPU_KERNEL(cpu_kernel_stack);
+CPU_KERNEL(cpu_kernel_index_select);
+CPU_KERNEL(cpu_kernel_gather);
+#undef CPU_KERNEL
+
+#endif

@@ -1,0 +1,75 @@
+/* The agent's executor: runs the instructions of one Execute call.
+ *
+ * Instructions arrive in seq order (executor_submit, from the Execute
+ * handler; it never blocks). Each goes to the queue of its (session, stream);
+ * one worker thread per (session, stream) runs its queue in order, different
+ * streams concurrently. Borrows and cross-stream results are ordered with
+ * per-stream progress counters ("events": a stream waits until another one
+ * ran through a given seq).
+ *
+ * The watermark is what has been EXECUTED: every seq <= executed_through is
+ * done on every stream. A reporter thread hands the watermark, the root
+ * failures not yet reported and the bytes allocated to the report callback
+ * whenever one of them changes, or after executor_kick.
+ *
+ * Owned by the Execute call that made it; Read/Write calls take references
+ * (executor_ref / executor_unref). */
+#ifndef MESHD_AGENT_EXECUTOR_H
+#define MESHD_AGENT_EXECUTOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "dataplane.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "refs.h"
+
+typedef struct executor executor_t;
+
+/* Runs on the reporter thread. errors (root failures) are valid during the call. */
+typedef void (*executor_report_fn)(uint64_t executed_through, Meshd__V1__Error **errors,
+                                   size_t n_errors, uint64_t allocated_bytes, void *arg);
+
+/* What an executor computes with; everything may be NULL (instructions that
+ * need a missing piece fail with REMOTE_FAILURE saying so). `address` is this
+ * agent's data plane "host:port" (finds it in a Group). Must outlive the
+ * executor. */
+typedef struct executor_env {
+  backend_t *backend;
+  dataplane_t *dataplane;
+  const char *data_address;
+  _Atomic int64_t *rank; /* world rank from Hello; -1 until known */
+} executor_env_t;
+
+executor_t *executor_create(const executor_env_t *env, executor_report_fn report, void *arg);
+/* Stops reporting (the callback never runs after it returns), then drops the
+ * owner's reference: workers finish their queues (sessions are ended, their
+ * memory freed) and the last reference frees the executor. Never blocks on
+ * workers; call once. */
+void executor_close(executor_t *x);
+void executor_ref(executor_t *x);
+void executor_unref(executor_t *x);
+
+/* Queues a copy of ins (already checked by the caller: seq = previous + 1,
+ * session and body set). Returns 0, or -1 out of memory (the instruction is
+ * then counted as done with a root failure reported). */
+int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
+/* The reporter sends a report soon even if nothing changed. */
+void executor_kick(executor_t *x);
+uint64_t executor_executed(executor_t *x);
+/* Sessions with state on this executor. */
+size_t executor_sessions(executor_t *x);
+/* Waits until executed_through >= seq. 0, or -1 on timeout / close. */
+int executor_wait(executor_t *x, uint64_t seq, int timeout_ms);
+
+/* Data in and out (Agent/Read, Agent/Write). */
+/* 0 with *out retained; 1 failed (why); -1 unknown session or ref (why->msg). */
+int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tensor_t *out,
+                    ref_failure_t *why);
+/* Defines ref in session (created if new) as t (retained by the table). */
+int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t);
+backend_t *executor_backend(executor_t *x);
+
+#endif

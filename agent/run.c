@@ -1,0 +1,521 @@
+/* What each instruction does on the agent (the worker of its stream runs it).
+ *
+ * Failures follow Monarch: a failing op marks its results and the inputs it
+ * mutates failed with the root error and reports it once; an instruction that
+ * reads a failed ref is skipped and its results carry DEPENDENT_FAILURE
+ * naming the root; collectives and sends still run (failed inputs count as
+ * zeros) so that no peer waits forever. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exec_internal.h"
+#include "log.h"
+
+#define MAX_HELD 64
+#define MAX_LISTS 8
+#define MAX_LIST 64
+
+typedef Meshd__Agent__V1__TensorSpec spec_t;
+
+typedef struct ctx {
+  executor_t *x;
+  xsession_t *s;
+  const instr_t *ins;
+  backend_t *b;
+} ctx_t;
+
+/* ------------------------------------------------------------------ failures */
+
+static void fail_refs(ctx_t *c, const uint64_t *refs, size_t n, const ref_failure_t *f) {
+  for (size_t i = 0; i < n; i++)
+    if (refs[i]) refs_fail(&c->s->refs, refs[i], f);
+}
+
+/* A root failure of this instruction: marks refs, reports once. */
+static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_error_t *e) {
+  ref_failure_t f = {.kind = e->kind == ERR_QUOTA ? ERR_QUOTA : ERR_REMOTE_FAILURE,
+                     .root_seq = c->ins->seq,
+                     .root_ref = n ? refs[0] : 0};
+  snprintf(f.msg, sizeof f.msg, "%s", e->msg);
+  fail_refs(c, refs, n, &f);
+  log_debug("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
+  exec_report_error(c->x, f.kind, f.msg, c->ins->seq, f.root_ref);
+}
+
+/* refs depend on `input`, which failed with *root. Not reported again. */
+static void dependent_failure(ctx_t *c, const uint64_t *refs, size_t n, uint64_t input,
+                              const ref_failure_t *root) {
+  ref_failure_t f = *root;
+  if (root->kind != ERR_DEPENDENT_FAILURE) {
+    f.kind = ERR_DEPENDENT_FAILURE;
+    snprintf(f.msg, sizeof f.msg, "depends on tensor %llu, which failed (seq %llu): %.500s",
+             (unsigned long long)input, (unsigned long long)root->root_seq, root->msg);
+  }
+  fail_refs(c, refs, n, &f);
+}
+
+static int need_backend(ctx_t *c, const char *what, meshd_error_t *e) {
+  if (c->b) return 0;
+  return error_set(e, ERR_REMOTE_FAILURE, "%s: this agent has no compute backend", what);
+}
+
+static void meta_of_spec(const spec_t *sp, tensor_meta_t *m) {
+  memset(m, 0, sizeof *m);
+  m->dtype = (dtype_t)sp->dtype;
+  m->layout.ndim = (int)(sp->n_shape < LAYOUT_MAX_DIMS ? sp->n_shape : LAYOUT_MAX_DIMS);
+  for (int i = 0; i < m->layout.ndim; i++) m->layout.sizes[i] = sp->shape[i];
+  layout_make_contiguous(&m->layout);
+}
+
+/* ------------------------------------------------------------------ factory */
+
+static void run_factory(ctx_t *c) {
+  const Meshd__Agent__V1__FactoryOp *fo = c->ins->factory;
+  const Meshd__V1__Factory *f = fo->factory;
+  uint64_t ref = fo->result ? fo->result->ref : f->ref;
+  meshd_error_t e = {0};
+  op_kwarg_t kw[4];
+  op_value_t pos[3];
+  size_t nkw = 0, npos = 0;
+  if (f->dtype != MESHD__V1__DTYPE__DTYPE_UNSPECIFIED)
+    kw[nkw++] = (op_kwarg_t){"dtype", {.kind = VAL_DTYPE, .dtype = (dtype_t)f->dtype}};
+  if (!strcmp(f->kind, "rank")) {
+    pos[npos++] = (op_value_t){.kind = VAL_STRING, .s = f->dim};
+  } else if (!strcmp(f->kind, "arange")) {
+    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->start};
+    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->end};
+    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->step};
+  } else {
+    pos[npos++] = (op_value_t){.kind = VAL_INTS, .ints = f->shape, .nints = f->n_shape};
+    if (!strcmp(f->kind, "full")) pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->value};
+    if (f->has_seed && (!strcmp(f->kind, "rand") || !strcmp(f->kind, "randn")))
+      kw[nkw++] = (op_kwarg_t){"seed", {.kind = VAL_INT, .i = (int64_t)f->seed}};
+  }
+  const op_def_t *op = ops_find(f->kind);
+  op_args_t args;
+  op_infer_t inf;
+  agent_tensor_t t = {0};
+  if (need_backend(c, "Factory", &e)) goto fail;
+  if (!op) {
+    error_set(&e, ERR_REMOTE_FAILURE, "Factory: unknown kind '%s'", f->kind);
+    goto fail;
+  }
+  if (ops_bind(op, pos, npos, kw, nkw, &args, &e) || ops_infer(&args, &inf, &e)) goto fail;
+  if (tensor_alloc(c->b, &inf.results[0].meta, &t, "Factory", &e)) goto fail;
+  agent_tensor_t *rp = &t;
+  if (c->b->ops->run_op(c->b, NULL, &args, &rp, 1, &inf, fo->mesh_rank, fo->coordinate, &e))
+    goto fail;
+  refs_put(&c->s->refs, ref, &t);
+  storage_release(t.storage);
+  return;
+fail:
+  storage_release(t.storage);
+  root_failure(c, &ref, 1, &e);
+}
+
+/* ------------------------------------------------------------------ op calls */
+
+typedef struct held {
+  agent_tensor_t t[MAX_HELD];
+  uint64_t ref[MAX_HELD];
+  int n;
+  const tensor_meta_t *lists[MAX_LISTS][MAX_LIST];
+  int nlists;
+  /* the first input that failed or is missing */
+  bool failed;
+  uint64_t failed_ref;
+  ref_failure_t why;
+} held_t;
+
+static void held_release(held_t *h) {
+  for (int i = 0; i < h->n; i++) storage_release(h->t[i].storage);
+  h->n = 0;
+}
+
+/* A tensor argument; NULL when it failed (h->failed says why) or on overflow. */
+static const tensor_meta_t *hold(ctx_t *c, held_t *h, uint64_t ref, meshd_error_t *e) {
+  if (h->n == MAX_HELD) {
+    error_set(e, ERR_REMOTE_FAILURE, "too many tensor arguments");
+    return NULL;
+  }
+  int rc = exec_get(c->x, c->s, c->ins->stream, ref, &h->t[h->n], &h->why);
+  if (rc == 0) {
+    h->ref[h->n] = ref;
+    return &h->t[h->n++].meta;
+  }
+  if (!h->failed) {
+    h->failed = true;
+    h->failed_ref = ref;
+    if (rc < 0) { /* never defined here: a root failure of its own */
+      h->why.kind = ERR_REMOTE_FAILURE;
+      h->why.root_seq = c->ins->seq;
+      snprintf(h->why.msg, sizeof h->why.msg, "tensor %llu is not on the agent",
+               (unsigned long long)ref);
+    }
+  }
+  return NULL;
+}
+
+static int resolve(ctx_t *c, held_t *h, const Meshd__V1__Arg *a, op_value_t *v, meshd_error_t *e) {
+  memset(v, 0, sizeof *v);
+  switch (a->value_case) {
+    case MESHD__V1__ARG__VALUE_REF:
+      v->kind = VAL_TENSOR;
+      v->tensor = hold(c, h, a->ref, e);
+      return v->tensor ? 0 : -1;
+    case MESHD__V1__ARG__VALUE_REFS: {
+      if (h->nlists == MAX_LISTS || a->refs->n_refs > MAX_LIST)
+        return error_set(e, ERR_REMOTE_FAILURE, "too many tensor lists");
+      const tensor_meta_t **list = h->lists[h->nlists++];
+      for (size_t i = 0; i < a->refs->n_refs; i++)
+        if (!(list[i] = hold(c, h, a->refs->refs[i], e))) return -1;
+      v->kind = VAL_TENSORS;
+      v->tensors = list;
+      v->ntensors = a->refs->n_refs;
+      return 0;
+    }
+    case MESHD__V1__ARG__VALUE_F: v->kind = VAL_FLOAT; v->f = a->f; return 0;
+    case MESHD__V1__ARG__VALUE_I: v->kind = VAL_INT; v->i = a->i; return 0;
+    case MESHD__V1__ARG__VALUE_B: v->kind = VAL_BOOL; v->b = a->b; return 0;
+    case MESHD__V1__ARG__VALUE_INTS:
+      v->kind = VAL_INTS;
+      v->ints = a->ints->values;
+      v->nints = a->ints->n_values;
+      return 0;
+    case MESHD__V1__ARG__VALUE_DTYPE: v->kind = VAL_DTYPE; v->dtype = (dtype_t)a->dtype; return 0;
+    case MESHD__V1__ARG__VALUE_S: v->kind = VAL_STRING; v->s = a->s; return 0;
+    default: v->kind = VAL_NONE; return 0;
+  }
+}
+
+static uint64_t ref_of_meta(const held_t *h, const tensor_meta_t *m) {
+  for (int i = 0; i < h->n; i++)
+    if (&h->t[i].meta == m) return h->ref[i];
+  return 0;
+}
+
+static void run_call(ctx_t *c) {
+  const Meshd__Agent__V1__OpCall *call = c->ins->call;
+  held_t *h = calloc(1, sizeof *h);
+  meshd_error_t e = {0};
+  uint64_t outs[OP_MAX_RESULTS * 2];
+  size_t nouts = 0;
+  for (size_t i = 0; i < call->n_results && i < OP_MAX_RESULTS; i++) outs[nouts++] = call->results[i]->ref;
+  if (!h) {
+    error_set(&e, ERR_QUOTA, "%s: agent out of memory", call->op);
+    root_failure(c, outs, nouts, &e);
+    return;
+  }
+  op_value_t pos[16];
+  op_kwarg_t kw[16];
+  size_t npos = call->n_args < 16 ? call->n_args : 16, nkw = call->n_kwargs < 16 ? call->n_kwargs : 16;
+  agent_tensor_t res[OP_MAX_RESULTS] = {0};
+  agent_tensor_t *resp[OP_MAX_RESULTS];
+  op_args_t args;
+  op_infer_t inf = {0};
+  const op_def_t *op = ops_find(call->op);
+  int rc = need_backend(c, call->op, &e);
+  if (!rc && !op) rc = error_set(&e, ERR_REMOTE_FAILURE, "Call: unknown op '%s'", call->op);
+  for (size_t i = 0; !rc && i < npos; i++) rc = resolve(c, h, call->args[i], &pos[i], &e);
+  for (size_t i = 0; !rc && i < nkw; i++) {
+    kw[i].name = call->kwargs[i]->name;
+    rc = call->kwargs[i]->value ? resolve(c, h, call->kwargs[i]->value, &kw[i].value, &e) : -1;
+  }
+  if (h->failed) {
+    if (op && op->is_inplace && npos && call->args[0]->value_case == MESHD__V1__ARG__VALUE_REF)
+      outs[nouts++] = call->args[0]->ref;
+    if (h->why.root_seq == c->ins->seq) {
+      error_set(&e, ERR_REMOTE_FAILURE, "%s: %.500s", call->op, h->why.msg);
+      root_failure(c, outs, nouts, &e);
+    } else {
+      dependent_failure(c, outs, nouts, h->failed_ref, &h->why);
+    }
+    goto out;
+  }
+  if (rc || ops_bind(op, pos, npos, kw, nkw, &args, &e) || ops_infer(&args, &inf, &e)) goto fail;
+  for (int i = 0; i < inf.nresults; i++) {
+    const op_result_t *r = &inf.results[i];
+    resp[i] = &res[i];
+    if (r->alias_param >= 0 && args.v[r->alias_param].kind == VAL_TENSOR) {
+      res[i].meta = r->meta;
+      res[i].storage = agent_tensor_of(args.v[r->alias_param].tensor)->storage;
+      storage_retain(res[i].storage);
+    } else if (tensor_alloc(c->b, &r->meta, &res[i], call->op, &e)) {
+      goto fail;
+    }
+  }
+  for (int m = 0; m < inf.nmutates && nouts < OP_MAX_RESULTS * 2; m++)
+    if (args.v[inf.mutates[m]].kind == VAL_TENSOR) outs[nouts++] = ref_of_meta(h, args.v[inf.mutates[m]].tensor);
+  if (c->b->ops->run_op(c->b, NULL, &args, resp, inf.nresults, &inf, 0, 0, &e)) goto fail;
+  for (size_t i = 0; i < call->n_results && i < (size_t)inf.nresults; i++)
+    refs_put(&c->s->refs, call->results[i]->ref, &res[i]);
+  goto out;
+fail:
+  root_failure(c, outs, nouts, &e);
+out:
+  for (int i = 0; i < OP_MAX_RESULTS; i++) storage_release(res[i].storage);
+  held_release(h);
+  free(h);
+}
+
+/* ------------------------------------------------------------------ refs, borrows */
+
+static void run_delete(ctx_t *c) {
+  const Meshd__Agent__V1__DeleteRefs *d = c->ins->delete_refs;
+  for (size_t i = 0; i < d->n_refs; i++) {
+    refs_delete(&c->s->refs, d->refs[i]);
+    exec_forget_def(c->x, c->s, d->refs[i]);
+  }
+}
+
+static void run_borrow(ctx_t *c) {
+  const Meshd__Agent__V1__BorrowOp *b = c->ins->borrow;
+  switch (b->phase) {
+    case MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE: {
+      agent_tensor_t t;
+      ref_failure_t why;
+      int rc = exec_get(c->x, c->s, c->ins->stream, b->tensor, &t, &why);
+      if (rc == 0) {
+        refs_put(&c->s->refs, b->result, &t);
+        storage_release(t.storage);
+      } else if (rc == 1) {
+        refs_fail(&c->s->refs, b->result, &why);
+      }
+      break;
+    }
+    case MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE:
+      refs_delete(&c->s->refs, b->result);
+      exec_forget_def(c->x, c->s, b->result);
+      break;
+    case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP: {
+      xborrow_t *r = exec_take_borrow(c->x, c->s, b->borrow);
+      if (r && r->last_use_seq) exec_wait_stream(c->x, c->s, r->to_stream, r->last_use_seq);
+      free(r);
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+/* ------------------------------------------------------------------ data plane */
+
+/* t's row-major bytes in a malloc'd buffer of `bytes` (zeros when t is NULL:
+ * a failed input takes part as zeros). NULL with e on failure. */
+static void *host_copy(ctx_t *c, const agent_tensor_t *t, size_t bytes, meshd_error_t *e) {
+  void *buf = calloc(1, bytes ? bytes : 1);
+  if (!buf) {
+    error_set(e, ERR_QUOTA, "agent out of host memory (%zu bytes)", bytes);
+    return NULL;
+  }
+  if (t && c->b->ops->to_host(c->b, t, buf, e)) {
+    free(buf);
+    return NULL;
+  }
+  return buf;
+}
+
+static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
+  const executor_env_t *env = exec_env(c->x);
+  int64_t rank = env->rank ? atomic_load(env->rank) : -1;
+  for (size_t i = 0; i < g->n_ranks; i++) {
+    if (rank >= 0 && g->ranks[i] == (uint32_t)rank) {
+      *me = i;
+      return 0;
+    }
+    if (rank < 0 && env->data_address && i < g->n_addresses &&
+        !strcmp(g->addresses[i], env->data_address)) {
+      *me = i;
+      return 0;
+    }
+  }
+  return -1;
+}
+
+static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__V1__Group *g,
+                      void *in, void *out, size_t in_count, dtype_t dt, int *any_failed,
+                      meshd_error_t *e) {
+  const executor_env_t *env = exec_env(c->x);
+  size_t n = g->n_ranks, me = 0;
+  bool stack = !strcmp(r->reduction, "stack");
+  if (n <= 1) { /* every variant is the identity on one member */
+    memcpy(out, in, in_count * dtype_size(dt));
+    return 0;
+  }
+  if (!env->dataplane)
+    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent has no data plane");
+  if (my_index(c, g, &me))
+    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent is not in the group it was sent");
+  const char *addrs[256];
+  if (g->n_addresses < n || n > 256)
+    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: the group lacks data plane addresses");
+  for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
+  dp_group_t grp = {g->comm_id, g->ranks, addrs, n, me};
+  int op = stack ? -1 : dp_reduce_parse(r->reduction);
+  int rc;
+  if (stack && !r->scatter) rc = dp_allgather(env->dataplane, &grp, in, out, in_count, dt, e);
+  else if (stack) rc = dp_alltoall(env->dataplane, &grp, in, out, in_count / n, dt, e);
+  else if (r->scatter)
+    rc = dp_reduce_scatter(env->dataplane, &grp, in, out, in_count / n, dt, (dp_reduce_t)op, e);
+  else {
+    rc = dp_allreduce(env->dataplane, &grp, in, in_count, dt, (dp_reduce_t)op, e);
+    if (!rc) memcpy(out, in, in_count * dtype_size(dt));
+  }
+  if (rc) return rc;
+  /* A failure on any member fails the result everywhere. */
+  int32_t flag = *any_failed;
+  if (dp_allreduce(env->dataplane, &grp, &flag, 1, DTYPE_INT32, DP_MAX, e)) return -1;
+  *any_failed = flag;
+  return 0;
+}
+
+static void run_reduce(ctx_t *c) {
+  const Meshd__Agent__V1__ReduceOp *ro = c->ins->reduce;
+  const Meshd__V1__Reduce *r = ro->reduce;
+  uint64_t res_ref = ro->result ? ro->result->ref : 0;
+  meshd_error_t e = {0};
+  agent_tensor_t in = {0}, target = {0};
+  ref_failure_t why = {0};
+  void *inbuf = NULL, *outbuf = NULL;
+  tensor_meta_t im, rm;
+  meta_of_spec(ro->input, &im);
+  meta_of_spec(ro->result, &rm);
+  if (need_backend(c, "Reduce", &e)) goto fail;
+  int got = exec_get(c->x, c->s, c->ins->stream, ro->input->ref, &in, &why);
+  int failed = got != 0;
+  if (got < 0) {
+    why.kind = ERR_REMOTE_FAILURE;
+    why.root_seq = c->ins->seq;
+    snprintf(why.msg, sizeof why.msg, "Reduce: tensor %llu is not on the agent",
+             (unsigned long long)ro->input->ref);
+  }
+  size_t in_bytes = tensor_nbytes(&im), out_bytes = tensor_nbytes(&rm);
+  if (!(inbuf = host_copy(c, got == 0 ? &in : NULL, in_bytes, &e))) goto fail;
+  if (!(outbuf = calloc(1, out_bytes ? out_bytes : 1))) {
+    error_set(&e, ERR_QUOTA, "Reduce: agent out of host memory");
+    goto fail;
+  }
+  if (collective(c, r, ro->group, inbuf, outbuf, (size_t)layout_numel(&im.layout), im.dtype,
+                 &failed, &e))
+    goto fail;
+  if (r->inplace && got == 0) {
+    target = in;
+    storage_retain(target.storage);
+  } else if (r->out) {
+    if (exec_get(c->x, c->s, c->ins->stream, r->out, &target, NULL) != 0) {
+      error_set(&e, ERR_REMOTE_FAILURE, "Reduce: out tensor %llu is not usable on the agent",
+                (unsigned long long)r->out);
+      goto fail;
+    }
+  } else if (tensor_alloc(c->b, &rm, &target, "Reduce", &e)) {
+    goto fail;
+  }
+  if (c->b->ops->from_host(c->b, &target, outbuf, &e)) goto fail;
+  if (failed) {
+    if (got != 0) dependent_failure(c, &res_ref, 1, ro->input->ref, &why);
+    else {
+      ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
+      snprintf(f.msg, sizeof f.msg, "Reduce: the input failed on another member of the group");
+      refs_fail(&c->s->refs, res_ref, &f);
+    }
+  } else if (res_ref) {
+    refs_put(&c->s->refs, res_ref, &target);
+  }
+  goto out;
+fail:
+  root_failure(c, &res_ref, 1, &e);
+out:
+  storage_release(in.storage);
+  storage_release(target.storage);
+  free(inbuf);
+  free(outbuf);
+}
+
+static void run_send(ctx_t *c) {
+  const Meshd__Agent__V1__SendTensor *st = c->ins->send;
+  const executor_env_t *env = exec_env(c->x);
+  meshd_error_t e = {0};
+  agent_tensor_t in = {0}, out = {0};
+  ref_failure_t why = {0};
+  void *buf = NULL;
+  uint64_t res_ref = st->result ? st->result->ref : 0;
+  int got = -1;
+  if (need_backend(c, "ToMesh", &e)) goto fail;
+  if (st->input) {
+    got = exec_get(c->x, c->s, c->ins->stream, st->input->ref, &in, &why);
+    if (got < 0) {
+      why.kind = ERR_REMOTE_FAILURE;
+      why.root_seq = c->ins->seq;
+      snprintf(why.msg, sizeof why.msg, "ToMesh: tensor %llu is not on the agent",
+               (unsigned long long)st->input->ref);
+    }
+  }
+  if (st->input && st->result) { /* same agent: a deep copy */
+    if (got != 0) {
+      dependent_failure(c, &res_ref, 1, st->input->ref, &why);
+      goto out;
+    }
+    tensor_meta_t rm;
+    meta_of_spec(st->result, &rm);
+    if (tensor_alloc(c->b, &rm, &out, "ToMesh", &e) || c->b->ops->copy(c->b, NULL, &out, &in, &e))
+      goto fail;
+    refs_put(&c->s->refs, res_ref, &out);
+    goto out;
+  }
+  if (!env->dataplane) {
+    error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent has no data plane");
+    goto fail;
+  }
+  tensor_meta_t m;
+  meta_of_spec(st->input ? st->input : st->result, &m);
+  size_t bytes = tensor_nbytes(&m);
+  int64_t hdr = 0;
+  if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
+    hdr = got != 0;
+    if (!(buf = host_copy(c, got == 0 ? &in : NULL, bytes, &e))) goto fail;
+    if (dp_send(env->dataplane, st->comm_id, st->to_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
+        dp_send(env->dataplane, st->comm_id, st->to_rank, st->peer_address, buf, bytes, &e))
+      log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
+               c->ins->seq, st->to_rank, e.msg);
+    goto out;
+  }
+  if (!(buf = calloc(1, bytes ? bytes : 1))) {
+    error_set(&e, ERR_QUOTA, "ToMesh: agent out of host memory");
+    goto fail;
+  }
+  if (dp_recv(env->dataplane, st->comm_id, st->from_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
+      dp_recv(env->dataplane, st->comm_id, st->from_rank, st->peer_address, buf, bytes, &e))
+    goto fail;
+  if (hdr) {
+    ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
+    snprintf(f.msg, sizeof f.msg, "ToMesh: the source tensor failed on rank %u", st->from_rank);
+    refs_fail(&c->s->refs, res_ref, &f);
+    goto out;
+  }
+  if (tensor_alloc(c->b, &m, &out, "ToMesh", &e) || c->b->ops->from_host(c->b, &out, buf, &e))
+    goto fail;
+  refs_put(&c->s->refs, res_ref, &out);
+  goto out;
+fail:
+  if (res_ref) root_failure(c, &res_ref, 1, &e);
+  else log_warn("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e.msg);
+out:
+  storage_release(in.storage);
+  storage_release(out.storage);
+  free(buf);
+}
+
+void run_instruction(executor_t *x, xsession_t *s, const instr_t *ins) {
+  ctx_t c = {x, s, ins, exec_env(x)->backend};
+  switch (ins->body_case) {
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL: run_call(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS: run_delete(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW: run_borrow(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE: run_reduce(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND: run_send(&c); break;
+    default: break;
+  }
+}

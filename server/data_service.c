@@ -1,0 +1,471 @@
+#include "data_service.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "objects.h"
+#include "session_service.h"
+
+#define AGENT_CALL_MS 600000
+
+struct data_service {
+  agent_pool_t *pool;
+  session_table_t *sessions;
+  size_t chunk; /* bytes of data per message, well under the limit */
+  rpc_method_t methods[2];
+};
+
+static void destroy_objects(void *p) { objects_destroy(p); }
+
+static objects_t *objects_of(session_t *s) {
+  if (!s->objects) session_set_objects(s, objects_create(), destroy_objects);
+  return s->objects;
+}
+
+static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
+  rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
+}
+
+static void fill_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims) {
+  meshd__v1__tensor_meta__init(m);
+  const layout_t *l = &t->tensor.meta.layout;
+  m->ref = t->ref;
+  m->n_shape = m->n_strides = (size_t)l->ndim;
+  m->shape = dims;
+  m->strides = dims + LAYOUT_MAX_DIMS;
+  memcpy(m->shape, l->sizes, sizeof(int64_t) * (size_t)l->ndim);
+  memcpy(m->strides, l->strides, sizeof(int64_t) * (size_t)l->ndim);
+  m->storage_offset = l->offset;
+  m->dtype = (Meshd__V1__DType)t->tensor.meta.dtype;
+  m->mesh = t->tensor.mesh;
+  m->stream = t->tensor.stream;
+  m->state = (Meshd__V1__TensorState)t->tensor.state;
+}
+
+/* ------------------------------------------------------------------ upload */
+
+typedef struct upload {
+  data_service_t *ds;
+  session_t *session;
+  rpc_call_t *call;
+  bool have_header, failed;
+  uint64_t ref, mesh, stream;
+  tensor_meta_t meta;
+  bool per_rank;
+  uint32_t *ranks;
+  size_t nranks;
+  uint8_t *buf;
+  size_t each, total, got; /* bytes per rank, expected, received */
+  _Atomic int owners;       /* the call, and the helper thread once it runs */
+} upload_t;
+
+static void upload_release(upload_t *u) {
+  if (atomic_fetch_sub(&u->owners, 1) != 1) return;
+  session_release(u->session);
+  free(u->ranks);
+  free(u->buf);
+  free(u);
+}
+
+static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const char *arg) {
+  meshd_error_t e;
+  error_set(&e, kind, fmt, arg);
+  u->failed = true;
+  finish_error(u->call, &e);
+}
+
+static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  data_service_t *ds = arg;
+  session_t *s = session_from_call(ds->sessions, call);
+  if (!s) return;
+  upload_t *u = calloc(1, sizeof *u);
+  if (!u) {
+    session_release(s);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of memory");
+    return;
+  }
+  u->ds = ds;
+  u->session = s;
+  u->call = call;
+  atomic_init(&u->owners, 1);
+  rpc_call_set_data(call, u);
+}
+
+/* Every check of the header, under the session lock; nothing changes. */
+static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_error_t *e) {
+  session_t *s = u->session;
+  int rc = -1;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = objects_of(s);
+  obj_t *m = NULL;
+  if (!o) {
+    error_set(e, ERR_QUOTA, "Upload: out of memory on the server");
+    goto out;
+  }
+  if (session_check_refs(s, &h->ref, 1, e)) {
+    error_prefix(e, "Upload", ": ");
+    goto out;
+  }
+  if (!(m = objects_expect(o, h->mesh, OBJ_MESH, "Upload: mesh", e))) goto out;
+  if (h->stream && !objects_expect(o, h->stream, OBJ_STREAM, "Upload: stream", e)) goto out;
+  if (!dtype_valid((dtype_t)h->dtype)) {
+    error_set(e, ERR_BAD_ARGUMENT, "Upload: unknown dtype %d; name one of float32, ..., bool",
+              (int)h->dtype);
+    goto out;
+  }
+  u->meta.dtype = (dtype_t)h->dtype;
+  if (layout_contiguous(&u->meta.layout, h->shape, (int64_t)h->n_shape, dtype_size(u->meta.dtype),
+                        "Upload: shape", e))
+    goto out;
+  u->nranks = mesh_len(m->mesh);
+  u->ranks = malloc(sizeof *u->ranks * (u->nranks ? u->nranks : 1));
+  if (!u->ranks) {
+    error_set(e, ERR_QUOTA, "Upload: out of memory on the server");
+    goto out;
+  }
+  mesh_ranks(m->mesh, u->ranks);
+  u->each = (size_t)layout_numel(&u->meta.layout) * dtype_size(u->meta.dtype);
+  u->total = h->per_rank ? u->each * u->nranks : u->each;
+  if (h->total_bytes && h->total_bytes != u->total) {
+    error_set(e, ERR_SHAPE_MISMATCH,
+              "Upload: total_bytes is %llu but shape and dtype%s need %zu bytes",
+              (unsigned long long)h->total_bytes, h->per_rank ? " (per rank, times the mesh's ranks)" : "",
+              u->total);
+    goto out;
+  }
+  if (s->quota_bytes && o->bytes + u->each * u->nranks > s->quota_bytes) {
+    error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes across its mesh, but the session "
+              "holds %llu of its %llu-byte quota; drop tensors you no longer need",
+              u->each * u->nranks, (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);
+    goto out;
+  }
+  rc = 0;
+out:
+  pthread_mutex_unlock(&s->mu);
+  if (rc) return rc;
+  u->ref = h->ref;
+  u->mesh = h->mesh;
+  u->stream = h->stream;
+  u->per_rank = h->per_rank;
+  if (!(u->buf = malloc(u->total ? u->total : 1)))
+    return error_set(e, ERR_QUOTA, "Upload: out of memory on the server for %zu bytes", u->total);
+  u->have_header = true;
+  return 0;
+}
+
+/* One agent's copy through Agent/Write. */
+static int write_rank(upload_t *u, uint32_t rank, const uint8_t *data, meshd_error_t *e) {
+  char addr[256];
+  if (agent_pool_address(u->ds->pool, rank, addr, sizeof addr))
+    return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", rank);
+  rpc_channel_t *ch = rpc_channel_create(addr, NULL);
+  rpc_stream_t *st = ch ? rpc_stream_open(ch, "/meshd.agent.v1.Agent/Write", NULL, 0, AGENT_CALL_MS) : NULL;
+  int rc = -1;
+  if (!st) {
+    error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", rank);
+    goto out;
+  }
+  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  sp.ref = u->ref;
+  sp.n_shape = sp.n_strides = (size_t)u->meta.layout.ndim;
+  sp.shape = u->meta.layout.sizes;
+  sp.strides = u->meta.layout.strides;
+  sp.dtype = (Meshd__V1__DType)u->meta.dtype;
+  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
+  c.session_id = u->session->id;
+  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
+  c.spec = &sp;
+  int w = rpc_stream_write(st, &c.base, false);
+  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
+  c.spec = NULL;
+  for (size_t off = 0; w == 0 && off < u->each; off += u->ds->chunk) {
+    size_t n = u->each - off < u->ds->chunk ? u->each - off : u->ds->chunk;
+    c.data.data = (uint8_t *)data + off;
+    c.data.len = n;
+    w = rpc_stream_write(st, &c.base, false);
+  }
+  if (w == 0) rpc_stream_close_send(st);
+  ProtobufCMessage *reply = NULL;
+  while (rpc_stream_read(st, &meshd__agent__v1__write_reply__descriptor, &reply, 0) == 1) {
+    protobuf_c_message_free_unpacked(reply, NULL);
+    reply = NULL;
+  }
+  rpc_status_t status;
+  if (rpc_stream_finish(st, &status) != GRPC_STATUS_OK) {
+    error_set(e, status.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA : ERR_REMOTE_FAILURE,
+              "Upload: the agent of rank %u refused the data: %s", rank, status.message);
+    goto out;
+  }
+  rc = 0;
+out:
+  if (st) rpc_stream_destroy(st);
+  if (ch) rpc_channel_destroy(ch);
+  return rc;
+}
+
+static void *upload_main(void *arg) {
+  upload_t *u = arg;
+  meshd_error_t e = {0};
+  int rc = 0;
+  for (size_t i = 0; rc == 0 && i < u->nranks; i++)
+    rc = write_rank(u, u->ranks[i], u->buf + (u->per_rank ? i * u->each : 0), &e);
+  session_t *s = u->session;
+  obj_t *t = NULL;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = objects_of(s);
+  for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
+  if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0) {
+    t = objects_new_tensor(o, u->ref, &u->meta, u->mesh, u->stream, u->nranks);
+    if (t) session_claim_ref(s, u->ref, NULL);
+    else error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
+    s->bytes_held = o->bytes;
+    s->live_tensors = o->live_tensors;
+  }
+  Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
+  Meshd__V1__TensorMeta meta;
+  int64_t dims[2 * LAYOUT_MAX_DIMS];
+  if (t) {
+    fill_meta(&meta, t, dims);
+    reply.tensor = &meta;
+    rpc_call_reply(u->call, &reply.base);
+  }
+  pthread_mutex_unlock(&s->mu);
+  rpc_call_t *call = u->call;
+  if (!t) finish_error(call, &e);
+  upload_release(u);
+  rpc_call_unref(call);
+  return NULL;
+}
+
+static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  upload_t *u = rpc_call_data(call);
+  if (!u || u->failed) return;
+  meshd_error_t e;
+  if (!msg) { /* everything arrived: hand the agent calls to a helper thread */
+    if (!u->have_header) return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", "no header: the first message must be an UploadHeader");
+    if (u->got != u->total) {
+      char why[160];
+      snprintf(why, sizeof why, "got %zu bytes of data but the header needs %zu", u->got, u->total);
+      return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
+    }
+    rpc_call_ref(call);
+    u->failed = true; /* no more messages are expected */
+    atomic_fetch_add(&u->owners, 1);
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, upload_main, u) != 0) {
+      atomic_fetch_sub(&u->owners, 1);
+      rpc_call_unref(call);
+      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of threads");
+    }
+    pthread_attr_destroy(&attr);
+    return;
+  }
+  const Meshd__V1__UploadChunk *c = (const void *)msg;
+  if (c->part_case == MESHD__V1__UPLOAD_CHUNK__PART_HEADER) {
+    if (u->have_header) return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", "a second header");
+    if (upload_header(u, c->header, &e)) {
+      u->failed = true;
+      finish_error(call, &e);
+    }
+    return;
+  }
+  if (!u->have_header)
+    return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", "data before the header: send the UploadHeader first");
+  if (c->data.len > u->total - u->got) {
+    char why[160];
+    snprintf(why, sizeof why, "more data than the %zu bytes the header describes", u->total);
+    return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
+  }
+  memcpy(u->buf + u->got, c->data.data, c->data.len);
+  u->got += c->data.len;
+}
+
+static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
+  upload_t *u = rpc_call_data(call);
+  if (u) upload_release(u);
+}
+
+/* ------------------------------------------------------------------ fetch */
+
+typedef struct fetch {
+  data_service_t *ds;
+  rpc_call_t *call;
+  char session[SESSION_ID_LEN + 1];
+  uint32_t rank;
+  uint64_t ref, after_seq;
+  Meshd__V1__TensorMeta meta;
+  int64_t dims[2 * LAYOUT_MAX_DIMS];
+} fetch_t;
+
+static void fetch_run(fetch_t *f) {
+  char addr[256];
+  if (agent_pool_address(f->ds->pool, f->rank, addr, sizeof addr)) {
+    rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
+                    "Fetch: rank %u has no agent (it was lost); its tensors are gone", f->rank);
+    return;
+  }
+  rpc_channel_t *ch = rpc_channel_create(addr, NULL);
+  rpc_stream_t *st = rpc_stream_open(ch, "/meshd.agent.v1.Agent/Read", NULL, 0, AGENT_CALL_MS);
+  Meshd__Agent__V1__ReadRequest rq = MESHD__AGENT__V1__READ_REQUEST__INIT;
+  rq.session_id = f->session;
+  rq.ref = f->ref;
+  rq.max_chunk_bytes = (uint32_t)f->ds->chunk;
+  rq.after_seq = f->after_seq;
+  int rc = st ? rpc_stream_write(st, &rq.base, true) : -1;
+  ProtobufCMessage *m = NULL;
+  bool first = true;
+  while (rc == 0 && rpc_stream_read(st, &meshd__agent__v1__data_chunk__descriptor, &m, 0) == 1) {
+    const Meshd__Agent__V1__DataChunk *c = (const void *)m;
+    Meshd__V1__FetchChunk out = MESHD__V1__FETCH_CHUNK__INIT;
+    if (first) {
+      out.part_case = MESHD__V1__FETCH_CHUNK__PART_META;
+      out.meta = &f->meta;
+      rpc_call_send(f->call, &out.base);
+      first = false;
+    }
+    if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA) {
+      while (rpc_call_pending(f->call) > 8 && !rpc_call_ended(f->call)) usleep(500);
+      out.part_case = MESHD__V1__FETCH_CHUNK__PART_DATA;
+      out.meta = NULL;
+      out.data = c->data;
+      rpc_call_send(f->call, &out.base);
+    }
+    protobuf_c_message_free_unpacked(m, NULL);
+    m = NULL;
+  }
+  rpc_status_t status = {0};
+  grpc_status_code code = st ? rpc_stream_finish(st, &status) : GRPC_STATUS_UNAVAILABLE;
+  if (code == GRPC_STATUS_OK)
+    rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
+  else
+    rpc_call_finish(f->call, code, status.kind[0] ? status.kind : "AGENT_LOST",
+                    "Fetch of tensor %llu from rank %u: %s", (unsigned long long)f->ref, f->rank,
+                    st ? status.message : "cannot call the agent");
+  if (st) rpc_stream_destroy(st);
+  rpc_channel_destroy(ch);
+}
+
+static void *fetch_main(void *arg) {
+  fetch_t *f = arg;
+  fetch_run(f);
+  rpc_call_unref(f->call);
+  free(f);
+  return NULL;
+}
+
+/* Picks the rank and checks the tensor; fills f. Holds s->mu. */
+static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRequest *rq,
+                      fetch_t *f, meshd_error_t *e) {
+  objects_t *o = objects_of(s);
+  if (!o) return error_set(e, ERR_QUOTA, "Fetch: out of memory on the server");
+  const tombstone_t *g = objects_dropped(o, rq->ref);
+  if (g)
+    return error_set(e, ERR_DROPPED, "Fetch: tensor %llu was dropped at command seq %llu",
+                     (unsigned long long)rq->ref, (unsigned long long)g->seq);
+  obj_t *t = objects_expect(o, rq->ref, OBJ_TENSOR, "Fetch: ref", e);
+  if (!t) return -1;
+  if (t->tensor.state == TENSOR_FAILED)
+    return error_set(e, t->tensor.fail_kind, "Fetch: tensor %llu failed: %s",
+                     (unsigned long long)t->ref, t->tensor.fail_msg ? t->tensor.fail_msg : "");
+  const mesh_t *mesh = objects_get(o, t->tensor.mesh)->mesh;
+  int64_t coords[NDSLICE_MAX_DIMS];
+  bool given[NDSLICE_MAX_DIMS] = {0};
+  for (size_t i = 0; i < rq->n_coords; i++) {
+    int d = mesh_find_dim(mesh, rq->coords[i]->dim);
+    char dims[200];
+    if (d < 0 || given[d])
+      return error_set(e, ERR_BAD_DIM, "Fetch: the tensor's mesh %s %s dim '%s'",
+                       mesh_format(mesh, dims, sizeof dims), d < 0 ? "has no" : "was given twice the",
+                       rq->coords[i]->dim);
+    int64_t c = rq->coords[i]->index, n = mesh->slice.sizes[d];
+    if (c < -n || c >= n)
+      return error_set(e, ERR_BAD_ARGUMENT, "Fetch: coordinate %lld is out of range for dim '%s' "
+                       "of size %lld", (long long)c, mesh->names[d], (long long)n);
+    coords[d] = c < 0 ? c + n : c;
+    given[d] = true;
+  }
+  char missing[200] = "";
+  size_t len = 0;
+  for (int d = 0; d < mesh->ndim; d++)
+    if (!given[d] && len < sizeof missing)
+      len += (size_t)snprintf(missing + len, sizeof missing - len, "%s'%s'", len ? ", " : "", mesh->names[d]);
+  if (len)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Fetch: give a coordinate for every dim of the tensor's mesh; missing %s",
+                     missing);
+  f->rank = (uint32_t)ndslice_rank_of(&mesh->slice, coords, NULL);
+  f->ref = t->ref;
+  f->after_seq = agent_pool_last_seq(ds->pool, f->rank);
+  snprintf(f->session, sizeof f->session, "%s", s->id);
+  fill_meta(&f->meta, t, f->dims);
+  return 0;
+}
+
+static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  data_service_t *ds = arg;
+  session_t *s = session_from_call(ds->sessions, call);
+  if (!s) return;
+  fetch_t *f = calloc(1, sizeof *f);
+  meshd_error_t e;
+  int rc = f ? 0 : error_set(&e, ERR_QUOTA, "Fetch: out of memory on the server");
+  if (!rc) {
+    pthread_mutex_lock(&s->mu);
+    rc = fetch_plan(ds, s, (const Meshd__V1__FetchRequest *)req, f, &e);
+    pthread_mutex_unlock(&s->mu);
+  }
+  session_release(s);
+  if (rc) {
+    free(f);
+    finish_error(call, &e);
+    return;
+  }
+  f->ds = ds;
+  f->call = call;
+  rpc_call_ref(call);
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  if (pthread_create(&t, &attr, fetch_main, f) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Fetch: out of threads");
+    rpc_call_unref(call);
+    free(f);
+  }
+  pthread_attr_destroy(&attr);
+}
+
+/* ------------------------------------------------------------------ table */
+
+data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
+                                    size_t max_message_bytes) {
+  data_service_t *ds = calloc(1, sizeof *ds);
+  if (!ds) return NULL;
+  ds->pool = pool;
+  ds->sessions = sessions;
+  size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;
+  ds->chunk = limit > 2048 ? limit / 2 : 1024; /* room for the envelope */
+  if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
+  ds->methods[0] = (rpc_method_t){"/meshd.v1.TensorService/Upload", RPC_CLIENT_STREAMING,
+                                  &meshd__v1__upload_chunk__descriptor, upload_start,
+                                  upload_message, upload_end, ds};
+  ds->methods[1] = (rpc_method_t){"/meshd.v1.TensorService/Fetch", RPC_SERVER_STREAMING,
+                                  &meshd__v1__fetch_request__descriptor, fetch_start, NULL, NULL,
+                                  ds};
+  return ds;
+}
+
+const rpc_method_t *data_service_methods(data_service_t *ds, size_t *n) {
+  *n = 2;
+  return ds->methods;
+}
+
+void data_service_destroy(data_service_t *ds) { free(ds); }

@@ -1,0 +1,27 @@
+/* TensorService/Upload and TensorService/Fetch: tensor bytes between a client
+ * and the agents, proxied through the server (DESIGN §3).
+ *
+ * Upload (client stream: UploadHeader, then row-major bytes) defines a tensor
+ * like a Factory, on every rank of a mesh: the same bytes everywhere, or with
+ * per_rank one slice per rank in the mesh's row-major order. Fetch (server
+ * stream) returns one rank's local tensor: a TensorMeta, then its bytes, once
+ * that agent ran everything sent to it before the Fetch. Agent calls run on a
+ * helper thread per request, never on a completion-queue thread. */
+#ifndef MESHD_DATA_SERVICE_H
+#define MESHD_DATA_SERVICE_H
+
+#include <stddef.h>
+
+#include "agent_pool.h"
+#include "rpc.h"
+#include "session.h"
+
+typedef struct data_service data_service_t;
+
+/* max_message_bytes: the server's limit (chunks stay under it). */
+data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
+                                    size_t max_message_bytes);
+const rpc_method_t *data_service_methods(data_service_t *ds, size_t *n);
+void data_service_destroy(data_service_t *ds);
+
+#endif

@@ -1,0 +1,277 @@
+"""Agents compute: data in (Upload), ops, data out (Fetch), run-time errors, memory.
+
+Real binaries (`meshd --local-agents N`), numpy as the reference. Collectives and
+to_mesh across agents need the cpu data plane; those tests skip, saying so, while
+the agents report no data port."""
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import meshd_testlib as lib
+from meshd_testlib import (Ref, Session, call, create_mesh, drop, factory, reduce, slice_mesh,
+                           sync, to_mesh)
+
+_SVC = "/meshd.v1.TensorService/"
+DT = {np.dtype("float32"): "float32", np.dtype("float64"): "float64",
+      np.dtype("int64"): "int64", np.dtype("int32"): "int32", np.dtype("bool"): "bool"}
+NP = {v: k for k, v in DT.items()}
+
+
+def pb():
+    return lib.tensor_pb2()
+
+
+class FetchError(Exception):
+    def __init__(self, code, kind, message):
+        super().__init__(f"{code} {kind}: {message}")
+        self.code, self.kind, self.message = code, kind, message
+
+
+def _kind(e):
+    return dict(e.trailing_metadata() or ()).get("meshd-error-kind", "")
+
+
+def upload(s, mesh, arr, per_rank=False, chunk=1 << 16):
+    """Uploads arr (or, per_rank, arr[i] to the mesh's i-th rank); returns the ref."""
+    arr = np.ascontiguousarray(arr)
+    ref = s.new_ref()
+    shape = arr.shape[1:] if per_rank else arr.shape
+    hdr = pb().UploadHeader(ref=ref, mesh=mesh, shape=list(shape),
+                            dtype=lib.dtype(DT[arr.dtype]), per_rank=per_rank,
+                            total_bytes=arr.nbytes)
+    data = arr.tobytes()
+    msgs = [pb().UploadChunk(header=hdr)] + [pb().UploadChunk(data=data[i:i + chunk])
+                                             for i in range(0, len(data), chunk)]
+    fn = s.ch.stream_unary(_SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
+                           response_deserializer=pb().UploadReply.FromString)
+    reply = fn(iter(msgs), metadata=s.metadata, timeout=30)
+    assert reply.tensor.ref == ref
+    return ref
+
+
+def fetch(s, ref, **coords):
+    fn = s.ch.unary_stream(_SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                           response_deserializer=pb().FetchChunk.FromString)
+    req = pb().FetchRequest(ref=ref, coords=[pb().Coordinate(dim=k, index=v)
+                                             for k, v in coords.items()])
+    meta, data = None, bytearray()
+    try:
+        for c in fn(req, metadata=s.metadata, timeout=30):
+            if c.WhichOneof("part") == "meta":
+                meta = c.meta
+            else:
+                data += c.data
+    except grpc.RpcError as e:
+        raise FetchError(e.code(), _kind(e), e.details()) from None
+    dt = NP[pb().DType.Name(meta.dtype)[len("DTYPE_"):].lower()]
+    return np.frombuffer(bytes(data), dtype=dt).reshape(tuple(meta.shape))
+
+
+def op(s, name, *args, **kw):
+    return s.op(name, *args, **kw)[0].ref
+
+
+def data_plane(s):
+    return all(a.data_port for a in s.unary("ListAgents", pb().ListAgentsRequest(),
+                                            pb().ListAgentsReply, metadata=()).agents)
+
+
+@pytest.fixture
+def s2(shared_meshd):
+    srv = shared_meshd(2)
+    with Session(srv.port, "compute2") as s:
+        yield s
+
+
+@pytest.fixture
+def s4(shared_meshd):
+    srv = shared_meshd(4)
+    with Session(srv.port, "compute4") as s:
+        yield s
+
+
+# ================================================================ data in and out
+
+def test_upload_fetch_roundtrip_on_every_rank(s2):
+    m = s2.mesh(gpu=2).ref
+    a = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    x = upload(s2, m, a)
+    for g in range(2):
+        np.testing.assert_array_equal(fetch(s2, x, gpu=g), a)
+
+
+def test_upload_per_rank_and_large_chunks(s2):
+    m = s2.mesh(gpu=2).ref
+    a = np.random.default_rng(0).standard_normal((2, 300, 1000)).astype(np.float64)  # 4.8 MB
+    x = upload(s2, m, a, per_rank=True, chunk=1 << 20)
+    np.testing.assert_array_equal(fetch(s2, x, gpu=0), a[0])
+    np.testing.assert_array_equal(fetch(s2, x, gpu=1), a[1])
+
+
+def test_fetch_needs_every_dim(s2):
+    m = s2.mesh(host=1, gpu=2).ref
+    x = upload(s2, m, np.zeros(3, np.float32))
+    with pytest.raises(FetchError) as e:
+        fetch(s2, x, gpu=0)
+    assert e.value.kind == "BAD_ARGUMENT" and "'host'" in e.value.message
+
+
+# ================================================================ compute
+
+def test_elementwise_matmul_sum_views(s2):
+    m = s2.mesh(gpu=2).ref
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((3, 4)).astype(np.float32)
+    b = rng.standard_normal((3, 4)).astype(np.float32)
+    x, y = upload(s2, m, a), upload(s2, m, b)
+    np.testing.assert_allclose(fetch(s2, op(s2, "add", Ref(x), Ref(y)), gpu=1), a + b, rtol=1e-6)
+    np.testing.assert_allclose(fetch(s2, op(s2, "mul", Ref(x), Ref(y)), gpu=0), a * b, rtol=1e-6)
+    t = op(s2, "transpose", Ref(y), 0, 1)
+    np.testing.assert_allclose(fetch(s2, op(s2, "matmul", Ref(x), Ref(t)), gpu=0), a @ b.T,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fetch(s2, op(s2, "sum", Ref(x), [1]), gpu=1), a.sum(1), rtol=1e-5)
+    c = op(s2, "contiguous", Ref(t))
+    np.testing.assert_array_equal(fetch(s2, c, gpu=0), b.T)
+    np.testing.assert_array_equal(fetch(s2, t, gpu=1), b.T)
+
+
+def test_factories_and_rand_determinism(s2):
+    m = s2.mesh(gpu=2).ref
+    z = s2.tensor(m, (2, 3), "ones").ref
+    np.testing.assert_array_equal(fetch(s2, z, gpu=1), np.ones((2, 3), np.float32))
+    r1 = s2.tensor(m, (64,), "rand", seed=7).ref
+    r2 = s2.tensor(m, (64,), "rand", seed=7).ref
+    a0, a1 = fetch(s2, r1, gpu=0), fetch(s2, r1, gpu=1)
+    np.testing.assert_array_equal(a0, fetch(s2, r2, gpu=0))  # same seed, same rank: same values
+    assert not np.array_equal(a0, a1)                         # ranks draw different streams
+    assert (a0 >= 0).all() and (a0 < 1).all()
+
+
+def test_rand_is_the_same_across_agents(shared_meshd):
+    """Rank r of a mesh gets the stream (seed, r) whichever agent holds it."""
+    srv = shared_meshd(4)
+    with Session(srv.port, "rand") as s:
+        root = s.mesh(gpu=4).ref
+        sub = s.slice(root, gpu=lib.rng(2, 4)).ref if hasattr(lib, "rng") else None
+        a = s.tensor(root, (16,), "randn", seed=3).ref
+        b = s.tensor(root, (16,), "randn", seed=3).ref
+        for g in range(4):
+            np.testing.assert_array_equal(fetch(s, a, gpu=g), fetch(s, b, gpu=g))
+        del sub
+
+
+# ================================================================ errors
+
+def test_failing_op_is_remote_failure_and_dependents_depend(s2):
+    m = s2.mesh(gpu=2).ref
+    x = upload(s2, m, np.arange(6, dtype=np.float32).reshape(2, 3))
+    idx = upload(s2, m, np.array([0, 7], dtype=np.int64))
+    bad = op(s2, "index_select", Ref(x), 1, Ref(idx))
+    dep = op(s2, "add", Ref(bad), 1)
+    ok = op(s2, "add", Ref(x), 1)
+    with pytest.raises(FetchError) as e:
+        fetch(s2, bad, gpu=0)
+    assert e.value.kind == "REMOTE_FAILURE" and "index_select" in e.value.message
+    with pytest.raises(FetchError) as e:
+        fetch(s2, dep, gpu=1)
+    assert e.value.kind == "DEPENDENT_FAILURE"
+    np.testing.assert_array_equal(fetch(s2, ok, gpu=0), np.arange(6).reshape(2, 3) + 1)
+
+
+# ================================================================ memory
+
+def _allocated(s):
+    agents = s.unary("ListAgents", pb().ListAgentsRequest(), pb().ListAgentsReply,
+                     metadata=()).agents
+    return sum(a.allocated_bytes for a in agents)
+
+
+def _wait_allocated(s, want, timeout=10):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _allocated(s) == want:
+            return True
+        time.sleep(0.05)
+    return _allocated(s) == want
+
+
+def test_drop_and_close_free_agent_memory(meshd_server):
+    srv = meshd_server(2)
+    lib.wait_health(srv.port, "meshd.v1.TensorService", lib.SERVING(), timeout=lib.REGISTER_TIMEOUT)
+    with Session(srv.port, "mem") as s:
+        assert _wait_allocated(s, 0)
+        m = s.mesh(gpu=2).ref
+        x = s.tensor(m, (1000,), "zeros").ref
+        y = upload(s, m, np.ones(500, np.float64))
+        s.run(sync())
+        assert _wait_allocated(s, 2 * (4000 + 4000))
+        s.run(drop(x))
+        s.run(sync())
+        assert _wait_allocated(s, 2 * 4000)
+        z = s.tensor(m, (10,), "ones").ref
+        s.run(sync())
+        assert _allocated(s) > 0
+        s.close()
+        assert _wait_allocated(s, 0), f"{_allocated(s)} bytes still held after CloseSession"
+        del y, z
+
+
+# ================================================================ collectives, to_mesh
+
+def test_reduce_over_a_group_of_one_is_local(s2):
+    m = s2.mesh(host=2, gpu=1).ref
+    a = np.arange(4, dtype=np.float32)
+    x = upload(s2, m, a)
+    r = s2.run(reduce(s2.new_ref(), x, dims=["gpu"], reduction="sum")).tensors[0].ref
+    np.testing.assert_array_equal(fetch(s2, r, host=1, gpu=0), a)
+
+
+def test_to_mesh_same_rank_is_a_copy(s2):
+    m = s2.mesh(gpu=2).ref
+    a = np.arange(6, dtype=np.float32)
+    x = upload(s2, m, a)
+    r = s2.run(to_mesh(s2.new_ref(), x, m)).tensors[0].ref
+    np.testing.assert_array_equal(fetch(s2, r, gpu=1), a)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("reduction", ["sum", "avg", "stack"])
+def test_reduce_across_agents(shared_meshd, n, reduction):
+    srv = shared_meshd(n)
+    with Session(srv.port, "reduce") as s:
+        if not data_plane(s):
+            pytest.skip("agents report no data_port: the cpu data plane (agent/cpu/dataplane.c) "
+                        "is not built yet")
+        m = s.mesh(gpu=n).ref
+        parts = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+        x = upload(s, m, parts, per_rank=True)
+        r = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction=reduction)).tensors[0].ref
+        want = {"sum": parts.sum(0), "avg": parts.mean(0), "stack": parts}[reduction]
+        for g in range(n):
+            np.testing.assert_allclose(fetch(s, r, gpu=g), want, rtol=1e-6)
+
+
+def test_to_mesh_between_agents_and_broadcast(shared_meshd):
+    srv = shared_meshd(4)
+    with Session(srv.port, "tomesh") as s:
+        if not data_plane(s):
+            pytest.skip("agents report no data_port: the cpu data plane (agent/cpu/dataplane.c) "
+                        "is not built yet")
+        root = s.mesh(host=2, gpu=2).ref
+        a = np.arange(8, dtype=np.float32).reshape(4, 2)
+        x = upload(s, root, a, per_rank=True)
+        h0 = s.slice(root, host=0).ref
+        h1 = s.slice(root, host=1).ref
+        src = s.run(to_mesh(s.new_ref(), x, h1, selection={"host": 0})).tensors[0].ref
+        for g in range(2):
+            np.testing.assert_array_equal(fetch(s, src, gpu=g), a[g])
+        # broadcast: a tensor on host 0's gpu 1 goes to every rank of the root mesh
+        one = s.slice(h0, gpu=1).ref
+        y = upload(s, one, np.full(3, 5, np.float32))
+        b = s.run(to_mesh(s.new_ref(), y, root)).tensors[0].ref
+        for h in range(2):
+            for g in range(2):
+                np.testing.assert_array_equal(fetch(s, b, host=h, gpu=g), np.full(3, 5, np.float32))

@@ -1,0 +1,516 @@
+/* agent/cpu/dataplane.c: N data planes in one process on 127.0.0.1:0, one
+ * thread per member, results checked against values computed here. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dataplane.h"
+
+float dp_f16_to_f32(uint16_t h);
+uint16_t dp_f32_to_f16(float f);
+float dp_bf16_to_f32(uint16_t h);
+uint16_t dp_f32_to_bf16(float f);
+
+#define MAXN 5
+
+typedef struct world {
+  size_t n;
+  dataplane_t *dp[MAXN];
+  uint32_t ranks[MAXN];
+  char addr_buf[MAXN][64];
+  const char *addrs[MAXN];
+} world_t;
+
+static void world_start(world_t *w, size_t n, int timeout_ms) {
+  memset(w, 0, sizeof *w);
+  w->n = n;
+  for (size_t i = 0; i < n; i++) {
+    meshd_error_t err = {0};
+    w->ranks[i] = 10 + (uint32_t)i;
+    w->dp[i] = dataplane_start("127.0.0.1", w->ranks[i], timeout_ms, &err);
+    cr_assert(w->dp[i], "dataplane_start: %s", err.msg);
+    snprintf(w->addr_buf[i], sizeof w->addr_buf[i], "127.0.0.1:%d", dataplane_port(w->dp[i]));
+    w->addrs[i] = w->addr_buf[i];
+  }
+}
+
+static void world_stop(world_t *w) {
+  for (size_t i = 0; i < w->n; i++)
+    if (w->dp[i]) dataplane_stop(w->dp[i]);
+}
+
+static dp_group_t group(const world_t *w, uint64_t comm, size_t me) {
+  return (dp_group_t){.comm_id = comm, .ranks = w->ranks, .addrs = w->addrs, .n = w->n, .me = me};
+}
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ------------------------------------------------------------ one call per member */
+
+typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A } kind_t;
+
+typedef struct job {
+  world_t *w;
+  size_t me;
+  uint64_t comm;
+  kind_t kind;
+  dtype_t dtype;
+  dp_reduce_t op;
+  size_t count;
+  void *in, *out;
+  int rc;
+  meshd_error_t err;
+  int64_t took_ms;
+} job_t;
+
+static void *job_main(void *arg) {
+  job_t *j = arg;
+  dp_group_t g = group(j->w, j->comm, j->me);
+  int64_t t0 = now_ms();
+  switch (j->kind) {
+  case K_ALLREDUCE: j->rc = dp_allreduce(j->w->dp[j->me], &g, j->in, j->count, j->dtype, j->op, &j->err); break;
+  case K_RS: j->rc = dp_reduce_scatter(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, j->op, &j->err); break;
+  case K_AG: j->rc = dp_allgather(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, &j->err); break;
+  case K_A2A: j->rc = dp_alltoall(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, &j->err); break;
+  }
+  j->took_ms = now_ms() - t0;
+  return NULL;
+}
+
+/* Runs jobs[0..n) on their own threads; jobs with skip[i] set do not join. */
+static void run_jobs(job_t *jobs, size_t n) {
+  pthread_t th[MAXN * 2];
+  for (size_t i = 0; i < n; i++) pthread_create(&th[i], NULL, job_main, &jobs[i]);
+  for (size_t i = 0; i < n; i++) pthread_join(th[i], NULL);
+}
+
+/* ------------------------------------------------------------ values */
+
+static float fval(size_t r, size_t i) { return (float)((i * 7 + r * 3) % 11) - 5.0f; }
+static int32_t ival(size_t r, size_t i, dp_reduce_t op) {
+  if (op >= DP_BAND) return (int32_t)((uint32_t)i * 2654435761u ^ (uint32_t)r * 40503u);
+  return (int32_t)((i * 13 + r * 7) % 1000) - 500;
+}
+static uint8_t bval(size_t r, size_t i) { return (i + r) % 3 == 0; }
+
+static void fill(dtype_t dt, dp_reduce_t op, size_t r, void *buf, size_t count, size_t base) {
+  for (size_t i = 0; i < count; i++) {
+    size_t k = base + i;
+    switch (dt) {
+    case DTYPE_FLOAT32: ((float *)buf)[i] = fval(r, k); break;
+    case DTYPE_INT32: ((int32_t *)buf)[i] = ival(r, k, op); break;
+    case DTYPE_BOOL: ((uint8_t *)buf)[i] = bval(r, k); break;
+    case DTYPE_FLOAT16: ((uint16_t *)buf)[i] = dp_f32_to_f16((float)(k % 5 + r)); break;
+    case DTYPE_BFLOAT16: ((uint16_t *)buf)[i] = dp_f32_to_bf16((float)(k % 5 + r)); break;
+    default: cr_assert_fail("dtype");
+    }
+  }
+}
+
+/* Checks buf against the reduction over n members of element base + i. */
+static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf, size_t count,
+                           size_t base, const char *ctx) {
+  for (size_t i = 0; i < count; i++) {
+    size_t k = base + i;
+    if (dt == DTYPE_FLOAT32) {
+      float acc = fval(0, k);
+      for (size_t r = 1; r < n; r++) {
+        float v = fval(r, k);
+        switch (op) {
+        case DP_SUM: case DP_AVG: acc += v; break;
+        case DP_PRODUCT: acc *= v; break;
+        case DP_MIN: acc = v < acc ? v : acc; break;
+        case DP_MAX: acc = v > acc ? v : acc; break;
+        default: break;
+        }
+      }
+      if (op == DP_AVG) acc /= (float)n;
+      float got = ((const float *)buf)[i];
+      if (got != acc) cr_assert_fail("%s: element %zu = %g, expected %g", ctx, i, got, acc);
+    } else if (dt == DTYPE_INT32) {
+      uint32_t acc = (uint32_t)ival(0, k, op);
+      for (size_t r = 1; r < n; r++) {
+        int32_t v = ival(r, k, op);
+        switch (op) {
+        case DP_SUM: case DP_AVG: acc += (uint32_t)v; break;
+        case DP_PRODUCT: acc *= (uint32_t)v; break;
+        case DP_MIN: acc = v < (int32_t)acc ? (uint32_t)v : acc; break;
+        case DP_MAX: acc = v > (int32_t)acc ? (uint32_t)v : acc; break;
+        case DP_BAND: acc &= (uint32_t)v; break;
+        case DP_BOR: acc |= (uint32_t)v; break;
+        case DP_BXOR: acc ^= (uint32_t)v; break;
+        }
+      }
+      int32_t want = (int32_t)acc;
+      if (op == DP_AVG) want = (int32_t)((int64_t)want / (int64_t)n);
+      int32_t got = ((const int32_t *)buf)[i];
+      if (got != want) cr_assert_fail("%s: element %zu = %d, expected %d", ctx, i, got, want);
+    } else if (dt == DTYPE_BOOL) {
+      bool acc = bval(0, k);
+      for (size_t r = 1; r < n; r++) {
+        bool v = bval(r, k);
+        switch (op) {
+        case DP_SUM: case DP_MAX: case DP_BOR: acc = acc || v; break;
+        case DP_PRODUCT: case DP_MIN: case DP_BAND: acc = acc && v; break;
+        case DP_BXOR: acc = acc != v; break;
+        default: break;
+        }
+      }
+      uint8_t got = ((const uint8_t *)buf)[i];
+      if (got != acc) cr_assert_fail("%s: element %zu = %u, expected %d", ctx, i, got, acc);
+    } else {
+      float want = 0;
+      for (size_t r = 0; r < n; r++) want += (float)(k % 5 + r);
+      uint16_t h = ((const uint16_t *)buf)[i];
+      float got = dt == DTYPE_FLOAT16 ? dp_f16_to_f32(h) : dp_bf16_to_f32(h);
+      if (got != want) cr_assert_fail("%s: element %zu = %g, expected %g", ctx, i, got, want);
+    }
+  }
+}
+
+#define BIG_BYTES ((size_t)4 << 20)
+
+static void allreduce_case(world_t *w, uint64_t comm, dtype_t dt, dp_reduce_t op, size_t count) {
+  job_t jobs[MAXN];
+  size_t esz = dtype_size(dt);
+  for (size_t r = 0; r < w->n; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = K_ALLREDUCE, .dtype = dt, .op = op,
+                      .count = count};
+    jobs[r].in = malloc(count * esz + 1);
+    fill(dt, op, r, jobs[r].in, count, 0);
+  }
+  run_jobs(jobs, w->n);
+  char ctx[128];
+  for (size_t r = 0; r < w->n; r++) {
+    snprintf(ctx, sizeof ctx, "allreduce n=%zu %s op=%d count=%zu member %zu", w->n, dtype_name(dt),
+             (int)op, count, r);
+    cr_assert_eq(jobs[r].rc, 0, "%s: %s", ctx, jobs[r].err.msg);
+    expect_reduced(dt, op, w->n, jobs[r].in, count, 0, ctx);
+    if (r > 0) cr_assert(memcmp(jobs[r].in, jobs[0].in, count * esz) == 0, "%s differs from 0", ctx);
+  }
+  for (size_t r = 0; r < w->n; r++) free(jobs[r].in);
+}
+
+static void allreduce_all(size_t n) {
+  world_t w;
+  world_start(&w, n, 5000);
+  const size_t sizes[] = {0, 1, 1009, 20000, BIG_BYTES / 4 + 7};
+  uint64_t comm = 1;
+  for (int op = DP_SUM; op <= DP_BXOR; op++) {
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+      if (op <= DP_MAX) allreduce_case(&w, comm++, DTYPE_FLOAT32, (dp_reduce_t)op, sizes[s]);
+      allreduce_case(&w, comm++, DTYPE_INT32, (dp_reduce_t)op, sizes[s]);
+      if (op != DP_AVG) allreduce_case(&w, comm++, DTYPE_BOOL, (dp_reduce_t)op, sizes[s]);
+    }
+  }
+  for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+    allreduce_case(&w, 7, DTYPE_FLOAT16, DP_SUM, sizes[s]); /* one comm reused */
+    allreduce_case(&w, 8, DTYPE_BFLOAT16, DP_SUM, sizes[s]);
+  }
+  world_stop(&w);
+}
+
+Test(dataplane, allreduce_every_op_n2, .timeout = 120) { allreduce_all(2); }
+Test(dataplane, allreduce_every_op_n3, .timeout = 120) { allreduce_all(3); }
+Test(dataplane, allreduce_every_op_n4, .timeout = 120) { allreduce_all(4); }
+
+Test(dataplane, allreduce_bitwise_identical_on_every_rank) {
+  world_t w;
+  world_start(&w, 3, 5000);
+  size_t count = 300001;
+  job_t jobs[3];
+  for (size_t r = 0; r < 3; r++) {
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 5, .dtype = DTYPE_FLOAT32, .op = DP_SUM, .count = count};
+    float *f = malloc(count * 4);
+    for (size_t i = 0; i < count; i++) f[i] = (float)((i * 2654435761u + r * 977u) % 100003) / 7.3f;
+    jobs[r].in = f;
+  }
+  run_jobs(jobs, 3);
+  for (size_t r = 0; r < 3; r++) cr_assert_eq(jobs[r].rc, 0, "%s", jobs[r].err.msg);
+  for (size_t r = 1; r < 3; r++) cr_assert(memcmp(jobs[r].in, jobs[0].in, count * 4) == 0);
+  for (size_t r = 0; r < 3; r++) free(jobs[r].in);
+  world_stop(&w);
+}
+
+Test(dataplane, rejects_undefined_reductions) {
+  world_t w;
+  world_start(&w, 1, 1000);
+  dp_group_t g = group(&w, 1, 0);
+  float f = 1;
+  uint8_t b = 1;
+  meshd_error_t err = {0};
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, &f, 1, DTYPE_FLOAT32, DP_BXOR, &err), -1);
+  cr_assert_eq(err.kind, ERR_BAD_ARGUMENT);
+  cr_assert(strstr(err.msg, "bxor") && strstr(err.msg, "float32"), "%s", err.msg);
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, &b, 1, DTYPE_BOOL, DP_AVG, &err), -1);
+  cr_assert_eq(err.kind, ERR_BAD_ARGUMENT);
+  cr_assert_eq(dp_reduce_parse("max"), DP_MAX);
+  cr_assert_eq(dp_reduce_parse("bxor"), DP_BXOR);
+  cr_assert_eq(dp_reduce_parse("stack"), -1);
+  world_stop(&w);
+}
+
+/* ------------------------------------------------------------ other collectives */
+
+static void rs_case(world_t *w, uint64_t comm, dtype_t dt, dp_reduce_t op, size_t count) {
+  job_t jobs[MAXN];
+  size_t n = w->n, esz = dtype_size(dt);
+  for (size_t r = 0; r < n; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = K_RS, .dtype = dt, .op = op, .count = count};
+    jobs[r].in = malloc(n * count * esz + 1);
+    jobs[r].out = malloc(count * esz + 1);
+    fill(dt, op, r, jobs[r].in, n * count, 0);
+  }
+  run_jobs(jobs, n);
+  char ctx[128];
+  for (size_t r = 0; r < n; r++) {
+    snprintf(ctx, sizeof ctx, "reduce_scatter n=%zu count=%zu op=%d member %zu", n, count, (int)op, r);
+    cr_assert_eq(jobs[r].rc, 0, "%s: %s", ctx, jobs[r].err.msg);
+    expect_reduced(dt, op, n, jobs[r].out, count, r * count, ctx);
+  }
+  for (size_t r = 0; r < n; r++) free(jobs[r].in), free(jobs[r].out);
+}
+
+static void gather_case(world_t *w, uint64_t comm, kind_t kind, size_t count) {
+  job_t jobs[MAXN];
+  size_t n = w->n;
+  size_t in_count = kind == K_AG ? count : n * count;
+  for (size_t r = 0; r < n; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = kind, .dtype = DTYPE_INT32, .count = count};
+    int32_t *in = malloc(in_count * 4 + 4);
+    for (size_t i = 0; i < in_count; i++) in[i] = (int32_t)(r * 1000003 + i);
+    jobs[r].in = in;
+    jobs[r].out = malloc(n * count * 4 + 4);
+  }
+  run_jobs(jobs, n);
+  for (size_t r = 0; r < n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "kind %d n=%zu count=%zu member %zu: %s", kind, n, count, r,
+                 jobs[r].err.msg);
+    const int32_t *out = jobs[r].out;
+    for (size_t s = 0; s < n; s++)
+      for (size_t i = 0; i < count; i++) {
+        /* allgather: slice s = member s's in; alltoall: slice s = member s's in slice r */
+        int32_t want = (int32_t)(s * 1000003 + (kind == K_AG ? i : r * count + i));
+        if (out[s * count + i] != want)
+          cr_assert_fail("kind %d n=%zu count=%zu member %zu slice %zu [%zu] = %d, want %d", kind,
+                         n, count, r, s, i, out[s * count + i], want);
+      }
+  }
+  for (size_t r = 0; r < n; r++) free(jobs[r].in), free(jobs[r].out);
+}
+
+Test(dataplane, reduce_scatter_allgather_alltoall, .timeout = 120) {
+  for (size_t n = 2; n <= 4; n++) {
+    world_t w;
+    world_start(&w, n, 5000);
+    const size_t sizes[] = {0, 1, 1009, 70001, BIG_BYTES / 4 / 2 + 3};
+    uint64_t comm = 100;
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+      rs_case(&w, comm++, DTYPE_FLOAT32, DP_SUM, sizes[s]);
+      rs_case(&w, comm++, DTYPE_INT32, DP_MAX, sizes[s]);
+      rs_case(&w, comm++, DTYPE_FLOAT32, DP_AVG, sizes[s]);
+      rs_case(&w, comm++, DTYPE_BOOL, DP_BXOR, sizes[s]);
+      gather_case(&w, comm++, K_AG, sizes[s]);
+      gather_case(&w, comm++, K_A2A, sizes[s]);
+    }
+    world_stop(&w);
+  }
+}
+
+/* ------------------------------------------------------------ send / recv */
+
+typedef struct p2p_job {
+  world_t *w;
+  size_t me, peer;
+  uint64_t comm;
+  bool send;
+  uint8_t *buf;
+  size_t bytes;
+  int rc;
+  meshd_error_t err;
+} p2p_job_t;
+
+static void *p2p_main(void *arg) {
+  p2p_job_t *j = arg;
+  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, j->w->ranks[j->peer], j->w->addrs[j->peer],
+                            j->buf, j->bytes, &j->err)
+                  : dp_recv(j->w->dp[j->me], j->comm, j->w->ranks[j->peer], j->w->addrs[j->peer],
+                            j->buf, j->bytes, &j->err);
+  return NULL;
+}
+
+Test(dataplane, send_recv_odd_sizes_both_ways, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 5000);
+  const size_t sizes[] = {0, 1, 3, 1009, 1000003, BIG_BYTES + 1};
+  for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+    size_t b = sizes[s];
+    p2p_job_t j[4];
+    for (int k = 0; k < 4; k++) {
+      size_t me = (size_t)k / 2, peer = 1 - me;
+      bool send = k % 2 == 0;
+      j[k] = (p2p_job_t){.w = &w, .me = me, .peer = peer, .comm = 900, .send = send, .bytes = b};
+      j[k].buf = malloc(b + 1);
+      for (size_t i = 0; i < b; i++) j[k].buf[i] = send ? (uint8_t)(i * 31 + me * 7) : 0xee;
+    }
+    pthread_t th[4];
+    for (int k = 0; k < 4; k++) pthread_create(&th[k], NULL, p2p_main, &j[k]);
+    for (int k = 0; k < 4; k++) pthread_join(th[k], NULL);
+    for (int k = 0; k < 4; k++) {
+      cr_assert_eq(j[k].rc, 0, "size %zu job %d: %s", b, k, j[k].err.msg);
+      if (!j[k].send)
+        for (size_t i = 0; i < b; i++)
+          if (j[k].buf[i] != (uint8_t)(i * 31 + j[k].peer * 7))
+            cr_assert_fail("size %zu: byte %zu wrong", b, i);
+    }
+    for (int k = 0; k < 4; k++) free(j[k].buf);
+  }
+  world_stop(&w);
+}
+
+Test(dataplane, send_recv_size_mismatch_fails_both) {
+  world_t w;
+  world_start(&w, 2, 1000);
+  uint8_t a[100] = {0}, b[50];
+  p2p_job_t j[2] = {{.w = &w, .me = 0, .peer = 1, .comm = 3, .send = true, .buf = a, .bytes = 100},
+                    {.w = &w, .me = 1, .peer = 0, .comm = 3, .send = false, .buf = b, .bytes = 50}};
+  pthread_t th[2];
+  for (int k = 0; k < 2; k++) pthread_create(&th[k], NULL, p2p_main, &j[k]);
+  for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+  cr_assert_eq(j[1].rc, -1);
+  cr_assert(strstr(j[1].err.msg, "same arguments"), "%s", j[1].err.msg);
+  world_stop(&w);
+}
+
+/* ------------------------------------------------------------ concurrency */
+
+Test(dataplane, two_comms_concurrently, .timeout = 60) {
+  world_t w;
+  world_start(&w, 3, 5000);
+  for (int rep = 0; rep < 3; rep++) {
+    job_t jobs[6];
+    size_t counts[2] = {BIG_BYTES / 4 + 1, 1009};
+    for (size_t c = 0; c < 2; c++)
+      for (size_t r = 0; r < 3; r++) {
+        job_t *j = &jobs[c * 3 + r];
+        *j = (job_t){.w = &w, .me = r, .comm = 40 + c, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32,
+                     .op = c ? DP_MAX : DP_SUM, .count = counts[c]};
+        j->in = malloc(counts[c] * 4);
+        fill(DTYPE_INT32, j->op, r, j->in, counts[c], 0);
+      }
+    run_jobs(jobs, 6);
+    for (size_t k = 0; k < 6; k++) {
+      cr_assert_eq(jobs[k].rc, 0, "%s", jobs[k].err.msg);
+      expect_reduced(DTYPE_INT32, jobs[k].op, 3, jobs[k].in, jobs[k].count, 0, "two comms");
+      free(jobs[k].in);
+    }
+  }
+  world_stop(&w);
+}
+
+/* ------------------------------------------------------------ failures */
+
+static void expect_names(const job_t *j, const world_t *w, size_t missing, int64_t within_ms) {
+  char rank[32];
+  snprintf(rank, sizeof rank, "rank %u", w->ranks[missing]);
+  cr_assert_eq(j->rc, -1, "member %zu succeeded without its peer", j->me);
+  cr_assert(strstr(j->err.msg, rank) && strstr(j->err.msg, w->addrs[missing]),
+            "member %zu: message does not name %s at %s: %s", j->me, rank, w->addrs[missing],
+            j->err.msg);
+  cr_assert(j->took_ms <= within_ms, "member %zu took %lld ms (limit %lld): %s", j->me,
+            (long long)j->took_ms, (long long)within_ms, j->err.msg);
+}
+
+static void missing_member_case(size_t n, size_t count) {
+  world_t w;
+  world_start(&w, n, 1000);
+  size_t missing = n - 1;
+  job_t jobs[MAXN];
+  for (size_t r = 0; r < n - 1; r++) {
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 77, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
+                      .op = DP_SUM, .count = count};
+    jobs[r].in = calloc(count, 4);
+  }
+  run_jobs(jobs, n - 1);
+  for (size_t r = 0; r < n - 1; r++) expect_names(&jobs[r], &w, missing, 2000);
+
+  /* The agents keep serving: the same comm with everyone present works again. */
+  for (size_t r = 0; r < n; r++) {
+    if (r == n - 1) {
+      jobs[r] = jobs[0];
+      jobs[r].me = r;
+      jobs[r].in = calloc(count, 4);
+    }
+    jobs[r].rc = -1;
+    fill(DTYPE_FLOAT32, DP_SUM, r, jobs[r].in, count, 0);
+  }
+  run_jobs(jobs, n);
+  for (size_t r = 0; r < n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "after the failure, member %zu: %s", r, jobs[r].err.msg);
+    expect_reduced(DTYPE_FLOAT32, DP_SUM, n, jobs[r].in, count, 0, "after failure");
+    free(jobs[r].in);
+  }
+  world_stop(&w);
+}
+
+Test(dataplane, member_never_joins_small, .timeout = 30) {
+  missing_member_case(2, 5);
+  missing_member_case(3, 5);
+  missing_member_case(4, 1009);
+}
+
+Test(dataplane, member_never_joins_ring, .timeout = 30) {
+  missing_member_case(3, BIG_BYTES / 4);
+  missing_member_case(4, 100000);
+}
+
+Test(dataplane, member_stopped_mid_call, .timeout = 30) {
+  /* Member 2 is stuck in a collective with an absent member 3 when its data
+   * plane stops; members 0 and 1, in a collective with 0..2, fail promptly. */
+  world_t w;
+  world_start(&w, 4, 10000);
+  world_t w3 = w; /* the view of members 0..2 */
+  w3.n = 3;
+  size_t count = BIG_BYTES / 4;
+  job_t jobs[3];
+  for (size_t r = 0; r < 3; r++) {
+    jobs[r] = (job_t){.w = r == 2 ? &w : &w3, .me = r, .comm = r == 2 ? 91 : 90,
+                      .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32, .op = DP_SUM, .count = count};
+    jobs[r].in = calloc(count, 4);
+  }
+  pthread_t th[3];
+  for (size_t r = 0; r < 3; r++) pthread_create(&th[r], NULL, job_main, &jobs[r]);
+  usleep(300 * 1000);
+  int64_t t0 = now_ms();
+  dataplane_stop(w.dp[2]);
+  w.dp[2] = NULL;
+  for (size_t r = 0; r < 3; r++) pthread_join(th[r], NULL);
+  int64_t took = now_ms() - t0;
+  cr_assert(took < 2000, "stop took %lld ms", (long long)took);
+  cr_assert_eq(jobs[2].rc, -1);
+  for (size_t r = 0; r < 2; r++) expect_names(&jobs[r], &w, 2, 300 + 2000);
+  for (size_t r = 0; r < 3; r++) free(jobs[r].in);
+  world_stop(&w);
+}
+
+Test(dataplane, unreachable_peer_fails_within_timeout) {
+  world_t w;
+  world_start(&w, 2, 1000);
+  dataplane_stop(w.dp[1]); /* its port is closed now */
+  w.dp[1] = NULL;
+  job_t j = {.w = &w, .me = 0, .comm = 5, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32, .op = DP_SUM,
+             .count = 4};
+  int32_t buf[4] = {0};
+  j.in = buf;
+  job_main(&j);
+  expect_names(&j, &w, 1, 2000);
+  world_stop(&w);
+}
