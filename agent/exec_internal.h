@@ -62,7 +62,8 @@ void exec_forget_def(executor_t *x, xsession_t *s, uint64_t ref);
 /* Takes the borrow record (NULL if unknown); the caller frees it. */
 xborrow_t *exec_take_borrow(executor_t *x, xsession_t *s, uint64_t id);
 /* Queues a root failure for the next report. */
-void exec_report_error(executor_t *x, error_kind_t kind, const char *msg, uint64_t seq, uint64_t ref);
+void exec_report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
+                       uint64_t seq, uint64_t ref);
 const executor_env_t *exec_env(executor_t *x);
 
 /* run.c */

@@ -91,13 +91,15 @@ int executor_wait(executor_t *x, uint64_t seq, int timeout_ms) {
 
 /* ------------------------------------------------------------------ reports */
 
-void exec_report_error(executor_t *x, error_kind_t kind, const char *msg, uint64_t seq,
-                       uint64_t ref) {
+void exec_report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
+                       uint64_t seq, uint64_t ref) {
   Meshd__V1__Error *e = calloc(1, sizeof *e);
   char *m = strdup(msg ? msg : "");
-  if (!e || !m) {
+  char *sid = strdup(session ? session : "");
+  if (!e || !m || !sid) {
     free(e);
     free(m);
+    free(sid);
     return;
   }
   meshd__v1__error__init(e);
@@ -106,6 +108,7 @@ void exec_report_error(executor_t *x, error_kind_t kind, const char *msg, uint64
   e->code = (int32_t)error_kind_code(kind);
   e->seq = seq;
   e->ref = ref;
+  e->session_id = sid;
   pthread_mutex_lock(&x->mu);
   if (x->nerrs == x->caperrs) {
     size_t cap = x->caperrs ? 2 * x->caperrs : 8;
@@ -113,6 +116,7 @@ void exec_report_error(executor_t *x, error_kind_t kind, const char *msg, uint64
     if (!n) {
       pthread_mutex_unlock(&x->mu);
       free(m);
+      free(sid);
       free(e);
       return;
     }
@@ -146,6 +150,7 @@ static void *reporter_main(void *arg) {
     pthread_mutex_unlock(&x->mu);
     x->report(through, errs, n, alloc, x->arg);
     for (size_t i = 0; i < n; i++) {
+      free(errs[i]->session_id);
       free(errs[i]->message);
       free(errs[i]);
     }
@@ -450,7 +455,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     char msg[160];
     snprintf(msg, sizeof msg, "agent out of memory or threads queueing instruction seq %" PRIu64,
              ins->seq);
-    exec_report_error(x, ERR_REMOTE_FAILURE, msg, ins->seq, 0);
+    exec_report_error(x, ins->session_id, ERR_REMOTE_FAILURE, msg, ins->seq, 0);
     return -1;
   }
   return 0;
@@ -513,6 +518,7 @@ void executor_unref(executor_t *x) {
     session_free(s);
   }
   for (size_t i = 0; i < x->nerrs; i++) {
+    free(x->errs[i]->session_id);
     free(x->errs[i]->message);
     free(x->errs[i]);
   }

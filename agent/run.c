@@ -41,7 +41,7 @@ static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_e
   snprintf(f.msg, sizeof f.msg, "%s", e->msg);
   fail_refs(c, refs, n, &f);
   log_debug("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
-  exec_report_error(c->x, f.kind, f.msg, c->ins->seq, f.root_ref);
+  exec_report_error(c->x, c->s->id, f.kind, f.msg, c->ins->seq, f.root_ref);
 }
 
 /* refs depend on `input`, which failed with *root. Not reported again. */

@@ -1,6 +1,7 @@
 #include "command_service.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,9 +13,12 @@
  * rank it touched ran everything issued before it, or failed with AGENT_LOST. */
 typedef struct pending_sync {
   rpc_call_t *call; /* referenced */
+  session_t *session; /* referenced: its unreported failures go into the answer */
   bool submit;      /* answer as a SubmitReply (stream stays open) or end the call */
   uint64_t seq;     /* the client's command seq */
   struct submit_state *stream; /* Submit: counts pending answers */
+  watermark_target_t *targets; /* until wait_sync */
+  size_t n;
 } pending_sync_t;
 
 typedef struct submit_state {
@@ -70,18 +74,79 @@ static void submit_answered(submit_state_t *st, rpc_call_t *call) {
   if (finish) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
 }
 
+/* The session's run-time failures not yet reported, moved into out.errors. */
+static void take_failures(session_t *s, cmd_out_t *out) {
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = s->objects;
+  size_t n = o ? o->nunreported : 0;
+  Meshd__V1__Error *errs = n ? calloc(n, sizeof *errs) : NULL;
+  Meshd__V1__Error **ptrs = n ? calloc(n, sizeof *ptrs) : NULL;
+  char *msgs = n ? calloc(n, sizeof o->unreported[0].msg) : NULL;
+  if (errs && ptrs && msgs) {
+    for (size_t i = 0; i < n; i++) {
+      meshd__v1__error__init(&errs[i]);
+      errs[i].kind = (Meshd__V1__ErrorKind)o->unreported[i].kind;
+      errs[i].code = (int32_t)error_kind_code(o->unreported[i].kind);
+      errs[i].seq = o->unreported_seq[i];
+      errs[i].message = msgs + i * sizeof o->unreported[0].msg;
+      memcpy(errs[i].message, o->unreported[i].msg, sizeof o->unreported[0].msg);
+      ptrs[i] = &errs[i];
+    }
+    o->nunreported = 0;
+    out->res.errors = ptrs;
+    out->res.n_errors = n;
+  }
+  pthread_mutex_unlock(&s->mu);
+  /* cmd_out frees these with the result */
+  if (n && errs && ptrs && msgs) {
+    out->allocs[out->nallocs++] = errs;
+    out->allocs[out->nallocs++] = ptrs;
+    out->allocs[out->nallocs++] = msgs;
+  } else {
+    free(errs);
+    free(ptrs);
+    free(msgs);
+  }
+}
+
 static void complete_sync(pending_sync_t *p, const meshd_error_t *e) {
   if (e) {
     send_error(p->call, p->submit, p->seq, e);
   } else {
     cmd_out_t out;
     cmd_out_init(&out, p->seq);
+    take_failures(p->session, &out);
     send_result(p->call, p->submit, &out.res);
     cmd_out_free(&out);
   }
   if (p->stream) submit_answered(p->stream, p->call);
   rpc_call_unref(p->call);
+  session_release(p->session);
   free(p);
+}
+
+void command_service_on_report(command_service_t *cs, uint32_t rank,
+                               const Meshd__V1__Error *const *errors, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    const Meshd__V1__Error *err = errors[i];
+    session_t *s = session_find(cs->sessions, err->session_id);
+    if (!s) continue; /* the session ended meanwhile */
+    error_kind_t kind = err->kind ? (error_kind_t)err->kind : ERR_REMOTE_FAILURE;
+    char msg[520];
+    snprintf(msg, sizeof msg, "%s (rank %u)", err->message ? err->message : "", rank);
+    pthread_mutex_lock(&s->mu);
+    objects_t *o = s->objects;
+    if (o) {
+      obj_t *t = err->ref ? objects_get(o, err->ref) : NULL;
+      if (t && t->kind == OBJ_TENSOR && t->tensor.state == TENSOR_LIVE)
+        objects_fail_tensor(o, t, err->seq, kind, err->seq, msg);
+      objects_note_failure(o, kind, msg, err->seq);
+    }
+    pthread_mutex_unlock(&s->mu);
+    log_debug("command", "session %.8s: rank %u reports %s: %s", s->id, rank,
+              error_kind_name(kind), msg);
+    session_release(s);
+  }
 }
 
 static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
@@ -100,10 +165,13 @@ static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg)
   complete_sync(p, &e);
 }
 
-/* Starts a Sync for session s: a StatusRequest to every rank it touched, then
- * waits (without blocking) for their watermarks. */
-static void start_sync(command_service_t *cs, session_t *s, objects_t *o, rpc_call_t *call,
-                       bool submit, uint64_t seq, submit_state_t *stream) {
+/* Starts a Sync for session s (under s->mu): a StatusRequest to every rank it
+ * touched. Returns the pending Sync with its targets, to be waited on with
+ * wait_sync after s->mu is released (its answer takes s->mu), or NULL if it
+ * was answered already (out of memory). */
+static pending_sync_t *start_sync(command_service_t *cs, session_t *s, objects_t *o,
+                                  rpc_call_t *call, bool submit, uint64_t seq,
+                                  submit_state_t *stream) {
   pending_sync_t *p = calloc(1, sizeof *p);
   size_t cap = o->ntouched ? o->ntouched : 1;
   uint32_t *ranks = malloc(sizeof *ranks * cap);
@@ -118,19 +186,27 @@ static void start_sync(command_service_t *cs, session_t *s, objects_t *o, rpc_ca
     error_set(&e, ERR_QUOTA, "Sync: out of memory on the server");
     send_error(call, submit, seq, &e);
     if (stream) submit_answered(stream, call);
-    return;
+    return NULL;
   }
-  *p = (pending_sync_t){call, submit, seq, stream};
+  *p = (pending_sync_t){.call = call, .session = s, .submit = submit, .seq = seq, .stream = stream};
   rpc_call_ref(call);
-  size_t n = emit_status(&cs->fe, s, o, ranks, seqs, cap);
-  for (size_t i = 0; i < n; i++) targets[i] = (watermark_target_t){ranks[i], seqs[i]};
-  uint32_t lost = 0;
-  watermark_result_t r = watermark_wait(agent_pool_watermark(cs->fe.pool), targets, n, sync_fired,
-                                        p, NULL, &lost);
-  if (r != WATERMARK_PENDING) sync_fired(r, lost, p);
+  session_ref(s);
+  p->n = emit_status(&cs->fe, s, o, ranks, seqs, cap);
+  for (size_t i = 0; i < p->n; i++) targets[i] = (watermark_target_t){ranks[i], seqs[i]};
+  p->targets = targets;
   free(ranks);
   free(seqs);
-  free(targets);
+  return p;
+}
+
+static void wait_sync(command_service_t *cs, pending_sync_t *p) {
+  watermark_target_t *targets = p->targets;
+  p->targets = NULL;
+  uint32_t lost = 0;
+  watermark_result_t r = watermark_wait(agent_pool_watermark(cs->fe.pool), targets, p->n,
+                                        sync_fired, p, NULL, &lost);
+  free(targets); /* copied by watermark_wait; p may be gone already */
+  if (r != WATERMARK_PENDING) sync_fired(r, lost, p);
 }
 
 /* ------------------------------------------------------------------ one command */
@@ -149,15 +225,17 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     s->bytes_held = o->bytes;
     s->live_tensors = o->live_tensors;
   }
+  pending_sync_t *pending = NULL;
   if (sync) {
     if (stream) {
       pthread_mutex_lock(&stream->mu);
       stream->pending++;
       pthread_mutex_unlock(&stream->mu);
     }
-    start_sync(cs, s, o, call, submit, cmd->seq, stream);
+    pending = start_sync(cs, s, o, call, submit, cmd->seq, stream);
   }
   pthread_mutex_unlock(&s->mu);
+  if (pending) wait_sync(cs, pending);
   if (rc) {
     log_debug("command", "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
               (unsigned long long)cmd->seq, error_kind_name(e.kind), e.msg);

@@ -20,6 +20,11 @@ const rpc_method_t *command_service_methods(command_service_t *cs, size_t *n);
 /* Session end: tells the agents the session touched to free it. For the
  * session table's on_closed callback. */
 void command_service_session_closed(command_service_t *cs, session_t *s);
+/* Root failures an agent reported (AgentReport.errors, each naming its
+ * session): the tensor becomes failed on the server, and the next Sync of the
+ * session returns the failure. For the pool's on_report callback. */
+void command_service_on_report(command_service_t *cs, uint32_t rank,
+                               const Meshd__V1__Error *const *errors, size_t n);
 /* Frees the service. Pending Syncs are failed by the pool's watermark when the
  * pool is destroyed. */
 void command_service_destroy(command_service_t *cs);

@@ -57,6 +57,13 @@ typedef struct server_state {
   command_service_t *commands;
 } server_state_t;
 
+/* Root failures agents report become failed tensors and Sync answers. */
+static void agent_reported(uint32_t rank, uint64_t executed, const Meshd__V1__Error *const *errors,
+                           size_t n, uint64_t allocated, void *arg) {
+  server_state_t *st = arg;
+  if (n && st->commands) command_service_on_report(st->commands, rank, errors, n);
+}
+
 /* A session ended (closed, expired, shutdown): its agents free what it held. */
 static void session_closed(session_t *s, session_end_t why, void *arg) {
   server_state_t *st = arg;
@@ -120,7 +127,8 @@ int main(int argc, char **argv) {
   char server_id[33];
   runtime_random_hex(server_id, 16);
   server_state_t state = {health_create(), min_agents, NULL};
-  agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .arg = &state};
+  agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
+                                     .arg = &state};
   agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_t *registry = registry_create(pool, server_id, 3000);
   session_table_t *sessions =

@@ -25,8 +25,21 @@ void objects_destroy(objects_t *o) {
     free(it);
   }
   free(o->graves);
+  free(o->unreported);
+  free(o->unreported_seq);
   free(o->touched);
   free(o);
+}
+
+void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint64_t seq) {
+  enum { MAX_UNREPORTED = 256 };
+  if (!o->unreported) o->unreported = calloc(MAX_UNREPORTED, sizeof *o->unreported);
+  if (!o->unreported_seq) o->unreported_seq = calloc(MAX_UNREPORTED, sizeof *o->unreported_seq);
+  if (!o->unreported || !o->unreported_seq) return;
+  if (o->nunreported == MAX_UNREPORTED) return;
+  meshd_error_t *e = &o->unreported[o->nunreported];
+  error_set(e, kind, "%s", msg);
+  o->unreported_seq[o->nunreported++] = seq;
 }
 
 bool objects_touch(objects_t *o, uint32_t rank) {

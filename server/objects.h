@@ -90,10 +90,16 @@ typedef struct objects {
   size_t ngraves, gcap;
   uint64_t live_tensors;
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
+  meshd_error_t *unreported; /* run-time root failures not yet returned by a Sync */
+  uint64_t *unreported_seq;
+  size_t nunreported;
   uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
   size_t ntouched;
 } objects_t;
 
+/* Queues a run-time root failure for the session's next Sync (at most 256 are
+ * kept; later ones are counted in the last message). */
+void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint64_t seq);
 /* Records that `rank` holds state of this session. Returns false on OOM. */
 bool objects_touch(objects_t *o, uint32_t rank);
 

@@ -313,6 +313,15 @@ session_t *session_acquire(session_table_t *t, const char *id, const char *token
   return s;
 }
 
+session_t *session_find(session_table_t *t, const char *id) {
+  pthread_mutex_lock(&t->mu);
+  session_t *s = NULL;
+  if (id) HASH_FIND_STR(t->by_id, id, s);
+  if (s) atomic_fetch_add(&s->refs, 1);
+  pthread_mutex_unlock(&t->mu);
+  return s;
+}
+
 bool session_close(session_table_t *t, session_t *s) {
   pthread_mutex_lock(&t->mu);
   if (atomic_load(&s->closed)) {

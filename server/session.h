@@ -101,6 +101,10 @@ int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
  * idle past its ttl is expired here rather than returned. */
 session_t *session_acquire(session_table_t *t, const char *id, const char *token,
                            meshd_error_t *err);
+/* Server-internal lookup (agent reports name sessions by id): the open session
+ * with this id, acquired, without a token and without renewing its lease; NULL
+ * if there is none. */
+session_t *session_find(session_table_t *t, const char *id);
 /* Another reference to a session the caller already holds. */
 void session_ref(session_t *s);
 /* Drops a reference; renews the lease (the end of a call is activity). */

@@ -800,12 +800,17 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
   }
   int64_t last = now_ms();
   for (;;) {
-    bool moved = false;
-    for (size_t i = 0; i < nx; i++) {
-      if (xs[i].cur >= xs[i].nmsgs) continue;
-      ssize_t r = xs[i].send ? send_step(cl, &xs[i], err) : recv_step(cl, &xs[i], err);
-      if (r < 0) goto out;
-      moved |= r > 0;
+    /* Until nothing moves: a receive may have opened a send's gate. */
+    bool moved = false, again = true;
+    while (again) {
+      again = false;
+      for (size_t i = 0; i < nx; i++) {
+        if (xs[i].cur >= xs[i].nmsgs) continue;
+        ssize_t r = xs[i].send ? send_step(cl, &xs[i], err) : recv_step(cl, &xs[i], err);
+        if (r < 0) goto out;
+        again |= r > 0;
+      }
+      moved |= again;
     }
     nfds_t np = 0;
     for (size_t i = 0; i < nx; i++) {

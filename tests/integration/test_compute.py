@@ -12,7 +12,7 @@ import pytest
 
 import meshd_testlib as lib
 from meshd_testlib import (Ref, Session, call, create_mesh, drop, factory, reduce, slice_mesh,
-                           sync, to_mesh)
+                           describe, sync, to_mesh)
 
 _SVC = "/meshd.v1.TensorService/"
 DT = {np.dtype("float32"): "float32", np.dtype("float64"): "float64",
@@ -179,6 +179,30 @@ def test_failing_op_is_remote_failure_and_dependents_depend(s2):
         fetch(s2, dep, gpu=1)
     assert e.value.kind == "DEPENDENT_FAILURE"
     np.testing.assert_array_equal(fetch(s2, ok, gpu=0), np.arange(6).reshape(2, 3) + 1)
+
+
+def test_sync_reports_a_one_rank_failure_once_and_the_tensor_fails_everywhere(s2):
+    m = s2.mesh(gpu=2).ref
+    x = upload(s2, m, np.arange(6, dtype=np.float32).reshape(2, 3))
+    # rank 0 gets valid indices, rank 1 an index past the end: only rank 1 fails.
+    idx = upload(s2, m, np.array([[0, 1], [0, 7]], dtype=np.int64), per_rank=True)
+    bad = op(s2, "index_select", Ref(x), 1, Ref(idx))
+    first = s2.run(sync())
+    kinds = [pb().ErrorKind.Name(e.kind) for e in first.errors]
+    assert kinds == ["ERROR_KIND_REMOTE_FAILURE"], first
+    assert "index_select" in first.errors[0].message and "rank 1" in first.errors[0].message
+    assert list(s2.run(sync()).errors) == [], "a root failure is reported by one Sync only"
+    t = s2.run(describe(bad)).tensors[0]
+    assert pb().TensorState.Name(t.state) == "TENSOR_STATE_FAILED", t
+    # A value that failed on any rank raises on fetch from every rank.
+    for g in (0, 1):
+        with pytest.raises(FetchError) as e:
+            fetch(s2, bad, gpu=g)
+        assert e.value.kind == "REMOTE_FAILURE", (g, e.value)
+    # Readers accepted after the report fail at once on the server, naming the root.
+    dep = op(s2, "add", Ref(bad), 1)
+    t = s2.run(describe(dep)).tensors[0]
+    assert pb().ErrorKind.Name(t.error.kind) == "ERROR_KIND_DEPENDENT_FAILURE", t
 
 
 # ================================================================ memory
