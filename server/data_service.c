@@ -302,11 +302,78 @@ typedef struct fetch {
   char session[SESSION_ID_LEN + 1];
   uint32_t rank;
   uint64_t ref, after_seq;
+  session_t *sess;             /* referenced: re-checked once every rank caught up */
+  watermark_target_t *targets; /* every rank of the tensor's mesh, at its last seq */
+  size_t ntargets;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
 } fetch_t;
 
+typedef struct fetch_wait {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool done;
+  watermark_result_t result;
+  uint32_t lost;
+} fetch_wait_t;
+
+static void fetch_caught_up(watermark_result_t r, uint32_t lost, void *arg) {
+  fetch_wait_t *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->done = true;
+  w->result = r;
+  w->lost = lost;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* Waits (on this helper thread) until every rank of the tensor's mesh ran what
+ * was issued before the Fetch; a failure on any of them is then known to the
+ * server (reports land before the watermark moves), so a value that failed on
+ * any rank fails the Fetch from every rank. Returns 0, or -1 having answered. */
+static int fetch_wait_all(fetch_t *f) {
+  fetch_wait_t w = {.done = false};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  uint32_t lost = 0;
+  watermark_result_t r = watermark_wait(agent_pool_watermark(f->ds->pool), f->targets, f->ntargets,
+                                        fetch_caught_up, &w, NULL, &lost);
+  if (r == WATERMARK_PENDING) {
+    pthread_mutex_lock(&w.mu);
+    while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    r = w.result;
+    lost = w.lost;
+  }
+  pthread_cond_destroy(&w.cv);
+  pthread_mutex_destroy(&w.mu);
+  if (r == WATERMARK_LOST) {
+    rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
+                    "Fetch: the agent of rank %u was lost before it computed tensor %llu", lost,
+                    (unsigned long long)f->ref);
+    return -1;
+  }
+  if (r != WATERMARK_REACHED) {
+    rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE", "Fetch: the server is stopping");
+    return -1;
+  }
+  meshd_error_t e = {0};
+  pthread_mutex_lock(&f->sess->mu);
+  objects_t *o = f->sess->objects;
+  obj_t *t = o ? objects_get(o, f->ref) : NULL;
+  if (t && t->kind == OBJ_TENSOR && t->tensor.state == TENSOR_FAILED)
+    error_set(&e, t->tensor.fail_kind, "Fetch: tensor %llu failed: %s", (unsigned long long)f->ref,
+              t->tensor.fail_msg ? t->tensor.fail_msg : "");
+  pthread_mutex_unlock(&f->sess->mu);
+  if (e.kind != ERR_NONE) {
+    finish_error(f->call, &e);
+    return -1;
+  }
+  return 0;
+}
+
 static void fetch_run(fetch_t *f) {
+  if (fetch_wait_all(f)) return;
   char addr[256];
   if (agent_pool_address(f->ds->pool, f->rank, addr, sizeof addr)) {
     rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
@@ -354,11 +421,17 @@ static void fetch_run(fetch_t *f) {
   rpc_channel_destroy(ch);
 }
 
+static void fetch_free(fetch_t *f) {
+  if (f->sess) session_release(f->sess);
+  free(f->targets);
+  free(f);
+}
+
 static void *fetch_main(void *arg) {
   fetch_t *f = arg;
   fetch_run(f);
   rpc_call_unref(f->call);
-  free(f);
+  fetch_free(f);
   return NULL;
 }
 
@@ -405,6 +478,20 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   f->rank = (uint32_t)ndslice_rank_of(&mesh->slice, coords, NULL);
   f->ref = t->ref;
   f->after_seq = agent_pool_last_seq(ds->pool, f->rank);
+  size_t n = mesh_len(mesh);
+  uint32_t *ranks = malloc(sizeof *ranks * (n ? n : 1));
+  f->targets = malloc(sizeof *f->targets * (n ? n : 1));
+  if (!ranks || !f->targets) {
+    free(ranks);
+    return error_set(e, ERR_QUOTA, "Fetch: out of memory on the server");
+  }
+  mesh_ranks(mesh, ranks);
+  for (size_t i = 0; i < n; i++)
+    f->targets[i] = (watermark_target_t){ranks[i], agent_pool_last_seq(ds->pool, ranks[i])};
+  f->ntargets = n;
+  free(ranks);
+  f->sess = s;
+  session_ref(s);
   snprintf(f->session, sizeof f->session, "%s", s->id);
   fill_meta(&f->meta, t, f->dims);
   return 0;
@@ -424,7 +511,7 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   }
   session_release(s);
   if (rc) {
-    free(f);
+    if (f) fetch_free(f);
     finish_error(call, &e);
     return;
   }
@@ -438,7 +525,7 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   if (pthread_create(&t, &attr, fetch_main, f) != 0) {
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Fetch: out of threads");
     rpc_call_unref(call);
-    free(f);
+    fetch_free(f);
   }
   pthread_attr_destroy(&attr);
 }

@@ -205,6 +205,17 @@ def test_sync_reports_a_one_rank_failure_once_and_the_tensor_fails_everywhere(s2
     assert pb().ErrorKind.Name(t.error.kind) == "ERROR_KIND_DEPENDENT_FAILURE", t
 
 
+def test_fetch_from_a_healthy_rank_fails_when_another_rank_failed(s2):
+    # No Sync first: the Fetch itself must wait for every rank of the mesh.
+    m = s2.mesh(gpu=2).ref
+    x = upload(s2, m, np.arange(6, dtype=np.float32).reshape(2, 3))
+    idx = upload(s2, m, np.array([[0, 1], [0, 7]], dtype=np.int64), per_rank=True)
+    bad = op(s2, "index_select", Ref(x), 1, Ref(idx))
+    with pytest.raises(FetchError) as e:
+        fetch(s2, bad, gpu=0)  # rank 0 computed it fine; rank 1 failed
+    assert e.value.kind == "REMOTE_FAILURE" and "rank 1" in e.value.message, e.value
+
+
 # ================================================================ memory
 
 def _allocated(s):
