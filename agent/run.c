@@ -248,7 +248,12 @@ static void run_call(ctx_t *c) {
   }
   for (int m = 0; m < inf.nmutates && nouts < OP_MAX_RESULTS * 2; m++)
     if (args.v[inf.mutates[m]].kind == VAL_TENSOR) outs[nouts++] = ref_of_meta(h, args.v[inf.mutates[m]].tensor);
-  if (c->b->ops->run_op(c->b, NULL, &args, resp, inf.nresults, &inf, 0, 0, &e)) goto fail;
+  /* Kernel messages name the rank: this agent's world rank (-1: not known yet). */
+  const executor_env_t *env = exec_env(c->x);
+  int64_t me = env->rank ? atomic_load(env->rank) : -1;
+  if (c->b->ops->run_op(c->b, NULL, &args, resp, inf.nresults, &inf, me < 0 ? 0 : (uint32_t)me, 0,
+                        &e))
+    goto fail;
   for (size_t i = 0; i < call->n_results && i < (size_t)inf.nresults; i++)
     refs_put(&c->s->refs, call->results[i]->ref, &res[i]);
   goto out;

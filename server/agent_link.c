@@ -96,6 +96,17 @@ agent_link_msg_t *agent_link_pack(const Meshd__Agent__V1__Instruction *ins) {
 
 void agent_link_msg_free(agent_link_msg_t *m) { free(m); }
 
+agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m) {
+  if (!m) return NULL;
+  size_t size = sizeof *m + SEQ_ROOM + m->len;
+  agent_link_msg_t *c = malloc(size);
+  if (c) {
+    memcpy(c, m, size);
+    c->next = NULL;
+  }
+  return c;
+}
+
 static void set_seq(agent_link_msg_t *m, uint64_t seq) {
   uint8_t v[SEQ_ROOM];
   size_t k = 0;

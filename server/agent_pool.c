@@ -308,7 +308,11 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
 
 int agent_pool_send(agent_pool_t *p, uint32_t rank, const Meshd__Agent__V1__Instruction *ins,
                     uint64_t *seq_out) {
-  agent_link_msg_t *m = agent_link_pack(ins); /* outside the lock: O(size) */
+  /* Packed outside the lock: O(size). */
+  return agent_pool_send_msg(p, rank, agent_link_pack(ins), seq_out);
+}
+
+int agent_pool_send_msg(agent_pool_t *p, uint32_t rank, agent_link_msg_t *m, uint64_t *seq_out) {
   uint64_t seq = 0;
   pthread_mutex_lock(&p->mu);
   agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;

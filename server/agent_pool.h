@@ -82,6 +82,10 @@ const char *agent_pool_data_address(agent_pool_t *pool, uint32_t rank, char *buf
 int agent_pool_address(agent_pool_t *pool, uint32_t rank, char *buf, size_t len);
 /* Highest seq given out to rank (0: none). */
 uint64_t agent_pool_last_seq(agent_pool_t *pool, uint32_t rank);
+/* The same for an instruction packed with agent_link_pack, which it consumes
+ * (send one instruction to many ranks: pack once, agent_link_msg_clone each). */
+int agent_pool_send_msg(agent_pool_t *pool, uint32_t rank, agent_link_msg_t *m,
+                        uint64_t *seq_out);
 /* Highest seq rank has executed (0: none). Monotone, survives agent loss. */
 uint64_t agent_pool_executed(agent_pool_t *pool, uint32_t rank);
 /* Instructions queued for rank and not yet written (0 without a link). */

@@ -132,15 +132,26 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
     session_t *s = session_find(cs->sessions, err->session_id);
     if (!s) continue; /* the session ended meanwhile */
     error_kind_t kind = err->kind ? (error_kind_t)err->kind : ERR_REMOTE_FAILURE;
+    /* Kernel messages name their rank; others get it here. */
+    const char *text = err->message ? err->message : "";
     char msg[520];
-    snprintf(msg, sizeof msg, "%s (rank %u)", err->message ? err->message : "", rank);
+    if (strstr(text, "(rank ")) snprintf(msg, sizeof msg, "%s", text);
+    else snprintf(msg, sizeof msg, "%s (rank %u)", text, rank);
     pthread_mutex_lock(&s->mu);
     objects_t *o = s->objects;
     if (o) {
+      /* One command failing on several ranks is one root failure: only the
+       * report that fails the tensor is kept for Sync, under the client seq of
+       * the command that made the tensor (agents know only their link seqs). */
       obj_t *t = err->ref ? objects_get(o, err->ref) : NULL;
-      if (t && t->kind == OBJ_TENSOR && t->tensor.state == TENSOR_LIVE)
-        objects_fail_tensor(o, t, err->seq, kind, err->seq, msg);
-      objects_note_failure(o, kind, msg, err->seq);
+      bool tensor = t && t->kind == OBJ_TENSOR;
+      if (tensor && t->tensor.state == TENSOR_LIVE) {
+        uint64_t seq = t->tensor.born_seq;
+        objects_fail_tensor(o, t, seq, kind, seq, msg);
+        objects_note_failure(o, kind, msg, seq);
+      } else if (!tensor) {
+        objects_note_failure(o, kind, msg, err->seq);
+      }
     }
     pthread_mutex_unlock(&s->mu);
     log_debug("command", "session %.8s: rank %u reports %s: %s", s->id, rank,

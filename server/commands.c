@@ -882,6 +882,7 @@ int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Com
   for (size_t i = 0; i < sizeof handlers / sizeof *handlers; i++) {
     if (handlers[i].kind != cmd->kind_case) continue;
     memset(e, 0, sizeof *e);
+    o->current_seq = cmd->seq;
     return handlers[i].fn(fe, s, o, cmd, out, e);
   }
   return error_set(e, ERR_BAD_ARGUMENT,

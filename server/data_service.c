@@ -221,6 +221,7 @@ static void *upload_main(void *arg) {
   objects_t *o = objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
   if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0) {
+    o->current_seq = 0; /* an upload is not a numbered command */
     t = objects_new_tensor(o, u->ref, &u->meta, u->mesh, u->stream, u->nranks);
     if (t) session_claim_ref(s, u->ref, NULL);
     else error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");

@@ -44,10 +44,19 @@ static uint32_t *ranks_of(const mesh_t *mesh, size_t *n) {
   return r;
 }
 
+/* The same instruction to every rank of the mesh: packed once, copied per rank. */
 static void send_to_mesh(frontend_t *fe, objects_t *o, const mesh_t *mesh, instr_t *ins) {
   size_t n;
   uint32_t *ranks = ranks_of(mesh, &n);
-  for (size_t i = 0; ranks && i < n; i++) send_to(fe, o, ranks[i], ins);
+  agent_link_msg_t *packed = agent_link_pack(ins);
+  for (size_t i = 0; ranks && i < n; i++) {
+    objects_touch(o, ranks[i]);
+    agent_link_msg_t *m = packed ? agent_link_msg_clone(packed) : NULL;
+    if (!m || agent_pool_send_msg(fe->pool, ranks[i], m, NULL) != 0)
+      log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent "
+               "is gone; its tensors will report AGENT_LOST)", ranks[i], ins->session_id);
+  }
+  agent_link_msg_free(packed);
   free(ranks);
 }
 

@@ -169,6 +169,7 @@ static obj_t *new_tensor_record(objects_t *o, uint64_t ref, const tensor_meta_t 
   t->tensor.mesh = mesh;
   t->tensor.stream = stream;
   t->tensor.state = TENSOR_LIVE;
+  t->tensor.born_seq = o->current_seq;
   t->tensor.next_alias = s->aliases;
   s->aliases = t;
   s->refs++;

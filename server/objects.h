@@ -52,6 +52,7 @@ typedef struct tensor_obj {
   uint64_t stream;
   tensor_state_t state;
   uint64_t state_seq;      /* command that dropped or failed it */
+  uint64_t born_seq;       /* client seq of the command that made it */
   error_kind_t fail_kind;  /* REMOTE_FAILURE / DEPENDENT_FAILURE */
   uint64_t fail_root_seq;
   char *fail_msg;
@@ -90,6 +91,7 @@ typedef struct objects {
   size_t ngraves, gcap;
   uint64_t live_tensors;
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
+  uint64_t current_seq;    /* client seq of the command running now (new tensors' born_seq) */
   meshd_error_t *unreported; /* run-time root failures not yet returned by a Sync */
   uint64_t *unreported_seq;
   size_t nunreported;
