@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dataplane.h"
 #include "error_kind.h"
 #include "ops.h"
 
@@ -36,6 +37,8 @@ typedef struct agent_tensor {
 /* An ordered queue of work on the device (a CUDA stream; the calling thread
  * for cpu, whose kernels complete before they return). */
 typedef struct backend_stream backend_stream_t;
+/* A point recorded on a stream that another stream can wait for (a CUDA event). */
+typedef struct backend_event backend_event_t;
 
 typedef struct backend_ops {
   const char *name; /* "cpu", "cuda" */
@@ -67,6 +70,32 @@ typedef struct backend_ops {
    * tensor in its dtype (non-contiguous tensors are gathered/scattered). */
   int (*to_host)(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err);
   int (*from_host)(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err);
+
+  /* Events, for borrows: record a point on stream s; make stream t wait for it.
+   * NULL on backends whose streams are host threads (cpu): the executor orders
+   * those itself with per-stream progress counters. */
+  backend_event_t *(*event_record)(backend_t *b, backend_stream_t *s);
+  void (*event_wait)(backend_t *b, backend_stream_t *t, backend_event_t *ev);
+  void (*event_destroy)(backend_t *b, backend_event_t *ev);
+
+  /* Communicators: collectives and point-to-point between agents on the
+   * backend's network (cpu: the TCP data plane, b->net; cuda: NCCL). Buffers
+   * are device memory, contiguous; semantics and failure rules as in
+   * dataplane.h (every member calls with the same group and arguments; a
+   * vanished peer fails every member within a timeout, never hangs).
+   * Returns 0, or -1 with err; -1 with REMOTE_FAILURE when no network is set. */
+  int (*allreduce)(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
+                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+  int (*reduce_scatter)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+  int (*allgather)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err);
+  int (*alltoall)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                  size_t count, dtype_t dtype, meshd_error_t *err);
+  int (*send)(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t to_rank,
+              const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
+  int (*recv)(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t from_rank,
+              const char *addr, void *buf, size_t bytes, meshd_error_t *err);
 } backend_ops_t;
 
 struct backend {
@@ -74,6 +103,7 @@ struct backend {
   void *impl;                 /* the backend's own state */
   _Atomic uint64_t allocated; /* bytes held now (reported to the server) */
   uint64_t capacity;          /* bytes it may hold (--memory-bytes); 0: no limit */
+  void *net;                  /* the communicators' network (cpu: dataplane_t *); may be NULL */
 };
 
 /* The cpu backend's table (agent/cpu/). */

@@ -209,6 +209,7 @@ int main(int argc, char **argv) {
   dp = dataplane_start(host, opt.rank >= 0 ? (uint32_t)opt.rank : 0, 30000, &merr);
   if (dp) {
     info.data_port = (uint32_t)dataplane_port(dp);
+    backend.net = dp; /* the cpu backend's communicators run on it */
     snprintf(info.data_address, sizeof info.data_address, "%s:%u", host, info.data_port);
     log_info("agent", "data plane on %s", info.data_address);
   } else {

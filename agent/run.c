@@ -342,14 +342,13 @@ static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
 static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__V1__Group *g,
                       void *in, void *out, size_t in_count, dtype_t dt, int *any_failed,
                       meshd_error_t *e) {
-  const executor_env_t *env = exec_env(c->x);
   size_t n = g->n_ranks, me = 0;
   bool stack = !strcmp(r->reduction, "stack");
   if (n <= 1) { /* every variant is the identity on one member */
     memcpy(out, in, in_count * dtype_size(dt));
     return 0;
   }
-  if (!env->dataplane)
+  if (!c->b->net)
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent has no data plane");
   if (my_index(c, g, &me))
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent is not in the group it was sent");
@@ -360,18 +359,18 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__
   dp_group_t grp = {g->comm_id, g->ranks, addrs, n, me};
   int op = stack ? -1 : dp_reduce_parse(r->reduction);
   int rc;
-  if (stack && !r->scatter) rc = dp_allgather(env->dataplane, &grp, in, out, in_count, dt, e);
-  else if (stack) rc = dp_alltoall(env->dataplane, &grp, in, out, in_count / n, dt, e);
+  if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, NULL, &grp, in, out, in_count, dt, e);
+  else if (stack) rc = c->b->ops->alltoall(c->b, NULL, &grp, in, out, in_count / n, dt, e);
   else if (r->scatter)
-    rc = dp_reduce_scatter(env->dataplane, &grp, in, out, in_count / n, dt, (dp_reduce_t)op, e);
+    rc = c->b->ops->reduce_scatter(c->b, NULL, &grp, in, out, in_count / n, dt, (dp_reduce_t)op, e);
   else {
-    rc = dp_allreduce(env->dataplane, &grp, in, in_count, dt, (dp_reduce_t)op, e);
+    rc = c->b->ops->allreduce(c->b, NULL, &grp, in, in_count, dt, (dp_reduce_t)op, e);
     if (!rc) memcpy(out, in, in_count * dtype_size(dt));
   }
   if (rc) return rc;
   /* A failure on any member fails the result everywhere. */
   int32_t flag = *any_failed;
-  if (dp_allreduce(env->dataplane, &grp, &flag, 1, DTYPE_INT32, DP_MAX, e)) return -1;
+  if (c->b->ops->allreduce(c->b, NULL, &grp, &flag, 1, DTYPE_INT32, DP_MAX, e)) return -1;
   *any_failed = flag;
   return 0;
 }
@@ -440,7 +439,6 @@ out:
 
 static void run_send(ctx_t *c) {
   const Meshd__Agent__V1__SendTensor *st = c->ins->send;
-  const executor_env_t *env = exec_env(c->x);
   meshd_error_t e = {0};
   agent_tensor_t in = {0}, out = {0};
   ref_failure_t why = {0};
@@ -469,7 +467,7 @@ static void run_send(ctx_t *c) {
     refs_put(&c->s->refs, res_ref, &out);
     goto out;
   }
-  if (!env->dataplane) {
+  if (!c->b->net) {
     error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent has no data plane");
     goto fail;
   }
@@ -480,8 +478,8 @@ static void run_send(ctx_t *c) {
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
     hdr = got != 0;
     if (!(buf = host_copy(c, got == 0 ? &in : NULL, bytes, &e))) goto fail;
-    if (dp_send(env->dataplane, st->comm_id, st->to_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
-        dp_send(env->dataplane, st->comm_id, st->to_rank, st->peer_address, buf, bytes, &e))
+    if (c->b->ops->send(c->b, NULL, st->comm_id, st->to_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
+        c->b->ops->send(c->b, NULL, st->comm_id, st->to_rank, st->peer_address, buf, bytes, &e))
       log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                c->ins->seq, st->to_rank, e.msg);
     goto out;
@@ -490,8 +488,8 @@ static void run_send(ctx_t *c) {
     error_set(&e, ERR_QUOTA, "ToMesh: agent out of host memory");
     goto fail;
   }
-  if (dp_recv(env->dataplane, st->comm_id, st->from_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
-      dp_recv(env->dataplane, st->comm_id, st->from_rank, st->peer_address, buf, bytes, &e))
+  if (c->b->ops->recv(c->b, NULL, st->comm_id, st->from_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
+      c->b->ops->recv(c->b, NULL, st->comm_id, st->from_rank, st->peer_address, buf, bytes, &e))
     goto fail;
   if (hdr) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};

@@ -142,6 +142,45 @@ static int cpu_from_host(backend_t *b, agent_tensor_t *t, const void *src, meshd
   return 0;
 }
 
+/* ---- communicators: the TCP data plane (b->net) ------------------------- */
+
+static int no_net(meshd_error_t *e) {
+  return error_set(e, ERR_REMOTE_FAILURE,
+                   "this agent has no data plane (it failed to start): collectives and sends "
+                   "across agents are unavailable");
+}
+
+static int cpu_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
+                         size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
+  return b->net ? dp_allreduce(b->net, g, buf, count, dtype, op, e) : no_net(e);
+}
+
+static int cpu_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                              void *out, size_t count, dtype_t dtype, dp_reduce_t op,
+                              meshd_error_t *e) {
+  return b->net ? dp_reduce_scatter(b->net, g, in, out, count, dtype, op, e) : no_net(e);
+}
+
+static int cpu_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                         void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
+  return b->net ? dp_allgather(b->net, g, in, out, count, dtype, e) : no_net(e);
+}
+
+static int cpu_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                        void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
+  return b->net ? dp_alltoall(b->net, g, in, out, count, dtype, e) : no_net(e);
+}
+
+static int cpu_send(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t to_rank,
+                    const char *addr, const void *buf, size_t bytes, meshd_error_t *e) {
+  return b->net ? dp_send(b->net, comm_id, to_rank, addr, buf, bytes, e) : no_net(e);
+}
+
+static int cpu_recv(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t from_rank,
+                    const char *addr, void *buf, size_t bytes, meshd_error_t *e) {
+  return b->net ? dp_recv(b->net, comm_id, from_rank, addr, buf, bytes, e) : no_net(e);
+}
+
 const backend_ops_t cpu_backend_ops = {
     .name = "cpu",
     .open = cpu_open,
@@ -154,4 +193,13 @@ const backend_ops_t cpu_backend_ops = {
     .copy = cpu_copy,
     .to_host = cpu_to_host,
     .from_host = cpu_from_host,
+    .event_record = NULL, /* streams are host threads: the executor orders them */
+    .event_wait = NULL,
+    .event_destroy = NULL,
+    .allreduce = cpu_allreduce,
+    .reduce_scatter = cpu_reduce_scatter,
+    .allgather = cpu_allgather,
+    .alltoall = cpu_alltoall,
+    .send = cpu_send,
+    .recv = cpu_recv,
 };
