@@ -4,6 +4,8 @@ Real binaries (`meshd --local-agents N`), numpy as the reference. Collectives an
 to_mesh across agents need the cpu data plane; those tests skip, saying so, while
 the agents report no data port."""
 
+import os
+import signal
 import time
 
 import grpc
@@ -310,3 +312,43 @@ def test_to_mesh_between_agents_and_broadcast(shared_meshd):
         for h in range(2):
             for g in range(2):
                 np.testing.assert_array_equal(fetch(s, b, host=h, gpu=g), np.full(3, 5, np.float32))
+
+
+# ================================================================ a replaced agent
+
+def _agents(s):
+    return {a.rank: a for a in s.unary("ListAgents", pb().ListAgentsRequest(),
+                                       pb().ListAgentsReply, metadata=()).agents}
+
+
+def test_a_replaced_agent_fails_the_old_sessions_collective_and_serves_new_ones(meshd_server):
+    srv = lib.wait_ready(meshd_server(2), 2)
+    with Session(srv.port, "old") as s:
+        m = s.mesh(gpu=2).ref
+        x = upload(s, m, np.ones(4, dtype=np.float32))
+        s.run(sync())
+        old_id = _agents(s)[1].agent_id
+        victim = next(p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1)
+        os.kill(victim, signal.SIGKILL)
+        end = time.monotonic() + 20   # the supervisor restarts it; wait for the new one
+        while time.monotonic() < end:
+            a = _agents(s).get(1)
+            if a and a.agent_id != old_id and a.healthy:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("rank 1 was not replaced by a healthy agent")
+        # The new rank-1 agent never held x: the collective must fail on every rank, not hang.
+        r = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum")).tensors[0].ref
+        t0 = time.monotonic()
+        for g in (0, 1):
+            with pytest.raises(FetchError) as e:
+                fetch(s, r, gpu=g)
+            assert e.value.kind in ("REMOTE_FAILURE", "DEPENDENT_FAILURE"), e.value
+        assert time.monotonic() - t0 < 20, "the failed collective took too long to report"
+    # The same agents serve a new session normally.
+    with Session(srv.port, "new") as s2:
+        m = s2.mesh(gpu=2).ref
+        y = upload(s2, m, np.arange(4, dtype=np.float32))
+        r = s2.run(reduce(s2.new_ref(), y, dims=["gpu"], reduction="sum")).tensors[0].ref
+        np.testing.assert_array_equal(fetch(s2, r, gpu=1), 2 * np.arange(4, dtype=np.float32))
