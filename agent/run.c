@@ -176,17 +176,12 @@ static int resolve(ctx_t *c, held_t *h, const Meshd__V1__Arg *a, op_value_t *v, 
       v->ntensors = a->refs->n_refs;
       return 0;
     }
-    case MESHD__V1__ARG__VALUE_F: v->kind = VAL_FLOAT; v->f = a->f; return 0;
-    case MESHD__V1__ARG__VALUE_I: v->kind = VAL_INT; v->i = a->i; return 0;
-    case MESHD__V1__ARG__VALUE_B: v->kind = VAL_BOOL; v->b = a->b; return 0;
-    case MESHD__V1__ARG__VALUE_INTS:
-      v->kind = VAL_INTS;
-      v->ints = a->ints->values;
-      v->nints = a->ints->n_values;
+    default: {
+      int rc = op_value_from_arg(a, v);
+      if (rc < 0) return error_set(e, ERR_REMOTE_FAILURE, "unknown dtype %d", (int)a->dtype);
+      if (rc > 0) v->kind = VAL_NONE; /* no value: None */
       return 0;
-    case MESHD__V1__ARG__VALUE_DTYPE: v->kind = VAL_DTYPE; v->dtype = (dtype_t)a->dtype; return 0;
-    case MESHD__V1__ARG__VALUE_S: v->kind = VAL_STRING; v->s = a->s; return 0;
-    default: v->kind = VAL_NONE; return 0;
+    }
   }
 }
 

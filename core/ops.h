@@ -165,4 +165,11 @@ int op_param_index(const op_def_t *op, const char *name);
  * kinds and VAL_NONE are skipped. DTYPE_INVALID if nothing counted. */
 dtype_t ops_result_type(const op_value_t *const *vals, size_t n);
 
+/* A non-tensor argument as it travels (meshd.v1.Arg) as an op_value_t: 0 done;
+ * -1 an unknown dtype; 1 the argument is a tensor, a tensor list or empty, for
+ * the caller to resolve against its own tensors. (Declared with the protobuf-c
+ * type's tag so this header needs no generated include.) */
+struct Meshd__V1__Arg;
+int op_value_from_arg(const struct Meshd__V1__Arg *a, op_value_t *v);
+
 #endif

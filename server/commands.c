@@ -45,11 +45,8 @@ void cmd_out_error(cmd_out_t *out, const meshd_error_t *e) {
   out->res.error = err;
 }
 
-static Meshd__V1__TensorMeta *describe_tensor(cmd_out_t *out, const obj_t *t) {
-  Meshd__V1__TensorMeta *m = out_alloc(out, sizeof *m);
+void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims) {
   const layout_t *l = &t->tensor.meta.layout;
-  int64_t *dims = out_alloc(out, sizeof(int64_t) * 2 * (size_t)(l->ndim ? l->ndim : 1));
-  if (!m || !dims) return NULL;
   meshd__v1__tensor_meta__init(m);
   m->ref = t->ref;
   m->n_shape = m->n_strides = (size_t)l->ndim;
@@ -62,6 +59,14 @@ static Meshd__V1__TensorMeta *describe_tensor(cmd_out_t *out, const obj_t *t) {
   m->mesh = t->tensor.mesh;
   m->stream = t->tensor.stream;
   m->state = (Meshd__V1__TensorState)t->tensor.state;
+}
+
+static Meshd__V1__TensorMeta *describe_tensor(cmd_out_t *out, const obj_t *t) {
+  Meshd__V1__TensorMeta *m = out_alloc(out, sizeof *m);
+  const layout_t *l = &t->tensor.meta.layout;
+  int64_t *dims = out_alloc(out, sizeof(int64_t) * 2 * (size_t)(l->ndim ? l->ndim : 1));
+  if (!m || !dims) return NULL;
+  command_tensor_meta(m, t, dims);
   if (t->tensor.state == TENSOR_FAILED) {
     Meshd__V1__Error *err = out_alloc(out, sizeof *err);
     if (err) {
@@ -400,24 +405,13 @@ static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, c
       v->ntensors = a->refs->n_refs;
       return 0;
     }
-    case MESHD__V1__ARG__VALUE_F: v->kind = VAL_FLOAT; v->f = a->f; return 0;
-    case MESHD__V1__ARG__VALUE_I: v->kind = VAL_INT; v->i = a->i; return 0;
-    case MESHD__V1__ARG__VALUE_B: v->kind = VAL_BOOL; v->b = a->b; return 0;
-    case MESHD__V1__ARG__VALUE_INTS:
-      v->kind = VAL_INTS;
-      v->ints = a->ints->values;
-      v->nints = a->ints->n_values;
-      return 0;
-    case MESHD__V1__ARG__VALUE_DTYPE:
-      if (a->dtype <= MESHD__V1__DTYPE__DTYPE_UNSPECIFIED || a->dtype > MESHD__V1__DTYPE__DTYPE_BOOL)
+    default: {
+      int rc = op_value_from_arg(a, v);
+      if (rc < 0)
         return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: unknown dtype %d", cmd, label, (int)a->dtype);
-      v->kind = VAL_DTYPE;
-      v->dtype = (dtype_t)a->dtype;
+      if (rc > 0) return error_set(e, ERR_BAD_ARGUMENT, "%s: %s has no value", cmd, label);
       return 0;
-    case MESHD__V1__ARG__VALUE_S: v->kind = VAL_STRING; v->s = a->s; return 0;
-    case MESHD__V1__ARG__VALUE_NONE: v->kind = VAL_NONE; return 0;
-    default:
-      return error_set(e, ERR_BAD_ARGUMENT, "%s: %s has no value", cmd, label);
+    }
   }
 }
 

@@ -37,6 +37,10 @@ void cmd_out_error(cmd_out_t *out, const meshd_error_t *e);
 int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *cmd,
                 cmd_out_t *out, meshd_error_t *e);
 
+/* Fills m from tensor t (shape, strides, dtype, mesh, stream, state); the
+ * repeated fields point into dims, which holds 2 * ndim values. */
+void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims);
+
 /* "CreateMesh", "Call", ... for logs and messages. */
 const char *command_name(const Meshd__V1__Command *cmd);
 

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "commands.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "objects.h"
@@ -32,21 +33,6 @@ static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
 
-static void fill_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims) {
-  meshd__v1__tensor_meta__init(m);
-  const layout_t *l = &t->tensor.meta.layout;
-  m->ref = t->ref;
-  m->n_shape = m->n_strides = (size_t)l->ndim;
-  m->shape = dims;
-  m->strides = dims + LAYOUT_MAX_DIMS;
-  memcpy(m->shape, l->sizes, sizeof(int64_t) * (size_t)l->ndim);
-  memcpy(m->strides, l->strides, sizeof(int64_t) * (size_t)l->ndim);
-  m->storage_offset = l->offset;
-  m->dtype = (Meshd__V1__DType)t->tensor.meta.dtype;
-  m->mesh = t->tensor.mesh;
-  m->stream = t->tensor.stream;
-  m->state = (Meshd__V1__TensorState)t->tensor.state;
-}
 
 /* ------------------------------------------------------------------ upload */
 
@@ -232,7 +218,7 @@ static void *upload_main(void *arg) {
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
   if (t) {
-    fill_meta(&meta, t, dims);
+    command_tensor_meta(&meta, t, dims);
     reply.tensor = &meta;
     rpc_call_reply(u->call, &reply.base);
   }
@@ -494,7 +480,7 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   f->sess = s;
   session_ref(s);
   snprintf(f->session, sizeof f->session, "%s", s->id);
-  fill_meta(&f->meta, t, f->dims);
+  command_tensor_meta(&f->meta, t, f->dims);
   return 0;
 }
 
