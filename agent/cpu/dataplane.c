@@ -122,7 +122,49 @@ struct dataplane {
   conn_t *outs;      /* dialed: we send to (comm_id, peer) */
   bool stopping;
   int active; /* calls in progress */
+  /* Ring scratch buffers kept between calls: a fresh 100 MB malloc per call
+   * would page-fault (and zero) every page again. One per concurrent call. */
+  struct scratch *spare;
+  int nspare;
 };
+
+typedef struct scratch {
+  struct scratch *next;
+  size_t cap;
+  uint8_t data[];
+} scratch_t;
+
+#define SCRATCH_KEEP 4
+
+static uint8_t *scratch_get(dataplane_t *dp, size_t bytes) {
+  pthread_mutex_lock(&dp->mu);
+  scratch_t *s = dp->spare;
+  if (s) {
+    dp->spare = s->next;
+    dp->nspare--;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  if (s && s->cap < bytes) {
+    free(s);
+    s = NULL;
+  }
+  if (!s && (s = malloc(sizeof *s + bytes))) s->cap = bytes;
+  return s ? s->data : NULL;
+}
+
+static void scratch_put(dataplane_t *dp, uint8_t *data) {
+  if (!data) return;
+  scratch_t *s = (scratch_t *)(data - offsetof(scratch_t, data));
+  pthread_mutex_lock(&dp->mu);
+  if (dp->nspare < SCRATCH_KEEP) {
+    s->next = dp->spare;
+    dp->spare = s;
+    dp->nspare++;
+    s = NULL;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  free(s);
+}
 
 static void conn_put_locked(conn_t *c) {
   if (--c->refs > 0) return;
@@ -586,6 +628,10 @@ void dataplane_stop(dataplane_t *dp) {
   close(dp->wake[0]);
   close(dp->wake[1]);
   pthread_cond_destroy(&dp->cv);
+  for (scratch_t *sc = dp->spare, *next; sc; sc = next) {
+    next = sc->next;
+    free(sc);
+  }
   pthread_mutex_destroy(&dp->mu);
   free(dp);
 }
@@ -998,7 +1044,7 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
   if (rc != 0) goto out;
   size_t maxseg = 0;
   for (size_t i = 0; i < n; i++) maxseg = off[i + 1] - off[i] > maxseg ? off[i + 1] - off[i] : maxseg;
-  if (rs && !(scratch = malloc(maxseg > 0 ? maxseg * esz : 1))) {
+  if (rs && !(scratch = scratch_get(dp, maxseg > 0 ? maxseg * esz : 1))) {
     rc = error_set(err, ERR_QUOTA, "%s: out of memory", what);
     goto out;
   }
@@ -1025,7 +1071,7 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
   if (rc == 0) rc = plan_connect(&p, g, 1, peers[1], false, deadline, err);
   if (rc == 0) rc = run(&p.cl, p.xs, 2, err);
 out:
-  free(scratch);
+  scratch_put(dp, scratch);
   return plan_finish(&p, rc);
 }
 
