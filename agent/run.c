@@ -54,6 +54,11 @@ static void dependent_failure(ctx_t *c, const uint64_t *refs, size_t n, uint64_t
              (unsigned long long)input, (unsigned long long)root->root_seq, root->msg);
   }
   fail_refs(c, refs, n, &f);
+  /* Reported too (marked DEPENDENT_FAILURE, so the server does not count them
+   * as roots): a reader on another rank that computed fine must learn that the
+   * value failed somewhere (DESIGN §6: it fails on fetch from every rank). */
+  for (size_t i = 0; i < n; i++)
+    if (refs[i]) exec_report_error(c->x, c->s->id, ERR_DEPENDENT_FAILURE, f.msg, c->ins->seq, refs[i]);
 }
 
 static int need_backend(ctx_t *c, const char *what, meshd_error_t *e) {
