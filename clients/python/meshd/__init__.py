@@ -1,0 +1,20 @@
+"""meshd: Python client for the meshd tensor engine, with Monarch's names.
+
+    import meshd
+    with meshd.connect("127.0.0.1:50051") as session:
+        mesh = session.mesh(gpu=2)
+        with mesh.activate():
+            x = meshd.ones((2, 3)) + 1
+            print(meshd.fetch_shard(x, gpu=0).result())
+"""
+
+from . import ops
+from .errors import MeshdError
+from .mesh import Mesh
+from .session import Borrow, Session, Stream, connect
+from .tensor import (DTYPES, Tensor, arange, empty, fetch_shard, full, inspect, ones, rand, randn,
+                     tensor, zeros)
+
+__all__ = ["connect", "Session", "Mesh", "Stream", "Borrow", "Tensor", "MeshdError", "ops",
+           "zeros", "ones", "full", "empty", "arange", "rand", "randn", "tensor", "fetch_shard",
+           "inspect", "DTYPES"]

@@ -1,0 +1,45 @@
+"""Per-thread active mesh and stream (Monarch's `mesh.activate()`, `stream.activate()`)."""
+
+import contextlib
+import threading
+
+_local = threading.local()
+
+
+def _stack(name):
+    s = getattr(_local, name, None)
+    if s is None:
+        s = []
+        setattr(_local, name, s)
+    return s
+
+
+@contextlib.contextmanager
+def push(name, value):
+    s = _stack(name)
+    s.append(value)
+    try:
+        yield value
+    finally:
+        s.pop()
+
+
+def current(name):
+    s = _stack(name)
+    return s[-1] if s else None
+
+
+def mesh():
+    """The active mesh of this thread; ValueError when there is none."""
+    m = current("mesh")
+    if m is None:
+        raise ValueError("meshd: no active mesh; use `with mesh.activate():`")
+    return m
+
+
+def stream_ref(session):
+    """The ref of this thread's active stream for `session` (0: main)."""
+    s = current("stream")
+    if s is None or s.session is not session:
+        return 0
+    return s.ref

@@ -1,0 +1,53 @@
+"""Mesh: named dims over agent ranks (Monarch's DeviceMesh)."""
+
+from . import _active
+
+
+def selectors(pb, sel):
+    """{dim: int | slice} -> [MeshSelector]; an int drops the dim, a slice keeps it."""
+    out = []
+    for d, v in sel.items():
+        if isinstance(v, slice):
+            for part in (v.start, v.stop, v.step):
+                if part is not None and (isinstance(part, bool) or not isinstance(part, int)):
+                    raise TypeError(f"meshd: slice bounds for dim {d!r} must be ints, got {v!r}")
+            r = pb.Range(start=v.start or 0, step=v.step or 0)
+            if v.stop is not None:
+                r.stop, r.has_stop = v.stop, True
+            out.append(pb.MeshSelector(dim=d, range=r))
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out.append(pb.MeshSelector(dim=d, index=v))
+        else:
+            raise TypeError(f"meshd: dim {d!r} takes an int or a slice, got {type(v).__name__}")
+    return out
+
+
+class Mesh:
+    """A mesh of a Session. `.names` is a tuple, `.sizes` a dict {dim: size}."""
+
+    def __init__(self, session, meta):
+        self.session = session
+        self.ref = meta.ref
+        self.names = tuple(d.name for d in meta.dims)
+        self.sizes = {d.name: d.size for d in meta.dims}
+        self.ranks = tuple(meta.ranks)
+
+    def __repr__(self):
+        return f"Mesh({', '.join(f'{n}={self.sizes[n]}' for n in self.names)})"
+
+    def slice(self, **sel):
+        """A sub-mesh: an int drops the dim, a slice(a, b) keeps it."""
+        pb = self.session._pb
+        meta = self.session._execute("slice_mesh", lambda ref: pb.SliceMesh(
+            ref=ref, parent=self.ref, selectors=selectors(pb, sel)), claim=1).mesh
+        return self.session._mesh_from(meta)
+
+    def activate(self):
+        """Context manager making this the thread's active mesh (and main its stream
+        unless a stream is activated inside)."""
+        return _active.push("mesh", self)
+
+    def rank(self, dim):
+        """int64 scalar tensor holding each rank's coordinate along `dim`."""
+        from .tensor import _factory
+        return _factory("rank", (), mesh=self, dim=dim)

@@ -1,0 +1,185 @@
+"""Session, Stream and Borrow: the client's connection to meshd."""
+
+import threading
+
+import grpc
+
+from . import _active, _proto
+from .errors import MeshdError
+from .mesh import Mesh
+
+_SVC = "/meshd.v1.TensorService/"
+_OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20)]
+
+
+def _ser(m):
+    return m.SerializeToString()
+
+
+class Stream:
+    """A stream of a Session (Monarch's Stream). `session.default_stream` is "main" (ref 0)."""
+
+    def __init__(self, session, ref, name):
+        self.session, self.ref, self.name = session, ref, name
+
+    def __repr__(self):
+        return f"Stream({self.name!r})"
+
+    def activate(self):
+        """Context manager making this the thread's active stream."""
+        return _active.push("stream", self)
+
+    def borrow(self, t, mutable=False):
+        """Borrows tensor t onto this stream: returns (handle usable here, Borrow)."""
+        from .tensor import Tensor
+        if not isinstance(t, Tensor):
+            raise TypeError(f"meshd: borrow takes a Tensor, got {type(t).__name__}")
+        s, pb = self.session, self.session._pb
+        box = {}
+
+        def build(refs):
+            box["refs"] = refs
+            b = pb.Borrow(ref=refs[0], input=t.ref, stream=self.ref, borrow=refs[1])
+            setattr(b, "mutable", bool(mutable))
+            return b
+        res = s._execute("borrow", build, claim=2)
+        handle = Tensor._from_meta(s, res.tensors[0])
+        return handle, Borrow(s, box["refs"][1], handle)
+
+
+class Borrow:
+    def __init__(self, session, ref, handle):
+        self.session, self.ref, self.handle = session, ref, handle
+        self.dropped = False
+
+    def drop(self):
+        """Ends the borrow; the borrowed handle becomes DROPPED."""
+        if self.dropped:
+            return
+        pb = self.session._pb
+        self.session._execute("drop_borrow", lambda _: pb.DropBorrow(borrow=self.ref))
+        self.dropped = True
+        self.handle._dropped = True
+
+
+class Session:
+    """A meshd session (use as a context manager, or call close())."""
+
+    def __init__(self, addr, client_name="meshd-python", ttl_seconds=0, quota_bytes=0, timeout=60.0):
+        self._pb = _proto.tensor_pb2()
+        self.addr, self.timeout = addr, timeout
+        self._ch = grpc.insecure_channel(addr, options=_OPTIONS)
+        self._lock = threading.Lock()
+        self._ref = 0
+        self._seq = 0
+        self._meshes = {}
+        self._streams = {}
+        self.closed = False
+        pb = self._pb
+        try:
+            reply = self._unary("CreateSession", pb.CreateSessionRequest(
+                client_name=client_name, ttl_seconds=ttl_seconds, quota_bytes=quota_bytes),
+                pb.CreateSessionReply, metadata=())
+        except MeshdError:
+            self._ch.close()
+            raise
+        self.id, self._token = reply.session_id, reply.token
+        self._md = (("meshd-session", self.id), ("meshd-token", self._token))
+        self.default_stream = Stream(self, 0, "main")
+        self._streams[0] = self.default_stream
+
+    # ------------------------------------------------------------ plumbing
+    def _unary(self, method, request, reply_cls, metadata=None):
+        fn = self._ch.unary_unary(_SVC + method, request_serializer=_ser,
+                                  response_deserializer=reply_cls.FromString)
+        try:
+            return fn(request, metadata=self._md if metadata is None else metadata,
+                      timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise MeshdError.from_rpc(e) from None
+
+    def _execute(self, field, build, claim=0):
+        """Runs one Command under the session lock: `build` gets the claimed ref (claim=1),
+        a list of refs (claim>1) or None, and returns the message for `field`."""
+        if self.closed:
+            raise MeshdError("NO_SESSION", "the session is closed")
+        with self._lock:
+            refs = [self._ref + i + 1 for i in range(claim)]
+            self._ref += claim
+            self._seq += 1
+            cmd = self._pb.Command(seq=self._seq)
+            msg = build(refs[0] if claim == 1 else (refs or None))
+            getattr(cmd, field).CopyFrom(msg)
+            return self._unary("Execute", cmd, self._pb.CommandResult)
+
+    def _new_ref(self):
+        """A fresh ref; callers that send it must hold self._lock across the send."""
+        self._ref += 1
+        return self._ref
+
+    def _mesh_from(self, meta):
+        m = Mesh(self, meta)
+        self._meshes[m.ref] = m
+        return m
+
+    # ------------------------------------------------------------ public
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        if self.closed:
+            return
+        try:
+            self._unary("CloseSession", self._pb.CloseSessionRequest(), self._pb.CloseSessionReply)
+        finally:
+            self.closed = True
+            self._ch.close()
+
+    def agents(self):
+        """[{rank, address, device, memory_bytes, allocated_bytes, healthy}, ...]"""
+        reply = self._unary("ListAgents", self._pb.ListAgentsRequest(), self._pb.ListAgentsReply,
+                            metadata=())
+        return [dict(rank=a.rank, address=a.address, device=a.device, memory_bytes=a.memory_bytes,
+                     allocated_bytes=a.allocated_bytes, healthy=a.healthy) for a in reply.agents]
+
+    def mesh(self, **dims):
+        """A root mesh, e.g. session.mesh(host=1, gpu=2)."""
+        if not dims:
+            raise ValueError("meshd: a mesh needs at least one dim, e.g. mesh(gpu=2)")
+        for n, s in dims.items():
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise TypeError(f"meshd: dim {n!r} size must be an int, got {type(s).__name__}")
+        pb = self._pb
+        meta = self._execute("create_mesh", lambda ref: pb.CreateMesh(
+            ref=ref, dims=[pb.Dim(name=n, size=s) for n, s in dims.items()]), claim=1).mesh
+        return self._mesh_from(meta)
+
+    def stream(self, name):
+        pb = self._pb
+        box = {}
+
+        def build(ref):
+            box["ref"] = ref
+            return pb.CreateStream(ref=ref, name=name)
+        self._execute("create_stream", build, claim=1)
+        s = Stream(self, box["ref"], name)
+        self._streams[s.ref] = s
+        return s
+
+    def sync(self):
+        """Waits for everything issued so far; raises the first run-time error not
+        reported before (a MeshdError; its `.errors` lists all this Sync reported)."""
+        res = self._execute("sync", lambda _: self._pb.Sync())
+        if res.errors:
+            errors = [MeshdError.from_error(self._pb, e) for e in res.errors]
+            errors[0].errors = errors  # every error this Sync reported, the first raised
+            raise errors[0]
+
+
+def connect(addr, **kw):
+    """Opens a Session on the meshd server at addr ("host:port")."""
+    return Session(addr, **kw)

@@ -1,0 +1,454 @@
+"""Tensor handles, factories, upload (meshd.tensor) and fetch (fetch_shard, inspect)."""
+
+import concurrent.futures
+import threading
+
+import grpc
+import numpy as np
+
+from . import _active
+from .errors import MeshdError
+from .mesh import selectors
+
+_SVC = "/meshd.v1.TensorService/"
+_CHUNK = 1 << 20
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
+          "int64", "bool")
+_NP = {n: np.dtype(n) for n in DTYPES if n != "bfloat16"}
+
+
+def dtype_name(d):
+    """A meshd dtype name from a name, numpy dtype or numpy type; ValueError if meshd lacks it."""
+    if isinstance(d, str):
+        if d in DTYPES:
+            return d
+        try:
+            d = np.dtype(d)
+        except TypeError:
+            raise ValueError(f"meshd: unknown dtype {d!r}; meshd has {', '.join(DTYPES)}") from None
+    try:
+        nd = np.dtype(d)
+    except TypeError:
+        raise TypeError(f"meshd: {d!r} is not a dtype") from None
+    if nd.name not in _NP:
+        raise ValueError(f"meshd: dtype {nd.name} is not supported; meshd has {', '.join(DTYPES)}")
+    return nd.name
+
+
+def _dtype_value(pb, name):
+    return pb.DType.Value("DTYPE_" + dtype_name(name).upper())
+
+
+def _dtype_from_value(pb, v):
+    return pb.DType.Name(v)[len("DTYPE_"):].lower()
+
+
+def _shape(shape):
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        return [shape]
+    try:
+        out = list(shape)
+    except TypeError:
+        raise TypeError(f"meshd: a shape is an int or a sequence of ints, got {shape!r}") from None
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"meshd: shape entries must be ints, got {s!r}")
+    return [int(s) for s in out]
+
+
+class Tensor:
+    """A handle on a tensor that lives on every rank of a mesh."""
+
+    __hash__ = object.__hash__
+
+    def __init__(self, session, ref, shape, dtype, mesh_ref, stream_ref):
+        self.session, self.ref = session, ref
+        self.shape, self.dtype = tuple(shape), dtype
+        self._mesh_ref, self._stream_ref = mesh_ref, stream_ref
+        self._dropped = False
+
+    @classmethod
+    def _from_meta(cls, session, meta):
+        return cls(session, meta.ref, meta.shape, _dtype_from_value(session._pb, meta.dtype),
+                   meta.mesh, meta.stream)
+
+    def __repr__(self):
+        return f"Tensor(ref={self.ref}, shape={self.shape}, dtype={self.dtype})"
+
+    @property
+    def mesh(self):
+        return self.session._meshes.get(self._mesh_ref)
+
+    @property
+    def stream(self):
+        return self.session._streams.get(self._stream_ref)
+
+    @property
+    def dropped(self):
+        return self._dropped
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def drop(self):
+        """Frees the tensor (every alias of its storage); later use is DROPPED."""
+        if self._dropped:
+            return
+        pb = self.session._pb
+        self.session._execute("drop", lambda _: pb.Drop(refs=[self.ref]))
+        self._dropped = True
+
+    # ------------------------------------------------------------ operators
+    def _bin(self, op, other):
+        _check_operand(other, op)
+        return _call(op, self, other)
+
+    def __add__(self, o): return self._bin("add", o)
+    def __radd__(self, o): return self._bin("add", o)
+    def __sub__(self, o): return self._bin("sub", o)
+    def __rsub__(self, o):
+        _check_operand(o, "sub")
+        return _call("add", _call("neg", self), o)
+    def __mul__(self, o): return self._bin("mul", o)
+    def __rmul__(self, o): return self._bin("mul", o)
+    def __truediv__(self, o): return self._bin("div", o)
+    def __rtruediv__(self, o):
+        _check_operand(o, "div")
+        return _call("mul", _call("reciprocal", self), o)
+    def __pow__(self, o): return self._bin("pow", o)
+    def __matmul__(self, o):
+        if not isinstance(o, Tensor):
+            raise TypeError(f"meshd: @ needs a Tensor, got {type(o).__name__}")
+        return _call("matmul", self, o)
+    def __neg__(self): return _call("neg", self)
+    def __abs__(self): return _call("abs", self)
+    def __eq__(self, o): return self._bin("eq", o)
+    def __ne__(self, o): return self._bin("ne", o)
+    def __lt__(self, o): return self._bin("lt", o)
+    def __le__(self, o): return self._bin("le", o)
+    def __gt__(self, o): return self._bin("gt", o)
+    def __ge__(self, o): return self._bin("ge", o)
+
+    def __bool__(self):
+        raise TypeError("meshd: a Tensor has no truth value on the client; fetch it first")
+
+    @property
+    def T(self):
+        return _call("permute", self, list(range(self.ndim))[::-1])
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        out, dim = self, 0
+        for i in idx:
+            if isinstance(i, slice):
+                for part in (i.start, i.stop, i.step):
+                    if part is not None and (isinstance(part, bool) or not isinstance(part, int)):
+                        raise TypeError(f"meshd: slice bounds must be ints, got {i!r}")
+                out = _call("slice", out, dim, i.start, i.stop, 1 if i.step is None else i.step)
+                dim += 1
+            elif isinstance(i, int) and not isinstance(i, bool):
+                out = _call("select", out, dim, i)
+            else:
+                raise TypeError(f"meshd: tensors are indexed by ints and slices, got {type(i).__name__}")
+        return out
+
+    # ------------------------------------------------------------ methods
+    def sum(self, dim=None, keepdim=False):
+        return _call("sum", self, _dims(dim), keepdim)
+
+    def mean(self, dim=None, keepdim=False):
+        return _call("mean", self, _dims(dim), keepdim)
+
+    def __getattr__(self, name):
+        # any catalogue op as a method: t.relu(), t.reshape([2, 3]), t.transpose(0, 1)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *a, **kw: _call(name, self, *a, **kw)
+
+    def reduce(self, dims, reduction="sum", scatter=False, out=None):
+        """A collective over mesh dims (str or tuple; () means all)."""
+        return self._reduce(dims, reduction, scatter, out, inplace=False)
+
+    def reduce_(self, dims, reduction="sum", scatter=False, out=None):
+        return self._reduce(dims, reduction, scatter, out, inplace=True)
+
+    def _reduce(self, dims, reduction, scatter, out, inplace):
+        if isinstance(dims, str):
+            dims = (dims,)
+        dims = tuple(dims)
+        if not all(isinstance(d, str) for d in dims):
+            raise TypeError(f"meshd: reduce dims are mesh dim names, got {dims!r}")
+        if out is not None and not isinstance(out, Tensor):
+            raise TypeError(f"meshd: out must be a Tensor, got {type(out).__name__}")
+        s, pb = self.session, self.session._pb
+        stream = _active.stream_ref(s)
+        res = s._execute("reduce", lambda ref: pb.Reduce(
+            ref=0 if inplace else ref, input=self.ref, dims=list(dims), reduction=reduction,
+            scatter=bool(scatter), inplace=inplace, out=out.ref if out is not None else 0,
+            stream=stream), claim=0 if inplace else 1)
+        if inplace:
+            return self
+        return Tensor._from_meta(s, res.tensors[0])
+
+    def to_mesh(self, mesh, stream=None):
+        return _to_mesh(self, {}, mesh, stream)
+
+    def slice_mesh(self, **sel):
+        return _MeshSlice(self, sel)
+
+
+class _MeshSlice:
+    """`t.slice_mesh(**sel)`: the part of t on a sub-mesh, for `.to_mesh(...)`."""
+
+    def __init__(self, t, sel):
+        self.tensor, self.sel = t, sel
+
+    def to_mesh(self, mesh, stream=None):
+        return _to_mesh(self.tensor, self.sel, mesh, stream)
+
+
+def _to_mesh(t, sel, mesh, stream):
+    from .mesh import Mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"meshd: to_mesh needs a Mesh, got {type(mesh).__name__}")
+    s, pb = t.session, t.session._pb
+    dst_stream = t._stream_ref if stream is None else stream.ref
+    sels = selectors(pb, sel)
+    res = s._execute("to_mesh", lambda ref: pb.ToMesh(
+        ref=ref, input=t.ref, selection=sels, dst_mesh=mesh.ref, dst_stream=dst_stream), claim=1)
+    return Tensor._from_meta(s, res.tensors[0])
+
+
+def _dims(dim):
+    if dim is None:
+        return None
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        return [dim]
+    return list(dim)
+
+
+def _check_operand(o, op):
+    if isinstance(o, Tensor) or (isinstance(o, (int, float, bool, np.integer, np.floating))):
+        return
+    raise TypeError(f"meshd: {op} needs a Tensor or a scalar, got {type(o).__name__}")
+
+
+# ---------------------------------------------------------------- calls
+
+def _arg(pb, v, session, name=None):
+    if isinstance(v, Tensor):
+        if v.session is not session:
+            raise ValueError("meshd: a tensor from another session")
+        return pb.Arg(ref=v.ref)
+    if v is None:
+        return pb.Arg(none=True)
+    if name == "dtype" or isinstance(v, (np.dtype, type)):
+        return pb.Arg(dtype=_dtype_value(pb, v))
+    if isinstance(v, (bool, np.bool_)):
+        return pb.Arg(b=bool(v))
+    if isinstance(v, (int, np.integer)):
+        return pb.Arg(i=int(v))
+    if isinstance(v, (float, np.floating)):
+        return pb.Arg(f=float(v))
+    if isinstance(v, str):
+        return pb.Arg(s=v)
+    if isinstance(v, (list, tuple)):
+        if v and all(isinstance(x, Tensor) for x in v):
+            return pb.Arg(refs=pb.RefList(refs=[x.ref for x in v]))
+        if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v):
+            return pb.Arg(ints=pb.IntList(values=[int(x) for x in v]))
+        raise TypeError(f"meshd: a list argument holds all Tensors or all ints, got {v!r}")
+    if isinstance(v, np.ndarray):
+        raise TypeError("meshd: a numpy array is not a Tensor; upload it with meshd.tensor(...)")
+    raise TypeError(f"meshd: cannot pass {type(v).__name__} to an op")
+
+
+def _session_of(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, Tensor):
+            return v.session
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, Tensor):
+                    return x.session
+    m = _active.current("mesh")
+    if m is not None:
+        return m.session
+    raise ValueError("meshd: an op needs a Tensor argument or an active mesh")
+
+
+def _call(op, *args, **kwargs):
+    """A Call of catalogue op `op`; returns its result Tensor (a tuple for several)."""
+    inplace = op.endswith("_") and "nresults" not in kwargs
+    if "nresults" in kwargs:
+        nresults = kwargs.pop("nresults")
+    elif inplace:
+        nresults = 0  # torch's in-place ops return their first argument
+    elif op in ("max", "min") and (len(args) > 1 or "dim" in kwargs):
+        nresults = 2  # (values, indices)
+    else:
+        nresults = 1
+    s = _session_of(args, kwargs)
+    pb = s._pb
+    pargs = [_arg(pb, a, s) for a in args]
+    pkw = [pb.Kwarg(name=k, value=_arg(pb, v, s, k)) for k, v in kwargs.items()]
+    stream = _active.stream_ref(s)
+
+    def build(refs):
+        refs = [refs] if isinstance(refs, int) else list(refs or [])
+        return pb.Call(op=op, args=pargs, kwargs=pkw, results=refs, stream=stream)
+    res = s._execute("call", build, claim=nresults)
+    outs = tuple(Tensor._from_meta(s, m) for m in res.tensors)
+    if inplace and args and isinstance(args[0], Tensor):
+        return args[0]
+    if nresults == 1 and len(outs) == 1:
+        return outs[0]
+    return outs
+
+
+# ---------------------------------------------------------------- factories
+
+def _factory(kind, shape, dtype=None, mesh=None, value=0.0, seed=None, dim="", start=0.0,
+             end=0.0, step=0.0):
+    mesh = mesh if mesh is not None else _active.mesh()
+    s, pb = mesh.session, mesh.session._pb
+    f = dict(mesh=mesh.ref, stream=_active.stream_ref(s), kind=kind, shape=_shape(shape),
+             value=float(value), dim=dim, start=float(start), end=float(end), step=float(step))
+    if dtype is not None:
+        f["dtype"] = _dtype_value(pb, dtype)
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise TypeError(f"meshd: seed must be a non-negative int, got {seed!r}")
+        f["seed"], f["has_seed"] = int(seed), True
+    res = s._execute("factory", lambda ref: pb.Factory(ref=ref, **f), claim=1)
+    return Tensor._from_meta(s, res.tensors[0])
+
+
+def zeros(shape, dtype=None):
+    return _factory("zeros", shape, dtype)
+
+
+def ones(shape, dtype=None):
+    return _factory("ones", shape, dtype)
+
+
+def empty(shape, dtype=None):
+    return _factory("empty", shape, dtype)
+
+
+def full(shape, value, dtype=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"meshd: full takes a number, got {type(value).__name__}")
+    return _factory("full", shape, dtype, value=value)
+
+
+def arange(start, end=None, step=1, dtype=None):
+    if end is None:
+        start, end = 0, start
+    if dtype is None and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                             for v in (start, end, step)):
+        dtype = "int64"  # torch.arange: int64 for int arguments
+    return _factory("arange", (), dtype, start=start, end=end, step=step)
+
+
+def rand(shape, seed=None, dtype=None):
+    return _factory("rand", shape, dtype, seed=seed)
+
+
+def randn(shape, seed=None, dtype=None):
+    return _factory("randn", shape, dtype, seed=seed)
+
+
+# ---------------------------------------------------------------- data in and out
+
+def tensor(data, shard=None, dtype=None):
+    """Uploads a numpy array to the active mesh: the same data to every rank, or with
+    shard="dim", data[i] to the ranks at coordinate i along that dim."""
+    mesh = _active.mesh()
+    if not isinstance(data, np.ndarray):
+        if isinstance(data, (list, tuple, int, float, bool)):
+            data = np.asarray(data)
+        else:
+            raise TypeError(f"meshd.tensor takes a numpy array, got {type(data).__name__}")
+    if dtype is not None:
+        data = data.astype(dtype_name(dtype))
+    name = dtype_name(data.dtype)
+    data = np.ascontiguousarray(data)
+    per_rank = shard is not None
+    if per_rank:
+        if shard not in mesh.sizes:
+            raise ValueError(f"meshd: shard dim {shard!r} is not a dim of {mesh!r}")
+        n = mesh.sizes[shard]
+        if data.ndim == 0 or data.shape[0] != n:
+            raise ValueError(f"meshd: shard={shard!r} needs size({shard})={n} rows, got shape "
+                             f"{data.shape}")
+        axis = mesh.names.index(shard)
+        coords = np.indices([mesh.sizes[d] for d in mesh.names]).reshape(len(mesh.names), -1)
+        rows = coords[axis]  # the coordinate along `shard` of each rank, row-major
+        shape, payload = data.shape[1:], np.ascontiguousarray(data[rows])
+    else:
+        shape, payload = data.shape, data
+    s, pb = mesh.session, mesh.session._pb
+    raw = payload.tobytes()
+    stream = _active.stream_ref(s)
+    fn = s._ch.stream_unary(_SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
+                            response_deserializer=pb.UploadReply.FromString)
+    with s._lock:  # the ref must reach the server in order with other commands
+        ref = s._new_ref()
+        hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
+                              dtype=_dtype_value(pb, name), per_rank=per_rank,
+                              total_bytes=len(raw))
+        msgs = [pb.UploadChunk(header=hdr)] + [pb.UploadChunk(data=raw[i:i + _CHUNK])
+                                              for i in range(0, len(raw), _CHUNK)]
+        try:
+            reply = fn(iter(msgs), metadata=s._md, timeout=s.timeout)
+        except grpc.RpcError as e:
+            raise MeshdError.from_rpc(e) from None
+    return Tensor._from_meta(s, reply.tensor)
+
+
+def _fetch(t, coords):
+    s, pb = t.session, t.session._pb
+    fn = s._ch.unary_stream(_SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                            response_deserializer=pb.FetchChunk.FromString)
+    req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
+                                             for k, v in coords.items()])
+    meta, data = None, bytearray()
+    try:
+        for c in fn(req, metadata=s._md, timeout=s.timeout):
+            if c.WhichOneof("part") == "meta":
+                meta = c.meta
+            else:
+                data += c.data
+    except grpc.RpcError as e:
+        raise MeshdError.from_rpc(e) from None
+    name = _dtype_from_value(pb, meta.dtype)
+    if name not in _NP:
+        raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
+    return np.frombuffer(bytes(data), dtype=_NP[name]).reshape(tuple(meta.shape)).copy()
+
+
+def fetch_shard(t, **coords):
+    """The local tensor at the rank named by coords, as a Future of a numpy.ndarray."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
+    for k, v in coords.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
+    fut = concurrent.futures.Future()
+
+    def work():
+        try:
+            fut.set_result(_fetch(t, coords))
+        except BaseException as e:  # handed to .result()
+            fut.set_exception(e)
+    threading.Thread(target=work, daemon=True).start()
+    return fut
+
+
+def inspect(t, **coords):
+    """fetch_shard(t, **coords).result()"""
+    return fetch_shard(t, **coords).result()

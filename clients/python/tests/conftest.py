@@ -1,0 +1,113 @@
+"""Starts one real `meshd --local-agents 2` for the client tests and kills only that pid.
+
+MESHD_BIN_DIR names the directory with meshd and meshd-agent (ctest sets it);
+default: <repo>/build/bin."""
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import grpc
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.normpath(os.path.join(HERE, "..", "..", ".."))
+BIN_DIR = os.environ.get("MESHD_BIN_DIR") or os.path.join(REPO, "build", "bin")
+
+_TMP = tempfile.mkdtemp(prefix="meshd-client-test-")
+atexit.register(shutil.rmtree, _TMP, True)
+os.environ.setdefault("XDG_CACHE_HOME", os.path.join(_TMP, "cache"))  # generated protos
+
+import meshd  # noqa: E402
+from meshd import _proto  # noqa: E402
+
+
+def _child_env():
+    return {k: v for k, v in os.environ.items()
+            if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")
+            and not k.startswith("MESHD_")}
+
+
+def _log_tail(path, n=60):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _serving(port):
+    h = _proto.health_pb2()
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as ch:
+        fn = ch.unary_unary("/grpc.health.v1.Health/Check",
+                            request_serializer=lambda m: m.SerializeToString(),
+                            response_deserializer=h.HealthCheckResponse.FromString)
+        try:
+            st = fn(h.HealthCheckRequest(service="meshd.v1.TensorService"), timeout=2).status
+        except grpc.RpcError:
+            return False
+        return st == h.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="session")
+def server():
+    """(address, Popen) of a meshd with 2 local agents, SERVING."""
+    binary = os.path.join(BIN_DIR, "meshd")
+    assert os.access(binary, os.X_OK), f"no meshd at {binary}; set MESHD_BIN_DIR"
+    port_file, log = os.path.join(_TMP, "meshd.port"), os.path.join(_TMP, "meshd.log")
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--local-agents", "2",
+                                 "--port-file", port_file], stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=subprocess.STDOUT, env=_child_env())
+    try:
+        deadline = time.monotonic() + 30
+        port = None
+        while True:
+            assert proc.poll() is None, f"meshd exited with {proc.returncode}\n{_log_tail(log)}"
+            assert time.monotonic() < deadline, f"meshd not SERVING within 30 s\n{_log_tail(log)}"
+            if port is None:
+                try:
+                    with open(port_file) as f:
+                        text = f.read()
+                    if text.endswith("\n") and text.strip().isdigit():
+                        port = int(text)
+                except FileNotFoundError:
+                    pass
+            if port is not None and _serving(port):
+                break
+            time.sleep(0.1)
+        addr = f"127.0.0.1:{port}"
+        # every agent registered and healthy
+        while True:
+            with meshd.connect(addr) as s:
+                ag = s.agents()
+            if len([a for a in ag if a["healthy"]]) >= 2:
+                break
+            assert time.monotonic() < deadline, f"agents not healthy: {ag}\n{_log_tail(log)}"
+            time.sleep(0.1)
+        yield addr, proc
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def session(server):
+    with meshd.connect(server[0]) as s:
+        yield s
+
+
+@pytest.fixture
+def mesh(session):
+    m = session.mesh(gpu=2)
+    with m.activate():
+        yield m
