@@ -1,0 +1,253 @@
+// A small meshd client for Node.js: @grpc/grpc-js with @grpc/proto-loader loading
+// api/meshd/v1/tensor_service.proto at run time (no generated code).
+//
+// The proto is found at $MESHD_SOURCE_DIR/api/meshd/v1/tensor_service.proto when
+// MESHD_SOURCE_DIR is set (ctest sets it; the build-tree copy of this file is not next
+// to api/), else at ../../api/... relative to this file (the source tree), or at the
+// path given as connect(addr, {protoPath}).
+//
+// 64-bit integers (refs, seqs, shapes; uint64/int64 in the proto) are plain JS Numbers
+// (proto-loader `longs: Number`): refs and seqs are counters this client hands out from
+// 1, far below Number.MAX_SAFE_INTEGER (2^53 - 1); values above that would lose precision.
+// Enums are their names (`enums: String`): dtype "DTYPE_FLOAT32", kind "ERROR_KIND_...".
+//
+//   import { connect } from './meshd.mjs';
+//   const s = await connect('127.0.0.1:50051');
+//   const mesh = await s.createMesh({ gpu: 2 });
+//   const x = await s.factory({ kind: 'full', mesh: mesh.ref, shape: [3], value: 2 });
+//   const y = await s.call('add', [x, 1]);            // a tensor ref, a double
+//   const z = await s.reduce(y, ['gpu'], 'sum');
+//   const v = await s.fetch(z, { gpu: 0 });            // Float32Array
+//   await s.close();
+import { existsSync } from 'node:fs';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { createRequire } from 'node:module';
+
+const require = createRequire(import.meta.url);
+const grpc = require('@grpc/grpc-js');
+const protoLoader = require('@grpc/proto-loader');
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const PROTO_REL = path.join('api', 'meshd', 'v1', 'tensor_service.proto');
+const KIND_MD = 'meshd-error-kind';
+const CHUNK = 1 << 20; // Upload data chunk size
+
+export function protoPath() {
+  const candidates = [];
+  if (process.env.MESHD_SOURCE_DIR) candidates.push(path.join(process.env.MESHD_SOURCE_DIR, PROTO_REL));
+  candidates.push(path.resolve(here, '..', '..', PROTO_REL));
+  for (const c of candidates) if (existsSync(c)) return c;
+  throw new Error(`meshd: ${PROTO_REL} not found (tried ${candidates.join(', ')}); set MESHD_SOURCE_DIR`);
+}
+
+let cached;
+function loadService(file) {
+  if (cached && cached.file === file) return cached.svc;
+  const def = protoLoader.loadSync(file, {
+    keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
+  });
+  const svc = grpc.loadPackageDefinition(def).meshd.v1.TensorService;
+  cached = { file, svc };
+  return svc;
+}
+
+// An Error from meshd: .kind is the ErrorKind name without its prefix ("UNKNOWN_OP"),
+// .code the gRPC status code, .seq the failing command when known.
+export class MeshdError extends Error {
+  constructor(kind, message, code, seq) {
+    super(`${kind}: ${message}`);
+    this.name = 'MeshdError';
+    this.kind = kind;
+    this.code = code;
+    this.seq = seq;
+  }
+
+  static fromRpc(err) {
+    const md = err.metadata?.get(KIND_MD) ?? [];
+    let kind = md.length ? String(md[0]) : '';
+    if (!kind) kind = grpc.status[err.code] ?? `CODE_${err.code}`;
+    return new MeshdError(kind, err.details ?? err.message, err.code);
+  }
+
+  static fromError(e) {
+    const kind = String(e.kind).replace(/^ERROR_KIND_/, '');
+    return new MeshdError(kind, e.message, e.code, e.seq || undefined);
+  }
+}
+
+const DTYPES = {
+  DTYPE_FLOAT32: Float32Array,
+  DTYPE_FLOAT64: Float64Array,
+  DTYPE_INT8: Int8Array,
+  DTYPE_UINT8: Uint8Array,
+  DTYPE_INT16: Int16Array,
+  DTYPE_INT32: Int32Array,
+  DTYPE_INT64: BigInt64Array,
+  DTYPE_BOOL: Uint8Array,
+};
+
+// One Arg of a Call: a number is a double (`f`) unless wrapped as {i: n}; a Tensor
+// handle ({ref}) or a BigInt is a ref; {ints: [..]}, {s: '..'}, {b: true}, ... pass through.
+function toArg(a) {
+  if (typeof a === 'number') return { f: a };
+  if (typeof a === 'boolean') return { b: a };
+  if (typeof a === 'string') return { s: a };
+  if (a === null || a === undefined) return { none: true };
+  if (typeof a === 'bigint') return { ref: Number(a) };
+  if (Array.isArray(a)) return { ints: { values: a } };
+  if (typeof a === 'object' && 'ref' in a && Object.keys(a).length !== 1) return { ref: a.ref };
+  return a; // already an Arg ({ref}, {i}, {ints}, ...)
+}
+
+export class Session {
+  constructor(client, reply, timeoutMs) {
+    this.client = client;
+    this.id = reply.session_id;
+    this.token = reply.token;
+    this.ttlSeconds = reply.ttl_seconds;
+    this.timeoutMs = timeoutMs;
+    this.md = new grpc.Metadata();
+    this.md.set('meshd-session', this.id);
+    this.md.set('meshd-token', this.token);
+    this.nextRef = 0;
+    this.seq = 0;
+    this.closed = false;
+  }
+
+  deadline() { return Date.now() + this.timeoutMs; }
+
+  newRef() { this.nextRef += 1; return this.nextRef; }
+
+  unary(method, request) {
+    return new Promise((resolve, reject) => {
+      this.client[method](request, this.md, { deadline: this.deadline() }, (err, reply) => {
+        if (err) reject(MeshdError.fromRpc(err));
+        else resolve(reply);
+      });
+    });
+  }
+
+  // Runs one Command ({create_mesh: {...}} etc.; seq is filled in) and returns its
+  // CommandResult; a rejected command throws a MeshdError with .kind.
+  async execute(command) {
+    if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
+    this.seq += 1;
+    const res = await this.unary('Execute', { seq: this.seq, ...command });
+    if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
+    return res;
+  }
+
+  // -------------------------------------------------------------- conveniences
+  async createMesh(dims) {
+    const ref = this.newRef();
+    const res = await this.execute({
+      create_mesh: { ref, dims: Object.entries(dims).map(([name, size]) => ({ name, size })) },
+    });
+    return res.mesh; // MeshMeta {ref, dims, ranks}
+  }
+
+  // A Factory ({kind, mesh, shape, dtype, value, ...}); returns the result TensorMeta.
+  async factory(f) {
+    const ref = this.newRef();
+    const res = await this.execute({ factory: { dtype: 'DTYPE_FLOAT32', ...f, ref } });
+    return res.tensors[0];
+  }
+
+  // A catalogue op: args as toArg() reads them; returns the first result TensorMeta.
+  async call(op, args = [], kwargs = {}, { stream = 0 } = {}) {
+    const ref = this.newRef();
+    const res = await this.execute({
+      call: {
+        op, args: args.map(toArg),
+        kwargs: Object.entries(kwargs).map(([name, v]) => ({ name, value: toArg(v) })),
+        results: [ref], stream,
+      },
+    });
+    return res.tensors[0];
+  }
+
+  async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0 } = {}) {
+    const ref = this.newRef();
+    const res = await this.execute({
+      reduce: { ref, input: input.ref ?? input, dims, reduction, scatter, stream },
+    });
+    return res.tensors[0];
+  }
+
+  // Uploads a typed array as the same tensor (of `shape`) on every rank of `mesh`; with
+  // perRank, `data` holds one local tensor of `shape` per mesh rank, in rank order.
+  upload(mesh, shape, data, { stream = 0, perRank = false } = {}) {
+    const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
+    if (!dtype) throw new TypeError('meshd: upload takes a Float32Array, Float64Array or integer typed array');
+    const ref = this.newRef();
+    const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+    return new Promise((resolve, reject) => {
+      const call = this.client.Upload(this.md, { deadline: this.deadline() }, (err, reply) => {
+        if (err) reject(MeshdError.fromRpc(err));
+        else resolve(reply.tensor);
+      });
+      call.write({ header: { ref, mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank, total_bytes: bytes.length } });
+      for (let i = 0; i < bytes.length; i += CHUNK) call.write({ data: bytes.subarray(i, i + CHUNK) });
+      call.end();
+    });
+  }
+
+  // The local tensor at the rank named by coords ({gpu: 1}) as a typed array by dtype
+  // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
+  fetch(ref, coords = {}) {
+    const request = {
+      ref: ref.ref ?? ref,
+      coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
+    };
+    return new Promise((resolve, reject) => {
+      const call = this.client.Fetch(request, this.md, { deadline: this.deadline() });
+      let meta = null;
+      const parts = [];
+      call.on('data', (c) => {
+        if (c.part === 'meta') meta = c.meta;
+        else parts.push(c.data);
+      });
+      call.on('error', (err) => reject(MeshdError.fromRpc(err)));
+      call.on('end', () => {
+        if (!meta) { reject(new Error('meshd: Fetch ended without a TensorMeta')); return; }
+        const T = DTYPES[meta.dtype];
+        if (!T) { reject(new Error(`meshd: no typed array for ${meta.dtype}`)); return; }
+        const all = Buffer.concat(parts);
+        const copy = new Uint8Array(all.length);
+        copy.set(all);
+        const out = new T(copy.buffer, 0, all.length / T.BYTES_PER_ELEMENT);
+        out.shape = meta.shape;
+        out.dtype = meta.dtype;
+        resolve(out);
+      });
+    });
+  }
+
+  async close() {
+    if (this.closed) return;
+    try {
+      await this.unary('CloseSession', {});
+    } finally {
+      this.closed = true;
+      this.client.close();
+    }
+  }
+}
+
+// Connects and creates a session.
+export async function connect(addr, { clientName = 'meshd-node', ttlSeconds = 0, quotaBytes = 0,
+  timeoutMs = 60000, protoPath: file } = {}) {
+  const Svc = loadService(file ?? protoPath());
+  const client = new Svc(addr, grpc.credentials.createInsecure(), { 'grpc.enable_http_proxy': 0 });
+  const reply = await new Promise((resolve, reject) => {
+    client.CreateSession({ client_name: clientName, ttl_seconds: ttlSeconds, quota_bytes: quotaBytes },
+      { deadline: Date.now() + timeoutMs }, (err, r) => {
+        if (err) reject(MeshdError.fromRpc(err));
+        else resolve(r);
+      });
+  }).catch((e) => { client.close(); throw e; });
+  return new Session(client, reply, timeoutMs);
+}
+
+export { grpc };
