@@ -108,13 +108,14 @@ void meshd_close(meshd_client_t *client) {
   rpc_shutdown();
 }
 
-/* One unary call with the client's deadline; records the failure if any. */
-static meshd_err_t call(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
-                        const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp) {
+/* One unary call with the client's deadline and metadata md; records the failure if any. */
+static meshd_err_t call_md(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
+                           const rpc_md_t *md, size_t nmd) {
   rpc_status_t st;
   memset(&st, 0, sizeof st);
   *resp = NULL;
-  grpc_status_code code = rpc_unary(c->ch, method, req, desc, resp, NULL, 0, c->timeout_ms, &st);
+  grpc_status_code code = rpc_unary(c->ch, method, req, desc, resp, md, nmd, c->timeout_ms, &st);
   if (code == GRPC_STATUS_OK && *resp)
     return MESHD_E_OK;
   if (code == GRPC_STATUS_OK) { /* rpc.h promises a reply with OK; don't crash if not */
@@ -126,6 +127,11 @@ static meshd_err_t call(meshd_client_t *c, const char *method, const ProtobufCMe
   st.message[sizeof st.message - 1] = '\0';
   set_error(c, MESHD_E_RPC, code, st.kind, "%s", st.message);
   return MESHD_E_RPC;
+}
+
+static meshd_err_t call(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
+                        const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp) {
+  return call_md(c, method, req, desc, resp, NULL, 0);
 }
 
 meshd_err_t meshd_health(meshd_client_t *client, const char *service, int *serving_status_out) {
@@ -219,4 +225,487 @@ void meshd_agents_free(meshd_agent_t *list, size_t n) {
     free(list[i].agent_id);
   }
   free(list);
+}
+
+/* ---------------------------------------------------------------- sessions */
+
+#define TS "/meshd.v1.TensorService/"
+
+meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, size_t *n) {
+  ProtobufCMessage *resp = NULL;
+  meshd_session_info_t *out = NULL;
+  size_t count = 0;
+
+  if (!client)
+    return MESHD_E_INVALID;
+  if (!list || !n) {
+    set_error(client, MESHD_E_INVALID, 0, NULL, "meshd_sessions: %s is NULL",
+              !list ? "list" : "n");
+    return MESHD_E_INVALID;
+  }
+  *list = NULL;
+  *n = 0;
+  Meshd__V1__ListSessionsRequest req = MESHD__V1__LIST_SESSIONS_REQUEST__INIT;
+  meshd_err_t ret = call(client, TS "ListSessions", &req.base,
+                         &meshd__v1__list_sessions_reply__descriptor, &resp);
+  if (ret != MESHD_E_OK)
+    return ret;
+  const Meshd__V1__ListSessionsReply *reply = (const Meshd__V1__ListSessionsReply *)resp;
+  if (reply->n_sessions > 0) {
+    out = calloc(reply->n_sessions, sizeof *out);
+    if (!out)
+      goto nomem;
+    for (; count < reply->n_sessions; count++) {
+      const Meshd__V1__SessionInfo *si = reply->sessions[count];
+      meshd_session_info_t *d = &out[count];
+      d->bytes_held = si->bytes_held;
+      d->live_tensors = si->live_tensors;
+      d->idle_ms = si->idle_ms;
+      d->session_id = dup_str(si->session_id);
+      d->client_name = dup_str(si->client_name);
+      if (!d->session_id || !d->client_name) {
+        count++;
+        goto nomem;
+      }
+    }
+  }
+  *list = out;
+  *n = count;
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return MESHD_E_OK;
+nomem:
+  set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_sessions: out of memory");
+  meshd_sessions_free(out, count);
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return MESHD_E_NOMEM;
+}
+
+void meshd_sessions_free(meshd_session_info_t *list, size_t n) {
+  if (!list)
+    return;
+  for (size_t i = 0; i < n; i++) {
+    free(list[i].session_id);
+    free(list[i].client_name);
+  }
+  free(list);
+}
+
+struct meshd_session {
+  meshd_client_t *client;
+  char *id;
+  char *token;
+  rpc_md_t md[2];
+  meshd_ref_t next_ref;
+  uint64_t next_seq;
+};
+
+meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, meshd_err_t *err) {
+  ProtobufCMessage *resp = NULL;
+  meshd_session_t *s = NULL;
+  meshd_err_t ret;
+
+  if (!client) {
+    ret = MESHD_E_INVALID;
+    goto out;
+  }
+  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
+  req.client_name = (char *)(name && *name ? name : "meshd-c");
+  ret = call(client, TS "CreateSession", &req.base, &meshd__v1__create_session_reply__descriptor,
+             &resp);
+  if (ret != MESHD_E_OK)
+    goto out;
+  const Meshd__V1__CreateSessionReply *reply = (const Meshd__V1__CreateSessionReply *)resp;
+  s = calloc(1, sizeof *s);
+  if (s) {
+    s->id = dup_str(reply->session_id);
+    s->token = dup_str(reply->token);
+  }
+  if (!s || !s->id || !s->token) {
+    if (s) {
+      free(s->id);
+      free(s->token);
+      free(s);
+      s = NULL;
+    }
+    set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_session_open: out of memory");
+    ret = MESHD_E_NOMEM;
+    goto out;
+  }
+  s->client = client;
+  s->md[0] = (rpc_md_t){"meshd-session", s->id};
+  s->md[1] = (rpc_md_t){"meshd-token", s->token};
+  s->next_ref = 1;
+  s->next_seq = 1;
+out:
+  if (resp)
+    protobuf_c_message_free_unpacked(resp, NULL);
+  if (err)
+    *err = ret;
+  return s;
+}
+
+void meshd_session_close(meshd_session_t *s) {
+  if (!s)
+    return;
+  ProtobufCMessage *resp = NULL;
+  Meshd__V1__CloseSessionRequest req = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
+  meshd_error_info_t saved = s->client->last; /* not reported: keep the last error */
+  char kind[sizeof s->client->kind], msg[sizeof s->client->message], code[32];
+  memcpy(kind, s->client->kind, sizeof kind);
+  memcpy(msg, s->client->message, sizeof msg);
+  memcpy(code, s->client->code_name, sizeof code);
+  if (call_md(s->client, TS "CloseSession", &req.base, &meshd__v1__close_session_reply__descriptor,
+              &resp, s->md, 2) == MESHD_E_OK)
+    protobuf_c_message_free_unpacked(resp, NULL);
+  s->client->last = saved;
+  memcpy(s->client->kind, kind, sizeof kind);
+  memcpy(s->client->message, msg, sizeof msg);
+  memcpy(s->client->code_name, code, sizeof code);
+  free(s->id);
+  free(s->token);
+  free(s);
+}
+
+/* "ERROR_KIND_WRONG_MESH" -> "WRONG_MESH". */
+static const char *kind_name(int kind) {
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&meshd__v1__error_kind__descriptor, kind);
+  if (!v || kind == 0)
+    return "";
+  return strncmp(v->name, "ERROR_KIND_", 11) == 0 ? v->name + 11 : v->name;
+}
+
+/* Execute one command; a result carrying an error counts as a failed call. */
+static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
+  ProtobufCMessage *resp = NULL;
+  cmd->seq = s->next_seq++;
+  meshd_err_t ret = call_md(s->client, TS "Execute", &cmd->base,
+                            &meshd__v1__command_result__descriptor, &resp, s->md, 2);
+  if (ret != MESHD_E_OK)
+    return ret;
+  const Meshd__V1__CommandResult *r = (const Meshd__V1__CommandResult *)resp;
+  const Meshd__V1__Error *e = r->error ? r->error : (r->n_errors > 0 ? r->errors[0] : NULL);
+  if (e && (e->kind != 0 || (e->message && *e->message))) {
+    set_error(s->client, MESHD_E_RPC, e->code ? e->code : GRPC_STATUS_UNKNOWN, kind_name(e->kind),
+              "%s", e->message ? e->message : "");
+    ret = MESHD_E_RPC;
+  }
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return ret;
+}
+
+static bool check_out(meshd_session_t *s, const void *out, const char *fn) {
+  if (out)
+    return true;
+  set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: output pointer is NULL", fn);
+  return false;
+}
+
+meshd_err_t meshd_session_create_mesh(meshd_session_t *s, const char *const *names,
+                                      const int64_t *sizes, size_t ndims, meshd_ref_t *mesh_out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, mesh_out, "meshd_session_create_mesh"))
+    return MESHD_E_INVALID;
+  if (ndims == 0 || ndims > 16 || !names || !sizes) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_create_mesh: need 1 to 16 dims with names and sizes");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__Dim dims[16];
+  Meshd__V1__Dim *pdims[16];
+  for (size_t i = 0; i < ndims; i++) {
+    meshd__v1__dim__init(&dims[i]);
+    dims[i].name = (char *)names[i];
+    dims[i].size = sizes[i];
+    pdims[i] = &dims[i];
+  }
+  Meshd__V1__CreateMesh cm = MESHD__V1__CREATE_MESH__INIT;
+  cm.ref = s->next_ref;
+  cm.n_dims = ndims;
+  cm.dims = pdims;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_MESH;
+  cmd.create_mesh = &cm;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *mesh_out = s->next_ref++;
+  return ret;
+}
+
+meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const char *kind,
+                                  const int64_t *shape, size_t ndim, double value,
+                                  meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_factory"))
+    return MESHD_E_INVALID;
+  if (!kind || (ndim > 0 && !shape)) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_factory: kind or shape is NULL");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
+  f.ref = s->next_ref;
+  f.mesh = mesh;
+  f.kind = (char *)kind;
+  f.n_shape = ndim;
+  f.shape = (int64_t *)shape;
+  f.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
+  f.value = value;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_FACTORY;
+  cmd.factory = &f;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
+meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_arg_t *args,
+                               size_t nargs, meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_call"))
+    return MESHD_E_INVALID;
+  if (!op || !*op || nargs > 32 || (nargs > 0 && !args)) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_call: need an op name and at most 32 arguments");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__Arg a[32];
+  Meshd__V1__Arg *pa[32];
+  for (size_t i = 0; i < nargs; i++) {
+    meshd__v1__arg__init(&a[i]);
+    switch (args[i].type) {
+    case MESHD_ARG_REF:
+      a[i].value_case = MESHD__V1__ARG__VALUE_REF;
+      a[i].ref = args[i].ref;
+      break;
+    case MESHD_ARG_INT:
+      a[i].value_case = MESHD__V1__ARG__VALUE_I;
+      a[i].i = args[i].i;
+      break;
+    case MESHD_ARG_FLOAT:
+      a[i].value_case = MESHD__V1__ARG__VALUE_F;
+      a[i].f = args[i].f;
+      break;
+    default:
+      set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_call: argument %zu: bad type",
+                i);
+      return MESHD_E_INVALID;
+    }
+    pa[i] = &a[i];
+  }
+  uint64_t result = s->next_ref;
+  Meshd__V1__Call c = MESHD__V1__CALL__INIT;
+  c.op = (char *)op;
+  c.n_args = nargs;
+  c.args = pa;
+  c.n_results = 1;
+  c.results = &result;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
+  cmd.call = &c;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
+meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const char *dim,
+                                 const char *reduction, meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_reduce"))
+    return MESHD_E_INVALID;
+  if (!reduction || !*reduction) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_reduce: reduction is empty");
+    return MESHD_E_INVALID;
+  }
+  char *dims[1] = {(char *)dim};
+  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
+  r.ref = s->next_ref;
+  r.input = input;
+  r.reduction = (char *)reduction;
+  if (dim && *dim) {
+    r.n_dims = 1;
+    r.dims = dims;
+  }
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_REDUCE;
+  cmd.reduce = &r;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
+meshd_err_t meshd_session_sync(meshd_session_t *s) {
+  if (!s)
+    return MESHD_E_INVALID;
+  Meshd__V1__Sync sy = MESHD__V1__SYNC__INIT;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_SYNC;
+  cmd.sync = &sy;
+  return execute(s, &cmd);
+}
+
+void meshd_values_free(meshd_values_t *v) {
+  if (!v)
+    return;
+  free(v->values);
+  free(v->shape);
+  memset(v, 0, sizeof *v);
+}
+
+static size_t dtype_size(int dt) {
+  switch (dt) {
+  case MESHD__V1__DTYPE__DTYPE_FLOAT64:
+  case MESHD__V1__DTYPE__DTYPE_INT64:
+    return 8;
+  case MESHD__V1__DTYPE__DTYPE_FLOAT32:
+  case MESHD__V1__DTYPE__DTYPE_INT32:
+    return 4;
+  case MESHD__V1__DTYPE__DTYPE_INT16:
+    return 2;
+  case MESHD__V1__DTYPE__DTYPE_INT8:
+  case MESHD__V1__DTYPE__DTYPE_UINT8:
+  case MESHD__V1__DTYPE__DTYPE_BOOL:
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+static double load_value(int dt, const uint8_t *p) {
+  switch (dt) {
+  case MESHD__V1__DTYPE__DTYPE_FLOAT64: { double v; memcpy(&v, p, 8); return v; }
+  case MESHD__V1__DTYPE__DTYPE_FLOAT32: { float v; memcpy(&v, p, 4); return v; }
+  case MESHD__V1__DTYPE__DTYPE_INT64: { int64_t v; memcpy(&v, p, 8); return (double)v; }
+  case MESHD__V1__DTYPE__DTYPE_INT32: { int32_t v; memcpy(&v, p, 4); return v; }
+  case MESHD__V1__DTYPE__DTYPE_INT16: { int16_t v; memcpy(&v, p, 2); return v; }
+  case MESHD__V1__DTYPE__DTYPE_INT8: return (int8_t)*p;
+  default: return *p; /* uint8, bool */
+  }
+}
+
+meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const char *const *dims,
+                                const int64_t *index, size_t ncoords, meshd_values_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_fetch"))
+    return MESHD_E_INVALID;
+  memset(out, 0, sizeof *out);
+  if (ncoords > 16 || (ncoords > 0 && (!dims || !index))) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_fetch: need at most 16 coordinates with dims and indexes");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__Coordinate co[16];
+  Meshd__V1__Coordinate *pco[16];
+  for (size_t i = 0; i < ncoords; i++) {
+    meshd__v1__coordinate__init(&co[i]);
+    co[i].dim = (char *)dims[i];
+    co[i].index = index[i];
+    pco[i] = &co[i];
+  }
+  Meshd__V1__FetchRequest req = MESHD__V1__FETCH_REQUEST__INIT;
+  req.ref = tensor;
+  req.n_coords = ncoords;
+  req.coords = pco;
+
+  meshd_err_t ret = MESHD_E_OK;
+  uint8_t *bytes = NULL;
+  size_t nbytes = 0, cap = 0;
+  int dtype = 0;
+  bool have_meta = false;
+  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, 2, s->client->timeout_ms);
+  if (!st) {
+    set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: cannot open the call");
+    return MESHD_E_RPC;
+  }
+  if (rpc_stream_write(st, &req.base, true) == 0) {
+    for (;;) {
+      ProtobufCMessage *m = NULL;
+      int r = rpc_stream_read(st, &meshd__v1__fetch_chunk__descriptor, &m, s->client->timeout_ms);
+      if (r <= 0) {
+        if (r < 0) {
+          rpc_stream_cancel(st);
+          if (ret == MESHD_E_OK) {
+            set_error(s->client, MESHD_E_RPC, GRPC_STATUS_DEADLINE_EXCEEDED, NULL,
+                      "Fetch: %s", r == -2 ? "timed out" : "bad message");
+            ret = MESHD_E_RPC;
+          }
+        }
+        break;
+      }
+      const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
+      if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
+        have_meta = true;
+        dtype = ch->meta->dtype;
+        if (ch->meta->n_shape > 0) {
+          out->shape = malloc(ch->meta->n_shape * sizeof *out->shape);
+          if (out->shape) {
+            memcpy(out->shape, ch->meta->shape, ch->meta->n_shape * sizeof *out->shape);
+            out->ndim = ch->meta->n_shape;
+          } else if (ret == MESHD_E_OK) {
+            set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
+            ret = MESHD_E_NOMEM;
+          }
+        }
+      } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA && ret == MESHD_E_OK) {
+        if (nbytes + ch->data.len > cap) {
+          size_t ncap = (cap ? cap * 2 : 4096);
+          while (ncap < nbytes + ch->data.len)
+            ncap *= 2;
+          uint8_t *nb = realloc(bytes, ncap);
+          if (!nb) {
+            set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
+            ret = MESHD_E_NOMEM;
+          } else {
+            bytes = nb;
+            cap = ncap;
+          }
+        }
+        if (ret == MESHD_E_OK && ch->data.len > 0) {
+          memcpy(bytes + nbytes, ch->data.data, ch->data.len);
+          nbytes += ch->data.len;
+        }
+      }
+      protobuf_c_message_free_unpacked(m, NULL);
+    }
+  }
+  rpc_status_t rs;
+  memset(&rs, 0, sizeof rs);
+  grpc_status_code code = rpc_stream_finish(st, &rs);
+  rpc_stream_destroy(st);
+  if (ret == MESHD_E_OK && code != GRPC_STATUS_OK) {
+    rs.kind[sizeof rs.kind - 1] = '\0';
+    rs.message[sizeof rs.message - 1] = '\0';
+    set_error(s->client, MESHD_E_RPC, code, rs.kind, "%s", rs.message);
+    ret = MESHD_E_RPC;
+  }
+  size_t es = dtype_size(dtype);
+  if (ret == MESHD_E_OK && (!have_meta || es == 0 || nbytes % es != 0)) {
+    set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+              "Fetch: %s", !have_meta ? "no metadata in the reply"
+                           : es == 0  ? "unsupported dtype"
+                                      : "data is not a whole number of elements");
+    ret = MESHD_E_RPC;
+  }
+  if (ret == MESHD_E_OK && nbytes > 0) {
+    out->values = malloc(nbytes / es * sizeof *out->values);
+    if (!out->values) {
+      set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
+      ret = MESHD_E_NOMEM;
+    } else {
+      out->n = nbytes / es;
+      for (size_t i = 0; i < out->n; i++)
+        out->values[i] = load_value(dtype, bytes + i * es);
+    }
+  }
+  free(bytes);
+  if (ret != MESHD_E_OK)
+    meshd_values_free(out);
+  return ret;
 }

@@ -3,8 +3,12 @@
  * Exit status follows grpc_health_probe: 0 ok (SERVING), 2 could not connect,
  * 3 the call failed, 4 not serving. Usage errors exit 64 (EX_USAGE) so they
  * cannot be mistaken for "could not connect"; 1 is anything else (out of memory). */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdbool.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "config.h"
@@ -35,6 +39,8 @@ static const config_flag_t flags[] = {
 
 static int cmd_health(meshd_client_t *c, int argc, char **argv);
 static int cmd_agents(meshd_client_t *c, int argc, char **argv);
+static int cmd_sessions(meshd_client_t *c, int argc, char **argv);
+static int cmd_run(meshd_client_t *c, int argc, char **argv);
 
 typedef struct command {
   const char *name;
@@ -50,6 +56,9 @@ static const command_t commands[] = {
      "NOT_SERVING, ...",
      1, cmd_health},
     {"agents", "", "table of the registered agents", 0, cmd_agents},
+    {"sessions", "", "table of the client sessions (live tensors, bytes held, idle)", 0,
+     cmd_sessions},
+    {"run", "FILE", "run a line-based script (FILE or - for stdin) in a new session", 1, cmd_run},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
@@ -136,6 +145,323 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
   return EXIT_OK;
 }
 
+static int cmd_sessions(meshd_client_t *c, int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  meshd_session_info_t *list = NULL;
+  size_t n = 0;
+  meshd_err_t e = meshd_sessions(c, &list, &n);
+  if (e != MESHD_E_OK)
+    return report(c, "listing sessions failed", e);
+  int w_client = (int)strlen("CLIENT");
+  for (size_t i = 0; i < n; i++) {
+    int l = (int)strlen(list[i].client_name);
+    w_client = l > w_client ? l : w_client;
+  }
+  printf("%-12s %-*s %-8s %-10s %s\n", "SESSION", w_client, "CLIENT", "TENSORS", "HELD", "IDLE");
+  for (size_t i = 0; i < n; i++) {
+    char held[32];
+    human_bytes(list[i].bytes_held, held, sizeof held);
+    printf("%-12.12s %-*s %-8" PRIu64 " %-10s %.1fs\n", list[i].session_id, w_client,
+           list[i].client_name, list[i].live_tensors, held, (double)list[i].idle_ms / 1000.0);
+  }
+  if (n == 0)
+    fprintf(stderr, "meshctl: no sessions on %s\n", server);
+  meshd_sessions_free(list, n);
+  return EXIT_OK;
+}
+
+/* ------------------------------------------------------------------ run */
+
+#define MAX_TOKENS 32
+#define MAX_NAMES 256
+
+typedef struct script {
+  meshd_client_t *c;
+  meshd_session_t *s;
+  size_t nnames;
+  char *names[MAX_NAMES];
+  meshd_ref_t refs[MAX_NAMES];
+  char kind[64];     /* the failure: "SYNTAX", a server kind or a gRPC code name */
+  char message[640];
+} script_t;
+
+static int script_fail(script_t *sc, const char *kind, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int script_fail(script_t *sc, const char *kind, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(sc->message, sizeof sc->message, fmt, ap);
+  va_end(ap);
+  snprintf(sc->kind, sizeof sc->kind, "%s", kind);
+  return -1;
+}
+
+/* Records the library's last error. */
+static int script_lib_fail(script_t *sc, meshd_err_t e) {
+  const meshd_error_info_t *info = meshd_last_error(sc->c);
+  const char *kind = *info->kind                          ? info->kind
+                     : e == MESHD_E_RPC && *info->grpc_code_name ? info->grpc_code_name
+                                                                  : meshd_strerror(e);
+  return script_fail(sc, kind, "%s", info->message);
+}
+
+static bool lookup(const script_t *sc, const char *name, meshd_ref_t *ref) {
+  for (size_t i = sc->nnames; i-- > 0;)
+    if (strcmp(sc->names[i], name) == 0) {
+      *ref = sc->refs[i];
+      return true;
+    }
+  return false;
+}
+
+static int need_ref(script_t *sc, const char *name, meshd_ref_t *ref) {
+  if (lookup(sc, name, ref))
+    return 0;
+  return script_fail(sc, "SYNTAX", "'%s' is not defined (bind it with '%s = ...' first)", name,
+                     name);
+}
+
+static int bind(script_t *sc, const char *name, meshd_ref_t ref) {
+  for (size_t i = 0; i < sc->nnames; i++)
+    if (strcmp(sc->names[i], name) == 0) {
+      sc->refs[i] = ref;
+      return 0;
+    }
+  if (sc->nnames == MAX_NAMES)
+    return script_fail(sc, "SYNTAX", "more than %d names", MAX_NAMES);
+  sc->names[sc->nnames] = strdup(name);
+  if (!sc->names[sc->nnames])
+    return script_fail(sc, "NOMEM", "out of memory");
+  sc->refs[sc->nnames++] = ref;
+  return 0;
+}
+
+static bool is_ident(const char *s) {
+  if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || *s == '_'))
+    return false;
+  for (; *s; s++)
+    if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') ||
+          *s == '_'))
+      return false;
+  return true;
+}
+
+static bool parse_int(const char *s, int64_t *v) {
+  char *end;
+  errno = 0;
+  long long x = strtoll(s, &end, 10);
+  if (!*s || *end || errno)
+    return false;
+  *v = x;
+  return true;
+}
+
+static bool parse_float(const char *s, double *v) {
+  char *end;
+  errno = 0;
+  double x = strtod(s, &end);
+  if (!*s || *end || errno)
+    return false;
+  *v = x;
+  return true;
+}
+
+/* "gpu=2" -> ("gpu", 2); the token is split in place. */
+static int parse_dim(script_t *sc, char *tok, const char **name, int64_t *v) {
+  char *eq = strchr(tok, '=');
+  if (!eq || eq == tok)
+    return script_fail(sc, "SYNTAX", "expected DIM=N, got '%s'", tok);
+  *eq = '\0';
+  *name = tok;
+  if (!parse_int(eq + 1, v))
+    return script_fail(sc, "SYNTAX", "'%s=%s': N must be an integer", tok, eq + 1);
+  return 0;
+}
+
+static int parse_shape(script_t *sc, char **tok, int n, int64_t *shape) {
+  for (int i = 0; i < n; i++)
+    if (!parse_int(tok[i], &shape[i]))
+      return script_fail(sc, "SYNTAX", "shape size '%s' is not an integer", tok[i]);
+  return 0;
+}
+
+static int run_fetch(script_t *sc, char **tok, int ntok) {
+  meshd_ref_t ref;
+  const char *dims[MAX_TOKENS];
+  int64_t idx[MAX_TOKENS];
+  if (ntok < 2)
+    return script_fail(sc, "SYNTAX", "usage: fetch NAME [DIM=I ...]");
+  if (need_ref(sc, tok[1], &ref) < 0)
+    return -1;
+  for (int i = 2; i < ntok; i++)
+    if (parse_dim(sc, tok[i], &dims[i - 2], &idx[i - 2]) < 0)
+      return -1;
+  meshd_values_t v;
+  meshd_err_t e = meshd_session_fetch(sc->s, ref, dims, idx, (size_t)(ntok - 2), &v);
+  if (e != MESHD_E_OK)
+    return script_lib_fail(sc, e);
+  printf("%s [", tok[1]);
+  for (size_t i = 0; i < v.ndim; i++)
+    printf("%s%" PRId64, i ? "," : "", v.shape[i]);
+  printf("]");
+  for (size_t i = 0; i < v.n; i++)
+    printf(" %.17g", v.values[i]);
+  printf("\n");
+  fflush(stdout);
+  meshd_values_free(&v);
+  return 0;
+}
+
+/* NAME = EXPR: a factory, a reduce or an op call. */
+static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
+  meshd_err_t e;
+  meshd_ref_t out = 0, in;
+  int64_t shape[MAX_TOKENS];
+  const char *what = tok[0];
+
+  if (!is_ident(name))
+    return script_fail(sc, "SYNTAX", "'%s' is not a name", name);
+  if (ntok < 1)
+    return script_fail(sc, "SYNTAX", "nothing after '='");
+  if (strcmp(what, "zeros") == 0 || strcmp(what, "ones") == 0 || strcmp(what, "empty") == 0 ||
+      strcmp(what, "rand") == 0 || strcmp(what, "randn") == 0) {
+    if (ntok < 2)
+      return script_fail(sc, "SYNTAX", "usage: NAME = %s MESH [SIZE ...]", what);
+    if (need_ref(sc, tok[1], &in) < 0 || parse_shape(sc, tok + 2, ntok - 2, shape) < 0)
+      return -1;
+    e = meshd_session_factory(sc->s, in, what, shape, (size_t)(ntok - 2), 0, &out);
+  } else if (strcmp(what, "full") == 0) {
+    double value;
+    if (ntok < 3)
+      return script_fail(sc, "SYNTAX", "usage: NAME = full MESH VALUE [SIZE ...]");
+    if (need_ref(sc, tok[1], &in) < 0)
+      return -1;
+    if (!parse_float(tok[2], &value))
+      return script_fail(sc, "SYNTAX", "full: VALUE '%s' is not a number", tok[2]);
+    if (parse_shape(sc, tok + 3, ntok - 3, shape) < 0)
+      return -1;
+    e = meshd_session_factory(sc->s, in, "full", shape, (size_t)(ntok - 3), value, &out);
+  } else if (strcmp(what, "reduce") == 0) {
+    if (ntok != 4)
+      return script_fail(sc, "SYNTAX", "usage: NAME = reduce INPUT DIM|all REDUCTION");
+    if (need_ref(sc, tok[1], &in) < 0)
+      return -1;
+    e = meshd_session_reduce(sc->s, in, strcmp(tok[2], "all") == 0 ? NULL : tok[2], tok[3], &out);
+  } else {
+    meshd_arg_t args[MAX_TOKENS];
+    for (int i = 1; i < ntok; i++) {
+      memset(&args[i - 1], 0, sizeof args[i - 1]);
+      if (parse_int(tok[i], &args[i - 1].i)) {
+        args[i - 1].type = MESHD_ARG_INT;
+      } else if (parse_float(tok[i], &args[i - 1].f)) {
+        args[i - 1].type = MESHD_ARG_FLOAT;
+      } else {
+        args[i - 1].type = MESHD_ARG_REF;
+        if (need_ref(sc, tok[i], &args[i - 1].ref) < 0)
+          return -1;
+      }
+    }
+    e = meshd_session_call(sc->s, what, args, (size_t)(ntok - 1), &out);
+  }
+  if (e != MESHD_E_OK)
+    return script_lib_fail(sc, e);
+  return bind(sc, name, out);
+}
+
+static int run_line(script_t *sc, char *line) {
+  char *hash = strchr(line, '#');
+  if (hash)
+    *hash = '\0';
+  char *tok[MAX_TOKENS + 1];
+  int ntok = 0;
+  for (char *save = NULL, *t = strtok_r(line, " \t\r\n", &save); t;
+       t = strtok_r(NULL, " \t\r\n", &save)) {
+    if (ntok == MAX_TOKENS)
+      return script_fail(sc, "SYNTAX", "more than %d words", MAX_TOKENS);
+    tok[ntok++] = t;
+  }
+  if (ntok == 0)
+    return 0;
+  if (ntok >= 2 && strcmp(tok[1], "=") == 0)
+    return run_assign(sc, tok[0], tok + 2, ntok - 2);
+  if (strcmp(tok[0], "mesh") == 0) {
+    const char *names[MAX_TOKENS];
+    int64_t sizes[MAX_TOKENS];
+    meshd_ref_t ref;
+    if (ntok < 3 || !is_ident(tok[1]))
+      return script_fail(sc, "SYNTAX", "usage: mesh NAME DIM=N [DIM=N ...]");
+    for (int i = 2; i < ntok; i++)
+      if (parse_dim(sc, tok[i], &names[i - 2], &sizes[i - 2]) < 0)
+        return -1;
+    meshd_err_t e = meshd_session_create_mesh(sc->s, names, sizes, (size_t)(ntok - 2), &ref);
+    if (e != MESHD_E_OK)
+      return script_lib_fail(sc, e);
+    return bind(sc, tok[1], ref);
+  }
+  if (strcmp(tok[0], "fetch") == 0)
+    return run_fetch(sc, tok, ntok);
+  if (strcmp(tok[0], "sync") == 0) {
+    if (ntok != 1)
+      return script_fail(sc, "SYNTAX", "usage: sync");
+    meshd_err_t e = meshd_session_sync(sc->s);
+    if (e != MESHD_E_OK)
+      return script_lib_fail(sc, e);
+    return 0;
+  }
+  return script_fail(sc, "SYNTAX", "unknown command '%s' (expected mesh, fetch, sync or NAME = ...)",
+                     tok[0]);
+}
+
+static int cmd_run(meshd_client_t *c, int argc, char **argv) {
+  if (argc != 1) {
+    fprintf(stderr, "meshctl: run: missing FILE (a script path, or - for stdin)\n");
+    return EXIT_USAGE;
+  }
+  bool use_stdin = strcmp(argv[0], "-") == 0;
+  FILE *f = use_stdin ? stdin : fopen(argv[0], "r");
+  if (!f) {
+    fprintf(stderr, "meshctl: run: cannot open %s: %s\n", argv[0], strerror(errno));
+    return EXIT_USAGE;
+  }
+  script_t sc;
+  memset(&sc, 0, sizeof sc);
+  sc.c = c;
+  meshd_err_t e = MESHD_E_OK;
+  sc.s = meshd_session_open(c, "meshctl", &e);
+  int r = EXIT_OK;
+  if (!sc.s) {
+    r = report(c, "cannot open a session", e);
+  } else {
+    char line[4096];
+    for (long lineno = 1; fgets(line, sizeof line, f); lineno++) {
+      size_t len = strlen(line);
+      if (len == sizeof line - 1 && line[len - 1] != '\n') {
+        fprintf(stderr, "line %ld: SYNTAX: line longer than %zu characters\n", lineno,
+                sizeof line - 2);
+        r = EXIT_RPC;
+        break;
+      }
+      if (run_line(&sc, line) < 0) {
+        fprintf(stderr, "line %ld: %s: %s\n", lineno, sc.kind, sc.message);
+        r = EXIT_RPC;
+        break;
+      }
+    }
+    if (r == EXIT_OK && ferror(f)) {
+      fprintf(stderr, "meshctl: run: reading %s failed\n", argv[0]);
+      r = EXIT_FAILURE_OTHER;
+    }
+  }
+  meshd_session_close(sc.s);
+  for (size_t i = 0; i < sc.nnames; i++)
+    free(sc.names[i]);
+  if (!use_stdin)
+    fclose(f);
+  return r;
+}
+
 static int run(int argc, char **argv) {
   char err[256];
   int npos = 0;
@@ -151,7 +477,7 @@ static int run(int argc, char **argv) {
     return EXIT_USAGE;
   }
   if (npos == 0) {
-    fprintf(stderr, "meshctl: missing COMMAND (one of: health, agents)\n");
+    fprintf(stderr, "meshctl: missing COMMAND (one of: health, agents, sessions, run)\n");
     usage(stderr);
     return EXIT_USAGE;
   }
@@ -160,7 +486,7 @@ static int run(int argc, char **argv) {
     if (strcmp(argv[1], commands[i].name) == 0)
       cmd = &commands[i];
   if (!cmd) {
-    fprintf(stderr, "meshctl: unknown command '%s' (expected one of: health, agents)\n", argv[1]);
+    fprintf(stderr, "meshctl: unknown command '%s' (expected one of: health, agents, sessions, run)\n", argv[1]);
     usage(stderr);
     return EXIT_USAGE;
   }
@@ -168,6 +494,11 @@ static int run(int argc, char **argv) {
   if (nargs > cmd->max_args) {
     fprintf(stderr, "meshctl: %s: unexpected argument '%s' (usage: meshctl %s%s%s)\n",
             cmd->name, argv[2 + cmd->max_args], cmd->name, *cmd->args ? " " : "", cmd->args);
+    usage(stderr);
+    return EXIT_USAGE;
+  }
+  if (cmd->run == cmd_run && nargs < 1) {
+    fprintf(stderr, "meshctl: run: missing FILE (a script path, or - for stdin)\n");
     usage(stderr);
     return EXIT_USAGE;
   }

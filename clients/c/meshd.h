@@ -126,6 +126,100 @@ MESHD_API meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list,
 /* Frees a list from meshd_agents, strings included. NULL is ignored. */
 MESHD_API void meshd_agents_free(meshd_agent_t *list, size_t n);
 
+/* ---------------------------------------------------------------- sessions */
+
+/* One client session held by the server (ListSessions). */
+typedef struct meshd_session_info {
+  char *session_id;
+  char *client_name;
+  uint64_t bytes_held;   /* bytes of live tensors, all agents */
+  uint64_t live_tensors;
+  uint64_t idle_ms;      /* since the session's last call */
+} meshd_session_info_t;
+
+/* meshd.v1.TensorService/ListSessions. On MESHD_E_OK, *list is an array of *n
+ * sessions owned by the caller: free it with meshd_sessions_free(*list, *n).
+ * With none, *list = NULL and *n = 0; the same on failure. */
+MESHD_API meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list,
+                                     size_t *n);
+
+/* Frees a list from meshd_sessions, strings included. NULL is ignored. */
+MESHD_API void meshd_sessions_free(meshd_session_info_t *list, size_t n);
+
+/* A session of one client: meshes and tensors live in it, named by refs that the
+ * session hands out (>= 1, increasing). Errors of session calls are recorded on
+ * the client (meshd_last_error(client)); the kind is the server's error kind
+ * ("UNKNOWN_OP", "SHAPE_MISMATCH", ...). A session is used by one thread at a
+ * time and must be closed before its client. */
+typedef struct meshd_session meshd_session_t;
+typedef uint64_t meshd_ref_t;
+
+/* CreateSession with client_name `name` (NULL: "meshd-c"). Returns a session
+ * (close with meshd_session_close), or NULL with *err set (err may be NULL) and
+ * the details in meshd_last_error(client). The session borrows `client`. */
+MESHD_API meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name,
+                                              meshd_err_t *err);
+
+/* CloseSession (the server frees the session's tensors), then frees the handle.
+ * NULL is ignored. A failed CloseSession is not reported: the session expires. */
+MESHD_API void meshd_session_close(meshd_session_t *session);
+
+/* CreateMesh over dims names[i] of sizes[i] (ndims >= 1); *mesh_out gets its ref. */
+MESHD_API meshd_err_t meshd_session_create_mesh(meshd_session_t *session,
+                                                const char *const *names,
+                                                const int64_t *sizes, size_t ndims,
+                                                meshd_ref_t *mesh_out);
+
+/* Factory `kind` (zeros ones full empty rand randn arange...) of float32 with
+ * `shape` (ndim values, ndim may be 0) on every rank of `mesh`; `value` is used
+ * by full. *out gets the tensor's ref. */
+MESHD_API meshd_err_t meshd_session_factory(meshd_session_t *session, meshd_ref_t mesh,
+                                            const char *kind, const int64_t *shape, size_t ndim,
+                                            double value, meshd_ref_t *out);
+
+/* One positional argument of meshd_session_call. */
+typedef enum { MESHD_ARG_REF, MESHD_ARG_INT, MESHD_ARG_FLOAT } meshd_arg_type_t;
+typedef struct meshd_arg {
+  meshd_arg_type_t type;
+  meshd_ref_t ref; /* MESHD_ARG_REF */
+  int64_t i;       /* MESHD_ARG_INT */
+  double f;        /* MESHD_ARG_FLOAT */
+} meshd_arg_t;
+
+/* Call of op `op` ("add", "mul", "relu", ...) with nargs positional arguments
+ * and one result tensor, whose ref goes to *out. */
+MESHD_API meshd_err_t meshd_session_call(meshd_session_t *session, const char *op,
+                                         const meshd_arg_t *args, size_t nargs, meshd_ref_t *out);
+
+/* Reduce `input` over mesh dim `dim` (NULL or "": every dim) with `reduction`
+ * (sum avg product min max ...). *out gets the result's ref. */
+MESHD_API meshd_err_t meshd_session_reduce(meshd_session_t *session, meshd_ref_t input,
+                                           const char *dim, const char *reduction,
+                                           meshd_ref_t *out);
+
+/* Sync: waits until everything issued so far ran; fails with the first run-time
+ * error not reported before (its kind in meshd_last_error). */
+MESHD_API meshd_err_t meshd_session_sync(meshd_session_t *session);
+
+/* A fetched local tensor, converted to float64. Owned by the caller: free with
+ * meshd_values_free. */
+typedef struct meshd_values {
+  double *values; /* n values, row-major (NULL when n == 0) */
+  size_t n;
+  int64_t *shape; /* ndim sizes (NULL when ndim == 0) */
+  size_t ndim;
+} meshd_values_t;
+
+/* Fetch `tensor` from the rank at coordinate dims[i] = index[i] (ncoords of
+ * them, one per dim of the tensor's mesh). On MESHD_E_OK fills *out (caller
+ * frees with meshd_values_free); on failure *out is zeroed. */
+MESHD_API meshd_err_t meshd_session_fetch(meshd_session_t *session, meshd_ref_t tensor,
+                                          const char *const *dims, const int64_t *index,
+                                          size_t ncoords, meshd_values_t *out);
+
+/* Frees what meshd_session_fetch put in *v and zeroes it. NULL is ignored. */
+MESHD_API void meshd_values_free(meshd_values_t *v);
+
 #ifdef __cplusplus
 }
 #endif

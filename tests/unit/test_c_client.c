@@ -1,0 +1,301 @@
+/* The C client library (clients/c/meshd.h) and meshctl against a live
+ * `meshd --local-agents 2` started from $MESHD_BIN_DIR on a free port. */
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "meshd.h"
+
+static pid_t server_pid = -1;
+static char dir[64];
+static char target[64];
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static const char *bin_dir(void) {
+  const char *d = getenv("MESHD_BIN_DIR");
+  cr_assert(d && *d, "MESHD_BIN_DIR is not set (run through ctest)");
+  return d;
+}
+
+/* Reads a whole small file into buf (NUL-terminated); returns its length or -1. */
+static long slurp(const char *path, char *buf, size_t len) {
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return -1;
+  size_t n = fread(buf, 1, len - 1, f);
+  buf[n] = '\0';
+  fclose(f);
+  return (long)n;
+}
+
+static void start_server(void) {
+  snprintf(dir, sizeof dir, "/tmp/meshd-c-client-XXXXXX");
+  cr_assert_not_null(mkdtemp(dir));
+  char port_file[128], log_file[128], bin[512];
+  snprintf(port_file, sizeof port_file, "%s/port", dir);
+  snprintf(log_file, sizeof log_file, "%s/meshd.log", dir);
+  snprintf(bin, sizeof bin, "%s/meshd", bin_dir());
+  server_pid = fork();
+  cr_assert_geq(server_pid, 0);
+  if (server_pid == 0) {
+    int fd = open(log_file, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+    }
+    execl(bin, bin, "--listen", "127.0.0.1:0", "--port-file", port_file, "--local-agents", "2",
+          (char *)NULL);
+    _exit(127);
+  }
+  char buf[64];
+  int port = 0;
+  for (int i = 0; i < 300 && port <= 0; i++) {
+    if (slurp(port_file, buf, sizeof buf) > 0 && strchr(buf, '\n'))
+      port = atoi(buf);
+    else if (slurp(port_file, buf, sizeof buf) > 0 && i > 5)
+      port = atoi(buf);
+    if (port <= 0)
+      sleep_ms(50);
+  }
+  cr_assert_gt(port, 0, "meshd wrote no port file");
+  snprintf(target, sizeof target, "127.0.0.1:%d", port);
+
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 5000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  int status = MESHD_HEALTH_UNKNOWN;
+  for (int i = 0; i < 300; i++) {
+    if (meshd_health(c, "meshd.v1.TensorService", &status) == MESHD_E_OK &&
+        status == MESHD_HEALTH_SERVING)
+      break;
+    sleep_ms(50);
+  }
+  meshd_close(c);
+  cr_assert_eq(status, MESHD_HEALTH_SERVING, "TensorService never became SERVING");
+}
+
+static void stop_server(void) {
+  if (server_pid > 0) {
+    kill(server_pid, SIGTERM);
+    int st;
+    for (int i = 0; i < 100; i++) {
+      if (waitpid(server_pid, &st, WNOHANG) == server_pid) {
+        server_pid = -1;
+        break;
+      }
+      sleep_ms(50);
+    }
+    if (server_pid > 0) {
+      kill(server_pid, SIGKILL);
+      waitpid(server_pid, &st, 0);
+      server_pid = -1;
+    }
+  }
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (dir[0] && system(cmd) != 0)
+    fprintf(stderr, "could not remove %s\n", dir);
+}
+
+TestSuite(c_client, .init = start_server, .fini = stop_server, .timeout = 60);
+
+static meshd_client_t *connect_ok(void) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 10000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  return c;
+}
+
+Test(c_client, compute_and_fetch) {
+  meshd_client_t *c = connect_ok();
+  meshd_err_t e;
+  meshd_session_t *s = meshd_session_open(c, "c-test", &e);
+  cr_assert_not_null(s, "open: %s: %s", meshd_strerror(e), meshd_last_error(c)->message);
+
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2};
+  meshd_ref_t m = 0, x = 0, y = 0, z = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  int64_t shape[] = {2, 3};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", shape, 2, 0, &x), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1.5}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_reduce(s, y, "gpu", "sum", &z), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert(m < x && x < y && y < z);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+
+  int64_t at1[] = {1};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, z, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.ndim, 2);
+  cr_assert_eq(v.shape[0], 2);
+  cr_assert_eq(v.shape[1], 3);
+  cr_assert_eq(v.n, 6);
+  for (size_t i = 0; i < v.n; i++)
+    cr_assert_float_eq(v.values[i], 5.0, 1e-9);
+  meshd_values_free(&v);
+  cr_assert_null(v.values);
+
+  /* The session shows up in ListSessions with its live tensors. */
+  meshd_session_info_t *list = NULL;
+  size_t n = 0;
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  bool found = false;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(list[i].client_name, "c-test") == 0) {
+      found = true;
+      cr_assert_geq(list[i].live_tensors, 3);
+      cr_assert_gt(list[i].bytes_held, 0);
+      cr_assert_gt(strlen(list[i].session_id), 0);
+    }
+  cr_assert(found, "session c-test not listed (%zu sessions)", n);
+  meshd_sessions_free(list, n);
+
+  meshd_session_close(s);
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK);
+  for (size_t i = 0; i < n; i++)
+    cr_assert_str_neq(list[i].client_name, "c-test", "closed session still listed");
+  meshd_sessions_free(list, n);
+  meshd_close(c);
+}
+
+Test(c_client, error_kinds) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-errors", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, big[] = {5};
+  meshd_ref_t m = 0, x = 0, y = 0;
+
+  /* More ranks than healthy agents. */
+  cr_assert_eq(meshd_session_create_mesh(s, dims, big, 1, &m), MESHD_E_RPC);
+  const meshd_error_info_t *info = meshd_last_error(c);
+  cr_assert_eq(info->err, MESHD_E_RPC);
+  cr_assert_str_eq(info->kind, "BAD_ARGUMENT");
+  cr_assert_str_eq(info->grpc_code_name, "INVALID_ARGUMENT");
+
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
+  meshd_arg_t arg = {.type = MESHD_ARG_REF, .ref = x};
+  cr_assert_eq(meshd_session_call(s, "no_such_op", &arg, 1, &y), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_OP");
+  cr_assert_eq(y, 0, "a failed call must not bind a result");
+  cr_assert(strstr(meshd_last_error(c)->message, "no_such_op"), "%s",
+            meshd_last_error(c)->message);
+
+  /* Unknown ref on fetch; missing coordinate. */
+  meshd_values_t v;
+  int64_t at0[] = {0};
+  cr_assert_eq(meshd_session_fetch(s, 999, dims, at0, 1, &v), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF");
+  cr_assert_null(v.values);
+  cr_assert_eq(meshd_session_fetch(s, x, NULL, NULL, 0, &v), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "BAD_ARGUMENT");
+
+  /* Argument checks never reach the server. */
+  cr_assert_eq(meshd_session_call(s, "add", NULL, 1, &y), MESHD_E_INVALID);
+  cr_assert_eq(meshd_last_error(c)->err, MESHD_E_INVALID);
+  cr_assert_eq(meshd_session_sync(NULL), MESHD_E_INVALID);
+  cr_assert_str_eq(meshd_strerror(MESHD_E_INVALID), "invalid argument");
+
+  /* Still usable after errors. */
+  cr_assert_eq(meshd_session_fetch(s, x, dims, at0, 1, &v), MESHD_E_OK);
+  cr_assert_eq(v.n, 4);
+  cr_assert_float_eq(v.values[3], 0.0, 1e-12);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_session_close(NULL);
+  meshd_close(c);
+}
+
+/* Runs meshctl --server target run SCRIPT; returns its exit status, output in out/err. */
+static int meshctl_run(const char *script, char *out, size_t outlen, char *err, size_t errlen) {
+  char spath[128], opath[128], epath[128], bin[512];
+  snprintf(spath, sizeof spath, "%s/script-%d.txt", dir, (int)getpid());
+  snprintf(opath, sizeof opath, "%s/out-%d.txt", dir, (int)getpid());
+  snprintf(epath, sizeof epath, "%s/err-%d.txt", dir, (int)getpid());
+  snprintf(bin, sizeof bin, "%s/meshctl", bin_dir());
+  FILE *f = fopen(spath, "w");
+  cr_assert_not_null(f);
+  fputs(script, f);
+  fclose(f);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    int o = open(opath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int e = open(epath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (o < 0 || e < 0)
+      _exit(126);
+    dup2(o, 1);
+    dup2(e, 2);
+    execl(bin, bin, "--server", target, "--timeout-ms", "20000", "run", spath, (char *)NULL);
+    _exit(127);
+  }
+  int st = 0;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st));
+  slurp(opath, out, outlen);
+  slurp(epath, err, errlen);
+  return WEXITSTATUS(st);
+}
+
+Test(c_client, meshctl_run_script) {
+  char out[4096], err[4096];
+  int rc = meshctl_run("# a smoke test\n"
+                       "mesh m gpu=2\n"
+                       "\n"
+                       "x = ones m 2 3   # two by three\n"
+                       "y = add x 1.5\n"
+                       "z = reduce y gpu sum\n"
+                       "h = full m 0.25 2\n"
+                       "fetch z gpu=0\n"
+                       "fetch h gpu=1\n"
+                       "sync\n",
+                       out, sizeof out, err, sizeof err);
+  cr_assert_eq(rc, 0, "rc %d, stderr: %s", rc, err);
+  cr_assert_str_eq(out, "z [2,3] 5 5 5 5 5 5\nh [2] 0.25 0.25\n", "stdout: %s", out);
+}
+
+Test(c_client, meshctl_run_errors) {
+  char out[4096], err[4096];
+  int rc = meshctl_run("mesh m gpu=2\n"
+                       "x = ones m 3\n"
+                       "fetch x gpu=0\n"
+                       "# comment\n"
+                       "y = not_an_op x\n"
+                       "fetch y gpu=0\n",
+                       out, sizeof out, err, sizeof err);
+  cr_assert_eq(rc, 3, "rc %d, stderr: %s", rc, err);
+  cr_assert_str_eq(out, "x [3] 1 1 1\n");
+  cr_assert(strncmp(err, "line 5: UNKNOWN_OP: ", 20) == 0, "stderr: %s", err);
+
+  rc = meshctl_run("mesh m gpu=2\nfetch nope gpu=0\n", out, sizeof out, err, sizeof err);
+  cr_assert_eq(rc, 3);
+  cr_assert(strncmp(err, "line 2: SYNTAX: 'nope' is not defined", 37) == 0, "stderr: %s", err);
+
+  rc = meshctl_run("mesh m gpu=2\nx = ones m 2 3\nw = ones m 4\ny = add x w\n", out, sizeof out,
+                   err, sizeof err);
+  cr_assert_eq(rc, 3);
+  cr_assert(strncmp(err, "line 4: SHAPE_MISMATCH: ", 24) == 0, "stderr: %s", err);
+
+  rc = meshctl_run("mesh m gpu=two\n", out, sizeof out, err, sizeof err);
+  cr_assert_eq(rc, 3);
+  cr_assert(strncmp(err, "line 1: SYNTAX: ", 16) == 0, "stderr: %s", err);
+}
