@@ -1,5 +1,6 @@
 """Session, Stream and Borrow: the client's connection to meshd."""
 
+import contextlib
 import threading
 
 import grpc
@@ -7,6 +8,7 @@ import grpc
 from . import _active, _proto
 from .errors import MeshdError
 from .mesh import Mesh
+from .pipeline import Pipeline
 
 _SVC = "/meshd.v1.TensorService/"
 _OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 64 << 20),
@@ -44,7 +46,7 @@ class Stream:
             setattr(b, "mutable", bool(mutable))
             return b
         res = s._execute("borrow", build, claim=2)
-        handle = Tensor._from_meta(s, res.tensors[0])
+        handle = Tensor._from_result(s, res, 0, box["refs"][0])
         return handle, Borrow(s, box["refs"][1], handle)
 
 
@@ -75,6 +77,7 @@ class Session:
         self._seq = 0
         self._meshes = {}
         self._streams = {}
+        self._pipe = None  # the open Pipeline (session.pipeline()), if any
         self.closed = False
         pb = self._pb
         try:
@@ -105,13 +108,27 @@ class Session:
         if self.closed:
             raise MeshdError("NO_SESSION", "the session is closed")
         with self._lock:
+            pipe = self._pipe
+            mine = pipe is not None and pipe.owner == threading.get_ident()
+            if pipe is not None and not mine:
+                pipe.flush()  # keep refs reaching the server in order
+            if mine and field == "sync":
+                pipe.flush()
             refs = [self._ref + i + 1 for i in range(claim)]
             self._ref += claim
             self._seq += 1
             cmd = self._pb.Command(seq=self._seq)
             msg = build(refs[0] if claim == 1 else (refs or None))
             getattr(cmd, field).CopyFrom(msg)
+            if mine:
+                return pipe.send(cmd)  # a _Pending: its fields block until answered
             return self._unary("Execute", cmd, self._pb.CommandResult)
+
+    def _flush_pipeline(self):
+        """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs)."""
+        pipe = self._pipe
+        if pipe is not None:
+            pipe.flush()
 
     def _new_ref(self):
         """A fresh ref; callers that send it must hold self._lock across the send."""
@@ -138,6 +155,30 @@ class Session:
         finally:
             self.closed = True
             self._ch.close()
+
+    @contextlib.contextmanager
+    def pipeline(self):
+        """Pipelined mode: inside the block commands are sent on one Submit stream without
+        waiting; tensors come back at once and get their metadata when the answer
+        arrives. At the end every answer is awaited and the first rejection is raised
+        as MeshdError (see meshd/pipeline.py). Only the opening thread pipelines."""
+        if self.closed:
+            raise MeshdError("NO_SESSION", "the session is closed")
+        with self._lock:
+            if self._pipe is not None:
+                raise RuntimeError("meshd: a pipeline is already open on this session")
+            pipe = self._pipe = Pipeline(self)
+        failed = True
+        try:
+            yield pipe
+            failed = False
+        finally:
+            with self._lock:
+                self._pipe = None
+                errs = pipe.close()
+            if errs and not failed:
+                errs[0].errors = errs
+                raise errs[0]
 
     def agents(self):
         """[{rank, address, device, memory_bytes, allocated_bytes, healthy}, ...]"""

@@ -9,6 +9,7 @@ import numpy as np
 from . import _active
 from .errors import MeshdError
 from .mesh import selectors
+from .pipeline import _Pending
 
 _SVC = "/meshd.v1.TensorService/"
 _CHUNK = 1 << 20
@@ -64,14 +65,55 @@ class Tensor:
 
     def __init__(self, session, ref, shape, dtype, mesh_ref, stream_ref):
         self.session, self.ref = session, ref
-        self.shape, self.dtype = tuple(shape), dtype
-        self._mesh_ref, self._stream_ref = mesh_ref, stream_ref
+        self._shape, self._dtype = tuple(shape), dtype
+        self._mesh, self._stream = mesh_ref, stream_ref
+        self._pending = None  # (pipeline _Pending, index) until the answer is in
         self._dropped = False
 
     @classmethod
     def _from_meta(cls, session, meta):
         return cls(session, meta.ref, meta.shape, _dtype_from_value(session._pb, meta.dtype),
                    meta.mesh, meta.stream)
+
+    @classmethod
+    def _from_result(cls, session, res, index, ref):
+        """The index-th result tensor of `res` (a CommandResult, or a pipelined _Pending
+        whose metadata is filled in when its answer arrives)."""
+        if isinstance(res, _Pending) and not res.done():
+            t = cls.__new__(cls)
+            t.session, t.ref = session, ref
+            t._pending, t._dropped = (res, index), False
+            return t
+        return cls._from_meta(session, res.tensors[index])
+
+    def _resolve(self):
+        p = self._pending
+        if p is not None:
+            meta = p[0].result().tensors[p[1]]  # blocks; raises if the command was rejected
+            self._shape, self._dtype = tuple(meta.shape), _dtype_from_value(self.session._pb,
+                                                                            meta.dtype)
+            self._mesh, self._stream = meta.mesh, meta.stream
+            self._pending = None
+
+    @property
+    def shape(self):
+        self._resolve()
+        return self._shape
+
+    @property
+    def dtype(self):
+        self._resolve()
+        return self._dtype
+
+    @property
+    def _mesh_ref(self):
+        self._resolve()
+        return self._mesh
+
+    @property
+    def _stream_ref(self):
+        self._resolve()
+        return self._stream
 
     def __repr__(self):
         return f"Tensor(ref={self.ref}, shape={self.shape}, dtype={self.dtype})"
@@ -185,13 +227,20 @@ class Tensor:
             raise TypeError(f"meshd: out must be a Tensor, got {type(out).__name__}")
         s, pb = self.session, self.session._pb
         stream = _active.stream_ref(s)
-        res = s._execute("reduce", lambda ref: pb.Reduce(
-            ref=0 if inplace else ref, input=self.ref, dims=list(dims), reduction=reduction,
-            scatter=bool(scatter), inplace=inplace, out=out.ref if out is not None else 0,
-            stream=stream), claim=0 if inplace else 1)
+        box = {}
+
+        def build(ref):
+            box["ref"] = ref
+            return pb.Reduce(
+                ref=0 if inplace else ref, input=self.ref, dims=list(dims), reduction=reduction,
+                scatter=bool(scatter), inplace=inplace, out=out.ref if out is not None else 0,
+                stream=stream)
+        res = s._execute("reduce", build, claim=0 if inplace else 1)
         if inplace:
             return self
-        return Tensor._from_meta(s, res.tensors[0])
+        if out is not None:  # the answer names the result (out, or a view of it): wait for it
+            return Tensor._from_meta(s, res.tensors[0])
+        return Tensor._from_result(s, res, 0, box["ref"])
 
     def to_mesh(self, mesh, stream=None):
         return _to_mesh(self, {}, mesh, stream)
@@ -217,9 +266,14 @@ def _to_mesh(t, sel, mesh, stream):
     s, pb = t.session, t.session._pb
     dst_stream = t._stream_ref if stream is None else stream.ref
     sels = selectors(pb, sel)
-    res = s._execute("to_mesh", lambda ref: pb.ToMesh(
-        ref=ref, input=t.ref, selection=sels, dst_mesh=mesh.ref, dst_stream=dst_stream), claim=1)
-    return Tensor._from_meta(s, res.tensors[0])
+    box = {}
+
+    def build(ref):
+        box["ref"] = ref
+        return pb.ToMesh(ref=ref, input=t.ref, selection=sels, dst_mesh=mesh.ref,
+                         dst_stream=dst_stream)
+    res = s._execute("to_mesh", build, claim=1)
+    return Tensor._from_result(s, res, 0, box["ref"])
 
 
 def _dims(dim):
@@ -297,11 +351,17 @@ def _call(op, *args, **kwargs):
     pkw = [pb.Kwarg(name=k, value=_arg(pb, v, s, k)) for k, v in kwargs.items()]
     stream = _active.stream_ref(s)
 
+    box = {}
+
     def build(refs):
         refs = [refs] if isinstance(refs, int) else list(refs or [])
+        box["refs"] = refs
         return pb.Call(op=op, args=pargs, kwargs=pkw, results=refs, stream=stream)
     res = s._execute("call", build, claim=nresults)
-    outs = tuple(Tensor._from_meta(s, m) for m in res.tensors)
+    if isinstance(res, _Pending):
+        outs = tuple(Tensor._from_result(s, res, i, r) for i, r in enumerate(box["refs"]))
+    else:
+        outs = tuple(Tensor._from_meta(s, m) for m in res.tensors)
     if inplace and args and isinstance(args[0], Tensor):
         return args[0]
     if nresults == 1 and len(outs) == 1:
@@ -323,8 +383,13 @@ def _factory(kind, shape, dtype=None, mesh=None, value=0.0, seed=None, dim="", s
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise TypeError(f"meshd: seed must be a non-negative int, got {seed!r}")
         f["seed"], f["has_seed"] = int(seed), True
-    res = s._execute("factory", lambda ref: pb.Factory(ref=ref, **f), claim=1)
-    return Tensor._from_meta(s, res.tensors[0])
+    box = {}
+
+    def build(ref):
+        box["ref"] = ref
+        return pb.Factory(ref=ref, **f)
+    res = s._execute("factory", build, claim=1)
+    return Tensor._from_result(s, res, 0, box["ref"])
 
 
 def zeros(shape, dtype=None):
@@ -397,6 +462,7 @@ def tensor(data, shard=None, dtype=None):
     fn = s._ch.stream_unary(_SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
                             response_deserializer=pb.UploadReply.FromString)
     with s._lock:  # the ref must reach the server in order with other commands
+        s._flush_pipeline()
         ref = s._new_ref()
         hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
@@ -438,6 +504,7 @@ def fetch_shard(t, **coords):
     for k, v in coords.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
+    t.session._flush_pipeline()  # pipelined commands before it must have reached the server
     fut = concurrent.futures.Future()
 
     def work():

@@ -1,0 +1,170 @@
+"""Pipelined mode: `with session.pipeline():` sends commands on one Submit stream
+without waiting for their answers (DESIGN.md §6).
+
+Design (the simplest correct one):
+- Refs are chosen by the client, so a command's result refs are known at send time.
+  Ops inside the block return Tensor handles at once; their metadata (shape, dtype,
+  mesh, stream) is filled in from the answer when it arrives. Reading `.shape` etc.
+  before then blocks until that one answer is in (and raises its MeshdError if the
+  command was rejected).
+- Commands whose answer the client needs right away (mesh, slice, stream creation)
+  just wait for their own answer; they still travel on the stream, in order.
+- Upload, Fetch and Sync first flush: wait for every answer sent so far (Upload and
+  Fetch are separate RPCs, so this keeps refs reaching the server in order).
+- Rejections are collected; at the end of the block every answer is awaited, the
+  stream is closed, and the first rejection (lowest seq) is raised as MeshdError
+  (all of them in its `.errors`). Asynchronous run-time errors the server reports on
+  the stream (seq 0) are raised the same way, after rejections.
+- Only the thread that opened the pipeline uses it; other threads keep using unary
+  Execute, after flushing the pipeline so refs stay in order.
+"""
+
+import queue
+import threading
+
+import grpc
+
+from .errors import MeshdError
+
+_SVC = "/meshd.v1.TensorService/"
+_END = object()
+
+
+class _Pending:
+    """The answer to one pipelined command; attribute reads block until it arrived."""
+
+    __slots__ = ("seq", "_event", "_result", "_error")
+
+    def __init__(self, seq):
+        self.seq = seq
+        self._event = threading.Event()
+        self._result = None
+        self._error = None
+
+    def _set(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._event.set()
+
+    def done(self):
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        if not self._event.wait(timeout):
+            raise MeshdError("UNAVAILABLE", f"no answer to pipelined command seq {self.seq} "
+                             f"within {timeout} s")
+
+    def result(self, timeout=None):
+        """The CommandResult; raises the command's MeshdError if it was rejected."""
+        self.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    # the fields callers of Session._execute read
+    @property
+    def tensors(self):
+        return self.result().tensors
+
+    @property
+    def mesh(self):
+        return self.result().mesh
+
+    @property
+    def errors(self):
+        return self.result().errors
+
+
+class Pipeline:
+    """One open Submit stream of a Session; made by Session.pipeline()."""
+
+    def __init__(self, session):
+        self.session = session
+        self.owner = threading.get_ident()
+        self._q = queue.Queue()
+        self._pending = {}          # seq -> _Pending, not yet answered
+        self._plock = threading.Lock()
+        self._errors = []           # rejections (MeshdError), in order of arrival
+        self._async_errors = []     # seq-0 reports
+        self._broken = None         # MeshdError when the stream itself failed
+        pb = session._pb
+        fn = session._ch.stream_stream(_SVC + "Submit",
+                                       request_serializer=lambda m: m.SerializeToString(),
+                                       response_deserializer=pb.SubmitReply.FromString)
+        self._call = fn(self._requests(), metadata=session._md)
+        self._reader = threading.Thread(target=self._read, name="meshd-pipeline", daemon=True)
+        self._reader.start()
+
+    def _requests(self):
+        while True:
+            m = self._q.get()
+            if m is _END:
+                return
+            yield m
+
+    def _read(self):
+        pb = self.session._pb
+        try:
+            for reply in self._call:
+                res = reply.result
+                if res.seq == 0:
+                    if res.HasField("error"):
+                        self._async_errors.append(MeshdError.from_error(pb, res.error))
+                    continue
+                with self._plock:
+                    p = self._pending.pop(res.seq, None)
+                if p is None:
+                    continue
+                if res.HasField("error") and res.error.kind != 0:
+                    e = MeshdError.from_error(pb, res.error)
+                    e.seq = res.seq
+                    self._errors.append(e)
+                    p._set(error=e)
+                else:
+                    p._set(result=res)
+        except grpc.RpcError as e:
+            self._broken = MeshdError.from_rpc(e)
+        except Exception as e:  # noqa: BLE001 - reported to every waiter
+            self._broken = MeshdError("UNAVAILABLE", f"pipeline reader failed: {e!r}")
+        finally:
+            err = self._broken or MeshdError("UNAVAILABLE", "the Submit stream ended before "
+                                             "answering every command")
+            with self._plock:
+                left, self._pending = list(self._pending.values()), {}
+            for p in left:
+                p._set(error=err)
+
+    def send(self, cmd):
+        """Queues one Command (its seq set); returns its _Pending."""
+        if self._broken is not None:
+            raise self._broken
+        p = _Pending(cmd.seq)
+        with self._plock:
+            self._pending[cmd.seq] = p
+        if not self._reader.is_alive():
+            with self._plock:
+                self._pending.pop(cmd.seq, None)
+            raise self._broken or MeshdError("UNAVAILABLE", "the Submit stream is closed")
+        self._q.put(cmd)
+        return p
+
+    def flush(self, timeout=None):
+        """Waits for the answer to every command sent so far (errors stay deferred)."""
+        with self._plock:
+            waiting = list(self._pending.values())
+        for p in waiting:
+            p.wait(timeout if timeout is not None else self.session.timeout)
+
+    def close(self):
+        """Flushes, ends the stream; returns the deferred errors (rejections first)."""
+        try:
+            self.flush()
+        finally:
+            self._q.put(_END)
+            self._reader.join(self.session.timeout)
+            if self._reader.is_alive():
+                self._call.cancel()
+                self._reader.join(5)
+        errs = sorted(self._errors, key=lambda e: e.seq or 0) + self._async_errors
+        if not errs and self._broken is not None and self._broken.code != grpc.StatusCode.OK:
+            errs = [self._broken]
+        return errs

@@ -1,0 +1,196 @@
+"""session.pipeline(): commands on one Submit stream, errors deferred to the end of the block."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import meshd
+from conftest import BIN_DIR, _TMP, _child_env, _log_tail, _serving
+from test_examples import run_example
+
+
+def get(t, **coords):
+    return meshd.fetch_shard(t, **coords).result()
+
+
+def _program(session):
+    """The same commands, unary or pipelined; returns the tensors to compare."""
+    x = meshd.arange(12.0).reshape([3, 4])
+    y = meshd.full((3, 4), 2.0)
+    z = (x + y) * y - 1
+    z.add_(x)
+    s = z.sum(dim=0)
+    r = s.reduce("gpu", "sum")
+    m = x @ y.T
+    for _ in range(20):
+        y = y + 1
+    return z, s, r, m, y
+
+
+def test_pipelined_results_equal_unary_results(session, mesh):
+    want = [get(t, gpu=1) for t in _program(session)]
+    with session.pipeline():
+        got_t = _program(session)
+        # handles come back at once; metadata is there once read (blocks if needed)
+        assert got_t[0].shape == (3, 4) and got_t[0].dtype == "float32"
+    got = [get(t, gpu=1) for t in got_t]
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
+    assert got_t[2].mesh is mesh and got_t[2].stream is session.default_stream
+
+
+def test_fetch_and_sync_inside_the_block_flush(session, mesh):
+    with session.pipeline():
+        a = meshd.ones((2, 2))
+        for _ in range(10):
+            a = a * 2
+        np.testing.assert_array_equal(get(a, gpu=0), np.full((2, 2), 1024, np.float32))
+        session.sync()
+        u = meshd.tensor(np.arange(4, dtype=np.float32))  # upload: its own RPC, after a flush
+        v = u + a[0, 0]
+    np.testing.assert_array_equal(get(v, gpu=1), np.arange(4) + 1024)
+
+
+def test_rejection_raises_at_exit_with_kind_and_valid_commands_ran(session, mesh):
+    with pytest.raises(meshd.MeshdError) as e:
+        with session.pipeline():
+            a = meshd.ones((2, 3))
+            b = meshd.ones((4, 5))
+            bad = a.reduce("nodim", "sum")        # BAD_DIM, deferred
+            c = a + 41                            # valid, after the rejection
+            bad2 = a @ b                          # SHAPE_MISMATCH (a second rejection)
+            d = c * 2
+    assert e.value.kind == "BAD_DIM", e.value
+    assert [x.kind for x in e.value.errors][0] == "BAD_DIM"
+    assert len(e.value.errors) == 2
+    assert e.value.message.strip()
+    np.testing.assert_array_equal(get(c, gpu=0), np.full((2, 3), 42, np.float32))
+    np.testing.assert_array_equal(get(d, gpu=1), np.full((2, 3), 84, np.float32))
+    with pytest.raises(meshd.MeshdError) as e2:
+        bad.shape  # the rejected command's handle says why
+    assert e2.value.kind == "BAD_DIM"
+    del bad2
+    # the session is fine afterwards, unary again
+    np.testing.assert_array_equal(get(a + 1, gpu=0), np.full((2, 3), 2, np.float32))
+
+
+def test_an_exception_in_the_block_is_not_masked(session, mesh):
+    with pytest.raises(ZeroDivisionError):
+        with session.pipeline():
+            meshd.ones((1,)).reduce("nodim")
+            1 / 0
+    assert get(meshd.ones((1,)), gpu=0)[0] == 1
+
+
+def test_other_threads_stay_unary_and_in_order(session, mesh):
+    out = {}
+    with session.pipeline():
+        x = meshd.ones((2,))
+        for _ in range(50):
+            x = x + 1
+
+        def other():
+            with mesh.activate():
+                out["t"] = get(meshd.full((2,), 7.0) + 1, gpu=0)
+        th = threading.Thread(target=other)
+        th.start()
+        th.join(60)
+        y = x + 1
+    np.testing.assert_array_equal(out["t"], [8, 8])
+    np.testing.assert_array_equal(get(y, gpu=0), [52, 52])
+
+
+def test_run_time_failure_in_the_block_shows_at_sync(session, mesh):
+    x = meshd.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    idx = meshd.tensor(np.array([[0, 1], [0, 7]]), shard="gpu")  # rank 1 out of range
+    with session.pipeline():
+        bad = meshd.ops.index_select(x, 1, idx)   # accepted: fails on the agent
+        dep = bad + 1
+        ok = x * 2
+    with pytest.raises(meshd.MeshdError) as e:
+        session.sync()
+    assert e.value.kind == "REMOTE_FAILURE" and "index_select" in e.value.message
+    with pytest.raises(meshd.MeshdError) as e:
+        get(dep, gpu=0)
+    assert e.value.kind == "DEPENDENT_FAILURE"
+    np.testing.assert_array_equal(get(ok, gpu=1), np.arange(6).reshape(2, 3) * 2)
+
+
+def test_sync_inside_the_block_raises_run_time_failures(session, mesh):
+    x = meshd.tensor(np.arange(3, dtype=np.float32))
+    idx = meshd.tensor(np.array([5]))
+    with session.pipeline():
+        meshd.ops.index_select(x, 0, idx)
+        with pytest.raises(meshd.MeshdError) as e:
+            session.sync()
+        assert e.value.kind == "REMOTE_FAILURE"
+
+
+def test_nested_pipeline_is_refused(session, mesh):
+    with session.pipeline():
+        with pytest.raises(RuntimeError):
+            with session.pipeline():
+                pass
+
+
+@pytest.fixture(scope="module")
+def server4():
+    """A meshd with 4 local agents, for a {stage: 2, gpu: 2} mesh."""
+    binary = os.path.join(BIN_DIR, "meshd")
+    port_file, log = os.path.join(_TMP, "meshd4.port"), os.path.join(_TMP, "meshd4.log")
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--local-agents", "4",
+                                 "--port-file", port_file], stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=subprocess.STDOUT, env=_child_env())
+    try:
+        deadline = time.monotonic() + 30
+        port = None
+        while True:
+            assert proc.poll() is None, f"meshd exited with {proc.returncode}\n{_log_tail(log)}"
+            assert time.monotonic() < deadline, f"meshd not ready within 30 s\n{_log_tail(log)}"
+            if port is None:
+                try:
+                    with open(port_file) as f:
+                        text = f.read()
+                    if text.endswith("\n") and text.strip().isdigit():
+                        port = int(text)
+                except FileNotFoundError:
+                    pass
+            if port is not None and _serving(port):
+                with meshd.connect(f"127.0.0.1:{port}") as s:
+                    if len([a for a in s.agents() if a["healthy"]]) >= 4:
+                        break
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def test_pipeline_stages_example(server4):
+    r = run_example("pipeline_stages.py", "--server", server4)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "pipeline stages match numpy" in r.stdout, out
+
+
+def test_pipeline_stages_example_fails_when_it_does_not_match(server4):
+    r = run_example("pipeline_stages.py", "--server", server4, "--tol", "-1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "DO NOT match numpy" in r.stdout, r.stdout + r.stderr
+
+
+def test_bench_pipeline_runs(server):
+    r = run_example("bench_pipeline.py", "--server", server[0], "--n", "100")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "speed-up" in r.stdout, r.stdout + r.stderr
