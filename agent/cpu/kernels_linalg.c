@@ -47,8 +47,8 @@ static int gemm(dtype_t dt, const mat_t *A, const mat_t *B, const mat_t *C, int6
   if (blas) {
     mat_t a = *A, b = *B;
     char *abuf = NULL, *bbuf = NULL, *cbuf = NULL;
-    CBLAS_TRANSPOSE ta, tb, tc;
-    int64_t lda, ldb, ldc;
+    CBLAS_TRANSPOSE ta = CblasNoTrans, tb = CblasNoTrans, tc = CblasNoTrans;
+    int64_t lda = 0, ldb = 0, ldc = 0; /* set by blas_view; initialised for -O3 */
     int rc = -1;
     if (!blas_view(&a, &ta, &lda)) {
       if (!(abuf = malloc((size_t)(n * k) * esz))) goto out;
