@@ -72,4 +72,8 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t);
 backend_t *executor_backend(executor_t *x);
 
+/* Process-wide counts for the agent's metrics (run.c): instructions run, and
+ * bytes this agent put into collectives over several agents and into sends. */
+extern _Atomic uint64_t agent_instructions_total, agent_collective_bytes_total;
+
 #endif

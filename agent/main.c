@@ -16,6 +16,7 @@
 #include "config.h"
 #include "health.h"
 #include "log.h"
+#include "metrics.h"
 #include "rpc.h"
 #include "runtime.h"
 
@@ -34,6 +35,8 @@ typedef struct options {
   int64_t threads;
   uint64_t max_message_bytes;
   const char *log_level;
+  const char *metrics_listen;
+  const char *metrics_port_file;
 } options_t;
 
 static options_t opt;
@@ -57,6 +60,10 @@ static const config_flag_t flags[] = {
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction",
      &opt.max_message_bytes, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
+    {"metrics-listen", CONFIG_STRING, NULL,
+     "serve Prometheus metrics at http://ADDR/metrics (default: off)", &opt.metrics_listen, 0, 0},
+    {"metrics-port-file", CONFIG_STRING, NULL, "write the metrics port there",
+     &opt.metrics_port_file, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
 
@@ -96,6 +103,15 @@ static int parse_options(int argc, char **argv) {
                        opt.log_level);
   log_set_level(level);
   return -1;
+}
+
+static double allocated_gauge(void *arg) {
+  backend_t *b = arg;
+  return (double)atomic_load(&b->allocated);
+}
+static double instructions_fn(void *arg) { return (double)atomic_load(&agent_instructions_total); }
+static double collective_bytes_fn(void *arg) {
+  return (double)atomic_load(&agent_collective_bytes_total);
 }
 
 static uint64_t cgroup_memory_limit(void) {
@@ -151,6 +167,8 @@ int main(int argc, char **argv) {
   bool backend_open = false;
   health_t *health = health_create();
   registration_t *reg = NULL;
+  metrics_registry_t *metrics = NULL;
+  metrics_http_t *metrics_http = NULL;
   rpc_server_opts_t sopts = {
       .listen = opt.listen,
       .threads = (int)opt.threads,
@@ -218,6 +236,36 @@ int main(int argc, char **argv) {
   }
   info.env = (executor_env_t){&backend, dp, info.data_address, &agent_rank};
 
+  if (opt.metrics_listen && *opt.metrics_listen) {
+    metrics = metrics_create();
+    if (!metrics) {
+      log_error("agent", "--metrics-listen: out of memory");
+      goto out;
+    }
+    metrics_define(metrics, "meshd_agent_bytes_allocated", METRIC_GAUGE,
+                   "Device memory the agent holds now, in bytes.");
+    metrics_set_fn(metrics, "meshd_agent_bytes_allocated", NULL, allocated_gauge, &backend);
+    metrics_define(metrics, "meshd_agent_instructions_total", METRIC_COUNTER,
+                   "Instructions the agent has run.");
+    metrics_set_fn(metrics, "meshd_agent_instructions_total", NULL, instructions_fn, NULL);
+    metrics_define(metrics, "meshd_collective_bytes_total", METRIC_COUNTER,
+                   "Bytes the agent contributed to collectives over several agents and to sends.");
+    metrics_set_fn(metrics, "meshd_collective_bytes_total", NULL, collective_bytes_fn, NULL);
+    metrics_http = metrics_http_start(metrics, opt.metrics_listen, err, sizeof err);
+    if (!metrics_http) {
+      log_error("agent", "--metrics-listen: %s", err);
+      goto out;
+    }
+    if (opt.metrics_port_file &&
+        runtime_write_port_file(opt.metrics_port_file, metrics_http_port(metrics_http)) != 0) {
+      log_error("agent", "cannot write --metrics-port-file %s: %s", opt.metrics_port_file,
+                strerror(errno));
+      goto out;
+    }
+    log_info("agent", "metrics on http://%s/metrics (port %d)", opt.metrics_listen,
+             metrics_http_port(metrics_http));
+  }
+
   reg = registration_start(&info, health);
   if (!reg)
     goto out;
@@ -236,6 +284,8 @@ out:
     rpc_server_destroy(srv);
   }
   health_destroy(health);
+  metrics_http_stop(metrics_http);
+  metrics_destroy(metrics);
   if (dp) dataplane_stop(dp);
   if (backend_open) backend.ops->close(&backend);
   rpc_shutdown();

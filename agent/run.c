@@ -6,12 +6,15 @@
  * naming the root; collectives and sends still run (failed inputs count as
  * zeros) so that no peer waits forever. */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "exec_internal.h"
 #include "log.h"
+
+_Atomic uint64_t agent_instructions_total, agent_collective_bytes_total;
 
 #define MAX_HELD 64
 #define MAX_LISTS 8
@@ -368,6 +371,7 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__
     if (!rc) memcpy(out, in, in_count * dtype_size(dt));
   }
   if (rc) return rc;
+  atomic_fetch_add(&agent_collective_bytes_total, (uint64_t)(in_count * dtype_size(dt)));
   /* A failure on any member fails the result everywhere. */
   int32_t flag = *any_failed;
   if (c->b->ops->allreduce(c->b, NULL, &grp, &flag, 1, DTYPE_INT32, DP_MAX, e)) return -1;
@@ -482,6 +486,8 @@ static void run_send(ctx_t *c) {
         c->b->ops->send(c->b, NULL, st->comm_id, st->to_rank, st->peer_address, buf, bytes, &e))
       log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                c->ins->seq, st->to_rank, e.msg);
+    else
+      atomic_fetch_add(&agent_collective_bytes_total, (uint64_t)bytes);
     goto out;
   }
   if (!(buf = calloc(1, bytes ? bytes : 1))) {
@@ -512,6 +518,7 @@ out:
 
 void run_instruction(executor_t *x, xsession_t *s, const instr_t *ins) {
   ctx_t c = {x, s, ins, exec_env(x)->backend};
+  atomic_fetch_add(&agent_instructions_total, 1);
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL: run_call(&c); break;

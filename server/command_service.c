@@ -4,9 +4,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "emit.h"
 #include "log.h"
+#include "metrics.h"
 #include "session_service.h"
 
 /* A Sync waiting for agents (watermark.h): answered on its call when every
@@ -33,7 +35,21 @@ struct command_service {
   frontend_t fe;
   session_table_t *sessions;
   rpc_method_t methods[2];
+  metrics_registry_t *metrics; /* NULL: not counted */
 };
+
+void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m) {
+  cs->metrics = m;
+  metrics_define(m, "meshd_commands_total", METRIC_COUNTER, "Commands run, by kind and status (ok or the error kind).");
+  metrics_define_histogram(m, "meshd_command_duration_seconds", "Time to run and answer a command, by kind.",
+                           metrics_duration_buckets, metrics_duration_nbuckets);
+}
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
 
 static void destroy_objects(void *p) { objects_destroy(p); }
 
@@ -230,6 +246,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
                     const Meshd__V1__Command *cmd, submit_state_t *stream) {
   cmd_out_t out;
   meshd_error_t e;
+  double t0 = cs->metrics ? now_seconds() : 0;
   cmd_out_init(&out, cmd->seq);
   pthread_mutex_lock(&s->mu);
   objects_t *o = session_objects(s);
@@ -259,6 +276,13 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     send_result(call, submit, &out.res);
   }
   cmd_out_free(&out);
+  if (cs->metrics) {
+    const char *kind = command_name(cmd);
+    metrics_inc(cs->metrics, "meshd_commands_total",
+                (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
+    metrics_observe(cs->metrics, "meshd_command_duration_seconds", (const char *[]){"kind", kind, NULL},
+                    now_seconds() - t0);
+  }
 }
 
 static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {

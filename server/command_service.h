@@ -27,6 +27,10 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
                                const Meshd__V1__Error *const *errors, size_t n);
 /* Frees the service. Pending Syncs are failed by the pool's watermark when the
  * pool is destroyed. */
+/* Counts commands into `m` (meshd_commands_total{kind,status},
+ * meshd_command_duration_seconds{kind}); defines those families. Call before serving. */
+typedef struct metrics_registry metrics_registry_t;
+void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m);
 void command_service_destroy(command_service_t *cs);
 
 #endif

@@ -14,6 +14,7 @@
 #include "config.h"
 #include "health.h"
 #include "log.h"
+#include "metrics.h"
 #include "registry.h"
 #include "rpc.h"
 #include "runtime.h"
@@ -24,7 +25,7 @@
 #include "tensor_service.h"
 
 typedef struct options {
-  const char *listen, *port_file, *agent_binary, *log_level;
+  const char *listen, *port_file, *agent_binary, *log_level, *metrics_listen, *metrics_port_file;
   int64_t local_agents, min_agents, threads, session_ttl;
   double drain_seconds;
   uint64_t max_message_bytes, session_quota_bytes;
@@ -46,6 +47,9 @@ static const config_flag_t flags[] = {
     {"session-quota-bytes", CONFIG_BYTES, "0", "default per-session byte quota (0: unlimited)",
      &opt.session_quota_bytes, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
+    {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
+     &opt.metrics_listen, 0, 0},
+    {"metrics-port-file", CONFIG_STRING, NULL, "write the metrics port here once serving", &opt.metrics_port_file, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
 
@@ -87,6 +91,10 @@ static void default_agent_binary(char *out, size_t len) {
   self[n] = '\0';
   snprintf(out, len, "%s/meshd-agent", dirname(self));
 }
+
+static double sessions_gauge(void *arg) { return (double)session_count(arg); }
+static double agents_healthy_gauge(void *arg) { return agent_pool_healthy(arg); }
+static double agents_registered_gauge(void *arg) { return agent_pool_size(arg); }
 
 static int usage_error(const char *prog, const char *msg) {
   fprintf(stderr, "meshd: %s\n", msg);
@@ -170,6 +178,36 @@ int main(int argc, char **argv) {
     rpc_server_destroy(srv);
     return 1;
   }
+  metrics_registry_t *metrics = NULL;
+  metrics_http_t *metrics_http = NULL;
+  if (opt.metrics_listen && *opt.metrics_listen) {
+    metrics = metrics_create();
+    if (metrics) {
+      command_service_set_metrics(state.commands, metrics);
+      metrics_define(metrics, "meshd_sessions", METRIC_GAUGE, "Open sessions.");
+      metrics_set_fn(metrics, "meshd_sessions", NULL, sessions_gauge, sessions);
+      metrics_define(metrics, "meshd_agents", METRIC_GAUGE,
+                     "Agents: registered with the server, and of those healthy.");
+      metrics_set_fn(metrics, "meshd_agents", (const char *[]){"state", "healthy", NULL},
+                     agents_healthy_gauge, pool);
+      metrics_set_fn(metrics, "meshd_agents", (const char *[]){"state", "registered", NULL},
+                     agents_registered_gauge, pool);
+      metrics_http = metrics_http_start(metrics, opt.metrics_listen, err, sizeof err);
+    }
+    if (!metrics_http) {
+      log_error("server", "--metrics-listen: %s", metrics ? err : "out of memory");
+      rpc_server_shutdown(srv, 0);
+      rpc_server_destroy(srv);
+      return 1;
+    }
+    if (opt.metrics_port_file && runtime_write_port_file(opt.metrics_port_file, metrics_http_port(metrics_http)) != 0) {
+      log_error("server", "cannot write --metrics-port-file %s: %s", opt.metrics_port_file, strerror(errno));
+      rpc_server_shutdown(srv, 0);
+      rpc_server_destroy(srv);
+      return 1;
+    }
+    log_info("server", "metrics on http://%s/metrics (port %d)", opt.metrics_listen, metrics_http_port(metrics_http));
+  }
   log_info("server", "meshd %s (server %s) listening on %s, port %d; TensorService needs %d agent(s)",
            MESHD_VERSION, server_id, opt.listen, port, min_agents);
 
@@ -204,6 +242,7 @@ int main(int argc, char **argv) {
     usleep(20000);
   supervisor_stop(sup, 3.0);
   registry_close_all(registry);
+  metrics_http_stop(metrics_http);
   int64_t left = deadline - rpc_now_ms();
   rpc_server_shutdown(srv, left > 1000 ? (double)left / 1000 : 1.0);
   registry_destroy(registry);
@@ -213,6 +252,7 @@ int main(int argc, char **argv) {
   data_service_destroy(data);
   agent_pool_destroy(pool);
   health_destroy(state.health);
+  metrics_destroy(metrics);
   rpc_shutdown();
   log_info("server", "stopped");
   return 0;
