@@ -53,14 +53,15 @@ def _serving(port):
         return st == h.HealthCheckResponse.SERVING
 
 
-@pytest.fixture(scope="session")
-def server():
-    """(address, Popen) of a meshd with 2 local agents, SERVING."""
+def start_meshd(agents, listen="127.0.0.1:0", name="meshd"):
+    """Starts meshd with `agents` local agents; returns (address, Popen) once
+    TensorService is SERVING and that many agents are healthy."""
     binary = os.path.join(BIN_DIR, "meshd")
     assert os.access(binary, os.X_OK), f"no meshd at {binary}; set MESHD_BIN_DIR"
-    port_file, log = os.path.join(_TMP, "meshd.port"), os.path.join(_TMP, "meshd.log")
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--local-agents", "2",
+    port_file = os.path.join(_TMP, f"{name}-{time.monotonic_ns()}.port")
+    log = os.path.join(_TMP, f"{name}.log")
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen([binary, "--listen", listen, "--local-agents", str(agents),
                                  "--port-file", port_file], stdin=subprocess.DEVNULL,
                                 stdout=logf, stderr=subprocess.STDOUT, env=_child_env())
     try:
@@ -68,7 +69,7 @@ def server():
         port = None
         while True:
             assert proc.poll() is None, f"meshd exited with {proc.returncode}\n{_log_tail(log)}"
-            assert time.monotonic() < deadline, f"meshd not SERVING within 30 s\n{_log_tail(log)}"
+            assert time.monotonic() < deadline, f"meshd not ready within 30 s\n{_log_tail(log)}"
             if port is None:
                 try:
                     with open(port_file) as f:
@@ -78,26 +79,34 @@ def server():
                 except FileNotFoundError:
                     pass
             if port is not None and _serving(port):
-                break
+                with meshd.connect(f"127.0.0.1:{port}") as s:
+                    if len([a for a in s.agents() if a["healthy"]]) >= agents:
+                        return f"127.0.0.1:{port}", proc
             time.sleep(0.1)
-        addr = f"127.0.0.1:{port}"
-        # every agent registered and healthy
-        while True:
-            with meshd.connect(addr) as s:
-                ag = s.agents()
-            if len([a for a in ag if a["healthy"]]) >= 2:
-                break
-            assert time.monotonic() < deadline, f"agents not healthy: {ag}\n{_log_tail(log)}"
-            time.sleep(0.1)
+    except BaseException:
+        stop_meshd(proc, signal.SIGKILL)
+        raise
+
+
+def stop_meshd(proc, sig=signal.SIGTERM):
+    """Stops a meshd this test process started (SIGKILL after 20 s)."""
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """(address, Popen) of a meshd with 2 local agents, SERVING."""
+    addr, proc = start_meshd(2)
+    try:
         yield addr, proc
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_meshd(proc)
 
 
 @pytest.fixture

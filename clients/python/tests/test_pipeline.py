@@ -1,16 +1,12 @@
 """session.pipeline(): commands on one Submit stream, errors deferred to the end of the block."""
 
-import os
-import signal
-import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import meshd
-from conftest import BIN_DIR, _TMP, _child_env, _log_tail, _serving
+from conftest import start_meshd, stop_meshd
 from test_examples import run_example
 
 
@@ -141,40 +137,11 @@ def test_nested_pipeline_is_refused(session, mesh):
 @pytest.fixture(scope="module")
 def server4():
     """A meshd with 4 local agents, for a {stage: 2, gpu: 2} mesh."""
-    binary = os.path.join(BIN_DIR, "meshd")
-    port_file, log = os.path.join(_TMP, "meshd4.port"), os.path.join(_TMP, "meshd4.log")
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0", "--local-agents", "4",
-                                 "--port-file", port_file], stdin=subprocess.DEVNULL,
-                                stdout=logf, stderr=subprocess.STDOUT, env=_child_env())
+    addr, proc = start_meshd(4, name="meshd4")
     try:
-        deadline = time.monotonic() + 30
-        port = None
-        while True:
-            assert proc.poll() is None, f"meshd exited with {proc.returncode}\n{_log_tail(log)}"
-            assert time.monotonic() < deadline, f"meshd not ready within 30 s\n{_log_tail(log)}"
-            if port is None:
-                try:
-                    with open(port_file) as f:
-                        text = f.read()
-                    if text.endswith("\n") and text.strip().isdigit():
-                        port = int(text)
-                except FileNotFoundError:
-                    pass
-            if port is not None and _serving(port):
-                with meshd.connect(f"127.0.0.1:{port}") as s:
-                    if len([a for a in s.agents() if a["healthy"]]) >= 4:
-                        break
-            time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
+        yield addr
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_meshd(proc)
 
 
 def test_pipeline_stages_example(server4):
