@@ -48,12 +48,24 @@ typedef struct backend_ops {
   /* Device memory; NULL when out of memory or when `allocated` would pass
    * `capacity` (the caller reports QUOTA / RESOURCE_EXHAUSTED for that
    * command; the agent lives on). Adds bytes to `allocated`; free subtracts
-   * them. cpu: 64-byte aligned, not zeroed. */
-  void *(*alloc)(backend_t *b, size_t bytes);
+   * them. `s` is the stream that uses the memory first (cuda: allocated in
+   * that stream's order); NULL: ready for every stream when alloc returns.
+   * free may come from any thread once every use of the memory has been
+   * queued (on any stream): the backend orders the release after that work.
+   * cpu: 64-byte aligned, not zeroed. */
+  void *(*alloc)(backend_t *b, backend_stream_t *s, size_t bytes);
   void (*free)(backend_t *b, void *ptr, size_t bytes);
-  /* Streams. NULL allowed for both on backends without streams (cpu). */
+  /* Streams. NULL allowed for all three on backends without streams (cpu),
+   * where s is always NULL. stream_sync waits until everything queued on s
+   * has run: 0, or -1 with err when the device failed. stream_destroy waits
+   * too. A NULL stream given to any slot means the backend's own stream, used
+   * synchronously. */
   backend_stream_t *(*stream_create)(backend_t *b);
   void (*stream_destroy)(backend_t *b, backend_stream_t *s);
+  int (*stream_sync)(backend_t *b, backend_stream_t *s, meshd_error_t *err);
+  /* Whether the device still works: 0, or -1 with err once it is lost (the
+   * agent then reports NOT_SERVING and exits). NULL: it cannot be lost (cpu). */
+  int (*health)(backend_t *b, meshd_error_t *err);
   /* Runs catalogue op `a->op` on bound arguments whose tensors are
    * agent_tensor_t views (see agent_tensor_of), writing results[i], which the
    * caller allocated from the op's inferred metas (views already point into
@@ -67,7 +79,9 @@ typedef struct backend_ops {
   int (*copy)(backend_t *b, backend_stream_t *s, agent_tensor_t *dst, const agent_tensor_t *src,
               meshd_error_t *err);
   /* Host <-> device for Upload/Fetch: dst/src are row-major bytes of the whole
-   * tensor in its dtype (non-contiguous tensors are gathered/scattered). */
+   * tensor in its dtype (non-contiguous tensors are gathered/scattered).
+   * Synchronous: to_host sees all work queued on any stream before the call;
+   * from_host's data is on the device, for every stream, when it returns. */
   int (*to_host)(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err);
   int (*from_host)(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err);
 
@@ -79,8 +93,10 @@ typedef struct backend_ops {
   void (*event_destroy)(backend_t *b, backend_event_t *ev);
 
   /* Communicators: collectives and point-to-point between agents on the
-   * backend's network (cpu: the TCP data plane, b->net; cuda: NCCL). Buffers
-   * are device memory, contiguous; semantics and failure rules as in
+   * backend's network (cpu: the TCP data plane, b->net; cuda: NCCL, which
+   * bootstraps over b->net). Buffers are device memory, contiguous, allocated
+   * on stream s (or ready for it); the call returns once the result is in
+   * place on s's order. Semantics and failure rules as in
    * dataplane.h (every member calls with the same group and arguments; a
    * vanished peer fails every member within a timeout, never hangs).
    * Returns 0, or -1 with err; -1 with REMOTE_FAILURE when no network is set. */
@@ -92,10 +108,17 @@ typedef struct backend_ops {
                    size_t count, dtype_t dtype, meshd_error_t *err);
   int (*alltoall)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                   size_t count, dtype_t dtype, meshd_error_t *err);
-  int (*send)(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t to_rank,
-              const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
-  int (*recv)(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t from_rank,
-              const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+  /* Point to point: `session` is the key of the session the transfer
+   * belongs to (dp_group_t.session). */
+  int (*send)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
+              meshd_error_t *err);
+  int (*recv)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+  /* The session with this key ended on this agent: release what its
+   * collectives and sends kept (cuda: destroy its NCCL communicators). NULL
+   * allowed. */
+  void (*session_end)(backend_t *b, uint64_t session);
 } backend_ops_t;
 
 struct backend {
@@ -108,6 +131,17 @@ struct backend {
 
 /* The cpu backend's table (agent/cpu/). */
 extern const backend_ops_t cpu_backend_ops;
+/* The cuda backend's table (agent/cuda/), in builds with MESHD_HAVE_CUDA.
+ * Devices "cuda:N", and "cuda:emulated": the same kernels run on the host over
+ * host memory, with the TCP data plane for communicators (tests on machines
+ * without a GPU; slow). */
+extern const backend_ops_t cuda_backend_ops;
+
+/* The backend serving `device` ("cpu", "cuda:0", ...) in this build; NULL when
+ * none does (backends.c). */
+const backend_ops_t *backend_for_device(const char *device);
+/* "cpu, cuda:N" — the device names this build serves, for messages. */
+const char *backend_devices_supported(void);
 
 /* The agent_tensor_t a bound tensor argument refers to. */
 static inline agent_tensor_t *agent_tensor_of(const tensor_meta_t *m) {

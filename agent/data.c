@@ -199,7 +199,7 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
   backend_t *b = executor_backend(w->ex);
   agent_tensor_t t;
   meshd_error_t e = {0};
-  if (tensor_alloc(b, &w->meta, &t, "Write", &e))
+  if (tensor_alloc(b, NULL, &w->meta, &t, "Write", &e))
     return write_fail(call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", e.msg);
   int rc = b->ops->from_host(b, &t, w->buf, &e);
   if (!rc) rc = executor_define(w->ex, w->session, w->ref, &t);

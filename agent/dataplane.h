@@ -31,6 +31,7 @@ typedef struct dataplane dataplane_t;
  * `me` is this agent's index in it. */
 typedef struct dp_group {
   uint64_t comm_id;
+  uint64_t session; /* key of the owning session (backend session_end); the data plane ignores it */
   const uint32_t *ranks;
   const char *const *addrs;
   size_t n;

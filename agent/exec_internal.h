@@ -22,7 +22,11 @@ typedef struct xstream {
   uint64_t id;
   xsession_t *sess;
   item_t *head, *tail;
-  uint64_t done_seq; /* last seq this stream completed */
+  uint64_t queued_seq; /* last seq whose work is queued on the device (ordering) */
+  uint64_t done_seq;   /* last seq this stream completed (the watermark) */
+  backend_stream_t *bs; /* the backend's stream (cuda); NULL for cpu. Made by the
+                         * worker before its first instruction, destroyed with
+                         * the session. */
   bool stop;         /* the session ended: exit once the queue is empty */
   pthread_cond_t wake;
   UT_hash_handle hh;
@@ -42,6 +46,7 @@ typedef struct xborrow {
 
 struct xsession {
   char *id;
+  uint64_t key;          /* hash of id: dp_group_t.session, backend session_end */
   refs_t refs;
   xstream_t *streams;    /* executor.mu */
   pending_def_t *defs;   /* executor.mu */
@@ -52,12 +57,16 @@ struct xsession {
 };
 
 /* executor.c, for run.c */
-/* Blocks until `stream` of s completed seq (no-op when that stream is absent
- * or it is the caller's own stream). */
-void exec_wait_stream(executor_t *x, xsession_t *s, uint64_t stream, uint64_t seq);
-/* Reads ref for a worker on `stream`: waits first if another stream defines it. */
-int exec_get(executor_t *x, xsession_t *s, uint64_t stream, uint64_t ref, agent_tensor_t *out,
-             ref_failure_t *why);
+/* Orders the caller's stream (waiter, its backend stream `wbs`) after seq of
+ * `stream`: blocks until that stream's worker queued seq, then, on backends
+ * with events, makes wbs wait on the device for what was queued (no-op when
+ * that stream is absent or is the waiter). */
+void exec_wait_stream(executor_t *x, xsession_t *s, uint64_t stream, uint64_t seq,
+                      uint64_t waiter, backend_stream_t *wbs);
+/* Reads ref for a worker on `stream` (backend stream bs): orders it after
+ * the defining stream first if another stream defines it. */
+int exec_get(executor_t *x, xsession_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
+             agent_tensor_t *out, ref_failure_t *why);
 void exec_forget_def(executor_t *x, xsession_t *s, uint64_t ref);
 /* Takes the borrow record (NULL if unknown); the caller frees it. */
 xborrow_t *exec_take_borrow(executor_t *x, xsession_t *s, uint64_t id);
@@ -66,7 +75,7 @@ void exec_report_error(executor_t *x, const char *session, error_kind_t kind, co
                        uint64_t seq, uint64_t ref);
 const executor_env_t *exec_env(executor_t *x);
 
-/* run.c */
-void run_instruction(executor_t *x, xsession_t *s, const instr_t *ins);
+/* run.c: runs ins on its stream's worker; bs is that stream's backend stream. */
+void run_instruction(executor_t *x, xsession_t *s, backend_stream_t *bs, const instr_t *ins);
 
 #endif

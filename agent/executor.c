@@ -185,29 +185,33 @@ static xsession_t *session_get_locked(executor_t *x, const char *id) {
     return NULL;
   }
   refs_init(&s->refs);
+  s->key = 1469598103934665603ull; /* FNV-1a */
+  for (const char *p = id; *p; p++) s->key = (s->key ^ (uint8_t)*p) * 1099511628211ull;
   HASH_ADD_KEYPTR(hh, x->sessions, s->id, strlen(s->id), s);
   return s;
 }
 
 /* Frees an ended session whose workers are gone. Without mu (frees memory). */
-static void session_free(xsession_t *s) {
+static void session_free(backend_t *b, xsession_t *s) {
   refs_clear(&s->refs);
   pthread_mutex_destroy(&s->refs.mu);
   xstream_t *st, *st2;
   HASH_ITER(hh, s->streams, st, st2) {
     HASH_DEL(s->streams, st);
     pthread_cond_destroy(&st->wake);
+    if (st->bs) b->ops->stream_destroy(b, st->bs);
     free(st);
   }
+  if (b && b->ops->session_end) b->ops->session_end(b, s->key);
   pending_def_t *d, *d2;
   HASH_ITER(hh, s->defs, d, d2) {
     HASH_DEL(s->defs, d);
     free(d);
   }
-  xborrow_t *b, *b2;
-  HASH_ITER(hh, s->borrows, b, b2) {
-    HASH_DEL(s->borrows, b);
-    free(b);
+  xborrow_t *r, *r2;
+  HASH_ITER(hh, s->borrows, r, r2) {
+    HASH_DEL(s->borrows, r);
+    free(r);
   }
   free(s->id);
   free(s);
@@ -227,33 +231,61 @@ typedef struct worker_arg {
   xstream_t *st;
 } worker_arg_t;
 
+/* Seqs a worker ran whose device work may still be in flight (backends with
+ * stream_sync): marked done together once the stream is synchronised, when
+ * the queue runs dry or this many are waiting. */
+#define MAX_UNSYNCED 64
+
 static void *worker_main(void *arg) {
   worker_arg_t *wa = arg;
   executor_t *x = wa->x;
   xstream_t *st = wa->st;
   xsession_t *s = st->sess;
+  backend_t *b = x->env.backend;
   free(wa);
+  backend_stream_t *bs = b && b->ops->stream_create ? b->ops->stream_create(b) : NULL;
+  bool deferred = b && b->ops->stream_sync;
+  uint64_t unsynced[MAX_UNSYNCED];
+  int nunsynced = 0;
   pthread_mutex_lock(&x->mu);
+  st->bs = bs;
   for (;;) {
+    if (nunsynced && (!st->head || nunsynced == MAX_UNSYNCED)) {
+      pthread_mutex_unlock(&x->mu);
+      meshd_error_t e = {0};
+      if (b->ops->stream_sync(b, bs, &e) != 0)
+        log_error("executor", "session %.8s stream %" PRIu64 ": %s", s->id, st->id, e.msg);
+      pthread_mutex_lock(&x->mu);
+      for (int i = 0; i < nunsynced; i++) mark_done_locked(x, unsynced[i]);
+      st->done_seq = unsynced[nunsynced - 1];
+      nunsynced = 0;
+      continue;
+    }
     while (!st->head && !st->stop) pthread_cond_wait(&st->wake, &x->mu);
     item_t *it = st->head;
     if (!it) break;
     st->head = it->next;
     if (!st->head) st->tail = NULL;
     pthread_mutex_unlock(&x->mu);
-    run_instruction(x, s, it->ins);
+    run_instruction(x, s, bs, it->ins);
     uint64_t seq = it->ins->seq;
     protobuf_c_message_free_unpacked(&it->ins->base, NULL);
     free(it);
     pthread_mutex_lock(&x->mu);
-    st->done_seq = seq;
-    mark_done_locked(x, seq);
+    st->queued_seq = seq;
+    if (deferred) {
+      unsynced[nunsynced++] = seq;
+      pthread_cond_broadcast(&x->progress); /* cross-stream waiters need only queued_seq */
+    } else {
+      st->done_seq = seq;
+      mark_done_locked(x, seq);
+    }
   }
   bool last = --s->live_workers == 0;
   uint64_t end_seq = s->end_seq;
   pthread_mutex_unlock(&x->mu);
   if (last) {
-    session_free(s);
+    session_free(b, s);
     pthread_mutex_lock(&x->mu);
     mark_done_locked(x, end_seq);
     pthread_mutex_unlock(&x->mu);
@@ -333,22 +365,37 @@ static void note_order_locked(xsession_t *s, const instr_t *ins) {
   }
 }
 
-void exec_wait_stream(executor_t *x, xsession_t *s, uint64_t stream, uint64_t seq) {
+void exec_wait_stream(executor_t *x, xsession_t *s, uint64_t stream, uint64_t seq,
+                      uint64_t waiter, backend_stream_t *wbs) {
+  if (stream == waiter) return;
   pthread_mutex_lock(&x->mu);
   xstream_t *st = NULL;
   HASH_FIND(hh, s->streams, &stream, sizeof stream, st);
-  while (st && st->done_seq < seq && !x->closing) pthread_cond_wait(&x->progress, &x->mu);
+  while (st && st->queued_seq < seq && !x->closing) pthread_cond_wait(&x->progress, &x->mu);
+  /* The stream lives as long as the session (session_free destroys it). */
+  backend_stream_t *sbs = st ? st->bs : NULL;
   pthread_mutex_unlock(&x->mu);
+  backend_t *b = x->env.backend;
+  if (sbs && b && b->ops->event_record) {
+    backend_event_t *ev = b->ops->event_record(b, sbs);
+    if (ev) {
+      b->ops->event_wait(b, wbs, ev);
+      b->ops->event_destroy(b, ev);
+    } else { /* no event to be had: wait on the host instead */
+      meshd_error_t e;
+      b->ops->stream_sync(b, sbs, &e);
+    }
+  }
 }
 
-int exec_get(executor_t *x, xsession_t *s, uint64_t stream, uint64_t ref, agent_tensor_t *out,
-             ref_failure_t *why) {
+int exec_get(executor_t *x, xsession_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
+             agent_tensor_t *out, ref_failure_t *why) {
   pthread_mutex_lock(&x->mu);
   pending_def_t *d = NULL;
   HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
   uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
   pthread_mutex_unlock(&x->mu);
-  if (dstream != stream) exec_wait_stream(x, s, dstream, dseq);
+  if (dstream != stream) exec_wait_stream(x, s, dstream, dseq, stream, bs);
   return refs_get(&s->refs, ref, out, why);
 }
 
@@ -446,7 +493,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
   if (to_free) {
-    session_free(to_free);
+    session_free(x->env.backend, to_free);
     pthread_mutex_lock(&x->mu);
     mark_done_locked(x, ins->seq);
     pthread_mutex_unlock(&x->mu);
@@ -515,7 +562,7 @@ void executor_unref(executor_t *x) {
   xsession_t *s, *tmp;
   HASH_ITER(hh, x->sessions, s, tmp) { /* only sessions without workers remain */
     HASH_DEL(x->sessions, s);
-    session_free(s);
+    session_free(x->env.backend, s);
   }
   for (size_t i = 0; i < x->nerrs; i++) {
     free(x->errs[i]->session_id);
@@ -551,7 +598,7 @@ void executor_close(executor_t *x) {
   pthread_mutex_unlock(&x->mu);
   while (free_now) {
     xsession_t *next = free_now->hh.next;
-    session_free(free_now);
+    session_free(x->env.backend, free_now);
     free_now = next;
   }
   executor_unref(x);

@@ -49,7 +49,9 @@ static const config_flag_t flags[] = {
      "address the server dials back (default: host of --listen + bound port)", &opt.advertise,
      0, 0},
     {"port-file", CONFIG_STRING, NULL, "write the bound port there", &opt.port_file, 0, 0},
-    {"device", CONFIG_STRING, "cpu", "device to serve: cpu", &opt.device, 0, 0},
+    {"device", CONFIG_STRING, "cpu",
+     "device to serve: cpu, cuda:N (GPU N), cuda:emulated (cuda kernels on the host, for tests)",
+     &opt.device, 0, 0},
     {"rank", CONFIG_INT, "-1", "ask for this world rank; -1: any free rank", &opt.rank, -1,
      INT32_MAX},
     {"memory-bytes", CONFIG_BYTES, NULL,
@@ -93,8 +95,9 @@ static int parse_options(int argc, char **argv) {
     return usage_error("unexpected argument '%s'", argv[1]);
   if (!opt.server || !*opt.server)
     return usage_error("--server is required (or MESHD_SERVER)");
-  if (strcmp(opt.device, "cpu") != 0)
-    return usage_error("--device: '%s' is not supported by this build (only 'cpu')", opt.device);
+  if (!backend_for_device(opt.device))
+    return usage_error("--device: '%s' is not a device this build serves (%s)", opt.device,
+                       backend_devices_supported());
   if (opt.max_message_bytes < 1024 || opt.max_message_bytes > INT_MAX)
     return usage_error("--max-message-bytes: must be between 1KiB and 2GiB-1");
   log_level_t level;
@@ -152,7 +155,11 @@ int main(int argc, char **argv) {
   runtime_random_hex(info.id, 16);
   info.server = opt.server;
   info.device = opt.device;
-  info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : default_memory_bytes();
+  const backend_ops_t *ops = backend_for_device(opt.device);
+  /* A GPU's capacity is its memory (the backend reads it at open); host
+   * backends default to physical memory. */
+  bool gpu = ops != &cpu_backend_ops && strcmp(opt.device, "cuda:emulated") != 0;
+  info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : default_memory_bytes();
   info.requested_rank = (int32_t)opt.rank;
   if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
 
@@ -194,6 +201,17 @@ int main(int argc, char **argv) {
   }
   health_set(health, "", HEALTH_SERVING);
 
+  /* The device first: an agent without its device must not register. */
+  meshd_error_t merr = {0};
+  backend.ops = ops;
+  backend.capacity = info.memory_bytes;
+  if (backend.ops->open(&backend, info.device, &merr) != 0) {
+    log_error("agent", "cannot open device %s: %s", info.device, merr.msg);
+    goto out;
+  }
+  backend_open = true;
+  info.memory_bytes = backend.capacity;
+
   if (opt.advertise)
     snprintf(info.address, sizeof info.address, "%s", opt.advertise);
   else
@@ -206,15 +224,7 @@ int main(int argc, char **argv) {
            " bytes, pid %d", info.id, port, info.address, info.device, info.memory_bytes,
            (int)getpid());
 
-  /* The device, then the data plane on the advertised host. */
-  meshd_error_t merr = {0};
-  backend.ops = &cpu_backend_ops;
-  backend.capacity = info.memory_bytes;
-  if (backend.ops->open(&backend, info.device, &merr) != 0) {
-    log_error("agent", "cannot open device %s: %s", info.device, merr.msg);
-    goto out;
-  }
-  backend_open = true;
+  /* The data plane on the advertised host (the device is open already). */
   char host[200];
   snprintf(host, sizeof host, "%.199s", info.address);
   char *colon = strrchr(host, ':');
@@ -270,11 +280,22 @@ int main(int argc, char **argv) {
   if (!reg)
     goto out;
 
+  /* Until a signal, or until the device is lost: then NOT_SERVING and a
+   * non-zero exit, so that the orchestrator restarts the agent. */
   int sig;
   while ((sig = runtime_wait_signal(1000)) == 0) {
+    if (backend.ops->health && backend.ops->health(&backend, &merr) != 0) break;
   }
-  log_info("agent", "%s: shutting down (drain %.1f s)", strsignal(sig), opt.drain_seconds);
-  rc = 0;
+  if (sig == 0) {
+    log_error("agent", "device %s lost: %s; reporting NOT_SERVING and exiting", info.device,
+              merr.msg);
+    health_set(health, AGENT_HEALTH_SERVICE, HEALTH_NOT_SERVING);
+    health_set(health, "", HEALTH_NOT_SERVING);
+    rc = 1;
+  } else {
+    log_info("agent", "%s: shutting down (drain %.1f s)", strsignal(sig), opt.drain_seconds);
+    rc = 0;
+  }
 
 out:
   health_shutdown(health);

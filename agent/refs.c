@@ -13,10 +13,11 @@ struct ref_slot {
   UT_hash_handle hh;
 };
 
-agent_storage_t *storage_new(backend_t *b, size_t bytes, const char *what, meshd_error_t *err) {
+agent_storage_t *storage_new(backend_t *b, backend_stream_t *st, size_t bytes, const char *what,
+                             meshd_error_t *err) {
   if (!bytes) bytes = 1;
   agent_storage_t *s = calloc(1, sizeof *s);
-  void *data = s ? b->ops->alloc(b, bytes) : NULL;
+  void *data = s ? b->ops->alloc(b, st, bytes) : NULL;
   if (!data) {
     free(s);
     error_set(err, ERR_QUOTA,
@@ -45,11 +46,11 @@ size_t tensor_nbytes(const tensor_meta_t *m) {
   return (size_t)layout_numel(&m->layout) * dtype_size(m->dtype);
 }
 
-int tensor_alloc(backend_t *b, const tensor_meta_t *meta, agent_tensor_t *out, const char *what,
-                 meshd_error_t *err) {
+int tensor_alloc(backend_t *b, backend_stream_t *s, const tensor_meta_t *meta, agent_tensor_t *out,
+                 const char *what, meshd_error_t *err) {
   out->meta = *meta;
   layout_make_contiguous(&out->meta.layout);
-  out->storage = storage_new(b, tensor_nbytes(meta), what, err);
+  out->storage = storage_new(b, s, tensor_nbytes(meta), what, err);
   return out->storage ? 0 : -1;
 }
 

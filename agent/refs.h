@@ -14,18 +14,20 @@
 
 #include "backend.h"
 
-/* A new storage of `bytes` bytes (at least 1 is allocated). NULL with err
- * QUOTA (RESOURCE_EXHAUSTED) when the backend refuses (out of memory or past
- * its capacity); `what` names the command for the message. */
-agent_storage_t *storage_new(backend_t *b, size_t bytes, const char *what, meshd_error_t *err);
+/* A new storage of `bytes` bytes (at least 1 is allocated), first used on
+ * stream s (NULL: ready for any stream; backend.h). NULL with err QUOTA
+ * (RESOURCE_EXHAUSTED) when the backend refuses (out of memory or past its
+ * capacity); `what` names the command for the message. */
+agent_storage_t *storage_new(backend_t *b, backend_stream_t *s, size_t bytes, const char *what,
+                             meshd_error_t *err);
 void storage_retain(agent_storage_t *s);
 /* NULL is a no-op. */
 void storage_release(agent_storage_t *s);
 
 /* A fresh contiguous tensor of meta's shape and dtype (meta's strides are
  * ignored: the result is row-major, offset 0). Returns 0 or -1 with err. */
-int tensor_alloc(backend_t *b, const tensor_meta_t *meta, agent_tensor_t *out, const char *what,
-                 meshd_error_t *err);
+int tensor_alloc(backend_t *b, backend_stream_t *s, const tensor_meta_t *meta, agent_tensor_t *out,
+                 const char *what, meshd_error_t *err);
 /* Bytes a tensor of this shape holds when contiguous. */
 size_t tensor_nbytes(const tensor_meta_t *m);
 

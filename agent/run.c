@@ -27,6 +27,7 @@ typedef struct ctx {
   xsession_t *s;
   const instr_t *ins;
   backend_t *b;
+  backend_stream_t *bs; /* the instruction's stream on the backend (NULL: cpu) */
 } ctx_t;
 
 /* ------------------------------------------------------------------ failures */
@@ -111,9 +112,9 @@ static void run_factory(ctx_t *c) {
     goto fail;
   }
   if (ops_bind(op, pos, npos, kw, nkw, &args, &e) || ops_infer(&args, &inf, &e)) goto fail;
-  if (tensor_alloc(c->b, &inf.results[0].meta, &t, "Factory", &e)) goto fail;
+  if (tensor_alloc(c->b, c->bs, &inf.results[0].meta, &t, "Factory", &e)) goto fail;
   agent_tensor_t *rp = &t;
-  if (c->b->ops->run_op(c->b, NULL, &args, &rp, 1, &inf, fo->mesh_rank, fo->coordinate, &e))
+  if (c->b->ops->run_op(c->b, c->bs, &args, &rp, 1, &inf, fo->mesh_rank, fo->coordinate, &e))
     goto fail;
   refs_put(&c->s->refs, ref, &t);
   storage_release(t.storage);
@@ -148,7 +149,7 @@ static const tensor_meta_t *hold(ctx_t *c, held_t *h, uint64_t ref, meshd_error_
     error_set(e, ERR_REMOTE_FAILURE, "too many tensor arguments");
     return NULL;
   }
-  int rc = exec_get(c->x, c->s, c->ins->stream, ref, &h->t[h->n], &h->why);
+  int rc = exec_get(c->x, c->s, c->ins->stream, c->bs, ref, &h->t[h->n], &h->why);
   if (rc == 0) {
     h->ref[h->n] = ref;
     return &h->t[h->n++].meta;
@@ -245,7 +246,7 @@ static void run_call(ctx_t *c) {
       res[i].meta = r->meta;
       res[i].storage = agent_tensor_of(args.v[r->alias_param].tensor)->storage;
       storage_retain(res[i].storage);
-    } else if (tensor_alloc(c->b, &r->meta, &res[i], call->op, &e)) {
+    } else if (tensor_alloc(c->b, c->bs, &r->meta, &res[i], call->op, &e)) {
       goto fail;
     }
   }
@@ -254,7 +255,7 @@ static void run_call(ctx_t *c) {
   /* Kernel messages name the rank: this agent's world rank (-1: not known yet). */
   const executor_env_t *env = exec_env(c->x);
   int64_t me = env->rank ? atomic_load(env->rank) : -1;
-  if (c->b->ops->run_op(c->b, NULL, &args, resp, inf.nresults, &inf, me < 0 ? 0 : (uint32_t)me, 0,
+  if (c->b->ops->run_op(c->b, c->bs, &args, resp, inf.nresults, &inf, me < 0 ? 0 : (uint32_t)me, 0,
                         &e))
     goto fail;
   for (size_t i = 0; i < call->n_results && i < (size_t)inf.nresults; i++)
@@ -284,7 +285,7 @@ static void run_borrow(ctx_t *c) {
     case MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE: {
       agent_tensor_t t;
       ref_failure_t why;
-      int rc = exec_get(c->x, c->s, c->ins->stream, b->tensor, &t, &why);
+      int rc = exec_get(c->x, c->s, c->ins->stream, c->bs, b->tensor, &t, &why);
       if (rc == 0) {
         refs_put(&c->s->refs, b->result, &t);
         storage_release(t.storage);
@@ -299,7 +300,9 @@ static void run_borrow(ctx_t *c) {
       break;
     case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP: {
       xborrow_t *r = exec_take_borrow(c->x, c->s, b->borrow);
-      if (r && r->last_use_seq) exec_wait_stream(c->x, c->s, r->to_stream, r->last_use_seq);
+      /* The origin waits for the borrower's last use (on the device too). */
+      if (r && r->last_use_seq)
+        exec_wait_stream(c->x, c->s, r->to_stream, r->last_use_seq, c->ins->stream, c->bs);
       free(r);
       break;
     }
@@ -310,19 +313,30 @@ static void run_borrow(ctx_t *c) {
 
 /* ------------------------------------------------------------------ data plane */
 
-/* t's row-major bytes in a malloc'd buffer of `bytes` (zeros when t is NULL:
- * a failed input takes part as zeros). NULL with e on failure. */
-static void *host_copy(ctx_t *c, const agent_tensor_t *t, size_t bytes, meshd_error_t *e) {
-  void *buf = calloc(1, bytes ? bytes : 1);
-  if (!buf) {
-    error_set(e, ERR_QUOTA, "agent out of host memory (%zu bytes)", bytes);
-    return NULL;
-  }
-  if (t && c->b->ops->to_host(c->b, t, buf, e)) {
-    free(buf);
-    return NULL;
-  }
-  return buf;
+/* Collectives and sends run on device buffers (the backend's memory):
+ * contiguous tensors allocated on the instruction's stream. */
+
+/* A fresh contiguous tensor of m's shape on the instruction's stream holding
+ * src's values, or zeros when src is NULL (a failed input takes part as
+ * zeros). */
+static int staged(ctx_t *c, const tensor_meta_t *m, const agent_tensor_t *src, agent_tensor_t *out,
+                  const char *what, meshd_error_t *e) {
+  if (tensor_alloc(c->b, c->bs, m, out, what, e)) return -1;
+  if (src) return c->b->ops->copy(c->b, c->bs, out, src, e);
+  size_t n = tensor_nbytes(m);
+  void *zeros = calloc(1, n ? n : 1);
+  if (!zeros) return error_set(e, ERR_QUOTA, "%s: agent out of host memory", what);
+  int rc = c->b->ops->from_host(c->b, out, zeros, e);
+  free(zeros);
+  return rc;
+}
+
+/* A one-element device tensor holding v (int64); *out released by the caller. */
+static int scalar_tensor(ctx_t *c, int64_t v, agent_tensor_t *out, meshd_error_t *e) {
+  tensor_meta_t m = {.dtype = DTYPE_INT64, .layout = {.ndim = 0}};
+  layout_make_contiguous(&m.layout);
+  if (tensor_alloc(c->b, c->bs, &m, out, "data plane", e)) return -1;
+  return c->b->ops->from_host(c->b, out, &v, e);
 }
 
 static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
@@ -342,14 +356,23 @@ static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
   return -1;
 }
 
+/* Runs the reduction r over the group on `work` (im's elements, contiguous).
+ * The result, rm's elements, is `work` itself (in-place variants, one
+ * member) or a fresh tensor; *res holds a reference either way.
+ * *any_failed becomes whether any member's input failed. */
 static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__V1__Group *g,
-                      void *in, void *out, size_t in_count, dtype_t dt, int *any_failed,
-                      meshd_error_t *e) {
-  size_t n = g->n_ranks, me = 0;
+                      agent_tensor_t *work, const tensor_meta_t *rm, agent_tensor_t *res,
+                      int *any_failed, meshd_error_t *e) {
+  size_t n = g->n_ranks, me = 0, in_count = (size_t)layout_numel(&work->meta.layout);
+  dtype_t dt = work->meta.dtype;
   bool stack = !strcmp(r->reduction, "stack");
-  if (n <= 1) { /* every variant is the identity on one member */
-    memcpy(out, in, in_count * dtype_size(dt));
-    return 0;
+  if (n <= 1 || (!stack && !r->scatter)) { /* one member: every variant is the identity */
+    *res = (agent_tensor_t){.meta = *rm, .storage = work->storage};
+    layout_make_contiguous(&res->meta.layout);
+    storage_retain(res->storage);
+    if (n <= 1) return 0;
+  } else if (tensor_alloc(c->b, c->bs, rm, res, "Reduce", e)) {
+    return -1;
   }
   if (!c->b->net)
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent has no data plane");
@@ -359,24 +382,27 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__
   if (g->n_addresses < n || n > 256)
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: the group lacks data plane addresses");
   for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
-  dp_group_t grp = {g->comm_id, g->ranks, addrs, n, me};
+  dp_group_t grp = {g->comm_id, c->s->key, g->ranks, addrs, n, me};
+  void *in = work->storage->data, *out = res->storage->data;
   int op = stack ? -1 : dp_reduce_parse(r->reduction);
   int rc;
-  if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, NULL, &grp, in, out, in_count, dt, e);
-  else if (stack) rc = c->b->ops->alltoall(c->b, NULL, &grp, in, out, in_count / n, dt, e);
+  if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
+  else if (stack) rc = c->b->ops->alltoall(c->b, c->bs, &grp, in, out, in_count / n, dt, e);
   else if (r->scatter)
-    rc = c->b->ops->reduce_scatter(c->b, NULL, &grp, in, out, in_count / n, dt, (dp_reduce_t)op, e);
-  else {
-    rc = c->b->ops->allreduce(c->b, NULL, &grp, in, in_count, dt, (dp_reduce_t)op, e);
-    if (!rc) memcpy(out, in, in_count * dtype_size(dt));
-  }
+    rc = c->b->ops->reduce_scatter(c->b, c->bs, &grp, in, out, in_count / n, dt, (dp_reduce_t)op, e);
+  else
+    rc = c->b->ops->allreduce(c->b, c->bs, &grp, in, in_count, dt, (dp_reduce_t)op, e);
   if (rc) return rc;
   atomic_fetch_add(&agent_collective_bytes_total, (uint64_t)(in_count * dtype_size(dt)));
   /* A failure on any member fails the result everywhere. */
-  int32_t flag = *any_failed;
-  if (c->b->ops->allreduce(c->b, NULL, &grp, &flag, 1, DTYPE_INT32, DP_MAX, e)) return -1;
-  *any_failed = flag;
-  return 0;
+  agent_tensor_t flag = {0};
+  int64_t f = *any_failed;
+  rc = scalar_tensor(c, f, &flag, e);
+  if (!rc) rc = c->b->ops->allreduce(c->b, c->bs, &grp, flag.storage->data, 1, DTYPE_INT64, DP_MAX, e);
+  if (!rc) rc = c->b->ops->to_host(c->b, &flag, &f, e);
+  storage_release(flag.storage);
+  *any_failed = rc ? *any_failed : (int)f;
+  return rc;
 }
 
 static void run_reduce(ctx_t *c) {
@@ -384,14 +410,13 @@ static void run_reduce(ctx_t *c) {
   const Meshd__V1__Reduce *r = ro->reduce;
   uint64_t res_ref = ro->result ? ro->result->ref : 0;
   meshd_error_t e = {0};
-  agent_tensor_t in = {0}, target = {0};
+  agent_tensor_t in = {0}, work = {0}, res = {0}, target = {0};
   ref_failure_t why = {0};
-  void *inbuf = NULL, *outbuf = NULL;
   tensor_meta_t im, rm;
   meta_of_spec(ro->input, &im);
   meta_of_spec(ro->result, &rm);
   if (need_backend(c, "Reduce", &e)) goto fail;
-  int got = exec_get(c->x, c->s, c->ins->stream, ro->input->ref, &in, &why);
+  int got = exec_get(c->x, c->s, c->ins->stream, c->bs, ro->input->ref, &in, &why);
   int failed = got != 0;
   if (got < 0) {
     why.kind = ERR_REMOTE_FAILURE;
@@ -399,28 +424,25 @@ static void run_reduce(ctx_t *c) {
     snprintf(why.msg, sizeof why.msg, "Reduce: tensor %llu is not on the agent",
              (unsigned long long)ro->input->ref);
   }
-  size_t in_bytes = tensor_nbytes(&im), out_bytes = tensor_nbytes(&rm);
-  if (!(inbuf = host_copy(c, got == 0 ? &in : NULL, in_bytes, &e))) goto fail;
-  if (!(outbuf = calloc(1, out_bytes ? out_bytes : 1))) {
-    error_set(&e, ERR_QUOTA, "Reduce: agent out of host memory");
+  if (staged(c, &im, got == 0 ? &in : NULL, &work, "Reduce", &e) ||
+      collective(c, r, ro->group, &work, &rm, &res, &failed, &e))
     goto fail;
-  }
-  if (collective(c, r, ro->group, inbuf, outbuf, (size_t)layout_numel(&im.layout), im.dtype,
-                 &failed, &e))
-    goto fail;
-  if (r->inplace && got == 0) {
-    target = in;
-    storage_retain(target.storage);
-  } else if (r->out) {
-    if (exec_get(c->x, c->s, c->ins->stream, r->out, &target, NULL) != 0) {
+  if ((r->inplace && got == 0) || r->out) {
+    if (r->inplace && got == 0) {
+      target = in;
+      storage_retain(target.storage);
+    } else if (exec_get(c->x, c->s, c->ins->stream, c->bs, r->out, &target, NULL) != 0) {
       error_set(&e, ERR_REMOTE_FAILURE, "Reduce: out tensor %llu is not usable on the agent",
                 (unsigned long long)r->out);
       goto fail;
     }
-  } else if (tensor_alloc(c->b, &rm, &target, "Reduce", &e)) {
-    goto fail;
+    agent_tensor_t view = {.meta = target.meta, .storage = res.storage};
+    layout_make_contiguous(&view.meta.layout);
+    if (c->b->ops->copy(c->b, c->bs, &target, &view, &e)) goto fail;
+  } else {
+    target = res;
+    storage_retain(target.storage);
   }
-  if (c->b->ops->from_host(c->b, &target, outbuf, &e)) goto fail;
   if (failed) {
     if (got != 0) dependent_failure(c, &res_ref, 1, ro->input->ref, &why);
     else {
@@ -436,22 +458,21 @@ fail:
   root_failure(c, &res_ref, 1, &e);
 out:
   storage_release(in.storage);
+  storage_release(work.storage);
+  storage_release(res.storage);
   storage_release(target.storage);
-  free(inbuf);
-  free(outbuf);
 }
 
 static void run_send(ctx_t *c) {
   const Meshd__Agent__V1__SendTensor *st = c->ins->send;
   meshd_error_t e = {0};
-  agent_tensor_t in = {0}, out = {0};
+  agent_tensor_t in = {0}, out = {0}, hdr_t = {0};
   ref_failure_t why = {0};
-  void *buf = NULL;
   uint64_t res_ref = st->result ? st->result->ref : 0;
   int got = -1;
   if (need_backend(c, "ToMesh", &e)) goto fail;
   if (st->input) {
-    got = exec_get(c->x, c->s, c->ins->stream, st->input->ref, &in, &why);
+    got = exec_get(c->x, c->s, c->ins->stream, c->bs, st->input->ref, &in, &why);
     if (got < 0) {
       why.kind = ERR_REMOTE_FAILURE;
       why.root_seq = c->ins->seq;
@@ -466,7 +487,8 @@ static void run_send(ctx_t *c) {
     }
     tensor_meta_t rm;
     meta_of_spec(st->result, &rm);
-    if (tensor_alloc(c->b, &rm, &out, "ToMesh", &e) || c->b->ops->copy(c->b, NULL, &out, &in, &e))
+    if (tensor_alloc(c->b, c->bs, &rm, &out, "ToMesh", &e) ||
+        c->b->ops->copy(c->b, c->bs, &out, &in, &e))
       goto fail;
     refs_put(&c->s->refs, res_ref, &out);
     goto out;
@@ -478,24 +500,28 @@ static void run_send(ctx_t *c) {
   tensor_meta_t m;
   meta_of_spec(st->input ? st->input : st->result, &m);
   size_t bytes = tensor_nbytes(&m);
-  int64_t hdr = 0;
+  uint64_t key = c->s->key;
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
-    hdr = got != 0;
-    if (!(buf = host_copy(c, got == 0 ? &in : NULL, bytes, &e))) goto fail;
-    if (c->b->ops->send(c->b, NULL, st->comm_id, st->to_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
-        c->b->ops->send(c->b, NULL, st->comm_id, st->to_rank, st->peer_address, buf, bytes, &e))
+    if (scalar_tensor(c, got != 0, &hdr_t, &e) ||
+        staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e) ||
+        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->to_rank, st->peer_address,
+                        hdr_t.storage->data, sizeof(int64_t), &e) ||
+        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->to_rank, st->peer_address,
+                        out.storage->data, bytes, &e))
       log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                c->ins->seq, st->to_rank, e.msg);
     else
       atomic_fetch_add(&agent_collective_bytes_total, (uint64_t)bytes);
     goto out;
   }
-  if (!(buf = calloc(1, bytes ? bytes : 1))) {
-    error_set(&e, ERR_QUOTA, "ToMesh: agent out of host memory");
-    goto fail;
-  }
-  if (c->b->ops->recv(c->b, NULL, st->comm_id, st->from_rank, st->peer_address, &hdr, sizeof hdr, &e) ||
-      c->b->ops->recv(c->b, NULL, st->comm_id, st->from_rank, st->peer_address, buf, bytes, &e))
+  int64_t hdr = 0;
+  if (scalar_tensor(c, 0, &hdr_t, &e) ||
+      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->from_rank, st->peer_address,
+                      hdr_t.storage->data, sizeof(int64_t), &e) ||
+      c->b->ops->to_host(c->b, &hdr_t, &hdr, &e) ||
+      tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e) ||
+      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->from_rank, st->peer_address,
+                      out.storage->data, bytes, &e))
     goto fail;
   if (hdr) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
@@ -503,8 +529,6 @@ static void run_send(ctx_t *c) {
     refs_fail(&c->s->refs, res_ref, &f);
     goto out;
   }
-  if (tensor_alloc(c->b, &m, &out, "ToMesh", &e) || c->b->ops->from_host(c->b, &out, buf, &e))
-    goto fail;
   refs_put(&c->s->refs, res_ref, &out);
   goto out;
 fail:
@@ -513,11 +537,11 @@ fail:
 out:
   storage_release(in.storage);
   storage_release(out.storage);
-  free(buf);
+  storage_release(hdr_t.storage);
 }
 
-void run_instruction(executor_t *x, xsession_t *s, const instr_t *ins) {
-  ctx_t c = {x, s, ins, exec_env(x)->backend};
+void run_instruction(executor_t *x, xsession_t *s, backend_stream_t *bs, const instr_t *ins) {
+  ctx_t c = {x, s, ins, exec_env(x)->backend, bs};
   atomic_fetch_add(&agent_instructions_total, 1);
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;

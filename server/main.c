@@ -26,6 +26,7 @@
 
 typedef struct options {
   const char *listen, *port_file, *agent_binary, *log_level, *metrics_listen, *metrics_port_file;
+  const char *local_agent_device;
   int64_t local_agents, min_agents, threads, session_ttl;
   double drain_seconds;
   uint64_t max_message_bytes, session_quota_bytes;
@@ -36,7 +37,9 @@ static options_t opt;
 static const config_flag_t flags[] = {
     {"listen", CONFIG_STRING, "0.0.0.0:50051", "gRPC address; port 0 picks a free port", &opt.listen, 0, 0},
     {"port-file", CONFIG_STRING, NULL, "write the bound port here once serving", &opt.port_file, 0, 0},
-    {"local-agents", CONFIG_INT, "0", "start and supervise N cpu agents on loopback", &opt.local_agents, 0, 256},
+    {"local-agents", CONFIG_INT, "0", "start and supervise N agents on loopback", &opt.local_agents, 0, 256},
+    {"local-agent-device", CONFIG_STRING, "cpu",
+     "device of --local-agents: cpu, cuda (agent i serves cuda:i), cuda:N (all on GPU N) or cuda:emulated", &opt.local_agent_device, 0, 0},
     {"agent-binary", CONFIG_STRING, NULL, "meshd-agent to run (default: next to meshd)", &opt.agent_binary, 0, 0},
     {"min-agents", CONFIG_INT, "-1",
      "TensorService is SERVING with at least N healthy agents (-1: --local-agents, or 1)", &opt.min_agents, -1, 1 << 20},
@@ -118,6 +121,13 @@ int main(int argc, char **argv) {
   log_level_t level;
   if (!log_parse_level(opt.log_level, &level)) {
     snprintf(err, sizeof err, "--log-level: '%s' is not one of debug, info, warn, error", opt.log_level);
+    return usage_error("meshd", err);
+  }
+  /* The agent checks the device against its build; here only the spelling. */
+  if (strcmp(opt.local_agent_device, "cpu") && strcmp(opt.local_agent_device, "cuda") &&
+      strncmp(opt.local_agent_device, "cuda:", 5)) {
+    snprintf(err, sizeof err, "--local-agent-device: '%s' is not one of cpu, cuda, cuda:N, "
+             "cuda:emulated", opt.local_agent_device);
     return usage_error("meshd", err);
   }
   if (opt.max_message_bytes < 1024 || opt.max_message_bytes > INT_MAX) {
@@ -219,8 +229,12 @@ int main(int argc, char **argv) {
     runtime_local_address(opt.listen, port, server_addr, sizeof server_addr);
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     uint64_t total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+    /* Host memory is shared among cpu agents; a GPU agent's capacity is its GPU's. */
+    bool gpu = !strncmp(opt.local_agent_device, "cuda", 4) &&
+               strcmp(opt.local_agent_device, "cuda:emulated") != 0;
     supervisor_opts_t sopts = {binary, server_addr, (int)opt.local_agents,
-                               total / (uint64_t)opt.local_agents, opt.log_level};
+                               gpu ? 0 : total / (uint64_t)opt.local_agents, opt.log_level,
+                               opt.local_agent_device};
     sup = supervisor_start(&sopts);
     if (!sup) {
       rpc_server_shutdown(srv, 0);

@@ -49,8 +49,11 @@ static void exec_agent(char *const argv[], pid_t parent) {
 }
 
 static pid_t spawn(supervisor_t *s, int i) {
-  char rank[16], mem[32];
+  char rank[16], mem[32], device[32];
   snprintf(rank, sizeof rank, "%d", i);
+  const char *dev = s->o.device ? s->o.device : "cpu";
+  if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
+  else snprintf(device, sizeof device, "%s", dev);
   snprintf(mem, sizeof mem, "%llu", (unsigned long long)s->o.memory_bytes);
   char *argv[16];
   int n = 0;
@@ -62,7 +65,7 @@ static pid_t spawn(supervisor_t *s, int i) {
   argv[n++] = "--rank";
   argv[n++] = rank;
   argv[n++] = "--device";
-  argv[n++] = "cpu";
+  argv[n++] = device;
   if (s->o.memory_bytes) {
     argv[n++] = "--memory-bytes";
     argv[n++] = mem;

@@ -18,6 +18,7 @@ typedef struct supervisor_opts {
   int count;
   uint64_t memory_bytes;     /* each agent's reported capacity; 0: the agent's default */
   const char *log_level;     /* passed on */
+  const char *device;        /* passed on as --device, except "cuda": agent i serves cuda:i */
 } supervisor_opts_t;
 
 /* Starts the agents and the thread that watches them. NULL (and a log line) if

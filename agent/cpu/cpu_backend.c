@@ -23,7 +23,7 @@ static void cpu_close(backend_t *b) {
 
 #define ALIGN 64
 
-static void *cpu_alloc(backend_t *b, size_t bytes) {
+static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
   uint64_t prev = atomic_fetch_add(&b->allocated, bytes);
   if (b->capacity && prev + bytes > b->capacity) {
     atomic_fetch_sub(&b->allocated, bytes);
@@ -171,13 +171,15 @@ static int cpu_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, 
   return b->net ? dp_alltoall(b->net, g, in, out, count, dtype, e) : no_net(e);
 }
 
-static int cpu_send(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t to_rank,
-                    const char *addr, const void *buf, size_t bytes, meshd_error_t *e) {
+static int cpu_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+                    uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
+                    meshd_error_t *e) {
   return b->net ? dp_send(b->net, comm_id, to_rank, addr, buf, bytes, e) : no_net(e);
 }
 
-static int cpu_recv(backend_t *b, backend_stream_t *s, uint64_t comm_id, uint32_t from_rank,
-                    const char *addr, void *buf, size_t bytes, meshd_error_t *e) {
+static int cpu_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+                    uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+                    meshd_error_t *e) {
   return b->net ? dp_recv(b->net, comm_id, from_rank, addr, buf, bytes, e) : no_net(e);
 }
 
@@ -189,6 +191,8 @@ const backend_ops_t cpu_backend_ops = {
     .free = cpu_free,
     .stream_create = NULL,
     .stream_destroy = NULL,
+    .stream_sync = NULL,
+    .health = NULL, /* host memory is never lost */
     .run_op = cpu_run_op,
     .copy = cpu_copy,
     .to_host = cpu_to_host,
@@ -202,4 +206,5 @@ const backend_ops_t cpu_backend_ops = {
     .alltoall = cpu_alltoall,
     .send = cpu_send,
     .recv = cpu_recv,
+    .session_end = NULL, /* the data plane drops a session's connections on its own */
 };

@@ -345,7 +345,7 @@ static agent_tensor_t *tensor_new(int nd, const int64_t *sizes) {
   atomic_init(&s->refs, 1);
   s->backend = &B;
   s->bytes = (size_t)layout_numel(&t->meta.layout) * sizeof(float);
-  s->data = cpu_backend_ops.alloc(&B, s->bytes);
+  s->data = cpu_backend_ops.alloc(&B, NULL, s->bytes);
   if (!s->data) die("backend alloc");
   t->storage = s;
   return t;

@@ -112,6 +112,8 @@ def agent(_procs):
         args = ["--server", f"127.0.0.1:{server_port}", "--listen", "127.0.0.1:0"]
         if rank is not None:
             args += ["--rank", str(rank)]
+        if lib.DEVICE != "cpu" and "--device" not in flags:
+            args += ["--device", "cuda:0" if lib.DEVICE == "cuda" else lib.DEVICE]
         args += [str(f) for f in flags]
         p = lib.spawn("agent", lib.AGENT, args, str(_procs.tmp), env=env)
         _procs.agents.append(p)
@@ -157,6 +159,7 @@ def shared_meshd(request, tmp_path_factory):
             p = None
         if p is None:
             args = ["--listen", "127.0.0.1:0", "--local-agents", str(n)] + list(key[1:])
+            args += lib.device_flags(n)
             p = lib.spawn("meshd", lib.MESHD, args, str(reg.tmp))
             reg.servers.append(p)
             lib.wait_health(p.port, "", lib.SERVING(), proc=p.proc, log=p.log)

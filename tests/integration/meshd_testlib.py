@@ -8,6 +8,8 @@ Environment (set by ctest through MESHD_TEST_ENV):
   MESHD_BIN_DIR     where meshd, meshd-agent and meshctl are
   MESHD_SOURCE_DIR  the source tree (for api/*.proto)
   MESHD_BUILD_DIR   the build tree (unused here except as a default for the bin dir)
+  MESHD_TEST_DEVICE device of the shared servers' local agents (--local-agent-device):
+                    unset = cpu; cuda:emulated; cuda (agent i on GPU i); cuda:N (all on GPU N)
 """
 
 import atexit
@@ -46,6 +48,35 @@ REGISTER_TIMEOUT = 20.0  # an agent registers and is dialled back
 EXIT_TIMEOUT = 15.0      # a process exits after SIGTERM (when the test does not time it)
 
 _CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+# ---------------------------------------------------------------- devices
+
+DEVICE = os.environ.get("MESHD_TEST_DEVICE", "") or "cpu"
+
+
+def gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def device_flags(n):
+    """--local-agent-device for n local agents on DEVICE; skips the test when the machine
+    cannot give each of the n agents its own GPU (DEVICE "cuda") ."""
+    import pytest
+    if DEVICE == "cpu":
+        return []
+    if DEVICE == "cuda" and gpu_count() < n:
+        pytest.skip(f"needs {n} GPUs for {n} agents, this machine has {gpu_count()}")
+    return ["--local-agent-device", DEVICE]
+
+
+def shares_one_gpu(n):
+    """n agents on the same GPU: NCCL refuses a communicator with two ranks on one device."""
+    return n > 1 and DEVICE.startswith("cuda:") and DEVICE != "cuda:emulated"
+
 
 # ---------------------------------------------------------------- generated protos
 

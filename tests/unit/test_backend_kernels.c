@@ -1,6 +1,9 @@
-/* The cpu backend: every catalogue op's kernel on real tensors (bound and
- * inferred by the catalogue, run through cpu_backend_ops), broadcasting,
- * strided inputs, half rounding, index errors, and the Philox generator. */
+/* A backend's kernels, for the device in $MESHD_TEST_DEVICE (cpu by default;
+ * ctest also runs it on cuda:emulated and, with a GPU, on cuda:0): every
+ * catalogue op on real tensors (bound and inferred by the catalogue, run
+ * through the backend's table), broadcasting, strided inputs, half rounding,
+ * index errors, and the Philox generator. Expected values are the cpu
+ * backend's, which every backend must reproduce. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -18,12 +21,23 @@ static backend_t B;
 static agent_tensor_t *pool[MAXT];
 static int npool;
 
+/* The device under test: $MESHD_TEST_DEVICE, "cpu" by default. */
+static const backend_ops_t *OPS;
+
+static const char *device(void) {
+  const char *d = getenv("MESHD_TEST_DEVICE");
+  return d && *d ? d : "cpu";
+}
+
 static void setup(void) {
   memset(&B, 0, sizeof B);
-  B.ops = &cpu_backend_ops;
+  OPS = backend_for_device(device());
+  cr_assert_not_null(OPS, "this build does not serve device %s (%s)", device(),
+                     backend_devices_supported());
+  B.ops = OPS;
   B.capacity = (uint64_t)1 << 30;
   meshd_error_t e;
-  cr_assert_eq(cpu_backend_ops.open(&B, "cpu", &e), 0, "%s", e.msg);
+  cr_assert_eq(OPS->open(&B, device(), &e), 0, "%s", e.msg);
   npool = 0;
 }
 
@@ -31,16 +45,16 @@ static void teardown(void) {
   for (int i = 0; i < npool; i++) {
     agent_storage_t *s = pool[i]->storage;
     if (--s->refs == 0) {
-      cpu_backend_ops.free(&B, s->data, s->bytes);
+      OPS->free(&B, s->data, s->bytes);
       free(s);
     }
     free(pool[i]);
   }
-  cpu_backend_ops.close(&B);
+  OPS->close(&B);
   cr_assert_eq(atomic_load(&B.allocated), 0);
 }
 
-TestSuite(cpu_kernels, .init = setup, .fini = teardown);
+TestSuite(kernels, .init = setup, .fini = teardown);
 
 static agent_tensor_t *keep(agent_tensor_t *t) {
   cr_assert_lt(npool, MAXT);
@@ -57,10 +71,10 @@ static agent_tensor_t *tensor(dtype_t dt, int nd, const int64_t *sizes, const vo
   s->refs = 1;
   s->backend = &B;
   s->bytes = (size_t)layout_numel(&t->meta.layout) * dtype_size(dt);
-  s->data = cpu_backend_ops.alloc(&B, s->bytes);
+  s->data = OPS->alloc(&B, NULL, s->bytes);
   cr_assert_not_null(s->data);
   t->storage = s;
-  if (data) cr_assert_eq(cpu_backend_ops.from_host(&B, t, data, &e), 0);
+  if (data) cr_assert_eq(OPS->from_host(&B, t, data, &e), 0);
   return keep(t);
 }
 
@@ -127,7 +141,7 @@ static res_t run_at(const char *name, const op_value_t *args, size_t n, const op
       cr_assert(layout_same_shape(&r.r[i]->meta.layout, &res->meta.layout));
     }
   }
-  r.rc = cpu_backend_ops.run_op(&B, NULL, &a, r.r, r.inf.nresults, &r.inf, rank, coord, &r.e);
+  r.rc = OPS->run_op(&B, NULL, &a, r.r, r.inf.nresults, &r.inf, rank, coord, &r.e);
   return r;
 }
 
@@ -156,7 +170,7 @@ static void expect_f(const agent_tensor_t *t, dtype_t dt, const double *want, in
   size_t esz = dtype_size(dt);
   char *buf = malloc((size_t)n * esz + 1);
   meshd_error_t e;
-  cr_assert_eq(cpu_backend_ops.to_host(&B, t, buf, &e), 0);
+  cr_assert_eq(OPS->to_host(&B, t, buf, &e), 0);
   for (int64_t i = 0; i < n; i++) {
     double got = cpu_ld_f(dt, buf + i * (int64_t)esz);
     if (isnan(want[i])) cr_assert(isnan(got), "element %ld: %g, want nan", (long)i, got);
@@ -172,7 +186,7 @@ static void expect_i(const agent_tensor_t *t, dtype_t dt, const int64_t *want, i
   size_t esz = dtype_size(dt);
   char *buf = malloc((size_t)n * esz + 1);
   meshd_error_t e;
-  cr_assert_eq(cpu_backend_ops.to_host(&B, t, buf, &e), 0);
+  cr_assert_eq(OPS->to_host(&B, t, buf, &e), 0);
   for (int64_t i = 0; i < n; i++)
     cr_assert_eq(cpu_ld_i(dt, buf + i * (int64_t)esz), want[i], "element %ld: %ld, want %ld",
                  (long)i, (long)cpu_ld_i(dt, buf + i * (int64_t)esz), (long)want[i]);
@@ -186,16 +200,16 @@ static void expect_i(const agent_tensor_t *t, dtype_t dt, const int64_t *want, i
 
 /* ---- backend slots ---- */
 
-Test(cpu_kernels, open_alloc_capacity) {
+Test(kernels, open_alloc_capacity) {
   backend_t b = {.ops = &cpu_backend_ops, .capacity = 1000};
   meshd_error_t e;
   cr_assert_eq(cpu_backend_ops.open(&b, "cuda:0", &e), -1);
   cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0);
-  void *p = cpu_backend_ops.alloc(&b, 600);
+  void *p = cpu_backend_ops.alloc(&b, NULL, 600);
   cr_assert_not_null(p);
   cr_assert_eq((uintptr_t)p % 64, 0);
   cr_assert_eq(atomic_load(&b.allocated), 600);
-  cr_assert_null(cpu_backend_ops.alloc(&b, 600), "past capacity");
+  cr_assert_null(cpu_backend_ops.alloc(&b, NULL, 600), "past capacity");
   cr_assert_eq(atomic_load(&b.allocated), 600);
   cpu_backend_ops.free(&b, p, 600);
   cr_assert_eq(atomic_load(&b.allocated), 0);
@@ -203,22 +217,22 @@ Test(cpu_kernels, open_alloc_capacity) {
   cpu_backend_ops.close(&b);
 }
 
-Test(cpu_kernels, host_gather_scatter_and_copy) {
+Test(kernels, host_gather_scatter_and_copy) {
   agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6);
   agent_tensor_t *xt = RUN("t", VT(x)); /* [3, 2] view, strides [1, 3] */
   cr_assert_eq(xt->storage, x->storage);
   EXPECT_F(xt, DTYPE_FLOAT32, 1, 4, 2, 5, 3, 6);
   meshd_error_t e;
-  cr_assert_eq(cpu_backend_ops.from_host(&B, xt, (const float[]){10, 40, 20, 50, 30, 60}, &e), 0);
+  cr_assert_eq(OPS->from_host(&B, xt, (const float[]){10, 40, 20, 50, 30, 60}, &e), 0);
   EXPECT_F(x, DTYPE_FLOAT32, 10, 20, 30, 40, 50, 60);
   agent_tensor_t *d = tensor(DTYPE_INT64, SZ(3, 2), NULL);
-  cr_assert_eq(cpu_backend_ops.copy(&B, NULL, d, xt, &e), 0);
+  cr_assert_eq(OPS->copy(&B, NULL, d, xt, &e), 0);
   EXPECT_I(d, DTYPE_INT64, 10, 40, 20, 50, 30, 60);
 }
 
 /* ---- Philox ---- */
 
-Test(cpu_kernels, philox_known_answers) {
+Test(kernels, philox_known_answers) {
   uint32_t out[4];
   philox4x32_10((const uint32_t[]){0, 0, 0, 0}, (const uint32_t[]){0, 0}, out);
   cr_assert_eq(out[0], 0x6627e8d5u);
@@ -241,10 +255,10 @@ Test(cpu_kernels, philox_known_answers) {
 
 static void host_f32(const agent_tensor_t *t, float *out) {
   meshd_error_t e;
-  cr_assert_eq(cpu_backend_ops.to_host(&B, t, out, &e), 0);
+  cr_assert_eq(OPS->to_host(&B, t, out, &e), 0);
 }
 
-Test(cpu_kernels, rand_is_philox_and_deterministic) {
+Test(kernels, rand_is_philox_and_deterministic) {
   const op_kwarg_t seed[] = {{"seed", VI(1234)}};
   agent_tensor_t *a = ok(run_at("rand", ARGS(VINTS(1001)), seed, 1, 0, 0));
   agent_tensor_t *b = ok(run_at("rand", ARGS(VINTS(1001)), seed, 1, 0, 0));
@@ -272,7 +286,7 @@ Test(cpu_kernels, rand_is_philox_and_deterministic) {
   cr_assert_eq(x2[0], philox_uniform(w[0], 24));
 }
 
-Test(cpu_kernels, randn_and_half_rand) {
+Test(kernels, randn_and_half_rand) {
   const op_kwarg_t kw[] = {{"seed", VI(7)}};
   agent_tensor_t *n = ok(run_at("randn", ARGS(VINTS(4000)), kw, 1, 3, 0));
   static float v[4000];
@@ -291,8 +305,8 @@ Test(cpu_kernels, randn_and_half_rand) {
   agent_tensor_t *tb = ok(run_at("rand", ARGS(VINTS(4096)), bf, 2, 0, 0));
   static uint16_t hh[4096], hb[4096];
   meshd_error_t e;
-  cpu_backend_ops.to_host(&B, th, hh, &e);
-  cpu_backend_ops.to_host(&B, tb, hb, &e);
+  OPS->to_host(&B, th, hh, &e);
+  OPS->to_host(&B, tb, hb, &e);
   for (int i = 0; i < 4096; i++) {
     float a = cpu_half_to_float(hh[i]), b = cpu_bf16_to_float(hb[i]);
     cr_assert(a >= 0 && a < 1 && b >= 0 && b < 1);
@@ -301,7 +315,7 @@ Test(cpu_kernels, randn_and_half_rand) {
 
 /* ---- factories ---- */
 
-Test(cpu_kernels, factories) {
+Test(kernels, factories) {
   EXPECT_F(RUN("zeros", VINTS(2, 2)), DTYPE_FLOAT32, 0, 0, 0, 0);
   EXPECT_F(RUN("empty", VINTS(3)), DTYPE_FLOAT32, 0, 0, 0);
   const op_kwarg_t i32[] = {{"dtype", VD(DTYPE_INT32)}};
@@ -322,7 +336,7 @@ Test(cpu_kernels, factories) {
 
 /* ---- elementwise binary ---- */
 
-Test(cpu_kernels, add_broadcast_alpha_scalar) {
+Test(kernels, add_broadcast_alpha_scalar) {
   agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6), *y = F32(SZ(3), 10, 20, 30);
   agent_tensor_t *r = RUN("add", VT(x), VT(y));
   shape_is(r, 2, (int64_t[]){2, 3});
@@ -348,7 +362,7 @@ Test(cpu_kernels, add_broadcast_alpha_scalar) {
   EXPECT_I(RUN("mul", VT(p), VT(q)), DTYPE_BOOL, 1, 0, 0);
 }
 
-Test(cpu_kernels, transposed_inputs) {
+Test(kernels, transposed_inputs) {
   agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6);
   agent_tensor_t *xt = RUN("t", VT(x));
   agent_tensor_t *y = F32(SZ(3, 2), 1, 1, 1, 1, 1, 1);
@@ -371,7 +385,7 @@ Test(cpu_kernels, transposed_inputs) {
   EXPECT_F(RUN("add", VT(e3), VT(x)), DTYPE_FLOAT32, 2, 4, 6, 5, 7, 9);
 }
 
-Test(cpu_kernels, div_modes_and_zero) {
+Test(kernels, div_modes_and_zero) {
   agent_tensor_t *a = I64(SZ(4), 7, -7, 7, -7), *b = I64(SZ(4), 2, 2, -2, -2);
   EXPECT_F(RUN("div", VT(a), VT(b)), DTYPE_FLOAT32, 3.5, -3.5, -3.5, 3.5);
   const op_kwarg_t tr[] = {{"rounding_mode", VS("trunc")}}, fl[] = {{"rounding_mode", VS("floor")}};
@@ -387,7 +401,7 @@ Test(cpu_kernels, div_modes_and_zero) {
   cr_assert(strstr(r.e.msg, "div") && strstr(r.e.msg, "rank 2"), "%s", r.e.msg);
 }
 
-Test(cpu_kernels, pow_maximum_minimum) {
+Test(kernels, pow_maximum_minimum) {
   EXPECT_F(RUN("pow", VT(F32(SZ(3), 2, 3, 4)), VF(0.5)), DTYPE_FLOAT32, sqrt(2), sqrt(3), 2);
   EXPECT_I(RUN("pow", VT(I32(SZ(3), 2, -3, 4)), VI(3)), DTYPE_INT32, 8, -27, 64);
   EXPECT_I(RUN("pow", VT(I64(SZ(3), 2, 1, -1)), VT(I64(SZ(3), 10, -2, -3))), DTYPE_INT64, 1024, 1, -1);
@@ -398,7 +412,7 @@ Test(cpu_kernels, pow_maximum_minimum) {
   EXPECT_I(RUN("minimum", VT(I32(SZ(2), -1, 9)), VT(I32(SZ(2), 4, 2))), DTYPE_INT32, -1, 2);
 }
 
-Test(cpu_kernels, comparisons_logical_bitwise) {
+Test(kernels, comparisons_logical_bitwise) {
   agent_tensor_t *x = F32(SZ(3), 1, 2, 3), *y = F32(SZ(3), 3, 2, 1);
   EXPECT_I(RUN("eq", VT(x), VT(y)), DTYPE_BOOL, 0, 1, 0);
   EXPECT_I(RUN("ne", VT(x), VT(y)), DTYPE_BOOL, 1, 0, 1);
@@ -422,7 +436,7 @@ Test(cpu_kernels, comparisons_logical_bitwise) {
 
 /* ---- unary ---- */
 
-Test(cpu_kernels, unary_float) {
+Test(kernels, unary_float) {
   agent_tensor_t *x = F32(SZ(4), -2, -0.5, 0.5, 2);
   EXPECT_F(RUN("neg", VT(x)), DTYPE_FLOAT32, 2, 0.5, -0.5, -2);
   EXPECT_F(RUN("abs", VT(x)), DTYPE_FLOAT32, 2, 0.5, 0.5, 2);
@@ -452,7 +466,7 @@ Test(cpu_kernels, unary_float) {
   EXPECT_I(RUN("logical_not", VT(p)), DTYPE_BOOL, 0, 1, 0);
 }
 
-Test(cpu_kernels, unary_int) {
+Test(kernels, unary_int) {
   agent_tensor_t *x = I32(SZ(4), -3, 0, 2, INT32_MIN);
   EXPECT_I(RUN("neg", VT(x)), DTYPE_INT32, 3, 0, -2, INT32_MIN);
   EXPECT_I(RUN("abs", VT(x)), DTYPE_INT32, 3, 0, 2, INT32_MIN);
@@ -465,7 +479,7 @@ Test(cpu_kernels, unary_int) {
 
 /* ---- where, clamp ---- */
 
-Test(cpu_kernels, where_and_clamp) {
+Test(kernels, where_and_clamp) {
   agent_tensor_t *c = BOOL(SZ(2, 2), 1, 0, 0, 1);
   agent_tensor_t *x = F32(SZ(2, 2), 1, 2, 3, 4), *y = F32(SZ(2), -1, -2);
   EXPECT_F(RUN("where", VT(c), VT(x), VT(y)), DTYPE_FLOAT32, 1, -2, -1, 4);
@@ -483,7 +497,7 @@ Test(cpu_kernels, where_and_clamp) {
 
 /* ---- reductions ---- */
 
-Test(cpu_kernels, sum_mean_prod) {
+Test(kernels, sum_mean_prod) {
   agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6);
   agent_tensor_t *s = RUN("sum", VT(x));
   shape_is(s, 0, NULL);
@@ -509,7 +523,7 @@ Test(cpu_kernels, sum_mean_prod) {
   EXPECT_F(RUN("mean", VT(e), VINTS(1)), DTYPE_FLOAT32, NAN, NAN);
 }
 
-Test(cpu_kernels, max_min_arg) {
+Test(kernels, max_min_arg) {
   agent_tensor_t *x = F32(SZ(2, 3), 3, 7, 7, -1, 0, -5);
   EXPECT_F(RUN("max", VT(x)), DTYPE_FLOAT32, 7);
   EXPECT_F(RUN("min", VT(x)), DTYPE_FLOAT32, -5);
@@ -539,7 +553,7 @@ Test(cpu_kernels, max_min_arg) {
   EXPECT_I(RUN("max", VT(BOOL(SZ(2), 0, 1))), DTYPE_BOOL, 1);
 }
 
-Test(cpu_kernels, softmax) {
+Test(kernels, softmax) {
   agent_tensor_t *x = F32(SZ(2, 2), 0, 1, 2, 2);
   double e1 = exp(1) / (1 + exp(1));
   EXPECT_F(RUN("softmax", VT(x), VI(1)), DTYPE_FLOAT32, 1 - e1, e1, 0.5, 0.5);
@@ -554,7 +568,7 @@ Test(cpu_kernels, softmax) {
 
 /* ---- linear algebra ---- */
 
-Test(cpu_kernels, matmul_shapes) {
+Test(kernels, matmul_shapes) {
   agent_tensor_t *a = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6), *b = F32(SZ(3, 2), 7, 8, 9, 10, 11, 12);
   EXPECT_F(RUN("mm", VT(a), VT(b)), DTYPE_FLOAT32, 58, 64, 139, 154);
   EXPECT_F(RUN("matmul", VT(a), VT(b)), DTYPE_FLOAT32, 58, 64, 139, 154);
@@ -585,7 +599,7 @@ Test(cpu_kernels, matmul_shapes) {
   EXPECT_F(z, DTYPE_FLOAT32, 0, 0, 0, 0);
 }
 
-Test(cpu_kernels, matmul_large_blas_vs_loop) {
+Test(kernels, matmul_large_blas_vs_loop) {
   enum { N = 67, K = 129, P = 33 };
   static float a[N * K], b[K * P];
   for (int i = 0; i < N * K; i++) a[i] = (float)((i * 7 % 13) - 6);
@@ -598,19 +612,19 @@ Test(cpu_kernels, matmul_large_blas_vs_loop) {
   static float rf[N * P];
   static int64_t rl[N * P];
   meshd_error_t e;
-  cpu_backend_ops.to_host(&B, r, rf, &e);
-  cpu_backend_ops.to_host(&B, ri, rl, &e);
+  OPS->to_host(&B, r, rf, &e);
+  OPS->to_host(&B, ri, rl, &e);
   for (int i = 0; i < N * P; i++) cr_assert_eq((int64_t)rf[i], rl[i], "element %d", i);
 }
 
-Test(cpu_kernels, matmul_half) {
+Test(kernels, matmul_half) {
   agent_tensor_t *a = RUN("to", VT(F32(SZ(2, 2), 1, 2, 3, 4)), VD(DTYPE_FLOAT16));
   EXPECT_F(RUN("mm", VT(a), VT(a)), DTYPE_FLOAT16, 7, 10, 15, 22);
 }
 
 /* ---- copies ---- */
 
-Test(cpu_kernels, cat_stack) {
+Test(kernels, cat_stack) {
   agent_tensor_t *a = F32(SZ(1, 2), 1, 2), *b = F32(SZ(2, 2), 3, 4, 5, 6);
   agent_tensor_t *c0 = RUN("cat", VTS(M(a), M(b)));
   shape_is(c0, 2, (int64_t[]){3, 2});
@@ -629,7 +643,7 @@ Test(cpu_kernels, cat_stack) {
   EXPECT_I(RUN("stack", VTS(M(I32(SZ(1), 5)), M(I32(SZ(1), 6))), VI(-1)), DTYPE_INT32, 5, 6);
 }
 
-Test(cpu_kernels, to_cast_copy_fill) {
+Test(kernels, to_cast_copy_fill) {
   agent_tensor_t *x = F32(SZ(4), 1.7, -1.7, 300, 0);
   EXPECT_I(RUN("to", VT(x), VD(DTYPE_INT32)), DTYPE_INT32, 1, -1, 300, 0);
   EXPECT_I(RUN("cast", VT(x), VD(DTYPE_BOOL)), DTYPE_BOOL, 1, 1, 1, 0);
@@ -659,7 +673,7 @@ Test(cpu_kernels, to_cast_copy_fill) {
   EXPECT_F(f, DTYPE_FLOAT32, 0, 0, 0, 0);
 }
 
-Test(cpu_kernels, inplace_arith) {
+Test(kernels, inplace_arith) {
   agent_tensor_t *x = F32(SZ(2, 2), 1, 2, 3, 4);
   const op_kwarg_t al[] = {{"alpha", VF(0.5)}};
   agent_tensor_t *r = RUNKW("add_", ARGS(VT(x), VT(F32(SZ(2), 2, 4))), al, 1);
@@ -682,7 +696,7 @@ Test(cpu_kernels, inplace_arith) {
 
 /* ---- indexing ---- */
 
-Test(cpu_kernels, index_select_gather) {
+Test(kernels, index_select_gather) {
   agent_tensor_t *x = F32(SZ(3, 2), 1, 2, 3, 4, 5, 6);
   agent_tensor_t *idx = I64(SZ(3), 2, 0, 2);
   agent_tensor_t *r = RUN("index_select", VT(x), VI(0), VT(idx));
@@ -697,7 +711,7 @@ Test(cpu_kernels, index_select_gather) {
            DTYPE_INT64, 3, 2);
 }
 
-Test(cpu_kernels, index_out_of_range) {
+Test(kernels, index_out_of_range) {
   agent_tensor_t *x = F32(SZ(5), 1, 2, 3, 4, 5);
   res_t r = run_at("index_select", ARGS(VT(x), VI(0), VT(I64(SZ(2), 1, 7))), NOKW, 3, 0);
   cr_assert_eq(r.rc, -1);
@@ -715,11 +729,11 @@ Test(cpu_kernels, index_out_of_range) {
 static uint16_t raw16(const agent_tensor_t *t) {
   uint16_t v;
   meshd_error_t e;
-  cpu_backend_ops.to_host(&B, t, &v, &e);
+  OPS->to_host(&B, t, &v, &e);
   return v;
 }
 
-Test(cpu_kernels, half_rounding) {
+Test(kernels, half_rounding) {
   struct {
     float f;
     uint16_t half, bf16;
@@ -758,7 +772,7 @@ Test(cpu_kernels, half_rounding) {
 
 /* ---- views and catalogue coverage ---- */
 
-Test(cpu_kernels, views_need_no_kernel) {
+Test(kernels, views_need_no_kernel) {
   agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6);
   agent_tensor_t *v = RUN("view", VT(x), VINTS(3, 2));
   cr_assert_eq(v->storage, x->storage);
@@ -772,7 +786,7 @@ Test(cpu_kernels, views_need_no_kernel) {
 }
 
 /* Every op in the catalogue is run somewhere in this file. */
-Test(cpu_kernels, catalogue_covered) {
+Test(kernels, catalogue_covered) {
   static const char *tested[] = {
       "empty", "zeros", "ones", "full", "arange", "rand", "randn", "rank", "add", "sub", "mul",
       "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
@@ -794,7 +808,7 @@ Test(cpu_kernels, catalogue_covered) {
 
 /* ---- big enough to go multi-threaded ---- */
 
-Test(cpu_kernels, large_elementwise_and_reduce) {
+Test(kernels, large_elementwise_and_reduce) {
   enum { N = 1 << 18 };
   const op_kwarg_t f64[] = {{"dtype", VD(DTYPE_FLOAT64)}};
   agent_tensor_t *x = RUNKW("arange", ARGS(VI(N)), f64, 1);
@@ -805,11 +819,11 @@ Test(cpu_kernels, large_elementwise_and_reduce) {
   agent_tensor_t *rows = RUN("amax", VT(RUN("t", VT(m))), VINTS(1));
   static double r[512];
   meshd_error_t e;
-  cpu_backend_ops.to_host(&B, rows, r, &e);
+  OPS->to_host(&B, rows, r, &e);
   for (int i = 0; i < 512; i++) cr_assert_eq(r[i], 2.0 * (511 * 512 + i));
   agent_tensor_t *f = RUN("to", VT(x), VD(DTYPE_FLOAT32));
   agent_tensor_t *g = RUN("add", VT(f), VT(f));
   static float gv[N];
-  cpu_backend_ops.to_host(&B, g, gv, &e);
+  OPS->to_host(&B, g, gv, &e);
   for (int i = 0; i < N; i += 997) cr_assert_eq(gv[i], 2.0f * (float)i);
 }

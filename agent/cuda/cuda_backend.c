@@ -1,0 +1,622 @@
+/* The cuda backend: device memory from the device's stream-ordered pool, one
+ * CUDA stream per meshd stream, events for borrows, kernels in kernels_*.cu,
+ * matmul on cuBLAS (cuda_blas.c), communicators on NCCL (cuda_nccl.c).
+ *
+ * Ordering rules (backend.h):
+ * - a stream's kernels, copies and scratch memory are queued on its CUDA
+ *   stream; a NULL stream means the backend's own stream, used synchronously;
+ * - memory is allocated in the order of the stream that uses it first, and
+ *   released on the backend's own stream after waiting (events) for every
+ *   live stream: whoever drops the last reference, every use was queued
+ *   before, so the release follows it on the device;
+ * - to_host / from_host wait for every live stream the same way, then copy on
+ *   the own stream and synchronise it.
+ *
+ * "cuda:emulated" runs the same code over host memory with kernels in host
+ * loops and no CUDA calls at all (cuda_internal.h). */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cuda_internal.h"
+
+/* ------------------------------------------------------------------ errors */
+
+static bool sticky(cudaError_t rc) {
+  switch (rc) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorUnknown:
+    case cudaErrorContextIsDestroyed:
+    case cudaErrorLaunchTimeout:
+      return true;
+    default:
+      return false;
+  }
+}
+
+int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e) {
+  if (rc == cudaSuccess) return 0;
+  if (rc == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError(); /* not sticky: clear it for this thread */
+    return error_set(e, ERR_QUOTA, "%s: out of device memory", what);
+  }
+  if (st && sticky(rc)) {
+    pthread_mutex_lock(&st->mu);
+    if (!st->lost) {
+      st->lost = true;
+      snprintf(st->lost_why, sizeof st->lost_why, "%s: %s (%s)", what, cudaGetErrorString(rc),
+               cudaGetErrorName(rc));
+    }
+    pthread_mutex_unlock(&st->mu);
+  }
+  return error_set(e, ERR_REMOTE_FAILURE, "%s: %s (%s)", what, cudaGetErrorString(rc),
+                   cudaGetErrorName(rc));
+}
+
+void cuda_bind(cuda_state_t *st) {
+  static _Thread_local int bound = -1;
+  if (st->emulated || bound == st->device) return;
+  if (cudaSetDevice(st->device) == cudaSuccess) bound = st->device;
+}
+
+/* ------------------------------------------------------------------ open / close */
+
+static int parse_device(const char *device, bool *emulated, int *ordinal) {
+  if (!device || strncmp(device, "cuda:", 5) != 0) return -1;
+  const char *n = device + 5;
+  if (!strcmp(n, "emulated")) {
+    *emulated = true;
+    *ordinal = -1;
+    return 0;
+  }
+  char *end;
+  errno = 0;
+  long v = strtol(n, &end, 10);
+  if (!*n || *end || errno || v < 0 || v > 1023) return -1;
+  *emulated = false;
+  *ordinal = (int)v;
+  return 0;
+}
+
+static void state_free(cuda_state_t *st) {
+  if (!st) return;
+  pthread_mutex_destroy(&st->mu);
+  free(st);
+}
+
+static int cuda_open(backend_t *b, const char *device, meshd_error_t *err) {
+  bool emulated;
+  int ordinal;
+  if (parse_device(device, &emulated, &ordinal) != 0)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "cuda backend: device '%s' is not 'cuda:N' or 'cuda:emulated'",
+                     device ? device : "(null)");
+  cuda_state_t *st = calloc(1, sizeof *st);
+  if (!st) return error_set(err, ERR_UNAVAILABLE, "cuda backend: out of memory");
+  pthread_mutex_init(&st->mu, NULL);
+  st->emulated = emulated;
+  st->device = ordinal;
+  st->comm_timeout_ms = 30000;
+  const char *t = getenv("MESHD_COMM_TIMEOUT_MS");
+  if (t && atoi(t) > 0) st->comm_timeout_ms = atoi(t);
+  if (emulated) {
+    snprintf(st->name, sizeof st->name, "cuda:emulated (kernels on the host)");
+  } else {
+    int count = 0;
+    cudaError_t rc = cudaGetDeviceCount(&count);
+    if (rc != cudaSuccess || ordinal >= count) {
+      error_set(err, ERR_UNAVAILABLE, "cuda backend: no device %s: %s", device,
+                rc != cudaSuccess ? cudaGetErrorString(rc) : "");
+      if (rc == cudaSuccess)
+        snprintf(err->msg, sizeof err->msg, "cuda backend: no device %s: this machine has %d CUDA "
+                 "device%s", device, count, count == 1 ? "" : "s");
+      state_free(st);
+      return -1;
+    }
+    struct cudaDeviceProp prop;
+    size_t free_b = 0, total_b = 0;
+    uint64_t keep = UINT64_MAX;
+    if ((rc = cudaSetDevice(ordinal)) != cudaSuccess ||
+        (rc = cudaGetDeviceProperties(&prop, ordinal)) != cudaSuccess ||
+        (rc = cudaDeviceGetDefaultMemPool(&st->pool, ordinal)) != cudaSuccess ||
+        (rc = cudaMemPoolSetAttribute(st->pool, cudaMemPoolAttrReleaseThreshold, &keep)) !=
+            cudaSuccess ||
+        (rc = cudaStreamCreateWithFlags(&st->own.s, cudaStreamNonBlocking)) != cudaSuccess ||
+        (rc = cudaMemGetInfo(&free_b, &total_b)) != cudaSuccess) {
+      error_set(err, ERR_UNAVAILABLE, "cuda backend: cannot open %s: %s", device,
+                cudaGetErrorString(rc));
+      if (st->own.s) cudaStreamDestroy(st->own.s);
+      state_free(st);
+      return -1;
+    }
+    st->cc_major = prop.major;
+    st->cc_minor = prop.minor;
+    snprintf(st->name, sizeof st->name, "%.40s (%s, sm_%d%d)", prop.name, device, prop.major,
+             prop.minor);
+    /* The pool keeps what it freed (release threshold: no limit) so steady
+     * workloads do not go back to the driver; the capacity is the device's
+     * memory unless --memory-bytes asks for less. */
+    if (!b->capacity || b->capacity > total_b) b->capacity = total_b;
+  }
+  if (!(st->comms = cuda_comms_create())) {
+    if (st->own.s) cudaStreamDestroy(st->own.s);
+    state_free(st);
+    return error_set(err, ERR_UNAVAILABLE, "cuda backend: out of memory");
+  }
+  b->impl = st;
+  return 0;
+}
+
+static void cuda_close(backend_t *b) {
+  cuda_state_t *st = cuda_state(b);
+  if (!st) return;
+  cuda_bind(st);
+  cuda_comms_destroy(st->comms);
+  if (!st->emulated) {
+    cudaStreamSynchronize(st->own.s);
+    cuda_blas_release(&st->own);
+    cudaStreamDestroy(st->own.s);
+  }
+  state_free(st);
+  b->impl = NULL;
+}
+
+/* ------------------------------------------------------------------ ordering */
+
+/* Makes the own stream wait for everything queued so far on every live
+ * stream. Holds nothing on return. */
+static int own_waits_for_all(cuda_state_t *st, meshd_error_t *e) {
+  if (st->emulated) return 0;
+  int rc = 0;
+  pthread_mutex_lock(&st->mu);
+  for (backend_stream_t *s = st->streams; s && !rc; s = s->next) {
+    cudaEvent_t ev;
+    cudaError_t r = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (r == cudaSuccess) {
+      r = cudaEventRecord(ev, s->s);
+      if (r == cudaSuccess) r = cudaStreamWaitEvent(st->own.s, ev, 0);
+      cudaEventDestroy(ev); /* released once it completes */
+    }
+    if (r != cudaSuccess) rc = cuda_check(st, r, "ordering streams", e);
+  }
+  pthread_mutex_unlock(&st->mu);
+  return rc;
+}
+
+static int sync_own(cuda_state_t *st, meshd_error_t *e) {
+  return st->emulated ? 0 : cuda_check(st, cudaStreamSynchronize(st->own.s), "synchronize", e);
+}
+
+/* ------------------------------------------------------------------ memory */
+
+static bool reserve(backend_t *b, size_t bytes) {
+  uint64_t prev = atomic_fetch_add(&b->allocated, bytes);
+  if (b->capacity && prev + bytes > b->capacity) {
+    atomic_fetch_sub(&b->allocated, bytes);
+    return false;
+  }
+  return true;
+}
+
+#define EMU_ALIGN 256
+
+static void *raw_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
+  cuda_state_t *st = cuda_state(b);
+  if (!bytes) bytes = 1;
+  if (st->emulated) {
+    size_t rounded = (bytes + EMU_ALIGN - 1) / EMU_ALIGN * EMU_ALIGN;
+    return rounded >= bytes ? aligned_alloc(EMU_ALIGN, rounded) : NULL;
+  }
+  cuda_bind(st);
+  void *p = NULL;
+  cudaError_t rc = cudaMallocFromPoolAsync(&p, bytes, st->pool, bs->s);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  return p;
+}
+
+static void *cuda_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
+  if (!reserve(b, bytes)) return NULL;
+  cuda_state_t *st = cuda_state(b);
+  void *p = raw_alloc(b, cuda_stream_of(b, s), bytes);
+  if (p && !s && !st->emulated && cudaStreamSynchronize(st->own.s) != cudaSuccess) {
+    cudaFreeAsync(p, st->own.s);
+    p = NULL;
+  }
+  if (!p) atomic_fetch_sub(&b->allocated, bytes);
+  return p;
+}
+
+static void cuda_free(backend_t *b, void *ptr, size_t bytes) {
+  if (!ptr) return;
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated) {
+    free(ptr);
+  } else {
+    meshd_error_t e;
+    cuda_bind(st);
+    own_waits_for_all(st, &e); /* on failure the device is gone: free anyway */
+    cudaFreeAsync(ptr, st->own.s);
+  }
+  atomic_fetch_sub(&b->allocated, bytes);
+}
+
+void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
+  if (!reserve(b, bytes)) return NULL;
+  void *p = raw_alloc(b, bs, bytes);
+  if (!p) atomic_fetch_sub(&b->allocated, bytes);
+  return p;
+}
+
+void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes) {
+  if (!p) return;
+  if (cuda_state(b)->emulated) free(p);
+  else cudaFreeAsync(p, bs->s);
+  atomic_fetch_sub(&b->allocated, bytes);
+}
+
+int cuda_memcpy(backend_t *b, backend_stream_t *bs, void *dst, const void *src, size_t bytes,
+                meshd_error_t *e) {
+  cuda_state_t *st = cuda_state(b);
+  if (!bytes || dst == src) return 0;
+  if (st->emulated) {
+    memmove(dst, src, bytes);
+    return 0;
+  }
+  return cuda_check(st, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, bs->s),
+                    "device copy", e);
+}
+
+int cuda_memset(backend_t *b, backend_stream_t *bs, void *dst, int value, size_t bytes,
+                meshd_error_t *e) {
+  cuda_state_t *st = cuda_state(b);
+  if (!bytes) return 0;
+  if (st->emulated) {
+    memset(dst, value, bytes);
+    return 0;
+  }
+  return cuda_check(st, cudaMemsetAsync(dst, value, bytes, bs->s), "device memset", e);
+}
+
+/* ------------------------------------------------------------------ streams, events */
+
+static backend_stream_t *cuda_stream_create(backend_t *b) {
+  cuda_state_t *st = cuda_state(b);
+  backend_stream_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  if (!st->emulated) {
+    cuda_bind(st);
+    if (cudaStreamCreateWithFlags(&s->s, cudaStreamNonBlocking) != cudaSuccess) {
+      free(s);
+      return NULL;
+    }
+  }
+  pthread_mutex_lock(&st->mu);
+  s->next = st->streams;
+  if (st->streams) st->streams->prev = s;
+  st->streams = s;
+  pthread_mutex_unlock(&st->mu);
+  return s;
+}
+
+static void cuda_stream_destroy(backend_t *b, backend_stream_t *s) {
+  if (!s) return;
+  cuda_state_t *st = cuda_state(b);
+  if (!st->emulated) {
+    cuda_bind(st);
+    cudaStreamSynchronize(s->s);
+    cuda_blas_release(s);
+  }
+  pthread_mutex_lock(&st->mu);
+  if (s->prev) s->prev->next = s->next;
+  else st->streams = s->next;
+  if (s->next) s->next->prev = s->prev;
+  pthread_mutex_unlock(&st->mu);
+  if (!st->emulated) cudaStreamDestroy(s->s);
+  free(s);
+}
+
+static int cuda_stream_sync(backend_t *b, backend_stream_t *s, meshd_error_t *err) {
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated) return 0;
+  cuda_bind(st);
+  return cuda_check(st, cudaStreamSynchronize(cuda_stream_of(b, s)->s), "stream", err);
+}
+
+/* A file whose existence makes "cuda:emulated" report its device lost: the
+ * tests' stand-in for a GPU falling off the bus. */
+#define EMULATED_LOSS_ENV "MESHD_EMULATED_DEVICE_LOSS_FILE"
+
+static int cuda_health(backend_t *b, meshd_error_t *err) {
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated) {
+    const char *f = getenv(EMULATED_LOSS_ENV);
+    if (f && *f && access(f, F_OK) == 0)
+      return error_set(err, ERR_UNAVAILABLE, "cuda:emulated: device lost (%s exists)", f);
+    return 0;
+  }
+  cuda_bind(st);
+  size_t free_b, total_b;
+  cudaError_t rc = cudaMemGetInfo(&free_b, &total_b);
+  if (rc != cudaSuccess) cuda_check(st, rc, "device check", err);
+  rc = cudaStreamQuery(st->own.s);
+  if (rc != cudaSuccess && rc != cudaErrorNotReady) cuda_check(st, rc, "device check", err);
+  pthread_mutex_lock(&st->mu);
+  bool lost = st->lost;
+  if (lost) error_set(err, ERR_UNAVAILABLE, "%s: device lost: %s", st->name, st->lost_why);
+  pthread_mutex_unlock(&st->mu);
+  return lost ? -1 : 0;
+}
+
+/* Events: a cudaEvent_t behind the opaque pointer; emulated streams are host
+ * threads already ordered by the executor, so a placeholder. */
+static char emulated_event;
+
+static backend_event_t *cuda_event_record(backend_t *b, backend_stream_t *s) {
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated) return (backend_event_t *)&emulated_event;
+  cuda_bind(st);
+  cudaEvent_t ev;
+  if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) return NULL;
+  if (cudaEventRecord(ev, cuda_stream_of(b, s)->s) != cudaSuccess) {
+    cudaEventDestroy(ev);
+    return NULL;
+  }
+  return (backend_event_t *)ev;
+}
+
+static void cuda_event_wait(backend_t *b, backend_stream_t *t, backend_event_t *ev) {
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated || !ev) return;
+  cuda_bind(st);
+  cudaStreamWaitEvent(cuda_stream_of(b, t)->s, (cudaEvent_t)ev, 0);
+}
+
+static void cuda_event_destroy(backend_t *b, backend_event_t *ev) {
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated || !ev) return;
+  cudaEventDestroy((cudaEvent_t)ev);
+}
+
+/* ------------------------------------------------------------------ dispatch */
+
+static const struct {
+  const char *name;
+  cuda_kernel_fn fn;
+} kernels[] = {
+    {"empty", cuda_kernel_fill}, {"zeros", cuda_kernel_fill}, {"ones", cuda_kernel_fill},
+    {"full", cuda_kernel_fill}, {"arange", cuda_kernel_arange}, {"rand", cuda_kernel_rand},
+    {"randn", cuda_kernel_rand}, {"rank", cuda_kernel_rank},
+    {"add", cuda_kernel_binary}, {"sub", cuda_kernel_binary}, {"mul", cuda_kernel_binary},
+    {"div", cuda_kernel_binary}, {"pow", cuda_kernel_binary}, {"maximum", cuda_kernel_binary},
+    {"minimum", cuda_kernel_binary}, {"eq", cuda_kernel_binary}, {"ne", cuda_kernel_binary},
+    {"lt", cuda_kernel_binary}, {"le", cuda_kernel_binary}, {"gt", cuda_kernel_binary},
+    {"ge", cuda_kernel_binary}, {"logical_and", cuda_kernel_binary},
+    {"logical_or", cuda_kernel_binary}, {"bitwise_and", cuda_kernel_binary},
+    {"bitwise_or", cuda_kernel_binary}, {"bitwise_xor", cuda_kernel_binary},
+    {"add_", cuda_kernel_binary}, {"sub_", cuda_kernel_binary}, {"mul_", cuda_kernel_binary},
+    {"div_", cuda_kernel_binary},
+    {"neg", cuda_kernel_unary}, {"abs", cuda_kernel_unary}, {"exp", cuda_kernel_unary},
+    {"log", cuda_kernel_unary}, {"sqrt", cuda_kernel_unary}, {"rsqrt", cuda_kernel_unary},
+    {"sin", cuda_kernel_unary}, {"cos", cuda_kernel_unary}, {"tanh", cuda_kernel_unary},
+    {"sigmoid", cuda_kernel_unary}, {"reciprocal", cuda_kernel_unary},
+    {"relu", cuda_kernel_unary}, {"gelu", cuda_kernel_unary}, {"silu", cuda_kernel_unary},
+    {"sign", cuda_kernel_unary}, {"logical_not", cuda_kernel_unary},
+    {"sum", cuda_kernel_reduce}, {"mean", cuda_kernel_reduce}, {"prod", cuda_kernel_reduce},
+    {"max", cuda_kernel_reduce}, {"min", cuda_kernel_reduce}, {"amax", cuda_kernel_reduce},
+    {"amin", cuda_kernel_reduce}, {"argmax", cuda_kernel_reduce}, {"argmin", cuda_kernel_reduce},
+    {"softmax", cuda_kernel_softmax}, {"log_softmax", cuda_kernel_softmax},
+    {"matmul", cuda_kernel_matmul}, {"mm", cuda_kernel_matmul}, {"bmm", cuda_kernel_matmul},
+    {"clone", cuda_kernel_copy}, {"contiguous", cuda_kernel_copy}, {"to", cuda_kernel_copy},
+    {"cast", cuda_kernel_copy}, {"copy_", cuda_kernel_copy}, {"cat", cuda_kernel_cat},
+    {"stack", cuda_kernel_stack}, {"index_select", cuda_kernel_index_select},
+    {"gather", cuda_kernel_gather}, {"where", cuda_kernel_where}, {"clamp", cuda_kernel_clamp},
+    {"clamp_", cuda_kernel_clamp}, {"fill_", cuda_kernel_fill_}, {"zero_", cuda_kernel_fill_},
+};
+
+#define MAX_OPS 256
+static cuda_kernel_fn by_id[MAX_OPS];
+static pthread_once_t by_id_once = PTHREAD_ONCE_INIT;
+
+static void build_by_id(void) {
+  for (size_t k = 0; k < sizeof kernels / sizeof kernels[0]; k++) {
+    const op_def_t *op = ops_find(kernels[k].name);
+    if (op && op_id(op) >= 0 && op_id(op) < MAX_OPS) by_id[op_id(op)] = kernels[k].fn;
+  }
+}
+
+static cuda_kernel_fn kernel_of(const op_def_t *op) {
+  pthread_once(&by_id_once, build_by_id);
+  int id = op_id(op);
+  return id >= 0 && id < MAX_OPS ? by_id[id] : NULL;
+}
+
+static int cuda_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
+                       agent_tensor_t **results, int nresults, const op_infer_t *inf,
+                       uint32_t mesh_rank, int64_t coordinate, meshd_error_t *err) {
+  bool work = inf->nmutates > 0;
+  for (int i = 0; i < inf->nresults; i++) work |= inf->results[i].alias_param < 0;
+  if (!work) return 0;
+  cuda_kernel_fn fn = kernel_of(a->op);
+  if (!fn)
+    return error_set(err, ERR_REMOTE_FAILURE, "%s: the cuda backend has no kernel for this op",
+                     op_name(a->op));
+  cuda_state_t *st = cuda_state(b);
+  cuda_bind(st);
+  cuda_call_t c = {b, st, cuda_stream_of(b, s), st->emulated, a, results, nresults, inf,
+                   mesh_rank, coordinate};
+  int rc = fn(&c, err);
+  if (!rc && !s) rc = sync_own(st, err);
+  return rc;
+}
+
+static int cuda_copy(backend_t *b, backend_stream_t *s, agent_tensor_t *dst,
+                     const agent_tensor_t *src, meshd_error_t *err) {
+  if (!layout_same_shape(&dst->meta.layout, &src->meta.layout))
+    return error_set(err, ERR_SHAPE_MISMATCH, "copy: source and destination shapes differ");
+  cuda_state_t *st = cuda_state(b);
+  cuda_bind(st);
+  int rc = cuda_copy_broadcast(b, cuda_stream_of(b, s), dst, src, err);
+  if (!rc && !s) rc = sync_own(st, err);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ host transfers */
+
+static size_t nbytes(const agent_tensor_t *t) {
+  return (size_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype);
+}
+
+static void *element0(const agent_tensor_t *t) {
+  return (char *)t->storage->data + t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype);
+}
+
+/* A contiguous tensor of t's shape and dtype on `data` (borrowed storage). */
+static agent_tensor_t contiguous_like(const agent_tensor_t *t, agent_storage_t *st, void *data) {
+  agent_tensor_t c = {.meta = t->meta, .storage = st};
+  layout_make_contiguous(&c.meta.layout);
+  st->data = data;
+  return c;
+}
+
+static int cuda_to_host(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err) {
+  cuda_state_t *st = cuda_state(b);
+  size_t n = nbytes(t);
+  agent_storage_t tmp_st = {0};
+  if (st->emulated) {
+    agent_tensor_t h = contiguous_like(t, &tmp_st, dst);
+    return cuda_copy_broadcast(b, &st->own, &h, t, err);
+  }
+  cuda_bind(st);
+  if (own_waits_for_all(st, err)) return -1;
+  void *src = element0(t), *scratch = NULL;
+  int rc = 0;
+  if (!layout_is_contiguous(&t->meta.layout)) { /* gather on the device first */
+    if (!(scratch = cuda_scratch_alloc(b, &st->own, n ? n : 1)))
+      return error_set(err, ERR_QUOTA, "fetch: out of device memory gathering %zu bytes", n);
+    agent_tensor_t c = contiguous_like(t, &tmp_st, scratch);
+    rc = cuda_copy_broadcast(b, &st->own, &c, t, err);
+    src = scratch;
+  }
+  if (!rc && n)
+    rc = cuda_check(st, cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, st->own.s),
+                    "copy to host", err);
+  cuda_scratch_free(b, &st->own, scratch, n ? n : 1);
+  int rc2 = sync_own(st, rc ? NULL : err);
+  return rc ? rc : rc2;
+}
+
+static int cuda_from_host(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err) {
+  cuda_state_t *st = cuda_state(b);
+  size_t n = nbytes(t);
+  agent_storage_t tmp_st = {0};
+  if (st->emulated) {
+    agent_tensor_t h = contiguous_like(t, &tmp_st, (void *)src);
+    return cuda_copy_broadcast(b, &st->own, t, &h, err);
+  }
+  cuda_bind(st);
+  if (own_waits_for_all(st, err)) return -1;
+  int rc = 0;
+  if (layout_is_contiguous(&t->meta.layout)) {
+    if (n)
+      rc = cuda_check(st, cudaMemcpyAsync(element0(t), src, n, cudaMemcpyHostToDevice, st->own.s),
+                      "copy from host", err);
+  } else { /* scatter on the device */
+    void *scratch = cuda_scratch_alloc(b, &st->own, n ? n : 1);
+    if (!scratch)
+      return error_set(err, ERR_QUOTA, "upload: out of device memory staging %zu bytes", n);
+    rc = n ? cuda_check(st, cudaMemcpyAsync(scratch, src, n, cudaMemcpyHostToDevice, st->own.s),
+                        "copy from host", err)
+           : 0;
+    agent_tensor_t c = contiguous_like(t, &tmp_st, scratch);
+    if (!rc) rc = cuda_copy_broadcast(b, &st->own, t, &c, err);
+    cuda_scratch_free(b, &st->own, scratch, n ? n : 1);
+  }
+  int rc2 = sync_own(st, rc ? NULL : err);
+  return rc ? rc : rc2;
+}
+
+/* ------------------------------------------------------------------ communicators */
+
+/* The NCCL slots (cuda_nccl.c), entered with the device bound. */
+static int c_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
+                       size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
+  cuda_bind(cuda_state(b));
+  return cuda_allreduce(b, s, g, buf, count, dtype, op, e);
+}
+
+static int c_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                            void *out, size_t count, dtype_t dtype, dp_reduce_t op,
+                            meshd_error_t *e) {
+  cuda_bind(cuda_state(b));
+  return cuda_reduce_scatter(b, s, g, in, out, count, dtype, op, e);
+}
+
+static int c_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                       void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
+  cuda_bind(cuda_state(b));
+  return cuda_allgather(b, s, g, in, out, count, dtype, e);
+}
+
+static int c_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                      void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
+  cuda_bind(cuda_state(b));
+  return cuda_alltoall(b, s, g, in, out, count, dtype, e);
+}
+
+static int c_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+                  uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
+                  meshd_error_t *e) {
+  cuda_bind(cuda_state(b));
+  return cuda_send(b, s, session, comm_id, to_rank, addr, buf, bytes, e);
+}
+
+static int c_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+                  uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *e) {
+  cuda_bind(cuda_state(b));
+  return cuda_recv(b, s, session, comm_id, from_rank, addr, buf, bytes, e);
+}
+
+static void c_session_end(backend_t *b, uint64_t session) {
+  cuda_bind(cuda_state(b));
+  cuda_session_end(b, session);
+}
+
+const backend_ops_t cuda_backend_ops = {
+    .name = "cuda",
+    .open = cuda_open,
+    .close = cuda_close,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .stream_create = cuda_stream_create,
+    .stream_destroy = cuda_stream_destroy,
+    .stream_sync = cuda_stream_sync,
+    .health = cuda_health,
+    .run_op = cuda_run_op,
+    .copy = cuda_copy,
+    .to_host = cuda_to_host,
+    .from_host = cuda_from_host,
+    .event_record = cuda_event_record,
+    .event_wait = cuda_event_wait,
+    .event_destroy = cuda_event_destroy,
+    .allreduce = c_allreduce,
+    .reduce_scatter = c_reduce_scatter,
+    .allgather = c_allgather,
+    .alltoall = c_alltoall,
+    .send = c_send,
+    .recv = c_recv,
+    .session_end = c_session_end,
+};

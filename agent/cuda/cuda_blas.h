@@ -1,0 +1,29 @@
+/* Matrix products in the cuda backend: cuBLAS (cuda_blas.c) and the functor
+ * matmul it falls back on (kernels_matmul.cu). Private to agent/cuda/. */
+#ifndef MESHD_CUDA_BLAS_H
+#define MESHD_CUDA_BLAS_H
+
+#include "cuda_internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* matmul mm bmm with one thread per output element: dot products accumulated
+ * in double (floating dtypes; float32 and the 16-bit floats rounded through
+ * float, as the cpu's loop) or wrapping int64 (integers), in the cpu's order,
+ * so the bits equal the cpu backend's non-BLAS path. Any strides, batch
+ * broadcasting and 1-D operands as kernels_linalg.c. Runs on the GPU and
+ * emulated. 0, or -1 with e. */
+int cuda_matmul_functor(const cuda_call_t *c, meshd_error_t *e);
+
+/* Destroys the cuBLAS handle and workspace the first matmul on bs made
+ * (bs->blas, bs->blas_ws); nothing when there are none. The backend calls it
+ * from stream_destroy (and for its own stream at close), after syncing bs. */
+void cuda_blas_release(backend_stream_t *bs);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

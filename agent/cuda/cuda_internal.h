@@ -1,0 +1,171 @@
+/* Inside the cuda backend (agent/cuda/): its state, its streams, the kernel
+ * entry points run_op dispatches to, and the few runtime helpers the kernels
+ * share. Included by the C files (cuda_backend.c, cuda_blas.c, cuda_nccl.c)
+ * and, through kernels.cuh, by the .cu kernels (C++): plain C types only.
+ *
+ * Emulation. On device "cuda:emulated" (st->emulated) there is no GPU: memory
+ * is host memory, streams and events are placeholders, and every kernel runs
+ * its per-element functor in a loop on the calling thread (cuda_launch in
+ * kernels.cuh) — the same code the GPU runs, so tests on machines without a
+ * GPU exercise every kernel's logic. No CUDA runtime call may be made when
+ * st->emulated; cuBLAS and NCCL are replaced by the functor matmul and the TCP
+ * data plane. */
+#ifndef MESHD_CUDA_INTERNAL_H
+#define MESHD_CUDA_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One meshd stream: a CUDA stream (non-blocking w.r.t. the legacy stream). */
+struct backend_stream {
+  cudaStream_t s;  /* NULL when emulated */
+  void *blas;      /* cublasHandle_t bound to s, made by the first matmul (cuda_blas.c) */
+  void *blas_ws;   /* its workspace (device), blas_ws_bytes */
+  size_t blas_ws_bytes;
+  struct backend_stream *prev, *next; /* cuda_state_t.streams, under mu */
+};
+
+typedef struct cuda_comms cuda_comms_t; /* NCCL communicators (cuda_nccl.c) */
+
+/* backend_t.impl of the cuda backend. */
+typedef struct cuda_state {
+  bool emulated;
+  int device;                /* CUDA ordinal; -1 emulated */
+  char name[64];             /* "NVIDIA H200 (cuda:0, sm_90)" or "cuda:emulated" */
+  int cc_major, cc_minor;
+  cudaMemPool_t pool;        /* the device's pool, release threshold set at open */
+  backend_stream_t own;      /* the backend's stream: NULL stream arguments, uploads, frees */
+  pthread_mutex_t mu;        /* guards streams and own's queue order across threads */
+  backend_stream_t *streams; /* live streams (not `own`) */
+  uint64_t rand_offset;      /* running offset of unseeded draws (philox.h); under mu */
+  cuda_comms_t *comms;
+  int comm_timeout_ms;       /* a collective or communicator that takes longer is aborted */
+  bool lost;                 /* a sticky CUDA error was seen: the device is unusable */
+  char lost_why[200];
+} cuda_state_t;
+
+static inline cuda_state_t *cuda_state(backend_t *b) { return (cuda_state_t *)b->impl; }
+
+/* The stream a slot should use: s, or the backend's own for NULL. */
+static inline backend_stream_t *cuda_stream_of(backend_t *b, backend_stream_t *s) {
+  return s ? s : &cuda_state(b)->own;
+}
+
+/* Makes st's device current on the calling thread (CUDA's current device is
+ * per thread); every slot calls it first. No-op when emulated. */
+void cuda_bind(cuda_state_t *st);
+
+/* 0 for cudaSuccess; else -1 with e: QUOTA for cudaErrorMemoryAllocation, else
+ * REMOTE_FAILURE "<what>: <CUDA error string>". Sticky errors (the context is
+ * dead: launch failures, illegal addresses, ECC) also mark the state lost, which
+ * the health slot reports. `st` may be NULL. */
+int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e);
+
+/* Temporary device memory for a kernel, in stream order on bs (host memory when
+ * emulated); counted in b->allocated. NULL when out of memory. */
+void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes);
+void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes);
+
+/* Device-to-device (or host, emulated) memcpy / memset in bs's order. */
+int cuda_memcpy(backend_t *b, backend_stream_t *bs, void *dst, const void *src, size_t bytes,
+                meshd_error_t *e);
+int cuda_memset(backend_t *b, backend_stream_t *bs, void *dst, int value, size_t bytes,
+                meshd_error_t *e);
+
+/* ---- kernels: one entry per family, as the cpu backend's (cpu_internal.h) ---- */
+
+typedef struct cuda_call {
+  backend_t *b;
+  cuda_state_t *st;
+  backend_stream_t *bs; /* never NULL */
+  bool emulated;
+  const op_args_t *a;
+  agent_tensor_t **res;
+  int nres;
+  const op_infer_t *inf;
+  uint32_t rank;
+  int64_t coordinate;
+} cuda_call_t;
+
+typedef int (*cuda_kernel_fn)(const cuda_call_t *c, meshd_error_t *e);
+
+static inline agent_tensor_t *cuda_arg(const cuda_call_t *c, int param) {
+  const op_value_t *v = &c->a->v[param];
+  return v->kind == VAL_TENSOR ? agent_tensor_of(v->tensor) : NULL;
+}
+static inline const char *cuda_opname(const cuda_call_t *c) { return c->a->op->name; }
+
+#define CUDA_KERNEL(name) int name(const cuda_call_t *c, meshd_error_t *e)
+/* kernels_factory.cu */
+CUDA_KERNEL(cuda_kernel_fill);     /* empty zeros ones full */
+CUDA_KERNEL(cuda_kernel_arange);
+CUDA_KERNEL(cuda_kernel_rand);     /* rand randn; unseeded draws advance st->rand_offset */
+CUDA_KERNEL(cuda_kernel_rank);
+CUDA_KERNEL(cuda_kernel_fill_);    /* fill_ zero_ */
+/* kernels_elementwise.cu */
+CUDA_KERNEL(cuda_kernel_binary);   /* add .. bitwise_xor, add_ sub_ mul_ div_ */
+CUDA_KERNEL(cuda_kernel_unary);
+CUDA_KERNEL(cuda_kernel_where);
+CUDA_KERNEL(cuda_kernel_clamp);    /* clamp clamp_ */
+/* kernels_reduce.cu */
+CUDA_KERNEL(cuda_kernel_reduce);
+CUDA_KERNEL(cuda_kernel_softmax);  /* softmax log_softmax */
+/* cuda_blas.c (cuBLAS) with kernels_matmul.cu (the functor matmul: emulated, integer dtypes) */
+CUDA_KERNEL(cuda_kernel_matmul);   /* matmul mm bmm */
+/* kernels_tensor.cu */
+CUDA_KERNEL(cuda_kernel_copy);     /* clone contiguous to cast copy_ */
+CUDA_KERNEL(cuda_kernel_cat);
+CUDA_KERNEL(cuda_kernel_stack);
+CUDA_KERNEL(cuda_kernel_index_select);
+CUDA_KERNEL(cuda_kernel_gather);
+#undef CUDA_KERNEL
+
+/* kernels_tensor.cu: dst = src cast to dst's dtype, src broadcast to dst's
+ * shape (right-aligned), any strides on both; in bs's order. */
+int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_tensor_t *dst,
+                        const agent_tensor_t *src, meshd_error_t *e);
+
+/* kernels_reduce.cu: out[j] = op over k < n of in[k * count + j] (n slices of
+ * count elements, contiguous), with dp_reduce_t semantics identical to the cpu
+ * data plane's (agent/cpu/reduce_ops.c; DP_AVG divides the sum by n). For
+ * reductions NCCL lacks. */
+int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void *out, size_t n,
+                       size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e);
+
+/* cuda_nccl.c: communicators, the backend.h slots (the table in
+ * cuda_backend.c binds the device first). */
+cuda_comms_t *cuda_comms_create(void);
+/* Aborts and frees every communicator. */
+void cuda_comms_destroy(cuda_comms_t *c);
+int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
+                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err);
+int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                  size_t count, dtype_t dtype, meshd_error_t *err);
+int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t to_rank, const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
+int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+void cuda_session_end(backend_t *b, uint64_t session);
+
+/* cuda_blas.c: frees bs's cuBLAS handle and workspace (stream_destroy). */
+void cuda_blas_release(backend_stream_t *bs);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,858 @@
+/* The cuda backend's communicators (cuda_nccl.h).
+ *
+ * Bootstrap. NCCL needs a unique id made by one member and known to all. The
+ * agents already share a TCP data plane (b->net), so member 0 makes the id and
+ * dp_sends it to every other member on a channel derived from comm_id (see
+ * boot_channel): no server round trip, and the data plane's own timeout bounds
+ * the wait for an absent member 0.
+ *
+ * Communicators. A group's is keyed by (session, comm_id, its members and their
+ * addresses: a replaced agent has a new address, hence a new communicator). A
+ * point-to-point one is directional, keyed by (session, comm_id, peer, peer's
+ * address, send or receive); the sender is NCCL rank 0 and makes the id. One
+ * per direction because a pair of agents may send to each other at once on the
+ * same comm_id from different stream threads, and two threads must never drive
+ * one NCCL communicator. It also means a slot needs no world rank of its own.
+ *
+ * Ordering. Every communicator has its own CUDA stream: it waits for the
+ * caller's stream (an event), runs the NCCL work, and the call waits for it
+ * with a deadline (cudaEventQuery + ncclCommGetAsyncError). Private streams
+ * keep two communicators' kernels from queueing behind each other on one
+ * stream, which deadlocks when two agents queue them in opposite orders.
+ *
+ * Failure. Past comm_timeout_ms, or on any NCCL error, the communicator is
+ * aborted (ncclCommAbort stops its kernels) and dropped from the cache; the
+ * next call on that key makes a new one. comms->mu guards the cache only and
+ * is never held while NCCL or the data plane waits. */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <nccl.h>
+
+#include "cuda_internal.h"
+#include "cuda_nccl.h"
+#include "log.h"
+
+#define BOOT_GROUP 0x6e63636c2d677270ull /* "nccl-grp": group id channel = comm_id ^ this */
+#define BOOT_P2P 0x6e63636c2d703270ull   /* "nccl-p2p" */
+#define BOOT_MAGIC 0x4d44424f4f540001ull
+#define POLL_MIN_NS 20000L
+#define POLL_MAX_NS 1000000L
+
+/* ------------------------------------------------------------------ the plan */
+
+static int nccl_type_of(dtype_t d) {
+  switch (d) {
+  case DTYPE_FLOAT32: return ncclFloat32;
+  case DTYPE_FLOAT64: return ncclFloat64;
+  case DTYPE_FLOAT16: return ncclFloat16;
+  case DTYPE_BFLOAT16: return ncclBfloat16;
+  case DTYPE_INT8: return ncclInt8;
+  case DTYPE_UINT8: return ncclUint8;
+  case DTYPE_INT32: return ncclInt32;
+  case DTYPE_INT64: return ncclInt64;
+  default: return -1; /* int16, bool: no NCCL type */
+  }
+}
+
+cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, dp_reduce_t op) {
+  cuda_nccl_plan_t p = {CUDA_PLAN_INVALID, -1, -1};
+  if (!dtype_valid(dtype) || (unsigned)op > DP_BXOR) return p;
+  bool bitwise = op == DP_BAND || op == DP_BOR || op == DP_BXOR;
+  if ((bitwise && dtype_is_floating(dtype)) || (op == DP_AVG && dtype == DTYPE_BOOL)) return p;
+  int t = nccl_type_of(dtype), o = -1;
+  switch (op) {
+  case DP_SUM: o = ncclSum; break;
+  case DP_PRODUCT: o = ncclProd; break;
+  case DP_MIN: o = ncclMin; break;
+  case DP_MAX: o = ncclMax; break;
+  case DP_AVG: o = dtype_is_floating(dtype) ? ncclAvg : -1; break; /* ints truncate */
+  default: break;                                                  /* bitwise */
+  }
+  if (t < 0 || o < 0) {
+    p.kind = CUDA_PLAN_GATHER;
+    return p;
+  }
+  p.kind = CUDA_PLAN_NATIVE;
+  p.nccl_dtype = t;
+  p.nccl_op = o;
+  return p;
+}
+
+static const char *reduce_name(dp_reduce_t op) {
+  static const char *const names[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
+  return (unsigned)op < sizeof names / sizeof names[0] ? names[op] : "unknown";
+}
+
+static int plan_error(const char *what, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
+  if (!dtype_valid(dtype))
+    return error_set(e, ERR_BAD_ARGUMENT, "%s: dtype %d is not a known dtype", what, (int)dtype);
+  if ((unsigned)op > DP_BXOR)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "%s: reduction %d is unknown (expected one of sum avg product min max "
+                     "band bor bxor)",
+                     what, (int)op);
+  if (op == DP_AVG)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "%s: reduction 'avg' is not defined on bool; cast to a floating dtype", what);
+  return error_set(e, ERR_BAD_ARGUMENT,
+                   "%s: reduction '%s' is bitwise and is defined only on integer and bool "
+                   "dtypes, not %s",
+                   what, reduce_name(op), dtype_name(dtype));
+}
+
+/* ------------------------------------------------------------------ helpers */
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void nap(long *ns) {
+  struct timespec ts = {0, *ns};
+  nanosleep(&ts, NULL);
+  *ns = *ns * 2 > POLL_MAX_NS ? POLL_MAX_NS : *ns * 2;
+}
+
+static int timeout_ms_of(const cuda_state_t *st) {
+  return st->comm_timeout_ms > 0 ? st->comm_timeout_ms : 30000;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+  const unsigned char *c = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ c[i]) * 1099511628211ull;
+  return h;
+}
+
+static int no_net(const char *what, meshd_error_t *e) {
+  return error_set(e, ERR_REMOTE_FAILURE,
+                   "%s: this agent has no data plane (it failed to start): collectives and sends "
+                   "between agents are unavailable",
+                   what);
+}
+
+static int check_group(const char *what, const dp_group_t *g, meshd_error_t *e) {
+  if (!g || g->n == 0 || g->me >= g->n || !g->ranks || !g->addrs)
+    return error_set(e, ERR_BAD_ARGUMENT, "%s: needs a group with this agent in it", what);
+  for (size_t i = 0; i < g->n; i++)
+    if (!g->addrs[i])
+      return error_set(e, ERR_BAD_ARGUMENT, "%s: group member %zu has no address", what, i);
+  return 0;
+}
+
+/* ---------------------------------------------------------- the cache */
+
+typedef enum { COMM_GROUP, COMM_SEND, COMM_RECV } comm_kind_t;
+
+typedef struct comm {
+  struct comm *next;
+  int refs;    /* under comms->mu: the cache's (while linked) and each user's */
+  bool linked; /* in comms->list */
+  comm_kind_t kind;
+  uint64_t session, comm_id;
+  size_t n, me;
+  uint32_t *ranks; /* n; for point to point: [the peer] */
+  char **addrs;    /* n, owned */
+  uint64_t key;    /* key_of: what the members check when the id arrives */
+  int device;
+  pthread_mutex_t busy; /* one operation at a time on this communicator */
+  ncclComm_t nc;        /* NULL once aborted */
+  cudaStream_t stream;
+  cudaEvent_t ready, done;
+} comm_t;
+
+struct cuda_comms {
+  pthread_mutex_t mu;
+  comm_t *list;
+};
+
+cuda_comms_t *cuda_comms_create(void) {
+  cuda_comms_t *c = calloc(1, sizeof *c);
+  if (c) pthread_mutex_init(&c->mu, NULL);
+  return c;
+}
+
+static bool same_key(const comm_t *c, comm_kind_t kind, uint64_t session, const dp_group_t *g) {
+  if (c->kind != kind || c->session != session || c->comm_id != g->comm_id || c->n != g->n ||
+      c->me != g->me)
+    return false;
+  for (size_t i = 0; i < g->n; i++)
+    if (c->ranks[i] != g->ranks[i] || strcmp(c->addrs[i], g->addrs[i]) != 0) return false;
+  return true;
+}
+
+/* What every member can compute alike, checked when the id arrives: not the
+ * session key (agent-local), nor a point-to-point peer or direction (the two
+ * ends see each other); comm_id already names the session. */
+static uint64_t key_of(comm_kind_t kind, const dp_group_t *g) {
+  uint64_t h = fnv(1469598103934665603ull, &g->comm_id, sizeof g->comm_id);
+  uint64_t tag = kind == COMM_GROUP ? 1 : 2;
+  h = fnv(h, &tag, sizeof tag);
+  if (kind != COMM_GROUP) return h;
+  h = fnv(h, &g->n, sizeof g->n);
+  for (size_t i = 0; i < g->n; i++) {
+    h = fnv(h, &g->ranks[i], sizeof g->ranks[i]);
+    h = fnv(h, g->addrs[i], strlen(g->addrs[i]) + 1);
+  }
+  return h;
+}
+
+static void comm_free_mem(comm_t *c) {
+  if (!c) return;
+  for (size_t i = 0; c->addrs && i < c->n; i++) free(c->addrs[i]);
+  free(c->addrs);
+  free(c->ranks);
+  pthread_mutex_destroy(&c->busy);
+  free(c);
+}
+
+/* Ends the NCCL side. graceful: finalize and destroy, aborting instead when
+ * that errs or runs past the deadline; else abort at once. */
+static void comm_teardown(comm_t *c, bool graceful, int64_t deadline) {
+  if (c->device >= 0) cudaSetDevice(c->device);
+  if (c->nc) {
+    bool finalized = false;
+    if (graceful) {
+      ncclResult_t r = ncclCommFinalize(c->nc);
+      long ns = POLL_MIN_NS;
+      while (r == ncclInProgress && now_ns() < deadline) {
+        nap(&ns);
+        ncclResult_t a = ncclSuccess;
+        r = ncclCommGetAsyncError(c->nc, &a);
+        if (r == ncclSuccess) r = a;
+      }
+      finalized = r == ncclSuccess;
+    }
+    if (finalized) ncclCommDestroy(c->nc);
+    else ncclCommAbort(c->nc);
+    c->nc = NULL;
+  }
+  if (c->done) cudaEventDestroy(c->done);
+  if (c->ready) cudaEventDestroy(c->ready);
+  if (c->stream) cudaStreamDestroy(c->stream);
+  c->done = c->ready = NULL;
+  c->stream = NULL;
+}
+
+/* Drops one reference; the last one tears the communicator down. */
+static void comm_put(cuda_comms_t *cs, comm_t *c, bool graceful, int64_t deadline) {
+  pthread_mutex_lock(&cs->mu);
+  bool last = --c->refs == 0;
+  pthread_mutex_unlock(&cs->mu);
+  if (!last) return;
+  comm_teardown(c, graceful, deadline);
+  comm_free_mem(c);
+}
+
+static void comm_unlink(cuda_comms_t *cs, comm_t *c) {
+  pthread_mutex_lock(&cs->mu);
+  bool was = c->linked;
+  if (was) {
+    for (comm_t **p = &cs->list; *p; p = &(*p)->next)
+      if (*p == c) {
+        *p = c->next;
+        break;
+      }
+    c->linked = false;
+    c->refs--; /* the cache's; the caller still holds its own */
+  }
+  pthread_mutex_unlock(&cs->mu);
+}
+
+void cuda_comms_destroy(cuda_comms_t *cs) {
+  if (!cs) return;
+  comm_t *c = cs->list;
+  while (c) {
+    comm_t *next = c->next;
+    comm_teardown(c, false, 0);
+    comm_free_mem(c);
+    c = next;
+  }
+  pthread_mutex_destroy(&cs->mu);
+  free(cs);
+}
+
+void cuda_session_end(backend_t *b, uint64_t session) {
+  cuda_state_t *st = cuda_state(b);
+  cuda_comms_t *cs = st->comms;
+  if (st->emulated || !cs) return;
+  comm_t *mine = NULL;
+  pthread_mutex_lock(&cs->mu);
+  for (comm_t **p = &cs->list; *p;) {
+    comm_t *c = *p;
+    if (c->session == session) {
+      *p = c->next;
+      c->linked = false;
+      c->next = mine;
+      mine = c;
+    } else {
+      p = &c->next;
+    }
+  }
+  pthread_mutex_unlock(&cs->mu);
+  /* One deadline for the whole session: a dead peer costs one timeout, not one
+   * per communicator. */
+  int64_t deadline = now_ns() + (int64_t)timeout_ms_of(st) * 1000000;
+  while (mine) {
+    comm_t *next = mine->next;
+    comm_put(cs, mine, true, deadline); /* the cache's reference */
+    mine = next;
+  }
+}
+
+/* ------------------------------------------------------------- messages */
+
+typedef struct {
+  char text[160];
+} who_t;
+
+/* "allreduce over ranks [0,1]" / "send to rank 3" */
+static void describe(who_t *w, const char *what, comm_kind_t kind, const dp_group_t *g) {
+  size_t at = 0, cap = sizeof w->text;
+  if (kind == COMM_SEND || kind == COMM_RECV) {
+    snprintf(w->text, cap, "%s %s rank %u", what, kind == COMM_SEND ? "to" : "from", g->ranks[0]);
+    return;
+  }
+  at += (size_t)snprintf(w->text, cap, "%s over ranks [", what);
+  for (size_t i = 0; i < g->n && at < cap; i++) {
+    if (at + 16 >= cap) {
+      at += (size_t)snprintf(w->text + at, cap - at, "...");
+      break;
+    }
+    at += (size_t)snprintf(w->text + at, cap - at, i ? ",%u" : "%u", g->ranks[i]);
+  }
+  if (at < cap) snprintf(w->text + at, cap - at, "]");
+}
+
+static void seconds(char *buf, size_t len, int ms) {
+  if (ms % 1000 == 0) snprintf(buf, len, "%d s", ms / 1000);
+  else snprintf(buf, len, "%.1f s", ms / 1000.0);
+}
+
+/* "<who>: NCCL failed <doing>: <error string>: <last error><tail>" */
+static int nccl_error(const who_t *w, ncclComm_t nc, ncclResult_t r, const char *doing,
+                      const char *tail, meshd_error_t *e) {
+  const char *last = ncclGetLastError(nc);
+  bool has_last = last && *last;
+  return error_set(e, ERR_REMOTE_FAILURE, "%s: NCCL failed%s%s: %s%s%s%s", w->text,
+                   doing ? " " : "", doing ? doing : "", ncclGetErrorString(r),
+                   has_last ? ": " : "", has_last ? last : "", tail ? tail : "");
+}
+
+/* --------------------------------------------------- making a communicator */
+
+typedef struct {
+  uint64_t magic, comm_id, key;
+  ncclUniqueId id;
+} boot_msg_t;
+
+static uint64_t boot_channel(comm_kind_t kind, uint64_t comm_id) {
+  return comm_id ^ (kind == COMM_GROUP ? BOOT_GROUP : BOOT_P2P);
+}
+
+/* Member 0 makes the id and hands it out; the others take it from member 0. */
+static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, meshd_error_t *e) {
+  boot_msg_t m;
+  memset(&m, 0, sizeof m);
+  uint64_t chan = boot_channel(c->kind, c->comm_id);
+  meshd_error_t de = {0};
+  if (c->me == 0) {
+    ncclResult_t r = ncclGetUniqueId(&m.id);
+    if (r != ncclSuccess) return nccl_error(w, NULL, r, "making a unique id", NULL, e);
+    m.magic = BOOT_MAGIC;
+    m.comm_id = c->comm_id;
+    m.key = c->key;
+    if (c->kind == COMM_SEND) {
+      if (dp_send(b->net, chan, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+        return error_set(e, ERR_REMOTE_FAILURE, "%s: sending the NCCL id failed: %s", w->text,
+                         de.msg);
+    } else {
+      for (size_t i = 1; i < c->n; i++)
+        if (dp_send(b->net, chan, c->ranks[i], c->addrs[i], &m, sizeof m, &de))
+          return error_set(e, ERR_REMOTE_FAILURE,
+                           "%s: sending the NCCL id to rank %u failed: %s", w->text, c->ranks[i],
+                           de.msg);
+    }
+  } else {
+    if (dp_recv(b->net, chan, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+      return error_set(e, ERR_REMOTE_FAILURE,
+                       "%s: receiving the NCCL id from rank %u failed: %s", w->text, c->ranks[0],
+                       de.msg);
+    if (m.magic != BOOT_MAGIC || m.comm_id != c->comm_id || m.key != c->key)
+      return error_set(e, ERR_REMOTE_FAILURE,
+                       "%s: rank %u sent an NCCL id for another communicator (the members "
+                       "disagree on the group or its addresses)",
+                       w->text, c->ranks[0]);
+  }
+  *id = m.id;
+  return 0;
+}
+
+/* Non-blocking init, polled up to the deadline; aborted on failure. 0 when
+ * made; 1 when NCCL reported an error; -1 past the deadline. */
+static int init_comm(cuda_state_t *st, comm_t *c, const who_t *w, ncclUniqueId id, int nranks,
+                     int rank, int64_t deadline, meshd_error_t *e) {
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  int ms = timeout_ms_of(st);
+  ncclComm_t nc = NULL;
+  ncclResult_t r = ncclCommInitRankConfig(&nc, nranks, id, rank, &cfg);
+  long ns = POLL_MIN_NS;
+  while (r == ncclInProgress && nc) {
+    if (now_ns() >= deadline) {
+      char s[32];
+      seconds(s, sizeof s, ms);
+      ncclCommAbort(nc);
+      error_set(e, ERR_REMOTE_FAILURE,
+                "%s: setting up the NCCL communicator took longer than %s (a peer did not "
+                "join); it was aborted",
+                w->text, s);
+      return -1;
+    }
+    nap(&ns);
+    ncclResult_t a = ncclSuccess;
+    r = ncclCommGetAsyncError(nc, &a);
+    if (r == ncclSuccess) r = a;
+  }
+  if (r != ncclSuccess) {
+    nccl_error(w, nc, r, "setting up the communicator", NULL, e);
+    if (nc) ncclCommAbort(nc);
+    return 1;
+  }
+  c->nc = nc;
+  return 0;
+}
+
+static comm_t *comm_new(comm_kind_t kind, uint64_t session, const dp_group_t *g, int device) {
+  comm_t *c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  pthread_mutex_init(&c->busy, NULL);
+  c->kind = kind;
+  c->session = session;
+  c->comm_id = g->comm_id;
+  c->n = g->n;
+  c->me = g->me;
+  c->device = device;
+  c->ranks = malloc(g->n * sizeof *c->ranks);
+  c->addrs = calloc(g->n, sizeof *c->addrs);
+  if (!c->ranks || !c->addrs) goto fail;
+  for (size_t i = 0; i < g->n; i++) {
+    c->ranks[i] = g->ranks[i];
+    if (!(c->addrs[i] = strdup(g->addrs[i]))) goto fail;
+  }
+  c->key = key_of(kind, g);
+  return c;
+fail:
+  comm_free_mem(c);
+  return NULL;
+}
+
+/* The cached communicator for the key, made (bootstrap + init) when missing.
+ * Returns it with a reference for the caller, or NULL with e. */
+static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const dp_group_t *g,
+                        const who_t *w, meshd_error_t *e) {
+  cuda_state_t *st = cuda_state(b);
+  cuda_comms_t *cs = st->comms;
+  if (!cs) {
+    error_set(e, ERR_REMOTE_FAILURE, "%s: the backend has no communicator cache", w->text);
+    return NULL;
+  }
+  pthread_mutex_lock(&cs->mu);
+  for (comm_t *c = cs->list; c; c = c->next)
+    if (same_key(c, kind, session, g)) {
+      c->refs++;
+      pthread_mutex_unlock(&cs->mu);
+      return c;
+    }
+  pthread_mutex_unlock(&cs->mu);
+
+  if (!b->net) {
+    no_net(w->text, e);
+    return NULL;
+  }
+  comm_t *c = comm_new(kind, session, g, st->device);
+  if (!c) {
+    error_set(e, ERR_QUOTA, "%s: out of host memory", w->text);
+    return NULL;
+  }
+  /* Point to point: the sender is NCCL rank 0, the receiver rank 1. */
+  int nranks = kind == COMM_GROUP ? (int)g->n : 2;
+  int rank = kind == COMM_GROUP ? (int)g->me : kind == COMM_SEND ? 0 : 1;
+  ncclUniqueId id;
+  int64_t deadline = now_ns() + (int64_t)timeout_ms_of(st) * 1000000;
+  if (cuda_check(st, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
+                 "creating a communicator stream", e) ||
+      cuda_check(st, cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming),
+                 "creating a communicator event", e) ||
+      cuda_check(st, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
+                 "creating a communicator event", e))
+    goto fail;
+  /* A member that missed a round (it failed before calling) finds that
+   * round's id still queued on the channel; joining with it fails (its
+   * creator aborted), so a non-zero member takes the next id and tries again
+   * until the deadline. */
+  for (;;) {
+    if (bootstrap(b, c, w, &id, e)) goto fail;
+    int r = init_comm(st, c, w, id, nranks, rank, deadline, e);
+    if (r == 0) break;
+    if (r < 0 || c->me == 0 || now_ns() >= deadline) goto fail;
+    log_warn("cuda", "%s; trying the next NCCL id from rank %u", e->msg, c->ranks[0]);
+  }
+  pthread_mutex_lock(&cs->mu);
+  c->refs = 2; /* the cache's and the caller's */
+  c->linked = true;
+  c->next = cs->list;
+  cs->list = c;
+  pthread_mutex_unlock(&cs->mu);
+  return c;
+fail:
+  comm_teardown(c, false, 0);
+  comm_free_mem(c);
+  return NULL;
+}
+
+/* ---------------------------------------------------- running an operation */
+
+/* A NCCL call's result on a non-blocking communicator: ncclInProgress means
+ * "still being enqueued"; poll until it settles. */
+static ncclResult_t settle(ncclComm_t nc, ncclResult_t r, int64_t deadline, bool *late) {
+  long ns = POLL_MIN_NS;
+  while (r == ncclInProgress) {
+    if (now_ns() >= deadline) {
+      *late = true;
+      return r;
+    }
+    nap(&ns);
+    ncclResult_t a = ncclSuccess;
+    r = ncclCommGetAsyncError(nc, &a);
+    if (r == ncclSuccess) r = a;
+  }
+  return r;
+}
+
+/* The communicator failed: abort it (stopping its kernels) and drop it. */
+static int comm_fail(cuda_state_t *st, comm_t *c, const who_t *w, ncclResult_t r, bool late,
+                     meshd_error_t *e) {
+  if (late) {
+    char s[32];
+    seconds(s, sizeof s, timeout_ms_of(st));
+    error_set(e, ERR_REMOTE_FAILURE,
+              "%s: a peer did not take part within %s; the communicator was aborted", w->text, s);
+  } else if (r != ncclSuccess) {
+    nccl_error(w, c->nc, r, NULL, "; the communicator was aborted", e);
+  }
+  ncclCommAbort(c->nc);
+  c->nc = NULL;
+  comm_unlink(st->comms, c);
+  return -1;
+}
+
+typedef enum { OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_ALLTOALL, OP_SEND, OP_RECV } op_kind_t;
+
+typedef struct {
+  op_kind_t kind;
+  const char *what;
+  const void *in;  /* device pointers (staged if the caller gave host memory) */
+  void *out;
+  size_t count;    /* elements per member slice (p2p: bytes) */
+  size_t esz;
+  size_t n;        /* members */
+  dtype_t dtype;
+  dp_reduce_t op;
+  cuda_nccl_plan_t plan;
+  void *gather;    /* n * count elements of scratch, for CUDA_PLAN_GATHER */
+} job_t;
+
+/* Enqueues the job's NCCL work on c->stream. */
+static ncclResult_t enqueue(const job_t *j, comm_t *c, int64_t deadline, bool *late) {
+  size_t bytes = j->count * j->esz;
+  const char *in = j->in;
+  char *out = j->out;
+  ncclResult_t r = ncclSuccess;
+  switch (j->kind) {
+  case OP_ALLREDUCE:
+    if (j->plan.kind == CUDA_PLAN_NATIVE)
+      r = ncclAllReduce(in, out, j->count, (ncclDataType_t)j->plan.nccl_dtype,
+                        (ncclRedOp_t)j->plan.nccl_op, c->nc, c->stream);
+    else
+      r = ncclAllGather(in, j->gather, bytes, ncclUint8, c->nc, c->stream);
+    break;
+  case OP_REDUCE_SCATTER:
+    if (j->plan.kind == CUDA_PLAN_NATIVE) {
+      r = ncclReduceScatter(in, out, j->count, (ncclDataType_t)j->plan.nccl_dtype,
+                            (ncclRedOp_t)j->plan.nccl_op, c->nc, c->stream);
+      break;
+    }
+    out = j->gather; /* every member's slice `me`, then reduced locally */
+    /* fallthrough */
+  case OP_ALLTOALL:
+    r = ncclGroupStart();
+    for (size_t i = 0; i < j->n && r == ncclSuccess; i++) {
+      r = ncclSend(in + i * bytes, bytes, ncclUint8, (int)i, c->nc, c->stream);
+      if (r == ncclSuccess) r = ncclRecv(out + i * bytes, bytes, ncclUint8, (int)i, c->nc, c->stream);
+    }
+    {
+      ncclResult_t end = ncclGroupEnd(); /* always close the group */
+      if (r == ncclSuccess) r = end;
+    }
+    break;
+  case OP_ALLGATHER:
+    r = ncclAllGather(in, out, bytes, ncclUint8, c->nc, c->stream);
+    break;
+  case OP_SEND:
+    r = ncclSend(in, bytes, ncclUint8, 1, c->nc, c->stream);
+    break;
+  case OP_RECV:
+    r = ncclRecv(out, bytes, ncclUint8, 0, c->nc, c->stream);
+    break;
+  }
+  return settle(c->nc, r, deadline, late);
+}
+
+/* Waits for c->done, watching for NCCL errors. The deadline runs from when
+ * this side's earlier work on the caller's stream (c->ready) is done: only
+ * the peers' absence may count against it. */
+static int wait_done(cuda_state_t *st, comm_t *c, const who_t *w, meshd_error_t *e) {
+  long ns = POLL_MIN_NS;
+  int64_t deadline = INT64_MAX;
+  for (;;) {
+    if (deadline == INT64_MAX && cudaEventQuery(c->ready) == cudaSuccess)
+      deadline = now_ns() + (int64_t)timeout_ms_of(st) * 1000000;
+    cudaError_t q = cudaEventQuery(c->done);
+    if (q == cudaSuccess) return 0;
+    if (q != cudaErrorNotReady) {
+      cuda_check(st, q, w->text, e);
+      ncclCommAbort(c->nc);
+      c->nc = NULL;
+      comm_unlink(st->comms, c);
+      return -1;
+    }
+    ncclResult_t a = ncclSuccess, r = ncclCommGetAsyncError(c->nc, &a);
+    if (r == ncclSuccess) r = a;
+    if (r != ncclSuccess && r != ncclInProgress) return comm_fail(st, c, w, r, false, e);
+    if (now_ns() >= deadline) return comm_fail(st, c, w, ncclSuccess, true, e);
+    nap(&ns);
+  }
+}
+
+/* Whether the communicator's stream has drained, given a second after an
+ * abort (which tells NCCL's kernels to stop). */
+static bool quiesced(comm_t *c) {
+  long ns = POLL_MIN_NS;
+  int64_t until = now_ns() + 1000000000;
+  for (;;) {
+    cudaError_t q = cudaStreamQuery(c->stream);
+    if (q != cudaErrorNotReady) {
+      if (q != cudaSuccess) cudaGetLastError();
+      return q == cudaSuccess;
+    }
+    if (now_ns() >= until) return false;
+    nap(&ns);
+  }
+}
+
+static bool is_host(const void *p) {
+  struct cudaPointerAttributes a;
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError(); /* not sticky: clear it */
+    return true;
+  }
+  return a.type == cudaMemoryTypeUnregistered || a.type == cudaMemoryTypeHost;
+}
+
+/* The real-device path of every slot. in_bytes / out_bytes are the sizes of
+ * the caller's buffers (in == out for allreduce). */
+static int run_real(backend_t *b, backend_stream_t *s, comm_kind_t ck, uint64_t session,
+                    const dp_group_t *g, job_t *j, size_t in_bytes, size_t out_bytes,
+                    meshd_error_t *e) {
+  cuda_state_t *st = cuda_state(b);
+  backend_stream_t *bs = cuda_stream_of(b, s);
+  who_t w;
+  describe(&w, j->what, ck, g);
+  if (cuda_check(st, cudaSetDevice(st->device), w.text, e)) return -1;
+  comm_t *c = comm_get(b, ck, session, g, &w, e);
+  if (!c) return -1;
+  pthread_mutex_lock(&c->busy);
+  int rc = -1;
+  const void *user_in = j->in;
+  void *user_out = j->out, *din = NULL, *dout = NULL;
+  bool inplace = j->kind == OP_ALLREDUCE;
+  size_t gather_bytes = j->plan.kind == CUDA_PLAN_GATHER ? j->n * j->count * j->esz : 0;
+  bool late = false, enqueued = false, completed = false;
+  ncclResult_t r;
+  if (!c->nc) { /* aborted by a concurrent failure before we got the lock */
+    error_set(e, ERR_REMOTE_FAILURE, "%s: the communicator was aborted", w.text);
+    goto out;
+  }
+  /* Host buffers (run.c stages tensors through host memory) travel through
+   * device scratch. */
+  if (in_bytes && user_in && is_host(user_in)) {
+    if (!(din = cuda_scratch_alloc(b, bs, in_bytes))) goto oom;
+    if (cuda_check(st, cudaMemcpyAsync(din, user_in, in_bytes, cudaMemcpyHostToDevice, bs->s),
+                   w.text, e))
+      goto out;
+    j->in = din;
+  }
+  if (out_bytes && user_out && is_host(user_out)) {
+    if (inplace && din) dout = din;
+    else if (!(dout = cuda_scratch_alloc(b, bs, out_bytes))) goto oom;
+    j->out = dout;
+  }
+  if (gather_bytes && !(j->gather = cuda_scratch_alloc(b, bs, gather_bytes))) goto oom;
+
+  if (cuda_check(st, cudaEventRecord(c->ready, bs->s), w.text, e) ||
+      cuda_check(st, cudaStreamWaitEvent(c->stream, c->ready, 0), w.text, e))
+    goto out;
+  enqueued = true;
+  r = enqueue(j, c, now_ns() + (int64_t)timeout_ms_of(st) * 1000000, &late);
+  if (r != ncclSuccess || late) {
+    comm_fail(st, c, &w, r, late, e);
+    goto out;
+  }
+  if (cuda_check(st, cudaEventRecord(c->done, c->stream), w.text, e)) goto out;
+  if (wait_done(st, c, &w, e)) goto out;
+  completed = true;
+  if (j->gather) {
+    size_t slices = j->n;
+    if (cuda_reduce_slices(b, bs, j->gather, j->out, slices, j->count, j->dtype, j->op, e)) {
+      error_prefix(e, w.text, ": ");
+      goto out;
+    }
+  }
+  if (dout) {
+    if (cuda_check(st, cudaMemcpyAsync(user_out, dout, out_bytes, cudaMemcpyDeviceToHost, bs->s),
+                   w.text, e) ||
+        cuda_check(st, cudaStreamSynchronize(bs->s), w.text, e))
+      goto out;
+  }
+  rc = 0;
+  goto out;
+oom:
+  error_set(e, ERR_QUOTA, "%s: out of device memory for staging buffers", w.text);
+out:
+  if (rc && !completed && c->nc) {
+    /* The peers will give up on this round and drop their communicators:
+     * drop ours too, so that the next call rebuilds it with them. */
+    ncclCommAbort(c->nc);
+    c->nc = NULL;
+    comm_unlink(st->comms, c);
+  }
+  if (enqueued && !completed && !quiesced(c)) {
+    /* An aborted kernel may still touch the scratch: keep it rather than
+     * let the pool hand it out again. */
+    log_warn("cuda", "%s: the aborted NCCL work has not stopped; keeping %zu bytes of scratch",
+             w.text, gather_bytes + (dout && dout != din ? out_bytes : 0) + (din ? in_bytes : 0));
+    j->gather = din = dout = NULL;
+  }
+  pthread_mutex_unlock(&c->busy);
+  if (j->gather) cuda_scratch_free(b, bs, j->gather, gather_bytes);
+  if (dout && dout != din) cuda_scratch_free(b, bs, dout, out_bytes);
+  if (din) cuda_scratch_free(b, bs, din, in_bytes);
+  j->gather = NULL;
+  comm_put(st->comms, c, false, 0);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ slots */
+
+static bool emulated(backend_t *b) { return cuda_state(b)->emulated; }
+
+/* A one-member group: the local identity of each collective, in s's order. */
+static int local_copy(backend_t *b, backend_stream_t *s, void *out, const void *in, size_t bytes,
+                      meshd_error_t *e) {
+  if (!bytes || out == in) return 0;
+  return cuda_memcpy(b, cuda_stream_of(b, s), out, in, bytes, e);
+}
+
+int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
+                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err) {
+  const char *what = "allreduce";
+  if (emulated(b)) return b->net ? dp_allreduce(b->net, g, buf, count, dtype, op, err) : no_net(what, err);
+  cuda_nccl_plan_t plan = cuda_nccl_plan(dtype, op);
+  if (plan.kind == CUDA_PLAN_INVALID) return plan_error(what, dtype, op, err);
+  if (check_group(what, g, err)) return -1;
+  if (count == 0 || g->n == 1) return 0; /* avg over one member is the identity */
+  size_t esz = dtype_size(dtype);
+  job_t j = {OP_ALLREDUCE, what, buf, buf, count, esz, g->n, dtype, op, plan, NULL};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz, count * esz, err);
+}
+
+int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err) {
+  const char *what = "reduce_scatter";
+  if (emulated(b))
+    return b->net ? dp_reduce_scatter(b->net, g, in, out, count, dtype, op, err) : no_net(what, err);
+  cuda_nccl_plan_t plan = cuda_nccl_plan(dtype, op);
+  if (plan.kind == CUDA_PLAN_INVALID) return plan_error(what, dtype, op, err);
+  if (check_group(what, g, err)) return -1;
+  size_t esz = dtype_size(dtype);
+  if (count == 0) return 0;
+  if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
+  job_t j = {OP_REDUCE_SCATTER, what, in, out, count, esz, g->n, dtype, op, plan, NULL};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, g->n * count * esz, count * esz, err);
+}
+
+int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err) {
+  const char *what = "allgather";
+  if (emulated(b)) return b->net ? dp_allgather(b->net, g, in, out, count, dtype, err) : no_net(what, err);
+  if (!dtype_valid(dtype)) return plan_error(what, dtype, DP_SUM, err);
+  if (check_group(what, g, err)) return -1;
+  size_t esz = dtype_size(dtype);
+  if (count == 0) return 0;
+  if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
+  cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
+  job_t j = {OP_ALLGATHER, what, in, out, count, esz, g->n, dtype, DP_SUM, bytes_only, NULL};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz, g->n * count * esz, err);
+}
+
+int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                  size_t count, dtype_t dtype, meshd_error_t *err) {
+  const char *what = "alltoall";
+  if (emulated(b)) return b->net ? dp_alltoall(b->net, g, in, out, count, dtype, err) : no_net(what, err);
+  if (!dtype_valid(dtype)) return plan_error(what, dtype, DP_SUM, err);
+  if (check_group(what, g, err)) return -1;
+  size_t esz = dtype_size(dtype);
+  if (count == 0) return 0;
+  if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
+  cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
+  job_t j = {OP_ALLTOALL, what, in, out, count, esz, g->n, dtype, DP_SUM, bytes_only, NULL};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, g->n * count * esz, g->n * count * esz, err);
+}
+
+static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, uint64_t comm_id,
+               uint32_t peer, const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
+  const char *what = send ? "send" : "recv";
+  if (!addr || (!buf && bytes > 0))
+    return error_set(err, ERR_BAD_ARGUMENT, "%s: needs a peer address and a buffer", what);
+  if (bytes == 0) return 0; /* both ends know the size: nothing to match */
+  /* The pair as a one-member group: the peer. */
+  const char *addrs[1] = {addr};
+  dp_group_t g = {.comm_id = comm_id, .session = session, .ranks = &peer, .addrs = addrs,
+                  .n = 1, .me = send ? 0 : 1};
+  /* me is only part of the key here; the communicator has two members. */
+  job_t j = {send ? OP_SEND : OP_RECV, what, send ? buf : NULL, send ? NULL : buf, bytes, 1, 2,
+             DTYPE_UINT8, DP_SUM, {CUDA_PLAN_NATIVE, ncclUint8, -1}, NULL};
+  return run_real(b, s, send ? COMM_SEND : COMM_RECV, session, &g, &j, send ? bytes : 0,
+                  send ? 0 : bytes, err);
+}
+
+int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
+              meshd_error_t *err) {
+  if (emulated(b))
+    return b->net ? dp_send(b->net, comm_id, to_rank, addr, buf, bytes, err) : no_net("send", err);
+  return p2p(b, s, true, session, comm_id, to_rank, addr, (void *)buf, bytes, err);
+}
+
+int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
+  if (emulated(b))
+    return b->net ? dp_recv(b->net, comm_id, from_rank, addr, buf, bytes, err) : no_net("recv", err);
+  return p2p(b, s, false, session, comm_id, from_rank, addr, buf, bytes, err);
+}

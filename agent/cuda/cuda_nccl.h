@@ -1,0 +1,62 @@
+/* The cuda backend's communicator slots (backend.h: allreduce .. session_end)
+ * and the pure planning function behind them (cuda_nccl.c).
+ *
+ * Emulated devices delegate every slot to the TCP data plane (b->net), as the
+ * cpu backend does. Real devices use NCCL: communicators are made lazily,
+ * bootstrapped over b->net (member 0 makes the unique id and sends it to the
+ * others on a channel derived from comm_id), cached per (session, comm_id,
+ * members and their addresses), and aborted on failure or timeout
+ * (cuda_state_t.comm_timeout_ms) so that the agent keeps serving. */
+#ifndef MESHD_CUDA_NCCL_H
+#define MESHD_CUDA_NCCL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* How a reduction of `dtype` by `op` runs on NCCL. */
+typedef enum {
+  CUDA_PLAN_INVALID = 0, /* op is not defined on dtype (bitwise on floats, avg on bool) */
+  CUDA_PLAN_NATIVE,      /* one NCCL reduction: nccl_dtype, nccl_op */
+  CUDA_PLAN_GATHER,      /* move raw bytes (allgather / alltoall), then cuda_reduce_slices */
+} cuda_plan_kind_t;
+
+typedef struct cuda_nccl_plan {
+  cuda_plan_kind_t kind;
+  int nccl_dtype; /* ncclDataType_t when NATIVE, else -1 */
+  int nccl_op;    /* ncclRedOp_t when NATIVE, else -1 */
+} cuda_nccl_plan_t;
+
+/* The plan for a reduction; semantics always those of agent/cpu/reduce_ops.c
+ * (integer avg truncates, so it is not NCCL's ncclAvg; int16 and bool have no
+ * NCCL type; bitwise ops have no NCCL op). */
+cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, dp_reduce_t op);
+
+/* The slots (backend.h). s may be NULL: the backend's own stream. */
+int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
+                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
+                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err);
+int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
+                  size_t count, dtype_t dtype, meshd_error_t *err);
+int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
+              meshd_error_t *err);
+int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
+              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+/* Destroys (or, when that errs or takes past comm_timeout_ms, aborts) every
+ * communicator of the session. */
+void cuda_session_end(backend_t *b, uint64_t session);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
