@@ -171,7 +171,7 @@ int main(int argc, char **argv) {
   char err[256];
   static backend_t backend;
   dataplane_t *dp = NULL;
-  bool backend_open = false;
+  bool backend_open = false, device_lost = false;
   health_t *health = health_create();
   registration_t *reg = NULL;
   metrics_registry_t *metrics = NULL;
@@ -286,7 +286,8 @@ int main(int argc, char **argv) {
   while ((sig = runtime_wait_signal(1000)) == 0) {
     if (backend.ops->health && backend.ops->health(&backend, &merr) != 0) break;
   }
-  if (sig == 0) {
+  device_lost = sig == 0;
+  if (device_lost) {
     log_error("agent", "device %s lost: %s; reporting NOT_SERVING and exiting", info.device,
               merr.msg);
     health_set(health, AGENT_HEALTH_SERVICE, HEALTH_NOT_SERVING);
@@ -301,7 +302,9 @@ out:
   health_shutdown(health);
   registration_stop(reg);
   if (srv) {
-    rpc_server_shutdown(srv, opt.drain_seconds);
+    /* Without its device the agent has nothing left to finish: a short drain,
+     * long enough for Watch streams to see NOT_SERVING. */
+    rpc_server_shutdown(srv, device_lost && opt.drain_seconds > 1 ? 1 : opt.drain_seconds);
     rpc_server_destroy(srv);
   }
   health_destroy(health);

@@ -116,8 +116,11 @@ static int cuda_open(backend_t *b, const char *device, meshd_error_t *err) {
     int count = 0;
     cudaError_t rc = cudaGetDeviceCount(&count);
     if (rc != cudaSuccess || ordinal >= count) {
-      error_set(err, ERR_UNAVAILABLE, "cuda backend: no device %s: %s", device,
-                rc != cudaSuccess ? cudaGetErrorString(rc) : "");
+      error_set(err, ERR_UNAVAILABLE, "cuda backend: no device %s: %s%s", device,
+                rc != cudaSuccess ? cudaGetErrorString(rc) : "",
+                rc == cudaErrorNoDevice || rc == cudaErrorInsufficientDriver
+                    ? " (no NVIDIA GPU or driver here: serve --device cpu)"
+                    : "");
       if (rc == cudaSuccess)
         snprintf(err->msg, sizeof err->msg, "cuda backend: no device %s: this machine has %d CUDA "
                  "device%s", device, count, count == 1 ? "" : "s");

@@ -9,11 +9,14 @@
  * the GPU and the emulated device give the same bits.
  *
  * Where results may differ from cpu: integer results, max/min/arg* (values,
- * indices, NaN and tie rules) never do. Float sums, means and products are
- * bit-identical while one chunk covers the extent (rcount <= RED_SEQ_MAX, or
- * many outputs); with several chunks the double accumulation is reassociated
- * (a few ulps of double, rarely visible after rounding to float32). Softmax on
- * the GPU uses CUDA's exp/log (within 1 ulp of double), emulated the host's. */
+ * indices, NaN and tie rules) never do. Float sums, means and products, and
+ * softmax's sum of exponentials, are bit-identical while one chunk covers the
+ * extent (rcount <= RED_SEQ_MAX, or >= RED_PAR_OUT outputs); with several
+ * chunks the double accumulation is reassociated (ulps of double, rarely
+ * visible after rounding to float32; the sign of a NaN made by inf - inf may
+ * differ). On the GPU softmax uses CUDA's exp/log (within 1 ulp of double)
+ * where emulation uses the host's, and a NaN the GPU creates is its canonical
+ * one, so NaN sign and payload bits may differ from x86's. */
 extern "C" {
 /* The core headers lack C++ guards; cuda_internal.h includes them outside its
  * extern "C" block. */

@@ -276,3 +276,36 @@ def test_message_over_limit_resource_exhausted(meshd_server):
     lib.unary(port, "/meshd.v1.TensorService/ListAgents", b"\x7a\x02xx", t.ListAgentsReply,
               serializer=lambda x: x)
     assert lib.health_check(port, "") == lib.SERVING()
+
+
+def _cuda_built():
+    out = subprocess.run([lib.AGENT, "--help"], capture_output=True, text=True).stdout
+    return "cuda:emulated" in out
+
+
+def test_agent_that_loses_its_device_reports_not_serving_and_exits(meshd_server, agent, watches,
+                                                                   tmp_path):
+    """A simulated device loss (the emulated cuda device's stand-in for a GPU falling off the
+    bus): the agent turns NOT_SERVING, exits non-zero so that its orchestrator restarts it,
+    and the server stops counting it."""
+    if not _cuda_built():
+        pytest.skip("this build has no cuda backend (its emulated device simulates the loss)")
+    srv = meshd_server(0, min_agents=1, wait_serving=False)
+    lost = tmp_path / "device-lost"
+    a = agent(srv.port, "--device", "cuda:emulated",
+              env={"MESHD_EMULATED_DEVICE_LOSS_FILE": str(lost)})
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    w = watches(a.port, lib.AGENT_SERVICE)
+    assert w.first() == lib.SERVING()
+    lost.write_text("")
+    ev = w.next(10.0)
+    assert ev is not None, "the agent neither reported NOT_SERVING nor ended the Watch"
+    assert ev[0] == "end" or ev[1] == lib.NOT_SERVING(), ev
+    rc = a.proc.wait(timeout=lib.EXIT_TIMEOUT)
+    assert rc != 0, "a lost device must end the agent with a failure status"
+    with open(a.log) as f:
+        log = f.read()
+    assert "device cuda:emulated lost" in log and "NOT_SERVING" in log, lib.log_tail(a.log)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.NOT_SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
