@@ -20,11 +20,12 @@
 
 #include <cuda_runtime_api.h>
 
-#include "backend.h"
-
+/* The core headers have no C++ guards: C linkage for everything below. */
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+#include "backend.h"
 
 /* One meshd stream: a CUDA stream (non-blocking w.r.t. the legacy stream). */
 struct backend_stream {

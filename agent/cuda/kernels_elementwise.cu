@@ -14,6 +14,7 @@ extern "C" {
 #undef _Atomic
 #include "kernels.cuh"
 
+namespace {
 /* ---- arithmetic rounded as the cpu rounds it ---- */
 
 CU_HD double rn_dmul(double a, double b) {
@@ -304,6 +305,8 @@ struct Binary {
   }
 };
 
+}  // namespace
+
 extern "C" int cuda_kernel_binary(const cuda_call_t *c, meshd_error_t *e) {
   const op_args_t *a = c->a;
   Binary x;
@@ -367,6 +370,8 @@ out:
   cuda_scratch_free(c->b, c->bs, x.zero_div, sizeof(int));
   return ret;
 }
+
+namespace {
 
 /* ---- unary ---- */
 
@@ -451,6 +456,8 @@ struct Unary {
   }
 };
 
+}  // namespace
+
 extern "C" int cuda_kernel_unary(const cuda_call_t *c, meshd_error_t *e) {
   Unary x;
   memset(&x, 0, sizeof x);
@@ -472,6 +479,8 @@ extern "C" int cuda_kernel_unary(const cuda_call_t *c, meshd_error_t *e) {
   return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, cuda_opname(c), e);
 }
 
+namespace {
+
 /* ---- where, clamp ---- */
 
 struct Where {
@@ -490,6 +499,8 @@ struct Where {
   }
 };
 
+}  // namespace
+
 extern "C" int cuda_kernel_where(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *out = c->res[0];
   Where x;
@@ -501,6 +512,8 @@ extern "C" int cuda_kernel_where(const cuda_call_t *c, meshd_error_t *e) {
   cu_iter_coalesce(&x.it);
   return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, cuda_opname(c), e);
 }
+
+namespace {
 
 struct Clamp {
   cu_iter_t it; /* out, self, min, max */
@@ -535,6 +548,8 @@ struct Clamp {
     }
   }
 };
+
+}  // namespace
 
 extern "C" int cuda_kernel_clamp(const cuda_call_t *c, meshd_error_t *e) {
   const op_value_t *vals[3] = {&c->a->v[0], &c->a->v[1], &c->a->v[2]};

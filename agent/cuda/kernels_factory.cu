@@ -13,6 +13,7 @@ extern "C" {
 #undef _Atomic
 #include "kernels.cuh"
 
+namespace {
 /* ---- Philox4x32-10, as core/philox.c computes it ---- */
 
 CU_HD void philox_block_hd(uint64_t seed, uint32_t rank, uint64_t block, uint32_t out[4]) {
@@ -90,6 +91,8 @@ static int fill_value(const cuda_call_t *c, agent_tensor_t *t, const op_value_t 
   }
 }
 
+}  // namespace
+
 extern "C" int cuda_kernel_fill(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   const char *name = cuda_opname(c);
@@ -106,6 +109,8 @@ extern "C" int cuda_kernel_fill(const cuda_call_t *c, meshd_error_t *e) {
   one.i = 1;
   return fill_value(c, t, strcmp(name, "ones") == 0 ? &one : &c->a->v[1], e);
 }
+
+namespace {
 
 static double scalar_f(const op_value_t *v) {
   return v->kind == VAL_FLOAT ? v->f : v->kind == VAL_BOOL ? (double)v->b : (double)v->i;
@@ -134,6 +139,8 @@ struct ArangeFloat {
   }
 };
 
+}  // namespace
+
 extern "C" int cuda_kernel_arange(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   const op_value_t *start = &c->a->v[0], *step = &c->a->v[2];
@@ -152,6 +159,8 @@ extern "C" int cuda_kernel_arange(const cuda_call_t *c, meshd_error_t *e) {
   ArangeFloat f = {cu_data(t), dt, scalar_f(start), scalar_f(step)};
   return cuda_launch(c->b, c->bs, n, f, cuda_opname(c), e);
 }
+
+namespace {
 
 /* One Philox block (4 elements) per call, counted from the draw's offset. */
 struct Rand {
@@ -186,6 +195,8 @@ struct Rand {
   }
 };
 
+}  // namespace
+
 extern "C" int cuda_kernel_rand(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   dtype_t dt = t->meta.dtype;
@@ -211,11 +222,15 @@ extern "C" int cuda_kernel_rand(const cuda_call_t *c, meshd_error_t *e) {
   return cuda_launch(c->b, c->bs, (r.n + 3) / 4, r, cuda_opname(c), e);
 }
 
+namespace {
+
 struct Rank {
   char *p;
   int64_t v;
   CU_HD void operator()(int64_t) const { cu_st_i(DTYPE_INT64, p, v); }
 };
+
+}  // namespace
 
 extern "C" int cuda_kernel_rank(const cuda_call_t *c, meshd_error_t *e) {
   Rank f = {cu_data(c->res[0]), c->coordinate};

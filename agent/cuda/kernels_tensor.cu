@@ -12,6 +12,7 @@ extern "C" {
 #undef _Atomic
 #include "kernels.cuh"
 
+namespace {
 /* One element from s (dtype st) to d (dtype dt): the bytes when the dtypes
  * agree, else cast as the cpu's copy_row casts. */
 CU_HD void copy_elem(dtype_t dt, char *d, dtype_t st, const char *s) {
@@ -57,6 +58,8 @@ static int copy_same(backend_t *b, backend_stream_t *bs, const cu_iter_t *it, me
   return cuda_launch(b, bs, cu_iter_numel(it), f, "copy", e);
 }
 
+}  // namespace
+
 extern "C" int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_tensor_t *dst,
                                    const agent_tensor_t *src, meshd_error_t *e) {
   cu_iter_t it;
@@ -86,6 +89,8 @@ extern "C" int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_ten
   }
 }
 
+namespace {
+
 /* `l` on t's storage. */
 static agent_tensor_t view_of(const agent_tensor_t *t, const layout_t *l) {
   agent_tensor_t v;
@@ -95,6 +100,8 @@ static agent_tensor_t view_of(const agent_tensor_t *t, const layout_t *l) {
   v.storage = t->storage;
   return v;
 }
+
+}  // namespace
 
 extern "C" int cuda_kernel_copy(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *self = cuda_arg(c, 0);
@@ -125,6 +132,8 @@ extern "C" int cuda_kernel_cat(const cuda_call_t *c, meshd_error_t *e) {
   return 0;
 }
 
+namespace {
+
 /* `l` with dim d fixed at i (d < 0: l itself, for 0-dim tensors). */
 static layout_t select_dim(const layout_t *l, int64_t d, int64_t i) {
   if (d < 0) return *l;
@@ -140,6 +149,8 @@ static layout_t select_dim(const layout_t *l, int64_t d, int64_t i) {
   return v;
 }
 
+}  // namespace
+
 extern "C" int cuda_kernel_stack(const cuda_call_t *c, meshd_error_t *e) {
   const op_value_t *list = &c->a->v[0];
   agent_tensor_t *out = c->res[0];
@@ -153,6 +164,8 @@ extern "C" int cuda_kernel_stack(const cuda_call_t *c, meshd_error_t *e) {
   }
   return 0;
 }
+
+namespace {
 
 /* ---- indexing ---- */
 
@@ -251,6 +264,8 @@ struct Take {
     copy_elem(it.dt[0], p[0], it.dt[1], p[1] + v * sd);
   }
 };
+
+}  // namespace
 
 extern "C" int cuda_kernel_index_select(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *self = cuda_arg(c, 0), *index = cuda_arg(c, 2), *out = c->res[0];
