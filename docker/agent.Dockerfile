@@ -1,32 +1,34 @@
 # syntax=docker/dockerfile:1
-# meshd-agent image. Build from the repository root:
+# meshd-agent image with the cuda backend (--device cuda:N; --device cpu works
+# too). Build from the repository root:
 #   docker build -f docker/agent.Dockerfile -t meshd-agent .
 #
-# The CUDA backend (--device cuda:N) arrives with the GPU issue; until then this
-# builds the cpu agent, already on the CUDA runtime base (with NCCL) that the
-# GPU agent will run on.
+# Both stages are NVIDIA's CUDA 13 images on Ubuntu 24.04, which ships the
+# gRPC 1.51 C core meshd is written against (libgrpc-dev / libgrpc29t64; Ubuntu
+# 22.04 only has gRPC 1.30). The devel image brings nvcc, cuBLAS and NCCL; the
+# runtime image their shared libraries.
 
-# --- build: the same packages as .ci/install-deps (Debian 12) ---------------
-FROM debian:bookworm AS build
+# --- build ------------------------------------------------------------------
+FROM nvidia/cuda:13.0.1-devel-ubuntu24.04 AS build
 ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       build-essential cmake pkg-config \
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
       libcriterion-dev libcurl4-openssl-dev libmicrohttpd-dev uthash-dev libopenblas-dev \
-      ca-certificates \
+      libnccl-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
+# sm_90 (Hopper) plus PTX for later GPUs; pass --build-arg CUDA_ARCHS=80;90 for Ampere too.
+ARG CUDA_ARCHS=90
 RUN rm -rf build \
- && cmake -S . -B build -DMESHD_BUILD_TESTS=OFF \
+ && cmake -S . -B build -DMESHD_BUILD_TESTS=OFF -DMESHD_WITH_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS}" \
  && cmake --build build -j"$(nproc)" --target meshd-agent meshctl
 
-# --- runtime: NVIDIA CUDA runtime (ships libnccl2) --------------------------
-# Ubuntu 24.04 rather than 22.04: the binaries are built against Debian 12's
-# gRPC 1.51 (libgrpc.so.29), which Ubuntu 24.04 ships as libgrpc29t64 (same
-# soname and ABI on amd64); Ubuntu 22.04 only has gRPC 1.30 (libgrpc.so.10).
-FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04
+# --- runtime: the CUDA runtime image (cudart, cuBLAS, NCCL) -------------------
+FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
 ARG DEBIAN_FRONTEND=noninteractive
 # libnccl2 is already in the runtime image; installing it again from the CUDA
 # apt repository the image configures is a no-op that documents the need.

@@ -268,6 +268,14 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
   }
   pthread_mutex_unlock(&s->mu);
   if (pending) wait_sync(cs, pending);
+  /* Counted before the answer: a client that scrapes after its reply sees it. */
+  if (cs->metrics) {
+    const char *kind = command_name(cmd);
+    metrics_inc(cs->metrics, "meshd_commands_total",
+                (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
+    metrics_observe(cs->metrics, "meshd_command_duration_seconds", (const char *[]){"kind", kind, NULL},
+                    now_seconds() - t0);
+  }
   if (rc) {
     log_debug("command", "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
               (unsigned long long)cmd->seq, error_kind_name(e.kind), e.msg);
@@ -276,13 +284,6 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     send_result(call, submit, &out.res);
   }
   cmd_out_free(&out);
-  if (cs->metrics) {
-    const char *kind = command_name(cmd);
-    metrics_inc(cs->metrics, "meshd_commands_total",
-                (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
-    metrics_observe(cs->metrics, "meshd_command_duration_seconds", (const char *[]){"kind", kind, NULL},
-                    now_seconds() - t0);
-  }
 }
 
 static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {

@@ -181,9 +181,9 @@ struct cu_iter_t {
   /* p[k] = operand k's element at linear (row-major) index i. */
   CU_HD void at(int64_t i, char **p) const {
     for (int k = 0; k < nops; k++) p[k] = base[k];
-    for (int d = nd - 1; d >= 0; d--) {
-      int64_t n = sizes[d], c = n > 1 ? i % n : 0;
-      i = n > 1 ? i / n : i;
+    for (int d = nd - 1; d >= 0; d--) { /* the outermost dim needs no division */
+      int64_t n = sizes[d], c = d == 0 ? i : n > 1 ? i % n : 0;
+      i = d == 0 || n <= 1 ? i : i / n;
       for (int k = 0; k < nops; k++) p[k] += c * strides[k][d];
     }
   }
@@ -218,8 +218,8 @@ static inline int cu_iter_add(cu_iter_t *it, const agent_tensor_t *t) {
   return cu_iter_add_raw(it, cu_data(t), t->meta.dtype, &t->meta.layout);
 }
 
-/* Adds one value every element reads (stride 0): p must be device memory
- * (host memory when emulated). */
+/* Adds one value every element reads (stride 0): p is device memory (host
+ * memory when emulated), or NULL for a scalar the functor carries by value. */
 static inline int cu_iter_add_scalar(cu_iter_t *it, char *p, dtype_t dt) {
   int k = it->nops++;
   it->base[k] = p;

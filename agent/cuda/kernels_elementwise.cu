@@ -6,15 +6,10 @@
 #include <math.h>
 #include <string.h>
 
-/* The core headers carry no extern "C" of their own. */
-#define _Atomic
-extern "C" {
-#include "backend.h"
-}
-#undef _Atomic
 #include "kernels.cuh"
 
 namespace {
+
 /* ---- arithmetic rounded as the cpu rounds it ---- */
 
 CU_HD double rn_dmul(double a, double b) {

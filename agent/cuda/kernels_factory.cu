@@ -4,16 +4,11 @@
 #include <math.h>
 #include <string.h>
 
-/* The core headers carry no extern "C" of their own. */
-#define _Atomic
-extern "C" {
-#include "backend.h"
-#include "philox.h"
-}
-#undef _Atomic
 #include "kernels.cuh"
+#include "philox.h" /* its constants only: the generator is ported below */
 
 namespace {
+
 /* ---- Philox4x32-10, as core/philox.c computes it ---- */
 
 CU_HD void philox_block_hd(uint64_t seed, uint32_t rank, uint64_t block, uint32_t out[4]) {

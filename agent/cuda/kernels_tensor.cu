@@ -4,15 +4,10 @@
 #include <inttypes.h>
 #include <string.h>
 
-/* The core headers carry no extern "C" of their own. */
-#define _Atomic
-extern "C" {
-#include "backend.h"
-}
-#undef _Atomic
 #include "kernels.cuh"
 
 namespace {
+
 /* One element from s (dtype st) to d (dtype dt): the bytes when the dtypes
  * agree, else cast as the cpu's copy_row casts. */
 CU_HD void copy_elem(dtype_t dt, char *d, dtype_t st, const char *s) {
