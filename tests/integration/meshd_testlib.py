@@ -179,6 +179,13 @@ def proc_state(pid):
     return data[data.rindex(")") + 2:].split()[0]
 
 
+def all_threads_stopped(pid):
+    """Every thread of pid is in the stopped state (SIGSTOP has taken effect)."""
+    tids = glob.glob(f"/proc/{pid}/task/*")
+    return bool(tids) and all(proc_state(f"{pid}/task/{os.path.basename(t)}") in ("T", "t")
+                              for t in tids)
+
+
 def proc_cmdline(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -835,6 +835,9 @@ def test_sync_fails_with_agent_lost_when_an_agent_dies(meshd_server):
         assert victim, f"no rank-1 agent child of meshd {srv.pid}"
         started = lib.proc_starttime(victim)
         os.kill(victim, signal.SIGSTOP)   # it can no longer acknowledge anything
+        stop_by = time.monotonic() + 10    # ... once the stop reached it (a loaded machine lags)
+        while not lib.all_threads_stopped(victim) and time.monotonic() < stop_by:
+            time.sleep(0.01)
         try:
             with concurrent.futures.ThreadPoolExecutor(1) as ex:
                 fut = ex.submit(lambda: s.run(sync(), seq=99, timeout=30))
