@@ -71,7 +71,7 @@ static const struct {
     {"softmax", cpu_kernel_softmax}, {"log_softmax", cpu_kernel_softmax},
     {"matmul", cpu_kernel_matmul}, {"mm", cpu_kernel_matmul}, {"bmm", cpu_kernel_matmul},
     {"clone", cpu_kernel_copy}, {"contiguous", cpu_kernel_copy}, {"to", cpu_kernel_copy},
-    {"cast", cpu_kernel_copy}, {"copy_", cpu_kernel_copy}, {"cat", cpu_kernel_cat},
+    {"cast", cpu_kernel_copy}, {"copy_", cpu_kernel_copy}, {"reshape", cpu_kernel_copy}, {"cat", cpu_kernel_cat},
     {"stack", cpu_kernel_stack}, {"index_select", cpu_kernel_index_select},
     {"gather", cpu_kernel_gather}, {"where", cpu_kernel_where}, {"clamp", cpu_kernel_clamp},
     {"clamp_", cpu_kernel_clamp}, {"fill_", cpu_kernel_fill_}, {"zero_", cpu_kernel_fill_},

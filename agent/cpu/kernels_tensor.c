@@ -11,7 +11,17 @@ int cpu_kernel_copy(const cpu_call_t *c, meshd_error_t *e) {
     cpu_copy_broadcast(self, cpu_arg(c, 1));
     return 0;
   }
-  cpu_copy_broadcast(c->res[0], self);
+  agent_tensor_t *out = c->res[0];
+  if (!layout_same_shape(&out->meta.layout, &self->meta.layout)) {
+    /* reshape that cannot view: self's elements in row-major order */
+    layout_t l = self->meta.layout;
+    layout_make_contiguous(&l);
+    l.offset = out->meta.layout.offset;
+    agent_tensor_t v = cpu_view(out, &l);
+    cpu_copy_broadcast(&v, self);
+    return 0;
+  }
+  cpu_copy_broadcast(out, self);
   return 0;
 }
 

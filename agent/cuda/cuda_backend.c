@@ -424,7 +424,7 @@ static const struct {
     {"softmax", cuda_kernel_softmax}, {"log_softmax", cuda_kernel_softmax},
     {"matmul", cuda_kernel_matmul}, {"mm", cuda_kernel_matmul}, {"bmm", cuda_kernel_matmul},
     {"clone", cuda_kernel_copy}, {"contiguous", cuda_kernel_copy}, {"to", cuda_kernel_copy},
-    {"cast", cuda_kernel_copy}, {"copy_", cuda_kernel_copy}, {"cat", cuda_kernel_cat},
+    {"cast", cuda_kernel_copy}, {"copy_", cuda_kernel_copy}, {"reshape", cuda_kernel_copy}, {"cat", cuda_kernel_cat},
     {"stack", cuda_kernel_stack}, {"index_select", cuda_kernel_index_select},
     {"gather", cuda_kernel_gather}, {"where", cuda_kernel_where}, {"clamp", cuda_kernel_clamp},
     {"clamp_", cuda_kernel_clamp}, {"fill_", cuda_kernel_fill_}, {"zero_", cuda_kernel_fill_},

@@ -102,7 +102,16 @@ extern "C" int cuda_kernel_copy(const cuda_call_t *c, meshd_error_t *e) {
   agent_tensor_t *self = cuda_arg(c, 0);
   if (c->a->op->is_inplace) /* copy_(self, src): src broadcasts to self */
     return cuda_copy_broadcast(c->b, c->bs, self, cuda_arg(c, 1), e);
-  return cuda_copy_broadcast(c->b, c->bs, c->res[0], self, e);
+  agent_tensor_t *out = c->res[0];
+  if (!layout_same_shape(&out->meta.layout, &self->meta.layout)) {
+    /* reshape that cannot view: self's elements in row-major order */
+    layout_t l = self->meta.layout;
+    layout_make_contiguous(&l);
+    l.offset = out->meta.layout.offset;
+    agent_tensor_t v = view_of(out, &l);
+    return cuda_copy_broadcast(c->b, c->bs, &v, self, e);
+  }
+  return cuda_copy_broadcast(c->b, c->bs, out, self, e);
 }
 
 /* Each entry is copied (cast to the result dtype) into its narrow of the result. */

@@ -772,6 +772,18 @@ Test(kernels, half_rounding) {
 
 /* ---- views and catalogue coverage ---- */
 
+/* A reshape that cannot be a view copies self's elements in row-major order. */
+Test(kernels, reshape_of_a_transposed_tensor_copies) {
+  agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6);
+  agent_tensor_t *xt = RUN("t", VT(x)); /* [[1,4],[2,5],[3,6]] */
+  agent_tensor_t *r = RUN("reshape", VT(xt), VINTS(6));
+  cr_assert_neq(r->storage, x->storage, "a fresh tensor");
+  EXPECT_F(r, DTYPE_FLOAT32, 1, 4, 2, 5, 3, 6);
+  agent_tensor_t *r2 = RUN("reshape", VT(xt), VINTS(2, -1));
+  shape_is(r2, 2, (const int64_t[]){2, 3});
+  EXPECT_F(r2, DTYPE_FLOAT32, 1, 4, 2, 5, 3, 6);
+}
+
 Test(kernels, views_need_no_kernel) {
   agent_tensor_t *x = F32(SZ(2, 3), 1, 2, 3, 4, 5, 6);
   agent_tensor_t *v = RUN("view", VT(x), VINTS(3, 2));

@@ -1,0 +1,509 @@
+/* cuda_nccl.c's real-device path (NCCL communicators bootstrapped over the data
+ * plane) on a mock GPU: fake NCCL, CUDA runtime and data plane
+ * (fake_nccl_cuda.c), agents as threads. Covers the native and fallback
+ * reductions, host staging, point to point in both directions, the cache, and
+ * every way a round fails: a missing member, an init that never finishes or
+ * errs, a peer that skips an op, an NCCL error mid-op, members that disagree,
+ * a stale id from a missed round; then session end and teardown. Each failure
+ * must come back within a short comm_timeout_ms, name the op and its ranks,
+ * abort the communicator and free what it made. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda_internal.h"
+#include "cuda_nccl.h"
+#include "fake_nccl_cuda.h"
+
+#define NA 3
+#define COMM_TIMEOUT_MS 200
+#define DP_TIMEOUT_MS 300
+
+typedef struct {
+  backend_t b;
+  cuda_state_t st;
+  dataplane_t net;
+} agent_t;
+
+static agent_t A[NA];
+static bool agents_closed;
+static const uint32_t RANKS[] = {0, 1, 2};
+static const char *const ADDRS[] = {"h:0", "h:1", "h:2"};
+
+static void agents_open(void) {
+  for (int i = 0; i < NA; i++) {
+    memset(&A[i], 0, sizeof A[i]);
+    A[i].st.device = FAKE_DEVICE;
+    A[i].st.comm_timeout_ms = COMM_TIMEOUT_MS;
+    A[i].st.comms = cuda_comms_create();
+    A[i].net = (dataplane_t){(uint32_t)i, DP_TIMEOUT_MS};
+    A[i].b = (backend_t){.impl = &A[i].st, .net = &A[i].net};
+  }
+  agents_closed = false;
+}
+
+static void agents_close(void) {
+  if (agents_closed) return;
+  for (int i = 0; i < NA; i++) cuda_comms_destroy(A[i].st.comms);
+  fake_dp_drain();
+  agents_closed = true;
+}
+
+TestSuite(cuda_nccl_mock_gpu, .init = agents_open, .fini = agents_close, .timeout = 20);
+
+static dp_group_t group(uint64_t comm_id, uint64_t session, size_t n, size_t me) {
+  return (dp_group_t){.comm_id = comm_id, .session = session, .ranks = RANKS, .addrs = ADDRS,
+                      .n = n, .me = me};
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* One agent's outcome; Criterion asserts only on the main thread. */
+typedef struct {
+  int me;
+  int rc;
+  meshd_error_t e;
+  int wrong; /* results that differ from the expected ones */
+  double secs;
+} res_t;
+
+typedef void (*agent_fn)(agent_t *a, res_t *r);
+typedef struct {
+  agent_fn fn;
+  res_t *r;
+} thread_arg_t;
+
+static void *agent_main(void *p) {
+  thread_arg_t *t = p;
+  double t0 = now_s();
+  t->fn(&A[t->r->me], t->r);
+  t->r->secs = now_s() - t0;
+  return NULL;
+}
+
+/* Runs fn as agents 0 .. n-1 at once; results in r[0 .. n). */
+static void run_agents(int n, agent_fn fn, res_t *r) {
+  pthread_t th[NA];
+  thread_arg_t args[NA];
+  for (int i = 0; i < n; i++) {
+    memset(&r[i], 0, sizeof r[i]);
+    r[i].me = i;
+    args[i] = (thread_arg_t){fn, &r[i]};
+    cr_assert_eq(pthread_create(&th[i], NULL, agent_main, &args[i]), 0);
+  }
+  for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+}
+
+static void expect_ok(const res_t *r, int n) {
+  for (int i = 0; i < n; i++) {
+    cr_expect_eq(r[i].rc, 0, "agent %d failed: %s", i, r[i].e.msg);
+    cr_expect_eq(r[i].wrong, 0, "agent %d got %d wrong results", i, r[i].wrong);
+  }
+}
+
+/* Fails with REMOTE_FAILURE, the message holding every fragment, within a
+ * bounded time (fails fast: no hang up to some larger default). */
+static void expect_failed(const res_t *r, double max_secs, const char *frag1, const char *frag2) {
+  cr_assert_neq(r->rc, 0, "agent %d should have failed", r->me);
+  cr_expect_eq(r->e.kind, ERR_REMOTE_FAILURE, "agent %d: kind %d: %s", r->me, (int)r->e.kind,
+               r->e.msg);
+  cr_expect(strstr(r->e.msg, frag1), "agent %d: '%s' lacks '%s'", r->me, r->e.msg, frag1);
+  if (frag2) cr_expect(strstr(r->e.msg, frag2), "agent %d: '%s' lacks '%s'", r->me, r->e.msg, frag2);
+  cr_expect_lt(r->secs, max_secs, "agent %d took %.2f s", r->me, r->secs);
+}
+
+static void expect_nothing_left(void) {
+  cr_expect_eq(fake.scratch_live, 0, "scratch not freed: %d", (int)fake.scratch_live);
+  cr_expect_eq(fake.dev_live, 0, "device buffers not freed: %d", (int)fake.dev_live);
+}
+
+/* ------------------------------------------------------- collectives */
+
+static void allreduce_on_device(agent_t *a, res_t *r) {
+  dp_group_t g = group(100, 7, 2, (size_t)r->me);
+  int32_t *d = fake_dev_alloc(4 * sizeof *d);
+  for (int i = 0; i < 4; i++) d[i] = (r->me + 1) * 10 + i;
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 4, DTYPE_INT32, DP_SUM, &r->e);
+  for (int i = 0; i < 4; i++) r->wrong += d[i] != 30 + 2 * i;
+  for (int i = 0; i < 4; i++) d[i] = (r->me + 1) * 10 + i;
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 4, DTYPE_INT32, DP_MAX, &r->e);
+  for (int i = 0; i < 4; i++) r->wrong += d[i] != 20 + i;
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, native_allreduce_on_device_buffers_reuses_one_communicator) {
+  res_t r[2];
+  run_agents(2, allreduce_on_device, r);
+  expect_ok(r, 2);
+  cr_expect_eq(fake.ids, 1, "one unique id for the group, made once: %d", (int)fake.ids);
+  cr_expect_eq(fake.inits, 2, "one communicator per member, cached: %d", (int)fake.inits);
+  cr_expect_eq(fake.native_ops, 4);
+  cr_expect_eq(fake.reduce_slices, 0, "sum and max on int32 are native NCCL reductions");
+  cr_expect_eq(fake.aborts, 0);
+  expect_nothing_left(); /* device buffers: nothing staged */
+}
+
+static void mixed_on_host(agent_t *a, res_t *r) {
+  int me = r->me;
+  dp_group_t g = group(101, 7, 2, (size_t)me);
+  meshd_error_t *e = &r->e;
+  /* int16 has no NCCL type: allgather, then reduced locally */
+  int16_t h[3] = {(int16_t)(me + 1), (int16_t)(me + 2), -5};
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, h, 3, DTYPE_INT16, DP_SUM, e);
+  r->wrong += h[0] != 3 || h[1] != 5 || h[2] != -10;
+  /* integer avg truncates like the cpu: alltoall, then reduced locally */
+  int32_t in[4] = {me * 100 + 1, me * 100 + 3, me * 100 + 6, me * 100 + 8}, out[2] = {0};
+  r->rc |= cuda_reduce_scatter(&a->b, NULL, &g, in, out, 2, DTYPE_INT32, DP_AVG, e);
+  for (int j = 0; j < 2; j++) {
+    int32_t v0 = in[me * 2 + j] - me * 100; /* member 0's element */
+    r->wrong += out[j] != (v0 + v0 + 100) / 2;
+  }
+  /* float avg is NCCL's */
+  float fin[4] = {1, 2, 3, 4 + (float)me}, fout[2] = {0};
+  r->rc |= cuda_reduce_scatter(&a->b, NULL, &g, fin, fout, 2, DTYPE_FLOAT32, DP_AVG, e);
+  r->wrong += me == 0 ? fout[0] != 1 || fout[1] != 2 : fout[0] != 3 || fout[1] != 4.5f;
+  int64_t gi[2] = {me, me + 10}, go[4] = {0};
+  r->rc |= cuda_allgather(&a->b, NULL, &g, gi, go, 2, DTYPE_INT64, e);
+  r->wrong += go[0] != 0 || go[1] != 10 || go[2] != 1 || go[3] != 11;
+  double ti[4] = {me * 10 + 0, me * 10 + 1, me * 10 + 2, me * 10 + 3}, to[4] = {0};
+  r->rc |= cuda_alltoall(&a->b, NULL, &g, ti, to, 2, DTYPE_FLOAT64, e);
+  for (int i = 0; i < 2; i++) /* slice i = member i's slice me */
+    for (int j = 0; j < 2; j++) r->wrong += to[i * 2 + j] != i * 10 + me * 2 + j;
+  int32_t x[2] = {me ? 6 : 3, 1};
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, x, 2, DTYPE_INT32, DP_BXOR, e);
+  r->wrong += x[0] != 5 || x[1] != 0;
+}
+
+Test(cuda_nccl_mock_gpu, host_buffers_are_staged_and_fallback_plans_reduce_locally) {
+  res_t r[2];
+  run_agents(2, mixed_on_host, r); /* the fakes abort on any host pointer reaching NCCL */
+  expect_ok(r, 2);
+  cr_expect_eq(fake.reduce_slices, 6, "int16 sum, int32 avg, int32 bxor per agent: %d",
+               (int)fake.reduce_slices);
+  cr_expect_eq(fake.native_ops, 2, "only the float avg is a native NCCL reduction");
+  cr_expect_eq(fake.inits, 2, "six ops on one cached communicator per agent");
+  expect_nothing_left();
+}
+
+static void send_recv_both_ways(agent_t *a, res_t *r) {
+  int me = r->me, peer = 1 - me;
+  for (int rep = 0; rep < 2; rep++) {
+    int64_t mine = me + 40 + rep, got = 0;
+    if (me == 0) {
+      r->rc |= cuda_send(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
+      r->rc |= cuda_recv(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
+    } else {
+      r->rc |= cuda_recv(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
+      r->rc |= cuda_send(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
+    }
+    r->wrong += got != peer + 40 + rep;
+  }
+}
+
+Test(cuda_nccl_mock_gpu, send_and_recv_in_both_directions_use_one_communicator_each) {
+  res_t r[2];
+  run_agents(2, send_recv_both_ways, r);
+  expect_ok(r, 2);
+  cr_expect_eq(fake.ids, 2, "one id per direction: %d", (int)fake.ids);
+  cr_expect_eq(fake.inits, 4, "two directional communicators on each end, cached: %d",
+               (int)fake.inits);
+  cr_expect_eq(fake.p2p_ops, 8, "two sends and two receives per agent: %d", (int)fake.p2p_ops);
+  expect_nothing_left();
+}
+
+/* ------------------------------------------------------- failures */
+
+static void allreduce_of_three(agent_t *a, res_t *r) {
+  dp_group_t g = group(300, 8, 3, (size_t)r->me);
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  *d = r->me + 1;
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->wrong += !r->rc && *d != 6;
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, missing_member_times_out_at_setup_naming_the_group) {
+  res_t r[2];
+  run_agents(2, allreduce_of_three, r); /* rank 2 never comes */
+  for (int i = 0; i < 2; i++)
+    expect_failed(&r[i], 2.0, "allreduce over ranks [0,1,2]: setting up the NCCL communicator",
+                  "took longer than 0.2 s");
+  cr_expect_eq(fake.aborts, 2);
+  cr_expect_eq(fake.comms_live, 0);
+  cr_expect_eq(fake.streams_live, 0, "the failed communicator's stream is destroyed");
+  cr_expect_eq(fake.events_live, 0);
+  expect_nothing_left();
+}
+
+Test(cuda_nccl_mock_gpu, member_that_missed_a_round_skips_its_stale_id) {
+  res_t r[NA];
+  run_agents(2, allreduce_of_three, r); /* the id meant for rank 2 stays queued */
+  cr_assert(r[0].rc && r[1].rc);
+  run_agents(3, allreduce_of_three, r);
+  expect_ok(r, 3);
+  cr_expect_eq(fake.ids, 2);
+  cr_expect_eq(fake.comms_live, 3);
+}
+
+static void allreduce_of_two(agent_t *a, res_t *r) {
+  dp_group_t g = group(400, 9, 2, (size_t)r->me);
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  *d = r->me + 1;
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->wrong += !r->rc && *d != 3;
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, init_that_never_completes_is_aborted_at_the_deadline) {
+  fake_never_join = 1;
+  res_t r[2];
+  run_agents(2, allreduce_of_two, r);
+  for (int i = 0; i < 2; i++)
+    expect_failed(&r[i], 2.0, "allreduce over ranks [0,1]: setting up the NCCL communicator took "
+                              "longer than 0.2 s (a peer did not join); it was aborted", NULL);
+  cr_expect_eq(fake.aborts, 2);
+  cr_expect_eq(fake.comms_live, 0);
+  cr_expect_eq(fake.streams_live, 0);
+  cr_expect_eq(fake.events_live, 0);
+}
+
+Test(cuda_nccl_mock_gpu, init_error_reports_the_nccl_strings) {
+  fake_init_error = ncclSystemError;
+  res_t r[2];
+  run_agents(2, allreduce_of_two, r);
+  expect_failed(&r[0], 2.0,
+                "allreduce over ranks [0,1]: NCCL failed setting up the communicator: "
+                "fake system error: fake last error", NULL);
+  /* a non-zero member waits for a next id from member 0, which gave up */
+  expect_failed(&r[1], 2.0, "allreduce over ranks [0,1]: receiving the NCCL id from rank 0 failed",
+                NULL);
+  cr_expect_eq(fake.comms_live, 0, "every communicator that joined was aborted");
+  cr_expect_eq(fake.streams_live, 0);
+}
+
+static void build_then_zero_goes_again(agent_t *a, res_t *r) {
+  dp_group_t g = group(500, 10, 2, (size_t)r->me);
+  int16_t h[2] = {1, 2}; /* host int16: staged and gathered, scratch to free */
+  r->rc = cuda_allreduce(&a->b, NULL, &g, h, 2, DTYPE_INT16, DP_SUM, &r->e);
+  r->wrong += !r->rc && (h[0] != 2 || h[1] != 4);
+  if (r->rc || r->me != 0) return;
+  r->rc = cuda_allreduce(&a->b, NULL, &g, h, 2, DTYPE_INT16, DP_SUM, &r->e) ? 2 : 0;
+}
+
+Test(cuda_nccl_mock_gpu, peer_skipping_an_op_times_out_and_aborts_the_communicator) {
+  res_t r[2];
+  run_agents(2, build_then_zero_goes_again, r);
+  cr_assert_eq(r[1].rc, 0, "%s", r[1].e.msg);
+  cr_assert_eq(r[0].rc, 2, "the first round succeeds, the second fails: %s", r[0].e.msg);
+  expect_failed(&r[0], 3.0,
+                "allreduce over ranks [0,1]: a peer did not take part within 0.2 s; the "
+                "communicator was aborted", NULL);
+  cr_expect_eq(fake.aborts, 1);
+  cr_expect_eq(fake.comms_live, 1, "only agent 1's communicator is left");
+  expect_nothing_left(); /* staging and gather scratch freed on failure */
+
+  /* dropped from agent 0's cache: its next call makes a new id */
+  int ids = fake.ids;
+  run_agents(1, build_then_zero_goes_again, r);
+  cr_expect_neq(r[0].rc, 0);
+  cr_expect_eq(fake.ids, ids + 1, "a failed communicator must not be reused");
+}
+
+Test(cuda_nccl_mock_gpu, nccl_error_mid_op_aborts_both_and_the_next_call_rebuilds) {
+  res_t r[2];
+  run_agents(2, allreduce_of_two, r);
+  expect_ok(r, 2);
+  fake_op_error = ncclRemoteError;
+  run_agents(2, allreduce_of_two, r);
+  for (int i = 0; i < 2; i++)
+    expect_failed(&r[i], 2.0,
+                  "allreduce over ranks [0,1]: NCCL failed: fake remote error: fake last error; "
+                  "the communicator was aborted", NULL);
+  cr_expect_eq(fake.aborts, 2);
+  cr_expect_eq(fake.comms_live, 0);
+  fake_op_error = 0;
+  run_agents(2, allreduce_of_two, r);
+  expect_ok(r, 2);
+  cr_expect_eq(fake.inits, 4, "rebuilt after the abort: %d", (int)fake.inits);
+  cr_expect_eq(fake.ids, 2);
+}
+
+static const char *const ADDRS_OTHER[] = {"h:0", "h:9"};
+
+static void disagree_on_addresses(agent_t *a, res_t *r) {
+  dp_group_t g = group(600, 11, 2, (size_t)r->me);
+  if (r->me == 1) g.addrs = ADDRS_OTHER;
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, members_disagreeing_on_the_group_fail_at_bootstrap) {
+  res_t r[2];
+  run_agents(2, disagree_on_addresses, r);
+  expect_failed(&r[1], 2.0,
+                "allreduce over ranks [0,1]: rank 0 sent an NCCL id for another communicator",
+                NULL);
+  expect_failed(&r[0], 2.0, "took longer than 0.2 s", NULL);
+  cr_expect_eq(fake.inits, 1, "agent 1 must not join with the wrong id");
+  cr_expect_eq(fake.comms_live, 0);
+}
+
+/* ------------------------------------------------------- lifetime */
+
+static void build_two_sessions(agent_t *a, res_t *r) {
+  for (uint64_t comm = 700; comm < 703; comm++) { /* session 7: three communicators */
+    dp_group_t g = group(comm, 7, 2, (size_t)r->me);
+    int32_t *d = fake_dev_alloc(sizeof *d);
+    *d = 1;
+    r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+    r->wrong += *d != 2;
+    fake_dev_free(d);
+  }
+  dp_group_t g = group(800, 8, 2, (size_t)r->me); /* session 8: one */
+  int32_t v = 5;
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, &v, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->wrong += v != 10;
+}
+
+static void end_session_7(agent_t *a, res_t *r) { cuda_session_end(&a->b, 7); }
+
+Test(cuda_nccl_mock_gpu, session_end_finalizes_its_communicators_only_and_they_rebuild) {
+  res_t r[2];
+  run_agents(2, build_two_sessions, r);
+  expect_ok(r, 2);
+  cr_assert_eq(fake.comms_live, 8);
+  run_agents(2, end_session_7, r);
+  cr_expect_eq(fake.finalizes, 6);
+  cr_expect_eq(fake.destroys, 6, "finalized, then destroyed: %d", (int)fake.destroys);
+  cr_expect_eq(fake.aborts, 0);
+  cr_expect_eq(fake.comms_live, 2, "session 8's communicators stay");
+  cr_expect_eq(fake.streams_live, 2);
+  cr_expect_eq(fake.events_live, 4);
+  int inits = fake.inits;
+  run_agents(2, build_two_sessions, r);
+  expect_ok(r, 2);
+  cr_expect_eq(fake.inits, inits + 6, "session 7 rebuilt, session 8 reused: %d",
+               (int)fake.inits - inits);
+}
+
+Test(cuda_nccl_mock_gpu, finalize_that_hangs_is_aborted_with_one_deadline_per_session) {
+  res_t r[2];
+  run_agents(2, build_two_sessions, r);
+  expect_ok(r, 2);
+  fake_finalize_hangs = 1;
+  double t0 = now_s();
+  cuda_session_end(&A[0].b, 7);
+  double secs = now_s() - t0;
+  cr_expect_eq(fake.aborts, 3);
+  cr_expect_eq(fake.destroys, 0);
+  cr_expect_geq(secs, 0.15, "gave finalize %.3f s", secs);
+  cr_expect_lt(secs, 0.5, "three hung communicators cost %.2f s, not one timeout", secs);
+  cr_expect_eq(fake.streams_live, 5, "agent 0's session 7 streams destroyed");
+}
+
+static void build_group_and_pairs(agent_t *a, res_t *r) {
+  allreduce_on_device(a, r);
+  send_recv_both_ways(a, r);
+}
+
+Test(cuda_nccl_mock_gpu, comms_destroy_aborts_and_frees_everything) {
+  res_t r[2];
+  run_agents(2, build_group_and_pairs, r);
+  expect_ok(r, 2);
+  cr_assert_eq(fake.comms_live, 6);
+  cr_assert_eq(fake.streams_live, 6);
+  cr_assert_eq(fake.events_live, 12);
+  agents_close();
+  cr_expect_eq(fake.aborts, 6);
+  cr_expect_eq(fake.comms_live, 0);
+  cr_expect_eq(fake.streams_live, 0);
+  cr_expect_eq(fake.events_live, 0);
+  expect_nothing_left();
+}
+
+/* ------------------------------------------------------- arguments */
+
+static void expect_bad(int rc, const meshd_error_t *e, const char *frag) {
+  cr_expect_eq(rc, -1);
+  cr_expect_eq(e->kind, ERR_BAD_ARGUMENT, "%s", e->msg);
+  cr_expect(strstr(e->msg, frag), "'%s' lacks '%s'", e->msg, frag);
+}
+
+Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
+  backend_t *b = &A[0].b;
+  dp_group_t g = group(900, 1, 2, 0);
+  meshd_error_t e = {0};
+  float f[4] = {0};
+  int rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, DP_BXOR, &e);
+  expect_bad(rc, &e, "allreduce: reduction 'bxor' is bitwise and is defined only on integer and "
+                     "bool dtypes, not float32");
+  uint8_t bools[4] = {0};
+  rc = cuda_reduce_scatter(b, NULL, &g, bools, bools + 2, 1, DTYPE_BOOL, DP_AVG, &e);
+  expect_bad(rc, &e, "reduce_scatter: reduction 'avg' is not defined on bool");
+  rc = cuda_allgather(b, NULL, &g, f, f, 1, (dtype_t)99, &e);
+  expect_bad(rc, &e, "allgather: dtype 99 is not a known dtype");
+  const char *holes[] = {"h:0", NULL};
+  g.addrs = holes;
+  rc = cuda_alltoall(b, NULL, &g, f, f + 2, 1, DTYPE_FLOAT32, &e);
+  expect_bad(rc, &e, "alltoall: group member 1 has no address");
+  g.addrs = ADDRS;
+  g.me = 2;
+  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, DP_SUM, &e);
+  expect_bad(rc, &e, "allreduce: needs a group with this agent in it");
+  rc = cuda_send(b, NULL, 1, 900, 1, NULL, f, 4, &e);
+  expect_bad(rc, &e, "send: needs a peer address and a buffer");
+  rc = cuda_recv(b, NULL, 1, 900, 1, "h:1", NULL, 4, &e);
+  expect_bad(rc, &e, "recv: needs a peer address and a buffer");
+
+  A[0].b.net = NULL; /* the data plane failed to start */
+  g.me = 0;
+  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, DP_SUM, &e);
+  cr_expect_eq(rc, -1);
+  cr_expect_eq(e.kind, ERR_REMOTE_FAILURE);
+  cr_expect(strstr(e.msg, "allreduce over ranks [0,1]: this agent has no data plane"), "%s", e.msg);
+  cr_expect_eq(fake.ids + fake.inits + fake.streams_live, 0, "no NCCL or CUDA object made");
+}
+
+Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
+  backend_t *b = &A[0].b;
+  meshd_error_t e = {0};
+  dp_group_t two = group(901, 1, 2, 0), one = group(902, 1, 1, 0);
+  int32_t buf[2] = {7, 8}, out[2] = {0};
+  cr_expect_eq(cuda_allreduce(b, NULL, &two, buf, 0, DTYPE_INT32, DP_SUM, &e), 0);
+  cr_expect_eq(cuda_allreduce(b, NULL, &one, buf, 2, DTYPE_INT32, DP_AVG, &e), 0);
+  cr_expect(buf[0] == 7 && buf[1] == 8, "avg over one member is the identity");
+  cr_expect_eq(cuda_reduce_scatter(b, NULL, &one, buf, out, 2, DTYPE_INT32, DP_SUM, &e), 0);
+  cr_expect(out[0] == 7 && out[1] == 8);
+  out[0] = out[1] = 0;
+  cr_expect_eq(cuda_allgather(b, NULL, &one, buf, out, 2, DTYPE_INT32, &e), 0);
+  cr_expect(out[0] == 7 && out[1] == 8);
+  cr_expect_eq(fake.memcpy_calls, 2, "one-member reduce_scatter and allgather copy locally");
+  cr_expect_eq(cuda_send(b, NULL, 1, 903, 1, "h:1", buf, 0, &e), 0);
+  cr_expect_eq(fake.ids + fake.inits, 0);
+}
+
+Test(cuda_nccl_mock_gpu, emulated_device_delegates_to_the_data_plane) {
+  backend_t *b = &A[0].b;
+  A[0].st.emulated = true;
+  A[0].st.device = -1;
+  meshd_error_t e = {0};
+  dp_group_t g = group(904, 1, 2, 0);
+  int32_t buf[4] = {0};
+  cr_expect_eq(cuda_allreduce(b, NULL, &g, buf, 1, DTYPE_INT32, DP_SUM, &e), 0);
+  cr_expect_eq(cuda_reduce_scatter(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, DP_SUM, &e), 0);
+  cr_expect_eq(cuda_allgather(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
+  cr_expect_eq(cuda_alltoall(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
+  cr_expect_eq(fake.dp_collectives, 4);
+  cuda_session_end(b, 1);
+  cr_expect_eq(fake.ids + fake.inits + fake.streams_live + fake.finalizes, 0,
+               "no NCCL or CUDA call when emulated");
+  A[0].b.net = NULL;
+  cr_expect_eq(cuda_alltoall(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), -1);
+  cr_expect(strstr(e.msg, "alltoall: this agent has no data plane"), "%s", e.msg);
+}
