@@ -68,8 +68,10 @@ cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, dp_reduce_t op) {
   switch (op) {
   case DP_SUM: o = ncclSum; break;
   case DP_PRODUCT: o = ncclProd; break;
-  case DP_MIN: o = ncclMin; break;
-  case DP_MAX: o = ncclMax; break;
+  /* NCCL's float min/max keep or drop a NaN depending on operand order; the
+   * cpu data plane (and torch.min) propagate it: floats take the fallback. */
+  case DP_MIN: o = dtype_is_floating(dtype) ? -1 : ncclMin; break;
+  case DP_MAX: o = dtype_is_floating(dtype) ? -1 : ncclMax; break;
   case DP_AVG: o = dtype_is_floating(dtype) ? ncclAvg : -1; break; /* ints truncate */
   default: break;                                                  /* bitwise */
   }

@@ -35,6 +35,7 @@ static cuda_plan_kind_t expected_kind(dtype_t d, dp_reduce_t op) {
   if (d == DTYPE_INT16 || d == DTYPE_BOOL) return CUDA_PLAN_GATHER; /* no NCCL type */
   if (bitwise) return CUDA_PLAN_GATHER;                              /* no NCCL op */
   if (op == DP_AVG && !floating) return CUDA_PLAN_GATHER;            /* ints truncate */
+  if ((op == DP_MIN || op == DP_MAX) && floating) return CUDA_PLAN_GATHER; /* NaN propagates */
   return CUDA_PLAN_NATIVE;
 }
 
