@@ -44,6 +44,11 @@ IMAGE_BIN = "/usr/local/bin"
 
 # ---------------------------------------------------------------- manifests
 
+def cuda_built():
+    out = subprocess.run([lib.AGENT, "--help"], capture_output=True, text=True).stdout
+    return "cuda:emulated" in out
+
+
 def load_objects():
     objs = []
     for path in sorted(glob.glob(os.path.join(K8S_DIR, "*.yaml"))):
@@ -202,8 +207,13 @@ class Cluster:
         unknown = sorted(k for k in env if k.startswith("MESHD_") and k not in known)
         assert not unknown, (f"{pod['container']['name']}: environment the binary does not read: "
                              f"{unknown} (known: {sorted(known)})")
+        if env.get("MESHD_DEVICE", "").startswith("cuda:") and lib.gpu_count() == 0:
+            # The one value this machine cannot honour: without a GPU the agent runs the
+            # same backend emulated (or cpu in a build without it).
+            env["MESHD_DEVICE"] = "cuda:emulated" if cuda_built() else "cpu"
         for k, v in list(env.items()):
-            if re.fullmatch(r"[\w.\-\[\]:]*:\d+", v) and not k.startswith("NCCL_"):
+            if (re.fullmatch(r"[\w.\-\[\]:]*:\d+", v) and not k.startswith("NCCL_")
+                    and k != "MESHD_DEVICE"):
                 env[k] = self.resolve(pod, v)
         argv = self.argv_of(pod, env)
         env["PATH"] = lib.BIN_DIR + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
