@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "kernel_family.h"
 
 static int cpu_open(backend_t *b, const char *device, meshd_error_t *err) {
   if (!device || strcmp(device, "cpu") != 0)
@@ -43,57 +44,29 @@ static void cpu_free(backend_t *b, void *ptr, size_t bytes) {
 
 /* ---- dispatch ---- */
 
-static const struct {
-  const char *name;
-  cpu_kernel_fn fn;
-} kernels[] = {
-    {"empty", cpu_kernel_fill}, {"zeros", cpu_kernel_fill}, {"ones", cpu_kernel_fill},
-    {"full", cpu_kernel_fill}, {"arange", cpu_kernel_arange}, {"rand", cpu_kernel_rand},
-    {"randn", cpu_kernel_rand}, {"rank", cpu_kernel_rank},
-    {"add", cpu_kernel_binary}, {"sub", cpu_kernel_binary}, {"mul", cpu_kernel_binary},
-    {"div", cpu_kernel_binary}, {"pow", cpu_kernel_binary}, {"maximum", cpu_kernel_binary},
-    {"minimum", cpu_kernel_binary}, {"eq", cpu_kernel_binary}, {"ne", cpu_kernel_binary},
-    {"lt", cpu_kernel_binary}, {"le", cpu_kernel_binary}, {"gt", cpu_kernel_binary},
-    {"ge", cpu_kernel_binary}, {"logical_and", cpu_kernel_binary},
-    {"logical_or", cpu_kernel_binary}, {"bitwise_and", cpu_kernel_binary},
-    {"bitwise_or", cpu_kernel_binary}, {"bitwise_xor", cpu_kernel_binary},
-    {"add_", cpu_kernel_binary}, {"sub_", cpu_kernel_binary}, {"mul_", cpu_kernel_binary},
-    {"div_", cpu_kernel_binary},
-    {"neg", cpu_kernel_unary}, {"abs", cpu_kernel_unary}, {"exp", cpu_kernel_unary},
-    {"log", cpu_kernel_unary}, {"sqrt", cpu_kernel_unary}, {"rsqrt", cpu_kernel_unary},
-    {"sin", cpu_kernel_unary}, {"cos", cpu_kernel_unary}, {"tanh", cpu_kernel_unary},
-    {"sigmoid", cpu_kernel_unary}, {"reciprocal", cpu_kernel_unary},
-    {"relu", cpu_kernel_unary}, {"gelu", cpu_kernel_unary}, {"silu", cpu_kernel_unary},
-    {"sign", cpu_kernel_unary}, {"logical_not", cpu_kernel_unary},
-    {"sum", cpu_kernel_reduce}, {"mean", cpu_kernel_reduce}, {"prod", cpu_kernel_reduce},
-    {"max", cpu_kernel_reduce}, {"min", cpu_kernel_reduce}, {"amax", cpu_kernel_reduce},
-    {"amin", cpu_kernel_reduce}, {"argmax", cpu_kernel_reduce}, {"argmin", cpu_kernel_reduce},
-    {"softmax", cpu_kernel_softmax}, {"log_softmax", cpu_kernel_softmax},
-    {"matmul", cpu_kernel_matmul}, {"mm", cpu_kernel_matmul}, {"bmm", cpu_kernel_matmul},
-    {"clone", cpu_kernel_copy}, {"contiguous", cpu_kernel_copy}, {"to", cpu_kernel_copy},
-    {"cast", cpu_kernel_copy}, {"copy_", cpu_kernel_copy}, {"reshape", cpu_kernel_copy}, {"cat", cpu_kernel_cat},
-    {"stack", cpu_kernel_stack}, {"index_select", cpu_kernel_index_select},
-    {"gather", cpu_kernel_gather}, {"where", cpu_kernel_where}, {"clamp", cpu_kernel_clamp},
-    {"clamp_", cpu_kernel_clamp}, {"fill_", cpu_kernel_fill_}, {"zero_", cpu_kernel_fill_},
+/* The kernel of each family (kernel_family.h). */
+static const cpu_kernel_fn kernels[KF_COUNT] = {
+    [KF_FILL] = cpu_kernel_fill,
+    [KF_ARANGE] = cpu_kernel_arange,
+    [KF_RAND] = cpu_kernel_rand,
+    [KF_RANK] = cpu_kernel_rank,
+    [KF_FILL_] = cpu_kernel_fill_,
+    [KF_BINARY] = cpu_kernel_binary,
+    [KF_UNARY] = cpu_kernel_unary,
+    [KF_WHERE] = cpu_kernel_where,
+    [KF_CLAMP] = cpu_kernel_clamp,
+    [KF_REDUCE] = cpu_kernel_reduce,
+    [KF_SOFTMAX] = cpu_kernel_softmax,
+    [KF_MATMUL] = cpu_kernel_matmul,
+    [KF_COPY] = cpu_kernel_copy,
+    [KF_CAT] = cpu_kernel_cat,
+    [KF_STACK] = cpu_kernel_stack,
+    [KF_INDEX_SELECT] = cpu_kernel_index_select,
+    [KF_GATHER] = cpu_kernel_gather,
 };
 
-#define MAX_OPS 256
-static cpu_kernel_fn by_id[MAX_OPS];
-static pthread_once_t by_id_once = PTHREAD_ONCE_INIT;
-
-static void build_by_id(void) {
-  for (size_t k = 0; k < sizeof kernels / sizeof kernels[0]; k++) {
-    const op_def_t *op = ops_find(kernels[k].name);
-    if (op && op_id(op) >= 0 && op_id(op) < MAX_OPS) by_id[op_id(op)] = kernels[k].fn;
-  }
-}
-
 /* The kernel for op, or NULL for a view (which needs none) or an unknown op. */
-static cpu_kernel_fn kernel_of(const op_def_t *op) {
-  pthread_once(&by_id_once, build_by_id);
-  int id = op_id(op);
-  return id >= 0 && id < MAX_OPS ? by_id[id] : NULL;
-}
+static cpu_kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }
 
 static int cpu_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
                       agent_tensor_t **results, int nresults, const op_infer_t *inf,

@@ -10,71 +10,12 @@
 #include <string.h>
 
 #include "backend.h"
+#include "half.h"
 
 /* backend_t.impl of the cpu backend. */
 typedef struct cpu_state {
   _Atomic uint64_t rand_offset; /* the running offset of unseeded draws (philox.h) */
 } cpu_state_t;
-
-/* ---- float16 / bfloat16, round to nearest even ---- */
-
-static inline float cpu_half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp == 0) {
-    if (!man) {
-      bits = sign;
-    } else { /* subnormal: normalise */
-      int e = -1;
-      do {
-        e++;
-        man <<= 1;
-      } while (!(man & 0x400));
-      bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t cpu_float_to_half(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
-  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds past 65504 */
-  if (ax < 0x38800000u) { /* below the smallest normal half: subnormal or 0 */
-    if (ax < 0x33000000u) return (uint16_t)sign; /* under half the smallest subnormal */
-    /* value = man * 2^(E-150), in units of the half subnormal 2^-24 */
-    uint32_t man = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
-    uint32_t q = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rem > halfway || (rem == halfway && (q & 1))) q++;
-    return (uint16_t)(sign | q);
-  }
-  uint32_t r = ax - 0x38000000u; /* rebias exponent 127 -> 15, keep 23-bit mantissa */
-  uint32_t q = r >> 13, rem = r & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (q & 1))) q++;
-  return (uint16_t)(sign | q);
-}
-
-static inline float cpu_bf16_to_float(uint16_t h) {
-  uint32_t bits = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t cpu_float_to_bf16(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
-  x += 0x7fff + ((x >> 16) & 1);
-  return (uint16_t)(x >> 16);
-}
 
 /* ---- loads and stores: floating values as double, integral ones as int64 ---- */
 
@@ -82,8 +23,8 @@ static inline double cpu_ld_f(dtype_t dt, const char *p) {
   switch (dt) {
   case DTYPE_FLOAT32: { float v; memcpy(&v, p, 4); return v; }
   case DTYPE_FLOAT64: { double v; memcpy(&v, p, 8); return v; }
-  case DTYPE_FLOAT16: { uint16_t v; memcpy(&v, p, 2); return cpu_half_to_float(v); }
-  case DTYPE_BFLOAT16: { uint16_t v; memcpy(&v, p, 2); return cpu_bf16_to_float(v); }
+  case DTYPE_FLOAT16: { uint16_t v; memcpy(&v, p, 2); return half_to_float(v); }
+  case DTYPE_BFLOAT16: { uint16_t v; memcpy(&v, p, 2); return bf16_to_float(v); }
   case DTYPE_INT8: return *(const int8_t *)p;
   case DTYPE_UINT8: return *(const uint8_t *)p;
   case DTYPE_INT16: { int16_t v; memcpy(&v, p, 2); return v; }
@@ -119,8 +60,8 @@ static inline void cpu_st_f(dtype_t dt, char *p, double v) {
   switch (dt) {
   case DTYPE_FLOAT32: { float f = (float)v; memcpy(p, &f, 4); return; }
   case DTYPE_FLOAT64: memcpy(p, &v, 8); return;
-  case DTYPE_FLOAT16: { uint16_t h = cpu_float_to_half((float)v); memcpy(p, &h, 2); return; }
-  case DTYPE_BFLOAT16: { uint16_t h = cpu_float_to_bf16((float)v); memcpy(p, &h, 2); return; }
+  case DTYPE_FLOAT16: { uint16_t h = float_to_half((float)v); memcpy(p, &h, 2); return; }
+  case DTYPE_BFLOAT16: { uint16_t h = float_to_bf16((float)v); memcpy(p, &h, 2); return; }
   case DTYPE_BOOL: *(uint8_t *)p = v != 0; return;
   default: break;
   }

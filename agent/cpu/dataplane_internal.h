@@ -21,10 +21,4 @@ void dp_reduce_apply(dp_reduce_t op, dtype_t dtype, void *dst, const void *src, 
  * `members` (integers truncate toward zero); every other op is a no-op. */
 void dp_reduce_finish(dp_reduce_t op, dtype_t dtype, void *buf, size_t count, size_t members);
 
-/* IEEE half and bfloat16 <-> float32; float -> 16-bit rounds to nearest even. */
-float dp_f16_to_f32(uint16_t h);
-uint16_t dp_f32_to_f16(float f);
-float dp_bf16_to_f32(uint16_t h);
-uint16_t dp_f32_to_bf16(float f);
-
 #endif

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "dataplane_internal.h"
+#include "half.h"
 
 int dp_reduce_parse(const char *name) {
   static const char *const names[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
@@ -41,60 +42,6 @@ int dp_reduce_check(dp_reduce_t op, dtype_t dtype, meshd_error_t *err) {
 
 /* ------------------------------------------------------------ 16-bit floats */
 
-static uint32_t f2u(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static float u2f(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-float dp_f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {
-    float f = (float)mant * 0x1p-24f; /* zero and subnormals */
-    return u2f(f2u(f) | sign);
-  }
-  if (exp == 31) return u2f(sign | 0x7f800000u | (mant << 13));
-  return u2f(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-/* Round to nearest even, overflow to inf, NaN stays NaN (after F. Giesen). */
-uint16_t dp_f32_to_f16(float f) {
-  const uint32_t f32_inf = 255u << 23, f16_max = (127u + 16u) << 23;
-  const uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-  uint32_t x = f2u(f);
-  uint32_t sign = x & 0x80000000u;
-  uint16_t o;
-  x ^= sign;
-  if (x >= f16_max) {
-    o = x > f32_inf ? 0x7e00 : 0x7c00;
-  } else if (x < (113u << 23)) {
-    uint32_t r = f2u(u2f(x) + u2f(denorm_magic));
-    o = (uint16_t)(r - denorm_magic);
-  } else {
-    uint32_t mant_odd = (x >> 13) & 1u;
-    x += 0xc8000fffu; /* rebias exponent (15 - 127) << 23, plus rounding 0xfff */
-    x += mant_odd;
-    o = (uint16_t)(x >> 13);
-  }
-  return (uint16_t)(o | (sign >> 16));
-}
-
-float dp_bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
-
-uint16_t dp_f32_to_bf16(float f) {
-  uint32_t x = f2u(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return (uint16_t)(x >> 16);
-}
-
 /* ------------------------------------------------------------------- kernels */
 
 static inline double fmin_nan(double a, double b) { return isnan(a) ? a : isnan(b) ? b : a < b ? a : b; }
@@ -130,11 +77,11 @@ static void reduce_half(dp_reduce_t op, bool bf16, uint16_t *d, const uint16_t *
   for (size_t at = 0; at < n; at += 256) {
     size_t k = n - at < 256 ? n - at : 256;
     for (size_t i = 0; i < k; i++) {
-      a[i] = bf16 ? dp_bf16_to_f32(d[at + i]) : dp_f16_to_f32(d[at + i]);
-      b[i] = bf16 ? dp_bf16_to_f32(s[at + i]) : dp_f16_to_f32(s[at + i]);
+      a[i] = bf16 ? bf16_to_float(d[at + i]) : half_to_float(d[at + i]);
+      b[i] = bf16 ? bf16_to_float(s[at + i]) : half_to_float(s[at + i]);
     }
     reduce_f32(op, a, b, k);
-    for (size_t i = 0; i < k; i++) d[at + i] = bf16 ? dp_f32_to_bf16(a[i]) : dp_f32_to_f16(a[i]);
+    for (size_t i = 0; i < k; i++) d[at + i] = bf16 ? float_to_bf16(a[i]) : float_to_half(a[i]);
   }
 }
 
@@ -215,8 +162,8 @@ void dp_reduce_finish(dp_reduce_t op, dtype_t dtype, void *buf, size_t count, si
     uint16_t *p = buf;
     bool bf16 = dtype == DTYPE_BFLOAT16;
     for (size_t i = 0; i < count; i++) {
-      float v = (bf16 ? dp_bf16_to_f32(p[i]) : dp_f16_to_f32(p[i])) / (float)members;
-      p[i] = bf16 ? dp_f32_to_bf16(v) : dp_f32_to_f16(v);
+      float v = (bf16 ? bf16_to_float(p[i]) : half_to_float(p[i])) / (float)members;
+      p[i] = bf16 ? float_to_bf16(v) : float_to_half(v);
     }
     return;
   }

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "cuda_internal.h"
+#include "kernel_family.h"
 
 /* ------------------------------------------------------------------ errors */
 
@@ -396,56 +397,29 @@ static void cuda_event_destroy(backend_t *b, backend_event_t *ev) {
 
 /* ------------------------------------------------------------------ dispatch */
 
-static const struct {
-  const char *name;
-  cuda_kernel_fn fn;
-} kernels[] = {
-    {"empty", cuda_kernel_fill}, {"zeros", cuda_kernel_fill}, {"ones", cuda_kernel_fill},
-    {"full", cuda_kernel_fill}, {"arange", cuda_kernel_arange}, {"rand", cuda_kernel_rand},
-    {"randn", cuda_kernel_rand}, {"rank", cuda_kernel_rank},
-    {"add", cuda_kernel_binary}, {"sub", cuda_kernel_binary}, {"mul", cuda_kernel_binary},
-    {"div", cuda_kernel_binary}, {"pow", cuda_kernel_binary}, {"maximum", cuda_kernel_binary},
-    {"minimum", cuda_kernel_binary}, {"eq", cuda_kernel_binary}, {"ne", cuda_kernel_binary},
-    {"lt", cuda_kernel_binary}, {"le", cuda_kernel_binary}, {"gt", cuda_kernel_binary},
-    {"ge", cuda_kernel_binary}, {"logical_and", cuda_kernel_binary},
-    {"logical_or", cuda_kernel_binary}, {"bitwise_and", cuda_kernel_binary},
-    {"bitwise_or", cuda_kernel_binary}, {"bitwise_xor", cuda_kernel_binary},
-    {"add_", cuda_kernel_binary}, {"sub_", cuda_kernel_binary}, {"mul_", cuda_kernel_binary},
-    {"div_", cuda_kernel_binary},
-    {"neg", cuda_kernel_unary}, {"abs", cuda_kernel_unary}, {"exp", cuda_kernel_unary},
-    {"log", cuda_kernel_unary}, {"sqrt", cuda_kernel_unary}, {"rsqrt", cuda_kernel_unary},
-    {"sin", cuda_kernel_unary}, {"cos", cuda_kernel_unary}, {"tanh", cuda_kernel_unary},
-    {"sigmoid", cuda_kernel_unary}, {"reciprocal", cuda_kernel_unary},
-    {"relu", cuda_kernel_unary}, {"gelu", cuda_kernel_unary}, {"silu", cuda_kernel_unary},
-    {"sign", cuda_kernel_unary}, {"logical_not", cuda_kernel_unary},
-    {"sum", cuda_kernel_reduce}, {"mean", cuda_kernel_reduce}, {"prod", cuda_kernel_reduce},
-    {"max", cuda_kernel_reduce}, {"min", cuda_kernel_reduce}, {"amax", cuda_kernel_reduce},
-    {"amin", cuda_kernel_reduce}, {"argmax", cuda_kernel_reduce}, {"argmin", cuda_kernel_reduce},
-    {"softmax", cuda_kernel_softmax}, {"log_softmax", cuda_kernel_softmax},
-    {"matmul", cuda_kernel_matmul}, {"mm", cuda_kernel_matmul}, {"bmm", cuda_kernel_matmul},
-    {"clone", cuda_kernel_copy}, {"contiguous", cuda_kernel_copy}, {"to", cuda_kernel_copy},
-    {"cast", cuda_kernel_copy}, {"copy_", cuda_kernel_copy}, {"reshape", cuda_kernel_copy}, {"cat", cuda_kernel_cat},
-    {"stack", cuda_kernel_stack}, {"index_select", cuda_kernel_index_select},
-    {"gather", cuda_kernel_gather}, {"where", cuda_kernel_where}, {"clamp", cuda_kernel_clamp},
-    {"clamp_", cuda_kernel_clamp}, {"fill_", cuda_kernel_fill_}, {"zero_", cuda_kernel_fill_},
+/* The kernel of each family (kernel_family.h). */
+static const cuda_kernel_fn kernels[KF_COUNT] = {
+    [KF_FILL] = cuda_kernel_fill,
+    [KF_ARANGE] = cuda_kernel_arange,
+    [KF_RAND] = cuda_kernel_rand,
+    [KF_RANK] = cuda_kernel_rank,
+    [KF_FILL_] = cuda_kernel_fill_,
+    [KF_BINARY] = cuda_kernel_binary,
+    [KF_UNARY] = cuda_kernel_unary,
+    [KF_WHERE] = cuda_kernel_where,
+    [KF_CLAMP] = cuda_kernel_clamp,
+    [KF_REDUCE] = cuda_kernel_reduce,
+    [KF_SOFTMAX] = cuda_kernel_softmax,
+    [KF_MATMUL] = cuda_kernel_matmul,
+    [KF_COPY] = cuda_kernel_copy,
+    [KF_CAT] = cuda_kernel_cat,
+    [KF_STACK] = cuda_kernel_stack,
+    [KF_INDEX_SELECT] = cuda_kernel_index_select,
+    [KF_GATHER] = cuda_kernel_gather,
 };
 
-#define MAX_OPS 256
-static cuda_kernel_fn by_id[MAX_OPS];
-static pthread_once_t by_id_once = PTHREAD_ONCE_INIT;
-
-static void build_by_id(void) {
-  for (size_t k = 0; k < sizeof kernels / sizeof kernels[0]; k++) {
-    const op_def_t *op = ops_find(kernels[k].name);
-    if (op && op_id(op) >= 0 && op_id(op) < MAX_OPS) by_id[op_id(op)] = kernels[k].fn;
-  }
-}
-
-static cuda_kernel_fn kernel_of(const op_def_t *op) {
-  pthread_once(&by_id_once, build_by_id);
-  int id = op_id(op);
-  return id >= 0 && id < MAX_OPS ? by_id[id] : NULL;
-}
+/* The kernel for op, or NULL for a view (which needs none) or an unknown op. */
+static cuda_kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }
 
 static int cuda_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
                        agent_tensor_t **results, int nresults, const op_infer_t *inf,

@@ -25,62 +25,10 @@
 #define _Atomic
 #include "cuda_internal.h"
 #undef _Atomic
+#include "half.h"
 
 #define CU_HD __host__ __device__ __forceinline__
 #define CU_MAX_OPS 6
-
-/* ---- float16 / bfloat16, round to nearest even (bit-identical to cpu) ---- */
-
-CU_HD float cu_bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
-CU_HD uint32_t cu_float_to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
-
-CU_HD float cu_half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp == 0) {
-    if (!man) {
-      bits = sign;
-    } else {
-      int e = -1;
-      do {
-        e++;
-        man <<= 1;
-      } while (!(man & 0x400));
-      bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  return cu_bits_to_float(bits);
-}
-
-CU_HD uint16_t cu_float_to_half(float f) {
-  uint32_t x = cu_float_to_bits(f);
-  uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
-  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);
-  if (ax < 0x38800000u) {
-    if (ax < 0x33000000u) return (uint16_t)sign;
-    uint32_t man = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
-    uint32_t q = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-    if (rem > halfway || (rem == halfway && (q & 1))) q++;
-    return (uint16_t)(sign | q);
-  }
-  uint32_t r = ax - 0x38000000u;
-  uint32_t q = r >> 13, rem = r & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (q & 1))) q++;
-  return (uint16_t)(sign | q);
-}
-
-CU_HD float cu_bf16_to_float(uint16_t h) { return cu_bits_to_float((uint32_t)h << 16); }
-
-CU_HD uint16_t cu_float_to_bf16(float f) {
-  uint32_t x = cu_float_to_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);
-  x += 0x7fff + ((x >> 16) & 1);
-  return (uint16_t)(x >> 16);
-}
 
 /* ---- loads and stores: floating values as double, integral ones as int64 ---- */
 
@@ -103,8 +51,8 @@ CU_HD double cu_ld_f(dtype_t dt, const char *p) {
   switch (dt) {
     case DTYPE_FLOAT32: return *(const float *)p;
     case DTYPE_FLOAT64: return *(const double *)p;
-    case DTYPE_FLOAT16: return cu_half_to_float(*(const uint16_t *)p);
-    case DTYPE_BFLOAT16: return cu_bf16_to_float(*(const uint16_t *)p);
+    case DTYPE_FLOAT16: return half_to_float(*(const uint16_t *)p);
+    case DTYPE_BFLOAT16: return bf16_to_float(*(const uint16_t *)p);
     case DTYPE_INT8: return *(const int8_t *)p;
     case DTYPE_UINT8: return *(const uint8_t *)p;
     case DTYPE_INT16: return *(const int16_t *)p;
@@ -139,8 +87,8 @@ CU_HD void cu_st_f(dtype_t dt, char *p, double v) {
   switch (dt) {
     case DTYPE_FLOAT32: *(float *)p = (float)v; return;
     case DTYPE_FLOAT64: *(double *)p = v; return;
-    case DTYPE_FLOAT16: *(uint16_t *)p = cu_float_to_half((float)v); return;
-    case DTYPE_BFLOAT16: *(uint16_t *)p = cu_float_to_bf16((float)v); return;
+    case DTYPE_FLOAT16: *(uint16_t *)p = float_to_half((float)v); return;
+    case DTYPE_BFLOAT16: *(uint16_t *)p = float_to_bf16((float)v); return;
     case DTYPE_BOOL: *(uint8_t *)p = v != 0; return;
     default: break;
   }

@@ -445,41 +445,7 @@ extern "C" int cuda_kernel_softmax(const cuda_call_t *c, meshd_error_t *e) {
 
 namespace {
 
-/* The data plane's own float <-> 16-bit conversions, bit for bit. */
-CU_HD float dp_u2f(uint32_t u) { return cu_bits_to_float(u); }
-CU_HD uint32_t dp_f2u(float f) { return cu_float_to_bits(f); }
-
-CU_HD float dp_f16_to_f32_hd(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {
-    float f = (float)mant * 0x1p-24f;
-    return dp_u2f(dp_f2u(f) | sign);
-  }
-  if (exp == 31) return dp_u2f(sign | 0x7f800000u | (mant << 13));
-  return dp_u2f(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-CU_HD uint16_t dp_f32_to_f16_hd(float f) {
-  const uint32_t f32_inf = 255u << 23, f16_max = (127u + 16u) << 23;
-  const uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-  uint32_t x = dp_f2u(f);
-  uint32_t sign = x & 0x80000000u;
-  uint16_t o;
-  x ^= sign;
-  if (x >= f16_max) {
-    o = x > f32_inf ? 0x7e00 : 0x7c00;
-  } else if (x < (113u << 23)) {
-    uint32_t r = dp_f2u(dp_u2f(x) + dp_u2f(denorm_magic));
-    o = (uint16_t)(r - denorm_magic);
-  } else {
-    uint32_t mant_odd = (x >> 13) & 1u;
-    x += 0xc8000fffu;
-    x += mant_odd;
-    o = (uint16_t)(x >> 13);
-  }
-  return (uint16_t)(o | (sign >> 16));
-}
+/* 16-bit values round through float32 as on the data plane (half.h). */
 
 CU_HD double dp_fmin_nan(double a, double b) { return a != a ? a : b != b ? b : a < b ? a : b; }
 CU_HD double dp_fmax_nan(double a, double b) { return a != a ? a : b != b ? b : a > b ? a : b; }
@@ -548,14 +514,14 @@ CU_HD void dp_fold_half(dp_reduce_t op, bool bf16, const char *in, char *out, si
   uint16_t a = p[j];
   for (size_t k = 1; k < n; k++) {
     uint16_t s = p[k * count + j];
-    float x = bf16 ? cu_bf16_to_float(a) : dp_f16_to_f32_hd(a);
-    float y = bf16 ? cu_bf16_to_float(s) : dp_f16_to_f32_hd(s);
+    float x = bf16 ? bf16_to_float(a) : half_to_float(a);
+    float y = bf16 ? bf16_to_float(s) : half_to_float(s);
     float r = dp_float_op<float>(op, x, y);
-    a = bf16 ? cu_float_to_bf16(r) : dp_f32_to_f16_hd(r);
+    a = bf16 ? float_to_bf16(r) : float_to_half(r);
   }
   if (op == DP_AVG && n > 1) {
-    float v = (bf16 ? cu_bf16_to_float(a) : dp_f16_to_f32_hd(a)) / (float)n;
-    a = bf16 ? cu_float_to_bf16(v) : dp_f32_to_f16_hd(v);
+    float v = (bf16 ? bf16_to_float(a) : half_to_float(a)) / (float)n;
+    a = bf16 ? float_to_bf16(v) : float_to_half(v);
   }
   ((uint16_t *)out)[j] = a;
 }

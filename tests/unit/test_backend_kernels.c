@@ -12,6 +12,7 @@
 
 #include "backend.h"
 #include "cpu/cpu_internal.h"
+#include "kernel_family.h"
 #include "philox.h"
 
 /* ---- tensors ---- */
@@ -308,7 +309,7 @@ Test(kernels, randn_and_half_rand) {
   OPS->to_host(&B, th, hh, &e);
   OPS->to_host(&B, tb, hb, &e);
   for (int i = 0; i < 4096; i++) {
-    float a = cpu_half_to_float(hh[i]), b = cpu_bf16_to_float(hb[i]);
+    float a = half_to_float(hh[i]), b = bf16_to_float(hb[i]);
     cr_assert(a >= 0 && a < 1 && b >= 0 && b < 1);
   }
 }
@@ -755,11 +756,11 @@ Test(kernels, half_rounding) {
     agent_tensor_t *x = tensor(DTYPE_FLOAT32, 0, NULL, &cases[i].f);
     cr_assert_eq(raw16(RUN("to", VT(x), VD(DTYPE_FLOAT16))), cases[i].half, "case %zu half", i);
     cr_assert_eq(raw16(RUN("to", VT(x), VD(DTYPE_BFLOAT16))), cases[i].bf16, "case %zu bf16", i);
-    cr_assert_eq(cpu_float_to_half(cases[i].f), cases[i].half);
-    cr_assert_eq(cpu_float_to_bf16(cases[i].f), cases[i].bf16);
+    cr_assert_eq(float_to_half(cases[i].f), cases[i].half);
+    cr_assert_eq(float_to_bf16(cases[i].f), cases[i].bf16);
   }
   for (uint32_t h = 0; h < 0x7c00; h++) /* every finite half round-trips */
-    cr_assert_eq(cpu_float_to_half(cpu_half_to_float((uint16_t)h)), h);
+    cr_assert_eq(float_to_half(half_to_float((uint16_t)h)), h);
   /* arithmetic in float32, rounded once: 1 + 2^-11 is 1 in half */
   agent_tensor_t *one = RUN("to", VT(F32(SZ(1), 1)), VD(DTYPE_FLOAT16));
   agent_tensor_t *tiny = RUN("to", VT(F32(SZ(1), 0x1p-11f)), VD(DTYPE_FLOAT16));
@@ -767,7 +768,7 @@ Test(kernels, half_rounding) {
   agent_tensor_t *b1 = RUN("to", VT(F32(SZ(2), 1, 3)), VD(DTYPE_BFLOAT16));
   EXPECT_F(RUN("mul", VT(b1), VF(0.5)), DTYPE_BFLOAT16, 0.5, 1.5);
   EXPECT_F(RUN("sum", VT(b1)), DTYPE_BFLOAT16, 4);
-  EXPECT_F(RUN("exp", VT(one)), DTYPE_FLOAT16, cpu_half_to_float(cpu_float_to_half((float)exp(1))));
+  EXPECT_F(RUN("exp", VT(one)), DTYPE_FLOAT16, half_to_float(float_to_half((float)exp(1))));
 }
 
 /* ---- views and catalogue coverage ---- */
@@ -795,6 +796,20 @@ Test(kernels, views_need_no_kernel) {
   EXPECT_F(RUN("narrow", VT(x), VI(1), VI(1), VI(2)), DTYPE_FLOAT32, 2, 3, 5, 6);
   EXPECT_F(RUN("unsqueeze", VT(x), VI(0)), DTYPE_FLOAT32, 1, 2, 3, 4, 5, 6);
   EXPECT_F(RUN("squeeze", VT(RUN("unsqueeze", VT(x), VI(1)))), DTYPE_FLOAT32, 1, 2, 3, 4, 5, 6);
+}
+
+/* Every op that computes has a kernel family (kernel_family.h); only pure views
+ * have none. */
+Test(kernels, every_computing_op_has_a_kernel_family) {
+  static const char *views[] = {"view", "transpose", "t", "permute", "select",
+                                "narrow", "slice", "unsqueeze", "squeeze", "expand"};
+  for (size_t i = 0; i < ops_count(); i++) {
+    const op_def_t *op = ops_at(i);
+    bool view = false;
+    for (size_t k = 0; k < sizeof views / sizeof views[0]; k++) view |= !strcmp(views[k], op_name(op));
+    if (view) cr_assert_eq(kernel_family_of(op), KF_NONE, "%s is a view", op_name(op));
+    else cr_assert_neq(kernel_family_of(op), KF_NONE, "%s has no kernel family", op_name(op));
+  }
 }
 
 /* Every op in the catalogue is run somewhere in this file. */

@@ -9,11 +9,8 @@
 #include <unistd.h>
 
 #include "dataplane.h"
+#include "half.h"
 
-float dp_f16_to_f32(uint16_t h);
-uint16_t dp_f32_to_f16(float f);
-float dp_bf16_to_f32(uint16_t h);
-uint16_t dp_f32_to_bf16(float f);
 
 #define MAXN 5
 
@@ -108,8 +105,8 @@ static void fill(dtype_t dt, dp_reduce_t op, size_t r, void *buf, size_t count, 
     case DTYPE_FLOAT32: ((float *)buf)[i] = fval(r, k); break;
     case DTYPE_INT32: ((int32_t *)buf)[i] = ival(r, k, op); break;
     case DTYPE_BOOL: ((uint8_t *)buf)[i] = bval(r, k); break;
-    case DTYPE_FLOAT16: ((uint16_t *)buf)[i] = dp_f32_to_f16((float)(k % 5 + r)); break;
-    case DTYPE_BFLOAT16: ((uint16_t *)buf)[i] = dp_f32_to_bf16((float)(k % 5 + r)); break;
+    case DTYPE_FLOAT16: ((uint16_t *)buf)[i] = float_to_half((float)(k % 5 + r)); break;
+    case DTYPE_BFLOAT16: ((uint16_t *)buf)[i] = float_to_bf16((float)(k % 5 + r)); break;
     default: cr_assert_fail("dtype");
     }
   }
@@ -170,7 +167,7 @@ static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf
       float want = 0;
       for (size_t r = 0; r < n; r++) want += (float)(k % 5 + r);
       uint16_t h = ((const uint16_t *)buf)[i];
-      float got = dt == DTYPE_FLOAT16 ? dp_f16_to_f32(h) : dp_bf16_to_f32(h);
+      float got = dt == DTYPE_FLOAT16 ? half_to_float(h) : bf16_to_float(h);
       if (got != want) cr_assert_fail("%s: element %zu = %g, expected %g", ctx, i, got, want);
     }
   }
