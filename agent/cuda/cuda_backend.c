@@ -21,7 +21,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cuda_blas.h"
 #include "cuda_internal.h"
+#include "cuda_nccl.h"
 #include "kernel_family.h"
 
 /* ------------------------------------------------------------------ errors */

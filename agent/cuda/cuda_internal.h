@@ -143,27 +143,10 @@ int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_tensor_t *dst,
 int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void *out, size_t n,
                        size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e);
 
-/* cuda_nccl.c: communicators, the backend.h slots (the table in
- * cuda_backend.c binds the device first). */
+/* cuda_nccl.c: the communicator cache (the slots are in cuda_nccl.h). */
 cuda_comms_t *cuda_comms_create(void);
 /* Aborts and frees every communicator. */
 void cuda_comms_destroy(cuda_comms_t *c);
-int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
-                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
-int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
-                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
-int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
-                   size_t count, dtype_t dtype, meshd_error_t *err);
-int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
-                  size_t count, dtype_t dtype, meshd_error_t *err);
-int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t to_rank, const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
-int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
-void cuda_session_end(backend_t *b, uint64_t session);
-
-/* cuda_blas.c: frees bs's cuBLAS handle and workspace (stream_destroy). */
-void cuda_blas_release(backend_stream_t *bs);
 
 #ifdef __cplusplus
 }

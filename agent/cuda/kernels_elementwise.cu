@@ -157,18 +157,6 @@ static agent_tensor_t *output_of(const cuda_call_t *c) {
   return c->a->op->is_inplace ? cuda_arg(c, 0) : c->res[0];
 }
 
-/* Device -> host of a few bytes, in bs's order, waiting for them. */
-static int readback(const cuda_call_t *c, void *host, const void *dev, size_t n,
-                    meshd_error_t *e) {
-  if (c->emulated) {
-    memcpy(host, dev, n);
-    return 0;
-  }
-  if (cuda_check(c->st, cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, c->bs->s),
-                 cuda_opname(c), e))
-    return -1;
-  return cuda_check(c->st, cudaStreamSynchronize(c->bs->s), cuda_opname(c), e);
-}
 
 /* ---- binary ---- */
 
@@ -353,7 +341,7 @@ extern "C" int cuda_kernel_binary(const cuda_call_t *c, meshd_error_t *e) {
     return error_set(e, ERR_QUOTA, "%s: out of device memory (scratch)", cuda_opname(c));
   if (cuda_memset(c->b, c->bs, x.zero_div, 0, sizeof(int), e) ||
       cuda_launch(c->b, c->bs, n, x, cuda_opname(c), e) ||
-      readback(c, &zero_div, x.zero_div, sizeof(int), e))
+      cuda_readback(c, &zero_div, x.zero_div, sizeof(int), e))
     goto out;
   if (zero_div) {
     error_set(e, ERR_REMOTE_FAILURE, "%s: ZeroDivisionError: integer division by zero (rank %u)",

@@ -194,18 +194,6 @@ struct IndexCheck {
   }
 };
 
-/* Device -> host of a few bytes, in bs's order, waiting for them. */
-static int readback(const cuda_call_t *c, void *host, const void *dev, size_t n,
-                    meshd_error_t *e) {
-  if (c->emulated) {
-    memcpy(host, dev, n);
-    return 0;
-  }
-  if (cuda_check(c->st, cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, c->bs->s),
-                 cuda_opname(c), e))
-    return -1;
-  return cuda_check(c->st, cudaStreamSynchronize(c->bs->s), cuda_opname(c), e);
-}
 
 /* Checks every index of `index` against [0, size) before anything is written,
  * and reports the first one out of range (in row-major order) as the cpu does.
@@ -228,7 +216,7 @@ static int check_indices(const cuda_call_t *c, const agent_tensor_t *index, int6
   /* 0x7f bytes: a position past every index */
   if (cuda_memset(c->b, c->bs, f.first, 0x7f, sizeof(int64_t), e) ||
       cuda_launch(c->b, c->bs, n, f, cuda_opname(c), e) ||
-      readback(c, &first, f.first, sizeof first, e))
+      cuda_readback(c, &first, f.first, sizeof first, e))
     goto out;
   if (first >= n) {
     ret = 0;
@@ -242,7 +230,7 @@ static int check_indices(const cuda_call_t *c, const agent_tensor_t *index, int6
     }
     char buf[8] = {0};
     int iesz = cu_size(index->meta.dtype);
-    if (readback(c, buf, cu_data(index) + off * iesz, (size_t)iesz, e)) goto out;
+    if (cuda_readback(c, buf, cu_data(index) + off * iesz, (size_t)iesz, e)) goto out;
     v = cu_ld_i(index->meta.dtype, buf);
   }
   error_set(e, ERR_REMOTE_FAILURE,
