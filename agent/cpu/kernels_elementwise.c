@@ -6,22 +6,7 @@
 #include <string.h>
 
 #include "cpu_internal.h"
-
-enum {
-  B_ADD, B_SUB, B_MUL, B_DIV, B_DIV_TRUNC, B_DIV_FLOOR, B_POW, B_MAX, B_MIN,
-  B_EQ, B_NE, B_LT, B_LE, B_GT, B_GE, B_LAND, B_LOR, B_BAND, B_BOR, B_BXOR
-};
-
-static const struct {
-  const char *name;
-  int op;
-} binary_names[] = {
-    {"add", B_ADD}, {"sub", B_SUB}, {"mul", B_MUL}, {"div", B_DIV}, {"pow", B_POW},
-    {"maximum", B_MAX}, {"minimum", B_MIN}, {"eq", B_EQ}, {"ne", B_NE}, {"lt", B_LT},
-    {"le", B_LE}, {"gt", B_GT}, {"ge", B_GE}, {"logical_and", B_LAND}, {"logical_or", B_LOR},
-    {"bitwise_and", B_BAND}, {"bitwise_or", B_BOR}, {"bitwise_xor", B_BXOR},
-    {"add_", B_ADD}, {"sub_", B_SUB}, {"mul_", B_MUL}, {"div_", B_DIV},
-};
+#include "elementwise_ops.h"
 
 typedef struct {
   int op;
@@ -31,27 +16,6 @@ typedef struct {
   int64_t alpha_i;
   _Atomic int zero_div; /* an integer division by zero happened */
 } ew_ctx_t;
-
-/* A Scalar argument as an 8-byte value of its own dtype, for cpu_iter_add_scalar. */
-typedef union {
-  double f;
-  int64_t i;
-  uint8_t b;
-} scalar_buf_t;
-
-static dtype_t scalar_to_buf(const op_value_t *v, scalar_buf_t *buf) {
-  memset(buf, 0, sizeof *buf);
-  if (v->kind == VAL_FLOAT) {
-    buf->f = v->f;
-    return DTYPE_FLOAT64;
-  }
-  if (v->kind == VAL_BOOL) {
-    buf->b = v->b;
-    return DTYPE_BOOL;
-  }
-  buf->i = v->i;
-  return DTYPE_INT64;
-}
 
 /* Adds argument param (a tensor or a Scalar) to the iterator; its dtype into *dt. */
 static void add_operand(cpu_iter_t *it, const cpu_call_t *c, int param, scalar_buf_t *buf,
@@ -73,95 +37,22 @@ static agent_tensor_t *output_of(const cpu_call_t *c) {
 
 /* ---- binary ---- */
 
-static inline int64_t ipow(int64_t a, int64_t b) {
-  if (b < 0) return a == 1 ? 1 : a == -1 ? (b & 1 ? -1 : 1) : 0;
-  uint64_t r = 1, x = (uint64_t)a;
-  while (b) {
-    if (b & 1) r *= x;
-    x *= x;
-    b >>= 1;
-  }
-  return (int64_t)r;
-}
-
-static inline int64_t bin_i(ew_ctx_t *c, int64_t a, int64_t b) {
-  switch (c->op) {
-  case B_ADD: return (int64_t)((uint64_t)a + (uint64_t)c->alpha_i * (uint64_t)b);
-  case B_SUB: return (int64_t)((uint64_t)a - (uint64_t)c->alpha_i * (uint64_t)b);
-  case B_MUL: return (int64_t)((uint64_t)a * (uint64_t)b);
-  case B_DIV_TRUNC:
-  case B_DIV_FLOOR: {
-    if (b == 0) {
-      atomic_store(&c->zero_div, 1);
-      return 0;
-    }
-    if (b == -1) return (int64_t)(0 - (uint64_t)a); /* INT64_MIN / -1 wraps */
-    int64_t q = a / b;
-    if (c->op == B_DIV_FLOOR && a % b != 0 && ((a < 0) != (b < 0))) q--;
-    return q;
-  }
-  case B_POW: return ipow(a, b);
-  case B_MAX: return a > b ? a : b;
-  case B_MIN: return a < b ? a : b;
-  case B_EQ: return a == b;
-  case B_NE: return a != b;
-  case B_LT: return a < b;
-  case B_LE: return a <= b;
-  case B_GT: return a > b;
-  case B_GE: return a >= b;
-  case B_LAND: return a && b;
-  case B_LOR: return a || b;
-  case B_BAND: return a & b;
-  case B_BOR: return a | b;
-  case B_BXOR: return a ^ b;
-  default: return 0;
-  }
-}
-
-/* torch's div_floor_floating. */
-static inline double floor_div(double a, double b) {
-  if (b == 0) return a / b;
-  double mod = fmod(a, b), div = (a - mod) / b;
-  if (mod != 0 && ((b < 0) != (mod < 0))) div -= 1;
-  if (div == 0) return copysign(0.0, a / b);
-  double fl = floor(div);
-  if (div - fl > 0.5) fl += 1;
-  return fl;
-}
-
-static inline double bin_f(const ew_ctx_t *c, double a, double b) {
-  switch (c->op) {
-  case B_ADD: return a + c->alpha_f * b;
-  case B_SUB: return a - c->alpha_f * b;
-  case B_MUL: return a * b;
-  case B_DIV: return a / b;
-  case B_DIV_TRUNC: return trunc(a / b);
-  case B_DIV_FLOOR: return floor_div(a, b);
-  case B_POW: return pow(a, b);
-  case B_MAX: return isnan(a) || isnan(b) ? NAN : a > b ? a : b;
-  case B_MIN: return isnan(a) || isnan(b) ? NAN : a < b ? a : b;
-  case B_EQ: return a == b;
-  case B_NE: return a != b;
-  case B_LT: return a < b;
-  case B_LE: return a <= b;
-  case B_GT: return a > b;
-  case B_GE: return a >= b;
-  case B_LAND: return a != 0 && b != 0;
-  case B_LOR: return a != 0 || b != 0;
-  default: return 0;
-  }
-}
-
 static void bin_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   ew_ctx_t *c = p;
   char *o = ptr[0];
   const char *x = ptr[1], *y = ptr[2];
   if (c->is_int) {
-    for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2])
-      cpu_st_i(c->out, o, bin_i(c, cpu_ld_i(c->in[0], x), cpu_ld_i(c->in[1], y)));
+    int zero_div = 0;
+    for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2]) {
+      int64_t a = cpu_ld_i(c->in[0], x), b = cpu_ld_i(c->in[1], y);
+      cpu_st_i(c->out, o, ew_bin_i(c->op, c->alpha_i, a, b, &zero_div));
+    }
+    if (zero_div) atomic_store(&c->zero_div, 1);
   } else {
-    for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2])
-      cpu_st_f(c->out, o, bin_f(c, cpu_ld_f(c->in[0], x), cpu_ld_f(c->in[1], y)));
+    for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2]) {
+      double a = cpu_ld_f(c->in[0], x), b = cpu_ld_f(c->in[1], y);
+      cpu_st_f(c->out, o, ew_bin_f(c->op, c->alpha_f, a, b));
+    }
   }
 }
 
@@ -190,24 +81,22 @@ static void bin_row_f32(void *p, char *const *ptr, const int64_t *s, int64_t n) 
   float alpha = (float)c->alpha_f;
   switch (c->op) {
   case B_ADD:
-    if (alpha == 1) F32_LOOP(a + b);
-    else F32_LOOP(a + alpha * b);
+    if (alpha == 1) F32_LOOP(ew_bin_f32(B_ADD, 1.0f, a, b));
+    else F32_LOOP(ew_bin_f32(B_ADD, alpha, a, b));
     break;
   case B_SUB:
-    if (alpha == 1) F32_LOOP(a - b);
-    else F32_LOOP(a - alpha * b);
+    if (alpha == 1) F32_LOOP(ew_bin_f32(B_SUB, 1.0f, a, b));
+    else F32_LOOP(ew_bin_f32(B_SUB, alpha, a, b));
     break;
-  case B_MUL: F32_LOOP(a * b); break;
-  case B_DIV: F32_LOOP(a / b); break;
+  case B_MUL: F32_LOOP(ew_bin_f32(B_MUL, 1.0f, a, b)); break;
+  case B_DIV: F32_LOOP(ew_bin_f32(B_DIV, 1.0f, a, b)); break;
   default: bin_row(p, ptr, s, n); break;
   }
 }
 
 int cpu_kernel_binary(const cpu_call_t *c, meshd_error_t *e) {
   const op_args_t *a = c->a;
-  ew_ctx_t x = {.op = -1, .alpha_f = 1, .alpha_i = 1};
-  for (size_t k = 0; k < sizeof binary_names / sizeof binary_names[0]; k++)
-    if (strcmp(binary_names[k].name, cpu_opname(c)) == 0) x.op = binary_names[k].op;
+  ew_ctx_t x = {.op = ew_binary_op(cpu_opname(c)), .alpha_f = 1, .alpha_i = 1};
   const op_value_t *vals[2] = {&a->v[0], &a->v[1]};
   dtype_t rt = ops_result_type(vals, 2);
   if (x.op == B_DIV && a->v[2].kind == VAL_STRING)
@@ -246,68 +135,16 @@ int cpu_kernel_binary(const cpu_call_t *c, meshd_error_t *e) {
 
 /* ---- unary ---- */
 
-enum {
-  U_NEG, U_ABS, U_EXP, U_LOG, U_SQRT, U_RSQRT, U_SIN, U_COS, U_TANH, U_SIGMOID, U_RECIP,
-  U_RELU, U_GELU, U_GELU_TANH, U_SILU, U_SIGN, U_NOT
-};
-
-static const struct {
-  const char *name;
-  int op;
-} unary_names[] = {
-    {"neg", U_NEG}, {"abs", U_ABS}, {"exp", U_EXP}, {"log", U_LOG}, {"sqrt", U_SQRT},
-    {"rsqrt", U_RSQRT}, {"sin", U_SIN}, {"cos", U_COS}, {"tanh", U_TANH},
-    {"sigmoid", U_SIGMOID}, {"reciprocal", U_RECIP}, {"relu", U_RELU}, {"gelu", U_GELU},
-    {"silu", U_SILU}, {"sign", U_SIGN}, {"logical_not", U_NOT},
-};
-
-static inline int64_t un_i(int op, int64_t v) {
-  switch (op) {
-  case U_NEG: return (int64_t)(0 - (uint64_t)v);
-  case U_ABS: return v < 0 ? (int64_t)(0 - (uint64_t)v) : v;
-  case U_RELU: return v > 0 ? v : 0;
-  case U_SIGN: return (v > 0) - (v < 0);
-  case U_NOT: return !v;
-  default: return 0;
-  }
-}
-
-static inline double un_f(int op, double v) {
-  switch (op) {
-  case U_NEG: return -v;
-  case U_ABS: return fabs(v);
-  case U_EXP: return exp(v);
-  case U_LOG: return log(v);
-  case U_SQRT: return sqrt(v);
-  case U_RSQRT: return 1.0 / sqrt(v);
-  case U_SIN: return sin(v);
-  case U_COS: return cos(v);
-  case U_TANH: return tanh(v);
-  case U_SIGMOID: return 1.0 / (1.0 + exp(-v));
-  case U_RECIP: return 1.0 / v;
-  case U_RELU: return isnan(v) ? v : v > 0 ? v : 0;
-  case U_GELU: return 0.5 * v * (1.0 + erf(v * M_SQRT1_2));
-  case U_GELU_TANH: {
-    double k = M_SQRT2 * M_2_SQRTPI * 0.5; /* sqrt(2 / pi) */
-    return 0.5 * v * (1.0 + tanh(k * (v + 0.044715 * v * v * v)));
-  }
-  case U_SILU: return v / (1.0 + exp(-v));
-  case U_SIGN: return isnan(v) ? v : (double)((v > 0) - (v < 0));
-  case U_NOT: return v == 0;
-  default: return 0;
-  }
-}
-
 static void un_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   const ew_ctx_t *c = p;
   char *o = ptr[0];
   const char *x = ptr[1];
   if (c->is_int) {
     for (int64_t i = 0; i < n; i++, o += s[0], x += s[1])
-      cpu_st_i(c->out, o, un_i(c->op, cpu_ld_i(c->in[0], x)));
+      cpu_st_i(c->out, o, ew_un_i(c->op, cpu_ld_i(c->in[0], x)));
   } else {
     for (int64_t i = 0; i < n; i++, o += s[0], x += s[1])
-      cpu_st_f(c->out, o, un_f(c->op, cpu_ld_f(c->in[0], x)));
+      cpu_st_f(c->out, o, ew_un_f(c->op, cpu_ld_f(c->in[0], x)));
   }
 }
 
@@ -333,23 +170,22 @@ static void un_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
 static void un_row_f32(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   const ew_ctx_t *c = p;
   switch (c->op) {
-  case U_NEG: F32_UN_LOOP(-a); break;
-  case U_ABS: F32_UN_LOOP(fabsf(a)); break;
-  case U_EXP: F32_UN_LOOP(expf(a)); break;
-  case U_LOG: F32_UN_LOOP(logf(a)); break;
-  case U_SQRT: F32_UN_LOOP(sqrtf(a)); break;
-  case U_RELU: F32_UN_LOOP(a > 0 ? a : (a != a ? a : 0.0f)); break;
-  case U_SIGMOID: F32_UN_LOOP(1.0f / (1.0f + expf(-a))); break;
-  case U_SILU: F32_UN_LOOP(a / (1.0f + expf(-a))); break;
-  case U_TANH: F32_UN_LOOP(tanhf(a)); break;
+  /* A constant op per loop: each inlines to its own math. */
+  case U_NEG: F32_UN_LOOP(ew_un_f32(U_NEG, a)); break;
+  case U_ABS: F32_UN_LOOP(ew_un_f32(U_ABS, a)); break;
+  case U_EXP: F32_UN_LOOP(ew_un_f32(U_EXP, a)); break;
+  case U_LOG: F32_UN_LOOP(ew_un_f32(U_LOG, a)); break;
+  case U_SQRT: F32_UN_LOOP(ew_un_f32(U_SQRT, a)); break;
+  case U_RELU: F32_UN_LOOP(ew_un_f32(U_RELU, a)); break;
+  case U_SIGMOID: F32_UN_LOOP(ew_un_f32(U_SIGMOID, a)); break;
+  case U_SILU: F32_UN_LOOP(ew_un_f32(U_SILU, a)); break;
+  case U_TANH: F32_UN_LOOP(ew_un_f32(U_TANH, a)); break;
   default: un_row(p, ptr, s, n); break;
   }
 }
 
 int cpu_kernel_unary(const cpu_call_t *c, meshd_error_t *e) {
-  ew_ctx_t x = {.op = -1};
-  for (size_t k = 0; k < sizeof unary_names / sizeof unary_names[0]; k++)
-    if (strcmp(unary_names[k].name, cpu_opname(c)) == 0) x.op = unary_names[k].op;
+  ew_ctx_t x = {.op = ew_unary_op(cpu_opname(c))};
   if (x.op == U_GELU && c->a->v[1].kind == VAL_STRING && strcmp(c->a->v[1].s, "tanh") == 0)
     x.op = U_GELU_TANH;
   agent_tensor_t *out = c->res[0], *in = cpu_arg(c, 0);

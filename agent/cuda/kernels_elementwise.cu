@@ -1,90 +1,15 @@
 /* Elementwise kernels of the cuda backend: binary ops with broadcasting,
- * scalars and alpha; unary ops; where; clamp. The semantics, compute dtypes
- * and float32 fast paths are those of agent/cpu/kernels_elementwise.c, so both
- * backends give the same bits; on the device, products and sums are rounded
- * one by one (no fma contraction) as the cpu rounds them. */
+ * scalars and alpha; unary ops; where; clamp. The per-element math is
+ * agent/elementwise_ops.h, shared with the cpu backend; the compute dtypes and
+ * float32 fast paths are those of agent/cpu/kernels_elementwise.c, so both
+ * backends give the same bits. */
 #include <math.h>
 #include <string.h>
 
 #include "kernels.cuh"
+#include "elementwise_ops.h"
 
 namespace {
-
-/* ---- arithmetic rounded as the cpu rounds it ---- */
-
-CU_HD double rn_dmul(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-CU_HD double rn_dadd(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-CU_HD double rn_dsub(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-CU_HD float rn_fmul(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-CU_HD float rn_fadd(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-CU_HD float rn_fsub(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-/* float exp/log/tanh: glibc's on the host; on the device the double function
- * rounded once, nearer to glibc than CUDA's float versions. */
-CU_HD float f_exp(float a) {
-#ifdef __CUDA_ARCH__
-  return (float)exp((double)a);
-#else
-  return expf(a);
-#endif
-}
-CU_HD float f_log(float a) {
-#ifdef __CUDA_ARCH__
-  return (float)log((double)a);
-#else
-  return logf(a);
-#endif
-}
-CU_HD float f_tanh(float a) {
-#ifdef __CUDA_ARCH__
-  return (float)tanh((double)a);
-#else
-  return tanhf(a);
-#endif
-}
-/* The cpu's NAN as a double: positive quiet NaN. */
-CU_HD double qnan(void) {
-  uint64_t b = UINT64_C(0x7ff8000000000000);
-  double d;
-  memcpy(&d, &b, 8);
-  return d;
-}
-CU_HD bool is_nan(double v) { return v != v; }
 
 /* ---- operands: a tensor (in the iterator) or a Scalar (by value) ---- */
 
@@ -96,27 +21,6 @@ struct scal_t {
   double f;
   int64_t i;
 };
-
-typedef union {
-  double f;
-  int64_t i;
-  uint8_t b;
-  float f32;
-} scalar_buf_t;
-
-static dtype_t scalar_to_buf(const op_value_t *v, scalar_buf_t *buf) {
-  memset(buf, 0, sizeof *buf);
-  if (v->kind == VAL_FLOAT) {
-    buf->f = v->f;
-    return DTYPE_FLOAT64;
-  }
-  if (v->kind == VAL_BOOL) {
-    buf->b = v->b;
-    return DTYPE_BOOL;
-  }
-  buf->i = v->i;
-  return DTYPE_INT64;
-}
 
 static scal_t scal_of(const scalar_buf_t *buf, dtype_t dt) {
   scal_t s;
@@ -160,44 +64,6 @@ static agent_tensor_t *output_of(const cuda_call_t *c) {
 
 /* ---- binary ---- */
 
-enum {
-  B_ADD, B_SUB, B_MUL, B_DIV, B_DIV_TRUNC, B_DIV_FLOOR, B_POW, B_MAX, B_MIN,
-  B_EQ, B_NE, B_LT, B_LE, B_GT, B_GE, B_LAND, B_LOR, B_BAND, B_BOR, B_BXOR
-};
-
-static const struct {
-  const char *name;
-  int op;
-} binary_names[] = {
-    {"add", B_ADD}, {"sub", B_SUB}, {"mul", B_MUL}, {"div", B_DIV}, {"pow", B_POW},
-    {"maximum", B_MAX}, {"minimum", B_MIN}, {"eq", B_EQ}, {"ne", B_NE}, {"lt", B_LT},
-    {"le", B_LE}, {"gt", B_GT}, {"ge", B_GE}, {"logical_and", B_LAND}, {"logical_or", B_LOR},
-    {"bitwise_and", B_BAND}, {"bitwise_or", B_BOR}, {"bitwise_xor", B_BXOR},
-    {"add_", B_ADD}, {"sub_", B_SUB}, {"mul_", B_MUL}, {"div_", B_DIV},
-};
-
-CU_HD int64_t ipow(int64_t a, int64_t b) {
-  if (b < 0) return a == 1 ? 1 : a == -1 ? (b & 1 ? -1 : 1) : 0;
-  uint64_t r = 1, x = (uint64_t)a;
-  while (b) {
-    if (b & 1) r *= x;
-    x *= x;
-    b >>= 1;
-  }
-  return (int64_t)r;
-}
-
-/* torch's div_floor_floating. */
-CU_HD double floor_div(double a, double b) {
-  if (b == 0) return a / b;
-  double mod = fmod(a, b), div = (a - mod) / b;
-  if (mod != 0 && ((b < 0) != (mod < 0))) div -= 1;
-  if (div == 0) return copysign(0.0, a / b);
-  double fl = floor(div);
-  if (div - fl > 0.5) fl += 1;
-  return fl;
-}
-
 struct Binary {
   cu_iter_t it; /* out, x, y */
   scal_t s[2];
@@ -208,82 +74,18 @@ struct Binary {
   float alpha32;
   int *zero_div; /* device flag, for integer division */
 
-  CU_HD int64_t bin_i(int64_t a, int64_t b) const {
-    switch (op) {
-      case B_ADD: return (int64_t)((uint64_t)a + (uint64_t)alpha_i * (uint64_t)b);
-      case B_SUB: return (int64_t)((uint64_t)a - (uint64_t)alpha_i * (uint64_t)b);
-      case B_MUL: return (int64_t)((uint64_t)a * (uint64_t)b);
-      case B_DIV_TRUNC:
-      case B_DIV_FLOOR: {
-        if (b == 0) {
-          *zero_div = 1;
-          return 0;
-        }
-        if (b == -1) return (int64_t)(0 - (uint64_t)a); /* INT64_MIN / -1 wraps */
-        int64_t q = a / b;
-        if (op == B_DIV_FLOOR && a % b != 0 && ((a < 0) != (b < 0))) q--;
-        return q;
-      }
-      case B_POW: return ipow(a, b);
-      case B_MAX: return a > b ? a : b;
-      case B_MIN: return a < b ? a : b;
-      case B_EQ: return a == b;
-      case B_NE: return a != b;
-      case B_LT: return a < b;
-      case B_LE: return a <= b;
-      case B_GT: return a > b;
-      case B_GE: return a >= b;
-      case B_LAND: return a && b;
-      case B_LOR: return a || b;
-      case B_BAND: return a & b;
-      case B_BOR: return a | b;
-      case B_BXOR: return a ^ b;
-      default: return 0;
-    }
-  }
-
-  CU_HD double bin_f(double a, double b) const {
-    switch (op) {
-      case B_ADD: return rn_dadd(a, rn_dmul(alpha_f, b));
-      case B_SUB: return rn_dsub(a, rn_dmul(alpha_f, b));
-      case B_MUL: return a * b;
-      case B_DIV: return a / b;
-      case B_DIV_TRUNC: return trunc(a / b);
-      case B_DIV_FLOOR: return floor_div(a, b);
-      case B_POW: return pow(a, b);
-      case B_MAX: return is_nan(a) || is_nan(b) ? qnan() : a > b ? a : b;
-      case B_MIN: return is_nan(a) || is_nan(b) ? qnan() : a < b ? a : b;
-      case B_EQ: return a == b;
-      case B_NE: return a != b;
-      case B_LT: return a < b;
-      case B_LE: return a <= b;
-      case B_GT: return a > b;
-      case B_GE: return a >= b;
-      case B_LAND: return a != 0 && b != 0;
-      case B_LOR: return a != 0 || b != 0;
-      default: return 0;
-    }
-  }
-
-  /* float32 op float32 -> float32, in float as torch computes it. */
-  CU_HD float bin_f32(float a, float b) const {
-    switch (op) {
-      case B_ADD: return alpha32 == 1 ? rn_fadd(a, b) : rn_fadd(a, rn_fmul(alpha32, b));
-      case B_SUB: return alpha32 == 1 ? rn_fsub(a, b) : rn_fsub(a, rn_fmul(alpha32, b));
-      case B_MUL: return a * b;
-      default: return a / b; /* B_DIV */
-    }
-  }
-
   CU_HD void operator()(int64_t i) const {
     char *p[CU_MAX_OPS];
     it.at(i, p);
     if (f32) {
-      *(float *)p[0] = bin_f32(ld_f32(s[0], p[1]), ld_f32(s[1], p[2]));
+      *(float *)p[0] = ew_bin_f32(op, alpha32, ld_f32(s[0], p[1]), ld_f32(s[1], p[2]));
     } else if (is_int) {
-      cu_st_i(it.dt[0], p[0], bin_i(ld_i(s[0], it.dt[1], p[1]), ld_i(s[1], it.dt[2], p[2])));
+      cu_st_i(it.dt[0], p[0],
+              ew_bin_i(op, alpha_i, ld_i(s[0], it.dt[1], p[1]), ld_i(s[1], it.dt[2], p[2]),
+                       zero_div));
     } else {
-      cu_st_f(it.dt[0], p[0], bin_f(ld_f(s[0], it.dt[1], p[1]), ld_f(s[1], it.dt[2], p[2])));
+      cu_st_f(it.dt[0], p[0],
+              ew_bin_f(op, alpha_f, ld_f(s[0], it.dt[1], p[1]), ld_f(s[1], it.dt[2], p[2])));
     }
   }
 };
@@ -294,11 +96,9 @@ extern "C" int cuda_kernel_binary(const cuda_call_t *c, meshd_error_t *e) {
   const op_args_t *a = c->a;
   Binary x;
   memset(&x, 0, sizeof x);
-  x.op = -1;
+  x.op = ew_binary_op(cuda_opname(c));
   x.alpha_f = 1;
   x.alpha_i = 1;
-  for (size_t k = 0; k < sizeof binary_names / sizeof binary_names[0]; k++)
-    if (strcmp(binary_names[k].name, cuda_opname(c)) == 0) x.op = binary_names[k].op;
   const op_value_t *vals[2] = {&a->v[0], &a->v[1]};
   dtype_t rt = ops_result_type(vals, 2);
   if (x.op == B_DIV && a->v[2].kind == VAL_STRING)
@@ -329,7 +129,7 @@ extern "C" int cuda_kernel_binary(const cuda_call_t *c, meshd_error_t *e) {
     f32 = true;
   }
   /* The cpu's float32 rows cover these four ops; the rest go through double. */
-  x.f32 = f32 && (x.op == B_ADD || x.op == B_SUB || x.op == B_MUL || x.op == B_DIV);
+  x.f32 = f32 && ew_bin_has_f32(x.op);
   cu_iter_coalesce(&x.it);
   int64_t n = cu_iter_numel(&x.it);
   bool int_div = x.is_int && (x.op == B_DIV_TRUNC || x.op == B_DIV_FLOOR) && n > 0;
@@ -358,84 +158,17 @@ namespace {
 
 /* ---- unary ---- */
 
-enum {
-  U_NEG, U_ABS, U_EXP, U_LOG, U_SQRT, U_RSQRT, U_SIN, U_COS, U_TANH, U_SIGMOID, U_RECIP,
-  U_RELU, U_GELU, U_GELU_TANH, U_SILU, U_SIGN, U_NOT
-};
-
-static const struct {
-  const char *name;
-  int op;
-} unary_names[] = {
-    {"neg", U_NEG}, {"abs", U_ABS}, {"exp", U_EXP}, {"log", U_LOG}, {"sqrt", U_SQRT},
-    {"rsqrt", U_RSQRT}, {"sin", U_SIN}, {"cos", U_COS}, {"tanh", U_TANH},
-    {"sigmoid", U_SIGMOID}, {"reciprocal", U_RECIP}, {"relu", U_RELU}, {"gelu", U_GELU},
-    {"silu", U_SILU}, {"sign", U_SIGN}, {"logical_not", U_NOT},
-};
-
 struct Unary {
   cu_iter_t it; /* out, in */
   int op;
   bool is_int, f32;
 
-  CU_HD int64_t un_i(int64_t v) const {
-    switch (op) {
-      case U_NEG: return (int64_t)(0 - (uint64_t)v);
-      case U_ABS: return v < 0 ? (int64_t)(0 - (uint64_t)v) : v;
-      case U_RELU: return v > 0 ? v : 0;
-      case U_SIGN: return (v > 0) - (v < 0);
-      case U_NOT: return !v;
-      default: return 0;
-    }
-  }
-
-  CU_HD double un_f(double v) const {
-    switch (op) {
-      case U_NEG: return -v;
-      case U_ABS: return fabs(v);
-      case U_EXP: return exp(v);
-      case U_LOG: return log(v);
-      case U_SQRT: return sqrt(v);
-      case U_RSQRT: return 1.0 / sqrt(v);
-      case U_SIN: return sin(v);
-      case U_COS: return cos(v);
-      case U_TANH: return tanh(v);
-      case U_SIGMOID: return 1.0 / (1.0 + exp(-v));
-      case U_RECIP: return 1.0 / v;
-      case U_RELU: return is_nan(v) ? v : v > 0 ? v : 0;
-      case U_GELU: return 0.5 * v * (1.0 + erf(v * M_SQRT1_2));
-      case U_GELU_TANH: {
-        double k = M_SQRT2 * M_2_SQRTPI * 0.5; /* sqrt(2 / pi) */
-        double inner = rn_dadd(v, rn_dmul(rn_dmul(rn_dmul(0.044715, v), v), v));
-        return 0.5 * v * (1.0 + tanh(k * inner));
-      }
-      case U_SILU: return v / (1.0 + exp(-v));
-      case U_SIGN: return is_nan(v) ? v : (double)((v > 0) - (v < 0));
-      case U_NOT: return v == 0;
-      default: return 0;
-    }
-  }
-
-  CU_HD float un_f32(float a) const {
-    switch (op) {
-      case U_NEG: return -a;
-      case U_ABS: return fabsf(a);
-      case U_EXP: return f_exp(a);
-      case U_LOG: return f_log(a);
-      case U_SQRT: return sqrtf(a);
-      case U_RELU: return a > 0 ? a : (a != a ? a : 0.0f);
-      case U_SIGMOID: return 1.0f / (1.0f + f_exp(-a));
-      case U_SILU: return a / (1.0f + f_exp(-a));
-      default: return f_tanh(a); /* U_TANH */
-    }
-  }
-
   CU_HD void operator()(int64_t i) const {
     char *p[CU_MAX_OPS];
     it.at(i, p);
-    if (f32) *(float *)p[0] = un_f32(*(const float *)p[1]);
-    else if (is_int) cu_st_i(it.dt[0], p[0], un_i(cu_ld_i(it.dt[1], p[1])));
-    else cu_st_f(it.dt[0], p[0], un_f(cu_ld_f(it.dt[1], p[1])));
+    if (f32) *(float *)p[0] = ew_un_f32(op, *(const float *)p[1]);
+    else if (is_int) cu_st_i(it.dt[0], p[0], ew_un_i(op, cu_ld_i(it.dt[1], p[1])));
+    else cu_st_f(it.dt[0], p[0], ew_un_f(op, cu_ld_f(it.dt[1], p[1])));
   }
 };
 
@@ -444,17 +177,14 @@ struct Unary {
 extern "C" int cuda_kernel_unary(const cuda_call_t *c, meshd_error_t *e) {
   Unary x;
   memset(&x, 0, sizeof x);
-  x.op = -1;
-  for (size_t k = 0; k < sizeof unary_names / sizeof unary_names[0]; k++)
-    if (strcmp(unary_names[k].name, cuda_opname(c)) == 0) x.op = unary_names[k].op;
+  x.op = ew_unary_op(cuda_opname(c));
   if (x.op == U_GELU && c->a->v[1].kind == VAL_STRING && strcmp(c->a->v[1].s, "tanh") == 0)
     x.op = U_GELU_TANH;
   agent_tensor_t *out = c->res[0], *in = cuda_arg(c, 0);
   /* logical_not reads any dtype as double; the others compute in their result dtype. */
   x.is_int = x.op != U_NOT && cu_is_int(out->meta.dtype);
   x.f32 = out->meta.dtype == DTYPE_FLOAT32 && in->meta.dtype == DTYPE_FLOAT32 &&
-          (x.op == U_NEG || x.op == U_ABS || x.op == U_EXP || x.op == U_LOG || x.op == U_SQRT ||
-           x.op == U_RELU || x.op == U_SIGMOID || x.op == U_SILU || x.op == U_TANH);
+          ew_un_has_f32(x.op);
   cu_iter_init(&x.it, out->meta.layout.sizes, out->meta.layout.ndim);
   cu_iter_add(&x.it, out);
   cu_iter_add(&x.it, in);
@@ -521,11 +251,11 @@ struct Clamp {
       double r = ld_f(s[0], it.dt[1], p[1]);
       if (has_lo) {
         double l = ld_f(s[1], it.dt[2], p[2]);
-        r = is_nan(r) || is_nan(l) ? qnan() : r < l ? l : r;
+        r = ew_is_nan(r) || ew_is_nan(l) ? ew_qnan() : r < l ? l : r;
       }
       if (has_hi) {
         double h = ld_f(s[2], it.dt[3], p[3]);
-        r = is_nan(r) || is_nan(h) ? qnan() : r > h ? h : r;
+        r = ew_is_nan(r) || ew_is_nan(h) ? ew_qnan() : r > h ? h : r;
       }
       cu_st_f(it.dt[0], p[0], r);
     }
