@@ -288,7 +288,7 @@ static int parse_shape(script_t *sc, char **tok, int n, int64_t *shape) {
 }
 
 static int run_fetch(script_t *sc, char **tok, int ntok) {
-  meshd_ref_t ref;
+  meshd_ref_t ref = 0;
   const char *dims[MAX_TOKENS];
   int64_t idx[MAX_TOKENS];
   if (ntok < 2)
@@ -317,7 +317,7 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
 /* NAME = EXPR: a factory, a reduce or an op call. */
 static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
   meshd_err_t e;
-  meshd_ref_t out = 0, in;
+  meshd_ref_t out = 0, in = 0;
   int64_t shape[MAX_TOKENS];
   const char *what = tok[0];
 
