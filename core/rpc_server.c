@@ -698,7 +698,10 @@ void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
       log_info("rpc", "%d call(s) still running after %.1f s: cancelling them", active,
                grace_seconds);
     grpc_server_cancel_all_calls(srv->server);
-    grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag, wire_deadline(0), NULL);
+    /* Wait for the cancelled calls to finish: their handlers still answer on
+     * the worker queue, which must not shut down under a batch they start (a
+     * gRPC assertion). Bounded, for a handler stuck outside gRPC. */
+    grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag, wire_deadline(5000), NULL);
   }
   grpc_completion_queue_shutdown(srv->shutdown_cq);
   grpc_completion_queue_pluck(srv->shutdown_cq, NULL, wire_deadline(0), NULL);
