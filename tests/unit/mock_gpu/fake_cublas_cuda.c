@@ -8,6 +8,7 @@
 
 #include "cpu/cpu_internal.h"
 #include "cuda_blas.h"
+#include "fake_device_memory.h"
 #include "fake_cublas_cuda.h"
 
 fake_counters_t fake;
@@ -16,56 +17,6 @@ cublasStatus_t fake_gemm_status = CUBLAS_STATUS_SUCCESS;
 int fake_malloc_fails;
 int fake_scratch_fails_after = -1;
 
-#define REQUIRE(cond)                                                                   \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      fprintf(stderr, "%s:%d: fake contract broken: %s\n", __FILE__, __LINE__, #cond); \
-      abort();                                                                          \
-    }                                                                                   \
-  } while (0)
-
-/* ------------------------------------------------------------ device memory */
-
-#define MAX_DEV 256
-static pthread_mutex_t dev_mu = PTHREAD_MUTEX_INITIALIZER;
-static char *dev_ptr[MAX_DEV];
-static size_t dev_len[MAX_DEV];
-
-void *fake_dev_alloc(size_t bytes) {
-  char *p = calloc(1, bytes ? bytes : 1);
-  REQUIRE(p);
-  pthread_mutex_lock(&dev_mu);
-  int i = 0;
-  while (i < MAX_DEV && dev_ptr[i]) i++;
-  REQUIRE(i < MAX_DEV);
-  dev_ptr[i] = p;
-  dev_len[i] = bytes ? bytes : 1;
-  fake.dev_live++;
-  pthread_mutex_unlock(&dev_mu);
-  return p;
-}
-
-void fake_dev_free(void *p) {
-  pthread_mutex_lock(&dev_mu);
-  int i = 0;
-  while (i < MAX_DEV && dev_ptr[i] != p) i++;
-  REQUIRE(i < MAX_DEV); /* freeing what was never allocated, or twice */
-  dev_ptr[i] = NULL;
-  fake.dev_live--;
-  pthread_mutex_unlock(&dev_mu);
-  free(p);
-}
-
-/* Whether [p, p + bytes) lies inside one device allocation. */
-static bool is_dev(const void *p, size_t bytes) {
-  const char *c = p;
-  bool r = false;
-  pthread_mutex_lock(&dev_mu);
-  for (int i = 0; i < MAX_DEV && !r; i++)
-    r = dev_ptr[i] && c >= dev_ptr[i] && c + bytes <= dev_ptr[i] + dev_len[i];
-  pthread_mutex_unlock(&dev_mu);
-  return r;
-}
 
 /* ------------------------------------------------------------ CUDA runtime */
 
@@ -111,7 +62,7 @@ void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
 }
 
 void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes) {
-  REQUIRE(is_dev(p, bytes));
+  REQUIRE(fake_is_dev(p, bytes));
   fake.scratch_live--;
   fake_dev_free(p);
 }
@@ -138,7 +89,7 @@ int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_tensor_t *dst,
     for (int d = 0; d < ls->ndim; d++) si[d] = ls->sizes[d] == 1 ? 0 : di[lead + d];
     char *to = element(dst, di);
     const char *from = element(src, si);
-    REQUIRE(is_dev(to, esz) && is_dev(from, esz));
+    REQUIRE(fake_is_dev(to, esz) && fake_is_dev(from, esz));
     memcpy(to, from, esz);
     for (int d = ld->ndim - 1; d >= 0; d--) {
       if (++di[d] < ld->sizes[d]) break;
@@ -194,7 +145,7 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t hh, cublasMath_t mode) {
 
 cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t hh, void *ws, size_t bytes) {
   handle_t *h = (handle_t *)hh;
-  if (!ws || !bytes || !is_dev(ws, bytes)) return CUBLAS_STATUS_INVALID_VALUE;
+  if (!ws || !bytes || !fake_is_dev(ws, bytes)) return CUBLAS_STATUS_INVALID_VALUE;
   h->ws = ws;
   h->ws_bytes = bytes;
   return CUBLAS_STATUS_SUCCESS;
@@ -226,7 +177,7 @@ static bool operand_in_bounds(const void *p, int rows, int cols, int ld, long lo
   if (rows == 0 || cols == 0 || batch == 0) return true;
   if (stride < 0) return false;
   long long last = (long long)(batch - 1) * stride + (rows - 1) + (long long)(cols - 1) * ld;
-  return is_dev(p, (size_t)(last + 1) * esz);
+  return fake_is_dev(p, (size_t)(last + 1) * esz);
 }
 
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t hh, cublasOperation_t ta,

@@ -16,12 +16,10 @@
 
 #include <cublas_v2.h>
 
-void *fake_dev_alloc(size_t bytes);
-void fake_dev_free(void *p);
+#include "fake_device_memory.h"
 
 typedef struct {
   int handles_live, creates;     /* cublasCreate / Destroy */
-  int dev_live;                  /* device allocations not freed (cudaMalloc, scratch, tensors) */
   int scratch_live, scratch_allocs;
   int workspaces_live;           /* cudaMalloc'd and not freed */
   int gemms;                     /* cublasGemmStridedBatchedEx calls */

@@ -10,61 +10,12 @@
 #include <time.h>
 
 #include "cuda_internal.h"
+#include "fake_device_memory.h"
 #include "fake_nccl_cuda.h"
 
 fake_counters_t fake;
 atomic_int fake_never_join, fake_init_error, fake_op_error, fake_finalize_hangs;
 
-#define REQUIRE(cond)                                                                   \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      fprintf(stderr, "%s:%d: fake contract broken: %s\n", __FILE__, __LINE__, #cond); \
-      abort();                                                                          \
-    }                                                                                   \
-  } while (0)
-
-/* ------------------------------------------------------------ device memory */
-
-#define MAX_DEV 1024
-static pthread_mutex_t dev_mu = PTHREAD_MUTEX_INITIALIZER;
-static char *dev_ptr[MAX_DEV];
-static size_t dev_len[MAX_DEV];
-
-void *fake_dev_alloc(size_t bytes) {
-  char *p = calloc(1, bytes ? bytes : 1);
-  REQUIRE(p);
-  pthread_mutex_lock(&dev_mu);
-  int i = 0;
-  while (i < MAX_DEV && dev_ptr[i]) i++;
-  REQUIRE(i < MAX_DEV);
-  dev_ptr[i] = p;
-  dev_len[i] = bytes ? bytes : 1;
-  pthread_mutex_unlock(&dev_mu);
-  fake.dev_live++;
-  return p;
-}
-
-void fake_dev_free(void *p) {
-  pthread_mutex_lock(&dev_mu);
-  int i = 0;
-  while (i < MAX_DEV && dev_ptr[i] != p) i++;
-  REQUIRE(i < MAX_DEV);
-  dev_ptr[i] = NULL;
-  pthread_mutex_unlock(&dev_mu);
-  fake.dev_live--;
-  free(p);
-}
-
-/* Whether [p, p + bytes) lies inside one device allocation. */
-static bool is_dev(const void *p, size_t bytes) {
-  const char *c = p;
-  bool r = false;
-  pthread_mutex_lock(&dev_mu);
-  for (int i = 0; i < MAX_DEV && !r; i++)
-    r = dev_ptr[i] && c >= dev_ptr[i] && c + bytes <= dev_ptr[i] + dev_len[i];
-  pthread_mutex_unlock(&dev_mu);
-  return r;
-}
 
 /* ------------------------------------------------------------ cuda helpers */
 
@@ -80,7 +31,7 @@ void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
 }
 
 void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes) {
-  REQUIRE(is_dev(p, bytes));
+  REQUIRE(fake_is_dev(p, bytes));
   fake.scratch_live--;
   fake_dev_free(p);
 }
@@ -123,7 +74,7 @@ int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void 
                        size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
   size_t esz = dtype_size(dtype);
   REQUIRE(is_int_dtype(dtype));
-  REQUIRE(is_dev(in, n * count * esz) && is_dev(out, count * esz));
+  REQUIRE(fake_is_dev(in, n * count * esz) && fake_is_dev(out, count * esz));
   fake.reduce_slices++;
   for (size_t j = 0; j < count; j++) {
     int64_t acc = ld_i(dtype, in, j);
@@ -284,14 +235,14 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaSuccess; }
 cudaError_t cudaStreamQuery(cudaStream_t s) { return cudaSuccess; }
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
   memset(a, 0, sizeof *a);
-  a->type = is_dev(p, 1) ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;
+  a->type = fake_is_dev(p, 1) ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind k,
                             cudaStream_t s) {
   REQUIRE(k == cudaMemcpyHostToDevice || k == cudaMemcpyDeviceToHost);
-  if (k == cudaMemcpyHostToDevice) REQUIRE(is_dev(dst, n) && !is_dev(src, 1));
-  else REQUIRE(!is_dev(dst, 1) && is_dev(src, n));
+  if (k == cudaMemcpyHostToDevice) REQUIRE(fake_is_dev(dst, n) && !fake_is_dev(src, 1));
+  else REQUIRE(!fake_is_dev(dst, 1) && fake_is_dev(src, n));
   memcpy(dst, src, n);
   return cudaSuccess;
 }
@@ -487,7 +438,7 @@ ncclResult_t ncclGroupEnd(void) {
 
 static ncclResult_t p2p(bool send, const void *buf, size_t n, ncclDataType_t dt, int peer,
                         ncclComm_t nc) {
-  REQUIRE(nc && dt == ncclUint8 && is_dev(buf, n));
+  REQUIRE(nc && dt == ncclUint8 && fake_is_dev(buf, n));
   REQUIRE(peer >= 0 && peer < nc->cl->nranks);
   op_t *o = in_group ? group_op : NULL;
   if (!o) o = post(nc, K_P2P);
@@ -519,7 +470,7 @@ static size_t nccl_size(ncclDataType_t dt) {
 
 ncclResult_t ncclAllReduce(const void *in, void *out, size_t count, ncclDataType_t dt,
                            ncclRedOp_t op, ncclComm_t nc, cudaStream_t s) {
-  REQUIRE(nc && s && is_dev(in, count * nccl_size(dt)) && is_dev(out, count * nccl_size(dt)));
+  REQUIRE(nc && s && fake_is_dev(in, count * nccl_size(dt)) && fake_is_dev(out, count * nccl_size(dt)));
   op_t *o = post(nc, K_ALLREDUCE);
   o->in = in, o->out = out, o->count = count, o->dt = dt, o->rop = op;
   fake.native_ops++;
@@ -528,7 +479,7 @@ ncclResult_t ncclAllReduce(const void *in, void *out, size_t count, ncclDataType
 ncclResult_t ncclReduceScatter(const void *in, void *out, size_t count, ncclDataType_t dt,
                                ncclRedOp_t op, ncclComm_t nc, cudaStream_t s) {
   size_t bytes = count * nccl_size(dt);
-  REQUIRE(nc && s && is_dev(in, bytes * (size_t)nc->cl->nranks) && is_dev(out, bytes));
+  REQUIRE(nc && s && fake_is_dev(in, bytes * (size_t)nc->cl->nranks) && fake_is_dev(out, bytes));
   op_t *o = post(nc, K_REDUCE_SCATTER);
   o->in = in, o->out = out, o->count = count, o->dt = dt, o->rop = op;
   fake.native_ops++;
@@ -537,7 +488,7 @@ ncclResult_t ncclReduceScatter(const void *in, void *out, size_t count, ncclData
 ncclResult_t ncclAllGather(const void *in, void *out, size_t count, ncclDataType_t dt,
                            ncclComm_t nc, cudaStream_t s) {
   REQUIRE(nc && s && dt == ncclUint8);
-  REQUIRE(is_dev(in, count) && is_dev(out, count * (size_t)nc->cl->nranks));
+  REQUIRE(fake_is_dev(in, count) && fake_is_dev(out, count * (size_t)nc->cl->nranks));
   op_t *o = post(nc, K_ALLGATHER);
   o->in = in, o->out = out, o->count = count, o->dt = dt;
   fake.gather_ops++;

@@ -13,9 +13,12 @@
 
 #include <stdatomic.h>
 #include <stddef.h>
+
 #include <stdint.h>
 
 #include <nccl.h>
+
+#include "fake_device_memory.h"
 
 #include "dataplane.h"
 
@@ -28,8 +31,6 @@ struct dataplane {
 /* The only device the suite's agents use; NCCL init checks it is current. */
 #define FAKE_DEVICE 1
 
-void *fake_dev_alloc(size_t bytes);
-void fake_dev_free(void *p);
 /* Frees data-plane messages nobody received (end of a test). */
 void fake_dp_drain(void);
 
@@ -38,7 +39,6 @@ typedef struct {
   atomic_int comms_live;                              /* inited, not aborted nor destroyed */
   atomic_int streams_live, events_live;               /* CUDA objects */
   atomic_int scratch_live;                            /* cuda_scratch_alloc not yet freed */
-  atomic_int dev_live;                                /* fake_dev_alloc not yet freed */
   atomic_int native_ops, gather_ops, p2p_ops;         /* ncclAllReduce/ReduceScatter, AllGather, Send/Recv */
   atomic_int reduce_slices;                           /* cuda_reduce_slices */
   atomic_int memcpy_calls;                            /* cuda_memcpy */

@@ -344,7 +344,7 @@ Test(cuda_blas_mock_gpu, one_handle_per_stream_with_workspace_and_no_reduced_pre
   cr_expect(!ST.own.blas && !ST.own.blas_ws && ST.own.blas_ws_bytes == 0);
   tens_free(&x);
   tens_free(&y);
-  cr_expect_eq(fake.dev_live, 0);
+  cr_expect_eq(fake_dev_live(), 0);
 }
 
 Test(cuda_blas_mock_gpu, integers_emulation_and_empty_sizes_skip_cublas) {

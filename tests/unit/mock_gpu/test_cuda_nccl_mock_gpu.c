@@ -119,7 +119,7 @@ static void expect_failed(const res_t *r, double max_secs, const char *frag1, co
 
 static void expect_nothing_left(void) {
   cr_expect_eq(fake.scratch_live, 0, "scratch not freed: %d", (int)fake.scratch_live);
-  cr_expect_eq(fake.dev_live, 0, "device buffers not freed: %d", (int)fake.dev_live);
+  cr_expect_eq(fake_dev_live(), 0, "device buffers not freed: %d", fake_dev_live());
 }
 
 /* ------------------------------------------------------- collectives */
