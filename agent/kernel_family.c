@@ -13,8 +13,8 @@ static void build(void) {
     kernel_family_t family;
     const char *ops;
   } map[] = {
-#define XX(name, ops) {KF_##name, ops},
-      KERNEL_FAMILY_MAP(XX)
+#define XX(name, kernel, ops, a, b) {KF_##name, ops},
+      KERNEL_FAMILY_MAP(XX, _, _)
 #undef XX
   };
   for (size_t k = 0; k < sizeof map / sizeof map[0]; k++) {

@@ -1,41 +1,54 @@
 /* Which kernel family runs each catalogue op: one table for every backend.
- * A backend maps families to its own kernels (cpu: cpu_kernel_*, cuda:
- * cuda_kernel_*) with one array indexed by kernel_family_t; ops that only
- * make views (the result aliases its input) need no kernel and have none. */
+ * A backend has one kernel per family, named <prefix><kernel> (cpu_kernel_fill,
+ * cuda_kernel_fill, ...), declared and tabled from this same list; ops that
+ * only make views (the result aliases its input) need no kernel and have none. */
 #ifndef MESHD_AGENT_KERNEL_FAMILY_H
 #define MESHD_AGENT_KERNEL_FAMILY_H
 
 #include "ops.h"
 
-/* XX(FAMILY, "the catalogue ops it runs") */
-#define KERNEL_FAMILY_MAP(XX)                                                                   \
-  XX(FILL, "empty zeros ones full")                                                           \
-  XX(ARANGE, "arange")                                                                        \
-  XX(RAND, "rand randn")                                                                      \
-  XX(RANK, "rank")                                                                            \
-  XX(FILL_, "fill_ zero_")                                                                    \
-  XX(BINARY, "add sub mul div pow maximum minimum eq ne lt le gt ge logical_and logical_or "  \
-             "bitwise_and bitwise_or bitwise_xor add_ sub_ mul_ div_")                        \
-  XX(UNARY, "neg abs exp log sqrt rsqrt sin cos tanh sigmoid reciprocal relu gelu silu sign " \
-            "logical_not")                                                                    \
-  XX(WHERE, "where")                                                                          \
-  XX(CLAMP, "clamp clamp_")                                                                   \
-  XX(REDUCE, "sum mean prod max min amax amin argmax argmin")                                 \
-  XX(SOFTMAX, "softmax log_softmax")                                                          \
-  XX(MATMUL, "matmul mm bmm")                                                                 \
-  XX(COPY, "clone contiguous to cast copy_ reshape") /* reshape: when it cannot view */      \
-  XX(CAT, "cat")                                                                              \
-  XX(STACK, "stack")                                                                          \
-  XX(INDEX_SELECT, "index_select")                                                            \
-  XX(GATHER, "gather")
+/* XX(FAMILY, kernel, "the catalogue ops it runs", a, b): a and b are passed
+ * through for the users below. COPY runs reshape when it cannot view. */
+#define KERNEL_FAMILY_MAP(XX, a, b)                                                    \
+  XX(FILL, fill, "empty zeros ones full", a, b)                                        \
+  XX(ARANGE, arange, "arange", a, b)                                                   \
+  XX(RAND, rand, "rand randn", a, b)                                                   \
+  XX(RANK, rank, "rank", a, b)                                                         \
+  XX(FILL_, fill_, "fill_ zero_", a, b)                                                \
+  XX(BINARY, binary,                                                                   \
+     "add sub mul div pow maximum minimum eq ne lt le gt ge logical_and logical_or "   \
+     "bitwise_and bitwise_or bitwise_xor add_ sub_ mul_ div_", a, b)                   \
+  XX(UNARY, unary,                                                                     \
+     "neg abs exp log sqrt rsqrt sin cos tanh sigmoid reciprocal relu gelu silu sign " \
+     "logical_not", a, b)                                                              \
+  XX(WHERE, where, "where", a, b)                                                      \
+  XX(CLAMP, clamp, "clamp clamp_", a, b)                                               \
+  XX(REDUCE, reduce, "sum mean prod max min amax amin argmax argmin", a, b)            \
+  XX(SOFTMAX, softmax, "softmax log_softmax", a, b)                                    \
+  XX(MATMUL, matmul, "matmul mm bmm", a, b)                                            \
+  XX(COPY, copy, "clone contiguous to cast copy_ reshape", a, b)                       \
+  XX(CAT, cat, "cat", a, b)                                                            \
+  XX(STACK, stack, "stack", a, b)                                                      \
+  XX(INDEX_SELECT, index_select, "index_select", a, b)                                 \
+  XX(GATHER, gather, "gather", a, b)
 
+#define KERNEL_FAMILY_ENUM_(name, kernel, ops, a, b) KF_##name,
 typedef enum {
   KF_NONE, /* views, or an op no family runs */
-#define XX(name, ops) KF_##name,
-  KERNEL_FAMILY_MAP(XX)
-#undef XX
+  KERNEL_FAMILY_MAP(KERNEL_FAMILY_ENUM_, _, _)
   KF_COUNT
 } kernel_family_t;
+
+/* KERNEL_FAMILY_DECLARE(cpu_kernel_, const cpu_call_t *) declares
+ * int cpu_kernel_fill(const cpu_call_t *c, meshd_error_t *e) ... for every
+ * family; KERNEL_FAMILY_TABLE(cpu_kernel_) initialises an array indexed by
+ * kernel_family_t with them. */
+#define KERNEL_FAMILY_DECL_(name, kernel, ops, prefix, call_t) \
+  int prefix##kernel(call_t c, meshd_error_t *e);
+#define KERNEL_FAMILY_DECLARE(prefix, call_t) \
+  KERNEL_FAMILY_MAP(KERNEL_FAMILY_DECL_, prefix, call_t)
+#define KERNEL_FAMILY_ENTRY_(name, kernel, ops, prefix, unused) [KF_##name] = prefix##kernel,
+#define KERNEL_FAMILY_TABLE(prefix) {KERNEL_FAMILY_MAP(KERNEL_FAMILY_ENTRY_, prefix, _)}
 
 /* The family of op (KF_NONE for views and unknown ops). Thread-safe. */
 kernel_family_t kernel_family_of(const op_def_t *op);

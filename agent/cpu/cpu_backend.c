@@ -45,25 +45,7 @@ static void cpu_free(backend_t *b, void *ptr, size_t bytes) {
 /* ---- dispatch ---- */
 
 /* The kernel of each family (kernel_family.h). */
-static const cpu_kernel_fn kernels[KF_COUNT] = {
-    [KF_FILL] = cpu_kernel_fill,
-    [KF_ARANGE] = cpu_kernel_arange,
-    [KF_RAND] = cpu_kernel_rand,
-    [KF_RANK] = cpu_kernel_rank,
-    [KF_FILL_] = cpu_kernel_fill_,
-    [KF_BINARY] = cpu_kernel_binary,
-    [KF_UNARY] = cpu_kernel_unary,
-    [KF_WHERE] = cpu_kernel_where,
-    [KF_CLAMP] = cpu_kernel_clamp,
-    [KF_REDUCE] = cpu_kernel_reduce,
-    [KF_SOFTMAX] = cpu_kernel_softmax,
-    [KF_MATMUL] = cpu_kernel_matmul,
-    [KF_COPY] = cpu_kernel_copy,
-    [KF_CAT] = cpu_kernel_cat,
-    [KF_STACK] = cpu_kernel_stack,
-    [KF_INDEX_SELECT] = cpu_kernel_index_select,
-    [KF_GATHER] = cpu_kernel_gather,
-};
+static const cpu_kernel_fn kernels[KF_COUNT] = KERNEL_FAMILY_TABLE(cpu_kernel_);
 
 /* The kernel for op, or NULL for a view (which needs none) or an unknown op. */
 static cpu_kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "kernel_family.h"
 #include "half.h"
 
 /* backend_t.impl of the cpu backend. */
@@ -158,29 +159,8 @@ static inline agent_tensor_t *cpu_arg(const cpu_call_t *c, int param) {
 }
 static inline const char *cpu_opname(const cpu_call_t *c) { return c->a->op->name; }
 
-#define CPU_KERNEL(name) int name(const cpu_call_t *c, meshd_error_t *e)
-/* kernels_factory.c */
-CPU_KERNEL(cpu_kernel_fill);     /* empty zeros ones full */
-CPU_KERNEL(cpu_kernel_arange);
-CPU_KERNEL(cpu_kernel_rand);     /* rand randn */
-CPU_KERNEL(cpu_kernel_rank);
-CPU_KERNEL(cpu_kernel_fill_);    /* fill_ zero_ */
-/* kernels_elementwise.c */
-CPU_KERNEL(cpu_kernel_binary);   /* add .. bitwise_xor, add_ sub_ mul_ div_ */
-CPU_KERNEL(cpu_kernel_unary);
-CPU_KERNEL(cpu_kernel_where);
-CPU_KERNEL(cpu_kernel_clamp);    /* clamp clamp_ */
-/* kernels_reduce.c */
-CPU_KERNEL(cpu_kernel_reduce);
-CPU_KERNEL(cpu_kernel_softmax);  /* softmax log_softmax */
-/* kernels_linalg.c */
-CPU_KERNEL(cpu_kernel_matmul);   /* matmul mm bmm */
-/* kernels_tensor.c */
-CPU_KERNEL(cpu_kernel_copy);     /* clone contiguous to cast copy_ */
-CPU_KERNEL(cpu_kernel_cat);
-CPU_KERNEL(cpu_kernel_stack);
-CPU_KERNEL(cpu_kernel_index_select);
-CPU_KERNEL(cpu_kernel_gather);
-#undef CPU_KERNEL
+/* One kernel per family of kernel_family.h: cpu_kernel_fill ... cpu_kernel_gather
+ * (kernels_*.c). */
+KERNEL_FAMILY_DECLARE(cpu_kernel_, const cpu_call_t *)
 
 #endif

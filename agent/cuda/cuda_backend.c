@@ -400,25 +400,7 @@ static void cuda_event_destroy(backend_t *b, backend_event_t *ev) {
 /* ------------------------------------------------------------------ dispatch */
 
 /* The kernel of each family (kernel_family.h). */
-static const cuda_kernel_fn kernels[KF_COUNT] = {
-    [KF_FILL] = cuda_kernel_fill,
-    [KF_ARANGE] = cuda_kernel_arange,
-    [KF_RAND] = cuda_kernel_rand,
-    [KF_RANK] = cuda_kernel_rank,
-    [KF_FILL_] = cuda_kernel_fill_,
-    [KF_BINARY] = cuda_kernel_binary,
-    [KF_UNARY] = cuda_kernel_unary,
-    [KF_WHERE] = cuda_kernel_where,
-    [KF_CLAMP] = cuda_kernel_clamp,
-    [KF_REDUCE] = cuda_kernel_reduce,
-    [KF_SOFTMAX] = cuda_kernel_softmax,
-    [KF_MATMUL] = cuda_kernel_matmul,
-    [KF_COPY] = cuda_kernel_copy,
-    [KF_CAT] = cuda_kernel_cat,
-    [KF_STACK] = cuda_kernel_stack,
-    [KF_INDEX_SELECT] = cuda_kernel_index_select,
-    [KF_GATHER] = cuda_kernel_gather,
-};
+static const cuda_kernel_fn kernels[KF_COUNT] = KERNEL_FAMILY_TABLE(cuda_kernel_);
 
 /* The kernel for op, or NULL for a view (which needs none) or an unknown op. */
 static cuda_kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }

@@ -26,6 +26,7 @@ extern "C" {
 #endif
 
 #include "backend.h"
+#include "kernel_family.h"
 
 /* One meshd stream: a CUDA stream (non-blocking w.r.t. the legacy stream). */
 struct backend_stream {
@@ -106,30 +107,9 @@ static inline agent_tensor_t *cuda_arg(const cuda_call_t *c, int param) {
 }
 static inline const char *cuda_opname(const cuda_call_t *c) { return c->a->op->name; }
 
-#define CUDA_KERNEL(name) int name(const cuda_call_t *c, meshd_error_t *e)
-/* kernels_factory.cu */
-CUDA_KERNEL(cuda_kernel_fill);     /* empty zeros ones full */
-CUDA_KERNEL(cuda_kernel_arange);
-CUDA_KERNEL(cuda_kernel_rand);     /* rand randn; unseeded draws advance st->rand_offset */
-CUDA_KERNEL(cuda_kernel_rank);
-CUDA_KERNEL(cuda_kernel_fill_);    /* fill_ zero_ */
-/* kernels_elementwise.cu */
-CUDA_KERNEL(cuda_kernel_binary);   /* add .. bitwise_xor, add_ sub_ mul_ div_ */
-CUDA_KERNEL(cuda_kernel_unary);
-CUDA_KERNEL(cuda_kernel_where);
-CUDA_KERNEL(cuda_kernel_clamp);    /* clamp clamp_ */
-/* kernels_reduce.cu */
-CUDA_KERNEL(cuda_kernel_reduce);
-CUDA_KERNEL(cuda_kernel_softmax);  /* softmax log_softmax */
-/* cuda_blas.c (cuBLAS) with kernels_matmul.cu (the functor matmul: emulated, integer dtypes) */
-CUDA_KERNEL(cuda_kernel_matmul);   /* matmul mm bmm */
-/* kernels_tensor.cu */
-CUDA_KERNEL(cuda_kernel_copy);     /* clone contiguous to cast copy_ */
-CUDA_KERNEL(cuda_kernel_cat);
-CUDA_KERNEL(cuda_kernel_stack);
-CUDA_KERNEL(cuda_kernel_index_select);
-CUDA_KERNEL(cuda_kernel_gather);
-#undef CUDA_KERNEL
+/* One kernel per family of kernel_family.h: cuda_kernel_fill ... cuda_kernel_gather
+ * (kernels_*.cu). */
+KERNEL_FAMILY_DECLARE(cuda_kernel_, const cuda_call_t *)
 
 /* kernels_tensor.cu: dst = src cast to dst's dtype, src broadcast to dst's
  * shape (right-aligned), any strides on both; in bs's order. */
