@@ -537,6 +537,28 @@ backend_t *executor_backend(executor_t *x) { return x->env.backend; }
 
 /* ------------------------------------------------------------------ lifecycle */
 
+/* Executors not yet freed, process-wide: the backend outlives them all. */
+static pthread_mutex_t live_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t live_cv = PTHREAD_COND_INITIALIZER;
+static int live_executors;
+
+int executor_wait_all_freed(int timeout_ms) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += timeout_ms / 1000;
+  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (dl.tv_nsec >= 1000000000L) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&live_mu);
+  int rc = 0;
+  while (live_executors > 0 && rc == 0) rc = pthread_cond_timedwait(&live_cv, &live_mu, &dl);
+  int left = live_executors;
+  pthread_mutex_unlock(&live_mu);
+  return left ? -1 : 0;
+}
+
 executor_t *executor_create(const executor_env_t *env, executor_report_fn report, void *arg) {
   executor_t *x = calloc(1, sizeof *x);
   if (!x) return NULL;
@@ -544,6 +566,9 @@ executor_t *executor_create(const executor_env_t *env, executor_report_fn report
   x->report = report;
   x->arg = arg;
   atomic_init(&x->refs, 1);
+  pthread_mutex_lock(&live_mu);
+  live_executors++;
+  pthread_mutex_unlock(&live_mu);
   pthread_mutex_init(&x->mu, NULL);
   pthread_cond_init(&x->progress, NULL);
   pthread_cond_init(&x->report_cv, NULL);
@@ -575,6 +600,10 @@ void executor_unref(executor_t *x) {
   pthread_cond_destroy(&x->report_cv);
   pthread_mutex_destroy(&x->mu);
   free(x);
+  pthread_mutex_lock(&live_mu);
+  live_executors--;
+  pthread_cond_broadcast(&live_cv);
+  pthread_mutex_unlock(&live_mu);
 }
 
 void executor_close(executor_t *x) {

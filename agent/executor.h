@@ -51,6 +51,10 @@ executor_t *executor_create(const executor_env_t *env, executor_report_fn report
 void executor_close(executor_t *x);
 void executor_ref(executor_t *x);
 void executor_unref(executor_t *x);
+/* Waits until every executor of the process has been freed (its workers
+ * done, their storages released): 0, or -1 when some remain after
+ * timeout_ms. The agent calls it before closing its backend. */
+int executor_wait_all_freed(int timeout_ms);
 
 /* Queues a copy of ins (already checked by the caller: seq = previous + 1,
  * session and body set). Returns 0, or -1 out of memory (the instruction is

@@ -310,8 +310,12 @@ out:
   health_destroy(health);
   metrics_http_stop(metrics_http);
   metrics_destroy(metrics);
+  /* Workers of the ended calls still release storages: the backend must
+   * outlive them (a stuck one keeps it open: the process exits anyway). */
+  bool idle = executor_wait_all_freed(5000) == 0;
   if (dp) dataplane_stop(dp);
-  if (backend_open) backend.ops->close(&backend);
+  if (backend_open && idle) backend.ops->close(&backend);
+  else if (backend_open) log_warn("agent", "workers still running at exit: the device is left open");
   rpc_shutdown();
   if (rc == 0)
     log_info("agent", "stopped");
