@@ -1,3 +1,9 @@
+# Intra-package imports, bottom-up; each module imports only modules on lines above it:
+#   errors, _active, _proto: no meshd module
+#   pipeline -> errors;  mesh -> _active  (Mesh.rank makes tensors via Session._factory)
+#   tensor -> _active, errors, mesh, pipeline
+#   ops -> tensor;  session -> _active, _proto, errors, mesh, pipeline, tensor
+#   meshd (this file) -> ops, errors, mesh, session, tensor  (tests/test_import_graph.py)
 """meshd: Python client for the meshd tensor engine, with Monarch's names.
 
     import meshd

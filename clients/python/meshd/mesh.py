@@ -1,4 +1,8 @@
-"""Mesh: named dims over agent ranks (Monarch's DeviceMesh)."""
+"""Mesh: named dims over agent ranks (Monarch's DeviceMesh).
+
+This module sits below meshd.tensor (which imports Mesh and selectors from here) and
+imports nothing above it: a Mesh reaches the layers above through its session, as
+slice() does with Session._execute and rank() with Session._factory."""
 
 from . import _active
 
@@ -49,5 +53,4 @@ class Mesh:
 
     def rank(self, dim):
         """int64 scalar tensor holding each rank's coordinate along `dim`."""
-        from .tensor import _factory
-        return _factory("rank", (), mesh=self, dim=dim)
+        return self.session._factory("rank", (), mesh=self, dim=dim)

@@ -9,6 +9,7 @@ from . import _active, _proto
 from .errors import MeshdError
 from .mesh import Mesh
 from .pipeline import Pipeline
+from .tensor import Tensor, _factory as _tensor_factory
 
 _SVC = "/meshd.v1.TensorService/"
 _OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 64 << 20),
@@ -34,7 +35,6 @@ class Stream:
 
     def borrow(self, t, mutable=False):
         """Borrows tensor t onto this stream: returns (handle usable here, Borrow)."""
-        from .tensor import Tensor
         if not isinstance(t, Tensor):
             raise TypeError(f"meshd: borrow takes a Tensor, got {type(t).__name__}")
         s, pb = self.session, self.session._pb
@@ -139,6 +139,11 @@ class Session:
         m = Mesh(self, meta)
         self._meshes[m.ref] = m
         return m
+
+    def _factory(self, kind, shape, **kw):
+        """A Factory command's Tensor (meshd.tensor._factory): how a Mesh, whose module sits
+        below meshd.tensor, makes tensors (Mesh.rank)."""
+        return _tensor_factory(kind, shape, **kw)
 
     # ------------------------------------------------------------ public
     def __enter__(self):

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _active
 from .errors import MeshdError
-from .mesh import selectors
+from .mesh import Mesh, selectors
 from .pipeline import _Pending
 
 _SVC = "/meshd.v1.TensorService/"
@@ -260,7 +260,6 @@ class _MeshSlice:
 
 
 def _to_mesh(t, sel, mesh, stream):
-    from .mesh import Mesh
     if not isinstance(mesh, Mesh):
         raise TypeError(f"meshd: to_mesh needs a Mesh, got {type(mesh).__name__}")
     s, pb = t.session, t.session._pb
