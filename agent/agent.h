@@ -24,7 +24,7 @@ typedef struct agent_info {
   int32_t requested_rank; /* -1: any free rank */
   uint32_t data_port;     /* the data plane's port (0: none) */
   char data_address[256]; /* its "host:port" as peers reach it */
-  executor_env_t env;     /* backend, data plane, rank: what instructions run with */
+  run_env_t env;          /* backend, rank, stats: what instructions run with (run.h) */
 } agent_info_t;
 
 /* This agent's world rank as the server's Hello named it; -1 before. */
@@ -32,11 +32,11 @@ extern _Atomic int64_t agent_rank;
 
 /* ---- agent_service.c --------------------------------------------------- */
 
-/* The meshd.agent.v1.Agent method table, bound to `info` (which must outlive
- * the server). Only implemented methods are listed; the rpc layer answers the
- * others with UNIMPLEMENTED. Returns the rows (static storage) and their
- * count in *n. Call once. */
-const rpc_method_t *agent_service_methods(const agent_info_t *info, size_t *n);
+/* The meshd.agent.v1.Agent method table. Only implemented methods are listed;
+ * the rpc layer answers the others with UNIMPLEMENTED. Returns the rows (static
+ * storage) and their count in *n. Register them with the agent_info_t * as arg
+ * (it must outlive the server). */
+const rpc_method_t *agent_service_methods(size_t *n);
 
 /* ---- data.c: Agent/Read and Agent/Write -------------------------------- */
 

@@ -33,7 +33,7 @@ static void hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
 
 _Atomic int64_t agent_rank = -1;
 
-static rpc_method_t methods[] = {
+static const rpc_method_t methods[] = {
     {
         .path = "/meshd.agent.v1.Agent/Hello",
         .kind = RPC_UNARY,
@@ -64,9 +64,7 @@ static rpc_method_t methods[] = {
     },
 };
 
-const rpc_method_t *agent_service_methods(const agent_info_t *info, size_t *n) {
-  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++)
-    methods[i].arg = (void *)info;
+const rpc_method_t *agent_service_methods(size_t *n) {
   *n = sizeof methods / sizeof methods[0];
   return methods;
 }

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "dataplane.h"
+#include "dataplane/dataplane.h"
 #include "error_kind.h"
 #include "ops.h"
 
@@ -101,9 +101,9 @@ typedef struct backend_ops {
    * vanished peer fails every member within a timeout, never hangs).
    * Returns 0, or -1 with err; -1 with REMOTE_FAILURE when no network is set. */
   int (*allreduce)(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
-                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+                   dtype_t dtype, reduction_t op, meshd_error_t *err);
   int (*reduce_scatter)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
-                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+                        void *out, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err);
   int (*allgather)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                    size_t count, dtype_t dtype, meshd_error_t *err);
   int (*alltoall)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
@@ -126,7 +126,8 @@ struct backend {
   void *impl;                 /* the backend's own state */
   _Atomic uint64_t allocated; /* bytes held now (reported to the server) */
   uint64_t capacity;          /* bytes it may hold (--memory-bytes); 0: no limit */
-  void *net;                  /* the communicators' network (cpu: dataplane_t *); may be NULL */
+  dataplane_t *net;           /* the agents' TCP transport (dataplane/dataplane.h): the cpu
+                               * and emulated communicators, NCCL's bootstrap; may be NULL */
 };
 
 /* The cpu backend's table (agent/cpu/). */

@@ -6,15 +6,51 @@
 #include <string.h>
 #include <time.h>
 
-#include "exec_internal.h"
+#include <pthread.h>
+#include <uthash.h>
+
 #include "log.h"
+#include "run.h"
+#include "session_state.h"
+
+typedef Meshd__Agent__V1__Instruction instr_t;
+
+typedef struct item {
+  instr_t *ins; /* unpacked copy, owned */
+  struct item *next;
+} item_t;
+
+typedef struct xsession xsession_t;
+
+/* One (session, stream) queue and its worker. Fields guarded by executor.mu. */
+typedef struct xstream {
+  uint64_t id;
+  xsession_t *sess;
+  stream_progress_t *progress; /* the stream in the session's state */
+  item_t *head, *tail;
+  bool stop; /* the session ended: exit once the queue is empty */
+  pthread_cond_t wake;
+  UT_hash_handle hh;
+} xstream_t;
+
+/* A session as the executor routes it: its queues and workers; what it keeps
+ * between instructions is its session_state_t. Guarded by executor.mu. */
+struct xsession {
+  session_state_t *state;
+  xstream_t *streams;
+  int live_workers;
+  uint64_t end_seq; /* EndSession's seq; 0 while open */
+  struct xsession *live_prev, *live_next; /* executor.live: not yet freed */
+  UT_hash_handle hh;
+};
 
 struct executor {
-  executor_env_t env;
+  run_env_t env;
   pthread_mutex_t mu;
   pthread_cond_t progress; /* broadcast whenever a seq completes */
   pthread_cond_t report_cv;
-  xsession_t *sessions;
+  xsession_t *sessions; /* open sessions by id */
+  xsession_t *live;     /* every session not yet freed, open or ended */
 
   /* Watermark: done flags for seqs [front, last] in a ring of cap entries. */
   uint64_t front, last;
@@ -91,8 +127,9 @@ int executor_wait(executor_t *x, uint64_t seq, int timeout_ms) {
 
 /* ------------------------------------------------------------------ reports */
 
-void exec_report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
-                       uint64_t seq, uint64_t ref) {
+/* Queues a failure for the next report. */
+static void report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
+                         uint64_t seq, uint64_t ref) {
   Meshd__V1__Error *e = calloc(1, sizeof *e);
   char *m = strdup(msg ? msg : "");
   char *sid = strdup(session ? session : "");
@@ -180,41 +217,35 @@ static xsession_t *session_get_locked(executor_t *x, const char *id) {
   xsession_t *s = session_find_locked(x, id);
   if (s) return s;
   s = calloc(1, sizeof *s);
-  if (!s || !(s->id = strdup(id))) {
+  if (!s || !(s->state = session_state_new(id, x->env.backend))) {
     free(s);
     return NULL;
   }
-  refs_init(&s->refs);
-  s->key = 1469598103934665603ull; /* FNV-1a */
-  for (const char *p = id; *p; p++) s->key = (s->key ^ (uint8_t)*p) * 1099511628211ull;
-  HASH_ADD_KEYPTR(hh, x->sessions, s->id, strlen(s->id), s);
+  HASH_ADD_KEYPTR(hh, x->sessions, s->state->id, strlen(s->state->id), s);
+  s->live_next = x->live;
+  if (x->live) x->live->live_prev = s;
+  x->live = s;
   return s;
 }
 
-/* Frees an ended session whose workers are gone. Without mu (frees memory). */
-static void session_free(backend_t *b, xsession_t *s) {
-  refs_clear(&s->refs);
-  pthread_mutex_destroy(&s->refs.mu);
+/* Frees an ended session whose workers are gone. Without mu (frees memory);
+ * the caller took it off executor.live. */
+static void session_free(xsession_t *s) {
   xstream_t *st, *st2;
   HASH_ITER(hh, s->streams, st, st2) {
     HASH_DEL(s->streams, st);
     pthread_cond_destroy(&st->wake);
-    if (st->bs) b->ops->stream_destroy(b, st->bs);
     free(st);
   }
-  if (b && b->ops->session_end) b->ops->session_end(b, s->key);
-  pending_def_t *d, *d2;
-  HASH_ITER(hh, s->defs, d, d2) {
-    HASH_DEL(s->defs, d);
-    free(d);
-  }
-  xborrow_t *r, *r2;
-  HASH_ITER(hh, s->borrows, r, r2) {
-    HASH_DEL(s->borrows, r);
-    free(r);
-  }
-  free(s->id);
+  session_state_free(s->state);
   free(s);
+}
+
+static void unlink_live_locked(executor_t *x, xsession_t *s) {
+  if (s->live_prev) s->live_prev->live_next = s->live_next;
+  else x->live = s->live_next;
+  if (s->live_next) s->live_next->live_prev = s->live_prev;
+  s->live_prev = s->live_next = NULL;
 }
 
 size_t executor_sessions(executor_t *x) {
@@ -241,23 +272,24 @@ static void *worker_main(void *arg) {
   executor_t *x = wa->x;
   xstream_t *st = wa->st;
   xsession_t *s = st->sess;
+  session_state_t *ss = s->state;
   backend_t *b = x->env.backend;
   free(wa);
   backend_stream_t *bs = b && b->ops->stream_create ? b->ops->stream_create(b) : NULL;
+  session_state_stream_ready(ss, st->progress, bs);
   bool deferred = b && b->ops->stream_sync;
   uint64_t unsynced[MAX_UNSYNCED];
   int nunsynced = 0;
+  run_failures_t failed;
   pthread_mutex_lock(&x->mu);
-  st->bs = bs;
   for (;;) {
     if (nunsynced && (!st->head || nunsynced == MAX_UNSYNCED)) {
       pthread_mutex_unlock(&x->mu);
       meshd_error_t e = {0};
       if (b->ops->stream_sync(b, bs, &e) != 0)
-        log_error("executor", "session %.8s stream %" PRIu64 ": %s", s->id, st->id, e.msg);
+        log_error("executor", "session %.8s stream %" PRIu64 ": %s", ss->id, st->id, e.msg);
       pthread_mutex_lock(&x->mu);
       for (int i = 0; i < nunsynced; i++) mark_done_locked(x, unsynced[i]);
-      st->done_seq = unsynced[nunsynced - 1];
       nunsynced = 0;
       continue;
     }
@@ -267,25 +299,25 @@ static void *worker_main(void *arg) {
     st->head = it->next;
     if (!st->head) st->tail = NULL;
     pthread_mutex_unlock(&x->mu);
-    run_instruction(x, s, bs, it->ins);
     uint64_t seq = it->ins->seq;
+    failed.n = 0;
+    run_instruction(&x->env, ss, bs, it->ins, &failed);
+    for (size_t i = 0; i < failed.n; i++)
+      report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);
     protobuf_c_message_free_unpacked(&it->ins->base, NULL);
     free(it);
+    /* Cross-stream waiters need only the work queued (session_state.h). */
+    session_state_queued(ss, st->progress, seq);
     pthread_mutex_lock(&x->mu);
-    st->queued_seq = seq;
-    if (deferred) {
-      unsynced[nunsynced++] = seq;
-      pthread_cond_broadcast(&x->progress); /* cross-stream waiters need only queued_seq */
-    } else {
-      st->done_seq = seq;
-      mark_done_locked(x, seq);
-    }
+    if (deferred) unsynced[nunsynced++] = seq;
+    else mark_done_locked(x, seq);
   }
   bool last = --s->live_workers == 0;
   uint64_t end_seq = s->end_seq;
+  if (last) unlink_live_locked(x, s);
   pthread_mutex_unlock(&x->mu);
   if (last) {
-    session_free(b, s);
+    session_free(s);
     pthread_mutex_lock(&x->mu);
     mark_done_locked(x, end_seq);
     pthread_mutex_unlock(&x->mu);
@@ -301,6 +333,7 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
   st = calloc(1, sizeof *st);
   worker_arg_t *wa = malloc(sizeof *wa);
   if (!st || !wa) goto fail;
+  if (!(st->progress = session_state_add_stream(s->state, id))) goto fail;
   st->id = id;
   st->sess = s;
   pthread_cond_init(&st->wake, NULL);
@@ -315,6 +348,7 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
   if (rc != 0) {
     atomic_fetch_sub(&x->refs, 1); /* cannot be the last: the caller holds one */
     pthread_cond_destroy(&st->wake);
+    session_state_remove_stream(s->state, st->progress);
     goto fail;
   }
   s->live_workers++;
@@ -326,101 +360,6 @@ fail:
   return NULL;
 }
 
-static void add_def_locked(xsession_t *s, uint64_t ref, uint64_t stream, uint64_t seq) {
-  pending_def_t *d = NULL;
-  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
-  if (!d) {
-    if (!(d = calloc(1, sizeof *d))) return;
-    d->ref = ref;
-    HASH_ADD(hh, s->defs, ref, sizeof d->ref, d);
-  }
-  d->stream = stream;
-  d->seq = seq;
-}
-
-/* What ordering an instruction needs besides its own queue, recorded when it
- * is routed (in seq order, before any later reader is routed). Holds mu. */
-static void note_order_locked(xsession_t *s, const instr_t *ins) {
-  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW) {
-    const Meshd__Agent__V1__BorrowOp *b = ins->borrow;
-    xborrow_t *r = NULL;
-    HASH_FIND(hh, s->borrows, &b->borrow, sizeof b->borrow, r);
-    if (b->phase == MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE) {
-      if (!r && (r = calloc(1, sizeof *r))) {
-        r->id = b->borrow;
-        HASH_ADD(hh, s->borrows, id, sizeof r->id, r);
-      }
-      if (r) {
-        r->from_stream = b->from_stream;
-        r->to_stream = b->to_stream;
-      }
-      add_def_locked(s, b->result, ins->stream, ins->seq);
-    } else if (b->phase == MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE && r) {
-      r->last_use_seq = ins->seq;
-    }
-  } else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SEND) {
-    const Meshd__Agent__V1__SendTensor *t = ins->send;
-    if (t->input && t->result && t->to_stream != ins->stream)
-      add_def_locked(s, t->result->ref, ins->stream, ins->seq);
-  }
-}
-
-void exec_wait_stream(executor_t *x, xsession_t *s, uint64_t stream, uint64_t seq,
-                      uint64_t waiter, backend_stream_t *wbs) {
-  if (stream == waiter) return;
-  pthread_mutex_lock(&x->mu);
-  xstream_t *st = NULL;
-  HASH_FIND(hh, s->streams, &stream, sizeof stream, st);
-  while (st && st->queued_seq < seq && !x->closing) pthread_cond_wait(&x->progress, &x->mu);
-  /* The stream lives as long as the session (session_free destroys it). */
-  backend_stream_t *sbs = st ? st->bs : NULL;
-  pthread_mutex_unlock(&x->mu);
-  backend_t *b = x->env.backend;
-  if (sbs && b && b->ops->event_record) {
-    backend_event_t *ev = b->ops->event_record(b, sbs);
-    if (ev) {
-      b->ops->event_wait(b, wbs, ev);
-      b->ops->event_destroy(b, ev);
-    } else { /* no event to be had: wait on the host instead */
-      meshd_error_t e;
-      b->ops->stream_sync(b, sbs, &e);
-    }
-  }
-}
-
-int exec_get(executor_t *x, xsession_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
-             agent_tensor_t *out, ref_failure_t *why) {
-  pthread_mutex_lock(&x->mu);
-  pending_def_t *d = NULL;
-  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
-  uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
-  pthread_mutex_unlock(&x->mu);
-  if (dstream != stream) exec_wait_stream(x, s, dstream, dseq, stream, bs);
-  return refs_get(&s->refs, ref, out, why);
-}
-
-void exec_forget_def(executor_t *x, xsession_t *s, uint64_t ref) {
-  pthread_mutex_lock(&x->mu);
-  pending_def_t *d = NULL;
-  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
-  if (d) {
-    HASH_DEL(s->defs, d);
-    free(d);
-  }
-  pthread_mutex_unlock(&x->mu);
-}
-
-xborrow_t *exec_take_borrow(executor_t *x, xsession_t *s, uint64_t id) {
-  pthread_mutex_lock(&x->mu);
-  xborrow_t *b = NULL;
-  HASH_FIND(hh, s->borrows, &id, sizeof id, b);
-  if (b) HASH_DEL(s->borrows, b);
-  pthread_mutex_unlock(&x->mu);
-  return b;
-}
-
-const executor_env_t *exec_env(executor_t *x) { return &x->env; }
-
 /* ------------------------------------------------------------------ routing */
 
 /* Ends a session: its workers stop after their queues; the last one frees it
@@ -428,7 +367,10 @@ const executor_env_t *exec_env(executor_t *x) { return &x->env; }
 static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq) {
   HASH_DEL(x->sessions, s);
   s->end_seq = seq;
-  if (s->live_workers == 0) return s;
+  if (s->live_workers == 0) {
+    unlink_live_locked(x, s);
+    return s;
+  }
   xstream_t *st, *tmp;
   HASH_ITER(hh, s->streams, st, tmp) {
     st->stop = true;
@@ -478,7 +420,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
         done_now = failed = true;
         break;
       }
-      note_order_locked(s, copy);
+      session_state_note_order(s->state, copy);
       it->ins = copy;
       copy = NULL;
       if (st->tail) st->tail->next = it;
@@ -493,7 +435,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
   if (to_free) {
-    session_free(x->env.backend, to_free);
+    session_free(to_free);
     pthread_mutex_lock(&x->mu);
     mark_done_locked(x, ins->seq);
     pthread_mutex_unlock(&x->mu);
@@ -502,7 +444,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     char msg[160];
     snprintf(msg, sizeof msg, "agent out of memory or threads queueing instruction seq %" PRIu64,
              ins->seq);
-    exec_report_error(x, ins->session_id, ERR_REMOTE_FAILURE, msg, ins->seq, 0);
+    report_error(x, ins->session_id, ERR_REMOTE_FAILURE, msg, ins->seq, 0);
     return -1;
   }
   return 0;
@@ -515,7 +457,7 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
   pthread_mutex_lock(&x->mu);
   xsession_t *s = session_find_locked(x, session);
   int rc = -1;
-  if (s) rc = refs_get(&s->refs, ref, out, why);
+  if (s) rc = refs_get(&s->state->refs, ref, out, why);
   pthread_mutex_unlock(&x->mu);
   if (rc < 0 && why)
     snprintf(why->msg, sizeof why->msg, "%s %llu is not on this agent (session %.8s)",
@@ -526,7 +468,7 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t) {
   pthread_mutex_lock(&x->mu);
   xsession_t *s = session_get_locked(x, session);
-  int rc = s ? refs_put(&s->refs, ref, t) : -1;
+  int rc = s ? refs_put(&s->state->refs, ref, t) : -1;
   x->dirty = true;
   pthread_cond_signal(&x->report_cv);
   pthread_mutex_unlock(&x->mu);
@@ -559,7 +501,7 @@ int executor_wait_all_freed(int timeout_ms) {
   return left ? -1 : 0;
 }
 
-executor_t *executor_create(const executor_env_t *env, executor_report_fn report, void *arg) {
+executor_t *executor_create(const run_env_t *env, executor_report_fn report, void *arg) {
   executor_t *x = calloc(1, sizeof *x);
   if (!x) return NULL;
   x->env = *env;
@@ -587,7 +529,7 @@ void executor_unref(executor_t *x) {
   xsession_t *s, *tmp;
   HASH_ITER(hh, x->sessions, s, tmp) { /* only sessions without workers remain */
     HASH_DEL(x->sessions, s);
-    session_free(x->env.backend, s);
+    session_free(s);
   }
   for (size_t i = 0; i < x->nerrs; i++) {
     free(x->errs[i]->session_id);
@@ -616,6 +558,8 @@ void executor_close(executor_t *x) {
   pthread_mutex_lock(&x->mu);
   x->closing = true;
   pthread_cond_broadcast(&x->progress);
+  /* Waits between streams stop waiting, in sessions already ended too. */
+  for (xsession_t *l = x->live; l; l = l->live_next) session_state_close(l->state);
   xsession_t *s, *tmp, *free_now = NULL;
   HASH_ITER(hh, x->sessions, s, tmp) {
     xsession_t *f = end_session_locked(x, s, 0);
@@ -627,7 +571,7 @@ void executor_close(executor_t *x) {
   pthread_mutex_unlock(&x->mu);
   while (free_now) {
     xsession_t *next = free_now->hh.next;
-    session_free(x->env.backend, free_now);
+    session_free(free_now);
     free_now = next;
   }
   executor_unref(x);

@@ -7,6 +7,11 @@
  * per-stream progress counters ("events": a stream waits until another one
  * ran through a given seq).
  *
+ * The executor owns the queues, the worker threads, the watermark and the
+ * reports; what an instruction does is run.c's (run.h), and the state a
+ * session keeps between instructions is session_state.h's. Calls go one way:
+ * executor → run → session_state.
+ *
  * The watermark is what has been EXECUTED: every seq <= executed_through is
  * done on every stream. A reporter thread hands the watermark, the root
  * failures not yet reported and the bytes allocated to the report callback
@@ -22,9 +27,9 @@
 #include <stdint.h>
 
 #include "backend.h"
-#include "dataplane.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "refs.h"
+#include "run.h"
 
 typedef struct executor executor_t;
 
@@ -32,18 +37,9 @@ typedef struct executor executor_t;
 typedef void (*executor_report_fn)(uint64_t executed_through, Meshd__V1__Error **errors,
                                    size_t n_errors, uint64_t allocated_bytes, void *arg);
 
-/* What an executor computes with; everything may be NULL (instructions that
- * need a missing piece fail with REMOTE_FAILURE saying so). `address` is this
- * agent's data plane "host:port" (finds it in a Group). Must outlive the
- * executor. */
-typedef struct executor_env {
-  backend_t *backend;
-  dataplane_t *dataplane;
-  const char *data_address;
-  _Atomic int64_t *rank; /* world rank from Hello; -1 until known */
-} executor_env_t;
-
-executor_t *executor_create(const executor_env_t *env, executor_report_fn report, void *arg);
+/* env (run.h) is copied; what it points to must outlive the executor. NULL
+ * when out of memory or threads. */
+executor_t *executor_create(const run_env_t *env, executor_report_fn report, void *arg);
 /* Stops reporting (the callback never runs after it returns), then drops the
  * owner's reference: workers finish their queues (sessions are ended, their
  * memory freed) and the last reference frees the executor. Never blocks on
@@ -75,9 +71,5 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
 /* Defines ref in session (created if new) as t (retained by the table). */
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t);
 backend_t *executor_backend(executor_t *x);
-
-/* Process-wide counts for the agent's metrics (run.c): instructions run, and
- * bytes this agent put into collectives over several agents and into sends. */
-extern _Atomic uint64_t agent_instructions_total, agent_collective_bytes_total;
 
 #endif

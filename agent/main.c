@@ -12,7 +12,7 @@
 
 #include "agent.h"
 #include "backend.h"
-#include "dataplane.h"
+#include "dataplane/dataplane.h"
 #include "config.h"
 #include "health.h"
 #include "log.h"
@@ -41,6 +41,14 @@ typedef struct options {
 
 static options_t opt;
 
+/* Only the devices this build serves (tests and people read --help to know). */
+#ifdef MESHD_HAVE_CUDA
+#define DEVICE_HELP \
+  "device to serve: cpu, cuda:N (GPU N), cuda:emulated (cuda kernels on the host, for tests)"
+#else
+#define DEVICE_HELP "device to serve: cpu (this build has no cuda backend)"
+#endif
+
 static const config_flag_t flags[] = {
     {"server", CONFIG_STRING, NULL, "where to register (required)", &opt.server, 0, 0},
     {"listen", CONFIG_STRING, "127.0.0.1:0", "the agent's gRPC address; port 0 picks a free port",
@@ -49,9 +57,7 @@ static const config_flag_t flags[] = {
      "address the server dials back (default: host of --listen + bound port)", &opt.advertise,
      0, 0},
     {"port-file", CONFIG_STRING, NULL, "write the bound port there", &opt.port_file, 0, 0},
-    {"device", CONFIG_STRING, "cpu",
-     "device to serve: cpu, cuda:N (GPU N), cuda:emulated (cuda kernels on the host, for tests)",
-     &opt.device, 0, 0},
+    {"device", CONFIG_STRING, "cpu", DEVICE_HELP, &opt.device, 0, 0},
     {"rank", CONFIG_INT, "-1", "ask for this world rank; -1: any free rank", &opt.rank, -1,
      INT32_MAX},
     {"memory-bytes", CONFIG_BYTES, NULL,
@@ -112,9 +118,11 @@ static double allocated_gauge(void *arg) {
   backend_t *b = arg;
   return (double)atomic_load(&b->allocated);
 }
-static double instructions_fn(void *arg) { return (double)atomic_load(&agent_instructions_total); }
+static double instructions_fn(void *arg) {
+  return (double)atomic_load(&((agent_stats_t *)arg)->instructions);
+}
 static double collective_bytes_fn(void *arg) {
-  return (double)atomic_load(&agent_collective_bytes_total);
+  return (double)atomic_load(&((agent_stats_t *)arg)->collective_bytes);
 }
 
 static uint64_t cgroup_memory_limit(void) {
@@ -170,6 +178,7 @@ int main(int argc, char **argv) {
   rc = 1;
   char err[256];
   static backend_t backend;
+  static agent_stats_t stats;
   dataplane_t *dp = NULL;
   bool backend_open = false, device_lost = false;
   health_t *health = health_create();
@@ -187,9 +196,9 @@ int main(int argc, char **argv) {
     goto out;
   }
   size_t nmethods;
-  const rpc_method_t *methods = agent_service_methods(&info, &nmethods);
+  const rpc_method_t *methods = agent_service_methods(&nmethods);
   if (health_add_methods(health, srv) != 0 ||
-      rpc_server_add_methods(srv, methods, nmethods) != 0) {
+      rpc_server_add_methods(srv, methods, nmethods, &info) != 0) {
     log_error("agent", "cannot register the Health and Agent services");
     goto out;
   }
@@ -244,7 +253,8 @@ int main(int argc, char **argv) {
     log_warn("agent", "no data plane (%s): collectives over several agents and sends will fail",
              merr.msg);
   }
-  info.env = (executor_env_t){&backend, dp, info.data_address, &agent_rank};
+  info.env = (run_env_t){.backend = &backend, .data_address = info.data_address,
+                         .rank = &agent_rank, .stats = &stats};
 
   if (opt.metrics_listen && *opt.metrics_listen) {
     metrics = metrics_create();
@@ -257,10 +267,11 @@ int main(int argc, char **argv) {
     metrics_set_fn(metrics, "meshd_agent_bytes_allocated", NULL, allocated_gauge, &backend);
     metrics_define(metrics, "meshd_agent_instructions_total", METRIC_COUNTER,
                    "Instructions the agent has run.");
-    metrics_set_fn(metrics, "meshd_agent_instructions_total", NULL, instructions_fn, NULL);
+    metrics_set_fn(metrics, "meshd_agent_instructions_total", NULL, instructions_fn, &stats);
     metrics_define(metrics, "meshd_collective_bytes_total", METRIC_COUNTER,
                    "Bytes the agent contributed to collectives over several agents and to sends.");
-    metrics_set_fn(metrics, "meshd_collective_bytes_total", NULL, collective_bytes_fn, NULL);
+    metrics_set_fn(metrics, "meshd_collective_bytes_total", NULL, collective_bytes_fn,
+                   &stats);
     metrics_http = metrics_http_start(metrics, opt.metrics_listen, err, sizeof err);
     if (!metrics_http) {
       log_error("agent", "--metrics-listen: %s", err);

@@ -11,7 +11,7 @@
 #include "agent.h"
 #include "log.h"
 #include "meshd/v1/agent_registry.pb-c.h"
-#include "status.h"
+#include "rpc.h"
 
 #define REGISTER_METHOD "/meshd.v1.AgentRegistry/RegisterAgent"
 

@@ -1,20 +1,13 @@
-/* What each instruction does on the agent (the worker of its stream runs it).
- *
- * Failures follow Monarch: a failing op marks its results and the inputs it
- * mutates failed with the root error and reports it once; an instruction that
- * reads a failed ref is skipped and its results carry DEPENDENT_FAILURE
- * naming the root; collectives and sends still run (failed inputs count as
- * zeros) so that no peer waits forever. */
+/* What each instruction does on the agent (run.h). */
 #include <inttypes.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "exec_internal.h"
 #include "log.h"
-
-_Atomic uint64_t agent_instructions_total, agent_collective_bytes_total;
+#include "reduction.h"
+#include "run.h"
 
 #define MAX_HELD 64
 #define MAX_LISTS 8
@@ -23,14 +16,24 @@ _Atomic uint64_t agent_instructions_total, agent_collective_bytes_total;
 typedef Meshd__Agent__V1__TensorSpec spec_t;
 
 typedef struct ctx {
-  executor_t *x;
-  xsession_t *s;
-  const instr_t *ins;
+  const run_env_t *env;
+  session_state_t *s;
+  const Meshd__Agent__V1__Instruction *ins;
   backend_t *b;
   backend_stream_t *bs; /* the instruction's stream on the backend (NULL: cpu) */
+  run_failures_t *out;
 } ctx_t;
 
 /* ------------------------------------------------------------------ failures */
+
+static void report(ctx_t *c, error_kind_t kind, const char *msg, uint64_t ref) {
+  if (c->out->n == RUN_MAX_FAILURES) return;
+  run_failure_t *f = &c->out->v[c->out->n++];
+  f->kind = kind;
+  f->seq = c->ins->seq;
+  f->ref = ref;
+  snprintf(f->msg, sizeof f->msg, "%s", msg);
+}
 
 static void fail_refs(ctx_t *c, const uint64_t *refs, size_t n, const ref_failure_t *f) {
   for (size_t i = 0; i < n; i++)
@@ -45,7 +48,7 @@ static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_e
   snprintf(f.msg, sizeof f.msg, "%s", e->msg);
   fail_refs(c, refs, n, &f);
   log_debug("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
-  exec_report_error(c->x, c->s->id, f.kind, f.msg, c->ins->seq, f.root_ref);
+  report(c, f.kind, f.msg, f.root_ref);
 }
 
 /* refs depend on `input`, which failed with *root. Not reported again. */
@@ -62,7 +65,11 @@ static void dependent_failure(ctx_t *c, const uint64_t *refs, size_t n, uint64_t
    * as roots): a reader on another rank that computed fine must learn that the
    * value failed somewhere (DESIGN §6: it fails on fetch from every rank). */
   for (size_t i = 0; i < n; i++)
-    if (refs[i]) exec_report_error(c->x, c->s->id, ERR_DEPENDENT_FAILURE, f.msg, c->ins->seq, refs[i]);
+    if (refs[i]) report(c, ERR_DEPENDENT_FAILURE, f.msg, refs[i]);
+}
+
+static void count_bytes(ctx_t *c, uint64_t bytes) {
+  if (c->env->stats) atomic_fetch_add(&c->env->stats->collective_bytes, bytes);
 }
 
 static int need_backend(ctx_t *c, const char *what, meshd_error_t *e) {
@@ -149,7 +156,7 @@ static const tensor_meta_t *hold(ctx_t *c, held_t *h, uint64_t ref, meshd_error_
     error_set(e, ERR_REMOTE_FAILURE, "too many tensor arguments");
     return NULL;
   }
-  int rc = exec_get(c->x, c->s, c->ins->stream, c->bs, ref, &h->t[h->n], &h->why);
+  int rc = session_state_get(c->s, c->ins->stream, c->bs, ref, &h->t[h->n], &h->why);
   if (rc == 0) {
     h->ref[h->n] = ref;
     return &h->t[h->n++].meta;
@@ -253,8 +260,7 @@ static void run_call(ctx_t *c) {
   for (int m = 0; m < inf.nmutates && nouts < OP_MAX_RESULTS * 2; m++)
     if (args.v[inf.mutates[m]].kind == VAL_TENSOR) outs[nouts++] = ref_of_meta(h, args.v[inf.mutates[m]].tensor);
   /* Kernel messages name the rank: this agent's world rank (-1: not known yet). */
-  const executor_env_t *env = exec_env(c->x);
-  int64_t me = env->rank ? atomic_load(env->rank) : -1;
+  int64_t me = c->env->rank ? atomic_load(c->env->rank) : -1;
   if (c->b->ops->run_op(c->b, c->bs, &args, resp, inf.nresults, &inf, me < 0 ? 0 : (uint32_t)me, 0,
                         &e))
     goto fail;
@@ -275,7 +281,7 @@ static void run_delete(ctx_t *c) {
   const Meshd__Agent__V1__DeleteRefs *d = c->ins->delete_refs;
   for (size_t i = 0; i < d->n_refs; i++) {
     refs_delete(&c->s->refs, d->refs[i]);
-    exec_forget_def(c->x, c->s, d->refs[i]);
+    session_state_forget_def(c->s, d->refs[i]);
   }
 }
 
@@ -285,7 +291,7 @@ static void run_borrow(ctx_t *c) {
     case MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE: {
       agent_tensor_t t;
       ref_failure_t why;
-      int rc = exec_get(c->x, c->s, c->ins->stream, c->bs, b->tensor, &t, &why);
+      int rc = session_state_get(c->s, c->ins->stream, c->bs, b->tensor, &t, &why);
       if (rc == 0) {
         refs_put(&c->s->refs, b->result, &t);
         storage_release(t.storage);
@@ -296,16 +302,11 @@ static void run_borrow(ctx_t *c) {
     }
     case MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE:
       refs_delete(&c->s->refs, b->result);
-      exec_forget_def(c->x, c->s, b->result);
+      session_state_forget_def(c->s, b->result);
       break;
-    case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP: {
-      xborrow_t *r = exec_take_borrow(c->x, c->s, b->borrow);
-      /* The origin waits for the borrower's last use (on the device too). */
-      if (r && r->last_use_seq)
-        exec_wait_stream(c->x, c->s, r->to_stream, r->last_use_seq, c->ins->stream, c->bs);
-      free(r);
+    case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP:
+      session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->bs);
       break;
-    }
     default:
       break;
   }
@@ -340,7 +341,7 @@ static int scalar_tensor(ctx_t *c, int64_t v, agent_tensor_t *out, meshd_error_t
 }
 
 static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
-  const executor_env_t *env = exec_env(c->x);
+  const run_env_t *env = c->env;
   int64_t rank = env->rank ? atomic_load(env->rank) : -1;
   for (size_t i = 0; i < g->n_ranks; i++) {
     if (rank >= 0 && g->ranks[i] == (uint32_t)rank) {
@@ -360,12 +361,13 @@ static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
  * The result, rm's elements, is `work` itself (in-place variants, one
  * member) or a fresh tensor; *res holds a reference either way.
  * *any_failed becomes whether any member's input failed. */
-static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__V1__Group *g,
-                      agent_tensor_t *work, const tensor_meta_t *rm, agent_tensor_t *res,
-                      int *any_failed, meshd_error_t *e) {
+static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
+                      const Meshd__Agent__V1__Group *g, agent_tensor_t *work,
+                      const tensor_meta_t *rm, agent_tensor_t *res, int *any_failed,
+                      meshd_error_t *e) {
   size_t n = g->n_ranks, me = 0, in_count = (size_t)layout_numel(&work->meta.layout);
   dtype_t dt = work->meta.dtype;
-  bool stack = !strcmp(r->reduction, "stack");
+  bool stack = !reduction_combines(red);
   if (n <= 1 || (!stack && !r->scatter)) { /* one member: every variant is the identity */
     *res = (agent_tensor_t){.meta = *rm, .storage = work->storage};
     layout_make_contiguous(&res->meta.layout);
@@ -384,25 +386,47 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, const Meshd__Agent__
   for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
   dp_group_t grp = {g->comm_id, c->s->key, g->ranks, addrs, n, me};
   void *in = work->storage->data, *out = res->storage->data;
-  int op = stack ? -1 : dp_reduce_parse(r->reduction);
   int rc;
   if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
   else if (stack) rc = c->b->ops->alltoall(c->b, c->bs, &grp, in, out, in_count / n, dt, e);
   else if (r->scatter)
-    rc = c->b->ops->reduce_scatter(c->b, c->bs, &grp, in, out, in_count / n, dt, (dp_reduce_t)op, e);
+    rc = c->b->ops->reduce_scatter(c->b, c->bs, &grp, in, out, in_count / n, dt, red, e);
   else
-    rc = c->b->ops->allreduce(c->b, c->bs, &grp, in, in_count, dt, (dp_reduce_t)op, e);
+    rc = c->b->ops->allreduce(c->b, c->bs, &grp, in, in_count, dt, red, e);
   if (rc) return rc;
-  atomic_fetch_add(&agent_collective_bytes_total, (uint64_t)(in_count * dtype_size(dt)));
+  count_bytes(c, (uint64_t)(in_count * dtype_size(dt)));
   /* A failure on any member fails the result everywhere. */
   agent_tensor_t flag = {0};
   int64_t f = *any_failed;
   rc = scalar_tensor(c, f, &flag, e);
-  if (!rc) rc = c->b->ops->allreduce(c->b, c->bs, &grp, flag.storage->data, 1, DTYPE_INT64, DP_MAX, e);
+  if (!rc) rc = c->b->ops->allreduce(c->b, c->bs, &grp, flag.storage->data, 1, DTYPE_INT64, RED_MAX, e);
   if (!rc) rc = c->b->ops->to_host(c->b, &flag, &f, e);
   storage_release(flag.storage);
   *any_failed = rc ? *any_failed : (int)f;
   return rc;
+}
+
+/* The server's rule (reduction.h), checked again here: the result the
+ * instruction names is what its input and group give. Every member gets the
+ * same instruction, so all of them agree on the outcome and none is left
+ * waiting in the collective. */
+static int check_reduce(const Meshd__V1__Reduce *r, reduction_t red, size_t members,
+                        const tensor_meta_t *im, const tensor_meta_t *rm, meshd_error_t *e) {
+  if (red == RED_INVALID)
+    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: unknown reduction '%s'; expected one of %s",
+                     r->reduction, reduction_names());
+  reduce_args_t a = {.reduction = red, .scatter = r->scatter, .inplace = r->inplace,
+                     .input = im, .group = (int64_t)members, .ndims = 1, .dims_named = true};
+  tensor_meta_t want;
+  if (reduce_infer(&a, &want, e)) return -1;
+  if (want.dtype == rm->dtype && layout_same_shape(&want.layout, &rm->layout)) return 0;
+  char got[LAYOUT_SHAPE_BUF], expect[LAYOUT_SHAPE_BUF];
+  layout_format_shape(rm->layout.sizes, rm->layout.ndim, got, sizeof got);
+  layout_format_shape(want.layout.sizes, want.layout.ndim, expect, sizeof expect);
+  return error_set(e, ERR_REMOTE_FAILURE,
+                   "Reduce: the instruction's result is %s %s but its input and group of %zu "
+                   "give %s %s",
+                   dtype_name(rm->dtype), got, members, dtype_name(want.dtype), expect);
 }
 
 static void run_reduce(ctx_t *c) {
@@ -415,8 +439,10 @@ static void run_reduce(ctx_t *c) {
   tensor_meta_t im, rm;
   meta_of_spec(ro->input, &im);
   meta_of_spec(ro->result, &rm);
-  if (need_backend(c, "Reduce", &e)) goto fail;
-  int got = exec_get(c->x, c->s, c->ins->stream, c->bs, ro->input->ref, &in, &why);
+  reduction_t red = reduction_parse(r->reduction);
+  if (need_backend(c, "Reduce", &e) || check_reduce(r, red, ro->group->n_ranks, &im, &rm, &e))
+    goto fail;
+  int got = session_state_get(c->s, c->ins->stream, c->bs, ro->input->ref, &in, &why);
   int failed = got != 0;
   if (got < 0) {
     why.kind = ERR_REMOTE_FAILURE;
@@ -425,13 +451,13 @@ static void run_reduce(ctx_t *c) {
              (unsigned long long)ro->input->ref);
   }
   if (staged(c, &im, got == 0 ? &in : NULL, &work, "Reduce", &e) ||
-      collective(c, r, ro->group, &work, &rm, &res, &failed, &e))
+      collective(c, r, red, ro->group, &work, &rm, &res, &failed, &e))
     goto fail;
   if ((r->inplace && got == 0) || r->out) {
     if (r->inplace && got == 0) {
       target = in;
       storage_retain(target.storage);
-    } else if (exec_get(c->x, c->s, c->ins->stream, c->bs, r->out, &target, NULL) != 0) {
+    } else if (session_state_get(c->s, c->ins->stream, c->bs, r->out, &target, NULL) != 0) {
       error_set(&e, ERR_REMOTE_FAILURE, "Reduce: out tensor %llu is not usable on the agent",
                 (unsigned long long)r->out);
       goto fail;
@@ -472,7 +498,7 @@ static void run_send(ctx_t *c) {
   int got = -1;
   if (need_backend(c, "ToMesh", &e)) goto fail;
   if (st->input) {
-    got = exec_get(c->x, c->s, c->ins->stream, c->bs, st->input->ref, &in, &why);
+    got = session_state_get(c->s, c->ins->stream, c->bs, st->input->ref, &in, &why);
     if (got < 0) {
       why.kind = ERR_REMOTE_FAILURE;
       why.root_seq = c->ins->seq;
@@ -511,7 +537,7 @@ static void run_send(ctx_t *c) {
       log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                c->ins->seq, st->to_rank, e.msg);
     else
-      atomic_fetch_add(&agent_collective_bytes_total, (uint64_t)bytes);
+      count_bytes(c, (uint64_t)bytes);
     goto out;
   }
   int64_t hdr = 0;
@@ -540,9 +566,10 @@ out:
   storage_release(hdr_t.storage);
 }
 
-void run_instruction(executor_t *x, xsession_t *s, backend_stream_t *bs, const instr_t *ins) {
-  ctx_t c = {x, s, ins, exec_env(x)->backend, bs};
-  atomic_fetch_add(&agent_instructions_total, 1);
+void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t *bs,
+                     const Meshd__Agent__V1__Instruction *ins, run_failures_t *out) {
+  ctx_t c = {env, s, ins, env->backend, bs, out};
+  if (env->stats) atomic_fetch_add(&env->stats->instructions, 1);
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL: run_call(&c); break;

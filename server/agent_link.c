@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "log.h"
-#include "status.h"
+#include "rpc.h"
 
 /* Room before a packed instruction for its seq field: tag byte + 10-byte varint. */
 #define SEQ_ROOM 11

@@ -34,7 +34,6 @@ typedef struct submit_state {
 struct command_service {
   frontend_t fe;
   session_table_t *sessions;
-  rpc_method_t methods[2];
   metrics_registry_t *metrics; /* NULL: not counted */
 };
 
@@ -346,17 +345,29 @@ command_service_t *command_service_create(agent_pool_t *pool, session_table_t *s
   if (!cs) return NULL;
   cs->fe.pool = pool;
   cs->sessions = sessions;
-  cs->methods[0] = (rpc_method_t){"/meshd.v1.TensorService/Execute", RPC_UNARY,
-                                  &meshd__v1__command__descriptor, on_execute, NULL, NULL, cs};
-  cs->methods[1] = (rpc_method_t){"/meshd.v1.TensorService/Submit", RPC_BIDI,
-                                  &meshd__v1__command__descriptor, on_submit_start,
-                                  on_submit_message, on_submit_end, cs};
   return cs;
 }
 
-const rpc_method_t *command_service_methods(command_service_t *cs, size_t *n) {
-  *n = 2;
-  return cs->methods;
+static const rpc_method_t methods[] = {
+    {
+        .path = "/meshd.v1.TensorService/Execute",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__command__descriptor,
+        .on_start = on_execute,
+    },
+    {
+        .path = "/meshd.v1.TensorService/Submit",
+        .kind = RPC_BIDI,
+        .request = &meshd__v1__command__descriptor,
+        .on_start = on_submit_start,
+        .on_message = on_submit_message,
+        .on_end = on_submit_end,
+    },
+};
+
+const rpc_method_t *command_service_methods(size_t *n) {
+  *n = sizeof methods / sizeof methods[0];
+  return methods;
 }
 
 void command_service_destroy(command_service_t *cs) { free(cs); }

@@ -15,8 +15,9 @@
 typedef struct command_service command_service_t;
 
 command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions);
-/* The rows (Execute, Submit); valid while the service lives. */
-const rpc_method_t *command_service_methods(command_service_t *cs, size_t *n);
+/* The rows (Execute, Submit; static storage), *n their count. Register them
+ * with the command_service_t * as arg; the service must outlive the server. */
+const rpc_method_t *command_service_methods(size_t *n);
 /* Session end: tells the agents the session touched to free it. For the
  * session table's on_closed callback. */
 void command_service_session_closed(command_service_t *cs, session_t *s);

@@ -10,6 +10,7 @@
 #include "borrow.h"
 #include "checks.h"
 #include "emit.h"
+#include "reduction.h"
 
 #define MAX_ARGS 16
 #define MAX_LIST 64
@@ -556,21 +557,14 @@ out:
 
 /* ------------------------------------------------------------------ reduce */
 
-static const char *const reductions[] = {"sum", "avg", "product", "min", "max",
-                                         "band", "bor", "bxor", "stack"};
-
 static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                       cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Reduce *r = c->reduce;
   const char *cmd = "Reduce";
-  bool known = false;
-  for (size_t i = 0; i < sizeof reductions / sizeof *reductions; i++)
-    known |= strcmp(r->reduction, reductions[i]) == 0;
-  if (!known)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "Reduce: unknown reduction '%s'; expected one of sum, avg, product, min, max, "
-                     "band, bor, bxor, stack", r->reduction);
-  bool stack = strcmp(r->reduction, "stack") == 0;
+  reduction_t red = reduction_parse(r->reduction);
+  if (red == RED_INVALID)
+    return error_set(e, ERR_BAD_ARGUMENT, "Reduce: unknown reduction '%s'; expected one of %s",
+                     r->reduction, reduction_names());
   if (r->inplace && r->ref)
     return error_set(e, ERR_BAD_ARGUMENT,
                      "Reduce: an in-place reduce (reduce_) returns its input; leave ref at 0");
@@ -610,65 +604,20 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
       dims[ndims++] = d;
     }
   }
-  if ((stack || r->scatter) && ndims != 1)
-    return error_set(e, ERR_BAD_DIM,
-                     "Reduce: %s works over exactly one mesh dim, but %d were given (%s); reduce one "
-                     "dim at a time", stack ? "stack" : "scatter", ndims, r->n_dims ? "as named" : "all dims of the mesh");
-  const tensor_meta_t *im = &in->tensor.meta;
-  bool integral = dtype_is_integral(im->dtype, true);
-  if (!strcmp(r->reduction, "band") || !strcmp(r->reduction, "bor") || !strcmp(r->reduction, "bxor")) {
-    if (!integral)
-      return error_set(e, ERR_DTYPE_MISMATCH,
-                       "Reduce: '%s' is bitwise and needs an integer or bool tensor, not %s",
-                       r->reduction, dtype_name(im->dtype));
-  }
-  if (!strcmp(r->reduction, "avg") && integral)
-    return error_set(e, ERR_DTYPE_MISMATCH,
-                     "Reduce: 'avg' needs a floating dtype, not %s; cast first or use 'sum'",
-                     dtype_name(im->dtype));
   int64_t group = 1;
   for (int i = 0; i < ndims; i++) group *= mesh->slice.sizes[dims[i]];
-
-  tensor_meta_t rm = *im;
-  layout_t *l = &rm.layout;
-  if (r->scatter && (im->layout.ndim == 0 || im->layout.sizes[0] != group)) {
-    char shape[160];
-    layout_format_shape(im->layout.sizes, im->layout.ndim, shape, sizeof shape);
-    return error_set(e, ERR_SHAPE_MISMATCH,
-                     "Reduce: when scattering, the input's size(0) must equal the group size %lld "
-                     "(dim '%s'), but the input has shape %s",
-                     (long long)group, mesh->names[dims[0]], shape);
-  }
-  int64_t sizes[LAYOUT_MAX_DIMS + 1];
-  int nd = 0;
-  if (stack && !r->scatter) { /* allgather: [N, *shape] */
-    if (im->layout.ndim + 1 > LAYOUT_MAX_DIMS)
-      return error_set(e, ERR_BAD_ARGUMENT, "Reduce: stacking would give more than %d dims", LAYOUT_MAX_DIMS);
-    sizes[nd++] = group;
-    for (int i = 0; i < im->layout.ndim; i++) sizes[nd++] = im->layout.sizes[i];
-  } else if (r->scatter && !stack) { /* reducescatter: shape[1:] */
-    for (int i = 1; i < im->layout.ndim; i++) sizes[nd++] = im->layout.sizes[i];
-  } else {
-    for (int i = 0; i < im->layout.ndim; i++) sizes[nd++] = im->layout.sizes[i];
-  }
-  if (layout_contiguous(l, sizes, nd, dtype_size(im->dtype), "Reduce", e)) return -1;
-  if (r->inplace && (nd != im->layout.ndim || memcmp(sizes, im->layout.sizes, sizeof(int64_t) * (size_t)nd)))
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "Reduce: in-place is only possible when the result has the input's shape; %s "
-                     "changes it", stack ? "stack" : "scatter");
-  if (outt) {
-    const tensor_meta_t *om = &outt->tensor.meta;
-    if (om->layout.ndim != nd || memcmp(om->layout.sizes, sizes, sizeof(int64_t) * (size_t)nd)) {
-      char want[160], got[160];
-      layout_format_shape(sizes, nd, want, sizeof want);
-      layout_format_shape(om->layout.sizes, om->layout.ndim, got, sizeof got);
-      return error_set(e, ERR_SHAPE_MISMATCH, "Reduce: out has shape %s but the result has shape %s",
-                       got, want);
-    }
-    if (om->dtype != im->dtype)
-      return error_set(e, ERR_DTYPE_MISMATCH, "Reduce: out is %s but the input is %s",
-                       dtype_name(om->dtype), dtype_name(im->dtype));
-  }
+  /* The shape and dtype rules are the agents' too (reduction.h). */
+  reduce_args_t ra = {.reduction = red,
+                      .scatter = r->scatter,
+                      .inplace = r->inplace,
+                      .input = &in->tensor.meta,
+                      .out = outt ? &outt->tensor.meta : NULL,
+                      .group = group,
+                      .ndims = ndims,
+                      .dims_named = r->n_dims > 0,
+                      .dim = ndims == 1 ? mesh->names[dims[0]] : NULL};
+  tensor_meta_t rm;
+  if (reduce_infer(&ra, &rm, e)) return -1;
   uint64_t ranks = (uint64_t)mesh_len(mesh);
   if (!r->inplace && !outt && check_quota(s, o, cmd, meta_bytes(&rm) * ranks, e)) return -1;
 

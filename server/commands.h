@@ -7,8 +7,8 @@
 #ifndef MESHD_COMMANDS_H
 #define MESHD_COMMANDS_H
 
-#include "agent_pool.h"
 #include "error_kind.h"
+#include "frontend.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "objects.h"
 #include "session.h"
@@ -21,10 +21,6 @@ typedef struct cmd_out {
   void *allocs[CMD_MAX_ALLOCS];
   int nallocs;
 } cmd_out_t;
-
-typedef struct frontend {
-  agent_pool_t *pool;
-} frontend_t;
 
 void cmd_out_init(cmd_out_t *out, uint64_t seq);
 /* Frees what the result points to (not `out` itself). */

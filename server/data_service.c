@@ -19,7 +19,6 @@ struct data_service {
   agent_pool_t *pool;
   session_table_t *sessions;
   size_t chunk; /* bytes of data per message, well under the limit */
-  rpc_method_t methods[2];
 };
 
 static void destroy_objects(void *p) { objects_destroy(p); }
@@ -528,18 +527,29 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;
   ds->chunk = limit > 2048 ? limit / 2 : 1024; /* room for the envelope */
   if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
-  ds->methods[0] = (rpc_method_t){"/meshd.v1.TensorService/Upload", RPC_CLIENT_STREAMING,
-                                  &meshd__v1__upload_chunk__descriptor, upload_start,
-                                  upload_message, upload_end, ds};
-  ds->methods[1] = (rpc_method_t){"/meshd.v1.TensorService/Fetch", RPC_SERVER_STREAMING,
-                                  &meshd__v1__fetch_request__descriptor, fetch_start, NULL, NULL,
-                                  ds};
   return ds;
 }
 
-const rpc_method_t *data_service_methods(data_service_t *ds, size_t *n) {
-  *n = 2;
-  return ds->methods;
+static const rpc_method_t methods[] = {
+    {
+        .path = "/meshd.v1.TensorService/Upload",
+        .kind = RPC_CLIENT_STREAMING,
+        .request = &meshd__v1__upload_chunk__descriptor,
+        .on_start = upload_start,
+        .on_message = upload_message,
+        .on_end = upload_end,
+    },
+    {
+        .path = "/meshd.v1.TensorService/Fetch",
+        .kind = RPC_SERVER_STREAMING,
+        .request = &meshd__v1__fetch_request__descriptor,
+        .on_start = fetch_start,
+    },
+};
+
+const rpc_method_t *data_service_methods(size_t *n) {
+  *n = sizeof methods / sizeof methods[0];
+  return methods;
 }
 
 void data_service_destroy(data_service_t *ds) { free(ds); }

@@ -21,7 +21,9 @@ typedef struct data_service data_service_t;
 /* max_message_bytes: the server's limit (chunks stay under it). */
 data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
                                     size_t max_message_bytes);
-const rpc_method_t *data_service_methods(data_service_t *ds, size_t *n);
+/* The rows (Upload, Fetch; static storage), *n their count. Register them with
+ * the data_service_t * as arg; the service must outlive the server. */
+const rpc_method_t *data_service_methods(size_t *n);
 void data_service_destroy(data_service_t *ds);
 
 #endif

@@ -5,7 +5,14 @@
 #ifndef MESHD_EMIT_H
 #define MESHD_EMIT_H
 
-#include "commands.h"
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "frontend.h"
+#include "meshd/v1/tensor_service.pb-c.h"
+#include "objects.h"
+#include "session.h"
 
 void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
                   const Meshd__V1__Factory *f);

@@ -163,16 +163,16 @@ int main(int argc, char **argv) {
     return 1;
   }
   size_t n;
-  const rpc_method_t *m = registry_methods(registry, &n);
-  rpc_server_add_methods(srv, m, n);
-  m = tensor_service_methods(pool, &n);
-  rpc_server_add_methods(srv, m, n);
-  m = session_service_methods(sessions, &n);
-  rpc_server_add_methods(srv, m, n);
-  m = command_service_methods(state.commands, &n);
-  rpc_server_add_methods(srv, m, n);
-  m = data_service_methods(data, &n);
-  rpc_server_add_methods(srv, m, n);
+  const rpc_method_t *m = registry_methods(&n);
+  rpc_server_add_methods(srv, m, n, registry);
+  m = tensor_service_methods(&n);
+  rpc_server_add_methods(srv, m, n, pool);
+  m = session_service_methods(&n);
+  rpc_server_add_methods(srv, m, n, sessions);
+  m = command_service_methods(&n);
+  rpc_server_add_methods(srv, m, n, state.commands);
+  m = data_service_methods(&n);
+  rpc_server_add_methods(srv, m, n, data);
   health_add_methods(state.health, srv);
   health_set(state.health, "", HEALTH_SERVING);
   health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);

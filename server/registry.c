@@ -31,7 +31,6 @@ struct registry {
   agent_pool_t *pool;
   char server_id[64];
   int dial_timeout_ms;
-  rpc_method_t method;
   pthread_mutex_t mu;
   pthread_cond_t cv;
   conn_t *conns;
@@ -223,8 +222,6 @@ registry_t *registry_create(agent_pool_t *pool, const char *server_id, int dial_
   r->pool = pool;
   snprintf(r->server_id, sizeof r->server_id, "%s", server_id);
   r->dial_timeout_ms = dial_timeout_ms;
-  r->method = (rpc_method_t){"/meshd.v1.AgentRegistry/RegisterAgent", RPC_BIDI,
-                             &meshd__v1__agent_to_server__descriptor, on_start, on_message, on_end, r};
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->cv, NULL);
   if (pthread_create(&r->dialer, NULL, dialer, r) != 0) {
@@ -234,9 +231,20 @@ registry_t *registry_create(agent_pool_t *pool, const char *server_id, int dial_
   return r;
 }
 
-const rpc_method_t *registry_methods(registry_t *r, size_t *n) {
-  *n = 1;
-  return &r->method;
+static const rpc_method_t methods[] = {
+    {
+        .path = "/meshd.v1.AgentRegistry/RegisterAgent",
+        .kind = RPC_BIDI,
+        .request = &meshd__v1__agent_to_server__descriptor,
+        .on_start = on_start,
+        .on_message = on_message,
+        .on_end = on_end,
+    },
+};
+
+const rpc_method_t *registry_methods(size_t *n) {
+  *n = sizeof methods / sizeof methods[0];
+  return methods;
 }
 
 int registry_open_calls(registry_t *r) {

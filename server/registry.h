@@ -16,8 +16,9 @@ typedef struct registry registry_t;
 
 /* pool must outlive the registry. Returns NULL if the dial-back thread cannot start. */
 registry_t *registry_create(agent_pool_t *pool, const char *server_id, int dial_timeout_ms);
-/* The method table (one row); valid while the registry lives. */
-const rpc_method_t *registry_methods(registry_t *r, size_t *n);
+/* The method table (one row, static storage), *n its count. Register it with
+ * the registry_t * as arg; the registry must outlive the server. */
+const rpc_method_t *registry_methods(size_t *n);
 /* Registration calls open now. */
 int registry_open_calls(registry_t *r);
 /* Ends every registration call with UNAVAILABLE "server shutting down". */

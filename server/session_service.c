@@ -140,21 +140,34 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
   free(v);
 }
 
-#define ROW(name, type, fn)                                                                   \
-  {                                                                                           \
-    "/meshd.v1.TensorService/" name, RPC_UNARY, &meshd__v1__##type##_request__descriptor, fn, \
-        NULL, NULL, NULL                                                                      \
-  }
-
-static rpc_method_t methods[] = {
-    ROW("CreateSession", create_session, create_session),
-    ROW("CloseSession", close_session, close_session),
-    ROW("KeepAlive", keep_alive, keep_alive),
-    ROW("ListSessions", list_sessions, list_sessions),
+static const rpc_method_t methods[] = {
+    {
+        .path = "/meshd.v1.TensorService/CreateSession",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__create_session_request__descriptor,
+        .on_start = create_session,
+    },
+    {
+        .path = "/meshd.v1.TensorService/CloseSession",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__close_session_request__descriptor,
+        .on_start = close_session,
+    },
+    {
+        .path = "/meshd.v1.TensorService/KeepAlive",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__keep_alive_request__descriptor,
+        .on_start = keep_alive,
+    },
+    {
+        .path = "/meshd.v1.TensorService/ListSessions",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__list_sessions_request__descriptor,
+        .on_start = list_sessions,
+    },
 };
 
-const rpc_method_t *session_service_methods(session_table_t *t, size_t *n) {
-  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) methods[i].arg = t;
+const rpc_method_t *session_service_methods(size_t *n) {
   *n = sizeof methods / sizeof methods[0];
   return methods;
 }

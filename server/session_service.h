@@ -13,8 +13,9 @@
 #define SESSION_MD_ID "meshd-session"
 #define SESSION_MD_TOKEN "meshd-token"
 
-/* The four rows, bound to t (which must outlive the server). Call once. */
-const rpc_method_t *session_service_methods(session_table_t *t, size_t *n);
+/* The four rows (static storage), *n their count. Register them with the
+ * session_table_t * as arg; the table must outlive the server. */
+const rpc_method_t *session_service_methods(size_t *n);
 
 /* The session named by the call's metadata, acquired (session_release it when
  * the call no longer needs it). On failure it FINISHES the call with

@@ -13,13 +13,16 @@ static void list_agents(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   agent_pool_snapshot_free(reply.agents, reply.n_agents);
 }
 
-static rpc_method_t methods[] = {
-    {"/meshd.v1.TensorService/ListAgents", RPC_UNARY, &meshd__v1__list_agents_request__descriptor,
-     list_agents, NULL, NULL, NULL},
+static const rpc_method_t methods[] = {
+    {
+        .path = "/meshd.v1.TensorService/ListAgents",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__list_agents_request__descriptor,
+        .on_start = list_agents,
+    },
 };
 
-const rpc_method_t *tensor_service_methods(agent_pool_t *pool, size_t *n) {
-  for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) methods[i].arg = pool;
+const rpc_method_t *tensor_service_methods(size_t *n) {
   *n = sizeof methods / sizeof methods[0];
   return methods;
 }

@@ -10,7 +10,8 @@
 
 #define TENSOR_SERVICE_NAME "meshd.v1.TensorService"
 
-/* The rows, bound to pool (which must outlive the server). Call once. */
-const rpc_method_t *tensor_service_methods(agent_pool_t *pool, size_t *n);
+/* The rows (static storage), *n their count. Register them with the
+ * agent_pool_t * as arg; the pool must outlive the server. */
+const rpc_method_t *tensor_service_methods(size_t *n);
 
 #endif

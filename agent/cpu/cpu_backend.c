@@ -45,10 +45,10 @@ static void cpu_free(backend_t *b, void *ptr, size_t bytes) {
 /* ---- dispatch ---- */
 
 /* The kernel of each family (kernel_family.h). */
-static const cpu_kernel_fn kernels[KF_COUNT] = KERNEL_FAMILY_TABLE(cpu_kernel_);
+static const kernel_fn kernels[KF_COUNT] = KERNEL_FAMILY_TABLE(cpu_kernel_);
 
 /* The kernel for op, or NULL for a view (which needs none) or an unknown op. */
-static cpu_kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }
+static kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }
 
 static int cpu_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
                       agent_tensor_t **results, int nresults, const op_infer_t *inf,
@@ -59,11 +59,12 @@ static int cpu_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
   bool work = inf->nmutates > 0;
   for (int i = 0; i < inf->nresults; i++) work |= inf->results[i].alias_param < 0;
   if (!work) return 0;
-  cpu_kernel_fn fn = kernel_of(op);
+  kernel_fn fn = kernel_of(op);
   if (!fn)
     return error_set(err, ERR_REMOTE_FAILURE, "%s: the cpu backend has no kernel for this op",
                      op_name(op));
-  cpu_call_t c = {b, a, results, nresults, inf, mesh_rank, coordinate};
+  kernel_call_t c = {.b = b, .bs = NULL, .a = a, .res = results, .nres = nresults, .inf = inf,
+                     .rank = mesh_rank, .coordinate = coordinate};
   return fn(&c, err);
 }
 
@@ -106,12 +107,12 @@ static int no_net(meshd_error_t *e) {
 }
 
 static int cpu_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
-                         size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
+                         size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
   return b->net ? dp_allreduce(b->net, g, buf, count, dtype, op, e) : no_net(e);
 }
 
 static int cpu_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
-                              void *out, size_t count, dtype_t dtype, dp_reduce_t op,
+                              void *out, size_t count, dtype_t dtype, reduction_t op,
                               meshd_error_t *e) {
   return b->net ? dp_reduce_scatter(b->net, g, in, out, count, dtype, op, e) : no_net(e);
 }

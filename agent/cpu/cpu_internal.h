@@ -140,27 +140,8 @@ static inline agent_tensor_t cpu_view(const agent_tensor_t *t, const layout_t *l
 
 /* ---- kernels ---- */
 
-typedef struct cpu_call {
-  backend_t *b;
-  const op_args_t *a;
-  agent_tensor_t **res;
-  int nres;
-  const op_infer_t *inf;
-  uint32_t rank;
-  int64_t coordinate;
-} cpu_call_t;
-
-typedef int (*cpu_kernel_fn)(const cpu_call_t *c, meshd_error_t *e);
-
-/* The tensor argument at param (NULL when the value is not a tensor). */
-static inline agent_tensor_t *cpu_arg(const cpu_call_t *c, int param) {
-  const op_value_t *v = &c->a->v[param];
-  return v->kind == VAL_TENSOR ? agent_tensor_of(v->tensor) : NULL;
-}
-static inline const char *cpu_opname(const cpu_call_t *c) { return c->a->op->name; }
-
 /* One kernel per family of kernel_family.h: cpu_kernel_fill ... cpu_kernel_gather
  * (kernels_*.c). */
-KERNEL_FAMILY_DECLARE(cpu_kernel_, const cpu_call_t *)
+KERNEL_FAMILY_DECLARE(cpu_kernel_)
 
 #endif

@@ -7,6 +7,7 @@
 
 #include "cpu_internal.h"
 #include "elementwise_ops.h"
+#include "kernel_plan.h"
 
 typedef struct {
   int op;
@@ -18,9 +19,9 @@ typedef struct {
 } ew_ctx_t;
 
 /* Adds argument param (a tensor or a Scalar) to the iterator; its dtype into *dt. */
-static void add_operand(cpu_iter_t *it, const cpu_call_t *c, int param, scalar_buf_t *buf,
+static void add_operand(cpu_iter_t *it, const kernel_call_t *c, int param, scalar_buf_t *buf,
                         dtype_t *dt) {
-  agent_tensor_t *t = cpu_arg(c, param);
+  agent_tensor_t *t = kernel_arg(c, param);
   if (t) {
     cpu_iter_add(it, t);
     *dt = t->meta.dtype;
@@ -31,8 +32,8 @@ static void add_operand(cpu_iter_t *it, const cpu_call_t *c, int param, scalar_b
 }
 
 /* The tensor written: self for in-place ops, else the fresh result. */
-static agent_tensor_t *output_of(const cpu_call_t *c) {
-  return c->a->op->is_inplace ? cpu_arg(c, 0) : c->res[0];
+static agent_tensor_t *output_of(const kernel_call_t *c) {
+  return c->a->op->is_inplace ? kernel_arg(c, 0) : c->res[0];
 }
 
 /* ---- binary ---- */
@@ -94,20 +95,11 @@ static void bin_row_f32(void *p, char *const *ptr, const int64_t *s, int64_t n) 
   }
 }
 
-int cpu_kernel_binary(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   const op_args_t *a = c->a;
-  ew_ctx_t x = {.op = ew_binary_op(cpu_opname(c)), .alpha_f = 1, .alpha_i = 1};
-  const op_value_t *vals[2] = {&a->v[0], &a->v[1]};
-  dtype_t rt = ops_result_type(vals, 2);
-  if (x.op == B_DIV && a->v[2].kind == VAL_STRING)
-    x.op = strcmp(a->v[2].s, "floor") == 0 ? B_DIV_FLOOR : B_DIV_TRUNC;
-  if ((x.op == B_ADD || x.op == B_SUB) && a->v[2].kind != VAL_NONE) {
-    const op_value_t *al = &a->v[2];
-    x.alpha_f = al->kind == VAL_FLOAT ? al->f : al->kind == VAL_BOOL ? al->b : (double)al->i;
-    x.alpha_i = al->kind == VAL_INT ? al->i : al->kind == VAL_BOOL ? al->b : cpu_f2i(al->f);
-  }
-  x.is_int = x.op == B_DIV || x.op == B_LAND || x.op == B_LOR ? false : cpu_is_int(rt);
-  if (x.op >= B_BAND) x.is_int = true;
+  kernel_binary_t bp = kernel_binary_plan(c);
+  dtype_t rt = bp.rt;
+  ew_ctx_t x = {.op = bp.op, .is_int = bp.is_int, .alpha_f = bp.alpha_f, .alpha_i = bp.alpha_i};
   agent_tensor_t *out = output_of(c);
   x.out = out->meta.dtype;
   cpu_iter_t it;
@@ -128,7 +120,7 @@ int cpu_kernel_binary(const cpu_call_t *c, meshd_error_t *e) {
   cpu_iter_run(&it, f32 ? bin_row_f32 : bin_row, &x);
   if (atomic_load(&x.zero_div))
     return error_set(e, ERR_REMOTE_FAILURE,
-                     "%s: ZeroDivisionError: integer division by zero (rank %u)", cpu_opname(c),
+                     "%s: ZeroDivisionError: integer division by zero (rank %u)", kernel_opname(c),
                      c->rank);
   return 0;
 }
@@ -184,11 +176,11 @@ static void un_row_f32(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   }
 }
 
-int cpu_kernel_unary(const cpu_call_t *c, meshd_error_t *e) {
-  ew_ctx_t x = {.op = ew_unary_op(cpu_opname(c))};
+int cpu_kernel_unary(const kernel_call_t *c, meshd_error_t *e) {
+  ew_ctx_t x = {.op = ew_unary_op(kernel_opname(c))};
   if (x.op == U_GELU && c->a->v[1].kind == VAL_STRING && strcmp(c->a->v[1].s, "tanh") == 0)
     x.op = U_GELU_TANH;
-  agent_tensor_t *out = c->res[0], *in = cpu_arg(c, 0);
+  agent_tensor_t *out = c->res[0], *in = kernel_arg(c, 0);
   x.out = out->meta.dtype;
   x.in[0] = in->meta.dtype;
   /* logical_not reads any dtype as double; the others compute in their result dtype. */
@@ -215,7 +207,7 @@ static void where_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   }
 }
 
-int cpu_kernel_where(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_where(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *out = c->res[0];
   ew_ctx_t x = {.out = out->meta.dtype, .is_int = cpu_is_int(out->meta.dtype)};
   cpu_iter_t it;
@@ -264,7 +256,7 @@ static void clamp_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   }
 }
 
-int cpu_kernel_clamp(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_clamp(const kernel_call_t *c, meshd_error_t *e) {
   const op_value_t *vals[3] = {&c->a->v[0], &c->a->v[1], &c->a->v[2]};
   dtype_t rt = ops_result_type(vals, 3);
   agent_tensor_t *out = output_of(c);

@@ -16,9 +16,9 @@ static void fill_value(agent_tensor_t *t, const op_value_t *v) {
   cpu_copy_broadcast(t, &one);
 }
 
-int cpu_kernel_fill(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_fill(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
-  const char *name = cpu_opname(c);
+  const char *name = kernel_opname(c);
   int64_t n = layout_numel(&t->meta.layout);
   size_t bytes = (size_t)n * dtype_size(t->meta.dtype);
   /* Fresh results are contiguous at offset 0. */
@@ -35,7 +35,7 @@ static double scalar_f(const op_value_t *v) {
   return v->kind == VAL_FLOAT ? v->f : v->kind == VAL_BOOL ? (double)v->b : (double)v->i;
 }
 
-int cpu_kernel_arange(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_arange(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   const op_value_t *start = &c->a->v[0], *step = &c->a->v[2];
   op_value_t zero = {.kind = VAL_INT, .i = 0};
@@ -93,13 +93,13 @@ static void rand_blocks(void *p, int64_t begin, int64_t end) {
   }
 }
 
-int cpu_kernel_rand(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_rand(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   dtype_t dt = t->meta.dtype;
   rand_ctx_t r = {
       .out = cpu_data(t),
       .dt = dt,
-      .normal = strcmp(cpu_opname(c), "randn") == 0,
+      .normal = strcmp(kernel_opname(c), "randn") == 0,
       .bits = dt == DTYPE_FLOAT16 ? 11 : dt == DTYPE_BFLOAT16 ? 8 : 24,
       .rank = c->rank,
       .n = layout_numel(&t->meta.layout),
@@ -117,19 +117,19 @@ int cpu_kernel_rand(const cpu_call_t *c, meshd_error_t *e) {
   return 0;
 }
 
-int cpu_kernel_rank(const cpu_call_t *c, meshd_error_t *e) {
+int cpu_kernel_rank(const kernel_call_t *c, meshd_error_t *e) {
   cpu_st_i(DTYPE_INT64, cpu_data(c->res[0]), c->coordinate);
   return 0;
 }
 
-int cpu_kernel_fill_(const cpu_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *self = cpu_arg(c, 0);
-  if (strcmp(cpu_opname(c), "zero_") == 0) {
+int cpu_kernel_fill_(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *self = kernel_arg(c, 0);
+  if (strcmp(kernel_opname(c), "zero_") == 0) {
     op_value_t zero = {.kind = VAL_INT, .i = 0};
     fill_value(self, &zero);
     return 0;
   }
-  agent_tensor_t *v = cpu_arg(c, 1);
+  agent_tensor_t *v = kernel_arg(c, 1);
   if (v) cpu_copy_broadcast(self, v);
   else fill_value(self, &c->a->v[1]);
   return 0;

@@ -108,8 +108,8 @@ static int gemm(dtype_t dt, const mat_t *A, const mat_t *B, const mat_t *C, int6
   return 0;
 }
 
-int cpu_kernel_matmul(const cpu_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *x = cpu_arg(c, 0), *y = cpu_arg(c, 1), *out = c->res[0];
+int cpu_kernel_matmul(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *x = kernel_arg(c, 0), *y = kernel_arg(c, 1), *out = c->res[0];
   const layout_t *lx = &x->meta.layout, *ly = &y->meta.layout, *lo = &out->meta.layout;
   dtype_t dt = out->meta.dtype;
   size_t esz = dtype_size(dt);
@@ -144,7 +144,7 @@ int cpu_kernel_matmul(const cpu_call_t *c, meshd_error_t *e) {
     }
     if (gemm(dt, &A, &B, &C, k))
       return error_set(e, ERR_REMOTE_FAILURE, "%s: out of host memory for a packed operand (rank %u)",
-                       cpu_opname(c), c->rank);
+                       kernel_opname(c), c->rank);
   }
   return 0;
 }

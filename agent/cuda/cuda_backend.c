@@ -1,6 +1,8 @@
-/* The cuda backend: device memory from the device's stream-ordered pool, one
- * CUDA stream per meshd stream, events for borrows, kernels in kernels_*.cu,
- * matmul on cuBLAS (cuda_blas.c), communicators on NCCL (cuda_nccl.c).
+/* The cuda backend's vtable: device memory from the device's stream-ordered
+ * pool, one CUDA stream per meshd stream, events for borrows, kernels in
+ * kernels_*.cu, matmul on cuBLAS (cuda_blas.c), communicators on NCCL
+ * (cuda_nccl.c). It calls down into those and into the device helpers they
+ * share (cuda_device.c); none of them calls back into this file.
  *
  * Ordering rules (backend.h):
  * - a stream's kernels, copies and scratch memory are queued on its CUDA
@@ -25,53 +27,6 @@
 #include "cuda_internal.h"
 #include "cuda_nccl.h"
 #include "kernel_family.h"
-
-/* ------------------------------------------------------------------ errors */
-
-static bool sticky(cudaError_t rc) {
-  switch (rc) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchFailure:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorECCUncorrectable:
-    case cudaErrorDevicesUnavailable:
-    case cudaErrorUnknown:
-    case cudaErrorContextIsDestroyed:
-    case cudaErrorLaunchTimeout:
-      return true;
-    default:
-      return false;
-  }
-}
-
-int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e) {
-  if (rc == cudaSuccess) return 0;
-  if (rc == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError(); /* not sticky: clear it for this thread */
-    return error_set(e, ERR_QUOTA, "%s: out of device memory", what);
-  }
-  if (st && sticky(rc)) {
-    pthread_mutex_lock(&st->mu);
-    if (!st->lost) {
-      st->lost = true;
-      snprintf(st->lost_why, sizeof st->lost_why, "%s: %s (%s)", what, cudaGetErrorString(rc),
-               cudaGetErrorName(rc));
-    }
-    pthread_mutex_unlock(&st->mu);
-  }
-  return error_set(e, ERR_REMOTE_FAILURE, "%s: %s (%s)", what, cudaGetErrorString(rc),
-                   cudaGetErrorName(rc));
-}
-
-void cuda_bind(cuda_state_t *st) {
-  static _Thread_local int bound = -1;
-  if (st->emulated || bound == st->device) return;
-  if (cudaSetDevice(st->device) == cudaSuccess) bound = st->device;
-}
 
 /* ------------------------------------------------------------------ open / close */
 
@@ -206,95 +161,27 @@ static int sync_own(cuda_state_t *st, meshd_error_t *e) {
 
 /* ------------------------------------------------------------------ memory */
 
-static bool reserve(backend_t *b, size_t bytes) {
-  uint64_t prev = atomic_fetch_add(&b->allocated, bytes);
-  if (b->capacity && prev + bytes > b->capacity) {
-    atomic_fetch_sub(&b->allocated, bytes);
-    return false;
-  }
-  return true;
-}
-
-#define EMU_ALIGN 256
-
-static void *raw_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
-  cuda_state_t *st = cuda_state(b);
-  if (!bytes) bytes = 1;
-  if (st->emulated) {
-    size_t rounded = (bytes + EMU_ALIGN - 1) / EMU_ALIGN * EMU_ALIGN;
-    return rounded >= bytes ? aligned_alloc(EMU_ALIGN, rounded) : NULL;
-  }
-  cuda_bind(st);
-  void *p = NULL;
-  cudaError_t rc = cudaMallocFromPoolAsync(&p, bytes, st->pool, bs->s);
-  if (rc != cudaSuccess) {
-    (void)cudaGetLastError();
-    return NULL;
-  }
-  return p;
-}
-
+/* The memory behind alloc and free is the kernels' scratch (cuda_device.c),
+ * with the ordering rules above on top. */
 static void *cuda_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
-  if (!reserve(b, bytes)) return NULL;
   cuda_state_t *st = cuda_state(b);
-  void *p = raw_alloc(b, cuda_stream_of(b, s), bytes);
+  void *p = cuda_scratch_alloc(b, cuda_stream_of(b, s), bytes);
   if (p && !s && !st->emulated && cudaStreamSynchronize(st->own.s) != cudaSuccess) {
-    cudaFreeAsync(p, st->own.s);
+    cuda_scratch_free(b, &st->own, p, bytes);
     p = NULL;
   }
-  if (!p) atomic_fetch_sub(&b->allocated, bytes);
   return p;
 }
 
 static void cuda_free(backend_t *b, void *ptr, size_t bytes) {
   if (!ptr) return;
   cuda_state_t *st = cuda_state(b);
-  if (st->emulated) {
-    free(ptr);
-  } else {
+  if (!st->emulated) {
     meshd_error_t e;
     cuda_bind(st);
     own_waits_for_all(st, &e); /* on failure the device is gone: free anyway */
-    cudaFreeAsync(ptr, st->own.s);
   }
-  atomic_fetch_sub(&b->allocated, bytes);
-}
-
-void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
-  if (!reserve(b, bytes)) return NULL;
-  void *p = raw_alloc(b, bs, bytes);
-  if (!p) atomic_fetch_sub(&b->allocated, bytes);
-  return p;
-}
-
-void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes) {
-  if (!p) return;
-  if (cuda_state(b)->emulated) free(p);
-  else cudaFreeAsync(p, bs->s);
-  atomic_fetch_sub(&b->allocated, bytes);
-}
-
-int cuda_memcpy(backend_t *b, backend_stream_t *bs, void *dst, const void *src, size_t bytes,
-                meshd_error_t *e) {
-  cuda_state_t *st = cuda_state(b);
-  if (!bytes || dst == src) return 0;
-  if (st->emulated) {
-    memmove(dst, src, bytes);
-    return 0;
-  }
-  return cuda_check(st, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, bs->s),
-                    "device copy", e);
-}
-
-int cuda_memset(backend_t *b, backend_stream_t *bs, void *dst, int value, size_t bytes,
-                meshd_error_t *e) {
-  cuda_state_t *st = cuda_state(b);
-  if (!bytes) return 0;
-  if (st->emulated) {
-    memset(dst, value, bytes);
-    return 0;
-  }
-  return cuda_check(st, cudaMemsetAsync(dst, value, bytes, bs->s), "device memset", e);
+  cuda_scratch_free(b, &st->own, ptr, bytes);
 }
 
 /* ------------------------------------------------------------------ streams, events */
@@ -400,10 +287,10 @@ static void cuda_event_destroy(backend_t *b, backend_event_t *ev) {
 /* ------------------------------------------------------------------ dispatch */
 
 /* The kernel of each family (kernel_family.h). */
-static const cuda_kernel_fn kernels[KF_COUNT] = KERNEL_FAMILY_TABLE(cuda_kernel_);
+static const kernel_fn kernels[KF_COUNT] = KERNEL_FAMILY_TABLE(cuda_kernel_);
 
 /* The kernel for op, or NULL for a view (which needs none) or an unknown op. */
-static cuda_kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }
+static kernel_fn kernel_of(const op_def_t *op) { return kernels[kernel_family_of(op)]; }
 
 static int cuda_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
                        agent_tensor_t **results, int nresults, const op_infer_t *inf,
@@ -411,14 +298,14 @@ static int cuda_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a,
   bool work = inf->nmutates > 0;
   for (int i = 0; i < inf->nresults; i++) work |= inf->results[i].alias_param < 0;
   if (!work) return 0;
-  cuda_kernel_fn fn = kernel_of(a->op);
+  kernel_fn fn = kernel_of(a->op);
   if (!fn)
     return error_set(err, ERR_REMOTE_FAILURE, "%s: the cuda backend has no kernel for this op",
                      op_name(a->op));
   cuda_state_t *st = cuda_state(b);
   cuda_bind(st);
-  cuda_call_t c = {b, st, cuda_stream_of(b, s), st->emulated, a, results, nresults, inf,
-                   mesh_rank, coordinate};
+  kernel_call_t c = {.b = b, .bs = cuda_stream_of(b, s), .a = a, .res = results,
+                     .nres = nresults, .inf = inf, .rank = mesh_rank, .coordinate = coordinate};
   int rc = fn(&c, err);
   if (!rc && !s) rc = sync_own(st, err);
   return rc;
@@ -514,13 +401,13 @@ static int cuda_from_host(backend_t *b, agent_tensor_t *t, const void *src, mesh
 
 /* The NCCL slots (cuda_nccl.c), entered with the device bound. */
 static int c_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
-                       size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
+                       size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
   cuda_bind(cuda_state(b));
   return cuda_allreduce(b, s, g, buf, count, dtype, op, e);
 }
 
 static int c_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
-                            void *out, size_t count, dtype_t dtype, dp_reduce_t op,
+                            void *out, size_t count, dtype_t dtype, reduction_t op,
                             meshd_error_t *e) {
   cuda_bind(cuda_state(b));
   return cuda_reduce_scatter(b, s, g, in, out, count, dtype, op, e);

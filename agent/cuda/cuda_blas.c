@@ -36,14 +36,14 @@ static char *tensor_data(const agent_tensor_t *t) {
   return (char *)t->storage->data + t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype);
 }
 
-static int blas_error(const cuda_call_t *c, cublasStatus_t rc, const char *step,
+static int blas_error(const kernel_call_t *c, cublasStatus_t rc, const char *step,
                       meshd_error_t *e) {
   /* a failed execution may have killed the context: let the health slot see it */
   if (rc == CUBLAS_STATUS_EXECUTION_FAILED)
-    (void)cuda_check(c->st, cudaGetLastError(), cuda_opname(c), NULL);
+    (void)cuda_check(cuda_state(c->b), cudaGetLastError(), kernel_opname(c), NULL);
   if (rc == CUBLAS_STATUS_ALLOC_FAILED)
-    return error_set(e, ERR_QUOTA, "%s: cuBLAS %s: out of device memory", cuda_opname(c), step);
-  return error_set(e, ERR_REMOTE_FAILURE, "%s: cuBLAS %s failed: %s", cuda_opname(c), step,
+    return error_set(e, ERR_QUOTA, "%s: cuBLAS %s: out of device memory", kernel_opname(c), step);
+  return error_set(e, ERR_REMOTE_FAILURE, "%s: cuBLAS %s failed: %s", kernel_opname(c), step,
                    cublasGetStatusString(rc));
 }
 
@@ -51,7 +51,7 @@ static int blas_error(const cuda_call_t *c, cublasStatus_t rc, const char *step,
  * the backend's own stream may be used by several. */
 static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
 
-static int blas_handle(const cuda_call_t *c, cublasHandle_t *out, meshd_error_t *e) {
+static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_t *e) {
   backend_stream_t *bs = c->bs;
   cublasHandle_t h = NULL;
   void *ws = NULL;
@@ -71,7 +71,8 @@ static int blas_handle(const cuda_call_t *c, cublasHandle_t *out, meshd_error_t 
     ret = blas_error(c, rc, "handle setup", e);
     goto out;
   }
-  if ((ret = cuda_check(c->st, cudaMalloc(&ws, BLAS_WS_BYTES), cuda_opname(c), e)) != 0) {
+  if ((ret = cuda_check(cuda_state(c->b), cudaMalloc(&ws, BLAS_WS_BYTES), kernel_opname(c),
+                        e)) != 0) {
     ws = NULL;
     goto out;
   }
@@ -172,7 +173,7 @@ static void operand_geometry(const layout_t *l, bool self, int nb, mat_t *m, int
 
 /* Fills o->m, o->v, o->v.batch_stride, copying the operand to contiguous
  * scratch when cuBLAS cannot read it as it is. */
-static int operand_prepare(const cuda_call_t *c, operand_t *o, int nb, const int64_t *bsize,
+static int operand_prepare(const kernel_call_t *c, operand_t *o, int nb, const int64_t *bsize,
                            meshd_error_t *e) {
   const layout_t *l = &o->t->meta.layout;
   int64_t s[LAYOUT_MAX_DIMS];
@@ -199,7 +200,7 @@ static int operand_prepare(const cuda_call_t *c, operand_t *o, int nb, const int
   void *p = cuda_scratch_alloc(c->b, c->bs, o->scratch_bytes ? o->scratch_bytes : 1);
   if (!p)
     return error_set(e, ERR_QUOTA, "%s: out of device memory for a %zu-byte contiguous copy of "
-                     "argument '%s' (rank %u)", cuda_opname(c), o->scratch_bytes,
+                     "argument '%s' (rank %u)", kernel_opname(c), o->scratch_bytes,
                      o->is_self ? "self" : "other", c->rank);
   o->scratch_st = (agent_storage_t){.refs = 1, .backend = c->b, .data = p,
                                     .bytes = o->scratch_bytes};
@@ -209,7 +210,7 @@ static int operand_prepare(const cuda_call_t *c, operand_t *o, int nb, const int
   return cuda_copy_broadcast(c->b, c->bs, &o->copy, o->t, e);
 }
 
-static void operand_release(const cuda_call_t *c, operand_t *o) {
+static void operand_release(const kernel_call_t *c, operand_t *o) {
   if (o->scratch_st.data) cuda_scratch_free(c->b, c->bs, o->scratch_st.data,
                                             o->scratch_bytes ? o->scratch_bytes : 1);
 }
@@ -225,13 +226,13 @@ static bool blas_types(dtype_t dt, cudaDataType *type, cublasComputeType_t *comp
   }
 }
 
-int cuda_kernel_matmul(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *x = cuda_arg(c, 0), *y = cuda_arg(c, 1), *out = c->res[0];
+int cuda_kernel_matmul(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *x = kernel_arg(c, 0), *y = kernel_arg(c, 1), *out = c->res[0];
   const layout_t *lx = &x->meta.layout, *ly = &y->meta.layout, *lo = &out->meta.layout;
   dtype_t dt = out->meta.dtype;
   cudaDataType type;
   cublasComputeType_t compute;
-  if (c->emulated || !blas_types(dt, &type, &compute)) return cuda_matmul_functor(c, e);
+  if (cuda_emulated(c) || !blas_types(dt, &type, &compute)) return cuda_matmul_functor(c, e);
 
   int n1 = lx->ndim, n2 = ly->ndim;
   int64_t n = n1 > 1 ? lx->sizes[n1 - 2] : 1, k = lx->sizes[n1 - 1];
@@ -264,7 +265,7 @@ int cuda_kernel_matmul(const cuda_call_t *c, meshd_error_t *e) {
     void *p = cuda_scratch_alloc(c->b, c->bs, r.scratch_bytes);
     if (!p) {
       ret = error_set(e, ERR_QUOTA, "%s: out of device memory for a %zu-byte result scratch "
-                      "(rank %u)", cuda_opname(c), r.scratch_bytes, c->rank);
+                      "(rank %u)", kernel_opname(c), r.scratch_bytes, c->rank);
       goto out;
     }
     r.scratch_st = (agent_storage_t){.refs = 1, .backend = c->b, .data = p,

@@ -15,7 +15,7 @@ extern "C" {
  * so the bits equal the cpu backend's non-BLAS path. Any strides, batch
  * broadcasting and 1-D operands as kernels_linalg.c. Runs on the GPU and
  * emulated. 0, or -1 with e. */
-int cuda_matmul_functor(const cuda_call_t *c, meshd_error_t *e);
+int cuda_matmul_functor(const kernel_call_t *c, meshd_error_t *e);
 
 /* Destroys the cuBLAS handle and workspace the first matmul on bs made
  * (bs->blas, bs->blas_ws); nothing when there are none. The backend calls it

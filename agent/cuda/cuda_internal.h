@@ -1,7 +1,12 @@
 /* Inside the cuda backend (agent/cuda/): its state, its streams, the kernel
- * entry points run_op dispatches to, and the few runtime helpers the kernels
- * share. Included by the C files (cuda_backend.c, cuda_blas.c, cuda_nccl.c)
- * and, through kernels.cuh, by the .cu kernels (C++): plain C types only.
+ * entry points run_op dispatches to, and the device helpers (cuda_device.c)
+ * that the kernels, cuBLAS and NCCL share. Included by the C files
+ * (cuda_backend.c, cuda_device.c, cuda_blas.c, cuda_nccl.c) and, through
+ * kernels.cuh, by the .cu kernels (C++): plain C types only.
+ *
+ * Calls go one way: cuda_backend.c (the vtable) calls down into the kernels,
+ * cuda_blas.c and cuda_nccl.c, which call cuda_device.c; nothing calls back
+ * into cuda_backend.c.
  *
  * Emulation. On device "cuda:emulated" (st->emulated) there is no GPU: memory
  * is host memory, streams and events are placeholders, and every kernel runs
@@ -63,6 +68,11 @@ static inline backend_stream_t *cuda_stream_of(backend_t *b, backend_stream_t *s
   return s ? s : &cuda_state(b)->own;
 }
 
+/* Whether kernel call c runs on "cuda:emulated" (see the top of this file). */
+static inline bool cuda_emulated(const kernel_call_t *c) { return cuda_state(c->b)->emulated; }
+
+/* ---- cuda_device.c: errors, binding, scratch memory, copies ---- */
+
 /* Makes st's device current on the calling thread (CUDA's current device is
  * per thread); every slot calls it first. No-op when emulated. */
 void cuda_bind(cuda_state_t *st);
@@ -73,8 +83,10 @@ void cuda_bind(cuda_state_t *st);
  * the health slot reports. `st` may be NULL. */
 int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e);
 
-/* Temporary device memory for a kernel, in stream order on bs (host memory when
- * emulated); counted in b->allocated. NULL when out of memory. */
+/* Device memory in stream order on bs (host memory when emulated), counted in
+ * b->allocated against b->capacity: kernels' temporaries, and what the alloc
+ * slot hands out. NULL when out of memory or past the capacity. The free is
+ * queued on bs. */
 void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes);
 void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes);
 
@@ -84,32 +96,11 @@ int cuda_memcpy(backend_t *b, backend_stream_t *bs, void *dst, const void *src, 
 int cuda_memset(backend_t *b, backend_stream_t *bs, void *dst, int value, size_t bytes,
                 meshd_error_t *e);
 
-/* ---- kernels: one entry per family, as the cpu backend's (cpu_internal.h) ---- */
+/* ---- kernels: one entry per family (kernel_family.h), as the cpu backend's ---- */
 
-typedef struct cuda_call {
-  backend_t *b;
-  cuda_state_t *st;
-  backend_stream_t *bs; /* never NULL */
-  bool emulated;
-  const op_args_t *a;
-  agent_tensor_t **res;
-  int nres;
-  const op_infer_t *inf;
-  uint32_t rank;
-  int64_t coordinate;
-} cuda_call_t;
-
-typedef int (*cuda_kernel_fn)(const cuda_call_t *c, meshd_error_t *e);
-
-static inline agent_tensor_t *cuda_arg(const cuda_call_t *c, int param) {
-  const op_value_t *v = &c->a->v[param];
-  return v->kind == VAL_TENSOR ? agent_tensor_of(v->tensor) : NULL;
-}
-static inline const char *cuda_opname(const cuda_call_t *c) { return c->a->op->name; }
-
-/* One kernel per family of kernel_family.h: cuda_kernel_fill ... cuda_kernel_gather
- * (kernels_*.cu). */
-KERNEL_FAMILY_DECLARE(cuda_kernel_, const cuda_call_t *)
+/* cuda_kernel_fill ... cuda_kernel_gather (kernels_*.cu; matmul in cuda_blas.c).
+ * They run on c->bs, which is never NULL. */
+KERNEL_FAMILY_DECLARE(cuda_kernel_)
 
 /* kernels_tensor.cu: dst = src cast to dst's dtype, src broadcast to dst's
  * shape (right-aligned), any strides on both; in bs's order. */
@@ -117,11 +108,11 @@ int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_tensor_t *dst,
                         const agent_tensor_t *src, meshd_error_t *e);
 
 /* kernels_reduce.cu: out[j] = op over k < n of in[k * count + j] (n slices of
- * count elements, contiguous), with dp_reduce_t semantics identical to the cpu
- * data plane's (agent/cpu/reduce_ops.c; DP_AVG divides the sum by n). For
+ * count elements, contiguous), with reduction_t semantics identical to the cpu
+ * data plane's (agent/dataplane/reduce_ops.c; RED_AVG divides the sum by n). For
  * reductions NCCL lacks. */
 int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void *out, size_t n,
-                       size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e);
+                       size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e);
 
 /* cuda_nccl.c: the communicator cache (the slots are in cuda_nccl.h). */
 cuda_comms_t *cuda_comms_create(void);

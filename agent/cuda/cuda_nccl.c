@@ -35,6 +35,7 @@
 
 #include "cuda_internal.h"
 #include "cuda_nccl.h"
+#include "dataplane/reduce_ops.h"
 #include "log.h"
 
 #define BOOT_GROUP 0x6e63636c2d677270ull /* "nccl-grp": group id channel = comm_id ^ this */
@@ -59,21 +60,19 @@ static int nccl_type_of(dtype_t d) {
   }
 }
 
-cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, dp_reduce_t op) {
+cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, reduction_t op) {
   cuda_nccl_plan_t p = {CUDA_PLAN_INVALID, -1, -1};
-  if (!dtype_valid(dtype) || (unsigned)op > DP_BXOR) return p;
-  bool bitwise = op == DP_BAND || op == DP_BOR || op == DP_BXOR;
-  if ((bitwise && dtype_is_floating(dtype)) || (op == DP_AVG && dtype == DTYPE_BOOL)) return p;
+  if (!reduction_combines(op) || !reduction_dtype_ok(op, dtype)) return p;
   int t = nccl_type_of(dtype), o = -1;
   switch (op) {
-  case DP_SUM: o = ncclSum; break;
-  case DP_PRODUCT: o = ncclProd; break;
+  case RED_SUM: o = ncclSum; break;
+  case RED_PRODUCT: o = ncclProd; break;
+  case RED_AVG: o = ncclAvg; break; /* floating only (reduction.h) */
   /* NCCL's float min/max keep or drop a NaN depending on operand order; the
    * cpu data plane (and torch.min) propagate it: floats take the fallback. */
-  case DP_MIN: o = dtype_is_floating(dtype) ? -1 : ncclMin; break;
-  case DP_MAX: o = dtype_is_floating(dtype) ? -1 : ncclMax; break;
-  case DP_AVG: o = dtype_is_floating(dtype) ? ncclAvg : -1; break; /* ints truncate */
-  default: break;                                                  /* bitwise */
+  case RED_MIN: o = dtype_is_floating(dtype) ? -1 : ncclMin; break;
+  case RED_MAX: o = dtype_is_floating(dtype) ? -1 : ncclMax; break;
+  default: break; /* bitwise: NCCL has none */
   }
   if (t < 0 || o < 0) {
     p.kind = CUDA_PLAN_GATHER;
@@ -85,26 +84,14 @@ cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, dp_reduce_t op) {
   return p;
 }
 
-static const char *reduce_name(dp_reduce_t op) {
-  static const char *const names[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
-  return (unsigned)op < sizeof names / sizeof names[0] ? names[op] : "unknown";
-}
-
-static int plan_error(const char *what, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
-  if (!dtype_valid(dtype))
-    return error_set(e, ERR_BAD_ARGUMENT, "%s: dtype %d is not a known dtype", what, (int)dtype);
-  if ((unsigned)op > DP_BXOR)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "%s: reduction %d is unknown (expected one of sum avg product min max "
-                     "band bor bxor)",
-                     what, (int)op);
-  if (op == DP_AVG)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "%s: reduction 'avg' is not defined on bool; cast to a floating dtype", what);
-  return error_set(e, ERR_BAD_ARGUMENT,
-                   "%s: reduction '%s' is bitwise and is defined only on integer and bool "
-                   "dtypes, not %s",
-                   what, reduce_name(op), dtype_name(dtype));
+/* Why cuda_nccl_plan refused: the data plane's check, so that both backends
+ * refuse alike (reduction.h's rules). */
+static int plan_error(const char *what, dtype_t dtype, reduction_t op, meshd_error_t *e) {
+  if (dp_reduce_check(op, dtype, e) == 0)
+    return error_set(e, ERR_BAD_ARGUMENT, "%s: reduction '%s' has no NCCL plan on %s", what,
+                     reduction_name(op), dtype_name(dtype));
+  error_prefix(e, what, ": ");
+  return -1;
 }
 
 /* ------------------------------------------------------------------ helpers */
@@ -565,7 +552,7 @@ typedef struct {
   size_t esz;
   size_t n;        /* members */
   dtype_t dtype;
-  dp_reduce_t op;
+  reduction_t op;
   cuda_nccl_plan_t plan;
   void *gather;    /* n * count elements of scratch, for CUDA_PLAN_GATHER */
 } job_t;
@@ -772,7 +759,7 @@ static int local_copy(backend_t *b, backend_stream_t *s, void *out, const void *
 }
 
 int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
-                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err) {
+                   dtype_t dtype, reduction_t op, meshd_error_t *err) {
   const char *what = "allreduce";
   if (emulated(b)) return b->net ? dp_allreduce(b->net, g, buf, count, dtype, op, err) : no_net(what, err);
   cuda_nccl_plan_t plan = cuda_nccl_plan(dtype, op);
@@ -785,7 +772,7 @@ int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void 
 }
 
 int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
-                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err) {
+                        void *out, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err) {
   const char *what = "reduce_scatter";
   if (emulated(b))
     return b->net ? dp_reduce_scatter(b->net, g, in, out, count, dtype, op, err) : no_net(what, err);
@@ -803,13 +790,13 @@ int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const
                    size_t count, dtype_t dtype, meshd_error_t *err) {
   const char *what = "allgather";
   if (emulated(b)) return b->net ? dp_allgather(b->net, g, in, out, count, dtype, err) : no_net(what, err);
-  if (!dtype_valid(dtype)) return plan_error(what, dtype, DP_SUM, err);
+  if (!dtype_valid(dtype)) return plan_error(what, dtype, RED_SUM, err);
   if (check_group(what, g, err)) return -1;
   size_t esz = dtype_size(dtype);
   if (count == 0) return 0;
   if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
   cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
-  job_t j = {OP_ALLGATHER, what, in, out, count, esz, g->n, dtype, DP_SUM, bytes_only, NULL};
+  job_t j = {OP_ALLGATHER, what, in, out, count, esz, g->n, dtype, RED_SUM, bytes_only, NULL};
   return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz, g->n * count * esz, err);
 }
 
@@ -817,13 +804,13 @@ int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const 
                   size_t count, dtype_t dtype, meshd_error_t *err) {
   const char *what = "alltoall";
   if (emulated(b)) return b->net ? dp_alltoall(b->net, g, in, out, count, dtype, err) : no_net(what, err);
-  if (!dtype_valid(dtype)) return plan_error(what, dtype, DP_SUM, err);
+  if (!dtype_valid(dtype)) return plan_error(what, dtype, RED_SUM, err);
   if (check_group(what, g, err)) return -1;
   size_t esz = dtype_size(dtype);
   if (count == 0) return 0;
   if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
   cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
-  job_t j = {OP_ALLTOALL, what, in, out, count, esz, g->n, dtype, DP_SUM, bytes_only, NULL};
+  job_t j = {OP_ALLTOALL, what, in, out, count, esz, g->n, dtype, RED_SUM, bytes_only, NULL};
   return run_real(b, s, COMM_GROUP, g->session, g, &j, g->n * count * esz, g->n * count * esz, err);
 }
 
@@ -839,7 +826,7 @@ static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, u
                   .n = 1, .me = send ? 0 : 1};
   /* me is only part of the key here; the communicator has two members. */
   job_t j = {send ? OP_SEND : OP_RECV, what, send ? buf : NULL, send ? NULL : buf, bytes, 1, 2,
-             DTYPE_UINT8, DP_SUM, {CUDA_PLAN_NATIVE, ncclUint8, -1}, NULL};
+             DTYPE_UINT8, RED_SUM, {CUDA_PLAN_NATIVE, ncclUint8, -1}, NULL};
   return run_real(b, s, send ? COMM_SEND : COMM_RECV, session, &g, &j, send ? bytes : 0,
                   send ? 0 : bytes, err);
 }

@@ -32,16 +32,16 @@ typedef struct cuda_nccl_plan {
   int nccl_op;    /* ncclRedOp_t when NATIVE, else -1 */
 } cuda_nccl_plan_t;
 
-/* The plan for a reduction; semantics always those of agent/cpu/reduce_ops.c
+/* The plan for a reduction; semantics always those of agent/dataplane/reduce_ops.c
  * (integer avg truncates, so it is not NCCL's ncclAvg; int16 and bool have no
  * NCCL type; bitwise ops have no NCCL op). */
-cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, dp_reduce_t op);
+cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, reduction_t op);
 
 /* The slots (backend.h). s may be NULL: the backend's own stream. */
 int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t count,
-                   dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+                   dtype_t dtype, reduction_t op, meshd_error_t *err);
 int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
-                        void *out, size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+                        void *out, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err);
 int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                    size_t count, dtype_t dtype, meshd_error_t *err);
 int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,

@@ -210,16 +210,17 @@ static inline void cu_iter_coalesce(cu_iter_t *it) {
 
 /* Device -> host of a few bytes (an error flag, an index), in bs's order,
  * waiting for them: the kernel's result is known before it returns. */
-static inline int cuda_readback(const cuda_call_t *c, void *host, const void *dev, size_t n,
+static inline int cuda_readback(const kernel_call_t *c, void *host, const void *dev, size_t n,
                                 meshd_error_t *e) {
-  if (c->emulated) {
+  if (cuda_emulated(c)) {
     memcpy(host, dev, n);
     return 0;
   }
-  if (cuda_check(c->st, cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, c->bs->s),
-                 cuda_opname(c), e))
+  cuda_state_t *st = cuda_state(c->b);
+  if (cuda_check(st, cudaMemcpyAsync(host, dev, n, cudaMemcpyDeviceToHost, c->bs->s),
+                 kernel_opname(c), e))
     return -1;
-  return cuda_check(c->st, cudaStreamSynchronize(c->bs->s), cuda_opname(c), e);
+  return cuda_check(st, cudaStreamSynchronize(c->bs->s), kernel_opname(c), e);
 }
 
 /* ---- launching ---- */

@@ -8,6 +8,7 @@
 
 #include "kernels.cuh"
 #include "elementwise_ops.h"
+#include "kernel_plan.h"
 
 namespace {
 
@@ -34,8 +35,8 @@ static scal_t scal_of(const scalar_buf_t *buf, dtype_t dt) {
 }
 
 /* Adds argument param (a tensor or a Scalar) to the iterator. */
-static scal_t add_operand(cu_iter_t *it, const cuda_call_t *c, int param) {
-  agent_tensor_t *t = cuda_arg(c, param);
+static scal_t add_operand(cu_iter_t *it, const kernel_call_t *c, int param) {
+  agent_tensor_t *t = kernel_arg(c, param);
   scal_t s;
   memset(&s, 0, sizeof s);
   if (t) {
@@ -57,8 +58,8 @@ CU_HD int64_t ld_i(const scal_t &s, dtype_t dt, const char *p) {
 CU_HD float ld_f32(const scal_t &s, const char *p) { return s.sc ? s.f32 : *(const float *)p; }
 
 /* The tensor written: self for in-place ops, else the fresh result. */
-static agent_tensor_t *output_of(const cuda_call_t *c) {
-  return c->a->op->is_inplace ? cuda_arg(c, 0) : c->res[0];
+static agent_tensor_t *output_of(const kernel_call_t *c) {
+  return c->a->op->is_inplace ? kernel_arg(c, 0) : c->res[0];
 }
 
 
@@ -92,25 +93,17 @@ struct Binary {
 
 }  // namespace
 
-extern "C" int cuda_kernel_binary(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   const op_args_t *a = c->a;
+  kernel_binary_t bp = kernel_binary_plan(c);
+  dtype_t rt = bp.rt;
   Binary x;
   memset(&x, 0, sizeof x);
-  x.op = ew_binary_op(cuda_opname(c));
-  x.alpha_f = 1;
-  x.alpha_i = 1;
-  const op_value_t *vals[2] = {&a->v[0], &a->v[1]};
-  dtype_t rt = ops_result_type(vals, 2);
-  if (x.op == B_DIV && a->v[2].kind == VAL_STRING)
-    x.op = strcmp(a->v[2].s, "floor") == 0 ? B_DIV_FLOOR : B_DIV_TRUNC;
-  if ((x.op == B_ADD || x.op == B_SUB) && a->v[2].kind != VAL_NONE) {
-    const op_value_t *al = &a->v[2];
-    x.alpha_f = al->kind == VAL_FLOAT ? al->f : al->kind == VAL_BOOL ? al->b : (double)al->i;
-    x.alpha_i = al->kind == VAL_INT ? al->i : al->kind == VAL_BOOL ? al->b : cu_f2i(al->f);
-  }
+  x.op = bp.op;
+  x.is_int = bp.is_int;
+  x.alpha_f = bp.alpha_f;
+  x.alpha_i = bp.alpha_i;
   x.alpha32 = (float)x.alpha_f;
-  x.is_int = x.op == B_DIV || x.op == B_LAND || x.op == B_LOR ? false : cu_is_int(rt);
-  if (x.op >= B_BAND) x.is_int = true;
   agent_tensor_t *out = output_of(c);
   cu_iter_init(&x.it, out->meta.layout.sizes, out->meta.layout.ndim);
   cu_iter_add(&x.it, out);
@@ -133,19 +126,19 @@ extern "C" int cuda_kernel_binary(const cuda_call_t *c, meshd_error_t *e) {
   cu_iter_coalesce(&x.it);
   int64_t n = cu_iter_numel(&x.it);
   bool int_div = x.is_int && (x.op == B_DIV_TRUNC || x.op == B_DIV_FLOOR) && n > 0;
-  if (!int_div) return cuda_launch(c->b, c->bs, n, x, cuda_opname(c), e);
+  if (!int_div) return cuda_launch(c->b, c->bs, n, x, kernel_opname(c), e);
 
   int ret = -1, zero_div = 0;
   x.zero_div = (int *)cuda_scratch_alloc(c->b, c->bs, sizeof(int));
   if (!x.zero_div)
-    return error_set(e, ERR_QUOTA, "%s: out of device memory (scratch)", cuda_opname(c));
+    return error_set(e, ERR_QUOTA, "%s: out of device memory (scratch)", kernel_opname(c));
   if (cuda_memset(c->b, c->bs, x.zero_div, 0, sizeof(int), e) ||
-      cuda_launch(c->b, c->bs, n, x, cuda_opname(c), e) ||
+      cuda_launch(c->b, c->bs, n, x, kernel_opname(c), e) ||
       cuda_readback(c, &zero_div, x.zero_div, sizeof(int), e))
     goto out;
   if (zero_div) {
     error_set(e, ERR_REMOTE_FAILURE, "%s: ZeroDivisionError: integer division by zero (rank %u)",
-              cuda_opname(c), c->rank);
+              kernel_opname(c), c->rank);
     goto out;
   }
   ret = 0;
@@ -174,13 +167,13 @@ struct Unary {
 
 }  // namespace
 
-extern "C" int cuda_kernel_unary(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_unary(const kernel_call_t *c, meshd_error_t *e) {
   Unary x;
   memset(&x, 0, sizeof x);
-  x.op = ew_unary_op(cuda_opname(c));
+  x.op = ew_unary_op(kernel_opname(c));
   if (x.op == U_GELU && c->a->v[1].kind == VAL_STRING && strcmp(c->a->v[1].s, "tanh") == 0)
     x.op = U_GELU_TANH;
-  agent_tensor_t *out = c->res[0], *in = cuda_arg(c, 0);
+  agent_tensor_t *out = c->res[0], *in = kernel_arg(c, 0);
   /* logical_not reads any dtype as double; the others compute in their result dtype. */
   x.is_int = x.op != U_NOT && cu_is_int(out->meta.dtype);
   x.f32 = out->meta.dtype == DTYPE_FLOAT32 && in->meta.dtype == DTYPE_FLOAT32 &&
@@ -189,7 +182,7 @@ extern "C" int cuda_kernel_unary(const cuda_call_t *c, meshd_error_t *e) {
   cu_iter_add(&x.it, out);
   cu_iter_add(&x.it, in);
   cu_iter_coalesce(&x.it);
-  return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, kernel_opname(c), e);
 }
 
 namespace {
@@ -214,7 +207,7 @@ struct Where {
 
 }  // namespace
 
-extern "C" int cuda_kernel_where(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_where(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *out = c->res[0];
   Where x;
   memset(&x, 0, sizeof x);
@@ -223,7 +216,7 @@ extern "C" int cuda_kernel_where(const cuda_call_t *c, meshd_error_t *e) {
   cu_iter_add(&x.it, out);
   for (int k = 0; k < 3; k++) x.s[k] = add_operand(&x.it, c, k);
   cu_iter_coalesce(&x.it);
-  return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, kernel_opname(c), e);
 }
 
 namespace {
@@ -264,7 +257,7 @@ struct Clamp {
 
 }  // namespace
 
-extern "C" int cuda_kernel_clamp(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_clamp(const kernel_call_t *c, meshd_error_t *e) {
   const op_value_t *vals[3] = {&c->a->v[0], &c->a->v[1], &c->a->v[2]};
   dtype_t rt = ops_result_type(vals, 3);
   agent_tensor_t *out = output_of(c);
@@ -277,5 +270,5 @@ extern "C" int cuda_kernel_clamp(const cuda_call_t *c, meshd_error_t *e) {
   cu_iter_add(&x.it, out);
   for (int k = 0; k < 3; k++) x.s[k] = add_operand(&x.it, c, k);
   cu_iter_coalesce(&x.it);
-  return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, cu_iter_numel(&x.it), x, kernel_opname(c), e);
 }

@@ -1,6 +1,6 @@
 /* Factories (empty zeros ones full arange rand randn rank) and the fills of
  * the cuda backend, with the semantics of agent/cpu/kernels_factory.c: the
- * same values, and the same Philox streams (core/philox.h) for rand/randn. */
+ * same values, and the same Philox streams (core/tensor/philox.h) for rand/randn. */
 #include <math.h>
 #include <string.h>
 
@@ -9,7 +9,7 @@
 
 namespace {
 
-/* ---- Philox4x32-10, as core/philox.c computes it ---- */
+/* ---- Philox4x32-10, as core/tensor/philox.c computes it ---- */
 
 CU_HD void philox_block_hd(uint64_t seed, uint32_t rank, uint64_t block, uint32_t out[4]) {
   uint32_t c0 = (uint32_t)block, c1 = (uint32_t)(block >> 32), c2 = rank, c3 = 0;
@@ -50,16 +50,16 @@ struct Fill {
 };
 
 template <class T>
-static int fill_bits(const cuda_call_t *c, const cu_iter_t *it, const char *bits,
+static int fill_bits(const kernel_call_t *c, const cu_iter_t *it, const char *bits,
                      meshd_error_t *e) {
   Fill<T> f;
   f.it = *it;
   memcpy(&f.v, bits, sizeof(T));
-  return cuda_launch(c->b, c->bs, cu_iter_numel(it), f, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, cu_iter_numel(it), f, kernel_opname(c), e);
 }
 
 /* Writes the Scalar v into every element of t (any layout). */
-static int fill_value(const cuda_call_t *c, agent_tensor_t *t, const op_value_t *v,
+static int fill_value(const kernel_call_t *c, agent_tensor_t *t, const op_value_t *v,
                       meshd_error_t *e) {
   char bits[16];
   memset(bits, 0, sizeof bits);
@@ -88,9 +88,9 @@ static int fill_value(const cuda_call_t *c, agent_tensor_t *t, const op_value_t 
 
 }  // namespace
 
-extern "C" int cuda_kernel_fill(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_fill(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
-  const char *name = cuda_opname(c);
+  const char *name = kernel_opname(c);
   int64_t n = layout_numel(&t->meta.layout);
   size_t bytes = (size_t)n * cu_size(t->meta.dtype);
   /* Fresh results are contiguous at offset 0. */
@@ -136,7 +136,7 @@ struct ArangeFloat {
 
 }  // namespace
 
-extern "C" int cuda_kernel_arange(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_arange(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   const op_value_t *start = &c->a->v[0], *step = &c->a->v[2];
   op_value_t zero;
@@ -149,10 +149,10 @@ extern "C" int cuda_kernel_arange(const cuda_call_t *c, meshd_error_t *e) {
     /* torch truncates float bounds for integer dtypes */
     ArangeInt f = {cu_data(t), dt, start->kind == VAL_INT ? start->i : cu_f2i(scalar_f(start)),
                    step->kind == VAL_INT ? step->i : cu_f2i(scalar_f(step))};
-    return cuda_launch(c->b, c->bs, n, f, cuda_opname(c), e);
+    return cuda_launch(c->b, c->bs, n, f, kernel_opname(c), e);
   }
   ArangeFloat f = {cu_data(t), dt, scalar_f(start), scalar_f(step)};
-  return cuda_launch(c->b, c->bs, n, f, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, n, f, kernel_opname(c), e);
 }
 
 namespace {
@@ -192,14 +192,14 @@ struct Rand {
 
 }  // namespace
 
-extern "C" int cuda_kernel_rand(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_rand(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *t = c->res[0];
   dtype_t dt = t->meta.dtype;
   Rand r;
   memset(&r, 0, sizeof r);
   r.out = cu_data(t);
   r.dt = dt;
-  r.normal = strcmp(cuda_opname(c), "randn") == 0;
+  r.normal = strcmp(kernel_opname(c), "randn") == 0;
   r.bits = dt == DTYPE_FLOAT16 ? 11 : dt == DTYPE_BFLOAT16 ? 8 : 24;
   r.rank = c->rank;
   r.n = layout_numel(&t->meta.layout);
@@ -208,13 +208,14 @@ extern "C" int cuda_kernel_rand(const cuda_call_t *c, meshd_error_t *e) {
     r.seed = (uint64_t)seed->i;
   } else {
     r.seed = PHILOX_DEFAULT_SEED;
-    pthread_mutex_lock(&c->st->mu);
-    r.offset = c->st->rand_offset;
-    c->st->rand_offset += ((uint64_t)r.n + 3) / 4 * 4;
-    pthread_mutex_unlock(&c->st->mu);
+    cuda_state_t *st = cuda_state(c->b);
+    pthread_mutex_lock(&st->mu);
+    r.offset = st->rand_offset;
+    st->rand_offset += ((uint64_t)r.n + 3) / 4 * 4;
+    pthread_mutex_unlock(&st->mu);
   }
   /* The offset is a multiple of 4, so blocks of the draw are whole blocks. */
-  return cuda_launch(c->b, c->bs, (r.n + 3) / 4, r, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, (r.n + 3) / 4, r, kernel_opname(c), e);
 }
 
 namespace {
@@ -227,20 +228,20 @@ struct Rank {
 
 }  // namespace
 
-extern "C" int cuda_kernel_rank(const cuda_call_t *c, meshd_error_t *e) {
+extern "C" int cuda_kernel_rank(const kernel_call_t *c, meshd_error_t *e) {
   Rank f = {cu_data(c->res[0]), c->coordinate};
-  return cuda_launch(c->b, c->bs, 1, f, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, 1, f, kernel_opname(c), e);
 }
 
-extern "C" int cuda_kernel_fill_(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *self = cuda_arg(c, 0);
-  if (strcmp(cuda_opname(c), "zero_") == 0) {
+extern "C" int cuda_kernel_fill_(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *self = kernel_arg(c, 0);
+  if (strcmp(kernel_opname(c), "zero_") == 0) {
     op_value_t zero;
     memset(&zero, 0, sizeof zero);
     zero.kind = VAL_INT;
     return fill_value(c, self, &zero, e);
   }
-  agent_tensor_t *v = cuda_arg(c, 1);
+  agent_tensor_t *v = kernel_arg(c, 1);
   if (v) return cuda_copy_broadcast(c->b, c->bs, self, v, e);
   return fill_value(c, self, &c->a->v[1], e);
 }

@@ -59,8 +59,8 @@ struct Matmul {
 
 }  // namespace
 
-extern "C" int cuda_matmul_functor(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *x = cuda_arg(c, 0), *y = cuda_arg(c, 1), *out = c->res[0];
+extern "C" int cuda_matmul_functor(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *x = kernel_arg(c, 0), *y = kernel_arg(c, 1), *out = c->res[0];
   const layout_t *lx = &x->meta.layout, *ly = &y->meta.layout, *lo = &out->meta.layout;
   int n1 = lx->ndim, n2 = ly->ndim;
   Matmul f;
@@ -90,5 +90,5 @@ extern "C" int cuda_matmul_functor(const cuda_call_t *c, meshd_error_t *e) {
     f.by[d] = dy >= 0 && ly->sizes[dy] != 1 ? ly->strides[dy] : 0;
     nbatch *= lo->sizes[d];
   }
-  return cuda_launch(c->b, c->bs, nbatch * f.n * f.m, f, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, nbatch * f.n * f.m, f, kernel_opname(c), e);
 }

@@ -21,10 +21,12 @@ extern "C" {
 /* The core headers lack C++ guards; cuda_internal.h includes them outside its
  * extern "C" block. */
 #include "ops.h"
+#include "dataplane/reduce_ops.h"
 }
 #include <math.h>
 
 #include "kernels.cuh"
+#include "kernel_plan.h"
 
 /* One chunk covers up to RED_SEQ_MAX reduced elements; past that, outputs are
  * split until about RED_PAR_OUT (output, chunk) pairs run, chunks of at least
@@ -44,15 +46,9 @@ extern "C" {
  * merge with a same-named functor of another .cu at link time. */
 namespace {
 
-enum { R_SUM, R_MEAN, R_PROD, R_MAX, R_MIN, R_ARGMAX, R_ARGMIN };
-
-/* in's dims split into kept and reduced ones; strides in bytes. */
-struct red_plan_t {
-  int nk, nr;
-  int64_t ksize[LAYOUT_MAX_DIMS], kin[LAYOUT_MAX_DIMS], kout[LAYOUT_MAX_DIMS];
-  int64_t rsize[LAYOUT_MAX_DIMS], rin[LAYOUT_MAX_DIMS], rout[LAYOUT_MAX_DIMS];
-  int64_t rcount;
-
+/* in's dims split into kept and reduced ones, as the cpu's (kernel_plan.h),
+ * walked on the device. */
+struct red_plan_t : kernel_reduce_plan_t {
   /* Offsets of kept position o (row-major over the kept dims). */
   CU_HD void kept(int64_t o, int64_t *in_off, int64_t *out_off) const {
     int64_t a = 0, b = 0;
@@ -106,32 +102,6 @@ struct red_walk_t {
   }
 };
 
-/* Same as cpu plan(): `out` has the kept dims, plus the reduced ones as size 1
- * (keepdim) or in full (softmax) when out_has_reduced. */
-void plan(red_plan_t *r, const agent_tensor_t *in, uint32_t mask, const layout_t *out,
-                 int64_t out_esz, bool out_has_reduced) {
-  const layout_t *l = &in->meta.layout;
-  int64_t esz = cu_size(in->meta.dtype);
-  int j = 0;
-  memset(r, 0, sizeof *r);
-  r->rcount = 1;
-  for (int d = 0; d < l->ndim; d++) {
-    if (mask & (1u << d)) {
-      r->rsize[r->nr] = l->sizes[d];
-      r->rin[r->nr] = l->strides[d] * esz;
-      r->rout[r->nr] = out_has_reduced ? out->strides[j] * out_esz : 0;
-      r->rcount *= l->sizes[d];
-      r->nr++;
-      if (out->ndim == l->ndim) j++;
-    } else {
-      r->ksize[r->nk] = l->sizes[d];
-      r->kin[r->nk] = l->strides[d] * esz;
-      r->kout[r->nk] = out->strides[j++] * out_esz;
-      r->nk++;
-    }
-  }
-}
-
 /* How an output's reduced extent is chunked: *nch chunks of *chunk positions. */
 void plan_chunks(int64_t nout, int64_t rcount, int64_t *nch, int64_t *chunk) {
   *nch = 1;
@@ -166,13 +136,13 @@ struct red_args_t {
   int64_t out_esz;
   int64_t nch, chunk;
 
-  CU_HD bool is_max() const { return op == R_MAX || op == R_ARGMAX; }
+  CU_HD bool is_max() const { return op == REDUCE_MAX || op == REDUCE_ARGMAX; }
 
   /* Positions [p0, p1) of the output whose kept in-offset is in_off. */
   CU_HD red_part_t scan(int64_t in_off, int64_t p0, int64_t p1) const {
     red_part_t a;
-    a.f = op == R_PROD ? 1 : 0;
-    a.i = op == R_PROD ? 1 : 0;
+    a.f = op == REDUCE_PROD ? 1 : 0;
+    a.i = op == REDUCE_PROD ? 1 : 0;
     a.best = -1;
     a.nan = 0;
     a.pad = 0;
@@ -183,13 +153,14 @@ struct red_args_t {
       const char *q = in + in_off + w.off;
       if (is_int) {
         int64_t v = cu_ld_i(in_dt, q);
-        if (op == R_SUM || op == R_MEAN) a.i = (int64_t)((uint64_t)a.i + (uint64_t)v);
-        else if (op == R_PROD) a.i = (int64_t)((uint64_t)a.i * (uint64_t)v);
+        if (op == REDUCE_SUM || op == REDUCE_MEAN)
+          a.i = (int64_t)((uint64_t)a.i + (uint64_t)v);
+        else if (op == REDUCE_PROD) a.i = (int64_t)((uint64_t)a.i * (uint64_t)v);
         else if (a.best < 0 || (mx ? v > a.i : v < a.i)) a.i = v, a.best = pos;
       } else {
         double v = cu_ld_f(in_dt, q);
-        if (op == R_SUM || op == R_MEAN) a.f += v;
-        else if (op == R_PROD) a.f *= v;
+        if (op == REDUCE_SUM || op == REDUCE_MEAN) a.f += v;
+        else if (op == REDUCE_PROD) a.f *= v;
         else if (!a.nan) {
           if (v != v) a.nan = 1, a.f = v, a.best = pos;
           else if (a.best < 0 || (mx ? v > a.f : v < a.f)) a.f = v, a.best = pos;
@@ -202,10 +173,10 @@ struct red_args_t {
   /* Folds the partial of a later chunk into a: the same result as scanning on. */
   CU_HD void fold(red_part_t *a, const red_part_t &b) const {
     bool mx = is_max();
-    if (op == R_SUM || op == R_MEAN) {
+    if (op == REDUCE_SUM || op == REDUCE_MEAN) {
       a->i = (int64_t)((uint64_t)a->i + (uint64_t)b.i);
       a->f += b.f;
-    } else if (op == R_PROD) {
+    } else if (op == REDUCE_PROD) {
       a->i = (int64_t)((uint64_t)a->i * (uint64_t)b.i);
       a->f *= b.f;
     } else if (is_int) {
@@ -217,15 +188,15 @@ struct red_args_t {
 
   CU_HD void finish(int64_t out_off, const red_part_t &a) const {
     char *dst = out + out_off;
-    if (op == R_ARGMAX || op == R_ARGMIN) {
+    if (op == REDUCE_ARGMAX || op == REDUCE_ARGMIN) {
       cu_st_i(DTYPE_INT64, dst, a.best);
       return;
     }
     double f = a.f;
-    if (op == R_MEAN) f = (is_int ? (double)a.i : f) / (double)p.rcount;
-    if (is_int && op != R_MEAN) cu_st_i(out_dt, dst, a.i);
+    if (op == REDUCE_MEAN) f = (is_int ? (double)a.i : f) / (double)p.rcount;
+    if (is_int && op != REDUCE_MEAN) cu_st_i(out_dt, dst, a.i);
     else cu_st_f(out_dt, dst, f);
-    if (op >= R_MAX && idx) cu_st_i(DTYPE_INT64, idx + out_off / out_esz * 8, a.best);
+    if (op >= REDUCE_MAX && idx) cu_st_i(DTYPE_INT64, idx + out_off / out_esz * 8, a.best);
   }
 };
 
@@ -264,45 +235,22 @@ struct ReduceFold {
   }
 };
 
-/* The reduced dims of argument 'dim' (None or [] reduce all), as the cpu's. */
-uint32_t reduce_mask(const cuda_call_t *c, const layout_t *l) {
-  const int64_t *dims;
-  size_t n = 0;
-  bool all = c->a->v[1].kind == VAL_NONE || (op_value_ints(&c->a->v[1], &dims, &n) && n == 0);
-  if (all) return l->ndim ? (uint32_t)((1ull << l->ndim) - 1) : 0;
-  uint32_t mask = 0;
-  for (size_t k = 0; k < n; k++) {
-    int64_t d = dims[k] < 0 ? dims[k] + l->ndim : dims[k];
-    if (l->ndim == 0) continue; /* a 0-dim tensor reduces over nothing */
-    mask |= 1u << d;
-  }
-  return mask;
-}
-
-int scratch_oom(const cuda_call_t *c, size_t bytes, meshd_error_t *e) {
+int scratch_oom(const kernel_call_t *c, size_t bytes, meshd_error_t *e) {
   return error_set(e, ERR_QUOTA, "%s: out of device memory for %zu bytes of scratch (rank %u)",
-                   cuda_opname(c), bytes, c->rank);
+                   kernel_opname(c), bytes, c->rank);
 }
 
 }  // namespace
 
-extern "C" int cuda_kernel_reduce(const cuda_call_t *c, meshd_error_t *e) {
-  static const struct {
-    const char *name;
-    int op;
-  } names[] = {{"sum", R_SUM},   {"mean", R_MEAN}, {"prod", R_PROD},     {"max", R_MAX},
-               {"min", R_MIN},   {"amax", R_MAX},  {"amin", R_MIN},      {"argmax", R_ARGMAX},
-               {"argmin", R_ARGMIN}};
+extern "C" int cuda_kernel_reduce(const kernel_call_t *c, meshd_error_t *e) {
   red_args_t r;
   memset(&r, 0, sizeof r);
-  r.op = -1;
-  for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
-    if (strcmp(names[k].name, cuda_opname(c)) == 0) r.op = names[k].op;
+  r.op = kernel_reduce_op(kernel_opname(c));
   if (r.op < 0)
     return error_set(e, ERR_REMOTE_FAILURE, "%s: not a reduction the cuda backend knows",
-                     cuda_opname(c));
-  agent_tensor_t *in = cuda_arg(c, 0), *out = c->res[0];
-  uint32_t mask = reduce_mask(c, &in->meta.layout);
+                     kernel_opname(c));
+  agent_tensor_t *in = kernel_arg(c, 0), *out = c->res[0];
+  uint32_t mask = kernel_reduce_mask(c, &in->meta.layout);
   r.in_dt = in->meta.dtype;
   r.out_dt = out->meta.dtype;
   r.in = cu_data(in);
@@ -310,17 +258,18 @@ extern "C" int cuda_kernel_reduce(const cuda_call_t *c, meshd_error_t *e) {
   r.idx = c->nres > 1 && c->inf->nresults > 1 ? cu_data(c->res[1]) : NULL;
   r.out_esz = cu_size(r.out_dt);
   /* sums and products accumulate in the result dtype, max/min compare in self's */
-  r.is_int = r.op <= R_PROD ? cu_is_int(r.out_dt) && r.op != R_MEAN : cu_is_int(r.in_dt);
-  plan(&r.p, in, mask, &out->meta.layout, r.out_esz, false);
+  r.is_int = r.op <= REDUCE_PROD ? cu_is_int(r.out_dt) && r.op != REDUCE_MEAN
+                                 : cu_is_int(r.in_dt);
+  kernel_reduce_plan(&r.p, in, mask, &out->meta.layout, r.out_esz, false);
   int64_t nout = layout_numel(&out->meta.layout);
   plan_chunks(nout, r.p.rcount, &r.nch, &r.chunk);
-  if (r.nch == 1) return cuda_launch(c->b, c->bs, nout, ReduceOne{r}, cuda_opname(c), e);
+  if (r.nch == 1) return cuda_launch(c->b, c->bs, nout, ReduceOne{r}, kernel_opname(c), e);
 
   size_t bytes = (size_t)(nout * r.nch) * sizeof(red_part_t);
   red_part_t *parts = (red_part_t *)cuda_scratch_alloc(c->b, c->bs, bytes);
   if (!parts) return scratch_oom(c, bytes, e);
-  int rc = cuda_launch(c->b, c->bs, nout * r.nch, ReducePart{r, parts}, cuda_opname(c), e);
-  if (rc == 0) rc = cuda_launch(c->b, c->bs, nout, ReduceFold{r, parts}, cuda_opname(c), e);
+  int rc = cuda_launch(c->b, c->bs, nout * r.nch, ReducePart{r, parts}, kernel_opname(c), e);
+  if (rc == 0) rc = cuda_launch(c->b, c->bs, nout, ReduceFold{r, parts}, kernel_opname(c), e);
   cuda_scratch_free(c->b, c->bs, parts, bytes);
   return rc;
 }
@@ -409,18 +358,19 @@ struct SoftmaxWrite {
 
 }  // namespace
 
-extern "C" int cuda_kernel_softmax(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *in = cuda_arg(c, 0), *out = c->res[0];
+extern "C" int cuda_kernel_softmax(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *in = kernel_arg(c, 0), *out = c->res[0];
   const layout_t *l = &in->meta.layout;
   int64_t d = c->a->v[1].i < 0 ? c->a->v[1].i + l->ndim : c->a->v[1].i;
   sm_args_t s;
   memset(&s, 0, sizeof s);
-  s.log = strcmp(cuda_opname(c), "log_softmax") == 0;
+  s.log = strcmp(kernel_opname(c), "log_softmax") == 0;
   s.in_dt = in->meta.dtype;
   s.out_dt = out->meta.dtype;
   s.in = cu_data(in);
   s.out = cu_data(out);
-  plan(&s.p, in, l->ndim ? 1u << d : 0, &out->meta.layout, cu_size(s.out_dt), true);
+  kernel_reduce_plan(&s.p, in, l->ndim ? 1u << d : 0, &out->meta.layout, cu_size(s.out_dt),
+                     true);
   if (s.p.rcount == 0) return 0;
   int64_t nrows = layout_numel(l) / s.p.rcount;
   if (nrows == 0) return 0;
@@ -431,7 +381,7 @@ extern "C" int cuda_kernel_softmax(const cuda_call_t *c, meshd_error_t *e) {
   if (!scratch) return scratch_oom(c, bytes, e);
   s.parts = scratch;
   s.stats = scratch + nrows * s.nch;
-  const char *what = cuda_opname(c);
+  const char *what = kernel_opname(c);
   int rc = cuda_launch(c->b, c->bs, nrows * s.nch, SoftmaxPartMax{s}, what, e);
   if (rc == 0) rc = cuda_launch(c->b, c->bs, nrows, SoftmaxFold{s, 0}, what, e);
   if (rc == 0) rc = cuda_launch(c->b, c->bs, nrows * s.nch, SoftmaxPartSum{s}, what, e);
@@ -441,7 +391,7 @@ extern "C" int cuda_kernel_softmax(const cuda_call_t *c, meshd_error_t *e) {
   return rc;
 }
 
-/* ---- slice reductions for the communicators (agent/cpu/reduce_ops.c) ---- */
+/* ---- slice reductions for the communicators (agent/dataplane/reduce_ops.c) ---- */
 
 namespace {
 
@@ -452,63 +402,62 @@ CU_HD double dp_fmax_nan(double a, double b) { return a != a ? a : b != b ? b : 
 
 /* d = d OP s in T, as the data plane's FLOAT_KERNEL / INT_KERNEL. */
 template <class T>
-CU_HD T dp_float_op(dp_reduce_t op, T d, T s) {
+CU_HD T dp_float_op(reduction_t op, T d, T s) {
   switch (op) {
-    case DP_SUM: case DP_AVG: return d + s;
-    case DP_PRODUCT: return d * s;
-    case DP_MIN: return (T)dp_fmin_nan(d, s);
-    case DP_MAX: return (T)dp_fmax_nan(d, s);
+    case RED_SUM: case RED_AVG: return d + s;
+    case RED_PRODUCT: return d * s;
+    case RED_MIN: return (T)dp_fmin_nan(d, s);
+    case RED_MAX: return (T)dp_fmax_nan(d, s);
     default: return d;
   }
 }
 
 template <class T, class U>
-CU_HD T dp_int_op(dp_reduce_t op, T d, T s) {
+CU_HD T dp_int_op(reduction_t op, T d, T s) {
   switch (op) {
-    case DP_SUM: case DP_AVG: return (T)(U)((U)d + (U)s);
-    case DP_PRODUCT: return (T)(U)((uint64_t)(U)d * (uint64_t)(U)s);
-    case DP_MIN: return s < d ? s : d;
-    case DP_MAX: return s > d ? s : d;
-    case DP_BAND: return (T)(d & s);
-    case DP_BOR: return (T)(d | s);
-    case DP_BXOR: return (T)(d ^ s);
+    case RED_SUM: return (T)(U)((U)d + (U)s);
+    case RED_PRODUCT: return (T)(U)((uint64_t)(U)d * (uint64_t)(U)s);
+    case RED_MIN: return s < d ? s : d;
+    case RED_MAX: return s > d ? s : d;
+    case RED_BAND: return (T)(d & s);
+    case RED_BOR: return (T)(d | s);
+    case RED_BXOR: return (T)(d ^ s);
     default: return d;
   }
 }
 
-CU_HD uint8_t dp_bool_op(dp_reduce_t op, uint8_t d, uint8_t s) {
+CU_HD uint8_t dp_bool_op(reduction_t op, uint8_t d, uint8_t s) {
   bool a = d != 0, b = s != 0;
   switch (op) {
-    case DP_SUM: case DP_AVG: case DP_MAX: case DP_BOR: return a || b;
-    case DP_PRODUCT: case DP_MIN: case DP_BAND: return a && b;
-    case DP_BXOR: return a != b;
+    case RED_SUM: case RED_MAX: case RED_BOR: return a || b;
+    case RED_PRODUCT: case RED_MIN: case RED_BAND: return a && b;
+    case RED_BXOR: return a != b;
     default: return d;
   }
 }
 
-/* Integers: DP_AVG's division, widened, truncating toward zero. */
+/* Integers (avg is floating only: reduction.h). */
 template <class T, class U>
-CU_HD void dp_fold_int(dp_reduce_t op, const char *in, char *out, size_t n, size_t count,
+CU_HD void dp_fold_int(reduction_t op, const char *in, char *out, size_t n, size_t count,
                        size_t j) {
   const T *p = (const T *)in;
   T a = p[j];
   for (size_t k = 1; k < n; k++) a = dp_int_op<T, U>(op, a, p[k * count + j]);
-  if (op == DP_AVG && n > 1) a = (T)((int64_t)a / (int64_t)n);
   ((T *)out)[j] = a;
 }
 
 template <class T>
-CU_HD void dp_fold_float(dp_reduce_t op, const char *in, char *out, size_t n, size_t count,
+CU_HD void dp_fold_float(reduction_t op, const char *in, char *out, size_t n, size_t count,
                          size_t j) {
   const T *p = (const T *)in;
   T a = p[j];
   for (size_t k = 1; k < n; k++) a = dp_float_op<T>(op, a, p[k * count + j]);
-  if (op == DP_AVG && n > 1) a = (T)(a / (T)n);
+  if (op == RED_AVG && n > 1) a = (T)(a / (T)n);
   ((T *)out)[j] = a;
 }
 
 /* float16/bfloat16: each step widens to float32, reduces, rounds back. */
-CU_HD void dp_fold_half(dp_reduce_t op, bool bf16, const char *in, char *out, size_t n,
+CU_HD void dp_fold_half(reduction_t op, bool bf16, const char *in, char *out, size_t n,
                         size_t count, size_t j) {
   const uint16_t *p = (const uint16_t *)in;
   uint16_t a = p[j];
@@ -519,7 +468,7 @@ CU_HD void dp_fold_half(dp_reduce_t op, bool bf16, const char *in, char *out, si
     float r = dp_float_op<float>(op, x, y);
     a = bf16 ? float_to_bf16(r) : float_to_half(r);
   }
-  if (op == DP_AVG && n > 1) {
+  if (op == RED_AVG && n > 1) {
     float v = (bf16 ? bf16_to_float(a) : half_to_float(a)) / (float)n;
     a = bf16 ? float_to_bf16(v) : float_to_half(v);
   }
@@ -531,7 +480,7 @@ struct ReduceSlices {
   char *out;
   size_t n, count;
   dtype_t dt;
-  dp_reduce_t op;
+  reduction_t op;
   CU_HD void operator()(int64_t i) const {
     size_t j = (size_t)i;
     switch (dt) {
@@ -556,33 +505,12 @@ struct ReduceSlices {
   }
 };
 
-const char *dp_op_name(dp_reduce_t op) {
-  static const char *const names[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
-  return (unsigned)op < sizeof names / sizeof names[0] ? names[op] : "unknown";
-}
-
 }  // namespace
 
 extern "C" int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void *out,
-                                  size_t n, size_t count, dtype_t dtype, dp_reduce_t op,
+                                  size_t n, size_t count, dtype_t dtype, reduction_t op,
                                   meshd_error_t *e) {
-  /* The data plane's checks and messages (reduce_ops.c dp_reduce_check). */
-  if (!dtype_valid(dtype))
-    return error_set(e, ERR_BAD_ARGUMENT, "dtype %d is not a known dtype", (int)dtype);
-  if ((unsigned)op > DP_BXOR)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "reduction %d is unknown (expected one of sum avg product min max "
-                     "band bor bxor)",
-                     (int)op);
-  bool bitwise = op == DP_BAND || op == DP_BOR || op == DP_BXOR;
-  if (bitwise && dtype_is_floating(dtype))
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "reduction '%s' is bitwise and is defined only on integer and bool "
-                     "dtypes, not %s",
-                     dp_op_name(op), dtype_name(dtype));
-  if (op == DP_AVG && dtype == DTYPE_BOOL)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "reduction 'avg' is not defined on bool; cast to a floating dtype");
+  if (dp_reduce_check(op, dtype, e) != 0) return -1; /* the data plane's rules and words */
   if (n == 0 || count == 0) return 0;
   ReduceSlices f = {(const char *)in, (char *)out, n, count, dtype, op};
   return cuda_launch(b, bs, (int64_t)count, f, "reduce slices", e);

@@ -1,10 +1,10 @@
 /* Copies and casts (clone contiguous to cast copy_), joins (cat stack) and
  * indexing (index_select gather) of the cuda backend, with the semantics of
  * agent/cpu/kernels_tensor.c and cpu_copy_broadcast (kernels_iter.c). */
-#include <inttypes.h>
 #include <string.h>
 
 #include "kernels.cuh"
+#include "kernel_plan.h"
 
 namespace {
 
@@ -84,89 +84,20 @@ extern "C" int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_ten
   }
 }
 
-namespace {
-
-/* `l` on t's storage. */
-static agent_tensor_t view_of(const agent_tensor_t *t, const layout_t *l) {
-  agent_tensor_t v;
-  memset(&v, 0, sizeof v);
-  v.meta.dtype = t->meta.dtype;
-  v.meta.layout = *l;
-  v.storage = t->storage;
-  return v;
+/* The copy family, cat and stack: views and copies planned in kernel_plan.c. */
+static int copy(const kernel_call_t *c, agent_tensor_t *dst, const agent_tensor_t *src,
+                meshd_error_t *e) {
+  return cuda_copy_broadcast(c->b, c->bs, dst, src, e);
 }
 
-}  // namespace
-
-extern "C" int cuda_kernel_copy(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *self = cuda_arg(c, 0);
-  if (c->a->op->is_inplace) /* copy_(self, src): src broadcasts to self */
-    return cuda_copy_broadcast(c->b, c->bs, self, cuda_arg(c, 1), e);
-  agent_tensor_t *out = c->res[0];
-  if (!layout_same_shape(&out->meta.layout, &self->meta.layout)) {
-    /* reshape that cannot view: self's elements in row-major order */
-    layout_t l = self->meta.layout;
-    layout_make_contiguous(&l);
-    l.offset = out->meta.layout.offset;
-    agent_tensor_t v = view_of(out, &l);
-    return cuda_copy_broadcast(c->b, c->bs, &v, self, e);
-  }
-  return cuda_copy_broadcast(c->b, c->bs, out, self, e);
+extern "C" int cuda_kernel_copy(const kernel_call_t *c, meshd_error_t *e) {
+  return kernel_copy(c, copy, e);
 }
-
-/* Each entry is copied (cast to the result dtype) into its narrow of the result. */
-extern "C" int cuda_kernel_cat(const cuda_call_t *c, meshd_error_t *e) {
-  const op_value_t *list = &c->a->v[0];
-  agent_tensor_t *out = c->res[0];
-  const layout_t *lo = &out->meta.layout;
-  int64_t d = c->a->v[1].i;
-  if (d < 0) d += lo->ndim;
-  int64_t start = 0;
-  for (size_t i = 0; i < list->ntensors; i++) {
-    agent_tensor_t *t = agent_tensor_of(list->tensors[i]);
-    const layout_t *lt = &t->meta.layout;
-    if (lt->ndim == 1 && lt->sizes[0] == 0) continue; /* torch skips empty 1-D entries */
-    layout_t v = *lo;
-    v.sizes[d] = lt->sizes[d];
-    v.offset = lo->offset + start * lo->strides[d];
-    agent_tensor_t view = view_of(out, &v);
-    if (cuda_copy_broadcast(c->b, c->bs, &view, t, e)) return -1;
-    start += lt->sizes[d];
-  }
-  return 0;
+extern "C" int cuda_kernel_cat(const kernel_call_t *c, meshd_error_t *e) {
+  return kernel_cat(c, copy, e);
 }
-
-namespace {
-
-/* `l` with dim d fixed at i (d < 0: l itself, for 0-dim tensors). */
-static layout_t select_dim(const layout_t *l, int64_t d, int64_t i) {
-  if (d < 0) return *l;
-  layout_t v;
-  memset(&v, 0, sizeof v);
-  v.ndim = l->ndim - 1;
-  v.offset = l->offset + i * l->strides[d];
-  for (int k = 0, j = 0; k < l->ndim; k++) {
-    if (k == d) continue;
-    v.sizes[j] = l->sizes[k];
-    v.strides[j++] = l->strides[k];
-  }
-  return v;
-}
-
-}  // namespace
-
-extern "C" int cuda_kernel_stack(const cuda_call_t *c, meshd_error_t *e) {
-  const op_value_t *list = &c->a->v[0];
-  agent_tensor_t *out = c->res[0];
-  const layout_t *lo = &out->meta.layout;
-  int64_t d = c->a->v[1].i;
-  if (d < 0) d += lo->ndim;
-  for (size_t i = 0; i < list->ntensors; i++) {
-    layout_t v = select_dim(lo, d, (int64_t)i);
-    agent_tensor_t view = view_of(out, &v);
-    if (cuda_copy_broadcast(c->b, c->bs, &view, agent_tensor_of(list->tensors[i]), e)) return -1;
-  }
-  return 0;
+extern "C" int cuda_kernel_stack(const kernel_call_t *c, meshd_error_t *e) {
+  return kernel_stack(c, copy, e);
 }
 
 namespace {
@@ -198,7 +129,7 @@ struct IndexCheck {
 /* Checks every index of `index` against [0, size) before anything is written,
  * and reports the first one out of range (in row-major order) as the cpu does.
  * 0, or -1 with e. */
-static int check_indices(const cuda_call_t *c, const agent_tensor_t *index, int64_t dim,
+static int check_indices(const kernel_call_t *c, const agent_tensor_t *index, int64_t dim,
                          int64_t size, meshd_error_t *e) {
   const layout_t *li = &index->meta.layout;
   int64_t n = layout_numel(li);
@@ -210,12 +141,12 @@ static int check_indices(const cuda_call_t *c, const agent_tensor_t *index, int6
   f.size = size;
   f.first = (int64_t *)cuda_scratch_alloc(c->b, c->bs, sizeof(int64_t));
   if (!f.first)
-    return error_set(e, ERR_QUOTA, "%s: out of device memory (scratch)", cuda_opname(c));
+    return error_set(e, ERR_QUOTA, "%s: out of device memory (scratch)", kernel_opname(c));
   int ret = -1;
   int64_t first = INT64_MAX, v = 0;
   /* 0x7f bytes: a position past every index */
   if (cuda_memset(c->b, c->bs, f.first, 0x7f, sizeof(int64_t), e) ||
-      cuda_launch(c->b, c->bs, n, f, cuda_opname(c), e) ||
+      cuda_launch(c->b, c->bs, n, f, kernel_opname(c), e) ||
       cuda_readback(c, &first, f.first, sizeof first, e))
     goto out;
   if (first >= n) {
@@ -233,10 +164,7 @@ static int check_indices(const cuda_call_t *c, const agent_tensor_t *index, int6
     if (cuda_readback(c, buf, cu_data(index) + off * iesz, (size_t)iesz, e)) goto out;
     v = cu_ld_i(index->meta.dtype, buf);
   }
-  error_set(e, ERR_REMOTE_FAILURE,
-            "%s: index %" PRId64 " is out of range for dim %" PRId64 " of size %" PRId64
-            " (rank %u)",
-            cuda_opname(c), v, dim, size, c->rank);
+  kernel_index_error(c, v, dim, size, e);
 out:
   cuda_scratch_free(c->b, c->bs, f.first, sizeof(int64_t));
   return ret;
@@ -259,8 +187,8 @@ struct Take {
 
 }  // namespace
 
-extern "C" int cuda_kernel_index_select(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *self = cuda_arg(c, 0), *index = cuda_arg(c, 2), *out = c->res[0];
+extern "C" int cuda_kernel_index_select(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *self = kernel_arg(c, 0), *index = kernel_arg(c, 2), *out = c->res[0];
   const layout_t *ls = &self->meta.layout, *li = &index->meta.layout, *lo = &out->meta.layout;
   int64_t d = c->a->v[1].i;
   if (ls->ndim == 0) d = -1;
@@ -285,11 +213,11 @@ extern "C" int cuda_kernel_index_select(const cuda_call_t *c, meshd_error_t *e) 
   cu_iter_coalesce(&f.it);
   f.sd = ls->strides[d] * (int64_t)cu_size(self->meta.dtype);
   f.size = size;
-  return cuda_launch(c->b, c->bs, cu_iter_numel(&f.it), f, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, cu_iter_numel(&f.it), f, kernel_opname(c), e);
 }
 
-extern "C" int cuda_kernel_gather(const cuda_call_t *c, meshd_error_t *e) {
-  agent_tensor_t *self = cuda_arg(c, 0), *index = cuda_arg(c, 2), *out = c->res[0];
+extern "C" int cuda_kernel_gather(const kernel_call_t *c, meshd_error_t *e) {
+  agent_tensor_t *self = kernel_arg(c, 0), *index = kernel_arg(c, 2), *out = c->res[0];
   const layout_t *ls = &self->meta.layout, *li = &index->meta.layout, *lo = &out->meta.layout;
   int64_t d = c->a->v[1].i;
   int nd = li->ndim;
@@ -313,5 +241,5 @@ extern "C" int cuda_kernel_gather(const cuda_call_t *c, meshd_error_t *e) {
   cu_iter_coalesce(&f.it);
   f.sd = ls->ndim ? ls->strides[d] * (int64_t)cu_size(self->meta.dtype) : 0;
   f.size = size;
-  return cuda_launch(c->b, c->bs, cu_iter_numel(&f.it), f, cuda_opname(c), e);
+  return cuda_launch(c->b, c->bs, cu_iter_numel(&f.it), f, kernel_opname(c), e);
 }

@@ -1,4 +1,4 @@
-/* meshd C client library: meshd.h over core/rpc.h. */
+/* meshd C client library: meshd.h over core/platform/rpc.h. */
 #include "meshd.h"
 
 #include <stdarg.h>
@@ -9,7 +9,6 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
-#include "status.h"
 
 #define HEALTH_CHECK "/grpc.health.v1.Health/Check"
 #define LIST_AGENTS "/meshd.v1.TensorService/ListAgents"
@@ -69,6 +68,10 @@ const meshd_error_info_t *meshd_last_error(const meshd_client_t *client) {
       MESHD_E_INVALID, 0, "", "", "meshd_last_error: client is NULL"};
   return client ? &client->last : &null_client;
 }
+
+void meshd_global_init(void) { rpc_init(); }
+
+void meshd_global_shutdown(void) { rpc_shutdown(); }
 
 meshd_client_t *meshd_connect(const char *target, int timeout_ms, meshd_err_t *err) {
   meshd_err_t ret = MESHD_E_OK;

@@ -3,6 +3,7 @@
  * Exit status follows grpc_health_probe: 0 ok (SERVING), 2 could not connect,
  * 3 the call failed, 4 not serving. Usage errors exit 64 (EX_USAGE) so they
  * cannot be mistaken for "could not connect"; 1 is anything else (out of memory). */
+#include <ctype.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -11,9 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "config.h"
 #include "meshd.h"
-#include "rpc.h"
 
 enum {
   EXIT_OK = 0,
@@ -29,13 +28,130 @@ enum {
 static const char *server;
 static int64_t timeout_ms;
 
-static const config_flag_t flags[] = {
-    {"server", CONFIG_STRING, "127.0.0.1:50051", "meshd address, host:port", &server, 0, 0},
-    {"timeout-ms", CONFIG_INT, "5000",
-     "milliseconds to wait for the connection, then again for the call", &timeout_ms, 1,
-     3600000},
+/* ------------------------------------------------------------------ flags */
+
+/* The flags as every meshd program takes them: `--name VALUE` or `--name=VALUE`
+ * anywhere on the line (a value may not start with "--"; the last one given
+ * wins), else the environment variable (empty counts as unset), else the
+ * default. -h or --help anywhere before a lone "--" shows the usage, even after
+ * a bad flag; "--" makes everything after it positional. */
+typedef struct flag {
+  const char *name, *metavar, *env, *default_value, *help;
+} flag_t;
+
+enum { FLAG_SERVER, FLAG_TIMEOUT_MS, NFLAGS };
+static const flag_t flags[NFLAGS] = {
+    [FLAG_SERVER] = {"server", "VALUE", "MESHD_SERVER", "127.0.0.1:50051",
+                     "meshd address, host:port"},
+    [FLAG_TIMEOUT_MS] = {"timeout-ms", "N", "MESHD_TIMEOUT_MS", "5000",
+                         "milliseconds to wait for the connection, then again for the call"},
 };
-#define NFLAGS (sizeof flags / sizeof flags[0])
+#define TIMEOUT_MS_MIN 1
+#define TIMEOUT_MS_MAX 3600000
+
+static bool is_help(const char *arg) {
+  return strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0;
+}
+
+/* After an error in argv: a -h/--help further on still wins. */
+static bool help_follows(int from, int argc, char **argv) {
+  for (int i = from; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (is_help(argv[i]))
+      return true;
+  return false;
+}
+
+/* Flag f's value from the command line (`given`), else the environment, else
+ * the default; `who` gets the source's name for errors: "--timeout-ms",
+ * "MESHD_TIMEOUT_MS", "--timeout-ms (default)". */
+static const char *flag_value(int f, const char *given, char *who, size_t wholen) {
+  if (given) {
+    snprintf(who, wholen, "--%s", flags[f].name);
+    return given;
+  }
+  const char *env = getenv(flags[f].env);
+  if (env && *env) {
+    snprintf(who, wholen, "%s", flags[f].env);
+    return env;
+  }
+  snprintf(who, wholen, "--%s (default)", flags[f].name);
+  return flags[f].default_value;
+}
+
+/* `who` names the source in errors: "--timeout-ms", "MESHD_TIMEOUT_MS". */
+static int set_timeout(const char *who, const char *text, char *err, size_t errlen) {
+  char *end;
+  if (!*text || isspace((unsigned char)*text))
+    goto not_int;
+  errno = 0;
+  long long v = strtoll(text, &end, 10);
+  if (*end)
+    goto not_int;
+  if (errno == ERANGE) {
+    snprintf(err, errlen, "%s: '%s' is out of range", who, text);
+    return -1;
+  }
+  if (v < TIMEOUT_MS_MIN || v > TIMEOUT_MS_MAX) {
+    snprintf(err, errlen, "%s: %lld is out of range [%d, %d]", who, v, TIMEOUT_MS_MIN,
+             TIMEOUT_MS_MAX);
+    return -1;
+  }
+  timeout_ms = (int64_t)v;
+  return 0;
+not_int:
+  snprintf(err, errlen, "%s: '%s' is not an integer", who, text);
+  return -1;
+}
+
+/* Sets server and timeout_ms from argv, the environment and the defaults, and
+ * moves the positional arguments to argv[1..*npos]. Returns 0, 1 for help, or
+ * -1 with a message naming the flag or variable in err. */
+static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errlen) {
+  const char *given[NFLAGS] = {NULL};
+  bool rest_positional = false;
+  *npos = 0;
+  err[0] = '\0';
+  for (int i = 1; i < argc; i++) {
+    char *arg = argv[i];
+    if (rest_positional || strncmp(arg, "--", 2) != 0) {
+      if (!rest_positional && strcmp(arg, "-h") == 0)
+        return 1;
+      argv[1 + (*npos)++] = arg;
+      continue;
+    }
+    if (arg[2] == '\0') {
+      rest_positional = true;
+      continue;
+    }
+    if (strcmp(arg, "--help") == 0)
+      return 1;
+    const char *name = arg + 2;
+    const char *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    int f = 0;
+    while (f < NFLAGS && !(strlen(flags[f].name) == len && !strncmp(flags[f].name, name, len)))
+      f++;
+    if (f == NFLAGS) {
+      snprintf(err, errlen, "--%.*s: unknown flag", (int)len, name);
+      return help_follows(i + 1, argc, argv) ? 1 : -1;
+    }
+    if (eq) {
+      given[f] = eq + 1;
+    } else if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+      given[f] = argv[++i];
+    } else {
+      snprintf(err, errlen, "--%s: needs a value", flags[f].name);
+      return help_follows(i + 1, argc, argv) ? 1 : -1;
+    }
+  }
+  if (1 + *npos < argc)
+    argv[1 + *npos] = NULL;
+
+  char who[64];
+  server = flag_value(FLAG_SERVER, given[FLAG_SERVER], who, sizeof who);
+  const char *text = flag_value(FLAG_TIMEOUT_MS, given[FLAG_TIMEOUT_MS], who, sizeof who);
+  return set_timeout(who, text, err, errlen);
+}
 
 static int cmd_health(meshd_client_t *c, int argc, char **argv);
 static int cmd_agents(meshd_client_t *c, int argc, char **argv);
@@ -63,7 +179,19 @@ static const command_t commands[] = {
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
 static void usage(FILE *out) {
-  config_usage(out, "meshctl", SYNOPSIS, flags, NFLAGS);
+  fprintf(out, "usage: meshctl %s\n", SYNOPSIS);
+  const char *help_flag = "-h, --help";
+  int width = (int)strlen(help_flag);
+  for (int i = 0; i < NFLAGS; i++) {
+    int w = 2 + (int)(strlen(flags[i].name) + 1 + strlen(flags[i].metavar));
+    width = w > width ? w : width;
+  }
+  for (int i = 0; i < NFLAGS; i++) {
+    int w = 2 + (int)(strlen(flags[i].name) + 1 + strlen(flags[i].metavar));
+    fprintf(out, "  --%s %s%*s   %s (env %s, default %s)\n", flags[i].name, flags[i].metavar,
+            width - w, "", flags[i].help, flags[i].env, flags[i].default_value);
+  }
+  fprintf(out, "  %-*s   show this help\n", width, help_flag);
   fprintf(out, "commands:\n");
   for (size_t i = 0; i < NCOMMANDS; i++) {
     char head[64];
@@ -466,7 +594,7 @@ static int run(int argc, char **argv) {
   char err[256];
   int npos = 0;
 
-  int r = config_parse(flags, NFLAGS, argc, argv, &npos, err, sizeof err);
+  int r = parse_flags(argc, argv, &npos, err, sizeof err);
   if (r == 1) {
     usage(stdout);
     return EXIT_OK;
@@ -525,9 +653,9 @@ static int run(int argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
-  rpc_init();
+  meshd_global_init();
   int r = run(argc, argv);
   fflush(stdout);
-  rpc_shutdown();
+  meshd_global_shutdown();
   return r;
 }

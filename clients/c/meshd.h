@@ -47,6 +47,18 @@ typedef enum {
  * "unknown error" for values outside the enum. */
 MESHD_API const char *meshd_strerror(meshd_err_t err);
 
+/* ----------------------------------------------------------------- process */
+
+/* Process-wide setup and teardown of the library's transport (gRPC).
+ * Optional: each client holds it for its own life (meshd_connect ..
+ * meshd_close). A program that connects more than once calls
+ * meshd_global_init() before its first meshd_ call, so the transport is not
+ * torn down and set up again between clients, and meshd_global_shutdown() after
+ * closing its last client. Counted and thread-safe: every init needs one
+ * shutdown; the last shutdown releases the transport. */
+MESHD_API void meshd_global_init(void);
+MESHD_API void meshd_global_shutdown(void);
+
 /* ------------------------------------------------------------------ client */
 
 typedef struct meshd_client meshd_client_t;

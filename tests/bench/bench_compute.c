@@ -45,7 +45,7 @@
 
 #include "backend.h"
 #include "bench_util.h"
-#include "dataplane.h"
+#include "dataplane/dataplane.h"
 #include "layout.h"
 #include "ops.h"
 
@@ -213,7 +213,7 @@ static void *member_main(void *p) {
                   .me = m->me};
   for (size_t i = 0; i < m->count; i++) m->buf[i] = (float)(m->me + 1);
   for (int i = 0; i < m->warm && m->rc == 0; i++) {
-    m->rc = dp_allreduce(m->w->dp[m->me], &g, m->buf, m->count, DTYPE_FLOAT32, DP_SUM, &m->err);
+    m->rc = dp_allreduce(m->w->dp[m->me], &g, m->buf, m->count, DTYPE_FLOAT32, RED_SUM, &m->err);
     if (i == 0 && m->rc == 0 && m->count) { /* the first result is known */
       float want = (float)(m->w->n * (m->w->n + 1) / 2);
       m->checked = m->buf[0] == want && m->buf[m->count - 1] == want &&
@@ -223,7 +223,7 @@ static void *member_main(void *p) {
   }
   pthread_barrier_wait(&m->w->bar);
   for (int i = 0; i < m->iters && m->rc == 0; i++)
-    m->rc = dp_allreduce(m->w->dp[m->me], &g, m->buf, m->count, DTYPE_FLOAT32, DP_SUM, &m->err);
+    m->rc = dp_allreduce(m->w->dp[m->me], &g, m->buf, m->count, DTYPE_FLOAT32, RED_SUM, &m->err);
   pthread_barrier_wait(&m->w->bar);
   return NULL;
 }

@@ -540,7 +540,7 @@ TOKEN_MD = "meshd-token"
 KIND_MD = "meshd-error-kind"
 _SVC = "/meshd.v1.TensorService/"
 
-# docs/protocol.md "Error kinds -> gRPC status" (core/error_kind.h).
+# docs/protocol.md "Error kinds -> gRPC status" (core/tensor/error_kind.h).
 KIND_CODES = {
     "WRONG_MESH": grpc.StatusCode.INVALID_ARGUMENT,
     "WRONG_STREAM": grpc.StatusCode.INVALID_ARGUMENT,

@@ -4,7 +4,7 @@ quota, Submit/Sync, and the error kind and gRPC code of every check.
 
 The servers run `meshd --local-agents 2` (or 4); agents acknowledge instructions without
 computing yet, so these tests check what the server decides, never tensor values.
-Tests that need ops of the catalogue (core/ops*) skip, saying which op is missing, only
+Tests that need ops of the catalogue (core/tensor/ops*) skip, saying which op is missing, only
 when the server answers UNKNOWN_OP for that op."""
 
 import concurrent.futures

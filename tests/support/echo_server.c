@@ -33,7 +33,6 @@ typedef struct {
 
 struct echo_server {
   rpc_server_t *srv;
-  rpc_method_t methods[4];
   int port;
   atomic_int started, ended, cancelled;
 
@@ -256,21 +255,45 @@ static void any_end(rpc_call_t *call, bool cancelled, void *arg) {
 
 /* ------------------------------------------------------------- lifecycle */
 
+static const rpc_method_t methods[] = {
+    {
+        .path = ECHO_UNARY,
+        .kind = RPC_UNARY,
+        .request = &echo_request__descriptor,
+        .on_start = unary_start,
+        .on_end = any_end,
+    },
+    {
+        .path = ECHO_CLIENT_STREAM,
+        .kind = RPC_CLIENT_STREAMING,
+        .request = &echo_request__descriptor,
+        .on_start = stream_start,
+        .on_message = client_stream_message,
+        .on_end = any_end,
+    },
+    {
+        .path = ECHO_SERVER_STREAM,
+        .kind = RPC_SERVER_STREAMING,
+        .request = &echo_request__descriptor,
+        .on_start = server_stream_start,
+        .on_end = any_end,
+    },
+    {
+        .path = ECHO_BIDI,
+        .kind = RPC_BIDI,
+        .request = &echo_request__descriptor,
+        .on_start = stream_start,
+        .on_message = bidi_message,
+        .on_end = any_end,
+    },
+};
+
 echo_server_t *echo_server_start(const rpc_server_opts_t *opts, char *err, size_t errlen) {
   echo_server_t *es = calloc(1, sizeof *es);
   if (!es) {
     snprintf(err, errlen, "echo server: out of memory");
     return NULL;
   }
-  const rpc_method_t table[4] = {
-      {ECHO_UNARY, RPC_UNARY, &echo_request__descriptor, unary_start, NULL, any_end, es},
-      {ECHO_CLIENT_STREAM, RPC_CLIENT_STREAMING, &echo_request__descriptor, stream_start,
-       client_stream_message, any_end, es},
-      {ECHO_SERVER_STREAM, RPC_SERVER_STREAMING, &echo_request__descriptor, server_stream_start,
-       NULL, any_end, es},
-      {ECHO_BIDI, RPC_BIDI, &echo_request__descriptor, stream_start, bidi_message, any_end, es},
-  };
-  memcpy(es->methods, table, sizeof table);
   pthread_mutex_init(&es->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -280,7 +303,7 @@ echo_server_t *echo_server_start(const rpc_server_opts_t *opts, char *err, size_
 
   es->srv = rpc_server_create(opts, err, errlen);
   if (!es->srv) goto fail;
-  if (rpc_server_add_methods(es->srv, es->methods, 4) != 0) {
+  if (rpc_server_add_methods(es->srv, methods, sizeof methods / sizeof methods[0], es) != 0) {
     snprintf(err, errlen, "echo server: methods already registered");
     goto fail;
   }

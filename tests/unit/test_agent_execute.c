@@ -24,8 +24,8 @@ static void setup(void) {
   srv = rpc_server_create(&o, err, sizeof err);
   cr_assert_not_null(srv, "%s", err);
   size_t n;
-  const rpc_method_t *m = agent_service_methods(&info, &n);
-  cr_assert_eq(rpc_server_add_methods(srv, m, n), 0);
+  const rpc_method_t *m = agent_service_methods(&n);
+  cr_assert_eq(rpc_server_add_methods(srv, m, n, &info), 0);
   int port = rpc_server_start(srv, err, sizeof err);
   cr_assert_gt(port, 0, "%s", err);
   char target[64];

@@ -23,7 +23,6 @@ typedef enum { FAKE_ACK, FAKE_SILENT, FAKE_DIE_AFTER, FAKE_LIE, FAKE_STUCK } fak
 typedef struct fake {
   rpc_server_t *srv;
   char target[64];
-  rpc_method_t row;
   fake_mode_t mode;
   uint64_t die_after; /* FAKE_DIE_AFTER: instructions taken before the call ends */
 
@@ -95,20 +94,25 @@ static void fake_message(rpc_call_t *call, const ProtobufCMessage *msg, void *ar
   if (die) rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL, "agent died");
 }
 
+static const rpc_method_t fake_row = {
+    .path = AGENT_LINK_METHOD,
+    .kind = RPC_BIDI,
+    .request = &meshd__agent__v1__instruction_batch__descriptor,
+    .on_start = fake_start_call,
+    .on_message = fake_message,
+};
+
 static fake_t *fake_start(fake_mode_t mode) {
   fake_t *f = calloc(1, sizeof *f);
   cr_assert_not_null(f);
   f->mode = mode;
   pthread_mutex_init(&f->mu, NULL);
   pthread_cond_init(&f->cv, NULL);
-  f->row = (rpc_method_t){AGENT_LINK_METHOD, RPC_BIDI,
-                          &meshd__agent__v1__instruction_batch__descriptor, fake_start_call,
-                          fake_message, NULL, f};
   rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 2};
   char err[256];
   f->srv = rpc_server_create(&o, err, sizeof err);
   cr_assert_not_null(f->srv, "%s", err);
-  cr_assert_eq(rpc_server_add_methods(f->srv, &f->row, 1), 0);
+  cr_assert_eq(rpc_server_add_methods(f->srv, &fake_row, 1, f), 0);
   int port = rpc_server_start(f->srv, err, sizeof err);
   cr_assert_gt(port, 0, "%s", err);
   snprintf(f->target, sizeof f->target, "127.0.0.1:%d", port);

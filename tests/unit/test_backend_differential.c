@@ -1,5 +1,5 @@
 /* The cuda backend against the cpu backend, op by op: fixed, seeded random
- * cases for every op family of the catalogue (core/ops*.c) and every dtype,
+ * cases for every op family of the catalogue (core/tensor/ops*.c) and every dtype,
  * on strided, permuted, offset and broadcast views, scalars, NaN/inf/±0/ties,
  * empty tensors and index errors. Each case runs on "cpu" and on
  * "cuda:emulated" (the cuda kernels' functors on the host) with identical
@@ -28,7 +28,7 @@
 
 #include "backend.h"
 #include "cpu/cpu_internal.h"
-#include "cpu/dataplane_internal.h"
+#include "dataplane/reduce_ops.h"
 #include "cuda/cuda_internal.h"
 
 /* ------------------------------------------------------------------ harness */
@@ -1162,8 +1162,8 @@ FAMILY(matmul, 2400, 0x6d61746d756cull)
 /* cuda_reduce_slices against the cpu data plane's reductions (reduce_ops.c):
  * every dtype x reduction, several slice counts and lengths. */
 Test(backend_differential, reduce_slices) {
-  static const dp_reduce_t ops[] = {DP_SUM, DP_AVG,  DP_PRODUCT, DP_MIN,
-                                    DP_MAX, DP_BAND, DP_BOR,     DP_BXOR};
+  static const reduction_t ops[] = {RED_SUM, RED_AVG,  RED_PRODUCT, RED_MIN,
+                                    RED_MAX, RED_BAND, RED_BOR,     RED_BXOR};
   static const char *const op_names[] = {"sum", "avg",  "product", "min",
                                          "max", "band", "bor",     "bxor"};
   static const size_t members[] = {1, 2, 3, 5, 8};
@@ -1176,9 +1176,9 @@ Test(backend_differential, reduce_slices) {
         for (size_t ci = 0; ci < NELEM(counts); ci++, i++) {
           begin_case(0x736c69636573ull, i);
           dtype_t dt = all_dtypes[di];
-          dp_reduce_t op = ops[oi];
+          reduction_t op = ops[oi];
           size_t n = members[mi], count = counts[ci], esz = dtype_size(dt);
-          fill_t fill = op == DP_PRODUCT ? FILL_NEAR1 : (fill_t)ri(3);
+          fill_t fill = op == RED_PRODUCT ? FILL_NEAR1 : (fill_t)ri(3);
           size_t bytes = n * count * esz;
           char *in = malloc(bytes + 1), *orig = malloc(bytes + 1);
           char *want = malloc(count * esz + 1), *got = malloc(count * esz + 1);

@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dataplane.h"
+#include "dataplane/dataplane.h"
 #include "half.h"
 
 
@@ -60,7 +60,7 @@ typedef struct job {
   uint64_t comm;
   kind_t kind;
   dtype_t dtype;
-  dp_reduce_t op;
+  reduction_t op;
   size_t count;
   void *in, *out;
   int rc;
@@ -92,13 +92,13 @@ static void run_jobs(job_t *jobs, size_t n) {
 /* ------------------------------------------------------------ values */
 
 static float fval(size_t r, size_t i) { return (float)((i * 7 + r * 3) % 11) - 5.0f; }
-static int32_t ival(size_t r, size_t i, dp_reduce_t op) {
-  if (op >= DP_BAND) return (int32_t)((uint32_t)i * 2654435761u ^ (uint32_t)r * 40503u);
+static int32_t ival(size_t r, size_t i, reduction_t op) {
+  if (op >= RED_BAND) return (int32_t)((uint32_t)i * 2654435761u ^ (uint32_t)r * 40503u);
   return (int32_t)((i * 13 + r * 7) % 1000) - 500;
 }
 static uint8_t bval(size_t r, size_t i) { return (i + r) % 3 == 0; }
 
-static void fill(dtype_t dt, dp_reduce_t op, size_t r, void *buf, size_t count, size_t base) {
+static void fill(dtype_t dt, reduction_t op, size_t r, void *buf, size_t count, size_t base) {
   for (size_t i = 0; i < count; i++) {
     size_t k = base + i;
     switch (dt) {
@@ -113,7 +113,7 @@ static void fill(dtype_t dt, dp_reduce_t op, size_t r, void *buf, size_t count, 
 }
 
 /* Checks buf against the reduction over n members of element base + i. */
-static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf, size_t count,
+static void expect_reduced(dtype_t dt, reduction_t op, size_t n, const void *buf, size_t count,
                            size_t base, const char *ctx) {
   for (size_t i = 0; i < count; i++) {
     size_t k = base + i;
@@ -122,14 +122,14 @@ static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf
       for (size_t r = 1; r < n; r++) {
         float v = fval(r, k);
         switch (op) {
-        case DP_SUM: case DP_AVG: acc += v; break;
-        case DP_PRODUCT: acc *= v; break;
-        case DP_MIN: acc = v < acc ? v : acc; break;
-        case DP_MAX: acc = v > acc ? v : acc; break;
+        case RED_SUM: case RED_AVG: acc += v; break;
+        case RED_PRODUCT: acc *= v; break;
+        case RED_MIN: acc = v < acc ? v : acc; break;
+        case RED_MAX: acc = v > acc ? v : acc; break;
         default: break;
         }
       }
-      if (op == DP_AVG) acc /= (float)n;
+      if (op == RED_AVG) acc /= (float)n;
       float got = ((const float *)buf)[i];
       if (got != acc) cr_assert_fail("%s: element %zu = %g, expected %g", ctx, i, got, acc);
     } else if (dt == DTYPE_INT32) {
@@ -137,17 +137,17 @@ static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf
       for (size_t r = 1; r < n; r++) {
         int32_t v = ival(r, k, op);
         switch (op) {
-        case DP_SUM: case DP_AVG: acc += (uint32_t)v; break;
-        case DP_PRODUCT: acc *= (uint32_t)v; break;
-        case DP_MIN: acc = v < (int32_t)acc ? (uint32_t)v : acc; break;
-        case DP_MAX: acc = v > (int32_t)acc ? (uint32_t)v : acc; break;
-        case DP_BAND: acc &= (uint32_t)v; break;
-        case DP_BOR: acc |= (uint32_t)v; break;
-        case DP_BXOR: acc ^= (uint32_t)v; break;
+        case RED_SUM: case RED_AVG: acc += (uint32_t)v; break;
+        case RED_PRODUCT: acc *= (uint32_t)v; break;
+        case RED_MIN: acc = v < (int32_t)acc ? (uint32_t)v : acc; break;
+        case RED_MAX: acc = v > (int32_t)acc ? (uint32_t)v : acc; break;
+        case RED_BAND: acc &= (uint32_t)v; break;
+        case RED_BOR: acc |= (uint32_t)v; break;
+        case RED_BXOR: acc ^= (uint32_t)v; break;
+        default: break;
         }
       }
       int32_t want = (int32_t)acc;
-      if (op == DP_AVG) want = (int32_t)((int64_t)want / (int64_t)n);
       int32_t got = ((const int32_t *)buf)[i];
       if (got != want) cr_assert_fail("%s: element %zu = %d, expected %d", ctx, i, got, want);
     } else if (dt == DTYPE_BOOL) {
@@ -155,9 +155,9 @@ static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf
       for (size_t r = 1; r < n; r++) {
         bool v = bval(r, k);
         switch (op) {
-        case DP_SUM: case DP_MAX: case DP_BOR: acc = acc || v; break;
-        case DP_PRODUCT: case DP_MIN: case DP_BAND: acc = acc && v; break;
-        case DP_BXOR: acc = acc != v; break;
+        case RED_SUM: case RED_MAX: case RED_BOR: acc = acc || v; break;
+        case RED_PRODUCT: case RED_MIN: case RED_BAND: acc = acc && v; break;
+        case RED_BXOR: acc = acc != v; break;
         default: break;
         }
       }
@@ -175,7 +175,7 @@ static void expect_reduced(dtype_t dt, dp_reduce_t op, size_t n, const void *buf
 
 #define BIG_BYTES ((size_t)4 << 20)
 
-static void allreduce_case(world_t *w, uint64_t comm, dtype_t dt, dp_reduce_t op, size_t count) {
+static void allreduce_case(world_t *w, uint64_t comm, dtype_t dt, reduction_t op, size_t count) {
   job_t jobs[MAXN];
   size_t esz = dtype_size(dt);
   for (size_t r = 0; r < w->n; r++) {
@@ -201,16 +201,17 @@ static void allreduce_all(size_t n) {
   world_start(&w, n, 5000);
   const size_t sizes[] = {0, 1, 1009, 20000, BIG_BYTES / 4 + 7};
   uint64_t comm = 1;
-  for (int op = DP_SUM; op <= DP_BXOR; op++) {
+  for (int op = RED_SUM; op <= RED_BXOR; op++) {
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
-      if (op <= DP_MAX) allreduce_case(&w, comm++, DTYPE_FLOAT32, (dp_reduce_t)op, sizes[s]);
-      allreduce_case(&w, comm++, DTYPE_INT32, (dp_reduce_t)op, sizes[s]);
-      if (op != DP_AVG) allreduce_case(&w, comm++, DTYPE_BOOL, (dp_reduce_t)op, sizes[s]);
+      if (op <= RED_MAX) allreduce_case(&w, comm++, DTYPE_FLOAT32, (reduction_t)op, sizes[s]);
+      if (op == RED_AVG) continue; /* floating only (reduction.h) */
+      allreduce_case(&w, comm++, DTYPE_INT32, (reduction_t)op, sizes[s]);
+      allreduce_case(&w, comm++, DTYPE_BOOL, (reduction_t)op, sizes[s]);
     }
   }
   for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
-    allreduce_case(&w, 7, DTYPE_FLOAT16, DP_SUM, sizes[s]); /* one comm reused */
-    allreduce_case(&w, 8, DTYPE_BFLOAT16, DP_SUM, sizes[s]);
+    allreduce_case(&w, 7, DTYPE_FLOAT16, RED_SUM, sizes[s]); /* one comm reused */
+    allreduce_case(&w, 8, DTYPE_BFLOAT16, RED_SUM, sizes[s]);
   }
   world_stop(&w);
 }
@@ -225,7 +226,7 @@ Test(dataplane, allreduce_bitwise_identical_on_every_rank) {
   size_t count = 300001;
   job_t jobs[3];
   for (size_t r = 0; r < 3; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = 5, .dtype = DTYPE_FLOAT32, .op = DP_SUM, .count = count};
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 5, .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
     float *f = malloc(count * 4);
     for (size_t i = 0; i < count; i++) f[i] = (float)((i * 2654435761u + r * 977u) % 100003) / 7.3f;
     jobs[r].in = f;
@@ -243,21 +244,27 @@ Test(dataplane, rejects_undefined_reductions) {
   dp_group_t g = group(&w, 1, 0);
   float f = 1;
   uint8_t b = 1;
+  int32_t i = 3;
   meshd_error_t err = {0};
-  cr_assert_eq(dp_allreduce(w.dp[0], &g, &f, 1, DTYPE_FLOAT32, DP_BXOR, &err), -1);
-  cr_assert_eq(err.kind, ERR_BAD_ARGUMENT);
+  /* The catalogue's rules (reduction.h), the same the server checks. */
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, &f, 1, DTYPE_FLOAT32, RED_BXOR, &err), -1);
+  cr_assert_eq(err.kind, ERR_DTYPE_MISMATCH);
   cr_assert(strstr(err.msg, "bxor") && strstr(err.msg, "float32"), "%s", err.msg);
-  cr_assert_eq(dp_allreduce(w.dp[0], &g, &b, 1, DTYPE_BOOL, DP_AVG, &err), -1);
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, &b, 1, DTYPE_BOOL, RED_AVG, &err), -1);
+  cr_assert_eq(err.kind, ERR_DTYPE_MISMATCH);
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, &i, 1, DTYPE_INT32, RED_AVG, &err), -1);
+  cr_assert_eq(err.kind, ERR_DTYPE_MISMATCH);
+  cr_assert(strstr(err.msg, "allreduce: 'avg' needs a floating dtype, not int32"), "%s", err.msg);
+  cr_assert_eq(i, 3, "a refused reduction leaves the buffer alone");
+  cr_assert_eq(dp_reduce_scatter(w.dp[0], &g, &i, &i, 1, DTYPE_INT32, RED_STACK, &err), -1);
   cr_assert_eq(err.kind, ERR_BAD_ARGUMENT);
-  cr_assert_eq(dp_reduce_parse("max"), DP_MAX);
-  cr_assert_eq(dp_reduce_parse("bxor"), DP_BXOR);
-  cr_assert_eq(dp_reduce_parse("stack"), -1);
+  cr_assert(strstr(err.msg, "stack"), "%s", err.msg);
   world_stop(&w);
 }
 
 /* ------------------------------------------------------------ other collectives */
 
-static void rs_case(world_t *w, uint64_t comm, dtype_t dt, dp_reduce_t op, size_t count) {
+static void rs_case(world_t *w, uint64_t comm, dtype_t dt, reduction_t op, size_t count) {
   job_t jobs[MAXN];
   size_t n = w->n, esz = dtype_size(dt);
   for (size_t r = 0; r < n; r++) {
@@ -311,10 +318,10 @@ Test(dataplane, reduce_scatter_allgather_alltoall, .timeout = 120) {
     const size_t sizes[] = {0, 1, 1009, 70001, BIG_BYTES / 4 / 2 + 3};
     uint64_t comm = 100;
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
-      rs_case(&w, comm++, DTYPE_FLOAT32, DP_SUM, sizes[s]);
-      rs_case(&w, comm++, DTYPE_INT32, DP_MAX, sizes[s]);
-      rs_case(&w, comm++, DTYPE_FLOAT32, DP_AVG, sizes[s]);
-      rs_case(&w, comm++, DTYPE_BOOL, DP_BXOR, sizes[s]);
+      rs_case(&w, comm++, DTYPE_FLOAT32, RED_SUM, sizes[s]);
+      rs_case(&w, comm++, DTYPE_INT32, RED_MAX, sizes[s]);
+      rs_case(&w, comm++, DTYPE_FLOAT32, RED_AVG, sizes[s]);
+      rs_case(&w, comm++, DTYPE_BOOL, RED_BXOR, sizes[s]);
       gather_case(&w, comm++, K_AG, sizes[s]);
       gather_case(&w, comm++, K_A2A, sizes[s]);
     }
@@ -399,7 +406,7 @@ Test(dataplane, two_comms_concurrently, .timeout = 60) {
       for (size_t r = 0; r < 3; r++) {
         job_t *j = &jobs[c * 3 + r];
         *j = (job_t){.w = &w, .me = r, .comm = 40 + c, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32,
-                     .op = c ? DP_MAX : DP_SUM, .count = counts[c]};
+                     .op = c ? RED_MAX : RED_SUM, .count = counts[c]};
         j->in = malloc(counts[c] * 4);
         fill(DTYPE_INT32, j->op, r, j->in, counts[c], 0);
       }
@@ -433,7 +440,7 @@ static void missing_member_case(size_t n, size_t count) {
   job_t jobs[MAXN];
   for (size_t r = 0; r < n - 1; r++) {
     jobs[r] = (job_t){.w = &w, .me = r, .comm = 77, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
-                      .op = DP_SUM, .count = count};
+                      .op = RED_SUM, .count = count};
     jobs[r].in = calloc(count, 4);
   }
   run_jobs(jobs, n - 1);
@@ -447,12 +454,12 @@ static void missing_member_case(size_t n, size_t count) {
       jobs[r].in = calloc(count, 4);
     }
     jobs[r].rc = -1;
-    fill(DTYPE_FLOAT32, DP_SUM, r, jobs[r].in, count, 0);
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 0);
   }
   run_jobs(jobs, n);
   for (size_t r = 0; r < n; r++) {
     cr_assert_eq(jobs[r].rc, 0, "after the failure, member %zu: %s", r, jobs[r].err.msg);
-    expect_reduced(DTYPE_FLOAT32, DP_SUM, n, jobs[r].in, count, 0, "after failure");
+    expect_reduced(DTYPE_FLOAT32, RED_SUM, n, jobs[r].in, count, 0, "after failure");
     free(jobs[r].in);
   }
   world_stop(&w);
@@ -480,7 +487,7 @@ Test(dataplane, member_stopped_mid_call, .timeout = 30) {
   job_t jobs[3];
   for (size_t r = 0; r < 3; r++) {
     jobs[r] = (job_t){.w = r == 2 ? &w : &w3, .me = r, .comm = r == 2 ? 91 : 90,
-                      .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32, .op = DP_SUM, .count = count};
+                      .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
     jobs[r].in = calloc(count, 4);
   }
   pthread_t th[3];
@@ -503,7 +510,7 @@ Test(dataplane, unreachable_peer_fails_within_timeout) {
   world_start(&w, 2, 1000);
   dataplane_stop(w.dp[1]); /* its port is closed now */
   w.dp[1] = NULL;
-  job_t j = {.w = &w, .me = 0, .comm = 5, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32, .op = DP_SUM,
+  job_t j = {.w = &w, .me = 0, .comm = 5, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32, .op = RED_SUM,
              .count = 4};
   int32_t buf[4] = {0};
   j.in = buf;

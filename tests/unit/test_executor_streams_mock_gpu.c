@@ -122,7 +122,8 @@ static void setup(void) {
   gate_open = false;
   sync_fail = 0;
   atomic_store(&reported, 0);
-  executor_env_t env = {&B, NULL, NULL, &rank0};
+  static run_env_t env;
+  env = (run_env_t){.backend = &B, .rank = &rank0};
   X = executor_create(&env, on_report, NULL);
   cr_assert_not_null(X);
 }

@@ -1,4 +1,4 @@
-/* The rpc layer (core/rpc.h): an in-process Echo server and client on
+/* The rpc layer (core/platform/rpc.h): an in-process Echo server and client on
  * 127.0.0.1:0. Criterion forks per test, so each test initialises gRPC. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -964,4 +964,72 @@ Test(rpc, shutdown_with_held_call) {
   cr_assert_eq(echo_server_calls_cancelled(es), 1);
   cr_assert_neq(held.code, GRPC_STATUS_OK, "the cut call must not look answered");
   cr_assert_lt(held.elapsed_ms, 2500, "the client waited %lld ms", (long long)held.elapsed_ms);
+}
+
+/* ---------------------------------------------------------- registration */
+
+/* Replies with the text its registration's arg points to. */
+static void named_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  EchoReply rep = ECHO_REPLY__INIT;
+  rep.text = (char *)arg;
+  rpc_call_reply(call, &rep.base);
+}
+
+static const rpc_method_t named_rows[] = {
+    {
+        .path = "/meshd.test.v1.Named/Unary",
+        .kind = RPC_UNARY,
+        .request = &echo_request__descriptor,
+        .on_start = named_start,
+    },
+};
+
+/* One const table, two servers, two args: each call gets its own server's arg. */
+Test(rpc, arg_is_given_per_registration) {
+  char names[2][8] = {"first", "second"};
+  rpc_server_t *srv[2];
+  rpc_channel_t *c[2];
+  for (int i = 0; i < 2; i++) {
+    rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 1};
+    char err[256] = "";
+    srv[i] = rpc_server_create(&o, err, sizeof err);
+    cr_assert_not_null(srv[i], "%s", err);
+    cr_assert_eq(rpc_server_add_methods(srv[i], named_rows, 1, names[i]), 0);
+    cr_assert_eq(rpc_server_add_methods(srv[i], named_rows, 1, names[i]), -1,
+                 "a path registered twice must be refused");
+    int port = rpc_server_start(srv[i], err, sizeof err);
+    cr_assert_gt(port, 0, "%s", err);
+    char t[64];
+    snprintf(t, sizeof t, "127.0.0.1:%d", port);
+    c[i] = rpc_channel_create(t, NULL);
+  }
+  for (int i = 0; i < 2; i++) {
+    EchoRequest req = ECHO_REQUEST__INIT;
+    EchoReply *rep;
+    rpc_status_t st;
+    grpc_status_code code =
+        call_unary(c[i], "/meshd.test.v1.Named/Unary", &req, &rep, NULL, 0, 5000, &st);
+    cr_assert_eq(code, GRPC_STATUS_OK, "server %d: code %d: %s", i, code, st.message);
+    cr_assert_str_eq(rep->text, names[i]);
+    free_reply(rep);
+  }
+  for (int i = 0; i < 2; i++) {
+    rpc_channel_destroy(c[i]);
+    rpc_server_destroy(srv[i]);
+  }
+}
+
+/* ---------------------------------------------------------- code names */
+
+Test(rpc_code_name, as_grpc_status_spells_them) {
+  static const char *const want[17] = {
+      "OK",           "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",     "ALREADY_EXISTS",    "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",    "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",          "UNAVAILABLE",       "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  for (int c = 0; c <= 16; c++)
+    cr_assert_str_eq(meshd_grpc_code_name((grpc_status_code)c), want[c], "code %d", c);
+  cr_assert_str_eq(meshd_grpc_code_name((grpc_status_code)17), "UNKNOWN");
+  cr_assert_str_eq(meshd_grpc_code_name((grpc_status_code)-1), "UNKNOWN");
 }

@@ -480,9 +480,9 @@ static void start_rpc(void) {
   srv = rpc_server_create(&opts, e, sizeof e);
   cr_assert_not_null(srv, "%s", e);
   size_t n;
-  const rpc_method_t *m = session_service_methods(table, &n);
+  const rpc_method_t *m = session_service_methods(&n);
   cr_assert_eq(n, 4);
-  cr_assert_eq(rpc_server_add_methods(srv, m, n), 0);
+  cr_assert_eq(rpc_server_add_methods(srv, m, n, table), 0);
   int port = rpc_server_start(srv, e, sizeof e);
   cr_assert_gt(port, 0, "%s", e);
   char target[64];

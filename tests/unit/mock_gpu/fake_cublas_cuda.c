@@ -42,7 +42,7 @@ cudaError_t cudaGetLastError(void) {
   return cudaErrorLaunchFailure;
 }
 
-/* ------------------------------------------------------------ cuda helpers */
+/* ------------------------------------------- cuda helpers (cuda_device.c) */
 
 /* As the backend's: launch failures are sticky and mark the device lost. */
 int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e) {
@@ -66,6 +66,8 @@ void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes
   fake.scratch_live--;
   fake_dev_free(p);
 }
+
+/* ------------------------------------------------ kernels (kernels_*.cu) */
 
 static char *element(const agent_tensor_t *t, const int64_t *idx) {
   const layout_t *l = &t->meta.layout;
@@ -99,7 +101,7 @@ int cuda_copy_broadcast(backend_t *b, backend_stream_t *bs, agent_tensor_t *dst,
   return 0;
 }
 
-int cuda_matmul_functor(const cuda_call_t *c, meshd_error_t *e) {
+int cuda_matmul_functor(const kernel_call_t *c, meshd_error_t *e) {
   fake.functor_calls++;
   return 0;
 }

@@ -17,7 +17,7 @@ fake_counters_t fake;
 atomic_int fake_never_join, fake_init_error, fake_op_error, fake_finalize_hangs;
 
 
-/* ------------------------------------------------------------ cuda helpers */
+/* ------------------------------------------- cuda helpers (cuda_device.c) */
 
 int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e) {
   (void)st;
@@ -71,7 +71,7 @@ static void st_i(dtype_t d, void *p, size_t i, int64_t v) {
 
 /* The cpu data plane's semantics on integers (the reductions the plan sends here). */
 int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void *out, size_t n,
-                       size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *e) {
+                       size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
   size_t esz = dtype_size(dtype);
   REQUIRE(is_int_dtype(dtype));
   REQUIRE(fake_is_dev(in, n * count * esz) && fake_is_dev(out, count * esz));
@@ -81,16 +81,16 @@ int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void 
     for (size_t k = 1; k < n; k++) {
       int64_t v = ld_i(dtype, in, k * count + j);
       switch (op) {
-      case DP_SUM: case DP_AVG: acc += v; break;
-      case DP_PRODUCT: acc *= v; break;
-      case DP_MIN: acc = v < acc ? v : acc; break;
-      case DP_MAX: acc = v > acc ? v : acc; break;
-      case DP_BAND: acc &= v; break;
-      case DP_BOR: acc |= v; break;
-      case DP_BXOR: acc ^= v; break;
+      case RED_SUM: acc += v; break;
+      case RED_PRODUCT: acc *= v; break;
+      case RED_MIN: acc = v < acc ? v : acc; break;
+      case RED_MAX: acc = v > acc ? v : acc; break;
+      case RED_BAND: acc &= v; break;
+      case RED_BOR: acc |= v; break;
+      case RED_BXOR: acc ^= v; break;
+      default: REQUIRE(!"an integer reduction the catalogue refuses (avg, stack)");
       }
     }
-    if (op == DP_AVG) acc /= (int64_t)n;
     st_i(dtype, out, j, acc);
   }
   return 0;
@@ -167,12 +167,12 @@ void fake_dp_drain(void) {
 
 /* The emulated device's path: cuda_nccl.c only delegates. */
 int dp_allreduce(dataplane_t *dp, const dp_group_t *g, void *buf, size_t count, dtype_t dtype,
-                 dp_reduce_t op, meshd_error_t *err) {
+                 reduction_t op, meshd_error_t *err) {
   fake.dp_collectives++;
   return 0;
 }
 int dp_reduce_scatter(dataplane_t *dp, const dp_group_t *g, const void *in, void *out,
-                      size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err) {
+                      size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err) {
   fake.dp_collectives++;
   return 0;
 }

@@ -1,6 +1,6 @@
 /* In-process stand-ins for NCCL, the CUDA runtime calls cuda_nccl.c makes, the
  * data plane (dp_send / dp_recv) and the cuda backend helpers it calls
- * (fake_nccl_cuda.c), so that cuda_nccl.c's real-device path runs without a GPU
+ * (cuda_device.c's, and cuda_reduce_slices; fake_nccl_cuda.c), so that cuda_nccl.c's real-device path runs without a GPU
  * (test_cuda_nccl_mock_gpu.c). Agents are threads of one process.
  *
  * "Device memory" is host memory registered by fake_dev_alloc; NCCL calls and
@@ -20,7 +20,7 @@
 
 #include "fake_device_memory.h"
 
-#include "dataplane.h"
+#include "dataplane/dataplane.h"
 
 /* The fake data plane of one agent: its rank and how long dp_recv waits. */
 struct dataplane {

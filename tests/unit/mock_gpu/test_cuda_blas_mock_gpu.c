@@ -148,7 +148,8 @@ static int multiply_on(backend_stream_t *bs, const char *name, tens_t *x, tens_t
   tens_make(out, inf.results[0].meta.dtype, &l);
   memset(out->st.data, 0, out->st.bytes); /* what a k == 0 product leaves */
   agent_tensor_t *res[1] = {&out->t};
-  cuda_call_t c = {&B, &ST, bs ? bs : &ST.own, ST.emulated, &a, res, 1, &inf, 3, 0};
+  kernel_call_t c = {.b = &B, .bs = bs ? bs : &ST.own, .a = &a, .res = res, .nres = 1,
+                     .inf = &inf, .rank = 3, .coordinate = 0};
   return cuda_kernel_matmul(&c, e);
 }
 

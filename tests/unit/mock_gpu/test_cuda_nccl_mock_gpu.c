@@ -128,10 +128,10 @@ static void allreduce_on_device(agent_t *a, res_t *r) {
   dp_group_t g = group(100, 7, 2, (size_t)r->me);
   int32_t *d = fake_dev_alloc(4 * sizeof *d);
   for (int i = 0; i < 4; i++) d[i] = (r->me + 1) * 10 + i;
-  r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 4, DTYPE_INT32, DP_SUM, &r->e);
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 4, DTYPE_INT32, RED_SUM, &r->e);
   for (int i = 0; i < 4; i++) r->wrong += d[i] != 30 + 2 * i;
   for (int i = 0; i < 4; i++) d[i] = (r->me + 1) * 10 + i;
-  r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 4, DTYPE_INT32, DP_MAX, &r->e);
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 4, DTYPE_INT32, RED_MAX, &r->e);
   for (int i = 0; i < 4; i++) r->wrong += d[i] != 20 + i;
   fake_dev_free(d);
 }
@@ -154,18 +154,18 @@ static void mixed_on_host(agent_t *a, res_t *r) {
   meshd_error_t *e = &r->e;
   /* int16 has no NCCL type: allgather, then reduced locally */
   int16_t h[3] = {(int16_t)(me + 1), (int16_t)(me + 2), -5};
-  r->rc |= cuda_allreduce(&a->b, NULL, &g, h, 3, DTYPE_INT16, DP_SUM, e);
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, h, 3, DTYPE_INT16, RED_SUM, e);
   r->wrong += h[0] != 3 || h[1] != 5 || h[2] != -10;
-  /* integer avg truncates like the cpu: alltoall, then reduced locally */
+  /* bitwise or has no NCCL op: alltoall, then reduced locally */
   int32_t in[4] = {me * 100 + 1, me * 100 + 3, me * 100 + 6, me * 100 + 8}, out[2] = {0};
-  r->rc |= cuda_reduce_scatter(&a->b, NULL, &g, in, out, 2, DTYPE_INT32, DP_AVG, e);
+  r->rc |= cuda_reduce_scatter(&a->b, NULL, &g, in, out, 2, DTYPE_INT32, RED_BOR, e);
   for (int j = 0; j < 2; j++) {
     int32_t v0 = in[me * 2 + j] - me * 100; /* member 0's element */
-    r->wrong += out[j] != (v0 + v0 + 100) / 2;
+    r->wrong += out[j] != (v0 | (v0 + 100));
   }
   /* float avg is NCCL's */
   float fin[4] = {1, 2, 3, 4 + (float)me}, fout[2] = {0};
-  r->rc |= cuda_reduce_scatter(&a->b, NULL, &g, fin, fout, 2, DTYPE_FLOAT32, DP_AVG, e);
+  r->rc |= cuda_reduce_scatter(&a->b, NULL, &g, fin, fout, 2, DTYPE_FLOAT32, RED_AVG, e);
   r->wrong += me == 0 ? fout[0] != 1 || fout[1] != 2 : fout[0] != 3 || fout[1] != 4.5f;
   int64_t gi[2] = {me, me + 10}, go[4] = {0};
   r->rc |= cuda_allgather(&a->b, NULL, &g, gi, go, 2, DTYPE_INT64, e);
@@ -175,7 +175,7 @@ static void mixed_on_host(agent_t *a, res_t *r) {
   for (int i = 0; i < 2; i++) /* slice i = member i's slice me */
     for (int j = 0; j < 2; j++) r->wrong += to[i * 2 + j] != i * 10 + me * 2 + j;
   int32_t x[2] = {me ? 6 : 3, 1};
-  r->rc |= cuda_allreduce(&a->b, NULL, &g, x, 2, DTYPE_INT32, DP_BXOR, e);
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, x, 2, DTYPE_INT32, RED_BXOR, e);
   r->wrong += x[0] != 5 || x[1] != 0;
 }
 
@@ -183,7 +183,7 @@ Test(cuda_nccl_mock_gpu, host_buffers_are_staged_and_fallback_plans_reduce_local
   res_t r[2];
   run_agents(2, mixed_on_host, r); /* the fakes abort on any host pointer reaching NCCL */
   expect_ok(r, 2);
-  cr_expect_eq(fake.reduce_slices, 6, "int16 sum, int32 avg, int32 bxor per agent: %d",
+  cr_expect_eq(fake.reduce_slices, 6, "int16 sum, int32 bor, int32 bxor per agent: %d",
                (int)fake.reduce_slices);
   cr_expect_eq(fake.native_ops, 2, "only the float avg is a native NCCL reduction");
   cr_expect_eq(fake.inits, 2, "six ops on one cached communicator per agent");
@@ -222,7 +222,7 @@ static void allreduce_of_three(agent_t *a, res_t *r) {
   dp_group_t g = group(300, 8, 3, (size_t)r->me);
   int32_t *d = fake_dev_alloc(sizeof *d);
   *d = r->me + 1;
-  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
   r->wrong += !r->rc && *d != 6;
   fake_dev_free(d);
 }
@@ -254,7 +254,7 @@ static void allreduce_of_two(agent_t *a, res_t *r) {
   dp_group_t g = group(400, 9, 2, (size_t)r->me);
   int32_t *d = fake_dev_alloc(sizeof *d);
   *d = r->me + 1;
-  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
   r->wrong += !r->rc && *d != 3;
   fake_dev_free(d);
 }
@@ -289,10 +289,10 @@ Test(cuda_nccl_mock_gpu, init_error_reports_the_nccl_strings) {
 static void build_then_zero_goes_again(agent_t *a, res_t *r) {
   dp_group_t g = group(500, 10, 2, (size_t)r->me);
   int16_t h[2] = {1, 2}; /* host int16: staged and gathered, scratch to free */
-  r->rc = cuda_allreduce(&a->b, NULL, &g, h, 2, DTYPE_INT16, DP_SUM, &r->e);
+  r->rc = cuda_allreduce(&a->b, NULL, &g, h, 2, DTYPE_INT16, RED_SUM, &r->e);
   r->wrong += !r->rc && (h[0] != 2 || h[1] != 4);
   if (r->rc || r->me != 0) return;
-  r->rc = cuda_allreduce(&a->b, NULL, &g, h, 2, DTYPE_INT16, DP_SUM, &r->e) ? 2 : 0;
+  r->rc = cuda_allreduce(&a->b, NULL, &g, h, 2, DTYPE_INT16, RED_SUM, &r->e) ? 2 : 0;
 }
 
 Test(cuda_nccl_mock_gpu, peer_skipping_an_op_times_out_and_aborts_the_communicator) {
@@ -339,7 +339,7 @@ static void disagree_on_addresses(agent_t *a, res_t *r) {
   dp_group_t g = group(600, 11, 2, (size_t)r->me);
   if (r->me == 1) g.addrs = ADDRS_OTHER;
   int32_t *d = fake_dev_alloc(sizeof *d);
-  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
   fake_dev_free(d);
 }
 
@@ -361,13 +361,13 @@ static void build_two_sessions(agent_t *a, res_t *r) {
     dp_group_t g = group(comm, 7, 2, (size_t)r->me);
     int32_t *d = fake_dev_alloc(sizeof *d);
     *d = 1;
-    r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, DP_SUM, &r->e);
+    r->rc |= cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
     r->wrong += *d != 2;
     fake_dev_free(d);
   }
   dp_group_t g = group(800, 8, 2, (size_t)r->me); /* session 8: one */
   int32_t v = 5;
-  r->rc |= cuda_allreduce(&a->b, NULL, &g, &v, 1, DTYPE_INT32, DP_SUM, &r->e);
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, &v, 1, DTYPE_INT32, RED_SUM, &r->e);
   r->wrong += v != 10;
 }
 
@@ -429,10 +429,14 @@ Test(cuda_nccl_mock_gpu, comms_destroy_aborts_and_frees_everything) {
 
 /* ------------------------------------------------------- arguments */
 
-static void expect_bad(int rc, const meshd_error_t *e, const char *frag) {
+static void expect_refused(int rc, const meshd_error_t *e, error_kind_t kind, const char *frag) {
   cr_expect_eq(rc, -1);
-  cr_expect_eq(e->kind, ERR_BAD_ARGUMENT, "%s", e->msg);
+  cr_expect_eq(e->kind, kind, "%s", e->msg);
   cr_expect(strstr(e->msg, frag), "'%s' lacks '%s'", e->msg, frag);
+}
+
+static void expect_bad(int rc, const meshd_error_t *e, const char *frag) {
+  expect_refused(rc, e, ERR_BAD_ARGUMENT, frag);
 }
 
 Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
@@ -440,12 +444,18 @@ Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
   dp_group_t g = group(900, 1, 2, 0);
   meshd_error_t e = {0};
   float f[4] = {0};
-  int rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, DP_BXOR, &e);
-  expect_bad(rc, &e, "allreduce: reduction 'bxor' is bitwise and is defined only on integer and "
-                     "bool dtypes, not float32");
+  /* The catalogue's dtype rules (reduction.h), as the server and the cpu data plane. */
+  int rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_BXOR, &e);
+  expect_refused(rc, &e, ERR_DTYPE_MISMATCH,
+                 "allreduce: 'bxor' is bitwise and needs an integer or bool tensor, not float32");
   uint8_t bools[4] = {0};
-  rc = cuda_reduce_scatter(b, NULL, &g, bools, bools + 2, 1, DTYPE_BOOL, DP_AVG, &e);
-  expect_bad(rc, &e, "reduce_scatter: reduction 'avg' is not defined on bool");
+  rc = cuda_reduce_scatter(b, NULL, &g, bools, bools + 2, 1, DTYPE_BOOL, RED_AVG, &e);
+  expect_refused(rc, &e, ERR_DTYPE_MISMATCH, "reduce_scatter: 'avg' needs a floating dtype, not bool");
+  int32_t ints[4] = {0};
+  rc = cuda_allreduce(b, NULL, &g, ints, 1, DTYPE_INT32, RED_AVG, &e);
+  expect_refused(rc, &e, ERR_DTYPE_MISMATCH, "allreduce: 'avg' needs a floating dtype, not int32");
+  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_STACK, &e);
+  expect_bad(rc, &e, "allreduce: reduction 'stack' gathers rather than combines");
   rc = cuda_allgather(b, NULL, &g, f, f, 1, (dtype_t)99, &e);
   expect_bad(rc, &e, "allgather: dtype 99 is not a known dtype");
   const char *holes[] = {"h:0", NULL};
@@ -454,7 +464,7 @@ Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
   expect_bad(rc, &e, "alltoall: group member 1 has no address");
   g.addrs = ADDRS;
   g.me = 2;
-  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, DP_SUM, &e);
+  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
   expect_bad(rc, &e, "allreduce: needs a group with this agent in it");
   rc = cuda_send(b, NULL, 1, 900, 1, NULL, f, 4, &e);
   expect_bad(rc, &e, "send: needs a peer address and a buffer");
@@ -463,7 +473,7 @@ Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
 
   A[0].b.net = NULL; /* the data plane failed to start */
   g.me = 0;
-  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, DP_SUM, &e);
+  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
   cr_expect_eq(rc, -1);
   cr_expect_eq(e.kind, ERR_REMOTE_FAILURE);
   cr_expect(strstr(e.msg, "allreduce over ranks [0,1]: this agent has no data plane"), "%s", e.msg);
@@ -475,10 +485,10 @@ Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
   meshd_error_t e = {0};
   dp_group_t two = group(901, 1, 2, 0), one = group(902, 1, 1, 0);
   int32_t buf[2] = {7, 8}, out[2] = {0};
-  cr_expect_eq(cuda_allreduce(b, NULL, &two, buf, 0, DTYPE_INT32, DP_SUM, &e), 0);
-  cr_expect_eq(cuda_allreduce(b, NULL, &one, buf, 2, DTYPE_INT32, DP_AVG, &e), 0);
-  cr_expect(buf[0] == 7 && buf[1] == 8, "avg over one member is the identity");
-  cr_expect_eq(cuda_reduce_scatter(b, NULL, &one, buf, out, 2, DTYPE_INT32, DP_SUM, &e), 0);
+  cr_expect_eq(cuda_allreduce(b, NULL, &two, buf, 0, DTYPE_INT32, RED_SUM, &e), 0);
+  cr_expect_eq(cuda_allreduce(b, NULL, &one, buf, 2, DTYPE_INT32, RED_PRODUCT, &e), 0);
+  cr_expect(buf[0] == 7 && buf[1] == 8, "a product over one member is the identity");
+  cr_expect_eq(cuda_reduce_scatter(b, NULL, &one, buf, out, 2, DTYPE_INT32, RED_SUM, &e), 0);
   cr_expect(out[0] == 7 && out[1] == 8);
   out[0] = out[1] = 0;
   cr_expect_eq(cuda_allgather(b, NULL, &one, buf, out, 2, DTYPE_INT32, &e), 0);
@@ -495,8 +505,8 @@ Test(cuda_nccl_mock_gpu, emulated_device_delegates_to_the_data_plane) {
   meshd_error_t e = {0};
   dp_group_t g = group(904, 1, 2, 0);
   int32_t buf[4] = {0};
-  cr_expect_eq(cuda_allreduce(b, NULL, &g, buf, 1, DTYPE_INT32, DP_SUM, &e), 0);
-  cr_expect_eq(cuda_reduce_scatter(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, DP_SUM, &e), 0);
+  cr_expect_eq(cuda_allreduce(b, NULL, &g, buf, 1, DTYPE_INT32, RED_SUM, &e), 0);
+  cr_expect_eq(cuda_reduce_scatter(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, RED_SUM, &e), 0);
   cr_expect_eq(cuda_allgather(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
   cr_expect_eq(cuda_alltoall(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
   cr_expect_eq(fake.dp_collectives, 4);

@@ -28,7 +28,6 @@ struct health {
   service_t *services;
   watcher_t *watchers;
   bool shutting_down;
-  rpc_method_t methods[2];
 };
 
 static const char *const status_names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
@@ -145,16 +144,27 @@ health_t *health_create(void) {
   health_t *h = calloc(1, sizeof *h);
   if (!h) return NULL;
   pthread_mutex_init(&h->mu, NULL);
-  const ProtobufCMessageDescriptor *req = &grpc__health__v1__health_check_request__descriptor;
-  h->methods[0] = (rpc_method_t){"/grpc.health.v1.Health/Check", RPC_UNARY, req, on_check, NULL,
-                                 NULL, h};
-  h->methods[1] = (rpc_method_t){"/grpc.health.v1.Health/Watch", RPC_SERVER_STREAMING, req,
-                                 on_watch, NULL, on_watch_end, h};
   return h;
 }
 
+static const rpc_method_t methods[] = {
+    {
+        .path = "/grpc.health.v1.Health/Check",
+        .kind = RPC_UNARY,
+        .request = &grpc__health__v1__health_check_request__descriptor,
+        .on_start = on_check,
+    },
+    {
+        .path = "/grpc.health.v1.Health/Watch",
+        .kind = RPC_SERVER_STREAMING,
+        .request = &grpc__health__v1__health_check_request__descriptor,
+        .on_start = on_watch,
+        .on_end = on_watch_end,
+    },
+};
+
 int health_add_methods(health_t *h, rpc_server_t *srv) {
-  return rpc_server_add_methods(srv, h->methods, 2);
+  return rpc_server_add_methods(srv, methods, sizeof methods / sizeof methods[0], h);
 }
 
 void health_shutdown(health_t *h) {

@@ -1,4 +1,4 @@
-/* Internal to core/rpc_*.c: protobuf-c <-> grpc_byte_buffer, channel args. */
+/* Internal to core/platform/rpc_*.c: protobuf-c <-> grpc_byte_buffer, channel args. */
 #ifndef MESHD_RPC_WIRE_H
 #define MESHD_RPC_WIRE_H
 

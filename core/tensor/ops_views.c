@@ -59,7 +59,7 @@ static int infer_size(const op_args_t *a, int param, const tensor_meta_t *t, int
                    "%s: argument '%s': shape %s is invalid for self of shape %s (%" PRId64
                    " elements)",
                    OPN(a), PN(a, param), layout_format_shape(shape, (int)n, b1, sizeof b1),
-                   shape_str(t, b2), numel);
+                   ops__shape_str(t, b2), numel);
 }
 
 /* torch's computeStride: strides viewing `old` as `shape`, or false when some
@@ -103,7 +103,7 @@ static bool compute_stride(const layout_t *old, const int64_t *shape, int n, int
   return view_d == -1;
 }
 
-int rule_view(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_view(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   layout_t l = t->layout;
   if (infer_size(a, 1, t, l.sizes, &l.ndim, e)) return -1;
@@ -113,41 +113,41 @@ int rule_view(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
                      "%s: argument 'size' %s is not compatible with self's shape %s and strides "
                      "%s (a new dim would span non-contiguous memory); use reshape(...) instead",
                      OPN(a), layout_format_shape(l.sizes, l.ndim, b1, sizeof b1),
-                     shape_str(t, b2),
+                     ops__shape_str(t, b2),
                      layout_format_shape(t->layout.strides, t->layout.ndim, b3, sizeof b3));
   }
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_reshape(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_reshape(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   layout_t l = t->layout;
   if (infer_size(a, 1, t, l.sizes, &l.ndim, e)) return -1;
   if (compute_stride(&t->layout, l.sizes, l.ndim, l.strides)) {
-    push_view(out, t->dtype, &l, 0);
+    ops__push_view(out, t->dtype, &l, 0);
     return 0;
   }
-  return push_fresh(a, out, t->dtype, l.sizes, l.ndim, e);
+  return ops__push_fresh(a, out, t->dtype, l.sizes, l.ndim, e);
 }
 
-int rule_transpose(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_transpose(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   layout_t l = t->layout;
   int64_t d0, d1;
-  if (wrap_dim_arg(a, 1, arg_int(a, 1), l.ndim, true, &d0, e) ||
-      wrap_dim_arg(a, 2, arg_int(a, 2), l.ndim, true, &d1, e))
+  if (ops__wrap_dim_arg(a, 1, arg_int(a, 1), l.ndim, true, &d0, e) ||
+      ops__wrap_dim_arg(a, 2, arg_int(a, 2), l.ndim, true, &d1, e))
     return -1;
   if (l.ndim > 0) {
     int64_t s = l.sizes[d0], st = l.strides[d0];
     l.sizes[d0] = l.sizes[d1], l.strides[d0] = l.strides[d1];
     l.sizes[d1] = s, l.strides[d1] = st;
   }
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_t(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_t(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   layout_t l = t->layout;
   if (l.ndim > 2) {
@@ -155,18 +155,18 @@ int rule_t(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
     return error_set(e, ERR_SHAPE_MISMATCH,
                      "%s: argument 'self' must have at most 2 dims, got shape %s (use transpose "
                      "or permute)",
-                     OPN(a), shape_str(t, buf));
+                     OPN(a), ops__shape_str(t, buf));
   }
   if (l.ndim == 2) {
     int64_t s = l.sizes[0], st = l.strides[0];
     l.sizes[0] = l.sizes[1], l.strides[0] = l.strides[1];
     l.sizes[1] = s, l.strides[1] = st;
   }
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_permute(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_permute(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   const int64_t *dims;
   size_t n;
@@ -176,17 +176,17 @@ int rule_permute(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
     return error_set(e, ERR_BAD_DIM,
                      "%s: argument 'dims' has %zu entries but self (shape %s) has %d dims; name "
                      "each dim once",
-                     OPN(a), n, shape_str(t, buf), t->layout.ndim);
+                     OPN(a), n, ops__shape_str(t, buf), t->layout.ndim);
   }
   uint32_t mask;
-  if (dims_to_mask(a, 1, dims, n, t->layout.ndim, false, &mask, e)) return -1;
+  if (ops__dims_to_mask(a, 1, dims, n, t->layout.ndim, false, &mask, e)) return -1;
   layout_t l = t->layout;
   for (size_t i = 0; i < n; i++) {
     int64_t d = dims[i] < 0 ? dims[i] + l.ndim : dims[i];
     l.sizes[i] = t->layout.sizes[d];
     l.strides[i] = t->layout.strides[d];
   }
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
@@ -204,10 +204,10 @@ static void drop_dim(layout_t *l, int d) {
   l->ndim--;
 }
 
-int rule_select(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_select(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   int64_t d, idx = arg_int(a, 2);
-  if (need_dims(a, t, e) || wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, false, &d, e))
+  if (need_dims(a, t, e) || ops__wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, false, &d, e))
     return -1;
   int64_t size = t->layout.sizes[d];
   if (idx < -size || idx >= size)
@@ -219,14 +219,14 @@ int rule_select(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   layout_t l = t->layout;
   l.offset += idx * l.strides[d];
   drop_dim(&l, (int)d);
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_narrow(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_narrow(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   int64_t d, start = arg_int(a, 2), length = arg_int(a, 3);
-  if (need_dims(a, t, e) || wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, false, &d, e))
+  if (need_dims(a, t, e) || ops__wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, false, &d, e))
     return -1;
   int64_t size = t->layout.sizes[d];
   if (length < 0)
@@ -246,14 +246,14 @@ int rule_narrow(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   layout_t l = t->layout;
   l.offset += start * l.strides[d];
   l.sizes[d] = length;
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_slice(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_slice(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   int64_t d, step = arg_int(a, 4);
-  if (need_dims(a, t, e) || wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, false, &d, e))
+  if (need_dims(a, t, e) || ops__wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, false, &d, e))
     return -1;
   if (step <= 0)
     return error_set(e, ERR_BAD_ARGUMENT, "%s: argument 'step' must be positive, got %" PRId64,
@@ -273,14 +273,14 @@ int rule_slice(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   int64_t stride;
   /* Overflow means step > size, so at most one element and the stride is moot. */
   if (!__builtin_mul_overflow(l.strides[d], step, &stride)) l.strides[d] = stride;
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_unsqueeze(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_unsqueeze(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   int64_t d;
-  if (wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim + 1, false, &d, e)) return -1;
+  if (ops__wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim + 1, false, &d, e)) return -1;
   if (t->layout.ndim + 1 > LAYOUT_MAX_DIMS)
     return error_set(e, ERR_BAD_ARGUMENT,
                      "%s: argument 'self' already has %d dims, the most a tensor may have",
@@ -294,11 +294,11 @@ int rule_unsqueeze(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   l.sizes[d] = 1;
   l.strides[d] = stride;
   l.ndim++;
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_squeeze(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_squeeze(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   uint32_t mask = UINT32_MAX;
   if (!arg_none(a, 1)) {
@@ -306,16 +306,16 @@ int rule_squeeze(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
     size_t n;
     op_value_ints(&a->v[1], &dims, &n);
     if (n > LAYOUT_MAX_DIMS) return too_many_dims(a, 1, n, e);
-    if (dims_to_mask(a, 1, dims, n, t->layout.ndim, true, &mask, e)) return -1;
+    if (ops__dims_to_mask(a, 1, dims, n, t->layout.ndim, true, &mask, e)) return -1;
   }
   layout_t l = t->layout;
   for (int i = t->layout.ndim - 1; i >= 0; i--)
     if ((mask & (1u << i)) && l.sizes[i] == 1) drop_dim(&l, i);
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_expand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_expand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   const int64_t *sizes;
   size_t n;
@@ -326,7 +326,7 @@ int rule_expand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   if (nd < td)
     return error_set(e, ERR_SHAPE_MISMATCH,
                      "%s: argument 'size' %s has %d dims, fewer than self's %d (shape %s)", OPN(a),
-                     layout_format_shape(sizes, nd, b1, sizeof b1), nd, td, shape_str(t, b2));
+                     layout_format_shape(sizes, nd, b1, sizeof b1), nd, td, ops__shape_str(t, b2));
   layout_t l = {.ndim = nd, .offset = t->layout.offset};
   for (int i = nd - 1; i >= 0; i--) {
     int dim = td - (nd - i);
@@ -351,22 +351,22 @@ int rule_expand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
                          "%s: argument 'size': the expanded size %" PRId64 " must match the "
                          "existing size %" PRId64 " at non-singleton dim %d (size %s, self %s)",
                          OPN(a), target, size, i, layout_format_shape(sizes, nd, b1, sizeof b1),
-                         shape_str(t, b2));
+                         ops__shape_str(t, b2));
       size = target;
       stride = 0;
     }
     l.sizes[i] = size;
     l.strides[i] = stride;
   }
-  push_view(out, t->dtype, &l, 0);
+  ops__push_view(out, t->dtype, &l, 0);
   return 0;
 }
 
-int rule_contiguous(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_contiguous(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   if (layout_is_contiguous(&t->layout)) {
-    push_view(out, t->dtype, &t->layout, 0);
+    ops__push_view(out, t->dtype, &t->layout, 0);
     return 0;
   }
-  return push_fresh(a, out, t->dtype, t->layout.sizes, t->layout.ndim, e);
+  return ops__push_fresh(a, out, t->dtype, t->layout.sizes, t->layout.ndim, e);
 }

@@ -9,7 +9,8 @@
 
 #include "ops_internal.h"
 
-#define OP(s, r, v) {.schema = (s), .rule = (r), .variant = (v)}
+/* `r` names a rule of ops_internal.h without its ops__ prefix. */
+#define OP(s, r, v) {.schema = (s), .rule = ops__##r, .variant = (v)}
 
 static op_def_t table[] = {
     /* factories */
@@ -362,8 +363,8 @@ static const char *kind_desc(value_kind_t k) {
   return "unknown value";
 }
 
-static int check_tensor(const op_def_t *op, const op_param_t *p, const tensor_meta_t *t,
-                        meshd_error_t *e) {
+static int check_tensor_meta(const op_def_t *op, const op_param_t *p, const tensor_meta_t *t,
+                             meshd_error_t *e) {
   char ctx[OP_NAME_MAX * 3];
   snprintf(ctx, sizeof ctx, "%s: argument '%s'", op->name, p->name);
   if (!t) return error_set(e, ERR_BAD_ARGUMENT, "%s: tensor is missing", ctx);
@@ -381,13 +382,13 @@ static int bind_value(const op_def_t *op, const op_param_t *p, const op_value_t 
   case VAL_NONE: ok = p->optional; break;
   case VAL_TENSOR:
     ok = p->type == PARAM_TENSOR || p->type == PARAM_TENSOR_OR_SCALAR;
-    if (ok && check_tensor(op, p, in->tensor, e)) return -1;
+    if (ok && check_tensor_meta(op, p, in->tensor, e)) return -1;
     break;
   case VAL_TENSORS:
     ok = p->type == PARAM_TENSORS;
-    if (ok && in->ntensors && !in->tensors) return check_tensor(op, p, NULL, e);
+    if (ok && in->ntensors && !in->tensors) return check_tensor_meta(op, p, NULL, e);
     for (size_t i = 0; ok && i < in->ntensors; i++)
-      if (check_tensor(op, p, in->tensors[i], e)) return -1;
+      if (check_tensor_meta(op, p, in->tensors[i], e)) return -1;
     break;
   case VAL_INT:
     ok = p->type == PARAM_INT || p->type == PARAM_INTS || p->type == PARAM_SCALAR ||

@@ -18,7 +18,7 @@ static int reduce_mask(const op_args_t *a, const tensor_meta_t *t, uint32_t *mas
   if (n > LAYOUT_MAX_DIMS)
     return error_set(e, ERR_BAD_DIM, "%s: argument 'dim' names %zu dims; a tensor has at most %d",
                      OPN(a), n, LAYOUT_MAX_DIMS);
-  return dims_to_mask(a, 1, dims, n, t->layout.ndim, true, mask, e);
+  return ops__dims_to_mask(a, 1, dims, n, t->layout.ndim, true, mask, e);
 }
 
 /* torch refuses max/amax/argmax over nothing: there is no identity to return. */
@@ -30,18 +30,18 @@ static int check_nonempty(const op_args_t *a, const tensor_meta_t *t, uint32_t m
     return error_set(e, ERR_SHAPE_MISMATCH,
                      "%s: argument 'self' has no elements (shape %s); name the dims to reduce "
                      "with argument 'dim'",
-                     OPN(a), shape_str(t, buf));
+                     OPN(a), ops__shape_str(t, buf));
   }
   for (int d = 0; d < t->layout.ndim; d++)
     if ((mask & (1u << d)) && t->layout.sizes[d] == 0)
       return error_set(e, ERR_SHAPE_MISMATCH,
                        "%s: argument 'dim': dim %d of self (shape %s) has size 0, and %s over an "
                        "empty dim has no value",
-                       OPN(a), d, shape_str(t, buf), OPN(a));
+                       OPN(a), d, ops__shape_str(t, buf), OPN(a));
   return 0;
 }
 
-int rule_reduce(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_reduce(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   int variant = a->op->variant;
   bool keepdim = arg_bool(a, 2), all;
@@ -95,21 +95,21 @@ int rule_reduce(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
     if (!(mask & (1u << d))) shape[nd++] = t->layout.sizes[d];
     else if (keepdim) shape[nd++] = 1;
   }
-  if (push_fresh(a, out, dt, shape, nd, e)) return -1;
-  if (variant == RED_MAXMIN && !all) return push_fresh(a, out, DTYPE_INT64, shape, nd, e);
+  if (ops__push_fresh(a, out, dt, shape, nd, e)) return -1;
+  if (variant == RED_MAXMIN && !all) return ops__push_fresh(a, out, DTYPE_INT64, shape, nd, e);
   return 0;
 }
 
-int rule_softmax(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_softmax(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   int64_t d;
-  if (wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, true, &d, e)) return -1;
+  if (ops__wrap_dim_arg(a, 1, arg_int(a, 1), t->layout.ndim, true, &d, e)) return -1;
   dtype_t given = arg_dtype(a, 2), dt = given ? given : t->dtype;
   if (!dtype_is_floating(dt))
     return error_set(e, ERR_DTYPE_MISMATCH,
                      "%s: argument '%s' is %s, but %s needs a floating dtype (pass dtype=float32)",
                      OPN(a), given ? "dtype" : "self", dtype_name(dt), OPN(a));
-  return push_fresh(a, out, dt, t->layout.sizes, t->layout.ndim, e);
+  return ops__push_fresh(a, out, dt, t->layout.sizes, t->layout.ndim, e);
 }
 
 /* Matrix products take one dtype, as torch does (no promotion), and not bool. */
@@ -132,7 +132,7 @@ static int inner_mismatch(const op_args_t *a, const tensor_meta_t *x, const tens
   return error_set(e, ERR_SHAPE_MISMATCH,
                    "%s: self is %s and %s is %s: inner dims %" PRId64 " and %" PRId64
                    " must match",
-                   OPN(a), shape_str(x, b1), PN(a, 1), shape_str(y, b2), k1, k2);
+                   OPN(a), ops__shape_str(x, b1), PN(a, 1), ops__shape_str(y, b2), k1, k2);
 }
 
 static int need_ndim(const op_args_t *a, int param, int want, meshd_error_t *e) {
@@ -140,10 +140,10 @@ static int need_ndim(const op_args_t *a, int param, int want, meshd_error_t *e) 
   if (t->layout.ndim == want) return 0;
   char buf[LAYOUT_SHAPE_BUF];
   return error_set(e, ERR_SHAPE_MISMATCH, "%s: argument '%s' must be a %d-D tensor, got shape %s",
-                   OPN(a), PN(a, param), want, shape_str(t, buf));
+                   OPN(a), PN(a, param), want, ops__shape_str(t, buf));
 }
 
-int rule_matmul(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_matmul(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *x = arg_tensor(a, 0), *y = arg_tensor(a, 1);
   int n1 = x->layout.ndim, n2 = y->layout.ndim;
   const int64_t *s1 = x->layout.sizes, *s2 = y->layout.sizes;
@@ -164,20 +164,20 @@ int rule_matmul(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
     return -1;
   if (n1 > 1) shape[nd++] = s1[n1 - 2];
   if (n2 > 1) shape[nd++] = s2[n2 - 1];
-  return push_fresh(a, out, x->dtype, shape, nd, e);
+  return ops__push_fresh(a, out, x->dtype, shape, nd, e);
 }
 
-int rule_mm(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_mm(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   if (need_ndim(a, 0, 2, e) || need_ndim(a, 1, 2, e)) return -1;
   const tensor_meta_t *x = arg_tensor(a, 0), *y = arg_tensor(a, 1);
   if (check_mat_dtypes(a, x, y, e)) return -1;
   if (x->layout.sizes[1] != y->layout.sizes[0])
     return inner_mismatch(a, x, y, x->layout.sizes[1], y->layout.sizes[0], e);
   int64_t shape[2] = {x->layout.sizes[0], y->layout.sizes[1]};
-  return push_fresh(a, out, x->dtype, shape, 2, e);
+  return ops__push_fresh(a, out, x->dtype, shape, 2, e);
 }
 
-int rule_bmm(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_bmm(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   if (need_ndim(a, 0, 3, e) || need_ndim(a, 1, 3, e)) return -1;
   const tensor_meta_t *x = arg_tensor(a, 0), *y = arg_tensor(a, 1);
   if (check_mat_dtypes(a, x, y, e)) return -1;
@@ -186,11 +186,11 @@ int rule_bmm(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
     return error_set(e, ERR_SHAPE_MISMATCH,
                      "%s: self is %s and mat2 is %s: batch sizes %" PRId64 " and %" PRId64
                      " must match (bmm does not broadcast; use matmul)",
-                     OPN(a), shape_str(x, b1), shape_str(y, b2), x->layout.sizes[0],
+                     OPN(a), ops__shape_str(x, b1), ops__shape_str(y, b2), x->layout.sizes[0],
                      y->layout.sizes[0]);
   }
   if (x->layout.sizes[2] != y->layout.sizes[1])
     return inner_mismatch(a, x, y, x->layout.sizes[2], y->layout.sizes[1], e);
   int64_t shape[3] = {x->layout.sizes[0], x->layout.sizes[1], y->layout.sizes[2]};
-  return push_fresh(a, out, x->dtype, shape, 3, e);
+  return ops__push_fresh(a, out, x->dtype, shape, 3, e);
 }

@@ -7,27 +7,27 @@
 
 #include "ops_internal.h"
 
-const char *shape_str(const tensor_meta_t *t, char *buf) {
+const char *ops__shape_str(const tensor_meta_t *t, char *buf) {
   return layout_format_shape(t->layout.sizes, t->layout.ndim, buf, LAYOUT_SHAPE_BUF);
 }
 
-const char *arg_ctx(const op_args_t *a, int i, char *buf, size_t n) {
+const char *ops__arg_ctx(const op_args_t *a, int i, char *buf, size_t n) {
   snprintf(buf, n, "%s: argument '%s'", OPN(a), PN(a, i));
   return buf;
 }
 
-int wrap_dim_arg(const op_args_t *a, int param, int64_t dim, int ndim, bool wrap_scalar,
-                 int64_t *out, meshd_error_t *e) {
+int ops__wrap_dim_arg(const op_args_t *a, int param, int64_t dim, int ndim, bool wrap_scalar,
+                      int64_t *out, meshd_error_t *e) {
   char ctx[3 * OP_NAME_MAX];
-  return layout_wrap_dim(arg_ctx(a, param, ctx, sizeof ctx), dim, ndim, wrap_scalar, out, e);
+  return layout_wrap_dim(ops__arg_ctx(a, param, ctx, sizeof ctx), dim, ndim, wrap_scalar, out, e);
 }
 
-int dims_to_mask(const op_args_t *a, int param, const int64_t *dims, size_t n, int ndim,
-                 bool wrap_scalar, uint32_t *mask, meshd_error_t *e) {
+int ops__dims_to_mask(const op_args_t *a, int param, const int64_t *dims, size_t n, int ndim,
+                      bool wrap_scalar, uint32_t *mask, meshd_error_t *e) {
   *mask = 0;
   for (size_t k = 0; k < n; k++) {
     int64_t d;
-    if (wrap_dim_arg(a, param, dims[k], ndim, wrap_scalar, &d, e)) return -1;
+    if (ops__wrap_dim_arg(a, param, dims[k], ndim, wrap_scalar, &d, e)) return -1;
     if (*mask & (1u << d))
       return error_set(e, ERR_BAD_DIM,
                        "%s: argument '%s': dim %" PRId64 " appears more than once in the list",
@@ -72,7 +72,7 @@ static bool float_overflows(double v, dtype_t dt) {
   return v < lo || v > hi;
 }
 
-int scalar_fits_arg(const op_args_t *a, int param, dtype_t dt, meshd_error_t *e) {
+int ops__scalar_fits_arg(const op_args_t *a, int param, dtype_t dt, meshd_error_t *e) {
   const op_value_t *v = &a->v[param];
   bool over = v->kind == VAL_INT ? int_overflows(v->i, dt)
               : v->kind == VAL_FLOAT ? float_overflows(v->f, dt)
@@ -125,8 +125,8 @@ dtype_t ops_result_type(const op_value_t *const *vals, size_t n) {
   return combine_categories(dim, combine_categories(zero, wrapped));
 }
 
-int push_fresh(const op_args_t *a, op_infer_t *out, dtype_t dt, const int64_t *sizes, int ndim,
-               meshd_error_t *e) {
+int ops__push_fresh(const op_args_t *a, op_infer_t *out, dtype_t dt, const int64_t *sizes,
+                    int ndim, meshd_error_t *e) {
   char ctx[OP_NAME_MAX + 16];
   snprintf(ctx, sizeof ctx, "%s: result", OPN(a));
   op_result_t *r = &out->results[out->nresults];
@@ -137,31 +137,31 @@ int push_fresh(const op_args_t *a, op_infer_t *out, dtype_t dt, const int64_t *s
   return 0;
 }
 
-void push_view(op_infer_t *out, dtype_t dt, const layout_t *l, int alias_param) {
+void ops__push_view(op_infer_t *out, dtype_t dt, const layout_t *l, int alias_param) {
   op_result_t *r = &out->results[out->nresults++];
   r->meta.dtype = dt;
   r->meta.layout = *l;
   r->alias_param = alias_param;
 }
 
-void push_inplace(op_infer_t *out, const op_args_t *a, int param) {
+void ops__push_inplace(op_infer_t *out, const op_args_t *a, int param) {
   const tensor_meta_t *t = arg_tensor(a, param);
-  push_view(out, t->dtype, &t->layout, param);
+  ops__push_view(out, t->dtype, &t->layout, param);
   out->mutates[out->nmutates++] = param;
 }
 
-int check_no_overlap(const op_args_t *a, int param, meshd_error_t *e) {
+int ops__check_no_overlap(const op_args_t *a, int param, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, param);
   if (!layout_has_internal_overlap(&t->layout)) return 0;
   char buf[LAYOUT_SHAPE_BUF];
   return error_set(e, ERR_BAD_ARGUMENT,
                    "%s: argument '%s' (shape %s) has several elements at one memory location "
                    "(an expanded view), so it can't be written in place; clone() it first",
-                   OPN(a), PN(a, param), shape_str(t, buf));
+                   OPN(a), PN(a, param), ops__shape_str(t, buf));
 }
 
-int check_inplace(const op_args_t *a, int param, dtype_t result, const int64_t *shape, int ndim,
-                  meshd_error_t *e) {
+int ops__check_inplace(const op_args_t *a, int param, dtype_t result, const int64_t *shape,
+                       int ndim, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, param);
   if (!dtype_can_cast(result, t->dtype))
     return error_set(e, ERR_DTYPE_MISMATCH,
@@ -175,8 +175,8 @@ int check_inplace(const op_args_t *a, int param, dtype_t result, const int64_t *
     return error_set(e, ERR_SHAPE_MISMATCH,
                      "%s: argument '%s' has shape %s but the broadcast shape is %s; an in-place "
                      "op can't resize '%s'",
-                     OPN(a), PN(a, param), shape_str(t, b1),
+                     OPN(a), PN(a, param), ops__shape_str(t, b1),
                      layout_format_shape(shape, ndim, b2, sizeof b2), PN(a, param));
   }
-  return check_no_overlap(a, param, e);
+  return ops__check_no_overlap(a, param, e);
 }

@@ -1,7 +1,15 @@
 /* meshd's small layer over the gRPC C core (1.51) and protobuf-c.
  *
- * Server side: a program fills a table of rpc_method_t (one row per RPC) and the
- * layer serves it from one shared completion queue polled by a pool of threads.
+ * Server side: a service is a static const table of rpc_method_t (one row per
+ * RPC), registered with the one pointer its callbacks get as `arg`:
+ *
+ *   static const rpc_method_t rows[] = {
+ *       {.path = "/pkg.Svc/Get", .kind = RPC_UNARY, .request = &get_request__descriptor,
+ *        .on_start = get},
+ *   };
+ *   rpc_server_add_methods(srv, rows, sizeof rows / sizeof rows[0], svc);
+ *
+ * The layer serves it from one shared completion queue polled by a pool of threads.
  * Handlers are callbacks; they never block a completion-queue thread. A handler
  * that needs to wait (for an agent, a timer) keeps a reference to the call and
  * answers later from any thread: every rpc_call_* function is thread-safe.
@@ -34,7 +42,8 @@ typedef enum {
 typedef struct rpc_call rpc_call_t;
 typedef struct rpc_server rpc_server_t;
 
-/* One row of a server's method table.
+/* One row of a server's method table. Rows hold no state: the `arg` every
+ * callback gets is given to rpc_server_add_methods with the rows.
  *
  * Callback order for one call: on_start once; then, for streaming requests,
  * on_message for each request message and on_message(NULL) at the client's
@@ -55,7 +64,6 @@ typedef struct rpc_method {
   /* The call is over: status sent, or the peer cancelled / disconnected
    * (cancelled = true). May be NULL. Release handler state here. */
   void (*on_end)(rpc_call_t *call, bool cancelled, void *arg);
-  void *arg;                                 /* passed to every callback */
 } rpc_method_t;
 
 typedef struct rpc_server_opts {
@@ -70,9 +78,10 @@ typedef struct rpc_server_opts {
 
 /* Creates a server. Returns NULL and a message in err on failure. */
 rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t errlen);
-/* Adds rows to the method table; the rows must outlive the server. Before start only.
+/* Adds n rows to the method table; every callback of these rows gets `arg`.
+ * The rows, and what arg points to, must outlive the server. Before start only.
  * Returns 0, or -1 if a path is already registered. */
-int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n);
+int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n, void *arg);
 /* Binds the port, starts the threads. Returns the bound port (> 0) or -1 with err
  * ("address already in use: 127.0.0.1:50051"). Unknown methods are answered with
  * UNIMPLEMENTED naming the method. */
@@ -193,5 +202,8 @@ void rpc_shutdown(void);
 
 /* Milliseconds on a monotonic clock. */
 int64_t rpc_now_ms(void);
+
+/* gRPC code name as grpc-status spells it: "INVALID_ARGUMENT"; "UNKNOWN" outside 0..16. */
+const char *meshd_grpc_code_name(grpc_status_code c);
 
 #endif

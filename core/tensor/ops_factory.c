@@ -12,8 +12,8 @@ static int size_arg(const op_args_t *a, int param, dtype_t dt, const int64_t **s
   size_t n;
   char ctx[3 * OP_NAME_MAX];
   op_value_ints(&a->v[param], sizes, &n);
-  if (layout_check_shape(arg_ctx(a, param, ctx, sizeof ctx), *sizes, (int64_t)(n > INT32_MAX ? INT32_MAX : n),
-                         dtype_size(dt), e))
+  if (layout_check_shape(ops__arg_ctx(a, param, ctx, sizeof ctx), *sizes,
+                         (int64_t)(n > INT32_MAX ? INT32_MAX : n), dtype_size(dt), e))
     return -1;
   *ndim = (int)n;
   return 0;
@@ -24,15 +24,15 @@ static dtype_t dtype_or(const op_args_t *a, int param, dtype_t dflt) {
   return d == DTYPE_INVALID ? dflt : d;
 }
 
-int rule_filled(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_filled(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   dtype_t dt = dtype_or(a, 1, DTYPE_DEFAULT_FLOAT);
   const int64_t *sizes;
   int n;
   if (size_arg(a, 0, dt, &sizes, &n, e)) return -1;
-  return push_fresh(a, out, dt, sizes, n, e);
+  return ops__push_fresh(a, out, dt, sizes, n, e);
 }
 
-int rule_full(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_full(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   /* Like torch.full: without a dtype the fill value's kind decides. */
   value_kind_t k = a->v[1].kind;
   dtype_t dt = dtype_or(a, 2, k == VAL_BOOL  ? DTYPE_BOOL
@@ -40,8 +40,8 @@ int rule_full(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
                                              : DTYPE_DEFAULT_FLOAT);
   const int64_t *sizes;
   int n;
-  if (size_arg(a, 0, dt, &sizes, &n, e) || scalar_fits_arg(a, 1, dt, e)) return -1;
-  return push_fresh(a, out, dt, sizes, n, e);
+  if (size_arg(a, 0, dt, &sizes, &n, e) || ops__scalar_fits_arg(a, 1, dt, e)) return -1;
+  return ops__push_fresh(a, out, dt, sizes, n, e);
 }
 
 /* A Scalar as an int64 the way c10 converts it (truncating a float); false when
@@ -54,7 +54,7 @@ static bool to_int64(const op_value_t *v, int64_t *out) {
   return true;
 }
 
-/* ceil((end - start) / step) without libm (meshd_core does not link it). */
+/* ceil((end - start) / step) without libm (meshd_tensor does not link it). */
 static double ceil_(double start, double end, double step) {
   double q = (end - start) / step;
   if (!(q > -9.2e18 && q < 9.2e18)) return q; /* huge values are integers already */
@@ -62,7 +62,7 @@ static double ceil_(double start, double end, double step) {
   return t < q ? t + 1 : t;
 }
 
-int rule_arange(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_arange(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   /* arange(end) counts from 0, as Python's range does. */
   op_value_t zero = {.kind = VAL_INT, .i = 0};
   const op_value_t *start = &a->v[0], *end = &a->v[1], *step = &a->v[2];
@@ -120,10 +120,10 @@ int rule_arange(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
       return error_set(e, ERR_BAD_ARGUMENT, "%s: the range has too many elements", OPN(a));
     len = (int64_t)n;
   }
-  return push_fresh(a, out, dt, &len, 1, e);
+  return ops__push_fresh(a, out, dt, &len, 1, e);
 }
 
-int rule_rand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_rand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   dtype_t dt = dtype_or(a, 1, DTYPE_DEFAULT_FLOAT);
   if (!dtype_is_floating(dt))
     return error_set(e, ERR_DTYPE_MISMATCH,
@@ -133,33 +133,33 @@ int rule_rand(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const int64_t *sizes;
   int n;
   if (size_arg(a, 0, dt, &sizes, &n, e)) return -1;
-  return push_fresh(a, out, dt, sizes, n, e);
+  return ops__push_fresh(a, out, dt, sizes, n, e);
 }
 
-int rule_rank(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_rank(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const char *dim = arg_str(a, 0);
   if (!dim || !dim[0])
     return error_set(e, ERR_BAD_ARGUMENT, "%s: argument 'dim' must name a dim of the mesh, got ''",
                      OPN(a));
-  return push_fresh(a, out, DTYPE_INT64, NULL, 0, e);
+  return ops__push_fresh(a, out, DTYPE_INT64, NULL, 0, e);
 }
 
-int rule_fill_(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_fill_(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *v = arg_tensor(a, 1);
   if (v && v->layout.ndim != 0) {
     char buf[LAYOUT_SHAPE_BUF];
     return error_set(e, ERR_SHAPE_MISMATCH,
                      "%s: argument '%s' must be a Scalar or a 0-dim tensor, got a tensor of shape "
                      "%s",
-                     OPN(a), PN(a, 1), shape_str(v, buf));
+                     OPN(a), PN(a, 1), ops__shape_str(v, buf));
   }
   /* Filling is idempotent, so an expanded self is fine (torch agrees). */
-  if (!v && scalar_fits_arg(a, 1, arg_tensor(a, 0)->dtype, e)) return -1;
-  push_inplace(out, a, 0);
+  if (!v && ops__scalar_fits_arg(a, 1, arg_tensor(a, 0)->dtype, e)) return -1;
+  ops__push_inplace(out, a, 0);
   return 0;
 }
 
-int rule_zero_(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
-  push_inplace(out, a, 0);
+int ops__rule_zero_(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+  ops__push_inplace(out, a, 0);
   return 0;
 }

@@ -1,29 +1,33 @@
-/* The agent-to-agent data plane for cpu agents: TCP between agents, used by
- * collectives (reduce) and point-to-point sends (to_mesh). Every agent listens
- * on a data port it reports at registration (RegisterRequest.data_port); the
- * server puts each peer's "host:port" into the instructions (Group.addresses,
- * SendTensor.peer_address), so the data plane needs no directory of its own.
+/* The agents' TCP transport: the data plane between agents, used by the whole
+ * agent — collectives (reduce) and point-to-point sends (to_mesh) of the cpu
+ * backend and of cuda:emulated, and the NCCL bootstrap of real cuda devices.
+ * Every agent listens on a data port it reports at registration
+ * (RegisterRequest.data_port); the server puts each peer's "host:port" into the
+ * instructions (Group.addresses, SendTensor.peer_address), so the data plane
+ * needs no directory of its own. main.c starts it; the backends reach it
+ * through backend_t.net.
  *
  * Buffers are host memory, contiguous, `count` elements of `dtype`. Every call
  * is blocking, must be entered by every member of the group with the same
  * comm_id and arguments, and fails on every rank within `timeout_ms` if a peer
  * disappears (REMOTE_FAILURE / AGENT_LOST naming the peer) — never hangs.
- * Thread-safe: different comm_ids may run concurrently (one per stream). */
-#ifndef MESHD_AGENT_DATAPLANE_H
-#define MESHD_AGENT_DATAPLANE_H
+ * Thread-safe: different comm_ids may run concurrently (one per stream).
+ *
+ * Inside (agent/dataplane/): conn.c connections and listener, transfer.c the
+ * transfer engine, collectives.c, p2p.c, reduce_ops.c (dp_internal.h). */
+#ifndef MESHD_AGENT_DATAPLANE_DATAPLANE_H
+#define MESHD_AGENT_DATAPLANE_DATAPLANE_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "dtype.h"
 #include "error_kind.h"
+#include "reduction.h"
 
-typedef enum {
-  DP_SUM, DP_AVG, DP_PRODUCT, DP_MIN, DP_MAX, DP_BAND, DP_BOR, DP_BXOR
-} dp_reduce_t;
-
-/* "sum" -> DP_SUM ...; -1 for "stack" or unknown. */
-int dp_reduce_parse(const char *name);
+/* Reductions are the catalogue's (reduction.h); the data plane runs those
+ * that combine elements (every one but stack), with reduce_ops.h's
+ * semantics. */
 
 typedef struct dataplane dataplane_t;
 
@@ -47,10 +51,10 @@ void dataplane_stop(dataplane_t *dp);
 
 /* In place: buf becomes the reduction of every member's buf. */
 int dp_allreduce(dataplane_t *dp, const dp_group_t *g, void *buf, size_t count, dtype_t dtype,
-                 dp_reduce_t op, meshd_error_t *err);
+                 reduction_t op, meshd_error_t *err);
 /* in: n * count elements; out: count elements, this member's reduced slice. */
 int dp_reduce_scatter(dataplane_t *dp, const dp_group_t *g, const void *in, void *out,
-                      size_t count, dtype_t dtype, dp_reduce_t op, meshd_error_t *err);
+                      size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err);
 /* in: count elements; out: n * count, member i's in at slice i. */
 int dp_allgather(dataplane_t *dp, const dp_group_t *g, const void *in, void *out, size_t count,
                  dtype_t dtype, meshd_error_t *err);

@@ -1,46 +1,19 @@
-/* Typed element-wise reductions for the cpu data plane. */
+/* Typed element-wise reductions for the data plane (reduce_ops.h). */
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "dataplane_internal.h"
+#include "reduce_ops.h"
 #include "half.h"
 
-int dp_reduce_parse(const char *name) {
-  static const char *const names[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
-  if (!name) return -1;
-  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-    if (strcmp(name, names[i]) == 0) return (int)i;
-  return -1;
-}
-
-static const char *op_name(dp_reduce_t op) {
-  static const char *const names[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor"};
-  return (unsigned)op < sizeof names / sizeof names[0] ? names[op] : "unknown";
-}
-
-int dp_reduce_check(dp_reduce_t op, dtype_t dtype, meshd_error_t *err) {
-  if (!dtype_valid(dtype))
-    return error_set(err, ERR_BAD_ARGUMENT, "dtype %d is not a known dtype", (int)dtype);
-  if ((unsigned)op > DP_BXOR)
+int dp_reduce_check(reduction_t op, dtype_t dtype, meshd_error_t *err) {
+  if (op != RED_INVALID && !reduction_combines(op))
     return error_set(err, ERR_BAD_ARGUMENT,
-                     "reduction %d is unknown (expected one of sum avg product min max "
-                     "band bor bxor)",
-                     (int)op);
-  bool bitwise = op == DP_BAND || op == DP_BOR || op == DP_BXOR;
-  if (bitwise && dtype_is_floating(dtype))
-    return error_set(err, ERR_BAD_ARGUMENT,
-                     "reduction '%s' is bitwise and is defined only on integer and bool "
-                     "dtypes, not %s",
-                     op_name(op), dtype_name(dtype));
-  if (op == DP_AVG && dtype == DTYPE_BOOL)
-    return error_set(err, ERR_BAD_ARGUMENT,
-                     "reduction 'avg' is not defined on bool; cast to a floating dtype");
-  return 0;
+                     "reduction '%s' gathers rather than combines; it has no element-wise form",
+                     reduction_name(op));
+  return reduction_check_dtype(op, dtype, err);
 }
-
-/* ------------------------------------------------------------ 16-bit floats */
 
 /* ------------------------------------------------------------------- kernels */
 
@@ -48,19 +21,19 @@ static inline double fmin_nan(double a, double b) { return isnan(a) ? a : isnan(
 static inline double fmax_nan(double a, double b) { return isnan(a) ? a : isnan(b) ? b : a > b ? a : b; }
 
 #define FLOAT_KERNEL(NAME, T)                                                             \
-  static void NAME(dp_reduce_t op, T *d, const T *s, size_t n) {                          \
+  static void NAME(reduction_t op, T *d, const T *s, size_t n) {                          \
     switch (op) {                                                                         \
-    case DP_SUM:                                                                          \
-    case DP_AVG:                                                                          \
+    case RED_SUM:                                                                         \
+    case RED_AVG:                                                                         \
       for (size_t i = 0; i < n; i++) d[i] = d[i] + s[i];                                  \
       break;                                                                              \
-    case DP_PRODUCT:                                                                      \
+    case RED_PRODUCT:                                                                     \
       for (size_t i = 0; i < n; i++) d[i] = d[i] * s[i];                                  \
       break;                                                                              \
-    case DP_MIN:                                                                          \
+    case RED_MIN:                                                                         \
       for (size_t i = 0; i < n; i++) d[i] = (T)fmin_nan(d[i], s[i]);                      \
       break;                                                                              \
-    case DP_MAX:                                                                          \
+    case RED_MAX:                                                                         \
       for (size_t i = 0; i < n; i++) d[i] = (T)fmax_nan(d[i], s[i]);                      \
       break;                                                                              \
     default:                                                                              \
@@ -72,7 +45,7 @@ FLOAT_KERNEL(reduce_f32, float)
 FLOAT_KERNEL(reduce_f64, double)
 
 /* 16-bit floats: widen a block to float32, reduce, round back. */
-static void reduce_half(dp_reduce_t op, bool bf16, uint16_t *d, const uint16_t *s, size_t n) {
+static void reduce_half(reduction_t op, bool bf16, uint16_t *d, const uint16_t *s, size_t n) {
   float a[256], b[256];
   for (size_t at = 0; at < n; at += 256) {
     size_t k = n - at < 256 ? n - at : 256;
@@ -89,29 +62,30 @@ static void reduce_half(dp_reduce_t op, bool bf16, uint16_t *d, const uint16_t *
  * never undefined); products widened to 64 bits first so that uint16 * uint16
  * does not overflow int. */
 #define INT_KERNEL(NAME, T, U)                                                             \
-  static void NAME(dp_reduce_t op, T *d, const T *s, size_t n) {                           \
+  static void NAME(reduction_t op, T *d, const T *s, size_t n) {                           \
     switch (op) {                                                                          \
-    case DP_SUM:                                                                           \
-    case DP_AVG:                                                                           \
+    case RED_SUM:                                                                          \
       for (size_t i = 0; i < n; i++) d[i] = (T)(U)((U)d[i] + (U)s[i]);                     \
       break;                                                                               \
-    case DP_PRODUCT:                                                                       \
+    case RED_PRODUCT:                                                                      \
       for (size_t i = 0; i < n; i++) d[i] = (T)(U)((uint64_t)(U)d[i] * (uint64_t)(U)s[i]); \
       break;                                                                               \
-    case DP_MIN:                                                                           \
+    case RED_MIN:                                                                          \
       for (size_t i = 0; i < n; i++) d[i] = s[i] < d[i] ? s[i] : d[i];                     \
       break;                                                                               \
-    case DP_MAX:                                                                           \
+    case RED_MAX:                                                                          \
       for (size_t i = 0; i < n; i++) d[i] = s[i] > d[i] ? s[i] : d[i];                     \
       break;                                                                               \
-    case DP_BAND:                                                                          \
+    case RED_BAND:                                                                         \
       for (size_t i = 0; i < n; i++) d[i] = (T)(d[i] & s[i]);                              \
       break;                                                                               \
-    case DP_BOR:                                                                           \
+    case RED_BOR:                                                                          \
       for (size_t i = 0; i < n; i++) d[i] = (T)(d[i] | s[i]);                              \
       break;                                                                               \
-    case DP_BXOR:                                                                          \
+    case RED_BXOR:                                                                         \
       for (size_t i = 0; i < n; i++) d[i] = (T)(d[i] ^ s[i]);                              \
+      break;                                                                               \
+    default: /* avg and stack are not element-wise on integers (dp_reduce_check) */        \
       break;                                                                               \
     }                                                                                      \
   }
@@ -123,18 +97,19 @@ INT_KERNEL(reduce_i32, int32_t, uint32_t)
 INT_KERNEL(reduce_i64, int64_t, uint64_t)
 
 /* bool as torch sees it: sum/max/bor = or, product/min/band = and, bxor = xor. */
-static void reduce_bool(dp_reduce_t op, uint8_t *d, const uint8_t *s, size_t n) {
+static void reduce_bool(reduction_t op, uint8_t *d, const uint8_t *s, size_t n) {
   for (size_t i = 0; i < n; i++) {
     bool a = d[i] != 0, b = s[i] != 0;
     switch (op) {
-    case DP_SUM: case DP_AVG: case DP_MAX: case DP_BOR: d[i] = a || b; break;
-    case DP_PRODUCT: case DP_MIN: case DP_BAND: d[i] = a && b; break;
-    case DP_BXOR: d[i] = a != b; break;
+    case RED_SUM: case RED_MAX: case RED_BOR: d[i] = a || b; break;
+    case RED_PRODUCT: case RED_MIN: case RED_BAND: d[i] = a && b; break;
+    case RED_BXOR: d[i] = a != b; break;
+    default: break; /* avg and stack are not defined on bool */
     }
   }
 }
 
-void dp_reduce_apply(dp_reduce_t op, dtype_t dtype, void *dst, const void *src, size_t count) {
+void dp_reduce_apply(reduction_t op, dtype_t dtype, void *dst, const void *src, size_t count) {
   switch (dtype) {
   case DTYPE_FLOAT32: reduce_f32(op, dst, src, count); break;
   case DTYPE_FLOAT64: reduce_f64(op, dst, src, count); break;
@@ -150,39 +125,30 @@ void dp_reduce_apply(dp_reduce_t op, dtype_t dtype, void *dst, const void *src, 
   }
 }
 
-#define DIV_LOOP(T, CAST)                                         \
-  do {                                                            \
-    T *p = buf;                                                   \
-    for (size_t i = 0; i < count; i++) p[i] = (T)((CAST)p[i] / m); \
-  } while (0)
-
-void dp_reduce_finish(dp_reduce_t op, dtype_t dtype, void *buf, size_t count, size_t members) {
-  if (op != DP_AVG || members <= 1) return;
-  if (dtype == DTYPE_FLOAT16 || dtype == DTYPE_BFLOAT16) {
+void dp_reduce_finish(reduction_t op, dtype_t dtype, void *buf, size_t count, size_t members) {
+  if (op != RED_AVG || members <= 1) return;
+  switch (dtype) { /* avg is defined on floating dtypes only (reduction.h) */
+  case DTYPE_FLOAT32: {
+    float *p = buf, m = (float)members;
+    for (size_t i = 0; i < count; i++) p[i] = p[i] / m;
+    break;
+  }
+  case DTYPE_FLOAT64: {
+    double *p = buf, m = (double)members;
+    for (size_t i = 0; i < count; i++) p[i] = p[i] / m;
+    break;
+  }
+  case DTYPE_FLOAT16:
+  case DTYPE_BFLOAT16: {
     uint16_t *p = buf;
     bool bf16 = dtype == DTYPE_BFLOAT16;
     for (size_t i = 0; i < count; i++) {
       float v = (bf16 ? bf16_to_float(p[i]) : half_to_float(p[i])) / (float)members;
       p[i] = bf16 ? float_to_bf16(v) : float_to_half(v);
     }
-    return;
+    break;
   }
-  if (dtype == DTYPE_FLOAT32) {
-    float m = (float)members;
-    DIV_LOOP(float, float);
-  } else if (dtype == DTYPE_FLOAT64) {
-    double m = (double)members;
-    DIV_LOOP(double, double);
-  } else {
-    /* Widened so that a member count beyond the type's range divides correctly. */
-    int64_t m = (int64_t)members;
-    switch (dtype) {
-    case DTYPE_INT8: DIV_LOOP(int8_t, int64_t); break;
-    case DTYPE_UINT8: DIV_LOOP(uint8_t, int64_t); break;
-    case DTYPE_INT16: DIV_LOOP(int16_t, int64_t); break;
-    case DTYPE_INT32: DIV_LOOP(int32_t, int64_t); break;
-    case DTYPE_INT64: DIV_LOOP(int64_t, int64_t); break;
-    default: break;
-    }
+  default:
+    break;
   }
 }

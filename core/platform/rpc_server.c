@@ -37,6 +37,7 @@ typedef struct outmsg {
 
 typedef struct method_slot {
   const rpc_method_t *m;
+  void *arg;    /* given with the row to rpc_server_add_methods */
   void *handle; /* from grpc_server_register_method */
 } method_slot_t;
 
@@ -323,7 +324,7 @@ static void maybe_end_locked(rpc_call_t *c) {
   const rpc_method_t *m = c->slot->m;
   bool cancelled = c->cancelled;
   pthread_mutex_unlock(&c->mu);
-  if (m->on_end && c->started) m->on_end(c, cancelled, m->arg);
+  if (m->on_end && c->started) m->on_end(c, cancelled, c->slot->arg);
   pthread_mutex_lock(&c->mu);
   c->refs--; /* the alive reference */
   pthread_mutex_lock(&c->srv->mu);
@@ -403,7 +404,7 @@ static void on_new(rpc_call_t *c, bool ok) {
   c->started = true;
   pthread_mutex_unlock(&c->mu);
 
-  if (m->on_start) m->on_start(c, req, m->arg);
+  if (m->on_start) m->on_start(c, req, c->slot->arg);
   else rpc_call_finish(c, GRPC_STATUS_UNIMPLEMENTED, NULL, "%s has no handler", m->path);
   if (req) protobuf_c_message_free_unpacked(req, NULL);
 
@@ -445,7 +446,7 @@ static void on_read(rpc_call_t *c, bool ok) {
   if (deliver && m->on_message) {
     c->in_callback++;
     pthread_mutex_unlock(&c->mu);
-    m->on_message(c, msg, m->arg);
+    m->on_message(c, msg, c->slot->arg);
     pthread_mutex_lock(&c->mu);
     c->in_callback--;
   }
@@ -628,7 +629,7 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   return srv;
 }
 
-int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n) {
+int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n, void *arg) {
   if (srv->started) return -1;
   for (size_t i = 0; i < n; i++) {
     for (size_t j = 0; j < srv->nslots; j++)
@@ -645,7 +646,7 @@ int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_
         srv->server, methods[i].path, NULL,
         single ? GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER : GRPC_SRM_PAYLOAD_NONE, 0);
     if (!h) return -1;
-    srv->slots[srv->nslots++] = (method_slot_t){&methods[i], h};
+    srv->slots[srv->nslots++] = (method_slot_t){&methods[i], arg, h};
   }
   return 0;
 }

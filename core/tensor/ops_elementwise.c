@@ -51,13 +51,13 @@ static int broadcast_params(const op_args_t *a, const int *params, int n, int64_
 
 static int finish(const op_args_t *a, op_infer_t *out, dtype_t dt, const int64_t *shape, int nd,
                   meshd_error_t *e) {
-  if (!a->op->is_inplace) return push_fresh(a, out, dt, shape, nd, e);
-  if (check_inplace(a, 0, dt, shape, nd, e)) return -1;
-  push_inplace(out, a, 0);
+  if (!a->op->is_inplace) return ops__push_fresh(a, out, dt, shape, nd, e);
+  if (ops__check_inplace(a, 0, dt, shape, nd, e)) return -1;
+  ops__push_inplace(out, a, 0);
   return 0;
 }
 
-int rule_binary(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_binary(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const op_value_t *vals[2] = {&a->v[0], &a->v[1]};
   dtype_t rt = ops_result_type(vals, 2), dt = rt;
   int64_t shape[LAYOUT_MAX_DIMS];
@@ -128,7 +128,7 @@ int rule_binary(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   return finish(a, out, dt, shape, nd, e);
 }
 
-int rule_unary(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_unary(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *t = arg_tensor(a, 0);
   dtype_t dt = t->dtype;
   switch (a->op->variant) {
@@ -159,10 +159,10 @@ int rule_unary(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   case UN_LOGICAL_NOT: dt = DTYPE_BOOL; break;
   default: break;
   }
-  return push_fresh(a, out, dt, t->layout.sizes, t->layout.ndim, e);
+  return ops__push_fresh(a, out, dt, t->layout.sizes, t->layout.ndim, e);
 }
 
-int rule_where(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_where(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   const tensor_meta_t *c = arg_tensor(a, 0);
   if (c->dtype != DTYPE_BOOL)
     return error_set(e, ERR_DTYPE_MISMATCH,
@@ -174,10 +174,10 @@ int rule_where(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   int64_t shape[LAYOUT_MAX_DIMS];
   int nd;
   if (broadcast_params(a, params, 3, shape, &nd, e)) return -1;
-  return push_fresh(a, out, ops_result_type(vals, 2), shape, nd, e);
+  return ops__push_fresh(a, out, ops_result_type(vals, 2), shape, nd, e);
 }
 
-int rule_clamp(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_clamp(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   if (arg_none(a, 1) && arg_none(a, 2))
     return error_set(e, ERR_BAD_ARGUMENT,
                      "%s: at least one of arguments 'min' and 'max' must be given", OPN(a));
@@ -193,7 +193,7 @@ int rule_clamp(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   return finish(a, out, rt, shape, nd, e);
 }
 
-int rule_copy_(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
+int ops__rule_copy_(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   static const int params[2] = {0, 1};
   int64_t shape[LAYOUT_MAX_DIMS];
   int nd;

@@ -82,3 +82,28 @@ int64_t rpc_now_ms(void) {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
+
+const char *meshd_grpc_code_name(grpc_status_code c) {
+  switch (c) {
+  case GRPC_STATUS_OK: return "OK";
+  case GRPC_STATUS_CANCELLED: return "CANCELLED";
+  case GRPC_STATUS_UNKNOWN: return "UNKNOWN";
+  case GRPC_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+  case GRPC_STATUS_DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+  case GRPC_STATUS_NOT_FOUND: return "NOT_FOUND";
+  case GRPC_STATUS_ALREADY_EXISTS: return "ALREADY_EXISTS";
+  case GRPC_STATUS_PERMISSION_DENIED: return "PERMISSION_DENIED";
+  case GRPC_STATUS_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+  case GRPC_STATUS_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+  case GRPC_STATUS_ABORTED: return "ABORTED";
+  case GRPC_STATUS_OUT_OF_RANGE: return "OUT_OF_RANGE";
+  case GRPC_STATUS_UNIMPLEMENTED: return "UNIMPLEMENTED";
+  case GRPC_STATUS_INTERNAL: return "INTERNAL";
+  case GRPC_STATUS_UNAVAILABLE: return "UNAVAILABLE";
+  case GRPC_STATUS_DATA_LOSS: return "DATA_LOSS";
+  case GRPC_STATUS_UNAUTHENTICATED: return "UNAUTHENTICATED";
+  default:
+    /* The gRPC spec treats codes outside 0..16 as UNKNOWN. */
+    return "UNKNOWN";
+  }
+}

@@ -1,0 +1,195 @@
+/* Private to agent/dataplane/: what its files share. Nothing outside this
+ * folder includes it.
+ *
+ *   conn.c         connections: dialing, the listener that files accepted
+ *                  ones, the two connection tables, start and stop
+ *   transfer.c     the transfer engine: frames on non-blocking sockets, all of
+ *                  a call's transfers progressing together, aborts; a call's
+ *                  plan (its connections and messages)
+ *   collectives.c  ring and direct exchanges; allreduce .. alltoall
+ *   p2p.c          send and recv
+ *   reduce_ops.c   the typed element-wise reductions (reduce_ops.h)
+ *
+ * Wire format, connection rules and failure rules: conn.c's and transfer.c's
+ * opening comments. Functions shared between the files are prefixed dp__. */
+#ifndef MESHD_AGENT_DATAPLANE_DP_INTERNAL_H
+#define MESHD_AGENT_DATAPLANE_DP_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <time.h>
+
+#include "dataplane.h"
+#include "reduce_ops.h"
+
+#define DP_CHUNK ((size_t)1 << 20)       /* bytes per frame */
+#define DP_DIRECT_MAX ((size_t)64 << 10) /* ring above this many bytes per member */
+#define DP_MAGIC_HELLO 0x4d445048u       /* "MDPH" */
+#define DP_MAGIC_DATA 0x4d445044u        /* "MDPD" */
+#define DP_MAGIC_ABORT 0x4d445041u       /* "MDPA" */
+#define DP_HELLO_LEN 24
+#define DP_HDR_LEN 24
+#define DP_ABORT_MAX 480 /* bytes of root cause carried in an abort frame */
+#define DP_PENDING_MAX 256
+#define DP_ADDR_MAX 96
+
+/* ------------------------------------------------------------------ helpers */
+
+static inline int64_t dp__now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Little-endian fields of the handshake and frame headers. */
+static inline void dp__put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void dp__put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint32_t dp__get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static inline uint64_t dp__get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+static inline size_t dp__min(size_t a, size_t b) { return a < b ? a : b; }
+
+/* ------------------------------------------------------- conn.c: connections */
+
+/* A connection, owned by its table (while linked) and by each call using it:
+ * refs counts both; the last put closes the socket. refs, linked and next
+ * are guarded by dataplane.mu; the rest belongs to the call using it. */
+typedef struct conn {
+  struct conn *next;
+  int fd;
+  int refs;
+  bool linked;
+  uint64_t comm_id;
+  uint32_t peer;
+  uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
+  char addr[DP_ADDR_MAX];
+} conn_t;
+
+struct dataplane {
+  uint32_t rank;
+  int timeout_ms;
+  int port;
+  int lfd;
+  int wake[2];
+  pthread_t listener;
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* an accepted connection was filed; a call left; stopping */
+  conn_t *ins;       /* accepted: we receive from (comm_id, peer) */
+  conn_t *outs;      /* dialed: we send to (comm_id, peer) */
+  bool stopping;
+  int active; /* calls in progress */
+  /* Ring scratch buffers kept between calls: a fresh 100 MB malloc per call
+   * would page-fault (and zero) every page again. One per concurrent call. */
+  struct scratch *spare;
+  int nspare;
+};
+
+/* Every public call brackets its work: enter fails (UNAVAILABLE) once the
+ * data plane is stopping; stop waits for every entered call to leave. */
+int dp__call_enter(dataplane_t *dp, const char *what, meshd_error_t *err);
+void dp__call_leave(dataplane_t *dp);
+bool dp__stopping(dataplane_t *dp);
+
+/* A scratch buffer of at least `bytes` (kept between calls); NULL when out of
+ * memory. put(NULL) is a no-op. */
+uint8_t *dp__scratch_get(dataplane_t *dp, size_t bytes);
+void dp__scratch_put(dataplane_t *dp, uint8_t *data);
+
+/* The connection on which we send to `peer` on comm_id: the cached one if it
+ * is alive and still goes to `addr`, else a fresh one dialed before deadline.
+ * Returned with a reference (dp__conn_put). NULL with err (REMOTE_FAILURE
+ * naming the peer) when it cannot be reached. */
+conn_t *dp__get_out(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_t peer,
+                    const char *addr, int64_t deadline, meshd_error_t *err);
+/* Waits until `peer` has dialed us on comm_id, returning that connection with
+ * a reference. While waiting it watches the call's send connections `watch`:
+ * when a peer writes on one (an abort or EOF), it returns NULL with *fired
+ * set to its index and err untouched. NULL with err past the deadline. */
+conn_t *dp__get_in(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_t peer,
+                   const char *addr, int64_t deadline, const conn_t *const *watch, size_t nwatch,
+                   size_t *fired, meshd_error_t *err);
+void dp__conn_put(dataplane_t *dp, conn_t *c);
+/* Takes c out of its table (if still there) and shuts its socket down, so
+ * that a call still using it fails and the next call dials afresh. */
+void dp__conn_discard(dataplane_t *dp, conn_t *c);
+/* Discards every connection of comm_id, in both directions. */
+void dp__drop_comm(dataplane_t *dp, uint64_t comm_id);
+
+/* ------------------------------------------------ transfer.c: the engine */
+
+/* One message on a connection. Send: buf[0, len) leaves in frames, frame k only
+ * once *gate >= its end (gate NULL: all ready). Receive: frames land in buf; with
+ * `into`, each completed frame is then reduced into `into` at the same offset. */
+typedef struct msg {
+  uint8_t *buf;
+  size_t len;
+  uint8_t *into;
+  const size_t *gate;
+  size_t done; /* bytes sent, or received (and reduced) */
+  size_t frames;
+} msg_t;
+
+/* A sequence of messages on one connection in one direction. */
+typedef struct xfer {
+  conn_t *c;
+  bool send;
+  msg_t *msgs;
+  size_t nmsgs, cur;
+  bool in_frame, blocked;
+  uint8_t hdr[DP_HDR_LEN];
+  size_t hdr_done, flen, fdone;
+} xfer_t;
+
+/* One public call: what received chunks are reduced with, and the root cause
+ * of its failure, which abort frames pass on to the peers. */
+typedef struct call {
+  dataplane_t *dp;
+  const char *what;
+  uint64_t comm_id;
+  dtype_t dtype;
+  reduction_t op;
+  char root[sizeof((meshd_error_t *)0)->msg];
+} call_t;
+
+/* A call's transfers and the messages they carry (owned by the plan). */
+typedef struct plan {
+  call_t cl;
+  xfer_t *xs;
+  size_t nx;
+  msg_t *msgs;
+} plan_t;
+
+/* nx transfers and nmsgs messages, zeroed. 0, or -1 with err (QUOTA); either
+ * way dp__plan_finish must follow. */
+int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, uint64_t comm_id, dtype_t dtype,
+                  reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err);
+/* Connects xs[k]: sending to, or receiving from, g's member `peer`. */
+int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool send,
+                     int64_t deadline, meshd_error_t *err);
+/* Runs every transfer to completion, or fails after timeout_ms without
+ * progress (naming the peer at fault, or passing on a peer's abort). */
+int dp__plan_run(plan_t *p, meshd_error_t *err);
+/* After a failure, tells every peer of the call why, on each of its
+ * connections (best effort). */
+void dp__plan_abort(plan_t *p);
+/* Releases the plan's connections and memory; on failure (rc != 0) first
+ * aborts and drops every connection of the comm, so that the next call starts
+ * from fresh links. Returns rc. */
+int dp__plan_finish(plan_t *p, int rc);
+
+#endif

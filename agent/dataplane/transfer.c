@@ -1,0 +1,347 @@
+/* The agents' TCP transport (dataplane.h): the transfer engine.
+ *
+ * Framing. A message is split into frames of at most DP_CHUNK bytes, each with a
+ * header {magic, length, comm_id, seq}; seq counts frames on the connection, so a
+ * desynchronised or misaddressed stream is detected rather than misread. A
+ * zero-length message is one empty frame.
+ *
+ * Progress. Every call runs its transfers in one thread on non-blocking sockets
+ * with poll(2): all sends and receives of a call progress together (full
+ * duplex). Received chunks are reduced as they complete, and a ring step's send
+ * is gated on the previous step's received-and-reduced bytes, so the ring is
+ * pipelined chunk by chunk across steps.
+ *
+ * Failure. Every wait is bounded by timeout_ms of *inactivity* (no byte moved),
+ * so a large transfer may take longer than the timeout but a vanished or absent
+ * peer fails the call. A rank that fails writes an abort frame carrying the root
+ * cause on every connection of the call (both directions), then closes all of
+ * the comm's connections; its peers fail at once with that root cause, so every
+ * rank names the peer that really went missing. The next call on the comm dials
+ * afresh. */
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include "dp_internal.h"
+
+static bool msg_done(const msg_t *m) { return m->done == m->len && m->frames > 0; }
+
+static int peer_error(call_t *cl, const conn_t *c, meshd_error_t *err, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int peer_error(call_t *cl, const conn_t *c, meshd_error_t *err, const char *fmt, ...) {
+  char detail[400];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s %s", cl->what,
+            (unsigned long long)cl->comm_id, c->peer, c->addr, detail);
+  snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : detail);
+  return -1;
+}
+
+/* Reads an abort frame's text that the peer may have left on c (best effort). */
+static bool read_abort(int fd, const uint8_t *hdr, char *text, size_t textlen) {
+  if (dp__get32(hdr) != DP_MAGIC_ABORT) return false;
+  size_t len = dp__min(dp__get32(hdr + 4), DP_ABORT_MAX);
+  size_t got = 0;
+  int64_t deadline = dp__now_ms() + 200;
+  while (got < len && dp__now_ms() < deadline) {
+    ssize_t r = recv(fd, text + got, len - got, MSG_DONTWAIT);
+    if (r > 0) got += (size_t)r;
+    else if (r == 0 || (errno != EAGAIN && errno != EINTR)) break;
+    else {
+      struct pollfd p = {.fd = fd, .events = POLLIN};
+      poll(&p, 1, 50);
+    }
+  }
+  text[dp__min(got, textlen - 1)] = '\0';
+  return true;
+}
+
+static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t *err) {
+  error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s aborted: %s", cl->what,
+            (unsigned long long)cl->comm_id, c->peer, c->addr, text);
+  snprintf(cl->root, sizeof cl->root, "%s", text);
+  return -1;
+}
+
+/* The peer wrote on a connection we only send on: an abort notice or EOF. */
+static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
+  uint8_t hdr[DP_HDR_LEN];
+  char text[DP_ABORT_MAX + 1];
+  ssize_t r = recv(x->c->fd, hdr, sizeof hdr, MSG_DONTWAIT | MSG_WAITALL);
+  if (r == (ssize_t)sizeof hdr && read_abort(x->c->fd, hdr, text, sizeof text))
+    return aborted(cl, x->c, text, err);
+  return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
+}
+
+/* Moves what it can without blocking; returns bytes moved or -1. */
+static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
+  size_t moved = 0;
+  x->blocked = false;
+  while (x->cur < x->nmsgs) {
+    msg_t *m = &x->msgs[x->cur];
+    if (!x->in_frame) {
+      if (msg_done(m)) {
+        x->cur++;
+        continue;
+      }
+      size_t flen = dp__min(DP_CHUNK, m->len - m->done);
+      if (m->gate && *m->gate < m->done + flen) {
+        x->blocked = true;
+        break;
+      }
+      dp__put32(x->hdr, DP_MAGIC_DATA);
+      dp__put32(x->hdr + 4, (uint32_t)flen);
+      dp__put64(x->hdr + 8, cl->comm_id);
+      dp__put64(x->hdr + 16, x->c->seq);
+      x->flen = flen;
+      x->hdr_done = x->fdone = 0;
+      x->in_frame = true;
+    }
+    struct iovec iov[2];
+    int k = 0;
+    if (x->hdr_done < DP_HDR_LEN)
+      iov[k++] = (struct iovec){x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done};
+    if (x->fdone < x->flen)
+      iov[k++] = (struct iovec){m->buf + m->done + x->fdone, x->flen - x->fdone};
+    if (k > 0) {
+      struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+      ssize_t w = sendmsg(x->c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        return send_side_closed(cl, x, err);
+      }
+      size_t ww = (size_t)w, h = dp__min(ww, DP_HDR_LEN - x->hdr_done);
+      moved += ww;
+      x->hdr_done += h;
+      x->fdone += ww - h;
+    }
+    if (x->hdr_done == DP_HDR_LEN && x->fdone == x->flen) {
+      m->done += x->flen;
+      m->frames++;
+      x->c->seq++;
+      x->in_frame = false;
+    }
+  }
+  return (ssize_t)moved;
+}
+
+static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
+  size_t moved = 0, esz = dtype_size(cl->dtype);
+  while (x->cur < x->nmsgs) {
+    msg_t *m = &x->msgs[x->cur];
+    if (!x->in_frame) {
+      if (msg_done(m)) {
+        x->cur++;
+        continue;
+      }
+      ssize_t r = recv(x->c->fd, x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done, MSG_DONTWAIT);
+      if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
+      }
+      moved += (size_t)r;
+      x->hdr_done += (size_t)r;
+      if (x->hdr_done < DP_HDR_LEN) continue;
+      x->hdr_done = 0;
+      char text[DP_ABORT_MAX + 1];
+      if (read_abort(x->c->fd, x->hdr, text, sizeof text)) return aborted(cl, x->c, text, err);
+      size_t want = dp__min(DP_CHUNK, m->len - m->done), flen = dp__get32(x->hdr + 4);
+      uint64_t seq = dp__get64(x->hdr + 16);
+      if (dp__get32(x->hdr) != DP_MAGIC_DATA || dp__get64(x->hdr + 8) != cl->comm_id)
+        return peer_error(cl, x->c, err, "sent a frame that is not data for this comm");
+      if (seq != x->c->seq || flen != want)
+        return peer_error(cl, x->c, err,
+                          "sent frame %llu of %zu bytes where frame %llu of %zu bytes was expected "
+                          "(do all members call with the same arguments?)",
+                          (unsigned long long)seq, flen, (unsigned long long)x->c->seq, want);
+      x->flen = flen;
+      x->fdone = 0;
+      x->in_frame = true;
+    }
+    if (x->fdone < x->flen) {
+      ssize_t r = recv(x->c->fd, m->buf + m->done + x->fdone, x->flen - x->fdone, MSG_DONTWAIT);
+      if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
+      }
+      moved += (size_t)r;
+      x->fdone += (size_t)r;
+    }
+    if (x->fdone == x->flen) {
+      if (m->into && x->flen > 0)
+        dp_reduce_apply(cl->op, cl->dtype, m->into + m->done, m->buf + m->done, x->flen / esz);
+      m->done += x->flen;
+      m->frames++;
+      x->c->seq++;
+      x->in_frame = false;
+    }
+  }
+  return (ssize_t)moved;
+}
+
+/* Runs every transfer to completion, or fails after timeout_ms without progress. */
+static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
+  dataplane_t *dp = cl->dp;
+  struct pollfd *pfds = calloc(nx ? nx : 1, sizeof *pfds);
+  size_t *which = calloc(nx ? nx : 1, sizeof *which);
+  int ret = -1;
+  if (!pfds || !which) {
+    error_set(err, ERR_QUOTA, "%s: out of memory", cl->what);
+    snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "out of memory");
+    goto out;
+  }
+  int64_t last = dp__now_ms();
+  for (;;) {
+    /* Until nothing moves: a receive may have opened a send's gate. */
+    bool moved = false, again = true;
+    while (again) {
+      again = false;
+      for (size_t i = 0; i < nx; i++) {
+        if (xs[i].cur >= xs[i].nmsgs) continue;
+        ssize_t r = xs[i].send ? send_step(cl, &xs[i], err) : recv_step(cl, &xs[i], err);
+        if (r < 0) goto out;
+        again |= r > 0;
+      }
+      moved |= again;
+    }
+    nfds_t np = 0;
+    for (size_t i = 0; i < nx; i++) {
+      if (xs[i].cur >= xs[i].nmsgs) continue;
+      short ev = POLLIN; /* on a send connection: the peer's abort notice or EOF */
+      if (xs[i].send && !xs[i].blocked) ev |= POLLOUT;
+      pfds[np] = (struct pollfd){.fd = xs[i].c->fd, .events = ev};
+      which[np++] = i;
+    }
+    if (np == 0) break;
+    int64_t now = dp__now_ms();
+    if (moved) last = now;
+    if (dp__stopping(dp)) {
+      error_set(err, ERR_UNAVAILABLE, "%s on comm %llu: the data plane is stopping", cl->what,
+                (unsigned long long)cl->comm_id);
+      snprintf(cl->root, sizeof cl->root, "rank %u stopped its data plane", dp->rank);
+      goto out;
+    }
+    /* A connected peer that is silent may itself be waiting for an absent one;
+     * give that wait (bounded by timeout_ms) a head start so that its abort,
+     * which names the absent member, arrives before we blame the silent one. */
+    int64_t grace = dp->timeout_ms / 4 < 500 ? dp->timeout_ms / 4 : 500;
+    int64_t left = last + dp->timeout_ms + grace - now;
+    if (left <= 0) {
+      xfer_t *w = &xs[which[0]]; /* name a peer we wait to hear from, if any */
+      for (nfds_t i = 0; i < np; i++)
+        if (!xs[which[i]].send) {
+          w = &xs[which[i]];
+          break;
+        }
+      peer_error(cl, w->c, err, "made no progress for %lld ms (%s)",
+                 (long long)(dp->timeout_ms + grace),
+                 w->send ? "not reading what we send" : "sent nothing");
+      goto out;
+    }
+    int n = poll(pfds, np, (int)dp__min((size_t)left, 200));
+    if (n < 0 && errno != EINTR) {
+      error_set(err, ERR_UNAVAILABLE, "%s: poll: %s", cl->what, strerror(errno));
+      goto out;
+    }
+    for (nfds_t i = 0; n > 0 && i < np; i++) {
+      xfer_t *x = &xs[which[i]];
+      if (x->send && (pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) {
+        send_side_closed(cl, x, err);
+        goto out;
+      }
+    }
+  }
+  ret = 0;
+out:
+  free(pfds);
+  free(which);
+  return ret;
+}
+
+/* After a failure: tell every peer of the call why, on each connection of the
+ * call (best effort, skipping a send connection we are mid-frame on). */
+static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
+  size_t len = dp__min(strlen(cl->root), DP_ABORT_MAX);
+  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+  dp__put32(frame, DP_MAGIC_ABORT);
+  dp__put32(frame + 4, (uint32_t)len);
+  dp__put64(frame + 8, cl->comm_id);
+  dp__put64(frame + 16, 0);
+  memcpy(frame + DP_HDR_LEN, cl->root, len);
+  for (size_t i = 0; i < nx; i++) {
+    if (!xs[i].c || (xs[i].send && xs[i].in_frame)) continue;
+    ssize_t w = send(xs[i].c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)w;
+  }
+}
+
+/* ------------------------------------------------------------------ plans */
+
+int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, uint64_t comm_id, dtype_t dtype,
+                  reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err) {
+  memset(p, 0, sizeof *p);
+  p->cl = (call_t){.dp = dp, .what = what, .comm_id = comm_id, .dtype = dtype, .op = op};
+  p->xs = calloc(nx ? nx : 1, sizeof *p->xs);
+  p->msgs = calloc(nmsgs ? nmsgs : 1, sizeof *p->msgs);
+  p->nx = nx;
+  if (!p->xs || !p->msgs) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  return 0;
+}
+
+/* Connects xs[k] (send to, or receive from, g's member `peer`). */
+int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool send,
+                     int64_t deadline, meshd_error_t *err) {
+  xfer_t *x = &p->xs[k];
+  x->send = send;
+  if (send) {
+    x->c = dp__get_out(p->cl.dp, p->cl.what, p->cl.comm_id, g->ranks[peer], g->addrs[peer],
+                       deadline, err);
+  } else {
+    const conn_t *watch[64];
+    size_t nwatch = 0, fired = SIZE_MAX;
+    for (size_t i = 0; i < p->nx && nwatch < 64; i++)
+      if (p->xs[i].send && p->xs[i].c) watch[nwatch++] = p->xs[i].c;
+    x->c = dp__get_in(p->cl.dp, p->cl.what, p->cl.comm_id, g->ranks[peer], g->addrs[peer],
+                      deadline, watch, nwatch, &fired, err);
+    if (!x->c && fired != SIZE_MAX) {
+      for (size_t i = 0; i < p->nx; i++)
+        if (p->xs[i].c == watch[fired]) return send_side_closed(&p->cl, &p->xs[i], err);
+    }
+  }
+  if (!x->c) {
+    snprintf(p->cl.root, sizeof p->cl.root, "%s", err ? err->msg : "connection failed");
+    return -1;
+  }
+  return 0;
+}
+
+int dp__plan_run(plan_t *p, meshd_error_t *err) { return run(&p->cl, p->xs, p->nx, err); }
+
+void dp__plan_abort(plan_t *p) {
+  if (p->xs) send_aborts(&p->cl, p->xs, p->nx);
+}
+
+int dp__plan_finish(plan_t *p, int rc) {
+  if (rc != 0 && p->xs) { /* then close the comm: the next call starts from fresh links */
+    dp__plan_abort(p);
+    dp__drop_comm(p->cl.dp, p->cl.comm_id);
+  }
+  if (p->xs)
+    for (size_t i = 0; i < p->nx; i++) dp__conn_put(p->cl.dp, p->xs[i].c);
+  free(p->xs);
+  free(p->msgs);
+  return rc;
+}

@@ -1,0 +1,64 @@
+/* What each instruction does on the agent (run.c). The executor's worker of
+ * the instruction's (session, stream) calls run_instruction; run reads and
+ * writes the session's state (session_state.h) and calls the backend, and
+ * hands the failures it finds back to the worker, which reports them. It
+ * never calls back into the executor.
+ *
+ * Failures follow Monarch: a failing op marks its results and the inputs it
+ * mutates failed with the root error (reported once); an instruction that
+ * reads a failed ref is skipped and its results carry DEPENDENT_FAILURE
+ * naming the root (reported too, marked as such, so that a reader on another
+ * rank learns the value failed somewhere); collectives and sends still run
+ * (failed inputs count as zeros) so that no peer waits forever. */
+#ifndef MESHD_AGENT_RUN_H
+#define MESHD_AGENT_RUN_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "session_state.h"
+
+/* Counts for the agent's metrics, updated by every worker. */
+typedef struct agent_stats {
+  _Atomic uint64_t instructions;     /* instructions run */
+  _Atomic uint64_t collective_bytes; /* bytes put into collectives over several agents and sends */
+} agent_stats_t;
+
+/* What instructions run with (executor_create copies it; what it points to
+ * must outlive the executor). Each piece may be NULL: instructions that need a
+ * missing one fail with REMOTE_FAILURE saying so. The data plane is the
+ * backend's (backend_t.net). */
+typedef struct run_env {
+  backend_t *backend;
+  const char *data_address; /* this agent's data plane "host:port" (finds it in a Group) */
+  _Atomic int64_t *rank;    /* world rank from Hello; -1 until known */
+  agent_stats_t *stats;
+} run_env_t;
+
+/* A failure to report: a root failure, or a dependent one (kind
+ * DEPENDENT_FAILURE). */
+typedef struct run_failure {
+  error_kind_t kind;
+  uint64_t seq, ref;
+  char msg[600];
+} run_failure_t;
+
+/* At most one root failure, or one dependent failure per result and mutated
+ * input, per instruction. */
+#define RUN_MAX_FAILURES (2 * OP_MAX_RESULTS + 1)
+
+typedef struct run_failures {
+  run_failure_t v[RUN_MAX_FAILURES];
+  size_t n;
+} run_failures_t;
+
+/* Runs ins (of session s, on its stream's worker; bs is that stream's backend
+ * stream) to completion on the host side: its device work is queued on bs.
+ * What failed is appended to *out (which the caller zeroed). */
+void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t *bs,
+                     const Meshd__Agent__V1__Instruction *ins, run_failures_t *out);
+
+#endif

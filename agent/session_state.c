@@ -1,0 +1,207 @@
+#include "session_state.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <uthash.h>
+
+/* One stream of the session: how far its worker has queued work. */
+struct stream_progress {
+  uint64_t id;
+  uint64_t queued_seq;  /* last seq whose work is queued on the device */
+  backend_stream_t *bs; /* the worker's backend stream (NULL: cpu, or not made yet) */
+  UT_hash_handle hh;
+};
+
+/* A ref defined on one stream and first read on another (borrow handles,
+ * to_mesh results on another stream): readers wait for (stream, seq). */
+struct pending_def {
+  uint64_t ref, stream, seq;
+  UT_hash_handle hh;
+};
+
+struct borrow_record {
+  uint64_t id, from_stream, to_stream, last_use_seq;
+  UT_hash_handle hh;
+};
+
+session_state_t *session_state_new(const char *id, backend_t *backend) {
+  session_state_t *s = calloc(1, sizeof *s);
+  if (!s || !(s->id = strdup(id))) {
+    free(s);
+    return NULL;
+  }
+  s->backend = backend;
+  s->key = 1469598103934665603ull; /* FNV-1a */
+  for (const char *p = id; *p; p++) s->key = (s->key ^ (uint8_t)*p) * 1099511628211ull;
+  refs_init(&s->refs);
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->progress, NULL);
+  return s;
+}
+
+void session_state_free(session_state_t *s) {
+  if (!s) return;
+  backend_t *b = s->backend;
+  refs_clear(&s->refs);
+  pthread_mutex_destroy(&s->refs.mu);
+  stream_progress_t *p, *p2;
+  HASH_ITER(hh, s->streams, p, p2) {
+    HASH_DEL(s->streams, p);
+    if (p->bs) b->ops->stream_destroy(b, p->bs);
+    free(p);
+  }
+  if (b && b->ops->session_end) b->ops->session_end(b, s->key);
+  pending_def_t *d, *d2;
+  HASH_ITER(hh, s->defs, d, d2) {
+    HASH_DEL(s->defs, d);
+    free(d);
+  }
+  borrow_record_t *r, *r2;
+  HASH_ITER(hh, s->borrows, r, r2) {
+    HASH_DEL(s->borrows, r);
+    free(r);
+  }
+  pthread_cond_destroy(&s->progress);
+  pthread_mutex_destroy(&s->mu);
+  free(s->id);
+  free(s);
+}
+
+/* ------------------------------------------------------------------ streams */
+
+stream_progress_t *session_state_add_stream(session_state_t *s, uint64_t stream) {
+  pthread_mutex_lock(&s->mu);
+  stream_progress_t *p = NULL;
+  HASH_FIND(hh, s->streams, &stream, sizeof stream, p);
+  if (!p && (p = calloc(1, sizeof *p))) {
+    p->id = stream;
+    HASH_ADD(hh, s->streams, id, sizeof p->id, p);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return p;
+}
+
+void session_state_remove_stream(session_state_t *s, stream_progress_t *p) {
+  pthread_mutex_lock(&s->mu);
+  HASH_DEL(s->streams, p);
+  pthread_mutex_unlock(&s->mu);
+  free(p);
+}
+
+void session_state_stream_ready(session_state_t *s, stream_progress_t *p, backend_stream_t *bs) {
+  pthread_mutex_lock(&s->mu);
+  p->bs = bs;
+  pthread_mutex_unlock(&s->mu);
+}
+
+void session_state_queued(session_state_t *s, stream_progress_t *p, uint64_t seq) {
+  pthread_mutex_lock(&s->mu);
+  p->queued_seq = seq;
+  pthread_cond_broadcast(&s->progress);
+  pthread_mutex_unlock(&s->mu);
+}
+
+void session_state_close(session_state_t *s) {
+  pthread_mutex_lock(&s->mu);
+  s->closing = true;
+  pthread_cond_broadcast(&s->progress);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* ------------------------------------------------------------------ ordering */
+
+static void add_def_locked(session_state_t *s, uint64_t ref, uint64_t stream, uint64_t seq) {
+  pending_def_t *d = NULL;
+  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
+  if (!d) {
+    if (!(d = calloc(1, sizeof *d))) return;
+    d->ref = ref;
+    HASH_ADD(hh, s->defs, ref, sizeof d->ref, d);
+  }
+  d->stream = stream;
+  d->seq = seq;
+}
+
+void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instruction *ins) {
+  pthread_mutex_lock(&s->mu);
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW) {
+    const Meshd__Agent__V1__BorrowOp *b = ins->borrow;
+    borrow_record_t *r = NULL;
+    HASH_FIND(hh, s->borrows, &b->borrow, sizeof b->borrow, r);
+    if (b->phase == MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE) {
+      if (!r && (r = calloc(1, sizeof *r))) {
+        r->id = b->borrow;
+        HASH_ADD(hh, s->borrows, id, sizeof r->id, r);
+      }
+      if (r) {
+        r->from_stream = b->from_stream;
+        r->to_stream = b->to_stream;
+      }
+      add_def_locked(s, b->result, ins->stream, ins->seq);
+    } else if (b->phase == MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE && r) {
+      r->last_use_seq = ins->seq;
+    }
+  } else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SEND) {
+    const Meshd__Agent__V1__SendTensor *t = ins->send;
+    if (t->input && t->result && t->to_stream != ins->stream)
+      add_def_locked(s, t->result->ref, ins->stream, ins->seq);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq, uint64_t waiter,
+                               backend_stream_t *wbs) {
+  if (stream == waiter) return;
+  pthread_mutex_lock(&s->mu);
+  stream_progress_t *p = NULL;
+  HASH_FIND(hh, s->streams, &stream, sizeof stream, p);
+  while (p && p->queued_seq < seq && !s->closing) pthread_cond_wait(&s->progress, &s->mu);
+  /* The stream lives as long as the session (session_state_free destroys it). */
+  backend_stream_t *sbs = p ? p->bs : NULL;
+  pthread_mutex_unlock(&s->mu);
+  backend_t *b = s->backend;
+  if (sbs && b && b->ops->event_record) {
+    backend_event_t *ev = b->ops->event_record(b, sbs);
+    if (ev) {
+      b->ops->event_wait(b, wbs, ev);
+      b->ops->event_destroy(b, ev);
+    } else { /* no event to be had: wait on the host instead */
+      meshd_error_t e;
+      b->ops->stream_sync(b, sbs, &e);
+    }
+  }
+}
+
+int session_state_get(session_state_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
+                      agent_tensor_t *out, ref_failure_t *why) {
+  pthread_mutex_lock(&s->mu);
+  pending_def_t *d = NULL;
+  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
+  uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
+  pthread_mutex_unlock(&s->mu);
+  if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, bs);
+  return refs_get(&s->refs, ref, out, why);
+}
+
+void session_state_forget_def(session_state_t *s, uint64_t ref) {
+  pthread_mutex_lock(&s->mu);
+  pending_def_t *d = NULL;
+  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
+  if (d) {
+    HASH_DEL(s->defs, d);
+    free(d);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream,
+                              backend_stream_t *bs) {
+  pthread_mutex_lock(&s->mu);
+  borrow_record_t *r = NULL;
+  HASH_FIND(hh, s->borrows, &borrow, sizeof borrow, r);
+  if (r) HASH_DEL(s->borrows, r);
+  pthread_mutex_unlock(&s->mu);
+  /* The origin waits for the borrower's last use (on the device too). */
+  if (r && r->last_use_seq) session_state_wait_stream(s, r->to_stream, r->last_use_seq, stream, bs);
+  free(r);
+}

@@ -1,0 +1,103 @@
+/* The state one session keeps on an agent, shared by the workers of its
+ * streams: its ref table, how far each stream has queued work, the refs
+ * defined on one stream and read on another, and its live borrows. This is
+ * the bottom of the agent's staircase: executor → run → session_state.
+ *
+ *   session_state_t *s = session_state_new(id, backend);       // executor
+ *   stream_progress_t *p = session_state_add_stream(s, stream);    // executor, routing
+ *   session_state_note_order(s, ins);                          // executor, routing
+ *   session_state_stream_ready(s, p, bs); ... session_state_queued(s, p, seq);   // worker
+ *   session_state_get(s, stream, bs, ref, &t, &why);           // run.c
+ *
+ * Ordering between streams. Instructions run on one worker per (session,
+ * stream). A ref defined on stream A (a borrow handle, a to_mesh result) and
+ * read on stream B is recorded when the executor routes the defining
+ * instruction (note_order, in seq order, so before any reader is routed);
+ * B's reader then waits until A's worker has *queued* that seq on its backend
+ * stream, and on backends with events makes B's backend stream wait for A's
+ * on the device. Dropping a borrow orders the origin stream after the
+ * borrower's last use the same way.
+ *
+ * Locks. session_state_t.mu guards the streams, defs and borrows (and the
+ * `closing` flag); its condition variable `progress` is broadcast whenever a
+ * stream queues a seq. refs has its own lock (refs.h). The executor may call
+ * in while holding its own lock (executor.mu before session_state.mu, never
+ * the reverse); nothing here calls out of this module but refs and the
+ * backend.
+ *
+ * Lifetime. Made by the executor when a session's first instruction arrives;
+ * freed by the executor once the session ended and the last of its workers
+ * exited (session_state_free: its tensors, its backend streams, the backend's
+ * session_end). */
+#ifndef MESHD_AGENT_SESSION_STATE_H
+#define MESHD_AGENT_SESSION_STATE_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "refs.h"
+
+typedef struct stream_progress stream_progress_t;
+typedef struct pending_def pending_def_t;
+typedef struct borrow_record borrow_record_t;
+
+typedef struct session_state {
+  char *id;         /* the server's session id */
+  uint64_t key;     /* a hash of id: dp_group_t.session, the backend's session_end */
+  backend_t *backend; /* may be NULL (an agent without a compute backend) */
+  refs_t refs;
+  pthread_mutex_t mu;
+  pthread_cond_t progress;    /* a stream queued a seq; closing */
+  stream_progress_t *streams; /* mu */
+  pending_def_t *defs;        /* mu */
+  borrow_record_t *borrows;   /* mu */
+  bool closing;               /* mu: cross-stream waits return at once */
+} session_state_t;
+
+/* A new session state; NULL when out of memory. */
+session_state_t *session_state_new(const char *id, backend_t *backend);
+/* Frees s and everything it holds; no worker may use it any more. */
+void session_state_free(session_state_t *s);
+
+/* Stream `stream` of the session, made when its first instruction is routed
+ * (the same record on later calls); NULL when out of memory. */
+stream_progress_t *session_state_add_stream(session_state_t *s, uint64_t stream);
+/* The stream's worker could not be started: forget the stream (before any
+ * other call with p). */
+void session_state_remove_stream(session_state_t *s, stream_progress_t *p);
+/* The stream's worker made its backend stream (NULL on backends without
+ * streams); s destroys it in session_state_free. */
+void session_state_stream_ready(session_state_t *s, stream_progress_t *p, backend_stream_t *bs);
+/* The stream's worker has queued the work of seq on its backend stream. */
+void session_state_queued(session_state_t *s, stream_progress_t *p, uint64_t seq);
+/* The executor is closing: cross-stream waits stop waiting. */
+void session_state_close(session_state_t *s);
+
+/* Records what ordering `ins` needs besides its own stream's order (borrow
+ * records, refs defined on one stream for another). Called by the executor
+ * for every instruction of the session in seq order, as it routes it. */
+void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instruction *ins);
+
+/* Orders the waiter's stream (id `waiter`, backend stream `wbs`) after seq of
+ * `stream`: blocks until that stream's worker queued seq, then, on backends
+ * with events, makes wbs wait on the device for what was queued. No-op when
+ * `stream` is the waiter or is not a stream of the session. */
+void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq, uint64_t waiter,
+                               backend_stream_t *wbs);
+/* refs_get for a worker on `stream` (backend stream bs), ordered after the
+ * stream that defines ref when that is another one. Returns as refs_get. */
+int session_state_get(session_state_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
+                      agent_tensor_t *out, ref_failure_t *why);
+/* ref is gone (deleted, or a borrow handle past its last use): readers no
+ * longer order after its defining stream. */
+void session_state_forget_def(session_state_t *s, uint64_t ref);
+/* Borrow `borrow` is dropped on the origin stream (`stream`, backend stream
+ * bs): forgets its record and orders the origin after the borrower's last
+ * use. Unknown borrows are a no-op. */
+void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream,
+                              backend_stream_t *bs);
+
+#endif

@@ -1,0 +1,12 @@
+/* What the command path (command_service -> commands -> checks -> emit) carries
+ * down to reach the agents. Owned by the command service. */
+#ifndef MESHD_FRONTEND_H
+#define MESHD_FRONTEND_H
+
+#include "agent_pool.h"
+
+typedef struct frontend {
+  agent_pool_t *pool; /* outlives the front end */
+} frontend_t;
+
+#endif

@@ -1,0 +1,208 @@
+/* Reduce instructions run by an agent's executor (run.c) on every backend this
+ * build has — cpu, and cuda:emulated where the cuda backend is built: the
+ * agent checks a Reduce with the catalogue's rule (core/tensor/reduction.h),
+ * the same the server applies, so a refused reduction (integer avg) fails on
+ * the agent exactly as the server would refuse it. One-member groups: no
+ * data plane is needed. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "backend.h"
+#include "executor.h"
+
+typedef Meshd__Agent__V1__Instruction instr_t;
+
+static const char *SESSION = "reduce-session";
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static char errors[16][700];
+static uint64_t error_seqs[16];
+static int nerrors;
+
+static void on_report(uint64_t through, Meshd__V1__Error **errs, size_t n, uint64_t alloc,
+                      void *arg) {
+  pthread_mutex_lock(&mu);
+  for (size_t i = 0; i < n && nerrors < 16; i++) {
+    snprintf(errors[nerrors], sizeof errors[0], "%s", errs[i]->message);
+    error_seqs[nerrors++] = errs[i]->seq;
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+typedef struct {
+  backend_t b;
+  run_env_t env;
+  executor_t *x;
+  _Atomic int64_t rank;
+} agent_t;
+
+static int open_agent(agent_t *a, const char *device) {
+  memset(a, 0, sizeof *a);
+  const backend_ops_t *ops = backend_for_device(device);
+  if (!ops) return -1;
+  meshd_error_t e = {0};
+  a->b.ops = ops;
+  a->b.capacity = 1 << 26;
+  cr_assert_eq(ops->open(&a->b, device, &e), 0, "%s: %s", device, e.msg);
+  atomic_store(&a->rank, 0);
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank};
+  a->x = executor_create(&a->env, on_report, NULL);
+  cr_assert_not_null(a->x);
+  nerrors = 0;
+  return 0;
+}
+
+static void close_agent(agent_t *a) {
+  executor_close(a->x);
+  cr_assert_eq(executor_wait_all_freed(5000), 0);
+  a->b.ops->close(&a->b);
+}
+
+static void submit(agent_t *a, instr_t *ins, uint64_t seq) {
+  ins->seq = seq;
+  ins->session_id = (char *)SESSION;
+  ins->stream = 1;
+  cr_assert_eq(executor_submit(a->x, ins), 0);
+}
+
+static Meshd__Agent__V1__TensorSpec spec(uint64_t ref, int64_t *shape, dtype_t dt) {
+  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  sp.ref = ref;
+  sp.n_shape = 1;
+  sp.shape = shape;
+  sp.dtype = (Meshd__V1__DType)dt;
+  return sp;
+}
+
+static void submit_ones(agent_t *a, uint64_t seq, uint64_t ref, dtype_t dt, int64_t *shape) {
+  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
+  f.ref = ref;
+  f.kind = "ones";
+  f.n_shape = 1;
+  f.shape = shape;
+  f.dtype = (Meshd__V1__DType)dt;
+  Meshd__Agent__V1__TensorSpec res = spec(ref, shape, dt);
+  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
+  fo.factory = &f;
+  fo.result = &res;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
+  ins.factory = &fo;
+  submit(a, &ins, seq);
+}
+
+/* Reduce `reduction` of input (shape [n], dt) into result (shape [rn]) over a
+ * one-member group. */
+static void submit_reduce(agent_t *a, uint64_t seq, const char *reduction, uint64_t in, int64_t *shape,
+                          uint64_t out, int64_t *rshape, dtype_t dt) {
+  static uint32_t ranks[1] = {0};
+  static char *addrs[1] = {"127.0.0.1:1"};
+  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
+  r.ref = out;
+  r.input = in;
+  r.reduction = (char *)reduction;
+  Meshd__Agent__V1__TensorSpec is = spec(in, shape, dt), rs = spec(out, rshape, dt);
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.n_ranks = 1;
+  g.ranks = ranks;
+  g.comm_id = 7;
+  g.n_addresses = 1;
+  g.addresses = addrs;
+  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
+  ro.reduce = &r;
+  ro.input = &is;
+  ro.result = &rs;
+  ro.group = &g;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  ins.reduce = &ro;
+  submit(a, &ins, seq);
+}
+
+static const char *error_of(uint64_t seq) {
+  pthread_mutex_lock(&mu);
+  const char *m = NULL;
+  for (int i = 0; i < nerrors && !m; i++)
+    if (error_seqs[i] == seq) m = errors[i];
+  pthread_mutex_unlock(&mu);
+  return m;
+}
+
+/* The failure reported for seq once the executor ran through `through`
+ * (reports come from the reporter thread: waited for, bounded), or NULL. */
+static const char *wait_error(agent_t *a, uint64_t through, uint64_t seq) {
+  cr_assert_eq(executor_wait(a->x, through, 10000), 0, "seq %llu not executed",
+               (unsigned long long)through);
+  const char *m = NULL;
+  for (int i = 0; i < 1000 && !(m = error_of(seq)); i++) {
+    executor_kick(a->x);
+    nanosleep(&(struct timespec){0, 2000000}, NULL);
+  }
+  return m;
+}
+
+static const char *const devices[] = {"cpu", "cuda:emulated"};
+
+Test(run_reduce, integer_avg_fails_on_the_agent_as_on_the_server) {
+  for (size_t d = 0; d < sizeof devices / sizeof devices[0]; d++) {
+    agent_t a;
+    if (open_agent(&a, devices[d]) != 0) continue; /* not in this build */
+    int64_t shape[1] = {4};
+    submit_ones(&a, 1, 10, DTYPE_INT32, shape);
+    submit_reduce(&a, 2, "avg", 10, shape, 11, shape, DTYPE_INT32);
+    const char *m = wait_error(&a, 2, 2);
+    cr_assert_not_null(m, "%s: no failure reported for seq 2", devices[d]);
+    cr_assert(strstr(m, "Reduce: 'avg' needs a floating dtype, not int32"), "%s: %s", devices[d], m);
+    agent_tensor_t t;
+    ref_failure_t why;
+    cr_assert_eq(executor_lookup(a.x, SESSION, 11, &t, &why), 1, "%s: the result is failed",
+                 devices[d]);
+    cr_assert_eq(executor_lookup(a.x, SESSION, 10, &t, &why), 0, "%s: the input is intact",
+                 devices[d]);
+    storage_release(t.storage);
+    close_agent(&a);
+  }
+}
+
+Test(run_reduce, float_avg_over_one_member_is_the_identity) {
+  for (size_t d = 0; d < sizeof devices / sizeof devices[0]; d++) {
+    agent_t a;
+    if (open_agent(&a, devices[d]) != 0) continue;
+    int64_t shape[1] = {4};
+    submit_ones(&a, 1, 10, DTYPE_FLOAT32, shape);
+    submit_reduce(&a, 2, "avg", 10, shape, 11, shape, DTYPE_FLOAT32);
+    cr_assert_eq(executor_wait(a.x, 2, 10000), 0);
+    agent_tensor_t t;
+    ref_failure_t why;
+    cr_assert_eq(executor_lookup(a.x, SESSION, 11, &t, &why), 0, "%s: %s", devices[d], why.msg);
+    float host[4] = {0};
+    meshd_error_t e = {0};
+    cr_assert_eq(a.b.ops->to_host(&a.b, &t, host, &e), 0, "%s", e.msg);
+    for (int i = 0; i < 4; i++) cr_assert_eq(host[i], 1.0f, "%s: element %d", devices[d], i);
+    storage_release(t.storage);
+    cr_assert_null(error_of(2), "%s: %s", devices[d], error_of(2));
+    close_agent(&a);
+  }
+}
+
+Test(run_reduce, a_result_spec_the_rule_does_not_give_is_refused) {
+  for (size_t d = 0; d < sizeof devices / sizeof devices[0]; d++) {
+    agent_t a;
+    if (open_agent(&a, devices[d]) != 0) continue;
+    int64_t shape[1] = {4}, wrong[1] = {3};
+    submit_ones(&a, 1, 10, DTYPE_FLOAT32, shape);
+    submit_reduce(&a, 2, "sum", 10, shape, 11, wrong, DTYPE_FLOAT32);
+    submit_reduce(&a, 3, "median", 10, shape, 12, shape, DTYPE_FLOAT32);
+    const char *m = wait_error(&a, 3, 2);
+    cr_assert_not_null(m, "%s", devices[d]);
+    cr_assert(strstr(m, "result is float32 [3] but its input and group of 1 give float32 [4]"),
+              "%s: %s", devices[d], m);
+    m = wait_error(&a, 3, 3);
+    cr_assert_not_null(m, "%s", devices[d]);
+    cr_assert(strstr(m, "unknown reduction 'median'"), "%s: %s", devices[d], m);
+    close_agent(&a);
+  }
+}
