@@ -321,10 +321,13 @@ out:
   health_destroy(health);
   metrics_http_stop(metrics_http);
   metrics_destroy(metrics);
-  /* Workers of the ended calls still release storages: the backend must
-   * outlive them (a stuck one keeps it open: the process exits anyway). */
+  /* The data plane first fails the collectives and sends that wait on it and
+   * refuses new ones, so that workers blocked on a peer drain at once. Workers
+   * of the ended calls still run and release storages: the data plane and the
+   * backend outlive them (a stuck one keeps both: the process exits anyway). */
+  dataplane_shutdown(dp);
   bool idle = executor_wait_all_freed(5000) == 0;
-  if (dp) dataplane_stop(dp);
+  if (dp && idle) dataplane_stop(dp);
   if (backend_open && idle) backend.ops->close(&backend);
   else if (backend_open) log_warn("agent", "workers still running at exit: the device is left open");
   rpc_shutdown();

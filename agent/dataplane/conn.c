@@ -408,6 +408,12 @@ static void file_accepted(dataplane_t *dp, pending_t *p) {
   c->peer = from;
   snprintf(c->addr, sizeof c->addr, "rank %u", from);
   pthread_mutex_lock(&dp->mu);
+  if (dp->stopping) { /* nothing will take it any more */
+    pthread_mutex_unlock(&dp->mu);
+    close(c->fd);
+    free(c);
+    return;
+  }
   for (conn_t *o = dp->ins; o; o = o->next) {
     if (o->comm_id == comm_id && o->peer == from) { /* the peer re-dialed: the old one is dead */
       conn_unlink_locked(&dp->ins, o);
@@ -525,9 +531,10 @@ fail:
 
 int dataplane_port(const dataplane_t *dp) { return dp ? dp->port : -1; }
 
-void dataplane_stop(dataplane_t *dp) {
+void dataplane_shutdown(dataplane_t *dp) {
   if (!dp) return;
   pthread_mutex_lock(&dp->mu);
+  bool first = !dp->stopping;
   dp->stopping = true;
   conn_t **lists[2] = {&dp->ins, &dp->outs};
   for (int l = 0; l < 2; l++)
@@ -535,11 +542,18 @@ void dataplane_stop(dataplane_t *dp) {
   pthread_cond_broadcast(&dp->cv);
   while (dp->active > 0) pthread_cond_wait(&dp->cv, &dp->mu);
   pthread_mutex_unlock(&dp->mu);
+  if (!first) return;
   ssize_t w;
   do w = write(dp->wake[1], "x", 1);
   while (w < 0 && errno == EINTR);
   pthread_join(dp->listener, NULL);
-  close(dp->lfd);
+  close(dp->lfd); /* peers dialing us now are refused */
+  dp->lfd = -1;
+}
+
+void dataplane_stop(dataplane_t *dp) {
+  if (!dp) return;
+  dataplane_shutdown(dp);
   close(dp->wake[0]);
   close(dp->wake[1]);
   pthread_cond_destroy(&dp->cv);

@@ -46,7 +46,14 @@ typedef struct dp_group {
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
                              meshd_error_t *err);
 int dataplane_port(const dataplane_t *dp);
-/* Closes every connection (peers' pending calls fail), joins, frees. */
+/* Fails every call in progress at once (UNAVAILABLE "the data plane is
+ * stopping"; peers waiting on this agent fail too: its connections close),
+ * waits until each has returned, and stops listening. Calls made afterwards
+ * fail the same way at once. The data plane stays allocated, so a worker
+ * that still holds it may call in safely; repeating it is a no-op. */
+void dataplane_shutdown(dataplane_t *dp);
+/* dataplane_shutdown, then frees dp: only once nothing can call in any more
+ * (the agent: after every executor is freed). NULL is a no-op. */
 void dataplane_stop(dataplane_t *dp);
 
 /* In place: buf becomes the reduction of every member's buf. */

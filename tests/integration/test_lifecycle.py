@@ -309,3 +309,37 @@ def test_agent_that_loses_its_device_reports_not_serving_and_exits(meshd_server,
     assert "device cuda:emulated lost" in log and "NOT_SERVING" in log, lib.log_tail(a.log)
     lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.NOT_SERVING(), timeout=lib.REGISTER_TIMEOUT,
                     log=srv.log)
+
+
+def test_agent_stopped_while_a_collective_waits_exits_promptly(meshd_server, agent):
+    """SIGTERM while the agent's worker waits in a collective for a peer that is stopped
+    (SIGSTOP), with more collectives queued behind it: the data plane fails the waiting call
+    and every later one at once, and stays allocated until the workers are gone (issue 12,
+    exit without races). The agent exits 0 right after its drain, not after the executor
+    wait, and no sanitizer sees a use after free."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    a0 = agent(srv.port, "--drain-seconds", "1", rank=0)
+    a1 = agent(srv.port, "--drain-seconds", "1", rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    s = lib.Session(srv.port, "exit-race")
+    m = s.mesh(gpu=2).ref
+    x = s.tensor(m, (1024,)).ref
+    s.run(lib.sync(), timeout=30)
+    os.kill(a1.pid, signal.SIGSTOP)
+    try:
+        stop_by = time.monotonic() + 10
+        while not lib.all_threads_stopped(a1.pid) and time.monotonic() < stop_by:
+            time.sleep(0.01)
+        for _ in range(3):   # accepted at once: the server never waits for agents
+            s.run(lib.reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"))
+        time.sleep(0.5)      # rank 0's worker now waits for rank 1 in the first one
+        t0 = time.monotonic()
+        a0.signal(signal.SIGTERM)
+        rc = a0.proc.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(a1.pid, signal.SIGKILL)
+    assert rc == 0, lib.log_tail(a0.log)
+    assert took < 1 + 3.0, f"the agent took {took:.1f} s to exit after a 1 s drain"
+    assert lib.sanitizer_report(a0.log) is None, lib.log_tail(a0.log)

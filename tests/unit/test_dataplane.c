@@ -505,6 +505,45 @@ Test(dataplane, member_stopped_mid_call, .timeout = 30) {
   world_stop(&w);
 }
 
+/* The agent's exit: shutdown fails a call that waits on a peer at once, and
+ * every later call too, while the data plane stays allocated for the workers
+ * that still hold it; only then is it freed (issue 12: exit without races). */
+Test(dataplane, shutdown_fails_waiting_and_later_calls_before_it_is_freed) {
+  world_t w;
+  world_start(&w, 2, 20000);
+  size_t count = 16;
+  job_t j = {.w = &w, .me = 0, .comm = 77, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
+             .op = RED_SUM, .count = count};
+  j.in = calloc(count, 4);
+  pthread_t th;
+  pthread_create(&th, NULL, job_main, &j); /* member 1 never joins: it waits */
+  usleep(300 * 1000);
+  int64_t t0 = now_ms();
+  dataplane_shutdown(w.dp[0]);
+  int64_t took = now_ms() - t0;
+  pthread_join(th, NULL);
+  cr_assert(took < 1500, "shutdown took %lld ms with a call waiting", (long long)took);
+  cr_assert_eq(j.rc, -1);
+  cr_assert_eq(j.err.kind, ERR_UNAVAILABLE, "%s", j.err.msg);
+  cr_assert(strstr(j.err.msg, "stopping"), "%s", j.err.msg);
+  cr_assert(j.took_ms < 300 + 1500, "the waiting call took %lld ms", (long long)j.took_ms);
+  /* A worker that still holds the data plane calls in: refused at once. */
+  float f[16] = {0};
+  meshd_error_t err = {0};
+  dp_group_t g = group(&w, 78, 0);
+  t0 = now_ms();
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, f, 16, DTYPE_FLOAT32, RED_SUM, &err), -1);
+  cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
+  cr_assert_eq(dp_send(w.dp[0], 79, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
+  cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
+  cr_assert(now_ms() - t0 < 200, "refusals took %lld ms", (long long)(now_ms() - t0));
+  dataplane_shutdown(w.dp[0]); /* a second shutdown is a no-op */
+  dataplane_stop(w.dp[0]);
+  w.dp[0] = NULL;
+  free(j.in);
+  world_stop(&w);
+}
+
 Test(dataplane, unreachable_peer_fails_within_timeout) {
   world_t w;
   world_start(&w, 2, 1000);
