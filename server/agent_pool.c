@@ -385,6 +385,18 @@ bool *agent_pool_healthy_map(agent_pool_t *p, size_t *world) {
   return map;
 }
 
+uint64_t agent_pool_min_capacity(agent_pool_t *p, const uint32_t *ranks, size_t n) {
+  uint64_t min = 0;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < n; i++) {
+    if (ranks[i] >= p->cap || !p->agents[ranks[i]].used) continue;
+    uint64_t c = p->agents[ranks[i]].d.memory_bytes;
+    if (c && (!min || c < min)) min = c;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return min;
+}
+
 int agent_pool_size(agent_pool_t *p) {
   pthread_mutex_lock(&p->mu);
   int n = 0;

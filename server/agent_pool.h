@@ -98,6 +98,9 @@ int agent_pool_healthy(agent_pool_t *pool);
  * NULL (and *world 0) out of memory. */
 bool *agent_pool_healthy_map(agent_pool_t *pool, size_t *world);
 int agent_pool_size(agent_pool_t *pool);
+/* The smallest capacity (memory_bytes at registration) among the agents of
+ * ranks[0..n) that are registered now; 0 when none is. */
+uint64_t agent_pool_min_capacity(agent_pool_t *pool, const uint32_t *ranks, size_t n);
 /* A snapshot for ListAgents: *out is an array of *n AgentInfo pointers, all
  * malloc'd; free with agent_pool_snapshot_free. Returns 0 or -1 (out of memory). */
 int agent_pool_snapshot(agent_pool_t *pool, Meshd__V1__AgentInfo ***out, size_t *n);

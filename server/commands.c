@@ -134,7 +134,13 @@ static void claim_refs(session_t *s, const uint64_t *refs, size_t n) {
   if (n) session_claim_ref(s, refs[n - 1], NULL); /* checked: the last is the highest */
 }
 
-static int check_quota(session_t *s, objects_t *o, const char *cmd, uint64_t add, meshd_error_t *e) {
+/* Room for a result of per_rank bytes on each of the mesh's ranks: the
+ * agents' registered capacity (mesh.h), then the session's quota. */
+static int check_room(session_t *s, objects_t *o, const mesh_t *mesh, const char *cmd,
+                      uint64_t per_rank, meshd_error_t *e) {
+  if (mesh_check_capacity(mesh, cmd, per_rank, e)) return -1;
+  uint64_t ranks = (uint64_t)mesh_len(mesh);
+  uint64_t add = ranks && per_rank > UINT64_MAX / ranks ? UINT64_MAX : per_rank * ranks;
   uint64_t quota = s->quota_bytes;
   if (quota && o->bytes + add > quota)
     return error_set(e, ERR_QUOTA,
@@ -218,6 +224,18 @@ static int mesh_slice_proto(const mesh_t *parent, uint64_t ref, Meshd__V1__MeshS
   return 0;
 }
 
+/* What each rank of the mesh can hold (its agents' registered capacity),
+ * checked before any command on it is accepted (check_room). */
+static int set_capacity(frontend_t *fe, mesh_t *mesh, const char *cmd, meshd_error_t *e) {
+  size_t n = mesh_len(mesh);
+  uint32_t *ranks = malloc((n ? n : 1) * sizeof *ranks);
+  if (!ranks) return error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
+  mesh_ranks(mesh, ranks);
+  mesh->rank_capacity = agent_pool_min_capacity(fe->pool, ranks, n);
+  free(ranks);
+  return 0;
+}
+
 static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                            cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__CreateMesh *m = c->create_mesh;
@@ -237,6 +255,7 @@ static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mes
   int rc = mesh_create_root(m->ref, names, sizes, (int)m->n_dims, healthy, world, &mesh, e);
   free(healthy);
   if (rc) return -1;
+  if (set_capacity(fe, &mesh, "CreateMesh", e)) return -1;
   obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "CreateMesh: out of memory on the server");
   claim_refs(s, &m->ref, 1);
@@ -250,7 +269,8 @@ static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mesh
   mesh_t *parent = resolve_mesh(o, "SliceMesh", "parent", m->parent, e);
   if (!parent) return -1;
   mesh_t mesh;
-  if (mesh_slice_proto(parent, m->ref, m->selectors, m->n_selectors, "SliceMesh", &mesh, e))
+  if (mesh_slice_proto(parent, m->ref, m->selectors, m->n_selectors, "SliceMesh", &mesh, e) ||
+      set_capacity(fe, &mesh, "SliceMesh", e))
     return -1;
   obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "SliceMesh: out of memory on the server");
@@ -333,7 +353,7 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
     return -1;
   }
   uint64_t ranks = (uint64_t)mesh_len(mesh);
-  if (check_quota(s, o, "Factory", meta_bytes(&inf.results[0].meta) * ranks, e)) return -1;
+  if (check_room(s, o, mesh, "Factory", meta_bytes(&inf.results[0].meta), e)) return -1;
   obj_t *t = objects_new_tensor(o, f->ref, &inf.results[0].meta, mesh->ref, f->stream, ranks);
   if (!t) return error_set(e, ERR_QUOTA, "Factory: out of memory on the server");
   claim_refs(s, &f->ref, 1);
@@ -522,10 +542,10 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   }
   obj_t *mesh_obj = objects_get(o, mesh_ref);
   uint64_t ranks = (uint64_t)mesh_len(mesh_obj->mesh);
-  uint64_t need = 0;
+  uint64_t need = 0; /* per rank */
   for (size_t i = 0; i < call->n_results; i++)
-    if (inf.results[i].alias_param < 0) need += meta_bytes(&inf.results[i].meta) * ranks;
-  if (check_quota(s, o, cmd, need, e)) goto out;
+    if (inf.results[i].alias_param < 0) need += meta_bytes(&inf.results[i].meta);
+  if (check_room(s, o, mesh_obj->mesh, cmd, need, e)) goto out;
 
   /* Accepted: define the results. */
   const obj_t *failed = first_failed(ca->tensors, ca->ntensors);
@@ -619,7 +639,7 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   tensor_meta_t rm;
   if (reduce_infer(&ra, &rm, e)) return -1;
   uint64_t ranks = (uint64_t)mesh_len(mesh);
-  if (!r->inplace && !outt && check_quota(s, o, cmd, meta_bytes(&rm) * ranks, e)) return -1;
+  if (!r->inplace && !outt && check_room(s, o, mesh, cmd, meta_bytes(&rm), e)) return -1;
 
   obj_t *res;
   if (r->inplace) res = in;
@@ -673,7 +693,7 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   if (layout_contiguous(&rm.layout, in->tensor.meta.layout.sizes, in->tensor.meta.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
     return -1;
   uint64_t ranks = (uint64_t)mesh_len(dst);
-  if (check_quota(s, o, cmd, meta_bytes(&rm) * ranks, e)) return -1;
+  if (check_room(s, o, dst, cmd, meta_bytes(&rm), e)) return -1;
   obj_t *res = objects_new_tensor(o, t->ref, &rm, dst->ref, t->dst_stream, ranks);
   if (!res) return error_set(e, ERR_QUOTA, "ToMesh: out of memory on the server");
   claim_refs(s, &t->ref, 1);

@@ -124,6 +124,7 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
               u->total);
     goto out;
   }
+  if (mesh_check_capacity(m->mesh, "Upload", u->each, e)) goto out;
   if (s->quota_bytes && o->bytes + u->each * u->nranks > s->quota_bytes) {
     error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes across its mesh, but the session "
               "holds %llu of its %llu-byte quota; drop tensors you no longer need",

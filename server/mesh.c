@@ -165,6 +165,18 @@ int mesh_create_root(uint64_t ref, const char *const names[], const int64_t size
   return 0;
 }
 
+int mesh_check_capacity(const mesh_t *m, const char *cmd, uint64_t per_rank, meshd_error_t *err) {
+  if (!m->rank_capacity || per_rank <= m->rank_capacity) return 0;
+  char dims[200];
+  mesh_format(m, dims, sizeof dims);
+  return error_set(err, ERR_QUOTA,
+                   "%s: the result needs %llu bytes on each rank, but the smallest agent of mesh "
+                   "%llu %s holds at most %llu bytes; use a smaller shape, or spread the tensor "
+                   "over more ranks",
+                   cmd, (unsigned long long)per_rank, (unsigned long long)m->ref, dims,
+                   (unsigned long long)m->rank_capacity);
+}
+
 int mesh_find_dim(const mesh_t *m, const char *name) {
   if (!name) return -1;
   for (int i = 0; i < m->ndim; i++)

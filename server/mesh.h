@@ -22,6 +22,10 @@ typedef struct mesh {
   int ndim; /* == slice.ndim */
   char names[NDSLICE_MAX_DIMS][MESH_DIM_NAME_MAX + 1];
   ndslice_t slice;
+  /* The smallest capacity (bytes) an agent of the mesh registered with, as
+   * the server saw it when the mesh was made (commands.c). 0: unknown, no
+   * limit. A slice starts with its parent's. */
+  uint64_t rank_capacity;
 } mesh_t;
 
 /* One dim of a SliceMesh (the MeshSelector message). */
@@ -44,6 +48,11 @@ int mesh_create_root(uint64_t ref, const char *const names[], const int64_t size
 
 /* The dim's position, or -1. */
 int mesh_find_dim(const mesh_t *m, const char *name);
+
+/* 0 when a result of per_rank bytes on every rank fits in the mesh's
+ * rank_capacity; else -1 with QUOTA naming the command, both sizes and what
+ * to do. Checked before a command is accepted, so nothing runs for it. */
+int mesh_check_capacity(const mesh_t *m, const char *cmd, uint64_t per_rank, meshd_error_t *err);
 
 /* Applies the selectors in order to parent; each names a dim of parent at most
  * once. out may be parent. Returns 0, or -1 with err (BAD_DIM for unknown or

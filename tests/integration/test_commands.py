@@ -704,6 +704,48 @@ def test_to_mesh_of_a_view_is_contiguous(meshes4):
 
 # ================================================================ quota
 
+def _upload_header_only(s, mesh, shape, dtype_="float32"):
+    """An Upload whose header the server must refuse before any data: returns the RpcError."""
+    pb = lib.tensor_pb2()
+    hdr = pb.UploadHeader(ref=s.new_ref(), mesh=mesh, shape=list(shape), dtype=lib.dtype(dtype_))
+    fn = s.ch.stream_unary("/meshd.v1.TensorService/Upload",
+                           request_serializer=lambda m: m.SerializeToString(),
+                           response_deserializer=pb.UploadReply.FromString)
+    with pytest.raises(grpc.RpcError) as ei:
+        fn(iter([pb.UploadChunk(header=hdr)]), metadata=s.metadata, timeout=30)
+    return ei.value
+
+
+def test_capacity_is_checked_before_dispatch(meshd_server, agent):
+    """A result that cannot fit in an agent's registered capacity is refused with QUOTA at the
+    call, before anything runs (issue 12): nothing changes, and a later Sync reports nothing.
+    The limit is the smallest agent of the mesh the command runs on, so a slice over a larger
+    agent takes more."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    agent(srv.port, "--memory-bytes", "1MiB", rank=0)
+    agent(srv.port, "--memory-bytes", "4MiB", rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    with Session(srv.port, "capacity") as s:
+        m = s.mesh(gpu=2)
+        need(s, m.ref, factories=("zeros",))
+        small = s.tensor(m.ref, (200_000,))          # 800 kB per rank: fits in 1 MiB
+        held = s.info().bytes_held
+        e = s.fails("QUOTA", factory(s.new_ref(), m.ref, "zeros", (300_000,), "float32"), "Factory")
+        assert "1200000 bytes on each rank" in e.message and "1048576" in e.message, e.message
+        s.fails("QUOTA", factory(s.new_ref(), m.ref, "zeros", (1 << 40,), "float32"), "Factory")
+        s.fails("QUOTA", reduce(s.new_ref(), small.ref, ["gpu"], reduction="stack"), "Reduce")
+        err = _upload_header_only(s, m.ref, (300_000,))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert lib.trailer(err.trailing_metadata(), "meshd-error-kind") == "QUOTA", err
+        assert "bytes on each rank" in err.details(), err.details()
+        assert s.info().bytes_held == held, s.info()
+        big_rank = s.slice(m.ref, gpu=1)             # rank 1 registered 4 MiB
+        s.tensor(big_rank.ref, (300_000,))
+        s.run(sync(), timeout=30)                    # nothing was run for the refused ones
+        assert state(s, small.ref) == "TENSOR_STATE_LIVE"
+
+
 def test_quota(shared_meshd):
     srv = shared_meshd(2)
     with Session(srv.port, "quota", quota_bytes=1000) as s:
