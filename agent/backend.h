@@ -130,6 +130,24 @@ struct backend {
                                * and emulated communicators, NCCL's bootstrap; may be NULL */
 };
 
+/* The accounting every backend's alloc does before it allocates: adds bytes
+ * to b->allocated, or returns false (adding nothing) when that would pass
+ * b->capacity. backend_unreserve takes them back (free, a failed alloc).
+ * C only: the .cu kernels never allocate. */
+#ifndef __cplusplus
+static inline bool backend_reserve(backend_t *b, size_t bytes) {
+  uint64_t prev = atomic_fetch_add(&b->allocated, bytes);
+  if (b->capacity && prev + bytes > b->capacity) {
+    atomic_fetch_sub(&b->allocated, bytes);
+    return false;
+  }
+  return true;
+}
+static inline void backend_unreserve(backend_t *b, size_t bytes) {
+  atomic_fetch_sub(&b->allocated, bytes);
+}
+#endif
+
 /* The cpu backend's table (agent/cpu/). */
 extern const backend_ops_t cpu_backend_ops;
 /* The cuda backend's table (agent/cuda/), in builds with MESHD_HAVE_CUDA.

@@ -25,21 +25,17 @@ static void cpu_close(backend_t *b) {
 #define ALIGN 64
 
 static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
-  uint64_t prev = atomic_fetch_add(&b->allocated, bytes);
-  if (b->capacity && prev + bytes > b->capacity) {
-    atomic_fetch_sub(&b->allocated, bytes);
-    return NULL;
-  }
+  if (!backend_reserve(b, bytes)) return NULL;
   size_t rounded = bytes ? (bytes + ALIGN - 1) / ALIGN * ALIGN : ALIGN;
   void *p = rounded >= bytes ? aligned_alloc(ALIGN, rounded) : NULL;
-  if (!p) atomic_fetch_sub(&b->allocated, bytes);
+  if (!p) backend_unreserve(b, bytes);
   return p;
 }
 
 static void cpu_free(backend_t *b, void *ptr, size_t bytes) {
   if (!ptr) return;
   free(ptr);
-  atomic_fetch_sub(&b->allocated, bytes);
+  backend_unreserve(b, bytes);
 }
 
 /* ---- dispatch ---- */

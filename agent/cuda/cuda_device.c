@@ -59,15 +59,6 @@ void cuda_bind(cuda_state_t *st) {
 
 /* ------------------------------------------------------------------ memory */
 
-static bool reserve(backend_t *b, size_t bytes) {
-  uint64_t prev = atomic_fetch_add(&b->allocated, bytes);
-  if (b->capacity && prev + bytes > b->capacity) {
-    atomic_fetch_sub(&b->allocated, bytes);
-    return false;
-  }
-  return true;
-}
-
 #define EMU_ALIGN 256
 
 static void *raw_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
@@ -88,9 +79,9 @@ static void *raw_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
 }
 
 void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
-  if (!reserve(b, bytes)) return NULL;
+  if (!backend_reserve(b, bytes)) return NULL;
   void *p = raw_alloc(b, bs, bytes);
-  if (!p) atomic_fetch_sub(&b->allocated, bytes);
+  if (!p) backend_unreserve(b, bytes);
   return p;
 }
 
@@ -98,7 +89,7 @@ void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes
   if (!p) return;
   if (cuda_state(b)->emulated) free(p);
   else cudaFreeAsync(p, bs->s);
-  atomic_fetch_sub(&b->allocated, bytes);
+  backend_unreserve(b, bytes);
 }
 
 int cuda_memcpy(backend_t *b, backend_stream_t *bs, void *dst, const void *src, size_t bytes,

@@ -33,8 +33,9 @@ typedef struct cuda_nccl_plan {
 } cuda_nccl_plan_t;
 
 /* The plan for a reduction; semantics always those of agent/dataplane/reduce_ops.c
- * (integer avg truncates, so it is not NCCL's ncclAvg; int16 and bool have no
- * NCCL type; bitwise ops have no NCCL op). */
+ * and its dtype rules core/tensor/reduction.h's (avg floating only). int16 and
+ * bool have no NCCL type, bitwise ops no NCCL op, and NCCL's float min/max may
+ * drop a NaN: those gather and reduce locally. */
 cuda_nccl_plan_t cuda_nccl_plan(dtype_t dtype, reduction_t op);
 
 /* The slots (backend.h). s may be NULL: the backend's own stream. */

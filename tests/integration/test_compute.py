@@ -280,7 +280,7 @@ def test_reduce_across_agents(shared_meshd, n, reduction):
     srv = shared_meshd(n)
     with Session(srv.port, "reduce") as s:
         if not data_plane(s):
-            pytest.skip("agents report no data_port: the cpu data plane (agent/cpu/dataplane.c) "
+            pytest.skip("agents report no data_port: the data plane (agent/dataplane/) "
                         "is not built yet")
         m = s.mesh(gpu=n).ref
         parts = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
@@ -295,7 +295,7 @@ def test_to_mesh_between_agents_and_broadcast(shared_meshd):
     srv = shared_meshd(4)
     with Session(srv.port, "tomesh") as s:
         if not data_plane(s):
-            pytest.skip("agents report no data_port: the cpu data plane (agent/cpu/dataplane.c) "
+            pytest.skip("agents report no data_port: the data plane (agent/dataplane/) "
                         "is not built yet")
         root = s.mesh(host=2, gpu=2).ref
         a = np.arange(8, dtype=np.float32).reshape(4, 2)

@@ -1,4 +1,4 @@
-/* agent/cpu/dataplane.c: N data planes in one process on 127.0.0.1:0, one
+/* agent/dataplane/: N data planes in one process on 127.0.0.1:0, one
  * thread per member, results checked against values computed here. */
 #include <criterion/criterion.h>
 #include <pthread.h>
