@@ -119,6 +119,11 @@ typedef struct backend_ops {
    * collectives and sends kept (cuda: destroy its NCCL communicators). NULL
    * allowed. */
   void (*session_end)(backend_t *b, uint64_t session);
+  /* The server declared `rank` lost for the session with this key: abort its
+   * communicators that include the rank (a call waiting in one fails with
+   * AGENT_LOST at once, not at the timeout). NULL allowed (cpu: the data
+   * plane's dataplane_peer_lost does it). */
+  void (*peer_lost)(backend_t *b, uint64_t session, uint32_t rank);
 } backend_ops_t;
 
 struct backend {

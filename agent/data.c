@@ -45,7 +45,7 @@ static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tens
 
 static void read_run(read_job_t *j) {
   rpc_call_t *call = j->call;
-  if (executor_wait(j->ex, j->after_seq, READ_WAIT_MS) != 0) {
+  if (executor_wait_session(j->ex, j->session, j->after_seq, READ_WAIT_MS) != 0) {
     rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
                     "Read: the agent did not execute through seq %llu (it is shutting down or "
                     "its server is gone)", (unsigned long long)j->after_seq);

@@ -47,21 +47,23 @@ static void free_sessions(exec_call_t *x) {
 }
 
 /* The executor's reporter thread: one AgentReport, then the end of a refused call. */
-static void report(uint64_t through, Meshd__V1__Error **errors, size_t n, uint64_t allocated,
-                   void *arg) {
+static void report(const executor_report_t *r, void *arg) {
   exec_call_t *x = arg;
   pthread_mutex_lock(&mu);
   bool finished = x->finished;
   pthread_mutex_unlock(&mu);
   if (finished) return;
   Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
-  rep.executed_through = through;
-  rep.errors = errors;
-  rep.n_errors = n;
-  rep.allocated_bytes = allocated;
+  rep.executed_through = r->executed_through;
+  rep.received_through = r->received_through;
+  rep.sessions = r->sessions;
+  rep.n_sessions = r->n_sessions;
+  rep.errors = r->errors;
+  rep.n_errors = r->n_errors;
+  rep.allocated_bytes = r->allocated_bytes;
   rpc_call_send(x->call, &rep.base);
   pthread_mutex_lock(&mu);
-  bool finish = x->finishing && !x->finished && through >= x->finish_after;
+  bool finish = x->finishing && !x->finished && r->executed_through >= x->finish_after;
   if (finish) x->finished = true;
   pthread_mutex_unlock(&mu);
   if (finish) rpc_call_finish(x->call, GRPC_STATUS_INVALID_ARGUMENT, NULL, "%s", x->why);

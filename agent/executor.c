@@ -28,6 +28,9 @@ typedef struct xstream {
   xsession_t *sess;
   stream_progress_t *progress; /* the stream in the session's state */
   item_t *head, *tail;
+  /* Not yet done besides the queue: the seq being run, and the first of the
+   * seqs run but waiting for their device work (0: none). */
+  uint64_t running, unsynced_first;
   bool stop; /* the session ended: exit once the queue is empty */
   pthread_cond_t wake;
   UT_hash_handle hh;
@@ -100,6 +103,27 @@ static void mark_done_locked(executor_t *x, uint64_t seq) {
   pthread_cond_broadcast(&x->progress);
 }
 
+/* The oldest seq of the stream not yet done, 0 when none: seqs finish in
+ * order within a stream, so it is the unsynced one, else the running one,
+ * else the head of the queue. */
+static uint64_t oldest_locked(const xstream_t *st) {
+  if (st->unsynced_first) return st->unsynced_first;
+  if (st->running) return st->running;
+  return st->head ? st->head->ins->seq : 0;
+}
+
+/* Every seq of session s <= the result is done: the oldest pending one of
+ * its streams - 1, or everything taken when none is pending. Holds mu. */
+static uint64_t session_through_locked(const executor_t *x, xsession_t *s) {
+  uint64_t low = 0;
+  xstream_t *st, *tmp;
+  HASH_ITER(hh, s->streams, st, tmp) {
+    uint64_t o = oldest_locked(st);
+    if (o && (!low || o < low)) low = o;
+  }
+  return low ? low - 1 : x->last;
+}
+
 uint64_t executor_executed(executor_t *x) {
   pthread_mutex_lock(&x->mu);
   uint64_t t = through_locked(x);
@@ -121,6 +145,30 @@ int executor_wait(executor_t *x, uint64_t seq, int timeout_ms) {
   while (through_locked(x) < seq && !x->closing && rc == 0)
     rc = pthread_cond_timedwait(&x->progress, &x->mu, &dl);
   bool ok = through_locked(x) >= seq;
+  pthread_mutex_unlock(&x->mu);
+  return ok ? 0 : -1;
+}
+
+static xsession_t *session_find_locked(executor_t *x, const char *id);
+
+int executor_wait_session(executor_t *x, const char *session, uint64_t seq, int timeout_ms) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += timeout_ms / 1000;
+  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (dl.tv_nsec >= 1000000000L) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&x->mu);
+  int rc = 0;
+  bool ok;
+  for (;;) {
+    xsession_t *s = session_find_locked(x, session);
+    ok = (s ? session_through_locked(x, s) : x->last) >= seq;
+    if (ok || x->closing || rc != 0) break;
+    rc = pthread_cond_timedwait(&x->progress, &x->mu, &dl);
+  }
   pthread_mutex_unlock(&x->mu);
   return ok ? 0 : -1;
 }
@@ -177,21 +225,46 @@ static void *reporter_main(void *arg) {
     while (!x->dirty && !x->report_stop) pthread_cond_wait(&x->report_cv, &x->mu);
     if (x->report_stop) break;
     x->dirty = false;
-    uint64_t through = through_locked(x);
-    Meshd__V1__Error **errs = x->errs;
-    size_t n = x->nerrs;
+    executor_report_t r = {.executed_through = through_locked(x), .received_through = x->last};
+    r.errors = x->errs;
+    r.n_errors = x->nerrs;
     x->errs = NULL;
     x->nerrs = x->caperrs = 0;
-    uint64_t alloc = allocated(x);
-    x->reported_alloc = alloc;
-    pthread_mutex_unlock(&x->mu);
-    x->report(through, errs, n, alloc, x->arg);
-    for (size_t i = 0; i < n; i++) {
-      free(errs[i]->session_id);
-      free(errs[i]->message);
-      free(errs[i]);
+    r.allocated_bytes = allocated(x);
+    x->reported_alloc = r.allocated_bytes;
+    /* Sessions behind what was taken: each with its own watermark. */
+    size_t nsess = HASH_COUNT(x->sessions);
+    Meshd__Agent__V1__SessionProgress *prog = nsess ? calloc(nsess, sizeof *prog) : NULL;
+    Meshd__Agent__V1__SessionProgress **ptrs = nsess ? calloc(nsess, sizeof *ptrs) : NULL;
+    char *ids = nsess ? malloc(nsess * 64) : NULL;
+    if (prog && ptrs && ids) {
+      xsession_t *s, *tmp;
+      HASH_ITER(hh, x->sessions, s, tmp) {
+        uint64_t t = session_through_locked(x, s);
+        if (t >= r.received_through) continue;
+        Meshd__Agent__V1__SessionProgress *p = &prog[r.n_sessions];
+        meshd__agent__v1__session_progress__init(p);
+        p->session_id = ids + 64 * r.n_sessions;
+        snprintf(p->session_id, 64, "%s", s->state->id);
+        p->executed_through = t;
+        ptrs[r.n_sessions++] = p;
+      }
+      r.sessions = ptrs;
+    } else if (nsess) {
+      /* Without the list every session is as far as the slowest: still correct. */
+      r.received_through = r.executed_through;
     }
-    free(errs);
+    pthread_mutex_unlock(&x->mu);
+    x->report(&r, x->arg);
+    for (size_t i = 0; i < r.n_errors; i++) {
+      free(r.errors[i]->session_id);
+      free(r.errors[i]->message);
+      free(r.errors[i]);
+    }
+    free(r.errors);
+    free(prog);
+    free(ptrs);
+    free(ids);
     pthread_mutex_lock(&x->mu);
   }
   pthread_mutex_unlock(&x->mu);
@@ -289,6 +362,7 @@ static void *worker_main(void *arg) {
       if (b->ops->stream_sync(b, bs, &e) != 0)
         log_error("executor", "session %.8s stream %" PRIu64 ": %s", ss->id, st->id, e.msg);
       pthread_mutex_lock(&x->mu);
+      st->unsynced_first = 0;
       for (int i = 0; i < nunsynced; i++) mark_done_locked(x, unsynced[i]);
       nunsynced = 0;
       continue;
@@ -298,8 +372,9 @@ static void *worker_main(void *arg) {
     if (!it) break;
     st->head = it->next;
     if (!st->head) st->tail = NULL;
-    pthread_mutex_unlock(&x->mu);
     uint64_t seq = it->ins->seq;
+    st->running = seq;
+    pthread_mutex_unlock(&x->mu);
     failed.n = 0;
     run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
@@ -309,8 +384,13 @@ static void *worker_main(void *arg) {
     /* Cross-stream waiters need only the work queued (session_state.h). */
     session_state_queued(ss, st->progress, seq);
     pthread_mutex_lock(&x->mu);
-    if (deferred) unsynced[nunsynced++] = seq;
-    else mark_done_locked(x, seq);
+    st->running = 0;
+    if (deferred) {
+      if (nunsynced == 0) st->unsynced_first = seq;
+      unsynced[nunsynced++] = seq;
+    } else {
+      mark_done_locked(x, seq);
+    }
   }
   bool last = --s->live_workers == 0;
   uint64_t end_seq = s->end_seq;
@@ -367,6 +447,7 @@ fail:
 static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq) {
   HASH_DEL(x->sessions, s);
   s->end_seq = seq;
+  session_state_close(s->state); /* waits (a hung instruction) end; nothing reads it after */
   if (s->live_workers == 0) {
     unlink_live_locked(x, s);
     return s;
@@ -401,7 +482,17 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   x->last = ins->seq;
   bool done_now = false, failed = false;
   xsession_t *to_free = NULL;
+  const Meshd__Agent__V1__PeerLost *lost = NULL;
   switch (ins->body_case) {
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: {
+      /* Before anything queued runs: the session's work that needs the peer
+       * fails instead of waiting for it. */
+      lost = ins->peer_lost;
+      xsession_t *s = session_find_locked(x, ins->session_id);
+      if (s) session_state_peer_lost(s->state, lost->rank, ins->seq, lost->reason);
+      done_now = true;
+      break;
+    }
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS:
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CREATE_STREAM:
       /* The watermark is contiguous: this seq is passed once all before it ran. */
@@ -432,6 +523,19 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   }
   if (done_now && !to_free) mark_done_locked(x, ins->seq);
   pthread_mutex_unlock(&x->mu);
+  if (lost) {
+    backend_t *b = x->env.backend;
+    if (b && b->net && lost->data_address && *lost->data_address)
+      dataplane_peer_lost(b->net, lost->data_address, lost->rank, lost->reason);
+    if (b && b->ops->peer_lost) {
+      xsession_t *s;
+      uint64_t key = 0;
+      pthread_mutex_lock(&x->mu);
+      if ((s = session_find_locked(x, ins->session_id))) key = s->state->key;
+      pthread_mutex_unlock(&x->mu);
+      if (key) b->ops->peer_lost(b, key, lost->rank);
+    }
+  }
   if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
   if (to_free) {

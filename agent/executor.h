@@ -33,9 +33,21 @@
 
 typedef struct executor executor_t;
 
-/* Runs on the reporter thread. errors (root failures) are valid during the call. */
-typedef void (*executor_report_fn)(uint64_t executed_through, Meshd__V1__Error **errors,
-                                   size_t n_errors, uint64_t allocated_bytes, void *arg);
+/* One report: what AgentReport carries. Everything is valid during the call. */
+typedef struct executor_report {
+  uint64_t executed_through; /* every seq <= it has run, in every session */
+  uint64_t received_through; /* the last seq taken */
+  /* Sessions with work not yet run: each has run every one of its seqs <= its
+   * executed_through; a session not listed has run all of its seqs. */
+  Meshd__Agent__V1__SessionProgress **sessions;
+  size_t n_sessions;
+  Meshd__V1__Error **errors; /* root failures not reported before */
+  size_t n_errors;
+  uint64_t allocated_bytes;
+} executor_report_t;
+
+/* Runs on the reporter thread. */
+typedef void (*executor_report_fn)(const executor_report_t *r, void *arg);
 
 /* env (run.h) is copied; what it points to must outlive the executor. NULL
  * when out of memory or threads. */
@@ -53,7 +65,10 @@ void executor_unref(executor_t *x);
 int executor_wait_all_freed(int timeout_ms);
 
 /* Queues a copy of ins (already checked by the caller: seq = previous + 1,
- * session and body set). Returns 0, or -1 out of memory (the instruction is
+ * session and body set). PeerLost is not queued but handled here, before
+ * anything queued runs: the session's instructions that need the lost rank
+ * then fail with AGENT_LOST without running, and the data plane's and the
+ * backend's waits on that peer end at once. Returns 0, or -1 out of memory (the instruction is
  * then counted as done with a root failure reported). */
 int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
 /* The reporter sends a report soon even if nothing changed. */
@@ -63,6 +78,10 @@ uint64_t executor_executed(executor_t *x);
 size_t executor_sessions(executor_t *x);
 /* Waits until executed_through >= seq. 0, or -1 on timeout / close. */
 int executor_wait(executor_t *x, uint64_t seq, int timeout_ms);
+/* Waits until `session` ran every one of its seqs <= seq (other sessions'
+ * work does not count). 0, or -1 on timeout / close. */
+int executor_wait_session(executor_t *x, const char *session, uint64_t seq, int timeout_ms);
+
 
 /* Data in and out (Agent/Read, Agent/Write). */
 /* 0 with *out retained; 1 failed (why); -1 unknown session or ref (why->msg). */

@@ -17,6 +17,7 @@
 #include "health.h"
 #include "log.h"
 #include "metrics.h"
+#include "fault.h"
 #include "rpc.h"
 #include "runtime.h"
 
@@ -37,9 +38,13 @@ typedef struct options {
   const char *log_level;
   const char *metrics_listen;
   const char *metrics_port_file;
+  const char *fault;
+  int64_t comm_timeout_ms;
 } options_t;
 
 static options_t opt;
+static agent_fault_t fault;
+static bool fault_on;
 
 /* Only the devices this build serves (tests and people read --help to know). */
 #ifdef MESHD_HAVE_CUDA
@@ -72,6 +77,11 @@ static const config_flag_t flags[] = {
      "serve Prometheus metrics at http://ADDR/metrics (default: off)", &opt.metrics_listen, 0, 0},
     {"metrics-port-file", CONFIG_STRING, NULL, "write the metrics port there",
      &opt.metrics_port_file, 0, 0},
+    {"comm-timeout-ms", CONFIG_INT, "30000",
+     "a collective or send fails when a peer moves no byte for this long", &opt.comm_timeout_ms,
+     100, 3600000},
+    {"fault", CONFIG_STRING, NULL,
+     "fault injection for tests, e.g. reduce:hang,rank=1 (see agent/fault.h)", &opt.fault, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
 
@@ -111,6 +121,11 @@ static int parse_options(int argc, char **argv) {
     return usage_error("--log-level: '%s' is not one of debug, info, warn, error",
                        opt.log_level);
   log_set_level(level);
+  if (opt.fault && *opt.fault) {
+    if (agent_fault_parse(opt.fault, &fault, err, sizeof err) != 0)
+      return usage_error("--fault: %s", err);
+    fault_on = true;
+  }
   return -1;
 }
 
@@ -229,6 +244,7 @@ int main(int argc, char **argv) {
     log_error("agent", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
     goto out;
   }
+  if (fault_on) log_warn("agent", "fault injection on: %s", opt.fault);
   log_info("agent", "agent %s listening on port %d, advertising %s, device %s, memory %" PRIu64
            " bytes, pid %d", info.id, port, info.address, info.device, info.memory_bytes,
            (int)getpid());
@@ -243,7 +259,8 @@ int main(int argc, char **argv) {
     char *end = strchr(host, ']');
     if (end) *end = '\0';
   }
-  dp = dataplane_start(host, opt.rank >= 0 ? (uint32_t)opt.rank : 0, 30000, &merr);
+  dp = dataplane_start(host, opt.rank >= 0 ? (uint32_t)opt.rank : 0, (int)opt.comm_timeout_ms,
+                       &merr);
   if (dp) {
     info.data_port = (uint32_t)dataplane_port(dp);
     backend.net = dp; /* the cpu backend's communicators run on it */
@@ -254,7 +271,7 @@ int main(int argc, char **argv) {
              merr.msg);
   }
   info.env = (run_env_t){.backend = &backend, .data_address = info.data_address,
-                         .rank = &agent_rank, .stats = &stats};
+                         .rank = &agent_rank, .stats = &stats, .fault = fault_on ? &fault : NULL};
 
   if (opt.metrics_listen && *opt.metrics_listen) {
     metrics = metrics_create();

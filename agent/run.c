@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "reduction.h"
@@ -42,7 +43,8 @@ static void fail_refs(ctx_t *c, const uint64_t *refs, size_t n, const ref_failur
 
 /* A root failure of this instruction: marks refs, reports once. */
 static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_error_t *e) {
-  ref_failure_t f = {.kind = e->kind == ERR_QUOTA ? ERR_QUOTA : ERR_REMOTE_FAILURE,
+  ref_failure_t f = {.kind = e->kind == ERR_QUOTA || e->kind == ERR_AGENT_LOST ? e->kind
+                                                                               : ERR_REMOTE_FAILURE,
                      .root_seq = c->ins->seq,
                      .root_ref = n ? refs[0] : 0};
   snprintf(f.msg, sizeof f.msg, "%s", e->msg);
@@ -361,10 +363,38 @@ static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
  * The result, rm's elements, is `work` itself (in-place variants, one
  * member) or a fresh tensor; *res holds a reference either way.
  * *any_failed becomes whether any member's input failed. */
+/* Fault injection (fault.h) for an instruction of kind `where`: 0 to run it
+ * as is, 1 to run it as if its input had failed with e (so that its peers,
+ * which take part as usual, stay in step), -1 with e after a hang. */
+static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t *e) {
+  int ms = 0;
+  int64_t rank = c->env->rank ? atomic_load(c->env->rank) : -1;
+  switch (agent_fault_hit(c->env->fault, where, rank, &ms)) {
+    case FAULT_NONE: return 0;
+    case FAULT_SLOW: {
+      struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+      nanosleep(&ts, NULL);
+      return 0;
+    }
+    case FAULT_FAIL:
+      error_set(e, ERR_REMOTE_FAILURE, "%s: injected fault (MESHD_FAULT) on rank %lld", what,
+                (long long)rank);
+      return 1;
+    case FAULT_HANG: {
+      log_warn("run", "session %.8s seq %" PRIu64 ": %s hangs (injected fault)", c->s->id,
+               c->ins->seq, what);
+      bool ended = session_state_wait_lost(c->s, ms > 0 ? ms : 3600000);
+      return error_set(e, ERR_REMOTE_FAILURE, "%s: injected hang on rank %lld ended (%s)", what,
+                       (long long)rank, ended ? "a peer was lost or the session ended" : "timed out");
+    }
+  }
+  return 0;
+}
+
 static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
                       const Meshd__Agent__V1__Group *g, agent_tensor_t *work,
                       const tensor_meta_t *rm, agent_tensor_t *res, int *any_failed,
-                      meshd_error_t *e) {
+                      const uint64_t *since, meshd_error_t *e) {
   size_t n = g->n_ranks, me = 0, in_count = (size_t)layout_numel(&work->meta.layout);
   dtype_t dt = work->meta.dtype;
   bool stack = !reduction_combines(red);
@@ -384,7 +414,7 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
   if (g->n_addresses < n || n > 256)
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: the group lacks data plane addresses");
   for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
-  dp_group_t grp = {g->comm_id, c->s->key, g->ranks, addrs, n, me};
+  dp_group_t grp = {g->comm_id, c->s->key, g->ranks, addrs, n, me, since};
   void *in = work->storage->data, *out = res->storage->data;
   int rc;
   if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
@@ -440,7 +470,11 @@ static void run_reduce(ctx_t *c) {
   meta_of_spec(ro->input, &im);
   meta_of_spec(ro->result, &rm);
   reduction_t red = reduction_parse(r->reduction);
-  if (need_backend(c, "Reduce", &e) || check_reduce(r, red, ro->group->n_ranks, &im, &rm, &e))
+  /* The generation first: a peer lost after it fails the collective itself. */
+  uint64_t since = c->b && c->b->net ? dataplane_generation(c->b->net) : 0;
+  if (need_backend(c, "Reduce", &e) || check_reduce(r, red, ro->group->n_ranks, &im, &rm, &e) ||
+      session_state_check_peers(c->s, ro->group->ranks, ro->group->n_ranks, c->ins->seq,
+                                "Reduce", &e))
     goto fail;
   int got = session_state_get(c->s, c->ins->stream, c->bs, ro->input->ref, &in, &why);
   int failed = got != 0;
@@ -450,9 +484,20 @@ static void run_reduce(ctx_t *c) {
     snprintf(why.msg, sizeof why.msg, "Reduce: tensor %llu is not on the agent",
              (unsigned long long)ro->input->ref);
   }
-  if (staged(c, &im, got == 0 ? &in : NULL, &work, "Reduce", &e) ||
-      collective(c, r, red, ro->group, &work, &rm, &res, &failed, &e))
+  meshd_error_t fault = {0};
+  int inj = injected(c, "reduce", "Reduce", &fault);
+  if (inj < 0) {
+    e = fault;
     goto fail;
+  }
+  if (inj > 0) failed = 1; /* the peers learn it through the failure flag */
+  if (staged(c, &im, got == 0 && !inj ? &in : NULL, &work, "Reduce", &e) ||
+      collective(c, r, red, ro->group, &work, &rm, &res, &failed, &since, &e))
+    goto fail;
+  if (inj > 0) {
+    e = fault;
+    goto fail;
+  }
   if ((r->inplace && got == 0) || r->out) {
     if (r->inplace && got == 0) {
       target = in;
@@ -522,6 +567,18 @@ static void run_send(ctx_t *c) {
   if (!c->b->net) {
     error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent has no data plane");
     goto fail;
+  }
+  uint32_t peer = st->input ? st->to_rank : st->from_rank;
+  if (session_state_check_peers(c->s, &peer, 1, c->ins->seq, "ToMesh", &e)) goto fail;
+  meshd_error_t fault = {0};
+  int inj = injected(c, "send", "ToMesh", &fault);
+  if (inj < 0 || (inj > 0 && !st->input)) { /* a receiver's fault: its result fails */
+    e = fault;
+    goto fail;
+  }
+  if (inj > 0) { /* a sender's: the receiver gets the failure flag, the server the root */
+    report(c, fault.kind, fault.msg, 0);
+    got = 1;
   }
   tensor_meta_t m;
   meta_of_spec(st->input ? st->input : st->result, &m);

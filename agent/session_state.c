@@ -1,7 +1,9 @@
 #include "session_state.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <uthash.h>
 
 /* One stream of the session: how far its worker has queued work. */
@@ -204,4 +206,59 @@ void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stre
   /* The origin waits for the borrower's last use (on the device too). */
   if (r && r->last_use_seq) session_state_wait_stream(s, r->to_stream, r->last_use_seq, stream, bs);
   free(r);
+}
+
+/* ------------------------------------------------------------------ lost peers */
+
+void session_state_peer_lost(session_state_t *s, uint32_t rank, uint64_t seq, const char *why) {
+  pthread_mutex_lock(&s->mu);
+  lost_peer_t *l = NULL;
+  for (size_t i = 0; i < s->nlost; i++)
+    if (s->lost[i].rank == rank) l = &s->lost[i]; /* lost again: the later PeerLost counts */
+  if (!l) {
+    if (s->nlost == SESSION_LOST_MAX) { /* the oldest goes: its instructions ran long ago */
+      memmove(s->lost, s->lost + 1, (SESSION_LOST_MAX - 1) * sizeof s->lost[0]);
+      s->nlost--;
+    }
+    l = &s->lost[s->nlost++];
+  }
+  l->rank = rank;
+  l->seq = seq;
+  snprintf(l->why, sizeof l->why, "%s", why && *why ? why : "was lost");
+  pthread_cond_broadcast(&s->progress);
+  pthread_mutex_unlock(&s->mu);
+}
+
+int session_state_check_peers(session_state_t *s, const uint32_t *ranks, size_t n, uint64_t seq,
+                              const char *what, meshd_error_t *err) {
+  pthread_mutex_lock(&s->mu);
+  int rc = 0;
+  for (size_t i = 0; i < s->nlost && rc == 0; i++)
+    for (size_t j = 0; j < n && seq < s->lost[i].seq; j++)
+      if (ranks[j] == s->lost[i].rank) {
+        rc = error_set(err, ERR_AGENT_LOST,
+                       "%s: the agent of rank %u %s; not run (create a new mesh to use its "
+                       "replacement)", what, ranks[j], s->lost[i].why);
+        break;
+      }
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+bool session_state_wait_lost(session_state_t *s, int timeout_ms) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += timeout_ms / 1000;
+  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+  if (dl.tv_nsec >= 1000000000L) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&s->mu);
+  int rc = 0;
+  while (s->nlost == 0 && !s->closing && rc == 0)
+    rc = pthread_cond_timedwait(&s->progress, &s->mu, &dl);
+  bool early = s->nlost > 0 || s->closing;
+  pthread_mutex_unlock(&s->mu);
+  return early;
 }

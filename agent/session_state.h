@@ -44,6 +44,14 @@ typedef struct stream_progress stream_progress_t;
 typedef struct pending_def pending_def_t;
 typedef struct borrow_record borrow_record_t;
 
+/* A peer the server declared lost for this session (PeerLost). */
+#define SESSION_LOST_MAX 8
+typedef struct lost_peer {
+  uint32_t rank;
+  uint64_t seq; /* the PeerLost: only instructions sent before it need the lost agent */
+  char why[200];
+} lost_peer_t;
+
 typedef struct session_state {
   char *id;         /* the server's session id */
   uint64_t key;     /* a hash of id: dp_group_t.session, the backend's session_end */
@@ -55,6 +63,8 @@ typedef struct session_state {
   pending_def_t *defs;        /* mu */
   borrow_record_t *borrows;   /* mu */
   bool closing;               /* mu: cross-stream waits return at once */
+  lost_peer_t lost[SESSION_LOST_MAX]; /* mu: peers declared lost, oldest first */
+  size_t nlost;                       /* mu */
 } session_state_t;
 
 /* A new session state; NULL when out of memory. */
@@ -75,6 +85,22 @@ void session_state_stream_ready(session_state_t *s, stream_progress_t *p, backen
 void session_state_queued(session_state_t *s, stream_progress_t *p, uint64_t seq);
 /* The executor is closing: cross-stream waits stop waiting. */
 void session_state_close(session_state_t *s);
+
+/* The server declared `rank` lost for this session by PeerLost seq `seq`
+ * (why: "was lost at ..."): session_state_check_peers then fails the
+ * instructions sent before it whose group includes the rank (those sent
+ * after it name the rank's replacement: the server refuses commands on meshes
+ * that still include the lost agent), and waits in session_state_wait_lost
+ * end. Wakes every waiter of the session. */
+void session_state_peer_lost(session_state_t *s, uint32_t rank, uint64_t seq, const char *why);
+/* 0, or -1 with err (AGENT_LOST, "<what>: the agent of rank R was lost ...")
+ * when instruction `seq` needs one of ranks[0..n) and was sent before that
+ * rank was declared lost for this session. */
+int session_state_check_peers(session_state_t *s, const uint32_t *ranks, size_t n, uint64_t seq,
+                              const char *what, meshd_error_t *err);
+/* Waits until a peer is declared lost for the session, the session closes, or
+ * timeout_ms passes (fault injection's "hang"). true when it ended early. */
+bool session_state_wait_lost(session_state_t *s, int timeout_ms);
 
 /* Records what ordering `ins` needs besides its own stream's order (borrow
  * records, refs defined on one stream for another). Called by the executor

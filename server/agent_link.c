@@ -204,13 +204,23 @@ static void *writer_main(void *arg) {
 static bool take_report(agent_link_t *l, const Meshd__Agent__V1__AgentReport *rep, uint64_t *exec,
                         bool *stop, char *why, size_t whylen) {
   pthread_mutex_lock(&l->mu);
-  bool ok = rep->executed_through < l->next_seq;
+  bool ok = rep->executed_through < l->next_seq && rep->received_through < l->next_seq &&
+            (!rep->received_through || rep->received_through >= rep->executed_through);
+  for (size_t i = 0; ok && i < rep->n_sessions; i++) {
+    const Meshd__Agent__V1__SessionProgress *sp = rep->sessions[i];
+    ok = sp->session_id && sp->executed_through <= rep->received_through;
+    if (!ok)
+      snprintf(why, whylen, "the agent reported session progress past what it received (seq %llu "
+               "> %llu)", (unsigned long long)sp->executed_through,
+               (unsigned long long)rep->received_through);
+  }
+  if (!ok && !why[0])
+    snprintf(why, whylen, "the agent reported executed through seq %llu (received %llu), but only "
+             "%llu were sent", (unsigned long long)rep->executed_through,
+             (unsigned long long)rep->received_through, (unsigned long long)l->next_seq - 1);
   if (ok) {
     if (rep->executed_through > l->executed) l->executed = rep->executed_through;
     l->reports++;
-  } else {
-    snprintf(why, whylen, "the agent reported executed through seq %llu, but only %llu were sent",
-             (unsigned long long)rep->executed_through, (unsigned long long)l->next_seq - 1);
   }
   *exec = l->executed;
   *stop = l->stop;
@@ -238,9 +248,18 @@ static void *reader_main(void *arg) {
       rpc_stream_cancel(l->stream);
       break;
     }
-    if (!stop && l->cb.on_report)
-      l->cb.on_report(l->rank, exec, (const Meshd__V1__Error *const *)rep->errors, rep->n_errors,
-                      rep->allocated_bytes, l->cb.arg);
+    if (!stop && l->cb.on_report) {
+      agent_link_report_t r = {
+          .executed = exec,
+          .received = rep->received_through,
+          .sessions = (const Meshd__Agent__V1__SessionProgress *const *)rep->sessions,
+          .n_sessions = rep->n_sessions,
+          .errors = (const Meshd__V1__Error *const *)rep->errors,
+          .n_errors = rep->n_errors,
+          .allocated_bytes = rep->allocated_bytes,
+      };
+      l->cb.on_report(l->rank, &r, l->cb.arg);
+    }
     protobuf_c_message_free_unpacked(msg, NULL);
   }
 

@@ -33,12 +33,22 @@
 
 typedef struct agent_link agent_link_t;
 
-/* One AgentReport: every seq <= executed_through has run on the agent (the
- * value never goes down from one call to the next).
- * `errors` (root failures) belong to the link and are valid during the call. */
-typedef void (*agent_link_report_fn)(uint32_t rank, uint64_t executed_through,
-                                     const Meshd__V1__Error *const *errors, size_t n_errors,
-                                     uint64_t allocated_bytes, void *arg);
+/* One AgentReport, checked against what was sent. Everything is valid during
+ * the call only. */
+typedef struct agent_link_report {
+  uint64_t executed;  /* every seq <= it has run (never goes down between calls) */
+  /* Per-session progress (0 from an agent without it: use `executed` for
+   * every session): a session listed in `sessions` has run each of its seqs
+   * <= its executed_through; any other has run each of its seqs <= received. */
+  uint64_t received;
+  const Meshd__Agent__V1__SessionProgress *const *sessions;
+  size_t n_sessions;
+  const Meshd__V1__Error *const *errors; /* root failures */
+  size_t n_errors;
+  uint64_t allocated_bytes;
+} agent_link_report_t;
+
+typedef void (*agent_link_report_fn)(uint32_t rank, const agent_link_report_t *r, void *arg);
 /* The link broke; called once, from the reader thread. */
 typedef void (*agent_link_lost_fn)(uint32_t rank, void *arg);
 

@@ -18,6 +18,7 @@ typedef struct pool_link {
   agent_link_t *link;
   uint32_t rank;
   char agent_id[64];
+  char data_address[300];
   atomic_bool gone;
 } pool_link_t;
 
@@ -33,6 +34,10 @@ typedef struct agent {
    * memsets) so that seqs are never reused on a rank: a (rank, seq) the
    * watermark knows as lost cannot come back on the next agent. */
   uint64_t seq_floor;
+  /* The rank's last loss (kept across the memsets too): its number among all
+   * losses (0: never lost) and when. */
+  uint64_t lost_no;
+  int64_t lost_unix_ms;
 } agent_t;
 
 struct agent_pool {
@@ -44,6 +49,7 @@ struct agent_pool {
   void *arg;
   agent_pool_callbacks_t cb;
   watermark_t *marks;
+  uint64_t losses; /* mu */
 };
 
 agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
@@ -78,15 +84,25 @@ void agent_pool_destroy(agent_pool_t *p) {
   free(p);
 }
 
+static int64_t unix_ms(void);
+static bool grow_locked(agent_pool_t *p, size_t need);
+
 /* ------------------------------------------------------------------ links */
 
-static void link_report(uint32_t rank, uint64_t executed, const Meshd__V1__Error *const *errors,
-                        size_t n, uint64_t allocated_bytes, void *arg) {
+static void link_report(uint32_t rank, const agent_link_report_t *r, void *arg) {
   pool_link_t *pl = arg;
   agent_pool_t *p = pl->pool;
-  agent_pool_set_allocated(p, rank, pl->agent_id, allocated_bytes);
-  if (p->cb.on_report) p->cb.on_report(rank, executed, errors, n, allocated_bytes, p->cb.arg);
-  watermark_advance(p->marks, rank, executed);
+  agent_pool_set_allocated(p, rank, pl->agent_id, r->allocated_bytes);
+  if (p->cb.on_report) p->cb.on_report(rank, r, p->cb.arg);
+  watermark_session_t few[16], *ss = few;
+  if (r->n_sessions > 16 && !(ss = malloc(r->n_sessions * sizeof *ss))) {
+    watermark_advance(p->marks, rank, r->executed); /* correct, only slower for sessions */
+    return;
+  }
+  for (size_t i = 0; i < r->n_sessions; i++)
+    ss[i] = (watermark_session_t){r->sessions[i]->session_id, r->sessions[i]->executed_through};
+  watermark_progress(p->marks, rank, r->executed, r->received, ss, r->n_sessions);
+  if (ss != few) free(ss);
 }
 
 /* The link carried its last instruction: tell the owner, then fail the waits
@@ -96,7 +112,17 @@ static void link_gone(pool_link_t *pl) {
   if (atomic_exchange(&pl->gone, true)) return;
   agent_pool_t *p = pl->pool;
   uint64_t executed = agent_link_executed(pl->link), last = agent_link_last_seq(pl->link);
-  if (p->cb.on_lost) p->cb.on_lost(pl->rank, p->cb.arg);
+  agent_lost_t lost = {.rank = pl->rank, .unix_ms = unix_ms()};
+  snprintf(lost.agent_id, sizeof lost.agent_id, "%s", pl->agent_id);
+  snprintf(lost.data_address, sizeof lost.data_address, "%s", pl->data_address);
+  pthread_mutex_lock(&p->mu);
+  lost.loss = ++p->losses;
+  if (grow_locked(p, (size_t)pl->rank + 1)) {
+    p->agents[pl->rank].lost_no = lost.loss;
+    p->agents[pl->rank].lost_unix_ms = lost.unix_ms;
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (p->cb.on_lost) p->cb.on_lost(&lost, p->cb.arg);
   watermark_lost(p->marks, pl->rank, executed, last);
 }
 
@@ -196,9 +222,12 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
     rank = (int)i;
   }
   agent_t *a = &p->agents[rank];
-  uint64_t floor = a->seq_floor;
+  uint64_t floor = a->seq_floor, lost_no = a->lost_no;
+  int64_t lost_ms = a->lost_unix_ms;
   memset(a, 0, sizeof *a);
   a->seq_floor = floor;
+  a->lost_no = lost_no;
+  a->lost_unix_ms = lost_ms;
   a->used = true;
   a->d = *d;
   a->registered_unix_ms = unix_ms();
@@ -219,9 +248,12 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
     ch = a->channel;
     pl = a->link;
     /* Sends take the pool lock, so the link's last seq is final here. */
-    uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor;
+    uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor, lost_no = a->lost_no;
+    int64_t lost_ms = a->lost_unix_ms;
     memset(a, 0, sizeof *a);
     a->seq_floor = floor;
+    a->lost_no = lost_no;
+    a->lost_unix_ms = lost_ms;
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
@@ -285,6 +317,7 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
     pl->pool = p;
     pl->rank = rank;
     snprintf(pl->agent_id, sizeof pl->agent_id, "%s", agent_id);
+    agent_pool_data_address(p, rank, pl->data_address, sizeof pl->data_address);
     agent_link_callbacks_t cb = {link_report, link_lost, pl};
     pl->link = agent_link_open(ch, rank, agent_id, first_seq, &cb);
     if (!pl->link) {
@@ -448,4 +481,34 @@ void agent_pool_snapshot_free(Meshd__V1__AgentInfo **infos, size_t n) {
     free(infos[i]);
   }
   free(infos);
+}
+
+uint64_t agent_pool_losses(agent_pool_t *p) {
+  pthread_mutex_lock(&p->mu);
+  uint64_t n = p->losses;
+  pthread_mutex_unlock(&p->mu);
+  return n;
+}
+
+int agent_pool_check_lost(agent_pool_t *p, const uint32_t *ranks, size_t n, uint64_t since,
+                          const char *cmd, meshd_error_t *err) {
+  pthread_mutex_lock(&p->mu);
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    if (ranks[i] >= p->cap || p->agents[ranks[i]].lost_no <= since) continue;
+    const agent_t *a = &p->agents[ranks[i]];
+    char when[32];
+    time_t t = (time_t)(a->lost_unix_ms / 1000);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    size_t k = strftime(when, sizeof when, "%H:%M:%S", &tm);
+    snprintf(when + k, sizeof when - k, ".%03d UTC", (int)(a->lost_unix_ms % 1000));
+    rc = error_set(err, ERR_AGENT_LOST,
+                   "%s: the agent of rank %u was lost at %s, after this mesh was made; the mesh "
+                   "can no longer run commands: create a new mesh (rank %u %s)", cmd, ranks[i],
+                   when, ranks[i], a->used && a->healthy ? "has a replacement now"
+                                                          : "will use its replacement");
+  }
+  pthread_mutex_unlock(&p->mu);
+  return rc;
 }

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "agent_link.h"
+#include "error_kind.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
 #include "watermark.h"
@@ -29,6 +30,17 @@ typedef struct agent_desc {
   uint32_t pid;
 } agent_desc_t;
 
+/* An agent lost: its Execute link broke (the agent died, hung past the
+ * keepalive timeout, or left). */
+typedef struct agent_lost {
+  uint32_t rank;
+  char agent_id[64];
+  char data_address[300]; /* its data plane "host:port" ("" if none) */
+  int64_t unix_ms;        /* when the server learned it */
+  uint64_t loss;          /* its number: agent_pool_losses() counts it */
+} agent_lost_t;
+typedef void (*agent_pool_lost_fn)(const agent_lost_t *lost, void *arg);
+
 /* What the pool tells its owner. Every member may be NULL. Callbacks run
  * without pool locks held; the link ones on an agent link's reader thread (or,
  * for on_lost, the thread that removed the agent). */
@@ -40,7 +52,7 @@ typedef struct agent_pool_callbacks {
   /* An agent's link is gone (the agent died or left, or its Execute call
    * broke): seqs it had not executed never will. Once per link, before the
    * waits on those seqs fail. */
-  agent_link_lost_fn on_lost;
+  agent_pool_lost_fn on_lost;
   void *arg;
 } agent_pool_callbacks_t;
 
@@ -98,6 +110,13 @@ int agent_pool_healthy(agent_pool_t *pool);
  * NULL (and *world 0) out of memory. */
 bool *agent_pool_healthy_map(agent_pool_t *pool, size_t *world);
 int agent_pool_size(agent_pool_t *pool);
+/* Agents lost so far (agent_lost_t.loss of the latest). A mesh made when this
+ * was L is broken if one of its ranks was lost later. */
+uint64_t agent_pool_losses(agent_pool_t *pool);
+/* 0, or -1 with err (AGENT_LOST, naming the command, the rank and when) when
+ * one of ranks[0..n) was lost after the pool counted `since` losses. */
+int agent_pool_check_lost(agent_pool_t *pool, const uint32_t *ranks, size_t n, uint64_t since,
+                          const char *cmd, meshd_error_t *err);
 /* The smallest capacity (memory_bytes at registration) among the agents of
  * ranks[0..n) that are registered now; 0 when none is. */
 uint64_t agent_pool_min_capacity(agent_pool_t *pool, const uint32_t *ranks, size_t n);

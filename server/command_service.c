@@ -179,6 +179,66 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
   }
 }
 
+/* The session's notes of agent losses (command_service_on_agent_lost), taken
+ * out: a Sync that fails with AGENT_LOST reports them; the message of the
+ * first goes into msg. */
+static void take_loss_notes(session_t *s, char *msg, size_t len) {
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = s->objects;
+  size_t k = 0;
+  for (size_t i = 0; o && i < o->nunreported; i++) {
+    if (o->unreported[i].kind == ERR_AGENT_LOST) {
+      if (msg[0] == '\0') snprintf(msg, len, "%s", o->unreported[i].msg);
+      continue;
+    }
+    o->unreported[k] = o->unreported[i];
+    o->unreported_seq[k++] = o->unreported_seq[i];
+  }
+  if (o) o->nunreported = k;
+  pthread_mutex_unlock(&s->mu);
+}
+
+void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l) {
+  char when[48];
+  time_t t = (time_t)(l->unix_ms / 1000);
+  struct tm tm;
+  gmtime_r(&t, &tm);
+  size_t k = strftime(when, sizeof when, "%H:%M:%S", &tm);
+  snprintf(when + k, sizeof when - k, ".%03d UTC", (int)(l->unix_ms % 1000));
+  char reason[200];
+  snprintf(reason, sizeof reason, "was lost at %s", when);
+  session_info_t *rows = NULL;
+  size_t n = 0;
+  if (session_list(cs->sessions, &rows, &n) != 0) {
+    log_error("command", "out of memory telling sessions that rank %u was lost", l->rank);
+    return;
+  }
+  size_t told = 0;
+  for (size_t i = 0; i < n; i++) {
+    session_t *s = session_find(cs->sessions, rows[i].id);
+    if (!s) continue;
+    pthread_mutex_lock(&s->mu);
+    objects_t *o = s->objects;
+    if (o && l->rank < o->ntouched && o->touched[l->rank]) {
+      /* Reported by the next Sync (or the one waiting now); the survivors stop
+       * waiting for the lost rank in this session's work. */
+      char msg[400];
+      snprintf(msg, sizeof msg,
+               "the agent of rank %u %s: this session's tensors on it are gone, and meshes that "
+               "include rank %u refuse new commands; create a new mesh to use its replacement",
+               l->rank, reason, l->rank);
+      objects_note_failure(o, ERR_AGENT_LOST, msg, 0);
+      emit_peer_lost(&cs->fe, s, o, l->rank, l->data_address, reason);
+      told++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    session_release(s);
+  }
+  free(rows);
+  log_warn("command", "rank %u (agent %s) %s: %zu session(s) with work on it told", l->rank,
+           l->agent_id, reason, told);
+}
+
 static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
   pending_sync_t *p = arg;
   meshd_error_t e;
@@ -186,11 +246,16 @@ static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg)
     complete_sync(p, NULL);
     return;
   }
-  if (result == WATERMARK_LOST)
-    error_set(&e, ERR_AGENT_LOST,
-              "Sync: the agent of rank %u was lost before it ran this session's work; tensors it "
-              "held are gone", lost_rank);
-  else
+  if (result == WATERMARK_LOST) {
+    char note[sizeof e.msg] = "";
+    take_loss_notes(p->session, note, sizeof note);
+    if (note[0])
+      error_set(&e, ERR_AGENT_LOST, "Sync: %s", note);
+    else
+      error_set(&e, ERR_AGENT_LOST,
+                "Sync: the agent of rank %u was lost before it ran this session's work; tensors "
+                "it held are gone", lost_rank);
+  } else
     error_set(&e, ERR_UNAVAILABLE, "Sync: the server is shutting down");
   complete_sync(p, &e);
 }
@@ -233,8 +298,10 @@ static void wait_sync(command_service_t *cs, pending_sync_t *p) {
   watermark_target_t *targets = p->targets;
   p->targets = NULL;
   uint32_t lost = 0;
-  watermark_result_t r = watermark_wait(agent_pool_watermark(cs->fe.pool), targets, p->n,
-                                        sync_fired, p, NULL, &lost);
+  /* Only this session's work counts: another's stalled instruction on the
+   * same agents never holds this Sync. */
+  watermark_result_t r = watermark_wait_session(agent_pool_watermark(cs->fe.pool), p->session->id,
+                                                targets, p->n, sync_fired, p, NULL, &lost);
   free(targets); /* copied by watermark_wait; p may be gone already */
   if (r != WATERMARK_PENDING) sync_fired(r, lost, p);
 }

@@ -26,6 +26,11 @@ void command_service_session_closed(command_service_t *cs, session_t *s);
  * session returns the failure. For the pool's on_report callback. */
 void command_service_on_report(command_service_t *cs, uint32_t rank,
                                const Meshd__V1__Error *const *errors, size_t n);
+/* An agent was lost (the pool's on_lost): every session with work on it gets
+ * an AGENT_LOST failure for its next Sync (or the one pending, which the
+ * watermark fails), and PeerLost goes to the session's other ranks so that
+ * its work there that needs the lost rank fails at once. */
+void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *lost);
 /* Frees the service. Pending Syncs are failed by the pool's watermark when the
  * pool is destroyed. */
 /* Counts commands into `m` (meshd_commands_total{kind,status},

@@ -134,10 +134,26 @@ static void claim_refs(session_t *s, const uint64_t *refs, size_t n) {
   if (n) session_claim_ref(s, refs[n - 1], NULL); /* checked: the last is the highest */
 }
 
+/* A mesh one of whose agents was lost after it was made runs nothing more
+ * (mesh.h: losses_seen). Lock-free while no agent was lost. */
+int command_check_mesh_alive(agent_pool_t *pool, const mesh_t *mesh, const char *cmd,
+                             meshd_error_t *e) {
+  if (agent_pool_losses(pool) == mesh->losses_seen) return 0;
+  size_t n = mesh_len(mesh);
+  uint32_t *ranks = malloc((n ? n : 1) * sizeof *ranks);
+  if (!ranks) return error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
+  mesh_ranks(mesh, ranks);
+  int rc = agent_pool_check_lost(pool, ranks, n, mesh->losses_seen, cmd, e);
+  free(ranks);
+  return rc;
+}
+
 /* Room for a result of per_rank bytes on each of the mesh's ranks: the
- * agents' registered capacity (mesh.h), then the session's quota. */
-static int check_room(session_t *s, objects_t *o, const mesh_t *mesh, const char *cmd,
-                      uint64_t per_rank, meshd_error_t *e) {
+ * mesh's agents are all there, then their registered capacity (mesh.h), then
+ * the session's quota. */
+static int check_room(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
+                      const char *cmd, uint64_t per_rank, meshd_error_t *e) {
+  if (command_check_mesh_alive(fe->pool, mesh, cmd, e)) return -1;
   if (mesh_check_capacity(mesh, cmd, per_rank, e)) return -1;
   uint64_t ranks = (uint64_t)mesh_len(mesh);
   uint64_t add = ranks && per_rank > UINT64_MAX / ranks ? UINT64_MAX : per_rank * ranks;
@@ -250,11 +266,13 @@ static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mes
     sizes[i] = m->dims[i]->size;
   }
   size_t world = 0;
+  uint64_t losses = agent_pool_losses(fe->pool); /* before the health it checks */
   bool *healthy = agent_pool_healthy_map(fe->pool, &world);
   mesh_t mesh;
   int rc = mesh_create_root(m->ref, names, sizes, (int)m->n_dims, healthy, world, &mesh, e);
   free(healthy);
   if (rc) return -1;
+  mesh.losses_seen = losses;
   if (set_capacity(fe, &mesh, "CreateMesh", e)) return -1;
   obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "CreateMesh: out of memory on the server");
@@ -353,7 +371,7 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
     return -1;
   }
   uint64_t ranks = (uint64_t)mesh_len(mesh);
-  if (check_room(s, o, mesh, "Factory", meta_bytes(&inf.results[0].meta), e)) return -1;
+  if (check_room(fe, s, o, mesh, "Factory", meta_bytes(&inf.results[0].meta), e)) return -1;
   obj_t *t = objects_new_tensor(o, f->ref, &inf.results[0].meta, mesh->ref, f->stream, ranks);
   if (!t) return error_set(e, ERR_QUOTA, "Factory: out of memory on the server");
   claim_refs(s, &f->ref, 1);
@@ -545,7 +563,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   uint64_t need = 0; /* per rank */
   for (size_t i = 0; i < call->n_results; i++)
     if (inf.results[i].alias_param < 0) need += meta_bytes(&inf.results[i].meta);
-  if (check_room(s, o, mesh_obj->mesh, cmd, need, e)) goto out;
+  if (check_room(fe, s, o, mesh_obj->mesh, cmd, need, e)) goto out;
 
   /* Accepted: define the results. */
   const obj_t *failed = first_failed(ca->tensors, ca->ntensors);
@@ -639,7 +657,8 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   tensor_meta_t rm;
   if (reduce_infer(&ra, &rm, e)) return -1;
   uint64_t ranks = (uint64_t)mesh_len(mesh);
-  if (!r->inplace && !outt && check_room(s, o, mesh, cmd, meta_bytes(&rm), e)) return -1;
+  if (command_check_mesh_alive(fe->pool, mesh, cmd, e)) return -1;
+  if (!r->inplace && !outt && check_room(fe, s, o, mesh, cmd, meta_bytes(&rm), e)) return -1;
 
   obj_t *res;
   if (r->inplace) res = in;
@@ -693,7 +712,7 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   if (layout_contiguous(&rm.layout, in->tensor.meta.layout.sizes, in->tensor.meta.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
     return -1;
   uint64_t ranks = (uint64_t)mesh_len(dst);
-  if (check_room(s, o, dst, cmd, meta_bytes(&rm), e)) return -1;
+  if (check_room(fe, s, o, dst, cmd, meta_bytes(&rm), e)) return -1;
   obj_t *res = objects_new_tensor(o, t->ref, &rm, dst->ref, t->dst_stream, ranks);
   if (!res) return error_set(e, ERR_QUOTA, "ToMesh: out of memory on the server");
   claim_refs(s, &t->ref, 1);

@@ -39,5 +39,9 @@ void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims
 
 /* "CreateMesh", "Call", ... for logs and messages. */
 const char *command_name(const Meshd__V1__Command *cmd);
+/* 0, or -1 with AGENT_LOST when an agent of the mesh was lost after the mesh
+ * was made (mesh_t.losses_seen): such a mesh runs no new command. */
+int command_check_mesh_alive(agent_pool_t *pool, const mesh_t *mesh, const char *cmd,
+                             meshd_error_t *e);
 
 #endif

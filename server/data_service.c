@@ -124,7 +124,9 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
               u->total);
     goto out;
   }
-  if (mesh_check_capacity(m->mesh, "Upload", u->each, e)) goto out;
+  if (command_check_mesh_alive(u->ds->pool, m->mesh, "Upload", e) ||
+      mesh_check_capacity(m->mesh, "Upload", u->each, e))
+    goto out;
   if (s->quota_bytes && o->bytes + u->each * u->nranks > s->quota_bytes) {
     error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes across its mesh, but the session "
               "holds %llu of its %llu-byte quota; drop tensors you no longer need",
@@ -323,14 +325,26 @@ static int fetch_wait_all(fetch_t *f) {
   pthread_mutex_init(&w.mu, NULL);
   pthread_cond_init(&w.cv, NULL);
   uint32_t lost = 0;
-  watermark_result_t r = watermark_wait(agent_pool_watermark(f->ds->pool), f->targets, f->ntargets,
-                                        fetch_caught_up, &w, NULL, &lost);
-  if (r == WATERMARK_PENDING) {
-    pthread_mutex_lock(&w.mu);
-    while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
-    pthread_mutex_unlock(&w.mu);
-    r = w.result;
-    lost = w.lost;
+  watermark_result_t r;
+  for (;;) {
+    w.done = false;
+    r = watermark_wait_session(agent_pool_watermark(f->ds->pool), f->session, f->targets,
+                               f->ntargets, fetch_caught_up, &w, NULL, &lost);
+    if (r == WATERMARK_PENDING) {
+      pthread_mutex_lock(&w.mu);
+      while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
+      pthread_mutex_unlock(&w.mu);
+      r = w.result;
+      lost = w.lost;
+    }
+    if (r != WATERMARK_LOST || lost == f->rank) break;
+    /* Another rank of the mesh was lost: its failures can no longer reach
+     * us, but the shard asked for is on a survivor; wait for the others. */
+    size_t k = 0;
+    for (size_t i = 0; i < f->ntargets; i++)
+      if (f->targets[i].rank != lost) f->targets[k++] = f->targets[i];
+    if (k == f->ntargets) break;
+    f->ntargets = k;
   }
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
@@ -464,7 +478,13 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
                      missing);
   f->rank = (uint32_t)ndslice_rank_of(&mesh->slice, coords, NULL);
   f->ref = t->ref;
-  f->after_seq = agent_pool_last_seq(ds->pool, f->rank);
+  meshd_error_t lost;
+  if (agent_pool_check_lost(ds->pool, &f->rank, 1, mesh->losses_seen, "Fetch", &lost))
+    return error_set(e, ERR_AGENT_LOST, "Fetch of tensor %llu: its shard is gone (%s)",
+                     (unsigned long long)t->ref, lost.msg);
+  /* The session's own last instruction there: the agent answers once the
+   * session (not every session) ran through it. */
+  f->after_seq = objects_last_seq(o, f->rank);
   size_t n = mesh_len(mesh);
   uint32_t *ranks = malloc(sizeof *ranks * (n ? n : 1));
   f->targets = malloc(sizeof *f->targets * (n ? n : 1));
@@ -473,9 +493,16 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
     return error_set(e, ERR_QUOTA, "Fetch: out of memory on the server");
   }
   mesh_ranks(mesh, ranks);
-  for (size_t i = 0; i < n; i++)
-    f->targets[i] = (watermark_target_t){ranks[i], agent_pool_last_seq(ds->pool, ranks[i])};
-  f->ntargets = n;
+  size_t k = 0;
+  meshd_error_t ignored;
+  for (size_t i = 0; i < n; i++) {
+    /* A rank lost since the mesh was made will never catch up: its failures
+     * are out of reach, the survivors' are waited for. */
+    if (agent_pool_check_lost(ds->pool, &ranks[i], 1, mesh->losses_seen, "Fetch", &ignored))
+      continue;
+    f->targets[k++] = (watermark_target_t){ranks[i], objects_last_seq(o, ranks[i])};
+  }
+  f->ntargets = k;
   free(ranks);
   f->sess = s;
   session_ref(s);

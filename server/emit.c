@@ -30,8 +30,10 @@ static void init_instr(instr_t *ins, session_t *s, uint64_t stream) {
 }
 
 static void send_to(frontend_t *fe, objects_t *o, uint32_t rank, instr_t *ins) {
+  uint64_t seq = 0;
   objects_touch(o, rank);
-  if (agent_pool_send(fe->pool, rank, ins, NULL) != 0)
+  if (agent_pool_send(fe->pool, rank, ins, &seq) == 0) objects_sent(o, rank, seq);
+  else
     log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent is "
              "gone; its tensors will report AGENT_LOST)", rank, ins->session_id);
 }
@@ -52,7 +54,9 @@ static void send_to_mesh(frontend_t *fe, objects_t *o, const mesh_t *mesh, instr
   for (size_t i = 0; ranks && i < n; i++) {
     objects_touch(o, ranks[i]);
     agent_link_msg_t *m = packed ? agent_link_msg_clone(packed) : NULL;
-    if (!m || agent_pool_send_msg(fe->pool, ranks[i], m, NULL) != 0)
+    uint64_t seq = 0;
+    if (m && agent_pool_send_msg(fe->pool, ranks[i], m, &seq) == 0) objects_sent(o, ranks[i], seq);
+    else
       log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent "
                "is gone; its tensors will report AGENT_LOST)", ranks[i], ins->session_id);
   }
@@ -288,6 +292,7 @@ size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, 
     if (!o->touched[r]) continue;
     uint64_t seq = 0;
     if (agent_pool_send(fe->pool, (uint32_t)r, &ins, &seq) != 0) continue;
+    objects_sent(o, (uint32_t)r, seq);
     ranks[k] = (uint32_t)r;
     seqs[k++] = seq;
   }
@@ -302,4 +307,21 @@ void emit_end_session(frontend_t *fe, session_t *s, objects_t *o) {
   ins.end_session = &end;
   for (size_t r = 0; r < o->ntouched; r++)
     if (o->touched[r]) agent_pool_send(fe->pool, (uint32_t)r, &ins, NULL);
+}
+
+void emit_peer_lost(frontend_t *fe, session_t *s, objects_t *o, uint32_t lost_rank,
+                    const char *data_address, const char *reason) {
+  Meshd__Agent__V1__PeerLost pl = MESHD__AGENT__V1__PEER_LOST__INIT;
+  pl.rank = lost_rank;
+  pl.data_address = (char *)(data_address ? data_address : "");
+  pl.reason = (char *)(reason ? reason : "");
+  instr_t ins;
+  init_instr(&ins, s, 0);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST;
+  ins.peer_lost = &pl;
+  for (size_t r = 0; r < o->ntouched; r++) {
+    uint64_t seq = 0;
+    if (r == lost_rank || !o->touched[r]) continue;
+    if (agent_pool_send(fe->pool, (uint32_t)r, &ins, &seq) == 0) objects_sent(o, (uint32_t)r, seq);
+  }
 }

@@ -34,4 +34,9 @@ size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, 
 /* EndSession to every rank the session touched. */
 void emit_end_session(frontend_t *fe, session_t *s, objects_t *o);
 
+/* PeerLost to every other rank the session touched: their work for it that
+ * needs lost_rank fails at once instead of waiting for it. */
+void emit_peer_lost(frontend_t *fe, session_t *s, objects_t *o, uint32_t lost_rank,
+                    const char *data_address, const char *reason);
+
 #endif

@@ -65,10 +65,16 @@ typedef struct server_state {
 } server_state_t;
 
 /* Root failures agents report become failed tensors and Sync answers. */
-static void agent_reported(uint32_t rank, uint64_t executed, const Meshd__V1__Error *const *errors,
-                           size_t n, uint64_t allocated, void *arg) {
+static void agent_reported(uint32_t rank, const agent_link_report_t *r, void *arg) {
   server_state_t *st = arg;
-  if (n && st->commands) command_service_on_report(st->commands, rank, errors, n);
+  if (r->n_errors && st->commands)
+    command_service_on_report(st->commands, rank, r->errors, r->n_errors);
+}
+
+/* An agent is gone: the sessions with work on it hear of it at once. */
+static void agent_lost(const agent_lost_t *l, void *arg) {
+  server_state_t *st = arg;
+  if (st->commands) command_service_on_agent_lost(st->commands, l);
 }
 
 /* A session ended (closed, expired, shutdown): its agents free what it held. */
@@ -146,7 +152,7 @@ int main(int argc, char **argv) {
   runtime_random_hex(server_id, 16);
   server_state_t state = {health_create(), min_agents, NULL};
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
-                                     .arg = &state};
+                                     .on_lost = agent_lost, .arg = &state};
   agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_t *registry = registry_create(pool, server_id, 3000);
   session_table_t *sessions =

@@ -26,6 +26,10 @@ typedef struct mesh {
    * the server saw it when the mesh was made (commands.c). 0: unknown, no
    * limit. A slice starts with its parent's. */
   uint64_t rank_capacity;
+  /* Agent losses the pool had counted when the root mesh was made (a slice
+   * keeps its parent's): a rank of it lost later breaks the mesh (commands.c
+   * refuses its commands with AGENT_LOST). */
+  uint64_t losses_seen;
 } mesh_t;
 
 /* One dim of a SliceMesh (the MeshSelector message). */

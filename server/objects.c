@@ -28,6 +28,7 @@ void objects_destroy(objects_t *o) {
   free(o->unreported);
   free(o->unreported_seq);
   free(o->touched);
+  free(o->last_seq);
   free(o);
 }
 
@@ -48,12 +49,24 @@ bool objects_touch(objects_t *o, uint32_t rank) {
     while (n <= rank) n *= 2;
     uint8_t *t = realloc(o->touched, n);
     if (!t) return false;
-    memset(t + o->ntouched, 0, n - o->ntouched);
     o->touched = t;
+    uint64_t *ls = realloc(o->last_seq, n * sizeof *ls);
+    if (!ls) return false;
+    o->last_seq = ls;
+    memset(t + o->ntouched, 0, n - o->ntouched);
+    memset(ls + o->ntouched, 0, (n - o->ntouched) * sizeof *ls);
     o->ntouched = n;
   }
   o->touched[rank] = 1;
   return true;
+}
+
+void objects_sent(objects_t *o, uint32_t rank, uint64_t seq) {
+  if (objects_touch(o, rank) && seq > o->last_seq[rank]) o->last_seq[rank] = seq;
+}
+
+uint64_t objects_last_seq(const objects_t *o, uint32_t rank) {
+  return rank < o->ntouched ? o->last_seq[rank] : 0;
 }
 
 const char *obj_kind_name(obj_kind_t k) {

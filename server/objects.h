@@ -96,6 +96,7 @@ typedef struct objects {
   uint64_t *unreported_seq;
   size_t nunreported;
   uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
+  uint64_t *last_seq;      /* last_seq[rank]: the seq of its latest one (0: none) */
   size_t ntouched;
 } objects_t;
 
@@ -104,6 +105,10 @@ typedef struct objects {
 void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint64_t seq);
 /* Records that `rank` holds state of this session. Returns false on OOM. */
 bool objects_touch(objects_t *o, uint32_t rank);
+/* The rank got instruction `seq` of this session (touches it). */
+void objects_sent(objects_t *o, uint32_t rank, uint64_t seq);
+/* The seq of the session's latest instruction to rank; 0: none. */
+uint64_t objects_last_seq(const objects_t *o, uint32_t rank);
 
 objects_t *objects_create(void);
 void objects_destroy(objects_t *o);

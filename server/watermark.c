@@ -1,8 +1,10 @@
 #include "watermark.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <uthash.h>
 
 #include "log.h"
 
@@ -17,9 +19,12 @@ typedef struct node {
   bool linked;
 } node_t;
 
+#define SESSION_KEY_MAX 64
+
 struct wait {
   wait_t *prev, *next; /* every pending wait, for cancel and destroy */
   uint64_t id;
+  char session[SESSION_KEY_MAX]; /* "": every session */
   watermark_fn cb;
   void *arg;
   size_t remaining; /* targets not yet executed */
@@ -34,8 +39,17 @@ typedef struct range {
   uint64_t lo, hi; /* inclusive */
 } range_t;
 
+/* What the last report said of one session on a rank. */
+typedef struct sess_prog {
+  char session[SESSION_KEY_MAX];
+  uint64_t through;
+  UT_hash_handle hh;
+} sess_prog_t;
+
 typedef struct rank_state {
   uint64_t executed;
+  uint64_t received; /* 0: no per-session progress */
+  sess_prog_t *prog; /* sessions behind `received`, by id */
   node_t *head, *tail; /* pending targets, in registration order */
   range_t *lost;       /* one per link that broke with work in flight */
   size_t nlost, caplost;
@@ -74,6 +88,15 @@ static bool in_lost(const rank_state_t *r, uint64_t seq) {
   for (size_t i = 0; i < r->nlost; i++)
     if (seq >= r->lost[i].lo && seq <= r->lost[i].hi) return true;
   return false;
+}
+
+/* Whether seq ran on the rank, for a wait of `session` ("" : all sessions). */
+static bool reached(const rank_state_t *r, const char *session, uint64_t seq) {
+  if (seq <= r->executed) return true;
+  if (!session[0] || !r->received) return false;
+  sess_prog_t *sp = NULL;
+  HASH_FIND_STR(r->prog, session, sp);
+  return seq <= (sp ? sp->through : r->received);
 }
 
 static void unlink_node(rank_state_t *r, node_t *n) {
@@ -125,7 +148,14 @@ void watermark_destroy(watermark_t *w) {
   }
   pthread_mutex_unlock(&w->mu);
   fire(head);
-  for (size_t i = 0; i < w->cap; i++) free(w->ranks[i].lost);
+  for (size_t i = 0; i < w->cap; i++) {
+    free(w->ranks[i].lost);
+    sess_prog_t *sp, *tmp;
+    HASH_ITER(hh, w->ranks[i].prog, sp, tmp) {
+      HASH_DEL(w->ranks[i].prog, sp);
+      free(sp);
+    }
+  }
   free(w->ranks);
   pthread_mutex_destroy(&w->mu);
   free(w);
@@ -133,12 +163,20 @@ void watermark_destroy(watermark_t *w) {
 
 watermark_result_t watermark_wait(watermark_t *w, const watermark_target_t *targets, size_t n,
                                   watermark_fn cb, void *arg, uint64_t *id, uint32_t *lost_rank) {
+  return watermark_wait_session(w, NULL, targets, n, cb, arg, id, lost_rank);
+}
+
+watermark_result_t watermark_wait_session(watermark_t *w, const char *session,
+                                          const watermark_target_t *targets, size_t n,
+                                          watermark_fn cb, void *arg, uint64_t *id,
+                                          uint32_t *lost_rank) {
   if (id) *id = 0;
   wait_t *wt = calloc(1, sizeof *wt + n * sizeof wt->nodes[0]);
   if (!wt) {
     log_error("watermark", "out of memory registering a wait on %zu rank(s)", n);
     return WATERMARK_CANCELLED;
   }
+  snprintf(wt->session, sizeof wt->session, "%s", session ? session : "");
   watermark_result_t res = WATERMARK_REACHED;
   pthread_mutex_lock(&w->mu);
   /* Decide first, link after: a wait that is already decided touches no list. */
@@ -150,12 +188,14 @@ watermark_result_t watermark_wait(watermark_t *w, const watermark_target_t *targ
       break;
     }
     rank_state_t *r = &w->ranks[t->rank];
+    /* Lost first: a newer link's progress says nothing of the seqs of an
+     * older one that broke before running them. */
     if (in_lost(r, t->seq)) {
       res = WATERMARK_LOST;
       if (lost_rank) *lost_rank = t->rank;
       break;
     }
-    if (t->seq > r->executed) {
+    if (!reached(r, wt->session, t->seq)) {
       node_t *nd = &wt->nodes[wt->n++];
       nd->w = wt;
       nd->rank = t->rank;
@@ -200,14 +240,42 @@ bool watermark_cancel(watermark_t *w, uint64_t id) {
 }
 
 void watermark_advance(watermark_t *w, uint32_t rank, uint64_t executed) {
+  watermark_progress(w, rank, executed, 0, NULL, 0);
+}
+
+void watermark_progress(watermark_t *w, uint32_t rank, uint64_t executed, uint64_t received,
+                        const watermark_session_t *sessions, size_t n) {
   wait_t *head = NULL, *tail = NULL;
   pthread_mutex_lock(&w->mu);
-  if (grow_locked(w, rank) && executed > w->ranks[rank].executed) {
-    rank_state_t *r = &w->ranks[rank];
-    r->executed = executed;
+  if (!grow_locked(w, rank)) goto out;
+  rank_state_t *r = &w->ranks[rank];
+  bool moved = executed > r->executed;
+  if (moved) r->executed = executed;
+  if (received) {
+    /* The report replaces what the last one said of the sessions. */
+    sess_prog_t *sp, *tmp;
+    HASH_ITER(hh, r->prog, sp, tmp) {
+      HASH_DEL(r->prog, sp);
+      free(sp);
+    }
+    for (size_t i = 0; i < n; i++) {
+      if (!sessions[i].session || sessions[i].through >= received) continue;
+      sp = calloc(1, sizeof *sp);
+      if (!sp) { /* without it the session waits for the slowest: still correct */
+        received = 0;
+        break;
+      }
+      snprintf(sp->session, sizeof sp->session, "%s", sessions[i].session);
+      sp->through = sessions[i].through;
+      HASH_ADD_STR(r->prog, session, sp);
+    }
+    moved |= received != r->received;
+    r->received = received;
+  }
+  if (moved) {
     for (node_t *nd = r->head, *next; nd; nd = next) {
       next = nd->next;
-      if (nd->seq > executed) continue;
+      if (!reached(r, nd->w->session, nd->seq)) continue;
       unlink_node(r, nd);
       wait_t *wt = nd->w;
       if (--wt->remaining > 0) continue;
@@ -216,6 +284,7 @@ void watermark_advance(watermark_t *w, uint32_t rank, uint64_t executed) {
       push_fire(&head, &tail, wt);
     }
   }
+out:
   pthread_mutex_unlock(&w->mu);
   fire(head);
 }

@@ -2,7 +2,11 @@
  *
  * A wait names targets (rank, seq) and fires once every rank has executed
  * through its seq, or fails as soon as one of those seqs can no longer run
- * because the link that carried it is gone. The agent pool owns one watermark
+ * because the link that carried it is gone. A wait may name its session:
+ * it then fires as soon as that session's own instructions up to each seq
+ * ran, whatever other sessions' instructions still wait on the agent (the
+ * agents report progress per session), so one session's stalled collective
+ * never holds another's Sync. The agent pool owns one watermark
  * and feeds it from the agent links' reader threads; server code only waits.
  *
  * Seqs are per rank and never reused while the server runs, even when the
@@ -49,6 +53,13 @@ void watermark_destroy(watermark_t *w);
  * The targets are copied; n == 0 is REACHED. id and lost_rank may be NULL. */
 watermark_result_t watermark_wait(watermark_t *w, const watermark_target_t *targets, size_t n,
                                   watermark_fn cb, void *arg, uint64_t *id, uint32_t *lost_rank);
+/* The same for the instructions of one session (its id; NULL: every session,
+ * as watermark_wait): each target is reached once the rank reports that the
+ * session ran its seqs through it. */
+watermark_result_t watermark_wait_session(watermark_t *w, const char *session,
+                                          const watermark_target_t *targets, size_t n,
+                                          watermark_fn cb, void *arg, uint64_t *id,
+                                          uint32_t *lost_rank);
 /* Withdraws a pending wait. true: removed, its callback will not run. false: it
  * already ran or is running (e.g. the Sync call ended as the agents caught up). */
 bool watermark_cancel(watermark_t *w, uint64_t id);
@@ -57,6 +68,17 @@ bool watermark_cancel(watermark_t *w, uint64_t id);
 
 /* rank executed every seq <= executed (lower values than known are ignored). */
 void watermark_advance(watermark_t *w, uint32_t rank, uint64_t executed);
+/* One session's progress on a rank, as an AgentReport lists it. */
+typedef struct watermark_session {
+  const char *session;
+  uint64_t through;
+} watermark_session_t;
+/* A report with per-session progress: every seq <= executed ran; each session
+ * in sessions[] ran its seqs <= its `through`; every other session ran its
+ * seqs <= received. received 0: no per-session progress (watermark_advance).
+ * Replaces what the previous report said of the sessions. */
+void watermark_progress(watermark_t *w, uint32_t rank, uint64_t executed, uint64_t received,
+                        const watermark_session_t *sessions, size_t n);
 /* rank's link is gone: seqs executed+1 .. last_seq will never run. Pending
  * targets in that range fail their waits; later waits for them fail at once. */
 void watermark_lost(watermark_t *w, uint32_t rank, uint64_t executed, uint64_t last_seq);

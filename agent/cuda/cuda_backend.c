@@ -443,6 +443,11 @@ static void c_session_end(backend_t *b, uint64_t session) {
   cuda_session_end(b, session);
 }
 
+static void c_peer_lost(backend_t *b, uint64_t session, uint32_t rank) {
+  cuda_bind(cuda_state(b));
+  cuda_peer_lost(b, session, rank);
+}
+
 const backend_ops_t cuda_backend_ops = {
     .name = "cuda",
     .open = cuda_open,
@@ -467,4 +472,5 @@ const backend_ops_t cuda_backend_ops = {
     .send = c_send,
     .recv = c_recv,
     .session_end = c_session_end,
+    .peer_lost = c_peer_lost,
 };

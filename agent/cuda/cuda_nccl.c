@@ -24,6 +24,7 @@
  * aborted (ncclCommAbort stops its kernels) and dropped from the cache; the
  * next call on that key makes a new one. comms->mu guards the cache only and
  * is never held while NCCL or the data plane waits. */
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -151,6 +152,8 @@ typedef struct comm {
   int device;
   pthread_mutex_t busy; /* one operation at a time on this communicator */
   ncclComm_t nc;        /* NULL once aborted */
+  _Atomic bool lost;    /* a member was declared lost: its user aborts it */
+  char lost_why[160];   /* written before lost is set */
   cudaStream_t stream;
   cudaEvent_t ready, done;
 } comm_t;
@@ -292,6 +295,37 @@ void cuda_session_end(backend_t *b, uint64_t session) {
     comm_put(cs, mine, true, deadline); /* the cache's reference */
     mine = next;
   }
+}
+
+void cuda_peer_lost(backend_t *b, uint64_t session, uint32_t rank) {
+  cuda_state_t *st = cuda_state(b);
+  cuda_comms_t *cs = st->comms;
+  if (st->emulated || !cs) return;
+  /* Only flagged here: the thread using the communicator aborts it (an abort
+   * from under a user would free what it polls), and nobody picks it again. */
+  pthread_mutex_lock(&cs->mu);
+  for (comm_t **p = &cs->list; *p;) {
+    comm_t *c = *p;
+    bool member = false;
+    for (size_t i = 0; i < c->n; i++) member |= c->ranks[i] == rank;
+    if (c->session == session && member) {
+      snprintf(c->lost_why, sizeof c->lost_why, "rank %u was declared lost", rank);
+      atomic_store(&c->lost, true);
+      *p = c->next;
+      c->linked = false;
+      c->refs--; /* the cache's */
+      if (c->refs == 0) { /* nobody uses it: tear it down now */
+        pthread_mutex_unlock(&cs->mu);
+        comm_teardown(c, false, 0);
+        comm_free_mem(c);
+        pthread_mutex_lock(&cs->mu);
+        p = &cs->list;
+      }
+    } else {
+      p = &c->next;
+    }
+  }
+  pthread_mutex_unlock(&cs->mu);
 }
 
 /* ------------------------------------------------------------- messages */
@@ -509,10 +543,11 @@ fail:
 
 /* A NCCL call's result on a non-blocking communicator: ncclInProgress means
  * "still being enqueued"; poll until it settles. */
-static ncclResult_t settle(ncclComm_t nc, ncclResult_t r, int64_t deadline, bool *late) {
+static ncclResult_t settle(comm_t *c, ncclResult_t r, int64_t deadline, bool *late) {
+  ncclComm_t nc = c->nc;
   long ns = POLL_MIN_NS;
   while (r == ncclInProgress) {
-    if (now_ns() >= deadline) {
+    if (now_ns() >= deadline || atomic_load(&c->lost)) {
       *late = true;
       return r;
     }
@@ -527,7 +562,9 @@ static ncclResult_t settle(ncclComm_t nc, ncclResult_t r, int64_t deadline, bool
 /* The communicator failed: abort it (stopping its kernels) and drop it. */
 static int comm_fail(cuda_state_t *st, comm_t *c, const who_t *w, ncclResult_t r, bool late,
                      meshd_error_t *e) {
-  if (late) {
+  if (atomic_load(&c->lost)) {
+    error_set(e, ERR_AGENT_LOST, "%s: %s; the communicator was aborted", w->text, c->lost_why);
+  } else if (late) {
     char s[32];
     seconds(s, sizeof s, timeout_ms_of(st));
     error_set(e, ERR_REMOTE_FAILURE,
@@ -600,7 +637,7 @@ static ncclResult_t enqueue(const job_t *j, comm_t *c, int64_t deadline, bool *l
     r = ncclRecv(out, bytes, ncclUint8, 0, c->nc, c->stream);
     break;
   }
-  return settle(c->nc, r, deadline, late);
+  return settle(c, r, deadline, late);
 }
 
 /* Waits for c->done, watching for NCCL errors. The deadline runs from when
@@ -624,7 +661,7 @@ static int wait_done(cuda_state_t *st, comm_t *c, const who_t *w, meshd_error_t 
     ncclResult_t a = ncclSuccess, r = ncclCommGetAsyncError(c->nc, &a);
     if (r == ncclSuccess) r = a;
     if (r != ncclSuccess && r != ncclInProgress) return comm_fail(st, c, w, r, false, e);
-    if (now_ns() >= deadline) return comm_fail(st, c, w, ncclSuccess, true, e);
+    if (now_ns() >= deadline || atomic_load(&c->lost)) return comm_fail(st, c, w, ncclSuccess, true, e);
     nap(&ns);
   }
 }

@@ -55,6 +55,9 @@ int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm
 /* Destroys (or, when that errs or takes past comm_timeout_ms, aborts) every
  * communicator of the session. */
 void cuda_session_end(backend_t *b, uint64_t session);
+/* backend_ops_t.peer_lost: the session's communicators with `rank` are
+ * flagged; the thread using one aborts it at once (AGENT_LOST). */
+void cuda_peer_lost(backend_t *b, uint64_t session, uint32_t rank);
 
 #ifdef __cplusplus
 }

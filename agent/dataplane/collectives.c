@@ -54,7 +54,7 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
   plan_t p;
   uint8_t *scratch = NULL;
   size_t *off = NULL;
-  int rc = dp__plan_init(&p, dp, what, g->comm_id, dtype, op, 2, 2 * steps, err);
+  int rc = dp__plan_init(&p, dp, what, g, dtype, op, 2, 2 * steps, err);
   if (rc != 0) goto out;
   if (!(off = malloc((n + 1) * sizeof *off))) {
     rc = error_set(err, ERR_QUOTA, "%s: out of memory", what);
@@ -103,7 +103,7 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
                   meshd_error_t *err) {
   size_t n = g->n, np = n - 1;
   plan_t p;
-  int rc = dp__plan_init(&p, dp, what, g->comm_id, dtype, RED_SUM, 2 * np, 2 * np, err);
+  int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, 2 * np, 2 * np, err);
   if (rc != 0) return dp__plan_finish(&p, rc);
   for (size_t i = 0, j = 0; j < n; j++) {
     if (j == g->me) continue;

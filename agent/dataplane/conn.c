@@ -169,6 +169,56 @@ static int split_addr(const char *addr, char *host, size_t hostlen, char *port, 
   return 0;
 }
 
+/* ----------------------------------------------------------- lost peers */
+
+static int check_lost_locked(dataplane_t *dp, const call_t *cl, meshd_error_t *err) {
+  uint64_t gen = atomic_load(&dp->gen);
+  if (!cl || !cl->g || gen == cl->gen) return 0;
+  uint64_t from = gen - cl->gen > DP_DEAD_MAX ? gen - DP_DEAD_MAX : cl->gen;
+  for (uint64_t k = from; k < gen; k++) {
+    const dead_peer_t *d = &dp->dead[k % DP_DEAD_MAX];
+    for (size_t i = 0; i < cl->g->n; i++) {
+      if (i == cl->g->me && cl->g->n > 1) continue;
+      if (!cl->g->addrs[i] || strcmp(cl->g->addrs[i], d->addr) != 0) continue;
+      return error_set(err, ERR_AGENT_LOST, "%s on comm %llu: rank %u at %s was lost (%s)",
+                       cl->what, (unsigned long long)cl->comm_id, d->rank, d->addr, d->why);
+    }
+  }
+  return 0;
+}
+
+int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err) {
+  if (!cl || !cl->g || atomic_load(&dp->gen) == cl->gen) return 0;
+  pthread_mutex_lock(&dp->mu);
+  int rc = check_lost_locked(dp, cl, err);
+  pthread_mutex_unlock(&dp->mu);
+  return rc;
+}
+
+void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const char *why) {
+  if (!dp || !addr || !*addr) return;
+  pthread_mutex_lock(&dp->mu);
+  uint64_t gen = atomic_load(&dp->gen);
+  dead_peer_t *d = &dp->dead[gen % DP_DEAD_MAX];
+  d->gen = gen + 1;
+  d->rank = rank;
+  snprintf(d->addr, sizeof d->addr, "%s", addr);
+  snprintf(d->why, sizeof d->why, "%s", why && *why ? why : "declared lost by the server");
+  atomic_store(&dp->gen, gen + 1);
+  /* Its connections are of no use any more: calls blocked on them wake. */
+  conn_t **lists[2] = {&dp->ins, &dp->outs};
+  for (int l = 0; l < 2; l++)
+    for (conn_t *c = *lists[l], *next; c; c = next) {
+      next = c->next;
+      if (strcmp(c->addr, addr) == 0) conn_unlink_locked(lists[l], c);
+    }
+  pthread_cond_broadcast(&dp->cv);
+  pthread_mutex_unlock(&dp->mu);
+  log_info("dataplane", "rank %u at %s declared lost: %s", rank, addr, why ? why : "");
+}
+
+uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
+
 static void set_nodelay(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -198,7 +248,9 @@ static int write_all(dataplane_t *dp, int fd, const uint8_t *buf, size_t len, in
 
 /* Connects to addr, retrying refused connections (the peer may not listen
  * yet) until deadline. Returns a non-blocking socket, or -1 with `why` set. */
-static int dial(dataplane_t *dp, const char *addr, int64_t deadline, char *why, size_t whylen) {
+static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t deadline, char *why,
+                size_t whylen) {
+  meshd_error_t lost;
   char host[DP_ADDR_MAX], port[16];
   if (split_addr(addr, host, sizeof host, port, sizeof port) != 0) {
     snprintf(why, whylen, "address is not host:port");
@@ -223,7 +275,7 @@ static int dial(dataplane_t *dp, const char *addr, int64_t deadline, char *why, 
     if (rc != 0 && errno == EINPROGRESS) {
       for (;;) {
         int64_t left = deadline - dp__now_ms();
-        if (left <= 0 || dp__stopping(dp)) {
+        if (left <= 0 || dp__stopping(dp) || dp__check_lost(dp, cl, &lost)) {
           errno = ETIMEDOUT;
           break;
         }
@@ -245,6 +297,7 @@ static int dial(dataplane_t *dp, const char *addr, int64_t deadline, char *why, 
     fd = -1;
     int64_t left = deadline - dp__now_ms();
     if (left <= 0 || dp__stopping(dp) || last_errno == ETIMEDOUT) break;
+    if (dp__check_lost(dp, cl, &lost)) break; /* the caller reports it */
     struct timespec ts = {0, (long)dp__min((size_t)backoff, (size_t)left) * 1000000L};
     nanosleep(&ts, NULL);
     if (backoff < 200) backoff *= 2;
@@ -272,8 +325,10 @@ static bool in_alive(const conn_t *c) {
   return !(p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
-conn_t *dp__get_out(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_t peer,
-                    const char *addr, int64_t deadline, meshd_error_t *err) {
+conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
+                    int64_t deadline, meshd_error_t *err) {
+  const char *what = cl->what;
+  uint64_t comm_id = cl->comm_id;
   pthread_mutex_lock(&dp->mu);
   for (conn_t *c = dp->outs; c; c = c->next) {
     if (c->comm_id != comm_id || c->peer != peer) continue;
@@ -288,7 +343,8 @@ conn_t *dp__get_out(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_
   pthread_mutex_unlock(&dp->mu);
 
   char why[200];
-  int fd = dial(dp, addr, deadline, why, sizeof why);
+  int fd = dial(dp, cl, addr, deadline, why, sizeof why);
+  if (fd < 0 && dp__check_lost(dp, cl, err)) return NULL;
   if (fd < 0) {
     error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s is unreachable: %s", what,
               (unsigned long long)comm_id, peer, addr, why);
@@ -341,14 +397,20 @@ static bool watch_fired(const conn_t *const *watch, size_t nwatch, size_t *which
 
 /* Waits until `peer` has dialed us on comm_id (the listener files it), or one
  * of `watch` fires (*fired set to its index, NULL returned, err untouched). */
-conn_t *dp__get_in(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_t peer,
-                   const char *addr, int64_t deadline, const conn_t *const *watch, size_t nwatch,
-                   size_t *fired, meshd_error_t *err) {
+conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
+                   int64_t deadline, const conn_t *const *watch, size_t nwatch, size_t *fired,
+                   meshd_error_t *err) {
+  const char *what = cl->what;
+  uint64_t comm_id = cl->comm_id;
   pthread_mutex_lock(&dp->mu);
   for (;;) {
     if (dp->stopping) {
       pthread_mutex_unlock(&dp->mu);
       error_set(err, ERR_UNAVAILABLE, "%s: the data plane is stopping", what);
+      return NULL;
+    }
+    if (check_lost_locked(dp, cl, err)) {
+      pthread_mutex_unlock(&dp->mu);
       return NULL;
     }
     conn_t *c = dp->ins;

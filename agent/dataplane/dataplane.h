@@ -40,6 +40,11 @@ typedef struct dp_group {
   const char *const *addrs;
   size_t n;
   size_t me;
+  /* The call fails when a member is declared lost after dataplane_generation()
+   * returned *since (dataplane_peer_lost); NULL: after the call began. An
+   * instruction that checks its peers first passes the generation it read
+   * before that check, so no loss falls between the two. */
+  const uint64_t *since;
 } dp_group_t;
 
 /* Listens on host:0 (e.g. "127.0.0.1", "0.0.0.0"). NULL with err on failure. */
@@ -52,6 +57,17 @@ int dataplane_port(const dataplane_t *dp);
  * fail the same way at once. The data plane stays allocated, so a worker
  * that still holds it may call in safely; repeating it is a no-op. */
 void dataplane_shutdown(dataplane_t *dp);
+/* The server declared the agent at addr ("host:port", world rank `rank`)
+ * lost: every call in progress whose group includes that address fails at
+ * once with AGENT_LOST ("<what> on comm N: rank R at ADDR was lost: why"),
+ * here and wherever it waits (dialing, waiting for a connection, moving
+ * bytes); connections to it are closed. Calls that start afterwards are not
+ * affected (a replacement may take the address again), unless their group's
+ * `since` is older. */
+void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const char *why);
+/* How many peers were declared lost so far (see dp_group_t.since). */
+uint64_t dataplane_generation(dataplane_t *dp);
+
 /* dataplane_shutdown, then frees dp: only once nothing can call in any more
  * (the agent: after every executor is freed). NULL is a no-op. */
 void dataplane_stop(dataplane_t *dp);

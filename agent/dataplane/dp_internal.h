@@ -16,6 +16,7 @@
 #define MESHD_AGENT_DATAPLANE_DP_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -35,6 +36,7 @@
 #define DP_ABORT_MAX 480 /* bytes of root cause carried in an abort frame */
 #define DP_PENDING_MAX 256
 #define DP_ADDR_MAX 96
+#define DP_DEAD_MAX 32 /* peers declared lost that calls in progress still check */
 
 /* ------------------------------------------------------------------ helpers */
 
@@ -64,6 +66,8 @@ static inline uint64_t dp__get64(const uint8_t *p) {
 
 static inline size_t dp__min(size_t a, size_t b) { return a < b ? a : b; }
 
+typedef struct call call_t; /* one public call (transfer.c, below) */
+
 /* ------------------------------------------------------- conn.c: connections */
 
 /* A connection, owned by its table (while linked) and by each call using it:
@@ -79,6 +83,15 @@ typedef struct conn {
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
   char addr[DP_ADDR_MAX];
 } conn_t;
+
+/* A peer the server declared lost (dataplane_peer_lost); the n-th one
+ * declared has gen n. */
+typedef struct dead_peer {
+  uint64_t gen;
+  uint32_t rank;
+  char addr[DP_ADDR_MAX];
+  char why[200];
+} dead_peer_t;
 
 struct dataplane {
   uint32_t rank;
@@ -97,6 +110,10 @@ struct dataplane {
    * would page-fault (and zero) every page again. One per concurrent call. */
   struct scratch *spare;
   int nspare;
+  /* Peers declared lost, the last DP_DEAD_MAX of them (mu); gen counts them
+   * all (atomic: calls compare it with the one they started at, lock-free). */
+  dead_peer_t dead[DP_DEAD_MAX];
+  _Atomic uint64_t gen;
 };
 
 /* Every public call brackets its work: enter fails (UNAVAILABLE) once the
@@ -114,15 +131,18 @@ void dp__scratch_put(dataplane_t *dp, uint8_t *data);
  * is alive and still goes to `addr`, else a fresh one dialed before deadline.
  * Returned with a reference (dp__conn_put). NULL with err (REMOTE_FAILURE
  * naming the peer) when it cannot be reached. */
-conn_t *dp__get_out(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_t peer,
-                    const char *addr, int64_t deadline, meshd_error_t *err);
+conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
+                    int64_t deadline, meshd_error_t *err);
 /* Waits until `peer` has dialed us on comm_id, returning that connection with
  * a reference. While waiting it watches the call's send connections `watch`:
  * when a peer writes on one (an abort or EOF), it returns NULL with *fired
  * set to its index and err untouched. NULL with err past the deadline. */
-conn_t *dp__get_in(dataplane_t *dp, const char *what, uint64_t comm_id, uint32_t peer,
-                   const char *addr, int64_t deadline, const conn_t *const *watch, size_t nwatch,
-                   size_t *fired, meshd_error_t *err);
+conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
+                   int64_t deadline, const conn_t *const *watch, size_t nwatch, size_t *fired,
+                   meshd_error_t *err);
+/* 0, or -1 with err (AGENT_LOST naming the member) when a member of cl's
+ * group was declared lost after cl started. Lock-free when none was. */
+int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err);
 void dp__conn_put(dataplane_t *dp, conn_t *c);
 /* Takes c out of its table (if still there) and shuts its socket down, so
  * that a call still using it fails and the next call dials afresh. */
@@ -157,14 +177,16 @@ typedef struct xfer {
 
 /* One public call: what received chunks are reduced with, and the root cause
  * of its failure, which abort frames pass on to the peers. */
-typedef struct call {
+struct call {
   dataplane_t *dp;
   const char *what;
+  const dp_group_t *g; /* its members (a send or recv: the one peer) */
+  uint64_t gen;        /* dp->gen when it started: later losses of a member fail it */
   uint64_t comm_id;
   dtype_t dtype;
   reduction_t op;
   char root[sizeof((meshd_error_t *)0)->msg];
-} call_t;
+};
 
 /* A call's transfers and the messages they carry (owned by the plan). */
 typedef struct plan {
@@ -174,9 +196,9 @@ typedef struct plan {
   msg_t *msgs;
 } plan_t;
 
-/* nx transfers and nmsgs messages, zeroed. 0, or -1 with err (QUOTA); either
+/* The call's comm_id is g's; g must outlive the plan. nx transfers and nmsgs messages, zeroed. 0, or -1 with err (QUOTA); either
  * way dp__plan_finish must follow. */
-int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, uint64_t comm_id, dtype_t dtype,
+int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t *g, dtype_t dtype,
                   reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err);
 /* Connects xs[k]: sending to, or receiving from, g's member `peer`. */
 int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool send,

@@ -16,7 +16,7 @@ static int p2p(dataplane_t *dp, bool send, uint64_t comm_id, uint32_t rank, cons
   const char *addrs[1] = {addr};
   dp_group_t peer = {.comm_id = comm_id, .ranks = &rank, .addrs = addrs, .n = 1};
   plan_t p;
-  int rc = dp__plan_init(&p, dp, what, comm_id, DTYPE_UINT8, RED_SUM, 1, 1, err);
+  int rc = dp__plan_init(&p, dp, what, &peer, DTYPE_UINT8, RED_SUM, 1, 1, err);
   if (rc == 0) {
     p.msgs[0] = (msg_t){.buf = buf, .len = bytes};
     p.xs[0].msgs = p.msgs;

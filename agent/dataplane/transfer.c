@@ -205,6 +205,11 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
   }
   int64_t last = dp__now_ms();
   for (;;) {
+    /* A member declared lost fails the call at once, whatever it waits for. */
+    if (dp__check_lost(dp, cl, err)) {
+      snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "a member was lost");
+      goto out;
+    }
     /* Until nothing moves: a receive may have opened a send's gate. */
     bool moved = false, again = true;
     while (again) {
@@ -252,6 +257,10 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
       goto out;
     }
     int n = poll(pfds, np, (int)dp__min((size_t)left, 200));
+    if (dp__check_lost(dp, cl, err)) { /* its connections were closed under us */
+      snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "a member was lost");
+      goto out;
+    }
     if (n < 0 && errno != EINTR) {
       error_set(err, ERR_UNAVAILABLE, "%s: poll: %s", cl->what, strerror(errno));
       goto out;
@@ -290,10 +299,11 @@ static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
 
 /* ------------------------------------------------------------------ plans */
 
-int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, uint64_t comm_id, dtype_t dtype,
+int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t *g, dtype_t dtype,
                   reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err) {
   memset(p, 0, sizeof *p);
-  p->cl = (call_t){.dp = dp, .what = what, .comm_id = comm_id, .dtype = dtype, .op = op};
+  p->cl = (call_t){.dp = dp, .what = what, .g = g, .gen = g->since ? *g->since : atomic_load(&dp->gen),
+                   .comm_id = g->comm_id, .dtype = dtype, .op = op};
   p->xs = calloc(nx ? nx : 1, sizeof *p->xs);
   p->msgs = calloc(nmsgs ? nmsgs : 1, sizeof *p->msgs);
   p->nx = nx;
@@ -307,15 +317,14 @@ int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool
   xfer_t *x = &p->xs[k];
   x->send = send;
   if (send) {
-    x->c = dp__get_out(p->cl.dp, p->cl.what, p->cl.comm_id, g->ranks[peer], g->addrs[peer],
-                       deadline, err);
+    x->c = dp__get_out(p->cl.dp, &p->cl, g->ranks[peer], g->addrs[peer], deadline, err);
   } else {
     const conn_t *watch[64];
     size_t nwatch = 0, fired = SIZE_MAX;
     for (size_t i = 0; i < p->nx && nwatch < 64; i++)
       if (p->xs[i].send && p->xs[i].c) watch[nwatch++] = p->xs[i].c;
-    x->c = dp__get_in(p->cl.dp, p->cl.what, p->cl.comm_id, g->ranks[peer], g->addrs[peer],
-                      deadline, watch, nwatch, &fired, err);
+    x->c = dp__get_in(p->cl.dp, &p->cl, g->ranks[peer], g->addrs[peer], deadline, watch, nwatch,
+                      &fired, err);
     if (!x->c && fired != SIZE_MAX) {
       for (size_t i = 0; i < p->nx; i++)
         if (p->xs[i].c == watch[fired]) return send_side_closed(&p->cl, &p->xs[i], err);

@@ -159,9 +159,9 @@ typedef struct observer {
 
 static observer_t obs;
 
-static void on_report(uint32_t rank, uint64_t exec, const Meshd__V1__Error *const *errors,
-                      size_t n, uint64_t allocated, void *arg) {
+static void on_report(uint32_t rank, const agent_link_report_t *r, void *arg) {
   observer_t *o = arg;
+  uint64_t exec = r->executed, allocated = r->allocated_bytes;
   pthread_mutex_lock(&o->mu);
   if (rank < 4) {
     if (exec < o->last_exec[rank]) o->regress = true;
@@ -179,6 +179,8 @@ static void on_lost(uint32_t rank, void *arg) {
 }
 
 static const agent_link_callbacks_t cbs = {on_report, on_lost, &obs};
+
+static void on_pool_lost(const agent_lost_t *l, void *arg) { on_lost(l->rank, arg); }
 
 static void setup(void) {
   rpc_init();
@@ -476,7 +478,7 @@ static atomic_int healthy_now;
 static void pool_changed(int healthy, void *arg) { atomic_store(&healthy_now, healthy); }
 
 static agent_pool_t *make_pool(void) {
-  agent_pool_callbacks_t cb = {pool_changed, on_report, on_lost, &obs};
+  agent_pool_callbacks_t cb = {pool_changed, on_report, on_pool_lost, &obs};
   agent_pool_t *p = agent_pool_create(&cb);
   cr_assert_not_null(p);
   return p;

@@ -97,9 +97,8 @@ static _Atomic int64_t rank0;
 static executor_t *X;
 static _Atomic uint64_t reported;
 
-static void on_report(uint64_t through, Meshd__V1__Error **errs, size_t n, uint64_t alloc,
-                      void *arg) {
-  atomic_store(&reported, through);
+static void on_report(const executor_report_t *r, void *arg) {
+  atomic_store(&reported, r->executed_through);
 }
 
 static void setup(void) {

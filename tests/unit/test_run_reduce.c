@@ -22,8 +22,9 @@ static char errors[16][700];
 static uint64_t error_seqs[16];
 static int nerrors;
 
-static void on_report(uint64_t through, Meshd__V1__Error **errs, size_t n, uint64_t alloc,
-                      void *arg) {
+static void on_report(const executor_report_t *r, void *arg) {
+  Meshd__V1__Error **errs = r->errors;
+  size_t n = r->n_errors;
   pthread_mutex_lock(&mu);
   for (size_t i = 0; i < n && nerrors < 16; i++) {
     snprintf(errors[nerrors], sizeof errors[0], "%s", errs[i]->message);

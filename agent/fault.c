@@ -1,0 +1,79 @@
+#include "fault.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int parse_num(const char *s, long long lo, long long hi, long long *out) {
+  char *end;
+  long long v = strtoll(s, &end, 10);
+  if (!*s || *end || v < lo || v > hi) return -1;
+  *out = v;
+  return 0;
+}
+
+int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errlen) {
+  memset(f, 0, sizeof *f);
+  f->rank = -1;
+  char buf[256];
+  if (!spec || strlen(spec) >= sizeof buf) {
+    snprintf(err, errlen, "fault spec is empty or too long");
+    return -1;
+  }
+  snprintf(buf, sizeof buf, "%s", spec);
+  char *save = NULL, *part = strtok_r(buf, ",", &save);
+  char *colon = part ? strchr(part, ':') : NULL;
+  if (!colon) {
+    snprintf(err, errlen, "fault spec '%s': expected WHERE:ACTION, e.g. reduce:hang", spec);
+    return -1;
+  }
+  *colon = '\0';
+  if (strcmp(part, "reduce") && strcmp(part, "send") && strcmp(part, "any")) {
+    snprintf(err, errlen, "fault spec '%s': WHERE '%s' is not one of reduce, send, any", spec, part);
+    return -1;
+  }
+  snprintf(f->where, sizeof f->where, "%s", part);
+  char *action = colon + 1, *eq = strchr(action, '=');
+  if (eq) *eq = '\0';
+  long long v = 0;
+  if (!strcmp(action, "fail") && !eq) f->action = FAULT_FAIL;
+  else if (!strcmp(action, "hang")) f->action = FAULT_HANG;
+  else if (!strcmp(action, "slow") && eq) f->action = FAULT_SLOW;
+  else {
+    snprintf(err, errlen, "fault spec '%s': ACTION must be fail, hang[=MS] or slow=MS", spec);
+    return -1;
+  }
+  if (eq && parse_num(eq + 1, 0, 86400000, &v)) {
+    snprintf(err, errlen, "fault spec '%s': '%s' is not a number of milliseconds", spec, eq + 1);
+    return -1;
+  }
+  f->ms = (int)v;
+  while ((part = strtok_r(NULL, ",", &save))) {
+    char *e = strchr(part, '=');
+    if (e) *e++ = '\0';
+    long long n;
+    if (!e || parse_num(e, 0, 1LL << 40, &n)) {
+      snprintf(err, errlen, "fault spec '%s': option '%s' needs a number (rank=R, after=K, count=C)",
+               spec, part);
+      return -1;
+    }
+    if (!strcmp(part, "rank")) f->rank = n;
+    else if (!strcmp(part, "after")) f->after = (uint64_t)n;
+    else if (!strcmp(part, "count")) f->count = (uint64_t)n;
+    else {
+      snprintf(err, errlen, "fault spec '%s': unknown option '%s' (rank, after, count)", spec, part);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+fault_action_t agent_fault_hit(agent_fault_t *f, const char *where, int64_t rank, int *ms) {
+  if (!f || f->action == FAULT_NONE) return FAULT_NONE;
+  if (strcmp(f->where, "any") && strcmp(f->where, where)) return FAULT_NONE;
+  if (f->rank >= 0 && f->rank != rank) return FAULT_NONE;
+  if (atomic_fetch_add(&f->seen, 1) < f->after) return FAULT_NONE;
+  if (f->count && atomic_fetch_add(&f->fired, 1) >= f->count) return FAULT_NONE;
+  *ms = f->ms;
+  return f->action;
+}

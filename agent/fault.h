@@ -1,0 +1,40 @@
+/* Fault injection, for tests of timeouts and aborts without kill: the agent
+ * reads --fault (or MESHD_FAULT, as every flag) at start and makes chosen collectives
+ * or sends fail, hang or run slowly.
+ *
+ *   WHERE:ACTION[,rank=R][,after=K][,count=C]
+ *   WHERE   reduce | send | any
+ *   ACTION  fail            the instruction fails (REMOTE_FAILURE "injected fault")
+ *           hang[=MS]       it blocks, like a wedged device, until the session
+ *                           learns of a lost peer or ends (or MS passes; default 1 h)
+ *           slow=MS         it sleeps MS, then runs
+ *   rank=R  only the agent of world rank R (all --local-agents share the env)
+ *   after=K skip the first K matching instructions; count=C fire at most C times
+ *
+ * e.g. MESHD_FAULT="reduce:hang,rank=1,count=1". */
+#ifndef MESHD_FAULT_H
+#define MESHD_FAULT_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum { FAULT_NONE, FAULT_FAIL, FAULT_HANG, FAULT_SLOW } fault_action_t;
+
+typedef struct agent_fault {
+  char where[16];
+  fault_action_t action;
+  int ms;
+  int64_t rank; /* -1: every rank */
+  uint64_t after, count; /* count 0: no limit */
+  _Atomic uint64_t seen, fired;
+} agent_fault_t;
+
+/* Parses spec into *f. 0, or -1 with a message naming what is wrong. */
+int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errlen);
+/* What to do for one instruction of kind `where` ("reduce", "send") on world
+ * rank `rank`; counts it. f NULL: FAULT_NONE. */
+fault_action_t agent_fault_hit(agent_fault_t *f, const char *where, int64_t rank, int *ms);
+
+#endif
