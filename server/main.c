@@ -28,7 +28,7 @@ typedef struct options {
   const char *listen, *port_file, *agent_binary, *log_level, *metrics_listen, *metrics_port_file;
   const char *local_agent_device;
   int64_t local_agents, min_agents, threads, session_ttl;
-  double drain_seconds;
+  double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes;
 } options_t;
 
@@ -46,6 +46,8 @@ static const config_flag_t flags[] = {
     {"drain-seconds", CONFIG_DOUBLE, "10", "on SIGTERM, how long running calls may finish", &opt.drain_seconds, 0, 3600},
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction", &opt.max_message_bytes, 0, 0},
+    {"agent-timeout", CONFIG_DOUBLE, "3",
+     "an agent that answers no keepalive ping for this many seconds is lost", &opt.agent_timeout, 1, 3600},
     {"session-ttl", CONFIG_INT, "300", "session lease in seconds", &opt.session_ttl, 1, 86400 * 7},
     {"session-quota-bytes", CONFIG_BYTES, "0", "default per-session byte quota (0: unlimited)",
      &opt.session_quota_bytes, 0, 0},
@@ -154,15 +156,17 @@ int main(int argc, char **argv) {
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
   agent_pool_t *pool = agent_pool_create(&pool_cb);
-  registry_t *registry = registry_create(pool, server_id, 3000);
+  registry_t *registry = registry_create(pool, server_id, 3000, (int)(opt.agent_timeout * 1000));
   session_table_t *sessions =
       session_table_create((uint64_t)opt.session_ttl, opt.session_quota_bytes, session_closed, &state);
   state.commands = sessions ? command_service_create(pool, sessions) : NULL;
   data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes) : NULL;
+  /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
+   * calls are in flight; rpc.h). Agents are watched on the dial-back channel
+   * (--agent-timeout), not by pinging their registration call. */
   rpc_server_opts_t so = {.listen = opt.listen,
                           .threads = (int)opt.threads,
-                          .max_message_bytes = (int)opt.max_message_bytes,
-                          .keepalive_ms = 1000};
+                          .max_message_bytes = (int)opt.max_message_bytes};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);

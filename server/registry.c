@@ -1,9 +1,11 @@
 #include "registry.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -17,6 +19,10 @@ typedef struct conn {
   int rank;              /* -1 until admitted */
   char agent_id[64];
   char address[256];
+  /* Under the registry's mu. dialed: the dial-back answered and the agent was
+   * marked healthy, so from now on an unhealthy agent has lost its link.
+   * ending: the registry asked the call to end (once). */
+  bool dialed, ending;
 } conn_t;
 
 typedef struct job {
@@ -30,9 +36,9 @@ typedef struct job {
 struct registry {
   agent_pool_t *pool;
   char server_id[64];
-  int dial_timeout_ms;
+  int dial_timeout_ms, agent_timeout_ms;
   pthread_mutex_t mu;
-  pthread_cond_t cv;
+  pthread_cond_t cv;     /* CLOCK_MONOTONIC */
   conn_t *conns;
   job_t *jobs, *jobs_tail;
   bool stopping;
@@ -166,10 +172,21 @@ static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
   rpc_call_unref(call);
 }
 
+/* The registration call behind `call`, if it is still open. Under r->mu. */
+static conn_t *conn_of_locked(registry_t *r, rpc_call_t *call) {
+  conn_t *c = r->conns;
+  while (c && c->call != call) c = c->next;
+  return c;
+}
+
 /* Dials an admitted agent back; marks it healthy if the right process answers. */
 static void dial(registry_t *r, job_t *j) {
   if (rpc_call_ended(j->call)) return;
-  rpc_channel_t *ch = rpc_channel_create(j->address, NULL);
+  /* Its own connection: the keepalive verdict is about this agent alone. */
+  rpc_channel_opts_t opts = {.keepalive_ms = REGISTRY_PING_MS,
+                             .keepalive_timeout_ms = r->agent_timeout_ms,
+                             .own_connection = true};
+  rpc_channel_t *ch = rpc_channel_create(j->address, &opts);
   Meshd__Agent__V1__HelloRequest req = MESHD__AGENT__V1__HELLO_REQUEST__INIT;
   req.agent_id = j->agent_id;
   req.rank = j->rank;
@@ -185,6 +202,10 @@ static void dial(registry_t *r, job_t *j) {
       agent_pool_set_channel(r->pool, j->rank, j->agent_id, ch);
       agent_pool_set_healthy(r->pool, j->rank, j->agent_id, true);
       protobuf_c_message_free_unpacked(resp, NULL);
+      pthread_mutex_lock(&r->mu);
+      conn_t *c = conn_of_locked(r, j->call);
+      if (c) c->dialed = true;
+      pthread_mutex_unlock(&r->mu);
       return;
     }
     snprintf(st.message, sizeof st.message, "%s answered as agent %s", j->address, rep->agent_id);
@@ -197,34 +218,92 @@ static void dial(registry_t *r, job_t *j) {
   rpc_channel_destroy(ch);
 }
 
+/* Ends the registration of every dialed-back agent the pool no longer counts
+ * healthy: its Execute link broke (keepalive timeout, the agent refused or
+ * ended the stream). The agent registers again when it can. Only this thread
+ * sets `dialed`, so a conn it has not dialed yet is never ended here. */
+static void sweep(registry_t *r) {
+  size_t world = 0;
+  bool *healthy = agent_pool_healthy_map(r->pool, &world);
+  if (!healthy) return;
+  pthread_mutex_lock(&r->mu);
+  for (conn_t *c = r->conns; c; c = c->next) {
+    if (!c->dialed || c->ending || ((size_t)c->rank < world && healthy[c->rank])) continue;
+    c->ending = true;
+    log_warn("registry", "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
+             "within %.1f s, or the link broke): ending its registration so that it registers "
+             "again", c->rank, c->address, c->agent_id, r->agent_timeout_ms / 1000.0);
+    rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL,
+                    "the server lost its link to this agent (no keepalive answer within %.1f s, "
+                    "or the Execute stream broke); register again",
+                    r->agent_timeout_ms / 1000.0);
+  }
+  pthread_mutex_unlock(&r->mu);
+  free(healthy);
+}
+
+static void deadline_in(struct timespec *ts, int ms) {
+  clock_gettime(CLOCK_MONOTONIC, ts);
+  ts->tv_sec += ms / 1000;
+  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts->tv_nsec >= 1000000000L) {
+    ts->tv_sec++;
+    ts->tv_nsec -= 1000000000L;
+  }
+}
+
+/* The registry's thread: dial-back jobs as they come, a sweep every REGISTRY_SWEEP_MS. */
 static void *dialer(void *arg) {
   registry_t *r = arg;
+  struct timespec next_sweep;
+  deadline_in(&next_sweep, REGISTRY_SWEEP_MS);
   pthread_mutex_lock(&r->mu);
   for (;;) {
-    while (!r->jobs && !r->stopping) pthread_cond_wait(&r->cv, &r->mu);
+    while (!r->jobs && !r->stopping &&
+           pthread_cond_timedwait(&r->cv, &r->mu, &next_sweep) != ETIMEDOUT) {
+    }
     if (r->stopping) break;
     job_t *j = r->jobs;
-    r->jobs = j->next;
-    if (!r->jobs) r->jobs_tail = NULL;
+    if (j) {
+      r->jobs = j->next;
+      if (!r->jobs) r->jobs_tail = NULL;
+    }
     pthread_mutex_unlock(&r->mu);
-    dial(r, j);
-    rpc_call_unref(j->call);
-    free(j);
+    if (j) {
+      dial(r, j);
+      rpc_call_unref(j->call);
+      free(j);
+    }
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (now.tv_sec > next_sweep.tv_sec ||
+        (now.tv_sec == next_sweep.tv_sec && now.tv_nsec >= next_sweep.tv_nsec)) {
+      sweep(r);
+      deadline_in(&next_sweep, REGISTRY_SWEEP_MS);
+    }
     pthread_mutex_lock(&r->mu);
   }
   pthread_mutex_unlock(&r->mu);
   return NULL;
 }
 
-registry_t *registry_create(agent_pool_t *pool, const char *server_id, int dial_timeout_ms) {
+registry_t *registry_create(agent_pool_t *pool, const char *server_id, int dial_timeout_ms,
+                            int agent_timeout_ms) {
   registry_t *r = calloc(1, sizeof *r);
   if (!r) return NULL;
   r->pool = pool;
   snprintf(r->server_id, sizeof r->server_id, "%s", server_id);
   r->dial_timeout_ms = dial_timeout_ms;
+  r->agent_timeout_ms = agent_timeout_ms > 0 ? agent_timeout_ms : 1;
   pthread_mutex_init(&r->mu, NULL);
-  pthread_cond_init(&r->cv, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&r->cv, &ca);
+  pthread_condattr_destroy(&ca);
   if (pthread_create(&r->dialer, NULL, dialer, r) != 0) {
+    pthread_cond_destroy(&r->cv);
+    pthread_mutex_destroy(&r->mu);
     free(r);
     return NULL;
   }

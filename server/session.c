@@ -72,12 +72,26 @@ static void session_free(session_t *s) {
   free(s);
 }
 
-void session_ref(session_t *s) { atomic_fetch_add(&s->refs, 1); }
+/* A call's reference: counted in both. */
+static void take_call_ref(session_t *s) {
+  atomic_fetch_add(&s->refs, 1);
+  atomic_fetch_add(&s->calls, 1);
+}
+
+/* The table's reference (after unlink_locked handed it over). */
+static void drop_table_ref(session_t *s) {
+  if (atomic_fetch_sub(&s->refs, 1) == 1) session_free(s);
+}
+
+void session_ref(session_t *s) { take_call_ref(s); }
 
 void session_release(session_t *s) {
   if (!s) return;
+  /* The lease restarts before the count drops: expiry, which reads the count
+   * first, never sees 0 calls with the old time. */
   atomic_store(&s->last_used_ms, rpc_now_ms());
-  if (atomic_fetch_sub(&s->refs, 1) == 1) session_free(s);
+  atomic_fetch_sub(&s->calls, 1);
+  drop_table_ref(s);
 }
 
 void session_touch(session_t *s) { atomic_store(&s->last_used_ms, rpc_now_ms()); }
@@ -104,7 +118,7 @@ static void announce(session_table_t *t, session_t *s, session_end_t why) {
 static void announce_all(session_table_t *t, ended_t *e, session_end_t why) {
   for (size_t i = 0; i < e->n; i++) {
     announce(t, e->v[i], why);
-    session_release(e->v[i]);
+    drop_table_ref(e->v[i]);
   }
   if (e->v != e->one) free(e->v);
 }
@@ -230,7 +244,8 @@ int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
   s->quota_bytes = quota_bytes ? quota_bytes : t->default_quota;
   s->created_ms = rpc_now_ms();
   atomic_store(&s->last_used_ms, s->created_ms);
-  atomic_store(&s->refs, 2); /* the table's and the caller's */
+  atomic_store(&s->refs, 2); /* the table's and the caller's (CreateSession's call) */
+  atomic_store(&s->calls, 1);
   pthread_mutex_init(&s->mu, NULL);
 
   pthread_mutex_lock(&t->mu);
@@ -264,7 +279,8 @@ static bool token_equal(const char *want, const char *got) {
 }
 
 static bool idle_past_ttl(const session_t *s, int64_t now_ms) {
-  return now_ms - atomic_load(&s->last_used_ms) > (int64_t)s->ttl_s * 1000;
+  return atomic_load(&s->calls) == 0 &&
+         now_ms - atomic_load(&s->last_used_ms) > (int64_t)s->ttl_s * 1000;
 }
 
 session_t *session_acquire(session_table_t *t, const char *id, const char *token,
@@ -304,10 +320,10 @@ session_t *session_acquire(session_table_t *t, const char *id, const char *token
               "more often than every %llu s)",
               s->id, (unsigned long long)s->ttl_s, (unsigned long long)s->ttl_s);
     announce(t, s, SESSION_END_EXPIRED);
-    session_release(s);
+    drop_table_ref(s);
     return NULL;
   }
-  atomic_fetch_add(&s->refs, 1);
+  take_call_ref(s);
   atomic_store(&s->last_used_ms, now);
   pthread_mutex_unlock(&t->mu);
   return s;
@@ -317,7 +333,7 @@ session_t *session_find(session_table_t *t, const char *id) {
   pthread_mutex_lock(&t->mu);
   session_t *s = NULL;
   if (id) HASH_FIND_STR(t->by_id, id, s);
-  if (s) atomic_fetch_add(&s->refs, 1);
+  if (s) take_call_ref(s);
   pthread_mutex_unlock(&t->mu);
   return s;
 }
@@ -331,7 +347,7 @@ bool session_close(session_table_t *t, session_t *s) {
   unlink_locked(t, s);
   pthread_mutex_unlock(&t->mu);
   announce(t, s, SESSION_END_CLOSED);
-  session_release(s);
+  drop_table_ref(s);
   return true;
 }
 
@@ -376,7 +392,7 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n) {
     v[i].bytes_held = atomic_load(&s->bytes_held);
     v[i].live_tensors = atomic_load(&s->live_tensors);
     int64_t idle = now - atomic_load(&s->last_used_ms);
-    v[i].idle_ms = idle > 0 ? (uint64_t)idle : 0;
+    v[i].idle_ms = idle > 0 && atomic_load(&s->calls) == 0 ? (uint64_t)idle : 0;
     v[i].ttl_s = s->ttl_s;
   }
   pthread_mutex_unlock(&t->mu);

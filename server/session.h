@@ -6,12 +6,20 @@
  * its locks), so the server can tell the agents to free its state.
  *
  * Lifetime: a session is refcounted. The table holds one reference while the
- * session is open; session_create and session_acquire hand the caller another,
- * which it gives back with session_release. The per-session objects (set with
- * session_set_objects) are destroyed, and the session freed, when the last
- * reference goes, never inside a table callback. A session pointer stays valid
- * while its holder keeps its reference, even after the session was closed:
- * check s->closed (atomic) before starting new work.
+ * session is open; session_create, session_acquire, session_find and
+ * session_ref hand the caller another, which it gives back with
+ * session_release. The per-session objects (set with session_set_objects) are
+ * destroyed, and the session freed, when the last reference goes, never inside
+ * a table callback. A session pointer stays valid while its holder keeps its
+ * reference, even after the session was closed: check s->closed (atomic)
+ * before starting new work.
+ *
+ * Lease: a session expires when it has been idle for more than its ttl. Every
+ * reference but the table's belongs to a call in flight (an RPC between
+ * session_from_call and its end, a Submit stream for its whole life, a Sync or
+ * Fetch waiting on agents), and a session with a call in flight is never idle:
+ * s->calls counts those references, expiry skips a session while it is above
+ * 0, and the lease restarts when the last of them is released.
  *
  * Thread safety: every function here is thread-safe. None of them takes s->mu,
  * which belongs to the command layer (the objects it hangs on the session). */
@@ -62,6 +70,7 @@ typedef struct session {
   _Atomic int64_t last_used_ms;
   _Atomic uint64_t last_ref; /* highest ref claimed, 0 before the first */
   _Atomic int refs;
+  _Atomic int calls; /* references held by calls in flight: every one but the table's */
   _Atomic bool closed;
   UT_hash_handle hh; /* the table's by-id index */
 } session_t;
@@ -105,9 +114,11 @@ session_t *session_acquire(session_table_t *t, const char *id, const char *token
  * with this id, acquired, without a token and without renewing its lease; NULL
  * if there is none. */
 session_t *session_find(session_table_t *t, const char *id);
-/* Another reference to a session the caller already holds. */
+/* Another reference to a session the caller already holds (a call that goes on
+ * after its handler returned: a pending Sync, a Fetch's thread). */
 void session_ref(session_t *s);
-/* Drops a reference; renews the lease (the end of a call is activity). */
+/* Drops a reference taken by session_create, _acquire, _find or _ref; renews
+ * the lease (the end of a call is activity). */
 void session_release(session_t *s);
 /* Renews the lease: long-lived calls (Submit streams) call it per message. */
 void session_touch(session_t *s);
@@ -116,7 +127,8 @@ void session_touch(session_t *s);
  * The caller keeps its own reference. */
 bool session_close(session_table_t *t, session_t *s);
 /* Closes every session idle for more than its ttl at now_ms (rpc_now_ms()
- * clock). Returns how many it closed. The table's thread calls it; tests may too. */
+ * clock) with no call in flight. Returns how many it closed. The table's
+ * thread calls it; tests may too. */
 int session_expire(session_table_t *t, int64_t now_ms);
 size_t session_count(session_table_t *t);
 
@@ -126,7 +138,7 @@ typedef struct session_info {
   char client_name[SESSION_CLIENT_NAME_MAX + 1];
   uint64_t bytes_held;
   uint64_t live_tensors;
-  uint64_t idle_ms;
+  uint64_t idle_ms; /* 0 while a call is in flight */
   uint64_t ttl_s;
 } session_info_t;
 

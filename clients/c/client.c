@@ -1,10 +1,14 @@
 /* meshd C client library: meshd.h over core/platform/rpc.h. */
 #include "meshd.h"
 
+#include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
@@ -53,11 +57,12 @@ static void set_error(meshd_client_t *c, meshd_err_t err, int grpc_code, const c
   va_start(ap, fmt);
   vsnprintf(c->message, sizeof c->message, fmt, ap);
   va_end(ap);
+  bool has_code = err == MESHD_E_RPC || err == MESHD_E_DEADLINE;
   snprintf(c->code_name, sizeof c->code_name, "%s",
-           err == MESHD_E_RPC ? meshd_grpc_code_name((grpc_status_code)grpc_code) : "");
+           has_code ? meshd_grpc_code_name((grpc_status_code)grpc_code) : "");
   snprintf(c->kind, sizeof c->kind, "%s", kind ? kind : "");
   c->last.err = err;
-  c->last.grpc_code = err == MESHD_E_RPC ? grpc_code : 0;
+  c->last.grpc_code = has_code ? grpc_code : 0;
   c->last.grpc_code_name = c->code_name;
   c->last.kind = c->kind;
   c->last.message = c->message;
@@ -111,14 +116,28 @@ void meshd_close(meshd_client_t *client) {
   rpc_shutdown();
 }
 
-/* One unary call with the client's deadline and metadata md; records the failure if any. */
-static meshd_err_t call_md(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
-                           const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
-                           const rpc_md_t *md, size_t nmd) {
+/* A failed call's status on the client: a passed deadline is MESHD_E_DEADLINE. */
+static meshd_err_t set_status(meshd_client_t *c, grpc_status_code code, const char *kind,
+                              const char *msg) {
+  if (code == GRPC_STATUS_DEADLINE_EXCEEDED) {
+    set_error(c, MESHD_E_DEADLINE, code, "DEADLINE_EXCEEDED", "%s", msg);
+    return MESHD_E_DEADLINE;
+  }
+  set_error(c, MESHD_E_RPC, code, kind, "%s", msg);
+  return MESHD_E_RPC;
+}
+
+/* One unary call with deadline timeout_ms (<= 0: the client's) and metadata md;
+ * records the failure if any. */
+static meshd_err_t call_md_timeout(meshd_client_t *c, const char *method,
+                                   const ProtobufCMessage *req,
+                                   const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
+                                   const rpc_md_t *md, size_t nmd, int timeout_ms) {
   rpc_status_t st;
   memset(&st, 0, sizeof st);
   *resp = NULL;
-  grpc_status_code code = rpc_unary(c->ch, method, req, desc, resp, md, nmd, c->timeout_ms, &st);
+  grpc_status_code code = rpc_unary(c->ch, method, req, desc, resp, md, nmd,
+                                    timeout_ms > 0 ? timeout_ms : c->timeout_ms, &st);
   if (code == GRPC_STATUS_OK && *resp)
     return MESHD_E_OK;
   if (code == GRPC_STATUS_OK) { /* rpc.h promises a reply with OK; don't crash if not */
@@ -128,8 +147,13 @@ static meshd_err_t call_md(meshd_client_t *c, const char *method, const Protobuf
   }
   st.kind[sizeof st.kind - 1] = '\0';
   st.message[sizeof st.message - 1] = '\0';
-  set_error(c, MESHD_E_RPC, code, st.kind, "%s", st.message);
-  return MESHD_E_RPC;
+  return set_status(c, code, st.kind, st.message);
+}
+
+static meshd_err_t call_md(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp,
+                           const rpc_md_t *md, size_t nmd) {
+  return call_md_timeout(c, method, req, desc, resp, md, nmd, 0);
 }
 
 static meshd_err_t call(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
@@ -300,7 +324,94 @@ struct meshd_session {
   rpc_md_t md[2];
   meshd_ref_t next_ref;
   uint64_t next_seq;
+  uint64_t ttl_s;
+  /* The keepalive thread (meshd.h). ka_stop is under ka_mu; the thread reads
+   * only client->ch, md and ka_period_ms besides. */
+  pthread_t ka_thread;
+  bool ka_started;
+  pthread_mutex_t ka_mu;
+  pthread_cond_t ka_cv; /* CLOCK_MONOTONIC */
+  bool ka_stop;
+  int ka_period_ms;
 };
+
+static void deadline_in(struct timespec *ts, int ms) {
+  clock_gettime(CLOCK_MONOTONIC, ts);
+  ts->tv_sec += ms / 1000;
+  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts->tv_nsec >= 1000000000L) {
+    ts->tv_sec++;
+    ts->tv_nsec -= 1000000000L;
+  }
+}
+
+/* Sends KeepAlive every ka_period_ms until meshd_session_close stops it or the
+ * server says the session is gone. Failures are not recorded on the client: its
+ * last error belongs to the session's own thread. */
+static void *keepalive_main(void *arg) {
+  meshd_session_t *s = arg;
+  prctl(PR_SET_NAME, "meshd-keepalive"); /* what ps -T and /proc/.../comm show */
+  /* Short, so that meshd_session_close, which joins this thread, never waits long. */
+  int timeout_ms = s->client->timeout_ms < 5000 ? s->client->timeout_ms : 5000;
+  pthread_mutex_lock(&s->ka_mu);
+  while (!s->ka_stop) {
+    struct timespec at;
+    deadline_in(&at, s->ka_period_ms);
+    while (!s->ka_stop && pthread_cond_timedwait(&s->ka_cv, &s->ka_mu, &at) != ETIMEDOUT) {
+    }
+    if (s->ka_stop)
+      break;
+    pthread_mutex_unlock(&s->ka_mu);
+    Meshd__V1__KeepAliveRequest req = MESHD__V1__KEEP_ALIVE_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    grpc_status_code code = rpc_unary(s->client->ch, TS "KeepAlive", &req.base,
+                                      &meshd__v1__keep_alive_reply__descriptor, &resp, s->md, 2,
+                                      timeout_ms, NULL);
+    if (resp)
+      protobuf_c_message_free_unpacked(resp, NULL);
+    pthread_mutex_lock(&s->ka_mu);
+    if (code == GRPC_STATUS_UNAUTHENTICATED)
+      break; /* closed or expired: nothing left to keep; other failures: next period */
+  }
+  pthread_mutex_unlock(&s->ka_mu);
+  return NULL;
+}
+
+static void session_free(meshd_session_t *s) {
+  if (s->ka_started) {
+    pthread_mutex_lock(&s->ka_mu);
+    s->ka_stop = true;
+    pthread_cond_signal(&s->ka_cv);
+    pthread_mutex_unlock(&s->ka_mu);
+    pthread_join(s->ka_thread, NULL);
+    pthread_cond_destroy(&s->ka_cv);
+    pthread_mutex_destroy(&s->ka_mu);
+  }
+  free(s->id);
+  free(s->token);
+  free(s);
+}
+
+/* Starts the keepalive thread; false if it cannot. */
+static bool keepalive_start(meshd_session_t *s) {
+  uint64_t period = (s->ttl_s ? s->ttl_s : 300) * 1000 / 3;
+  s->ka_period_ms = period < 1000 ? 1000 : period > INT32_MAX ? INT32_MAX : (int)period;
+  pthread_mutex_init(&s->ka_mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->ka_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  if (pthread_create(&s->ka_thread, NULL, keepalive_main, s) != 0) {
+    pthread_cond_destroy(&s->ka_cv);
+    pthread_mutex_destroy(&s->ka_mu);
+    return false;
+  }
+  s->ka_started = true;
+  return true;
+}
+
+uint64_t meshd_session_ttl(const meshd_session_t *s) { return s ? s->ttl_s : 0; }
 
 meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, meshd_err_t *err) {
   ProtobufCMessage *resp = NULL;
@@ -325,9 +436,7 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
   }
   if (!s || !s->id || !s->token) {
     if (s) {
-      free(s->id);
-      free(s->token);
-      free(s);
+      session_free(s);
       s = NULL;
     }
     set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_session_open: out of memory");
@@ -339,6 +448,13 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
   s->md[1] = (rpc_md_t){"meshd-token", s->token};
   s->next_ref = 1;
   s->next_seq = 1;
+  s->ttl_s = reply->ttl_seconds;
+  if (!keepalive_start(s)) {
+    meshd_session_close(s); /* the server's session too */
+    s = NULL;
+    set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_session_open: cannot start its keepalive thread");
+    ret = MESHD_E_NOMEM;
+  }
 out:
   if (resp)
     protobuf_c_message_free_unpacked(resp, NULL);
@@ -351,6 +467,12 @@ void meshd_session_close(meshd_session_t *s) {
   if (!s)
     return;
   ProtobufCMessage *resp = NULL;
+  if (s->ka_started) { /* no KeepAlive after (or racing) the close */
+    pthread_mutex_lock(&s->ka_mu);
+    s->ka_stop = true;
+    pthread_cond_signal(&s->ka_cv);
+    pthread_mutex_unlock(&s->ka_mu);
+  }
   Meshd__V1__CloseSessionRequest req = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
   meshd_error_info_t saved = s->client->last; /* not reported: keep the last error */
   char kind[sizeof s->client->kind], msg[sizeof s->client->message], code[32];
@@ -364,9 +486,7 @@ void meshd_session_close(meshd_session_t *s) {
   memcpy(s->client->kind, kind, sizeof kind);
   memcpy(s->client->message, msg, sizeof msg);
   memcpy(s->client->code_name, code, sizeof code);
-  free(s->id);
-  free(s->token);
-  free(s);
+  session_free(s);
 }
 
 /* "ERROR_KIND_WRONG_MESH" -> "WRONG_MESH". */
@@ -378,12 +498,14 @@ static const char *kind_name(int kind) {
   return strncmp(v->name, "ERROR_KIND_", 11) == 0 ? v->name + 11 : v->name;
 }
 
-/* Execute one command; a result carrying an error counts as a failed call. */
-static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
+/* Execute one command with deadline timeout_ms (<= 0: the client's); a result
+ * carrying an error counts as a failed call. */
+static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, int timeout_ms) {
   ProtobufCMessage *resp = NULL;
   cmd->seq = s->next_seq++;
-  meshd_err_t ret = call_md(s->client, TS "Execute", &cmd->base,
-                            &meshd__v1__command_result__descriptor, &resp, s->md, 2);
+  meshd_err_t ret = call_md_timeout(s->client, TS "Execute", &cmd->base,
+                                    &meshd__v1__command_result__descriptor, &resp, s->md, 2,
+                                    timeout_ms);
   if (ret != MESHD_E_OK)
     return ret;
   const Meshd__V1__CommandResult *r = (const Meshd__V1__CommandResult *)resp;
@@ -395,6 +517,10 @@ static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
   }
   protobuf_c_message_free_unpacked(resp, NULL);
   return ret;
+}
+
+static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
+  return execute_timeout(s, cmd, 0);
 }
 
 static bool check_out(meshd_session_t *s, const void *out, const char *fn) {
@@ -543,15 +669,17 @@ meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const ch
   return ret;
 }
 
-meshd_err_t meshd_session_sync(meshd_session_t *s) {
+meshd_err_t meshd_session_sync_timeout(meshd_session_t *s, int timeout_ms) {
   if (!s)
     return MESHD_E_INVALID;
   Meshd__V1__Sync sy = MESHD__V1__SYNC__INIT;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_SYNC;
   cmd.sync = &sy;
-  return execute(s, &cmd);
+  return execute_timeout(s, &cmd, timeout_ms);
 }
+
+meshd_err_t meshd_session_sync(meshd_session_t *s) { return meshd_session_sync_timeout(s, 0); }
 
 void meshd_values_free(meshd_values_t *v) {
   if (!v)
@@ -594,6 +722,12 @@ static double load_value(int dt, const uint8_t *p) {
 
 meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const char *const *dims,
                                 const int64_t *index, size_t ncoords, meshd_values_t *out) {
+  return meshd_session_fetch_timeout(s, tensor, dims, index, ncoords, 0, out);
+}
+
+meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
+                                        const char *const *dims, const int64_t *index,
+                                        size_t ncoords, int timeout_ms, meshd_values_t *out) {
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, out, "meshd_session_fetch"))
@@ -622,7 +756,9 @@ meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const ch
   size_t nbytes = 0, cap = 0;
   int dtype = 0;
   bool have_meta = false;
-  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, 2, s->client->timeout_ms);
+  if (timeout_ms <= 0)
+    timeout_ms = s->client->timeout_ms;
+  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, 2, timeout_ms);
   if (!st) {
     set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: cannot open the call");
     return MESHD_E_RPC;
@@ -630,13 +766,17 @@ meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const ch
   if (rpc_stream_write(st, &req.base, true) == 0) {
     for (;;) {
       ProtobufCMessage *m = NULL;
-      int r = rpc_stream_read(st, &meshd__v1__fetch_chunk__descriptor, &m, s->client->timeout_ms);
+      int r = rpc_stream_read(st, &meshd__v1__fetch_chunk__descriptor, &m, timeout_ms);
       if (r <= 0) {
         if (r < 0) {
           rpc_stream_cancel(st);
-          if (ret == MESHD_E_OK) {
-            set_error(s->client, MESHD_E_RPC, GRPC_STATUS_DEADLINE_EXCEEDED, NULL,
-                      "Fetch: %s", r == -2 ? "timed out" : "bad message");
+          if (ret == MESHD_E_OK && r == -2) {
+            set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED,
+                      "DEADLINE_EXCEEDED", "Fetch: no answer within %d ms", timeout_ms);
+            ret = MESHD_E_DEADLINE;
+          } else if (ret == MESHD_E_OK) {
+            set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                      "Fetch: the server sent a message that is not a FetchChunk");
             ret = MESHD_E_RPC;
           }
         }
@@ -685,8 +825,7 @@ meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const ch
   if (ret == MESHD_E_OK && code != GRPC_STATUS_OK) {
     rs.kind[sizeof rs.kind - 1] = '\0';
     rs.message[sizeof rs.message - 1] = '\0';
-    set_error(s->client, MESHD_E_RPC, code, rs.kind, "%s", rs.message);
-    ret = MESHD_E_RPC;
+    ret = set_status(s->client, code, rs.kind, rs.message);
   }
   size_t es = dtype_size(dtype);
   if (ret == MESHD_E_OK && (!have_meta || es == 0 || nbytes % es != 0)) {

@@ -205,7 +205,7 @@ static void usage(FILE *out) {
 /* "error: WHAT: NOT_FOUND: unknown service" for the client's last failure. */
 static int report(meshd_client_t *c, const char *what, meshd_err_t e) {
   const meshd_error_info_t *info = meshd_last_error(c);
-  if (e == MESHD_E_RPC) {
+  if (e == MESHD_E_RPC || e == MESHD_E_DEADLINE) { /* a timeout is an RPC failure (exit 3) */
     fprintf(stderr, "error: %s: %s", what, info->grpc_code_name);
     if (*info->kind)
       fprintf(stderr, " (%s)", info->kind);

@@ -7,7 +7,11 @@
  *
  * Errors: every fallible function returns a meshd_err_t. After a failure,
  * meshd_last_error(client) says what went wrong; for MESHD_E_RPC that includes
- * the server's gRPC status code and message.
+ * the server's gRPC status code and message. A call whose deadline passed
+ * (the client's timeout_ms, or the timeout given to a *_timeout function) is
+ * MESHD_E_DEADLINE, with grpc_code DEADLINE_EXCEEDED and kind
+ * "DEADLINE_EXCEEDED", never MESHD_E_RPC / UNAVAILABLE: the server may still
+ * be working on it (a Sync waits on a hung agent).
  *
  * Ownership is written on each function. Strings passed in are only read during
  * the call. */
@@ -35,7 +39,8 @@ extern "C" {
   XX(CONNECT, "could not connect to the server")            \
   XX(RPC, "the call failed")                                \
   XX(INVALID, "invalid argument")                           \
-  XX(NOMEM, "out of memory")
+  XX(NOMEM, "out of memory")                                \
+  XX(DEADLINE, "the call's deadline passed")
 
 typedef enum {
 #define XX(name, text) MESHD_E_##name,
@@ -79,9 +84,10 @@ MESHD_API void meshd_close(meshd_client_t *client);
 /* What the last failed call on a client reported. */
 typedef struct meshd_error_info {
   meshd_err_t err;            /* MESHD_E_OK while no call has failed */
-  int grpc_code;              /* MESHD_E_RPC: the server's gRPC status code; else 0 */
-  const char *grpc_code_name; /* MESHD_E_RPC: "NOT_FOUND", "UNAVAILABLE", ...; else "" */
-  const char *kind;           /* meshd error kind ("WRONG_MESH") if the server sent one; else "" */
+  int grpc_code;              /* MESHD_E_RPC, _DEADLINE: the gRPC status code; else 0 */
+  const char *grpc_code_name; /* MESHD_E_RPC, _DEADLINE: "NOT_FOUND", "DEADLINE_EXCEEDED", ...; else "" */
+  const char *kind;           /* meshd error kind ("WRONG_MESH") if the server sent one,
+                                 "DEADLINE_EXCEEDED" for MESHD_E_DEADLINE; else "" */
   const char *message;        /* what went wrong ("unknown service"); "" when err is OK */
 } meshd_error_info_t;
 
@@ -162,7 +168,17 @@ MESHD_API void meshd_sessions_free(meshd_session_info_t *list, size_t n);
  * session hands out (>= 1, increasing). Errors of session calls are recorded on
  * the client (meshd_last_error(client)); the kind is the server's error kind
  * ("UNKNOWN_OP", "SHAPE_MISMATCH", ...). A session is used by one thread at a
- * time and must be closed before its client. */
+ * time and must be closed before its client.
+ *
+ * The keepalive thread: while a session is open, the library runs one
+ * background thread for it (started by meshd_session_open, stopped and joined
+ * by meshd_session_close) that sends KeepAlive on the client's connection
+ * every third of the session's ttl (at least 1 s apart), so a session that
+ * makes no call for longer than its ttl is not expired by the server. It
+ * touches nothing of the client but its connection (gRPC calls are
+ * thread-safe): not the last error, not the session's refs. It ends by itself
+ * when the server says the session is gone. Its name (Linux) is
+ * "meshd-keepalive". */
 typedef struct meshd_session meshd_session_t;
 typedef uint64_t meshd_ref_t;
 
@@ -172,8 +188,10 @@ typedef uint64_t meshd_ref_t;
 MESHD_API meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name,
                                               meshd_err_t *err);
 
-/* CloseSession (the server frees the session's tensors), then frees the handle.
- * NULL is ignored. A failed CloseSession is not reported: the session expires. */
+/* Stops the keepalive thread, CloseSession (the server frees the session's
+ * tensors), joins the thread (it may finish a KeepAlive in flight: at most
+ * 5 s), then frees the handle. NULL is ignored. A failed CloseSession is not
+ * reported: the session expires. */
 MESHD_API void meshd_session_close(meshd_session_t *session);
 
 /* CreateMesh over dims names[i] of sizes[i] (ndims >= 1); *mesh_out gets its ref. */
@@ -209,9 +227,17 @@ MESHD_API meshd_err_t meshd_session_reduce(meshd_session_t *session, meshd_ref_t
                                            const char *dim, const char *reduction,
                                            meshd_ref_t *out);
 
+/* The lease the server gave the session (seconds; CreateSession's ttl_seconds). */
+MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
+
 /* Sync: waits until everything issued so far ran; fails with the first run-time
  * error not reported before (its kind in meshd_last_error). */
 MESHD_API meshd_err_t meshd_session_sync(meshd_session_t *session);
+
+/* meshd_session_sync with its own deadline: timeout_ms > 0 bounds the wait
+ * (<= 0: the client's timeout). Past it: MESHD_E_DEADLINE; the work it waited
+ * for goes on, and a later Sync reports its errors. */
+MESHD_API meshd_err_t meshd_session_sync_timeout(meshd_session_t *session, int timeout_ms);
 
 /* A fetched local tensor, converted to float64. Owned by the caller: free with
  * meshd_values_free. */
@@ -228,6 +254,13 @@ typedef struct meshd_values {
 MESHD_API meshd_err_t meshd_session_fetch(meshd_session_t *session, meshd_ref_t tensor,
                                           const char *const *dims, const int64_t *index,
                                           size_t ncoords, meshd_values_t *out);
+
+/* meshd_session_fetch with its own deadline: timeout_ms > 0 bounds the whole
+ * Fetch (<= 0: the client's timeout). Past it: MESHD_E_DEADLINE, *out zeroed. */
+MESHD_API meshd_err_t meshd_session_fetch_timeout(meshd_session_t *session, meshd_ref_t tensor,
+                                                  const char *const *dims, const int64_t *index,
+                                                  size_t ncoords, int timeout_ms,
+                                                  meshd_values_t *out);
 
 /* Frees what meshd_session_fetch put in *v and zeroes it. NULL is ignored. */
 MESHD_API void meshd_values_free(meshd_values_t *v);

@@ -18,7 +18,13 @@
 //   const y = await s.call('add', [x, 1]);            // a tensor ref, a double
 //   const z = await s.reduce(y, ['gpu'], 'sum');
 //   const v = await s.fetch(z, { gpu: 0 });            // Float32Array
+//   await s.sync({ timeoutMs: 5000 });                 // DEADLINE_EXCEEDED past 5 s
 //   await s.close();
+//
+// While a session is open it sends KeepAlive every third of its ttl (at least every
+// 1 s) from an unref'd timer, so an idle session outlives its ttl and the timer never
+// keeps the process alive; close() stops it, and so does garbage collection of a
+// session that was never closed.
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -100,6 +106,14 @@ function toArg(a) {
   return a; // already an Arg ({ref}, {i}, {ints}, ...)
 }
 
+// KeepAlive period for a session lease of ttlSeconds: a third of it, at least 1 s.
+export function keepAlivePeriodMs(ttlSeconds) {
+  return Math.max(1000, Math.floor(((ttlSeconds || 300) * 1000) / 3));
+}
+
+// Clears the keepalive timer of a session that was collected without close().
+const keepAliveTimers = new FinalizationRegistry((stop) => stop());
+
 export class Session {
   constructor(client, reply, timeoutMs) {
     this.client = client;
@@ -113,15 +127,47 @@ export class Session {
     this.nextRef = 0;
     this.seq = 0;
     this.closed = false;
+    this.startKeepAlive();
   }
 
-  deadline() { return Date.now() + this.timeoutMs; }
+  // The timer holds the session only weakly (the client and metadata it needs are
+  // captured instead), so an unclosed session can still be collected.
+  startKeepAlive() {
+    const periodMs = keepAlivePeriodMs(this.ttlSeconds);
+    const self = new WeakRef(this);
+    const { client, md } = this;
+    const timeoutMs = Math.min(this.timeoutMs, 5000);
+    let inFlight = false;
+    const timer = setInterval(() => {
+      const s = self.deref();
+      if (!s || s.closed) { clearInterval(timer); return; }
+      if (inFlight) return;
+      inFlight = true;
+      client.KeepAlive({}, md, { deadline: Date.now() + timeoutMs }, (err) => {
+        inFlight = false;
+        // NO_SESSION: closed or expired, nothing left to keep; other errors: next period.
+        if (err && err.code === grpc.status.UNAUTHENTICATED) clearInterval(timer);
+      });
+    }, periodMs);
+    timer.unref();
+    this.keepAliveTimer = timer;
+    this.keepAlivePeriodMs = periodMs;
+    keepAliveTimers.register(this, () => clearInterval(timer), this);
+  }
+
+  stopKeepAlive() {
+    clearInterval(this.keepAliveTimer);
+    keepAliveTimers.unregister(this);
+  }
+
+  deadline(timeoutMs) { return Date.now() + (timeoutMs ?? this.timeoutMs); }
 
   newRef() { this.nextRef += 1; return this.nextRef; }
 
-  unary(method, request) {
+  // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
+  unary(method, request, { timeoutMs } = {}) {
     return new Promise((resolve, reject) => {
-      this.client[method](request, this.md, { deadline: this.deadline() }, (err, reply) => {
+      this.client[method](request, this.md, { deadline: this.deadline(timeoutMs) }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(reply);
       });
@@ -130,10 +176,10 @@ export class Session {
 
   // Runs one Command ({create_mesh: {...}} etc.; seq is filled in) and returns its
   // CommandResult; a rejected command throws a MeshdError with .kind.
-  async execute(command) {
+  async execute(command, { timeoutMs } = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     this.seq += 1;
-    const res = await this.unary('Execute', { seq: this.seq, ...command });
+    const res = await this.unary('Execute', { seq: this.seq, ...command }, { timeoutMs });
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     return res;
   }
@@ -175,6 +221,18 @@ export class Session {
     return res.tensors[0];
   }
 
+  // Waits until everything issued so far ran; throws the first run-time error not
+  // reported before (a MeshdError; .errors holds all this Sync reported). Past
+  // timeoutMs (default: the session's) it throws kind DEADLINE_EXCEEDED.
+  async sync({ timeoutMs } = {}) {
+    const res = await this.execute({ sync: {} }, { timeoutMs });
+    if (res.errors && res.errors.length) {
+      const errors = res.errors.map((e) => MeshdError.fromError(e));
+      errors[0].errors = errors;
+      throw errors[0];
+    }
+  }
+
   // Uploads a typed array as the same tensor (of `shape`) on every rank of `mesh`; with
   // perRank, `data` holds one local tensor of `shape` per mesh rank, in rank order.
   upload(mesh, shape, data, { stream = 0, perRank = false } = {}) {
@@ -195,13 +253,14 @@ export class Session {
 
   // The local tensor at the rank named by coords ({gpu: 1}) as a typed array by dtype
   // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
-  fetch(ref, coords = {}) {
+  // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED.
+  fetch(ref, coords = {}, { timeoutMs } = {}) {
     const request = {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
     };
     return new Promise((resolve, reject) => {
-      const call = this.client.Fetch(request, this.md, { deadline: this.deadline() });
+      const call = this.client.Fetch(request, this.md, { deadline: this.deadline(timeoutMs) });
       let meta = null;
       const parts = [];
       call.on('data', (c) => {
@@ -226,6 +285,7 @@ export class Session {
 
   async close() {
     if (this.closed) return;
+    this.stopKeepAlive();
     try {
       await this.unary('CloseSession', {});
     } finally {

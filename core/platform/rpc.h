@@ -66,11 +66,24 @@ typedef struct rpc_method {
   void (*on_end)(rpc_call_t *call, bool cancelled, void *arg);
 } rpc_method_t;
 
+/* Shortest interval between a client's pings the server accepts without a
+ * strike (strikes never lead to GOAWAY anyway): agents ping their server and
+ * the server pings its agents every second. */
+#define RPC_SERVER_MIN_PING_MS 500
+
 typedef struct rpc_server_opts {
   const char *listen;          /* "127.0.0.1:0", "[::]:50051"; port 0 picks a free one */
   int threads;                 /* completion-queue threads; <= 0: 2 */
   int max_message_bytes;       /* both directions; <= 0: 4 MiB */
-  int keepalive_ms;            /* server pings idle clients this often; <= 0: 10000 */
+  /* Keepalive, after gRPC's guide (docs/operations.md): the server pings a
+   * connection only while it has calls in flight (a client stuck in a long
+   * call is noticed), never an idle one (a client that does not poll its
+   * socket between calls, like Python's sync stack, would miss the ack and
+   * lose the connection), rarely, and waits long for the ack. A connection
+   * whose ack is late is closed, which ends its calls. Clients may ping down
+   * to every RPC_SERVER_MIN_PING_MS and are never sent GOAWAY for pinging. */
+  int keepalive_ms;            /* <= 0: 30000 */
+  int keepalive_timeout_ms;    /* <= 0: 20000 */
   /* TLS plugs in here: when both are set the port uses SSL credentials. */
   const char *tls_cert_file;
   const char *tls_key_file;

@@ -615,12 +615,15 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   wire_args_int(&a, GRPC_ARG_ALLOW_REUSEPORT, 0); /* a second server on a port must fail */
   wire_args_int(&a, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg);
   wire_args_int(&a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
-  int keepalive = opts->keepalive_ms > 0 ? opts->keepalive_ms : 10000;
-  wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIME_MS, keepalive);
-  wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive < 2000 ? keepalive : 2000);
-  wire_args_int(&a, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  /* Agents ping every second to notice a dead server; allow it. */
-  wire_args_int(&a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
+  /* See rpc_server_opts_t: ping only connections with calls in flight, rarely,
+   * with a generous ack timeout; a quiet call (a Sync waiting on agents) is
+   * pinged for as long as it lasts (no cap on pings without data). */
+  wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIME_MS, opts->keepalive_ms > 0 ? opts->keepalive_ms : 30000);
+  wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                opts->keepalive_timeout_ms > 0 ? opts->keepalive_timeout_ms : 20000);
+  wire_args_int(&a, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+  wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  wire_args_int(&a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, RPC_SERVER_MIN_PING_MS);
   wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   srv->server = grpc_server_create(wire_args_done(&a), NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);

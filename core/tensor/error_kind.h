@@ -27,7 +27,8 @@
   XX(DEPENDENT_FAILURE, 15, GRPC_STATUS_ABORTED)                     \
   XX(AGENT_LOST, 16, GRPC_STATUS_UNAVAILABLE)                        \
   XX(NO_SESSION, 17, GRPC_STATUS_UNAUTHENTICATED)                    \
-  XX(UNAVAILABLE, 18, GRPC_STATUS_UNAVAILABLE)
+  XX(UNAVAILABLE, 18, GRPC_STATUS_UNAVAILABLE)                       \
+  XX(DEADLINE_EXCEEDED, 19, GRPC_STATUS_DEADLINE_EXCEEDED)
 
 typedef enum {
 #define XX(name, value, code) ERR_##name = value,

@@ -560,6 +560,7 @@ KIND_CODES = {
     "AGENT_LOST": grpc.StatusCode.UNAVAILABLE,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "NO_SESSION": grpc.StatusCode.UNAUTHENTICATED,
+    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 

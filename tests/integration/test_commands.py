@@ -1036,9 +1036,10 @@ def test_every_check_kind_is_in_the_protocol_table():
     names = {lib.kind_name(v) for v in pb().ErrorKind.values() if v}
     assert names == set(lib.KIND_CODES), names ^ set(lib.KIND_CODES)
     # Kinds this file cannot provoke through checks: run-time ones (agents do not compute
-    # yet), AGENT_LOST (its own test above) and UNAVAILABLE (CreateSession while draining).
+    # yet), AGENT_LOST (its own test above), UNAVAILABLE (CreateSession while draining) and
+    # DEADLINE_EXCEEDED (a client's deadline: test_keepalive.py).
     assert set(CASES) | {"NO_SESSION", "AGENT_LOST", "UNAVAILABLE", "REMOTE_FAILURE",
-                         "DEPENDENT_FAILURE"} == names
+                         "DEPENDENT_FAILURE", "DEADLINE_EXCEEDED"} == names
 
 
 # ================================================================ robustness

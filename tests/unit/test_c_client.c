@@ -1,6 +1,8 @@
 /* The C client library (clients/c/meshd.h) and meshctl against a live
- * `meshd --local-agents 2` started from $MESHD_BIN_DIR on a free port. */
+ * `meshd --local-agents 2` started from $MESHD_BIN_DIR on a free port; the
+ * c_client_lease suite starts it with --session-ttl 2 --agent-timeout 60. */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -14,6 +16,7 @@
 #include "meshd.h"
 
 static pid_t server_pid = -1;
+static pid_t stopped_agent = -1; /* SIGSTOPped by a test; SIGCONTed at teardown whatever happens */
 static char dir[64];
 static char target[64];
 
@@ -39,7 +42,8 @@ static long slurp(const char *path, char *buf, size_t len) {
   return (long)n;
 }
 
-static void start_server(void) {
+/* meshd --local-agents 2 and the NULL-terminated `extra` flags. */
+static void start_server_with(const char *const *extra) {
   snprintf(dir, sizeof dir, "/tmp/meshd-c-client-XXXXXX");
   cr_assert_not_null(mkdtemp(dir));
   char port_file[128], log_file[128], bin[512];
@@ -55,8 +59,12 @@ static void start_server(void) {
       dup2(fd, 2);
       close(fd);
     }
-    execl(bin, bin, "--listen", "127.0.0.1:0", "--port-file", port_file, "--local-agents", "2",
-          (char *)NULL);
+    const char *argv[16] = {bin, "--listen", "127.0.0.1:0", "--port-file", port_file,
+                            "--local-agents", "2"};
+    size_t n = 7;
+    for (size_t i = 0; extra && extra[i] && n < 15; i++)
+      argv[n++] = extra[i];
+    execv(bin, (char *const *)argv);
     _exit(127);
   }
   char buf[64];
@@ -86,7 +94,11 @@ static void start_server(void) {
   cr_assert_eq(status, MESHD_HEALTH_SERVING, "TensorService never became SERVING");
 }
 
+static void start_server(void) { start_server_with(NULL); }
+
 static void stop_server(void) {
+  if (stopped_agent > 0)
+    kill(stopped_agent, SIGCONT);
   if (server_pid > 0) {
     kill(server_pid, SIGTERM);
     int st;
@@ -298,4 +310,187 @@ Test(c_client, meshctl_run_errors) {
   rc = meshctl_run("mesh m gpu=two\n", out, sizeof out, err, sizeof err);
   cr_assert_eq(rc, 3);
   cr_assert(strncmp(err, "line 1: SYNTAX: ", 16) == 0, "stderr: %s", err);
+}
+
+/* ------------------------------------------- keepalive and deadlines */
+
+static void start_short_lease(void) {
+  static const char *const flags[] = {"--session-ttl", "2", "--agent-timeout", "60", NULL};
+  start_server_with(flags);
+}
+
+TestSuite(c_client_lease, .init = start_short_lease, .fini = stop_server, .timeout = 60);
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Threads of this process whose name is `name`. */
+static int threads_named(const char *name) {
+  DIR *d = opendir("/proc/self/task");
+  cr_assert_not_null(d);
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    char path[300], comm[64];
+    if (e->d_name[0] == '.')
+      continue;
+    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+    if (slurp(path, comm, sizeof comm) > 0) {
+      comm[strcspn(comm, "\n")] = '\0';
+      n += strcmp(comm, name) == 0;
+    }
+  }
+  closedir(d);
+  return n;
+}
+
+/* The meshd-agent child of the server started with --rank rank, or -1. */
+static pid_t agent_pid(int rank) {
+  char want[16];
+  snprintf(want, sizeof want, "%d", rank);
+  for (int tries = 0; tries < 200; tries++) {
+    char tasks[64];
+    snprintf(tasks, sizeof tasks, "/proc/%d/task", (int)server_pid);
+    DIR *d = opendir(tasks);
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+      char path[400], kids[4096];
+      if (e->d_name[0] == '.')
+        continue;
+      snprintf(path, sizeof path, "%s/%s/children", tasks, e->d_name);
+      if (slurp(path, kids, sizeof kids) <= 0)
+        continue;
+      for (char *tok = strtok(kids, " \n"); tok; tok = strtok(NULL, " \n")) {
+        char cmd[4096];
+        snprintf(path, sizeof path, "/proc/%s/cmdline", tok);
+        FILE *f = fopen(path, "r");
+        if (!f)
+          continue;
+        size_t len = fread(cmd, 1, sizeof cmd - 1, f);
+        fclose(f);
+        cmd[len] = '\0';
+        bool agent = strstr(cmd, "meshd-agent") != NULL, is_rank = false;
+        for (size_t i = 0; i < len; i += strlen(cmd + i) + 1)
+          if (strcmp(cmd + i, "--rank") == 0 && i + 7 < len && strcmp(cmd + i + 7, want) == 0)
+            is_rank = true;
+        if (agent && is_rank) {
+          closedir(d);
+          return (pid_t)atoi(tok);
+        }
+      }
+    }
+    if (d)
+      closedir(d);
+    sleep_ms(50);
+  }
+  return -1;
+}
+
+static void stop_agent(pid_t pid) {
+  stopped_agent = pid;
+  cr_assert_eq(kill(pid, SIGSTOP), 0);
+  char path[64], stat[512];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  for (int i = 0; i < 500; i++) {
+    const char *paren = slurp(path, stat, sizeof stat) > 0 ? strrchr(stat, ')') : NULL;
+    if (paren && (paren[2] == 'T' || paren[2] == 't'))
+      break;
+    sleep_ms(10);
+  }
+  sleep_ms(200); /* every thread, not just the main one */
+}
+
+/* --session-ttl 2: the keepalive thread keeps a session that makes no call for 7 s;
+ * close stops and joins it. */
+Test(c_client_lease, idle_session_outlives_its_ttl) {
+  meshd_client_t *c = connect_ok();
+  meshd_err_t e;
+  int before = threads_named("meshd-keepalive");
+  meshd_session_t *s = meshd_session_open(c, "c-idle", &e);
+  cr_assert_not_null(s, "open: %s: %s", meshd_strerror(e), meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_ttl(s), 2);
+  for (int i = 0; i < 100 && threads_named("meshd-keepalive") == before; i++)
+    sleep_ms(10);
+  cr_assert_eq(threads_named("meshd-keepalive"), before + 1, "no keepalive thread");
+
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2};
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  sleep_ms(7000); /* no call from here for more than three leases */
+  cr_assert_eq(meshd_session_factory(s, m, "full", (int64_t[]){3}, 1, 2.5, &x), MESHD_E_OK,
+               "after 7 idle seconds: %s: %s", meshd_last_error(c)->kind,
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+
+  meshd_session_close(s);
+  cr_assert_eq(threads_named("meshd-keepalive"), before, "the keepalive thread outlived close");
+  meshd_session_info_t *list = NULL;
+  size_t n = 0;
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK);
+  for (size_t i = 0; i < n; i++)
+    cr_assert_str_neq(list[i].client_name, "c-idle", "closed session still listed");
+  meshd_sessions_free(list, n);
+  meshd_close(c);
+
+  char log_path[128], log[1 << 16];
+  snprintf(log_path, sizeof log_path, "%s/meshd.log", dir);
+  cr_assert_gt(slurp(log_path, log, sizeof log), 0);
+  cr_assert(strstr(log, "(c-idle) closed"), "%s", log);
+  cr_assert_null(strstr(log, "(c-idle) expired"), "%s", log);
+}
+
+/* A wedged (SIGSTOPped) agent: Sync and Fetch with a 1 s deadline fail with
+ * MESHD_E_DEADLINE at that deadline, and work again once it runs. */
+Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-deadline", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at1[] = {1};
+  meshd_ref_t m = 0, x = 0, y = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+
+  pid_t pid = agent_pid(1);
+  cr_assert_gt(pid, 0, "no rank-1 agent child of meshd %d", (int)server_pid);
+  stop_agent(pid);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK); /* accepted at once */
+
+  int64_t t0 = now_ms();
+  cr_assert_eq(meshd_session_sync_timeout(s, 1000), MESHD_E_DEADLINE, "%s: %s",
+               meshd_last_error(c)->grpc_code_name, meshd_last_error(c)->message);
+  int64_t took = now_ms() - t0;
+  cr_assert(took >= 900 && took < 3000, "a 1 s deadline took %lld ms", (long long)took);
+  const meshd_error_info_t *info = meshd_last_error(c);
+  cr_assert_eq(info->err, MESHD_E_DEADLINE);
+  cr_assert_eq(info->grpc_code, 4);
+  cr_assert_str_eq(info->grpc_code_name, "DEADLINE_EXCEEDED");
+  cr_assert_str_eq(info->kind, "DEADLINE_EXCEEDED");
+  cr_assert_str_eq(meshd_strerror(MESHD_E_DEADLINE), "the call's deadline passed");
+
+  meshd_values_t v;
+  t0 = now_ms();
+  cr_assert_eq(meshd_session_fetch_timeout(s, y, dims, at1, 1, 1000, &v), MESHD_E_DEADLINE,
+               "%s: %s", meshd_last_error(c)->grpc_code_name, meshd_last_error(c)->message);
+  took = now_ms() - t0;
+  cr_assert(took < 3000, "a 1 s fetch deadline took %lld ms", (long long)took);
+  cr_assert_null(v.values);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "DEADLINE_EXCEEDED");
+
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 4);
+  cr_assert_float_eq(v.values[0], 2.0, 1e-9);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
 }

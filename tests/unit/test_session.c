@@ -215,11 +215,88 @@ Test(session, acquire_of_an_idle_session_expires_it) {
   char id[SESSION_ID_LEN + 1], token[SESSION_TOKEN_LEN + 1];
   strcpy(id, s->id);
   strcpy(token, s->token);
+  session_ref(s); /* keeps s readable once the table let it go */
+  session_release(s);
+  session_release(s); /* CreateSession's call and this one ended: s is idle */
   atomic_store(&s->last_used_ms, rpc_now_ms() - 1500);
   expect_no_session(session_acquire(table, id, token, &err), "expired after 1 s idle");
   cr_assert_eq(atomic_load(&closed_why[SESSION_END_EXPIRED]), 1);
   cr_assert_eq(session_count(table), 0);
+  ASSERT_NO_BAD();
+}
+
+/* ------------------------------------------------------- calls in flight */
+
+/* Issue 12: a session with a call in flight is never idle, however long the
+ * call takes (a Sync waiting on a stopped agent past the ttl); its lease
+ * restarts when the last call ends. */
+Test(session, a_call_in_flight_is_never_idle) {
+  session_t *s = create("busy", 1, 0);
+  hang_objects(s);
+  session_t *call = session_acquire(table, s->id, s->token, &err); /* e.g. a Sync */
+  cr_assert_not_null(call, "%s", err.msg);
+  session_release(s); /* CreateSession's call ended */
+  cr_assert_eq(atomic_load(&s->calls), 1);
+  atomic_store(&s->last_used_ms, rpc_now_ms() - 60000); /* last activity long ago */
+  cr_assert_eq(session_expire(table, rpc_now_ms() + 60000), 0, "expired with a call in flight");
+  cr_assert_eq(session_count(table), 1);
+
+  /* Another call finds it (session_acquire expires idle sessions too), ends,
+   * and the first one is still in flight. */
+  session_t *other = session_acquire(table, call->id, call->token, &err);
+  cr_assert_eq(other, s, "%s", err.msg);
+  session_release(other);
+  atomic_store(&s->last_used_ms, rpc_now_ms() - 60000);
+  cr_assert_eq(session_expire(table, rpc_now_ms()), 0, "expired while a call is still in flight");
+
+  session_info_t *v;
+  size_t n;
+  cr_assert_eq(session_list(table, &v, &n), 0);
+  cr_assert_eq(n, 1);
+  cr_assert_eq(v[0].idle_ms, 0, "a session with a call in flight is not idle");
+  free(v);
+
+  int64_t end = rpc_now_ms();
+  session_release(call); /* the last call ends: the lease starts again now */
+  cr_assert_eq(atomic_load(&s->calls), 0);
+  cr_assert_geq(atomic_load(&s->last_used_ms), end);
+  cr_assert_eq(session_expire(table, end + 500), 0, "the lease restarts at the call's end");
+  cr_assert_eq(session_expire(table, rpc_now_ms() + 1500), 1);
+  cr_assert_eq(atomic_load(&closed_why[SESSION_END_EXPIRED]), 1);
+  cr_assert_eq(atomic_load(&destroyed), 1);
+  ASSERT_NO_BAD();
+}
+
+/* A call that goes on after its handler returned (a pending Sync, a Fetch's
+ * thread) holds a session_ref: that is a call in flight too. */
+Test(session, a_ref_taken_by_a_call_counts_as_in_flight) {
+  session_t *s = create("sync", 1, 0);
+  session_ref(s);     /* the pending Sync */
+  session_release(s); /* its RPC handler returned */
+  atomic_store(&s->last_used_ms, rpc_now_ms() - 60000);
+  cr_assert_eq(session_expire(table, rpc_now_ms()), 0);
+  session_release(s); /* answered */
+  cr_assert_eq(session_expire(table, rpc_now_ms() + 1500), 1);
+  ASSERT_NO_BAD();
+}
+
+/* The table's own thread, over more than twice the ttl. */
+Test(session, the_table_thread_keeps_a_session_with_a_call_in_flight) {
+  session_t *s = create("long call", 1, 0);
+  char id[SESSION_ID_LEN + 1], token[SESSION_TOKEN_LEN + 1];
+  strcpy(id, s->id);
+  strcpy(token, s->token);
+  usleep(2600 * 1000); /* the thread looked 5 times, s idle since 2.6 s > ttl */
+  cr_assert_eq(session_count(table), 1, "the session expired under a call in flight");
+  cr_assert_eq(atomic_load(&closed_calls), 0);
+  session_t *again = session_acquire(table, id, token, &err);
+  cr_assert_eq(again, s, "%s", err.msg);
+  session_release(again);
   session_release(s);
+  int64_t end = rpc_now_ms() + 5000;
+  while (session_count(table) > 0 && rpc_now_ms() < end) usleep(10000);
+  cr_assert_eq(session_count(table), 0, "idle past its ttl after the last call, yet not expired");
+  cr_assert_eq(atomic_load(&closed_why[SESSION_END_EXPIRED]), 1);
   ASSERT_NO_BAD();
 }
 

@@ -8,7 +8,7 @@ KIND_MD = "meshd-error-kind"
 _CODE_KINDS = {
     grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE",
     grpc.StatusCode.UNAUTHENTICATED: "NO_SESSION",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "UNAVAILABLE",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",  # the client's deadline passed
 }
 
 

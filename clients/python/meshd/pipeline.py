@@ -50,8 +50,9 @@ class _Pending:
 
     def wait(self, timeout=None):
         if not self._event.wait(timeout):
-            raise MeshdError("UNAVAILABLE", f"no answer to pipelined command seq {self.seq} "
-                             f"within {timeout} s")
+            raise MeshdError("DEADLINE_EXCEEDED", f"no answer to pipelined command seq "
+                             f"{self.seq} within {timeout} s", grpc.StatusCode.DEADLINE_EXCEEDED,
+                             self.seq)
 
     def result(self, timeout=None):
         """The CommandResult; raises the command's MeshdError if it was rejected."""

@@ -2,13 +2,14 @@
 
 import contextlib
 import threading
+import weakref
 
 import grpc
 
 from . import _active, _proto
 from .errors import MeshdError
 from .mesh import Mesh
-from .pipeline import Pipeline
+from .pipeline import Pipeline, _Pending
 from .tensor import Tensor, _factory as _tensor_factory
 
 _SVC = "/meshd.v1.TensorService/"
@@ -18,6 +19,32 @@ _OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 6
 
 def _ser(m):
     return m.SerializeToString()
+
+
+_KEEPALIVE_DEADLINE = 5.0  # seconds one background KeepAlive may take
+
+
+def _keepalive_period(ttl_seconds):
+    """Seconds between background KeepAlives: a third of the lease, at least 1 s."""
+    return max(1.0, (ttl_seconds or 300) / 3.0)
+
+
+def _keepalive_loop(session_ref, stop, period, call, request, metadata, timeout):
+    """Body of a Session's keepalive thread. It holds the session only weakly, so a
+    session dropped without close() is still collected (its finalizer sets `stop`)."""
+    while not stop.wait(period):
+        s = session_ref()
+        if s is None or s.closed:
+            return
+        del s
+        try:
+            call(request, metadata=metadata, timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return  # the session is gone (closed or expired): nothing left to keep
+            # UNAVAILABLE and the like: the next period tries again
+        except ValueError:
+            return  # the channel was closed under us
 
 
 class Stream:
@@ -66,7 +93,13 @@ class Borrow:
 
 
 class Session:
-    """A meshd session (use as a context manager, or call close())."""
+    """A meshd session (use as a context manager, or call close()).
+
+    While it is open, a daemon thread ("meshd-keepalive") sends KeepAlive every third of
+    the session's ttl (at least every 1 s), so a session that makes no call for longer
+    than its ttl stays alive; close() stops and joins it, and a session garbage-collected
+    without close() stops it too. `timeout` (seconds) is the deadline of every call;
+    sync() and fetch_shard() take their own."""
 
     def __init__(self, addr, client_name="meshd-python", ttl_seconds=0, quota_bytes=0, timeout=60.0):
         self._pb = _proto.tensor_pb2()
@@ -88,23 +121,45 @@ class Session:
             self._ch.close()
             raise
         self.id, self._token = reply.session_id, reply.token
+        self.ttl_seconds = reply.ttl_seconds
         self._md = (("meshd-session", self.id), ("meshd-token", self._token))
         self.default_stream = Stream(self, 0, "main")
         self._streams[0] = self.default_stream
+        self._start_keepalive()
+
+    def _start_keepalive(self):
+        period = _keepalive_period(self.ttl_seconds)
+        pb = self._pb
+        call = self._ch.unary_unary(_SVC + "KeepAlive", request_serializer=_ser,
+                                    response_deserializer=pb.KeepAliveReply.FromString)
+        self._ka_stop = threading.Event()
+        self._ka_thread = threading.Thread(
+            target=_keepalive_loop, name="meshd-keepalive", daemon=True,
+            args=(weakref.ref(self), self._ka_stop, period, call, pb.KeepAliveRequest(), self._md,
+                  min(self.timeout, _KEEPALIVE_DEADLINE)))
+        weakref.finalize(self, self._ka_stop.set)
+        self._ka_thread.start()
+
+    def _stop_keepalive(self):
+        self._ka_stop.set()
+        if self._ka_thread is not threading.current_thread():
+            # At most the KeepAlive in flight; the thread ends right after it in any case.
+            self._ka_thread.join(_KEEPALIVE_DEADLINE + 1.0)
 
     # ------------------------------------------------------------ plumbing
-    def _unary(self, method, request, reply_cls, metadata=None):
+    def _unary(self, method, request, reply_cls, metadata=None, timeout=None):
         fn = self._ch.unary_unary(_SVC + method, request_serializer=_ser,
                                   response_deserializer=reply_cls.FromString)
         try:
             return fn(request, metadata=self._md if metadata is None else metadata,
-                      timeout=self.timeout)
+                      timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise MeshdError.from_rpc(e) from None
 
-    def _execute(self, field, build, claim=0):
+    def _execute(self, field, build, claim=0, timeout=None):
         """Runs one Command under the session lock: `build` gets the claimed ref (claim=1),
-        a list of refs (claim>1) or None, and returns the message for `field`."""
+        a list of refs (claim>1) or None, and returns the message for `field`. `timeout`
+        (seconds, default the session's) is the unary call's deadline."""
         if self.closed:
             raise MeshdError("NO_SESSION", "the session is closed")
         with self._lock:
@@ -122,7 +177,7 @@ class Session:
             getattr(cmd, field).CopyFrom(msg)
             if mine:
                 return pipe.send(cmd)  # a _Pending: its fields block until answered
-            return self._unary("Execute", cmd, self._pb.CommandResult)
+            return self._unary("Execute", cmd, self._pb.CommandResult, timeout=timeout)
 
     def _flush_pipeline(self):
         """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs)."""
@@ -155,6 +210,7 @@ class Session:
     def close(self):
         if self.closed:
             return
+        self._stop_keepalive()
         try:
             self._unary("CloseSession", self._pb.CloseSessionRequest(), self._pb.CloseSessionReply)
         finally:
@@ -216,10 +272,14 @@ class Session:
         self._streams[s.ref] = s
         return s
 
-    def sync(self):
+    def sync(self, timeout=None):
         """Waits for everything issued so far; raises the first run-time error not
-        reported before (a MeshdError; its `.errors` lists all this Sync reported)."""
-        res = self._execute("sync", lambda _: self._pb.Sync())
+        reported before (a MeshdError; its `.errors` lists all this Sync reported).
+        timeout: seconds to wait (default: the session's timeout); past it the Sync
+        raises MeshdError kind DEADLINE_EXCEEDED (the work it waited for goes on)."""
+        res = self._execute("sync", lambda _: self._pb.Sync(), timeout=timeout)
+        if isinstance(res, _Pending):  # pipelined: wait for its answer, as long as unary would
+            res = res.result(self.timeout if timeout is None else timeout)
         if res.errors:
             errors = [MeshdError.from_error(self._pb, e) for e in res.errors]
             errors[0].errors = errors  # every error this Sync reported, the first raised

@@ -475,7 +475,7 @@ def tensor(data, shard=None, dtype=None):
     return Tensor._from_meta(s, reply.tensor)
 
 
-def _fetch(t, coords):
+def _fetch(t, coords, timeout=None):
     s, pb = t.session, t.session._pb
     fn = s._ch.unary_stream(_SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
                             response_deserializer=pb.FetchChunk.FromString)
@@ -483,7 +483,7 @@ def _fetch(t, coords):
                                              for k, v in coords.items()])
     meta, data = None, bytearray()
     try:
-        for c in fn(req, metadata=s._md, timeout=s.timeout):
+        for c in fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout):
             if c.WhichOneof("part") == "meta":
                 meta = c.meta
             else:
@@ -496,8 +496,11 @@ def _fetch(t, coords):
     return np.frombuffer(bytes(data), dtype=_NP[name]).reshape(tuple(meta.shape)).copy()
 
 
-def fetch_shard(t, **coords):
-    """The local tensor at the rank named by coords, as a Future of a numpy.ndarray."""
+def fetch_shard(t, timeout=None, **coords):
+    """The local tensor at the rank named by coords, as a Future of a numpy.ndarray.
+    timeout: seconds the Fetch may take (default: the session's timeout); past it the
+    Future raises MeshdError kind DEADLINE_EXCEEDED. (A mesh dim named "timeout" cannot
+    be given here.)"""
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
     for k, v in coords.items():
@@ -508,13 +511,13 @@ def fetch_shard(t, **coords):
 
     def work():
         try:
-            fut.set_result(_fetch(t, coords))
+            fut.set_result(_fetch(t, coords, timeout))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
     threading.Thread(target=work, daemon=True).start()
     return fut
 
 
-def inspect(t, **coords):
-    """fetch_shard(t, **coords).result()"""
-    return fetch_shard(t, **coords).result()
+def inspect(t, timeout=None, **coords):
+    """fetch_shard(t, timeout, **coords).result()"""
+    return fetch_shard(t, timeout, **coords).result()

@@ -53,16 +53,18 @@ def _serving(port):
         return st == h.HealthCheckResponse.SERVING
 
 
-def start_meshd(agents, listen="127.0.0.1:0", name="meshd"):
-    """Starts meshd with `agents` local agents; returns (address, Popen) once
-    TensorService is SERVING and that many agents are healthy."""
+def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=()):
+    """Starts meshd with `agents` local agents (and more `flags`); returns (address, Popen)
+    once TensorService is SERVING and that many agents are healthy. Its log is
+    log_path(name)."""
     binary = os.path.join(BIN_DIR, "meshd")
     assert os.access(binary, os.X_OK), f"no meshd at {binary}; set MESHD_BIN_DIR"
     port_file = os.path.join(_TMP, f"{name}-{time.monotonic_ns()}.port")
-    log = os.path.join(_TMP, f"{name}.log")
+    log = log_path(name)
     with open(log, "ab") as logf:
         proc = subprocess.Popen([binary, "--listen", listen, "--local-agents", str(agents),
-                                 "--port-file", port_file], stdin=subprocess.DEVNULL,
+                                 "--port-file", port_file] + [str(f) for f in flags],
+                                stdin=subprocess.DEVNULL,
                                 stdout=logf, stderr=subprocess.STDOUT, env=_child_env())
     try:
         deadline = time.monotonic() + 30
@@ -86,6 +88,11 @@ def start_meshd(agents, listen="127.0.0.1:0", name="meshd"):
     except BaseException:
         stop_meshd(proc, signal.SIGKILL)
         raise
+
+
+def log_path(name):
+    """Where start_meshd(name=name) logs."""
+    return os.path.join(_TMP, f"{name}.log")
 
 
 def stop_meshd(proc, sig=signal.SIGTERM):

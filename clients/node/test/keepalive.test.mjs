@@ -1,0 +1,215 @@
+// The Node client's background KeepAlive and deadlines (issue 12, points 4 and 7) against a
+// real `meshd --local-agents 2 --session-ttl 2 --agent-timeout 60`: sessions expire after
+// 2 idle seconds, and a stopped (SIGSTOP) agent wedges its rank without being declared
+// lost. Every test SIGCONTs what it stopped, in a finally.
+//
+// MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readFileSync, readdirSync, existsSync, openSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { connect, keepAlivePeriodMs, MeshdError } from '../meshd.mjs';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
+const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
+const meshdBin = path.join(binDir, 'meshd');
+
+let work;
+let meshd;
+let addr;
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+function logText() {
+  try {
+    return readFileSync(path.join(work, 'meshd.log'), 'utf8');
+  } catch {
+    return '';
+  }
+}
+
+const logTail = () => logText().split('\n').slice(-40).join('\n');
+
+async function readPortFile(file, timeoutMs) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    if (existsSync(file)) {
+      const text = readFileSync(file, 'utf8');
+      if (/^\d+\n$/.test(text)) return Number(text.trim());
+    }
+    if (meshd.exitCode !== null || meshd.signalCode !== null) {
+      throw new Error(`meshd exited (${meshd.exitCode ?? meshd.signalCode}) before writing its port\n${logTail()}`);
+    }
+    if (Date.now() > deadline) throw new Error(`no port in ${file} within ${timeoutMs} ms\n${logTail()}`);
+    await sleep(50);
+  }
+}
+
+// Waits until both agents are healthy (ListAgents through a session-less call).
+async function waitAgents(timeoutMs) {
+  const deadline = Date.now() + timeoutMs;
+  let last;
+  for (;;) {
+    try {
+      const s = await connect(addr, { clientName: 'node-wait', timeoutMs: 2000 });
+      try {
+        const { agents } = await s.unary('ListAgents', {});
+        if (agents.filter((a) => a.healthy).length >= 2) return;
+        last = JSON.stringify(agents);
+      } finally {
+        await s.close();
+      }
+    } catch (e) {
+      last = String(e);
+    }
+    if (Date.now() > deadline) throw new Error(`agents not healthy within ${timeoutMs} ms; last ${last}\n${logTail()}`);
+    await sleep(100);
+  }
+}
+
+// The meshd-agent child of meshd started with --rank rank.
+function agentPid(rank) {
+  for (const task of readdirSync(`/proc/${meshd.pid}/task`)) {
+    let kids = '';
+    try { kids = readFileSync(`/proc/${meshd.pid}/task/${task}/children`, 'utf8'); } catch { continue; }
+    for (const pid of kids.split(/\s+/).filter(Boolean)) {
+      let args = [];
+      try { args = readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0'); } catch { continue; }
+      const i = args.indexOf('--rank');
+      if (args[0].endsWith('meshd-agent') && i >= 0 && args[i + 1] === String(rank)) return Number(pid);
+    }
+  }
+  throw new Error(`no rank-${rank} agent child of meshd ${meshd.pid}`);
+}
+
+async function stopAgent(pid) {
+  process.kill(pid, 'SIGSTOP');
+  const deadline = Date.now() + 10000;
+  while (Date.now() < deadline) {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    if (/^[Tt]/.test(stat.slice(stat.lastIndexOf(')') + 2))) break;
+    await sleep(10);
+  }
+  await sleep(200); // every thread, not just the main one
+}
+
+async function listed(sessionId) {
+  const obs = await connect(addr, { clientName: 'node-observer' });
+  try {
+    const { sessions } = await obs.unary('ListSessions', {});
+    return sessions.some((r) => r.session_id === sessionId);
+  } finally {
+    await obs.close();
+  }
+}
+
+before(async () => {
+  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
+  work = mkdtempSync(path.join(tmpdir(), 'meshd-node-keepalive-'));
+  const env = Object.fromEntries(Object.entries(process.env).filter(
+    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
+  const log = openSync(path.join(work, 'meshd.log'), 'w');
+  const portFile = path.join(work, 'meshd.port');
+  meshd = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
+    '--session-ttl', '2', '--agent-timeout', '60'], { env, stdio: ['ignore', log, log] });
+  addr = `127.0.0.1:${await readPortFile(portFile, 20000)}`;
+  await waitAgents(30000);
+});
+
+after(async () => {
+  // Stops only the meshd this file started (its own agents go with it).
+  if (meshd && meshd.exitCode === null && meshd.signalCode === null) {
+    const exited = new Promise((resolve) => meshd.once('exit', resolve));
+    meshd.kill('SIGTERM');
+    const timer = setTimeout(() => meshd.kill('SIGKILL'), 15000);
+    await exited;
+    clearTimeout(timer);
+  }
+  if (work) rmSync(work, { recursive: true, force: true });
+});
+
+test('the keepalive period is a third of the lease, at least 1 s', () => {
+  assert.equal(keepAlivePeriodMs(2), 1000);
+  assert.equal(keepAlivePeriodMs(300), 100000);
+  assert.equal(keepAlivePeriodMs(0), 100000);
+});
+
+test('an idle session outlives its 2 s lease; close stops the keepalive', async () => {
+  const s = await connect(addr, { clientName: 'node-idle' });
+  // The control: a session whose keepalive is stopped expires in the same 7 s.
+  const bare = await connect(addr, { clientName: 'node-bare' });
+  // An idle connection with no session traffic at all (issue 12, idle clients keep their
+  // connection): a session with the default lease, its keepalive stopped.
+  const quiet = await connect(addr, { clientName: 'node-quiet', ttlSeconds: 300 });
+  let sent = 0;
+  const orig = s.client.KeepAlive.bind(s.client);
+  s.client.KeepAlive = (...a) => { sent += 1; return orig(...a); };
+  try {
+    assert.equal(s.ttlSeconds, 2);
+    bare.stopKeepAlive();
+    quiet.stopKeepAlive();
+    const mesh = await s.createMesh({ gpu: 2 });
+    const meshBare = await bare.createMesh({ gpu: 2 });
+    const meshQuiet = await quiet.createMesh({ gpu: 2 });
+    await sleep(7000); // no call of ours: more than three leases
+    assert.ok(sent >= 3, `only ${sent} KeepAlive(s) in 7 s`);
+    const x = await s.factory({ kind: 'full', mesh: mesh.ref, shape: [3], value: 2 });
+    await s.sync();
+    assert.deepEqual([...await s.fetch(x, { gpu: 1 })], [2, 2, 2]);
+    await assert.rejects(bare.factory({ kind: 'ones', mesh: meshBare.ref, shape: [1] }), (err) => {
+      assert.equal(err.kind, 'NO_SESSION', err.message);
+      return true;
+    });
+    const q = await quiet.factory({ kind: 'ones', mesh: meshQuiet.ref, shape: [2] });
+    assert.deepEqual([...await quiet.fetch(q, { gpu: 0 })], [1, 1]);
+  } finally {
+    bare.closed = true; // expired on the server already
+    bare.client.close();
+    await quiet.close();
+    await s.close();
+  }
+  const after = sent;
+  assert.equal(await listed(s.id), false, 'the closed session is still listed');
+  await sleep(2500);
+  assert.equal(sent, after, 'KeepAlive sent after close');
+  const lines = logText().split('\n').filter((l) => l.includes(s.id));
+  assert.ok(lines.some((l) => l.includes('closed')), lines.join('\n'));
+  assert.ok(!lines.some((l) => l.includes('expired')), lines.join('\n'));
+});
+
+test('sync and fetch with a deadline on a wedged agent throw DEADLINE_EXCEEDED', async () => {
+  const s = await connect(addr, { clientName: 'node-deadline' });
+  const pid = agentPid(1);
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const x = await s.factory({ kind: 'ones', mesh: mesh.ref, shape: [4] });
+    await s.sync();
+    await stopAgent(pid);
+    const y = await s.call('add', [x, 1]); // accepted at once; rank 1 cannot run it
+    let t0 = Date.now();
+    await assert.rejects(s.sync({ timeoutMs: 1000 }), (err) => {
+      assert.ok(err instanceof MeshdError, String(err));
+      assert.equal(err.kind, 'DEADLINE_EXCEEDED', err.message);
+      return true;
+    });
+    let took = Date.now() - t0;
+    assert.ok(took >= 900 && took < 3000, `a 1 s deadline took ${took} ms`);
+    t0 = Date.now();
+    await assert.rejects(s.fetch(y, { gpu: 1 }, { timeoutMs: 1000 }), (err) => {
+      assert.equal(err.kind, 'DEADLINE_EXCEEDED', err.message);
+      return true;
+    });
+    took = Date.now() - t0;
+    assert.ok(took < 3000, `a 1 s fetch deadline took ${took} ms`);
+    process.kill(pid, 'SIGCONT');
+    await s.sync({ timeoutMs: 30000 });
+    assert.deepEqual([...await s.fetch(y, { gpu: 1 })], [2, 2, 2, 2]);
+  } finally {
+    process.kill(pid, 'SIGCONT');
+    await s.close();
+  }
+});
