@@ -269,7 +269,8 @@ void watermark_progress(watermark_t *w, uint32_t rank, uint64_t executed, uint64
       sp->through = sessions[i].through;
       HASH_ADD_STR(r->prog, session, sp);
     }
-    moved |= received != r->received;
+    /* A session leaving the list moves on even when `received` stays. */
+    moved = true;
     r->received = received;
   }
   if (moved) {

@@ -190,3 +190,47 @@ Test(watermark, concurrent) {
     cr_assert_eq(fired_count[i], 1, "wait %d fired %d times", i, fired_count[i]);
   cr_assert_eq(watermark_pending(w), 0);
 }
+
+/* Per-session progress (agents list the sessions still behind what they took). */
+Test(watermark, a_session_is_not_held_by_another_sessions_stalled_seq) {
+  /* Rank 0 took seqs 1..3; session "a" stalls at seq 1, session "b" owns 3. */
+  watermark_session_t behind[] = {{"a", 0}, {"b", 2}};
+  watermark_progress(w, 0, 0, 3, behind, 2);
+  fired_t fa = {0}, fb = {0}, fany = {0};
+  watermark_target_t t[] = {{0, 3}};
+  cr_assert_eq(watermark_wait_session(w, "b", t, 1, on_fire, &fb, NULL, NULL), WATERMARK_PENDING);
+  cr_assert_eq(watermark_wait_session(w, "a", (watermark_target_t[]){{0, 1}}, 1, on_fire, &fa,
+                                      NULL, NULL), WATERMARK_PENDING);
+  cr_assert_eq(watermark_wait(w, t, 1, on_fire, &fany, NULL, NULL), WATERMARK_PENDING);
+  /* "b" leaves the list while `received` stays 3: its wait fires; "a"'s and
+   * the all-sessions wait do not. */
+  watermark_progress(w, 0, 0, 3, behind, 1);
+  cr_assert_eq(fb.calls, 1);
+  cr_assert_eq(fb.result, WATERMARK_REACHED);
+  cr_assert_eq(fa.calls, 0);
+  cr_assert_eq(fany.calls, 0);
+  /* A session not listed has run everything taken: reached at once. */
+  cr_assert_eq(watermark_wait_session(w, "c", t, 1, on_fire, &fb, NULL, NULL), WATERMARK_REACHED);
+  /* "a" catches up: everything ran. */
+  watermark_progress(w, 0, 3, 3, NULL, 0);
+  cr_assert_eq(fa.calls, 1);
+  cr_assert_eq(fany.calls, 1);
+  cr_assert_eq(watermark_pending(w), 0);
+}
+
+Test(watermark, lost_seqs_stay_lost_for_a_session_too) {
+  watermark_session_t behind[] = {{"a", 4}};
+  watermark_progress(w, 1, 2, 6, behind, 1);
+  fired_t f = {0};
+  cr_assert_eq(watermark_wait_session(w, "a", (watermark_target_t[]){{1, 6}}, 1, on_fire, &f, NULL,
+                                      NULL), WATERMARK_PENDING);
+  watermark_lost(w, 1, 2, 6);
+  cr_assert_eq(f.calls, 1);
+  cr_assert_eq(f.result, WATERMARK_LOST);
+  /* The next link reports session "b" caught up through 9: b's old seq 5 was lost. */
+  watermark_progress(w, 1, 9, 9, NULL, 0);
+  uint32_t lost = 99;
+  cr_assert_eq(watermark_wait_session(w, "b", (watermark_target_t[]){{1, 5}}, 1, on_fire, &f, NULL,
+                                      &lost), WATERMARK_LOST);
+  cr_assert_eq(lost, 1);
+}
