@@ -314,6 +314,32 @@ Test(cuda_nccl_mock_gpu, peer_skipping_an_op_times_out_and_aborts_the_communicat
   cr_expect_eq(fake.ids, ids + 1, "a failed communicator must not be reused");
 }
 
+static void *declare_rank1_lost(void *arg) {
+  struct timespec ts = {0, 400 * 1000000L}; /* after round one, within round two */
+  nanosleep(&ts, NULL);
+  cuda_peer_lost(&A[0].b, 10, 1); /* session key 10, as build_then_zero_goes_again's group */
+  return arg;
+}
+
+Test(cuda_nccl_mock_gpu, a_peer_declared_lost_aborts_a_waiting_communicator_at_once) {
+  A[0].st.comm_timeout_ms = 10000; /* only the loss may end agent 0's wait */
+  pthread_t t;
+  cr_assert_eq(pthread_create(&t, NULL, declare_rank1_lost, NULL), 0);
+  res_t r[2];
+  run_agents(2, build_then_zero_goes_again, r);
+  pthread_join(t, NULL);
+  cr_assert_eq(r[1].rc, 0, "%s", r[1].e.msg);
+  cr_assert_eq(r[0].rc, 2, "the first round succeeds, the second fails: %s", r[0].e.msg);
+  cr_expect_eq(r[0].e.kind, ERR_AGENT_LOST, "%s", r[0].e.msg);
+  cr_expect(strstr(r[0].e.msg, "rank 1 was declared lost"), "%s", r[0].e.msg);
+  cr_expect_lt(r[0].secs, 3.0, "waited %.2f s: the loss did not end the wait", r[0].secs);
+  cr_expect_eq(fake.aborts, 1);
+  expect_nothing_left();
+  /* Another session's communicator with the same ranks is not touched. */
+  cuda_peer_lost(&A[0].b, 999, 1);
+  cr_expect_eq(fake.aborts, 1);
+}
+
 Test(cuda_nccl_mock_gpu, nccl_error_mid_op_aborts_both_and_the_next_call_rebuilds) {
   res_t r[2];
   run_agents(2, allreduce_of_two, r);
