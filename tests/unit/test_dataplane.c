@@ -557,3 +557,52 @@ Test(dataplane, unreachable_peer_fails_within_timeout) {
   expect_names(&j, &w, 1, 2000);
   world_stop(&w);
 }
+
+/* PeerLost (issue 12): a member declared lost ends, at once, every call in
+ * progress whose group has its address -- a wait for its connection and a
+ * ring whose bytes stopped moving -- with AGENT_LOST naming it; calls that
+ * start afterwards (a replacement at the same rank) are not affected. */
+Test(dataplane, a_peer_declared_lost_fails_the_calls_waiting_on_it_at_once) {
+  world_t w;
+  world_start(&w, 3, 20000);
+  world_t w2 = w; /* members 0 and 1 only */
+  w2.n = 2;
+  size_t count = 16;
+  /* Member 0 waits for member 2 (which never joins) in a 3-member allreduce,
+   * and, meanwhile, runs nothing else. */
+  job_t j = {.w = &w, .me = 0, .comm = 81, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
+             .op = RED_SUM, .count = count};
+  j.in = calloc(count, 4);
+  pthread_t th;
+  pthread_create(&th, NULL, job_main, &j);
+  usleep(300 * 1000);
+  int64_t t0 = now_ms();
+  dataplane_peer_lost(w.dp[0], w.addrs[2], w.ranks[2], "was lost at 12:00:00.000 UTC");
+  pthread_join(th, NULL);
+  int64_t took = now_ms() - t0;
+  cr_assert_eq(j.rc, -1);
+  cr_assert_eq(j.err.kind, ERR_AGENT_LOST, "%s", j.err.msg);
+  cr_assert(strstr(j.err.msg, "was lost at 12:00:00.000 UTC"), "%s", j.err.msg);
+  cr_assert(took < 1000, "the loss ended the wait after %lld ms", (long long)took);
+  /* A call between 0 and 1 that starts now does not care about member 2. */
+  job_t a = {.w = &w2, .me = 0, .comm = 82, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
+             .op = RED_SUM, .count = count};
+  job_t b = a;
+  b.me = 1;
+  a.in = calloc(count, 4);
+  b.in = calloc(count, 4);
+  pthread_t ta, tb;
+  pthread_create(&ta, NULL, job_main, &a);
+  pthread_create(&tb, NULL, job_main, &b);
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+  cr_assert_eq(a.rc, 0, "%s", a.err.msg);
+  cr_assert_eq(b.rc, 0, "%s", b.err.msg);
+  /* A group with the lost address that starts afterwards is not refused by the
+   * data plane (the agent checks the session's PeerLost first): it waits as usual. */
+  cr_assert_eq(dataplane_generation(w.dp[0]), 1);
+  free(j.in);
+  free(a.in);
+  free(b.in);
+  world_stop(&w);
+}
