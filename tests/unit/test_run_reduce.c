@@ -21,11 +21,23 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static char errors[16][700];
 static uint64_t error_seqs[16];
 static int nerrors;
+/* The last report's per-session progress. */
+static uint64_t last_received;
+static char last_behind[4][64];
+static uint64_t last_behind_through[4];
+static size_t last_nbehind;
 
 static void on_report(const executor_report_t *r, void *arg) {
   Meshd__V1__Error **errs = r->errors;
   size_t n = r->n_errors;
   pthread_mutex_lock(&mu);
+  last_received = r->received_through;
+  last_nbehind = 0;
+  for (size_t i = 0; i < r->n_sessions && i < 4; i++) {
+    snprintf(last_behind[i], sizeof last_behind[i], "%s", r->sessions[i]->session_id);
+    last_behind_through[i] = r->sessions[i]->executed_through;
+    last_nbehind++;
+  }
   for (size_t i = 0; i < n && nerrors < 16; i++) {
     snprintf(errors[nerrors], sizeof errors[0], "%s", errs[i]->message);
     error_seqs[nerrors++] = errs[i]->seq;
@@ -40,7 +52,10 @@ typedef struct {
   _Atomic int64_t rank;
 } agent_t;
 
-static int open_agent(agent_t *a, const char *device) {
+static int open_agent_with(agent_t *a, const char *device, agent_fault_t *fault);
+static int open_agent(agent_t *a, const char *device) { return open_agent_with(a, device, NULL); }
+
+static int open_agent_with(agent_t *a, const char *device, agent_fault_t *fault) {
   memset(a, 0, sizeof *a);
   const backend_ops_t *ops = backend_for_device(device);
   if (!ops) return -1;
@@ -49,7 +64,7 @@ static int open_agent(agent_t *a, const char *device) {
   a->b.capacity = 1 << 26;
   cr_assert_eq(ops->open(&a->b, device, &e), 0, "%s: %s", device, e.msg);
   atomic_store(&a->rank, 0);
-  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank};
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank, .fault = fault};
   a->x = executor_create(&a->env, on_report, NULL);
   cr_assert_not_null(a->x);
   nerrors = 0;
@@ -206,4 +221,63 @@ Test(run_reduce, a_result_spec_the_rule_does_not_give_is_refused) {
     cr_assert(strstr(m, "unknown reduction 'median'"), "%s: %s", devices[d], m);
     close_agent(&a);
   }
+}
+
+/* Progress per session (issue 12): a reduce hung by fault injection holds its
+ * own session only; the reports list that session behind, with its own
+ * watermark, and PeerLost for it ends the hang. */
+Test(run_reduce, a_hung_reduce_holds_only_its_own_session) {
+  agent_fault_t fault;
+  char why[200];
+  cr_assert_eq(agent_fault_parse("reduce:hang,count=1", &fault, why, sizeof why), 0, "%s", why);
+  agent_t a;
+  open_agent_with(&a, "cpu", &fault);
+  int64_t shape[1] = {4};
+  submit_ones(&a, 1, 1, DTYPE_FLOAT32, shape);
+  submit_reduce(&a, 2, "sum", 1, shape, 2, shape, DTYPE_FLOAT32); /* hangs */
+  /* Another session, after it on the same agent. */
+  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
+  f.ref = 1;
+  f.kind = "zeros";
+  f.n_shape = 1;
+  f.shape = shape;
+  f.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  Meshd__Agent__V1__TensorSpec res = spec(1, shape, DTYPE_FLOAT32);
+  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
+  fo.factory = &f;
+  fo.result = &res;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
+  ins.factory = &fo;
+  ins.seq = 3;
+  ins.session_id = "other-session";
+  cr_assert_eq(executor_submit(a.x, &ins), 0);
+  cr_assert_eq(executor_wait_session(a.x, "other-session", 3, 5000), 0,
+               "the other session waited for the hung one");
+  cr_assert_eq(executor_wait(a.x, 2, 200), -1, "the hung reduce ran?");
+  cr_assert_eq(executor_wait_session(a.x, SESSION, 2, 100), -1);
+  /* The reports say so: received through 3, only the hung session behind, at 1. */
+  bool seen = false;
+  for (int i = 0; i < 500 && !seen; i++) {
+    executor_kick(a.x);
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
+    pthread_mutex_lock(&mu);
+    seen = last_received == 3 && last_nbehind == 1 && !strcmp(last_behind[0], SESSION) &&
+           last_behind_through[0] == 1;
+    pthread_mutex_unlock(&mu);
+  }
+  cr_assert(seen, "report: received %llu, %zu behind",
+            (unsigned long long)last_received, last_nbehind);
+  /* PeerLost for the hung session ends its hang; its reduce fails. */
+  Meshd__Agent__V1__PeerLost pl = MESHD__AGENT__V1__PEER_LOST__INIT;
+  pl.rank = 3;
+  pl.reason = "was lost at 12:00:00.000 UTC";
+  instr_t lost = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  lost.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST;
+  lost.peer_lost = &pl;
+  submit(&a, &lost, 4);
+  cr_assert_eq(executor_wait(a.x, 4, 5000), 0, "PeerLost did not end the hang");
+  cr_assert_not_null(wait_error(&a, 4, 2));
+  close_agent(&a);
 }
