@@ -24,6 +24,13 @@
  * Memory case: one agent, no drops; K Call results kept live, Sync; VmRSS of the
  * server before and after, per live tensor.
  *
+ * Where the backlog sits when the measured window closes: in_flight_at_stop
+ * counts commands written and not yet answered (in the client's and server's
+ * transport, not yet read by the server: bounded by the server's
+ * --stream-window-bytes), server_queued_at_stop the session's accepted commands
+ * the agents have not run yet (ListSessions queued_commands: bounded by
+ * --session-max-queued). sync_wait_ms is the final Sync's wait for both.
+ *
  * Prints JSON lines on stdout (the baseline's, then one per case); progress and
  * diagnostics go to stderr. Not a test: run by hand. */
 #include <dirent.h>

@@ -8,8 +8,9 @@ Starts `meshd --local-agents A` (its own free port, --metrics-listen on another)
 then C client processes. Each opens a session, makes a mesh over every agent and
 keeps one Submit stream full for --seconds: Factory (ones [N]), Call add(x, 1.0),
 and every --batch pairs a Drop of them all, so tensors are freed as fast as they
-are made; a reader thread takes the replies. At the end each client sends a Sync
-and reports how long it took.
+are made; the replies are read as they come. At the end each client sends a Sync
+and reports how long it took. With --session-commands a client moves to a new
+session every so many commands (Sync, CloseSession, CreateSession).
 
 Every --every seconds one JSON line on stdout: the server's VmRSS (and the
 agents' together), its meshd_queued_commands and meshd_flow_waiting, and the
@@ -64,16 +65,17 @@ def metric(port, name):
 
 # ---------------------------------------------------------------- one client (a process)
 
-def client_main(idx, port, nagents, seconds, batch, size, counter, out):
+def one_session(idx, port, nagents, stop_at, limit, batch, size, counter, state):
+    """One session's run: a Submit stream until stop_at (or `limit` commands, 0: no
+    limit), then a Sync, then CloseSession. Returns (stream code, Sync ms, Sync errors)."""
     t = lib.tensor_pb2()
     s = lib.Session(port, f"flood-{idx}", timeout=60)
     m = s.mesh(gpu=nagents).ref
-    stop_at = time.monotonic() + seconds
-    state = {"sent": 0, "replies": 0, "errors": 0, "first_error": ""}
+    sent0 = state["sent"]
 
     def commands():
         live = []
-        while time.monotonic() < stop_at:
+        while time.monotonic() < stop_at and not (limit and state["sent"] - sent0 >= limit):
             x, y = s.new_ref(), s.new_ref()
             yield s.command(lib.factory(x, m, "ones", (size,), "float32"))
             yield s.command(lib.call("add", lib.Ref(x), 1.0, results=[y]))
@@ -89,7 +91,7 @@ def client_main(idx, port, nagents, seconds, batch, size, counter, out):
 
     fn = s.ch.stream_stream(_SVC + "Submit", request_serializer=lambda c: c.SerializeToString(),
                             response_deserializer=t.SubmitReply.FromString)
-    call = fn(commands(), metadata=s.metadata, timeout=seconds + 600)
+    call = fn(commands(), metadata=s.metadata, timeout=max(0, stop_at - time.monotonic()) + 600)
     code = "OK"
     try:
         for r in call:
@@ -105,8 +107,7 @@ def client_main(idx, port, nagents, seconds, batch, size, counter, out):
     t0 = time.monotonic()
     try:
         errs = s.run(lib.sync(), timeout=600).errors
-        sync_ms = (time.monotonic() - t0) * 1000
-        sync_errors = len(errs)
+        sync_ms, sync_errors = (time.monotonic() - t0) * 1000, len(errs)
     except Exception as e:
         sync_ms, sync_errors = None, str(e)
     try:
@@ -114,9 +115,27 @@ def client_main(idx, port, nagents, seconds, batch, size, counter, out):
     except Exception:
         pass
     s.shut()
-    out.put({"client": idx, "sent": state["sent"], "replies": state["replies"],
-             "errors": state["errors"], "first_error": state["first_error"], "stream": code,
-             "final_sync_ms": sync_ms, "sync_errors": sync_errors})
+    return code, sync_ms, sync_errors
+
+
+def client_main(idx, port, nagents, seconds, session_commands, batch, size, counter, out):
+    stop_at = time.monotonic() + seconds
+    state = {"sent": 0, "replies": 0, "errors": 0, "first_error": ""}
+    sessions, codes, syncs, sync_errors = 0, set(), [], 0
+    while time.monotonic() < stop_at:
+        code, ms, errs = one_session(idx, port, nagents, stop_at, session_commands, batch, size,
+                                     counter, state)
+        sessions += 1
+        codes.add(code)
+        if ms is not None:
+            syncs.append(ms)
+        if errs:
+            sync_errors += 1
+    out.put({"client": idx, "sessions": sessions, "sent": state["sent"],
+             "replies": state["replies"], "errors": state["errors"],
+             "first_error": state["first_error"], "stream": ",".join(sorted(codes)),
+             "final_sync_ms": syncs[-1] if syncs else None,
+             "sync_ms_max": max(syncs) if syncs else None, "sync_errors": sync_errors})
 
 
 # ---------------------------------------------------------------- main
@@ -133,6 +152,10 @@ def main():
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--batch", type=int, default=64, help="(x, y) pairs per Drop")
+    ap.add_argument("--session-commands", type=int, default=0,
+                    help="a client closes its session and opens a new one after this many "
+                         "commands (0: one session for the whole run). A session keeps a "
+                         "tombstone per dropped ref, so its server memory grows with its age")
     ap.add_argument("--size", type=int, default=16384,
                     help="float32 elements per tensor (16384: the agents, not the clients, set the pace)")
     a = ap.parse_args(argv)
@@ -158,7 +181,8 @@ def main():
         counter = ctx.Value("q", 0)
         out = ctx.Queue()
         procs = [ctx.Process(target=client_main,
-                            args=(i, port, a.agents, a.seconds, a.batch, a.size, counter, out))
+                            args=(i, port, a.agents, a.seconds, a.session_commands, a.batch,
+                                  a.size, counter, out))
                  for i in range(a.clients)]
         t0 = time.monotonic()
         for p in procs:
@@ -203,6 +227,9 @@ def main():
             "errors": sum(c["errors"] for c in clients),
             "commands_per_s": round(sum(c["replies"] for c in clients) / a.seconds, 1),
             "final_sync_ms_max": max(syncs) if syncs else None,
+            "sync_ms_max": max((c["sync_ms_max"] for c in clients if c["sync_ms_max"] is not None),
+                               default=None),
+            "sessions": sum(c["sessions"] for c in clients),
             "clients_ok": sum(1 for c in clients if c["stream"] == "OK" and c["sync_errors"] == 0),
         }), flush=True)
     finally:
