@@ -96,6 +96,8 @@ agent_link_msg_t *agent_link_pack(const Meshd__Agent__V1__Instruction *ins) {
 
 void agent_link_msg_free(agent_link_msg_t *m) { free(m); }
 
+size_t agent_link_msg_len(const agent_link_msg_t *m) { return m->len; }
+
 agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m) {
   if (!m) return NULL;
   size_t size = sizeof *m + SEQ_ROOM + m->len;

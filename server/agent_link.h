@@ -88,6 +88,8 @@ typedef struct agent_link_msg agent_link_msg_t;
 agent_link_msg_t *agent_link_pack(const Meshd__Agent__V1__Instruction *ins);
 uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m);
 void agent_link_msg_free(agent_link_msg_t *m);
+/* Packed bytes of an instruction not yet pushed (what it costs queued). */
+size_t agent_link_msg_len(const agent_link_msg_t *m);
 /* A copy of a packed instruction not yet pushed (one memcpy: sending the same
  * instruction to many ranks packs it once). NULL when out of memory. */
 agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m);

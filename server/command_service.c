@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "emit.h"
+#include "flow.h"
 #include "log.h"
 #include "metrics.h"
 #include "session_service.h"
@@ -29,19 +30,58 @@ typedef struct submit_state {
   pthread_mutex_t mu;
   int pending;       /* Syncs not answered yet */
   bool half_closed;
+  uint64_t flow_wait; /* the stream's last flow_wait (its reads are paused until it fires) */
 } submit_state_t;
 
 struct command_service {
   frontend_t fe;
   session_table_t *sessions;
+  flow_t *flow;
   metrics_registry_t *metrics; /* NULL: not counted */
 };
+
+static double queued_commands_gauge(void *arg) {
+  flow_stats_t st;
+  flow_stats(arg, NULL, &st);
+  return (double)st.queued_commands;
+}
+
+static double queued_bytes_gauge(void *arg) {
+  flow_stats_t st;
+  flow_stats(arg, NULL, &st);
+  return (double)st.queued_bytes;
+}
+
+static double flow_waiting_gauge(void *arg) {
+  flow_stats_t st;
+  flow_stats(arg, NULL, &st);
+  return (double)st.waits;
+}
+
+static double flow_waits_counter(void *arg) {
+  flow_stats_t st;
+  flow_stats(arg, NULL, &st);
+  return (double)st.waits_total;
+}
 
 void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m) {
   cs->metrics = m;
   metrics_define(m, "meshd_commands_total", METRIC_COUNTER, "Commands run, by kind and status (ok or the error kind).");
   metrics_define_histogram(m, "meshd_command_duration_seconds", "Time to run and answer a command, by kind.",
                            metrics_duration_buckets, metrics_duration_nbuckets);
+  metrics_define(m, "meshd_queued_commands", METRIC_GAUGE,
+                 "Commands accepted and not yet known to have run on the agents, all sessions "
+                 "(counted at flow control checkpoints).");
+  metrics_set_fn(m, "meshd_queued_commands", NULL, queued_commands_gauge, cs->flow);
+  metrics_define(m, "meshd_queued_instruction_bytes", METRIC_GAUGE,
+                 "Packed instruction bytes of those commands, over all their ranks.");
+  metrics_set_fn(m, "meshd_queued_instruction_bytes", NULL, queued_bytes_gauge, cs->flow);
+  metrics_define(m, "meshd_flow_waiting", METRIC_GAUGE,
+                 "Calls waiting for room now: Submit streams not reading, Execute answers held.");
+  metrics_set_fn(m, "meshd_flow_waiting", NULL, flow_waiting_gauge, cs->flow);
+  metrics_define(m, "meshd_flow_waits_total", METRIC_COUNTER,
+                 "Times a call had to wait for room (a session or the server over its bound).");
+  metrics_set_fn(m, "meshd_flow_waits_total", NULL, flow_waits_counter, cs->flow);
 }
 
 static double now_seconds(void) {
@@ -52,9 +92,13 @@ static double now_seconds(void) {
 
 static void destroy_objects(void *p) { objects_destroy(p); }
 
-static objects_t *session_objects(session_t *s) {
+/* The session's objects and flow window, made on first use. Under s->mu. */
+static objects_t *session_objects(command_service_t *cs, session_t *s) {
   if (!s->objects) session_set_objects(s, objects_create(), destroy_objects);
-  return s->objects;
+  objects_t *o = s->objects;
+  /* Without a window (out of memory) the session runs unbounded. */
+  if (o && !o->flow) o->flow = flow_window_open(cs->flow, &s->queued_commands);
+  return o;
 }
 
 /* ------------------------------------------------------------------ answers */
@@ -306,18 +350,109 @@ static void wait_sync(command_service_t *cs, pending_sync_t *p) {
   if (r != WATERMARK_PENDING) sync_fired(r, lost, p);
 }
 
+/* ------------------------------------------------------------------ flow control */
+
+/* A checkpoint taken under s->mu (flow.h): the session's latest seq on every
+ * rank it touched, waited for after the lock is released. */
+typedef struct checkpoint {
+  flow_checkpoint_t *cp;
+  watermark_target_t *targets;
+  size_t n;
+} checkpoint_t;
+
+static void take_checkpoint(objects_t *o, checkpoint_t *ck) {
+  ck->cp = flow_checkpoint(o->flow);
+  if (!ck->cp) return;
+  ck->targets = malloc(sizeof *ck->targets * (o->ntouched ? o->ntouched : 1));
+  ck->n = 0;
+  for (size_t r = 0; ck->targets && r < o->ntouched; r++)
+    if (o->touched[r] && o->last_seq[r])
+      ck->targets[ck->n++] = (watermark_target_t){(uint32_t)r, o->last_seq[r]};
+}
+
+static void checkpoint_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
+  (void)result; /* reached, lost or cancelled: either way that work waits no more */
+  (void)lost_rank;
+  flow_checkpoint_done(arg);
+}
+
+/* Registers the wait (after s->mu: the watermark may answer at once). */
+static void wait_checkpoint(command_service_t *cs, session_t *s, checkpoint_t *ck) {
+  if (!ck->cp) return;
+  watermark_result_t r = WATERMARK_REACHED;
+  /* Out of memory for the targets: release now rather than wait for nothing. */
+  while (ck->targets && ck->n) {
+    uint32_t lost = 0;
+    r = watermark_wait_session(agent_pool_watermark(cs->fe.pool), s->id, ck->targets, ck->n,
+                               checkpoint_fired, ck->cp, NULL, &lost);
+    if (r != WATERMARK_LOST) break;
+    /* A rank lost with this session's work: that work never runs, the rest
+     * still counts. Without it the session's later checkpoints would all be
+     * LOST at once and bound nothing. */
+    size_t k = 0;
+    for (size_t i = 0; i < ck->n; i++)
+      if (ck->targets[i].rank != lost) ck->targets[k++] = ck->targets[i];
+    if (k == ck->n) break;
+    ck->n = k;
+    r = WATERMARK_REACHED;
+  }
+  free(ck->targets);
+  if (r != WATERMARK_PENDING) flow_checkpoint_done(ck->cp);
+}
+
+static void resume_reads(void *arg) {
+  rpc_call_resume_reads(arg);
+  rpc_call_unref(arg);
+}
+
+static void release_sends(void *arg) {
+  rpc_call_release_sends(arg);
+  rpc_call_unref(arg);
+}
+
+/* The session is over its bound (or the server over its own): a Submit stream
+ * reads no more commands, an Execute's answer waits, until checkpoints make
+ * room. Under s->mu (the window stays open while it is held). */
+static void hold_call(objects_t *o, rpc_call_t *call, submit_state_t *stream) {
+  if (stream) rpc_call_pause_reads(call);
+  else rpc_call_hold_sends(call);
+  rpc_call_ref(call); /* the wait's */
+  uint64_t id = flow_wait(o->flow, stream ? resume_reads : release_sends, call);
+  if (!id) { /* room already */
+    if (stream) resume_reads(call);
+    else release_sends(call);
+  } else if (stream) {
+    stream->flow_wait = id;
+  }
+}
+
 /* ------------------------------------------------------------------ one command */
 
 static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool submit,
                     const Meshd__V1__Command *cmd, submit_state_t *stream) {
   cmd_out_t out;
   meshd_error_t e;
+  checkpoint_t ck = {0};
   double t0 = cs->metrics ? now_seconds() : 0;
   cmd_out_init(&out, cmd->seq);
   pthread_mutex_lock(&s->mu);
-  objects_t *o = session_objects(s);
-  int rc = o ? command_run(&cs->fe, s, o, cmd, &out, &e)
-             : error_set(&e, ERR_QUOTA, "%s: out of memory on the server", command_name(cmd));
+  objects_t *o = NULL;
+  int rc;
+  if (atomic_load(&s->closed))
+    /* A Submit stream outlives CloseSession: what it sends later is refused. */
+    rc = error_set(&e, ERR_NO_SESSION, "%s: session %.8s was closed; it runs no more commands",
+                   command_name(cmd), s->id);
+  else if (!(o = session_objects(cs, s)))
+    rc = error_set(&e, ERR_QUOTA, "%s: out of memory on the server", command_name(cmd));
+  else {
+    uint64_t sent0 = o->sent_bytes;
+    rc = command_run(&cs->fe, s, o, cmd, &out, &e);
+    unsigned fl = rc == 0 && o->flow ? flow_accept(o->flow, o->sent_bytes - sent0) : 0;
+    /* A Sync checkpoints too: after it nothing of the session counts as queued. */
+    if ((fl & FLOW_CHECKPOINT) || (rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC))
+      take_checkpoint(o, &ck);
+    if (fl & FLOW_OVER) hold_call(o, call, stream);
+  }
   bool sync = rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC;
   if (o) {
     s->bytes_held = o->bytes;
@@ -333,6 +468,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     pending = start_sync(cs, s, o, call, submit, cmd->seq, stream);
   }
   pthread_mutex_unlock(&s->mu);
+  wait_checkpoint(cs, s, &ck);
   if (pending) wait_sync(cs, pending);
   /* Counted before the answer: a client that scrapes after its reply sees it. */
   if (cs->metrics) {
@@ -394,6 +530,8 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
 static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
   submit_state_t *st = rpc_call_data(call);
   if (!st) return;
+  /* Paused when it ended: the wait goes, and with it its ref on the call. */
+  if (flow_cancel(st->cs->flow, st->flow_wait)) rpc_call_unref(call);
   session_release(st->session);
   pthread_mutex_destroy(&st->mu);
   free(st);
@@ -403,17 +541,31 @@ static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
 
 void command_service_session_closed(command_service_t *cs, session_t *s) {
   pthread_mutex_lock(&s->mu);
-  if (s->objects) emit_end_session(&cs->fe, s, s->objects);
+  objects_t *o = s->objects;
+  if (o) {
+    /* Its queue empties and its paused calls go on (to be refused NO_SESSION). */
+    flow_window_close(o->flow);
+    o->flow = NULL;
+    emit_end_session(&cs->fe, s, o);
+  }
   pthread_mutex_unlock(&s->mu);
 }
 
-command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions) {
+command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions,
+                                          const flow_limits_t *limits) {
   command_service_t *cs = calloc(1, sizeof *cs);
   if (!cs) return NULL;
   cs->fe.pool = pool;
   cs->sessions = sessions;
+  cs->flow = flow_create(limits ? limits : &(flow_limits_t){0});
+  if (!cs->flow) {
+    free(cs);
+    return NULL;
+  }
   return cs;
 }
+
+flow_t *command_service_flow(command_service_t *cs) { return cs->flow; }
 
 static const rpc_method_t methods[] = {
     {
@@ -437,4 +589,8 @@ const rpc_method_t *command_service_methods(size_t *n) {
   return methods;
 }
 
-void command_service_destroy(command_service_t *cs) { free(cs); }
+void command_service_destroy(command_service_t *cs) {
+  if (!cs) return;
+  flow_destroy(cs->flow);
+  free(cs);
+}

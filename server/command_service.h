@@ -4,17 +4,31 @@
  * Rejections: Execute ends with the kind's gRPC status, the message in the
  * details and the kind in the `meshd-error-kind` trailer; Submit answers with a
  * CommandResult carrying an Error and keeps the stream open. Sync is answered
- * once every agent the session touched has run everything issued before it. */
+ * once every agent the session touched has run everything issued before it.
+ *
+ * Flow control (flow.h): when a session holds too much accepted work the
+ * agents have not run yet (or all sessions together do), the command that
+ * passed the bound is accepted and answered, then a Submit stream reads no
+ * further command, and an Execute's answer is held, until checkpoints show
+ * that the agents caught up. A session's close, an agent's loss and the
+ * server's shutdown all end such waits. Nothing blocks a completion-queue
+ * thread. A command on a session closed while its Submit stream stays open
+ * is refused with NO_SESSION. */
 #ifndef MESHD_COMMAND_SERVICE_H
 #define MESHD_COMMAND_SERVICE_H
 
 #include "commands.h"
+#include "flow.h"
 #include "rpc.h"
 #include "session.h"
 
 typedef struct command_service command_service_t;
 
-command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions);
+/* limits: the flow control bounds (flow.h; NULL: none). NULL on OOM. */
+command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions,
+                                          const flow_limits_t *limits);
+/* The service's flow control (owned by it), for stats. */
+flow_t *command_service_flow(command_service_t *cs);
 /* The rows (Execute, Submit; static storage), *n their count. Register them
  * with the command_service_t * as arg; the service must outlive the server. */
 const rpc_method_t *command_service_methods(size_t *n);
@@ -34,7 +48,9 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *lo
 /* Frees the service. Pending Syncs are failed by the pool's watermark when the
  * pool is destroyed. */
 /* Counts commands into `m` (meshd_commands_total{kind,status},
- * meshd_command_duration_seconds{kind}); defines those families. Call before serving. */
+ * meshd_command_duration_seconds{kind}) and shows flow control
+ * (meshd_queued_commands, meshd_queued_instruction_bytes, meshd_flow_waiting,
+ * meshd_flow_waits_total); defines those families. Call before serving. */
 typedef struct metrics_registry metrics_registry_t;
 void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m);
 void command_service_destroy(command_service_t *cs);

@@ -29,13 +29,25 @@ static void init_instr(instr_t *ins, session_t *s, uint64_t stream) {
   ins->stream = stream;
 }
 
-static void send_to(frontend_t *fe, objects_t *o, uint32_t rank, instr_t *ins) {
+/* Queues a packed instruction (owned; NULL: it did not pack) on rank's link and
+ * records it in the session: its seq, and its bytes for flow control. Returns
+ * the seq, 0 if it was not sent. */
+static uint64_t push(frontend_t *fe, objects_t *o, uint32_t rank, agent_link_msg_t *m) {
+  size_t len = m ? agent_link_msg_len(m) : 0;
   uint64_t seq = 0;
   objects_touch(o, rank);
-  if (agent_pool_send(fe->pool, rank, ins, &seq) == 0) objects_sent(o, rank, seq);
-  else
-    log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent is "
-             "gone; its tensors will report AGENT_LOST)", rank, ins->session_id);
+  if (agent_pool_send_msg(fe->pool, rank, m, &seq) != 0) return 0;
+  objects_sent(o, rank, seq, len);
+  return seq;
+}
+
+static void warn_dropped(uint32_t rank, const char *session) {
+  log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent is "
+           "gone; its tensors will report AGENT_LOST)", rank, session);
+}
+
+static void send_to(frontend_t *fe, objects_t *o, uint32_t rank, instr_t *ins) {
+  if (!push(fe, o, rank, agent_link_pack(ins))) warn_dropped(rank, ins->session_id);
 }
 
 /* The mesh's world ranks (malloc'd, row-major); NULL on OOM. */
@@ -52,13 +64,8 @@ static void send_to_mesh(frontend_t *fe, objects_t *o, const mesh_t *mesh, instr
   uint32_t *ranks = ranks_of(mesh, &n);
   agent_link_msg_t *packed = agent_link_pack(ins);
   for (size_t i = 0; ranks && i < n; i++) {
-    objects_touch(o, ranks[i]);
     agent_link_msg_t *m = packed ? agent_link_msg_clone(packed) : NULL;
-    uint64_t seq = 0;
-    if (m && agent_pool_send_msg(fe->pool, ranks[i], m, &seq) == 0) objects_sent(o, ranks[i], seq);
-    else
-      log_warn("emit", "no live link to rank %u: instruction for session %s dropped (the agent "
-               "is gone; its tensors will report AGENT_LOST)", ranks[i], ins->session_id);
+    if (!push(fe, o, ranks[i], m)) warn_dropped(ranks[i], ins->session_id);
   }
   agent_link_msg_free(packed);
   free(ranks);
@@ -290,9 +297,8 @@ size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, 
   size_t k = 0;
   for (size_t r = 0; r < o->ntouched && k < cap; r++) {
     if (!o->touched[r]) continue;
-    uint64_t seq = 0;
-    if (agent_pool_send(fe->pool, (uint32_t)r, &ins, &seq) != 0) continue;
-    objects_sent(o, (uint32_t)r, seq);
+    uint64_t seq = push(fe, o, (uint32_t)r, agent_link_pack(&ins));
+    if (!seq) continue;
     ranks[k] = (uint32_t)r;
     seqs[k++] = seq;
   }
@@ -320,8 +326,7 @@ void emit_peer_lost(frontend_t *fe, session_t *s, objects_t *o, uint32_t lost_ra
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST;
   ins.peer_lost = &pl;
   for (size_t r = 0; r < o->ntouched; r++) {
-    uint64_t seq = 0;
     if (r == lost_rank || !o->touched[r]) continue;
-    if (agent_pool_send(fe->pool, (uint32_t)r, &ins, &seq) == 0) objects_sent(o, (uint32_t)r, seq);
+    push(fe, o, (uint32_t)r, agent_link_pack(&ins));
   }
 }

@@ -27,9 +27,10 @@
 typedef struct options {
   const char *listen, *port_file, *agent_binary, *log_level, *metrics_listen, *metrics_port_file;
   const char *local_agent_device;
-  int64_t local_agents, min_agents, threads, session_ttl;
+  int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   double drain_seconds, agent_timeout;
-  uint64_t max_message_bytes, session_quota_bytes;
+  uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
+  uint64_t stream_window_bytes;
 } options_t;
 
 static options_t opt;
@@ -46,11 +47,24 @@ static const config_flag_t flags[] = {
     {"drain-seconds", CONFIG_DOUBLE, "10", "on SIGTERM, how long running calls may finish", &opt.drain_seconds, 0, 3600},
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction", &opt.max_message_bytes, 0, 0},
+    {"stream-window-bytes", CONFIG_BYTES, "64KiB",
+     "bytes a client may send on a stream ahead of the server's reads (0: gRPC's adaptive window)",
+     &opt.stream_window_bytes, 0, 0},
     {"agent-timeout", CONFIG_DOUBLE, "3",
      "an agent that answers no keepalive ping for this many seconds is lost", &opt.agent_timeout, 1, 3600},
     {"session-ttl", CONFIG_INT, "300", "session lease in seconds", &opt.session_ttl, 1, 86400 * 7},
     {"session-quota-bytes", CONFIG_BYTES, "0", "default per-session byte quota (0: unlimited)",
      &opt.session_quota_bytes, 0, 0},
+    {"session-max-queued", CONFIG_INT, "1024",
+     "flow control: commands a session may have accepted and not yet run on the agents before "
+     "its Submit stream stops reading (0: no bound)", &opt.session_max_queued, 0, 1LL << 40},
+    {"session-max-queued-bytes", CONFIG_BYTES, "64MiB",
+     "flow control: the same bound on those commands' instruction bytes, over all their ranks (0: none)",
+     &opt.session_max_queued_bytes, 0, 0},
+    {"max-queued", CONFIG_INT, "8192",
+     "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
+    {"max-queued-bytes", CONFIG_BYTES, "256MiB",
+     "flow control: the bound on instruction bytes over all sessions (0: none)", &opt.max_queued_bytes, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
      &opt.metrics_listen, 0, 0},
@@ -138,6 +152,11 @@ int main(int argc, char **argv) {
              "cuda:emulated", opt.local_agent_device);
     return usage_error("meshd", err);
   }
+  if (opt.stream_window_bytes > INT_MAX) {
+    snprintf(err, sizeof err, "--stream-window-bytes: %llu is out of range [0, 2GiB)",
+             (unsigned long long)opt.stream_window_bytes);
+    return usage_error("meshd", err);
+  }
   if (opt.max_message_bytes < 1024 || opt.max_message_bytes > INT_MAX) {
     snprintf(err, sizeof err, "--max-message-bytes: %llu is out of range [1KiB, 2GiB)",
              (unsigned long long)opt.max_message_bytes);
@@ -159,14 +178,19 @@ int main(int argc, char **argv) {
   registry_t *registry = registry_create(pool, server_id, 3000, (int)(opt.agent_timeout * 1000));
   session_table_t *sessions =
       session_table_create((uint64_t)opt.session_ttl, opt.session_quota_bytes, session_closed, &state);
-  state.commands = sessions ? command_service_create(pool, sessions) : NULL;
+  flow_limits_t limits = {.session_commands = (uint64_t)opt.session_max_queued,
+                          .session_bytes = opt.session_max_queued_bytes,
+                          .total_commands = (uint64_t)opt.max_queued,
+                          .total_bytes = opt.max_queued_bytes};
+  state.commands = sessions ? command_service_create(pool, sessions, &limits) : NULL;
   data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel
    * (--agent-timeout), not by pinging their registration call. */
   rpc_server_opts_t so = {.listen = opt.listen,
                           .threads = (int)opt.threads,
-                          .max_message_bytes = (int)opt.max_message_bytes};
+                          .max_message_bytes = (int)opt.max_message_bytes,
+                          .stream_window_bytes = (int)opt.stream_window_bytes};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);

@@ -61,7 +61,8 @@ bool objects_touch(objects_t *o, uint32_t rank) {
   return true;
 }
 
-void objects_sent(objects_t *o, uint32_t rank, uint64_t seq) {
+void objects_sent(objects_t *o, uint32_t rank, uint64_t seq, uint64_t bytes) {
+  o->sent_bytes += bytes;
   if (objects_touch(o, rank) && seq > o->last_seq[rank]) o->last_seq[rank] = seq;
 }
 

@@ -98,6 +98,8 @@ typedef struct objects {
   uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
   uint64_t *last_seq;      /* last_seq[rank]: the seq of its latest one (0: none) */
   size_t ntouched;
+  uint64_t sent_bytes;     /* packed bytes of every instruction sent, ever */
+  struct flow_window *flow; /* the command service's (flow.h): it opens and closes it */
 } objects_t;
 
 /* Queues a run-time root failure for the session's next Sync (at most 256 are
@@ -105,8 +107,8 @@ typedef struct objects {
 void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint64_t seq);
 /* Records that `rank` holds state of this session. Returns false on OOM. */
 bool objects_touch(objects_t *o, uint32_t rank);
-/* The rank got instruction `seq` of this session (touches it). */
-void objects_sent(objects_t *o, uint32_t rank, uint64_t seq);
+/* The rank got instruction `seq` of this session, `bytes` long (touches it). */
+void objects_sent(objects_t *o, uint32_t rank, uint64_t seq, uint64_t bytes);
 /* The seq of the session's latest instruction to rank; 0: none. */
 uint64_t objects_last_seq(const objects_t *o, uint32_t rank);
 

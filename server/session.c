@@ -391,6 +391,7 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n) {
     memcpy(v[i].client_name, s->client_name, sizeof v[i].client_name);
     v[i].bytes_held = atomic_load(&s->bytes_held);
     v[i].live_tensors = atomic_load(&s->live_tensors);
+    v[i].queued_commands = atomic_load(&s->queued_commands);
     int64_t idle = now - atomic_load(&s->last_used_ms);
     v[i].idle_ms = idle > 0 && atomic_load(&s->calls) == 0 ? (uint64_t)idle : 0;
     v[i].ttl_s = s->ttl_s;

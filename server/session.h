@@ -59,6 +59,7 @@ typedef struct session {
   /* Counters the command handlers keep; read by ListSessions. */
   _Atomic uint64_t bytes_held; /* see session_charge / session_credit */
   _Atomic uint64_t live_tensors;
+  _Atomic uint64_t queued_commands; /* accepted, not yet known to have run (flow.h) */
 
   /* The command layer's lock for `objects` and whatever else it keeps per session. */
   pthread_mutex_t mu;
@@ -138,6 +139,7 @@ typedef struct session_info {
   char client_name[SESSION_CLIENT_NAME_MAX + 1];
   uint64_t bytes_held;
   uint64_t live_tensors;
+  uint64_t queued_commands;
   uint64_t idle_ms; /* 0 while a call is in flight */
   uint64_t ttl_s;
 } session_info_t;

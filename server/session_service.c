@@ -128,6 +128,7 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
     row.bytes_held = v[i].bytes_held;
     row.live_tensors = v[i].live_tensors;
     row.idle_ms = v[i].idle_ms;
+    row.queued_commands = v[i].queued_commands;
     rows[i] = row;
     ptrs[i] = &rows[i];
   }

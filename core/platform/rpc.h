@@ -84,6 +84,14 @@ typedef struct rpc_server_opts {
    * to every RPC_SERVER_MIN_PING_MS and are never sent GOAWAY for pinging. */
   int keepalive_ms;            /* <= 0: 30000 */
   int keepalive_timeout_ms;    /* <= 0: 20000 */
+  /* HTTP/2 receive window per stream: how many bytes a client may send ahead
+   * of the handler's reads. <= 0: gRPC's adaptive window (BDP probing), which
+   * grows to megabytes on a busy stream, so a fast client can park tens of
+   * thousands of small messages in the server before a paused read
+   * (rpc_call_pause_reads) slows it. > 0: fixed at this size (BDP probing off);
+   * a larger message still goes through while a read waits for it (the window
+   * is given back as it arrives), at up to a window per round trip. */
+  int stream_window_bytes;
   /* TLS plugs in here: when both are set the port uses SSL credentials. */
   const char *tls_cert_file;
   const char *tls_key_file;
@@ -126,6 +134,24 @@ void rpc_call_reply(rpc_call_t *call, const ProtobufCMessage *msg);
 /* Messages queued and not yet sent: a handler producing many messages pauses
  * when this grows. Reads are not re-armed while it is above 64 (backpressure). */
 size_t rpc_call_pending(rpc_call_t *call);
+/* Flow control by the handler. Pauses nest: each pause needs one resume, from
+ * any thread (a callback of the call, or another thread that holds a ref).
+ *
+ * rpc_call_pause_reads: no further request message is read until the last
+ * resume; a read already in flight still delivers its message (a pause taken
+ * inside on_message takes effect at once: the next read is armed only after
+ * on_message returns). The client's writes back up through gRPC's flow control
+ * once its window is full. Resuming re-arms the read. Streaming requests only.
+ *
+ * rpc_call_hold_sends: queued messages and the status wait until the last
+ * release (a unary handler may answer now and let the answer go later).
+ *
+ * A call that ends (cancelled, deadline) while paused or held ends as usual:
+ * on_end runs and what was held is dropped; a late resume/release is harmless. */
+void rpc_call_pause_reads(rpc_call_t *call);
+void rpc_call_resume_reads(rpc_call_t *call);
+void rpc_call_hold_sends(rpc_call_t *call);
+void rpc_call_release_sends(rpc_call_t *call);
 /* True once on_end has run or is about to. */
 bool rpc_call_ended(rpc_call_t *call);
 /* Request metadata value for key into buf (NUL-terminated, truncated to len-1).

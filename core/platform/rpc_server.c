@@ -60,6 +60,8 @@ struct rpc_call {
   bool started;        /* on_start ran: only then does on_end run */
   bool sent_initial_md;
   bool reading, read_paused, writing;
+  int read_pauses; /* rpc_call_pause_reads minus rpc_call_resume_reads */
+  int send_holds;  /* rpc_call_hold_sends minus rpc_call_release_sends */
   bool status_queued, status_started;
   bool closed;          /* CLOSE event seen */
   bool end_done;        /* on_end ran (or is running) */
@@ -168,7 +170,7 @@ static size_t add_initial_md(rpc_call_t *c, grpc_op *op) {
 /* Sends what can be sent: the next queued message, then the status. When the
  * status is queued and one message is left, both go in one batch (unary). */
 static void pump_locked(rpc_call_t *c) {
-  if (c->writing || c->status_started || c->closed) return;
+  if (c->writing || c->status_started || c->closed || c->send_holds > 0) return;
   grpc_op ops[4];
   size_t n = 0;
   if (c->out_head) {
@@ -198,7 +200,7 @@ static void pump_locked(rpc_call_t *c) {
 
 static void start_reading_locked(rpc_call_t *c) {
   if (c->reading || c->closed || c->status_queued) return;
-  if (c->out_len > OUTBOX_HIGH) {
+  if (c->out_len > OUTBOX_HIGH || c->read_pauses > 0) {
     c->read_paused = true;
     return;
   }
@@ -277,6 +279,33 @@ size_t rpc_call_pending(rpc_call_t *c) {
   size_t n = c->out_len;
   pthread_mutex_unlock(&c->mu);
   return n;
+}
+
+/* read_paused is set only by start_reading_locked, which runs when no read is
+ * in flight and no on_message is pending, so re-arming here never makes two
+ * callbacks of the call run at once. */
+void rpc_call_pause_reads(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  c->read_pauses++;
+  pthread_mutex_unlock(&c->mu);
+}
+
+void rpc_call_resume_reads(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  if (c->read_pauses > 0 && --c->read_pauses == 0 && c->read_paused) start_reading_locked(c);
+  pthread_mutex_unlock(&c->mu);
+}
+
+void rpc_call_hold_sends(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  c->send_holds++;
+  pthread_mutex_unlock(&c->mu);
+}
+
+void rpc_call_release_sends(rpc_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  if (c->send_holds > 0 && --c->send_holds == 0) pump_locked(c);
+  pthread_mutex_unlock(&c->mu);
 }
 
 bool rpc_call_ended(rpc_call_t *c) {
@@ -625,6 +654,11 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   wire_args_int(&a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, RPC_SERVER_MIN_PING_MS);
   wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  if (opts->stream_window_bytes > 0) {
+    /* A fixed window: what a client may send that no read asked for yet. */
+    wire_args_int(&a, GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    wire_args_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, opts->stream_window_bytes);
+  }
   srv->server = grpc_server_create(wire_args_done(&a), NULL);
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);

@@ -24,6 +24,13 @@
  * Memory case: one agent, no drops; K Call results kept live, Sync; VmRSS of the
  * server before and after, per live tensor.
  *
+ * Where the backlog sits when the measured window closes: in_flight_at_stop
+ * counts commands written and not yet answered (in the client's and server's
+ * transport, not yet read by the server: bounded by the server's
+ * --stream-window-bytes), server_queued_at_stop the session's accepted commands
+ * the agents have not run yet (ListSessions queued_commands: bounded by
+ * --session-max-queued). sync_wait_ms is the final Sync's wait for both.
+ *
  * Prints JSON lines on stdout (the baseline's, then one per case); progress and
  * diagnostics go to stderr. Not a test: run by hand. */
 #include <dirent.h>
@@ -503,6 +510,7 @@ static int setup_session(client_t *c, int nagents, uint64_t *next_seq) {
 
 typedef struct {
   rpc_stream_t *s;
+  const client_t *client; /* for ListSessions at the window's close */
   pid_t server;
   const pid_t *agents;
   int nagents;
@@ -526,6 +534,7 @@ typedef struct {
   int64_t t0, t1, sync_ns;
   int64_t srv_cpu0, srv_cpu1, srv_cpu_sync, ag_cpu0, ag_cpu1, ag_cpu_sync, self_cpu0, self_cpu1;
   int64_t rss0, rss1;
+  int64_t queued_at_stop; /* the server's queued_commands for the session (-1: unknown) */
   int read_end;
   bool sync_ok;
 } run_t;
@@ -616,6 +625,23 @@ static const char *kind_name(int kind) {
   return v ? v->name : "?";
 }
 
+/* The server's count of the session's accepted commands not yet run on the
+ * agents (SessionInfo.queued_commands); -1 if unknown. */
+static int64_t server_queued(const client_t *c) {
+  if (!c) return -1;
+  Meshd__V1__ListSessionsRequest req = MESHD__V1__LIST_SESSIONS_REQUEST__INIT;
+  ProtobufCMessage *rep = NULL;
+  if (rpc_unary(c->ch, SVC "ListSessions", &req.base, &meshd__v1__list_sessions_reply__descriptor,
+                &rep, NULL, 0, 5000, NULL) != GRPC_STATUS_OK)
+    return -1;
+  int64_t v = -1;
+  Meshd__V1__ListSessionsReply *r = (Meshd__V1__ListSessionsReply *)rep;
+  for (size_t i = 0; i < r->n_sessions; i++)
+    if (strcmp(r->sessions[i]->session_id, c->id) == 0) v = (int64_t)r->sessions[i]->queued_commands;
+  protobuf_c_message_free_unpacked(rep, NULL);
+  return v;
+}
+
 static void *reader(void *p) {
   run_t *r = p;
   int64_t next_progress = bench_now_ns() + 5 * 1000000000LL;
@@ -675,6 +701,7 @@ static void *reader(void *p) {
         r->self_cpu1 = self_cpu_us();
         r->rss1 = proc_status_bytes(r->server, "VmRSS");
         atomic_store(&r->stop, true);
+        r->queued_at_stop = server_queued(r->client);
       }
     } else if (now >= next_progress) {
       fprintf(stderr, "  ... %llu replies\n", (unsigned long long)r->replies);
@@ -731,6 +758,8 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
   if (rc == 0) rc = setup_session(&c, nagents, &r.seq);
   if (rc == 0) {
     r.s = c.st;
+    r.client = &c;
+    r.queued_at_stop = -1;
     r.server = srv.pid;
     r.agents = srv.agents;
     r.nagents = srv.nagents;
@@ -782,6 +811,9 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
   /* Written but not yet answered when the window closed: commands buffered in
    * the client's and server's transport, which the Sync waits behind. */
   bench_json_num(&j, "in_flight_at_stop", (double)r.written_at_stop - (double)r.n1);
+  /* Of those answered, accepted by the server and not yet run on the agents
+   * (its flow control window; -1: the server does not say). */
+  bench_json_num(&j, "server_queued_at_stop", (double)r.queued_at_stop);
   bench_json_num(&j, "drop_batch", o->drop_batch);
   bench_json_num(&j, "calls_total", (double)r.calls_written);
   bench_json_num(&j, "drops_total", (double)r.drops_written);

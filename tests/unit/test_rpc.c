@@ -1033,3 +1033,260 @@ Test(rpc_code_name, as_grpc_status_spells_them) {
   cr_assert_str_eq(meshd_grpc_code_name((grpc_status_code)17), "UNKNOWN");
   cr_assert_str_eq(meshd_grpc_code_name((grpc_status_code)-1), "UNKNOWN");
 }
+
+/* ---------------------------------------------------------- pause and hold */
+
+/* A server whose handlers pause their reads or hold their answers, and leave
+ * the matching resume/release to the test (from its own thread, as a flow
+ * control callback would). Bidi: replies to each message with index = messages
+ * received so far; "pause" pauses reads once, "pause2" twice. Unary: holds
+ * sends, then answers at once. */
+static rpc_server_t *psrv;
+static rpc_channel_t *pch;
+static atomic_int p_received, p_ended, p_cancelled;
+static rpc_call_t *_Atomic p_call; /* referenced */
+
+static void p_bidi_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)arg;
+  if (!msg) {
+    rpc_call_finish(call, GRPC_STATUS_OK, NULL, "done");
+    return;
+  }
+  const EchoRequest *req = (const EchoRequest *)msg;
+  int n = atomic_fetch_add(&p_received, 1) + 1;
+  int pauses = strcmp(req->text, "pause") == 0 ? 1 : strcmp(req->text, "pause2") == 0 ? 2 : 0;
+  for (int i = 0; i < pauses; i++) rpc_call_pause_reads(call);
+  if (pauses) {
+    rpc_call_ref(call);
+    atomic_store(&p_call, call);
+  }
+  EchoReply rep = ECHO_REPLY__INIT;
+  rep.text = req->text;
+  rep.index = n;
+  rpc_call_send(call, &rep.base);
+}
+
+static void p_unary(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)arg;
+  rpc_call_hold_sends(call);
+  rpc_call_ref(call);
+  atomic_store(&p_call, call);
+  EchoReply rep = ECHO_REPLY__INIT;
+  rep.text = ((const EchoRequest *)msg)->text;
+  rpc_call_reply(call, &rep.base);
+}
+
+static void p_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)call, (void)msg, (void)arg;
+}
+
+static void p_end(rpc_call_t *call, bool cancelled, void *arg) {
+  (void)call, (void)arg;
+  atomic_fetch_add(&p_ended, 1);
+  if (cancelled) atomic_fetch_add(&p_cancelled, 1);
+}
+
+static const rpc_method_t pause_rows[] = {
+    {.path = "/meshd.test.v1.Pause/Bidi", .kind = RPC_BIDI, .request = &echo_request__descriptor,
+     .on_start = p_start, .on_message = p_bidi_message, .on_end = p_end},
+    {.path = "/meshd.test.v1.Pause/Unary", .kind = RPC_UNARY, .request = &echo_request__descriptor,
+     .on_start = p_unary, .on_end = p_end},
+};
+
+static void pause_setup(void) {
+  rpc_init();
+  /* A fixed 64 KiB window, as meshd runs it: a paused stream backs its client up soon. */
+  rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 2, .stream_window_bytes = 65536};
+  char err[256] = "";
+  psrv = rpc_server_create(&o, err, sizeof err);
+  cr_assert_not_null(psrv, "%s", err);
+  cr_assert_eq(rpc_server_add_methods(psrv, pause_rows, 2, NULL), 0);
+  int port = rpc_server_start(psrv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  char t[64];
+  snprintf(t, sizeof t, "127.0.0.1:%d", port);
+  pch = rpc_channel_create(t, NULL);
+}
+
+static void pause_teardown(void) {
+  rpc_channel_destroy(pch);
+  rpc_server_destroy(psrv);
+  rpc_shutdown();
+}
+
+TestSuite(rpc_pause, .init = pause_setup, .fini = pause_teardown, .timeout = 30);
+
+/* Waits for the handler to hand over its call; returns it (the test's ref). */
+static rpc_call_t *take_call(void) {
+  int64_t end = rpc_now_ms() + 5000;
+  rpc_call_t *c;
+  while (!(c = atomic_exchange(&p_call, NULL)) && rpc_now_ms() < end) usleep(1000);
+  cr_assert_not_null(c, "the handler did not pause");
+  return c;
+}
+
+static void write_text(rpc_stream_t *s, const char *text) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = (char *)text;
+  cr_assert_eq(rpc_stream_write(s, &req.base, false), 0, "write '%s'", text);
+}
+
+static void expect_reply(rpc_stream_t *s, int index) {
+  EchoReply *rep = NULL;
+  int r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+  cr_assert_eq(r, 1, "reply %d: read %d", index, r);
+  cr_assert_eq(rep->index, index);
+  free_reply(rep);
+}
+
+static int received_after(int ms) {
+  usleep((useconds_t)ms * 1000);
+  return atomic_load(&p_received);
+}
+
+Test(rpc_pause, paused_reads_resume_from_another_thread) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 10000);
+  write_text(s, "pause");
+  for (int i = 0; i < 5; i++) write_text(s, "x");
+  expect_reply(s, 1);
+  rpc_call_t *c = take_call();
+  cr_assert_eq(received_after(300), 1, "a paused call reads nothing");
+  rpc_call_resume_reads(c);
+  for (int i = 2; i <= 6; i++) expect_reply(s, i);
+  cr_assert_eq(atomic_load(&p_received), 6);
+  cr_assert_eq(rpc_stream_close_send(s), 0);
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+  rpc_call_resume_reads(c); /* one resume too many is harmless */
+  rpc_call_unref(c);
+}
+
+Test(rpc_pause, pauses_nest) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 10000);
+  write_text(s, "pause2");
+  write_text(s, "x");
+  expect_reply(s, 1);
+  rpc_call_t *c = take_call();
+  rpc_call_resume_reads(c);
+  cr_assert_eq(received_after(300), 1, "one of two pauses left: still paused");
+  rpc_call_resume_reads(c);
+  expect_reply(s, 2);
+  rpc_stream_destroy(s);
+  rpc_call_unref(c);
+}
+
+typedef struct {
+  rpc_stream_t *s;
+  int n;
+  atomic_int written;
+} flood_t;
+
+static void *flood_writer(void *p) {
+  flood_t *f = p;
+  static uint8_t payload[64 * 1024];
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "x";
+  req.payload.data = payload;
+  req.payload.len = sizeof payload;
+  for (int i = 0; i < f->n; i++) {
+    if (rpc_stream_write(f->s, &req.base, false) != 0) break;
+    atomic_fetch_add(&f->written, 1);
+  }
+  return NULL;
+}
+
+/* The point of pausing: the client's writes block once the stream's window
+ * is full, instead of the server buffering whatever the client sends. */
+Test(rpc_pause, paused_stream_backs_the_client_up) {
+  flood_t f = {.s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 20000), .n = 64};
+  write_text(f.s, "pause");
+  expect_reply(f.s, 1);
+  rpc_call_t *c = take_call();
+  pthread_t t;
+  pthread_create(&t, NULL, flood_writer, &f);
+  usleep(500 * 1000);
+  int written = atomic_load(&f.written);
+  cr_assert_lt(written, 16, "%d of 64 messages of 64 KiB written into a paused stream", written);
+  cr_assert_eq(atomic_load(&p_received), 1);
+  rpc_call_resume_reads(c);
+  pthread_join(t, NULL);
+  cr_assert_eq(atomic_load(&f.written), 64);
+  for (int i = 2; i <= 65; i++) expect_reply(f.s, i);
+  rpc_stream_destroy(f.s);
+  rpc_call_unref(c);
+}
+
+Test(rpc_pause, cancel_while_paused_ends_the_call) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 10000);
+  write_text(s, "pause");
+  write_text(s, "x");
+  expect_reply(s, 1);
+  rpc_call_t *c = take_call();
+  rpc_stream_cancel(s);
+  int64_t end = rpc_now_ms() + 5000;
+  while (atomic_load(&p_ended) < 1 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(atomic_load(&p_ended), 1, "on_end runs although reads are paused");
+  cr_assert_eq(atomic_load(&p_cancelled), 1);
+  cr_assert(rpc_call_ended(c));
+  rpc_call_resume_reads(c); /* late: harmless */
+  cr_assert_eq(received_after(100), 1);
+  rpc_stream_destroy(s);
+  rpc_call_unref(c);
+  cr_assert_eq(rpc_server_active_calls(psrv), 0);
+}
+
+typedef struct {
+  int timeout_ms;
+  grpc_status_code code;
+  char text[32];
+  int64_t elapsed_ms;
+  atomic_bool done;
+} held_call_t;
+
+static void *held_unary(void *p) {
+  held_call_t *h = p;
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "held";
+  EchoReply *rep = NULL;
+  rpc_status_t st;
+  int64_t t0 = rpc_now_ms();
+  h->code = call_unary(pch, "/meshd.test.v1.Pause/Unary", &req, &rep, NULL, 0, h->timeout_ms, &st);
+  h->elapsed_ms = rpc_now_ms() - t0;
+  if (rep) {
+    snprintf(h->text, sizeof h->text, "%s", rep->text);
+    free_reply(rep);
+  }
+  atomic_store(&h->done, true);
+  return NULL;
+}
+
+Test(rpc_pause, held_answer_goes_on_release) {
+  held_call_t h = {.timeout_ms = 10000};
+  pthread_t t;
+  pthread_create(&t, NULL, held_unary, &h);
+  rpc_call_t *c = take_call();
+  usleep(300 * 1000);
+  cr_assert_not(atomic_load(&h.done), "a held answer was sent");
+  rpc_call_release_sends(c);
+  pthread_join(t, NULL);
+  cr_assert_eq(h.code, GRPC_STATUS_OK);
+  cr_assert_str_eq(h.text, "held");
+  cr_assert_geq(h.elapsed_ms, 290);
+  rpc_call_unref(c);
+}
+
+Test(rpc_pause, deadline_while_held_ends_the_call) {
+  held_call_t h = {.timeout_ms = 200};
+  pthread_t t;
+  pthread_create(&t, NULL, held_unary, &h);
+  rpc_call_t *c = take_call();
+  pthread_join(t, NULL);
+  cr_assert_eq(h.code, GRPC_STATUS_DEADLINE_EXCEEDED);
+  int64_t end = rpc_now_ms() + 5000;
+  while (atomic_load(&p_ended) < 1 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(atomic_load(&p_cancelled), 1);
+  rpc_call_release_sends(c); /* late: harmless */
+  rpc_call_unref(c);
+}

@@ -1,0 +1,252 @@
+"""Flow control on Submit and Execute (issue 12, point 5): a client that submits faster
+than the agents run is slowed, the server never holds more than its bound of accepted
+work per session, and a Sync, a CloseSession or an agent's loss always releases a
+paused stream.
+
+Real binaries (`meshd --local-agents 1 --session-max-queued B`); the agent is made
+slow with fault injection (MESHD_FAULT="reduce:slow=MS", agent/fault.h), so that each
+Reduce takes MS on the agent while the server accepts it in microseconds. Every wait
+is bounded, so a hang fails the test."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import meshd_testlib as lib
+from meshd_testlib import Session, drop, reduce, sync
+from test_compute import fetch, pb, upload
+from test_metrics import port_of, scrape, value
+
+_SVC = "/meshd.v1.TensorService/"
+BOUND = 64
+ONES = np.ones(8, dtype=np.float32)
+
+
+def _server(meshd_server, slow_ms, *flags):
+    env = {"MESHD_FAULT": f"reduce:slow={slow_ms}"}
+    return lib.wait_ready(meshd_server(1, "--session-max-queued", BOUND, *flags, env=env), 1)
+
+
+class Sampler:
+    """Polls the session's queued_commands (ListSessions) on its own channel."""
+
+    def __init__(self, port, session_id, period=0.01):
+        self.s = Session(port, "sampler")
+        self.id, self.period = session_id, period
+        self.values = []
+        self.stop = threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            row = next((x for x in self.s.list_sessions() if x.session_id == self.id), None)
+            if row is not None:
+                self.values.append(row.queued_commands)
+            time.sleep(self.period)
+
+    def close(self):
+        self.stop.set()
+        self.t.join(10)
+        self.s.shut()
+        return self.values
+
+
+class Pipeline:
+    """One Submit stream fed from a generator on grpc's sending thread; records when
+    each command was handed over and collects the replies on a reader thread."""
+
+    def __init__(self, s, commands, timeout=120):
+        self.s = s
+        self.commands = commands
+        self.sent = 0
+        self.sent_done = None
+        self.results = []
+        self.code = None
+        self.t0 = time.monotonic()
+        fn = s.ch.stream_stream(_SVC + "Submit", request_serializer=lambda m: m.SerializeToString(),
+                                response_deserializer=pb().SubmitReply.FromString)
+        self.call = fn(self._gen(), metadata=s.metadata, timeout=timeout)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _gen(self):
+        for c in self.commands:
+            yield c
+            self.sent += 1
+        self.sent_done = time.monotonic() - self.t0
+
+    def _read(self):
+        try:
+            for r in self.call:
+                self.results.append(r.result)
+            self.code = self.call.code()
+        except Exception as e:  # grpc.RpcError
+            self.code = getattr(e, "code", lambda: e)()
+        self.end = time.monotonic() - self.t0
+
+    def join(self, timeout):
+        self.reader.join(timeout)
+        assert not self.reader.is_alive(), (
+            f"the Submit stream did not end within {timeout} s: {self.sent} sent, "
+            f"{len(self.results)} answered")
+
+
+def _reduces(s, x, n, drop_every=100):
+    """n Reduces of x (each a fresh result), dropping the results every drop_every."""
+    out, pending = [], []
+    for _ in range(n):
+        r = s.new_ref()
+        out.append(s.command(reduce(r, x, dims=["gpu"], reduction="sum")))
+        pending.append(r)
+        if len(pending) == drop_every:
+            out.append(s.command(drop(*pending)))
+            pending = []
+    return out, pending
+
+
+def test_a_fast_submitter_is_slowed_and_the_server_holds_at_most_its_bound(meshd_server):
+    # 1 ms per Reduce on the agent: 4000 take >= 4 s; the server takes each in
+    # microseconds. A 16 KiB stream window holds some 500 of them, so the
+    # client's last send waits until most of the work ran (unbounded, this
+    # client sends everything in about a second, a fifth of the run).
+    srv = _server(meshd_server, 1, "--stream-window-bytes", "16KiB")
+    n = 4050
+    with Session(srv.port, "flood") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        cmds, last = _reduces(s, x, n)
+        cmds.append(s.command(sync()))
+        sampler = Sampler(srv.port, s.id)
+        p = Pipeline(s, cmds)
+        p.join(120)
+        values = sampler.close()
+        assert p.code == lib.grpc.StatusCode.OK, p.code
+        assert len(p.results) == len(cmds)
+        assert [r.seq for r in p.results] == [c.seq for c in cmds], "one answer per command, in order"
+        bad = [r for r in p.results if r.HasField("error")]
+        assert not bad, bad[:3]
+        assert not p.results[-1].errors, p.results[-1].errors
+
+        print(f"flow: {n} Reduces; peak queued {max(values or [0])}; all sent after "
+              f"{p.sent_done:.2f} s of {p.end:.2f} s")
+        assert values, "the sampler saw nothing"
+        assert max(values) <= BOUND + 1, f"queued_commands peaked at {max(values)} (bound {BOUND})"
+        assert max(values) >= BOUND // 2, f"the window never filled: peak {max(values)}"
+        # Without backpressure the last send leaves at once; with it the client
+        # waits for the agent to work through what sits beyond the window.
+        assert p.sent_done > 0.5 * p.end, (
+            f"all {n} commands were sent after {p.sent_done:.2f} s of {p.end:.2f} s")
+
+        t0 = time.monotonic()
+        s.run(sync(), timeout=10)
+        assert time.monotonic() - t0 < 1.0, "a Sync after the stream ended waited for work"
+        assert s.info().queued_commands == 0
+        np.testing.assert_array_equal(fetch(s, last[-1], gpu=0), ONES)
+
+
+def test_execute_answers_are_held_while_the_session_is_over(meshd_server):
+    srv = _server(meshd_server, 20)
+    with Session(srv.port, "unary") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        # Fill the window from a Submit stream (it pauses), then run Executes:
+        # each is accepted and answered once the agent has made room.
+        cmds, _ = _reduces(s, x, 3 * BOUND, drop_every=1000)
+        p = Pipeline(s, cmds)
+        end = time.monotonic() + 20
+        while (s.info().queued_commands < BOUND) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert s.info().queued_commands >= BOUND, "the window never filled"
+        t0 = time.monotonic()
+        r = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"), timeout=30)
+        held = time.monotonic() - t0
+        assert r.tensors, r
+        assert held > 0.1, f"an Execute into a full window was answered after {held:.3f} s"
+        p.join(60)
+        assert p.code == lib.grpc.StatusCode.OK, p.code
+        assert s.info().queued_commands <= BOUND + 2
+
+
+def _paused_stream(srv, s, n=2000):
+    """A Submit stream of n slow Reduces, once the server has paused it (its window full)."""
+    m = s.mesh(gpu=1).ref
+    x = upload(s, m, ONES)
+    s.run(sync())
+    cmds, _ = _reduces(s, x, n, drop_every=1000)
+    p = Pipeline(s, cmds, timeout=60)
+    watcher = Session(srv.port, "watcher")
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        row = next((r for r in watcher.list_sessions() if r.session_id == s.id), None)
+        if row and row.queued_commands >= BOUND:
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the stream never filled its window")
+    return p, watcher
+
+
+def test_close_session_releases_a_paused_stream(meshd_server):
+    srv = _server(meshd_server, 50)  # 2000 x 50 ms: 100 s of work, were it run
+    with Session(srv.port, "closing") as s:
+        p, watcher = _paused_stream(srv, s)
+        t0 = time.monotonic()
+        s.close()
+        p.join(15)
+        took = time.monotonic() - t0
+        watcher.shut()
+        # The rest was read and refused at once.
+        kinds = {lib.kind_name(r.error.kind) for r in p.results if r.HasField("error")}
+        assert kinds == {"NO_SESSION"}, kinds
+        assert len(p.results) == p.sent == len(p.commands), (len(p.results), p.sent)
+        assert took < 10, f"the stream ended {took:.1f} s after CloseSession"
+
+
+def test_agent_loss_releases_a_paused_stream(meshd_server):
+    srv = _server(meshd_server, 50)
+    with Session(srv.port, "lost") as s:
+        p, watcher = _paused_stream(srv, s)
+        victim = next(iter(lib.agent_children(srv.pid)))
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        p.join(30)
+        took = time.monotonic() - t0
+        watcher.shut()
+        kinds = {lib.kind_name(r.error.kind) for r in p.results if r.HasField("error")}
+        assert "AGENT_LOST" in kinds, kinds
+        assert len(p.results) == p.sent, (len(p.results), p.sent)
+        assert took < 20, f"the stream ended {took:.1f} s after the agent was killed"
+        assert s.info().queued_commands <= BOUND
+
+
+def test_cancelled_paused_stream_leaves_no_wait_behind(meshd_server, tmp_path):
+    pf = tmp_path / "metrics.port"
+    srv = lib.wait_ready(meshd_server(1, "--session-max-queued", BOUND, "--metrics-listen",
+                                      "127.0.0.1:0", "--metrics-port-file", pf,
+                                      env={"MESHD_FAULT": "reduce:slow=50"}), 1)
+    mport = port_of(pf, srv)
+    with Session(srv.port, "cancel") as s:
+        p, watcher = _paused_stream(srv, s)
+        text = scrape(mport)
+        assert value(text, "meshd_flow_waiting") == 1, "the stream waits for room"
+        assert value(text, "meshd_flow_waits_total") >= 1
+        assert value(text, "meshd_queued_commands") >= BOUND
+        p.call.cancel()
+        p.join(10)
+        end = time.monotonic() + 10
+        while value(scrape(mport), "meshd_flow_waiting") != 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert value(scrape(mport), "meshd_flow_waiting") == 0, "the cancelled stream's wait is gone"
+        # The session lives on and works: its queue drains, a Sync returns.
+        errs = s.run(sync(), timeout=30).errors
+        assert list(errs) == []
+        assert s.info().queued_commands == 0
+        assert value(scrape(mport), "meshd_queued_commands") == 0
+        watcher.shut()
