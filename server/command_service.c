@@ -22,6 +22,10 @@ typedef struct pending_sync {
   struct submit_state *stream; /* Submit: counts pending answers */
   watermark_target_t *targets; /* until wait_sync */
   size_t n;
+  /* Submit: in the stream's list of registered waits (under its mu), so that
+   * the stream's end can withdraw them. */
+  struct pending_sync *prev, *next;
+  uint64_t wait_id;
 } pending_sync_t;
 
 typedef struct submit_state {
@@ -29,6 +33,8 @@ typedef struct submit_state {
   session_t *session;
   pthread_mutex_t mu;
   int pending;       /* Syncs not answered yet */
+  int refs;          /* the stream's, and one per pending Sync (which may outlive it) */
+  pending_sync_t *waits; /* pending Syncs registered on the watermark */
   bool half_closed;
   uint64_t flow_wait; /* the stream's last flow_wait (its reads are paused until it fires) */
 } submit_state_t;
@@ -125,13 +131,35 @@ static void send_error(rpc_call_t *call, bool submit, uint64_t seq, const meshd_
   cmd_out_free(&out);
 }
 
+static void submit_unref(submit_state_t *st) {
+  pthread_mutex_lock(&st->mu);
+  bool last = --st->refs == 0;
+  pthread_mutex_unlock(&st->mu);
+  if (!last) return;
+  pthread_mutex_destroy(&st->mu);
+  free(st);
+}
+
+/* A pending Sync of the stream was answered; drops the Sync's reference (the
+ * stream may have ended meanwhile: a client that gave up on its Sync). */
 static void submit_answered(submit_state_t *st, rpc_call_t *call) {
   pthread_mutex_lock(&st->mu);
   st->pending--;
   bool finish = st->half_closed && st->pending == 0;
   pthread_mutex_unlock(&st->mu);
   if (finish) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
+  submit_unref(st);
 }
+
+/* What an Execute call leaves waiting: withdrawn when the call ends first (its
+ * client gave up: deadline, cancel), so that nothing holds the call, its
+ * session or the flow window for a client that is gone. */
+typedef struct exec_state {
+  pthread_mutex_t mu;
+  struct pending_sync *sync; /* valid only while sync_wait is registered */
+  uint64_t sync_wait;        /* watermark wait id of its Sync */
+  uint64_t flow_wait;        /* flow wait id of its held answer */
+} exec_state_t;
 
 /* The session's run-time failures not yet reported, moved into out.errors. */
 static void take_failures(session_t *s, cmd_out_t *out) {
@@ -168,7 +196,40 @@ static void take_failures(session_t *s, cmd_out_t *out) {
   }
 }
 
+/* A Submit stream's Sync about to wait: in the stream's list from now until
+ * it is answered or withdrawn. */
+static void list_sync(pending_sync_t *p) {
+  submit_state_t *st = p->stream;
+  pthread_mutex_lock(&st->mu);
+  p->prev = NULL;
+  p->next = st->waits;
+  if (st->waits) st->waits->prev = p;
+  st->waits = p;
+  pthread_mutex_unlock(&st->mu);
+}
+
+static void unlink_sync_locked(submit_state_t *st, pending_sync_t *p) {
+  if (p->prev) p->prev->next = p->next;
+  else st->waits = p->next;
+  if (p->next) p->next->prev = p->prev;
+  p->prev = p->next = NULL;
+}
+
+/* Takes p out of its stream's list of waits, if it is in it. */
+static void unlist_sync(pending_sync_t *p) {
+  submit_state_t *st = p->stream;
+  if (!st) return;
+  pthread_mutex_lock(&st->mu);
+  for (pending_sync_t *q = st->waits; q; q = q->next)
+    if (q == p) {
+      unlink_sync_locked(st, p);
+      break;
+    }
+  pthread_mutex_unlock(&st->mu);
+}
+
 static void complete_sync(pending_sync_t *p, const meshd_error_t *e) {
+  unlist_sync(p);
   if (e) {
     send_error(p->call, p->submit, p->seq, e);
   } else {
@@ -344,10 +405,35 @@ static void wait_sync(command_service_t *cs, pending_sync_t *p) {
   uint32_t lost = 0;
   /* Only this session's work counts: another's stalled instruction on the
    * same agents never holds this Sync. */
+  rpc_call_t *call = p->call;
+  bool submit = p->submit;
+  uint64_t id = 0;
+  if (p->stream) list_sync(p);
   watermark_result_t r = watermark_wait_session(agent_pool_watermark(cs->fe.pool), p->session->id,
-                                                targets, p->n, sync_fired, p, NULL, &lost);
+                                                targets, p->n, sync_fired, p, &id, &lost);
   free(targets); /* copied by watermark_wait; p may be gone already */
-  if (r != WATERMARK_PENDING) sync_fired(r, lost, p);
+  if (r != WATERMARK_PENDING) {
+    sync_fired(r, lost, p);
+    return;
+  }
+  /* Called from the call's handler, so its on_end has not run yet; the wait
+   * may have fired already and p be gone (then it left the stream's list). */
+  if (submit) {
+    submit_state_t *st = rpc_call_data(call);
+    if (!st) return;
+    pthread_mutex_lock(&st->mu);
+    for (pending_sync_t *q = st->waits; q; q = q->next)
+      if (q == p) p->wait_id = id;
+    pthread_mutex_unlock(&st->mu);
+    return;
+  }
+  exec_state_t *x = rpc_call_data(call);
+  if (x) {
+    pthread_mutex_lock(&x->mu);
+    x->sync = p; /* touched by on_end only if it withdraws the wait first */
+    x->sync_wait = id;
+    pthread_mutex_unlock(&x->mu);
+  }
 }
 
 /* ------------------------------------------------------------------ flow control */
@@ -423,6 +509,13 @@ static void hold_call(objects_t *o, rpc_call_t *call, submit_state_t *stream) {
     else release_sends(call);
   } else if (stream) {
     stream->flow_wait = id;
+  } else {
+    exec_state_t *x = rpc_call_data(call);
+    if (x) {
+      pthread_mutex_lock(&x->mu);
+      x->flow_wait = id;
+      pthread_mutex_unlock(&x->mu);
+    }
   }
 }
 
@@ -463,6 +556,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     if (stream) {
       pthread_mutex_lock(&stream->mu);
       stream->pending++;
+      stream->refs++; /* the Sync's, dropped by submit_answered */
       pthread_mutex_unlock(&stream->mu);
     }
     pending = start_sync(cs, s, o, call, submit, cmd->seq, stream);
@@ -492,8 +586,33 @@ static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
   command_service_t *cs = arg;
   session_t *s = session_from_call(cs->sessions, call);
   if (!s) return;
+  exec_state_t *x = calloc(1, sizeof *x); /* NULL: nothing is withdrawn early */
+  if (x) {
+    pthread_mutex_init(&x->mu, NULL);
+    rpc_call_set_data(call, x);
+  }
   run_one(cs, s, call, false, (const Meshd__V1__Command *)req, NULL);
   session_release(s);
+}
+
+static void on_execute_end(rpc_call_t *call, bool cancelled, void *arg) {
+  command_service_t *cs = arg;
+  exec_state_t *x = rpc_call_data(call);
+  if (!x) return;
+  pthread_mutex_lock(&x->mu);
+  uint64_t sync_wait = x->sync_wait, flow_wait = x->flow_wait;
+  pending_sync_t *p = x->sync;
+  pthread_mutex_unlock(&x->mu);
+  /* A Sync still waiting for a client that gave up: withdrawn, so it holds
+   * neither the call nor the session (whose lease then runs again). */
+  if (sync_wait && watermark_cancel(agent_pool_watermark(cs->fe.pool), sync_wait)) {
+    rpc_call_unref(p->call);
+    session_release(p->session);
+    free(p);
+  }
+  if (flow_wait && flow_cancel(cs->flow, flow_wait)) rpc_call_unref(call);
+  pthread_mutex_destroy(&x->mu);
+  free(x);
 }
 
 static void on_submit_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -509,6 +628,7 @@ static void on_submit_start(rpc_call_t *call, const ProtobufCMessage *req, void 
   st->cs = cs;
   st->session = s;
   pthread_mutex_init(&st->mu, NULL);
+  st->refs = 1; /* the stream's, dropped in on_submit_end */
   rpc_call_set_data(call, st);
 }
 
@@ -532,9 +652,32 @@ static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
   if (!st) return;
   /* Paused when it ended: the wait goes, and with it its ref on the call. */
   if (flow_cancel(st->cs->flow, st->flow_wait)) rpc_call_unref(call);
+  /* Syncs still waiting for a client that is gone: withdrawn (a firing one
+   * finishes on its own), so they hold neither the call nor the session. */
+  watermark_t *w = agent_pool_watermark(st->cs->fe.pool);
+  pending_sync_t *gone = NULL;
+  pthread_mutex_lock(&st->mu);
+  for (pending_sync_t *p = st->waits, *next; p; p = next) {
+    next = p->next;
+    if (!p->wait_id || !watermark_cancel(w, p->wait_id)) continue;
+    unlink_sync_locked(st, p);
+    p->next = gone;
+    gone = p;
+  }
+  pthread_mutex_unlock(&st->mu);
+  while (gone) {
+    pending_sync_t *p = gone;
+    gone = p->next;
+    pthread_mutex_lock(&st->mu);
+    st->pending--;
+    pthread_mutex_unlock(&st->mu);
+    submit_unref(st); /* the Sync's */
+    rpc_call_unref(p->call);
+    session_release(p->session);
+    free(p);
+  }
   session_release(st->session);
-  pthread_mutex_destroy(&st->mu);
-  free(st);
+  submit_unref(st); /* pending Syncs keep it until they are answered */
 }
 
 /* ------------------------------------------------------------------ lifecycle */
@@ -573,6 +716,7 @@ static const rpc_method_t methods[] = {
         .kind = RPC_UNARY,
         .request = &meshd__v1__command__descriptor,
         .on_start = on_execute,
+        .on_end = on_execute_end,
     },
     {
         .path = "/meshd.v1.TensorService/Submit",

@@ -163,3 +163,35 @@ def test_injected_collective_faults_fail_or_delay_only_that_collective(meshd_ser
             assert list(errs) == []
             np.testing.assert_array_equal(fetch(s, r1, gpu=0), 2 * ONES)
         np.testing.assert_array_equal(fetch(s, r2, gpu=1), 2 * ONES)
+
+
+def test_a_sync_whose_client_gave_up_holds_nothing(meshd_server):
+    # The Sync waits on a hung collective; its clients give up (a unary
+    # deadline, a cancelled Submit stream). The server withdraws the unary
+    # wait, so the session's lease runs again and the session expires; the
+    # Submit stream's pending Sync outlives its stream safely (ASan would see
+    # a use after free) and is answered to no one once the hang ends.
+    srv = lib.wait_ready(meshd_server(2, "--session-ttl", "2",
+                                      env=_fault("reduce:hang,rank=1,count=1")), 2)
+    with Session(srv.port, "gives-up", ttl_seconds=2) as a:
+        if not data_plane(a):
+            pytest.skip("the agents report no data plane")
+        m = a.mesh(gpu=2).ref
+        x = upload(a, m, ONES)
+        a.run(reduce(a.new_ref(), x, dims=["gpu"], reduction="sum"))
+        with pytest.raises(lib.CommandError) as e:
+            a.run(sync(), timeout=0.5)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+        results, code, _ = a.submit([a.command(sync())], timeout=0.5)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and results == [], (code, results)
+        # Nothing holds the session now: it expires at its lease.
+        end = time.monotonic() + 8
+        while time.monotonic() < end and a.info() is not None:
+            time.sleep(0.2)
+        assert a.info() is None, "a Sync nobody waits for kept the session alive"
+    # The server is fine, and a new session works.
+    with Session(srv.port, "after") as b:
+        mb = b.mesh(gpu=2).ref
+        y = upload(b, mb, ONES)
+        r = b.run(reduce(b.new_ref(), y, dims=["gpu"], reduction="sum")).tensors[0].ref
+        np.testing.assert_array_equal(fetch(b, r, gpu=0), 2 * ONES)
