@@ -98,6 +98,7 @@ typedef struct objects {
   uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
   uint64_t *last_seq;      /* last_seq[rank]: the seq of its latest one (0: none) */
   size_t ntouched;
+  uint64_t losses;         /* agent losses the session was told of (ToMesh channels follow it) */
 } objects_t;
 
 /* Queues a run-time root failure for the session's next Sync (at most 256 are
