@@ -778,6 +778,8 @@ class Chaos:
             "spurious_fetch_failures": [m for w in self.workers for _, m in w.spurious]
                                        + [m for _, m in self.spurious],
             "errors_while_lost": self._kinds([e for w in self.workers for _, e in w.after_loss]),
+            "errors_while_lost_not_agent_lost": [e for w in self.workers for _, e in w.after_loss
+                                                 if not e.startswith("AGENT_LOST")][:5],
             "unexpected_errors": {w.idx: w.errors for w in self.workers if w.errors},
             "allocated_zero_after_close_s": round(t_zero - t_closed, 3),
             "rss_kb": {"baseline": baseline, "after": after},
