@@ -1,5 +1,6 @@
 #include "executor.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -218,11 +219,29 @@ static uint64_t allocated(const executor_t *x) {
   return x->env.backend ? atomic_load(&x->env.backend->allocated) : 0;
 }
 
+/* How often the reporter looks at the agent's allocated bytes without news:
+ * memory can be freed outside any instruction of this call (an earlier
+ * Execute call's orphaned work finishing, a Read letting go of a storage), and
+ * the server's ListAgents knows only what reports say. */
+#define ALLOC_POLL_MS 1000
+
 static void *reporter_main(void *arg) {
   executor_t *x = arg;
   pthread_mutex_lock(&x->mu);
   for (;;) {
-    while (!x->dirty && !x->report_stop) pthread_cond_wait(&x->report_cv, &x->mu);
+    while (!x->dirty && !x->report_stop) {
+      struct timespec until;
+      clock_gettime(CLOCK_MONOTONIC, &until);
+      until.tv_sec += ALLOC_POLL_MS / 1000;
+      until.tv_nsec += (long)(ALLOC_POLL_MS % 1000) * 1000000L;
+      if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+      }
+      if (pthread_cond_timedwait(&x->report_cv, &x->mu, &until) == ETIMEDOUT &&
+          allocated(x) != x->reported_alloc)
+        x->dirty = true;
+    }
     if (x->report_stop) break;
     x->dirty = false;
     executor_report_t r = {.executed_through = through_locked(x), .received_through = x->last};
@@ -617,7 +636,11 @@ executor_t *executor_create(const run_env_t *env, executor_report_fn report, voi
   pthread_mutex_unlock(&live_mu);
   pthread_mutex_init(&x->mu, NULL);
   pthread_cond_init(&x->progress, NULL);
-  pthread_cond_init(&x->report_cv, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&x->report_cv, &ca);
+  pthread_condattr_destroy(&ca);
   if (pthread_create(&x->reporter, NULL, reporter_main, x) != 0) {
     executor_unref(x);
     return NULL;

@@ -333,6 +333,7 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
                "include rank %u refuse new commands; create a new mesh to use its replacement",
                l->rank, reason, l->rank);
       objects_note_failure(o, ERR_AGENT_LOST, msg, 0);
+      o->losses++; /* new ToMesh channels: none shared with work the lost agent may still run */
       emit_peer_lost(&cs->fe, s, o, l->rank, l->data_address, reason);
       told++;
     }

@@ -130,13 +130,31 @@ void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   send_to_mesh(fe, o, mesh, &ins);
 }
 
-/* A stable id for the communicator of (session, mesh, dims, stream). */
-static uint64_t comm_id(const session_t *s, uint64_t mesh, uint32_t dimmask, uint64_t stream) {
+/* A stable id for a communicator of session s: FNV-1a over its id and `parts`. */
+static uint64_t comm_id_of(const session_t *s, const uint64_t *parts, size_t n) {
   uint64_t h = 1469598103934665603ull;
   for (const char *p = s->id; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
-  uint64_t parts[3] = {mesh, dimmask, stream};
-  for (int i = 0; i < 3; i++) h = (h ^ parts[i]) * 1099511628211ull;
+  for (size_t i = 0; i < n; i++) h = (h ^ parts[i]) * 1099511628211ull;
   return h;
+}
+
+/* The communicator of (session, mesh, dims, stream): a Reduce. */
+static uint64_t comm_id(const session_t *s, uint64_t mesh, uint32_t dimmask, uint64_t stream) {
+  uint64_t parts[3] = {mesh, dimmask, stream};
+  return comm_id_of(s, parts, 3);
+}
+
+/* The channel of a ToMesh: (session, the agent losses it was told of, both
+ * streams). An agent that lost its Execute link but lives on (a cut stream,
+ * SIGSTOP then SIGCONT) still runs the instructions it had queued, and comes
+ * back at the same data address: after a loss the session's sends must not
+ * share a channel with those, or an orphaned receive takes (or shifts by one
+ * message) what a new send meant for a new one. Reduces need no such count:
+ * their communicator names the mesh, and a mesh with a lost rank is refused. */
+static uint64_t to_mesh_comm_id(const session_t *s, uint64_t losses, uint64_t in_stream,
+                                uint64_t res_stream) {
+  uint64_t parts[4] = {0x746f6d657368ull /* "tomesh" */, losses, in_stream, res_stream};
+  return comm_id_of(s, parts, 4);
 }
 
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
@@ -214,7 +232,7 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
     st.from_rank = from;
     st.to_rank = dranks[i];
     st.to_stream = res->tensor.stream;
-    st.comm_id = comm_id(s, 0, 0, (in->tensor.stream << 32) ^ res->tensor.stream);
+    st.comm_id = to_mesh_comm_id(s, o->losses, in->tensor.stream, res->tensor.stream);
     instr_t ins;
     if (from == dranks[i]) { /* same process: a local copy */
       st.input = &in_spec;
