@@ -32,7 +32,7 @@ typedef struct xstream {
   /* Not yet done besides the queue: the seq being run, and the first of the
    * seqs run but waiting for their device work (0: none). */
   uint64_t running, unsynced_first;
-  bool stop; /* the session ended: exit once the queue is empty */
+  bool stop; /* the session ended: drop what is queued (not run), then exit */
   pthread_cond_t wake;
   UT_hash_handle hh;
 } xstream_t;
@@ -393,9 +393,13 @@ static void *worker_main(void *arg) {
     if (!st->head) st->tail = NULL;
     uint64_t seq = it->ins->seq;
     st->running = seq;
+    /* The session ended (EndSession, or its Execute call is gone: a server
+     * that lost this agent failed that work already): what is still queued
+     * is dropped, not run. */
+    bool skip = st->stop;
     pthread_mutex_unlock(&x->mu);
     failed.n = 0;
-    run_instruction(&x->env, ss, bs, it->ins, &failed);
+    if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
       report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);
     protobuf_c_message_free_unpacked(&it->ins->base, NULL);

@@ -53,7 +53,7 @@ typedef void (*executor_report_fn)(const executor_report_t *r, void *arg);
  * when out of memory or threads. */
 executor_t *executor_create(const run_env_t *env, executor_report_fn report, void *arg);
 /* Stops reporting (the callback never runs after it returns), then drops the
- * owner's reference: workers finish their queues (sessions are ended, their
+ * owner's reference: workers drop what is queued (sessions are ended, their
  * memory freed) and the last reference frees the executor. Never blocks on
  * workers; call once. */
 void executor_close(executor_t *x);

@@ -415,6 +415,7 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: the group lacks data plane addresses");
   for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
   dp_group_t grp = {g->comm_id, c->s->key, g->ranks, addrs, n, me, since};
+  session_state_note_comm(c->s, g->comm_id);
   void *in = work->storage->data, *out = res->storage->data;
   int rc;
   if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
@@ -584,6 +585,7 @@ static void run_send(ctx_t *c) {
   meta_of_spec(st->input ? st->input : st->result, &m);
   size_t bytes = tensor_nbytes(&m);
   uint64_t key = c->s->key;
+  session_state_note_comm(c->s, st->comm_id);
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
     if (scalar_tensor(c, got != 0, &hdr_t, &e) ||
         staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e) ||

@@ -63,6 +63,9 @@ void session_state_free(session_state_t *s) {
     HASH_DEL(s->borrows, r);
     free(r);
   }
+  dataplane_t *net = b ? b->net : NULL;
+  for (size_t i = 0; net && i < s->ncomms; i++) dataplane_drop_comm(net, s->comms[i]);
+  free(s->comms);
   pthread_cond_destroy(&s->progress);
   pthread_mutex_destroy(&s->mu);
   free(s->id);
@@ -107,6 +110,29 @@ void session_state_close(session_state_t *s) {
   pthread_mutex_lock(&s->mu);
   s->closing = true;
   pthread_cond_broadcast(&s->progress);
+  uint64_t *comms = s->comms;
+  size_t n = s->ncomms;
+  s->comms = NULL;
+  s->ncomms = s->capcomms = 0;
+  pthread_mutex_unlock(&s->mu);
+  dataplane_t *net = s->backend ? s->backend->net : NULL;
+  for (size_t i = 0; net && i < n; i++) dataplane_drop_comm(net, comms[i]);
+  free(comms);
+}
+
+void session_state_note_comm(session_state_t *s, uint64_t comm_id) {
+  pthread_mutex_lock(&s->mu);
+  bool known = false;
+  for (size_t i = 0; i < s->ncomms && !known; i++) known = s->comms[i] == comm_id;
+  if (!known && s->ncomms == s->capcomms) {
+    size_t cap = s->capcomms ? 2 * s->capcomms : 8;
+    uint64_t *c = realloc(s->comms, cap * sizeof *c);
+    if (c) {
+      s->comms = c;
+      s->capcomms = cap;
+    }
+  }
+  if (!known && s->ncomms < s->capcomms) s->comms[s->ncomms++] = comm_id;
   pthread_mutex_unlock(&s->mu);
 }
 

@@ -65,6 +65,8 @@ typedef struct session_state {
   bool closing;               /* mu: cross-stream waits return at once */
   lost_peer_t lost[SESSION_LOST_MAX]; /* mu: peers declared lost, oldest first */
   size_t nlost;                       /* mu */
+  uint64_t *comms;                    /* mu: data-plane channels its work used */
+  size_t ncomms, capcomms;            /* mu */
 } session_state_t;
 
 /* A new session state; NULL when out of memory. */
@@ -83,8 +85,13 @@ void session_state_remove_stream(session_state_t *s, stream_progress_t *p);
 void session_state_stream_ready(session_state_t *s, stream_progress_t *p, backend_stream_t *bs);
 /* The stream's worker has queued the work of seq on its backend stream. */
 void session_state_queued(session_state_t *s, stream_progress_t *p, uint64_t seq);
-/* The executor is closing: cross-stream waits stop waiting. */
+/* The session ended (or the executor is closing): cross-stream waits stop
+ * waiting, and the data-plane channels its work used are dropped (a peer still
+ * in one of its collectives fails at once instead of at the comm timeout, and
+ * no socket outlives the session). */
 void session_state_close(session_state_t *s);
+/* The session's work used data-plane channel comm_id (collectives, sends). */
+void session_state_note_comm(session_state_t *s, uint64_t comm_id);
 
 /* The server declared `rank` lost for this session by PeerLost seq `seq`
  * (why: "was lost at ..."): session_state_check_peers then fails the

@@ -13,6 +13,10 @@
 #include "objects.h"
 #include "session_service.h"
 
+/* A channel per Upload or Fetch, to a live agent: a connection attempt may
+ * take seconds (a CPU-starved or briefly paused agent is not a lost one). */
+static const rpc_channel_opts_t agent_channel_opts = {.connect_timeout_ms = 5000};
+
 #define AGENT_CALL_MS 600000
 
 struct data_service {
@@ -152,7 +156,7 @@ static int write_rank(upload_t *u, uint32_t rank, const uint8_t *data, meshd_err
   char addr[256];
   if (agent_pool_address(u->ds->pool, rank, addr, sizeof addr))
     return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", rank);
-  rpc_channel_t *ch = rpc_channel_create(addr, NULL);
+  rpc_channel_t *ch = rpc_channel_create(addr, &agent_channel_opts);
   rpc_stream_t *st = ch ? rpc_stream_open(ch, "/meshd.agent.v1.Agent/Write", NULL, 0, AGENT_CALL_MS) : NULL;
   int rc = -1;
   if (!st) {
@@ -381,7 +385,7 @@ static void fetch_run(fetch_t *f) {
                     "Fetch: rank %u has no agent (it was lost); its tensors are gone", f->rank);
     return;
   }
-  rpc_channel_t *ch = rpc_channel_create(addr, NULL);
+  rpc_channel_t *ch = rpc_channel_create(addr, &agent_channel_opts);
   rpc_stream_t *st = rpc_stream_open(ch, "/meshd.agent.v1.Agent/Read", NULL, 0, AGENT_CALL_MS);
   Meshd__Agent__V1__ReadRequest rq = MESHD__AGENT__V1__READ_REQUEST__INIT;
   rq.session_id = f->session;

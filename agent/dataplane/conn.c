@@ -219,6 +219,10 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
 
 uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
 
+void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id) {
+  if (dp) dp__drop_comm(dp, comm_id);
+}
+
 static void set_nodelay(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);

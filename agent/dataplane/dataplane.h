@@ -65,6 +65,10 @@ void dataplane_shutdown(dataplane_t *dp);
  * affected (a replacement may take the address again), unless their group's
  * `since` is older. */
 void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const char *why);
+/* Closes this agent's connections of channel comm_id, both directions (the
+ * session that used it ended); a call using one fails, a later one dials
+ * afresh. */
+void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id);
 /* How many peers were declared lost so far (see dp_group_t.since). */
 uint64_t dataplane_generation(dataplane_t *dp);
 

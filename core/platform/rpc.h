@@ -178,6 +178,12 @@ typedef struct rpc_channel_opts {
   int keepalive_ms;        /* client pings this often; 0: gRPC's default (off) */
   int keepalive_timeout_ms;/* <= 0: 2000 */
   bool own_connection;     /* don't share the TCP connection with other channels */
+  /* How long one connection attempt (TCP + HTTP/2 SETTINGS) may take; <= 0:
+   * 100 ms, for channels that reconnect quickly to a peer that comes back.
+   * A channel made for one call to a live peer wants seconds: with 100 ms a
+   * peer slow for a moment fails the call (gRPC takes the minimum reconnect
+   * backoff as the minimum connect timeout). */
+  int connect_timeout_ms;
 } rpc_channel_opts_t;
 
 typedef struct rpc_status {

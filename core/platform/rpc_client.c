@@ -37,7 +37,8 @@ rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *
   wire_args_int(&a, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg);
   /* Reconnect fast: agents come back within 2 s of a server restart. */
   wire_args_int(&a, GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  wire_args_int(&a, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  wire_args_int(&a, GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+                o.connect_timeout_ms > 0 ? o.connect_timeout_ms : 100);
   wire_args_int(&a, GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   if (o.keepalive_ms > 0) {
     wire_args_int(&a, GRPC_ARG_KEEPALIVE_TIME_MS, o.keepalive_ms);

@@ -121,13 +121,6 @@ def test_an_agent_back_from_a_cut_link_takes_no_new_send(meshd_server):
         np.testing.assert_array_equal(chaos.fetch(s, t), np.full(1024, 7.0, np.float32))
 
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=(
-    "BUG: an agent whose Execute link broke but which lives on (a cut stream, SIGSTOP "
-    "then SIGCONT) still runs every instruction it had queued (agent/executor.c "
-    "executor_close: 'workers finish their queues'), each collective waiting for peers "
-    "that were told the agent is lost until MESHD_COMM_TIMEOUT_MS (30 s by default): "
-    "device memory, threads and data-plane dials for minutes, for sessions the server "
-    "already failed"))
 def test_an_agent_back_from_a_cut_link_drops_the_work_it_had_queued(meshd_server):
     srv = meshd_server(2, env={"MESHD_FAULT": "reduce:slow=1000", "MESHD_COMM_TIMEOUT_MS": "2000"})
     lib.wait_ready(srv, 2)
@@ -199,14 +192,6 @@ def test_a_session_that_left_a_rank_is_not_told_of_its_loss(meshd_server):
 
 # ================================================================ a paused agent
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=(
-    "BUG: core/platform/rpc_client.c sets GRPC_ARG_MIN_RECONNECT_BACKOFF_MS to 100, which "
-    "gRPC core also takes as the minimum connect timeout: a connection must be up "
-    "(TCP, HTTP/2 SETTINGS) within ~100 ms. The data service opens a new channel for every "
-    "Fetch and Upload, so an agent that is slow for a moment (paused, CPU-starved) fails the "
-    "Fetch at once with AGENT_LOST ('connection attempt timed out before receiving SETTINGS "
-    "frame') though it is healthy and never lost. Seen in the long chaos run on a loaded "
-    "machine, by a session with no work on the killed rank"))
 def test_a_fetch_outlasts_a_short_pause_of_its_agent(meshd_server):
     srv = lib.wait_ready(meshd_server(2), 2)
     with Session(srv.port, "pause") as s:
@@ -263,14 +248,7 @@ def _sessions(srv):
     return [x for x in rows if x.client_name != "look"]
 
 
-@pytest.mark.parametrize("in_call", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=KnownBug, reason=(
-        "BUG: a Sync whose client went away keeps its session in use until the agents "
-        "reach the Sync's watermark (command_service.c: Execute has no on_end, the pending "
-        "Sync's watermark wait is never withdrawn with watermark_cancel, and it holds a "
-        "session reference); with work that never ends the session never expires and its "
-        "memory stays on every agent")))], ids=["idle", "in_call"])
+@pytest.mark.parametrize("in_call", [False, True], ids=["idle", "in_call"])
 def test_a_killed_clients_memory_is_freed_within_its_ttl(meshd_server, in_call):
     env = {"MESHD_FAULT": "reduce:hang", "MESHD_COMM_TIMEOUT_MS": "30000"} if in_call else None
     srv = lib.wait_ready(meshd_server(4, env=env), 4)
@@ -330,10 +308,6 @@ def _agent_fds(srv):
     return {lib.child_rank(p): len(os.listdir(f"/proc/{p}/fd")) for p in lib.agent_children(srv.pid)}
 
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason="BUG: the data plane never drops the connections of a "
-                   "closed session (agent/cpu/cpu_backend.c session_end is NULL, 'the data plane "
-                   "drops a session's connections on its own', but nothing does): every agent "
-                   "keeps 6 sockets per closed 4-rank session with one reduce, forever")
 def test_closed_sessions_leave_no_data_plane_connections(meshd_server):
     srv = lib.wait_ready(meshd_server(4), 4)
     if not all(a.data_port for a in lib.list_agents(srv.port)):
