@@ -761,7 +761,8 @@ static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   const Meshd__V1__Drop *d = c->drop;
   for (size_t i = 0; i < d->n_refs; i++) { /* all or nothing */
     uint64_t ref = d->refs[i];
-    if (objects_dropped(o, ref)) continue; /* dropping twice is a no-op */
+    /* dropping twice is a no-op, also long after the first time */
+    if (objects_dropped(o, ref) || objects_forgotten(o, ref)) continue;
     obj_t *t = objects_get(o, ref);
     if (!t)
       return error_set(e, ERR_UNKNOWN_REF, "Drop: ref %llu was never defined in this session",

@@ -119,7 +119,36 @@ const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref) {
   return t->ref == ref ? t : NULL;
 }
 
+bool objects_forgotten(const objects_t *o, uint64_t ref) {
+  return ref && ref <= o->graves_forgotten && !objects_get((objects_t *)o, ref);
+}
+
+/* At OBJECTS_GRAVES_MAX: lets the older half go (refs only grow within a
+ * session, so the smaller refs are the older drops), in place. */
+static void forget_older_half(objects_t *o) {
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (size_t i = 0; i < o->gcap; i++)
+    if (o->graves[i].ref) {
+      if (o->graves[i].ref < lo) lo = o->graves[i].ref;
+      if (o->graves[i].ref > hi) hi = o->graves[i].ref;
+    }
+  uint64_t cut = lo + (hi - lo) / 2;
+  tombstone_t *g = calloc(o->gcap, sizeof *g);
+  if (!g) return;
+  size_t n = 0;
+  for (size_t i = 0; i < o->gcap; i++)
+    if (o->graves[i].ref > cut) {
+      g[grave_slot(g, o->gcap, o->graves[i].ref)] = o->graves[i];
+      n++;
+    }
+  free(o->graves);
+  o->graves = g;
+  o->ngraves = n;
+  if (cut > o->graves_forgotten) o->graves_forgotten = cut;
+}
+
 static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow) {
+  if (o->ngraves >= OBJECTS_GRAVES_MAX) forget_older_half(o);
   if ((o->ngraves + 1) * 2 > o->gcap) { /* keep the load under 1/2 */
     size_t cap = o->gcap ? o->gcap * 2 : 1024;
     tombstone_t *g = calloc(cap, sizeof *g);
@@ -140,8 +169,13 @@ obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *w
   if (kind == OBJ_STREAM && ref == STREAM_MAIN) return NULL; /* caller handles main */
   obj_t *it = objects_get(o, ref);
   if (!it) {
-    error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which this session never defined", what,
-              (unsigned long long)ref);
+    if (objects_forgotten(o, ref))
+      error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which is not live: it was dropped before "
+                "the session's last %d drops (their sites are not kept) or never defined", what,
+                (unsigned long long)ref, OBJECTS_GRAVES_MAX);
+    else
+      error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which this session never defined", what,
+                (unsigned long long)ref);
     return NULL;
   }
   if (it->kind != kind) {

@@ -6,7 +6,10 @@
  * the bytes counted against the session's quota. Dropping a storage frees its
  * tensor records and leaves a 24-byte tombstone per ref (the command that
  * dropped it), so a later use gets DROPPED with its drop site rather than
- * UNKNOWN_REF while a long session's memory stays flat.
+ * UNKNOWN_REF. The last OBJECTS_GRAVES_MAX drops are kept: past that the older
+ * half is forgotten (a use of such a ref is UNKNOWN_REF saying it may have been
+ * dropped long ago), so a long session's memory stays flat however many
+ * tensors it drops.
  *
  * Not thread-safe: the caller holds the session's lock. */
 #ifndef MESHD_OBJECTS_H
@@ -85,10 +88,13 @@ typedef struct tombstone {
   uint64_t ref, seq, borrow;
 } tombstone_t;
 
+#define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 3 MiB at most) */
+
 typedef struct objects {
   obj_t *table;
   tombstone_t *graves;     /* open addressing by ref; ref 0 = empty slot */
   size_t ngraves, gcap;
+  uint64_t graves_forgotten; /* tombstones of refs <= this were let go (0: none) */
   uint64_t live_tensors;
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
   uint64_t current_seq;    /* client seq of the command running now (new tensors' born_seq) */
@@ -135,6 +141,9 @@ int64_t objects_stream_by_name(objects_t *o, const char *name);
 obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh);
 /* The tombstone of a dropped tensor ref, or NULL. */
 const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref);
+/* Whether ref is not live and old enough that its tombstone, if it had one,
+ * was let go (see OBJECTS_GRAVES_MAX). */
+bool objects_forgotten(const objects_t *o, uint64_t ref);
 
 /* A new tensor on a fresh storage (bytes from its layout). */
 obj_t *objects_new_tensor(objects_t *o, uint64_t ref, const tensor_meta_t *meta, uint64_t mesh,

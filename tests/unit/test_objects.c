@@ -170,6 +170,35 @@ Test(objects, tombstones_survive_growth) {
   cr_assert_null(objects_dropped(o, 0), "ref 0 is the empty-slot marker, never a tombstone");
 }
 
+Test(objects, a_long_session_keeps_only_its_recent_tombstones) {
+  /* Memory stays flat however many tensors a session drops: past
+   * OBJECTS_GRAVES_MAX the older half is let go; recent drops keep their site,
+   * old ones are still known as "maybe dropped", new refs are unaffected. */
+  tensor_meta_t m = meta(DTYPE_INT8, I64(1), 1);
+  uint64_t n = 3 * OBJECTS_GRAVES_MAX;
+  size_t cap_at_max = 0;
+  for (uint64_t r = 1; r <= n; r++) {
+    obj_t *t = objects_new_tensor(o, r, &m, 1, STREAM_MAIN, 1);
+    cr_assert_not_null(t);
+    objects_drop_storage(o, t->tensor.storage, 1000000 + r);
+    cr_assert_leq(o->ngraves, OBJECTS_GRAVES_MAX);
+    if (r == OBJECTS_GRAVES_MAX) cap_at_max = o->gcap;
+  }
+  cr_assert_leq(o->gcap, cap_at_max, "the table grew past the cap: %zu > %zu", o->gcap, cap_at_max);
+  const tombstone_t *g = objects_dropped(o, n);
+  cr_assert(g && g->seq == 1000000 + n, "the last drop keeps its site");
+  cr_assert_null(objects_dropped(o, 1));
+  cr_assert(objects_forgotten(o, 1), "an old drop is known as possibly dropped");
+  meshd_error_t e = {0};
+  cr_assert_null(objects_expect(o, 1, OBJ_TENSOR, "Call: input", &e));
+  cr_assert_eq(e.kind, ERR_UNKNOWN_REF);
+  cr_assert(strstr(e.msg, "dropped before"), "%s", e.msg);
+  cr_assert_not(objects_forgotten(o, n + 1), "a ref never used is not forgotten");
+  obj_t *t = objects_new_tensor(o, n + 1, &m, 1, STREAM_MAIN, 1);
+  cr_assert_not_null(t);
+  cr_assert_not(objects_forgotten(o, n + 1));
+}
+
 Test(objects, failure_marks_every_live_alias) {
   obj_t *t = tensor(1);
   obj_t *v = view(2, t);
