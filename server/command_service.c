@@ -324,7 +324,13 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
     if (!s) continue;
     pthread_mutex_lock(&s->mu);
     objects_t *o = s->objects;
-    if (o && l->rank < o->ntouched && o->touched[l->rank]) {
+    /* Work on the rank: an instruction it had not run, or a tensor with a
+     * shard there. A session that only once used the rank is not told. */
+    bool work = o && l->rank < o->ntouched && o->touched[l->rank] &&
+                (!watermark_reached(agent_pool_watermark(cs->fe.pool), l->rank, s->id,
+                                    objects_last_seq(o, l->rank)) ||
+                 objects_holds_on(o, l->rank));
+    if (work) {
       /* Reported by the next Sync (or the one waiting now); the survivors stop
        * waiting for the lost rank in this session's work. */
       char msg[400];

@@ -66,6 +66,16 @@ void objects_sent(objects_t *o, uint32_t rank, uint64_t seq, uint64_t bytes) {
   if (objects_touch(o, rank) && seq > o->last_seq[rank]) o->last_seq[rank] = seq;
 }
 
+bool objects_holds_on(objects_t *o, uint32_t rank) {
+  obj_t *it, *tmp;
+  HASH_ITER(hh, o->table, it, tmp) {
+    if (it->kind != OBJ_TENSOR || it->tensor.state == TENSOR_DROPPED) continue;
+    obj_t *m = objects_get(o, it->tensor.mesh);
+    if (m && m->kind == OBJ_MESH && mesh_contains(m->mesh, rank)) return true;
+  }
+  return false;
+}
+
 uint64_t objects_last_seq(const objects_t *o, uint32_t rank) {
   return rank < o->ntouched ? o->last_seq[rank] : 0;
 }

@@ -116,6 +116,9 @@ void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint
 bool objects_touch(objects_t *o, uint32_t rank);
 /* The rank got instruction `seq` of this session, `bytes` long (touches it). */
 void objects_sent(objects_t *o, uint32_t rank, uint64_t seq, uint64_t bytes);
+/* Whether a live tensor of the session has a shard on rank (its mesh
+ * includes it). O(live tensors): for rare events (an agent lost). */
+bool objects_holds_on(objects_t *o, uint32_t rank);
 /* The seq of the session's latest instruction to rank; 0: none. */
 uint64_t objects_last_seq(const objects_t *o, uint32_t rank);
 

@@ -325,6 +325,18 @@ out:
   fire(head);
 }
 
+bool watermark_reached(watermark_t *w, uint32_t rank, const char *session, uint64_t seq) {
+  if (seq == 0) return true;
+  pthread_mutex_lock(&w->mu);
+  bool ok = false;
+  if (rank < w->cap) {
+    const rank_state_t *r = &w->ranks[rank];
+    ok = !in_lost(r, seq) && reached(r, session ? session : "", seq);
+  }
+  pthread_mutex_unlock(&w->mu);
+  return ok;
+}
+
 uint64_t watermark_executed(watermark_t *w, uint32_t rank) {
   pthread_mutex_lock(&w->mu);
   uint64_t e = rank < w->cap ? w->ranks[rank].executed : 0;

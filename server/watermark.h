@@ -82,6 +82,9 @@ void watermark_progress(watermark_t *w, uint32_t rank, uint64_t executed, uint64
 /* rank's link is gone: seqs executed+1 .. last_seq will never run. Pending
  * targets in that range fail their waits; later waits for them fail at once. */
 void watermark_lost(watermark_t *w, uint32_t rank, uint64_t executed, uint64_t last_seq);
+/* Whether rank reported that `session` ran its seqs through seq (NULL: every
+ * session); false for a seq on a link that broke first. */
+bool watermark_reached(watermark_t *w, uint32_t rank, const char *session, uint64_t seq);
 /* Highest seq rank is known to have executed (0: none). */
 uint64_t watermark_executed(watermark_t *w, uint32_t rank);
 /* Waits registered and not yet fired. */

@@ -38,8 +38,8 @@ SEED = int(os.environ.get("MESHD_CHAOS_SEED", "1"))
 
 
 class KnownBug(AssertionError):
-    """The symptom of a known bug: the xfail marks expect exactly this, so any other
-    failure of those tests still fails."""
+    """The symptom of a bug these tests found (each fixed since; a test raises it when
+    the symptom comes back, naming it)."""
 
 
 def run_chaos(srv, mode, rounds, sessions=8, seed=SEED, agent_timeout=3):
@@ -159,11 +159,6 @@ def test_an_agent_back_from_a_cut_link_drops_the_work_it_had_queued(meshd_server
                            f"reduces it had queued when its link broke still run") from None
 
 
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=(
-    "BUG: a session is told of a rank's loss when it ever sent that rank an instruction "
-    "(objects_t.touched never clears), even with nothing left there: its tensors on the "
-    "rank dropped and synced, no instruction pending. Its next Sync reports AGENT_LOST "
-    "though it has no work on the lost rank"))
 def test_a_session_that_left_a_rank_is_not_told_of_its_loss(meshd_server):
     srv = lib.wait_ready(meshd_server(4), 4)
     with Session(srv.port, "left") as s:

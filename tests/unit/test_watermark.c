@@ -234,3 +234,15 @@ Test(watermark, lost_seqs_stay_lost_for_a_session_too) {
                                       &lost), WATERMARK_LOST);
   cr_assert_eq(lost, 1);
 }
+
+Test(watermark, reached_answers_per_session_and_never_for_lost_seqs) {
+  watermark_session_t behind[] = {{"a", 2}};
+  watermark_progress(w, 0, 1, 5, behind, 1);
+  cr_assert(watermark_reached(w, 0, "a", 2));
+  cr_assert_not(watermark_reached(w, 0, "a", 3));
+  cr_assert(watermark_reached(w, 0, "b", 5), "a session not listed ran all it sent");
+  cr_assert_not(watermark_reached(w, 0, NULL, 2), "every session: only through 1");
+  cr_assert(watermark_reached(w, 0, "a", 0));
+  watermark_lost(w, 0, 1, 5);
+  cr_assert_not(watermark_reached(w, 0, "b", 4), "seq 4 was on the broken link");
+}
