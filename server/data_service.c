@@ -353,9 +353,13 @@ static int fetch_wait_all(fetch_t *f) {
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
   if (r == WATERMARK_LOST) {
+    /* The pool's wording names the rank and when it was lost. */
+    meshd_error_t when = {0};
+    agent_pool_check_lost(f->ds->pool, &lost, 1, 0, "Fetch", &when);
     rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
-                    "Fetch: the agent of rank %u was lost before it computed tensor %llu", lost,
-                    (unsigned long long)f->ref);
+                    "Fetch of tensor %llu: the agent of rank %u was lost before it computed it%s%s%s",
+                    (unsigned long long)f->ref, lost, when.msg[0] ? " (" : "",
+                    when.msg[0] ? when.msg : "", when.msg[0] ? ")" : "");
     return -1;
   }
   if (r != WATERMARK_REACHED) {
