@@ -11,6 +11,7 @@
 #include <uthash.h>
 
 #include "log.h"
+#include "runtime.h"
 #include "run.h"
 #include "session_state.h"
 
@@ -134,13 +135,7 @@ uint64_t executor_executed(executor_t *x) {
 
 int executor_wait(executor_t *x, uint64_t seq, int timeout_ms) {
   struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += timeout_ms / 1000;
-  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
+  runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
   pthread_mutex_lock(&x->mu);
   int rc = 0;
   while (through_locked(x) < seq && !x->closing && rc == 0)
@@ -154,13 +149,7 @@ static xsession_t *session_find_locked(executor_t *x, const char *id);
 
 int executor_wait_session(executor_t *x, const char *session, uint64_t seq, int timeout_ms) {
   struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += timeout_ms / 1000;
-  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
+  runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
   pthread_mutex_lock(&x->mu);
   int rc = 0;
   bool ok;
@@ -231,13 +220,7 @@ static void *reporter_main(void *arg) {
   for (;;) {
     while (!x->dirty && !x->report_stop) {
       struct timespec until;
-      clock_gettime(CLOCK_MONOTONIC, &until);
-      until.tv_sec += ALLOC_POLL_MS / 1000;
-      until.tv_nsec += (long)(ALLOC_POLL_MS % 1000) * 1000000L;
-      if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-      }
+      runtime_deadline(&until, CLOCK_MONOTONIC, ALLOC_POLL_MS);
       if (pthread_cond_timedwait(&x->report_cv, &x->mu, &until) == ETIMEDOUT &&
           allocated(x) != x->reported_alloc)
         x->dirty = true;
@@ -613,13 +596,7 @@ static int live_executors;
 
 int executor_wait_all_freed(int timeout_ms) {
   struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += timeout_ms / 1000;
-  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
+  runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
   pthread_mutex_lock(&live_mu);
   int rc = 0;
   while (live_executors > 0 && rc == 0) rc = pthread_cond_timedwait(&live_cv, &live_mu, &dl);

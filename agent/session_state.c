@@ -6,6 +6,8 @@
 #include <time.h>
 #include <uthash.h>
 
+#include "runtime.h"
+
 /* One stream of the session: how far its worker has queued work. */
 struct stream_progress {
   uint64_t id;
@@ -273,13 +275,7 @@ int session_state_check_peers(session_state_t *s, const uint32_t *ranks, size_t 
 
 bool session_state_wait_lost(session_state_t *s, int timeout_ms) {
   struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  dl.tv_sec += timeout_ms / 1000;
-  dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-  if (dl.tv_nsec >= 1000000000L) {
-    dl.tv_sec++;
-    dl.tv_nsec -= 1000000000L;
-  }
+  runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
   pthread_mutex_lock(&s->mu);
   int rc = 0;
   while (s->nlost == 0 && !s->closing && rc == 0)

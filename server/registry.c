@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "runtime.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "meshd/v1/agent_registry.pb-c.h"
 
@@ -242,21 +243,11 @@ static void sweep(registry_t *r) {
   free(healthy);
 }
 
-static void deadline_in(struct timespec *ts, int ms) {
-  clock_gettime(CLOCK_MONOTONIC, ts);
-  ts->tv_sec += ms / 1000;
-  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
-  if (ts->tv_nsec >= 1000000000L) {
-    ts->tv_sec++;
-    ts->tv_nsec -= 1000000000L;
-  }
-}
-
 /* The registry's thread: dial-back jobs as they come, a sweep every REGISTRY_SWEEP_MS. */
 static void *dialer(void *arg) {
   registry_t *r = arg;
   struct timespec next_sweep;
-  deadline_in(&next_sweep, REGISTRY_SWEEP_MS);
+  runtime_deadline(&next_sweep, CLOCK_MONOTONIC, REGISTRY_SWEEP_MS);
   pthread_mutex_lock(&r->mu);
   for (;;) {
     while (!r->jobs && !r->stopping &&
@@ -279,7 +270,7 @@ static void *dialer(void *arg) {
     if (now.tv_sec > next_sweep.tv_sec ||
         (now.tv_sec == next_sweep.tv_sec && now.tv_nsec >= next_sweep.tv_nsec)) {
       sweep(r);
-      deadline_in(&next_sweep, REGISTRY_SWEEP_MS);
+      runtime_deadline(&next_sweep, CLOCK_MONOTONIC, REGISTRY_SWEEP_MS);
     }
     pthread_mutex_lock(&r->mu);
   }

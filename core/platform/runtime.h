@@ -3,6 +3,7 @@
 #define MESHD_RUNTIME_H
 
 #include <stddef.h>
+#include <time.h>
 
 /* Blocks SIGTERM, SIGINT and SIGHUP in the calling thread (call it first in
  * main, before any thread exists, so every thread inherits the mask) and
@@ -18,5 +19,17 @@ void runtime_random_hex(char *out, size_t n);
 /* "HOST:PORT" that a local peer dials to reach a server listening on `listen`
  * with bound port `port`: a wildcard host (0.0.0.0, [::], empty) becomes 127.0.0.1. */
 void runtime_local_address(const char *listen, int port, char *out, size_t len);
+
+/* *ts = now on `clock` + ms: the deadline of a pthread_cond_timedwait (whose
+ * condition variable uses that clock). */
+static inline void runtime_deadline(struct timespec *ts, clockid_t clock, int ms) {
+  clock_gettime(clock, ts);
+  ts->tv_sec += ms / 1000;
+  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts->tv_nsec >= 1000000000L) {
+    ts->tv_sec++;
+    ts->tv_nsec -= 1000000000L;
+  }
+}
 
 #endif
