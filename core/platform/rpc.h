@@ -42,6 +42,44 @@ typedef enum {
 typedef struct rpc_call rpc_call_t;
 typedef struct rpc_server rpc_server_t;
 
+/* TLS for a port or a channel: PEM files, read when the server or channel is
+ * made. A server re-reads its files when one of them changes (checked at each
+ * new handshake), so certificates rotate without a restart.
+ *
+ * Server: cert_file + key_file are its certificate chain and key; ca_file,
+ * when set, makes the port require client certificates signed by that CA
+ * (mTLS). Channel: ca_file holds the roots that verify the server (NULL:
+ * the system's); cert_file + key_file, when set, are the client certificate
+ * presented for mTLS; server_name, when set, is the name checked in the
+ * server's certificate instead of the target's host (agents reached by IP
+ * carry one cluster-wide name). */
+typedef struct rpc_tls {
+  bool on;
+  const char *ca_file;
+  const char *cert_file;
+  const char *key_file;
+  const char *server_name;
+} rpc_tls_t;
+
+/* Checks that the files `tls` names exist and hold PEM of the right kind, so a
+ * daemon fails at startup with a clear message rather than at its first
+ * handshake. `what` prefixes the message ("--tls-cert"). server: cert and key
+ * are required. Returns 0, or -1 with err. */
+int rpc_tls_check(const rpc_tls_t *tls, bool server, char *err, size_t errlen);
+
+/* Who a call's guard admitted (rpc_server_add_methods_guarded). */
+typedef struct rpc_identity {
+  char name[64];   /* a principal ("alice"), "agent", "anonymous" */
+  bool admin;
+} rpc_identity_t;
+
+/* Runs before on_start for every call to a guarded method, on a
+ * completion-queue thread (so: quick, no blocking). Returns GRPC_STATUS_OK and
+ * fills *id to admit the call; any other code refuses it with msg (nothing of
+ * the call's handler runs). */
+typedef grpc_status_code (*rpc_guard_fn)(rpc_call_t *call, void *guard_arg, rpc_identity_t *id,
+                                         char *msg, size_t msglen);
+
 /* One row of a server's method table. Rows hold no state: the `arg` every
  * callback gets is given to rpc_server_add_methods with the rows.
  *
@@ -92,9 +130,12 @@ typedef struct rpc_server_opts {
    * a larger message still goes through while a read waits for it (the window
    * is given back as it arrives), at up to a window per round trip. */
   int stream_window_bytes;
-  /* TLS plugs in here: when both are set the port uses SSL credentials. */
-  const char *tls_cert_file;
-  const char *tls_key_file;
+  rpc_tls_t tls;               /* .on: TLS (and mTLS with .ca_file) on this port */
+  /* A connection with no call for this long is closed (GRPC_ARG_MAX_CONNECTION_IDLE_MS);
+   * <= 0: 10 minutes. Clients reconnect on their next call. */
+  int max_connection_idle_ms;
+  /* Calls one connection may have open at once; <= 0: 1024. */
+  int max_concurrent_streams;
 } rpc_server_opts_t;
 
 /* Creates a server. Returns NULL and a message in err on failure. */
@@ -103,6 +144,10 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
  * The rows, and what arg points to, must outlive the server. Before start only.
  * Returns 0, or -1 if a path is already registered. */
 int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n, void *arg);
+/* The same, with a guard that admits or refuses each call before on_start
+ * (authentication). Rows added without a guard are open to every caller. */
+int rpc_server_add_methods_guarded(rpc_server_t *srv, const rpc_method_t *methods, size_t n,
+                                   void *arg, rpc_guard_fn guard, void *guard_arg);
 /* Binds the port, starts the threads. Returns the bound port (> 0) or -1 with err
  * ("address already in use: 127.0.0.1:50051"). Unknown methods are answered with
  * UNIMPLEMENTED naming the method. */
@@ -160,6 +205,10 @@ const char *rpc_call_metadata(rpc_call_t *call, const char *key, char *buf, size
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:4242"). Caller frees. */
 char *rpc_call_peer(rpc_call_t *call);
 const char *rpc_call_method(const rpc_call_t *call);
+/* What the method's guard admitted the call as; NULL for unguarded methods. */
+const rpc_identity_t *rpc_call_identity(const rpc_call_t *call);
+/* True if the call came over TLS with a client certificate the port verified. */
+bool rpc_call_peer_verified(rpc_call_t *call);
 /* One pointer of handler state, set in on_start. */
 void rpc_call_set_data(rpc_call_t *call, void *data);
 void *rpc_call_data(const rpc_call_t *call);
@@ -184,6 +233,7 @@ typedef struct rpc_channel_opts {
    * peer slow for a moment fails the call (gRPC takes the minimum reconnect
    * backoff as the minimum connect timeout). */
   int connect_timeout_ms;
+  rpc_tls_t tls;           /* .on: TLS to the server (see rpc_tls_t) */
 } rpc_channel_opts_t;
 
 typedef struct rpc_status {
@@ -197,12 +247,16 @@ typedef struct rpc_md {
   const char *value;
 } rpc_md_t;
 
-/* opts may be NULL. Never fails for a syntactically valid target; connection
- * problems show up on calls (UNAVAILABLE) or in rpc_channel_wait_ready. */
+/* opts may be NULL. Fails (NULL) only when TLS files cannot be read
+ * (rpc_tls_check says why); connection problems, a bad target included, show
+ * up on calls (UNAVAILABLE) or in rpc_channel_wait_ready. */
 rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *opts);
 void rpc_channel_destroy(rpc_channel_t *ch);
 /* Connects now; true once READY, false on timeout or failure. */
 bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms);
+/* True once the channel is no longer READY (its connection closed: the server
+ * went away or closed it as idle); false on timeout. */
+bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms);
 
 /* Blocking unary call. On OK stores the unpacked reply in *resp (free with
  * protobuf_c_message_free_unpacked) and returns GRPC_STATUS_OK. Otherwise

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "rpc.h"
+#include "rpc_tls.h"
 #include "rpc_wire.h"
 
 typedef struct method_handle {
@@ -48,7 +49,13 @@ rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *
     wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   }
   if (o.own_connection) wire_args_int(&a, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  if (o.tls.on && o.tls.server_name)
+    wire_args_str(&a, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, o.tls.server_name);
+  grpc_channel_credentials *creds = rpc_tls_channel_creds(&o.tls);
+  if (!creds) {
+    free(ch);
+    return NULL;
+  }
   ch->ch = grpc_channel_create(target, creds, wire_args_done(&a));
   grpc_channel_credentials_release(creds);
   pthread_mutex_init(&ch->mu, NULL);
@@ -83,14 +90,16 @@ static void *method_handle(rpc_channel_t *ch, const char *method) {
   return m ? m->handle : NULL;
 }
 
-bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) {
+/* Waits until the channel's state is READY (want_ready) or anything but
+ * READY (!want_ready). */
+static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
   gpr_timespec deadline = wire_deadline(timeout_ms);
   grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
   bool ready = false;
   int tag;
   for (;;) {
-    grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch->ch, 1);
-    if (s == GRPC_CHANNEL_READY) {
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(ch->ch, want_ready);
+    if ((s == GRPC_CHANNEL_READY) == want_ready) {
       ready = true;
       break;
     }
@@ -104,6 +113,9 @@ bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) {
   grpc_completion_queue_destroy(cq);
   return ready;
 }
+
+bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, true, timeout_ms); }
+bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, false, timeout_ms); }
 
 static grpc_metadata *make_md(const rpc_md_t *md, size_t nmd) {
   if (nmd == 0) return NULL;

@@ -18,6 +18,7 @@
 
 #include "log.h"
 #include "rpc.h"
+#include "rpc_tls.h"
 #include "rpc_wire.h"
 
 #define OUTBOX_HIGH 64 /* stop re-arming reads above this many queued messages */
@@ -39,6 +40,8 @@ typedef struct method_slot {
   const rpc_method_t *m;
   void *arg;    /* given with the row to rpc_server_add_methods */
   void *handle; /* from grpc_server_register_method */
+  rpc_guard_fn guard; /* NULL: open to every caller */
+  void *guard_arg;
 } method_slot_t;
 
 struct rpc_call {
@@ -73,6 +76,8 @@ struct rpc_call {
   grpc_metadata trailer;
   bool has_trailer;
   void *data;
+  bool has_identity;
+  rpc_identity_t identity; /* what the guard admitted the call as */
 };
 
 struct rpc_server {
@@ -85,6 +90,7 @@ struct rpc_server {
   char listen[256];
   bool started, stopping, shut_down;
   grpc_server_credentials *creds;
+  rpc_tls_server_t *tls; /* the certificate fetcher's state (TLS only) */
   method_slot_t *slots;
   size_t nslots, cap;
   int posts_per_method;
@@ -340,6 +346,19 @@ const char *rpc_call_method(const rpc_call_t *c) {
   return c->slot ? c->slot->m->path : "(unknown method)";
 }
 
+const rpc_identity_t *rpc_call_identity(const rpc_call_t *c) {
+  return c->has_identity ? &c->identity : NULL;
+}
+
+bool rpc_call_peer_verified(rpc_call_t *c) {
+  grpc_auth_context *ctx = grpc_call_auth_context(c->call);
+  if (!ctx) return false;
+  /* gRPC sets the peer identity only from a certificate it verified. */
+  bool verified = grpc_auth_context_peer_is_authenticated(ctx) != 0;
+  grpc_auth_context_release(ctx);
+  return verified;
+}
+
 void rpc_call_set_data(rpc_call_t *c, void *data) { c->data = data; }
 void *rpc_call_data(const rpc_call_t *c) { return c->data; }
 
@@ -409,6 +428,27 @@ static void on_new(rpc_call_t *c, bool ok) {
   op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   op.data.recv_close_on_server.cancelled = &c->close_cancelled;
   start_batch_locked(c, &op, 1, &c->t_close);
+
+  if (c->slot->guard) {
+    /* Authentication first: a refused caller's request is not even decoded. */
+    char why[300] = "";
+    rpc_identity_t id = {{0}, false};
+    pthread_mutex_unlock(&c->mu);
+    grpc_status_code code = c->slot->guard(c, c->slot->guard_arg, &id, why, sizeof why);
+    pthread_mutex_lock(&c->mu);
+    if (code != GRPC_STATUS_OK) {
+      if (c->payload) {
+        grpc_byte_buffer_destroy(c->payload);
+        c->payload = NULL;
+      }
+      finish_locked(c, code, code == GRPC_STATUS_PERMISSION_DENIED ? "PERMISSION_DENIED"
+                                                                   : "UNAUTHENTICATED", why);
+      pthread_mutex_unlock(&c->mu);
+      return;
+    }
+    c->identity = id;
+    c->has_identity = true;
+  }
 
   ProtobufCMessage *req = NULL;
   bool single_request = m->kind == RPC_UNARY || m->kind == RPC_SERVER_STREAMING;
@@ -588,50 +628,13 @@ static void post_request(rpc_server_t *srv, method_slot_t *slot) {
 
 /* ------------------------------------------------------------------ server */
 
-static char *read_file(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  fseek(f, 0, SEEK_SET);
-  char *buf = n >= 0 ? malloc((size_t)n + 1) : NULL;
-  if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
-    free(buf);
-    buf = NULL;
-  }
-  if (buf) buf[n] = '\0';
-  fclose(f);
-  return buf;
-}
-
-static grpc_server_credentials *make_creds(const rpc_server_opts_t *o, char *err, size_t errlen) {
-  if (!o->tls_cert_file && !o->tls_key_file) return grpc_insecure_server_credentials_create();
-  if (!o->tls_cert_file || !o->tls_key_file) {
-    snprintf(err, errlen, "TLS needs both a certificate and a key file");
-    return NULL;
-  }
-  char *cert = read_file(o->tls_cert_file);
-  char *key = read_file(o->tls_key_file);
-  grpc_server_credentials *creds = NULL;
-  if (!cert || !key) {
-    snprintf(err, errlen, "cannot read %s", !cert ? o->tls_cert_file : o->tls_key_file);
-  } else {
-    grpc_ssl_pem_key_cert_pair pair = {key, cert};
-    creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);
-    if (!creds) snprintf(err, errlen, "invalid TLS certificate or key");
-  }
-  free(cert);
-  free(key);
-  return creds;
-}
-
 rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t errlen) {
   rpc_server_t *srv = calloc(1, sizeof *srv);
   if (!srv) {
     snprintf(err, errlen, "out of memory");
     return NULL;
   }
-  srv->creds = make_creds(opts, err, errlen);
+  srv->creds = rpc_tls_server_creds(&opts->tls, &srv->tls, err, errlen);
   if (!srv->creds) {
     free(srv);
     return NULL;
@@ -654,6 +657,12 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   wire_args_int(&a, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, RPC_SERVER_MIN_PING_MS);
   wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  /* Idle connections go (a stranger's open socket holds memory), and one
+   * connection cannot open calls without end. */
+  wire_args_int(&a, GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                opts->max_connection_idle_ms > 0 ? opts->max_connection_idle_ms : 600000);
+  wire_args_int(&a, GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                opts->max_concurrent_streams > 0 ? opts->max_concurrent_streams : 1024);
   if (opts->stream_window_bytes > 0) {
     /* A fixed window: what a client may send that no read asked for yet. */
     wire_args_int(&a, GRPC_ARG_HTTP2_BDP_PROBE, 0);
@@ -667,6 +676,11 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
 }
 
 int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_t n, void *arg) {
+  return rpc_server_add_methods_guarded(srv, methods, n, arg, NULL, NULL);
+}
+
+int rpc_server_add_methods_guarded(rpc_server_t *srv, const rpc_method_t *methods, size_t n,
+                                   void *arg, rpc_guard_fn guard, void *guard_arg) {
   if (srv->started) return -1;
   for (size_t i = 0; i < n; i++) {
     for (size_t j = 0; j < srv->nslots; j++)
@@ -683,7 +697,7 @@ int rpc_server_add_methods(rpc_server_t *srv, const rpc_method_t *methods, size_
         srv->server, methods[i].path, NULL,
         single ? GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER : GRPC_SRM_PAYLOAD_NONE, 0);
     if (!h) return -1;
-    srv->slots[srv->nslots++] = (method_slot_t){&methods[i], arg, h};
+    srv->slots[srv->nslots++] = (method_slot_t){&methods[i], arg, h, guard, guard_arg};
   }
   return 0;
 }
@@ -763,6 +777,7 @@ void rpc_server_destroy(rpc_server_t *srv) {
   }
   grpc_completion_queue_destroy(srv->cq);
   grpc_server_credentials_release(srv->creds);
+  rpc_tls_server_free(srv->tls);
   pthread_mutex_destroy(&srv->mu);
   free(srv->threads);
   free(srv->slots);

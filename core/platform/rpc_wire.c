@@ -41,6 +41,15 @@ void wire_args_int(wire_args_t *a, const char *key, int value) {
   a->ca.num_args = n + 1;
 }
 
+void wire_args_str(wire_args_t *a, const char *key, const char *value) {
+  size_t n = a->ca.num_args;
+  if (n >= sizeof a->args / sizeof a->args[0]) return;
+  a->args[n].type = GRPC_ARG_STRING;
+  a->args[n].key = (char *)key;
+  a->args[n].value.string = (char *)value;
+  a->ca.num_args = n + 1;
+}
+
 const grpc_channel_args *wire_args_done(wire_args_t *a) {
   a->ca.args = a->args;
   return &a->ca;

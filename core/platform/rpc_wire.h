@@ -16,10 +16,11 @@ ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescr
 
 /* A small fixed-capacity builder for grpc_channel_args. */
 typedef struct wire_args {
-  grpc_arg args[16];
+  grpc_arg args[24];
   grpc_channel_args ca;
 } wire_args_t;
 void wire_args_int(wire_args_t *a, const char *key, int value);
+void wire_args_str(wire_args_t *a, const char *key, const char *value);
 const grpc_channel_args *wire_args_done(wire_args_t *a);
 
 /* Absolute deadline timeout_ms from now; infinite for timeout_ms <= 0. */

@@ -138,7 +138,9 @@ static void unary_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
   const EchoRequest *req = (const EchoRequest *)msg;
   atomic_fetch_add(&es->started, 1);
   char md[256];
-  if (!rpc_call_metadata(call, "x-echo", md, sizeof md)) md[0] = '\0';
+  const rpc_identity_t *id = rpc_call_identity(call);
+  if (!rpc_call_metadata(call, "x-echo", md, sizeof md))
+    snprintf(md, sizeof md, "%s%s", id ? "identity:" : "", id ? id->name : "");
   if (req->delay_ms <= 0) {
     answer_unary(call, req->text, req->payload.data, req->payload.len, req->fail_code,
                  req->fail_kind, md);
@@ -289,6 +291,11 @@ static const rpc_method_t methods[] = {
 };
 
 echo_server_t *echo_server_start(const rpc_server_opts_t *opts, char *err, size_t errlen) {
+  return echo_server_start_guarded(opts, NULL, NULL, err, errlen);
+}
+
+echo_server_t *echo_server_start_guarded(const rpc_server_opts_t *opts, rpc_guard_fn guard,
+                                         void *guard_arg, char *err, size_t errlen) {
   echo_server_t *es = calloc(1, sizeof *es);
   if (!es) {
     snprintf(err, errlen, "echo server: out of memory");
@@ -303,7 +310,8 @@ echo_server_t *echo_server_start(const rpc_server_opts_t *opts, char *err, size_
 
   es->srv = rpc_server_create(opts, err, errlen);
   if (!es->srv) goto fail;
-  if (rpc_server_add_methods(es->srv, methods, sizeof methods / sizeof methods[0], es) != 0) {
+  if (rpc_server_add_methods_guarded(es->srv, methods, sizeof methods / sizeof methods[0], es,
+                                     guard, guard_arg) != 0) {
     snprintf(err, errlen, "echo server: methods already registered");
     goto fail;
   }

@@ -44,6 +44,11 @@ typedef struct echo_server echo_server_t;
 /* Creates an rpc server from opts (rpc_init must have run), registers the Echo
  * methods and starts it. Returns NULL with a message in err on failure. */
 echo_server_t *echo_server_start(const rpc_server_opts_t *opts, char *err, size_t errlen);
+/* The same with a guard on every Echo method (rpc_server_add_methods_guarded);
+ * Unary then replies metadata "identity:NAME" (what the guard admitted) when
+ * the request has no "x-echo". */
+echo_server_t *echo_server_start_guarded(const rpc_server_opts_t *opts, rpc_guard_fn guard,
+                                         void *guard_arg, char *err, size_t errlen);
 int echo_server_port(echo_server_t *es);
 /* The underlying server, for rpc_server_* calls (active_calls, shutdown). The
  * echo server still owns it. */
