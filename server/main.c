@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "agent_pool.h"
+#include "auth.h"
 #include "command_service.h"
 #include "config.h"
 #include "health.h"
@@ -27,6 +28,9 @@
 typedef struct options {
   const char *listen, *port_file, *agent_binary, *log_level, *metrics_listen, *metrics_port_file;
   const char *local_agent_device;
+  const char *tls_cert, *tls_key, *tls_client_ca, *auth_tokens, *health_listen;
+  int64_t max_sessions_per_principal, max_streams_per_connection;
+  double max_connection_idle;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
@@ -65,6 +69,27 @@ static const config_flag_t flags[] = {
      "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
     {"max-queued-bytes", CONFIG_BYTES, "256MiB",
      "flow control: the bound on instruction bytes over all sessions (0: none)", &opt.max_queued_bytes, 0, 0},
+    {"tls-cert", CONFIG_STRING, NULL, "serve TLS on --listen with this PEM certificate chain "
+     "(with --tls-key; files re-read when they change)", &opt.tls_cert, 0, 0},
+    {"tls-key", CONFIG_STRING, NULL, "the PEM private key of --tls-cert", &opt.tls_key, 0, 0},
+    {"tls-client-ca", CONFIG_STRING, NULL,
+     "also require client certificates signed by this PEM CA (mTLS; needs --tls-cert)",
+     &opt.tls_client_ca, 0, 0},
+    {"auth-tokens", CONFIG_STRING, NULL,
+     "principals, one per line 'NAME TOKEN [admin]'; every call but health must carry "
+     "'authorization: Bearer TOKEN' (re-read on SIGHUP)", &opt.auth_tokens, 0, 0},
+    {"health-listen", CONFIG_STRING, NULL,
+     "also serve only grpc.health.v1, in plaintext, here (kubelet probes when --listen is TLS)",
+     &opt.health_listen, 0, 0},
+    {"max-sessions-per-principal", CONFIG_INT, "256",
+     "open sessions one principal may hold (0: no bound)", &opt.max_sessions_per_principal, 0,
+     1 << 24},
+    {"max-connection-idle", CONFIG_DOUBLE, "600",
+     "close a client connection with no call for this many seconds", &opt.max_connection_idle,
+     1, 86400},
+    {"max-streams-per-connection", CONFIG_INT, "1024",
+     "calls one client connection may have open at once", &opt.max_streams_per_connection, 1,
+     1 << 20},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
      &opt.metrics_listen, 0, 0},
@@ -162,12 +187,24 @@ int main(int argc, char **argv) {
              (unsigned long long)opt.max_message_bytes);
     return usage_error("meshd", err);
   }
+  if ((opt.tls_cert != NULL) != (opt.tls_key != NULL))
+    return usage_error("meshd", opt.tls_cert ? "--tls-cert needs --tls-key" : "--tls-key needs --tls-cert");
+  if (opt.tls_client_ca && !opt.tls_cert)
+    return usage_error("meshd", "--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS first)");
+  rpc_tls_t tls = {.on = opt.tls_cert != NULL, .cert_file = opt.tls_cert, .key_file = opt.tls_key,
+                   .ca_file = opt.tls_client_ca};
+  if (rpc_tls_check(&tls, true, err, sizeof err) != 0) return usage_error("meshd", err);
   log_set_level(level);
   int min_agents = opt.min_agents >= 0 ? (int)opt.min_agents
                                        : (opt.local_agents > 0 ? (int)opt.local_agents : 1);
 
   runtime_block_signals();
   rpc_init();
+  auth_t *auth = auth_create(opt.auth_tokens, err, sizeof err);
+  if (!auth) {
+    log_error("server", "%s", err);
+    return 2;
+  }
 
   char server_id[33];
   runtime_random_hex(server_id, 16);
@@ -187,10 +224,14 @@ int main(int argc, char **argv) {
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel
    * (--agent-timeout), not by pinging their registration call. */
+  session_table_set_owner_limit(sessions, (uint64_t)opt.max_sessions_per_principal);
   rpc_server_opts_t so = {.listen = opt.listen,
                           .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes,
-                          .stream_window_bytes = (int)opt.stream_window_bytes};
+                          .stream_window_bytes = (int)opt.stream_window_bytes,
+                          .tls = tls,
+                          .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
+                          .max_concurrent_streams = (int)opt.max_streams_per_connection};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);
@@ -199,14 +240,15 @@ int main(int argc, char **argv) {
   size_t n;
   const rpc_method_t *m = registry_methods(&n);
   rpc_server_add_methods(srv, m, n, registry);
+  /* Every client-facing method is guarded; Health stays open. */
   m = tensor_service_methods(&n);
-  rpc_server_add_methods(srv, m, n, pool);
+  rpc_server_add_methods_guarded(srv, m, n, pool, auth_guard, auth);
   m = session_service_methods(&n);
-  rpc_server_add_methods(srv, m, n, sessions);
+  rpc_server_add_methods_guarded(srv, m, n, sessions, auth_guard, auth);
   m = command_service_methods(&n);
-  rpc_server_add_methods(srv, m, n, state.commands);
+  rpc_server_add_methods_guarded(srv, m, n, state.commands, auth_guard, auth);
   m = data_service_methods(&n);
-  rpc_server_add_methods(srv, m, n, data);
+  rpc_server_add_methods_guarded(srv, m, n, data, auth_guard, auth);
   health_add_methods(state.health, srv);
   health_set(state.health, "", HEALTH_SERVING);
   health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
@@ -216,6 +258,17 @@ int main(int argc, char **argv) {
     log_error("server", "%s", err);
     rpc_server_destroy(srv);
     return 1;
+  }
+  rpc_server_t *health_srv = NULL;
+  if (opt.health_listen && *opt.health_listen) {
+    health_srv = health_serve(state.health, opt.health_listen, err, sizeof err);
+    if (!health_srv) {
+      log_error("server", "--health-listen: %s", err);
+      rpc_server_destroy(srv);
+      return 1;
+    }
+    log_info("server", "plaintext health on %s (port %d)", opt.health_listen,
+             rpc_server_port(health_srv));
   }
   if (opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
     log_error("server", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
@@ -252,8 +305,16 @@ int main(int argc, char **argv) {
     }
     log_info("server", "metrics on http://%s/metrics (port %d)", opt.metrics_listen, metrics_http_port(metrics_http));
   }
-  log_info("server", "meshd %s (server %s) listening on %s, port %d; TensorService needs %d agent(s)",
-           MESHD_VERSION, server_id, opt.listen, port, min_agents);
+  log_info("server", "meshd %s (server %s) listening on %s, port %d (%s, %s); TensorService needs "
+           "%d agent(s)", MESHD_VERSION, server_id, opt.listen, port,
+           !tls.on ? "plaintext" : tls.ca_file ? "mTLS" : "TLS",
+           auth_enabled(auth) ? "bearer tokens" : "no tokens", min_agents);
+  if (!auth_enabled(auth) || !tls.on)
+    log_warn("server", "this server is open: %s%s%s; anyone who reaches port %d %s. For local work "
+             "only (see docs/security.md)", !tls.on ? "no TLS (--tls-cert/--tls-key)" : "",
+             !tls.on && !auth_enabled(auth) ? " and " : "",
+             !auth_enabled(auth) ? "no --auth-tokens" : "", port,
+             !auth_enabled(auth) ? "can use and read every session" : "can read its traffic");
 
   supervisor_t *sup = NULL;
   if (opt.local_agents > 0) {
@@ -278,7 +339,12 @@ int main(int argc, char **argv) {
   }
 
   int sig;
-  while ((sig = runtime_wait_signal(1000)) == 0) {
+  while ((sig = runtime_wait_signal(1000)) == 0 || sig == SIGHUP) {
+    if (sig != SIGHUP) continue;
+    int count = auth_reload(auth, err, sizeof err);
+    if (count < 0) log_error("server", "SIGHUP: %s; the principals loaded before stay", err);
+    else if (auth_enabled(auth)) log_info("server", "SIGHUP: reloaded %d principal(s) from %s", count, opt.auth_tokens);
+    else log_info("server", "SIGHUP: no --auth-tokens to reload");
   }
   log_info("server", "%s: draining for up to %.1f s", strsignal(sig), opt.drain_seconds);
 
@@ -293,6 +359,10 @@ int main(int argc, char **argv) {
   metrics_http_stop(metrics_http);
   int64_t left = deadline - rpc_now_ms();
   rpc_server_shutdown(srv, left > 1000 ? (double)left / 1000 : 1.0);
+  if (health_srv) {
+    rpc_server_shutdown(health_srv, 0);
+    rpc_server_destroy(health_srv);
+  }
   registry_destroy(registry);
   rpc_server_destroy(srv);
   session_table_destroy(sessions);
@@ -301,6 +371,7 @@ int main(int argc, char **argv) {
   agent_pool_destroy(pool);
   health_destroy(state.health);
   metrics_destroy(metrics);
+  auth_destroy(auth);
   rpc_shutdown();
   log_info("server", "stopped");
   return 0;

@@ -17,6 +17,7 @@ struct session_table {
   pthread_cond_t wake; /* CLOCK_MONOTONIC; signalled to stop the thread */
   session_t *by_id;    /* uthash, in creation order; holds one ref each */
   uint64_t default_ttl_s, default_quota;
+  uint64_t max_per_owner; /* 0: none */
   session_closed_fn on_closed;
   void *arg;
   pthread_t thread;
@@ -230,7 +231,20 @@ static int random_hex(char *out, size_t n) {
   return 0;
 }
 
-int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
+void session_table_set_owner_limit(session_table_t *t, uint64_t max_per_owner) {
+  pthread_mutex_lock(&t->mu);
+  t->max_per_owner = max_per_owner;
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* Under t->mu. */
+static uint64_t owned_by(const session_table_t *t, const char *owner) {
+  uint64_t n = 0;
+  for (const session_t *s = t->by_id; s; s = s->hh.next) n += !strcmp(s->owner, owner);
+  return n;
+}
+
+int session_create(session_table_t *t, const char *owner, const char *client_name, uint64_t ttl_s,
                    uint64_t quota_bytes, session_t **out, meshd_error_t *err) {
   session_t *s = calloc(1, sizeof *s);
   if (!s) return error_set(err, ERR_UNAVAILABLE, "CreateSession: out of memory");
@@ -239,6 +253,7 @@ int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
     return error_set(err, ERR_UNAVAILABLE, "CreateSession: no randomness for a token: %s",
                      strerror(errno));
   }
+  snprintf(s->owner, sizeof s->owner, "%s", owner && *owner ? owner : "anonymous");
   snprintf(s->client_name, sizeof s->client_name, "%s", client_name ? client_name : "");
   s->ttl_s = ttl_s ? ttl_s : t->default_ttl_s;
   s->quota_bytes = quota_bytes ? quota_bytes : t->default_quota;
@@ -249,6 +264,18 @@ int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
   pthread_mutex_init(&s->mu, NULL);
 
   pthread_mutex_lock(&t->mu);
+  uint64_t held = t->max_per_owner ? owned_by(t, s->owner) : 0;
+  if (t->max_per_owner && held >= t->max_per_owner) {
+    uint64_t limit = t->max_per_owner;
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_QUOTA,
+              "CreateSession: principal '%s' already holds %llu open sessions, the most "
+              "--max-sessions-per-principal (%llu) allows; close sessions you no longer use",
+              s->owner, (unsigned long long)held, (unsigned long long)limit);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+    return -1;
+  }
   for (;;) {
     if (random_hex(s->id, SESSION_ID_LEN / 2) != 0) {
       pthread_mutex_unlock(&t->mu);
@@ -263,8 +290,8 @@ int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
   }
   HASH_ADD_STR(t->by_id, id, s);
   pthread_mutex_unlock(&t->mu);
-  log_info("session", "session %s created for '%s' (ttl %llu s, quota %llu bytes)", s->id,
-           s->client_name, (unsigned long long)s->ttl_s, (unsigned long long)s->quota_bytes);
+  log_info("session", "session %s created by %s for '%s' (ttl %llu s, quota %llu bytes)", s->id,
+           s->owner, s->client_name, (unsigned long long)s->ttl_s, (unsigned long long)s->quota_bytes);
   *out = s;
   return 0;
 }
@@ -388,6 +415,7 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n) {
   size_t i = 0;
   for (session_t *s = t->by_id; s; s = s->hh.next, i++) {
     memcpy(v[i].id, s->id, sizeof v[i].id);
+    memcpy(v[i].owner, s->owner, sizeof v[i].owner);
     memcpy(v[i].client_name, s->client_name, sizeof v[i].client_name);
     v[i].bytes_held = atomic_load(&s->bytes_held);
     v[i].live_tensors = atomic_load(&s->live_tensors);

@@ -39,6 +39,7 @@
 #define SESSION_TOKEN_LEN 64 /* hex chars */
 #define SESSION_CLIENT_NAME_MAX 128
 #define SESSION_TTL_MAX_S (7 * 86400)
+#define SESSION_OWNER_MAX 63 /* a principal's name (auth.h) */
 
 typedef struct session_table session_table_t;
 
@@ -51,6 +52,7 @@ typedef enum {
 typedef struct session {
   /* Set at creation, then read-only. */
   char id[SESSION_ID_LEN + 1];
+  char owner[SESSION_OWNER_MAX + 1]; /* the principal that created it */
   char client_name[SESSION_CLIENT_NAME_MAX + 1];
   uint64_t ttl_s;
   uint64_t quota_bytes; /* 0: unlimited */
@@ -98,11 +100,16 @@ uint64_t session_table_default_ttl(const session_table_t *t);
 void session_table_set_accepting(session_table_t *t, bool accepting);
 bool session_table_accepting(const session_table_t *t);
 
-/* A new open session with a random id and token. ttl_s 0 or quota_bytes 0 take
- * the table's defaults. The caller validates its arguments (session_service.c
- * does); client_name is truncated to SESSION_CLIENT_NAME_MAX. Returns 0 with
- * *out acquired (release it), or -1 (out of memory) with err. */
-int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
+/* Open sessions one principal may hold at once (0: no bound). Default 0. */
+void session_table_set_owner_limit(session_table_t *t, uint64_t max_per_owner);
+
+/* A new open session of principal `owner` with a random id and token. ttl_s 0
+ * or quota_bytes 0 take the table's defaults. The caller validates its
+ * arguments (session_service.c does); client_name is truncated to
+ * SESSION_CLIENT_NAME_MAX. Returns 0 with *out acquired (release it), or -1
+ * with err: QUOTA when the owner holds the most sessions allowed, UNAVAILABLE
+ * out of memory. */
+int session_create(session_table_t *t, const char *owner, const char *client_name, uint64_t ttl_s,
                    uint64_t quota_bytes, session_t **out, meshd_error_t *err);
 
 /* The open session with this id if token matches (compared in constant time),
@@ -136,6 +143,7 @@ size_t session_count(session_table_t *t);
 /* A snapshot row for ListSessions. */
 typedef struct session_info {
   char id[SESSION_ID_LEN + 1];
+  char owner[SESSION_OWNER_MAX + 1];
   char client_name[SESSION_CLIENT_NAME_MAX + 1];
   uint64_t bytes_held;
   uint64_t live_tensors;

@@ -18,6 +18,12 @@ static const char *short_method(const rpc_call_t *call) {
   return slash ? slash + 1 : m;
 }
 
+/* The principal the call's guard admitted ("anonymous" on an open server). */
+static const char *caller(rpc_call_t *call) {
+  const rpc_identity_t *id = rpc_call_identity(call);
+  return id ? id->name : "anonymous";
+}
+
 session_t *session_from_call(session_table_t *t, rpc_call_t *call) {
   char id[128], token[128];
   const char *method = short_method(call);
@@ -33,9 +39,20 @@ session_t *session_from_call(session_table_t *t, rpc_call_t *call) {
   }
   meshd_error_t e;
   session_t *s = session_acquire(t, id, token, &e);
-  if (!s)
+  if (!s) {
     rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, error_kind_name(ERR_NO_SESSION), "%s: %s",
                     method, e.msg);
+    return NULL;
+  }
+  /* The session's own token is not enough: it is the owner's. */
+  const char *who = caller(call);
+  if (strcmp(s->owner, who) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_PERMISSION_DENIED, error_kind_name(ERR_PERMISSION_DENIED),
+                    "%s: session %.8s belongs to another principal; '%s' may use only the "
+                    "sessions it created", method, s->id, who);
+    session_release(s);
+    return NULL;
+  }
   return s;
 }
 
@@ -74,7 +91,7 @@ static void create_session(rpc_call_t *call, const ProtobufCMessage *req, void *
   meshd_error_t e;
   session_t *s;
   if (check_create(t, r, &e) != 0 ||
-      session_create(t, r->client_name, r->ttl_seconds, r->quota_bytes, &s, &e) != 0) {
+      session_create(t, caller(call), r->client_name, r->ttl_seconds, r->quota_bytes, &s, &e) != 0) {
     fail(call, &e);
     return;
   }
@@ -105,6 +122,7 @@ static void keep_alive(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
   rpc_call_reply(call, &reply.base);
 }
 
+/* ListSessions shows a principal its own sessions; an admin sees every one. */
 static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   session_info_t *v;
   size_t n;
@@ -121,20 +139,26 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing sessions");
     return;
   }
+  const rpc_identity_t *id = rpc_call_identity(call);
+  bool all = !id || id->admin;
+  size_t shown = 0;
   for (size_t i = 0; i < n; i++) {
+    if (!all && strcmp(v[i].owner, id->name) != 0) continue;
     Meshd__V1__SessionInfo row = MESHD__V1__SESSION_INFO__INIT;
     row.session_id = v[i].id;
+    row.owner = v[i].owner;
     row.client_name = v[i].client_name;
     row.bytes_held = v[i].bytes_held;
     row.live_tensors = v[i].live_tensors;
     row.idle_ms = v[i].idle_ms;
     row.queued_commands = v[i].queued_commands;
-    rows[i] = row;
-    ptrs[i] = &rows[i];
+    rows[shown] = row;
+    ptrs[shown] = &rows[shown];
+    shown++;
   }
   Meshd__V1__ListSessionsReply reply = MESHD__V1__LIST_SESSIONS_REPLY__INIT;
   reply.sessions = ptrs;
-  reply.n_sessions = n;
+  reply.n_sessions = shown;
   rpc_call_reply(call, &reply.base);
   free(ptrs);
   free(rows);

@@ -4,6 +4,8 @@
  * Each Watch call is held in `watchers` with an rpc_call_ref until its on_end. */
 #include "health.h"
 
+#include <stdio.h>
+
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -165,6 +167,18 @@ static const rpc_method_t methods[] = {
 
 int health_add_methods(health_t *h, rpc_server_t *srv) {
   return rpc_server_add_methods(srv, methods, sizeof methods / sizeof methods[0], h);
+}
+
+rpc_server_t *health_serve(health_t *h, const char *listen, char *err, size_t errlen) {
+  rpc_server_opts_t o = {.listen = listen, .threads = 1, .max_message_bytes = 4096};
+  rpc_server_t *srv = rpc_server_create(&o, err, errlen);
+  if (!srv) return NULL;
+  if (health_add_methods(h, srv) != 0 || rpc_server_start(srv, err, errlen) < 0) {
+    if (!err[0]) snprintf(err, errlen, "cannot register the Health service");
+    rpc_server_destroy(srv);
+    return NULL;
+  }
+  return srv;
 }
 
 void health_shutdown(health_t *h) {

@@ -20,6 +20,10 @@ typedef struct health health_t;
 health_t *health_create(void);
 /* Registers Check and Watch on srv (before rpc_server_start). Returns 0 or -1. */
 int health_add_methods(health_t *h, rpc_server_t *srv);
+/* A plaintext server on `listen` that serves only Health (kubelet gRPC
+ * probes speak plaintext, so a TLS port needs this beside it). Started; stop
+ * it with rpc_server_shutdown + rpc_server_destroy. NULL with err on failure. */
+rpc_server_t *health_serve(health_t *h, const char *listen, char *err, size_t errlen);
 /* Sets a service's status and pushes it to its watchers if it changed. */
 void health_set(health_t *h, const char *service, health_status_t status);
 /* HEALTH_SERVICE_UNKNOWN if the service was never set. */

@@ -754,10 +754,14 @@ class Session:
     """One CreateSession'd session on its own channel. Refs come from new_ref() (strictly
     increasing; gaps are allowed), seqs from run()/command() unless given."""
 
-    def __init__(self, port, client_name="it", ttl_seconds=0, quota_bytes=0, timeout=10.0):
+    def __init__(self, port, client_name="it", ttl_seconds=0, quota_bytes=0, timeout=10.0,
+                 ch=None, auth=()):
+        """ch: a channel to use (e.g. TLS) instead of plaintext to 127.0.0.1:port; auth:
+        metadata every call carries besides the session's, e.g. a bearer token."""
         t = tensor_pb2()
         self.port, self.timeout = port, timeout
-        self.ch = channel(port)
+        self.auth = tuple(auth)
+        self.ch = ch or channel(port)
         reply = self.unary("CreateSession", t.CreateSessionRequest(
             client_name=client_name, ttl_seconds=ttl_seconds, quota_bytes=quota_bytes),
             t.CreateSessionReply, metadata=())
@@ -773,7 +777,7 @@ class Session:
 
     @property
     def metadata(self):
-        return ((SESSION_MD, self.id), (TOKEN_MD, self.token))
+        return ((SESSION_MD, self.id), (TOKEN_MD, self.token)) + self.auth
 
     def shut(self):
         """Closes the channel (not the session)."""
@@ -783,7 +787,7 @@ class Session:
         """A unary TensorService call; metadata None means this session's. Raises grpc.RpcError."""
         fn = self.ch.unary_unary(_SVC + method, request_serializer=lambda m: m.SerializeToString(),
                                  response_deserializer=reply_cls.FromString)
-        return fn(request, metadata=self.metadata if metadata is None else metadata,
+        return fn(request, metadata=self.metadata if metadata is None else tuple(metadata) + self.auth,
                   timeout=timeout or self.timeout)
 
     def close(self, metadata=None):
@@ -845,7 +849,8 @@ class Session:
         t = tensor_pb2()
         fn = self.ch.stream_stream(_SVC + "Submit", request_serializer=lambda m: m.SerializeToString(),
                                    response_deserializer=t.SubmitReply.FromString)
-        it = fn(iter(list(commands)), metadata=self.metadata if metadata is None else metadata,
+        it = fn(iter(list(commands)),
+                metadata=self.metadata if metadata is None else tuple(metadata) + self.auth,
                 timeout=timeout)
         results = []
         try:

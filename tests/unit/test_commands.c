@@ -52,7 +52,7 @@ static void destroy_objects(void *p) { objects_destroy(p); }
 
 static void open_session(uint64_t quota) {
   if (sess) session_release(sess);
-  cr_assert_eq(session_create(table, "unit", 0, quota, &sess, &err), 0, "%s", err.msg);
+  cr_assert_eq(session_create(table, "anonymous", "unit", 0, quota, &sess, &err), 0, "%s", err.msg);
   objs = objects_create();
   cr_assert_not_null(objs);
   pthread_mutex_lock(&sess->mu);

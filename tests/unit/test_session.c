@@ -80,7 +80,7 @@ TestSuite(session, .init = setup, .fini = teardown, .timeout = 30);
 
 static session_t *create(const char *name, uint64_t ttl, uint64_t quota) {
   session_t *s = NULL;
-  cr_assert_eq(session_create(table, name, ttl, quota, &s, &err), 0, "%s", err.msg);
+  cr_assert_eq(session_create(table, "anonymous", name, ttl, quota, &s, &err), 0, "%s", err.msg);
   return s;
 }
 
@@ -120,6 +120,31 @@ Test(session, create_and_acquire) {
   session_release(b);
   cr_assert_eq(session_count(table), 2);
   ASSERT_NO_BAD();
+}
+
+Test(session, one_principal_holds_at_most_its_limit_of_sessions) {
+  session_table_set_owner_limit(table, 2);
+  session_t *a[3] = {NULL}, *b = NULL;
+  cr_assert_eq(session_create(table, "alice", "a0", 0, 0, &a[0], &err), 0, "%s", err.msg);
+  cr_assert_eq(session_create(table, "alice", "a1", 0, 0, &a[1], &err), 0, "%s", err.msg);
+  cr_expect_eq(session_create(table, "alice", "a2", 0, 0, &a[2], &err), -1);
+  cr_expect_eq(err.kind, ERR_QUOTA);
+  cr_expect(strstr(err.msg, "'alice' already holds 2 open sessions") &&
+            strstr(err.msg, "--max-sessions-per-principal (2)"), "%s", err.msg);
+  cr_expect_eq(session_create(table, "bob", "b", 0, 0, &b, &err), 0, "another principal: %s", err.msg);
+  cr_expect_str_eq(b->owner, "bob");
+  session_close(table, a[0]); /* a closed session frees its place */
+  cr_expect_eq(session_create(table, "alice", "a2", 0, 0, &a[2], &err), 0, "%s", err.msg);
+  session_info_t *v;
+  size_t n;
+  cr_assert_eq(session_list(table, &v, &n), 0);
+  cr_expect_eq(n, 3);
+  int alices = 0;
+  for (size_t i = 0; i < n; i++) alices += !strcmp(v[i].owner, "alice");
+  cr_expect_eq(alices, 2);
+  free(v);
+  for (int i = 0; i < 3; i++) session_release(a[i]);
+  session_release(b);
 }
 
 Test(session, wrong_or_missing_credentials) {
@@ -482,7 +507,7 @@ static void *churn(void *arg) {
   for (int i = 0; i < 200; i++) {
     session_t *s;
     meshd_error_t e;
-    if (session_create(table, "churn", 1, 0, &s, &e) != 0) {
+    if (session_create(table, "anonymous", "churn", 1, 0, &s, &e) != 0) {
       CHECK(!"session_create");
       continue;
     }
