@@ -17,6 +17,7 @@ struct session_table {
   pthread_cond_t wake; /* CLOCK_MONOTONIC; signalled to stop the thread */
   session_t *by_id;    /* uthash, in creation order; holds one ref each */
   uint64_t default_ttl_s, default_quota;
+  session_limits_t limits;
   session_closed_fn on_closed;
   void *arg;
   pthread_t thread;
@@ -203,6 +204,14 @@ void session_table_destroy(session_table_t *t) {
 
 uint64_t session_table_default_ttl(const session_table_t *t) { return t->default_ttl_s; }
 
+uint64_t session_table_default_quota(const session_table_t *t) { return t->default_quota; }
+
+void session_table_set_limits(session_table_t *t, const session_limits_t *limits) {
+  pthread_mutex_lock(&t->mu);
+  t->limits = limits ? *limits : (session_limits_t){0};
+  pthread_mutex_unlock(&t->mu);
+}
+
 void session_table_set_accepting(session_table_t *t, bool accepting) {
   atomic_store(&t->accepting, accepting);
 }
@@ -249,6 +258,7 @@ int session_create(session_table_t *t, const char *client_name, uint64_t ttl_s,
   pthread_mutex_init(&s->mu, NULL);
 
   pthread_mutex_lock(&t->mu);
+  s->limits = t->limits;
   for (;;) {
     if (random_hex(s->id, SESSION_ID_LEN / 2) != 0) {
       pthread_mutex_unlock(&t->mu);
