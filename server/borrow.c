@@ -67,6 +67,7 @@ int borrow_drop(objects_t *o, obj_t *b, uint64_t seq, meshd_error_t *e) {
   if (s->read_borrows == 0 && s->mutable_borrow == 0) s->access = own_access(o, s);
   x->dropped = true;
   x->drop_seq = seq;
+  o->live_borrows--;
   return 0;
 }
 

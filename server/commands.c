@@ -130,6 +130,36 @@ static int check_new_refs(session_t *s, const char *cmd, const uint64_t *refs, s
   return -1;
 }
 
+int command_check_limits(const session_t *s, const objects_t *o, obj_kind_t kind, size_t n,
+                         const char *cmd, meshd_error_t *e) {
+  const session_limits_t *l = &s->limits;
+  uint64_t made = kind == OBJ_MESH ? o->meshes : kind == OBJ_STREAM ? o->streams : 0;
+  uint64_t max = kind == OBJ_MESH ? l->max_meshes : kind == OBJ_STREAM ? l->max_streams : 0;
+  if (max && made + n > max)
+    return error_set(e, ERR_QUOTA,
+                     "%s: session %.8s has made %llu %s, the most a session may make here "
+                     "(--session-max-%s %llu); a %s lasts as long as its session: reuse the "
+                     "ones it has, or close it and open a new session",
+                     cmd, s->id, (unsigned long long)made, kind == OBJ_MESH ? "meshes" : "streams",
+                     kind == OBJ_MESH ? "meshes" : "streams", (unsigned long long)max,
+                     obj_kind_name(kind));
+  uint64_t live = objects_live_refs(o);
+  if (l->max_refs && live + n > l->max_refs)
+    return error_set(e, ERR_QUOTA,
+                     "%s: session %.8s holds %llu live refs (tensors and their views, meshes, "
+                     "streams, borrows) and this command adds %zu, more than a session may hold "
+                     "here (--session-max-refs %llu); drop tensors it no longer needs",
+                     cmd, s->id, (unsigned long long)live, n, (unsigned long long)l->max_refs);
+  return 0;
+}
+
+/* A command's new refs: fresh and increasing, and within the session's limits. */
+static int check_new(session_t *s, objects_t *o, const char *cmd, obj_kind_t kind,
+                     const uint64_t *refs, size_t n, meshd_error_t *e) {
+  if (check_new_refs(s, cmd, refs, n, e)) return -1;
+  return command_check_limits(s, o, kind, n, cmd, e);
+}
+
 static void claim_refs(session_t *s, const uint64_t *refs, size_t n) {
   if (n) session_claim_ref(s, refs[n - 1], NULL); /* checked: the last is the highest */
 }
@@ -227,6 +257,7 @@ static int mesh_slice_proto(const mesh_t *parent, uint64_t ref, Meshd__V1__MeshS
       ms[i].start = x->range->start;
       ms[i].stop = x->range->stop;
       ms[i].has_stop = x->range->has_stop;
+      ms[i].has_step = x->range->has_step;
       ms[i].step = x->range->step;
     } else {
       return error_set(e, ERR_BAD_ARGUMENT, "%s: the selector for dim '%s' has neither an index nor a range",
@@ -255,7 +286,7 @@ static int set_capacity(frontend_t *fe, mesh_t *mesh, const char *cmd, meshd_err
 static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                            cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__CreateMesh *m = c->create_mesh;
-  if (check_new_refs(s, "CreateMesh", &m->ref, 1, e)) return -1;
+  if (check_new(s, o, "CreateMesh", OBJ_MESH, &m->ref, 1, e)) return -1;
   if (m->n_dims > NDSLICE_MAX_DIMS)
     return error_set(e, ERR_BAD_ARGUMENT, "CreateMesh: %zu dims; a mesh has at most %d", m->n_dims,
                      NDSLICE_MAX_DIMS);
@@ -283,7 +314,7 @@ static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mes
 static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                           cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__SliceMesh *m = c->slice_mesh;
-  if (check_new_refs(s, "SliceMesh", &m->ref, 1, e)) return -1;
+  if (check_new(s, o, "SliceMesh", OBJ_MESH, &m->ref, 1, e)) return -1;
   mesh_t *parent = resolve_mesh(o, "SliceMesh", "parent", m->parent, e);
   if (!parent) return -1;
   mesh_t mesh;
@@ -299,7 +330,7 @@ static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mesh
 static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
                              const Meshd__V1__Command *c, cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__CreateStream *m = c->create_stream;
-  if (check_new_refs(s, "CreateStream", &m->ref, 1, e)) return -1;
+  if (check_new(s, o, "CreateStream", OBJ_STREAM, &m->ref, 1, e)) return -1;
   size_t len = strlen(m->name);
   if (len == 0 || len >= sizeof(((obj_t *)0)->stream_name))
     return error_set(e, ERR_BAD_ARGUMENT, "CreateStream: the name must be 1..63 characters, got %zu",
@@ -324,7 +355,7 @@ static const char *const factory_kinds[] = {"empty", "zeros", "ones", "full",
 static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                        cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Factory *f = c->factory;
-  if (check_new_refs(s, "Factory", &f->ref, 1, e)) return -1;
+  if (check_new(s, o, "Factory", OBJ_TENSOR, &f->ref, 1, e)) return -1;
   bool known = false;
   for (size_t i = 0; i < sizeof factory_kinds / sizeof *factory_kinds; i++)
     known |= strcmp(f->kind, factory_kinds[i]) == 0;
@@ -508,7 +539,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   if (op->is_factory)
     return error_set(e, ERR_BAD_ARGUMENT, "%s: factories run on a mesh; send a Factory command",
                      cmd);
-  if (check_new_refs(s, cmd, call->results, call->n_results, e)) return -1;
+  if (check_new(s, o, cmd, OBJ_TENSOR, call->results, call->n_results, e)) return -1;
   if (resolve_stream(o, cmd, call->stream, e)) return -1;
   call_args_t *ca = malloc(sizeof *ca);
   if (!ca) return error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
@@ -606,7 +637,7 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   if (r->inplace && r->ref)
     return error_set(e, ERR_BAD_ARGUMENT,
                      "Reduce: an in-place reduce (reduce_) returns its input; leave ref at 0");
-  if (r->ref && check_new_refs(s, cmd, &r->ref, 1, e)) return -1;
+  if (r->ref && check_new(s, o, cmd, OBJ_TENSOR, &r->ref, 1, e)) return -1;
   if (!r->inplace && !r->out && !r->ref)
     return error_set(e, ERR_BAD_ARGUMENT, "Reduce: ref (the result) is missing");
   if (resolve_stream(o, cmd, r->stream, e)) return -1;
@@ -679,7 +710,7 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                        cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__ToMesh *t = c->to_mesh;
   const char *cmd = "ToMesh";
-  if (check_new_refs(s, cmd, &t->ref, 1, e)) return -1;
+  if (check_new(s, o, cmd, OBJ_TENSOR, &t->ref, 1, e)) return -1;
   obj_t *in = check_tensor(o, cmd, "input", t->input, e);
   if (!in) return -1;
   tensor_use_t use = {in, "input", false};
@@ -728,7 +759,7 @@ static int cmd_borrow(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
                       cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Borrow *b = c->borrow;
   uint64_t refs[2] = {b->ref, b->borrow};
-  if (check_new_refs(s, "Borrow", refs, 2, e)) return -1;
+  if (check_new(s, o, "Borrow", OBJ_BORROW, refs, 2, e)) return -1;
   if (resolve_stream(o, "Borrow", b->stream, e)) return -1;
   obj_t *in = check_tensor(o, "Borrow", "input", b->input, e);
   if (!in) return -1;
@@ -759,6 +790,12 @@ static int cmd_drop_borrow(frontend_t *fe, session_t *s, objects_t *o, const Mes
 static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                     cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Drop *d = c->drop;
+  uint64_t most = s->limits.max_command_refs;
+  if (most && d->n_refs > most)
+    return error_set(e, ERR_QUOTA,
+                     "Drop: %zu refs in one command, more than the %llu one command may name here "
+                     "(--max-command-refs); drop them in several commands",
+                     d->n_refs, (unsigned long long)most);
   for (size_t i = 0; i < d->n_refs; i++) { /* all or nothing */
     uint64_t ref = d->refs[i];
     /* dropping twice is a no-op, also long after the first time */

@@ -37,6 +37,13 @@ int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Com
  * repeated fields point into dims, which holds 2 * ndim values. */
 void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims);
 
+/* 0 when session s (objects o) may define n more refs of `kind`: every kind
+ * counts against s->limits.max_refs, meshes and streams against their own
+ * limits too. Otherwise -1 with QUOTA naming the command, the limit, its flag
+ * and what to do. Checked before a command is accepted (Upload too). */
+int command_check_limits(const session_t *s, const objects_t *o, obj_kind_t kind, size_t n,
+                         const char *cmd, meshd_error_t *e);
+
 /* "CreateMesh", "Call", ... for logs and messages. */
 const char *command_name(const Meshd__V1__Command *cmd);
 /* 0, or -1 with AGENT_LOST when an agent of the mesh was lost after the mesh

@@ -101,6 +101,7 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
     error_prefix(e, "Upload", ": ");
     goto out;
   }
+  if (command_check_limits(s, o, OBJ_TENSOR, 1, "Upload", e)) goto out;
   if (!(m = objects_expect(o, h->mesh, OBJ_MESH, "Upload: mesh", e))) goto out;
   if (h->stream && !objects_expect(o, h->stream, OBJ_STREAM, "Upload: stream", e)) goto out;
   if (!dtype_valid((dtype_t)h->dtype)) {
@@ -212,7 +213,9 @@ static void *upload_main(void *arg) {
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
-  if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0) {
+  /* Checked again: the session's other commands ran meanwhile. */
+  if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0 &&
+      command_check_limits(s, o, OBJ_TENSOR, 1, "Upload", &e) == 0) {
     o->current_seq = 0; /* an upload is not a numbered command */
     t = objects_new_tensor(o, u->ref, &u->meta, u->mesh, u->stream, u->nranks);
     if (t) session_claim_ref(s, u->ref, NULL);

@@ -14,6 +14,7 @@
 #include "command_service.h"
 #include "config.h"
 #include "health.h"
+#include "layout.h"
 #include "log.h"
 #include "metrics.h"
 #include "registry.h"
@@ -32,6 +33,8 @@ typedef struct options {
   int64_t max_sessions_per_principal, max_streams_per_connection;
   double max_connection_idle;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
+  int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
+  int64_t session_max_streams, max_command_refs;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
   uint64_t stream_window_bytes;
@@ -57,8 +60,24 @@ static const config_flag_t flags[] = {
     {"agent-timeout", CONFIG_DOUBLE, "3",
      "an agent that answers no keepalive ping for this many seconds is lost", &opt.agent_timeout, 1, 3600},
     {"session-ttl", CONFIG_INT, "300", "session lease in seconds", &opt.session_ttl, 1, 86400 * 7},
-    {"session-quota-bytes", CONFIG_BYTES, "0", "default per-session byte quota (0: unlimited)",
+    {"session-quota-bytes", CONFIG_BYTES, "0",
+     "per-session byte quota: the default, and the most CreateSession may ask for (0: unlimited)",
      &opt.session_quota_bytes, 0, 0},
+    {"session-max-refs", CONFIG_INT, "65536",
+     "live refs a session may hold: tensors and views, meshes, streams, borrows (0: no bound)",
+     &opt.session_max_refs, 0, 1LL << 40},
+    {"session-max-meshes", CONFIG_INT, "4096",
+     "meshes a session may make (CreateMesh, SliceMesh; they last as long as it) (0: no bound)",
+     &opt.session_max_meshes, 0, 1LL << 40},
+    {"session-max-streams", CONFIG_INT, "32",
+     "streams a session may make (each is a thread on every agent it runs on) (0: no bound)",
+     &opt.session_max_streams, 0, 1LL << 20},
+    {"max-command-refs", CONFIG_INT, "4096", "refs one command may list (a Drop's) (0: no bound)",
+     &opt.max_command_refs, 0, 1LL << 40},
+    {"max-tensor-dims", CONFIG_INT, "16", "dims a tensor may have", &opt.max_tensor_dims, 1, 16},
+    {"max-tensor-elements", CONFIG_INT, "17179869184",
+     "elements one tensor may have on one rank (default 2^34)", &opt.max_tensor_elements, 1,
+     (double)(1LL << 62)},
     {"session-max-queued", CONFIG_INT, "1024",
      "flow control: commands a session may have accepted and not yet run on the agents before "
      "its Submit stream stops reading (0: no bound)", &opt.session_max_queued, 0, 1LL << 40},
@@ -213,8 +232,15 @@ int main(int argc, char **argv) {
                                      .on_lost = agent_lost, .arg = &state};
   agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_t *registry = registry_create(pool, server_id, 3000, (int)(opt.agent_timeout * 1000));
+  layout_set_limits(&(layout_limits_t){(int)opt.max_tensor_dims, opt.max_tensor_elements});
   session_table_t *sessions =
       session_table_create((uint64_t)opt.session_ttl, opt.session_quota_bytes, session_closed, &state);
+  if (sessions)
+    session_table_set_limits(sessions, &(session_limits_t){
+                                           .max_refs = (uint64_t)opt.session_max_refs,
+                                           .max_meshes = (uint64_t)opt.session_max_meshes,
+                                           .max_streams = (uint64_t)opt.session_max_streams,
+                                           .max_command_refs = (uint64_t)opt.max_command_refs});
   flow_limits_t limits = {.session_commands = (uint64_t)opt.session_max_queued,
                           .session_bytes = opt.session_max_queued_bytes,
                           .total_commands = (uint64_t)opt.max_queued,

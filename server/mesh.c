@@ -236,11 +236,16 @@ int mesh_slice(const mesh_t *parent, uint64_t ref, const mesh_selector_t *sel, s
       remove_name(&m, dim);
       continue;
     }
-    int64_t step = s->step == 0 ? 1 : s->step;
-    if (step < 0)
+    int64_t step = s->has_step || s->step != 0 ? s->step : 1;
+    if (step < 1)
       return error_set(err, ERR_BAD_ARGUMENT,
-                       "SliceMesh: step %lld for dim '%s' must be >= 1 (0 means 1)",
+                       "SliceMesh: step %lld for dim '%s' must be >= 1 (leave it out for 1)",
                        (long long)step, s->dim);
+    if (step > size)
+      return error_set(err, ERR_BAD_ARGUMENT,
+                       "SliceMesh: step %lld for dim '%s' is beyond the dim's size %lld; a step "
+                       "may be at most the size (to pick one rank, give an index)",
+                       (long long)step, s->dim, (long long)size);
     int64_t stop = s->has_stop ? s->stop : INT64_MAX;
     char range[96];
     if (!s->has_stop)

@@ -40,7 +40,8 @@ typedef struct mesh_selector {
   int64_t start; /* Python slice rules: negative counts from the end */
   int64_t stop;  /* used when has_stop; clamped to the dim size */
   bool has_stop; /* false: to the end (Range.has_stop) */
-  int64_t step;  /* 0 means 1 */
+  int64_t step;  /* given (has_step or nonzero): 1..the dim's size; else 1 */
+  bool has_step; /* Range.has_step: a step of 0 was given */
 } mesh_selector_t;
 
 /* Root mesh over world ranks 0..k-1. names[i] must be identifiers
@@ -60,8 +61,9 @@ int mesh_check_capacity(const mesh_t *m, const char *cmd, uint64_t per_rank, mes
 
 /* Applies the selectors in order to parent; each names a dim of parent at most
  * once. out may be parent. Returns 0, or -1 with err (BAD_DIM for unknown or
- * repeated dims, BAD_ARGUMENT for positions, steps, empty or non-rectangular
- * results). No selectors copies the parent under the new ref. */
+ * repeated dims, BAD_ARGUMENT for positions, steps below 1 or above the dim's
+ * size, empty or non-rectangular results). No selectors copies the parent
+ * under the new ref. */
 int mesh_slice(const mesh_t *parent, uint64_t ref, const mesh_selector_t *sel, size_t nsel,
                mesh_t *out, meshd_error_t *err);
 

@@ -102,7 +102,14 @@ obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind) {
   it->ref = ref;
   it->kind = kind;
   HASH_ADD(hh, o->table, ref, sizeof it->ref, it);
+  if (kind == OBJ_MESH) o->meshes++;
+  else if (kind == OBJ_STREAM) o->streams++;
+  else if (kind == OBJ_BORROW) o->live_borrows++;
   return it;
+}
+
+uint64_t objects_live_refs(const objects_t *o) {
+  return o->live_tensors + o->meshes + o->streams + o->live_borrows;
 }
 
 obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh) {

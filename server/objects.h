@@ -96,6 +96,8 @@ typedef struct objects {
   size_t ngraves, gcap;
   uint64_t graves_forgotten; /* tombstones of refs <= this were let go (0: none) */
   uint64_t live_tensors;
+  uint64_t meshes, streams; /* made so far (neither is ever dropped) */
+  uint64_t live_borrows;   /* borrows not dropped */
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
   uint64_t current_seq;    /* client seq of the command running now (new tensors' born_seq) */
   meshd_error_t *unreported; /* run-time root failures not yet returned by a Sync */
@@ -126,6 +128,9 @@ objects_t *objects_create(void);
 void objects_destroy(objects_t *o);
 
 const char *obj_kind_name(obj_kind_t k);
+/* Refs the session holds live: tensors (views, borrowed handles and failed
+ * ones too), meshes, streams and borrows not dropped. */
+uint64_t objects_live_refs(const objects_t *o);
 obj_t *objects_get(objects_t *o, uint64_t ref);
 /* Adds a zeroed record; the ref must be new (the session checked it). NULL on OOM. */
 obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind);

@@ -18,6 +18,7 @@ struct session_table {
   session_t *by_id;    /* uthash, in creation order; holds one ref each */
   uint64_t default_ttl_s, default_quota;
   uint64_t max_per_owner; /* 0: none */
+  session_limits_t limits;
   session_closed_fn on_closed;
   void *arg;
   pthread_t thread;
@@ -204,6 +205,14 @@ void session_table_destroy(session_table_t *t) {
 
 uint64_t session_table_default_ttl(const session_table_t *t) { return t->default_ttl_s; }
 
+uint64_t session_table_default_quota(const session_table_t *t) { return t->default_quota; }
+
+void session_table_set_limits(session_table_t *t, const session_limits_t *limits) {
+  pthread_mutex_lock(&t->mu);
+  t->limits = limits ? *limits : (session_limits_t){0};
+  pthread_mutex_unlock(&t->mu);
+}
+
 void session_table_set_accepting(session_table_t *t, bool accepting) {
   atomic_store(&t->accepting, accepting);
 }
@@ -276,6 +285,7 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
     free(s);
     return -1;
   }
+  s->limits = t->limits;
   for (;;) {
     if (random_hex(s->id, SESSION_ID_LEN / 2) != 0) {
       pthread_mutex_unlock(&t->mu);

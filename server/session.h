@@ -43,6 +43,18 @@
 
 typedef struct session_table session_table_t;
 
+/* What one session may hold or send; 0 means no bound. The table's limits are
+ * copied into each session it creates; the command layer enforces them
+ * (commands.c), each refusal QUOTA naming the limit and its flag. */
+typedef struct session_limits {
+  uint64_t max_refs;         /* live refs: tensors (views and borrowed handles too),
+                                meshes, streams, borrows not dropped (--session-max-refs) */
+  uint64_t max_meshes;       /* meshes made; a mesh lasts as long as its session
+                                (--session-max-meshes) */
+  uint64_t max_streams;      /* streams made; the same (--session-max-streams) */
+  uint64_t max_command_refs; /* refs one command may list: a Drop's (--max-command-refs) */
+} session_limits_t;
+
 typedef enum {
   SESSION_END_CLOSED,   /* CloseSession or session_close */
   SESSION_END_EXPIRED,  /* idle past its ttl */
@@ -57,6 +69,7 @@ typedef struct session {
   uint64_t ttl_s;
   uint64_t quota_bytes; /* 0: unlimited */
   int64_t created_ms;   /* rpc_now_ms() clock */
+  session_limits_t limits;
 
   /* Counters the command handlers keep; read by ListSessions. */
   _Atomic uint64_t bytes_held; /* see session_charge / session_credit */
@@ -96,6 +109,12 @@ session_table_t *session_table_create(uint64_t default_ttl_s, uint64_t default_q
  * others live on until released. */
 void session_table_destroy(session_table_t *t);
 uint64_t session_table_default_ttl(const session_table_t *t);
+/* The default quota, which is also the most a CreateSession may ask for (0:
+ * unlimited); session_service.c refuses a request above it. */
+uint64_t session_table_default_quota(const session_table_t *t);
+/* The limits every session created from now on gets (default: none). Call
+ * before serving. */
+void session_table_set_limits(session_table_t *t, const session_limits_t *limits);
 /* While false, CreateSession is refused (the server is draining). Default true. */
 void session_table_set_accepting(session_table_t *t, bool accepting);
 bool session_table_accepting(const session_table_t *t);

@@ -82,6 +82,14 @@ static int check_create(const session_table_t *t, const Meshd__V1__CreateSession
                      "the server's default of %llu",
                      (unsigned long long)r->ttl_seconds, SESSION_TTL_MAX_S,
                      (unsigned long long)session_table_default_ttl(t));
+  uint64_t cap = session_table_default_quota(t);
+  if (cap && r->quota_bytes > cap)
+    return error_set(e, ERR_QUOTA,
+                     "CreateSession: quota_bytes %llu is more than the %llu bytes a session may "
+                     "hold on this server (--session-quota-bytes); ask for at most %llu, or 0 "
+                     "for that much",
+                     (unsigned long long)r->quota_bytes, (unsigned long long)cap,
+                     (unsigned long long)cap);
   return 0;
 }
 

@@ -1,9 +1,24 @@
 #include "layout.h"
 
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 #define CTX(c) ((c) ? (c) : "shape"), ": "
+
+static _Atomic int max_dims = LAYOUT_MAX_DIMS;
+static _Atomic int64_t max_elements = LAYOUT_MAX_BYTES;
+
+void layout_set_limits(const layout_limits_t *l) {
+  int d = l ? l->max_dims : LAYOUT_MAX_DIMS;
+  int64_t n = l ? l->max_elements : LAYOUT_MAX_BYTES;
+  atomic_store(&max_dims, d < 1 ? 1 : d > LAYOUT_MAX_DIMS ? LAYOUT_MAX_DIMS : d);
+  atomic_store(&max_elements, n < 1 ? 1 : n > LAYOUT_MAX_BYTES ? LAYOUT_MAX_BYTES : n);
+}
+
+layout_limits_t layout_get_limits(void) {
+  return (layout_limits_t){atomic_load(&max_dims), atomic_load(&max_elements)};
+}
 
 int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size_t elem_size,
                        meshd_error_t *e) {
@@ -11,6 +26,12 @@ int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size
     return error_set(e, ERR_BAD_ARGUMENT,
                      "%s%s%" PRId64 " dims is too many: meshd tensors have at most %d dims",
                      CTX(ctx), ndim, LAYOUT_MAX_DIMS);
+  int dims_limit = atomic_load(&max_dims);
+  if (ndim > dims_limit)
+    return error_set(e, ERR_QUOTA,
+                     "%s%s%" PRId64 " dims is more than the %d a tensor may have here "
+                     "(--max-tensor-dims)",
+                     CTX(ctx), ndim, dims_limit);
   bool zero = false;
   for (int i = 0; i < ndim; i++) {
     if (sizes[i] < 0)
@@ -29,6 +50,17 @@ int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size
                        layout_format_shape(sizes, (int)ndim, buf, sizeof buf),
                        elem_size ? elem_size : 1);
     }
+  }
+  /* Within 2^62 bytes, so the count does not overflow. */
+  int64_t numel = 1, limit = atomic_load(&max_elements);
+  for (int i = 0; i < ndim; i++) numel *= sizes[i];
+  if (numel > limit) {
+    char buf[LAYOUT_SHAPE_BUF];
+    return error_set(e, ERR_QUOTA,
+                     "%s%sshape %s has %" PRId64 " elements, more than the %" PRId64
+                     " a tensor may have here (--max-tensor-elements)",
+                     CTX(ctx), layout_format_shape(sizes, (int)ndim, buf, sizeof buf), numel,
+                     limit);
   }
   return 0;
 }

@@ -24,8 +24,23 @@ typedef struct layout {
   int64_t strides[LAYOUT_MAX_DIMS];
 } layout_t;
 
+/* Limits a process puts on every tensor, below the hard bounds above: the
+ * server's checks and the agents' read the same ones. Each daemon sets them
+ * once at startup, before serving, from --max-tensor-dims and
+ * --max-tensor-elements; until then only the hard bounds hold. */
+typedef struct layout_limits {
+  int max_dims;         /* 1..LAYOUT_MAX_DIMS */
+  int64_t max_elements; /* 1..LAYOUT_MAX_BYTES: elements of one (local) tensor */
+} layout_limits_t;
+
+/* Values out of range are clamped into it; NULL restores the hard bounds. */
+void layout_set_limits(const layout_limits_t *l);
+layout_limits_t layout_get_limits(void);
+
 /* A shape a tensor may have: 0 <= ndim <= LAYOUT_MAX_DIMS, every size >= 0,
- * numel * elem_size <= 2^62 (computed without overflow). BAD_ARGUMENT otherwise. */
+ * numel * elem_size <= 2^62 (computed without overflow); BAD_ARGUMENT
+ * otherwise. Then the limits: more dims or elements than they allow is QUOTA,
+ * naming the limit and its flag. */
 int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size_t elem_size,
                        meshd_error_t *e);
 /* *out = row-major layout of `sizes`, offset 0, after layout_check_shape. */

@@ -256,8 +256,11 @@ static int server_start(server_t *s, int nagents) {
     fprintf(stderr, "bench_commands: %s: %s (set MESHD_BIN_DIR)\n", meshd, strerror(errno));
     return -1;
   }
+  /* The memory case keeps --live-tensors (10^6) refs live, --drop-batch may
+   * pass 4096: the session limits would refuse them. */
   char *argv[] = {meshd, "--listen", "127.0.0.1:0", "--port-file", port_file,
-                  "--local-agents", agents, NULL};
+                  "--local-agents", agents, "--session-max-refs", "0", "--max-command-refs", "0",
+                  NULL};
   int logfd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (logfd < 0) {
     fprintf(stderr, "bench_commands: %s: %s\n", s->log, strerror(errno));

@@ -674,7 +674,9 @@ def selectors(sel):
         if isinstance(v, t.MeshSelector):
             out.append(v)
         elif isinstance(v, slice):
-            r = t.Range(start=v.start or 0, step=v.step or 0)
+            r = t.Range(start=v.start or 0)
+            if v.step is not None:  # slice(0, 4, 0) is refused, as Python refuses it
+                r.step, r.has_step = v.step, True
             if v.stop is not None:
                 r.stop, r.has_stop = v.stop, True
             out.append(t.MeshSelector(dim=d, range=r))

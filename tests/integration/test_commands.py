@@ -191,7 +191,11 @@ def test_slice_mesh_index_drops_range_keeps(s4):
     ([("gpu", -3)], "BAD_ARGUMENT"),
     ([("gpu", slice(1, 1))], "BAD_ARGUMENT"),
     ([("gpu", slice(0, 2, -1))], "BAD_ARGUMENT"),
-], ids=["unknown", "twice", "no-name", "index-past", "index-neg-past", "empty-range", "neg-step"])
+    ([("gpu", slice(0, 2, 0))], "BAD_ARGUMENT"),
+    ([("gpu", slice(0, None, 3))], "BAD_ARGUMENT"),
+    ([("gpu", slice(0, None, 2 ** 63 - 1))], "BAD_ARGUMENT"),
+], ids=["unknown", "twice", "no-name", "index-past", "index-neg-past", "empty-range", "neg-step",
+        "step-0", "step-past-the-dim", "step-int64-max"])
 def test_slice_mesh_errors(s4, sel, kind):
     s4.run(create_mesh(1, host=2, gpu=2))
     s4.fails(kind, slice_mesh(2, 1, sel), "SliceMesh")
@@ -781,6 +785,63 @@ def test_quota(shared_meshd):
         s.tensor(m.ref, (10,))
 
 
+# ================================================================ limits (issue 13)
+
+LIMITS = ("--session-quota-bytes", "1MiB", "--session-max-refs", 8, "--session-max-meshes", 3,
+          "--session-max-streams", 2, "--max-command-refs", 4, "--max-tensor-elements", 1000,
+          "--max-tensor-dims", 3)
+
+
+def test_limits_are_flags_and_refusals_name_them(shared_meshd):
+    """Each limit is a flag; going past it is QUOTA (RESOURCE_EXHAUSTED) naming the limit and
+    its flag, checked before the command is accepted, and the session goes on working."""
+    srv = shared_meshd(2, *LIMITS)
+    t = lib.tensor_pb2()
+    with Session(srv.port, "limits") as s:
+        with pytest.raises(grpc.RpcError) as ei:
+            s.unary("CreateSession", t.CreateSessionRequest(client_name="greedy", quota_bytes=2 << 20),
+                    t.CreateSessionReply, metadata=())
+        e = CommandError.from_rpc(ei.value)
+        lib.expect_kind(e, "QUOTA", "CreateSession")
+        assert "quota_bytes 2097152 is more than the 1048576 bytes" in e.message, e.message
+        assert "(--session-quota-bytes)" in e.message, e.message
+        Session(srv.port, "modest", quota_bytes=1 << 20).shut()
+
+        m = s.mesh(gpu=2)
+        need(s, m.ref, factories=("zeros",))
+        s.slice(m.ref, gpu=0)
+        s.mesh(gpu=1)
+        e = s.fails("QUOTA", create_mesh(s.new_ref(), gpu=1), "CreateMesh")
+        assert "has made 3 meshes" in e.message and "(--session-max-meshes 3)" in e.message, e.message
+        s.fails("QUOTA", slice_mesh(s._ref, m.ref, gpu=1), "SliceMesh")
+        s.stream("a")
+        s.stream("b")
+        e = s.fails("QUOTA", create_stream(s._ref + 1, "c"), "CreateStream")
+        assert "(--session-max-streams 2)" in e.message, e.message
+
+        e = s.fails("QUOTA", factory(s._ref + 1, m.ref, "zeros", (1001,), "float32"), "Factory")
+        assert "has 1001 elements, more than the 1000" in e.message, e.message
+        assert "(--max-tensor-elements)" in e.message, e.message
+        e = s.fails("QUOTA", factory(s._ref + 1, m.ref, "zeros", (1, 1, 1, 1), "float32"), "Factory")
+        assert "(--max-tensor-dims)" in e.message, e.message
+
+        made = [s.tensor(m.ref, (10,)).ref for _ in range(3)]   # 3 meshes + 2 streams + 3 = 8
+        e = s.fails("QUOTA", factory(s._ref + 1, m.ref, "zeros", (10,), "float32"), "Factory")
+        assert "holds 8 live refs" in e.message and "(--session-max-refs 8)" in e.message, e.message
+        err = _upload_header_only(s, m.ref, (10,))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert lib.trailer(err.trailing_metadata(), "meshd-error-kind") == "QUOTA", err
+        assert "--session-max-refs 8" in err.details(), err.details()
+
+        e = s.fails("QUOTA", drop(*made, 10 ** 6, 10 ** 6 + 1), "Drop")
+        assert "Drop: 5 refs in one command, more than the 4" in e.message, e.message
+        assert "(--max-command-refs)" in e.message, e.message
+        s.run(drop(made[0]))
+        s.tensor(m.ref, (10,))
+        s.run(sync(), timeout=30)
+        assert s.info().live_tensors == 3, s.info()
+
+
 # ================================================================ Submit / Sync
 
 def test_submit_pipelines_1000_commands(s2):
@@ -1115,7 +1176,15 @@ BAD_INPUTS = [
     ("borrow-same-refs", lambda s, m: borrow(s.new_ref(), 999, 0, True, s._ref), R, None),
     ("drop-borrow-0", lambda s, m: drop_borrow(0), R, None),
     ("drop-borrow-mesh", lambda s, m: drop_borrow(m), R, None),
-    ("drop-many-unknown", lambda s, m: drop(*range(10 ** 6, 10 ** 6 + 10000)), "UNKNOWN_REF", "Drop"),
+    ("drop-many-unknown", lambda s, m: drop(*range(10 ** 6, 10 ** 6 + 4096)), "UNKNOWN_REF", "Drop"),
+    ("drop-past-max-command-refs", lambda s, m: drop(*range(10 ** 6, 10 ** 6 + 10000)), "QUOTA",
+     "Drop"),
+    ("slice-step-0", lambda s, m: slice_mesh(s.new_ref(), m, gpu=slice(0, 2, 0)), "BAD_ARGUMENT",
+     "SliceMesh"),
+    ("slice-step-max", lambda s, m: slice_mesh(s.new_ref(), m, gpu=slice(0, None, BIG)),
+     "BAD_ARGUMENT", "SliceMesh"),
+    ("factory-2^40", lambda s, m: factory(s.new_ref(), m, "zeros", (2 ** 20, 2 ** 20)), "QUOTA",
+     "Factory"),
     ("describe-max", lambda s, m: describe(2 ** 64 - 1), "UNKNOWN_REF", "Describe"),
     ("describe-0", lambda s, m: describe(0), R, None),
     ("sync-unknown-stream", lambda s, m: sync(999), "UNKNOWN_REF", "Sync"),

@@ -1267,6 +1267,141 @@ Test(commands, quota_rejects_and_changes_nothing) {
   cr_assert_eq(objs->bytes, 960);
 }
 
+/* ------------------------------------------------------------------ limits (issue 13) */
+
+/* A new session under `limits`, with mesh 1 {gpu: 8} (which counts). */
+static void limited_session(session_limits_t limits) {
+  session_table_set_limits(table, &limits);
+  open_session(0);
+  cr_assert_eq(sess->limits.max_refs, limits.max_refs);
+  ok(create_mesh(1, NAMES("gpu"), I64(8), 1));
+}
+
+Test(commands, live_refs_are_bounded_per_session) {
+  limited_session((session_limits_t){.max_refs = 6});
+  ok(create_stream(2, "side"));
+  ZEROS(10, 2);
+  ok(CALL("view", STREAM_MAIN, ARGS(aref(10), AINTS(2)), RES(11))); /* views count */
+  ok(borrow(12, 10, 2, false, 13));                                /* a borrow and its handle */
+  cr_assert_eq(objects_live_refs(objs), 6);
+  char who[64];
+  snprintf(who, sizeof who, "session %.8s holds 6 live refs", sess->id);
+  REJECT(FACTORY(.ref = 14, .mesh = 1, SHAPE(2)), ERR_QUOTA, "Factory: ", who,
+         "and this command adds 1, more than a session may hold here (--session-max-refs 6); "
+         "drop tensors it no longer needs");
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(10)), RES(14)), ERR_QUOTA, "Call neg: session", "--session-max-refs 6");
+  REJECT(REDUCE(.ref = 14, .input = 10), ERR_QUOTA, "Reduce: session", "--session-max-refs");
+  REJECT(TO_MESH(.ref = 14, .input = 10, .dst_mesh = 1), ERR_QUOTA, "ToMesh: session");
+  REJECT(create_mesh(14, NAMES("gpu"), I64(2), 1), ERR_QUOTA, "CreateMesh: session");
+  REJECT(slice_mesh(14, 1, SELS(sel_index("gpu", 0))), ERR_QUOTA, "SliceMesh: session");
+  REJECT(create_stream(14, "more"), ERR_QUOTA, "CreateStream: session");
+  expect_ref_free(14);
+  cr_assert_eq(objects_live_refs(objs), 6);
+  /* the end of a borrow frees two refs (the borrow, its handle); a borrow needs two */
+  ok(drop_borrow(13));
+  cr_assert_eq(objects_live_refs(objs), 4);
+  ZEROS(14, 2);
+  REJECT(borrow(15, 10, 2, false, 16), ERR_QUOTA, "Borrow: session", "holds 5 live refs", "and this command adds 2");
+  ZEROS(15, 2);
+  REJECT(FACTORY(.ref = 16, .mesh = 1, SHAPE(2)), ERR_QUOTA, "--session-max-refs 6");
+  /* what defines no ref still runs; a drop makes room */
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(14), aref(15)), NORES));
+  ok(DROP(15));
+  ZEROS(16, 2);
+}
+
+Test(commands, meshes_and_streams_are_bounded_per_session) {
+  limited_session((session_limits_t){.max_meshes = 3, .max_streams = 2});
+  ok(slice_mesh(2, 1, SELS(sel_index("gpu", 0))));
+  ok(create_mesh(3, NAMES("gpu"), I64(2), 1));
+  char who[64];
+  snprintf(who, sizeof who, "session %.8s has made 3 meshes", sess->id);
+  REJECT(create_mesh(4, NAMES("gpu"), I64(2), 1), ERR_QUOTA, "CreateMesh: ", who,
+         "the most a session may make here (--session-max-meshes 3); a mesh lasts as long as its "
+         "session: reuse the ones it has, or close it and open a new session");
+  REJECT(slice_mesh(4, 1, SELS(sel_index("gpu", 1))), ERR_QUOTA, "SliceMesh: ", who);
+  expect_ref_free(4);
+  cr_assert_eq(objs->meshes, 3);
+  ok(create_stream(4, "a"));
+  ok(create_stream(5, "b"));
+  REJECT(create_stream(6, "c"), ERR_QUOTA, "CreateStream: session", "has made 2 streams",
+         "(--session-max-streams 2); a stream lasts as long as its session");
+  expect_ref_free(6);
+  /* the meshes and streams it has keep working */
+  ok(FACTORY(.ref = 6, .mesh = 3, .stream = 5, SHAPE(2)));
+}
+
+Test(commands, refs_per_command_are_bounded) {
+  limited_session((session_limits_t){.max_command_refs = 3});
+  for (uint64_t r = 10; r < 14; r++) ok(FACTORY(.ref = r, .mesh = 1, SHAPE(2)));
+  REJECT(DROP(10, 11, 12, 13), ERR_QUOTA,
+         "Drop: 4 refs in one command, more than the 3 one command may name here "
+         "(--max-command-refs); drop them in several commands");
+  cr_assert_eq(state_of(10), TENSOR_LIVE, "a refused Drop drops nothing");
+  cr_assert_eq(objs->live_tensors, 4);
+  ok(DROP(10, 11, 12));
+  ok(DROP(13));
+  cr_assert_eq(objs->live_tensors, 0);
+}
+
+Test(commands, without_limits_nothing_is_bounded) {
+  limited_session((session_limits_t){0});
+  for (uint64_t r = 2; r < 40; r++) ok(slice_mesh(r, 1, SELS(sel_index("gpu", (int64_t)(r % 8)))));
+  uint64_t many[5000];
+  for (size_t i = 0; i < 5000; i++) many[i] = 100000 + i;
+  REJECT(drop_(many, 5000), ERR_UNKNOWN_REF, "Drop: ref 100000 was never defined");
+}
+
+/* The element limit holds when the command is checked: a 2^40-element
+ * factory on agents that registered no capacity used to be accepted and fail
+ * only when an agent ran it (issue 13). */
+Test(commands, a_factory_past_the_element_limit_is_refused_at_check_time) {
+  layout_set_limits(&(layout_limits_t){LAYOUT_MAX_DIMS, (int64_t)1 << 34});
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, SHAPE((int64_t)1 << 20, (int64_t)1 << 20)), ERR_QUOTA,
+         "Factory zeros: argument 'size': shape [1048576, 1048576] has 1099511627776 elements, "
+         "more than the 17179869184 a tensor may have here (--max-tensor-elements)");
+  expect_ref_free(10);
+  cr_assert_eq(objs->live_tensors, 0);
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, SHAPE(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)),
+         ERR_BAD_ARGUMENT, "17 dims is too many");
+  layout_set_limits(&(layout_limits_t){2, (int64_t)1 << 34});
+  REJECT(FACTORY(.ref = 10, .mesh = ROOT, SHAPE(1, 1, 1)), ERR_QUOTA,
+         "3 dims is more than the 2 a tensor may have here (--max-tensor-dims)");
+  ZEROS(10, 4, 4);
+  REJECT(CALL("unsqueeze", STREAM_MAIN, ARGS(aref(10), aint(0)), RES(11)), ERR_QUOTA,
+         "Call unsqueeze: result: 3 dims", "(--max-tensor-dims)");
+  /* only the hard bounds: the same factory passes the checks (no agent capacity is known here) */
+  layout_set_limits(NULL);
+  ok(FACTORY(.ref = 11, .mesh = ROOT, SHAPE((int64_t)1 << 20, (int64_t)1 << 20)));
+}
+
+static sel_t *sel_step(const char *dim, int64_t start, int64_t step, bool has_step) {
+  sel_t *s = sel_range(dim, start, INT64_MAX);
+  s->range->has_stop = false;
+  s->range->step = step;
+  s->range->has_step = has_step;
+  return s;
+}
+
+Test(commands, slice_steps_are_1_to_the_dim_size) {
+  REJECT(slice_mesh(10, ROOT, SELS(sel_step("gpu", 0, 0, true))), ERR_BAD_ARGUMENT,
+         "SliceMesh: step 0 for dim 'gpu' must be >= 1 (leave it out for 1)");
+  REJECT(slice_mesh(10, ROOT, SELS(sel_step("gpu", 0, INT64_MAX, false))), ERR_BAD_ARGUMENT,
+         "SliceMesh: step 9223372036854775807 for dim 'gpu' is beyond the dim's size 4");
+  REJECT(slice_mesh(10, ROOT, SELS(sel_step("host", 0, -1, true))), ERR_BAD_ARGUMENT,
+         "step -1 for dim 'host' must be >= 1");
+  REJECT(TO_MESH(.ref = 10, .input = 99, .dst_mesh = SUB), ERR_UNKNOWN_REF, "ToMesh: input");
+  ZEROS(10, 2);
+  REJECT(TO_MESH(.ref = 11, .input = 10, .dst_mesh = SUB, .sel = {sel_step("gpu", 0, 5, true)}),
+         ERR_BAD_ARGUMENT, "ToMesh: SliceMesh: step 5 for dim 'gpu' is beyond the dim's size 4");
+  expect_ref_free(11);
+  /* no step given (0 without has_step) is 1; the size itself is a step */
+  ok(slice_mesh(11, ROOT, SELS(sel_step("gpu", 1, 0, false))));
+  cr_assert_eq(out.res.mesh->n_ranks, 6);
+  ok(slice_mesh(12, ROOT, SELS(sel_step("gpu", 1, 4, true))));
+  cr_assert_eq(out.res.mesh->n_ranks, 2);
+}
+
 /* ------------------------------------------------------------------ sync, describe, misc */
 
 Test(commands, sync_and_describe) {

@@ -169,3 +169,59 @@ Test(layout, format_shape) {
   layout_format_shape(max, LAYOUT_MAX_DIMS, buf, sizeof buf);
   cr_assert_eq(buf[strlen(buf) - 1], ']'); /* the buffer holds the widest shape */
 }
+
+/* ---- limits (--max-tensor-dims, --max-tensor-elements) ---- */
+
+Test(limits, default_to_the_hard_bounds_and_clamp_into_them) {
+  layout_limits_t l = layout_get_limits();
+  cr_assert_eq(l.max_dims, LAYOUT_MAX_DIMS);
+  cr_assert_eq(l.max_elements, LAYOUT_MAX_BYTES);
+  layout_set_limits(&(layout_limits_t){0, 0});
+  l = layout_get_limits();
+  cr_assert_eq(l.max_dims, 1);
+  cr_assert_eq(l.max_elements, 1);
+  layout_set_limits(&(layout_limits_t){99, INT64_MAX});
+  l = layout_get_limits();
+  cr_assert_eq(l.max_dims, LAYOUT_MAX_DIMS);
+  cr_assert_eq(l.max_elements, LAYOUT_MAX_BYTES);
+  layout_set_limits(&(layout_limits_t){3, 7});
+  layout_set_limits(NULL);
+  l = layout_get_limits();
+  cr_assert_eq(l.max_dims, LAYOUT_MAX_DIMS);
+  cr_assert_eq(l.max_elements, LAYOUT_MAX_BYTES);
+}
+
+Test(limits, more_dims_than_allowed_is_quota_naming_the_flag) {
+  layout_set_limits(&(layout_limits_t){3, LAYOUT_MAX_BYTES});
+  meshd_error_t e = {0};
+  cr_assert_eq(layout_check_shape("zeros: argument 'size'", SZ(1, 2, 3), 4, &e), 0);
+  cr_assert_eq(layout_check_shape("zeros: argument 'size'", SZ(1, 2, 3, 4), 4, &e), -1);
+  cr_assert_eq(e.kind, ERR_QUOTA);
+  cr_assert_str_eq(e.msg, "zeros: argument 'size': 4 dims is more than the 3 a tensor may have "
+                          "here (--max-tensor-dims)");
+  /* past the hard bound it stays BAD_ARGUMENT: no flag allows 17 */
+  int64_t deep[17] = {0};
+  cr_assert_eq(layout_check_shape("t", deep, 17, 4, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  assert_msg_has(&e, "at most 16");
+}
+
+Test(limits, more_elements_than_allowed_is_quota_naming_the_flag) {
+  layout_set_limits(&(layout_limits_t){LAYOUT_MAX_DIMS, 100});
+  meshd_error_t e = {0};
+  cr_assert_eq(layout_check_shape("t", SZ(10, 10), 8, &e), 0);
+  cr_assert_eq(layout_check_shape("t", SZ(100), 1, &e), 0);
+  cr_assert_eq(layout_check_shape("t", SZ(0, (int64_t)1 << 40), 4, &e), 0); /* empty */
+  cr_assert_eq(layout_check_shape("Upload: shape", SZ(10, 11), 4, &e), -1);
+  cr_assert_eq(e.kind, ERR_QUOTA);
+  cr_assert_str_eq(e.msg, "Upload: shape: shape [10, 11] has 110 elements, more than the 100 a "
+                          "tensor may have here (--max-tensor-elements)");
+  /* the byte bound still comes first, and still catches overflow */
+  cr_assert_eq(layout_check_shape("t", SZ(INT64_MAX, INT64_MAX), 1, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  assert_msg_has(&e, "exceeds 2^62 bytes");
+  layout_t l;
+  cr_assert_eq(layout_contiguous(&l, SZ(101), 1, "ToMesh", &e), -1);
+  cr_assert_eq(e.kind, ERR_QUOTA);
+  assert_msg_has(&e, "ToMesh: shape [101] has 101 elements");
+}

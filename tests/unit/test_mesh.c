@@ -118,7 +118,7 @@ Test(mesh, slice_range_keeps_the_dim) {
   cr_assert_eq(mesh_coord(&s, 3, 1), 1);
   cr_assert_eq(mesh_coord(&s, 2, 1), -1);
 
-  /* step 0 means 1; no stop means "to the end" (so does a stop past the end) */
+  /* no step means 1; no stop means "to the end" (so does a stop past the end) */
   mesh_selector_t open_end = {.dim = "gpu", .is_range = true, .start = 1, .step = 2};
   cr_assert_eq(slice1(&m, open_end, &s), 0, "%s", err.msg);
   RANKS(&s, 1, 3, 5, 7);
@@ -178,6 +178,34 @@ Test(mesh, slice_errors) {
   expect_err(slice1(&s, idx("gpu", 0), &s), ERR_BAD_DIM, "no dim 'gpu' (dims: host)");
   cr_assert_eq(slice1(&s, idx("host", 0), &s), 0);
   expect_err(slice1(&s, idx("host", 0), &s), ERR_BAD_DIM, "dims: none");
+}
+
+/* A step is 1..the dim's size: 0 (given), negative or past the size is
+ * BAD_ARGUMENT, never read as 1 or as "one rank" (issue 13). */
+Test(mesh, slice_steps_run_from_1_to_the_dim_size) {
+  mesh_t m = host_gpu(), s;
+  mesh_selector_t zero = rng("gpu", 0, 4, 0);
+  zero.has_step = true;
+  expect_err(slice1(&m, zero, &s), ERR_BAD_ARGUMENT,
+             "SliceMesh: step 0 for dim 'gpu' must be >= 1 (leave it out for 1)");
+  expect_err(slice1(&m, rng("gpu", 0, 4, INT64_MIN), &s), ERR_BAD_ARGUMENT,
+             "step -9223372036854775808 for dim 'gpu' must be >= 1");
+  expect_err(slice1(&m, rng("gpu", 0, 4, 5), &s), ERR_BAD_ARGUMENT,
+             "SliceMesh: step 5 for dim 'gpu' is beyond the dim's size 4; a step may be at most "
+             "the size (to pick one rank, give an index)");
+  expect_err(slice1(&m, rng("host", 0, 2, INT64_MAX), &s), ERR_BAD_ARGUMENT,
+             "step 9223372036854775807 for dim 'host' is beyond the dim's size 2");
+  /* the size itself is a step: one rank, the dim kept */
+  cr_assert_eq(slice1(&m, rng("gpu", 1, 4, 4), &s), 0, "%s", err.msg);
+  cr_assert_eq(s.ndim, 2);
+  RANKS(&s, 1, 5);
+  /* a step counts against the dim as sliced so far */
+  mesh_selector_t twice[] = {rng("gpu", 0, 2, 1)};
+  cr_assert_eq(mesh_slice(&m, 3, twice, 1, &s, &err), 0, "%s", err.msg);
+  expect_err(slice1(&s, rng("gpu", 0, 2, 3), &s), ERR_BAD_ARGUMENT, "beyond the dim's size 2");
+  /* not given: 1 */
+  cr_assert_eq(slice1(&m, rng("gpu", 1, 3, 0), &s), 0, "%s", err.msg);
+  RANKS(&s, 1, 2, 5, 6);
 }
 
 static int create(const char *const *names, const int64_t *sizes, int n, const bool *h,

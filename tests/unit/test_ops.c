@@ -505,6 +505,31 @@ Test(factory, bad_sizes) {
   ERR(r, BAD_ARGUMENT, "zeros", "exceeds 2^62 bytes");
 }
 
+/* The process's limits (layout_set_limits) hold for every result, a view's too:
+ * a 2^40-element factory is refused when checked, never run. */
+Test(factory, the_tensor_limits_hold_at_check_time) {
+  layout_set_limits(&(layout_limits_t){4, (int64_t)1 << 34});
+  res_t r = RUN("zeros", VI((int64_t)1 << 20, (int64_t)1 << 20));
+  ERR(r, QUOTA, "zeros", "argument 'size'");
+  HAS(r, "shape [1048576, 1048576] has 1099511627776 elements, more than the 17179869184");
+  HAS(r, "(--max-tensor-elements)");
+  r = RUN("zeros", VI(1, 1, 1, 1, 1));
+  ERR(r, QUOTA, "zeros", "argument 'size'");
+  HAS(r, "(--max-tensor-dims)");
+  r = RUN("zeros", VI((int64_t)1 << 17, (int64_t)1 << 17));
+  FRESH(r);
+  tensor_meta_t x = T(DTYPE_FLOAT32, 1, 1);
+  r = RUN("expand", vt(&x), VI((int64_t)1 << 20, (int64_t)1 << 20));
+  ERR(r, QUOTA, "expand", "result");
+  HAS(r, "(--max-tensor-elements)");
+  tensor_meta_t four = T(DTYPE_FLOAT32, 1, 1, 1, 1);
+  r = RUN("unsqueeze", vt(&four), vi(0));
+  ERR(r, QUOTA, "unsqueeze", "(--max-tensor-dims)");
+  layout_set_limits(NULL);
+  r = RUN("zeros", VI((int64_t)1 << 20, (int64_t)1 << 20));
+  FRESH(r);
+}
+
 Test(factory, full_infers_dtype_from_the_value) {
   res_t r = RUN("full", VI(2, 3), vf(1.5));
   FRESH(r);

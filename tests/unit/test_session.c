@@ -735,3 +735,86 @@ Test(session, rpc_create_validates) {
   stop_rpc();
   ASSERT_NO_BAD();
 }
+
+static Meshd__V1__CreateSessionReply *create_quota_rpc(uint64_t quota, rpc_status_t *st,
+                                                       grpc_status_code *code) {
+  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
+  req.client_name = "q";
+  req.quota_bytes = quota;
+  ProtobufCMessage *r;
+  *code = call("CreateSession", &req.base, &meshd__v1__create_session_reply__descriptor, &r, NULL,
+               NULL, st);
+  return (Meshd__V1__CreateSessionReply *)r;
+}
+
+static uint64_t quota_of(const Meshd__V1__CreateSessionReply *rep) {
+  session_t *s = session_find(table, rep->session_id);
+  cr_assert_not_null(s);
+  uint64_t q = s->quota_bytes;
+  session_release(s);
+  return q;
+}
+
+/* --session-quota-bytes is the default and the cap: a session may not ask
+ * for more (issue 13: it could choose its own, above the flag). */
+Test(session, rpc_create_refuses_a_quota_above_the_servers) {
+  session_table_destroy(table);
+  table = session_table_create(300, 1000, on_closed, &closed_calls);
+  cr_assert_eq(session_table_default_quota(table), 1000);
+  start_rpc();
+  rpc_status_t st;
+  grpc_status_code code;
+  Meshd__V1__CreateSessionReply *rep = create_quota_rpc(1001, &st, &code);
+  cr_assert_null(rep);
+  expect_status(code, &st, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                "CreateSession: quota_bytes 1001 is more than the 1000 bytes a session may hold on "
+                "this server (--session-quota-bytes); ask for at most 1000, or 0 for that much");
+  cr_assert_eq(session_count(table), 0);
+  rep = create_quota_rpc(UINT64_MAX, &st, &code);
+  expect_status(code, &st, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "quota_bytes 18446744073709551615");
+  rep = create_quota_rpc(1000, &st, &code);
+  cr_assert_eq(code, GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(quota_of(rep), 1000);
+  protobuf_c_message_free_unpacked(&rep->base, NULL);
+  rep = create_quota_rpc(10, &st, &code);
+  cr_assert_eq(code, GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(quota_of(rep), 10, "less than the cap is fine");
+  protobuf_c_message_free_unpacked(&rep->base, NULL);
+  rep = create_quota_rpc(0, &st, &code);
+  cr_assert_eq(code, GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(quota_of(rep), 1000, "0 takes the server's");
+  protobuf_c_message_free_unpacked(&rep->base, NULL);
+  stop_rpc();
+  ASSERT_NO_BAD();
+}
+
+Test(session, rpc_create_takes_any_quota_without_a_cap) {
+  start_rpc();
+  rpc_status_t st;
+  grpc_status_code code;
+  Meshd__V1__CreateSessionReply *rep = create_quota_rpc(UINT64_MAX, &st, &code);
+  cr_assert_eq(code, GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(quota_of(rep), UINT64_MAX);
+  protobuf_c_message_free_unpacked(&rep->base, NULL);
+  stop_rpc();
+  ASSERT_NO_BAD();
+}
+
+Test(session, limits_are_copied_into_each_new_session) {
+  session_t *before = create("before", 0, 0);
+  cr_assert_eq(before->limits.max_refs, 0, "no limits by default");
+  session_table_set_limits(table, &(session_limits_t){.max_refs = 5, .max_meshes = 6,
+                                                      .max_streams = 7, .max_command_refs = 8});
+  session_t *s = create("after", 0, 0);
+  cr_assert_eq(s->limits.max_refs, 5);
+  cr_assert_eq(s->limits.max_meshes, 6);
+  cr_assert_eq(s->limits.max_streams, 7);
+  cr_assert_eq(s->limits.max_command_refs, 8);
+  cr_assert_eq(before->limits.max_refs, 0, "a session keeps the limits it was made with");
+  session_table_set_limits(table, NULL);
+  session_t *again = create("again", 0, 0);
+  cr_assert_eq(again->limits.max_streams, 0);
+  session_release(before);
+  session_release(s);
+  session_release(again);
+}

@@ -15,7 +15,9 @@ def selectors(pb, sel):
             for part in (v.start, v.stop, v.step):
                 if part is not None and (isinstance(part, bool) or not isinstance(part, int)):
                     raise TypeError(f"meshd: slice bounds for dim {d!r} must be ints, got {v!r}")
-            r = pb.Range(start=v.start or 0, step=v.step or 0)
+            r = pb.Range(start=v.start or 0)
+            if v.step is not None:  # slice(0, 4, 0) is refused, as Python refuses it
+                r.step, r.has_step = v.step, True
             if v.stop is not None:
                 r.stop, r.has_stop = v.stop, True
             out.append(pb.MeshSelector(dim=d, range=r))

@@ -48,6 +48,10 @@ def test_mesh_names_sizes_slice_rank(session):
     assert get(r, host=0, gpu=0) == 0 and get(r, host=0, gpu=1) == 1
     with pytest.raises(TypeError):
         m.slice(gpu="0")
+    # A step, as in Python, is 1 when left out and never 0; nor beyond the dim.
+    assert m.slice(gpu=slice(0, None, 2)).sizes == {"host": 1, "gpu": 1}
+    assert "step 0" in raises_kind("BAD_ARGUMENT", m.slice, gpu=slice(0, 2, 0)).message
+    raises_kind("BAD_ARGUMENT", m.slice, gpu=slice(0, None, 3))
 
 
 def test_context_manager_and_close(server):
