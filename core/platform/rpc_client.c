@@ -204,7 +204,7 @@ grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const Protobuf
     details = grpc_slice_from_copied_string(grpc_call_error_to_string(e));
   }
   if (code == GRPC_STATUS_OK) {
-    *resp = wire_unpack(in, resp_desc);
+    *resp = wire_unpack(in, resp_desc, NULL, 0);
     if (!*resp) {
       code = GRPC_STATUS_INTERNAL;
       grpc_slice_unref(details);
@@ -331,7 +331,7 @@ int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
   grpc_byte_buffer *buf = s->recv_buf;
   s->recv_buf = NULL;
   if (!buf) return 0; /* end of stream, or the call failed: rpc_stream_finish says which */
-  *out = wire_unpack(buf, desc);
+  *out = wire_unpack(buf, desc, NULL, 0);
   grpc_byte_buffer_destroy(buf);
   return *out ? 1 : -1;
 }

@@ -458,12 +458,14 @@ static void on_new(rpc_call_t *c, bool ok) {
       pthread_mutex_unlock(&c->mu);
       return;
     }
-    req = wire_unpack(c->payload, m->request);
+    char why[256];
+    req = wire_unpack(c->payload, m->request, why, sizeof why);
     grpc_byte_buffer_destroy(c->payload);
     c->payload = NULL;
     if (!req) {
-      char msg[300];
-      snprintf(msg, sizeof msg, "request to %s is not a valid %s message", m->path, m->request->name);
+      char msg[600];
+      if (why[0]) snprintf(msg, sizeof msg, "request to %s: %s", m->path, why);
+      else snprintf(msg, sizeof msg, "request to %s is not a valid %s message", m->path, m->request->name);
       finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", msg);
       pthread_mutex_unlock(&c->mu);
       return;
@@ -497,11 +499,13 @@ static void on_read(rpc_call_t *c, bool ok) {
   ProtobufCMessage *msg = NULL;
   bool deliver = false;
   if (ok && buf) {
-    msg = wire_unpack(buf, m->request);
+    char why[256];
+    msg = wire_unpack(buf, m->request, why, sizeof why);
     grpc_byte_buffer_destroy(buf);
     if (!msg) {
-      char text[300];
-      snprintf(text, sizeof text, "a message on %s is not a valid %s", m->path, m->request->name);
+      char text[600];
+      if (why[0]) snprintf(text, sizeof text, "a message on %s: %s", m->path, why);
+      else snprintf(text, sizeof text, "a message on %s is not a valid %s", m->path, m->request->name);
       finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", text);
       return;
     }

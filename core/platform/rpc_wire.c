@@ -1,5 +1,7 @@
 #include "rpc_wire.h"
 
+#include "proto_check.h"
+
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/slice.h>
 #include <grpc/support/log.h>
@@ -21,13 +23,21 @@ grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg) {
   return buf;
 }
 
-ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc) {
+ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+                              char *why, size_t whylen) {
   grpc_byte_buffer_reader r;
+  if (why && whylen) why[0] = '\0';
   if (!buf || !grpc_byte_buffer_reader_init(&r, buf)) return NULL;
   grpc_slice s = grpc_byte_buffer_reader_readall(&r);
   grpc_byte_buffer_reader_destroy(&r);
   ProtobufCMessage *msg =
       protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+  /* protobuf-c reads strings as C strings: "add\0evil" would become "add". */
+  if (msg && why &&
+      proto_check_strings(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), why, whylen) != 0) {
+    protobuf_c_message_free_unpacked(msg, NULL);
+    msg = NULL;
+  }
   grpc_slice_unref(s);
   return msg;
 }

@@ -11,8 +11,12 @@
 /* Packs msg into a new byte buffer (caller destroys). NULL only if msg is NULL. */
 grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg);
 /* Unpacks buf as desc (caller frees with protobuf_c_message_free_unpacked).
- * NULL if the bytes are not a valid message. buf is not consumed. */
-ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc);
+ * NULL if the bytes are not a valid message. buf is not consumed. With `why`
+ * (requests a server takes from strangers) the string fields are checked too
+ * (proto_check.h): NULL with why naming the field when one is not UTF-8 or
+ * holds a NUL; why stays "" when the bytes do not unpack at all. */
+ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+                              char *why, size_t whylen);
 
 /* A small fixed-capacity builder for grpc_channel_args. */
 typedef struct wire_args {

@@ -1185,6 +1185,8 @@ BAD_INPUTS = [
      "BAD_ARGUMENT", "SliceMesh"),
     ("factory-2^40", lambda s, m: factory(s.new_ref(), m, "zeros", (2 ** 20, 2 ** 20)), "QUOTA",
      "Factory"),
+    ("op-name-with-nul", lambda s, m: call("add\0evil", results=[s.new_ref()]), "BAD_ARGUMENT",
+     None),
     ("describe-max", lambda s, m: describe(2 ** 64 - 1), "UNKNOWN_REF", "Describe"),
     ("describe-0", lambda s, m: describe(0), R, None),
     ("sync-unknown-stream", lambda s, m: sync(999), "UNKNOWN_REF", "Sync"),
@@ -1235,3 +1237,12 @@ def test_last_ref_exhausts_the_ref_space_cleanly(s2):
     e = s2.fails("REF_REUSED", create_stream(top, "side"), "CreateStream")
     assert "next free ref is 0" not in e.message, f"claims ref 0 is free: {e.message!r}"
     assert s2.describe(top).mesh.ranks == [0]
+
+
+def test_a_string_with_a_nul_or_bad_utf8_is_refused_naming_the_field(s2):
+    # protobuf-c alone would read "add\0evil" as "add" and run it (issue 13).
+    with pytest.raises(CommandError) as e:
+        s2.run(call("add\0evil", results=[s2.new_ref()]))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "Command.call.op: embedded NUL at byte 3" in e.value.message, e.value.message
+    s2.mesh(gpu=2)  # the session goes on
