@@ -494,3 +494,140 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
   meshd_session_close(s);
   meshd_close(c);
 }
+
+/* ------------------------------------------- connect options (no server) */
+
+static char pki[128]; /* make_certs.sh's folder, for the suites below */
+
+static void make_pki(void) {
+  const char *src = getenv("MESHD_SOURCE_DIR");
+  cr_assert(src && *src, "MESHD_SOURCE_DIR is not set (run through ctest)");
+  snprintf(pki, sizeof pki, "/tmp/meshd-c-pki-XXXXXX");
+  cr_assert_not_null(mkdtemp(pki));
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "bash '%s/tests/support/make_certs.sh' '%s' >/dev/null", src, pki);
+  cr_assert_eq(system(cmd), 0, "make_certs.sh failed");
+}
+
+static void remove_pki(void) {
+  char cmd[256];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", pki);
+  if (pki[0] && system(cmd) != 0)
+    fprintf(stderr, "could not remove %s\n", pki);
+}
+
+static const char *pki_file(const char *name) {
+  static char path[4][256];
+  static int next;
+  char *p = path[next++ % 4];
+  snprintf(p, sizeof path[0], "%s/%s", pki, name);
+  return p;
+}
+
+/* meshd_connect_with; closes what it got. why gets the message. */
+static meshd_err_t try_connect(const char *target, meshd_connect_options_t o, char *why,
+                               size_t len) {
+  meshd_err_t e = MESHD_E_OK;
+  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, len);
+  cr_assert_eq(c == NULL, e != MESHD_E_OK, "a client and an error (%d) at once", e);
+  meshd_close(c);
+  return e;
+}
+
+#define SECRET "s3cret-TOKEN-a1b2c3"
+
+TestSuite(c_client_options, .init = make_pki, .fini = remove_pki, .timeout = 60);
+
+Test(c_client_options, token_goes_in_plaintext_only_to_loopback) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.token = SECRET;
+  o.timeout_ms = 100;
+  char why[512];
+  static const char *const remote[] = {
+      "10.0.0.5:50051", "meshd.example:50051", "dns:///meshd.example:50051",
+      "dns://8.8.8.8/localhost.example:1", "[2001:db8::1]:50051", "ipv4:127.0.0.1:1,10.0.0.1:1",
+      "127.0.0.1.example.com:1", "[::ffff:10.0.0.1]:1", "2001:db8::1"};
+  for (size_t i = 0; i < sizeof remote / sizeof remote[0]; i++) {
+    cr_assert_eq(try_connect(remote[i], o, why, sizeof why), MESHD_E_INVALID, "%s: %s", remote[i],
+                 why);
+    cr_assert(strstr(why, "plaintext") && strstr(why, remote[i]), "%s: %s", remote[i], why);
+    cr_assert_null(strstr(why, SECRET), "the message shows the token: %s", why);
+  }
+  /* Loopback and local sockets: the connection is tried (nothing listens: CONNECT). */
+  static const char *const local[] = {"127.0.0.1:1",        "localhost:1",    "[::1]:1",
+                                      "dns:///localhost:1", "ipv4:127.0.0.2:1", "unix:/nonexistent.sock",
+                                      "[::ffff:127.0.0.1]:1", "LOCALHOST:1"};
+  for (size_t i = 0; i < sizeof local / sizeof local[0]; i++)
+    cr_assert_eq(try_connect(local[i], o, why, sizeof why), MESHD_E_CONNECT, "%s: %s", local[i],
+                 why);
+  /* TLS, or insecure: the rule does not apply (whatever the network answers). */
+  o.tls_ca_file = pki_file("ca.pem");
+  cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+  o.tls_ca_file = NULL;
+  o.insecure = true;
+  cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+  /* No token: nothing to protect. */
+  o.insecure = false;
+  o.token = "";
+  cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+}
+
+Test(c_client_options, bad_options_are_named) {
+  char why[512];
+  char long_token[5000];
+  memset(long_token, 'a', sizeof long_token - 1);
+  long_token[sizeof long_token - 1] = '\0';
+  static const char *const bad_tokens[] = {SECRET " x", SECRET "\n", "caf\xc3\xa9" SECRET,
+                                           "\t" SECRET};
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  for (size_t i = 0; i < sizeof bad_tokens / sizeof bad_tokens[0]; i++) {
+    o.token = bad_tokens[i];
+    cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+    cr_assert(strncmp(why, "token: ", 7) == 0 && strstr(why, "not visible ASCII"), "%s", why);
+    cr_assert_null(strstr(why, SECRET), "the message shows the token: %s", why);
+  }
+  o.token = long_token;
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "token: the token is 4999 bytes, more than 4096");
+
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_cert_file = pki_file("client.pem");
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "tls_cert_file is set without tls_key_file: a client certificate needs both");
+  o.tls_cert_file = NULL;
+  o.tls_key_file = pki_file("client.key");
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strncmp(why, "tls_key_file is set without tls_cert_file", 41) == 0, "%s", why);
+
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_ca_file = "/nonexistent/ca.pem";
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "tls_ca_file: cannot read /nonexistent/ca.pem: No such file or directory");
+  o.tls_ca_file = pki_file("ca.key"); /* a key where a certificate belongs */
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strstr(why, "tls_ca_file: ") && strstr(why, "holds no PEM CERTIFICATE"), "%s", why);
+  o.tls_ca_file = NULL;
+  o.tls_cert_file = pki_file("client.pem");
+  o.tls_key_file = pki_file("client.pem"); /* a certificate where the key belongs */
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strstr(why, "tls_key_file: ") && strstr(why, "holds no PEM PRIVATE KEY"), "%s", why);
+  cr_assert_null(strstr(why, "BEGIN"), "the message quotes the file: %s", why);
+
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_server_name = "";
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strncmp(why, "tls_server_name is empty", 24) == 0, "%s", why);
+  o.tls_server_name = NULL;
+  o.timeout_ms = 0;
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "timeout_ms is 0 (expected > 0)");
+  o.timeout_ms = 100;
+  cr_assert_eq(try_connect("", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "target is empty (expected host:port)");
+
+  /* NULL options are the defaults; NULL err and errbuf are allowed. */
+  meshd_err_t e = MESHD_E_OK;
+  cr_assert_null(meshd_connect_with(NULL, NULL, &e, why, sizeof why));
+  cr_assert_eq(e, MESHD_E_INVALID);
+  cr_assert_null(meshd_connect_with("", NULL, NULL, NULL, 0));
+}
