@@ -10,6 +10,7 @@
 #include <sys/prctl.h>
 #include <time.h>
 
+#include "conn.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
@@ -20,6 +21,9 @@
 struct meshd_client {
   rpc_channel_t *ch;
   int timeout_ms;
+  char *bearer;   /* "Bearer TOKEN", or NULL; wiped before it is freed */
+  rpc_md_t md[1]; /* sent on every call: authorization (when there is a token) */
+  size_t nmd;
   meshd_error_info_t last; /* strings point into the buffers below */
   char code_name[32];
   char kind[sizeof(((rpc_status_t *)0)->kind)];
@@ -79,28 +83,124 @@ void meshd_global_init(void) { rpc_init(); }
 void meshd_global_shutdown(void) { rpc_shutdown(); }
 
 meshd_client_t *meshd_connect(const char *target, int timeout_ms, meshd_err_t *err) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.timeout_ms = timeout_ms;
+  return meshd_connect_with(target, &o, err, NULL, 0);
+}
+
+static void errbuf_set(char *buf, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void errbuf_set(char *buf, size_t len, const char *fmt, ...) {
+  if (!buf || len == 0)
+    return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, len, fmt, ap);
+  va_end(ap);
+}
+
+/* The option checks of meshd_connect_with; fills tls. Returns 0, or -1 with msg. */
+static int check_options(const char *target, const meshd_connect_options_t *o, rpc_tls_t *tls,
+                         char *msg, size_t len) {
+  if (!target || !*target) {
+    snprintf(msg, len, "target is %s (expected host:port)", target ? "empty" : "NULL");
+    return -1;
+  }
+  if (o->timeout_ms <= 0) {
+    snprintf(msg, len, "timeout_ms is %d (expected > 0)", o->timeout_ms);
+    return -1;
+  }
+  bool token = o->token && *o->token;
+  if (token && conn_check_token(o->token, "token", msg, len) != 0)
+    return -1;
+  if (!o->tls_cert_file != !o->tls_key_file) {
+    snprintf(msg, len, "%s is set without %s: a client certificate needs both",
+             o->tls_cert_file ? "tls_cert_file" : "tls_key_file",
+             o->tls_cert_file ? "tls_key_file" : "tls_cert_file");
+    return -1;
+  }
+  if ((o->tls_ca_file && conn_check_pem(o->tls_ca_file, "CERTIFICATE", "tls_ca_file", msg, len)) ||
+      (o->tls_cert_file &&
+       conn_check_pem(o->tls_cert_file, "CERTIFICATE", "tls_cert_file", msg, len)) ||
+      (o->tls_key_file && conn_check_pem(o->tls_key_file, "PRIVATE KEY", "tls_key_file", msg, len)))
+    return -1;
+  if (o->tls_server_name && !*o->tls_server_name) {
+    snprintf(msg, len, "tls_server_name is empty (NULL: check the target's host)");
+    return -1;
+  }
+  *tls = (rpc_tls_t){.on = o->tls || o->tls_ca_file || o->tls_cert_file || o->tls_server_name,
+                     .ca_file = o->tls_ca_file,
+                     .cert_file = o->tls_cert_file,
+                     .key_file = o->tls_key_file,
+                     .server_name = o->tls_server_name};
+  if (token && !tls->on && !o->insecure && !conn_target_is_loopback(target)) {
+    snprintf(msg, len,
+             "refusing to send a token in plaintext to %s, which is not a loopback address: "
+             "use TLS (tls, tls_ca_file), or set insecure to send it anyway",
+             target);
+    return -1;
+  }
+  return 0;
+}
+
+meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_options_t *opts,
+                                   meshd_err_t *err, char *errbuf, size_t errlen) {
+  static const meshd_connect_options_t defaults = MESHD_CONNECT_OPTIONS_INIT;
+  const meshd_connect_options_t *o = opts ? opts : &defaults;
   meshd_err_t ret = MESHD_E_OK;
   meshd_client_t *c = NULL;
+  rpc_tls_t tls;
+  char msg[512];
 
-  if (!target || !*target || timeout_ms <= 0) {
+  errbuf_set(errbuf, errlen, "%s", "");
+  if (check_options(target, o, &tls, msg, sizeof msg) != 0) {
+    errbuf_set(errbuf, errlen, "%s", msg);
     ret = MESHD_E_INVALID;
     goto out;
   }
   rpc_init(); /* counted; balanced in meshd_close or below */
   c = calloc(1, sizeof *c);
   if (!c) {
-    ret = MESHD_E_NOMEM;
     rpc_shutdown();
-    goto out;
+    goto nomem;
   }
-  c->timeout_ms = timeout_ms;
+  c->timeout_ms = o->timeout_ms;
   set_error(c, MESHD_E_OK, 0, NULL, "%s", "");
-  c->ch = rpc_channel_create(target, NULL);
-  if (!c->ch || !rpc_channel_wait_ready(c->ch, timeout_ms)) {
+  if (o->token && *o->token) {
+    size_t n = strlen("Bearer ") + strlen(o->token) + 1;
+    c->bearer = malloc(n);
+    if (!c->bearer) {
+      meshd_close(c);
+      c = NULL;
+      goto nomem;
+    }
+    snprintf(c->bearer, n, "Bearer %s", o->token);
+    c->md[c->nmd++] = (rpc_md_t){"authorization", c->bearer};
+  }
+  rpc_channel_opts_t copts = {.tls = tls};
+  c->ch = rpc_channel_create(target, &copts);
+  if (!c->ch) { /* out of memory, or TLS files that changed since they were checked */
+    meshd_close(c);
+    c = NULL;
+    if (!tls.on)
+      goto nomem;
+    errbuf_set(errbuf, errlen, "the TLS files could not be loaded");
+    ret = MESHD_E_INVALID;
+  } else if (!rpc_channel_wait_ready(c->ch, o->timeout_ms)) {
+    errbuf_set(errbuf, errlen, "no connection to %s within %d ms%s", target,
+               o->timeout_ms,
+               tls.on ? " (with TLS: is the server up, does it speak TLS, and is its certificate "
+                        "valid for that name and signed by the CA?)"
+                      : "");
     ret = MESHD_E_CONNECT;
     meshd_close(c);
     c = NULL;
   }
+  goto out;
+nomem:
+  errbuf_set(errbuf, errlen, "out of memory");
+  ret = MESHD_E_NOMEM;
 out:
   if (err)
     *err = ret;
@@ -112,6 +212,10 @@ void meshd_close(meshd_client_t *client) {
     return;
   if (client->ch)
     rpc_channel_destroy(client->ch);
+  if (client->bearer) {
+    explicit_bzero(client->bearer, strlen(client->bearer));
+    free(client->bearer);
+  }
   free(client);
   rpc_shutdown();
 }
@@ -158,7 +262,7 @@ static meshd_err_t call_md(meshd_client_t *c, const char *method, const Protobuf
 
 static meshd_err_t call(meshd_client_t *c, const char *method, const ProtobufCMessage *req,
                         const ProtobufCMessageDescriptor *desc, ProtobufCMessage **resp) {
-  return call_md(c, method, req, desc, resp, NULL, 0);
+  return call_md(c, method, req, desc, resp, c->md, c->nmd);
 }
 
 meshd_err_t meshd_health(meshd_client_t *client, const char *service, int *serving_status_out) {
@@ -321,7 +425,8 @@ struct meshd_session {
   meshd_client_t *client;
   char *id;
   char *token;
-  rpc_md_t md[2];
+  rpc_md_t md[3]; /* the client's (authorization), then meshd-session, meshd-token */
+  size_t nmd;
   meshd_ref_t next_ref;
   uint64_t next_seq;
   uint64_t ttl_s;
@@ -365,7 +470,7 @@ static void *keepalive_main(void *arg) {
     Meshd__V1__KeepAliveRequest req = MESHD__V1__KEEP_ALIVE_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     grpc_status_code code = rpc_unary(s->client->ch, TS "KeepAlive", &req.base,
-                                      &meshd__v1__keep_alive_reply__descriptor, &resp, s->md, 2,
+                                      &meshd__v1__keep_alive_reply__descriptor, &resp, s->md, s->nmd,
                                       timeout_ms, NULL);
     if (resp)
       protobuf_c_message_free_unpacked(resp, NULL);
@@ -444,8 +549,10 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
     goto out;
   }
   s->client = client;
-  s->md[0] = (rpc_md_t){"meshd-session", s->id};
-  s->md[1] = (rpc_md_t){"meshd-token", s->token};
+  for (size_t i = 0; i < client->nmd; i++)
+    s->md[s->nmd++] = client->md[i];
+  s->md[s->nmd++] = (rpc_md_t){"meshd-session", s->id};
+  s->md[s->nmd++] = (rpc_md_t){"meshd-token", s->token};
   s->next_ref = 1;
   s->next_seq = 1;
   s->ttl_s = reply->ttl_seconds;
@@ -480,7 +587,7 @@ void meshd_session_close(meshd_session_t *s) {
   memcpy(msg, s->client->message, sizeof msg);
   memcpy(code, s->client->code_name, sizeof code);
   if (call_md(s->client, TS "CloseSession", &req.base, &meshd__v1__close_session_reply__descriptor,
-              &resp, s->md, 2) == MESHD_E_OK)
+              &resp, s->md, s->nmd) == MESHD_E_OK)
     protobuf_c_message_free_unpacked(resp, NULL);
   s->client->last = saved;
   memcpy(s->client->kind, kind, sizeof kind);
@@ -504,7 +611,7 @@ static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, 
   ProtobufCMessage *resp = NULL;
   cmd->seq = s->next_seq++;
   meshd_err_t ret = call_md_timeout(s->client, TS "Execute", &cmd->base,
-                                    &meshd__v1__command_result__descriptor, &resp, s->md, 2,
+                                    &meshd__v1__command_result__descriptor, &resp, s->md, s->nmd,
                                     timeout_ms);
   if (ret != MESHD_E_OK)
     return ret;
@@ -758,7 +865,7 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   bool have_meta = false;
   if (timeout_ms <= 0)
     timeout_ms = s->client->timeout_ms;
-  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, 2, timeout_ms);
+  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
   if (!st) {
     set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: cannot open the call");
     return MESHD_E_RPC;

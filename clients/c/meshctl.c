@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "conn.h" /* the library's own option checks, so errors name the flag */
 #include "meshd.h"
 
 enum {
@@ -23,10 +24,13 @@ enum {
   EXIT_USAGE = 64,
 };
 
-#define SYNOPSIS "[--server ADDR] [--timeout-ms MS] COMMAND [ARGS]"
+#define SYNOPSIS "[--server ADDR] [--timeout-ms MS] [--token T | --token-file F] [--tls] " \
+                 "[--tls-ca F] [--tls-cert F --tls-key F] COMMAND [ARGS]"
 
 static const char *server;
 static int64_t timeout_ms;
+static meshd_connect_options_t conn = MESHD_CONNECT_OPTIONS_INIT;
+static char token_buf[CONN_MAX_TOKEN + 2]; /* from --token-file; wiped at exit */
 
 /* ------------------------------------------------------------------ flags */
 
@@ -37,14 +41,44 @@ static int64_t timeout_ms;
  * a bad flag; "--" makes everything after it positional. */
 typedef struct flag {
   const char *name, *metavar, *env, *default_value, *help;
+  bool is_bool; /* `--name` alone is true; a value only as --name=VALUE */
 } flag_t;
 
-enum { FLAG_SERVER, FLAG_TIMEOUT_MS, NFLAGS };
+enum {
+  FLAG_SERVER,
+  FLAG_TIMEOUT_MS,
+  FLAG_TOKEN,
+  FLAG_TOKEN_FILE,
+  FLAG_TLS,
+  FLAG_TLS_CA,
+  FLAG_TLS_CERT,
+  FLAG_TLS_KEY,
+  FLAG_TLS_SERVER_NAME,
+  FLAG_INSECURE,
+  NFLAGS
+};
 static const flag_t flags[NFLAGS] = {
     [FLAG_SERVER] = {"server", "VALUE", "MESHD_SERVER", "127.0.0.1:50051",
                      "meshd address, host:port"},
     [FLAG_TIMEOUT_MS] = {"timeout-ms", "N", "MESHD_TIMEOUT_MS", "5000",
                          "milliseconds to wait for the connection, then again for the call"},
+    [FLAG_TOKEN] = {"token", "TOKEN", "MESHD_TOKEN", NULL,
+                    "bearer token sent on every call (ps shows a command line: prefer "
+                    "the variable or --token-file)"},
+    [FLAG_TOKEN_FILE] = {"token-file", "FILE", "MESHD_TOKEN_FILE", NULL,
+                         "read the bearer token from the first line of FILE"},
+    [FLAG_TLS] = {"tls", "", "MESHD_TLS", "false",
+                  "TLS, the server verified against the system's roots", true},
+    [FLAG_TLS_CA] = {"tls-ca", "FILE", "MESHD_TLS_CA", NULL,
+                     "TLS, the server verified against the PEM roots in FILE"},
+    [FLAG_TLS_CERT] = {"tls-cert", "FILE", "MESHD_TLS_CERT", NULL,
+                       "client certificate (PEM) for mTLS; needs --tls-key"},
+    [FLAG_TLS_KEY] = {"tls-key", "FILE", "MESHD_TLS_KEY", NULL,
+                      "the client certificate's key (PEM)"},
+    [FLAG_TLS_SERVER_NAME] = {"tls-server-name", "NAME", "MESHD_TLS_SERVER_NAME", NULL,
+                              "name checked in the server's certificate instead of the host"},
+    [FLAG_INSECURE] = {"insecure", "", NULL, "false",
+                       "send the token even in plaintext to a non-loopback address", true},
 };
 #define TIMEOUT_MS_MIN 1
 #define TIMEOUT_MS_MAX 3600000
@@ -69,7 +103,7 @@ static const char *flag_value(int f, const char *given, char *who, size_t wholen
     snprintf(who, wholen, "--%s", flags[f].name);
     return given;
   }
-  const char *env = getenv(flags[f].env);
+  const char *env = flags[f].env ? getenv(flags[f].env) : NULL;
   if (env && *env) {
     snprintf(who, wholen, "%s", flags[f].env);
     return env;
@@ -101,6 +135,108 @@ static int set_timeout(const char *who, const char *text, char *err, size_t errl
 not_int:
   snprintf(err, errlen, "%s: '%s' is not an integer", who, text);
   return -1;
+}
+
+/* A CONFIG_BOOL-style value: true/false/1/0/yes/no. */
+static int set_bool(const char *who, const char *text, bool *out, char *err, size_t errlen) {
+  static const char *const yes[] = {"true", "1", "yes"}, *const no[] = {"false", "0", "no"};
+  for (size_t i = 0; i < 3; i++) {
+    if (strcmp(text, yes[i]) == 0 || strcmp(text, no[i]) == 0) {
+      *out = strcmp(text, yes[i]) == 0;
+      return 0;
+    }
+  }
+  snprintf(err, errlen, "%s: '%s' is not a boolean (true/false/1/0/yes/no)", who, text);
+  return -1;
+}
+
+/* The first line of `path` (trailing blanks and newline cut) into token_buf. */
+static int read_token_file(const char *who, const char *path, char *err, size_t errlen) {
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    snprintf(err, errlen, "%s: cannot read %s: %s", who, path, strerror(errno));
+    return -1;
+  }
+  bool got = fgets(token_buf, sizeof token_buf, f) != NULL;
+  fclose(f);
+  size_t n = got ? strlen(token_buf) : 0;
+  while (n > 0 && isspace((unsigned char)token_buf[n - 1]))
+    token_buf[--n] = '\0';
+  if (n == 0) {
+    snprintf(err, errlen, "%s: %s holds no token on its first line", who, path);
+    return -1;
+  }
+  if (n > CONN_MAX_TOKEN) {
+    snprintf(err, errlen, "%s: the token in %s is longer than %d bytes", who, path,
+             CONN_MAX_TOKEN);
+    return -1;
+  }
+  conn.token = token_buf;
+  return 0;
+}
+
+/* The token, TLS and --insecure flags into conn; files are checked here so
+ * that errors name the flag or variable. `given` holds the command line's. */
+static int set_security(const char **given, char *err, size_t errlen) {
+  char who[64], who2[64];
+  /* --token and --token-file: one of them, the command line's over the environment's. */
+  const char *tok = flag_value(FLAG_TOKEN, given[FLAG_TOKEN], who, sizeof who);
+  const char *file = flag_value(FLAG_TOKEN_FILE, given[FLAG_TOKEN_FILE], who2, sizeof who2);
+  bool cli = given[FLAG_TOKEN] || given[FLAG_TOKEN_FILE];
+  if (cli && !given[FLAG_TOKEN])
+    tok = NULL;
+  if (cli && !given[FLAG_TOKEN_FILE])
+    file = NULL;
+  if (tok && file) {
+    snprintf(err, errlen, "%s and %s: give one of them", who, who2);
+    return -1;
+  }
+  if (tok) {
+    if (conn_check_token(tok, who, err, errlen) != 0)
+      return -1;
+    conn.token = tok;
+  } else if (file) {
+    if (read_token_file(who2, file, err, errlen) != 0 ||
+        conn_check_token(conn.token, who2, err, errlen) != 0)
+      return -1;
+  }
+
+  if (set_bool(who, flag_value(FLAG_TLS, given[FLAG_TLS], who, sizeof who), &conn.tls, err,
+               errlen) != 0 ||
+      set_bool(who, flag_value(FLAG_INSECURE, given[FLAG_INSECURE], who, sizeof who),
+               &conn.insecure, err, errlen) != 0)
+    return -1;
+  static const struct {
+    int flag;
+    const char *label;
+  } files[] = {{FLAG_TLS_CA, "CERTIFICATE"}, {FLAG_TLS_CERT, "CERTIFICATE"},
+               {FLAG_TLS_KEY, "PRIVATE KEY"}};
+  const char *paths[3];
+  for (size_t i = 0; i < 3; i++) {
+    paths[i] = flag_value(files[i].flag, given[files[i].flag], who, sizeof who);
+    if (paths[i] && conn_check_pem(paths[i], files[i].label, who, err, errlen) != 0)
+      return -1;
+  }
+  conn.tls_ca_file = paths[0];
+  conn.tls_cert_file = paths[1];
+  conn.tls_key_file = paths[2];
+  if (!conn.tls_cert_file != !conn.tls_key_file) {
+    snprintf(err, errlen, "--%s needs --%s (a client certificate needs both)",
+             flags[conn.tls_cert_file ? FLAG_TLS_CERT : FLAG_TLS_KEY].name,
+             flags[conn.tls_cert_file ? FLAG_TLS_KEY : FLAG_TLS_CERT].name);
+    return -1;
+  }
+  conn.tls_server_name = flag_value(FLAG_TLS_SERVER_NAME, given[FLAG_TLS_SERVER_NAME], who,
+                                    sizeof who);
+  bool tls = conn.tls || conn.tls_ca_file || conn.tls_cert_file || conn.tls_server_name;
+  if (conn.token && !tls && !conn.insecure && !conn_target_is_loopback(server)) {
+    snprintf(err, errlen,
+             "refusing to send the token in plaintext to %s, which is not a loopback address: "
+             "use --tls-ca FILE or --tls, or --insecure to send it anyway",
+             server);
+    return -1;
+  }
+  return 0;
 }
 
 /* Sets server and timeout_ms from argv, the environment and the defaults, and
@@ -137,6 +273,8 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
     }
     if (eq) {
       given[f] = eq + 1;
+    } else if (flags[f].is_bool) {
+      given[f] = "true";
     } else if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
       given[f] = argv[++i];
     } else {
@@ -150,7 +288,10 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
   char who[64];
   server = flag_value(FLAG_SERVER, given[FLAG_SERVER], who, sizeof who);
   const char *text = flag_value(FLAG_TIMEOUT_MS, given[FLAG_TIMEOUT_MS], who, sizeof who);
-  return set_timeout(who, text, err, errlen);
+  if (set_timeout(who, text, err, errlen) != 0)
+    return -1;
+  conn.timeout_ms = (int)timeout_ms;
+  return set_security(given, err, errlen);
 }
 
 static int cmd_health(meshd_client_t *c, int argc, char **argv);
@@ -188,8 +329,13 @@ static void usage(FILE *out) {
   }
   for (int i = 0; i < NFLAGS; i++) {
     int w = 2 + (int)(strlen(flags[i].name) + 1 + strlen(flags[i].metavar));
-    fprintf(out, "  --%s %s%*s   %s (env %s, default %s)\n", flags[i].name, flags[i].metavar,
-            width - w, "", flags[i].help, flags[i].env, flags[i].default_value);
+    char env[64] = "", def[64] = "";
+    if (flags[i].env)
+      snprintf(env, sizeof env, "env %s", flags[i].env);
+    if (flags[i].default_value)
+      snprintf(def, sizeof def, "%sdefault %s", *env ? ", " : "", flags[i].default_value);
+    fprintf(out, "  --%s %s%*s   %s (%s%s)\n", flags[i].name, flags[i].metavar, width - w, "",
+            flags[i].help, env, def);
   }
   fprintf(out, "  %-*s   show this help\n", width, help_flag);
   fprintf(out, "commands:\n");
@@ -637,14 +783,16 @@ static int run(int argc, char **argv) {
   }
 
   meshd_err_t e = MESHD_E_OK;
-  meshd_client_t *c = meshd_connect(server, (int)timeout_ms, &e);
+  char why[512];
+  meshd_client_t *c = meshd_connect_with(server, &conn, &e, why, sizeof why);
   if (!c) {
     if (e == MESHD_E_CONNECT) {
-      fprintf(stderr, "error: cannot connect to %s: no connection within %" PRId64 " ms\n", server,
-              timeout_ms);
+      fprintf(stderr, "error: cannot connect: %s\n", why);
       return EXIT_CONNECT;
     }
-    fprintf(stderr, "error: cannot connect to %s: %s\n", server, meshd_strerror(e));
+    fprintf(stderr, "%s: %s\n", e == MESHD_E_INVALID ? "meshctl" : "error", why);
+    if (e == MESHD_E_INVALID) /* an option meshctl was given: the plaintext-token rule */
+      return EXIT_USAGE;
     return EXIT_FAILURE_OTHER;
   }
   r = cmd->run(c, nargs, argv + 2);
@@ -655,6 +803,7 @@ static int run(int argc, char **argv) {
 int main(int argc, char **argv) {
   meshd_global_init();
   int r = run(argc, argv);
+  explicit_bzero(token_buf, sizeof token_buf);
   fflush(stdout);
   meshd_global_shutdown();
   return r;

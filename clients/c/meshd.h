@@ -68,14 +68,57 @@ MESHD_API void meshd_global_shutdown(void);
 
 typedef struct meshd_client meshd_client_t;
 
-/* Connects to `target` ("127.0.0.1:50051", "dns:///meshd:50051") and waits up
- * to timeout_ms (> 0) for the connection to be ready. timeout_ms is also the
- * deadline of every call made through the client.
+/* Connects to `target` ("127.0.0.1:50051", "dns:///meshd:50051") in plaintext,
+ * without a token, and waits up to timeout_ms (> 0) for the connection to be
+ * ready. timeout_ms is also the deadline of every call made through the client.
+ * meshd_connect_with below adds TLS, mTLS and a bearer token.
  *
  * Returns a client (free with meshd_close), or NULL with *err set (err may be
  * NULL): MESHD_E_INVALID for a NULL/empty target or timeout_ms <= 0,
  * MESHD_E_CONNECT if no connection was ready in time, MESHD_E_NOMEM. */
 MESHD_API meshd_client_t *meshd_connect(const char *target, int timeout_ms, meshd_err_t *err);
+
+/* How meshd_connect_with reaches the server (docs/security.md). Start from
+ * MESHD_CONNECT_OPTIONS_INIT and set what you need; strings are read during the
+ * call only (the client keeps its own copy of the token). The library reads no
+ * environment variable: meshctl maps MESHD_TOKEN, MESHD_TLS_CA, ... onto these.
+ *
+ *   meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+ *   o.token = tok;                 // sent as `authorization: Bearer TOKEN` on every call
+ *   o.tls_ca_file = "ca.pem";      // TLS, the server verified against ca.pem
+ *   char why[256];
+ *   meshd_client_t *c = meshd_connect_with("meshd.example:50051", &o, &err, why, sizeof why); */
+typedef struct meshd_connect_options {
+  int timeout_ms;              /* > 0: the connection wait and every call's deadline */
+  const char *token;           /* bearer token; NULL or "": none. 1..4096 visible ASCII
+                                  characters (no spaces) */
+  bool tls;                    /* TLS, verified against the system's roots */
+  const char *tls_ca_file;     /* PEM roots that verify the server; implies tls */
+  const char *tls_cert_file;   /* PEM client certificate for mTLS, with tls_key_file; */
+  const char *tls_key_file;    /*   both or neither; imply tls */
+  const char *tls_server_name; /* the name checked in the server's certificate instead of
+                                  the target's host; implies tls */
+  bool insecure;               /* send a token in plaintext to a non-loopback target
+                                  (refused otherwise) */
+} meshd_connect_options_t;
+
+#define MESHD_CONNECT_OPTIONS_INIT {5000, NULL, false, NULL, NULL, NULL, NULL, false}
+
+/* meshd_connect with options. NULL opts: MESHD_CONNECT_OPTIONS_INIT. Returns a
+ * client, or NULL with *err set (err may be NULL) and, when errbuf is not NULL,
+ * a message in errbuf (errlen bytes, NUL-terminated) that names the option at
+ * fault and never quotes the token:
+ * MESHD_E_INVALID for a NULL/empty target, timeout_ms <= 0, a malformed token,
+ * a certificate without its key, an unreadable or non-PEM file, or a token
+ * that would go in plaintext to a target that is not loopback (localhost,
+ * 127.0.0.0/8, ::1, unix:) without `insecure`; MESHD_E_CONNECT if no
+ * connection was ready in time (with TLS also: the handshake failed, e.g. the
+ * server's certificate is not signed by tls_ca_file); MESHD_E_NOMEM. A server
+ * that refuses the token is seen on the first call: MESHD_E_RPC with kind
+ * "UNAUTHENTICATED" (another principal's session: "PERMISSION_DENIED"). */
+MESHD_API meshd_client_t *meshd_connect_with(const char *target,
+                                             const meshd_connect_options_t *opts,
+                                             meshd_err_t *err, char *errbuf, size_t errlen);
 
 /* Closes the connection and frees the client. NULL is ignored. Pointers
  * obtained from meshd_last_error become invalid. */

@@ -21,12 +21,25 @@
 //   await s.sync({ timeoutMs: 5000 });                 // DEADLINE_EXCEEDED past 5 s
 //   await s.close();
 //
+// Security (docs/security.md): connect(addr, {token, rootCerts, certChain, privateKey, ...})
+// speaks TLS (any certificate option or tls: true; rootCerts: the CA that verifies the
+// server, else the system's roots) and mTLS (certChain + privateKey), and sends the bearer
+// token as `authorization: Bearer TOKEN` on every call. Each certificate option is a PEM
+// Buffer/string or a file path. Unset options come from MESHD_TOKEN, MESHD_TLS (=1),
+// MESHD_TLS_CA, MESHD_TLS_CERT, MESHD_TLS_KEY, MESHD_TLS_SERVER_NAME. A token is not sent in
+// plaintext to an address that is not loopback unless insecure: true. The token never shows
+// in a Session's inspect output or in error messages.
+//
+//   const s = await connect('meshd.example:50051', { token, rootCerts: 'ca.pem' });
+//
 // While a session is open it sends KeepAlive every third of its ttl (at least every
 // 1 s) from an unref'd timer, so an idle session outlives its ttl and the timer never
 // keeps the process alive; close() stops it, and so does garbage collection of a
 // session that was never closed.
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
+import { BlockList, isIP } from 'node:net';
 import path from 'node:path';
+import { inspect } from 'node:util';
 import { fileURLToPath } from 'node:url';
 import { createRequire } from 'node:module';
 
@@ -115,15 +128,17 @@ export function keepAlivePeriodMs(ttlSeconds) {
 const keepAliveTimers = new FinalizationRegistry((stop) => stop());
 
 export class Session {
-  constructor(client, reply, timeoutMs) {
+  #md; // every call's metadata: authorization (with a token), meshd-session, meshd-token
+
+  constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false } = {}) {
     this.client = client;
     this.id = reply.session_id;
-    this.token = reply.token;
     this.ttlSeconds = reply.ttl_seconds;
     this.timeoutMs = timeoutMs;
-    this.md = new grpc.Metadata();
-    this.md.set('meshd-session', this.id);
-    this.md.set('meshd-token', this.token);
+    this.tls = tls;
+    this.#md = baseMd.clone();
+    this.#md.set('meshd-session', this.id);
+    this.#md.set('meshd-token', reply.token);
     this.nextRef = 0;
     this.seq = 0;
     this.closed = false;
@@ -135,7 +150,8 @@ export class Session {
   startKeepAlive() {
     const periodMs = keepAlivePeriodMs(this.ttlSeconds);
     const self = new WeakRef(this);
-    const { client, md } = this;
+    const { client } = this;
+    const md = this.#md;
     const timeoutMs = Math.min(this.timeoutMs, 5000);
     let inFlight = false;
     const timer = setInterval(() => {
@@ -160,6 +176,11 @@ export class Session {
     keepAliveTimers.unregister(this);
   }
 
+  // What console.log shows: never the metadata (it holds the tokens).
+  [inspect.custom]() {
+    return `Session { id: '${this.id}', tls: ${this.tls}, closed: ${this.closed} }`;
+  }
+
   deadline(timeoutMs) { return Date.now() + (timeoutMs ?? this.timeoutMs); }
 
   newRef() { this.nextRef += 1; return this.nextRef; }
@@ -167,7 +188,7 @@ export class Session {
   // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
   unary(method, request, { timeoutMs } = {}) {
     return new Promise((resolve, reject) => {
-      this.client[method](request, this.md, { deadline: this.deadline(timeoutMs) }, (err, reply) => {
+      this.client[method](request, this.#md, { deadline: this.deadline(timeoutMs) }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(reply);
       });
@@ -241,7 +262,7 @@ export class Session {
     const ref = this.newRef();
     const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     return new Promise((resolve, reject) => {
-      const call = this.client.Upload(this.md, { deadline: this.deadline() }, (err, reply) => {
+      const call = this.client.Upload(this.#md, { deadline: this.deadline() }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(reply.tensor);
       });
@@ -260,7 +281,7 @@ export class Session {
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
     };
     return new Promise((resolve, reject) => {
-      const call = this.client.Fetch(request, this.md, { deadline: this.deadline(timeoutMs) });
+      const call = this.client.Fetch(request, this.#md, { deadline: this.deadline(timeoutMs) });
       let meta = null;
       const parts = [];
       call.on('data', (c) => {
@@ -295,19 +316,124 @@ export class Session {
   }
 }
 
-// Connects and creates a session.
+const MAX_TOKEN = 4096;
+
+// A token is 1..4096 visible ASCII characters (what a tokens file line holds); the
+// message names `what` and never shows the token.
+function checkToken(token, what) {
+  if (typeof token !== 'string') throw new TypeError(`meshd: ${what}: the token must be a string, got ${typeof token}`);
+  if (token.length > MAX_TOKEN) throw new RangeError(`meshd: ${what}: the token is ${token.length} characters, more than ${MAX_TOKEN}`);
+  const bad = [...token].findIndex((ch) => ch < '!' || ch > '~');
+  if (bad >= 0) {
+    throw new RangeError(`meshd: ${what}: the token has a character that is not visible ASCII at position ${bad} `
+      + '(spaces, control characters and non-ASCII are not allowed)');
+  }
+}
+
+// PEM bytes from a Buffer, a PEM string, or a file path; errors name `what`, never the contents.
+function readPem(value, what) {
+  if (value === undefined || value === null) return null;
+  let data;
+  let origin = what;
+  if (Buffer.isBuffer(value) || value instanceof Uint8Array) data = Buffer.from(value);
+  else if (typeof value === 'string' && value.includes('-----BEGIN')) data = Buffer.from(value);
+  else if (typeof value === 'string') {
+    try {
+      data = readFileSync(value);
+    } catch (e) {
+      throw new Error(`meshd: ${what}: cannot read ${value}: ${e.code ?? e.message}`);
+    }
+    origin = `${what} (${value})`;
+  } else throw new TypeError(`meshd: ${what}: expected a PEM Buffer or a file path, got ${typeof value}`);
+  if (!data.includes('-----BEGIN')) throw new Error(`meshd: ${origin}: not PEM (no '-----BEGIN' line)`);
+  return data;
+}
+
+// The hosts a gRPC target names ([] for a local socket).
+function targetHosts(addr) {
+  let a = addr.trim();
+  if (a.startsWith('unix:') || a.startsWith('unix-abstract:')) return [];
+  for (const scheme of ['dns:', 'ipv4:', 'ipv6:']) {
+    if (a.startsWith(scheme)) {
+      a = a.slice(scheme.length);
+      if (a.startsWith('//')) { const slash = a.indexOf('/', 2); a = slash >= 0 ? a.slice(slash + 1) : a.slice(2); }
+      break;
+    }
+  }
+  return a.split(',').map((part) => {
+    const p = part.trim();
+    if (p.startsWith('[')) return p.slice(1, p.includes(']') ? p.indexOf(']') : undefined);
+    if ((p.match(/:/g) ?? []).length === 1) return p.slice(0, p.indexOf(':'));
+    return p; // no port, or a bare IPv6 address
+  });
+}
+
+const LOOPBACK = new BlockList(); // IPv4-mapped IPv6 addresses match the IPv4 rule
+LOOPBACK.addSubnet('127.0.0.0', 8, 'ipv4');
+LOOPBACK.addAddress('::1', 'ipv6');
+
+// True if every host addr names is loopback (localhost, 127.0.0.0/8, ::1) or it is a local socket.
+export function isLoopback(addr) {
+  return targetHosts(addr).every((host) => {
+    const h = host.split('%')[0].toLowerCase();
+    if (h === 'localhost') return true;
+    const family = isIP(h);
+    return family !== 0 && LOOPBACK.check(h, family === 4 ? 'ipv4' : 'ipv6'); // a name may resolve anywhere
+  });
+}
+
+const envOf = (name) => process.env[name] || undefined; // empty counts as unset
+
+// The channel credentials, channel options and base metadata of connect()'s options.
+export function resolveSecurity(addr, { token, tls = false, rootCerts, certChain, privateKey,
+  serverName, insecure = false } = {}) {
+  let tok = token;
+  if (tok === undefined || tok === null) {
+    tok = envOf('MESHD_TOKEN');
+    if (tok !== undefined) checkToken(tok, '$MESHD_TOKEN');
+  } else if (tok === '') tok = undefined; // explicitly none: MESHD_TOKEN is not read
+  else checkToken(tok, 'token');
+  const pem = (v, what, env) => (v !== undefined && v !== null ? readPem(v, what) : readPem(envOf(env), `$${env}`));
+  const roots = pem(rootCerts, 'rootCerts', 'MESHD_TLS_CA');
+  const chain = pem(certChain, 'certChain', 'MESHD_TLS_CERT');
+  const key = pem(privateKey, 'privateKey', 'MESHD_TLS_KEY');
+  if (!chain !== !key) {
+    const [have, miss] = chain ? ['certChain', 'privateKey'] : ['privateKey', 'certChain'];
+    throw new Error(`meshd: ${have} was given without ${miss} (MESHD_TLS_CERT/MESHD_TLS_KEY): a client certificate needs both`);
+  }
+  const name = serverName ?? envOf('MESHD_TLS_SERVER_NAME');
+  const envTls = (envOf('MESHD_TLS') ?? '').toLowerCase();
+  if (!['', '0', '1', 'true', 'false', 'yes', 'no'].includes(envTls)) {
+    throw new Error(`meshd: $MESHD_TLS: expected 1/0/true/false/yes/no, got '${envTls}'`);
+  }
+  const useTls = Boolean(tls) || ['1', 'true', 'yes'].includes(envTls) || Boolean(roots || chain || name);
+  if (tok && !useTls && !insecure && !isLoopback(addr)) {
+    throw new Error(`meshd: refusing to send a token in plaintext to ${addr}, which is not a loopback address: `
+      + 'connect with TLS (tls: true or rootCerts), or pass insecure: true to send it anyway');
+  }
+  const options = { 'grpc.enable_http_proxy': 0 };
+  if (useTls && name) options['grpc.ssl_target_name_override'] = name;
+  const creds = useTls ? grpc.credentials.createSsl(roots, key, chain) : grpc.credentials.createInsecure();
+  const md = new grpc.Metadata();
+  if (tok) md.set('authorization', `Bearer ${tok}`);
+  return { creds, options, md, tls: useTls };
+}
+
+// Connects and creates a session. Security options: see the top of this file.
 export async function connect(addr, { clientName = 'meshd-node', ttlSeconds = 0, quotaBytes = 0,
-  timeoutMs = 60000, protoPath: file } = {}) {
+  timeoutMs = 60000, protoPath: file, token, tls, rootCerts, certChain, privateKey, serverName,
+  insecure } = {}) {
+  const sec = resolveSecurity(addr, { token, tls, rootCerts, certChain, privateKey, serverName, insecure });
   const Svc = loadService(file ?? protoPath());
-  const client = new Svc(addr, grpc.credentials.createInsecure(), { 'grpc.enable_http_proxy': 0 });
+  const client = new Svc(addr, sec.creds, sec.options);
   const reply = await new Promise((resolve, reject) => {
     client.CreateSession({ client_name: clientName, ttl_seconds: ttlSeconds, quota_bytes: quotaBytes },
-      { deadline: Date.now() + timeoutMs }, (err, r) => {
+      sec.md, { deadline: Date.now() + timeoutMs }, (err, r) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(r);
       });
   }).catch((e) => { client.close(); throw e; });
-  return new Session(client, reply, timeoutMs);
+  return new Session(client, reply, timeoutMs, sec.md, { tls: sec.tls });
 }
 
 export { grpc };

@@ -4,7 +4,11 @@ health exit codes as grpc_health_probe: 0 SERVING, 2 connection failed,
 3 RPC failed (NOT_FOUND for an unknown service), 4 not serving.
 """
 
+import os
 import re
+import subprocess
+
+import pytest
 
 import meshd_testlib as lib
 
@@ -85,3 +89,138 @@ def test_agents_lists_two_ranks(meshd_server):
         assert any(col.startswith("127.0.0.1:") for col in row), _show(r)
         assert "cpu" in row, _show(r)
 
+
+
+# ------------------------------------------------- TLS, mTLS and bearer tokens
+# One server of each kind for the tests below: plaintext with tokens and 2 agents (a
+# script computes), TLS with tokens and mTLS with tokens (no agents: local agents
+# register on the client port, which they cannot do over TLS yet).
+
+ALICE = "alice-7f3e9a0c5d1b2468"
+BOB = "bob-0c5d1b24687f3e9a"
+WRONG = "mallory-5d1b24687f3e9a0c"
+SCRIPT = "mesh m gpu=2\nx = ones m 2 3\ny = add x 1.5\nz = reduce y gpu sum\nfetch z gpu=1\nsync\n"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    """{"pki", "tokens", "plain", "tls", "mtls"}: the PKI folder, the tokens file, and
+    the addresses of the three servers."""
+    tmp = tmp_path_factory.mktemp("meshctl-auth")
+    pki = tmp / "pki"
+    subprocess.run(["bash", os.path.join(lib.SOURCE_DIR, "tests/support/make_certs.sh"), str(pki)],
+                   check=True, capture_output=True, timeout=60)
+    tokens = tmp / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    tls = ["--tls-cert", pki / "server.pem", "--tls-key", pki / "server.key", "--min-agents", 0]
+    procs = {}
+    try:
+        for name, n, flags in (("plain", 2, []), ("tls", 0, tls),
+                               ("mtls", 0, tls + ["--tls-client-ca", pki / "ca.pem"])):
+            args = ["--listen", "127.0.0.1:0", "--local-agents", n, "--auth-tokens", tokens] + flags
+            procs[name] = lib.spawn(f"meshd-{name}", lib.MESHD, [str(a) for a in args], str(tmp))
+        lib.wait_health(procs["plain"].port, lib.TENSOR_SERVICE, lib.SERVING(),  # agents up
+                        timeout=lib.REGISTER_TIMEOUT, proc=procs["plain"].proc, log=procs["plain"].log)
+        yield {"pki": pki, "tokens": tokens,
+               **{k: f"127.0.0.1:{p.port}" for k, p in procs.items()}}
+    finally:
+        for p in procs.values():
+            lib.stop(p)
+    for p in procs.values():
+        hit = lib.sanitizer_report(p.log)
+        assert not hit, hit
+        with open(p.log, errors="replace") as f:
+            log = f.read()
+        assert ALICE not in log and BOB not in log and WRONG not in log, p.log
+
+
+def test_token_script_and_tables(secured, tmp_path):
+    script = tmp_path / "s.txt"
+    script.write_text(SCRIPT)
+    r = meshctl(secured["plain"], "--token", ALICE, "run", str(script), timeout_ms=20000)
+    assert r.returncode == 0, _show(r)
+    assert r.stdout == "z [2,3] 5 5 5 5 5 5\n", _show(r)
+    r = meshctl(secured["plain"], "agents", env={"MESHD_TOKEN": BOB})
+    assert r.returncode == 0 and len(re.findall(r"(?m)^\d+\s+127\.0\.0\.1:", r.stdout)) == 2, _show(r)
+    token_file = tmp_path / "token"
+    token_file.write_text(ALICE + "\n")
+    r = meshctl(secured["plain"], "--token-file", str(token_file), "sessions")
+    assert r.returncode == 0, _show(r)
+    r = meshctl(secured["plain"], "sessions", env={"MESHD_TOKEN_FILE": str(token_file)})
+    assert r.returncode == 0, _show(r)
+
+
+@pytest.mark.parametrize("args,env", [
+    ((), None), (("--token", WRONG), None), ((), {"MESHD_TOKEN": WRONG}),
+    (("--token", ALICE.upper()), None)])
+def test_no_or_a_wrong_token_is_unauthenticated(secured, args, env):
+    r = meshctl(secured["plain"], *args, "sessions", env=env)
+    assert r.returncode == 3, _show(r)
+    assert "UNAUTHENTICATED" in r.stderr, _show(r)
+    assert WRONG not in r.stderr + r.stdout and ALICE.upper() not in r.stderr, _show(r)
+    r = meshctl(secured["plain"], *args, "health", env=env)  # health needs no token
+    assert r.returncode == 0, _show(r)
+
+
+def test_tls_with_a_token(secured):
+    pki = secured["pki"]
+    ca = str(pki / "ca.pem")
+    r = meshctl(secured["tls"], "--tls-ca", ca, "--token", ALICE, "sessions")
+    assert r.returncode == 0, _show(r)
+    r = meshctl(secured["tls"], "sessions", env={"MESHD_TLS_CA": ca, "MESHD_TOKEN": BOB})
+    assert r.returncode == 0, _show(r)
+    r = meshctl(secured["tls"], "--tls-ca", ca, "--tls-server-name", "localhost", "--token", ALICE,
+                "health")
+    assert r.returncode == 0 and "SERVING" in r.stdout, _show(r)
+    r = meshctl(secured["tls"], "--tls-ca", ca, "--token", WRONG, "sessions")
+    assert r.returncode == 3 and "UNAUTHENTICATED" in r.stderr, _show(r)
+    # The server's certificate does not carry that name; another CA; no TLS at all: the
+    # connection fails (exit 2) before any token is sent.
+    for args in (("--tls-ca", ca, "--tls-server-name", "meshd.example"),
+                 ("--tls-ca", str(pki / "rogue-ca.pem")), ()):
+        r = meshctl(secured["tls"], *args, "--token", ALICE, "sessions", timeout_ms=1000)
+        assert r.returncode == 2 and "cannot connect" in r.stderr, _show(r)
+        assert "UNAUTHENTICATED" not in r.stderr and ALICE not in r.stderr, _show(r)
+
+
+def test_mtls_with_and_without_a_client_certificate(secured):
+    pki = secured["pki"]
+    ca, cert, key = (str(pki / f) for f in ("ca.pem", "client.pem", "client.key"))
+    r = meshctl(secured["mtls"], "--tls-ca", ca, "--tls-cert", cert, "--tls-key", key,
+                "--token", ALICE, "sessions")
+    assert r.returncode == 0, _show(r)
+    r = meshctl(secured["mtls"], "sessions",
+                env={"MESHD_TLS_CA": ca, "MESHD_TLS_CERT": cert, "MESHD_TLS_KEY": key,
+                     "MESHD_TOKEN": ALICE})
+    assert r.returncode == 0, _show(r)
+    r = meshctl(secured["mtls"], "--tls-ca", ca, "--tls-cert", cert, "--tls-key", key, "sessions")
+    assert r.returncode == 3 and "UNAUTHENTICATED" in r.stderr, _show(r)  # a cert is no token
+    for args in ((), ("--tls-cert", str(pki / "rogue.pem"), "--tls-key", str(pki / "rogue.key"))):
+        r = meshctl(secured["mtls"], "--tls-ca", ca, *args, "--token", ALICE, "sessions",
+                    timeout_ms=1000)
+        assert r.returncode == 2 and "cannot connect" in r.stderr, _show(r)
+
+
+def test_token_is_not_sent_in_plaintext_to_a_remote_address(secured):
+    for server in ("10.0.0.5:50051", "meshd.example:50051", "[2001:db8::1]:50051"):
+        r = meshctl(server, "--token", ALICE, "health")
+        assert r.returncode == 64, _show(r)
+        assert "refusing to send the token in plaintext" in r.stderr and ALICE not in r.stderr, _show(r)
+        r = meshctl(server, "health", env={"MESHD_TOKEN": ALICE})
+        assert r.returncode == 64 and "plaintext" in r.stderr, _show(r)
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--token", "two words"), "--token: the token has a character that is not visible ASCII"),
+    (("--token", ALICE, "--token-file", "/x"), "--token and --token-file: give one of them"),
+    (("--token-file", "/nonexistent"), "--token-file: cannot read /nonexistent"),
+    (("--tls-ca", "/nonexistent"), "--tls-ca: cannot read /nonexistent"),
+    (("--tls-cert", "CERT"), "--tls-cert needs --tls-key"),
+    (("--tls=maybe",), "--tls: 'maybe' is not a boolean"),
+])
+def test_bad_security_flags_are_usage_errors(secured, args, says):
+    args = tuple(str(secured["pki"] / "client.pem") if a == "CERT" else a for a in args)
+    r = meshctl("127.0.0.1:1", *args, "health")
+    assert r.returncode == 64, _show(r)
+    assert says in r.stderr, _show(r)
+    assert "two words" not in r.stderr, _show(r)

@@ -42,8 +42,10 @@ static long slurp(const char *path, char *buf, size_t len) {
   return (long)n;
 }
 
-/* meshd --local-agents 2 and the NULL-terminated `extra` flags. */
-static void start_server_with(const char *const *extra) {
+/* meshd --local-agents `agents` and the NULL-terminated `extra` flags; ready
+ * once TensorService is SERVING to a client connected with `o` (NULL: plaintext). */
+static void start_server_full(const char *agents, const char *const *extra,
+                              const meshd_connect_options_t *o) {
   snprintf(dir, sizeof dir, "/tmp/meshd-c-client-XXXXXX");
   cr_assert_not_null(mkdtemp(dir));
   char port_file[128], log_file[128], bin[512];
@@ -59,10 +61,10 @@ static void start_server_with(const char *const *extra) {
       dup2(fd, 2);
       close(fd);
     }
-    const char *argv[16] = {bin, "--listen", "127.0.0.1:0", "--port-file", port_file,
-                            "--local-agents", "2"};
+    const char *argv[24] = {bin, "--listen", "127.0.0.1:0", "--port-file", port_file,
+                            "--local-agents", agents};
     size_t n = 7;
-    for (size_t i = 0; extra && extra[i] && n < 15; i++)
+    for (size_t i = 0; extra && extra[i] && n < 23; i++)
       argv[n++] = extra[i];
     execv(bin, (char *const *)argv);
     _exit(127);
@@ -81,8 +83,10 @@ static void start_server_with(const char *const *extra) {
   snprintf(target, sizeof target, "127.0.0.1:%d", port);
 
   meshd_err_t e;
-  meshd_client_t *c = meshd_connect(target, 5000, &e);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_connect_options_t plain = MESHD_CONNECT_OPTIONS_INIT;
+  char why[512] = "";
+  meshd_client_t *c = meshd_connect_with(target, o ? o : &plain, &e, why, sizeof why);
+  cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
   int status = MESHD_HEALTH_UNKNOWN;
   for (int i = 0; i < 300; i++) {
     if (meshd_health(c, "meshd.v1.TensorService", &status) == MESHD_E_OK &&
@@ -93,6 +97,8 @@ static void start_server_with(const char *const *extra) {
   meshd_close(c);
   cr_assert_eq(status, MESHD_HEALTH_SERVING, "TensorService never became SERVING");
 }
+
+static void start_server_with(const char *const *extra) { start_server_full("2", extra, NULL); }
 
 static void start_server(void) { start_server_with(NULL); }
 
@@ -493,4 +499,312 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
   meshd_values_free(&v);
   meshd_session_close(s);
   meshd_close(c);
+}
+
+/* ------------------------------------------- connect options (no server) */
+
+static char pki[128]; /* make_certs.sh's folder, for the suites below */
+
+static void make_pki(void) {
+  const char *src = getenv("MESHD_SOURCE_DIR");
+  cr_assert(src && *src, "MESHD_SOURCE_DIR is not set (run through ctest)");
+  snprintf(pki, sizeof pki, "/tmp/meshd-c-pki-XXXXXX");
+  cr_assert_not_null(mkdtemp(pki));
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "bash '%s/tests/support/make_certs.sh' '%s' >/dev/null", src, pki);
+  cr_assert_eq(system(cmd), 0, "make_certs.sh failed");
+}
+
+static void remove_pki(void) {
+  char cmd[256];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", pki);
+  if (pki[0] && system(cmd) != 0)
+    fprintf(stderr, "could not remove %s\n", pki);
+}
+
+static const char *pki_file(const char *name) {
+  static char path[4][256];
+  static int next;
+  char *p = path[next++ % 4];
+  snprintf(p, sizeof path[0], "%s/%s", pki, name);
+  return p;
+}
+
+/* meshd_connect_with; closes what it got. why gets the message. */
+static meshd_err_t try_connect(const char *to, meshd_connect_options_t o, char *why,
+                               size_t len) {
+  meshd_err_t e = MESHD_E_OK;
+  meshd_client_t *c = meshd_connect_with(to, &o, &e, why, len);
+  cr_assert_eq(c == NULL, e != MESHD_E_OK, "a client and an error (%d) at once", e);
+  meshd_close(c);
+  return e;
+}
+
+#define SECRET "s3cret-TOKEN-a1b2c3"
+
+TestSuite(c_client_options, .init = make_pki, .fini = remove_pki, .timeout = 60);
+
+Test(c_client_options, token_goes_in_plaintext_only_to_loopback) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.token = SECRET;
+  o.timeout_ms = 100;
+  char why[512];
+  static const char *const remote[] = {
+      "10.0.0.5:50051", "meshd.example:50051", "dns:///meshd.example:50051",
+      "dns://8.8.8.8/localhost.example:1", "[2001:db8::1]:50051", "ipv4:127.0.0.1:1,10.0.0.1:1",
+      "127.0.0.1.example.com:1", "[::ffff:10.0.0.1]:1", "2001:db8::1"};
+  for (size_t i = 0; i < sizeof remote / sizeof remote[0]; i++) {
+    cr_assert_eq(try_connect(remote[i], o, why, sizeof why), MESHD_E_INVALID, "%s: %s", remote[i],
+                 why);
+    cr_assert(strstr(why, "plaintext") && strstr(why, remote[i]), "%s: %s", remote[i], why);
+    cr_assert_null(strstr(why, SECRET), "the message shows the token: %s", why);
+  }
+  /* Loopback and local sockets: the connection is tried (nothing listens: CONNECT). */
+  static const char *const local[] = {"127.0.0.1:1",        "localhost:1",    "[::1]:1",
+                                      "dns:///localhost:1", "ipv4:127.0.0.2:1", "unix:/nonexistent.sock",
+                                      "[::ffff:127.0.0.1]:1", "LOCALHOST:1"};
+  for (size_t i = 0; i < sizeof local / sizeof local[0]; i++)
+    cr_assert_eq(try_connect(local[i], o, why, sizeof why), MESHD_E_CONNECT, "%s: %s", local[i],
+                 why);
+  /* TLS, or insecure: the rule does not apply (whatever the network answers). */
+  o.tls_ca_file = pki_file("ca.pem");
+  cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+  o.tls_ca_file = NULL;
+  o.insecure = true;
+  cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+  /* No token: nothing to protect. */
+  o.insecure = false;
+  o.token = "";
+  cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+}
+
+Test(c_client_options, bad_options_are_named) {
+  char why[512];
+  char long_token[5000];
+  memset(long_token, 'a', sizeof long_token - 1);
+  long_token[sizeof long_token - 1] = '\0';
+  static const char *const bad_tokens[] = {SECRET " x", SECRET "\n", "caf\xc3\xa9" SECRET,
+                                           "\t" SECRET};
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  for (size_t i = 0; i < sizeof bad_tokens / sizeof bad_tokens[0]; i++) {
+    o.token = bad_tokens[i];
+    cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+    cr_assert(strncmp(why, "token: ", 7) == 0 && strstr(why, "not visible ASCII"), "%s", why);
+    cr_assert_null(strstr(why, SECRET), "the message shows the token: %s", why);
+  }
+  o.token = long_token;
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "token: the token is 4999 bytes, more than 4096");
+
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_cert_file = pki_file("client.pem");
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "tls_cert_file is set without tls_key_file: a client certificate needs both");
+  o.tls_cert_file = NULL;
+  o.tls_key_file = pki_file("client.key");
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strncmp(why, "tls_key_file is set without tls_cert_file", 41) == 0, "%s", why);
+
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_ca_file = "/nonexistent/ca.pem";
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "tls_ca_file: cannot read /nonexistent/ca.pem: No such file or directory");
+  o.tls_ca_file = pki_file("ca.key"); /* a key where a certificate belongs */
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strstr(why, "tls_ca_file: ") && strstr(why, "holds no PEM CERTIFICATE"), "%s", why);
+  o.tls_ca_file = NULL;
+  o.tls_cert_file = pki_file("client.pem");
+  o.tls_key_file = pki_file("client.pem"); /* a certificate where the key belongs */
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strstr(why, "tls_key_file: ") && strstr(why, "holds no PEM PRIVATE KEY"), "%s", why);
+  cr_assert_null(strstr(why, "BEGIN"), "the message quotes the file: %s", why);
+
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_server_name = "";
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert(strncmp(why, "tls_server_name is empty", 24) == 0, "%s", why);
+  o.tls_server_name = NULL;
+  o.timeout_ms = 0;
+  cr_assert_eq(try_connect("127.0.0.1:1", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "timeout_ms is 0 (expected > 0)");
+  o.timeout_ms = 100;
+  cr_assert_eq(try_connect("", o, why, sizeof why), MESHD_E_INVALID);
+  cr_assert_str_eq(why, "target is empty (expected host:port)");
+
+  /* NULL options are the defaults; NULL err and errbuf are allowed. */
+  meshd_err_t e = MESHD_E_OK;
+  cr_assert_null(meshd_connect_with(NULL, NULL, &e, why, sizeof why));
+  cr_assert_eq(e, MESHD_E_INVALID);
+  cr_assert_null(meshd_connect_with("", NULL, NULL, NULL, 0));
+}
+
+/* ------------------------------------------- against a server with tokens and TLS */
+
+#define ALICE "alice-7f3e9a0c5d1b2468"
+#define BOB "bob-0c5d1b24687f3e9a"
+#define WRONG "mallory-5d1b24687f3e9a0c"
+
+static char tokens_flag_value[256];
+
+/* The PKI, and a tokens file with two principals, in pki. */
+static void make_pki_and_tokens(void) {
+  make_pki();
+  snprintf(tokens_flag_value, sizeof tokens_flag_value, "%s/tokens", pki);
+  FILE *f = fopen(tokens_flag_value, "w");
+  cr_assert_not_null(f);
+  fprintf(f, "alice " ALICE "\nbob " BOB "\n");
+  fclose(f);
+}
+
+static void stop_server_and_pki(void) {
+  stop_server();
+  remove_pki();
+}
+
+/* Plaintext (loopback) with tokens, 2 agents, sessions leased for 2 s. */
+static void start_token_server(void) {
+  make_pki_and_tokens();
+  const char *const flags[] = {"--auth-tokens", tokens_flag_value, "--session-ttl", "2", NULL};
+  start_server_full("2", flags, NULL); /* health needs no token */
+}
+
+TestSuite(c_client_tokens, .init = start_token_server, .fini = stop_server_and_pki, .timeout = 60);
+
+static meshd_client_t *connect_token(const char *token) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.token = token;
+  o.timeout_ms = 10000;
+  char why[512];
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, sizeof why);
+  cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
+  return c;
+}
+
+/* The token travels on CreateSession, Execute, Fetch, ListSessions, ListAgents,
+ * the keepalive thread's KeepAlive (the session idles past its 2 s lease) and
+ * CloseSession; without it or with a wrong one every call is UNAUTHENTICATED. */
+Test(c_client_tokens, every_call_carries_the_token) {
+  meshd_client_t *c = connect_token(ALICE);
+  meshd_err_t e;
+  meshd_session_t *s = meshd_session_open(c, "c-alice", &e);
+  cr_assert_not_null(s, "open: %s: %s", meshd_strerror(e), meshd_last_error(c)->message);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at1[] = {1};
+  meshd_ref_t m = 0, x = 0, y = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_factory(s, m, "full", (int64_t[]){3}, 1, 2.0, &x), MESHD_E_OK);
+  sleep_ms(3500); /* longer than the lease: only the keepalive thread keeps it */
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 0.5}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK, "after idling: %s: %s",
+               meshd_last_error(c)->kind, meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  cr_assert_float_eq(v.values[2], 2.5, 1e-9);
+  meshd_values_free(&v);
+
+  meshd_agent_t *agents = NULL;
+  size_t n = 0;
+  cr_assert_eq(meshd_agents(c, &agents, &n), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(n, 2);
+  meshd_agents_free(agents, n);
+
+  /* bob sees his sessions only: not alice's. */
+  meshd_client_t *b = connect_token(BOB);
+  meshd_session_info_t *list = NULL;
+  cr_assert_eq(meshd_sessions(b, &list, &n), MESHD_E_OK, "%s", meshd_last_error(b)->message);
+  for (size_t i = 0; i < n; i++)
+    cr_assert_str_neq(list[i].client_name, "c-alice", "bob sees alice's session");
+  meshd_sessions_free(list, n);
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK);
+  cr_assert_eq(n, 1);
+  cr_assert_str_eq(list[0].client_name, "c-alice");
+  meshd_sessions_free(list, n);
+  meshd_close(b);
+  meshd_session_close(s);
+  meshd_close(c);
+
+  static const char *const bad[] = {NULL, WRONG, ALICE "0", "ALICE-7F3E9A0C5D1B2468"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    meshd_client_t *u = connect_token(bad[i]);
+    cr_assert_null(meshd_session_open(u, "c-nobody", &e));
+    const meshd_error_info_t *info = meshd_last_error(u);
+    cr_assert_eq(e, MESHD_E_RPC);
+    cr_assert_str_eq(info->kind, "UNAUTHENTICATED", "%s: %s", info->kind, info->message);
+    cr_assert_str_eq(info->grpc_code_name, "UNAUTHENTICATED");
+    cr_assert(!bad[i] || !strstr(info->message, bad[i]), "the message shows the token");
+    cr_assert_eq(meshd_sessions(u, &list, &n), MESHD_E_RPC);
+    cr_assert_str_eq(meshd_last_error(u)->kind, "UNAUTHENTICATED");
+    int status = -1;
+    cr_assert_eq(meshd_health(u, "", &status), MESHD_E_OK, "health needs no token");
+    meshd_close(u);
+  }
+}
+
+/* TLS and tokens, no agents (local agents cannot register on a TLS port yet). */
+static void start_tls_server(void) {
+  make_pki_and_tokens();
+  static char cert[256], key[256];
+  snprintf(cert, sizeof cert, "%s/server.pem", pki);
+  snprintf(key, sizeof key, "%s/server.key", pki);
+  const char *const flags[] = {"--tls-cert", cert, "--tls-key", key, "--auth-tokens",
+                               tokens_flag_value, "--min-agents", "0", NULL};
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_ca_file = pki_file("ca.pem");
+  start_server_full("0", flags, &o);
+}
+
+TestSuite(c_client_tls, .init = start_tls_server, .fini = stop_server_and_pki, .timeout = 60);
+
+Test(c_client_tls, tls_with_a_token) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_ca_file = pki_file("ca.pem");
+  o.token = ALICE;
+  char why[512];
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, sizeof why);
+  cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
+  meshd_session_t *s = meshd_session_open(c, "c-tls", &e);
+  cr_assert_not_null(s, "open: %s: %s", meshd_last_error(c)->kind, meshd_last_error(c)->message);
+  /* Execute and Fetch get past the token check to their handlers. */
+  meshd_ref_t m = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
+               MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "BAD_ARGUMENT", "%s", meshd_last_error(c)->message);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, 7, NULL, NULL, 0, &v), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+
+  o.token = WRONG; /* TLS, the wrong token */
+  c = meshd_connect_with(target, &o, &e, why, sizeof why);
+  cr_assert_not_null(c, "%s", why);
+  cr_assert_null(meshd_session_open(c, "c-tls", &e));
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNAUTHENTICATED");
+  meshd_close(c);
+
+  /* Another CA, a name the certificate lacks, plaintext to a TLS port: no connection. */
+  o.token = ALICE;
+  o.timeout_ms = 1000;
+  o.tls_ca_file = pki_file("rogue-ca.pem");
+  cr_assert_eq(try_connect(target, o, why, sizeof why), MESHD_E_CONNECT, "%s", why);
+  cr_assert(strstr(why, "with TLS"), "%s", why);
+  o.tls_ca_file = pki_file("ca.pem");
+  o.tls_server_name = "meshd.example";
+  cr_assert_eq(try_connect(target, o, why, sizeof why), MESHD_E_CONNECT, "%s", why);
+  o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o.token = ALICE;
+  o.timeout_ms = 1000;
+  cr_assert_eq(try_connect(target, o, why, sizeof why), MESHD_E_CONNECT, "%s", why);
+  /* mTLS options against a server that does not ask for a certificate: fine. */
+  o.tls_ca_file = pki_file("ca.pem");
+  o.tls_cert_file = pki_file("client.pem");
+  o.tls_key_file = pki_file("client.key");
+  o.timeout_ms = 10000;
+  cr_assert_eq(try_connect(target, o, why, sizeof why), MESHD_E_OK, "%s", why);
 }

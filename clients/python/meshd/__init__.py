@@ -1,8 +1,8 @@
 # Intra-package imports, bottom-up; each module imports only modules on lines above it:
-#   errors, _active, _proto: no meshd module
+#   errors, _active, _conn, _proto: no meshd module
 #   pipeline -> errors;  mesh -> _active  (Mesh.rank makes tensors via Session._factory)
 #   tensor -> _active, errors, mesh, pipeline
-#   ops -> tensor;  session -> _active, _proto, errors, mesh, pipeline, tensor
+#   ops -> tensor;  session -> _active, _conn, _proto, errors, mesh, pipeline, tensor
 #   meshd (this file) -> ops, errors, mesh, session, tensor  (tests/test_import_graph.py)
 """meshd: Python client for the meshd tensor engine, with Monarch's names.
 
@@ -12,6 +12,9 @@
         with mesh.activate():
             x = meshd.ones((2, 3)) + 1
             print(meshd.fetch_shard(x, gpu=0).result())
+
+    # a server with TLS and tokens (token also from $MESHD_TOKEN):
+    meshd.connect("meshd.example:50051", token=tok, root_certs="ca.pem")
 """
 
 from . import ops

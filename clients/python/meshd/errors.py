@@ -5,9 +5,12 @@ import grpc
 KIND_MD = "meshd-error-kind"
 
 # Fallback when a status carries no kind trailer (e.g. the server is unreachable).
+# With a trailer the kind is the server's: UNAUTHENTICATED (no or a wrong bearer token),
+# PERMISSION_DENIED (another principal's session), NO_SESSION (closed or expired).
 _CODE_KINDS = {
     grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE",
     grpc.StatusCode.UNAUTHENTICATED: "NO_SESSION",
+    grpc.StatusCode.PERMISSION_DENIED: "PERMISSION_DENIED",
     grpc.StatusCode.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",  # the client's deadline passed
 }
 

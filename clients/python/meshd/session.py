@@ -6,7 +6,7 @@ import weakref
 
 import grpc
 
-from . import _active, _proto
+from . import _active, _conn, _proto
 from .errors import MeshdError
 from .mesh import Mesh
 from .pipeline import Pipeline, _Pending
@@ -99,12 +99,23 @@ class Session:
     the session's ttl (at least every 1 s), so a session that makes no call for longer
     than its ttl stays alive; close() stops and joins it, and a session garbage-collected
     without close() stops it too. `timeout` (seconds) is the deadline of every call;
-    sync() and fetch_shard() take their own."""
+    sync() and fetch_shard() take their own.
 
-    def __init__(self, addr, client_name="meshd-python", ttl_seconds=0, quota_bytes=0, timeout=60.0):
+    Security (connect() documents the arguments): the bearer token travels as
+    `authorization: Bearer ...` metadata on every call, streams and KeepAlive included;
+    it is never part of a repr or an exception message."""
+
+    def __init__(self, addr, client_name="meshd-python", ttl_seconds=0, quota_bytes=0, timeout=60.0,
+                 token=None, tls=False, root_certs=None, cert_chain=None, private_key=None,
+                 server_name=None, insecure=False):
+        creds = _conn.resolve(addr, token=token, tls=tls, root_certs=root_certs,
+                              cert_chain=cert_chain, private_key=private_key,
+                              server_name=server_name, insecure=insecure)
         self._pb = _proto.tensor_pb2()
         self.addr, self.timeout = addr, timeout
-        self._ch = grpc.insecure_channel(addr, options=_OPTIONS)
+        self.tls = creds.tls
+        self._auth = creds.auth_metadata()  # () without a token
+        self._ch = _conn.open_channel(addr, creds, _OPTIONS)
         self._lock = threading.Lock()
         self._ref = 0
         self._seq = 0
@@ -122,7 +133,8 @@ class Session:
             raise
         self.id, self._token = reply.session_id, reply.token
         self.ttl_seconds = reply.ttl_seconds
-        self._md = (("meshd-session", self.id), ("meshd-token", self._token))
+        # Every call of the session sends this (Upload, Fetch, Submit and KeepAlive too).
+        self._md = self._auth + (("meshd-session", self.id), ("meshd-token", self._token))
         self.default_stream = Stream(self, 0, "main")
         self._streams[0] = self.default_stream
         self._start_keepalive()
@@ -146,12 +158,19 @@ class Session:
             # At most the KeepAlive in flight; the thread ends right after it in any case.
             self._ka_thread.join(_KEEPALIVE_DEADLINE + 1.0)
 
+    def __repr__(self):
+        state = "closed" if getattr(self, "closed", False) else "open"
+        return (f"Session(addr={self.addr!r}, id={getattr(self, 'id', None)!r}, tls={self.tls}, "
+                f"token={'set' if self._auth else None}, {state})")
+
     # ------------------------------------------------------------ plumbing
     def _unary(self, method, request, reply_cls, metadata=None, timeout=None):
+        """One unary call with the session's metadata, or with `metadata` (() for calls
+        outside the session); the bearer token goes with either."""
         fn = self._ch.unary_unary(_SVC + method, request_serializer=_ser,
                                   response_deserializer=reply_cls.FromString)
         try:
-            return fn(request, metadata=self._md if metadata is None else metadata,
+            return fn(request, metadata=self._md if metadata is None else self._auth + tuple(metadata),
                       timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise MeshdError.from_rpc(e) from None
@@ -286,6 +305,17 @@ class Session:
             raise errors[0]
 
 
-def connect(addr, **kw):
-    """Opens a Session on the meshd server at addr ("host:port")."""
-    return Session(addr, **kw)
+def connect(addr, token=None, tls=False, root_certs=None, cert_chain=None, private_key=None,
+            insecure=False, **kw):
+    """Opens a Session on the meshd server at addr ("host:port").
+
+    token: the bearer token (default $MESHD_TOKEN; "" for none), sent on every call.
+    tls: TLS with the system's roots (also $MESHD_TLS=1). root_certs: the CA that
+    verifies the server (default $MESHD_TLS_CA). cert_chain + private_key: a client
+    certificate for mTLS (default $MESHD_TLS_CERT, $MESHD_TLS_KEY). Each of them takes
+    PEM bytes or a file path, and implies tls=True. server_name: the name checked in the
+    server's certificate instead of addr's host (default $MESHD_TLS_SERVER_NAME).
+    A token is not sent in plaintext to a non-loopback address: ValueError, unless
+    insecure=True. Other keywords: client_name, ttl_seconds, quota_bytes, timeout."""
+    return Session(addr, token=token, tls=tls, root_certs=root_certs, cert_chain=cert_chain,
+                   private_key=private_key, insecure=insecure, **kw)

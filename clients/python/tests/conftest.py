@@ -23,7 +23,7 @@ atexit.register(shutil.rmtree, _TMP, True)
 os.environ.setdefault("XDG_CACHE_HOME", os.path.join(_TMP, "cache"))  # generated protos
 
 import meshd  # noqa: E402
-from meshd import _proto  # noqa: E402
+from meshd import _conn, _proto  # noqa: E402
 
 
 def _child_env():
@@ -40,9 +40,12 @@ def _log_tail(path, n=60):
         return "(no log)"
 
 
-def _serving(port):
+def _serving(port, connect=None):
+    """TensorService SERVING; `connect`: meshd.connect's security arguments (TLS)."""
     h = _proto.health_pb2()
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)]) as ch:
+    addr = f"127.0.0.1:{port}"
+    creds = _conn.resolve(addr, env={}, **(connect or {}))
+    with _conn.open_channel(addr, creds, [("grpc.enable_http_proxy", 0)]) as ch:
         fn = ch.unary_unary("/grpc.health.v1.Health/Check",
                             request_serializer=lambda m: m.SerializeToString(),
                             response_deserializer=h.HealthCheckResponse.FromString)
@@ -53,10 +56,11 @@ def _serving(port):
         return st == h.HealthCheckResponse.SERVING
 
 
-def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=()):
+def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=(), connect=None):
     """Starts meshd with `agents` local agents (and more `flags`); returns (address, Popen)
     once TensorService is SERVING and that many agents are healthy. Its log is
-    log_path(name)."""
+    log_path(name). `connect`: the meshd.connect arguments that server needs (token,
+    root_certs, ...) to check that."""
     binary = os.path.join(BIN_DIR, "meshd")
     assert os.access(binary, os.X_OK), f"no meshd at {binary}; set MESHD_BIN_DIR"
     port_file = os.path.join(_TMP, f"{name}-{time.monotonic_ns()}.port")
@@ -80,8 +84,8 @@ def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=()):
                         port = int(text)
                 except FileNotFoundError:
                     pass
-            if port is not None and _serving(port):
-                with meshd.connect(f"127.0.0.1:{port}") as s:
+            if port is not None and _serving(port, connect):
+                with meshd.connect(f"127.0.0.1:{port}", **(connect or {})) as s:
                     if len([a for a in s.agents() if a["healthy"]]) >= agents:
                         return f"127.0.0.1:{port}", proc
             time.sleep(0.1)
