@@ -14,6 +14,9 @@
 
 #define MAXN 5
 
+/* The groups' secret (the server's HMAC(comm_key, comm_id) in the agent). */
+static const uint8_t SECRET[DP_SECRET_LEN] = "0123456789abcdef0123456789abcde";
+
 typedef struct world {
   size_t n;
   dataplane_t *dp[MAXN];
@@ -41,7 +44,8 @@ static void world_stop(world_t *w) {
 }
 
 static dp_group_t group(const world_t *w, uint64_t comm, size_t me) {
-  return (dp_group_t){.comm_id = comm, .ranks = w->ranks, .addrs = w->addrs, .n = w->n, .me = me};
+  return (dp_group_t){.comm_id = comm, .ranks = w->ranks, .addrs = w->addrs, .n = w->n, .me = me,
+                      .secret = SECRET};
 }
 
 static int64_t now_ms(void) {
@@ -344,10 +348,10 @@ typedef struct p2p_job {
 
 static void *p2p_main(void *arg) {
   p2p_job_t *j = arg;
-  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, j->w->ranks[j->peer], j->w->addrs[j->peer],
-                            j->buf, j->bytes, &j->err)
-                  : dp_recv(j->w->dp[j->me], j->comm, j->w->ranks[j->peer], j->w->addrs[j->peer],
-                            j->buf, j->bytes, &j->err);
+  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, SECRET, j->w->ranks[j->peer],
+                            j->w->addrs[j->peer], j->buf, j->bytes, &j->err)
+                  : dp_recv(j->w->dp[j->me], j->comm, SECRET, j->w->ranks[j->peer],
+                            j->w->addrs[j->peer], j->buf, j->bytes, &j->err);
   return NULL;
 }
 
@@ -534,7 +538,7 @@ Test(dataplane, shutdown_fails_waiting_and_later_calls_before_it_is_freed) {
   t0 = now_ms();
   cr_assert_eq(dp_allreduce(w.dp[0], &g, f, 16, DTYPE_FLOAT32, RED_SUM, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
-  cr_assert_eq(dp_send(w.dp[0], 79, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
+  cr_assert_eq(dp_send(w.dp[0], 79, SECRET, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
   cr_assert(now_ms() - t0 < 200, "refusals took %lld ms", (long long)(now_ms() - t0));
   dataplane_shutdown(w.dp[0]); /* a second shutdown is a no-op */
