@@ -838,7 +838,7 @@ Test(dataplane_security, silent_sockets_beyond_the_cap_do_not_starve_members, .t
   int64_t took = now_ms() - t0;
   atomic_store(&f.stop, true);
   pthread_join(th, NULL);
-  cr_assert(took < 5000, "12 allreduces among %zu strangers took %lld ms", f.n, (long long)took);
+  cr_assert(took < 15000, "12 allreduces among %zu strangers took %lld ms", f.n, (long long)took);
   uint64_t crowded = dataplane_rejected(w.dp[0], DP_REJECT_TOO_MANY_PENDING) +
                      dataplane_rejected(w.dp[1], DP_REJECT_TOO_MANY_PENDING);
   cr_assert(crowded >= f.n - 2 * 64, "only %llu of %zu strangers were crowded out",
