@@ -866,7 +866,9 @@ static void *listener_main(void *arg) {
     }
     np = keep;
     if (n > 0 && (pfds[1].revents & POLLIN)) {
-      for (;;) {
+      /* A burst at most, then back to the pending ones: a flood of new
+       * connections must not keep the hellos already here from being read. */
+      for (int burst = 0; burst < DP_UNPROVEN_MAX; burst++) {
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
         int fd = accept4(dp->lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
