@@ -109,12 +109,14 @@ typedef struct backend_ops {
   int (*alltoall)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                   size_t count, dtype_t dtype, meshd_error_t *err);
   /* Point to point: `session` is the key of the session the transfer
-   * belongs to (dp_group_t.session). */
+   * belongs to (dp_group_t.session); `secret` the channel's DP_SECRET_LEN
+   * bytes (SendTensor.secret, as dp_group_t.secret). */
   int (*send)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
-              meshd_error_t *err);
+              const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+              size_t bytes, meshd_error_t *err);
   int (*recv)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+              const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+              meshd_error_t *err);
   /* The session with this key ended on this agent: release what its
    * collectives and sends kept (cuda: destroy its NCCL communicators). NULL
    * allowed. */

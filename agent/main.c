@@ -140,6 +140,16 @@ static double collective_bytes_fn(void *arg) {
   return (double)atomic_load(&((agent_stats_t *)arg)->collective_bytes);
 }
 
+/* One series of meshd_dataplane_rejected_total. */
+typedef struct rejected_series {
+  dataplane_t *dp;
+  dp_reject_t reason;
+} rejected_series_t;
+static double rejected_fn(void *arg) {
+  const rejected_series_t *r = arg;
+  return (double)dataplane_rejected(r->dp, r->reason);
+}
+
 static uint64_t cgroup_memory_limit(void) {
   static const char *const files[] = {
       "/sys/fs/cgroup/memory.max",                   /* cgroup v2; "max" = none */
@@ -289,6 +299,16 @@ int main(int argc, char **argv) {
                    "Bytes the agent contributed to collectives over several agents and to sends.");
     metrics_set_fn(metrics, "meshd_collective_bytes_total", NULL, collective_bytes_fn,
                    &stats);
+    static rejected_series_t rejected[DP_REJECT_COUNT];
+    metrics_define(metrics, "meshd_dataplane_rejected_total", METRIC_COUNTER,
+                   "Connections to the data port closed before they proved membership of a "
+                   "group, by reason (docs/protocol.md, \"Data plane handshake\").");
+    for (int r = 0; dp && r < DP_REJECT_COUNT; r++) {
+      rejected[r] = (rejected_series_t){dp, (dp_reject_t)r};
+      metrics_set_fn(metrics, "meshd_dataplane_rejected_total",
+                     (const char *[]){"reason", dp_reject_name((dp_reject_t)r), NULL}, rejected_fn,
+                     &rejected[r]);
+    }
     metrics_http = metrics_http_start(metrics, opt.metrics_listen, err, sizeof err);
     if (!metrics_http) {
       log_error("agent", "--metrics-listen: %s", err);

@@ -414,7 +414,14 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
   if (g->n_addresses < n || n > 256)
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: the group lacks data plane addresses");
   for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
-  dp_group_t grp = {g->comm_id, c->s->key, g->ranks, addrs, n, me, since};
+  if (g->secret.len != DP_SECRET_LEN)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Reduce: the instruction's group has a %zu-byte secret where %d bytes are "
+                     "needed to join its data plane connections (a server older than this agent "
+                     "sends none: upgrade the server)",
+                     g->secret.len, DP_SECRET_LEN);
+  dp_group_t grp = {.comm_id = g->comm_id, .session = c->s->key, .ranks = g->ranks,
+                    .addrs = addrs, .n = n, .me = me, .since = since, .secret = g->secret.data};
   session_state_note_comm(c->s, g->comm_id);
   void *in = work->storage->data, *out = res->storage->data;
   int rc;
@@ -569,6 +576,14 @@ static void run_send(ctx_t *c) {
     error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent has no data plane");
     goto fail;
   }
+  if (st->secret.len != DP_SECRET_LEN) {
+    error_set(&e, ERR_BAD_ARGUMENT,
+              "ToMesh: the instruction has a %zu-byte secret where %d bytes are needed to join "
+              "its data plane channel (a server older than this agent sends none: upgrade the "
+              "server)",
+              st->secret.len, DP_SECRET_LEN);
+    goto fail;
+  }
   uint32_t peer = st->input ? st->to_rank : st->from_rank;
   if (session_state_check_peers(c->s, &peer, 1, c->ins->seq, "ToMesh", &e)) goto fail;
   meshd_error_t fault = {0};
@@ -589,10 +604,10 @@ static void run_send(ctx_t *c) {
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
     if (scalar_tensor(c, got != 0, &hdr_t, &e) ||
         staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e) ||
-        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->to_rank, st->peer_address,
-                        hdr_t.storage->data, sizeof(int64_t), &e) ||
-        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->to_rank, st->peer_address,
-                        out.storage->data, bytes, &e))
+        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
+                        st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
+        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
+                        st->peer_address, out.storage->data, bytes, &e))
       log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                c->ins->seq, st->to_rank, e.msg);
     else
@@ -601,12 +616,12 @@ static void run_send(ctx_t *c) {
   }
   int64_t hdr = 0;
   if (scalar_tensor(c, 0, &hdr_t, &e) ||
-      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->from_rank, st->peer_address,
-                      hdr_t.storage->data, sizeof(int64_t), &e) ||
+      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->secret.data, st->from_rank,
+                      st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
       c->b->ops->to_host(c->b, &hdr_t, &hdr, &e) ||
       tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e) ||
-      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->from_rank, st->peer_address,
-                      out.storage->data, bytes, &e))
+      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->secret.data, st->from_rank,
+                      st->peer_address, out.storage->data, bytes, &e))
     goto fail;
   if (hdr) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};

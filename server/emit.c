@@ -3,6 +3,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 
@@ -130,12 +133,44 @@ void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   send_to_mesh(fe, o, mesh, &ins);
 }
 
-/* A stable id for a communicator of session s: FNV-1a over its id and `parts`. */
+#define COMM_SECRET_LEN 32 /* the agents' DP_SECRET_LEN */
+
+/* HMAC-SHA256(s->comm_key, `len` bytes). false only if OpenSSL fails. */
+static bool keyed(const session_t *s, const uint8_t *msg, size_t len, uint8_t out[32]) {
+  unsigned int outlen = 32;
+  return HMAC(EVP_sha256(), s->comm_key, sizeof s->comm_key, msg, len, out, &outlen) != NULL;
+}
+
+/* A stable id for a communicator of session s: keyed by the session's secret
+ * key over `parts` (which clients choose), so that no client can steer its
+ * comm_id onto another session's. Falls back to FNV-1a if OpenSSL fails. */
 static uint64_t comm_id_of(const session_t *s, const uint64_t *parts, size_t n) {
+  uint8_t msg[8 * 4], mac[32];
+  size_t len = 0;
+  for (size_t i = 0; i < n && len + 8 <= sizeof msg; i++)
+    for (int b = 0; b < 8; b++) msg[len++] = (uint8_t)(parts[i] >> (8 * b));
   uint64_t h = 1469598103934665603ull;
+  if (keyed(s, msg, len, mac)) {
+    memcpy(&h, mac, sizeof h);
+    return h;
+  }
   for (const char *p = s->id; *p; p++) h = (h ^ (uint8_t)*p) * 1099511628211ull;
   for (size_t i = 0; i < n; i++) h = (h ^ parts[i]) * 1099511628211ull;
   return h;
+}
+
+/* The secret the members of comm_id prove to each other on the data plane:
+ * HMAC-SHA256(comm_key, comm_id as 8 little-endian bytes). Derived again
+ * whenever needed, stored nowhere. false (and zeros, which agents reject as
+ * no proof of anything secret) if OpenSSL fails. */
+static bool comm_secret(const session_t *s, uint64_t comm_id, uint8_t out[COMM_SECRET_LEN]) {
+  uint8_t msg[8];
+  for (int b = 0; b < 8; b++) msg[b] = (uint8_t)(comm_id >> (8 * b));
+  if (keyed(s, msg, sizeof msg, out)) return true;
+  memset(out, 0, COMM_SECRET_LEN);
+  log_error("emit", "session %.8s: cannot derive the data plane secret of comm %llu", s->id,
+            (unsigned long long)comm_id);
+  return false;
 }
 
 /* The communicator of (session, mesh, dims, stream): a Reduce. */
@@ -178,6 +213,8 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   for (int64_t k = 0; k < group_size; k++) addrs[k] = addr_buf + k * EMIT_ADDR_MAX;
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id(s, mesh->ref, mask, r->stream);
+  uint8_t secret[COMM_SECRET_LEN];
+  if (comm_secret(s, g.comm_id, secret)) g.secret = (ProtobufCBinaryData){sizeof secret, secret};
   g.ranks = group;
   g.n_ranks = (size_t)group_size;
   g.addresses = addrs;
@@ -244,6 +281,8 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
       continue;
     }
     char peer[EMIT_ADDR_MAX];
+    uint8_t secret[COMM_SECRET_LEN];
+    if (comm_secret(s, st.comm_id, secret)) st.secret = (ProtobufCBinaryData){sizeof secret, secret};
     st.peer_address = peer;
     st.input = &in_spec;
     agent_pool_data_address(fe->pool, dranks[i], peer, sizeof peer);

@@ -7,6 +7,8 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include <openssl/rand.h>
+
 #include "log.h"
 #include "rpc.h"
 
@@ -263,6 +265,10 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
                      strerror(errno));
   }
   snprintf(s->owner, sizeof s->owner, "%s", owner && *owner ? owner : "anonymous");
+  if (RAND_bytes(s->comm_key, sizeof s->comm_key) != 1) {
+    free(s);
+    return error_set(err, ERR_UNAVAILABLE, "CreateSession: no randomness for a data plane key");
+  }
   snprintf(s->client_name, sizeof s->client_name, "%s", client_name ? client_name : "");
   s->ttl_s = ttl_s ? ttl_s : t->default_ttl_s;
   s->quota_bytes = quota_bytes ? quota_bytes : t->default_quota;

@@ -40,6 +40,7 @@
 #define SESSION_CLIENT_NAME_MAX 128
 #define SESSION_TTL_MAX_S (7 * 86400)
 #define SESSION_OWNER_MAX 63 /* a principal's name (auth.h) */
+#define SESSION_COMM_KEY_LEN 32 /* bytes */
 
 typedef struct session_table session_table_t;
 
@@ -70,6 +71,9 @@ typedef struct session {
   uint64_t quota_bytes; /* 0: unlimited */
   int64_t created_ms;   /* rpc_now_ms() clock */
   session_limits_t limits;
+  /* Random; keys the session's data plane: emit.c derives each comm_id and its
+   * group secret from it (docs/protocol.md, "Data plane handshake"). */
+  uint8_t comm_key[SESSION_COMM_KEY_LEN];
 
   /* Counters the command handlers keep; read by ListSessions. */
   _Atomic uint64_t bytes_held; /* see session_charge / session_credit */

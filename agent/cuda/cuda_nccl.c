@@ -132,6 +132,11 @@ static int check_group(const char *what, const dp_group_t *g, meshd_error_t *e) 
   for (size_t i = 0; i < g->n; i++)
     if (!g->addrs[i])
       return error_set(e, ERR_BAD_ARGUMENT, "%s: group member %zu has no address", what, i);
+  if (g->n > 1 && !g->secret) /* the NCCL id travels over the data plane, which needs it */
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "%s on comm %llu: the group has no secret (its instruction lacks one), so "
+                     "its members cannot prove they belong to it",
+                     what, (unsigned long long)g->comm_id);
   return 0;
 }
 
@@ -149,6 +154,7 @@ typedef struct comm {
   uint32_t *ranks; /* n; for point to point: [the peer] */
   char **addrs;    /* n, owned */
   uint64_t key;    /* key_of: what the members check when the id arrives */
+  uint8_t secret[DP_SECRET_LEN]; /* the group's: the bootstrap's data plane proves it */
   int device;
   pthread_mutex_t busy; /* one operation at a time on this communicator */
   ncclComm_t nc;        /* NULL once aborted */
@@ -175,7 +181,7 @@ static bool same_key(const comm_t *c, comm_kind_t kind, uint64_t session, const 
     return false;
   for (size_t i = 0; i < g->n; i++)
     if (c->ranks[i] != g->ranks[i] || strcmp(c->addrs[i], g->addrs[i]) != 0) return false;
-  return true;
+  return g->secret && memcmp(c->secret, g->secret, DP_SECRET_LEN) == 0;
 }
 
 /* What every member can compute alike, checked when the id arrives: not the
@@ -391,18 +397,18 @@ static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, 
     m.comm_id = c->comm_id;
     m.key = c->key;
     if (c->kind == COMM_SEND) {
-      if (dp_send(b->net, chan, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+      if (dp_send(b->net, chan, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
         return error_set(e, ERR_REMOTE_FAILURE, "%s: sending the NCCL id failed: %s", w->text,
                          de.msg);
     } else {
       for (size_t i = 1; i < c->n; i++)
-        if (dp_send(b->net, chan, c->ranks[i], c->addrs[i], &m, sizeof m, &de))
+        if (dp_send(b->net, chan, c->secret, c->ranks[i], c->addrs[i], &m, sizeof m, &de))
           return error_set(e, ERR_REMOTE_FAILURE,
                            "%s: sending the NCCL id to rank %u failed: %s", w->text, c->ranks[i],
                            de.msg);
     }
   } else {
-    if (dp_recv(b->net, chan, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+    if (dp_recv(b->net, chan, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
       return error_set(e, ERR_REMOTE_FAILURE,
                        "%s: receiving the NCCL id from rank %u failed: %s", w->text, c->ranks[0],
                        de.msg);
@@ -461,6 +467,7 @@ static comm_t *comm_new(comm_kind_t kind, uint64_t session, const dp_group_t *g,
   c->n = g->n;
   c->me = g->me;
   c->device = device;
+  if (g->secret) memcpy(c->secret, g->secret, DP_SECRET_LEN);
   c->ranks = malloc(g->n * sizeof *c->ranks);
   c->addrs = calloc(g->n, sizeof *c->addrs);
   if (!c->ranks || !c->addrs) goto fail;
@@ -852,15 +859,20 @@ int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const 
 }
 
 static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, uint64_t comm_id,
-               uint32_t peer, const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
+               const uint8_t *secret, uint32_t peer, const char *addr, void *buf, size_t bytes,
+               meshd_error_t *err) {
   const char *what = send ? "send" : "recv";
-  if (!addr || (!buf && bytes > 0))
-    return error_set(err, ERR_BAD_ARGUMENT, "%s: needs a peer address and a buffer", what);
+  if (!addr || (!buf && bytes > 0) || !secret)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "%s on comm %llu: needs a peer address, a buffer and the channel's secret "
+                     "(missing: %s)",
+                     what, (unsigned long long)comm_id,
+                     !addr ? "address" : !secret ? "secret" : "buffer");
   if (bytes == 0) return 0; /* both ends know the size: nothing to match */
   /* The pair as a one-member group: the peer. */
   const char *addrs[1] = {addr};
   dp_group_t g = {.comm_id = comm_id, .session = session, .ranks = &peer, .addrs = addrs,
-                  .n = 1, .me = send ? 0 : 1};
+                  .n = 1, .me = send ? 0 : 1, .secret = secret};
   /* me is only part of the key here; the communicator has two members. */
   job_t j = {send ? OP_SEND : OP_RECV, what, send ? buf : NULL, send ? NULL : buf, bytes, 1, 2,
              DTYPE_UINT8, RED_SUM, {CUDA_PLAN_NATIVE, ncclUint8, -1}, NULL};
@@ -869,16 +881,19 @@ static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, u
 }
 
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
-              meshd_error_t *err) {
+              const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+              size_t bytes, meshd_error_t *err) {
   if (emulated(b))
-    return b->net ? dp_send(b->net, comm_id, to_rank, addr, buf, bytes, err) : no_net("send", err);
-  return p2p(b, s, true, session, comm_id, to_rank, addr, (void *)buf, bytes, err);
+    return b->net ? dp_send(b->net, comm_id, secret, to_rank, addr, buf, bytes, err)
+                  : no_net("send", err);
+  return p2p(b, s, true, session, comm_id, secret, to_rank, addr, (void *)buf, bytes, err);
 }
 
 int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
+              const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+              meshd_error_t *err) {
   if (emulated(b))
-    return b->net ? dp_recv(b->net, comm_id, from_rank, addr, buf, bytes, err) : no_net("recv", err);
-  return p2p(b, s, false, session, comm_id, from_rank, addr, buf, bytes, err);
+    return b->net ? dp_recv(b->net, comm_id, secret, from_rank, addr, buf, bytes, err)
+                  : no_net("recv", err);
+  return p2p(b, s, false, session, comm_id, secret, from_rank, addr, buf, bytes, err);
 }

@@ -48,10 +48,11 @@ int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const
 int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                   size_t count, dtype_t dtype, meshd_error_t *err);
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t to_rank, const char *addr, const void *buf, size_t bytes,
-              meshd_error_t *err);
+              const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+              size_t bytes, meshd_error_t *err);
 int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+              const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+              meshd_error_t *err);
 /* Destroys (or, when that errs or takes past comm_timeout_ms, aborts) every
  * communicator of the session. */
 void cuda_session_end(backend_t *b, uint64_t session);

@@ -24,6 +24,11 @@ static int check_group(dataplane_t *dp, const char *what, const dp_group_t *g, s
   for (size_t i = 0; i < g->n; i++)
     if (!g->addrs[i])
       return error_set(err, ERR_BAD_ARGUMENT, "%s: group member %zu has no address", what, i);
+  if (g->n > 1 && !g->secret)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "%s on comm %llu: the group has no secret (its instruction lacks one), so "
+                     "its members cannot prove they belong to it",
+                     what, (unsigned long long)g->comm_id);
   size_t esz = dtype_size(dtype);
   if (esz == 0) return error_set(err, ERR_BAD_ARGUMENT, "%s: unknown dtype %d", what, (int)dtype);
   if (count > SIZE_MAX / esz / g->n)

@@ -1,13 +1,25 @@
 /* The agents' TCP transport (dataplane.h): connections.
  *
  * One TCP connection per (comm_id, ordered pair of agents), used in one
- * direction: the sender dials the receiver's data port and opens with a
- * handshake {magic, to_rank, from_rank, comm_id}; the receiver's listener thread
- * files the accepted socket under (comm_id, from_rank). So nobody has to decide
- * who dials, two agents never race to build the same link, and a ring step
- * (send to next, receive from previous) touches two sockets that are each
- * driven in one direction. Both ends cache their connection; the only bytes that
- * travel "backwards" are an abort notice (transfer.c). */
+ * direction: the sender dials the receiver's data port, and the two prove the
+ * group's secret to each other (wire.h: the receiver's challenge, the
+ * sender's hello {to_rank, from_rank, comm_id, mac}, the receiver's ack); the
+ * receiver's listener thread files the accepted socket under (comm_id,
+ * from_rank, secret). So nobody has to decide who dials, two agents never race
+ * to build the same link, and a ring step (send to next, receive from
+ * previous) touches two sockets that are each driven in one direction. Both
+ * ends cache their connection; after the handshake the only bytes that travel
+ * "backwards" are an abort notice (transfer.c).
+ *
+ * Admission. The listener checks a hello against the groups of the calls in
+ * progress here (dp__register). A hello for a call that has not started here
+ * yet is held, unanswered, until it starts (the dialer waits for the ack), for
+ * at most timeout_ms. A wrong mac, a malformed hello, a silent socket past
+ * DP_HELLO_MS, or the oldest of more than DP_UNPROVEN_MAX unproven sockets is
+ * closed, counted by reason and logged (rate-limited); no byte after the hello
+ * is ever read from it. Everything it sends before its ack, a member's dialer
+ * treats as "dial again", so a stranger that crowds the listener delays a
+ * member by a redial at most. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -23,15 +35,23 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/rand.h>
+
 #include "dp_internal.h"
 #include "log.h"
 
-/* A handshake read in progress on an accepted socket. */
+/* An accepted socket not proven yet: reading its hello, or (parked) holding a
+ * complete one for a call that has not registered here yet. Owned by the
+ * listener thread. */
 typedef struct pending {
   int fd;
+  bool parked;
   size_t got;
-  int64_t deadline;
+  int64_t deadline; /* reading: DP_HELLO_MS after accept; parked: timeout_ms after */
+  int64_t accepted;
+  uint8_t nonce[DP_NONCE_LEN];
   uint8_t hello[DP_HELLO_LEN];
+  char from[64]; /* the peer's address, for the log */
 } pending_t;
 
 typedef struct scratch {
@@ -105,14 +125,25 @@ static void conn_unlink_locked(conn_t **list, conn_t *c) {
   }
 }
 
-void dp__drop_comm(dataplane_t *dp, uint64_t comm_id) {
+void dp__drop_comm(dataplane_t *dp, uint64_t comm_id, const char *why) {
+  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+  size_t len = why ? dp__min(strlen(why), DP_ABORT_MAX) : 0;
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, 0);
+  if (why) memcpy(frame + DP_HDR_LEN, why, len);
   pthread_mutex_lock(&dp->mu);
   conn_t **lists[2] = {&dp->ins, &dp->outs};
   for (int l = 0; l < 2; l++) {
     conn_t *c = *lists[l];
     while (c) {
       conn_t *next = c->next;
-      if (c->comm_id == comm_id) conn_unlink_locked(lists[l], c);
+      if (c->comm_id == comm_id) {
+        /* We only ever write aborts on a connection we receive on: safe at any time. */
+        if (why && l == 0) {
+          ssize_t w = send(c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
+          (void)w;
+        }
+        conn_unlink_locked(lists[l], c);
+      }
       c = next;
     }
   }
@@ -220,7 +251,7 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
 uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
 
 void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id) {
-  if (dp) dp__drop_comm(dp, comm_id);
+  if (dp) dp__drop_comm(dp, comm_id, NULL);
 }
 
 static void set_nodelay(int fd) {
@@ -251,9 +282,10 @@ static int write_all(dataplane_t *dp, int fd, const uint8_t *buf, size_t len, in
 }
 
 /* Connects to addr, retrying refused connections (the peer may not listen
- * yet) until deadline. Returns a non-blocking socket, or -1 with `why` set. */
-static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t deadline, char *why,
-                size_t whylen) {
+ * yet) until deadline if retry_refused. Returns a non-blocking socket, or -1
+ * with `why` set. */
+static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t deadline,
+                bool retry_refused, char *why, size_t whylen) {
   meshd_error_t lost;
   char host[DP_ADDR_MAX], port[16];
   if (split_addr(addr, host, sizeof host, port, sizeof port) != 0) {
@@ -301,6 +333,7 @@ static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t dea
     fd = -1;
     int64_t left = deadline - dp__now_ms();
     if (left <= 0 || dp__stopping(dp) || last_errno == ETIMEDOUT) break;
+    if (!retry_refused && last_errno == ECONNREFUSED) break;
     if (dp__check_lost(dp, cl, &lost)) break; /* the caller reports it */
     struct timespec ts = {0, (long)dp__min((size_t)backoff, (size_t)left) * 1000000L};
     nanosleep(&ts, NULL);
@@ -329,6 +362,96 @@ static bool in_alive(const conn_t *c) {
   return !(p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
+/* Reads exactly len bytes before deadline. 0; or -1 with errno ECONNRESET
+ * (the peer closed it), ETIMEDOUT (deadline or stopping), ECANCELED (a member
+ * of cl was declared lost). */
+static int read_exact(dataplane_t *dp, const call_t *cl, int fd, uint8_t *buf, size_t len,
+                      int64_t deadline) {
+  meshd_error_t lost;
+  size_t got = 0;
+  while (got < len) {
+    ssize_t r = recv(fd, buf + got, len - got, MSG_DONTWAIT);
+    if (r > 0) {
+      got += (size_t)r;
+      continue;
+    }
+    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      errno = ECONNRESET;
+      return -1;
+    }
+    if (dp__check_lost(dp, cl, &lost)) {
+      errno = ECANCELED;
+      return -1;
+    }
+    int64_t left = deadline - dp__now_ms();
+    if (left <= 0 || dp__stopping(dp)) {
+      errno = ETIMEDOUT;
+      return -1;
+    }
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    poll(&p, 1, (int)dp__min((size_t)left, 200));
+  }
+  return 0;
+}
+
+/* The dialer's side of the handshake (wire.h) on a fresh connection to `peer`:
+ * 0 once both sides proved cl's secret; 1 when the peer closed it before its
+ * ack (dial again); -1 otherwise. why: what went wrong, to follow "rank R at
+ * ADDR". */
+static int handshake(dataplane_t *dp, const call_t *cl, int fd, uint32_t peer, int64_t deadline,
+                     char *why, size_t whylen) {
+  uint8_t challenge[DP_CHALLENGE_LEN], nonce_a[DP_NONCE_LEN], nonce_d[DP_NONCE_LEN];
+  uint8_t hello[DP_HELLO_LEN], ack[DP_ACK_LEN];
+  char bad[160];
+  const char *step = "challenge";
+  if (read_exact(dp, cl, fd, challenge, sizeof challenge, deadline) != 0) goto io;
+  if (dp_wire_parse_challenge(challenge, sizeof challenge, nonce_a, bad, sizeof bad) != DP_PARSE_OK) {
+    snprintf(why, whylen, "is not a data plane of this version: %s", bad);
+    return -1;
+  }
+  if (RAND_bytes(nonce_d, sizeof nonce_d) != 1) {
+    snprintf(why, whylen, "was not dialed: no randomness for a nonce");
+    return -1;
+  }
+  dp_wire_hello(hello, peer, dp->rank, cl->comm_id, nonce_d, nonce_a, cl->secret);
+  if (write_all(dp, fd, hello, sizeof hello, deadline) != 0) {
+    if (errno == ETIMEDOUT) {
+      snprintf(why, whylen, "did not take our hello: %s", strerror(errno));
+      return -1;
+    }
+    errno = ECONNRESET;
+    step = "hello";
+    goto io;
+  }
+  step = "ack";
+  if (read_exact(dp, cl, fd, ack, sizeof ack, deadline) != 0) goto io;
+  if (!dp_wire_ack_proves(ack, sizeof ack, hello, nonce_a, cl->secret)) {
+    snprintf(why, whylen,
+             "answered our hello without proving the group's secret: it is not a member of comm "
+             "%llu",
+             (unsigned long long)cl->comm_id);
+    return -1;
+  }
+  return 0;
+io:
+  if (errno == ECONNRESET) {
+    snprintf(why, whylen,
+             "closed our connection at its %s, before proving the group's secret (it admits "
+             "only members of a call it runs: is it running this one, with the same secret?)",
+             step);
+    return 1;
+  }
+  if (errno == ECANCELED) {
+    snprintf(why, whylen, "was declared lost");
+    return -1;
+  }
+  snprintf(why, whylen,
+           "did not admit our connection within %d ms (waiting for its %s; is it running this "
+           "call?)",
+           dp->timeout_ms, step);
+  return -1;
+}
+
 conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
                     int64_t deadline, meshd_error_t *err) {
   const char *what = cl->what;
@@ -336,7 +459,8 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   pthread_mutex_lock(&dp->mu);
   for (conn_t *c = dp->outs; c; c = c->next) {
     if (c->comm_id != comm_id || c->peer != peer) continue;
-    if (out_alive(c) && strcmp(c->addr, addr) == 0) {
+    if (out_alive(c) && strcmp(c->addr, addr) == 0 &&
+        memcmp(c->secret, cl->secret, DP_SECRET_LEN) == 0) {
       c->refs++;
       pthread_mutex_unlock(&dp->mu);
       return c;
@@ -347,23 +471,33 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   pthread_mutex_unlock(&dp->mu);
 
   char why[200];
-  int fd = dial(dp, cl, addr, deadline, why, sizeof why);
-  if (fd < 0 && dp__check_lost(dp, cl, err)) return NULL;
-  if (fd < 0) {
-    error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s is unreachable: %s", what,
-              (unsigned long long)comm_id, peer, addr, why);
-    return NULL;
-  }
-  uint8_t hello[DP_HELLO_LEN] = {0};
-  dp__put32(hello, DP_MAGIC_HELLO);
-  dp__put32(hello + 4, peer);
-  dp__put32(hello + 8, dp->rank);
-  dp__put64(hello + 16, comm_id);
-  if (write_all(dp, fd, hello, sizeof hello, deadline) != 0) {
-    error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s did not take a connection: %s",
-              what, (unsigned long long)comm_id, peer, addr, strerror(errno));
+  int fd = -1, backoff = 10;
+  for (bool redial = false;; redial = true) {
+    /* A peer that closed us unproven, then refuses us, has stopped. */
+    fd = dial(dp, cl, addr, deadline, !redial, why, sizeof why);
+    if (fd < 0 && dp__check_lost(dp, cl, err)) return NULL;
+    if (fd < 0 && dp__stopping(dp)) goto stopping;
+    if (fd < 0) {
+      error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s is unreachable%s: %s",
+                what, (unsigned long long)comm_id, peer, addr,
+                redial ? " (it closed our connection, then stopped listening)" : "", why);
+      return NULL;
+    }
+    int hs = handshake(dp, cl, fd, peer, deadline, why, sizeof why);
+    if (hs == 0) break;
     close(fd);
-    return NULL;
+    if (dp__check_lost(dp, cl, err)) return NULL;
+    if (dp__stopping(dp)) goto stopping;
+    int64_t left = deadline - dp__now_ms();
+    if (hs < 0 || left <= 0) {
+      error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s %s", what,
+                (unsigned long long)comm_id, peer, addr, why);
+      return NULL;
+    }
+    /* It closed us unproven: it may have been crowded by strangers. Again. */
+    struct timespec ts = {0, (long)dp__min((size_t)backoff, (size_t)left) * 1000000L};
+    nanosleep(&ts, NULL);
+    if (backoff < 200) backoff *= 2;
   }
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
@@ -376,12 +510,17 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   c->linked = true;
   c->comm_id = comm_id;
   c->peer = peer;
+  memcpy(c->secret, cl->secret, DP_SECRET_LEN);
   snprintf(c->addr, sizeof c->addr, "%s", addr);
   pthread_mutex_lock(&dp->mu);
   c->next = dp->outs;
   dp->outs = c;
   pthread_mutex_unlock(&dp->mu);
   return c;
+stopping:
+  error_set(err, ERR_UNAVAILABLE, "%s on comm %llu: the data plane is stopping", what,
+            (unsigned long long)comm_id);
+  return NULL;
 }
 
 /* True when a peer wrote on one of the call's send connections: its abort
@@ -418,7 +557,9 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
       return NULL;
     }
     conn_t *c = dp->ins;
-    while (c && (c->comm_id != comm_id || c->peer != peer)) c = c->next;
+    while (c && (c->comm_id != comm_id || c->peer != peer ||
+                 memcmp(c->secret, cl->secret, DP_SECRET_LEN) != 0))
+      c = c->next;
     if (c && !in_alive(c)) {
       conn_unlink_locked(&dp->ins, c);
       continue;
@@ -451,17 +592,102 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
   return NULL;
 }
 
+/* --------------------------------------------------------- registrations */
+
+int dp__register(dataplane_t *dp, const call_t *cl, uint64_t *id, meshd_error_t *err) {
+  *id = 0;
+  pthread_mutex_lock(&dp->mu);
+  if (dp->nregs == dp->capregs) {
+    size_t cap = dp->capregs ? 2 * dp->capregs : 16;
+    dp_wire_group_t *regs = realloc(dp->regs, cap * sizeof *regs);
+    if (regs) dp->regs = regs;
+    uint64_t *ids = regs ? realloc(dp->reg_ids, cap * sizeof *ids) : NULL;
+    if (ids) dp->reg_ids = ids;
+    if (!regs || !ids) {
+      pthread_mutex_unlock(&dp->mu);
+      return error_set(err, ERR_QUOTA, "%s: out of memory", cl->what);
+    }
+    dp->capregs = cap;
+  }
+  dp->regs[dp->nregs] = (dp_wire_group_t){
+      .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n, .secret = cl->secret};
+  dp->reg_ids[dp->nregs++] = *id = ++dp->next_reg;
+  bool wake = dp->parked > 0; /* the listener holds hellos: some may be this call's */
+  pthread_mutex_unlock(&dp->mu);
+  if (wake) {
+    ssize_t w;
+    do w = write(dp->wake[1], "r", 1);
+    while (w < 0 && errno == EINTR);
+  }
+  return 0;
+}
+
+void dp__unregister(dataplane_t *dp, uint64_t id) {
+  if (id == 0) return;
+  pthread_mutex_lock(&dp->mu);
+  for (size_t i = 0; i < dp->nregs; i++) {
+    if (dp->reg_ids[i] != id) continue;
+    dp->regs[i] = dp->regs[dp->nregs - 1];
+    dp->reg_ids[i] = dp->reg_ids[dp->nregs - 1];
+    dp->nregs--;
+    break;
+  }
+  pthread_mutex_unlock(&dp->mu);
+}
+
+const char *dp_reject_name(dp_reject_t reason) {
+  static const char *const names[] = {
+#define XX(name, str) str,
+      DP_REJECT_MAP(XX)
+#undef XX
+  };
+  return (unsigned)reason < DP_REJECT_COUNT ? names[reason] : "?";
+}
+
+uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason) {
+  if (!dp || (unsigned)reason >= DP_REJECT_COUNT) return 0;
+  return atomic_load(&((dataplane_t *)dp)->rejected[reason]);
+}
+
 /* ----------------------------------------------------------------- listener */
 
-static void file_accepted(dataplane_t *dp, pending_t *p) {
-  uint32_t magic = dp__get32(p->hello), to = dp__get32(p->hello + 4), from = dp__get32(p->hello + 8);
-  uint64_t comm_id = dp__get64(p->hello + 16);
-  if (magic != DP_MAGIC_HELLO || to != dp->rank) {
-    log_warn("agent", "data plane: dropped a connection that is not for rank %u (magic %08x, to %u)",
-             dp->rank, magic, to);
-    close(p->fd);
-    return;
+#define LOG_WINDOW_MS 10000
+#define LOG_LINES_PER_WINDOW 5
+
+/* Closes an unproven socket. reason < 0: the peer withdrew (not a refusal). */
+static void pending_close(dataplane_t *dp, pending_t *p, int reason, const char *why) {
+  if (p->parked) {
+    pthread_mutex_lock(&dp->mu);
+    dp->parked--;
+    pthread_mutex_unlock(&dp->mu);
   }
+  close(p->fd);
+  p->fd = -1;
+  if (reason < 0) return;
+  atomic_fetch_add(&dp->rejected[reason], 1);
+  int64_t now = dp__now_ms();
+  if (now - dp->log_window_ms >= LOG_WINDOW_MS) {
+    if (dp->log_skipped > 0)
+      log_warn("dataplane", "rank %u: %llu more refused connections were not logged", dp->rank,
+               (unsigned long long)dp->log_skipped);
+    dp->log_window_ms = now;
+    dp->log_lines = 0;
+    dp->log_skipped = 0;
+  }
+  if (dp->log_lines++ < LOG_LINES_PER_WINDOW)
+    log_warn("dataplane", "rank %u refused a connection from %s (%s): %s", dp->rank, p->from,
+             dp_reject_name((dp_reject_t)reason), why);
+  else
+    dp->log_skipped++;
+}
+
+/* Files an admitted socket under (comm_id, from, secret) for the call that
+ * waits for it (or the next one). */
+static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) {
+  dp_hello_t h;
+  dp_wire_parse_hello(p->hello, sizeof p->hello, &h, NULL, 0); /* admitted: well-formed */
+  uint32_t from = h.from;
+  uint64_t comm_id = h.comm_id;
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
     close(p->fd);
@@ -472,6 +698,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p) {
   c->linked = true;
   c->comm_id = comm_id;
   c->peer = from;
+  memcpy(c->secret, secret, DP_SECRET_LEN);
   snprintf(c->addr, sizeof c->addr, "rank %u", from);
   pthread_mutex_lock(&dp->mu);
   if (dp->stopping) { /* nothing will take it any more */
@@ -481,7 +708,8 @@ static void file_accepted(dataplane_t *dp, pending_t *p) {
     return;
   }
   for (conn_t *o = dp->ins; o; o = o->next) {
-    if (o->comm_id == comm_id && o->peer == from) { /* the peer re-dialed: the old one is dead */
+    if (o->comm_id == comm_id && o->peer == from &&
+        memcmp(o->secret, secret, DP_SECRET_LEN) == 0) { /* the peer re-dialed: the old one is dead */
       conn_unlink_locked(&dp->ins, o);
       break;
     }
@@ -492,49 +720,172 @@ static void file_accepted(dataplane_t *dp, pending_t *p) {
   pthread_mutex_unlock(&dp->mu);
 }
 
-/* Accepts connections and reads their handshakes without ever blocking on one. */
+/* Decides on p's hello so far (wire.h's dp_wire_admit against the calls in
+ * progress). true while p stays pending (more to read, or parked). */
+static bool pending_admit(dataplane_t *dp, pending_t *p) {
+  char why[200] = "";
+  size_t which = 0;
+  uint8_t secret[DP_SECRET_LEN];
+  pthread_mutex_lock(&dp->mu);
+  dp_admit_t a = dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, dp->regs, dp->nregs, &which,
+                               why, sizeof why);
+  if (a == DP_ADMIT_OK) memcpy(secret, dp->regs[which].secret, DP_SECRET_LEN);
+  if (a == DP_ADMIT_UNKNOWN_GROUP && !p->parked) { /* its call may not have started here yet */
+    p->parked = true;
+    p->deadline = p->accepted + dp->timeout_ms;
+    dp->parked++;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  switch (a) {
+  case DP_ADMIT_MORE:
+  case DP_ADMIT_UNKNOWN_GROUP: return true;
+  case DP_ADMIT_MALFORMED: pending_close(dp, p, DP_REJECT_MALFORMED, why); return false;
+  case DP_ADMIT_BAD_PROOF: pending_close(dp, p, DP_REJECT_BAD_PROOF, why); return false;
+  case DP_ADMIT_OK: break;
+  }
+  if (p->parked) {
+    pthread_mutex_lock(&dp->mu);
+    dp->parked--;
+    pthread_mutex_unlock(&dp->mu);
+    p->parked = false;
+  }
+  uint8_t ack[DP_ACK_LEN];
+  dp_wire_ack(ack, p->hello, p->nonce, secret);
+  /* A fresh socket whose peer read our challenge has room for 40 bytes. */
+  if (send(p->fd, ack, sizeof ack, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof ack) {
+    close(p->fd);
+    return false;
+  }
+  file_accepted(dp, p, secret);
+  return false;
+}
+
+/* Reads what p's peer sent. true while p stays pending. */
+static bool pending_read(dataplane_t *dp, pending_t *p) {
+  char why[120];
+  if (p->parked) { /* a member waiting for our ack sends nothing more */
+    uint8_t byte;
+    ssize_t r = recv(p->fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+    if (r <= 0) pending_close(dp, p, -1, "withdrew"); /* gave up waiting for its call here */
+    else pending_close(dp, p, DP_REJECT_MALFORMED, "sent bytes after its hello, before an ack");
+    return false;
+  }
+  ssize_t r = recv(p->fd, p->hello + p->got, DP_HELLO_LEN - p->got, MSG_DONTWAIT);
+  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+  if (r <= 0) {
+    snprintf(why, sizeof why, "closed the connection after %zu of the hello's %d bytes", p->got,
+             DP_HELLO_LEN);
+    pending_close(dp, p, DP_REJECT_MALFORMED, why);
+    return false;
+  }
+  p->got += (size_t)r;
+  return pending_admit(dp, p);
+}
+
+/* Takes a new socket: sends it a challenge. false if it is gone already. */
+static bool pending_open(dataplane_t *dp, pending_t *p, int fd, const struct sockaddr_storage *ss,
+                         int64_t now) {
+  *p = (pending_t){.fd = fd, .accepted = now};
+  p->deadline = now + (dp->timeout_ms < DP_HELLO_MS ? dp->timeout_ms : DP_HELLO_MS);
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (ss->ss_family == AF_INET) {
+    const struct sockaddr_in *in = (const struct sockaddr_in *)ss;
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+    snprintf(p->from, sizeof p->from, "%s:%d", host, port);
+  } else if (ss->ss_family == AF_INET6) {
+    const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)ss;
+    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    port = ntohs(in6->sin6_port);
+    snprintf(p->from, sizeof p->from, "[%s]:%d", host, port);
+  } else {
+    snprintf(p->from, sizeof p->from, "?");
+  }
+  uint8_t challenge[DP_CHALLENGE_LEN];
+  if (RAND_bytes(p->nonce, sizeof p->nonce) != 1) {
+    log_error("dataplane", "no randomness for a nonce: closing the connection from %s", p->from);
+    close(fd);
+    return false;
+  }
+  dp_wire_challenge(challenge, p->nonce);
+  set_nodelay(fd);
+  if (send(fd, challenge, sizeof challenge, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof challenge) {
+    close(fd);
+    return false;
+  }
+  return true;
+}
+
+/* Accepts connections and runs their handshakes without ever blocking on one.
+ * pend[] is in accept order: pend[0] is the oldest. */
 static void *listener_main(void *arg) {
   dataplane_t *dp = arg;
-  pending_t pend[DP_PENDING_MAX];
+  pending_t pend[DP_UNPROVEN_MAX];
   size_t np = 0;
-  struct pollfd pfds[DP_PENDING_MAX + 2];
+  struct pollfd pfds[DP_UNPROVEN_MAX + 2];
   for (;;) {
     pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
     pfds[1] = (struct pollfd){.fd = dp->lfd, .events = POLLIN};
-    for (size_t i = 0; i < np; i++) pfds[i + 2] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
-    int n = poll(pfds, (nfds_t)(np + 2), np ? 100 : -1);
+    int64_t now = dp__now_ms(), next = INT64_MAX;
+    for (size_t i = 0; i < np; i++) {
+      pfds[i + 2] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
+      if (pend[i].deadline < next) next = pend[i].deadline;
+    }
+    int wait = np == 0 ? -1 : next <= now ? 0 : (int)dp__min((size_t)(next - now), 1000);
+    int n = poll(pfds, (nfds_t)(np + 2), wait);
     if (n < 0 && errno != EINTR) break;
-    if (pfds[0].revents) break;
-    int64_t now = dp__now_ms();
+    bool registered = false;
+    if (n > 0 && pfds[0].revents) {
+      char buf[64];
+      while (read(dp->wake[0], buf, sizeof buf) > 0) {
+      }
+      if (dp__stopping(dp)) break;
+      registered = true; /* a call started: parked hellos may be its members' */
+    }
+    now = dp__now_ms();
     size_t keep = 0;
     for (size_t i = 0; i < np; i++) {
       pending_t *p = &pend[i];
-      bool done = false, bad = false;
-      if (pfds[i + 2].revents) {
-        ssize_t r = recv(p->fd, p->hello + p->got, DP_HELLO_LEN - p->got, MSG_DONTWAIT);
-        if (r > 0) p->got += (size_t)r;
-        else if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) bad = true;
-        done = p->got == DP_HELLO_LEN;
+      bool alive = true;
+      if (n > 0 && pfds[i + 2].revents) alive = pending_read(dp, p);
+      else if (registered && p->parked) alive = pending_admit(dp, p);
+      if (alive && now > p->deadline) {
+        char why[120];
+        if (p->parked)
+          snprintf(why, sizeof why, "its hello named no call that started here within %d ms",
+                   dp->timeout_ms);
+        else
+          snprintf(why, sizeof why, "sent %zu of the hello's %d bytes in %lld ms", p->got,
+                   DP_HELLO_LEN, (long long)(now - p->accepted));
+        pending_close(dp, p, p->parked ? DP_REJECT_UNKNOWN_GROUP : DP_REJECT_HELLO_TIMEOUT, why);
+        alive = false;
       }
-      if (done) file_accepted(dp, p);
-      else if (bad || now > p->deadline) close(p->fd);
-      else pend[keep++] = *p;
+      if (alive) pend[keep++] = *p;
     }
     np = keep;
-    if (pfds[1].revents & POLLIN) {
-      for (;;) {
-        int fd = accept4(dp->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (n > 0 && (pfds[1].revents & POLLIN)) {
+      /* A burst at most, then back to the pending ones: a flood of new
+       * connections must not keep the hellos already here from being read. */
+      for (int burst = 0; burst < DP_UNPROVEN_MAX; burst++) {
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        int fd = accept4(dp->lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) break;
-        if (np == DP_PENDING_MAX) {
-          close(fd);
-          continue;
+        if (np == DP_UNPROVEN_MAX) { /* the oldest unproven one makes room */
+          char why[120];
+          snprintf(why, sizeof why, "the oldest of more than %d unproven connections (after %lld ms)",
+                   DP_UNPROVEN_MAX, (long long)(now - pend[0].accepted));
+          pending_close(dp, &pend[0], DP_REJECT_TOO_MANY_PENDING, why);
+          memmove(pend, pend + 1, (np - 1) * sizeof *pend);
+          np--;
         }
-        set_nodelay(fd);
-        pend[np++] = (pending_t){.fd = fd, .got = 0, .deadline = now + dp->timeout_ms};
+        if (pending_open(dp, &pend[np], fd, &ss, now)) np++;
       }
     }
   }
-  for (size_t i = 0; i < np; i++) close(pend[i].fd);
+  for (size_t i = 0; i < np; i++) pending_close(dp, &pend[i], -1, "stopping");
   return NULL;
 }
 
@@ -568,7 +919,7 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   getsockname(dp->lfd, (struct sockaddr *)&ss, &sl);
   dp->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                             : ((struct sockaddr_in *)&ss)->sin_port);
-  if (pipe2(dp->wake, O_CLOEXEC) != 0) {
+  if (pipe2(dp->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
     error_set(err, ERR_UNAVAILABLE, "data plane: pipe: %s", strerror(errno));
     goto fail;
   }
@@ -627,6 +978,8 @@ void dataplane_stop(dataplane_t *dp) {
     next = sc->next;
     free(sc);
   }
+  free(dp->regs);
+  free(dp->reg_ids);
   pthread_mutex_destroy(&dp->mu);
   free(dp);
 }

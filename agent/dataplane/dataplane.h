@@ -13,8 +13,17 @@
  * disappears (REMOTE_FAILURE / AGENT_LOST naming the peer) — never hangs.
  * Thread-safe: different comm_ids may run concurrently (one per stream).
  *
+ * Only members: every group carries a secret from the server (Group.secret,
+ * SendTensor.secret). A connection is admitted only once its hello proves that
+ * secret over a fresh nonce of the acceptor (wire.h), and the acceptor proves
+ * it back before the dialer sends a byte; anything else is closed before a
+ * byte of payload is read, and counted (dataplane_rejected). Strangers cannot
+ * make a member's call fail or wait: unproven connections have a deadline and
+ * a cap, beyond which the oldest is closed (a member's dialer simply redials).
+ *
  * Inside (agent/dataplane/): conn.c connections and listener, transfer.c the
- * transfer engine, collectives.c, p2p.c, reduce_ops.c (dp_internal.h). */
+ * transfer engine, collectives.c, p2p.c, reduce_ops.c (dp_internal.h), wire.c
+ * the wire format as pure functions (wire.h). */
 #ifndef MESHD_AGENT_DATAPLANE_DATAPLANE_H
 #define MESHD_AGENT_DATAPLANE_DATAPLANE_H
 
@@ -31,6 +40,9 @@
 
 typedef struct dataplane dataplane_t;
 
+/* Bytes of a group's secret: HMAC-SHA256(session key, comm_id) on the server. */
+#define DP_SECRET_LEN 32
+
 /* A group: `n` members in group order; ranks[i] is at addrs[i] ("host:port");
  * `me` is this agent's index in it. */
 typedef struct dp_group {
@@ -45,7 +57,28 @@ typedef struct dp_group {
    * instruction that checks its peers first passes the generation it read
    * before that check, so no loss falls between the two. */
   const uint64_t *since;
+  /* DP_SECRET_LEN bytes every member holds (the instruction's Group.secret):
+   * connections of the call must prove it. Required when n > 1. */
+  const uint8_t *secret;
 } dp_group_t;
+
+/* Why the listener closed a connection before admitting it. */
+#define DP_REJECT_MAP(XX)                                                                   \
+  XX(BAD_PROOF, "bad_proof")               /* a member's comm and rank, a wrong mac */     \
+  XX(UNKNOWN_GROUP, "unknown_group")       /* no call here had that comm and member */    \
+  XX(HELLO_TIMEOUT, "hello_timeout")       /* no complete hello within the deadline */    \
+  XX(TOO_MANY_PENDING, "too_many_pending") /* the oldest of too many unproven ones */     \
+  XX(MALFORMED, "malformed")               /* not a hello of this version, or not to us */
+typedef enum {
+#define XX(name, str) DP_REJECT_##name,
+  DP_REJECT_MAP(XX)
+#undef XX
+  DP_REJECT_COUNT
+} dp_reject_t;
+/* "bad_proof", ... (the metric's reason label); "?" out of range. */
+const char *dp_reject_name(dp_reject_t reason);
+/* Connections closed so far for `reason` (0 for NULL or out of range). */
+uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason);
 
 /* Listens on host:0 (e.g. "127.0.0.1", "0.0.0.0"). NULL with err on failure. */
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
@@ -88,10 +121,11 @@ int dp_allgather(dataplane_t *dp, const dp_group_t *g, const void *in, void *out
 /* in/out: n * count; out slice i = member i's in slice `me`. */
 int dp_alltoall(dataplane_t *dp, const dp_group_t *g, const void *in, void *out, size_t count,
                 dtype_t dtype, meshd_error_t *err);
-/* Point to point on channel comm_id: bytes to/from the agent at addr (rank). */
-int dp_send(dataplane_t *dp, uint64_t comm_id, uint32_t to_rank, const char *addr, const void *buf,
-            size_t bytes, meshd_error_t *err);
-int dp_recv(dataplane_t *dp, uint64_t comm_id, uint32_t from_rank, const char *addr, void *buf,
-            size_t bytes, meshd_error_t *err);
+/* Point to point on channel comm_id: bytes to/from the agent at addr (rank);
+ * secret: DP_SECRET_LEN bytes both ends hold (SendTensor.secret). */
+int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,
+            const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
+int dp_recv(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t from_rank,
+            const char *addr, void *buf, size_t bytes, meshd_error_t *err);
 
 #endif

@@ -9,6 +9,7 @@
  *   collectives.c  ring and direct exchanges; allreduce .. alltoall
  *   p2p.c          send and recv
  *   reduce_ops.c   the typed element-wise reductions (reduce_ops.h)
+ *   wire.c         handshake and frame headers as pure functions (wire.h)
  *
  * Wire format, connection rules and failure rules: conn.c's and transfer.c's
  * opening comments. Functions shared between the files are prefixed dp__. */
@@ -25,16 +26,16 @@
 
 #include "dataplane.h"
 #include "reduce_ops.h"
+#include "wire.h"
 
 #define DP_CHUNK ((size_t)1 << 20)       /* bytes per frame */
 #define DP_DIRECT_MAX ((size_t)64 << 10) /* ring above this many bytes per member */
-#define DP_MAGIC_HELLO 0x4d445048u       /* "MDPH" */
-#define DP_MAGIC_DATA 0x4d445044u        /* "MDPD" */
-#define DP_MAGIC_ABORT 0x4d445041u       /* "MDPA" */
-#define DP_HELLO_LEN 24
-#define DP_HDR_LEN 24
-#define DP_ABORT_MAX 480 /* bytes of root cause carried in an abort frame */
-#define DP_PENDING_MAX 256
+/* Accepted connections not proven yet (reading their hello, or holding one
+ * for a call that has not started here): beyond this many the oldest is
+ * closed. A member's dialer redials, so strangers cannot crowd members out
+ * for long. */
+#define DP_UNPROVEN_MAX 64
+#define DP_HELLO_MS 5000 /* to send a complete hello (or timeout_ms, if shorter) */
 #define DP_ADDR_MAX 96
 #define DP_DEAD_MAX 32 /* peers declared lost that calls in progress still check */
 
@@ -44,24 +45,6 @@ static inline int64_t dp__now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-/* Little-endian fields of the handshake and frame headers. */
-static inline void dp__put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void dp__put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint32_t dp__get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static inline uint64_t dp__get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
 }
 
 static inline size_t dp__min(size_t a, size_t b) { return a < b ? a : b; }
@@ -81,6 +64,7 @@ typedef struct conn {
   uint64_t comm_id;
   uint32_t peer;
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
+  uint8_t secret[DP_SECRET_LEN]; /* the group secret its handshake proved */
   char addr[DP_ADDR_MAX];
 } conn_t;
 
@@ -114,6 +98,19 @@ struct dataplane {
    * all (atomic: calls compare it with the one they started at, lock-free). */
   dead_peer_t dead[DP_DEAD_MAX];
   _Atomic uint64_t gen;
+  /* The groups of the calls in progress, against which the listener checks
+   * hellos (mu): regs[i] registered as reg_ids[i]. */
+  dp_wire_group_t *regs;
+  uint64_t *reg_ids;
+  size_t nregs, capregs;
+  uint64_t next_reg;
+  int parked; /* hellos the listener holds for a call not registered yet (mu) */
+  _Atomic uint64_t rejected[DP_REJECT_COUNT];
+  /* The listener's warn lines about refused connections: at most a few per
+   * window, then one saying how many it left out (listener thread only). */
+  int64_t log_window_ms;
+  int log_lines;
+  uint64_t log_skipped;
 };
 
 /* Every public call brackets its work: enter fails (UNAVAILABLE) once the
@@ -122,19 +119,27 @@ int dp__call_enter(dataplane_t *dp, const char *what, meshd_error_t *err);
 void dp__call_leave(dataplane_t *dp);
 bool dp__stopping(dataplane_t *dp);
 
+/* While a call runs, hellos of its group's members are admitted: cl's
+ * comm_id, members and secret (which must outlive the registration). *id
+ * for dp__unregister. 0, or -1 with err (QUOTA). */
+int dp__register(dataplane_t *dp, const call_t *cl, uint64_t *id, meshd_error_t *err);
+void dp__unregister(dataplane_t *dp, uint64_t id); /* 0: a no-op */
+
 /* A scratch buffer of at least `bytes` (kept between calls); NULL when out of
  * memory. put(NULL) is a no-op. */
 uint8_t *dp__scratch_get(dataplane_t *dp, size_t bytes);
 void dp__scratch_put(dataplane_t *dp, uint8_t *data);
 
 /* The connection on which we send to `peer` on comm_id: the cached one if it
- * is alive and still goes to `addr`, else a fresh one dialed before deadline.
+ * is alive, still goes to `addr` and proved cl's secret, else a fresh one
+ * dialed before deadline, whose handshake proves the secret both ways (a peer
+ * that closes it unproven is dialed again: it may have been crowded out).
  * Returned with a reference (dp__conn_put). NULL with err (REMOTE_FAILURE
- * naming the peer) when it cannot be reached. */
+ * naming the peer) when it cannot be reached or does not prove the secret. */
 conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
                     int64_t deadline, meshd_error_t *err);
-/* Waits until `peer` has dialed us on comm_id, returning that connection with
- * a reference. While waiting it watches the call's send connections `watch`:
+/* Waits until `peer` has dialed us on comm_id and proved cl's secret,
+ * returning that connection with a reference. While waiting it watches the call's send connections `watch`:
  * when a peer writes on one (an abort or EOF), it returns NULL with *fired
  * set to its index and err untouched. NULL with err past the deadline. */
 conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
@@ -147,8 +152,10 @@ void dp__conn_put(dataplane_t *dp, conn_t *c);
 /* Takes c out of its table (if still there) and shuts its socket down, so
  * that a call still using it fails and the next call dials afresh. */
 void dp__conn_discard(dataplane_t *dp, conn_t *c);
-/* Discards every connection of comm_id, in both directions. */
-void dp__drop_comm(dataplane_t *dp, uint64_t comm_id);
+/* Discards every connection of comm_id, in both directions; with `why`, first
+ * writes an abort frame carrying it on each we receive on (so a peer whose
+ * connection to us no call here has taken yet learns the root cause too). */
+void dp__drop_comm(dataplane_t *dp, uint64_t comm_id, const char *why);
 
 /* ------------------------------------------------ transfer.c: the engine */
 
@@ -183,6 +190,7 @@ struct call {
   const dp_group_t *g; /* its members (a send or recv: the one peer) */
   uint64_t gen;        /* dp->gen when it started: later losses of a member fail it */
   uint64_t comm_id;
+  const uint8_t *secret; /* the group's, DP_SECRET_LEN bytes */
   dtype_t dtype;
   reduction_t op;
   char root[sizeof((meshd_error_t *)0)->msg];
@@ -194,10 +202,13 @@ typedef struct plan {
   xfer_t *xs;
   size_t nx;
   msg_t *msgs;
+  uint64_t reg; /* its group's registration (dp__register) */
 } plan_t;
 
-/* The call's comm_id is g's; g must outlive the plan. nx transfers and nmsgs messages, zeroed. 0, or -1 with err (QUOTA); either
- * way dp__plan_finish must follow. */
+/* The call's comm_id and secret are g's; g must outlive the plan. nx
+ * transfers and nmsgs messages, zeroed; g registered, so that its members'
+ * hellos are admitted from now on. 0, or -1 with err (BAD_ARGUMENT without a
+ * secret, QUOTA); either way dp__plan_finish must follow. */
 int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t *g, dtype_t dtype,
                   reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err);
 /* Connects xs[k]: sending to, or receiving from, g's member `peer`. */
@@ -209,7 +220,7 @@ int dp__plan_run(plan_t *p, meshd_error_t *err);
 /* After a failure, tells every peer of the call why, on each of its
  * connections (best effort). */
 void dp__plan_abort(plan_t *p);
-/* Releases the plan's connections and memory; on failure (rc != 0) first
+/* Unregisters the group, releases the plan's connections and memory; on failure (rc != 0) first
  * aborts and drops every connection of the comm, so that the next call starts
  * from fresh links. Returns rc. */
 int dp__plan_finish(plan_t *p, int rc);

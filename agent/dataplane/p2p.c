@@ -5,16 +5,19 @@
 
 #include "dp_internal.h"
 
-static int p2p(dataplane_t *dp, bool send, uint64_t comm_id, uint32_t rank, const char *addr,
-               void *buf, size_t bytes, meshd_error_t *err) {
+static int p2p(dataplane_t *dp, bool send, uint64_t comm_id, const uint8_t *secret, uint32_t rank,
+               const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
   const char *what = send ? "send" : "recv";
-  if (!dp || !addr || (!buf && bytes > 0))
-    return error_set(err, ERR_BAD_ARGUMENT, "%s: needs a data plane, a peer address and a buffer",
-                     what);
+  if (!dp || !addr || (!buf && bytes > 0) || !secret)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "%s on comm %llu: needs a data plane, a peer address, a buffer and the "
+                     "channel's secret (missing: %s)",
+                     what, (unsigned long long)comm_id,
+                     !dp ? "data plane" : !addr ? "address" : !secret ? "secret" : "buffer");
   if (dp__call_enter(dp, what, err) != 0) return -1;
   /* The peer as a one-member group. */
   const char *addrs[1] = {addr};
-  dp_group_t peer = {.comm_id = comm_id, .ranks = &rank, .addrs = addrs, .n = 1};
+  dp_group_t peer = {.comm_id = comm_id, .ranks = &rank, .addrs = addrs, .n = 1, .secret = secret};
   plan_t p;
   int rc = dp__plan_init(&p, dp, what, &peer, DTYPE_UINT8, RED_SUM, 1, 1, err);
   if (rc == 0) {
@@ -33,12 +36,12 @@ static int p2p(dataplane_t *dp, bool send, uint64_t comm_id, uint32_t rank, cons
   return rc;
 }
 
-int dp_send(dataplane_t *dp, uint64_t comm_id, uint32_t to_rank, const char *addr, const void *buf,
-            size_t bytes, meshd_error_t *err) {
-  return p2p(dp, true, comm_id, to_rank, addr, (void *)buf, bytes, err);
+int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,
+            const char *addr, const void *buf, size_t bytes, meshd_error_t *err) {
+  return p2p(dp, true, comm_id, secret, to_rank, addr, (void *)buf, bytes, err);
 }
 
-int dp_recv(dataplane_t *dp, uint64_t comm_id, uint32_t from_rank, const char *addr, void *buf,
-            size_t bytes, meshd_error_t *err) {
-  return p2p(dp, false, comm_id, from_rank, addr, buf, bytes, err);
+int dp_recv(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t from_rank,
+            const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
+  return p2p(dp, false, comm_id, secret, from_rank, addr, buf, bytes, err);
 }

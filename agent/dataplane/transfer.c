@@ -45,10 +45,9 @@ static int peer_error(call_t *cl, const conn_t *c, meshd_error_t *err, const cha
   return -1;
 }
 
-/* Reads an abort frame's text that the peer may have left on c (best effort). */
-static bool read_abort(int fd, const uint8_t *hdr, char *text, size_t textlen) {
-  if (dp__get32(hdr) != DP_MAGIC_ABORT) return false;
-  size_t len = dp__min(dp__get32(hdr + 4), DP_ABORT_MAX);
+/* Reads the text of an abort frame whose header is f (best effort). */
+static void read_abort(int fd, const dp_frame_t *f, char *text, size_t textlen) {
+  size_t len = dp__min(f->len, textlen - 1);
   size_t got = 0;
   int64_t deadline = dp__now_ms() + 200;
   while (got < len && dp__now_ms() < deadline) {
@@ -60,8 +59,7 @@ static bool read_abort(int fd, const uint8_t *hdr, char *text, size_t textlen) {
       poll(&p, 1, 50);
     }
   }
-  text[dp__min(got, textlen - 1)] = '\0';
-  return true;
+  text[got] = '\0';
 }
 
 static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t *err) {
@@ -75,9 +73,12 @@ static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t 
 static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
   uint8_t hdr[DP_HDR_LEN];
   char text[DP_ABORT_MAX + 1];
+  dp_frame_t f;
   ssize_t r = recv(x->c->fd, hdr, sizeof hdr, MSG_DONTWAIT | MSG_WAITALL);
-  if (r == (ssize_t)sizeof hdr && read_abort(x->c->fd, hdr, text, sizeof text))
+  if (r == (ssize_t)sizeof hdr && dp_wire_parse_frame(hdr, cl->comm_id, 0, 0, &f) == DP_FRAME_ABORT) {
+    read_abort(x->c->fd, &f, text, sizeof text);
     return aborted(cl, x->c, text, err);
+  }
   return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
 }
 
@@ -97,10 +98,7 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         x->blocked = true;
         break;
       }
-      dp__put32(x->hdr, DP_MAGIC_DATA);
-      dp__put32(x->hdr + 4, (uint32_t)flen);
-      dp__put64(x->hdr + 8, cl->comm_id);
-      dp__put64(x->hdr + 16, x->c->seq);
+      dp_wire_frame(x->hdr, DP_MAGIC_DATA, (uint32_t)flen, cl->comm_id, x->c->seq);
       x->flen = flen;
       x->hdr_done = x->fdone = 0;
       x->in_frame = true;
@@ -154,18 +152,24 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       x->hdr_done += (size_t)r;
       if (x->hdr_done < DP_HDR_LEN) continue;
       x->hdr_done = 0;
-      char text[DP_ABORT_MAX + 1];
-      if (read_abort(x->c->fd, x->hdr, text, sizeof text)) return aborted(cl, x->c, text, err);
-      size_t want = dp__min(DP_CHUNK, m->len - m->done), flen = dp__get32(x->hdr + 4);
-      uint64_t seq = dp__get64(x->hdr + 16);
-      if (dp__get32(x->hdr) != DP_MAGIC_DATA || dp__get64(x->hdr + 8) != cl->comm_id)
+      size_t want = dp__min(DP_CHUNK, m->len - m->done);
+      dp_frame_t f;
+      switch (dp_wire_parse_frame(x->hdr, cl->comm_id, x->c->seq, want, &f)) {
+      case DP_FRAME_ABORT: {
+        char text[DP_ABORT_MAX + 1];
+        read_abort(x->c->fd, &f, text, sizeof text);
+        return aborted(cl, x->c, text, err);
+      }
+      case DP_FRAME_FOREIGN:
         return peer_error(cl, x->c, err, "sent a frame that is not data for this comm");
-      if (seq != x->c->seq || flen != want)
+      case DP_FRAME_SKEWED:
         return peer_error(cl, x->c, err,
-                          "sent frame %llu of %zu bytes where frame %llu of %zu bytes was expected "
+                          "sent frame %llu of %u bytes where frame %llu of %zu bytes was expected "
                           "(do all members call with the same arguments?)",
-                          (unsigned long long)seq, flen, (unsigned long long)x->c->seq, want);
-      x->flen = flen;
+                          (unsigned long long)f.seq, f.len, (unsigned long long)x->c->seq, want);
+      case DP_FRAME_DATA: break;
+      }
+      x->flen = f.len;
       x->fdone = 0;
       x->in_frame = true;
     }
@@ -285,10 +289,7 @@ out:
 static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
   size_t len = dp__min(strlen(cl->root), DP_ABORT_MAX);
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  dp__put32(frame, DP_MAGIC_ABORT);
-  dp__put32(frame + 4, (uint32_t)len);
-  dp__put64(frame + 8, cl->comm_id);
-  dp__put64(frame + 16, 0);
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, cl->comm_id, 0);
   memcpy(frame + DP_HDR_LEN, cl->root, len);
   for (size_t i = 0; i < nx; i++) {
     if (!xs[i].c || (xs[i].send && xs[i].in_frame)) continue;
@@ -303,12 +304,17 @@ int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t
                   reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err) {
   memset(p, 0, sizeof *p);
   p->cl = (call_t){.dp = dp, .what = what, .g = g, .gen = g->since ? *g->since : atomic_load(&dp->gen),
-                   .comm_id = g->comm_id, .dtype = dtype, .op = op};
+                   .comm_id = g->comm_id, .secret = g->secret, .dtype = dtype, .op = op};
+  if (!g->secret)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "%s on comm %llu: the group has no secret (its instruction lacks one), so "
+                     "its members cannot prove they belong to it",
+                     what, (unsigned long long)g->comm_id);
   p->xs = calloc(nx ? nx : 1, sizeof *p->xs);
   p->msgs = calloc(nmsgs ? nmsgs : 1, sizeof *p->msgs);
   p->nx = nx;
   if (!p->xs || !p->msgs) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
-  return 0;
+  return dp__register(dp, &p->cl, &p->reg, err);
 }
 
 /* Connects xs[k] (send to, or receive from, g's member `peer`). */
@@ -344,9 +350,10 @@ void dp__plan_abort(plan_t *p) {
 }
 
 int dp__plan_finish(plan_t *p, int rc) {
+  if (p->cl.dp) dp__unregister(p->cl.dp, p->reg);
   if (rc != 0 && p->xs) { /* then close the comm: the next call starts from fresh links */
     dp__plan_abort(p);
-    dp__drop_comm(p->cl.dp, p->cl.comm_id);
+    dp__drop_comm(p->cl.dp, p->cl.comm_id, p->cl.root);
   }
   if (p->xs)
     for (size_t i = 0; i < p->nx; i++) dp__conn_put(p->cl.dp, p->xs[i].c);

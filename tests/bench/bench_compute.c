@@ -209,8 +209,9 @@ typedef struct {
 
 static void *member_main(void *p) {
   member_t *m = p;
+  static const uint8_t secret[DP_SECRET_LEN] = "bench_compute group secret.....";
   dp_group_t g = {.comm_id = m->comm, .ranks = m->w->ranks, .addrs = m->w->addrs, .n = m->w->n,
-                  .me = m->me};
+                  .me = m->me, .secret = secret};
   for (size_t i = 0; i < m->count; i++) m->buf[i] = (float)(m->me + 1);
   for (int i = 0; i < m->warm && m->rc == 0; i++) {
     m->rc = dp_allreduce(m->w->dp[m->me], &g, m->buf, m->count, DTYPE_FLOAT32, RED_SUM, &m->err);

@@ -1,18 +1,28 @@
 /* agent/dataplane/: N data planes in one process on 127.0.0.1:0, one
  * thread per member, results checked against values computed here. */
 #include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "dataplane/dataplane.h"
+#include "dataplane/wire.h"
 #include "half.h"
 
 
 #define MAXN 5
+
+/* The groups' secret (the server's HMAC(comm_key, comm_id) in the agent). */
+static const uint8_t SECRET[DP_SECRET_LEN] = "0123456789abcdef0123456789abcde";
 
 typedef struct world {
   size_t n;
@@ -41,7 +51,8 @@ static void world_stop(world_t *w) {
 }
 
 static dp_group_t group(const world_t *w, uint64_t comm, size_t me) {
-  return (dp_group_t){.comm_id = comm, .ranks = w->ranks, .addrs = w->addrs, .n = w->n, .me = me};
+  return (dp_group_t){.comm_id = comm, .ranks = w->ranks, .addrs = w->addrs, .n = w->n, .me = me,
+                      .secret = SECRET};
 }
 
 static int64_t now_ms(void) {
@@ -344,10 +355,10 @@ typedef struct p2p_job {
 
 static void *p2p_main(void *arg) {
   p2p_job_t *j = arg;
-  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, j->w->ranks[j->peer], j->w->addrs[j->peer],
-                            j->buf, j->bytes, &j->err)
-                  : dp_recv(j->w->dp[j->me], j->comm, j->w->ranks[j->peer], j->w->addrs[j->peer],
-                            j->buf, j->bytes, &j->err);
+  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, SECRET, j->w->ranks[j->peer],
+                            j->w->addrs[j->peer], j->buf, j->bytes, &j->err)
+                  : dp_recv(j->w->dp[j->me], j->comm, SECRET, j->w->ranks[j->peer],
+                            j->w->addrs[j->peer], j->buf, j->bytes, &j->err);
   return NULL;
 }
 
@@ -534,7 +545,7 @@ Test(dataplane, shutdown_fails_waiting_and_later_calls_before_it_is_freed) {
   t0 = now_ms();
   cr_assert_eq(dp_allreduce(w.dp[0], &g, f, 16, DTYPE_FLOAT32, RED_SUM, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
-  cr_assert_eq(dp_send(w.dp[0], 79, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
+  cr_assert_eq(dp_send(w.dp[0], 79, SECRET, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
   cr_assert(now_ms() - t0 < 200, "refusals took %lld ms", (long long)(now_ms() - t0));
   dataplane_shutdown(w.dp[0]); /* a second shutdown is a no-op */
@@ -604,5 +615,306 @@ Test(dataplane, a_peer_declared_lost_fails_the_calls_waiting_on_it_at_once) {
   free(j.in);
   free(a.in);
   free(b.in);
+  world_stop(&w);
+}
+
+/* ------------------------------------------------------------ strangers
+ * Only members get in (issue 13): a connection to a data port must prove the
+ * group's secret over the acceptor's fresh nonce before a byte of payload is
+ * read, and sockets that never prove anything cannot starve members. */
+
+static const uint8_t WRONG[DP_SECRET_LEN] = "not the secret of any group....";
+
+/* A TCP connection to w's member `to`, from this test (a stranger). */
+static int stranger_connect(const world_t *w, size_t to) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  cr_assert(fd >= 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)dataplane_port(w->dp[to]))};
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0, "connect: %s", strerror(errno));
+  struct timeval tv = {.tv_sec = 3};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+/* Reads the acceptor's challenge: its nonce. */
+static void stranger_challenge(int fd, uint8_t nonce[DP_NONCE_LEN]) {
+  uint8_t ch[DP_CHALLENGE_LEN];
+  cr_assert_eq(recv(fd, ch, sizeof ch, MSG_WAITALL), (ssize_t)sizeof ch, "no challenge: %s",
+               strerror(errno));
+  cr_assert_eq(dp_wire_parse_challenge(ch, sizeof ch, nonce, NULL, 0), DP_PARSE_OK);
+}
+
+/* A data frame of `count` int32 values v (what the finding injected). */
+static void stranger_frame(int fd, uint64_t comm, int32_t v, size_t count) {
+  uint8_t buf[DP_HDR_LEN + 64 * 4];
+  dp_wire_frame(buf, DP_MAGIC_DATA, (uint32_t)(count * 4), comm, 0);
+  for (size_t i = 0; i < count; i++) memcpy(buf + DP_HDR_LEN + 4 * i, &v, 4);
+  ssize_t wr = send(fd, buf, DP_HDR_LEN + count * 4, MSG_NOSIGNAL);
+  (void)wr; /* it may already be closed */
+}
+
+/* True when the acceptor closed fd within ms without sending a byte (no ack). */
+static bool closed_without_ack(int fd, int ms) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  if (poll(&p, 1, ms) <= 0) return false;
+  uint8_t b[DP_ACK_LEN];
+  ssize_t r = recv(fd, b, sizeof b, MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno == ECONNRESET);
+}
+
+static uint64_t wait_rejected(dataplane_t *dp, dp_reject_t reason, uint64_t at_least, int ms) {
+  int64_t until = now_ms() + ms;
+  uint64_t n;
+  while ((n = dataplane_rejected(dp, reason)) < at_least && now_ms() < until) usleep(10 * 1000);
+  return n;
+}
+
+/* Member jobs of a 2-member int32 allreduce of `count` ones; each member's
+ * buffer must become 2 everywhere. */
+static void ones_jobs(job_t *jobs, world_t *w, uint64_t comm, size_t count) {
+  for (size_t r = 0; r < 2; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32,
+                      .op = RED_SUM, .count = count};
+    int32_t *in = malloc(count * 4 + 4);
+    for (size_t i = 0; i < count; i++) in[i] = 1;
+    jobs[r].in = in;
+  }
+}
+
+static void expect_twos(job_t *jobs, size_t n, const char *ctx) {
+  for (size_t r = 0; r < n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "%s: member %zu: %s", ctx, jobs[r].me, jobs[r].err.msg);
+    const int32_t *v = jobs[r].in;
+    for (size_t i = 0; i < jobs[r].count; i++)
+      if (v[i] != 2) cr_assert_fail("%s: member %zu element %zu = %d, expected 2", ctx, jobs[r].me, i, v[i]);
+    free(jobs[r].in);
+  }
+}
+
+/* The finding: a hello with the right (to, from, comm_id) followed by frames
+ * of 1000s made a victim's allreduce 1001. Now the hello must prove the
+ * secret: a wrong mac, no mac, or the old hello are closed unread, counted,
+ * and the members' allreduce is 2. */
+Test(dataplane_security, a_stranger_with_a_wrong_or_missing_proof_is_closed_before_any_payload,
+     .timeout = 30) {
+  world_t w;
+  world_start(&w, 2, 3000);
+  const uint64_t comm = 4242;
+  job_t jobs[2];
+  ones_jobs(jobs, &w, comm, 16);
+  /* Member 0 starts alone: its group is registered, it waits for member 1. */
+  pthread_t th0, th1;
+  pthread_create(&th0, NULL, job_main, &jobs[0]);
+  usleep(200 * 1000);
+  for (int attempt = 0; attempt < 3; attempt++) {
+    int fd = stranger_connect(&w, 0);
+    uint8_t nonce[DP_NONCE_LEN], nonce_d[DP_NONCE_LEN] = {1, 2, 3}, hello[DP_HELLO_LEN];
+    stranger_challenge(fd, nonce);
+    /* Pretends to be member 1 (rank 11) of comm 4242, to member 0 (rank 10). */
+    dp_wire_hello(hello, w.ranks[0], w.ranks[1], comm, nonce_d, nonce, WRONG);
+    if (attempt == 1) memset(hello + DP_HELLO_SIGNED, 0, DP_MAC_LEN); /* no proof at all */
+    if (attempt == 2) { /* the old hello: {magic, to, from, 0, comm_id} */
+      memset(hello, 0, sizeof hello);
+      dp__put32(hello, DP_MAGIC_HELLO);
+      dp__put32(hello + 4, w.ranks[0]);
+      dp__put32(hello + 8, w.ranks[1]);
+      dp__put64(hello + 16, comm);
+    }
+    cr_assert_eq(send(fd, hello, attempt == 2 ? 24 : sizeof hello, MSG_NOSIGNAL),
+                 attempt == 2 ? 24 : (ssize_t)sizeof hello);
+    stranger_frame(fd, comm, 1000, 16);
+    cr_assert(closed_without_ack(fd, 2000), "attempt %d: the stranger's connection stays open", attempt);
+    close(fd);
+  }
+  cr_assert_eq(wait_rejected(w.dp[0], DP_REJECT_BAD_PROOF, 2, 1000), 2);
+  cr_assert_eq(wait_rejected(w.dp[0], DP_REJECT_MALFORMED, 1, 1000), 1, "the old hello");
+  pthread_create(&th1, NULL, job_main, &jobs[1]);
+  pthread_join(th0, NULL);
+  pthread_join(th1, NULL);
+  expect_twos(jobs, 2, "allreduce with a stranger around");
+  cr_assert_eq(dataplane_rejected(w.dp[1], DP_REJECT_BAD_PROOF), 0);
+  world_stop(&w);
+}
+
+/* A hello recorded on one connection proves nothing on another: the acceptor's
+ * nonce differs. The first connection (made with the secret) is admitted and
+ * acknowledged with a mac the dialer can check; its replay is closed. */
+Test(dataplane_security, a_replayed_hello_is_refused, .timeout = 30) {
+  world_t w;
+  world_start(&w, 2, 1500);
+  const uint64_t comm = 4343;
+  job_t j = {.w = &w, .me = 0, .comm = comm, .kind = K_ALLREDUCE, .dtype = DTYPE_INT32,
+             .op = RED_SUM, .count = 4};
+  int32_t buf[4] = {0};
+  j.in = buf;
+  pthread_t th;
+  pthread_create(&th, NULL, job_main, &j); /* member 1 never joins: the call fails */
+  usleep(200 * 1000);
+  int a = stranger_connect(&w, 0), b = stranger_connect(&w, 0);
+  uint8_t na[DP_NONCE_LEN], nb[DP_NONCE_LEN], nd[DP_NONCE_LEN] = {9}, hello[DP_HELLO_LEN];
+  stranger_challenge(a, na);
+  stranger_challenge(b, nb);
+  cr_assert(memcmp(na, nb, DP_NONCE_LEN) != 0, "two connections got the same nonce");
+  dp_wire_hello(hello, w.ranks[0], w.ranks[1], comm, nd, na, SECRET);
+  cr_assert_eq(send(a, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+  uint8_t ack[DP_ACK_LEN];
+  cr_assert_eq(recv(a, ack, sizeof ack, MSG_WAITALL), (ssize_t)sizeof ack, "no ack for a member");
+  cr_assert(dp_wire_ack_proves(ack, sizeof ack, hello, na, SECRET));
+  cr_assert(!dp_wire_ack_proves(ack, sizeof ack, hello, na, WRONG));
+  cr_assert_eq(send(b, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello); /* the replay */
+  cr_assert(closed_without_ack(b, 2000), "the replayed hello was not refused");
+  cr_assert_eq(wait_rejected(w.dp[0], DP_REJECT_BAD_PROOF, 1, 1000), 1);
+  pthread_join(th, NULL);
+  cr_assert_eq(j.rc, -1);
+  close(a);
+  close(b);
+  world_stop(&w);
+}
+
+/* A silent socket is closed at the hello deadline; a complete hello for a
+ * call that never starts here, after timeout_ms. Both counted. */
+Test(dataplane_security, silent_and_unknown_hellos_are_closed_at_their_deadlines, .timeout = 30) {
+  world_t w;
+  world_start(&w, 2, 800);
+  int silent = stranger_connect(&w, 1), half = stranger_connect(&w, 1), unknown = stranger_connect(&w, 1);
+  uint8_t nonce[DP_NONCE_LEN], hello[DP_HELLO_LEN], nd[DP_NONCE_LEN] = {0};
+  stranger_challenge(silent, nonce); /* then says nothing */
+  stranger_challenge(half, nonce);
+  dp_wire_hello(hello, w.ranks[1], w.ranks[0], 77, nd, nonce, SECRET);
+  cr_assert_eq(send(half, hello, 10, MSG_NOSIGNAL), 10); /* a valid prefix, then silence */
+  stranger_challenge(unknown, nonce);
+  dp_wire_hello(hello, w.ranks[1], w.ranks[0], 78, nd, nonce, SECRET);
+  cr_assert_eq(send(unknown, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+  int64_t t0 = now_ms();
+  cr_assert(closed_without_ack(silent, 3000), "a silent socket stays open");
+  cr_assert(closed_without_ack(half, 3000), "a socket with half a hello stays open");
+  cr_assert(closed_without_ack(unknown, 3000), "a hello for no call here stays open");
+  cr_assert(now_ms() - t0 < 2000, "closing them took %lld ms", (long long)(now_ms() - t0));
+  cr_assert_eq(wait_rejected(w.dp[1], DP_REJECT_HELLO_TIMEOUT, 2, 1000), 2);
+  cr_assert_eq(wait_rejected(w.dp[1], DP_REJECT_UNKNOWN_GROUP, 1, 1000), 1);
+  cr_assert_str_eq(dp_reject_name(DP_REJECT_HELLO_TIMEOUT), "hello_timeout");
+  close(silent);
+  close(half);
+  close(unknown);
+  world_stop(&w);
+}
+
+/* The finding: 300 silent sockets on a data port made a victim's collective
+ * fail after 30 s. Now the oldest unproven ones make room for new ones, and
+ * members' collectives -- each on a fresh comm, so each dials and proves
+ * anew -- complete while strangers keep connecting. */
+typedef struct flood {
+  world_t *w;
+  atomic_bool stop;
+  int fds[600];
+  size_t n;
+} flood_t;
+
+static void *flood_main(void *arg) {
+  flood_t *f = arg;
+  while (!atomic_load(&f->stop) && f->n < sizeof f->fds / sizeof f->fds[0]) {
+    f->fds[f->n] = stranger_connect(f->w, f->n % 2);
+    f->n++;
+    usleep(1000);
+  }
+  return NULL;
+}
+
+Test(dataplane_security, silent_sockets_beyond_the_cap_do_not_starve_members, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 5000);
+  flood_t f = {.w = &w};
+  for (int i = 0; i < 300; i++) f.fds[f.n++] = stranger_connect(&w, (size_t)i % 2);
+  pthread_t th;
+  pthread_create(&th, NULL, flood_main, &f);
+  int64_t t0 = now_ms();
+  for (uint64_t k = 0; k < 12; k++) {
+    job_t jobs[2];
+    ones_jobs(jobs, &w, 5000 + k, k % 2 ? 300000 : 16); /* the ring and the direct exchange */
+    run_jobs(jobs, 2);
+    expect_twos(jobs, 2, "allreduce among silent sockets");
+  }
+  int64_t took = now_ms() - t0;
+  atomic_store(&f.stop, true);
+  pthread_join(th, NULL);
+  cr_assert(took < 15000, "12 allreduces among %zu strangers took %lld ms", f.n, (long long)took);
+  uint64_t crowded = dataplane_rejected(w.dp[0], DP_REJECT_TOO_MANY_PENDING) +
+                     dataplane_rejected(w.dp[1], DP_REJECT_TOO_MANY_PENDING);
+  cr_assert(crowded >= f.n - 2 * 64, "only %llu of %zu strangers were crowded out",
+            (unsigned long long)crowded, f.n);
+  for (size_t i = 0; i < f.n; i++) close(f.fds[i]);
+  world_stop(&w);
+}
+
+/* ------------------------------------------------------------ wire (pure) */
+
+Test(dataplane_wire, a_hello_proves_only_its_secret_nonce_rank_and_comm) {
+  uint8_t na[DP_NONCE_LEN] = {7}, nd[DP_NONCE_LEN] = {8}, hello[DP_HELLO_LEN];
+  uint32_t ranks[3] = {4, 5, 6};
+  dp_wire_group_t g[2] = {{.comm_id = 99, .ranks = ranks, .n = 2, .secret = WRONG},
+                          {.comm_id = 100, .ranks = ranks, .n = 3, .secret = SECRET}};
+  char why[200];
+  size_t which = 9;
+  dp_wire_hello(hello, 4, 6, 100, nd, na, SECRET);
+  for (size_t len = 0; len < DP_HELLO_LEN; len++)
+    cr_assert_eq(dp_wire_admit(hello, len, 4, na, g, 2, &which, why, sizeof why), DP_ADMIT_MORE);
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, &which, why, sizeof why), DP_ADMIT_OK);
+  cr_assert_eq(which, 1);
+  /* Every single changed byte (field or mac) is refused. */
+  for (size_t i = 0; i < DP_HELLO_LEN; i++) {
+    uint8_t t[DP_HELLO_LEN];
+    memcpy(t, hello, sizeof t);
+    t[i] ^= 0x41;
+    cr_assert_neq(dp_wire_admit(t, sizeof t, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_OK,
+                  "byte %zu changed and still admitted", i);
+  }
+  na[0] ^= 1; /* another connection: a replay */
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_BAD_PROOF);
+  cr_assert(strstr(why, "rank 6") && strstr(why, "comm 100"), "%s", why);
+  na[0] ^= 1;
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 5, na, g, 2, NULL, why, sizeof why), DP_ADMIT_MALFORMED);
+  cr_assert(strstr(why, "addressed to rank 4, but this is rank 5"), "%s", why);
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 1, NULL, why, sizeof why),
+               DP_ADMIT_UNKNOWN_GROUP, "comm 100 not registered: %s", why);
+  dp_wire_hello(hello, 4, 6, 99, nd, na, WRONG); /* rank 6 is not in comm 99's group */
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_UNKNOWN_GROUP);
+  dp_wire_hello(hello, 4, 4, 100, nd, na, SECRET); /* from itself */
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_UNKNOWN_GROUP);
+  const uint8_t junk[8] = "GET / HT";
+  cr_assert_eq(dp_wire_admit(junk, 4, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_MALFORMED);
+  cr_assert(strstr(why, "not a data plane hello"), "%s", why);
+}
+
+Test(dataplane_wire, frames_are_classified) {
+  uint8_t h[DP_HDR_LEN];
+  dp_frame_t f;
+  dp_wire_frame(h, DP_MAGIC_DATA, 100, 5, 3);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 100, &f), DP_FRAME_DATA);
+  cr_assert_eq(dp_wire_parse_frame(h, 6, 3, 100, &f), DP_FRAME_FOREIGN);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 4, 100, &f), DP_FRAME_SKEWED);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 99, &f), DP_FRAME_SKEWED);
+  dp_wire_frame(h, DP_MAGIC_ABORT, 0xffffffffu, 5, 0);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 0, 0, &f), DP_FRAME_ABORT);
+  cr_assert_eq(f.len, DP_ABORT_MAX, "an abort's text is capped");
+  dp_wire_frame(h, DP_MAGIC_HELLO, 1, 5, 0);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 0, 1, &f), DP_FRAME_FOREIGN);
+}
+
+/* Calls without a secret are refused up front, naming what is missing. */
+Test(dataplane_security, a_group_without_a_secret_is_refused) {
+  world_t w;
+  world_start(&w, 2, 1000);
+  dp_group_t g = group(&w, 1, 0);
+  g.secret = NULL;
+  int32_t v[2] = {1, 1};
+  meshd_error_t err = {0};
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, v, 2, DTYPE_INT32, RED_SUM, &err), -1);
+  cr_assert_eq(err.kind, ERR_BAD_ARGUMENT);
+  cr_assert(strstr(err.msg, "no secret"), "%s", err.msg);
+  cr_assert_eq(dp_send(w.dp[0], 2, NULL, w.ranks[1], w.addrs[1], v, 8, &err), -1);
+  cr_assert(strstr(err.msg, "missing: secret"), "%s", err.msg);
+  g.n = 1; /* alone: nothing to prove */
+  cr_assert_eq(dp_allreduce(w.dp[0], &g, v, 2, DTYPE_INT32, RED_SUM, &err), 0, "%s", err.msg);
   world_stop(&w);
 }

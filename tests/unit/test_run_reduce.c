@@ -281,3 +281,60 @@ Test(run_reduce, a_hung_reduce_holds_only_its_own_session) {
   cr_assert_not_null(wait_error(&a, 4, 2));
   close_agent(&a);
 }
+
+/* An instruction from a server older than the data plane's handshake carries
+ * no group secret: the agent refuses it, saying why, instead of dialing peers
+ * it could not prove itself to (docs/protocol.md "Data plane handshake"). */
+Test(run_reduce, a_group_or_send_without_a_secret_is_refused) {
+  agent_t a;
+  open_agent(&a, "cpu");
+  meshd_error_t e = {0};
+  a.b.net = dataplane_start("127.0.0.1", 0, 1000, &e);
+  cr_assert_not_null(a.b.net, "%s", e.msg);
+  char me[64];
+  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(a.b.net));
+  static uint32_t ranks[2] = {0, 1};
+  char *addrs[2] = {me, "127.0.0.1:1"};
+  int64_t shape[1] = {4};
+  submit_ones(&a, 1, 10, DTYPE_FLOAT32, shape);
+  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
+  r.ref = 11;
+  r.input = 10;
+  r.reduction = "sum";
+  Meshd__Agent__V1__TensorSpec is = spec(10, shape, DTYPE_FLOAT32), rs = spec(11, shape, DTYPE_FLOAT32);
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.n_ranks = g.n_addresses = 2;
+  g.ranks = ranks;
+  g.addresses = addrs;
+  g.comm_id = 9;
+  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
+  ro.reduce = &r;
+  ro.input = &is;
+  ro.result = &rs;
+  ro.group = &g;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  ins.reduce = &ro;
+  submit(&a, &ins, 2);
+  Meshd__Agent__V1__TensorSpec res = spec(12, shape, DTYPE_FLOAT32);
+  Meshd__Agent__V1__SendTensor st = MESHD__AGENT__V1__SEND_TENSOR__INIT;
+  st.result = &res;
+  st.from_rank = 1;
+  st.to_rank = 0;
+  st.comm_id = 10;
+  st.peer_address = "127.0.0.1:1";
+  instr_t recv = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  recv.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+  recv.send = &st;
+  submit(&a, &recv, 3);
+  const char *m = wait_error(&a, 3, 2);
+  cr_assert_not_null(m);
+  cr_assert(strstr(m, "Reduce: the instruction's group has a 0-byte secret where 32 bytes are "
+                      "needed") && strstr(m, "upgrade the server"), "%s", m);
+  m = wait_error(&a, 3, 3);
+  cr_assert_not_null(m);
+  cr_assert(strstr(m, "ToMesh: the instruction has a 0-byte secret where 32 bytes are needed"),
+            "%s", m);
+  close_agent(&a);
+  dataplane_stop(a.b.net);
+}

@@ -101,6 +101,7 @@ int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void 
 typedef struct msg {
   struct msg *next;
   uint64_t chan;
+  uint8_t secret[DP_SECRET_LEN]; /* a receiver with another secret never sees it */
   uint32_t from, to;
   size_t n;
   char data[];
@@ -109,11 +110,12 @@ static pthread_mutex_t dp_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t dp_cv = PTHREAD_COND_INITIALIZER;
 static msg_t *mailbox;
 
-int dp_send(dataplane_t *dp, uint64_t comm_id, uint32_t to_rank, const char *addr, const void *buf,
-            size_t bytes, meshd_error_t *err) {
+int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,
+            const char *addr, const void *buf, size_t bytes, meshd_error_t *err) {
   msg_t *m = malloc(sizeof *m + bytes);
-  REQUIRE(m && addr);
+  REQUIRE(m && addr && secret);
   *m = (msg_t){.chan = comm_id, .from = dp->rank, .to = to_rank, .n = bytes};
+  memcpy(m->secret, secret, DP_SECRET_LEN);
   memcpy(m->data, buf, bytes);
   pthread_mutex_lock(&dp_mu);
   msg_t **p = &mailbox;
@@ -124,8 +126,9 @@ int dp_send(dataplane_t *dp, uint64_t comm_id, uint32_t to_rank, const char *add
   return 0;
 }
 
-int dp_recv(dataplane_t *dp, uint64_t comm_id, uint32_t from_rank, const char *addr, void *buf,
-            size_t bytes, meshd_error_t *err) {
+int dp_recv(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t from_rank,
+            const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
+  REQUIRE(secret);
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);
   dl.tv_sec += dp->timeout_ms / 1000;
@@ -138,7 +141,8 @@ int dp_recv(dataplane_t *dp, uint64_t comm_id, uint32_t from_rank, const char *a
   for (;;) {
     for (msg_t **p = &mailbox; *p; p = &(*p)->next) {
       msg_t *m = *p;
-      if (m->chan == comm_id && m->from == from_rank && m->to == dp->rank) {
+      if (m->chan == comm_id && m->from == from_rank && m->to == dp->rank &&
+          memcmp(m->secret, secret, DP_SECRET_LEN) == 0) {
         *p = m->next;
         pthread_mutex_unlock(&dp_mu);
         REQUIRE(m->n == bytes);

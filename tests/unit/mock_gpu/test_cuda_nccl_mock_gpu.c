@@ -30,6 +30,7 @@ static agent_t A[NA];
 static bool agents_closed;
 static const uint32_t RANKS[] = {0, 1, 2};
 static const char *const ADDRS[] = {"h:0", "h:1", "h:2"};
+static const uint8_t SECRET[DP_SECRET_LEN] = "mock gpu group secret..........";
 
 static void agents_open(void) {
   for (int i = 0; i < NA; i++) {
@@ -54,7 +55,7 @@ TestSuite(cuda_nccl_mock_gpu, .init = agents_open, .fini = agents_close, .timeou
 
 static dp_group_t group(uint64_t comm_id, uint64_t session, size_t n, size_t me) {
   return (dp_group_t){.comm_id = comm_id, .session = session, .ranks = RANKS, .addrs = ADDRS,
-                      .n = n, .me = me};
+                      .n = n, .me = me, .secret = SECRET};
 }
 
 static double now_s(void) {
@@ -195,11 +196,11 @@ static void send_recv_both_ways(agent_t *a, res_t *r) {
   for (int rep = 0; rep < 2; rep++) {
     int64_t mine = me + 40 + rep, got = 0;
     if (me == 0) {
-      r->rc |= cuda_send(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
-      r->rc |= cuda_recv(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
+      r->rc |= cuda_send(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
+      r->rc |= cuda_recv(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
     } else {
-      r->rc |= cuda_recv(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
-      r->rc |= cuda_send(&a->b, NULL, 7, 200, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
+      r->rc |= cuda_recv(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
+      r->rc |= cuda_send(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
     }
     r->wrong += got != peer + 40 + rep;
   }
@@ -492,10 +493,18 @@ Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
   g.me = 2;
   rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
   expect_bad(rc, &e, "allreduce: needs a group with this agent in it");
-  rc = cuda_send(b, NULL, 1, 900, 1, NULL, f, 4, &e);
-  expect_bad(rc, &e, "send: needs a peer address and a buffer");
-  rc = cuda_recv(b, NULL, 1, 900, 1, "h:1", NULL, 4, &e);
-  expect_bad(rc, &e, "recv: needs a peer address and a buffer");
+  rc = cuda_send(b, NULL, 1, 900, SECRET, 1, NULL, f, 4, &e);
+  expect_bad(rc, &e, "send on comm 900: needs a peer address, a buffer and the channel's secret (missing: address)");
+  rc = cuda_recv(b, NULL, 1, 900, SECRET, 1, "h:1", NULL, 4, &e);
+  expect_bad(rc, &e, "recv on comm 900: needs a peer address, a buffer and the channel's secret (missing: buffer)");
+  rc = cuda_send(b, NULL, 1, 900, NULL, 1, "h:1", f, 4, &e);
+  expect_bad(rc, &e, "(missing: secret)");
+  g.me = 0;
+  g.secret = NULL;
+  rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
+  expect_bad(rc, &e, "allreduce on comm 900: the group has no secret");
+  g.secret = SECRET;
+  g.me = 2;
 
   A[0].b.net = NULL; /* the data plane failed to start */
   g.me = 0;
@@ -520,7 +529,7 @@ Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
   cr_expect_eq(cuda_allgather(b, NULL, &one, buf, out, 2, DTYPE_INT32, &e), 0);
   cr_expect(out[0] == 7 && out[1] == 8);
   cr_expect_eq(fake.memcpy_calls, 2, "one-member reduce_scatter and allgather copy locally");
-  cr_expect_eq(cuda_send(b, NULL, 1, 903, 1, "h:1", buf, 0, &e), 0);
+  cr_expect_eq(cuda_send(b, NULL, 1, 903, SECRET, 1, "h:1", buf, 0, &e), 0);
   cr_expect_eq(fake.ids + fake.inits, 0);
 }
 
