@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "agent.h"
 #include "execute.h"
@@ -21,6 +20,9 @@
 #define READ_WAIT_MS 600000
 #define CHUNK_DEFAULT (1u << 20)
 #define CHUNK_MAX (3u << 20)
+/* Chunks queued on a Read for a peer that does not take them: the thread
+ * sleeps until the peer's flow control lets them go. */
+#define READ_QUEUED 2
 
 typedef struct read_job {
   rpc_call_t *call; /* referenced */
@@ -41,6 +43,34 @@ static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tens
   sp->shape = (int64_t *)m->layout.sizes;
   sp->strides = strides;
   sp->dtype = (Meshd__V1__DType)m->dtype;
+}
+
+typedef struct drain_wait {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool fired;
+} drain_wait_t;
+
+static void drained(rpc_call_t *call, void *arg) {
+  drain_wait_t *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->fired = true;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* Sleeps until at most `below` messages are queued on call, or it ended. */
+static void wait_drained(rpc_call_t *call, size_t below) {
+  drain_wait_t w = {.fired = false};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  if (rpc_call_when_drained(call, below, drained, &w)) {
+    pthread_mutex_lock(&w.mu);
+    while (!w.fired) pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+  }
+  pthread_cond_destroy(&w.cv);
+  pthread_mutex_destroy(&w.mu);
 }
 
 static void read_run(read_job_t *j) {
@@ -84,7 +114,7 @@ static void read_run(read_job_t *j) {
   rpc_call_send(call, &c.base);
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
   for (size_t off = 0; off < bytes && !rpc_call_ended(call);) {
-    while (rpc_call_pending(call) > 8 && !rpc_call_ended(call)) usleep(500);
+    wait_drained(call, READ_QUEUED - 1);
     size_t n = bytes - off < j->chunk ? bytes - off : j->chunk;
     c.data.data = buf + off;
     c.data.len = n;

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "commands.h"
 #include "log.h"
@@ -23,6 +22,7 @@ struct data_service {
   agent_pool_t *pool;
   session_table_t *sessions;
   size_t chunk; /* bytes of data per message, well under the limit */
+  int max_transfers; /* per session, Upload and Fetch calls together; 0: no bound */
 };
 
 static void destroy_objects(void *p) { objects_destroy(p); }
@@ -35,6 +35,21 @@ static objects_t *objects_of(session_t *s) {
 static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
+
+/* A session's Upload and Fetch calls in flight, from on_start to on_end, are
+ * at most --session-max-transfers: each holds server memory (a tensor for an
+ * Upload, a few chunks for a Fetch) and agent resources. */
+static int transfer_begin(data_service_t *ds, session_t *s, const char *method, meshd_error_t *e) {
+  int before = atomic_fetch_add(&s->transfers, 1);
+  if (ds->max_transfers <= 0 || before < ds->max_transfers) return 0;
+  atomic_fetch_sub(&s->transfers, 1);
+  return error_set(e, ERR_QUOTA,
+                   "%s: the session has %d Upload and Fetch calls in flight already, the most "
+                   "--session-max-transfers (%d) allows; wait for one to end (read each Fetch "
+                   "to its end) before starting another", method, before, ds->max_transfers);
+}
+
+static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
 
 
 /* ------------------------------------------------------------------ upload */
@@ -73,8 +88,15 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
   data_service_t *ds = arg;
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
+  meshd_error_t e;
+  if (transfer_begin(ds, s, "Upload", &e)) {
+    session_release(s);
+    finish_error(call, &e);
+    return;
+  }
   upload_t *u = calloc(1, sizeof *u);
   if (!u) {
+    transfer_end(s);
     session_release(s);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of memory");
     return;
@@ -287,87 +309,186 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
 
 static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
   upload_t *u = rpc_call_data(call);
-  if (u) upload_release(u);
+  if (!u) return;
+  transfer_end(u->session);
+  upload_release(u);
 }
 
 /* ------------------------------------------------------------------ fetch */
 
+/* A Fetch relays the agent's Read and holds no thread: the watermark wait, the
+ * agent's chunks (an rpc_pull, on the rpc layer's client thread) and the
+ * client's reads (rpc_call_when_drained) each hand on to the next step. A
+ * client that stops reading stops the relay: at most FETCH_QUEUED chunks wait
+ * in the server's outbox, plus what the agent call's stream window lets
+ * through, and the agent's own sends back up behind them. */
+#define FETCH_QUEUED 2
+#define AGENT_READ_WINDOW (1 << 20)
+
+static const rpc_channel_opts_t read_channel_opts = {.connect_timeout_ms = 5000,
+                                                     .stream_window_bytes = AGENT_READ_WINDOW};
+
 typedef struct fetch {
   data_service_t *ds;
-  rpc_call_t *call;
+  rpc_call_t *call;            /* referenced until the fetch is freed */
+  session_t *sess;             /* referenced; one of its transfers until on_end */
   char session[SESSION_ID_LEN + 1];
   uint32_t rank;
   uint64_t ref, after_seq;
-  session_t *sess;             /* referenced: re-checked once every rank caught up */
   watermark_target_t *targets; /* every rank of the tensor's mesh, at its last seq */
   size_t ntargets;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
+  bool sent_meta;              /* touched by the relay's steps only, one at a time */
+
+  pthread_mutex_t mu;
+  int refs;          /* the call's (until on_end) and the relay's (until it stops) */
+  bool ended;        /* on_end ran: the relay stops at its next step */
+  uint64_t wait_id;  /* the watermark wait in flight, 0 if none */
+  rpc_channel_t *ch; /* to the agent, while the relay reads from it */
+  rpc_pull_t *pull;
 } fetch_t;
 
-typedef struct fetch_wait {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  bool done;
-  watermark_result_t result;
-  uint32_t lost;
-} fetch_wait_t;
-
-static void fetch_caught_up(watermark_result_t r, uint32_t lost, void *arg) {
-  fetch_wait_t *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->done = true;
-  w->result = r;
-  w->lost = lost;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
+static void fetch_free(fetch_t *f) {
+  if (f->sess) session_release(f->sess);
+  if (f->call) rpc_call_unref(f->call);
+  free(f->targets);
+  free(f);
 }
 
-/* Waits (on this helper thread) until every rank of the tensor's mesh ran what
- * was issued before the Fetch; a failure on any of them is then known to the
- * server (reports land before the watermark moves), so a value that failed on
- * any rank fails the Fetch from every rank. Returns 0, or -1 having answered. */
-static int fetch_wait_all(fetch_t *f) {
-  fetch_wait_t w = {.done = false};
-  pthread_mutex_init(&w.mu, NULL);
-  pthread_cond_init(&w.cv, NULL);
-  uint32_t lost = 0;
-  watermark_result_t r;
-  for (;;) {
-    w.done = false;
-    r = watermark_wait_session(agent_pool_watermark(f->ds->pool), f->session, f->targets,
-                               f->ntargets, fetch_caught_up, &w, NULL, &lost);
-    if (r == WATERMARK_PENDING) {
-      pthread_mutex_lock(&w.mu);
-      while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
-      pthread_mutex_unlock(&w.mu);
-      r = w.result;
-      lost = w.lost;
-    }
-    if (r != WATERMARK_LOST || lost == f->rank) break;
-    /* Another rank of the mesh was lost: its failures can no longer reach
-     * us, but the shard asked for is on a survivor; wait for the others. */
+static void fetch_unref(fetch_t *f) {
+  pthread_mutex_lock(&f->mu);
+  int left = --f->refs;
+  pthread_mutex_unlock(&f->mu);
+  if (left) return;
+  pthread_mutex_destroy(&f->mu);
+  fetch_free(f);
+}
+
+/* The relay is over (answered, or the call ended): the agent call goes. */
+static void relay_stop(fetch_t *f) {
+  pthread_mutex_lock(&f->mu);
+  rpc_pull_t *p = f->pull;
+  rpc_channel_t *ch = f->ch;
+  f->pull = NULL;
+  f->ch = NULL;
+  pthread_mutex_unlock(&f->mu);
+  rpc_pull_destroy(p);
+  if (ch) rpc_channel_destroy(ch);
+  fetch_unref(f);
+}
+
+static void relay_fail(fetch_t *f, grpc_status_code code, const char *kind, const char *msg) {
+  rpc_call_finish(f->call, code, kind, "%s", msg);
+  relay_stop(f);
+}
+
+static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg);
+
+/* The client read enough (or left): ask the agent for the next chunk. */
+static void fetch_drained(rpc_call_t *call, void *arg) {
+  fetch_t *f = arg;
+  pthread_mutex_lock(&f->mu);
+  rpc_pull_t *p = f->pull;
+  pthread_mutex_unlock(&f->mu);
+  if (rpc_call_ended(call)) rpc_pull_cancel(p);
+  rpc_pull_next(p);
+}
+
+static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg) {
+  fetch_t *f = arg;
+  if (!m) { /* the agent's stream is over */
+    rpc_status_t st = {0};
+    grpc_status_code code = rpc_pull_status(p, &st);
+    if (code == GRPC_STATUS_OK)
+      rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
+    else
+      rpc_call_finish(f->call, code, st.kind[0] ? st.kind : "AGENT_LOST",
+                      "Fetch of tensor %llu from rank %u: %s", (unsigned long long)f->ref, f->rank,
+                      st.message);
+    relay_stop(f);
+    return;
+  }
+  const Meshd__Agent__V1__DataChunk *c = (const void *)m;
+  Meshd__V1__FetchChunk out = MESHD__V1__FETCH_CHUNK__INIT;
+  int rc = 0;
+  if (!f->sent_meta) {
+    out.part_case = MESHD__V1__FETCH_CHUNK__PART_META;
+    out.meta = &f->meta;
+    rc = rpc_call_send(f->call, &out.base);
+    f->sent_meta = true;
+  }
+  if (rc == 0 && c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA) {
+    out.part_case = MESHD__V1__FETCH_CHUNK__PART_DATA;
+    out.meta = NULL;
+    out.data = c->data;
+    rc = rpc_call_send(f->call, &out.base);
+  }
+  protobuf_c_message_free_unpacked(m, NULL);
+  if (rc != 0) rpc_pull_cancel(p); /* the client is gone: the next read ends the relay */
+  if (rc != 0 || !rpc_call_when_drained(f->call, FETCH_QUEUED - 1, fetch_drained, f))
+    rpc_pull_next(p);
+}
+
+/* Every rank caught up: read the shard from its agent. */
+static void fetch_read(fetch_t *f) {
+  char addr[256];
+  if (agent_pool_address(f->ds->pool, f->rank, addr, sizeof addr)) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "Fetch: rank %u has no agent (it was lost); its tensors are gone",
+             f->rank);
+    return relay_fail(f, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST", msg);
+  }
+  Meshd__Agent__V1__ReadRequest rq = MESHD__AGENT__V1__READ_REQUEST__INIT;
+  rq.session_id = f->session;
+  rq.ref = f->ref;
+  rq.max_chunk_bytes = (uint32_t)f->ds->chunk;
+  rq.after_seq = f->after_seq;
+  pthread_mutex_lock(&f->mu);
+  bool ended = f->ended;
+  if (!ended) {
+    f->ch = rpc_channel_create(addr, &read_channel_opts);
+    f->pull = f->ch ? rpc_pull_open(f->ch, "/meshd.agent.v1.Agent/Read", &rq.base,
+                                    &meshd__agent__v1__data_chunk__descriptor, NULL, 0,
+                                    AGENT_CALL_MS, fetch_chunk, f)
+                    : NULL;
+    if (f->pull) rpc_pull_next(f->pull);
+  }
+  bool started = f->pull != NULL;
+  pthread_mutex_unlock(&f->mu);
+  if (ended) return relay_stop(f);
+  if (!started)
+    relay_fail(f, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST", "Fetch: cannot call the agent");
+}
+
+/* The watermark wait ended with r. Returns false to wait again (another rank
+ * of the mesh was lost: its failures can no longer reach us, but the shard
+ * asked for is on a survivor; wait for the others), true once handed on. */
+static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
+  if (r == WATERMARK_LOST && lost != f->rank) {
     size_t k = 0;
     for (size_t i = 0; i < f->ntargets; i++)
       if (f->targets[i].rank != lost) f->targets[k++] = f->targets[i];
-    if (k == f->ntargets) break;
-    f->ntargets = k;
+    if (k != f->ntargets) {
+      f->ntargets = k;
+      return false;
+    }
   }
-  pthread_cond_destroy(&w.cv);
-  pthread_mutex_destroy(&w.mu);
+  char msg[sizeof ((meshd_error_t *)0)->msg + 200];
   if (r == WATERMARK_LOST) {
     /* The pool's wording names the rank and when it was lost. */
     meshd_error_t when = {0};
     agent_pool_check_lost(f->ds->pool, &lost, 1, 0, "Fetch", &when);
-    rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
-                    "Fetch of tensor %llu: the agent of rank %u was lost before it computed it%s%s%s",
-                    (unsigned long long)f->ref, lost, when.msg[0] ? " (" : "",
-                    when.msg[0] ? when.msg : "", when.msg[0] ? ")" : "");
-    return -1;
+    snprintf(msg, sizeof msg,
+             "Fetch of tensor %llu: the agent of rank %u was lost before it computed it%s%s%s",
+             (unsigned long long)f->ref, lost, when.msg[0] ? " (" : "",
+             when.msg[0] ? when.msg : "", when.msg[0] ? ")" : "");
+    relay_fail(f, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST", msg);
+    return true;
   }
   if (r != WATERMARK_REACHED) {
-    rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE", "Fetch: the server is stopping");
-    return -1;
+    relay_fail(f, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE", "Fetch: the server is stopping");
+    return true;
   }
   meshd_error_t e = {0};
   pthread_mutex_lock(&f->sess->mu);
@@ -379,72 +500,43 @@ static int fetch_wait_all(fetch_t *f) {
   pthread_mutex_unlock(&f->sess->mu);
   if (e.kind != ERR_NONE) {
     finish_error(f->call, &e);
-    return -1;
+    relay_stop(f);
+    return true;
   }
-  return 0;
+  fetch_read(f);
+  return true;
 }
 
-static void fetch_run(fetch_t *f) {
-  if (fetch_wait_all(f)) return;
-  char addr[256];
-  if (agent_pool_address(f->ds->pool, f->rank, addr, sizeof addr)) {
-    rpc_call_finish(f->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
-                    "Fetch: rank %u has no agent (it was lost); its tensors are gone", f->rank);
-    return;
+static void fetch_waited(watermark_result_t r, uint32_t lost, void *arg);
+
+/* Waits until every rank of the tensor's mesh ran what was issued before the
+ * Fetch; a failure on any of them is then known to the server (reports land
+ * before the watermark moves), so a value that failed on any rank fails the
+ * Fetch from every rank. */
+static void fetch_wait(fetch_t *f) {
+  watermark_t *w = agent_pool_watermark(f->ds->pool);
+  for (;;) {
+    uint32_t lost = 0;
+    /* Under f->mu: on_end sees the wait's id, and the callback (on another
+     * thread) waits until it is stored. */
+    pthread_mutex_lock(&f->mu);
+    bool ended = f->ended;
+    watermark_result_t r = WATERMARK_PENDING;
+    if (!ended)
+      r = watermark_wait_session(w, f->session, f->targets, f->ntargets, fetch_waited, f,
+                                 &f->wait_id, &lost);
+    pthread_mutex_unlock(&f->mu);
+    if (ended) return relay_stop(f);
+    if (r == WATERMARK_PENDING || fetch_caught_up(f, r, lost)) return;
   }
-  rpc_channel_t *ch = rpc_channel_create(addr, &agent_channel_opts);
-  rpc_stream_t *st = rpc_stream_open(ch, "/meshd.agent.v1.Agent/Read", NULL, 0, AGENT_CALL_MS);
-  Meshd__Agent__V1__ReadRequest rq = MESHD__AGENT__V1__READ_REQUEST__INIT;
-  rq.session_id = f->session;
-  rq.ref = f->ref;
-  rq.max_chunk_bytes = (uint32_t)f->ds->chunk;
-  rq.after_seq = f->after_seq;
-  int rc = st ? rpc_stream_write(st, &rq.base, true) : -1;
-  ProtobufCMessage *m = NULL;
-  bool first = true;
-  while (rc == 0 && rpc_stream_read(st, &meshd__agent__v1__data_chunk__descriptor, &m, 0) == 1) {
-    const Meshd__Agent__V1__DataChunk *c = (const void *)m;
-    Meshd__V1__FetchChunk out = MESHD__V1__FETCH_CHUNK__INIT;
-    if (first) {
-      out.part_case = MESHD__V1__FETCH_CHUNK__PART_META;
-      out.meta = &f->meta;
-      rpc_call_send(f->call, &out.base);
-      first = false;
-    }
-    if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA) {
-      while (rpc_call_pending(f->call) > 8 && !rpc_call_ended(f->call)) usleep(500);
-      out.part_case = MESHD__V1__FETCH_CHUNK__PART_DATA;
-      out.meta = NULL;
-      out.data = c->data;
-      rpc_call_send(f->call, &out.base);
-    }
-    protobuf_c_message_free_unpacked(m, NULL);
-    m = NULL;
-  }
-  rpc_status_t status = {0};
-  grpc_status_code code = st ? rpc_stream_finish(st, &status) : GRPC_STATUS_UNAVAILABLE;
-  if (code == GRPC_STATUS_OK)
-    rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
-  else
-    rpc_call_finish(f->call, code, status.kind[0] ? status.kind : "AGENT_LOST",
-                    "Fetch of tensor %llu from rank %u: %s", (unsigned long long)f->ref, f->rank,
-                    st ? status.message : "cannot call the agent");
-  if (st) rpc_stream_destroy(st);
-  rpc_channel_destroy(ch);
 }
 
-static void fetch_free(fetch_t *f) {
-  if (f->sess) session_release(f->sess);
-  free(f->targets);
-  free(f);
-}
-
-static void *fetch_main(void *arg) {
+static void fetch_waited(watermark_result_t r, uint32_t lost, void *arg) {
   fetch_t *f = arg;
-  fetch_run(f);
-  rpc_call_unref(f->call);
-  fetch_free(f);
-  return NULL;
+  pthread_mutex_lock(&f->mu);
+  f->wait_id = 0;
+  pthread_mutex_unlock(&f->mu);
+  if (!fetch_caught_up(f, r, lost)) fetch_wait(f);
 }
 
 /* Picks the rank and checks the tensor; fills f. Holds s->mu. */
@@ -526,43 +618,60 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   data_service_t *ds = arg;
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
-  fetch_t *f = calloc(1, sizeof *f);
   meshd_error_t e;
+  if (transfer_begin(ds, s, "Fetch", &e)) {
+    session_release(s);
+    finish_error(call, &e);
+    return;
+  }
+  fetch_t *f = calloc(1, sizeof *f);
   int rc = f ? 0 : error_set(&e, ERR_QUOTA, "Fetch: out of memory on the server");
   if (!rc) {
     pthread_mutex_lock(&s->mu);
     rc = fetch_plan(ds, s, (const Meshd__V1__FetchRequest *)req, f, &e);
     pthread_mutex_unlock(&s->mu);
   }
-  session_release(s);
   if (rc) {
+    transfer_end(s);
+    session_release(s);
     if (f) fetch_free(f);
     finish_error(call, &e);
     return;
   }
+  session_release(s); /* f->sess holds its own */
   f->ds = ds;
   f->call = call;
   rpc_call_ref(call);
-  pthread_t t;
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  if (pthread_create(&t, &attr, fetch_main, f) != 0) {
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Fetch: out of threads");
-    rpc_call_unref(call);
-    fetch_free(f);
-  }
-  pthread_attr_destroy(&attr);
+  pthread_mutex_init(&f->mu, NULL);
+  f->refs = 2;
+  rpc_call_set_data(call, f);
+  fetch_wait(f);
+}
+
+static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
+  data_service_t *ds = arg;
+  fetch_t *f = rpc_call_data(call);
+  if (!f) return;
+  pthread_mutex_lock(&f->mu);
+  f->ended = true;
+  uint64_t wait = f->wait_id;
+  if (f->pull) rpc_pull_cancel(f->pull); /* the relay's next step ends it */
+  pthread_mutex_unlock(&f->mu);
+  transfer_end(f->sess);
+  /* Parked on the watermark: withdrawn, the relay will take no more steps. */
+  if (wait && watermark_cancel(agent_pool_watermark(ds->pool), wait)) fetch_unref(f);
+  fetch_unref(f);
 }
 
 /* ------------------------------------------------------------------ table */
 
 data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
-                                    size_t max_message_bytes) {
+                                    size_t max_message_bytes, int max_transfers) {
   data_service_t *ds = calloc(1, sizeof *ds);
   if (!ds) return NULL;
   ds->pool = pool;
   ds->sessions = sessions;
+  ds->max_transfers = max_transfers;
   size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;
   ds->chunk = limit > 2048 ? limit / 2 : 1024; /* room for the envelope */
   if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
@@ -583,6 +692,7 @@ static const rpc_method_t methods[] = {
         .kind = RPC_SERVER_STREAMING,
         .request = &meshd__v1__fetch_request__descriptor,
         .on_start = fetch_start,
+        .on_end = fetch_end,
     },
 };
 

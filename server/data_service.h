@@ -5,8 +5,11 @@
  * like a Factory, on every rank of a mesh: the same bytes everywhere, or with
  * per_rank one slice per rank in the mesh's row-major order. Fetch (server
  * stream) returns one rank's local tensor: a TensorMeta, then its bytes, once
- * that agent ran everything sent to it before the Fetch. Agent calls run on a
- * helper thread per request, never on a completion-queue thread. */
+ * that agent ran everything sent to it before the Fetch. An Upload's agent calls
+ * run on a helper thread once its data is in, never on a completion-queue
+ * thread; a Fetch relays the agent's chunks as the client reads them, with no
+ * thread of its own. A session has at most max_transfers of these calls in
+ * flight; more are refused RESOURCE_EXHAUSTED (QUOTA). */
 #ifndef MESHD_DATA_SERVICE_H
 #define MESHD_DATA_SERVICE_H
 
@@ -18,9 +21,10 @@
 
 typedef struct data_service data_service_t;
 
-/* max_message_bytes: the server's limit (chunks stay under it). */
+/* max_message_bytes: the server's limit (chunks stay under it). max_transfers:
+ * Upload and Fetch calls one session may have in flight (0: no bound). */
 data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
-                                    size_t max_message_bytes);
+                                    size_t max_message_bytes, int max_transfers);
 /* The rows (Upload, Fetch; static storage), *n their count. Register them with
  * the data_service_t * as arg; the service must outlive the server. */
 const rpc_method_t *data_service_methods(size_t *n);

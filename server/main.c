@@ -35,6 +35,7 @@ typedef struct options {
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
   int64_t session_max_streams, max_command_refs;
+  int64_t session_max_transfers;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
   uint64_t stream_window_bytes;
@@ -84,6 +85,9 @@ static const config_flag_t flags[] = {
     {"session-max-queued-bytes", CONFIG_BYTES, "64MiB",
      "flow control: the same bound on those commands' instruction bytes, over all their ranks (0: none)",
      &opt.session_max_queued_bytes, 0, 0},
+    {"session-max-transfers", CONFIG_INT, "8",
+     "Upload and Fetch calls a session may have in flight at once; more are refused "
+     "RESOURCE_EXHAUSTED (0: no bound)", &opt.session_max_transfers, 0, 1 << 20},
     {"max-queued", CONFIG_INT, "8192",
      "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
     {"max-queued-bytes", CONFIG_BYTES, "256MiB",
@@ -246,7 +250,8 @@ int main(int argc, char **argv) {
                           .total_commands = (uint64_t)opt.max_queued,
                           .total_bytes = opt.max_queued_bytes};
   state.commands = sessions ? command_service_create(pool, sessions, &limits) : NULL;
-  data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes) : NULL;
+  data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes,
+                                                               (int)opt.session_max_transfers) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel
    * (--agent-timeout), not by pinging their registration call. */

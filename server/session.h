@@ -79,6 +79,7 @@ typedef struct session {
   _Atomic uint64_t bytes_held; /* see session_charge / session_credit */
   _Atomic uint64_t live_tensors;
   _Atomic uint64_t queued_commands; /* accepted, not yet known to have run (flow.h) */
+  _Atomic int transfers;            /* Upload and Fetch calls in flight (data_service.c) */
 
   /* The command layer's lock for `objects` and whatever else it keeps per session. */
   pthread_mutex_t mu;

@@ -197,6 +197,16 @@ void rpc_call_pause_reads(rpc_call_t *call);
 void rpc_call_resume_reads(rpc_call_t *call);
 void rpc_call_hold_sends(rpc_call_t *call);
 void rpc_call_release_sends(rpc_call_t *call);
+/* For a handler that relays another stream (a Fetch from an agent's Read):
+ * cb(call, arg) runs once, as a callback of the call (never at the same time as
+ * its others, never after on_end), as soon as at most `below` messages are
+ * queued, i.e. the peer has taken the rest through HTTP/2 flow control, or when
+ * the call ends first (rpc_call_ended is then true). Returns true when the wait
+ * is registered; false when there is nothing to wait for (at most `below`
+ * queued already, or the call ended): cb is not called then. One wait per call;
+ * a second replaces the first. The caller keeps whatever cb needs alive. */
+bool rpc_call_when_drained(rpc_call_t *call, size_t below, void (*cb)(rpc_call_t *call, void *arg),
+                           void *arg);
 /* True once on_end has run or is about to. */
 bool rpc_call_ended(rpc_call_t *call);
 /* Request metadata value for key into buf (NUL-terminated, truncated to len-1).
@@ -234,6 +244,10 @@ typedef struct rpc_channel_opts {
    * backoff as the minimum connect timeout). */
   int connect_timeout_ms;
   rpc_tls_t tls;           /* .on: TLS to the server (see rpc_tls_t) */
+  /* HTTP/2 receive window per stream, as rpc_server_opts_t's: how much a peer
+   * may send on a call ahead of its reads. <= 0: gRPC's adaptive window, which
+   * grows to megabytes per stream. */
+  int stream_window_bytes;
 } rpc_channel_opts_t;
 
 typedef struct rpc_status {
@@ -291,6 +305,39 @@ void rpc_stream_cancel(rpc_stream_t *s);
 grpc_status_code rpc_stream_finish(rpc_stream_t *s, rpc_status_t *st);
 /* Frees the stream; cancels it first if it is still running. */
 void rpc_stream_destroy(rpc_stream_t *s);
+
+/* A server-streaming call read without a thread of its own, for relays: each
+ * message is handed to a callback on the layer's client thread, and only when
+ * asked for, so a reader that stops asking leaves the rest with the peer (its
+ * sends back up through flow control; see stream_window_bytes).
+ *
+ *   p = rpc_pull_open(ch, "/pkg.Svc/Read", &req.base, &chunk__descriptor, NULL, 0, ms, got, arg);
+ *   rpc_pull_next(p);            // got(p, msg, arg) runs later with the first message
+ *
+ * fn(p, msg, arg) runs once per rpc_pull_next: msg is the next message (fn owns
+ * it: protobuf_c_message_free_unpacked), or NULL at the end of the stream, after
+ * which rpc_pull_status says how the call ended (a message that does not unpack
+ * ends it INTERNAL). fn runs on the client thread, which serves every pull of the
+ * process: it must not block (it may call rpc_pull_next, _cancel, _destroy and
+ * the server's rpc_call_* functions). */
+typedef struct rpc_pull rpc_pull_t;
+typedef void (*rpc_pull_fn)(rpc_pull_t *p, ProtobufCMessage *msg, void *arg);
+
+/* Starts the call (sends req, half-closes). timeout_ms <= 0: no deadline.
+ * Returns NULL only on a bad method or out of memory. */
+rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *desc, const rpc_md_t *md, size_t nmd,
+                          int timeout_ms, rpc_pull_fn fn, void *arg);
+/* Asks for the next message: fn runs once, later, on the client thread. At most
+ * one request at a time; none after fn got NULL. */
+void rpc_pull_next(rpc_pull_t *p);
+/* Cancels the call, from any thread: an asked-for message comes as NULL. */
+void rpc_pull_cancel(rpc_pull_t *p);
+/* How the call ended; valid once fn got NULL. st may be NULL. */
+grpc_status_code rpc_pull_status(rpc_pull_t *p, rpc_status_t *st);
+/* Gives the pull back, once fn got NULL (from inside fn too) or before the first
+ * rpc_pull_next; a call still running is cancelled. fn runs no more. */
+void rpc_pull_destroy(rpc_pull_t *p);
 
 /* ================================================================== misc */
 

@@ -1,8 +1,10 @@
-/* Client half of the rpc layer: blocking calls over the gRPC C core.
+/* Client half of the rpc layer: blocking calls over the gRPC C core, and pulls.
  *
- * Every call gets its own pluck completion queue, so calls on one channel are
- * independent and a stream's reader, writer and finisher can wait on their own
- * tags from different threads (at most GRPC_MAX_COMPLETION_QUEUE_PLUCKERS). */
+ * Every blocking call gets its own pluck completion queue, so calls on one
+ * channel are independent and a stream's reader, writer and finisher can wait
+ * on their own tags from different threads (at most
+ * GRPC_MAX_COMPLETION_QUEUE_PLUCKERS). Pulls share one completion queue served
+ * by one thread, started with the first pull and stopped by rpc_shutdown. */
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
@@ -49,6 +51,10 @@ rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *
     wire_args_int(&a, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   }
   if (o.own_connection) wire_args_int(&a, GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (o.stream_window_bytes > 0) {
+    wire_args_int(&a, GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    wire_args_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, o.stream_window_bytes);
+  }
   if (o.tls.on && o.tls.server_name)
     wire_args_str(&a, GRPC_SSL_TARGET_NAME_OVERRIDE_ARG, o.tls.server_name);
   grpc_channel_credentials *creds = rpc_tls_channel_creds(&o.tls);
@@ -368,4 +374,256 @@ void rpc_stream_destroy(rpc_stream_t *s) {
   free_md(s->send_md, s->nmd);
   pthread_mutex_destroy(&s->mu);
   free(s);
+}
+
+/* ================================================================== pulls */
+
+typedef enum { PULL_START, PULL_READ, PULL_STATUS } pull_tag_kind_t;
+
+typedef struct pull_tag {
+  pull_tag_kind_t kind;
+  rpc_pull_t *pull;
+} pull_tag_t;
+
+struct rpc_pull {
+  grpc_call *call;
+  const ProtobufCMessageDescriptor *desc;
+  rpc_pull_fn fn;
+  void *arg;
+  grpc_metadata *send_md;
+  size_t nmd;
+  grpc_byte_buffer *req;
+  grpc_byte_buffer *recv_buf;
+  grpc_metadata_array init_md, trailers;
+  grpc_status_code code;
+  grpc_slice details;
+  pull_tag_t t_start, t_read, t_status;
+
+  pthread_mutex_t mu;
+  int refs;          /* the owner's, and one per batch in flight */
+  bool owned;        /* rpc_pull_destroy not called yet */
+  bool asked;        /* the owner waits for fn */
+  bool at_end;       /* a read came back empty: fn(NULL) once the status is in */
+  bool status_done;
+  bool ended;        /* fn(NULL) delivered */
+  bool bad_message;  /* ended INTERNAL: a message did not unpack */
+};
+
+static struct {
+  pthread_mutex_t mu;
+  grpc_completion_queue *cq;
+  pthread_t thread;
+  bool running;
+} pulls = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, false};
+
+static void pull_free(rpc_pull_t *p) {
+  if (p->recv_buf) grpc_byte_buffer_destroy(p->recv_buf);
+  if (p->req) grpc_byte_buffer_destroy(p->req);
+  grpc_call_unref(p->call);
+  grpc_slice_unref(p->details);
+  grpc_metadata_array_destroy(&p->init_md);
+  grpc_metadata_array_destroy(&p->trailers);
+  free_md(p->send_md, p->nmd);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+}
+
+/* Drops one reference (lock held); frees the pull after the last. */
+static void pull_unref_locked(rpc_pull_t *p) {
+  int left = --p->refs;
+  pthread_mutex_unlock(&p->mu);
+  if (left == 0) pull_free(p);
+}
+
+/* Hands fn the end of the stream once both the empty read and the status are
+ * in. Lock held; returns with it released. The caller holds a reference
+ * across it (fn may destroy the pull). */
+static void pull_deliver_end_unlock(rpc_pull_t *p) {
+  bool deliver = p->at_end && p->status_done && p->asked && !p->ended && p->owned;
+  if (deliver) {
+    p->asked = false;
+    p->ended = true;
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (deliver) p->fn(p, NULL, p->arg);
+}
+
+/* The batch's reference keeps p alive while fn runs. */
+static void pull_event(pull_tag_t *t, bool ok) {
+  rpc_pull_t *p = t->pull;
+  pthread_mutex_lock(&p->mu);
+  switch (t->kind) {
+    case PULL_START:
+      break; /* a failure shows in the status */
+    case PULL_STATUS:
+      p->status_done = true;
+      pull_deliver_end_unlock(p);
+      pthread_mutex_lock(&p->mu);
+      break;
+    case PULL_READ: {
+      grpc_byte_buffer *buf = p->recv_buf;
+      p->recv_buf = NULL;
+      ProtobufCMessage *msg = NULL;
+      if (buf && ok && p->owned) {
+        msg = wire_unpack(buf, p->desc, NULL, 0);
+        if (!msg) {
+          p->bad_message = true;
+          grpc_call_cancel_with_status(p->call, GRPC_STATUS_INTERNAL,
+                                       "a message does not unpack", NULL);
+        }
+      }
+      if (buf) grpc_byte_buffer_destroy(buf);
+      if (!msg) {
+        p->at_end = true;
+        pull_deliver_end_unlock(p);
+        pthread_mutex_lock(&p->mu);
+        break;
+      }
+      p->asked = false;
+      pthread_mutex_unlock(&p->mu);
+      p->fn(p, msg, p->arg);
+      pthread_mutex_lock(&p->mu);
+      break;
+    }
+  }
+  pull_unref_locked(p); /* the batch's */
+}
+
+static void *pull_thread(void *arg) {
+  grpc_completion_queue *cq = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type == GRPC_OP_COMPLETE) pull_event(ev.tag, ev.success != 0);
+  }
+  return NULL;
+}
+
+static grpc_completion_queue *pull_cq(void) {
+  pthread_mutex_lock(&pulls.mu);
+  if (!pulls.running) {
+    pulls.cq = grpc_completion_queue_create_for_next(NULL);
+    if (pthread_create(&pulls.thread, NULL, pull_thread, pulls.cq) == 0) {
+      pulls.running = true;
+    } else {
+      grpc_completion_queue_shutdown(pulls.cq);
+      grpc_completion_queue_destroy(pulls.cq);
+      pulls.cq = NULL;
+    }
+  }
+  grpc_completion_queue *cq = pulls.cq;
+  pthread_mutex_unlock(&pulls.mu);
+  return cq;
+}
+
+void rpc_client_stop_pulls(void) {
+  pthread_mutex_lock(&pulls.mu);
+  bool running = pulls.running;
+  pulls.running = false;
+  pthread_mutex_unlock(&pulls.mu);
+  if (!running) return;
+  /* Pulls still running would hold this up: their owners cancelled them. */
+  grpc_completion_queue_shutdown(pulls.cq);
+  pthread_join(pulls.thread, NULL);
+  grpc_completion_queue_destroy(pulls.cq);
+  pulls.cq = NULL;
+}
+
+static bool pull_batch_locked(rpc_pull_t *p, grpc_op *ops, size_t n, pull_tag_t *tag) {
+  if (grpc_call_start_batch(p->call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
+  p->refs++;
+  return true;
+}
+
+rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *desc, const rpc_md_t *md, size_t nmd,
+                          int timeout_ms, rpc_pull_fn fn, void *arg) {
+  void *handle = method_handle(ch, method);
+  grpc_completion_queue *cq = handle ? pull_cq() : NULL;
+  rpc_pull_t *p = cq ? calloc(1, sizeof *p) : NULL;
+  if (!p) return NULL;
+  p->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
+                                                wire_deadline(timeout_ms), NULL);
+  p->desc = desc;
+  p->fn = fn;
+  p->arg = arg;
+  p->send_md = make_md(md, nmd);
+  p->nmd = nmd;
+  p->req = wire_pack(req);
+  grpc_metadata_array_init(&p->init_md);
+  grpc_metadata_array_init(&p->trailers);
+  p->details = grpc_empty_slice();
+  p->code = GRPC_STATUS_UNKNOWN;
+  p->t_start = (pull_tag_t){PULL_START, p};
+  p->t_read = (pull_tag_t){PULL_READ, p};
+  p->t_status = (pull_tag_t){PULL_STATUS, p};
+  pthread_mutex_init(&p->mu, NULL);
+  p->refs = 1;
+  p->owned = true;
+
+  grpc_op ops[4];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = nmd;
+  ops[0].data.send_initial_metadata.metadata = p->send_md;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = p->req;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->init_md;
+  pthread_mutex_lock(&p->mu);
+  bool started = pull_batch_locked(p, ops, 4, &p->t_start);
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[0].data.recv_status_on_client.trailing_metadata = &p->trailers;
+  ops[0].data.recv_status_on_client.status = &p->code;
+  ops[0].data.recv_status_on_client.status_details = &p->details;
+  started = pull_batch_locked(p, ops, 1, &p->t_status) && started;
+  pthread_mutex_unlock(&p->mu);
+  if (!started) {
+    rpc_pull_destroy(p);
+    return NULL;
+  }
+  return p;
+}
+
+void rpc_pull_next(rpc_pull_t *p) {
+  pthread_mutex_lock(&p->mu);
+  if (p->asked || p->ended || !p->owned) {
+    pthread_mutex_unlock(&p->mu);
+    return;
+  }
+  p->asked = true;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &p->recv_buf;
+  if (!pull_batch_locked(p, &op, 1, &p->t_read)) {
+    p->at_end = true;
+    grpc_call_cancel(p->call, NULL);
+  }
+  pthread_mutex_unlock(&p->mu);
+}
+
+void rpc_pull_cancel(rpc_pull_t *p) { grpc_call_cancel(p->call, NULL); }
+
+grpc_status_code rpc_pull_status(rpc_pull_t *p, rpc_status_t *st) {
+  pthread_mutex_lock(&p->mu);
+  grpc_status_code code = p->bad_message ? GRPC_STATUS_INTERNAL : p->code;
+  if (st) {
+    fill_status(st, code, p->details, &p->trailers);
+    if (p->bad_message)
+      snprintf(st->message, sizeof st->message, "a message from the peer is not a valid %s",
+               p->desc->name);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return code;
+}
+
+void rpc_pull_destroy(rpc_pull_t *p) {
+  if (!p) return;
+  pthread_mutex_lock(&p->mu);
+  p->owned = false;
+  if (!p->status_done) grpc_call_cancel(p->call, NULL);
+  pull_unref_locked(p);
 }

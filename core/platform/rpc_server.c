@@ -78,6 +78,10 @@ struct rpc_call {
   void *data;
   bool has_identity;
   rpc_identity_t identity; /* what the guard admitted the call as */
+  /* rpc_call_when_drained: cb runs once out_len <= drain_below, or at the end. */
+  void (*drain_cb)(rpc_call_t *call, void *arg);
+  void *drain_arg;
+  size_t drain_below;
 };
 
 struct rpc_server {
@@ -314,6 +318,17 @@ void rpc_call_release_sends(rpc_call_t *c) {
   pthread_mutex_unlock(&c->mu);
 }
 
+bool rpc_call_when_drained(rpc_call_t *c, size_t below, void (*cb)(rpc_call_t *, void *),
+                           void *arg) {
+  pthread_mutex_lock(&c->mu);
+  bool wait = !c->closed && c->out_len > below;
+  c->drain_cb = wait ? cb : NULL;
+  c->drain_arg = arg;
+  c->drain_below = below;
+  pthread_mutex_unlock(&c->mu);
+  return wait;
+}
+
 bool rpc_call_ended(rpc_call_t *c) {
   pthread_mutex_lock(&c->mu);
   bool ended = c->closed;
@@ -363,6 +378,21 @@ void rpc_call_set_data(rpc_call_t *c, void *data) { c->data = data; }
 void *rpc_call_data(const rpc_call_t *c) { return c->data; }
 
 /* ------------------------------------------------------------------ events */
+
+/* Runs the drain wait's callback once its condition holds, as a callback of the
+ * call (in_callback holds on_end back). Called with the lock held; returns with
+ * it held. */
+static void drained_locked(rpc_call_t *c) {
+  if (!c->drain_cb || (!c->closed && c->out_len > c->drain_below)) return;
+  void (*cb)(rpc_call_t *, void *) = c->drain_cb;
+  void *arg = c->drain_arg;
+  c->drain_cb = NULL;
+  c->in_callback++;
+  pthread_mutex_unlock(&c->mu);
+  cb(c, arg);
+  pthread_mutex_lock(&c->mu);
+  c->in_callback--;
+}
 
 /* Runs on_end once every other callback of the call has returned. Called with
  * the lock held; returns with it held. */
@@ -554,6 +584,8 @@ static void on_write(rpc_call_t *c, bool ok) {
   }
   pump_locked(c);
   if (c->read_paused && c->out_len <= OUTBOX_LOW) start_reading_locked(c);
+  drained_locked(c);
+  maybe_end_locked(c);
 }
 
 static void on_status(rpc_call_t *c, bool ok) {
@@ -573,6 +605,7 @@ static void on_close(rpc_call_t *c, bool ok) {
   pthread_mutex_lock(&c->mu);
   c->closed = true;
   c->cancelled = c->close_cancelled != 0 || !ok;
+  drained_locked(c);
   maybe_end_locked(c);
 }
 

@@ -92,7 +92,10 @@ void rpc_init(void) {
 
 void rpc_shutdown(void) {
   pthread_mutex_lock(&init_mu);
-  if (init_count > 0 && --init_count == 0) grpc_shutdown();
+  if (init_count > 0 && --init_count == 0) {
+    rpc_client_stop_pulls();
+    grpc_shutdown();
+  }
   pthread_mutex_unlock(&init_mu);
 }
 

@@ -1290,3 +1290,274 @@ Test(rpc_pause, deadline_while_held_ends_the_call) {
   rpc_call_release_sends(c); /* late: harmless */
   rpc_call_unref(c);
 }
+
+/* ------------------------------------------------------------------ pulls */
+
+typedef struct pull_log {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int got;          /* messages, in order of index */
+  int bad_order;    /* a message whose index was not `got` */
+  bool ended;
+  bool keep_asking; /* ask for the next message from inside the callback */
+  rpc_status_t st;
+} pull_log_t;
+
+static void pull_log_init(pull_log_t *l, bool keep_asking) {
+  memset(l, 0, sizeof *l);
+  pthread_mutex_init(&l->mu, NULL);
+  pthread_cond_init(&l->cv, NULL);
+  l->keep_asking = keep_asking;
+}
+
+static void pull_got(rpc_pull_t *p, ProtobufCMessage *m, void *arg) {
+  pull_log_t *l = arg;
+  pthread_mutex_lock(&l->mu);
+  if (!m) {
+    rpc_pull_status(p, &l->st);
+    l->ended = true;
+  } else {
+    if (((EchoReply *)m)->index != l->got) l->bad_order++;
+    l->got++;
+    protobuf_c_message_free_unpacked(m, NULL);
+  }
+  pthread_cond_broadcast(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+  if (m && l->keep_asking) rpc_pull_next(p);
+}
+
+/* Waits until the log has `got` messages (or ended); returns what it has. */
+static int pull_wait(pull_log_t *l, int got, bool until_end, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  pthread_mutex_lock(&l->mu);
+  while ((until_end ? !l->ended : l->got < got && !l->ended) && rpc_now_ms() < end) {
+    pthread_mutex_unlock(&l->mu);
+    usleep(2000);
+    pthread_mutex_lock(&l->mu);
+  }
+  int n = l->got;
+  pthread_mutex_unlock(&l->mu);
+  return n;
+}
+
+Test(rpc, pull_reads_in_order_to_the_status) {
+  pull_log_t l;
+  pull_log_init(&l, true);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "tick";
+  req.reply_count = 1000;
+  rpc_pull_t *p = rpc_pull_open(ch, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
+                                10000, pull_got, &l);
+  cr_assert_not_null(p);
+  rpc_pull_next(p);
+  cr_assert_eq(pull_wait(&l, 1000, true, 10000), 1000);
+  cr_assert(l.ended);
+  cr_assert_eq(l.bad_order, 0);
+  cr_assert_eq(l.st.code, GRPC_STATUS_OK, "%s", l.st.message);
+  rpc_pull_destroy(p);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1);
+}
+
+Test(rpc, pull_gives_the_error_status_and_kind) {
+  pull_log_t l;
+  pull_log_init(&l, true);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "partial";
+  req.reply_count = 3;
+  req.fail_code = GRPC_STATUS_DATA_LOSS;
+  req.fail_kind = "LOST";
+  rpc_pull_t *p = rpc_pull_open(ch, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
+                                5000, pull_got, &l);
+  rpc_pull_next(p);
+  cr_assert_eq(pull_wait(&l, 3, true, 5000), 3);
+  cr_assert_eq(l.st.code, GRPC_STATUS_DATA_LOSS);
+  cr_assert_str_eq(l.st.kind, "LOST");
+  cr_assert_str_eq(l.st.message, "echo failure: partial");
+  rpc_pull_destroy(p);
+}
+
+/* One message per rpc_pull_next, nothing more until asked. */
+Test(rpc, pull_delivers_only_what_was_asked_for) {
+  pull_log_t l;
+  pull_log_init(&l, false);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "one";
+  req.reply_count = 5;
+  rpc_pull_t *p = rpc_pull_open(ch, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
+                                5000, pull_got, &l);
+  rpc_pull_next(p);
+  cr_assert_eq(pull_wait(&l, 1, false, 5000), 1);
+  usleep(100000);
+  cr_assert_eq(pull_wait(&l, 1, false, 0), 1, "a message came without being asked for");
+  for (int i = 2; i <= 5; i++) {
+    rpc_pull_next(p);
+    cr_assert_eq(pull_wait(&l, i, false, 5000), i);
+  }
+  cr_assert(!l.ended);
+  rpc_pull_next(p);
+  pull_wait(&l, 0, true, 5000);
+  cr_assert(l.ended);
+  cr_assert_eq(l.st.code, GRPC_STATUS_OK);
+  rpc_pull_destroy(p);
+}
+
+Test(rpc, pull_cancel_ends_with_null_and_the_server_sees_it) {
+  pull_log_t l;
+  pull_log_init(&l, false);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "slow";
+  req.delay_ms = 5000; /* unary answered late: the call stays open */
+  rpc_pull_t *p = rpc_pull_open(ch, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
+                                pull_got, &l);
+  rpc_pull_next(p);
+  usleep(100000);
+  cr_assert(!l.ended);
+  rpc_pull_cancel(p);
+  pull_wait(&l, 0, true, 2000);
+  cr_assert(l.ended, "a cancelled pull must hand fn NULL");
+  cr_assert_eq(l.st.code, GRPC_STATUS_CANCELLED);
+  rpc_pull_destroy(p);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 5000), 1);
+}
+
+Test(rpc, pull_destroyed_unasked_cancels_the_call) {
+  pull_log_t l;
+  pull_log_init(&l, false);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "never read";
+  req.delay_ms = 5000;
+  rpc_pull_t *p = rpc_pull_open(ch, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
+                                pull_got, &l);
+  cr_assert_eq(wait_counter(echo_server_calls_started, 1, 2000), 1);
+  rpc_pull_destroy(p);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 5000), 1);
+  cr_assert(!l.ended);
+  cr_assert_eq(l.got, 0);
+}
+
+/* ------------------------------------------------------------------ drain waits */
+
+/* A server-streaming handler that queues reply_count replies of its payload and
+ * waits for them to drain: d_fired counts the callbacks, d_fired_ended those
+ * that saw the call ended, d_ended_before those that ran after on_end. */
+static rpc_server_t *dsrv;
+static rpc_channel_t *dch;
+static atomic_int d_fired, d_fired_ended, d_ended_before, d_ends, d_registered;
+
+static void d_drained(rpc_call_t *call, void *arg) {
+  (void)arg;
+  if (atomic_load(&d_ends)) atomic_fetch_add(&d_ended_before, 1);
+  atomic_fetch_add(&d_fired, 1);
+  if (rpc_call_ended(call)) atomic_fetch_add(&d_fired_ended, 1);
+  else rpc_call_finish(call, GRPC_STATUS_OK, NULL, "drained");
+}
+
+static void d_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)arg;
+  const EchoRequest *req = (const EchoRequest *)msg;
+  EchoReply rep = ECHO_REPLY__INIT;
+  rep.payload = req->payload;
+  for (int i = 0; i < req->reply_count; i++) {
+    rep.index = i;
+    rpc_call_send(call, &rep.base);
+  }
+  if (rpc_call_when_drained(call, 0, d_drained, NULL)) atomic_fetch_add(&d_registered, 1);
+  else rpc_call_finish(call, GRPC_STATUS_OK, NULL, "nothing to wait for");
+}
+
+static void d_end(rpc_call_t *call, bool cancelled, void *arg) {
+  (void)call, (void)cancelled, (void)arg;
+  atomic_fetch_add(&d_ends, 1);
+}
+
+static const rpc_method_t drain_rows[] = {
+    {.path = "/meshd.test.v1.Drain/Stream", .kind = RPC_SERVER_STREAMING,
+     .request = &echo_request__descriptor, .on_start = d_start, .on_end = d_end},
+};
+
+static void drain_setup(void) {
+  rpc_init();
+  rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256] = "";
+  dsrv = rpc_server_create(&o, err, sizeof err);
+  cr_assert_not_null(dsrv, "%s", err);
+  cr_assert_eq(rpc_server_add_methods(dsrv, drain_rows, 1, NULL), 0);
+  int port = rpc_server_start(dsrv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  char t[64];
+  snprintf(t, sizeof t, "127.0.0.1:%d", port);
+  /* A client that reads nothing takes only its 64 KiB window. */
+  rpc_channel_opts_t co = {.stream_window_bytes = 65536};
+  dch = rpc_channel_create(t, &co);
+}
+
+static void drain_teardown(void) {
+  rpc_channel_destroy(dch);
+  rpc_server_destroy(dsrv);
+  rpc_shutdown();
+}
+
+TestSuite(rpc_drain, .init = drain_setup, .fini = drain_teardown, .timeout = 30);
+
+static int wait_atomic(atomic_int *v, int want, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  while (atomic_load(v) < want && rpc_now_ms() < end) usleep(2000);
+  return atomic_load(v);
+}
+
+static rpc_stream_t *open_drain(int replies, size_t payload_bytes, uint8_t *payload) {
+  rpc_stream_t *s = rpc_stream_open(dch, "/meshd.test.v1.Drain/Stream", NULL, 0, 10000);
+  cr_assert_not_null(s);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.reply_count = replies;
+  req.payload.data = payload;
+  req.payload.len = payload_bytes;
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  return s;
+}
+
+Test(rpc_drain, fires_once_the_client_read_the_queue) {
+  static uint8_t payload[256 * 1024];
+  rpc_stream_t *s = open_drain(8, sizeof payload, payload);
+  cr_assert_eq(wait_atomic(&d_registered, 1, 5000), 1);
+  usleep(300000);
+  cr_assert_eq(atomic_load(&d_fired), 0, "2 MiB cannot drain through a 64 KiB window unread");
+  for (int i = 0; i < 8; i++) {
+    EchoReply *rep = NULL;
+    cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1);
+    cr_assert_eq(rep->index, i);
+    protobuf_c_message_free_unpacked(&rep->base, NULL);
+  }
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_str_eq(st.message, "drained");
+  rpc_stream_destroy(s);
+  cr_assert_eq(atomic_load(&d_fired), 1);
+  cr_assert_eq(atomic_load(&d_fired_ended), 0);
+}
+
+Test(rpc_drain, not_registered_when_nothing_is_queued) {
+  rpc_stream_t *s = open_drain(0, 0, NULL);
+  rpc_status_t st;
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_OK);
+  cr_assert_str_eq(st.message, "nothing to wait for");
+  rpc_stream_destroy(s);
+  cr_assert_eq(atomic_load(&d_registered), 0);
+}
+
+Test(rpc_drain, fires_before_on_end_when_the_client_leaves) {
+  static uint8_t payload[256 * 1024];
+  rpc_stream_t *s = open_drain(8, sizeof payload, payload);
+  cr_assert_eq(wait_atomic(&d_registered, 1, 5000), 1);
+  usleep(100000);
+  rpc_stream_cancel(s);
+  cr_assert_eq(wait_atomic(&d_ends, 1, 5000), 1);
+  cr_assert_eq(atomic_load(&d_fired), 1, "a pending drain wait must fire when the call ends");
+  cr_assert_eq(atomic_load(&d_fired_ended), 1);
+  cr_assert_eq(atomic_load(&d_ended_before), 0, "the drain callback ran after on_end");
+  rpc_stream_destroy(s);
+}
