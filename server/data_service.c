@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "commands.h"
 #include "log.h"
@@ -23,7 +24,25 @@ struct data_service {
   session_table_t *sessions;
   size_t chunk; /* bytes of data per message, well under the limit */
   int max_transfers; /* per session, Upload and Fetch calls together; 0: no bound */
+  /* Uploads and Fetches not yet freed: their last steps run on other threads
+   * (an Upload's helper, a Fetch's relay) after their calls ended, and
+   * data_service_destroy waits for them. */
+  pthread_mutex_t mu;
+  pthread_cond_t idle;
+  int live;
 };
+
+static void live_add(data_service_t *ds) {
+  pthread_mutex_lock(&ds->mu);
+  ds->live++;
+  pthread_mutex_unlock(&ds->mu);
+}
+
+static void live_done(data_service_t *ds) {
+  pthread_mutex_lock(&ds->mu);
+  if (--ds->live == 0) pthread_cond_broadcast(&ds->idle);
+  pthread_mutex_unlock(&ds->mu);
+}
 
 static void destroy_objects(void *p) { objects_destroy(p); }
 
@@ -71,10 +90,12 @@ typedef struct upload {
 
 static void upload_release(upload_t *u) {
   if (atomic_fetch_sub(&u->owners, 1) != 1) return;
+  data_service_t *ds = u->ds;
   session_release(u->session);
   free(u->ranks);
   free(u->buf);
   free(u);
+  live_done(ds);
 }
 
 static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const char *arg) {
@@ -101,6 +122,7 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of memory");
     return;
   }
+  live_add(ds);
   u->ds = ds;
   u->session = s;
   u->call = call;
@@ -361,8 +383,10 @@ static void fetch_unref(fetch_t *f) {
   int left = --f->refs;
   pthread_mutex_unlock(&f->mu);
   if (left) return;
+  data_service_t *ds = f->ds;
   pthread_mutex_destroy(&f->mu);
   fetch_free(f);
+  live_done(ds);
 }
 
 /* The relay is over (answered, or the call ended): the agent call goes. */
@@ -639,6 +663,7 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
     return;
   }
   session_release(s); /* f->sess holds its own */
+  live_add(ds);
   f->ds = ds;
   f->call = call;
   rpc_call_ref(call);
@@ -672,6 +697,8 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   ds->pool = pool;
   ds->sessions = sessions;
   ds->max_transfers = max_transfers;
+  pthread_mutex_init(&ds->mu, NULL);
+  pthread_cond_init(&ds->idle, NULL);
   size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;
   ds->chunk = limit > 2048 ? limit / 2 : 1024; /* room for the envelope */
   if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
@@ -701,4 +728,23 @@ const rpc_method_t *data_service_methods(size_t *n) {
   return methods;
 }
 
-void data_service_destroy(data_service_t *ds) { free(ds); }
+void data_service_destroy(data_service_t *ds) {
+  if (!ds) return;
+  /* Every call ended (the server shut down first): their relays and helpers
+   * stop at their next step. Bounded, for a helper stuck on an agent. */
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until);
+  until.tv_sec += 5;
+  pthread_mutex_lock(&ds->mu);
+  int rc = 0;
+  while (ds->live > 0 && rc == 0) rc = pthread_cond_timedwait(&ds->idle, &ds->mu, &until);
+  int left = ds->live;
+  pthread_mutex_unlock(&ds->mu);
+  if (left > 0) {
+    log_warn("data", "%d Upload/Fetch call(s) still finishing at shutdown", left);
+    return; /* leaked rather than freed under them */
+  }
+  pthread_cond_destroy(&ds->idle);
+  pthread_mutex_destroy(&ds->mu);
+  free(ds);
+}
