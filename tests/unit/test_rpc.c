@@ -1355,7 +1355,7 @@ Test(rpc, pull_reads_in_order_to_the_status) {
   cr_assert_eq(l.bad_order, 0);
   cr_assert_eq(l.st.code, GRPC_STATUS_OK, "%s", l.st.message);
   rpc_pull_destroy(p);
-  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 10000), 1);
 }
 
 Test(rpc, pull_gives_the_error_status_and_kind) {
@@ -1417,7 +1417,7 @@ Test(rpc, pull_cancel_ends_with_null_and_the_server_sees_it) {
   cr_assert(l.ended, "a cancelled pull must hand fn NULL");
   cr_assert_eq(l.st.code, GRPC_STATUS_CANCELLED);
   rpc_pull_destroy(p);
-  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 5000), 1);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 10000), 1);
 }
 
 Test(rpc, pull_destroyed_unasked_cancels_the_call) {
@@ -1428,9 +1428,9 @@ Test(rpc, pull_destroyed_unasked_cancels_the_call) {
   req.delay_ms = 5000;
   rpc_pull_t *p = rpc_pull_open(ch, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
                                 pull_got, &l);
-  cr_assert_eq(wait_counter(echo_server_calls_started, 1, 2000), 1);
+  cr_assert_eq(wait_counter(echo_server_calls_started, 1, 10000), 1);
   rpc_pull_destroy(p);
-  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 5000), 1);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 10000), 1);
   cr_assert(!l.ended);
   cr_assert_eq(l.got, 0);
 }
@@ -1519,7 +1519,7 @@ static rpc_stream_t *open_drain(int replies, size_t payload_bytes, uint8_t *payl
 Test(rpc_drain, fires_once_the_client_read_the_queue) {
   static uint8_t payload[256 * 1024];
   rpc_stream_t *s = open_drain(8, sizeof payload, payload);
-  cr_assert_eq(wait_atomic(&d_registered, 1, 5000), 1);
+  cr_assert_eq(wait_atomic(&d_registered, 1, 10000), 1);
   usleep(300000);
   cr_assert_eq(atomic_load(&d_fired), 0, "2 MiB cannot drain through a 64 KiB window unread");
   for (int i = 0; i < 8; i++) {
@@ -1552,7 +1552,7 @@ Test(rpc_drain, not_registered_when_nothing_is_queued) {
 Test(rpc_drain, fires_before_on_end_when_the_client_leaves) {
   static uint8_t payload[256 * 1024];
   rpc_stream_t *s = open_drain(8, sizeof payload, payload);
-  cr_assert_eq(wait_atomic(&d_registered, 1, 5000), 1);
+  cr_assert_eq(wait_atomic(&d_registered, 1, 10000), 1);
   usleep(100000);
   rpc_stream_cancel(s);
   cr_assert_eq(wait_atomic(&d_ends, 1, 5000), 1);
