@@ -283,9 +283,11 @@ def _(ctx):
 @case("metadata-over-grpcs-limit")
 def _(ctx):
     # 24 KiB of headers: gRPC itself refuses them (past its 8 KiB default, the
-    # server drops the connection), on a channel of the case's own.
+    # server drops the connection), on a connection of the case's own (channels
+    # to one target share one unless told not to).
     md = ((lib.SESSION_MD, "a" * 12000), (lib.TOKEN_MD, "b" * 12000))
-    with lib.channel(ctx.port) as ch:
+    with grpc.insecure_channel(f"127.0.0.1:{ctx.port}", options=[
+            ("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]) as ch:
         fn = ch.unary_unary(TS + "KeepAlive", request_serializer=ser, response_deserializer=None)
         try:
             fn(pb().KeepAliveRequest(), metadata=md, timeout=TIMEOUT)

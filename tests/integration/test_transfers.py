@@ -23,6 +23,12 @@ def rss_mib(pid):
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+def sanitized(pid):
+    """A sanitizer build: ASan keeps freed memory in quarantine, so RSS says little."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libasan" in f.read()
+
+
 def nthreads(pid):
     return len(os.listdir(f"/proc/{pid}/task"))
 
@@ -119,7 +125,9 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
             [(c.code(), c.details()) for c in calls if c.done()]
         # 4.5 MiB per call measured (2 queued 1 MiB chunks, one more in flight, the
         # agent's 1 MiB window); the old relay held 18 MiB per call.
-        assert peak - rss0 < 16 * 8, f"server RSS {rss0:.0f} -> {peak:.0f} MiB for 16 unread Fetches"
+        if not sanitized(srv.pid):
+            assert peak - rss0 < 16 * 8, \
+                f"server RSS {rss0:.0f} -> {peak:.0f} MiB for 16 unread Fetches"
         assert nthreads(srv.pid) <= threads0 + 3, \
             f"server threads {threads0} -> {nthreads(srv.pid)} for 16 unread Fetches"
 
