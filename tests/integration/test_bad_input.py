@@ -34,8 +34,6 @@ TIMEOUT = 10.0
 JUNK = b"\x0a\xff\xff\xff\xff\x0f" + b"\x01" * 8
 
 # Strict xfails: the case asserts the right behaviour; flip it when the fix lands.
-NUL_CHECK = pytest.mark.xfail(strict=True, reason="issue 13: proto_check (core/platform, on main "
-                              "from i13-fd) is not yet called by the rpc layer before on_start")
 SEQ_CHECK = pytest.mark.xfail(strict=True, reason="issue 13: a decreasing Command.seq is accepted; "
                               "no branch fixes it yet")
 
@@ -349,12 +347,11 @@ def _(ctx):
           INVALID, "client_name", str(1 << 20), kind="BAD_ARGUMENT")
 
 
-@case("client-name-with-NUL", NUL_CHECK)
+@case("client-name-with-NUL")
 def _(ctx):
-    # Accepted today: the name is cut at the NUL. The front door refuses any
-    # string field holding one, naming the field.
+    # The rpc layer refuses any string field holding a NUL (proto_check), naming it.
     fails(lambda: ctx.unary(TS + "CreateSession", pb().CreateSessionRequest(client_name="a\x00b")),
-          INVALID, "client_name")
+          INVALID, "client_name", "NUL")
 
 
 @case("ttl-u64-max")
@@ -445,13 +442,26 @@ def _(ctx):
     command_fails(ctx, s, "reduce", r, "BAD_ARGUMENT", "reduction", "steal")
 
 
-@case("op-name-with-NUL", NUL_CHECK)
+@case("op-name-with-NUL")
 def _(ctx):
     s = ctx.session()
     x = s.tensor(s.m, (2,)).ref
     c = pb().Call(op="add\x00evil", args=[pb().Arg(ref=x), pb().Arg(ref=x)], results=[s.new_ref()])
     fails(lambda: ctx.unary(TS + "Execute", pb().Command(seq=s.next_seq(), call=c), s.metadata),
-          INVALID, "op")
+          INVALID, "call.op", "NUL at byte 3")
+
+
+@case("stream-name-not-utf8")
+def _(ctx):
+    s = ctx.session()
+    c = pb().Command(seq=s.next_seq(), create_stream=pb().CreateStream(ref=s.new_ref(), name="x"))
+    raw = c.SerializeToString().replace(b"\x12\x01x", b"\x12\x01\xff")
+    fails(lambda: ctx.unary(TS + "Execute", raw, s.metadata), INVALID, "create_stream.name", "UTF-8")
+
+
+@case("registration-agent-id-with-NUL")
+def _(ctx):
+    register_fails(ctx, [_hello(agent_id="rogue\x00agent")], INVALID, "agent_id", "NUL")
 
 
 @case("op-name-1MiB")
