@@ -11,8 +11,8 @@ After every case the same server and pool compute correctly: an Upload of one
 slice per rank, a sum over the mesh and a Fetch from each rank give the exact
 values (check_pool).
 
-Cases that today's main gets wrong and another branch fixes assert the right
-behaviour and are strict xfails naming that branch (the integrator flips them)."""
+A case that today's code gets wrong asserts the right behaviour and is a strict
+xfail saying so (flip it with the fix): a decreasing Command.seq."""
 
 import importlib
 import os
