@@ -1303,6 +1303,16 @@ typedef struct pull_log {
   rpc_status_t st;
 } pull_log_t;
 
+/* The suite's channel gives a connection attempt 100 ms, which a loaded or
+ * sanitized run can miss; pulls are meant for calls to a live peer. */
+static rpc_channel_t *pull_channel(void) {
+  rpc_channel_opts_t o = {.connect_timeout_ms = 5000};
+  rpc_channel_t *c = rpc_channel_create(target, &o);
+  cr_assert_not_null(c);
+  cr_assert(rpc_channel_wait_ready(c, 10000), "cannot connect to %s", target);
+  return c;
+}
+
 static void pull_log_init(pull_log_t *l, bool keep_asking) {
   memset(l, 0, sizeof *l);
   pthread_mutex_init(&l->mu, NULL);
@@ -1341,12 +1351,13 @@ static int pull_wait(pull_log_t *l, int got, bool until_end, int timeout_ms) {
 }
 
 Test(rpc, pull_reads_in_order_to_the_status) {
+  rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, true);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "tick";
   req.reply_count = 1000;
-  rpc_pull_t *p = rpc_pull_open(ch, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
+  rpc_pull_t *p = rpc_pull_open(pc, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
                                 10000, pull_got, &l);
   cr_assert_not_null(p);
   rpc_pull_next(p);
@@ -1355,10 +1366,12 @@ Test(rpc, pull_reads_in_order_to_the_status) {
   cr_assert_eq(l.bad_order, 0);
   cr_assert_eq(l.st.code, GRPC_STATUS_OK, "%s", l.st.message);
   rpc_pull_destroy(p);
+  rpc_channel_destroy(pc);
   cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 10000), 1);
 }
 
 Test(rpc, pull_gives_the_error_status_and_kind) {
+  rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, true);
   EchoRequest req = ECHO_REQUEST__INIT;
@@ -1366,7 +1379,7 @@ Test(rpc, pull_gives_the_error_status_and_kind) {
   req.reply_count = 3;
   req.fail_code = GRPC_STATUS_DATA_LOSS;
   req.fail_kind = "LOST";
-  rpc_pull_t *p = rpc_pull_open(ch, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
+  rpc_pull_t *p = rpc_pull_open(pc, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
                                 5000, pull_got, &l);
   rpc_pull_next(p);
   cr_assert_eq(pull_wait(&l, 3, true, 5000), 3);
@@ -1374,16 +1387,18 @@ Test(rpc, pull_gives_the_error_status_and_kind) {
   cr_assert_str_eq(l.st.kind, "LOST");
   cr_assert_str_eq(l.st.message, "echo failure: partial");
   rpc_pull_destroy(p);
+  rpc_channel_destroy(pc);
 }
 
 /* One message per rpc_pull_next, nothing more until asked. */
 Test(rpc, pull_delivers_only_what_was_asked_for) {
+  rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "one";
   req.reply_count = 5;
-  rpc_pull_t *p = rpc_pull_open(ch, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
+  rpc_pull_t *p = rpc_pull_open(pc, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL, 0,
                                 5000, pull_got, &l);
   rpc_pull_next(p);
   cr_assert_eq(pull_wait(&l, 1, false, 5000), 1);
@@ -1399,37 +1414,42 @@ Test(rpc, pull_delivers_only_what_was_asked_for) {
   cr_assert(l.ended);
   cr_assert_eq(l.st.code, GRPC_STATUS_OK);
   rpc_pull_destroy(p);
+  rpc_channel_destroy(pc);
 }
 
 Test(rpc, pull_cancel_ends_with_null_and_the_server_sees_it) {
+  rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "slow";
   req.delay_ms = 5000; /* unary answered late: the call stays open */
-  rpc_pull_t *p = rpc_pull_open(ch, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
+  rpc_pull_t *p = rpc_pull_open(pc, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
                                 pull_got, &l);
   rpc_pull_next(p);
-  usleep(100000);
+  cr_assert_eq(wait_counter(echo_server_calls_started, 1, 10000), 1);
   cr_assert(!l.ended);
   rpc_pull_cancel(p);
   pull_wait(&l, 0, true, 2000);
   cr_assert(l.ended, "a cancelled pull must hand fn NULL");
   cr_assert_eq(l.st.code, GRPC_STATUS_CANCELLED);
   rpc_pull_destroy(p);
+  rpc_channel_destroy(pc);
   cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 10000), 1);
 }
 
 Test(rpc, pull_destroyed_unasked_cancels_the_call) {
+  rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "never read";
   req.delay_ms = 5000;
-  rpc_pull_t *p = rpc_pull_open(ch, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
+  rpc_pull_t *p = rpc_pull_open(pc, ECHO_UNARY, &req.base, &echo_reply__descriptor, NULL, 0, 10000,
                                 pull_got, &l);
   cr_assert_eq(wait_counter(echo_server_calls_started, 1, 10000), 1);
   rpc_pull_destroy(p);
+  rpc_channel_destroy(pc);
   cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 10000), 1);
   cr_assert(!l.ended);
   cr_assert_eq(l.got, 0);
@@ -1487,7 +1507,7 @@ static void drain_setup(void) {
   char t[64];
   snprintf(t, sizeof t, "127.0.0.1:%d", port);
   /* A client that reads nothing takes only its 64 KiB window. */
-  rpc_channel_opts_t co = {.stream_window_bytes = 65536};
+  rpc_channel_opts_t co = {.stream_window_bytes = 65536, .connect_timeout_ms = 5000};
   dch = rpc_channel_create(t, &co);
 }
 
