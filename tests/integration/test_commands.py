@@ -1098,9 +1098,11 @@ def test_every_check_kind_is_in_the_protocol_table():
     assert names == set(lib.KIND_CODES), names ^ set(lib.KIND_CODES)
     # Kinds this file cannot provoke through checks: run-time ones (agents do not compute
     # yet), AGENT_LOST (its own test above), UNAVAILABLE (CreateSession while draining) and
-    # DEADLINE_EXCEEDED (a client's deadline: test_keepalive.py).
+    # DEADLINE_EXCEEDED (a client's deadline: test_keepalive.py), UNAUTHENTICATED and
+    # PERMISSION_DENIED (tokens and principals: test_security.py).
     assert set(CASES) | {"NO_SESSION", "AGENT_LOST", "UNAVAILABLE", "REMOTE_FAILURE",
-                         "DEPENDENT_FAILURE", "DEADLINE_EXCEEDED"} == names
+                         "DEPENDENT_FAILURE", "DEADLINE_EXCEEDED", "UNAUTHENTICATED",
+                         "PERMISSION_DENIED"} == names
 
 
 # ================================================================ robustness
