@@ -377,6 +377,15 @@ static void case_mesh(fz_t *in) {
   mesh_t m;
   if (make_mesh(in, &m)) return;
   check_mesh(&m);
+  m.rank_capacity = fz_bool(in) ? 0 : fz_u64(in);
+  uint64_t per_rank = fz_u64(in);
+  meshd_error_t ce = {0};
+  int rc = mesh_check_capacity(&m, "Factory", per_rank, &ce);
+  FZ_CHECK((rc == 0) == (!m.rank_capacity || per_rank <= m.rank_capacity), "mesh_check_capacity");
+  if (rc) {
+    check_refusal(rc, &ce, "mesh_check_capacity");
+    FZ_CHECK(ce.kind == ERR_QUOTA && strncmp(ce.msg, "Factory: ", 9) == 0, "%s", ce.msg);
+  }
   for (int round = 0; round < 3 && !fz_done(in); round++) {
     mesh_selector_t sel[NDSLICE_MAX_DIMS + 1];
     char bufs[NDSLICE_MAX_DIMS + 1][48];

@@ -274,7 +274,67 @@ def command_seeds():
     many.cmd(**call("cat", [refs(*([10] * 70))], results=[40]))
     many.cmd(drop=pb.Drop(refs=list(range(1, 60))))
     s.append(("large_lists", many.bytes()))
+    s += every_op_seeds()
     return s
+
+
+def every_op_seeds():
+    """One Call per op of the catalogue, on tensors like fuzz_ops_bind.c's fixed ones,
+    split into files of 12 ops."""
+    setup = Script()
+    setup.cmd(**factory(10, shape=(2, 3)))
+    setup.cmd(**factory(11, shape=(3,)))
+    setup.cmd(**factory(12, shape=()))
+    setup.cmd(**factory(13, shape=(2, 3), dtype=I64))
+    setup.cmd(**factory(14, shape=(2, 1), dtype=BOOL))
+    setup.cmd(**factory(15, shape=(4, 2, 3), dtype=3))
+    setup.cmd(**call("t", [ref(10)], results=[16]))
+    setup.cmd(**call("expand", [ref(11), ints(2, 3)], results=[17]))
+    remap = {1: 10, 2: 11, 3: 12, 4: 13, 5: 14, 6: 15, 7: 16, 8: 17}
+    seeds, sc, result = [], None, 100
+    for i, (name, sig) in enumerate(op_names()):
+        if i % 12 == 0:
+            if sc:
+                seeds.append((f"every_op_{len(seeds)}", sc.bytes()))
+            sc = Script()
+            sc.records = list(setup.records)
+            sc.seq = setup.seq
+        params = parse_params(sig)
+        args = [default_arg(t, n) for t, n, has_def, kw in params if not has_def and not kw]
+        for a in args:
+            if a.HasField("ref"):
+                a.ref = remap[a.ref]
+            elif a.HasField("refs"):
+                a.refs.refs[:] = [remap[r] for r in a.refs.refs]
+        if all(t.rstrip("?") not in ("Tensor", "Tensor[]", "Tensor|Scalar") for t, *_ in params):
+            kind_args = dict(shape=(2,), dim="gpu") if name != "arange" else dict(start=0, end=4, step=1)
+            sc.cmd(**factory(result, kind=name, **kind_args))
+        else:
+            nres = 2 if name in ("max", "min") else 1
+            sc.cmd(**call(name, args, results=list(range(result, result + nres))))
+        result += 2
+    seeds.append((f"every_op_{len(seeds)}", sc.bytes()))
+    return seeds
+
+
+def dictionary(path, words):
+    """A libFuzzer dictionary (-dict=): each word as a protobuf string would carry it."""
+    with open(path, "w") as f:
+        f.write("# Written by make_corpus.py: names the targets' inputs use.\n")
+        for w in sorted(set(words)):
+            f.write('"%s"\n' % w)
+    print(f"{os.path.relpath(path, ROOT)}: {len(set(words))} words")
+
+
+def words():
+    names = [n for n, _ in op_names()]
+    params = [p[1] for _, sig in op_names() for p in parse_params(sig)]
+    return names + params + [
+        "empty", "zeros", "ones", "full", "arange", "rand", "randn", "rank",
+        "sum", "avg", "product", "min", "max", "band", "bor", "bxor", "stack",
+        "host", "gpu", "dp", "tp", "side", "main",
+        "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64",
+        "bool", "floor", "trunc", "tanh", "none"]
 
 
 # ---------------------------------------------------------------- ops_bind
@@ -380,10 +440,11 @@ def shape_seeds():
     s.append(("ndslice_dense", bytes([3, 1, 3, 2, 3, 4, 0, 0, 1, 1, 0, 1, 0, 0, 1, 2])))
     s.append(("ndslice_strided", bytes([3, 0, 3, 0, 0, 2, 1, 1, 2, 1, 3, 1, 5, 0, 1, 0, 0])))
     # mesh: ndim, (name, size) per dim, the path byte (>= 64: CreateMesh), world, holes,
-    # then slices: nsel, (name, index/range...) per selector, ref
-    s.append(("mesh_host_gpu", bytes([4, 2, 0, 2, 8, 4, 200, 8, 0, 1, 0, 1, 9, 1, 8, 0, 9, 0, 1, 3, 0])))
-    s.append(("mesh_range_step", bytes([4, 2, 0, 2, 8, 8, 200, 16, 0, 1, 8, 0, 9, 1, 8, 10, 2, 0])))
-    s.append(("mesh_big", bytes([4, 3, 0, 8, 8, 8, 16, 8, 10, 0, 2, 0, 1, 0, 8, 0, 0x4e])))
+    # capacity (flag, value), bytes per rank, then slices: nsel, (name, index/range...)
+    # per selector, ref
+    s.append(("mesh_host_gpu", bytes([4, 2, 0, 2, 8, 4, 200, 8, 0, 1, 8, 1, 0, 1, 9, 1, 8, 0, 9, 0, 1, 3, 0])))
+    s.append(("mesh_range_step", bytes([4, 2, 0, 2, 8, 8, 200, 16, 0, 0, 0x4a, 9, 1, 8, 0, 9, 1, 8, 10, 2, 0])))
+    s.append(("mesh_big", bytes([4, 3, 0, 8, 8, 8, 16, 8, 10, 1, 8, 2, 0, 1, 0, 8, 0, 0x4e])))
     s.append(("mesh_bad_names", bytes([4, 2, 7, 3, 0x39, 0x61, 0x62, 2, 0, 2, 200, 8, 0])))
     return s
 
@@ -392,6 +453,7 @@ def main():
     write("commands", command_seeds())
     write("ops_bind", ops_seeds())
     write("shapes", shape_seeds())
+    dictionary(os.path.join(HERE, "meshd.dict"), words())
 
 
 if __name__ == "__main__":
