@@ -19,7 +19,8 @@
  * Checks per command: an accepted one answers with its seq and no error, its
  * new refs are defined, a mesh's ranks are healthy agents; a rejected one has
  * a kind and a message and changes nothing (refs, bytes, live tensors); the
- * session never holds more than its quota; every answer packs.
+ * session's bytes and live tensors match its storages (no wrap) and never
+ * pass its quota; every answer packs.
  * MESHD_FUZZ_VERBOSE=1 prints each command's outcome (to read a crash input). */
 #include <pthread.h>
 #include <stdint.h>
@@ -101,6 +102,38 @@ static size_t new_refs(const Meshd__V1__Command *c, uint64_t *refs, size_t cap) 
   return n;
 }
 
+/* The session's books against its objects, summed in 128 bits: live_tensors
+ * counts the tensor records, bytes the live storages' bytes on every rank, and
+ * each storage's alias list holds exactly its live aliases. */
+static void check_accounting(const objects_t *o, const char *name) {
+  storage_t *seen[512];
+  size_t nseen = 0, tensors = 0;
+  unsigned __int128 bytes = 0;
+  obj_t *it, *tmp;
+  HASH_ITER(hh, o->table, it, tmp) {
+    if (it->kind != OBJ_TENSOR) continue;
+    tensors++;
+    storage_t *st = it->tensor.storage;
+    bool known = false;
+    for (size_t i = 0; i < nseen && !known; i++) known = seen[i] == st;
+    if (known || nseen == sizeof seen / sizeof *seen) continue;
+    seen[nseen++] = st;
+    int aliases = 0;
+    for (const obj_t *a = st->aliases; a; a = a->tensor.next_alias, aliases++)
+      FZ_CHECK(a->tensor.storage == st, "%s: alias %llu of another storage", name,
+               (unsigned long long)a->ref);
+    FZ_CHECK(aliases == st->live_aliases && st->refs >= aliases, "%s: storage %llu has %d aliases, "
+             "live_aliases %d, refs %d", name, (unsigned long long)st->id, aliases,
+             st->live_aliases, st->refs);
+    if (st->live_aliases > 0) bytes += (unsigned __int128)st->bytes * st->ranks;
+  }
+  FZ_CHECK(tensors == o->live_tensors, "%s: %zu tensor records, live_tensors %llu", name, tensors,
+           (unsigned long long)o->live_tensors);
+  if (nseen < sizeof seen / sizeof *seen)
+    FZ_CHECK(bytes == o->bytes, "%s: storages hold %.0f bytes, the session counts %llu", name,
+             (double)bytes, (unsigned long long)o->bytes);
+}
+
 static void check_answer(const cmd_out_t *out) {
   size_t len = meshd__v1__command_result__get_packed_size(&out->res);
   uint8_t *buf = malloc(len ? len : 1);
@@ -160,6 +193,7 @@ static void run_command(session_t *s, objects_t *o, const Meshd__V1__Command *c)
   if (verbose)
     fprintf(stderr, "seq %llu %s: %s%s\n", (unsigned long long)c->seq, name,
             rc ? error_kind_name(e.kind) : "ok", rc ? e.msg : "");
+  check_accounting(o, name);
   if (s->quota_bytes)
     FZ_CHECK(o->bytes <= s->quota_bytes, "session holds %llu bytes, quota %llu",
              (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);
