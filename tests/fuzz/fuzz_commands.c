@@ -20,7 +20,8 @@
  * new refs are defined, a mesh's ranks are healthy agents; a rejected one has
  * a kind and a message and changes nothing (refs, bytes, live tensors); the
  * session's bytes and live tensors match its storages (no wrap) and never
- * pass its quota; every answer packs.
+ * pass its quota; every tensor has a valid layout inside its storage, on a
+ * mesh and stream of the session; every answer packs.
  * MESHD_FUZZ_VERBOSE=1 prints each command's outcome (to read a crash input). */
 #include <pthread.h>
 #include <stdint.h>
@@ -28,6 +29,7 @@
 #include <string.h>
 
 #include "command_service.h"
+#include "dtype.h"
 #include "commands.h"
 #include "emit.h"
 #include "fuzz_input.h"
@@ -102,10 +104,41 @@ static size_t new_refs(const Meshd__V1__Command *c, uint64_t *refs, size_t cap) 
   return n;
 }
 
+/* A tensor record the agents will get as a TensorSpec: a valid shape and dtype,
+ * strides >= 0, on a mesh and stream of the session, and (for a storage of its
+ * own) every element inside the storage's bytes. */
+static void check_tensor(objects_t *o, const obj_t *t, const char *name) {
+  const tensor_meta_t *m = &t->tensor.meta;
+  const layout_t *l = &m->layout;
+  unsigned long long ref = (unsigned long long)t->ref;
+  meshd_error_t e;
+  FZ_CHECK(dtype_valid(m->dtype), "%s: tensor %llu has dtype %d", name, ref, (int)m->dtype);
+  FZ_CHECK(layout_check_shape(NULL, l->sizes, l->ndim, dtype_size(m->dtype), &e) == 0,
+           "%s: tensor %llu: %s", name, ref, e.msg);
+  FZ_CHECK(l->offset >= 0, "%s: tensor %llu offset %lld", name, ref, (long long)l->offset);
+  unsigned __int128 last = (unsigned __int128)l->offset;
+  for (int d = 0; d < l->ndim; d++) {
+    FZ_CHECK(l->strides[d] >= 0, "%s: tensor %llu stride %lld", name, ref, (long long)l->strides[d]);
+    if (l->sizes[d]) last += (unsigned __int128)(l->sizes[d] - 1) * (uint64_t)l->strides[d];
+  }
+  const storage_t *st = t->tensor.storage;
+  if (layout_numel(l) > 0 && !st->borrow)
+    FZ_CHECK((last + 1) * dtype_size(m->dtype) <= st->bytes,
+             "%s: tensor %llu reaches byte %.0f of its %llu-byte storage", name, ref,
+             (double)((last + 1) * dtype_size(m->dtype)), (unsigned long long)st->bytes);
+  const obj_t *mesh = objects_get(o, t->tensor.mesh);
+  FZ_CHECK(mesh && mesh->kind == OBJ_MESH, "%s: tensor %llu is on mesh %llu, not a mesh", name, ref,
+           (unsigned long long)t->tensor.mesh);
+  const obj_t *stream = t->tensor.stream ? objects_get(o, t->tensor.stream) : NULL;
+  FZ_CHECK(!t->tensor.stream || (stream && stream->kind == OBJ_STREAM),
+           "%s: tensor %llu is on stream %llu, not a stream", name, ref,
+           (unsigned long long)t->tensor.stream);
+}
+
 /* The session's books against its objects, summed in 128 bits: live_tensors
  * counts the tensor records, bytes the live storages' bytes on every rank, and
  * each storage's alias list holds exactly its live aliases. */
-static void check_accounting(const objects_t *o, const char *name) {
+static void check_accounting(objects_t *o, const char *name) {
   storage_t *seen[512];
   size_t nseen = 0, tensors = 0;
   unsigned __int128 bytes = 0;
@@ -113,6 +146,7 @@ static void check_accounting(const objects_t *o, const char *name) {
   HASH_ITER(hh, o->table, it, tmp) {
     if (it->kind != OBJ_TENSOR) continue;
     tensors++;
+    check_tensor(o, it, name);
     storage_t *st = it->tensor.storage;
     bool known = false;
     for (size_t i = 0; i < nseen && !known; i++) known = seen[i] == st;
