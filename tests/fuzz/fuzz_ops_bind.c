@@ -92,7 +92,9 @@ static void gen_tensor(fz_t *in, tensor_meta_t *t) {
   v.offset = fz_range(in, 0, 64);
   for (int i = 0; i < ndim; i++) {
     uint8_t s = fz_u8(in);
-    v.strides[i] = s < 64 ? 0 : s < 192 ? v.strides[i] * (s % 4 + 1) : (int64_t)(s % 32);
+    if (s < 64) v.strides[i] = 0;
+    else if (s >= 192) v.strides[i] = s % 32;
+    else if (__builtin_mul_overflow(v.strides[i], s % 4 + 1, &v.strides[i])) return;
   }
   __int128 lo, hi;
   extent(&v, &lo, &hi);
