@@ -11,8 +11,11 @@
  * kind byte and a 4-byte big-endian length, then the bytes):
  *   flags  bit 0: first run the prelude (CreateMesh 1 {host: 2, gpu: 4},
  *          SliceMesh 2 = 1[host=1], CreateStream 3 "side"); bits 1-2: the
- *          session's quota (none, 64 MiB, 4 KiB, 1 GiB)
- *   kind 0 a meshd.v1.Command (Execute's request, one message of Submit)
+ *          session's quota (none, 64 MiB, 4 KiB, 1 GiB); bit 3: small limits
+ *          (refs, meshes, streams, refs per command; dims and elements per
+ *          tensor), else none but the hard bounds
+ *   kind 0 a meshd.v1.Command (Execute's request, one message of Submit),
+ *          checked by proto_check_strings first as the rpc layer does
  *        1 a meshd.v1.Error as an agent reports it (its session_id set to
  *          this session unless it names one), from rank `len % 10`
  *        2 the loss of rank (first byte % 10), as the pool reports it
@@ -34,6 +37,7 @@
 #include "emit.h"
 #include "fuzz_input.h"
 #include "log.h"
+#include "proto_check.h"
 
 #define MAX_RECORDS 64
 #define HEALTHY 8
@@ -137,8 +141,9 @@ static void check_tensor(objects_t *o, const obj_t *t, const char *name) {
 
 /* The session's books against its objects, summed in 128 bits: live_tensors
  * counts the tensor records, bytes the live storages' bytes on every rank, and
- * each storage's alias list holds exactly its live aliases. */
-static void check_accounting(objects_t *o, const char *name) {
+ * each storage's alias list holds exactly its live aliases; the mesh, stream
+ * and borrow counts match the table and stay within the session's limits. */
+static void check_accounting(const session_t *s, objects_t *o, const char *name) {
   storage_t *seen[512];
   size_t nseen = 0, tensors = 0;
   unsigned __int128 bytes = 0;
@@ -163,6 +168,22 @@ static void check_accounting(objects_t *o, const char *name) {
   }
   FZ_CHECK(tensors == o->live_tensors, "%s: %zu tensor records, live_tensors %llu", name, tensors,
            (unsigned long long)o->live_tensors);
+  uint64_t meshes = 0, streams = 0, borrows = 0;
+  HASH_ITER(hh, o->table, it, tmp) {
+    meshes += it->kind == OBJ_MESH;
+    streams += it->kind == OBJ_STREAM;
+    borrows += it->kind == OBJ_BORROW && !it->borrow.dropped;
+  }
+  FZ_CHECK(meshes == o->meshes && streams == o->streams && borrows == o->live_borrows,
+           "%s: %llu meshes, %llu streams, %llu live borrows; counted %llu, %llu, %llu", name,
+           (unsigned long long)meshes, (unsigned long long)streams, (unsigned long long)borrows,
+           (unsigned long long)o->meshes, (unsigned long long)o->streams,
+           (unsigned long long)o->live_borrows);
+  const session_limits_t *lim = &s->limits;
+  FZ_CHECK(!lim->max_refs || objects_live_refs(o) <= lim->max_refs, "%s: %llu live refs, limit %llu",
+           name, (unsigned long long)objects_live_refs(o), (unsigned long long)lim->max_refs);
+  FZ_CHECK(!lim->max_meshes || o->meshes <= lim->max_meshes, "%s: meshes past the limit", name);
+  FZ_CHECK(!lim->max_streams || o->streams <= lim->max_streams, "%s: streams past the limit", name);
   if (nseen < sizeof seen / sizeof *seen)
     FZ_CHECK(bytes == o->bytes, "%s: storages hold %.0f bytes, the session counts %llu", name,
              (double)bytes, (unsigned long long)o->bytes);
@@ -187,6 +208,7 @@ static void run_command(session_t *s, objects_t *o, const Meshd__V1__Command *c)
   cmd_out_init(&out, c->seq);
   pthread_mutex_lock(&s->mu);
   uint64_t last_ref = atomic_load(&s->last_ref), bytes = o->bytes, live = o->live_tensors;
+  uint64_t refs = objects_live_refs(o);
   int rc = command_run(&fe, s, o, c, &out, &e);
   const char *name = command_name(c);
   if (rc == 0) {
@@ -220,14 +242,15 @@ static void run_command(session_t *s, objects_t *o, const Meshd__V1__Command *c)
              name, (int)e.kind);
     FZ_CHECK(memchr(e.msg, '\0', sizeof e.msg) && e.msg[0], "%s refused without a message", name);
     FZ_CHECK(atomic_load(&s->last_ref) == last_ref, "%s refused but claimed a ref: %s", name, e.msg);
-    FZ_CHECK(o->bytes == bytes && o->live_tensors == live, "%s refused but changed the session: %s",
+    FZ_CHECK(o->bytes == bytes && o->live_tensors == live && objects_live_refs(o) == refs,
+             "%s refused but changed the session: %s",
              name, e.msg);
     cmd_out_error(&out, &e);
   }
   if (verbose)
     fprintf(stderr, "seq %llu %s: %s%s\n", (unsigned long long)c->seq, name,
             rc ? error_kind_name(e.kind) : "ok", rc ? e.msg : "");
-  check_accounting(o, name);
+  check_accounting(s, o, name);
   if (s->quota_bytes)
     FZ_CHECK(o->bytes <= s->quota_bytes, "session holds %llu bytes, quota %llu",
              (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);
@@ -286,11 +309,17 @@ static void agent_lost(uint32_t rank) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static const uint64_t quotas[] = {0, 64u << 20, 4096, 1u << 30};
+  static const session_limits_t small = {
+      .max_refs = 48, .max_meshes = 6, .max_streams = 3, .max_command_refs = 24};
   fz_t in = fz_open(data, size);
   uint8_t flags = fz_u8(&in);
   session_t *s;
   meshd_error_t e;
-  FZ_CHECK(session_create(table, "fuzz", 0, quotas[(flags >> 1) & 3], &s, &e) == 0, "%s", e.msg);
+  bool limited = flags & 8;
+  session_table_set_limits(table, limited ? &small : NULL);
+  layout_set_limits(limited ? &(layout_limits_t){8, (int64_t)1 << 34} : NULL);
+  FZ_CHECK(session_create(table, "fuzz", "fuzz", 0, quotas[(flags >> 1) & 3], &s, &e) == 0, "%s",
+           e.msg);
   objects_t *o = objects_create();
   FZ_CHECK(o, "objects_create");
   pthread_mutex_lock(&s->mu);
@@ -307,8 +336,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     in.at += len;
     switch (kind % 3) {
     case 0: {
+      char why[256];
+      if (proto_check_strings(&meshd__v1__command__descriptor, p, len, why, sizeof why)) {
+        FZ_CHECK(why[0], "proto_check_strings refused without saying why");
+        break; /* the rpc layer answers INVALID_ARGUMENT */
+      }
       Meshd__V1__Command *c = meshd__v1__command__unpack(NULL, len, p);
-      if (!c) break; /* the rpc layer answers INVALID_ARGUMENT */
+      if (!c) break; /* the same */
       run_command(s, o, c);
       meshd__v1__command__free_unpacked(c, NULL);
       break;

@@ -409,6 +409,7 @@ static void case_mesh(fz_t *in) {
         sel[i].has_stop = fz_bool(in);
         sel[i].stop = fz_i64(in);
         sel[i].step = fz_i64(in);
+        sel[i].has_step = fz_bool(in);
       }
     }
     mesh_t sub;
@@ -438,7 +439,9 @@ static void case_mesh(fz_t *in) {
         continue;
       }
       if (s) {
-        step[d] = s->step ? s->step : 1;
+        step[d] = s->has_step || s->step ? s->step : 1;
+        FZ_CHECK(step[d] >= 1 && step[d] <= size, "dim '%s' of size %lld sliced with step %lld",
+                 m.names[d], (long long)size, (long long)step[d]);
         int64_t stop = s->has_stop ? s->stop : INT64_MAX;
         int64_t n = py_slice_len(size, s->start, stop, step[d]);
         start[d] = s->start < 0 ? (s->start + size < 0 ? 0 : s->start + size)

@@ -65,8 +65,8 @@ def frame(kind, payload):
 class Script:
     """Commands for fuzz_commands: seqs count up from 10 (the prelude uses 1..3)."""
 
-    def __init__(self, prelude=True, quota=0):
-        self.flags = (1 if prelude else 0) | (quota << 1)
+    def __init__(self, prelude=True, quota=0, limits=False):
+        self.flags = (1 if prelude else 0) | (quota << 1) | (8 if limits else 0)
         self.records = []
         self.seq = 10
 
@@ -267,6 +267,21 @@ def command_seeds():
     bad.raw(0, b"\xff\xff\xff")  # not a message
     bad.raw(1, b"\x10")  # truncated Error
     s.append(("rejections", bad.bytes()))
+    # The session and tensor limits (fuzz_commands.c: 48 refs, 6 meshes, 3 streams,
+    # 24 refs per command, 8 dims, 2^34 elements).
+    lim = Script(limits=True)
+    for i in range(4):
+        lim.cmd(create_stream=pb.CreateStream(ref=10 + i, name=f"s{i}"))
+    for i in range(5):
+        lim.cmd(slice_mesh=pb.SliceMesh(ref=20 + i, parent=1, selectors=[sel_index("gpu", i % 4)]))
+    lim.cmd(**factory(30, shape=(1,) * 9))
+    lim.cmd(**factory(31, shape=(1 << 20, 1 << 15)))
+    for i in range(40):
+        lim.cmd(**factory(40 + i, shape=(2,)))
+    lim.cmd(drop=pb.Drop(refs=list(range(40, 70))))
+    lim.cmd(drop=pb.Drop(refs=list(range(40, 60))))
+    lim.cmd(**factory(90, shape=(2,)))
+    s.append(("limits", lim.bytes()))
     # Many refs and results in one Call; a long Drop.
     many = Script()
     many.cmd(**factory(10, shape=(2,)))
