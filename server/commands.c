@@ -185,10 +185,16 @@ static int check_room(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *
                       const char *cmd, uint64_t per_rank, meshd_error_t *e) {
   if (command_check_mesh_alive(fe->pool, mesh, cmd, e)) return -1;
   if (mesh_check_capacity(mesh, cmd, per_rank, e)) return -1;
-  uint64_t ranks = (uint64_t)mesh_len(mesh);
-  uint64_t add = ranks && per_rank > UINT64_MAX / ranks ? UINT64_MAX : per_rank * ranks;
+  uint64_t ranks = (uint64_t)mesh_len(mesh), add, total;
+  /* Checked sums: a wrapped one would slip under any quota (and under none,
+   * corrupt the session's count). */
+  if (__builtin_mul_overflow(per_rank, ranks, &add) || __builtin_add_overflow(o->bytes, add, &total))
+    return error_set(e, ERR_QUOTA,
+                     "%s: the result needs %llu bytes on each of %llu ranks, more than the "
+                     "session can hold (2^64 bytes in all); use a smaller shape",
+                     cmd, (unsigned long long)per_rank, (unsigned long long)ranks);
   uint64_t quota = s->quota_bytes;
-  if (quota && o->bytes + add > quota)
+  if (quota && total > quota)
     return error_set(e, ERR_QUOTA,
                      "%s: the result needs %llu bytes across its mesh, but the session holds %llu "
                      "of its %llu-byte quota; drop tensors you no longer need",

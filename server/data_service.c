@@ -176,7 +176,14 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
   if (command_check_mesh_alive(u->ds->pool, m->mesh, "Upload", e) ||
       mesh_check_capacity(m->mesh, "Upload", u->each, e))
     goto out;
-  if (s->quota_bytes && o->bytes + u->each * u->nranks > s->quota_bytes) {
+  uint64_t add, total; /* checked: a wrapped sum would slip under the quota */
+  if (__builtin_mul_overflow((uint64_t)u->each, (uint64_t)u->nranks, &add) ||
+      __builtin_add_overflow(o->bytes, add, &total)) {
+    error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes on each of %zu ranks, more than "
+              "the session can hold (2^64 bytes in all); use a smaller shape", u->each, u->nranks);
+    goto out;
+  }
+  if (s->quota_bytes && total > s->quota_bytes) {
     error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes across its mesh, but the session "
               "holds %llu of its %llu-byte quota; drop tensors you no longer need",
               u->each * u->nranks, (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);

@@ -40,15 +40,18 @@ int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size
                        sizes[i], i);
     if (sizes[i] == 0) zero = true;
   }
-  if (zero) return 0;
+  /* A size 0 counts as 1: an empty tensor still has strides, which must fit
+   * (torch's "Stride calculation overflowed"). */
   int64_t bytes = elem_size ? (int64_t)elem_size : 1;
   for (int i = 0; i < ndim; i++) {
-    if (__builtin_mul_overflow(bytes, sizes[i], &bytes) || bytes > LAYOUT_MAX_BYTES) {
+    int64_t size = sizes[i] ? sizes[i] : 1;
+    if (__builtin_mul_overflow(bytes, size, &bytes) || bytes > LAYOUT_MAX_BYTES) {
       char buf[LAYOUT_SHAPE_BUF];
       return error_set(e, ERR_BAD_ARGUMENT,
-                       "%s%sshape %s with %zu-byte elements exceeds 2^62 bytes", CTX(ctx),
+                       "%s%sshape %s with %zu-byte elements exceeds 2^62 bytes%s", CTX(ctx),
                        layout_format_shape(sizes, (int)ndim, buf, sizeof buf),
-                       elem_size ? elem_size : 1);
+                       elem_size ? elem_size : 1,
+                       zero ? " (in its strides: its sizes other than 0 multiply past it)" : "");
     }
   }
   /* Within 2^62 bytes, so the count does not overflow. */
@@ -69,7 +72,7 @@ void layout_make_contiguous(layout_t *l) {
   int64_t stride = 1;
   for (int i = l->ndim - 1; i >= 0; i--) {
     l->strides[i] = stride;
-    stride *= l->sizes[i] > 1 ? l->sizes[i] : 1;
+    if (i > 0) stride *= l->sizes[i] > 1 ? l->sizes[i] : 1;
   }
   l->offset = 0;
 }

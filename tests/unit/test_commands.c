@@ -1402,6 +1402,31 @@ Test(commands, slice_steps_are_1_to_the_dim_size) {
   cr_assert_eq(out.res.mesh->n_ranks, 2);
 }
 
+/* Found by tests/fuzz/fuzz_commands: the sum of what a session holds and a huge
+ * result wrapped past 2^64 and slipped under the quota (agents of unknown
+ * capacity, as cuda agents register, check nothing per rank). */
+Test(commands, quota_sums_do_not_wrap) {
+  open_session(64u << 20);
+  ok(create_mesh(1, NAMES("gpu"), I64(8), 1));
+  ok(FACTORY(.ref = 10, .mesh = 1, SHAPE(1)));
+  cr_assert_eq(objs->bytes, 32);
+  /* 2^62 bytes on each of 8 ranks: 2^65 in all */
+  REJECT(FACTORY(.ref = 11, .mesh = 1, SHAPE((int64_t)1 << 60)), ERR_QUOTA,
+         "Factory: the result needs 4611686018427387904 bytes on each of 8 ranks, more than the "
+         "session can hold (2^64 bytes in all)");
+  expect_ref_free(11);
+  cr_assert_eq(objs->bytes, 32);
+  /* without a quota too: the session's count must not wrap */
+  open_session(0);
+  ok(create_mesh(1, NAMES("gpu"), I64(8), 1));
+  ok(FACTORY(.ref = 10, .mesh = 1, SHAPE(1)));
+  REJECT(FACTORY(.ref = 11, .mesh = 1, SHAPE((int64_t)1 << 60)), ERR_QUOTA, "more than the session can hold");
+  ok(FACTORY(.ref = 12, .mesh = 1, SHAPE((int64_t)1 << 58)));
+  cr_assert_eq(objs->bytes, 32 + ((uint64_t)1 << 63));
+  REJECT(FACTORY(.ref = 13, .mesh = 1, SHAPE((int64_t)1 << 58)), ERR_QUOTA, "more than the session can hold");
+  expect_ref_free(13);
+}
+
 /* ------------------------------------------------------------------ sync, describe, misc */
 
 Test(commands, sync_and_describe) {

@@ -72,8 +72,26 @@ Test(layout, byte_limit_is_two_to_the_62) {
   cr_assert_eq(layout_check_shape("t", (int64_t[]){INT64_MAX, 2}, 2, 1, &e), -1);
   cr_assert_eq(layout_check_shape("t", (int64_t[]){(int64_t)1 << 62}, 1, 1, &e), 0);
   cr_assert_eq(layout_check_shape("t", (int64_t[]){((int64_t)1 << 62) + 1}, 1, 1, &e), -1);
-  /* any zero size makes an empty tensor, however large the rest */
-  cr_assert_eq(layout_check_shape("t", (int64_t[]){INT64_MAX, INT64_MAX, 0}, 3, 8, &e), 0);
+  /* any zero size makes an empty tensor, but its strides must still fit (torch's
+   * "Stride calculation overflowed"; found by tests/fuzz/fuzz_shapes) */
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){g, g, 0}, 3, 4, &e), 0);
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){0, g, g}, 3, 4, &e), 0);
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){INT64_MAX, INT64_MAX, 0}, 3, 8, &e), -1);
+  assert_msg_has(&e, "exceeds 2^62 bytes (in its strides");
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){0, h, h + 1}, 3, 1, &e), -1);
+}
+
+Test(layout, contiguous_strides_of_an_empty_tensor_fit) {
+  meshd_error_t e = {0};
+  layout_t l;
+  int64_t g = (int64_t)1 << 30;
+  cr_assert_eq(layout_contiguous(&l, (int64_t[]){0, g, g}, 3, 4, NULL, &e), 0);
+  cr_assert_eq(l.strides[0], g * g);
+  cr_assert_eq(l.strides[1], g);
+  cr_assert_eq(l.strides[2], 1);
+  cr_assert_eq(layout_contiguous(&l, (int64_t[]){(int64_t)1 << 32, (int64_t)1 << 32, 0}, 3, 1,
+                                 "zeros: argument 'size'", &e), -1);
+  assert_msg_has(&e, "zeros: argument 'size': shape [4294967296, 4294967296, 0]");
 }
 
 Test(layout, is_contiguous_follows_torch) {
