@@ -39,7 +39,7 @@
 /* ...or at once when it is this many beyond the last one received. */
 #define READ_AHEAD_MAX 65536
 #define READ_WAITING_MAX 64
-#define WRITE_OPEN_WAIT_MS 5000
+#define WRITE_OPEN_WAIT_MS 3000
 #define WRITE_WAITING_MAX 16
 /* How often a waiting helper looks whether its call was cancelled. */
 #define POLL_MS 100
@@ -68,7 +68,9 @@ static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tens
   sp->dtype = (Meshd__V1__DType)m->dtype;
 }
 
-static _Atomic int read_waiting, write_waiting;
+static _Atomic int read_waiting, write_waiting, read_threads;
+
+int data_read_threads(void) { return atomic_load(&read_threads); }
 
 /* Waits until the session ran through after_seq: 0, or -1 having answered
  * (or the call ended: nobody to answer). */
@@ -151,6 +153,7 @@ static void *read_main(void *arg) {
   executor_unref(j->ex);
   rpc_call_unref(j->call);
   free(j);
+  atomic_fetch_sub(&read_threads, 1);
   return NULL;
 }
 
@@ -213,9 +216,11 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
   pthread_t t;
+  atomic_fetch_add(&read_threads, 1);
   int rc = pthread_create(&t, &attr, read_main, j);
   pthread_attr_destroy(&attr);
   if (rc != 0) {
+    atomic_fetch_sub(&read_threads, 1);
     if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads");
     executor_unref(ex);

@@ -152,7 +152,11 @@ static int check_factory(const Meshd__Agent__V1__FactoryOp *fo, meshd_error_t *e
   if (!fo->factory) return error_set(e, ERR_BAD_ARGUMENT, "FactoryOp.factory is missing");
   op_args_t args;
   op_infer_t inf;
-  if (ops_bind_factory(fo->factory, &args, e) || ops_infer(&args, &inf, e)) return -1;
+  if (ops_bind_factory(fo->factory, &args, e)) return -1;
+  if (ops_infer(&args, &inf, e)) {
+    error_prefix(e, "Factory", " ");
+    return -1;
+  }
   uint64_t ref = fo->result ? fo->result->ref : fo->factory->ref;
   if (!ref) return error_set(e, ERR_BAD_ARGUMENT, "FactoryOp names no result ref");
   if (!fo->result) return 0;
