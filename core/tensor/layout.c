@@ -32,18 +32,18 @@ int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size
                      "%s%s%" PRId64 " dims is more than the %d a tensor may have here "
                      "(--max-tensor-dims)",
                      CTX(ctx), ndim, dims_limit);
-  bool zero = false;
   for (int i = 0; i < ndim; i++) {
     if (sizes[i] < 0)
       return error_set(e, ERR_BAD_ARGUMENT,
                        "%s%snegative size %" PRId64 " at dim %d; sizes must be >= 0", CTX(ctx),
                        sizes[i], i);
-    if (sizes[i] == 0) zero = true;
   }
-  if (zero) return 0;
+  /* Dims of size 0 count as 1: an empty tensor's row-major strides (the
+   * product of the other sizes) must fit too. */
   int64_t bytes = elem_size ? (int64_t)elem_size : 1;
   for (int i = 0; i < ndim; i++) {
-    if (__builtin_mul_overflow(bytes, sizes[i], &bytes) || bytes > LAYOUT_MAX_BYTES) {
+    if (__builtin_mul_overflow(bytes, sizes[i] ? sizes[i] : 1, &bytes) ||
+        bytes > LAYOUT_MAX_BYTES) {
       char buf[LAYOUT_SHAPE_BUF];
       return error_set(e, ERR_BAD_ARGUMENT,
                        "%s%sshape %s with %zu-byte elements exceeds 2^62 bytes", CTX(ctx),

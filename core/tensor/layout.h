@@ -38,9 +38,10 @@ void layout_set_limits(const layout_limits_t *l);
 layout_limits_t layout_get_limits(void);
 
 /* A shape a tensor may have: 0 <= ndim <= LAYOUT_MAX_DIMS, every size >= 0,
- * numel * elem_size <= 2^62 (computed without overflow); BAD_ARGUMENT
- * otherwise. Then the limits: more dims or elements than they allow is QUOTA,
- * naming the limit and its flag. */
+ * numel * elem_size <= 2^62 (computed without overflow, sizes of 0 counted as
+ * 1 so that an empty tensor's strides fit too); BAD_ARGUMENT otherwise. Then
+ * the limits: more dims or elements than they allow is QUOTA, naming the
+ * limit and its flag. */
 int layout_check_shape(const char *ctx, const int64_t *sizes, int64_t ndim, size_t elem_size,
                        meshd_error_t *e);
 /* *out = row-major layout of `sizes`, offset 0, after layout_check_shape. */
