@@ -168,7 +168,8 @@ static const tensor_meta_t *hold(ctx_t *c, held_t *h, uint64_t ref, meshd_error_
     error_set(e, ERR_REMOTE_FAILURE, "too many tensor arguments");
     return NULL;
   }
-  int rc = session_state_get(c->s, c->ins->stream, c->bs, ref, &h->t[h->n], &h->why);
+  int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ref, &h->t[h->n],
+                             &h->why);
   if (rc == 0) {
     h->ref[h->n] = ref;
     return &h->t[h->n++].meta;
@@ -331,7 +332,7 @@ static void run_borrow(ctx_t *c) {
         report(c, e.kind, e.msg, b->result);
         break;
       }
-      int rc = session_state_get(c->s, c->ins->stream, c->bs, b->tensor, &t, &why);
+      int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, b->tensor, &t, &why);
       if (rc == 0) {
         refs_put(&c->s->refs, b->result, &t);
         storage_release(t.storage);
@@ -345,7 +346,7 @@ static void run_borrow(ctx_t *c) {
       session_state_forget_def(c->s, b->result);
       break;
     case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP:
-      session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->bs);
+      session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->ins->seq, c->bs);
       break;
     default:
       break;
@@ -523,7 +524,8 @@ static void run_reduce(ctx_t *c) {
       session_state_check_peers(c->s, ro->group->ranks, ro->group->n_ranks, c->ins->seq,
                                 "Reduce", &e))
     goto fail;
-  int got = session_state_get(c->s, c->ins->stream, c->bs, ro->input->ref, &in, &why);
+  int got =
+      session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ro->input->ref, &in, &why);
   if (got < 0) {
     why.kind = ERR_REMOTE_FAILURE;
     why.root_seq = c->ins->seq;
@@ -555,7 +557,8 @@ static void run_reduce(ctx_t *c) {
     if (in_place && got == 0) {
       target = in;
       storage_retain(target.storage);
-    } else if (session_state_get(c->s, c->ins->stream, c->bs, r->out, &target, NULL) != 0) {
+    } else if (session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, r->out, &target,
+                                 NULL) != 0) {
       error_set(&e, ERR_REMOTE_FAILURE, "Reduce: out tensor %llu is not usable on the agent",
                 (unsigned long long)r->out);
       goto fail;
@@ -605,7 +608,8 @@ static void run_send(ctx_t *c) {
   }
   if (need_backend(c, "ToMesh", &e)) goto fail;
   if (st->input) {
-    got = session_state_get(c->s, c->ins->stream, c->bs, st->input->ref, &in, &why);
+    got = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, st->input->ref, &in,
+                            &why);
     if (got < 0) {
       why.kind = ERR_REMOTE_FAILURE;
       why.root_seq = c->ins->seq;
