@@ -201,7 +201,16 @@ def test_hostile_instructions_fail_cleanly_and_the_agent_computes_on(meshd_serve
                               response_deserializer=A.AgentReport.FromString)
     # AUTH: metadata=AGENT_MD carries the registration secret once agents require it.
     call = stream(requests(), metadata=AGENT_MD, timeout=60)
-    reader = threading.Thread(target=lambda: [reports.append(r) for r in call], daemon=True)
+    ended = []
+
+    def read_reports():
+        try:
+            for r in call:
+                reports.append(r)
+            ended.append(None)
+        except grpc.RpcError as e:
+            ended.append(e)
+    reader = threading.Thread(target=read_reports, daemon=True)
     reader.start()
 
     T = lib.tensor_pb2()
@@ -249,5 +258,6 @@ def test_hostile_instructions_fail_cleanly_and_the_agent_computes_on(meshd_serve
     executed(seq[0])
     done.set()
     reader.join(10)
+    assert ended == [None], f"the Execute call ended with {ended}"
     assert ag.proc.poll() is None, "the agent died"
     ch.close()
