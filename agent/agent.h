@@ -44,6 +44,9 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
 void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
 void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);
 void data_write_end(rpc_call_t *call, bool cancelled, void *arg);
+/* Read helper threads alive now (each Read has one until it is answered or
+ * cancelled; a cancelled one ends within 100 ms). For tests. */
+int data_read_threads(void);
 
 /* ---- registration.c ---------------------------------------------------- */
 

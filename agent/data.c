@@ -1,11 +1,24 @@
 /* Agent/Read and Agent/Write: tensor bytes in and out of a session's ref
  * table, row-major, chunked under the message limit.
  *
+ * Both serve only sessions open on the agent (executor.h: the server opens a
+ * session with an instruction before it writes to it) and check what they
+ * are given as the Execute stream's instructions are checked (validate.h).
+ *
  * Read waits (on a helper thread, never a completion-queue thread) until the
- * executor ran through after_seq, then streams a TensorSpec and the bytes. A
- * failed ref ends the call with the failure's kind in the meshd-error-kind
- * trailer and the root's message. Write buffers the chunks of one tensor and
- * defines the ref when the client half-closes. */
+ * session ran through after_seq, then streams a TensorSpec and the bytes. The
+ * wait ends at once when the call is cancelled; a seq the agent never
+ * received is refused (far beyond: at once; otherwise after READ_UNSEEN_MS),
+ * and at most READ_WAITING_MAX Reads wait at a time. A failed ref ends the
+ * call with the failure's kind in the meshd-error-kind trailer and the root's
+ * message.
+ *
+ * Write checks the spec and buffers the chunks of one tensor (exactly the
+ * spec's bytes), then defines the ref when the client half-closes. A spec for
+ * a session not open yet (its opening instruction may still be on its way)
+ * pauses the call's reads for up to WRITE_OPEN_WAIT_MS on a helper thread
+ * (at most WRITE_WAITING_MAX of them); then it is refused and nothing is
+ * stored. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,8 +29,19 @@
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "refs.h"
+#include "runtime.h"
+#include "validate.h"
 
 #define READ_WAIT_MS 600000
+/* A seq this agent has not received yet: answered within this long... */
+#define READ_UNSEEN_MS 5000
+/* ...or at once when it is this many beyond the last one received. */
+#define READ_AHEAD_MAX 65536
+#define READ_WAITING_MAX 64
+#define WRITE_OPEN_WAIT_MS 3000
+#define WRITE_WAITING_MAX 16
+/* How often a waiting helper looks whether its call was cancelled. */
+#define POLL_MS 100
 #define CHUNK_DEFAULT (1u << 20)
 #define CHUNK_MAX (3u << 20)
 /* Chunks queued on a Read for a peer that does not take them: the thread
@@ -30,6 +54,7 @@ typedef struct read_job {
   char session[64];
   uint64_t ref, after_seq;
   uint32_t chunk;
+  bool waiting; /* counted in read_waiting */
 } read_job_t;
 
 static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tensor_meta_t *m,
@@ -71,19 +96,44 @@ static void wait_drained(rpc_call_t *call, size_t below) {
   }
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
+static _Atomic int read_waiting, write_waiting, read_threads;
+
+int data_read_threads(void) { return atomic_load(&read_threads); }
+
+/* Waits until the session ran through after_seq: 0, or -1 having answered
+ * (or the call ended: nobody to answer). */
+static int read_wait(read_job_t *j) {
+  rpc_call_t *call = j->call;
+  int64_t start = rpc_now_ms();
+  for (;;) {
+    if (executor_wait_session(j->ex, j->session, j->after_seq, POLL_MS) == 0) return 0;
+    if (rpc_call_ended(call)) return -1;
+    int64_t waited = rpc_now_ms() - start;
+    uint64_t received = executor_received(j->ex);
+    if (executor_closing(j->ex) || waited >= READ_WAIT_MS) {
+      rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                      "Read: the agent did not execute through seq %llu (it is shutting down or "
+                      "its server is gone)", (unsigned long long)j->after_seq);
+      return -1;
+    }
+    if (received < j->after_seq && waited >= READ_UNSEEN_MS) {
+      rpc_call_finish(call, GRPC_STATUS_FAILED_PRECONDITION, "UNAVAILABLE",
+                      "Read: after_seq %llu was never sent to this agent (it received seqs "
+                      "through %llu, %d ms ago still)", (unsigned long long)j->after_seq,
+                      (unsigned long long)received, READ_UNSEEN_MS);
+      return -1;
+    }
+  }
 }
 
 static void read_run(read_job_t *j) {
   rpc_call_t *call = j->call;
-  if (executor_wait_session(j->ex, j->session, j->after_seq, READ_WAIT_MS) != 0) {
-    rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
-                    "Read: the agent did not execute through seq %llu (it is shutting down or "
-                    "its server is gone)", (unsigned long long)j->after_seq);
-    return;
-  }
+  int rc = read_wait(j);
+  if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
+  if (rc) return;
   agent_tensor_t t;
   ref_failure_t why = {0};
-  int rc = executor_lookup(j->ex, j->session, j->ref, &t, &why);
+  rc = executor_lookup(j->ex, j->session, j->ref, &t, &why);
   if (rc < 0) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF", "Read: %s", why.msg);
     return;
@@ -131,11 +181,17 @@ static void *read_main(void *arg) {
   executor_unref(j->ex);
   rpc_call_unref(j->call);
   free(j);
+  atomic_fetch_sub(&read_threads, 1);
   return NULL;
 }
 
 void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   const Meshd__Agent__V1__ReadRequest *req = (const void *)msg;
+  char why[160];
+  if (validate_session_id(req->session_id, why, sizeof why)) {
+    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "Read: %s", why);
+    return;
+  }
   executor_t *ex = execute_executor();
   if (!ex || !executor_backend(ex)) {
     if (ex) executor_unref(ex);
@@ -143,14 +199,41 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
                     "Read: no server drives this agent (no Execute call)");
     return;
   }
+  /* Decided here, so that a Read that cannot be answered takes no thread. */
+  uint64_t received = executor_received(ex);
+  bool ready = executor_wait_session(ex, req->session_id, req->after_seq, 0) == 0;
+  grpc_status_code code = GRPC_STATUS_OK;
+  const char *kind = NULL;
+  if (req->after_seq > received && req->after_seq - received > READ_AHEAD_MAX) {
+    code = GRPC_STATUS_FAILED_PRECONDITION;
+    kind = "UNAVAILABLE";
+    snprintf(why, sizeof why, "after_seq %llu is far beyond the seqs this agent received "
+             "(through %llu)", (unsigned long long)req->after_seq, (unsigned long long)received);
+  } else if (req->after_seq <= received && !executor_session_open(ex, req->session_id)) {
+    code = GRPC_STATUS_NOT_FOUND;
+    kind = "UNKNOWN_REF";
+    snprintf(why, sizeof why, "session %s is not open on this agent", req->session_id);
+  } else if (!ready && atomic_fetch_add(&read_waiting, 1) >= READ_WAITING_MAX) {
+    atomic_fetch_sub(&read_waiting, 1);
+    code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    kind = "QUOTA";
+    snprintf(why, sizeof why, "%d Reads already wait for seqs on this agent", READ_WAITING_MAX);
+  }
+  if (code != GRPC_STATUS_OK) {
+    executor_unref(ex);
+    rpc_call_finish(call, code, kind, "Read: %s", why);
+    return;
+  }
   read_job_t *j = calloc(1, sizeof *j);
   if (!j) {
+    if (!ready) atomic_fetch_sub(&read_waiting, 1);
     executor_unref(ex);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of memory");
     return;
   }
   j->call = call;
   j->ex = ex;
+  j->waiting = !ready;
   snprintf(j->session, sizeof j->session, "%s", req->session_id);
   j->ref = req->ref;
   j->after_seq = req->after_seq;
@@ -161,9 +244,12 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
   pthread_t t;
+  atomic_fetch_add(&read_threads, 1);
   int rc = pthread_create(&t, &attr, read_main, j);
   pthread_attr_destroy(&attr);
   if (rc != 0) {
+    atomic_fetch_sub(&read_threads, 1);
+    if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads");
     executor_unref(ex);
     rpc_call_unref(call);
@@ -173,8 +259,12 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
 
 /* ------------------------------------------------------------------ write */
 
+/* One Write call's state. Owned by the call (freed after on_end) and, while
+ * it waits for its session to open, by that helper thread too. */
 typedef struct write_state {
-  executor_t *ex;
+  _Atomic int owners;
+  rpc_call_t *call;
+  executor_t *ex; /* referenced once the spec arrived */
   char session[64];
   uint64_t ref;
   tensor_meta_t meta;
@@ -183,12 +273,21 @@ typedef struct write_state {
   bool have_spec, done;
 } write_state_t;
 
+static void write_release(write_state_t *w) {
+  if (atomic_fetch_sub(&w->owners, 1) != 1) return;
+  if (w->ex) executor_unref(w->ex);
+  free(w->buf);
+  free(w);
+}
+
 void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   write_state_t *w = calloc(1, sizeof *w);
   if (!w) {
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of memory");
     return;
   }
+  atomic_init(&w->owners, 1);
+  w->call = call;
   rpc_call_set_data(call, w);
 }
 
@@ -198,23 +297,94 @@ static void write_fail(rpc_call_t *call, write_state_t *w, grpc_status_code code
   rpc_call_finish(call, code, kind, "Write: %s", msg);
 }
 
-static int write_spec(write_state_t *w, const Meshd__Agent__V1__DataChunk *c, char *why, size_t n) {
-  const Meshd__Agent__V1__TensorSpec *sp = c->spec;
-  meshd_error_t e;
-  if (!c->session_id || !*c->session_id) return snprintf(why, n, "the spec names no session"), -1;
-  if (!dtype_valid((dtype_t)sp->dtype)) return snprintf(why, n, "unknown dtype %d", (int)sp->dtype), -1;
-  if (layout_contiguous(&w->meta.layout, sp->shape, (int64_t)sp->n_shape,
-                        dtype_size((dtype_t)sp->dtype), "shape", &e))
-    return snprintf(why, n, "%s", e.msg), -1;
-  w->meta.dtype = (dtype_t)sp->dtype;
-  w->ref = sp->ref;
-  snprintf(w->session, sizeof w->session, "%s", c->session_id);
-  w->bytes = tensor_nbytes(&w->meta);
-  if (!(w->buf = malloc(w->bytes ? w->bytes : 1))) return snprintf(why, n, "agent out of memory"), -1;
-  if (!(w->ex = execute_executor()) || !executor_backend(w->ex))
-    return snprintf(why, n, "no server drives this agent (no Execute call)"), -1;
+static void write_not_open(write_state_t *w) {
+  char why[200];
+  snprintf(why, sizeof why, "session %s is not open on this agent (the server opens a session "
+           "with an instruction before it writes to it); nothing was stored", w->session);
+  write_fail(w->call, w, GRPC_STATUS_FAILED_PRECONDITION, NULL, why);
+}
+
+/* The spec checked, its session open: the buffer for its bytes. */
+static int write_ready(write_state_t *w) {
+  if (!(w->buf = malloc(w->bytes ? w->bytes : 1))) {
+    write_fail(w->call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of host memory");
+    return -1;
+  }
   w->have_spec = true;
   return 0;
+}
+
+/* The helper thread of a Write whose session is not open yet; the call's
+ * reads are paused meanwhile, so no callback but on_end runs. */
+static void *write_open_main(void *arg) {
+  write_state_t *w = arg;
+  rpc_call_t *call = w->call;
+  bool open = false;
+  int64_t start = rpc_now_ms();
+  while (!rpc_call_ended(call) && !executor_closing(w->ex) &&
+         rpc_now_ms() - start < WRITE_OPEN_WAIT_MS)
+    if ((open = executor_wait_open(w->ex, w->session, POLL_MS))) break;
+  atomic_fetch_sub(&write_waiting, 1);
+  if (!rpc_call_ended(call)) {
+    if (!open) write_not_open(w);
+    else if (write_ready(w) == 0) rpc_call_resume_reads(call);
+  }
+  write_release(w);
+  rpc_call_unref(call);
+  return NULL;
+}
+
+/* Checks the spec: 0 to take the data, 1 waiting for the session to open,
+ * -1 having failed the call. */
+static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1__DataChunk *c) {
+  const Meshd__Agent__V1__TensorSpec *sp = c->spec;
+  char why[700];
+  meshd_error_t e;
+  if (validate_session_id(c->session_id, why, sizeof why))
+    return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why), -1;
+  snprintf(w->session, sizeof w->session, "%s", c->session_id);
+  if (validate_spec_meta(sp, "Write.spec", &w->meta, &e))
+    return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", e.msg), -1;
+  if (sp->storage_offset || !layout_is_contiguous(&w->meta.layout)) {
+    snprintf(why, sizeof why, "Write.spec: a write fills a row-major tensor (offset 0, row-major "
+             "strides), got offset %lld", (long long)sp->storage_offset);
+    return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why), -1;
+  }
+  layout_make_contiguous(&w->meta.layout);
+  w->ref = sp->ref;
+  w->bytes = tensor_nbytes(&w->meta);
+  if (!(w->ex = execute_executor()) || !executor_backend(w->ex))
+    return write_fail(call, w, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                      "no server drives this agent (no Execute call)"), -1;
+  backend_t *b = executor_backend(w->ex);
+  if (b->capacity && w->bytes > b->capacity) {
+    snprintf(why, sizeof why, "tensor %llu needs %zu bytes, more than this agent's capacity of "
+             "%llu", (unsigned long long)w->ref, w->bytes, (unsigned long long)b->capacity);
+    return write_fail(call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", why), -1;
+  }
+  if (executor_session_open(w->ex, w->session)) return write_ready(w);
+  /* Its opening instruction may still be on the Execute stream: wait a
+   * little, without reading the data meanwhile. */
+  if (atomic_fetch_add(&write_waiting, 1) >= WRITE_WAITING_MAX) {
+    atomic_fetch_sub(&write_waiting, 1);
+    write_not_open(w);
+    return -1;
+  }
+  rpc_call_pause_reads(call);
+  rpc_call_ref(call);
+  atomic_fetch_add(&w->owners, 1);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  pthread_t t;
+  int rc = pthread_create(&t, &attr, write_open_main, w);
+  pthread_attr_destroy(&attr);
+  if (rc == 0) return 1;
+  atomic_fetch_sub(&write_waiting, 1);
+  atomic_fetch_sub(&w->owners, 1); /* the call still holds one */
+  rpc_call_unref(call);
+  rpc_call_resume_reads(call);
+  return write_fail(call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads"), -1;
 }
 
 static void write_finish(rpc_call_t *call, write_state_t *w) {
@@ -222,8 +392,8 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
   if (!w->have_spec) return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT",
                                        "no spec: the first chunk must be a TensorSpec");
   if (w->got != w->bytes) {
-    snprintf(why, sizeof why, "got %zu bytes for tensor %llu, which needs %zu", w->got,
-             (unsigned long long)w->ref, w->bytes);
+    snprintf(why, sizeof why, "got %zu bytes for tensor %llu, which needs %zu; nothing was stored",
+             w->got, (unsigned long long)w->ref, w->bytes);
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why);
   }
   backend_t *b = executor_backend(w->ex);
@@ -234,7 +404,9 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
   int rc = b->ops->from_host(b, &t, w->buf, &e);
   if (!rc) rc = executor_define(w->ex, w->session, w->ref, &t);
   storage_release(t.storage);
-  if (rc) return write_fail(call, w, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE", e.msg);
+  if (rc > 0) return write_not_open(w); /* it ended meanwhile */
+  if (rc) return write_fail(call, w, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE",
+                            e.msg[0] ? e.msg : "agent out of memory");
   w->done = true;
   Meshd__Agent__V1__WriteReply r = MESHD__AGENT__V1__WRITE_REPLY__INIT;
   r.bytes = w->got;
@@ -248,18 +420,17 @@ void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
   const Meshd__Agent__V1__DataChunk *c = (const void *)msg;
   char why[700];
   if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC) {
-    if (w->have_spec)
+    if (w->have_spec || w->ex)
       return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "a second spec");
-    if (write_spec(w, c, why, sizeof why))
-      return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why);
+    write_spec(call, w, c);
     return;
   }
   if (!w->have_spec)
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT",
                       "data before the spec: the first chunk must be a TensorSpec");
   if (c->data.len > w->bytes - w->got) {
-    snprintf(why, sizeof why, "more than the %zu bytes tensor %llu holds", w->bytes,
-             (unsigned long long)w->ref);
+    snprintf(why, sizeof why, "got at least %zu bytes for tensor %llu, which needs %zu; nothing "
+             "was stored", w->got + c->data.len, (unsigned long long)w->ref, w->bytes);
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why);
   }
   memcpy(w->buf + w->got, c->data.data, c->data.len);
@@ -268,8 +439,5 @@ void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
 
 void data_write_end(rpc_call_t *call, bool cancelled, void *arg) {
   write_state_t *w = rpc_call_data(call);
-  if (!w) return;
-  if (w->ex) executor_unref(w->ex);
-  free(w->buf);
-  free(w);
+  if (w) write_release(w);
 }

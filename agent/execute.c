@@ -10,6 +10,7 @@
 #include "agent.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
+#include "validate.h"
 
 typedef struct session {
   char *id;
@@ -116,17 +117,7 @@ static bool check_locked(const exec_call_t *x, const Meshd__Agent__V1__Instructi
              ins->seq, x->last_seq, x->last_seq + 1, ins->seq <= x->last_seq ? "repeat" : "gap");
     return false;
   }
-  if (!ins->session_id || !*ins->session_id) {
-    snprintf(why, len, "instruction seq %" PRIu64 ": session_id is empty", ins->seq);
-    return false;
-  }
-  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY__NOT_SET) {
-    snprintf(why, len,
-             "instruction seq %" PRIu64 " has no body (or one this agent does not know: "
-             "is the agent older than the server?)", ins->seq);
-    return false;
-  }
-  return true;
+  return validate_envelope(ins, why, len) == 0;
 }
 
 /* Records what later execution needs; for now, which sessions are open. */

@@ -14,11 +14,13 @@
 #include "runtime.h"
 #include "run.h"
 #include "session_state.h"
+#include "validate.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 
 typedef struct item {
   instr_t *ins; /* unpacked copy, owned */
+  meshd_error_t *refused; /* owned: the instruction failed validation; NULL: run it */
   struct item *next;
 } item_t;
 
@@ -300,6 +302,7 @@ static xsession_t *session_get_locked(executor_t *x, const char *id) {
   s->live_next = x->live;
   if (x->live) x->live->live_prev = s;
   x->live = s;
+  pthread_cond_broadcast(&x->progress); /* executor_wait_open */
   return s;
 }
 
@@ -382,10 +385,12 @@ static void *worker_main(void *arg) {
     bool skip = st->stop;
     pthread_mutex_unlock(&x->mu);
     failed.n = 0;
-    if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
+    if (!skip && it->refused) run_refused(&x->env, ss, it->ins, it->refused, &failed);
+    else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
       report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);
     protobuf_c_message_free_unpacked(&it->ins->base, NULL);
+    free(it->refused);
     free(it);
     /* Cross-stream waiters need only the work queued (session_state.h). */
     session_state_queued(ss, st->progress, seq);
@@ -477,12 +482,24 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     free(buf);
   }
   item_t *it = copy ? calloc(1, sizeof *it) : NULL;
+  /* Checked before it is queued (validate.h); a refused instruction still
+   * takes its place in its stream, where it fails what it would define. */
+  validate_self_t self = {.rank = x->env.rank ? atomic_load(x->env.rank) : -1,
+                          .data_address = x->env.data_address};
+  meshd_error_t verr = {0};
+  bool refused = validate_instruction(ins, &self, &verr) != 0;
+  meshd_error_t *why = NULL;
+  if (refused) {
+    log_warn("executor", "session %.8s: %s", ins->session_id ? ins->session_id : "", verr.msg);
+    if ((why = malloc(sizeof *why))) *why = verr;
+  }
   pthread_mutex_lock(&x->mu);
   if (ring_reserve_locked(x, ins->seq) != 0) {
     pthread_mutex_unlock(&x->mu);
     log_error("executor", "out of memory tracking seq %" PRIu64, ins->seq);
     if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
     free(it);
+    free(why);
     return -1;
   }
   x->last = ins->seq;
@@ -493,15 +510,18 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: {
       /* Before anything queued runs: the session's work that needs the peer
        * fails instead of waiting for it. */
+      done_now = true;
+      if (refused) break;
       lost = ins->peer_lost;
       xsession_t *s = session_find_locked(x, ins->session_id);
       if (s) session_state_peer_lost(s->state, lost->rank, ins->seq, lost->reason);
-      done_now = true;
       break;
     }
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS:
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CREATE_STREAM:
-      /* The watermark is contiguous: this seq is passed once all before it ran. */
+      /* They open the session (Agent/Write and Read need it open), and the
+       * watermark is contiguous: this seq is passed once all before it ran. */
+      session_get_locked(x, ins->session_id);
       done_now = true;
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION: {
@@ -512,7 +532,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     }
     default: {
       xsession_t *s = it ? session_get_locked(x, ins->session_id) : NULL;
-      xstream_t *st = s ? stream_get_locked(x, s, ins->stream) : NULL;
+      xstream_t *st = s && (!refused || why) ? stream_get_locked(x, s, ins->stream) : NULL;
       if (!st) {
         done_now = failed = true;
         break;
@@ -520,6 +540,8 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
       session_state_note_order(s->state, copy);
       it->ins = copy;
       copy = NULL;
+      it->refused = why;
+      why = NULL;
       if (st->tail) st->tail->next = it;
       else st->head = it;
       st->tail = it;
@@ -544,12 +566,15 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   }
   if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
+  free(why);
   if (to_free) {
     session_free(to_free);
     pthread_mutex_lock(&x->mu);
     mark_done_locked(x, ins->seq);
     pthread_mutex_unlock(&x->mu);
   }
+  if (refused && done_now)
+    report_error(x, ins->session_id, ERR_REMOTE_FAILURE, verr.msg, ins->seq, 0);
   if (failed) {
     char msg[160];
     snprintf(msg, sizeof msg, "agent out of memory or threads queueing instruction seq %" PRIu64,
@@ -569,16 +594,19 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
   int rc = -1;
   if (s) rc = refs_get(&s->state->refs, ref, out, why);
   pthread_mutex_unlock(&x->mu);
-  if (rc < 0 && why)
-    snprintf(why->msg, sizeof why->msg, "%s %llu is not on this agent (session %.8s)",
-             s ? "ref" : "session of ref", (unsigned long long)ref, session);
+  if (rc < 0 && why && s)
+    snprintf(why->msg, sizeof why->msg, "ref %llu is not on this agent (session %.8s)",
+             (unsigned long long)ref, session);
+  else if (rc < 0 && why)
+    snprintf(why->msg, sizeof why->msg, "session %.63s is not open on this agent (ref %llu)",
+             session, (unsigned long long)ref);
   return rc;
 }
 
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t) {
   pthread_mutex_lock(&x->mu);
-  xsession_t *s = session_get_locked(x, session);
-  int rc = s ? refs_put(&s->state->refs, ref, t) : -1;
+  xsession_t *s = session_find_locked(x, session);
+  int rc = !s ? 1 : refs_put(&s->state->refs, ref, t);
   x->dirty = true;
   pthread_cond_signal(&x->report_cv);
   pthread_mutex_unlock(&x->mu);
@@ -586,6 +614,39 @@ int executor_define(executor_t *x, const char *session, uint64_t ref, const agen
 }
 
 backend_t *executor_backend(executor_t *x) { return x->env.backend; }
+
+bool executor_session_open(executor_t *x, const char *session) {
+  pthread_mutex_lock(&x->mu);
+  bool open = session_find_locked(x, session) != NULL;
+  pthread_mutex_unlock(&x->mu);
+  return open;
+}
+
+bool executor_wait_open(executor_t *x, const char *session, int timeout_ms) {
+  struct timespec dl;
+  runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
+  pthread_mutex_lock(&x->mu);
+  int rc = 0;
+  bool open;
+  while (!(open = session_find_locked(x, session) != NULL) && !x->closing && rc == 0)
+    rc = pthread_cond_timedwait(&x->progress, &x->mu, &dl);
+  pthread_mutex_unlock(&x->mu);
+  return open;
+}
+
+bool executor_closing(executor_t *x) {
+  pthread_mutex_lock(&x->mu);
+  bool closing = x->closing;
+  pthread_mutex_unlock(&x->mu);
+  return closing;
+}
+
+uint64_t executor_received(executor_t *x) {
+  pthread_mutex_lock(&x->mu);
+  uint64_t last = x->last;
+  pthread_mutex_unlock(&x->mu);
+  return last;
+}
 
 /* ------------------------------------------------------------------ lifecycle */
 

@@ -87,8 +87,20 @@ int executor_wait_session(executor_t *x, const char *session, uint64_t seq, int 
 /* 0 with *out retained; 1 failed (why); -1 unknown session or ref (why->msg). */
 int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tensor_t *out,
                     ref_failure_t *why);
-/* Defines ref in session (created if new) as t (retained by the table). */
+/* Defines ref in session as t (retained by the table): 0; 1 when the session
+ * is not open here (nothing is stored); -1 out of memory. */
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t);
 backend_t *executor_backend(executor_t *x);
+/* A session is open on the executor from the first instruction of it that
+ * arrives (any but EndSession and PeerLost: the server opens a session on an
+ * agent with a StatusRequest before it writes to it) until its EndSession.
+ * Only open sessions take Agent/Write data. */
+bool executor_session_open(executor_t *x, const char *session);
+/* Waits up to timeout_ms for session to be open: true when it is. */
+bool executor_wait_open(executor_t *x, const char *session, int timeout_ms);
+/* Its Execute call ended (executor_close): waits on it return at once. */
+bool executor_closing(executor_t *x);
+/* The last seq taken (0: none yet). */
+uint64_t executor_received(executor_t *x);
 
 #endif

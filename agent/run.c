@@ -9,6 +9,7 @@
 #include "log.h"
 #include "reduction.h"
 #include "run.h"
+#include "validate.h"
 
 #define MAX_HELD 64
 #define MAX_LISTS 8
@@ -87,6 +88,33 @@ static void meta_of_spec(const spec_t *sp, tensor_meta_t *m) {
   layout_make_contiguous(&m->layout);
 }
 
+static bool same_meta(const tensor_meta_t *a, const tensor_meta_t *b) {
+  return a->dtype == b->dtype && layout_same_shape(&a->layout, &b->layout);
+}
+
+/* "<what> is float32 [4] ... but <other> is float32 [3]" into e. */
+static int differs(meshd_error_t *e, const char *what, const tensor_meta_t *got, const char *other,
+                   const tensor_meta_t *want) {
+  char g[LAYOUT_SHAPE_BUF], w[LAYOUT_SHAPE_BUF];
+  layout_format_shape(got->layout.sizes, got->layout.ndim, g, sizeof g);
+  layout_format_shape(want->layout.sizes, want->layout.ndim, w, sizeof w);
+  return error_set(e, ERR_REMOTE_FAILURE, "%s is %s %s but %s is %s %s", what,
+                   dtype_name(got->dtype), g, other, dtype_name(want->dtype), w);
+}
+
+/* A result names a ref not yet defined in the session (the server never
+ * reuses one): 0, or -1 with e. Such a refusal fails no ref: the live one
+ * keeps its value. */
+static int check_fresh(ctx_t *c, uint64_t ref, const char *what, meshd_error_t *e) {
+  agent_tensor_t t;
+  int rc = refs_get(&c->s->refs, ref, &t, NULL);
+  if (rc < 0) return 0;
+  if (rc == 0) storage_release(t.storage);
+  return error_set(e, ERR_REMOTE_FAILURE,
+                   "%s: result ref %llu is already defined on this agent (seq %llu names a ref "
+                   "in use)", what, (unsigned long long)ref, (unsigned long long)c->ins->seq);
+}
+
 /* ------------------------------------------------------------------ factory */
 
 static void run_factory(ctx_t *c) {
@@ -94,33 +122,15 @@ static void run_factory(ctx_t *c) {
   const Meshd__V1__Factory *f = fo->factory;
   uint64_t ref = fo->result ? fo->result->ref : f->ref;
   meshd_error_t e = {0};
-  op_kwarg_t kw[4];
-  op_value_t pos[3];
-  size_t nkw = 0, npos = 0;
-  if (f->dtype != MESHD__V1__DTYPE__DTYPE_UNSPECIFIED)
-    kw[nkw++] = (op_kwarg_t){"dtype", {.kind = VAL_DTYPE, .dtype = (dtype_t)f->dtype}};
-  if (!strcmp(f->kind, "rank")) {
-    pos[npos++] = (op_value_t){.kind = VAL_STRING, .s = f->dim};
-  } else if (!strcmp(f->kind, "arange")) {
-    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->start};
-    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->end};
-    pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->step};
-  } else {
-    pos[npos++] = (op_value_t){.kind = VAL_INTS, .ints = f->shape, .nints = f->n_shape};
-    if (!strcmp(f->kind, "full")) pos[npos++] = (op_value_t){.kind = VAL_FLOAT, .f = f->value};
-    if (f->has_seed && (!strcmp(f->kind, "rand") || !strcmp(f->kind, "randn")))
-      kw[nkw++] = (op_kwarg_t){"seed", {.kind = VAL_INT, .i = (int64_t)f->seed}};
-  }
-  const op_def_t *op = ops_find(f->kind);
   op_args_t args;
   op_infer_t inf;
   agent_tensor_t t = {0};
-  if (need_backend(c, "Factory", &e)) goto fail;
-  if (!op) {
-    error_set(&e, ERR_REMOTE_FAILURE, "Factory: unknown kind '%s'", f->kind);
-    goto fail;
+  if (check_fresh(c, ref, "Factory", &e)) {
+    report(c, e.kind, e.msg, ref);
+    return;
   }
-  if (ops_bind(op, pos, npos, kw, nkw, &args, &e) || ops_infer(&args, &inf, &e)) goto fail;
+  if (need_backend(c, "Factory", &e) || ops_bind_factory(f, &args, &e) || ops_infer(&args, &inf, &e))
+    goto fail;
   if (tensor_alloc(c->b, c->bs, &inf.results[0].meta, &t, "Factory", &e)) goto fail;
   agent_tensor_t *rp = &t;
   if (c->b->ops->run_op(c->b, c->bs, &args, &rp, 1, &inf, fo->mesh_rank, fo->coordinate, &e))
@@ -158,7 +168,8 @@ static const tensor_meta_t *hold(ctx_t *c, held_t *h, uint64_t ref, meshd_error_
     error_set(e, ERR_REMOTE_FAILURE, "too many tensor arguments");
     return NULL;
   }
-  int rc = session_state_get(c->s, c->ins->stream, c->bs, ref, &h->t[h->n], &h->why);
+  int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ref, &h->t[h->n],
+                             &h->why);
   if (rc == 0) {
     h->ref[h->n] = ref;
     return &h->t[h->n++].meta;
@@ -229,6 +240,12 @@ static void run_call(ctx_t *c) {
   op_args_t args;
   op_infer_t inf = {0};
   const op_def_t *op = ops_find(call->op);
+  for (size_t i = 0; i < call->n_results; i++) {
+    if (!check_fresh(c, call->results[i]->ref, call->op, &e)) continue;
+    report(c, e.kind, e.msg, call->results[i]->ref);
+    free(h);
+    return;
+  }
   int rc = need_backend(c, call->op, &e);
   if (!rc && !op) rc = error_set(&e, ERR_REMOTE_FAILURE, "Call: unknown op '%s'", call->op);
   for (size_t i = 0; !rc && i < npos; i++) rc = resolve(c, h, call->args[i], &pos[i], &e);
@@ -248,6 +265,23 @@ static void run_call(ctx_t *c) {
     goto out;
   }
   if (rc || ops_bind(op, pos, npos, kw, nkw, &args, &e) || ops_infer(&args, &inf, &e)) goto fail;
+  /* The server ran the same rule: the results it named are the ones it gives. */
+  if (call->n_results != (size_t)inf.nresults && !(op->is_inplace && call->n_results == 0)) {
+    error_set(&e, ERR_REMOTE_FAILURE, "%s returns %d tensor%s but the instruction names %zu result%s",
+              call->op, inf.nresults, inf.nresults == 1 ? "" : "s", call->n_results,
+              call->n_results == 1 ? "" : "s");
+    goto fail;
+  }
+  for (size_t i = 0; i < call->n_results; i++) {
+    tensor_meta_t m;
+    char what[48];
+    snprintf(what, sizeof what, "%s: results[%zu]", call->op, i);
+    if (validate_spec_meta(call->results[i], what, &m, &e)) goto fail;
+    if (!same_meta(&m, &inf.results[i].meta)) {
+      differs(&e, what, &m, "what its inputs give", &inf.results[i].meta);
+      goto fail;
+    }
+  }
   for (int i = 0; i < inf.nresults; i++) {
     const op_result_t *r = &inf.results[i];
     resp[i] = &res[i];
@@ -293,7 +327,12 @@ static void run_borrow(ctx_t *c) {
     case MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE: {
       agent_tensor_t t;
       ref_failure_t why;
-      int rc = session_state_get(c->s, c->ins->stream, c->bs, b->tensor, &t, &why);
+      meshd_error_t e;
+      if (check_fresh(c, b->result, "Borrow", &e)) {
+        report(c, e.kind, e.msg, b->result);
+        break;
+      }
+      int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, b->tensor, &t, &why);
       if (rc == 0) {
         refs_put(&c->s->refs, b->result, &t);
         storage_release(t.storage);
@@ -307,7 +346,7 @@ static void run_borrow(ctx_t *c) {
       session_state_forget_def(c->s, b->result);
       break;
     case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP:
-      session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->bs);
+      session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->ins->seq, c->bs);
       break;
     default:
       break;
@@ -444,33 +483,36 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
   return rc;
 }
 
-/* The server's rule (reduction.h), checked again here: the result the
- * instruction names is what its input and group give. Every member gets the
- * same instruction, so all of them agree on the outcome and none is left
- * waiting in the collective. */
-static int check_reduce(const Meshd__V1__Reduce *r, reduction_t red, size_t members,
-                        const tensor_meta_t *im, const tensor_meta_t *rm, meshd_error_t *e) {
-  if (red == RED_INVALID)
-    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: unknown reduction '%s'; expected one of %s",
-                     r->reduction, reduction_names());
-  reduce_args_t a = {.reduction = red, .scatter = r->scatter, .inplace = r->inplace,
-                     .input = im, .group = (int64_t)members, .ndims = 1, .dims_named = true};
-  tensor_meta_t want;
-  if (reduce_infer(&a, &want, e)) return -1;
-  if (want.dtype == rm->dtype && layout_same_shape(&want.layout, &rm->layout)) return 0;
-  char got[LAYOUT_SHAPE_BUF], expect[LAYOUT_SHAPE_BUF];
-  layout_format_shape(rm->layout.sizes, rm->layout.ndim, got, sizeof got);
-  layout_format_shape(want.layout.sizes, want.layout.ndim, expect, sizeof expect);
-  return error_set(e, ERR_REMOTE_FAILURE,
-                   "Reduce: the instruction's result is %s %s but its input and group of %zu "
-                   "give %s %s",
-                   dtype_name(rm->dtype), got, members, dtype_name(want.dtype), expect);
+/* A tensor the instruction reads, held in *t, is what its spec says (the
+ * spec is what the kernels and the peers go by): 0, or -1 with why filled
+ * as this instruction's root failure. */
+static int matches_spec(ctx_t *c, const agent_tensor_t *t, const spec_t *sp, const char *what,
+                        ref_failure_t *why) {
+  tensor_meta_t m;
+  meta_of_spec(sp, &m);
+  if (same_meta(&t->meta, &m)) return 0;
+  meshd_error_t e;
+  char field[64], actual[64];
+  snprintf(field, sizeof field, "%s: the instruction's input", what);
+  snprintf(actual, sizeof actual, "tensor %llu on this agent", (unsigned long long)sp->ref);
+  differs(&e, field, &m, actual, &t->meta);
+  why->kind = ERR_REMOTE_FAILURE;
+  why->root_seq = c->ins->seq;
+  why->root_ref = sp->ref;
+  snprintf(why->msg, sizeof why->msg, "%s", e.msg);
+  return -1;
 }
 
+/* Rules of the instruction alone (shapes, dtypes, the group, the result the
+ * reduction gives) were checked before it was queued (validate.h): every
+ * member gets the same instruction, so all of them agree on that outcome and
+ * none is left waiting in the collective. What this agent holds is checked
+ * here; a mismatch counts as a failed input, which still takes part (as
+ * zeros) so that the peers are not left waiting either. */
 static void run_reduce(ctx_t *c) {
   const Meshd__Agent__V1__ReduceOp *ro = c->ins->reduce;
   const Meshd__V1__Reduce *r = ro->reduce;
-  uint64_t res_ref = ro->result ? ro->result->ref : 0;
+  uint64_t res_ref = ro->result->ref;
   meshd_error_t e = {0};
   agent_tensor_t in = {0}, work = {0}, res = {0}, target = {0};
   ref_failure_t why = {0};
@@ -478,20 +520,28 @@ static void run_reduce(ctx_t *c) {
   meta_of_spec(ro->input, &im);
   meta_of_spec(ro->result, &rm);
   reduction_t red = reduction_parse(r->reduction);
+  bool in_place = r->inplace, into_out = r->out && res_ref == r->out;
+  if (!in_place && !into_out && check_fresh(c, res_ref, "Reduce", &e)) {
+    report(c, e.kind, e.msg, res_ref);
+    return;
+  }
   /* The generation first: a peer lost after it fails the collective itself. */
   uint64_t since = c->b && c->b->net ? dataplane_generation(c->b->net) : 0;
-  if (need_backend(c, "Reduce", &e) || check_reduce(r, red, ro->group->n_ranks, &im, &rm, &e) ||
+  if (need_backend(c, "Reduce", &e) ||
       session_state_check_peers(c->s, ro->group->ranks, ro->group->n_ranks, c->ins->seq,
                                 "Reduce", &e))
     goto fail;
-  int got = session_state_get(c->s, c->ins->stream, c->bs, ro->input->ref, &in, &why);
-  int failed = got != 0;
+  int got =
+      session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ro->input->ref, &in, &why);
   if (got < 0) {
     why.kind = ERR_REMOTE_FAILURE;
     why.root_seq = c->ins->seq;
     snprintf(why.msg, sizeof why.msg, "Reduce: tensor %llu is not on the agent",
              (unsigned long long)ro->input->ref);
+  } else if (got == 0 && matches_spec(c, &in, ro->input, "Reduce", &why)) {
+    got = 1;
   }
+  int failed = got != 0;
   meshd_error_t fault = {0};
   int inj = injected(c, "reduce", "Reduce", &fault);
   if (inj < 0) {
@@ -506,13 +556,23 @@ static void run_reduce(ctx_t *c) {
     e = fault;
     goto fail;
   }
-  if ((r->inplace && got == 0) || r->out) {
-    if (r->inplace && got == 0) {
+  if (failed && got != 0 && why.root_seq == c->ins->seq) { /* this instruction's own failure */
+    error_set(&e, ERR_REMOTE_FAILURE, "%s", why.msg);
+    goto fail;
+  }
+  if ((in_place && got == 0) || r->out) {
+    if (in_place && got == 0) {
       target = in;
       storage_retain(target.storage);
-    } else if (session_state_get(c->s, c->ins->stream, c->bs, r->out, &target, NULL) != 0) {
+    } else if (session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, r->out, &target,
+                                 NULL) != 0) {
       error_set(&e, ERR_REMOTE_FAILURE, "Reduce: out tensor %llu is not usable on the agent",
                 (unsigned long long)r->out);
+      goto fail;
+    } else if (!same_meta(&target.meta, &rm)) {
+      char what[64];
+      snprintf(what, sizeof what, "Reduce: out tensor %llu", (unsigned long long)r->out);
+      differs(&e, what, &target.meta, "the result", &rm);
       goto fail;
     }
     agent_tensor_t view = {.meta = target.meta, .storage = res.storage};
@@ -529,7 +589,7 @@ static void run_reduce(ctx_t *c) {
       snprintf(f.msg, sizeof f.msg, "Reduce: the input failed on another member of the group");
       refs_fail(&c->s->refs, res_ref, &f);
     }
-  } else if (res_ref) {
+  } else {
     refs_put(&c->s->refs, res_ref, &target);
   }
   goto out;
@@ -549,17 +609,29 @@ static void run_send(ctx_t *c) {
   ref_failure_t why = {0};
   uint64_t res_ref = st->result ? st->result->ref : 0;
   int got = -1;
+  if (res_ref && check_fresh(c, res_ref, "ToMesh", &e)) {
+    report(c, e.kind, e.msg, res_ref);
+    return;
+  }
   if (need_backend(c, "ToMesh", &e)) goto fail;
   if (st->input) {
-    got = session_state_get(c->s, c->ins->stream, c->bs, st->input->ref, &in, &why);
+    got = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, st->input->ref, &in,
+                            &why);
     if (got < 0) {
       why.kind = ERR_REMOTE_FAILURE;
       why.root_seq = c->ins->seq;
       snprintf(why.msg, sizeof why.msg, "ToMesh: tensor %llu is not on the agent",
                (unsigned long long)st->input->ref);
+    } else if (got == 0 && matches_spec(c, &in, st->input, "ToMesh", &why)) {
+      got = 1;
     }
   }
+  bool own = got != 0 && why.root_seq == c->ins->seq; /* failed here, not upstream */
   if (st->input && st->result) { /* same agent: a deep copy */
+    if (own) {
+      error_set(&e, ERR_REMOTE_FAILURE, "%s", why.msg);
+      goto fail;
+    }
     if (got != 0) {
       dependent_failure(c, &res_ref, 1, st->input->ref, &why);
       goto out;
@@ -595,6 +667,8 @@ static void run_send(ctx_t *c) {
   if (inj > 0) { /* a sender's: the receiver gets the failure flag, the server the root */
     report(c, fault.kind, fault.msg, 0);
     got = 1;
+  } else if (own && st->input) { /* likewise */
+    report(c, why.kind, why.msg, 0);
   }
   tensor_meta_t m;
   meta_of_spec(st->input ? st->input : st->result, &m);
@@ -653,4 +727,12 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND: run_send(&c); break;
     default: break;
   }
+}
+
+void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V1__Instruction *ins,
+                 const meshd_error_t *why, run_failures_t *out) {
+  ctx_t c = {env, s, ins, env->backend, NULL, out};
+  uint64_t refs[OP_MAX_RESULTS + 1];
+  size_t n = validate_result_refs(ins, refs, sizeof refs / sizeof refs[0]);
+  root_failure(&c, refs, n, why);
 }

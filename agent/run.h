@@ -62,5 +62,10 @@ typedef struct run_failures {
  * What failed is appended to *out (which the caller zeroed). */
 void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t *bs,
                      const Meshd__Agent__V1__Instruction *ins, run_failures_t *out);
+/* ins failed validation (validate.h) with *why: instead of running, it fails
+ * the refs it would define (validate_result_refs) with why as their root
+ * failure, which is appended to *out. */
+void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V1__Instruction *ins,
+                 const meshd_error_t *why, run_failures_t *out);
 
 #endif

@@ -24,7 +24,8 @@ struct pending_def {
 };
 
 struct borrow_record {
-  uint64_t id, from_stream, to_stream, last_use_seq;
+  uint64_t id, from_stream, to_stream;
+  uint64_t last_use_seq, last_use_stream; /* the LAST_USE instruction, as it ran */
   UT_hash_handle hh;
 };
 
@@ -170,6 +171,7 @@ void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instru
       add_def_locked(s, b->result, ins->stream, ins->seq);
     } else if (b->phase == MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE && r) {
       r->last_use_seq = ins->seq;
+      r->last_use_stream = ins->stream;
     }
   } else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SEND) {
     const Meshd__Agent__V1__SendTensor *t = ins->send;
@@ -180,8 +182,8 @@ void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instru
 }
 
 void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq, uint64_t waiter,
-                               backend_stream_t *wbs) {
-  if (stream == waiter) return;
+                               uint64_t waiter_seq, backend_stream_t *wbs) {
+  if (stream == waiter || seq >= waiter_seq) return;
   pthread_mutex_lock(&s->mu);
   stream_progress_t *p = NULL;
   HASH_FIND(hh, s->streams, &stream, sizeof stream, p);
@@ -202,14 +204,14 @@ void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq
   }
 }
 
-int session_state_get(session_state_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
-                      agent_tensor_t *out, ref_failure_t *why) {
+int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
+                      uint64_t ref, agent_tensor_t *out, ref_failure_t *why) {
   pthread_mutex_lock(&s->mu);
   pending_def_t *d = NULL;
   HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
   uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
   pthread_mutex_unlock(&s->mu);
-  if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, bs);
+  if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, seq, bs);
   return refs_get(&s->refs, ref, out, why);
 }
 
@@ -224,7 +226,7 @@ void session_state_forget_def(session_state_t *s, uint64_t ref) {
   pthread_mutex_unlock(&s->mu);
 }
 
-void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream,
+void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream, uint64_t seq,
                               backend_stream_t *bs) {
   pthread_mutex_lock(&s->mu);
   borrow_record_t *r = NULL;
@@ -232,7 +234,8 @@ void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stre
   if (r) HASH_DEL(s->borrows, r);
   pthread_mutex_unlock(&s->mu);
   /* The origin waits for the borrower's last use (on the device too). */
-  if (r && r->last_use_seq) session_state_wait_stream(s, r->to_stream, r->last_use_seq, stream, bs);
+  if (r && r->last_use_seq)
+    session_state_wait_stream(s, r->last_use_stream, r->last_use_seq, stream, seq, bs);
   free(r);
 }
 

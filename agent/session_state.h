@@ -7,7 +7,7 @@
  *   stream_progress_t *p = session_state_add_stream(s, stream);    // executor, routing
  *   session_state_note_order(s, ins);                          // executor, routing
  *   session_state_stream_ready(s, p, bs); ... session_state_queued(s, p, seq);   // worker
- *   session_state_get(s, stream, bs, ref, &t, &why);           // run.c
+ *   session_state_get(s, stream, seq, bs, ref, &t, &why);      // run.c
  *
  * Ordering between streams. Instructions run on one worker per (session,
  * stream). A ref defined on stream A (a borrow handle, a to_mesh result) and
@@ -114,23 +114,27 @@ bool session_state_wait_lost(session_state_t *s, int timeout_ms);
  * for every instruction of the session in seq order, as it routes it. */
 void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instruction *ins);
 
-/* Orders the waiter's stream (id `waiter`, backend stream `wbs`) after seq of
- * `stream`: blocks until that stream's worker queued seq, then, on backends
- * with events, makes wbs wait on the device for what was queued. No-op when
- * `stream` is the waiter or is not a stream of the session. */
+/* Orders the waiter's stream (id `waiter`, running instruction `waiter_seq`,
+ * backend stream `wbs`) after seq of `stream`: blocks until that stream's
+ * worker queued seq, then, on backends with events, makes wbs wait on the
+ * device for what was queued. No-op when `stream` is the waiter or is not a
+ * stream of the session, and when seq is not before waiter_seq: an
+ * instruction never waits for one sent after it (a server never asks that;
+ * a corrupt instruction stream that did would deadlock two streams). */
 void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq, uint64_t waiter,
-                               backend_stream_t *wbs);
-/* refs_get for a worker on `stream` (backend stream bs), ordered after the
- * stream that defines ref when that is another one. Returns as refs_get. */
-int session_state_get(session_state_t *s, uint64_t stream, backend_stream_t *bs, uint64_t ref,
-                      agent_tensor_t *out, ref_failure_t *why);
+                               uint64_t waiter_seq, backend_stream_t *wbs);
+/* refs_get for instruction `seq` on `stream` (backend stream bs), ordered
+ * after the stream that defines ref when that is another one. Returns as
+ * refs_get. */
+int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
+                      uint64_t ref, agent_tensor_t *out, ref_failure_t *why);
 /* ref is gone (deleted, or a borrow handle past its last use): readers no
  * longer order after its defining stream. */
 void session_state_forget_def(session_state_t *s, uint64_t ref);
-/* Borrow `borrow` is dropped on the origin stream (`stream`, backend stream
- * bs): forgets its record and orders the origin after the borrower's last
- * use. Unknown borrows are a no-op. */
-void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream,
+/* Borrow `borrow` is dropped by instruction `seq` on the origin stream
+ * (`stream`, backend stream bs): forgets its record and orders the origin
+ * after the borrower's last use. Unknown borrows are a no-op. */
+void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream, uint64_t seq,
                               backend_stream_t *bs);
 
 #endif

@@ -253,17 +253,57 @@ out:
   return rc;
 }
 
+/* Agents take data only for sessions open on them (docs/protocol.md): a
+ * StatusRequest of the session opens it on each rank, ahead of the writes
+ * (the agent waits briefly for it when the write overtakes it), and marks the
+ * rank touched so that EndSession closes it there. */
+static void upload_open(upload_t *u) {
+  Meshd__Agent__V1__StatusRequest sr = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  session_t *s = u->session;
+  ins.session_id = s->id;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
+  ins.status = &sr;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = objects_of(s);
+  for (size_t i = 0; o && i < u->nranks; i++) {
+    uint64_t seq = 0;
+    if (agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0) objects_sent(o, u->ranks[i], seq, 0);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* A write failed: the ranks written before it let go of the ref (which the
+ * session never claimed, so a later command may define it). Holds s->mu. */
+static void upload_undo(upload_t *u, objects_t *o, size_t written) {
+  Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.session_id = u->session->id;
+  ins.stream = u->stream;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
+  ins.delete_refs = &d;
+  d.refs = &u->ref;
+  d.n_refs = 1;
+  for (size_t i = 0; i < written; i++) {
+    uint64_t seq = 0;
+    if (agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0) objects_sent(o, u->ranks[i], seq, 0);
+  }
+}
+
 static void *upload_main(void *arg) {
   upload_t *u = arg;
   meshd_error_t e = {0};
   int rc = 0;
-  for (size_t i = 0; rc == 0 && i < u->nranks; i++)
-    rc = write_rank(u, u->ranks[i], u->buf + (u->per_rank ? i * u->each : 0), &e);
+  size_t written = 0;
+  upload_open(u);
+  for (; rc == 0 && written < u->nranks; written++)
+    rc = write_rank(u, u->ranks[written], u->buf + (u->per_rank ? written * u->each : 0), &e);
   session_t *s = u->session;
   obj_t *t = NULL;
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
+  if (rc != 0 && o) upload_undo(u, o, written);
   /* Checked again: the session's other commands ran meanwhile. */
   if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0 &&
       command_check_limits(s, o, OBJ_TENSOR, 1, "Upload", &e) == 0) {

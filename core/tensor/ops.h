@@ -171,5 +171,12 @@ dtype_t ops_result_type(const op_value_t *const *vals, size_t n);
  * type's tag so this header needs no generated include.) */
 struct Meshd__V1__Arg;
 int op_value_from_arg(const struct Meshd__V1__Arg *a, op_value_t *v);
+/* A Factory as it travels, bound to its catalogue op (kind "zeros" binds
+ * zeros(size, dtype=...), "arange" its start/end/step, "rank" its dim):
+ * 0, or -1 with e (BAD_ARGUMENT: a kind that is no factory, an unknown
+ * dtype, or ops_bind's refusal, prefixed "Factory "). *out borrows f's
+ * shape and dim, so f must outlive it; ops_infer gives the result. */
+struct Meshd__V1__Factory;
+int ops_bind_factory(const struct Meshd__V1__Factory *f, op_args_t *out, meshd_error_t *e);
 
 #endif

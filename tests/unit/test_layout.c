@@ -72,6 +72,13 @@ Test(layout, byte_limit_is_two_to_the_62) {
   cr_assert_eq(layout_check_shape("t", (int64_t[]){INT64_MAX, 2}, 2, 1, &e), -1);
   cr_assert_eq(layout_check_shape("t", (int64_t[]){(int64_t)1 << 62}, 1, 1, &e), 0);
   cr_assert_eq(layout_check_shape("t", (int64_t[]){((int64_t)1 << 62) + 1}, 1, 1, &e), -1);
+  /* a zero size makes an empty tensor, but its strides (the product of the
+   * other sizes) must still fit: found by fuzz_agent_instructions, where
+   * zeros([0, 2^63-1, 2]) overflowed layout_make_contiguous */
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){(int64_t)1 << 40, 0}, 2, 4, &e), 0);
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){INT64_MAX, INT64_MAX, 0}, 3, 8, &e), -1);
+  assert_msg_has(&e, "exceeds 2^62 bytes");
+  cr_assert_eq(layout_check_shape("t", (int64_t[]){0, INT64_MAX, 2}, 3, 4, &e), -1);
   /* any zero size makes an empty tensor, but its strides must still fit (torch's
    * "Stride calculation overflowed"; found by tests/fuzz/fuzz_shapes) */
   cr_assert_eq(layout_check_shape("t", (int64_t[]){g, g, 0}, 3, 4, &e), 0);

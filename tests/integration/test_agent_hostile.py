@@ -1,0 +1,263 @@
+"""Agents validate every instruction, Read and Write (issue 13): raw grpcio stubs
+call an agent's Agent/Read, Agent/Write and Agent/Execute directly with hostile
+messages; each gets a clear error, nothing is stored, and the agent stays up and
+keeps computing.
+
+AUTH: agents will serve Execute, Read and Write only to the server they
+registered with, which sends the secret agreed at registration as metadata on
+every call. Once that lands, AGENT_MD below must carry that secret (and a
+stranger's calls, without it, get UNAUTHENTICATED instead of reaching the checks
+this module tests)."""
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import meshd_testlib as lib
+from meshd_testlib import Ref, Session
+from test_compute import fetch, op, upload
+
+# AUTH: the metadata a server sends to its agents, e.g. (("meshd-agent-secret", SECRET),).
+AGENT_MD = ()
+
+_AGENT = "/meshd.agent.v1.Agent/"
+BIG = 1 << 31
+
+_agent_pb2 = None
+
+
+def apb():
+    """meshd.agent.v1 messages, generated next to testlib's flat tensor_service_pb2
+    (agent.proto's import made flat too, so no top-level `meshd` package shadows the
+    Python client)."""
+    global _agent_pb2
+    if _agent_pb2 is None:
+        import importlib
+        import os
+        import subprocess
+        import tempfile
+        lib.tensor_pb2()
+        src = os.path.join(lib.SOURCE_DIR, "api", "meshd", "agent", "v1", "agent.proto")
+        tmp = tempfile.mkdtemp(prefix="meshd-it-agent-")
+        with open(src) as f:
+            text = f.read().replace('import "meshd/v1/tensor_service.proto";',
+                                    'import "tensor_service.proto";')
+        with open(os.path.join(tmp, "agent.proto"), "w") as f:
+            f.write(text)
+        subprocess.run(["protoc", "--proto_path=" + tmp,
+                        "--proto_path=" + os.path.join(lib.SOURCE_DIR, "api", "meshd", "v1"),
+                        "--python_out=" + lib._gen_dir, os.path.join(tmp, "agent.proto")],
+                       check=True)
+        _agent_pb2 = importlib.import_module("agent_pb2")
+    return _agent_pb2
+
+
+def spec(ref, shape, dtype="float32"):
+    return apb().TensorSpec(ref=ref, shape=list(shape), dtype=lib.dtype(dtype))
+
+
+def agent_write(ch, session, sp, data, timeout=20):
+    A = apb()
+    fn = ch.stream_unary(_AGENT + "Write", request_serializer=lambda m: m.SerializeToString(),
+                         response_deserializer=A.WriteReply.FromString)
+    msgs = [A.DataChunk(session_id=session, spec=sp)]
+    msgs += [A.DataChunk(session_id=session, data=data[i:i + (1 << 20)])
+             for i in range(0, len(data), 1 << 20)]
+    return fn(iter(msgs), metadata=AGENT_MD, timeout=timeout)
+
+
+def agent_read(ch, session, ref, after_seq=0, timeout=20):
+    A = apb()
+    fn = ch.unary_stream(_AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
+                         response_deserializer=A.DataChunk.FromString)
+    data = bytearray()
+    for c in fn(A.ReadRequest(session_id=session, ref=ref, after_seq=after_seq),
+                metadata=AGENT_MD, timeout=timeout):
+        if c.WhichOneof("part") == "data":
+            data += c.data
+    return bytes(data)
+
+
+def refused(fn, code, *needles):
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    assert e.value.code() == code, f"{e.value.code()}: {e.value.details()}"
+    for n in needles:
+        assert n in e.value.details(), f"{e.value.details()!r} lacks {n!r}"
+    return e.value
+
+
+def computes(s, m, value):
+    """The session still computes on every rank of mesh m."""
+    a = np.full((2, 3), value, np.float32)
+    x = upload(s, m, a)
+    y = op(s, "add", Ref(x), Ref(x))
+    for g in range(2):
+        np.testing.assert_array_equal(fetch(s, y, gpu=g), 2 * a)
+
+
+def test_hostile_reads_and_writes_store_nothing_and_the_agents_compute_on(shared_meshd):
+    srv = shared_meshd(2)
+    with Session(srv.port, "hostile-data") as s:
+        m = s.mesh(gpu=2).ref
+        computes(s, m, 1.5)
+        agents = lib.list_agents(srv.port)
+        ch = grpc.insecure_channel(agents[0].address)
+        held = agents[0].allocated_bytes
+        code = grpc.StatusCode
+
+        # Sessions the server never opened on the agent: nothing is kept. 20 x 1 MiB
+        # at once (the report's 176 MB stayed on the agent for good).
+        errors = []
+
+        def invent(i):
+            try:
+                agent_write(ch, f"invented{i:02d}", spec(1, [1 << 18]), bytes(1 << 20))
+                errors.append(None)
+            except grpc.RpcError as e:
+                errors.append(e)
+        threads = [threading.Thread(target=invent, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(e is not None and e.code() == code.FAILED_PRECONDITION for e in errors), \
+            [e and (e.code(), e.details()) for e in errors]
+        assert "is not open on this agent" in errors[0].details()
+        refused(lambda: agent_read(ch, "invented00", 1), code.NOT_FOUND,
+                "session invented00 is not open on this agent")
+
+        # The right session, wrong bytes or specs: refused, naming the numbers.
+        refused(lambda: agent_write(ch, s.id, spec(900, [4]), bytes(17)), code.INVALID_ARGUMENT,
+                "got at least 17 bytes for tensor 900, which needs 16")
+        refused(lambda: agent_write(ch, s.id, spec(901, [4]), bytes(3)), code.INVALID_ARGUMENT,
+                "got 3 bytes for tensor 901, which needs 16")
+        refused(lambda: agent_write(ch, s.id, spec(902, [BIG, BIG, BIG]), bytes(4)),
+                code.INVALID_ARGUMENT, "Write.spec.shape", "exceeds 2^62 bytes")
+        refused(lambda: agent_write(ch, s.id, apb().TensorSpec(ref=903, shape=[4], dtype=99),
+                                    bytes(16)), code.INVALID_ARGUMENT, "unknown dtype 99")
+        refused(lambda: agent_write(ch, "bad id\x01", spec(904, [4]), bytes(16)),
+                code.INVALID_ARGUMENT, "session_id")
+        for ref in (900, 901, 902, 903):
+            refused(lambda: agent_read(ch, s.id, ref), code.NOT_FOUND, f"ref {ref}")
+
+        # Reads for seqs never sent, and for nonsense sessions, take no thread.
+        refused(lambda: agent_read(ch, s.id, 1, after_seq=1 << 40), code.FAILED_PRECONDITION,
+                "far beyond")
+        refused(lambda: agent_read(ch, "x" * 100, 1), code.INVALID_ARGUMENT, "session_id")
+
+        # Nothing of that is held, and the agents compute on.
+        time.sleep(1.2)  # the next report carries allocated_bytes (polled every second)
+        after = lib.list_agents(srv.port)[0]
+        assert after.healthy and after.allocated_bytes <= held, (held, after.allocated_bytes)
+        computes(s, m, -2.0)
+        ch.close()
+
+
+def test_hostile_instructions_fail_cleanly_and_the_agent_computes_on(meshd_server, agent):
+    # The agent registers (the server's Hello gives it its rank), then its server
+    # stops: the raw Execute call below is then the only one (one server drives an
+    # agent; a second call would replace the server's and the server would win the
+    # agent back when it re-registers).
+    srv = meshd_server(0)
+    ag = agent(srv.port)
+    info = lib.wait_agents(srv.port, lambda a: len(a) == 1 and a[0].healthy)[0]
+    lib.stop(srv)
+    A = apb()
+    ch = grpc.insecure_channel(ag.address)
+    sess = "0123456789abcdef0123456789abcdef"
+    batches = []
+    reports = []
+    done = threading.Event()
+    seq = [0]
+
+    def ins(**body):
+        seq[0] += 1
+        return A.Instruction(seq=seq[0], session_id=sess, **body)
+
+    def requests():
+        while True:
+            b = batches.pop(0) if batches else None
+            if b is None:
+                if done.is_set():
+                    return
+                time.sleep(0.01)
+                continue
+            yield b
+
+    def executed(through, timeout=10):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if reports and reports[-1].executed_through >= through:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"the agent did not execute through {through}: {reports[-1:]}")
+
+    stream = ch.stream_stream(_AGENT + "Execute",
+                              request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=A.AgentReport.FromString)
+    # AUTH: metadata=AGENT_MD carries the registration secret once agents require it.
+    call = stream(requests(), metadata=AGENT_MD, timeout=60)
+    ended = []
+
+    def read_reports():
+        try:
+            for r in call:
+                reports.append(r)
+            ended.append(None)
+        except grpc.RpcError as e:
+            ended.append(e)
+    reader = threading.Thread(target=read_reports, daemon=True)
+    reader.start()
+
+    T = lib.tensor_pb2()
+    group1 = A.Group(ranks=[info.rank], addresses=["127.0.0.1:1"], comm_id=7)
+    group2 = A.Group(ranks=[info.rank, info.rank], addresses=["127.0.0.1:1", "127.0.0.1:2"],
+                     comm_id=7)
+    big = [BIG, BIG, BIG]
+    batches.append(A.InstructionBatch(instructions=[
+        ins(factory=A.FactoryOp(factory=T.Factory(ref=1, kind="ones", shape=[4],
+                                                  dtype=lib.dtype("float32")),
+                                result=spec(1, [4]))),
+        # The report's crash: a one-member reduce planting a [2^31]^3 tensor.
+        ins(reduce=A.ReduceOp(reduce=T.Reduce(reduction="sum", input=1, ref=2),
+                              input=spec(1, big), result=spec(2, big), group=group1)),
+        ins(reduce=A.ReduceOp(reduce=T.Reduce(reduction="sum", input=1, ref=3),
+                              input=spec(1, [4]), result=spec(3, [4]), group=group2)),
+        ins(call=A.OpCall(op="add", args=[T.Arg(ref=1), T.Arg(ref=1)], results=[spec(4, [5])])),
+        ins(call=A.OpCall(op="no_such_op", results=[spec(5, [4])])),
+        ins(borrow=A.BorrowOp(phase=9, borrow=1, tensor=1, result=6)),
+        ins(factory=A.FactoryOp(factory=T.Factory(ref=7, kind="zeros", shape=[-1]),
+                                result=spec(7, [4]))),
+        ins(send=A.SendTensor(input=spec(1, [4]), to_rank=info.rank + 1,
+                              from_rank=info.rank + 5)),
+        ins(call=A.OpCall(op="mul", args=[T.Arg(ref=1), T.Arg(f=3.0)], results=[spec(8, [4])])),
+    ]))
+    executed(seq[0])
+    errors = {e.seq: e.message for r in reports for e in r.errors}
+    time.sleep(0.3)
+    errors.update({e.seq: e.message for r in reports for e in r.errors})
+    assert "ReduceOp.input.shape" in errors.get(2, "") and "exceeds 2^62 bytes" in errors[2], errors
+    assert "listed twice" in errors.get(3, ""), errors
+    assert "results[0] is float32 [5]" in errors.get(4, ""), errors
+    assert "unknown op 'no_such_op'" in errors.get(5, ""), errors
+    assert "unknown phase 9" in errors.get(6, ""), errors
+    assert "negative size -1" in errors.get(7, ""), errors
+    assert "a send from rank" in errors.get(8, ""), errors
+    assert 9 not in errors, errors
+
+    # Reading the planted result is a clear error, not a SIGFPE; the rest reads fine.
+    refused(lambda: agent_read(ch, sess, 2, after_seq=2), grpc.StatusCode.ABORTED,
+            "exceeds 2^62 bytes")
+    assert np.frombuffer(agent_read(ch, sess, 8, after_seq=seq[0]), np.float32).tolist() == [3.0] * 4
+
+    batches.append(A.InstructionBatch(instructions=[ins(end_session=A.EndSession())]))
+    executed(seq[0])
+    done.set()
+    reader.join(10)
+    assert ended == [None], f"the Execute call ended with {ended}"
+    assert ag.proc.poll() is None, "the agent died"
+    ch.close()
