@@ -96,6 +96,8 @@ static void wait_drained(rpc_call_t *call, size_t below) {
   }
   pthread_cond_destroy(&w.cv);
   pthread_mutex_destroy(&w.mu);
+}
+
 static _Atomic int read_waiting, write_waiting, read_threads;
 
 int data_read_threads(void) { return atomic_load(&read_threads); }
