@@ -96,9 +96,23 @@ def _generate():
                              (os.path.join(api, "meshd", "v1"), "tensor_service.proto")):
         subprocess.run(["protoc", "--proto_path=" + proto_path, "--python_out=" + _gen_dir,
                         os.path.join(proto_path, name)], check=True)
+    # The agent-side protos flat as well: agent.proto's import of
+    # meshd/v1/tensor_service.proto is rewritten to the flat file generated above.
+    for rel, name in (("meshd/v1/agent_registry.proto", "agent_registry.proto"),
+                      ("meshd/agent/v1/agent.proto", "agent.proto")):
+        with open(os.path.join(api, rel)) as f:
+            text = f.read().replace('import "meshd/v1/tensor_service.proto";',
+                                    'import "tensor_service.proto";')
+        with open(os.path.join(_gen_dir, name), "w") as f:
+            f.write(text)
+        subprocess.run(["protoc", "--proto_path=" + _gen_dir,
+                        "--proto_path=" + os.path.join(api, "meshd", "v1"),
+                        "--python_out=" + _gen_dir, os.path.join(_gen_dir, name)], check=True)
     sys.path.insert(0, _gen_dir)
     _pb["health"] = importlib.import_module("health_pb2")
     _pb["tensor"] = importlib.import_module("tensor_service_pb2")
+    _pb["registry"] = importlib.import_module("agent_registry_pb2")
+    _pb["agent"] = importlib.import_module("agent_pb2")
 
 
 def health_pb2():
@@ -111,6 +125,20 @@ def tensor_pb2():
     if not _pb:
         _generate()
     return _pb["tensor"]
+
+
+def registry_pb2():
+    """meshd.v1.AgentRegistry's messages (agent_registry.proto)."""
+    if not _pb:
+        _generate()
+    return _pb["registry"]
+
+
+def agent_pb2():
+    """meshd.agent.v1.Agent's messages (agent.proto)."""
+    if not _pb:
+        _generate()
+    return _pb["agent"]
 
 
 def status_name(value):
