@@ -38,6 +38,11 @@ typedef struct agent {
    * losses (0: never lost) and when. */
   uint64_t lost_no;
   int64_t lost_unix_ms;
+  /* An agent that asked for its rank by number keeps it from agents that ask
+   * for any rank until then (kept across the memsets): its replacement, which
+   * asks for the same number, finds it free. */
+  bool asked;
+  int64_t reserved_until_ms;
 } agent_t;
 
 struct agent_pool {
@@ -240,8 +245,14 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
     }
     rank = requested;
   } else {
+    /* The lowest free rank not reserved for a replacement; else the lowest free. */
+    int64_t now = unix_ms();
     size_t i = 0;
-    while (i < p->cap && p->agents[i].used) i++;
+    while (i < p->cap && (p->agents[i].used || p->agents[i].reserved_until_ms > now)) i++;
+    if (i >= (size_t)p->max_agents) {
+      i = 0;
+      while (i < p->cap && p->agents[i].used) i++;
+    }
     if (i >= (size_t)p->max_agents) {
       snprintf(err, errlen, "the pool is full: %d agents registered (--max-agents %d)",
                p->max_agents, p->max_agents);
@@ -261,6 +272,7 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
   a->lost_no = lost_no;
   a->lost_unix_ms = lost_ms;
   a->used = true;
+  a->asked = requested >= 0;
   a->d = *d;
   a->registered_unix_ms = unix_ms();
 out:
@@ -282,10 +294,12 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
     /* Sends take the pool lock, so the link's last seq is final here. */
     uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor, lost_no = a->lost_no;
     int64_t lost_ms = a->lost_unix_ms;
+    int64_t reserved = a->asked ? unix_ms() + AGENT_POOL_RESERVE_MS : 0;
     memset(a, 0, sizeof *a);
     a->seq_floor = floor;
     a->lost_no = lost_no;
     a->lost_unix_ms = lost_ms;
+    a->reserved_until_ms = reserved;
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);

@@ -76,7 +76,13 @@ int agent_pool_max_agents(agent_pool_t *pool);
  * plaintext). Copied; the strings must outlive the pool. Before any agent. */
 void agent_pool_set_agent_tls(agent_pool_t *pool, const rpc_tls_t *tls);
 
-/* Admits an agent: rank `requested` if >= 0 and free, else the lowest free rank.
+/* How long a rank stays kept, after its agent left, from agents that ask for
+ * any rank, when that agent had asked for it by number (--rank). */
+#define AGENT_POOL_RESERVE_MS 10000
+
+/* Admits an agent: rank `requested` if >= 0 and free, else the lowest free rank
+ * (one whose last agent asked for it by number and left less than
+ * AGENT_POOL_RESERVE_MS ago only when no other is free).
  * Returns the rank, or -1 with a message in err when the requested rank is held
  * by another live agent, the id is already registered, or the rank would be
  * max_agents or more (the message names --max-agents). */

@@ -9,7 +9,8 @@ bogus registrations authenticate: the worst case, an insider or a leaked token)
 and one real agent at rank 0. Each round SIGKILLs the agent, opens --bogus
 RegisterAgent calls whose address is unreachable, and starts a new agent at
 rank 0; the figure is the time from the new agent's start to rank 0 healthy in
-ListAgents. A bogus call that the server ends is opened again at once, so that
+ListAgents. Bogus caller i asks for rank i + 1 (--any-rank: any free rank, so they
+also race the real agent for its vacated rank). A bogus call that the server ends is opened again at once, so that
 --bogus stay in flight for the whole round (--once: each registers once, a burst).
 
 Unreachable (--target): `tarpit` (default) is a local port that accepts TCP
@@ -63,8 +64,9 @@ class Tarpit:
 class Bogus:
     """n RegisterAgent calls kept in flight (re-opened as soon as one ends)."""
 
-    def __init__(self, server, n, address, token, once=False):
+    def __init__(self, server, n, address, token, once=False, any_rank=False):
         self.server, self.address, self.token, self.once = server, address, token, once
+        self.any_rank = any_rank
         self.stop = threading.Event()
         self.opened = 0
         self.codes = {}
@@ -85,7 +87,7 @@ class Bogus:
             k += 1
             hello = reg.AgentToServer(hello=reg.RegisterRequest(
                 agent_id=f"bogus-{i}-{k}-{os.getpid()}", address=self.address, device="cpu",
-                requested_rank=-1, call_secret="0" * 64))
+                requested_rank=-1 if self.any_rank else 1 + i, call_secret="0" * 64))
             done = self.stop
 
             def reqs():
@@ -138,6 +140,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--target", choices=("tarpit", "refused", "blackhole"), default="tarpit")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--any-rank", action="store_true",
+                    help="bogus callers ask for any free rank (they then race the real agent "
+                         "for its vacated rank 0) rather than ranks 1..N")
     ap.add_argument("--once", action="store_true",
                     help="each bogus caller registers once per round (a burst), not again and again")
     a = ap.parse_args()
@@ -181,7 +186,7 @@ def main():
             os.kill(ag.pid, signal.SIGKILL)
             ag.proc.wait(10)
             assert wait_rank(srv.port, lambda x: x is None or x.agent_id != old, 20)
-            bogus = Bogus(server, a.bogus, address, token, a.once) if a.bogus else None
+            bogus = Bogus(server, a.bogus, address, token, a.once, a.any_rank) if a.bogus else None
             time.sleep(0.3)  # let them reach the server
             t0 = time.monotonic()
             ag = start_agent()
@@ -198,7 +203,8 @@ def main():
     finally:
         lib.stop(ag)
         lib.stop(srv)
-    print(json.dumps({"bogus": a.bogus, "target": a.target, "once": a.once, "token": bool(token),
+    print(json.dumps({"bogus": a.bogus, "target": a.target, "once": a.once,
+                      "any_rank": a.any_rank, "token": bool(token),
                       "rounds": len(times), "median_s": round(statistics.median(times), 3),
                       "max_s": round(max(times), 3)}), flush=True)
 

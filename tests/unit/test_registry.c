@@ -319,6 +319,23 @@ Test(registry, a_dead_agents_rank_is_not_taken_without_the_token) {
   cr_assert_eq(agent_pool_size(pool), 0);
 }
 
+Test(registry, a_rank_asked_for_by_number_waits_for_its_replacement) {
+  start_registry(8, true, false);
+  reg_call_t c;
+  reg_open(&c, TOKEN, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(c.rank, 0);
+  reg_close(&c); /* rank 0's agent dies */
+  int64_t end = rpc_now_ms() + 5000;
+  while (agent_pool_size(pool) > 0 && rpc_now_ms() < end) usleep(2000);
+  reg_call_t any, replacement;
+  reg_open(&any, TOKEN, "agent-any", fake.target, -1, SECRET);
+  cr_assert_eq(any.rank, 1, "an agent asking for any rank took the dead one's (%d)", any.rank);
+  reg_open(&replacement, TOKEN, "agent-a2", fake.target, 0, SECRET);
+  cr_assert_eq(replacement.rank, 0, "%d %s", replacement.st.code, replacement.st.message);
+  reg_close(&any);
+  reg_close(&replacement);
+}
+
 /* ---------------------------------------------------------------- dial-backs */
 
 /* An "agent" whose Hello never answers: each dial-back to it takes the whole
