@@ -45,7 +45,7 @@ extern _Atomic int64_t agent_rank;
  * (it must outlive the server), guarded by agent_auth_guard. */
 const rpc_method_t *agent_service_methods(size_t *n);
 
-/* ---- auth.c: who may call the Agent service ------------------------------ */
+/* ---- call_secret.c: who may call the Agent service ------------------------ */
 
 /* A fresh call secret for a registration attempt (SECRET_HEX_LEN hex + NUL into
  * out): from now on only calls that carry it (metadata SECRET_AGENT_MD) are
