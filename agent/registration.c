@@ -118,6 +118,8 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
       .keepalive_ms = 1000,
       .keepalive_timeout_ms = 1000,
       .own_connection = true,
+      /* A TLS handshake on a busy machine takes longer than the 100 ms default. */
+      .connect_timeout_ms = info->cluster_tls.on ? 2000 : 0,
       .tls = info->cluster_tls,
   };
   /* The secret the server will show on every call to us, fresh per attempt:
@@ -166,22 +168,23 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   first.msg_case = MESHD__V1__AGENT_TO_SERVER__MSG_HELLO;
   first.hello = &hello;
 
-  if (rpc_stream_write(s, &first.base, false) == 0) {
-    for (;;) {
-      ProtobufCMessage *msg = NULL;
-      int rc = rpc_stream_read(s, &meshd__v1__server_to_agent__descriptor, &msg, 0);
-      if (rc == 1) {
-        on_server_message(reg, (const Meshd__V1__ServerToAgent *)msg, at);
-        protobuf_c_message_free_unpacked(msg, NULL);
-        continue;
-      }
-      if (rc == -1) {
-        log_error("agent", "server %s sent a message that is not a ServerToAgent; "
-                  "dropping the registration", info->server);
-        rpc_stream_cancel(s);
-      }
-      break; /* 0: the server ended the call; -1: cancelled above */
+  /* A write fails when the server ended the call already (a refused join
+   * token): the read below then returns 0 at once, and the status says why. */
+  rpc_stream_write(s, &first.base, false);
+  for (;;) {
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_stream_read(s, &meshd__v1__server_to_agent__descriptor, &msg, 0);
+    if (rc == 1) {
+      on_server_message(reg, (const Meshd__V1__ServerToAgent *)msg, at);
+      protobuf_c_message_free_unpacked(msg, NULL);
+      continue;
     }
+    if (rc == -1) {
+      log_error("agent", "server %s sent a message that is not a ServerToAgent; "
+                "dropping the registration", info->server);
+      rpc_stream_cancel(s);
+    }
+    break; /* 0: the server ended the call; -1: cancelled above */
   }
   rpc_stream_finish(s, &at->st);
 

@@ -252,6 +252,8 @@ static void dial(registry_t *r, job_t *j) {
   rpc_channel_opts_t opts = {.keepalive_ms = REGISTRY_PING_MS,
                              .keepalive_timeout_ms = r->o.agent_timeout_ms,
                              .own_connection = true,
+                             /* TLS handshakes on a busy machine outlast the 100 ms default. */
+                             .connect_timeout_ms = r->o.agent_tls.on ? 2000 : 0,
                              .tls = r->o.agent_tls};
   rpc_channel_t *ch = rpc_channel_create(j->address, &opts);
   Meshd__Agent__V1__HelloRequest req = MESHD__AGENT__V1__HELLO_REQUEST__INIT;

@@ -13,6 +13,7 @@ Environment (set by ctest through MESHD_TEST_ENV):
 """
 
 import atexit
+import concurrent.futures
 import glob
 import importlib
 import os
@@ -935,3 +936,106 @@ class Session:
                 if e.kind == "UNKNOWN_OP":
                     missing.append(op)
         return missing
+
+
+# ---------------------------------------------------------------- an agent's own server
+#
+# An agent serves its Agent service (Hello, Execute, Read, Write) only to the server
+# it registered with, which proves it with the call secret the agent sent in its
+# RegisterRequest (docs/operations.md "Cluster security"). A test that drives an agent
+# directly registers it with a FakeRegistry and uses the secret as the server would:
+#
+#   with FakeRegistry() as reg:
+#       a = agent_fixture(reg.port)              # meshd-agent --server 127.0.0.1:PORT
+#       hello = reg.wait()                       # its RegisterRequest
+#       md = reg.metadata()                      # (("meshd-agent-secret", ...),)
+#       reg.hello()                              # Agent/Hello as the server's dial-back
+#       ... stub calls on a.address with metadata=md ...
+
+AGENT_SECRET_MD = "meshd-agent-secret"
+JOIN_TOKEN_MD = "meshd-join-token"
+
+
+class FakeRegistry:
+    """meshd.v1.AgentRegistry/RegisterAgent in process (grpcio): admits every agent
+    (with `token` set, only those presenting it) as rank `rank` (or its requested rank),
+    keeps its RegisterRequest, and holds the call open until close() or drop()."""
+
+    def __init__(self, token=None, rank=0):
+        self.token, self.rank = token, rank
+        self.registrations = queue.Queue()
+        self.last = None
+        self.refused = []
+        self._stop = threading.Event()
+        self._drop = threading.Event()
+        reg = registry_pb2()
+        handler = grpc.method_handlers_generic_handler("meshd.v1.AgentRegistry", {
+            "RegisterAgent": grpc.stream_stream_rpc_method_handler(
+                self._register, request_deserializer=reg.AgentToServer.FromString,
+                response_serializer=lambda m: m.SerializeToString())})
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8),
+                                  options=_CHANNEL_OPTIONS)
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def _register(self, requests, context):
+        reg = registry_pb2()
+        if self.token is not None:
+            got = dict(context.invocation_metadata()).get(JOIN_TOKEN_MD)
+            if got != self.token:
+                self.refused.append(context.peer())
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong join token")
+        first = next(requests, None)
+        if first is None or first.WhichOneof("msg") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected hello")
+        hello = first.hello
+        rank = hello.requested_rank if hello.requested_rank >= 0 else self.rank
+        self.registrations.put((hello, rank))
+        yield reg.ServerToAgent(accepted=reg.RegisterAccepted(rank=rank, server_id="fake"))
+        while not self._stop.is_set() and not self._drop.is_set() and context.is_active():
+            time.sleep(0.02)
+        if self._drop.is_set():
+            self._drop.clear()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "dropped by the test")
+
+    def wait(self, timeout=REGISTER_TIMEOUT):
+        """The next RegisterRequest (and keeps it as .last); fails after timeout."""
+        try:
+            self.last = self.registrations.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no agent registered with the fake registry within {timeout} s")
+        return self.last[0]
+
+    def metadata(self, hello=None):
+        """What every call to the agent carries: its call secret."""
+        return ((AGENT_SECRET_MD, (hello or self.last[0]).call_secret),)
+
+    def hello(self, timeout=5.0):
+        """Agent/Hello as the server's dial-back (sets the agent's rank); the reply."""
+        hello, rank = self.last
+        a = agent_pb2()
+        with grpc.insecure_channel(hello.address, options=_CHANNEL_OPTIONS) as ch:
+            fn = ch.unary_unary("/meshd.agent.v1.Agent/Hello",
+                                request_serializer=lambda m: m.SerializeToString(),
+                                response_deserializer=a.HelloReply.FromString)
+            return fn(a.HelloRequest(agent_id=hello.agent_id, rank=rank, server_id="fake"),
+                      metadata=self.metadata(), timeout=timeout)
+
+    def drop(self):
+        """Ends the open registration (UNAVAILABLE): the agent registers again."""
+        self._drop.set()
+
+    def close(self):
+        self._stop.set()
+        self.server.stop(grace=0.5).wait(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
