@@ -253,7 +253,9 @@ static void dial(registry_t *r, job_t *j) {
                              .keepalive_timeout_ms = r->o.agent_timeout_ms,
                              .own_connection = true,
                              /* TLS handshakes on a busy machine outlast the 100 ms default. */
-                             .connect_timeout_ms = r->o.agent_tls.on ? 2000 : 0,
+                             .connect_timeout_ms = r->o.connect_timeout_ms > 0 ? r->o.connect_timeout_ms
+                                                   : r->o.agent_tls.on       ? 2000
+                                                                             : 0,
                              .tls = r->o.agent_tls};
   rpc_channel_t *ch = rpc_channel_create(j->address, &opts);
   Meshd__Agent__V1__HelloRequest req = MESHD__AGENT__V1__HELLO_REQUEST__INIT;

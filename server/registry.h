@@ -47,6 +47,9 @@ typedef struct registry registry_t;
 typedef struct registry_opts {
   const char *server_id;
   int dial_timeout_ms;     /* bounds each dial-back's Hello */
+  /* One connection attempt of a dial-back; <= 0: 100 ms plaintext (an address
+   * that does not answer holds a dialer that long), 2 s with TLS. */
+  int connect_timeout_ms;
   int agent_timeout_ms;    /* >= 1: keepalive ack timeout of dial-back channels (--agent-timeout) */
   int max_agents;          /* requested ranks must be below it (--max-agents); <= 0: the pool's */
   /* Who may register. join_tokens (NULL: none needed) must outlive the registry. */

@@ -91,6 +91,7 @@ static void start_registry(int max_agents, bool with_tokens, bool require_cert) 
   pool = agent_pool_create(NULL);
   agent_pool_set_max_agents(pool, max_agents);
   registry_opts_t o = {.server_id = "test-server", .dial_timeout_ms = 3000,
+                       .connect_timeout_ms = 2000, /* a busy CI machine */
                        .agent_timeout_ms = 3000, .max_agents = max_agents,
                        .join_tokens = tokens, .require_cluster_cert = require_cert};
   registry = registry_create(pool, &o);
@@ -144,7 +145,8 @@ static void reg_open(reg_call_t *c, const char *token, const char *id, const cha
                      int rank, const char *secret) {
   memset(c, 0, sizeof *c);
   c->rank = -1;
-  c->ch = rpc_channel_create(reg_target, NULL);
+  rpc_channel_opts_t co = {.connect_timeout_ms = 5000}; /* a busy CI machine */
+  c->ch = rpc_channel_create(reg_target, &co);
   rpc_md_t md = {SECRET_JOIN_MD, token};
   c->s = rpc_stream_open(c->ch, "/meshd.v1.AgentRegistry/RegisterAgent", &md, token ? 1 : 0, 0);
   cr_assert_not_null(c->s);
@@ -348,7 +350,8 @@ static const rpc_method_t silent_row = {.path = "/meshd.agent.v1.Agent/Hello", .
 Test(registry, registrations_that_cannot_be_dialed_back_do_not_starve_a_real_one) {
   start_registry(128, true, false);
   registry_opts_t o = {.server_id = "test-server", .dial_timeout_ms = 1000,
-                       .agent_timeout_ms = 3000, .max_agents = 128, .join_tokens = tokens};
+                       .connect_timeout_ms = 2000, .agent_timeout_ms = 3000, .max_agents = 128,
+                       .join_tokens = tokens};
   /* This test's registry dials with a 1 s timeout. */
   registry_close_all(registry);
   rpc_server_destroy(reg_srv);
