@@ -261,6 +261,31 @@ def test_local_agents_get_a_private_join_token(meshd_server, agent):
     assert not os.path.exists(os.path.dirname(path)), "the join token outlived meshd"
 
 
+def test_a_secured_client_port_admits_only_its_local_agents(meshd_server, agent, pki, tmp_path):
+    """--tls-cert: the registry is not on the TLS client port; local agents register on a
+    loopback port of their own. --auth-tokens without a join token: only local agents."""
+    hport = lib.free_port()
+    srv = meshd_server(2, "--tls-cert", pki / "server.pem", "--tls-key", pki / "server.key",
+                       "--health-listen", f"127.0.0.1:{hport}", wait_serving=False)
+    lib.wait_health(hport, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    proc=srv.proc, log=srv.log)  # both local agents registered
+    _wait_log(srv, "plaintext, loopback only: for the local agents")
+    creds = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes())
+    with grpc.secure_channel(f"localhost:{srv.port}", creds) as ch:
+        fn = ch.stream_stream(_REGISTER, request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            list(fn(iter([b""]), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value
+
+    tokens = tmp_path / "principals"
+    tokens.write_text("alice alice-0123456789abcdef\n")
+    plain = meshd_server(0, "--auth-tokens", tokens, min_agents=0)
+    stranger = agent(plain.port, wait_registered=False)
+    _wait_log(stranger, "no join token")
+    _wait_log(plain, "only its local agents can")
+
+
 # ================================================================ cluster mTLS
 
 def _cluster_flags(pki, cert="cluster", ca="cluster-ca"):

@@ -212,6 +212,8 @@ Test(registry, the_join_token_admits_and_the_dial_back_carries_the_call_secret) 
   cr_assert_eq(c.rank, 3, "%d %s", c.st.code, c.st.message);
   cr_assert(wait_healthy(1, 5000), "the agent never turned healthy");
   cr_assert_eq(atomic_load(&fake.hellos_ok), 1);
+  int64_t end = rpc_now_ms() + 5000; /* the link's call reaches the agent after it opened */
+  while (atomic_load(&fake.executes_ok) < 1 && rpc_now_ms() < end) usleep(2000);
   cr_assert_eq(atomic_load(&fake.executes_ok), 1, "the Execute link carries the secret too");
   /* The pool hands the same secret to every other call (Fetch, Upload). */
   agent_target_t t;
