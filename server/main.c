@@ -255,14 +255,18 @@ int main(int argc, char **argv) {
                           .client_auth = opt.auth_tokens != NULL, .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes};
   if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
-  cluster_t *cluster = cluster_create(&copts, err, sizeof err);
-  if (!cluster) return usage_error("meshd", err);
 
   runtime_block_signals();
   rpc_init();
   auth_t *auth = auth_create(opt.auth_tokens, err, sizeof err);
   if (!auth) {
     log_error("server", "%s", err);
+    return 2;
+  }
+  cluster_t *cluster = cluster_create(&copts, err, sizeof err);
+  if (!cluster) {
+    log_error("server", "%s", err);
+    auth_destroy(auth);
     return 2;
   }
 
