@@ -322,8 +322,10 @@ def test_cluster_mtls_with_a_join_token_end_to_end(meshd_server, agent, pki, tmp
                     proc=good.proc, log=good.log)
     with lib.channel(hport) as ch:  # health only
         assert _code(_agent_calls(ch)["Hello"], ()) == grpc.StatusCode.UNIMPLEMENTED
-    ranks = {a.rank: a for a in lib.list_agents(srv.port)}
-    assert sorted(ranks) == [0, 1, 2] and ranks[2].healthy, lib.describe_agents(ranks.values())
+    # Healthy once the server's dial-back (mTLS, the call secret) answered.
+    ag = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1, 2],
+                         what="ranks 0..2 healthy", log=srv.log)
+    ranks = {a.rank: a for a in ag}
     for p in (rogue, no_token):
         assert lib.proc_state(p.pid) not in (None, "Z"), "a refused agent exited"
     # The agents' own ports: plaintext fails, TLS without a client certificate fails
