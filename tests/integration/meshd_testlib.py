@@ -959,10 +959,16 @@ JOIN_TOKEN_MD = "meshd-join-token"
 class FakeRegistry:
     """meshd.v1.AgentRegistry/RegisterAgent in process (grpcio): admits every agent
     (with `token` set, only those presenting it) as rank `rank` (or its requested rank),
-    keeps its RegisterRequest, and holds the call open until close() or drop()."""
+    keeps its RegisterRequest, and holds the call open until close() or drop().
 
-    def __init__(self, token=None, rank=0):
-        self.token, self.rank = token, rank
+    With `upstream` (a real meshd's registry address) it admits nobody itself: it
+    relays each registration to that server both ways and only keeps the
+    RegisterRequest, so a test learns the call secret of agents a real server drives
+    (`secret_md(address)`)."""
+
+    def __init__(self, token=None, rank=0, upstream=None):
+        self.token, self.rank, self.upstream = token, rank, upstream
+        self.by_address = {}
         self.registrations = queue.Queue()
         self.last = None
         self.refused = []
@@ -973,8 +979,12 @@ class FakeRegistry:
             "RegisterAgent": grpc.stream_stream_rpc_method_handler(
                 self._register, request_deserializer=reg.AgentToServer.FromString,
                 response_serializer=lambda m: m.SerializeToString())})
-        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=8),
-                                  options=_CHANNEL_OPTIONS)
+        # Agents ping their registration call every second: allow it, as meshd does.
+        opts = [("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                ("grpc.http2.max_ping_strikes", 0)]
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16),
+                                  options=opts)
         self.server.add_generic_rpc_handlers((handler,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
@@ -983,7 +993,44 @@ class FakeRegistry:
     def address(self):
         return f"127.0.0.1:{self.port}"
 
+    def _relay(self, requests, context):
+        reg = registry_pb2()
+        first = next(requests, None)
+        if first is None:
+            return
+        md = [(k, v) for k, v in context.invocation_metadata() if k == JOIN_TOKEN_MD]
+        ch = grpc.insecure_channel(self.upstream, options=_CHANNEL_OPTIONS + [
+            ("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
+        fn = ch.stream_stream("/meshd.v1.AgentRegistry/RegisterAgent",
+                              request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=reg.ServerToAgent.FromString)
+
+        def upward():
+            yield first
+            for m in requests:
+                yield m
+        call = fn(upward(), metadata=md)
+        context.add_callback(call.cancel)
+        try:
+            for m in call:
+                if m.WhichOneof("msg") == "accepted":
+                    self.by_address[first.hello.address] = first.hello
+                    self.registrations.put((first.hello, m.accepted.rank))
+                yield m
+        except grpc.RpcError as e:
+            context.abort(e.code(), e.details() or "")
+        finally:
+            ch.close()
+
+    def secret_md(self, address):
+        """The call-secret metadata of the agent that registered with this address."""
+        return ((AGENT_SECRET_MD, self.by_address[address].call_secret),)
+
     def _register(self, requests, context):
+        if self.upstream:
+            yield from self._relay(requests, context)
+            return
         reg = registry_pb2()
         if self.token is not None:
             got = dict(context.invocation_metadata()).get(JOIN_TOKEN_MD)
@@ -1026,6 +1073,11 @@ class FakeRegistry:
             return fn(a.HelloRequest(agent_id=hello.agent_id, rank=rank, server_id="fake"),
                       metadata=self.metadata(), timeout=timeout)
 
+    def channel(self, hello=None):
+        """A channel to the registered agent that sends its call secret on every call."""
+        hello = hello or self.last[0]
+        return agent_channel(hello.address, self.metadata(hello))
+
     def drop(self):
         """Ends the open registration (UNAVAILABLE): the agent registers again."""
         self._drop.set()
@@ -1039,3 +1091,39 @@ class FakeRegistry:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, md):
+        self.md = tuple(md)
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self.md,
+                            d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, cont, d, req):
+        return cont(self._details(d), req)
+
+    def intercept_unary_stream(self, cont, d, req):
+        return cont(self._details(d), req)
+
+    def intercept_stream_unary(self, cont, d, reqs):
+        return cont(self._details(d), reqs)
+
+    def intercept_stream_stream(self, cont, d, reqs):
+        return cont(self._details(d), reqs)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = \
+            credentials, wait_for_ready, compression
+
+
+def agent_channel(address, md):
+    """A plaintext channel to an agent that adds md (its call secret: FakeRegistry's
+    metadata() or secret_md()) to every call."""
+    ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return grpc.intercept_channel(ch, _AddMetadata(md))
