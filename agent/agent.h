@@ -9,6 +9,7 @@
 #include "executor.h"
 #include "health.h"
 #include "rpc.h"
+#include "secret.h"
 
 /* The health service name that is SERVING while the agent is registered. */
 #define AGENT_HEALTH_SERVICE "meshd.agent.v1.Agent"
@@ -25,6 +26,12 @@ typedef struct agent_info {
   uint32_t data_port;     /* the data plane's port (0: none) */
   char data_address[256]; /* its "host:port" as peers reach it */
   run_env_t env;          /* backend, rank, stats: what instructions run with (run.h) */
+  /* How to register (docs/operations.md "Cluster security"): .on = mTLS to the
+   * server's cluster port (ca verifies the server under server_name, cert/key
+   * are this agent's cluster certificate); join_token (NULL: none) is sent as
+   * SECRET_JOIN_MD, its first token read again at each attempt. */
+  rpc_tls_t cluster_tls;
+  secret_file_t *join_token;
 } agent_info_t;
 
 /* This agent's world rank as the server's Hello named it; -1 before. */
@@ -35,8 +42,22 @@ extern _Atomic int64_t agent_rank;
 /* The meshd.agent.v1.Agent method table. Only implemented methods are listed;
  * the rpc layer answers the others with UNIMPLEMENTED. Returns the rows (static
  * storage) and their count in *n. Register them with the agent_info_t * as arg
- * (it must outlive the server). */
+ * (it must outlive the server), guarded by agent_auth_guard. */
 const rpc_method_t *agent_service_methods(size_t *n);
+
+/* ---- call_secret.c: who may call the Agent service ------------------------ */
+
+/* A fresh call secret for a registration attempt (SECRET_HEX_LEN hex + NUL into
+ * out): from now on only calls that carry it (metadata SECRET_AGENT_MD) are
+ * admitted. -1 (and nobody admitted) if the CSPRNG fails. */
+int agent_auth_renew(char *out);
+/* Nobody is admitted (between registrations). */
+void agent_auth_clear(void);
+/* rpc_guard_fn for the Agent service (Hello, Execute, Read, Write): admits a
+ * call carrying the current secret (constant-time compare) as "server";
+ * anything else gets UNAUTHENTICATED, logged (rate-limited) with its peer. */
+grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
+                                  size_t msglen);
 
 /* ---- data.c: Agent/Read and Agent/Write -------------------------------- */
 

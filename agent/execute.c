@@ -224,3 +224,15 @@ executor_t *execute_executor(void) {
   pthread_mutex_unlock(&mu);
   return ex;
 }
+
+bool execute_cut(const char *why) {
+  pthread_mutex_lock(&mu);
+  rpc_call_t *call = current ? current->call : NULL;
+  if (call) rpc_call_ref(call);
+  pthread_mutex_unlock(&mu);
+  if (!call) return false;
+  log_warn("execute", "ending the Execute call: %s", why);
+  rpc_call_finish(call, GRPC_STATUS_ABORTED, NULL, "%s", why);
+  rpc_call_unref(call);
+  return true;
+}

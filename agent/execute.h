@@ -29,6 +29,10 @@ void execute_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
 void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);
 void execute_end(rpc_call_t *call, bool cancelled, void *arg);
 
+/* Ends the current Execute call, if any, with ABORTED "`why`", as a broken link
+ * would (the server loses its link, ends the registration, and the agent
+ * registers again). Any thread. Returns true if there was a call to end. */
+bool execute_cut(const char *why);
 /* Sessions open on the current Execute call (0 without one). For tests and logs. */
 size_t execute_sessions(void);
 /* The current call's executor, referenced (executor_unref it); NULL without one. */

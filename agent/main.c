@@ -3,7 +3,9 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +15,7 @@
 #include "agent.h"
 #include "backend.h"
 #include "dataplane/dataplane.h"
+#include "execute.h"
 #include "config.h"
 #include "health.h"
 #include "log.h"
@@ -40,6 +43,9 @@ typedef struct options {
   const char *metrics_port_file;
   const char *fault;
   int64_t comm_timeout_ms;
+  const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;
+  const char *join_token_file;
+  const char *health_listen, *health_port_file;
 } options_t;
 
 static options_t opt;
@@ -80,6 +86,22 @@ static const config_flag_t flags[] = {
     {"comm-timeout-ms", CONFIG_INT, "30000",
      "a collective or send fails when a peer moves no byte for this long", &opt.comm_timeout_ms,
      100, 3600000},
+    {"cluster-ca", CONFIG_STRING, NULL,
+     "cluster mTLS (with --cluster-cert and --cluster-key): the CA of the server's and agents' "
+     "cluster certificates; the Agent port then admits only its certificates", &opt.cluster_ca, 0, 0},
+    {"cluster-cert", CONFIG_STRING, NULL, "this agent's cluster certificate (PEM)",
+     &opt.cluster_cert, 0, 0},
+    {"cluster-key", CONFIG_STRING, NULL, "its private key (PEM)", &opt.cluster_key, 0, 0},
+    {"cluster-name", CONFIG_STRING, "meshd-cluster",
+     "with cluster mTLS: the name the server's certificate must carry", &opt.cluster_name, 0, 0},
+    {"join-token-file", CONFIG_STRING, NULL,
+     "a file whose first line is the token the server wants at registration", &opt.join_token_file,
+     0, 0},
+    {"health-listen", CONFIG_STRING, NULL,
+     "also serve grpc.health.v1 alone, in plaintext, on this address (probes; default: off)",
+     &opt.health_listen, 0, 0},
+    {"health-port-file", CONFIG_STRING, NULL, "write the --health-listen port there",
+     &opt.health_port_file, 0, 0},
     {"fault", CONFIG_STRING, NULL,
      "fault injection for tests, e.g. reduce:hang,rank=1 (see agent/fault.h)", &opt.fault, 0, 0},
 };
@@ -121,6 +143,13 @@ static int parse_options(int argc, char **argv) {
     return usage_error("--log-level: '%s' is not one of debug, info, warn, error",
                        opt.log_level);
   log_set_level(level);
+  int ncluster = !!opt.cluster_ca + !!opt.cluster_cert + !!opt.cluster_key;
+  if (ncluster != 0 && ncluster != 3)
+    return usage_error("--cluster-ca, --cluster-cert and --cluster-key go together (missing: %s)",
+                       !opt.cluster_ca ? "--cluster-ca" : !opt.cluster_cert ? "--cluster-cert"
+                                                                            : "--cluster-key");
+  if (!opt.cluster_name || !*opt.cluster_name)
+    return usage_error("--cluster-name must not be empty");
   if (opt.fault && *opt.fault) {
     if (agent_fault_parse(opt.fault, &fault, err, sizeof err) != 0)
       return usage_error("--fault: %s", err);
@@ -179,6 +208,21 @@ static uint64_t default_memory_bytes(void) {
   return mem;
 }
 
+/* SIGUSR1 ends the server's Execute call as a broken link would (fault drills:
+ * tests/integration/chaos.py "cut"); the agent then registers again. */
+static _Atomic bool usr1_stop;
+static void *usr1_thread(void *arg) {
+  sigset_t s;
+  sigemptyset(&s);
+  sigaddset(&s, SIGUSR1);
+  for (;;) {
+    int sig = 0;
+    if (sigwait(&s, &sig) != 0 || atomic_load(&usr1_stop)) return NULL;
+    if (!execute_cut("the agent got SIGUSR1: its link to the server is cut"))
+      log_info("agent", "SIGUSR1: no Execute call to cut");
+  }
+}
+
 int main(int argc, char **argv) {
   int rc = parse_options(argc, argv);
   if (rc >= 0)
@@ -196,12 +240,31 @@ int main(int argc, char **argv) {
   info.requested_rank = (int32_t)opt.rank;
   if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
 
+  char err[256];
+  bool cluster = opt.cluster_ca != NULL;
+  if (cluster) {
+    info.cluster_tls = (rpc_tls_t){.on = true, .ca_file = opt.cluster_ca,
+                                   .cert_file = opt.cluster_cert, .key_file = opt.cluster_key,
+                                   .server_name = opt.cluster_name};
+    if (rpc_tls_check(&info.cluster_tls, true, err, sizeof err) != 0)
+      return usage_error("--cluster-ca/--cluster-cert/--cluster-key: %s", err);
+  }
+  if (opt.join_token_file && *opt.join_token_file &&
+      !(info.join_token = secret_file_open("--join-token-file", opt.join_token_file, err,
+                                           sizeof err)))
+    return usage_error("%s", err);
+
   /* Before rpc_init, so every thread gRPC starts inherits the mask. */
   runtime_block_signals();
+  sigset_t usr1;
+  sigemptyset(&usr1);
+  sigaddset(&usr1, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &usr1, NULL);
+  pthread_t usr1_tid;
+  bool usr1_started = pthread_create(&usr1_tid, NULL, usr1_thread, NULL) == 0;
 
   rpc_init();
   rc = 1;
-  char err[256];
   static backend_t backend;
   static agent_stats_t stats;
   dataplane_t *dp = NULL;
@@ -210,10 +273,15 @@ int main(int argc, char **argv) {
   registration_t *reg = NULL;
   metrics_registry_t *metrics = NULL;
   metrics_http_t *metrics_http = NULL;
+  rpc_server_t *health_srv = NULL;
+  /* With cluster certificates the Agent port is mTLS: only holders of a
+   * certificate from the cluster CA (the server) complete the handshake. */
   rpc_server_opts_t sopts = {
       .listen = opt.listen,
       .threads = (int)opt.threads,
       .max_message_bytes = (int)opt.max_message_bytes,
+      .tls = {.on = cluster, .ca_file = opt.cluster_ca, .cert_file = opt.cluster_cert,
+              .key_file = opt.cluster_key},
   };
   rpc_server_t *srv = rpc_server_create(&sopts, err, sizeof err);
   if (!srv) {
@@ -223,7 +291,7 @@ int main(int argc, char **argv) {
   size_t nmethods;
   const rpc_method_t *methods = agent_service_methods(&nmethods);
   if (health_add_methods(health, srv) != 0 ||
-      rpc_server_add_methods(srv, methods, nmethods, &info) != 0) {
+      rpc_server_add_methods_guarded(srv, methods, nmethods, &info, agent_auth_guard, NULL) != 0) {
     log_error("agent", "cannot register the Health and Agent services");
     goto out;
   }
@@ -234,6 +302,21 @@ int main(int argc, char **argv) {
     goto out;
   }
   health_set(health, "", HEALTH_SERVING);
+  if (opt.health_listen && *opt.health_listen) {
+    health_srv = health_serve(health, opt.health_listen, err, sizeof err);
+    if (!health_srv) {
+      log_error("agent", "--health-listen: %s", err);
+      goto out;
+    }
+    int hport = rpc_server_port(health_srv);
+    if (opt.health_port_file && runtime_write_port_file(opt.health_port_file, hport) != 0) {
+      log_error("agent", "cannot write --health-port-file %s: %s", opt.health_port_file,
+                strerror(errno));
+      goto out;
+    }
+    log_info("agent", "health (plaintext, grpc.health.v1 only) on %s, port %d", opt.health_listen,
+             hport);
+  }
 
   /* The device first: an agent without its device must not register. */
   meshd_error_t merr = {0};
@@ -255,9 +338,15 @@ int main(int argc, char **argv) {
     goto out;
   }
   if (fault_on) log_warn("agent", "fault injection on: %s", opt.fault);
-  log_info("agent", "agent %s listening on port %d, advertising %s, device %s, memory %" PRIu64
-           " bytes, pid %d", info.id, port, info.address, info.device, info.memory_bytes,
-           (int)getpid());
+  log_info("agent", "agent %s listening on port %d (%s), advertising %s, device %s, memory %" PRIu64
+           " bytes, pid %d", info.id, port,
+           cluster ? "mTLS: cluster certificates only" : "plaintext; calls need the call secret",
+           info.address, info.device, info.memory_bytes, (int)getpid());
+  log_info("agent", "registering with %s %s", opt.server,
+           cluster && info.join_token ? "over cluster mTLS, with a join token"
+           : cluster                  ? "over cluster mTLS"
+           : info.join_token          ? "with a join token"
+                                      : "without credentials (the server must be open to that)");
 
   /* The data plane on the advertised host (the device is open already). */
   char host[200];
@@ -355,7 +444,14 @@ out:
     rpc_server_shutdown(srv, device_lost && opt.drain_seconds > 1 ? 1 : opt.drain_seconds);
     rpc_server_destroy(srv);
   }
+  rpc_server_destroy(health_srv);
   health_destroy(health);
+  if (usr1_started) {
+    atomic_store(&usr1_stop, true);
+    pthread_kill(usr1_tid, SIGUSR1);
+    pthread_join(usr1_tid, NULL);
+  }
+  secret_file_close(info.join_token);
   metrics_http_stop(metrics_http);
   metrics_destroy(metrics);
   /* The data plane first fails the collectives and sends that wait on it and

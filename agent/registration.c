@@ -118,19 +118,33 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
       .keepalive_ms = 1000,
       .keepalive_timeout_ms = 1000,
       .own_connection = true,
+      /* A TLS handshake on a busy machine takes longer than the 100 ms default. */
+      .connect_timeout_ms = info->cluster_tls.on ? 2000 : 0,
+      .tls = info->cluster_tls,
   };
-  rpc_channel_t *ch = rpc_channel_create(info->server, &copts);
-  if (!ch) {
-    at->st.code = GRPC_STATUS_INVALID_ARGUMENT;
-    snprintf(at->st.message, sizeof at->st.message, "cannot make a channel to '%s'",
-             info->server);
+  /* The secret the server will show on every call to us, fresh per attempt:
+   * whoever held the last one (a server we left) can no longer call. */
+  char secret[SECRET_HEX_LEN + 1];
+  if (agent_auth_renew(secret) != 0) {
+    at->st.code = GRPC_STATUS_INTERNAL;
+    snprintf(at->st.message, sizeof at->st.message, "no randomness for a call secret");
     return;
   }
-  rpc_stream_t *s = rpc_stream_open(ch, REGISTER_METHOD, NULL, 0, 0);
+  char token[SECRET_TOKEN_MAX + 1];
+  rpc_md_t md[1];
+  size_t nmd = 0;
+  if (info->join_token && secret_file_first(info->join_token, token, sizeof token) == 0)
+    md[nmd++] = (rpc_md_t){SECRET_JOIN_MD, token};
+  rpc_channel_t *ch = rpc_channel_create(info->server, &copts);
+  rpc_stream_t *s = ch ? rpc_stream_open(ch, REGISTER_METHOD, md, nmd, 0) : NULL;
+  memset(token, 0, sizeof token);
   if (!s) {
-    at->st.code = GRPC_STATUS_INTERNAL;
-    snprintf(at->st.message, sizeof at->st.message, "cannot open %s", REGISTER_METHOD);
+    at->st.code = ch ? GRPC_STATUS_INTERNAL : GRPC_STATUS_INVALID_ARGUMENT;
+    snprintf(at->st.message, sizeof at->st.message, ch ? "cannot open %s"
+             : "cannot make a channel to the server (are the --cluster-* files readable?)",
+             REGISTER_METHOD);
     rpc_channel_destroy(ch);
+    agent_auth_clear();
     return;
   }
 
@@ -149,26 +163,28 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   hello.data_port = info->data_port;
   hello.version = MESHD_VERSION;
   hello.pid = (uint32_t)getpid();
+  hello.call_secret = secret;
   Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;
   first.msg_case = MESHD__V1__AGENT_TO_SERVER__MSG_HELLO;
   first.hello = &hello;
 
-  if (rpc_stream_write(s, &first.base, false) == 0) {
-    for (;;) {
-      ProtobufCMessage *msg = NULL;
-      int rc = rpc_stream_read(s, &meshd__v1__server_to_agent__descriptor, &msg, 0);
-      if (rc == 1) {
-        on_server_message(reg, (const Meshd__V1__ServerToAgent *)msg, at);
-        protobuf_c_message_free_unpacked(msg, NULL);
-        continue;
-      }
-      if (rc == -1) {
-        log_error("agent", "server %s sent a message that is not a ServerToAgent; "
-                  "dropping the registration", info->server);
-        rpc_stream_cancel(s);
-      }
-      break; /* 0: the server ended the call; -1: cancelled above */
+  /* A write fails when the server ended the call already (a refused join
+   * token): the read below then returns 0 at once, and the status says why. */
+  rpc_stream_write(s, &first.base, false);
+  for (;;) {
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_stream_read(s, &meshd__v1__server_to_agent__descriptor, &msg, 0);
+    if (rc == 1) {
+      on_server_message(reg, (const Meshd__V1__ServerToAgent *)msg, at);
+      protobuf_c_message_free_unpacked(msg, NULL);
+      continue;
     }
+    if (rc == -1) {
+      log_error("agent", "server %s sent a message that is not a ServerToAgent; "
+                "dropping the registration", info->server);
+      rpc_stream_cancel(s);
+    }
+    break; /* 0: the server ended the call; -1: cancelled above */
   }
   rpc_stream_finish(s, &at->st);
 
@@ -177,6 +193,8 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   pthread_mutex_unlock(&reg->mu);
   rpc_stream_destroy(s);
   rpc_channel_destroy(ch);
+  agent_auth_clear();
+  memset(secret, 0, sizeof secret);
   if (at->accepted)
     set_serving(reg, false);
 }
@@ -197,6 +215,13 @@ static void log_failure(registration_t *reg, const attempt_t *at, int delay_ms,
    * server saying no (e.g. FAILED_PRECONDITION "rank 3 is taken"). */
   bool unreachable = at->st.code == GRPC_STATUS_UNAVAILABLE ||
                      at->st.code == GRPC_STATUS_DEADLINE_EXCEEDED;
+  char with_hint[sizeof at->st.message + 200];
+  if (at->st.code == GRPC_STATUS_UNAVAILABLE && reg->info->cluster_tls.on &&
+      (strstr(msg, "andshake") || strstr(msg, "SSL") || strstr(msg, "ssl"))) {
+    snprintf(with_hint, sizeof with_hint, "%s (do the server and this agent have certificates "
+             "from the same --cluster-ca, and does the server's name --cluster-name?)", msg);
+    msg = with_hint;
+  }
   log_level_t level = unreachable ? LOG_LEVEL_WARN : LOG_LEVEL_ERROR;
   if (repeated && attempts % REPEAT_LOG_EVERY != 0)
     level = LOG_LEVEL_DEBUG;

@@ -16,7 +16,7 @@ RUN apt-get update \
       build-essential cmake pkg-config \
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
       libcriterion-dev libcurl4-openssl-dev libmicrohttpd-dev uthash-dev libopenblas-dev \
-      libnccl-dev ca-certificates \
+      libnccl-dev libssl-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -34,17 +34,22 @@ ARG DEBIAN_FRONTEND=noninteractive
 # apt repository the image configures is a no-op that documents the need.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      libgrpc29t64 libprotobuf-c1 libmicrohttpd12t64 libopenblas0-pthread libnccl2 ca-certificates \
+      libgrpc29t64 libprotobuf-c1 libmicrohttpd12t64 libopenblas0-pthread libnccl2 libssl3t64 \
+      ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 meshd \
  && useradd --system --uid 10001 --gid meshd --no-create-home --shell /usr/sbin/nologin meshd
 COPY --from=build /src/build/bin/meshd-agent /src/build/bin/meshctl /usr/local/bin/
 USER 10001:10001
+# 50052: the Agent service (for its server only: the call secret; mTLS with
+# MESHD_CLUSTER_CA/CERT/KEY). 8081: grpc.health.v1 alone, in plaintext, for
+# probes and the HEALTHCHECK whatever the gRPC port needs.
 ENV MESHD_LISTEN=0.0.0.0:50052 \
+    MESHD_HEALTH_LISTEN=0.0.0.0:8081 \
     NCCL_DEBUG=WARN
-EXPOSE 50052
+EXPOSE 50052 8081
 # Liveness only: "" (accepting calls), never registration or load.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
-  CMD ["meshctl", "--server", "127.0.0.1:50052", "--timeout-ms", "3000", "health"]
+  CMD ["meshctl", "--server", "127.0.0.1:8081", "--timeout-ms", "3000", "health"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["meshd-agent"]

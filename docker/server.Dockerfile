@@ -10,7 +10,7 @@ RUN apt-get update \
       build-essential cmake pkg-config \
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
       libcriterion-dev libcurl4-openssl-dev libmicrohttpd-dev uthash-dev libopenblas-dev \
-      ca-certificates \
+      libssl-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -25,14 +25,17 @@ ARG DEBIAN_FRONTEND=noninteractive
 # the meshd-agent next to itself).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      libgrpc29 libprotobuf-c1 libmicrohttpd12 libopenblas0-pthread ca-certificates \
+      libgrpc29 libprotobuf-c1 libmicrohttpd12 libopenblas0-pthread libssl3 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 meshd \
  && useradd --system --uid 10001 --gid meshd --no-create-home --shell /usr/sbin/nologin meshd
 COPY --from=build /src/build/bin/meshd /src/build/bin/meshd-agent /src/build/bin/meshctl /usr/local/bin/
 USER 10001:10001
 ENV MESHD_LISTEN=0.0.0.0:50051
-EXPOSE 50051
+# 50051 clients; 50053 the agent registry when MESHD_CLUSTER_LISTEN puts it there
+# (cluster mTLS: certificates and the join token are mounted, e.g. under
+# /etc/meshd/cluster and /etc/meshd/join; docs/operations.md "Cluster security").
+EXPOSE 50051 50053
 # Docker's health is liveness: "" (accepting calls), never agent count or load.
 # Readiness (meshd.v1.TensorService) is the orchestrator's business.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \

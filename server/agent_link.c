@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "secret.h"
 #include "rpc.h"
 
 /* Room before a packed instruction for its seq field: tag byte + 10-byte varint. */
@@ -297,7 +298,8 @@ static void *reader_main(void *arg) {
 /* ------------------------------------------------------------------ life */
 
 agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
-                              uint64_t first_seq, const agent_link_callbacks_t *cb) {
+                              uint64_t first_seq, const char *call_secret,
+                              const agent_link_callbacks_t *cb) {
   agent_link_t *l = calloc(1, sizeof *l);
   if (!l) return NULL;
   l->rank = rank;
@@ -308,7 +310,8 @@ agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agen
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->cv, NULL);
   /* No deadline: the call lives as long as the agent. */
-  l->stream = rpc_stream_open(ch, AGENT_LINK_METHOD, NULL, 0, 0);
+  rpc_md_t md = {SECRET_AGENT_MD, call_secret};
+  l->stream = rpc_stream_open(ch, AGENT_LINK_METHOD, &md, call_secret ? 1 : 0, 0);
   if (!l->stream) goto fail;
   l->writer_started = pthread_create(&l->writer, NULL, writer_main, l) == 0;
   if (!l->writer_started) goto fail;

@@ -71,9 +71,12 @@ typedef struct agent_link_stats {
 
 /* Opens the Execute call on ch (which must outlive the link) and starts the
  * threads. Seqs start at first_seq (>= 1) and go up by one per send.
+ * call_secret (NULL: none) travels as SECRET_AGENT_MD metadata: the agent's
+ * proof that the call comes from the server it registered with.
  * cb is copied. Returns NULL if the call or the threads cannot start. */
 agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
-                              uint64_t first_seq, const agent_link_callbacks_t *cb);
+                              uint64_t first_seq, const char *call_secret,
+                              const agent_link_callbacks_t *cb);
 
 /* Queues a copy of ins (its seq field is ignored; the caller keeps ins) and
  * returns the seq it got, or 0 if the link is broken or closing, or the

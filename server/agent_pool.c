@@ -38,6 +38,11 @@ typedef struct agent {
    * losses (0: never lost) and when. */
   uint64_t lost_no;
   int64_t lost_unix_ms;
+  /* An agent that asked for its rank by number keeps it from agents that ask
+   * for any rank until then (kept across the memsets): its replacement, which
+   * asks for the same number, finds it free. */
+  bool asked;
+  int64_t reserved_until_ms;
 } agent_t;
 
 struct agent_pool {
@@ -50,6 +55,8 @@ struct agent_pool {
   agent_pool_callbacks_t cb;
   watermark_t *marks;
   uint64_t losses; /* mu */
+  int max_agents;
+  rpc_tls_t agent_tls;
 };
 
 agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
@@ -61,6 +68,7 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
     return NULL;
   }
   pthread_mutex_init(&p->mu, NULL);
+  p->max_agents = AGENT_POOL_DEFAULT_MAX;
   if (cb) p->cb = *cb;
   p->changed = p->cb.changed;
   p->arg = p->cb.arg;
@@ -190,10 +198,34 @@ static void notify(agent_pool_t *p, bool changed, int count) {
   if (changed && p->changed) p->changed(count, p->arg);
 }
 
+void agent_pool_set_max_agents(agent_pool_t *p, int max) {
+  pthread_mutex_lock(&p->mu);
+  p->max_agents = max > 0 ? max : AGENT_POOL_DEFAULT_MAX;
+  pthread_mutex_unlock(&p->mu);
+}
+
+int agent_pool_max_agents(agent_pool_t *p) {
+  pthread_mutex_lock(&p->mu);
+  int max = p->max_agents;
+  pthread_mutex_unlock(&p->mu);
+  return max;
+}
+
+void agent_pool_set_agent_tls(agent_pool_t *p, const rpc_tls_t *tls) {
+  pthread_mutex_lock(&p->mu);
+  p->agent_tls = tls ? *tls : (rpc_tls_t){0};
+  pthread_mutex_unlock(&p->mu);
+}
+
 int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *err,
                    size_t errlen) {
   pthread_mutex_lock(&p->mu);
   int rank = -1;
+  if (requested >= p->max_agents) {
+    snprintf(err, errlen, "rank %d is beyond this server's pool of %d ranks (0..%d; --max-agents)",
+             requested, p->max_agents, p->max_agents - 1);
+    goto out;
+  }
   for (size_t i = 0; i < p->cap; i++) {
     if (p->agents[i].used && strcmp(p->agents[i].d.agent_id, d->agent_id) == 0) {
       snprintf(err, errlen, "agent %s is already registered as rank %zu", d->agent_id, i);
@@ -213,8 +245,19 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
     }
     rank = requested;
   } else {
+    /* The lowest free rank not reserved for a replacement; else the lowest free. */
+    int64_t now = unix_ms();
     size_t i = 0;
-    while (i < p->cap && p->agents[i].used) i++;
+    while (i < p->cap && (p->agents[i].used || p->agents[i].reserved_until_ms > now)) i++;
+    if (i >= (size_t)p->max_agents) {
+      i = 0;
+      while (i < p->cap && p->agents[i].used) i++;
+    }
+    if (i >= (size_t)p->max_agents) {
+      snprintf(err, errlen, "the pool is full: %d agents registered (--max-agents %d)",
+               p->max_agents, p->max_agents);
+      goto out;
+    }
     if (!grow_locked(p, i + 1)) {
       snprintf(err, errlen, "out of memory");
       goto out;
@@ -229,6 +272,7 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
   a->lost_no = lost_no;
   a->lost_unix_ms = lost_ms;
   a->used = true;
+  a->asked = requested >= 0;
   a->d = *d;
   a->registered_unix_ms = unix_ms();
 out:
@@ -250,10 +294,12 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
     /* Sends take the pool lock, so the link's last seq is final here. */
     uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor, lost_no = a->lost_no;
     int64_t lost_ms = a->lost_unix_ms;
+    int64_t reserved = a->asked ? unix_ms() + AGENT_POOL_RESERVE_MS : 0;
     memset(a, 0, sizeof *a);
     a->seq_floor = floor;
     a->lost_no = lost_no;
     a->lost_unix_ms = lost_ms;
+    a->reserved_until_ms = reserved;
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
@@ -295,7 +341,9 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
   rpc_channel_t *old = NULL;
   pool_link_t *old_link = NULL;
   uint64_t first_seq = 0;
+  char secret[SECRET_HEX_LEN + 1] = "";
   if (a) {
+    memcpy(secret, a->d.call_secret, sizeof secret);
     old = a->channel;
     old_link = a->link;
     if (old_link) a->seq_floor = agent_link_last_seq(old_link->link);
@@ -319,7 +367,7 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
     snprintf(pl->agent_id, sizeof pl->agent_id, "%s", agent_id);
     agent_pool_data_address(p, rank, pl->data_address, sizeof pl->data_address);
     agent_link_callbacks_t cb = {link_report, link_lost, pl};
-    pl->link = agent_link_open(ch, rank, agent_id, first_seq, &cb);
+    pl->link = agent_link_open(ch, rank, agent_id, first_seq, secret[0] ? secret : NULL, &cb);
     if (!pl->link) {
       free(pl);
       pl = NULL;
@@ -376,6 +424,22 @@ int agent_pool_address(agent_pool_t *p, uint32_t rank, char *buf, size_t len) {
   agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
   if (a) snprintf(buf, len, "%s", a->d.address);
   pthread_mutex_unlock(&p->mu);
+  return a ? 0 : -1;
+}
+
+int agent_pool_target(agent_pool_t *p, uint32_t rank, int connect_timeout_ms,
+                      agent_target_t *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  if (a) {
+    snprintf(out->address, sizeof out->address, "%s", a->d.address);
+    memcpy(out->secret, a->d.call_secret, sizeof out->secret);
+    out->opts.tls = p->agent_tls;
+  }
+  pthread_mutex_unlock(&p->mu);
+  out->opts.connect_timeout_ms = connect_timeout_ms;
+  out->md[0] = (rpc_md_t){SECRET_AGENT_MD, out->secret};
   return a ? 0 : -1;
 }
 

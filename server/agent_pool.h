@@ -14,6 +14,7 @@
 #include "error_kind.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
+#include "secret.h"
 #include "watermark.h"
 
 typedef struct agent_pool agent_pool_t;
@@ -28,7 +29,13 @@ typedef struct agent_desc {
   uint64_t memory_bytes;
   uint32_t data_port;
   uint32_t pid;
+  /* What every call to the agent carries (SECRET_AGENT_MD; RegisterRequest.call_secret).
+   * Never shown (ListAgents) nor logged. */
+  char call_secret[SECRET_HEX_LEN + 1];
 } agent_desc_t;
+
+/* Ranks 0 .. max - 1 (--max-agents): the pool's array is sized by rank. */
+#define AGENT_POOL_DEFAULT_MAX 1024
 
 /* An agent lost: its Execute link broke (the agent died, hung past the
  * keepalive timeout, or left). */
@@ -61,9 +68,24 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb);
 /* Closes every link, fails pending waits with WATERMARK_CANCELLED, frees. */
 void agent_pool_destroy(agent_pool_t *pool);
 
-/* Admits an agent: rank `requested` if >= 0 and free, else the lowest free rank.
+/* The most agents the pool holds: ranks 0 .. max - 1 (default
+ * AGENT_POOL_DEFAULT_MAX). Before the first agent_pool_add. */
+void agent_pool_set_max_agents(agent_pool_t *pool, int max);
+int agent_pool_max_agents(agent_pool_t *pool);
+/* TLS of every channel the server opens to an agent (cluster mTLS; .on false:
+ * plaintext). Copied; the strings must outlive the pool. Before any agent. */
+void agent_pool_set_agent_tls(agent_pool_t *pool, const rpc_tls_t *tls);
+
+/* How long a rank stays kept, after its agent left, from agents that ask for
+ * any rank, when that agent had asked for it by number (--rank). */
+#define AGENT_POOL_RESERVE_MS 10000
+
+/* Admits an agent: rank `requested` if >= 0 and free, else the lowest free rank
+ * (one whose last agent asked for it by number and left less than
+ * AGENT_POOL_RESERVE_MS ago only when no other is free).
  * Returns the rank, or -1 with a message in err when the requested rank is held
- * by another live agent or the id is already registered. */
+ * by another live agent, the id is already registered, or the rank would be
+ * max_agents or more (the message names --max-agents). */
 int agent_pool_add(agent_pool_t *pool, const agent_desc_t *d, int requested, char *err,
                    size_t errlen);
 /* Removes rank's agent if it is still `agent_id` (a newer agent may hold the rank). */
@@ -92,6 +114,24 @@ const char *agent_pool_data_address(agent_pool_t *pool, uint32_t rank, char *buf
 /* rank's agent address (what the server dials) into buf, for calls on a
  * channel of the caller's own. Returns 0, or -1 if the rank has no agent. */
 int agent_pool_address(agent_pool_t *pool, uint32_t rank, char *buf, size_t len);
+
+/* Everything a call to rank's agent on a channel of the caller's own needs:
+ *
+ *   agent_target_t t;
+ *   if (agent_pool_target(pool, rank, 5000, &t)) -> the rank has no agent
+ *   rpc_channel_t *ch = rpc_channel_create(t.address, &t.opts);
+ *   rpc_stream_t *st = rpc_stream_open(ch, "/meshd.agent.v1.Agent/Read", t.md, 1, ms);
+ *
+ * md points into the struct itself: use it where it was filled, do not copy it. */
+typedef struct agent_target {
+  char address[256];
+  rpc_channel_opts_t opts; /* the pool's agent TLS, connect_timeout_ms as asked */
+  char secret[SECRET_HEX_LEN + 1];
+  rpc_md_t md[1];          /* {SECRET_AGENT_MD, secret} */
+} agent_target_t;
+/* Returns 0, or -1 if the rank has no agent. */
+int agent_pool_target(agent_pool_t *pool, uint32_t rank, int connect_timeout_ms,
+                      agent_target_t *out);
 /* Highest seq given out to rank (0: none). */
 uint64_t agent_pool_last_seq(agent_pool_t *pool, uint32_t rank);
 /* The same for an instruction packed with agent_link_pack, which it consumes

@@ -14,8 +14,9 @@
 #include "session_service.h"
 
 /* A channel per Upload or Fetch, to a live agent: a connection attempt may
- * take seconds (a CPU-starved or briefly paused agent is not a lost one). */
-static const rpc_channel_opts_t agent_channel_opts = {.connect_timeout_ms = 5000};
+ * take seconds (a CPU-starved or briefly paused agent is not a lost one). Its
+ * TLS and the call secret come from the pool (agent_pool_target). */
+#define AGENT_CONNECT_MS 5000
 
 #define AGENT_CALL_MS 600000
 
@@ -205,11 +206,11 @@ out:
 
 /* One agent's copy through Agent/Write. */
 static int write_rank(upload_t *u, uint32_t rank, const uint8_t *data, meshd_error_t *e) {
-  char addr[256];
-  if (agent_pool_address(u->ds->pool, rank, addr, sizeof addr))
+  agent_target_t t;
+  if (agent_pool_target(u->ds->pool, rank, AGENT_CONNECT_MS, &t))
     return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", rank);
-  rpc_channel_t *ch = rpc_channel_create(addr, &agent_channel_opts);
-  rpc_stream_t *st = ch ? rpc_stream_open(ch, "/meshd.agent.v1.Agent/Write", NULL, 0, AGENT_CALL_MS) : NULL;
+  rpc_channel_t *ch = rpc_channel_create(t.address, &t.opts);
+  rpc_stream_t *st = ch ? rpc_stream_open(ch, "/meshd.agent.v1.Agent/Write", t.md, 1, AGENT_CALL_MS) : NULL;
   int rc = -1;
   if (!st) {
     error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", rank);
@@ -394,8 +395,6 @@ static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
 #define FETCH_QUEUED 2
 #define AGENT_READ_WINDOW (1 << 20)
 
-static const rpc_channel_opts_t read_channel_opts = {.connect_timeout_ms = 5000,
-                                                     .stream_window_bytes = AGENT_READ_WINDOW};
 
 typedef struct fetch {
   data_service_t *ds;
@@ -503,8 +502,8 @@ static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg) {
 
 /* Every rank caught up: read the shard from its agent. */
 static void fetch_read(fetch_t *f) {
-  char addr[256];
-  if (agent_pool_address(f->ds->pool, f->rank, addr, sizeof addr)) {
+  agent_target_t t;
+  if (agent_pool_target(f->ds->pool, f->rank, AGENT_CONNECT_MS, &t)) {
     char msg[160];
     snprintf(msg, sizeof msg, "Fetch: rank %u has no agent (it was lost); its tensors are gone",
              f->rank);
@@ -518,9 +517,10 @@ static void fetch_read(fetch_t *f) {
   pthread_mutex_lock(&f->mu);
   bool ended = f->ended;
   if (!ended) {
-    f->ch = rpc_channel_create(addr, &read_channel_opts);
+    t.opts.stream_window_bytes = AGENT_READ_WINDOW;
+    f->ch = rpc_channel_create(t.address, &t.opts);
     f->pull = f->ch ? rpc_pull_open(f->ch, "/meshd.agent.v1.Agent/Read", &rq.base,
-                                    &meshd__agent__v1__data_chunk__descriptor, NULL, 0,
+                                    &meshd__agent__v1__data_chunk__descriptor, t.md, 1,
                                     AGENT_CALL_MS, fetch_chunk, f)
                     : NULL;
     if (f->pull) rpc_pull_next(f->pull);

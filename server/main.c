@@ -11,6 +11,7 @@
 
 #include "agent_pool.h"
 #include "auth.h"
+#include "cluster.h"
 #include "command_service.h"
 #include "config.h"
 #include "health.h"
@@ -39,6 +40,9 @@ typedef struct options {
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
   uint64_t stream_window_bytes;
+  int64_t max_agents;
+  const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name, *cluster_listen;
+  const char *cluster_port_file, *join_token_file;
 } options_t;
 
 static options_t opt;
@@ -113,6 +117,24 @@ static const config_flag_t flags[] = {
     {"max-streams-per-connection", CONFIG_INT, "1024",
      "calls one client connection may have open at once", &opt.max_streams_per_connection, 1,
      1 << 20},
+    {"max-agents", CONFIG_INT, "1024", "the pool's size: agents may register as ranks 0..N-1",
+     &opt.max_agents, 1, 65536},
+    {"join-token-file", CONFIG_STRING, NULL,
+     "agents must present a token from this file (one per line) to register (else, with local "
+     "agents, --auth-tokens or --tls-cert, the server makes one only its local agents get)",
+     &opt.join_token_file, 0, 0},
+    {"cluster-ca", CONFIG_STRING, NULL,
+     "cluster mTLS (with --cluster-cert, --cluster-key, --cluster-listen): the CA of the agents' "
+     "and the server's cluster certificates", &opt.cluster_ca, 0, 0},
+    {"cluster-cert", CONFIG_STRING, NULL, "the server's cluster certificate (PEM)", &opt.cluster_cert, 0, 0},
+    {"cluster-key", CONFIG_STRING, NULL, "its private key (PEM)", &opt.cluster_key, 0, 0},
+    {"cluster-name", CONFIG_STRING, "meshd-cluster",
+     "with cluster mTLS: the name agents' certificates must carry", &opt.cluster_name, 0, 0},
+    {"cluster-listen", CONFIG_STRING, NULL,
+     "serve the agent registry here (mTLS with cluster certificates) and not on --listen "
+     "(default: on --listen when it is plaintext; required with cluster certificates)",
+     &opt.cluster_listen, 0, 0},
+    {"cluster-port-file", CONFIG_STRING, NULL, "write the --cluster-listen port here", &opt.cluster_port_file, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
      &opt.metrics_listen, 0, 0},
@@ -220,12 +242,31 @@ int main(int argc, char **argv) {
   log_set_level(level);
   int min_agents = opt.min_agents >= 0 ? (int)opt.min_agents
                                        : (opt.local_agents > 0 ? (int)opt.local_agents : 1);
+  if (min_agents > opt.max_agents || opt.local_agents > opt.max_agents) {
+    snprintf(err, sizeof err, "--max-agents %lld is below --%s %lld", (long long)opt.max_agents,
+             opt.local_agents > opt.max_agents ? "local-agents" : "min-agents",
+             opt.local_agents > opt.max_agents ? (long long)opt.local_agents : (long long)min_agents);
+    return usage_error("meshd", err);
+  }
+  cluster_opts_t copts = {.ca = opt.cluster_ca, .cert = opt.cluster_cert, .key = opt.cluster_key,
+                          .name = opt.cluster_name, .listen = opt.cluster_listen,
+                          .port_file = opt.cluster_port_file, .join_token_file = opt.join_token_file,
+                          .local_agents = opt.local_agents > 0, .client_tls = tls.on,
+                          .client_auth = opt.auth_tokens != NULL, .threads = (int)opt.threads,
+                          .max_message_bytes = (int)opt.max_message_bytes};
+  if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
 
   runtime_block_signals();
   rpc_init();
   auth_t *auth = auth_create(opt.auth_tokens, err, sizeof err);
   if (!auth) {
     log_error("server", "%s", err);
+    return 2;
+  }
+  cluster_t *cluster = cluster_create(&copts, err, sizeof err);
+  if (!cluster) {
+    log_error("server", "%s", err);
+    auth_destroy(auth);
     return 2;
   }
 
@@ -235,7 +276,15 @@ int main(int argc, char **argv) {
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
   agent_pool_t *pool = agent_pool_create(&pool_cb);
-  registry_t *registry = registry_create(pool, server_id, 3000, (int)(opt.agent_timeout * 1000));
+  registry_opts_t ropts = {.server_id = server_id, .dial_timeout_ms = 3000,
+                           .agent_timeout_ms = (int)(opt.agent_timeout * 1000),
+                           .max_agents = (int)opt.max_agents};
+  cluster_registry_opts(cluster, &ropts);
+  if (pool) {
+    agent_pool_set_max_agents(pool, (int)opt.max_agents);
+    agent_pool_set_agent_tls(pool, cluster_agent_tls(cluster));
+  }
+  registry_t *registry = pool ? registry_create(pool, &ropts) : NULL;
   layout_set_limits(&(layout_limits_t){(int)opt.max_tensor_dims, opt.max_tensor_elements});
   session_table_t *sessions =
       session_table_create((uint64_t)opt.session_ttl, opt.session_quota_bytes, session_closed, &state);
@@ -269,10 +318,15 @@ int main(int argc, char **argv) {
     return 1;
   }
   size_t n;
-  const rpc_method_t *m = registry_methods(&n);
-  rpc_server_add_methods(srv, m, n, registry);
+  /* The registry has its own guard (join token, cluster certificate), on the
+   * client port or a port of its own (cluster.h). */
+  if (cluster_serve_registry(cluster, registry, srv, err, sizeof err) != 0) {
+    log_error("server", "%s", err);
+    rpc_server_destroy(srv);
+    return 1;
+  }
   /* Every client-facing method is guarded; Health stays open. */
-  m = tensor_service_methods(&n);
+  const rpc_method_t *m = tensor_service_methods(&n);
   rpc_server_add_methods_guarded(srv, m, n, pool, auth_guard, auth);
   m = session_service_methods(&n);
   rpc_server_add_methods_guarded(srv, m, n, sessions, auth_guard, auth);
@@ -347,12 +401,16 @@ int main(int argc, char **argv) {
              !auth_enabled(auth) ? "no --auth-tokens" : "", port,
              !auth_enabled(auth) ? "can use and read every session" : "can read its traffic");
 
+  char client_addr[300];
+  runtime_local_address(opt.listen, port, client_addr, sizeof client_addr);
+  cluster_log_policy(cluster, client_addr);
+
   supervisor_t *sup = NULL;
   if (opt.local_agents > 0) {
     char binary[PATH_MAX], server_addr[300];
     if (opt.agent_binary) snprintf(binary, sizeof binary, "%s", opt.agent_binary);
     else default_agent_binary(binary, sizeof binary);
-    runtime_local_address(opt.listen, port, server_addr, sizeof server_addr);
+    cluster_local_target(cluster, client_addr, server_addr, sizeof server_addr);
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
     uint64_t total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
     /* Host memory is shared among cpu agents; a GPU agent's capacity is its GPU's. */
@@ -360,7 +418,9 @@ int main(int argc, char **argv) {
                strcmp(opt.local_agent_device, "cuda:emulated") != 0;
     supervisor_opts_t sopts = {binary, server_addr, (int)opt.local_agents,
                                gpu ? 0 : total / (uint64_t)opt.local_agents, opt.log_level,
-                               opt.local_agent_device};
+                               opt.local_agent_device, cluster_join_token_file(cluster),
+                               opt.cluster_ca, opt.cluster_cert, opt.cluster_key,
+                               opt.cluster_name};
     sup = supervisor_start(&sopts);
     if (!sup) {
       rpc_server_shutdown(srv, 0);
@@ -383,12 +443,15 @@ int main(int argc, char **argv) {
   session_table_set_accepting(sessions, false);
   rpc_server_stop_accepting(srv);
   int64_t deadline = rpc_now_ms() + (int64_t)(opt.drain_seconds * 1000);
-  while (rpc_server_active_calls(srv) > registry_open_calls(registry) && rpc_now_ms() < deadline)
+  int on_client_port = cluster_has_own_port(cluster) ? 0 : 1;
+  while (rpc_server_active_calls(srv) > on_client_port * registry_open_calls(registry) &&
+         rpc_now_ms() < deadline)
     usleep(20000);
   supervisor_stop(sup, 3.0);
   registry_close_all(registry);
   metrics_http_stop(metrics_http);
   int64_t left = deadline - rpc_now_ms();
+  cluster_shutdown(cluster, 1.0);
   rpc_server_shutdown(srv, left > 1000 ? (double)left / 1000 : 1.0);
   if (health_srv) {
     rpc_server_shutdown(health_srv, 0);
@@ -396,6 +459,7 @@ int main(int argc, char **argv) {
   }
   registry_destroy(registry);
   rpc_server_destroy(srv);
+  cluster_destroy(cluster);
   session_table_destroy(sessions);
   command_service_destroy(state.commands);
   data_service_destroy(data);

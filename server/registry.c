@@ -32,23 +32,71 @@ typedef struct job {
   uint32_t rank;
   char agent_id[64];
   char address[256];
+  char secret[SECRET_HEX_LEN + 1];
 } job_t;
 
 struct registry {
   agent_pool_t *pool;
+  registry_opts_t o;
   char server_id[64];
-  int dial_timeout_ms, agent_timeout_ms;
   pthread_mutex_t mu;
-  pthread_cond_t cv;     /* CLOCK_MONOTONIC */
+  pthread_cond_t jobs_cv;  /* a job or stopping */
+  pthread_cond_t stop_cv;  /* stopping (the sweeper's timed wait); CLOCK_MONOTONIC */
   conn_t *conns;
   job_t *jobs, *jobs_tail;
   bool stopping;
-  pthread_t dialer;
+  pthread_t dialers[REGISTRY_DIALERS], sweeper;
+  int ndialers;
+  bool sweeper_started;
+  log_limit_t refusals;
 };
 
 static void reject(rpc_call_t *call, grpc_status_code code, const char *msg) {
-  log_warn("registry", "registration refused: %s", msg);
+  char *peer = rpc_call_peer(call);
+  log_warn("registry", "registration from %s refused: %s", peer ? peer : "?", msg);
+  free(peer);
   rpc_call_finish(call, code, NULL, "%s", msg);
+}
+
+static bool is_hex(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f') ||
+          (s[i] >= 'A' && s[i] <= 'F')))
+      return false;
+  return s[n] == '\0';
+}
+
+/* Who may register: runs before the call's first message is read. */
+static grpc_status_code guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
+                              size_t msglen) {
+  registry_t *r = arg;
+  const char *why = NULL;
+  if (r->o.require_cluster_cert && !rpc_call_peer_verified(call))
+    why = "no verified cluster certificate (this port wants mTLS: the agent's --cluster-ca, "
+          "--cluster-cert and --cluster-key)";
+  if (!why && r->o.join_tokens) {
+    char tok[SECRET_TOKEN_MAX + 2]; /* a longer value stays longer once truncated */
+    const char *v = rpc_call_metadata(call, SECRET_JOIN_MD, tok, sizeof tok);
+    if (!v || !*v) why = "no join token (metadata " SECRET_JOIN_MD "; the agent's --join-token-file)";
+    else if (!secret_file_check(r->o.join_tokens, v, strlen(v))) why = "wrong join token";
+    memset(tok, 0, sizeof tok);
+  }
+  if (!why) {
+    snprintf(id->name, sizeof id->name, "agent");
+    return GRPC_STATUS_OK;
+  }
+  int held = 0;
+  if (log_allow(&r->refusals, 10, 10000, &held)) {
+    char *peer = rpc_call_peer(call);
+    if (held)
+      log_warn("registry", "registration from %s refused: %s (and %d more refused in the last "
+               "10 s, not logged)", peer ? peer : "?", why, held);
+    else
+      log_warn("registry", "registration from %s refused: %s", peer ? peer : "?", why);
+    free(peer);
+  }
+  snprintf(msg, msglen, "registration refused: %s", why);
+  return GRPC_STATUS_UNAUTHENTICATED;
 }
 
 static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *req) {
@@ -60,11 +108,23 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   if (!req->device || !*req->device || strlen(req->device) >= 32)
     { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
                   "RegisterRequest.device must name the device, e.g. \"cpu\" or \"cuda:0\""); return; }
-  if (req->requested_rank < -1 || req->requested_rank > 1 << 20) {
-    char msg[128];
-    snprintf(msg, sizeof msg, "RegisterRequest.requested_rank %d is out of range [-1, %d]",
-             req->requested_rank, 1 << 20);
+  if (!req->call_secret || strlen(req->call_secret) != SECRET_HEX_LEN ||
+      !is_hex(req->call_secret, SECRET_HEX_LEN))
+    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
+             "RegisterRequest.call_secret must be 64 hex characters (an agent older than this "
+             "server sends none: upgrade it)"); return; }
+  if (req->requested_rank < -1 || req->requested_rank >= r->o.max_agents) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "RegisterRequest.requested_rank %d is out of range [-1, %d] "
+             "(the server's --max-agents is %d)", req->requested_rank, r->o.max_agents - 1,
+             r->o.max_agents);
     { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, msg); return; }
+  }
+  if (req->requested_rank < 0 && agent_pool_size(r->pool) >= r->o.max_agents) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "the pool is full: %d agents registered (the server's --max-agents)",
+             r->o.max_agents);
+    { reject(c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg); return; }
   }
   agent_desc_t d = {0};
   snprintf(d.agent_id, sizeof d.agent_id, "%s", req->agent_id);
@@ -73,14 +133,17 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   d.memory_bytes = req->memory_bytes;
   d.data_port = req->data_port;
   d.pid = req->pid;
+  memcpy(d.call_secret, req->call_secret, SECRET_HEX_LEN + 1);
   char err[256];
   int rank = agent_pool_add(r->pool, &d, req->requested_rank, err, sizeof err);
   if (rank < 0) { reject(c->call, GRPC_STATUS_FAILED_PRECONDITION, err); return; }
   c->rank = rank;
   snprintf(c->agent_id, sizeof c->agent_id, "%s", d.agent_id);
   snprintf(c->address, sizeof c->address, "%s", d.address);
-  log_info("registry", "agent %s at %s (%s, pid %u) registered as rank %d", d.agent_id, d.address,
-           d.device, d.pid, rank);
+  char *peer = rpc_call_peer(c->call);
+  log_info("registry", "agent %s at %s (%s, pid %u, from %s) registered as rank %d", d.agent_id,
+           d.address, d.device, d.pid, peer ? peer : "?", rank);
+  free(peer);
 
   Meshd__V1__RegisterAccepted acc = MESHD__V1__REGISTER_ACCEPTED__INIT;
   acc.rank = (uint32_t)rank;
@@ -96,12 +159,14 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   j->rank = (uint32_t)rank;
   memcpy(j->agent_id, c->agent_id, sizeof j->agent_id);
   memcpy(j->address, c->address, sizeof j->address);
+  memcpy(j->secret, d.call_secret, sizeof j->secret);
+  memset(&d, 0, sizeof d);
   rpc_call_ref(c->call);
   pthread_mutex_lock(&r->mu);
   if (r->jobs_tail) r->jobs_tail->next = j;
   else r->jobs = j;
   r->jobs_tail = j;
-  pthread_cond_signal(&r->cv);
+  pthread_cond_signal(&r->jobs_cv);
   pthread_mutex_unlock(&r->mu);
 }
 
@@ -185,18 +250,30 @@ static void dial(registry_t *r, job_t *j) {
   if (rpc_call_ended(j->call)) return;
   /* Its own connection: the keepalive verdict is about this agent alone. */
   rpc_channel_opts_t opts = {.keepalive_ms = REGISTRY_PING_MS,
-                             .keepalive_timeout_ms = r->agent_timeout_ms,
-                             .own_connection = true};
+                             .keepalive_timeout_ms = r->o.agent_timeout_ms,
+                             .own_connection = true,
+                             /* TLS handshakes on a busy machine outlast the 100 ms default. */
+                             .connect_timeout_ms = r->o.connect_timeout_ms > 0 ? r->o.connect_timeout_ms
+                                                   : r->o.agent_tls.on       ? 2000
+                                                                             : 0,
+                             .tls = r->o.agent_tls};
   rpc_channel_t *ch = rpc_channel_create(j->address, &opts);
   Meshd__Agent__V1__HelloRequest req = MESHD__AGENT__V1__HELLO_REQUEST__INIT;
   req.agent_id = j->agent_id;
   req.rank = j->rank;
   req.server_id = r->server_id;
   ProtobufCMessage *resp = NULL;
-  rpc_status_t st;
+  rpc_status_t st = {0};
+  rpc_md_t md = {SECRET_AGENT_MD, j->secret};
   grpc_status_code code =
-      rpc_unary(ch, "/meshd.agent.v1.Agent/Hello", &req.base,
-                &meshd__agent__v1__hello_reply__descriptor, &resp, NULL, 0, r->dial_timeout_ms, &st);
+      ch ? rpc_unary(ch, "/meshd.agent.v1.Agent/Hello", &req.base,
+                     &meshd__agent__v1__hello_reply__descriptor, &resp, &md, 1,
+                     r->o.dial_timeout_ms, &st)
+         : GRPC_STATUS_INTERNAL;
+  if (!ch) snprintf(st.message, sizeof st.message, "cannot make a channel (cluster TLS files?)");
+  else if (code == GRPC_STATUS_UNAUTHENTICATED)
+    snprintf(st.message, sizeof st.message, "%s answered UNAUTHENTICATED: it is not the agent "
+             "that registered (another agent's address?)", j->address);
   if (code == GRPC_STATUS_OK) {
     const Meshd__Agent__V1__HelloReply *rep = (const void *)resp;
     if (strcmp(rep->agent_id, j->agent_id) == 0) {
@@ -221,79 +298,111 @@ static void dial(registry_t *r, job_t *j) {
 
 /* Ends the registration of every dialed-back agent the pool no longer counts
  * healthy: its Execute link broke (keepalive timeout, the agent refused or
- * ended the stream). The agent registers again when it can. Only this thread
- * sets `dialed`, so a conn it has not dialed yet is never ended here. */
+ * ended the stream). The agent registers again when it can. A conn not dialed
+ * back yet is never ended here. */
 static void sweep(registry_t *r) {
   size_t world = 0;
-  bool *healthy = agent_pool_healthy_map(r->pool, &world);
-  if (!healthy) return;
+  /* The map is taken under r->mu, which a dialer holds when it sets `dialed`
+   * (after marking the agent healthy): a conn seen dialed here was healthy
+   * before this snapshot. Lock order: r->mu, then the pool's. */
   pthread_mutex_lock(&r->mu);
+  bool *healthy = agent_pool_healthy_map(r->pool, &world);
+  if (!healthy) {
+    pthread_mutex_unlock(&r->mu);
+    return;
+  }
   for (conn_t *c = r->conns; c; c = c->next) {
     if (!c->dialed || c->ending || ((size_t)c->rank < world && healthy[c->rank])) continue;
     c->ending = true;
     log_warn("registry", "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
              "within %.1f s, or the link broke): ending its registration so that it registers "
-             "again", c->rank, c->address, c->agent_id, r->agent_timeout_ms / 1000.0);
+             "again", c->rank, c->address, c->agent_id, r->o.agent_timeout_ms / 1000.0);
     rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL,
                     "the server lost its link to this agent (no keepalive answer within %.1f s, "
                     "or the Execute stream broke); register again",
-                    r->agent_timeout_ms / 1000.0);
+                    r->o.agent_timeout_ms / 1000.0);
   }
   pthread_mutex_unlock(&r->mu);
   free(healthy);
 }
 
-/* The registry's thread: dial-back jobs as they come, a sweep every REGISTRY_SWEEP_MS. */
+/* A dialer: dial-back jobs as they come, one at a time. */
 static void *dialer(void *arg) {
   registry_t *r = arg;
-  struct timespec next_sweep;
-  runtime_deadline(&next_sweep, CLOCK_MONOTONIC, REGISTRY_SWEEP_MS);
   pthread_mutex_lock(&r->mu);
   for (;;) {
-    while (!r->jobs && !r->stopping &&
-           pthread_cond_timedwait(&r->cv, &r->mu, &next_sweep) != ETIMEDOUT) {
-    }
+    while (!r->jobs && !r->stopping) pthread_cond_wait(&r->jobs_cv, &r->mu);
     if (r->stopping) break;
     job_t *j = r->jobs;
-    if (j) {
-      r->jobs = j->next;
-      if (!r->jobs) r->jobs_tail = NULL;
-    }
+    r->jobs = j->next;
+    if (!r->jobs) r->jobs_tail = NULL;
     pthread_mutex_unlock(&r->mu);
-    if (j) {
-      dial(r, j);
-      rpc_call_unref(j->call);
-      free(j);
-    }
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if (now.tv_sec > next_sweep.tv_sec ||
-        (now.tv_sec == next_sweep.tv_sec && now.tv_nsec >= next_sweep.tv_nsec)) {
-      sweep(r);
-      runtime_deadline(&next_sweep, CLOCK_MONOTONIC, REGISTRY_SWEEP_MS);
-    }
+    dial(r, j);
+    rpc_call_unref(j->call);
+    memset(j, 0, sizeof *j);
+    free(j);
     pthread_mutex_lock(&r->mu);
   }
   pthread_mutex_unlock(&r->mu);
   return NULL;
 }
 
-registry_t *registry_create(agent_pool_t *pool, const char *server_id, int dial_timeout_ms,
-                            int agent_timeout_ms) {
+/* The sweeper: sweep() every REGISTRY_SWEEP_MS. */
+static void *sweeper(void *arg) {
+  registry_t *r = arg;
+  for (;;) {
+    struct timespec next;
+    runtime_deadline(&next, CLOCK_MONOTONIC, REGISTRY_SWEEP_MS);
+    pthread_mutex_lock(&r->mu);
+    while (!r->stopping && pthread_cond_timedwait(&r->stop_cv, &r->mu, &next) != ETIMEDOUT) {
+    }
+    bool stop = r->stopping;
+    pthread_mutex_unlock(&r->mu);
+    if (stop) return NULL;
+    sweep(r);
+  }
+}
+
+static void stop_threads(registry_t *r) {
+  pthread_mutex_lock(&r->mu);
+  r->stopping = true;
+  pthread_cond_broadcast(&r->jobs_cv);
+  pthread_cond_broadcast(&r->stop_cv);
+  pthread_mutex_unlock(&r->mu);
+  for (int i = 0; i < r->ndialers; i++) pthread_join(r->dialers[i], NULL);
+  r->ndialers = 0;
+  if (r->sweeper_started) pthread_join(r->sweeper, NULL);
+  r->sweeper_started = false;
+}
+
+registry_t *registry_create(agent_pool_t *pool, const registry_opts_t *o) {
   registry_t *r = calloc(1, sizeof *r);
   if (!r) return NULL;
   r->pool = pool;
-  snprintf(r->server_id, sizeof r->server_id, "%s", server_id);
-  r->dial_timeout_ms = dial_timeout_ms;
-  r->agent_timeout_ms = agent_timeout_ms > 0 ? agent_timeout_ms : 1;
+  r->o = *o;
+  snprintf(r->server_id, sizeof r->server_id, "%s", o->server_id ? o->server_id : "");
+  r->o.server_id = r->server_id;
+  if (r->o.agent_timeout_ms <= 0) r->o.agent_timeout_ms = 1;
+  if (r->o.dial_timeout_ms <= 0) r->o.dial_timeout_ms = 3000;
+  if (r->o.max_agents <= 0) r->o.max_agents = agent_pool_max_agents(pool);
   pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->jobs_cv, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_cond_init(&r->cv, &ca);
+  pthread_cond_init(&r->stop_cv, &ca);
   pthread_condattr_destroy(&ca);
-  if (pthread_create(&r->dialer, NULL, dialer, r) != 0) {
-    pthread_cond_destroy(&r->cv);
+  bool ok = true;
+  for (int i = 0; ok && i < REGISTRY_DIALERS; i++) {
+    ok = pthread_create(&r->dialers[i], NULL, dialer, r) == 0;
+    if (ok) r->ndialers++;
+  }
+  if (ok) ok = r->sweeper_started = pthread_create(&r->sweeper, NULL, sweeper, r) == 0;
+  if (!ok) {
+    log_error("registry", "cannot start its threads");
+    stop_threads(r);
+    pthread_cond_destroy(&r->jobs_cv);
+    pthread_cond_destroy(&r->stop_cv);
     pthread_mutex_destroy(&r->mu);
     free(r);
     return NULL;
@@ -312,9 +421,13 @@ static const rpc_method_t methods[] = {
     },
 };
 
-const rpc_method_t *registry_methods(size_t *n) {
-  *n = sizeof methods / sizeof methods[0];
-  return methods;
+int registry_add_methods(registry_t *r, rpc_server_t *srv) {
+  return rpc_server_add_methods_guarded(srv, methods, sizeof methods / sizeof methods[0], r, guard,
+                                        r);
+}
+
+bool registry_open(const registry_t *r) {
+  return !r->o.join_tokens && !r->o.require_cluster_cert;
 }
 
 int registry_open_calls(registry_t *r) {
@@ -330,23 +443,22 @@ void registry_close_all(registry_t *r) {
   r->stopping = true;
   for (conn_t *c = r->conns; c; c = c->next)
     rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL, "server shutting down");
-  pthread_cond_broadcast(&r->cv);
+  pthread_cond_broadcast(&r->jobs_cv);
+  pthread_cond_broadcast(&r->stop_cv);
   pthread_mutex_unlock(&r->mu);
 }
 
 void registry_destroy(registry_t *r) {
   if (!r) return;
-  pthread_mutex_lock(&r->mu);
-  r->stopping = true;
-  pthread_cond_broadcast(&r->cv);
-  pthread_mutex_unlock(&r->mu);
-  pthread_join(r->dialer, NULL);
+  stop_threads(r);
   for (job_t *j = r->jobs, *next; j; j = next) {
     next = j->next;
     rpc_call_unref(j->call);
+    memset(j, 0, sizeof *j);
     free(j);
   }
-  pthread_cond_destroy(&r->cv);
+  pthread_cond_destroy(&r->jobs_cv);
+  pthread_cond_destroy(&r->stop_cv);
   pthread_mutex_destroy(&r->mu);
   free(r);
 }

@@ -55,7 +55,7 @@ static pid_t spawn(supervisor_t *s, int i) {
   if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
   else snprintf(device, sizeof device, "%s", dev);
   snprintf(mem, sizeof mem, "%llu", (unsigned long long)s->o.memory_bytes);
-  char *argv[16];
+  char *argv[32];
   int n = 0;
   argv[n++] = (char *)s->o.agent_binary;
   argv[n++] = "--server";
@@ -73,6 +73,15 @@ static pid_t spawn(supervisor_t *s, int i) {
   if (s->o.log_level) {
     argv[n++] = "--log-level";
     argv[n++] = (char *)s->o.log_level;
+  }
+  const struct { const char *flag, *value; } creds[] = {
+      {"--join-token-file", s->o.join_token_file}, {"--cluster-ca", s->o.cluster_ca},
+      {"--cluster-cert", s->o.cluster_cert},       {"--cluster-key", s->o.cluster_key},
+      {"--cluster-name", s->o.cluster_ca ? s->o.cluster_name : NULL}};
+  for (size_t k = 0; k < sizeof creds / sizeof creds[0]; k++) {
+    if (!creds[k].value) continue;
+    argv[n++] = (char *)creds[k].flag;
+    argv[n++] = (char *)creds[k].value;
   }
   argv[n] = NULL;
   pid_t parent = getpid();

@@ -1,6 +1,7 @@
 /* `meshd --local-agents N`: N meshd-agent processes as direct children.
  *
- * Agent i runs `AGENT --server SERVER --listen 127.0.0.1:0 --rank i --device cpu`.
+ * Agent i runs `AGENT --server SERVER --listen 127.0.0.1:0 --rank i --device cpu`, plus
+ * --join-token-file and the --cluster-* flags when set (never a secret in argv).
  * A child that exits is restarted within 2 s (at once, then with a backoff of up
  * to 1 s if it keeps dying). Children get SIGTERM if meshd dies (PR_SET_PDEATHSIG),
  * so no agent outlives its supervisor. */
@@ -19,6 +20,9 @@ typedef struct supervisor_opts {
   uint64_t memory_bytes;     /* each agent's reported capacity; 0: the agent's default */
   const char *log_level;     /* passed on */
   const char *device;        /* passed on as --device, except "cuda": agent i serves cuda:i */
+  /* Passed on when set: how the agents prove who they are (server/cluster.h). */
+  const char *join_token_file;
+  const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;
 } supervisor_opts_t;
 
 /* Starts the agents and the thread that watches them. NULL (and a log line) if

@@ -129,3 +129,20 @@ void log_write(log_level_t level, const char *component, const char *file, int l
   write_all(buf, len);
   errno = saved_errno;
 }
+
+bool log_allow(log_limit_t *l, int burst, int window_ms, int *suppressed) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  long long now = (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+  long long start = atomic_load(&l->window_start_ms);
+  /* One thread opens the next window; the others count in whichever they see. */
+  if (now - start >= window_ms && atomic_compare_exchange_strong(&l->window_start_ms, &start, now))
+    atomic_store(&l->written, 0);
+  if (atomic_fetch_add(&l->written, 1) >= burst) {
+    atomic_fetch_add(&l->suppressed, 1);
+    return false;
+  }
+  int held = atomic_exchange(&l->suppressed, 0);
+  if (suppressed) *suppressed = held;
+  return true;
+}

@@ -20,6 +20,17 @@ bool log_parse_level(const char *text, log_level_t *out);
 void log_write(log_level_t level, const char *component, const char *file, int line,
                const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
+/* A rate limit for lines an outsider can cause (refused calls): at most `burst`
+ * lines per `window_ms`. Zero-initialize one per kind of line (static storage).
+ * log_allow returns true if this line may be written; then *suppressed (may be
+ * NULL) is how many were held back since the last line allowed, for the line to
+ * say ("... (12 more refused meanwhile)"). Thread-safe. */
+typedef struct log_limit {
+  _Atomic long long window_start_ms;
+  _Atomic int written, suppressed;
+} log_limit_t;
+bool log_allow(log_limit_t *l, int burst, int window_ms, int *suppressed);
+
 #define log_debug(comp, ...) log_write(LOG_LEVEL_DEBUG, comp, __FILE__, __LINE__, __VA_ARGS__)
 #define log_info(comp, ...) log_write(LOG_LEVEL_INFO, comp, __FILE__, __LINE__, __VA_ARGS__)
 #define log_warn(comp, ...) log_write(LOG_LEVEL_WARN, comp, __FILE__, __LINE__, __VA_ARGS__)

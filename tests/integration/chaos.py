@@ -13,9 +13,8 @@ is lost, by one of three means:
   kill  SIGKILL; the supervisor starts a replacement
   stop  SIGSTOP; the server's keepalive declares it lost after --agent-timeout, then
         SIGCONT (in a finally) and the same process registers again
-  cut   a stranger opens Agent/Execute on the agent's own address, which replaces the
-        server's call (the agent ends it ABORTED); the stranger's call is then closed
-        and the agent registers again
+  cut   SIGUSR1 makes the agent end the server's Execute call (ABORTED), as a broken
+        link would; the server ends its registration and the agent registers again
 
 Each round checks:
   - every session with work on the victim's rank (the full ones, and the pairs that
@@ -72,7 +71,6 @@ RSS_SLACK_KB = 16 * 1024
 ZERO_WAIT_S = 2 * COMM_TIMEOUT_MS / 1000 + 2.0
 
 _SVC = "/meshd.v1.TensorService/"
-_EXECUTE = "/meshd.agent.v1.Agent/Execute"
 
 
 def fault_env(slow_ms=SLOW_MS):
@@ -175,45 +173,25 @@ def fetch_retrying(s, ref, coords, spurious, mu):
             time.sleep(0.05)
 
 
-class ExecuteCut:
-    """A stranger's Agent/Execute call on an agent's own gRPC address: the agent
-    takes the newest Execute call and ends the one it had (the server's) with
-    ABORTED, which breaks the server's link to it. The stranger sends nothing;
-    close() ends its call (idempotent)."""
+def supervised_agent_pid(server_pid, rank):
+    """The pid of the agent of rank that meshd (server_pid) supervises, or None."""
+    pids = [p for p in lib.agent_children(server_pid) if lib.child_rank(p) == rank]
+    return pids[0] if len(pids) == 1 else None
 
-    def __init__(self, address):
-        self.ch = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
-        self._done = threading.Event()
-        self.end = None
 
-        def nothing():
-            self._done.wait(ROUND_WAIT_S)
-            return
-            yield  # a request stream that sends no message
+class LinkCut:
+    """Cuts an agent's Execute link while the agent lives on: SIGUSR1 makes the agent end
+    the server's Execute call with ABORTED, as a broken link would (agent/main.c). The
+    server loses its link and ends the registration; the agent registers again.
+    (A stranger's Execute call on the agent's address used to do this; since issue 13
+    an agent serves only the server it registered with.) close() is a no-op, kept so
+    that every loss has an undo."""
 
-        fn = self.ch.stream_stream(_EXECUTE, request_serializer=lambda b: b,
-                                   response_deserializer=lambda b: b)
-        self.call = fn(nothing(), timeout=ROUND_WAIT_S + 10)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._open = True
-
-    def _read(self):
-        try:
-            for _ in self.call:
-                pass
-            self.end = (self.call.code(), self.call.details())
-        except grpc.RpcError as e:
-            self.end = (e.code(), e.details())
+    def __init__(self, pid):
+        os.kill(pid, signal.SIGUSR1)
 
     def close(self):
-        if not self._open:
-            return
-        self._open = False
-        self._done.set()
-        self.call.cancel()
-        self._reader.join(5)
-        self.ch.close()
+        pass
 
 
 # ---------------------------------------------------------------- one session
@@ -535,7 +513,7 @@ class Chaos:
 
     def _lose(self, rank, ag):
         """Makes rank's agent lost; returns (t_loss, undo) where undo() puts things back
-        (SIGCONT, closing the stranger's call) and is safe to call twice."""
+        (SIGCONT) and is safe to call twice."""
         if self.mode == "kill":
             pid = self.agent_pid(rank)
             t = time.monotonic()
@@ -560,9 +538,10 @@ class Chaos:
                 undo()
                 raise
             return time.monotonic(), undo
-        # cut: a stranger's Execute call on the agent's own address.
+        # cut: the agent ends the server's Execute call (SIGUSR1).
+        pid = self.agent_pid(rank)
         t = time.monotonic()
-        cut = ExecuteCut(ag[rank].address)
+        cut = LinkCut(pid)
         return t, cut.close
 
     def one_round(self, no, rank):

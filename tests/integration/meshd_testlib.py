@@ -13,6 +13,7 @@ Environment (set by ctest through MESHD_TEST_ENV):
 """
 
 import atexit
+import concurrent.futures
 import glob
 import importlib
 import os
@@ -96,9 +97,23 @@ def _generate():
                              (os.path.join(api, "meshd", "v1"), "tensor_service.proto")):
         subprocess.run(["protoc", "--proto_path=" + proto_path, "--python_out=" + _gen_dir,
                         os.path.join(proto_path, name)], check=True)
+    # The agent-side protos flat as well: agent.proto's import of
+    # meshd/v1/tensor_service.proto is rewritten to the flat file generated above.
+    for rel, name in (("meshd/v1/agent_registry.proto", "agent_registry.proto"),
+                      ("meshd/agent/v1/agent.proto", "agent.proto")):
+        with open(os.path.join(api, rel)) as f:
+            text = f.read().replace('import "meshd/v1/tensor_service.proto";',
+                                    'import "tensor_service.proto";')
+        with open(os.path.join(_gen_dir, name), "w") as f:
+            f.write(text)
+        subprocess.run(["protoc", "--proto_path=" + _gen_dir,
+                        "--proto_path=" + os.path.join(api, "meshd", "v1"),
+                        "--python_out=" + _gen_dir, os.path.join(_gen_dir, name)], check=True)
     sys.path.insert(0, _gen_dir)
     _pb["health"] = importlib.import_module("health_pb2")
     _pb["tensor"] = importlib.import_module("tensor_service_pb2")
+    _pb["registry"] = importlib.import_module("agent_registry_pb2")
+    _pb["agent"] = importlib.import_module("agent_pb2")
 
 
 def health_pb2():
@@ -111,6 +126,20 @@ def tensor_pb2():
     if not _pb:
         _generate()
     return _pb["tensor"]
+
+
+def registry_pb2():
+    """meshd.v1.AgentRegistry's messages (agent_registry.proto)."""
+    if not _pb:
+        _generate()
+    return _pb["registry"]
+
+
+def agent_pb2():
+    """meshd.agent.v1.Agent's messages (agent.proto)."""
+    if not _pb:
+        _generate()
+    return _pb["agent"]
 
 
 def status_name(value):
@@ -907,3 +936,194 @@ class Session:
                 if e.kind == "UNKNOWN_OP":
                     missing.append(op)
         return missing
+
+
+# ---------------------------------------------------------------- an agent's own server
+#
+# An agent serves its Agent service (Hello, Execute, Read, Write) only to the server
+# it registered with, which proves it with the call secret the agent sent in its
+# RegisterRequest (docs/operations.md "Cluster security"). A test that drives an agent
+# directly registers it with a FakeRegistry and uses the secret as the server would:
+#
+#   with FakeRegistry() as reg:
+#       a = agent_fixture(reg.port)              # meshd-agent --server 127.0.0.1:PORT
+#       hello = reg.wait()                       # its RegisterRequest
+#       md = reg.metadata()                      # (("meshd-agent-secret", ...),)
+#       reg.hello()                              # Agent/Hello as the server's dial-back
+#       ... stub calls on a.address with metadata=md ...
+
+AGENT_SECRET_MD = "meshd-agent-secret"
+JOIN_TOKEN_MD = "meshd-join-token"
+
+
+class FakeRegistry:
+    """meshd.v1.AgentRegistry/RegisterAgent in process (grpcio): admits every agent
+    (with `token` set, only those presenting it) as rank `rank` (or its requested rank),
+    keeps its RegisterRequest, and holds the call open until close() or drop().
+
+    With `upstream` (a real meshd's registry address) it admits nobody itself: it
+    relays each registration to that server both ways and only keeps the
+    RegisterRequest, so a test learns the call secret of agents a real server drives
+    (`secret_md(address)`)."""
+
+    def __init__(self, token=None, rank=0, upstream=None):
+        self.token, self.rank, self.upstream = token, rank, upstream
+        self.by_address = {}
+        self.registrations = queue.Queue()
+        self.last = None
+        self.refused = []
+        self._stop = threading.Event()
+        self._drop = threading.Event()
+        reg = registry_pb2()
+        handler = grpc.method_handlers_generic_handler("meshd.v1.AgentRegistry", {
+            "RegisterAgent": grpc.stream_stream_rpc_method_handler(
+                self._register, request_deserializer=reg.AgentToServer.FromString,
+                response_serializer=lambda m: m.SerializeToString())})
+        # Agents ping their registration call every second: allow it, as meshd does.
+        opts = [("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                ("grpc.http2.max_ping_strikes", 0)]
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16),
+                                  options=opts)
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    def _relay(self, requests, context):
+        reg = registry_pb2()
+        first = next(requests, None)
+        if first is None:
+            return
+        md = [(k, v) for k, v in context.invocation_metadata() if k == JOIN_TOKEN_MD]
+        ch = grpc.insecure_channel(self.upstream, options=_CHANNEL_OPTIONS + [
+            ("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 1000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
+        fn = ch.stream_stream("/meshd.v1.AgentRegistry/RegisterAgent",
+                              request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=reg.ServerToAgent.FromString)
+
+        def upward():
+            yield first
+            for m in requests:
+                yield m
+        call = fn(upward(), metadata=md)
+        context.add_callback(call.cancel)
+        try:
+            for m in call:
+                if m.WhichOneof("msg") == "accepted":
+                    self.by_address[first.hello.address] = first.hello
+                    self.registrations.put((first.hello, m.accepted.rank))
+                yield m
+        except grpc.RpcError as e:
+            context.abort(e.code(), e.details() or "")
+        finally:
+            ch.close()
+
+    def secret_md(self, address):
+        """The call-secret metadata of the agent that registered with this address."""
+        return ((AGENT_SECRET_MD, self.by_address[address].call_secret),)
+
+    def _register(self, requests, context):
+        if self.upstream:
+            yield from self._relay(requests, context)
+            return
+        reg = registry_pb2()
+        if self.token is not None:
+            got = dict(context.invocation_metadata()).get(JOIN_TOKEN_MD)
+            if got != self.token:
+                self.refused.append(context.peer())
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong join token")
+        first = next(requests, None)
+        if first is None or first.WhichOneof("msg") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected hello")
+        hello = first.hello
+        rank = hello.requested_rank if hello.requested_rank >= 0 else self.rank
+        self.registrations.put((hello, rank))
+        yield reg.ServerToAgent(accepted=reg.RegisterAccepted(rank=rank, server_id="fake"))
+        while not self._stop.is_set() and not self._drop.is_set() and context.is_active():
+            time.sleep(0.02)
+        if self._drop.is_set():
+            self._drop.clear()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "dropped by the test")
+
+    def wait(self, timeout=REGISTER_TIMEOUT):
+        """The next RegisterRequest (and keeps it as .last); fails after timeout."""
+        try:
+            self.last = self.registrations.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no agent registered with the fake registry within {timeout} s")
+        return self.last[0]
+
+    def metadata(self, hello=None):
+        """What every call to the agent carries: its call secret."""
+        return ((AGENT_SECRET_MD, (hello or self.last[0]).call_secret),)
+
+    def hello(self, timeout=5.0):
+        """Agent/Hello as the server's dial-back (sets the agent's rank); the reply."""
+        hello, rank = self.last
+        a = agent_pb2()
+        with grpc.insecure_channel(hello.address, options=_CHANNEL_OPTIONS) as ch:
+            fn = ch.unary_unary("/meshd.agent.v1.Agent/Hello",
+                                request_serializer=lambda m: m.SerializeToString(),
+                                response_deserializer=a.HelloReply.FromString)
+            return fn(a.HelloRequest(agent_id=hello.agent_id, rank=rank, server_id="fake"),
+                      metadata=self.metadata(), timeout=timeout)
+
+    def channel(self, hello=None):
+        """A channel to the registered agent that sends its call secret on every call."""
+        hello = hello or self.last[0]
+        return agent_channel(hello.address, self.metadata(hello))
+
+    def drop(self):
+        """Ends the open registration (UNAVAILABLE): the agent registers again."""
+        self._drop.set()
+
+    def close(self):
+        self._stop.set()
+        self.server.stop(grace=0.5).wait(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, md):
+        self.md = tuple(md)
+
+    def _details(self, d):
+        return _CallDetails(d.method, d.timeout, tuple(d.metadata or ()) + self.md,
+                            d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, cont, d, req):
+        return cont(self._details(d), req)
+
+    def intercept_unary_stream(self, cont, d, req):
+        return cont(self._details(d), req)
+
+    def intercept_stream_unary(self, cont, d, reqs):
+        return cont(self._details(d), reqs)
+
+    def intercept_stream_stream(self, cont, d, reqs):
+        return cont(self._details(d), reqs)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = \
+            credentials, wait_for_ready, compression
+
+
+def agent_channel(address, md):
+    """A plaintext channel to an agent that adds md (its call secret: FakeRegistry's
+    metadata() or secret_md()) to every call."""
+    ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return grpc.intercept_channel(ch, _AddMetadata(md))

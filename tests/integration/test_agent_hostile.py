@@ -3,11 +3,12 @@ call an agent's Agent/Read, Agent/Write and Agent/Execute directly with hostile
 messages; each gets a clear error, nothing is stored, and the agent stays up and
 keeps computing.
 
-AUTH: agents will serve Execute, Read and Write only to the server they
-registered with, which sends the secret agreed at registration as metadata on
-every call. Once that lands, AGENT_MD below must carry that secret (and a
-stranger's calls, without it, get UNAUTHENTICATED instead of reaching the checks
-this module tests)."""
+Agents serve Execute, Read and Write only to the server they registered with,
+which sends the call secret agreed at registration as metadata on every call (a
+stranger's calls get UNAUTHENTICATED before reaching the checks this module
+tests). So the agents here register through a meshd_testlib.FakeRegistry, which
+relays to the real server or stands in for it, and the test's calls carry the
+secret it saw (meshd_testlib.agent_channel)."""
 
 import threading
 import time
@@ -19,9 +20,6 @@ import pytest
 import meshd_testlib as lib
 from meshd_testlib import Ref, Session
 from test_compute import fetch, op, upload
-
-# AUTH: the metadata a server sends to its agents, e.g. (("meshd-agent-secret", SECRET),).
-AGENT_MD = ()
 
 _AGENT = "/meshd.agent.v1.Agent/"
 BIG = 1 << 31
@@ -66,7 +64,7 @@ def agent_write(ch, session, sp, data, timeout=20):
     msgs = [A.DataChunk(session_id=session, spec=sp)]
     msgs += [A.DataChunk(session_id=session, data=data[i:i + (1 << 20)])
              for i in range(0, len(data), 1 << 20)]
-    return fn(iter(msgs), metadata=AGENT_MD, timeout=timeout)
+    return fn(iter(msgs), timeout=timeout)
 
 
 def agent_read(ch, session, ref, after_seq=0, timeout=20):
@@ -75,7 +73,7 @@ def agent_read(ch, session, ref, after_seq=0, timeout=20):
                          response_deserializer=A.DataChunk.FromString)
     data = bytearray()
     for c in fn(A.ReadRequest(session_id=session, ref=ref, after_seq=after_seq),
-                metadata=AGENT_MD, timeout=timeout):
+                timeout=timeout):
         if c.WhichOneof("part") == "data":
             data += c.data
     return bytes(data)
@@ -99,13 +97,24 @@ def computes(s, m, value):
         np.testing.assert_array_equal(fetch(s, y, gpu=g), 2 * a)
 
 
-def test_hostile_reads_and_writes_store_nothing_and_the_agents_compute_on(shared_meshd):
-    srv = shared_meshd(2)
+def test_hostile_reads_and_writes_store_nothing_and_the_agents_compute_on(meshd_server, agent):
+    srv = meshd_server(0, min_agents=2)
+    relay = lib.FakeRegistry(upstream=srv.address)  # learns the agents' call secrets
+    try:
+        for r in (0, 1):
+            agent(relay.port, rank=r)
+        lib.wait_ready(srv, 2)
+        _hostile_reads_and_writes(srv, relay)
+    finally:
+        relay.close()
+
+
+def _hostile_reads_and_writes(srv, relay):
     with Session(srv.port, "hostile-data") as s:
         m = s.mesh(gpu=2).ref
         computes(s, m, 1.5)
-        agents = lib.list_agents(srv.port)
-        ch = grpc.insecure_channel(agents[0].address)
+        agents = sorted(lib.list_agents(srv.port), key=lambda a: a.rank)
+        ch = lib.agent_channel(agents[0].address, relay.secret_md(agents[0].address))
         held = agents[0].allocated_bytes
         code = grpc.StatusCode
 
@@ -157,17 +166,20 @@ def test_hostile_reads_and_writes_store_nothing_and_the_agents_compute_on(shared
         ch.close()
 
 
-def test_hostile_instructions_fail_cleanly_and_the_agent_computes_on(meshd_server, agent):
-    # The agent registers (the server's Hello gives it its rank), then its server
-    # stops: the raw Execute call below is then the only one (one server drives an
-    # agent; a second call would replace the server's and the server would win the
-    # agent back when it re-registers).
-    srv = meshd_server(0)
-    ag = agent(srv.port)
-    info = lib.wait_agents(srv.port, lambda a: len(a) == 1 and a[0].healthy)[0]
-    lib.stop(srv)
+def test_hostile_instructions_fail_cleanly_and_the_agent_computes_on(agent):
+    # The agent registers with a fake registry, whose Hello gives it its rank: the
+    # test is its server, and its raw Execute call below the only one.
+    with lib.FakeRegistry() as reg:
+        ag = agent(reg.port)
+        reg.wait()
+        reg.hello()
+        _hostile_instructions(ag, reg)
+
+
+def _hostile_instructions(ag, reg):
+    info = type("Info", (), {"rank": reg.last[1]})
     A = apb()
-    ch = grpc.insecure_channel(ag.address)
+    ch = reg.channel()
     sess = "0123456789abcdef0123456789abcdef"
     batches = []
     reports = []
@@ -199,8 +211,7 @@ def test_hostile_instructions_fail_cleanly_and_the_agent_computes_on(meshd_serve
     stream = ch.stream_stream(_AGENT + "Execute",
                               request_serializer=lambda m: m.SerializeToString(),
                               response_deserializer=A.AgentReport.FromString)
-    # AUTH: metadata=AGENT_MD carries the registration secret once agents require it.
-    call = stream(requests(), metadata=AGENT_MD, timeout=60)
+    call = stream(requests(), timeout=60)
     ended = []
 
     def read_reports():

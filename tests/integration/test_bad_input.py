@@ -120,9 +120,18 @@ class Ctx:
         self.checks += 1
 
 
+# Registration needs a join token (docs/operations.md "Cluster security"): the server
+# and its local agents get this one, so that the registry's cases reach its checks.
+JOIN_TOKEN = "bad-input-join-token-0123456789"
+JOIN_MD = ((lib.JOIN_TOKEN_MD, JOIN_TOKEN),)
+
+
 @pytest.fixture(scope="module")
-def ctx(shared_meshd):
-    srv = shared_meshd(2, "--session-quota-bytes", "1GiB")
+def ctx(shared_meshd, tmp_path_factory):
+    tf = tmp_path_factory.mktemp("join") / "token"
+    tf.write_text(JOIN_TOKEN + "\n")
+    tf.chmod(0o600)
+    srv = shared_meshd(2, "--session-quota-bytes", "1GiB", "--join-token-file", tf)
     c = Ctx(srv)
     c.check_pool()
     yield c
@@ -200,7 +209,7 @@ def _(ctx):
 
 @case("junk-bytes-RegisterAgent")
 def _(ctx):
-    fails(lambda: ctx.stream_stream(REG, [JUNK]), INVALID, "RegisterAgent", "AgentToServer")
+    fails(lambda: ctx.stream_stream(REG, [JUNK], JOIN_MD), INVALID, "RegisterAgent", "AgentToServer")
 
 
 @case("junk-bytes-Health-Check")
@@ -888,15 +897,26 @@ def _(ctx):
 
 # ================================================================ AgentRegistry
 
-def register_fails(ctx, msgs, code, *words):
-    return fails(lambda: ctx.stream_stream(REG, msgs), code, *words)
+def register_fails(ctx, msgs, code, *words, md=JOIN_MD):
+    return fails(lambda: ctx.stream_stream(REG, msgs, md), code, *words)
 
 
 def _hello(**kw):
     r = reg_pb()
-    base = dict(agent_id="rogue-agent", address="127.0.0.1:1", device="cpu", requested_rank=-1)
+    base = dict(agent_id="rogue-agent", address="127.0.0.1:1", device="cpu", requested_rank=-1,
+                call_secret="a" * 64)
     base.update(kw)
     return r.AgentToServer(hello=r.RegisterRequest(**base))
+
+
+@case("register-without-the-join-token")
+def _(ctx):
+    register_fails(ctx, [_hello()], grpc.StatusCode.UNAUTHENTICATED, "join token", md=())
+
+
+@case("register-no-call-secret")
+def _(ctx):
+    register_fails(ctx, [_hello(call_secret="")], INVALID, "call_secret")
 
 
 @case("register-empty-message")

@@ -2,7 +2,7 @@
 that vanish.
 
 The driver is chaos.py (its docstring says what a round checks). CI runs a short
-version: MESHD_CHAOS_KILLS SIGKILLs (default 6), 2 SIGSTOP rounds and 2 Execute-cut
+version: MESHD_CHAOS_KILLS SIGKILLs (default 6), 2 SIGSTOP rounds and 2 link-cut
 rounds, each on its own `meshd --local-agents 4`. The long version runs by hand and
 prints its figures as JSON:
 
@@ -70,8 +70,9 @@ def test_chaos_sigstop(meshd_server):
 
 
 def test_chaos_execute_stream_cut(meshd_server):
-    """A stranger's Agent/Execute call replaces the server's on one agent at a time: the
-    server loses its link, ends the agent's registration, and the agent registers again."""
+    """One agent at a time ends the server's Execute call (SIGUSR1, as a broken link
+    would): the server loses its link, ends the agent's registration, and the agent
+    registers again."""
     run_chaos(_chaos_server(meshd_server, 3), "cut", CHAOS_CUTS)
 
 
@@ -98,7 +99,7 @@ def test_an_agent_back_from_a_cut_link_takes_no_new_send(meshd_server):
         s.run(to_mesh(s.new_ref(), x, dst, selection={"gpu": 0}))
         time.sleep(0.5)
         old = chaos.agents_by_rank(srv.port)[1]
-        cut = chaos.ExecuteCut(old.address)
+        cut = chaos.LinkCut(chaos.supervised_agent_pid(srv.pid, 1))
         try:
             try:
                 kinds = [lib.kind_name(x.kind) for x in s.run(sync(), timeout=10).errors]
@@ -134,7 +135,7 @@ def test_an_agent_back_from_a_cut_link_drops_the_work_it_had_queued(meshd_server
         assert code.name == "OK" and not any(r.HasField("error") for r in results), results
         time.sleep(0.3)  # the first reduce runs (1 s), five wait behind it
         old = chaos.agents_by_rank(srv.port)[1]
-        cut = chaos.ExecuteCut(old.address)
+        cut = chaos.LinkCut(chaos.supervised_agent_pid(srv.pid, 1))
         try:
             try:
                 kinds = [lib.kind_name(e.kind) for e in s.run(sync(), timeout=10).errors]

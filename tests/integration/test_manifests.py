@@ -13,10 +13,19 @@ POD_NAME/POD_NAMESPACE). Only two things are rewritten:
     (<pod>.meshd-agent.<ns>.svc:50052) become 127.0.0.1:<map of the port they
     select>. An address naming an undeclared port fails the test.
 
+Secret volumes are written as the kubelet would (each item's file, its mode)
+into a directory per pod, from the Secrets docs/operations.md tells operators to
+create: meshd-cluster-tls (a cluster CA and certificate from
+tests/support/make_certs.sh) and meshd-join-token; a path under a mount is
+rewritten to that directory. Secret files must be mounted read-only and not be
+world-readable.
+
 Then every probe is performed the way the kubelet does it (grpc.health.v1
 Check on the probe's port, mapped, with the probe's service), /metrics is
-scraped on each declared metrics port (and the prometheus.io annotations), and
-SIGTERM must end every process with 0 within terminationGracePeriodSeconds.
+scraped on each declared metrics port (and the prometheus.io annotations), the
+agents' gRPC port and the server's cluster port must refuse plaintext (cluster
+mTLS is on), and SIGTERM must end every process with 0 within
+terminationGracePeriodSeconds.
 A flag the binary does not know (exit 2), a MESHD_* variable it does not read
 (its --help lists every one), a wrong probe port or service, an address on an
 undeclared port, or a metrics port nobody serves fails the test. All the
@@ -31,6 +40,7 @@ import subprocess
 import time
 import urllib.request
 
+import grpc
 import pytest
 import yaml
 
@@ -79,11 +89,25 @@ def selects(selector, labels):
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def operator_secrets(tmp_path):
+    """The Secrets docs/operations.md tells operators to create, by name and key."""
+    pki = tmp_path / "pki"
+    subprocess.run(["bash", os.path.join(lib.SOURCE_DIR, "tests/support/make_certs.sh"), str(pki)],
+                   check=True, capture_output=True)
+    return {
+        "meshd-cluster-tls": {"ca.crt": (pki / "cluster-ca.pem").read_bytes(),
+                              "tls.crt": (pki / "cluster.pem").read_bytes(),
+                              "tls.key": (pki / "cluster.key").read_bytes()},
+        "meshd-join-token": {"token": (os.urandom(24).hex() + "\n").encode()},
+    }
+
+
 class Cluster:
     """The manifests, the port map and the processes started from them."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, secrets=None):
         self.objs = load_objects()
+        self.secrets = secrets or {}
         self.tmp = str(tmp_path)
         self.config = {o["metadata"]["name"]: o.get("data", {}) for o in find(self.objs, "ConfigMap")}
         self.services = {o["metadata"]["name"]: o for o in find(self.objs, "Service")}
@@ -145,8 +169,42 @@ class Cluster:
         ports = {p["containerPort"]: lib.free_port() for p in c.get("ports", [])}
         pod = dict(name=name, workload=workload, template=tmpl, container=c,
                    labels=tmpl["metadata"]["labels"], ports=ports, proc=None, log=None)
+        pod["mounts"] = self._write_secrets(pod)
         self.pods.append(pod)
         return pod
+
+    def _write_secrets(self, pod):
+        """The pod's Secret volumes as files: {mountPath: local directory}."""
+        vols = {v["name"]: v for v in pod["template"]["spec"].get("volumes", [])}
+        mounts = {}
+        for m in pod["container"].get("volumeMounts", []):
+            sec = vols.get(m["name"], {}).get("secret")
+            if sec is None:
+                continue
+            name = sec["secretName"]
+            assert name in self.secrets, f"{pod['name']}: Secret {name} is not one operators create"
+            assert m.get("readOnly"), f"{pod['name']}: Secret {name} mounted writable"
+            local = os.path.join(self.tmp, pod["name"] + "-" + m["name"])
+            os.makedirs(local, exist_ok=True)
+            data = self.secrets[name]
+            items = sec.get("items") or [{"key": k, "path": k} for k in data]
+            for it in items:
+                assert it["key"] in data, f"{pod['name']}: Secret {name} has no key {it['key']}"
+                mode = it.get("mode", sec.get("defaultMode", 0o644))
+                assert mode & 0o007 == 0, f"{pod['name']}: {name}/{it['key']} is world-readable ({mode:o})"
+                path = os.path.join(local, it["path"])
+                with open(path, "wb") as f:
+                    f.write(data[it["key"]])
+                os.chmod(path, mode)
+            mounts[m["mountPath"].rstrip("/")] = local
+        return mounts
+
+    def local_path(self, pod, value):
+        """A path under one of the pod's Secret mounts, as written here; else value."""
+        for mount, local in pod["mounts"].items():
+            if value.startswith(mount + "/"):
+                return local + value[len(mount):]
+        return value
 
     def env_of(self, pod):
         c = pod["container"]
@@ -215,7 +273,9 @@ class Cluster:
             if (re.fullmatch(r"[\w.\-\[\]:]*:\d+", v) and not k.startswith("NCCL_")
                     and k != "MESHD_DEVICE"):
                 env[k] = self.resolve(pod, v)
-        argv = self.argv_of(pod, env)
+            else:
+                env[k] = self.local_path(pod, env[k])
+        argv = [self.local_path(pod, a) for a in self.argv_of(pod, env)]
         env["PATH"] = lib.BIN_DIR + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
         log = os.path.join(self.tmp, f"{pod['name']}.log")
         with open(log, "wb") as logf:
@@ -297,8 +357,20 @@ def test_binary_dir_matches_images():
     assert image_bin_dirs() == {IMAGE_BIN}, image_bin_dirs()
 
 
+def refuses_plaintext(port, method):
+    """A plaintext call to an mTLS port fails before any method runs."""
+    with lib.channel(port) as ch:
+        try:
+            ch.unary_unary(method, request_serializer=lambda b: b,
+                           response_deserializer=lambda b: b)(b"", timeout=5)
+        except grpc.RpcError as e:
+            return e.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_manifests_run_as_declared(tmp_path):
-    cluster = Cluster(tmp_path)
+    secrets = operator_secrets(tmp_path)
+    cluster = Cluster(tmp_path, secrets)
     server_wl = find(cluster.objs, "Deployment", "meshd")
     agent_wl = find(cluster.objs, "StatefulSet", "meshd-agent")
     assert len(server_wl) == 1 and len(agent_wl) == 1
@@ -346,6 +418,17 @@ def test_manifests_run_as_declared(tmp_path):
         smport = [p["containerPort"] for p in server["container"]["ports"] if p.get("name") == "metrics"][0]
         srv_text = scrape(server["ports"][smport])
         assert f'meshd_agents{{state="healthy"}} {replicas}' in srv_text, srv_text
+
+        # Cluster mTLS is on: the agents' gRPC port and the server's registry port
+        # refuse plaintext; the join token is in no log.
+        for a in agents:
+            assert refuses_plaintext(a["ports"][50052], "/meshd.agent.v1.Agent/Hello"), a["name"]
+        cport = [p["containerPort"] for p in server["container"]["ports"] if p.get("name") == "cluster"]
+        assert len(cport) == 1, "the server declares its cluster port"
+        assert refuses_plaintext(server["ports"][cport[0]], "/meshd.v1.AgentRegistry/RegisterAgent")
+        token = secrets["meshd-join-token"]["token"].decode().strip()
+        for pod in [server] + agents:
+            assert token not in open(pod["log"], errors="replace").read(), f"{pod['name']} logged the token"
 
         for pod in [server] + agents:
             cluster.alive(pod)

@@ -112,12 +112,21 @@ const PROBES = {
   "meshd-agent": { port: 50052, ready: "meshd.agent.v1.Agent" },
 };
 
+// The probes' port: the plaintext health port when the container serves one
+// (--health-listen / MESHD_HEALTH_LISTEN: its gRPC port is TLS), else the gRPC port.
+function probePort(c, binary) {
+  const words = [...(c.command ?? []), ...(c.args ?? [])].join(" ");
+  const m = words.match(/--health-listen[\s=]+"?[^\s"]*:(\d+)/);
+  const listen = m ? m[1] : containerEnv(c).MESHD_HEALTH_LISTEN?.match(/:(\d+)$/)?.[1];
+  return listen ? Number(listen) : PROBES[binary].port;
+}
+
 test("native gRPC probes: liveness/startup on \"\", readiness on the service", () => {
   for (const { file, spec } of podSpecs()) {
     for (const c of spec.containers) {
       const { binary } = containerFlags([...(c.command ?? []), ...(c.args ?? [])]);
       assert.ok(binary, `${file}: container ${c.name} runs neither meshd nor meshd-agent`);
-      const want = PROBES[binary];
+      const want = { ...PROBES[binary], port: probePort(c, binary) };
       for (const kind of ["startupProbe", "livenessProbe", "readinessProbe"]) {
         const grpc = c[kind]?.grpc;
         assert.ok(grpc, `${file}: ${c.name} ${kind} is not a grpc probe`);

@@ -231,7 +231,7 @@ static void on_lost(uint32_t rank, void *arg) { atomic_fetch_add(&lost, 1); }
 
 Test(execute, real_link_to_real_handler) {
   agent_link_callbacks_t cb = {NULL, on_lost, NULL};
-  agent_link_t *l = agent_link_open(ch, 0, info.id, 1, &cb);
+  agent_link_t *l = agent_link_open(ch, 0, info.id, 1, NULL, &cb);
   cr_assert_not_null(l);
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
@@ -254,7 +254,7 @@ Test(execute, real_link_to_real_handler) {
   cr_assert_eq(atomic_load(&lost), 0);
 
   /* A second server's link takes the agent over: the first link is lost. */
-  agent_link_t *l2 = agent_link_open(ch, 0, info.id, 1, &cb);
+  agent_link_t *l2 = agent_link_open(ch, 0, info.id, 1, NULL, &cb);
   ins.session_id = "x";
   cr_assert_eq(agent_link_send(l2, &ins), 1);
   end = rpc_now_ms() + 5000;

@@ -225,7 +225,7 @@ static void make_ins(Meshd__Agent__V1__Instruction *ins, const char *session, ui
 Test(agent_link, seqs_in_order_and_all_acked) {
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
   cr_assert_not_null(l);
   cr_assert_eq(agent_link_executed(l), 0);
   cr_assert_eq(agent_link_last_seq(l), 0);
@@ -270,7 +270,7 @@ Test(agent_link, seqs_in_order_and_all_acked) {
 Test(agent_link, first_seq_sets_the_base) {
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 2, "agent-b", 41, &cbs);
+  agent_link_t *l = agent_link_open(ch, 2, "agent-b", 41, NULL, &cbs);
   cr_assert_eq(agent_link_executed(l), 40);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
@@ -289,7 +289,7 @@ Test(agent_link, first_seq_sets_the_base) {
 Test(agent_link, many_sends_fewer_batches) {
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
   const uint64_t n = 10000;
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "sess", 3);
@@ -316,7 +316,7 @@ Test(agent_link, many_sends_fewer_batches) {
 Test(agent_link, batches_stay_under_the_byte_limit) {
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
   /* 100 KiB session ids: ten fit in a batch. */
   size_t big = 100 * 1024;
   char *sid = malloc(big + 1);
@@ -352,7 +352,7 @@ Test(agent_link, agent_dies_mid_stream) {
   fake_t *f = fake_start(FAKE_DIE_AFTER);
   f->die_after = 10;
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 3, "agent-d", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 3, "agent-d", 1, NULL, &cbs);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   for (int i = 1; i <= 10; i++) cr_assert_eq(agent_link_send(l, &ins), (uint64_t)i);
@@ -375,7 +375,7 @@ Test(agent_link, agent_dies_mid_stream) {
 Test(agent_link, agent_process_gone) {
   fake_t *f = fake_start(FAKE_SILENT);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 1, "agent-e", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 1, "agent-e", 1, NULL, &cbs);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   for (int i = 0; i < 100; i++) agent_link_send(l, &ins);
@@ -394,7 +394,7 @@ Test(agent_link, agent_process_gone) {
 Test(agent_link, agent_claims_unsent_seqs) {
   fake_t *f = fake_start(FAKE_LIE);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-f", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-f", 1, NULL, &cbs);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   agent_link_send(l, &ins);
@@ -411,7 +411,7 @@ Test(agent_link, no_agent_listening) {
   snprintf(target, sizeof target, "%s", f->target);
   fake_free(f); /* nothing listens on that port any more */
   rpc_channel_t *ch = rpc_channel_create(target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-g", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-g", 1, NULL, &cbs);
   cr_assert_not_null(l);
   cr_assert(eventually(lost_seen, NULL, 5000));
   Meshd__Agent__V1__Instruction ins;
@@ -426,7 +426,7 @@ Test(agent_link, no_agent_listening) {
 static void assert_prompt_close(fake_mode_t mode, size_t n, size_t bytes_each) {
   fake_t *f = fake_start(mode);
   rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-h", 1, &cbs);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-h", 1, NULL, &cbs);
   char *sid = malloc(bytes_each + 1);
   memset(sid, 's', bytes_each);
   sid[bytes_each] = '\0';

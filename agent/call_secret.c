@@ -1,0 +1,63 @@
+/* Who may call this agent's Agent service: the server it registered with,
+ * which proves it with the call secret the agent sent in its RegisterRequest. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "agent.h"
+#include "log.h"
+#include "secret.h"
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static char current[SECRET_HEX_LEN + 1]; /* "" : nobody */
+static log_limit_t refusals;
+
+int agent_auth_renew(char *out) {
+  char fresh[SECRET_HEX_LEN + 1];
+  if (secret_random_hex(fresh) != 0) {
+    agent_auth_clear();
+    return -1;
+  }
+  pthread_mutex_lock(&mu);
+  memcpy(current, fresh, sizeof current);
+  pthread_mutex_unlock(&mu);
+  memcpy(out, fresh, sizeof fresh);
+  return 0;
+}
+
+void agent_auth_clear(void) {
+  pthread_mutex_lock(&mu);
+  memset(current, 0, sizeof current);
+  pthread_mutex_unlock(&mu);
+}
+
+grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
+                                  size_t msglen) {
+  /* One byte more than a secret: a longer value stays longer once truncated. */
+  char got[SECRET_HEX_LEN + 2];
+  const char *v = rpc_call_metadata(call, SECRET_AGENT_MD, got, sizeof got);
+  char want[SECRET_HEX_LEN + 1];
+  pthread_mutex_lock(&mu);
+  memcpy(want, current, sizeof want);
+  pthread_mutex_unlock(&mu);
+  bool registered = want[0] != '\0';
+  bool ok = registered && v && secret_equal(v, strlen(v), want, strlen(want));
+  memset(want, 0, sizeof want);
+  if (ok) {
+    snprintf(id->name, sizeof id->name, "server");
+    return GRPC_STATUS_OK;
+  }
+  int held = 0;
+  if (log_allow(&refusals, 10, 10000, &held)) {
+    char *peer = rpc_call_peer(call);
+    log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?",
+             !v ? "no call secret" : registered ? "wrong call secret"
+                                                : "not registered with a server now");
+    if (held) log_warn("agent", "(and %d more calls refused in the last 10 s, not logged)", held);
+    free(peer);
+  }
+  snprintf(msg, msglen, "this agent serves only the server it registered with; the call lacks "
+           "that server's secret (metadata %s)", SECRET_AGENT_MD);
+  return GRPC_STATUS_UNAUTHENTICATED;
+}

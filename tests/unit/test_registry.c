@@ -1,0 +1,395 @@
+/* server/registry.c: who may register (join tokens, a verified certificate),
+ * bounded ranks, the call secret on the dial-back, dial-backs in parallel.
+ * Against a fake agent in process: Hello answers only with the secret the
+ * registration gave, Execute stays open. */
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "agent_pool.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "meshd/v1/agent_registry.pb-c.h"
+#include "registry.h"
+#include "rpc.h"
+#include "secret.h"
+
+#define TOKEN "join-token-0123456789abcdef"
+#define SECRET "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+
+/* ---------------------------------------------------------------- fake agent */
+
+static struct {
+  rpc_server_t *srv;
+  char target[64];
+  atomic_int hellos, hellos_ok, executes_ok;
+} fake;
+
+static bool has_secret(rpc_call_t *call) {
+  char v[128];
+  return rpc_call_metadata(call, SECRET_AGENT_MD, v, sizeof v) && strcmp(v, SECRET) == 0;
+}
+
+static void fake_hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  const Meshd__Agent__V1__HelloRequest *req = (const void *)msg;
+  atomic_fetch_add(&fake.hellos, 1);
+  if (!has_secret(call)) {
+    rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, NULL, "no secret");
+    return;
+  }
+  atomic_fetch_add(&fake.hellos_ok, 1);
+  Meshd__Agent__V1__HelloReply r = MESHD__AGENT__V1__HELLO_REPLY__INIT;
+  r.agent_id = req->agent_id; /* answers as whoever was asked for */
+  r.device = "cpu";
+  rpc_call_reply(call, &r.base);
+}
+
+static void fake_execute(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  if (!has_secret(call)) {
+    rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, NULL, "no secret");
+    return;
+  }
+  atomic_fetch_add(&fake.executes_ok, 1);
+}
+
+static void fake_execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  if (!msg) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "bye");
+}
+
+static const rpc_method_t fake_rows[] = {
+    {.path = "/meshd.agent.v1.Agent/Hello", .kind = RPC_UNARY,
+     .request = &meshd__agent__v1__hello_request__descriptor, .on_start = fake_hello},
+    {.path = "/meshd.agent.v1.Agent/Execute", .kind = RPC_BIDI,
+     .request = &meshd__agent__v1__instruction_batch__descriptor, .on_start = fake_execute,
+     .on_message = fake_execute_message},
+};
+
+/* ---------------------------------------------------------------- registry */
+
+static agent_pool_t *pool;
+static registry_t *registry;
+static rpc_server_t *reg_srv;
+static char reg_target[64];
+static secret_file_t *tokens;
+static char token_path[4096];
+
+static void start_registry(int max_agents, bool with_tokens, bool require_cert) {
+  char err[512];
+  if (with_tokens) {
+    snprintf(token_path, sizeof token_path, "/tmp/meshd-test-registry-%d", (int)getpid());
+    FILE *f = fopen(token_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "# the current token, then the one being retired\n%s\nretiring-token-0123456789\n",
+            TOKEN);
+    fclose(f);
+    tokens = secret_file_open("--join-token-file", token_path, err, sizeof err);
+    cr_assert_not_null(tokens, "%s", err);
+  }
+  pool = agent_pool_create(NULL);
+  agent_pool_set_max_agents(pool, max_agents);
+  registry_opts_t o = {.server_id = "test-server", .dial_timeout_ms = 3000,
+                       .connect_timeout_ms = 2000, /* a busy CI machine */
+                       .agent_timeout_ms = 3000, .max_agents = max_agents,
+                       .join_tokens = tokens, .require_cluster_cert = require_cert};
+  registry = registry_create(pool, &o);
+  cr_assert_not_null(registry);
+  rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
+  reg_srv = rpc_server_create(&so, err, sizeof err);
+  cr_assert_not_null(reg_srv, "%s", err);
+  cr_assert_eq(registry_add_methods(registry, reg_srv), 0);
+  int port = rpc_server_start(reg_srv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  snprintf(reg_target, sizeof reg_target, "127.0.0.1:%d", port);
+}
+
+static void setup(void) {
+  rpc_init();
+  char err[256];
+  rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
+  fake.srv = rpc_server_create(&so, err, sizeof err);
+  cr_assert_not_null(fake.srv, "%s", err);
+  cr_assert_eq(rpc_server_add_methods(fake.srv, fake_rows, 2, NULL), 0);
+  int port = rpc_server_start(fake.srv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  snprintf(fake.target, sizeof fake.target, "127.0.0.1:%d", port);
+}
+
+static void teardown(void) {
+  if (registry) registry_close_all(registry);
+  rpc_server_destroy(reg_srv);
+  registry_destroy(registry);
+  agent_pool_destroy(pool);
+  rpc_server_destroy(fake.srv);
+  secret_file_close(tokens);
+  if (token_path[0]) unlink(token_path);
+  rpc_shutdown();
+}
+
+TestSuite(registry, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ---------------------------------------------------------------- a client */
+
+typedef struct reg_call {
+  rpc_channel_t *ch;
+  rpc_stream_t *s;
+  int rank;          /* from RegisterAccepted, -1 if none came */
+  rpc_status_t st;   /* when it ended */
+} reg_call_t;
+
+/* Opens RegisterAgent with the token (NULL: none), sends one RegisterRequest
+ * and waits up to 5 s for RegisterAccepted or the end. */
+static void reg_open(reg_call_t *c, const char *token, const char *id, const char *address,
+                     int rank, const char *secret) {
+  memset(c, 0, sizeof *c);
+  c->rank = -1;
+  rpc_channel_opts_t co = {.connect_timeout_ms = 5000}; /* a busy CI machine */
+  c->ch = rpc_channel_create(reg_target, &co);
+  rpc_md_t md = {SECRET_JOIN_MD, token};
+  c->s = rpc_stream_open(c->ch, "/meshd.v1.AgentRegistry/RegisterAgent", &md, token ? 1 : 0, 0);
+  cr_assert_not_null(c->s);
+  Meshd__V1__RegisterRequest h = MESHD__V1__REGISTER_REQUEST__INIT;
+  h.agent_id = (char *)id;
+  h.address = (char *)address;
+  h.device = "cpu";
+  h.requested_rank = rank;
+  h.call_secret = (char *)secret;
+  Meshd__V1__AgentToServer m = MESHD__V1__AGENT_TO_SERVER__INIT;
+  m.msg_case = MESHD__V1__AGENT_TO_SERVER__MSG_HELLO;
+  m.hello = &h;
+  rpc_stream_write(c->s, &m.base, false); /* fails when refused already: read the status */
+  ProtobufCMessage *out = NULL;
+  int rc = rpc_stream_read(c->s, &meshd__v1__server_to_agent__descriptor, &out, 5000);
+  if (rc == 1) {
+    c->rank = (int)((Meshd__V1__ServerToAgent *)out)->accepted->rank;
+    protobuf_c_message_free_unpacked(out, NULL);
+    return;
+  }
+  cr_assert_neq(rc, -2, "no answer within 5 s");
+  if (rc != 0) rpc_stream_cancel(c->s);
+  rpc_stream_finish(c->s, &c->st);
+}
+
+static void reg_close(reg_call_t *c) {
+  rpc_stream_destroy(c->s);
+  rpc_channel_destroy(c->ch);
+}
+
+static bool wait_healthy(int n, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  while (agent_pool_healthy(pool) < n) {
+    if (rpc_now_ms() > end) return false;
+    usleep(2000);
+  }
+  return true;
+}
+
+/* ---------------------------------------------------------------- who */
+
+Test(registry, a_registration_without_the_join_token_is_refused_before_any_dial_back) {
+  start_registry(8, true, false);
+  const char *bad[] = {NULL, "", "wrong-token-0123456789", TOKEN "x", "join-token-0123456789abcdeF"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    reg_call_t c;
+    reg_open(&c, bad[i], "rogue", fake.target, 0, SECRET);
+    cr_assert_eq(c.rank, -1, "token %zu was admitted", i);
+    cr_assert_eq(c.st.code, GRPC_STATUS_UNAUTHENTICATED, "token %zu: %d %s", i, c.st.code,
+                 c.st.message);
+    cr_assert(strstr(c.st.message, "join token"), "%s", c.st.message);
+    reg_close(&c);
+  }
+  usleep(100000);
+  cr_assert_eq(atomic_load(&fake.hellos), 0, "a refused registration was dialed back");
+  cr_assert_eq(agent_pool_size(pool), 0);
+}
+
+Test(registry, the_join_token_admits_and_the_dial_back_carries_the_call_secret) {
+  start_registry(8, true, false);
+  reg_call_t c;
+  reg_open(&c, TOKEN, "agent-a", fake.target, 3, SECRET);
+  cr_assert_eq(c.rank, 3, "%d %s", c.st.code, c.st.message);
+  cr_assert(wait_healthy(1, 5000), "the agent never turned healthy");
+  cr_assert_eq(atomic_load(&fake.hellos_ok), 1);
+  int64_t end = rpc_now_ms() + 5000; /* the link's call reaches the agent after it opened */
+  while (atomic_load(&fake.executes_ok) < 1 && rpc_now_ms() < end) usleep(2000);
+  cr_assert_eq(atomic_load(&fake.executes_ok), 1, "the Execute link carries the secret too");
+  /* The pool hands the same secret to every other call (Fetch, Upload). */
+  agent_target_t t;
+  cr_assert_eq(agent_pool_target(pool, 3, 5000, &t), 0);
+  cr_assert_str_eq(t.md[0].key, SECRET_AGENT_MD);
+  cr_assert_str_eq(t.md[0].value, SECRET);
+  cr_assert_str_eq(t.address, fake.target);
+  cr_assert_not(t.opts.tls.on);
+  reg_close(&c);
+
+  /* A token being retired (second line of the file) still admits. */
+  reg_open(&c, "retiring-token-0123456789", "agent-b", fake.target, -1, SECRET);
+  cr_assert_eq(c.rank, 0, "%d %s", c.st.code, c.st.message);
+  reg_close(&c);
+}
+
+Test(registry, a_rotated_token_file_admits_the_new_token_and_not_the_old) {
+  start_registry(8, true, false);
+  FILE *f = fopen(token_path, "w");
+  cr_assert_not_null(f);
+  fprintf(f, "fresh-token-0123456789abcdef\n");
+  fclose(f);
+  reg_call_t c;
+  reg_open(&c, TOKEN, "agent-old", fake.target, -1, SECRET);
+  cr_assert_eq(c.st.code, GRPC_STATUS_UNAUTHENTICATED, "%d %s", c.st.code, c.st.message);
+  reg_close(&c);
+  reg_open(&c, "fresh-token-0123456789abcdef", "agent-new", fake.target, -1, SECRET);
+  cr_assert_eq(c.rank, 0, "%d %s", c.st.code, c.st.message);
+  reg_close(&c);
+}
+
+Test(registry, without_a_verified_certificate_a_cluster_registry_refuses) {
+  start_registry(8, false, true);
+  cr_assert_not(registry_open(registry));
+  reg_call_t c;
+  reg_open(&c, NULL, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(c.st.code, GRPC_STATUS_UNAUTHENTICATED, "%d %s", c.st.code, c.st.message);
+  cr_assert(strstr(c.st.message, "certificate"), "%s", c.st.message);
+  reg_close(&c);
+  cr_assert_eq(atomic_load(&fake.hellos), 0);
+}
+
+Test(registry, without_tokens_or_certificates_it_is_open) {
+  start_registry(8, false, false);
+  cr_assert(registry_open(registry));
+  reg_call_t c;
+  reg_open(&c, NULL, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(c.rank, 0, "%d %s", c.st.code, c.st.message);
+  reg_close(&c);
+}
+
+/* ---------------------------------------------------------------- what */
+
+Test(registry, a_registration_without_a_call_secret_is_refused) {
+  start_registry(8, true, false);
+  const char *bad[] = {NULL, "", "abc", SECRET "0", "zz112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    reg_call_t c;
+    reg_open(&c, TOKEN, "agent-a", fake.target, 0, bad[i]);
+    cr_assert_eq(c.st.code, GRPC_STATUS_INVALID_ARGUMENT, "secret %zu: %d %s", i, c.st.code,
+                 c.st.message);
+    cr_assert(strstr(c.st.message, "call_secret"), "%s", c.st.message);
+    reg_close(&c);
+  }
+  cr_assert_eq(agent_pool_size(pool), 0);
+}
+
+Test(registry, ranks_are_bounded_by_max_agents) {
+  start_registry(4, true, false);
+  int bad[] = {4, 1 << 20, INT32_MAX, -2};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    reg_call_t c;
+    reg_open(&c, TOKEN, "agent-x", fake.target, bad[i], SECRET);
+    cr_assert_eq(c.st.code, GRPC_STATUS_INVALID_ARGUMENT, "rank %d: %d %s", bad[i], c.st.code,
+                 c.st.message);
+    cr_assert(strstr(c.st.message, "--max-agents"), "%s", c.st.message);
+    reg_close(&c);
+  }
+  reg_call_t held[4];
+  for (int i = 0; i < 4; i++) {
+    char id[16];
+    snprintf(id, sizeof id, "agent-%d", i);
+    reg_open(&held[i], TOKEN, id, fake.target, -1, SECRET);
+    cr_assert_eq(held[i].rank, i, "%d %s", held[i].st.code, held[i].st.message);
+  }
+  reg_call_t c;
+  reg_open(&c, TOKEN, "agent-5", fake.target, -1, SECRET);
+  cr_assert_eq(c.st.code, GRPC_STATUS_RESOURCE_EXHAUSTED, "%d %s", c.st.code, c.st.message);
+  cr_assert(strstr(c.st.message, "--max-agents"), "%s", c.st.message);
+  reg_close(&c);
+  for (int i = 0; i < 4; i++) reg_close(&held[i]);
+}
+
+Test(registry, a_dead_agents_rank_is_not_taken_without_the_token) {
+  start_registry(8, true, false);
+  reg_call_t c;
+  reg_open(&c, TOKEN, "agent-a", fake.target, 2, SECRET);
+  cr_assert_eq(c.rank, 2);
+  cr_assert(wait_healthy(1, 5000));
+  reg_close(&c); /* the agent dies */
+  int64_t end = rpc_now_ms() + 5000;
+  while (agent_pool_size(pool) > 0 && rpc_now_ms() < end) usleep(2000);
+  cr_assert_eq(agent_pool_size(pool), 0);
+  reg_open(&c, NULL, "rogue", fake.target, 2, SECRET);
+  cr_assert_eq(c.st.code, GRPC_STATUS_UNAUTHENTICATED);
+  reg_close(&c);
+  cr_assert_eq(agent_pool_size(pool), 0);
+}
+
+Test(registry, a_rank_asked_for_by_number_waits_for_its_replacement) {
+  start_registry(8, true, false);
+  reg_call_t c;
+  reg_open(&c, TOKEN, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(c.rank, 0);
+  reg_close(&c); /* rank 0's agent dies */
+  int64_t end = rpc_now_ms() + 5000;
+  while (agent_pool_size(pool) > 0 && rpc_now_ms() < end) usleep(2000);
+  reg_call_t any, replacement;
+  reg_open(&any, TOKEN, "agent-any", fake.target, -1, SECRET);
+  cr_assert_eq(any.rank, 1, "an agent asking for any rank took the dead one's (%d)", any.rank);
+  reg_open(&replacement, TOKEN, "agent-a2", fake.target, 0, SECRET);
+  cr_assert_eq(replacement.rank, 0, "%d %s", replacement.st.code, replacement.st.message);
+  reg_close(&any);
+  reg_close(&replacement);
+}
+
+/* ---------------------------------------------------------------- dial-backs */
+
+/* An "agent" whose Hello never answers: each dial-back to it takes the whole
+ * dial timeout. */
+static void silent_hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {}
+static const rpc_method_t silent_row = {.path = "/meshd.agent.v1.Agent/Hello", .kind = RPC_UNARY,
+                                        .request = &meshd__agent__v1__hello_request__descriptor,
+                                        .on_start = silent_hello};
+
+Test(registry, registrations_that_cannot_be_dialed_back_do_not_starve_a_real_one) {
+  start_registry(128, true, false);
+  registry_opts_t o = {.server_id = "test-server", .dial_timeout_ms = 1000,
+                       .connect_timeout_ms = 2000, .agent_timeout_ms = 3000, .max_agents = 128,
+                       .join_tokens = tokens};
+  /* This test's registry dials with a 1 s timeout. */
+  registry_close_all(registry);
+  rpc_server_destroy(reg_srv);
+  registry_destroy(registry);
+  registry = registry_create(pool, &o);
+  char err[256];
+  rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
+  reg_srv = rpc_server_create(&so, err, sizeof err);
+  cr_assert_eq(registry_add_methods(registry, reg_srv), 0);
+  snprintf(reg_target, sizeof reg_target, "127.0.0.1:%d", rpc_server_start(reg_srv, err, sizeof err));
+  rpc_server_t *silent = rpc_server_create(&so, err, sizeof err);
+  cr_assert_eq(rpc_server_add_methods(silent, &silent_row, 1, NULL), 0);
+  char silent_target[64];
+  snprintf(silent_target, sizeof silent_target, "127.0.0.1:%d",
+           rpc_server_start(silent, err, sizeof err));
+
+  enum { NBOGUS = 48 };
+  static reg_call_t bogus[NBOGUS];
+  int64_t t0 = rpc_now_ms();
+  for (int i = 0; i < NBOGUS; i++) {
+    char id[32];
+    snprintf(id, sizeof id, "bogus-%d", i);
+    reg_open(&bogus[i], TOKEN, id, silent_target, -1, SECRET);
+    cr_assert_geq(bogus[i].rank, 0, "%d %s", bogus[i].st.code, bogus[i].st.message);
+  }
+  reg_call_t real;
+  reg_open(&real, TOKEN, "real", fake.target, 100, SECRET);
+  cr_assert_eq(real.rank, 100);
+  /* One at a time, the 48 dial-backs ahead of it would take 48 s; REGISTRY_DIALERS
+   * at once, 3 rounds of the 1 s timeout. */
+  cr_assert(wait_healthy(1, 8000), "the real agent waited behind the silent ones");
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert_lt(took, 8000, "%lld ms", (long long)took);
+  cr_log_info("a real registration behind %d silent ones: healthy after %lld ms", NBOGUS,
+              (long long)took);
+  reg_close(&real);
+  for (int i = 0; i < NBOGUS; i++) reg_close(&bogus[i]);
+  rpc_server_destroy(silent);
+}
