@@ -94,6 +94,8 @@ struct rpc_server {
   char listen[256];
   bool started, stopping, shut_down;
   grpc_server_credentials *creds;
+  pthread_rwlock_t cq_lock; /* batches (read) vs the cq's shutdown (write) */
+  bool cq_closed;           /* under cq_lock */
   rpc_tls_server_t *tls; /* the certificate fetcher's state (TLS only) */
   method_slot_t *slots;
   size_t nslots, cap;
@@ -160,7 +162,14 @@ static rpc_call_t *call_new(rpc_server_t *srv, method_slot_t *slot) {
 /* ------------------------------------------------------------------ batches */
 
 static bool start_batch_locked(rpc_call_t *c, grpc_op *ops, size_t n, tag_t *tag) {
-  grpc_call_error e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+  /* Once the server's queue is shutting down no batch may start on it (gRPC
+   * asserts in grpc_cq_begin_op): a handler released late by shutdown (a read
+   * re-armed after its on_message returned) must find it closed instead. */
+  pthread_rwlock_rdlock(&c->srv->cq_lock);
+  grpc_call_error e = c->srv->cq_closed ? GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN
+                                        : grpc_call_start_batch(c->call, ops, n, tag, NULL);
+  pthread_rwlock_unlock(&c->srv->cq_lock);
+  if (e == GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN) return false;
   if (e != GRPC_CALL_OK) {
     log_error("rpc", "%s: start_batch failed: %s", rpc_call_method(c), grpc_call_error_to_string(e));
     return false;
@@ -709,6 +718,7 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
   pthread_mutex_init(&srv->mu, NULL);
+  pthread_rwlock_init(&srv->cq_lock, NULL);
   return srv;
 }
 
@@ -796,7 +806,10 @@ void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
   grpc_completion_queue_pluck(srv->shutdown_cq, NULL, wire_deadline(0), NULL);
   grpc_completion_queue_destroy(srv->shutdown_cq);
   srv->shutdown_cq = NULL;
+  pthread_rwlock_wrlock(&srv->cq_lock);
+  srv->cq_closed = true;
   grpc_completion_queue_shutdown(srv->cq);
+  pthread_rwlock_unlock(&srv->cq_lock);
   for (int i = 0; i < srv->nthreads; i++) pthread_join(srv->threads[i], NULL);
   srv->shut_down = true;
 }
@@ -805,7 +818,12 @@ void rpc_server_destroy(rpc_server_t *srv) {
   if (!srv) return;
   if (srv->started) rpc_server_shutdown(srv, 0);
   grpc_server_destroy(srv->server);
-  if (!srv->started) grpc_completion_queue_shutdown(srv->cq);
+  if (!srv->started) {
+    pthread_rwlock_wrlock(&srv->cq_lock);
+    srv->cq_closed = true;
+    grpc_completion_queue_shutdown(srv->cq);
+    pthread_rwlock_unlock(&srv->cq_lock);
+  }
   /* Drain whatever is left (nothing when the workers ran to the shutdown). */
   for (;;) {
     grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
@@ -816,6 +834,7 @@ void rpc_server_destroy(rpc_server_t *srv) {
   grpc_server_credentials_release(srv->creds);
   rpc_tls_server_free(srv->tls);
   pthread_mutex_destroy(&srv->mu);
+  pthread_rwlock_destroy(&srv->cq_lock);
   free(srv->threads);
   free(srv->slots);
   free(srv);
