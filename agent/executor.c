@@ -73,7 +73,13 @@ struct executor {
   pthread_t reporter;
   bool has_reporter;
   _Atomic int refs;
+  int workers; /* worker threads alive, every session (mu) */
 };
+
+/* Worker threads one executor runs at most: one per (session, stream) with
+ * work, so far beyond what a server's limits allow (--session-max-streams per
+ * session), but a bound on what a corrupt instruction stream can start. */
+#define MAX_WORKERS 4096
 
 /* ------------------------------------------------------------------ watermark */
 
@@ -403,6 +409,7 @@ static void *worker_main(void *arg) {
       mark_done_locked(x, seq);
     }
   }
+  x->workers--;
   bool last = --s->live_workers == 0;
   uint64_t end_seq = s->end_seq;
   if (last) unlink_live_locked(x, s);
@@ -421,6 +428,11 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
   xstream_t *st = NULL;
   HASH_FIND(hh, s->streams, &id, sizeof id, st);
   if (st) return st;
+  if (x->workers >= MAX_WORKERS) {
+    log_warn("executor", "session %.8s stream %" PRIu64 ": %d worker threads already run",
+             s->state->id, id, MAX_WORKERS);
+    return NULL;
+  }
   st = calloc(1, sizeof *st);
   worker_arg_t *wa = malloc(sizeof *wa);
   if (!st || !wa) goto fail;
@@ -443,6 +455,7 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
     goto fail;
   }
   s->live_workers++;
+  x->workers++;
   HASH_ADD(hh, s->streams, id, sizeof st->id, st);
   return st;
 fail:
@@ -577,8 +590,8 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     report_error(x, ins->session_id, ERR_REMOTE_FAILURE, verr.msg, ins->seq, 0);
   if (failed) {
     char msg[160];
-    snprintf(msg, sizeof msg, "agent out of memory or threads queueing instruction seq %" PRIu64,
-             ins->seq);
+    snprintf(msg, sizeof msg, "agent out of memory or threads queueing instruction seq %" PRIu64
+             " (it runs at most %d streams at once, over all sessions)", ins->seq, MAX_WORKERS);
     report_error(x, ins->session_id, ERR_REMOTE_FAILURE, msg, ins->seq, 0);
     return -1;
   }
