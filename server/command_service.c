@@ -37,6 +37,7 @@ typedef struct submit_state {
   pending_sync_t *waits; /* pending Syncs registered on the watermark */
   bool half_closed;
   uint64_t flow_wait; /* the stream's last flow_wait (its reads are paused until it fires) */
+  uint64_t last_seq;  /* the highest Command.seq read so far (reads are one at a time) */
 } submit_state_t;
 
 struct command_service {
@@ -651,7 +652,21 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
     return;
   }
   session_touch(st->session);
-  run_one(st->cs, st->session, call, true, (const Meshd__V1__Command *)msg, st);
+  const Meshd__V1__Command *cmd = (const Meshd__V1__Command *)msg;
+  if (cmd->seq != 0 && cmd->seq <= st->last_seq) {
+    /* Answers are matched by seq: one that goes down or repeats is a client
+     * bug that would hand it the wrong answer. Refused, nothing run. */
+    meshd_error_t e;
+    error_set(&e, ERR_BAD_ARGUMENT,
+              "%s: Command.seq %llu is not above seq %llu, sent before it on this Submit "
+              "stream: answers are matched by seq, so a stream's seqs must strictly increase "
+              "(0 means unmatched)",
+              command_name(cmd), (unsigned long long)cmd->seq, (unsigned long long)st->last_seq);
+    send_error(call, true, cmd->seq, &e);
+    return;
+  }
+  if (cmd->seq) st->last_seq = cmd->seq;
+  run_one(st->cs, st->session, call, true, cmd, st);
 }
 
 static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {

@@ -11,8 +11,8 @@ After every case the same server and pool compute correctly: an Upload of one
 slice per rank, a sum over the mesh and a Fetch from each rank give the exact
 values (check_pool).
 
-A case that today's code gets wrong asserts the right behaviour and is a strict
-xfail saying so (flip it with the fix): a decreasing Command.seq."""
+A Command.seq that goes down or repeats on one Submit stream is refused
+(BAD_ARGUMENT): answers are matched by it."""
 
 import importlib
 import os
@@ -32,11 +32,6 @@ I63 = 2 ** 63 - 1
 TIMEOUT = 10.0
 # A length-delimited field 1 whose length runs past the end: no proto decodes it.
 JUNK = b"\x0a\xff\xff\xff\xff\x0f" + b"\x01" * 8
-
-# Strict xfails: the case asserts the right behaviour; flip it when the fix lands.
-SEQ_CHECK = pytest.mark.xfail(strict=True, reason="issue 13: a decreasing Command.seq is accepted; "
-                              "no branch fixes it yet")
-
 
 def pb():
     return lib.tensor_pb2()
@@ -526,7 +521,7 @@ def _(ctx):
     command_fails(ctx, s, "borrow", b, "REF_REUSED", "Borrow", str(x + 10))
 
 
-@case("decreasing-command-seq", SEQ_CHECK)
+@case("decreasing-command-seq")
 def _(ctx):
     # Answers carry seq back to match them: one going down is a client bug.
     s = ctx.session()
