@@ -345,8 +345,8 @@ static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1
   if (validate_session_id(c->session_id, why, sizeof why))
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why), -1;
   snprintf(w->session, sizeof w->session, "%s", c->session_id);
-  if (validate_spec_meta(sp, "Write.spec", &w->meta, &e))
-    return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", e.msg), -1;
+  if (validate_spec_meta(sp, "Write.spec", &w->meta, &e)) /* BAD_ARGUMENT, or QUOTA past a limit */
+    return write_fail(call, w, error_kind_code(e.kind), error_kind_name(e.kind), e.msg), -1;
   if (sp->storage_offset || !layout_is_contiguous(&w->meta.layout)) {
     snprintf(why, sizeof why, "Write.spec: a write fills a row-major tensor (offset 0, row-major "
              "strides), got offset %lld", (long long)sp->storage_offset);

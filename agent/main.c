@@ -18,6 +18,7 @@
 #include "execute.h"
 #include "config.h"
 #include "health.h"
+#include "layout.h"
 #include "log.h"
 #include "metrics.h"
 #include "fault.h"
@@ -46,6 +47,7 @@ typedef struct options {
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;
   const char *join_token_file;
   const char *health_listen, *health_port_file;
+  int64_t max_tensor_dims, max_tensor_elements;
 } options_t;
 
 static options_t opt;
@@ -102,6 +104,11 @@ static const config_flag_t flags[] = {
      &opt.health_listen, 0, 0},
     {"health-port-file", CONFIG_STRING, NULL, "write the --health-listen port there",
      &opt.health_port_file, 0, 0},
+    {"max-tensor-dims", CONFIG_INT, "16", "dims a tensor may have (the server's value)",
+     &opt.max_tensor_dims, 1, 16},
+    {"max-tensor-elements", CONFIG_INT, "17179869184",
+     "elements one tensor may have here (default 2^34; the server's value)",
+     &opt.max_tensor_elements, 1, INT64_MAX},
     {"fault", CONFIG_STRING, NULL,
      "fault injection for tests, e.g. reduce:hang,rank=1 (see agent/fault.h)", &opt.fault, 0, 0},
 };
@@ -228,6 +235,8 @@ int main(int argc, char **argv) {
   if (rc >= 0)
     return rc;
 
+  /* Instructions are checked as the server checks commands (agent/validate.c). */
+  layout_set_limits(&(layout_limits_t){(int)opt.max_tensor_dims, opt.max_tensor_elements});
   static agent_info_t info;
   runtime_random_hex(info.id, 16);
   info.server = opt.server;

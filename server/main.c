@@ -420,7 +420,7 @@ int main(int argc, char **argv) {
                                gpu ? 0 : total / (uint64_t)opt.local_agents, opt.log_level,
                                opt.local_agent_device, cluster_join_token_file(cluster),
                                opt.cluster_ca, opt.cluster_cert, opt.cluster_key,
-                               opt.cluster_name};
+                               opt.cluster_name, opt.max_tensor_dims, opt.max_tensor_elements};
     sup = supervisor_start(&sopts);
     if (!sup) {
       rpc_server_shutdown(srv, 0);

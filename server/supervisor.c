@@ -49,7 +49,7 @@ static void exec_agent(char *const argv[], pid_t parent) {
 }
 
 static pid_t spawn(supervisor_t *s, int i) {
-  char rank[16], mem[32], device[32];
+  char rank[16], mem[32], device[32], dims[24], elems[24];
   snprintf(rank, sizeof rank, "%d", i);
   const char *dev = s->o.device ? s->o.device : "cpu";
   if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
@@ -74,7 +74,11 @@ static pid_t spawn(supervisor_t *s, int i) {
     argv[n++] = "--log-level";
     argv[n++] = (char *)s->o.log_level;
   }
+  snprintf(dims, sizeof dims, "%lld", (long long)s->o.max_tensor_dims);
+  snprintf(elems, sizeof elems, "%lld", (long long)s->o.max_tensor_elements);
   const struct { const char *flag, *value; } creds[] = {
+      {"--max-tensor-dims", s->o.max_tensor_dims ? dims : NULL},
+      {"--max-tensor-elements", s->o.max_tensor_elements ? elems : NULL},
       {"--join-token-file", s->o.join_token_file}, {"--cluster-ca", s->o.cluster_ca},
       {"--cluster-cert", s->o.cluster_cert},       {"--cluster-key", s->o.cluster_key},
       {"--cluster-name", s->o.cluster_ca ? s->o.cluster_name : NULL}};

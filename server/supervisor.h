@@ -23,6 +23,7 @@ typedef struct supervisor_opts {
   /* Passed on when set: how the agents prove who they are (server/cluster.h). */
   const char *join_token_file;
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;
+  int64_t max_tensor_dims, max_tensor_elements; /* the server's, passed on; 0: the default */
 } supervisor_opts_t;
 
 /* Starts the agents and the thread that watches them. NULL (and a log line) if

@@ -101,12 +101,24 @@ def test_hostile_reads_and_writes_store_nothing_and_the_agents_compute_on(meshd_
     srv = meshd_server(0, min_agents=2)
     relay = lib.FakeRegistry(upstream=srv.address)  # learns the agents' call secrets
     try:
-        for r in (0, 1):
-            agent(relay.port, rank=r)
+        # Agents check shapes against the limits they are given (a server's local
+        # agents get its --max-tensor-dims/--max-tensor-elements); rank 0's are low.
+        agent(relay.port, "--max-tensor-elements", 1 << 20, "--max-tensor-dims", 3, rank=0)
+        agent(relay.port, rank=1)
         lib.wait_ready(srv, 2)
         _hostile_reads_and_writes(srv, relay)
     finally:
         relay.close()
+
+
+def test_local_agents_are_given_the_servers_tensor_limits(meshd_server):
+    # What the server checks a command against, its agents check the instruction
+    # against (the Write refusals above show an agent applying the flags).
+    srv = lib.wait_ready(meshd_server(1, "--max-tensor-elements", 4096, "--max-tensor-dims", 5), 1)
+    (pid,) = lib.agent_children(srv.pid)
+    argv = lib.proc_cmdline(pid)
+    assert argv[argv.index("--max-tensor-elements") + 1] == "4096", argv
+    assert argv[argv.index("--max-tensor-dims") + 1] == "5", argv
 
 
 def _hostile_reads_and_writes(srv, relay):
@@ -150,7 +162,12 @@ def _hostile_reads_and_writes(srv, relay):
                                     bytes(16)), code.INVALID_ARGUMENT, "unknown dtype 99")
         refused(lambda: agent_write(ch, "bad id\x01", spec(904, [4]), bytes(16)),
                 code.INVALID_ARGUMENT, "session_id")
-        for ref in (900, 901, 902, 903):
+        # Within the hard bounds, beyond this agent's flags.
+        refused(lambda: agent_write(ch, s.id, spec(905, [1 << 21]), bytes(4)),
+                code.RESOURCE_EXHAUSTED, "2097152 elements", "--max-tensor-elements")
+        refused(lambda: agent_write(ch, s.id, spec(906, [1, 1, 1, 1]), bytes(4)),
+                code.RESOURCE_EXHAUSTED, "4 dims", "--max-tensor-dims")
+        for ref in (900, 901, 902, 903, 905, 906):
             refused(lambda: agent_read(ch, s.id, ref), code.NOT_FOUND, f"ref {ref}")
 
         # Reads for seqs never sent, and for nonsense sessions, take no thread.
