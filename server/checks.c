@@ -11,8 +11,8 @@ obj_t *check_tensor(objects_t *o, const char *cmd, const char *what, uint64_t re
   const tombstone_t *g = objects_get(o, ref) ? NULL : objects_dropped(o, ref);
   /* A handle the client dropped itself (Drop) also has g->borrow: blame the
    * borrow only if dropping it is what dropped the handle. */
-  const obj_t *b = g && g->borrow ? objects_get(o, g->borrow) : NULL;
-  if (b && b->kind == OBJ_BORROW && b->borrow.dropped && b->borrow.drop_seq == g->seq) {
+  const tombstone_t *b = g && g->borrow ? objects_dropped_borrow(o, g->borrow) : NULL;
+  if (b && b->seq == g->seq) {
     error_set(e, ERR_DROPPED,
               "%s (tensor %llu) was dropped at command seq %llu, when its borrow %llu was dropped; "
               "borrow the tensor again to use it on this stream",

@@ -781,16 +781,15 @@ static int cmd_drop_borrow(frontend_t *fe, session_t *s, objects_t *o, const Mes
   obj_t *b = objects_expect(o, c->drop_borrow->borrow, OBJ_BORROW, "DropBorrow: borrow", e);
   if (!b) return -1;
   /* Its handle borrowed in turn: dropping it would leave that borrow's origin gone. */
-  const obj_t *h = b->borrow.dropped ? NULL : objects_get(o, b->borrow.result);
+  const obj_t *h = objects_get(o, b->borrow.result);
   if (h && (h->tensor.storage->read_borrows || h->tensor.storage->mutable_borrow))
     return error_set(e, ERR_BORROWED,
                      "DropBorrow: borrow %llu's tensor %llu (or a view of it) is borrowed in turn "
                      "(borrow %llu); drop that borrow first", (unsigned long long)b->ref,
                      (unsigned long long)h->ref,
                      (unsigned long long)borrow_holder(o, h->tensor.storage));
-  if (borrow_drop(o, b, out->res.seq, e)) return -1;
-  emit_borrow(fe, s, o, b, objects_get(o, b->borrow.origin), objects_get(o, b->borrow.result), true);
-  return 0;
+  emit_borrow(fe, s, o, b, objects_get(o, b->borrow.origin), h, true);
+  return borrow_drop(o, b, out->res.seq, e); /* frees b */
 }
 
 static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
@@ -805,6 +804,11 @@ static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   for (size_t i = 0; i < d->n_refs; i++) { /* all or nothing */
     uint64_t ref = d->refs[i];
     /* dropping twice is a no-op, also long after the first time */
+    const tombstone_t *gb = objects_dropped_borrow(o, ref);
+    if (gb)
+      return error_set(e, ERR_BAD_ARGUMENT, "Drop: ref %llu is a borrow (dropped by command %llu); "
+                       "only tensors are dropped", (unsigned long long)ref,
+                       (unsigned long long)gb->seq);
     if (objects_dropped(o, ref) || objects_forgotten(o, ref)) continue;
     obj_t *t = objects_get(o, ref);
     if (!t)
@@ -864,6 +868,11 @@ static int cmd_describe(frontend_t *fe, session_t *s, objects_t *o, const Meshd_
     out->res.n_tensors = 1;
     return 0;
   }
+  const tombstone_t *gb = it ? NULL : objects_dropped_borrow(o, ref);
+  if (gb)
+    return error_set(e, ERR_BAD_ARGUMENT, "Describe: ref %llu is a borrow (dropped by command "
+                     "%llu); Describe takes tensors and meshes", (unsigned long long)ref,
+                     (unsigned long long)gb->seq);
   if (!it)
     return error_set(e, ERR_UNKNOWN_REF, "Describe: ref %llu was never defined in this session",
                      (unsigned long long)ref);

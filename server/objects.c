@@ -130,10 +130,20 @@ static size_t grave_slot(const tombstone_t *g, size_t cap, uint64_t ref) {
   return i;
 }
 
-const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref) {
+static const tombstone_t *grave(const objects_t *o, uint64_t ref) {
   if (!o->gcap || ref == 0) return NULL;
   const tombstone_t *t = &o->graves[grave_slot(o->graves, o->gcap, ref)];
   return t->ref == ref ? t : NULL;
+}
+
+const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref) {
+  const tombstone_t *t = grave(o, ref);
+  return t && t->borrow != ref ? t : NULL;
+}
+
+const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref) {
+  const tombstone_t *t = grave(o, ref);
+  return t && t->borrow == ref ? t : NULL;
 }
 
 bool objects_forgotten(const objects_t *o, uint64_t ref) {
@@ -181,10 +191,29 @@ static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow) {
   o->graves[i] = (tombstone_t){ref, seq, borrow};
 }
 
+void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
+  bury(o, b->ref, seq, b->ref);
+  HASH_DEL(o->table, b);
+  storage_unref(b->borrow.origin_storage);
+  free(b);
+}
+
 obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *what,
                       meshd_error_t *e) {
   if (kind == OBJ_STREAM && ref == STREAM_MAIN) return NULL; /* caller handles main */
   obj_t *it = objects_get(o, ref);
+  const tombstone_t *gb = it ? NULL : objects_dropped_borrow(o, ref);
+  if (gb && kind == OBJ_BORROW) {
+    error_set(e, ERR_DROPPED, "%s %llu was already dropped by command %llu", what,
+              (unsigned long long)ref, (unsigned long long)gb->seq);
+    return NULL;
+  }
+  if (gb) {
+    error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which is a borrow (dropped by command %llu), "
+              "not a %s", what, (unsigned long long)ref, (unsigned long long)gb->seq,
+              obj_kind_name(kind));
+    return NULL;
+  }
   if (!it) {
     if (objects_forgotten(o, ref))
       error_set(e, ERR_UNKNOWN_REF, "%s is ref %llu, which is not live: it was dropped before "

@@ -67,8 +67,6 @@ typedef struct borrow_obj {
   storage_t *origin_storage;
   bool is_mutable;
   uint64_t from_stream, to_stream;
-  bool dropped;
-  uint64_t drop_seq;
 } borrow_obj_t;
 
 typedef struct obj {
@@ -83,7 +81,8 @@ typedef struct obj {
   };
 } obj_t;
 
-/* A dropped tensor ref: when and, for a borrowed handle, by which borrow. */
+/* A dropped ref: when and, for a borrowed handle, by which borrow. A dropped
+ * borrow's own record is freed too; its tombstone has borrow == ref. */
 typedef struct tombstone {
   uint64_t ref, seq, borrow;
 } tombstone_t;
@@ -149,6 +148,10 @@ int64_t objects_stream_by_name(objects_t *o, const char *name);
 obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh);
 /* The tombstone of a dropped tensor ref, or NULL. */
 const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref);
+/* The tombstone of a dropped borrow ref, or NULL. */
+const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref);
+/* Frees a borrow's record, leaving its tombstone (borrow_drop's last step). */
+void objects_bury_borrow(objects_t *o, obj_t *borrow, uint64_t seq);
 /* Whether ref is not live and old enough that its tombstone, if it had one,
  * was let go (see OBJECTS_GRAVES_MAX). */
 bool objects_forgotten(const objects_t *o, uint64_t ref);

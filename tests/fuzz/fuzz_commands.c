@@ -172,7 +172,7 @@ static void check_accounting(const session_t *s, objects_t *o, const char *name)
   HASH_ITER(hh, o->table, it, tmp) {
     meshes += it->kind == OBJ_MESH;
     streams += it->kind == OBJ_STREAM;
-    borrows += it->kind == OBJ_BORROW && !it->borrow.dropped;
+    borrows += it->kind == OBJ_BORROW;
   }
   FZ_CHECK(meshes == o->meshes && streams == o->streams && borrows == o->live_borrows,
            "%s: %llu meshes, %llu streams, %llu live borrows; counted %llu, %llu, %llu", name,

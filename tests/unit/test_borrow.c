@@ -105,7 +105,8 @@ Test(borrow, read_borrow_leaves_both_sides_readable) {
   cr_assert_not(b->borrow.is_mutable);
   cr_assert_eq(b->borrow.from_stream, STREAM_MAIN);
   cr_assert_eq(b->borrow.to_stream, SIDE);
-  cr_assert_not(b->borrow.dropped);
+  cr_assert_eq(objects_get(o, 7), b);
+  cr_assert_null(objects_dropped_borrow(o, 7));
   cr_assert_eq(borrow_holder(o, t->tensor.storage), 7);
 
   /* a second read borrow (another stream) is fine */
@@ -168,8 +169,9 @@ Test(borrow, drop_restores_access_only_when_the_last_borrow_is_gone) {
   cr_assert_eq(t->tensor.storage->access, ACCESS_R, "one read borrow is still live");
   cr_assert_eq(t->tensor.storage->read_borrows, 1);
   cr_assert_eq(borrow_holder(o, t->tensor.storage), 9, "the live borrow is the holder");
-  cr_assert(b1->borrow.dropped);
-  cr_assert_eq(b1->borrow.drop_seq, 30);
+  cr_assert_null(objects_get(o, 7), "a dropped borrow's record is freed");
+  cr_assert_eq(objects_dropped_borrow(o, 7)->seq, 30, "its tombstone keeps the drop site");
+  cr_assert_null(objects_dropped(o, 7), "a borrow's tombstone is not a tensor's");
   cr_assert_eq(borrow_drop(o, b2, 31, &err), 0, "%s", err.msg);
   cr_assert_eq(t->tensor.storage->access, ACCESS_R | ACCESS_W);
   cr_assert_eq(t->tensor.storage->read_borrows, 0);
@@ -208,11 +210,32 @@ Test(borrow, double_drop_is_dropped) {
   obj_t *t = tensor(5, STREAM_MAIN);
   obj_t *b = borrow_ok(6, 7, t, SIDE, false);
   cr_assert_eq(borrow_drop(o, b, 30, &err), 0);
-  expect_err(borrow_drop(o, b, 31, &err), ERR_DROPPED,
-             "DropBorrow: borrow 7 was already dropped by command 30");
-  cr_assert_eq(t->tensor.storage->read_borrows, 0, "the second drop changes no count");
+  cr_assert_null(objects_expect(o, 7, OBJ_BORROW, "DropBorrow: borrow", &err));
+  cr_assert_eq(err.kind, ERR_DROPPED, "%s", err.msg);
+  cr_assert_str_eq(err.msg, "DropBorrow: borrow 7 was already dropped by command 30");
+  cr_assert_null(objects_expect(o, 7, OBJ_TENSOR, "Call neg: argument 'self'", &err));
+  cr_assert_str_eq(err.msg, "Call neg: argument 'self' is ref 7, which is a borrow (dropped by "
+                            "command 30), not a tensor");
+  cr_assert_eq(t->tensor.storage->read_borrows, 0);
   cr_assert_eq(t->tensor.storage->access, ACCESS_R | ACCESS_W);
-  cr_assert_eq(b->borrow.drop_seq, 30);
+}
+
+Test(borrow, a_borrow_and_drop_loop_keeps_no_record) {
+  /* Every dropped borrow and handle leaves only a 24-byte tombstone (which
+   * OBJECTS_GRAVES_MAX bounds): the table keeps what it had, and
+   * the origin's storage is held by the origin alone. */
+  obj_t *t = tensor(5, STREAM_MAIN);
+  unsigned before = HASH_COUNT(o->table); /* the mesh, the streams and the origin */
+  uint64_t live = objects_live_refs(o);
+  for (uint64_t r = 6; r < 6 + 2 * 1000; r += 2) {
+    obj_t *b = borrow_ok(r, r + 1, t, SIDE, (r / 2) % 2 == 0);
+    cr_assert_eq(borrow_drop(o, b, r, &err), 0, "%s", err.msg);
+  }
+  cr_assert_eq(HASH_COUNT(o->table), before, "records: %u, %u before", HASH_COUNT(o->table), before);
+  cr_assert_eq(t->tensor.storage->refs, 1, "dropped borrows still hold the origin's storage");
+  cr_assert_eq(o->live_borrows, 0);
+  cr_assert_eq(objects_live_refs(o), live);
+  cr_assert_eq(t->tensor.storage->access, ACCESS_R | ACCESS_W);
 }
 
 Test(borrow, handle_dropped_before_the_borrow) {

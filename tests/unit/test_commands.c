@@ -1131,7 +1131,7 @@ Test(commands, nested_borrows_drop_inner_first) {
   REJECT(drop_borrow(22), ERR_BORROWED, "DropBorrow: borrow 22", "tensor 21", "borrow 24",
          "drop that borrow first");
   cr_assert_eq(state_of(21), TENSOR_LIVE, "the rejected DropBorrow changed nothing");
-  cr_assert_not(objects_get(objs, 22)->borrow.dropped);
+  cr_assert_not_null(objects_get(objs, 22), "borrow 22 is still live");
   ok(drop_borrow(24));
   cr_assert(dropped_seq(23));
   ok(drop_borrow(22));
@@ -1230,6 +1230,7 @@ Test(commands, drop_rejections_change_nothing) {
   cr_assert_eq(state_of(11), TENSOR_LIVE);
   cr_assert_eq(objs->live_tensors, 4);
   ok(drop_borrow(14));
+  REJECT(DROP(14), ERR_BAD_ARGUMENT, "Drop: ref 14 is a borrow (dropped by command");
   ok(DROP(12));
   cr_assert_eq(dropped_seq(11), last_seq);
 }
@@ -1443,6 +1444,8 @@ Test(commands, sync_and_describe) {
   REJECT(describe(SIDE), ERR_BAD_ARGUMENT, "Describe: ref 3 is a stream; Describe takes tensors and meshes");
   ok(borrow(11, 10, SIDE, false, 12));
   REJECT(describe(12), ERR_BAD_ARGUMENT, "Describe: ref 12 is a borrow");
+  ok(drop_borrow(12));
+  REJECT(describe(12), ERR_BAD_ARGUMENT, "Describe: ref 12 is a borrow (dropped by command");
 }
 
 Test(commands, a_command_without_kind) {
