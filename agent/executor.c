@@ -51,6 +51,14 @@ struct xsession {
   UT_hash_handle hh;
 };
 
+/* A worker thread parked between streams (on its own stack), waiting to be
+ * handed one: thread creation costs ~0.5 ms here, more than a short session. */
+typedef struct idle_worker {
+  pthread_cond_t cv;
+  struct xstream *st; /* set by the one who hands it a stream */
+  struct idle_worker *next;
+} idle_worker_t;
+
 struct executor {
   run_env_t env;
   pthread_mutex_t mu;
@@ -73,13 +81,18 @@ struct executor {
   pthread_t reporter;
   bool has_reporter;
   _Atomic int refs;
-  int workers; /* worker threads alive, every session (mu) */
+  int workers; /* worker threads alive, parked ones too (mu) */
+  idle_worker_t *idle; /* parked workers (mu) */
+  int nidle;
 };
 
 /* Worker threads one executor runs at most: one per (session, stream) with
  * work, so far beyond what a server's limits allow (--session-max-streams per
  * session), but a bound on what a corrupt instruction stream can start. */
 #define MAX_WORKERS 4096
+/* Workers kept parked at most, and how long one waits for a stream. */
+#define MAX_IDLE_WORKERS 16
+#define IDLE_WORKER_MS 10000
 
 /* ------------------------------------------------------------------ watermark */
 
@@ -351,14 +364,12 @@ typedef struct worker_arg {
  * the queue runs dry or this many are waiting. */
 #define MAX_UNSYNCED 64
 
-static void *worker_main(void *arg) {
-  worker_arg_t *wa = arg;
-  executor_t *x = wa->x;
-  xstream_t *st = wa->st;
+/* Runs one (session, stream) until its session ends; the last of the
+ * session's workers frees it. Called and returns without mu. */
+static void run_stream(executor_t *x, xstream_t *st) {
   xsession_t *s = st->sess;
   session_state_t *ss = s->state;
   backend_t *b = x->env.backend;
-  free(wa);
   backend_stream_t *bs = b && b->ops->stream_create ? b->ops->stream_create(b) : NULL;
   session_state_stream_ready(ss, st->progress, bs);
   bool deferred = b && b->ops->stream_sync;
@@ -409,7 +420,6 @@ static void *worker_main(void *arg) {
       mark_done_locked(x, seq);
     }
   }
-  x->workers--;
   bool last = --s->live_workers == 0;
   uint64_t end_seq = s->end_seq;
   if (last) unlink_live_locked(x, s);
@@ -420,6 +430,52 @@ static void *worker_main(void *arg) {
     mark_done_locked(x, end_seq);
     pthread_mutex_unlock(&x->mu);
   }
+}
+
+/* Parks the calling worker until it is handed a stream (returned), or
+ * IDLE_WORKER_MS pass, or the executor closes (NULL: the thread ends). */
+static xstream_t *park(executor_t *x) {
+  idle_worker_t me = {.st = NULL};
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&me.cv, &ca);
+  pthread_condattr_destroy(&ca);
+  struct timespec dl;
+  runtime_deadline(&dl, CLOCK_MONOTONIC, IDLE_WORKER_MS);
+  pthread_mutex_lock(&x->mu);
+  if (!x->closing && x->nidle < MAX_IDLE_WORKERS) {
+    me.next = x->idle;
+    x->idle = &me;
+    x->nidle++;
+    int rc = 0;
+    while (!me.st && !x->closing && rc != ETIMEDOUT)
+      rc = pthread_cond_timedwait(&me.cv, &x->mu, &dl);
+    if (!me.st) { /* still listed: whoever hands out a stream unlinks */
+      for (idle_worker_t **p = &x->idle; *p; p = &(*p)->next)
+        if (*p == &me) {
+          *p = me.next;
+          break;
+        }
+      x->nidle--;
+    }
+  }
+  xstream_t *st = me.st;
+  if (!st) x->workers--;
+  pthread_mutex_unlock(&x->mu);
+  pthread_cond_destroy(&me.cv);
+  return st;
+}
+
+static void *worker_main(void *arg) {
+  worker_arg_t *wa = arg;
+  executor_t *x = wa->x;
+  xstream_t *st = wa->st;
+  free(wa);
+  while (st) {
+    run_stream(x, st);
+    st = park(x);
+  }
   executor_unref(x);
   return NULL;
 }
@@ -428,18 +484,28 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
   xstream_t *st = NULL;
   HASH_FIND(hh, s->streams, &id, sizeof id, st);
   if (st) return st;
-  if (x->workers >= MAX_WORKERS) {
+  if (!x->idle && x->workers >= MAX_WORKERS) {
     log_warn("executor", "session %.8s stream %" PRIu64 ": %d worker threads already run",
              s->state->id, id, MAX_WORKERS);
     return NULL;
   }
   st = calloc(1, sizeof *st);
-  worker_arg_t *wa = malloc(sizeof *wa);
-  if (!st || !wa) goto fail;
+  worker_arg_t *wa = x->idle ? NULL : malloc(sizeof *wa);
+  if (!st || (!x->idle && !wa)) goto fail;
   if (!(st->progress = session_state_add_stream(s->state, id))) goto fail;
   st->id = id;
   st->sess = s;
   pthread_cond_init(&st->wake, NULL);
+  if (x->idle) { /* a parked worker takes it */
+    idle_worker_t *w = x->idle;
+    x->idle = w->next;
+    x->nidle--;
+    w->st = st;
+    pthread_cond_signal(&w->cv);
+    s->live_workers++;
+    HASH_ADD(hh, s->streams, id, sizeof st->id, st);
+    return st;
+  }
   *wa = (worker_arg_t){x, st};
   executor_ref(x);
   pthread_attr_t attr;
@@ -740,6 +806,7 @@ void executor_close(executor_t *x) {
   pthread_mutex_lock(&x->mu);
   x->closing = true;
   pthread_cond_broadcast(&x->progress);
+  for (idle_worker_t *w = x->idle; w; w = w->next) pthread_cond_signal(&w->cv); /* they end */
   /* Waits between streams stop waiting, in sessions already ended too. */
   for (xsession_t *l = x->live; l; l = l->live_next) session_state_close(l->state);
   xsession_t *s, *tmp, *free_now = NULL;
