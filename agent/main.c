@@ -108,7 +108,7 @@ static const config_flag_t flags[] = {
      &opt.max_tensor_dims, 1, 16},
     {"max-tensor-elements", CONFIG_INT, "17179869184",
      "elements one tensor may have here (default 2^34; the server's value)",
-     &opt.max_tensor_elements, 1, INT64_MAX},
+     &opt.max_tensor_elements, 1, (double)(1LL << 62)},
     {"fault", CONFIG_STRING, NULL,
      "fault injection for tests, e.g. reduce:hang,rank=1 (see agent/fault.h)", &opt.fault, 0, 0},
 };
