@@ -294,7 +294,7 @@ Test(registry, ranks_are_bounded_by_max_agents) {
   }
   reg_call_t held[4];
   for (int i = 0; i < 4; i++) {
-    char id[16];
+    char id[24];
     snprintf(id, sizeof id, "agent-%d", i);
     reg_open(&held[i], TOKEN, id, fake.target, -1, SECRET);
     cr_assert_eq(held[i].rank, i, "%d %s", held[i].st.code, held[i].st.message);
