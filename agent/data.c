@@ -6,7 +6,9 @@
  * are given as the Execute stream's instructions are checked (validate.h).
  *
  * Read waits (on a helper thread, never a completion-queue thread) until the
- * session ran through after_seq, then streams a TensorSpec and the bytes. The
+ * session ran through after_seq, reads the shard out, then streams a
+ * TensorSpec and the bytes as the peer takes them, from callbacks of the call
+ * (the helper thread has ended by then: an unread Read holds no thread). The
  * wait ends at once when the call is cancelled; a seq the agent never
  * received is refused (far beyond: at once; otherwise after READ_UNSEEN_MS),
  * and at most READ_WAITING_MAX Reads wait at a time. A failed ref ends the
@@ -44,8 +46,8 @@
 #define POLL_MS 100
 #define CHUNK_DEFAULT (1u << 20)
 #define CHUNK_MAX (3u << 20)
-/* Chunks queued on a Read for a peer that does not take them: the thread
- * sleeps until the peer's flow control lets them go. */
+/* Chunks queued on a Read for a peer that does not take them: the rest
+ * waits, with no thread, until the peer's flow control lets them go. */
 #define READ_QUEUED 2
 
 typedef struct read_job {
@@ -55,6 +57,8 @@ typedef struct read_job {
   uint64_t ref, after_seq;
   uint32_t chunk;
   bool waiting; /* counted in read_waiting */
+  uint8_t *buf; /* the shard's bytes, row-major, once read out */
+  size_t bytes, off; /* off: the bytes queued on the call so far */
 } read_job_t;
 
 static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tensor_meta_t *m,
@@ -68,34 +72,6 @@ static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tens
   sp->shape = (int64_t *)m->layout.sizes;
   sp->strides = strides;
   sp->dtype = (Meshd__V1__DType)m->dtype;
-}
-
-typedef struct drain_wait {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  bool fired;
-} drain_wait_t;
-
-static void drained(rpc_call_t *call, void *arg) {
-  drain_wait_t *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->fired = true;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
-
-/* Sleeps until at most `below` messages are queued on call, or it ended. */
-static void wait_drained(rpc_call_t *call, size_t below) {
-  drain_wait_t w = {.fired = false};
-  pthread_mutex_init(&w.mu, NULL);
-  pthread_cond_init(&w.cv, NULL);
-  if (rpc_call_when_drained(call, below, drained, &w)) {
-    pthread_mutex_lock(&w.mu);
-    while (!w.fired) pthread_cond_wait(&w.cv, &w.mu);
-    pthread_mutex_unlock(&w.mu);
-  }
-  pthread_cond_destroy(&w.cv);
-  pthread_mutex_destroy(&w.mu);
 }
 
 static _Atomic int read_waiting, write_waiting, read_threads;
@@ -128,20 +104,70 @@ static int read_wait(read_job_t *j) {
   }
 }
 
+static void read_job_free(read_job_t *j) {
+  free(j->buf);
+  executor_unref(j->ex);
+  rpc_call_unref(j->call);
+  free(j);
+}
+
+static void read_drained(rpc_call_t *call, void *arg);
+
+/* Queues the next chunks, READ_QUEUED at most: when the peer has not taken
+ * them yet, goes on in read_drained (a callback of the call, once it has),
+ * so a Read nobody reads holds no thread. Owns j: frees it at the end. */
+static void read_pump(read_job_t *j) {
+  rpc_call_t *call = j->call;
+  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
+  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
+  c.session_id = j->session;
+  while (j->off < j->bytes) {
+    if (rpc_call_ended(call)) {
+      read_job_free(j);
+      return;
+    }
+    if (rpc_call_pending(call) >= READ_QUEUED &&
+        rpc_call_when_drained(call, READ_QUEUED - 1, read_drained, j))
+      return;
+    size_t n = j->bytes - j->off < j->chunk ? j->bytes - j->off : j->chunk;
+    c.data.data = j->buf + j->off;
+    c.data.len = n;
+    if (rpc_call_send(call, &c.base) != 0) {
+      read_job_free(j);
+      return;
+    }
+    j->off += n;
+  }
+  rpc_call_finish(call, GRPC_STATUS_OK, NULL, "read");
+  read_job_free(j);
+}
+
+static void read_drained(rpc_call_t *call, void *arg) {
+  (void)call;
+  read_pump(arg);
+}
+
+/* On the Read's helper thread: waits for the seq, reads the shard out, sends
+ * the spec, then hands the chunks to read_pump. Owns j. */
 static void read_run(read_job_t *j) {
   rpc_call_t *call = j->call;
   int rc = read_wait(j);
   if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
-  if (rc) return;
+  if (rc) {
+    read_job_free(j);
+    return;
+  }
   agent_tensor_t t;
   ref_failure_t why = {0};
   rc = executor_lookup(j->ex, j->session, j->ref, &t, &why);
   if (rc < 0) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF", "Read: %s", why.msg);
+    read_job_free(j);
     return;
   }
   if (rc > 0) {
     rpc_call_finish(call, error_kind_code(why.kind), error_kind_name(why.kind), "%s", why.msg);
+    read_job_free(j);
     return;
   }
   backend_t *b = executor_backend(j->ex);
@@ -153,6 +179,7 @@ static void read_run(read_job_t *j) {
     free(buf);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Read: %s",
                     buf ? e.msg : "agent out of host memory");
+    read_job_free(j);
     return;
   }
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
@@ -164,25 +191,13 @@ static void read_run(read_job_t *j) {
   c.spec = &sp;
   c.session_id = j->session;
   rpc_call_send(call, &c.base);
-  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
-  for (size_t off = 0; off < bytes && !rpc_call_ended(call);) {
-    wait_drained(call, READ_QUEUED - 1);
-    size_t n = bytes - off < j->chunk ? bytes - off : j->chunk;
-    c.data.data = buf + off;
-    c.data.len = n;
-    if (rpc_call_send(call, &c.base) != 0) break;
-    off += n;
-  }
-  free(buf);
-  rpc_call_finish(call, GRPC_STATUS_OK, NULL, "read");
+  j->buf = buf;
+  j->bytes = bytes;
+  read_pump(j);
 }
 
 static void *read_main(void *arg) {
-  read_job_t *j = arg;
-  read_run(j);
-  executor_unref(j->ex);
-  rpc_call_unref(j->call);
-  free(j);
+  read_run(arg);
   atomic_fetch_sub(&read_threads, 1);
   return NULL;
 }

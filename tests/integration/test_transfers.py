@@ -89,8 +89,8 @@ def refused(call, timeout=10):
 
 def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
     """2 sessions x 8 unread Fetches of a 16 MiB tensor (256 MiB if the server kept
-    them): the server stays within a few chunks per call and starts no thread per
-    call; a 9th Fetch or an Upload in a full session is refused naming the flag;
+    them): the server stays within a few chunks per call, and neither the server
+    nor the agent holds a thread per call; a 9th Fetch or an Upload in a full session is refused naming the flag;
     health and another session's compute work meanwhile; cancelled calls give their
     places back."""
     srv = meshd_server(2, "--session-max-transfers", "8")
@@ -104,6 +104,7 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
         x = s.tensor(m, (16 * MIB // 4,), "ones").ref
         sessions.append((s, m, x))
     rss0, threads0, agent_rss0 = rss_mib(srv.pid), nthreads(srv.pid), rss_mib(agent0)
+    agent_threads0 = nthreads(agent0)
 
     ch = stingy_channel(srv.port)
     calls = [open_fetch(ch, s, x) for s, _, x in sessions for _ in range(8)]
@@ -130,6 +131,10 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
                 f"server RSS {rss0:.0f} -> {peak:.0f} MiB for 16 unread Fetches"
         assert nthreads(srv.pid) <= threads0 + 3, \
             f"server threads {threads0} -> {nthreads(srv.pid)} for 16 unread Fetches"
+        # The agent's Reads stream from callbacks once the shard is read out: no
+        # thread waits on a peer that does not read (16 did before).
+        assert nthreads(agent0) <= agent_threads0 + 3, \
+            f"agent threads {agent_threads0} -> {nthreads(agent0)} for 16 unread Fetches"
 
         s, m, x = sessions[0]
         e = refused(open_fetch(s.ch, s, x))
