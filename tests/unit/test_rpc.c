@@ -26,7 +26,8 @@ static void start_server(int max_message_bytes) {
   cr_assert_not_null(es, "echo_server_start: %s", err);
   cr_assert_gt(echo_server_port(es), 0);
   snprintf(target, sizeof target, "127.0.0.1:%d", echo_server_port(es));
-  ch = rpc_channel_create(target, NULL);
+  /* A live peer: a loaded machine may take over 100 ms to connect. */
+  ch = rpc_channel_create(target, &(rpc_channel_opts_t){.connect_timeout_ms = 5000});
   cr_assert_not_null(ch);
 }
 
