@@ -21,6 +21,12 @@ import pytest
 import meshd_testlib as lib
 
 
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """One test PKI per module (meshd_testlib.make_pki)."""
+    return lib.make_pki(tmp_path_factory.mktemp("pki"))
+
+
 def pytest_configure(config):
     missing = [b for b in (lib.MESHD, lib.AGENT, lib.MESHCTL) if not os.access(b, os.X_OK)]
     config._meshd_missing = missing

@@ -215,6 +215,15 @@ def all_threads_stopped(pid):
                               for t in tids)
 
 
+def make_pki(directory):
+    """A test PKI in `directory` (tests/support/make_certs.sh: the client CA, the
+    cluster CA, a rogue CA and their certificates); returns it as a pathlib.Path."""
+    import pathlib
+    subprocess.run(["bash", os.path.join(SOURCE_DIR, "tests/support/make_certs.sh"),
+                    str(directory)], check=True, capture_output=True, timeout=60)
+    return pathlib.Path(directory)
+
+
 def proc_cmdline(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

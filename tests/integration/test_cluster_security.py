@@ -8,7 +8,6 @@ health port for probes."""
 
 import os
 import stat
-import subprocess
 import threading
 import time
 
@@ -23,14 +22,6 @@ from meshd_testlib import Session, reduce
 TOKEN = "join-0123456789abcdef0123456789"
 _AGENT = "/meshd.agent.v1.Agent/"
 _REGISTER = "/meshd.v1.AgentRegistry/RegisterAgent"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    subprocess.run(["bash", os.path.join(lib.SOURCE_DIR, "tests/support/make_certs.sh"), str(d)],
-                   check=True, capture_output=True)
-    return d
 
 
 def _token_file(tmp, name, token):

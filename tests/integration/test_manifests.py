@@ -91,9 +91,7 @@ def selects(selector, labels):
 
 def operator_secrets(tmp_path):
     """The Secrets docs/operations.md tells operators to create, by name and key."""
-    pki = tmp_path / "pki"
-    subprocess.run(["bash", os.path.join(lib.SOURCE_DIR, "tests/support/make_certs.sh"), str(pki)],
-                   check=True, capture_output=True)
+    pki = lib.make_pki(tmp_path / "pki")
     return {
         "meshd-cluster-tls": {"ca.crt": (pki / "cluster-ca.pem").read_bytes(),
                               "tls.crt": (pki / "cluster.pem").read_bytes(),

@@ -4,9 +4,7 @@ health exit codes as grpc_health_probe: 0 SERVING, 2 connection failed,
 3 RPC failed (NOT_FOUND for an unknown service), 4 not serving.
 """
 
-import os
 import re
-import subprocess
 
 import pytest
 
@@ -107,9 +105,7 @@ def secured(tmp_path_factory):
     """{"pki", "tokens", "plain", "tls", "mtls"}: the PKI folder, the tokens file, and
     the addresses of the three servers."""
     tmp = tmp_path_factory.mktemp("meshctl-auth")
-    pki = tmp / "pki"
-    subprocess.run(["bash", os.path.join(lib.SOURCE_DIR, "tests/support/make_certs.sh"), str(pki)],
-                   check=True, capture_output=True, timeout=60)
+    pki = lib.make_pki(tmp / "pki")
     tokens = tmp / "tokens"
     tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
     tls = ["--tls-cert", pki / "server.pem", "--tls-key", pki / "server.key", "--min-agents", 0]

@@ -5,7 +5,6 @@ from tests/support/make_certs.sh (the openssl CLI)."""
 
 import os
 import signal
-import subprocess
 import time
 
 import grpc
@@ -24,14 +23,6 @@ _SVC = "/meshd.v1.TensorService/"
 
 def bearer(token):
     return (("authorization", f"Bearer {token}"),)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    subprocess.run(["bash", os.path.join(lib.SOURCE_DIR, "tests/support/make_certs.sh"), str(d)],
-                   check=True, capture_output=True)
-    return d
 
 
 def read(path):
