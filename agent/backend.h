@@ -19,12 +19,16 @@
 
 typedef struct backend backend_t;
 
+struct snapshot;
+
 /* Device memory of one tensor and its views. */
 typedef struct agent_storage {
   _Atomic int refs;
   backend_t *backend; /* frees it */
   void *data;         /* device pointer (host memory for cpu) */
   size_t bytes;
+  _Atomic int pins;         /* snapshots reading it (snapshot.h): writers copy them aside */
+  struct snapshot *pinned;  /* those snapshots (snapshot.c's lock) */
 } agent_storage_t;
 
 /* A tensor: `meta` first, so an op_value_t's tensor pointer (a tensor_meta_t *)

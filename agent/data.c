@@ -5,10 +5,13 @@
  * session with an instruction before it writes to it) and check what they
  * are given as the Execute stream's instructions are checked (validate.h).
  *
- * Read waits (on a helper thread, never a completion-queue thread) until the
- * session ran through after_seq, reads the shard out, then streams a
- * TensorSpec and the bytes as the peer takes them, from callbacks of the call
- * (the helper thread has ended by then: an unread Read holds no thread). The
+ * Read streams the snapshot its server took with a Snapshot instruction at
+ * seq after_seq (snapshot.h): the tensor as that point of its stream left
+ * it, whatever ran after. A helper thread (never a completion-queue thread)
+ * waits until the session ran through after_seq and sends the TensorSpec;
+ * the chunks are then read out of the snapshot one at a time as the peer
+ * takes them, from callbacks of the call (the helper thread has ended: an
+ * unread Read holds no thread, and no copy of a tensor nobody writes). The
  * wait ends at once when the call is cancelled; a seq the agent never
  * received is refused (far beyond: at once; otherwise after READ_UNSEEN_MS),
  * and at most READ_WAITING_MAX Reads wait at a time. A failed ref ends the
@@ -32,6 +35,7 @@
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "refs.h"
 #include "runtime.h"
+#include "snapshot.h"
 #include "validate.h"
 
 #define READ_WAIT_MS 600000
@@ -57,7 +61,8 @@ typedef struct read_job {
   uint64_t ref, after_seq;
   uint32_t chunk;
   bool waiting; /* counted in read_waiting */
-  uint8_t *buf; /* the shard's bytes, row-major, once read out */
+  snapshot_t *snap;  /* what is read, once taken */
+  uint8_t *buf;      /* one chunk */
   size_t bytes, off; /* off: the bytes queued on the call so far */
 } read_job_t;
 
@@ -105,6 +110,7 @@ static int read_wait(read_job_t *j) {
 }
 
 static void read_job_free(read_job_t *j) {
+  snapshot_release(j->snap);
   free(j->buf);
   executor_unref(j->ex);
   rpc_call_unref(j->call);
@@ -130,7 +136,13 @@ static void read_pump(read_job_t *j) {
         rpc_call_when_drained(call, READ_QUEUED - 1, read_drained, j))
       return;
     size_t n = j->bytes - j->off < j->chunk ? j->bytes - j->off : j->chunk;
-    c.data.data = j->buf + j->off;
+    meshd_error_t e = {0};
+    if (snapshot_read(j->snap, j->off, n, j->buf, &e)) {
+      rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "Read: %s", e.msg);
+      read_job_free(j);
+      return;
+    }
+    c.data.data = j->buf;
     c.data.len = n;
     if (rpc_call_send(call, &c.base) != 0) {
       read_job_free(j);
@@ -157,9 +169,8 @@ static void read_run(read_job_t *j) {
     read_job_free(j);
     return;
   }
-  agent_tensor_t t;
   ref_failure_t why = {0};
-  rc = executor_lookup(j->ex, j->session, j->ref, &t, &why);
+  rc = executor_take_snapshot(j->ex, j->session, j->after_seq, j->ref, &j->snap, &why);
   if (rc < 0) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF", "Read: %s", why.msg);
     read_job_free(j);
@@ -170,29 +181,24 @@ static void read_run(read_job_t *j) {
     read_job_free(j);
     return;
   }
-  backend_t *b = executor_backend(j->ex);
-  size_t bytes = tensor_nbytes(&t.meta);
-  uint8_t *buf = malloc(bytes ? bytes : 1);
-  meshd_error_t e = {0};
-  if (!buf || b->ops->to_host(b, &t, buf, &e)) {
-    storage_release(t.storage);
-    free(buf);
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Read: %s",
-                    buf ? e.msg : "agent out of host memory");
+  /* Whole elements per chunk. */
+  size_t es = dtype_size(snapshot_meta(j->snap)->dtype);
+  j->chunk = j->chunk < es ? (uint32_t)es : j->chunk - j->chunk % (uint32_t)es;
+  j->bytes = snapshot_bytes(j->snap);
+  j->buf = malloc(j->chunk);
+  if (!j->buf) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Read: agent out of host memory");
     read_job_free(j);
     return;
   }
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
   Meshd__Agent__V1__TensorSpec sp;
   int64_t strides[LAYOUT_MAX_DIMS];
-  fill_spec(&sp, j->ref, &t.meta, strides);
-  storage_release(t.storage);
+  fill_spec(&sp, j->ref, snapshot_meta(j->snap), strides);
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
   c.spec = &sp;
   c.session_id = j->session;
   rpc_call_send(call, &c.base);
-  j->buf = buf;
-  j->bytes = bytes;
   read_pump(j);
 }
 

@@ -682,6 +682,19 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
   return rc;
 }
 
+int executor_take_snapshot(executor_t *x, const char *session, uint64_t seq, uint64_t ref,
+                           snapshot_t **snap, ref_failure_t *why) {
+  pthread_mutex_lock(&x->mu);
+  xsession_t *s = session_find_locked(x, session);
+  int rc = -1;
+  if (s) rc = session_state_take_snapshot(s->state, seq, ref, snap, why);
+  pthread_mutex_unlock(&x->mu);
+  if (!s)
+    snprintf(why->msg, sizeof why->msg, "session %.63s is not open on this agent (ref %llu)",
+             session, (unsigned long long)ref);
+  return rc;
+}
+
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t) {
   pthread_mutex_lock(&x->mu);
   xsession_t *s = session_find_locked(x, session);

@@ -87,6 +87,11 @@ int executor_wait_session(executor_t *x, const char *session, uint64_t seq, int 
 /* 0 with *out retained; 1 failed (why); -1 unknown session or ref (why->msg). */
 int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tensor_t *out,
                     ref_failure_t *why);
+/* What the session's Snapshot instruction `seq` of ref kept, for its Read
+ * (session_state_take_snapshot): 0 with *snap (release it), 1 failed (why),
+ * -1 none (why->msg; also for a session not open here). */
+int executor_take_snapshot(executor_t *x, const char *session, uint64_t seq, uint64_t ref,
+                           snapshot_t **snap, ref_failure_t *why);
 /* Defines ref in session as t (retained by the table): 0; 1 when the session
  * is not open here (nothing is stored); -1 out of memory. */
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t);

@@ -9,6 +9,7 @@
 #include "log.h"
 #include "reduction.h"
 #include "run.h"
+#include "snapshot.h"
 #include "validate.h"
 
 #define MAX_HELD 64
@@ -295,6 +296,12 @@ static void run_call(ctx_t *c) {
   }
   for (int m = 0; m < inf.nmutates && nouts < OP_MAX_RESULTS * 2; m++)
     if (args.v[inf.mutates[m]].kind == VAL_TENSOR) outs[nouts++] = ref_of_meta(h, args.v[inf.mutates[m]].tensor);
+  /* A Fetch still reading what this op overwrites keeps the value it was
+   * promised (snapshot.h). */
+  for (int m = 0; m < inf.nmutates; m++)
+    if (args.v[inf.mutates[m]].kind == VAL_TENSOR &&
+        snapshot_before_write(c->b, agent_tensor_of(args.v[inf.mutates[m]].tensor)->storage, &e))
+      goto fail;
   /* Kernel messages name the rank: this agent's world rank (-1: not known yet). */
   int64_t me = c->env->rank ? atomic_load(c->env->rank) : -1;
   if (c->b->ops->run_op(c->b, c->bs, &args, resp, inf.nresults, &inf, me < 0 ? 0 : (uint32_t)me, 0,
@@ -577,7 +584,9 @@ static void run_reduce(ctx_t *c) {
     }
     agent_tensor_t view = {.meta = target.meta, .storage = res.storage};
     layout_make_contiguous(&view.meta.layout);
-    if (c->b->ops->copy(c->b, c->bs, &target, &view, &e)) goto fail;
+    if (snapshot_before_write(c->b, target.storage, &e) ||
+        c->b->ops->copy(c->b, c->bs, &target, &view, &e))
+      goto fail;
   } else {
     target = res;
     storage_retain(target.storage);
@@ -714,6 +723,33 @@ out:
   storage_release(hdr_t.storage);
 }
 
+/* ------------------------------------------------------------------ snapshots */
+
+/* Pins the ref as this point of the stream leaves it, for the Read of
+ * (seq, ref) (snapshot.h). A failed or missing ref is kept as such. */
+static void run_snapshot(ctx_t *c) {
+  uint64_t ref = c->ins->snapshot->ref;
+  agent_tensor_t t = {0};
+  ref_failure_t why = {0};
+  int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ref, &t, &why);
+  snapshot_t *snap = NULL;
+  if (rc == 0 && c->b) {
+    snap = snapshot_pin(c->b, &t);
+    if (!snap) {
+      rc = 1;
+      why = (ref_failure_t){.kind = ERR_QUOTA, .root_seq = c->ins->seq, .root_ref = ref};
+      snprintf(why.msg, sizeof why.msg, "Snapshot of tensor %llu: agent out of memory",
+               (unsigned long long)ref);
+    }
+  } else if (rc == 0) {
+    rc = 1;
+    why = (ref_failure_t){.kind = ERR_REMOTE_FAILURE, .root_seq = c->ins->seq, .root_ref = ref};
+    snprintf(why.msg, sizeof why.msg, "Snapshot: this agent has no compute backend");
+  }
+  storage_release(t.storage);
+  session_state_keep_snapshot(c->s, c->ins->seq, ref, snap, rc, rc == 1 ? &why : NULL);
+}
+
 void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t *bs,
                      const Meshd__Agent__V1__Instruction *ins, run_failures_t *out) {
   ctx_t c = {env, s, ins, env->backend, bs, out};
@@ -725,6 +761,10 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW: run_borrow(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE: run_reduce(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND: run_send(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: run_snapshot(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT:
+      session_state_drop_snapshot(s, ins->drop_snapshot->seq);
+      break;
     default: break;
   }
 }
@@ -735,4 +775,10 @@ void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V
   uint64_t refs[OP_MAX_RESULTS + 1];
   size_t n = validate_result_refs(ins, refs, sizeof refs / sizeof refs[0]);
   root_failure(&c, refs, n, why);
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT && ins->snapshot) {
+    /* Its Read answers with the reason. */
+    ref_failure_t f = {.kind = why->kind, .root_seq = ins->seq, .root_ref = ins->snapshot->ref};
+    snprintf(f.msg, sizeof f.msg, "%s", why->msg);
+    session_state_keep_snapshot(s, ins->seq, ins->snapshot->ref, NULL, 1, &f);
+  }
 }

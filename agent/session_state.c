@@ -29,6 +29,21 @@ struct borrow_record {
   UT_hash_handle hh;
 };
 
+/* What a Snapshot instruction left for its Read. */
+struct kept_snapshot {
+  uint64_t seq, ref;
+  snapshot_t *snap; /* NULL: rc and why say what the ref was */
+  int rc;
+  ref_failure_t *why;
+  kept_snapshot_t *next;
+};
+
+static void kept_free(kept_snapshot_t *k) {
+  snapshot_release(k->snap);
+  free(k->why);
+  free(k);
+}
+
 session_state_t *session_state_new(const char *id, backend_t *backend) {
   session_state_t *s = calloc(1, sizeof *s);
   if (!s || !(s->id = strdup(id))) {
@@ -47,6 +62,11 @@ session_state_t *session_state_new(const char *id, backend_t *backend) {
 void session_state_free(session_state_t *s) {
   if (!s) return;
   backend_t *b = s->backend;
+  while (s->snapshots) {
+    kept_snapshot_t *k = s->snapshots;
+    s->snapshots = k->next;
+    kept_free(k);
+  }
   refs_clear(&s->refs);
   pthread_mutex_destroy(&s->refs.mu);
   stream_progress_t *p, *p2;
@@ -286,4 +306,86 @@ bool session_state_wait_lost(session_state_t *s, int timeout_ms) {
   bool early = s->nlost > 0 || s->closing;
   pthread_mutex_unlock(&s->mu);
   return early;
+}
+
+/* ------------------------------------------------------------------ snapshots */
+
+void session_state_keep_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t *snap,
+                                 int rc, const ref_failure_t *why) {
+  kept_snapshot_t *k = calloc(1, sizeof *k);
+  if (k && !snap && why && !(k->why = malloc(sizeof *k->why))) {
+    free(k);
+    k = NULL;
+  }
+  if (!k) { /* its Read finds nothing kept and says so */
+    snapshot_release(snap);
+    return;
+  }
+  k->seq = seq;
+  k->ref = ref;
+  k->snap = snap;
+  k->rc = snap ? 0 : rc;
+  if (k->why) *k->why = *why;
+  kept_snapshot_t *old = NULL;
+  pthread_mutex_lock(&s->mu);
+  if (s->snapshots_tail) s->snapshots_tail->next = k;
+  else s->snapshots = k;
+  s->snapshots_tail = k;
+  if (++s->nsnapshots > SESSION_SNAPSHOTS_MAX) {
+    old = s->snapshots;
+    s->snapshots = old->next;
+    s->nsnapshots--;
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (old) kept_free(old);
+}
+
+int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t **snap,
+                                ref_failure_t *why) {
+  pthread_mutex_lock(&s->mu);
+  kept_snapshot_t **p = &s->snapshots, *prev = NULL;
+  while (*p && !((*p)->seq == seq && (*p)->ref == ref)) {
+    prev = *p;
+    p = &(*p)->next;
+  }
+  kept_snapshot_t *k = *p;
+  if (k) {
+    *p = k->next;
+    if (s->snapshots_tail == k) s->snapshots_tail = prev;
+    s->nsnapshots--;
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (!k) {
+    snprintf(why->msg, sizeof why->msg,
+             "no snapshot of tensor %llu at seq %llu in session %.8s on this agent (a Read "
+             "answers only the Snapshot its server sent; a session keeps the %d latest unread)",
+             (unsigned long long)ref, (unsigned long long)seq, s->id, SESSION_SNAPSHOTS_MAX);
+    return -1;
+  }
+  int rc = k->rc;
+  *snap = k->snap;
+  k->snap = NULL;
+  if (k->why) *why = *k->why;
+  else if (rc < 0)
+    snprintf(why->msg, sizeof why->msg, "ref %llu is not on this agent (session %.8s)",
+             (unsigned long long)ref, s->id);
+  kept_free(k);
+  return rc;
+}
+
+void session_state_drop_snapshot(session_state_t *s, uint64_t seq) {
+  pthread_mutex_lock(&s->mu);
+  kept_snapshot_t **p = &s->snapshots, *prev = NULL;
+  while (*p && (*p)->seq != seq) {
+    prev = *p;
+    p = &(*p)->next;
+  }
+  kept_snapshot_t *k = *p;
+  if (k) {
+    *p = k->next;
+    if (s->snapshots_tail == k) s->snapshots_tail = prev;
+    s->nsnapshots--;
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (k) kept_free(k);
 }

@@ -39,10 +39,17 @@
 #include "backend.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "refs.h"
+#include "snapshot.h"
 
 typedef struct stream_progress stream_progress_t;
 typedef struct pending_def pending_def_t;
 typedef struct borrow_record borrow_record_t;
+typedef struct kept_snapshot kept_snapshot_t;
+
+/* Snapshots (Snapshot instructions) a session keeps unread; past it the
+ * oldest goes (its Read then says so). The server reads each at once, and a
+ * session has at most --session-max-transfers Fetches in flight. */
+#define SESSION_SNAPSHOTS_MAX 64
 
 /* A peer the server declared lost for this session (PeerLost). */
 #define SESSION_LOST_MAX 8
@@ -67,6 +74,9 @@ typedef struct session_state {
   size_t nlost;                       /* mu */
   uint64_t *comms;                    /* mu: data-plane channels its work used */
   size_t ncomms, capcomms;            /* mu */
+  kept_snapshot_t *snapshots;         /* mu: not read yet, oldest first */
+  kept_snapshot_t *snapshots_tail;    /* mu */
+  size_t nsnapshots;                  /* mu */
 } session_state_t;
 
 /* A new session state; NULL when out of memory. */
@@ -136,5 +146,18 @@ void session_state_forget_def(session_state_t *s, uint64_t ref);
  * after the borrower's last use. Unknown borrows are a no-op. */
 void session_state_end_borrow(session_state_t *s, uint64_t borrow, uint64_t stream, uint64_t seq,
                               backend_stream_t *bs);
+
+/* Snapshot instruction `seq` of `ref` took snap (owned by the session now)
+ * or, when snap is NULL, found the ref failed (rc 1, *why) or missing (rc
+ * -1): kept for the Read of (seq, ref). */
+void session_state_keep_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t *snap,
+                                 int rc, const ref_failure_t *why);
+/* The Read of (seq, ref) takes what its Snapshot kept: 0 with *snap (the
+ * caller releases it); 1, the ref had failed (*why); -1, nothing kept
+ * (why->msg says why). */
+int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t **snap,
+                                ref_failure_t *why);
+/* Lets go of what Snapshot `seq` kept, unless its Read took it already. */
+void session_state_drop_snapshot(session_state_t *s, uint64_t seq);
 
 #endif

@@ -441,6 +441,11 @@ static int check_body(const instr_t *ins, const validate_self_t *self, meshd_err
                          len, VALIDATE_ADDRESS_MAX);
       return 0;
     }
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT:
+      if (!ins->snapshot) return -1;
+      return ins->snapshot->ref ? 0 : error_set(e, ERR_BAD_ARGUMENT, "Snapshot.ref: ref 0");
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT:
+      return ins->drop_snapshot ? 0 : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS:
       return ins->status ? 0 : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION:
@@ -462,6 +467,8 @@ const char *validate_kind_name(const instr_t *ins) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION: return "EndSession";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CREATE_STREAM: return "CreateStream";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: return "PeerLost";
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: return "Snapshot";
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT: return "DropSnapshot";
     default: return "instruction";
   }
 }

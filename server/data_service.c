@@ -408,6 +408,8 @@ typedef struct fetch {
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
   bool sent_meta;              /* touched by the relay's steps only, one at a time */
+  uint64_t stream;             /* the tensor's: where the Snapshot (after_seq) went */
+  _Atomic bool read_all;       /* the agent's Read ended OK: it took the Snapshot */
 
   pthread_mutex_t mu;
   int refs;          /* the call's (until on_end) and the relay's (until it stops) */
@@ -424,12 +426,34 @@ static void fetch_free(fetch_t *f) {
   free(f);
 }
 
+/* The Fetch ended without its Read taking the Snapshot (cancelled, failed):
+ * the agent lets it go now rather than at the session's end. */
+static void fetch_drop_snapshot(fetch_t *f) {
+  session_t *s = f->sess;
+  Meshd__Agent__V1__DropSnapshot d = MESHD__AGENT__V1__DROP_SNAPSHOT__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  d.seq = f->after_seq;
+  ins.session_id = s->id;
+  ins.stream = f->stream;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT;
+  ins.drop_snapshot = &d;
+  pthread_mutex_lock(&s->mu);
+  /* Not once the session closed: its EndSession frees everything, and an
+   * instruction after it would open the session on the agent again. */
+  uint64_t seq = 0;
+  if (!atomic_load(&s->closed) && s->objects &&
+      agent_pool_send(f->ds->pool, f->rank, &ins, &seq) == 0)
+    objects_sent(s->objects, f->rank, seq, 0);
+  pthread_mutex_unlock(&s->mu);
+}
+
 static void fetch_unref(fetch_t *f) {
   pthread_mutex_lock(&f->mu);
   int left = --f->refs;
   pthread_mutex_unlock(&f->mu);
   if (left) return;
   data_service_t *ds = f->ds;
+  if (f->after_seq && !atomic_load(&f->read_all)) fetch_drop_snapshot(f);
   pthread_mutex_destroy(&f->mu);
   fetch_free(f);
   live_done(ds);
@@ -470,12 +494,14 @@ static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg) {
   if (!m) { /* the agent's stream is over */
     rpc_status_t st = {0};
     grpc_status_code code = rpc_pull_status(p, &st);
-    if (code == GRPC_STATUS_OK)
+    if (code == GRPC_STATUS_OK) {
+      atomic_store(&f->read_all, true);
       rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
-    else
+    } else {
       rpc_call_finish(f->call, code, st.kind[0] ? st.kind : "AGENT_LOST",
                       "Fetch of tensor %llu from rank %u: %s", (unsigned long long)f->ref, f->rank,
                       st.message);
+    }
     relay_stop(f);
     return;
   }
@@ -656,9 +682,22 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   if (agent_pool_check_lost(ds->pool, &f->rank, 1, mesh->losses_seen, "Fetch", &lost))
     return error_set(e, ERR_AGENT_LOST, "Fetch of tensor %llu: its shard is gone (%s)",
                      (unsigned long long)t->ref, lost.msg);
-  /* The session's own last instruction there: the agent answers once the
+  /* The value fetched is the tensor as the commands before the Fetch leave
+   * it: a Snapshot at this point of its stream's order (agent.proto), which
+   * later commands do not change. The agent answers the Read once the
    * session (not every session) ran through it. */
-  f->after_seq = objects_last_seq(o, f->rank);
+  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  snap.ref = t->ref;
+  ins.session_id = s->id;
+  ins.stream = t->tensor.stream;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+  ins.snapshot = &snap;
+  f->stream = t->tensor.stream;
+  if (agent_pool_send(ds->pool, f->rank, &ins, &f->after_seq))
+    return error_set(e, ERR_AGENT_LOST, "Fetch of tensor %llu: rank %u has no agent (it was "
+                     "lost); its shard is gone", (unsigned long long)t->ref, f->rank);
+  objects_sent(o, f->rank, f->after_seq, 0);
   size_t n = mesh_len(mesh);
   uint32_t *ranks = malloc(sizeof *ranks * (n ? n : 1));
   f->targets = malloc(sizeof *f->targets * (n ? n : 1));
@@ -717,6 +756,14 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   pthread_mutex_init(&f->mu, NULL);
   f->refs = 2;
   rpc_call_set_data(call, f);
+  /* The meta at once: the Fetch is planned (its value fixed by the Snapshot),
+   * so a client that waits for this first message before it sends its next
+   * command knows that command cannot change what the Fetch returns. */
+  Meshd__V1__FetchChunk first = MESHD__V1__FETCH_CHUNK__INIT;
+  first.part_case = MESHD__V1__FETCH_CHUNK__PART_META;
+  first.meta = &f->meta;
+  rpc_call_send(call, &first.base);
+  f->sent_meta = true;
   fetch_wait(f);
 }
 

@@ -420,7 +420,7 @@ static void build_borrow(rd_t *r, instr_t *ins, model_t *mo) {
 }
 
 static void build_other(rd_t *r, instr_t *ins, model_t *mo) {
-  switch (u8(r) % 5) {
+  switch (u8(r) % 7) {
     case 0: {
       Meshd__Agent__V1__DeleteRefs *d = A(sizeof *d);
       meshd__agent__v1__delete_refs__init(d);
@@ -457,6 +457,22 @@ static void build_other(rd_t *r, instr_t *ins, model_t *mo) {
       p->reason = "lost in the fuzzer";
       ins->body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST;
       ins->peer_lost = p;
+      break;
+    }
+    case 4: { /* what a Fetch pins: later in-place writes copy it aside */
+      Meshd__Agent__V1__Snapshot *s = A(sizeof *s);
+      meshd__agent__v1__snapshot__init(s);
+      s->ref = pick_live(r, mo);
+      ins->body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+      ins->snapshot = s;
+      break;
+    }
+    case 5: {
+      Meshd__Agent__V1__DropSnapshot *d = A(sizeof *d);
+      meshd__agent__v1__drop_snapshot__init(d);
+      d->seq = last_seq + u8(r) % 16; /* often a Snapshot of this batch */
+      ins->body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT;
+      ins->drop_snapshot = d;
       break;
     }
     default: {

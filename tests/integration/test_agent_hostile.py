@@ -167,8 +167,10 @@ def _hostile_reads_and_writes(srv, relay):
                 code.RESOURCE_EXHAUSTED, "2097152 elements", "--max-tensor-elements")
         refused(lambda: agent_write(ch, s.id, spec(906, [1, 1, 1, 1]), bytes(4)),
                 code.RESOURCE_EXHAUSTED, "4 dims", "--max-tensor-dims")
+        # A Read streams only a Snapshot its server sent: none here.
         for ref in (900, 901, 902, 903, 905, 906):
-            refused(lambda: agent_read(ch, s.id, ref), code.NOT_FOUND, f"ref {ref}")
+            refused(lambda: agent_read(ch, s.id, ref), code.NOT_FOUND,
+                    f"no snapshot of tensor {ref} at seq 0")
 
         # Reads for seqs never sent, and for nonsense sessions, take no thread.
         refused(lambda: agent_read(ch, s.id, 1, after_seq=1 << 40), code.FAILED_PRECONDITION,
@@ -278,9 +280,19 @@ def _hostile_instructions(ag, reg):
     assert 9 not in errors, errors
 
     # Reading the planted result is a clear error, not a SIGFPE; the rest reads fine.
-    refused(lambda: agent_read(ch, sess, 2, after_seq=2), grpc.StatusCode.ABORTED,
+    snaps = [ins(snapshot=A.Snapshot(ref=2)), ins(snapshot=A.Snapshot(ref=8)),
+             ins(snapshot=A.Snapshot(ref=0))]
+    batches.append(A.InstructionBatch(instructions=snaps))
+    executed(seq[0])
+    refused(lambda: agent_read(ch, sess, 2, after_seq=snaps[0].seq), grpc.StatusCode.ABORTED,
             "exceeds 2^62 bytes")
-    assert np.frombuffer(agent_read(ch, sess, 8, after_seq=seq[0]), np.float32).tolist() == [3.0] * 4
+    got = agent_read(ch, sess, 8, after_seq=snaps[1].seq)
+    assert np.frombuffer(got, np.float32).tolist() == [3.0] * 4
+    # A snapshot is read once; a hostile Snapshot fails its own Read.
+    refused(lambda: agent_read(ch, sess, 8, after_seq=snaps[1].seq), grpc.StatusCode.NOT_FOUND,
+            "no snapshot of tensor 8")
+    refused(lambda: agent_read(ch, sess, 0, after_seq=snaps[2].seq),
+            grpc.StatusCode.INVALID_ARGUMENT, "Snapshot.ref: ref 0")
 
     batches.append(A.InstructionBatch(instructions=[ins(end_session=A.EndSession())]))
     executed(seq[0])

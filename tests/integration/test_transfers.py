@@ -88,11 +88,11 @@ def refused(call, timeout=10):
 
 
 def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
-    """2 sessions x 8 unread Fetches of a 16 MiB tensor (256 MiB if the server kept
-    them): the server stays within a few chunks per call, and neither the server
-    nor the agent holds a thread per call; a 9th Fetch or an Upload in a full session is refused naming the flag;
-    health and another session's compute work meanwhile; cancelled calls give their
-    places back."""
+    """2 sessions x 8 unread Fetches of a 64 MiB tensor (1 GiB if a process kept a copy
+    per call): the server and the agent each stay within a few chunks per call, and
+    neither holds a thread per call; a 9th Fetch or an Upload in a full session is
+    refused naming the flag; health and another session's compute work meanwhile;
+    cancelled calls give their places back."""
     srv = meshd_server(2, "--session-max-transfers", "8")
     lib.wait_ready(srv, 2)
     agent0 = next(p for p in lib.agent_children(srv.pid)
@@ -101,7 +101,8 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
     for i in range(2):
         s = lib.Session(srv.port, f"hog-{i}", timeout=30)
         m = s.mesh(gpu=2).ref
-        x = s.tensor(m, (16 * MIB // 4,), "ones").ref
+        x = s.tensor(m, (64 * MIB // 4,), "ones").ref
+        s.run(lib.sync())  # the agents hold it before RSS is measured
         sessions.append((s, m, x))
     rss0, threads0, agent_rss0 = rss_mib(srv.pid), nthreads(srv.pid), rss_mib(agent0)
     agent_threads0 = nthreads(agent0)
@@ -109,12 +110,12 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
     ch = stingy_channel(srv.port)
     calls = [open_fetch(ch, s, x) for s, _, x in sessions for _ in range(8)]
     try:
-        # The agent has read the tensor out for each call once its RSS grew by most
-        # of 16 x 16 MiB; the server then had every chance to take what it would.
+        # Every call is streaming once the server holds chunks for each (4.5 MiB per
+        # call measured); then the server's RSS levels off (within 2 MiB over 1.5 s)
+        # or the bound fails.
         deadline = time.monotonic() + 30
-        while rss_mib(agent0) - agent_rss0 < 14 * 16 and time.monotonic() < deadline:
+        while rss_mib(srv.pid) - rss0 < 16 * 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        # Then the server's RSS levels off (within 2 MiB over 1.5 s) or the bound fails.
         samples = [rss_mib(srv.pid)]
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and (len(samples) < 8
@@ -129,6 +130,13 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
         if not sanitized(srv.pid):
             assert peak - rss0 < 16 * 8, \
                 f"server RSS {rss0:.0f} -> {peak:.0f} MiB for 16 unread Fetches"
+        # The agent streams each call from the tensor's own memory (a snapshot that
+        # copies only when a later command writes the tensor): a few chunks per call
+        # (before, a 64 MiB copy per call: +1 GiB).
+        agent_rss = rss_mib(agent0)
+        if not sanitized(agent0):
+            assert agent_rss - agent_rss0 < 16 * 8, \
+                f"agent RSS {agent_rss0:.0f} -> {agent_rss:.0f} MiB for 16 unread Fetches"
         assert nthreads(srv.pid) <= threads0 + 3, \
             f"server threads {threads0} -> {nthreads(srv.pid)} for 16 unread Fetches"
         # The agent's Reads stream from callbacks once the shard is read out: no
@@ -170,9 +178,47 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
             if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-    assert len(data) == 16 * MIB and data[:4] == struct.pack("<f", 1.0) and data[-4:] == data[:4]
+    assert len(data) == 64 * MIB and data[:4] == struct.pack("<f", 1.0) and data[-4:] == data[:4]
     r = upload(s, m, [1.0, 2.0, 3.0])
     assert fetch_floats(s, r.tensor.ref) == [1.0, 2.0, 3.0]
     for s, _, _ in sessions:
         s.close()
         s.shut()
+
+
+def fetch_values(call):
+    data = b"".join(c.data for c in call if c.WhichOneof("part") == "data")
+    return set(struct.unpack(f"<{len(data) // 4}f", data))
+
+
+def test_a_fetch_streams_the_value_at_its_point_in_the_stream(meshd_server):
+    """A Fetch is answered with the tensor as the commands before it left it. Commands
+    after it that write the tensor in place (add_, an in-place reduce) change what later
+    Fetches see, never what it streams, even while its client has not read it yet; and
+    they do not wait for that client (a writer that waited would deadlock a client that
+    syncs before it reads). Before, the agent copied the shard whenever its Read got
+    round to it: the Fetch returned values from after it, or a mix."""
+    srv = meshd_server(1)
+    lib.wait_ready(srv, 1)
+    n = 4 * MIB // 4
+    with lib.Session(srv.port, "snap", timeout=30) as s:
+        m = s.mesh(gpu=1).ref
+        x = s.tensor(m, (n,), "ones").ref
+        a = s.tensor(m, (384, 384), "ones").ref
+        for trial in range(3):
+            ch = stingy_channel(srv.port)
+            try:
+                s.op("matmul", lib.Ref(a), lib.Ref(a))  # work queued ahead of the Fetch
+                early = open_fetch(ch, s, x)
+                # Its first message comes once it is planned; the commands after it
+                # are sent only then (the clients' fetch does the same).
+                assert next(early).WhichOneof("part") == "meta"
+                s.run(lib.call("add_", lib.Ref(x), 1.0))
+                s.run(lib.reduce(0, x, ("gpu",), "sum", inplace=True))
+                s.run(lib.call("mul_", lib.Ref(x), 1.0))
+                s.run(lib.sync())  # the writes ran while the Fetch is unread
+                late = fetch_values(open_fetch(s.ch, s, x, timeout=20))
+                assert late == {trial + 2.0}, late
+                assert fetch_values(early) == {trial + 1.0}, f"trial {trial}"
+            finally:
+                ch.close()

@@ -18,6 +18,7 @@
 #include "backend.h"
 #include "executor.h"
 #include "rpc.h"
+#include "session_state.h"
 #include "validate.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
@@ -752,6 +753,18 @@ static void open_session(const char *session) {
   execute(&k.ins);
 }
 
+/* A Snapshot of ref (what the server sends before each Read): its seq, the
+ * after_seq of the Read that streams it. */
+static uint64_t snapshot(const char *session, uint64_t ref) {
+  kit_t k;
+  Meshd__Agent__V1__Snapshot sn = MESHD__AGENT__V1__SNAPSHOT__INIT;
+  kit_init(&k, 0, session);
+  sn.ref = ref;
+  k.ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+  k.ins.snapshot = &sn;
+  return execute(&k.ins);
+}
+
 /* Agent/Read of ref: its status; the data (as floats) into out when given. */
 static grpc_status_code read_ref(const char *session, uint64_t ref, uint64_t after_seq,
                                  int timeout_ms, float *out, size_t n, rpc_status_t *st) {
@@ -812,16 +825,16 @@ Test(service, reading_the_planted_tensor_is_a_clear_error) {
   kit_init(&k, 0, "victim");
   execute(factory(&k, 10, "ones", four, 1));
   kit_init(&k, 0, "victim");
-  uint64_t seq = execute(reduce(&k, "sum", 10, huge, 3, 11, huge, 3));
+  execute(reduce(&k, "sum", 10, huge, 3, 11, huge, 3));
   rpc_status_t st;
-  cr_assert_eq(read_ref("victim", 11, seq, 5000, NULL, 0, &st), GRPC_STATUS_ABORTED, "%d %s",
+  cr_assert_eq(read_ref("victim", 11, snapshot("victim", 11), 5000, NULL, 0, &st), GRPC_STATUS_ABORTED, "%d %s",
                st.code, st.message);
   cr_assert_str_eq(st.kind, "REMOTE_FAILURE");
   cr_assert(strstr(st.message, "ReduceOp.input.shape: shape [2147483648, 2147483648, "
                                "2147483648] with 4-byte elements exceeds 2^62 bytes"),
             "%s", st.message);
   float v[4] = {0};
-  cr_assert_eq(read_ref("victim", 10, seq, 5000, v, 4, &st), GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(read_ref("victim", 10, snapshot("victim", 10), 5000, v, 4, &st), GRPC_STATUS_OK, "%s", st.message);
   for (int i = 0; i < 4; i++) cr_assert_eq(v[i], 1.0f);
 }
 
@@ -842,13 +855,47 @@ Test(service, writes_are_checked_and_store_nothing_when_refused) {
   cr_assert_eq(write_ref("w", 5, big, 1, F32, 4, &st), GRPC_STATUS_RESOURCE_EXHAUSTED);
   cr_assert(strstr(st.message, "more than this agent's capacity"), "%s", st.message);
   for (uint64_t ref = 1; ref <= 5; ref++)
-    cr_assert_eq(read_ref("w", ref, 0, 5000, NULL, 0, &st), GRPC_STATUS_NOT_FOUND,
+    cr_assert_eq(read_ref("w", ref, snapshot("w", ref), 5000, NULL, 0, &st), GRPC_STATUS_NOT_FOUND,
                  "ref %llu was stored", (unsigned long long)ref);
   cr_assert_eq(write_ref("w", 6, four, 1, F32, 16, &st), GRPC_STATUS_OK, "%s", st.message);
   float v[4] = {1, 1, 1, 1};
-  cr_assert_eq(read_ref("w", 6, 0, 5000, v, 4, &st), GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(read_ref("w", 6, snapshot("w", 6), 5000, v, 4, &st), GRPC_STATUS_OK, "%s", st.message);
   cr_assert_eq(v[0], 0.0f);
   cr_assert_eq(atomic_load(&B.allocated), 16 + 0u, "only the good write holds memory");
+}
+
+static void drop_snapshot(const char *session, uint64_t seq) {
+  kit_t k;
+  Meshd__Agent__V1__DropSnapshot d = MESHD__AGENT__V1__DROP_SNAPSHOT__INIT;
+  kit_init(&k, 0, session);
+  d.seq = seq;
+  k.ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT;
+  k.ins.drop_snapshot = &d;
+  execute(&k.ins);
+}
+
+Test(service, a_read_streams_its_snapshot_once_and_dropped_or_evicted_ones_are_gone) {
+  open_session("d");
+  rpc_status_t st;
+  cr_assert_eq(write_ref("d", 1, four, 1, F32, 16, &st), GRPC_STATUS_OK, "%s", st.message);
+  float v[4];
+  uint64_t seq = snapshot("d", 1);
+  cr_assert_eq(read_ref("d", 1, seq, 5000, v, 4, &st), GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(read_ref("d", 1, seq, 5000, v, 4, &st), GRPC_STATUS_NOT_FOUND);
+  cr_assert(strstr(st.message, "no snapshot of tensor 1 at seq"), "%s", st.message);
+  cr_assert_eq(read_ref("d", 1, seq - 1, 5000, v, 4, &st), GRPC_STATUS_NOT_FOUND,
+               "a seq that was no Snapshot of the ref");
+
+  seq = snapshot("d", 1);
+  drop_snapshot("d", seq);
+  cr_assert_eq(read_ref("d", 1, seq, 5000, v, 4, &st), GRPC_STATUS_NOT_FOUND, "dropped");
+  drop_snapshot("d", seq); /* again, or of nothing: no-op */
+
+  /* Past SESSION_SNAPSHOTS_MAX unread, the oldest goes. */
+  uint64_t first = snapshot("d", 1), last = 0;
+  for (int i = 0; i < SESSION_SNAPSHOTS_MAX; i++) last = snapshot("d", 1);
+  cr_assert_eq(read_ref("d", 1, first, 5000, v, 4, &st), GRPC_STATUS_NOT_FOUND, "evicted");
+  cr_assert_eq(read_ref("d", 1, last, 5000, v, 4, &st), GRPC_STATUS_OK, "%s", st.message);
 }
 
 Test(service, sessions_never_opened_take_no_writes_and_give_no_reads) {
@@ -883,7 +930,7 @@ Test(service, a_write_that_overtakes_its_sessions_opening_waits_for_it) {
   rpc_status_t st;
   cr_assert_eq(write_ref("late", 1, four, 1, F32, 16, &st), GRPC_STATUS_OK, "%s", st.message);
   pthread_join(t, NULL);
-  cr_assert_eq(read_ref("late", 1, 0, 5000, NULL, 0, &st), GRPC_STATUS_OK, "%s", st.message);
+  cr_assert_eq(read_ref("late", 1, snapshot("late", 1), 5000, NULL, 0, &st), GRPC_STATUS_OK, "%s", st.message);
 }
 
 typedef struct reader {

@@ -1,6 +1,7 @@
 """Tensor handles, factories, upload (meshd.tensor) and fetch (fetch_shard, inspect)."""
 
 import concurrent.futures
+import itertools
 import threading
 
 import grpc
@@ -475,21 +476,35 @@ def tensor(data, shard=None, dtype=None):
     return Tensor._from_meta(s, reply.tensor)
 
 
-def _fetch(t, coords, timeout=None):
+def _fetch_open(t, coords, timeout=None):
+    """Starts the Fetch and waits for its first message, which the server sends once
+    it planned the Fetch: commands sent after it cannot change the value fetched.
+    Returns (the call, that message); raises MeshdError."""
     s, pb = t.session, t.session._pb
     fn = s._ch.unary_stream(_SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
                             response_deserializer=pb.FetchChunk.FromString)
     req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
                                              for k, v in coords.items()])
+    call = fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout)
+    try:
+        return call, next(call, None)
+    except grpc.RpcError as e:
+        raise MeshdError.from_rpc(e) from None
+
+
+def _fetch_finish(t, call, first):
+    pb = t.session._pb
     meta, data = None, bytearray()
     try:
-        for c in fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout):
+        for c in itertools.chain([first] if first is not None else [], call):
             if c.WhichOneof("part") == "meta":
                 meta = c.meta
             else:
                 data += c.data
     except grpc.RpcError as e:
         raise MeshdError.from_rpc(e) from None
+    if meta is None:
+        raise MeshdError("INTERNAL", "Fetch: the server sent no TensorMeta")
     name = _dtype_from_value(pb, meta.dtype)
     if name not in _NP:
         raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
@@ -508,10 +523,15 @@ def fetch_shard(t, timeout=None, **coords):
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
     t.session._flush_pipeline()  # pipelined commands before it must have reached the server
     fut = concurrent.futures.Future()
+    try:  # planned before the next command is sent: that one cannot change the value
+        call, first = _fetch_open(t, coords, timeout)
+    except MeshdError as e:
+        fut.set_exception(e)
+        return fut
 
     def work():
         try:
-            fut.set_result(_fetch(t, coords, timeout))
+            fut.set_result(_fetch_finish(t, call, first))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
     threading.Thread(target=work, daemon=True).start()

@@ -448,3 +448,18 @@ def test_inplace_ops_and_multiple_results(mesh):
     np.testing.assert_array_equal(get(meshd.ops.max(x), gpu=0), ((a + 1) * 2).max())
     x.zero_()
     np.testing.assert_array_equal(get(x, gpu=0), np.zeros((2, 2), np.float32))
+
+
+def test_a_fetch_is_the_value_where_it_was_asked_for(mesh):
+    """fetch_shard's Future holds the tensor as the code before it left it: in-place
+    writes after it, even before the Future is read, change only later fetches
+    (Monarch's order; before, the Fetch could be planned after them)."""
+    x = meshd.tensor(np.ones((256, 256), np.float32))
+    futures = []
+    for i in range(4):
+        futures.append(meshd.fetch_shard(x, gpu=i % 2))
+        x.add_(1)
+    meshd.ops.mul_(x, 2)
+    for i, f in enumerate(futures):
+        np.testing.assert_array_equal(f.result(), np.full((256, 256), 1.0 + i, np.float32))
+    np.testing.assert_array_equal(get(x, gpu=0), np.full((256, 256), 10.0, np.float32))

@@ -80,13 +80,15 @@ def _stopped(pid):
 
 def test_an_idle_session_outlives_its_ttl_and_close_stops_the_keepalive(short_lease):
     addr, _ = short_lease
-    before = len(_keepalive_threads())
+    # Other tests' sessions that were never closed stop theirs when collected: not
+    # counted (only these two sessions' threads are).
+    before = set(_keepalive_threads())
     s = meshd.connect(addr, client_name="idle-python")
     # The control: the same session without its keepalive thread expires in these 7 s.
     bare = meshd.connect(addr, client_name="bare-python")
     try:
         assert s.ttl_seconds == TTL
-        assert len(_keepalive_threads()) == before + 2
+        assert set(_keepalive_threads()) - before == {s._ka_thread, bare._ka_thread}
         bare._stop_keepalive()
         m, mb = s.mesh(gpu=2), bare.mesh(gpu=2)
         time.sleep(7.0)  # no call from this thread: > 3 leases
@@ -104,7 +106,7 @@ def test_an_idle_session_outlives_its_ttl_and_close_stops_the_keepalive(short_le
         sid = s.id
         s.close()
     assert not s._ka_thread.is_alive(), "close() must stop and join the keepalive thread"
-    assert len(_keepalive_threads()) == before
+    assert not set(_keepalive_threads()) - before
     assert not _listed(addr, sid), "the closed session is still listed"
     time.sleep(2.5)  # nothing may keep or touch it after close
     with open(log_path("meshd-keepalive"), errors="replace") as f:
