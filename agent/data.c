@@ -18,8 +18,9 @@
  * call with the failure's kind in the meshd-error-kind trailer and the root's
  * message.
  *
- * Write checks the spec and buffers the chunks of one tensor (exactly the
- * spec's bytes), then defines the ref when the client half-closes. A spec for
+ * Write checks the spec, allocates the tensor and copies each chunk into it
+ * as it arrives (exactly the spec's bytes), then defines the ref when the
+ * client half-closes; a Write that ends otherwise frees it. A spec for
  * a session not open yet (its opening instruction may still be on its way)
  * pauses the call's reads for up to WRITE_OPEN_WAIT_MS on a helper thread
  * (at most WRITE_WAITING_MAX of them); then it is refused and nothing is
@@ -291,15 +292,15 @@ typedef struct write_state {
   char session[64];
   uint64_t ref;
   tensor_meta_t meta;
-  uint8_t *buf;
+  agent_tensor_t t; /* the tensor being filled, chunk by chunk, in place */
   size_t bytes, got;
   bool have_spec, done;
 } write_state_t;
 
 static void write_release(write_state_t *w) {
   if (atomic_fetch_sub(&w->owners, 1) != 1) return;
+  storage_release(w->t.storage); /* before the executor: its backend frees it */
   if (w->ex) executor_unref(w->ex);
-  free(w->buf);
   free(w);
 }
 
@@ -327,14 +328,29 @@ static void write_not_open(write_state_t *w) {
   write_fail(w->call, w, GRPC_STATUS_FAILED_PRECONDITION, NULL, why);
 }
 
-/* The spec checked, its session open: the buffer for its bytes. */
+/* The spec checked, its session open: the tensor its bytes go into (no
+ * host copy: each chunk lands in the tensor's memory as it arrives). */
 static int write_ready(write_state_t *w) {
-  if (!(w->buf = malloc(w->bytes ? w->bytes : 1))) {
-    write_fail(w->call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of host memory");
+  meshd_error_t e = {0};
+  if (tensor_alloc(executor_backend(w->ex), NULL, &w->meta, &w->t, "Write", &e)) {
+    write_fail(w->call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", e.msg);
     return -1;
   }
   w->have_spec = true;
   return 0;
+}
+
+/* Bytes [got, got + n) of the row-major tensor, as a uint8 view of its
+ * storage: from_host copies them wherever the memory is. */
+static int write_bytes(write_state_t *w, const uint8_t *data, size_t n, meshd_error_t *e) {
+  agent_tensor_t v = {.storage = w->t.storage};
+  v.meta.dtype = DTYPE_UINT8;
+  v.meta.layout.ndim = 1;
+  v.meta.layout.sizes[0] = (int64_t)n;
+  layout_make_contiguous(&v.meta.layout);
+  v.meta.layout.offset = (int64_t)w->got;
+  backend_t *b = executor_backend(w->ex);
+  return n ? b->ops->from_host(b, &v, data, e) : 0;
 }
 
 /* The helper thread of a Write whose session is not open yet; the call's
@@ -419,17 +435,9 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
              w->got, (unsigned long long)w->ref, w->bytes);
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why);
   }
-  backend_t *b = executor_backend(w->ex);
-  agent_tensor_t t;
-  meshd_error_t e = {0};
-  if (tensor_alloc(b, NULL, &w->meta, &t, "Write", &e))
-    return write_fail(call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", e.msg);
-  int rc = b->ops->from_host(b, &t, w->buf, &e);
-  if (!rc) rc = executor_define(w->ex, w->session, w->ref, &t);
-  storage_release(t.storage);
+  int rc = executor_define(w->ex, w->session, w->ref, &w->t);
   if (rc > 0) return write_not_open(w); /* it ended meanwhile */
-  if (rc) return write_fail(call, w, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE",
-                            e.msg[0] ? e.msg : "agent out of memory");
+  if (rc) return write_fail(call, w, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE", "agent out of memory");
   w->done = true;
   Meshd__Agent__V1__WriteReply r = MESHD__AGENT__V1__WRITE_REPLY__INIT;
   r.bytes = w->got;
@@ -456,7 +464,9 @@ void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
              "was stored", w->got + c->data.len, (unsigned long long)w->ref, w->bytes);
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why);
   }
-  memcpy(w->buf + w->got, c->data.data, c->data.len);
+  meshd_error_t e = {0};
+  if (write_bytes(w, c->data.data, c->data.len, &e))
+    return write_fail(call, w, error_kind_code(e.kind), error_kind_name(e.kind), e.msg);
   w->got += c->data.len;
 }
 

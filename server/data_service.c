@@ -74,35 +74,73 @@ static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
 
 /* ------------------------------------------------------------------ upload */
 
+/* An Upload streams through: once its header is checked, a helper thread
+ * opens an Agent/Write to every rank of the mesh and forwards each chunk as
+ * it arrives (per_rank: the slice each rank gets; else every chunk to every
+ * rank). The client's chunks wait in a queue of at most UPLOAD_QUEUED bytes:
+ * past it the call's reads pause (HTTP/2 flow control then holds the client
+ * back) until the helper caught up. So the server holds a few chunks, never
+ * the tensor, and receiving and forwarding overlap. A rank is defined only
+ * when its Write got exactly its bytes; any failure cancels the other Writes
+ * and deletes the ref where it was defined: the ref stays undefined. */
+#define UPLOAD_QUEUED (8u << 20)
+
+typedef struct upload_chunk {
+  struct upload_chunk *next;
+  size_t len;
+  uint8_t data[];
+} upload_chunk_t;
+
 typedef struct upload {
   data_service_t *ds;
   session_t *session;
   rpc_call_t *call;
-  bool have_header, failed;
+  bool have_header, failed; /* touched by the call's callbacks only */
   uint64_t ref, mesh, stream;
   tensor_meta_t meta;
   bool per_rank;
   uint32_t *ranks;
   size_t nranks;
-  uint8_t *buf;
   size_t each, total, got; /* bytes per rank, expected, received */
   _Atomic int owners;       /* the call, and the helper thread once it runs */
+
+  pthread_mutex_t mu; /* the queue, between the call's callbacks and the helper */
+  pthread_cond_t cv;
+  upload_chunk_t *head, *tail;
+  size_t queued;
+  bool paused;   /* the call's reads are paused for a full queue */
+  bool received; /* the client half-closed with every byte sent */
+  bool aborted;  /* the call failed or ended early: the helper stops */
 } upload_t;
 
 static void upload_release(upload_t *u) {
   if (atomic_fetch_sub(&u->owners, 1) != 1) return;
   data_service_t *ds = u->ds;
   session_release(u->session);
+  while (u->head) {
+    upload_chunk_t *c = u->head;
+    u->head = c->next;
+    free(c);
+  }
+  pthread_cond_destroy(&u->cv);
+  pthread_mutex_destroy(&u->mu);
   free(u->ranks);
-  free(u->buf);
   free(u);
   live_done(ds);
+}
+
+static void upload_abort(upload_t *u) {
+  pthread_mutex_lock(&u->mu);
+  u->aborted = true;
+  pthread_cond_signal(&u->cv);
+  pthread_mutex_unlock(&u->mu);
 }
 
 static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const char *arg) {
   meshd_error_t e;
   error_set(&e, kind, fmt, arg);
   u->failed = true;
+  upload_abort(u);
   finish_error(u->call, &e);
 }
 
@@ -127,6 +165,8 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
   u->ds = ds;
   u->session = s;
   u->call = call;
+  pthread_mutex_init(&u->mu, NULL);
+  pthread_cond_init(&u->cv, NULL);
   atomic_init(&u->owners, 1);
   rpc_call_set_data(call, u);
 }
@@ -198,24 +238,24 @@ out:
   u->mesh = h->mesh;
   u->stream = h->stream;
   u->per_rank = h->per_rank;
-  if (!(u->buf = malloc(u->total ? u->total : 1)))
-    return error_set(e, ERR_QUOTA, "Upload: out of memory on the server for %zu bytes", u->total);
   u->have_header = true;
   return 0;
 }
 
-/* One agent's copy through Agent/Write. */
-static int write_rank(upload_t *u, uint32_t rank, const uint8_t *data, meshd_error_t *e) {
+/* One rank's Agent/Write, open while the helper forwards. */
+typedef struct rank_write {
+  rpc_channel_t *ch;
+  rpc_stream_t *st;
+} rank_write_t;
+
+static int write_open(upload_t *u, uint32_t rank, rank_write_t *w, meshd_error_t *e) {
   agent_target_t t;
   if (agent_pool_target(u->ds->pool, rank, AGENT_CONNECT_MS, &t))
     return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", rank);
-  rpc_channel_t *ch = rpc_channel_create(t.address, &t.opts);
-  rpc_stream_t *st = ch ? rpc_stream_open(ch, "/meshd.agent.v1.Agent/Write", t.md, 1, AGENT_CALL_MS) : NULL;
-  int rc = -1;
-  if (!st) {
-    error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", rank);
-    goto out;
-  }
+  w->ch = rpc_channel_create(t.address, &t.opts);
+  w->st = w->ch ? rpc_stream_open(w->ch, "/meshd.agent.v1.Agent/Write", t.md, 1, AGENT_CALL_MS)
+                : NULL;
+  if (!w->st) return error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", rank);
   Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
   sp.ref = u->ref;
   sp.n_shape = sp.n_strides = (size_t)u->meta.layout.ndim;
@@ -226,32 +266,49 @@ static int write_rank(upload_t *u, uint32_t rank, const uint8_t *data, meshd_err
   c.session_id = u->session->id;
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
   c.spec = &sp;
-  int w = rpc_stream_write(st, &c.base, false);
+  if (rpc_stream_write(w->st, &c.base, false))
+    return error_set(e, ERR_AGENT_LOST, "Upload: the agent of rank %u ended the Write", rank);
+  return 0;
+}
+
+/* Bytes to one rank, in messages of at most ds->chunk. */
+static int write_data(upload_t *u, size_t i, rank_write_t *w, const uint8_t *data, size_t len,
+                      meshd_error_t *e) {
+  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
+  c.session_id = u->session->id;
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
-  c.spec = NULL;
-  for (size_t off = 0; w == 0 && off < u->each; off += u->ds->chunk) {
-    size_t n = u->each - off < u->ds->chunk ? u->each - off : u->ds->chunk;
+  for (size_t off = 0; off < len; off += u->ds->chunk) {
     c.data.data = (uint8_t *)data + off;
-    c.data.len = n;
-    w = rpc_stream_write(st, &c.base, false);
+    c.data.len = len - off < u->ds->chunk ? len - off : u->ds->chunk;
+    if (rpc_stream_write(w->st, &c.base, false))
+      return error_set(e, ERR_AGENT_LOST, "Upload: the agent of rank %u ended the Write",
+                       u->ranks[i]);
   }
-  if (w == 0) rpc_stream_close_send(st);
+  return 0;
+}
+
+/* Half-closes rank i's Write and reads how it ended: 0 once the agent
+ * defined the ref. */
+static int write_finish(upload_t *u, size_t i, rank_write_t *w, meshd_error_t *e) {
+  rpc_stream_close_send(w->st);
   ProtobufCMessage *reply = NULL;
-  while (rpc_stream_read(st, &meshd__agent__v1__write_reply__descriptor, &reply, 0) == 1) {
+  while (rpc_stream_read(w->st, &meshd__agent__v1__write_reply__descriptor, &reply, 0) == 1) {
     protobuf_c_message_free_unpacked(reply, NULL);
     reply = NULL;
   }
   rpc_status_t status;
-  if (rpc_stream_finish(st, &status) != GRPC_STATUS_OK) {
-    error_set(e, status.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA : ERR_REMOTE_FAILURE,
-              "Upload: the agent of rank %u refused the data: %s", rank, status.message);
-    goto out;
-  }
-  rc = 0;
-out:
-  if (st) rpc_stream_destroy(st);
-  if (ch) rpc_channel_destroy(ch);
-  return rc;
+  if (rpc_stream_finish(w->st, &status) != GRPC_STATUS_OK)
+    return error_set(e, status.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA
+                                                                       : ERR_REMOTE_FAILURE,
+                     "Upload: the agent of rank %u refused the data: %s", u->ranks[i],
+                     status.message);
+  return 0;
+}
+
+static void write_close(rank_write_t *w, bool cancel) {
+  if (w->st && cancel) rpc_stream_cancel(w->st);
+  if (w->st) rpc_stream_destroy(w->st);
+  if (w->ch) rpc_channel_destroy(w->ch);
 }
 
 /* Agents take data only for sessions open on them (docs/protocol.md): a
@@ -274,9 +331,9 @@ static void upload_open(upload_t *u) {
   pthread_mutex_unlock(&s->mu);
 }
 
-/* A write failed: the ranks written before it let go of the ref (which the
+/* A write failed: the ranks that defined the ref let go of it (which the
  * session never claimed, so a later command may define it). Holds s->mu. */
-static void upload_undo(upload_t *u, objects_t *o, size_t written) {
+static void upload_undo(upload_t *u, objects_t *o, const bool *defined) {
   Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   ins.session_id = u->session->id;
@@ -285,26 +342,78 @@ static void upload_undo(upload_t *u, objects_t *o, size_t written) {
   ins.delete_refs = &d;
   d.refs = &u->ref;
   d.n_refs = 1;
-  for (size_t i = 0; i < written; i++) {
+  for (size_t i = 0; i < u->nranks; i++) {
     uint64_t seq = 0;
-    if (agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0) objects_sent(o, u->ranks[i], seq, 0);
+    if (defined[i] && agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0)
+      objects_sent(o, u->ranks[i], seq, 0);
   }
+}
+
+/* The next queued chunk, NULL once every byte came (or the upload aborted:
+ * *aborted). Resumes the call's reads once the queue drained to half. */
+static upload_chunk_t *upload_next(upload_t *u, bool *aborted) {
+  pthread_mutex_lock(&u->mu);
+  while (!u->head && !u->received && !u->aborted) pthread_cond_wait(&u->cv, &u->mu);
+  upload_chunk_t *c = u->aborted ? NULL : u->head;
+  if (c) {
+    u->head = c->next;
+    if (!u->head) u->tail = NULL;
+    u->queued -= c->len;
+  }
+  bool resume = u->paused && u->queued <= UPLOAD_QUEUED / 2;
+  if (resume) u->paused = false;
+  *aborted = u->aborted;
+  pthread_mutex_unlock(&u->mu);
+  if (resume) rpc_call_resume_reads(u->call);
+  return c;
+}
+
+/* Forwards one client chunk, at stream offset `pos`, to the ranks it is for. */
+static int upload_forward(upload_t *u, rank_write_t *w, size_t pos, const upload_chunk_t *c,
+                          meshd_error_t *e) {
+  if (!u->per_rank) {
+    for (size_t i = 0; i < u->nranks; i++)
+      if (write_data(u, i, &w[i], c->data, c->len, e)) return -1;
+    return 0;
+  }
+  for (size_t off = 0; off < c->len;) { /* slices: rank i has [i * each, (i + 1) * each) */
+    size_t i = (pos + off) / u->each, in = (pos + off) % u->each;
+    size_t n = c->len - off < u->each - in ? c->len - off : u->each - in;
+    if (write_data(u, i, &w[i], c->data + off, n, e)) return -1;
+    off += n;
+  }
+  return 0;
 }
 
 static void *upload_main(void *arg) {
   upload_t *u = arg;
   meshd_error_t e = {0};
-  int rc = 0;
-  size_t written = 0;
-  upload_open(u);
-  for (; rc == 0 && written < u->nranks; written++)
-    rc = write_rank(u, u->ranks[written], u->buf + (u->per_rank ? written * u->each : 0), &e);
+  rank_write_t *w = calloc(u->nranks ? u->nranks : 1, sizeof *w);
+  bool *defined = calloc(u->nranks ? u->nranks : 1, sizeof *defined);
+  int rc = w && defined ? 0 : error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
+  bool aborted = false;
+  if (!rc) upload_open(u);
+  for (size_t i = 0; !rc && i < u->nranks; i++) rc = write_open(u, u->ranks[i], &w[i], &e);
+  size_t pos = 0;
+  upload_chunk_t *c;
+  while (!rc && (c = upload_next(u, &aborted))) {
+    rc = upload_forward(u, w, pos, c, &e);
+    pos += c->len;
+    free(c);
+  }
+  if (!rc && (aborted || pos != u->total)) rc = -1; /* the call already says why */
+  for (size_t i = 0; !rc && i < u->nranks; i++) {
+    rc = write_finish(u, i, &w[i], &e);
+    defined[i] = rc == 0;
+  }
+  for (size_t i = 0; w && i < u->nranks; i++) write_close(&w[i], rc != 0);
+  if (rc) upload_abort(u); /* the call's reads may be paused: nothing waits for them now */
   session_t *s = u->session;
   obj_t *t = NULL;
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
-  if (rc != 0 && o) upload_undo(u, o, written);
+  if (rc != 0 && o && defined) upload_undo(u, o, defined);
   /* Checked again: the session's other commands ran meanwhile. */
   if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0 &&
       command_check_limits(s, o, OBJ_TENSOR, 1, "Upload", &e) == 0) {
@@ -325,42 +434,58 @@ static void *upload_main(void *arg) {
   }
   pthread_mutex_unlock(&s->mu);
   rpc_call_t *call = u->call;
-  if (!t) finish_error(call, &e);
+  if (!t && e.kind != ERR_NONE) finish_error(call, &e);
+  pthread_mutex_lock(&u->mu); /* a pause of ours must not hold the call open */
+  bool resume = u->paused;
+  u->paused = false;
+  pthread_mutex_unlock(&u->mu);
+  if (resume) rpc_call_resume_reads(call);
+  free(w);
+  free(defined);
   upload_release(u);
   rpc_call_unref(call);
   return NULL;
+}
+
+/* The header passed: the helper starts forwarding at once. */
+static int upload_begin(upload_t *u, meshd_error_t *e) {
+  rpc_call_ref(u->call);
+  atomic_fetch_add(&u->owners, 1);
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(&t, &attr, upload_main, u);
+  pthread_attr_destroy(&attr);
+  if (rc == 0) return 0;
+  atomic_fetch_sub(&u->owners, 1);
+  rpc_call_unref(u->call);
+  return error_set(e, ERR_QUOTA, "Upload: out of threads on the server");
 }
 
 static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   upload_t *u = rpc_call_data(call);
   if (!u || u->failed) return;
   meshd_error_t e;
-  if (!msg) { /* everything arrived: hand the agent calls to a helper thread */
+  if (!msg) { /* the client half-closed */
     if (!u->have_header) return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", "no header: the first message must be an UploadHeader");
     if (u->got != u->total) {
       char why[160];
       snprintf(why, sizeof why, "got %zu bytes of data but the header needs %zu", u->got, u->total);
       return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
     }
-    rpc_call_ref(call);
     u->failed = true; /* no more messages are expected */
-    atomic_fetch_add(&u->owners, 1);
-    pthread_t t;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, upload_main, u) != 0) {
-      atomic_fetch_sub(&u->owners, 1);
-      rpc_call_unref(call);
-      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of threads");
-    }
-    pthread_attr_destroy(&attr);
+    pthread_mutex_lock(&u->mu);
+    u->received = true;
+    pthread_cond_signal(&u->cv);
+    pthread_mutex_unlock(&u->mu);
     return;
   }
   const Meshd__V1__UploadChunk *c = (const void *)msg;
   if (c->part_case == MESHD__V1__UPLOAD_CHUNK__PART_HEADER) {
     if (u->have_header) return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", "a second header");
-    if (upload_header(u, c->header, &e)) {
+    if (upload_header(u, c->header, &e) || upload_begin(u, &e)) {
+      u->have_header = false;
       u->failed = true;
       finish_error(call, &e);
     }
@@ -373,13 +498,32 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
     snprintf(why, sizeof why, "more data than the %zu bytes the header describes", u->total);
     return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
   }
-  memcpy(u->buf + u->got, c->data.data, c->data.len);
   u->got += c->data.len;
+  pthread_mutex_lock(&u->mu);
+  bool aborted = u->aborted;
+  pthread_mutex_unlock(&u->mu);
+  if (!c->data.len || aborted) return; /* the helper stopped: the call is ending */
+  upload_chunk_t *q = malloc(sizeof *q + c->data.len);
+  if (!q) return upload_fail(u, ERR_QUOTA, "Upload: %s", "out of memory on the server");
+  q->next = NULL;
+  q->len = c->data.len;
+  memcpy(q->data, c->data.data, c->data.len);
+  pthread_mutex_lock(&u->mu);
+  if (u->tail) u->tail->next = q;
+  else u->head = q;
+  u->tail = q;
+  u->queued += q->len;
+  bool pause = !u->paused && u->queued >= UPLOAD_QUEUED && !u->aborted;
+  if (pause) u->paused = true;
+  pthread_cond_signal(&u->cv);
+  pthread_mutex_unlock(&u->mu);
+  if (pause) rpc_call_pause_reads(call);
 }
 
 static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
   upload_t *u = rpc_call_data(call);
   if (!u) return;
+  upload_abort(u); /* a client gone mid-upload: the helper stops and undoes */
   transfer_end(u->session);
   upload_release(u);
 }

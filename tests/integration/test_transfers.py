@@ -222,3 +222,67 @@ def test_a_fetch_streams_the_value_at_its_point_in_the_stream(meshd_server):
                 assert fetch_values(early) == {trial + 1.0}, f"trial {trial}"
             finally:
                 ch.close()
+
+
+def test_an_upload_streams_through_the_server(meshd_server):
+    """An Upload is forwarded to the agents as it arrives: the server holds a few chunks,
+    never the tensor (128 MiB to both ranks grew it by 128 MiB before), every rank gets
+    exactly its bytes, and a client that stops halfway leaves the ref undefined, free to
+    be uploaded again."""
+    import threading
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "stream-up", timeout=60) as s:
+        m = s.mesh(gpu=2).ref
+        nbytes, chunk = 128 * MIB, MIB
+
+        def chunks(ref, stop_after=None):
+            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[nbytes // 4],
+                                                      dtype=lib.dtype("float32")))
+            for i in range(nbytes // chunk):
+                if stop_after is not None and i == stop_after:
+                    raise RuntimeError("the client gives up")
+                yield t.UploadChunk(data=bytes([i % 251]) * chunk)
+
+        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+        rss0, peak, done = rss_mib(srv.pid), [0.0], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_mib(srv.pid))
+                time.sleep(0.05)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            ref = s.new_ref()
+            fn(chunks(ref), metadata=s.metadata, timeout=60)
+        finally:
+            done.set()
+            sampler.join()
+        if not sanitized(srv.pid):
+            assert peak[0] - rss0 < 48, f"server RSS {rss0:.0f} -> {peak[0]:.0f} MiB"
+        for rank in (0, 1):
+            fn_f = s.ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                                     response_deserializer=t.FetchChunk.FromString)
+            data = b"".join(c.data for c in fn_f(
+                t.FetchRequest(ref=ref, coords=[t.Coordinate(dim="gpu", index=rank)]),
+                metadata=s.metadata, timeout=60) if c.WhichOneof("part") == "data")
+            assert len(data) == nbytes
+            for i in (0, 1, 100, 127):
+                assert data[i * chunk] == i % 251 and data[(i + 1) * chunk - 1] == i % 251, (rank, i)
+
+        # Halfway the client gives up: nothing is defined, on any rank.
+        ref2 = s.new_ref()
+        try:
+            fn(chunks(ref2, stop_after=64), metadata=s.metadata, timeout=60)
+            raise AssertionError("an upload the client abandoned was accepted")
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED), e
+        s.fails("UNKNOWN_REF", lib.describe(ref2))
+        r = fn(iter([t.UploadChunk(header=t.UploadHeader(ref=ref2, mesh=m, shape=[2],
+                                                         dtype=lib.dtype("float32"))),
+                     t.UploadChunk(data=struct.pack("<2f", 5.0, 6.0))]),
+               metadata=s.metadata, timeout=20)
+        assert fetch_floats(s, r.tensor.ref) == [5.0, 6.0]
