@@ -63,7 +63,6 @@ typedef struct read_job {
   uint32_t chunk;
   bool waiting; /* counted in read_waiting */
   snapshot_t *snap;  /* what is read, once taken */
-  uint8_t *buf;      /* one chunk */
   size_t bytes, off; /* off: the bytes queued on the call so far */
 } read_job_t;
 
@@ -112,7 +111,6 @@ static int read_wait(read_job_t *j) {
 
 static void read_job_free(read_job_t *j) {
   snapshot_release(j->snap);
-  free(j->buf);
   executor_unref(j->ex);
   rpc_call_unref(j->call);
   free(j);
@@ -125,9 +123,6 @@ static void read_drained(rpc_call_t *call, void *arg);
  * so a Read nobody reads holds no thread. Owns j: frees it at the end. */
 static void read_pump(read_job_t *j) {
   rpc_call_t *call = j->call;
-  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
-  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
-  c.session_id = j->session;
   while (j->off < j->bytes) {
     if (rpc_call_ended(call)) {
       read_job_free(j);
@@ -138,14 +133,19 @@ static void read_pump(read_job_t *j) {
       return;
     size_t n = j->bytes - j->off < j->chunk ? j->bytes - j->off : j->chunk;
     meshd_error_t e = {0};
-    if (snapshot_read(j->snap, j->off, n, j->buf, &e)) {
+    /* A DataChunk{data} packed by hand around the bytes read straight into
+     * it: one copy out of the tensor, none to pack (and the server forwards
+     * it to its client as is). */
+    uint8_t *dst = NULL;
+    rpc_bytes_t *msg = rpc_bytes_field(MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, n, &dst);
+    if (!msg || snapshot_read(j->snap, j->off, n, dst, &e)) {
+      rpc_bytes_free(msg);
+      if (!msg) error_set(&e, ERR_QUOTA, "agent out of host memory");
       rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "Read: %s", e.msg);
       read_job_free(j);
       return;
     }
-    c.data.data = j->buf;
-    c.data.len = n;
-    if (rpc_call_send(call, &c.base) != 0) {
+    if (rpc_call_send_raw(call, msg) != 0) {
       read_job_free(j);
       return;
     }
@@ -186,12 +186,6 @@ static void read_run(read_job_t *j) {
   size_t es = dtype_size(snapshot_meta(j->snap)->dtype);
   j->chunk = j->chunk < es ? (uint32_t)es : j->chunk - j->chunk % (uint32_t)es;
   j->bytes = snapshot_bytes(j->snap);
-  j->buf = malloc(j->chunk);
-  if (!j->buf) {
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Read: agent out of host memory");
-    read_job_free(j);
-    return;
-  }
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
   Meshd__Agent__V1__TensorSpec sp;
   int64_t strides[LAYOUT_MAX_DIMS];

@@ -621,7 +621,7 @@ static void relay_fail(fetch_t *f, grpc_status_code code, const char *kind, cons
   relay_stop(f);
 }
 
-static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg);
+static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg);
 
 /* The client read enough (or left): ask the agent for the next chunk. */
 static void fetch_drained(rpc_call_t *call, void *arg) {
@@ -633,7 +633,7 @@ static void fetch_drained(rpc_call_t *call, void *arg) {
   rpc_pull_next(p);
 }
 
-static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg) {
+static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
   fetch_t *f = arg;
   if (!m) { /* the agent's stream is over */
     rpc_status_t st = {0};
@@ -649,22 +649,36 @@ static void fetch_chunk(rpc_pull_t *p, ProtobufCMessage *m, void *arg) {
     relay_stop(f);
     return;
   }
-  const Meshd__Agent__V1__DataChunk *c = (const void *)m;
-  Meshd__V1__FetchChunk out = MESHD__V1__FETCH_CHUNK__INIT;
   int rc = 0;
   if (!f->sent_meta) {
+    Meshd__V1__FetchChunk out = MESHD__V1__FETCH_CHUNK__INIT;
     out.part_case = MESHD__V1__FETCH_CHUNK__PART_META;
     out.meta = &f->meta;
     rc = rpc_call_send(f->call, &out.base);
     f->sent_meta = true;
   }
-  if (rc == 0 && c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA) {
-    out.part_case = MESHD__V1__FETCH_CHUNK__PART_DATA;
-    out.meta = NULL;
-    out.data = c->data;
-    rc = rpc_call_send(f->call, &out.base);
+  size_t len;
+  if (rc == 0 && rpc_bytes_is_field(m, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len)) {
+    /* DataChunk{data} is FetchChunk{data} byte for byte: forwarded as is. */
+    rc = rpc_call_send_raw(f->call, m);
+    m = NULL;
+  } else if (rc == 0) { /* the spec (the meta went first), or a chunk with more fields */
+    Meshd__Agent__V1__DataChunk *c =
+        (void *)rpc_bytes_unpack(m, &meshd__agent__v1__data_chunk__descriptor);
+    if (!c) {
+      rpc_call_finish(f->call, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE",
+                      "Fetch of tensor %llu from rank %u: the agent sent a message that is not "
+                      "a DataChunk", (unsigned long long)f->ref, f->rank);
+      rc = -1;
+    } else if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA) {
+      Meshd__V1__FetchChunk out = MESHD__V1__FETCH_CHUNK__INIT;
+      out.part_case = MESHD__V1__FETCH_CHUNK__PART_DATA;
+      out.data = c->data;
+      rc = rpc_call_send(f->call, &out.base);
+    }
+    if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
   }
-  protobuf_c_message_free_unpacked(m, NULL);
+  rpc_bytes_free(m);
   if (rc != 0) rpc_pull_cancel(p); /* the client is gone: the next read ends the relay */
   if (rc != 0 || !rpc_call_when_drained(f->call, FETCH_QUEUED - 1, fetch_drained, f))
     rpc_pull_next(p);
@@ -689,9 +703,8 @@ static void fetch_read(fetch_t *f) {
   if (!ended) {
     t.opts.stream_window_bytes = AGENT_READ_WINDOW;
     f->ch = rpc_channel_create(t.address, &t.opts);
-    f->pull = f->ch ? rpc_pull_open(f->ch, "/meshd.agent.v1.Agent/Read", &rq.base,
-                                    &meshd__agent__v1__data_chunk__descriptor, t.md, 1,
-                                    AGENT_CALL_MS, fetch_chunk, f)
+    f->pull = f->ch ? rpc_pull_open_raw(f->ch, "/meshd.agent.v1.Agent/Read", &rq.base, t.md, 1,
+                                        AGENT_CALL_MS, fetch_chunk, f)
                     : NULL;
     if (f->pull) rpc_pull_next(f->pull);
   }

@@ -339,6 +339,34 @@ grpc_status_code rpc_pull_status(rpc_pull_t *p, rpc_status_t *st);
  * rpc_pull_next; a call still running is cancelled. fn runs no more. */
 void rpc_pull_destroy(rpc_pull_t *p);
 
+/* Raw messages, for relays: bytes passed on without unpacking and packing
+ * them again. A protobuf `bytes` field alone in a message is its tag, its
+ * length and the bytes, so a relay that checks that shape can forward a
+ * DataChunk{data} as a FetchChunk{data} untouched (both field 2). */
+struct grpc_byte_buffer;
+typedef struct grpc_byte_buffer rpc_bytes_t;
+
+/* A packed message of exactly one length-delimited field `field` of len
+ * bytes, in one piece: *data points at the len bytes for the caller to fill.
+ * NULL when out of memory. */
+rpc_bytes_t *rpc_bytes_field(uint32_t field, size_t len, uint8_t **data);
+/* Whether msg is exactly one length-delimited field `field` (its length in
+ * *len): nothing before or after it, uncompressed. */
+bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len);
+/* msg unpacked as desc (protobuf_c_message_free_unpacked), NULL when it is
+ * not one; msg is not consumed. */
+ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc);
+/* NULL is a no-op. */
+void rpc_bytes_free(rpc_bytes_t *msg);
+/* rpc_call_send of a packed message, which the call owns from here on. */
+int rpc_call_send_raw(rpc_call_t *call, rpc_bytes_t *msg);
+/* rpc_pull_open whose fn gets each message packed (fn owns it: rpc_bytes_free),
+ * NULL at the end, as rpc_pull_fn does. */
+typedef void (*rpc_pull_raw_fn)(rpc_pull_t *p, rpc_bytes_t *msg, void *arg);
+rpc_pull_t *rpc_pull_open_raw(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                              const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_pull_raw_fn fn,
+                              void *arg);
+
 /* ================================================================== misc */
 
 /* gRPC init/shutdown, counted: every program and test calls rpc_init() once

@@ -389,6 +389,7 @@ struct rpc_pull {
   grpc_call *call;
   const ProtobufCMessageDescriptor *desc;
   rpc_pull_fn fn;
+  rpc_pull_raw_fn raw_fn; /* instead of fn: messages handed on packed */
   void *arg;
   grpc_metadata *send_md;
   size_t nmd;
@@ -445,7 +446,8 @@ static void pull_deliver_end_unlock(rpc_pull_t *p) {
     p->ended = true;
   }
   pthread_mutex_unlock(&p->mu);
-  if (deliver) p->fn(p, NULL, p->arg);
+  if (deliver && p->raw_fn) p->raw_fn(p, NULL, p->arg);
+  else if (deliver) p->fn(p, NULL, p->arg);
 }
 
 /* The batch's reference keeps p alive while fn runs. */
@@ -463,6 +465,13 @@ static void pull_event(pull_tag_t *t, bool ok) {
     case PULL_READ: {
       grpc_byte_buffer *buf = p->recv_buf;
       p->recv_buf = NULL;
+      if (p->raw_fn && buf && ok && p->owned) {
+        p->asked = false;
+        pthread_mutex_unlock(&p->mu);
+        p->raw_fn(p, buf, p->arg);
+        pthread_mutex_lock(&p->mu);
+        break;
+      }
       ProtobufCMessage *msg = NULL;
       if (buf && ok && p->owned) {
         msg = wire_unpack(buf, p->desc, NULL, 0);
@@ -587,6 +596,19 @@ rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufC
   return p;
 }
 
+rpc_pull_t *rpc_pull_open_raw(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                              const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_pull_raw_fn fn,
+                              void *arg) {
+  /* No callback runs before the first rpc_pull_next: raw_fn can be set
+   * once the call started. */
+  rpc_pull_t *p = rpc_pull_open(ch, method, req, NULL, md, nmd, timeout_ms, NULL, arg);
+  if (!p) return NULL;
+  pthread_mutex_lock(&p->mu);
+  p->raw_fn = fn;
+  pthread_mutex_unlock(&p->mu);
+  return p;
+}
+
 void rpc_pull_next(rpc_pull_t *p) {
   pthread_mutex_lock(&p->mu);
   if (p->asked || p->ended || !p->owned) {
@@ -614,7 +636,7 @@ grpc_status_code rpc_pull_status(rpc_pull_t *p, rpc_status_t *st) {
     fill_status(st, code, p->details, &p->trailers);
     if (p->bad_message)
       snprintf(st->message, sizeof st->message, "a message from the peer is not a valid %s",
-               p->desc->name);
+               p->desc ? p->desc->name : "message");
   }
   pthread_mutex_unlock(&p->mu);
   return code;

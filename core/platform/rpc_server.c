@@ -252,6 +252,15 @@ static int queue_locked(rpc_call_t *c, grpc_byte_buffer *buf) {
   return 0;
 }
 
+int rpc_call_send_raw(rpc_call_t *c, rpc_bytes_t *msg) {
+  if (!msg) return -1;
+  pthread_mutex_lock(&c->mu);
+  int rc = queue_locked(c, msg);
+  if (rc == 0) pump_locked(c);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
 int rpc_call_send(rpc_call_t *c, const ProtobufCMessage *msg) {
   grpc_byte_buffer *buf = wire_pack(msg); /* packed outside the lock */
   pthread_mutex_lock(&c->mu);

@@ -132,3 +132,62 @@ const char *meshd_grpc_code_name(grpc_status_code c) {
     return "UNKNOWN";
   }
 }
+
+/* ------------------------------------------------------------------ raw messages */
+
+static size_t varint_put(uint8_t *p, uint64_t v) {
+  size_t n = 0;
+  do {
+    p[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+    v >>= 7;
+  } while (v);
+  return n;
+}
+
+/* A varint at p[0..len): its value and size, 0 when it does not end there. */
+static size_t varint_get(const uint8_t *p, size_t len, uint64_t *v) {
+  *v = 0;
+  for (size_t i = 0; i < len && i < 10; i++) {
+    *v |= (uint64_t)(p[i] & 0x7f) << (7 * i);
+    if (!(p[i] & 0x80)) return i + 1;
+  }
+  return 0;
+}
+
+rpc_bytes_t *rpc_bytes_field(uint32_t field, size_t len, uint8_t **data) {
+  uint8_t head[20];
+  size_t h = varint_put(head, ((uint64_t)field << 3) | 2);
+  h += varint_put(head + h, len);
+  /* Refcounted even when small: an inlined slice's bytes live in the slice
+   * struct itself, which the buffer copies, so *data would point at ours. */
+  grpc_slice s = grpc_slice_malloc_large(h + len);
+  memcpy(GRPC_SLICE_START_PTR(s), head, h);
+  *data = GRPC_SLICE_START_PTR(s) + h;
+  grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s); /* the buffer holds its own reference to the same bytes */
+  return buf;
+}
+
+bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len) {
+  if (!msg || msg->type != GRPC_BB_RAW || msg->data.raw.compression != GRPC_COMPRESS_NONE ||
+      msg->data.raw.slice_buffer.count == 0)
+    return false;
+  grpc_slice first = msg->data.raw.slice_buffer.slices[0];
+  const uint8_t *p = GRPC_SLICE_START_PTR(first);
+  size_t n = GRPC_SLICE_LENGTH(first), a, b;
+  uint64_t tag, size;
+  if (!(a = varint_get(p, n, &tag)) || tag != (((uint64_t)field << 3) | 2) ||
+      !(b = varint_get(p + a, n - a, &size)))
+    return false;
+  if (a + b + size != grpc_byte_buffer_length(msg)) return false;
+  *len = (size_t)size;
+  return true;
+}
+
+ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc) {
+  return wire_unpack(msg, desc, NULL, 0);
+}
+
+void rpc_bytes_free(rpc_bytes_t *msg) {
+  if (msg) grpc_byte_buffer_destroy(msg);
+}

@@ -110,6 +110,16 @@ def raw_fetch(ch, nbytes, chunk):
 
 # ------------------------------------------------------------------ meshd, with its protos
 
+def data_field(data):
+    """A message whose only field is `bytes data = 2`, packed: tag, length, bytes."""
+    n, head = len(data), bytearray(b"\x12")
+    while True:
+        head.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(head) + data
+
+
 def wire_upload(s, mesh, nagents, nbytes, chunk):
     t = lib.tensor_pb2()
     ref = s.new_ref()
@@ -119,14 +129,14 @@ def wire_upload(s, mesh, nagents, nbytes, chunk):
                          dtype=lib.dtype("float32"), per_rank=nagents > 1, total_bytes=nbytes)
     block = bytes(chunk)
 
-    def msgs():
-        yield t.UploadChunk(header=hdr)
+    def msgs():  # data chunks packed by hand (UploadChunk.data is field 2): no protobuf copy
+        yield t.UploadChunk(header=hdr).SerializeToString()
         rest = nbytes
         while rest:
             k = min(chunk, rest)
-            yield t.UploadChunk(data=block[:k] if k < chunk else block)
+            yield data_field(block[:k] if k < chunk else block)
             rest -= k
-    fn = s.ch.stream_unary(_SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
+    fn = s.ch.stream_unary(_SVC + "Upload", request_serializer=lambda b: b,
                            response_deserializer=t.UploadReply.FromString)
     fn(msgs(), metadata=s.metadata, timeout=600)
     return ref
@@ -157,11 +167,11 @@ def emit(out, **kw):
     print(json.dumps(kw), file=out, flush=True)
 
 
-def run_agents(nagents, sizes, chunk, rounds, raw, paths, out):
+def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags=()):
     import meshd
     work = tempfile.mkdtemp(prefix="meshd-bench-data-")
     srv = lib.spawn("meshd", lib.MESHD, ["--listen", "127.0.0.1:0", "--local-agents",
-                                         str(nagents), "--log-level", "warn"], work)
+                                         str(nagents), "--log-level", "warn"] + list(flags), work)
     pool = concurrent.futures.ThreadPoolExecutor(nagents)
     try:
         lib.wait_ready(srv, nagents)
@@ -179,9 +189,10 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, out):
                     def up():
                         refs.append(wire_upload(s, mesh, nagents, nbytes, chunk))
                         s.run(lib.sync())
-                    figures[("wire", "upload")] = best(up, rounds)
-                    figures[("wire", "fetch")] = best(
-                        lambda: wire_fetch(s, refs[-1], nagents, pool), rounds)
+                    figures[("wire", "upload")] = best(up, rounds if "upload" in directions else 1)
+                    if "fetch" in directions:
+                        figures[("wire", "fetch")] = best(
+                            lambda: wire_fetch(s, refs[-1], nagents, pool), rounds)
                     s.run(lib.drop(*refs))
                 elif path == "client":
                     shape = (nagents, nbytes // nagents // 4) if nagents > 1 else (nbytes // 4,)
@@ -191,14 +202,16 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, out):
                         def up():
                             held.append(meshd.tensor(arr, shard="gpu" if nagents > 1 else None))
                             client.sync()
-                        figures[("client", "upload")] = best(up, rounds)
+                        figures[("client", "upload")] = best(
+                            up, rounds if "upload" in directions else 1)
                         x = held[-1]
 
                         def down():
                             futs = [meshd.fetch_shard(x, gpu=r) for r in range(nagents)]
                             for f in futs:
                                 f.result()
-                        figures[("client", "fetch")] = best(down, rounds)
+                        if "fetch" in directions:
+                            figures[("client", "fetch")] = best(down, rounds)
                     del held, x, arr
             for (path, direction), secs in figures.items():
                 mbs = nbytes / secs / 1e6
@@ -222,6 +235,8 @@ def main():
     ap.add_argument("--chunk-mib", type=int, default=1, help="message size of wire and raw")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--paths", default="wire,client")
+    ap.add_argument("--directions", default="upload,fetch")
+    ap.add_argument("extra", nargs="*", help="meshd flags (after --)")
     ap.add_argument("--raw-server", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.raw_server:
@@ -237,6 +252,8 @@ def main():
             nbytes = mib * MIB
             raw_upload(ch, min(nbytes, chunk), chunk)  # warm the connection
             for direction, fn in (("upload", raw_upload), ("fetch", raw_fetch)):
+                if direction not in a.directions.split(","):
+                    continue
                 secs = best(lambda: fn(ch, nbytes, chunk), a.rounds)
                 raw[(direction, mib)] = nbytes / secs / 1e6
                 emit(sys.stdout, bench="data", mib=mib, path="raw", direction=direction,
@@ -246,7 +263,8 @@ def main():
         rawp.terminate()
         rawp.wait(10)
     for n in (int(x) for x in a.agents.split(",")):
-        run_agents(n, sizes, chunk, a.rounds, raw, a.paths.split(","), sys.stdout)
+        run_agents(n, sizes, chunk, a.rounds, raw, a.paths.split(","), a.directions.split(","),
+                   sys.stdout, a.extra)
 
 
 if __name__ == "__main__":

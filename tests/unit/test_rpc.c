@@ -11,6 +11,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+
 #include "echo_server.h"
 #include "rpc.h"
 
@@ -1581,4 +1584,58 @@ Test(rpc_drain, fires_before_on_end_when_the_client_leaves) {
   cr_assert_eq(atomic_load(&d_fired_ended), 1);
   cr_assert_eq(atomic_load(&d_ended_before), 0, "the drain callback ran after on_end");
   rpc_stream_destroy(s);
+}
+
+/* Raw messages (rpc_bytes_*): what a relay forwards without unpacking. */
+Test(rpc, a_one_field_message_is_built_recognised_and_unpacks_as_the_message) {
+  size_t sizes[] = {0, 5, 127, 128, 300, 1 << 20};
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+    uint8_t *data = NULL;
+    rpc_bytes_t *m = rpc_bytes_field(2, sizes[i], &data);
+    cr_assert_not_null(m);
+    for (size_t k = 0; k < sizes[i]; k++) data[k] = (uint8_t)(k * 7 + i);
+    size_t len = 99;
+    cr_assert(rpc_bytes_is_field(m, 2, &len), "%zu bytes", sizes[i]);
+    cr_assert_eq(len, sizes[i]);
+    cr_assert_not(rpc_bytes_is_field(m, 1, &len), "another field number");
+    /* Echo's EchoRequest has `payload` as field 2 (bytes). */
+    Meshd__Test__V1__EchoRequest *r =
+        (void *)rpc_bytes_unpack(m, &meshd__test__v1__echo_request__descriptor);
+    cr_assert_not_null(r);
+    cr_assert_eq(r->payload.len, sizes[i]);
+    for (size_t k = 0; k < sizes[i]; k++) cr_assert_eq(r->payload.data[k], (uint8_t)(k * 7 + i));
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    rpc_bytes_free(m);
+  }
+  /* Field 2 with anything before or after it is not the bare field. */
+  Meshd__Test__V1__EchoRequest q = MESHD__TEST__V1__ECHO_REQUEST__INIT;
+  uint8_t payload[3] = {1, 2, 3};
+  q.payload.data = payload;
+  q.payload.len = 3;
+  q.reply_count = 4;
+  uint8_t buf[64];
+  size_t n = protobuf_c_message_pack(&q.base, buf);
+  uint8_t *data;
+  rpc_bytes_t *m = rpc_bytes_field(2, n, &data); /* a field holding a packed message */
+  memcpy(data, buf, n);
+  size_t len;
+  cr_assert(rpc_bytes_is_field(m, 2, &len));
+  rpc_bytes_free(m);
+  q.text = "x";
+  q.reply_count = 0;
+  n = protobuf_c_message_pack(&q.base, buf); /* text (1) then payload (2) */
+  grpc_slice s = grpc_slice_from_copied_buffer((const char *)buf, n);
+  m = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  cr_assert_not(rpc_bytes_is_field(m, 2, &len), "a field before it");
+  rpc_bytes_free(m);
+  q.text = "";
+  q.reply_count = 4;
+  n = protobuf_c_message_pack(&q.base, buf); /* payload (2) then reply_count (3) */
+  s = grpc_slice_from_copied_buffer((const char *)buf, n);
+  m = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  cr_assert_not(rpc_bytes_is_field(m, 2, &len), "a field after it");
+  rpc_bytes_free(m);
+  cr_assert_not(rpc_bytes_is_field(NULL, 2, &len));
 }
