@@ -57,7 +57,8 @@ typedef struct tensor_file {
 
 typedef struct tensor_file_opts {
   tensor_file_format_t format; /* AUTO: by the magic */
-  uint64_t file_size;          /* 0: unknown; else every tensor must lie within it */
+  uint64_t file_size;          /* 0: unknown (an empty file is no tensor file: don't
+                                  parse one); else every tensor must lie within it */
   uint64_t max_header_bytes;   /* 0: TENSOR_FILE_MAX_HEADER; larger values are clamped to it */
 } tensor_file_opts_t;
 

@@ -216,6 +216,10 @@ int npy_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o
                      "npy: format version %d.%d is not supported (1.0, 2.0 and 3.0 are)", major,
                      minor);
   uint64_t prefix = major == 1 ? 10 : 12;
+  if (o->file_size && prefix > o->file_size)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "npy: the %" PRIu64 "-byte file ends inside the header's length field",
+                     o->file_size);
   if (len < prefix) {
     *need = prefix;
     return TENSOR_FILE_NEED_MORE;

@@ -227,6 +227,13 @@ Test(tensor_file, npy_bad_magic_version_and_lengths) {
   cr_assert(strstr(e.msg, "format version 4.0 is not supported"), "%s", e.msg);
   b[6] = 1;
 
+  /* A version 2.0 file of 11 bytes ends inside its 4-byte length field (fuzz). */
+  b[6] = 2;
+  cr_assert_eq(parse(b, 11, 11, &f, &e), -1);
+  cr_assert(strstr(e.msg, "npy: the 11-byte file ends inside the header's length field"), "%s",
+            e.msg);
+  b[6] = 1;
+
   /* The header alone is 128 bytes: a 100-byte file cannot hold it. */
   cr_assert_eq(parse(b, 100, 100, &f, &e), -1);
   cr_assert(strstr(e.msg, "runs past the end of the 100-byte file"), "%s", e.msg);
@@ -430,7 +437,7 @@ Test(tensor_file, safetensors_shape_past_the_process_limit_is_quota) {
 
 static tensor_file_entry_t entry(dtype_t d, int ndim, const int64_t *shape, uint64_t offset) {
   tensor_file_entry_t t = {.name = "t", .dtype = d, .ndim = ndim, .offset = offset};
-  memcpy(t.shape, shape, sizeof(int64_t) * (size_t)ndim);
+  if (ndim) memcpy(t.shape, shape, sizeof(int64_t) * (size_t)ndim);
   meshd_error_t e;
   cr_assert_eq(layout_check_shape(NULL, shape, ndim, dtype_size(d), &e), 0);
   t.nbytes = dtype_size(d);
