@@ -1,0 +1,497 @@
+#include "url_fetch.h"
+
+#include <curl/curl.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "url_allow.h"
+
+#define URL_SHOWN 512
+
+typedef enum { MODE_RANGE, MODE_ALL, MODE_HEAD, MODE_PROBE } req_mode_t;
+/* Why the write callback stopped a transfer (curl then says CURLE_WRITE_ERROR). */
+typedef enum { STOP_NONE, STOP_DONE, STOP_STATUS, STOP_FAIL } stop_t;
+typedef enum { OUT_OK, OUT_REDIRECT, OUT_RETRY, OUT_FAIL } outcome_t;
+
+/* One call's transfer. The request fields are set once; the rest per attempt. */
+typedef struct xfer {
+  CURL *curl;
+  const url_allow_t *allow;
+  req_mode_t mode;
+  uint64_t offset, length; /* RANGE: the bytes asked; ALL: the buffer's size */
+  uint8_t *buf;
+  uint64_t max_bytes;
+  const char *shown; /* the redacted URL of this hop */
+  /* per attempt */
+  bool started;
+  long status;
+  uint64_t skip, got, skipped, seen;
+  uint64_t total; /* PROBE and HEAD: the resource's length; UINT64_MAX unknown */
+  stop_t stop;
+  error_kind_t fail_kind;
+  char why[300];
+  char refused[240]; /* set by the socket callback */
+  bool http_4xx;     /* the attempt ended on a 4xx status (url_fetch_size falls back) */
+  char errbuf[CURL_ERROR_SIZE];
+} xfer_t;
+
+static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
+static CURLcode curl_init_rc;
+static void curl_init(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+
+const char *url_redact(const char *url, char *out, size_t n) {
+  if (!n) return out;
+  const char *sep = strstr(url, "://");
+  size_t lead = 0; /* bytes of "scheme://" */
+  if (sep && sep - url < 32 && (size_t)(sep - url) == strcspn(url, ":/?#@")) lead = (size_t)(sep - url) + 3;
+  const char *auth = url + lead, *end = auth + strcspn(auth, "/?#");
+  const char *at = NULL;
+  for (const char *p = auth; p < end; p++)
+    if (*p == '@') at = p;
+  const char *host = at ? at + 1 : auth;
+  const char *stop = host + strcspn(host, "?#");
+  snprintf(out, n, "%.*s%.*s", (int)lead, url, (int)(stop - host), host);
+  return out;
+}
+
+static void fail(xfer_t *x, error_kind_t kind, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void fail(xfer_t *x, error_kind_t kind, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(x->why, sizeof x->why, fmt, ap);
+  va_end(ap);
+  x->stop = STOP_FAIL;
+  x->fail_kind = kind;
+}
+
+/* "bytes a-b/total" (*b_out, *a_out set) or "bytes * /total"; a total of "*"
+ * is UINT64_MAX. */
+static bool parse_content_range(const char *v, bool *has_range, uint64_t *a, uint64_t *b,
+                                uint64_t *total) {
+  if (strncasecmp(v, "bytes ", 6) != 0) return false;
+  v += 6;
+  char *end;
+  *has_range = *v != '*';
+  if (*has_range) {
+    if (*v < '0' || *v > '9') return false;
+    errno = 0;
+    *a = strtoull(v, &end, 10);
+    if (*end != '-' || end[1] < '0' || end[1] > '9') return false;
+    *b = strtoull(end + 1, &end, 10);
+    if (errno || *b < *a) return false;
+    v = end;
+  } else {
+    v++;
+  }
+  if (*v++ != '/') return false;
+  if (*v == '*') return *total = UINT64_MAX, v[1] == 0;
+  if (*v < '0' || *v > '9') return false;
+  errno = 0;
+  *total = strtoull(v, &end, 10);
+  return !errno && *end == 0;
+}
+
+static const char *header(xfer_t *x, const char *name) {
+  struct curl_header *h;
+  return curl_easy_header(x->curl, name, 0, CURLH_HEADER, -1, &h) == CURLHE_OK ? h->value : NULL;
+}
+
+/* The first body bytes of an answer: is it the answer asked for? */
+static bool body_start(xfer_t *x) {
+  curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &x->status);
+  if (x->status >= 300) {
+    x->stop = STOP_STATUS; /* its body is an error page: not ours */
+    return false;
+  }
+  const char *cr = x->status ? header(x, "Content-Range") : NULL;
+  bool has;
+  uint64_t a = 0, b = 0, total;
+  if (x->mode == MODE_PROBE) {
+    curl_off_t len = -1;
+    if (x->status == 206 && cr && parse_content_range(cr, &has, &a, &b, &total)) x->total = total;
+    else if (x->status == 200 && !curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0)
+      x->total = (uint64_t)len;
+    x->stop = STOP_DONE; /* the length is all a probe wants */
+    return false;
+  }
+  if (x->mode != MODE_RANGE || x->status == 0) return true; /* file://: curl applied the range */
+  if (x->status == 206) {
+    if (!cr || !parse_content_range(cr, &has, &a, &b, &total) || !has) {
+      fail(x, ERR_UNAVAILABLE, "HTTP 206 without a valid Content-Range (\"%.64s\")", cr ? cr : "");
+      return false;
+    }
+    if (a != x->offset || b > x->offset + x->length - 1) {
+      fail(x, ERR_UNAVAILABLE,
+           "asked bytes %" PRIu64 "-%" PRIu64 ", the server answered bytes %" PRIu64 "-%" PRIu64,
+           x->offset, x->offset + x->length - 1, a, b);
+      return false;
+    }
+    x->total = total;
+    return true;
+  }
+  /* 200: the whole body; ours starts at offset. */
+  if (x->offset + x->length > x->max_bytes) {
+    fail(x, ERR_BAD_ARGUMENT,
+         "the server ignored the Range request (HTTP 200 with the whole body); reading up to "
+         "byte %" PRIu64 " would pass the %" PRIu64 "-byte limit",
+         x->offset + x->length, x->max_bytes);
+    return false;
+  }
+  x->skip = x->offset;
+  return true;
+}
+
+static size_t on_body(char *p, size_t size, size_t nmemb, void *arg) {
+  xfer_t *x = arg;
+  size_t n = size * nmemb, all = n;
+  if (!x->started) {
+    x->started = true;
+    if (!body_start(x)) return 0;
+  }
+  x->seen += n;
+  uint64_t drop = n < x->skip ? n : x->skip;
+  x->skip -= drop, x->skipped += drop, p += drop, n -= (size_t)drop;
+  uint64_t room = x->length - x->got;
+  if (n > room) {
+    if (x->mode == MODE_ALL) {
+      fail(x, ERR_BAD_ARGUMENT, "the body is longer than the %" PRIu64 " bytes allowed", x->length);
+      return 0;
+    }
+    if (x->status == 206) {
+      fail(x, ERR_UNAVAILABLE, "the server sent more than the %" PRIu64 " bytes of its range",
+           x->length);
+      return 0;
+    }
+    n = (size_t)room;
+  }
+  memcpy(x->buf + x->got, p, n);
+  x->got += n;
+  if (x->mode == MODE_RANGE && x->got == x->length && x->status == 200) {
+    x->stop = STOP_DONE; /* a Range-ignoring server's rest is not needed */
+    return 0;
+  }
+  return all;
+}
+
+static curl_socket_t on_open_socket(void *arg, curlsocktype purpose, struct curl_sockaddr *a) {
+  xfer_t *x = arg;
+  if (!url_allow_address(x->allow, &a->addr, x->refused, sizeof x->refused))
+    return CURL_SOCKET_BAD;
+  return socket(a->family, a->socktype | SOCK_CLOEXEC, a->protocol);
+}
+
+static const char *status_text(long s) {
+  switch (s) {
+  case 400: return " (bad request)";
+  case 401: return " (unauthorized)";
+  case 403: return " (forbidden)";
+  case 404: return " (not found)";
+  case 410: return " (gone)";
+  case 416: return " (range not satisfiable)";
+  case 429: return " (too many requests)";
+  case 500: return " (internal server error)";
+  case 502: return " (bad gateway)";
+  case 503: return " (service unavailable)";
+  case 504: return " (gateway timeout)";
+  default: return "";
+  }
+}
+
+/* curl's own message, unless it quotes a secret part of the URL. */
+static const char *curl_text(xfer_t *x, CURLcode cc, const char *url) {
+  const char *q = strpbrk(url, "?#"), *at = strchr(url, '@');
+  if (!x->errbuf[0]) return curl_easy_strerror(cc);
+  if ((q && q[1] && strstr(x->errbuf, q + 1)) || (at && strchr(x->errbuf, '@')))
+    return curl_easy_strerror(cc);
+  return x->errbuf;
+}
+
+static outcome_t http_outcome(xfer_t *x, bool http) {
+  if (!x->status) curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &x->status);
+  long s = x->status;
+  if (!http) s = 200;
+  if (s == 301 || s == 302 || s == 303 || s == 307 || s == 308) return OUT_REDIRECT;
+  if (x->mode == MODE_PROBE && s == 416) { /* an empty resource: "bytes * /0" */
+    const char *cr = header(x, "Content-Range");
+    bool has;
+    uint64_t a, b, total;
+    if (cr && parse_content_range(cr, &has, &a, &b, &total) && !has) return x->total = total, OUT_OK;
+  }
+  if (s >= 500) {
+    fail(x, ERR_UNAVAILABLE, "HTTP %ld%s", s, status_text(s));
+    return OUT_RETRY;
+  }
+  if (s >= 400) {
+    x->http_4xx = true;
+    fail(x, s == 401 || s == 403 ? ERR_PERMISSION_DENIED : ERR_BAD_ARGUMENT, "HTTP %ld%s", s,
+         status_text(s));
+    if (s == 416) {
+      const char *cr = header(x, "Content-Range");
+      size_t l = strlen(x->why);
+      snprintf(x->why + l, sizeof x->why - l, ": bytes %" PRIu64 "-%" PRIu64 " are past the end%s%s",
+               x->offset, x->offset + x->length - 1, cr ? " (Content-Range: " : "",
+               cr ? cr : "");
+      if (cr) strncat(x->why, ")", sizeof x->why - strlen(x->why) - 1);
+    }
+    return OUT_FAIL;
+  }
+  if (s != 200 && s != 206 && !(x->mode == MODE_HEAD && s == 204)) {
+    fail(x, ERR_UNAVAILABLE, "unexpected HTTP %ld", s);
+    return OUT_FAIL;
+  }
+  if (x->mode == MODE_RANGE && x->got < x->length) {
+    char tot[48] = "";
+    if (x->total != UINT64_MAX) snprintf(tot, sizeof tot, " of the %" PRIu64 "-byte resource", x->total);
+    fail(x, ERR_BAD_ARGUMENT,
+         "got %" PRIu64 " of the %" PRIu64 " bytes asked (bytes %" PRIu64 "-%" PRIu64 "%s): the "
+         "resource is shorter",
+         x->got, x->length, x->offset, x->offset + x->length - 1, tot);
+    return OUT_FAIL;
+  }
+  if (x->mode == MODE_HEAD) {
+    curl_off_t len = -1;
+    if (!curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0)
+      x->total = (uint64_t)len;
+  }
+  return OUT_OK;
+}
+
+static outcome_t outcome(xfer_t *x, CURLcode cc, const char *url, bool http) {
+  if (x->refused[0]) {
+    fail(x, ERR_PERMISSION_DENIED, "refused before connecting: %s", x->refused);
+    return OUT_FAIL;
+  }
+  if (cc == CURLE_WRITE_ERROR && x->stop == STOP_DONE) cc = CURLE_OK;
+  if (cc == CURLE_WRITE_ERROR && x->stop == STOP_FAIL) return OUT_FAIL;
+  if (cc == CURLE_OK || x->stop == STOP_STATUS) return http_outcome(x, http);
+  const char *text = curl_text(x, cc, url);
+  switch (cc) {
+  case CURLE_OPERATION_TIMEDOUT:
+    fail(x, ERR_DEADLINE_EXCEEDED, "timed out (curl: %s)", text);
+    return OUT_FAIL;
+  case CURLE_COULDNT_CONNECT:
+    fail(x, ERR_UNAVAILABLE, "could not connect (curl: %s)", text);
+    return OUT_FAIL;
+  case CURLE_COULDNT_RESOLVE_HOST:
+    fail(x, ERR_UNAVAILABLE, "could not resolve the host (curl: %s)", text);
+    return OUT_FAIL;
+  case CURLE_PARTIAL_FILE:
+    fail(x, ERR_UNAVAILABLE, "the body was cut short after %" PRIu64 " bytes (curl: %s)", x->seen,
+         text);
+    return OUT_RETRY;
+  case CURLE_RECV_ERROR:
+  case CURLE_SEND_ERROR:
+  case CURLE_GOT_NOTHING:
+  case CURLE_HTTP2:
+  case CURLE_HTTP2_STREAM:
+    fail(x, ERR_UNAVAILABLE, "the connection failed (curl: %s)", text);
+    return OUT_RETRY;
+  case CURLE_FILESIZE_EXCEEDED:
+    fail(x, ERR_BAD_ARGUMENT, "the body is longer than the %" PRIu64 " bytes allowed", x->length);
+    return OUT_FAIL;
+  case CURLE_FILE_COULDNT_READ_FILE:
+    fail(x, ERR_BAD_ARGUMENT, "cannot read the file (curl: %s)", text);
+    return OUT_FAIL;
+  case CURLE_BAD_DOWNLOAD_RESUME:
+  case CURLE_RANGE_ERROR:
+    fail(x, ERR_BAD_ARGUMENT, "bytes %" PRIu64 "-%" PRIu64 " are past the end (curl: %s)",
+         x->offset, x->offset + x->length - 1, text);
+    return OUT_FAIL;
+  default:
+    fail(x, ERR_UNAVAILABLE, "curl: %s", text);
+    return OUT_FAIL;
+  }
+}
+
+static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
+                            const url_fetch_opts_t *o) {
+  CURL *c = x->curl;
+  char range[48];
+  curl_easy_reset(c);
+  curl_easy_setopt(c, CURLOPT_URL, url);
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, scheme);
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_PROXY, ""); /* the address checked is the one connected to */
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(c, CURLOPT_OPENSOCKETFUNCTION, on_open_socket);
+  curl_easy_setopt(c, CURLOPT_OPENSOCKETDATA, x);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, x);
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, x->errbuf);
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, o->timeout_ms);
+  curl_easy_setopt(c, CURLOPT_USERAGENT, "meshd-agent/" MESHD_VERSION);
+  if (x->mode == MODE_RANGE || x->mode == MODE_PROBE) {
+    uint64_t first = x->mode == MODE_RANGE ? x->offset : 0;
+    uint64_t last = x->mode == MODE_RANGE ? x->offset + x->length - 1 : 0;
+    snprintf(range, sizeof range, "%" PRIu64 "-%" PRIu64, first, last);
+    curl_easy_setopt(c, CURLOPT_RANGE, range); /* curl copies it */
+  }
+  if (x->mode == MODE_HEAD) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  if (x->mode == MODE_ALL) curl_easy_setopt(c, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)x->length);
+}
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) && errno == EINTR) {
+  }
+}
+
+static url_fetch_opts_t with_defaults(const url_fetch_opts_t *in) {
+  url_fetch_opts_t o = in ? *in : (url_fetch_opts_t){0};
+  if (o.connect_timeout_ms <= 0) o.connect_timeout_ms = 10000;
+  if (o.timeout_ms < 0) o.timeout_ms = 0;
+  if (o.max_retries < 0) o.max_retries = 0;
+  if (o.backoff_ms <= 0) o.backoff_ms = 100;
+  if (o.backoff_max_ms <= 0) o.backoff_max_ms = 5000;
+  if (!o.max_bytes) o.max_bytes = URL_FETCH_MAX_BYTES;
+  if (!o.max_redirects) o.max_redirects = 5;
+  if (o.max_redirects < 0) o.max_redirects = 0;
+  return o;
+}
+
+/* Runs x's request on url: allow-list checks, redirects, retries. */
+static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch_info_t *info,
+               meshd_error_t *e) {
+  char shown[URL_SHOWN], scheme[16];
+  char *url = strdup(url0);
+  int rc = -1, attempt = 0, hop = 0;
+  url_redact(url0, shown, sizeof shown);
+  x->shown = shown;
+  x->allow = o->allow;
+  pthread_once(&curl_once, curl_init);
+  if (!url) return error_set(e, ERR_QUOTA, "fetch %s: out of memory", shown);
+  if (curl_init_rc != CURLE_OK || !(x->curl = curl_easy_init())) {
+    error_set(e, ERR_UNAVAILABLE, "fetch %s: libcurl did not start", shown);
+    goto out;
+  }
+  for (;; hop++) {
+    if (url_allow_check_url(o->allow, url, shown, scheme, sizeof scheme, e)) goto out;
+    if (hop && strcmp(scheme, "http") != 0 && strcmp(scheme, "https") != 0) {
+      error_set(e, ERR_PERMISSION_DENIED, "fetch %s: a redirect to scheme %s is not followed",
+                shown, scheme);
+      goto out;
+    }
+    bool http = strcmp(scheme, "file") != 0;
+    set_hop_options(x, url, scheme, o);
+    long backoff = o->backoff_ms;
+    outcome_t out;
+    for (attempt = 1;; attempt++) {
+      x->started = false, x->status = 0, x->stop = STOP_NONE, x->http_4xx = false;
+      x->skip = x->got = x->skipped = x->seen = 0;
+      x->total = UINT64_MAX, x->refused[0] = x->why[0] = x->errbuf[0] = 0;
+      out = outcome(x, curl_easy_perform(x->curl), url, http);
+      if (out != OUT_RETRY || attempt > o->max_retries) break;
+      sleep_ms(backoff);
+      backoff = backoff > o->backoff_max_ms / 2 ? o->backoff_max_ms : backoff * 2;
+    }
+    if (out == OUT_OK) {
+      rc = 0;
+      break;
+    }
+    if (out != OUT_REDIRECT) {
+      char tries[32] = "";
+      if (attempt > 1) snprintf(tries, sizeof tries, " (%d attempts)", attempt);
+      error_set(e, x->fail_kind, "fetch %s: %s%s", shown, x->why, tries);
+      goto out;
+    }
+    char *next = NULL;
+    curl_easy_getinfo(x->curl, CURLINFO_REDIRECT_URL, &next);
+    if (!next) {
+      error_set(e, ERR_UNAVAILABLE, "fetch %s: HTTP %ld redirect without a Location", shown,
+                x->status);
+      goto out;
+    }
+    if (hop >= o->max_redirects) {
+      error_set(e, ERR_UNAVAILABLE, "fetch %s: more than %d redirects", shown, o->max_redirects);
+      goto out;
+    }
+    free(url);
+    if (!(url = strdup(next))) {
+      error_set(e, ERR_QUOTA, "fetch %s: out of memory", shown);
+      goto out;
+    }
+    url_redact(url, shown, sizeof shown);
+  }
+out:
+  if (info) {
+    info->attempts = attempt;
+    info->redirects = hop;
+    info->status = x->status;
+    info->bytes = x->got;
+    info->skipped = x->skipped;
+  }
+  if (x->curl) curl_easy_cleanup(x->curl);
+  x->curl = NULL;
+  free(url);
+  return rc;
+}
+
+int url_fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf,
+                    const url_fetch_opts_t *opts, url_fetch_info_t *info, meshd_error_t *e) {
+  url_fetch_opts_t o = with_defaults(opts);
+  char shown[URL_SHOWN];
+  if (info) memset(info, 0, sizeof *info);
+  if (length > o.max_bytes)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "fetch %s: %" PRIu64 " bytes is more than one fetch may read (%" PRIu64 ")",
+                     url_redact(url, shown, sizeof shown), length, o.max_bytes);
+  if (offset > UINT64_MAX - length || offset + length > (uint64_t)INT64_MAX)
+    return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: range %" PRIu64 "+%" PRIu64 " overflows",
+                     url_redact(url, shown, sizeof shown), offset, length);
+  if (!length) {
+    char scheme[16];
+    return url_allow_check_url(o.allow, url, url_redact(url, shown, sizeof shown), scheme,
+                               sizeof scheme, e);
+  }
+  xfer_t x = {.mode = MODE_RANGE, .offset = offset, .length = length, .buf = buf,
+              .max_bytes = o.max_bytes};
+  return run(&x, url, &o, info, e);
+}
+
+int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url_fetch_opts_t *opts,
+                  url_fetch_info_t *info, meshd_error_t *e) {
+  url_fetch_opts_t o = with_defaults(opts);
+  if (info) memset(info, 0, sizeof *info);
+  xfer_t x = {.mode = MODE_ALL, .length = cap < o.max_bytes ? cap : o.max_bytes, .buf = buf,
+              .max_bytes = o.max_bytes};
+  *got = 0;
+  int rc = run(&x, url, &o, info, e);
+  if (!rc) *got = (size_t)x.got;
+  return rc;
+}
+
+int url_fetch_size(const char *url, const url_fetch_opts_t *opts, uint64_t *size,
+                   url_fetch_info_t *info, meshd_error_t *e) {
+  url_fetch_opts_t o = with_defaults(opts);
+  if (info) memset(info, 0, sizeof *info);
+  xfer_t x = {.mode = MODE_HEAD, .max_bytes = o.max_bytes};
+  meshd_error_t head_err;
+  int rc = run(&x, url, &o, info, &head_err);
+  if (!rc && x.total != UINT64_MAX) return *size = x.total, 0;
+  /* Presigned URLs are signed for GET: their HEAD is refused (403). */
+  if (rc && !x.http_4xx) {
+    if (e) *e = head_err;
+    return -1;
+  }
+  x = (xfer_t){.mode = MODE_PROBE, .max_bytes = o.max_bytes};
+  if (run(&x, url, &o, info, e)) return -1;
+  if (x.total == UINT64_MAX) {
+    char shown[URL_SHOWN];
+    return error_set(e, ERR_UNAVAILABLE,
+                     "fetch %s: the server gives the length neither on HEAD (Content-Length) nor "
+                     "on a range GET (Content-Range)",
+                     url_redact(url, shown, sizeof shown));
+  }
+  *size = x.total;
+  return 0;
+}

@@ -1,0 +1,103 @@
+/* Bytes of a URL into a caller's buffer: a range [offset, offset + length) or
+ * the whole body, over http, https or file, with libcurl's easy API. For
+ * tensors the agents load from URLs (tensor_file.h says which bytes).
+ *
+ *   url_allow_t allow = {.schemes = (const char *[]){"https"}, .n_schemes = 1};
+ *   url_fetch_opts_t o = {.allow = &allow, .timeout_ms = 60000, .max_retries = 3};
+ *   uint64_t size;  meshd_error_t e;
+ *   if (url_fetch_size(url, &o, &size, NULL, &e) ||
+ *       url_fetch_range(url, off, len, buf, &o, NULL, &e)) reject(&e);
+ *
+ * What a URL may reach (url_allow_t): its scheme must be allowed, its host must
+ * match a pattern when patterns are given, and every address curl connects to
+ * (checked in the socket-open callback, after DNS, so a name that resolves to a
+ * private address now and a public one before is still refused) must be public
+ * or loopback unless allowed. Redirects are followed by this module, each hop
+ * checked the same way. Environment proxies are ignored: the address checked is
+ * the one connected to.
+ *
+ * Retries: a 5xx status, a reset or closed connection, or a body cut short
+ * are retried after backoff_ms, doubling up to backoff_max_ms, at most
+ * max_retries times. Not retried: 4xx, timeouts, refused connections, refusals
+ * by the allow list, answers of the wrong size.
+ *
+ * Errors name the URL without credentials, query or fragment (url_redact):
+ * BAD_ARGUMENT for a malformed URL, a 4xx other than 401/403, an answer of the
+ * wrong size, more than max_bytes; PERMISSION_DENIED for the allow list and
+ * 401/403; DEADLINE_EXCEEDED for a timeout; UNAVAILABLE for connection
+ * failures and 5xx after the retries. Thread-safe: every call has its own
+ * curl handle (no connection reuse across calls). */
+#ifndef MESHD_URL_FETCH_H
+#define MESHD_URL_FETCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error_kind.h"
+
+/* What URLs may reach. Pointers are borrowed for the call. */
+typedef struct url_allow {
+  /* Schemes allowed ("http", "https", "file"); none given: http and https.
+   * file:// reads the agent's own files, so it must be named. */
+  const char *const *schemes;
+  size_t n_schemes;
+  /* Host patterns, matched without case: "example.com" that host only,
+   * "*.example.com" its subdomains (not itself), "*" any. None given: any host. */
+  const char *const *hosts;
+  size_t n_hosts;
+  /* Networks a connection may reach although not public, e.g. "10.1.0.0/16",
+   * "fd00::/8". Loopback (127/8, ::1) is always allowed. */
+  const char *const *nets;
+  size_t n_nets;
+  bool allow_private; /* any address: turns the address check off */
+  /* Directories a file:// path must lie in after resolving symlinks and "..";
+   * none given: any path. */
+  const char *const *file_roots;
+  size_t n_file_roots;
+} url_allow_t;
+
+/* Zero fields take the defaults in brackets. */
+typedef struct url_fetch_opts {
+  const url_allow_t *allow; /* NULL: http and https to public or loopback addresses */
+  long connect_timeout_ms;  /* per connection [10000] */
+  long timeout_ms;          /* per attempt, the whole transfer [0: none] */
+  int max_retries;          /* after the first attempt [0]; negative: 0 */
+  long backoff_ms;          /* before the first retry [100] */
+  long backoff_max_ms;      /* the longest wait [5000] */
+  uint64_t max_bytes;       /* most body bytes one call reads [URL_FETCH_MAX_BYTES] */
+  int max_redirects;        /* [5]; negative: none followed */
+} url_fetch_opts_t;
+
+#define URL_FETCH_MAX_BYTES ((uint64_t)1 << 34) /* 16 GiB */
+
+/* What a call did, for logs and tests. */
+typedef struct url_fetch_info {
+  int attempts;         /* requests sent for the final URL, retries included */
+  int redirects;        /* hops followed */
+  long status;          /* last HTTP status (0 for file://) */
+  uint64_t bytes;       /* body bytes stored in the buffer */
+  uint64_t skipped;     /* bytes read and dropped: a server that ignored Range */
+} url_fetch_info_t;
+
+/* Stores bytes [offset, offset + length) of url in buf (length bytes). A server
+ * that ignores the Range (200 with the whole body) is read from the start,
+ * dropping the bytes before offset, if offset + length <= max_bytes; else it is
+ * refused. Fewer bytes than length (the resource is shorter) is an error.
+ * info may be NULL. 0 or -1 with *e set. */
+int url_fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf,
+                    const url_fetch_opts_t *o, url_fetch_info_t *info, meshd_error_t *e);
+/* The whole body into buf (cap bytes); *got its length. A body longer than cap
+ * or max_bytes is an error. */
+int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url_fetch_opts_t *o,
+                  url_fetch_info_t *info, meshd_error_t *e);
+/* The resource's length: HEAD and its Content-Length, or, where HEAD is refused
+ * or gives none, a GET of byte 0 and the total in its Content-Range. */
+int url_fetch_size(const char *url, const url_fetch_opts_t *o, uint64_t *size,
+                   url_fetch_info_t *info, meshd_error_t *e);
+
+/* url for a message: "https://host/path", without "user:password@", "?query"
+ * (presigned URLs carry their signature there) or "#fragment". Truncated to n. */
+const char *url_redact(const char *url, char *out, size_t n);
+
+#endif

@@ -1,0 +1,21 @@
+/* Shared by tensor_file.c and the two format parsers; not part of the API. */
+#ifndef MESHD_TENSOR_FILE_INTERNAL_H
+#define MESHD_TENSOR_FILE_INTERNAL_H
+
+#include "tensor_file.h"
+
+/* Names in messages are cut to this many bytes. */
+#define TF_NAME_MAX 100
+
+/* The parsers: same contract as tensor_file_parse, with opts filled in
+ * (max_header_bytes never 0). On failure they leave *out freed. */
+int npy_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o,
+                     tensor_file_t *out, uint64_t *need, meshd_error_t *e);
+int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o,
+                             tensor_file_t *out, uint64_t *need, meshd_error_t *e);
+
+/* Checks t's shape (layout_check_shape, the message starting with ctx) and
+ * sets t->nbytes. */
+int tensor_file_entry_finish(tensor_file_entry_t *t, const char *ctx, meshd_error_t *e);
+
+#endif

@@ -1,0 +1,234 @@
+/* The safetensors format (huggingface/safetensors): N as 8 bytes little-endian,
+ * N bytes of JSON (padded with spaces), then the data:
+ *   {"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, ...,
+ *    "__metadata__": {"format": "pt"}}
+ * Offsets count from the end of the header. The JSON goes through json-c
+ * (reentrant, exact 64-bit integers). Its objects keep the last of duplicate
+ * keys, as the reference reader (serde) does; a duplicated tensor's earlier
+ * bytes are then a gap, which this reader allows (the reference refuses gaps
+ * between tensors; they are harmless here: only overlaps are refused). Even
+ * in strict mode json-c takes a few things JSON does not: single-quoted keys,
+ * NaN and Infinity (refused anyway where a number is read: sizes and offsets
+ * must be integers), and a key holding \u0000 is cut there. */
+#include <inttypes.h>
+#include <json-c/json.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tensor_file_internal.h"
+
+#define CTX "safetensors header"
+/* Tensor entry -> "shape" array: 3 levels; a little room, no deep recursion. */
+#define JSON_DEPTH 8
+
+static const struct {
+  const char *name;
+  dtype_t dtype;
+} dtypes[] = {{"F64", DTYPE_FLOAT64}, {"F32", DTYPE_FLOAT32}, {"F16", DTYPE_FLOAT16},
+              {"BF16", DTYPE_BFLOAT16}, {"I64", DTYPE_INT64}, {"I32", DTYPE_INT32},
+              {"I16", DTYPE_INT16},   {"I8", DTYPE_INT8},     {"U8", DTYPE_UINT8},
+              {"BOOL", DTYPE_BOOL}};
+
+static int entry_dtype(const char *name, json_object *v, dtype_t *out, meshd_error_t *e) {
+  if (!v || !json_object_is_type(v, json_type_string))
+    return error_set(e, ERR_BAD_ARGUMENT, CTX ": tensor '%.*s': \"dtype\" must be a string such "
+                     "as \"F32\"", TF_NAME_MAX, name);
+  const char *s = json_object_get_string(v);
+  for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0]; i++)
+    if (strcmp(s, dtypes[i].name) == 0) return *out = dtypes[i].dtype, 0;
+  return error_set(e, ERR_BAD_ARGUMENT,
+                   CTX ": tensor '%.*s': dtype \"%.32s\" has no meshd dtype (meshd reads F64 F32 "
+                   "F16 BF16 I64 I32 I16 I8 U8 BOOL)",
+                   TF_NAME_MAX, name, s);
+}
+
+/* An integer array element; json-c saturates values past int64 at INT64_MAX,
+ * which no valid size or offset reaches. */
+static int get_int(json_object *v, int64_t *out) {
+  if (!v || !json_object_is_type(v, json_type_int)) return -1;
+  *out = json_object_get_int64(v);
+  return *out == INT64_MAX ? -1 : 0;
+}
+
+static int entry_shape(const char *name, json_object *v, tensor_file_entry_t *t, meshd_error_t *e) {
+  if (!v || !json_object_is_type(v, json_type_array))
+    return error_set(e, ERR_BAD_ARGUMENT, CTX ": tensor '%.*s': \"shape\" must be an array of "
+                     "sizes such as [2, 3]", TF_NAME_MAX, name);
+  size_t n = json_object_array_length(v);
+  for (size_t i = 0; i < n && i < LAYOUT_MAX_DIMS; i++)
+    if (get_int(json_object_array_get_idx(v, i), &t->shape[i]))
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       CTX ": tensor '%.*s': \"shape\"[%zu] is not an integer below 2^63",
+                       TF_NAME_MAX, name, i);
+  t->ndim = n > INT32_MAX ? INT32_MAX : (int)n;
+  return 0;
+}
+
+static int entry_offsets(const char *name, json_object *v, int64_t off[2], meshd_error_t *e) {
+  if (!v || !json_object_is_type(v, json_type_array) || json_object_array_length(v) != 2 ||
+      get_int(json_object_array_get_idx(v, 0), &off[0]) ||
+      get_int(json_object_array_get_idx(v, 1), &off[1]) || off[0] < 0 || off[1] < off[0])
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": tensor '%.*s': \"data_offsets\" must be [begin, end] with "
+                     "0 <= begin <= end",
+                     TF_NAME_MAX, name);
+  return 0;
+}
+
+static int check_metadata(json_object *v, meshd_error_t *e) {
+  if (!json_object_is_type(v, json_type_object))
+    return error_set(e, ERR_BAD_ARGUMENT, CTX ": \"__metadata__\" must be an object of strings");
+  json_object_object_foreach(v, k, val) {
+    if (!json_object_is_type(val, json_type_string))
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       CTX ": \"__metadata__\" entry '%.*s' is not a string (the format allows "
+                       "strings only)",
+                       TF_NAME_MAX, k);
+  }
+  return 0;
+}
+
+static int entry_parse(const char *name, json_object *v, uint64_t data_start, uint64_t data_size,
+                       tensor_file_entry_t *t, meshd_error_t *e) {
+  char ctx[TF_NAME_MAX + 64], shape[LAYOUT_SHAPE_BUF];
+  int64_t off[2];
+  if (!json_object_is_type(v, json_type_object))
+    return error_set(e, ERR_BAD_ARGUMENT, CTX ": tensor '%.*s' is not an object with \"dtype\", "
+                     "\"shape\" and \"data_offsets\"", TF_NAME_MAX, name);
+  json_object *d = NULL, *s = NULL, *o = NULL;
+  json_object_object_get_ex(v, "dtype", &d);
+  json_object_object_get_ex(v, "shape", &s);
+  json_object_object_get_ex(v, "data_offsets", &o);
+  snprintf(ctx, sizeof ctx, CTX ": tensor '%.*s': shape", TF_NAME_MAX, name);
+  if (entry_dtype(name, d, &t->dtype, e) || entry_shape(name, s, t, e) ||
+      entry_offsets(name, o, off, e) || tensor_file_entry_finish(t, ctx, e))
+    return -1;
+  uint64_t held = (uint64_t)(off[1] - off[0]);
+  if (held != t->nbytes)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": tensor '%.*s': data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRIu64
+                     " bytes but %s %s needs %" PRIu64,
+                     TF_NAME_MAX, name, off[0], off[1], held, dtype_name(t->dtype),
+                     layout_format_shape(t->shape, t->ndim, shape, sizeof shape), t->nbytes);
+  if (data_size != UINT64_MAX && (uint64_t)off[1] > data_size)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": tensor '%.*s': data_offsets [%" PRId64 ", %" PRId64 "] run past the "
+                     "end of the file, whose data part has %" PRIu64 " bytes",
+                     TF_NAME_MAX, name, off[0], off[1], data_size);
+  t->offset = data_start + (uint64_t)off[0];
+  return 0;
+}
+
+static int by_offset(const void *a, const void *b) {
+  const tensor_file_entry_t *x = *(tensor_file_entry_t *const *)a, *y = *(tensor_file_entry_t *const *)b;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* Empty tensors hold no bytes and overlap nothing. */
+static int check_overlaps(tensor_file_t *f, uint64_t data_start, meshd_error_t *e) {
+  if (f->count < 2) return 0;
+  tensor_file_entry_t **v = malloc(f->count * sizeof *v);
+  if (!v) return error_set(e, ERR_QUOTA, CTX ": out of memory");
+  size_t n = 0;
+  for (size_t i = 0; i < f->count; i++)
+    if (f->tensors[i].nbytes) v[n++] = &f->tensors[i];
+  qsort(v, n, sizeof *v, by_offset);
+  int rc = 0;
+  for (size_t i = 1; i < n && !rc; i++) {
+    const tensor_file_entry_t *a = v[i - 1], *b = v[i];
+    if (b->offset < a->offset + a->nbytes)
+      rc = error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": tensors '%.*s' [%" PRIu64 ", %" PRIu64 "] and '%.*s' [%" PRIu64
+                     ", %" PRIu64 "] overlap",
+                     TF_NAME_MAX, a->name, a->offset - data_start, a->offset - data_start + a->nbytes,
+                     TF_NAME_MAX, b->name, b->offset - data_start, b->offset - data_start + b->nbytes);
+  }
+  free(v);
+  return rc;
+}
+
+static int parse_json(const char *text, size_t n, json_object **out, meshd_error_t *e) {
+  struct json_tokener *tok = json_tokener_new_ex(JSON_DEPTH);
+  if (!tok) return error_set(e, ERR_QUOTA, CTX ": out of memory");
+  json_tokener_set_flags(tok, JSON_TOKENER_STRICT | JSON_TOKENER_ALLOW_TRAILING_CHARS |
+                                  JSON_TOKENER_VALIDATE_UTF8);
+  json_object *root = json_tokener_parse_ex(tok, text, (int)n);
+  enum json_tokener_error err = json_tokener_get_error(tok);
+  size_t end = json_tokener_get_parse_end(tok);
+  json_tokener_free(tok);
+  int rc = 0;
+  if (err == json_tokener_continue)
+    rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": the JSON ends early (%zu bytes)", n);
+  else if (err != json_tokener_success || !root)
+    rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": bad JSON near byte %zu: %s", end,
+                   json_tokener_error_desc(err));
+  else if (!json_object_is_type(root, json_type_object))
+    rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": the JSON is a %s, not an object of tensors",
+                   json_type_to_name(json_object_get_type(root)));
+  for (size_t i = end; !rc && i < n; i++)
+    if (!strchr(" \t\r\n", text[i]) || !text[i])
+      rc = error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": byte %zu after the JSON object is not padding (spaces)", i);
+  if (rc) json_object_put(root);
+  else *out = root;
+  return rc;
+}
+
+int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o,
+                             tensor_file_t *out, uint64_t *need, meshd_error_t *e) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; i--) n = n << 8 | buf[i];
+  if (n > o->max_header_bytes)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": its length %" PRIu64 " is more than the %" PRIu64 "-byte limit (is "
+                     "this a safetensors file?)",
+                     n, o->max_header_bytes);
+  uint64_t data_start = 8 + n;
+  if (o->file_size && data_start > o->file_size)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": its length %" PRIu64 " runs past the end of the %" PRIu64 "-byte file",
+                     n, o->file_size);
+  if (len < data_start) {
+    *need = data_start;
+    return TENSOR_FILE_NEED_MORE;
+  }
+  if (n < 2 || buf[8] != '{')
+    return error_set(e, ERR_BAD_ARGUMENT, CTX ": does not start with '{' (is this a safetensors "
+                     "file?)");
+  json_object *root;
+  if (parse_json((const char *)buf + 8, n, &root, e)) return -1;
+  uint64_t data_size = o->file_size ? o->file_size - data_start : UINT64_MAX;
+  size_t cap = (size_t)json_object_object_length(root);
+  int rc = -1;
+  out->format = TENSOR_FILE_SAFETENSORS;
+  out->header_bytes = data_start;
+  if (cap && !(out->tensors = calloc(cap, sizeof *out->tensors))) {
+    error_set(e, ERR_QUOTA, CTX ": out of memory");
+    goto out;
+  }
+  json_object_object_foreach(root, key, val) {
+    if (strcmp(key, "__metadata__") == 0) {
+      if (check_metadata(val, e)) goto out;
+      const char *s = json_object_to_json_string_ext(val, JSON_C_TO_STRING_PLAIN);
+      if (!(out->metadata_json = strdup(s))) {
+        error_set(e, ERR_QUOTA, CTX ": out of memory");
+        goto out;
+      }
+      continue;
+    }
+    tensor_file_entry_t *t = &out->tensors[out->count];
+    if (!(t->name = strdup(key))) {
+      error_set(e, ERR_QUOTA, CTX ": out of memory");
+      goto out;
+    }
+    out->count++; /* owns the name from here */
+    if (entry_parse(key, val, data_start, data_size, t, e)) goto out;
+  }
+  rc = check_overlaps(out, data_start, e) ? -1 : TENSOR_FILE_OK;
+out:
+  json_object_put(root);
+  if (rc < 0) tensor_file_free(out);
+  return rc;
+}

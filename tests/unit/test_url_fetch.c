@@ -1,0 +1,469 @@
+/* url_fetch against tests/support/range_http_server.py (started per test on a
+ * free port, ended by its pid in fini), file:// URLs, and the allow list. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "url_allow.h"
+#include "url_fetch.h"
+
+static pid_t server_pid = -1;
+static int server_stdin = -1, port;
+
+static void start_server(void) {
+  const char *src = getenv("MESHD_SOURCE_DIR");
+  char script[1024];
+  snprintf(script, sizeof script, "%s/tests/support/range_http_server.py", src ? src : ".");
+  int in[2], out[2];
+  cr_assert_eq(pipe(in), 0);
+  cr_assert_eq(pipe(out), 0);
+  server_pid = fork();
+  cr_assert_neq(server_pid, -1);
+  if (server_pid == 0) {
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    close(in[0]), close(in[1]), close(out[0]), close(out[1]);
+    execl("/usr/bin/python3", "python3", script, (char *)NULL);
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  server_stdin = in[1];
+  char line[32] = {0};
+  size_t n = 0;
+  while (n < sizeof line - 1 && read(out[0], line + n, 1) == 1 && line[n] != '\n') n++;
+  close(out[0]);
+  port = atoi(line);
+  cr_assert_gt(port, 0, "the test server did not print its port (%s)", script);
+}
+
+static void stop_server(void) {
+  if (server_stdin >= 0) close(server_stdin);
+  if (server_pid > 0) {
+    kill(server_pid, SIGTERM);
+    waitpid(server_pid, NULL, 0);
+  }
+  server_pid = -1, server_stdin = -1;
+}
+
+TestSuite(url_fetch, .init = start_server, .fini = stop_server);
+
+static const char *url(const char *path) {
+  static char buf[4][512];
+  static int i;
+  char *u = buf[i++ % 4];
+  snprintf(u, 512, "http://127.0.0.1:%d%s", port, path);
+  return u;
+}
+
+static uint8_t pattern(uint64_t i) { return (uint8_t)((i * 7 + 3) % 256); }
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+#define HAS(e, s) cr_assert(strstr((e).msg, (s)), "'%s'\n lacks '%s'", (e).msg, (s))
+
+static const url_fetch_opts_t quick = {.max_retries = 0, .backoff_ms = 10, .timeout_ms = 5000};
+
+Test(url_fetch, range_matches_the_bytes) {
+  uint8_t buf[300];
+  url_fetch_info_t info;
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range(url("/bytes/1000"), 100, 300, buf, &quick, &info, &e), 0, "%s",
+               e.msg);
+  for (int i = 0; i < 300; i++) cr_assert_eq(buf[i], pattern(100 + (uint64_t)i));
+  cr_assert_eq(info.status, 206);
+  cr_assert_eq(info.attempts, 1);
+  cr_assert_eq(info.bytes, 300);
+  cr_assert_eq(info.skipped, 0);
+  /* The last byte alone. */
+  cr_assert_eq(url_fetch_range(url("/bytes/1000"), 999, 1, buf, &quick, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(buf[0], pattern(999));
+}
+
+Test(url_fetch, whole_body) {
+  uint8_t buf[2000];
+  size_t got;
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_all(url("/bytes/1000"), buf, sizeof buf, &got, &quick, NULL, &e), 0,
+               "%s", e.msg);
+  cr_assert_eq(got, 1000);
+  for (int i = 0; i < 1000; i++) cr_assert_eq(buf[i], pattern((uint64_t)i));
+  cr_assert_eq(url_fetch_all(url("/bytes/1000"), buf, 500, &got, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "the body is longer than the 500 bytes allowed");
+  url_fetch_opts_t o = quick;
+  o.max_bytes = 100;
+  cr_assert_eq(url_fetch_all(url("/bytes/1000"), buf, sizeof buf, &got, &o, NULL, &e), -1);
+  HAS(e, "longer than the 100 bytes allowed");
+}
+
+Test(url_fetch, http_errors_name_url_and_status) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  char want[256];
+  cr_assert_eq(url_fetch_range(url("/status/404"), 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  snprintf(want, sizeof want, "fetch http://127.0.0.1:%d/status/404: HTTP 404 (not found)", port);
+  cr_assert_str_eq(e.msg, want);
+  cr_assert_eq(url_fetch_range(url("/status/403"), 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
+  HAS(e, "HTTP 403 (forbidden)");
+  cr_assert_eq(url_fetch_range(url("/status/418"), 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "HTTP 418");
+  /* 4xx is not retried. */
+  url_fetch_opts_t o = quick;
+  o.max_retries = 3;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_range(url("/status/404"), 0, 10, buf, &o, &info, &e), -1);
+  cr_assert_eq(info.attempts, 1);
+}
+
+Test(url_fetch, server_errors_are_retried_with_backoff) {
+  uint8_t buf[100];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  url_fetch_opts_t o = quick;
+  o.max_retries = 3;
+  o.backoff_ms = 50;
+  double t0 = now();
+  cr_assert_eq(url_fetch_range(url("/flaky/a/2/100"), 10, 20, buf, &o, &info, &e), 0, "%s", e.msg);
+  double took = now() - t0;
+  cr_assert_eq(info.attempts, 3);
+  cr_assert_geq(took, 0.15 - 0.01, "backoff 50 ms then 100 ms, took %.3f s", took);
+  for (int i = 0; i < 20; i++) cr_assert_eq(buf[i], pattern(10 + (uint64_t)i));
+  /* Bounded: one retry is not enough for two 500s. */
+  o.max_retries = 1;
+  cr_assert_eq(url_fetch_range(url("/flaky/b/2/100"), 0, 10, buf, &o, &info, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE);
+  cr_assert_eq(info.attempts, 2);
+  HAS(e, "HTTP 500 (internal server error) (2 attempts)");
+  char count[8] = {0};
+  size_t got;
+  cr_assert_eq(url_fetch_all(url("/count/b"), count, sizeof count - 1, &got, &quick, NULL, &e), 0);
+  cr_assert_str_eq(count, "2", "the server saw each attempt");
+}
+
+Test(url_fetch, connection_resets_are_retried) {
+  uint8_t buf[100];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  url_fetch_opts_t o = quick;
+  o.max_retries = 2;
+  cr_assert_eq(url_fetch_range(url("/reset/a/1/100"), 0, 100, buf, &o, &info, &e), 0, "%s", e.msg);
+  cr_assert_eq(info.attempts, 2);
+  cr_assert_eq(url_fetch_range(url("/reset/b/5/100"), 0, 100, buf, &quick, &info, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE);
+  HAS(e, "the connection failed (curl: ");
+}
+
+Test(url_fetch, truncated_body) {
+  uint8_t buf[100];
+  size_t got;
+  meshd_error_t e;
+  url_fetch_info_t info;
+  url_fetch_opts_t o = quick;
+  o.max_retries = 1;
+  cr_assert_eq(url_fetch_all(url("/truncated/100"), buf, sizeof buf, &got, &o, &info, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE);
+  HAS(e, "/truncated/100: the body was cut short after 50 bytes (curl: ");
+  HAS(e, "(2 attempts)");
+  cr_assert_eq(url_fetch_range(url("/truncated/100"), 10, 40, buf, &quick, NULL, &e), -1);
+  HAS(e, "cut short after 20 bytes");
+}
+
+Test(url_fetch, short_and_unsatisfiable_ranges) {
+  uint8_t buf[40];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 80, 40, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "got 20 of the 40 bytes asked (bytes 80-119 of the 100-byte resource)");
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 150, 10, buf, &quick, NULL, &e), -1);
+  HAS(e, "HTTP 416 (range not satisfiable): bytes 150-159 are past the end (Content-Range: "
+         "bytes */100)");
+}
+
+Test(url_fetch, server_ignoring_range) {
+  uint8_t buf[50];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_range(url("/norange/1000"), 100, 50, buf, &quick, &info, &e), 0, "%s",
+               e.msg);
+  cr_assert_eq(info.status, 200);
+  cr_assert_eq(info.skipped, 100);
+  for (int i = 0; i < 50; i++) cr_assert_eq(buf[i], pattern(100 + (uint64_t)i));
+  url_fetch_opts_t o = quick;
+  o.max_bytes = 120;
+  cr_assert_eq(url_fetch_range(url("/norange/1000"), 100, 50, buf, &o, &info, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "the server ignored the Range request (HTTP 200 with the whole body); reading up to byte "
+         "150 would pass the 120-byte limit");
+  /* A range past a Range-ignoring server's body. */
+  cr_assert_eq(url_fetch_range(url("/norange/120"), 100, 50, buf, &quick, NULL, &e), -1);
+  HAS(e, "got 20 of the 50 bytes asked");
+}
+
+Test(url_fetch, timeouts) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  url_fetch_opts_t o = quick;
+  o.timeout_ms = 300;
+  o.max_retries = 2; /* timeouts are not retried */
+  url_fetch_info_t info;
+  double t0 = now();
+  cr_assert_eq(url_fetch_range(url("/slow/3000/10"), 0, 10, buf, &o, &info, &e), -1);
+  cr_assert_lt(now() - t0, 2.0);
+  cr_assert_eq(e.kind, ERR_DEADLINE_EXCEEDED);
+  cr_assert_eq(info.attempts, 1);
+  HAS(e, "/slow/3000/10: timed out (curl: ");
+}
+
+Test(url_fetch, connection_refused) {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  cr_assert_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(getsockname(s, (struct sockaddr *)&a, &len), 0);
+  close(s); /* a port nobody listens on */
+  char u[64];
+  snprintf(u, sizeof u, "http://127.0.0.1:%d/x", ntohs(a.sin_port));
+  uint8_t buf[10];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range(u, 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE);
+  HAS(e, "could not connect (curl: ");
+  HAS(e, u);
+}
+
+Test(url_fetch, private_addresses_refused_before_connecting) {
+  const char *urls[] = {"http://10.0.0.1/model.safetensors", "http://169.254.169.254/latest",
+                        "http://[fe80::1]/x", "http://[fd00::5]:8080/x", "https://192.168.1.1/x",
+                        "http://172.16.0.1/x", "http://167772161/x" /* 10.0.0.1 in decimal */};
+  const char *why[] = {"10.0.0.1 is a private address (10.0.0.0/8)",
+                       "169.254.169.254 is a link-local address (169.254.0.0/16)",
+                       "fe80::1 is a link-local address (fe80::/10)",
+                       "fd00::5 is a unique local (private) address (fc00::/7)",
+                       "192.168.1.1 is a private address (192.168.0.0/16)",
+                       "172.16.0.1 is a private address (172.16.0.0/12)",
+                       "10.0.0.1 is a private address (10.0.0.0/8)"};
+  for (size_t i = 0; i < sizeof urls / sizeof urls[0]; i++) {
+    uint8_t buf[10];
+    meshd_error_t e;
+    url_fetch_opts_t o = quick;
+    o.connect_timeout_ms = 5000;
+    double t0 = now();
+    cr_assert_eq(url_fetch_range(urls[i], 0, 10, buf, &o, NULL, &e), -1, "%s", urls[i]);
+    cr_assert_lt(now() - t0, 0.5, "%s: refused without trying to connect", urls[i]);
+    cr_assert_eq(e.kind, ERR_PERMISSION_DENIED, "%s: %s", urls[i], e.msg);
+    HAS(e, "refused before connecting: ");
+    HAS(e, why[i]);
+  }
+  /* Listed networks are allowed: then the connection is tried (and times out). */
+  url_allow_t allow = {.nets = (const char *[]){"10.0.0.0/24"}, .n_nets = 1};
+  url_fetch_opts_t o = quick;
+  o.allow = &allow;
+  o.connect_timeout_ms = 100;
+  uint8_t buf[10];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range("http://10.0.0.1/x", 0, 10, buf, &o, NULL, &e), -1);
+  cr_assert(!strstr(e.msg, "refused before connecting"), "%s", e.msg);
+  allow.nets = (const char *[]){"10.0.0/24"};
+  cr_assert_eq(url_fetch_range("http://10.0.0.1/x", 0, 10, buf, &o, NULL, &e), -1);
+  HAS(e, "URL allow list: network '10.0.0/24' is not an address or address/prefix");
+}
+
+static bool allowed(const url_allow_t *a, const char *addr) {
+  struct sockaddr_storage ss = {0};
+  char why[200];
+  if (strchr(addr, ':')) {
+    struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&ss;
+    s6->sin6_family = AF_INET6;
+    cr_assert_eq(inet_pton(AF_INET6, addr, &s6->sin6_addr), 1);
+  } else {
+    struct sockaddr_in *s4 = (struct sockaddr_in *)&ss;
+    s4->sin_family = AF_INET;
+    cr_assert_eq(inet_pton(AF_INET, addr, &s4->sin_addr), 1);
+  }
+  return url_allow_address(a, (struct sockaddr *)&ss, why, sizeof why);
+}
+
+/* The check the socket callback makes on every address a name resolves to. */
+Test(url_fetch, address_rules) {
+  const char *ok[] = {"8.8.8.8", "127.0.0.1", "127.5.6.7", "::1", "2606:4700::1111",
+                      "::ffff:1.1.1.1", "64:ff9b::808:808", "2002:0808:0808::1"};
+  const char *refused[] = {"10.1.2.3",      "172.31.255.255", "192.168.0.1",   "169.254.169.254",
+                           "100.64.0.1",    "0.0.0.0",        "224.0.0.1",     "255.255.255.255",
+                           "::",            "::ffff:10.0.0.1", "fc00::1",      "fe80::1",
+                           "2001:db8::1",   "ff02::1",        "64:ff9b::a00:1", "2002:0a00:0001::1",
+                           "100::1"};
+  for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) cr_assert(allowed(NULL, ok[i]), "%s", ok[i]);
+  for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+    cr_assert(!allowed(NULL, refused[i]), "%s", refused[i]);
+  url_allow_t nets = {.nets = (const char *[]){"10.1.0.0/16", "fd00::/8", "192.168.7.7"},
+                      .n_nets = 3};
+  cr_assert(allowed(&nets, "10.1.200.3"));
+  cr_assert(allowed(&nets, "::ffff:10.1.0.1"));
+  cr_assert(!allowed(&nets, "10.2.0.1"));
+  cr_assert(allowed(&nets, "fd12::1"));
+  cr_assert(!allowed(&nets, "fc00::1"));
+  cr_assert(allowed(&nets, "192.168.7.7"));
+  cr_assert(!allowed(&nets, "192.168.7.8"));
+  url_allow_t any = {.allow_private = true};
+  cr_assert(allowed(&any, "10.0.0.1"));
+}
+
+Test(url_fetch, schemes_and_hosts) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range("ftp://example.com/x", 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
+  cr_assert_str_eq(e.msg, "fetch ftp://example.com/x: scheme 'ftp' is not allowed (allowed: http, "
+                          "https)");
+  cr_assert_eq(url_fetch_range("file:///etc/hostname", 0, 1, buf, &quick, NULL, &e), -1);
+  HAS(e, "scheme 'file' is not allowed");
+  url_allow_t gopher = {.schemes = (const char *[]){"gopher"}, .n_schemes = 1};
+  url_fetch_opts_t o = quick;
+  o.allow = &gopher;
+  cr_assert_eq(url_fetch_range("gopher://example.com/x", 0, 10, buf, &o, NULL, &e), -1);
+  HAS(e, "scheme 'gopher' is not supported (http, https, file)");
+  cr_assert_eq(url_fetch_range("not a url", 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "not a URL");
+
+  url_allow_t hosts = {.hosts = (const char *[]){"*.example.com", "models.internal"}, .n_hosts = 2};
+  o.allow = &hosts;
+  cr_assert_eq(url_fetch_range(url("/bytes/10"), 0, 10, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
+  HAS(e, "host '127.0.0.1' is not in the URL allow list");
+  cr_assert_eq(url_fetch_range("http://example.com/x", 0, 10, buf, &o, NULL, &e), -1);
+  HAS(e, "host 'example.com' is not in the URL allow list");
+  hosts.hosts = (const char *[]){"127.0.0.1"};
+  hosts.n_hosts = 1;
+  cr_assert_eq(url_fetch_range(url("/bytes/10"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+}
+
+Test(url_fetch, credentials_and_query_stay_out_of_messages) {
+  char u[256], out[256];
+  snprintf(u, sizeof u,
+           "http://alice:s3cr3t@127.0.0.1:%d/status/404?X-Amz-Signature=deadbeef&X-Amz-Credential=AKIA#frag",
+           port);
+  uint8_t buf[10];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range(u, 0, 10, buf, &quick, NULL, &e), -1);
+  char want[128];
+  snprintf(want, sizeof want, "fetch http://127.0.0.1:%d/status/404: HTTP 404", port);
+  HAS(e, want);
+  const char *secrets[] = {"alice", "s3cr3t", "Signature", "deadbeef", "AKIA", "frag", "?", "@"};
+  for (size_t i = 0; i < sizeof secrets / sizeof secrets[0]; i++)
+    cr_assert(!strstr(e.msg, secrets[i]), "'%s' shows '%s'", e.msg, secrets[i]);
+  /* Also on failures before any request, and in url_redact itself. */
+  cr_assert_eq(url_fetch_range("http://bob:pw@10.0.0.1/x?sig=1", 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert(!strstr(e.msg, "bob") && !strstr(e.msg, "pw") && !strstr(e.msg, "sig"), "%s", e.msg);
+  cr_assert_str_eq(url_redact("https://u:p@h.example:8443/a/b?q=1#f", out, sizeof out),
+                   "https://h.example:8443/a/b");
+  cr_assert_str_eq(url_redact("https://h/a@b?x", out, sizeof out), "https://h/a@b");
+  cr_assert_str_eq(url_redact("u:p@host/path?q", out, sizeof out), "host/path");
+  cr_assert_str_eq(url_redact("https://user@[::1]:80#x", out, sizeof out), "https://[::1]:80");
+}
+
+Test(url_fetch, redirects_followed_and_checked) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_range(url("/redirect/redirect/bytes/100"), 5, 10, buf, &quick, &info, &e),
+               0, "%s", e.msg);
+  cr_assert_eq(info.redirects, 2);
+  cr_assert_eq(buf[0], pattern(5));
+  cr_assert_eq(url_fetch_range(url("/redirect-to?url=http://10.0.0.1/x"), 0, 10, buf, &quick,
+                               NULL, &e),
+               -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
+  HAS(e, "fetch http://10.0.0.1/x: refused before connecting");
+  url_fetch_opts_t o = quick;
+  o.max_redirects = 1;
+  cr_assert_eq(url_fetch_range(url("/redirect/redirect/bytes/100"), 0, 10, buf, &o, NULL, &e), -1);
+  HAS(e, "more than 1 redirects");
+  url_allow_t both = {.schemes = (const char *[]){"http", "file"}, .n_schemes = 2};
+  o.allow = &both;
+  cr_assert_eq(url_fetch_range(url("/redirect-to?url=file:///etc/hostname"), 0, 1, buf, &o, NULL,
+                               &e),
+               -1);
+  HAS(e, "a redirect to scheme file is not followed");
+}
+
+Test(url_fetch, size_from_head_or_a_range_get) {
+  uint64_t size = 0;
+  meshd_error_t e;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_size(url("/bytes/1234"), &quick, &size, &info, &e), 0, "%s", e.msg);
+  cr_assert_eq(size, 1234);
+  cr_assert_eq(url_fetch_size(url("/nohead/777"), &quick, &size, &info, &e), 0, "%s", e.msg);
+  cr_assert_eq(size, 777);
+  cr_assert_eq(info.status, 206);
+  cr_assert_eq(url_fetch_size(url("/norange/55"), &quick, &size, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(size, 55);
+  cr_assert_eq(url_fetch_size(url("/status/404"), &quick, &size, NULL, &e), -1);
+  HAS(e, "HTTP 404");
+  cr_assert_eq(url_fetch_size("http://10.0.0.1/x", &quick, &size, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
+}
+
+Test(url_fetch, max_bytes_per_fetch) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  url_fetch_opts_t o = quick;
+  o.max_bytes = 5;
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), -1);
+  HAS(e, "10 bytes is more than one fetch may read (5)");
+}
+
+Test(url_fetch, file_urls) {
+  char dir[] = "/tmp/url_fetch_XXXXXX", path[128], u[160];
+  cr_assert(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  FILE *f = fopen(path, "wb");
+  for (int i = 0; i < 4096; i++) fputc(pattern((uint64_t)i), f);
+  fclose(f);
+  snprintf(u, sizeof u, "file://%s", path);
+  url_allow_t allow = {.schemes = (const char *[]){"file"}, .n_schemes = 1,
+                       .file_roots = (const char *[]){dir}, .n_file_roots = 1};
+  url_fetch_opts_t o = quick;
+  o.allow = &allow;
+  uint8_t buf[4096];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_range(u, 1000, 500, buf, &o, &info, &e), 0, "%s", e.msg);
+  for (int i = 0; i < 500; i++) cr_assert_eq(buf[i], pattern(1000 + (uint64_t)i));
+  size_t got;
+  cr_assert_eq(url_fetch_all(u, buf, sizeof buf, &got, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(got, 4096);
+  uint64_t size;
+  cr_assert_eq(url_fetch_size(u, &o, &size, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(size, 4096);
+  cr_assert_eq(url_fetch_range(u, 4000, 200, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "got 96 of the 200 bytes asked");
+  /* Outside the roots, also through "..". */
+  char outside[200];
+  snprintf(outside, sizeof outside, "file://%s/../%s/../../etc/hostname", dir, dir + 5);
+  cr_assert_eq(url_fetch_range(outside, 0, 1, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED, "%s", e.msg);
+  HAS(e, "the file is outside the directories the URL allow list gives");
+  snprintf(outside, sizeof outside, "file://%s/missing", dir);
+  cr_assert_eq(url_fetch_range(outside, 0, 1, buf, &o, NULL, &e), -1);
+  HAS(e, "no such file");
+  unlink(path);
+  rmdir(dir);
+}
