@@ -93,7 +93,7 @@ static int check_metadata(json_object *v, meshd_error_t *e) {
 static int entry_parse(const char *name, json_object *v, uint64_t data_start, uint64_t data_size,
                        tensor_file_entry_t *t, meshd_error_t *e) {
   char ctx[TF_NAME_MAX + 64], shape[LAYOUT_SHAPE_BUF];
-  int64_t off[2];
+  int64_t off[2] = {0, 0};
   if (!json_object_is_type(v, json_type_object))
     return error_set(e, ERR_BAD_ARGUMENT, CTX ": tensor '%.*s' is not an object with \"dtype\", "
                      "\"shape\" and \"data_offsets\"", TF_NAME_MAX, name);
