@@ -65,6 +65,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
 void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
 void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);
 void data_write_end(rpc_call_t *call, bool cancelled, void *arg);
+bool data_write_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg);
 /* Read helper threads alive now (each Read has one until it is answered or
  * cancelled; a cancelled one ends within 100 ms). For tests. */
 int data_read_threads(void);

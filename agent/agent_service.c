@@ -61,6 +61,7 @@ static const rpc_method_t methods[] = {
         .on_start = data_write_start,
         .on_message = data_write_message,
         .on_end = data_write_end,
+        .on_raw = data_write_raw,
     },
 };
 

@@ -464,6 +464,35 @@ void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
   w->got += c->data.len;
 }
 
+typedef struct write_piece {
+  write_state_t *w;
+  meshd_error_t e;
+} write_piece_t;
+
+static int write_piece(const uint8_t *p, size_t n, void *arg) {
+  write_piece_t *wp = arg;
+  if (write_bytes(wp->w, p, n, &wp->e)) return -1;
+  wp->w->got += n;
+  return 0;
+}
+
+/* A DataChunk{data} alone (what the server sends on from its client) goes
+ * into the tensor straight from the message's bytes: no unpacking copies.
+ * Anything else (the spec, a chunk too long) is unpacked as usual. */
+bool data_write_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
+  write_state_t *w = rpc_call_data(call);
+  size_t len;
+  if (!w || w->done || !w->have_spec ||
+      !rpc_bytes_is_field(msg, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len) ||
+      len > w->bytes - w->got)
+    return false;
+  write_piece_t wp = {.w = w};
+  if (rpc_bytes_field_visit(msg, write_piece, &wp))
+    write_fail(call, w, error_kind_code(wp.e.kind), error_kind_name(wp.e.kind), wp.e.msg);
+  rpc_bytes_free(msg);
+  return true;
+}
+
 void data_write_end(rpc_call_t *call, bool cancelled, void *arg) {
   write_state_t *w = rpc_call_data(call);
   if (w) write_release(w);

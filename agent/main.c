@@ -272,6 +272,7 @@ int main(int argc, char **argv) {
   pthread_t usr1_tid;
   bool usr1_started = pthread_create(&usr1_tid, NULL, usr1_thread, NULL) == 0;
 
+  runtime_tune_malloc();
   rpc_init();
   rc = 1;
   static backend_t backend;

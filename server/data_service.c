@@ -88,6 +88,8 @@ static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
 typedef struct upload_chunk {
   struct upload_chunk *next;
   size_t len;
+  rpc_bytes_t *raw; /* the client's UploadChunk{data} as it came, sent on as a
+                     * DataChunk{data} (the same bytes); NULL: data[] holds them */
   uint8_t data[];
 } upload_chunk_t;
 
@@ -120,6 +122,7 @@ static void upload_release(upload_t *u) {
   while (u->head) {
     upload_chunk_t *c = u->head;
     u->head = c->next;
+    rpc_bytes_free(c->raw);
     free(c);
   }
   pthread_cond_destroy(&u->cv);
@@ -371,6 +374,15 @@ static upload_chunk_t *upload_next(upload_t *u, bool *aborted) {
 /* Forwards one client chunk, at stream offset `pos`, to the ranks it is for. */
 static int upload_forward(upload_t *u, rank_write_t *w, size_t pos, const upload_chunk_t *c,
                           meshd_error_t *e) {
+  if (c->raw) { /* upload_raw took it only whole for one rank, or for every rank */
+    for (size_t i = u->per_rank ? pos / u->each : 0; i < u->nranks; i++) {
+      if (rpc_stream_write_raw(w[i].st, c->raw))
+        return error_set(e, ERR_AGENT_LOST, "Upload: the agent of rank %u ended the Write",
+                         u->ranks[i]);
+      if (u->per_rank) break;
+    }
+    return 0;
+  }
   if (!u->per_rank) {
     for (size_t i = 0; i < u->nranks; i++)
       if (write_data(u, i, &w[i], c->data, c->len, e)) return -1;
@@ -399,6 +411,7 @@ static void *upload_main(void *arg) {
   while (!rc && (c = upload_next(u, &aborted))) {
     rc = upload_forward(u, w, pos, c, &e);
     pos += c->len;
+    rpc_bytes_free(c->raw);
     free(c);
   }
   if (!rc && (aborted || pos != u->total)) rc = -1; /* the call already says why */
@@ -463,6 +476,22 @@ static int upload_begin(upload_t *u, meshd_error_t *e) {
   return error_set(e, ERR_QUOTA, "Upload: out of threads on the server");
 }
 
+/* Hands q to the helper; past UPLOAD_QUEUED bytes queued the call's reads
+ * pause until it caught up. From the call's callbacks only. */
+static void upload_queue(upload_t *u, upload_chunk_t *q) {
+  q->next = NULL;
+  pthread_mutex_lock(&u->mu);
+  if (u->tail) u->tail->next = q;
+  else u->head = q;
+  u->tail = q;
+  u->queued += q->len;
+  bool pause = !u->paused && u->queued >= UPLOAD_QUEUED && !u->aborted;
+  if (pause) u->paused = true;
+  pthread_cond_signal(&u->cv);
+  pthread_mutex_unlock(&u->mu);
+  if (pause) rpc_call_pause_reads(u->call);
+}
+
 static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   upload_t *u = rpc_call_data(call);
   if (!u || u->failed) return;
@@ -505,19 +534,38 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
   if (!c->data.len || aborted) return; /* the helper stopped: the call is ending */
   upload_chunk_t *q = malloc(sizeof *q + c->data.len);
   if (!q) return upload_fail(u, ERR_QUOTA, "Upload: %s", "out of memory on the server");
-  q->next = NULL;
+  q->raw = NULL;
   q->len = c->data.len;
   memcpy(q->data, c->data.data, c->data.len);
+  upload_queue(u, q);
+}
+
+/* A data chunk the helper can send on as it came (no unpacking, no copy):
+ * UploadChunk{data} alone, no larger than the agents' chunks, for every rank
+ * or within one rank's slice. Anything else goes the unpacked way. */
+static bool upload_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
+  upload_t *u = rpc_call_data(call);
+  size_t len;
+  if (!u || u->failed || !u->have_header ||
+      !rpc_bytes_is_field(msg, MESHD__V1__UPLOAD_CHUNK__PART_DATA, &len) || len == 0 ||
+      len > u->ds->chunk || len > u->total - u->got ||
+      (u->per_rank && u->got % u->each + len > u->each))
+    return false;
+  upload_chunk_t *q = malloc(sizeof *q);
+  if (!q) return false; /* the unpacked way reports it */
+  u->got += len;
+  q->raw = msg;
+  q->len = len;
   pthread_mutex_lock(&u->mu);
-  if (u->tail) u->tail->next = q;
-  else u->head = q;
-  u->tail = q;
-  u->queued += q->len;
-  bool pause = !u->paused && u->queued >= UPLOAD_QUEUED && !u->aborted;
-  if (pause) u->paused = true;
-  pthread_cond_signal(&u->cv);
+  bool aborted = u->aborted;
   pthread_mutex_unlock(&u->mu);
-  if (pause) rpc_call_pause_reads(call);
+  if (aborted) { /* the helper stopped: the call is ending */
+    rpc_bytes_free(msg);
+    free(q);
+    return true;
+  }
+  upload_queue(u, q);
+  return true;
 }
 
 static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
@@ -964,6 +1012,7 @@ static const rpc_method_t methods[] = {
         .on_start = upload_start,
         .on_message = upload_message,
         .on_end = upload_end,
+        .on_raw = upload_raw,
     },
     {
         .path = "/meshd.v1.TensorService/Fetch",

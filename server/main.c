@@ -257,6 +257,7 @@ int main(int argc, char **argv) {
   if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
 
   runtime_block_signals();
+  runtime_tune_malloc();
   rpc_init();
   auth_t *auth = auth_create(opt.auth_tokens, err, sizeof err);
   if (!auth) {

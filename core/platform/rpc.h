@@ -88,6 +88,10 @@ typedef grpc_status_code (*rpc_guard_fn)(rpc_call_t *call, void *guard_arg, rpc_
  * half-close; then on_end once. Callbacks of one call never run concurrently,
  * and on_end runs after every other callback of that call has returned. A call
  * refused before on_start (its request does not decode) gets no callback at all. */
+/* A packed message, not unpacked (see "Raw messages" below). */
+struct grpc_byte_buffer;
+typedef struct grpc_byte_buffer rpc_bytes_t;
+
 typedef struct rpc_method {
   const char *path;                          /* "/meshd.v1.TensorService/Execute" */
   rpc_kind_t kind;
@@ -102,6 +106,12 @@ typedef struct rpc_method {
   /* The call is over: status sent, or the peer cancelled / disconnected
    * (cancelled = true). May be NULL. Release handler state here. */
   void (*on_end)(rpc_call_t *call, bool cancelled, void *arg);
+  /* Streaming requests, optional: sees each message packed before it is
+   * unpacked; returns true having taken it (rpc_bytes_free it when done; the
+   * next read is armed as after on_message), false to have it unpacked and
+   * handed to on_message as usual. For relays that forward bulk bytes as
+   * they came (rpc_bytes_is_field). */
+  bool (*on_raw)(rpc_call_t *call, rpc_bytes_t *msg, void *arg);
 } rpc_method_t;
 
 /* Shortest interval between a client's pings the server accepts without a
@@ -343,9 +353,6 @@ void rpc_pull_destroy(rpc_pull_t *p);
  * them again. A protobuf `bytes` field alone in a message is its tag, its
  * length and the bytes, so a relay that checks that shape can forward a
  * DataChunk{data} as a FetchChunk{data} untouched (both field 2). */
-struct grpc_byte_buffer;
-typedef struct grpc_byte_buffer rpc_bytes_t;
-
 /* A packed message of exactly one length-delimited field `field` of len
  * bytes, in one piece: *data points at the len bytes for the caller to fill.
  * NULL when out of memory. */
@@ -353,6 +360,11 @@ rpc_bytes_t *rpc_bytes_field(uint32_t field, size_t len, uint8_t **data);
 /* Whether msg is exactly one length-delimited field `field` (its length in
  * *len): nothing before or after it, uncompressed. */
 bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len);
+/* For a msg that rpc_bytes_is_field accepted: fn(piece, n, arg) for each
+ * piece of the field's bytes, in order, as they lie in the message (no copy).
+ * Stops at the first fn that returns non-zero, and returns that. */
+int rpc_bytes_field_visit(rpc_bytes_t *msg, int (*fn)(const uint8_t *piece, size_t n, void *arg),
+                          void *arg);
 /* msg unpacked as desc (protobuf_c_message_free_unpacked), NULL when it is
  * not one; msg is not consumed. */
 ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc);
@@ -360,6 +372,9 @@ ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescr
 void rpc_bytes_free(rpc_bytes_t *msg);
 /* rpc_call_send of a packed message, which the call owns from here on. */
 int rpc_call_send_raw(rpc_call_t *call, rpc_bytes_t *msg);
+/* rpc_stream_write of a packed message; msg stays the caller's (the call
+ * sends a reference to the same bytes). */
+int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg);
 /* rpc_pull_open whose fn gets each message packed (fn owns it: rpc_bytes_free),
  * NULL at the end, as rpc_pull_fn does. */
 typedef void (*rpc_pull_raw_fn)(rpc_pull_t *p, rpc_bytes_t *msg, void *arg);

@@ -302,6 +302,22 @@ int rpc_stream_write(rpc_stream_t *s, const ProtobufCMessage *msg, bool last) {
   return rc;
 }
 
+int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg) {
+  grpc_byte_buffer *buf = grpc_byte_buffer_copy(msg); /* references, not bytes */
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_MESSAGE;
+  op.data.send_message.send_message = buf;
+  int rc = -1;
+  if (grpc_call_start_batch(s->call, &op, 1, &s->t_write, NULL) == GRPC_CALL_OK) {
+    grpc_event ev =
+        grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    rc = ev.success ? 0 : -1;
+  }
+  grpc_byte_buffer_destroy(buf);
+  return rc;
+}
+
 int rpc_stream_close_send(rpc_stream_t *s) {
   if (s->write_closed) return 0;
   grpc_op op;

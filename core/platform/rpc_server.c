@@ -546,6 +546,18 @@ static void on_read(rpc_call_t *c, bool ok) {
   }
   ProtobufCMessage *msg = NULL;
   bool deliver = false;
+  if (ok && buf && m->on_raw) {
+    c->in_callback++;
+    pthread_mutex_unlock(&c->mu);
+    bool taken = m->on_raw(c, buf, c->slot->arg);
+    pthread_mutex_lock(&c->mu);
+    c->in_callback--;
+    if (taken) {
+      if (!c->closed && !c->status_queued) start_reading_locked(c);
+      maybe_end_locked(c);
+      return;
+    }
+  }
   if (ok && buf) {
     char why[256];
     msg = wire_unpack(buf, m->request, why, sizeof why);

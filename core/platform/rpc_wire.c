@@ -184,6 +184,31 @@ bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len) {
   return true;
 }
 
+int rpc_bytes_field_visit(rpc_bytes_t *msg, int (*fn)(const uint8_t *piece, size_t n, void *arg),
+                          void *arg) {
+  grpc_slice_buffer *sb = &msg->data.raw.slice_buffer;
+  size_t skip = 0;
+  if (sb->count) { /* the tag and the length: both varints, in the first slice */
+    const uint8_t *p = GRPC_SLICE_START_PTR(sb->slices[0]);
+    size_t n = GRPC_SLICE_LENGTH(sb->slices[0]);
+    uint64_t v;
+    size_t a = varint_get(p, n, &v);
+    skip = a + varint_get(p + a, n - a, &v);
+  }
+  for (size_t i = 0; i < sb->count; i++) {
+    const uint8_t *p = GRPC_SLICE_START_PTR(sb->slices[i]);
+    size_t n = GRPC_SLICE_LENGTH(sb->slices[i]);
+    if (skip >= n) {
+      skip -= n;
+      continue;
+    }
+    int rc = fn(p + skip, n - skip, arg);
+    skip = 0;
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc) {
   return wire_unpack(msg, desc, NULL, 0);
 }

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,4 +76,11 @@ void runtime_local_address(const char *listen, int port, char *out, size_t len) 
       !strcmp(host, "*"))
     snprintf(host, sizeof host, "127.0.0.1");
   snprintf(out, len, "%s:%d", host, port);
+}
+
+void runtime_tune_malloc(void) {
+  /* Below 8 MiB from the heap (not a fresh mmap each time), and up to
+   * 32 MiB free at a heap's top kept rather than trimmed. */
+  mallopt(M_MMAP_THRESHOLD, 8 << 20);
+  mallopt(M_TRIM_THRESHOLD, 32 << 20);
 }

@@ -9,6 +9,11 @@
  * main, before any thread exists, so every thread inherits the mask) and
  * ignores SIGPIPE. */
 void runtime_block_signals(void);
+/* Keeps freed memory of bulk transfers' sizes in the process: glibc would
+ * give each freed 1 MiB message buffer back to the kernel (madvise) and
+ * page-fault it in again for the next one, which was most of an agent's CPU
+ * in an Upload. Daemons call it once at startup. */
+void runtime_tune_malloc(void);
 /* Waits up to timeout_ms for one of the blocked signals; returns it, or 0. */
 int runtime_wait_signal(int timeout_ms);
 /* Writes "PORT\n" to path atomically (temp file + rename), so a reader never

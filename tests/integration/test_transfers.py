@@ -286,3 +286,38 @@ def test_an_upload_streams_through_the_server(meshd_server):
                      t.UploadChunk(data=struct.pack("<2f", 5.0, 6.0))]),
                metadata=s.metadata, timeout=20)
         assert fetch_floats(s, r.tensor.ref) == [5.0, 6.0]
+
+
+def test_upload_chunks_of_any_size_reach_the_right_ranks(meshd_server):
+    """Chunks the server sends on untouched (one field, at most its agent chunk, inside
+    one rank's slice) and chunks it repacks (larger, or straddling two ranks' slices)
+    mix in one per_rank upload; every rank gets exactly its slice."""
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "mixed-chunks", timeout=60) as s:
+        m = s.mesh(gpu=2).ref
+        each = 5 * MIB // 4  # bytes per rank: 1.25 MiB
+        data = bytes((i * 7 + i // 4099) % 256 for i in range(2 * each))
+        cuts = [0, MIB, MIB + 3, 2 * MIB + 3, 2 * each]  # 1 MiB, 3 B, 1 MiB (straddles), rest
+        ref = s.new_ref()
+        msgs = [t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[each // 4],
+                                                    dtype=lib.dtype("float32"), per_rank=True))]
+        msgs += [t.UploadChunk(data=data[a:b]) for a, b in zip(cuts, cuts[1:])]
+        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+        fn(iter(msgs), metadata=s.metadata, timeout=60)
+        # And a 2 MiB chunk, above the agents' chunk: split by the server.
+        ref2 = s.new_ref()
+        big = [t.UploadChunk(header=t.UploadHeader(ref=ref2, mesh=m, shape=[MIB // 2],
+                                                   dtype=lib.dtype("float32"))),
+               t.UploadChunk(data=data[:2 * MIB])]
+        fn(iter(big), metadata=s.metadata, timeout=60)
+        fetch = s.ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                                  response_deserializer=t.FetchChunk.FromString)
+        for rank in (0, 1):
+            for r, want in ((ref, data[rank * each:(rank + 1) * each]), (ref2, data[:2 * MIB])):
+                got = b"".join(c.data for c in fetch(
+                    t.FetchRequest(ref=r, coords=[t.Coordinate(dim="gpu", index=rank)]),
+                    metadata=s.metadata, timeout=60) if c.WhichOneof("part") == "data")
+                assert got == want, (rank, r, len(got), len(want))

@@ -68,11 +68,15 @@ Test(log, line_format_at_info) {
 
 Test(log, timestamp_is_utc_now) {
   log_set_level(LOG_LEVEL_INFO);
-  time_t before = time(NULL);
+  /* clock_gettime, as the log does: time() reads a coarser clock that can
+   * still show the previous second when the log's shows the next. */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_REALTIME, &t0);
   capture_begin();
   log_warn("agent", "x");
   const char *out = capture_end();
-  time_t after = time(NULL);
+  clock_gettime(CLOCK_REALTIME, &t1);
+  time_t before = t0.tv_sec, after = t1.tv_sec;
   struct tm tm = {0};
   int ms = -1;
   cr_assert_eq(sscanf(out, "%4d-%2d-%2dT%2d:%2d:%2d.%3dZ", &tm.tm_year, &tm.tm_mon, &tm.tm_mday,

@@ -457,23 +457,54 @@ def tensor(data, shard=None, dtype=None):
     else:
         shape, payload = data.shape, data
     s, pb = mesh.session, mesh.session._pb
-    raw = payload.tobytes()
+    raw = memoryview(payload).cast("B") if payload.size else memoryview(b"")
     stream = _active.stream_ref(s)
-    fn = s._ch.stream_unary(_SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
-                            response_deserializer=pb.UploadReply.FromString)
+    # The header is a message; data chunks are packed by hand (bytes already).
+    fn = s._ch.stream_unary(
+        _SVC + "Upload",
+        request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+        response_deserializer=pb.UploadReply.FromString)
     with s._lock:  # the ref must reach the server in order with other commands
         s._flush_pipeline()
         ref = s._new_ref()
         hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
                               total_bytes=len(raw))
-        msgs = [pb.UploadChunk(header=hdr)] + [pb.UploadChunk(data=raw[i:i + _CHUNK])
-                                              for i in range(0, len(raw), _CHUNK)]
+
+        def msgs():  # one chunk at a time: the client holds the array and one chunk
+            yield pb.UploadChunk(header=hdr)
+            for i in range(0, len(raw), _CHUNK):
+                yield _data_field(raw[i:i + _CHUNK])
         try:
-            reply = fn(iter(msgs), metadata=s._md, timeout=s.timeout)
+            reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
         except grpc.RpcError as e:
             raise MeshdError.from_rpc(e) from None
     return Tensor._from_meta(s, reply.tensor)
+
+
+def _data_field(chunk):
+    """A message whose only field is `bytes data = 2` (UploadChunk.data), packed by
+    hand around a memoryview slice: one copy of the bytes, none through protobuf."""
+    n, head = len(chunk), bytearray(b"\x12")
+    while True:
+        head.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(head) + chunk
+
+
+def _split_data_field(raw):
+    """A FetchChunk packed as FetchChunk{data} alone: a memoryview of its bytes
+    (no copy); None for anything else (the meta), which is unpacked as usual."""
+    if not raw or raw[0] != 0x12:
+        return None
+    n = shift = 0
+    for i in range(1, min(len(raw), 11)):
+        n |= (raw[i] & 0x7F) << shift
+        shift += 7
+        if not raw[i] & 0x80:
+            return memoryview(raw)[i + 1:] if i + 1 + n == len(raw) else None
+    return None
 
 
 def _fetch_open(t, coords, timeout=None):
@@ -481,8 +512,9 @@ def _fetch_open(t, coords, timeout=None):
     it planned the Fetch: commands sent after it cannot change the value fetched.
     Returns (the call, that message); raises MeshdError."""
     s, pb = t.session, t.session._pb
-    fn = s._ch.unary_stream(_SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
-                            response_deserializer=pb.FetchChunk.FromString)
+    fn = s._ch.unary_stream(
+        _SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=lambda raw: _split_data_field(raw) or pb.FetchChunk.FromString(raw))
     req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
                                              for k, v in coords.items()])
     call = fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout)
@@ -493,22 +525,37 @@ def _fetch_open(t, coords, timeout=None):
 
 
 def _fetch_finish(t, call, first):
+    """Reads the Fetch into one array, made from the meta (the first message): each
+    chunk is copied once, into its place."""
     pb = t.session._pb
-    meta, data = None, bytearray()
+    out = flat = None
+    got = 0
     try:
         for c in itertools.chain([first] if first is not None else [], call):
-            if c.WhichOneof("part") == "meta":
-                meta = c.meta
-            else:
-                data += c.data
+            if isinstance(c, memoryview) or c.WhichOneof("part") == "data":
+                piece = c if isinstance(c, memoryview) else memoryview(c.data)
+                if flat is None or got + len(piece) > len(flat):
+                    raise MeshdError("INTERNAL", "Fetch: the server sent more bytes than the "
+                                     "TensorMeta describes" if flat is not None else
+                                     "Fetch: data before the TensorMeta")
+                flat[got:got + len(piece)] = piece
+                got += len(piece)
+            elif out is None:
+                name = _dtype_from_value(pb, c.meta.dtype)
+                if name not in _NP:
+                    call.cancel()
+                    raise ValueError(f"meshd: numpy has no {name}; convert the tensor first "
+                                     f"(t.to(...))")
+                out = np.empty(tuple(c.meta.shape), dtype=_NP[name])
+                flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
     except grpc.RpcError as e:
         raise MeshdError.from_rpc(e) from None
-    if meta is None:
+    if out is None:
         raise MeshdError("INTERNAL", "Fetch: the server sent no TensorMeta")
-    name = _dtype_from_value(pb, meta.dtype)
-    if name not in _NP:
-        raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
-    return np.frombuffer(bytes(data), dtype=_NP[name]).reshape(tuple(meta.shape)).copy()
+    if got != len(flat):
+        raise MeshdError("INTERNAL", f"Fetch: got {got} bytes where the TensorMeta needs "
+                         f"{len(flat)}")
+    return out
 
 
 def fetch_shard(t, timeout=None, **coords):
