@@ -54,12 +54,10 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
+#include "bench_server.h"
 #include "rpc_baseline.h"
 
 #define SVC "/meshd.v1.TensorService/"
-#define HEALTH_CHECK "/grpc.health.v1.Health/Check"
-#define TENSOR_SERVICE "meshd.v1.TensorService"
-#define MAX_AGENTS 64
 #define READ_TIMEOUT_MS 15000 /* a reply gap this long is a stall */
 
 static void usage(void) {
@@ -78,315 +76,6 @@ static void json_numf(bench_json_t *j, const char *key, double value, int prec) 
   int n = isfinite(value) ? snprintf(j->buf + j->len, room, ",\"%s\":%.*f", key, prec, value)
                           : snprintf(j->buf + j->len, room, ",\"%s\":null", key);
   j->len += n > 0 ? (size_t)n : 0;
-}
-
-/* ------------------------------------------------------------------ /proc */
-
-static int64_t clk_tck;
-
-/* ppid, state and utime+stime (µs) of pid; -1 if it is gone. */
-static int proc_stat(pid_t pid, pid_t *ppid, char *state, int64_t *cpu_us) {
-  char path[64], buf[1024];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  ssize_t n = read(fd, buf, sizeof buf - 1);
-  close(fd);
-  if (n <= 0) return -1;
-  buf[n] = '\0';
-  char *p = strrchr(buf, ')'); /* comm may hold spaces */
-  if (!p) return -1;
-  char st;
-  int pp;
-  unsigned long long ut, stime;
-  /* after ')': state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime */
-  if (sscanf(p + 1, " %c %d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &st, &pp, &ut,
-             &stime) != 4)
-    return -1;
-  if (ppid) *ppid = pp;
-  if (state) *state = st;
-  if (cpu_us) *cpu_us = (int64_t)(ut + stime) * 1000000 / clk_tck;
-  return 0;
-}
-
-static int64_t proc_cpu_us(pid_t pid) {
-  int64_t us = 0;
-  return proc_stat(pid, NULL, NULL, &us) == 0 ? us : -1;
-}
-
-/* A "VmRSS:" style line of /proc/<pid>/status, in bytes; -1 if absent. */
-static int64_t proc_status_bytes(pid_t pid, const char *key) {
-  char path[64], line[256];
-  snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
-  FILE *f = fopen(path, "re");
-  if (!f) return -1;
-  int64_t v = -1;
-  size_t kl = strlen(key);
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, key, kl) == 0 && line[kl] == ':') {
-      long long kb;
-      if (sscanf(line + kl + 1, "%lld", &kb) == 1) v = kb * 1024;
-      break;
-    }
-  }
-  fclose(f);
-  return v;
-}
-
-/* Live (not zombie) children of ppid, by scanning /proc. */
-static int proc_children(pid_t ppid, pid_t *out, int max) {
-  DIR *d = opendir("/proc");
-  if (!d) return 0;
-  int n = 0;
-  struct dirent *de;
-  while ((de = readdir(d)) && n < max) {
-    char *end;
-    long pid = strtol(de->d_name, &end, 10);
-    if (*end || pid <= 0) continue;
-    pid_t pp;
-    char st;
-    if (proc_stat((pid_t)pid, &pp, &st, NULL) == 0 && pp == ppid && st != 'Z')
-      out[n++] = (pid_t)pid;
-  }
-  closedir(d);
-  return n;
-}
-
-static bool proc_alive(pid_t pid) {
-  char st;
-  return proc_stat(pid, NULL, &st, NULL) == 0 && st != 'Z';
-}
-
-static int64_t agents_cpu_us(const pid_t *pids, int n) {
-  int64_t sum = 0;
-  for (int i = 0; i < n; i++) {
-    int64_t v = proc_cpu_us(pids[i]);
-    if (v > 0) sum += v;
-  }
-  return sum;
-}
-
-static int64_t agents_rss(const pid_t *pids, int n) {
-  int64_t sum = 0;
-  for (int i = 0; i < n; i++) {
-    int64_t v = proc_status_bytes(pids[i], "VmRSS");
-    if (v > 0) sum += v;
-  }
-  return sum;
-}
-
-static int64_t self_cpu_us(void) {
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return (int64_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000 + ru.ru_utime.tv_usec +
-         ru.ru_stime.tv_usec;
-}
-
-/* ------------------------------------------------------------------ the server child */
-
-typedef struct {
-  pid_t pid;
-  int port;
-  char dir[PATH_MAX];
-  char log[PATH_MAX + 16];
-  char target[64];
-  pid_t agents[MAX_AGENTS];
-  int nagents;
-  int exit_status;     /* after server_stop: exit code, or 128 + signal */
-  int agents_left;     /* agents still alive 5 s after the server exited */
-} server_t;
-
-static char bin_dir[PATH_MAX];
-
-static void find_bin_dir(const char *argv0) {
-  const char *env = getenv("MESHD_BIN_DIR");
-  if (env && *env) {
-    snprintf(bin_dir, sizeof bin_dir, "%s", env);
-    return;
-  }
-  char self[PATH_MAX];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n > 0) {
-    self[n] = '\0';
-  } else {
-    snprintf(self, sizeof self, "%s", argv0);
-  }
-  snprintf(bin_dir, sizeof bin_dir, "%s", dirname(self));
-}
-
-static int read_port_file(const char *path) {
-  FILE *f = fopen(path, "re");
-  if (!f) return -1;
-  int port = -1;
-  if (fscanf(f, "%d", &port) != 1) port = -1;
-  fclose(f);
-  return port;
-}
-
-static grpc_status_code health_check(rpc_channel_t *ch, int *status) {
-  Grpc__Health__V1__HealthCheckRequest req = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
-  req.service = TENSOR_SERVICE;
-  ProtobufCMessage *rep = NULL;
-  grpc_status_code code = rpc_unary(ch, HEALTH_CHECK, &req.base,
-                                    &grpc__health__v1__health_check_response__descriptor, &rep,
-                                    NULL, 0, 2000, NULL);
-  if (code == GRPC_STATUS_OK) {
-    *status = (int)((Grpc__Health__V1__HealthCheckResponse *)rep)->status;
-    protobuf_c_message_free_unpacked(rep, NULL);
-  }
-  return code;
-}
-
-static void server_stop(server_t *s);
-
-/* Starts meshd with n local agents; returns once TensorService is SERVING. */
-static int server_start(server_t *s, int nagents) {
-  memset(s, 0, sizeof *s);
-  snprintf(s->dir, sizeof s->dir, "/tmp/bench_commands.XXXXXX");
-  if (!mkdtemp(s->dir)) {
-    fprintf(stderr, "bench_commands: mkdtemp: %s\n", strerror(errno));
-    return -1;
-  }
-  char meshd[PATH_MAX + 8], port_file[PATH_MAX + 16], agents[16];
-  snprintf(meshd, sizeof meshd, "%s/meshd", bin_dir);
-  snprintf(port_file, sizeof port_file, "%s/port", s->dir);
-  snprintf(s->log, sizeof s->log, "%s/meshd.log", s->dir);
-  snprintf(agents, sizeof agents, "%d", nagents);
-  if (access(meshd, X_OK) != 0) {
-    fprintf(stderr, "bench_commands: %s: %s (set MESHD_BIN_DIR)\n", meshd, strerror(errno));
-    return -1;
-  }
-  /* The memory case keeps --live-tensors (10^6) refs live, --drop-batch may
-   * pass 4096: the session limits would refuse them. */
-  char *argv[] = {meshd, "--listen", "127.0.0.1:0", "--port-file", port_file,
-                  "--local-agents", agents, "--session-max-refs", "0", "--max-command-refs", "0",
-                  NULL};
-  int logfd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (logfd < 0) {
-    fprintf(stderr, "bench_commands: %s: %s\n", s->log, strerror(errno));
-    return -1;
-  }
-  fflush(stdout);
-  fflush(stderr);
-  pid_t parent = getpid();
-  pid_t pid = fork();
-  if (pid < 0) {
-    fprintf(stderr, "bench_commands: fork: %s\n", strerror(errno));
-    close(logfd);
-    return -1;
-  }
-  if (pid == 0) { /* async-signal-safe calls only until exec */
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != parent) _exit(1);
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, 0);
-    dup2(logfd, 1);
-    dup2(logfd, 2);
-    execv(meshd, argv);
-    _exit(127);
-  }
-  close(logfd);
-  s->pid = pid;
-
-  int64_t deadline = bench_now_ns() + 15 * 1000000000LL;
-  while ((s->port = read_port_file(port_file)) <= 0) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid) {
-      fprintf(stderr, "bench_commands: meshd exited at start (status 0x%x); log: %s\n", st, s->log);
-      s->pid = 0;
-      return -1;
-    }
-    if (bench_now_ns() > deadline) {
-      fprintf(stderr, "bench_commands: meshd wrote no port file in 15 s; log: %s\n", s->log);
-      server_stop(s);
-      return -1;
-    }
-    usleep(20000);
-  }
-  snprintf(s->target, sizeof s->target, "127.0.0.1:%d", s->port);
-
-  rpc_channel_t *ch = rpc_channel_create(s->target, NULL);
-  int status = 0;
-  deadline = bench_now_ns() + 30 * 1000000000LL;
-  while (!(health_check(ch, &status) == GRPC_STATUS_OK && status == 1 /* SERVING */)) {
-    if (bench_now_ns() > deadline) {
-      fprintf(stderr, "bench_commands: %s not SERVING after 30 s (status %d); log: %s\n",
-              TENSOR_SERVICE, status, s->log);
-      rpc_channel_destroy(ch);
-      server_stop(s);
-      return -1;
-    }
-    usleep(50000);
-  }
-  rpc_channel_destroy(ch);
-  /* The agents registered before SERVING, so they are all there. */
-  s->nagents = proc_children(s->pid, s->agents, MAX_AGENTS);
-  if (s->nagents != nagents)
-    fprintf(stderr, "bench_commands: meshd has %d child process(es), expected %d agents\n",
-            s->nagents, nagents);
-  return 0;
-}
-
-/* SIGTERM to the meshd we started, then wait; checks its agents are gone. */
-static void server_stop(server_t *s) {
-  if (s->pid <= 0) return;
-  pid_t agents[MAX_AGENTS];
-  int nagents = proc_children(s->pid, agents, MAX_AGENTS); /* now, after any restart */
-  kill(s->pid, SIGTERM);
-  int st = 0;
-  int64_t deadline = bench_now_ns() + 20 * 1000000000LL;
-  pid_t r;
-  while ((r = waitpid(s->pid, &st, WNOHANG)) == 0 && bench_now_ns() < deadline) usleep(20000);
-  if (r == 0) {
-    fprintf(stderr, "bench_commands: meshd %d did not exit 20 s after SIGTERM; SIGKILL\n",
-            (int)s->pid);
-    kill(s->pid, SIGKILL);
-    waitpid(s->pid, &st, 0);
-  }
-  s->exit_status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  s->pid = 0;
-  /* The agents die with meshd (supervisor stop, or PDEATHSIG); give them 5 s. */
-  deadline = bench_now_ns() + 5 * 1000000000LL;
-  int left;
-  do {
-    left = 0;
-    for (int i = 0; i < nagents; i++) left += proc_alive(agents[i]);
-    if (left) usleep(20000);
-  } while (left && bench_now_ns() < deadline);
-  s->agents_left = left;
-  for (int i = 0; left && i < nagents; i++) {
-    if (!proc_alive(agents[i])) continue;
-    fprintf(stderr, "bench_commands: agent %d outlived meshd by 5 s; SIGKILL\n", (int)agents[i]);
-    kill(agents[i], SIGKILL);
-  }
-}
-
-/* Counts WARN and ERROR lines in the log and echoes the first few to stderr. */
-static void log_scan(const server_t *s, int *warns, int *errors) {
-  *warns = *errors = 0;
-  FILE *f = fopen(s->log, "re");
-  if (!f) return;
-  char line[4096];
-  int shown = 0;
-  while (fgets(line, sizeof line, f)) {
-    bool w = strstr(line, "Z WARN ") != NULL, e = strstr(line, "Z ERROR ") != NULL;
-    *warns += w;
-    *errors += e;
-    if ((w || e) && shown++ < 10) fprintf(stderr, "  meshd log: %s", line);
-  }
-  fclose(f);
-}
-
-static void server_cleanup(const server_t *s, bool keep) {
-  if (keep) {
-    fprintf(stderr, "bench_commands: kept %s\n", s->dir);
-    return;
-  }
-  char path[PATH_MAX + 16];
-  snprintf(path, sizeof path, "%s/port", s->dir);
-  unlink(path);
-  unlink(s->log);
-  rmdir(s->dir);
 }
 
 /* ------------------------------------------------------------------ session, stream */
@@ -752,7 +441,10 @@ typedef struct {
 
 static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
   server_t srv;
-  if (server_start(&srv, nagents) != 0) return -1;
+  /* --drop-batch may pass 4096 refs per Drop: the session limits would
+   * refuse it. */
+  static const char *const extra[] = {"--session-max-refs", "0", "--max-command-refs", "0"};
+  if (server_start(&srv, nagents, extra, 4) != 0) return -1;
   fprintf(stderr, "bench_commands: meshd %d on %s with %d agent(s)\n", (int)srv.pid, srv.target,
           nagents);
   client_t c;
@@ -840,7 +532,9 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
 
 static int memory_case(const opts_t *o) {
   server_t srv;
-  if (server_start(&srv, 1) != 0) return -1;
+  /* --live-tensors (10^6) refs live: the session limits would refuse them. */
+  static const char *const extra[] = {"--session-max-refs", "0", "--max-command-refs", "0"};
+  if (server_start(&srv, 1, extra, 4) != 0) return -1;
   fprintf(stderr, "bench_commands: memory: meshd %d on %s, %llu live refs\n", (int)srv.pid,
           srv.target, (unsigned long long)o->live_tensors);
   client_t c;
@@ -936,6 +630,7 @@ int main(int argc, char **argv) {
   if (o.seconds <= 0 || o.warmup < 0 || o.drop_batch < 0 || o.memory_seconds <= 0) usage();
   clk_tck = sysconf(_SC_CLK_TCK);
   if (clk_tck <= 0) clk_tck = 100;
+  bench_name = "bench_commands";
   find_bin_dir(argv[0]);
   signal(SIGPIPE, SIG_IGN);
 

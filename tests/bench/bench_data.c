@@ -1,0 +1,413 @@
+/* bench_data: tensor bytes up (Upload) and down (Fetch) through meshd, in MB/s
+ * and as ratios to the rpc layer's raw streaming of the same bytes in the same
+ * run. The C counterpart of bench_data.py (which measures grpcio and the Python
+ * client); both print the same JSON lines.
+ *
+ *   bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] [--skip-baseline]
+ *
+ * --sizes: MiB per tensor; --agents: agent counts; --rounds: runs per figure,
+ * the best of which is reported (machines here are noisy).
+ *
+ * Baseline: an Echo server in a child process (rpc_baseline.h); "upload" is
+ * ClientStream with the bytes as 1 MiB payloads, "fetch" is ServerStream
+ * answering with them. Both sides unpack each message, as a client of meshd
+ * does.
+ *
+ * meshd: `meshd --local-agents N` in a child process (bench_server.h). Upload
+ * sends an UploadHeader, then the bytes in 1 MiB UploadChunk{data} messages
+ * packed by hand (rpc_bytes_field: what a C client that does not copy sends);
+ * with N agents it is per_rank (a 1/N slice per rank). Fetch reads every
+ * rank's shard, all at once, one thread per rank. The tensor is dropped after
+ * each round.
+ *
+ * JSON lines on stdout; progress on stderr. Not a test: run by hand. */
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench_server.h"
+#include "meshd/test/v1/echo.pb-c.h"
+#include "meshd/v1/tensor_service.pb-c.h"
+#include "rpc.h"
+#include "rpc_baseline.h"
+
+#define SVC "/meshd.v1.TensorService/"
+#define CHUNK (1u << 20)
+#define CALL_MS 600000
+#define MAX_SIZES 8
+
+typedef struct {
+  int sizes[MAX_SIZES], nsizes;
+  int agents[8], nagents;
+  int rounds;
+  bool skip_baseline;
+} opts_t;
+
+static void usage(void) {
+  fprintf(stderr, "usage: bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] "
+                  "[--skip-baseline]\n");
+  exit(2);
+}
+
+static int parse_list(const char *v, int *out, int max, int lo, int hi) {
+  char buf[128];
+  snprintf(buf, sizeof buf, "%s", v);
+  int n = 0;
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && n < max;
+       t = strtok_r(NULL, ",", &save)) {
+    out[n] = atoi(t);
+    if (out[n] < lo || out[n] > hi) usage();
+    n++;
+  }
+  return n;
+}
+
+/* ------------------------------------------------------------------ the baseline */
+
+static int raw_upload(rpc_channel_t *ch, size_t bytes, const uint8_t *block) {
+  rpc_stream_t *s = rpc_stream_open(ch, "/meshd.test.v1.Echo/ClientStream", NULL, 0, CALL_MS);
+  Meshd__Test__V1__EchoRequest r = MESHD__TEST__V1__ECHO_REQUEST__INIT;
+  r.payload.data = (uint8_t *)block;
+  int rc = s ? 0 : -1;
+  for (size_t off = 0; rc == 0 && off < bytes; off += CHUNK) {
+    r.payload.len = bytes - off < CHUNK ? bytes - off : CHUNK;
+    rc = rpc_stream_write(s, &r.base, false);
+  }
+  if (rc == 0) rc = rpc_stream_close_send(s);
+  ProtobufCMessage *m = NULL;
+  while (rc == 0 && rpc_stream_read(s, &meshd__test__v1__echo_reply__descriptor, &m, CALL_MS) == 1) {
+    protobuf_c_message_free_unpacked(m, NULL);
+    m = NULL;
+  }
+  if (s && rpc_stream_finish(s, NULL) != GRPC_STATUS_OK) rc = -1;
+  rpc_stream_destroy(s);
+  return rc;
+}
+
+static int raw_fetch(rpc_channel_t *ch, size_t bytes, const uint8_t *block) {
+  rpc_stream_t *s = rpc_stream_open(ch, "/meshd.test.v1.Echo/ServerStream", NULL, 0, CALL_MS);
+  Meshd__Test__V1__EchoRequest r = MESHD__TEST__V1__ECHO_REQUEST__INIT;
+  r.payload.data = (uint8_t *)block;
+  r.payload.len = CHUNK;
+  r.reply_count = (int32_t)(bytes / CHUNK);
+  size_t got = 0;
+  int rc = s ? rpc_stream_write(s, &r.base, true) : -1;
+  ProtobufCMessage *m = NULL;
+  while (rc == 0 && rpc_stream_read(s, &meshd__test__v1__echo_reply__descriptor, &m, CALL_MS) == 1) {
+    got += ((Meshd__Test__V1__EchoReply *)m)->payload.len;
+    protobuf_c_message_free_unpacked(m, NULL);
+    m = NULL;
+  }
+  if (s && rpc_stream_finish(s, NULL) != GRPC_STATUS_OK) rc = -1;
+  rpc_stream_destroy(s);
+  return rc == 0 && got == (size_t)r.reply_count * CHUNK ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ meshd */
+
+typedef struct {
+  rpc_channel_t *ch;
+  char id[128], token[128];
+  rpc_md_t md[2];
+  uint64_t seq, ref, mesh;
+} session_t;
+
+static int session_open(session_t *c, const char *target, int nagents) {
+  memset(c, 0, sizeof *c);
+  c->ch = rpc_channel_create(target, &(rpc_channel_opts_t){.max_message_bytes = 8 << 20});
+  if (!c->ch || !rpc_channel_wait_ready(c->ch, 5000)) return -1;
+  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
+  req.client_name = "bench_data";
+  ProtobufCMessage *rep = NULL;
+  rpc_status_t st;
+  if (rpc_unary(c->ch, SVC "CreateSession", &req.base, &meshd__v1__create_session_reply__descriptor,
+                &rep, NULL, 0, 5000, &st) != GRPC_STATUS_OK) {
+    fprintf(stderr, "bench_data: CreateSession: %s\n", st.message);
+    return -1;
+  }
+  Meshd__V1__CreateSessionReply *r = (Meshd__V1__CreateSessionReply *)rep;
+  snprintf(c->id, sizeof c->id, "%s", r->session_id);
+  snprintf(c->token, sizeof c->token, "%s", r->token);
+  protobuf_c_message_free_unpacked(rep, NULL);
+  c->md[0] = (rpc_md_t){"meshd-session", c->id};
+  c->md[1] = (rpc_md_t){"meshd-token", c->token};
+  Meshd__V1__Dim dim = MESHD__V1__DIM__INIT;
+  dim.name = "gpu";
+  dim.size = nagents;
+  Meshd__V1__Dim *dims[1] = {&dim};
+  Meshd__V1__CreateMesh cm = MESHD__V1__CREATE_MESH__INIT;
+  cm.ref = c->mesh = ++c->ref;
+  cm.n_dims = 1;
+  cm.dims = dims;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.seq = ++c->seq;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_MESH;
+  cmd.create_mesh = &cm;
+  if (rpc_unary(c->ch, SVC "Execute", &cmd.base, &meshd__v1__command_result__descriptor, &rep,
+                c->md, 2, 10000, &st) != GRPC_STATUS_OK) {
+    fprintf(stderr, "bench_data: CreateMesh: %s\n", st.message);
+    return -1;
+  }
+  protobuf_c_message_free_unpacked(rep, NULL);
+  return 0;
+}
+
+static void session_close(session_t *c) {
+  if (c->ch) rpc_channel_destroy(c->ch);
+  memset(c, 0, sizeof *c);
+}
+
+static int drop(session_t *c, uint64_t ref) {
+  Meshd__V1__Drop d = MESHD__V1__DROP__INIT;
+  d.refs = &ref;
+  d.n_refs = 1;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.seq = ++c->seq;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
+  cmd.drop = &d;
+  ProtobufCMessage *rep = NULL;
+  grpc_status_code code = rpc_unary(c->ch, SVC "Execute", &cmd.base,
+                                    &meshd__v1__command_result__descriptor, &rep, c->md, 2, 10000,
+                                    NULL);
+  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+  return code == GRPC_STATUS_OK ? 0 : -1;
+}
+
+/* Uploads `bytes` (per_rank over nagents when > 1); the new ref in *ref. */
+static int upload(session_t *c, int nagents, size_t bytes, const uint8_t *block, uint64_t *ref) {
+  rpc_stream_t *s = rpc_stream_open(c->ch, SVC "Upload", c->md, 2, CALL_MS);
+  if (!s) return -1;
+  int64_t shape[1] = {(int64_t)(bytes / (size_t)nagents / 4)};
+  Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
+  h.ref = *ref = ++c->ref;
+  h.mesh = c->mesh;
+  h.shape = shape;
+  h.n_shape = 1;
+  h.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
+  h.per_rank = nagents > 1;
+  h.total_bytes = bytes;
+  Meshd__V1__UploadChunk first = MESHD__V1__UPLOAD_CHUNK__INIT;
+  first.part_case = MESHD__V1__UPLOAD_CHUNK__PART_HEADER;
+  first.header = &h;
+  int rc = rpc_stream_write(s, &first.base, false);
+  for (size_t off = 0; rc == 0 && off < bytes; off += CHUNK) {
+    size_t n = bytes - off < CHUNK ? bytes - off : CHUNK;
+    uint8_t *dst;
+    rpc_bytes_t *m = rpc_bytes_field(MESHD__V1__UPLOAD_CHUNK__PART_DATA, n, &dst);
+    memcpy(dst, block, n); /* the one copy a client makes, from its array */
+    rc = rpc_stream_write_raw(s, m);
+    rpc_bytes_free(m);
+  }
+  if (rc == 0) rc = rpc_stream_close_send(s);
+  ProtobufCMessage *rep = NULL;
+  while (rpc_stream_read(s, &meshd__v1__upload_reply__descriptor, &rep, CALL_MS) == 1) {
+    protobuf_c_message_free_unpacked(rep, NULL);
+    rep = NULL;
+  }
+  rpc_status_t st;
+  if (rpc_stream_finish(s, &st) != GRPC_STATUS_OK) {
+    fprintf(stderr, "bench_data: Upload: %s\n", st.message);
+    rc = -1;
+  }
+  rpc_stream_destroy(s);
+  return rc;
+}
+
+typedef struct {
+  session_t *c;
+  uint64_t ref;
+  int rank;
+  size_t got;
+  int rc;
+} fetch_job_t;
+
+static void *fetch_rank(void *arg) {
+  fetch_job_t *j = arg;
+  rpc_stream_t *s = rpc_stream_open(j->c->ch, SVC "Fetch", j->c->md, 2, CALL_MS);
+  Meshd__V1__Coordinate co = MESHD__V1__COORDINATE__INIT;
+  co.dim = "gpu";
+  co.index = j->rank;
+  Meshd__V1__Coordinate *coords[1] = {&co};
+  Meshd__V1__FetchRequest r = MESHD__V1__FETCH_REQUEST__INIT;
+  r.ref = j->ref;
+  r.coords = coords;
+  r.n_coords = 1;
+  j->rc = s ? rpc_stream_write(s, &r.base, true) : -1;
+  ProtobufCMessage *m = NULL;
+  while (j->rc == 0 && rpc_stream_read(s, &meshd__v1__fetch_chunk__descriptor, &m, CALL_MS) == 1) {
+    const Meshd__V1__FetchChunk *c = (const void *)m;
+    if (c->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA) j->got += c->data.len;
+    protobuf_c_message_free_unpacked(m, NULL);
+    m = NULL;
+  }
+  rpc_status_t st;
+  if (s && rpc_stream_finish(s, &st) != GRPC_STATUS_OK) {
+    fprintf(stderr, "bench_data: Fetch from rank %d: %s\n", j->rank, st.message);
+    j->rc = -1;
+  }
+  rpc_stream_destroy(s);
+  return NULL;
+}
+
+static int fetch_all(session_t *c, uint64_t ref, int nagents, size_t bytes) {
+  fetch_job_t jobs[MAX_AGENTS];
+  pthread_t t[MAX_AGENTS];
+  for (int i = 0; i < nagents; i++) {
+    jobs[i] = (fetch_job_t){c, ref, i, 0, 0};
+    if (pthread_create(&t[i], NULL, fetch_rank, &jobs[i]) != 0) return -1;
+  }
+  size_t got = 0;
+  int rc = 0;
+  for (int i = 0; i < nagents; i++) {
+    pthread_join(t[i], NULL);
+    got += jobs[i].got;
+    rc |= jobs[i].rc;
+  }
+  return rc == 0 && got == bytes ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ reporting */
+
+static void emit(int nagents, int mib, const char *path, const char *direction, double mbs,
+                 double raw) {
+  bench_json_t j;
+  bench_json_begin(&j, "data");
+  if (nagents) bench_json_num(&j, "agents", nagents);
+  bench_json_num(&j, "mib", mib);
+  bench_json_str(&j, "path", path);
+  bench_json_str(&j, "direction", direction);
+  bench_json_num(&j, "mb_s", mbs);
+  if (nagents) bench_json_num(&j, "raw_mb_s", raw);
+  /* bench_json_num keeps one decimal: a ratio needs three. */
+  if (j.len < sizeof j.buf) {
+    int n = isfinite(mbs / raw)
+                ? snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio\":%.3f", mbs / raw)
+                : snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio\":null");
+    j.len += n > 0 ? (size_t)n : 0;
+  }
+  bench_json_end(&j, stdout);
+}
+
+/* Best MB/s of `rounds` runs of one direction; NAN when a run failed. */
+typedef int (*run_fn)(void *arg);
+
+static double best_mbs(run_fn fn, void *arg, int rounds, size_t bytes) {
+  double best = 0;
+  for (int r = 0; r < rounds; r++) {
+    int64_t t0 = bench_now_ns();
+    if (fn(arg) != 0) return NAN;
+    double secs = (double)(bench_now_ns() - t0) / 1e9;
+    double mbs = (double)bytes / secs / 1e6;
+    if (mbs > best) best = mbs;
+  }
+  return best;
+}
+
+typedef struct {
+  rpc_channel_t *ch;
+  session_t *c;
+  int nagents;
+  size_t bytes;
+  const uint8_t *block;
+  uint64_t ref;
+  bool drop_after;
+} run_t;
+
+static int run_raw_upload(void *p) {
+  run_t *r = p;
+  return raw_upload(r->ch, r->bytes, r->block);
+}
+static int run_raw_fetch(void *p) {
+  run_t *r = p;
+  return raw_fetch(r->ch, r->bytes, r->block);
+}
+static int run_upload(void *p) {
+  run_t *r = p;
+  if (r->ref && r->drop_after && drop(r->c, r->ref) != 0) return -1;
+  r->ref = 0;
+  return upload(r->c, r->nagents, r->bytes, r->block, &r->ref);
+}
+static int run_fetch(void *p) {
+  run_t *r = p;
+  return fetch_all(r->c, r->ref, r->nagents, r->bytes);
+}
+
+static int agents_case(int nagents, const opts_t *o, const double (*raw)[2], const uint8_t *block) {
+  server_t srv;
+  if (server_start(&srv, nagents, NULL, 0) != 0) return -1;
+  session_t c;
+  int rc = session_open(&c, srv.target, nagents);
+  for (int i = 0; rc == 0 && i < o->nsizes; i++) {
+    size_t bytes = (size_t)o->sizes[i] << 20;
+    bytes -= bytes % ((size_t)nagents * 4);
+    fprintf(stderr, "bench_data: %d agent(s), %d MiB\n", nagents, o->sizes[i]);
+    run_t r = {.c = &c, .nagents = nagents, .bytes = bytes, .block = block, .drop_after = true};
+    double up = best_mbs(run_upload, &r, o->rounds, bytes);
+    double down = isfinite(up) ? best_mbs(run_fetch, &r, o->rounds, bytes) : NAN;
+    if (r.ref) drop(&c, r.ref);
+    emit(nagents, o->sizes[i], "c", "upload", up, raw[i][0]);
+    emit(nagents, o->sizes[i], "c", "fetch", down, raw[i][1]);
+    if (!isfinite(up) || !isfinite(down)) rc = -1;
+  }
+  session_close(&c);
+  server_stop(&srv);
+  int warns, errors;
+  log_scan(&srv, &warns, &errors);
+  server_cleanup(&srv, rc != 0 || errors);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  opts_t o = {.sizes = {1, 64, 1024}, .nsizes = 3, .agents = {1, 4}, .nagents = 2, .rounds = 3};
+  for (int i = 1; i < argc; i++) {
+    const char *v;
+    if ((v = bench_arg(argc, argv, &i, "--sizes"))) o.nsizes = parse_list(v, o.sizes, MAX_SIZES, 1, 16384);
+    else if ((v = bench_arg(argc, argv, &i, "--agents"))) o.nagents = parse_list(v, o.agents, 8, 1, MAX_AGENTS);
+    else if ((v = bench_arg(argc, argv, &i, "--rounds"))) o.rounds = atoi(v);
+    else if (strcmp(argv[i], "--skip-baseline") == 0) o.skip_baseline = true;
+    else usage();
+  }
+  if (o.rounds < 1 || o.nsizes < 1 || o.nagents < 1) usage();
+  bench_name = "bench_data";
+  clk_tck = sysconf(_SC_CLK_TCK);
+  find_bin_dir(argv[0]);
+  signal(SIGPIPE, SIG_IGN);
+  uint8_t *block = calloc(1, CHUNK);
+  if (!block) return 1;
+  char err[256] = "";
+  bench_echo_child_t echo = {0};
+  if (!o.skip_baseline && bench_echo_fork(2, &echo, err, sizeof err) != 0) {
+    fprintf(stderr, "bench_data: %s\n", err);
+    return 1;
+  }
+  rpc_init();
+  int rc = 0;
+  double raw[MAX_SIZES][2];
+  for (int i = 0; i < MAX_SIZES; i++) raw[i][0] = raw[i][1] = NAN;
+  if (!o.skip_baseline) {
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", echo.port);
+    rpc_channel_t *ch =
+        rpc_channel_create(target, &(rpc_channel_opts_t){.max_message_bytes = RPC_BASELINE_MAX_MESSAGE});
+    rpc_channel_wait_ready(ch, 5000);
+    for (int i = 0; i < o.nsizes; i++) {
+      size_t bytes = (size_t)o.sizes[i] << 20;
+      run_t r = {.ch = ch, .bytes = bytes, .block = block};
+      raw[i][0] = best_mbs(run_raw_upload, &r, o.rounds, bytes);
+      raw[i][1] = best_mbs(run_raw_fetch, &r, o.rounds, bytes);
+      emit(0, o.sizes[i], "raw", "upload", raw[i][0], raw[i][0]);
+      emit(0, o.sizes[i], "raw", "fetch", raw[i][1], raw[i][1]);
+    }
+    rpc_channel_destroy(ch);
+    if (bench_echo_child_stop(&echo) != 0) rc = 1;
+  }
+  for (int i = 0; i < o.nagents; i++)
+    if (agents_case(o.agents[i], &o, (const double(*)[2])raw, block) != 0) rc = 1;
+  rpc_shutdown();
+  free(block);
+  return rc;
+}
