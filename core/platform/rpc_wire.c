@@ -7,6 +7,7 @@
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 
@@ -155,14 +156,22 @@ static size_t varint_get(const uint8_t *p, size_t len, uint64_t *v) {
 }
 
 rpc_bytes_t *rpc_bytes_field(uint32_t field, size_t len, uint8_t **data) {
+  enum { ALIGN = 16 };
   uint8_t head[20];
   size_t h = varint_put(head, ((uint64_t)field << 3) | 2);
   h += varint_put(head + h, len);
   /* Refcounted even when small: an inlined slice's bytes live in the slice
-   * struct itself, which the buffer copies, so *data would point at ours. */
-  grpc_slice s = grpc_slice_malloc_large(h + len);
-  memcpy(GRPC_SLICE_START_PTR(s), head, h);
-  *data = GRPC_SLICE_START_PTR(s) + h;
+   * struct itself, which the buffer copies, so *data would point at ours.
+   * The bytes start 16-byte aligned (a tensor's elements are read into
+   * them): the header sits just before, in a sub-slice of the same memory. */
+  grpc_slice whole = grpc_slice_malloc_large(ALIGN + h + len);
+  uint8_t *base = GRPC_SLICE_START_PTR(whole);
+  size_t pad = (ALIGN - ((uintptr_t)(base + h) % ALIGN)) % ALIGN;
+  memcpy(base + pad, head, h);
+  *data = base + pad + h;
+  /* Our reference to `whole` moves to the sub-slice (grpc_slice_sub would
+   * copy a short one inline, away from *data). */
+  grpc_slice s = grpc_slice_sub_no_ref(whole, pad, pad + h + len);
   grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(&s, 1);
   grpc_slice_unref(s); /* the buffer holds its own reference to the same bytes */
   return buf;

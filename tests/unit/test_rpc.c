@@ -1639,3 +1639,22 @@ Test(rpc, a_one_field_message_is_built_recognised_and_unpacks_as_the_message) {
   rpc_bytes_free(m);
   cr_assert_not(rpc_bytes_is_field(NULL, 2, &len));
 }
+
+Test(rpc, a_one_field_messages_bytes_are_aligned_for_any_element) {
+  for (size_t len = 0; len < 300; len += 7) {
+    uint8_t *data = NULL;
+    rpc_bytes_t *m = rpc_bytes_field(2, len, &data);
+    cr_assert_eq((uintptr_t)data % 16, 0, "%zu bytes at %p", len, (void *)data);
+    memset(data, 0xab, len);
+    size_t got;
+    cr_assert(rpc_bytes_is_field(m, 2, &got));
+    cr_assert_eq(got, len);
+    Meshd__Test__V1__EchoRequest *r =
+        (void *)rpc_bytes_unpack(m, &meshd__test__v1__echo_request__descriptor);
+    cr_assert_not_null(r);
+    cr_assert_eq(r->payload.len, len);
+    for (size_t k = 0; k < len; k++) cr_assert_eq(r->payload.data[k], 0xab);
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+    rpc_bytes_free(m);
+  }
+}
