@@ -34,6 +34,7 @@
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
 #include "rpc_baseline.h"
+#include "runtime.h"
 
 #define SVC "/meshd.v1.TensorService/"
 #define CHUNK (1u << 20)
@@ -384,6 +385,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "bench_data: %s\n", err);
     return 1;
   }
+  runtime_tune_malloc(); /* the client side of both, as meshd's daemons */
   rpc_init();
   int rc = 0;
   double raw[MAX_SIZES][2];

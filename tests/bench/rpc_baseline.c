@@ -11,6 +11,7 @@
 
 #include "echo_server.h"
 #include "rpc.h"
+#include "runtime.h"
 
 /* 33 bytes, the size of the Echo text in the first measurements (GRPC_NOTES). */
 static const char text33[] = "0123456789abcdef0123456789abcdef0";
@@ -44,6 +45,7 @@ int bench_echo_fork(int threads, bench_echo_child_t *child, char *err, size_t er
     close(ctl[1]);
     close(rep[0]);
     prctl(PR_SET_PDEATHSIG, SIGTERM);
+    runtime_tune_malloc(); /* as meshd's daemons do: the same allocator behind both */
     rpc_init();
     rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = threads,
                            .max_message_bytes = RPC_BASELINE_MAX_MESSAGE};
