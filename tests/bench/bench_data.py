@@ -25,6 +25,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,7 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
     finally:
         pool.shutdown()
         lib.stop(srv)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main():
@@ -262,6 +264,7 @@ def main():
     finally:
         rawp.terminate()
         rawp.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
     for n in (int(x) for x in a.agents.split(",")):
         run_agents(n, sizes, chunk, a.rounds, raw, a.paths.split(","), a.directions.split(","),
                    sys.stdout, a.extra)
