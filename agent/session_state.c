@@ -340,11 +340,12 @@ void session_state_keep_snapshot(session_state_t *s, uint64_t seq, uint64_t ref,
   if (old) kept_free(old);
 }
 
-int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t **snap,
-                                ref_failure_t *why) {
+/* Takes what Snapshot `seq` kept (of *ref, when given) out of the list;
+ * NULL when nothing matches. */
+static kept_snapshot_t *kept_remove(session_state_t *s, uint64_t seq, const uint64_t *ref) {
   pthread_mutex_lock(&s->mu);
   kept_snapshot_t **p = &s->snapshots, *prev = NULL;
-  while (*p && !((*p)->seq == seq && (*p)->ref == ref)) {
+  while (*p && !((*p)->seq == seq && (!ref || (*p)->ref == *ref))) {
     prev = *p;
     p = &(*p)->next;
   }
@@ -355,6 +356,12 @@ int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, 
     s->nsnapshots--;
   }
   pthread_mutex_unlock(&s->mu);
+  return k;
+}
+
+int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t **snap,
+                                ref_failure_t *why) {
+  kept_snapshot_t *k = kept_remove(s, seq, &ref);
   if (!k) {
     snprintf(why->msg, sizeof why->msg,
              "no snapshot of tensor %llu at seq %llu in session %.8s on this agent (a Read "
@@ -374,18 +381,6 @@ int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, 
 }
 
 void session_state_drop_snapshot(session_state_t *s, uint64_t seq) {
-  pthread_mutex_lock(&s->mu);
-  kept_snapshot_t **p = &s->snapshots, *prev = NULL;
-  while (*p && (*p)->seq != seq) {
-    prev = *p;
-    p = &(*p)->next;
-  }
-  kept_snapshot_t *k = *p;
-  if (k) {
-    *p = k->next;
-    if (s->snapshots_tail == k) s->snapshots_tail = prev;
-    s->nsnapshots--;
-  }
-  pthread_mutex_unlock(&s->mu);
+  kept_snapshot_t *k = kept_remove(s, seq, NULL);
   if (k) kept_free(k);
 }

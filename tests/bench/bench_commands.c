@@ -95,23 +95,7 @@ static int client_open(client_t *c, const char *target) {
     fprintf(stderr, "bench_commands: %s is not ready\n", target);
     return -1;
   }
-  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
-  req.client_name = "bench_commands";
-  ProtobufCMessage *rep = NULL;
-  rpc_status_t st;
-  grpc_status_code code = rpc_unary(c->ch, SVC "CreateSession", &req.base,
-                                    &meshd__v1__create_session_reply__descriptor, &rep, NULL, 0,
-                                    5000, &st);
-  if (code != GRPC_STATUS_OK) {
-    fprintf(stderr, "bench_commands: CreateSession: code %d: %s\n", code, st.message);
-    return -1;
-  }
-  Meshd__V1__CreateSessionReply *r = (Meshd__V1__CreateSessionReply *)rep;
-  snprintf(c->id, sizeof c->id, "%s", r->session_id);
-  snprintf(c->token, sizeof c->token, "%s", r->token);
-  protobuf_c_message_free_unpacked(rep, NULL);
-  c->md[0] = (rpc_md_t){"meshd-session", c->id};
-  c->md[1] = (rpc_md_t){"meshd-token", c->token};
+  if (bench_create_session(c->ch, c->id, c->token, c->md) != 0) return -1;
   c->st = rpc_stream_open(c->ch, SVC "Submit", c->md, 2, 0);
   if (!c->st) {
     fprintf(stderr, "bench_commands: Submit did not open\n");

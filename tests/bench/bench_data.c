@@ -121,21 +121,9 @@ static int session_open(session_t *c, const char *target, int nagents) {
   memset(c, 0, sizeof *c);
   c->ch = rpc_channel_create(target, &(rpc_channel_opts_t){.max_message_bytes = 8 << 20});
   if (!c->ch || !rpc_channel_wait_ready(c->ch, 5000)) return -1;
-  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
-  req.client_name = "bench_data";
+  if (bench_create_session(c->ch, c->id, c->token, c->md) != 0) return -1;
   ProtobufCMessage *rep = NULL;
   rpc_status_t st;
-  if (rpc_unary(c->ch, SVC "CreateSession", &req.base, &meshd__v1__create_session_reply__descriptor,
-                &rep, NULL, 0, 5000, &st) != GRPC_STATUS_OK) {
-    fprintf(stderr, "bench_data: CreateSession: %s\n", st.message);
-    return -1;
-  }
-  Meshd__V1__CreateSessionReply *r = (Meshd__V1__CreateSessionReply *)rep;
-  snprintf(c->id, sizeof c->id, "%s", r->session_id);
-  snprintf(c->token, sizeof c->token, "%s", r->token);
-  protobuf_c_message_free_unpacked(rep, NULL);
-  c->md[0] = (rpc_md_t){"meshd-session", c->id};
-  c->md[1] = (rpc_md_t){"meshd-token", c->token};
   Meshd__V1__Dim dim = MESHD__V1__DIM__INIT;
   dim.name = "gpu";
   dim.size = nagents;

@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 
 import meshd_testlib as lib  # noqa: E402
+from meshd.tensor import _data_field  # noqa: E402  (UploadChunk{data} packed by hand)
 
 _SVC = "/meshd.v1.TensorService/"
 MIB = 1 << 20
@@ -111,16 +112,6 @@ def raw_fetch(ch, nbytes, chunk):
 
 # ------------------------------------------------------------------ meshd, with its protos
 
-def data_field(data):
-    """A message whose only field is `bytes data = 2`, packed: tag, length, bytes."""
-    n, head = len(data), bytearray(b"\x12")
-    while True:
-        head.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(head) + data
-
-
 def wire_upload(s, mesh, nagents, nbytes, chunk):
     t = lib.tensor_pb2()
     ref = s.new_ref()
@@ -135,7 +126,7 @@ def wire_upload(s, mesh, nagents, nbytes, chunk):
         rest = nbytes
         while rest:
             k = min(chunk, rest)
-            yield data_field(block[:k] if k < chunk else block)
+            yield _data_field(block[:k] if k < chunk else block)
             rest -= k
     fn = s.ch.stream_unary(_SVC + "Upload", request_serializer=lambda b: b,
                            response_deserializer=t.UploadReply.FromString)

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "grpc/health/v1/health.pb-c.h"
+#include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
 
 const char *bench_name = "bench";
@@ -319,3 +320,24 @@ void server_cleanup(const server_t *s, bool keep) {
   rmdir(s->dir);
 }
 
+
+int bench_create_session(rpc_channel_t *ch, char id[128], char token[128], rpc_md_t md[2]) {
+  Meshd__V1__CreateSessionRequest req = MESHD__V1__CREATE_SESSION_REQUEST__INIT;
+  req.client_name = (char *)bench_name;
+  ProtobufCMessage *rep = NULL;
+  rpc_status_t st;
+  grpc_status_code code =
+      rpc_unary(ch, "/meshd.v1.TensorService/CreateSession", &req.base,
+                &meshd__v1__create_session_reply__descriptor, &rep, NULL, 0, 5000, &st);
+  if (code != GRPC_STATUS_OK) {
+    fprintf(stderr, "%s: CreateSession: code %d: %s\n", bench_name, code, st.message);
+    return -1;
+  }
+  Meshd__V1__CreateSessionReply *r = (Meshd__V1__CreateSessionReply *)rep;
+  snprintf(id, 128, "%s", r->session_id);
+  snprintf(token, 128, "%s", r->token);
+  protobuf_c_message_free_unpacked(rep, NULL);
+  md[0] = (rpc_md_t){"meshd-session", id};
+  md[1] = (rpc_md_t){"meshd-token", token};
+  return 0;
+}

@@ -56,6 +56,10 @@ int server_start(server_t *s, int nagents, const char *const *extra, size_t next
 void server_stop(server_t *s);
 /* Counts WARN and ERROR lines in the log and echoes the first few to stderr. */
 void log_scan(const server_t *s, int *warns, int *errors);
+/* CreateSession named bench_name on ch: the session's id and token (each
+ * buffer of 128 bytes) and the metadata every later call carries (md[0..1]
+ * point into id and token). 0, or -1 with a message on stderr. */
+int bench_create_session(rpc_channel_t *ch, char id[128], char token[128], rpc_md_t md[2]);
 /* Removes the server's directory, unless keep (then says where it is). */
 void server_cleanup(const server_t *s, bool keep);
 
