@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "executor.h"
+#include "meshd/agent/v1/agent.pb-c.h"
 #include "health.h"
 #include "rpc.h"
 #include "secret.h"
@@ -53,11 +54,33 @@ const rpc_method_t *agent_service_methods(size_t *n);
 int agent_auth_renew(char *out);
 /* Nobody is admitted (between registrations). */
 void agent_auth_clear(void);
+/* The current secret into out (SECRET_HEX_LEN + 1 bytes): 0, or -1 when not
+ * registered now (out is then ""). */
+int agent_auth_secret(char *out);
 /* rpc_guard_fn for the Agent service (Hello, Execute, Read, Write): admits a
- * call carrying the current secret (constant-time compare) as "server";
- * anything else gets UNAUTHENTICATED, logged (rate-limited) with its peer. */
+ * call carrying the current secret (constant-time compare) as "server"; a Read
+ * or Write without it but with a transfer grant (GRANT_MD) as "grant", for
+ * its handler to check (transfer_grant_admit); anything else gets
+ * UNAUTHENTICATED, logged (rate-limited) with its peer. */
 grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
                                   size_t msglen);
+
+/* ---- transfer_grant.c: Read and Write by a client with a grant ------------ */
+
+/* Whether the call was admitted by a grant rather than the call secret. */
+bool transfer_grant_call(rpc_call_t *call);
+/* Checks the call's grant (GRANT_MD) for a call of `direction`
+ * (GRANT_READ/WRITE): signature with
+ * the current call secret, expiry, direction, this agent's rank, and for a
+ * Read the request's session, ref and after_seq (session NULL for a Write);
+ * then takes its nonce (each is accepted once; remembered until the grant's
+ * expiry, at most TRANSFER_NONCES at a time). 0 with *out (free with
+ * protobuf_c_message_free_unpacked); else a gRPC code (PERMISSION_DENIED, or
+ * RESOURCE_EXHAUSTED for a full nonce table) and msg naming the check. */
+#define TRANSFER_NONCES 65536
+int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
+                         uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
+                         size_t msglen);
 
 /* ---- data.c: Agent/Read and Agent/Write -------------------------------- */
 

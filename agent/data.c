@@ -32,6 +32,7 @@
 
 #include "agent.h"
 #include "execute.h"
+#include "grant.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "refs.h"
@@ -80,6 +81,12 @@ static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tens
 }
 
 static _Atomic int read_waiting, write_waiting, read_threads;
+
+static const char *grant_kind(int code) {
+  return code == GRPC_STATUS_PERMISSION_DENIED     ? "PERMISSION_DENIED"
+         : code == GRPC_STATUS_RESOURCE_EXHAUSTED ? "QUOTA"
+                                                   : "UNAVAILABLE";
+}
 
 int data_read_threads(void) { return atomic_load(&read_threads); }
 
@@ -210,6 +217,17 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "Read: %s", why);
     return;
   }
+  if (transfer_grant_call(call)) { /* a client's direct Read: its grant names this call */
+    Meshd__Agent__V1__TransferGrant *g = NULL;
+    char msg[300];
+    int code = transfer_grant_admit(call, GRANT_READ,
+                                    req->session_id, req->ref, req->after_seq, &g, msg, sizeof msg);
+    if (code) {
+      rpc_call_finish(call, (grpc_status_code)code, grant_kind(code), "Read: %s", msg);
+      return;
+    }
+    protobuf_c_message_free_unpacked(&g->base, NULL);
+  }
   executor_t *ex = execute_executor();
   if (!ex || !executor_backend(ex)) {
     if (ex) executor_unref(ex);
@@ -289,6 +307,11 @@ typedef struct write_state {
   agent_tensor_t t; /* the tensor being filled, chunk by chunk, in place */
   size_t bytes, got;
   bool have_spec, done;
+  /* Admitted by a transfer grant (a client's direct Write): the spec came
+   * from it, and the reply carries a receipt over its nonce. */
+  bool granted;
+  uint8_t nonce[GRANT_NONCE_LEN];
+  int64_t expiry_ms;
 } write_state_t;
 
 static void write_release(write_state_t *w) {
@@ -297,6 +320,10 @@ static void write_release(write_state_t *w) {
   if (w->ex) executor_unref(w->ex);
   free(w);
 }
+
+static void write_fail(rpc_call_t *call, write_state_t *w, grpc_status_code code, const char *kind,
+                       const char *msg);
+static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1__DataChunk *c);
 
 void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   write_state_t *w = calloc(1, sizeof *w);
@@ -307,6 +334,21 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
   atomic_init(&w->owners, 1);
   w->call = call;
   rpc_call_set_data(call, w);
+  if (!transfer_grant_call(call)) return;
+  Meshd__Agent__V1__TransferGrant *g = NULL;
+  char msg[300];
+  int code = transfer_grant_admit(call, GRANT_WRITE, NULL,
+                                  0, 0, &g, msg, sizeof msg);
+  if (code) return write_fail(call, w, (grpc_status_code)code, grant_kind(code), msg);
+  w->granted = true;
+  memcpy(w->nonce, g->nonce.data, GRANT_NONCE_LEN);
+  w->expiry_ms = g->expiry_unix_ms;
+  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
+  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
+  c.spec = g->spec;
+  c.session_id = g->session_id;
+  write_spec(call, w, &c);
+  protobuf_c_message_free_unpacked(&g->base, NULL);
 }
 
 static void write_fail(rpc_call_t *call, write_state_t *w, grpc_status_code code, const char *kind,
@@ -429,12 +471,31 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
              w->got, (unsigned long long)w->ref, w->bytes);
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why);
   }
+  uint8_t receipt[GRANT_MAC_LEN];
+  if (w->granted) { /* the server undoes an expired transfer: nothing defined past it */
+    char secret[SECRET_HEX_LEN + 1];
+    int64_t now = grant_now_unix_ms();
+    if (now >= w->expiry_ms)
+      return write_fail(call, w, GRPC_STATUS_PERMISSION_DENIED, "PERMISSION_DENIED",
+                        "transfer grant expired before the Write finished; nothing was stored");
+    int rc = agent_auth_secret(secret) ||
+             grant_receipt(secret, w->nonce, sizeof w->nonce, w->ref,
+                           (uint32_t)atomic_load(&agent_rank), w->got, receipt);
+    memset(secret, 0, sizeof secret);
+    if (rc)
+      return write_fail(call, w, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                        "cannot sign the receipt (not registered with a server now)");
+  }
   int rc = executor_define(w->ex, w->session, w->ref, &w->t);
   if (rc > 0) return write_not_open(w); /* it ended meanwhile */
   if (rc) return write_fail(call, w, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE", "agent out of memory");
   w->done = true;
   Meshd__Agent__V1__WriteReply r = MESHD__AGENT__V1__WRITE_REPLY__INIT;
   r.bytes = w->got;
+  if (w->granted) {
+    r.receipt.data = receipt;
+    r.receipt.len = sizeof receipt;
+  }
   rpc_call_reply(call, &r.base);
 }
 
@@ -445,6 +506,9 @@ void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
   const Meshd__Agent__V1__DataChunk *c = (const void *)msg;
   char why[700];
   if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC) {
+    if (w->granted)
+      return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "a Write under a "
+                        "transfer grant takes its spec from the grant: send data chunks only");
     if (w->have_spec || w->ex)
       return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "a second spec");
     write_spec(call, w, c);

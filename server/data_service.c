@@ -7,7 +7,10 @@
 #include <string.h>
 #include <time.h>
 
+#include <openssl/rand.h>
+
 #include "commands.h"
+#include "grant.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "objects.h"
@@ -31,6 +34,15 @@ struct data_service {
   pthread_mutex_t mu;
   pthread_cond_t idle;
   int live;
+
+  data_path_t path;  /* which of Upload/Fetch and PlanTransfer are served */
+  int64_t grant_ms;  /* a direct transfer's grants live this long */
+  /* Direct transfers planned and not finished (under mu), and the thread
+   * that expires them. */
+  struct transfer *pending;
+  pthread_t sweeper;
+  bool sweeping, stop;
+  pthread_cond_t wake;
 };
 
 static void live_add(data_service_t *ds) {
@@ -147,8 +159,18 @@ static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const c
   finish_error(u->call, &e);
 }
 
+/* --data-path=direct: the bytes never pass through the server. */
+static bool proxy_refused(data_service_t *ds, rpc_call_t *call, const char *method) {
+  if (ds->path != DATA_PATH_DIRECT) return false;
+  rpc_call_finish(call, GRPC_STATUS_FAILED_PRECONDITION, NULL,
+                  "%s: the server's --data-path is direct: move the bytes with PlanTransfer "
+                  "(the Python client does with data_path=\"auto\" or \"direct\")", method);
+  return true;
+}
+
 static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   data_service_t *ds = arg;
+  if (proxy_refused(ds, call, "Upload")) return;
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
   meshd_error_t e;
@@ -336,20 +358,25 @@ static void upload_open(upload_t *u) {
 
 /* A write failed: the ranks that defined the ref let go of it (which the
  * session never claimed, so a later command may define it). Holds s->mu. */
-static void upload_undo(upload_t *u, objects_t *o, const bool *defined) {
+static void refs_undo(data_service_t *ds, session_t *s, objects_t *o, uint64_t ref,
+                      uint64_t stream, const uint32_t *ranks, size_t n, const bool *defined) {
   Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.session_id = u->session->id;
-  ins.stream = u->stream;
+  ins.session_id = s->id;
+  ins.stream = stream;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
   ins.delete_refs = &d;
-  d.refs = &u->ref;
+  d.refs = &ref;
   d.n_refs = 1;
-  for (size_t i = 0; i < u->nranks; i++) {
+  for (size_t i = 0; i < n; i++) {
     uint64_t seq = 0;
-    if (defined[i] && agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0)
-      objects_sent(o, u->ranks[i], seq, 0);
+    if ((!defined || defined[i]) && agent_pool_send(ds->pool, ranks[i], &ins, &seq) == 0)
+      objects_sent(o, ranks[i], seq, 0);
   }
+}
+
+static void upload_undo(upload_t *u, objects_t *o, const bool *defined) {
+  refs_undo(u->ds, u->session, o, u->ref, u->stream, u->ranks, u->nranks, defined);
 }
 
 /* The next queued chunk, NULL once every byte came (or the upload aborted:
@@ -397,6 +424,24 @@ static int upload_forward(upload_t *u, rank_write_t *w, size_t pos, const upload
   return 0;
 }
 
+/* Every rank holds an uploaded tensor: the session defines it (the ref is
+ * claimed here unless the caller claimed it before). Holds s->mu. */
+static obj_t *upload_define(session_t *s, objects_t *o, uint64_t ref, const tensor_meta_t *meta,
+                            uint64_t mesh, uint64_t stream, size_t nranks, const char *what,
+                            meshd_error_t *e) {
+  if (command_check_limits(s, o, OBJ_TENSOR, 1, what, e)) return NULL;
+  o->current_seq = 0; /* an upload is not a numbered command */
+  obj_t *t = objects_new_tensor(o, ref, meta, mesh, stream, nranks);
+  if (t) {
+    if (session_check_ref(s, ref, NULL) == 0) session_claim_ref(s, ref, NULL);
+  } else {
+    error_set(e, ERR_QUOTA, "%s: out of memory on the server", what);
+  }
+  s->bytes_held = o->bytes;
+  s->live_tensors = o->live_tensors;
+  return t;
+}
+
 static void *upload_main(void *arg) {
   upload_t *u = arg;
   meshd_error_t e = {0};
@@ -428,15 +473,8 @@ static void *upload_main(void *arg) {
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
   if (rc != 0 && o && defined) upload_undo(u, o, defined);
   /* Checked again: the session's other commands ran meanwhile. */
-  if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0 &&
-      command_check_limits(s, o, OBJ_TENSOR, 1, "Upload", &e) == 0) {
-    o->current_seq = 0; /* an upload is not a numbered command */
-    t = objects_new_tensor(o, u->ref, &u->meta, u->mesh, u->stream, u->nranks);
-    if (t) session_claim_ref(s, u->ref, NULL);
-    else error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
-    s->bytes_held = o->bytes;
-    s->live_tensors = o->live_tensors;
-  }
+  if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0)
+    t = upload_define(s, o, u->ref, &u->meta, u->mesh, u->stream, u->nranks, "Upload", &e);
   Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
@@ -602,6 +640,7 @@ typedef struct fetch {
   bool sent_meta;              /* touched by the relay's steps only, one at a time */
   uint64_t stream;             /* the tensor's: where the Snapshot (after_seq) went */
   _Atomic bool read_all;       /* the agent's Read ended OK: it took the Snapshot */
+  bool direct;                 /* a direct transfer's FinishFetch: no relay, just the wait */
 
   pthread_mutex_t mu;
   int refs;          /* the call's (until on_end) and the relay's (until it stops) */
@@ -805,6 +844,13 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
     relay_stop(f);
     return true;
   }
+  if (f->direct) { /* the client read the shard itself: the value is good on every rank */
+    Meshd__V1__FinishFetchReply ok = MESHD__V1__FINISH_FETCH_REPLY__INIT;
+    atomic_store(&f->read_all, true);
+    rpc_call_reply(f->call, &ok.base);
+    relay_stop(f);
+    return true;
+  }
   fetch_read(f);
   return true;
 }
@@ -931,6 +977,7 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
 
 static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   data_service_t *ds = arg;
+  if (proxy_refused(ds, call, "Fetch")) return;
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
   meshd_error_t e;
@@ -987,6 +1034,424 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   fetch_unref(f);
 }
 
+
+/* ------------------------------------------------------------------ direct */
+
+/* The direct data path (docs/protocol.md, Direct data path): PlanTransfer
+ * runs an Upload's or a Fetch's checks and planning, then hands the client a
+ * grant per shard (grant.h), signed with that agent's call secret; the client
+ * moves the bytes with Agent/Write or Agent/Read itself. An upload's ref is
+ * claimed at once and defined by FinishUpload, once every agent's receipt
+ * checks out; a fetch's FinishFetch waits, like a Fetch, for every rank of the
+ * mesh, so a value that failed on another rank fails it too. A transfer
+ * counts as one of its session's --session-max-transfers until it finishes
+ * or its grants expire; an upload that expired or failed is undone on every
+ * rank (DeleteRefs), and its ref stays undefined. */
+
+/* After a grant's expiry, how long the server waits before it undoes the
+ * transfer: agents refuse to finish a Write past the expiry by their own
+ * clock, which may lag the server's a little. */
+#define TRANSFER_UNDO_SLACK_MS 2000
+#define SWEEP_MS 200
+
+typedef struct transfer {
+  struct transfer *next;
+  uint64_t id;
+  session_t *sess;   /* referenced (a fetch's is its fetch_t's) */
+  int64_t expiry_ms; /* the grants', Unix ms */
+  bool failed;       /* FinishUpload refused it: kept only to undo it again at expiry */
+  /* upload */
+  uint64_t ref, stream, mesh;
+  tensor_meta_t meta;
+  uint32_t *ranks;
+  size_t nranks, each;
+  uint8_t (*nonces)[GRANT_NONCE_LEN];
+  /* fetch */
+  fetch_t *fetch;
+} transfer_t;
+
+/* Frees t; undo: an upload's ref is deleted on its ranks (unless the session
+ * closed: its EndSession freed everything), a fetch's snapshot dropped. */
+static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
+  if (t->fetch) {
+    transfer_end(t->fetch->sess);
+    fetch_unref(t->fetch); /* drops the snapshot: nobody said it was read */
+    free(t);
+    return;
+  }
+  session_t *s = t->sess;
+  if (undo) {
+    pthread_mutex_lock(&s->mu);
+    if (!atomic_load(&s->closed) && s->objects)
+      refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks, NULL);
+    pthread_mutex_unlock(&s->mu);
+  }
+  if (!t->failed) transfer_end(s);
+  session_release(s);
+  free(t->ranks);
+  free(t->nonces);
+  free(t);
+  live_done(ds);
+}
+
+static void transfer_put(data_service_t *ds, transfer_t *t) {
+  pthread_mutex_lock(&ds->mu);
+  t->next = ds->pending;
+  ds->pending = t;
+  pthread_mutex_unlock(&ds->mu);
+}
+
+/* The session's pending transfer `id` of that kind, taken out of the table. */
+static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, bool upload) {
+  pthread_mutex_lock(&ds->mu);
+  transfer_t **pp = &ds->pending, *t;
+  while ((t = *pp) && !(t->id == id && !t->failed && (t->fetch ? t->fetch->sess : t->sess) == s &&
+                        upload == !t->fetch))
+    pp = &t->next;
+  if (t) *pp = t->next;
+  pthread_mutex_unlock(&ds->mu);
+  return t;
+}
+
+static void *sweeper_main(void *arg) {
+  data_service_t *ds = arg;
+  pthread_mutex_lock(&ds->mu);
+  while (!ds->stop) {
+    int64_t now = grant_now_unix_ms();
+    transfer_t *expired = NULL, **pp = &ds->pending, *t;
+    while ((t = *pp)) {
+      if (t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now) {
+        *pp = t->next;
+        t->next = expired;
+        expired = t;
+      } else {
+        pp = &t->next;
+      }
+    }
+    pthread_mutex_unlock(&ds->mu);
+    while ((t = expired)) {
+      expired = t->next;
+      if (!t->failed)
+        log_info("data", "direct %s of tensor %llu expired unfinished; %s",
+                 t->fetch ? "fetch" : "upload",
+                 (unsigned long long)(t->fetch ? t->fetch->ref : t->ref),
+                 t->fetch ? "its snapshot is dropped" : "the ref stays undefined");
+      transfer_free(ds, t, true);
+    }
+    pthread_mutex_lock(&ds->mu);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += SWEEP_MS * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+      until.tv_sec++;
+      until.tv_nsec -= 1000000000L;
+    }
+    if (!ds->stop) pthread_cond_timedwait(&ds->wake, &ds->mu, &until);
+  }
+  pthread_mutex_unlock(&ds->mu);
+  return NULL;
+}
+
+/* One shard of the reply: rank's address and its grant (g signed with the
+ * rank's call secret). g->nonce must be filled. */
+static int shard_grant(data_service_t *ds, uint32_t rank, Meshd__Agent__V1__TransferGrant *g,
+                       Meshd__V1__ShardGrant *out, meshd_error_t *e) {
+  agent_target_t t;
+  if (agent_pool_target(ds->pool, rank, AGENT_CONNECT_MS, &t))
+    return error_set(e, ERR_AGENT_LOST, "PlanTransfer: rank %u has no agent", rank);
+  g->rank = rank;
+  out->rank = rank;
+  out->address = strdup(t.address);
+  int rc = out->address ? grant_issue(t.secret, g, &out->grant.data, &out->grant.len) : -1;
+  memset(t.secret, 0, sizeof t.secret);
+  if (rc) return error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
+  return 0;
+}
+
+static void shards_free(Meshd__V1__ShardGrant *sh, size_t n) {
+  for (size_t i = 0; sh && i < n; i++) {
+    free(sh[i].address);
+    free(sh[i].grant.data);
+  }
+  free(sh);
+}
+
+static uint64_t transfer_new_id(void) {
+  uint64_t id = 0;
+  while (id == 0)
+    if (RAND_bytes((unsigned char *)&id, sizeof id) != 1) return 0;
+  return id;
+}
+
+/* An upload's plan: Upload's header checks, the ref claimed, the session
+ * opened on every rank, a Write grant per rank. */
+static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
+                       const Meshd__V1__UploadHeader *h, meshd_error_t *e) {
+  if (transfer_begin(ds, s, "PlanTransfer", e)) return -1;
+  upload_t *u = calloc(1, sizeof *u);
+  transfer_t *t = calloc(1, sizeof *t);
+  if (!u || !t) {
+    free(u);
+    free(t);
+    transfer_end(s);
+    return error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
+  }
+  u->ds = ds;
+  u->session = s;
+  int rc = upload_header(u, h, e);
+  if (rc == 0) { /* claimed now: no command takes the ref; FinishUpload defines it */
+    pthread_mutex_lock(&s->mu);
+    rc = session_claim_ref(s, u->ref, e);
+    pthread_mutex_unlock(&s->mu);
+  }
+  if (rc) {
+    free(u->ranks);
+    free(u);
+    free(t);
+    transfer_end(s);
+    if (strncmp(e->msg, "Upload", 6) != 0) error_prefix(e, "PlanTransfer", ": ");
+    return -1;
+  }
+  upload_open(u);
+  live_add(ds);
+  session_ref(s);
+  t->sess = s;
+  t->ref = u->ref;
+  t->stream = u->stream;
+  t->mesh = u->mesh;
+  t->meta = u->meta;
+  t->ranks = u->ranks;
+  t->nranks = u->nranks;
+  t->each = u->each;
+  t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
+  free(u);
+  pthread_mutex_lock(&s->mu);
+  for (size_t i = 0; s->objects && i < t->nranks; i++) objects_touch(s->objects, t->ranks[i]);
+  pthread_mutex_unlock(&s->mu);
+
+  Meshd__V1__ShardGrant *sh = calloc(t->nranks ? t->nranks : 1, sizeof *sh);
+  Meshd__V1__ShardGrant **shp = calloc(t->nranks ? t->nranks : 1, sizeof *shp);
+  t->nonces = calloc(t->nranks ? t->nranks : 1, sizeof *t->nonces);
+  t->id = transfer_new_id();
+  rc = sh && shp && t->nonces && t->id &&
+               RAND_bytes(&t->nonces[0][0], (int)(GRANT_NONCE_LEN * t->nranks)) == 1
+           ? 0
+           : error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
+  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  sp.ref = t->ref;
+  sp.n_shape = sp.n_strides = (size_t)t->meta.layout.ndim;
+  sp.shape = t->meta.layout.sizes;
+  sp.strides = t->meta.layout.strides;
+  sp.dtype = (Meshd__V1__DType)t->meta.dtype;
+  Meshd__Agent__V1__TransferGrant g = MESHD__AGENT__V1__TRANSFER_GRANT__INIT;
+  g.session_id = s->id;
+  g.ref = t->ref;
+  g.direction = GRANT_WRITE;
+  g.expiry_unix_ms = t->expiry_ms;
+  g.spec = &sp;
+  for (size_t i = 0; rc == 0 && i < t->nranks; i++) {
+    meshd__v1__shard_grant__init(&sh[i]);
+    shp[i] = &sh[i];
+    g.nonce.data = t->nonces[i];
+    g.nonce.len = GRANT_NONCE_LEN;
+    rc = shard_grant(ds, t->ranks[i], &g, &sh[i], e);
+  }
+  if (rc) {
+    shards_free(sh, t->nranks);
+    free(shp);
+    transfer_free(ds, t, true); /* nothing was written, but a Write may have started */
+    return -1;
+  }
+  Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
+  reply.transfer_id = t->id;
+  reply.shards = shp;
+  reply.n_shards = t->nranks;
+  reply.expiry_unix_ms = t->expiry_ms;
+  size_t n = t->nranks;
+  transfer_put(ds, t);
+  rpc_call_reply(call, &reply.base);
+  shards_free(sh, n);
+  free(shp);
+  return 0;
+}
+
+/* A fetch's plan: Fetch's checks and its Snapshot, a Read grant for the rank. */
+static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
+                      const Meshd__V1__FetchRequest *rq, meshd_error_t *e) {
+  if (transfer_begin(ds, s, "PlanTransfer", e)) return -1;
+  fetch_t *f = calloc(1, sizeof *f);
+  transfer_t *t = calloc(1, sizeof *t);
+  int rc = f && t ? 0 : error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
+  if (!rc) {
+    pthread_mutex_lock(&s->mu);
+    rc = fetch_plan(ds, s, rq, f, e);
+    pthread_mutex_unlock(&s->mu);
+  }
+  if (rc) {
+    transfer_end(s);
+    if (f) fetch_free(f);
+    free(t);
+    return -1;
+  }
+  live_add(ds);
+  f->ds = ds;
+  f->direct = true;
+  pthread_mutex_init(&f->mu, NULL);
+  f->refs = 1; /* the transfer's, then FinishFetch's wait's */
+  t->fetch = f;
+  t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
+  t->id = transfer_new_id();
+  uint8_t nonce[GRANT_NONCE_LEN];
+  Meshd__V1__ShardGrant sh = MESHD__V1__SHARD_GRANT__INIT, *shp = &sh;
+  Meshd__Agent__V1__TransferGrant g = MESHD__AGENT__V1__TRANSFER_GRANT__INIT;
+  g.session_id = f->session;
+  g.ref = f->ref;
+  g.direction = GRANT_READ;
+  g.expiry_unix_ms = t->expiry_ms;
+  g.after_seq = f->after_seq;
+  g.nonce.data = nonce;
+  g.nonce.len = sizeof nonce;
+  rc = t->id && RAND_bytes(nonce, sizeof nonce) == 1
+           ? shard_grant(ds, f->rank, &g, &sh, e)
+           : error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
+  if (rc) {
+    free(sh.address);
+    free(sh.grant.data);
+    transfer_free(ds, t, true);
+    return -1;
+  }
+  Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
+  reply.transfer_id = t->id;
+  reply.shards = &shp;
+  reply.n_shards = 1;
+  reply.meta = &f->meta;
+  reply.expiry_unix_ms = t->expiry_ms;
+  /* Put first: FinishFetch names the id this reply carries (the reply is
+   * packed at once, and only an expiry could take t meanwhile). */
+  transfer_put(ds, t);
+  rpc_call_reply(call, &reply.base);
+  free(sh.address);
+  free(sh.grant.data);
+  return 0;
+}
+
+static void plan_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  data_service_t *ds = arg;
+  const Meshd__V1__PlanTransferRequest *rq = (const void *)req;
+  if (ds->path == DATA_PATH_PROXY) {
+    rpc_call_finish(call, GRPC_STATUS_FAILED_PRECONDITION, NULL,
+                    "PlanTransfer: the server's --data-path is proxy: use Upload and Fetch");
+    return;
+  }
+  session_t *s = session_from_call(ds->sessions, call);
+  if (!s) return;
+  meshd_error_t e = {0};
+  int rc;
+  if (rq->what_case == MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_UPLOAD)
+    rc = plan_upload(ds, s, call, rq->upload, &e);
+  else if (rq->what_case == MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_FETCH)
+    rc = plan_fetch(ds, s, call, rq->fetch, &e);
+  else
+    rc = error_set(&e, ERR_BAD_ARGUMENT, "PlanTransfer: name an upload (an UploadHeader) or a "
+                   "fetch (a FetchRequest)");
+  session_release(s);
+  if (rc) finish_error(call, &e);
+}
+
+/* Every receipt checked: the tensor is defined. Any receipt missing, short
+ * or forged: the ref is deleted where it was written and stays undefined. */
+static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  data_service_t *ds = arg;
+  const Meshd__V1__FinishUploadRequest *rq = (const void *)req;
+  session_t *s = session_from_call(ds->sessions, call);
+  if (!s) return;
+  transfer_t *t = transfer_take(ds, rq->transfer_id, s, true);
+  session_release(s);
+  if (!t) {
+    rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
+                    "FinishUpload: this session has no pending upload %llu (it finished, failed, "
+                    "or its grants expired and it was undone)", (unsigned long long)rq->transfer_id);
+    return;
+  }
+  meshd_error_t e = {0};
+  for (size_t i = 0; i < t->nranks && e.kind == ERR_NONE; i++) {
+    const Meshd__V1__WriteReceipt *r = NULL;
+    for (size_t k = 0; k < rq->n_receipts && !r; k++)
+      if (rq->receipts[k]->rank == t->ranks[i]) r = rq->receipts[k];
+    agent_target_t tg;
+    if (!r)
+      error_set(&e, ERR_BAD_ARGUMENT, "FinishUpload: no receipt for rank %u", t->ranks[i]);
+    else if (r->bytes != t->each)
+      error_set(&e, ERR_BAD_ARGUMENT, "FinishUpload: rank %u's receipt is for %llu bytes, the "
+                "tensor has %zu", t->ranks[i], (unsigned long long)r->bytes, t->each);
+    else if (agent_pool_target(ds->pool, t->ranks[i], 0, &tg))
+      error_set(&e, ERR_AGENT_LOST, "FinishUpload: rank %u has no agent (it was lost)",
+                t->ranks[i]);
+    else if (!grant_receipt_ok(tg.secret, t->nonces[i], GRANT_NONCE_LEN, t->ref, t->ranks[i],
+                               r->bytes, r->receipt.data, r->receipt.len))
+      error_set(&e, ERR_BAD_ARGUMENT, "FinishUpload: rank %u's receipt does not verify (not "
+                "its agent's answer to this transfer's Write)", t->ranks[i]);
+    memset(tg.secret, 0, sizeof tg.secret);
+  }
+  Meshd__V1__FinishUploadReply reply = MESHD__V1__FINISH_UPLOAD_REPLY__INIT;
+  Meshd__V1__TensorMeta meta;
+  int64_t dims[2 * LAYOUT_MAX_DIMS];
+  obj_t *obj = NULL;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = objects_of(s);
+  if (e.kind == ERR_NONE && o) {
+    obj = upload_define(s, o, t->ref, &t->meta, t->mesh, t->stream, t->nranks, "FinishUpload", &e);
+    if (obj) {
+      command_tensor_meta(&meta, obj, dims);
+      reply.tensor = &meta;
+      rpc_call_reply(call, &reply.base);
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (obj) {
+    transfer_free(ds, t, false);
+    return;
+  }
+  char msg[sizeof e.msg + 100];
+  snprintf(msg, sizeof msg, "%s; tensor %llu stays undefined", e.msg, (unsigned long long)t->ref);
+  rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "%s", msg);
+  /* Undone now, and again once the grants expired (a Write still running
+   * may define it on its agent until then); the slot is free at once. */
+  pthread_mutex_lock(&s->mu);
+  if (!atomic_load(&s->closed) && o)
+    refs_undo(ds, s, o, t->ref, t->stream, t->ranks, t->nranks, NULL);
+  pthread_mutex_unlock(&s->mu);
+  transfer_end(s);
+  t->failed = true;
+  transfer_put(ds, t);
+}
+
+/* The client read its shard: answered once every rank of the mesh ran what
+ * came before the plan, with the tensor's failure if it failed anywhere. */
+static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  data_service_t *ds = arg;
+  const Meshd__V1__FinishFetchRequest *rq = (const void *)req;
+  session_t *s = session_from_call(ds->sessions, call);
+  if (!s) return;
+  transfer_t *t = transfer_take(ds, rq->transfer_id, s, false);
+  session_release(s);
+  if (!t) {
+    rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
+                    "FinishFetch: this session has no pending fetch %llu (it finished, or its "
+                    "grant expired)", (unsigned long long)rq->transfer_id);
+    return;
+  }
+  fetch_t *f = t->fetch;
+  free(t);
+  pthread_mutex_lock(&f->mu);
+  f->refs++; /* the call's, until on_end (fetch_end) */
+  pthread_mutex_unlock(&f->mu);
+  f->call = call;
+  rpc_call_ref(call);
+  rpc_call_set_data(call, f);
+  fetch_wait(f);
+}
+
 /* ------------------------------------------------------------------ table */
 
 data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
@@ -1001,7 +1466,16 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;
   ds->chunk = limit > 2048 ? limit / 2 : 1024; /* room for the envelope */
   if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
+  ds->path = DATA_PATH_AUTO;
+  ds->grant_ms = 600000;
+  pthread_cond_init(&ds->wake, NULL);
+  ds->sweeping = pthread_create(&ds->sweeper, NULL, sweeper_main, ds) == 0;
   return ds;
+}
+
+void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms) {
+  ds->path = path;
+  if (grant_ms > 0) ds->grant_ms = grant_ms;
 }
 
 static const rpc_method_t methods[] = {
@@ -1021,6 +1495,25 @@ static const rpc_method_t methods[] = {
         .on_start = fetch_start,
         .on_end = fetch_end,
     },
+    {
+        .path = "/meshd.v1.TensorService/PlanTransfer",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__plan_transfer_request__descriptor,
+        .on_start = plan_start,
+    },
+    {
+        .path = "/meshd.v1.TensorService/FinishUpload",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__finish_upload_request__descriptor,
+        .on_start = finish_upload_start,
+    },
+    {
+        .path = "/meshd.v1.TensorService/FinishFetch",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__finish_fetch_request__descriptor,
+        .on_start = finish_fetch_start,
+        .on_end = fetch_end,
+    },
 };
 
 const rpc_method_t *data_service_methods(size_t *n) {
@@ -1030,6 +1523,19 @@ const rpc_method_t *data_service_methods(size_t *n) {
 
 void data_service_destroy(data_service_t *ds) {
   if (!ds) return;
+  pthread_mutex_lock(&ds->mu);
+  ds->stop = true;
+  pthread_cond_broadcast(&ds->wake);
+  transfer_t *t = ds->pending;
+  ds->pending = NULL;
+  pthread_mutex_unlock(&ds->mu);
+  if (ds->sweeping) pthread_join(ds->sweeper, NULL);
+  while (t) { /* the server is gone: nothing is sent to agents any more */
+    transfer_t *next = t->next;
+    if (t->fetch) atomic_store(&t->fetch->read_all, true);
+    transfer_free(ds, t, false);
+    t = next;
+  }
   /* Every call ended (the server shut down first): their relays and helpers
    * stop at their next step. Bounded, for a helper stuck on an agent. */
   struct timespec until;
@@ -1045,6 +1551,7 @@ void data_service_destroy(data_service_t *ds) {
     return; /* leaked rather than freed under them */
   }
   pthread_cond_destroy(&ds->idle);
+  pthread_cond_destroy(&ds->wake);
   pthread_mutex_destroy(&ds->mu);
   free(ds);
 }

@@ -21,11 +21,20 @@
 
 typedef struct data_service data_service_t;
 
+/* --data-path: which ways tensor bytes may take (docs/protocol.md, Direct
+ * data path). PROXY: Upload and Fetch only (PlanTransfer is refused); DIRECT:
+ * PlanTransfer only (Upload and Fetch are refused); AUTO: both, the client
+ * chooses. */
+typedef enum { DATA_PATH_AUTO, DATA_PATH_DIRECT, DATA_PATH_PROXY } data_path_t;
+
 /* max_message_bytes: the server's limit (chunks stay under it). max_transfers:
  * Upload and Fetch calls one session may have in flight (0: no bound). */
 data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
                                     size_t max_message_bytes, int max_transfers);
-/* The rows (Upload, Fetch; static storage), *n their count. Register them with
+/* The data path (default AUTO) and how long a direct transfer's grants live
+ * (grant_ms > 0; default 10 minutes). Before the server starts. */
+void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms);
+/* The rows (Upload, Fetch, PlanTransfer, FinishUpload, FinishFetch; static storage), *n their count. Register them with
  * the data_service_t * as arg; the service must outlive the server. */
 const rpc_method_t *data_service_methods(size_t *n);
 void data_service_destroy(data_service_t *ds);

@@ -36,7 +36,8 @@ typedef struct options {
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
   int64_t session_max_streams, max_command_refs;
-  int64_t session_max_transfers;
+  int64_t session_max_transfers, transfer_grant_ms;
+  const char *data_path;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
   uint64_t stream_window_bytes;
@@ -92,6 +93,14 @@ static const config_flag_t flags[] = {
     {"session-max-transfers", CONFIG_INT, "8",
      "Upload and Fetch calls a session may have in flight at once; more are refused "
      "RESOURCE_EXHAUSTED (0: no bound)", &opt.session_max_transfers, 0, 1 << 20},
+    {"data-path", CONFIG_STRING, "auto",
+     "how tensor bytes move: direct (clients stream straight to and from the agents with "
+     "PlanTransfer grants; Upload and Fetch are refused), proxy (through the server only; "
+     "PlanTransfer is refused) or auto (both; clients that cannot reach the agents use the proxy)",
+     &opt.data_path, 0, 0},
+    {"transfer-grant-ms", CONFIG_INT, "600000",
+     "how long a direct transfer's grants are good for, in ms; an upload not finished by then "
+     "is undone", &opt.transfer_grant_ms, 100, 86400000},
     {"max-queued", CONFIG_INT, "8192",
      "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
     {"max-queued-bytes", CONFIG_BYTES, "256MiB",
@@ -215,6 +224,13 @@ int main(int argc, char **argv) {
     snprintf(err, sizeof err, "--log-level: '%s' is not one of debug, info, warn, error", opt.log_level);
     return usage_error("meshd", err);
   }
+  data_path_t data_path = DATA_PATH_AUTO;
+  if (!strcmp(opt.data_path, "direct")) data_path = DATA_PATH_DIRECT;
+  else if (!strcmp(opt.data_path, "proxy")) data_path = DATA_PATH_PROXY;
+  else if (strcmp(opt.data_path, "auto")) {
+    snprintf(err, sizeof err, "--data-path: '%s' is not one of direct, proxy, auto", opt.data_path);
+    return usage_error("meshd", err);
+  }
   /* The agent checks the device against its build; here only the spelling. */
   if (strcmp(opt.local_agent_device, "cpu") && strcmp(opt.local_agent_device, "cuda") &&
       strncmp(opt.local_agent_device, "cuda:", 5)) {
@@ -302,6 +318,7 @@ int main(int argc, char **argv) {
   state.commands = sessions ? command_service_create(pool, sessions, &limits) : NULL;
   data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes,
                                                                (int)opt.session_max_transfers) : NULL;
+  if (data) data_service_set_path(data, data_path, opt.transfer_grant_ms);
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel
    * (--agent-timeout), not by pinging their registration call. */
@@ -461,9 +478,9 @@ int main(int argc, char **argv) {
   registry_destroy(registry);
   rpc_server_destroy(srv);
   cluster_destroy(cluster);
+  data_service_destroy(data); /* its pending transfers hold sessions */
   session_table_destroy(sessions);
   command_service_destroy(state.commands);
-  data_service_destroy(data);
   agent_pool_destroy(pool);
   health_destroy(state.health);
   metrics_destroy(metrics);

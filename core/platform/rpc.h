@@ -222,6 +222,9 @@ bool rpc_call_ended(rpc_call_t *call);
 /* Request metadata value for key into buf (NUL-terminated, truncated to len-1).
  * Returns buf, or NULL if absent. */
 const char *rpc_call_metadata(rpc_call_t *call, const char *key, char *buf, size_t len);
+/* The same for a binary value (a "-bin" key, which gRPC has decoded): copies
+ * at most len bytes and returns the value's full length, or -1 if absent. */
+long rpc_call_metadata_bin(rpc_call_t *call, const char *key, void *buf, size_t len);
 /* The peer's address as gRPC reports it ("ipv4:127.0.0.1:4242"). Caller frees. */
 char *rpc_call_peer(rpc_call_t *call);
 const char *rpc_call_method(const rpc_call_t *call);

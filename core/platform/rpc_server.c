@@ -368,6 +368,17 @@ const char *rpc_call_metadata(rpc_call_t *c, const char *key, char *buf, size_t 
   return NULL;
 }
 
+long rpc_call_metadata_bin(rpc_call_t *c, const char *key, void *buf, size_t len) {
+  for (size_t i = 0; i < c->md.count; i++) {
+    if (grpc_slice_str_cmp(c->md.metadata[i].key, key) != 0) continue;
+    const grpc_slice v = c->md.metadata[i].value;
+    size_t n = GRPC_SLICE_LENGTH(v);
+    memcpy(buf, GRPC_SLICE_START_PTR(v), n < len ? n : len);
+    return (long)n;
+  }
+  return -1;
+}
+
 char *rpc_call_peer(rpc_call_t *c) {
   char *p = grpc_call_get_peer(c->call);
   char *copy = strdup(p ? p : "");

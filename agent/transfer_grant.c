@@ -1,0 +1,159 @@
+/* Read and Write by a client holding a transfer grant instead of the server's
+ * call secret (docs/protocol.md, Direct data path): the grant is checked
+ * against the call it arrives on, and each one is accepted once.
+ *
+ * Seen nonces are kept until their grant's expiry (after which the grant is
+ * refused as expired anyway), in one table of at most TRANSFER_NONCES; the
+ * expired ones are swept when it fills. */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uthash.h>
+
+#include "agent.h"
+#include "grant.h"
+#include "log.h"
+
+typedef struct seen {
+  uint8_t nonce[GRANT_NONCE_LEN];
+  int64_t expiry_ms;
+  UT_hash_handle hh;
+} seen_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static seen_t *seen;
+static size_t nseen;
+static log_limit_t refusals;
+
+bool transfer_grant_call(rpc_call_t *call) {
+  const rpc_identity_t *id = rpc_call_identity(call);
+  return id && strcmp(id->name, "grant") == 0;
+}
+
+static void sweep(int64_t now) {
+  seen_t *e, *tmp;
+  HASH_ITER(hh, seen, e, tmp) {
+    if (e->expiry_ms <= now) {
+      HASH_DEL(seen, e);
+      free(e);
+      nseen--;
+    }
+  }
+}
+
+/* 0 taken; 1 seen before; -1 the table is full. */
+static int take_nonce(const uint8_t *nonce, int64_t expiry_ms, int64_t now) {
+  int rc = 0;
+  pthread_mutex_lock(&mu);
+  seen_t *e = NULL;
+  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  if (e) {
+    rc = 1;
+  } else {
+    if (nseen >= TRANSFER_NONCES) sweep(now);
+    if (nseen >= TRANSFER_NONCES || !(e = calloc(1, sizeof *e))) {
+      rc = -1;
+    } else {
+      memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
+      e->expiry_ms = expiry_ms;
+      HASH_ADD(hh, seen, nonce, GRANT_NONCE_LEN, e);
+      nseen++;
+    }
+  }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+static const char *dir_name(int d) {
+  return d == GRANT_READ    ? "Read"
+         : d == GRANT_WRITE ? "Write"
+                                                                    : "no call";
+}
+
+static int refuse(rpc_call_t *call, int code, char *msg, size_t msglen, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static int refuse(rpc_call_t *call, int code, char *msg, size_t msglen, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, msglen, fmt, ap);
+  va_end(ap);
+  int held = 0;
+  if (log_allow(&refusals, 10, 10000, &held)) {
+    char *peer = rpc_call_peer(call);
+    log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?", msg);
+    if (held) log_warn("agent", "(and %d more grants refused in the last 10 s, not logged)", held);
+    free(peer);
+  }
+  return code;
+}
+
+int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
+                         uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
+                         size_t msglen) {
+  *out = NULL;
+  const int denied = GRPC_STATUS_PERMISSION_DENIED;
+  uint8_t buf[GRANT_MAX_BYTES];
+  long n = rpc_call_metadata_bin(call, GRANT_MD, buf, sizeof buf);
+  if (n < 0 || (size_t)n > sizeof buf)
+    return refuse(call, denied, msg, msglen, "transfer grant refused: malformed (%s)",
+                  n < 0 ? "no " GRANT_MD " metadata" : "longer than 4096 bytes");
+  char secret[SECRET_HEX_LEN + 1];
+  if (agent_auth_secret(secret))
+    return refuse(call, GRPC_STATUS_UNAVAILABLE, msg, msglen,
+                  "transfer grant refused: this agent is not registered with a server now");
+  Meshd__Agent__V1__TransferGrant *g = NULL;
+  int rc = grant_open(secret, buf, (size_t)n, &g);
+  memset(secret, 0, sizeof secret);
+  if (rc == -1)
+    return refuse(call, denied, msg, msglen, "transfer grant refused: bad signature (it was not "
+                  "issued by this agent's server, or it was altered)");
+  if (rc)
+    return refuse(call, denied, msg, msglen, "transfer grant refused: malformed (not a TransferGrant)");
+  int64_t now = grant_now_unix_ms();
+  int code = 0;
+  int64_t rank = atomic_load(&agent_rank);
+  if (g->expiry_unix_ms <= now)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: expired %lld ms ago; ask the "
+                  "server for a new one (PlanTransfer)", (long long)(now - g->expiry_unix_ms));
+  else if ((int)g->direction != direction)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong direction (the grant "
+                  "is for a %s, this call is a %s)", dir_name(g->direction), dir_name(direction));
+  else if (rank < 0 || g->rank != (uint64_t)rank)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong rank (the grant is "
+                  "for rank %u, this agent is rank %lld)", g->rank, (long long)rank);
+  else if (session && strcmp(session, g->session_id) != 0)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong session (the grant "
+                  "is for another session than the request's)");
+  else if (session && ref != g->ref)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong ref (the grant is for "
+                  "ref %llu, the request names ref %llu)", (unsigned long long)g->ref,
+                  (unsigned long long)ref);
+  else if (session && after_seq != g->after_seq)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong after_seq (the grant "
+                  "is for seq %llu, the request names %llu)", (unsigned long long)g->after_seq,
+                  (unsigned long long)after_seq);
+  else if (direction == GRANT_WRITE && !g->spec)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: malformed (a Write grant "
+                  "without a spec)");
+  else if (g->nonce.len != GRANT_NONCE_LEN)
+    code = refuse(call, denied, msg, msglen, "transfer grant refused: malformed (nonce of %zu "
+                  "bytes)", g->nonce.len);
+  if (!code) {
+    int t = take_nonce(g->nonce.data, g->expiry_unix_ms, now);
+    if (t > 0)
+      code = refuse(call, denied, msg, msglen, "transfer grant refused: reused (each grant is "
+                    "good for one call; ask the server for a new one)");
+    else if (t < 0)
+      code = refuse(call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen, "transfer grant refused: "
+                    "%d grants are in use on this agent already; retry later", TRANSFER_NONCES);
+  }
+  if (code) {
+    protobuf_c_message_free_unpacked(&g->base, NULL);
+    return code;
+  }
+  *out = g;
+  return 0;
+}

@@ -1,0 +1,85 @@
+#include "grant.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* HMAC-SHA256(secret, label || a || b). */
+static int mac2(const char *secret, const char *label, const uint8_t *a, size_t alen,
+                const uint8_t *b, size_t blen, uint8_t out[GRANT_MAC_LEN]) {
+  int rc = -1;
+  unsigned char *buf = malloc(strlen(label) + alen + blen + 1);
+  if (!buf) return -1;
+  size_t n = strlen(label);
+  memcpy(buf, label, n);
+  if (alen) memcpy(buf + n, a, alen);
+  if (blen) memcpy(buf + n + alen, b, blen);
+  unsigned int outlen = 0;
+  if (HMAC(EVP_sha256(), secret, (int)strlen(secret), buf, n + alen + blen, out, &outlen) &&
+      outlen == GRANT_MAC_LEN)
+    rc = 0;
+  free(buf);
+  return rc;
+}
+
+int grant_issue(const char *secret, const Meshd__Agent__V1__TransferGrant *g, uint8_t **out,
+                size_t *len) {
+  size_t n = protobuf_c_message_get_packed_size(&g->base);
+  uint8_t *buf = malloc(n + GRANT_MAC_LEN);
+  if (!buf) return -1;
+  protobuf_c_message_pack(&g->base, buf);
+  if (mac2(secret, GRANT_LABEL, buf, n, NULL, 0, buf + n)) {
+    free(buf);
+    return -1;
+  }
+  *out = buf;
+  *len = n + GRANT_MAC_LEN;
+  return 0;
+}
+
+int grant_open(const char *secret, const uint8_t *buf, size_t len,
+               Meshd__Agent__V1__TransferGrant **out) {
+  *out = NULL;
+  if (len <= GRANT_MAC_LEN || len > GRANT_MAX_BYTES) return -2;
+  uint8_t want[GRANT_MAC_LEN];
+  size_t n = len - GRANT_MAC_LEN;
+  if (mac2(secret, GRANT_LABEL, buf, n, NULL, 0, want)) return -1;
+  bool ok = CRYPTO_memcmp(want, buf + n, GRANT_MAC_LEN) == 0;
+  OPENSSL_cleanse(want, sizeof want);
+  if (!ok) return -1;
+  *out = meshd__agent__v1__transfer_grant__unpack(NULL, n, buf);
+  return *out ? 0 : -2;
+}
+
+static void put_le(uint8_t *p, uint64_t v, int n) {
+  for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+int grant_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
+                  uint32_t rank, uint64_t bytes, uint8_t out[GRANT_MAC_LEN]) {
+  uint8_t tail[20];
+  put_le(tail, ref, 8);
+  put_le(tail + 8, rank, 4);
+  put_le(tail + 12, bytes, 8);
+  return mac2(secret, RECEIPT_LABEL, nonce, nonce_len, tail, sizeof tail, out);
+}
+
+bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
+                      uint32_t rank, uint64_t bytes, const uint8_t *mac, size_t mac_len) {
+  uint8_t want[GRANT_MAC_LEN];
+  if (mac_len != GRANT_MAC_LEN ||
+      grant_receipt(secret, nonce, nonce_len, ref, rank, bytes, want))
+    return false;
+  bool ok = CRYPTO_memcmp(want, mac, GRANT_MAC_LEN) == 0;
+  OPENSSL_cleanse(want, sizeof want);
+  return ok;
+}
+
+int64_t grant_now_unix_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
