@@ -1311,6 +1311,7 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   g.after_seq = f->after_seq;
   g.nonce.data = nonce;
   g.nonce.len = sizeof nonce;
+  sh.after_seq = f->after_seq;
   rc = t->id && RAND_bytes(nonce, sizeof nonce) == 1
            ? shard_grant(ds, f->rank, &g, &sh, e)
            : error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");

@@ -7,6 +7,7 @@ import weakref
 import grpc
 
 from . import _active, _conn, _proto
+from . import direct as _direct
 from .errors import MeshdError
 from .mesh import Mesh
 from .pipeline import Pipeline, _Pending
@@ -107,7 +108,8 @@ class Session:
 
     def __init__(self, addr, client_name="meshd-python", ttl_seconds=0, quota_bytes=0, timeout=60.0,
                  token=None, tls=False, root_certs=None, cert_chain=None, private_key=None,
-                 server_name=None, insecure=False):
+                 server_name=None, insecure=False, data_path="auto"):
+        self._direct = _direct.Direct(self, data_path)  # checks data_path first
         creds = _conn.resolve(addr, token=token, tls=tls, root_certs=root_certs,
                               cert_chain=cert_chain, private_key=private_key,
                               server_name=server_name, insecure=insecure)
@@ -234,6 +236,7 @@ class Session:
             self._unary("CloseSession", self._pb.CloseSessionRequest(), self._pb.CloseSessionReply)
         finally:
             self.closed = True
+            self._direct.close()
             self._ch.close()
 
     @contextlib.contextmanager
@@ -306,7 +309,7 @@ class Session:
 
 
 def connect(addr, token=None, tls=False, root_certs=None, cert_chain=None, private_key=None,
-            insecure=False, **kw):
+            insecure=False, data_path="auto", **kw):
     """Opens a Session on the meshd server at addr ("host:port").
 
     token: the bearer token (default $MESHD_TOKEN; "" for none), sent on every call.
@@ -316,6 +319,10 @@ def connect(addr, token=None, tls=False, root_certs=None, cert_chain=None, priva
     PEM bytes or a file path, and implies tls=True. server_name: the name checked in the
     server's certificate instead of addr's host (default $MESHD_TLS_SERVER_NAME).
     A token is not sent in plaintext to a non-loopback address: ValueError, unless
-    insecure=True. Other keywords: client_name, ttl_seconds, quota_bytes, timeout."""
+    insecure=True. data_path: how tensor bytes move: "auto" (default) streams them
+    straight to and from the agents when the server offers it and they answer within
+    1 s, else through the server; "direct" always straight (MeshdError if it cannot);
+    "proxy" always through the server (meshd/direct.py). Other keywords: client_name,
+    ttl_seconds, quota_bytes, timeout."""
     return Session(addr, token=token, tls=tls, root_certs=root_certs, cert_chain=cert_chain,
-                   private_key=private_key, insecure=insecure, **kw)
+                   private_key=private_key, insecure=insecure, data_path=data_path, **kw)

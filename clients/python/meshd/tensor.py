@@ -470,6 +470,11 @@ def tensor(data, shard=None, dtype=None):
         hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
                               total_bytes=len(raw))
+        if s._direct.wanted():  # straight to the agents (meshd/direct.py)
+            done = s._direct.upload(hdr, raw)
+            if done is not None:
+                return Tensor._from_meta(s, done.tensor)
+            hdr.ref = ref = s._new_ref()  # the proxy instead; the plan may have claimed ref
 
         def msgs():  # one chunk at a time: the client holds the array and one chunk
             yield pb.UploadChunk(header=hdr)
@@ -515,8 +520,7 @@ def _fetch_open(t, coords, timeout=None):
     fn = s._ch.unary_stream(
         _SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
         response_deserializer=lambda raw: _split_data_field(raw) or pb.FetchChunk.FromString(raw))
-    req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
-                                             for k, v in coords.items()])
+    req = _fetch_request(t, coords)
     call = fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout)
     try:
         return call, next(call, None)
@@ -558,6 +562,25 @@ def _fetch_finish(t, call, first):
     return out
 
 
+def _fetch_request(t, coords):
+    pb = t.session._pb
+    return pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
+                                              for k, v in coords.items()])
+
+
+def _fetch_direct(t, d, coords, timeout):
+    """Plans a direct fetch now (ordered like a Fetch); returns what reads it, or None
+    to use the proxied Fetch."""
+    planned = d.fetch_plan(_fetch_request(t, coords), timeout)
+    if planned is None:
+        return None
+    name = _dtype_from_value(t.session._pb, planned[0].meta.dtype)
+    if name not in _NP:
+        d._finish_fetch(planned[0].transfer_id, timeout, quiet=True)
+        raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
+    return lambda: d.fetch_finish(t.ref, planned, _NP[name], timeout)
+
+
 def fetch_shard(t, timeout=None, **coords):
     """The local tensor at the rank named by coords, as a Future of a numpy.ndarray.
     timeout: seconds the Fetch may take (default: the session's timeout); past it the
@@ -570,6 +593,21 @@ def fetch_shard(t, timeout=None, **coords):
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
     t.session._flush_pipeline()  # pipelined commands before it must have reached the server
     fut = concurrent.futures.Future()
+    d = t.session._direct
+    if d.wanted():  # straight from the agent (meshd/direct.py)
+        try:
+            work = _fetch_direct(t, d, coords, timeout)
+        except (MeshdError, ValueError) as e:
+            fut.set_exception(e)
+            return fut
+        if work is not None:
+            def run():
+                try:
+                    fut.set_result(work())
+                except BaseException as e:  # handed to .result()
+                    fut.set_exception(e)
+            threading.Thread(target=run, daemon=True).start()
+            return fut
     try:  # planned before the next command is sent: that one cannot change the value
         call, first = _fetch_open(t, coords, timeout)
     except MeshdError as e:
