@@ -1,0 +1,332 @@
+"""The direct data path (issue 14 point 3; docs/protocol.md, Direct data path): the
+Python client streams tensor bytes straight to and from the agents with grants the
+server issues (PlanTransfer); agents refuse forged, expired, reused and misdirected
+grants, and the server defines an upload only on its agents' receipts. In every
+case of refusal the session and the pool go on working."""
+
+import os
+import sys
+import tempfile
+
+import grpc
+import numpy as np
+import pytest
+
+import meshd_testlib as lib
+
+sys.path.insert(0, os.path.join(lib.SOURCE_DIR, "clients", "python"))
+os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="meshd-direct-cache-"))
+import meshd  # noqa: E402
+from meshd import direct as _direct  # noqa: E402
+
+AGENT = "/meshd.agent.v1.Agent/"
+SVC = "/meshd.v1.TensorService/"
+
+
+def connect(srv, data_path="auto", **kw):
+    return meshd.connect(f"127.0.0.1:{srv.port}", data_path=data_path, timeout=30, **kw)
+
+
+def plan(s, **what):
+    """A raw PlanTransfer (upload=UploadHeader or fetch=FetchRequest)."""
+    pb = s._pb
+    fn = s._ch.unary_unary(SVC + "PlanTransfer", request_serializer=lambda m: m.SerializeToString(),
+                           response_deserializer=pb.PlanTransferReply.FromString)
+    return fn(pb.PlanTransferRequest(**what), metadata=s._md, timeout=10)
+
+
+def plan_fetch(s, t, **coords):
+    pb = s._pb
+    return plan(s, fetch=pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
+                                                             for k, v in coords.items()]))
+
+
+def plan_upload(s, mesh, arr):
+    """(reply, ref) of a planned replicated float32 upload of arr onto mesh."""
+    pb = s._pb
+    with s._lock:
+        ref = s._new_ref()
+    hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, shape=list(arr.shape),
+                          dtype=pb.DType.Value("DTYPE_FLOAT32"), total_bytes=arr.nbytes)
+    return plan(s, upload=hdr), ref
+
+
+def finish(s, method, req, reply_cls):
+    fn = s._ch.unary_unary(SVC + method, request_serializer=lambda m: m.SerializeToString(),
+                           response_deserializer=reply_cls.FromString)
+    return fn(req, metadata=s._md, timeout=30)
+
+
+def agent_read(shard, session_id, ref, after_seq=None, grant=None):
+    """Agent/Read under a grant: the data bytes, or raises grpc.RpcError."""
+    a = lib.agent_pb2()
+    with grpc.insecure_channel(shard.address) as ch:
+        fn = ch.unary_stream(AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
+                             response_deserializer=a.DataChunk.FromString)
+        req = a.ReadRequest(session_id=session_id, ref=ref, max_chunk_bytes=1 << 20,
+                            after_seq=shard.after_seq if after_seq is None else after_seq)
+        md = ((_direct.GRANT_MD, shard.grant if grant is None else grant),)
+        return b"".join(c.data for c in fn(req, metadata=md, timeout=10)
+                        if c.WhichOneof("part") == "data")
+
+
+def agent_write(shard, data, grant=None):
+    """Agent/Write under a grant: the WriteReply, or raises grpc.RpcError."""
+    a = lib.agent_pb2()
+    with grpc.insecure_channel(shard.address) as ch:
+        fn = ch.stream_unary(AGENT + "Write", request_serializer=lambda m: m.SerializeToString(),
+                             response_deserializer=a.WriteReply.FromString)
+        md = ((_direct.GRANT_MD, shard.grant if grant is None else grant),)
+        return fn(iter([a.DataChunk(data=data)]), metadata=md, timeout=10)
+
+
+def refused(fn, code, text):
+    with pytest.raises(grpc.RpcError) as ei:
+        fn()
+    e = ei.value
+    assert e.code() == code, (e.code(), e.details())
+    assert text in e.details(), e.details()
+    return e
+
+
+def flipped(grant, at):
+    b = bytearray(grant)
+    b[at] ^= 0x01
+    return bytes(b)
+
+
+def still_works(s, mesh):
+    """A command and a fetch (the direct path, then the proxy) in the same session."""
+    with mesh.activate():
+        x = meshd.arange(6, dtype="float32")
+        y = x * 3
+        n = mesh.sizes[mesh.names[0]]
+        for r in range(n):
+            assert meshd.fetch_shard(y, **{mesh.names[0]: r}).result().tolist() == \
+                [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+    with connect_like(s, "proxy") as p:
+        m = p.mesh(gpu=1)
+        with m.activate():
+            assert meshd.fetch_shard(meshd.ones((2,)), gpu=0).result().tolist() == [1.0, 1.0]
+
+
+def connect_like(s, data_path):
+    return meshd.connect(s.addr, data_path=data_path, timeout=30)
+
+
+@pytest.mark.parametrize("agents", [1, 4])
+def test_direct_round_trip(meshd_server, agents):
+    """Replicated and sharded uploads and fetches take the direct path (both ways),
+    with every rank's values right, for float32, int64, float16 and an empty tensor."""
+    srv = meshd_server(agents)
+    lib.wait_ready(srv, agents)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=agents)
+        rng = np.random.default_rng(7)
+        with mesh.activate():
+            rep = rng.standard_normal((300, 70)).astype(np.float32)  # 84 KB: one chunk
+            big = rng.standard_normal((3 << 20) // 4).astype(np.float32)  # 3 MiB: 3 chunks
+            shard = rng.integers(-1000, 1000, size=(agents, 5, 33), dtype=np.int64)
+            half = rng.standard_normal((agents, 17)).astype(np.float16)
+            t_rep, t_big = meshd.tensor(rep), meshd.tensor(big)
+            t_shard, t_half = meshd.tensor(shard, shard="gpu"), meshd.tensor(half, shard="gpu")
+            t_empty = meshd.tensor(np.zeros((0, 4), np.float32))
+            futs = []
+            for r in range(agents):
+                futs.append((rep, meshd.fetch_shard(t_rep, gpu=r)))
+                futs.append((big, meshd.fetch_shard(t_big, gpu=r)))
+                futs.append((shard[r], meshd.fetch_shard(t_shard, gpu=r)))
+                futs.append((half[r], meshd.fetch_shard(t_half, gpu=r)))
+            for want, f in futs:
+                got = f.result()
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert np.array_equal(got, want)
+            assert meshd.fetch_shard(t_empty, gpu=0).result().shape == (0, 4)
+            # computed on the agents from directly uploaded inputs, fetched directly
+            z = (t_rep + 1) * 2
+            assert np.allclose(meshd.fetch_shard(z, gpu=agents - 1).result(), (rep + 1) * 2)
+        assert s._direct.counts["upload"] == 5, s._direct.counts
+        assert s._direct.counts["fetch"] == 4 * agents + 2, s._direct.counts
+
+
+def test_agents_refuse_bad_grants(meshd_server):
+    """A forged grant (one flipped byte, in its body or its MAC), a grant for another
+    ref or session, a read grant on a Write (and the reverse), and a grant used twice
+    are refused PERMISSION_DENIED naming the check; the Agent's other methods still
+    want the call secret; afterwards the session and the pool work."""
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=2)
+        with mesh.activate():
+            arr = np.arange(16, dtype=np.float32)
+            x = meshd.tensor(arr)
+            other = meshd.tensor(arr + 100)
+        reply = plan_fetch(s, x, gpu=1)
+        sh = reply.shards[0]
+        assert sh.rank == 1 and list(reply.meta.shape) == [16]
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        for at in (3, len(sh.grant) - 1):  # the body, the MAC
+            refused(lambda: agent_read(sh, s.id, x.ref, grant=flipped(sh.grant, at)), denied,
+                    "bad signature")
+        refused(lambda: agent_read(sh, s.id, other.ref), denied, "wrong ref")
+        refused(lambda: agent_read(sh, s.id, x.ref, after_seq=sh.after_seq + 1), denied,
+                "wrong after_seq")
+        refused(lambda: agent_read(sh, "0" * len(s.id), x.ref), denied, "wrong session")
+        refused(lambda: agent_write(sh, arr.tobytes()), denied, "wrong direction")
+        # none of those used it up: the grant still reads once, and only once
+        assert np.frombuffer(agent_read(sh, s.id, x.ref), np.float32).tolist() == arr.tolist()
+        refused(lambda: agent_read(sh, s.id, x.ref), denied, "reused")
+        finish(s, "FinishFetch", s._pb.FinishFetchRequest(transfer_id=reply.transfer_id),
+               s._pb.FinishFetchReply)
+
+        # a write grant on a Read; rank 0's grant at rank 1's agent (signed with
+        # another agent's secret, so it fails before its rank is even read)
+        up, ref = plan_upload(s, mesh, arr)
+        by_rank = {g.rank: g for g in up.shards}
+        refused(lambda: agent_read(by_rank[0], s.id, ref, after_seq=0), denied, "wrong direction")
+        wrong_agent = type(by_rank[0])(rank=0, address=by_rank[1].address, grant=by_rank[0].grant)
+        refused(lambda: agent_write(wrong_agent, arr.tobytes()), denied, "bad signature")
+        # a grant cannot replace the call secret for Execute or Hello
+        a = lib.agent_pb2()
+        with grpc.insecure_channel(by_rank[0].address) as ch:
+            fn = ch.unary_unary(AGENT + "Hello", request_serializer=lambda m: m.SerializeToString(),
+                                response_deserializer=a.HelloReply.FromString)
+            refused(lambda: fn(a.HelloRequest(agent_id="x"), timeout=5,
+                               metadata=((_direct.GRANT_MD, by_rank[0].grant),)),
+                    grpc.StatusCode.UNAUTHENTICATED, "secret")
+        receipts = []
+        for g in up.shards:
+            w = agent_write(g, arr.tobytes())
+            assert w.bytes == arr.nbytes and len(w.receipt) == 32
+            receipts.append(s._pb.WriteReceipt(rank=g.rank, bytes=w.bytes, receipt=w.receipt))
+        refused(lambda: agent_write(up.shards[0], arr.tobytes()), denied, "reused")
+        done = finish(s, "FinishUpload", s._pb.FinishUploadRequest(
+            transfer_id=up.transfer_id, receipts=receipts), s._pb.FinishUploadReply)
+        assert done.tensor.ref == ref and list(done.tensor.shape) == [16]
+        still_works(s, mesh)
+
+
+def test_expired_grants_are_refused_and_undone(meshd_server):
+    """With --transfer-grant-ms 600, a grant used late is refused as expired (Read and
+    Write); an upload never finished is undone: its ref stays undefined, FinishUpload
+    no longer knows it, and the session's transfer slots come back."""
+    srv = meshd_server(2, "--transfer-grant-ms", "600", "--session-max-transfers", "2")
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=2)
+        with mesh.activate():
+            arr = np.arange(8, dtype=np.float32)
+            x = meshd.tensor(arr)
+        reply = plan_fetch(s, x, gpu=0)
+        up, ref = plan_upload(s, mesh, arr)
+        # both slots taken: a third transfer is refused naming the flag
+        refused(lambda: plan_fetch(s, x, gpu=1), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "--session-max-transfers")
+        import time
+        time.sleep(0.9)
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        refused(lambda: agent_read(reply.shards[0], s.id, x.ref), denied, "expired")
+        refused(lambda: agent_write(up.shards[0], arr.tobytes()), denied, "expired")
+        time.sleep(2.5)  # the server undoes it past the expiry (and a slack)
+        refused(lambda: finish(s, "FinishUpload", s._pb.FinishUploadRequest(
+            transfer_id=up.transfer_id), s._pb.FinishUploadReply),
+            grpc.StatusCode.NOT_FOUND, "no pending upload")
+        with mesh.activate():
+            t = meshd.Tensor(s, ref, (8,), "float32", mesh.ref, 0)
+            with pytest.raises(meshd.MeshdError) as ei:
+                (t + 1).shape
+            assert ei.value.kind == "UNKNOWN_REF" and "never defined" in str(ei.value), ei.value
+        still_works(s, mesh)
+
+
+def test_forged_or_missing_receipts_leave_the_ref_undefined(meshd_server):
+    """FinishUpload with a forged receipt, a short count or none at all is refused
+    and undoes the upload: a command on the ref fails UNKNOWN_REF; a later upload and
+    commands work."""
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=2)
+        arr = np.arange(32, dtype=np.float32)
+        for case in ("forged", "short", "missing"):
+            up, ref = plan_upload(s, mesh, arr)
+            receipts = []
+            for g in up.shards:
+                w = agent_write(g, arr.tobytes())
+                receipt = flipped(w.receipt, 5) if case == "forged" and g.rank == 1 else w.receipt
+                n = w.bytes - 4 if case == "short" else w.bytes
+                receipts.append(s._pb.WriteReceipt(rank=g.rank, bytes=n, receipt=receipt))
+            if case == "missing":
+                receipts = receipts[:1]
+            want = {"forged": "does not verify", "short": "receipt is for",
+                    "missing": "no receipt for rank 1"}[case]
+            e = refused(lambda: finish(s, "FinishUpload", s._pb.FinishUploadRequest(
+                transfer_id=up.transfer_id, receipts=receipts), s._pb.FinishUploadReply),
+                grpc.StatusCode.INVALID_ARGUMENT, want)
+            assert f"tensor {ref} stays undefined" in e.details(), e.details()
+            with mesh.activate():
+                t = meshd.Tensor(s, ref, (32,), "float32", mesh.ref, 0)
+                with pytest.raises(meshd.MeshdError) as ei:
+                    (t * 2).shape
+                assert ei.value.kind == "UNKNOWN_REF", ei.value
+                with pytest.raises(meshd.MeshdError) as ei:
+                    meshd.fetch_shard(t, gpu=0).result()
+                assert ei.value.kind == "UNKNOWN_REF", ei.value
+        with mesh.activate():
+            y = meshd.tensor(arr) + 1
+            assert meshd.fetch_shard(y, gpu=1).result().tolist() == (arr + 1).tolist()
+        still_works(s, mesh)
+
+
+def test_data_path_flag(meshd_server):
+    """--data-path=proxy refuses PlanTransfer and the client (auto) falls back to the
+    proxy; data_path="direct" then fails clearly. --data-path=direct refuses the
+    proxied Upload and Fetch; auto clients use the direct path there."""
+    srv = meshd_server(2, "--data-path=proxy")
+    lib.wait_ready(srv, 2)
+    arr = np.arange(10, dtype=np.int32)
+    with connect(srv) as s:
+        mesh = s.mesh(gpu=2)
+        refused(lambda: plan(s, fetch=s._pb.FetchRequest(ref=1)),
+                grpc.StatusCode.FAILED_PRECONDITION, "the server's --data-path is proxy")
+        with mesh.activate():
+            x = meshd.tensor(arr)
+            assert meshd.fetch_shard(x * 2, gpu=1).result().tolist() == (arr * 2).tolist()
+        assert s._direct.counts == {"upload": 0, "fetch": 0}
+    with connect(srv, "direct") as s:
+        with s.mesh(gpu=2).activate():
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.tensor(arr)
+            assert "--data-path is proxy" in str(ei.value)
+
+    srv2 = meshd_server(2, "--data-path=direct")
+    lib.wait_ready(srv2, 2)
+    with connect(srv2, "proxy") as s:
+        with s.mesh(gpu=2).activate():
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.tensor(arr)
+            assert "--data-path is direct" in str(ei.value)
+    with connect(srv2) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.tensor(arr)
+            assert meshd.fetch_shard(x + 1, gpu=0).result().tolist() == (arr + 1).tolist()
+        assert s._direct.counts == {"upload": 1, "fetch": 1}
+
+
+def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
+    """A client that cannot connect to the agents (here: every agent address made
+    unreachable for it) uses the proxied path in auto mode."""
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    real = _direct.Direct._channel
+
+    def unreachable(self, address, timeout=_direct.CONNECT_TIMEOUT):
+        return real(self, "127.0.0.1:1", timeout=0.2)
+    monkeypatch.setattr(_direct.Direct, "_channel", unreachable)
+    arr = np.arange(6, dtype=np.float64)
+    with connect(srv) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.tensor(arr)
+            assert meshd.fetch_shard(x, gpu=1).result().tolist() == arr.tolist()
+        assert s._direct.counts == {"upload": 0, "fetch": 0}
