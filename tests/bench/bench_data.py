@@ -12,7 +12,10 @@ each size, times:
   (the upload baseline) and server-streaming (the fetch baseline), against a
   bytes-in/bytes-out server in a child process (no protobuf, no meshd);
 - wire: Upload and Fetch called with grpcio and meshd's protos (what any client pays);
-- client: the Python client, meshd.tensor(array) + sync and fetch_shard(...).result().
+- client: the Python client through the server (data_path="proxy"),
+  meshd.tensor(array) + sync and fetch_shard(...).result();
+- direct: the same calls with data_path="direct": the client streams straight to
+  and from the agents with PlanTransfer grants, all shards in parallel.
 With N agents the tensor is sharded: Upload per_rank (a 1/N slice per rank) and Fetch
 of every shard, all in flight together. Each figure is the best MB/s of --rounds
 runs (machines here are noisy), and its ratio to raw of the same direction and size.
@@ -169,8 +172,10 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
         lib.wait_ready(srv, nagents)
         s = lib.Session(srv.port, "bench-data", timeout=600)
         mesh = s.run(lib.create_mesh(s.new_ref(), gpu=nagents)).mesh.ref
-        client = meshd.connect(f"127.0.0.1:{srv.port}", client_name="bench-data", timeout=600)
-        cmesh = client.mesh(gpu=nagents)
+        clients = {p: meshd.connect(f"127.0.0.1:{srv.port}", client_name="bench-data",
+                                    timeout=600, data_path="proxy" if p == "client" else "direct")
+                   for p in paths if p in ("client", "direct")}
+        cmeshes = {p: c.mesh(gpu=nagents) for p, c in clients.items()}
         for mib in sizes:
             nbytes = mib * MIB
             figures = {}
@@ -186,7 +191,8 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                         figures[("wire", "fetch")] = best(
                             lambda: wire_fetch(s, refs[-1], nagents, pool), rounds)
                     s.run(lib.drop(*refs))
-                elif path == "client":
+                elif path in ("client", "direct"):
+                    client, cmesh = clients[path], cmeshes[path]
                     shape = (nagents, nbytes // nagents // 4) if nagents > 1 else (nbytes // 4,)
                     arr = np.ones(shape, np.float32)
                     held = []
@@ -194,7 +200,7 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                         def up():
                             held.append(meshd.tensor(arr, shard="gpu" if nagents > 1 else None))
                             client.sync()
-                        figures[("client", "upload")] = best(
+                        figures[(path, "upload")] = best(
                             up, rounds if "upload" in directions else 1)
                         x = held[-1]
 
@@ -203,7 +209,11 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                             for f in futs:
                                 f.result()
                         if "fetch" in directions:
-                            figures[("client", "fetch")] = best(down, rounds)
+                            figures[(path, "fetch")] = best(down, rounds)
+                    if path == "direct":
+                        assert client._direct.counts["fetch"] > 0, "the direct path was not taken"
+                    for t in held:
+                        t.drop()
                     del held, x, arr
             for (path, direction), secs in figures.items():
                 mbs = nbytes / secs / 1e6
@@ -212,7 +222,8 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                      chunk_mib=chunk // MIB, mb_s=round(mbs, 1),
                      raw_mb_s=round(base, 1) if base else None,
                      ratio=round(mbs / base, 3) if base else None)
-        client.close()
+        for c in clients.values():
+            c.close()
         s.close()
         s.shut()
     finally:
@@ -227,7 +238,7 @@ def main():
     ap.add_argument("--agents", default="1,4", help="agent counts, comma separated")
     ap.add_argument("--chunk-mib", type=int, default=1, help="message size of wire and raw")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--paths", default="wire,client")
+    ap.add_argument("--paths", default="wire,client,direct")
     ap.add_argument("--directions", default="upload,fetch")
     ap.add_argument("extra", nargs="*", help="meshd flags (after --)")
     ap.add_argument("--raw-server", help=argparse.SUPPRESS)
