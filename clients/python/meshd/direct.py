@@ -98,6 +98,7 @@ class Direct:
         self._unreachable = {}  # address -> time it failed
         self._offered = None  # None: not known yet; False: the server refused PlanTransfer
         self._pool_ok = None  # auto: every agent of the pool answered
+        self._probed = 0.0  # when _pool_ok was last found
         self.counts = {"upload": 0, "fetch": 0}  # transfers that took the direct path
 
     def close(self):
@@ -132,8 +133,11 @@ class Direct:
         return other
 
     def _pool_reachable(self):
-        """auto: whether every agent of the pool answers (probed in parallel, once)."""
-        if self._pool_ok is None:
+        """auto: whether every agent of the pool answers (probed in parallel, once; a
+        failed probe is tried again after a while)."""
+        if self._pool_ok is None or (not self._pool_ok and
+                                     time.monotonic() - self._probed > _UNREACHABLE_FOR):
+            self._probed = time.monotonic()
             try:
                 addrs = [a["address"] for a in self.session.agents()]
             except MeshdError:
@@ -196,7 +200,7 @@ class Direct:
                                  f"{', '.join(sh.address for sh in reply.shards)} within "
                                  f"{CONNECT_TIMEOUT} s; use data_path=\"auto\" or \"proxy\" from "
                                  "outside the cluster")
-            self._pool_ok = False
+            self._pool_ok, self._probed = False, time.monotonic()
             return None
         n = len(reply.shards)
         each = len(raw) // n if hdr.per_rank and n else len(raw)
@@ -244,7 +248,6 @@ class Direct:
         """fn(i) for i in range(n) on threads: (results, first MeshdError or None)."""
         out, err = [None] * n, None
         if n == 1:
-            jobs = None
             try:
                 out[0] = fn(0)
             except grpc.RpcError as e:
@@ -274,7 +277,7 @@ class Direct:
                 raise MeshdError("UNAVAILABLE", f"direct fetch: the agent at "
                                  f"{reply.shards[0].address} does not answer within "
                                  f"{CONNECT_TIMEOUT} s; use data_path=\"auto\" or \"proxy\"")
-            self._pool_ok = False
+            self._pool_ok, self._probed = False, time.monotonic()
             return None
         return reply, ch
 
