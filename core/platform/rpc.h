@@ -269,6 +269,9 @@ typedef struct rpc_status {
   char message[512];
 } rpc_status_t;
 
+/* Request metadata. A key ending in "-bin" carries binary bytes, which a C
+ * string cannot: give its value as hex (2 digits a byte); the call sends the
+ * bytes (gRPC base64s them on the wire). */
 typedef struct rpc_md {
   const char *key;
   const char *value;

@@ -123,12 +123,35 @@ static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
 bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, true, timeout_ms); }
 bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, false, timeout_ms); }
 
+static int hex_digit(char c) {
+  return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                        : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
+/* A "-bin" key's value: its hex decoded into bytes (rpc_md_t). */
+static grpc_slice md_value(const rpc_md_t *m) {
+  size_t klen = strlen(m->key), vlen = strlen(m->value);
+  if (klen < 4 || strcmp(m->key + klen - 4, "-bin") != 0 || vlen % 2)
+    return grpc_slice_from_copied_string(m->value);
+  grpc_slice out = grpc_slice_malloc(vlen / 2);
+  uint8_t *p = GRPC_SLICE_START_PTR(out);
+  for (size_t i = 0; i < vlen / 2; i++) {
+    int hi = hex_digit(m->value[2 * i]), lo = hex_digit(m->value[2 * i + 1]);
+    if (hi < 0 || lo < 0) {
+      grpc_slice_unref(out);
+      return grpc_slice_from_copied_string(m->value);
+    }
+    p[i] = (uint8_t)(hi << 4 | lo);
+  }
+  return out;
+}
+
 static grpc_metadata *make_md(const rpc_md_t *md, size_t nmd) {
   if (nmd == 0) return NULL;
   grpc_metadata *out = calloc(nmd, sizeof *out);
   for (size_t i = 0; out && i < nmd; i++) {
     out[i].key = grpc_slice_from_static_string(md[i].key);
-    out[i].value = grpc_slice_from_copied_string(md[i].value);
+    out[i].value = md_value(&md[i]);
   }
   return out;
 }

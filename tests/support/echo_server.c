@@ -139,8 +139,15 @@ static void unary_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
   atomic_fetch_add(&es->started, 1);
   char md[256];
   const rpc_identity_t *id = rpc_call_identity(call);
-  if (!rpc_call_metadata(call, "x-echo", md, sizeof md))
+  uint8_t bin[64];
+  long nbin = rpc_call_metadata_bin(call, "x-echo-bin", bin, sizeof bin);
+  if (nbin >= 0) { /* binary metadata: echoed as "bin:<length>:<hex>" */
+    int n = snprintf(md, sizeof md, "bin:%ld:", nbin);
+    for (long i = 0; i < nbin && i < (long)sizeof bin && n + 3 < (int)sizeof md; i++)
+      n += snprintf(md + n, sizeof md - (size_t)n, "%02x", bin[i]);
+  } else if (!rpc_call_metadata(call, "x-echo", md, sizeof md)) {
     snprintf(md, sizeof md, "%s%s", id ? "identity:" : "", id ? id->name : "");
+  }
   if (req->delay_ms <= 0) {
     answer_unary(call, req->text, req->payload.data, req->payload.len, req->fail_code,
                  req->fail_kind, md);

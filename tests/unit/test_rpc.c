@@ -158,6 +158,13 @@ Test(rpc, metadata_round_trip) {
   cr_assert_eq(strncmp(rep->metadata, long_value, 255), 0);
   free_reply(rep);
 
+  /* A "-bin" key: hex given, bytes sent (NULs included), read back as bytes. */
+  rpc_md_t bmd = {"x-echo-bin", "00ff10000a"};
+  code = call_unary(ch, ECHO_UNARY, &req, &rep, &bmd, 1, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "code %d: %s", code, st.message);
+  cr_assert_str_eq(rep->metadata, "bin:5:00ff10000a");
+  free_reply(rep);
+
   /* The next call on the same channel carries no metadata: nothing sticks. */
   code = call_unary(ch, ECHO_UNARY, &req, &rep, NULL, 0, 5000, &st);
   cr_assert_eq(code, GRPC_STATUS_OK);
