@@ -18,8 +18,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PATHS = ("wire", "client", "c")
-LABELS = {"wire": "grpcio + meshd protos", "client": "Python client", "c": "C rpc layer"}
+PATHS = ("wire", "client", "direct", "c", "c_direct")
+LABELS = {"wire": "grpcio + meshd protos", "client": "Python client (proxy)",
+          "direct": "Python client (direct)", "c": "C rpc layer (proxy)",
+          "c_direct": "C rpc layer (direct)"}
 
 
 def load(files):
