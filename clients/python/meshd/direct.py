@@ -5,9 +5,10 @@ shards in parallel, and tells the server (FinishUpload with the agents' receipts
 FinishFetch).
 
 data_path (meshd.connect): "direct" always takes this path; "proxy" never does;
-"auto" (default) takes it when the server offers PlanTransfer and every agent of
-the pool answers a connection within CONNECT_TIMEOUT seconds (checked once per
-session and address), else the proxied Upload/Fetch.
+"auto" (default) takes it when the server offers PlanTransfer, the session is not
+over TLS (the agents' channels here are plaintext) and every agent of the pool
+answers a connection within CONNECT_TIMEOUT seconds (checked once per session and
+address), else the proxied Upload/Fetch.
 
 The agents' messages used here are packed by hand (a few fields): the Python client
 generates only tensor_service.proto."""
@@ -153,6 +154,10 @@ class Direct:
             return False
         if self.mode == "direct":
             return True
+        # A session over TLS asked for its bytes encrypted: agents speak plaintext
+        # to clients (the channels here are insecure), so auto keeps to the server.
+        if self.session.tls:
+            return False
         return self._offered is not False and self._pool_reachable()
 
     # ------------------------------------------------------------ server calls

@@ -320,8 +320,8 @@ def connect(addr, token=None, tls=False, root_certs=None, cert_chain=None, priva
     server's certificate instead of addr's host (default $MESHD_TLS_SERVER_NAME).
     A token is not sent in plaintext to a non-loopback address: ValueError, unless
     insecure=True. data_path: how tensor bytes move: "auto" (default) streams them
-    straight to and from the agents when the server offers it and they answer within
-    1 s, else through the server; "direct" always straight (MeshdError if it cannot);
+    straight to and from the agents when the server offers it, the session is not
+    over TLS and the agents answer within 1 s, else through the server; "direct" always straight (MeshdError if it cannot);
     "proxy" always through the server (meshd/direct.py). Other keywords: client_name,
     ttl_seconds, quota_bytes, timeout."""
     return Session(addr, token=token, tls=tls, root_certs=root_certs, cert_chain=cert_chain,
