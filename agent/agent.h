@@ -78,6 +78,13 @@ bool transfer_grant_call(rpc_call_t *call);
  * protobuf_c_message_free_unpacked); else a gRPC code (PERMISSION_DENIED, or
  * RESOURCE_EXHAUSTED for a full nonce table) and msg naming the check. */
 #define TRANSFER_NONCES 65536
+/* What became of the grants presented (meshd_transfer_grants_total{result}). */
+enum {
+  GRANT_ACCEPTED, GRANT_MALFORMED, GRANT_BAD_SIGNATURE, GRANT_EXPIRED, GRANT_WRONG_CALL,
+  GRANT_REUSED, GRANT_TABLE_FULL, GRANT_UNREGISTERED, GRANT_RESULT_COUNT
+};
+const char *transfer_grant_result_name(int result);
+uint64_t transfer_grant_results(int result);
 int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
                          uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
                          size_t msglen);

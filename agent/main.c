@@ -186,6 +186,10 @@ static double rejected_fn(void *arg) {
   return (double)dataplane_rejected(r->dp, r->reason);
 }
 
+/* One series of meshd_transfer_grants_total. */
+static int grant_series[GRANT_RESULT_COUNT];
+static double grants_fn(void *arg) { return (double)transfer_grant_results(*(const int *)arg); }
+
 static uint64_t cgroup_memory_limit(void) {
   static const char *const files[] = {
       "/sys/fs/cgroup/memory.max",                   /* cgroup v2; "max" = none */
@@ -407,6 +411,15 @@ int main(int argc, char **argv) {
       metrics_set_fn(metrics, "meshd_dataplane_rejected_total",
                      (const char *[]){"reason", dp_reject_name((dp_reject_t)r), NULL}, rejected_fn,
                      &rejected[r]);
+    }
+    metrics_define(metrics, "meshd_transfer_grants_total", METRIC_COUNTER,
+                   "Transfer grants presented to Read and Write (the direct data path), by "
+                   "result (docs/protocol.md, \"Direct data path\").");
+    for (int r = 0; r < GRANT_RESULT_COUNT; r++) {
+      grant_series[r] = r;
+      metrics_set_fn(metrics, "meshd_transfer_grants_total",
+                     (const char *[]){"result", transfer_grant_result_name(r), NULL}, grants_fn,
+                     &grant_series[r]);
     }
     metrics_http = metrics_http_start(metrics, opt.metrics_listen, err, sizeof err);
     if (!metrics_http) {

@@ -23,6 +23,18 @@ typedef struct seen {
   UT_hash_handle hh;
 } seen_t;
 
+static const char *const result_names[GRANT_RESULT_COUNT] = {
+    "accepted", "malformed", "bad_signature", "expired", "wrong_call", "reused", "table_full",
+    "unregistered"};
+static _Atomic uint64_t results[GRANT_RESULT_COUNT];
+
+const char *transfer_grant_result_name(int r) {
+  return r >= 0 && r < GRANT_RESULT_COUNT ? result_names[r] : "?";
+}
+uint64_t transfer_grant_results(int r) {
+  return r >= 0 && r < GRANT_RESULT_COUNT ? atomic_load(&results[r]) : 0;
+}
+
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static seen_t *seen;
 static size_t nseen;
@@ -73,9 +85,11 @@ static const char *dir_name(int d) {
                                                                     : "no call";
 }
 
-static int refuse(rpc_call_t *call, int code, char *msg, size_t msglen, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
-static int refuse(rpc_call_t *call, int code, char *msg, size_t msglen, const char *fmt, ...) {
+static int refuse(rpc_call_t *call, int result, int code, char *msg, size_t msglen,
+                  const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static int refuse(rpc_call_t *call, int result, int code, char *msg, size_t msglen,
+                  const char *fmt, ...) {
+  atomic_fetch_add(&results[result], 1);
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, msglen, fmt, ap);
@@ -98,62 +112,63 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
   uint8_t buf[GRANT_MAX_BYTES];
   long n = rpc_call_metadata_bin(call, GRANT_MD, buf, sizeof buf);
   if (n < 0 || (size_t)n > sizeof buf)
-    return refuse(call, denied, msg, msglen, "transfer grant refused: malformed (%s)",
+    return refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (%s)",
                   n < 0 ? "no " GRANT_MD " metadata" : "longer than 4096 bytes");
   char secret[SECRET_HEX_LEN + 1];
   if (agent_auth_secret(secret))
-    return refuse(call, GRPC_STATUS_UNAVAILABLE, msg, msglen,
+    return refuse(call, GRANT_UNREGISTERED, GRPC_STATUS_UNAVAILABLE, msg, msglen,
                   "transfer grant refused: this agent is not registered with a server now");
   Meshd__Agent__V1__TransferGrant *g = NULL;
   int rc = grant_open(secret, buf, (size_t)n, &g);
   memset(secret, 0, sizeof secret);
   if (rc == -1)
-    return refuse(call, denied, msg, msglen, "transfer grant refused: bad signature (it was not "
+    return refuse(call, GRANT_BAD_SIGNATURE, denied, msg, msglen, "transfer grant refused: bad signature (it was not "
                   "issued by this agent's server, or it was altered)");
   if (rc)
-    return refuse(call, denied, msg, msglen, "transfer grant refused: malformed (not a TransferGrant)");
+    return refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (not a TransferGrant)");
   int64_t now = grant_now_unix_ms();
   int code = 0;
   int64_t rank = atomic_load(&agent_rank);
   if (g->expiry_unix_ms <= now)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: expired %lld ms ago; ask the "
+    code = refuse(call, GRANT_EXPIRED, denied, msg, msglen, "transfer grant refused: expired %lld ms ago; ask the "
                   "server for a new one (PlanTransfer)", (long long)(now - g->expiry_unix_ms));
   else if ((int)g->direction != direction)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong direction (the grant "
+    code = refuse(call, GRANT_WRONG_CALL, denied, msg, msglen, "transfer grant refused: wrong direction (the grant "
                   "is for a %s, this call is a %s)", dir_name(g->direction), dir_name(direction));
   else if (rank < 0 || g->rank != (uint64_t)rank)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong rank (the grant is "
+    code = refuse(call, GRANT_WRONG_CALL, denied, msg, msglen, "transfer grant refused: wrong rank (the grant is "
                   "for rank %u, this agent is rank %lld)", g->rank, (long long)rank);
   else if (session && strcmp(session, g->session_id) != 0)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong session (the grant "
+    code = refuse(call, GRANT_WRONG_CALL, denied, msg, msglen, "transfer grant refused: wrong session (the grant "
                   "is for another session than the request's)");
   else if (session && ref != g->ref)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong ref (the grant is for "
+    code = refuse(call, GRANT_WRONG_CALL, denied, msg, msglen, "transfer grant refused: wrong ref (the grant is for "
                   "ref %llu, the request names ref %llu)", (unsigned long long)g->ref,
                   (unsigned long long)ref);
   else if (session && after_seq != g->after_seq)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: wrong after_seq (the grant "
+    code = refuse(call, GRANT_WRONG_CALL, denied, msg, msglen, "transfer grant refused: wrong after_seq (the grant "
                   "is for seq %llu, the request names %llu)", (unsigned long long)g->after_seq,
                   (unsigned long long)after_seq);
   else if (direction == GRANT_WRITE && !g->spec)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: malformed (a Write grant "
+    code = refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (a Write grant "
                   "without a spec)");
   else if (g->nonce.len != GRANT_NONCE_LEN)
-    code = refuse(call, denied, msg, msglen, "transfer grant refused: malformed (nonce of %zu "
+    code = refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (nonce of %zu "
                   "bytes)", g->nonce.len);
   if (!code) {
     int t = take_nonce(g->nonce.data, g->expiry_unix_ms, now);
     if (t > 0)
-      code = refuse(call, denied, msg, msglen, "transfer grant refused: reused (each grant is "
+      code = refuse(call, GRANT_REUSED, denied, msg, msglen, "transfer grant refused: reused (each grant is "
                     "good for one call; ask the server for a new one)");
     else if (t < 0)
-      code = refuse(call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen, "transfer grant refused: "
+      code = refuse(call, GRANT_TABLE_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen, "transfer grant refused: "
                     "%d grants are in use on this agent already; retry later", TRANSFER_NONCES);
   }
   if (code) {
     protobuf_c_message_free_unpacked(&g->base, NULL);
     return code;
   }
+  atomic_fetch_add(&results[GRANT_ACCEPTED], 1);
   *out = g;
   return 0;
 }

@@ -330,3 +330,41 @@ def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
             x = meshd.tensor(arr)
             assert meshd.fetch_shard(x, gpu=1).result().tolist() == arr.tolist()
         assert s._direct.counts == {"upload": 0, "fetch": 0}
+
+
+def test_grant_metrics(meshd_server, agent, tmp_path):
+    """meshd_transfer_grants_total{result} counts what became of the grants an agent
+    was shown: accepted, bad_signature, wrong_call, reused."""
+    import urllib.request
+    srv = meshd_server(0, min_agents=1)
+    pf = tmp_path / "agent.metrics.port"
+    a = agent(srv.port, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf, rank=0)
+    mport = lib.read_port_file(str(pf), a.proc, a.log)
+    lib.wait_ready(srv, 1)
+
+    def counts():
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith('meshd_transfer_grants_total{result="'):
+                name = line.split('"')[1]
+                out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+    assert counts()["accepted"] == 0
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        with mesh.activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32))  # a Write
+            assert meshd.fetch_shard(x, gpu=0).result().tolist() == [0, 1, 2, 3]  # a Read
+        reply = plan_fetch(s, x, gpu=0)
+        sh = reply.shards[0]
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        refused(lambda: agent_read(sh, s.id, x.ref, grant=flipped(sh.grant, 2)), denied,
+                "bad signature")
+        refused(lambda: agent_read(sh, s.id, x.ref + 1), denied, "wrong ref")
+        agent_read(sh, s.id, x.ref)
+        refused(lambda: agent_read(sh, s.id, x.ref), denied, "reused")
+    got = counts()
+    assert got["accepted"] == 3 and got["bad_signature"] == 1 and got["wrong_call"] == 1 \
+        and got["reused"] == 1 and got["expired"] == 0, got
