@@ -27,7 +27,10 @@ _AGENT = "/meshd.agent.v1.Agent/"
 GRANT_MD = "meshd-transfer-grant-bin"
 CONNECT_TIMEOUT = 1.0
 DATA_PATHS = ("auto", "direct", "proxy")
-_CHUNK = 1 << 20
+# Write messages of 2 MiB (half the agents' default 4 MiB message limit): 1.2x the
+# upload rate of 1 MiB here. Reads of 1 MiB: larger ones came slower (2 MiB 0.66x,
+# 3 MiB 0.4x, one agent, 256 MiB, loopback).
+_CHUNK = 2 << 20
 _READ_CHUNK = 1 << 20
 # How long an address found unreachable is not tried again (auto).
 _UNREACHABLE_FOR = 30.0
