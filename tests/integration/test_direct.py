@@ -147,6 +147,14 @@ def test_direct_round_trip(meshd_server, agents):
             assert np.allclose(meshd.fetch_shard(z, gpu=agents - 1).result(), (rep + 1) * 2)
         assert s._direct.counts["upload"] == 5, s._direct.counts
         assert s._direct.counts["fetch"] == 4 * agents + 2, s._direct.counts
+        if agents == 4:  # a 2-D mesh: sharded along gpu, replicated along host
+            m2 = s.mesh(host=2, gpu=2)
+            b = rng.standard_normal((2, 3, 5)).astype(np.float64)
+            with m2.activate():
+                t = meshd.tensor(b, shard="gpu")
+                for h in range(2):
+                    for g in range(2):
+                        assert np.array_equal(meshd.fetch_shard(t, host=h, gpu=g).result(), b[g])
 
 
 def test_agents_refuse_bad_grants(meshd_server):
