@@ -14,7 +14,8 @@ loads) takes `progress=`:
             CALLBACK_INTERVAL seconds apart, and exactly one last call has done ==
             total, after the transfer succeeded (none after a failure). It runs on
             the thread that moves the bytes (a fetch's is not the caller's), one call
-            at a time. An exception it raises aborts the transfer and is raised
+            at a time, and must not call meshd (an upload holds the session's
+            lock). An exception it raises aborts the transfer and is raised
             where the transfer's failure would be (the call, or the Future's result).
 
 For code that moves bytes (tensor.py, load.py):

@@ -199,3 +199,15 @@ def test_true_bar_goes_to_stderr_with_byte_units(monkeypatch):
     with _progress.tracker(3 << 20, True, "upload") as tr:
         tr.update(3 << 20)
     assert "upload" in buf.getvalue() and "3.00M" in buf.getvalue(), buf.getvalue()
+
+
+def test_true_without_tqdm_warns_once_and_goes_on(monkeypatch):
+    monkeypatch.setattr(_progress, "_tqdm", None)
+    monkeypatch.setattr(_progress, "_warned", False)
+    with pytest.warns(UserWarning, match="python3-tqdm"):
+        with _progress.tracker(10, True) as tr:
+            tr.update(10)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _progress.tracker(10, True).close(ok=True)
