@@ -835,6 +835,19 @@ meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const ch
 meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
                                         const char *const *dims, const int64_t *index,
                                         size_t ncoords, int timeout_ms, meshd_values_t *out) {
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.timeout_ms = timeout_ms;
+  return meshd_session_fetch_with(s, tensor, dims, index, ncoords, &o, out);
+}
+
+meshd_err_t meshd_session_fetch_with(meshd_session_t *s, meshd_ref_t tensor,
+                                     const char *const *dims, const int64_t *index,
+                                     size_t ncoords, const meshd_fetch_options_t *opts,
+                                     meshd_values_t *out) {
+  static const meshd_fetch_options_t defaults = MESHD_FETCH_OPTIONS_INIT;
+  if (!opts)
+    opts = &defaults;
+  int timeout_ms = opts->timeout_ms;
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, out, "meshd_session_fetch"))
@@ -863,6 +876,7 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   size_t nbytes = 0, cap = 0;
   int dtype = 0;
   bool have_meta = false;
+  uint64_t total = 0; /* bytes, from the meta: for progress */
   if (timeout_ms <= 0)
     timeout_ms = s->client->timeout_ms;
   rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
@@ -893,6 +907,9 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
       if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
         have_meta = true;
         dtype = ch->meta->dtype;
+        total = dtype_size(dtype);
+        for (size_t i = 0; i < ch->meta->n_shape; i++)
+          total *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
         if (ch->meta->n_shape > 0) {
           out->shape = malloc(ch->meta->n_shape * sizeof *out->shape);
           if (out->shape) {
@@ -920,6 +937,8 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
         if (ret == MESHD_E_OK && ch->data.len > 0) {
           memcpy(bytes + nbytes, ch->data.data, ch->data.len);
           nbytes += ch->data.len;
+          if (opts->progress && nbytes < total)
+            opts->progress(opts->progress_user, nbytes, total);
         }
       }
       protobuf_c_message_free_unpacked(m, NULL);
@@ -956,5 +975,7 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   free(bytes);
   if (ret != MESHD_E_OK)
     meshd_values_free(out);
+  else if (opts->progress)
+    opts->progress(opts->progress_user, nbytes, nbytes);
   return ret;
 }

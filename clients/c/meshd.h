@@ -305,6 +305,27 @@ MESHD_API meshd_err_t meshd_session_fetch_timeout(meshd_session_t *session, mesh
                                                   size_t ncoords, int timeout_ms,
                                                   meshd_values_t *out);
 
+/* Progress of a transfer: done_bytes of total_bytes moved so far. Called on the
+ * calling thread, from inside the transfer: after each chunk that arrived (done
+ * grows) and, on success only, once more at the end with done == total. total is
+ * the tensor's size in its own dtype (not float64). Must not call the library. */
+typedef void (*meshd_progress_fn)(void *user, uint64_t done_bytes, uint64_t total_bytes);
+
+/* Options of meshd_session_fetch_with; start from MESHD_FETCH_OPTIONS_INIT. */
+typedef struct meshd_fetch_options {
+  int timeout_ms;             /* > 0 bounds the whole Fetch; <= 0: the client's timeout */
+  meshd_progress_fn progress; /* NULL: none */
+  void *progress_user;        /* passed to progress */
+} meshd_fetch_options_t;
+
+#define MESHD_FETCH_OPTIONS_INIT {0, NULL, NULL}
+
+/* meshd_session_fetch with options (NULL: MESHD_FETCH_OPTIONS_INIT). */
+MESHD_API meshd_err_t meshd_session_fetch_with(meshd_session_t *session, meshd_ref_t tensor,
+                                               const char *const *dims, const int64_t *index,
+                                               size_t ncoords, const meshd_fetch_options_t *opts,
+                                               meshd_values_t *out);
+
 /* Frees what meshd_session_fetch put in *v and zeroes it. NULL is ignored. */
 MESHD_API void meshd_values_free(meshd_values_t *v);
 

@@ -194,6 +194,61 @@ Test(c_client, compute_and_fetch) {
   meshd_close(c);
 }
 
+typedef struct progress_log {
+  uint64_t done[4096], total[4096];
+  size_t n;
+} progress_log_t;
+
+static void log_progress(void *user, uint64_t done, uint64_t total) {
+  progress_log_t *l = user;
+  if (l->n < 4096) {
+    l->done[l->n] = done;
+    l->total[l->n++] = total;
+  }
+}
+
+/* meshd_session_fetch_with's callback: done grows, in the tensor's own dtype, and the
+ * last call (only that one) has done == total; a failed fetch ends without it. */
+Test(c_client, fetch_progress_callback) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-progress", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, shape[] = {2 << 20}, at0[] = {0};
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", shape, 1, 0, &x), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+
+  static progress_log_t log;
+  memset(&log, 0, sizeof log);
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.progress = log_progress;
+  o.progress_user = &log;
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch_with(s, x, dims, at0, 1, &o, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, (size_t)(2 << 20));
+  meshd_values_free(&v);
+  const uint64_t total = 4ull * (2 << 20); /* float32 bytes */
+  cr_assert_geq(log.n, 2, "%zu calls", log.n);
+  for (size_t i = 0; i < log.n; i++) {
+    cr_assert_eq(log.total[i], total);
+    cr_assert(i == 0 || log.done[i] > log.done[i - 1], "call %zu: %llu after %llu", i,
+              (unsigned long long)log.done[i], (unsigned long long)log.done[i - 1]);
+    cr_assert_eq(log.done[i] == total, i == log.n - 1, "call %zu of %zu: done == total", i,
+                 log.n);
+  }
+
+  memset(&log, 0, sizeof log);
+  cr_assert_eq(meshd_session_fetch_with(s, 999, dims, at0, 1, &o, &v), MESHD_E_RPC);
+  cr_assert_eq(log.n, 0);
+  cr_assert_eq(meshd_session_fetch_with(s, x, dims, at0, 1, NULL, &v), MESHD_E_OK);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 Test(c_client, error_kinds) {
   meshd_client_t *c = connect_ok();
   meshd_session_t *s = meshd_session_open(c, "c-errors", NULL);
