@@ -335,6 +335,7 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
   curl_easy_setopt(c, CURLOPT_OPENSOCKETFUNCTION, on_open_socket);
   curl_easy_setopt(c, CURLOPT_OPENSOCKETDATA, x);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(c, CURLOPT_BUFFERSIZE, 512L * 1024); /* fewer callbacks for bulk bytes */
   curl_easy_setopt(c, CURLOPT_WRITEDATA, x);
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, x->errbuf);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
