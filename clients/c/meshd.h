@@ -250,6 +250,30 @@ MESHD_API meshd_err_t meshd_session_factory(meshd_session_t *session, meshd_ref_
                                             const char *kind, const int64_t *shape, size_t ndim,
                                             double value, meshd_ref_t *out);
 
+/* What meshd_session_load loads (docs/loading.md). Zeroed: a .npy file, or a
+ * safetensors file holding one tensor, replicated on every rank. */
+typedef struct meshd_load_options {
+  /* Raw bytes: their dtype ("float32", "int64", "bfloat16", ...) and shape
+   * (ndim sizes). NULL dtype: the file's header says (.npy, safetensors). */
+  const char *dtype;
+  const int64_t *shape;
+  size_t ndim;
+  const char *name;  /* a tensor of a safetensors file (NULL: its only one) */
+  const char *shard; /* mesh dim to split over (NULL: every rank loads it all) */
+  int dim;           /* the tensor dim split, with shard */
+} meshd_load_options_t;
+
+/* A tensor whose bytes every agent of `mesh` fetches itself from `url` (http,
+ * https or file, as the server's --url-allow permits): no byte passes through
+ * the server or the client. opts may be NULL. The header of a .npy or
+ * safetensors file is read first by one agent (TensorService/InspectUrl);
+ * errors there (404, a name not in the file, a dtype meshd lacks) fail this
+ * call. Transfer failures on the agents fail the tensor: they surface at
+ * sync or fetch. *out gets the tensor's ref. */
+MESHD_API meshd_err_t meshd_session_load(meshd_session_t *session, meshd_ref_t mesh,
+                                         const char *url, const meshd_load_options_t *opts,
+                                         meshd_ref_t *out);
+
 /* One positional argument of meshd_session_call. */
 typedef enum { MESHD_ARG_REF, MESHD_ARG_INT, MESHD_ARG_FLOAT } meshd_arg_type_t;
 typedef struct meshd_arg {
