@@ -12,6 +12,7 @@ import os
 import re
 import socketserver
 import struct
+import subprocess
 import threading
 import time
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import meshd
-from conftest import _TMP, start_meshd, stop_meshd
+from conftest import BIN_DIR, _TMP, start_meshd, stop_meshd
 
 FILES = os.path.join(_TMP, "load-files")
 
@@ -353,3 +354,30 @@ def test_shard_errors_are_checked_by_the_server(gpu4, http_base):
     with pytest.raises(TypeError, match="dtype= and shape="):
         meshd.load(f"{http_base}/odd.bin", dtype="float32")
     still_works()
+
+
+# ------------------------------------------------------------------ the cuda backend
+
+
+def test_cuda_emulated_agents_load_through_their_staging_buffer(http_base):
+    """cuda agents cannot take curl's bytes straight into device memory: they stage
+    them (agent/load.c). On cuda:emulated (the cuda backend over host memory, mocking
+    the GPU) a 12 MiB load crosses the 8 MiB staging buffer; skipped in builds
+    without the cuda backend."""
+    helptext = subprocess.run([os.path.join(BIN_DIR, "meshd-agent"), "--help"],
+                              capture_output=True, text=True).stdout
+    if "cuda:emulated" not in helptext:
+        pytest.skip("this build has no cuda backend")
+    a = np.arange(3 << 20, dtype=np.float32).reshape(4, -1)
+    np.save(os.path.join(FILES, "big.npy"), a)
+    addr, proc = start_meshd(2, name="meshd-load-cuda", flags=(
+        "--local-agent-device", "cuda:emulated", "--url-allow=http://127.0.0.1"))
+    try:
+        with meshd.connect(addr) as s:
+            with s.mesh(gpu=2).activate():
+                t = meshd.load(f"{http_base}/big.npy")
+                h = meshd.load(f"{http_base}/big.npy", shard="gpu", dim=1)
+                np.testing.assert_array_equal(fetch(t, gpu=1), a)
+                np.testing.assert_array_equal(fetch(h, gpu=1), a[:, a.shape[1] // 2:])
+    finally:
+        stop_meshd(proc)
