@@ -17,13 +17,13 @@
  * STAGE_BYTES on a GPU, instead of one per network read). */
 #define STAGE_BYTES (8u << 20)
 
-/* "Load on rank 3: " in front of e's message. */
+/* "InspectUrl on rank 3: " in front of e's message. */
 static int on_rank(meshd_error_t *e, const char *what) {
-  char msg[sizeof e->msg];
-  snprintf(msg, sizeof msg, "%s", e->msg);
+  char head[64];
   int64_t r = atomic_load(&agent_rank);
-  if (r >= 0) snprintf(e->msg, sizeof e->msg, "%s on rank %" PRId64 ": %.560s", what, r, msg);
-  else snprintf(e->msg, sizeof e->msg, "%s: %.560s", what, msg);
+  if (r >= 0) snprintf(head, sizeof head, "%.20s on rank %" PRId64, what, r);
+  else snprintf(head, sizeof head, "%.20s", what);
+  error_prefix(e, head, ": ");
   return -1;
 }
 
