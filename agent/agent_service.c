@@ -70,6 +70,12 @@ static const rpc_method_t methods[] = {
         .request = &meshd__agent__v1__inspect_url_request__descriptor,
         .on_start = load_inspect_start,
     },
+    {
+        .path = "/meshd.agent.v1.Agent/LoadProgress",
+        .kind = RPC_UNARY,
+        .request = &meshd__agent__v1__load_progress_request__descriptor,
+        .on_start = load_progress_start,
+    },
 };
 
 const rpc_method_t *agent_service_methods(size_t *n) {

@@ -35,9 +35,54 @@ static int prefixed(meshd_error_t *e, const char *what) {
   return -1;
 }
 
+/* What Agent/LoadProgress reads: a ring of the latest loads. */
+typedef struct tracked {
+  char session[80];
+  uint64_t ref;
+  uint64_t total;
+  _Atomic uint64_t done;
+  _Atomic int state; /* 0 running, 1 done, 2 failed */
+} tracked_t;
+
+static pthread_mutex_t tracked_mu = PTHREAD_MUTEX_INITIALIZER;
+static tracked_t tracked[LOAD_TRACKED];
+static size_t tracked_next;
+
+/* A slot for a starting load: a free one, else the oldest finished one, else
+ * (LOAD_TRACKED loads running at once) none. */
+static tracked_t *track(const char *session, uint64_t ref, uint64_t total) {
+  pthread_mutex_lock(&tracked_mu);
+  tracked_t *t = NULL;
+  for (size_t i = 0; i < LOAD_TRACKED && !t; i++) {
+    tracked_t *c = &tracked[(tracked_next + i) % LOAD_TRACKED];
+    if (!c->session[0] || atomic_load(&c->state) != 0) {
+      t = c;
+      tracked_next = (tracked_next + i + 1) % LOAD_TRACKED;
+    }
+  }
+  if (t) {
+    snprintf(t->session, sizeof t->session, "%s", session);
+    t->ref = ref;
+    t->total = total;
+    atomic_store(&t->done, 0);
+    atomic_store(&t->state, 0);
+  }
+  pthread_mutex_unlock(&tracked_mu);
+  return t;
+}
+
+static void track_end(tracked_t *t, bool ok) {
+  if (!t) return;
+  if (ok) atomic_store(&t->done, t->total);
+  atomic_store(&t->state, ok ? 1 : 2);
+}
+
 typedef struct sink {
   backend_t *b;
   agent_tensor_t *t;
+  uint8_t *host;      /* the tensor's first byte when it is host memory (cpu), else NULL */
+  tracked_t *progress;
+  uint64_t counted;   /* bytes of this range counted in progress */
   uint64_t base;      /* the range's first byte in the tensor */
   uint8_t *stage;
   uint64_t stage_pos; /* range position of stage[0] */
@@ -62,6 +107,14 @@ static int flush(sink_t *k, meshd_error_t *e) {
 
 static int sink_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, meshd_error_t *e) {
   sink_t *k = arg;
+  if (k->progress && pos + n > k->counted) { /* a retry counts nothing twice */
+    atomic_fetch_add(&k->progress->done, pos + n - k->counted);
+    k->counted = pos + n;
+  }
+  if (k->host) {
+    memcpy(k->host + k->base + pos, bytes, n);
+    return 0;
+  }
   if (pos != k->stage_pos + k->staged) { /* a retry: the range comes again from pos */
     k->stage_pos = pos;
     k->staged = 0;
@@ -76,9 +129,21 @@ static int sink_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, mesh
   return 0;
 }
 
-int load_run(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V1__LoadOp *op,
-             agent_tensor_t *t, meshd_error_t *e) {
+static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
+                       tracked_t *progress, meshd_error_t *e);
+
+int load_run(backend_t *b, backend_stream_t *bs, const char *session,
+             const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, meshd_error_t *e) {
   (void)bs; /* from_host's bytes are on the device for every stream when it returns */
+  uint64_t bytes = (uint64_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype);
+  tracked_t *p = track(session, op->result ? op->result->ref : 0, bytes);
+  int rc = fetch_slice(b, op, t, p, e);
+  track_end(p, rc == 0);
+  return rc;
+}
+
+static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
+                       tracked_t *progress, meshd_error_t *e) {
   const Meshd__V1__Load *l = op->load;
   url_allow_t allow;
   url_fetch_opts_t o;
@@ -119,19 +184,11 @@ int load_run(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V1__LoadOp 
               "result's", shown, sl.length * sl.count);
     return prefixed(e, "Load");
   }
+  sink_t k = {.b = b, .t = t, .progress = progress};
   /* cpu: the tensor is host memory, where curl's bytes go straight. */
-  uint8_t *host = b->ops == &cpu_backend_ops
-                      ? (uint8_t *)t->storage->data +
-                            t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype)
-                      : NULL;
-  for (uint64_t i = 0; host && i < sl.count; i++) {
-    tensor_file_range_t r = tensor_file_slice_range(&sl, i);
-    if (url_fetch_range(l->url, r.offset, r.length, host + i * sl.length, &o, NULL, e))
-      return prefixed(e, "Load");
-  }
-  if (host) return 0;
-  sink_t k = {.b = b, .t = t};
-  if (sl.count && !(k.stage = malloc(sl.length < STAGE_BYTES ? sl.length : STAGE_BYTES))) {
+  if (b->ops == &cpu_backend_ops)
+    k.host = (uint8_t *)t->storage->data + t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype);
+  if (sl.count && !k.host && !(k.stage = malloc(sl.length < STAGE_BYTES ? sl.length : STAGE_BYTES))) {
     error_set(e, ERR_QUOTA, "out of host memory for a %u-byte staging buffer", STAGE_BYTES);
     return prefixed(e, "Load");
   }
@@ -140,6 +197,7 @@ int load_run(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V1__LoadOp 
     k.base = i * sl.length;
     k.stage_pos = 0;
     k.staged = 0;
+    k.counted = 0;
     if (url_fetch_range_to(l->url, r.offset, r.length, sink_bytes, &k, &o, NULL, e) ||
         flush(&k, e)) {
       free(k.stage);
@@ -148,6 +206,49 @@ int load_run(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V1__LoadOp 
   }
   free(k.stage);
   return 0;
+}
+
+/* ------------------------------------------------------------------ LoadProgress */
+
+#define PROGRESS_REFS_MAX 4096
+
+void load_progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  (void)arg;
+  const Meshd__Agent__V1__LoadProgressRequest *rq = (const Meshd__Agent__V1__LoadProgressRequest *)req;
+  if (rq->n_refs > PROGRESS_REFS_MAX) {
+    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT",
+                    "LoadProgress: %zu refs, at most %d", rq->n_refs, PROGRESS_REFS_MAX);
+    return;
+  }
+  size_t n = rq->n_refs;
+  Meshd__V1__LoadProgress *v = calloc(n ? n : 1, sizeof *v);
+  Meshd__V1__LoadProgress **pv = calloc(n ? n : 1, sizeof *pv);
+  if (!v || !pv) {
+    free(v);
+    free(pv);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of memory");
+    return;
+  }
+  pthread_mutex_lock(&tracked_mu);
+  for (size_t i = 0; i < n; i++) {
+    meshd__v1__load_progress__init(&v[i]);
+    v[i].ref = rq->refs[i];
+    pv[i] = &v[i];
+    for (size_t j = 0; j < LOAD_TRACKED; j++) {
+      tracked_t *t = &tracked[j];
+      if (t->ref != rq->refs[i] || !t->session[0] || strcmp(t->session, rq->session_id)) continue;
+      v[i].done_bytes = atomic_load(&t->done);
+      v[i].total_bytes = t->total;
+      v[i].failed = atomic_load(&t->state) == 2;
+    }
+  }
+  pthread_mutex_unlock(&tracked_mu);
+  Meshd__V1__LoadProgressReply reply = MESHD__V1__LOAD_PROGRESS_REPLY__INIT;
+  reply.n_loads = n;
+  reply.loads = pv;
+  rpc_call_reply(call, &reply.base);
+  free(v);
+  free(pv);
 }
 
 /* ------------------------------------------------------------------ InspectUrl */

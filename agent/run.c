@@ -169,7 +169,7 @@ static void run_load(ctx_t *c) {
   }
   meta_of_spec(lo->result, &m);
   if (need_backend(c, "Load", &e) || tensor_alloc(c->b, c->bs, &m, &t, "Load", &e)) goto fail;
-  if (load_run(c->b, c->bs, lo, &t, &e)) goto fail;
+  if (load_run(c->b, c->bs, c->ins->session_id, lo, &t, &e)) goto fail;
   refs_put(&c->s->refs, ref, &t);
   storage_release(t.storage);
   return;

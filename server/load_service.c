@@ -161,11 +161,199 @@ static void inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *a
   rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "InspectUrl: out of memory");
 }
 
+/* ------------------------------------------------------------------ LoadProgress */
+
+#define PROGRESS_REFS_MAX 256
+
+typedef struct progress {
+  load_service_t *ls;
+  rpc_call_t *call; /* referenced */
+  char session[80];
+  size_t n;
+  Meshd__V1__LoadProgress *v; /* per ref: total and failed known, done summed */
+  uint32_t *ranks;            /* every rank of every ref's mesh, deduplicated */
+  size_t nranks;
+  bool *on;                   /* [ref * nranks + rank index]: the ref lives there */
+} progress_t;
+
+static void progress_free(progress_t *p) {
+  free(p->v);
+  free(p->ranks);
+  free(p->on);
+  free(p);
+}
+
+static void *progress_main(void *arg) {
+  progress_t *p = arg;
+  load_service_t *ls = p->ls;
+  uint64_t *refs = malloc(sizeof *refs * (p->n ? p->n : 1));
+  size_t *which = malloc(sizeof *which * (p->n ? p->n : 1));
+  for (size_t r = 0; refs && which && r < p->nranks; r++) {
+    size_t k = 0;
+    for (size_t i = 0; i < p->n; i++)
+      if (p->on[i * p->nranks + r] && !p->v[i].failed) which[k] = i, refs[k++] = p->v[i].ref;
+    if (!k) continue;
+    agent_target_t t;
+    rpc_channel_t *ch = NULL;
+    if (agent_pool_target(ls->pool, p->ranks[r], AGENT_CONNECT_MS, &t) ||
+        !(ch = rpc_channel_create(t.address, &t.opts)))
+      continue; /* a lost rank: its tensors fail on their own */
+    Meshd__Agent__V1__LoadProgressRequest rq = MESHD__AGENT__V1__LOAD_PROGRESS_REQUEST__INIT;
+    rq.session_id = p->session;
+    rq.n_refs = k;
+    rq.refs = refs;
+    ProtobufCMessage *reply = NULL;
+    if (rpc_unary(ch, "/meshd.agent.v1.Agent/LoadProgress", &rq.base,
+                  &meshd__v1__load_progress_reply__descriptor, &reply, t.md, 1, 10000,
+                  NULL) == GRPC_STATUS_OK) {
+      const Meshd__V1__LoadProgressReply *a = (const Meshd__V1__LoadProgressReply *)reply;
+      for (size_t j = 0; j < a->n_loads && j < k; j++) {
+        Meshd__V1__LoadProgress *v = &p->v[which[j]];
+        v->done_bytes += a->loads[j]->done_bytes;
+        v->failed |= a->loads[j]->failed;
+      }
+    }
+    if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+    rpc_channel_destroy(ch);
+  }
+  free(refs);
+  free(which);
+  Meshd__V1__LoadProgress **pv = calloc(p->n ? p->n : 1, sizeof *pv);
+  if (pv) {
+    for (size_t i = 0; i < p->n; i++) {
+      if (p->v[i].done_bytes > p->v[i].total_bytes) p->v[i].done_bytes = p->v[i].total_bytes;
+      pv[i] = &p->v[i];
+    }
+    Meshd__V1__LoadProgressReply reply = MESHD__V1__LOAD_PROGRESS_REPLY__INIT;
+    reply.n_loads = p->n;
+    reply.loads = pv;
+    rpc_call_reply(p->call, &reply.base);
+    free(pv);
+  } else {
+    rpc_call_finish(p->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of memory");
+  }
+  rpc_call_unref(p->call);
+  progress_free(p);
+  done(ls);
+  return NULL;
+}
+
+/* Each ref's total and ranks, under the session lock. */
+static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq, progress_t *p,
+                         meshd_error_t *e) {
+  int rc = -1;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = s->objects;
+  uint32_t *mr = NULL;
+  p->v = calloc(rq->n_refs ? rq->n_refs : 1, sizeof *p->v);
+  size_t world = 0;
+  for (size_t i = 0; o && i < rq->n_refs; i++) {
+    obj_t *t = objects_get(o, rq->refs[i]);
+    obj_t *m = t && t->kind == OBJ_TENSOR ? objects_get(o, t->tensor.mesh) : NULL;
+    if (m && m->kind == OBJ_MESH) {
+      size_t n = mesh_len(m->mesh);
+      uint32_t *r = malloc(sizeof *r * (n ? n : 1));
+      if (r) {
+        mesh_ranks(m->mesh, r);
+        for (size_t j = 0; j < n; j++)
+          if (r[j] + 1 > world) world = r[j] + 1;
+        free(r);
+      }
+    }
+  }
+  if (!p->v || !(p->ranks = calloc(world ? world : 1, sizeof *p->ranks)) ||
+      !(p->on = calloc((rq->n_refs ? rq->n_refs : 1) * (world ? world : 1), sizeof *p->on))) {
+    error_set(e, ERR_QUOTA, "LoadProgress: out of memory");
+    goto out;
+  }
+  p->n = rq->n_refs;
+  p->nranks = world;
+  for (size_t r = 0; r < world; r++) p->ranks[r] = (uint32_t)r;
+  for (size_t i = 0; i < rq->n_refs; i++) {
+    meshd__v1__load_progress__init(&p->v[i]);
+    p->v[i].ref = rq->refs[i];
+    obj_t *t = o ? objects_expect(o, rq->refs[i], OBJ_TENSOR, "LoadProgress: ref", e) : NULL;
+    if (!t) {
+      if (!o) error_set(e, ERR_UNKNOWN_REF, "LoadProgress: ref %llu: the session has no tensors",
+                        (unsigned long long)rq->refs[i]);
+      goto out;
+    }
+    obj_t *m = objects_get(o, t->tensor.mesh);
+    size_t n = m && m->kind == OBJ_MESH ? mesh_len(m->mesh) : 0;
+    free(mr);
+    if (!(mr = malloc(sizeof *mr * (n ? n : 1)))) {
+      error_set(e, ERR_QUOTA, "LoadProgress: out of memory");
+      goto out;
+    }
+    if (n) mesh_ranks(m->mesh, mr);
+    for (size_t j = 0; j < n; j++) p->on[i * world + mr[j]] = true;
+    p->v[i].total_bytes = (uint64_t)layout_numel(&t->tensor.meta.layout) *
+                          dtype_size(t->tensor.meta.dtype) * n;
+    p->v[i].failed = t->tensor.state == TENSOR_FAILED;
+  }
+  rc = 0;
+out:
+  free(mr);
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  load_service_t *ls = arg;
+  const Meshd__V1__LoadProgressRequest *rq = (const Meshd__V1__LoadProgressRequest *)req;
+  session_t *s = session_from_call(ls->sessions, call);
+  if (!s) return;
+  meshd_error_t e = {0};
+  progress_t *p = calloc(1, sizeof *p);
+  int rc = -1;
+  if (!p) error_set(&e, ERR_QUOTA, "LoadProgress: out of memory");
+  else if (rq->n_refs > PROGRESS_REFS_MAX)
+    error_set(&e, ERR_BAD_ARGUMENT, "LoadProgress: %zu refs, at most %d", rq->n_refs,
+              PROGRESS_REFS_MAX);
+  else if ((rc = progress_plan(s, rq, p, &e)) == 0)
+    snprintf(p->session, sizeof p->session, "%s", s->id);
+  session_release(s);
+  if (rc) {
+    if (p) progress_free(p);
+    finish_error(call, &e);
+    return;
+  }
+  pthread_mutex_lock(&ls->mu);
+  bool room = ls->running < LOAD_INSPECTS_MAX;
+  if (room) ls->running++;
+  pthread_mutex_unlock(&ls->mu);
+  if (!room) {
+    progress_free(p);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                    "LoadProgress: %d calls are running, the most this server runs at once; "
+                    "retry", LOAD_INSPECTS_MAX);
+    return;
+  }
+  p->ls = ls;
+  p->call = call;
+  rpc_call_ref(call);
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  int prc = pthread_create(&th, &at, progress_main, p);
+  pthread_attr_destroy(&at);
+  if (prc == 0) return;
+  rpc_call_unref(call);
+  progress_free(p);
+  done(ls);
+  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of threads");
+}
+
 static const rpc_method_t methods[] = {
     {.path = "/meshd.v1.TensorService/InspectUrl",
      .kind = RPC_UNARY,
      .request = &meshd__v1__inspect_url_request__descriptor,
      .on_start = inspect_start},
+    {.path = "/meshd.v1.TensorService/LoadProgress",
+     .kind = RPC_UNARY,
+     .request = &meshd__v1__load_progress_request__descriptor,
+     .on_start = progress_start},
 };
 
 const rpc_method_t *load_service_methods(size_t *n) {

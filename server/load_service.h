@@ -1,11 +1,12 @@
 /* TensorService/InspectUrl: what a URL holds (a .npy or safetensors header),
  * read by one agent of the session's mesh, for clients that load tensors
  * from URLs (meshd.load; the Load command then has each agent fetch its
- * bytes). The URL is checked against the server's policy (--url-allow)
+ * bytes). TensorService/LoadProgress: how many bytes of those loads the
+ * agents fetched so far (progress bars), summed over each tensor's ranks. The URL is checked against the server's policy (--url-allow)
  * before any agent connects; the agent checks every address it connects to
- * against the same policy. The agent call runs on a helper thread, never on
- * a completion-queue thread; at most LOAD_INSPECTS_MAX run at once (more are
- * refused RESOURCE_EXHAUSTED). */
+ * against the same policy. The agent calls run on a helper thread, never on
+ * a completion-queue thread; at most LOAD_INSPECTS_MAX of both kinds run at
+ * once (more are refused RESOURCE_EXHAUSTED). */
 #ifndef MESHD_LOAD_SERVICE_H
 #define MESHD_LOAD_SERVICE_H
 

@@ -2,7 +2,7 @@
 #   errors, _active, _conn, _proto, _progress: no meshd module
 #   pipeline -> errors;  mesh -> _active  (Mesh.rank makes tensors via Session._factory)
 #   tensor -> _active, _progress, errors, mesh, pipeline
-#   ops -> tensor;  load -> _active, tensor;  session -> _active, _conn, _proto, errors, mesh, pipeline, tensor
+#   ops -> tensor;  load -> _active, _progress, errors, tensor;  session -> _active, _conn, _proto, errors, mesh, pipeline, tensor
 #   meshd (this file) -> ops, errors, load, mesh, session, tensor  (tests/test_import_graph.py)
 """meshd: Python client for the meshd tensor engine, with Monarch's names.
 

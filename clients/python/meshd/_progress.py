@@ -87,6 +87,11 @@ class _Tracker:
                                 and self.total >= THRESHOLD and _stderr_is_tty()):
             self._bar = _bar(self.total, desc)
 
+    @property
+    def active(self):
+        """Whether anything shows this transfer (a bar or a callback)."""
+        return self._bar is not None or self._cb is not None
+
     def update(self, n):
         """n more bytes moved."""
         self.set(self.done + n)

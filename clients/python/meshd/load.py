@@ -13,9 +13,12 @@ on the agents, as any op's failure does: they surface at fetch or sync, never as
 half-filled tensor.
 """
 
+import threading
+
 import numpy as np
 
-from . import _active
+from . import _active, _progress
+from .errors import MeshdError
 from .tensor import Tensor, _dtype_from_value, _dtype_value, _shape, dtype_name
 
 
@@ -45,7 +48,51 @@ def _load_one(mesh, url, dtype, shape, offset, file_size, shard, dim):
     return Tensor._from_result(s, res, 0, box["ref"])
 
 
-def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0):
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
+             "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+POLL_INTERVAL = 0.25  # seconds between two LoadProgress calls of a watched load
+
+
+def _watch(mesh, tensors, progress, desc):
+    """Progress of loads the agents run on their own: a thread polls
+    TensorService/LoadProgress until every tensor is in (the tracker completes), one
+    failed or the session ends (it stops where it stood). Nothing when progress= shows
+    nothing (False, or the automatic rule says no)."""
+    ranks = 1
+    for n in mesh.sizes.values():
+        ranks *= n
+    total = sum(int(np.prod(t.shape, dtype=np.int64)) * _ITEMSIZE[t.dtype] * ranks
+                for t in tensors)
+    tr = _progress.tracker(total, progress, desc)
+    if not tr.active or not tensors:
+        tr.close(ok=bool(tensors) and tr.active)
+        return None
+    s, pb = mesh.session, mesh.session._pb
+    req = pb.LoadProgressRequest(refs=[t.ref for t in tensors])
+
+    def poll():
+        ok = False
+        try:
+            while not s.closed:
+                r = s._unary("LoadProgress", req, pb.LoadProgressReply)
+                if any(x.failed for x in r.loads):
+                    break
+                done = sum(x.done_bytes for x in r.loads)
+                if done >= total:
+                    ok = True
+                    break
+                tr.set(done)
+                threading.Event().wait(POLL_INTERVAL)
+        except MeshdError:
+            pass  # the session ended or the server went: the bar stops where it is
+        finally:
+            tr.close(ok)
+    th = threading.Thread(target=poll, name="meshd-load-progress", daemon=True)
+    th.start()
+    return th
+
+
+def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0, progress=None):
     """A tensor (or, for a safetensors file without `name`, a dict of every tensor in
     it) loaded by the agents of the active mesh, on the active stream.
 
@@ -53,7 +100,13 @@ def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0):
     .npy and safetensors files give theirs in the header; `name` picks one tensor of
     a safetensors file. `shard="gpu"` splits each tensor's dim `dim` evenly over the
     mesh dim "gpu": each rank fetches and holds only its slice (the tensor's shape is
-    the local one); without it every rank loads the whole tensor."""
+    the local one); without it every rank loads the whole tensor.
+
+    `progress` (meshd._progress): None shows a tqdm bar on a terminal for loads of at
+    least 64 MiB (over all ranks), False nothing, True always a bar, a callable
+    progress(done_bytes, total_bytes) is called as the agents fetch. The load itself
+    does not wait: a background thread polls the agents until the bytes are in."""
+    _progress.check(progress)
     if not isinstance(url, str) or not url:
         raise TypeError(f"meshd.load: url must be a non-empty str, got {url!r}")
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
@@ -68,7 +121,9 @@ def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0):
         if name is not None:
             raise TypeError("meshd.load: name= picks a tensor of a safetensors file; raw bytes "
                             "(dtype= and shape=) have none")
-        return _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, dim)
+        t = _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, dim)
+        _watch(mesh, [t], progress, "load")
+        return t
     info = inspect_url(url, mesh)
     tensors = info["tensors"]
 
@@ -84,14 +139,17 @@ def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0):
         if name is not None:
             raise TypeError("meshd.load: name= picks a tensor of a safetensors file; this is a "
                             ".npy file")
-        return one("")
-    if name is not None:
+        out = one("")
+    elif name is not None:
         if name not in tensors:
             have = ", ".join(sorted(tensors)[:20]) + (" ..." if len(tensors) > 20 else "")
             raise KeyError(f"meshd.load: no tensor named {name!r} in {_redact(url)}; it holds: "
                            f"{have}")
-        return one(name)
-    return {k: one(k) for k in tensors}
+        out = one(name)
+    else:
+        out = {k: one(k) for k in tensors}
+    _watch(mesh, list(out.values()) if isinstance(out, dict) else [out], progress, "load")
+    return out
 
 
 def _redact(url):

@@ -60,6 +60,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 _Handler.flaky[path] = left - 1
                 return self._send(500, b"try again")
             parts = parts[1:]
+        trickle = parts[0] == "trickle"  # the body in 64 KiB pieces, 20 ms apart
+        if trickle:
+            parts = parts[1:]
         truncated = parts[0] == "truncated"
         if truncated:
             parts = parts[1:]
@@ -87,6 +90,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body[:len(body) // 2])
             self.wfile.flush()
             self.close_connection = True
+            return
+        if trickle and self.command == "GET":
+            self.send_response(code)
+            for k, v in headers:
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(0, len(body), 65536):
+                self.wfile.write(body[i:i + 65536])
+                self.wfile.flush()
+                time.sleep(0.02)
             return
         self._send(code, body, headers)
 
@@ -353,6 +367,41 @@ def test_shard_errors_are_checked_by_the_server(gpu4, http_base):
         meshd.load(f"{http_base}/odd.bin", dtype="float32", shape=(6,), shard="host")
     with pytest.raises(TypeError, match="dtype= and shape="):
         meshd.load(f"{http_base}/odd.bin", dtype="float32")
+    still_works()
+
+
+# ------------------------------------------------------------------ progress
+
+
+def test_progress_callback_follows_the_agents_bytes(gpu4, http_base):
+    a = np.arange(1 << 20, dtype=np.float32)  # 4 MiB, 64 pieces of 64 KiB: about 1.3 s
+    write("trickle.bin", a.tobytes())
+    calls, done = [], threading.Event()
+
+    def cb(d, total):
+        calls.append((d, total))
+        if d == total:
+            done.set()
+    t = meshd.load(f"{http_base}/trickle/trickle.bin", dtype="float32", shape=(4, 1 << 18),
+                   progress=cb)  # replicated: 4 ranks x 4 MiB
+    assert done.wait(30), calls
+    total = 16 << 20
+    assert all(tt == total for _, tt in calls), calls
+    assert [d for d, _ in calls] == sorted(set(d for d, _ in calls)), calls  # grows, no repeats
+    assert len(calls) >= 3 and 0 < calls[0][0] < total and calls[-1][0] == total, calls
+    np.testing.assert_array_equal(fetch(t, gpu=3), a.reshape(4, -1))
+
+
+def test_progress_stops_without_completing_when_a_load_fails(gpu4, http_base):
+    calls = []
+    meshd.load(f"{http_base}/missing.bin", dtype="float32", shape=(4,), progress=lambda d, t:
+               calls.append(d))
+    with pytest.raises(meshd.MeshdError):
+        meshd._active.mesh().session.sync()
+    time.sleep(1)  # the poller saw the failure by now
+    assert not calls or calls[-1] < 16, calls
+    with pytest.raises(TypeError, match="progress="):
+        meshd.load(f"{http_base}/raw.bin", dtype="float32", shape=(8, 6), progress="yes")
     still_works()
 
 
