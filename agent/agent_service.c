@@ -3,6 +3,7 @@
 
 #include "agent.h"
 #include "execute.h"
+#include "load.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 
@@ -62,6 +63,18 @@ static const rpc_method_t methods[] = {
         .on_message = data_write_message,
         .on_end = data_write_end,
         .on_raw = data_write_raw,
+    },
+    {
+        .path = "/meshd.agent.v1.Agent/InspectUrl",
+        .kind = RPC_UNARY,
+        .request = &meshd__agent__v1__inspect_url_request__descriptor,
+        .on_start = load_inspect_start,
+    },
+    {
+        .path = "/meshd.agent.v1.Agent/LoadProgress",
+        .kind = RPC_UNARY,
+        .request = &meshd__agent__v1__load_progress_request__descriptor,
+        .on_start = load_progress_start,
     },
 };
 

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "load.h"
 #include "log.h"
 #include "reduction.h"
 #include "run.h"
@@ -43,16 +44,23 @@ static void fail_refs(ctx_t *c, const uint64_t *refs, size_t n, const ref_failur
     if (refs[i]) refs_fail(&c->s->refs, refs[i], f);
 }
 
-/* A root failure of this instruction: marks refs, reports once. */
-static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_error_t *e) {
-  ref_failure_t f = {.kind = e->kind == ERR_QUOTA || e->kind == ERR_AGENT_LOST ? e->kind
-                                                                               : ERR_REMOTE_FAILURE,
+/* A root failure of this instruction: marks refs, reports once. Its kind is
+ * e's where that says more than REMOTE_FAILURE (keep: always e's). */
+static void root_failure_kind(ctx_t *c, const uint64_t *refs, size_t n, const meshd_error_t *e,
+                              bool keep) {
+  ref_failure_t f = {.kind = keep || e->kind == ERR_QUOTA || e->kind == ERR_AGENT_LOST
+                                 ? e->kind
+                                 : ERR_REMOTE_FAILURE,
                      .root_seq = c->ins->seq,
                      .root_ref = n ? refs[0] : 0};
   snprintf(f.msg, sizeof f.msg, "%s", e->msg);
   fail_refs(c, refs, n, &f);
   log_debug("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
   report(c, f.kind, f.msg, f.root_ref);
+}
+
+static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_error_t *e) {
+  root_failure_kind(c, refs, n, e, false);
 }
 
 /* refs depend on `input`, which failed with *root. Not reported again. */
@@ -142,6 +150,32 @@ static void run_factory(ctx_t *c) {
 fail:
   storage_release(t.storage);
   root_failure(c, &ref, 1, &e);
+}
+
+/* ------------------------------------------------------------------ loads */
+
+/* The tensor is defined only once all its bytes are in: a failed load leaves
+ * a failed ref (with the transfer's kind: PERMISSION_DENIED, UNAVAILABLE...),
+ * never a half-filled one. */
+static void run_load(ctx_t *c) {
+  const Meshd__Agent__V1__LoadOp *lo = c->ins->load;
+  uint64_t ref = lo->result->ref;
+  meshd_error_t e = {0};
+  agent_tensor_t t = {0};
+  tensor_meta_t m;
+  if (check_fresh(c, ref, "Load", &e)) {
+    report(c, e.kind, e.msg, ref);
+    return;
+  }
+  meta_of_spec(lo->result, &m);
+  if (need_backend(c, "Load", &e) || tensor_alloc(c->b, c->bs, &m, &t, "Load", &e)) goto fail;
+  if (load_run(c->b, c->bs, c->ins->session_id, lo, &t, &e)) goto fail;
+  refs_put(&c->s->refs, ref, &t);
+  storage_release(t.storage);
+  return;
+fail:
+  storage_release(t.storage);
+  root_failure_kind(c, &ref, 1, &e, e.kind != ERR_REMOTE_FAILURE);
 }
 
 /* ------------------------------------------------------------------ op calls */
@@ -756,6 +790,7 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
   if (env->stats) atomic_fetch_add(&env->stats->instructions, 1);
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD: run_load(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL: run_call(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS: run_delete(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW: run_borrow(&c); break;

@@ -170,6 +170,45 @@ static int check_factory(const Meshd__Agent__V1__FactoryOp *fo, meshd_error_t *e
   return 0;
 }
 
+/* A Load's tensor in the file, and this rank's part of it, as the result. */
+static int check_load(const Meshd__Agent__V1__LoadOp *lo, meshd_error_t *e) {
+  const Meshd__V1__Load *l = lo->load;
+  if (!l) return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load is missing");
+  size_t len = strlen(l->url ? l->url : "");
+  if (len == 0 || len > 8192)
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load.url: %zu characters, expected 1..8192", len);
+  dtype_t dt = (dtype_t)l->dtype;
+  if (l->dtype == MESHD__V1__DTYPE__DTYPE_UNSPECIFIED || !dtype_valid(dt))
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load.dtype: %d is not a dtype", (int)l->dtype);
+  tensor_meta_t want = {.dtype = dt};
+  if (layout_contiguous(&want.layout, l->shape, (int64_t)l->n_shape, dtype_size(dt),
+                        "LoadOp.load.shape", e))
+    return -1;
+  uint64_t nbytes = (uint64_t)layout_numel(&want.layout) * dtype_size(dt);
+  if (l->offset > UINT64_MAX - nbytes || (l->file_size && l->offset + nbytes > l->file_size))
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load: bytes from offset %" PRIu64
+                     " pass the file's end", l->offset);
+  if (lo->parts < 1 || lo->coordinate < 0 || lo->coordinate >= lo->parts)
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp: coordinate %" PRId64 " of %" PRId64 " parts",
+                     lo->coordinate, lo->parts);
+  if (lo->parts > 1) {
+    if (l->dim < 0 || l->dim >= want.layout.ndim || want.layout.sizes[l->dim] % lo->parts)
+      return error_set(e, ERR_BAD_ARGUMENT, "LoadOp: dim %d does not split in %" PRId64 " parts",
+                       (int)l->dim, lo->parts);
+    want.layout.sizes[l->dim] /= lo->parts;
+    layout_make_contiguous(&want.layout);
+  }
+  if (!lo->result || !lo->result->ref)
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp names no result ref");
+  if (l->ref && l->ref != lo->result->ref)
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.result.ref %" PRIu64 " differs from "
+                     "LoadOp.load.ref %" PRIu64, lo->result->ref, l->ref);
+  tensor_meta_t m;
+  if (validate_spec_meta(lo->result, "LoadOp.result", &m, e)) return -1;
+  if (!same_meta(&m, &want)) return meta_differs(e, "LoadOp.result", &m, &want, "the load");
+  return 0;
+}
+
 static int check_arg(const Meshd__V1__Arg *a, const char *field, size_t *tensors, meshd_error_t *e) {
   if (!a) return error_set(e, ERR_BAD_ARGUMENT, "%s is missing", field);
   switch (a->value_case) {
@@ -414,6 +453,8 @@ static int check_body(const instr_t *ins, const validate_self_t *self, meshd_err
       return ins->factory ? check_factory(ins->factory, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL:
       return ins->call ? check_call(ins->call, e) : -1;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD:
+      return ins->load ? check_load(ins->load, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE:
       return ins->reduce ? check_reduce(ins->reduce, self, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND:
@@ -469,6 +510,7 @@ const char *validate_kind_name(const instr_t *ins) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: return "PeerLost";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: return "Snapshot";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT: return "DropSnapshot";
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD: return "LoadOp";
     default: return "instruction";
   }
 }
@@ -492,6 +534,12 @@ size_t validate_result_refs(const instr_t *ins, uint64_t *refs, size_t cap) {
       if (ins->factory) {
         if (ins->factory->result) PUT(ins->factory->result->ref);
         else if (ins->factory->factory) PUT(ins->factory->factory->ref);
+      }
+      break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD:
+      if (ins->load) {
+        if (ins->load->result) PUT(ins->load->result->ref);
+        else if (ins->load->load) PUT(ins->load->load->ref);
       }
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL:

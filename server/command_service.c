@@ -730,6 +730,8 @@ command_service_t *command_service_create(agent_pool_t *pool, session_table_t *s
   return cs;
 }
 
+void command_service_set_urls(command_service_t *cs, const url_policy_t *urls) { cs->fe.urls = urls; }
+
 flow_t *command_service_flow(command_service_t *cs) { return cs->flow; }
 
 static const rpc_method_t methods[] = {

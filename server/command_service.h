@@ -27,6 +27,9 @@ typedef struct command_service command_service_t;
 /* limits: the flow control bounds (flow.h; NULL: none). NULL on OOM. */
 command_service_t *command_service_create(agent_pool_t *pool, session_table_t *sessions,
                                           const flow_limits_t *limits);
+/* What Load commands may fetch (--url-allow and the --url-* flags): urls must
+ * outlive the service. Without it, Load is refused. */
+void command_service_set_urls(command_service_t *cs, const url_policy_t *urls);
 /* The service's flow control (owned by it), for stats. */
 flow_t *command_service_flow(command_service_t *cs);
 /* The rows (Execute, Submit; static storage), *n their count. Register them

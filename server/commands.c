@@ -424,6 +424,71 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   return add_tensor(out, t);
 }
 
+/* ------------------------------------------------------------------ loads */
+
+/* A tensor each agent fetches from a URL (Load in tensor_service.proto). The
+ * URL is checked against --url-allow here, before any agent connects; each
+ * agent checks every address it connects to again. */
+static int cmd_load(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                    cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Load *l = c->load;
+  if (check_new(s, o, "Load", OBJ_TENSOR, &l->ref, 1, e)) return -1;
+  if (!fe->urls) return error_set(e, ERR_PERMISSION_DENIED, "Load: this server loads no URLs");
+  if (!l->url || !*l->url) return error_set(e, ERR_BAD_ARGUMENT, "Load: the url is empty");
+  if (strlen(l->url) > 8192)
+    return error_set(e, ERR_BAD_ARGUMENT, "Load: the url is %zu characters; at most 8192",
+                     strlen(l->url));
+  if (url_policy_check(fe->urls, l->url, e)) return -1;
+  mesh_t *mesh = resolve_mesh(o, "Load", "mesh", l->mesh, e);
+  if (!mesh || resolve_stream(o, "Load", l->stream, e)) return -1;
+  dtype_t dt = (dtype_t)l->dtype;
+  if (l->dtype == MESHD__V1__DTYPE__DTYPE_UNSPECIFIED || !dtype_valid(dt) || !dtype_name(dt))
+    return error_set(e, ERR_BAD_ARGUMENT, "Load: dtype %d is not a meshd dtype (give dtype=)",
+                     (int)l->dtype);
+  tensor_meta_t meta = {.dtype = dt};
+  if (layout_contiguous(&meta.layout, l->shape, (int64_t)l->n_shape, dtype_size(dt), "Load", e))
+    return -1;
+  uint64_t nbytes = (uint64_t)layout_numel(&meta.layout) * dtype_size(dt);
+  if (l->offset > UINT64_MAX - nbytes)
+    return error_set(e, ERR_BAD_ARGUMENT, "Load: offset %llu overflows", (unsigned long long)l->offset);
+  if (l->file_size && l->offset + nbytes > l->file_size)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Load: the tensor's bytes [%llu, %llu) pass the end of the %llu-byte file",
+                     (unsigned long long)l->offset, (unsigned long long)(l->offset + nbytes),
+                     (unsigned long long)l->file_size);
+  if (l->shard && *l->shard) {
+    int md = mesh_find_dim(mesh, l->shard);
+    if (md < 0) {
+      char dims[200];
+      mesh_format(mesh, dims, sizeof dims);
+      return error_set(e, ERR_BAD_DIM, "Load: mesh %llu %s has no dim '%s' to shard over",
+                       (unsigned long long)mesh->ref, dims, l->shard);
+    }
+    int64_t parts = mesh->slice.sizes[md];
+    if (l->dim < 0 || l->dim >= meta.layout.ndim)
+      return error_set(e, ERR_BAD_DIM, "Load: dim %d is not a dim of a %d-dim tensor", (int)l->dim,
+                       meta.layout.ndim);
+    if (meta.layout.sizes[l->dim] % parts != 0)
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       "Load: dim %d has size %lld, which does not split evenly over the %lld "
+                       "ranks of mesh dim '%s'",
+                       (int)l->dim, (long long)meta.layout.sizes[l->dim], (long long)parts, l->shard);
+    meta.layout.sizes[l->dim] /= parts;
+    layout_make_contiguous(&meta.layout);
+  }
+  uint64_t local = (uint64_t)layout_numel(&meta.layout) * dtype_size(dt);
+  if (local > fe->urls->opts.max_bytes)
+    return error_set(e, ERR_QUOTA,
+                     "Load: %llu bytes per rank is more than one load may fetch (--url-max-bytes "
+                     "%llu)", (unsigned long long)local, (unsigned long long)fe->urls->opts.max_bytes);
+  if (check_room(fe, s, o, mesh, "Load", meta_bytes(&meta), e)) return -1;
+  obj_t *t = objects_new_tensor(o, l->ref, &meta, mesh->ref, l->stream, (uint64_t)mesh_len(mesh));
+  if (!t) return error_set(e, ERR_QUOTA, "Load: out of memory on the server");
+  claim_refs(s, &l->ref, 1);
+  emit_load(fe, s, o, mesh, t, l);
+  return add_tensor(out, t);
+}
+
 /* ------------------------------------------------------------------ op calls */
 
 /* Arguments of a Call resolved against the session. */
@@ -904,6 +969,7 @@ static const struct {
     {MESHD__V1__COMMAND__KIND_DROP, "Drop", cmd_drop},
     {MESHD__V1__COMMAND__KIND_SYNC, "Sync", cmd_sync},
     {MESHD__V1__COMMAND__KIND_DESCRIBE, "Describe", cmd_describe},
+    {MESHD__V1__COMMAND__KIND_LOAD, "Load", cmd_load},
 };
 
 const char *command_name(const Meshd__V1__Command *cmd) {
@@ -922,6 +988,6 @@ int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Com
   }
   return error_set(e, ERR_BAD_ARGUMENT,
                    "Command %llu has no kind: set one of create_mesh, slice_mesh, create_stream, "
-                   "factory, call, reduce, to_mesh, borrow, drop_borrow, drop, sync, describe",
+                   "factory, call, reduce, to_mesh, borrow, drop_borrow, drop, sync, describe, load",
                    (unsigned long long)cmd->seq);
 }

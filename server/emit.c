@@ -97,6 +97,32 @@ void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh
   free(ranks);
 }
 
+void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
+               const Meshd__V1__Load *l) {
+  instr_t ins;
+  init_instr(&ins, s, l->stream);
+  Meshd__Agent__V1__LoadOp op = MESHD__AGENT__V1__LOAD_OP__INIT;
+  Meshd__Agent__V1__UrlPolicy policy;
+  url_policy_to_proto(fe->urls, &policy);
+  spec_t result;
+  spec_of(&result, t);
+  op.load = (Meshd__V1__Load *)l;
+  op.result = &result;
+  op.policy = &policy;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD;
+  ins.load = &op;
+  int dim = l->shard && *l->shard ? mesh_find_dim(mesh, l->shard) : -1;
+  op.parts = dim >= 0 ? mesh->slice.sizes[dim] : 1;
+  size_t n;
+  uint32_t *ranks = ranks_of(mesh, &n);
+  for (size_t i = 0; ranks && i < n; i++) {
+    op.coordinate = dim >= 0 ? mesh_coord(mesh, ranks[i], dim) : 0;
+    op.rank = ranks[i];
+    send_to(fe, o, ranks[i], &ins);
+  }
+  free(ranks);
+}
+
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
                obj_t *const *results, size_t nresults, const op_infer_t *inf) {

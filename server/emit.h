@@ -14,6 +14,9 @@
 #include "objects.h"
 #include "session.h"
 
+/* Load: each rank's coordinate along l->shard and the server's URL policy. */
+void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
+               const Meshd__V1__Load *l);
 void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
                   const Meshd__V1__Factory *f);
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,

@@ -4,9 +4,11 @@
 #define MESHD_FRONTEND_H
 
 #include "agent_pool.h"
+#include "url_policy.h"
 
 typedef struct frontend {
   agent_pool_t *pool; /* outlives the front end */
+  const url_policy_t *urls; /* what Load may fetch (NULL: no loads); outlives it */
 } frontend_t;
 
 #endif

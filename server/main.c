@@ -25,6 +25,7 @@
 #include "session_service.h"
 #include "supervisor.h"
 #include "data_service.h"
+#include "load_service.h"
 #include "tensor_service.h"
 
 typedef struct options {
@@ -44,6 +45,9 @@ typedef struct options {
   int64_t max_agents;
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name, *cluster_listen;
   const char *cluster_port_file, *join_token_file;
+  const char *url_allow;
+  uint64_t url_max_bytes;
+  int64_t url_connect_timeout_ms, url_timeout_ms, url_retries;
 } options_t;
 
 static options_t opt;
@@ -144,6 +148,20 @@ static const config_flag_t flags[] = {
      "(default: on --listen when it is plaintext; required with cluster certificates)",
      &opt.cluster_listen, 0, 0},
     {"cluster-port-file", CONFIG_STRING, NULL, "write the --cluster-listen port here", &opt.cluster_port_file, 0, 0},
+    {"url-allow", CONFIG_STRING, NULL,
+     "what meshd.load URLs agents may fetch, comma-separated: none, http://HOSTS, https://HOSTS "
+     "(HOSTS: *, *.example.com, example.com), file:///DIR, net:CIDR (a private network), private "
+     "(any address) (default: http and https to public hosts and loopback)", &opt.url_allow, 0, 0},
+    {"url-max-bytes", CONFIG_BYTES, "16GiB", "most bytes one rank of one tensor's load fetches",
+     &opt.url_max_bytes, 0, 0},
+    {"url-connect-timeout-ms", CONFIG_INT, "10000", "a load's connection timeout",
+     &opt.url_connect_timeout_ms, 1, 3600000},
+    {"url-timeout-ms", CONFIG_INT, "0",
+     "a load's timeout for one request, the whole transfer (0: none)", &opt.url_timeout_ms, 0,
+     86400000},
+    {"url-retries", CONFIG_INT, "3",
+     "retries of a load's request after 5xx, resets and bodies cut short, with backoff",
+     &opt.url_retries, 0, 100},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
      &opt.metrics_listen, 0, 0},
@@ -272,6 +290,14 @@ int main(int argc, char **argv) {
                           .max_message_bytes = (int)opt.max_message_bytes};
   if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
 
+  url_policy_t urls;
+  meshd_error_t ue;
+  if (url_policy_parse(opt.url_allow, &urls, &ue)) return usage_error("meshd", ue.msg);
+  urls.opts.max_bytes = opt.url_max_bytes ? opt.url_max_bytes : URL_FETCH_MAX_BYTES;
+  urls.opts.connect_timeout_ms = (long)opt.url_connect_timeout_ms;
+  urls.opts.timeout_ms = (long)opt.url_timeout_ms;
+  urls.opts.max_retries = (int)opt.url_retries;
+
   runtime_block_signals();
   runtime_tune_malloc();
   rpc_init();
@@ -316,9 +342,11 @@ int main(int argc, char **argv) {
                           .total_commands = (uint64_t)opt.max_queued,
                           .total_bytes = opt.max_queued_bytes};
   state.commands = sessions ? command_service_create(pool, sessions, &limits) : NULL;
+  if (state.commands) command_service_set_urls(state.commands, &urls);
   data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes,
                                                                (int)opt.session_max_transfers) : NULL;
   if (data) data_service_set_path(data, data_path, opt.transfer_grant_ms);
+  load_service_t *loads = sessions ? load_service_create(pool, sessions, &urls) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel
    * (--agent-timeout), not by pinging their registration call. */
@@ -331,7 +359,7 @@ int main(int argc, char **argv) {
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
                           .max_concurrent_streams = (int)opt.max_streams_per_connection};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
-  if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data) {
+  if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data || !loads) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);
     return 1;
   }
@@ -352,6 +380,8 @@ int main(int argc, char **argv) {
   rpc_server_add_methods_guarded(srv, m, n, state.commands, auth_guard, auth);
   m = data_service_methods(&n);
   rpc_server_add_methods_guarded(srv, m, n, data, auth_guard, auth);
+  m = load_service_methods(&n);
+  rpc_server_add_methods_guarded(srv, m, n, loads, auth_guard, auth);
   health_add_methods(state.health, srv);
   health_set(state.health, "", HEALTH_SERVING);
   health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
@@ -481,6 +511,8 @@ int main(int argc, char **argv) {
   data_service_destroy(data); /* its pending transfers hold sessions */
   session_table_destroy(sessions);
   command_service_destroy(state.commands);
+  load_service_destroy(loads);
+  url_policy_free(&urls);
   agent_pool_destroy(pool);
   health_destroy(state.health);
   metrics_destroy(metrics);

@@ -697,6 +697,85 @@ meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const ch
   return ret;
 }
 
+static int dtype_by_name(const char *name) {
+  char up[32] = "DTYPE_";
+  size_t n = strlen(name);
+  if (n == 0 || n > sizeof up - 7)
+    return 0;
+  for (size_t i = 0; i < n; i++)
+    up[6 + i] = (char)((name[i] >= 'a' && name[i] <= 'z') ? name[i] - 32 : name[i]);
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value_by_name(&meshd__v1__dtype__descriptor, up);
+  return v && v->value ? v->value : 0;
+}
+
+meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char *url,
+                               const meshd_load_options_t *opts, meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_load"))
+    return MESHD_E_INVALID;
+  meshd_load_options_t o = opts ? *opts : (meshd_load_options_t){0};
+  if (!url || !*url || (o.dtype && o.ndim > 0 && !o.shape) || (!o.dtype && o.shape)) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load: need a url, and a shape with a dtype (raw bytes) or neither");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__Load l = MESHD__V1__LOAD__INIT;
+  l.mesh = mesh;
+  l.url = (char *)url;
+  l.shard = (char *)(o.shard ? o.shard : "");
+  l.dim = o.dim;
+  ProtobufCMessage *resp = NULL;
+  if (o.dtype) {
+    if (!(l.dtype = (Meshd__V1__DType)dtype_by_name(o.dtype))) {
+      set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_load: unknown dtype '%s'",
+                o.dtype);
+      return MESHD_E_INVALID;
+    }
+    l.n_shape = o.ndim;
+    l.shape = (int64_t *)o.shape;
+  } else {
+    Meshd__V1__InspectUrlRequest rq = MESHD__V1__INSPECT_URL_REQUEST__INIT;
+    rq.url = (char *)url;
+    rq.mesh = mesh;
+    meshd_err_t ret = call_md(s->client, TS "InspectUrl", &rq.base,
+                              &meshd__v1__inspect_url_reply__descriptor, &resp, s->md, s->nmd);
+    if (ret != MESHD_E_OK)
+      return ret;
+    const Meshd__V1__InspectUrlReply *r = (const Meshd__V1__InspectUrlReply *)resp;
+    const Meshd__V1__UrlTensor *t = NULL;
+    for (size_t i = 0; i < r->n_tensors; i++)
+      if (o.name ? strcmp(r->tensors[i]->name, o.name) == 0 : r->n_tensors == 1)
+        t = r->tensors[i];
+    if (!t) {
+      if (o.name)
+        set_error(s->client, MESHD_E_INVALID, 0, NULL,
+                  "meshd_session_load: no tensor named '%s' in the file", o.name);
+      else
+        set_error(s->client, MESHD_E_INVALID, 0, NULL,
+                  "meshd_session_load: the file holds %zu tensors; name one", r->n_tensors);
+      protobuf_c_message_free_unpacked(resp, NULL);
+      return MESHD_E_INVALID;
+    }
+    l.dtype = t->dtype;
+    l.n_shape = t->n_shape;
+    l.shape = t->shape;
+    l.offset = t->offset;
+    l.file_size = r->file_size;
+  }
+  l.ref = s->next_ref;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_LOAD;
+  cmd.load = &l;
+  meshd_err_t ret = execute(s, &cmd);
+  if (resp)
+    protobuf_c_message_free_unpacked(resp, NULL);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
 meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_arg_t *args,
                                size_t nargs, meshd_ref_t *out) {
   if (!s)
@@ -835,6 +914,19 @@ meshd_err_t meshd_session_fetch(meshd_session_t *s, meshd_ref_t tensor, const ch
 meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
                                         const char *const *dims, const int64_t *index,
                                         size_t ncoords, int timeout_ms, meshd_values_t *out) {
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.timeout_ms = timeout_ms;
+  return meshd_session_fetch_with(s, tensor, dims, index, ncoords, &o, out);
+}
+
+meshd_err_t meshd_session_fetch_with(meshd_session_t *s, meshd_ref_t tensor,
+                                     const char *const *dims, const int64_t *index,
+                                     size_t ncoords, const meshd_fetch_options_t *opts,
+                                     meshd_values_t *out) {
+  static const meshd_fetch_options_t defaults = MESHD_FETCH_OPTIONS_INIT;
+  if (!opts)
+    opts = &defaults;
+  int timeout_ms = opts->timeout_ms;
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, out, "meshd_session_fetch"))
@@ -863,6 +955,7 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   size_t nbytes = 0, cap = 0;
   int dtype = 0;
   bool have_meta = false;
+  uint64_t total = 0; /* bytes, from the meta: for progress */
   if (timeout_ms <= 0)
     timeout_ms = s->client->timeout_ms;
   rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
@@ -893,6 +986,9 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
       if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
         have_meta = true;
         dtype = ch->meta->dtype;
+        total = dtype_size(dtype);
+        for (size_t i = 0; i < ch->meta->n_shape; i++)
+          total *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
         if (ch->meta->n_shape > 0) {
           out->shape = malloc(ch->meta->n_shape * sizeof *out->shape);
           if (out->shape) {
@@ -920,6 +1016,8 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
         if (ret == MESHD_E_OK && ch->data.len > 0) {
           memcpy(bytes + nbytes, ch->data.data, ch->data.len);
           nbytes += ch->data.len;
+          if (opts->progress && nbytes < total)
+            opts->progress(opts->progress_user, nbytes, total);
         }
       }
       protobuf_c_message_free_unpacked(m, NULL);
@@ -956,5 +1054,7 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   free(bytes);
   if (ret != MESHD_E_OK)
     meshd_values_free(out);
+  else if (opts->progress)
+    opts->progress(opts->progress_user, nbytes, nbytes);
   return ret;
 }

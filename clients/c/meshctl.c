@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "conn.h" /* the library's own option checks, so errors name the flag */
 #include "meshd.h"
@@ -25,12 +27,14 @@ enum {
 };
 
 #define SYNOPSIS "[--server ADDR] [--timeout-ms MS] [--token T | --token-file F] [--tls] " \
-                 "[--tls-ca F] [--tls-cert F --tls-key F] COMMAND [ARGS]"
+                 "[--tls-ca F] [--tls-cert F --tls-key F] [--no-progress] COMMAND [ARGS]"
 
 static const char *server;
 static int64_t timeout_ms;
 static meshd_connect_options_t conn = MESHD_CONNECT_OPTIONS_INIT;
 static char token_buf[CONN_MAX_TOKEN + 2]; /* from --token-file; wiped at exit */
+static bool progress_on;                   /* stderr is a terminal and no --no-progress */
+static int64_t progress_delay_ms;
 
 /* ------------------------------------------------------------------ flags */
 
@@ -55,6 +59,8 @@ enum {
   FLAG_TLS_KEY,
   FLAG_TLS_SERVER_NAME,
   FLAG_INSECURE,
+  FLAG_NO_PROGRESS,
+  FLAG_PROGRESS_DELAY_MS,
   NFLAGS
 };
 static const flag_t flags[NFLAGS] = {
@@ -79,6 +85,11 @@ static const flag_t flags[NFLAGS] = {
                               "name checked in the server's certificate instead of the host", false},
     [FLAG_INSECURE] = {"insecure", "", NULL, "false",
                        "send the token even in plaintext to a non-loopback address", true},
+    [FLAG_NO_PROGRESS] = {"no-progress", "", "MESHD_NO_PROGRESS", "false",
+                          "no progress line on stderr for long transfers", true},
+    [FLAG_PROGRESS_DELAY_MS] = {"progress-delay-ms", "N", "MESHD_PROGRESS_DELAY_MS", "1000",
+                                "show a transfer's progress once it ran this long (only when "
+                                "stderr is a terminal)", false},
 };
 #define TIMEOUT_MS_MIN 1
 #define TIMEOUT_MS_MAX 3600000
@@ -113,7 +124,8 @@ static const char *flag_value(int f, const char *given, char *who, size_t wholen
 }
 
 /* `who` names the source in errors: "--timeout-ms", "MESHD_TIMEOUT_MS". */
-static int set_timeout(const char *who, const char *text, char *err, size_t errlen) {
+static int parse_ms(const char *who, const char *text, long long min, long long max,
+                    int64_t *out, char *err, size_t errlen) {
   char *end;
   if (!*text || isspace((unsigned char)*text))
     goto not_int;
@@ -125,12 +137,11 @@ static int set_timeout(const char *who, const char *text, char *err, size_t errl
     snprintf(err, errlen, "%s: '%s' is out of range", who, text);
     return -1;
   }
-  if (v < TIMEOUT_MS_MIN || v > TIMEOUT_MS_MAX) {
-    snprintf(err, errlen, "%s: %lld is out of range [%d, %d]", who, v, TIMEOUT_MS_MIN,
-             TIMEOUT_MS_MAX);
+  if (v < min || v > max) {
+    snprintf(err, errlen, "%s: %lld is out of range [%lld, %lld]", who, v, min, max);
     return -1;
   }
-  timeout_ms = (int64_t)v;
+  *out = (int64_t)v;
   return 0;
 not_int:
   snprintf(err, errlen, "%s: '%s' is not an integer", who, text);
@@ -288,9 +299,17 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
   char who[64];
   server = flag_value(FLAG_SERVER, given[FLAG_SERVER], who, sizeof who);
   const char *text = flag_value(FLAG_TIMEOUT_MS, given[FLAG_TIMEOUT_MS], who, sizeof who);
-  if (set_timeout(who, text, err, errlen) != 0)
+  if (parse_ms(who, text, TIMEOUT_MS_MIN, TIMEOUT_MS_MAX, &timeout_ms, err, errlen) != 0)
     return -1;
   conn.timeout_ms = (int)timeout_ms;
+  bool no_progress = false;
+  if (set_bool(who, flag_value(FLAG_NO_PROGRESS, given[FLAG_NO_PROGRESS], who, sizeof who),
+               &no_progress, err, errlen) != 0)
+    return -1;
+  progress_on = !no_progress && isatty(STDERR_FILENO);
+  text = flag_value(FLAG_PROGRESS_DELAY_MS, given[FLAG_PROGRESS_DELAY_MS], who, sizeof who);
+  if (parse_ms(who, text, 0, TIMEOUT_MS_MAX, &progress_delay_ms, err, errlen) != 0)
+    return -1;
   return set_security(given, err, errlen);
 }
 
@@ -561,6 +580,40 @@ static int parse_shape(script_t *sc, char **tok, int n, int64_t *shape) {
   return 0;
 }
 
+/* ------------------------------------------------------------------ progress */
+
+/* One transfer's progress line on stderr: "\rfetch x: 12.0MiB / 64.0MiB  18%  45.1 MB/s",
+ * redrawn at most 5 times a second once the transfer ran --progress-delay-ms, and
+ * ended with a newline. Only when progress_on (stderr is a terminal). */
+typedef struct progress {
+  const char *what;
+  double start, last; /* CLOCK_MONOTONIC seconds */
+  bool shown;
+} progress_t;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void show_progress(void *user, uint64_t done, uint64_t total) {
+  progress_t *p = user;
+  double t = now_s(), ran = t - p->start;
+  bool late = ran * 1000.0 >= (double)progress_delay_ms;
+  if (done < total ? !late || (p->shown && t - p->last < 0.2) : !late && !p->shown)
+    return;
+  char d[32], n[32];
+  human_bytes(done, d, sizeof d);
+  human_bytes(total, n, sizeof n);
+  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s\033[K%s", p->what, d, n,
+          total ? (int)(done * 100 / total) : 100, ran > 0 ? (double)done / ran / 1e6 : 0.0,
+          done == total ? "\n" : "");
+  fflush(stderr);
+  p->shown = done < total;
+  p->last = t;
+}
+
 static int run_fetch(script_t *sc, char **tok, int ntok) {
   meshd_ref_t ref = 0;
   const char *dims[MAX_TOKENS];
@@ -573,7 +626,17 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
     if (parse_dim(sc, tok[i], &dims[i - 2], &idx[i - 2]) < 0)
       return -1;
   meshd_values_t v;
-  meshd_err_t e = meshd_session_fetch(sc->s, ref, dims, idx, (size_t)(ntok - 2), &v);
+  char what[128];
+  snprintf(what, sizeof what, "fetch %s", tok[1]);
+  progress_t p = {what, now_s(), 0, false};
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  if (progress_on) {
+    o.progress = show_progress;
+    o.progress_user = &p;
+  }
+  meshd_err_t e = meshd_session_fetch_with(sc->s, ref, dims, idx, (size_t)(ntok - 2), &o, &v);
+  if (p.shown) /* a failure: the error goes on its own line */
+    fputc('\n', stderr);
   if (e != MESHD_E_OK)
     return script_lib_fail(sc, e);
   printf("%s [", tok[1]);

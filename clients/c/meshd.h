@@ -250,6 +250,30 @@ MESHD_API meshd_err_t meshd_session_factory(meshd_session_t *session, meshd_ref_
                                             const char *kind, const int64_t *shape, size_t ndim,
                                             double value, meshd_ref_t *out);
 
+/* What meshd_session_load loads (docs/loading.md). Zeroed: a .npy file, or a
+ * safetensors file holding one tensor, replicated on every rank. */
+typedef struct meshd_load_options {
+  /* Raw bytes: their dtype ("float32", "int64", "bfloat16", ...) and shape
+   * (ndim sizes). NULL dtype: the file's header says (.npy, safetensors). */
+  const char *dtype;
+  const int64_t *shape;
+  size_t ndim;
+  const char *name;  /* a tensor of a safetensors file (NULL: its only one) */
+  const char *shard; /* mesh dim to split over (NULL: every rank loads it all) */
+  int dim;           /* the tensor dim split, with shard */
+} meshd_load_options_t;
+
+/* A tensor whose bytes every agent of `mesh` fetches itself from `url` (http,
+ * https or file, as the server's --url-allow permits): no byte passes through
+ * the server or the client. opts may be NULL. The header of a .npy or
+ * safetensors file is read first by one agent (TensorService/InspectUrl);
+ * errors there (404, a name not in the file, a dtype meshd lacks) fail this
+ * call. Transfer failures on the agents fail the tensor: they surface at
+ * sync or fetch. *out gets the tensor's ref. */
+MESHD_API meshd_err_t meshd_session_load(meshd_session_t *session, meshd_ref_t mesh,
+                                         const char *url, const meshd_load_options_t *opts,
+                                         meshd_ref_t *out);
+
 /* One positional argument of meshd_session_call. */
 typedef enum { MESHD_ARG_REF, MESHD_ARG_INT, MESHD_ARG_FLOAT } meshd_arg_type_t;
 typedef struct meshd_arg {
@@ -304,6 +328,27 @@ MESHD_API meshd_err_t meshd_session_fetch_timeout(meshd_session_t *session, mesh
                                                   const char *const *dims, const int64_t *index,
                                                   size_t ncoords, int timeout_ms,
                                                   meshd_values_t *out);
+
+/* Progress of a transfer: done_bytes of total_bytes moved so far. Called on the
+ * calling thread, from inside the transfer: after each chunk that arrived (done
+ * grows) and, on success only, once more at the end with done == total. total is
+ * the tensor's size in its own dtype (not float64). Must not call the library. */
+typedef void (*meshd_progress_fn)(void *user, uint64_t done_bytes, uint64_t total_bytes);
+
+/* Options of meshd_session_fetch_with; start from MESHD_FETCH_OPTIONS_INIT. */
+typedef struct meshd_fetch_options {
+  int timeout_ms;             /* > 0 bounds the whole Fetch; <= 0: the client's timeout */
+  meshd_progress_fn progress; /* NULL: none */
+  void *progress_user;        /* passed to progress */
+} meshd_fetch_options_t;
+
+#define MESHD_FETCH_OPTIONS_INIT {0, NULL, NULL}
+
+/* meshd_session_fetch with options (NULL: MESHD_FETCH_OPTIONS_INIT). */
+MESHD_API meshd_err_t meshd_session_fetch_with(meshd_session_t *session, meshd_ref_t tensor,
+                                               const char *const *dims, const int64_t *index,
+                                               size_t ncoords, const meshd_fetch_options_t *opts,
+                                               meshd_values_t *out);
 
 /* Frees what meshd_session_fetch put in *v and zeroes it. NULL is ignored. */
 MESHD_API void meshd_values_free(meshd_values_t *v);

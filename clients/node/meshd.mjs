@@ -221,6 +221,42 @@ export class Session {
     return res.tensors[0];
   }
 
+  // What the file at `url` holds, read by the first agent of `mesh` (InspectUrl):
+  // {format, file_size, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
+  inspectUrl(url, mesh = 0) {
+    return this.unary('InspectUrl', { url, mesh: mesh.ref ?? mesh });
+  }
+
+  // A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
+  // with {dtype: 'DTYPE_FLOAT32', shape}, else a .npy or safetensors file's header says.
+  // A safetensors file without `name` gives an object of every tensor's TensorMeta.
+  // {shard: 'gpu', dim} splits the tensor's dim over that mesh dim.
+  async load(mesh, url, { dtype, shape, name, shard = '', dim = 0, stream = 0 } = {}) {
+    const m = mesh.ref ?? mesh;
+    const one = async (t, fileSize) => {
+      const ref = this.newRef();
+      const res = await this.execute({
+        load: { ref, mesh: m, stream, url, dtype: t.dtype, shape: t.shape, offset: t.offset ?? 0,
+          file_size: fileSize, shard, dim },
+      });
+      return res.tensors[0];
+    };
+    if (dtype !== undefined || shape !== undefined) {
+      if (dtype === undefined || shape === undefined) throw new TypeError('meshd: raw bytes need both dtype and shape');
+      return one({ dtype, shape }, 0);
+    }
+    const info = await this.inspectUrl(url, m);
+    if (info.format === 'npy') return one(info.tensors[0], info.file_size);
+    if (name !== undefined) {
+      const t = info.tensors.find((x) => x.name === name);
+      if (!t) throw new MeshdError('BAD_ARGUMENT', `no tensor named '${name}' in ${url.split('?')[0]}; it holds: ${info.tensors.map((x) => x.name).join(', ')}`, grpc.status.INVALID_ARGUMENT);
+      return one(t, info.file_size);
+    }
+    const out = {};
+    for (const t of info.tensors) out[t.name] = await one(t, info.file_size);
+    return out;
+  }
+
   // A catalogue op: args as toArg() reads them; returns the first result TensorMeta.
   async call(op, args = [], kwargs = {}, { stream = 0 } = {}) {
     const ref = this.newRef();

@@ -23,6 +23,7 @@
  *   clang -fsanitize=fuzzer,address,undefined with meshd_agent, meshd_platform,
  *   meshd_tensor, meshd_proto, grpc, protobuf-c, openblas, m, pthread. */
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -528,6 +529,14 @@ static void end_session(executor_t *x, const char *session, uint64_t seq) {
   executor_submit(x, &ins);
 }
 
+/* A LoadOp runs with a policy that reaches nothing (file:// under a directory
+ * that does not exist): its checks and its failure path run, never the
+ * network. */
+static char *no_scheme[] = {"file"}, *no_root[] = {"/nonexistent-meshd-fuzz"};
+static Meshd__Agent__V1__UrlPolicy no_urls = {
+    PROTOBUF_C_MESSAGE_INIT(&meshd__agent__v1__url_policy__descriptor), .n_schemes = 1,
+    .schemes = no_scheme, .n_file_roots = 1, .file_roots = no_root, .max_retries = 0};
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1) return 0;
   Meshd__Agent__V1__InstructionBatch *b;
@@ -556,7 +565,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     last_seq++;
     n++;
-    executor_submit(X, ins);
+    bool load = ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD && ins->load;
+    Meshd__Agent__V1__UrlPolicy *policy = load ? ins->load->policy : NULL;
+    if (load) ins->load->policy = &no_urls;
+    executor_submit(X, ins); /* queues a copy */
+    if (load) ins->load->policy = policy; /* the batch frees its own */
   }
   if (verbose)
     fprintf(stderr, "%zu instruction(s) of %zu session(s)%s%s\n", n, nsessions,

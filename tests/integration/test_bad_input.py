@@ -606,6 +606,71 @@ def _(ctx):
     command_fails(ctx, s, "factory", f, "QUOTA", "Factory", str(1 << 40), "--max-tensor-elements")
 
 
+# ================================================================ loads from URLs
+
+def _load(s, **kw):
+    f = dict(ref=s.new_ref(), mesh=s.m, url="http://127.0.0.1:9/x.bin", dtype=1, shape=[4])
+    f.update(kw)
+    return pb().Load(**f)
+
+
+for _name, _kw, _kind, _words in (
+        ("load-no-dtype", dict(dtype=0), "BAD_ARGUMENT", ("Load", "dtype")),
+        ("load-dtype-999", dict(dtype=999), "BAD_ARGUMENT", ("Load", "999")),
+        ("load-empty-url", dict(url=""), "BAD_ARGUMENT", ("Load", "url")),
+        ("load-9000-char-url", dict(url="http://127.0.0.1/" + "a" * 9000), "BAD_ARGUMENT",
+         ("Load", "8192")),
+        ("load-negative-dim-size", dict(shape=[4, -3]), "BAD_ARGUMENT", ("-3",)),
+        ("load-2^40-elements", dict(shape=[1 << 20, 1 << 20]), "QUOTA", ("--max-tensor-elements",)),
+        ("load-offset-overflows", dict(offset=U64), "BAD_ARGUMENT", ("Load", "offset")),
+        ("load-past-the-file-end", dict(offset=100, file_size=110), "BAD_ARGUMENT",
+         ("Load", "110-byte file")),
+        ("load-shard-unknown-mesh-dim", dict(shard="host"), "BAD_DIM", ("Load", "'host'")),
+        ("load-shard-dim-out-of-range", dict(shard="gpu", dim=3), "BAD_DIM", ("Load", "dim 3")),
+        ("load-uneven-split", dict(shard="gpu", shape=[3]), "BAD_ARGUMENT",
+         ("split evenly", "'gpu'")),
+        ("load-file-scheme-not-allowed", dict(url="file:///etc/passwd"), "PERMISSION_DENIED",
+         ("file",)),
+        ("load-cloud-metadata-address", dict(url="http://169.254.169.254/latest/meta-data"),
+         "PERMISSION_DENIED", ("169.254.169.254",)),
+        ("load-gopher-scheme", dict(url="gopher://127.0.0.1/x"), "PERMISSION_DENIED", ("gopher",)),
+        ("load-mesh-never-defined", dict(mesh=U64), "UNKNOWN_REF", ("Load", "mesh"))):
+    def _load_case(ctx, kw=_kw, kind=_kind, words=_words):
+        s = ctx.session()
+        command_fails(ctx, s, "load", _load(s, **kw), kind, *words)
+    case(_name)(_load_case)
+
+
+@case("junk-bytes-InspectUrl")
+def _(ctx):
+    fails(lambda: ctx.unary(TS + "InspectUrl", JUNK, _session_md(ctx)), INVALID, "InspectUrl",
+          "InspectUrlRequest")
+
+
+@case("inspect-url-not-allowed-and-mesh-not-a-mesh")
+def _(ctx):
+    s = ctx.session()
+    fails(lambda: ctx.unary(TS + "InspectUrl", pb().InspectUrlRequest(url="file:///etc/passwd"),
+                            s.metadata), grpc.StatusCode.PERMISSION_DENIED, "file",
+          kind="PERMISSION_DENIED")
+    fails(lambda: ctx.unary(TS + "InspectUrl", pb().InspectUrlRequest(url="", mesh=s.m),
+                            s.metadata), INVALID, "url", kind="BAD_ARGUMENT")
+    fails(lambda: ctx.unary(TS + "InspectUrl",
+                            pb().InspectUrlRequest(url="http://127.0.0.1:9/x.npy", mesh=U64),
+                            s.metadata), grpc.StatusCode.NOT_FOUND, "InspectUrl", "mesh",
+          kind="UNKNOWN_REF")
+
+
+@case("inspect-url-connection-refused-names-the-url")
+def _(ctx):
+    s = ctx.session()
+    e = fails(lambda: ctx.unary(TS + "InspectUrl",
+                                pb().InspectUrlRequest(url="http://u:pw@127.0.0.1:9/x.npy?sig=S3CRET",
+                                                       mesh=s.m), s.metadata),
+              grpc.StatusCode.UNAVAILABLE, "127.0.0.1:9/x.npy", "rank", kind="UNAVAILABLE")
+    assert ":pw" not in e.details() and "S3CRET" not in e.details(), e.details()
+
+
 @case("call-200k-args")
 def _(ctx):
     s = ctx.session()

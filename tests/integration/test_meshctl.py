@@ -4,7 +4,9 @@ health exit codes as grpc_health_probe: 0 SERVING, 2 connection failed,
 3 RPC failed (NOT_FOUND for an unknown service), 4 not serving.
 """
 
+import os
 import re
+import subprocess
 
 import pytest
 
@@ -220,3 +222,74 @@ def test_bad_security_flags_are_usage_errors(secured, args, says):
     assert r.returncode == 64, _show(r)
     assert says in r.stderr, _show(r)
     assert "two words" not in r.stderr, _show(r)
+
+
+# ------------------------------------------------- progress of long transfers
+# A fetch in a script draws "\rfetch NAME: DONE / TOTAL  P%  R MB/s" on stderr once it ran
+# --progress-delay-ms (0 here: every fetch), only when stderr is a terminal; --no-progress
+# (or MESHD_NO_PROGRESS) turns it off.
+
+BIG = "mesh m gpu=2\nx = ones m 262144\nfetch x gpu=1\n"  # 1 MiB of float32
+
+
+def _meshctl_on_pty(srv, *args):
+    """meshctl with stderr on a pseudo-terminal: (returncode, stdout, what the terminal got)."""
+    master, slave = os.openpty()
+    try:
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "20000"]
+                             + list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=slave, env=lib.clean_env())
+        os.close(slave)
+        slave = None
+        out = p.stdout.read()
+        p.wait(30)
+        term = b""
+        while True:
+            try:
+                got = os.read(master, 65536)
+            except OSError:  # EIO: the child is gone and everything was read
+                break
+            if not got:
+                break
+            term += got
+        return p.returncode, out.decode(), term.decode(errors="replace")
+    finally:
+        os.close(master)
+        if slave is not None:
+            os.close(slave)
+
+
+def test_fetch_progress_only_on_a_terminal(meshd_server, tmp_path):
+    srv = meshd_server(2)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    proc=srv.proc, log=srv.log)
+    script = tmp_path / "big.txt"
+    script.write_text(BIG)
+    expected = "x [262144]" + " 1" * 262144 + "\n"
+
+    rc, out, term = _meshctl_on_pty(srv, "--progress-delay-ms", "0", "run", str(script))
+    assert rc == 0 and out == expected, term
+    assert re.search(r"\rfetch x: .*1\.0MiB / 1\.0MiB 100%  [0-9.]+ MB/s", term), repr(term)
+    assert term.endswith("\n"), repr(term)
+
+    for args, env in [(("--no-progress",), None), (("--no-progress=true",), None),
+                      ((), {"MESHD_NO_PROGRESS": "1"})]:
+        master_args = ("--progress-delay-ms=0",) + args + ("run", str(script))
+        if env is None:
+            rc, out, term = _meshctl_on_pty(srv, *master_args)
+            assert rc == 0 and out == expected and term == "", (args, repr(term))
+        r = meshctl(srv.address, *master_args, env=env, timeout_ms=20000)
+        assert r.returncode == 0 and r.stdout == expected and r.stderr == "", _show(r)
+
+    r = meshctl(srv.address, "--progress-delay-ms=0", "run", str(script), timeout_ms=20000)
+    assert r.returncode == 0 and r.stdout == expected, _show(r)
+    assert r.stderr == "", _show(r)  # stderr is a pipe: no progress
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--progress-delay-ms", "-1"), "--progress-delay-ms: -1 is out of range"),
+    (("--progress-delay-ms", "soon"), "--progress-delay-ms: 'soon' is not an integer"),
+    (("--no-progress=maybe",), "--no-progress: 'maybe' is not a boolean")])
+def test_bad_progress_flags_are_usage_errors(args, says):
+    r = meshctl("127.0.0.1:1", *args, "health")
+    assert r.returncode == 64 and says in r.stderr, _show(r)

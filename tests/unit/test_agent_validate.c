@@ -55,6 +55,8 @@ typedef struct kit {
   Meshd__Agent__V1__OpCall call;
   Meshd__Agent__V1__SendTensor send;
   Meshd__Agent__V1__BorrowOp borrow;
+  Meshd__V1__Load l;
+  Meshd__Agent__V1__LoadOp lo;
   spec_t in, res;
   spec_t *results[1];
 } kit_t;
@@ -283,6 +285,63 @@ Test(validate, factories) {
   factory(&k, 10, "ones", four, 1);
   k.fo.factory = NULL;
   refused(&k.ins, "FactoryOp.factory is missing", NULL);
+}
+
+/* A LoadOp of float32 [8, 2] split along dim 0 in `parts`; the result is
+ * this rank's part. */
+static int64_t eight_two[2] = {8, 2};
+static instr_t *load(kit_t *k, int64_t parts, int64_t coordinate, const int64_t *local) {
+  meshd__v1__load__init(&k->l);
+  k->l.ref = 10;
+  k->l.url = "http://127.0.0.1:9/w.bin";
+  k->l.dtype = F32;
+  k->l.shape = eight_two;
+  k->l.n_shape = 2;
+  k->l.shard = parts > 1 ? "gpu" : "";
+  k->res = mkspec(10, local, 2, F32);
+  meshd__agent__v1__load_op__init(&k->lo);
+  k->lo.load = &k->l;
+  k->lo.result = &k->res;
+  k->lo.parts = parts;
+  k->lo.coordinate = coordinate;
+  k->ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD;
+  k->ins.load = &k->lo;
+  return &k->ins;
+}
+
+Test(validate, loads) {
+  kit_t k;
+  kit_init(&k, 1, "s");
+  int64_t two_two[2] = {2, 2}, four_two[2] = {4, 2};
+  accepted(load(&k, 4, 3, two_two));
+  accepted(load(&k, 1, 0, eight_two));
+  refused(load(&k, 4, 3, four_two), "LoadOp.result is float32 [4, 2]", "the load gives float32 [2, 2]");
+  refused(load(&k, 4, 4, two_two), "coordinate 4 of 4 parts", NULL);
+  refused(load(&k, 0, 0, two_two), "coordinate 0 of 0 parts", NULL);
+  refused(load(&k, 3, 0, two_two), "dim 0 does not split in 3 parts", NULL);
+  load(&k, 4, 0, two_two);
+  k.l.url = "";
+  refused(&k.ins, "LoadOp.load.url", "1..8192");
+  load(&k, 4, 0, two_two);
+  k.l.dtype = 0;
+  refused(&k.ins, "LoadOp.load.dtype", NULL);
+  load(&k, 4, 0, two_two);
+  k.l.offset = UINT64_MAX - 8;
+  refused(&k.ins, "pass the file's end", NULL);
+  load(&k, 4, 0, two_two);
+  k.l.file_size = 60; /* the tensor's 64 bytes do not fit */
+  refused(&k.ins, "pass the file's end", NULL);
+  load(&k, 4, 0, two_two);
+  k.res.ref = 11;
+  refused(&k.ins, "LoadOp.result.ref 11 differs", NULL);
+  load(&k, 4, 0, two_two);
+  k.lo.load = NULL;
+  refused(&k.ins, "LoadOp.load is missing", NULL);
+  /* What a refused LoadOp fails: its result. */
+  load(&k, 4, 0, two_two);
+  uint64_t refs[4];
+  cr_assert_eq(validate_result_refs(&k.ins, refs, 4), 1);
+  cr_assert_eq(refs[0], 10);
 }
 
 Test(validate, groups) {

@@ -194,6 +194,61 @@ Test(c_client, compute_and_fetch) {
   meshd_close(c);
 }
 
+typedef struct progress_log {
+  uint64_t done[4096], total[4096];
+  size_t n;
+} progress_log_t;
+
+static void log_progress(void *user, uint64_t done, uint64_t total) {
+  progress_log_t *l = user;
+  if (l->n < 4096) {
+    l->done[l->n] = done;
+    l->total[l->n++] = total;
+  }
+}
+
+/* meshd_session_fetch_with's callback: done grows, in the tensor's own dtype, and the
+ * last call (only that one) has done == total; a failed fetch ends without it. */
+Test(c_client, fetch_progress_callback) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-progress", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, shape[] = {2 << 20}, at0[] = {0};
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", shape, 1, 0, &x), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+
+  static progress_log_t log;
+  memset(&log, 0, sizeof log);
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.progress = log_progress;
+  o.progress_user = &log;
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch_with(s, x, dims, at0, 1, &o, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, (size_t)(2 << 20));
+  meshd_values_free(&v);
+  const uint64_t total = 4ull * (2 << 20); /* float32 bytes */
+  cr_assert_geq(log.n, 2, "%zu calls", log.n);
+  for (size_t i = 0; i < log.n; i++) {
+    cr_assert_eq(log.total[i], total);
+    cr_assert(i == 0 || log.done[i] > log.done[i - 1], "call %zu: %llu after %llu", i,
+              (unsigned long long)log.done[i], (unsigned long long)log.done[i - 1]);
+    cr_assert_eq(log.done[i] == total, i == log.n - 1, "call %zu of %zu: done == total", i,
+                 log.n);
+  }
+
+  memset(&log, 0, sizeof log);
+  cr_assert_eq(meshd_session_fetch_with(s, 999, dims, at0, 1, &o, &v), MESHD_E_RPC);
+  cr_assert_eq(log.n, 0);
+  cr_assert_eq(meshd_session_fetch_with(s, x, dims, at0, 1, NULL, &v), MESHD_E_OK);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 Test(c_client, error_kinds) {
   meshd_client_t *c = connect_ok();
   meshd_session_t *s = meshd_session_open(c, "c-errors", NULL);
@@ -807,4 +862,100 @@ Test(c_client_tls, tls_with_a_token) {
   o.tls_key_file = pki_file("client.key");
   o.timeout_ms = 10000;
   cr_assert_eq(try_connect(target, o, why, sizeof why), MESHD_E_OK, "%s", why);
+}
+
+/* ------------------------------------------- loads from URLs */
+
+static char load_dir[64], load_flag[128];
+
+static void write_file(const char *name, const void *data, size_t n) {
+  char path[256];
+  snprintf(path, sizeof path, "%s/%s", load_dir, name);
+  FILE *f = fopen(path, "wb");
+  cr_assert_not_null(f, "%s", path);
+  cr_assert_eq(fwrite(data, 1, n, f), n);
+  fclose(f);
+}
+
+/* A .npy file (version 1.0) of float32 [2, 3] holding 0..5, and the same six
+ * floats as raw bytes; a server whose agents may read file:// URLs there. */
+static void start_load_server(void) {
+  snprintf(load_dir, sizeof load_dir, "/tmp/meshd-c-load-XXXXXX");
+  cr_assert_not_null(mkdtemp(load_dir));
+  float v[6] = {0, 1, 2, 3, 4, 5};
+  write_file("v.bin", v, sizeof v);
+  char npy[128 + sizeof v];
+  const char *dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
+  memcpy(npy, "\x93NUMPY\x01\x00\x76\x00", 10); /* header length 118: 10 + 118 = 128 */
+  memset(npy + 10, ' ', 118);
+  memcpy(npy + 10, dict, strlen(dict));
+  npy[127] = '\n';
+  memcpy(npy + 128, v, sizeof v);
+  write_file("v.npy", npy, sizeof npy);
+  snprintf(load_flag, sizeof load_flag, "--url-allow=file://%s", load_dir);
+  const char *const flags[] = {load_flag, NULL};
+  start_server_with(flags);
+}
+
+static void stop_load_server(void) {
+  stop_server();
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", load_dir);
+  if (load_dir[0] && system(cmd) != 0)
+    fprintf(stderr, "could not remove %s\n", load_dir);
+}
+
+TestSuite(c_client_load, .init = start_load_server, .fini = stop_load_server, .timeout = 60);
+
+/* meshd_session_load: a .npy file's header gives dtype and shape; raw bytes
+ * with a dtype and shape, sharded over the mesh; a URL outside the allow
+ * list and a size mismatch fail with their kinds. */
+Test(c_client_load, npy_raw_sharded_and_errors) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at0[] = {0}, at1[] = {1};
+  meshd_ref_t m = 0, a = 0, b = 0, bad = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  char url[256];
+  snprintf(url, sizeof url, "file://%s/v.npy", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, NULL, &a), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, a, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.ndim, 2);
+  cr_assert_eq(v.shape[0], 2);
+  cr_assert_eq(v.shape[1], 3);
+  for (size_t i = 0; i < 6; i++)
+    cr_assert_float_eq(v.values[i], (double)i, 1e-9);
+  meshd_values_free(&v);
+
+  int64_t shape[] = {6};
+  meshd_load_options_t o = {.dtype = "float32", .shape = shape, .ndim = 1, .shard = "gpu"};
+  snprintf(url, sizeof url, "file://%s/v.bin", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &b), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_fetch(s, b, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  for (size_t i = 0; i < 3; i++)
+    cr_assert_float_eq(v.values[i], 3.0 + (double)i, 1e-9);
+  meshd_values_free(&v);
+
+  cr_assert_eq(meshd_session_load(s, m, "file:///etc/passwd", &o, &bad), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "PERMISSION_DENIED", "%s",
+                   meshd_last_error(c)->message);
+  int64_t wrong[] = {8};
+  o.shape = wrong;
+  o.shard = NULL;
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &bad), MESHD_E_OK);
+  cr_assert_eq(meshd_session_fetch(s, bad, dims, at0, 1, &v), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "24 bytes") != NULL, "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_RPC); /* the failure, reported once */
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
 }

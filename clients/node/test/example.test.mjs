@@ -108,6 +108,50 @@ test('examples/compute.mjs computes, reduces and fetches the right values', asyn
   assert.match(stdout, /^rank 1: .* ok$/m);
 });
 
+// A .npy file of float32 [2, 4] (0..7) served over HTTP on loopback, which the
+// server's default --url-allow permits.
+function npyBuffer() {
+  const dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 4), }";
+  const head = Buffer.alloc(128, ' ');
+  Buffer.from('\x93NUMPY\x01\x00', 'latin1').copy(head, 0);
+  head.writeUInt16LE(118, 8);
+  head.write(dict, 10, 'latin1');
+  head[127] = 0x0a;
+  return Buffer.concat([head, Buffer.from(new Float32Array([0, 1, 2, 3, 4, 5, 6, 7]).buffer)]);
+}
+
+test('load: agents fetch a .npy file and raw bytes from a URL, sharded', async () => {
+  const http = await import('node:http');
+  const body = npyBuffer();
+  const srv = http.createServer((req, res) => {
+    const m = /bytes=(\d+)-(\d+)/.exec(req.headers.range ?? '');
+    const [a, b] = m ? [Number(m[1]), Math.min(Number(m[2]), body.length - 1)] : [0, body.length - 1];
+    res.writeHead(m ? 206 : 200, { 'Content-Length': b - a + 1, 'Accept-Ranges': 'bytes',
+      ...(m ? { 'Content-Range': `bytes ${a}-${b}/${body.length}` } : {}) });
+    res.end(req.method === 'HEAD' ? undefined : body.subarray(a, b + 1));
+  });
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  const url = `http://127.0.0.1:${srv.address().port}/x.npy`;
+  const s = await connect(addr, { clientName: 'node-load' });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const t = await s.load(mesh, url, { shard: 'gpu', dim: 1 });
+    assert.deepEqual(t.shape, [2, 2]);
+    assert.deepEqual([...await s.fetch(t, { gpu: 1 })], [2, 3, 6, 7]);
+    await assert.rejects(s.load(mesh, url, { dtype: 'DTYPE_FLOAT32', shape: [3] }).then(
+      (bad) => s.fetch(bad, { gpu: 0 })), (err) => {
+      assert.ok(err instanceof MeshdError, String(err));
+      assert.match(err.message, /bytes/);
+      return true;
+    });
+    await assert.rejects(s.load(mesh, 'http://169.254.169.254/x', { dtype: 'DTYPE_UINT8', shape: [1] }),
+      (err) => err.kind === 'PERMISSION_DENIED');
+  } finally {
+    await s.close();
+    srv.close();
+  }
+});
+
 test('an unknown op throws a MeshdError with kind UNKNOWN_OP', async () => {
   const s = await connect(addr, { clientName: 'node-test' });
   try {

@@ -1,9 +1,9 @@
 # Intra-package imports, bottom-up; each module imports only modules on lines above it:
-#   errors, _active, _conn, _proto: no meshd module
+#   errors, _active, _conn, _proto, _progress: no meshd module
 #   pipeline -> errors;  mesh -> _active  (Mesh.rank makes tensors via Session._factory)
-#   tensor -> _active, errors, mesh, pipeline
-#   ops -> tensor;  session -> _active, _conn, _proto, errors, mesh, pipeline, tensor
-#   meshd (this file) -> ops, errors, mesh, session, tensor  (tests/test_import_graph.py)
+#   tensor -> _active, _progress, errors, mesh, pipeline
+#   ops -> tensor;  load -> _active, _progress, errors, tensor;  session -> _active, _conn, _proto, errors, mesh, pipeline, tensor
+#   meshd (this file) -> ops, errors, load, mesh, session, tensor  (tests/test_import_graph.py)
 """meshd: Python client for the meshd tensor engine, with Monarch's names.
 
     import meshd
@@ -19,6 +19,7 @@
 
 from . import ops
 from .errors import MeshdError
+from .load import inspect_url, load
 from .mesh import Mesh
 from .session import Borrow, Session, Stream, connect
 from .tensor import (DTYPES, Tensor, arange, empty, fetch_shard, full, inspect, ones, rand, randn,
@@ -26,4 +27,4 @@ from .tensor import (DTYPES, Tensor, arange, empty, fetch_shard, full, inspect, 
 
 __all__ = ["connect", "Session", "Mesh", "Stream", "Borrow", "Tensor", "MeshdError", "ops",
            "zeros", "ones", "full", "empty", "arange", "rand", "randn", "tensor", "fetch_shard",
-           "inspect", "DTYPES"]
+           "inspect", "DTYPES", "load", "inspect_url"]

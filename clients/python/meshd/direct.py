@@ -20,6 +20,7 @@ import time
 import grpc
 import numpy as np
 
+from . import _progress
 from .errors import MeshdError
 
 _SVC = "/meshd.v1.TensorService/"
@@ -191,11 +192,13 @@ class Direct:
         return out
 
     # ------------------------------------------------------------ upload
-    def upload(self, hdr, raw):
+    def upload(self, hdr, raw, progress=None):
         """Uploads raw (a byte memoryview) as UploadHeader hdr (ref already chosen, the
         session lock held). Returns the UploadReply-like FinishUploadReply, or None
         when the direct path is not available (nothing was defined; the caller uses
-        the proxy with a new ref)."""
+        the proxy with a new ref). progress (meshd._progress) counts the array's bytes
+        as the proxy does: with per_rank the bytes sent to all agents together, else
+        the bytes every agent got (the slowest's)."""
         s, pb = self.session, self.session._pb
         reply = self.plan(pb.PlanTransferRequest(upload=hdr))
         if reply is None:
@@ -212,25 +215,52 @@ class Direct:
             return None
         n = len(reply.shards)
         each = len(raw) // n if hdr.per_rank and n else len(raw)
+        from .tensor import _data_field
+        tr = _progress.tracker(len(raw), progress, "upload")
+        tr_lock = threading.Lock()  # one tracker call at a time, from any shard's thread
+        aborted = []  # the progress callback's exception: every shard stops
+        sent = [0] * n
 
         def write(i):
             sh = reply.shards[i]
             part = raw[i * each:(i + 1) * each] if hdr.per_rank else raw
             fn = chans[i].stream_unary(_AGENT + "Write", request_serializer=lambda b: b,
                                        response_deserializer=lambda b: b)
-            from .tensor import _data_field
 
             def chunks():
                 for off in range(0, len(part), _CHUNK):
+                    if aborted:  # a short Write: the agent stores nothing
+                        return
                     yield _data_field(part[off:off + _CHUNK])
+                    try:  # runs when gRPC takes the next message
+                        with tr_lock:
+                            sent[i] += min(_CHUNK, len(part) - off)
+                            tr.set(sum(sent) if hdr.per_rank else min(sent))
+                    except BaseException as e:
+                        aborted.append(e)
+                        return
             out = _fields(fn(chunks(), metadata=((GRANT_MD, sh.grant),), timeout=s.timeout))
             return pb.WriteReceipt(rank=sh.rank, bytes=out.get(1, 0), receipt=out.get(2, b""))
-        receipts, err = self._parallel(write, n)
+        try:
+            receipts, err = self._parallel(write, n)
+            if aborted:
+                receipts, err = [], aborted[0]
+            res = self._finish_upload(reply.transfer_id, receipts, err)
+        except BaseException:
+            tr.close()  # the bar stops where it stood; the callback hears no more
+            raise
+        self.counts["upload"] += 1
+        tr.close(ok=True)
+        return res
+
+    def _finish_upload(self, transfer_id, receipts, err):
+        """FinishUpload; sent even when a Write failed (err), so that the server undoes
+        the transfer at once; then err is raised."""
+        s, pb = self.session, self.session._pb
         fin = s._ch.unary_unary(_SVC + "FinishUpload", request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=pb.FinishUploadReply.FromString)
         try:
-            # Sent even when a Write failed: the server undoes the transfer at once.
-            res = fin(pb.FinishUploadRequest(transfer_id=reply.transfer_id,
+            res = fin(pb.FinishUploadRequest(transfer_id=transfer_id,
                                              receipts=[r for r in receipts if r is not None]),
                       metadata=s._md, timeout=s.timeout)
         except grpc.RpcError as e:
@@ -239,7 +269,6 @@ class Direct:
             raise MeshdError.from_rpc(e) from None
         if err is not None:
             raise err
-        self.counts["upload"] += 1
         return res
 
     def _abandon_upload(self, transfer_id):
@@ -300,7 +329,7 @@ class Direct:
             if not quiet:
                 raise MeshdError.from_rpc(e) from None
 
-    def fetch_finish(self, ref, planned, np_dtype, timeout):
+    def fetch_finish(self, ref, planned, np_dtype, timeout, progress=None):
         """Reads the planned shard into one preallocated array (each chunk copied once,
         into its place), then FinishFetch (which raises if the value failed on any
         rank)."""
@@ -314,10 +343,12 @@ class Direct:
                              # False for the spec (grpc takes None for a failed decode)
                              response_deserializer=lambda raw: _split_data_field(raw) or False)
         got = 0
+        tr = _progress.tracker(len(flat), progress, "fetch")
+        call = fn(_read_request(s.id, ref, _READ_CHUNK, sh.after_seq),
+                  metadata=((GRANT_MD, sh.grant),),
+                  timeout=s.timeout if timeout is None else timeout)
         try:
-            for piece in fn(_read_request(s.id, ref, _READ_CHUNK, sh.after_seq),
-                            metadata=((GRANT_MD, sh.grant),),
-                            timeout=s.timeout if timeout is None else timeout):
+            for piece in call:
                 if piece is False:  # the spec: the plan's meta already said it
                     continue
                 if got + len(piece) > len(flat):
@@ -325,12 +356,24 @@ class Direct:
                                      "the TensorMeta describes")
                 flat[got:got + len(piece)] = piece
                 got += len(piece)
+                tr.update(len(piece))
+            if got != len(flat):
+                raise MeshdError("INTERNAL", f"direct fetch: got {got} bytes where the "
+                                 f"TensorMeta needs {len(flat)}")
         except grpc.RpcError as e:
+            tr.close()
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)
             raise MeshdError.from_rpc(e) from None
-        self._finish_fetch(reply.transfer_id, timeout)
+        except BaseException:  # our checks, or the progress callback's exception
+            call.cancel()
+            tr.close()
+            self._finish_fetch(reply.transfer_id, timeout, quiet=True)
+            raise
+        try:  # raises if the value failed on any rank of its mesh
+            self._finish_fetch(reply.transfer_id, timeout)
+        except BaseException:
+            tr.close()
+            raise
         self.counts["fetch"] += 1
-        if got != len(flat):
-            raise MeshdError("INTERNAL", f"direct fetch: got {got} bytes where the TensorMeta "
-                             f"needs {len(flat)}")
+        tr.close(ok=True)
         return out

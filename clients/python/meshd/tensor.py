@@ -7,7 +7,7 @@ import threading
 import grpc
 import numpy as np
 
-from . import _active
+from . import _active, _progress
 from .errors import MeshdError
 from .mesh import Mesh, selectors
 from .pipeline import _Pending
@@ -429,9 +429,12 @@ def randn(shape, seed=None, dtype=None):
 
 # ---------------------------------------------------------------- data in and out
 
-def tensor(data, shard=None, dtype=None):
+def tensor(data, shard=None, dtype=None, progress=None):
     """Uploads a numpy array to the active mesh: the same data to every rank, or with
-    shard="dim", data[i] to the ranks at coordinate i along that dim."""
+    shard="dim", data[i] to the ranks at coordinate i along that dim.
+    progress: None (a bar on a terminal for big arrays), False, True or a callable
+    (done_bytes, total_bytes); see meshd._progress."""
+    _progress.check(progress)
     mesh = _active.mesh()
     if not isinstance(data, np.ndarray):
         if isinstance(data, (list, tuple, int, float, bool)):
@@ -471,19 +474,31 @@ def tensor(data, shard=None, dtype=None):
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
                               total_bytes=len(raw))
         if s._direct.wanted():  # straight to the agents (meshd/direct.py)
-            done = s._direct.upload(hdr, raw)
+            done = s._direct.upload(hdr, raw, progress)
             if done is not None:
                 return Tensor._from_meta(s, done.tensor)
             hdr.ref = ref = s._new_ref()  # the proxy instead; the plan may have claimed ref
+
+        aborted = []  # the progress callback's exception, raised in gRPC's thread
 
         def msgs():  # one chunk at a time: the client holds the array and one chunk
             yield pb.UploadChunk(header=hdr)
             for i in range(0, len(raw), _CHUNK):
                 yield _data_field(raw[i:i + _CHUNK])
-        try:
-            reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
-        except grpc.RpcError as e:
-            raise MeshdError.from_rpc(e) from None
+                try:  # runs when gRPC takes the next message
+                    tr.update(min(_CHUNK, len(raw) - i))
+                except BaseException as e:  # a short upload: the server refuses it
+                    aborted.append(e)
+                    return
+        with _progress.tracker(len(raw), progress, "upload") as tr:
+            try:
+                reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
+            except grpc.RpcError as e:
+                if aborted:
+                    raise aborted[0] from None
+                raise MeshdError.from_rpc(e) from None
+            if aborted:
+                raise aborted[0]
     return Tensor._from_meta(s, reply.tensor)
 
 
@@ -528,11 +543,11 @@ def _fetch_open(t, coords, timeout=None):
         raise MeshdError.from_rpc(e) from None
 
 
-def _fetch_finish(t, call, first):
+def _fetch_finish(t, call, first, progress=None):
     """Reads the Fetch into one array, made from the meta (the first message): each
-    chunk is copied once, into its place."""
+    chunk is copied once, into its place. progress: see meshd._progress."""
     pb = t.session._pb
-    out = flat = None
+    out = flat = tr = None
     got = 0
     try:
         for c in itertools.chain([first] if first is not None else [], call):
@@ -544,21 +559,30 @@ def _fetch_finish(t, call, first):
                                      "Fetch: data before the TensorMeta")
                 flat[got:got + len(piece)] = piece
                 got += len(piece)
+                tr.update(len(piece))
             elif out is None:
                 name = _dtype_from_value(pb, c.meta.dtype)
                 if name not in _NP:
-                    call.cancel()
                     raise ValueError(f"meshd: numpy has no {name}; convert the tensor first "
                                      f"(t.to(...))")
                 out = np.empty(tuple(c.meta.shape), dtype=_NP[name])
                 flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
+                tr = _progress.tracker(len(flat), progress, "fetch")
+        if out is None:
+            raise MeshdError("INTERNAL", "Fetch: the server sent no TensorMeta")
+        if got != len(flat):
+            raise MeshdError("INTERNAL", f"Fetch: got {got} bytes where the TensorMeta needs "
+                             f"{len(flat)}")
+        tr.close(ok=True)
     except grpc.RpcError as e:
+        if tr is not None:
+            tr.close()
         raise MeshdError.from_rpc(e) from None
-    if out is None:
-        raise MeshdError("INTERNAL", "Fetch: the server sent no TensorMeta")
-    if got != len(flat):
-        raise MeshdError("INTERNAL", f"Fetch: got {got} bytes where the TensorMeta needs "
-                         f"{len(flat)}")
+    except BaseException:  # our own checks, or the progress callback's exception
+        call.cancel()
+        if tr is not None:
+            tr.close()
+        raise
     return out
 
 
@@ -568,7 +592,7 @@ def _fetch_request(t, coords):
                                               for k, v in coords.items()])
 
 
-def _fetch_direct(t, d, coords, timeout):
+def _fetch_direct(t, d, coords, timeout, progress=None):
     """Plans a direct fetch now (ordered like a Fetch); returns what reads it, or None
     to use the proxied Fetch."""
     planned = d.fetch_plan(_fetch_request(t, coords), timeout)
@@ -578,14 +602,17 @@ def _fetch_direct(t, d, coords, timeout):
     if name not in _NP:
         d._finish_fetch(planned[0].transfer_id, timeout, quiet=True)
         raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
-    return lambda: d.fetch_finish(t.ref, planned, _NP[name], timeout)
+    return lambda: d.fetch_finish(t.ref, planned, _NP[name], timeout, progress)
 
 
-def fetch_shard(t, timeout=None, **coords):
+def fetch_shard(t, timeout=None, progress=None, **coords):
     """The local tensor at the rank named by coords, as a Future of a numpy.ndarray.
     timeout: seconds the Fetch may take (default: the session's timeout); past it the
-    Future raises MeshdError kind DEADLINE_EXCEEDED. (A mesh dim named "timeout" cannot
+    Future raises MeshdError kind DEADLINE_EXCEEDED. progress: None (a bar on a terminal
+    for big tensors), False, True or a callable(done_bytes, total_bytes), called on the
+    Fetch's thread; see meshd._progress. (Mesh dims named "timeout" or "progress" cannot
     be given here.)"""
+    _progress.check(progress)
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
     for k, v in coords.items():
@@ -596,7 +623,7 @@ def fetch_shard(t, timeout=None, **coords):
     d = t.session._direct
     if d.wanted():  # straight from the agent (meshd/direct.py)
         try:
-            work = _fetch_direct(t, d, coords, timeout)
+            work = _fetch_direct(t, d, coords, timeout, progress)
         except (MeshdError, ValueError) as e:
             fut.set_exception(e)
             return fut
@@ -616,13 +643,13 @@ def fetch_shard(t, timeout=None, **coords):
 
     def work():
         try:
-            fut.set_result(_fetch_finish(t, call, first))
+            fut.set_result(_fetch_finish(t, call, first, progress))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
     threading.Thread(target=work, daemon=True).start()
     return fut
 
 
-def inspect(t, timeout=None, **coords):
-    """fetch_shard(t, timeout, **coords).result()"""
-    return fetch_shard(t, timeout, **coords).result()
+def inspect(t, timeout=None, progress=None, **coords):
+    """fetch_shard(t, timeout, progress, **coords).result()"""
+    return fetch_shard(t, timeout, progress, **coords).result()

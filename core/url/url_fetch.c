@@ -28,6 +28,8 @@ typedef struct xfer {
   req_mode_t mode;
   uint64_t offset, length; /* RANGE: the bytes asked; ALL: the buffer's size */
   uint8_t *buf;
+  url_sink_fn sink; /* instead of buf */
+  void *sink_arg;
   uint64_t max_bytes;
   const char *shown; /* the redacted URL of this hop */
   /* per attempt */
@@ -173,7 +175,15 @@ static size_t on_body(char *p, size_t size, size_t nmemb, void *arg) {
     }
     n = (size_t)room;
   }
-  memcpy(x->buf + x->got, p, n);
+  if (x->sink) {
+    meshd_error_t se = {0};
+    if (n && x->sink(x->sink_arg, x->got, p, n, &se)) {
+      fail(x, se.kind ? se.kind : ERR_REMOTE_FAILURE, "%s", se.msg);
+      return 0;
+    }
+  } else {
+    memcpy(x->buf + x->got, p, n);
+  }
   x->got += n;
   if (x->mode == MODE_RANGE && x->got == x->length && x->status == 200) {
     x->stop = STOP_DONE; /* a Range-ignoring server's rest is not needed */
@@ -325,6 +335,7 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
   curl_easy_setopt(c, CURLOPT_OPENSOCKETFUNCTION, on_open_socket);
   curl_easy_setopt(c, CURLOPT_OPENSOCKETDATA, x);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(c, CURLOPT_BUFFERSIZE, 512L * 1024); /* fewer callbacks for bulk bytes */
   curl_easy_setopt(c, CURLOPT_WRITEDATA, x);
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, x->errbuf);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
@@ -436,8 +447,9 @@ out:
   return rc;
 }
 
-int url_fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf,
-                    const url_fetch_opts_t *opts, url_fetch_info_t *info, meshd_error_t *e) {
+static int fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf,
+                       url_sink_fn sink, void *sink_arg, const url_fetch_opts_t *opts,
+                       url_fetch_info_t *info, meshd_error_t *e) {
   url_fetch_opts_t o = with_defaults(opts);
   char shown[URL_SHOWN];
   if (info) memset(info, 0, sizeof *info);
@@ -454,8 +466,19 @@ int url_fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf
                                sizeof scheme, e);
   }
   xfer_t x = {.mode = MODE_RANGE, .offset = offset, .length = length, .buf = buf,
-              .max_bytes = o.max_bytes};
+              .sink = sink, .sink_arg = sink_arg, .max_bytes = o.max_bytes};
   return run(&x, url, &o, info, e);
+}
+
+int url_fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf,
+                    const url_fetch_opts_t *o, url_fetch_info_t *info, meshd_error_t *e) {
+  return fetch_range(url, offset, length, buf, NULL, NULL, o, info, e);
+}
+
+int url_fetch_range_to(const char *url, uint64_t offset, uint64_t length, url_sink_fn sink,
+                       void *arg, const url_fetch_opts_t *o, url_fetch_info_t *info,
+                       meshd_error_t *e) {
+  return fetch_range(url, offset, length, NULL, sink, arg, o, info, e);
 }
 
 int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url_fetch_opts_t *opts,

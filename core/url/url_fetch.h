@@ -87,6 +87,15 @@ typedef struct url_fetch_info {
  * info may be NULL. 0 or -1 with *e set. */
 int url_fetch_range(const char *url, uint64_t offset, uint64_t length, void *buf,
                     const url_fetch_opts_t *o, url_fetch_info_t *info, meshd_error_t *e);
+/* Where url_fetch_range_to puts the bytes: bytes [pos, pos + n) of the range,
+ * in order. A retry starts again at pos 0 (the bytes come again). Nonzero
+ * with *e set: the call stops and fails with e's kind and message. */
+typedef int (*url_sink_fn)(void *arg, uint64_t pos, const void *bytes, size_t n, meshd_error_t *e);
+/* url_fetch_range, handing the bytes to sink as they arrive instead of
+ * storing them: for destinations that are not plain memory (a device). */
+int url_fetch_range_to(const char *url, uint64_t offset, uint64_t length, url_sink_fn sink,
+                       void *arg, const url_fetch_opts_t *o, url_fetch_info_t *info,
+                       meshd_error_t *e);
 /* The whole body into buf (cap bytes); *got its length. A body longer than cap
  * or max_bytes is an error. */
 int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url_fetch_opts_t *o,

@@ -1,0 +1,387 @@
+#include "load.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "agent.h"
+#include "log.h"
+#include "tensor_file.h"
+#include "url_fetch.h"
+#include "url_policy.h"
+
+/* Bytes gathered before each copy into the tensor (one device copy per
+ * STAGE_BYTES on a GPU, instead of one per network read). */
+#define STAGE_BYTES (8u << 20)
+
+/* "InspectUrl on rank 3: " in front of e's message. */
+static int on_rank(meshd_error_t *e, const char *what) {
+  char head[64];
+  int64_t r = atomic_load(&agent_rank);
+  if (r >= 0) snprintf(head, sizeof head, "%.20s on rank %" PRId64, what, r);
+  else snprintf(head, sizeof head, "%.20s", what);
+  error_prefix(e, head, ": ");
+  return -1;
+}
+
+/* ------------------------------------------------------------------ Load */
+
+/* "Load: " in front (the server adds the rank of a failure it reports). */
+static int prefixed(meshd_error_t *e, const char *what) {
+  error_prefix(e, what, ": ");
+  return -1;
+}
+
+/* What Agent/LoadProgress reads: a ring of the latest loads. */
+typedef struct tracked {
+  char session[80];
+  uint64_t ref;
+  uint64_t total;
+  _Atomic uint64_t done;
+  _Atomic int state; /* 0 running, 1 done, 2 failed */
+} tracked_t;
+
+static pthread_mutex_t tracked_mu = PTHREAD_MUTEX_INITIALIZER;
+static tracked_t tracked[LOAD_TRACKED];
+static size_t tracked_next;
+
+/* A slot for a starting load: a free one, else the oldest finished one, else
+ * (LOAD_TRACKED loads running at once) none. */
+static tracked_t *track(const char *session, uint64_t ref, uint64_t total) {
+  pthread_mutex_lock(&tracked_mu);
+  tracked_t *t = NULL;
+  for (size_t i = 0; i < LOAD_TRACKED && !t; i++) {
+    tracked_t *c = &tracked[(tracked_next + i) % LOAD_TRACKED];
+    if (!c->session[0] || atomic_load(&c->state) != 0) {
+      t = c;
+      tracked_next = (tracked_next + i + 1) % LOAD_TRACKED;
+    }
+  }
+  if (t) {
+    snprintf(t->session, sizeof t->session, "%s", session);
+    t->ref = ref;
+    t->total = total;
+    atomic_store(&t->done, 0);
+    atomic_store(&t->state, 0);
+  }
+  pthread_mutex_unlock(&tracked_mu);
+  return t;
+}
+
+static void track_end(tracked_t *t, bool ok) {
+  if (!t) return;
+  if (ok) atomic_store(&t->done, t->total);
+  atomic_store(&t->state, ok ? 1 : 2);
+}
+
+typedef struct sink {
+  backend_t *b;
+  agent_tensor_t *t;
+  uint8_t *host;      /* the tensor's first byte when it is host memory (cpu), else NULL */
+  tracked_t *progress;
+  uint64_t counted;   /* bytes of this range counted in progress */
+  uint64_t base;      /* the range's first byte in the tensor */
+  uint8_t *stage;
+  uint64_t stage_pos; /* range position of stage[0] */
+  size_t staged;
+} sink_t;
+
+/* stage[0, staged) into the tensor at base + stage_pos. */
+static int flush(sink_t *k, meshd_error_t *e) {
+  if (!k->staged) return 0;
+  agent_tensor_t v = {.storage = k->t->storage};
+  v.meta.dtype = DTYPE_UINT8;
+  v.meta.layout.ndim = 1;
+  v.meta.layout.sizes[0] = (int64_t)k->staged;
+  layout_make_contiguous(&v.meta.layout);
+  v.meta.layout.offset = k->t->meta.layout.offset * (int64_t)dtype_size(k->t->meta.dtype) +
+                         (int64_t)(k->base + k->stage_pos);
+  int rc = k->b->ops->from_host(k->b, &v, k->stage, e);
+  k->stage_pos += k->staged;
+  k->staged = 0;
+  return rc;
+}
+
+static int sink_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, meshd_error_t *e) {
+  sink_t *k = arg;
+  if (k->progress && pos + n > k->counted) { /* a retry counts nothing twice */
+    atomic_fetch_add(&k->progress->done, pos + n - k->counted);
+    k->counted = pos + n;
+  }
+  if (k->host) {
+    memcpy(k->host + k->base + pos, bytes, n);
+    return 0;
+  }
+  if (pos != k->stage_pos + k->staged) { /* a retry: the range comes again from pos */
+    k->stage_pos = pos;
+    k->staged = 0;
+  }
+  const uint8_t *p = bytes;
+  while (n) {
+    size_t take = STAGE_BYTES - k->staged < n ? STAGE_BYTES - k->staged : n;
+    memcpy(k->stage + k->staged, p, take);
+    k->staged += take, p += take, n -= take;
+    if (k->staged == STAGE_BYTES && flush(k, e)) return -1;
+  }
+  return 0;
+}
+
+static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
+                       tracked_t *progress, meshd_error_t *e);
+
+int load_run(backend_t *b, backend_stream_t *bs, const char *session,
+             const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, meshd_error_t *e) {
+  (void)bs; /* from_host's bytes are on the device for every stream when it returns */
+  uint64_t bytes = (uint64_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype);
+  tracked_t *p = track(session, op->result ? op->result->ref : 0, bytes);
+  int rc = fetch_slice(b, op, t, p, e);
+  track_end(p, rc == 0);
+  return rc;
+}
+
+static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
+                       tracked_t *progress, meshd_error_t *e) {
+  const Meshd__V1__Load *l = op->load;
+  url_allow_t allow;
+  url_fetch_opts_t o;
+  url_policy_from_proto(op->policy, &allow, &o);
+  tensor_file_entry_t ent = {.name = (char *)"", .dtype = (dtype_t)l->dtype, .offset = l->offset};
+  ent.ndim = (int)l->n_shape;
+  uint64_t numel = 1;
+  for (size_t i = 0; i < l->n_shape && i < LAYOUT_MAX_DIMS; i++) {
+    ent.shape[i] = l->shape[i];
+    numel *= (uint64_t)l->shape[i];
+  }
+  ent.nbytes = numel * dtype_size(ent.dtype);
+  uint64_t want = l->file_size ? l->file_size : l->offset + ent.nbytes;
+  uint64_t size = 0;
+  if (url_fetch_size(l->url, &o, &size, NULL, e)) return prefixed(e, "Load");
+  char shown[512];
+  url_redact(l->url, shown, sizeof shown);
+  if (size != want) {
+    if (l->file_size)
+      error_set(e, ERR_BAD_ARGUMENT,
+                "%s is %" PRIu64 " bytes, but %" PRIu64 " when it was inspected: the file "
+                "changed; load it again", shown, size, want);
+    else {
+      char sh[LAYOUT_SHAPE_BUF];
+      layout_format_shape(ent.shape, ent.ndim, sh, sizeof sh);
+      error_set(e, ERR_BAD_ARGUMENT,
+                "%s is %" PRIu64 " bytes, but %s %s is %" PRIu64 " bytes: check dtype= and shape=",
+                shown, size, dtype_name(ent.dtype), sh, l->offset + ent.nbytes);
+    }
+    return prefixed(e, "Load");
+  }
+  tensor_file_slice_t sl = {.first = ent.offset, .length = ent.nbytes, .count = ent.nbytes ? 1 : 0};
+  if (op->parts > 1 && tensor_file_shard(&ent, l->dim, op->parts, op->coordinate, &sl, e))
+    return prefixed(e, "Load");
+  if (sl.length * sl.count !=
+      (uint64_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype)) {
+    error_set(e, ERR_BAD_ARGUMENT, "this rank's slice of %s is %" PRIu64 " bytes, not the "
+              "result's", shown, sl.length * sl.count);
+    return prefixed(e, "Load");
+  }
+  sink_t k = {.b = b, .t = t, .progress = progress};
+  /* cpu: the tensor is host memory, where curl's bytes go straight. */
+  if (b->ops == &cpu_backend_ops)
+    k.host = (uint8_t *)t->storage->data + t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype);
+  if (sl.count && !k.host && !(k.stage = malloc(sl.length < STAGE_BYTES ? sl.length : STAGE_BYTES))) {
+    error_set(e, ERR_QUOTA, "out of host memory for a %u-byte staging buffer", STAGE_BYTES);
+    return prefixed(e, "Load");
+  }
+  for (uint64_t i = 0; i < sl.count; i++) {
+    tensor_file_range_t r = tensor_file_slice_range(&sl, i);
+    k.base = i * sl.length;
+    k.stage_pos = 0;
+    k.staged = 0;
+    k.counted = 0;
+    if (url_fetch_range_to(l->url, r.offset, r.length, sink_bytes, &k, &o, NULL, e) ||
+        flush(&k, e)) {
+      free(k.stage);
+      return prefixed(e, "Load");
+    }
+  }
+  free(k.stage);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ LoadProgress */
+
+#define PROGRESS_REFS_MAX 4096
+
+void load_progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  (void)arg;
+  const Meshd__Agent__V1__LoadProgressRequest *rq = (const Meshd__Agent__V1__LoadProgressRequest *)req;
+  if (rq->n_refs > PROGRESS_REFS_MAX) {
+    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT",
+                    "LoadProgress: %zu refs, at most %d", rq->n_refs, PROGRESS_REFS_MAX);
+    return;
+  }
+  size_t n = rq->n_refs;
+  Meshd__V1__LoadProgress *v = calloc(n ? n : 1, sizeof *v);
+  Meshd__V1__LoadProgress **pv = calloc(n ? n : 1, sizeof *pv);
+  if (!v || !pv) {
+    free(v);
+    free(pv);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of memory");
+    return;
+  }
+  pthread_mutex_lock(&tracked_mu);
+  for (size_t i = 0; i < n; i++) {
+    meshd__v1__load_progress__init(&v[i]);
+    v[i].ref = rq->refs[i];
+    pv[i] = &v[i];
+    for (size_t j = 0; j < LOAD_TRACKED; j++) {
+      tracked_t *t = &tracked[j];
+      if (t->ref != rq->refs[i] || !t->session[0] || strcmp(t->session, rq->session_id)) continue;
+      v[i].done_bytes = atomic_load(&t->done);
+      v[i].total_bytes = t->total;
+      v[i].failed = atomic_load(&t->state) == 2;
+    }
+  }
+  pthread_mutex_unlock(&tracked_mu);
+  Meshd__V1__LoadProgressReply reply = MESHD__V1__LOAD_PROGRESS_REPLY__INIT;
+  reply.n_loads = n;
+  reply.loads = pv;
+  rpc_call_reply(call, &reply.base);
+  free(v);
+  free(pv);
+}
+
+/* ------------------------------------------------------------------ InspectUrl */
+
+static _Atomic int inspecting;
+
+typedef struct inspect {
+  rpc_call_t *call; /* referenced */
+  Meshd__Agent__V1__InspectUrlRequest *rq; /* owned copy */
+} inspect_t;
+
+static void inspect_fail(rpc_call_t *call, meshd_error_t *e) {
+  on_rank(e, "InspectUrl");
+  rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
+}
+
+static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequest *rq) {
+  url_allow_t allow;
+  url_fetch_opts_t o;
+  url_policy_from_proto(rq->policy, &allow, &o);
+  meshd_error_t e = {0};
+  uint64_t size = 0, need = TENSOR_FILE_PROBE_BYTES;
+  uint8_t *head = NULL;
+  tensor_file_t f = {0};
+  if (url_fetch_size(rq->url, &o, &size, NULL, &e)) goto fail;
+  int rc = TENSOR_FILE_NEED_MORE;
+  tensor_file_opts_t fo = {.file_size = size};
+  for (int round = 0; rc == TENSOR_FILE_NEED_MORE && round < 2; round++) {
+    uint64_t len = need < size ? need : size;
+    if (len > TENSOR_FILE_MAX_HEADER + 8u) len = TENSOR_FILE_MAX_HEADER + 8u;
+    free(head);
+    if (!(head = malloc(len ? len : 1))) {
+      error_set(&e, ERR_QUOTA, "out of memory for a %" PRIu64 "-byte header", len);
+      goto fail;
+    }
+    if (len && url_fetch_range(rq->url, 0, len, head, &o, NULL, &e)) goto fail;
+    if (!len) {
+      char shown[512];
+      error_set(&e, ERR_BAD_ARGUMENT, "%s is empty: no .npy or safetensors file",
+                url_redact(rq->url, shown, sizeof shown));
+      goto fail;
+    }
+    rc = tensor_file_parse(head, (size_t)len, &fo, &f, &need, &e);
+    if (rc < 0) {
+      char shown[512];
+      error_prefix(&e, url_redact(rq->url, shown, sizeof shown), ": ");
+      goto fail;
+    }
+  }
+  if (rc != TENSOR_FILE_OK) {
+    error_set(&e, ERR_BAD_ARGUMENT, "the header is longer than it said");
+    goto fail;
+  }
+  Meshd__V1__InspectUrlReply reply = MESHD__V1__INSPECT_URL_REPLY__INIT;
+  reply.format = f.format == TENSOR_FILE_NPY ? "npy" : "safetensors";
+  reply.file_size = size;
+  reply.metadata_json = f.metadata_json ? f.metadata_json : "";
+  Meshd__V1__UrlTensor *ts = calloc(f.count ? f.count : 1, sizeof *ts);
+  Meshd__V1__UrlTensor **tp = calloc(f.count ? f.count : 1, sizeof *tp);
+  if (!ts || !tp) {
+    free(ts);
+    free(tp);
+    error_set(&e, ERR_QUOTA, "out of memory for %zu tensors", f.count);
+    goto fail;
+  }
+  for (size_t i = 0; i < f.count; i++) {
+    meshd__v1__url_tensor__init(&ts[i]);
+    ts[i].name = f.tensors[i].name;
+    ts[i].dtype = (Meshd__V1__DType)f.tensors[i].dtype;
+    ts[i].n_shape = (size_t)f.tensors[i].ndim;
+    ts[i].shape = f.tensors[i].shape;
+    ts[i].offset = f.tensors[i].offset;
+    ts[i].nbytes = f.tensors[i].nbytes;
+    tp[i] = &ts[i];
+  }
+  reply.n_tensors = f.count;
+  reply.tensors = tp;
+  rpc_call_reply(call, &reply.base);
+  free(ts);
+  free(tp);
+  free(head);
+  tensor_file_free(&f);
+  return;
+fail:
+  free(head);
+  tensor_file_free(&f);
+  inspect_fail(call, &e);
+}
+
+static void *inspect_main(void *arg) {
+  inspect_t *in = arg;
+  inspect_url(in->call, in->rq);
+  protobuf_c_message_free_unpacked(&in->rq->base, NULL);
+  rpc_call_unref(in->call);
+  free(in);
+  atomic_fetch_sub(&inspecting, 1);
+  return NULL;
+}
+
+void load_inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  (void)arg;
+  if (atomic_fetch_add(&inspecting, 1) >= LOAD_INSPECTS_MAX) {
+    atomic_fetch_sub(&inspecting, 1);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                    "InspectUrl: %d are running on this agent, the most it runs at once",
+                    LOAD_INSPECTS_MAX);
+    return;
+  }
+  /* The request belongs to the layer until on_start returns: a copy. */
+  size_t len = protobuf_c_message_get_packed_size(req);
+  uint8_t *buf = malloc(len ? len : 1);
+  inspect_t *in = calloc(1, sizeof *in);
+  if (buf && in) {
+    protobuf_c_message_pack(req, buf);
+    in->rq = meshd__agent__v1__inspect_url_request__unpack(NULL, len, buf);
+  }
+  free(buf);
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  if (in && in->rq) {
+    in->call = call;
+    rpc_call_ref(call);
+    if (pthread_create(&th, &at, inspect_main, in) == 0) {
+      pthread_attr_destroy(&at);
+      return;
+    }
+    rpc_call_unref(call);
+  }
+  pthread_attr_destroy(&at);
+  if (in && in->rq) protobuf_c_message_free_unpacked(&in->rq->base, NULL);
+  free(in);
+  atomic_fetch_sub(&inspecting, 1);
+  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "InspectUrl: out of memory");
+}

@@ -1,0 +1,162 @@
+"""meshd.load: tensors whose bytes each agent fetches itself from a URL.
+
+    w = meshd.load("https://host/model.safetensors", name="wte")        # one tensor
+    sd = meshd.load("https://host/model.safetensors", shard="gpu", dim=0)  # {name: Tensor}
+    x = meshd.load("file:///data/x.bin", dtype="float32", shape=(1024, 1024))  # raw bytes
+
+No byte passes through the server or the client: the server checks the URL against
+its --url-allow, then every agent of the active mesh fetches its own part (with HTTP
+Range requests when sharded). For .npy and safetensors files one agent reads the
+header first (TensorService/InspectUrl), so dtype and shape come from the file.
+Failures of the transfer itself (404, timeouts, a file that changed) fail the tensor
+on the agents, as any op's failure does: they surface at fetch or sync, never as a
+half-filled tensor.
+"""
+
+import threading
+
+import numpy as np
+
+from . import _active, _progress
+from .errors import MeshdError
+from .tensor import Tensor, _dtype_from_value, _dtype_value, _shape, dtype_name
+
+
+def inspect_url(url, mesh=None):
+    """What the file at `url` holds, read by the first agent of the (active) mesh:
+    {"format": "npy" | "safetensors", "file_size": int, "metadata": str,
+     "tensors": {name: (dtype, shape, offset, nbytes)}} (name "" for .npy)."""
+    mesh = mesh if mesh is not None else _active.mesh()
+    s, pb = mesh.session, mesh.session._pb
+    r = s._unary("InspectUrl", pb.InspectUrlRequest(url=url, mesh=mesh.ref), pb.InspectUrlReply)
+    return {"format": r.format, "file_size": r.file_size, "metadata": r.metadata_json,
+            "tensors": {t.name: (_dtype_from_value(pb, t.dtype), tuple(t.shape), t.offset,
+                                 t.nbytes) for t in r.tensors}}
+
+
+def _load_one(mesh, url, dtype, shape, offset, file_size, shard, dim):
+    s, pb = mesh.session, mesh.session._pb
+    f = dict(mesh=mesh.ref, stream=_active.stream_ref(s), url=url,
+             dtype=_dtype_value(pb, dtype), shape=_shape(shape), offset=int(offset),
+             file_size=int(file_size), shard=shard or "", dim=int(dim))
+    box = {}
+
+    def build(ref):
+        box["ref"] = ref
+        return pb.Load(ref=ref, **f)
+    res = s._execute("load", build, claim=1)
+    return Tensor._from_result(s, res, 0, box["ref"])
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
+             "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+POLL_INTERVAL = 0.25  # seconds between two LoadProgress calls of a watched load
+
+
+def _watch(mesh, tensors, progress, desc):
+    """Progress of loads the agents run on their own: a thread polls
+    TensorService/LoadProgress until every tensor is in (the tracker completes), one
+    failed or the session ends (it stops where it stood). Nothing when progress= shows
+    nothing (False, or the automatic rule says no)."""
+    ranks = 1
+    for n in mesh.sizes.values():
+        ranks *= n
+    total = sum(int(np.prod(t.shape, dtype=np.int64)) * _ITEMSIZE[t.dtype] * ranks
+                for t in tensors)
+    tr = _progress.tracker(total, progress, desc)
+    if not tr.active or not tensors:
+        tr.close(ok=bool(tensors) and tr.active)
+        return None
+    s, pb = mesh.session, mesh.session._pb
+    req = pb.LoadProgressRequest(refs=[t.ref for t in tensors])
+
+    def poll():
+        ok = False
+        try:
+            while not s.closed:
+                r = s._unary("LoadProgress", req, pb.LoadProgressReply)
+                if any(x.failed for x in r.loads):
+                    break
+                done = sum(x.done_bytes for x in r.loads)
+                if done >= total:
+                    ok = True
+                    break
+                tr.set(done)
+                threading.Event().wait(POLL_INTERVAL)
+        except MeshdError:
+            pass  # the session ended or the server went: the bar stops where it is
+        finally:
+            tr.close(ok)
+    th = threading.Thread(target=poll, name="meshd-load-progress", daemon=True)
+    th.start()
+    return th
+
+
+def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0, progress=None):
+    """A tensor (or, for a safetensors file without `name`, a dict of every tensor in
+    it) loaded by the agents of the active mesh, on the active stream.
+
+    Raw bytes need `dtype` and `shape` (the file must hold exactly that many bytes).
+    .npy and safetensors files give theirs in the header; `name` picks one tensor of
+    a safetensors file. `shard="gpu"` splits each tensor's dim `dim` evenly over the
+    mesh dim "gpu": each rank fetches and holds only its slice (the tensor's shape is
+    the local one); without it every rank loads the whole tensor.
+
+    `progress` (meshd._progress): None shows a tqdm bar on a terminal for loads of at
+    least 64 MiB (over all ranks), False nothing, True always a bar, a callable
+    progress(done_bytes, total_bytes) is called as the agents fetch. The load itself
+    does not wait: a background thread polls the agents until the bytes are in."""
+    _progress.check(progress)
+    if not isinstance(url, str) or not url:
+        raise TypeError(f"meshd.load: url must be a non-empty str, got {url!r}")
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"meshd.load: dim must be an int, got {dim!r}")
+    mesh = _active.mesh()
+    if shard is not None and shard not in mesh.sizes:
+        raise ValueError(f"meshd.load: shard dim {shard!r} is not a dim of {mesh!r}")
+    if (dtype is None) != (shape is None):
+        raise TypeError("meshd.load: raw bytes need both dtype= and shape=; give neither for "
+                        ".npy and safetensors files")
+    if dtype is not None:
+        if name is not None:
+            raise TypeError("meshd.load: name= picks a tensor of a safetensors file; raw bytes "
+                            "(dtype= and shape=) have none")
+        t = _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, dim)
+        _watch(mesh, [t], progress, "load")
+        return t
+    info = inspect_url(url, mesh)
+    tensors = info["tensors"]
+
+    def one(key):
+        dt, sh, off, _ = tensors[key]
+        d = dim
+        if shard is not None and not -len(sh) <= d < len(sh):
+            raise ValueError(f"meshd.load: {key or url!r} has shape {sh}: no dim {dim} to shard")
+        if d < 0:
+            d += len(sh)
+        return _load_one(mesh, url, dt, sh, off, info["file_size"], shard, d)
+    if info["format"] == "npy":
+        if name is not None:
+            raise TypeError("meshd.load: name= picks a tensor of a safetensors file; this is a "
+                            ".npy file")
+        out = one("")
+    elif name is not None:
+        if name not in tensors:
+            have = ", ".join(sorted(tensors)[:20]) + (" ..." if len(tensors) > 20 else "")
+            raise KeyError(f"meshd.load: no tensor named {name!r} in {_redact(url)}; it holds: "
+                           f"{have}")
+        out = one(name)
+    else:
+        out = {k: one(k) for k in tensors}
+    _watch(mesh, list(out.values()) if isinstance(out, dict) else [out], progress, "load")
+    return out
+
+
+def _redact(url):
+    """The URL without credentials, query or fragment (as the agents' messages show it)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?")[0].split("#")[0]
+    host, slash, path = rest.partition("/")
+    host = host.rpartition("@")[2]
+    return scheme + sep + host + slash + path.split("?")[0].split("#")[0]

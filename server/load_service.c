@@ -1,0 +1,384 @@
+#include "load_service.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "meshd/agent/v1/agent.pb-c.h"
+#include "objects.h"
+#include "session_service.h"
+
+#define AGENT_CONNECT_MS 5000
+/* An inspection reads at most two header pieces; the transfer timeout of the
+ * policy bounds each, this the whole call. */
+#define INSPECT_CALL_MS 120000
+
+struct load_service {
+  agent_pool_t *pool;
+  session_table_t *sessions;
+  const url_policy_t *urls;
+  pthread_mutex_t mu;
+  pthread_cond_t idle;
+  int running; /* helper threads */
+};
+
+typedef struct inspect {
+  load_service_t *ls;
+  rpc_call_t *call; /* referenced */
+  uint32_t rank;
+  char *url;
+} inspect_t;
+
+static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
+  rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
+}
+
+static void done(load_service_t *ls) {
+  pthread_mutex_lock(&ls->mu);
+  if (--ls->running == 0) pthread_cond_broadcast(&ls->idle);
+  pthread_mutex_unlock(&ls->mu);
+}
+
+static void *inspect_main(void *arg) {
+  inspect_t *in = arg;
+  load_service_t *ls = in->ls;
+  agent_target_t t;
+  rpc_channel_t *ch = NULL;
+  Meshd__Agent__V1__InspectUrlRequest rq = MESHD__AGENT__V1__INSPECT_URL_REQUEST__INIT;
+  Meshd__Agent__V1__UrlPolicy policy;
+  url_policy_to_proto(ls->urls, &policy);
+  rq.url = in->url;
+  rq.policy = &policy;
+  ProtobufCMessage *reply = NULL;
+  rpc_status_t st = {0};
+  if (agent_pool_target(ls->pool, in->rank, AGENT_CONNECT_MS, &t) ||
+      !(ch = rpc_channel_create(t.address, &t.opts))) {
+    rpc_call_finish(in->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
+                    "InspectUrl: rank %u has no agent", in->rank);
+  } else if (rpc_unary(ch, "/meshd.agent.v1.Agent/InspectUrl", &rq.base,
+                       &meshd__v1__inspect_url_reply__descriptor, &reply, t.md, 1,
+                       INSPECT_CALL_MS, &st) != GRPC_STATUS_OK) {
+    /* The agent's kind and message are the answer (they name the URL and rank). */
+    rpc_call_finish(in->call, st.code, st.kind[0] ? st.kind : "AGENT_LOST", "%s", st.message);
+  } else {
+    rpc_call_reply(in->call, reply);
+  }
+  if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+  if (ch) rpc_channel_destroy(ch);
+  rpc_call_unref(in->call);
+  free(in->url);
+  free(in);
+  done(ls);
+  return NULL;
+}
+
+/* The rank that reads: the mesh's first, or with no mesh the first healthy one. */
+static int pick_rank(load_service_t *ls, session_t *s, uint64_t mesh_ref, uint32_t *rank,
+                     meshd_error_t *e) {
+  if (mesh_ref) {
+    int rc = -1;
+    pthread_mutex_lock(&s->mu);
+    objects_t *o = s->objects;
+    obj_t *m = o ? objects_expect(o, mesh_ref, OBJ_MESH, "InspectUrl: mesh", e) : NULL;
+    if (!o) error_set(e, ERR_BAD_ARGUMENT, "InspectUrl: mesh %llu: the session has no meshes",
+                      (unsigned long long)mesh_ref);
+    if (m && mesh_len(m->mesh)) {
+      uint32_t *r = malloc(sizeof *r * mesh_len(m->mesh));
+      if (r) {
+        mesh_ranks(m->mesh, r);
+        *rank = r[0];
+        rc = 0;
+        free(r);
+      } else {
+        error_set(e, ERR_QUOTA, "InspectUrl: out of memory");
+      }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+  }
+  size_t world = 0;
+  bool *healthy = agent_pool_healthy_map(ls->pool, &world);
+  for (size_t r = 0; healthy && r < world; r++)
+    if (healthy[r]) {
+      free(healthy);
+      *rank = (uint32_t)r;
+      return 0;
+    }
+  free(healthy);
+  return error_set(e, ERR_AGENT_LOST, "InspectUrl: no healthy agent");
+}
+
+static void inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  load_service_t *ls = arg;
+  const Meshd__V1__InspectUrlRequest *rq = (const Meshd__V1__InspectUrlRequest *)req;
+  session_t *s = session_from_call(ls->sessions, call);
+  if (!s) return;
+  meshd_error_t e = {0};
+  uint32_t rank = 0;
+  int rc = -1;
+  if (!rq->url || !*rq->url) error_set(&e, ERR_BAD_ARGUMENT, "InspectUrl: the url is empty");
+  else if (strlen(rq->url) > 8192)
+    error_set(&e, ERR_BAD_ARGUMENT, "InspectUrl: the url is %zu characters; at most 8192",
+              strlen(rq->url));
+  else if (!url_policy_check(ls->urls, rq->url, &e))
+    rc = pick_rank(ls, s, rq->mesh, &rank, &e);
+  session_release(s);
+  if (rc) {
+    finish_error(call, &e);
+    return;
+  }
+  pthread_mutex_lock(&ls->mu);
+  bool room = ls->running < LOAD_INSPECTS_MAX;
+  if (room) ls->running++;
+  pthread_mutex_unlock(&ls->mu);
+  if (!room) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                    "InspectUrl: %d inspections are running, the most this server runs at once; "
+                    "retry", LOAD_INSPECTS_MAX);
+    return;
+  }
+  inspect_t *in = calloc(1, sizeof *in);
+  char *url = strdup(rq->url);
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  if (in && url) {
+    *in = (inspect_t){.ls = ls, .call = call, .rank = rank, .url = url};
+    rpc_call_ref(call);
+    if (pthread_create(&th, &at, inspect_main, in) == 0) {
+      pthread_attr_destroy(&at);
+      return;
+    }
+    rpc_call_unref(call);
+  }
+  pthread_attr_destroy(&at);
+  free(in);
+  free(url);
+  done(ls);
+  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "InspectUrl: out of memory");
+}
+
+/* ------------------------------------------------------------------ LoadProgress */
+
+#define PROGRESS_REFS_MAX 256
+
+typedef struct progress {
+  load_service_t *ls;
+  rpc_call_t *call; /* referenced */
+  char session[80];
+  size_t n;
+  Meshd__V1__LoadProgress *v; /* per ref: total and failed known, done summed */
+  uint32_t *ranks;            /* every rank of every ref's mesh, deduplicated */
+  size_t nranks;
+  bool *on;                   /* [ref * nranks + rank index]: the ref lives there */
+} progress_t;
+
+static void progress_free(progress_t *p) {
+  free(p->v);
+  free(p->ranks);
+  free(p->on);
+  free(p);
+}
+
+static void *progress_main(void *arg) {
+  progress_t *p = arg;
+  load_service_t *ls = p->ls;
+  uint64_t *refs = malloc(sizeof *refs * (p->n ? p->n : 1));
+  size_t *which = malloc(sizeof *which * (p->n ? p->n : 1));
+  for (size_t r = 0; refs && which && r < p->nranks; r++) {
+    size_t k = 0;
+    for (size_t i = 0; i < p->n; i++)
+      if (p->on[i * p->nranks + r] && !p->v[i].failed) which[k] = i, refs[k++] = p->v[i].ref;
+    if (!k) continue;
+    agent_target_t t;
+    rpc_channel_t *ch = NULL;
+    if (agent_pool_target(ls->pool, p->ranks[r], AGENT_CONNECT_MS, &t) ||
+        !(ch = rpc_channel_create(t.address, &t.opts)))
+      continue; /* a lost rank: its tensors fail on their own */
+    Meshd__Agent__V1__LoadProgressRequest rq = MESHD__AGENT__V1__LOAD_PROGRESS_REQUEST__INIT;
+    rq.session_id = p->session;
+    rq.n_refs = k;
+    rq.refs = refs;
+    ProtobufCMessage *reply = NULL;
+    if (rpc_unary(ch, "/meshd.agent.v1.Agent/LoadProgress", &rq.base,
+                  &meshd__v1__load_progress_reply__descriptor, &reply, t.md, 1, 10000,
+                  NULL) == GRPC_STATUS_OK) {
+      const Meshd__V1__LoadProgressReply *a = (const Meshd__V1__LoadProgressReply *)reply;
+      for (size_t j = 0; j < a->n_loads && j < k; j++) {
+        Meshd__V1__LoadProgress *v = &p->v[which[j]];
+        v->done_bytes += a->loads[j]->done_bytes;
+        v->failed |= a->loads[j]->failed;
+      }
+    }
+    if (reply) protobuf_c_message_free_unpacked(reply, NULL);
+    rpc_channel_destroy(ch);
+  }
+  free(refs);
+  free(which);
+  Meshd__V1__LoadProgress **pv = calloc(p->n ? p->n : 1, sizeof *pv);
+  if (pv) {
+    for (size_t i = 0; i < p->n; i++) {
+      if (p->v[i].done_bytes > p->v[i].total_bytes) p->v[i].done_bytes = p->v[i].total_bytes;
+      pv[i] = &p->v[i];
+    }
+    Meshd__V1__LoadProgressReply reply = MESHD__V1__LOAD_PROGRESS_REPLY__INIT;
+    reply.n_loads = p->n;
+    reply.loads = pv;
+    rpc_call_reply(p->call, &reply.base);
+    free(pv);
+  } else {
+    rpc_call_finish(p->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of memory");
+  }
+  rpc_call_unref(p->call);
+  progress_free(p);
+  done(ls);
+  return NULL;
+}
+
+/* Each ref's total and ranks, under the session lock. */
+static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq, progress_t *p,
+                         meshd_error_t *e) {
+  int rc = -1;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = s->objects;
+  uint32_t *mr = NULL;
+  p->v = calloc(rq->n_refs ? rq->n_refs : 1, sizeof *p->v);
+  size_t world = 0;
+  for (size_t i = 0; o && i < rq->n_refs; i++) {
+    obj_t *t = objects_get(o, rq->refs[i]);
+    obj_t *m = t && t->kind == OBJ_TENSOR ? objects_get(o, t->tensor.mesh) : NULL;
+    if (m && m->kind == OBJ_MESH) {
+      size_t n = mesh_len(m->mesh);
+      uint32_t *r = malloc(sizeof *r * (n ? n : 1));
+      if (r) {
+        mesh_ranks(m->mesh, r);
+        for (size_t j = 0; j < n; j++)
+          if (r[j] + 1 > world) world = r[j] + 1;
+        free(r);
+      }
+    }
+  }
+  if (!p->v || !(p->ranks = calloc(world ? world : 1, sizeof *p->ranks)) ||
+      !(p->on = calloc((rq->n_refs ? rq->n_refs : 1) * (world ? world : 1), sizeof *p->on))) {
+    error_set(e, ERR_QUOTA, "LoadProgress: out of memory");
+    goto out;
+  }
+  p->n = rq->n_refs;
+  p->nranks = world;
+  for (size_t r = 0; r < world; r++) p->ranks[r] = (uint32_t)r;
+  for (size_t i = 0; i < rq->n_refs; i++) {
+    meshd__v1__load_progress__init(&p->v[i]);
+    p->v[i].ref = rq->refs[i];
+    obj_t *t = o ? objects_expect(o, rq->refs[i], OBJ_TENSOR, "LoadProgress: ref", e) : NULL;
+    if (!t) {
+      if (!o) error_set(e, ERR_UNKNOWN_REF, "LoadProgress: ref %llu: the session has no tensors",
+                        (unsigned long long)rq->refs[i]);
+      goto out;
+    }
+    obj_t *m = objects_get(o, t->tensor.mesh);
+    size_t n = m && m->kind == OBJ_MESH ? mesh_len(m->mesh) : 0;
+    free(mr);
+    if (!(mr = malloc(sizeof *mr * (n ? n : 1)))) {
+      error_set(e, ERR_QUOTA, "LoadProgress: out of memory");
+      goto out;
+    }
+    if (n) mesh_ranks(m->mesh, mr);
+    for (size_t j = 0; j < n; j++) p->on[i * world + mr[j]] = true;
+    p->v[i].total_bytes = (uint64_t)layout_numel(&t->tensor.meta.layout) *
+                          dtype_size(t->tensor.meta.dtype) * n;
+    p->v[i].failed = t->tensor.state == TENSOR_FAILED;
+  }
+  rc = 0;
+out:
+  free(mr);
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  load_service_t *ls = arg;
+  const Meshd__V1__LoadProgressRequest *rq = (const Meshd__V1__LoadProgressRequest *)req;
+  session_t *s = session_from_call(ls->sessions, call);
+  if (!s) return;
+  meshd_error_t e = {0};
+  progress_t *p = calloc(1, sizeof *p);
+  int rc = -1;
+  if (!p) error_set(&e, ERR_QUOTA, "LoadProgress: out of memory");
+  else if (rq->n_refs > PROGRESS_REFS_MAX)
+    error_set(&e, ERR_BAD_ARGUMENT, "LoadProgress: %zu refs, at most %d", rq->n_refs,
+              PROGRESS_REFS_MAX);
+  else if ((rc = progress_plan(s, rq, p, &e)) == 0)
+    snprintf(p->session, sizeof p->session, "%s", s->id);
+  session_release(s);
+  if (rc) {
+    if (p) progress_free(p);
+    finish_error(call, &e);
+    return;
+  }
+  pthread_mutex_lock(&ls->mu);
+  bool room = ls->running < LOAD_INSPECTS_MAX;
+  if (room) ls->running++;
+  pthread_mutex_unlock(&ls->mu);
+  if (!room) {
+    progress_free(p);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                    "LoadProgress: %d calls are running, the most this server runs at once; "
+                    "retry", LOAD_INSPECTS_MAX);
+    return;
+  }
+  p->ls = ls;
+  p->call = call;
+  rpc_call_ref(call);
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  int prc = pthread_create(&th, &at, progress_main, p);
+  pthread_attr_destroy(&at);
+  if (prc == 0) return;
+  rpc_call_unref(call);
+  progress_free(p);
+  done(ls);
+  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of threads");
+}
+
+static const rpc_method_t methods[] = {
+    {.path = "/meshd.v1.TensorService/InspectUrl",
+     .kind = RPC_UNARY,
+     .request = &meshd__v1__inspect_url_request__descriptor,
+     .on_start = inspect_start},
+    {.path = "/meshd.v1.TensorService/LoadProgress",
+     .kind = RPC_UNARY,
+     .request = &meshd__v1__load_progress_request__descriptor,
+     .on_start = progress_start},
+};
+
+const rpc_method_t *load_service_methods(size_t *n) {
+  *n = sizeof methods / sizeof *methods;
+  return methods;
+}
+
+load_service_t *load_service_create(agent_pool_t *pool, session_table_t *sessions,
+                                    const url_policy_t *urls) {
+  load_service_t *ls = calloc(1, sizeof *ls);
+  if (!ls) return NULL;
+  ls->pool = pool;
+  ls->sessions = sessions;
+  ls->urls = urls;
+  pthread_mutex_init(&ls->mu, NULL);
+  pthread_cond_init(&ls->idle, NULL);
+  return ls;
+}
+
+void load_service_destroy(load_service_t *ls) {
+  if (!ls) return;
+  pthread_mutex_lock(&ls->mu);
+  while (ls->running) pthread_cond_wait(&ls->idle, &ls->mu);
+  pthread_mutex_unlock(&ls->mu);
+  pthread_mutex_destroy(&ls->mu);
+  pthread_cond_destroy(&ls->idle);
+  free(ls);
+}
