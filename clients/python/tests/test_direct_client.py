@@ -23,3 +23,33 @@ def test_data_path_choice(server, data_path, direct):
             assert [f.result().tolist() for f in got] == arr.tolist()
         n = 1 if direct else 0
         assert s._direct.counts == {"upload": n, "fetch": 2 * n}
+
+
+class Stop(Exception):
+    pass
+
+
+def test_progress_callback_exception_aborts_a_direct_transfer(server, monkeypatch):
+    """A progress callback that raises stops every shard of a direct upload (the ref
+    stays undefined) and a direct fetch; the exception is what the caller sees, and
+    the session goes on."""
+    from meshd import _progress
+    monkeypatch.setattr(_progress, "CALLBACK_INTERVAL", 0.0)
+    a = np.ones(4 << 20, np.float32)  # 16 MiB: 8 messages per agent
+
+    def stop(done, total):
+        if done < total:
+            raise Stop()
+    with meshd.connect(server[0], data_path="direct") as s:
+        with s.mesh(gpu=2).activate():
+            with pytest.raises(Stop):
+                meshd.tensor(a, progress=stop)
+            assert s._direct.counts["upload"] == 0
+            lost = meshd.Tensor(s, s._ref, a.shape, "float32", s._meshes and max(s._meshes), 0)
+            with pytest.raises(meshd.MeshdError) as ei:
+                (lost + 1).shape
+            assert ei.value.kind == "UNKNOWN_REF", ei.value
+            t = meshd.tensor(a[:8])
+            with pytest.raises(Stop):
+                meshd.fetch_shard(meshd.tensor(a), gpu=1, progress=stop).result()
+            assert meshd.fetch_shard(t + 1, gpu=0).result().tolist() == [2.0] * 8
