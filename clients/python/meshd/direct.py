@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from . import _progress
-from .errors import MeshdError
+from .errors import MeshdError, retry_transfers_full
 
 _SVC = "/meshd.v1.TensorService/"
 _AGENT = "/meshd.agent.v1.Agent/"
@@ -171,8 +171,9 @@ class Direct:
         s = self.session
         fn = s._ch.unary_unary(_SVC + "PlanTransfer", request_serializer=lambda m: m.SerializeToString(),
                                response_deserializer=s._pb.PlanTransferReply.FromString)
-        try:
-            return fn(request, metadata=s._md, timeout=s.timeout)
+        try:  # the session's own transfers in flight end soon: wait for one (errors.py)
+            return retry_transfers_full(lambda: fn(request, metadata=s._md, timeout=s.timeout),
+                                        s.timeout)
         except grpc.RpcError as e:
             not_offered = e.code() == grpc.StatusCode.UNIMPLEMENTED or (
                 e.code() == grpc.StatusCode.FAILED_PRECONDITION and "--data-path" in (e.details() or ""))

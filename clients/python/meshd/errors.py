@@ -40,3 +40,28 @@ class MeshdError(Exception):
         if kind.startswith("ERROR_KIND_"):
             kind = kind[len("ERROR_KIND_"):]
         return cls(kind, err.message, err.code, err.seq or None)
+
+
+def transfers_full(e):
+    """Whether a refused transfer (grpc.RpcError) only met --session-max-transfers: the
+    session's own transfers in flight end soon (their threads read them), so the caller
+    waits and tries again (meshd.tensor, fetch_shard) instead of failing."""
+    return (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "--session-max-transfers" in (e.details() or ""))
+
+
+def retry_transfers_full(start, timeout):
+    """start() again while it raises a grpc.RpcError for which transfers_full holds,
+    waiting 5 ms, doubling to 200 ms, for at most `timeout` seconds (None: 60); then
+    the error goes to the caller."""
+    import time
+    deadline = time.monotonic() + (60 if timeout is None else timeout)
+    wait = 0.005
+    while True:
+        try:
+            return start()
+        except grpc.RpcError as e:
+            if not transfers_full(e) or time.monotonic() + wait > deadline:
+                raise
+        time.sleep(wait)
+        wait = min(wait * 2, 0.2)

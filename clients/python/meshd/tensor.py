@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 
 from . import _active, _progress
-from .errors import MeshdError
+from .errors import MeshdError, retry_transfers_full
 from .mesh import Mesh, selectors
 from .pipeline import _Pending
 
@@ -536,9 +536,12 @@ def _fetch_open(t, coords, timeout=None):
         _SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
         response_deserializer=lambda raw: _split_data_field(raw) or pb.FetchChunk.FromString(raw))
     req = _fetch_request(t, coords)
-    call = fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout)
-    try:
+
+    def start():
+        call = fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout)
         return call, next(call, None)
+    try:  # a session with --session-max-transfers Fetches in flight waits for one to end
+        return retry_transfers_full(start, s.timeout if timeout is None else timeout)
     except grpc.RpcError as e:
         raise MeshdError.from_rpc(e) from None
 

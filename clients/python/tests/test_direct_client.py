@@ -53,3 +53,23 @@ def test_progress_callback_exception_aborts_a_direct_transfer(server, monkeypatc
             with pytest.raises(Stop):
                 meshd.fetch_shard(meshd.tensor(a), gpu=1, progress=stop).result()
             assert meshd.fetch_shard(t + 1, gpu=0).result().tolist() == [2.0] * 8
+
+
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_more_fetches_than_the_session_may_have_in_flight_wait_their_turn(data_path):
+    """--session-max-transfers 2 and 12 fetch_shard Futures at once: each fetch waits
+    for a slot of the session's own (the others are being read) instead of failing
+    QUOTA, and every value is right."""
+    from conftest import start_meshd, stop_meshd
+    addr, proc = start_meshd(2, name=f"meshd-slots-{data_path}",
+                             flags=("--session-max-transfers", "2"))
+    try:
+        with meshd.connect(addr, data_path=data_path) as s:
+            with s.mesh(gpu=2).activate():
+                a = np.arange(1 << 16, dtype=np.float32)
+                t = meshd.tensor(a)
+                futs = [meshd.fetch_shard(t, gpu=i % 2) for i in range(12)]
+                for f in futs:
+                    np.testing.assert_array_equal(f.result(), a)
+    finally:
+        stop_meshd(proc)
