@@ -340,6 +340,10 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, x->errbuf);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
   curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, o->timeout_ms);
+  /* A server that stops sending mid-body fails the attempt (a timeout) even
+   * without timeout_ms, instead of holding the caller for ever. */
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, (long)URL_FETCH_STALL_S);
   curl_easy_setopt(c, CURLOPT_USERAGENT, "meshd-agent/" MESHD_VERSION);
   if (x->mode == MODE_RANGE || x->mode == MODE_PROBE) {
     uint64_t first = x->mode == MODE_RANGE ? x->offset : 0;

@@ -70,6 +70,9 @@ typedef struct url_fetch_opts {
 } url_fetch_opts_t;
 
 #define URL_FETCH_MAX_BYTES ((uint64_t)1 << 34) /* 16 GiB */
+/* An attempt that receives nothing for this long fails as a timeout
+ * (DEADLINE_EXCEEDED), whatever timeout_ms says. */
+#define URL_FETCH_STALL_S 60
 
 /* What a call did, for logs and tests. */
 typedef struct url_fetch_info {

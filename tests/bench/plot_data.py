@@ -1,10 +1,13 @@
 #!/usr/bin/python3
 """plot_data: bench_data's JSON lines (bench_data.py and the C bench_data) as a
 chart: MB/s by size and path, one panel per direction and agent count, with the
-raw gRPC baseline of the same run drawn as a line. Run by hand, e.g.
+raw gRPC baseline of the same run drawn as a line; bench_load.py's lines, when
+given, as one more panel (meshd.load by agent count, curl as the line). Run by
+hand, e.g.
 
     /usr/bin/python3 tests/bench/bench_data.py > data.jsonl
     build/bin/bench_data >> data.jsonl
+    /usr/bin/python3 tests/bench/bench_load.py >> data.jsonl
     /usr/bin/python3 tests/bench/plot_data.py data.jsonl -o docs/bench_data.png
 
 Needs Debian's python3-matplotlib."""
@@ -32,9 +35,30 @@ def load(files):
                 line = line.strip()
                 if line.startswith("{"):
                     row = json.loads(line)
-                    if row.get("bench") == "data" and row.get("mb_s") is not None:
+                    if row.get("bench") in ("data", "load") and row.get("mb_s") is not None:
                         rows.append(row)
     return rows
+
+
+def plot_load(ax, rows):
+    """meshd.load MB/s per size, a bar per agent count; curl of the same file as the line."""
+    sizes = sorted({int(r["mib"]) for r in rows})
+    agents = sorted({int(r["agents"]) for r in rows if r["path"] == "load"})
+    width = 0.8 / max(len(agents), 1)
+    for k, n in enumerate(agents):
+        ys = [max([r["mb_s"] for r in rows if r["path"] == "load" and int(r["agents"]) == n
+                   and int(r["mib"]) == m] or [0]) for m in sizes]
+        xs = [x + (k - (len(agents) - 1) / 2) * width for x in range(len(sizes))]
+        ax.bar(xs, ys, width, label=f"meshd.load, {n} agent{'s' if n > 1 else ''}"
+               f"{' (sharded)' if n > 1 else ''}")
+    curl = [max([r["mb_s"] for r in rows if r["path"] == "curl" and int(r["mib"]) == m]
+                or [float("nan")]) for m in sizes]
+    ax.plot(range(len(sizes)), curl, "k--o", label="curl -o /dev/null")
+    ax.set_xticks(range(len(sizes)), [f"{m} MiB" for m in sizes])
+    ax.set_ylabel("MB/s")
+    ax.set_title("URL load (agents fetch over HTTP) vs curl, same run")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def main():
@@ -42,13 +66,19 @@ def main():
     ap.add_argument("files", nargs="+", help="JSON lines files ('-': stdin)")
     ap.add_argument("-o", "--output", default="bench_data.png")
     a = ap.parse_args()
-    rows = load(a.files)
+    both = load(a.files)
+    rows = [r for r in both if r["bench"] == "data"]
+    loads = [r for r in both if r["bench"] == "load"]
     if not rows:
         sys.exit("plot_data: no bench_data lines")
     agents = sorted({int(r["agents"]) for r in rows if "agents" in r})
     sizes = sorted({int(r["mib"]) for r in rows})
     paths = [p for p in PATHS if any(r["path"] == p for r in rows)]
-    fig, axes = plt.subplots(len(agents), 2, figsize=(11, 3.6 * len(agents)), squeeze=False)
+    nrows = len(agents) + (1 if loads else 0)
+    fig, axes = plt.subplots(nrows, 2, figsize=(11, 3.6 * nrows), squeeze=False)
+    if loads:
+        plot_load(axes[-1][0], loads)
+        axes[-1][1].axis("off")
     width = 0.8 / max(len(paths), 1)
     for i, n in enumerate(agents):
         for j, direction in enumerate(("upload", "fetch")):
