@@ -104,7 +104,8 @@ def main():
             ax.grid(axis="y", alpha=0.3)
             if i == 0 and j == 0:
                 ax.legend(fontsize=8)
-    fig.suptitle("meshd transfers through the server vs raw gRPC streaming (same run)")
+    fig.suptitle("meshd transfers (through the server and direct) vs raw gRPC streaming (the faster "
+                 "of the C and grpcio baselines, same run)")
     fig.tight_layout()
     fig.savefig(a.output, dpi=110)
     print(f"plot_data: wrote {a.output}")
