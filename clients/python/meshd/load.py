@@ -83,7 +83,7 @@ def _watch(mesh, tensors, progress, desc):
                     break
                 tr.set(done)
                 threading.Event().wait(POLL_INTERVAL)
-        except MeshdError:
+        except (MeshdError, ValueError):  # ValueError: grpc's closed channel
             pass  # the session ended or the server went: the bar stops where it is
         finally:
             tr.close(ok)
