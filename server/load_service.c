@@ -41,6 +41,36 @@ static void done(load_service_t *ls) {
   pthread_mutex_unlock(&ls->mu);
 }
 
+/* Runs fn(arg) on a detached helper thread that owns a reference to call and
+ * one of the LOAD_INSPECTS_MAX slots (fn ends with rpc_call_unref and done).
+ * 0, or -1 having answered the call (no slot, no thread): the caller then
+ * frees arg. */
+static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, void *(*fn)(void *),
+                 void *arg) {
+  pthread_mutex_lock(&ls->mu);
+  bool room = ls->running < LOAD_INSPECTS_MAX;
+  if (room) ls->running++;
+  pthread_mutex_unlock(&ls->mu);
+  if (!room) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                    "%s: %d inspections and progress calls are running, the most this server "
+                    "runs at once; retry", what, LOAD_INSPECTS_MAX);
+    return -1;
+  }
+  rpc_call_ref(call);
+  pthread_t th;
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  int rc = pthread_create(&th, &at, fn, arg);
+  pthread_attr_destroy(&at);
+  if (rc == 0) return 0;
+  rpc_call_unref(call);
+  done(ls);
+  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "%s: out of threads", what);
+  return -1;
+}
+
 static void *inspect_main(void *arg) {
   inspect_t *in = arg;
   load_service_t *ls = in->ls;
@@ -129,36 +159,19 @@ static void inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *a
     finish_error(call, &e);
     return;
   }
-  pthread_mutex_lock(&ls->mu);
-  bool room = ls->running < LOAD_INSPECTS_MAX;
-  if (room) ls->running++;
-  pthread_mutex_unlock(&ls->mu);
-  if (!room) {
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
-                    "InspectUrl: %d inspections are running, the most this server runs at once; "
-                    "retry", LOAD_INSPECTS_MAX);
-    return;
-  }
   inspect_t *in = calloc(1, sizeof *in);
   char *url = strdup(rq->url);
-  pthread_t th;
-  pthread_attr_t at;
-  pthread_attr_init(&at);
-  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-  if (in && url) {
-    *in = (inspect_t){.ls = ls, .call = call, .rank = rank, .url = url};
-    rpc_call_ref(call);
-    if (pthread_create(&th, &at, inspect_main, in) == 0) {
-      pthread_attr_destroy(&at);
-      return;
-    }
-    rpc_call_unref(call);
+  if (!in || !url) {
+    free(in);
+    free(url);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "InspectUrl: out of memory");
+    return;
   }
-  pthread_attr_destroy(&at);
-  free(in);
-  free(url);
-  done(ls);
-  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "InspectUrl: out of memory");
+  *in = (inspect_t){.ls = ls, .call = call, .rank = rank, .url = url};
+  if (spawn(ls, call, "InspectUrl", inspect_main, in)) {
+    free(in);
+    free(url);
+  }
 }
 
 /* ------------------------------------------------------------------ LoadProgress */
@@ -318,31 +331,9 @@ static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *
     finish_error(call, &e);
     return;
   }
-  pthread_mutex_lock(&ls->mu);
-  bool room = ls->running < LOAD_INSPECTS_MAX;
-  if (room) ls->running++;
-  pthread_mutex_unlock(&ls->mu);
-  if (!room) {
-    progress_free(p);
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
-                    "LoadProgress: %d calls are running, the most this server runs at once; "
-                    "retry", LOAD_INSPECTS_MAX);
-    return;
-  }
   p->ls = ls;
   p->call = call;
-  rpc_call_ref(call);
-  pthread_t th;
-  pthread_attr_t at;
-  pthread_attr_init(&at);
-  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-  int prc = pthread_create(&th, &at, progress_main, p);
-  pthread_attr_destroy(&at);
-  if (prc == 0) return;
-  rpc_call_unref(call);
-  progress_free(p);
-  done(ls);
-  rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of threads");
+  if (spawn(ls, call, "LoadProgress", progress_main, p)) progress_free(p);
 }
 
 static const rpc_method_t methods[] = {

@@ -175,19 +175,29 @@ static int drop(session_t *c, uint64_t ref) {
   return code == GRPC_STATUS_OK ? 0 : -1;
 }
 
+/* The header of a float32 upload of `bytes` (per_rank over nagents when > 1)
+ * under a fresh ref; shape[1] is its storage. */
+static void upload_header(session_t *c, int nagents, size_t bytes, int64_t *shape,
+                          Meshd__V1__UploadHeader *h) {
+  shape[0] = (int64_t)(bytes / (size_t)nagents / 4);
+  meshd__v1__upload_header__init(h);
+  h->ref = ++c->ref;
+  h->mesh = c->mesh;
+  h->shape = shape;
+  h->n_shape = 1;
+  h->dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
+  h->per_rank = nagents > 1;
+  h->total_bytes = bytes;
+}
+
 /* Uploads `bytes` (per_rank over nagents when > 1); the new ref in *ref. */
 static int upload(session_t *c, int nagents, size_t bytes, const uint8_t *block, uint64_t *ref) {
   rpc_stream_t *s = rpc_stream_open(c->ch, SVC "Upload", c->md, 2, CALL_MS);
   if (!s) return -1;
-  int64_t shape[1] = {(int64_t)(bytes / (size_t)nagents / 4)};
-  Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
-  h.ref = *ref = ++c->ref;
-  h.mesh = c->mesh;
-  h.shape = shape;
-  h.n_shape = 1;
-  h.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
-  h.per_rank = nagents > 1;
-  h.total_bytes = bytes;
+  int64_t shape[1];
+  Meshd__V1__UploadHeader h;
+  upload_header(c, nagents, bytes, shape, &h);
+  *ref = h.ref;
   Meshd__V1__UploadChunk first = MESHD__V1__UPLOAD_CHUNK__INIT;
   first.part_case = MESHD__V1__UPLOAD_CHUNK__PART_HEADER;
   first.header = &h;
@@ -414,15 +424,10 @@ static Meshd__V1__PlanTransferReply *plan(session_t *c, Meshd__V1__PlanTransferR
 
 static int direct_upload(session_t *c, agent_chans_t *a, int nagents, size_t bytes,
                          const uint8_t *block, uint64_t *ref) {
-  int64_t shape[1] = {(int64_t)(bytes / (size_t)nagents / 4)};
-  Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
-  h.ref = *ref = ++c->ref;
-  h.mesh = c->mesh;
-  h.shape = shape;
-  h.n_shape = 1;
-  h.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
-  h.per_rank = nagents > 1;
-  h.total_bytes = bytes;
+  int64_t shape[1];
+  Meshd__V1__UploadHeader h;
+  upload_header(c, nagents, bytes, shape, &h);
+  *ref = h.ref;
   Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
   rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_UPLOAD;
   rq.upload = &h;
