@@ -275,7 +275,10 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
         objects_fail_tensor(o, t, seq, kind, seq, msg);
         objects_note_failure(o, kind, msg, seq);
       } else if (!tensor) {
-        objects_note_failure(o, kind, msg, err->seq);
+        /* A dropped or released tensor's failure is still told, once. */
+        bool gone = err->ref && objects_dropped(o, err->ref);
+        if (!gone || objects_dropped_failure_first(o, err->ref))
+          objects_note_failure(o, kind, msg, err->seq);
       }
     }
     pthread_mutex_unlock(&s->mu);

@@ -898,6 +898,55 @@ static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   return 0;
 }
 
+/* Release: each ref lets go of its tensor record; aliases keep the storage
+ * (docs/protocol.md). Checked whole first: nothing is released on an error. */
+static int cmd_release(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                       cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Release *r = c->release;
+  uint64_t most = s->limits.max_command_refs;
+  if (most && r->n_refs > most)
+    return error_set(e, ERR_QUOTA,
+                     "Release: %zu refs in one command, more than the %llu one command may name "
+                     "here (--max-command-refs); release them in several commands",
+                     r->n_refs, (unsigned long long)most);
+  for (size_t i = 0; i < r->n_refs; i++) {
+    uint64_t ref = r->refs[i];
+    if (objects_dropped_borrow(o, ref))
+      return error_set(e, ERR_BAD_ARGUMENT, "Release: ref %llu is a borrow; end it with DropBorrow",
+                       (unsigned long long)ref);
+    const obj_t *t = objects_get(o, ref);
+    if (!t) continue; /* not live: released or dropped before, or its command was rejected */
+    if (t->kind != OBJ_TENSOR)
+      return error_set(e, ERR_BAD_ARGUMENT, "Release: ref %llu is a %s; only tensors are released%s",
+                       (unsigned long long)ref, obj_kind_name(t->kind),
+                       t->kind == OBJ_BORROW ? " (end a borrow with DropBorrow)" : "");
+    const storage_t *st = t->tensor.storage;
+    if (st->read_borrows || st->mutable_borrow)
+      return error_set(e, ERR_BORROWED,
+                       "Release: tensor %llu (or a view of it) is borrowed (borrow %llu); drop "
+                       "the borrow first", (unsigned long long)ref,
+                       (unsigned long long)borrow_holder(o, st));
+  }
+  /* DeleteRefs in batches of refs on one mesh and stream, in the command's order. */
+  uint64_t batch[EMIT_DELETE_BATCH];
+  size_t n = 0;
+  uint64_t mesh = 0, stream = 0;
+  for (size_t i = 0; i < r->n_refs; i++) {
+    obj_t *t = objects_get(o, r->refs[i]);
+    if (!t) continue; /* named twice */
+    if (n && (n == EMIT_DELETE_BATCH || t->tensor.mesh != mesh || t->tensor.stream != stream)) {
+      emit_delete_refs(fe, s, o, mesh, stream, batch, n);
+      n = 0;
+    }
+    mesh = t->tensor.mesh;
+    stream = t->tensor.stream;
+    batch[n++] = t->ref;
+    objects_release(o, t, out->res.seq);
+  }
+  emit_delete_refs(fe, s, o, mesh, stream, batch, n);
+  return 0;
+}
+
 /* ------------------------------------------------------------------ sync, describe */
 
 static int cmd_sync(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
@@ -967,6 +1016,7 @@ static const struct {
     {MESHD__V1__COMMAND__KIND_BORROW, "Borrow", cmd_borrow},
     {MESHD__V1__COMMAND__KIND_DROP_BORROW, "DropBorrow", cmd_drop_borrow},
     {MESHD__V1__COMMAND__KIND_DROP, "Drop", cmd_drop},
+    {MESHD__V1__COMMAND__KIND_RELEASE, "Release", cmd_release},
     {MESHD__V1__COMMAND__KIND_SYNC, "Sync", cmd_sync},
     {MESHD__V1__COMMAND__KIND_DESCRIBE, "Describe", cmd_describe},
     {MESHD__V1__COMMAND__KIND_LOAD, "Load", cmd_load},

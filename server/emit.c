@@ -355,19 +355,29 @@ void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow
   (void)handle;
 }
 
-void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t) {
-  uint64_t refs[64];
-  size_t n = 0;
-  for (const obj_t *a = t->tensor.storage->aliases; a && n < 64; a = a->tensor.next_alias)
-    refs[n++] = a->ref;
+void emit_delete_refs(frontend_t *fe, session_t *s, objects_t *o, uint64_t mesh, uint64_t stream,
+                      uint64_t *refs, size_t n) {
+  if (!n) return;
   Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
   d.refs = refs;
   d.n_refs = n;
   instr_t ins;
-  init_instr(&ins, s, t->tensor.stream);
+  init_instr(&ins, s, stream);
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
   ins.delete_refs = &d;
-  send_to_mesh(fe, o, objects_get(o, t->tensor.mesh)->mesh, &ins);
+  send_to_mesh(fe, o, objects_get(o, mesh)->mesh, &ins);
+}
+
+void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t) {
+  uint64_t refs[EMIT_DELETE_BATCH];
+  size_t n = 0;
+  for (const obj_t *a = t->tensor.storage->aliases; a; a = a->tensor.next_alias) {
+    refs[n++] = a->ref;
+    if (n == EMIT_DELETE_BATCH || !a->tensor.next_alias) {
+      emit_delete_refs(fe, s, o, t->tensor.mesh, t->tensor.stream, refs, n);
+      n = 0;
+    }
+  }
 }
 
 size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, uint64_t *seqs,

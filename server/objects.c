@@ -141,6 +141,13 @@ const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref) {
   return t && t->borrow != ref ? t : NULL;
 }
 
+bool objects_dropped_failure_first(objects_t *o, uint64_t ref) {
+  tombstone_t *t = (tombstone_t *)objects_dropped(o, ref);
+  if (!t || t->failure_noted) return false;
+  t->failure_noted = true;
+  return true;
+}
+
 const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref) {
   const tombstone_t *t = grave(o, ref);
   return t && t->borrow == ref ? t : NULL;
@@ -188,7 +195,7 @@ static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow) {
   }
   size_t i = grave_slot(o->graves, o->gcap, ref);
   if (!o->graves[i].ref) o->ngraves++;
-  o->graves[i] = (tombstone_t){ref, seq, borrow};
+  o->graves[i] = (tombstone_t){ref, seq, borrow, false};
 }
 
 void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
@@ -320,6 +327,22 @@ void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
   if (storage->live_aliases > 0) o->bytes -= storage->bytes * storage->ranks;
   storage->live_aliases = 0;
   if (storage->refs == 0) free(storage);
+}
+
+void objects_release(objects_t *o, obj_t *t, uint64_t seq) {
+  storage_t *storage = t->tensor.storage;
+  for (obj_t **pp = &storage->aliases; *pp; pp = &(*pp)->tensor.next_alias)
+    if (*pp == t) {
+      *pp = t->tensor.next_alias;
+      break;
+    }
+  bury(o, t->ref, seq, storage->borrow);
+  HASH_DEL(o->table, t);
+  free(t->tensor.fail_msg);
+  free(t);
+  o->live_tensors--;
+  if (--storage->live_aliases == 0) o->bytes -= storage->bytes * storage->ranks;
+  storage_unref(storage);
 }
 
 void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,

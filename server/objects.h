@@ -85,6 +85,7 @@ typedef struct obj {
  * borrow's own record is freed too; its tombstone has borrow == ref. */
 typedef struct tombstone {
   uint64_t ref, seq, borrow;
+  bool failure_noted; /* a rank's failure report of it is queued for Sync already */
 } tombstone_t;
 
 #define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 3 MiB at most) */
@@ -148,6 +149,10 @@ int64_t objects_stream_by_name(objects_t *o, const char *name);
 obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh);
 /* The tombstone of a dropped tensor ref, or NULL. */
 const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref);
+/* A rank reported a root failure of `ref`, which is dropped or released:
+ * true for the first such report (the one Sync tells of; the other ranks' are
+ * the same failure), false after it, and for a ref without a tombstone. */
+bool objects_dropped_failure_first(objects_t *o, uint64_t ref);
 /* The tombstone of a dropped borrow ref, or NULL. */
 const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref);
 /* Frees a borrow's record, leaving its tombstone (borrow_drop's last step). */
@@ -169,6 +174,9 @@ obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *met
  * records are freed (tombstones remain), the bytes return to the quota, and the
  * storage is freed once no borrow refers to it. */
 void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq);
+/* Lets go of one tensor record (Release): its ref gets a tombstone, and its
+ * storage's bytes leave the quota with its last alias. */
+void objects_release(objects_t *o, obj_t *t, uint64_t seq);
 /* Marks a tensor failed (its storage's other aliases too). */
 void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,
                          uint64_t root_seq, const char *msg);

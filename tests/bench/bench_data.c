@@ -4,11 +4,18 @@
  * client); both print the same JSON lines.
  *
  *   bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] [--skip-baseline]
+ *              [--paths c,c_direct] [--server-flag --meshd-flag=value]...
  *
  * Paths: "c" (Upload and Fetch through the server) and "c_direct" (below).
  *
  * --sizes: MiB per tensor; --agents: agent counts; --rounds: runs per figure,
- * the best of which is reported (machines here are noisy).
+ * the best of which is reported (machines here are noisy); --paths: which of
+ * them; --server-flag: a meshd flag (e.g. --server-flag --stream-window-bytes=0).
+ *
+ * Ratios: each round of a path runs right after a round of its baseline, and
+ * the ratio is the path's best over the baseline's best in those same rounds
+ * (a baseline measured once, apart, drifted 2x within one run here). The
+ * "raw" lines are the baseline measured alone first, for the chart.
  *
  * Baseline: an Echo server in a child process (rpc_baseline.h); "upload" is
  * ClientStream with the bytes as 1 MiB payloads, "fetch" is ServerStream
@@ -55,11 +62,14 @@ typedef struct {
   int agents[8], nagents;
   int rounds;
   bool skip_baseline;
+  const char *paths; /* --paths: comma-separated names; NULL: every path */
+  const char *server_flags[8]; /* --server-flag, each passed to meshd as is */
+  size_t nserver_flags;
 } opts_t;
 
 static void usage(void) {
   fprintf(stderr, "usage: bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] "
-                  "[--skip-baseline]\n");
+                  "[--skip-baseline] [--paths c,c_direct] [--server-flag --flag=value]...\n");
   exit(2);
 }
 
@@ -504,8 +514,27 @@ static int direct_fetch(session_t *c, agent_chans_t *a, uint64_t ref, int nagent
 
 /* ------------------------------------------------------------------ reporting */
 
+/* CPU time each side spent in a path's rounds (from /proc, 10 ms ticks):
+ * cores are what bound a transfer on a machine with fewer cores than busy
+ * processes, and CPU per byte does not drift with the machine's load. */
+typedef struct {
+  pid_t server;          /* meshd, or the baseline's Echo child */
+  const pid_t *agents;
+  int nagents;
+} cpu_probe_t;
+
+typedef struct {
+  int64_t client, server, agents; /* µs */
+  double bytes;
+} cpu_tally_t;
+
+/* CPU ms per GB of t's side, or nothing when t measured nothing. */
+static void emit_cpu(bench_json_t *j, const char *key, int64_t us, const cpu_tally_t *t) {
+  if (t && t->bytes > 0) bench_json_num(j, key, (double)us / 1e3 / (t->bytes / 1e9));
+}
+
 static void emit(int nagents, int mib, const char *path, const char *direction, double mbs,
-                 double raw) {
+                 double raw, const cpu_tally_t *cpu, const cpu_tally_t *raw_cpu) {
   bench_json_t j;
   bench_json_begin(&j, "data");
   if (nagents) bench_json_num(&j, "agents", nagents);
@@ -514,6 +543,17 @@ static void emit(int nagents, int mib, const char *path, const char *direction, 
   bench_json_str(&j, "direction", direction);
   bench_json_num(&j, "mb_s", mbs);
   if (nagents) bench_json_num(&j, "raw_mb_s", raw);
+  /* CPU ms per GB moved: this path's client, server (meshd), agents; the
+   * baseline's client and server (its Echo child), in the same rounds. */
+  if (cpu) {
+    emit_cpu(&j, "client_cpu_ms_gb", cpu->client, cpu);
+    emit_cpu(&j, "server_cpu_ms_gb", cpu->server, cpu);
+    emit_cpu(&j, "agents_cpu_ms_gb", cpu->agents, cpu);
+  }
+  if (raw_cpu) {
+    emit_cpu(&j, "raw_client_cpu_ms_gb", raw_cpu->client, raw_cpu);
+    emit_cpu(&j, "raw_server_cpu_ms_gb", raw_cpu->server, raw_cpu);
+  }
   /* bench_json_num keeps one decimal: a ratio needs three. */
   if (j.len < sizeof j.buf) {
     int n = isfinite(mbs / raw)
@@ -527,15 +567,63 @@ static void emit(int nagents, int mib, const char *path, const char *direction, 
 /* Best MB/s of `rounds` runs of one direction; NAN when a run failed. */
 typedef int (*run_fn)(void *arg);
 
+static const cpu_probe_t *probe; /* what run_mbs reads; NULL: nothing */
+
+static void cpu_read(int64_t v[3]) {
+  v[0] = self_cpu_us();
+  v[1] = probe ? proc_cpu_us(probe->server) : 0;
+  v[2] = probe ? agents_cpu_us(probe->agents, probe->nagents) : 0;
+}
+
+static double run_mbs_tally(run_fn fn, void *arg, size_t bytes, cpu_tally_t *t) {
+  int64_t c0[3], c1[3];
+  cpu_read(c0);
+  int64_t t0 = bench_now_ns();
+  if (fn(arg) != 0) return NAN;
+  double mbs = (double)bytes / ((double)(bench_now_ns() - t0) / 1e9) / 1e6;
+  cpu_read(c1);
+  if (t) {
+    t->client += c1[0] - c0[0];
+    t->server += c1[1] - c0[1];
+    t->agents += c1[2] - c0[2];
+    t->bytes += (double)bytes;
+  }
+  return mbs;
+}
+
+static double run_mbs(run_fn fn, void *arg, size_t bytes) {
+  return run_mbs_tally(fn, arg, bytes, NULL);
+}
+
 static double best_mbs(run_fn fn, void *arg, int rounds, size_t bytes) {
   double best = 0;
   for (int r = 0; r < rounds; r++) {
-    int64_t t0 = bench_now_ns();
-    if (fn(arg) != 0) return NAN;
-    double secs = (double)(bench_now_ns() - t0) / 1e9;
-    double mbs = (double)bytes / secs / 1e6;
+    double mbs = run_mbs(fn, arg, bytes);
+    if (!isfinite(mbs)) return NAN;
     if (mbs > best) best = mbs;
   }
+  return best;
+}
+
+/* best_mbs of fn, each round right after a round of the baseline `raw` (NULL:
+ * none), whose best over the same rounds lands in *raw_best: a ratio from one
+ * window of time, which machines here need (a baseline measured alone drifted
+ * 2x over one run). */
+static double paired_mbs(run_fn fn, void *arg, const cpu_probe_t *fn_probe, cpu_tally_t *fn_cpu,
+                         run_fn raw, void *raw_arg, const cpu_probe_t *raw_probe,
+                         cpu_tally_t *raw_cpu, int rounds, size_t bytes, double *raw_best) {
+  double best = 0, rbest = 0;
+  for (int r = 0; r < rounds; r++) {
+    probe = raw_probe;
+    double rm = raw ? run_mbs_tally(raw, raw_arg, bytes, raw_cpu) : NAN;
+    if (rm > rbest) rbest = rm;
+    probe = fn_probe;
+    double mbs = run_mbs_tally(fn, arg, bytes, fn_cpu);
+    probe = NULL;
+    if (!isfinite(mbs)) return NAN;
+    if (mbs > best) best = mbs;
+  }
+  *raw_best = raw ? rbest : NAN;
   return best;
 }
 
@@ -579,31 +667,52 @@ static int run_direct_fetch(void *p) {
   return direct_fetch(r->c, r->agents, r->ref, r->nagents, r->bytes);
 }
 
-static int agents_case(int nagents, const opts_t *o, const double (*raw)[2], const uint8_t *block) {
+/* Is path `name` one of --paths? */
+static bool path_wanted(const opts_t *o, const char *name) {
+  if (!o->paths) return true;
+  size_t n = strlen(name);
+  for (const char *p = o->paths; *p;) {
+    size_t len = strcspn(p, ",");
+    if (len == n && strncmp(p, name, n) == 0) return true;
+    p += len + (p[len] == ',');
+  }
+  return false;
+}
+
+static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
+                       const cpu_probe_t *echo_probe, const uint8_t *block) {
   server_t srv;
-  if (server_start(&srv, nagents, NULL, 0) != 0) return -1;
+  if (server_start(&srv, nagents, o->server_flags, o->nserver_flags) != 0) return -1;
+  const cpu_probe_t meshd_probe = {.server = srv.pid, .agents = srv.agents, .nagents = srv.nagents};
   session_t c;
   agent_chans_t agents = {0};
   int rc = session_open(&c, srv.target, nagents);
+  static const struct {
+    const char *name;
+    run_fn up, down;
+  } paths[] = {{"c", run_upload, run_fetch}, {"c_direct", run_direct_upload, run_direct_fetch}};
   for (int i = 0; rc == 0 && i < o->nsizes; i++) {
     size_t bytes = (size_t)o->sizes[i] << 20;
     bytes -= bytes % ((size_t)nagents * 4);
     fprintf(stderr, "bench_data: %d agent(s), %d MiB\n", nagents, o->sizes[i]);
-    run_t r = {.c = &c, .nagents = nagents, .bytes = bytes, .block = block, .drop_after = true};
-    double up = best_mbs(run_upload, &r, o->rounds, bytes);
-    double down = isfinite(up) ? best_mbs(run_fetch, &r, o->rounds, bytes) : NAN;
-    if (r.ref) drop(&c, r.ref);
-    emit(nagents, o->sizes[i], "c", "upload", up, raw[i][0]);
-    emit(nagents, o->sizes[i], "c", "fetch", down, raw[i][1]);
-    if (!isfinite(up) || !isfinite(down)) rc = -1;
-    run_t d = {.c = &c, .agents = &agents, .nagents = nagents, .bytes = bytes, .block = block,
-               .drop_after = true};
-    up = best_mbs(run_direct_upload, &d, o->rounds, bytes);
-    down = isfinite(up) ? best_mbs(run_direct_fetch, &d, o->rounds, bytes) : NAN;
-    if (d.ref) drop(&c, d.ref);
-    emit(nagents, o->sizes[i], "c_direct", "upload", up, raw[i][0]);
-    emit(nagents, o->sizes[i], "c_direct", "fetch", down, raw[i][1]);
-    if (!isfinite(up) || !isfinite(down)) rc = -1;
+    run_t raw = {.ch = raw_ch, .bytes = bytes, .block = block};
+    for (size_t k = 0; rc == 0 && k < sizeof paths / sizeof *paths; k++) {
+      if (!path_wanted(o, paths[k].name)) continue;
+      run_t r = {.c = &c, .agents = &agents, .nagents = nagents, .bytes = bytes, .block = block,
+                 .drop_after = true};
+      double rup = NAN, rdown = NAN;
+      cpu_tally_t cu = {0}, cd = {0}, ru = {0}, rd = {0};
+      double up = paired_mbs(paths[k].up, &r, &meshd_probe, &cu, raw_ch ? run_raw_upload : NULL,
+                             &raw, echo_probe, &ru, o->rounds, bytes, &rup);
+      double down = isfinite(up) ? paired_mbs(paths[k].down, &r, &meshd_probe, &cd,
+                                              raw_ch ? run_raw_fetch : NULL, &raw, echo_probe,
+                                              &rd, o->rounds, bytes, &rdown)
+                                 : NAN;
+      if (r.ref) drop(&c, r.ref);
+      emit(nagents, o->sizes[i], paths[k].name, "upload", up, rup, &cu, raw_ch ? &ru : NULL);
+      emit(nagents, o->sizes[i], paths[k].name, "fetch", down, rdown, &cd, raw_ch ? &rd : NULL);
+      if (!isfinite(up) || !isfinite(down)) rc = -1;
+    }
   }
   agent_chans_close(&agents);
   session_close(&c);
@@ -622,6 +731,9 @@ int main(int argc, char **argv) {
     else if ((v = bench_arg(argc, argv, &i, "--agents"))) o.nagents = parse_list(v, o.agents, 8, 1, MAX_AGENTS);
     else if ((v = bench_arg(argc, argv, &i, "--rounds"))) o.rounds = atoi(v);
     else if (strcmp(argv[i], "--skip-baseline") == 0) o.skip_baseline = true;
+    else if ((v = bench_arg(argc, argv, &i, "--paths"))) o.paths = v;
+    else if ((v = bench_arg(argc, argv, &i, "--server-flag")) && o.nserver_flags < 8)
+      o.server_flags[o.nserver_flags++] = v;
     else usage();
   }
   if (o.rounds < 1 || o.nsizes < 1 || o.nagents < 1) usage();
@@ -640,27 +752,25 @@ int main(int argc, char **argv) {
   runtime_tune_malloc(); /* the client side of both, as meshd's daemons */
   rpc_init();
   int rc = 0;
-  double raw[MAX_SIZES][2];
-  for (int i = 0; i < MAX_SIZES; i++) raw[i][0] = raw[i][1] = NAN;
+  rpc_channel_t *ch = NULL;
   if (!o.skip_baseline) {
     char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", echo.port);
-    rpc_channel_t *ch =
-        rpc_channel_create(target, &(rpc_channel_opts_t){.max_message_bytes = RPC_BASELINE_MAX_MESSAGE});
+    ch = rpc_channel_create(target, &(rpc_channel_opts_t){.max_message_bytes = RPC_BASELINE_MAX_MESSAGE});
     rpc_channel_wait_ready(ch, 5000);
     for (int i = 0; i < o.nsizes; i++) {
       size_t bytes = (size_t)o.sizes[i] << 20;
       run_t r = {.ch = ch, .bytes = bytes, .block = block};
-      raw[i][0] = best_mbs(run_raw_upload, &r, o.rounds, bytes);
-      raw[i][1] = best_mbs(run_raw_fetch, &r, o.rounds, bytes);
-      emit(0, o.sizes[i], "raw", "upload", raw[i][0], raw[i][0]);
-      emit(0, o.sizes[i], "raw", "fetch", raw[i][1], raw[i][1]);
+      double up = best_mbs(run_raw_upload, &r, o.rounds, bytes);
+      double down = best_mbs(run_raw_fetch, &r, o.rounds, bytes);
+      emit(0, o.sizes[i], "raw", "upload", up, up, NULL, NULL);
+      emit(0, o.sizes[i], "raw", "fetch", down, down, NULL, NULL);
     }
-    rpc_channel_destroy(ch);
-    if (bench_echo_child_stop(&echo) != 0) rc = 1;
   }
   for (int i = 0; i < o.nagents; i++)
-    if (agents_case(o.agents[i], &o, (const double(*)[2])raw, block) != 0) rc = 1;
+    if (agents_case(o.agents[i], &o, ch, &(cpu_probe_t){.server = echo.pid}, block) != 0) rc = 1;
+  if (ch) rpc_channel_destroy(ch);
+  if (!o.skip_baseline && bench_echo_child_stop(&echo) != 0) rc = 1;
   rpc_shutdown();
   free(block);
   return rc;

@@ -781,6 +781,10 @@ def drop(*refs):
     return "drop", tensor_pb2().Drop(refs=list(refs))
 
 
+def release(*refs):
+    return "release", tensor_pb2().Release(refs=list(refs))
+
+
 def sync(stream=None):
     s = tensor_pb2().Sync()
     if stream is not None:

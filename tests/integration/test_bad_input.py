@@ -576,6 +576,23 @@ def _(ctx):
     command_fails(ctx, s, "drop", d, "UNKNOWN_REF", "Drop", str(10 ** 9))
 
 
+@case("release-500k-refs")
+def _(ctx):
+    s = ctx.session()
+    r = pb().Release(refs=list(range(10 ** 9, 10 ** 9 + 500000)))
+    command_fails(ctx, s, "release", r, "QUOTA", "Release", "500000", "--max-command-refs")
+
+
+@case("release-a-mesh-with-a-tensor")
+def _(ctx):
+    s = ctx.session()
+    x = s.tensor(s.m, (2,), "ones").ref
+    command_fails(ctx, s, "release", pb().Release(refs=[x, s.m]), "BAD_ARGUMENT", "Release",
+                  str(s.m), "mesh")
+    live = pb().TensorState.Value("TENSOR_STATE_LIVE")
+    assert s.describe(x).tensors[0].state == live  # released nothing: x is still there
+
+
 # ================================================================ sizes, shapes, repeated fields
 
 @case("mesh-100k-dims")

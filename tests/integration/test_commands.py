@@ -17,8 +17,8 @@ import pytest
 
 import meshd_testlib as lib
 from meshd_testlib import (DT, CommandError, Ref, Refs, Session, borrow, call, create_mesh,
-                           create_stream, describe, drop, drop_borrow, factory, reduce, slice_mesh,
-                           sync, to_mesh)
+                           create_stream, describe, drop, drop_borrow, factory, reduce, release,
+                           slice_mesh, sync, to_mesh)
 
 FLOAT32 = "DTYPE_FLOAT32"
 
@@ -537,6 +537,51 @@ def test_drop_errors_change_nothing(s2):
     s2.run(drop())                                        # nothing to drop: fine
     s2.run(drop(x.ref, x.ref))
     assert state(s2, x.ref) == "TENSOR_STATE_DROPPED"
+
+
+# ================================================================ release
+
+def test_release_lets_go_of_one_alias_and_frees_with_the_last(s2):
+    m = s2.mesh(gpu=2)
+    need(s2, m.ref, factories=("zeros",), calls=("transpose", "add"))
+    x = s2.tensor(m.ref, (2, 3))
+    (v,) = s2.op("transpose", Ref(x.ref), 0, 1)
+    before = s2.info()
+    s2.run(release(x.ref), seq=777)
+    # v still views the storage: it computes, and the bytes stay counted.
+    assert state(s2, v.ref) == "TENSOR_STATE_LIVE"
+    s2.run(_add(s2, v.ref, v.ref))
+    e = s2.fails("DROPPED", reduce(s2.new_ref(), x.ref, ["gpu"]), "Reduce")
+    assert "seq 777" in e.message, e.message
+    mid = s2.info()
+    assert mid.bytes_held == before.bytes_held + 2 * 6 * 4, (before, mid)  # the add's result
+    assert mid.live_tensors == before.live_tensors, (before, mid)        # -x, +the add's result
+    s2.run(release(v.ref))
+    after = s2.info()
+    assert after.bytes_held == mid.bytes_held - 2 * 6 * 4, (mid, after)
+    assert after.live_tensors == mid.live_tensors - 1, (mid, after)
+    s2.run(release(x.ref, v.ref, 123456))  # not live any more, or never: skipped
+    s2.run(release())
+
+
+def test_release_errors_release_nothing(borrowing):
+    s = borrowing
+    y2 = s.tensor(s.x.mesh, (4,))
+    e = s.fails("BAD_ARGUMENT", release(y2.ref, s.x.mesh), "Release")
+    assert "mesh" in e.message, e.message
+    e = s.fails("BAD_ARGUMENT", release(y2.ref, s.side), "Release")
+    assert "stream" in e.message, e.message
+    h, b = _borrow(s, s.x.ref, False)
+    e = s.fails("BORROWED", release(y2.ref, s.x.ref), "Release")
+    assert str(b) in e.message, e.message
+    e = s.fails("BAD_ARGUMENT", release(y2.ref, b), "Release")
+    assert "DropBorrow" in e.message, e.message
+    assert state(s, y2.ref) == "TENSOR_STATE_LIVE"       # all or nothing
+    s.run(release(h.ref))                                # the borrowed handle itself may go
+    s.run(drop_borrow(b))
+    s.run(release(s.x.ref, y2.ref))
+    assert state(s, s.x.ref) == "TENSOR_STATE_DROPPED"
+    s.run(_add(s, s.y.ref, s.y.ref))                     # the session goes on
 
 
 # ================================================================ reduce

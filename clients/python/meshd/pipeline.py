@@ -21,6 +21,7 @@ Design (the simplest correct one):
 
 import queue
 import threading
+import warnings
 
 import grpc
 
@@ -33,10 +34,11 @@ _END = object()
 class _Pending:
     """The answer to one pipelined command; attribute reads block until it arrived."""
 
-    __slots__ = ("seq", "_event", "_result", "_error")
+    __slots__ = ("seq", "_event", "_result", "_error", "_quiet")
 
     def __init__(self, seq):
         self.seq = seq
+        self._quiet = False
         self._event = threading.Event()
         self._result = None
         self._error = None
@@ -118,7 +120,10 @@ class Pipeline:
                 if res.HasField("error") and res.error.kind != 0:
                     e = MeshdError.from_error(pb, res.error)
                     e.seq = res.seq
-                    self._errors.append(e)
+                    if not p._quiet:
+                        self._errors.append(e)
+                    else:
+                        warnings.warn(f"meshd: {e}", RuntimeWarning, stacklevel=1)
                     p._set(error=e)
                 else:
                     p._set(result=res)
@@ -134,11 +139,13 @@ class Pipeline:
             for p in left:
                 p._set(error=err)
 
-    def send(self, cmd):
-        """Queues one Command (its seq set); returns its _Pending."""
+    def send(self, cmd, quiet=False):
+        """Queues one Command (its seq set); returns its _Pending. quiet: a rejection
+        is not raised at the end of the block (the session's Release housekeeping)."""
         if self._broken is not None:
             raise self._broken
         p = _Pending(cmd.seq)
+        p._quiet = quiet
         with self._plock:
             self._pending[cmd.seq] = p
         if not self._reader.is_alive():

@@ -2,6 +2,7 @@
 
 import contextlib
 import threading
+import warnings
 import weakref
 
 import grpc
@@ -23,6 +24,9 @@ def _ser(m):
 
 
 _KEEPALIVE_DEADLINE = 5.0  # seconds one background KeepAlive may take
+# Refs of garbage-collected handles sent in one Release command: the session
+# sends one when this many are waiting, and before every Sync.
+_RELEASE_BATCH = 256
 
 
 def _keepalive_period(ttl_seconds):
@@ -75,12 +79,14 @@ class Stream:
             return b
         res = s._execute("borrow", build, claim=2)
         handle = Tensor._from_result(s, res, 0, box["refs"][0])
-        return handle, Borrow(s, box["refs"][1], handle)
+        return handle, Borrow(s, box["refs"][1], handle, t)
 
 
 class Borrow:
-    def __init__(self, session, ref, handle):
+    def __init__(self, session, ref, handle, origin=None):
         self.session, self.ref, self.handle = session, ref, handle
+        # The borrowed tensor's handle stays alive (and unreleased) while the borrow is.
+        self._origin = origin
         self.dropped = False
 
     def drop(self):
@@ -91,6 +97,7 @@ class Borrow:
         self.session._execute("drop_borrow", lambda _: pb.DropBorrow(borrow=self.ref))
         self.dropped = True
         self.handle._dropped = True
+        self._origin = None
 
 
 class Session:
@@ -124,6 +131,7 @@ class Session:
         self._meshes = {}
         self._streams = {}
         self._pipe = None  # the open Pipeline (session.pipeline()), if any
+        self._released = []  # refs of garbage-collected handles, not yet sent
         self.closed = False
         pb = self._pb
         try:
@@ -190,6 +198,8 @@ class Session:
                 pipe.flush()  # keep refs reaching the server in order
             if mine and field == "sync":
                 pipe.flush()
+            if len(self._released) >= _RELEASE_BATCH or (field == "sync" and self._released):
+                self._send_release(pipe if mine else None)
             refs = [self._ref + i + 1 for i in range(claim)]
             self._ref += claim
             self._seq += 1
@@ -199,6 +209,28 @@ class Session:
             if mine:
                 return pipe.send(cmd)  # a _Pending: its fields block until answered
             return self._unary("Execute", cmd, self._pb.CommandResult, timeout=timeout)
+
+    def _release_later(self, ref):
+        """A handle of ref was garbage-collected (Tensor.__del__): the ref joins the next
+        Release command. Only an append: __del__ may run in any thread, at any time."""
+        if not self.closed:
+            self._released.append(ref)
+
+    def _send_release(self, pipe):
+        """One Release command of every waiting ref, in order with the session's other
+        commands (the caller holds self._lock). It is housekeeping: a refusal is a
+        warning, never an exception in the unrelated call that happened to send it."""
+        refs, self._released = self._released, []  # a __del__ meanwhile appends to `refs`
+        self._seq += 1
+        cmd = self._pb.Command(seq=self._seq, release=self._pb.Release(refs=refs))
+        try:
+            if pipe is not None:
+                pipe.send(cmd, quiet=True)
+            else:
+                self._unary("Execute", cmd, self._pb.CommandResult)
+        except MeshdError as e:
+            warnings.warn(f"meshd: releasing {len(refs)} unused tensor refs failed: {e}",
+                          RuntimeWarning, stacklevel=3)
 
     def _flush_pipeline(self):
         """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs)."""

@@ -64,17 +64,29 @@ class Tensor:
 
     __hash__ = object.__hash__
 
-    def __init__(self, session, ref, shape, dtype, mesh_ref, stream_ref):
+    def __init__(self, session, ref, shape, dtype, mesh_ref, stream_ref, owned=True):
         self.session, self.ref = session, ref
         self._shape, self._dtype = tuple(shape), dtype
         self._mesh, self._stream = mesh_ref, stream_ref
         self._pending = None  # (pipeline _Pending, index) until the answer is in
         self._dropped = False
+        # The handle that made this ref: when it is garbage-collected the session
+        # releases the ref (Session._release_later). A second handle on a ref
+        # (an answer naming `out=`) is not owned.
+        self._owned = owned
+
+    def __del__(self):
+        # Never a call from here: the ref joins the session's batch of releases.
+        try:
+            if self._owned and not self._dropped:
+                self.session._release_later(self.ref)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, half-made handles
+            pass
 
     @classmethod
-    def _from_meta(cls, session, meta):
+    def _from_meta(cls, session, meta, owned=True):
         return cls(session, meta.ref, meta.shape, _dtype_from_value(session._pb, meta.dtype),
-                   meta.mesh, meta.stream)
+                   meta.mesh, meta.stream, owned)
 
     @classmethod
     def _from_result(cls, session, res, index, ref):
@@ -83,7 +95,7 @@ class Tensor:
         if isinstance(res, _Pending) and not res.done():
             t = cls.__new__(cls)
             t.session, t.ref = session, ref
-            t._pending, t._dropped = (res, index), False
+            t._pending, t._dropped, t._owned = (res, index), False, True
             return t
         return cls._from_meta(session, res.tensors[index])
 
@@ -240,7 +252,8 @@ class Tensor:
         if inplace:
             return self
         if out is not None:  # the answer names the result (out, or a view of it): wait for it
-            return Tensor._from_meta(s, res.tensors[0])
+            meta = res.tensors[0]
+            return Tensor._from_meta(s, meta, owned=meta.ref == box["ref"])
         return Tensor._from_result(s, res, 0, box["ref"])
 
     def to_mesh(self, mesh, stream=None):
@@ -361,7 +374,7 @@ def _call(op, *args, **kwargs):
     if isinstance(res, _Pending):
         outs = tuple(Tensor._from_result(s, res, i, r) for i, r in enumerate(box["refs"]))
     else:
-        outs = tuple(Tensor._from_meta(s, m) for m in res.tensors)
+        outs = tuple(Tensor._from_meta(s, m, owned=m.ref in box["refs"]) for m in res.tensors)
     if inplace and args and isinstance(args[0], Tensor):
         return args[0]
     if nresults == 1 and len(outs) == 1:
