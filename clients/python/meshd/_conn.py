@@ -12,6 +12,7 @@ not loopback unless insecure=True. The token is kept out of reprs and messages."
 
 import ipaddress
 import os
+from typing import Union
 
 import grpc
 
@@ -23,6 +24,10 @@ ENV_KEY = "MESHD_TLS_KEY"
 ENV_SERVER_NAME = "MESHD_TLS_SERVER_NAME"
 
 MAX_TOKEN = 4096  # bytes; far above any real token, far below gRPC's header limit
+
+
+# PEM bytes, a str holding PEM, or the path of a PEM file (connect's root_certs, ...).
+Pem = Union[bytes, str, os.PathLike[str], None]
 
 
 def _env(env, name):

@@ -35,18 +35,23 @@ starting the transfer."""
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from typing import Union
 
 try:
     import tqdm as _tqdm
 except ImportError:  # the automatic bar is then off; callbacks still work
     _tqdm = None
 
+# What progress= takes (module doc): None, a bool, or a callable(done_bytes, total_bytes).
+Progress = Union[bool, Callable[[int, int], object], None]
+
 THRESHOLD = 64 << 20  # bytes: smaller transfers show no automatic bar
 CALLBACK_INTERVAL = 0.1  # seconds between two calls of a progress callback
 _warned = False
 
 
-def check(progress):
+def check(progress: Progress) -> Progress:
     """progress= itself if it is None, a bool or a callable; TypeError otherwise."""
     if progress is None or isinstance(progress, bool) or callable(progress):
         return progress

@@ -1,5 +1,9 @@
 """meshd.MeshdError: a rejected command or a run-time failure, with the server's kind."""
 
+from __future__ import annotations
+
+from typing import Any
+
 import grpc
 
 KIND_MD = "meshd-error-kind"
@@ -18,14 +22,18 @@ _CODE_KINDS = {
 class MeshdError(Exception):
     """An error reported by meshd. `.kind` is the ErrorKind name ("WRONG_MESH", ...),
     `.message` the server's message, `.code` the gRPC status code (or its number on
-    errors reported inside a result), `.seq` the command seq when known."""
+    errors reported inside a result), `.seq` the command seq when known. `.errors`: every
+    error the call that raised it reported (a Sync, a pipeline), this one first."""
 
-    def __init__(self, kind, message, code=None, seq=None):
+    def __init__(self, kind: str, message: str, code: grpc.StatusCode | int | None = None,
+                 seq: int | None = None) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind, self.message, self.code, self.seq = kind, message, code, seq
+        self.errors: list[MeshdError] = [self]
 
     @classmethod
-    def from_rpc(cls, e):
+    def from_rpc(cls, e: Any) -> MeshdError:
+        """From a grpc.RpcError that is also a grpc.Call (code, details, trailers)."""
         kind = None
         for k, v in (e.trailing_metadata() or ()):
             if k == KIND_MD:
@@ -35,7 +43,8 @@ class MeshdError(Exception):
         return cls(kind, e.details() or "", e.code())
 
     @classmethod
-    def from_error(cls, pb, err):
+    def from_error(cls, pb: Any, err: Any) -> MeshdError:
+        """From an Error message of module `pb` (tensor_service_pb2)."""
         kind = pb.ErrorKind.Name(err.kind)
         if kind.startswith("ERROR_KIND_"):
             kind = kind[len("ERROR_KIND_"):]

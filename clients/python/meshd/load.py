@@ -13,16 +13,21 @@ on the agents, as any op's failure does: they surface at fetch or sync, never as
 half-filled tensor.
 """
 
+from __future__ import annotations
+
 import threading
+from typing import Any
 
 import numpy as np
 
 from . import _active, _progress
+from ._progress import Progress
 from .errors import MeshdError
-from .tensor import Tensor, _dtype_from_value, _dtype_value, _shape, dtype_name
+from .mesh import Mesh
+from .tensor import DType, Shape, Tensor, _dtype_from_value, _dtype_value, _shape, dtype_name
 
 
-def inspect_url(url, mesh=None):
+def inspect_url(url: str, mesh: Mesh | None = None) -> dict[str, Any]:
     """What the file at `url` holds, read by the first agent of the (active) mesh:
     {"format": "npy" | "safetensors", "file_size": int, "metadata": str,
      "tensors": {name: (dtype, shape, offset, nbytes)}} (name "" for .npy)."""
@@ -92,7 +97,9 @@ def _watch(mesh, tensors, progress, desc):
     return th
 
 
-def load(url, *, dtype=None, shape=None, name=None, shard=None, dim=0, progress=None):
+def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
+         name: str | None = None, shard: str | None = None, dim: int = 0,
+         progress: Progress = None) -> Tensor | dict[str, Tensor]:
     """A tensor (or, for a safetensors file without `name`, a dict of every tensor in
     it) loaded by the agents of the active mesh, on the active stream.
 

@@ -4,10 +4,20 @@ This module sits below meshd.tensor (which imports Mesh and selectors from here)
 imports nothing above it: a Mesh reaches the layers above through its session, as
 slice() does with Session._execute and rank() with Session._factory."""
 
+from __future__ import annotations
+
+import builtins
+import contextlib
+from typing import TYPE_CHECKING, Any
+
 from . import _active
 
+if TYPE_CHECKING:  # types only: both sit above this module
+    from .session import Session
+    from .tensor import Tensor
 
-def selectors(pb, sel):
+
+def selectors(pb: Any, sel: dict[str, int | slice]) -> list[Any]:
     """{dim: int | slice} -> [MeshSelector]; an int drops the dim, a slice keeps it."""
     out = []
     for d, v in sel.items():
@@ -31,28 +41,28 @@ def selectors(pb, sel):
 class Mesh:
     """A mesh of a Session. `.names` is a tuple, `.sizes` a dict {dim: size}."""
 
-    def __init__(self, session, meta):
+    def __init__(self, session: Session, meta: Any) -> None:
         self.session = session
         self.ref = meta.ref
         self.names = tuple(d.name for d in meta.dims)
         self.sizes = {d.name: d.size for d in meta.dims}
         self.ranks = tuple(meta.ranks)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Mesh({', '.join(f'{n}={self.sizes[n]}' for n in self.names)})"
 
-    def slice(self, **sel):
+    def slice(self, **sel: int | builtins.slice) -> Mesh:
         """A sub-mesh: an int drops the dim, a slice(a, b) keeps it."""
         pb = self.session._pb
         meta = self.session._execute("slice_mesh", lambda ref: pb.SliceMesh(
             ref=ref, parent=self.ref, selectors=selectors(pb, sel)), claim=1).mesh
         return self.session._mesh_from(meta)
 
-    def activate(self):
+    def activate(self) -> contextlib.AbstractContextManager[Mesh]:
         """Context manager making this the thread's active mesh (and main its stream
         unless a stream is activated inside)."""
         return _active.push("mesh", self)
 
-    def rank(self, dim):
+    def rank(self, dim: str) -> Tensor:
         """int64 scalar tensor holding each rank's coordinate along `dim`."""
         return self.session._factory("rank", (), mesh=self, dim=dim)

@@ -1,9 +1,13 @@
 """Session, Stream and Borrow: the client's connection to meshd."""
 
+from __future__ import annotations
+
 import contextlib
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import grpc
 
@@ -11,8 +15,11 @@ from . import _active, _conn, _proto
 from . import direct as _direct
 from .errors import MeshdError
 from .mesh import Mesh
+from ._conn import Pem
 from .pipeline import Pipeline, _Pending
 from .tensor import Tensor, _factory as _tensor_factory
+
+DataPath = Literal["auto", "direct", "proxy"]
 
 _SVC = "/meshd.v1.TensorService/"
 _OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 64 << 20),
@@ -55,17 +62,17 @@ def _keepalive_loop(session_ref, stop, period, call, request, metadata, timeout)
 class Stream:
     """A stream of a Session (Monarch's Stream). `session.default_stream` is "main" (ref 0)."""
 
-    def __init__(self, session, ref, name):
+    def __init__(self, session: Session, ref: int, name: str) -> None:
         self.session, self.ref, self.name = session, ref, name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Stream({self.name!r})"
 
-    def activate(self):
+    def activate(self) -> contextlib.AbstractContextManager[Stream]:
         """Context manager making this the thread's active stream."""
         return _active.push("stream", self)
 
-    def borrow(self, t, mutable=False):
+    def borrow(self, t: Tensor, mutable: bool = False) -> tuple[Tensor, Borrow]:
         """Borrows tensor t onto this stream: returns (handle usable here, Borrow)."""
         if not isinstance(t, Tensor):
             raise TypeError(f"meshd: borrow takes a Tensor, got {type(t).__name__}")
@@ -83,13 +90,16 @@ class Stream:
 
 
 class Borrow:
-    def __init__(self, session, ref, handle, origin=None):
+    """A borrow made by Stream.borrow: `.handle` is the borrowed tensor on that stream."""
+
+    def __init__(self, session: Session, ref: int, handle: Tensor,
+                 origin: Tensor | None = None) -> None:
         self.session, self.ref, self.handle = session, ref, handle
         # The borrowed tensor's handle stays alive (and unreleased) while the borrow is.
         self._origin = origin
         self.dropped = False
 
-    def drop(self):
+    def drop(self) -> None:
         """Ends the borrow; the borrowed handle becomes DROPPED."""
         if self.dropped:
             return
@@ -113,9 +123,11 @@ class Session:
     `authorization: Bearer ...` metadata on every call, streams and KeepAlive included;
     it is never part of a repr or an exception message."""
 
-    def __init__(self, addr, client_name="meshd-python", ttl_seconds=0, quota_bytes=0, timeout=60.0,
-                 token=None, tls=False, root_certs=None, cert_chain=None, private_key=None,
-                 server_name=None, insecure=False, data_path="auto"):
+    def __init__(self, addr: str, client_name: str = "meshd-python", ttl_seconds: int = 0,
+                 quota_bytes: int = 0, timeout: float = 60.0, token: str | None = None,
+                 tls: bool = False, root_certs: Pem = None, cert_chain: Pem = None,
+                 private_key: Pem = None, server_name: str | None = None, insecure: bool = False,
+                 data_path: DataPath = "auto") -> None:
         self._direct = _direct.Direct(self, data_path)  # checks data_path first
         creds = _conn.resolve(addr, token=token, tls=tls, root_certs=root_certs,
                               cert_chain=cert_chain, private_key=private_key,
@@ -168,7 +180,7 @@ class Session:
             # At most the KeepAlive in flight; the thread ends right after it in any case.
             self._ka_thread.join(_KEEPALIVE_DEADLINE + 1.0)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if getattr(self, "closed", False) else "open"
         return (f"Session(addr={self.addr!r}, id={getattr(self, 'id', None)!r}, tls={self.tls}, "
                 f"token={'set' if self._auth else None}, {state})")
@@ -254,13 +266,13 @@ class Session:
         return _tensor_factory(kind, shape, **kw)
 
     # ------------------------------------------------------------ public
-    def __enter__(self):
+    def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self):
+    def close(self) -> None:
         if self.closed:
             return
         self._stop_keepalive()
@@ -272,7 +284,7 @@ class Session:
             self._ch.close()
 
     @contextlib.contextmanager
-    def pipeline(self):
+    def pipeline(self) -> Iterator[Pipeline]:
         """Pipelined mode: inside the block commands are sent on one Submit stream without
         waiting; tensors come back at once and get their metadata when the answer
         arrives. At the end every answer is awaited and the first rejection is raised
@@ -295,14 +307,14 @@ class Session:
                 errs[0].errors = errs
                 raise errs[0]
 
-    def agents(self):
+    def agents(self) -> list[dict[str, Any]]:
         """[{rank, address, device, memory_bytes, allocated_bytes, healthy}, ...]"""
         reply = self._unary("ListAgents", self._pb.ListAgentsRequest(), self._pb.ListAgentsReply,
                             metadata=())
         return [dict(rank=a.rank, address=a.address, device=a.device, memory_bytes=a.memory_bytes,
                      allocated_bytes=a.allocated_bytes, healthy=a.healthy) for a in reply.agents]
 
-    def mesh(self, **dims):
+    def mesh(self, **dims: int) -> Mesh:
         """A root mesh, e.g. session.mesh(host=1, gpu=2)."""
         if not dims:
             raise ValueError("meshd: a mesh needs at least one dim, e.g. mesh(gpu=2)")
@@ -314,7 +326,8 @@ class Session:
             ref=ref, dims=[pb.Dim(name=n, size=s) for n, s in dims.items()]), claim=1).mesh
         return self._mesh_from(meta)
 
-    def stream(self, name):
+    def stream(self, name: str) -> Stream:
+        """A new stream of this session (Monarch's Stream(name)); activate() it to use it."""
         pb = self._pb
         box = {}
 
@@ -326,7 +339,7 @@ class Session:
         self._streams[s.ref] = s
         return s
 
-    def sync(self, timeout=None):
+    def sync(self, timeout: float | None = None) -> None:
         """Waits for everything issued so far; raises the first run-time error not
         reported before (a MeshdError; its `.errors` lists all this Sync reported).
         timeout: seconds to wait (default: the session's timeout); past it the Sync
@@ -340,8 +353,11 @@ class Session:
             raise errors[0]
 
 
-def connect(addr, token=None, tls=False, root_certs=None, cert_chain=None, private_key=None,
-            insecure=False, data_path="auto", **kw):
+def connect(addr: str, token: str | None = None, tls: bool = False, root_certs: Pem = None,
+            cert_chain: Pem = None, private_key: Pem = None, insecure: bool = False,
+            data_path: DataPath = "auto", *, client_name: str = "meshd-python",
+            ttl_seconds: int = 0, quota_bytes: int = 0, timeout: float = 60.0,
+            server_name: str | None = None) -> Session:
     """Opens a Session on the meshd server at addr ("host:port").
 
     token: the bearer token (default $MESHD_TOKEN; "" for none), sent on every call.
@@ -354,7 +370,10 @@ def connect(addr, token=None, tls=False, root_certs=None, cert_chain=None, priva
     insecure=True. data_path: how tensor bytes move: "auto" (default) streams them
     straight to and from the agents when the server offers it, the session is not
     over TLS and the agents answer within 1 s, else through the server; "direct" always straight (MeshdError if it cannot);
-    "proxy" always through the server (meshd/direct.py). Other keywords: client_name,
-    ttl_seconds, quota_bytes, timeout."""
+    "proxy" always through the server (meshd/direct.py). client_name names the session
+    in the server's logs; ttl_seconds its lease (0: the server's default), quota_bytes
+    its memory quota (0: the server's), timeout (seconds) every call's deadline."""
     return Session(addr, token=token, tls=tls, root_certs=root_certs, cert_chain=cert_chain,
-                   private_key=private_key, insecure=insecure, data_path=data_path, **kw)
+                   private_key=private_key, insecure=insecure, data_path=data_path,
+                   client_name=client_name, ttl_seconds=ttl_seconds, quota_bytes=quota_bytes,
+                   timeout=timeout, server_name=server_name)

@@ -1,16 +1,34 @@
 """Tensor handles, factories, upload (meshd.tensor) and fetch (fetch_shard, inspect)."""
 
+from __future__ import annotations
+
+import builtins
 import concurrent.futures
 import itertools
 import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from . import _active, _progress
+from ._progress import Progress
 from .errors import MeshdError, retry_transfers_full
 from .mesh import Mesh, selectors
 from .pipeline import _Pending
+
+if TYPE_CHECKING:  # types only: session.py sits above this module
+    from .session import Session, Stream
+
+# What the public functions take (aliases for annotations):
+DType = Union[str, np.dtype[Any], type]  # "float32", np.float32, np.dtype("float32")
+Shape = Union[int, Sequence[int]]
+Scalar = Union[int, float, np.integer, np.floating]
+Operand = Union["Tensor", Scalar]
+ArrayData = Union[npt.NDArray[Any], list, tuple, int, float]  # what meshd.tensor uploads
+Coord = Union[int, np.integer]  # a mesh coordinate (fetch_shard's gpu=0)
 
 _SVC = "/meshd.v1.TensorService/"
 _CHUNK = 1 << 20
@@ -20,7 +38,7 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16",
 _NP = {n: np.dtype(n) for n in DTYPES if n != "bfloat16"}
 
 
-def dtype_name(d):
+def dtype_name(d: DType) -> str:
     """A meshd dtype name from a name, numpy dtype or numpy type; ValueError if meshd lacks it."""
     if isinstance(d, str):
         if d in DTYPES:
@@ -64,7 +82,8 @@ class Tensor:
 
     __hash__ = object.__hash__
 
-    def __init__(self, session, ref, shape, dtype, mesh_ref, stream_ref, owned=True):
+    def __init__(self, session: Session, ref: int, shape: Sequence[int], dtype: str,
+                 mesh_ref: int, stream_ref: int, owned: bool = True) -> None:
         self.session, self.ref = session, ref
         self._shape, self._dtype = tuple(shape), dtype
         self._mesh, self._stream = mesh_ref, stream_ref
@@ -109,12 +128,12 @@ class Tensor:
             self._pending = None
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         self._resolve()
         return self._shape
 
     @property
-    def dtype(self):
+    def dtype(self) -> str:
         self._resolve()
         return self._dtype
 
@@ -128,26 +147,26 @@ class Tensor:
         self._resolve()
         return self._stream
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Tensor(ref={self.ref}, shape={self.shape}, dtype={self.dtype})"
 
     @property
-    def mesh(self):
+    def mesh(self) -> Mesh | None:
         return self.session._meshes.get(self._mesh_ref)
 
     @property
-    def stream(self):
+    def stream(self) -> Stream | None:
         return self.session._streams.get(self._stream_ref)
 
     @property
-    def dropped(self):
+    def dropped(self) -> bool:
         return self._dropped
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self.shape)
 
-    def drop(self):
+    def drop(self) -> None:
         """Frees the tensor (every alias of its storage); later use is DROPPED."""
         if self._dropped:
             return
@@ -160,40 +179,41 @@ class Tensor:
         _check_operand(other, op)
         return _call(op, self, other)
 
-    def __add__(self, o): return self._bin("add", o)
-    def __radd__(self, o): return self._bin("add", o)
-    def __sub__(self, o): return self._bin("sub", o)
-    def __rsub__(self, o):
+    def __add__(self, o: Operand) -> Tensor: return self._bin("add", o)
+    def __radd__(self, o: Operand) -> Tensor: return self._bin("add", o)
+    def __sub__(self, o: Operand) -> Tensor: return self._bin("sub", o)
+    def __rsub__(self, o: Operand) -> Tensor:
         _check_operand(o, "sub")
         return _call("add", _call("neg", self), o)
-    def __mul__(self, o): return self._bin("mul", o)
-    def __rmul__(self, o): return self._bin("mul", o)
-    def __truediv__(self, o): return self._bin("div", o)
-    def __rtruediv__(self, o):
+    def __mul__(self, o: Operand) -> Tensor: return self._bin("mul", o)
+    def __rmul__(self, o: Operand) -> Tensor: return self._bin("mul", o)
+    def __truediv__(self, o: Operand) -> Tensor: return self._bin("div", o)
+    def __rtruediv__(self, o: Operand) -> Tensor:
         _check_operand(o, "div")
         return _call("mul", _call("reciprocal", self), o)
-    def __pow__(self, o): return self._bin("pow", o)
-    def __matmul__(self, o):
+    def __pow__(self, o: Operand) -> Tensor: return self._bin("pow", o)
+    def __matmul__(self, o: Tensor) -> Tensor:
         if not isinstance(o, Tensor):
             raise TypeError(f"meshd: @ needs a Tensor, got {type(o).__name__}")
         return _call("matmul", self, o)
-    def __neg__(self): return _call("neg", self)
-    def __abs__(self): return _call("abs", self)
-    def __eq__(self, o): return self._bin("eq", o)
-    def __ne__(self, o): return self._bin("ne", o)
-    def __lt__(self, o): return self._bin("lt", o)
-    def __le__(self, o): return self._bin("le", o)
-    def __gt__(self, o): return self._bin("gt", o)
-    def __ge__(self, o): return self._bin("ge", o)
+    def __neg__(self) -> Tensor: return _call("neg", self)
+    def __abs__(self) -> Tensor: return _call("abs", self)
+    # Comparisons are element-wise ops (bool tensors), as in torch and numpy.
+    def __eq__(self, o: object) -> Tensor: return self._bin("eq", o)  # type: ignore[override]
+    def __ne__(self, o: object) -> Tensor: return self._bin("ne", o)  # type: ignore[override]
+    def __lt__(self, o: Operand) -> Tensor: return self._bin("lt", o)
+    def __le__(self, o: Operand) -> Tensor: return self._bin("le", o)
+    def __gt__(self, o: Operand) -> Tensor: return self._bin("gt", o)
+    def __ge__(self, o: Operand) -> Tensor: return self._bin("ge", o)
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         raise TypeError("meshd: a Tensor has no truth value on the client; fetch it first")
 
     @property
-    def T(self):
+    def T(self) -> Tensor:
         return _call("permute", self, list(range(self.ndim))[::-1])
 
-    def __getitem__(self, idx):
+    def __getitem__(self, idx: int | builtins.slice | tuple[int | builtins.slice, ...]) -> Tensor:
         if not isinstance(idx, tuple):
             idx = (idx,)
         out, dim = self, 0
@@ -211,23 +231,27 @@ class Tensor:
         return out
 
     # ------------------------------------------------------------ methods
-    def sum(self, dim=None, keepdim=False):
+    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         return _call("sum", self, _dims(dim), keepdim)
 
-    def mean(self, dim=None, keepdim=False):
+    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
         return _call("mean", self, _dims(dim), keepdim)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Callable[..., Any]:
         # any catalogue op as a method: t.relu(), t.reshape([2, 3]), t.transpose(0, 1)
         if name.startswith("_"):
             raise AttributeError(name)
         return lambda *a, **kw: _call(name, self, *a, **kw)
 
-    def reduce(self, dims, reduction="sum", scatter=False, out=None):
-        """A collective over mesh dims (str or tuple; () means all)."""
+    def reduce(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
+               out: Tensor | None = None) -> Tensor:
+        """A collective over mesh dims (str or tuple; () means all): reduction "sum",
+        "avg", "product", "min", "max", "band", "bor" or "bxor"."""
         return self._reduce(dims, reduction, scatter, out, inplace=False)
 
-    def reduce_(self, dims, reduction="sum", scatter=False, out=None):
+    def reduce_(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
+                out: Tensor | None = None) -> Tensor:
+        """reduce() in place: returns this tensor."""
         return self._reduce(dims, reduction, scatter, out, inplace=True)
 
     def _reduce(self, dims, reduction, scatter, out, inplace):
@@ -256,20 +280,22 @@ class Tensor:
             return Tensor._from_meta(s, meta, owned=meta.ref == box["ref"])
         return Tensor._from_result(s, res, 0, box["ref"])
 
-    def to_mesh(self, mesh, stream=None):
+    def to_mesh(self, mesh: Mesh, stream: Stream | None = None) -> Tensor:
+        """A copy of this tensor on `mesh` (on `stream`, default this tensor's)."""
         return _to_mesh(self, {}, mesh, stream)
 
-    def slice_mesh(self, **sel):
+    def slice_mesh(self, **sel: int | builtins.slice) -> _MeshSlice:
+        """The part of this tensor on a sub-mesh, for `.to_mesh(...)`."""
         return _MeshSlice(self, sel)
 
 
 class _MeshSlice:
     """`t.slice_mesh(**sel)`: the part of t on a sub-mesh, for `.to_mesh(...)`."""
 
-    def __init__(self, t, sel):
+    def __init__(self, t: Tensor, sel: dict[str, int | builtins.slice]) -> None:
         self.tensor, self.sel = t, sel
 
-    def to_mesh(self, mesh, stream=None):
+    def to_mesh(self, mesh: Mesh, stream: Stream | None = None) -> Tensor:
         return _to_mesh(self.tensor, self.sel, mesh, stream)
 
 
@@ -405,25 +431,26 @@ def _factory(kind, shape, dtype=None, mesh=None, value=0.0, seed=None, dim="", s
     return Tensor._from_result(s, res, 0, box["ref"])
 
 
-def zeros(shape, dtype=None):
+def zeros(shape: Shape, dtype: DType | None = None) -> Tensor:
     return _factory("zeros", shape, dtype)
 
 
-def ones(shape, dtype=None):
+def ones(shape: Shape, dtype: DType | None = None) -> Tensor:
     return _factory("ones", shape, dtype)
 
 
-def empty(shape, dtype=None):
+def empty(shape: Shape, dtype: DType | None = None) -> Tensor:
     return _factory("empty", shape, dtype)
 
 
-def full(shape, value, dtype=None):
+def full(shape: Shape, value: Scalar, dtype: DType | None = None) -> Tensor:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"meshd: full takes a number, got {type(value).__name__}")
     return _factory("full", shape, dtype, value=value)
 
 
-def arange(start, end=None, step=1, dtype=None):
+def arange(start: Scalar, end: Scalar | None = None, step: Scalar = 1,
+           dtype: DType | None = None) -> Tensor:
     if end is None:
         start, end = 0, start
     if dtype is None and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
@@ -432,17 +459,18 @@ def arange(start, end=None, step=1, dtype=None):
     return _factory("arange", (), dtype, start=start, end=end, step=step)
 
 
-def rand(shape, seed=None, dtype=None):
+def rand(shape: Shape, seed: int | None = None, dtype: DType | None = None) -> Tensor:
     return _factory("rand", shape, dtype, seed=seed)
 
 
-def randn(shape, seed=None, dtype=None):
+def randn(shape: Shape, seed: int | None = None, dtype: DType | None = None) -> Tensor:
     return _factory("randn", shape, dtype, seed=seed)
 
 
 # ---------------------------------------------------------------- data in and out
 
-def tensor(data, shard=None, dtype=None, progress=None):
+def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None,
+           progress: Progress = None) -> Tensor:
     """Uploads a numpy array to the active mesh: the same data to every rank, or with
     shard="dim", data[i] to the ranks at coordinate i along that dim.
     progress: None (a bar on a terminal for big arrays), False, True or a callable
@@ -621,7 +649,8 @@ def _fetch_direct(t, d, coords, timeout, progress=None):
     return lambda: d.fetch_finish(t.ref, planned, _NP[name], timeout, progress)
 
 
-def fetch_shard(t, timeout=None, progress=None, **coords):
+def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = None,
+                **coords: Coord) -> concurrent.futures.Future[npt.NDArray[Any]]:
     """The local tensor at the rank named by coords, as a Future of a numpy.ndarray.
     timeout: seconds the Fetch may take (default: the session's timeout); past it the
     Future raises MeshdError kind DEADLINE_EXCEEDED. progress: None (a bar on a terminal
@@ -635,7 +664,7 @@ def fetch_shard(t, timeout=None, progress=None, **coords):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
     t.session._flush_pipeline()  # pipelined commands before it must have reached the server
-    fut = concurrent.futures.Future()
+    fut: concurrent.futures.Future[npt.NDArray[Any]] = concurrent.futures.Future()
     d = t.session._direct
     if d.wanted():  # straight from the agent (meshd/direct.py)
         try:
@@ -666,6 +695,7 @@ def fetch_shard(t, timeout=None, progress=None, **coords):
     return fut
 
 
-def inspect(t, timeout=None, progress=None, **coords):
+def inspect(t: Tensor, timeout: float | None = None, progress: Progress = None,
+            **coords: Coord) -> npt.NDArray[Any]:
     """fetch_shard(t, timeout, progress, **coords).result()"""
     return fetch_shard(t, timeout, progress, **coords).result()

@@ -1,5 +1,7 @@
 """The modules of the meshd package import one another one way only: no import cycle,
-counting imports inside functions too (a lazy import is still an edge of the graph)."""
+counting imports inside functions too (a lazy import is still an edge of the graph), but
+not those under `if TYPE_CHECKING:`, which only type checkers read (annotations name
+classes of modules above, e.g. Mesh.rank -> Tensor)."""
 
 import json
 import os
@@ -11,13 +13,14 @@ from conftest import REPO, _child_env
 CLIENT = os.path.join(REPO, "clients", "python")
 
 # Run in a fresh interpreter: imports every module of the package (so each one imports
-# cleanly), then reads the import statements of each imported file with ast, at any depth.
-# Prints {module: {imported module: "file:line"}} as JSON.
+# cleanly), then reads the import statements of each imported file with ast, at any depth
+# except under `if TYPE_CHECKING:`. Prints {module: {imported module: "file:line"}} and
+# {module: [typing-only imported module]} as JSON.
 _SCRIPT = r"""
 import ast, importlib, json, os, pkgutil, sys
 import meshd
 names = ["meshd"] + [m.name for m in pkgutil.walk_packages(meshd.__path__, "meshd.")]
-graph, files = {}, {}
+graph, files, skipped = {}, {}, {}
 for name in names:
     mod = importlib.import_module(name)
     files[name] = mod.__file__
@@ -28,7 +31,16 @@ for name in names:
             edges.setdefault(target, f"{os.path.basename(mod.__file__)}:{line}")
     with open(mod.__file__) as f:
         tree = ast.parse(f.read(), mod.__file__)
+    typing_only = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                    "typing.TYPE_CHECKING"):
+            typing_only.update(id(n) for part in node.body for n in ast.walk(part))
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                skipped.setdefault(name, []).append(node.module)
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 parts = a.name.split(".")  # import meshd.x.y: its longest meshd prefix
@@ -46,7 +58,7 @@ for name in names:
             for a in node.names:  # from X import y: y may be a module of X
                 edge(target + "." + a.name if target + "." + a.name in names else target,
                      node.lineno)
-print(json.dumps({"graph": graph, "files": files}))
+print(json.dumps({"graph": graph, "files": files, "typing_only": skipped}))
 """
 
 
@@ -94,6 +106,9 @@ def test_package_import_graph_has_no_cycle():
         assert os.path.realpath(path).startswith(os.path.realpath(CLIENT) + os.sep), (name, path)
     assert {"meshd", "meshd.mesh", "meshd.tensor", "meshd.session", "meshd.ops"} <= set(graph)
     assert graph["meshd.tensor"].keys() >= {"meshd.mesh"}, graph  # the parser sees imports
+    # ... and leaves out only the typing-only ones: tensor names Session in annotations
+    assert "session" in out["typing_only"]["meshd.tensor"], out["typing_only"]
+    assert "meshd.session" not in graph["meshd.tensor"], graph
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(
         f"{a} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + " -> " + cycle[-1]
