@@ -181,7 +181,8 @@ static void forget_older_half(objects_t *o) {
   if (cut > o->graves_forgotten) o->graves_forgotten = cut;
 }
 
-static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow) {
+/* failed: the tensor failed already, so its failure is told (failure_noted). */
+static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool failed) {
   if (o->ngraves >= OBJECTS_GRAVES_MAX) forget_older_half(o);
   if ((o->ngraves + 1) * 2 > o->gcap) { /* keep the load under 1/2 */
     size_t cap = o->gcap ? o->gcap * 2 : 1024;
@@ -195,11 +196,11 @@ static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow) {
   }
   size_t i = grave_slot(o->graves, o->gcap, ref);
   if (!o->graves[i].ref) o->ngraves++;
-  o->graves[i] = (tombstone_t){ref, seq, borrow, false};
+  o->graves[i] = (tombstone_t){ref, seq, borrow, failed};
 }
 
 void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
-  bury(o, b->ref, seq, b->ref);
+  bury(o, b->ref, seq, b->ref, false);
   HASH_DEL(o->table, b);
   storage_unref(b->borrow.origin_storage);
   free(b);
@@ -316,7 +317,7 @@ obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *met
 void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
   for (obj_t *it = storage->aliases, *next; it; it = next) {
     next = it->tensor.next_alias;
-    bury(o, it->ref, seq, storage->borrow);
+    bury(o, it->ref, seq, storage->borrow, it->tensor.state == TENSOR_FAILED);
     HASH_DEL(o->table, it);
     free(it->tensor.fail_msg);
     free(it);
@@ -336,7 +337,7 @@ void objects_release(objects_t *o, obj_t *t, uint64_t seq) {
       *pp = t->tensor.next_alias;
       break;
     }
-  bury(o, t->ref, seq, storage->borrow);
+  bury(o, t->ref, seq, storage->borrow, t->tensor.state == TENSOR_FAILED);
   HASH_DEL(o->table, t);
   free(t->tensor.fail_msg);
   free(t);

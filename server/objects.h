@@ -85,7 +85,8 @@ typedef struct obj {
  * borrow's own record is freed too; its tombstone has borrow == ref. */
 typedef struct tombstone {
   uint64_t ref, seq, borrow;
-  bool failure_noted; /* a rank's failure report of it is queued for Sync already */
+  bool failure_noted; /* its failure is told already: by a rank's report, or it had
+                       * failed before it was dropped */
 } tombstone_t;
 
 #define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 3 MiB at most) */

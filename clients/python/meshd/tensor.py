@@ -94,7 +94,7 @@ class Tensor:
         # (an answer naming `out=`) is not owned.
         self._owned = owned
 
-    def __del__(self):
+    def __del__(self) -> None:
         # Never a call from here: the ref joins the session's batch of releases.
         try:
             if self._owned and not self._dropped:

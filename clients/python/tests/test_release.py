@@ -103,6 +103,20 @@ def test_pipelined_temporaries_are_released(session, mesh):
     np.testing.assert_array_equal(meshd.fetch_shard(y, gpu=0).result(), np.full(4, 2, np.float32))
 
 
+def test_failures_of_collected_results_are_told_once_each(session, mesh):
+    """Each failing op's result is collected at once: its ranks' failure reports
+    arrive before or after its Release, and Sync tells each root failure once."""
+    x = meshd.tensor(np.arange(3, dtype=np.float32))
+    idx = meshd.tensor(np.array([5]))
+    for _ in range(50):
+        meshd.ops.index_select(x, 0, idx)
+    with pytest.raises(meshd.MeshdError) as e:
+        session.sync()
+    assert len(e.value.errors) == 50, e.value.errors
+    assert all(err.kind == "REMOTE_FAILURE" for err in e.value.errors)
+    session.sync()
+
+
 def test_dropped_handles_are_not_released_again(session, mesh, monkeypatch):
     calls = _Calls(session, monkeypatch)
     x = meshd.ones((4,))
