@@ -132,6 +132,65 @@ static void send_error(rpc_call_t *call, bool submit, uint64_t seq, const meshd_
   cmd_out_free(&out);
 }
 
+/* A batch's answers (Command.batch), packed as SubmitReply.results as they
+ * come and sent together: at the batch's end, or sooner past
+ * REPLY_BATCH_FLUSH bytes (several messages then, still in order). */
+#define REPLY_BATCH_FLUSH (1u << 20)
+
+typedef struct reply_batch {
+  rpc_call_t *call;
+  uint8_t *buf;
+  size_t len, cap;
+} reply_batch_t;
+
+static void batch_flush(reply_batch_t *b) {
+  if (!b->len) return;
+  rpc_bytes_t *m = rpc_bytes_copy(b->buf, b->len);
+  if (!m || rpc_call_send_raw(b->call, m) != 0)
+    rpc_call_finish(b->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                    "Submit: out of memory on the server for a batch's answers");
+  b->len = 0;
+}
+
+static void batch_add(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
+  size_t n = protobuf_c_message_get_packed_size(&res->base);
+  if (b->len + n + 11 > b->cap) {
+    size_t cap = b->cap * 2 > b->len + n + 11 ? b->cap * 2 : b->len + n + 11 + 4096;
+    uint8_t *p = realloc(b->buf, cap);
+    if (!p) {
+      rpc_call_finish(b->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                      "Submit: out of memory on the server for a batch's answers");
+      return;
+    }
+    b->buf = p;
+    b->cap = cap;
+  }
+  b->buf[b->len++] = (2 << 3) | 2; /* SubmitReply.results, length-delimited */
+  for (size_t v = n;; v >>= 7) {
+    b->buf[b->len++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+    if (v <= 0x7f) break;
+  }
+  b->len += protobuf_c_message_pack(&res->base, b->buf + b->len);
+  if (b->len >= REPLY_BATCH_FLUSH) batch_flush(b);
+}
+
+/* An answer on the Execute call, or the Submit stream, or into its batch. */
+static void answer(rpc_call_t *call, bool submit, reply_batch_t *batch,
+                   const Meshd__V1__CommandResult *res) {
+  if (batch) batch_add(batch, res);
+  else send_result(call, submit, res);
+}
+
+static void answer_error(rpc_call_t *call, bool submit, reply_batch_t *batch, uint64_t seq,
+                         const meshd_error_t *e) {
+  if (!batch) return send_error(call, submit, seq, e);
+  cmd_out_t out;
+  cmd_out_init(&out, seq);
+  cmd_out_error(&out, e);
+  batch_add(batch, &out.res);
+  cmd_out_free(&out);
+}
+
 static void submit_unref(submit_state_t *st) {
   pthread_mutex_lock(&st->mu);
   bool last = --st->refs == 0;
@@ -533,7 +592,7 @@ static void hold_call(objects_t *o, rpc_call_t *call, submit_state_t *stream) {
 /* ------------------------------------------------------------------ one command */
 
 static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool submit,
-                    const Meshd__V1__Command *cmd, submit_state_t *stream) {
+                    const Meshd__V1__Command *cmd, submit_state_t *stream, reply_batch_t *batch) {
   cmd_out_t out;
   meshd_error_t e;
   checkpoint_t ck = {0};
@@ -586,9 +645,9 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
   if (rc) {
     log_debug("command", "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
               (unsigned long long)cmd->seq, error_kind_name(e.kind), e.msg);
-    send_error(call, submit, cmd->seq, &e);
+    answer_error(call, submit, batch, cmd->seq, &e);
   } else if (!sync) {
-    send_result(call, submit, &out.res);
+    answer(call, submit, batch, &out.res);
   }
   cmd_out_free(&out);
 }
@@ -602,7 +661,15 @@ static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
     pthread_mutex_init(&x->mu, NULL);
     rpc_call_set_data(call, x);
   }
-  run_one(cs, s, call, false, (const Meshd__V1__Command *)req, NULL);
+  const Meshd__V1__Command *cmd = (const Meshd__V1__Command *)req;
+  if (cmd->n_batch) {
+    meshd_error_t e;
+    error_set(&e, ERR_BAD_ARGUMENT, "Execute: a batch of %zu commands goes on the Submit "
+              "stream; Execute runs one command", cmd->n_batch);
+    send_error(call, false, cmd->seq, &e);
+  } else {
+    run_one(cs, s, call, false, cmd, NULL, NULL);
+  }
   session_release(s);
 }
 
@@ -643,6 +710,12 @@ static void on_submit_start(rpc_call_t *call, const ProtobufCMessage *req, void 
   rpc_call_set_data(call, st);
 }
 
+#define SUBMIT_BATCH_MAX 4096
+
+static void submit_command(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd,
+                           reply_batch_t *batch);
+static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd);
+
 static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   submit_state_t *st = rpc_call_data(call);
   if (!st) return;
@@ -656,6 +729,16 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
   }
   session_touch(st->session);
   const Meshd__V1__Command *cmd = (const Meshd__V1__Command *)msg;
+  if (cmd->n_batch) {
+    submit_batch(st, call, cmd);
+    return;
+  }
+  submit_command(st, call, cmd, NULL);
+}
+
+/* One command of the stream, alone or in a batch. */
+static void submit_command(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd,
+                           reply_batch_t *batch) {
   if (cmd->seq != 0 && cmd->seq <= st->last_seq) {
     /* Answers are matched by seq: one that goes down or repeats is a client
      * bug that would hand it the wrong answer. Refused, nothing run. */
@@ -665,11 +748,40 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
               "stream: answers are matched by seq, so a stream's seqs must strictly increase "
               "(0 means unmatched)",
               command_name(cmd), (unsigned long long)cmd->seq, (unsigned long long)st->last_seq);
-    send_error(call, true, cmd->seq, &e);
+    answer_error(call, true, batch, cmd->seq, &e);
     return;
   }
   if (cmd->seq) st->last_seq = cmd->seq;
-  run_one(st->cs, st->session, call, true, cmd, st);
+  run_one(st->cs, st->session, call, true, cmd, st, batch);
+}
+
+/* Command.batch: each command as if it came alone, the answers in one reply. */
+static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd) {
+  meshd_error_t e = {0};
+  if (cmd->kind_case != MESHD__V1__COMMAND__KIND__NOT_SET || cmd->seq)
+    error_set(&e, ERR_BAD_ARGUMENT, "Submit: a batch Command carries only `batch` (its "
+              "commands have the seqs and kinds), not seq %llu or a %s",
+              (unsigned long long)cmd->seq, command_name(cmd));
+  else if (cmd->n_batch > SUBMIT_BATCH_MAX)
+    error_set(&e, ERR_BAD_ARGUMENT, "Submit: a batch of %zu commands; at most %d go in one",
+              cmd->n_batch, SUBMIT_BATCH_MAX);
+  if (e.kind != ERR_NONE) {
+    send_error(call, true, cmd->seq, &e);
+    return;
+  }
+  reply_batch_t b = {.call = call};
+  for (size_t i = 0; i < cmd->n_batch; i++) {
+    const Meshd__V1__Command *c = cmd->batch[i];
+    if (c->n_batch) {
+      error_set(&e, ERR_BAD_ARGUMENT, "Submit: command seq %llu of a batch is a batch itself; "
+                "batches do not nest", (unsigned long long)c->seq);
+      answer_error(call, true, &b, c->seq, &e);
+      continue;
+    }
+    submit_command(st, call, c, &b);
+  }
+  batch_flush(&b);
+  free(b.buf);
 }
 
 static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {

@@ -374,6 +374,8 @@ int rpc_bytes_field_visit(rpc_bytes_t *msg, int (*fn)(const uint8_t *piece, size
 /* msg unpacked as desc (protobuf_c_message_free_unpacked), NULL when it is
  * not one; msg is not consumed. */
 ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc);
+/* A message of len packed bytes, copied. NULL when out of memory. */
+rpc_bytes_t *rpc_bytes_copy(const void *data, size_t len);
 /* NULL is a no-op. */
 void rpc_bytes_free(rpc_bytes_t *msg);
 /* rpc_call_send of a packed message, which the call owns from here on. */

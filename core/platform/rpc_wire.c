@@ -177,6 +177,13 @@ rpc_bytes_t *rpc_bytes_field(uint32_t field, size_t len, uint8_t **data) {
   return buf;
 }
 
+rpc_bytes_t *rpc_bytes_copy(const void *data, size_t len) {
+  grpc_slice s = grpc_slice_from_copied_buffer(data, len);
+  grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  return buf;
+}
+
 bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len) {
   if (!msg || msg->type != GRPC_BB_RAW || msg->data.raw.compression != GRPC_COMPRESS_NONE ||
       msg->data.raw.slice_buffer.count == 0)

@@ -899,9 +899,11 @@ class Session:
                 metadata=self.metadata if metadata is None else tuple(metadata) + self.auth,
                 timeout=timeout)
         results = []
+        self.submit_messages = 0  # SubmitReply messages read (a batch's answers come in one)
         try:
             for r in it:
-                results.append(r.result)
+                self.submit_messages += 1
+                results.extend(r.results) if r.results else results.append(r.result)
             return results, it.code(), it.details()
         except grpc.RpcError as e:
             return results, e.code(), e.details()

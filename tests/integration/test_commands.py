@@ -922,6 +922,60 @@ def test_submit_pipelines_1000_commands(s2):
     s.fails("REF_REUSED", create_mesh(1000, gpu=1), "CreateMesh")
 
 
+def test_submit_batches_run_in_order_and_answer_in_one_message(s2):
+    s = s2
+    cmds = [s.command(create_mesh(1, gpu=2), seq=1)]
+    cmds += [s.command(slice_mesh(seq, 1, gpu=seq % 2), seq=seq) for seq in range(2, 301)]
+    cmds[150] = s.command(slice_mesh(151, 1, nope=0), seq=151)            # rejected
+    cmds[200] = s.command(sync(), seq=201)                                # answered alone
+    batches = [pb().Command(batch=cmds[i:i + 100]) for i in range(0, len(cmds), 100)]
+    results, code, details = s.submit(batches + [s.command(sync(), seq=1001)], timeout=60)
+    assert code == grpc.StatusCode.OK, (code, details)
+    # One message per batch and one per Sync: 3 batches and 2 Syncs.
+    assert s.submit_messages == 3 + 2, s.submit_messages
+    seqs = [r.seq for r in results if r.seq not in (201, 1001)]
+    assert seqs == [q for q in range(1, 301) if q != 201], seqs[:20]      # in order
+    by_seq = {r.seq: r for r in results}
+    assert set(by_seq) == set(range(1, 301)) | {1001}
+    lib.expect_kind(CommandError.from_result(by_seq[151].error), "BAD_DIM", "SliceMesh")
+    assert list(by_seq[300].mesh.ranks) == [0] and list(by_seq[299].mesh.ranks) == [1], by_seq[300]
+    assert not by_seq[201].HasField("error") and not by_seq[1001].HasField("error")
+
+
+def test_bad_batches_are_refused_and_the_stream_goes_on(s2):
+    s = s2
+    ok = s.command(create_mesh(1, gpu=1), seq=1)
+    nested = pb().Command(seq=3, batch=[s.command(create_mesh(2, gpu=1), seq=2)])
+    results, code, _ = s.submit([
+        pb().Command(seq=5, batch=[ok]),                                   # a batch has no seq
+        pb().Command(batch=[ok, nested, s.command(create_mesh(4, gpu=1), seq=4),
+                            s.command(create_mesh(6, gpu=1), seq=2)]),     # seq goes back
+        pb().Command(batch=[s.command(create_mesh(10 + i, gpu=1), seq=10 + i)
+                            for i in range(4097)]),                        # too long
+        s.command(create_mesh(9, gpu=1), seq=9)])
+    assert code == grpc.StatusCode.OK, code
+    assert [r.seq for r in results] == [5, 1, 3, 4, 2, 0, 9], [r.seq for r in results]
+    e = lib.expect_kind(CommandError.from_result(results[0].error), "BAD_ARGUMENT")
+    assert "only `batch`" in e.message, e.message
+    assert not results[1].HasField("error")
+    e = lib.expect_kind(CommandError.from_result(results[2].error), "BAD_ARGUMENT")
+    assert "do not nest" in e.message, e.message
+    assert not results[3].HasField("error")
+    e = lib.expect_kind(CommandError.from_result(results[4].error), "BAD_ARGUMENT")
+    assert "strictly increase" in e.message, e.message
+    e = lib.expect_kind(CommandError.from_result(results[5].error), "BAD_ARGUMENT")
+    assert "4097" in e.message and "4096" in e.message, e.message
+    assert list(results[6].mesh.ranks) == [0], results[6]
+    assert s.describe(4).mesh.ref == 4
+    s.fails("UNKNOWN_REF", describe(2), "Describe")                        # the nested one never ran
+    s.fails("UNKNOWN_REF", describe(10), "Describe")                       # nor the long batch
+    # Execute runs one command: a batch is refused there.
+    with pytest.raises(CommandError) as ei:
+        s.execute_raw(pb().Command(seq=s.next_seq(), batch=[ok]))
+    e = lib.expect_kind(ei.value, "BAD_ARGUMENT")
+    assert "Submit" in e.message, e.message
+
+
 def test_submit_half_close_ends_ok(s2):
     results, code, details = s2.submit([])
     assert (results, code) == ([], grpc.StatusCode.OK), (results, code, details)

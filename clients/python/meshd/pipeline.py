@@ -29,6 +29,7 @@ from .errors import MeshdError
 
 _SVC = "/meshd.v1.TensorService/"
 _END = object()
+_BATCH_MAX = 1024  # commands per Submit message (the server takes up to 4096)
 
 
 class _Pending:
@@ -98,35 +99,37 @@ class Pipeline:
         self._reader.start()
 
     def _requests(self):
+        """The Submit stream's messages: whatever is queued when gRPC asks for the next
+        one goes as one batch Command (up to _BATCH_MAX), so a fast caller sends few
+        messages and a slow one loses no time waiting for a batch to fill."""
+        pb = self.session._pb
         while True:
             m = self._q.get()
             if m is _END:
                 return
-            yield m
+            batch, end = [m], False
+            while len(batch) < _BATCH_MAX:
+                try:
+                    m = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if m is _END:
+                    end = True
+                    break
+                batch.append(m)
+            yield batch[0] if len(batch) == 1 else pb.Command(batch=batch)
+            if end:
+                return
 
     def _read(self):
         pb = self.session._pb
         try:
             for reply in self._call:
-                res = reply.result
-                if res.seq == 0:
-                    if res.HasField("error"):
-                        self._async_errors.append(MeshdError.from_error(pb, res.error))
-                    continue
-                with self._plock:
-                    p = self._pending.pop(res.seq, None)
-                if p is None:
-                    continue
-                if res.HasField("error") and res.error.kind != 0:
-                    e = MeshdError.from_error(pb, res.error)
-                    e.seq = res.seq
-                    if not p._quiet:
-                        self._errors.append(e)
-                    else:
-                        warnings.warn(f"meshd: {e}", RuntimeWarning, stacklevel=1)
-                    p._set(error=e)
+                if reply.results:  # a batch's answers
+                    for res in reply.results:
+                        self._answer(pb, res)
                 else:
-                    p._set(result=res)
+                    self._answer(pb, reply.result)
         except grpc.RpcError as e:
             self._broken = MeshdError.from_rpc(e)
         except Exception as e:  # noqa: BLE001 - reported to every waiter
@@ -138,6 +141,26 @@ class Pipeline:
                 left, self._pending = list(self._pending.values()), {}
             for p in left:
                 p._set(error=err)
+
+    def _answer(self, pb, res):
+        if res.seq == 0:
+            if res.HasField("error"):
+                self._async_errors.append(MeshdError.from_error(pb, res.error))
+            return
+        with self._plock:
+            p = self._pending.pop(res.seq, None)
+        if p is None:
+            return
+        if res.HasField("error") and res.error.kind != 0:
+            e = MeshdError.from_error(pb, res.error)
+            e.seq = res.seq
+            if not p._quiet:
+                self._errors.append(e)
+            else:
+                warnings.warn(f"meshd: {e}", RuntimeWarning, stacklevel=1)
+            p._set(error=e)
+        else:
+            p._set(result=res)
 
     def send(self, cmd, quiet=False):
         """Queues one Command (its seq set); returns its _Pending. quiet: a rejection
