@@ -30,6 +30,22 @@ from .errors import MeshdError
 _SVC = "/meshd.v1.TensorService/"
 _END = object()
 _BATCH_MAX = 1024  # commands per Submit message (the server takes up to 4096)
+_BATCH_TAG = bytes([(30 << 3) | 2, 1])  # Command.batch = 30, length-delimited (a 2-byte varint)
+
+
+def _varint(n):
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _batch(packed):
+    """A Command{batch: [...]} from its commands, each already serialized: the
+    repeated field is their bytes, each behind its tag and length."""
+    return b"".join(_BATCH_TAG + _varint(len(c)) + c for c in packed)
 
 
 class _Pending:
@@ -92,7 +108,7 @@ class Pipeline:
         self._broken = None         # MeshdError when the stream itself failed
         pb = session._pb
         fn = session._ch.stream_stream(_SVC + "Submit",
-                                       request_serializer=lambda m: m.SerializeToString(),
+                                       request_serializer=lambda b: b,  # queued packed
                                        response_deserializer=pb.SubmitReply.FromString)
         self._call = fn(self._requests(), metadata=session._md)
         self._reader = threading.Thread(target=self._read, name="meshd-pipeline", daemon=True)
@@ -102,7 +118,6 @@ class Pipeline:
         """The Submit stream's messages: whatever is queued when gRPC asks for the next
         one goes as one batch Command (up to _BATCH_MAX), so a fast caller sends few
         messages and a slow one loses no time waiting for a batch to fill."""
-        pb = self.session._pb
         while True:
             m = self._q.get()
             if m is _END:
@@ -117,7 +132,7 @@ class Pipeline:
                     end = True
                     break
                 batch.append(m)
-            yield batch[0] if len(batch) == 1 else pb.Command(batch=batch)
+            yield batch[0] if len(batch) == 1 else _batch(batch)
             if end:
                 return
 
@@ -175,7 +190,7 @@ class Pipeline:
             with self._plock:
                 self._pending.pop(cmd.seq, None)
             raise self._broken or MeshdError("UNAVAILABLE", "the Submit stream is closed")
-        self._q.put(cmd)
+        self._q.put(cmd.SerializeToString())
         return p
 
     def flush(self, timeout=None):

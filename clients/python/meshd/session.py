@@ -137,6 +137,7 @@ class Session:
         self.tls = creds.tls
         self._auth = creds.auth_metadata()  # () without a token
         self._ch = _conn.open_channel(addr, creds, _OPTIONS)
+        self._calls: dict = {}  # (method, reply class) -> grpc callable
         self._lock = threading.Lock()
         self._ref = 0
         self._seq = 0
@@ -189,8 +190,11 @@ class Session:
     def _unary(self, method, request, reply_cls, metadata=None, timeout=None):
         """One unary call with the session's metadata, or with `metadata` (() for calls
         outside the session); the bearer token goes with either."""
-        fn = self._ch.unary_unary(_SVC + method, request_serializer=_ser,
-                                  response_deserializer=reply_cls.FromString)
+        key = (method, reply_cls)
+        fn = self._calls.get(key)
+        if fn is None:  # one callable per method: making one costs as much as a small call
+            fn = self._calls[key] = self._ch.unary_unary(
+                _SVC + method, request_serializer=_ser, response_deserializer=reply_cls.FromString)
         try:
             return fn(request, metadata=self._md if metadata is None else self._auth + tuple(metadata),
                       timeout=self.timeout if timeout is None else timeout)

@@ -1,5 +1,6 @@
 """session.pipeline(): commands on one Submit stream, errors deferred to the end of the block."""
 
+import json
 import threading
 
 import numpy as np
@@ -158,6 +159,11 @@ def test_pipeline_stages_example_fails_when_it_does_not_match(server4):
 
 
 def test_bench_pipeline_runs(server):
-    r = run_example("bench_pipeline.py", "--server", server[0], "--n", "100")
+    r = run_example("bench_pipeline.py", "--server", server[0], "--n", "100", "--rounds", "1")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "speed-up" in r.stdout, r.stdout + r.stderr
+    assert "speed-up" in r.stderr and "raw grpcio unary" in r.stderr, r.stdout + r.stderr
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "pipeline" and line["n"] == 100, line
+    for k in ("unary", "raw_unary", "pipelined", "raw_stream"):
+        assert line[f"{k}_per_s"] > 0, line
+    assert line["unary_ratio"] > 0 and line["pipelined_ratio"] > 0, line
