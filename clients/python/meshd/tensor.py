@@ -36,6 +36,25 @@ _CHUNK = 1 << 20
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
           "int64", "bool")
 _NP = {n: np.dtype(n) for n in DTYPES if n != "bfloat16"}
+# numpy has no bfloat16: its elements travel as their 16 bits in a uint16 array.
+_WIRE = dict(_NP, bfloat16=np.dtype(np.uint16))
+
+
+def _bf16_bits(a: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
+    """float values as bfloat16 bits, rounded to nearest even (NaN stays a quiet NaN)."""
+    f = np.ascontiguousarray(a, dtype=np.float32)
+    u = f.view(np.uint32)
+    bits = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+            >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        bits[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return bits
+
+
+def _bf16_values(bits: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """bfloat16 bits as float32 (exact: every bfloat16 is a float32)."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def dtype_name(d: DType) -> str:
@@ -482,9 +501,15 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
             data = np.asarray(data)
         else:
             raise TypeError(f"meshd.tensor takes a numpy array, got {type(data).__name__}")
-    if dtype is not None:
-        data = data.astype(dtype_name(dtype))
-    name = dtype_name(data.dtype)
+    if dtype is not None and dtype_name(dtype) == "bfloat16":
+        # uint16 data are bfloat16 bits already (inspect(t, raw=True) gives them);
+        # anything else is converted, rounding to nearest even.
+        data = data if data.dtype == np.uint16 else _bf16_bits(data)
+        name = "bfloat16"
+    else:
+        if dtype is not None:
+            data = data.astype(dtype_name(dtype))
+        name = dtype_name(data.dtype)
     data = np.ascontiguousarray(data)
     per_rank = shard is not None
     if per_rank:
@@ -606,10 +631,10 @@ def _fetch_finish(t, call, first, progress=None):
                 tr.update(len(piece))
             elif out is None:
                 name = _dtype_from_value(pb, c.meta.dtype)
-                if name not in _NP:
+                if name not in _WIRE:
                     raise ValueError(f"meshd: numpy has no {name}; convert the tensor first "
                                      f"(t.to(...))")
-                out = np.empty(tuple(c.meta.shape), dtype=_NP[name])
+                out = np.empty(tuple(c.meta.shape), dtype=_WIRE[name])
                 flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
                 tr = _progress.tracker(len(flat), progress, "fetch")
         if out is None:
@@ -643,20 +668,22 @@ def _fetch_direct(t, d, coords, timeout, progress=None):
     if planned is None:
         return None
     name = _dtype_from_value(t.session._pb, planned[0].meta.dtype)
-    if name not in _NP:
+    if name not in _WIRE:
         d._finish_fetch(planned[0].transfer_id, timeout, quiet=True)
         raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
-    return lambda: d.fetch_finish(t.ref, planned, _NP[name], timeout, progress)
+    return lambda: d.fetch_finish(t.ref, planned, _WIRE[name], timeout, progress)
 
 
 def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = None,
-                **coords: Coord) -> concurrent.futures.Future[npt.NDArray[Any]]:
+                raw: bool = False, **coords: Coord) -> concurrent.futures.Future[npt.NDArray[Any]]:
     """The local tensor at the rank named by coords, as a Future of a numpy.ndarray.
     timeout: seconds the Fetch may take (default: the session's timeout); past it the
     Future raises MeshdError kind DEADLINE_EXCEEDED. progress: None (a bar on a terminal
     for big tensors), False, True or a callable(done_bytes, total_bytes), called on the
-    Fetch's thread; see meshd._progress. (Mesh dims named "timeout" or "progress" cannot
-    be given here.)"""
+    Fetch's thread; see meshd._progress. numpy has no bfloat16: a bfloat16 tensor comes
+    back as float32 (exact), or with raw=True as its bits in a uint16 array (which
+    meshd.tensor(bits, dtype="bfloat16") uploads as they are). (Mesh dims named
+    "timeout", "progress" or "raw" cannot be given here.)"""
     _progress.check(progress)
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
@@ -665,6 +692,9 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
     t.session._flush_pipeline()  # pipelined commands before it must have reached the server
     fut: concurrent.futures.Future[npt.NDArray[Any]] = concurrent.futures.Future()
+
+    def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
     d = t.session._direct
     if d.wanted():  # straight from the agent (meshd/direct.py)
         try:
@@ -675,7 +705,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
         if work is not None:
             def run():
                 try:
-                    fut.set_result(work())
+                    fut.set_result(values(work()))
                 except BaseException as e:  # handed to .result()
                     fut.set_exception(e)
             threading.Thread(target=run, daemon=True).start()
@@ -688,7 +718,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
 
     def work():
         try:
-            fut.set_result(_fetch_finish(t, call, first, progress))
+            fut.set_result(values(_fetch_finish(t, call, first, progress)))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
     threading.Thread(target=work, daemon=True).start()
@@ -696,6 +726,6 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
 
 
 def inspect(t: Tensor, timeout: float | None = None, progress: Progress = None,
-            **coords: Coord) -> npt.NDArray[Any]:
-    """fetch_shard(t, timeout, progress, **coords).result()"""
-    return fetch_shard(t, timeout, progress, **coords).result()
+            raw: bool = False, **coords: Coord) -> npt.NDArray[Any]:
+    """fetch_shard(t, timeout, progress, raw, **coords).result()"""
+    return fetch_shard(t, timeout, progress, raw, **coords).result()
