@@ -32,6 +32,12 @@ class MeshdError(Exception):
         self.errors: list[MeshdError] = [self]
 
     @classmethod
+    def of_kind(cls, kind: str, message: str, code: grpc.StatusCode | int | None = None,
+                seq: int | None = None) -> MeshdError:
+        """The error of `kind` as the class a Monarch user catches (see _BUILTIN)."""
+        return _BUILTIN.get(kind, cls)(kind, message, code, seq)
+
+    @classmethod
     def from_rpc(cls, e: Any) -> MeshdError:
         """From a grpc.RpcError that is also a grpc.Call (code, details, trailers)."""
         kind = None
@@ -40,7 +46,7 @@ class MeshdError(Exception):
                 kind = v
         if not kind:
             kind = _CODE_KINDS.get(e.code(), str(e.code().name))
-        return cls(kind, e.details() or "", e.code())
+        return cls.of_kind(kind, e.details() or "", e.code())
 
     @classmethod
     def from_error(cls, pb: Any, err: Any) -> MeshdError:
@@ -48,7 +54,22 @@ class MeshdError(Exception):
         kind = pb.ErrorKind.Name(err.kind)
         if kind.startswith("ERROR_KIND_"):
             kind = kind[len("ERROR_KIND_"):]
-        return cls(kind, err.message, err.code, err.seq or None)
+        return cls.of_kind(kind, err.message, err.code, err.seq or None)
+
+
+class MeshdTypeError(MeshdError, TypeError):
+    """A mesh, stream or borrow check failed: Monarch raises TypeError for these."""
+
+
+class MeshdValueError(MeshdError, ValueError):
+    """An argument was wrong (shape, dtype, dim, ...): Monarch raises ValueError."""
+
+
+# Kinds raised as both MeshdError and the builtin a Monarch user catches.
+_BUILTIN = {k: MeshdTypeError for k in ("WRONG_MESH", "WRONG_STREAM", "DROPPED", "BORROWED",
+                                        "MUTATING_BORROW")}
+_BUILTIN.update({k: MeshdValueError for k in ("BAD_ARGUMENT", "SHAPE_MISMATCH",
+                                              "DTYPE_MISMATCH", "BAD_DIM", "UNKNOWN_OP")})
 
 
 def transfers_full(e):

@@ -60,9 +60,16 @@ def _keepalive_loop(session_ref, stop, period, call, request, metadata, timeout)
 
 
 class Stream:
-    """A stream of a Session (Monarch's Stream). `session.default_stream` is "main" (ref 0)."""
+    """A stream of a Session (Monarch's Stream). `session.default_stream` is "main" (ref 0).
+    `meshd.Stream("name")` makes a new stream of the active mesh's session, as Monarch's
+    Stream("name") does (session.stream("name") is the same)."""
 
-    def __init__(self, session: Session, ref: int, name: str) -> None:
+    def __init__(self, session: Session | str, ref: int | None = None,
+                 name: str | None = None) -> None:
+        if isinstance(session, str) and ref is None:  # Monarch's Stream("name")
+            made = _active.mesh().session.stream(session)
+            session, ref, name = made.session, made.ref, made.name
+            session._streams[ref] = self  # this object is the stream's handle
         self.session, self.ref, self.name = session, ref, name
 
     def __repr__(self) -> str:
@@ -90,7 +97,8 @@ class Stream:
 
 
 class Borrow:
-    """A borrow made by Stream.borrow: `.handle` is the borrowed tensor on that stream."""
+    """A borrow made by Stream.borrow: `.handle` is the borrowed tensor on that stream.
+    `with borrow:` drops it when the block ends, as Monarch's."""
 
     def __init__(self, session: Session, ref: int, handle: Tensor,
                  origin: Tensor | None = None) -> None:
@@ -98,6 +106,12 @@ class Borrow:
         # The borrowed tensor's handle stays alive (and unreleased) while the borrow is.
         self._origin = origin
         self.dropped = False
+
+    def __enter__(self) -> Borrow:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.drop()
 
     def drop(self) -> None:
         """Ends the borrow; the borrowed handle becomes DROPPED."""
@@ -292,12 +306,19 @@ class Session:
         """Pipelined mode: inside the block commands are sent on one Submit stream without
         waiting; tensors come back at once and get their metadata when the answer
         arrives. At the end every answer is awaited and the first rejection is raised
-        as MeshdError (see meshd/pipeline.py). Only the opening thread pipelines."""
+        as MeshdError (see meshd/pipeline.py). Only the opening thread pipelines; a block
+        nested in it joins it (its commands are the outer block's, answered at its end),
+        as Monarch's coalescing blocks nest."""
         if self.closed:
             raise MeshdError("NO_SESSION", "the session is closed")
         with self._lock:
-            if self._pipe is not None:
-                raise RuntimeError("meshd: a pipeline is already open on this session")
+            outer = self._pipe
+            if outer is not None and outer.owner != threading.get_ident():
+                raise RuntimeError("meshd: another thread has a pipeline open on this session")
+        if outer is not None:
+            yield outer
+            return
+        with self._lock:
             pipe = self._pipe = Pipeline(self)
         failed = True
         try:
@@ -355,6 +376,13 @@ class Session:
             errors = [MeshdError.from_error(self._pb, e) for e in res.errors]
             errors[0].errors = errors  # every error this Sync reported, the first raised
             raise errors[0]
+
+
+def get_active_stream() -> Stream:
+    """This thread's active stream: the innermost `stream.activate()`, else the active
+    mesh's session's default stream "main"."""
+    s = _active.current("stream")
+    return s if s is not None else _active.mesh().session.default_stream
 
 
 def connect(addr: str, token: str | None = None, tls: bool = False, root_certs: Pem = None,

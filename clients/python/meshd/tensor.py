@@ -7,7 +7,7 @@ import concurrent.futures
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 
 import grpc
 import numpy as np
@@ -29,6 +29,7 @@ Scalar = Union[int, float, np.integer, np.floating]
 Operand = Union["Tensor", Scalar]
 ArrayData = Union[npt.NDArray[Any], list, tuple, int, float]  # what meshd.tensor uploads
 Coord = Union[int, np.integer]  # a mesh coordinate (fetch_shard's gpu=0)
+_T = TypeVar("_T")
 
 _SVC = "/meshd.v1.TensorService/"
 _CHUNK = 1 << 20
@@ -184,6 +185,26 @@ class Tensor:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    # torch's shape queries, answered here from the shape (no call)
+    def size(self, dim: int | None = None) -> tuple[int, ...] | int:
+        """The shape, or the size of dim `dim` (negative counts from the end)."""
+        if dim is None:
+            return self.shape
+        if not -self.ndim <= dim < max(self.ndim, 1):
+            raise IndexError(f"meshd: dim {dim} is out of range for a {self.ndim}-d tensor")
+        return self.shape[dim]
+
+    def dim(self) -> int:
+        """The number of dims (ndim)."""
+        return self.ndim
+
+    def numel(self) -> int:
+        """The number of elements."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
     def drop(self) -> None:
         """Frees the tensor (every alias of its storage); later use is DROPPED."""
@@ -450,26 +471,43 @@ def _factory(kind, shape, dtype=None, mesh=None, value=0.0, seed=None, dim="", s
     return Tensor._from_result(s, res, 0, box["ref"])
 
 
-def zeros(shape: Shape, dtype: DType | None = None) -> Tensor:
-    return _factory("zeros", shape, dtype)
+def _size(fn, size):
+    """torch's size arguments: ints (zeros(3, 4)) or one sequence (zeros((3, 4)))."""
+    if len(size) == 1 and not isinstance(size[0], (int, np.integer)):
+        return size[0]  # a sequence: _shape checks it
+    for n in size:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"meshd: {fn} takes its size as ints or one sequence of ints, got "
+                            f"{n!r}; options go by keyword, e.g. {fn}(3, 4, dtype=\"float32\")")
+    return tuple(size)
 
 
-def ones(shape: Shape, dtype: DType | None = None) -> Tensor:
-    return _factory("ones", shape, dtype)
+def zeros(*size: Shape, dtype: DType | None = None) -> Tensor:
+    """zeros(3, 4) or zeros((3, 4)), on the active mesh and stream."""
+    return _factory("zeros", _size("zeros", size), dtype)
 
 
-def empty(shape: Shape, dtype: DType | None = None) -> Tensor:
-    return _factory("empty", shape, dtype)
+def ones(*size: Shape, dtype: DType | None = None) -> Tensor:
+    """ones(3, 4) or ones((3, 4)), on the active mesh and stream."""
+    return _factory("ones", _size("ones", size), dtype)
 
 
-def full(shape: Shape, value: Scalar, dtype: DType | None = None) -> Tensor:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"meshd: full takes a number, got {type(value).__name__}")
-    return _factory("full", shape, dtype, value=value)
+def empty(*size: Shape, dtype: DType | None = None) -> Tensor:
+    """empty(3, 4) or empty((3, 4)): values undefined."""
+    return _factory("empty", _size("empty", size), dtype)
 
 
-def arange(start: Scalar, end: Scalar | None = None, step: Scalar = 1,
+def full(size: Shape, fill_value: Scalar, *, dtype: DType | None = None) -> Tensor:
+    """full((3, 4), 2.5), as torch.full."""
+    if isinstance(fill_value, bool) or not isinstance(fill_value,
+                                                       (int, float, np.integer, np.floating)):
+        raise TypeError(f"meshd: full takes a number, got {type(fill_value).__name__}")
+    return _factory("full", size, dtype, value=fill_value)
+
+
+def arange(start: Scalar, end: Scalar | None = None, step: Scalar = 1, *,
            dtype: DType | None = None) -> Tensor:
+    """arange(end) or arange(start, end, step), as torch.arange (int64 for ints)."""
     if end is None:
         start, end = 0, start
     if dtype is None and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
@@ -478,12 +516,14 @@ def arange(start: Scalar, end: Scalar | None = None, step: Scalar = 1,
     return _factory("arange", (), dtype, start=start, end=end, step=step)
 
 
-def rand(shape: Shape, seed: int | None = None, dtype: DType | None = None) -> Tensor:
-    return _factory("rand", shape, dtype, seed=seed)
+def rand(*size: Shape, seed: int | None = None, dtype: DType | None = None) -> Tensor:
+    """Uniform [0, 1): rand(3, 4) or rand((3, 4)); seed (keyword) makes it repeatable."""
+    return _factory("rand", _size("rand", size), dtype, seed=seed)
 
 
-def randn(shape: Shape, seed: int | None = None, dtype: DType | None = None) -> Tensor:
-    return _factory("randn", shape, dtype, seed=seed)
+def randn(*size: Shape, seed: int | None = None, dtype: DType | None = None) -> Tensor:
+    """Standard normal: randn(3, 4) or randn((3, 4)); seed (keyword) makes it repeatable."""
+    return _factory("randn", _size("randn", size), dtype, seed=seed)
 
 
 # ---------------------------------------------------------------- data in and out
@@ -674,16 +714,24 @@ def _fetch_direct(t, d, coords, timeout, progress=None):
     return lambda: d.fetch_finish(t.ref, planned, _WIRE[name], timeout, progress)
 
 
+class Future(concurrent.futures.Future, Generic[_T]):  # type: ignore[type-arg]
+    """A fetch's result to come: `.result(timeout)`, or Monarch's `.get(timeout)`."""
+
+    def get(self, timeout: float | None = None) -> _T:
+        return self.result(timeout)
+
+
 def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = None,
-                raw: bool = False, **coords: Coord) -> concurrent.futures.Future[npt.NDArray[Any]]:
+                raw: bool = False, **coords: Coord) -> Future[npt.NDArray[Any]]:
     """The local tensor at the rank named by coords, as a Future of a numpy.ndarray.
     timeout: seconds the Fetch may take (default: the session's timeout); past it the
     Future raises MeshdError kind DEADLINE_EXCEEDED. progress: None (a bar on a terminal
     for big tensors), False, True or a callable(done_bytes, total_bytes), called on the
     Fetch's thread; see meshd._progress. numpy has no bfloat16: a bfloat16 tensor comes
     back as float32 (exact), or with raw=True as its bits in a uint16 array (which
-    meshd.tensor(bits, dtype="bfloat16") uploads as they are). (Mesh dims named
-    "timeout", "progress" or "raw" cannot be given here.)"""
+    meshd.tensor(bits, dtype="bfloat16") uploads as they are). Without coords: the
+    first rank (coordinate 0 along every dim), as Monarch. The Future has Monarch's
+    .get() too. (Mesh dims named "timeout", "progress" or "raw" cannot be given here.)"""
     _progress.check(progress)
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
@@ -691,7 +739,9 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
     t.session._flush_pipeline()  # pipelined commands before it must have reached the server
-    fut: concurrent.futures.Future[npt.NDArray[Any]] = concurrent.futures.Future()
+    if not coords:  # Monarch: the first rank
+        coords = {d: 0 for d in t.mesh.names}
+    fut: Future[npt.NDArray[Any]] = Future()
 
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16

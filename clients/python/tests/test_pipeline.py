@@ -128,11 +128,32 @@ def test_sync_inside_the_block_raises_run_time_failures(session, mesh):
         assert e.value.kind == "REMOTE_FAILURE"
 
 
-def test_nested_pipeline_is_refused(session, mesh):
+def test_a_nested_pipeline_joins_the_outer_one(session, mesh):
+    with pytest.raises(meshd.MeshdError) as e:
+        with session.pipeline() as outer:
+            x = meshd.ones(2)
+            with session.pipeline() as inner:
+                assert inner is outer
+                meshd.ones(1).reduce("nodim")  # rejected: raised at the outer block's end
+                y = x + 1
+            assert session._pipe is outer  # the inner block's end closed nothing
+    assert e.value.kind == "BAD_DIM", e.value
+    assert get(y, gpu=0).tolist() == [2.0, 2.0]
+
+
+def test_a_pipeline_of_another_thread_is_refused(session, mesh):
+    got = []
     with session.pipeline():
-        with pytest.raises(RuntimeError):
-            with session.pipeline():
-                pass
+        def other():
+            try:
+                with session.pipeline():
+                    pass
+            except RuntimeError as e:
+                got.append(e)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+    assert got and "another thread" in str(got[0]), got
 
 
 @pytest.fixture(scope="module")
