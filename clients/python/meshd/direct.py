@@ -364,7 +364,11 @@ class Direct:
         except grpc.RpcError as e:
             tr.close()
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)
-            raise MeshdError.from_rpc(e) from None
+            err = MeshdError.from_rpc(e)  # the agent's words: the rank is ours to say, as
+            msg = err.message             # the server says it on the proxied path
+            if "(rank " not in msg:
+                msg = f"{msg} (rank {sh.rank})"
+            raise MeshdError.of_kind(err.kind, msg, err.code) from None
         except BaseException:  # our checks, or the progress callback's exception
             call.cancel()
             tr.close()

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import grpc
 
-from . import _active, _conn, _proto
+from . import _active, _catalogue, _conn, _proto
 from . import direct as _direct
 from .errors import MeshdError
 from .mesh import Mesh
@@ -174,6 +174,11 @@ class Session:
         self._md = self._auth + (("meshd-session", self.id), ("meshd-token", self._token))
         self.default_stream = Stream(self, 0, "main")
         self._streams[0] = self.default_stream
+        try:  # the op catalogue: t.<op> and meshd.ops.<op> know their names and schemas
+            _catalogue.load(self._unary("ListOps", pb.ListOpsRequest(), pb.ListOpsReply,
+                                        metadata=()))
+        except MeshdError:  # an older server (UNIMPLEMENTED): any name goes to the server
+            pass
         self._start_keepalive()
 
     def _start_keepalive(self):

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from . import _active, _progress
+from . import _active, _catalogue, _progress
 from ._progress import Progress
 from .errors import MeshdError, retry_transfers_full
 from .mesh import Mesh, selectors
@@ -281,7 +281,21 @@ class Tensor:
         # any catalogue op as a method: t.relu(), t.reshape([2, 3]), t.transpose(0, 1)
         if name.startswith("_"):
             raise AttributeError(name)
-        return lambda *a, **kw: _call(name, self, *a, **kw)
+        _catalogue.check(name, "Tensor")
+        op = _catalogue.get(name)
+        if op is not None and op.factory:
+            raise AttributeError(f"meshd: {name} makes a tensor from nothing; call it as "
+                                 f"meshd.ops.{name}(...), not as a Tensor method")
+
+        def method(*a: Any, **kw: Any) -> Any:
+            return _call(name, self, *a, **kw)
+        method.__name__ = name
+        method.__doc__ = _catalogue.doc(name)
+        return method
+
+    def __dir__(self) -> list[str]:
+        ops = [n for n in _catalogue.names() if not _catalogue.get(n).factory]
+        return sorted(set(super().__dir__()) | set(ops))
 
     def reduce(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
                out: Tensor | None = None) -> Tensor:

@@ -95,3 +95,20 @@ def test_check_failures_are_type_and_value_errors(session, mesh):
     with pytest.raises(TypeError) as e:
         a + 1
     assert e.value.kind == "DROPPED"
+
+
+def test_the_op_catalogue_comes_from_the_server(session, mesh):
+    names = dir(meshd.ops)
+    assert "add" in names and "relu" in names and "transpose" in names and len(names) > 50
+    assert "add(" in meshd.ops.add.__doc__ and "Tensor" in meshd.ops.add.__doc__
+    assert "(a view of self)" in meshd.ops.transpose.__doc__
+    assert "(in place)" in meshd.ops.add_.__doc__
+    t = meshd.ones(2, 3)
+    assert "relu" in dir(t) and "size" in dir(t)
+    assert t.relu.__doc__.startswith("relu(")
+    with pytest.raises(AttributeError, match="catalogue"):
+        meshd.ops.no_such_op
+    with pytest.raises(AttributeError):
+        t.device  # not an op: a local AttributeError, no call
+    assert not hasattr(t, "requires_grad")
+    np.testing.assert_array_equal(meshd.inspect(t.transpose(0, 1)), np.ones((3, 2)))
