@@ -540,6 +540,30 @@ def randn(*size: Shape, seed: int | None = None, dtype: DType | None = None) -> 
     return _factory("randn", _size("randn", size), dtype, seed=seed)
 
 
+def _tree_map(fn: Callable[[Tensor], Any], tree: Any) -> Any:
+    """fn on every Tensor of a pytree (lists, tuples, named tuples, dicts), the
+    structure kept; other leaves stay as they are."""
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _tree_map(fn, v)) for k, v in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
+        return type(tree)(*(_tree_map(fn, v) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tree_map(fn, v) for v in tree)
+    return tree
+
+
+def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
+           scatter: bool = False, _inplace: bool = False) -> Any:
+    """Monarch's meshd.reduce: t.reduce(dims, reduction, scatter) for every Tensor of the
+    pytree `tensors` (lists, tuples, dicts of tensors, nested), in the same structure:
+    e.g. every gradient of a model in one call, pipelined by the caller's block."""
+    if _inplace:
+        return _tree_map(lambda t: t.reduce_(dims, reduction, scatter), tensors)
+    return _tree_map(lambda t: t.reduce(dims, reduction, scatter), tensors)
+
+
 # ---------------------------------------------------------------- data in and out
 
 def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None,

@@ -112,3 +112,16 @@ def test_the_op_catalogue_comes_from_the_server(session, mesh):
         t.device  # not an op: a local AttributeError, no call
     assert not hasattr(t, "requires_grad")
     np.testing.assert_array_equal(meshd.inspect(t.transpose(0, 1)), np.ones((3, 2)))
+
+
+def test_reduce_over_a_pytree_keeps_its_structure(session, mesh):
+    g = {"w": meshd.tensor(np.array([[1, 2], [3, 4]], np.float32), shard="gpu"),
+         "b": [meshd.tensor(np.array([[1], [5]], np.float32), shard="gpu"), 7]}
+    out = meshd.reduce(g, "gpu", "sum")
+    assert set(out) == {"w", "b"} and isinstance(out["b"], list) and out["b"][1] == 7
+    np.testing.assert_array_equal(meshd.inspect(out["w"], gpu=1), [4, 6])
+    np.testing.assert_array_equal(meshd.inspect(out["b"][0], gpu=0), [6])
+    t = meshd.tensor(np.array([[1], [2]], np.float32), shard="gpu")
+    (same,) = meshd.reduce((t,), "gpu", "avg", _inplace=True)
+    assert same is t
+    np.testing.assert_array_equal(meshd.inspect(t, gpu=1), [1.5])
