@@ -855,6 +855,174 @@ meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const ch
   return ret;
 }
 
+meshd_err_t meshd_session_stream(meshd_session_t *s, const char *name, meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_stream"))
+    return MESHD_E_INVALID;
+  if (!name || !*name) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_stream: name is empty");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__CreateStream cs = MESHD__V1__CREATE_STREAM__INIT;
+  cs.ref = s->next_ref;
+  cs.name = (char *)name;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_STREAM;
+  cmd.create_stream = &cs;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
+/* Drop or Release of refs[0..n). */
+static meshd_err_t refs_command(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
+                                bool release, const char *fn) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (n && !refs) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: refs is NULL", fn);
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__Drop d = MESHD__V1__DROP__INIT;
+  Meshd__V1__Release r = MESHD__V1__RELEASE__INIT;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  if (release) {
+    r.refs = (uint64_t *)refs;
+    r.n_refs = n;
+    cmd.kind_case = MESHD__V1__COMMAND__KIND_RELEASE;
+    cmd.release = &r;
+  } else {
+    d.refs = (uint64_t *)refs;
+    d.n_refs = n;
+    cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
+    cmd.drop = &d;
+  }
+  return execute(s, &cmd);
+}
+
+meshd_err_t meshd_session_drop(meshd_session_t *s, const meshd_ref_t *refs, size_t n) {
+  return refs_command(s, refs, n, false, "meshd_session_drop");
+}
+
+meshd_err_t meshd_session_release(meshd_session_t *s, const meshd_ref_t *refs, size_t n) {
+  return refs_command(s, refs, n, true, "meshd_session_release");
+}
+
+meshd_err_t meshd_session_to_mesh(meshd_session_t *s, meshd_ref_t input, meshd_ref_t mesh,
+                                  meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_to_mesh"))
+    return MESHD_E_INVALID;
+  Meshd__V1__ToMesh t = MESHD__V1__TO_MESH__INIT;
+  t.ref = s->next_ref;
+  t.input = input;
+  t.dst_mesh = mesh;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_TO_MESH;
+  cmd.to_mesh = &t;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
+meshd_err_t meshd_session_borrow(meshd_session_t *s, meshd_ref_t input, meshd_ref_t stream,
+                                 bool is_mutable, meshd_ref_t *handle, meshd_ref_t *borrow) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, handle, "meshd_session_borrow") || !check_out(s, borrow, "meshd_session_borrow"))
+    return MESHD_E_INVALID;
+  Meshd__V1__Borrow b = MESHD__V1__BORROW__INIT;
+  b.ref = s->next_ref;
+  b.borrow = s->next_ref + 1;
+  b.input = input;
+  b.stream = stream;
+  b.mutable_ = is_mutable;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_BORROW;
+  cmd.borrow = &b;
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK) {
+    *handle = s->next_ref;
+    *borrow = s->next_ref + 1;
+    s->next_ref += 2;
+  }
+  return ret;
+}
+
+meshd_err_t meshd_session_drop_borrow(meshd_session_t *s, meshd_ref_t borrow) {
+  if (!s)
+    return MESHD_E_INVALID;
+  Meshd__V1__DropBorrow d = MESHD__V1__DROP_BORROW__INIT;
+  d.borrow = borrow;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP_BORROW;
+  cmd.drop_borrow = &d;
+  return execute(s, &cmd);
+}
+
+#define UPLOAD_CHUNK (1u << 20)
+
+meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
+                                 const int64_t *shape, size_t ndim, const void *data,
+                                 size_t bytes, meshd_ref_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_upload"))
+    return MESHD_E_INVALID;
+  int dt = dtype ? dtype_by_name(dtype) : 0;
+  if (!dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_upload: need a known dtype (got '%s'), at most 16 dims with a shape, "
+              "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
+  h.ref = s->next_ref;
+  h.mesh = mesh;
+  h.shape = (int64_t *)shape;
+  h.n_shape = ndim;
+  h.dtype = (Meshd__V1__DType)dt;
+  h.total_bytes = bytes;
+  Meshd__V1__UploadChunk first = MESHD__V1__UPLOAD_CHUNK__INIT;
+  first.part_case = MESHD__V1__UPLOAD_CHUNK__PART_HEADER;
+  first.header = &h;
+  int timeout_ms = s->client->timeout_ms;
+  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Upload", s->md, s->nmd, timeout_ms);
+  if (!st) {
+    set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Upload: cannot open the call");
+    return MESHD_E_RPC;
+  }
+  int rc = rpc_stream_write(st, &first.base, false);
+  for (size_t off = 0; rc == 0 && off < bytes; off += UPLOAD_CHUNK) {
+    Meshd__V1__UploadChunk c = MESHD__V1__UPLOAD_CHUNK__INIT;
+    c.part_case = MESHD__V1__UPLOAD_CHUNK__PART_DATA;
+    c.data.data = (uint8_t *)data + off;
+    c.data.len = bytes - off < UPLOAD_CHUNK ? bytes - off : UPLOAD_CHUNK;
+    rc = rpc_stream_write(st, &c.base, false);
+  }
+  if (rc == 0)
+    rpc_stream_close_send(st);
+  ProtobufCMessage *m = NULL;
+  while (rpc_stream_read(st, &meshd__v1__upload_reply__descriptor, &m, timeout_ms) == 1) {
+    protobuf_c_message_free_unpacked(m, NULL);
+    m = NULL;
+  }
+  rpc_status_t status;
+  meshd_err_t ret = MESHD_E_OK;
+  if (rpc_stream_finish(st, &status) != GRPC_STATUS_OK) {
+    set_error(s->client, MESHD_E_RPC, status.code, status.kind, "Upload: %s", status.message);
+    ret = MESHD_E_RPC;
+  }
+  rpc_stream_destroy(st);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
 meshd_err_t meshd_session_sync_timeout(meshd_session_t *s, int timeout_ms) {
   if (!s)
     return MESHD_E_INVALID;

@@ -294,6 +294,41 @@ MESHD_API meshd_err_t meshd_session_reduce(meshd_session_t *session, meshd_ref_t
                                            const char *dim, const char *reduction,
                                            meshd_ref_t *out);
 
+/* A new stream named `name` (Monarch's Stream); *out gets its ref. Commands
+ * take stream refs where they name one; 0 is the default stream "main". */
+MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char *name,
+                                           meshd_ref_t *out);
+
+/* Upload: `bytes` bytes of `dtype` ("float32", "int64", ...) with `shape` (ndim
+ * sizes), the same on every rank of `mesh` (on the default stream). The bytes
+ * stream through the server in 1 MiB messages; the call returns once every
+ * rank holds them. *out gets the tensor's ref. */
+MESHD_API meshd_err_t meshd_session_upload(meshd_session_t *session, meshd_ref_t mesh,
+                                           const char *dtype, const int64_t *shape, size_t ndim,
+                                           const void *data, size_t bytes, meshd_ref_t *out);
+
+/* Drop (Monarch's drop): frees each tensor's storage, every alias of it. */
+MESHD_API meshd_err_t meshd_session_drop(meshd_session_t *session, const meshd_ref_t *refs,
+                                         size_t n);
+
+/* Release: lets go of each handle; a storage goes with its last ref, so a view
+ * keeps its base's. Refs no longer live are skipped (docs/protocol.md). */
+MESHD_API meshd_err_t meshd_session_release(meshd_session_t *session, const meshd_ref_t *refs,
+                                            size_t n);
+
+/* to_mesh: a copy of `input` on every rank of `mesh` (on the default stream);
+ * *out gets its ref. */
+MESHD_API meshd_err_t meshd_session_to_mesh(meshd_session_t *session, meshd_ref_t input,
+                                            meshd_ref_t mesh, meshd_ref_t *out);
+
+/* Borrows `input` onto `stream` (mutably or not): *handle gets the tensor to use
+ * there, *borrow the borrow's ref for meshd_session_drop_borrow. */
+MESHD_API meshd_err_t meshd_session_borrow(meshd_session_t *session, meshd_ref_t input,
+                                           meshd_ref_t stream, bool is_mutable,
+                                           meshd_ref_t *handle, meshd_ref_t *borrow);
+/* Ends a borrow: its handle is dropped, the origin usable again. */
+MESHD_API meshd_err_t meshd_session_drop_borrow(meshd_session_t *session, meshd_ref_t borrow);
+
 /* The lease the server gave the session (seconds; CreateSession's ttl_seconds). */
 MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
 

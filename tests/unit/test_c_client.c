@@ -194,6 +194,114 @@ Test(c_client, compute_and_fetch) {
   meshd_close(c);
 }
 
+/* Upload, streams, borrows, to_mesh, drop and release: the C parity of issue 15.
+ * Values are fetched back; the session's live tensors and bytes show what
+ * release and drop freed. */
+static void session_row(meshd_client_t *c, const char *name, uint64_t *live, uint64_t *bytes) {
+  meshd_session_info_t *list = NULL;
+  size_t n = 0;
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  *live = *bytes = UINT64_MAX;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(list[i].client_name, name) == 0) {
+      *live = list[i].live_tensors;
+      *bytes = list[i].bytes_held;
+    }
+  meshd_sessions_free(list, n);
+  cr_assert_neq(*live, UINT64_MAX, "session %s not listed", name);
+}
+
+Test(c_client, upload_streams_borrows_to_mesh_drop_release) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-parity", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t two[] = {2}, one[] = {1};
+  meshd_ref_t m2 = 0, m1 = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, two, 1, &m2), MESHD_E_OK);
+  cr_assert_eq(meshd_session_create_mesh(s, dims, one, 1, &m1), MESHD_E_OK);
+
+  /* 2.5 MiB of float32, so the upload takes three messages. */
+  size_t n = 5 * (1u << 17);
+  float *data = malloc(n * sizeof *data);
+  cr_assert_not_null(data);
+  for (size_t i = 0; i < n; i++)
+    data[i] = (float)(i % 1000);
+  int64_t shape[] = {(int64_t)n};
+  meshd_ref_t x = 0;
+  cr_assert_eq(meshd_session_upload(s, m2, "float32", shape, 1, data, n * sizeof *data, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  int64_t at1[] = {1}, at0[] = {0};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, x, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, n);
+  for (size_t i = 0; i < n; i += 4099)
+    cr_assert_float_eq(v.values[i], (double)(i % 1000), 1e-9, "element %zu", i);
+  meshd_values_free(&v);
+  free(data);
+  /* Bytes that disagree with the shape are refused, and name what was wrong. */
+  float four[4] = {1, 2, 3, 4};
+  meshd_ref_t bad = 0;
+  int64_t three[] = {3};
+  cr_assert_eq(meshd_session_upload(s, m2, "float32", three, 1, four, sizeof four, &bad),
+               MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "total_bytes") ||
+                strstr(meshd_last_error(c)->message, "bytes"),
+            "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_upload(s, m2, "float33", three, 1, four, 12, &bad), MESHD_E_INVALID);
+
+  /* A side stream borrows x mutably; the origin is lent out until the borrow ends. */
+  meshd_ref_t side = 0, h = 0, b = 0, y = 0;
+  cr_assert_eq(meshd_session_stream(s, "side", &side), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_borrow(s, x, side, true, &h, &b), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert(h < b && b == h + 1);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "BORROWED");
+  cr_assert_eq(meshd_session_drop_borrow(s, b), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+
+  /* to_mesh: y copied onto another {gpu: 2} mesh; a {gpu: 1} tensor cannot go there. */
+  meshd_ref_t m2b = 0, z = 0, w = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, two, 1, &m2b), MESHD_E_OK);
+  cr_assert_eq(meshd_session_to_mesh(s, y, m2b, &z), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_fetch(s, z, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, n);
+  cr_assert_float_eq(v.values[1001], 2.0, 1e-9); /* x[1001] = 1, plus 1 */
+  meshd_values_free(&v);
+  int64_t small[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m1, "full", small, 1, 3.0, &w), MESHD_E_OK);
+  meshd_ref_t bad2 = 0;
+  cr_assert_eq(meshd_session_to_mesh(s, w, m2, &bad2), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "size 1 on the source"), "%s",
+            meshd_last_error(c)->message);
+
+  /* Release lets go of one handle; drop frees a storage with every alias. */
+  uint64_t live0, bytes0, live1, bytes1;
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  session_row(c, "c-parity", &live0, &bytes0);
+  meshd_ref_t gone[] = {y, 999999};
+  cr_assert_eq(meshd_session_release(s, gone, 2), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  session_row(c, "c-parity", &live1, &bytes1);
+  cr_assert_eq(live1, live0 - 1);
+  cr_assert_eq(bytes1, bytes0 - 2 * n * sizeof(float));
+  cr_assert_eq(meshd_session_fetch(s, y, dims, at0, 1, &v), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "DROPPED");
+  cr_assert_eq(meshd_session_drop(s, &x, 1), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  session_row(c, "c-parity", &live1, &bytes1);
+  cr_assert_eq(live1, live0 - 2);
+  cr_assert_eq(meshd_session_release(s, &m2, 1), MESHD_E_RPC); /* a mesh: refused */
+  cr_assert_str_eq(meshd_last_error(c)->kind, "BAD_ARGUMENT");
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 typedef struct progress_log {
   uint64_t done[4096], total[4096];
   size_t n;
