@@ -11,11 +11,15 @@ full-batch gradient: at the end the weights must match plain numpy running the
 same full-batch steps in one process.
 
     PYTHONPATH=clients/python /usr/bin/python3 \\
-        clients/python/examples/train_data_parallel.py --server 127.0.0.1:50051
+        clients/python/examples/train_data_parallel.py --server 127.0.0.1:50051 [--plot loss.png]
+
+It prints the loss per step, the steps per second, and with --plot FILE writes the
+loss curve (meshd's and numpy's) as a PNG (matplotlib, Debian's python3-matplotlib).
 """
 
 import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -49,6 +53,28 @@ def accuracy(X, y, w, b):
     return float((((X @ w + b) > 0).astype(np.float32) == y).mean())
 
 
+def plot(path, losses, losses_np, ranks):
+    """The loss curve, meshd's beside numpy's, as a PNG at path."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (Debian: apt-get install python3-matplotlib)")
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, label=f"meshd, {ranks} ranks", linewidth=2)
+    ax.plot(steps, losses_np, "--", label="numpy, one process")
+    ax.set_xlabel("step")
+    ax.set_ylabel("binary cross-entropy")
+    ax.set_title("Data-parallel logistic regression")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    print(f"loss curve written to {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="meshd address, host:port")
@@ -59,6 +85,7 @@ def main():
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tol", type=float, default=1e-4, help="max |w - w_numpy| allowed")
+    ap.add_argument("--plot", metavar="FILE", help="write the loss curve to FILE (PNG)")
     args = ap.parse_args()
     for name in ("steps", "agents", "per_rank", "features"):
         if getattr(args, name) < 1:
@@ -80,6 +107,7 @@ def main():
             w, b = meshd.tensor(w0), meshd.tensor(b0)
 
             losses = []
+            t0 = time.perf_counter()
             for step in range(1, args.steps + 1):
                 # forward, on every rank's own shard: p = sigmoid(X w + b)
                 z = Xs @ w
@@ -114,6 +142,7 @@ def main():
                     session.sync()
                     mem_first = max(a["allocated_bytes"] for a in session.agents())
             session.sync()
+            seconds = time.perf_counter() - t0
             mem_last = max(a["allocated_bytes"] for a in session.agents())
 
             w_dp = meshd.fetch_shard(w, gpu=0).result()
@@ -122,7 +151,11 @@ def main():
 
     print(f"final accuracy {accuracy(X, y, w_dp, b_dp):.4f} on {len(X)} examples "
           f"({N} ranks x {args.per_rank})")
+    print(f"{args.steps} steps in {seconds:.2f} s: {args.steps / seconds:.1f} steps/s "
+          f"(each step waits for its loss)")
     w_np, b_np, losses_np = numpy_reference(X, y, w0, b0, args.steps, args.lr)
+    if args.plot:
+        plot(args.plot, losses, losses_np, N)
     dw = float(np.max(np.abs(w_dp - w_np)))
     db = float(np.max(np.abs(b_dp - b_np)))
     dloss = float(np.max(np.abs(np.array(losses) - losses_np)))

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, _child_env
 
 EXAMPLES = os.path.join(REPO, "clients", "python", "examples")
@@ -18,12 +20,16 @@ def run_example(name, *args, timeout=300):
                           timeout=timeout)
 
 
-def test_train_data_parallel(server):
+def test_train_data_parallel(server, tmp_path):
+    png = tmp_path / "loss.png"
     r = run_example("train_data_parallel.py", "--server", server[0], "--agents", "2",
-                    "--steps", "5")
+                    "--steps", "5", "--plot", str(png))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     lines = r.stdout.splitlines()
+    # steps/s, and the loss curve as a PNG (its signature, and not a blank few bytes)
+    assert any(l.startswith("5 steps in ") and " steps/s " in l for l in lines), out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000, out
     losses = [float(l.split()[3]) for l in lines if l.startswith("step ")]
     assert [l.split()[1] for l in lines if l.startswith("step ")] == ["1", "2", "3", "4", "5"], out
     assert losses[-1] < losses[0], out  # it learns
@@ -37,3 +43,16 @@ def test_train_data_parallel_fails_when_it_does_not_match(server):
                     "--steps", "2", "--tol", "0")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "DOES NOT match numpy" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("hosts,gpus", [(1, 2), (2, 1)])
+def test_train_mlp_overlaps_its_all_reduce_and_matches_numpy(server, hosts, gpus):
+    r = run_example("train_mlp.py", "--server", server[0], "--hosts", str(hosts),
+                    "--gpus", str(gpus), "--steps", "6")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    losses = [float(l.split()[3]) for l in r.stdout.splitlines() if l.startswith("step ")]
+    assert len(losses) == 6 and losses[-1] < losses[0], out  # it learns
+    assert "steps/s" in r.stdout and "matches numpy" in r.stdout, out
+    r = run_example("train_mlp.py", "--server", server[0], "--steps", "2", "--tol", "0")
+    assert r.returncode == 1 and "DOES NOT match numpy" in r.stdout, r.stdout + r.stderr
