@@ -26,10 +26,10 @@ from .load import inspect_url, load
 from .mesh import Mesh
 from .session import Borrow, Session, Stream, connect, get_active_stream
 from .tensor import (DTYPES, Tensor, arange, empty, fetch_shard, full, inspect, ones, rand, randn,
-                     reduce, tensor, zeros)
+                     reduce, reduce_, tensor, zeros)
 
 __all__ = ["connect", "Session", "Mesh", "Stream", "Borrow", "Tensor", "MeshdError", "ops",
            "zeros", "ones", "full", "empty", "arange", "rand", "randn", "tensor", "fetch_shard",
-           "inspect", "DTYPES", "load", "inspect_url", "get_active_stream", "reduce"]
+           "inspect", "DTYPES", "load", "inspect_url", "get_active_stream", "reduce", "reduce_"]
 
 __version__: str = _read_version()  # the repository's VERSION file, as the C binaries' version

@@ -564,6 +564,12 @@ def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
     return _tree_map(lambda t: t.reduce(dims, reduction, scatter), tensors)
 
 
+def reduce_(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
+            scatter: bool = False) -> Any:
+    """meshd.reduce in place: t.reduce_ on every Tensor of the pytree (Monarch's reduce_)."""
+    return reduce(tensors, dims, reduction, scatter, _inplace=True)
+
+
 # ---------------------------------------------------------------- data in and out
 
 def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None,

@@ -122,6 +122,6 @@ def test_reduce_over_a_pytree_keeps_its_structure(session, mesh):
     np.testing.assert_array_equal(meshd.inspect(out["w"], gpu=1), [4, 6])
     np.testing.assert_array_equal(meshd.inspect(out["b"][0], gpu=0), [6])
     t = meshd.tensor(np.array([[1], [2]], np.float32), shard="gpu")
-    (same,) = meshd.reduce((t,), "gpu", "avg", _inplace=True)
+    (same,) = meshd.reduce_((t,), "gpu", "avg")
     assert same is t
     np.testing.assert_array_equal(meshd.inspect(t, gpu=1), [1.5])
