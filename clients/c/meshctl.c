@@ -680,6 +680,28 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
     if (parse_shape(sc, tok + 3, ntok - 3, shape) < 0)
       return -1;
     e = meshd_session_factory(sc->s, in, "full", shape, (size_t)(ntok - 3), value, &out);
+  } else if (strcmp(what, "tensor") == 0) { /* float32 values, the same on every rank */
+    if (ntok < 3)
+      return script_fail(sc, "SYNTAX", "usage: NAME = tensor MESH VALUE [VALUE ...]");
+    if (need_ref(sc, tok[1], &in) < 0)
+      return -1;
+    float values[MAX_TOKENS];
+    for (int i = 2; i < ntok; i++) {
+      double v;
+      if (!parse_float(tok[i], &v))
+        return script_fail(sc, "SYNTAX", "tensor: VALUE '%s' is not a number", tok[i]);
+      values[i - 2] = (float)v;
+    }
+    int64_t n = ntok - 2;
+    e = meshd_session_upload(sc->s, in, "float32", &n, 1, values, (size_t)n * sizeof *values,
+                             &out);
+  } else if (strcmp(what, "to_mesh") == 0) {
+    meshd_ref_t mesh = 0;
+    if (ntok != 3)
+      return script_fail(sc, "SYNTAX", "usage: NAME = to_mesh INPUT MESH");
+    if (need_ref(sc, tok[1], &in) < 0 || need_ref(sc, tok[2], &mesh) < 0)
+      return -1;
+    e = meshd_session_to_mesh(sc->s, in, mesh, &out);
   } else if (strcmp(what, "reduce") == 0) {
     if (ntok != 4)
       return script_fail(sc, "SYNTAX", "usage: NAME = reduce INPUT DIM|all REDUCTION");
@@ -739,6 +761,47 @@ static int run_line(script_t *sc, char *line) {
   }
   if (strcmp(tok[0], "fetch") == 0)
     return run_fetch(sc, tok, ntok);
+  if (strcmp(tok[0], "stream") == 0) {
+    meshd_ref_t ref;
+    if (ntok != 2 || !is_ident(tok[1]))
+      return script_fail(sc, "SYNTAX", "usage: stream NAME");
+    meshd_err_t e = meshd_session_stream(sc->s, tok[1], &ref);
+    if (e != MESHD_E_OK)
+      return script_lib_fail(sc, e);
+    return bind(sc, tok[1], ref);
+  }
+  if (strcmp(tok[0], "borrow") == 0) { /* borrow HANDLE BORROW INPUT STREAM [mutable] */
+    meshd_ref_t in, stream, handle, borrow;
+    bool is_mutable = ntok == 6 && strcmp(tok[5], "mutable") == 0;
+    if ((ntok != 5 && !is_mutable) || !is_ident(tok[1]) || !is_ident(tok[2]))
+      return script_fail(sc, "SYNTAX", "usage: borrow HANDLE BORROW INPUT STREAM [mutable]");
+    if (need_ref(sc, tok[3], &in) < 0 || need_ref(sc, tok[4], &stream) < 0)
+      return -1;
+    meshd_err_t e = meshd_session_borrow(sc->s, in, stream, is_mutable, &handle, &borrow);
+    if (e != MESHD_E_OK)
+      return script_lib_fail(sc, e);
+    return bind(sc, tok[1], handle) < 0 ? -1 : bind(sc, tok[2], borrow);
+  }
+  if (strcmp(tok[0], "drop_borrow") == 0) {
+    meshd_ref_t b;
+    if (ntok != 2)
+      return script_fail(sc, "SYNTAX", "usage: drop_borrow BORROW");
+    if (need_ref(sc, tok[1], &b) < 0)
+      return -1;
+    meshd_err_t e = meshd_session_drop_borrow(sc->s, b);
+    return e == MESHD_E_OK ? 0 : script_lib_fail(sc, e);
+  }
+  if (strcmp(tok[0], "drop") == 0 || strcmp(tok[0], "release") == 0) {
+    meshd_ref_t refs[MAX_TOKENS];
+    if (ntok < 2)
+      return script_fail(sc, "SYNTAX", "usage: %s NAME [NAME ...]", tok[0]);
+    for (int i = 1; i < ntok; i++)
+      if (need_ref(sc, tok[i], &refs[i - 1]) < 0)
+        return -1;
+    meshd_err_t e = tok[0][0] == 'd' ? meshd_session_drop(sc->s, refs, (size_t)(ntok - 1))
+                                     : meshd_session_release(sc->s, refs, (size_t)(ntok - 1));
+    return e == MESHD_E_OK ? 0 : script_lib_fail(sc, e);
+  }
   if (strcmp(tok[0], "sync") == 0) {
     if (ntok != 1)
       return script_fail(sc, "SYNTAX", "usage: sync");
@@ -747,8 +810,9 @@ static int run_line(script_t *sc, char *line) {
       return script_lib_fail(sc, e);
     return 0;
   }
-  return script_fail(sc, "SYNTAX", "unknown command '%s' (expected mesh, fetch, sync or NAME = ...)",
-                     tok[0]);
+  return script_fail(sc, "SYNTAX",
+                     "unknown command '%s' (expected mesh, stream, fetch, sync, borrow, "
+                     "drop_borrow, drop, release or NAME = ...)", tok[0]);
 }
 
 static int cmd_run(meshd_client_t *c, int argc, char **argv) {

@@ -454,6 +454,27 @@ Test(c_client, meshctl_run_script) {
   cr_assert_str_eq(out, "z [2,3] 5 5 5 5 5 5\nh [2] 0.25 0.25\n", "stdout: %s", out);
 }
 
+Test(c_client, meshctl_run_script_uploads_borrows_and_releases) {
+  char out[4096], err[4096];
+  int rc = meshctl_run("mesh m gpu=2\n"
+                       "mesh n gpu=2\n"
+                       "x = tensor m 1 2 3\n"
+                       "stream side\n"
+                       "borrow h b x side mutable\n"
+                       "drop_borrow b\n"
+                       "y = to_mesh x n\n"
+                       "v = t x\n"
+                       "release x\n"
+                       "fetch v gpu=1\n"
+                       "fetch y gpu=0\n"
+                       "drop y\n"
+                       "fetch y gpu=0\n",
+                       out, sizeof out, err, sizeof err);
+  cr_assert_eq(rc, 3, "rc %d, stderr: %s", rc, err); /* EXIT_RPC: the last fetch, y was dropped */
+  cr_assert_str_eq(out, "v [3] 1 2 3\ny [3] 1 2 3\n", "stdout: %s", out);
+  cr_assert(strstr(err, "line 13: DROPPED"), "stderr: %s", err);
+}
+
 Test(c_client, meshctl_run_errors) {
   char out[4096], err[4096];
   int rc = meshctl_run("mesh m gpu=2\n"
