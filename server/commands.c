@@ -857,15 +857,21 @@ static int cmd_drop_borrow(frontend_t *fe, session_t *s, objects_t *o, const Mes
   return borrow_drop(o, b, out->res.seq, e); /* frees b */
 }
 
+/* At most --max-command-refs refs in one Drop or Release. */
+static int check_command_refs(const session_t *s, const char *what, const char *verb, size_t n,
+                              meshd_error_t *e) {
+  uint64_t most = s->limits.max_command_refs;
+  if (!most || n <= most) return 0;
+  return error_set(e, ERR_QUOTA,
+                   "%s: %zu refs in one command, more than the %llu one command may name here "
+                   "(--max-command-refs); %s them in several commands",
+                   what, n, (unsigned long long)most, verb);
+}
+
 static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                     cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Drop *d = c->drop;
-  uint64_t most = s->limits.max_command_refs;
-  if (most && d->n_refs > most)
-    return error_set(e, ERR_QUOTA,
-                     "Drop: %zu refs in one command, more than the %llu one command may name here "
-                     "(--max-command-refs); drop them in several commands",
-                     d->n_refs, (unsigned long long)most);
+  if (check_command_refs(s, "Drop", "drop", d->n_refs, e)) return -1;
   for (size_t i = 0; i < d->n_refs; i++) { /* all or nothing */
     uint64_t ref = d->refs[i];
     /* dropping twice is a no-op, also long after the first time */
@@ -903,12 +909,7 @@ static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
 static int cmd_release(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                        cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Release *r = c->release;
-  uint64_t most = s->limits.max_command_refs;
-  if (most && r->n_refs > most)
-    return error_set(e, ERR_QUOTA,
-                     "Release: %zu refs in one command, more than the %llu one command may name "
-                     "here (--max-command-refs); release them in several commands",
-                     r->n_refs, (unsigned long long)most);
+  if (check_command_refs(s, "Release", "release", r->n_refs, e)) return -1;
   for (size_t i = 0; i < r->n_refs; i++) {
     uint64_t ref = r->refs[i];
     if (objects_dropped_borrow(o, ref))

@@ -630,6 +630,14 @@ static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
   return execute_timeout(s, cmd, 0);
 }
 
+/* execute() of a command that makes ref s->next_ref: on success *out gets it. */
+static meshd_err_t execute_new(meshd_session_t *s, Meshd__V1__Command *cmd, meshd_ref_t *out) {
+  meshd_err_t ret = execute(s, cmd);
+  if (ret == MESHD_E_OK)
+    *out = s->next_ref++;
+  return ret;
+}
+
 static bool check_out(meshd_session_t *s, const void *out, const char *fn) {
   if (out)
     return true;
@@ -663,10 +671,7 @@ meshd_err_t meshd_session_create_mesh(meshd_session_t *s, const char *const *nam
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_MESH;
   cmd.create_mesh = &cm;
-  meshd_err_t ret = execute(s, &cmd);
-  if (ret == MESHD_E_OK)
-    *mesh_out = s->next_ref++;
-  return ret;
+  return execute_new(s, &cmd, mesh_out);
 }
 
 meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const char *kind,
@@ -691,10 +696,7 @@ meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const ch
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_FACTORY;
   cmd.factory = &f;
-  meshd_err_t ret = execute(s, &cmd);
-  if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
-  return ret;
+  return execute_new(s, &cmd, out);
 }
 
 static int dtype_by_name(const char *name) {
@@ -821,10 +823,7 @@ meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_a
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
   cmd.call = &c;
-  meshd_err_t ret = execute(s, &cmd);
-  if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
-  return ret;
+  return execute_new(s, &cmd, out);
 }
 
 meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const char *dim,
@@ -849,10 +848,7 @@ meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const ch
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_REDUCE;
   cmd.reduce = &r;
-  meshd_err_t ret = execute(s, &cmd);
-  if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
-  return ret;
+  return execute_new(s, &cmd, out);
 }
 
 meshd_err_t meshd_session_stream(meshd_session_t *s, const char *name, meshd_ref_t *out) {
@@ -870,10 +866,7 @@ meshd_err_t meshd_session_stream(meshd_session_t *s, const char *name, meshd_ref
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_STREAM;
   cmd.create_stream = &cs;
-  meshd_err_t ret = execute(s, &cmd);
-  if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
-  return ret;
+  return execute_new(s, &cmd, out);
 }
 
 /* Drop or Release of refs[0..n). */
@@ -923,10 +916,7 @@ meshd_err_t meshd_session_to_mesh(meshd_session_t *s, meshd_ref_t input, meshd_r
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_TO_MESH;
   cmd.to_mesh = &t;
-  meshd_err_t ret = execute(s, &cmd);
-  if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
-  return ret;
+  return execute_new(s, &cmd, out);
 }
 
 meshd_err_t meshd_session_borrow(meshd_session_t *s, meshd_ref_t input, meshd_ref_t stream,
