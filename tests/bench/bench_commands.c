@@ -3,13 +3,15 @@
  * command, and server memory per live tensor.
  *
  *   bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]
- *                  [--live-tensors K] [--memory-seconds M] [--skip-baseline]
+ *                  [--batch K] [--live-tensors K] [--memory-seconds M] [--skip-baseline]
  *
  * --seconds: measured time per case (default 2); --warmup: unmeasured time
  * before it (0.5); --agents: the agent counts of the command cases (1,4);
  * --drop-batch: results dropped per Drop (256); --live-tensors: live refs made
  * by the memory case (1000000; 0 skips it); --memory-seconds: the memory case
- * stops making refs after this long and reports how many it made (90).
+ * stops making refs after this long and reports how many it made (90);
+ * --batch: Calls per Submit message (1: one each; K > 1: a batch Command of K,
+ * answered in one SubmitReply{results}, docs/protocol.md), the Drops between.
  *
  * Each case starts its own server, `$MESHD_BIN_DIR/meshd --listen 127.0.0.1:0
  * --port-file F --local-agents N` (MESHD_BIN_DIR defaults to this program's
@@ -62,7 +64,7 @@
 
 static void usage(void) {
   fprintf(stderr,
-          "usage: bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]\n"
+          "usage: bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B] [--batch K]\n"
           "                      [--live-tensors K] [--memory-seconds M] [--skip-baseline]\n");
   exit(2);
 }
@@ -192,6 +194,7 @@ typedef struct {
   int nagents;
   /* knobs */
   int drop_batch;        /* 0: never drop */
+  int batch;             /* Calls per Submit message (<= 1: one each) */
   uint64_t max_calls;    /* 0: until stop */
   int64_t deadline_ns;   /* the writer stops making calls after this (0: none) */
   int64_t warm_end_ns, measure_ns; /* 0 measure_ns: no window */
@@ -247,9 +250,56 @@ static void *writer(void *p) {
     atomic_store(&r->stop, true);
   }
 
+  /* --batch K: K Calls (each with its own result ref) in one batch Command. */
+  int k = r->batch > 1 ? r->batch : 1;
+  Meshd__V1__Call *bcalls = calloc((size_t)k, sizeof *bcalls);
+  Meshd__V1__Command *bcmds = calloc((size_t)k, sizeof *bcmds);
+  Meshd__V1__Command **bptrs = calloc((size_t)k, sizeof *bptrs);
+  uint64_t *bresults = calloc((size_t)k, sizeof *bresults);
+  Meshd__V1__Command batch = MESHD__V1__COMMAND__INIT;
+  if (!bcalls || !bcmds || !bptrs || !bresults) {
+    r->write_err = 1;
+    atomic_store(&r->stop, true);
+  }
+  for (int i = 0; bptrs && i < k; i++) {
+    bcalls[i] = call;
+    bcalls[i].results = &bresults[i];
+    bcmds[i] = cmd;
+    bcmds[i].call = &bcalls[i];
+    bptrs[i] = &bcmds[i];
+  }
+  batch.batch = bptrs;
+
   while (!atomic_load(&r->stop)) {
     if (r->max_calls && r->calls_written >= r->max_calls) break;
-    if (r->deadline_ns && (r->calls_written & 1023) == 0 && bench_now_ns() > r->deadline_ns) break;
+    if (r->deadline_ns && (r->calls_written & 1023) < (uint64_t)k && bench_now_ns() > r->deadline_ns)
+      break;
+    if (k > 1) { /* K Calls in one message; results pend for the Drop below as one by one */
+      for (int i = 0; i < k; i++) {
+        bcmds[i].seq = r->seq++;
+        bresults[i] = r->ref++;
+      }
+      batch.n_batch = (size_t)k;
+      if (rpc_stream_write(r->s, &batch.base, false) != 0) {
+        r->write_err = 1;
+        goto out;
+      }
+      r->calls_written += (uint64_t)k;
+      for (int i = 0; r->drop_batch > 0 && i < k; i++) {
+        pending[npending++] = bresults[i];
+        if (npending == cap) {
+          dcmd.seq = r->seq++;
+          drop.n_refs = npending;
+          if (rpc_stream_write(r->s, &dcmd.base, false) != 0) {
+            r->write_err = 1;
+            goto out;
+          }
+          r->drops_written++;
+          npending = 0;
+        }
+      }
+      continue;
+    }
     cmd.seq = r->seq++;
     result = r->ref++;
     if (rpc_stream_write(r->s, &cmd.base, false) != 0) {
@@ -292,6 +342,10 @@ static void *writer(void *p) {
   if (rpc_stream_write(r->s, &scmd.base, true) != 0) r->write_err = 1;
 out:
   free(pending);
+  free(bcalls);
+  free(bcmds);
+  free(bptrs);
+  free(bresults);
   return NULL;
 }
 
@@ -340,15 +394,19 @@ static void *reader(void *p) {
     }
     Meshd__V1__SubmitReply *rep = (Meshd__V1__SubmitReply *)m;
     const Meshd__V1__CommandResult *res = rep->result;
-    r->replies++;
-    if (res && res->n_tensors > 0) r->call_replies++;
-    if (!res || res->error) {
-      if (r->errors++ == 0)
-        snprintf(r->first_error, sizeof r->first_error, "seq %llu: %s: %s",
-                 res ? (unsigned long long)res->seq : 0ULL,
-                 res && res->error ? kind_name(res->error->kind) : "no result",
-                 res && res->error ? res->error->message : "");
-      atomic_store(&r->stop, true);
+    size_t nres = rep->n_results ? rep->n_results : 1; /* a batch's answers, or one */
+    for (size_t i = 0; i < nres; i++) {
+      if (rep->n_results) res = rep->results[i];
+      r->replies++;
+      if (res && res->n_tensors > 0) r->call_replies++;
+      if (!res || res->error) {
+        if (r->errors++ == 0)
+          snprintf(r->first_error, sizeof r->first_error, "seq %llu: %s: %s",
+                   res ? (unsigned long long)res->seq : 0ULL,
+                   res && res->error ? kind_name(res->error->kind) : "no result",
+                   res && res->error ? res->error->message : "");
+        atomic_store(&r->stop, true);
+      }
     }
     uint64_t sseq = atomic_load(&r->sync_seq);
     if (res && sseq && res->seq == sseq) {
@@ -418,7 +476,7 @@ static int run_pipeline(run_t *r) {
 
 typedef struct {
   double seconds, warmup;
-  int drop_batch;
+  int drop_batch, batch;
   uint64_t live_tensors;
   double memory_seconds;
 } opts_t;
@@ -444,6 +502,7 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
     r.nagents = srv.nagents;
     r.ref = INPUT_REF + 1;
     r.drop_batch = o->drop_batch;
+    r.batch = o->batch;
     r.warm_end_ns = bench_now_ns() + (int64_t)(o->warmup * 1e9);
     r.measure_ns = (int64_t)(o->seconds * 1e9);
     rc = run_pipeline(&r);
@@ -494,6 +553,7 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
    * (its flow control window; -1: the server does not say). */
   bench_json_num(&j, "server_queued_at_stop", (double)r.queued_at_stop);
   bench_json_num(&j, "drop_batch", o->drop_batch);
+  bench_json_num(&j, "batch", o->batch > 1 ? o->batch : 1);
   bench_json_num(&j, "calls_total", (double)r.calls_written);
   bench_json_num(&j, "drops_total", (double)r.drops_written);
   bench_json_num(&j, "replies_total", (double)r.replies);
@@ -591,6 +651,9 @@ int main(int argc, char **argv) {
       o.warmup = atof(v);
     } else if ((v = bench_arg(argc, argv, &i, "--drop-batch"))) {
       o.drop_batch = atoi(v);
+    } else if ((v = bench_arg(argc, argv, &i, "--batch"))) {
+      o.batch = atoi(v);
+      if (o.batch < 1 || o.batch > 4096) usage();
     } else if ((v = bench_arg(argc, argv, &i, "--live-tensors"))) {
       o.live_tensors = strtoull(v, NULL, 10);
     } else if ((v = bench_arg(argc, argv, &i, "--memory-seconds"))) {
