@@ -1,0 +1,390 @@
+// TypeScript declarations for meshd.mjs (read that file's header first: proto lookup,
+// security options, keepalive). TypeScript finds them through package.json ("types",
+// "exports"), so import the package by name: `import { connect } from 'meshd-client'`.
+//
+// Replies are what @grpc/proto-loader makes with meshd.mjs's options (keepCase: true,
+// longs: Number, enums: String, defaults: true, oneofs: true): field names as in
+// api/meshd/v1/tensor_service.proto, 64-bit integers as numbers, enums as their names,
+// every scalar and repeated field present (0, '', false, []), an unset message field
+// null, and a oneof named by a string field (FetchChunk.part: 'meta' | 'data').
+// test/types-check.ts holds these declarations to the API as the examples use it.
+/// <reference types="node" />
+import * as grpc from '@grpc/grpc-js';
+import { inspect } from 'node:util';
+
+export { grpc };
+
+// ------------------------------------------------------------------ enums
+
+export type DType =
+  | 'DTYPE_UNSPECIFIED' | 'DTYPE_FLOAT32' | 'DTYPE_FLOAT64' | 'DTYPE_FLOAT16' | 'DTYPE_BFLOAT16'
+  | 'DTYPE_INT8' | 'DTYPE_UINT8' | 'DTYPE_INT16' | 'DTYPE_INT32' | 'DTYPE_INT64' | 'DTYPE_BOOL';
+
+/** ErrorKind names without their `ERROR_KIND_` prefix: what MeshdError.kind holds. */
+export type ErrorKind =
+  | 'UNSPECIFIED' | 'WRONG_MESH' | 'WRONG_STREAM' | 'DROPPED' | 'BORROWED' | 'MUTATING_BORROW'
+  | 'UNKNOWN_REF' | 'REF_REUSED' | 'UNKNOWN_OP' | 'BAD_ARGUMENT' | 'SHAPE_MISMATCH'
+  | 'DTYPE_MISMATCH' | 'BAD_DIM' | 'QUOTA' | 'REMOTE_FAILURE' | 'DEPENDENT_FAILURE'
+  | 'AGENT_LOST' | 'NO_SESSION' | 'UNAVAILABLE' | 'DEADLINE_EXCEEDED' | 'UNAUTHENTICATED'
+  | 'PERMISSION_DENIED';
+
+/** The proto's ErrorKind enum as a reply carries it ("ERROR_KIND_UNKNOWN_OP"). */
+export type ErrorKindName = `ERROR_KIND_${ErrorKind}`;
+
+export type TensorState =
+  | 'TENSOR_STATE_UNSPECIFIED' | 'TENSOR_STATE_LIVE' | 'TENSOR_STATE_DROPPED' | 'TENSOR_STATE_FAILED';
+
+/** Factory.kind (server/commands.c's factory_kinds). */
+export type FactoryKind = 'empty' | 'zeros' | 'ones' | 'full' | 'arange' | 'rand' | 'randn' | 'rank';
+
+/** Reduce.reduction (core/tensor/reduction.h); band/bor/bxor: integer and bool dtypes only. */
+export type Reduction = 'sum' | 'avg' | 'product' | 'min' | 'max' | 'band' | 'bor' | 'bxor' | 'stack';
+
+// ------------------------------------------------------------------ replies
+
+/** The proto's Error message (named so as not to hide the global Error). */
+export interface ProtoError {
+  kind: ErrorKindName;
+  message: string;
+  /** the gRPC status code the error maps to */
+  code: number;
+  /** the failing (root) command's seq; 0 when unknown */
+  seq: number;
+  ref: number;
+  session_id: string;
+}
+
+export interface Dim { name: string; size: number }
+
+export interface TensorMeta {
+  ref: number;
+  shape: number[];
+  dtype: DType;
+  strides: number[];
+  mesh: number;
+  stream: number;
+  state: TensorState;
+  /** why it is failed or dropped */
+  error: ProtoError | null;
+  storage_offset: number;
+}
+
+export interface MeshMeta {
+  ref: number;
+  dims: Dim[];
+  /** world ranks, row-major over dims */
+  ranks: number[];
+}
+
+export interface CommandResult {
+  seq: number;
+  /** set when the command was rejected (execute() throws it instead) */
+  error: ProtoError | null;
+  tensors: TensorMeta[];
+  /** CreateMesh / SliceMesh */
+  mesh: MeshMeta | null;
+  /** Sync: run-time errors not reported before */
+  errors: ProtoError[];
+}
+
+export interface UrlTensor {
+  /** safetensors key; '' for .npy */
+  name: string;
+  dtype: DType;
+  shape: number[];
+  offset: number;
+  nbytes: number;
+}
+
+export interface InspectUrlReply {
+  format: 'npy' | 'safetensors';
+  file_size: number;
+  /** in header order */
+  tensors: UrlTensor[];
+  /** safetensors __metadata__, or '' */
+  metadata_json: string;
+}
+
+export interface CreateSessionReply { session_id: string; token: string; ttl_seconds: number }
+export interface KeepAliveReply { ttl_seconds: number }
+
+export interface AgentInfo {
+  rank: number; address: string; device: string; memory_bytes: number; allocated_bytes: number;
+  healthy: boolean; agent_id: string; data_port: number; registered_unix_ms: number;
+}
+export interface SessionInfo {
+  session_id: string; client_name: string; bytes_held: number; live_tensors: number;
+  idle_ms: number; queued_commands: number; owner: string;
+}
+export interface OpInfo { name: string; schema: string; view: boolean; inplace: boolean; factory: boolean }
+export interface LoadProgress { ref: number; done_bytes: number; total_bytes: number; failed: boolean }
+
+export interface ShardGrant { rank: number; address: string; grant: Buffer; after_seq: number }
+export interface PlanTransferReply {
+  transfer_id: number; shards: ShardGrant[]; meta: TensorMeta | null; expiry_unix_ms: number;
+}
+
+/** What fetch() resolves to: the local tensor's bytes as a typed array by dtype. */
+export type FetchArray =
+  | Float32Array | Float64Array | Int8Array | Uint8Array | Int16Array | Int32Array | BigInt64Array;
+/** Narrow it with instanceof (`v instanceof Float32Array`); DTYPE_BOOL is a Uint8Array. */
+export type Fetched = FetchArray & { shape: number[]; dtype: DType };
+
+/** What upload() takes; the dtype follows the array (Uint8Array: DTYPE_UINT8). */
+export type UploadArray = FetchArray;
+
+// ------------------------------------------------------------------ requests
+
+/** A tensor or mesh: its ref, or anything with .ref (a TensorMeta, a MeshMeta). */
+export type Ref = number | { ref: number };
+
+/**
+ * One argument of call(): a number is a double (`f`), a boolean `b`, a string `s`,
+ * null/undefined `none`, a bigint or a TensorMeta (an object with .ref and more) a
+ * tensor ref, a number[] an int list; an Arg object passes through as it is.
+ */
+export type CallArg = number | boolean | string | null | undefined | bigint | number[] | TensorMeta | Arg;
+
+/** The proto's Arg: exactly one of its fields. */
+export type Arg =
+  | { ref: number } | { f: number } | { i: number } | { b: boolean } | { ints: { values: number[] } }
+  | { dtype: DType } | { s: string } | { none: true } | { refs: { refs: number[] } };
+
+export interface MeshSelector {
+  dim: string;
+  index?: number;
+  range?: { start?: number; stop?: number; step?: number; has_stop?: boolean; has_step?: boolean };
+}
+
+/** A Factory; factory() fills in ref, and dtype when not given. */
+export interface FactoryOptions {
+  kind: FactoryKind;
+  /** the mesh's ref (a number: a MeshMeta here would be read as 0) */
+  mesh: number;
+  shape?: number[];
+  /** default 'DTYPE_FLOAT32' */
+  dtype?: DType;
+  /** 0: main, the session's default stream */
+  stream?: number;
+  /** full */
+  value?: number;
+  /** rand / randn, with has_seed: true */
+  seed?: number;
+  has_seed?: boolean;
+  /** rank: the mesh dim whose coordinate is wanted */
+  dim?: string;
+  /** arange */
+  start?: number;
+  end?: number;
+  step?: number;
+}
+
+/** One Command for execute(): exactly one kind; seq is filled in. */
+export type Command =
+  | { create_mesh: { ref: number; dims: Dim[] } }
+  | { slice_mesh: { ref: number; parent: number; selectors: MeshSelector[] } }
+  | { create_stream: { ref: number; name: string } }
+  | { factory: FactoryOptions & { ref: number } }
+  | { call: { op: string; args?: Arg[]; kwargs?: { name: string; value: Arg }[]; results: number[]; stream?: number } }
+  | { reduce: { ref: number; input: number; dims?: string[]; reduction: Reduction; scatter?: boolean; inplace?: boolean; out?: number; stream?: number } }
+  | { to_mesh: { ref: number; input: number; selection?: MeshSelector[]; dst_mesh: number; dst_stream?: number } }
+  | { borrow: { ref: number; input: number; stream?: number; mutable?: boolean; borrow: number } }
+  | { drop_borrow: { borrow: number } }
+  | { drop: { refs: number[] } }
+  | { release: { refs: number[] } }
+  | { sync: { stream?: number; has_stream?: boolean } }
+  | { describe: { ref: number } }
+  | { load: { ref: number; mesh: number; url: string; dtype: DType; shape: number[]; stream?: number; offset?: number; file_size?: number; shard?: string; dim?: number } };
+
+/** The unary RPCs unary() can make: [request, reply]. */
+export interface UnaryMethods {
+  CreateSession: [{ client_name?: string; ttl_seconds?: number; quota_bytes?: number }, CreateSessionReply];
+  CloseSession: [Record<string, never>, Record<string, never>];
+  KeepAlive: [Record<string, never>, KeepAliveReply];
+  ListAgents: [Record<string, never>, { agents: AgentInfo[] }];
+  ListSessions: [Record<string, never>, { sessions: SessionInfo[] }];
+  ListOps: [Record<string, never>, { ops: OpInfo[] }];
+  Execute: [Command & { seq: number }, CommandResult];
+  InspectUrl: [{ url: string; mesh?: number }, InspectUrlReply];
+  LoadProgress: [{ refs: number[] }, { loads: LoadProgress[] }];
+  PlanTransfer: [object, PlanTransferReply];
+  FinishUpload: [{ transfer_id: number; receipts: { rank: number; bytes: number; receipt: Uint8Array }[] }, { tensor: TensorMeta | null }];
+  FinishFetch: [{ transfer_id: number }, Record<string, never>];
+}
+
+/** Per-call options: the deadline from now (default: the session's timeoutMs). */
+export interface CallOptions { timeoutMs?: number }
+
+/** load()'s options; raw bytes need both dtype and shape (of the whole tensor). */
+export interface LoadOptions {
+  dtype?: DType;
+  shape?: number[];
+  /** the safetensors key to load */
+  name?: string;
+  /** mesh dim to split `dim` over; '' (default): every rank loads it all */
+  shard?: string;
+  /** the tensor dim split with shard (default 0) */
+  dim?: number;
+  /** default 0, the main stream */
+  stream?: number;
+}
+
+// ------------------------------------------------------------------ errors
+
+/**
+ * An Error from meshd: `kind` is the ErrorKind name without its prefix ("UNKNOWN_OP"),
+ * or a gRPC status name ("UNAVAILABLE", or "CODE_n") when the server sent none;
+ * `code` the gRPC status code; `seq` the failing command when known.
+ */
+export class MeshdError extends Error {
+  constructor(kind: string, message: string, code?: number, seq?: number);
+  name: 'MeshdError';
+  kind: ErrorKind | (string & {});
+  code: number | undefined;
+  seq: number | undefined;
+  /** sync() only: every error that Sync reported, this one first. */
+  errors?: MeshdError[];
+  /** From a failed gRPC call: the kind from its `meshd-error-kind` trailer. */
+  static fromRpc(err: Pick<grpc.ServiceError, 'code' | 'message'> & Partial<Pick<grpc.ServiceError, 'details' | 'metadata'>>): MeshdError;
+  /** From an Error message in a reply (CommandResult.error or .errors). */
+  static fromError(e: Pick<ProtoError, 'kind' | 'message' | 'code'> & { seq?: number }): MeshdError;
+}
+
+// ------------------------------------------------------------------ functions
+
+/** The tensor_service.proto connect() loads: under $MESHD_SOURCE_DIR, else the source tree's; throws if neither exists. */
+export function protoPath(): string;
+
+/** KeepAlive period for a lease of ttlSeconds (0 or absent: 300): a third of it, at least 1000 ms. */
+export function keepAlivePeriodMs(ttlSeconds?: number): number;
+
+/** True if every host `addr` names is loopback (localhost, 127.0.0.0/8, ::1) or it is a local socket. */
+export function isLoopback(addr: string): boolean;
+
+/** A PEM certificate or key: its bytes, a PEM string, or a file path. */
+export type Pem = Buffer | Uint8Array | string;
+
+/** Security options; each unset one comes from its environment variable. */
+export interface SecurityOptions {
+  /** bearer token (1..4096 visible ASCII); unset or null: $MESHD_TOKEN; '': none */
+  token?: string | null;
+  /** TLS with the system's roots ($MESHD_TLS=1); any certificate option or serverName implies it */
+  tls?: boolean;
+  /** the CA that verifies the server ($MESHD_TLS_CA) */
+  rootCerts?: Pem | null;
+  /** client certificate for mTLS, with privateKey ($MESHD_TLS_CERT) */
+  certChain?: Pem | null;
+  /** ($MESHD_TLS_KEY) */
+  privateKey?: Pem | null;
+  /** the name the server's certificate must hold ($MESHD_TLS_SERVER_NAME) */
+  serverName?: string;
+  /** send a token in plaintext to an address that is not loopback (default false) */
+  insecure?: boolean;
+}
+
+export interface ResolvedSecurity {
+  creds: grpc.ChannelCredentials;
+  options: { 'grpc.enable_http_proxy': number; 'grpc.ssl_target_name_override'?: string };
+  /** base metadata: `authorization: Bearer TOKEN` when there is a token */
+  md: grpc.Metadata;
+  tls: boolean;
+}
+
+/** The channel credentials, channel options and base metadata of connect()'s options; throws on bad ones. */
+export function resolveSecurity(addr: string, options?: SecurityOptions): ResolvedSecurity;
+
+export interface ConnectOptions extends SecurityOptions {
+  /** default 'meshd-node' */
+  clientName?: string;
+  /** session lease; 0 (default): the server's --session-ttl */
+  ttlSeconds?: number;
+  /** 0 (default): the server's default quota */
+  quotaBytes?: number;
+  /** every call's deadline unless given per call (default 60000) */
+  timeoutMs?: number;
+  /** tensor_service.proto (default: protoPath()) */
+  protoPath?: string;
+}
+
+/** Connects to `addr` (host:port or a gRPC target) and creates a session. */
+export function connect(addr: string, options?: ConnectOptions): Promise<Session>;
+
+// ------------------------------------------------------------------ Session
+
+/** The gRPC client connect() made (methods by RPC name, untyped). */
+export type TensorServiceClient = InstanceType<grpc.ServiceClientConstructor>;
+
+/** An open session; make one with connect(). Refs and seqs are handed out from 1. */
+export class Session {
+  /** Used by connect(); baseMd is copied, then carries the session's id and token. */
+  constructor(client: TensorServiceClient, reply: CreateSessionReply, timeoutMs: number,
+    baseMd?: grpc.Metadata, options?: { tls?: boolean });
+
+  client: TensorServiceClient;
+  id: string;
+  /** the lease the server granted */
+  ttlSeconds: number;
+  /** default deadline of every call, from now */
+  timeoutMs: number;
+  tls: boolean;
+  /** the last ref handed out */
+  nextRef: number;
+  /** the last command's seq */
+  seq: number;
+  closed: boolean;
+  keepAliveTimer: NodeJS.Timeout;
+  keepAlivePeriodMs: number;
+
+  /** Starts the unref'd KeepAlive timer (the constructor does). */
+  startKeepAlive(): void;
+  /** Stops it (close() does). */
+  stopKeepAlive(): void;
+  /** Never shows the metadata (it holds the tokens). */
+  [inspect.custom](): string;
+  /** Date.now() + timeoutMs (default: the session's). */
+  deadline(timeoutMs?: number): number;
+  /** The next ref. */
+  newRef(): number;
+
+  /** One unary RPC with the session's metadata; a failure rejects with a MeshdError. */
+  unary<M extends keyof UnaryMethods>(method: M, request: UnaryMethods[M][0], options?: CallOptions): Promise<UnaryMethods[M][1]>;
+  /** Runs one Command and returns its CommandResult; a rejected command throws a MeshdError with .kind. */
+  execute(command: Command, options?: CallOptions): Promise<CommandResult>;
+
+  /** A mesh of the named dims and sizes ({gpu: 2}). */
+  createMesh(dims: Record<string, number>): Promise<MeshMeta>;
+  /** A tensor made by a factory; returns its TensorMeta. */
+  factory(f: FactoryOptions): Promise<TensorMeta>;
+  /** What the file at `url` holds, read by the first agent of `mesh` (default 0: any agent). */
+  inspectUrl(url: string, mesh?: Ref): Promise<InspectUrlReply>;
+  /**
+   * A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
+   * with {dtype, shape}, else what a .npy or safetensors header says. A safetensors file
+   * without `name` gives every tensor's TensorMeta by name.
+   */
+  load(mesh: Ref, url: string, options: LoadOptions & { dtype: DType; shape: number[] }): Promise<TensorMeta>;
+  load(mesh: Ref, url: string, options: LoadOptions & { name: string }): Promise<TensorMeta>;
+  load(mesh: Ref, url: string, options?: LoadOptions): Promise<TensorMeta | Record<string, TensorMeta>>;
+  /** A catalogue op (ListOps) on args and kwargs; returns the first result's TensorMeta. */
+  call(op: string, args?: CallArg[], kwargs?: Record<string, CallArg>, options?: { stream?: number }): Promise<TensorMeta>;
+  /** Reduces `input` over mesh dims (default []: every dim) with `reduction` (default 'sum'). */
+  reduce(input: Ref, dims?: string[], reduction?: Reduction, options?: { scatter?: boolean; stream?: number }): Promise<TensorMeta>;
+  /**
+   * Waits until everything issued so far ran; rejects with the first run-time error not
+   * reported before (.errors holds all), or kind DEADLINE_EXCEEDED past timeoutMs.
+   */
+  sync(options?: CallOptions): Promise<void>;
+  /**
+   * Uploads `data` as the same tensor of `shape` on every rank of `mesh`; with perRank,
+   * one local tensor of `shape` per rank, in rank order. Throws (synchronously) a TypeError
+   * for an array of no meshd dtype.
+   */
+  upload(mesh: Ref, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
+  /**
+   * The local tensor at the rank named by coords (an index for every mesh dim: {gpu: 1})
+   * as a typed array by dtype, with .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs.
+   */
+  fetch(ref: Ref, coords?: Record<string, number>, options?: CallOptions): Promise<Fetched>;
+  /** Closes the session and its channel; a second call does nothing. */
+  close(): Promise<void>;
+}

@@ -1,0 +1,97 @@
+// Type-checked, never run: test/types.test.mjs compiles this file with tsc --strict
+// against meshd.d.ts, imported by the package's name as a TypeScript user would. It
+// uses the client the way examples/compute.mjs and the tests do; each
+// `@ts-expect-error` line is a misuse the declarations must reject (tsc fails if one
+// compiles cleanly). Everything sits in a function nothing calls, so running this
+// file (a test runner that picks up .ts) connects to nothing.
+import {
+  connect, grpc, isLoopback, keepAlivePeriodMs, MeshdError, protoPath, resolveSecurity, Session,
+} from 'meshd-client';
+import type { Fetched, MeshMeta, TensorMeta } from 'meshd-client';
+
+const isMeta = (x: TensorMeta | Record<string, TensorMeta>): x is TensorMeta => typeof x.ref === 'number';
+
+export async function usage(addr: string, url: string): Promise<number[]> {
+  const s: Session = await connect(addr, {
+    clientName: 'types-check', ttlSeconds: 30, timeoutMs: 5000, token: 'alice', rootCerts: 'ca.pem',
+    certChain: Buffer.from('-----BEGIN'), privateKey: 'client.key', serverName: 'meshd', insecure: false,
+  });
+  try {
+    const mesh: MeshMeta = await s.createMesh({ gpu: 2 });
+    const dims: string = mesh.dims.map((d) => `${d.name}=${d.size}`).join(' ');
+    const ranks: number[] = mesh.ranks;
+
+    const x = await s.upload(mesh, [4], Float32Array.from([1, 2, 3, 4, 5, 6, 7, 8]), { perRank: true });
+    const three = await s.factory({ kind: 'full', mesh: mesh.ref, shape: [4], dtype: 'DTYPE_FLOAT32', value: 3 });
+    const y = await s.call('add', [x, three]);
+    const z = await s.call('mul', [y, 0.5], { alpha: { i: 2 } }, { stream: 0 });
+    const total = await s.reduce(z, ['gpu'], 'sum', { scatter: false });
+    await s.sync({ timeoutMs: 5000 });
+
+    const v: Fetched = await s.fetch(total, { gpu: 1 }, { timeoutMs: 1000 });
+    const shape: number[] = v.shape;
+    let values: number[] = [];
+    if (v instanceof Float32Array) values = [...v];
+
+    const info = await s.inspectUrl(url, mesh);
+    const first: string = info.tensors[0].name + info.format + info.file_size;
+    const raw: TensorMeta = await s.load(mesh, url, { dtype: 'DTYPE_UINT8', shape: [16] });
+    const named: TensorMeta = await s.load(mesh.ref, url, { name: 'w', shard: 'gpu', dim: 1 });
+    const any = await s.load(mesh, url, { shard: 'gpu', dim: 1 });
+    const loaded = isMeta(any) ? [any] : Object.values(any);
+
+    const { agents } = await s.unary('ListAgents', {});
+    const res = await s.execute({ drop: { refs: [raw.ref, named.ref] } });
+    const failed: string | undefined = res.tensors[0]?.error?.kind;
+    void [dims, ranks, shape, first, loaded, agents[0].device, failed, s.id, s.closed, s.keepAlivePeriodMs];
+
+    try {
+      await s.call('no_such_op', [x]);
+    } catch (err) {
+      if (err instanceof MeshdError && err.kind === 'UNKNOWN_OP') {
+        const code: number | undefined = err.code;
+        const all: MeshdError[] = err.errors ?? [];
+        void [code, all, err.seq, err.code === grpc.status.INVALID_ARGUMENT];
+      }
+    }
+
+    // @ts-expect-error misspelled option (timeoutMs)
+    await s.sync({ timeout: 5000 });
+    // @ts-expect-error a string where a number is required
+    await s.fetch(total, { gpu: '1' });
+    // @ts-expect-error factory's mesh is a ref (number), not a MeshMeta
+    await s.factory({ kind: 'ones', mesh, shape: [2] });
+    // @ts-expect-error no such factory kind
+    await s.factory({ kind: 'one', mesh: mesh.ref, shape: [2] });
+    // @ts-expect-error no such reduction
+    await s.reduce(z, ['gpu'], 'mean');
+    // @ts-expect-error not a dtype name
+    await s.load(mesh, url, { dtype: 'float32', shape: [2] });
+    // @ts-expect-error Uint16Array has no meshd dtype
+    await s.upload(mesh, [2], new Uint16Array(2));
+    // @ts-expect-error fetch resolves to a typed array, not a plain array
+    const wrong: number[] = await s.fetch(total, { gpu: 0 });
+    // @ts-expect-error unary() knows the RPC names
+    await s.unary('ListAgent', {});
+    void wrong;
+    return values;
+  } finally {
+    await s.close();
+  }
+}
+
+export function helpers(): void {
+  const sec = resolveSecurity('127.0.0.1:1', { token: '', tls: true, rootCerts: Buffer.from('pem') });
+  const md: grpc.Metadata = sec.md;
+  const tls: boolean = sec.tls;
+  const period: number = keepAlivePeriodMs(30);
+  const file: string = protoPath();
+  const local: boolean = isLoopback('[::1]:50051');
+  const e = new MeshdError('NO_SESSION', 'closed', grpc.status.FAILED_PRECONDITION);
+  const fromReply = MeshdError.fromError({ kind: 'ERROR_KIND_QUOTA', message: 'full', code: 8, seq: 3 });
+  void [md, tls, period, file, local, e.kind, fromReply.seq];
+  // @ts-expect-error misspelled option (rootCerts)
+  resolveSecurity('h:1', { rootCert: 'ca.pem' });
+  // @ts-expect-error ttlSeconds is a number
+  void connect('h:1', { ttlSeconds: '30' });
+}
