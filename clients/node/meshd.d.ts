@@ -141,9 +141,11 @@ export type Ref = number | { ref: number };
 /**
  * One argument of call(): a number is a double (`f`), a boolean `b`, a string `s`,
  * null/undefined `none`, a bigint or a TensorMeta (an object with .ref and more) a
- * tensor ref, a number[] an int list; an Arg object passes through as it is.
+ * tensor ref, a number[] an int list, a TensorMeta[] a tensor list (cat, stack); an Arg
+ * object passes through as it is.
  */
-export type CallArg = number | boolean | string | null | undefined | bigint | number[] | TensorMeta | Arg;
+export type CallArg =
+  | number | boolean | string | null | undefined | bigint | number[] | TensorMeta | TensorMeta[] | Arg;
 
 /** The proto's Arg: exactly one of its fields. */
 export type Arg =
@@ -159,8 +161,8 @@ export interface MeshSelector {
 /** A Factory; factory() fills in ref, and dtype when not given. */
 export interface FactoryOptions {
   kind: FactoryKind;
-  /** the mesh's ref (a number: a MeshMeta here would be read as 0) */
-  mesh: number;
+  /** the mesh: its MeshMeta or its ref */
+  mesh: MeshMeta | number;
   shape?: number[];
   /** default 'DTYPE_FLOAT32' */
   dtype?: DType;

@@ -114,6 +114,9 @@ function toArg(a) {
   if (typeof a === 'string') return { s: a };
   if (a === null || a === undefined) return { none: true };
   if (typeof a === 'bigint') return { ref: Number(a) };
+  if (Array.isArray(a) && a.length && a.every((x) => typeof x === 'object' && x !== null && 'ref' in x)) {
+    return { refs: { refs: a.map((x) => x.ref) } }; // tensors (cat, stack)
+  }
   if (Array.isArray(a)) return { ints: { values: a } };
   if (typeof a === 'object' && 'ref' in a && Object.keys(a).length !== 1) return { ref: a.ref };
   return a; // already an Arg ({ref}, {i}, {ints}, ...)
@@ -217,7 +220,8 @@ export class Session {
   // A Factory ({kind, mesh, shape, dtype, value, ...}); returns the result TensorMeta.
   async factory(f) {
     const ref = this.newRef();
-    const res = await this.execute({ factory: { dtype: 'DTYPE_FLOAT32', ...f, ref } });
+    const mesh = f.mesh?.ref ?? f.mesh; // a MeshMeta, as load and upload take, or its ref
+    const res = await this.execute({ factory: { dtype: 'DTYPE_FLOAT32', ...f, mesh, ref } });
     return res.tensors[0];
   }
 

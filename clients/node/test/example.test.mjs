@@ -170,3 +170,18 @@ test('an unknown op throws a MeshdError with kind UNKNOWN_OP', async () => {
     await s.close();
   }
 });
+
+test('factory takes a MeshMeta, and a list of tensors goes as a tensor list (cat)', async () => {
+  const s = await connect(addr, { clientName: 'node-test' });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const a = await s.factory({ kind: 'ones', mesh, shape: [2] });
+    const b = await s.factory({ kind: 'full', mesh, shape: [1], value: 3 });
+    assert.equal(a.mesh, mesh.ref);
+    const c = await s.call('cat', [[a, b]]);
+    assert.deepEqual([...c.shape], [3]);
+    assert.deepEqual([...(await s.fetch(c, { gpu: 1 }))], [1, 1, 3]);
+  } finally {
+    await s.close();
+  }
+});

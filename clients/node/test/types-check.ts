@@ -59,8 +59,9 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     await s.sync({ timeout: 5000 });
     // @ts-expect-error a string where a number is required
     await s.fetch(total, { gpu: '1' });
-    // @ts-expect-error factory's mesh is a ref (number), not a MeshMeta
-    await s.factory({ kind: 'ones', mesh, shape: [2] });
+    await s.factory({ kind: 'ones', mesh, shape: [2] }); // a MeshMeta or its ref
+    // @ts-expect-error a mesh is a MeshMeta or a ref, not a name
+    await s.factory({ kind: 'ones', mesh: 'gpu', shape: [2] });
     // @ts-expect-error no such factory kind
     await s.factory({ kind: 'one', mesh: mesh.ref, shape: [2] });
     // @ts-expect-error no such reduction
