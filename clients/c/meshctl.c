@@ -771,7 +771,7 @@ static int run_line(script_t *sc, char *line) {
     return bind(sc, tok[1], ref);
   }
   if (strcmp(tok[0], "borrow") == 0) { /* borrow HANDLE BORROW INPUT STREAM [mutable] */
-    meshd_ref_t in, stream, handle, borrow;
+    meshd_ref_t in = 0, stream = 0, handle = 0, borrow = 0;
     bool is_mutable = ntok == 6 && strcmp(tok[5], "mutable") == 0;
     if ((ntok != 5 && !is_mutable) || !is_ident(tok[1]) || !is_ident(tok[2]))
       return script_fail(sc, "SYNTAX", "usage: borrow HANDLE BORROW INPUT STREAM [mutable]");
@@ -783,7 +783,7 @@ static int run_line(script_t *sc, char *line) {
     return bind(sc, tok[1], handle) < 0 ? -1 : bind(sc, tok[2], borrow);
   }
   if (strcmp(tok[0], "drop_borrow") == 0) {
-    meshd_ref_t b;
+    meshd_ref_t b = 0;
     if (ntok != 2)
       return script_fail(sc, "SYNTAX", "usage: drop_borrow BORROW");
     if (need_ref(sc, tok[1], &b) < 0)
@@ -792,7 +792,7 @@ static int run_line(script_t *sc, char *line) {
     return e == MESHD_E_OK ? 0 : script_lib_fail(sc, e);
   }
   if (strcmp(tok[0], "drop") == 0 || strcmp(tok[0], "release") == 0) {
-    meshd_ref_t refs[MAX_TOKENS];
+    meshd_ref_t refs[MAX_TOKENS] = {0};
     if (ntok < 2)
       return script_fail(sc, "SYNTAX", "usage: %s NAME [NAME ...]", tok[0]);
     for (int i = 1; i < ntok; i++)
