@@ -14,6 +14,12 @@
 #include "rpc.h"
 #include "watermark.h"
 
+/* A channel to a live peer in this process: seconds to connect, since a loaded
+ * machine (CI runs the sanitized suites on 2 cores) can take longer than the
+ * 100 ms default to answer the first SETTINGS frame. */
+static const rpc_channel_opts_t live_peer = {.connect_timeout_ms = 5000};
+
+
 /* ---------------------------------------------------------------- fake agent */
 
 typedef enum { FAKE_ACK, FAKE_SILENT, FAKE_DIE_AFTER, FAKE_LIE, FAKE_STUCK } fake_mode_t;
@@ -224,7 +230,7 @@ static void make_ins(Meshd__Agent__V1__Instruction *ins, const char *session, ui
 
 Test(agent_link, seqs_in_order_and_all_acked) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
   cr_assert_not_null(l);
   cr_assert_eq(agent_link_executed(l), 0);
@@ -269,7 +275,7 @@ Test(agent_link, seqs_in_order_and_all_acked) {
 
 Test(agent_link, first_seq_sets_the_base) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 2, "agent-b", 41, NULL, &cbs);
   cr_assert_eq(agent_link_executed(l), 40);
   Meshd__Agent__V1__Instruction ins;
@@ -288,7 +294,7 @@ Test(agent_link, first_seq_sets_the_base) {
 
 Test(agent_link, many_sends_fewer_batches) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
   const uint64_t n = 10000;
   Meshd__Agent__V1__Instruction ins;
@@ -315,7 +321,7 @@ Test(agent_link, many_sends_fewer_batches) {
 
 Test(agent_link, batches_stay_under_the_byte_limit) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
   /* 100 KiB session ids: ten fit in a batch. */
   size_t big = 100 * 1024;
@@ -351,7 +357,7 @@ Test(agent_link, batches_stay_under_the_byte_limit) {
 Test(agent_link, agent_dies_mid_stream) {
   fake_t *f = fake_start(FAKE_DIE_AFTER);
   f->die_after = 10;
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 3, "agent-d", 1, NULL, &cbs);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
@@ -374,7 +380,7 @@ Test(agent_link, agent_dies_mid_stream) {
 
 Test(agent_link, agent_process_gone) {
   fake_t *f = fake_start(FAKE_SILENT);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 1, "agent-e", 1, NULL, &cbs);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
@@ -393,7 +399,7 @@ Test(agent_link, agent_process_gone) {
 
 Test(agent_link, agent_claims_unsent_seqs) {
   fake_t *f = fake_start(FAKE_LIE);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 0, "agent-f", 1, NULL, &cbs);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
@@ -425,7 +431,7 @@ Test(agent_link, no_agent_listening) {
 
 static void assert_prompt_close(fake_mode_t mode, size_t n, size_t bytes_each) {
   fake_t *f = fake_start(mode);
-  rpc_channel_t *ch = rpc_channel_create(f->target, NULL);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 0, "agent-h", 1, NULL, &cbs);
   char *sid = malloc(bytes_each + 1);
   memset(sid, 's', bytes_each);
@@ -492,7 +498,7 @@ static void admit(agent_pool_t *p, int rank, const char *id, fake_t *f) {
   snprintf(d.device, sizeof d.device, "cpu");
   char err[256];
   cr_assert_eq(agent_pool_add(p, &d, rank, err, sizeof err), rank, "%s", err);
-  agent_pool_set_channel(p, (uint32_t)rank, id, rpc_channel_create(f->target, NULL));
+  agent_pool_set_channel(p, (uint32_t)rank, id, rpc_channel_create(f->target, &live_peer));
   agent_pool_set_healthy(p, (uint32_t)rank, id, true);
 }
 

@@ -17,6 +17,12 @@
 #include "echo_server.h"
 #include "rpc.h"
 
+/* A channel to a live peer in this process: seconds to connect, since a loaded
+ * machine (CI runs the sanitized suites on 2 cores) can take longer than the
+ * 100 ms default to answer the first SETTINGS frame. */
+static const rpc_channel_opts_t live_peer = {.connect_timeout_ms = 5000};
+
+
 static echo_server_t *es;
 static rpc_channel_t *ch;
 static char target[64];
@@ -1012,7 +1018,7 @@ Test(rpc, arg_is_given_per_registration) {
     cr_assert_gt(port, 0, "%s", err);
     char t[64];
     snprintf(t, sizeof t, "127.0.0.1:%d", port);
-    c[i] = rpc_channel_create(t, NULL);
+    c[i] = rpc_channel_create(t, &live_peer);
   }
   for (int i = 0; i < 2; i++) {
     EchoRequest req = ECHO_REQUEST__INIT;
@@ -1116,7 +1122,7 @@ static void pause_setup(void) {
   cr_assert_gt(port, 0, "%s", err);
   char t[64];
   snprintf(t, sizeof t, "127.0.0.1:%d", port);
-  pch = rpc_channel_create(t, NULL);
+  pch = rpc_channel_create(t, &live_peer);
 }
 
 static void pause_teardown(void) {
