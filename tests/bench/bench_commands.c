@@ -274,41 +274,28 @@ static void *writer(void *p) {
     if (r->max_calls && r->calls_written >= r->max_calls) break;
     if (r->deadline_ns && (r->calls_written & 1023) < (uint64_t)k && bench_now_ns() > r->deadline_ns)
       break;
-    if (k > 1) { /* K Calls in one message; results pend for the Drop below as one by one */
+    /* K Calls in one batch message, or one Call alone; their results pend for the Drops. */
+    const ProtobufCMessage *msg = &cmd.base;
+    uint64_t *made = &result;
+    if (k > 1) {
       for (int i = 0; i < k; i++) {
         bcmds[i].seq = r->seq++;
         bresults[i] = r->ref++;
       }
       batch.n_batch = (size_t)k;
-      if (rpc_stream_write(r->s, &batch.base, false) != 0) {
-        r->write_err = 1;
-        goto out;
-      }
-      r->calls_written += (uint64_t)k;
-      for (int i = 0; r->drop_batch > 0 && i < k; i++) {
-        pending[npending++] = bresults[i];
-        if (npending == cap) {
-          dcmd.seq = r->seq++;
-          drop.n_refs = npending;
-          if (rpc_stream_write(r->s, &dcmd.base, false) != 0) {
-            r->write_err = 1;
-            goto out;
-          }
-          r->drops_written++;
-          npending = 0;
-        }
-      }
-      continue;
+      msg = &batch.base;
+      made = bresults;
+    } else {
+      cmd.seq = r->seq++;
+      result = r->ref++;
     }
-    cmd.seq = r->seq++;
-    result = r->ref++;
-    if (rpc_stream_write(r->s, &cmd.base, false) != 0) {
+    if (rpc_stream_write(r->s, msg, false) != 0) {
       r->write_err = 1;
       goto out;
     }
-    r->calls_written++;
-    if (r->drop_batch > 0) {
-      pending[npending++] = result;
+    r->calls_written += (uint64_t)k;
+    for (int i = 0; r->drop_batch > 0 && i < k; i++) {
+      pending[npending++] = made[i];
       if (npending == cap) {
         dcmd.seq = r->seq++;
         drop.n_refs = npending;

@@ -177,8 +177,10 @@ class Session:
         try:  # the op catalogue: t.<op> and meshd.ops.<op> know their names and schemas
             _catalogue.load(self._unary("ListOps", pb.ListOpsRequest(), pb.ListOpsReply,
                                         metadata=()))
-        except MeshdError:  # an older server (UNIMPLEMENTED): any name goes to the server
-            pass
+        except MeshdError as e:  # not fatal: without it any name goes to the server
+            if e.code != grpc.StatusCode.UNIMPLEMENTED:  # (an older server has no ListOps)
+                warnings.warn(f"meshd: the op catalogue could not be read ({e}); op names "
+                              f"are checked by the server only", RuntimeWarning, stacklevel=2)
         self._start_keepalive()
 
     def _start_keepalive(self):
