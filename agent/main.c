@@ -16,6 +16,7 @@
 #include "backend.h"
 #include "dataplane/dataplane.h"
 #include "execute.h"
+#include "build_info.h"
 #include "config.h"
 #include "health.h"
 #include "layout.h"
@@ -130,6 +131,10 @@ static int parse_options(int argc, char **argv) {
   char err[256];
   int npos = 0;
   int rc = config_parse(flags, NFLAGS, argc, argv, &npos, err, sizeof err);
+  if (rc == 2) {
+    build_info_print(stdout, "meshd-agent");
+    return 0;
+  }
   if (rc == 1) {
     config_usage(stdout, PROG, SYNOPSIS, flags, NFLAGS);
     return 0;

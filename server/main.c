@@ -13,6 +13,7 @@
 #include "auth.h"
 #include "cluster.h"
 #include "command_service.h"
+#include "build_info.h"
 #include "config.h"
 #include "health.h"
 #include "layout.h"
@@ -228,6 +229,10 @@ int main(int argc, char **argv) {
   char err[512];
   int npos = 0;
   int rc = config_parse(flags, NFLAGS, argc, argv, &npos, err, sizeof err);
+  if (rc == 2) {
+    build_info_print(stdout, "meshd");
+    return 0;
+  }
   if (rc == 1) {
     config_usage(stdout, "meshd", synopsis, flags, NFLAGS);
     return 0;

@@ -205,6 +205,10 @@ int config_parse(const config_flag_t *flags, size_t nflags, int argc, char **arg
       ret = 1;
       goto out;
     }
+    if (strcmp(arg, "--version") == 0) {
+      ret = 2;
+      goto out;
+    }
     const char *name = arg + 2;
     const char *eq = strchr(name, '=');
     size_t name_len = eq ? (size_t)(eq - name) : strlen(name);
@@ -312,4 +316,5 @@ void config_usage(FILE *out, const char *prog, const char *synopsis,
     fputc('\n', out);
   }
   fprintf(out, "  %-*s   show this help\n", width, help_flag);
+  fprintf(out, "  %-*s   print the version and exit\n", width, "--version");
 }

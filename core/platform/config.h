@@ -39,7 +39,7 @@ typedef struct config_flag {
  * An empty environment variable counts as unset. A flag with no value from any
  * source leaves its target as it was. npositional and err may be NULL.
  * Returns 0 on success, 1 if --help or -h was given (also after a bad flag earlier
- * on the line), -1 on error with a message naming the flag (or the environment
+ * on the line), 2 if --version was given (before any bad flag), -1 on error with a message naming the flag (or the environment
  * variable) and what was wrong in err: "--threads: 'x' is not an integer",
  * "MESHD_THREADS: 0 is out of range [1, 64]". */
 int config_parse(const config_flag_t *flags, size_t nflags, int argc, char **argv,

@@ -2,6 +2,7 @@
 server", "Lifecycle", "Binaries and flags")."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -209,6 +210,17 @@ def test_help_exits_0(binary):
     r = lib.run(BINARIES[binary](), ["--help"], timeout=10)
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert "usage" in (r.stdout + r.stderr).lower()
+
+
+@pytest.mark.parametrize("binary", ["meshd", "meshd-agent"])
+def test_version_names_the_version_file_and_the_build(binary):
+    r = lib.run(BINARIES[binary](), ["--version"], timeout=10)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    with open(os.path.join(lib.SOURCE_DIR, "VERSION")) as f:
+        version = f.read().strip()
+    assert re.fullmatch(re.escape(binary) + " " + re.escape(version) +
+                        r" \(commit ([0-9a-f]{7,40}|unknown), \w+, cuda backend: (yes|no)\)\n",
+                        r.stdout), r.stdout
 
 
 def test_env_local_agents_like_flag(meshd_server):

@@ -302,6 +302,13 @@ Test(config, help) {
   cr_assert_eq(PARSE("pos", "-h", "--threads=4"), 1);
 }
 
+Test(config, version) {
+  cr_assert_eq(PARSE("--version"), 2);
+  cr_assert_eq(PARSE("--threads", "4", "--version"), 2);
+  expect_error(PARSE("--bogus", "--version"), "--bogus: unknown flag");
+  cr_assert_eq(PARSE("--port-file", "--version"), -1, "a flag's missing value is not --version");
+}
+
 Test(config, help_wins_over_an_earlier_argv_error) {
   cr_assert_eq(PARSE("--bogus", "--help"), 1);
   cr_assert_eq(PARSE("--threads=x", "-h"), 1);
@@ -476,7 +483,8 @@ Test(config, usage) {
                    "  --threads N                 threads (env MESHD_THREADS, default 2)\n"
                    "  --verbose                   say more (env MESHD_VERBOSE)\n"
                    "  --max-message-bytes BYTES   largest message (env MESHD_MAX_MESSAGE_BYTES, default 4MiB)\n"
-                   "  -h, --help                  show this help\n");
+                   "  -h, --help                  show this help\n"
+                   "  --version                   print the version and exit\n");
   free(text);
 }
 
@@ -486,6 +494,7 @@ Test(config, usage_without_synopsis) {
   FILE *out = open_memstream(&text, &len);
   config_usage(out, "meshctl", NULL, NULL, 0);
   fclose(out);
-  cr_assert_str_eq(text, "usage: meshctl\n  -h, --help   show this help\n");
+  cr_assert_str_eq(text, "usage: meshctl\n  -h, --help   show this help\n"
+                         "  --version    print the version and exit\n");
   free(text);
 }
