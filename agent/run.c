@@ -562,7 +562,10 @@ static void run_reduce(ctx_t *c) {
   meta_of_spec(ro->result, &rm);
   reduction_t red = reduction_parse(r->reduction);
   bool in_place = r->inplace, into_out = r->out && res_ref == r->out;
-  if (!in_place && !into_out && check_fresh(c, res_ref, "Reduce", &e)) {
+  /* Onto a sub-mesh, the members outside it take part and keep nothing. */
+  size_t me = 0;
+  bool keep = !ro->rooted || (!my_index(c, ro->group, &me) && me == ro->root);
+  if (keep && !in_place && !into_out && check_fresh(c, res_ref, "Reduce", &e)) {
     report(c, e.kind, e.msg, res_ref);
     return;
   }
@@ -601,6 +604,16 @@ static void run_reduce(ctx_t *c) {
     error_set(&e, ERR_REMOTE_FAILURE, "%s", why.msg);
     goto fail;
   }
+  if (!keep) { /* the result does not live here: tell the server, record nothing */
+    if (got != 0) {
+      char msg[sizeof why.msg + 100];
+      if (why.kind == ERR_DEPENDENT_FAILURE) snprintf(msg, sizeof msg, "%s", why.msg);
+      else snprintf(msg, sizeof msg, "depends on tensor %llu, which failed (seq %llu): %.500s",
+                    (unsigned long long)ro->input->ref, (unsigned long long)why.root_seq, why.msg);
+      report(c, ERR_DEPENDENT_FAILURE, msg, res_ref);
+    }
+    goto out;
+  }
   if ((in_place && got == 0) || r->out) {
     if (in_place && got == 0) {
       target = in;
@@ -637,7 +650,9 @@ static void run_reduce(ctx_t *c) {
   }
   goto out;
 fail:
-  root_failure(c, &res_ref, 1, &e);
+  if (keep) root_failure(c, &res_ref, 1, &e);
+  else report(c, e.kind == ERR_QUOTA || e.kind == ERR_AGENT_LOST ? e.kind : ERR_REMOTE_FAILURE,
+              e.msg, res_ref); /* told, not recorded: the result does not live here */
 out:
   storage_release(in.storage);
   storage_release(work.storage);

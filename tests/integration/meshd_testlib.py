@@ -756,9 +756,11 @@ def call(op, *args, results=(), stream=0, **kwargs):
                           results=list(results), stream=stream)
 
 
-def reduce(ref, input, dims=(), reduction="sum", scatter=False, inplace=False, out=0, stream=0):
+def reduce(ref, input, dims=(), reduction="sum", scatter=False, inplace=False, out=0, stream=0,
+           mesh=0):
     return "reduce", tensor_pb2().Reduce(ref=ref, input=input, dims=list(dims), reduction=reduction,
-                                         scatter=scatter, inplace=inplace, out=out, stream=stream)
+                                         scatter=scatter, inplace=inplace, out=out, stream=stream,
+                                         mesh=mesh)
 
 
 def to_mesh(ref, input, dst_mesh, selection=None, dst_stream=0):
