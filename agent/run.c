@@ -471,10 +471,11 @@ static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t
   return 0;
 }
 
-static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
+static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_t red,
                       const Meshd__Agent__V1__Group *g, agent_tensor_t *work,
                       const tensor_meta_t *rm, agent_tensor_t *res, int *any_failed,
                       const uint64_t *since, meshd_error_t *e) {
+  const Meshd__V1__Reduce *r = ro->reduce;
   size_t n = g->n_ranks, me = 0, in_count = (size_t)layout_numel(&work->meta.layout);
   dtype_t dt = work->meta.dtype;
   bool stack = !reduction_combines(red);
@@ -505,7 +506,12 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
   session_state_note_comm(c->s, g->comm_id);
   void *in = work->storage->data, *out = res->storage->data;
   int rc;
-  if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
+  const backend_ops_t *ops = c->b->ops;
+  if (ro->rooted && stack && ops->gather_root)
+    rc = ops->gather_root(c->b, c->bs, &grp, ro->root, in, out, in_count, dt, e);
+  else if (ro->rooted && !stack && ops->reduce_root)
+    rc = ops->reduce_root(c->b, c->bs, &grp, ro->root, in, in_count, dt, red, e);
+  else if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
   else if (stack) rc = c->b->ops->alltoall(c->b, c->bs, &grp, in, out, in_count / n, dt, e);
   else if (r->scatter)
     rc = c->b->ops->reduce_scatter(c->b, c->bs, &grp, in, out, in_count / n, dt, red, e);
@@ -594,7 +600,7 @@ static void run_reduce(ctx_t *c) {
   }
   if (inj > 0) failed = 1; /* the peers learn it through the failure flag */
   if (staged(c, &im, got == 0 && !inj ? &in : NULL, &work, "Reduce", &e) ||
-      collective(c, r, red, ro->group, &work, &rm, &res, &failed, &since, &e))
+      collective(c, ro, red, ro->group, &work, &rm, &res, &failed, &since, &e))
     goto fail;
   if (inj > 0) {
     e = fault;
