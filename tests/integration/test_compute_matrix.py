@@ -783,6 +783,21 @@ def test_failing_ops_remote_failure_sync_and_dependents(s2m):
         good = _red(s, x, dims=["gpu"], reduction="sum")
         np.testing.assert_array_equal(fetch(s, good, gpu=1),
                                       2 * np.arange(12, dtype=np.float32).reshape(3, 4))
+        # onto a sub-mesh, with the input failed only off the target (rank gpu=1):
+        # the root's result fails too, and Sync tells only the gather's failure
+        s.run(sync())
+        gi2 = upload(s, m, np.array([[[0, 1]], [[0, 9]]], np.int64), per_rank=True)
+        half = s.op("gather", Ref(x), 1, Ref(gi2))[0].ref
+        root = s.slice(m, gpu=0).ref
+        onto = s.run(reduce(s.new_ref(), half, dims=["gpu"], mesh=root)).tensors[0].ref
+        errs = s.run(sync()).errors
+        assert len(errs) == 1 and "gather" in errs[0].message and "rank 1" in errs[0].message, errs
+        with pytest.raises(FetchError) as e:
+            fetch(s, onto)
+        assert e.value.kind in ("DEPENDENT_FAILURE", "REMOTE_FAILURE"), e.value
+        assert "index 9 is out of range" in str(e.value), e.value
+        np.testing.assert_array_equal(fetch(s, x, gpu=1), np.arange(12, dtype=np.float32)
+                                      .reshape(3, 4))
 
 
 def test_allocation_over_the_agents_limit(meshd_server, agent):
