@@ -22,7 +22,8 @@ struct reflection {
   rpc_server_t *srv; /* whose services list_services names */
 };
 
-/* What a request asks, read from either version's message. */
+/* What a request asks, read from either version's message. protobuf-c
+ * numbers a oneof's cases by their field numbers, the same in both versions. */
 typedef struct ask {
   const char *host;
   int which; /* the oneof's field number: 3 file_by_filename ... 7 list_services; 0 none */
