@@ -119,6 +119,10 @@ typedef struct backend_ops {
                      size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err);
   int (*gather_root)(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
                      const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err);
+  /* Member 0's buf to every member of g (to_mesh's broadcast; dp_broadcast's
+   * chain on the data plane). */
+  int (*broadcast)(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
+                   meshd_error_t *err);
   /* Point to point: `session` is the key of the session the transfer
    * belongs to (dp_group_t.session); `secret` the channel's DP_SECRET_LEN
    * bytes (SendTensor.secret, as dp_group_t.secret). */

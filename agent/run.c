@@ -666,6 +666,109 @@ out:
   storage_release(target.storage);
 }
 
+/* to_mesh's broadcast (BroadcastOp): a failure flag, then the bytes (zeros
+ * when the source's input failed), down the chain; the destinations keep
+ * them, or a failed result. A destination's own failure (an injected fault)
+ * fails its result only after it forwarded, so the chain below it completes. */
+static void run_broadcast(ctx_t *c) {
+  const Meshd__Agent__V1__BroadcastOp *bo = c->ins->broadcast;
+  const Meshd__Agent__V1__Group *g = bo->group;
+  meshd_error_t e = {0}, fault = {0};
+  agent_tensor_t in = {0}, buf = {0}, hdr_t = {0};
+  ref_failure_t why = {0};
+  size_t me = 0;
+  if (my_index(c, g, &me)) {
+    error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent is not in the broadcast it was sent");
+    report(c, e.kind, e.msg, bo->result->ref);
+    return;
+  }
+  bool source = me == 0;
+  uint64_t res_ref = source ? 0 : bo->result->ref;
+  if (!source && check_fresh(c, res_ref, "ToMesh", &e)) {
+    report(c, e.kind, e.msg, res_ref);
+    return;
+  }
+  uint64_t since = c->b && c->b->net ? dataplane_generation(c->b->net) : 0;
+  if (need_backend(c, "ToMesh", &e) ||
+      session_state_check_peers(c->s, g->ranks, g->n_ranks, c->ins->seq, "ToMesh", &e))
+    goto fail;
+  if (!c->b->net) {
+    error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent has no data plane");
+    goto fail;
+  }
+  const char *addrs[256];
+  if (g->n_ranks > 256 || g->n_addresses < g->n_ranks) {
+    error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: the broadcast lacks data plane addresses");
+    goto fail;
+  }
+  for (size_t i = 0; i < g->n_ranks; i++) addrs[i] = g->addresses[i];
+  if (g->secret.len != DP_SECRET_LEN) {
+    error_set(&e, ERR_BAD_ARGUMENT, "ToMesh: the broadcast has a %zu-byte secret where %d bytes are "
+              "needed to join its data plane channel", g->secret.len, DP_SECRET_LEN);
+    goto fail;
+  }
+  int got = 1;
+  if (source) {
+    got = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, bo->input->ref, &in, &why);
+    if (got < 0) {
+      why.kind = ERR_REMOTE_FAILURE;
+      why.root_seq = c->ins->seq;
+      snprintf(why.msg, sizeof why.msg, "ToMesh: tensor %llu is not on the agent",
+               (unsigned long long)bo->input->ref);
+    } else if (got == 0 && matches_spec(c, &in, bo->input, "ToMesh", &why)) {
+      got = 1;
+    }
+  }
+  int inj = injected(c, "send", "ToMesh", &fault);
+  if (inj < 0) {
+    e = fault;
+    goto fail;
+  }
+  if (source && inj > 0) { /* the destinations get the failure flag, the server the root */
+    report(c, fault.kind, fault.msg, 0);
+    got = 1;
+  } else if (source && got != 0 && why.root_seq == c->ins->seq) {
+    report(c, why.kind, why.msg, 0);
+  }
+  tensor_meta_t m;
+  meta_of_spec(bo->result, &m);
+  dp_group_t grp = {.comm_id = g->comm_id, .session = c->s->key, .ranks = g->ranks, .addrs = addrs,
+                    .n = g->n_ranks, .me = me, .since = &since, .secret = g->secret.data};
+  session_state_note_comm(c->s, g->comm_id);
+  int64_t hdr = 0;
+  if (scalar_tensor(c, source ? got != 0 : 0, &hdr_t, &e) ||
+      (source ? staged(c, &m, got == 0 ? &in : NULL, &buf, "ToMesh", &e)
+              : tensor_alloc(c->b, c->bs, &m, &buf, "ToMesh", &e)) ||
+      c->b->ops->broadcast(c->b, c->bs, &grp, hdr_t.storage->data, sizeof(int64_t), &e) ||
+      c->b->ops->broadcast(c->b, c->bs, &grp, buf.storage->data, tensor_nbytes(&m), &e) ||
+      c->b->ops->to_host(c->b, &hdr_t, &hdr, &e))
+    goto fail;
+  if (source) {
+    count_bytes(c, (uint64_t)tensor_nbytes(&m));
+    goto out;
+  }
+  if (inj > 0) {
+    e = fault;
+    goto fail;
+  }
+  if (hdr) {
+    ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
+    snprintf(f.msg, sizeof f.msg, "ToMesh: the source tensor failed on rank %u", g->ranks[0]);
+    refs_fail(&c->s->refs, res_ref, &f);
+    goto out;
+  }
+  refs_put(&c->s->refs, res_ref, &buf);
+  goto out;
+fail:
+  if (res_ref) root_failure(c, &res_ref, 1, &e);
+  else log_warn("run", "session %.8s seq %" PRIu64 ": broadcast failed: %s", c->s->id, c->ins->seq,
+                e.msg);
+out:
+  storage_release(in.storage);
+  storage_release(buf.storage);
+  storage_release(hdr_t.storage);
+}
+
 static void run_send(ctx_t *c) {
   const Meshd__Agent__V1__SendTensor *st = c->ins->send;
   meshd_error_t e = {0};
@@ -817,6 +920,7 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW: run_borrow(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE: run_reduce(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND: run_send(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST: run_broadcast(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: run_snapshot(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT:
       session_state_drop_snapshot(s, ins->drop_snapshot->seq);

@@ -453,6 +453,26 @@ static int check_borrow(const Meshd__Agent__V1__BorrowOp *b, uint64_t stream, me
   return 0;
 }
 
+static int check_broadcast(const Meshd__Agent__V1__BroadcastOp *bo, const validate_self_t *self,
+                           meshd_error_t *e) {
+  storages_t st = {.n = 0};
+  if (check_spec(&st, bo->input, e, "BroadcastOp.input") ||
+      check_spec(&st, bo->result, e, "BroadcastOp.result") ||
+      check_group(bo->group, "BroadcastOp", self, e))
+    return -1;
+  if (bo->group->n_ranks < 2)
+    return error_set(e, ERR_BAD_ARGUMENT, "BroadcastOp.group has %zu rank(s): a source and at least "
+                     "one destination are needed", bo->group->n_ranks);
+  if (bo->input->ref == bo->result->ref)
+    return error_set(e, ERR_BAD_ARGUMENT, "BroadcastOp: result and input are both ref %" PRIu64,
+                     bo->input->ref);
+  tensor_meta_t im, rm;
+  validate_spec_meta(bo->input, "BroadcastOp.input", &im, e);
+  validate_spec_meta(bo->result, "BroadcastOp.result", &rm, e);
+  if (!same_meta(&rm, &im)) return meta_differs(e, "BroadcastOp.result", &rm, &im, "its input");
+  return 0;
+}
+
 static int check_body(const instr_t *ins, const validate_self_t *self, meshd_error_t *e) {
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY:
@@ -465,6 +485,8 @@ static int check_body(const instr_t *ins, const validate_self_t *self, meshd_err
       return ins->reduce ? check_reduce(ins->reduce, self, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND:
       return ins->send ? check_send(ins->send, self, e) : -1;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST:
+      return ins->broadcast ? check_broadcast(ins->broadcast, self, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW:
       return ins->borrow ? check_borrow(ins->borrow, ins->stream, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS:
@@ -508,6 +530,7 @@ const char *validate_kind_name(const instr_t *ins) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL: return "OpCall";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE: return "ReduceOp";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND: return "SendTensor";
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST: return "BroadcastOp";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW: return "BorrowOp";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS: return "DeleteRefs";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS: return "StatusRequest";
@@ -557,6 +580,9 @@ size_t validate_result_refs(const instr_t *ins, uint64_t *refs, size_t cap) {
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND:
       if (ins->send && ins->send->result) PUT(ins->send->result->ref);
+      break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST:
+      if (ins->broadcast && ins->broadcast->result) PUT(ins->broadcast->result->ref);
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW:
       if (ins->borrow && ins->borrow->phase == MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE)

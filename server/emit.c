@@ -279,6 +279,49 @@ out:
   free(ranks);
 }
 
+/* One source to several destinations: a chain (BroadcastOp) in destination
+ * order, on a channel of its own, so that the source sends the bytes once. */
+static void emit_broadcast(frontend_t *fe, session_t *s, objects_t *o, const obj_t *in,
+                           const obj_t *res, spec_t *in_spec, spec_t *res_spec, uint32_t from,
+                           const uint32_t *to, size_t nto) {
+  size_t n = nto + 1;
+  uint32_t *ranks = malloc(n * sizeof *ranks);
+  char **addrs = calloc(n, sizeof *addrs);
+  char *addr_buf = malloc(n * EMIT_ADDR_MAX);
+  if (!ranks || !addrs || !addr_buf) goto out;
+  ranks[0] = from;
+  memcpy(ranks + 1, to, nto * sizeof *ranks);
+  for (size_t k = 0; k < n; k++) {
+    addrs[k] = addr_buf + k * EMIT_ADDR_MAX;
+    agent_pool_data_address(fe->pool, ranks[k], addrs[k], EMIT_ADDR_MAX);
+  }
+  uint64_t parts[5] = {0x746f6d657368ull /* "tomesh" */, o->losses, in->tensor.stream,
+                       res->tensor.stream, (1ull << 32) | from};
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.comm_id = comm_id_of(s, parts, 5);
+  uint8_t secret[COMM_SECRET_LEN];
+  if (comm_secret(s, g.comm_id, secret)) g.secret = (ProtobufCBinaryData){sizeof secret, secret};
+  g.ranks = ranks;
+  g.n_ranks = n;
+  g.addresses = addrs;
+  g.n_addresses = n;
+  Meshd__Agent__V1__BroadcastOp op = MESHD__AGENT__V1__BROADCAST_OP__INIT;
+  op.input = in_spec;
+  op.result = res_spec;
+  op.group = &g;
+  for (size_t k = 0; k < n; k++) {
+    instr_t ins;
+    init_instr(&ins, s, k == 0 ? in->tensor.stream : res->tensor.stream);
+    ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST;
+    ins.broadcast = &op;
+    send_to(fe, o, ranks[k], &ins);
+  }
+out:
+  free(ranks);
+  free(addrs);
+  free(addr_buf);
+}
+
 void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
                   const obj_t *in, const obj_t *res) {
   spec_t in_spec, res_spec;
@@ -286,13 +329,32 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
   spec_of(&res_spec, res);
   size_t n;
   uint32_t *dranks = ranks_of(dst, &n);
-  for (size_t i = 0; dranks && i < n; i++) {
+  uint32_t *froms = malloc((n ? n : 1) * sizeof *froms), *chain = malloc((n ? n : 1) * sizeof *chain);
+  bool *done = calloc(n ? n : 1, sizeof *done);
+  if (!dranks || !froms || !chain || !done) goto out;
+  for (size_t i = 0; i < n; i++) {
     /* Positional pairing: the source rank at the destination rank's coordinates
      * of the shared dims; dims only the destination has are broadcast. */
     int64_t sc[NDSLICE_MAX_DIMS];
     for (int d = 0; d < src->ndim; d++)
       sc[d] = mesh_coord(dst, dranks[i], mesh_find_dim(dst, src->names[d]));
-    uint32_t from = (uint32_t)ndslice_rank_of(&src->slice, sc, NULL);
+    froms[i] = (uint32_t)ndslice_rank_of(&src->slice, sc, NULL);
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (done[i]) continue;
+    uint32_t from = froms[i];
+    if (dranks[i] != from) { /* every other destination of this source, in order */
+      size_t nchain = 0;
+      for (size_t j = i; j < n; j++)
+        if (!done[j] && froms[j] == from && dranks[j] != from) chain[nchain++] = dranks[j];
+      if (nchain >= 2) {
+        emit_broadcast(fe, s, o, in, res, &in_spec, &res_spec, from, chain, nchain);
+        for (size_t j = i; j < n; j++)
+          if (froms[j] == from && dranks[j] != from) done[j] = true;
+        continue;
+      }
+    }
+    done[i] = true;
     Meshd__Agent__V1__SendTensor st = MESHD__AGENT__V1__SEND_TENSOR__INIT;
     st.from_rank = from;
     st.to_rank = dranks[i];
@@ -326,7 +388,11 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
     ins.send = &st;
     send_to(fe, o, dranks[i], &ins);
   }
+out:
   free(dranks);
+  free(froms);
+  free(chain);
+  free(done);
 }
 
 void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow, const obj_t *origin,

@@ -138,6 +138,11 @@ static int cpu_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *
   return b->net ? dp_gather_root(b->net, g, root, in, out, count, dtype, e) : no_net(e);
 }
 
+static int cpu_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
+                         size_t bytes, meshd_error_t *e) {
+  return b->net ? dp_broadcast(b->net, g, buf, bytes, e) : no_net(e);
+}
+
 static int cpu_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
                         void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
   return b->net ? dp_alltoall(b->net, g, in, out, count, dtype, e) : no_net(e);
@@ -178,6 +183,7 @@ const backend_ops_t cpu_backend_ops = {
     .alltoall = cpu_alltoall,
     .reduce_root = cpu_reduce_root,
     .gather_root = cpu_gather_root,
+    .broadcast = cpu_broadcast,
     .send = cpu_send,
     .recv = cpu_recv,
     .session_end = NULL, /* the data plane drops a session's connections on its own */

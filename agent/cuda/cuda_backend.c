@@ -442,6 +442,23 @@ static int c_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g,
   return c_allgather(b, s, g, in, out, count, dtype, e);
 }
 
+/* Broadcast: emulated agents run the data plane's chain; real ones send from
+ * member 0 to each member in turn over NCCL point to point (ncclBroadcast on
+ * the chain's communicator is left to do). */
+static int c_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
+                       size_t bytes, meshd_error_t *e) {
+  if (cuda_state(b)->emulated && b->net) return dp_broadcast(b->net, g, buf, bytes, e);
+  cuda_bind(cuda_state(b));
+  if (g->me != 0)
+    return cuda_recv(b, s, g->session, g->comm_id, g->secret, g->ranks[0], g->addrs[0], buf,
+                     bytes, e);
+  for (size_t j = 1; j < g->n; j++)
+    if (cuda_send(b, s, g->session, g->comm_id, g->secret, g->ranks[j], g->addrs[j], buf, bytes,
+                  e))
+      return -1;
+  return 0;
+}
+
 static int c_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
                   const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
                   size_t bytes, meshd_error_t *e) {
@@ -489,6 +506,7 @@ const backend_ops_t cuda_backend_ops = {
     .alltoall = c_alltoall,
     .reduce_root = c_reduce_root,
     .gather_root = c_gather_root,
+    .broadcast = c_broadcast,
     .send = c_send,
     .recv = c_recv,
     .session_end = c_session_end,

@@ -333,3 +333,41 @@ int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void
   free(off);
   return rc;
 }
+
+/* The chain: member 0 sends buf to member 1, each member forwards to the next
+ * what it has received while it receives (frame by frame, gated on the bytes
+ * in), the last only receives. The source sends the bytes once however many
+ * members there are; the time is one transfer plus a frame per hop. */
+int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, meshd_error_t *err) {
+  const char *what = "broadcast";
+  if (check_group(dp, what, g, bytes, DTYPE_UINT8, err) != 0) return -1;
+  size_t n = g->n, me = g->me;
+  if (n == 1 || bytes == 0) return 0;
+  if (dp__call_enter(dp, what, err) != 0) return -1;
+  bool recv = me > 0, send = me + 1 < n;
+  size_t nx = (size_t)recv + (size_t)send;
+  plan_t p;
+  int rc = dp__plan_init(&p, dp, what, g, DTYPE_UINT8, RED_SUM, nx, nx, err);
+  if (rc == 0) {
+    size_t k = 0;
+    if (recv) {
+      p.msgs[k] = (msg_t){.buf = buf, .len = bytes};
+      p.xs[k].msgs = &p.msgs[k];
+      p.xs[k].nmsgs = 1;
+      k++;
+    }
+    if (send) {
+      p.msgs[k] = (msg_t){.buf = buf, .len = bytes, .gate = recv ? &p.msgs[0].done : NULL};
+      p.xs[k].msgs = &p.msgs[k];
+      p.xs[k].nmsgs = 1;
+    }
+    int64_t deadline = dp__now_ms() + dp->timeout_ms;
+    /* Dial the next member first (that needs only its listener), then wait for the previous. */
+    if (send) rc = dp__plan_connect(&p, g, recv ? 1 : 0, me + 1, true, deadline, err);
+    if (rc == 0 && recv) rc = dp__plan_connect(&p, g, 0, me - 1, false, deadline, err);
+    if (rc == 0) rc = dp__plan_run(&p, err);
+  }
+  rc = dp__plan_finish(&p, rc);
+  dp__call_leave(dp);
+  return rc;
+}

@@ -129,6 +129,9 @@ int dp_reduce_root(dataplane_t *dp, const dp_group_t *g, size_t root, void *buf,
  * slice i; the others' out is not touched (may be NULL). */
 int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void *in, void *out,
                    size_t count, dtype_t dtype, meshd_error_t *err);
+/* Member 0's buf (bytes long) to every member, down the chain of g's order:
+ * each forwards what it has received while it receives. */
+int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, meshd_error_t *err);
 /* Point to point on channel comm_id: bytes to/from the agent at addr (rank);
  * secret: DP_SECRET_LEN bytes both ends hold (SendTensor.secret). */
 int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,

@@ -2,6 +2,7 @@
  * baseline measured by this program in the same run.
  *
  *   bench_compute [--seconds S] [--min-bytes A] [--max-bytes B] [--members 2,4]
+ *                 [--broadcast-bytes B] [--broadcast-dests 2,4,8]
  *                 [--skip-kernels] [--skip-commands]
  *
  * Cases (one JSON line each on stdout; progress on stderr):
@@ -11,6 +12,11 @@
  *              127.0.0.1, float32 sum in place, 1 KiB .. 256 MiB per member;
  *              busbw = 2(N-1)/N * bytes / time (NCCL's definition), ratio to
  *              loopback;
+ *   broadcast  to_mesh's broadcast on the data plane: --broadcast-bytes (64 MiB;
+ *              0 skips it) from one source to 2, 4 and 8 destinations down the
+ *              chain (dp_broadcast), and the source sending to each in turn
+ *              (star), each as a ratio to one point-to-point copy of the same
+ *              bytes, best of ROUNDS alternating rounds;
  *   memcpy     GB/s of memcpy of 64 Mi float32, counting read + write bytes;
  *   add        GB/s of add(a, b) on 64 Mi float32 through cpu_backend_ops.run_op,
  *              counting 3 * n * 4 bytes (two reads, one write), ratio to memcpy;
@@ -184,7 +190,7 @@ static double loopback_case(void) {
 
 /* ------------------------------------------------------------------ allreduce */
 
-#define MAXN 4
+#define MAXN 9 /* a broadcast's source and 8 destinations */
 
 typedef struct {
   size_t n;
@@ -327,6 +333,127 @@ static int allreduce_cases(size_t n, size_t min_bytes, size_t max_bytes, double 
   }
   pthread_barrier_destroy(&w.bar);
   for (size_t i = 0; i < n; i++) dataplane_stop(w.dp[i]);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ broadcast */
+
+typedef struct {
+  world_t *w;
+  size_t me, n; /* members 0..n-1 of w take part; 0 is the source */
+  bool star;    /* the source sends to each in turn, instead of the chain */
+  uint64_t comm;
+  uint8_t *buf;
+  size_t bytes;
+  int rc;
+  meshd_error_t err;
+} bmember_t;
+
+static void *bmember_main(void *p) {
+  bmember_t *m = p;
+  static const uint8_t secret[DP_SECRET_LEN] = "bench_compute group secret.....";
+  world_t *w = m->w;
+  if (!m->star) {
+    dp_group_t g = {.comm_id = m->comm, .ranks = w->ranks, .addrs = w->addrs, .n = m->n,
+                    .me = m->me, .secret = secret};
+    m->rc = dp_broadcast(w->dp[m->me], &g, m->buf, m->bytes, &m->err);
+  } else if (m->me == 0) {
+    for (size_t j = 1; j < m->n && m->rc == 0; j++)
+      m->rc = dp_send(w->dp[0], m->comm, secret, w->ranks[j], w->addrs[j], m->buf, m->bytes,
+                      &m->err);
+  } else {
+    m->rc = dp_recv(w->dp[m->me], m->comm, secret, w->ranks[0], w->addrs[0], m->buf, m->bytes,
+                    &m->err);
+  }
+  return NULL;
+}
+
+/* One broadcast of `bytes` from member 0 to members 1..n-1: seconds, and
+ * whether every destination got the source's bytes. */
+static double broadcast_round(world_t *w, bmember_t *ms, size_t n, bool star, uint64_t comm,
+                              size_t bytes, bool *ok, char *err, size_t errlen) {
+  pthread_t th[MAXN];
+  for (size_t r = 0; r < n; r++) {
+    ms[r].w = w, ms[r].me = r, ms[r].n = n, ms[r].star = star, ms[r].comm = comm;
+    ms[r].bytes = bytes, ms[r].rc = 0;
+    if (r > 0) memset(ms[r].buf, 0, bytes);
+  }
+  int64_t t0 = bench_now_ns();
+  for (size_t r = 0; r < n; r++) pthread_create(&th[r], NULL, bmember_main, &ms[r]);
+  for (size_t r = 0; r < n; r++) pthread_join(th[r], NULL);
+  int64_t t1 = bench_now_ns();
+  *ok = true;
+  for (size_t r = 0; r < n && *ok; r++) {
+    if (ms[r].rc != 0) {
+      *ok = false;
+      snprintf(err, errlen, "member %zu: %s", r, ms[r].err.msg);
+    } else if (r > 0 && memcmp(ms[r].buf, ms[0].buf, bytes) != 0) {
+      *ok = false;
+      snprintf(err, errlen, "member %zu: wrong bytes", r);
+    }
+  }
+  return (double)(t1 - t0) / 1e9;
+}
+
+/* to_mesh's broadcast on the data plane: `bytes` from one source to each of
+ * dests[i] destinations down the chain (dp_broadcast), and the old way (the
+ * source sends to each in turn), each as a ratio to one point-to-point copy of
+ * the same bytes (a chain of one destination), rounds alternating. */
+static int broadcast_cases(size_t bytes, const size_t *dests, int ndests) {
+  world_t w;
+  memset(&w, 0, sizeof w);
+  size_t most = 2;
+  for (int i = 0; i < ndests; i++) most = dests[i] + 1 > most ? dests[i] + 1 : most;
+  w.n = most;
+  for (size_t i = 0; i < most; i++) {
+    meshd_error_t e = {0};
+    w.ranks[i] = (uint32_t)i;
+    w.dp[i] = dataplane_start("127.0.0.1", w.ranks[i], 30000, &e);
+    if (!w.dp[i]) {
+      fprintf(stderr, "bench_compute: dataplane_start: %s\n", e.msg);
+      return -1;
+    }
+    snprintf(w.addr_buf[i], sizeof w.addr_buf[i], "127.0.0.1:%d", dataplane_port(w.dp[i]));
+    w.addrs[i] = w.addr_buf[i];
+  }
+  bmember_t ms[MAXN];
+  memset(ms, 0, sizeof ms);
+  for (size_t r = 0; r < most; r++)
+    if (!(ms[r].buf = malloc(bytes ? bytes : 1))) die("malloc");
+  for (size_t i = 0; i < bytes; i++) ms[0].buf[i] = (uint8_t)(i * 131 + 17);
+  int rc = 0;
+  uint64_t comm = 90000;
+  for (int d = 0; d < ndests; d++) {
+    size_t k = dests[d];
+    double p2p = INFINITY, chain = INFINITY, star = INFINITY;
+    bool ok = true;
+    char err[512] = "";
+    for (int round = 0; round <= ROUNDS && ok; round++) { /* round 0: warm-up */
+      double t = broadcast_round(&w, ms, 2, false, comm++, bytes, &ok, err, sizeof err);
+      if (round && t < p2p) p2p = t;
+      if (ok) t = broadcast_round(&w, ms, k + 1, false, comm++, bytes, &ok, err, sizeof err);
+      if (round && t < chain) chain = t;
+      if (ok) t = broadcast_round(&w, ms, k + 1, true, comm++, bytes, &ok, err, sizeof err);
+      if (round && t < star) star = t;
+    }
+    bench_json_t j;
+    bench_json_begin(&j, "broadcast");
+    bench_json_num(&j, "destinations", (double)k);
+    bench_json_num(&j, "bytes", (double)bytes);
+    bench_json_num(&j, "rounds", ROUNDS);
+    json_numf(&j, "p2p_ms", p2p * 1e3, 2);
+    json_numf(&j, "chain_ms", chain * 1e3, 2);
+    json_numf(&j, "star_ms", star * 1e3, 2);
+    json_numf(&j, "chain_ratio_to_p2p", chain / p2p, 3);
+    json_numf(&j, "star_ratio_to_p2p", star / p2p, 3);
+    json_numf(&j, "cpu_cores", (double)sysconf(_SC_NPROCESSORS_ONLN), 0);
+    bench_json_str(&j, "status", ok ? "ok" : "failed");
+    if (!ok) bench_json_str(&j, "error", err);
+    bench_json_end(&j, stdout);
+    if (!ok) rc = -1;
+  }
+  for (size_t r = 0; r < most; r++) free(ms[r].buf);
+  for (size_t i = 0; i < most; i++) dataplane_stop(w.dp[i]);
   return rc;
 }
 
@@ -585,6 +712,8 @@ int main(int argc, char **argv) {
   size_t members[4] = {2, 4};
   int nmembers = 2;
   bool skip_commands = false, skip_kernels = false;
+  size_t bcast_bytes = 64 * MIB, bcast_dests[4] = {2, 4, 8};
+  int nbcast = 3;
   for (int i = 1; i < argc; i++) {
     const char *v;
     if ((v = bench_arg(argc, argv, &i, "--seconds"))) {
@@ -600,8 +729,20 @@ int main(int argc, char **argv) {
       for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && nmembers < 4;
            t = strtok_r(NULL, ",", &save)) {
         int m = atoi(t);
-        if (m < 2 || m > MAXN) usage();
+        if (m < 2 || m > 4) usage();
         members[nmembers++] = (size_t)m;
+      }
+    } else if ((v = bench_arg(argc, argv, &i, "--broadcast-bytes"))) {
+      bcast_bytes = strtoull(v, NULL, 10);
+    } else if ((v = bench_arg(argc, argv, &i, "--broadcast-dests"))) {
+      nbcast = 0;
+      char buf[64];
+      snprintf(buf, sizeof buf, "%s", v);
+      for (char *save = NULL, *t = strtok_r(buf, ",", &save); t && nbcast < 4;
+           t = strtok_r(NULL, ",", &save)) {
+        int m = atoi(t);
+        if (m < 1 || m > MAXN - 1) usage();
+        bcast_dests[nbcast++] = (size_t)m;
       }
     } else if (strcmp(argv[i], "--skip-kernels") == 0) {
       skip_kernels = true;
@@ -620,6 +761,11 @@ int main(int argc, char **argv) {
   for (int i = 0; i < nmembers; i++) {
     fprintf(stderr, "bench_compute: allreduce on %zu members\n", members[i]);
     if (allreduce_cases(members[i], min_bytes, max_bytes, lb) != 0) rc = 1;
+  }
+
+  if (bcast_bytes > 0) {
+    fprintf(stderr, "bench_compute: broadcast of %zu bytes\n", bcast_bytes);
+    if (broadcast_cases(bcast_bytes, bcast_dests, nbcast) != 0) rc = 1;
   }
 
   if (!skip_kernels) {

@@ -702,6 +702,37 @@ def test_to_mesh_with_and_without_broadcast(shared_meshd):
             _close(fetch(s, ri, gpu=g), X[g].astype(np.int32), f"int32 host0->host1 gpu {g}")
 
 
+def test_to_mesh_broadcast_down_a_chain_on_8_agents(shared_meshd):
+    """One source to many destinations runs as a chain (BroadcastOp): every destination
+    gets the bytes (2 MiB: many frames in flight along the chain), and a failed source
+    fails every destination's copy, which Sync reports once."""
+    srv = shared_meshd(8)
+    with Session(srv.port, "matrix-chain") as s:
+        _need_data_plane(s)
+        m = s.mesh(gpu=8).ref
+        X = np.random.default_rng(8).standard_normal((8, 1 << 19)).astype(np.float32)
+        x = upload(s, m, X, per_rank=True)
+        here = s.run(to_mesh(s.new_ref(), x, m, selection={"gpu": 3})).tensors[0].ref
+        two = s.mesh(host=2, gpu=4).ref  # the same 8 ranks: 7 of them down a chain, one local
+        both = s.run(to_mesh(s.new_ref(), x, two, selection={"gpu": 0})).tensors[0].ref
+        for g in range(8):
+            np.testing.assert_array_equal(fetch(s, here, gpu=g), X[3], err_msg=f"gpu {g}")
+            np.testing.assert_array_equal(fetch(s, both, host=g // 4, gpu=g % 4), X[0],
+                                          err_msg=f"({g // 4},{g % 4})")
+        s.run(sync())
+        gi = upload(s, m, np.array([[7]], np.int64))
+        small = upload(s, m, np.zeros((8, 1, 4), np.float32), per_rank=True)
+        bad = s.op("gather", Ref(small), 1, Ref(gi))[0].ref  # index 7 of 4: fails everywhere
+        copies = s.run(to_mesh(s.new_ref(), bad, m, selection={"gpu": 5})).tensors[0].ref
+        errs = s.run(sync()).errors
+        assert len(errs) == 1 and "gather" in errs[0].message, errs
+        for g in (0, 5, 7):
+            with pytest.raises(FetchError) as e:
+                fetch(s, copies, gpu=g)
+            assert e.value.kind in ("DEPENDENT_FAILURE", "REMOTE_FAILURE"), e.value
+        np.testing.assert_array_equal(fetch(s, here, gpu=6), X[3])  # nothing stored was lost
+
+
 # ================================================================ (4) borrows, streams
 
 def test_borrow_on_a_side_stream_with_concurrent_main(s2m):

@@ -63,7 +63,7 @@ static int64_t now_ms(void) {
 
 /* ------------------------------------------------------------ one call per member */
 
-typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A, K_REDUCE_ROOT, K_GATHER_ROOT } kind_t;
+typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A, K_REDUCE_ROOT, K_GATHER_ROOT, K_BROADCAST } kind_t;
 
 typedef struct job {
   world_t *w;
@@ -91,6 +91,7 @@ static void *job_main(void *arg) {
   case K_REDUCE_ROOT:
     j->rc = dp_reduce_root(j->w->dp[j->me], &g, j->root, j->in, j->count, j->dtype, j->op, &j->err);
     break;
+  case K_BROADCAST: j->rc = dp_broadcast(j->w->dp[j->me], &g, j->in, j->count, &j->err); break;
   case K_GATHER_ROOT:
     j->rc = dp_gather_root(j->w->dp[j->me], &g, j->root, j->in, j->out, j->count, j->dtype, &j->err);
     break;
@@ -305,6 +306,37 @@ Test(dataplane, reduce_and_gather_to_a_root, .timeout = 120) {
   cr_assert_eq(dp_reduce_root(w.dp[0], &g, 2, &f, 1, DTYPE_FLOAT32, RED_SUM, &err), -1);
   cr_assert(strstr(err.msg, "root 2 is not a member of a group of 2"), "%s", err.msg);
   world_stop(&w);
+}
+
+/* to_mesh's broadcast: member 0's bytes reach every member down the chain,
+ * for sizes from nothing to many frames (each relay forwards while it
+ * receives), on a comm used again and again. */
+Test(dataplane, broadcast_down_the_chain, .timeout = 120) {
+  const size_t sizes[] = {0, 1, 1009, BIG_BYTES + 7};
+  for (size_t n = 2; n <= 5; n++) {
+    world_t w;
+    world_start(&w, n, 5000);
+    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+      job_t jobs[MAXN];
+      size_t bytes = sizes[k];
+      for (size_t r = 0; r < n; r++) {
+        jobs[r] = (job_t){.w = &w, .me = r, .comm = 500 + n, .kind = K_BROADCAST, .count = bytes};
+        uint8_t *b = malloc(bytes + 1);
+        for (size_t i = 0; i < bytes; i++) b[i] = r == 0 ? (uint8_t)(i * 31 + 7) : 0xee;
+        jobs[r].in = b;
+      }
+      run_jobs(jobs, n);
+      for (size_t r = 0; r < n; r++) {
+        cr_assert_eq(jobs[r].rc, 0, "n=%zu bytes=%zu member %zu: %s", n, bytes, r, jobs[r].err.msg);
+        cr_assert(memcmp(jobs[r].in, jobs[0].in, bytes) == 0, "n=%zu bytes=%zu: member %zu differs",
+                  n, bytes, r);
+      }
+      for (size_t i = 0; i < bytes; i += 4099)
+        cr_assert_eq(((uint8_t *)jobs[0].in)[i], (uint8_t)(i * 31 + 7), "the source changed");
+      for (size_t r = 0; r < n; r++) free(jobs[r].in);
+    }
+    world_stop(&w);
+  }
 }
 
 Test(dataplane, allreduce_bitwise_identical_on_every_rank) {
