@@ -1066,9 +1066,13 @@ static void show_progress(void *user, uint64_t done, uint64_t total) {
   char d[32], n[32];
   human_bytes(done, d, sizeof d);
   human_bytes(total, n, sizeof n);
-  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s\033[K%s", p->what, d, n,
+  /* Not a terminal (--progress=true into a log): no escape to clear the line. */
+  static int tty = -1;
+  if (tty < 0)
+    tty = isatty(STDERR_FILENO);
+  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s%s%s", p->what, d, n,
           total ? (int)(done * 100 / total) : 100, ran > 0 ? (double)done / ran / 1e6 : 0.0,
-          done == total ? "\n" : "");
+          tty ? "\033[K" : "", done == total ? "\n" : "");
   fflush(stderr);
   p->shown = done < total;
   p->last = t;
