@@ -506,7 +506,9 @@ bool *agent_pool_drained_map(agent_pool_t *p, int64_t since_ms, size_t world) {
 int agent_pool_set_drained(agent_pool_t *p, uint32_t rank, bool drained, meshd_error_t *err) {
   pthread_mutex_lock(&p->mu);
   int rc = 0;
-  if (rank >= p->cap || !p->agents[rank].used) {
+  /* A drained rank whose agent is away (maintenance) may be undrained still. */
+  bool away_drained = rank < p->cap && p->agents[rank].drained && !drained;
+  if ((rank >= p->cap || !p->agents[rank].used) && !away_drained) {
     int n = 0;
     for (size_t i = 0; i < p->cap; i++) n += p->agents[i].used;
     rc = error_set(err, ERR_UNKNOWN_REF,
@@ -516,7 +518,8 @@ int agent_pool_set_drained(agent_pool_t *p, uint32_t rank, bool drained, meshd_e
     agent_t *a = &p->agents[rank];
     a->drained = drained;
     a->drained_ms = drained ? rpc_now_ms() : 0;
-    log_info("pool", "agent rank %u (%s, %s) %s", rank, a->d.address, a->d.agent_id,
+    log_info("pool", "agent rank %u (%s, %s) %s", rank, a->used ? a->d.address : "no agent now",
+             a->used ? a->d.agent_id : "-",
              drained ? "drained: sessions created from now on get no mesh on it"
                      : "undrained: back in placement");
   }

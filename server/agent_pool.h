@@ -165,7 +165,8 @@ int agent_pool_check_lost(agent_pool_t *pool, const uint32_t *ranks, size_t n, u
 /* Drains rank (takes it out of placement) or undrains it. The state belongs
  * to the rank, survives its agent leaving and registering again, and lives in
  * memory only. Returns 0 (also when it was so already), or -1 with err
- * (UNKNOWN_REF, naming the rank) when no agent holds the rank. */
+ * (UNKNOWN_REF, naming the rank) when no agent holds the rank (undraining a
+ * drained rank whose agent is away is allowed). */
 int agent_pool_set_drained(agent_pool_t *pool, uint32_t rank, bool drained, meshd_error_t *err);
 /* map[rank] = rank was drained at or before since_ms (rpc_now_ms clock): what
  * a session created at since_ms must not be placed on. world entries,

@@ -906,9 +906,12 @@ static int drain_or_undrain(meshd_client_t *c, const char *cmd, const char *arg,
     snprintf(what, sizeof what, "%s rank %llu failed", cmd, v);
     return report(c, what, e);
   }
-  if (json_out && a)
-    json_object_object_add(the_doc(), "agent", agent_json(a));
-  else if (!json_out)
+  if (json_out) {
+    put_u64(the_doc(), "rank", v);
+    put_bool(doc, "drained", drain);
+    if (a) /* none when the rank's agent is away */
+      json_object_object_add(doc, "agent", agent_json(a));
+  } else
     printf(drain ? "rank %llu drained: sessions created from now on get no mesh on it; older "
                    "sessions keep using it until they end\n"
                  : "rank %llu undrained: back in placement\n",

@@ -456,7 +456,9 @@ def test_drain_keeps_new_sessions_off_a_rank(shared_meshd, secured):
         old.run(lib.sync())
 
         r = meshctl(srv.address, "--output", "json", "undrain", "0")
-        assert r.returncode == 0 and _json(r)["agent"]["drained"] is False, _show(r)
+        doc = _json(r)
+        assert r.returncode == 0 and doc["rank"] == 0 and doc["drained"] is False, _show(r)
+        assert doc["agent"]["rank"] == 0 and doc["agent"]["drained"] is False, _show(r)
         with lib.Session(srv.port, client_name="after-undrain") as new:
             assert list(new.run(lib.create_mesh(new.new_ref(), gpu=1)).mesh.ranks) == [0]
     finally:
