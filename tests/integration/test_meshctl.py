@@ -7,6 +7,7 @@ health exit codes as grpc_health_probe: 0 SERVING, 2 connection failed,
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -425,6 +426,20 @@ def test_sessions_watch_frames_and_rates(shared_meshd):
             lines = f.strip().splitlines()
             assert lines[0].startswith(f"meshd {srv.address} ") and lines[1].startswith("SESSION"), f
             assert any(line.startswith(s.id[:12]) and "watched" in line for line in lines), f
+
+    # Without --count it runs until Ctrl-C, which ends it with exit 0.
+    p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--output", "json", "sessions",
+                          "--watch", "--interval", "0.1"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=lib.clean_env())
+    try:
+        assert json.loads(p.stdout.readline())["frame"] == 1
+        p.send_signal(signal.SIGINT)
+        assert p.wait(10) == 0, p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
     for args in (("agents", "--watch"), ("sessions", "--count", "2"),
                  ("sessions", "--watch", "--interval", "0")):
