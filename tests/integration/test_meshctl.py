@@ -412,9 +412,12 @@ def test_sessions_watch_frames_and_rates(shared_meshd):
         row1 = next(x for x in first["sessions"] if x["session_id"] == s.id)
         row2 = next(x for x in second["sessions"] if x["session_id"] == s.id)
         assert "commands_per_s" not in row1, row1
-        assert row2["commands"] == row1["commands"] + 10, (row1, row2)
-        assert 0 < row2["commands_per_s"] <= 10 / 0.5, row2
-        assert row2["live_tensors"] == 10 and row2["bytes_held"] == 10 * 2 * 16, row2
+        # All ten ran before frame 2 unless the machine is very slow: then some of them.
+        ran = row2["commands"] - row1["commands"]
+        assert row1["commands"] == 1 and 0 < ran <= 10, (row1, row2)
+        assert 0 < row2["commands_per_s"] <= ran / 0.5, row2
+        if ran == 10:  # memory: ten tensors of 4 float32 on 2 ranks
+            assert row2["live_tensors"] == 10 and row2["bytes_held"] == 10 * 2 * 16, row2
         assert row2["age_ms"] > row1["age_ms"], (row1, row2)
 
         # Not a terminal: frames one after another, a blank line between them.
