@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "agent.h"
+#include "build_info.h"
 #include "log.h"
 #include "meshd/v1/agent_registry.pb-c.h"
 #include "rpc.h"
@@ -161,7 +162,11 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   hello.memory_bytes = info->memory_bytes;
   hello.requested_rank = info->requested_rank;
   hello.data_port = info->data_port;
-  hello.version = MESHD_VERSION;
+  const build_info_t *build = build_info();
+  hello.version = (char *)build->version;
+  hello.commit = (char *)build->commit;
+  hello.build_type = (char *)build->build_type;
+  hello.cuda = build->cuda;
   hello.pid = (uint32_t)getpid();
   hello.call_secret = secret;
   Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;

@@ -25,7 +25,8 @@ ARG DEBIAN_FRONTEND=noninteractive
 # the meshd-agent next to itself).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      libgrpc29 libprotobuf-c1 libmicrohttpd12 libopenblas0-pthread libssl3 ca-certificates \
+      libgrpc29 libprotobuf-c1 libmicrohttpd12 libopenblas0-pthread libssl3 libjson-c5 \
+      ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 meshd \
  && useradd --system --uid 10001 --gid meshd --no-create-home --shell /usr/sbin/nologin meshd

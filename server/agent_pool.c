@@ -43,6 +43,11 @@ typedef struct agent {
    * asks for the same number, finds it free. */
   bool asked;
   int64_t reserved_until_ms;
+  /* Drained by an operator (agent_pool_set_drained), and since when
+   * (rpc_now_ms clock): a property of the rank, kept across the memsets, so an
+   * agent restarted during maintenance comes back drained. */
+  bool drained;
+  int64_t drained_ms;
 } agent_t;
 
 struct agent_pool {
@@ -266,11 +271,14 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
   }
   agent_t *a = &p->agents[rank];
   uint64_t floor = a->seq_floor, lost_no = a->lost_no;
-  int64_t lost_ms = a->lost_unix_ms;
+  int64_t lost_ms = a->lost_unix_ms, drained_ms = a->drained_ms;
+  bool drained = a->drained;
   memset(a, 0, sizeof *a);
   a->seq_floor = floor;
   a->lost_no = lost_no;
   a->lost_unix_ms = lost_ms;
+  a->drained = drained;
+  a->drained_ms = drained_ms;
   a->used = true;
   a->asked = requested >= 0;
   a->d = *d;
@@ -293,13 +301,16 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
     pl = a->link;
     /* Sends take the pool lock, so the link's last seq is final here. */
     uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor, lost_no = a->lost_no;
-    int64_t lost_ms = a->lost_unix_ms;
+    int64_t lost_ms = a->lost_unix_ms, drained_ms = a->drained_ms;
     int64_t reserved = a->asked ? unix_ms() + AGENT_POOL_RESERVE_MS : 0;
+    bool drained = a->drained;
     memset(a, 0, sizeof *a);
     a->seq_floor = floor;
     a->lost_no = lost_no;
     a->lost_unix_ms = lost_ms;
     a->reserved_until_ms = reserved;
+    a->drained = drained;
+    a->drained_ms = drained_ms;
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
@@ -482,6 +493,40 @@ bool *agent_pool_healthy_map(agent_pool_t *p, size_t *world) {
   return map;
 }
 
+bool *agent_pool_drained_map(agent_pool_t *p, int64_t since_ms, size_t world) {
+  bool *map = calloc(world ? world : 1, sizeof *map);
+  if (!map) return NULL;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < world && i < p->cap; i++)
+    map[i] = p->agents[i].drained && p->agents[i].drained_ms <= since_ms;
+  pthread_mutex_unlock(&p->mu);
+  return map;
+}
+
+int agent_pool_set_drained(agent_pool_t *p, uint32_t rank, bool drained, meshd_error_t *err) {
+  pthread_mutex_lock(&p->mu);
+  int rc = 0;
+  /* A drained rank whose agent is away (maintenance) may be undrained still. */
+  bool away_drained = rank < p->cap && p->agents[rank].drained && !drained;
+  if ((rank >= p->cap || !p->agents[rank].used) && !away_drained) {
+    int n = 0;
+    for (size_t i = 0; i < p->cap; i++) n += p->agents[i].used;
+    rc = error_set(err, ERR_UNKNOWN_REF,
+                   "DrainAgent: rank %u has no agent (%d registered; meshctl agents lists them)",
+                   rank, n);
+  } else if (p->agents[rank].drained != drained) {
+    agent_t *a = &p->agents[rank];
+    a->drained = drained;
+    a->drained_ms = drained ? rpc_now_ms() : 0;
+    log_info("pool", "agent rank %u (%s, %s) %s", rank, a->used ? a->d.address : "no agent now",
+             a->used ? a->d.agent_id : "-",
+             drained ? "drained: sessions created from now on get no mesh on it"
+                     : "undrained: back in placement");
+  }
+  pthread_mutex_unlock(&p->mu);
+  return rc;
+}
+
 uint64_t agent_pool_min_capacity(agent_pool_t *p, const uint32_t *ranks, size_t n) {
   uint64_t min = 0;
   pthread_mutex_lock(&p->mu);
@@ -523,7 +568,15 @@ int agent_pool_snapshot(agent_pool_t *p, Meshd__V1__AgentInfo ***out, size_t *n)
     info->healthy = a->healthy;
     info->data_port = a->d.data_port;
     info->registered_unix_ms = (uint64_t)a->registered_unix_ms;
+    info->drained = a->drained;
+    info->version = strdup(a->d.version);
+    info->commit = strdup(a->d.commit);
+    info->build_type = strdup(a->d.build_type);
+    info->cuda = a->d.cuda;
     infos[k++] = info;
+    if (!info->address || !info->device || !info->agent_id || !info->version ||
+        !info->commit || !info->build_type)
+      break;
   }
   pthread_mutex_unlock(&p->mu);
   *out = infos;
@@ -542,6 +595,9 @@ void agent_pool_snapshot_free(Meshd__V1__AgentInfo **infos, size_t n) {
     free(infos[i]->address);
     free(infos[i]->device);
     free(infos[i]->agent_id);
+    free(infos[i]->version);
+    free(infos[i]->commit);
+    free(infos[i]->build_type);
     free(infos[i]);
   }
   free(infos);

@@ -29,6 +29,11 @@ typedef struct agent_desc {
   uint64_t memory_bytes;
   uint32_t data_port;
   uint32_t pid;
+  /* The agent's build as it reported it (RegisterRequest; "" from older agents). */
+  char version[32];
+  char commit[48];
+  char build_type[24];
+  bool cuda;
   /* What every call to the agent carries (SECRET_AGENT_MD; RegisterRequest.call_secret).
    * Never shown (ListAgents) nor logged. */
   char call_secret[SECRET_HEX_LEN + 1];
@@ -157,6 +162,16 @@ uint64_t agent_pool_losses(agent_pool_t *pool);
  * one of ranks[0..n) was lost after the pool counted `since` losses. */
 int agent_pool_check_lost(agent_pool_t *pool, const uint32_t *ranks, size_t n, uint64_t since,
                           const char *cmd, meshd_error_t *err);
+/* Drains rank (takes it out of placement) or undrains it. The state belongs
+ * to the rank, survives its agent leaving and registering again, and lives in
+ * memory only. Returns 0 (also when it was so already), or -1 with err
+ * (UNKNOWN_REF, naming the rank) when no agent holds the rank (undraining a
+ * drained rank whose agent is away is allowed). */
+int agent_pool_set_drained(agent_pool_t *pool, uint32_t rank, bool drained, meshd_error_t *err);
+/* map[rank] = rank was drained at or before since_ms (rpc_now_ms clock): what
+ * a session created at since_ms must not be placed on. world entries,
+ * malloc'd (free it); NULL out of memory. */
+bool *agent_pool_drained_map(agent_pool_t *pool, int64_t since_ms, size_t world);
 /* The smallest capacity (memory_bytes at registration) among the agents of
  * ranks[0..n) that are registered now; 0 when none is. */
 uint64_t agent_pool_min_capacity(agent_pool_t *pool, const uint32_t *ranks, size_t n);

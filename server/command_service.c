@@ -610,6 +610,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
   else {
     uint64_t sent0 = o->sent_bytes;
     rc = command_run(&cs->fe, s, o, cmd, &out, &e);
+    if (rc == 0) atomic_fetch_add(&s->commands, 1);
     unsigned fl = rc == 0 && o->flow ? flow_accept(o->flow, o->sent_bytes - sent0) : 0;
     /* A Sync checkpoints too: after it nothing of the session counts as queued. */
     if ((fl & FLOW_CHECKPOINT) || (rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC))

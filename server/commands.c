@@ -305,8 +305,12 @@ static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mes
   size_t world = 0;
   uint64_t losses = agent_pool_losses(fe->pool); /* before the health it checks */
   bool *healthy = agent_pool_healthy_map(fe->pool, &world);
+  /* Ranks drained before the session began are not for it (agent_pool.h). */
+  bool *drained = healthy ? agent_pool_drained_map(fe->pool, s->created_ms, world) : NULL;
   mesh_t mesh;
-  int rc = mesh_create_root(m->ref, names, sizes, (int)m->n_dims, healthy, world, &mesh, e);
+  int rc = mesh_create_placed(m->ref, names, sizes, (int)m->n_dims, healthy, drained, world, &mesh,
+                              e);
+  free(drained);
   free(healthy);
   if (rc) return -1;
   mesh.losses_seen = losses;

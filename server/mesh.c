@@ -88,8 +88,9 @@ static void format_runs(strbuf_t *b, const bool *healthy, size_t world, int64_t 
   if (more) sb_printf(b, " and %d more run%s", more, more == 1 ? "" : "s");
 }
 
-int mesh_create_root(uint64_t ref, const char *const names[], const int64_t sizes[], int ndim,
-                     const bool *healthy_by_rank, size_t world, mesh_t *out, meshd_error_t *err) {
+/* CreateMesh's names and sizes; *k gets the number of ranks. */
+static int check_dims(const char *const names[], const int64_t sizes[], int ndim, int64_t *k_out,
+                      meshd_error_t *err) {
   if (ndim < 1)
     return error_set(err, ERR_BAD_ARGUMENT, "CreateMesh needs at least one dim, e.g. {gpu: 4}");
   if (ndim > NDSLICE_MAX_DIMS)
@@ -129,6 +130,60 @@ int mesh_create_root(uint64_t ref, const char *const names[], const int64_t size
                        "CreateMesh %s asks for more than 2^32 ranks; ask for a smaller mesh", dims);
     }
   }
+  *k_out = k;
+  return 0;
+}
+
+int mesh_create_placed(uint64_t ref, const char *const names[], const int64_t sizes[], int ndim,
+                       const bool *healthy_by_rank, const bool *drained_by_rank, size_t world,
+                       mesh_t *out, meshd_error_t *err) {
+  int64_t k;
+  if (check_dims(names, sizes, ndim, &k, err) != 0) return -1;
+  bool avoid = false;
+  for (int64_t r = 0; drained_by_rank && r < k && (uint64_t)r < world; r++)
+    avoid |= drained_by_rank[r];
+  if (!avoid || !healthy_by_rank)
+    return mesh_create_root(ref, names, sizes, ndim, healthy_by_rank, world, out, err);
+  char dims[300];
+  strbuf_t b = {dims, sizeof dims, 0};
+  format_dims(&b, names, sizes, ndim);
+  int64_t run = 0;
+  for (int64_t r = 0; (uint64_t)r < world; r++) {
+    run = healthy_by_rank[r] && !drained_by_rank[r] ? run + 1 : 0;
+    if (run < k) continue;
+    int64_t strides[NDSLICE_MAX_DIMS];
+    int64_t stride = 1;
+    for (int i = ndim; i-- > 0;) {
+      strides[i] = stride;
+      stride *= sizes[i];
+    }
+    mesh_t m = {.ref = ref, .ndim = ndim};
+    if (ndslice_init(&m.slice, r - k + 1, sizes, ndim, strides, ndim, err) != 0) return -1;
+    for (int i = 0; i < ndim; i++) snprintf(m.names[i], sizeof m.names[i], "%s", names[i]);
+    *out = m;
+    return 0;
+  }
+  char drained[200] = "";
+  b = (strbuf_t){drained, sizeof drained, 0};
+  int64_t usable = 0;
+  for (size_t r = 0; r < world; r++) {
+    if (drained_by_rank[r]) sb_printf(&b, "%s%zu", b.used ? ", " : "", r);
+    usable += healthy_by_rank[r] && !drained_by_rank[r];
+  }
+  return error_set(err, ERR_QUOTA,
+                   "CreateMesh %s needs %lld consecutive healthy agents, but rank%s %s %s drained "
+                   "(meshctl drain) and no other run of %lld is free (%lld healthy undrained "
+                   "agent%s in all); undrain a rank (meshctl undrain RANK), start more agents or "
+                   "ask for a smaller mesh",
+                   dims, (long long)k, strchr(drained, ',') ? "s" : "", drained,
+                   strchr(drained, ',') ? "are" : "is", (long long)k, (long long)usable,
+                   usable == 1 ? "" : "s");
+}
+
+int mesh_create_root(uint64_t ref, const char *const names[], const int64_t sizes[], int ndim,
+                     const bool *healthy_by_rank, size_t world, mesh_t *out, meshd_error_t *err) {
+  int64_t k;
+  if (check_dims(names, sizes, ndim, &k, err) != 0) return -1;
 
   int64_t have = 0;
   for (int64_t r = 0; r < k && (uint64_t)r < world; r++)

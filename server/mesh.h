@@ -51,6 +51,16 @@ typedef struct mesh_selector {
 int mesh_create_root(uint64_t ref, const char *const names[], const int64_t sizes[], int ndim,
                      const bool *healthy_by_rank, size_t world, mesh_t *out, meshd_error_t *err);
 
+/* mesh_create_root for a session that must avoid drained ranks:
+ * drained_by_rank[r] (r < world; NULL: none is) marks them. When no rank of
+ * 0..k-1 is drained this is mesh_create_root. Otherwise the mesh takes the
+ * lowest run of k consecutive ranks o..o+k-1 that are all healthy and not
+ * drained (a dense slice at offset o); with no such run, QUOTA naming the
+ * drained ranks. */
+int mesh_create_placed(uint64_t ref, const char *const names[], const int64_t sizes[], int ndim,
+                       const bool *healthy_by_rank, const bool *drained_by_rank, size_t world,
+                       mesh_t *out, meshd_error_t *err);
+
 /* The dim's position, or -1. */
 int mesh_find_dim(const mesh_t *m, const char *name);
 

@@ -99,6 +99,15 @@ static grpc_status_code guard(rpc_call_t *call, void *arg, rpc_identity_t *id, c
   return GRPC_STATUS_UNAUTHENTICATED;
 }
 
+/* An agent's self-description for ListAgents and GetInfo: truncated to fit,
+ * anything but printable ASCII replaced by '?'. */
+static void printable(char *dst, size_t len, const char *src) {
+  size_t i = 0;
+  for (; src && src[i] && i + 1 < len; i++)
+    dst[i] = src[i] >= ' ' && src[i] <= '~' ? src[i] : '?';
+  dst[i] = '\0';
+}
+
 static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *req) {
   if (!req->agent_id || !*req->agent_id || strlen(req->agent_id) >= sizeof c->agent_id)
     { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest.agent_id must be 1..63 characters"); return; }
@@ -133,6 +142,10 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   d.memory_bytes = req->memory_bytes;
   d.data_port = req->data_port;
   d.pid = req->pid;
+  printable(d.version, sizeof d.version, req->version);
+  printable(d.commit, sizeof d.commit, req->commit);
+  printable(d.build_type, sizeof d.build_type, req->build_type);
+  d.cuda = req->cuda;
   memcpy(d.call_secret, req->call_secret, SECRET_HEX_LEN + 1);
   char err[256];
   int rank = agent_pool_add(r->pool, &d, req->requested_rank, err, sizeof err);

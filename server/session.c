@@ -436,6 +436,8 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n) {
     v[i].bytes_held = atomic_load(&s->bytes_held);
     v[i].live_tensors = atomic_load(&s->live_tensors);
     v[i].queued_commands = atomic_load(&s->queued_commands);
+    v[i].commands = atomic_load(&s->commands);
+    v[i].age_ms = now > s->created_ms ? (uint64_t)(now - s->created_ms) : 0;
     int64_t idle = now - atomic_load(&s->last_used_ms);
     v[i].idle_ms = idle > 0 && atomic_load(&s->calls) == 0 ? (uint64_t)idle : 0;
     v[i].ttl_s = s->ttl_s;

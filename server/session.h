@@ -79,6 +79,7 @@ typedef struct session {
   _Atomic uint64_t bytes_held; /* see session_charge / session_credit */
   _Atomic uint64_t live_tensors;
   _Atomic uint64_t queued_commands; /* accepted, not yet known to have run (flow.h) */
+  _Atomic uint64_t commands;        /* accepted so far (command_service.c) */
   _Atomic int transfers;            /* Upload and Fetch calls in flight (data_service.c) */
 
   /* The command layer's lock for `objects` and whatever else it keeps per session. */
@@ -172,6 +173,8 @@ typedef struct session_info {
   uint64_t bytes_held;
   uint64_t live_tensors;
   uint64_t queued_commands;
+  uint64_t commands; /* accepted so far */
+  uint64_t age_ms;   /* since it was created */
   uint64_t idle_ms; /* 0 while a call is in flight */
   uint64_t ttl_s;
 } session_info_t;

@@ -160,6 +160,8 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
     row.live_tensors = v[i].live_tensors;
     row.idle_ms = v[i].idle_ms;
     row.queued_commands = v[i].queued_commands;
+    row.commands = v[i].commands;
+    row.age_ms = v[i].age_ms;
     rows[shown] = row;
     ptrs[shown] = &rows[shown];
     shown++;

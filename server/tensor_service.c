@@ -2,8 +2,12 @@
 
 #include <stdlib.h>
 
+#include "build_info.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "ops.h"
+
+/* When the method table was first asked for: main does so once at startup. */
+static int64_t started_ms;
 
 static void list_agents(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   agent_pool_t *pool = arg;
@@ -14,6 +18,54 @@ static void list_agents(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   }
   rpc_call_reply(call, &reply.base);
   agent_pool_snapshot_free(reply.agents, reply.n_agents);
+}
+
+/* The server's build and uptime, and every agent (with the version it reported). */
+static void get_info(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  agent_pool_t *pool = arg;
+  const build_info_t *b = build_info();
+  Meshd__V1__GetInfoReply reply = MESHD__V1__GET_INFO_REPLY__INIT;
+  reply.version = (char *)b->version;
+  reply.commit = (char *)b->commit;
+  reply.build_type = (char *)b->build_type;
+  reply.cuda = b->cuda;
+  int64_t up = rpc_now_ms() - started_ms;
+  reply.uptime_ms = up > 0 ? (uint64_t)up : 0;
+  if (agent_pool_snapshot(pool, &reply.agents, &reply.n_agents) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing agents");
+    return;
+  }
+  rpc_call_reply(call, &reply.base);
+  agent_pool_snapshot_free(reply.agents, reply.n_agents);
+}
+
+/* An operator's: admin principals only (every caller of an open server is one). */
+static void drain_agent(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  agent_pool_t *pool = arg;
+  const Meshd__V1__DrainAgentRequest *r = (const Meshd__V1__DrainAgentRequest *)req;
+  const rpc_identity_t *id = rpc_call_identity(call);
+  if (id && !id->admin) {
+    rpc_call_finish(call, GRPC_STATUS_PERMISSION_DENIED, error_kind_name(ERR_PERMISSION_DENIED),
+                    "DrainAgent: principal '%s' is not an admin; only a principal marked admin "
+                    "in --auth-tokens may drain or undrain agents", id->name);
+    return;
+  }
+  meshd_error_t e;
+  if (agent_pool_set_drained(pool, r->rank, r->drain, &e) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, NULL, "%s", e.msg);
+    return;
+  }
+  Meshd__V1__AgentInfo **agents = NULL;
+  size_t n = 0;
+  if (agent_pool_snapshot(pool, &agents, &n) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing agents");
+    return;
+  }
+  Meshd__V1__DrainAgentReply reply = MESHD__V1__DRAIN_AGENT_REPLY__INIT;
+  for (size_t i = 0; i < n; i++)
+    if (agents[i]->rank == r->rank) reply.agent = agents[i];
+  rpc_call_reply(call, &reply.base);
+  agent_pool_snapshot_free(agents, n);
 }
 
 /* The catalogue as clients see it: every op's name, schema and flags. */
@@ -53,6 +105,18 @@ static const rpc_method_t methods[] = {
         .on_start = list_agents,
     },
     {
+        .path = "/meshd.v1.TensorService/GetInfo",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__get_info_request__descriptor,
+        .on_start = get_info,
+    },
+    {
+        .path = "/meshd.v1.TensorService/DrainAgent",
+        .kind = RPC_UNARY,
+        .request = &meshd__v1__drain_agent_request__descriptor,
+        .on_start = drain_agent,
+    },
+    {
         .path = "/meshd.v1.TensorService/ListOps",
         .kind = RPC_UNARY,
         .request = &meshd__v1__list_ops_request__descriptor,
@@ -61,6 +125,7 @@ static const rpc_method_t methods[] = {
 };
 
 const rpc_method_t *tensor_service_methods(size_t *n) {
+  if (!started_ms) started_ms = rpc_now_ms();
   *n = sizeof methods / sizeof methods[0];
   return methods;
 }

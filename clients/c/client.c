@@ -187,15 +187,26 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
       goto nomem;
     errbuf_set(errbuf, errlen, "the TLS files could not be loaded");
     ret = MESHD_E_INVALID;
-  } else if (!rpc_channel_wait_ready(c->ch, o->timeout_ms)) {
-    errbuf_set(errbuf, errlen, "no connection to %s within %d ms%s", target,
-               o->timeout_ms,
-               tls.on ? " (with TLS: is the server up, does it speak TLS, and is its certificate "
-                        "valid for that name and signed by the CA?)"
-                      : "");
-    ret = MESHD_E_CONNECT;
-    meshd_close(c);
-    c = NULL;
+  } else {
+    rpc_connect_t how = o->fail_fast ? rpc_channel_connect(c->ch, o->timeout_ms)
+                                     : rpc_channel_wait_ready(c->ch, o->timeout_ms)
+                                         ? RPC_CONNECT_READY
+                                         : RPC_CONNECT_TIMEOUT;
+    const char *tls_hint = tls.on ? " (with TLS: is the server up, does it speak TLS, and is its "
+                                    "certificate valid for that name and signed by the CA?)"
+                                  : "";
+    if (how == RPC_CONNECT_FAILED)
+      errbuf_set(errbuf, errlen,
+                 "the connection to %s failed: nothing listens there, or it is unreachable%s",
+                 target, tls_hint);
+    else if (how == RPC_CONNECT_TIMEOUT)
+      errbuf_set(errbuf, errlen, "no connection to %s within %d ms%s", target, o->timeout_ms,
+                 tls_hint);
+    if (how != RPC_CONNECT_READY) {
+      ret = MESHD_E_CONNECT;
+      meshd_close(c);
+      c = NULL;
+    }
   }
   goto out;
 nomem:
@@ -290,6 +301,41 @@ out:
 
 static char *dup_str(const char *s) { return strdup(s ? s : ""); }
 
+/* 0, or -1 out of memory (dst's strings that were copied are set: free them). */
+static int copy_agent(meshd_agent_t *dst, const Meshd__V1__AgentInfo *a) {
+  dst->rank = a->rank;
+  dst->memory_bytes = a->memory_bytes;
+  dst->allocated_bytes = a->allocated_bytes;
+  dst->healthy = a->healthy;
+  dst->drained = a->drained;
+  dst->cuda = a->cuda;
+  dst->address = dup_str(a->address);
+  dst->device = dup_str(a->device);
+  dst->agent_id = dup_str(a->agent_id);
+  dst->version = dup_str(a->version);
+  dst->commit = dup_str(a->commit);
+  dst->build_type = dup_str(a->build_type);
+  return dst->address && dst->device && dst->agent_id && dst->version && dst->commit &&
+                 dst->build_type
+             ? 0
+             : -1;
+}
+
+/* *list gets n copies (NULL when n is 0). 0, or -1 out of memory (nothing kept). */
+static int copy_agents(meshd_agent_t **list, Meshd__V1__AgentInfo *const *agents, size_t n) {
+  *list = NULL;
+  if (n == 0) return 0;
+  meshd_agent_t *out = calloc(n, sizeof *out);
+  if (!out) return -1;
+  for (size_t i = 0; i < n; i++)
+    if (copy_agent(&out[i], agents[i]) != 0) {
+      meshd_agents_free(out, i + 1);
+      return -1;
+    }
+  *list = out;
+  return 0;
+}
+
 meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n) {
   meshd_err_t ret = MESHD_E_OK;
   ProtobufCMessage *resp = NULL;
@@ -318,16 +364,7 @@ meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n
   if (!out)
     goto nomem;
   for (; count < reply->n_agents; count++) {
-    const Meshd__V1__AgentInfo *a = reply->agents[count];
-    meshd_agent_t *dst = &out[count];
-    dst->rank = a->rank;
-    dst->memory_bytes = a->memory_bytes;
-    dst->allocated_bytes = a->allocated_bytes;
-    dst->healthy = a->healthy;
-    dst->address = dup_str(a->address);
-    dst->device = dup_str(a->device);
-    dst->agent_id = dup_str(a->agent_id);
-    if (!dst->address || !dst->device || !dst->agent_id) {
+    if (copy_agent(&out[count], reply->agents[count]) != 0) {
       count++; /* free this one's partial strings too */
       goto nomem;
     }
@@ -354,8 +391,76 @@ void meshd_agents_free(meshd_agent_t *list, size_t n) {
     free(list[i].address);
     free(list[i].device);
     free(list[i].agent_id);
+    free(list[i].version);
+    free(list[i].commit);
+    free(list[i].build_type);
   }
   free(list);
+}
+
+meshd_err_t meshd_drain_agent(meshd_client_t *client, uint32_t rank, bool drain,
+                              meshd_agent_t **agent_out) {
+  if (!client)
+    return MESHD_E_INVALID;
+  if (agent_out)
+    *agent_out = NULL;
+  ProtobufCMessage *resp = NULL;
+  Meshd__V1__DrainAgentRequest req = MESHD__V1__DRAIN_AGENT_REQUEST__INIT;
+  req.rank = rank;
+  req.drain = drain;
+  meshd_err_t ret = call(client, "/meshd.v1.TensorService/DrainAgent", &req.base,
+                         &meshd__v1__drain_agent_reply__descriptor, &resp);
+  if (ret != MESHD_E_OK)
+    return ret;
+  const Meshd__V1__DrainAgentReply *reply = (const Meshd__V1__DrainAgentReply *)resp;
+  if (agent_out && reply->agent && copy_agents(agent_out, &reply->agent, 1) != 0) {
+    set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_drain_agent: out of memory");
+    ret = MESHD_E_NOMEM;
+  }
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return ret;
+}
+
+meshd_err_t meshd_server_info(meshd_client_t *client, meshd_server_info_t *out) {
+  if (!client)
+    return MESHD_E_INVALID;
+  if (!out) {
+    set_error(client, MESHD_E_INVALID, 0, NULL, "meshd_server_info: out is NULL");
+    return MESHD_E_INVALID;
+  }
+  memset(out, 0, sizeof *out);
+  ProtobufCMessage *resp = NULL;
+  Meshd__V1__GetInfoRequest req = MESHD__V1__GET_INFO_REQUEST__INIT;
+  meshd_err_t ret = call(client, "/meshd.v1.TensorService/GetInfo", &req.base,
+                         &meshd__v1__get_info_reply__descriptor, &resp);
+  if (ret != MESHD_E_OK)
+    return ret;
+  const Meshd__V1__GetInfoReply *r = (const Meshd__V1__GetInfoReply *)resp;
+  out->version = dup_str(r->version);
+  out->commit = dup_str(r->commit);
+  out->build_type = dup_str(r->build_type);
+  out->cuda = r->cuda;
+  out->uptime_ms = r->uptime_ms;
+  if (!out->version || !out->commit || !out->build_type ||
+      copy_agents(&out->agents, r->agents, r->n_agents) != 0) {
+    meshd_server_info_free(out);
+    set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_server_info: out of memory");
+    ret = MESHD_E_NOMEM;
+  } else {
+    out->n_agents = r->n_agents;
+  }
+  protobuf_c_message_free_unpacked(resp, NULL);
+  return ret;
+}
+
+void meshd_server_info_free(meshd_server_info_t *info) {
+  if (!info)
+    return;
+  free(info->version);
+  free(info->commit);
+  free(info->build_type);
+  meshd_agents_free(info->agents, info->n_agents);
+  memset(info, 0, sizeof *info);
 }
 
 /* ---------------------------------------------------------------- sessions */
@@ -392,9 +497,13 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
       d->bytes_held = si->bytes_held;
       d->live_tensors = si->live_tensors;
       d->idle_ms = si->idle_ms;
+      d->commands = si->commands;
+      d->age_ms = si->age_ms;
+      d->queued_commands = si->queued_commands;
       d->session_id = dup_str(si->session_id);
       d->client_name = dup_str(si->client_name);
-      if (!d->session_id || !d->client_name) {
+      d->owner = dup_str(si->owner);
+      if (!d->session_id || !d->client_name || !d->owner) {
         count++;
         goto nomem;
       }
@@ -417,6 +526,7 @@ void meshd_sessions_free(meshd_session_info_t *list, size_t n) {
   for (size_t i = 0; i < n; i++) {
     free(list[i].session_id);
     free(list[i].client_name);
+    free(list[i].owner);
   }
   free(list);
 }

@@ -2,9 +2,16 @@
  *
  * Exit status follows grpc_health_probe: 0 ok (SERVING), 2 could not connect,
  * 3 the call failed, 4 not serving. Usage errors exit 64 (EX_USAGE) so they
- * cannot be mistaken for "could not connect"; 1 is anything else (out of memory). */
+ * cannot be mistaken for "could not connect"; 1 is anything else (out of memory).
+ *
+ * --output json: every command prints one JSON document on stdout (a failure
+ * too: {"error": {"code", "message", ...}}, with the same exit status), and
+ * `sessions --watch` one per frame (JSON lines). Messages for people stay on
+ * stderr in both formats. */
 #include <ctype.h>
 #include <errno.h>
+#include <json-c/json.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <inttypes.h>
@@ -14,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "build_info.h"
 #include "conn.h" /* the library's own option checks, so errors name the flag */
 #include "meshd.h"
 
@@ -27,14 +35,26 @@ enum {
 };
 
 #define SYNOPSIS "[--server ADDR] [--timeout-ms MS] [--token T | --token-file F] [--tls] " \
-                 "[--tls-ca F] [--tls-cert F --tls-key F] [--no-progress] COMMAND [ARGS]"
+                 "[--tls-ca F] [--tls-cert F --tls-key F] [--output json|table] " \
+                 "[--progress=true|false] [--version] COMMAND [ARGS]"
 
 static const char *server;
 static int64_t timeout_ms;
 static meshd_connect_options_t conn = MESHD_CONNECT_OPTIONS_INIT;
 static char token_buf[CONN_MAX_TOKEN + 2]; /* from --token-file; wiped at exit */
-static bool progress_on;                   /* stderr is a terminal and no --no-progress */
+static bool progress_on;                   /* --progress, else stderr is a terminal */
 static int64_t progress_delay_ms;
+static bool json_out;                      /* --output json */
+static bool show_version;                  /* --version */
+static bool watch;                         /* sessions --watch */
+static double watch_interval_s;
+static int64_t watch_count;                /* frames; 0: until Ctrl-C */
+static const char *watch_flag_given;       /* the first of --watch, --interval, --count given */
+
+/* The run's JSON document (--output json), printed once at the end, and the
+ * first failure, added to it as "error". */
+static json_object *doc;
+static json_object *doc_error;
 
 /* ------------------------------------------------------------------ flags */
 
@@ -60,7 +80,13 @@ enum {
   FLAG_TLS_SERVER_NAME,
   FLAG_INSECURE,
   FLAG_NO_PROGRESS,
+  FLAG_PROGRESS,
   FLAG_PROGRESS_DELAY_MS,
+  FLAG_OUTPUT,
+  FLAG_VERSION,
+  FLAG_WATCH,
+  FLAG_INTERVAL,
+  FLAG_COUNT,
   NFLAGS
 };
 static const flag_t flags[NFLAGS] = {
@@ -87,9 +113,22 @@ static const flag_t flags[NFLAGS] = {
                        "send the token even in plaintext to a non-loopback address", true},
     [FLAG_NO_PROGRESS] = {"no-progress", "", "MESHD_NO_PROGRESS", "false",
                           "no progress line on stderr for long transfers", true},
+    [FLAG_PROGRESS] = {"progress", "", "MESHD_PROGRESS", NULL,
+                       "progress line on stderr for long transfers: true even when stderr is "
+                       "not a terminal, false never (unset: when stderr is a terminal)", true},
     [FLAG_PROGRESS_DELAY_MS] = {"progress-delay-ms", "N", "MESHD_PROGRESS_DELAY_MS", "1000",
                                 "show a transfer's progress once it ran this long (only when "
                                 "stderr is a terminal)", false},
+    [FLAG_OUTPUT] = {"output", "FORMAT", "MESHD_OUTPUT", "table",
+                     "table (for people) or json (one document on stdout; errors too)", false},
+    [FLAG_VERSION] = {"version", "", NULL, "false", "print meshctl's own version and exit",
+                      true},
+    [FLAG_WATCH] = {"watch", "", NULL, "false",
+                    "sessions: redraw the table every --interval seconds, like top", true},
+    [FLAG_INTERVAL] = {"interval", "S", NULL, "2", "sessions --watch: seconds between frames",
+                       false},
+    [FLAG_COUNT] = {"count", "N", NULL, "0",
+                    "sessions --watch: stop after N frames (0: at Ctrl-C)", false},
 };
 #define TIMEOUT_MS_MIN 1
 #define TIMEOUT_MS_MAX 3600000
@@ -302,27 +341,73 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
   if (parse_ms(who, text, TIMEOUT_MS_MIN, TIMEOUT_MS_MAX, &timeout_ms, err, errlen) != 0)
     return -1;
   conn.timeout_ms = (int)timeout_ms;
-  bool no_progress = false;
+  conn.fail_fast = true; /* a refused port is an error now, not after --timeout-ms */
+  bool no_progress = false, forced = false;
   if (set_bool(who, flag_value(FLAG_NO_PROGRESS, given[FLAG_NO_PROGRESS], who, sizeof who),
                &no_progress, err, errlen) != 0)
     return -1;
-  progress_on = !no_progress && isatty(STDERR_FILENO);
+  text = flag_value(FLAG_PROGRESS, given[FLAG_PROGRESS], who, sizeof who);
+  if (text && set_bool(who, text, &forced, err, errlen) != 0)
+    return -1;
+  progress_on = text ? forced : !no_progress && isatty(STDERR_FILENO);
   text = flag_value(FLAG_PROGRESS_DELAY_MS, given[FLAG_PROGRESS_DELAY_MS], who, sizeof who);
   if (parse_ms(who, text, 0, TIMEOUT_MS_MAX, &progress_delay_ms, err, errlen) != 0)
     return -1;
+  if (set_bool(who, flag_value(FLAG_VERSION, given[FLAG_VERSION], who, sizeof who), &show_version,
+               err, errlen) != 0 ||
+      set_bool(who, flag_value(FLAG_WATCH, given[FLAG_WATCH], who, sizeof who), &watch, err,
+               errlen) != 0)
+    return -1;
+  text = flag_value(FLAG_INTERVAL, given[FLAG_INTERVAL], who, sizeof who);
+  char *end;
+  errno = 0;
+  watch_interval_s = strtod(text, &end);
+  if (!*text || *end || errno || !(watch_interval_s >= 0.05 && watch_interval_s <= 86400)) {
+    snprintf(err, errlen, "%s: '%s' is not a number of seconds in [0.05, 86400]", who, text);
+    return -1;
+  }
+  text = flag_value(FLAG_COUNT, given[FLAG_COUNT], who, sizeof who);
+  if (parse_ms(who, text, 0, INT32_MAX, &watch_count, err, errlen) != 0)
+    return -1;
+  for (int f = FLAG_WATCH; f <= FLAG_COUNT && !watch_flag_given; f++)
+    if (given[f])
+      watch_flag_given = flags[f].name;
   return set_security(given, err, errlen);
+}
+
+/* --output, first of all: it says how the other errors are printed. */
+static int parse_output(int argc, char **argv, char *err, size_t errlen) {
+  const char *given = NULL;
+  for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
+    if (strncmp(argv[i], "--output=", 9) == 0)
+      given = argv[i] + 9;
+    else if (strcmp(argv[i], "--output") == 0 && i + 1 < argc &&
+             strncmp(argv[i + 1], "--", 2) != 0)
+      given = argv[++i];
+  }
+  char who[64];
+  const char *text = flag_value(FLAG_OUTPUT, given, who, sizeof who);
+  if (strcmp(text, "json") == 0 || strcmp(text, "table") == 0) {
+    json_out = text[0] == 'j';
+    return 0;
+  }
+  snprintf(err, errlen, "%s: '%s' is not an output format (expected json or table)", who, text);
+  return -1;
 }
 
 static int cmd_health(meshd_client_t *c, int argc, char **argv);
 static int cmd_agents(meshd_client_t *c, int argc, char **argv);
 static int cmd_sessions(meshd_client_t *c, int argc, char **argv);
 static int cmd_run(meshd_client_t *c, int argc, char **argv);
+static int cmd_version(meshd_client_t *c, int argc, char **argv);
+static int cmd_drain(meshd_client_t *c, int argc, char **argv);
+static int cmd_undrain(meshd_client_t *c, int argc, char **argv);
 
 typedef struct command {
   const char *name;
   const char *args;
   const char *help;
-  int max_args;
+  int min_args, max_args;
   int (*run)(meshd_client_t *c, int argc, char **argv);
 } command_t;
 
@@ -330,13 +415,33 @@ static const command_t commands[] = {
     {"health", "[SERVICE]",
      "grpc.health.v1 Check of SERVICE (default \"\": the server); prints SERVING, "
      "NOT_SERVING, ...",
-     1, cmd_health},
-    {"agents", "", "table of the registered agents", 0, cmd_agents},
-    {"sessions", "", "table of the client sessions (live tensors, bytes held, idle)", 0,
-     cmd_sessions},
-    {"run", "FILE", "run a line-based script (FILE or - for stdin) in a new session", 1, cmd_run},
+     0, 1, cmd_health},
+    {"agents", "", "table of the registered agents (drained ones say so)", 0, 0, cmd_agents},
+    {"sessions", "",
+     "table of the client sessions (age, live tensors, bytes held, commands); "
+     "--watch [--interval S] [--count N] redraws it like top, with commands/s",
+     0, 0, cmd_sessions},
+    {"run", "FILE", "run a line-based script (FILE or - for stdin) in a new session", 1, 1,
+     cmd_run},
+    {"version", "", "meshctl's, the server's and every agent's version and build", 0, 0,
+     cmd_version},
+    {"drain", "RANK",
+     "take RANK's agent out of placement before maintenance: sessions created from now on get "
+     "no mesh on it, older ones keep it (admin)",
+     1, 1, cmd_drain},
+    {"undrain", "RANK", "put a drained agent back into placement (admin)", 1, 1, cmd_undrain},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+/* "health, agents, ... or undrain" */
+static const char *command_names(void) {
+  static char buf[160];
+  size_t used = 0;
+  for (size_t i = 0; i < NCOMMANDS; i++)
+    used += (size_t)snprintf(buf + used, sizeof buf - used, "%s%s",
+                             i == 0 ? "" : i + 1 == NCOMMANDS ? " or " : ", ", commands[i].name);
+  return buf;
+}
 
 static void usage(FILE *out) {
   fprintf(out, "usage: meshctl %s\n", SYNOPSIS);
@@ -353,8 +458,8 @@ static void usage(FILE *out) {
       snprintf(env, sizeof env, "env %s", flags[i].env);
     if (flags[i].default_value)
       snprintf(def, sizeof def, "%sdefault %s", *env ? ", " : "", flags[i].default_value);
-    fprintf(out, "  --%s %s%*s   %s (%s%s)\n", flags[i].name, flags[i].metavar, width - w, "",
-            flags[i].help, env, def);
+    fprintf(out, "  --%s %s%*s   %s%s%s%s%s\n", flags[i].name, flags[i].metavar, width - w, "",
+            flags[i].help, *env || *def ? " (" : "", env, def, *env || *def ? ")" : "");
   }
   fprintf(out, "  %-*s   show this help\n", width, help_flag);
   fprintf(out, "commands:\n");
@@ -367,9 +472,66 @@ static void usage(FILE *out) {
                "4 not serving, 64 usage error, 1 other error\n");
 }
 
+/* ------------------------------------------------------------------ output */
+
+/* Prints o as one line of JSON and frees it. */
+static void print_json(json_object *o) {
+  puts(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN | JSON_C_TO_STRING_NOSLASHESCAPE));
+  fflush(stdout);
+  json_object_put(o);
+}
+
+/* The run's document (created on first use). */
+static json_object *the_doc(void) {
+  if (!doc)
+    doc = json_object_new_object();
+  return doc;
+}
+
+static void put_str(json_object *o, const char *key, const char *v) {
+  json_object_object_add(o, key, json_object_new_string(v ? v : ""));
+}
+static void put_u64(json_object *o, const char *key, uint64_t v) {
+  json_object_object_add(o, key, json_object_new_uint64(v));
+}
+static void put_bool(json_object *o, const char *key, bool v) {
+  json_object_object_add(o, key, json_object_new_boolean(v));
+}
+
+/* Records the run's first failure for the JSON document: code is a gRPC code
+ * name ("NOT_FOUND", "UNAVAILABLE" for no connection) or "USAGE", "INTERNAL";
+ * kind the server's error kind or NULL. */
+static void note_error(const char *code, const char *kind, const char *message, long line) {
+  if (!json_out || doc_error)
+    return;
+  doc_error = json_object_new_object();
+  put_str(doc_error, "code", code);
+  put_str(doc_error, "message", message);
+  if (kind && *kind)
+    put_str(doc_error, "kind", kind);
+  if (line > 0)
+    json_object_object_add(doc_error, "line", json_object_new_int64(line));
+}
+
+/* A usage error (exit 64): the message on stderr, the usage after it. */
+static int usage_error(bool show_usage, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int usage_error(bool show_usage, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "meshctl: %s\n", msg);
+  if (show_usage)
+    usage(stderr);
+  note_error("USAGE", NULL, msg, 0);
+  return EXIT_USAGE;
+}
+
 /* "error: WHAT: NOT_FOUND: unknown service" for the client's last failure. */
 static int report(meshd_client_t *c, const char *what, meshd_err_t e) {
   const meshd_error_info_t *info = meshd_last_error(c);
+  char msg[1024];
   if (e == MESHD_E_RPC || e == MESHD_E_DEADLINE) { /* a timeout is an RPC failure (exit 3) */
     fprintf(stderr, "error: %s: %s", what, info->grpc_code_name);
     if (*info->kind)
@@ -377,19 +539,30 @@ static int report(meshd_client_t *c, const char *what, meshd_err_t e) {
     if (*info->message)
       fprintf(stderr, ": %s", info->message);
     fputc('\n', stderr);
+    snprintf(msg, sizeof msg, "%s: %s", what, info->message);
+    note_error(info->grpc_code_name, info->kind, msg, 0);
     return EXIT_RPC;
   }
   fprintf(stderr, "error: %s: %s%s%s\n", what, meshd_strerror(e), *info->message ? ": " : "",
           info->message);
+  snprintf(msg, sizeof msg, "%s: %s%s%s", what, meshd_strerror(e), *info->message ? ": " : "",
+           info->message);
+  note_error(e == MESHD_E_NOMEM ? "RESOURCE_EXHAUSTED" : "INTERNAL", NULL, msg, 0);
   return EXIT_FAILURE_OTHER;
 }
 
 static int cmd_health(meshd_client_t *c, int argc, char **argv) {
   int status = MESHD_HEALTH_UNKNOWN;
-  meshd_err_t e = meshd_health(c, argc > 0 ? argv[0] : "", &status);
+  const char *service = argc > 0 ? argv[0] : "";
+  meshd_err_t e = meshd_health(c, service, &status);
   if (e != MESHD_E_OK)
     return report(c, "health check failed", e);
-  printf("%s\n", meshd_health_name(status));
+  if (json_out) {
+    put_str(the_doc(), "service", service);
+    put_str(doc, "status", meshd_health_name(status));
+  } else {
+    printf("%s\n", meshd_health_name(status));
+  }
   return status == MESHD_HEALTH_SERVING ? EXIT_OK : EXIT_NOT_SERVING;
 }
 
@@ -410,27 +583,68 @@ static void human_bytes(uint64_t bytes, char *buf, size_t len) {
   snprintf(buf, len, "%.1f%s", v, units[u]);
 }
 
+/* 93784000 ms -> "1d2h" ; "3m4s"; "12.3s". */
+static void human_duration(uint64_t ms, char *buf, size_t len) {
+  uint64_t s = ms / 1000;
+  if (s < 60)
+    snprintf(buf, len, "%.1fs", (double)ms / 1000.0);
+  else if (s < 3600)
+    snprintf(buf, len, "%" PRIu64 "m%" PRIu64 "s", s / 60, s % 60);
+  else if (s < 86400)
+    snprintf(buf, len, "%" PRIu64 "h%" PRIu64 "m", s / 3600, s / 60 % 60);
+  else
+    snprintf(buf, len, "%" PRIu64 "d%" PRIu64 "h", s / 86400, s / 3600 % 24);
+}
+
+static json_object *agent_json(const meshd_agent_t *a) {
+  json_object *o = json_object_new_object();
+  put_u64(o, "rank", a->rank);
+  put_str(o, "address", a->address);
+  put_str(o, "device", a->device);
+  put_str(o, "agent_id", a->agent_id);
+  put_u64(o, "memory_bytes", a->memory_bytes);
+  put_u64(o, "allocated_bytes", a->allocated_bytes);
+  put_bool(o, "healthy", a->healthy);
+  put_bool(o, "drained", a->drained);
+  put_str(o, "version", a->version);
+  put_str(o, "commit", a->commit);
+  put_str(o, "build_type", a->build_type);
+  put_bool(o, "cuda", a->cuda);
+  return o;
+}
+
 static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
+  (void)argc;
+  (void)argv;
   meshd_agent_t *agents = NULL;
   size_t n = 0;
   meshd_err_t e = meshd_agents(c, &agents, &n);
   if (e != MESHD_E_OK)
     return report(c, "listing agents failed", e);
 
-  int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE");
-  for (size_t i = 0; i < n; i++) {
-    int a = (int)strlen(agents[i].address), d = (int)strlen(agents[i].device);
-    w_addr = a > w_addr ? a : w_addr;
-    w_dev = d > w_dev ? d : w_dev;
-  }
-  printf("%-5s %-*s %-*s %-9s %-9s %s\n", "RANK", w_addr, "ADDRESS", w_dev, "DEVICE", "MEMORY",
-         "ALLOCATED", "HEALTHY");
-  for (size_t i = 0; i < n; i++) {
-    char mem[32], alloc[32];
-    human_bytes(agents[i].memory_bytes, mem, sizeof mem);
-    human_bytes(agents[i].allocated_bytes, alloc, sizeof alloc);
-    printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %s\n", agents[i].rank, w_addr, agents[i].address,
-           w_dev, agents[i].device, mem, alloc, agents[i].healthy ? "yes" : "no");
+  if (json_out) {
+    json_object *list = json_object_new_array();
+    for (size_t i = 0; i < n; i++)
+      json_object_array_add(list, agent_json(&agents[i]));
+    json_object_object_add(the_doc(), "agents", list);
+  } else {
+    int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE");
+    for (size_t i = 0; i < n; i++) {
+      int a = (int)strlen(agents[i].address), d = (int)strlen(agents[i].device);
+      w_addr = a > w_addr ? a : w_addr;
+      w_dev = d > w_dev ? d : w_dev;
+    }
+    printf("%-5s %-*s %-*s %-9s %-9s %-7s %-7s %s\n", "RANK", w_addr, "ADDRESS", w_dev, "DEVICE",
+           "MEMORY", "ALLOCATED", "HEALTHY", "DRAINED", "VERSION");
+    for (size_t i = 0; i < n; i++) {
+      char mem[32], alloc[32];
+      human_bytes(agents[i].memory_bytes, mem, sizeof mem);
+      human_bytes(agents[i].allocated_bytes, alloc, sizeof alloc);
+      printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %-7s %-7s %s\n", agents[i].rank, w_addr,
+             agents[i].address, w_dev, agents[i].device, mem, alloc,
+             agents[i].healthy ? "yes" : "no", agents[i].drained ? "yes" : "no",
+             *agents[i].version ? agents[i].version : "-");
+    }
   }
   if (n == 0)
     fprintf(stderr, "meshctl: no agents are registered with %s\n", server);
@@ -438,30 +652,282 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
   return EXIT_OK;
 }
 
+/* ------------------------------------------------------------------ sessions */
+
+static volatile sig_atomic_t interrupted; /* Ctrl-C during --watch */
+
+static void on_interrupt(int sig) {
+  (void)sig;
+  interrupted = 1;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* What --watch remembers of the previous frame to compute commands/s. */
+typedef struct seen {
+  meshd_session_info_t *list;
+  size_t n;
+  double at; /* now_s() of its ListSessions */
+} seen_t;
+
+/* Commands per second since the previous frame; < 0 when the session is new. */
+static double rate(const seen_t *prev, const meshd_session_info_t *si, double at) {
+  for (size_t i = 0; prev && i < prev->n; i++)
+    if (strcmp(prev->list[i].session_id, si->session_id) == 0 && at > prev->at)
+      return si->commands >= prev->list[i].commands
+                 ? (double)(si->commands - prev->list[i].commands) / (at - prev->at)
+                 : 0.0;
+  return -1.0;
+}
+
+/* idle_ms is 0 while a call of the session is in flight. */
+static const char *session_state(const meshd_session_info_t *si) {
+  return si->idle_ms == 0 ? "busy" : "idle";
+}
+
+static json_object *sessions_json(const meshd_session_info_t *list, size_t n, const seen_t *prev,
+                                  double at) {
+  json_object *arr = json_object_new_array();
+  for (size_t i = 0; i < n; i++) {
+    const meshd_session_info_t *si = &list[i];
+    json_object *o = json_object_new_object();
+    put_str(o, "session_id", si->session_id);
+    put_str(o, "owner", si->owner);
+    put_str(o, "client_name", si->client_name);
+    put_u64(o, "age_ms", si->age_ms);
+    put_u64(o, "idle_ms", si->idle_ms);
+    put_u64(o, "live_tensors", si->live_tensors);
+    put_u64(o, "bytes_held", si->bytes_held);
+    put_u64(o, "commands", si->commands);
+    put_u64(o, "queued_commands", si->queued_commands);
+    put_str(o, "state", session_state(si));
+    if (prev) {
+      double r = rate(prev, si, at);
+      json_object_object_add(o, "commands_per_s", r < 0 ? NULL : json_object_new_double(r));
+    }
+    json_object_array_add(arr, o);
+  }
+  return arr;
+}
+
+static void sessions_table(const meshd_session_info_t *list, size_t n, const seen_t *prev,
+                           double at) {
+  int w_client = (int)strlen("CLIENT"), w_owner = (int)strlen("OWNER");
+  for (size_t i = 0; i < n; i++) {
+    int l = (int)strlen(list[i].client_name), o = (int)strlen(list[i].owner);
+    w_client = l > w_client ? l : w_client;
+    w_owner = o > w_owner ? o : w_owner;
+  }
+  printf("%-12s %-*s %-*s %-8s %-8s %-10s %-9s %-8s %-6s %s\n", "SESSION", w_owner, "OWNER",
+         w_client, "CLIENT", "AGE", "TENSORS", "HELD", "COMMANDS", "CMD/S", "STATE", "IDLE");
+  for (size_t i = 0; i < n; i++) {
+    const meshd_session_info_t *si = &list[i];
+    char held[32], age[32], cps[32] = "-";
+    human_bytes(si->bytes_held, held, sizeof held);
+    human_duration(si->age_ms, age, sizeof age);
+    double r = prev ? rate(prev, si, at) : -1.0;
+    if (r >= 0)
+      snprintf(cps, sizeof cps, "%.1f", r);
+    printf("%-12.12s %-*s %-*s %-8s %-8" PRIu64 " %-10s %-9" PRIu64 " %-8s %-6s %.1fs\n",
+           si->session_id, w_owner, si->owner, w_client, si->client_name, age, si->live_tensors,
+           held, si->commands, cps, session_state(si), (double)si->idle_ms / 1000.0);
+  }
+}
+
+/* Sleeps s seconds unless Ctrl-C comes first. */
+static void nap(double s) {
+  double until = now_s() + s;
+  while (!interrupted) {
+    double left = until - now_s();
+    if (left <= 0)
+      break;
+    if (left > 0.1)
+      left = 0.1;
+    struct timespec ts = {0, (long)(left * 1e9)};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* sessions --watch: a frame every interval until --count frames or Ctrl-C
+ * (exit 0 both). On a terminal the screen is cleared before each frame; else
+ * frames follow each other, a blank line between them (JSON: one per line). */
+static int watch_sessions(meshd_client_t *c) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  bool tty = isatty(STDOUT_FILENO);
+  seen_t prev = {NULL, 0, 0};
+  int r = EXIT_OK;
+  for (int64_t frame = 1; !interrupted && (watch_count == 0 || frame <= watch_count); frame++) {
+    if (frame > 1)
+      nap(watch_interval_s);
+    if (interrupted)
+      break;
+    meshd_session_info_t *list = NULL;
+    size_t n = 0;
+    meshd_err_t e = meshd_sessions(c, &list, &n);
+    double at = now_s();
+    if (e != MESHD_E_OK) {
+      r = interrupted ? EXIT_OK : report(c, "listing sessions failed", e);
+      break;
+    }
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    if (json_out) {
+      json_object *o = json_object_new_object();
+      json_object_object_add(o, "frame", json_object_new_int64(frame));
+      put_u64(o, "unix_ms", (uint64_t)wall.tv_sec * 1000 + (uint64_t)wall.tv_nsec / 1000000);
+      json_object_object_add(o, "sessions", sessions_json(list, n, frame > 1 ? &prev : NULL, at));
+      print_json(o);
+    } else {
+      char when[32];
+      struct tm tm;
+      time_t t = wall.tv_sec;
+      localtime_r(&t, &tm);
+      strftime(when, sizeof when, "%H:%M:%S", &tm);
+      if (tty)
+        fputs("\033[H\033[2J", stdout);
+      else if (frame > 1)
+        fputc('\n', stdout);
+      printf("meshd %s  %s  %zu session%s  (every %gs; Ctrl-C ends)\n", server, when, n,
+             n == 1 ? "" : "s", watch_interval_s);
+      sessions_table(list, n, frame > 1 ? &prev : NULL, at);
+      fflush(stdout);
+    }
+    meshd_sessions_free(prev.list, prev.n);
+    prev = (seen_t){list, n, at};
+  }
+  meshd_sessions_free(prev.list, prev.n);
+  return r;
+}
+
 static int cmd_sessions(meshd_client_t *c, int argc, char **argv) {
   (void)argc;
   (void)argv;
+  if (watch)
+    return watch_sessions(c);
   meshd_session_info_t *list = NULL;
   size_t n = 0;
   meshd_err_t e = meshd_sessions(c, &list, &n);
   if (e != MESHD_E_OK)
     return report(c, "listing sessions failed", e);
-  int w_client = (int)strlen("CLIENT");
-  for (size_t i = 0; i < n; i++) {
-    int l = (int)strlen(list[i].client_name);
-    w_client = l > w_client ? l : w_client;
-  }
-  printf("%-12s %-*s %-8s %-10s %s\n", "SESSION", w_client, "CLIENT", "TENSORS", "HELD", "IDLE");
-  for (size_t i = 0; i < n; i++) {
-    char held[32];
-    human_bytes(list[i].bytes_held, held, sizeof held);
-    printf("%-12.12s %-*s %-8" PRIu64 " %-10s %.1fs\n", list[i].session_id, w_client,
-           list[i].client_name, list[i].live_tensors, held, (double)list[i].idle_ms / 1000.0);
-  }
+  if (json_out)
+    json_object_object_add(the_doc(), "sessions", sessions_json(list, n, NULL, 0));
+  else
+    sessions_table(list, n, NULL, 0);
   if (n == 0)
     fprintf(stderr, "meshctl: no sessions on %s\n", server);
   meshd_sessions_free(list, n);
   return EXIT_OK;
+}
+
+/* ------------------------------------------------------------------ version, drain */
+
+static json_object *build_json(const char *version, const char *commit, const char *build_type,
+                               bool cuda) {
+  json_object *o = json_object_new_object();
+  put_str(o, "version", version);
+  put_str(o, "commit", commit);
+  put_str(o, "build_type", build_type);
+  put_bool(o, "cuda", cuda);
+  return o;
+}
+
+/* meshctl's own build: the first line of `version`, all of --version. */
+static void print_own_version(void) {
+  const build_info_t *b = build_info();
+  if (json_out)
+    json_object_object_add(the_doc(), "client",
+                           build_json(b->version, b->commit, b->build_type, b->cuda));
+  else
+    build_info_print(stdout, "meshctl");
+  fflush(stdout);
+}
+
+static int cmd_version(meshd_client_t *c, int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  meshd_server_info_t info;
+  meshd_err_t e = meshd_server_info(c, &info);
+  if (e != MESHD_E_OK)
+    return report(c, "GetInfo failed", e);
+  if (json_out) {
+    json_object *srv = build_json(info.version, info.commit, info.build_type, info.cuda);
+    put_str(srv, "address", server);
+    put_u64(srv, "uptime_ms", info.uptime_ms);
+    json_object_object_add(the_doc(), "server", srv);
+    json_object *list = json_object_new_array();
+    for (size_t i = 0; i < info.n_agents; i++) {
+      const meshd_agent_t *a = &info.agents[i];
+      json_object *o = build_json(a->version, a->commit, a->build_type, a->cuda);
+      put_u64(o, "rank", a->rank);
+      put_str(o, "agent_id", a->agent_id);
+      put_str(o, "address", a->address);
+      json_object_array_add(list, o);
+    }
+    json_object_object_add(doc, "agents", list);
+  } else {
+    char up[32];
+    human_duration(info.uptime_ms, up, sizeof up);
+    printf("meshd %s (commit %s, %s, cuda backend: %s) at %s, up %s\n", info.version,
+           info.commit, info.build_type, info.cuda ? "yes" : "no", server, up);
+    for (size_t i = 0; i < info.n_agents; i++) {
+      const meshd_agent_t *a = &info.agents[i];
+      if (*a->version && *a->commit)
+        printf("rank %" PRIu32 ": meshd-agent %s (commit %s, %s, cuda backend: %s) at %s\n",
+               a->rank, a->version, a->commit, a->build_type, a->cuda ? "yes" : "no", a->address);
+      else
+        printf("rank %" PRIu32 ": meshd-agent %s (build not reported) at %s\n", a->rank,
+               *a->version ? a->version : "of unknown version", a->address);
+    }
+  }
+  meshd_server_info_free(&info);
+  return EXIT_OK;
+}
+
+static int drain_or_undrain(meshd_client_t *c, const char *cmd, const char *arg, bool drain) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(arg, &end, 10);
+  if (!*arg || *end || errno || !isdigit((unsigned char)*arg) || v > UINT32_MAX)
+    return usage_error(false, "%s: RANK '%s' is not a rank (an integer >= 0; meshctl agents "
+                       "lists them)", cmd, arg);
+  meshd_agent_t *a = NULL;
+  meshd_err_t e = meshd_drain_agent(c, (uint32_t)v, drain, &a);
+  if (e != MESHD_E_OK) {
+    char what[64];
+    snprintf(what, sizeof what, "%s rank %llu failed", cmd, v);
+    return report(c, what, e);
+  }
+  if (json_out) {
+    put_u64(the_doc(), "rank", v);
+    put_bool(doc, "drained", drain);
+    if (a) /* none when the rank's agent is away */
+      json_object_object_add(doc, "agent", agent_json(a));
+  } else
+    printf(drain ? "rank %llu drained: sessions created from now on get no mesh on it; older "
+                   "sessions keep using it until they end\n"
+                 : "rank %llu undrained: back in placement\n",
+           v);
+  meshd_agents_free(a, a ? 1 : 0);
+  return EXIT_OK;
+}
+
+static int cmd_drain(meshd_client_t *c, int argc, char **argv) {
+  (void)argc;
+  return drain_or_undrain(c, "drain", argv[0], true);
+}
+
+static int cmd_undrain(meshd_client_t *c, int argc, char **argv) {
+  (void)argc;
+  return drain_or_undrain(c, "undrain", argv[0], false);
 }
 
 /* ------------------------------------------------------------------ run */
@@ -477,6 +943,8 @@ typedef struct script {
   meshd_ref_t refs[MAX_NAMES];
   char kind[64];     /* the failure: "SYNTAX", a server kind or a gRPC code name */
   char message[640];
+  char code[32];     /* its gRPC code name ("" for SYNTAX and the like) */
+  json_object *results; /* --output json: what fetch lines gave (owned by the document) */
 } script_t;
 
 static int script_fail(script_t *sc, const char *kind, const char *fmt, ...)
@@ -494,6 +962,7 @@ static int script_fail(script_t *sc, const char *kind, const char *fmt, ...) {
 /* Records the library's last error. */
 static int script_lib_fail(script_t *sc, meshd_err_t e) {
   const meshd_error_info_t *info = meshd_last_error(sc->c);
+  snprintf(sc->code, sizeof sc->code, "%s", info->grpc_code_name);
   const char *kind = *info->kind                          ? info->kind
                      : e == MESHD_E_RPC && *info->grpc_code_name ? info->grpc_code_name
                                                                   : meshd_strerror(e);
@@ -591,12 +1060,6 @@ typedef struct progress {
   bool shown;
 } progress_t;
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 static void show_progress(void *user, uint64_t done, uint64_t total) {
   progress_t *p = user;
   double t = now_s(), ran = t - p->start;
@@ -606,9 +1069,13 @@ static void show_progress(void *user, uint64_t done, uint64_t total) {
   char d[32], n[32];
   human_bytes(done, d, sizeof d);
   human_bytes(total, n, sizeof n);
-  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s\033[K%s", p->what, d, n,
+  /* Not a terminal (--progress=true into a log): no escape to clear the line. */
+  static int tty = -1;
+  if (tty < 0)
+    tty = isatty(STDERR_FILENO);
+  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s%s%s", p->what, d, n,
           total ? (int)(done * 100 / total) : 100, ran > 0 ? (double)done / ran / 1e6 : 0.0,
-          done == total ? "\n" : "");
+          tty ? "\033[K" : "", done == total ? "\n" : "");
   fflush(stderr);
   p->shown = done < total;
   p->last = t;
@@ -639,14 +1106,29 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
     fputc('\n', stderr);
   if (e != MESHD_E_OK)
     return script_lib_fail(sc, e);
-  printf("%s [", tok[1]);
-  for (size_t i = 0; i < v.ndim; i++)
-    printf("%s%" PRId64, i ? "," : "", v.shape[i]);
-  printf("]");
-  for (size_t i = 0; i < v.n; i++)
-    printf(" %.17g", v.values[i]);
-  printf("\n");
-  fflush(stdout);
+  if (json_out) {
+    json_object *o = json_object_new_object(), *shape = json_object_new_array(),
+                *values = json_object_new_array_ext((int)(v.n < INT32_MAX ? v.n : INT32_MAX));
+    put_str(o, "fetch", tok[1]);
+    for (int i = 2; i < ntok; i++)
+      json_object_object_add(o, dims[i - 2], json_object_new_int64(idx[i - 2]));
+    for (size_t i = 0; i < v.ndim; i++)
+      json_object_array_add(shape, json_object_new_int64(v.shape[i]));
+    for (size_t i = 0; i < v.n; i++)
+      json_object_array_add(values, json_object_new_double(v.values[i]));
+    json_object_object_add(o, "shape", shape);
+    json_object_object_add(o, "values", values);
+    json_object_array_add(sc->results, o);
+  } else {
+    printf("%s [", tok[1]);
+    for (size_t i = 0; i < v.ndim; i++)
+      printf("%s%" PRId64, i ? "," : "", v.shape[i]);
+    printf("]");
+    for (size_t i = 0; i < v.n; i++)
+      printf(" %.17g", v.values[i]);
+    printf("\n");
+    fflush(stdout);
+  }
   meshd_values_free(&v);
   return 0;
 }
@@ -816,19 +1298,19 @@ static int run_line(script_t *sc, char *line) {
 }
 
 static int cmd_run(meshd_client_t *c, int argc, char **argv) {
-  if (argc != 1) {
-    fprintf(stderr, "meshctl: run: missing FILE (a script path, or - for stdin)\n");
-    return EXIT_USAGE;
-  }
+  if (argc != 1)
+    return usage_error(false, "run: missing FILE (a script path, or - for stdin)");
   bool use_stdin = strcmp(argv[0], "-") == 0;
   FILE *f = use_stdin ? stdin : fopen(argv[0], "r");
-  if (!f) {
-    fprintf(stderr, "meshctl: run: cannot open %s: %s\n", argv[0], strerror(errno));
-    return EXIT_USAGE;
-  }
+  if (!f)
+    return usage_error(false, "run: cannot open %s: %s", argv[0], strerror(errno));
   script_t sc;
   memset(&sc, 0, sizeof sc);
   sc.c = c;
+  if (json_out) {
+    sc.results = json_object_new_array();
+    json_object_object_add(the_doc(), "results", sc.results);
+  }
   meshd_err_t e = MESHD_E_OK;
   sc.s = meshd_session_open(c, "meshctl", &e);
   int r = EXIT_OK;
@@ -838,20 +1320,18 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
     char line[4096];
     for (long lineno = 1; fgets(line, sizeof line, f); lineno++) {
       size_t len = strlen(line);
-      if (len == sizeof line - 1 && line[len - 1] != '\n') {
-        fprintf(stderr, "line %ld: SYNTAX: line longer than %zu characters\n", lineno,
-                sizeof line - 2);
-        r = EXIT_RPC;
-        break;
-      }
-      if (run_line(&sc, line) < 0) {
-        fprintf(stderr, "line %ld: %s: %s\n", lineno, sc.kind, sc.message);
-        r = EXIT_RPC;
-        break;
-      }
+      if (len == sizeof line - 1 && line[len - 1] != '\n')
+        script_fail(&sc, "SYNTAX", "line longer than %zu characters", sizeof line - 2);
+      else if (run_line(&sc, line) == 0)
+        continue;
+      fprintf(stderr, "line %ld: %s: %s\n", lineno, sc.kind, sc.message);
+      note_error(*sc.code ? sc.code : "INVALID_ARGUMENT", sc.kind, sc.message, lineno);
+      r = EXIT_RPC;
+      break;
     }
     if (r == EXIT_OK && ferror(f)) {
       fprintf(stderr, "meshctl: run: reading %s failed\n", argv[0]);
+      note_error("INTERNAL", NULL, "reading the script failed", 0);
       r = EXIT_FAILURE_OTHER;
     }
   }
@@ -867,47 +1347,50 @@ static int run(int argc, char **argv) {
   char err[256];
   int npos = 0;
 
+  if (parse_output(argc, argv, err, sizeof err) != 0) { /* how to print the rest */
+    if (help_follows(1, argc, argv)) {
+      usage(stdout);
+      return EXIT_OK;
+    }
+    return usage_error(true, "%s", err);
+  }
   int r = parse_flags(argc, argv, &npos, err, sizeof err);
   if (r == 1) {
     usage(stdout);
     return EXIT_OK;
   }
-  if (r < 0) {
-    fprintf(stderr, "meshctl: %s\n", err);
-    usage(stderr);
-    return EXIT_USAGE;
+  if (r < 0)
+    return usage_error(true, "%s", err);
+  if (show_version) {
+    print_own_version();
+    return EXIT_OK;
   }
-  if (npos == 0) {
-    fprintf(stderr, "meshctl: missing COMMAND (one of: health, agents, sessions, run)\n");
-    usage(stderr);
-    return EXIT_USAGE;
-  }
+  if (npos == 0)
+    return usage_error(true, "missing COMMAND (one of: %s)", command_names());
   const command_t *cmd = NULL;
   for (size_t i = 0; i < NCOMMANDS && !cmd; i++)
     if (strcmp(argv[1], commands[i].name) == 0)
       cmd = &commands[i];
-  if (!cmd) {
-    fprintf(stderr, "meshctl: unknown command '%s' (expected one of: health, agents, sessions, run)\n", argv[1]);
-    usage(stderr);
-    return EXIT_USAGE;
-  }
+  if (!cmd)
+    return usage_error(true, "unknown command '%s' (expected one of: %s)", argv[1],
+                       command_names());
   int nargs = npos - 1;
-  if (nargs > cmd->max_args) {
-    fprintf(stderr, "meshctl: %s: unexpected argument '%s' (usage: meshctl %s%s%s)\n",
-            cmd->name, argv[2 + cmd->max_args], cmd->name, *cmd->args ? " " : "", cmd->args);
-    usage(stderr);
-    return EXIT_USAGE;
-  }
-  if (cmd->run == cmd_run && nargs < 1) {
-    fprintf(stderr, "meshctl: run: missing FILE (a script path, or - for stdin)\n");
-    usage(stderr);
-    return EXIT_USAGE;
-  }
-  if (!server || !*server) {
-    fprintf(stderr, "meshctl: --server: empty address (expected host:port)\n");
-    usage(stderr);
-    return EXIT_USAGE;
-  }
+  if (nargs > cmd->max_args)
+    return usage_error(true, "%s: unexpected argument '%s' (usage: meshctl %s%s%s)", cmd->name,
+                       argv[2 + cmd->max_args], cmd->name, *cmd->args ? " " : "", cmd->args);
+  if (nargs < cmd->min_args)
+    return usage_error(true, "%s: missing %s (usage: meshctl %s %s)", cmd->name,
+                       cmd->run == cmd_run ? "FILE (a script path, or - for stdin)" : cmd->args,
+                       cmd->name, cmd->args);
+  if (watch_flag_given && cmd->run != cmd_sessions)
+    return usage_error(true, "--%s: only `meshctl sessions` takes it, not %s", watch_flag_given,
+                       cmd->name);
+  if (watch_flag_given && !watch)
+    return usage_error(true, "--%s: needs --watch", watch_flag_given);
+  if (!server || !*server)
+    return usage_error(true, "--server: empty address (expected host:port)");
+  if (cmd->run == cmd_version)
+    print_own_version();
 
   meshd_err_t e = MESHD_E_OK;
   char why[512];
@@ -915,11 +1398,13 @@ static int run(int argc, char **argv) {
   if (!c) {
     if (e == MESHD_E_CONNECT) {
       fprintf(stderr, "error: cannot connect: %s\n", why);
+      note_error("UNAVAILABLE", NULL, why, 0);
       return EXIT_CONNECT;
     }
-    fprintf(stderr, "%s: %s\n", e == MESHD_E_INVALID ? "meshctl" : "error", why);
     if (e == MESHD_E_INVALID) /* an option meshctl was given: the plaintext-token rule */
-      return EXIT_USAGE;
+      return usage_error(false, "%s", why);
+    fprintf(stderr, "error: %s\n", why);
+    note_error("INTERNAL", NULL, why, 0);
     return EXIT_FAILURE_OTHER;
   }
   r = cmd->run(c, nargs, argv + 2);
@@ -931,6 +1416,10 @@ int main(int argc, char **argv) {
   meshd_global_init();
   int r = run(argc, argv);
   explicit_bzero(token_buf, sizeof token_buf);
+  if (doc_error)
+    json_object_object_add(the_doc(), "error", doc_error);
+  if (doc) /* --output json and not --watch: the run's one document */
+    print_json(doc);
   fflush(stdout);
   meshd_global_shutdown();
   return r;

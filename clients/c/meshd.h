@@ -100,9 +100,12 @@ typedef struct meshd_connect_options {
                                   the target's host; implies tls */
   bool insecure;               /* send a token in plaintext to a non-loopback target
                                   (refused otherwise) */
+  bool fail_fast;              /* give up at the first failed connection attempt (nothing
+                                  listens, unreachable, TLS handshake failed) instead of
+                                  retrying until timeout_ms: what a CLI wants */
 } meshd_connect_options_t;
 
-#define MESHD_CONNECT_OPTIONS_INIT {5000, NULL, false, NULL, NULL, NULL, NULL, false}
+#define MESHD_CONNECT_OPTIONS_INIT {5000, NULL, false, NULL, NULL, NULL, NULL, false, false}
 
 /* meshd_connect with options. NULL opts: MESHD_CONNECT_OPTIONS_INIT. Returns a
  * client, or NULL with *err set (err may be NULL) and, when errbuf is not NULL,
@@ -176,6 +179,11 @@ typedef struct meshd_agent {
   uint64_t allocated_bytes; /* held now */
   bool healthy;
   char *agent_id;
+  bool drained;             /* taken out of placement (meshd_drain_agent) */
+  char *version;            /* the agent's build as it reported it; "" from older agents */
+  char *commit;
+  char *build_type;
+  bool cuda;
 } meshd_agent_t;
 
 /* meshd.v1.TensorService/ListAgents. On MESHD_E_OK, *list is an array of *n
@@ -187,6 +195,31 @@ MESHD_API meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list,
 /* Frees a list from meshd_agents, strings included. NULL is ignored. */
 MESHD_API void meshd_agents_free(meshd_agent_t *list, size_t n);
 
+/* meshd.v1.TensorService/DrainAgent: drain (true) or undrain (false) rank's
+ * agent. Sessions created after a drain get no mesh on that rank; older ones
+ * keep it. Admin principals only. A rank with no agent is MESHD_E_RPC with
+ * grpc_code_name "NOT_FOUND". On MESHD_E_OK and agent_out != NULL,
+ * *agent_out is the agent as it is now (free with meshd_agents_free(*agent_out, 1));
+ * NULL on failure. */
+MESHD_API meshd_err_t meshd_drain_agent(meshd_client_t *client, uint32_t rank, bool drain,
+                                        meshd_agent_t **agent_out);
+
+/* What a server is (GetInfo): its build, uptime and agents. */
+typedef struct meshd_server_info {
+  char *version, *commit, *build_type;
+  bool cuda;
+  uint64_t uptime_ms;
+  meshd_agent_t *agents; /* n_agents, with the versions they reported */
+  size_t n_agents;
+} meshd_server_info_t;
+
+/* meshd.v1.TensorService/GetInfo. On MESHD_E_OK fills *out (free with
+ * meshd_server_info_free); on failure *out is zeroed. A server older than
+ * GetInfo answers MESHD_E_RPC, grpc_code_name "UNIMPLEMENTED". */
+MESHD_API meshd_err_t meshd_server_info(meshd_client_t *client, meshd_server_info_t *out);
+/* Frees what meshd_server_info put in *info and zeroes it. NULL is ignored. */
+MESHD_API void meshd_server_info_free(meshd_server_info_t *info);
+
 /* ---------------------------------------------------------------- sessions */
 
 /* One client session held by the server (ListSessions). */
@@ -195,7 +228,11 @@ typedef struct meshd_session_info {
   char *client_name;
   uint64_t bytes_held;   /* bytes of live tensors, all agents */
   uint64_t live_tensors;
-  uint64_t idle_ms;      /* since the session's last call */
+  uint64_t idle_ms;      /* since the session's last call; 0 while a call is in flight */
+  char *owner;           /* the principal that created it */
+  uint64_t commands;     /* commands accepted so far */
+  uint64_t age_ms;       /* since CreateSession */
+  uint64_t queued_commands;
 } meshd_session_info_t;
 
 /* meshd.v1.TensorService/ListSessions. On MESHD_E_OK, *list is an array of *n

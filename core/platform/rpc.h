@@ -288,6 +288,11 @@ rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *
 void rpc_channel_destroy(rpc_channel_t *ch);
 /* Connects now; true once READY, false on timeout or failure. */
 bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms);
+/* Connects now and stops at the first failed attempt (nothing listens, the
+ * host is unreachable or unknown, the TLS handshake failed) instead of
+ * retrying until timeout_ms: for tools that should say so at once. */
+typedef enum { RPC_CONNECT_READY, RPC_CONNECT_FAILED, RPC_CONNECT_TIMEOUT } rpc_connect_t;
+rpc_connect_t rpc_channel_connect(rpc_channel_t *ch, int timeout_ms);
 /* True once the channel is no longer READY (its connection closed: the server
  * went away or closed it as idle); false on timeout. */
 bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms);

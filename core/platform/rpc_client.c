@@ -97,8 +97,10 @@ static void *method_handle(rpc_channel_t *ch, const char *method) {
 }
 
 /* Waits until the channel's state is READY (want_ready) or anything but
- * READY (!want_ready). */
-static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
+ * READY (!want_ready); with fail_fast, gives up at TRANSIENT_FAILURE (a
+ * connection attempt failed) and sets *failed. */
+static bool wait_state_ex(rpc_channel_t *ch, bool want_ready, int timeout_ms, bool fail_fast,
+                          bool *failed) {
   gpr_timespec deadline = wire_deadline(timeout_ms);
   grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
   bool ready = false;
@@ -110,6 +112,10 @@ static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
       break;
     }
     if (s == GRPC_CHANNEL_SHUTDOWN) break;
+    if (fail_fast && want_ready && s == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+      *failed = true;
+      break;
+    }
     grpc_channel_watch_connectivity_state(ch->ch, s, deadline, cq, &tag);
     grpc_event ev = grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (!ev.success) break; /* the deadline passed */
@@ -120,7 +126,18 @@ static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
   return ready;
 }
 
+static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
+  bool failed = false;
+  return wait_state_ex(ch, want_ready, timeout_ms, false, &failed);
+}
+
 bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, true, timeout_ms); }
+
+rpc_connect_t rpc_channel_connect(rpc_channel_t *ch, int timeout_ms) {
+  bool failed = false;
+  if (wait_state_ex(ch, true, timeout_ms, true, &failed)) return RPC_CONNECT_READY;
+  return failed ? RPC_CONNECT_FAILED : RPC_CONNECT_TIMEOUT;
+}
 bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, false, timeout_ms); }
 
 static int hex_digit(char c) {

@@ -212,7 +212,7 @@ def test_help_exits_0(binary):
     assert "usage" in (r.stdout + r.stderr).lower()
 
 
-@pytest.mark.parametrize("binary", ["meshd", "meshd-agent"])
+@pytest.mark.parametrize("binary", list(BINARIES))
 def test_version_names_the_version_file_and_the_build(binary):
     r = lib.run(BINARIES[binary](), ["--version"], timeout=10)
     assert r.returncode == 0, (r.returncode, r.stderr)

@@ -4,9 +4,12 @@ health exit codes as grpc_health_probe: 0 SERVING, 2 connection failed,
 3 RPC failed (NOT_FOUND for an unknown service), 4 not serving.
 """
 
+import json
 import os
 import re
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -293,3 +296,222 @@ def test_fetch_progress_only_on_a_terminal(meshd_server, tmp_path):
 def test_bad_progress_flags_are_usage_errors(args, says):
     r = meshctl("127.0.0.1:1", *args, "health")
     assert r.returncode == 64 and says in r.stderr, _show(r)
+
+
+# ------------------------------------------------- --output json, version, watch, drain
+# One shared server with 2 local agents for these (sessions keep the tests apart; the drain
+# test puts its rank back).
+
+def _json(r):
+    assert r.stdout.count("\n") == 1, _show(r)  # one document, on one line
+    return json.loads(r.stdout)
+
+
+def _version():
+    with open(os.path.join(lib.SOURCE_DIR, "VERSION")) as f:
+        return f.read().strip()
+
+
+def test_json_output_of_every_command(shared_meshd, tmp_path):
+    srv = shared_meshd(2)
+    with lib.Session(srv.port, client_name="json-test") as s:
+        r = meshctl(srv.address, "--output", "json", "agents")
+        assert r.returncode == 0, _show(r)
+        agents = _json(r)["agents"]
+        assert sorted(a["rank"] for a in agents) == [0, 1], _show(r)
+        for a in agents:
+            assert a["healthy"] is True and a["drained"] is False and a["device"] == "cpu", a
+            assert a["address"].startswith("127.0.0.1:") and a["memory_bytes"] > 0, a
+            assert a["version"] == _version() and a["commit"], a
+
+        r = meshctl(srv.address, "--output=json", "sessions", env={"MESHD_OUTPUT": "table"})
+        assert r.returncode == 0, _show(r)
+        row = next(x for x in _json(r)["sessions"] if x["session_id"] == s.id)
+        assert row["client_name"] == "json-test" and row["owner"] == "anonymous", row
+        for key in ("age_ms", "idle_ms", "live_tensors", "bytes_held", "commands", "state"):
+            assert key in row, row
+
+        r = meshctl(srv.address, "health", env={"MESHD_OUTPUT": "json"})
+        assert r.returncode == 0 and _json(r) == {"service": "", "status": "SERVING"}, _show(r)
+
+        script = tmp_path / "s.txt"
+        script.write_text(SCRIPT)
+        r = meshctl(srv.address, "--output", "json", "run", str(script), timeout_ms=20000)
+        assert r.returncode == 0, _show(r)
+        assert _json(r) == {"results": [{"fetch": "z", "gpu": 1, "shape": [2, 3],
+                                         "values": [5.0] * 6}]}, _show(r)
+        script.write_text("mesh m gpu=2\nx = nosuchop m\n")
+        r = meshctl(srv.address, "--output", "json", "run", str(script), timeout_ms=20000)
+        assert r.returncode == 3, _show(r)
+        err = _json(r)["error"]
+        assert err["line"] == 2 and err["code"] == "NOT_FOUND" and "nosuchop" in err["message"], r
+
+        r = meshctl(srv.address, "--output", "json", "version")
+        assert r.returncode == 0, _show(r)
+        v = _json(r)
+        assert v["client"]["version"] == v["server"]["version"] == _version(), v
+        assert v["server"]["uptime_ms"] > 0 and v["server"]["address"] == srv.address, v
+        assert sorted(a["rank"] for a in v["agents"]) == [0, 1], v
+        assert all(a["version"] == _version() and a["commit"] == v["server"]["commit"]
+                   for a in v["agents"]), v
+        r = meshctl(srv.address, "version")
+        assert r.returncode == 0, _show(r)
+        assert re.match(rf"meshctl {re.escape(_version())} \(commit \S+, \S+, cuda backend: "
+                        r"(yes|no)\)\nmeshd ", r.stdout), _show(r)
+        assert len(re.findall(r"(?m)^rank [01]: meshd-agent ", r.stdout)) == 2, _show(r)
+
+    r = meshctl(None, "--version")  # no server needed
+    assert r.returncode == 0 and r.stdout.startswith(f"meshctl {_version()} (commit "), _show(r)
+    r = meshctl(None, "--output", "json", "--version")
+    assert r.returncode == 0 and _json(r)["client"]["version"] == _version(), _show(r)
+
+    for args in (("--output", "yaml", "agents"), ("--output=", "health"), ("--output", "yaml")):
+        r = meshctl(srv.address, *args)
+        assert r.returncode == 64 and r.stdout == "", _show(r)
+        assert "is not an output format (expected json or table)" in r.stderr, _show(r)
+    r = meshctl(srv.address, "agents", env={"MESHD_OUTPUT": "yaml"})
+    assert r.returncode == 64 and "MESHD_OUTPUT: 'yaml'" in r.stderr, _show(r)
+    r = meshctl(srv.address, "--output", "json", "nosuchcommand")
+    assert r.returncode == 64 and _json(r)["error"]["code"] == "USAGE", _show(r)
+
+
+def test_a_refused_port_fails_at_once():
+    port = lib.free_port()  # nothing listens there
+    for fmt in ("table", "json"):
+        t0 = time.monotonic()
+        r = meshctl(f"127.0.0.1:{port}", "--output", fmt, "agents", timeout_ms=30000)
+        took = time.monotonic() - t0
+        assert r.returncode == 2 and "cannot connect" in r.stderr, _show(r)
+        assert took < 3.0, f"{took:.1f} s for a refused port with --timeout-ms 30000"
+        if fmt == "json":
+            assert _json(r)["error"]["code"] == "UNAVAILABLE", _show(r)
+
+
+def test_sessions_watch_frames_and_rates(shared_meshd):
+    srv = shared_meshd(2)
+    with lib.Session(srv.port, client_name="watched") as s:
+        mesh = s.new_ref()
+        s.run(lib.create_mesh(mesh, gpu=2))
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--output", "json", "sessions",
+                              "--watch", "--interval", "1", "--count", "2"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=lib.clean_env())
+        try:
+            first = json.loads(p.stdout.readline())
+            # Ten commands between the two frames.
+            s.submit([s.command(lib.factory(s.new_ref(), mesh, "ones", [4])) for _ in range(10)])
+            second = json.loads(p.stdout.readline())
+            rest = p.stdout.read()
+            assert p.wait(10) == 0, p.stderr.read()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert rest == "", rest
+        assert (first["frame"], second["frame"]) == (1, 2)
+        row1 = next(x for x in first["sessions"] if x["session_id"] == s.id)
+        row2 = next(x for x in second["sessions"] if x["session_id"] == s.id)
+        assert "commands_per_s" not in row1, row1
+        # All ten ran before frame 2 unless the machine is very slow: then some of them.
+        ran = row2["commands"] - row1["commands"]
+        assert row1["commands"] == 1 and 0 < ran <= 10, (row1, row2)
+        assert 0 < row2["commands_per_s"] <= ran / 0.5, row2
+        if ran == 10:  # memory: ten tensors of 4 float32 on 2 ranks
+            assert row2["live_tensors"] == 10 and row2["bytes_held"] == 10 * 2 * 16, row2
+        assert row2["age_ms"] > row1["age_ms"], (row1, row2)
+
+        # Not a terminal: frames one after another, a blank line between them.
+        r = meshctl(srv.address, "sessions", "--watch", "--interval", "0.1", "--count", "2")
+        assert r.returncode == 0, _show(r)
+        frames = r.stdout.split("\n\n")
+        assert len(frames) == 2 and "\033[" not in r.stdout, _show(r)
+        for f in frames:
+            lines = f.strip().splitlines()
+            assert lines[0].startswith(f"meshd {srv.address} ") and lines[1].startswith("SESSION"), f
+            assert any(line.startswith(s.id[:12]) and "watched" in line for line in lines), f
+
+    # Without --count it runs until Ctrl-C, which ends it with exit 0.
+    p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--output", "json", "sessions",
+                          "--watch", "--interval", "0.1"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=lib.clean_env())
+    try:
+        assert json.loads(p.stdout.readline())["frame"] == 1
+        p.send_signal(signal.SIGINT)
+        assert p.wait(10) == 0, p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+    for args in (("agents", "--watch"), ("sessions", "--count", "2"),
+                 ("sessions", "--watch", "--interval", "0")):
+        r = meshctl(srv.address, *args)
+        assert r.returncode == 64, _show(r)
+
+
+def test_drain_keeps_new_sessions_off_a_rank(shared_meshd, secured):
+    srv = shared_meshd(2)
+    old = lib.Session(srv.port, client_name="before-drain")
+    try:
+        r = meshctl(srv.address, "drain", "0")
+        assert r.returncode == 0 and "rank 0 drained" in r.stdout, _show(r)
+        r = meshctl(srv.address, "--output", "json", "agents")
+        assert {a["rank"]: a["drained"] for a in _json(r)["agents"]} == {0: True, 1: False}, r
+        r = meshctl(srv.address, "agents")
+        assert re.search(r"(?m)^0 .* yes +yes +\S+$", r.stdout), _show(r)
+
+        with lib.Session(srv.port, client_name="after-drain") as new:
+            res = new.run(lib.create_mesh(new.new_ref(), gpu=1))
+            assert list(res.mesh.ranks) == [1], res
+            err = new.fails("QUOTA", lib.create_mesh(new.new_ref(), gpu=2))
+            assert "rank 0 is drained" in err.message, err.message
+        # The session from before the drain keeps rank 0, and it still computes.
+        mesh = old.new_ref()
+        assert list(old.run(lib.create_mesh(mesh, gpu=2)).mesh.ranks) == [0, 1]
+        x = old.new_ref()
+        old.run(lib.factory(x, mesh, "ones", [3]))
+        old.run(lib.sync())
+
+        r = meshctl(srv.address, "--output", "json", "undrain", "0")
+        doc = _json(r)
+        assert r.returncode == 0 and doc["rank"] == 0 and doc["drained"] is False, _show(r)
+        assert doc["agent"]["rank"] == 0 and doc["agent"]["drained"] is False, _show(r)
+        with lib.Session(srv.port, client_name="after-undrain") as new:
+            assert list(new.run(lib.create_mesh(new.new_ref(), gpu=1)).mesh.ranks) == [0]
+    finally:
+        meshctl(srv.address, "undrain", "0")
+        old.shut()
+
+    r = meshctl(srv.address, "--output", "json", "drain", "9")
+    assert r.returncode == 3, _show(r)
+    err = _json(r)["error"]
+    assert err["code"] == "NOT_FOUND" and "rank 9 has no agent" in err["message"], err
+    r = meshctl(srv.address, "drain", "-1")
+    assert r.returncode == 64 and "RANK '-1' is not a rank" in r.stderr, _show(r)
+    r = meshctl(srv.address, "drain")
+    assert r.returncode == 64 and "drain: missing RANK" in r.stderr, _show(r)
+    # Only admin principals drain: alice is not one.
+    r = meshctl(secured["plain"], "--token", ALICE, "drain", "0")
+    assert r.returncode == 3 and "PERMISSION_DENIED" in r.stderr, _show(r)
+    assert "not an admin" in r.stderr, _show(r)
+    r = meshctl(secured["plain"], "--token", ALICE, "--output", "json", "agents")
+    assert not any(a["drained"] for a in _json(r)["agents"]), _show(r)
+
+
+def test_progress_true_forces_the_line_and_false_hides_it(shared_meshd, tmp_path):
+    srv = shared_meshd(2)
+    script = tmp_path / "big.txt"
+    script.write_text(BIG)
+    r = meshctl(srv.address, "--progress=true", "--progress-delay-ms", "0", "run", str(script),
+                timeout_ms=20000)
+    assert r.returncode == 0, _show(r)
+    assert re.search(r"(?m)^fetch x: .*1\.0MiB / 1\.0MiB 100%  [0-9.]+ MB/s$", r.stderr), r.stderr
+    r = meshctl(srv.address, "--progress-delay-ms", "0", "run", str(script), timeout_ms=20000,
+                env={"MESHD_PROGRESS": "true"})
+    assert r.returncode == 0 and "fetch x:" in r.stderr, _show(r)
+    rc, out, term = _meshctl_on_pty(srv, "--progress=false", "--progress-delay-ms=0", "run",
+                                    str(script))
+    assert rc == 0 and out.startswith("x [262144] 1 1") and term == "", repr(term)
+    r = meshctl(srv.address, "--progress=maybe", "health")
+    assert r.returncode == 64 and "--progress: 'maybe' is not a boolean" in r.stderr, _show(r)

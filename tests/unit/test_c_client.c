@@ -1,8 +1,11 @@
 /* The C client library (clients/c/meshd.h) and meshctl against a live
  * `meshd --local-agents 2` started from $MESHD_BIN_DIR on a free port; the
  * c_client_lease suite starts it with --session-ttl 2 --agent-timeout 60. */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
@@ -195,14 +198,28 @@ Test(c_client, compute_and_fetch) {
   size_t n = 0;
   cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   bool found = false;
+  uint64_t commands = 0;
   for (size_t i = 0; i < n; i++)
     if (strcmp(list[i].client_name, "c-test") == 0) {
       found = true;
       cr_assert_geq(list[i].live_tensors, 3);
       cr_assert_gt(list[i].bytes_held, 0);
       cr_assert_gt(strlen(list[i].session_id), 0);
+      /* at least mesh, factory, call, reduce, sync */
+      commands = list[i].commands;
+      cr_assert_geq(commands, 5, "commands %llu", (unsigned long long)commands);
+      cr_assert_str_eq(list[i].owner, "anonymous");
+      cr_assert_lt(list[i].age_ms, 60000);
     }
   cr_assert(found, "session c-test not listed (%zu sessions)", n);
+  meshd_sessions_free(list, n);
+  /* One more Sync: one more command. */
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK);
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(list[i].client_name, "c-test") == 0)
+      cr_assert_eq(list[i].commands, commands + 1, "commands %llu after %llu",
+                   (unsigned long long)list[i].commands, (unsigned long long)commands);
   meshd_sessions_free(list, n);
 
   meshd_session_close(s);
@@ -210,6 +227,37 @@ Test(c_client, compute_and_fetch) {
   for (size_t i = 0; i < n; i++)
     cr_assert_str_neq(list[i].client_name, "c-test", "closed session still listed");
   meshd_sessions_free(list, n);
+
+  /* GetInfo: the server's build and both agents with the version they reported. */
+  meshd_server_info_t info;
+  cr_assert_eq(meshd_server_info(c, &info), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_gt(strlen(info.version), 0);
+  cr_assert_gt(strlen(info.commit), 0);
+  cr_assert_gt(info.uptime_ms, 0);
+  cr_assert_eq(info.n_agents, 2);
+  for (size_t i = 0; i < info.n_agents; i++) {
+    cr_assert_str_eq(info.agents[i].version, info.version);
+    cr_assert_str_eq(info.agents[i].commit, info.commit);
+    cr_assert_eq(info.agents[i].drained, false);
+  }
+  meshd_server_info_free(&info);
+  cr_assert_null(info.version);
+
+  /* DrainAgent: rank 1 drained and back; a rank with no agent is NOT_FOUND. */
+  meshd_agent_t *a = NULL;
+  cr_assert_eq(meshd_drain_agent(c, 1, true, &a), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert(a && a->rank == 1 && a->drained);
+  meshd_agents_free(a, 1);
+  meshd_agent_t *agents = NULL;
+  cr_assert_eq(meshd_agents(c, &agents, &n), MESHD_E_OK);
+  for (size_t i = 0; i < n; i++)
+    cr_assert_eq(agents[i].drained, agents[i].rank == 1, "rank %u", agents[i].rank);
+  meshd_agents_free(agents, n);
+  cr_assert_eq(meshd_drain_agent(c, 1, false, NULL), MESHD_E_OK);
+  cr_assert_eq(meshd_drain_agent(c, 7, true, &a), MESHD_E_RPC);
+  cr_assert_null(a);
+  cr_assert_str_eq(meshd_last_error(c)->grpc_code_name, "NOT_FOUND");
+  cr_assert(strstr(meshd_last_error(c)->message, "rank 7"), "%s", meshd_last_error(c)->message);
   meshd_close(c);
 }
 
@@ -779,6 +827,33 @@ Test(c_client_options, token_goes_in_plaintext_only_to_loopback) {
   o.insecure = false;
   o.token = "";
   cr_assert_neq(try_connect("10.0.0.5:50051", o, why, sizeof why), MESHD_E_INVALID, "%s", why);
+}
+
+/* fail_fast: a port where nothing listens is an error at once, not after timeout_ms. */
+Test(c_client_options, fail_fast_on_a_refused_port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0); /* a port that is free: bound, never listened on */
+  cr_assert_geq(fd, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+  socklen_t len = sizeof sa;
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&sa, &len), 0);
+  char where[64];
+  snprintf(where, sizeof where, "127.0.0.1:%d", ntohs(sa.sin_port));
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.timeout_ms = 30000;
+  o.fail_fast = true;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  meshd_err_t e;
+  char why[256] = "";
+  meshd_client_t *c = meshd_connect_with(where, &o, &e, why, sizeof why);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  close(fd);
+  double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  cr_assert_null(c);
+  cr_assert_eq(e, MESHD_E_CONNECT);
+  cr_assert(strstr(why, "nothing listens there"), "%s", why);
+  cr_assert_lt(took, 2.0, "took %.2f s with fail_fast", took);
 }
 
 Test(c_client_options, bad_options_are_named) {

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "commands.h"
 #include "log.h"
@@ -1488,4 +1489,55 @@ Test(commands, inplace_refuses_a_partially_overlapping_input) {
   /* A clone is a different storage: accepted. */
   ok(CALL("clone", STREAM_MAIN, ARGS(aref(22)), RES(24)));
   ok(CALL("add_", STREAM_MAIN, ARGS(aref(20), aref(24)), RES(25)));
+}
+
+/* DrainAgent: sessions created after a drain get no mesh on the drained rank
+ * (the lowest run of healthy undrained ranks instead); older sessions keep it. */
+Test(commands, create_mesh_avoids_ranks_drained_before_the_session) {
+  meshd_error_t e;
+  /* Times are in ms and a drain in the session's own ms counts as before it. */
+  nanosleep(&(struct timespec){0, 2000000}, NULL);
+  cr_assert_eq(agent_pool_set_drained(pool, 1, true, &e), 0, "%s", e.msg);
+  ok(create_mesh(10, NAMES("gpu"), I64(4), 1)); /* the session predates the drain */
+  EXPECT_RANKS(out.res.mesh, 0, 1, 2, 3);
+
+  open_session(0);
+  ok(create_mesh(1, NAMES("gpu"), I64(4), 1));
+  EXPECT_RANKS(out.res.mesh, 2, 3, 4, 5);
+  ok(create_mesh(2, NAMES("host", "gpu"), I64(2, 2), 2));
+  EXPECT_RANKS(out.res.mesh, 2, 3, 4, 5);
+  ok(create_mesh(3, NAMES("gpu"), I64(1), 1)); /* rank 0 is free: nothing moves */
+  EXPECT_RANKS(out.res.mesh, 0);
+  REJECT(create_mesh(4, NAMES("gpu"), I64(7), 1), ERR_QUOTA, "CreateMesh {gpu: 7}",
+         "rank 1 is drained", "7 healthy undrained agents in all");
+
+  /* Undrained: the next session is placed as before. */
+  cr_assert_eq(agent_pool_set_drained(pool, 1, false, &e), 0, "%s", e.msg);
+  open_session(0);
+  ok(create_mesh(1, NAMES("gpu"), I64(4), 1));
+  EXPECT_RANKS(out.res.mesh, 0, 1, 2, 3);
+}
+
+Test(commands, drain_belongs_to_the_rank) {
+  meshd_error_t e;
+  cr_assert_eq(agent_pool_set_drained(pool, 9, true, &e), -1);
+  cr_assert(strstr(e.msg, "rank 9 has no agent"), "%s", e.msg);
+  cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), 0, "%s", e.msg);
+  cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), 0, "%s", e.msg); /* idempotent */
+  /* The agent leaves and another registers at rank 2: still drained. */
+  agent_pool_remove(pool, 2, "agent-2", "test");
+  agent_desc_t d = {0};
+  snprintf(d.agent_id, sizeof d.agent_id, "agent-2b");
+  snprintf(d.address, sizeof d.address, "127.0.0.1:2002");
+  snprintf(d.device, sizeof d.device, "cpu");
+  char msg[200];
+  cr_assert_eq(agent_pool_add(pool, &d, 2, msg, sizeof msg), 2, "%s", msg);
+  bool *drained = agent_pool_drained_map(pool, rpc_now_ms(), 8);
+  cr_assert_not_null(drained);
+  for (int i = 0; i < 8; i++) cr_assert_eq(drained[i], i == 2, "rank %d", i);
+  free(drained);
+  /* Away, it can be undrained (not drained). */
+  agent_pool_remove(pool, 2, "agent-2b", "test");
+  cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), -1);
+  cr_assert_eq(agent_pool_set_drained(pool, 2, false, &e), 0, "%s", e.msg);
 }

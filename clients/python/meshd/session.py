@@ -340,11 +340,22 @@ class Session:
                 raise errs[0]
 
     def agents(self) -> list[dict[str, Any]]:
-        """[{rank, address, device, memory_bytes, allocated_bytes, healthy}, ...]"""
+        """[{rank, address, device, memory_bytes, allocated_bytes, healthy, drained}, ...]"""
         reply = self._unary("ListAgents", self._pb.ListAgentsRequest(), self._pb.ListAgentsReply,
                             metadata=())
         return [dict(rank=a.rank, address=a.address, device=a.device, memory_bytes=a.memory_bytes,
-                     allocated_bytes=a.allocated_bytes, healthy=a.healthy) for a in reply.agents]
+                     allocated_bytes=a.allocated_bytes, healthy=a.healthy, drained=a.drained)
+                for a in reply.agents]
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's build and uptime, and the version every agent reported (GetInfo):
+        {version, commit, build_type, cuda, uptime_ms, agents: [{rank, version, commit,
+        build_type, cuda}, ...]}."""
+        r = self._unary("GetInfo", self._pb.GetInfoRequest(), self._pb.GetInfoReply, metadata=())
+        return dict(version=r.version, commit=r.commit, build_type=r.build_type, cuda=r.cuda,
+                    uptime_ms=r.uptime_ms,
+                    agents=[dict(rank=a.rank, version=a.version, commit=a.commit,
+                                 build_type=a.build_type, cuda=a.cuda) for a in r.agents])
 
     def mesh(self, **dims: int) -> Mesh:
         """A root mesh, e.g. session.mesh(host=1, gpu=2)."""

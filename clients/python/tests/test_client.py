@@ -33,8 +33,15 @@ def test_agents(session):
     ag = session.agents()
     assert sorted(a["rank"] for a in ag)[:2] == [0, 1]
     for a in ag:
-        assert set(a) == {"rank", "address", "device", "memory_bytes", "allocated_bytes", "healthy"}
+        assert set(a) == {"rank", "address", "device", "memory_bytes", "allocated_bytes", "healthy",
+                          "drained"}
         assert a["healthy"] and a["device"] == "cpu" and a["memory_bytes"] > 0
+        assert a["drained"] is False
+    info = session.server_info()
+    assert info["version"] == meshd.__version__ and info["commit"] and info["uptime_ms"] > 0
+    assert sorted(a["rank"] for a in info["agents"]) == sorted(a["rank"] for a in ag)
+    assert all(a["version"] == info["version"] and a["commit"] == info["commit"]
+               for a in info["agents"]), info
 
 
 def test_mesh_names_sizes_slice_rank(session):
