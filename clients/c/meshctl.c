@@ -27,7 +27,8 @@ enum {
 };
 
 #define SYNOPSIS "[--server ADDR] [--timeout-ms MS] [--token T | --token-file F] [--tls] " \
-                 "[--tls-ca F] [--tls-cert F --tls-key F] [--no-progress] COMMAND [ARGS]"
+                 "[--tls-ca F] [--tls-cert F --tls-key F] [--no-progress] [--data-path MODE] " \
+                 "COMMAND [ARGS]"
 
 static const char *server;
 static int64_t timeout_ms;
@@ -35,6 +36,7 @@ static meshd_connect_options_t conn = MESHD_CONNECT_OPTIONS_INIT;
 static char token_buf[CONN_MAX_TOKEN + 2]; /* from --token-file; wiped at exit */
 static bool progress_on;                   /* stderr is a terminal and no --no-progress */
 static int64_t progress_delay_ms;
+static meshd_data_path_t data_path; /* run's session */
 
 /* ------------------------------------------------------------------ flags */
 
@@ -61,6 +63,7 @@ enum {
   FLAG_INSECURE,
   FLAG_NO_PROGRESS,
   FLAG_PROGRESS_DELAY_MS,
+  FLAG_DATA_PATH,
   NFLAGS
 };
 static const flag_t flags[NFLAGS] = {
@@ -90,6 +93,9 @@ static const flag_t flags[NFLAGS] = {
     [FLAG_PROGRESS_DELAY_MS] = {"progress-delay-ms", "N", "MESHD_PROGRESS_DELAY_MS", "1000",
                                 "show a transfer's progress once it ran this long (only when "
                                 "stderr is a terminal)", false},
+    [FLAG_DATA_PATH] = {"data-path", "MODE", "MESHD_DATA_PATH", "auto",
+                        "how run's tensor bytes travel: auto (straight to the agents when "
+                        "they answer, else through the server), direct or proxy", false},
 };
 #define TIMEOUT_MS_MIN 1
 #define TIMEOUT_MS_MAX 3600000
@@ -310,6 +316,11 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
   text = flag_value(FLAG_PROGRESS_DELAY_MS, given[FLAG_PROGRESS_DELAY_MS], who, sizeof who);
   if (parse_ms(who, text, 0, TIMEOUT_MS_MAX, &progress_delay_ms, err, errlen) != 0)
     return -1;
+  text = flag_value(FLAG_DATA_PATH, given[FLAG_DATA_PATH], who, sizeof who);
+  if (meshd_data_path_parse(text, &data_path) != MESHD_E_OK) {
+    snprintf(err, errlen, "%s: expected auto, direct or proxy, got '%s'", who, text);
+    return -1;
+  }
   return set_security(given, err, errlen);
 }
 
@@ -835,6 +846,7 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
   if (!sc.s) {
     r = report(c, "cannot open a session", e);
   } else {
+    meshd_session_set_data_path(sc.s, data_path);
     char line[4096];
     for (long lineno = 1; fgets(line, sizeof line, f); lineno++) {
       size_t len = strlen(line);
