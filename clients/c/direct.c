@@ -151,7 +151,7 @@ static int left_ms(int64_t end) {
 }
 
 /* A ready channel to the agent at address (kept for the session), or NULL
- * when it does not connect within wait_ms. */
+ * when it does not connect within wait_ms or its first attempt fails. */
 static rpc_channel_t *agent_channel(direct_t *d, const char *address, int wait_ms) {
   for (size_t i = 0; i < d->nchans; i++)
     if (strcmp(d->chans[i].address, address) == 0)
@@ -165,7 +165,7 @@ static rpc_channel_t *agent_channel(direct_t *d, const char *address, int wait_m
       .max_message_bytes = 8 << 20, .own_connection = true,
       .connect_timeout_ms = DIRECT_CONNECT_MS});
   char *name = strdup(address);
-  if (!ch || !name || !rpc_channel_wait_ready(ch, wait_ms)) {
+  if (!ch || !name || !rpc_channel_probe_ready(ch, wait_ms)) {
     if (ch)
       rpc_channel_destroy(ch);
     free(name);

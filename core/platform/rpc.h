@@ -284,6 +284,10 @@ rpc_channel_t *rpc_channel_create(const char *target, const rpc_channel_opts_t *
 void rpc_channel_destroy(rpc_channel_t *ch);
 /* Connects now; true once READY, false on timeout or failure. */
 bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms);
+/* The same, but false at once when a connection attempt fails (refused, reset,
+ * a handshake the peer will not do) rather than waiting for a later attempt:
+ * for a peer that may not be reachable from here at all. */
+bool rpc_channel_probe_ready(rpc_channel_t *ch, int timeout_ms);
 /* True once the channel is no longer READY (its connection closed: the server
  * went away or closed it as idle); false on timeout. */
 bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms);

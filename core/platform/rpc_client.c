@@ -98,7 +98,8 @@ static void *method_handle(rpc_channel_t *ch, const char *method) {
 
 /* Waits until the channel's state is READY (want_ready) or anything but
  * READY (!want_ready). */
-static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
+/* fail_fast: false at the first failed attempt (TRANSIENT_FAILURE). */
+static bool wait_state(rpc_channel_t *ch, bool want_ready, bool fail_fast, int timeout_ms) {
   gpr_timespec deadline = wire_deadline(timeout_ms);
   grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
   bool ready = false;
@@ -109,7 +110,7 @@ static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
       ready = true;
       break;
     }
-    if (s == GRPC_CHANNEL_SHUTDOWN) break;
+    if (s == GRPC_CHANNEL_SHUTDOWN || (fail_fast && s == GRPC_CHANNEL_TRANSIENT_FAILURE)) break;
     grpc_channel_watch_connectivity_state(ch->ch, s, deadline, cq, &tag);
     grpc_event ev = grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (!ev.success) break; /* the deadline passed */
@@ -120,8 +121,15 @@ static bool wait_state(rpc_channel_t *ch, bool want_ready, int timeout_ms) {
   return ready;
 }
 
-bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, true, timeout_ms); }
-bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms) { return wait_state(ch, false, timeout_ms); }
+bool rpc_channel_wait_ready(rpc_channel_t *ch, int timeout_ms) {
+  return wait_state(ch, true, false, timeout_ms);
+}
+bool rpc_channel_probe_ready(rpc_channel_t *ch, int timeout_ms) {
+  return wait_state(ch, true, true, timeout_ms);
+}
+bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms) {
+  return wait_state(ch, false, false, timeout_ms);
+}
 
 static int hex_digit(char c) {
   return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
