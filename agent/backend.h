@@ -112,6 +112,13 @@ typedef struct backend_ops {
                    size_t count, dtype_t dtype, meshd_error_t *err);
   int (*alltoall)(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                   size_t count, dtype_t dtype, meshd_error_t *err);
+  /* Rooted (reduce onto a sub-mesh): only member `root` (an index of g) ends
+   * with the result (dp_reduce_root, dp_gather_root); NULL: the executor runs
+   * allreduce or allgather and the others drop theirs. */
+  int (*reduce_root)(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root, void *buf,
+                     size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err);
+  int (*gather_root)(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                     const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err);
   /* Point to point: `session` is the key of the session the transfer
    * belongs to (dp_group_t.session); `secret` the channel's DP_SECRET_LEN
    * bytes (SendTensor.secret, as dp_group_t.secret). */

@@ -23,6 +23,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "fault.h"
+#include "reflection.h"
 #include "rpc.h"
 #include "runtime.h"
 
@@ -49,6 +50,7 @@ typedef struct options {
   const char *join_token_file;
   const char *health_listen, *health_port_file;
   int64_t max_tensor_dims, max_tensor_elements;
+  bool reflection;
 } options_t;
 
 static options_t opt;
@@ -110,6 +112,9 @@ static const config_flag_t flags[] = {
     {"max-tensor-elements", CONFIG_INT, "17179869184",
      "elements one tensor may have here (default 2^34; the server's value)",
      &opt.max_tensor_elements, 1, (double)(1LL << 62)},
+    {"reflection", CONFIG_BOOL, "true",
+     "serve gRPC server reflection (grpcurl list/describe) on --listen, to callers the Agent "
+     "service admits", &opt.reflection, 0, 0},
     {"fault", CONFIG_STRING, NULL,
      "fault injection for tests, e.g. reduce:hang,rank=1 (see agent/fault.h)", &opt.fault, 0, 0},
 };
@@ -293,6 +298,7 @@ int main(int argc, char **argv) {
   metrics_registry_t *metrics = NULL;
   metrics_http_t *metrics_http = NULL;
   rpc_server_t *health_srv = NULL;
+  reflection_t *reflection = NULL;
   /* With cluster certificates the Agent port is mTLS: only holders of a
    * certificate from the cluster CA (the server) complete the handshake. */
   rpc_server_opts_t sopts = {
@@ -312,6 +318,13 @@ int main(int argc, char **argv) {
   if (health_add_methods(health, srv) != 0 ||
       rpc_server_add_methods_guarded(srv, methods, nmethods, &info, agent_auth_guard, NULL) != 0) {
     log_error("agent", "cannot register the Health and Agent services");
+    goto out;
+  }
+  /* Reflection is as closed as the Agent service (the call secret, cluster mTLS). */
+  if (opt.reflection &&
+      (!(reflection = reflection_create(err, sizeof err)) ||
+       reflection_add_methods(reflection, srv, agent_auth_guard, NULL) != 0)) {
+    log_error("agent", "cannot serve reflection: %s", reflection ? "already registered" : err);
     goto out;
   }
   health_set(health, AGENT_HEALTH_SERVICE, HEALTH_NOT_SERVING);
@@ -473,6 +486,7 @@ out:
     rpc_server_destroy(srv);
   }
   rpc_server_destroy(health_srv);
+  reflection_destroy(reflection);
   health_destroy(health);
   if (usr1_started) {
     atomic_store(&usr1_stop, true);

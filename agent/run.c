@@ -471,10 +471,11 @@ static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t
   return 0;
 }
 
-static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
+static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_t red,
                       const Meshd__Agent__V1__Group *g, agent_tensor_t *work,
                       const tensor_meta_t *rm, agent_tensor_t *res, int *any_failed,
                       const uint64_t *since, meshd_error_t *e) {
+  const Meshd__V1__Reduce *r = ro->reduce;
   size_t n = g->n_ranks, me = 0, in_count = (size_t)layout_numel(&work->meta.layout);
   dtype_t dt = work->meta.dtype;
   bool stack = !reduction_combines(red);
@@ -505,7 +506,12 @@ static int collective(ctx_t *c, const Meshd__V1__Reduce *r, reduction_t red,
   session_state_note_comm(c->s, g->comm_id);
   void *in = work->storage->data, *out = res->storage->data;
   int rc;
-  if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
+  const backend_ops_t *ops = c->b->ops;
+  if (ro->rooted && stack && ops->gather_root)
+    rc = ops->gather_root(c->b, c->bs, &grp, ro->root, in, out, in_count, dt, e);
+  else if (ro->rooted && !stack && ops->reduce_root)
+    rc = ops->reduce_root(c->b, c->bs, &grp, ro->root, in, in_count, dt, red, e);
+  else if (stack && !r->scatter) rc = c->b->ops->allgather(c->b, c->bs, &grp, in, out, in_count, dt, e);
   else if (stack) rc = c->b->ops->alltoall(c->b, c->bs, &grp, in, out, in_count / n, dt, e);
   else if (r->scatter)
     rc = c->b->ops->reduce_scatter(c->b, c->bs, &grp, in, out, in_count / n, dt, red, e);
@@ -562,7 +568,10 @@ static void run_reduce(ctx_t *c) {
   meta_of_spec(ro->result, &rm);
   reduction_t red = reduction_parse(r->reduction);
   bool in_place = r->inplace, into_out = r->out && res_ref == r->out;
-  if (!in_place && !into_out && check_fresh(c, res_ref, "Reduce", &e)) {
+  /* Onto a sub-mesh, the members outside it take part and keep nothing. */
+  size_t me = 0;
+  bool keep = !ro->rooted || (!my_index(c, ro->group, &me) && me == ro->root);
+  if (keep && !in_place && !into_out && check_fresh(c, res_ref, "Reduce", &e)) {
     report(c, e.kind, e.msg, res_ref);
     return;
   }
@@ -591,7 +600,7 @@ static void run_reduce(ctx_t *c) {
   }
   if (inj > 0) failed = 1; /* the peers learn it through the failure flag */
   if (staged(c, &im, got == 0 && !inj ? &in : NULL, &work, "Reduce", &e) ||
-      collective(c, r, red, ro->group, &work, &rm, &res, &failed, &since, &e))
+      collective(c, ro, red, ro->group, &work, &rm, &res, &failed, &since, &e))
     goto fail;
   if (inj > 0) {
     e = fault;
@@ -600,6 +609,16 @@ static void run_reduce(ctx_t *c) {
   if (failed && got != 0 && why.root_seq == c->ins->seq) { /* this instruction's own failure */
     error_set(&e, ERR_REMOTE_FAILURE, "%s", why.msg);
     goto fail;
+  }
+  if (!keep) { /* the result does not live here: tell the server, record nothing */
+    if (got != 0) {
+      char msg[sizeof why.msg + 100];
+      if (why.kind == ERR_DEPENDENT_FAILURE) snprintf(msg, sizeof msg, "%s", why.msg);
+      else snprintf(msg, sizeof msg, "depends on tensor %llu, which failed (seq %llu): %.500s",
+                    (unsigned long long)ro->input->ref, (unsigned long long)why.root_seq, why.msg);
+      report(c, ERR_DEPENDENT_FAILURE, msg, res_ref);
+    }
+    goto out;
   }
   if ((in_place && got == 0) || r->out) {
     if (in_place && got == 0) {
@@ -637,7 +656,9 @@ static void run_reduce(ctx_t *c) {
   }
   goto out;
 fail:
-  root_failure(c, &res_ref, 1, &e);
+  if (keep) root_failure(c, &res_ref, 1, &e);
+  else report(c, e.kind == ERR_QUOTA || e.kind == ERR_AGENT_LOST ? e.kind : ERR_REMOTE_FAILURE,
+              e.msg, res_ref); /* told, not recorded: the result does not live here */
 out:
   storage_release(in.storage);
   storage_release(work.storage);

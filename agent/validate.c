@@ -345,6 +345,12 @@ static int check_reduce(const Meshd__Agent__V1__ReduceOp *ro, const validate_sel
                      r->reduction ? r->reduction : "", reduction_names());
   if (r->inplace && r->out)
     return error_set(e, ERR_BAD_ARGUMENT, "Reduce: inplace and out %" PRIu64 " both given", r->out);
+  if (ro->rooted && (r->scatter || r->inplace))
+    return error_set(e, ERR_BAD_ARGUMENT, "Reduce: onto a sub-mesh (rooted), but %s",
+                     r->scatter ? "scatter is set" : "in place");
+  if (ro->rooted && ro->root >= ro->group->n_ranks)
+    return error_set(e, ERR_BAD_ARGUMENT, "ReduceOp.root %u is not an index of its group of %zu",
+                     ro->root, ro->group->n_ranks);
   if (r->inplace && ro->result->ref != ro->input->ref)
     return error_set(e, ERR_BAD_ARGUMENT, "Reduce: in place, but the result is ref %" PRIu64
                      " and the input ref %" PRIu64, ro->result->ref, ro->input->ref);

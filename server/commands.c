@@ -697,6 +697,63 @@ out:
 
 /* ------------------------------------------------------------------ reduce */
 
+/* Reduce onto a sub-mesh: target holds exactly one member of each group (the
+ * ranks of src sharing every coordinate outside the reduced dims) and none of
+ * the reduced dims. */
+static int check_reduce_target(const mesh_t *src, const mesh_t *target, const int *dims, int ndims,
+                               meshd_error_t *e) {
+  char sd[200], td[200];
+  mesh_format(src, sd, sizeof sd);
+  mesh_format(target, td, sizeof td);
+  unsigned long long tref = (unsigned long long)target->ref, sref = (unsigned long long)src->ref;
+  for (int i = 0; i < ndims; i++)
+    if (mesh_find_dim(target, src->names[dims[i]]) >= 0)
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       "Reduce: the target mesh %llu %s still has the reduced dim '%s'; reduce onto "
+                       "a slice without it, e.g. mesh.slice(%s=0)",
+                       tref, td, src->names[dims[i]], src->names[dims[i]]);
+  size_t n = mesh_len(target), groups = mesh_len(src);
+  for (int i = 0; i < ndims; i++) groups /= (size_t)src->slice.sizes[dims[i]];
+  uint32_t *ranks = malloc(sizeof *ranks * (n ? n : 1));
+  uint32_t *seen = calloc(groups ? groups : 1, sizeof *seen); /* group -> its target rank + 1 */
+  int rc = 0;
+  if (!ranks || !seen) {
+    rc = error_set(e, ERR_QUOTA, "Reduce: out of memory on the server");
+    goto out;
+  }
+  mesh_ranks(target, ranks);
+  for (size_t k = 0; k < n && !rc; k++) {
+    if (!mesh_contains(src, ranks[k])) {
+      rc = error_set(e, ERR_WRONG_MESH,
+                     "Reduce: the target mesh %llu %s is not a sub-mesh of the input's mesh %llu "
+                     "%s: rank %u is not in it", tref, td, sref, sd, ranks[k]);
+      break;
+    }
+    /* The group's index: row-major over the dims that are not reduced. */
+    size_t g = 0;
+    for (int d = 0; d < src->ndim; d++) {
+      bool reduced = false;
+      for (int i = 0; i < ndims; i++) reduced |= dims[i] == d;
+      if (!reduced) g = g * (size_t)src->slice.sizes[d] + (size_t)mesh_coord(src, ranks[k], d);
+    }
+    if (seen[g])
+      rc = error_set(e, ERR_WRONG_MESH,
+                     "Reduce: ranks %u and %u of the target mesh %llu %s are in the same reduced "
+                     "group of mesh %llu %s; the target needs exactly one rank of each group",
+                     seen[g] - 1, ranks[k], tref, td, sref, sd);
+    seen[g] = ranks[k] + 1;
+  }
+  if (!rc && n != groups)
+    rc = error_set(e, ERR_WRONG_MESH,
+                   "Reduce: the target mesh %llu %s has %zu rank(s) but reducing mesh %llu %s makes "
+                   "%zu group(s); the target needs exactly one rank of each group", tref, td, n,
+                   sref, sd, groups);
+out:
+  free(ranks);
+  free(seen);
+  return rc;
+}
+
 static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
                       cmd_out_t *out, meshd_error_t *e) {
   const Meshd__V1__Reduce *r = c->reduce;
@@ -718,10 +775,25 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   if (r->out && !(outt = check_tensor(o, cmd, "out", r->out, e))) return -1;
   if (r->inplace && outt)
     return error_set(e, ERR_BAD_ARGUMENT, "Reduce: inplace and out cannot both be given");
+  const mesh_t *target = NULL;
+  if (r->mesh) {
+    if (r->scatter)
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       "Reduce: scatter onto mesh %llu: a reduce-scatter leaves a part on every "
+                       "member; onto a sub-mesh one member of each group keeps the whole result "
+                       "(drop scatter or mesh)", (unsigned long long)r->mesh);
+    if (r->inplace)
+      return error_set(e, ERR_BAD_ARGUMENT,
+                       "Reduce: in place onto mesh %llu: the input's mesh keeps its tensor; use "
+                       "reduce(..., mesh=) for a new result there", (unsigned long long)r->mesh);
+    if (!(target = resolve_mesh(o, cmd, "mesh", r->mesh, e))) return -1;
+  }
 
   tensor_use_t uses[2] = {{in, "input", r->inplace}, {outt, "out", true}};
   uint64_t mesh_ref = 0;
-  if (check_uses(o, cmd, uses, outt ? 2 : 1, &mesh_ref, r->stream, e)) return -1;
+  if (check_uses(o, cmd, uses, outt && !target ? 2 : 1, &mesh_ref, r->stream, e)) return -1;
+  uint64_t target_ref = target ? target->ref : 0;
+  if (outt && target && check_uses(o, cmd, &uses[1], 1, &target_ref, r->stream, e)) return -1;
   const mesh_t *mesh = objects_get(o, mesh_ref)->mesh;
   char mesh_dims[200];
   mesh_format(mesh, mesh_dims, sizeof mesh_dims);
@@ -758,20 +830,21 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
                       .dim = ndims == 1 ? mesh->names[dims[0]] : NULL};
   tensor_meta_t rm;
   if (reduce_infer(&ra, &rm, e)) return -1;
-  uint64_t ranks = (uint64_t)mesh_len(mesh);
+  if (target && check_reduce_target(mesh, target, dims, ndims, e)) return -1;
+  const mesh_t *home = target ? target : mesh; /* where the result lives */
   if (command_check_mesh_alive(fe->pool, mesh, cmd, e)) return -1;
-  if (!r->inplace && !outt && check_room(fe, s, o, mesh, cmd, meta_bytes(&rm), e)) return -1;
+  if (!r->inplace && !outt && check_room(fe, s, o, home, cmd, meta_bytes(&rm), e)) return -1;
 
   obj_t *res;
   if (r->inplace) res = in;
   else if (r->ref == 0) res = outt;
   else if (outt) res = objects_new_view(o, r->ref, &outt->tensor.meta, outt);
-  else res = objects_new_tensor(o, r->ref, &rm, mesh_ref, r->stream, ranks);
+  else res = objects_new_tensor(o, r->ref, &rm, home->ref, r->stream, (uint64_t)mesh_len(home));
   if (!res) return error_set(e, ERR_QUOTA, "Reduce: out of memory on the server");
   if (r->ref) claim_refs(s, &r->ref, 1);
   obj_t *ins[1] = {in};
   inherit_failure(o, res, first_failed(ins, 1), out->res.seq);
-  emit_reduce(fe, s, o, mesh, r, in, res, dims, ndims);
+  emit_reduce(fe, s, o, mesh, target, r, in, res, dims, ndims);
   return add_tensor(out, res);
 }
 

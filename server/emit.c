@@ -219,8 +219,8 @@ static uint64_t to_mesh_comm_id(const session_t *s, uint64_t losses, uint64_t in
 }
 
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
-                 const Meshd__V1__Reduce *r, const obj_t *in, const obj_t *res, const int *dims,
-                 int ndims) {
+                 const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,
+                 const obj_t *res, const int *dims, int ndims) {
   spec_t in_spec, res_spec;
   spec_of(&in_spec, in);
   spec_of(&res_spec, res);
@@ -250,6 +250,7 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   op.input = &in_spec;
   op.result = &res_spec;
   op.group = &g;
+  op.rooted = target != NULL;
   instr_t ins;
   init_instr(&ins, s, r->stream);
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
@@ -267,6 +268,7 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
       }
       group[k] = (uint32_t)ndslice_rank_of(&mesh->slice, coords, NULL);
       agent_pool_data_address(fe->pool, group[k], addrs[k], EMIT_ADDR_MAX);
+      if (target && mesh_contains(target, group[k])) op.root = (uint32_t)k; /* one per group */
     }
     send_to(fe, o, ranks[i], &ins);
   }

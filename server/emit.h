@@ -22,9 +22,10 @@ void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
                obj_t *const *results, size_t nresults, const op_infer_t *inf);
+/* target: the sub-mesh that keeps the result (Reduce.mesh), or NULL. */
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
-                 const Meshd__V1__Reduce *r, const obj_t *in, const obj_t *res, const int *dims,
-                 int ndims);
+                 const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,
+                 const obj_t *res, const int *dims, int ndims);
 void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
                   const obj_t *in, const obj_t *res);
 void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow, const obj_t *origin,

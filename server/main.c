@@ -19,6 +19,7 @@
 #include "layout.h"
 #include "log.h"
 #include "metrics.h"
+#include "reflection.h"
 #include "registry.h"
 #include "rpc.h"
 #include "runtime.h"
@@ -49,6 +50,7 @@ typedef struct options {
   const char *url_allow;
   uint64_t url_max_bytes;
   int64_t url_connect_timeout_ms, url_timeout_ms, url_retries;
+  bool reflection;
 } options_t;
 
 static options_t opt;
@@ -163,6 +165,9 @@ static const config_flag_t flags[] = {
     {"url-retries", CONFIG_INT, "3",
      "retries of a load's request after 5xx, resets and bodies cut short, with backoff",
      &opt.url_retries, 0, 100},
+    {"reflection", CONFIG_BOOL, "true",
+     "serve gRPC server reflection (grpcurl list/describe) on --listen, behind the same bearer "
+     "tokens as TensorService, and on the --local-agents' ports", &opt.reflection, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
      &opt.metrics_listen, 0, 0},
@@ -388,6 +393,14 @@ int main(int argc, char **argv) {
   m = load_service_methods(&n);
   rpc_server_add_methods_guarded(srv, m, n, loads, auth_guard, auth);
   health_add_methods(state.health, srv);
+  /* Reflection describes what the port serves, to whoever may call it. */
+  reflection_t *reflection = opt.reflection ? reflection_create(err, sizeof err) : NULL;
+  if (opt.reflection &&
+      (!reflection || reflection_add_methods(reflection, srv, auth_guard, auth) != 0)) {
+    log_error("server", "cannot serve reflection: %s", reflection ? "already registered" : err);
+    rpc_server_destroy(srv);
+    return 1;
+  }
   health_set(state.health, "", HEALTH_SERVING);
   health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
 
@@ -473,7 +486,8 @@ int main(int argc, char **argv) {
                                gpu ? 0 : total / (uint64_t)opt.local_agents, opt.log_level,
                                opt.local_agent_device, cluster_join_token_file(cluster),
                                opt.cluster_ca, opt.cluster_cert, opt.cluster_key,
-                               opt.cluster_name, opt.max_tensor_dims, opt.max_tensor_elements};
+                               opt.cluster_name, opt.max_tensor_dims, opt.max_tensor_elements,
+                               opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {
       rpc_server_shutdown(srv, 0);
@@ -512,6 +526,7 @@ int main(int argc, char **argv) {
   }
   registry_destroy(registry);
   rpc_server_destroy(srv);
+  reflection_destroy(reflection);
   cluster_destroy(cluster);
   data_service_destroy(data); /* its pending transfers hold sessions */
   session_table_destroy(sessions);

@@ -70,6 +70,8 @@ static pid_t spawn(supervisor_t *s, int i) {
     argv[n++] = "--memory-bytes";
     argv[n++] = mem;
   }
+  /* Always explicit: an agent's own MESHD_REFLECTION must not differ from its server. */
+  argv[n++] = s->o.reflection ? "--reflection=true" : "--reflection=false";
   if (s->o.log_level) {
     argv[n++] = "--log-level";
     argv[n++] = (char *)s->o.log_level;

@@ -8,6 +8,7 @@
 #ifndef MESHD_SUPERVISOR_H
 #define MESHD_SUPERVISOR_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -24,6 +25,7 @@ typedef struct supervisor_opts {
   const char *join_token_file;
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;
   int64_t max_tensor_dims, max_tensor_elements; /* the server's, passed on; 0: the default */
+  bool reflection;           /* passed on as --reflection=true|false (the server's setting) */
 } supervisor_opts_t;
 
 /* Starts the agents and the thread that watches them. NULL (and a log line) if

@@ -128,6 +128,16 @@ static int cpu_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g,
   return b->net ? dp_allgather(b->net, g, in, out, count, dtype, e) : no_net(e);
 }
 
+static int cpu_reduce_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                           void *buf, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
+  return b->net ? dp_reduce_root(b->net, g, root, buf, count, dtype, op, e) : no_net(e);
+}
+
+static int cpu_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                           const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
+  return b->net ? dp_gather_root(b->net, g, root, in, out, count, dtype, e) : no_net(e);
+}
+
 static int cpu_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,
                         void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
   return b->net ? dp_alltoall(b->net, g, in, out, count, dtype, e) : no_net(e);
@@ -166,6 +176,8 @@ const backend_ops_t cpu_backend_ops = {
     .reduce_scatter = cpu_reduce_scatter,
     .allgather = cpu_allgather,
     .alltoall = cpu_alltoall,
+    .reduce_root = cpu_reduce_root,
+    .gather_root = cpu_gather_root,
     .send = cpu_send,
     .recv = cpu_recv,
     .session_end = NULL, /* the data plane drops a session's connections on its own */

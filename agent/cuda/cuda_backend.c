@@ -425,6 +425,23 @@ static int c_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, co
   return cuda_alltoall(b, s, g, in, out, count, dtype, e);
 }
 
+/* Rooted: emulated agents run the data plane's rooted collectives; real
+ * ones run NCCL's allreduce/allgather and the others drop theirs (ncclReduce
+ * and a grouped send/recv gather are left to do). */
+static int c_reduce_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                         void *buf, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
+  if (cuda_state(b)->emulated && b->net)
+    return dp_reduce_root(b->net, g, root, buf, count, dtype, op, e);
+  return c_allreduce(b, s, g, buf, count, dtype, op, e);
+}
+
+static int c_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                         const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
+  if (cuda_state(b)->emulated && b->net)
+    return dp_gather_root(b->net, g, root, in, out, count, dtype, e);
+  return c_allgather(b, s, g, in, out, count, dtype, e);
+}
+
 static int c_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
                   const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
                   size_t bytes, meshd_error_t *e) {
@@ -470,6 +487,8 @@ const backend_ops_t cuda_backend_ops = {
     .reduce_scatter = c_reduce_scatter,
     .allgather = c_allgather,
     .alltoall = c_alltoall,
+    .reduce_root = c_reduce_root,
+    .gather_root = c_gather_root,
     .send = c_send,
     .recv = c_recv,
     .session_end = c_session_end,

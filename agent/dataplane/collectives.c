@@ -130,6 +130,39 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
   return dp__plan_finish(&p, rc);
 }
 
+/* Every member but `root` sends its part, elements [off[me], off[me+1]) at
+ * send; the root receives member j's part at recv + off[j] * esz (each on its
+ * own connection, all at once). Parts may differ in size but none is empty. */
+static int to_root(dataplane_t *dp, const char *what, const dp_group_t *g, size_t root,
+                   dtype_t dtype, const uint8_t *send, uint8_t *recv, const size_t *off,
+                   meshd_error_t *err) {
+  size_t n = g->n, me = g->me, esz = dtype_size(dtype), nx = me == root ? n - 1 : 1;
+  plan_t p;
+  int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, nx, nx, err);
+  if (rc != 0) return dp__plan_finish(&p, rc);
+  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  if (me != root) {
+    p.msgs[0] = (msg_t){.buf = (uint8_t *)send, .len = (off[me + 1] - off[me]) * esz};
+    p.xs[0].msgs = &p.msgs[0];
+    p.xs[0].nmsgs = 1;
+    rc = dp__plan_connect(&p, g, 0, root, true, deadline, err);
+  } else {
+    for (size_t i = 0, j = 0; j < n; j++) {
+      if (j == root) continue;
+      p.msgs[i] = (msg_t){.buf = recv + off[j] * esz, .len = (off[j + 1] - off[j]) * esz};
+      p.xs[i].msgs = &p.msgs[i];
+      p.xs[i].nmsgs = 1;
+      i++;
+    }
+    for (size_t i = 0, j = 0; j < n && rc == 0; j++) {
+      if (j == root) continue;
+      rc = dp__plan_connect(&p, g, i++, j, false, deadline, err);
+    }
+  }
+  if (rc == 0) rc = dp__plan_run(&p, err);
+  return dp__plan_finish(&p, rc);
+}
+
 /* Reduces n slots of count elements, slot j = slots + j * bytes, in group
  * order into acc (which may be slot 0). */
 static void reduce_slots(reduction_t op, dtype_t dtype, uint8_t *acc, const uint8_t *slots,
@@ -231,5 +264,72 @@ int dp_alltoall(dataplane_t *dp, const dp_group_t *g, const void *in, void *out,
   if (dp__call_enter(dp, what, err) != 0) return -1;
   int rc = direct(dp, what, g, dtype, in, bytes, out, bytes, err);
   dp__call_leave(dp);
+  return rc;
+}
+
+/* Rooted: only the root ends with a result; the others' buffers are scratch.
+ * Large ones reduce-scatter around the ring (half an allreduce) and send the
+ * root their reduced segment; small ones send the root their whole buffer,
+ * which reduces the slots in group order. */
+int dp_reduce_root(dataplane_t *dp, const dp_group_t *g, size_t root, void *buf, size_t count,
+                   dtype_t dtype, reduction_t op, meshd_error_t *err) {
+  const char *what = "reduce";
+  if (check_group(dp, what, g, count, dtype, err) != 0) return -1;
+  if (check_op(what, op, dtype, err) != 0) return -1;
+  if (root >= g->n)
+    return error_set(err, ERR_BAD_ARGUMENT, "%s: root %zu is not a member of a group of %zu", what,
+                     root, g->n);
+  if (g->n == 1 || count == 0) return 0;
+  size_t n = g->n, esz = dtype_size(dtype), bytes = count * esz;
+  size_t *off = malloc((n + 1) * sizeof *off);
+  uint8_t *slots = NULL;
+  if (!off) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  if (dp__call_enter(dp, what, err) != 0) {
+    free(off);
+    return -1;
+  }
+  int rc;
+  uint8_t *b = buf;
+  if (bytes > DP_DIRECT_MAX && count >= n) {
+    for (size_t i = 0; i <= n; i++) off[i] = i * (count / n) + i * (count % n) / n;
+    rc = ring(dp, what, g, b, count, dtype, op, true, false, err);
+    if (rc == 0) rc = to_root(dp, what, g, root, dtype, b + off[g->me] * esz, b, off, err);
+  } else {
+    for (size_t i = 0; i <= n; i++) off[i] = i * count;
+    if (g->me == root && !(slots = malloc(n * bytes))) {
+      rc = error_set(err, ERR_QUOTA, "%s: out of memory", what);
+    } else {
+      if (slots) memcpy(slots + root * bytes, b, bytes);
+      rc = to_root(dp, what, g, root, dtype, b, slots, off, err);
+      if (rc == 0 && slots) reduce_slots(op, dtype, b, slots, n, count);
+    }
+  }
+  if (rc == 0 && g->me == root) dp_reduce_finish(op, dtype, b, count, n);
+  dp__call_leave(dp);
+  free(slots);
+  free(off);
+  return rc;
+}
+
+int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err) {
+  const char *what = "gather";
+  if (check_group(dp, what, g, count, dtype, err) != 0) return -1;
+  if (root >= g->n)
+    return error_set(err, ERR_BAD_ARGUMENT, "%s: root %zu is not a member of a group of %zu", what,
+                     root, g->n);
+  size_t n = g->n, bytes = count * dtype_size(dtype);
+  if (count == 0) return 0;
+  if (g->me == root) memmove((uint8_t *)out + root * bytes, in, bytes);
+  if (n == 1) return 0;
+  size_t *off = malloc((n + 1) * sizeof *off);
+  if (!off) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  for (size_t i = 0; i <= n; i++) off[i] = i * count;
+  int rc = dp__call_enter(dp, what, err);
+  if (rc == 0) {
+    rc = to_root(dp, what, g, root, dtype, in, out, off, err);
+    dp__call_leave(dp);
+  }
+  free(off);
   return rc;
 }

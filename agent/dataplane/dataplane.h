@@ -121,6 +121,14 @@ int dp_allgather(dataplane_t *dp, const dp_group_t *g, const void *in, void *out
 /* in/out: n * count; out slice i = member i's in slice `me`. */
 int dp_alltoall(dataplane_t *dp, const dp_group_t *g, const void *in, void *out, size_t count,
                 dtype_t dtype, meshd_error_t *err);
+/* Rooted (reduce onto a sub-mesh): member `root` (an index of g) ends with
+ * buf reduced over the members; the others' buf is scratch afterwards. */
+int dp_reduce_root(dataplane_t *dp, const dp_group_t *g, size_t root, void *buf, size_t count,
+                   dtype_t dtype, reduction_t op, meshd_error_t *err);
+/* in: count elements; on the root, out (n * count) gets member i's in at
+ * slice i; the others' out is not touched (may be NULL). */
+int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err);
 /* Point to point on channel comm_id: bytes to/from the agent at addr (rank);
  * secret: DP_SECRET_LEN bytes both ends hold (SendTensor.secret). */
 int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,

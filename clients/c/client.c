@@ -680,6 +680,37 @@ meshd_err_t meshd_session_create_mesh(meshd_session_t *s, const char *const *nam
   return execute_new(s, &cmd, mesh_out);
 }
 
+meshd_err_t meshd_session_slice_mesh(meshd_session_t *s, meshd_ref_t parent, const char *const *dims,
+                                     const int64_t *index, size_t n, meshd_ref_t *mesh_out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, mesh_out, "meshd_session_slice_mesh"))
+    return MESHD_E_INVALID;
+  if (n > 16 || (n && (!dims || !index))) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_slice_mesh: need 0 to 16 dims with their indices");
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__MeshSelector sel[16];
+  Meshd__V1__MeshSelector *psel[16];
+  for (size_t i = 0; i < n; i++) {
+    meshd__v1__mesh_selector__init(&sel[i]);
+    sel[i].dim = (char *)dims[i];
+    sel[i].sel_case = MESHD__V1__MESH_SELECTOR__SEL_INDEX;
+    sel[i].index = index[i];
+    psel[i] = &sel[i];
+  }
+  Meshd__V1__SliceMesh sm = MESHD__V1__SLICE_MESH__INIT;
+  sm.ref = s->next_ref;
+  sm.parent = parent;
+  sm.n_selectors = n;
+  sm.selectors = psel;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_SLICE_MESH;
+  cmd.slice_mesh = &sm;
+  return execute_new(s, &cmd, mesh_out);
+}
+
 meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const char *kind,
                                   const int64_t *shape, size_t ndim, double value,
                                   meshd_ref_t *out) {
@@ -832,14 +863,15 @@ meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_a
   return execute_new(s, &cmd, out);
 }
 
-meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const char *dim,
-                                 const char *reduction, meshd_ref_t *out) {
+static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t input,
+                              const char *dim, const char *reduction, meshd_ref_t mesh,
+                              meshd_ref_t *out) {
   if (!s)
     return MESHD_E_INVALID;
-  if (!check_out(s, out, "meshd_session_reduce"))
+  if (!check_out(s, out, fn))
     return MESHD_E_INVALID;
   if (!reduction || !*reduction) {
-    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_reduce: reduction is empty");
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: reduction is empty", fn);
     return MESHD_E_INVALID;
   }
   char *dims[1] = {(char *)dim};
@@ -847,6 +879,7 @@ meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const ch
   r.ref = s->next_ref;
   r.input = input;
   r.reduction = (char *)reduction;
+  r.mesh = mesh;
   if (dim && *dim) {
     r.n_dims = 1;
     r.dims = dims;
@@ -855,6 +888,20 @@ meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const ch
   cmd.kind_case = MESHD__V1__COMMAND__KIND_REDUCE;
   cmd.reduce = &r;
   return execute_new(s, &cmd, out);
+}
+
+meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const char *dim,
+                                 const char *reduction, meshd_ref_t *out) {
+  return reduce_cmd(s, "meshd_session_reduce", input, dim, reduction, 0, out);
+}
+
+meshd_err_t meshd_session_reduce_onto(meshd_session_t *s, meshd_ref_t input, const char *dim,
+                                      const char *reduction, meshd_ref_t mesh, meshd_ref_t *out) {
+  if (s && !mesh) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_reduce_onto: mesh is 0");
+    return MESHD_E_INVALID;
+  }
+  return reduce_cmd(s, "meshd_session_reduce_onto", input, dim, reduction, mesh, out);
 }
 
 meshd_err_t meshd_session_stream(meshd_session_t *s, const char *name, meshd_ref_t *out) {

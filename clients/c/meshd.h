@@ -243,6 +243,12 @@ MESHD_API meshd_err_t meshd_session_create_mesh(meshd_session_t *session,
                                                 const int64_t *sizes, size_t ndims,
                                                 meshd_ref_t *mesh_out);
 
+/* The sub-mesh of `parent` at index[i] along dims[i] (each such dim goes away,
+ * Monarch's mesh.slice(gpu=0)); *mesh_out gets its ref. */
+MESHD_API meshd_err_t meshd_session_slice_mesh(meshd_session_t *session, meshd_ref_t parent,
+                                               const char *const *dims, const int64_t *index,
+                                               size_t n, meshd_ref_t *mesh_out);
+
 /* Factory `kind` (zeros ones full empty rand randn arange...) of float32 with
  * `shape` (ndim values, ndim may be 0) on every rank of `mesh`; `value` is used
  * by full. *out gets the tensor's ref. */
@@ -293,6 +299,13 @@ MESHD_API meshd_err_t meshd_session_call(meshd_session_t *session, const char *o
 MESHD_API meshd_err_t meshd_session_reduce(meshd_session_t *session, meshd_ref_t input,
                                            const char *dim, const char *reduction,
                                            meshd_ref_t *out);
+
+/* meshd_session_reduce onto the sub-mesh `mesh` (Monarch's reduce(..., mesh=)):
+ * a mesh holding one rank of each reduced group and none of the reduced dims,
+ * e.g. a slice at gpu=0 for dim "gpu". The result lives there only. */
+MESHD_API meshd_err_t meshd_session_reduce_onto(meshd_session_t *session, meshd_ref_t input,
+                                                const char *dim, const char *reduction,
+                                                meshd_ref_t mesh, meshd_ref_t *out);
 
 /* A new stream named `name` (Monarch's Stream); *out gets its ref. Commands
  * take stream refs where they name one; 0 is the default stream "main". */

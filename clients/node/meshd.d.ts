@@ -188,7 +188,7 @@ export type Command =
   | { create_stream: { ref: number; name: string } }
   | { factory: FactoryOptions & { ref: number } }
   | { call: { op: string; args?: Arg[]; kwargs?: { name: string; value: Arg }[]; results: number[]; stream?: number } }
-  | { reduce: { ref: number; input: number; dims?: string[]; reduction: Reduction; scatter?: boolean; inplace?: boolean; out?: number; stream?: number } }
+  | { reduce: { ref: number; input: number; dims?: string[]; reduction: Reduction; scatter?: boolean; inplace?: boolean; out?: number; stream?: number; mesh?: number } }
   | { to_mesh: { ref: number; input: number; selection?: MeshSelector[]; dst_mesh: number; dst_stream?: number } }
   | { borrow: { ref: number; input: number; stream?: number; mutable?: boolean; borrow: number } }
   | { drop_borrow: { borrow: number } }
@@ -392,6 +392,8 @@ export class Session {
 
   /** A mesh of the named dims and sizes ({gpu: 2}). */
   createMesh(dims: Record<string, number>): Promise<MeshMeta>;
+  /** The sub-mesh of `parent` at an index of each named dim, which goes away ({gpu: 0}). */
+  sliceMesh(parent: MeshMeta | Ref, sel: Record<string, number>): Promise<MeshMeta>;
   /** A tensor made by a factory; returns its TensorMeta. */
   factory(f: FactoryOptions): Promise<TensorMeta>;
   /** What the file at `url` holds, read by the first agent of `mesh` (default 0: any agent). */
@@ -407,7 +409,7 @@ export class Session {
   /** A catalogue op (ListOps) on args and kwargs; returns the first result's TensorMeta. */
   call(op: string, args?: CallArg[], kwargs?: Record<string, CallArg>, options?: { stream?: number }): Promise<TensorMeta>;
   /** Reduces `input` over mesh dims (default []: every dim) with `reduction` (default 'sum'). */
-  reduce(input: Ref, dims?: string[], reduction?: Reduction, options?: { scatter?: boolean; stream?: number }): Promise<TensorMeta>;
+  reduce(input: Ref, dims?: string[], reduction?: Reduction, options?: { scatter?: boolean; stream?: number; mesh?: MeshMeta | Ref }): Promise<TensorMeta>;
   /**
    * Waits until everything issued so far ran; rejects with the first run-time error not
    * reported before (.errors holds all), or kind DEADLINE_EXCEEDED past timeoutMs.

@@ -297,6 +297,15 @@ export class Session {
     return res.mesh; // MeshMeta {ref, dims, ranks}
   }
 
+  // The sub-mesh of `parent` (a MeshMeta or its ref) at the given index of each named
+  // dim, which goes away ({gpu: 0}: Monarch's mesh.slice(gpu=0)); returns its MeshMeta.
+  async sliceMesh(parent, sel) {
+    const ref = this.newRef();
+    const selectors = Object.entries(sel).map(([dim, index]) => ({ dim, index }));
+    const res = await this.execute({ slice_mesh: { ref, parent: parent?.ref ?? parent, selectors } });
+    return res.mesh;
+  }
+
   // A Factory ({kind, mesh, shape, dtype, value, ...}); returns the result TensorMeta.
   async factory(f) {
     const ref = this.newRef();
@@ -354,10 +363,12 @@ export class Session {
     return res.tensors[0];
   }
 
-  async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0 } = {}) {
+  // mesh: a sub-mesh (MeshMeta or ref) holding one rank of each reduced group and none
+  // of the reduced dims, e.g. sliceMesh(m, {gpu: 0}): the result lives there only.
+  async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0, mesh = 0 } = {}) {
     const ref = this.newRef();
     const res = await this.execute({
-      reduce: { ref, input: input.ref ?? input, dims, reduction, scatter, stream },
+      reduce: { ref, input: input.ref ?? input, dims, reduction, scatter, stream, mesh: mesh?.ref ?? mesh },
     });
     return res.tensors[0];
   }

@@ -163,6 +163,10 @@ int rpc_server_add_methods_guarded(rpc_server_t *srv, const rpc_method_t *method
  * UNIMPLEMENTED naming the method. */
 int rpc_server_start(rpc_server_t *srv, char *err, size_t errlen);
 int rpc_server_port(const rpc_server_t *srv);
+/* The paths ("/pkg.Svc/Method") of every row added so far, in the order they
+ * were added: how many, at most cap of them written to paths (the rows' own
+ * strings). The table is fixed once the server has started. */
+size_t rpc_server_paths(const rpc_server_t *srv, const char **paths, size_t cap);
 /* Calls started and not yet ended (all methods). */
 int rpc_server_active_calls(rpc_server_t *srv);
 /* Stops accepting new calls; calls already running go on. Idempotent. */

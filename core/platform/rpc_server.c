@@ -802,6 +802,11 @@ int rpc_server_start(rpc_server_t *srv, char *err, size_t errlen) {
 
 int rpc_server_port(const rpc_server_t *srv) { return srv->port; }
 
+size_t rpc_server_paths(const rpc_server_t *srv, const char **paths, size_t cap) {
+  for (size_t i = 0; i < srv->nslots && i < cap; i++) paths[i] = srv->slots[i].m->path;
+  return srv->nslots;
+}
+
 int rpc_server_active_calls(rpc_server_t *srv) {
   pthread_mutex_lock(&srv->mu);
   int n = srv->active;

@@ -5,6 +5,9 @@
  *   bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]
  *                  [--batch K] [--live-tensors K] [--memory-seconds M] [--skip-baseline]
  *
+ * Each agent count's line also has the p50 and p99 of tiny Calls sent one at a
+ * time by unary Execute, with the ratio of that p50 to the echo server's unary
+ * p50 of the same run (unary_p50_ratio_to_echo).
  * --seconds: measured time per case (default 2); --warmup: unmeasured time
  * before it (0.5); --agents: the agent counts of the command cases (1,4);
  * --drop-batch: results dropped per Drop (256); --live-tensors: live refs made
@@ -468,7 +471,71 @@ typedef struct {
   double memory_seconds;
 } opts_t;
 
-static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
+/* ------------------------------------------------------------------ unary latency */
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* One tiny Call (add of the input and 1.0) per unary Execute, one at a time,
+ * for `seconds` after a tenth as much unmeasured: p50 and p99 of the round
+ * trip in µs (the server answers once it accepted the command). */
+static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double seconds, double *p50,
+                         double *p99) {
+  Meshd__V1__Arg a_in = MESHD__V1__ARG__INIT, a_f = MESHD__V1__ARG__INIT;
+  a_in.value_case = MESHD__V1__ARG__VALUE_REF;
+  a_in.ref = INPUT_REF;
+  a_f.value_case = MESHD__V1__ARG__VALUE_F;
+  a_f.f = 1.0;
+  Meshd__V1__Arg *args[2] = {&a_in, &a_f};
+  uint64_t result = 0;
+  Meshd__V1__Call call = MESHD__V1__CALL__INIT;
+  call.op = "add";
+  call.n_args = 2;
+  call.args = args;
+  call.n_results = 1;
+  call.results = &result;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
+  cmd.call = &call;
+  size_t cap = 1 << 20, n = 0;
+  double *lat = malloc(cap * sizeof *lat);
+  if (!lat) return -1;
+  int64_t warm_end = bench_now_ns() + (int64_t)(seconds * 1e8);
+  int64_t end = warm_end + (int64_t)(seconds * 1e9);
+  int rc = 0;
+  for (int64_t now = bench_now_ns(); now < end && n < cap; now = bench_now_ns()) {
+    cmd.seq = (*seq)++;
+    result = (*ref)++;
+    ProtobufCMessage *resp = NULL;
+    rpc_status_t st = {0};
+    int64_t t0 = bench_now_ns();
+    grpc_status_code code = rpc_unary(c->ch, SVC "Execute", &cmd.base,
+                                      &meshd__v1__command_result__descriptor, &resp, c->md, 2,
+                                      READ_TIMEOUT_MS, &st);
+    int64_t t1 = bench_now_ns();
+    bool ok = code == GRPC_STATUS_OK && !((Meshd__V1__CommandResult *)resp)->error;
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    if (!ok) {
+      fprintf(stderr, "bench_commands: unary Execute failed (status %d: %s)\n", code, st.message);
+      rc = -1;
+      break;
+    }
+    if (t0 >= warm_end) lat[n++] = (double)(t1 - t0) / 1e3;
+  }
+  if (n > 0) {
+    qsort(lat, n, sizeof *lat, cmp_double);
+    *p50 = lat[n / 2];
+    *p99 = lat[n * 99 / 100];
+  } else {
+    rc = -1;
+  }
+  free(lat);
+  return rc;
+}
+
+static int commands_case(int nagents, const opts_t *o, double baseline_bidi, double baseline_p50) {
   server_t srv;
   /* --drop-batch may pass 4096 refs per Drop: the session limits would
    * refuse it. */
@@ -495,6 +562,8 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
     rc = run_pipeline(&r);
     if (!r.t1) rc = -1;
   }
+  double p50 = NAN, p99 = NAN;
+  if (rc == 0 && unary_latency(&c, &r.seq, &r.ref, o->seconds, &p50, &p99) != 0) rc = -1;
   int64_t rss_end = proc_status_bytes(srv.pid, "VmRSS");
   int64_t hwm = proc_status_bytes(srv.pid, "VmHWM");
   pid_t agents_end[MAX_AGENTS];
@@ -524,6 +593,10 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi) {
   bench_json_num(&j, "calls_per_s", calls / secs);
   bench_json_num(&j, "baseline_bidi_msgs_per_s", baseline_bidi);
   json_numf(&j, "ratio_to_bidi", cps / baseline_bidi, 3);
+  json_numf(&j, "unary_execute_p50_us", p50, 1);
+  json_numf(&j, "unary_execute_p99_us", p99, 1);
+  json_numf(&j, "baseline_unary_p50_us", baseline_p50, 1);
+  json_numf(&j, "unary_p50_ratio_to_echo", p50 / baseline_p50, 3);
   json_numf(&j, "server_cpu_us_per_command", (double)(r.srv_cpu1 - r.srv_cpu0) / cmds, 2);
   json_numf(&j, "server_cpu_us_per_command_to_sync",
             r.srv_cpu_sync > 0 ? (double)(r.srv_cpu_sync - r.srv_cpu0) / cmds_to_end : NAN, 2);
@@ -692,7 +765,7 @@ int main(int argc, char **argv) {
     bench_json_end(&j, stdout);
   }
   for (int i = 0; i < ncounts; i++)
-    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s) != 0) rc = 1;
+    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s, base.unary_1_p50_us) != 0) rc = 1;
   if (o.live_tensors > 0 && memory_case(&o) != 0) rc = 1;
   rpc_shutdown();
   return rc;

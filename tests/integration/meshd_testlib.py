@@ -109,8 +109,17 @@ def _generate():
         subprocess.run(["protoc", "--proto_path=" + _gen_dir,
                         "--proto_path=" + os.path.join(api, "meshd", "v1"),
                         "--python_out=" + _gen_dir, os.path.join(_gen_dir, name)], check=True)
+    # The reflection protos flat too (no top-level `grpc` package): v1 as
+    # reflection.proto, v1alpha copied to reflection_v1alpha.proto.
+    for version, name in (("v1", "reflection.proto"), ("v1alpha", "reflection_v1alpha.proto")):
+        shutil.copy(os.path.join(api, "grpc", "reflection", version, "reflection.proto"),
+                    os.path.join(_gen_dir, name))
+        subprocess.run(["protoc", "--proto_path=" + _gen_dir, "--python_out=" + _gen_dir,
+                        os.path.join(_gen_dir, name)], check=True)
     sys.path.insert(0, _gen_dir)
     _pb["health"] = importlib.import_module("health_pb2")
+    _pb["reflection"] = importlib.import_module("reflection_pb2")
+    _pb["reflection_v1alpha"] = importlib.import_module("reflection_v1alpha_pb2")
     _pb["tensor"] = importlib.import_module("tensor_service_pb2")
     _pb["registry"] = importlib.import_module("agent_registry_pb2")
     _pb["agent"] = importlib.import_module("agent_pb2")
@@ -140,6 +149,57 @@ def agent_pb2():
     if not _pb:
         _generate()
     return _pb["agent"]
+
+
+def reflection_pb2(version="v1"):
+    """grpc.reflection.v1's (or v1alpha's) messages (api/grpc/reflection/)."""
+    if not _pb:
+        _generate()
+    return _pb["reflection" if version == "v1" else "reflection_v1alpha"]
+
+
+class Reflection:
+    """One ServerReflectionInfo stream, driven as grpcurl drives it: ask() sends a
+    request and returns its response (grpc.RpcError if the call ended instead).
+
+        with lib.Reflection(port) as r:
+            names = r.list()
+            fdps = r.ask(file_containing_symbol="meshd.v1.TensorService").file_descriptor_response
+    """
+
+    def __init__(self, port, metadata=None, version="v1", timeout=10.0, address=None):
+        self.pb = reflection_pb2(version)
+        self._requests = queue.Queue()
+        self._ch = grpc.insecure_channel(address or f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS)
+        fn = self._ch.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+            response_deserializer=self.pb.ServerReflectionResponse.FromString)
+        self._call = fn(iter(self._requests.get, None), metadata=metadata, timeout=timeout)
+
+    def send(self, request):
+        """Queues a request (a message, or raw bytes) without waiting for the answer."""
+        self._requests.put(request)
+
+    def ask(self, request=None, **fields):
+        self.send(request if request is not None else self.pb.ServerReflectionRequest(**fields))
+        return next(self._call)
+
+    def list(self):
+        resp = self.ask(list_services="*")
+        assert resp.WhichOneof("message_response") == "list_services_response", resp
+        return [s.name for s in resp.list_services_response.service]
+
+    def close(self):
+        self._requests.put(None)
+        self._call.cancel()
+        self._ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def status_name(value):
@@ -756,9 +816,11 @@ def call(op, *args, results=(), stream=0, **kwargs):
                           results=list(results), stream=stream)
 
 
-def reduce(ref, input, dims=(), reduction="sum", scatter=False, inplace=False, out=0, stream=0):
+def reduce(ref, input, dims=(), reduction="sum", scatter=False, inplace=False, out=0, stream=0,
+           mesh=0):
     return "reduce", tensor_pb2().Reduce(ref=ref, input=input, dims=list(dims), reduction=reduction,
-                                         scatter=scatter, inplace=inplace, out=out, stream=stream)
+                                         scatter=scatter, inplace=inplace, out=out, stream=stream,
+                                         mesh=mesh)
 
 
 def to_mesh(ref, input, dst_mesh, selection=None, dst_stream=0):

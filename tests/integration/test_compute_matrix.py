@@ -8,6 +8,7 @@ import glob
 import math
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -547,6 +548,131 @@ def test_allreduce_on_8_agents(shared_meshd):
             np.testing.assert_array_equal(fetch(s, mx, gpu=g), X.max(0))
 
 
+# Reduce onto a sub-mesh (issue 16): Monarch's reduce(..., mesh=), NotImplemented there.
+# Each case: (mesh dims, reduced dims, target selection); rank r holds X[r].
+ROOTED_CASES = {
+    2: [({"gpu": 2}, ["gpu"], {"gpu": 1})],
+    4: [({"host": 2, "gpu": 2}, ["gpu"], {"gpu": 1}),
+        ({"host": 2, "gpu": 2}, ["host", "gpu"], {"host": 1, "gpu": 0})],
+    8: [({"gpu": 8}, ["gpu"], {"gpu": 5}),
+        ({"host": 2, "gpu": 4}, ["host"], {"host": 1})],
+}
+
+
+def _agent_bytes(s):
+    return {a.rank: a.allocated_bytes for a in s.unary("ListAgents", lib.tensor_pb2().ListAgentsRequest(),
+                                                       lib.tensor_pb2().ListAgentsReply).agents}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_reduce_onto_a_sub_mesh(shared_meshd, n):
+    srv = shared_meshd(n)
+    with Session(srv.port, "matrix-rooted") as s:
+        _need_data_plane(s)
+        for dims_, over, sel in ROOTED_CASES[n]:
+            m = s.mesh(**dims_).ref
+            target = s.slice(m, **sel).ref
+            names, sizes = list(dims_), list(dims_.values())
+            kept = [d for d in names if d not in over]
+            for dt in ("float32", "int32"):
+                X = _parts(n, dt, (3,), seed=n)
+                x = upload(s, m, X, per_rank=True)
+                Xn = X.reshape(sizes + [3])
+                axes = tuple(names.index(d) for d in over)
+                for reduction in REDUCTIONS + ["stack"]:
+                    cmd = reduce(s.new_ref(), x, dims=over, reduction=reduction, mesh=target)
+                    if _rejected(reduction, dt):
+                        s.fails("DTYPE_MISMATCH", cmd, "Reduce")
+                        continue
+                    if reduction == "stack":
+                        if len(over) > 1:
+                            s.fails("BAD_DIM", cmd, "Reduce")
+                            continue
+                        want = np.moveaxis(Xn, axes[0], len(kept))  # kept dims, then the group
+                    else:
+                        # the group's members in row-major order over the reduced dims
+                        g = np.moveaxis(Xn, axes, tuple(range(len(kept), len(names))))
+                        g = g.reshape([dims_[d] for d in kept] + [-1, 3])
+                        want = _reduce_groups(NP_RED[reduction], g)
+                    res = s.run(cmd).tensors[0]
+                    assert res.mesh == target, f"{reduction}: the result is on mesh {res.mesh}"
+                    for idx in np.ndindex(*[dims_[d] for d in kept]):
+                        coords = dict(zip(kept, idx))
+                        _close(fetch(s, res.ref, **coords), want[idx].astype(X.dtype),
+                               f"{reduction} {dt} over {over} onto {sel} at {coords}")
+            # out= on the target
+            X = _parts(n, "float32", (3,), seed=7)
+            x = upload(s, m, X, per_rank=True)
+            out = s.tensor(target, (3,), "zeros", "float32").ref
+            s.run(reduce(0, x, dims=over, reduction="sum", out=out, mesh=target))
+            Xn = X.reshape(sizes + [3])
+            want = Xn.sum(tuple(names.index(d) for d in over))
+            for idx in np.ndindex(*[dims_[d] for d in kept]):
+                _close(fetch(s, out, **dict(zip(kept, idx))), want[idx], f"out= onto {sel}")
+
+
+def _reduce_groups(f, g):
+    """f over axis -2 of g (..., members, 3), keeping the leading axes."""
+    lead = g.shape[:-2]
+    flat = g.reshape((-1,) + g.shape[-2:])
+    return np.stack([f(part) for part in flat]).reshape(lead + (g.shape[-1],))
+
+
+def test_reduce_onto_a_sub_mesh_keeps_nothing_elsewhere_and_checks_the_target(shared_meshd):
+    srv = shared_meshd(4)
+    with Session(srv.port, "matrix-rooted-checks") as s:
+        _need_data_plane(s)
+        m = s.mesh(host=2, gpu=2).ref
+        x = s.tensor(m, (1 << 18,), "ones", "float32").ref  # 1 MiB per rank
+        s.run(sync())
+        before = _agent_bytes(s)
+        t1 = s.slice(m, gpu=1).ref
+        r = s.run(reduce(s.new_ref(), x, dims=["gpu"], mesh=t1)).tensors[0].ref
+        s.run(sync())
+        roots = {1, 3}  # (host, gpu=1)
+        deadline = time.monotonic() + 10
+        while True:
+            grew = {k: v - before[k] for k, v in _agent_bytes(s).items()}
+            if all(grew[k] >= 1 << 20 for k in roots) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for k in range(4):
+            if k in roots:
+                assert grew[k] >= 1 << 20, f"root rank {k} grew by {grew[k]} bytes"
+            else:
+                assert grew[k] == 0, f"rank {k}, outside the target, keeps {grew[k]} bytes"
+        np.testing.assert_array_equal(fetch(s, r, host=1), np.full(1 << 18, 2, np.float32))
+        with pytest.raises(FetchError) as fe:
+            fetch(s, r, host=1, gpu=0)  # the result has no gpu dim
+        assert "gpu" in fe.value.args[-1], fe.value.args
+        # The target's checks, each naming what is wrong.
+        h0 = s.slice(m, host=0).ref
+        e = s.fails("BAD_ARGUMENT", reduce(s.new_ref(), x, dims=["gpu"], mesh=h0), "Reduce")
+        assert "still has the reduced dim 'gpu'" in e.message, e.message
+        pair = s.mesh(pair=2).ref
+        e = s.fails("WRONG_MESH", reduce(s.new_ref(), x, dims=["gpu"], mesh=pair), "Reduce")
+        assert "same reduced group" in e.message, e.message
+        one = s.slice(m, host=0, gpu=0).ref
+        e = s.fails("WRONG_MESH", reduce(s.new_ref(), x, dims=["gpu"], mesh=one), "Reduce")
+        assert "1 rank(s)" in e.message and "2 group(s)" in e.message, e.message
+        y = s.tensor(h0, (4,), "ones", "float32").ref
+        elsewhere = s.slice(m, host=1, gpu=0).ref
+        e = s.fails("WRONG_MESH", reduce(s.new_ref(), y, dims=["gpu"], mesh=elsewhere), "Reduce")
+        assert "not a sub-mesh" in e.message and "rank 2" in e.message, e.message
+        e = s.fails("BAD_ARGUMENT", reduce(s.new_ref(), x, dims=["gpu"], scatter=True, mesh=t1),
+                    "Reduce")
+        assert "scatter" in e.message
+        e = s.fails("BAD_ARGUMENT", reduce(0, x, dims=["gpu"], inplace=True, mesh=t1), "Reduce")
+        assert "in place" in e.message
+        wrong_out = s.tensor(m, (1 << 18,), "zeros", "float32").ref
+        e = s.fails("WRONG_MESH", reduce(0, x, dims=["gpu"], out=wrong_out, mesh=t1), "Reduce")
+        assert "out" in e.message
+        e = s.fails("UNKNOWN_REF", reduce(s.new_ref(), x, dims=["gpu"], mesh=x), "Reduce")
+        assert "which is a tensor, not a mesh" in e.message, e.message
+        # nothing already stored was lost
+        np.testing.assert_array_equal(fetch(s, r, host=0), np.full(1 << 18, 2, np.float32))
+
+
 # ================================================================ (3) to_mesh
 
 def test_to_mesh_with_and_without_broadcast(shared_meshd):
@@ -657,6 +783,21 @@ def test_failing_ops_remote_failure_sync_and_dependents(s2m):
         good = _red(s, x, dims=["gpu"], reduction="sum")
         np.testing.assert_array_equal(fetch(s, good, gpu=1),
                                       2 * np.arange(12, dtype=np.float32).reshape(3, 4))
+        # onto a sub-mesh, with the input failed only off the target (rank gpu=1):
+        # the root's result fails too, and Sync tells only the gather's failure
+        s.run(sync())
+        gi2 = upload(s, m, np.array([[[0, 1]], [[0, 9]]], np.int64), per_rank=True)
+        half = s.op("gather", Ref(x), 1, Ref(gi2))[0].ref
+        root = s.slice(m, gpu=0).ref
+        onto = s.run(reduce(s.new_ref(), half, dims=["gpu"], mesh=root)).tensors[0].ref
+        errs = s.run(sync()).errors
+        assert len(errs) == 1 and "gather" in errs[0].message and "rank 1" in errs[0].message, errs
+        with pytest.raises(FetchError) as e:
+            fetch(s, onto)
+        assert e.value.kind in ("DEPENDENT_FAILURE", "REMOTE_FAILURE"), e.value
+        assert "index 9 is out of range" in str(e.value), e.value
+        np.testing.assert_array_equal(fetch(s, x, gpu=1), np.arange(12, dtype=np.float32)
+                                      .reshape(3, 4))
 
 
 def test_allocation_over_the_agents_limit(meshd_server, agent):

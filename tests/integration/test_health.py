@@ -1,16 +1,23 @@
-"""grpc.health.v1.Health on meshd and meshd-agent, seen by grpcio as a third-party client.
+"""grpc.health.v1.Health and gRPC server reflection on meshd and meshd-agent, seen by
+grpcio as a third-party client.
 
 docs/operations.md, "Health": "" is SERVING while the process accepts calls;
 meshd.v1.TensorService only with at least --min-agents healthy agents;
 meshd.agent.v1.Agent while the agent is registered with a server. Standard
 semantics: Check on an unknown service is NOT_FOUND; Watch on one sends
 SERVICE_UNKNOWN and stays open; Watch sends the current status at once.
+
+docs/operations.md, "Reflection": grpc.reflection.v1 and v1alpha list exactly the
+services of the port and describe them from the descriptors built into the binary,
+behind the port's own authentication; --reflection=false turns them off (local
+agents follow their server).
 """
 
 import signal
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import meshd_testlib as lib
 
@@ -111,3 +118,132 @@ def test_agent_service_follows_registration(meshd_server, agent, watches):
     w.wait_for(lib.NOT_SERVING(), 10.0)
     assert a.proc.poll() is None, "the agent outlives its server and retries"
     assert lib.health_check(a.port, "") == lib.SERVING()
+
+
+# ---------------------------------------------------------------- reflection
+
+SERVER_SERVICES = {"meshd.v1.TensorService", "meshd.v1.AgentRegistry", "grpc.health.v1.Health",
+                   "grpc.reflection.v1.ServerReflection",
+                   "grpc.reflection.v1alpha.ServerReflection"}
+NOT_FOUND, INVALID_ARGUMENT = 5, 3
+
+
+def _pool(fdps):
+    """A DescriptorPool of only these serialized FileDescriptorProtos (imports first)."""
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in fdps]
+    pool, added = descriptor_pool.DescriptorPool(), set()
+    while len(added) < len(files):
+        ready = [f for f in files if f.name not in added and set(f.dependency) <= added]
+        assert ready, f"imports missing from the answer: {[(f.name, list(f.dependency)) for f in files]}"
+        for f in ready:
+            pool.Add(f)
+            added.add(f.name)
+    return pool
+
+
+def test_reflection_lists_and_describes_like_grpcurl(meshd_server):
+    srv = meshd_server(0, min_agents=0)
+    with lib.Reflection(srv.port) as r:
+        # grpcurl list
+        names = r.list()
+        assert sorted(names) == sorted(SERVER_SERVICES), names
+        # grpcurl describe meshd.v1.TensorService: descriptors from the server alone.
+        resp = r.ask(file_containing_symbol="meshd.v1.TensorService")
+        assert resp.WhichOneof("message_response") == "file_descriptor_response", resp
+        assert resp.original_request.file_containing_symbol == "meshd.v1.TensorService"
+        fdps = resp.file_descriptor_response.file_descriptor_proto
+        pool = _pool(fdps)
+        svc = pool.FindServiceByName("meshd.v1.TensorService")
+        sdp = descriptor_pb2.ServiceDescriptorProto()
+        svc.CopyToProto(sdp)
+        methods = {m.name: m for m in sdp.method}
+        assert methods["Submit"].client_streaming and methods["Submit"].server_streaming
+        assert not methods["Fetch"].client_streaming and methods["Fetch"].server_streaming
+        assert methods["Execute"].input_type == ".meshd.v1.Command"
+        assert methods["Execute"].output_type == ".meshd.v1.CommandResult"
+        assert not methods["Execute"].client_streaming and not methods["Execute"].server_streaming
+        # A message class made from the served descriptors round-trips, and its bytes
+        # are meshd's own Command.
+        Command = message_factory.MessageFactory(pool).GetPrototype(
+            pool.FindMessageTypeByName("meshd.v1.Command"))
+        cmd = Command(seq=7)
+        cmd.sync.stream = 3
+        cmd.batch.add(seq=8).describe.ref = 9
+        wire = cmd.SerializeToString()
+        assert Command.FromString(wire) == cmd
+        real = lib.tensor_pb2().Command.FromString(wire)
+        assert (real.seq, real.sync.stream, real.batch[0].describe.ref) == (7, 3, 9)
+        assert real.WhichOneof("kind") == "sync"
+
+        # A method, a field and a nested enum's value find their files too; a file
+        # comes with its imports, each once.
+        for symbol, want in (("meshd.agent.v1.Agent.Execute", "meshd/agent/v1/agent.proto"),
+                             ("meshd.v1.Command.seq", "meshd/v1/tensor_service.proto"),
+                             ("grpc.health.v1.HealthCheckResponse.SERVING",
+                              "grpc/health/v1/health.proto")):
+            fdps = r.ask(file_containing_symbol=symbol).file_descriptor_response.file_descriptor_proto
+            assert descriptor_pb2.FileDescriptorProto.FromString(fdps[0]).name == want, symbol
+        fdps = r.ask(file_by_filename="meshd/agent/v1/agent.proto") \
+            .file_descriptor_response.file_descriptor_proto
+        got = [descriptor_pb2.FileDescriptorProto.FromString(b).name for b in fdps]
+        assert got == ["meshd/agent/v1/agent.proto", "meshd/v1/tensor_service.proto"], got
+
+        # Unknown names: NOT_FOUND naming them, and the stream goes on.
+        for req, needle in ((dict(file_containing_symbol="meshd.v1.Nope"), "meshd.v1.Nope"),
+                            (dict(file_by_filename="nope.proto"), "nope.proto"),
+                            (dict(all_extension_numbers_of_type="meshd.v1.Nope"), "meshd.v1.Nope")):
+            err = r.ask(**req).error_response
+            assert err.error_code == NOT_FOUND and needle in err.error_message, (req, err)
+        ext = r.pb.ExtensionRequest(containing_type="meshd.v1.Command", extension_number=100)
+        err = r.ask(file_containing_extension=ext).error_response
+        assert err.error_code == NOT_FOUND and "meshd.v1.Command" in err.error_message, err
+        nums = r.ask(all_extension_numbers_of_type="meshd.v1.Command").all_extension_numbers_response
+        assert nums.base_type_name == "meshd.v1.Command" and list(nums.extension_number) == []
+        err = r.ask(r.pb.ServerReflectionRequest(host="x")).error_response
+        assert err.error_code == INVALID_ARGUMENT and "list_services" in err.error_message, err
+        assert sorted(r.list()) == sorted(SERVER_SERVICES)
+
+    # v1alpha, as older clients ask.
+    with lib.Reflection(srv.port, version="v1alpha") as r:
+        assert sorted(r.list()) == sorted(SERVER_SERVICES)
+        fdps = r.ask(file_containing_symbol="meshd.v1.TensorService.Submit") \
+            .file_descriptor_response.file_descriptor_proto
+        assert _pool(fdps).FindMethodByName("meshd.v1.TensorService.Submit")
+
+    # Bytes that are no request end the call INVALID_ARGUMENT, naming why.
+    for junk, needle in ((b"\xff\xff", "not a valid"),
+                         (b"\x22\x03a\x00b", "embedded NUL")):
+        with lib.Reflection(srv.port) as r:
+            with pytest.raises(grpc.RpcError) as e:
+                r.ask(junk)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+            assert needle in e.value.details(), e.value.details()
+    assert lib.health_check(srv.port, "") == lib.SERVING()
+
+
+def test_reflection_off_on_the_server_and_its_local_agents(meshd_server):
+    srv = meshd_server(1, "--reflection=false")
+    lib.wait_ready(srv, 1)
+    agents = lib.list_agents(srv.port)
+    for where in (dict(port=srv.port), dict(port=None, address=agents[0].address)):
+        with lib.Reflection(**where) as r:
+            with pytest.raises(grpc.RpcError) as e:
+                r.list()
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (where, e.value)
+
+
+def test_reflection_on_an_agent_takes_its_call_secret(agent):
+    with lib.FakeRegistry() as reg:
+        a = agent(reg.port)
+        reg.wait()
+        with lib.Reflection(a.port) as r:
+            with pytest.raises(grpc.RpcError) as e:
+                r.list()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        with lib.Reflection(a.port, metadata=reg.metadata()) as r:
+            assert sorted(r.list()) == sorted({lib.AGENT_SERVICE, "grpc.health.v1.Health",
+                                               "grpc.reflection.v1.ServerReflection",
+                                               "grpc.reflection.v1alpha.ServerReflection"})
+            fdps = r.ask(file_containing_symbol=lib.AGENT_SERVICE) \
+                .file_descriptor_response.file_descriptor_proto
+            assert _pool(fdps).FindServiceByName(lib.AGENT_SERVICE).methods_by_name["Execute"]

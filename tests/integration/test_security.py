@@ -110,6 +110,22 @@ def test_a_wrong_token_is_unauthenticated(server, md):
     assert ALICE not in details and ALICE.upper() not in details
 
 
+def test_reflection_needs_a_token_like_tensor_service(server):
+    # grpcurl -H 'authorization: Bearer TOKEN' HOST:PORT list
+    for version in ("v1", "v1alpha"):
+        for md, needle in (((), "needs a bearer token"),
+                           ((("authorization", "Bearer " + ALICE + "x"),), "not valid")):
+            with lib.Reflection(server.port, metadata=md, version=version) as r:
+                with pytest.raises(grpc.RpcError) as e:
+                    r.list()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (version, e.value)
+                assert needle in e.value.details() and "ServerReflection" in e.value.details()
+        with lib.Reflection(server.port, metadata=bearer(ALICE), version=version) as r:
+            assert "meshd.v1.TensorService" in r.list()
+            resp = r.ask(file_containing_symbol="meshd.v1.TensorService.CreateSession")
+            assert len(resp.file_descriptor_response.file_descriptor_proto) == 1, resp
+
+
 def test_health_needs_no_token(server):
     assert lib.health_check(server.port) == lib.SERVING()
     assert lib.health_check(server.port, "meshd.v1.TensorService") == lib.SERVING()

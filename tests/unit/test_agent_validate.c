@@ -370,6 +370,15 @@ Test(validate, groups) {
   reduce(&k, "sum", 10, four, 1, 11, four, 1);
   k.g.ranks = other;
   refused(&k.ins, "does not hold this agent's rank 0", NULL);
+  /* Onto a sub-mesh: the root is a member of the group, and nothing is scattered. */
+  reduce(&k, "sum", 10, four, 1, 11, four, 1);
+  k.ro.rooted = true;
+  accepted(&k.ins);
+  k.ro.root = 1;
+  refused(&k.ins, "ReduceOp.root 1 is not an index of its group of 1", NULL);
+  k.ro.root = 0;
+  k.r.scatter = true;
+  refused(&k.ins, "onto a sub-mesh (rooted), but scatter is set", NULL);
   /* The [2^31]^3 reduce of the report: refused before anything is stored. */
   int64_t huge[3] = {BIG, BIG, BIG};
   refused(reduce(&k, "sum", 10, huge, 3, 11, huge, 3), "exceeds 2^62 bytes", NULL);

@@ -171,6 +171,25 @@ Test(c_client, compute_and_fetch) {
   meshd_values_free(&v);
   cr_assert_null(v.values);
 
+  /* Onto the sub-mesh at gpu=1: a 0-dim mesh, where the sum lives alone. */
+  meshd_ref_t one = 0, w = 0, bad = 0;
+  int64_t at[] = {1};
+  cr_assert_eq(meshd_session_slice_mesh(s, m, dims, at, 1, &one), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_reduce_onto(s, y, "gpu", "max", one, &w), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_fetch(s, w, NULL, NULL, 0, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.ndim, 2);
+  cr_assert_eq(v.n, 6);
+  for (size_t i = 0; i < v.n; i++)
+    cr_assert_float_eq(v.values[i], 2.5, 1e-9);
+  meshd_values_free(&v);
+  cr_assert_neq(meshd_session_reduce_onto(s, y, "gpu", "sum", m, &bad), MESHD_E_OK);
+  cr_assert(strstr(meshd_last_error(c)->message, "still has the reduced dim 'gpu'"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_reduce_onto(s, y, "gpu", "sum", 0, &bad), MESHD_E_INVALID);
+
   /* The session shows up in ListSessions with its live tensors. */
   meshd_session_info_t *list = NULL;
   size_t n = 0;

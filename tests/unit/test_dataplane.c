@@ -63,7 +63,7 @@ static int64_t now_ms(void) {
 
 /* ------------------------------------------------------------ one call per member */
 
-typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A } kind_t;
+typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A, K_REDUCE_ROOT, K_GATHER_ROOT } kind_t;
 
 typedef struct job {
   world_t *w;
@@ -72,7 +72,7 @@ typedef struct job {
   kind_t kind;
   dtype_t dtype;
   reduction_t op;
-  size_t count;
+  size_t count, root;
   void *in, *out;
   int rc;
   meshd_error_t err;
@@ -88,6 +88,12 @@ static void *job_main(void *arg) {
   case K_RS: j->rc = dp_reduce_scatter(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, j->op, &j->err); break;
   case K_AG: j->rc = dp_allgather(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, &j->err); break;
   case K_A2A: j->rc = dp_alltoall(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, &j->err); break;
+  case K_REDUCE_ROOT:
+    j->rc = dp_reduce_root(j->w->dp[j->me], &g, j->root, j->in, j->count, j->dtype, j->op, &j->err);
+    break;
+  case K_GATHER_ROOT:
+    j->rc = dp_gather_root(j->w->dp[j->me], &g, j->root, j->in, j->out, j->count, j->dtype, &j->err);
+    break;
   }
   j->took_ms = now_ms() - t0;
   return NULL;
@@ -230,6 +236,76 @@ static void allreduce_all(size_t n) {
 Test(dataplane, allreduce_every_op_n2, .timeout = 120) { allreduce_all(2); }
 Test(dataplane, allreduce_every_op_n3, .timeout = 120) { allreduce_all(3); }
 Test(dataplane, allreduce_every_op_n4, .timeout = 120) { allreduce_all(4); }
+
+/* Reduce onto one member (reduce onto a sub-mesh): the root's buffer holds the
+ * reduction, over the direct exchange (small) and the ring then a gather of
+ * segments (large, uneven); every root; then a gather of whole buffers. */
+static void rooted_case(world_t *w, uint64_t comm, dtype_t dt, reduction_t op, size_t count,
+                        size_t root) {
+  job_t jobs[MAXN];
+  size_t esz = dtype_size(dt), n = w->n;
+  for (size_t r = 0; r < n; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = K_REDUCE_ROOT, .dtype = dt, .op = op,
+                      .count = count, .root = root};
+    jobs[r].in = malloc(count * esz + 1);
+    fill(dt, op, r, jobs[r].in, count, 0);
+  }
+  run_jobs(jobs, n);
+  char ctx[128];
+  snprintf(ctx, sizeof ctx, "reduce to %zu of n=%zu %s op=%d count=%zu", root, n, dtype_name(dt),
+           (int)op, count);
+  for (size_t r = 0; r < n; r++) cr_assert_eq(jobs[r].rc, 0, "%s member %zu: %s", ctx, r, jobs[r].err.msg);
+  expect_reduced(dt, op, n, jobs[root].in, count, 0, ctx);
+  for (size_t r = 0; r < n; r++) free(jobs[r].in);
+}
+
+static void gather_root_case(world_t *w, uint64_t comm, size_t count, size_t root) {
+  job_t jobs[MAXN];
+  size_t n = w->n;
+  for (size_t r = 0; r < n; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = K_GATHER_ROOT, .dtype = DTYPE_INT32,
+                      .op = RED_SUM, .count = count, .root = root};
+    jobs[r].in = malloc(count * 4 + 1);
+    fill(DTYPE_INT32, RED_SUM, r, jobs[r].in, count, 0);
+    jobs[r].out = r == root ? malloc(n * count * 4 + 1) : NULL; /* the others need none */
+  }
+  run_jobs(jobs, n);
+  for (size_t r = 0; r < n; r++)
+    cr_assert_eq(jobs[r].rc, 0, "gather to %zu, member %zu: %s", root, r, jobs[r].err.msg);
+  for (size_t r = 0; r < n; r++)
+    cr_assert(memcmp((int32_t *)jobs[root].out + r * count, jobs[r].in, count * 4) == 0,
+              "gather to %zu of n=%zu count=%zu: slice %zu", root, n, count, r);
+  for (size_t r = 0; r < n; r++) {
+    free(jobs[r].in);
+    free(jobs[r].out);
+  }
+}
+
+Test(dataplane, reduce_and_gather_to_a_root, .timeout = 120) {
+  const size_t sizes[] = {0, 1, 1009, BIG_BYTES / 4 + 7};
+  uint64_t comm = 300;
+  for (size_t n = 2; n <= 4; n++) {
+    world_t w;
+    world_start(&w, n, 5000);
+    for (size_t root = 0; root < n; root++)
+      for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+        rooted_case(&w, comm++, DTYPE_FLOAT32, root == 1 ? RED_AVG : RED_SUM, sizes[k], root);
+        rooted_case(&w, comm++, DTYPE_INT32, root == 0 ? RED_BXOR : RED_MAX, sizes[k], root);
+        gather_root_case(&w, comm++, sizes[k], root);
+      }
+    rooted_case(&w, 9, DTYPE_BFLOAT16, RED_SUM, 50000, n - 1); /* a comm reused */
+    rooted_case(&w, 9, DTYPE_BFLOAT16, RED_SUM, 3, 0);
+    world_stop(&w);
+  }
+  world_t w;
+  world_start(&w, 2, 1000);
+  dp_group_t g = group(&w, 1, 0);
+  float f = 1;
+  meshd_error_t err = {0};
+  cr_assert_eq(dp_reduce_root(w.dp[0], &g, 2, &f, 1, DTYPE_FLOAT32, RED_SUM, &err), -1);
+  cr_assert(strstr(err.msg, "root 2 is not a member of a group of 2"), "%s", err.msg);
+  world_stop(&w);
+}
 
 Test(dataplane, allreduce_bitwise_identical_on_every_rank) {
   world_t w;

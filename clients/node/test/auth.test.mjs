@@ -180,6 +180,11 @@ test('computes with a token on every call (Execute, Upload, Fetch, KeepAlive)', 
       const z = await s.reduce(y, ['gpu'], 'sum');
       await s.sync();
       assert.deepEqual([...(await s.fetch(z, { gpu: 1 }))], [3, 5, 7]);
+      const root = await s.sliceMesh(mesh, { gpu: 1 }); // reduce onto a sub-mesh
+      const w = await s.reduce(y, ['gpu'], 'max', { mesh: root });
+      assert.equal(w.mesh, root.ref);
+      assert.deepEqual([...(await s.fetch(w, {}))], [1.5, 2.5, 3.5]);
+      await assert.rejects(s.reduce(y, ['gpu'], 'sum', { mesh }), /still has the reduced dim 'gpu'/);
     } finally {
       await s.close();
     }

@@ -298,17 +298,20 @@ class Tensor:
         return sorted(set(super().__dir__()) | set(ops))
 
     def reduce(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
-               out: Tensor | None = None) -> Tensor:
+               out: Tensor | None = None, mesh: Mesh | None = None) -> Tensor:
         """A collective over mesh dims (str or tuple; () means all): reduction "sum",
-        "avg", "product", "min", "max", "band", "bor" or "bxor"."""
-        return self._reduce(dims, reduction, scatter, out, inplace=False)
+        "avg", "product", "min", "max", "band", "bor", "bxor" or "stack".
+        mesh: a sub-mesh holding one member of each reduced group and none of the
+        reduced dims (e.g. mesh.slice(gpu=0)): the result lives there only, the
+        other members keep nothing (Monarch's reduce(..., mesh=))."""
+        return self._reduce(dims, reduction, scatter, out, inplace=False, mesh=mesh)
 
     def reduce_(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
                 out: Tensor | None = None) -> Tensor:
         """reduce() in place: returns this tensor."""
         return self._reduce(dims, reduction, scatter, out, inplace=True)
 
-    def _reduce(self, dims, reduction, scatter, out, inplace):
+    def _reduce(self, dims, reduction, scatter, out, inplace, mesh=None):
         if isinstance(dims, str):
             dims = (dims,)
         dims = tuple(dims)
@@ -316,6 +319,8 @@ class Tensor:
             raise TypeError(f"meshd: reduce dims are mesh dim names, got {dims!r}")
         if out is not None and not isinstance(out, Tensor):
             raise TypeError(f"meshd: out must be a Tensor, got {type(out).__name__}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"meshd: reduce's mesh must be a Mesh, got {type(mesh).__name__}")
         s, pb = self.session, self.session._pb
         stream = _active.stream_ref(s)
         box = {}
@@ -325,7 +330,7 @@ class Tensor:
             return pb.Reduce(
                 ref=0 if inplace else ref, input=self.ref, dims=list(dims), reduction=reduction,
                 scatter=bool(scatter), inplace=inplace, out=out.ref if out is not None else 0,
-                stream=stream)
+                stream=stream, mesh=mesh.ref if mesh is not None else 0)
         res = s._execute("reduce", build, claim=0 if inplace else 1)
         if inplace:
             return self
@@ -555,13 +560,14 @@ def _tree_map(fn: Callable[[Tensor], Any], tree: Any) -> Any:
 
 
 def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
-           scatter: bool = False, _inplace: bool = False) -> Any:
-    """Monarch's meshd.reduce: t.reduce(dims, reduction, scatter) for every Tensor of the
-    pytree `tensors` (lists, tuples, dicts of tensors, nested), in the same structure:
-    e.g. every gradient of a model in one call, pipelined by the caller's block."""
+           scatter: bool = False, mesh: Mesh | None = None, _inplace: bool = False) -> Any:
+    """Monarch's meshd.reduce: t.reduce(dims, reduction, scatter, mesh=mesh) for every
+    Tensor of the pytree `tensors` (lists, tuples, dicts of tensors, nested), in the
+    same structure: e.g. every gradient of a model in one call, pipelined by the
+    caller's block."""
     if _inplace:
         return _tree_map(lambda t: t.reduce_(dims, reduction, scatter), tensors)
-    return _tree_map(lambda t: t.reduce(dims, reduction, scatter), tensors)
+    return _tree_map(lambda t: t.reduce(dims, reduction, scatter, mesh=mesh), tensors)
 
 
 def reduce_(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",

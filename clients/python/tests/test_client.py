@@ -245,6 +245,22 @@ def test_reduce(mesh):
     np.testing.assert_array_equal(get(y, gpu=1), b.sum(0))
 
 
+def test_reduce_onto_a_sub_mesh(mesh):
+    b = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
+    x = meshd.tensor(b, shard="gpu")
+    root = mesh.slice(gpu=1)
+    s = x.reduce("gpu", mesh=root)
+    assert s.mesh is root and s.shape == (3,)
+    np.testing.assert_array_equal(get(s), b.sum(0))
+    g, = meshd.reduce([x], "gpu", "stack", mesh=root)
+    np.testing.assert_array_equal(get(g), b)
+    with pytest.raises(meshd.MeshdError, match="still has the reduced dim 'gpu'") as e:
+        x.reduce("gpu", mesh=mesh)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(TypeError, match="must be a Mesh"):
+        x.reduce("gpu", mesh=root.ref)
+
+
 def test_reduce_scatter(mesh):
     b = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)  # rank i holds b[i] (2, 3)
     x = meshd.tensor(b, shard="gpu")
