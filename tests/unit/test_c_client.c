@@ -240,7 +240,8 @@ Test(c_client, upload_streams_borrows_to_mesh_drop_release) {
   cr_assert_eq(meshd_session_create_mesh(s, dims, two, 1, &m2), MESHD_E_OK);
   cr_assert_eq(meshd_session_create_mesh(s, dims, one, 1, &m1), MESHD_E_OK);
 
-  /* 2.5 MiB of float32, so the upload takes three messages. */
+  /* 2.5 MiB of float32: three messages through the server, two to each agent on the
+   * direct path (auto takes it here). */
   size_t n = 5 * (1u << 17);
   float *data = malloc(n * sizeof *data);
   cr_assert_not_null(data);
