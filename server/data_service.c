@@ -164,7 +164,7 @@ static bool proxy_refused(data_service_t *ds, rpc_call_t *call, const char *meth
   if (ds->path != DATA_PATH_DIRECT) return false;
   rpc_call_finish(call, GRPC_STATUS_FAILED_PRECONDITION, NULL,
                   "%s: the server's --data-path is direct: move the bytes with PlanTransfer "
-                  "(the Python client does with data_path=\"auto\" or \"direct\")", method);
+                  "(the Python, C and Node clients do with their data path auto or direct)", method);
   return true;
 }
 

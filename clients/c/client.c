@@ -11,6 +11,7 @@
 #include <time.h>
 
 #include "conn.h"
+#include "direct.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
@@ -21,6 +22,7 @@
 struct meshd_client {
   rpc_channel_t *ch;
   int timeout_ms;
+  bool tls;
   char *bearer;   /* "Bearer TOKEN", or NULL; wiped before it is freed */
   rpc_md_t md[1]; /* sent on every call: authorization (when there is a token) */
   size_t nmd;
@@ -166,6 +168,7 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
     goto nomem;
   }
   c->timeout_ms = o->timeout_ms;
+  c->tls = tls.on;
   set_error(c, MESHD_E_OK, 0, NULL, "%s", "");
   if (o->token && *o->token) {
     size_t n = strlen("Bearer ") + strlen(o->token) + 1;
@@ -548,6 +551,7 @@ struct meshd_session {
   pthread_cond_t ka_cv; /* CLOCK_MONOTONIC */
   bool ka_stop;
   int ka_period_ms;
+  direct_t *direct; /* the data path's state (direct.h) */
 };
 
 static void deadline_in(struct timespec *ts, int ms) {
@@ -602,6 +606,7 @@ static void session_free(meshd_session_t *s) {
     pthread_cond_destroy(&s->ka_cv);
     pthread_mutex_destroy(&s->ka_mu);
   }
+  direct_free(s->direct);
   free(s->id);
   free(s->token);
   free(s);
@@ -648,8 +653,9 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
   if (s) {
     s->id = dup_str(reply->session_id);
     s->token = dup_str(reply->token);
+    s->direct = direct_create();
   }
-  if (!s || !s->id || !s->token) {
+  if (!s || !s->id || !s->token || !s->direct) {
     if (s) {
       session_free(s);
       s = NULL;
@@ -1113,30 +1119,68 @@ meshd_err_t meshd_session_drop_borrow(meshd_session_t *s, meshd_ref_t borrow) {
 
 #define UPLOAD_CHUNK (1u << 20)
 
-meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
-                                 const int64_t *shape, size_t ndim, const void *data,
-                                 size_t bytes, meshd_ref_t *out) {
+const char *meshd_data_path_name(meshd_data_path_t path) {
+  switch (path) {
+  case MESHD_DATA_PATH_AUTO:
+    return "auto";
+  case MESHD_DATA_PATH_DIRECT:
+    return "direct";
+  case MESHD_DATA_PATH_PROXY:
+    return "proxy";
+  }
+  return "unknown";
+}
+
+meshd_err_t meshd_data_path_parse(const char *name, meshd_data_path_t *out) {
+  static const meshd_data_path_t all[] = {MESHD_DATA_PATH_AUTO, MESHD_DATA_PATH_DIRECT,
+                                          MESHD_DATA_PATH_PROXY};
+  for (size_t i = 0; name && out && i < sizeof all / sizeof all[0]; i++)
+    if (strcmp(name, meshd_data_path_name(all[i])) == 0) {
+      *out = all[i];
+      return MESHD_E_OK;
+    }
+  return MESHD_E_INVALID;
+}
+
+meshd_err_t meshd_session_set_data_path(meshd_session_t *s, meshd_data_path_t path) {
   if (!s)
     return MESHD_E_INVALID;
-  if (!check_out(s, out, "meshd_session_upload"))
-    return MESHD_E_INVALID;
-  int dt = dtype ? dtype_by_name(dtype) : 0;
-  if (!dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
+  if (path != MESHD_DATA_PATH_AUTO && path != MESHD_DATA_PATH_DIRECT &&
+      path != MESHD_DATA_PATH_PROXY) {
     set_error(s->client, MESHD_E_INVALID, 0, NULL,
-              "meshd_session_upload: need a known dtype (got '%s'), at most 16 dims with a shape, "
-              "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
+              "meshd_session_set_data_path: %d is not a data path (expected "
+              "MESHD_DATA_PATH_AUTO, _DIRECT or _PROXY)", (int)path);
     return MESHD_E_INVALID;
   }
-  Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
-  h.ref = s->next_ref;
-  h.mesh = mesh;
-  h.shape = (int64_t *)shape;
-  h.n_shape = ndim;
-  h.dtype = (Meshd__V1__DType)dt;
-  h.total_bytes = bytes;
+  direct_set_mode(s->direct, path);
+  return MESHD_E_OK;
+}
+
+meshd_err_t meshd_session_transfer_stats(const meshd_session_t *s, meshd_transfer_stats_t *out) {
+  if (!s || !out)
+    return MESHD_E_INVALID;
+  direct_stats(s->direct, out);
+  return MESHD_E_OK;
+}
+
+/* What direct.c needs of the session. */
+static direct_session_t session_view(const meshd_session_t *s, int timeout_ms) {
+  return (direct_session_t){.ch = s->client->ch, .md = s->md, .nmd = s->nmd, .id = s->id,
+                            .timeout_ms = timeout_ms > 0 ? timeout_ms : s->client->timeout_ms,
+                            .tls = s->client->tls};
+}
+
+static meshd_err_t record(meshd_client_t *c, const direct_err_t *e) {
+  set_error(c, e->err, e->code, e->kind, "%s", e->msg);
+  return e->err;
+}
+
+/* The proxied Upload of header h. */
+static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, const void *data,
+                                size_t bytes) {
   Meshd__V1__UploadChunk first = MESHD__V1__UPLOAD_CHUNK__INIT;
   first.part_case = MESHD__V1__UPLOAD_CHUNK__PART_HEADER;
-  first.header = &h;
+  first.header = h;
   int timeout_ms = s->client->timeout_ms;
   rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Upload", s->md, s->nmd, timeout_ms);
   if (!st) {
@@ -1165,9 +1209,60 @@ meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const cha
     ret = MESHD_E_RPC;
   }
   rpc_stream_destroy(st);
-  if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
   return ret;
+}
+
+meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
+                                 const int64_t *shape, size_t ndim, const void *data,
+                                 size_t bytes, meshd_ref_t *out) {
+  return meshd_session_upload_with(s, mesh, dtype, shape, ndim, data, bytes, NULL, out);
+}
+
+meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
+                                      const int64_t *shape, size_t ndim, const void *data,
+                                      size_t bytes, const meshd_upload_options_t *opts,
+                                      meshd_ref_t *out) {
+  static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
+  if (!opts)
+    opts = &defaults;
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_upload"))
+    return MESHD_E_INVALID;
+  int dt = dtype ? dtype_by_name(dtype) : 0;
+  if (!dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_upload: need a known dtype (got '%s'), at most 16 dims with a shape, "
+              "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
+    return MESHD_E_INVALID;
+  }
+  Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
+  h.ref = s->next_ref;
+  h.mesh = mesh;
+  h.stream = opts->stream;
+  h.shape = (int64_t *)shape;
+  h.n_shape = ndim;
+  h.dtype = (Meshd__V1__DType)dt;
+  h.per_rank = opts->per_rank;
+  h.total_bytes = bytes;
+  direct_session_t view = session_view(s, 0);
+  direct_err_t e = {0};
+  bool spent = false;
+  direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &e);
+  if (spent) /* the plan claimed the ref, done or not: nothing else may take it */
+    s->next_ref++;
+  if (rc == DIRECT_FAILED)
+    return record(s->client, &e);
+  if (rc == DIRECT_PROXY) {
+    h.ref = s->next_ref;
+    meshd_err_t ret = proxy_upload(s, &h, data, bytes);
+    if (ret != MESHD_E_OK)
+      return ret;
+    direct_count_proxy(s->direct, true);
+    s->next_ref++;
+  }
+  *out = h.ref;
+  return MESHD_E_OK;
 }
 
 meshd_err_t meshd_session_sync_timeout(meshd_session_t *s, int timeout_ms) {
@@ -1234,6 +1329,200 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   return meshd_session_fetch_with(s, tensor, dims, index, ncoords, &o, out);
 }
 
+/* The proxied Fetch of one local tensor into sink. */
+static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *req,
+                            const direct_sink_t *k, int timeout_ms, direct_err_t *e) {
+  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
+  if (!st) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: cannot open the call");
+    return;
+  }
+  bool have_meta = false, stop = false;
+  uint64_t want = 0, got = 0;
+  if (rpc_stream_write(st, &req->base, true) == 0) {
+    while (!stop) {
+      ProtobufCMessage *m = NULL;
+      int r = rpc_stream_read(st, &meshd__v1__fetch_chunk__descriptor, &m, timeout_ms);
+      if (r <= 0) {
+        if (r < 0) {
+          rpc_stream_cancel(st);
+          if (r == -2)
+            direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED,
+                           "DEADLINE_EXCEEDED", "Fetch: no answer within %d ms", timeout_ms);
+          else
+            direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                           "Fetch: the server sent a message that is not a FetchChunk");
+        }
+        break;
+      }
+      const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
+      if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
+        have_meta = true;
+        want = direct_dtype_bytes(ch->meta->dtype);
+        for (size_t i = 0; i < ch->meta->n_shape; i++)
+          want *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
+        stop = k->begin(k->arg, ch->meta, e) != 0;
+      } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA && ch->data.len) {
+        if (!have_meta || got + ch->data.len > want) {
+          direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: %s",
+                         have_meta ? "more bytes than the TensorMeta describes"
+                                   : "data before the TensorMeta");
+          stop = true;
+        } else {
+          stop = k->data(k->arg, ch->data.data, ch->data.len, e) != 0;
+          got += ch->data.len;
+        }
+      }
+      protobuf_c_message_free_unpacked(m, NULL);
+      if (stop)
+        rpc_stream_cancel(st);
+    }
+  }
+  rpc_status_t rs;
+  memset(&rs, 0, sizeof rs);
+  grpc_status_code code = rpc_stream_finish(st, &rs);
+  rpc_stream_destroy(st);
+  if (e->err != MESHD_E_OK)
+    return;
+  if (code != GRPC_STATUS_OK) {
+    rs.kind[sizeof rs.kind - 1] = '\0';
+    rs.message[sizeof rs.message - 1] = '\0';
+    direct_err_status(e, &rs, "");
+  } else if (!have_meta) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: no metadata in the reply");
+  } else if (got != want) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "Fetch: got %llu bytes where the TensorMeta needs %llu",
+                   (unsigned long long)got, (unsigned long long)want);
+  }
+}
+
+typedef struct {
+  meshd_session_t *s;
+  const Meshd__V1__FetchRequest *const *reqs;
+  const direct_sink_t *sinks;
+  int timeout_ms;
+  direct_err_t *errs;
+} proxy_fetch_t;
+
+static void proxy_fetch_job(void *arg, size_t i) {
+  proxy_fetch_t *f = arg;
+  proxy_fetch_one(f->s, f->reqs[i], &f->sinks[i], f->timeout_ms, &f->errs[i]);
+}
+
+/* n local tensors into their sinks by the session's data path, in parallel;
+ * the first failure is recorded on the client. */
+static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest *const *reqs,
+                               const direct_sink_t *sinks, size_t n, int timeout_ms) {
+  if (timeout_ms <= 0)
+    timeout_ms = s->client->timeout_ms;
+  direct_session_t view = session_view(s, timeout_ms);
+  direct_err_t e = {0};
+  int64_t end = rpc_now_ms() + timeout_ms;
+  direct_rc_t rc = direct_fetch(s->direct, &view, reqs, sinks, n, end, &e);
+  if (rc == DIRECT_PROXY) {
+    int64_t left = end - rpc_now_ms(); /* one deadline for the whole fetch */
+    timeout_ms = left < 1 ? 1 : (int)left;
+    direct_err_t *errs = calloc(n, sizeof *errs);
+    if (!errs) {
+      set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
+      return MESHD_E_NOMEM;
+    }
+    /* The sinks are untouched: direct_fetch begins them only once it cannot fall back. */
+    proxy_fetch_t f = {s, reqs, sinks, timeout_ms, errs};
+    if (direct_parallel(n, proxy_fetch_job, &f) != 0)
+      direct_err_set(&e, MESHD_E_NOMEM, 0, NULL, "Fetch: cannot start a thread per part");
+    for (size_t i = 0; i < n && e.err == MESHD_E_OK; i++)
+      e = errs[i];
+    free(errs);
+    if (e.err == MESHD_E_OK)
+      for (size_t i = 0; i < n; i++)
+        direct_count_proxy(s->direct, false);
+  }
+  return e.err == MESHD_E_OK ? MESHD_E_OK : record(s->client, &e);
+}
+
+/* The coordinates of a fetch as a FetchRequest (co, pco: 16 each). */
+static bool fetch_request(meshd_session_t *s, meshd_ref_t tensor, const char *const *dims,
+                          const int64_t *index, size_t ncoords, Meshd__V1__Coordinate *co,
+                          Meshd__V1__Coordinate **pco, Meshd__V1__FetchRequest *req) {
+  if (ncoords > 16 || (ncoords > 0 && (!dims || !index))) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_fetch: need at most 16 coordinates with dims and indexes");
+    return false;
+  }
+  for (size_t i = 0; i < ncoords; i++) {
+    meshd__v1__coordinate__init(&co[i]);
+    co[i].dim = (char *)dims[i];
+    co[i].index = index[i];
+    pco[i] = &co[i];
+  }
+  meshd__v1__fetch_request__init(req);
+  req->ref = tensor;
+  req->n_coords = ncoords;
+  req->coords = pco;
+  return true;
+}
+
+/* meshd_session_fetch's sink: converts to float64 as the bytes come. */
+typedef struct {
+  meshd_values_t *out;
+  const meshd_fetch_options_t *opts;
+  int dtype;
+  size_t es;
+  uint64_t total, done;
+  uint8_t carry[8]; /* an element split between two pieces */
+  size_t ncarry;
+} values_sink_t;
+
+static int values_begin(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e) {
+  values_sink_t *v = arg;
+  v->dtype = meta->dtype;
+  v->es = dtype_size(meta->dtype);
+  if (v->es == 0) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: unsupported dtype");
+    return -1;
+  }
+  v->total = v->es;
+  for (size_t i = 0; i < meta->n_shape; i++)
+    v->total *= meta->shape[i] > 0 ? (uint64_t)meta->shape[i] : 0;
+  if (meta->n_shape > 0) {
+    v->out->shape = malloc(meta->n_shape * sizeof *v->out->shape);
+    if (!v->out->shape)
+      goto nomem;
+    memcpy(v->out->shape, meta->shape, meta->n_shape * sizeof *v->out->shape);
+    v->out->ndim = meta->n_shape;
+  }
+  if (v->total > 0 && !(v->out->values = malloc(v->total / v->es * sizeof *v->out->values)))
+    goto nomem;
+  return 0;
+nomem:
+  direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
+  return -1;
+}
+
+static int values_data(void *arg, const uint8_t *p, size_t n, direct_err_t *e) {
+  (void)e;
+  values_sink_t *v = arg;
+  v->done += n;
+  while (n > 0 && v->ncarry > 0) { /* finish the split element first */
+    v->carry[v->ncarry++] = *p++;
+    n--;
+    if (v->ncarry == v->es) {
+      v->out->values[v->out->n++] = load_value(v->dtype, v->carry);
+      v->ncarry = 0;
+    }
+  }
+  size_t whole = n / v->es;
+  for (size_t i = 0; i < whole; i++)
+    v->out->values[v->out->n++] = load_value(v->dtype, p + i * v->es);
+  memcpy(v->carry, p + whole * v->es, n - whole * v->es);
+  v->ncarry = n - whole * v->es;
+  if (v->opts->progress && v->done < v->total)
+    v->opts->progress(v->opts->progress_user, v->done, v->total);
+  return 0;
+}
+
 meshd_err_t meshd_session_fetch_with(meshd_session_t *s, meshd_ref_t tensor,
                                      const char *const *dims, const int64_t *index,
                                      size_t ncoords, const meshd_fetch_options_t *opts,
@@ -1241,135 +1530,106 @@ meshd_err_t meshd_session_fetch_with(meshd_session_t *s, meshd_ref_t tensor,
   static const meshd_fetch_options_t defaults = MESHD_FETCH_OPTIONS_INIT;
   if (!opts)
     opts = &defaults;
-  int timeout_ms = opts->timeout_ms;
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, out, "meshd_session_fetch"))
     return MESHD_E_INVALID;
   memset(out, 0, sizeof *out);
-  if (ncoords > 16 || (ncoords > 0 && (!dims || !index))) {
-    set_error(s->client, MESHD_E_INVALID, 0, NULL,
-              "meshd_session_fetch: need at most 16 coordinates with dims and indexes");
-    return MESHD_E_INVALID;
-  }
   Meshd__V1__Coordinate co[16];
   Meshd__V1__Coordinate *pco[16];
-  for (size_t i = 0; i < ncoords; i++) {
-    meshd__v1__coordinate__init(&co[i]);
-    co[i].dim = (char *)dims[i];
-    co[i].index = index[i];
-    pco[i] = &co[i];
-  }
-  Meshd__V1__FetchRequest req = MESHD__V1__FETCH_REQUEST__INIT;
-  req.ref = tensor;
-  req.n_coords = ncoords;
-  req.coords = pco;
-
-  meshd_err_t ret = MESHD_E_OK;
-  uint8_t *bytes = NULL;
-  size_t nbytes = 0, cap = 0;
-  int dtype = 0;
-  bool have_meta = false;
-  uint64_t total = 0; /* bytes, from the meta: for progress */
-  if (timeout_ms <= 0)
-    timeout_ms = s->client->timeout_ms;
-  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
-  if (!st) {
-    set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: cannot open the call");
-    return MESHD_E_RPC;
-  }
-  if (rpc_stream_write(st, &req.base, true) == 0) {
-    for (;;) {
-      ProtobufCMessage *m = NULL;
-      int r = rpc_stream_read(st, &meshd__v1__fetch_chunk__descriptor, &m, timeout_ms);
-      if (r <= 0) {
-        if (r < 0) {
-          rpc_stream_cancel(st);
-          if (ret == MESHD_E_OK && r == -2) {
-            set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED,
-                      "DEADLINE_EXCEEDED", "Fetch: no answer within %d ms", timeout_ms);
-            ret = MESHD_E_DEADLINE;
-          } else if (ret == MESHD_E_OK) {
-            set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                      "Fetch: the server sent a message that is not a FetchChunk");
-            ret = MESHD_E_RPC;
-          }
-        }
-        break;
-      }
-      const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
-      if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
-        have_meta = true;
-        dtype = ch->meta->dtype;
-        total = dtype_size(dtype);
-        for (size_t i = 0; i < ch->meta->n_shape; i++)
-          total *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
-        if (ch->meta->n_shape > 0) {
-          out->shape = malloc(ch->meta->n_shape * sizeof *out->shape);
-          if (out->shape) {
-            memcpy(out->shape, ch->meta->shape, ch->meta->n_shape * sizeof *out->shape);
-            out->ndim = ch->meta->n_shape;
-          } else if (ret == MESHD_E_OK) {
-            set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
-            ret = MESHD_E_NOMEM;
-          }
-        }
-      } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA && ret == MESHD_E_OK) {
-        if (nbytes + ch->data.len > cap) {
-          size_t ncap = (cap ? cap * 2 : 4096);
-          while (ncap < nbytes + ch->data.len)
-            ncap *= 2;
-          uint8_t *nb = realloc(bytes, ncap);
-          if (!nb) {
-            set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
-            ret = MESHD_E_NOMEM;
-          } else {
-            bytes = nb;
-            cap = ncap;
-          }
-        }
-        if (ret == MESHD_E_OK && ch->data.len > 0) {
-          memcpy(bytes + nbytes, ch->data.data, ch->data.len);
-          nbytes += ch->data.len;
-          if (opts->progress && nbytes < total)
-            opts->progress(opts->progress_user, nbytes, total);
-        }
-      }
-      protobuf_c_message_free_unpacked(m, NULL);
-    }
-  }
-  rpc_status_t rs;
-  memset(&rs, 0, sizeof rs);
-  grpc_status_code code = rpc_stream_finish(st, &rs);
-  rpc_stream_destroy(st);
-  if (ret == MESHD_E_OK && code != GRPC_STATUS_OK) {
-    rs.kind[sizeof rs.kind - 1] = '\0';
-    rs.message[sizeof rs.message - 1] = '\0';
-    ret = set_status(s->client, code, rs.kind, rs.message);
-  }
-  size_t es = dtype_size(dtype);
-  if (ret == MESHD_E_OK && (!have_meta || es == 0 || nbytes % es != 0)) {
-    set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-              "Fetch: %s", !have_meta ? "no metadata in the reply"
-                           : es == 0  ? "unsupported dtype"
-                                      : "data is not a whole number of elements");
-    ret = MESHD_E_RPC;
-  }
-  if (ret == MESHD_E_OK && nbytes > 0) {
-    out->values = malloc(nbytes / es * sizeof *out->values);
-    if (!out->values) {
-      set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
-      ret = MESHD_E_NOMEM;
-    } else {
-      out->n = nbytes / es;
-      for (size_t i = 0; i < out->n; i++)
-        out->values[i] = load_value(dtype, bytes + i * es);
-    }
-  }
-  free(bytes);
+  Meshd__V1__FetchRequest req;
+  if (!fetch_request(s, tensor, dims, index, ncoords, co, pco, &req))
+    return MESHD_E_INVALID;
+  values_sink_t v = {.out = out, .opts = opts};
+  direct_sink_t k = {values_begin, values_data, &v};
+  const Meshd__V1__FetchRequest *reqs[1] = {&req};
+  meshd_err_t ret = fetch_parts(s, reqs, &k, 1, opts->timeout_ms);
   if (ret != MESHD_E_OK)
     meshd_values_free(out);
   else if (opts->progress)
-    opts->progress(opts->progress_user, nbytes, nbytes);
+    opts->progress(opts->progress_user, v.total, v.total);
+  return ret;
+}
+
+/* meshd_session_fetch_bytes's sink: the bytes into the part's buffer. */
+typedef struct {
+  meshd_fetch_part_t *part;
+  size_t rank_hint; /* the part's index, for messages */
+} bytes_sink_t;
+
+static int bytes_begin(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e) {
+  bytes_sink_t *b = arg;
+  uint64_t total = direct_dtype_bytes(meta->dtype);
+  if (total == 0) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: unsupported dtype %d",
+                   meta->dtype);
+    return -1;
+  }
+  for (size_t i = 0; i < meta->n_shape; i++)
+    total *= meta->shape[i] > 0 ? (uint64_t)meta->shape[i] : 0;
+  if (total > b->part->cap) {
+    direct_err_set(e, MESHD_E_INVALID, 0, NULL,
+                   "meshd_session_fetch_bytes: part %zu's local tensor is %llu bytes, its buffer "
+                   "holds %zu", b->rank_hint, (unsigned long long)total, b->part->cap);
+    return -1;
+  }
+  return 0;
+}
+
+static int bytes_data(void *arg, const uint8_t *p, size_t n, direct_err_t *e) {
+  (void)e;
+  bytes_sink_t *b = arg;
+  memcpy((uint8_t *)b->part->buf + b->part->nbytes, p, n); /* begin checked the size */
+  b->part->nbytes += n;
+  return 0;
+}
+
+meshd_err_t meshd_session_fetch_bytes(meshd_session_t *s, meshd_ref_t tensor,
+                                      meshd_fetch_part_t *parts, size_t nparts,
+                                      const meshd_fetch_options_t *opts) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!parts || nparts == 0 || nparts > 1024) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_fetch_bytes: need 1 to 1024 parts (got %zu%s)", nparts,
+              parts ? "" : ", parts is NULL");
+    return MESHD_E_INVALID;
+  }
+  meshd_err_t ret = MESHD_E_NOMEM;
+  Meshd__V1__Coordinate(*co)[16] = calloc(nparts, sizeof *co);
+  Meshd__V1__Coordinate *(*pco)[16] = calloc(nparts, sizeof *pco);
+  Meshd__V1__FetchRequest *req = calloc(nparts, sizeof *req);
+  const Meshd__V1__FetchRequest **reqs = calloc(nparts, sizeof *reqs);
+  bytes_sink_t *b = calloc(nparts, sizeof *b);
+  direct_sink_t *k = calloc(nparts, sizeof *k);
+  if (!co || !pco || !req || !reqs || !b || !k) {
+    set_error(s->client, MESHD_E_NOMEM, 0, NULL, "meshd_session_fetch_bytes: out of memory");
+    goto out;
+  }
+  for (size_t i = 0; i < nparts; i++) {
+    parts[i].nbytes = 0;
+    if (!parts[i].buf && parts[i].cap) {
+      set_error(s->client, MESHD_E_INVALID, 0, NULL,
+                "meshd_session_fetch_bytes: part %zu has cap %zu and no buf", i, parts[i].cap);
+      ret = MESHD_E_INVALID;
+      goto out;
+    }
+    if (!fetch_request(s, tensor, parts[i].dims, parts[i].index, parts[i].ncoords, co[i], pco[i],
+                       &req[i])) {
+      ret = MESHD_E_INVALID;
+      goto out;
+    }
+    reqs[i] = &req[i];
+    b[i] = (bytes_sink_t){&parts[i], i};
+    k[i] = (direct_sink_t){bytes_begin, bytes_data, &b[i]};
+  }
+  ret = fetch_parts(s, reqs, k, nparts, opts ? opts->timeout_ms : 0);
+out:
+  free(co);
+  free(pco);
+  free(req);
+  free(reqs);
+  free(b);
+  free(k);
   return ret;
 }

@@ -36,7 +36,7 @@ enum {
 
 #define SYNOPSIS "[--server ADDR] [--timeout-ms MS] [--token T | --token-file F] [--tls] " \
                  "[--tls-ca F] [--tls-cert F --tls-key F] [--output json|table] " \
-                 "[--progress=true|false] [--version] COMMAND [ARGS]"
+                 "[--progress=true|false] [--data-path MODE] [--version] COMMAND [ARGS]"
 
 static const char *server;
 static int64_t timeout_ms;
@@ -55,6 +55,7 @@ static const char *watch_flag_given;       /* the first of --watch, --interval, 
  * first failure, added to it as "error". */
 static json_object *doc;
 static json_object *doc_error;
+static meshd_data_path_t data_path; /* run's session */
 
 /* ------------------------------------------------------------------ flags */
 
@@ -87,6 +88,7 @@ enum {
   FLAG_WATCH,
   FLAG_INTERVAL,
   FLAG_COUNT,
+  FLAG_DATA_PATH,
   NFLAGS
 };
 static const flag_t flags[NFLAGS] = {
@@ -129,6 +131,9 @@ static const flag_t flags[NFLAGS] = {
                        false},
     [FLAG_COUNT] = {"count", "N", NULL, "0",
                     "sessions --watch: stop after N frames (0: at Ctrl-C)", false},
+    [FLAG_DATA_PATH] = {"data-path", "MODE", "MESHD_DATA_PATH", "auto",
+                        "how run's tensor bytes travel: auto (straight to the agents when "
+                        "they answer, else through the server), direct or proxy", false},
 };
 #define TIMEOUT_MS_MIN 1
 #define TIMEOUT_MS_MAX 3600000
@@ -372,6 +377,11 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
   for (int f = FLAG_WATCH; f <= FLAG_COUNT && !watch_flag_given; f++)
     if (given[f])
       watch_flag_given = flags[f].name;
+  text = flag_value(FLAG_DATA_PATH, given[FLAG_DATA_PATH], who, sizeof who);
+  if (meshd_data_path_parse(text, &data_path) != MESHD_E_OK) {
+    snprintf(err, errlen, "%s: expected auto, direct or proxy, got '%s'", who, text);
+    return -1;
+  }
   return set_security(given, err, errlen);
 }
 
@@ -1317,6 +1327,7 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
   if (!sc.s) {
     r = report(c, "cannot open a session", e);
   } else {
+    meshd_session_set_data_path(sc.s, data_path);
     char line[4096];
     for (long lineno = 1; fgets(line, sizeof line, f); lineno++) {
       size_t len = strlen(line);

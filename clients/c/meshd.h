@@ -349,13 +349,74 @@ MESHD_API meshd_err_t meshd_session_reduce_onto(meshd_session_t *session, meshd_
 MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char *name,
                                            meshd_ref_t *out);
 
+/* How tensor bytes travel (docs/protocol.md, Direct data path):
+ *   AUTO   straight between the caller and the agents when the server offers it
+ *          (PlanTransfer), the session is not over TLS (agents are reached in
+ *          plaintext, their grant authenticating each call) and every agent a
+ *          transfer needs connects within 1 s; else through the server. An
+ *          agent that did not connect is not tried again for 30 s; a server
+ *          that refused PlanTransfer (--data-path=proxy) is not asked again.
+ *   DIRECT always straight to the agents: fails (MESHD_E_RPC, UNAVAILABLE,
+ *          naming the rank and address) when an agent does not connect, and
+ *          with the server's FAILED_PRECONDITION under --data-path=proxy.
+ *   PROXY  always through the server (Upload, Fetch).
+ * Shards move in parallel, one thread each; memory stays bounded: uploads
+ * stream from the caller's buffer, fetches write into the result. */
+typedef enum {
+  MESHD_DATA_PATH_AUTO,
+  MESHD_DATA_PATH_DIRECT,
+  MESHD_DATA_PATH_PROXY,
+} meshd_data_path_t;
+
+/* "auto", "direct", "proxy"; "unknown" outside the enum. Static. */
+MESHD_API const char *meshd_data_path_name(meshd_data_path_t path);
+
+/* Parses "auto", "direct" or "proxy" into *out; MESHD_E_INVALID for anything else. */
+MESHD_API meshd_err_t meshd_data_path_parse(const char *name, meshd_data_path_t *out);
+
+/* Sets the session's data path for its later uploads and fetches (a new
+ * session: AUTO). Forcing a mode also forgets a past unreachable agent. */
+MESHD_API meshd_err_t meshd_session_set_data_path(meshd_session_t *session,
+                                                  meshd_data_path_t path);
+
+/* What a session's transfers did, since it opened. */
+typedef struct meshd_transfer_stats {
+  uint64_t direct_uploads, direct_fetches; /* straight between client and agents */
+  uint64_t proxy_uploads, proxy_fetches;   /* through the server */
+  uint64_t fallbacks;                      /* AUTO transfers that went through the server
+                                              for a reason other than a PROXY setting */
+  char last_fallback[256];                 /* the last one's reason; "" if none */
+} meshd_transfer_stats_t;
+
+/* Copies the session's counters into *out. MESHD_E_INVALID for NULLs. */
+MESHD_API meshd_err_t meshd_session_transfer_stats(const meshd_session_t *session,
+                                                   meshd_transfer_stats_t *out);
+
 /* Upload: `bytes` bytes of `dtype` ("float32", "int64", ...) with `shape` (ndim
  * sizes), the same on every rank of `mesh` (on the default stream). The bytes
- * stream through the server in 1 MiB messages; the call returns once every
- * rank holds them. *out gets the tensor's ref. */
+ * go by the session's data path (meshd_session_set_data_path): straight to
+ * every agent at once, or through the server in 1 MiB messages; the call
+ * returns once every rank holds them. *out gets the tensor's ref. */
 MESHD_API meshd_err_t meshd_session_upload(meshd_session_t *session, meshd_ref_t mesh,
                                            const char *dtype, const int64_t *shape, size_t ndim,
                                            const void *data, size_t bytes, meshd_ref_t *out);
+
+/* Options of meshd_session_upload_with; start from MESHD_UPLOAD_OPTIONS_INIT. */
+typedef struct meshd_upload_options {
+  bool per_rank;      /* data holds one local tensor of `shape` per rank of the mesh, in
+                         rank order (bytes = that many local tensors); else every rank
+                         gets all of data */
+  meshd_ref_t stream; /* 0: the default stream */
+} meshd_upload_options_t;
+
+#define MESHD_UPLOAD_OPTIONS_INIT {false, 0}
+
+/* meshd_session_upload with options (NULL: MESHD_UPLOAD_OPTIONS_INIT). */
+MESHD_API meshd_err_t meshd_session_upload_with(meshd_session_t *session, meshd_ref_t mesh,
+                                                const char *dtype, const int64_t *shape,
+                                                size_t ndim, const void *data, size_t bytes,
+                                                const meshd_upload_options_t *opts,
+                                                meshd_ref_t *out);
 
 /* Drop (Monarch's drop): frees each tensor's storage, every alias of it. */
 MESHD_API meshd_err_t meshd_session_drop(meshd_session_t *session, const meshd_ref_t *refs,
@@ -434,6 +495,27 @@ MESHD_API meshd_err_t meshd_session_fetch_with(meshd_session_t *session, meshd_r
                                                const char *const *dims, const int64_t *index,
                                                size_t ncoords, const meshd_fetch_options_t *opts,
                                                meshd_values_t *out);
+
+/* One local tensor of meshd_session_fetch_bytes: the rank at dims[i] =
+ * index[i] (ncoords of them), its bytes (row-major, in the tensor's dtype) into
+ * buf, which holds cap bytes. */
+typedef struct meshd_fetch_part {
+  const char *const *dims;
+  const int64_t *index;
+  size_t ncoords;
+  void *buf;
+  size_t cap;
+  size_t nbytes; /* out: the local tensor's size in bytes, written to buf */
+} meshd_fetch_part_t;
+
+/* Fetches `tensor` from nparts ranks at once (one thread each), each straight
+ * into its part's buffer, by the session's data path. opts (NULL: defaults):
+ * its timeout_ms bounds each call; progress is not called. A local tensor
+ * larger than its part's cap is MESHD_E_INVALID naming both sizes. On failure
+ * the buffers hold partial bytes and the error names the rank at fault. */
+MESHD_API meshd_err_t meshd_session_fetch_bytes(meshd_session_t *session, meshd_ref_t tensor,
+                                                meshd_fetch_part_t *parts, size_t nparts,
+                                                const meshd_fetch_options_t *opts);
 
 /* Frees what meshd_session_fetch put in *v and zeroes it. NULL is ignored. */
 MESHD_API void meshd_values_free(meshd_values_t *v);

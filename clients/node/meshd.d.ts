@@ -295,6 +295,35 @@ export interface ResolvedSecurity {
 /** The channel credentials, channel options and base metadata of connect()'s options; throws on bad ones. */
 export function resolveSecurity(addr: string, options?: SecurityOptions): ResolvedSecurity;
 
+/**
+ * How upload and fetch bytes travel (docs/protocol.md, Direct data path): 'auto' straight
+ * between this process and the agents when the server offers it (PlanTransfer), the
+ * session is not over TLS and the agents connect within DIRECT_CONNECT_MS, else through
+ * the server; 'direct' always straight (fails when it cannot: UNAVAILABLE naming the
+ * rank); 'proxy' always through the server (Upload, Fetch).
+ */
+export type DataPath = 'auto' | 'direct' | 'proxy';
+
+/** The data paths, in that order. */
+export const DATA_PATHS: readonly DataPath[];
+
+/** How long (ms) an agent may take to accept a connection before auto uses the proxy. */
+export const DIRECT_CONNECT_MS: number;
+
+/** What a session's transfers did since it opened. */
+export interface TransferStats {
+  /** straight between this process and the agents */
+  directUploads: number;
+  directFetches: number;
+  /** through the server */
+  proxyUploads: number;
+  proxyFetches: number;
+  /** auto transfers that went through the server for a reason (not a 'proxy' setting) */
+  fallbacks: number;
+  /** the last one's reason; '' if none */
+  lastFallback: string;
+}
+
 export interface ConnectOptions extends SecurityOptions {
   /** default 'meshd-node' */
   clientName?: string;
@@ -304,8 +333,10 @@ export interface ConnectOptions extends SecurityOptions {
   quotaBytes?: number;
   /** every call's deadline unless given per call (default 60000) */
   timeoutMs?: number;
-  /** tensor_service.proto (default: protoPath()) */
+  /** tensor_service.proto (default: protoPath()); agent.proto is found beside its api/ folder */
   protoPath?: string;
+  /** default 'auto'; a RangeError for anything else */
+  dataPath?: DataPath;
 }
 
 /** Connects to `addr` (host:port or a gRPC target) and creates a session. */
@@ -320,7 +351,7 @@ export type TensorServiceClient = InstanceType<grpc.ServiceClientConstructor>;
 export class Session {
   /** Used by connect(); baseMd is copied, then carries the session's id and token. */
   constructor(client: TensorServiceClient, reply: CreateSessionReply, timeoutMs: number,
-    baseMd?: grpc.Metadata, options?: { tls?: boolean });
+    baseMd?: grpc.Metadata, options?: { tls?: boolean; dataPath?: DataPath; protoFile?: string });
 
   client: TensorServiceClient;
   id: string;
@@ -334,9 +365,15 @@ export class Session {
   /** the last command's seq */
   seq: number;
   closed: boolean;
+  /** how upload and fetch move bytes; change with setDataPath() */
+  readonly dataPath: DataPath;
+  /** counters of the session's transfers by path */
+  readonly transferStats: TransferStats;
   keepAliveTimer: NodeJS.Timeout;
   keepAlivePeriodMs: number;
 
+  /** Sets the data path of later transfers (forcing one forgets an unreachable agent); a RangeError for an unknown one. */
+  setDataPath(mode: DataPath): void;
   /** Starts the unref'd KeepAlive timer (the constructor does). */
   startKeepAlive(): void;
   /** Stops it (close() does). */
@@ -380,13 +417,14 @@ export class Session {
   sync(options?: CallOptions): Promise<void>;
   /**
    * Uploads `data` as the same tensor of `shape` on every rank of `mesh`; with perRank,
-   * one local tensor of `shape` per rank, in rank order. Throws (synchronously) a TypeError
-   * for an array of no meshd dtype.
+   * one local tensor of `shape` per rank, in rank order. The bytes go by dataPath, all
+   * shards at once. Throws (synchronously) a TypeError for an array of no meshd dtype.
    */
   upload(mesh: Ref, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
   /**
    * The local tensor at the rank named by coords (an index for every mesh dim: {gpu: 1})
-   * as a typed array by dtype, with .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs.
+   * as a typed array by dtype, with .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs
+   * (one deadline for the whole fetch, a fallback to the proxy included).
    */
   fetch(ref: Ref, coords?: Record<string, number>, options?: CallOptions): Promise<Fetched>;
   /** Closes the session and its channel; a second call does nothing. */

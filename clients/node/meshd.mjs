@@ -32,6 +32,15 @@
 //
 //   const s = await connect('meshd.example:50051', { token, rootCerts: 'ca.pem' });
 //
+// Data path (docs/protocol.md, Direct data path): connect(addr, {dataPath}) or
+// session.setDataPath(mode). 'auto' (default) moves upload and fetch bytes straight between
+// this process and the agents (PlanTransfer, then Agent/Write or Agent/Read per shard, all
+// shards at once, then FinishUpload or FinishFetch) when the server offers it, the session
+// is not over TLS (agents are reached in plaintext, a one-time grant authenticating each
+// call) and the agents connect within 1 s; else through the server (Upload, Fetch), the
+// reason counted in session.transferStats. 'direct' always goes straight and fails when it
+// cannot (UNAVAILABLE naming the rank and address); 'proxy' always through the server.
+//
 // While a session is open it sends KeepAlive every third of its ttl (at least every
 // 1 s) from an unref'd timer, so an idle session outlives its ttl and the timer never
 // keeps the process alive; close() stops it, and so does garbage collection of a
@@ -51,6 +60,15 @@ const here = path.dirname(fileURLToPath(import.meta.url));
 const PROTO_REL = path.join('api', 'meshd', 'v1', 'tensor_service.proto');
 const KIND_MD = 'meshd-error-kind';
 const CHUNK = 1 << 20; // Upload data chunk size
+const AGENT_PROTO_REL = path.join('meshd', 'agent', 'v1', 'agent.proto');
+const GRANT_MD = 'meshd-transfer-grant-bin';
+export const DATA_PATHS = Object.freeze(['auto', 'direct', 'proxy']);
+export const DIRECT_CONNECT_MS = 1000; // an agent that does not connect within this...
+const DIRECT_RETRY_MS = 30000; // ...is not tried again (auto) for this long
+// Writes of 2 MiB (half the agents' default 4 MiB message limit), reads of 1 MiB.
+const WRITE_CHUNK = 2 << 20;
+const READ_CHUNK = 1 << 20;
+const ABANDON_MS = 300; // FinishFetch of a fetch given up on
 
 export function protoPath() {
   const candidates = [];
@@ -60,15 +78,55 @@ export function protoPath() {
   throw new Error(`meshd: ${PROTO_REL} not found (tried ${candidates.join(', ')}); set MESHD_SOURCE_DIR`);
 }
 
-let cached;
-function loadService(file) {
-  if (cached && cached.file === file) return cached.svc;
+const cached = {};
+// wide: 64-bit integers decoded as decimal strings (PlanTransfer's transfer ids are
+// random 64-bit values, which a Number would round).
+function loadService(file, wide = false) {
+  const key = wide ? 'wide' : 'narrow';
+  if (cached[key] && cached[key].file === file) return cached[key].svc;
   const def = protoLoader.loadSync(file, {
-    keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true,
+    keepCase: true, longs: wide ? String : Number, enums: String, defaults: true, oneofs: true,
   });
   const svc = grpc.loadPackageDefinition(def).meshd.v1.TensorService;
-  cached = { file, svc };
+  cached[key] = { file, svc };
   return svc;
+}
+
+// meshd.agent.v1.Agent (Read and Write only are open to clients, under a grant), loaded
+// from agent.proto next to tensor_service.proto's api/ folder.
+let agentCached;
+function loadAgentService(tensorProto) {
+  const apiRoot = path.resolve(path.dirname(tensorProto), '..', '..');
+  const file = path.join(apiRoot, AGENT_PROTO_REL);
+  if (agentCached && agentCached.file === file) return agentCached.svc;
+  const def = protoLoader.loadSync(file, {
+    keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true, includeDirs: [apiRoot],
+  });
+  const svc = grpc.loadPackageDefinition(def).meshd.agent.v1.Agent;
+  agentCached = { file, svc };
+  return svc;
+}
+
+// Whether channel becomes READY by `end`; false at once on a failed attempt (refused,
+// reset, a handshake it cannot do), where waitForReady would wait out the time.
+async function connected(channel, end) {
+  const { READY, TRANSIENT_FAILURE, SHUTDOWN } = grpc.connectivityState;
+  let state = channel.getConnectivityState(true);
+  while (state !== READY) {
+    if (state === TRANSIENT_FAILURE || state === SHUTDOWN) return false;
+    const from = state;
+    const changed = await new Promise((resolve) => channel.watchConnectivityState(from, end, (err) => resolve(!err)));
+    if (!changed) return false;
+    state = channel.getConnectivityState(true);
+  }
+  return true;
+}
+
+function checkDataPath(mode) {
+  if (!DATA_PATHS.includes(mode)) {
+    throw new RangeError(`meshd: dataPath must be one of ${DATA_PATHS.join(', ')}, got ${JSON.stringify(mode)}`);
+  }
+  return mode;
 }
 
 // An Error from meshd: .kind is the ErrorKind name without its prefix ("UNKNOWN_OP"),
@@ -133,7 +191,13 @@ const keepAliveTimers = new FinalizationRegistry((stop) => stop());
 export class Session {
   #md; // every call's metadata: authorization (with a token), meshd-session, meshd-token
 
-  constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false } = {}) {
+  #agents = new Map(); // address -> Agent client (direct path), made on first use
+  #refused = false; // the server refused PlanTransfer for its --data-path
+  #offUntil = 0; // auto: no direct try before this (an agent did not connect)
+  #protoFile;
+  #wide; // TensorService on the same channel, 64-bit integers as strings (PlanTransfer)
+
+  constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
     this.id = reply.session_id;
     this.ttlSeconds = reply.ttl_seconds;
@@ -145,7 +209,19 @@ export class Session {
     this.nextRef = 0;
     this.seq = 0;
     this.closed = false;
+    this.dataPath = checkDataPath(dataPath);
+    this.#protoFile = protoFile;
+    this.transferStats = {
+      directUploads: 0, directFetches: 0, proxyUploads: 0, proxyFetches: 0, fallbacks: 0, lastFallback: '',
+    };
     this.startKeepAlive();
+  }
+
+  // 'auto', 'direct' or 'proxy' for later uploads and fetches; forcing a mode also
+  // forgets an agent that did not connect.
+  setDataPath(mode) {
+    this.dataPath = checkDataPath(mode);
+    this.#offUntil = 0;
   }
 
   // The timer holds the session only weakly (the client and metadata it needs are
@@ -190,8 +266,12 @@ export class Session {
 
   // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
   unary(method, request, { timeoutMs } = {}) {
+    return this.#unaryBy(method, request, this.deadline(timeoutMs));
+  }
+
+  #unaryBy(method, request, deadline, client = this.client) {
     return new Promise((resolve, reject) => {
-      this.client[method](request, this.#md, { deadline: this.deadline(timeoutMs) }, (err, reply) => {
+      client[method](request, this.#md, { deadline }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(reply);
       });
@@ -306,18 +386,35 @@ export class Session {
   }
 
   // Uploads a typed array as the same tensor (of `shape`) on every rank of `mesh`; with
-  // perRank, `data` holds one local tensor of `shape` per mesh rank, in rank order.
+  // perRank, `data` holds one local tensor of `shape` per mesh rank, in rank order. The
+  // bytes go by the session's dataPath, straight from `data` (no copy of the whole).
   upload(mesh, shape, data, { stream = 0, perRank = false } = {}) {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: upload takes a Float32Array, Float64Array or integer typed array');
-    const ref = this.newRef();
     const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+    const header = { ref: this.newRef(), mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank,
+      total_bytes: bytes.length };
+    return this.#upload(header, bytes);
+  }
+
+  async #upload(header, bytes) {
+    if (this.#wanted()) {
+      const tensor = await this.#directUpload(header, bytes);
+      if (tensor) return tensor;
+      header = { ...header, ref: this.newRef() }; // a plan claimed the old one
+    }
+    const tensor = await this.#proxyUpload(header, bytes);
+    this.transferStats.proxyUploads += 1;
+    return tensor;
+  }
+
+  #proxyUpload(header, bytes) {
     return new Promise((resolve, reject) => {
       const call = this.client.Upload(this.#md, { deadline: this.deadline() }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(reply.tensor);
       });
-      call.write({ header: { ref, mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank, total_bytes: bytes.length } });
+      call.write({ header });
       for (let i = 0; i < bytes.length; i += CHUNK) call.write({ data: bytes.subarray(i, i + CHUNK) });
       call.end();
     });
@@ -326,13 +423,24 @@ export class Session {
   // The local tensor at the rank named by coords ({gpu: 1}) as a typed array by dtype
   // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
   // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED.
-  fetch(ref, coords = {}, { timeoutMs } = {}) {
+  async fetch(ref, coords = {}, { timeoutMs } = {}) {
     const request = {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
     };
+    const deadline = this.deadline(timeoutMs); // one for the whole fetch, whichever path
+    if (this.#wanted()) {
+      const out = await this.#directFetch(request, deadline);
+      if (out) return out;
+    }
+    const out = await this.#proxyFetch(request, deadline);
+    this.transferStats.proxyFetches += 1;
+    return out;
+  }
+
+  #proxyFetch(request, deadline) {
     return new Promise((resolve, reject) => {
-      const call = this.client.Fetch(request, this.#md, { deadline: this.deadline(timeoutMs) });
+      const call = this.client.Fetch(request, this.#md, { deadline });
       let meta = null;
       const parts = [];
       call.on('data', (c) => {
@@ -355,6 +463,191 @@ export class Session {
     });
   }
 
+  // -------------------------------------------------------------- direct data path
+  #fallback(reason) {
+    this.transferStats.fallbacks += 1;
+    this.transferStats.lastFallback = reason;
+  }
+
+  // Whether the next transfer tries the direct path.
+  #wanted() {
+    if (this.dataPath === 'proxy') return false;
+    if (this.dataPath === 'direct') return true;
+    let why = '';
+    if (this.tls) why = 'the session is over TLS and the agents are reached in plaintext';
+    else if (this.#refused) why = 'the server does not offer PlanTransfer (its --data-path is proxy)';
+    else if (Date.now() < this.#offUntil) why = `an agent did not connect within ${DIRECT_CONNECT_MS} ms less than ${DIRECT_RETRY_MS / 1000} s ago`;
+    if (why) this.#fallback(why);
+    return !why;
+  }
+
+  // A ready client for the agent at address, or null when it does not connect in waitMs.
+  async #agent(address, waitMs) {
+    const known = this.#agents.get(address);
+    if (known) return known;
+    const Agent = loadAgentService(this.#protoFile ?? protoPath());
+    const c = new Agent(address, grpc.credentials.createInsecure(), {
+      'grpc.enable_http_proxy': 0,
+      'grpc.max_receive_message_length': 64 << 20,
+      'grpc.max_send_message_length': 64 << 20,
+      'grpc.use_local_subchannel_pool': 1, // a connection per agent of its own
+    });
+    if (!await connected(c.getChannel(), Date.now() + waitMs)) { c.close(); return null; }
+    if (this.#agents.has(address)) { c.close(); return this.#agents.get(address); }
+    this.#agents.set(address, c);
+    return c;
+  }
+
+  // PlanTransfer's reply (transfer_id and after_seq as decimal strings, which requests
+  // take as they are), or null when auto should use the proxy (the server does not offer it).
+  async #plan(request, deadline) {
+    if (!this.#wide) {
+      const Wide = loadService(this.#protoFile ?? protoPath(), true);
+      this.#wide = new Wide('meshd', grpc.credentials.createInsecure(), { channelOverride: this.client.getChannel() });
+    }
+    try {
+      const reply = await this.#unaryBy('PlanTransfer', request, deadline, this.#wide);
+      if (reply.meta) reply.meta.shape = reply.meta.shape.map(Number);
+      return reply;
+    } catch (e) {
+      const notOffered = e.code === grpc.status.UNIMPLEMENTED
+        || (e.code === grpc.status.FAILED_PRECONDITION && e.message.includes('--data-path'));
+      if (this.dataPath === 'auto' && notOffered) {
+        this.#refused = true;
+        this.#fallback(`the server refused PlanTransfer: ${e.message}`);
+        return null;
+      }
+      throw e;
+    }
+  }
+
+  // The agent of shard sh could not be reached: throws (direct, or the deadline was what
+  // cut the wait short), else records the fallback (auto).
+  #unreachable(what, sh, cut) {
+    const why = `direct ${what}: rank ${sh.rank}'s agent at ${sh.address} does not answer within ${DIRECT_CONNECT_MS} ms`;
+    if (cut) {
+      throw new MeshdError('DEADLINE_EXCEEDED', `direct ${what}: no connection to rank ${sh.rank}'s agent at ${sh.address} before the deadline`, grpc.status.DEADLINE_EXCEEDED);
+    }
+    if (this.dataPath === 'direct') {
+      throw new MeshdError('UNAVAILABLE', `${why}; use dataPath 'auto' or 'proxy' from outside the cluster`, grpc.status.UNAVAILABLE);
+    }
+    this.#offUntil = Date.now() + DIRECT_RETRY_MS;
+    this.#fallback(why);
+  }
+
+  static #shardError(what, sh, err) {
+    const e = MeshdError.fromRpc(err);
+    return new MeshdError(e.kind, `direct ${what}, rank ${sh.rank} (agent ${sh.address}): ${err.details ?? err.message}`, e.code);
+  }
+
+  #grantMd(sh) {
+    const md = new grpc.Metadata();
+    md.set(GRANT_MD, Buffer.from(sh.grant));
+    return md;
+  }
+
+  // Every shard's bytes straight to its agent, all at once; the tensor's TensorMeta, or
+  // null to use the proxy (nothing was defined).
+  async #directUpload(header, bytes) {
+    const deadline = this.deadline();
+    const plan = await this.#plan({ upload: header }, deadline);
+    if (!plan) return null;
+    const { shards } = plan;
+    const abandon = () => this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
+      this.deadline()).catch(() => {}); // undone at once; the session's slot is free
+    const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
+    const agents = await Promise.all(shards.map((sh) => this.#agent(sh.address, Math.max(1, wait))));
+    const bad = agents.findIndex((a) => !a);
+    if (bad >= 0) {
+      await abandon();
+      this.#unreachable('upload', shards[bad], wait < DIRECT_CONNECT_MS);
+      return null;
+    }
+    const each = header.per_rank ? bytes.length / shards.length : bytes.length;
+    const results = await Promise.allSettled(shards.map((sh, i) => this.#writeShard(
+      agents[i], sh, header.per_rank ? bytes.subarray(i * each, (i + 1) * each) : bytes, deadline)));
+    const failed = results.find((r) => r.status === 'rejected');
+    const receipts = failed ? [] : results.map((r) => r.value);
+    let fin;
+    try { // sent even when a shard failed, so that the server undoes the rest now
+      fin = await this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts }, this.deadline());
+    } catch (e) {
+      throw failed ? failed.reason : e;
+    }
+    if (failed) throw failed.reason;
+    this.transferStats.directUploads += 1;
+    return fin.tensor;
+  }
+
+  #writeShard(agent, sh, part, deadline) {
+    return new Promise((resolve, reject) => {
+      const call = agent.Write(this.#grantMd(sh), { deadline }, (err, r) => {
+        if (err) reject(Session.#shardError('upload', sh, err));
+        else resolve({ rank: sh.rank, bytes: r.bytes, receipt: r.receipt });
+      });
+      let off = 0;
+      const pump = () => { // at most a chunk or two buffered: flow control paces the rest
+        while (off < part.length) {
+          const piece = part.subarray(off, off + WRITE_CHUNK);
+          off += piece.length;
+          if (!call.write({ data: piece })) { call.once('drain', pump); return; }
+        }
+        call.end();
+      };
+      pump();
+    });
+  }
+
+  // The shard straight from its agent into one preallocated typed array, or null to use
+  // the proxy.
+  async #directFetch(request, deadline) {
+    const plan = await this.#plan({ fetch: request }, deadline);
+    if (!plan) return null;
+    const sh = plan.shards[0];
+    const { meta } = plan;
+    const finish = (ms) => this.#unaryBy('FinishFetch', { transfer_id: plan.transfer_id }, Date.now() + ms);
+    const quiet = () => finish(ABANDON_MS).catch(() => {});
+    const T = DTYPES[meta.dtype];
+    if (!T) { await quiet(); throw new Error(`meshd: no typed array for ${meta.dtype}`); }
+    const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
+    const agent = await this.#agent(sh.address, Math.max(1, wait));
+    if (!agent) {
+      await quiet();
+      this.#unreachable('fetch', sh, wait < DIRECT_CONNECT_MS);
+      return null;
+    }
+    const out = new T(meta.shape.reduce((a, b) => a * b, 1));
+    const view = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
+    try {
+      await new Promise((resolve, reject) => {
+        let got = 0;
+        const call = agent.Read({ session_id: this.id, ref: request.ref, max_chunk_bytes: READ_CHUNK,
+          after_seq: sh.after_seq }, this.#grantMd(sh), { deadline });
+        call.on('data', (c) => {
+          if (c.part !== 'data') return; // the spec: the plan's meta said it
+          if (got + c.data.length > view.length) {
+            call.cancel();
+            reject(new MeshdError('INTERNAL', `direct fetch, rank ${sh.rank}: the agent sent more bytes than the TensorMeta's ${view.length}`, grpc.status.INTERNAL));
+            return;
+          }
+          view.set(c.data, got);
+          got += c.data.length;
+        });
+        call.on('error', (err) => reject(Session.#shardError('fetch', sh, err)));
+        call.on('end', () => (got === view.length ? resolve() : reject(new MeshdError('INTERNAL',
+          `direct fetch, rank ${sh.rank}: got ${got} bytes where the TensorMeta needs ${view.length}`, grpc.status.INTERNAL))));
+      });
+    } catch (e) {
+      await quiet();
+      throw e;
+    }
+    await finish(Math.max(1, deadline - Date.now())); // throws if the value failed on any rank
+    this.transferStats.directFetches += 1;
+    out.shape = meta.shape;
+    out.dtype = meta.dtype;
+    return out;
+  }
+
   async close() {
     if (this.closed) return;
     this.stopKeepAlive();
@@ -363,6 +656,8 @@ export class Session {
     } finally {
       this.closed = true;
       this.client.close();
+      for (const a of this.#agents.values()) a.close();
+      this.#agents.clear();
     }
   }
 }
@@ -473,9 +768,11 @@ export function resolveSecurity(addr, { token, tls = false, rootCerts, certChain
 // Connects and creates a session. Security options: see the top of this file.
 export async function connect(addr, { clientName = 'meshd-node', ttlSeconds = 0, quotaBytes = 0,
   timeoutMs = 60000, protoPath: file, token, tls, rootCerts, certChain, privateKey, serverName,
-  insecure } = {}) {
+  insecure, dataPath = 'auto' } = {}) {
+  checkDataPath(dataPath);
   const sec = resolveSecurity(addr, { token, tls, rootCerts, certChain, privateKey, serverName, insecure });
-  const Svc = loadService(file ?? protoPath());
+  const protoFile = file ?? protoPath();
+  const Svc = loadService(protoFile);
   const client = new Svc(addr, sec.creds, sec.options);
   const reply = await new Promise((resolve, reject) => {
     client.CreateSession({ client_name: clientName, ttl_seconds: ttlSeconds, quota_bytes: quotaBytes },
@@ -484,7 +781,7 @@ export async function connect(addr, { clientName = 'meshd-node', ttlSeconds = 0,
         else resolve(r);
       });
   }).catch((e) => { client.close(); throw e; });
-  return new Session(client, reply, timeoutMs, sec.md, { tls: sec.tls });
+  return new Session(client, reply, timeoutMs, sec.md, { tls: sec.tls, dataPath, protoFile });
 }
 
 export { grpc };

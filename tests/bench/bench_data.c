@@ -29,10 +29,13 @@
  * rank's shard, all at once, one thread per rank. The tensor is dropped after
  * each round.
  *
- * direct (docs/protocol.md, Direct data path): PlanTransfer, then every
- * shard's Agent/Write or Agent/Read straight to its agent under the grant, one
- * thread per shard, then FinishUpload (the receipts) or FinishFetch. Channels
- * to the agents are made once per agent count, as a client keeps them.
+ * c_direct (docs/protocol.md, Direct data path): the C client library
+ * (clients/c/meshd.h) with its data path set to direct: PlanTransfer, then
+ * every shard's Agent/Write or Agent/Read straight to its agent under the
+ * grant, one thread per shard, then FinishUpload (the receipts) or
+ * FinishFetch. Uploads stream from one buffer of the tensor's size, fetches
+ * write into it (each rank's slice). Its channels to the agents are made once
+ * per agent count, as a client keeps them.
  *
  * JSON lines on stdout; progress on stderr. Not a test: run by hand. */
 #include <math.h>
@@ -44,7 +47,7 @@
 #include <unistd.h>
 
 #include "bench_server.h"
-#include "grant.h"
+#include "meshd.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "meshd/test/v1/echo.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
@@ -291,225 +294,87 @@ static int fetch_all(session_t *c, uint64_t ref, int nagents, size_t bytes) {
 
 /* ------------------------------------------------------------------ direct */
 
-#define AGENT_SVC "/meshd.agent.v1.Agent/"
-
-/* Channels to the agents, by address, made on first use. */
+/* The C client library (clients/c/meshd.h) with its data path set to direct:
+ * one implementation of the direct path, the one meshctl and users run. */
 typedef struct {
-  char address[MAX_AGENTS][256];
-  rpc_channel_t *ch[MAX_AGENTS];
-  int n;
-} agent_chans_t;
+  meshd_client_t *c;
+  meshd_session_t *s;
+  meshd_ref_t mesh;
+  uint8_t *buf; /* the tensor: uploaded from, fetched into */
+  size_t cap;
+} lib_t;
 
-static rpc_channel_t *agent_chan(agent_chans_t *a, const char *address) {
-  for (int i = 0; i < a->n; i++)
-    if (strcmp(a->address[i], address) == 0) return a->ch[i];
-  if (a->n == MAX_AGENTS) return NULL;
-  rpc_channel_t *ch = rpc_channel_create(address, &(rpc_channel_opts_t){
-      .max_message_bytes = 8 << 20, .own_connection = true, .connect_timeout_ms = 5000});
-  if (!ch || !rpc_channel_wait_ready(ch, 5000)) {
-    if (ch) rpc_channel_destroy(ch);
-    return NULL;
-  }
-  snprintf(a->address[a->n], sizeof a->address[0], "%s", address);
-  a->ch[a->n] = ch;
-  return a->ch[a->n++];
+static int lib_fail(lib_t *l, const char *what) {
+  fprintf(stderr, "bench_data: %s: %s\n", what, meshd_last_error(l->c)->message);
+  return -1;
 }
 
-static void agent_chans_close(agent_chans_t *a) {
-  for (int i = 0; i < a->n; i++) rpc_channel_destroy(a->ch[i]);
-  a->n = 0;
-}
-
-typedef struct {
-  rpc_channel_t *ch;
-  const Meshd__V1__ShardGrant *sh;
-  const char *session;
-  uint64_t ref;
-  size_t bytes;
-  const uint8_t *block;
-  char grant_hex[2 * GRANT_MAX_BYTES + 1];
-  Meshd__V1__WriteReceipt receipt;
-  uint8_t mac[GRANT_MAC_LEN];
-  size_t got;
-  int rc;
-} shard_job_t;
-
-static void grant_md(shard_job_t *j, rpc_md_t *md) {
-  static const char hex[] = "0123456789abcdef";
-  size_t n = j->sh->grant.len < GRANT_MAX_BYTES ? j->sh->grant.len : GRANT_MAX_BYTES;
-  for (size_t i = 0; i < n; i++) {
-    j->grant_hex[2 * i] = hex[j->sh->grant.data[i] >> 4];
-    j->grant_hex[2 * i + 1] = hex[j->sh->grant.data[i] & 15];
-  }
-  j->grant_hex[2 * n] = '\0';
-  *md = (rpc_md_t){GRANT_MD, j->grant_hex};
-}
-
-static void *shard_write(void *arg) {
-  shard_job_t *j = arg;
-  rpc_md_t md;
-  grant_md(j, &md);
-  rpc_stream_t *s = rpc_stream_open(j->ch, AGENT_SVC "Write", &md, 1, CALL_MS);
-  j->rc = s ? 0 : -1;
-  for (size_t off = 0; j->rc == 0 && off < j->bytes; off += CHUNK) {
-    size_t n = j->bytes - off < CHUNK ? j->bytes - off : CHUNK;
-    uint8_t *dst;
-    rpc_bytes_t *m = rpc_bytes_field(MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, n, &dst);
-    memcpy(dst, j->block, n); /* the one copy a client makes, from its array */
-    j->rc = rpc_stream_write_raw(s, m);
-    rpc_bytes_free(m);
-  }
-  if (j->rc == 0) j->rc = rpc_stream_close_send(s);
-  ProtobufCMessage *m = NULL;
-  while (s && rpc_stream_read(s, &meshd__agent__v1__write_reply__descriptor, &m, CALL_MS) == 1) {
-    const Meshd__Agent__V1__WriteReply *r = (const void *)m;
-    meshd__v1__write_receipt__init(&j->receipt);
-    j->receipt.rank = j->sh->rank;
-    j->receipt.bytes = r->bytes;
-    memcpy(j->mac, r->receipt.data, r->receipt.len < GRANT_MAC_LEN ? r->receipt.len : GRANT_MAC_LEN);
-    j->receipt.receipt.data = j->mac;
-    j->receipt.receipt.len = GRANT_MAC_LEN;
-    protobuf_c_message_free_unpacked(m, NULL);
-    m = NULL;
-  }
-  rpc_status_t st;
-  if (s && rpc_stream_finish(s, &st) != GRPC_STATUS_OK) {
-    fprintf(stderr, "bench_data: direct Write to rank %u: %s\n", j->sh->rank, st.message);
-    j->rc = -1;
-  }
-  rpc_stream_destroy(s);
-  return NULL;
-}
-
-static void *shard_read(void *arg) {
-  shard_job_t *j = arg;
-  rpc_md_t md;
-  grant_md(j, &md);
-  rpc_stream_t *s = rpc_stream_open(j->ch, AGENT_SVC "Read", &md, 1, CALL_MS);
-  Meshd__Agent__V1__ReadRequest r = MESHD__AGENT__V1__READ_REQUEST__INIT;
-  r.session_id = (char *)j->session;
-  r.ref = j->ref;
-  r.max_chunk_bytes = CHUNK;
-  r.after_seq = j->sh->after_seq;
-  j->rc = s ? rpc_stream_write(s, &r.base, true) : -1;
-  ProtobufCMessage *m = NULL;
-  while (j->rc == 0 && rpc_stream_read(s, &meshd__agent__v1__data_chunk__descriptor, &m, CALL_MS) == 1) {
-    const Meshd__Agent__V1__DataChunk *c = (const void *)m;
-    if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA) j->got += c->data.len;
-    protobuf_c_message_free_unpacked(m, NULL);
-    m = NULL;
-  }
-  rpc_status_t st;
-  if (s && rpc_stream_finish(s, &st) != GRPC_STATUS_OK) {
-    fprintf(stderr, "bench_data: direct Read from rank %u: %s\n", j->sh->rank, st.message);
-    j->rc = -1;
-  }
-  rpc_stream_destroy(s);
-  return NULL;
-}
-
-/* One job per shard on its own thread; 0 if all succeeded. */
-static int shards_run(shard_job_t *jobs, int n, void *(*fn)(void *)) {
-  pthread_t t[MAX_AGENTS];
-  int started = 0, rc = 0;
-  for (; started < n; started++)
-    if (pthread_create(&t[started], NULL, fn, &jobs[started]) != 0) break;
-  for (int i = 0; i < started; i++) {
-    pthread_join(t[i], NULL);
-    rc |= jobs[i].rc;
-  }
-  return started == n ? rc : -1;
-}
-
-static Meshd__V1__PlanTransferReply *plan(session_t *c, Meshd__V1__PlanTransferRequest *rq) {
-  ProtobufCMessage *rep = NULL;
-  rpc_status_t st;
-  if (rpc_unary(c->ch, SVC "PlanTransfer", &rq->base, &meshd__v1__plan_transfer_reply__descriptor,
-                &rep, c->md, 2, 10000, &st) != GRPC_STATUS_OK) {
-    fprintf(stderr, "bench_data: PlanTransfer: %s\n", st.message);
-    return NULL;
-  }
-  return (Meshd__V1__PlanTransferReply *)rep;
-}
-
-static int direct_upload(session_t *c, agent_chans_t *a, int nagents, size_t bytes,
-                         const uint8_t *block, uint64_t *ref) {
-  int64_t shape[1];
-  Meshd__V1__UploadHeader h;
-  upload_header(c, nagents, bytes, shape, &h);
-  *ref = h.ref;
-  Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
-  rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_UPLOAD;
-  rq.upload = &h;
-  Meshd__V1__PlanTransferReply *p = plan(c, &rq);
-  if (!p || p->n_shards != (size_t)nagents) {
-    if (p) protobuf_c_message_free_unpacked(&p->base, NULL);
+static int lib_open(lib_t *l, const char *target, int nagents) {
+  meshd_err_t e;
+  memset(l, 0, sizeof *l);
+  if (!(l->c = meshd_connect(target, CALL_MS, &e))) {
+    fprintf(stderr, "bench_data: connect: %s\n", meshd_strerror(e));
     return -1;
   }
-  static shard_job_t jobs[MAX_AGENTS];
-  Meshd__V1__WriteReceipt *receipts[MAX_AGENTS];
-  int rc = 0;
-  for (int i = 0; i < nagents; i++) {
-    jobs[i] = (shard_job_t){.ch = agent_chan(a, p->shards[i]->address), .sh = p->shards[i],
-                            .bytes = h.per_rank ? bytes / (size_t)nagents : bytes, .block = block};
-    receipts[i] = &jobs[i].receipt;
-    if (!jobs[i].ch) rc = -1;
-  }
-  if (rc == 0) rc = shards_run(jobs, nagents, shard_write);
-  Meshd__V1__FinishUploadRequest fin = MESHD__V1__FINISH_UPLOAD_REQUEST__INIT;
-  fin.transfer_id = p->transfer_id;
-  fin.receipts = receipts;
-  fin.n_receipts = rc == 0 ? (size_t)nagents : 0;
-  ProtobufCMessage *rep = NULL;
-  rpc_status_t st;
-  if (rpc_unary(c->ch, SVC "FinishUpload", &fin.base, &meshd__v1__finish_upload_reply__descriptor,
-                &rep, c->md, 2, 10000, &st) != GRPC_STATUS_OK) {
-    if (rc == 0) fprintf(stderr, "bench_data: FinishUpload: %s\n", st.message);
-    rc = -1;
-  }
-  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
-  protobuf_c_message_free_unpacked(&p->base, NULL);
-  return rc;
+  if (!(l->s = meshd_session_open(l->c, "bench_data", &e))) return lib_fail(l, "session");
+  meshd_session_set_data_path(l->s, MESHD_DATA_PATH_DIRECT);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {nagents};
+  if (meshd_session_create_mesh(l->s, dims, sizes, 1, &l->mesh) != MESHD_E_OK)
+    return lib_fail(l, "CreateMesh");
+  return 0;
 }
 
-static int direct_fetch(session_t *c, agent_chans_t *a, uint64_t ref, int nagents, size_t bytes) {
-  Meshd__V1__PlanTransferReply *p[MAX_AGENTS] = {0};
-  static shard_job_t jobs[MAX_AGENTS];
-  int rc = 0, planned = 0;
-  for (; rc == 0 && planned < nagents; planned++) {
-    Meshd__V1__Coordinate co = MESHD__V1__COORDINATE__INIT;
-    co.dim = "gpu";
-    co.index = planned;
-    Meshd__V1__Coordinate *coords[1] = {&co};
-    Meshd__V1__FetchRequest fr = MESHD__V1__FETCH_REQUEST__INIT;
-    fr.ref = ref;
-    fr.coords = coords;
-    fr.n_coords = 1;
-    Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
-    rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_FETCH;
-    rq.fetch = &fr;
-    if (!(p[planned] = plan(c, &rq)) || p[planned]->n_shards != 1) {
-      rc = -1;
-      break;
-    }
-    jobs[planned] = (shard_job_t){.ch = agent_chan(a, p[planned]->shards[0]->address),
-                                  .sh = p[planned]->shards[0], .session = c->id, .ref = ref};
-    if (!jobs[planned].ch) rc = -1;
+static void lib_close(lib_t *l) {
+  meshd_session_close(l->s);
+  meshd_close(l->c);
+  free(l->buf);
+  memset(l, 0, sizeof *l);
+}
+
+/* A buffer of `bytes`: block over and over. */
+static int lib_buffer(lib_t *l, size_t bytes, const uint8_t *block) {
+  if (bytes > l->cap) {
+    uint8_t *b = realloc(l->buf, bytes);
+    if (!b) return -1;
+    l->buf = b;
+    l->cap = bytes;
   }
-  if (rc == 0) rc = shards_run(jobs, nagents, shard_read);
+  for (size_t off = 0; off < bytes; off += CHUNK)
+    memcpy(l->buf + off, block, bytes - off < CHUNK ? bytes - off : CHUNK);
+  return 0;
+}
+
+/* Uploads `bytes` (per_rank over nagents when > 1); the new ref in *ref. */
+static int direct_upload(lib_t *l, int nagents, size_t bytes, uint64_t *ref) {
+  int64_t shape[1] = {(int64_t)(bytes / (size_t)nagents / 4)};
+  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
+  o.per_rank = nagents > 1;
+  if (meshd_session_upload_with(l->s, l->mesh, "float32", shape, 1, l->buf, bytes, &o, ref) !=
+      MESHD_E_OK)
+    return lib_fail(l, "direct upload");
+  return 0;
+}
+
+/* Every rank's shard at once, each into its slice of the buffer. */
+static int direct_fetch(lib_t *l, uint64_t ref, int nagents, size_t bytes) {
+  const char *dims[] = {"gpu"};
+  int64_t idx[MAX_AGENTS];
+  meshd_fetch_part_t parts[MAX_AGENTS];
+  size_t each = bytes / (size_t)nagents;
+  for (int i = 0; i < nagents; i++) {
+    idx[i] = i;
+    parts[i] = (meshd_fetch_part_t){dims, &idx[i], 1, l->buf + (size_t)i * each, each, 0};
+  }
+  if (meshd_session_fetch_bytes(l->s, ref, parts, (size_t)nagents, NULL) != MESHD_E_OK)
+    return lib_fail(l, "direct fetch");
   size_t got = 0;
-  for (int i = 0; i < planned && p[i]; i++) {
-    got += jobs[i].got;
-    Meshd__V1__FinishFetchRequest fin = MESHD__V1__FINISH_FETCH_REQUEST__INIT;
-    fin.transfer_id = p[i]->transfer_id;
-    ProtobufCMessage *rep = NULL;
-    if (rpc_unary(c->ch, SVC "FinishFetch", &fin.base, &meshd__v1__finish_fetch_reply__descriptor,
-                  &rep, c->md, 2, CALL_MS, NULL) != GRPC_STATUS_OK)
-      rc = -1;
-    if (rep) protobuf_c_message_free_unpacked(rep, NULL);
-    protobuf_c_message_free_unpacked(&p[i]->base, NULL);
-  }
-  return rc == 0 && got == bytes ? 0 : -1;
+  for (int i = 0; i < nagents; i++) got += parts[i].nbytes;
+  return got == bytes ? 0 : -1;
+}
+
+static int lib_drop(lib_t *l, uint64_t ref) {
+  return meshd_session_drop(l->s, &ref, 1) == MESHD_E_OK ? 0 : lib_fail(l, "Drop");
 }
 
 /* ------------------------------------------------------------------ reporting */
@@ -630,7 +495,7 @@ static double paired_mbs(run_fn fn, void *arg, const cpu_probe_t *fn_probe, cpu_
 typedef struct {
   rpc_channel_t *ch;
   session_t *c;
-  agent_chans_t *agents; /* direct */
+  lib_t *lib; /* direct */
   int nagents;
   size_t bytes;
   const uint8_t *block;
@@ -658,13 +523,13 @@ static int run_fetch(void *p) {
 }
 static int run_direct_upload(void *p) {
   run_t *r = p;
-  if (r->ref && r->drop_after && drop(r->c, r->ref) != 0) return -1;
+  if (r->ref && r->drop_after && lib_drop(r->lib, r->ref) != 0) return -1;
   r->ref = 0;
-  return direct_upload(r->c, r->agents, r->nagents, r->bytes, r->block, &r->ref);
+  return direct_upload(r->lib, r->nagents, r->bytes, &r->ref);
 }
 static int run_direct_fetch(void *p) {
   run_t *r = p;
-  return direct_fetch(r->c, r->agents, r->ref, r->nagents, r->bytes);
+  return direct_fetch(r->lib, r->ref, r->nagents, r->bytes);
 }
 
 /* Is path `name` one of --paths? */
@@ -685,8 +550,9 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
   if (server_start(&srv, nagents, o->server_flags, o->nserver_flags) != 0) return -1;
   const cpu_probe_t meshd_probe = {.server = srv.pid, .agents = srv.agents, .nagents = srv.nagents};
   session_t c;
-  agent_chans_t agents = {0};
+  lib_t lib = {0};
   int rc = session_open(&c, srv.target, nagents);
+  if (rc == 0 && path_wanted(o, "c_direct")) rc = lib_open(&lib, srv.target, nagents);
   static const struct {
     const char *name;
     run_fn up, down;
@@ -698,7 +564,12 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
     run_t raw = {.ch = raw_ch, .bytes = bytes, .block = block};
     for (size_t k = 0; rc == 0 && k < sizeof paths / sizeof *paths; k++) {
       if (!path_wanted(o, paths[k].name)) continue;
-      run_t r = {.c = &c, .agents = &agents, .nagents = nagents, .bytes = bytes, .block = block,
+      bool lib_path = paths[k].up == run_direct_upload;
+      if (lib_path && lib_buffer(&lib, bytes, block) != 0) {
+        rc = -1;
+        break;
+      }
+      run_t r = {.c = &c, .lib = &lib, .nagents = nagents, .bytes = bytes, .block = block,
                  .drop_after = true};
       double rup = NAN, rdown = NAN;
       cpu_tally_t cu = {0}, cd = {0}, ru = {0}, rd = {0};
@@ -708,13 +579,14 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
                                               raw_ch ? run_raw_fetch : NULL, &raw, echo_probe,
                                               &rd, o->rounds, bytes, &rdown)
                                  : NAN;
-      if (r.ref) drop(&c, r.ref);
+      if (r.ref && lib_path) lib_drop(&lib, r.ref);
+      else if (r.ref) drop(&c, r.ref);
       emit(nagents, o->sizes[i], paths[k].name, "upload", up, rup, &cu, raw_ch ? &ru : NULL);
       emit(nagents, o->sizes[i], paths[k].name, "fetch", down, rdown, &cd, raw_ch ? &rd : NULL);
       if (!isfinite(up) || !isfinite(down)) rc = -1;
     }
   }
-  agent_chans_close(&agents);
+  if (lib.s) lib_close(&lib);
   session_close(&c);
   server_stop(&srv);
   int warns, errors;

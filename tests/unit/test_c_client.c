@@ -288,7 +288,8 @@ Test(c_client, upload_streams_borrows_to_mesh_drop_release) {
   cr_assert_eq(meshd_session_create_mesh(s, dims, two, 1, &m2), MESHD_E_OK);
   cr_assert_eq(meshd_session_create_mesh(s, dims, one, 1, &m1), MESHD_E_OK);
 
-  /* 2.5 MiB of float32, so the upload takes three messages. */
+  /* 2.5 MiB of float32: three messages through the server, two to each agent on the
+   * direct path (auto takes it here). */
   size_t n = 5 * (1u << 17);
   float *data = malloc(n * sizeof *data);
   cr_assert_not_null(data);
@@ -1179,6 +1180,282 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
             meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_RPC); /* the failure, reported once */
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* ------------------------------------------- the data path: direct and proxy */
+
+/* n bytes that differ with position and seed. */
+static void fill(uint8_t *p, size_t n, unsigned seed) {
+  for (size_t i = 0; i < n; i++)
+    p[i] = (uint8_t)(((uint32_t)i * 2654435761u + seed * 40503u) >> 13);
+}
+
+static meshd_transfer_stats_t stats_of(meshd_session_t *s) {
+  meshd_transfer_stats_t st;
+  cr_assert_eq(meshd_session_transfer_stats(s, &st), MESHD_E_OK);
+  return st;
+}
+
+/* A per_rank uint8 upload of `each` bytes per rank onto mesh m (gpu=2), both
+ * ranks fetched at once into buffers of their own, compared byte for byte.
+ * Returns MESHD_E_OK, or the upload's or the fetch's failure. */
+static meshd_err_t round_trip(meshd_session_t *s, meshd_ref_t m, size_t each, unsigned seed) {
+  uint8_t *data = malloc(2 * each), *back0 = malloc(each), *back1 = malloc(each);
+  cr_assert(data && back0 && back1);
+  fill(data, 2 * each, seed);
+  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
+  o.per_rank = true;
+  int64_t shape[] = {(int64_t)each};
+  meshd_ref_t t = 0;
+  const char *dims[] = {"gpu"};
+  int64_t r0[] = {0}, r1[] = {1};
+  meshd_fetch_part_t parts[2] = {{dims, r0, 1, back0, each, 0}, {dims, r1, 1, back1, each, 0}};
+  meshd_err_t e = meshd_session_upload_with(s, m, "uint8", shape, 1, data, 2 * each, &o, &t);
+  if (e == MESHD_E_OK) {
+    e = meshd_session_fetch_bytes(s, t, parts, 2, NULL);
+  }
+  if (e == MESHD_E_OK) {
+    cr_assert_eq(parts[0].nbytes, each);
+    cr_assert_eq(parts[1].nbytes, each);
+    cr_assert(memcmp(back0, data, each) == 0, "rank 0's bytes differ");
+    cr_assert(memcmp(back1, data + each, each) == 0, "rank 1's bytes differ");
+  }
+  free(data);
+  free(back0);
+  free(back1);
+  return e;
+}
+
+static meshd_session_t *session_on_mesh(meshd_client_t *c, meshd_ref_t *m) {
+  meshd_session_t *s = meshd_session_open(c, "c-data-path", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2};
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, m), MESHD_E_OK);
+  return s;
+}
+
+/* The default server (--data-path=auto): DIRECT moves a sharded tensor straight
+ * between the buffers and both agents (2 MiB a rank: several messages each way),
+ * PROXY through the server, AUTO takes the direct path here; a directly
+ * uploaded tensor computes and fetches as values; bad arguments are named. */
+Test(c_client, data_paths_direct_proxy_auto) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  size_t each = (2u << 20) + 12;
+
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, each, 1), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 1);
+  cr_assert_eq(st.direct_fetches, 2);
+  cr_assert_eq(st.proxy_uploads + st.proxy_fetches + st.fallbacks, 0);
+
+  /* replicated, computed on the agents, fetched as values (direct) */
+  float x[6] = {0, 1, 2, 3, 4, 5};
+  int64_t shape[] = {2, 3};
+  meshd_ref_t t = 0, y = 0;
+  cr_assert_eq(meshd_session_upload(s, m, "float32", shape, 2, x, sizeof x, &t), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = t}, {.type = MESHD_ARG_FLOAT, .f = 0.5}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 6);
+  cr_assert_eq(v.ndim, 2);
+  for (int i = 0; i < 6; i++)
+    cr_assert_float_eq(v.values[i], i + 0.5, 1e-9);
+  meshd_values_free(&v);
+  st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 2);
+  cr_assert_eq(st.direct_fetches, 3);
+
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, each, 2), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  st = stats_of(s);
+  cr_assert_eq(st.proxy_uploads, 1);
+  cr_assert_eq(st.proxy_fetches, 2);
+  cr_assert_eq(st.direct_uploads, 2);
+
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_AUTO), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, 4096, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 3, "auto: %s", st.last_fallback);
+  cr_assert_eq(st.fallbacks, 0, "%s", st.last_fallback);
+
+  /* a buffer too small is named, on either path */
+  uint8_t small[8];
+  int64_t at0[] = {0};
+  meshd_fetch_part_t part = {dims, at0, 1, small, sizeof small, 0};
+  cr_assert_eq(meshd_session_fetch_bytes(s, t, &part, 1, NULL), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "24 bytes, its buffer holds 8"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_set_data_path(s, (meshd_data_path_t)7), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "not a data path"));
+  meshd_data_path_t p;
+  cr_assert_eq(meshd_data_path_parse("direct", &p), MESHD_E_OK);
+  cr_assert_eq(p, MESHD_DATA_PATH_DIRECT);
+  cr_assert_eq(meshd_data_path_parse("fast", &p), MESHD_E_INVALID);
+  cr_assert_str_eq(meshd_data_path_name(MESHD_DATA_PATH_PROXY), "proxy");
+
+  /* still usable: more transfers than --session-max-transfers (8) ran, so
+   * every one gave its slot back */
+  cr_assert_eq(round_trip(s, m, 64, 10), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* meshctl --data-path=MODE run SCRIPT: exit status, stderr in err. */
+static int meshctl_data_path(const char *mode, const char *script, char *err, size_t errlen) {
+  char spath[128], epath[128], flag[64], bin[512];
+  snprintf(spath, sizeof spath, "%s/dp-script-%d.txt", dir, (int)getpid());
+  snprintf(epath, sizeof epath, "%s/dp-err-%d.txt", dir, (int)getpid());
+  snprintf(flag, sizeof flag, "--data-path=%s", mode);
+  snprintf(bin, sizeof bin, "%s/meshctl", bin_dir());
+  FILE *f = fopen(spath, "w");
+  cr_assert_not_null(f);
+  fputs(script, f);
+  fclose(f);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    int o = open("/dev/null", O_WRONLY);
+    int e = open(epath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (o < 0 || e < 0)
+      _exit(126);
+    dup2(o, 1);
+    dup2(e, 2);
+    execl(bin, bin, "--server", target, flag, "--timeout-ms", "20000", "run", spath, (char *)NULL);
+    _exit(127);
+  }
+  int st = 0;
+  cr_assert_eq(waitpid(pid, &st, 0), pid);
+  cr_assert(WIFEXITED(st));
+  slurp(epath, err, errlen);
+  return WEXITSTATUS(st);
+}
+
+static void start_direct_only(void) {
+  const char *const flags[] = {"--data-path=direct", NULL};
+  start_server_with(flags);
+}
+
+TestSuite(c_client_direct_only, .init = start_direct_only, .fini = stop_server, .timeout = 60);
+
+/* --data-path=direct refuses the proxied Upload and Fetch, so the bytes of
+ * every transfer that succeeds here went straight to and from the agents, none
+ * through the server: AUTO sessions and meshctl's default take that path. */
+Test(c_client_direct_only, bytes_never_pass_through_the_server) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(round_trip(s, m, (1u << 20) + 3, 4), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 1);
+  cr_assert_eq(st.direct_fetches, 2);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, 16, 5), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "--data-path is direct"), "%s",
+               meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+
+  char err[4096];
+  const char *script = "mesh m gpu=2\nx = tensor m 1 2 3\nfetch x gpu=1\n";
+  int rc = meshctl_data_path("auto", script, err, sizeof err);
+  cr_assert_eq(rc, 0, "rc %d, stderr: %s", rc, err);
+  rc = meshctl_data_path("proxy", script, err, sizeof err);
+  cr_assert_eq(rc, 3, "rc %d, stderr: %s", rc, err);
+  cr_assert(strstr(err, "--data-path is direct"), "stderr: %s", err);
+}
+
+static void start_proxy_only(void) {
+  const char *const flags[] = {"--data-path=proxy", NULL};
+  start_server_with(flags);
+}
+
+TestSuite(c_client_proxy_only, .init = start_proxy_only, .fini = stop_server, .timeout = 60);
+
+/* --data-path=proxy: AUTO uses the proxy (the reason recorded, the server not
+ * asked again); DIRECT fails with the server's refusal. */
+Test(c_client_proxy_only, auto_uses_the_proxy) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(round_trip(s, m, 70000, 6), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(round_trip(s, m, 100, 7), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads + st.direct_fetches, 0);
+  cr_assert_eq(st.proxy_uploads, 2);
+  cr_assert_eq(st.proxy_fetches, 4);
+  cr_assert_eq(st.fallbacks, 4);
+  cr_assert(strstr(st.last_fallback, "--data-path is proxy"), "%s", st.last_fallback);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, 16, 8), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->grpc_code_name, "FAILED_PRECONDITION");
+  cr_assert(strstr(meshd_last_error(c)->message, "--data-path is proxy"), "%s",
+            meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* Cluster mTLS on the agents' port: a client without a cluster certificate
+ * cannot connect to them (docs/security.md). */
+static void start_cluster_tls(void) {
+  make_pki();
+  static char ca[256], cert[256], key[256];
+  snprintf(ca, sizeof ca, "%s/cluster-ca.pem", pki);
+  snprintf(cert, sizeof cert, "%s/cluster.pem", pki);
+  snprintf(key, sizeof key, "%s/cluster.key", pki);
+  const char *const flags[] = {"--cluster-ca", ca, "--cluster-cert", cert, "--cluster-key", key,
+                               "--cluster-listen", "127.0.0.1:0", NULL};
+  start_server_with(flags);
+}
+
+static void stop_cluster_tls(void) {
+  stop_server();
+  remove_pki();
+}
+
+TestSuite(c_client_cluster_tls, .init = start_cluster_tls, .fini = stop_cluster_tls,
+          .timeout = 60);
+
+/* Agents this client cannot reach: AUTO falls back to the proxy (the reason,
+ * naming the rank, recorded; not tried again for a while, so later transfers
+ * do not wait on the connection), DIRECT fails with UNAVAILABLE naming the
+ * rank and its address. */
+Test(c_client_cluster_tls, auto_falls_back_when_agents_are_unreachable) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(round_trip(s, m, 3000, 9), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads + st.direct_fetches, 0);
+  cr_assert_eq(st.proxy_uploads, 1);
+  cr_assert_eq(st.proxy_fetches, 2);
+  cr_assert_eq(st.fallbacks, 2);
+  cr_assert(strstr(st.last_fallback, "did not connect"), "%s", st.last_fallback);
+  int64_t t0 = now_ms();
+  cr_assert_eq(round_trip(s, m, 100, 10), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_lt(now_ms() - t0, 900, "a known unreachable agent was tried again");
+
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, 16, 11), MESHD_E_RPC);
+  const meshd_error_info_t *info = meshd_last_error(c);
+  cr_assert_str_eq(info->grpc_code_name, "UNAVAILABLE");
+  cr_assert(strstr(info->message, "direct upload: rank ") &&
+                strstr(info->message, "does not answer within 1000 ms"),
+            "%s", info->message);
+  /* the refused plan's ref stays unused; the session goes on by the proxy */
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, 100, 12), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);
 }

@@ -5,9 +5,9 @@
 // compiles cleanly). Everything sits in a function nothing calls, so running this
 // file (a test runner that picks up .ts) connects to nothing.
 import {
-  connect, grpc, isLoopback, keepAlivePeriodMs, MeshdError, protoPath, resolveSecurity, Session,
+  connect, DATA_PATHS, DIRECT_CONNECT_MS, grpc, isLoopback, keepAlivePeriodMs, MeshdError, protoPath, resolveSecurity, Session,
 } from 'meshd-client';
-import type { Fetched, MeshMeta, TensorMeta } from 'meshd-client';
+import type { DataPath, Fetched, MeshMeta, TensorMeta, TransferStats } from 'meshd-client';
 
 const isMeta = (x: TensorMeta | Record<string, TensorMeta>): x is TensorMeta => typeof x.ref === 'number';
 
@@ -15,6 +15,7 @@ export async function usage(addr: string, url: string): Promise<number[]> {
   const s: Session = await connect(addr, {
     clientName: 'types-check', ttlSeconds: 30, timeoutMs: 5000, token: 'alice', rootCerts: 'ca.pem',
     certChain: Buffer.from('-----BEGIN'), privateKey: 'client.key', serverName: 'meshd', insecure: false,
+    dataPath: 'auto',
   });
   try {
     const mesh: MeshMeta = await s.createMesh({ gpu: 2 });
@@ -27,6 +28,12 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const z = await s.call('mul', [y, 0.5], { alpha: { i: 2 } }, { stream: 0 });
     const total = await s.reduce(z, ['gpu'], 'sum', { scatter: false });
     await s.sync({ timeoutMs: 5000 });
+    s.setDataPath('direct');
+    const path: DataPath = s.dataPath;
+    const stats: TransferStats = s.transferStats;
+    void [path, stats.directUploads + stats.fallbacks, stats.lastFallback.length, DATA_PATHS[0], DIRECT_CONNECT_MS];
+    // @ts-expect-error not a data path
+    s.setDataPath('fast');
 
     const v: Fetched = await s.fetch(total, { gpu: 1 }, { timeoutMs: 1000 });
     const shape: number[] = v.shape;
@@ -95,4 +102,6 @@ export function helpers(): void {
   resolveSecurity('h:1', { rootCert: 'ca.pem' });
   // @ts-expect-error ttlSeconds is a number
   void connect('h:1', { ttlSeconds: '30' });
+  // @ts-expect-error dataPath is 'auto', 'direct' or 'proxy'
+  void connect('h:1', { dataPath: 'udp' });
 }

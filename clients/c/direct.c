@@ -1,0 +1,649 @@
+/* The direct data path of the C client (direct.h). */
+#include "direct.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "meshd/agent/v1/agent.pb-c.h"
+
+#define TS "/meshd.v1.TensorService/"
+#define AGENT "/meshd.agent.v1.Agent/"
+#define GRANT_MD "meshd-transfer-grant-bin"
+/* Writes of 2 MiB (half the agents' default 4 MiB message limit), reads of
+ * 1 MiB: what the Python client measured best on loopback. */
+#define WRITE_CHUNK (2u << 20)
+#define READ_CHUNK (1u << 20)
+/* How long FinishFetch of an abandoned fetch may take. */
+#define ABANDON_MS 300
+
+typedef struct {
+  char *address;
+  rpc_channel_t *ch;
+} chan_t;
+
+struct direct {
+  meshd_data_path_t mode;
+  bool refused;        /* the server refused PlanTransfer for its --data-path */
+  int64_t off_until;   /* auto: not tried before this (rpc_now_ms), an agent did not connect */
+  chan_t *chans;
+  size_t nchans;
+  meshd_transfer_stats_t stats;
+};
+
+void direct_err_set(direct_err_t *e, meshd_err_t err, grpc_status_code code, const char *kind,
+                    const char *fmt, ...) {
+  e->err = err;
+  e->code = code;
+  snprintf(e->kind, sizeof e->kind, "%s", kind ? kind : "");
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+  va_end(ap);
+}
+
+void direct_err_status(direct_err_t *e, const rpc_status_t *st, const char *prefix) {
+  bool late = st->code == GRPC_STATUS_DEADLINE_EXCEEDED;
+  direct_err_set(e, late ? MESHD_E_DEADLINE : MESHD_E_RPC, st->code,
+                 late ? "DEADLINE_EXCEEDED" : st->kind, "%s%s", prefix, st->message);
+}
+
+size_t direct_dtype_bytes(int dtype) {
+  switch (dtype) {
+  case MESHD__V1__DTYPE__DTYPE_FLOAT64:
+  case MESHD__V1__DTYPE__DTYPE_INT64:
+    return 8;
+  case MESHD__V1__DTYPE__DTYPE_FLOAT32:
+  case MESHD__V1__DTYPE__DTYPE_INT32:
+    return 4;
+  case MESHD__V1__DTYPE__DTYPE_FLOAT16:
+  case MESHD__V1__DTYPE__DTYPE_BFLOAT16:
+  case MESHD__V1__DTYPE__DTYPE_INT16:
+    return 2;
+  case MESHD__V1__DTYPE__DTYPE_INT8:
+  case MESHD__V1__DTYPE__DTYPE_UINT8:
+  case MESHD__V1__DTYPE__DTYPE_BOOL:
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+direct_t *direct_create(void) { return calloc(1, sizeof(direct_t)); }
+
+void direct_free(direct_t *d) {
+  if (!d)
+    return;
+  for (size_t i = 0; i < d->nchans; i++) {
+    rpc_channel_destroy(d->chans[i].ch);
+    free(d->chans[i].address);
+  }
+  free(d->chans);
+  free(d);
+}
+
+void direct_set_mode(direct_t *d, meshd_data_path_t mode) {
+  d->mode = mode;
+  d->off_until = 0; /* a test forcing a mode wants it tried now */
+}
+
+void direct_stats(const direct_t *d, meshd_transfer_stats_t *out) { *out = d->stats; }
+
+void direct_count_proxy(direct_t *d, bool upload) {
+  if (upload)
+    d->stats.proxy_uploads++;
+  else
+    d->stats.proxy_fetches++;
+}
+
+static void fallback(direct_t *d, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void fallback(direct_t *d, const char *fmt, ...) {
+  d->stats.fallbacks++;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(d->stats.last_fallback, sizeof d->stats.last_fallback, fmt, ap);
+  va_end(ap);
+}
+
+/* ------------------------------------------------------------------ threads */
+
+typedef struct {
+  void (*fn)(void *arg, size_t i);
+  void *arg;
+  size_t i;
+} job_t;
+
+static void *job_main(void *p) {
+  job_t *j = p;
+  j->fn(j->arg, j->i);
+  return NULL;
+}
+
+int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg) {
+  if (n == 1) {
+    fn(arg, 0);
+    return 0;
+  }
+  job_t *jobs = calloc(n, sizeof *jobs);
+  pthread_t *t = calloc(n, sizeof *t);
+  size_t started = 0;
+  for (; jobs && t && started < n; started++) {
+    jobs[started] = (job_t){fn, arg, started};
+    if (pthread_create(&t[started], NULL, job_main, &jobs[started]) != 0)
+      break;
+  }
+  for (size_t i = 0; i < started; i++)
+    pthread_join(t[i], NULL);
+  free(jobs);
+  free(t);
+  return started == n ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ agents */
+
+/* Milliseconds left before `end` (rpc_now_ms), at least 1. */
+static int left_ms(int64_t end) {
+  int64_t n = end - rpc_now_ms();
+  return n < 1 ? 1 : n > INT32_MAX ? INT32_MAX : (int)n;
+}
+
+/* A ready channel to the agent at address (kept for the session), or NULL
+ * when it does not connect within wait_ms or its first attempt fails. */
+static rpc_channel_t *agent_channel(direct_t *d, const char *address, int wait_ms) {
+  for (size_t i = 0; i < d->nchans; i++)
+    if (strcmp(d->chans[i].address, address) == 0)
+      return d->chans[i].ch;
+  chan_t *grown = realloc(d->chans, (d->nchans + 1) * sizeof *grown);
+  if (!grown)
+    return NULL;
+  d->chans = grown;
+  /* A connection of its own per agent: shards in parallel do not share one. */
+  rpc_channel_t *ch = rpc_channel_create(address, &(rpc_channel_opts_t){
+      .max_message_bytes = 8 << 20, .own_connection = true,
+      .connect_timeout_ms = DIRECT_CONNECT_MS});
+  char *name = strdup(address);
+  if (!ch || !name || rpc_channel_connect(ch, wait_ms) != RPC_CONNECT_READY) {
+    if (ch)
+      rpc_channel_destroy(ch);
+    free(name);
+    return NULL;
+  }
+  d->chans[d->nchans++] = (chan_t){name, ch};
+  return ch;
+}
+
+/* Whether the next transfer should try the direct path. */
+static bool wanted(direct_t *d, const direct_session_t *s) {
+  if (d->mode == MESHD_DATA_PATH_PROXY)
+    return false;
+  if (d->mode == MESHD_DATA_PATH_DIRECT)
+    return true;
+  if (s->tls) {
+    fallback(d, "the session is over TLS and the agents are reached in plaintext");
+    return false;
+  }
+  if (d->refused) {
+    fallback(d, "the server does not offer PlanTransfer (its --data-path is proxy)");
+    return false;
+  }
+  if (d->off_until && rpc_now_ms() < d->off_until) {
+    fallback(d, "an agent did not connect within %d ms less than %d s ago", DIRECT_CONNECT_MS,
+             DIRECT_RETRY_MS / 1000);
+    return false;
+  }
+  return true;
+}
+
+/* PlanTransfer: its reply, or NULL with *rc DIRECT_PROXY (auto, the server does
+ * not offer it) or DIRECT_FAILED (e). */
+static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s,
+                                          const Meshd__V1__PlanTransferRequest *rq, int timeout_ms,
+                                          direct_rc_t *rc, direct_err_t *e) {
+  ProtobufCMessage *rep = NULL;
+  rpc_status_t st;
+  memset(&st, 0, sizeof st);
+  st.code = rpc_unary(s->ch, TS "PlanTransfer", &rq->base,
+                      &meshd__v1__plan_transfer_reply__descriptor, &rep, s->md, s->nmd,
+                      timeout_ms, &st);
+  if (st.code == GRPC_STATUS_OK && rep)
+    return (Meshd__V1__PlanTransferReply *)rep;
+  if (rep)
+    protobuf_c_message_free_unpacked(rep, NULL);
+  st.kind[sizeof st.kind - 1] = '\0';
+  st.message[sizeof st.message - 1] = '\0';
+  bool not_offered = st.code == GRPC_STATUS_UNIMPLEMENTED ||
+                     (st.code == GRPC_STATUS_FAILED_PRECONDITION && strstr(st.message, "--data-path"));
+  if (d->mode == MESHD_DATA_PATH_AUTO && not_offered) {
+    d->refused = true;
+    fallback(d, "the server refused PlanTransfer: %s", st.message);
+    *rc = DIRECT_PROXY;
+    return NULL;
+  }
+  if (st.code == GRPC_STATUS_OK) {
+    st.code = GRPC_STATUS_INTERNAL;
+    snprintf(st.message, sizeof st.message, "OK status without a reply");
+  }
+  direct_err_status(e, &st, "");
+  *rc = DIRECT_FAILED;
+  return NULL;
+}
+
+/* Channels for every shard (DIRECT_DONE), or DIRECT_PROXY / DIRECT_FAILED when
+ * one does not connect (`what` says "upload" or "fetch") by `end`. */
+static direct_rc_t shard_channels(direct_t *d, const Meshd__V1__PlanTransferReply *p,
+                                  rpc_channel_t **out, const char *what, int64_t end,
+                                  direct_err_t *e) {
+  for (size_t i = 0; i < p->n_shards; i++) {
+    int wait = left_ms(end);
+    bool cut = wait < DIRECT_CONNECT_MS; /* the caller's deadline, not the agent's fault */
+    out[i] = agent_channel(d, p->shards[i]->address, cut ? wait : DIRECT_CONNECT_MS);
+    if (out[i])
+      continue;
+    if (cut) {
+      direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                     "direct %s: no connection to rank %u's agent at %s before the deadline",
+                     what, p->shards[i]->rank, p->shards[i]->address);
+      return DIRECT_FAILED;
+    }
+    if (d->mode == MESHD_DATA_PATH_DIRECT) {
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                     "direct %s: rank %u's agent at %s does not answer within %d ms; use the "
+                     "auto or proxy data path from outside the cluster",
+                     what, p->shards[i]->rank, p->shards[i]->address, DIRECT_CONNECT_MS);
+      return DIRECT_FAILED;
+    }
+    d->off_until = rpc_now_ms() + DIRECT_RETRY_MS;
+    fallback(d, "direct %s: rank %u's agent at %s does not answer within %d ms", what,
+             p->shards[i]->rank, p->shards[i]->address, DIRECT_CONNECT_MS);
+    return DIRECT_PROXY;
+  }
+  return DIRECT_DONE;
+}
+
+/* The grant as rpc_md_t wants a -bin value: hex. Caller frees. */
+static char *grant_hex(const ProtobufCBinaryData *g) {
+  static const char hex[] = "0123456789abcdef";
+  char *out = malloc(2 * g->len + 1);
+  if (!out)
+    return NULL;
+  for (size_t i = 0; i < g->len; i++) {
+    out[2 * i] = hex[g->data[i] >> 4];
+    out[2 * i + 1] = hex[g->data[i] & 15];
+  }
+  out[2 * g->len] = '\0';
+  return out;
+}
+
+/* A shard call's failure, naming the rank and its agent. */
+static void shard_error(direct_err_t *e, const char *what, const Meshd__V1__ShardGrant *sh,
+                        const rpc_status_t *st) {
+  char prefix[320];
+  snprintf(prefix, sizeof prefix, "direct %s, rank %u (agent %s): ", what, sh->rank, sh->address);
+  direct_err_status(e, st, prefix);
+}
+
+/* ------------------------------------------------------------------ upload */
+
+typedef struct {
+  const Meshd__V1__PlanTransferReply *p;
+  rpc_channel_t **chans;
+  const uint8_t *data;
+  size_t each;     /* bytes per shard */
+  bool per_rank;   /* shard i gets the i-th slice, else all of data */
+  int timeout_ms;
+  Meshd__V1__WriteReceipt *receipts;
+  uint8_t (*macs)[64];
+  bool *ok;
+  direct_err_t *errs;
+} upload_t;
+
+static void write_shard(void *arg, size_t i) {
+  upload_t *u = arg;
+  const Meshd__V1__ShardGrant *sh = u->p->shards[i];
+  const uint8_t *part = u->data + (u->per_rank ? i * u->each : 0);
+  rpc_status_t st;
+  memset(&st, 0, sizeof st);
+  char *g = grant_hex(&sh->grant);
+  if (!g) {
+    direct_err_set(&u->errs[i], MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
+    return;
+  }
+  rpc_md_t md = {GRANT_MD, g};
+  rpc_stream_t *s = rpc_stream_open(u->chans[i], AGENT "Write", &md, 1, u->timeout_ms);
+  int rc = s ? 0 : -1;
+  for (size_t off = 0; rc == 0 && off < u->each; off += WRITE_CHUNK) {
+    size_t n = u->each - off < WRITE_CHUNK ? u->each - off : WRITE_CHUNK;
+    uint8_t *dst;
+    rpc_bytes_t *m = rpc_bytes_field(MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, n, &dst);
+    if (!m) {
+      direct_err_set(&u->errs[i], MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
+      rpc_stream_cancel(s);
+      break;
+    }
+    memcpy(dst, part + off, n); /* the one copy: from the caller's buffer into the message */
+    rc = rpc_stream_write_raw(s, m);
+    rpc_bytes_free(m);
+  }
+  if (s && rc == 0)
+    rpc_stream_close_send(s);
+  ProtobufCMessage *m = NULL;
+  while (s && rpc_stream_read(s, &meshd__agent__v1__write_reply__descriptor, &m, u->timeout_ms) == 1) {
+    const Meshd__Agent__V1__WriteReply *r = (const void *)m;
+    size_t len = r->receipt.len < sizeof u->macs[i] ? r->receipt.len : sizeof u->macs[i];
+    memcpy(u->macs[i], r->receipt.data, len);
+    meshd__v1__write_receipt__init(&u->receipts[i]);
+    u->receipts[i].rank = sh->rank;
+    u->receipts[i].bytes = r->bytes;
+    u->receipts[i].receipt.data = u->macs[i];
+    u->receipts[i].receipt.len = len;
+    u->ok[i] = true;
+    protobuf_c_message_free_unpacked(m, NULL);
+    m = NULL;
+  }
+  if (!s) {
+    direct_err_set(&u->errs[i], MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "direct upload, rank %u: cannot open Agent/Write", sh->rank);
+  } else if (rpc_stream_finish(s, &st) != GRPC_STATUS_OK) {
+    u->ok[i] = false;
+    if (u->errs[i].err == MESHD_E_OK) {
+      st.kind[sizeof st.kind - 1] = '\0';
+      st.message[sizeof st.message - 1] = '\0';
+      shard_error(&u->errs[i], "upload", sh, &st);
+    }
+  } else if (!u->ok[i] && u->errs[i].err == MESHD_E_OK) {
+    direct_err_set(&u->errs[i], MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "direct upload, rank %u (agent %s): the agent sent no WriteReply", sh->rank,
+                   sh->address);
+  }
+  rpc_stream_destroy(s);
+  free(g);
+}
+
+/* FinishUpload with the receipts of the shards that succeeded (none: the
+ * server undoes the upload at once). Returns 0 or -1 with st. */
+static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
+                         size_t n, rpc_status_t *st) {
+  Meshd__V1__FinishUploadRequest fin = MESHD__V1__FINISH_UPLOAD_REQUEST__INIT;
+  fin.transfer_id = id;
+  fin.receipts = r;
+  fin.n_receipts = n;
+  ProtobufCMessage *rep = NULL;
+  memset(st, 0, sizeof *st);
+  grpc_status_code code = rpc_unary(s->ch, TS "FinishUpload", &fin.base,
+                                    &meshd__v1__finish_upload_reply__descriptor, &rep, s->md,
+                                    s->nmd, s->timeout_ms, st);
+  if (rep)
+    protobuf_c_message_free_unpacked(rep, NULL);
+  st->kind[sizeof st->kind - 1] = '\0';
+  st->message[sizeof st->message - 1] = '\0';
+  return code == GRPC_STATUS_OK ? 0 : -1;
+}
+
+direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
+                          const uint8_t *data, size_t bytes, bool *ref_spent, direct_err_t *e) {
+  *ref_spent = false;
+  if (!wanted(d, s))
+    return DIRECT_PROXY;
+  Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
+  rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_UPLOAD;
+  rq.upload = (Meshd__V1__UploadHeader *)h;
+  direct_rc_t rc = DIRECT_FAILED;
+  Meshd__V1__PlanTransferReply *p = plan(d, s, &rq, s->timeout_ms, &rc, e);
+  if (!p)
+    return rc;
+  *ref_spent = true;
+  size_t n = p->n_shards;
+  upload_t u = {.p = p, .data = data, .per_rank = h->per_rank, .timeout_ms = s->timeout_ms};
+  u.each = h->per_rank && n ? bytes / n : bytes;
+  u.chans = calloc(n ? n : 1, sizeof *u.chans);
+  u.receipts = calloc(n ? n : 1, sizeof *u.receipts);
+  u.macs = calloc(n ? n : 1, sizeof *u.macs);
+  u.ok = calloc(n ? n : 1, sizeof *u.ok);
+  u.errs = calloc(n ? n : 1, sizeof *u.errs);
+  Meshd__V1__WriteReceipt **done = calloc(n ? n : 1, sizeof *done);
+  rpc_status_t st;
+  if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !done) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
+    finish_upload(s, p->transfer_id, NULL, 0, &st);
+    rc = DIRECT_FAILED;
+    goto out;
+  }
+  if (n == 0 || (h->per_rank && u.each * n != bytes)) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "direct upload: the plan has %zu shards for %zu bytes", n, bytes);
+    finish_upload(s, p->transfer_id, NULL, 0, &st);
+    rc = DIRECT_FAILED;
+    goto out;
+  }
+  rc = shard_channels(d, p, u.chans, "upload", rpc_now_ms() + s->timeout_ms, e);
+  if (rc != DIRECT_DONE) {
+    finish_upload(s, p->transfer_id, NULL, 0, &st); /* undone at once; the slot is free */
+    goto out;
+  }
+  if (direct_parallel(n, write_shard, &u) != 0) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: cannot start a thread per shard");
+    rc = DIRECT_FAILED;
+  }
+  size_t nd = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (u.ok[i])
+      done[nd++] = &u.receipts[i];
+    else if (rc == DIRECT_DONE) {
+      *e = u.errs[i];
+      rc = DIRECT_FAILED;
+    }
+  }
+  /* Sent even when a shard failed, so that the server undoes the rest now. */
+  if (finish_upload(s, p->transfer_id, done, rc == DIRECT_DONE ? nd : 0, &st) != 0 &&
+      rc == DIRECT_DONE) {
+    direct_err_status(e, &st, "");
+    rc = DIRECT_FAILED;
+  }
+  if (rc == DIRECT_DONE)
+    d->stats.direct_uploads++;
+out:
+  free(u.chans);
+  free(u.receipts);
+  free(u.macs);
+  free(u.ok);
+  free(u.errs);
+  free(done);
+  protobuf_c_message_free_unpacked(&p->base, NULL);
+  return rc;
+}
+
+/* ------------------------------------------------------------------ fetch */
+
+typedef struct {
+  const direct_session_t *s;
+  Meshd__V1__PlanTransferReply **plans;
+  rpc_channel_t **chans;
+  const direct_sink_t *sinks;
+  const Meshd__V1__FetchRequest *const *reqs;
+  uint64_t *want; /* bytes each part must get */
+  int64_t end;    /* the deadline, rpc_now_ms */
+  direct_err_t *errs;
+} fetch_t;
+
+static void read_shard(void *arg, size_t i) {
+  fetch_t *f = arg;
+  const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
+  const direct_sink_t *k = &f->sinks[i];
+  direct_err_t *e = &f->errs[i];
+  char *g = grant_hex(&sh->grant);
+  if (!g) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
+    return;
+  }
+  rpc_md_t md = {GRANT_MD, g};
+  int timeout_ms = left_ms(f->end);
+  rpc_stream_t *s = rpc_stream_open(f->chans[i], AGENT "Read", &md, 1, timeout_ms);
+  Meshd__Agent__V1__ReadRequest r = MESHD__AGENT__V1__READ_REQUEST__INIT;
+  r.session_id = (char *)f->s->id;
+  r.ref = f->reqs[i]->ref;
+  r.max_chunk_bytes = READ_CHUNK;
+  r.after_seq = sh->after_seq;
+  int rc = s ? rpc_stream_write(s, &r.base, true) : -1;
+  uint64_t got = 0;
+  while (rc == 0) {
+    ProtobufCMessage *m = NULL;
+    int rr = rpc_stream_read(s, &meshd__agent__v1__data_chunk__descriptor, &m, left_ms(f->end));
+    if (rr != 1) {
+      if (rr < 0) {
+        rpc_stream_cancel(s);
+        if (rr == -2)
+          direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                         "direct fetch, rank %u (agent %s): no answer within %d ms", sh->rank,
+                         sh->address, timeout_ms);
+        else
+          direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                         "direct fetch, rank %u (agent %s): a message that is not a DataChunk",
+                         sh->rank, sh->address);
+      }
+      break;
+    }
+    const Meshd__Agent__V1__DataChunk *c = (const void *)m;
+    if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA && c->data.len) {
+      if (got + c->data.len > f->want[i]) {
+        direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                       "direct fetch, rank %u (agent %s): more bytes than the TensorMeta's %llu",
+                       sh->rank, sh->address, (unsigned long long)f->want[i]);
+        rc = -1;
+      } else if (k->data(k->arg, c->data.data, c->data.len, e) != 0) {
+        rc = -1;
+      }
+      got += c->data.len;
+    }
+    protobuf_c_message_free_unpacked(m, NULL);
+    if (rc != 0)
+      rpc_stream_cancel(s);
+  }
+  rpc_status_t st;
+  memset(&st, 0, sizeof st);
+  if (!s) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "direct fetch, rank %u: cannot open Agent/Read", sh->rank);
+  } else if (rpc_stream_finish(s, &st) != GRPC_STATUS_OK && e->err == MESHD_E_OK) {
+    st.kind[sizeof st.kind - 1] = '\0';
+    st.message[sizeof st.message - 1] = '\0';
+    shard_error(e, "fetch", sh, &st);
+  } else if (e->err == MESHD_E_OK && got != f->want[i]) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "direct fetch, rank %u (agent %s): got %llu bytes where the TensorMeta needs "
+                   "%llu", sh->rank, sh->address, (unsigned long long)got,
+                   (unsigned long long)f->want[i]);
+  }
+  rpc_stream_destroy(s);
+  free(g);
+}
+
+/* FinishFetch: 0, or -1 with st (the tensor failed on some rank, ...). */
+static int finish_fetch(const direct_session_t *s, uint64_t id, int timeout_ms, rpc_status_t *st) {
+  Meshd__V1__FinishFetchRequest fin = MESHD__V1__FINISH_FETCH_REQUEST__INIT;
+  fin.transfer_id = id;
+  ProtobufCMessage *rep = NULL;
+  memset(st, 0, sizeof *st);
+  grpc_status_code code = rpc_unary(s->ch, TS "FinishFetch", &fin.base,
+                                    &meshd__v1__finish_fetch_reply__descriptor, &rep, s->md,
+                                    s->nmd, timeout_ms, st);
+  if (rep)
+    protobuf_c_message_free_unpacked(rep, NULL);
+  st->kind[sizeof st->kind - 1] = '\0';
+  st->message[sizeof st->message - 1] = '\0';
+  return code == GRPC_STATUS_OK ? 0 : -1;
+}
+
+static uint64_t meta_bytes(const Meshd__V1__TensorMeta *m) {
+  uint64_t n = direct_dtype_bytes(m->dtype);
+  for (size_t i = 0; i < m->n_shape; i++)
+    n *= m->shape[i] > 0 ? (uint64_t)m->shape[i] : 0;
+  return n;
+}
+
+direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
+                         const Meshd__V1__FetchRequest *const *reqs, const direct_sink_t *sinks,
+                         size_t n, int64_t end, direct_err_t *e) {
+  if (!wanted(d, s))
+    return DIRECT_PROXY;
+  fetch_t f = {.s = s, .sinks = sinks, .reqs = reqs, .end = end};
+  f.plans = calloc(n, sizeof *f.plans);
+  f.chans = calloc(n, sizeof *f.chans);
+  f.want = calloc(n, sizeof *f.want);
+  f.errs = calloc(n, sizeof *f.errs);
+  direct_rc_t rc = DIRECT_DONE;
+  size_t planned = 0;
+  rpc_status_t st;
+  if (!f.plans || !f.chans || !f.want || !f.errs) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
+    rc = DIRECT_FAILED;
+    goto out;
+  }
+  /* Planned in order, each before the next: the value each reads is fixed then. */
+  for (; planned < n; planned++) {
+    Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
+    rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_FETCH;
+    rq.fetch = (Meshd__V1__FetchRequest *)reqs[planned];
+    f.plans[planned] = plan(d, s, &rq, left_ms(end), &rc, e);
+    if (!f.plans[planned])
+      goto out;
+    const Meshd__V1__PlanTransferReply *p = f.plans[planned];
+    if (p->n_shards != 1 || !p->meta) {
+      planned++;
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "direct fetch: the plan names %zu shards%s (expected 1 and a TensorMeta)",
+                     p->n_shards, p->meta ? "" : " and no TensorMeta");
+      rc = DIRECT_FAILED;
+      goto out;
+    }
+  }
+  for (size_t i = 0; i < n; i++) {
+    rc = shard_channels(d, f.plans[i], &f.chans[i], "fetch", end, e);
+    if (rc != DIRECT_DONE)
+      goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const Meshd__V1__TensorMeta *m = f.plans[i]->meta;
+    f.want[i] = meta_bytes(m);
+    if (f.want[i] == 0 && m->n_shape > 0 && direct_dtype_bytes(m->dtype) == 0) {
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "direct fetch: unsupported dtype %d", m->dtype);
+      rc = DIRECT_FAILED;
+      goto out;
+    }
+    if (sinks[i].begin(sinks[i].arg, m, e) != 0) {
+      rc = DIRECT_FAILED;
+      goto out;
+    }
+  }
+  if (direct_parallel(n, read_shard, &f) != 0) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: cannot start a thread per part");
+    rc = DIRECT_FAILED;
+  }
+  for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
+    if (f.errs[i].err != MESHD_E_OK) {
+      *e = f.errs[i];
+      rc = DIRECT_FAILED;
+    }
+out:
+  /* Every planned fetch is finished, whatever happened: its snapshot and the
+   * session's transfer slot go. One abandoned need not wait for the ranks: the
+   * server takes the transfer when the call arrives. */
+  for (size_t i = 0; i < planned; i++) {
+    int wait = rc == DIRECT_DONE ? left_ms(end) : ABANDON_MS;
+    if (finish_fetch(s, f.plans[i]->transfer_id, wait, &st) != 0 && rc == DIRECT_DONE) {
+      direct_err_status(e, &st, "");
+      rc = DIRECT_FAILED;
+    }
+    protobuf_c_message_free_unpacked(&f.plans[i]->base, NULL);
+  }
+  if (rc == DIRECT_DONE)
+    d->stats.direct_fetches += n;
+  free(f.plans);
+  free(f.chans);
+  free(f.want);
+  free(f.errs);
+  return rc;
+}

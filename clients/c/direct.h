@@ -1,0 +1,98 @@
+/* Internal to clients/c: the direct data path (docs/protocol.md, Direct data
+ * path). The server plans an upload or a fetch (PlanTransfer) and hands out
+ * one grant per shard; the bytes then go straight between the caller's buffer
+ * and each agent (Agent/Write, Agent/Read), all shards at once, one thread
+ * each; FinishUpload (the agents' receipts) or FinishFetch ends it.
+ *
+ * One direct_t per session, used by the session's thread only (the shard
+ * threads read its channels, never its table). Decisions, as the Python
+ * client's (clients/python/meshd/direct.py): proxy never goes direct; direct
+ * always does and fails when it cannot; auto goes direct unless the session
+ * is over TLS (agents are reached in plaintext), the server refused
+ * PlanTransfer for its --data-path (remembered), or an agent did not connect
+ * within DIRECT_CONNECT_MS in the last DIRECT_RETRY_MS; a fallback is counted
+ * and its reason kept (meshd_session_transfer_stats). */
+#ifndef MESHD_CLIENT_DIRECT_H
+#define MESHD_CLIENT_DIRECT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "meshd.h"
+#include "meshd/v1/tensor_service.pb-c.h"
+#include "rpc.h"
+
+#define DIRECT_CONNECT_MS 1000
+#define DIRECT_RETRY_MS 30000
+
+/* A failure, for the caller to record on its client. */
+typedef struct direct_err {
+  meshd_err_t err;
+  grpc_status_code code;
+  char kind[32];
+  char msg[768];
+} direct_err_t;
+
+void direct_err_set(direct_err_t *e, meshd_err_t err, grpc_status_code code, const char *kind,
+                    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* A failed call's status as an error (DEADLINE_EXCEEDED: MESHD_E_DEADLINE),
+ * its message after `prefix`. */
+void direct_err_status(direct_err_t *e, const rpc_status_t *st, const char *prefix);
+
+/* What a session's transfers need of it. */
+typedef struct direct_session {
+  rpc_channel_t *ch;  /* the server */
+  const rpc_md_t *md; /* the session's metadata */
+  size_t nmd;
+  const char *id;
+  int timeout_ms;     /* every call's deadline */
+  bool tls;           /* the session is over TLS */
+} direct_session_t;
+
+/* Where one fetched local tensor goes: begin(meta) once before any byte, then
+ * data() for each piece in order (from a shard's thread when there are several
+ * parts). Each returns 0, or -1 with e set (the fetch stops). */
+typedef struct direct_sink {
+  int (*begin)(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e);
+  int (*data)(void *arg, const uint8_t *p, size_t n, direct_err_t *e);
+  void *arg;
+} direct_sink_t;
+
+typedef enum {
+  DIRECT_DONE,   /* moved directly */
+  DIRECT_PROXY,  /* not taken: use the proxied Upload/Fetch */
+  DIRECT_FAILED, /* e says why */
+} direct_rc_t;
+
+typedef struct direct direct_t;
+
+direct_t *direct_create(void);
+void direct_free(direct_t *d); /* NULL is ignored */
+void direct_set_mode(direct_t *d, meshd_data_path_t mode);
+void direct_stats(const direct_t *d, meshd_transfer_stats_t *out);
+/* A transfer that went through the server. */
+void direct_count_proxy(direct_t *d, bool upload);
+
+/* Uploads `bytes` of data as header h (h->ref not yet used by any command).
+ * *ref_spent: the ref was claimed by a plan (done or not): a proxied upload
+ * after DIRECT_PROXY, or the next command, takes a new one. */
+direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
+                          const uint8_t *data, size_t bytes, bool *ref_spent, direct_err_t *e);
+
+/* Fetches n local tensors (reqs[i] into sinks[i]), all done by `end`
+ * (rpc_now_ms); parts run in parallel. */
+direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
+                         const Meshd__V1__FetchRequest *const *reqs, const direct_sink_t *sinks,
+                         size_t n, int64_t end, direct_err_t *e);
+
+/* Runs fn(arg, i) for i in [0, n): i == 0 ... n - 1 on threads of their own
+ * when n > 1, inline when n == 1. Returns 0, or -1 if a thread could not start
+ * (the ones started are joined; fn did not run for the rest). */
+int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg);
+
+/* Bytes per element of a DType (float16 and bfloat16: 2); 0 if unknown. */
+size_t direct_dtype_bytes(int dtype);
+
+#endif

@@ -1,0 +1,178 @@
+// The Node client's data path (docs/protocol.md, Direct data path) against three real
+// `meshd --local-agents 2`: --data-path=direct (the proxied Upload and Fetch are refused, so
+// every byte that arrives went straight between this process and the agents),
+// --data-path=proxy (auto uses the proxy; direct fails), and cluster mTLS on the agents'
+// port (this client cannot reach them: auto falls back, direct fails naming the rank).
+//
+// MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn, execFileSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { connect, MeshdError } from '../meshd.mjs';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
+const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
+const meshdBin = path.join(binDir, 'meshd');
+
+let work;
+const servers = {}; // name -> { proc, addr, log }
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const logOf = (name) => { try { return readFileSync(servers[name].log, 'utf8'); } catch { return ''; } };
+
+// meshd --local-agents 2 with args; resolves once both agents are healthy.
+async function startMeshd(name, args) {
+  const env = Object.fromEntries(Object.entries(process.env).filter(
+    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
+  const log = path.join(work, `${name}.log`);
+  const portFile = path.join(work, `${name}.port`);
+  const proc = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
+    ...args], { env, stdio: ['ignore', openSync(log, 'w'), openSync(log, 'a')] });
+  servers[name] = { proc, log };
+  const deadline = Date.now() + 30000;
+  let last = '';
+  for (;;) {
+    if (proc.exitCode !== null || proc.signalCode !== null) throw new Error(`${name} exited\n${logOf(name)}`);
+    if (Date.now() > deadline) throw new Error(`${name} not ready within 30 s: ${last}\n${logOf(name)}`);
+    if (!servers[name].addr && existsSync(portFile) && /^\d+\n$/.test(readFileSync(portFile, 'utf8'))) {
+      servers[name].addr = `127.0.0.1:${readFileSync(portFile, 'utf8').trim()}`;
+    }
+    if (servers[name].addr) {
+      try {
+        const s = await connect(servers[name].addr, { clientName: 'node-wait', timeoutMs: 2000, token: '' });
+        try {
+          const { agents } = await s.unary('ListAgents', {});
+          if (agents.filter((a) => a.healthy).length >= 2) return;
+          last = `${agents.length} agents`;
+        } finally {
+          await s.close();
+        }
+      } catch (e) {
+        last = e.message;
+      }
+    }
+    await sleep(100);
+  }
+}
+
+before(async () => {
+  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
+  work = mkdtempSync(path.join(tmpdir(), 'meshd-node-direct-'));
+  const pki = path.join(work, 'pki');
+  execFileSync('bash', [path.join(sourceDir, 'tests', 'support', 'make_certs.sh'), pki], { stdio: 'ignore' });
+  const f = (n) => path.join(pki, n);
+  await Promise.all([
+    startMeshd('direct', ['--data-path=direct']),
+    startMeshd('proxy', ['--data-path=proxy']),
+    startMeshd('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
+      '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0']),
+  ]);
+});
+
+after(async () => {
+  // Stops only the meshd this file started (their agents go with them).
+  for (const { proc } of Object.values(servers)) {
+    if (proc.exitCode === null && proc.signalCode === null) {
+      const exited = new Promise((resolve) => proc.once('exit', resolve));
+      proc.kill('SIGTERM');
+      const timer = setTimeout(() => proc.kill('SIGKILL'), 15000);
+      await exited;
+      clearTimeout(timer);
+    }
+  }
+  if (work) rmSync(work, { recursive: true, force: true });
+});
+
+const open = (name, dataPath) => connect(servers[name].addr, { clientName: 'node-direct', token: '', dataPath });
+
+// A per-rank upload of `each` bytes a rank onto a gpu=2 mesh, both ranks fetched back
+// at once and compared byte for byte.
+async function roundTrip(s, mesh, each, seed) {
+  const data = new Uint8Array(2 * each);
+  for (let i = 0; i < data.length; i += 1) data[i] = ((i * 2654435761 + seed * 40503) >>> 13) & 0xff;
+  const t = await s.upload(mesh, [each], data, { perRank: true });
+  assert.deepEqual(t.shape, [each]);
+  const [r0, r1] = await Promise.all([s.fetch(t, { gpu: 0 }), s.fetch(t, { gpu: 1 })]);
+  assert.ok(r0 instanceof Uint8Array && r1 instanceof Uint8Array);
+  assert.ok(Buffer.from(r0).equals(Buffer.from(data.subarray(0, each))), "rank 0's bytes differ");
+  assert.ok(Buffer.from(r1).equals(Buffer.from(data.subarray(each))), "rank 1's bytes differ");
+  return t;
+}
+
+test('--data-path=direct: sharded bytes go straight to and from both agents, never through the server', async () => {
+  const s = await open('direct', 'auto');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    await roundTrip(s, mesh, (2 << 20) + 12, 1); // several messages each way
+    assert.deepEqual(s.transferStats, {
+      directUploads: 1, directFetches: 2, proxyUploads: 0, proxyFetches: 0, fallbacks: 0, lastFallback: '',
+    });
+    // replicated, computed on the agents, fetched as float32
+    const x = await s.upload(mesh, [2, 3], new Float32Array([0, 1, 2, 3, 4, 5]));
+    const y = await s.call('add', [x, 0.5]);
+    assert.deepEqual([...await s.fetch(y, { gpu: 1 })], [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]);
+    // the server refuses to carry bytes: a forced proxy fails, the session goes on
+    s.setDataPath('proxy');
+    await assert.rejects(s.fetch(x, { gpu: 0 }), (err) => {
+      assert.ok(err instanceof MeshdError, String(err));
+      assert.match(err.message, /--data-path is direct/);
+      return true;
+    });
+    s.setDataPath('direct');
+    await roundTrip(s, mesh, 100, 2);
+    assert.throws(() => s.setDataPath('fast'), /dataPath must be one of auto, direct, proxy/);
+  } finally {
+    await s.close();
+  }
+});
+
+test('--data-path=proxy: auto uses the proxy (reason recorded), direct fails with the refusal', async () => {
+  const s = await open('proxy', 'auto');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    await roundTrip(s, mesh, 70000, 3);
+    const st = s.transferStats;
+    assert.equal(st.directUploads + st.directFetches, 0);
+    assert.equal(st.proxyUploads, 1);
+    assert.equal(st.proxyFetches, 2);
+    assert.match(st.lastFallback, /--data-path is proxy/);
+    s.setDataPath('direct');
+    await assert.rejects(s.upload(mesh, [1], new Float32Array([1])), (err) => {
+      assert.equal(err.kind, 'FAILED_PRECONDITION', err.message);
+      assert.match(err.message, /--data-path is proxy/);
+      return true;
+    });
+  } finally {
+    await s.close();
+  }
+});
+
+test('agents this client cannot reach (cluster mTLS): auto falls back, direct names the rank', async () => {
+  const s = await open('mtls', 'auto');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    await roundTrip(s, mesh, 3000, 4);
+    const st = s.transferStats;
+    assert.equal(st.directUploads + st.directFetches, 0);
+    assert.equal(st.proxyUploads, 1);
+    assert.equal(st.proxyFetches, 2);
+    assert.ok(st.fallbacks >= 2, JSON.stringify(st));
+    const t0 = Date.now();
+    await roundTrip(s, mesh, 10, 5); // not tried again for a while: no connection wait
+    assert.ok(Date.now() - t0 < 900, `took ${Date.now() - t0} ms`);
+    s.setDataPath('direct');
+    await assert.rejects(s.upload(mesh, [1], new Float32Array([1])), (err) => {
+      assert.equal(err.kind, 'UNAVAILABLE', err.message);
+      assert.match(err.message, /direct upload: rank \d's agent at 127\.0\.0\.1:\d+ does not answer within 1000 ms/);
+      return true;
+    });
+    s.setDataPath('proxy');
+    await roundTrip(s, mesh, 10, 6);
+  } finally {
+    await s.close();
+  }
+});
