@@ -612,9 +612,9 @@ static void run_reduce(ctx_t *c) {
   }
   if (!keep) { /* the result does not live here: tell the server, record nothing */
     if (got != 0) {
-      char msg[sizeof why.msg + 100];
+      char msg[sizeof why.msg];
       if (why.kind == ERR_DEPENDENT_FAILURE) snprintf(msg, sizeof msg, "%s", why.msg);
-      else snprintf(msg, sizeof msg, "depends on tensor %llu, which failed (seq %llu): %.500s",
+      else snprintf(msg, sizeof msg, "depends on tensor %llu, which failed (seq %llu): %.480s",
                     (unsigned long long)ro->input->ref, (unsigned long long)why.root_seq, why.msg);
       report(c, ERR_DEPENDENT_FAILURE, msg, res_ref);
     }

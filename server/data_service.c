@@ -641,6 +641,7 @@ typedef struct fetch {
   uint64_t stream;             /* the tensor's: where the Snapshot (after_seq) went */
   _Atomic bool read_all;       /* the agent's Read ended OK: it took the Snapshot */
   bool direct;                 /* a direct transfer's FinishFetch: no relay, just the wait */
+  _Atomic bool slot_freed;     /* its --session-max-transfers slot is given back already */
 
   pthread_mutex_t mu;
   int refs;          /* the call's (until on_end) and the relay's (until it stops) */
@@ -847,6 +848,8 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
   if (f->direct) { /* the client read the shard itself: the value is good on every rank */
     Meshd__V1__FinishFetchReply ok = MESHD__V1__FINISH_FETCH_REPLY__INIT;
     atomic_store(&f->read_all, true);
+    /* The slot before the answer: the client may start its next transfer on it. */
+    if (!atomic_exchange(&f->slot_freed, true)) transfer_end(f->sess);
     rpc_call_reply(f->call, &ok.base);
     relay_stop(f);
     return true;
@@ -1028,7 +1031,7 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   uint64_t wait = f->wait_id;
   if (f->pull) rpc_pull_cancel(f->pull); /* the relay's next step ends it */
   pthread_mutex_unlock(&f->mu);
-  transfer_end(f->sess);
+  if (!atomic_exchange(&f->slot_freed, true)) transfer_end(f->sess);
   /* Parked on the watermark: withdrawn, the relay will take no more steps. */
   if (wait && watermark_cancel(agent_pool_watermark(ds->pool), wait)) fetch_unref(f);
   fetch_unref(f);
@@ -1074,7 +1077,7 @@ typedef struct transfer {
  * closed: its EndSession freed everything), a fetch's snapshot dropped. */
 static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
   if (t->fetch) {
-    transfer_end(t->fetch->sess);
+    if (!atomic_exchange(&t->fetch->slot_freed, true)) transfer_end(t->fetch->sess);
     fetch_unref(t->fetch); /* drops the snapshot: nobody said it was read */
     free(t);
     return;
@@ -1405,12 +1408,14 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
     if (obj) {
       command_tensor_meta(&meta, obj, dims);
       reply.tensor = &meta;
-      rpc_call_reply(call, &reply.base);
     }
   }
   pthread_mutex_unlock(&s->mu);
   if (obj) {
+    /* The slot first: a client that starts its next transfer on the answer
+     * must find it free (--session-max-transfers). */
     transfer_free(ds, t, false);
+    rpc_call_reply(call, &reply.base);
     return;
   }
   char msg[sizeof e.msg + 100];

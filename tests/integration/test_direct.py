@@ -376,3 +376,27 @@ def test_grant_metrics(meshd_server, agent, tmp_path):
     got = counts()
     assert got["accepted"] == 3 and got["bad_signature"] == 1 and got["wrong_call"] == 1 \
         and got["reused"] == 1 and got["expired"] == 0, got
+
+
+def test_a_finished_transfer_gives_its_slot_back_before_the_answer(meshd_server):
+    """With --session-max-transfers 1, each planned upload and fetch can start the moment
+    the previous one's FinishUpload or FinishFetch answered: the server frees the slot
+    before it answers (it once freed it after, and a fast client was refused)."""
+    srv = meshd_server(1, "--session-max-transfers", "1")
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        arr = np.arange(64, dtype=np.float32)
+        for i in range(30):
+            up, ref = plan_upload(s, mesh, arr + i)
+            g = up.shards[0]
+            w = agent_write(g, (arr + i).tobytes())
+            finish(s, "FinishUpload", s._pb.FinishUploadRequest(transfer_id=up.transfer_id,
+                   receipts=[s._pb.WriteReceipt(rank=g.rank, bytes=w.bytes, receipt=w.receipt)]),
+                   s._pb.FinishUploadReply)
+            t = meshd.Tensor(s, ref, (64,), "float32", mesh.ref, 0)
+            fr = plan_fetch(s, t, gpu=0)
+            got = np.frombuffer(agent_read(fr.shards[0], s.id, ref), np.float32)
+            np.testing.assert_array_equal(got, arr + i)
+            finish(s, "FinishFetch", s._pb.FinishFetchRequest(transfer_id=fr.transfer_id),
+                   s._pb.FinishFetchReply)
