@@ -96,7 +96,7 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
 out:
   free(off);
   dp__scratch_put(dp, scratch);
-  return dp__plan_finish(&p, rc);
+  return dp__plan_finish(&p, rc, err);
 }
 
 /* Every member j != me is sent send + j * send_stride (send_stride 0: the
@@ -109,7 +109,7 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
   size_t n = g->n, np = n - 1;
   plan_t p;
   int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, 2 * np, 2 * np, err);
-  if (rc != 0) return dp__plan_finish(&p, rc);
+  if (rc != 0) return dp__plan_finish(&p, rc, err);
   for (size_t i = 0, j = 0; j < n; j++) {
     if (j == g->me) continue;
     p.msgs[2 * i] = (msg_t){.buf = (uint8_t *)send + j * send_stride, .len = bytes};
@@ -127,7 +127,7 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
       i++;
     }
   if (rc == 0) rc = dp__plan_run(&p, err);
-  return dp__plan_finish(&p, rc);
+  return dp__plan_finish(&p, rc, err);
 }
 
 /* Every member but `root` sends its part, elements [off[me], off[me+1]) at
