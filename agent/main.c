@@ -441,8 +441,7 @@ int main(int argc, char **argv) {
                    &stats);
     static rejected_series_t rejected[DP_REJECT_COUNT];
     metrics_define(metrics, "meshd_dataplane_rejected_total", METRIC_COUNTER,
-                   "Connections to the data port closed before they proved membership of a "
-                   "group, by reason (docs/protocol.md, \"Data plane handshake\").");
+                   "Data port connections closed before they proved group membership, by reason.");
     for (int r = 0; dp && r < DP_REJECT_COUNT; r++) {
       rejected[r] = (rejected_series_t){dp, (dp_reject_t)r};
       metrics_set_fn(metrics, "meshd_dataplane_rejected_total",
@@ -459,8 +458,7 @@ int main(int argc, char **argv) {
                      &aborts[r]);
     }
     metrics_define(metrics, "meshd_transfer_grants_total", METRIC_COUNTER,
-                   "Transfer grants presented to Read and Write (the direct data path), by "
-                   "result (docs/protocol.md, \"Direct data path\").");
+                   "Transfer grants presented to Read and Write (direct data path), by result.");
     for (int r = 0; r < GRANT_RESULT_COUNT; r++) {
       grant_series[r] = r;
       metrics_set_fn(metrics, "meshd_transfer_grants_total",

@@ -80,8 +80,8 @@ static double flow_waits_counter(void *arg) {
 
 void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m) {
   cs->metrics = m;
-  metrics_define(m, "meshd_commands_total", METRIC_COUNTER, "Commands run, by kind and status (ok or the error kind).");
-  metrics_define_histogram(m, "meshd_command_duration_seconds", "Time to run and answer a command, by kind.",
+  metrics_define(m, "meshd_commands_total", METRIC_COUNTER, "Commands handled, by kind and status (ok or the error kind).");
+  metrics_define_histogram(m, "meshd_command_duration_seconds", "Time from reading a command to accepting or refusing it, by kind.",
                            metrics_duration_buckets, metrics_duration_nbuckets);
   metrics_define(m, "meshd_queued_commands", METRIC_GAUGE,
                  "Commands accepted and not yet known to have run on the agents, all sessions "
