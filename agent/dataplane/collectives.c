@@ -139,7 +139,7 @@ static int to_root(dataplane_t *dp, const char *what, const dp_group_t *g, size_
   size_t n = g->n, me = g->me, esz = dtype_size(dtype), nx = me == root ? n - 1 : 1;
   plan_t p;
   int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, nx, nx, err);
-  if (rc != 0) return dp__plan_finish(&p, rc);
+  if (rc != 0) return dp__plan_finish(&p, rc, err);
   int64_t deadline = dp__now_ms() + dp->timeout_ms;
   if (me != root) {
     p.msgs[0] = (msg_t){.buf = (uint8_t *)send, .len = (off[me + 1] - off[me]) * esz};
@@ -160,7 +160,7 @@ static int to_root(dataplane_t *dp, const char *what, const dp_group_t *g, size_
     }
   }
   if (rc == 0) rc = dp__plan_run(&p, err);
-  return dp__plan_finish(&p, rc);
+  return dp__plan_finish(&p, rc, err);
 }
 
 /* Reduces n slots of count elements, slot j = slots + j * bytes, in group
