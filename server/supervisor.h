@@ -1,7 +1,8 @@
 /* `meshd --local-agents N`: N meshd-agent processes as direct children.
  *
  * Agent i runs `AGENT --server SERVER --listen 127.0.0.1:0 --rank i --device cpu`, plus
- * --log-level, --log-format, --metrics-listen HOST:BASE+i, --join-token-file and
+ * --log-level, --log-format, --metrics-listen HOST:BASE+i (or empty: off, whatever
+ * the environment they inherit says), --join-token-file and
  * the --cluster-* flags when set (never a secret in argv).
  * A child that exits is restarted within 2 s (at once, then with a backoff of up
  * to 1 s if it keeps dying). Children get SIGTERM if meshd dies (PR_SET_PDEATHSIG),

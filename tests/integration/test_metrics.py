@@ -270,12 +270,18 @@ TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z")
 
 
 def test_json_logs(meshd_server):
-    """--log-format=json: every line meshd and its local agent write (one log) is one JSON
+    """--log-format=json (here MESHD_LOG_FORMAT): every line meshd and its local agent write (one log) is one JSON
     object with time, level, component and msg, and session, rank and seq where known."""
-    srv = meshd_server(1, "--log-format=json", "--log-level=debug")
+    # From the environment, as a container sets it; the local agent inherits that
+    # environment but takes the server's format and no metrics port (the server's).
+    mport = free_ports(1)
+    srv = meshd_server(1, "--log-level=debug", env={
+        "MESHD_LOG_FORMAT": "json", "MESHD_METRICS_LISTEN": f"127.0.0.1:{mport}"})
     lib.wait_ready(srv, 1)
     (agent_pid,) = lib.agent_children(srv.pid)
-    assert "--log-format" in lib.proc_cmdline(agent_pid)
+    argv = lib.proc_cmdline(agent_pid)
+    assert argv[argv.index("--log-format") + 1] == "json" and "--metrics-listen=" in argv, argv
+    assert "meshd_build_info" in scrape(mport)
     name = 'we"ird\\name \u00e9'  # a quote, a backslash, non-ASCII (control bytes: refused)
     with Session(srv.port, name) as s:
         m = s.mesh(gpu=1).ref
