@@ -296,7 +296,8 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   int count = 0;
   bool changed = false;
   if (a) {
-    log_event(LOG_LEVEL_INFO, "pool", &(log_fields_t){LOG_RANK(rank)}, "agent rank %u (%s, %s) left: %s", rank, a->d.address, a->d.agent_id, why);
+    log_event(LOG_LEVEL_INFO, "pool", &(log_fields_t){LOG_RANK(rank)},
+              "agent rank %u (%s, %s) left: %s", rank, a->d.address, a->d.agent_id, why);
     ch = a->channel;
     pl = a->link;
     /* Sends take the pool lock, so the link's last seq is final here. */
@@ -332,7 +333,8 @@ void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id
   }
   if (a && a->healthy != healthy) {
     a->healthy = healthy;
-    log_event(LOG_LEVEL_INFO, "pool", &(log_fields_t){LOG_RANK(rank)}, "agent rank %u (%s) is %s", rank, a->d.address, healthy ? "healthy" : "unhealthy");
+    log_event(LOG_LEVEL_INFO, "pool", &(log_fields_t){LOG_RANK(rank)},
+              "agent rank %u (%s) is %s", rank, a->d.address, healthy ? "healthy" : "unhealthy");
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);

@@ -354,7 +354,8 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
       }
     }
     pthread_mutex_unlock(&s->mu);
-    log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, LOG_RANK(rank)}, "session %.8s: rank %u reports %s: %s", s->id, rank,
+    log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, LOG_RANK(rank)},
+              "session %.8s: rank %u reports %s: %s", s->id, rank,
               error_kind_name(kind), msg);
     session_release(s);
   }
@@ -423,8 +424,9 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
     session_release(s);
   }
   free(rows);
-  log_event(LOG_LEVEL_WARN, "command", &(log_fields_t){LOG_RANK(l->rank)}, "rank %u (agent %s) %s: %zu session(s) with work on it told", l->rank,
-           l->agent_id, reason, told);
+  log_event(LOG_LEVEL_WARN, "command", &(log_fields_t){LOG_RANK(l->rank)},
+            "rank %u (agent %s) %s: %zu session(s) with work on it told", l->rank,
+            l->agent_id, reason, told);
 }
 
 static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
@@ -661,7 +663,8 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
       metrics_series_observe(cs->sync_hist, now_seconds() - t0);
   }
   if (rc) {
-    log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, .seq = cmd->seq}, "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
+    log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, .seq = cmd->seq},
+              "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
               (unsigned long long)cmd->seq, error_kind_name(e.kind), e.msg);
     answer_error(call, submit, batch, cmd->seq, &e);
   } else if (!sync) {

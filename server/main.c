@@ -213,7 +213,8 @@ static void agent_lost(const agent_lost_t *l, void *arg) {
 /* A session ended (closed, expired, shutdown): its agents free what it held. */
 static void session_closed(session_t *s, session_end_t why, void *arg) {
   server_state_t *st = arg;
-  log_event(LOG_LEVEL_INFO, "server", &(log_fields_t){.session = s->id}, "session %.8s (%s) ended: %s", s->id, s->client_name, session_end_name(why));
+  log_event(LOG_LEVEL_INFO, "server", &(log_fields_t){.session = s->id},
+            "session %.8s (%s) ended: %s", s->id, s->client_name, session_end_name(why));
   if (st->commands) command_service_session_closed(st->commands, s);
 }
 

@@ -109,7 +109,8 @@ static pid_t spawn(supervisor_t *s, int i) {
     log_error("supervisor", "cannot start agent %d: %s", i, strerror(errno));
     return 0;
   }
-  log_event(LOG_LEVEL_INFO, "supervisor", &(log_fields_t){LOG_RANK(i)}, "started agent rank %d (pid %d)", i, (int)pid);
+  log_event(LOG_LEVEL_INFO, "supervisor", &(log_fields_t){LOG_RANK(i)},
+            "started agent rank %d (pid %d)", i, (int)pid);
   return pid;
 }
 
@@ -138,8 +139,9 @@ static void *watch(void *arg) {
         int delay = c->restarts_in_row == 0 ? 0 : 100 << (c->restarts_in_row < 4 ? c->restarts_in_row - 1 : 3);
         if (delay > 1000) delay = 1000;
         c->restarts_in_row++;
-        log_event(LOG_LEVEL_WARN, "supervisor", &(log_fields_t){LOG_RANK(i)}, "agent rank %d (pid %d) exited with %s; restarting in %d ms", i,
-                 (int)c->pid, why, delay);
+        log_event(LOG_LEVEL_WARN, "supervisor", &(log_fields_t){LOG_RANK(i)},
+                  "agent rank %d (pid %d) exited with %s; restarting in %d ms", i,
+                  (int)c->pid, why, delay);
         c->pid = 0;
         c->restart_at_ms = now + delay;
         c->restarting = true;
