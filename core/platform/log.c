@@ -172,6 +172,18 @@ static size_t json_escape(char *out, size_t cap, const char *in, size_t len, boo
 
 static const char *const json_levels[] = {"debug", "info", "warn", "error"};
 
+/* Appends to buf (cap bytes, len used), never past cap - 1; returns the new length. */
+__attribute__((format(printf, 4, 5))) static size_t append(char *buf, size_t cap, size_t len,
+                                                          const char *fmt, ...) {
+  if (len + 1 >= cap) return len;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(buf + len, cap - len, fmt, ap);
+  va_end(ap);
+  if (n < 0) return len;
+  return len + (size_t)n >= cap ? cap - 1 : len + (size_t)n;
+}
+
 /* The JSON line for an event whose message is msg[0, msg_len); msg_cut: the
  * message was cut already. Returns its length, newline included. */
 static size_t json_line(char *buf, const struct timespec *now, log_level_t level,
@@ -188,30 +200,27 @@ static size_t json_line(char *buf, const struct timespec *now, log_level_t level
   size_t len = (size_t)snprintf(buf, LINE_MAX_BYTES, "{\"time\":\"%s.%03dZ\",\"level\":\"%s\","
                                 "\"component\":\"%.*s\",\"msg\":\"", when,
                                 (int)(now->tv_nsec / 1000000), json_levels[level], (int)clen, comp);
-  /* What follows the message, kept whole even when the message is cut. */
-  char tail[512];
-  size_t tlen = (size_t)snprintf(tail, sizeof tail, "\"");
+  /* What follows the message, kept whole even when the message is cut (under
+   * 700 bytes: at most 64 bytes of the session, escaped; 184 of the source). */
+  char tail[1024];
+  size_t tlen = 0;
+  tlen = append(tail, sizeof tail, tlen, "\"");
   if (fields && fields->session) {
-    char sess[300];
+    char sess[64 * 6];
     size_t n = json_escape(sess, sizeof sess, fields->session, strnlen(fields->session, 64), &cut);
-    tlen += (size_t)snprintf(tail + tlen, sizeof tail - tlen, ",\"session\":\"%.*s\"", (int)n, sess);
+    tlen = append(tail, sizeof tail, tlen, ",\"session\":\"%.*s\"", (int)n, sess);
   }
   int64_t rank = fields && fields->has_rank ? (int64_t)fields->rank : atomic_load(&default_rank);
-  if (rank >= 0)
-    tlen += (size_t)snprintf(tail + tlen, sizeof tail - tlen, ",\"rank\":%lld", (long long)rank);
+  if (rank >= 0) tlen = append(tail, sizeof tail, tlen, ",\"rank\":%lld", (long long)rank);
   if (fields && fields->seq)
-    tlen += (size_t)snprintf(tail + tlen, sizeof tail - tlen, ",\"seq\":%llu",
-                             (unsigned long long)fields->seq);
+    tlen = append(tail, sizeof tail, tlen, ",\"seq\":%llu", (unsigned long long)fields->seq);
   if (debug && file) {
-    char src[200];
+    char src[184];
     const char *b = base_name(file);
-    size_t n = json_escape(src, sizeof src - 16, b, strlen(b), &cut);
-    tlen += (size_t)snprintf(tail + tlen, sizeof tail - tlen, ",\"source\":\"%.*s:%d\"", (int)n,
-                             src, line);
+    size_t n = json_escape(src, sizeof src, b, strlen(b), &cut);
+    tlen = append(tail, sizeof tail, tlen, ",\"source\":\"%.*s:%d\"", (int)n, src, line);
   }
-  if (tlen > sizeof tail - 3) tlen = sizeof tail - 3; /* cannot happen: bounded above */
-  tail[tlen++] = '}';
-  tail[tlen++] = '\n';
+  tlen = append(tail, sizeof tail, tlen, "}\n");
   size_t room = LINE_MAX_BYTES - len - tlen - 3; /* 3: "..." */
   len += json_escape(buf + len, room, msg, msg_len, &cut);
   if (cut || msg_cut) {

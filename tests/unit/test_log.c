@@ -367,6 +367,24 @@ Test(log, json_long_messages_are_cut_between_escapes) {
   assert_matches(out, "[^\\\\]\\\\\"\\.\\.\\.\",\"seq\":9\\}\n$");
 }
 
+Test(log, json_long_fields_are_cut_too) {
+  log_set_level(LOG_LEVEL_DEBUG);
+  log_set_format(LOG_FORMAT_JSON);
+  static char sess[300], file[400];
+  memset(sess, '"', sizeof sess - 1);
+  memset(file, 'f', sizeof file - 1);
+  capture_begin();
+  log_write_fields(LOG_LEVEL_INFO, "c", file, 1, &(log_fields_t){.session = sess, .seq = 5}, "m");
+  const char *out = capture_end();
+  cr_assert_eq(count_lines(out), 1);
+  /* 64 bytes of the session, each escaped; the source cut between characters. */
+  char want[200] = ",\"session\":\"";
+  for (int i = 0; i < 64; i++) strcat(want, "\\\"");
+  strcat(want, "\",\"seq\":5,\"source\":\"fff");
+  cr_assert(strstr(out, want), "%s", out);
+  assert_matches(out, "f:1\"\\}\n$");
+}
+
 Test(log, json_at_debug_names_the_source) {
   log_set_level(LOG_LEVEL_DEBUG);
   log_set_format(LOG_FORMAT_JSON);
