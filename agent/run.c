@@ -36,7 +36,7 @@ static void report(ctx_t *c, error_kind_t kind, const char *msg, uint64_t ref) {
   f->kind = kind;
   f->seq = c->ins->seq;
   f->ref = ref;
-  snprintf(f->msg, sizeof f->msg, "%s", msg);
+  snprintf(f->msg, sizeof f->msg, "%.*s", (int)sizeof f->msg - 1, msg); /* cut if longer */
 }
 
 static void fail_refs(ctx_t *c, const uint64_t *refs, size_t n, const ref_failure_t *f) {
