@@ -367,7 +367,7 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
     if (rc == 0 && recv) rc = dp__plan_connect(&p, g, 0, me - 1, false, deadline, err);
     if (rc == 0) rc = dp__plan_run(&p, err);
   }
-  rc = dp__plan_finish(&p, rc);
+  rc = dp__plan_finish(&p, rc, err);
   dp__call_leave(dp);
   return rc;
 }
