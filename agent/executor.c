@@ -382,7 +382,8 @@ static void run_stream(executor_t *x, xstream_t *st) {
       pthread_mutex_unlock(&x->mu);
       meshd_error_t e = {0};
       if (b->ops->stream_sync(b, bs, &e) != 0)
-        log_error("executor", "session %.8s stream %" PRIu64 ": %s", ss->id, st->id, e.msg);
+        log_event(LOG_LEVEL_ERROR, "executor", &(log_fields_t){.session = ss->id},
+                  "session %.8s stream %" PRIu64 ": %s", ss->id, st->id, e.msg);
       pthread_mutex_lock(&x->mu);
       st->unsynced_first = 0;
       for (int i = 0; i < nunsynced; i++) mark_done_locked(x, unsynced[i]);
@@ -569,7 +570,8 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   bool refused = validate_instruction(ins, &self, &verr) != 0;
   meshd_error_t *why = NULL;
   if (refused) {
-    log_warn("executor", "session %.8s: %s", ins->session_id ? ins->session_id : "", verr.msg);
+    log_event(LOG_LEVEL_WARN, "executor", &(log_fields_t){.session = ins->session_id, .seq = ins->seq},
+              "session %.8s: %s", ins->session_id ? ins->session_id : "", verr.msg);
     if ((why = malloc(sizeof *why))) *why = verr;
   }
   pthread_mutex_lock(&x->mu);

@@ -42,6 +42,7 @@ typedef struct options {
   int64_t threads;
   uint64_t max_message_bytes;
   const char *log_level;
+  const char *log_format;
   const char *metrics_listen;
   const char *metrics_port_file;
   const char *fault;
@@ -84,6 +85,8 @@ static const config_flag_t flags[] = {
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction",
      &opt.max_message_bytes, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
+    {"log-format", CONFIG_STRING, "text", "text, or json (one object per line)", &opt.log_format,
+     0, 0},
     {"metrics-listen", CONFIG_STRING, NULL,
      "serve Prometheus metrics at http://ADDR/metrics (default: off)", &opt.metrics_listen, 0, 0},
     {"metrics-port-file", CONFIG_STRING, NULL, "write the metrics port there",
@@ -160,6 +163,10 @@ static int parse_options(int argc, char **argv) {
     return usage_error("--log-level: '%s' is not one of debug, info, warn, error",
                        opt.log_level);
   log_set_level(level);
+  log_format_t log_format;
+  if (!log_parse_format(opt.log_format, &log_format))
+    return usage_error("--log-format: '%s' is not one of text, json", opt.log_format);
+  log_set_format(log_format);
   int ncluster = !!opt.cluster_ca + !!opt.cluster_cert + !!opt.cluster_key;
   if (ncluster != 0 && ncluster != 3)
     return usage_error("--cluster-ca, --cluster-cert and --cluster-key go together (missing: %s)",
@@ -194,6 +201,16 @@ typedef struct rejected_series {
 static double rejected_fn(void *arg) {
   const rejected_series_t *r = arg;
   return (double)dataplane_rejected(r->dp, r->reason);
+}
+
+/* One series of meshd_collective_aborts_total. */
+typedef struct aborts_series {
+  dataplane_t *dp;
+  dp_abort_t reason;
+} aborts_series_t;
+static double aborts_fn(void *arg) {
+  const aborts_series_t *a = arg;
+  return (double)dataplane_aborts(a->dp, a->reason);
 }
 
 /* One series of meshd_transfer_grants_total. */
@@ -262,6 +279,7 @@ int main(int argc, char **argv) {
   info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : default_memory_bytes();
   info.requested_rank = (int32_t)opt.rank;
   if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
+  if (opt.rank >= 0) log_set_rank(opt.rank);
 
   char err[256];
   bool cluster = opt.cluster_ca != NULL;
@@ -410,9 +428,10 @@ int main(int argc, char **argv) {
       log_error("agent", "--metrics-listen: out of memory");
       goto out;
     }
-    metrics_define(metrics, "meshd_agent_bytes_allocated", METRIC_GAUGE,
+    metrics_define_std(metrics);
+    metrics_define(metrics, "meshd_agent_allocated_bytes", METRIC_GAUGE,
                    "Device memory the agent holds now, in bytes.");
-    metrics_set_fn(metrics, "meshd_agent_bytes_allocated", NULL, allocated_gauge, &backend);
+    metrics_set_fn(metrics, "meshd_agent_allocated_bytes", NULL, allocated_gauge, &backend);
     metrics_define(metrics, "meshd_agent_instructions_total", METRIC_COUNTER,
                    "Instructions the agent has run.");
     metrics_set_fn(metrics, "meshd_agent_instructions_total", NULL, instructions_fn, &stats);
@@ -422,17 +441,24 @@ int main(int argc, char **argv) {
                    &stats);
     static rejected_series_t rejected[DP_REJECT_COUNT];
     metrics_define(metrics, "meshd_dataplane_rejected_total", METRIC_COUNTER,
-                   "Connections to the data port closed before they proved membership of a "
-                   "group, by reason (docs/protocol.md, \"Data plane handshake\").");
+                   "Data port connections closed before they proved group membership, by reason.");
     for (int r = 0; dp && r < DP_REJECT_COUNT; r++) {
       rejected[r] = (rejected_series_t){dp, (dp_reject_t)r};
       metrics_set_fn(metrics, "meshd_dataplane_rejected_total",
                      (const char *[]){"reason", dp_reject_name((dp_reject_t)r), NULL}, rejected_fn,
                      &rejected[r]);
     }
+    static aborts_series_t aborts[DP_ABORT_COUNT];
+    metrics_define(metrics, "meshd_collective_aborts_total", METRIC_COUNTER,
+                   "Collectives and sends that failed here after they began, by reason.");
+    for (int r = 0; dp && r < DP_ABORT_COUNT; r++) {
+      aborts[r] = (aborts_series_t){dp, (dp_abort_t)r};
+      metrics_set_fn(metrics, "meshd_collective_aborts_total",
+                     (const char *[]){"reason", dp_abort_name((dp_abort_t)r), NULL}, aborts_fn,
+                     &aborts[r]);
+    }
     metrics_define(metrics, "meshd_transfer_grants_total", METRIC_COUNTER,
-                   "Transfer grants presented to Read and Write (the direct data path), by "
-                   "result (docs/protocol.md, \"Direct data path\").");
+                   "Transfer grants presented to Read and Write (direct data path), by result.");
     for (int r = 0; r < GRANT_RESULT_COUNT; r++) {
       grant_series[r] = r;
       metrics_set_fn(metrics, "meshd_transfer_grants_total",

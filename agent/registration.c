@@ -92,6 +92,7 @@ static void on_server_message(registration_t *reg, const Meshd__V1__ServerToAgen
                               attempt_t *at) {
   switch (m->msg_case) {
   case MESHD__V1__SERVER_TO_AGENT__MSG_ACCEPTED:
+    log_set_rank(m->accepted->rank);
     log_info("agent", "registered as rank %u with server %s (server id %s)",
              m->accepted->rank, reg->info->server, m->accepted->server_id);
     if (!at->accepted) {

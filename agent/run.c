@@ -36,7 +36,7 @@ static void report(ctx_t *c, error_kind_t kind, const char *msg, uint64_t ref) {
   f->kind = kind;
   f->seq = c->ins->seq;
   f->ref = ref;
-  snprintf(f->msg, sizeof f->msg, "%s", msg);
+  snprintf(f->msg, sizeof f->msg, "%.*s", (int)sizeof f->msg - 1, msg); /* cut if longer */
 }
 
 static void fail_refs(ctx_t *c, const uint64_t *refs, size_t n, const ref_failure_t *f) {
@@ -55,7 +55,8 @@ static void root_failure_kind(ctx_t *c, const uint64_t *refs, size_t n, const me
                      .root_ref = n ? refs[0] : 0};
   snprintf(f.msg, sizeof f.msg, "%s", e->msg);
   fail_refs(c, refs, n, &f);
-  log_debug("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
+  log_event(LOG_LEVEL_DEBUG, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
+            "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
   report(c, f.kind, f.msg, f.root_ref);
 }
 
@@ -849,8 +850,9 @@ static void run_send(ctx_t *c) {
                         st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
         c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
                         st->peer_address, out.storage->data, bytes, &e))
-      log_warn("run", "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
-               c->ins->seq, st->to_rank, e.msg);
+      log_event(LOG_LEVEL_WARN, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
+                "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
+                c->ins->seq, st->to_rank, e.msg);
     else
       count_bytes(c, (uint64_t)bytes);
     goto out;
@@ -874,7 +876,8 @@ static void run_send(ctx_t *c) {
   goto out;
 fail:
   if (res_ref) root_failure(c, &res_ref, 1, &e);
-  else log_warn("run", "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e.msg);
+  else log_event(LOG_LEVEL_WARN, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
+                 "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e.msg);
 out:
   storage_release(in.storage);
   storage_release(out.storage);

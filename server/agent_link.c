@@ -322,9 +322,10 @@ static void *reader_main(void *arg) {
   if (!why[0])
     snprintf(why, sizeof why, "%s: %s", meshd_grpc_code_name(st.code),
              st.message[0] ? st.message : "(no message)");
-  log_warn("link", "rank %u (agent %s): Execute link lost: %s; executed through seq %llu of %llu, "
-           "%zu queued instruction(s) dropped", l->rank, l->agent_id, why,
-           (unsigned long long)exec, (unsigned long long)last, ndropped);
+  log_event(LOG_LEVEL_WARN, "link", &(log_fields_t){LOG_RANK(l->rank)},
+            "rank %u (agent %s): Execute link lost: %s; executed through seq %llu of %llu, "
+            "%zu queued instruction(s) dropped", l->rank, l->agent_id, why,
+            (unsigned long long)exec, (unsigned long long)last, ndropped);
   if (l->cb.on_lost) l->cb.on_lost(l->rank, l->cb.arg);
   return NULL;
 }
@@ -351,8 +352,9 @@ agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agen
   if (!l->writer_started) goto fail;
   l->reader_started = pthread_create(&l->reader, NULL, reader_main, l) == 0;
   if (!l->reader_started) goto fail;
-  log_info("link", "rank %u (agent %s): Execute link open, seqs from %llu", rank, l->agent_id,
-           (unsigned long long)l->next_seq);
+  log_event(LOG_LEVEL_INFO, "link", &(log_fields_t){LOG_RANK(rank)},
+            "rank %u (agent %s): Execute link open, seqs from %llu", rank, l->agent_id,
+            (unsigned long long)l->next_seq);
   return l;
 fail:
   log_error("link", "rank %u (agent %s): cannot open the Execute link", rank, l->agent_id);

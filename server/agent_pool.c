@@ -296,7 +296,8 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   int count = 0;
   bool changed = false;
   if (a) {
-    log_info("pool", "agent rank %u (%s, %s) left: %s", rank, a->d.address, a->d.agent_id, why);
+    log_event(LOG_LEVEL_INFO, "pool", &(log_fields_t){LOG_RANK(rank)},
+              "agent rank %u (%s, %s) left: %s", rank, a->d.address, a->d.agent_id, why);
     ch = a->channel;
     pl = a->link;
     /* Sends take the pool lock, so the link's last seq is final here. */
@@ -332,7 +333,8 @@ void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id
   }
   if (a && a->healthy != healthy) {
     a->healthy = healthy;
-    log_info("pool", "agent rank %u (%s) is %s", rank, a->d.address, healthy ? "healthy" : "unhealthy");
+    log_event(LOG_LEVEL_INFO, "pool", &(log_fields_t){LOG_RANK(rank)},
+              "agent rank %u (%s) is %s", rank, a->d.address, healthy ? "healthy" : "unhealthy");
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
@@ -482,6 +484,20 @@ size_t agent_pool_queued(agent_pool_t *p, uint32_t rank) {
   pthread_mutex_lock(&p->mu);
   agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
   size_t n = a && a->link ? agent_link_queued(a->link->link) : 0;
+  pthread_mutex_unlock(&p->mu);
+  return n;
+}
+
+uint64_t agent_pool_pending_instructions(agent_pool_t *p) {
+  uint64_t n = 0;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < p->cap; i++) {
+    agent_t *a = &p->agents[i];
+    if (!a->used || !a->link) continue;
+    agent_link_stats_t st;
+    agent_link_stats(a->link->link, &st);
+    if (!st.broken && st.last_seq > st.executed) n += st.last_seq - st.executed;
+  }
   pthread_mutex_unlock(&p->mu);
   return n;
 }

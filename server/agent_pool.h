@@ -150,6 +150,11 @@ void agent_pool_kick_deferred(agent_pool_t *p);
 uint64_t agent_pool_executed(agent_pool_t *pool, uint32_t rank);
 /* Instructions queued for rank and not yet written (0 without a link). */
 size_t agent_pool_queued(agent_pool_t *pool, uint32_t rank);
+/* Instructions given a seq on the agents' live links and not yet reported
+ * executed, summed over agents (an agent reports the highest seq through
+ * which it ran everything, so one waiting stream holds back its agent's
+ * count). */
+uint64_t agent_pool_pending_instructions(agent_pool_t *pool);
 /* The watermark fed by every link: wait on it for Sync (watermark.h). Lives
  * as long as the pool. */
 watermark_t *agent_pool_watermark(agent_pool_t *pool);

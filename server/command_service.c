@@ -21,6 +21,8 @@ typedef struct pending_sync {
   session_t *session; /* referenced: its unreported failures go into the answer */
   bool submit;      /* answer as a SubmitReply (stream stays open) or end the call */
   uint64_t seq;     /* the client's command seq */
+  double t0;        /* when the server read it (monotonic s; with sync_hist) */
+  metrics_series_t *sync_hist; /* NULL: not measured */
   struct submit_state *stream; /* Submit: counts pending answers */
   watermark_target_t *targets; /* until wait_sync */
   size_t n;
@@ -47,7 +49,12 @@ struct command_service {
   session_table_t *sessions;
   flow_t *flow;
   metrics_registry_t *metrics; /* NULL: not counted */
+  metrics_series_t *sync_hist; /* meshd_sync_duration_seconds */
 };
+
+/* Sync waits for agents' work: buckets up to a minute. */
+static const double sync_buckets[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                      0.25,   0.5,   1,      2.5,   5,    10,    30,    60};
 
 static double queued_commands_gauge(void *arg) {
   flow_stats_t st;
@@ -75,8 +82,8 @@ static double flow_waits_counter(void *arg) {
 
 void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m) {
   cs->metrics = m;
-  metrics_define(m, "meshd_commands_total", METRIC_COUNTER, "Commands run, by kind and status (ok or the error kind).");
-  metrics_define_histogram(m, "meshd_command_duration_seconds", "Time to run and answer a command, by kind.",
+  metrics_define(m, "meshd_commands_total", METRIC_COUNTER, "Commands handled, by kind and status (ok or the error kind).");
+  metrics_define_histogram(m, "meshd_command_duration_seconds", "Time from reading a command to accepting or refusing it, by kind.",
                            metrics_duration_buckets, metrics_duration_nbuckets);
   metrics_define(m, "meshd_queued_commands", METRIC_GAUGE,
                  "Commands accepted and not yet known to have run on the agents, all sessions "
@@ -91,6 +98,10 @@ void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m) {
   metrics_define(m, "meshd_flow_waits_total", METRIC_COUNTER,
                  "Times a call had to wait for room (a session or the server over its bound).");
   metrics_set_fn(m, "meshd_flow_waits_total", NULL, flow_waits_counter, cs->flow);
+  metrics_define_histogram(m, "meshd_sync_duration_seconds",
+                           "Time from reading a Sync to answering it.", sync_buckets,
+                           sizeof sync_buckets / sizeof sync_buckets[0]);
+  cs->sync_hist = metrics_series(m, "meshd_sync_duration_seconds", NULL);
 }
 
 static double now_seconds(void) {
@@ -292,6 +303,8 @@ static void unlist_sync(pending_sync_t *p) {
 
 static void complete_sync(pending_sync_t *p, const meshd_error_t *e) {
   unlist_sync(p);
+  /* Before the answer: a client that scrapes after its reply sees it. */
+  if (p->sync_hist) metrics_series_observe(p->sync_hist, now_seconds() - p->t0);
   if (e) {
     send_error(p->call, p->submit, p->seq, e);
   } else {
@@ -343,7 +356,8 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
       }
     }
     pthread_mutex_unlock(&s->mu);
-    log_debug("command", "session %.8s: rank %u reports %s: %s", s->id, rank,
+    log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, LOG_RANK(rank)},
+              "session %.8s: rank %u reports %s: %s", s->id, rank,
               error_kind_name(kind), msg);
     session_release(s);
   }
@@ -412,8 +426,9 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
     session_release(s);
   }
   free(rows);
-  log_warn("command", "rank %u (agent %s) %s: %zu session(s) with work on it told", l->rank,
-           l->agent_id, reason, told);
+  log_event(LOG_LEVEL_WARN, "command", &(log_fields_t){LOG_RANK(l->rank)},
+            "rank %u (agent %s) %s: %zu session(s) with work on it told", l->rank,
+            l->agent_id, reason, told);
 }
 
 static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
@@ -443,7 +458,7 @@ static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg)
  * was answered already (out of memory). */
 static pending_sync_t *start_sync(command_service_t *cs, session_t *s, objects_t *o,
                                   rpc_call_t *call, bool submit, uint64_t seq,
-                                  submit_state_t *stream) {
+                                  submit_state_t *stream, double t0) {
   pending_sync_t *p = calloc(1, sizeof *p);
   size_t cap = o->ntouched ? o->ntouched : 1;
   uint32_t *ranks = malloc(sizeof *ranks * cap);
@@ -460,7 +475,8 @@ static pending_sync_t *start_sync(command_service_t *cs, session_t *s, objects_t
     if (stream) submit_answered(stream, call);
     return NULL;
   }
-  *p = (pending_sync_t){.call = call, .session = s, .submit = submit, .seq = seq, .stream = stream};
+  *p = (pending_sync_t){.call = call, .session = s, .submit = submit, .seq = seq, .stream = stream,
+                        .t0 = t0, .sync_hist = cs->sync_hist};
   rpc_call_ref(call);
   session_ref(s);
   p->n = emit_status(&cs->fe, s, o, ranks, seqs, cap);
@@ -632,7 +648,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
       stream->refs++; /* the Sync's, dropped by submit_answered */
       pthread_mutex_unlock(&stream->mu);
     }
-    pending = start_sync(cs, s, o, call, submit, cmd->seq, stream);
+    pending = start_sync(cs, s, o, call, submit, cmd->seq, stream, t0);
   }
   pthread_mutex_unlock(&s->mu);
   wait_checkpoint(cs, s, &ck);
@@ -644,9 +660,13 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
                 (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
     metrics_observe(cs->metrics, "meshd_command_duration_seconds", (const char *[]){"kind", kind, NULL},
                     now_seconds() - t0);
+    /* A refused Sync is answered now; an accepted one when its wait fires. */
+    if (rc && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC)
+      metrics_series_observe(cs->sync_hist, now_seconds() - t0);
   }
   if (rc) {
-    log_debug("command", "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
+    log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, .seq = cmd->seq},
+              "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),
               (unsigned long long)cmd->seq, error_kind_name(e.kind), e.msg);
     answer_error(call, submit, batch, cmd->seq, &e);
   } else if (!sync) {

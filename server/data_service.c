@@ -12,6 +12,7 @@
 #include "commands.h"
 #include "grant.h"
 #include "log.h"
+#include "metrics.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "objects.h"
 #include "session_service.h"
@@ -43,7 +44,28 @@ struct data_service {
   pthread_t sweeper;
   bool sweeping, stop;
   pthread_cond_t wake;
+  /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
+  metrics_series_t *bytes[2][2];
 };
+
+enum { DIR_UPLOAD, DIR_FETCH };
+enum { PATH_PROXY, PATH_DIRECT };
+
+static void count_bytes(data_service_t *ds, int dir, int path, size_t n) {
+  if (n) metrics_series_inc(ds->bytes[dir][path], (double)n);
+}
+
+void data_service_set_metrics(data_service_t *ds, metrics_registry_t *m) {
+  metrics_define(m, "meshd_transfer_bytes_total", METRIC_COUNTER,
+                 "Tensor bytes moved by Upload and Fetch, through the server (proxy) or "
+                 "straight to the agents (direct).");
+  static const char *const dirs[] = {"upload", "fetch"}, *const paths[] = {"proxy", "direct"};
+  for (int d = 0; d < 2; d++)
+    for (int p = 0; p < 2; p++)
+      ds->bytes[d][p] = metrics_series(
+          m, "meshd_transfer_bytes_total",
+          (const char *[]){"direction", dirs[d], "path", paths[p], NULL});
+}
 
 static void live_add(data_service_t *ds) {
   pthread_mutex_lock(&ds->mu);
@@ -566,6 +588,7 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
     return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
   }
   u->got += c->data.len;
+  count_bytes(u->ds, DIR_UPLOAD, PATH_PROXY, c->data.len);
   pthread_mutex_lock(&u->mu);
   bool aborted = u->aborted;
   pthread_mutex_unlock(&u->mu);
@@ -592,6 +615,7 @@ static bool upload_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
   upload_chunk_t *q = malloc(sizeof *q);
   if (!q) return false; /* the unpacked way reports it */
   u->got += len;
+  count_bytes(u->ds, DIR_UPLOAD, PATH_PROXY, len);
   q->raw = msg;
   q->len = len;
   pthread_mutex_lock(&u->mu);
@@ -642,6 +666,7 @@ typedef struct fetch {
   _Atomic bool read_all;       /* the agent's Read ended OK: it took the Snapshot */
   bool direct;                 /* a direct transfer's FinishFetch: no relay, just the wait */
   _Atomic bool slot_freed;     /* its --session-max-transfers slot is given back already */
+  size_t bytes;                /* the shard's */
 
   pthread_mutex_t mu;
   int refs;          /* the call's (until on_end) and the relay's (until it stops) */
@@ -749,6 +774,7 @@ static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
   if (rc == 0 && rpc_bytes_is_field(m, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len)) {
     /* DataChunk{data} is FetchChunk{data} byte for byte: forwarded as is. */
     rc = rpc_call_send_raw(f->call, m);
+    if (rc == 0) count_bytes(f->ds, DIR_FETCH, PATH_PROXY, len);
     m = NULL;
   } else if (rc == 0) { /* the spec (the meta went first), or a chunk with more fields */
     Meshd__Agent__V1__DataChunk *c =
@@ -763,6 +789,7 @@ static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
       out.part_case = MESHD__V1__FETCH_CHUNK__PART_DATA;
       out.data = c->data;
       rc = rpc_call_send(f->call, &out.base);
+      if (rc == 0) count_bytes(f->ds, DIR_FETCH, PATH_PROXY, c->data.len);
     }
     if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
   }
@@ -850,6 +877,7 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
     atomic_store(&f->read_all, true);
     /* The slot before the answer: the client may start its next transfer on it. */
     if (!atomic_exchange(&f->slot_freed, true)) transfer_end(f->sess);
+    count_bytes(f->ds, DIR_FETCH, PATH_DIRECT, f->bytes);
     rpc_call_reply(f->call, &ok.base);
     relay_stop(f);
     return true;
@@ -975,6 +1003,7 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   session_ref(s);
   snprintf(f->session, sizeof f->session, "%s", s->id);
   command_tensor_meta(&f->meta, t, f->dims);
+  f->bytes = (size_t)layout_numel(&t->tensor.meta.layout) * dtype_size(t->tensor.meta.dtype);
   return 0;
 }
 
@@ -1414,6 +1443,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   if (obj) {
     /* The slot first: a client that starts its next transfer on the answer
      * must find it free (--session-max-transfers). */
+    count_bytes(ds, DIR_UPLOAD, PATH_DIRECT, t->each * t->nranks);
     transfer_free(ds, t, false);
     rpc_call_reply(call, &reply.base);
     return;

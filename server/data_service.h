@@ -34,6 +34,10 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
 /* The data path (default AUTO) and how long a direct transfer's grants live
  * (grant_ms > 0; default 10 minutes). Before the server starts. */
 void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms);
+/* Counts tensor bytes moved in meshd_transfer_bytes_total{direction,path}
+ * (upload/fetch, proxy/direct). Before the server starts; m outlives ds. */
+struct metrics_registry;
+void data_service_set_metrics(data_service_t *ds, struct metrics_registry *m);
 /* The rows (Upload, Fetch, PlanTransfer, FinishUpload, FinishFetch; static storage), *n their count. Register them with
  * the data_service_t * as arg; the service must outlive the server. */
 const rpc_method_t *data_service_methods(size_t *n);

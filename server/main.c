@@ -31,7 +31,9 @@
 #include "tensor_service.h"
 
 typedef struct options {
-  const char *listen, *port_file, *agent_binary, *log_level, *metrics_listen, *metrics_port_file;
+  const char *listen, *port_file, *agent_binary, *log_level, *log_format, *metrics_listen;
+  const char *metrics_port_file;
+  int64_t local_agent_metrics_port_base;
   const char *local_agent_device;
   const char *tls_cert, *tls_key, *tls_client_ca, *auth_tokens, *health_listen;
   int64_t max_sessions_per_principal, max_streams_per_connection;
@@ -169,8 +171,13 @@ static const config_flag_t flags[] = {
      "serve gRPC server reflection (grpcurl list/describe) on --listen, behind the same bearer "
      "tokens as TensorService, and on the --local-agents' ports", &opt.reflection, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
+    {"log-format", CONFIG_STRING, "text",
+     "text, or json (one object per line); --local-agents use the same", &opt.log_format, 0, 0},
     {"metrics-listen", CONFIG_STRING, NULL, "serve Prometheus metrics at http://ADDR/metrics (default: off)",
      &opt.metrics_listen, 0, 0},
+    {"local-agent-metrics-port-base", CONFIG_INT, "0",
+     "local agent i serves its metrics on port PORT+i, on the host of --metrics-listen "
+     "(default 127.0.0.1) (0: off)", &opt.local_agent_metrics_port_base, 0, 65535},
     {"metrics-port-file", CONFIG_STRING, NULL, "write the metrics port here once serving", &opt.metrics_port_file, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
@@ -181,7 +188,14 @@ typedef struct server_state {
   health_t *health;
   int min_agents;
   command_service_t *commands;
+  metrics_series_t *agent_restarts; /* NULL: not counted */
 } server_state_t;
+
+static void agent_restarted(int rank, void *arg) {
+  (void)rank;
+  server_state_t *st = arg;
+  metrics_series_inc(st->agent_restarts, 1);
+}
 
 /* Root failures agents report become failed tensors and Sync answers. */
 static void agent_reported(uint32_t rank, const agent_link_report_t *r, void *arg) {
@@ -199,7 +213,8 @@ static void agent_lost(const agent_lost_t *l, void *arg) {
 /* A session ended (closed, expired, shutdown): its agents free what it held. */
 static void session_closed(session_t *s, session_end_t why, void *arg) {
   server_state_t *st = arg;
-  log_info("server", "session %.8s (%s) ended: %s", s->id, s->client_name, session_end_name(why));
+  log_event(LOG_LEVEL_INFO, "server", &(log_fields_t){.session = s->id},
+            "session %.8s (%s) ended: %s", s->id, s->client_name, session_end_name(why));
   if (st->commands) command_service_session_closed(st->commands, s);
 }
 
@@ -223,6 +238,23 @@ static void default_agent_binary(char *out, size_t len) {
 static double sessions_gauge(void *arg) { return (double)session_count(arg); }
 static double agents_healthy_gauge(void *arg) { return agent_pool_healthy(arg); }
 static double agents_registered_gauge(void *arg) { return agent_pool_size(arg); }
+static double queued_instructions_gauge(void *arg) {
+  return (double)agent_pool_pending_instructions(arg);
+}
+
+/* The host of a "host:port" or "[v6]:port" address, into out ("" if none). */
+static void host_of(const char *addr, char *out, size_t len) {
+  out[0] = '\0';
+  const char *colon = addr ? strrchr(addr, ':') : NULL;
+  if (!colon) return;
+  const char *h = addr;
+  size_t n = (size_t)(colon - addr);
+  if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+    h++;
+    n -= 2;
+  }
+  snprintf(out, len, "%.*s", (int)n, h);
+}
 
 static int usage_error(const char *prog, const char *msg) {
   fprintf(stderr, "meshd: %s\n", msg);
@@ -252,6 +284,19 @@ int main(int argc, char **argv) {
     snprintf(err, sizeof err, "--log-level: '%s' is not one of debug, info, warn, error", opt.log_level);
     return usage_error("meshd", err);
   }
+  log_format_t log_format;
+  if (!log_parse_format(opt.log_format, &log_format)) {
+    snprintf(err, sizeof err, "--log-format: '%s' is not one of text, json", opt.log_format);
+    return usage_error("meshd", err);
+  }
+  if (opt.local_agent_metrics_port_base > 0 &&
+      opt.local_agent_metrics_port_base + opt.local_agents - 1 > 65535) {
+    snprintf(err, sizeof err, "--local-agent-metrics-port-base: %lld + %lld agents runs past port 65535",
+             (long long)opt.local_agent_metrics_port_base, (long long)opt.local_agents);
+    return usage_error("meshd", err);
+  }
+  if (opt.local_agent_metrics_port_base > 0 && opt.local_agents == 0)
+    return usage_error("meshd", "--local-agent-metrics-port-base needs --local-agents");
   data_path_t data_path = DATA_PATH_AUTO;
   if (!strcmp(opt.data_path, "direct")) data_path = DATA_PATH_DIRECT;
   else if (!strcmp(opt.data_path, "proxy")) data_path = DATA_PATH_PROXY;
@@ -284,6 +329,7 @@ int main(int argc, char **argv) {
                    .ca_file = opt.tls_client_ca};
   if (rpc_tls_check(&tls, true, err, sizeof err) != 0) return usage_error("meshd", err);
   log_set_level(level);
+  log_set_format(log_format);
   int min_agents = opt.min_agents >= 0 ? (int)opt.min_agents
                                        : (opt.local_agents > 0 ? (int)opt.local_agents : 1);
   if (min_agents > opt.max_agents || opt.local_agents > opt.max_agents) {
@@ -325,7 +371,7 @@ int main(int argc, char **argv) {
 
   char server_id[33];
   runtime_random_hex(server_id, 16);
-  server_state_t state = {health_create(), min_agents, NULL};
+  server_state_t state = {health_create(), min_agents, NULL, NULL};
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
   agent_pool_t *pool = agent_pool_create(&pool_cb);
@@ -431,7 +477,15 @@ int main(int argc, char **argv) {
   if (opt.metrics_listen && *opt.metrics_listen) {
     metrics = metrics_create();
     if (metrics) {
+      metrics_define_std(metrics);
       command_service_set_metrics(state.commands, metrics);
+      data_service_set_metrics(data, metrics);
+      metrics_define(metrics, "meshd_queued_instructions", METRIC_GAUGE,
+                     "Instructions sent to agents and not yet reported run, all agents.");
+      metrics_set_fn(metrics, "meshd_queued_instructions", NULL, queued_instructions_gauge, pool);
+      metrics_define(metrics, "meshd_agent_restarts_total", METRIC_COUNTER,
+                     "Local agents (--local-agents) started again after they exited.");
+      state.agent_restarts = metrics_series(metrics, "meshd_agent_restarts_total", NULL);
       metrics_define(metrics, "meshd_sessions", METRIC_GAUGE, "Open sessions.");
       metrics_set_fn(metrics, "meshd_sessions", NULL, sessions_gauge, sessions);
       metrics_define(metrics, "meshd_agents", METRIC_GAUGE,
@@ -473,7 +527,7 @@ int main(int argc, char **argv) {
 
   supervisor_t *sup = NULL;
   if (opt.local_agents > 0) {
-    char binary[PATH_MAX], server_addr[300];
+    static char binary[PATH_MAX], server_addr[300]; /* the supervisor keeps pointers */
     if (opt.agent_binary) snprintf(binary, sizeof binary, "%s", opt.agent_binary);
     else default_agent_binary(binary, sizeof binary);
     cluster_local_target(cluster, client_addr, server_addr, sizeof server_addr);
@@ -482,12 +536,27 @@ int main(int argc, char **argv) {
     /* Host memory is shared among cpu agents; a GPU agent's capacity is its GPU's. */
     bool gpu = !strncmp(opt.local_agent_device, "cuda", 4) &&
                strcmp(opt.local_agent_device, "cuda:emulated") != 0;
-    supervisor_opts_t sopts = {binary, server_addr, (int)opt.local_agents,
-                               gpu ? 0 : total / (uint64_t)opt.local_agents, opt.log_level,
-                               opt.local_agent_device, cluster_join_token_file(cluster),
-                               opt.cluster_ca, opt.cluster_cert, opt.cluster_key,
-                               opt.cluster_name, opt.max_tensor_dims, opt.max_tensor_elements,
-                               opt.reflection};
+    static char metrics_host[256]; /* the supervisor keeps a pointer */
+    host_of(opt.metrics_listen, metrics_host, sizeof metrics_host);
+    supervisor_opts_t sopts = {.agent_binary = binary,
+                               .server = server_addr,
+                               .count = (int)opt.local_agents,
+                               .memory_bytes = gpu ? 0 : total / (uint64_t)opt.local_agents,
+                               .log_level = opt.log_level,
+                               .log_format = opt.log_format,
+                               .metrics_host = opt.metrics_listen && *opt.metrics_listen ? metrics_host : NULL,
+                               .metrics_port_base = (int)opt.local_agent_metrics_port_base,
+                               .on_restart = agent_restarted,
+                               .arg = &state,
+                               .device = opt.local_agent_device,
+                               .join_token_file = cluster_join_token_file(cluster),
+                               .cluster_ca = opt.cluster_ca,
+                               .cluster_cert = opt.cluster_cert,
+                               .cluster_key = opt.cluster_key,
+                               .cluster_name = opt.cluster_name,
+                               .max_tensor_dims = opt.max_tensor_dims,
+                               .max_tensor_elements = opt.max_tensor_elements,
+                               .reflection = opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {
       rpc_server_shutdown(srv, 0);

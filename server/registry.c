@@ -154,8 +154,9 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   snprintf(c->agent_id, sizeof c->agent_id, "%s", d.agent_id);
   snprintf(c->address, sizeof c->address, "%s", d.address);
   char *peer = rpc_call_peer(c->call);
-  log_info("registry", "agent %s at %s (%s, pid %u, from %s) registered as rank %d", d.agent_id,
-           d.address, d.device, d.pid, peer ? peer : "?", rank);
+  log_event(LOG_LEVEL_INFO, "registry", &(log_fields_t){LOG_RANK(rank)},
+            "agent %s at %s (%s, pid %u, from %s) registered as rank %d", d.agent_id,
+            d.address, d.device, d.pid, peer ? peer : "?", rank);
   free(peer);
 
   Meshd__V1__RegisterAccepted acc = MESHD__V1__REGISTER_ACCEPTED__INIT;
@@ -327,9 +328,10 @@ static void sweep(registry_t *r) {
   for (conn_t *c = r->conns; c; c = c->next) {
     if (!c->dialed || c->ending || ((size_t)c->rank < world && healthy[c->rank])) continue;
     c->ending = true;
-    log_warn("registry", "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
-             "within %.1f s, or the link broke): ending its registration so that it registers "
-             "again", c->rank, c->address, c->agent_id, r->o.agent_timeout_ms / 1000.0);
+    log_event(LOG_LEVEL_WARN, "registry", &(log_fields_t){LOG_RANK(c->rank)},
+              "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
+              "within %.1f s, or the link broke): ending its registration so that it registers "
+              "again", c->rank, c->address, c->agent_id, r->o.agent_timeout_ms / 1000.0);
     rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL,
                     "the server lost its link to this agent (no keepalive answer within %.1f s, "
                     "or the Execute stream broke); register again",

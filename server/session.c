@@ -114,8 +114,9 @@ static void unlink_locked(session_table_t *t, session_t *s) {
 
 static void announce(session_table_t *t, session_t *s, session_end_t why) {
   int64_t idle = rpc_now_ms() - atomic_load(&s->last_used_ms);
-  log_info("session", "session %s (%s) %s after %lld ms idle", s->id,
-           s->client_name[0] ? s->client_name : "unnamed", session_end_name(why), (long long)idle);
+  log_event(LOG_LEVEL_INFO, "session", &(log_fields_t){.session = s->id},
+            "session %s (%s) %s after %lld ms idle", s->id,
+            s->client_name[0] ? s->client_name : "unnamed", session_end_name(why), (long long)idle);
   if (t->on_closed) t->on_closed(s, why, t->arg);
 }
 
@@ -306,8 +307,9 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
   }
   HASH_ADD_STR(t->by_id, id, s);
   pthread_mutex_unlock(&t->mu);
-  log_info("session", "session %s created by %s for '%s' (ttl %llu s, quota %llu bytes)", s->id,
-           s->owner, s->client_name, (unsigned long long)s->ttl_s, (unsigned long long)s->quota_bytes);
+  log_event(LOG_LEVEL_INFO, "session", &(log_fields_t){.session = s->id},
+            "session %s created by %s for '%s' (ttl %llu s, quota %llu bytes)", s->id,
+            s->owner, s->client_name, (unsigned long long)s->ttl_s, (unsigned long long)s->quota_bytes);
   *out = s;
   return 0;
 }

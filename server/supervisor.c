@@ -22,6 +22,7 @@ typedef struct child {
   int restarts_in_row;
   int64_t started_ms;
   int64_t restart_at_ms; /* when pid == 0: when to start it again */
+  bool restarting;       /* it exited: the next start is a restart */
 } child_t;
 
 struct supervisor {
@@ -49,13 +50,13 @@ static void exec_agent(char *const argv[], pid_t parent) {
 }
 
 static pid_t spawn(supervisor_t *s, int i) {
-  char rank[16], mem[32], device[32], dims[24], elems[24];
+  char rank[16], mem[32], device[32], dims[24], elems[24], metrics[320];
   snprintf(rank, sizeof rank, "%d", i);
   const char *dev = s->o.device ? s->o.device : "cpu";
   if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
   else snprintf(device, sizeof device, "%s", dev);
   snprintf(mem, sizeof mem, "%llu", (unsigned long long)s->o.memory_bytes);
-  char *argv[32];
+  char *argv[40];
   int n = 0;
   argv[n++] = (char *)s->o.agent_binary;
   argv[n++] = "--server";
@@ -76,9 +77,20 @@ static pid_t spawn(supervisor_t *s, int i) {
     argv[n++] = "--log-level";
     argv[n++] = (char *)s->o.log_level;
   }
+  if (s->o.metrics_port_base > 0) {
+    const char *h = s->o.metrics_host ? s->o.metrics_host : "127.0.0.1"; /* "": every address */
+    bool v6 = strchr(h, ':') && h[0] != '[';
+    snprintf(metrics, sizeof metrics, "--metrics-listen=%s%s%s:%d", v6 ? "[" : "", h,
+             v6 ? "]" : "", s->o.metrics_port_base + i);
+  } else {
+    /* Off, whatever MESHD_METRICS_LISTEN the agent inherits (the server's port). */
+    snprintf(metrics, sizeof metrics, "--metrics-listen=");
+  }
+  argv[n++] = metrics;
   snprintf(dims, sizeof dims, "%lld", (long long)s->o.max_tensor_dims);
   snprintf(elems, sizeof elems, "%lld", (long long)s->o.max_tensor_elements);
   const struct { const char *flag, *value; } creds[] = {
+      {"--log-format", s->o.log_format},
       {"--max-tensor-dims", s->o.max_tensor_dims ? dims : NULL},
       {"--max-tensor-elements", s->o.max_tensor_elements ? elems : NULL},
       {"--join-token-file", s->o.join_token_file}, {"--cluster-ca", s->o.cluster_ca},
@@ -97,7 +109,8 @@ static pid_t spawn(supervisor_t *s, int i) {
     log_error("supervisor", "cannot start agent %d: %s", i, strerror(errno));
     return 0;
   }
-  log_info("supervisor", "started agent rank %d (pid %d)", i, (int)pid);
+  log_event(LOG_LEVEL_INFO, "supervisor", &(log_fields_t){LOG_RANK(i)},
+            "started agent rank %d (pid %d)", i, (int)pid);
   return pid;
 }
 
@@ -126,14 +139,20 @@ static void *watch(void *arg) {
         int delay = c->restarts_in_row == 0 ? 0 : 100 << (c->restarts_in_row < 4 ? c->restarts_in_row - 1 : 3);
         if (delay > 1000) delay = 1000;
         c->restarts_in_row++;
-        log_warn("supervisor", "agent rank %d (pid %d) exited with %s; restarting in %d ms", i,
-                 (int)c->pid, why, delay);
+        log_event(LOG_LEVEL_WARN, "supervisor", &(log_fields_t){LOG_RANK(i)},
+                  "agent rank %d (pid %d) exited with %s; restarting in %d ms", i,
+                  (int)c->pid, why, delay);
         c->pid = 0;
         c->restart_at_ms = now + delay;
+        c->restarting = true;
       }
       if (c->pid == 0 && now >= c->restart_at_ms) {
         c->pid = spawn(s, i);
         c->started_ms = now;
+        if (c->pid > 0 && c->restarting) {
+          c->restarting = false;
+          if (s->o.on_restart) s->o.on_restart(i, s->o.arg);
+        }
         if (c->pid == 0) c->restart_at_ms = now + 1000;
       }
     }

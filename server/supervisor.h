@@ -1,7 +1,9 @@
 /* `meshd --local-agents N`: N meshd-agent processes as direct children.
  *
  * Agent i runs `AGENT --server SERVER --listen 127.0.0.1:0 --rank i --device cpu`, plus
- * --join-token-file and the --cluster-* flags when set (never a secret in argv).
+ * --log-level, --log-format, --metrics-listen HOST:BASE+i (or empty: off, whatever
+ * the environment they inherit says), --join-token-file and
+ * the --cluster-* flags when set (never a secret in argv).
  * A child that exits is restarted within 2 s (at once, then with a backoff of up
  * to 1 s if it keeps dying). Children get SIGTERM if meshd dies (PR_SET_PDEATHSIG),
  * so no agent outlives its supervisor. */
@@ -20,6 +22,15 @@ typedef struct supervisor_opts {
   int count;
   uint64_t memory_bytes;     /* each agent's reported capacity; 0: the agent's default */
   const char *log_level;     /* passed on */
+  const char *log_format;    /* passed on (NULL: the agent's default) */
+  /* metrics_port_base > 0: agent i serves metrics on metrics_host:base+i
+   * (metrics_host NULL: 127.0.0.1; "": every address). */
+  const char *metrics_host;
+  int metrics_port_base;
+  /* Called (from the watch thread) each time an agent that exited is started
+   * again; may be NULL. */
+  void (*on_restart)(int rank, void *arg);
+  void *arg;
   const char *device;        /* passed on as --device, except "cuda": agent i serves cuda:i */
   /* Passed on when set: how the agents prove who they are (server/cluster.h). */
   const char *join_token_file;

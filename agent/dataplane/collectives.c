@@ -96,7 +96,7 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
 out:
   free(off);
   dp__scratch_put(dp, scratch);
-  return dp__plan_finish(&p, rc);
+  return dp__plan_finish(&p, rc, err);
 }
 
 /* Every member j != me is sent send + j * send_stride (send_stride 0: the
@@ -109,7 +109,7 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
   size_t n = g->n, np = n - 1;
   plan_t p;
   int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, 2 * np, 2 * np, err);
-  if (rc != 0) return dp__plan_finish(&p, rc);
+  if (rc != 0) return dp__plan_finish(&p, rc, err);
   for (size_t i = 0, j = 0; j < n; j++) {
     if (j == g->me) continue;
     p.msgs[2 * i] = (msg_t){.buf = (uint8_t *)send + j * send_stride, .len = bytes};
@@ -127,7 +127,7 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
       i++;
     }
   if (rc == 0) rc = dp__plan_run(&p, err);
-  return dp__plan_finish(&p, rc);
+  return dp__plan_finish(&p, rc, err);
 }
 
 /* Every member but `root` sends its part, elements [off[me], off[me+1]) at
@@ -139,7 +139,7 @@ static int to_root(dataplane_t *dp, const char *what, const dp_group_t *g, size_
   size_t n = g->n, me = g->me, esz = dtype_size(dtype), nx = me == root ? n - 1 : 1;
   plan_t p;
   int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, nx, nx, err);
-  if (rc != 0) return dp__plan_finish(&p, rc);
+  if (rc != 0) return dp__plan_finish(&p, rc, err);
   int64_t deadline = dp__now_ms() + dp->timeout_ms;
   if (me != root) {
     p.msgs[0] = (msg_t){.buf = (uint8_t *)send, .len = (off[me + 1] - off[me]) * esz};
@@ -160,7 +160,7 @@ static int to_root(dataplane_t *dp, const char *what, const dp_group_t *g, size_
     }
   }
   if (rc == 0) rc = dp__plan_run(&p, err);
-  return dp__plan_finish(&p, rc);
+  return dp__plan_finish(&p, rc, err);
 }
 
 /* Reduces n slots of count elements, slot j = slots + j * bytes, in group
@@ -367,7 +367,7 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
     if (rc == 0 && recv) rc = dp__plan_connect(&p, g, 0, me - 1, false, deadline, err);
     if (rc == 0) rc = dp__plan_run(&p, err);
   }
-  rc = dp__plan_finish(&p, rc);
+  rc = dp__plan_finish(&p, rc, err);
   dp__call_leave(dp);
   return rc;
 }

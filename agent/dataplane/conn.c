@@ -649,6 +649,20 @@ uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason) {
   return atomic_load(&((dataplane_t *)dp)->rejected[reason]);
 }
 
+const char *dp_abort_name(dp_abort_t reason) {
+  static const char *const names[] = {
+#define XX(name, str) str,
+      DP_ABORT_MAP(XX)
+#undef XX
+  };
+  return (unsigned)reason < DP_ABORT_COUNT ? names[reason] : "?";
+}
+
+uint64_t dataplane_aborts(const dataplane_t *dp, dp_abort_t reason) {
+  if (!dp || (unsigned)reason >= DP_ABORT_COUNT) return 0;
+  return atomic_load(&((dataplane_t *)dp)->aborts[reason]);
+}
+
 /* ----------------------------------------------------------------- listener */
 
 #define LOG_WINDOW_MS 10000

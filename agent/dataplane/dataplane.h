@@ -80,6 +80,24 @@ const char *dp_reject_name(dp_reject_t reason);
 /* Connections closed so far for `reason` (0 for NULL or out of range). */
 uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason);
 
+/* Why a call (a collective or a send) failed after it began; each failed
+ * call counts once on every member where it failed (dataplane_aborts). */
+#define DP_ABORT_MAP(XX)                                                                   \
+  XX(AGENT_LOST, "agent_lost")     /* a member was declared lost (dataplane_peer_lost) */  \
+  XX(TIMEOUT, "timeout")           /* a peer did not connect or move a byte in time */     \
+  XX(PEER_ABORTED, "peer_aborted") /* a peer failed first and sent its abort notice */     \
+  XX(ERROR, "error")               /* anything else: a closed connection, shutdown, OOM */
+typedef enum {
+#define XX(name, str) DP_ABORT_##name,
+  DP_ABORT_MAP(XX)
+#undef XX
+  DP_ABORT_COUNT
+} dp_abort_t;
+/* "agent_lost", ... (the metric's reason label); "?" out of range. */
+const char *dp_abort_name(dp_abort_t reason);
+/* Calls failed so far for `reason` (0 for NULL or out of range). */
+uint64_t dataplane_aborts(const dataplane_t *dp, dp_abort_t reason);
+
 /* Listens on host:0 (e.g. "127.0.0.1", "0.0.0.0"). NULL with err on failure. */
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
                              meshd_error_t *err);

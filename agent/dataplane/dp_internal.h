@@ -106,6 +106,7 @@ struct dataplane {
   uint64_t next_reg;
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
   _Atomic uint64_t rejected[DP_REJECT_COUNT];
+  _Atomic uint64_t aborts[DP_ABORT_COUNT];
   /* The listener's warn lines about refused connections: at most a few per
    * window, then one saying how many it left out (listener thread only). */
   int64_t log_window_ms;
@@ -194,6 +195,9 @@ struct call {
   dtype_t dtype;
   reduction_t op;
   char root[sizeof((meshd_error_t *)0)->msg];
+  /* Set where the call fails for a reason the error kind does not tell
+   * (DP_ABORT_TIMEOUT, DP_ABORT_PEER_ABORTED); else from the kind. */
+  int abort_reason; /* dp_abort_t + 1; 0: not set */
 };
 
 /* A call's transfers and the messages they carry (owned by the plan). */
@@ -220,9 +224,12 @@ int dp__plan_run(plan_t *p, meshd_error_t *err);
 /* After a failure, tells every peer of the call why, on each of its
  * connections (best effort). */
 void dp__plan_abort(plan_t *p);
+/* Counts the failed call once in dp->aborts: the reason set on the call, else
+ * AGENT_LOST from err's kind, else ERROR (err may be NULL). */
+void dp__plan_count_abort(plan_t *p, const meshd_error_t *err);
 /* Unregisters the group, releases the plan's connections and memory; on failure (rc != 0) first
- * aborts and drops every connection of the comm, so that the next call starts
+ * counts the abort (a call that began), aborts and drops every connection of the comm, so that the next call starts
  * from fresh links. Returns rc. */
-int dp__plan_finish(plan_t *p, int rc);
+int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err);
 
 #endif

@@ -27,11 +27,12 @@ static int p2p(dataplane_t *dp, bool send, uint64_t comm_id, const uint8_t *secr
     rc = dp__plan_connect(&p, &peer, 0, 0, send, dp__now_ms() + dp->timeout_ms, err);
   }
   if (rc == 0) rc = dp__plan_run(&p, err);
+  if (rc != 0 && p.xs) dp__plan_count_abort(&p, err);
   if (rc != 0 && p.xs && p.xs[0].c) {
     dp__plan_abort(&p);
     dp__conn_discard(dp, p.xs[0].c);
   }
-  dp__plan_finish(&p, 0);
+  dp__plan_finish(&p, 0, NULL);
   dp__call_leave(dp);
   return rc;
 }

@@ -66,6 +66,7 @@ static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t 
   error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s aborted: %s", cl->what,
             (unsigned long long)cl->comm_id, c->peer, c->addr, text);
   snprintf(cl->root, sizeof cl->root, "%s", text);
+  cl->abort_reason = DP_ABORT_PEER_ABORTED + 1;
   return -1;
 }
 
@@ -255,6 +256,7 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
           w = &xs[which[i]];
           break;
         }
+      cl->abort_reason = DP_ABORT_TIMEOUT + 1;
       peer_error(cl, w->c, err, "made no progress for %lld ms (%s)",
                  (long long)(dp->timeout_ms + grace),
                  w->send ? "not reading what we send" : "sent nothing");
@@ -338,6 +340,9 @@ int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool
   }
   if (!x->c) {
     snprintf(p->cl.root, sizeof p->cl.root, "%s", err ? err->msg : "connection failed");
+    /* The peer never came (or proved itself) before the deadline. */
+    if (!p->cl.abort_reason && dp__now_ms() >= deadline && (!err || err->kind == ERR_REMOTE_FAILURE))
+      p->cl.abort_reason = DP_ABORT_TIMEOUT + 1;
     return -1;
   }
   return 0;
@@ -349,9 +354,18 @@ void dp__plan_abort(plan_t *p) {
   if (p->xs) send_aborts(&p->cl, p->xs, p->nx);
 }
 
-int dp__plan_finish(plan_t *p, int rc) {
+void dp__plan_count_abort(plan_t *p, const meshd_error_t *err) {
+  if (!p->cl.dp) return;
+  dp_abort_t why = p->cl.abort_reason ? (dp_abort_t)(p->cl.abort_reason - 1)
+                   : err && err->kind == ERR_AGENT_LOST ? DP_ABORT_AGENT_LOST
+                                                        : DP_ABORT_ERROR;
+  atomic_fetch_add(&p->cl.dp->aborts[why], 1);
+}
+
+int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
   if (p->cl.dp) dp__unregister(p->cl.dp, p->reg);
   if (rc != 0 && p->xs) { /* then close the comm: the next call starts from fresh links */
+    dp__plan_count_abort(p, err);
     dp__plan_abort(p);
     dp__drop_comm(p->cl.dp, p->cl.comm_id, p->cl.root);
   }

@@ -16,14 +16,19 @@ const double metrics_duration_buckets[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0
                                            0.1,    0.25,  0.5,    1,     2.5,  5,     10};
 const size_t metrics_duration_nbuckets = sizeof metrics_duration_buckets / sizeof metrics_duration_buckets[0];
 
-typedef struct series {
+struct family;
+struct metrics_registry;
+
+typedef struct metrics_series {
+  struct metrics_registry *r;
+  struct family *f;
   char *labels; /* rendered: kind="Call",status="ok" ("" for none) */
   double value; /* counter, gauge; histogram: sum */
   uint64_t count;
   uint64_t *buckets; /* histogram: per bound, not cumulative; [nbounds] is +Inf */
   metrics_gauge_fn fn;
   void *arg;
-  struct series *next;
+  struct metrics_series *next;
 } series_t;
 
 typedef struct family {
@@ -189,11 +194,13 @@ int metrics_define_histogram(metrics_registry_t *r, const char *name, const char
 }
 
 /* With r->mu held: the series, created on first use; NULL on OOM. */
-static series_t *get_series(family_t *f, const char *labels) {
+static series_t *get_series(metrics_registry_t *r, family_t *f, const char *labels) {
   for (series_t *s = f->series; s; s = s->next)
     if (!strcmp(s->labels, labels)) return s;
   series_t *s = calloc(1, sizeof *s);
   if (!s) return NULL;
+  s->r = r;
+  s->f = f;
   s->labels = strdup(labels);
   if (f->type == METRIC_HISTOGRAM) s->buckets = calloc(f->nbounds + 1, sizeof *s->buckets);
   if (!s->labels || (f->type == METRIC_HISTOGRAM && !s->buckets)) {
@@ -205,6 +212,16 @@ static series_t *get_series(family_t *f, const char *labels) {
   *f->tail = s;
   f->tail = &s->next;
   return s;
+}
+
+/* With r->mu held. NaN lands in +Inf only (it is <= no bound). */
+static void observe_locked(series_t *s, double v) {
+  const family_t *f = s->f;
+  size_t i = 0;
+  while (i < f->nbounds && !(v <= f->bounds[i])) i++;
+  s->buckets[i]++;
+  s->count++;
+  s->value += v;
 }
 
 typedef enum { OP_INC, OP_SET, OP_OBSERVE, OP_FN } op_t;
@@ -220,24 +237,43 @@ static void update(metrics_registry_t *r, const char *name, const char *const *l
                   : op == OP_OBSERVE ? f->type == METRIC_HISTOGRAM
                   : op == OP_SET     ? f->type == METRIC_GAUGE
                                      : f->type != METRIC_HISTOGRAM);
-  series_t *s = ok ? get_series(f, l) : NULL;
+  series_t *s = ok ? get_series(r, f, l) : NULL;
   if (s) {
     switch (op) {
       case OP_INC: s->value += v; break;
       case OP_SET: s->value = v; s->fn = NULL; break;
       case OP_FN: s->fn = fn; s->arg = arg; break;
-      case OP_OBSERVE: {
-        size_t i = 0;
-        while (i < f->nbounds && !(v <= f->bounds[i])) i++;
-        s->buckets[i]++;
-        s->count++;
-        s->value += v;
-        break;
-      }
+      case OP_OBSERVE: observe_locked(s, v); break;
     }
   }
   pthread_mutex_unlock(&r->mu);
   free(l);
+}
+
+metrics_series_t *metrics_series(metrics_registry_t *r, const char *name, const char *const *labels) {
+  if (!r) return NULL;
+  char *l = render_labels(labels);
+  if (!l) return NULL;
+  pthread_mutex_lock(&r->mu);
+  family_t *f = find_family(r, name);
+  series_t *s = f ? get_series(r, f, l) : NULL;
+  pthread_mutex_unlock(&r->mu);
+  free(l);
+  return s;
+}
+
+void metrics_series_inc(metrics_series_t *s, double delta) {
+  if (!s || s->f->type == METRIC_HISTOGRAM) return;
+  pthread_mutex_lock(&s->r->mu);
+  s->value += delta;
+  pthread_mutex_unlock(&s->r->mu);
+}
+
+void metrics_series_observe(metrics_series_t *s, double v) {
+  if (!s || s->f->type != METRIC_HISTOGRAM) return;
+  pthread_mutex_lock(&s->r->mu);
+  observe_locked(s, v);
+  pthread_mutex_unlock(&s->r->mu);
 }
 
 void metrics_inc(metrics_registry_t *r, const char *name, const char *const *labels, double delta) {

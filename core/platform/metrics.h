@@ -44,6 +44,23 @@ void metrics_observe(metrics_registry_t *r, const char *name, const char *const 
 void metrics_set_fn(metrics_registry_t *r, const char *name, const char *const *labels,
                     metrics_gauge_fn fn, void *arg);
 
+/* A series by handle, for hot paths: found (or created) once, then updated
+ * with no lookup and no allocation, under the registry's one mutex. NULL when
+ * the family is not defined or out of memory; the updates ignore NULL and a
+ * wrong type. Lives as long as the registry. */
+typedef struct metrics_series metrics_series_t;
+metrics_series_t *metrics_series(metrics_registry_t *r, const char *name, const char *const *labels);
+void metrics_series_inc(metrics_series_t *s, double delta); /* counter or gauge */
+void metrics_series_observe(metrics_series_t *s, double v); /* histogram */
+
+/* What every meshd daemon serves (metrics_std.c): meshd_build_info{version,
+ * commit,cuda} 1 (build_info.h), and the standard process metrics read from
+ * /proc/self at each scrape: process_cpu_seconds_total,
+ * process_resident_memory_bytes, process_virtual_memory_bytes,
+ * process_open_fds, process_max_fds, process_start_time_seconds. 0, or -1
+ * when out of memory. */
+int metrics_define_std(metrics_registry_t *r);
+
 /* The text format, NUL-terminated, malloc'd (caller frees); *len (may be NULL)
  * gets its length. NULL when out of memory. */
 char *metrics_render(metrics_registry_t *r, size_t *len);

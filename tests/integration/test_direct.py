@@ -342,9 +342,14 @@ def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
 
 def test_grant_metrics(meshd_server, agent, tmp_path):
     """meshd_transfer_grants_total{result} counts what became of the grants an agent
-    was shown: accepted, bad_signature, wrong_call, reused."""
+    was shown: accepted, bad_signature, wrong_call, reused; the server's
+    meshd_transfer_bytes_total{path="direct"} the bytes of finished transfers."""
     import urllib.request
-    srv = meshd_server(0, min_agents=1)
+    from test_metrics import parse, sample, scrape
+    spf = tmp_path / "server.metrics.port"
+    srv = meshd_server(0, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", spf,
+                       min_agents=1)
+    smport = lib.read_port_file(str(spf), srv.proc, srv.log)
     pf = tmp_path / "agent.metrics.port"
     a = agent(srv.port, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf, rank=0)
     mport = lib.read_port_file(str(pf), a.proc, a.log)
@@ -373,6 +378,10 @@ def test_grant_metrics(meshd_server, agent, tmp_path):
         refused(lambda: agent_read(sh, s.id, x.ref + 1), denied, "wrong ref")
         agent_read(sh, s.id, x.ref)
         refused(lambda: agent_read(sh, s.id, x.ref), denied, "reused")
+    fams = parse(scrape(smport))
+    for d in ("upload", "fetch"):  # 16 bytes each; a planned Read never finished is not counted
+        assert sample(fams, "meshd_transfer_bytes_total", direction=d, path="direct") == 16, d
+        assert sample(fams, "meshd_transfer_bytes_total", direction=d, path="proxy") == 0, d
     got = counts()
     assert got["accepted"] == 3 and got["bad_signature"] == 1 and got["wrong_call"] == 1 \
         and got["reused"] == 1 and got["expired"] == 0, got

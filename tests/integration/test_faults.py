@@ -18,6 +18,7 @@ import pytest
 import meshd_testlib as lib
 from meshd_testlib import Session, reduce, sync
 from test_compute import FetchError, _agents, data_plane, fetch, pb, upload
+from test_metrics import free_ports, parse, sample, scrape
 
 ONES = np.ones(8, dtype=np.float32)
 
@@ -56,8 +57,10 @@ def _replaced(s, rank, old_id, timeout=20):
     pytest.fail(f"rank {rank} was not replaced by a healthy agent within {timeout} s")
 
 
-def test_a_hung_collective_delays_no_other_session(meshd_server):
-    srv = lib.wait_ready(meshd_server(2, env=_fault("reduce:hang,rank=1,count=1")), 2)
+def test_a_hung_collective_delays_no_other_session(meshd_server, tmp_path):
+    pf = tmp_path / "metrics.port"
+    srv = lib.wait_ready(meshd_server(2, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                                      pf, env=_fault("reduce:hang,rank=1,count=1")), 2)
     with Session(srv.port, "stuck") as a, Session(srv.port, "other") as b:
         if not data_plane(a):
             pytest.skip("the agents report no data plane")
@@ -67,6 +70,9 @@ def test_a_hung_collective_delays_no_other_session(meshd_server):
         with pytest.raises(lib.CommandError) as e:
             a.run(sync(), timeout=1.0)
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+        # The hung reduce and the Sync's status request behind it are queued on rank 1.
+        mport = lib.read_port_file(str(pf), srv.proc, srv.log)
+        assert sample(parse(scrape(mport)), "meshd_queued_instructions") >= 2
         # Session b uses the same two agents, collectives included, meanwhile.
         t0 = time.monotonic()
         mb = b.mesh(gpu=2).ref
@@ -86,7 +92,9 @@ def test_a_hung_collective_delays_no_other_session(meshd_server):
 def test_a_lost_agent_fails_only_its_sessions_at_once_and_the_pool_recovers(meshd_server):
     # Rank 0 hangs in session a's collective, so a has work in flight on every
     # rank when rank 2 dies; session b uses ranks 0 and 1 only.
-    srv = lib.wait_ready(meshd_server(3, env=_fault("reduce:hang,rank=0,count=1")), 3)
+    base = free_ports(3)
+    srv = lib.wait_ready(meshd_server(3, "--local-agent-metrics-port-base", base,
+                                      env=_fault("reduce:hang,rank=0,count=1")), 3)
     with Session(srv.port, "victim") as a, Session(srv.port, "bystander") as b:
         if not data_plane(a):
             pytest.skip("the agents report no data plane")
@@ -109,6 +117,12 @@ def test_a_lost_agent_fails_only_its_sessions_at_once_and_the_pool_recovers(mesh
         assert "error" in pending and pending["error"].kind == "AGENT_LOST", pending
         assert "rank 2" in pending["error"].message, pending["error"]
         assert took < 1.0, f"AGENT_LOST took {took:.2f} s"
+        # Rank 1, in the collective with the lost rank, aborted it and counted why.
+        deadline = time.monotonic() + 5
+        while sample(parse(scrape(base + 1)), "meshd_collective_aborts_total",
+                     reason="agent_lost") != 1:
+            assert time.monotonic() < deadline, "rank 1 counted no agent_lost abort"
+            time.sleep(0.05)
         # The bystander saw nothing: no error, right values, collectives still work.
         r = b.run(reduce(b.new_ref(), xb, dims=["gpu"], reduction="sum")).tensors[0].ref
         np.testing.assert_array_equal(fetch(b, r, gpu=1), 2 * np.arange(8, dtype=np.float32))

@@ -347,8 +347,10 @@ def scrape(port):
 
 # ---------------------------------------------------------------- test
 
-SERVER_METRICS = ["meshd_agents", "meshd_sessions", "meshd_commands_total"]
-AGENT_METRICS = ["meshd_agent_bytes_allocated", "meshd_agent_instructions_total"]
+SERVER_METRICS = ["meshd_agents", "meshd_sessions", "meshd_commands_total", "meshd_build_info",
+                  "process_start_time_seconds"]
+AGENT_METRICS = ["meshd_agent_allocated_bytes", "meshd_agent_instructions_total",
+                 "meshd_build_info", "process_start_time_seconds"]
 
 
 def test_binary_dir_matches_images():

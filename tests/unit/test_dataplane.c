@@ -552,6 +552,14 @@ static void expect_names(const job_t *j, const world_t *w, size_t missing, int64
             (long long)j->took_ms, (long long)within_ms, j->err.msg);
 }
 
+/* Failed calls counted on data plane dp, by reason (meshd_collective_aborts_total). */
+static uint64_t aborts(const world_t *w, size_t r, int reason) {
+  uint64_t n = 0;
+  for (int k = 0; k < DP_ABORT_COUNT; k++)
+    if (reason < 0 || k == reason) n += dataplane_aborts(w->dp[r], (dp_abort_t)k);
+  return n;
+}
+
 static void missing_member_case(size_t n, size_t count) {
   world_t w;
   world_start(&w, n, 1000);
@@ -564,6 +572,18 @@ static void missing_member_case(size_t n, size_t count) {
   }
   run_jobs(jobs, n - 1);
   for (size_t r = 0; r < n - 1; r++) expect_names(&jobs[r], &w, missing, 2000);
+  /* Each member's failed call counts once: a timeout where the absent member
+   * was awaited, a peer's abort (or a timeout) elsewhere. */
+  uint64_t timeouts = 0, total = 0;
+  for (size_t r = 0; r < n - 1; r++) {
+    cr_assert_eq(aborts(&w, r, -1), 1, "member %zu counted %llu aborts", r,
+                 (unsigned long long)aborts(&w, r, -1));
+    cr_assert_eq(aborts(&w, r, DP_ABORT_AGENT_LOST) + aborts(&w, r, DP_ABORT_ERROR), 0,
+                 "member %zu: %s", r, jobs[r].err.msg);
+    timeouts += aborts(&w, r, DP_ABORT_TIMEOUT);
+    total += aborts(&w, r, -1);
+  }
+  cr_assert_geq(timeouts, 1);
 
   /* The agents keep serving: the same comm with everyone present works again. */
   for (size_t r = 0; r < n; r++) {
@@ -578,9 +598,11 @@ static void missing_member_case(size_t n, size_t count) {
   run_jobs(jobs, n);
   for (size_t r = 0; r < n; r++) {
     cr_assert_eq(jobs[r].rc, 0, "after the failure, member %zu: %s", r, jobs[r].err.msg);
+    if (r < n - 1) total -= aborts(&w, r, -1);
     expect_reduced(DTYPE_FLOAT32, RED_SUM, n, jobs[r].in, count, 0, "after failure");
     free(jobs[r].in);
   }
+  cr_assert_eq(total, 0, "a call that succeeded was counted as aborted");
   world_stop(&w);
 }
 
@@ -646,6 +668,7 @@ Test(dataplane, shutdown_fails_waiting_and_later_calls_before_it_is_freed) {
   cr_assert_eq(j.err.kind, ERR_UNAVAILABLE, "%s", j.err.msg);
   cr_assert(strstr(j.err.msg, "stopping"), "%s", j.err.msg);
   cr_assert(j.took_ms < 300 + 1500, "the waiting call took %lld ms", (long long)j.took_ms);
+  cr_assert_eq(aborts(&w, 0, DP_ABORT_ERROR), 1);
   /* A worker that still holds the data plane calls in: refused at once. */
   float f[16] = {0};
   meshd_error_t err = {0};
@@ -655,6 +678,7 @@ Test(dataplane, shutdown_fails_waiting_and_later_calls_before_it_is_freed) {
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
   cr_assert_eq(dp_send(w.dp[0], 79, SECRET, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
+  cr_assert_eq(aborts(&w, 0, -1), 1, "calls refused before they began are not aborts");
   cr_assert(now_ms() - t0 < 200, "refusals took %lld ms", (long long)(now_ms() - t0));
   dataplane_shutdown(w.dp[0]); /* a second shutdown is a no-op */
   dataplane_stop(w.dp[0]);
@@ -703,6 +727,8 @@ Test(dataplane, a_peer_declared_lost_fails_the_calls_waiting_on_it_at_once) {
   cr_assert_eq(j.err.kind, ERR_AGENT_LOST, "%s", j.err.msg);
   cr_assert(strstr(j.err.msg, "was lost at 12:00:00.000 UTC"), "%s", j.err.msg);
   cr_assert(took < 1000, "the loss ended the wait after %lld ms", (long long)took);
+  cr_assert_eq(aborts(&w, 0, DP_ABORT_AGENT_LOST), 1);
+  cr_assert_eq(aborts(&w, 0, -1), 1);
   /* A call between 0 and 1 that starts now does not care about member 2. */
   job_t a = {.w = &w2, .me = 0, .comm = 82, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
              .op = RED_SUM, .count = count};
@@ -717,6 +743,7 @@ Test(dataplane, a_peer_declared_lost_fails_the_calls_waiting_on_it_at_once) {
   pthread_join(tb, NULL);
   cr_assert_eq(a.rc, 0, "%s", a.err.msg);
   cr_assert_eq(b.rc, 0, "%s", b.err.msg);
+  cr_assert_eq(aborts(&w, 0, -1) + aborts(&w, 1, -1), 1);
   /* A group with the lost address that starts afterwards is not refused by the
    * data plane (the agent checks the session's PeerLost first): it waits as usual. */
   cr_assert_eq(dataplane_generation(w.dp[0]), 1);

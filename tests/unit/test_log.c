@@ -295,3 +295,113 @@ Test(log, threads_do_not_interleave) {
   free(buf);
   cr_assert_eq(lines, THREADS * PER_THREAD);
 }
+
+/* ---- JSON ---- */
+
+#define JSON_TIME "\\{\"time\":\"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{3}Z\""
+
+Test(log, json_line_has_the_fields_given) {
+  log_set_level(LOG_LEVEL_INFO);
+  log_set_format(LOG_FORMAT_JSON);
+  capture_begin();
+  log_event(LOG_LEVEL_WARN, "command", &(log_fields_t){.session = "abc123", .seq = 7, LOG_RANK(0)},
+            "rank %u lost", 0u);
+  const char *out = capture_end();
+  assert_matches(out, "^" JSON_TIME ",\"level\":\"warn\",\"component\":\"command\",\"msg\":\"rank 0 "
+                      "lost\",\"session\":\"abc123\",\"rank\":0,\"seq\":7\\}\n$");
+}
+
+Test(log, json_line_leaves_out_unknown_fields) {
+  log_set_level(LOG_LEVEL_INFO);
+  log_set_format(LOG_FORMAT_JSON);
+  capture_begin();
+  log_info("server", "listening");
+  log_event(LOG_LEVEL_ERROR, "x", &(log_fields_t){.session = "s"}, "m");
+  const char *out = capture_end();
+  cr_assert_eq(count_lines(out), 2);
+  assert_matches(out, "^" JSON_TIME ",\"level\":\"info\",\"component\":\"server\",\"msg\":"
+                      "\"listening\"\\}\n" JSON_TIME ",\"level\":\"error\",\"component\":\"x\","
+                      "\"msg\":\"m\",\"session\":\"s\"\\}\n$");
+}
+
+Test(log, json_default_rank_fills_lines_without_one) {
+  log_set_level(LOG_LEVEL_INFO);
+  log_set_format(LOG_FORMAT_JSON);
+  log_set_rank(3);
+  capture_begin();
+  log_info("agent", "a");
+  log_event(LOG_LEVEL_INFO, "agent", &(log_fields_t){LOG_RANK(5)}, "b");
+  const char *out = capture_end();
+  assert_matches(out, "\"msg\":\"a\",\"rank\":3\\}\n.*\"msg\":\"b\",\"rank\":5\\}\n$");
+  log_set_rank(-1);
+}
+
+Test(log, json_escapes_every_byte_into_valid_json) {
+  log_set_level(LOG_LEVEL_INFO);
+  log_set_format(LOG_FORMAT_JSON);
+  capture_begin();
+  /* quote, backslash, newline, tab, control, DEL, é, €, a lone byte, a cut
+   * sequence, a surrogate, an overlong slash */
+  log_event(LOG_LEVEL_INFO, "c", &(log_fields_t){.session = "s\"\n\xff"},
+            "q\" b\\ n\n t\t c\x01 d\x7f e\xc3\xa9 eu\xe2\x82\xac x\xff y\xe2\x82 z\xed\xa0\x80 o\xc0\xaf.");
+  const char *out = capture_end();
+  const char *want = "\"msg\":\"q\\\" b\\\\ n\\n t\\t c\\u0001 d\\u007f e\xc3\xa9 eu\xe2\x82\xac "
+                     "x\\ufffd y\\ufffd\\ufffd z\\ufffd\\ufffd\\ufffd o\\ufffd\\ufffd.\","
+                     "\"session\":\"s\\\"\\n\\ufffd\"}\n";
+  cr_assert(strstr(out, want), "got %s", out);
+}
+
+Test(log, json_long_messages_are_cut_between_escapes) {
+  log_set_level(LOG_LEVEL_INFO);
+  log_set_format(LOG_FORMAT_JSON);
+  static char big[6000];
+  memset(big, '"', sizeof big - 1); /* each escapes to two bytes */
+  capture_begin();
+  log_event(LOG_LEVEL_INFO, "c", &(log_fields_t){.seq = 9}, "%s", big);
+  const char *out = capture_end();
+  size_t len = strlen(out);
+  cr_assert_eq(count_lines(out), 1);
+  cr_assert_leq(len, 4096);
+  cr_assert_gt(len, 4000);
+  /* ...\"\"..." then the fields: an escape is never split. */
+  assert_matches(out, "[^\\\\]\\\\\"\\.\\.\\.\",\"seq\":9\\}\n$");
+}
+
+Test(log, json_long_fields_are_cut_too) {
+  log_set_level(LOG_LEVEL_DEBUG);
+  log_set_format(LOG_FORMAT_JSON);
+  static char sess[300], file[400];
+  memset(sess, '"', sizeof sess - 1);
+  memset(file, 'f', sizeof file - 1);
+  capture_begin();
+  log_write_fields(LOG_LEVEL_INFO, "c", file, 1, &(log_fields_t){.session = sess, .seq = 5}, "m");
+  const char *out = capture_end();
+  cr_assert_eq(count_lines(out), 1);
+  /* 64 bytes of the session, each escaped; the source cut between characters. */
+  char want[200] = ",\"session\":\"";
+  for (int i = 0; i < 64; i++) strcat(want, "\\\"");
+  strcat(want, "\",\"seq\":5,\"source\":\"fff");
+  cr_assert(strstr(out, want), "%s", out);
+  assert_matches(out, "f:1\"\\}\n$");
+}
+
+Test(log, json_at_debug_names_the_source) {
+  log_set_level(LOG_LEVEL_DEBUG);
+  log_set_format(LOG_FORMAT_JSON);
+  capture_begin();
+  log_write(LOG_LEVEL_DEBUG, "c", "dir/x.c", 12, "m");
+  const char *out = capture_end();
+  assert_matches(out, "\"level\":\"debug\",\"component\":\"c\",\"msg\":\"m\",\"source\":\"x\\.c:12\"\\}\n$");
+}
+
+Test(log, parse_format) {
+  log_format_t f = LOG_FORMAT_JSON;
+  cr_assert(log_parse_format("text", &f));
+  cr_assert_eq(f, LOG_FORMAT_TEXT);
+  cr_assert(log_parse_format("JSON", &f));
+  cr_assert_eq(f, LOG_FORMAT_JSON);
+  cr_assert_not(log_parse_format("yaml", &f));
+  cr_assert_not(log_parse_format("", &f));
+  cr_assert_not(log_parse_format(NULL, &f));
+  cr_assert_eq(log_get_format(), LOG_FORMAT_TEXT); /* the default */
+}

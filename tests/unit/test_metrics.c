@@ -1,9 +1,14 @@
 #include <criterion/criterion.h>
 #include <curl/curl.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
+#include "build_info.h"
 #include "metrics.h"
 
 static char *render(metrics_registry_t *r) {
@@ -93,6 +98,124 @@ Test(metrics, histogram_without_labels) {
                    "h_seconds_bucket{le=\"+Inf\"} 1\n"
                    "h_seconds_sum 3\n"
                    "h_seconds_count 1\n");
+  free(s);
+  metrics_destroy(r);
+}
+
+Test(metrics, series_handles_update_without_lookup) {
+  metrics_registry_t *r = metrics_create();
+  const double b[] = {0.01, 0.1, 1};
+  metrics_define_histogram(r, "meshd_sync_duration_seconds", "Sync time.", b, 3);
+  metrics_define(r, "meshd_transfer_bytes_total", METRIC_COUNTER, "Bytes.");
+  metrics_series_t *h = metrics_series(r, "meshd_sync_duration_seconds", NULL);
+  metrics_series_t *up = metrics_series(r, "meshd_transfer_bytes_total",
+                                        (const char *[]){"direction", "upload", NULL});
+  cr_assert_not_null(h);
+  cr_assert_not_null(up);
+  cr_assert_null(metrics_series(r, "meshd_nope", NULL));
+  cr_assert_eq(metrics_series(r, "meshd_sync_duration_seconds", NULL), h, "one series per labels");
+  const double obs[] = {0.001, 0.01, 0.05, 0.5, 0.5, 7};
+  for (size_t i = 0; i < sizeof obs / sizeof obs[0]; i++) metrics_series_observe(h, obs[i]);
+  metrics_series_inc(h, 5);       /* wrong type: ignored */
+  metrics_series_observe(up, 1);  /* wrong type: ignored */
+  metrics_series_inc(up, 4096);
+  metrics_series_inc(up, 1);
+  metrics_series_inc(NULL, 1);    /* NULL: ignored */
+  metrics_series_observe(NULL, 1);
+  char *s = render(r);
+  cr_assert_str_eq(s,
+                   "# HELP meshd_sync_duration_seconds Sync time.\n"
+                   "# TYPE meshd_sync_duration_seconds histogram\n"
+                   "meshd_sync_duration_seconds_bucket{le=\"0.01\"} 2\n"
+                   "meshd_sync_duration_seconds_bucket{le=\"0.1\"} 3\n"
+                   "meshd_sync_duration_seconds_bucket{le=\"1\"} 5\n"
+                   "meshd_sync_duration_seconds_bucket{le=\"+Inf\"} 6\n"
+                   "meshd_sync_duration_seconds_sum 8.061\n"
+                   "meshd_sync_duration_seconds_count 6\n"
+                   "# HELP meshd_transfer_bytes_total Bytes.\n"
+                   "# TYPE meshd_transfer_bytes_total counter\n"
+                   "meshd_transfer_bytes_total{direction=\"upload\"} 4097\n");
+  free(s);
+  metrics_destroy(r);
+}
+
+typedef struct {
+  metrics_series_t *h;
+  int n;
+} observer_t;
+
+static void *observe_many(void *arg) {
+  observer_t *o = arg;
+  for (int i = 0; i < o->n; i++) metrics_series_observe(o->h, (i % 3) * 0.5);
+  return NULL;
+}
+
+Test(metrics, histogram_counts_every_observation_from_threads) {
+  metrics_registry_t *r = metrics_create();
+  const double b[] = {0.25, 0.75};
+  metrics_define_histogram(r, "h_seconds", "H.", b, 2);
+  observer_t o = {metrics_series(r, "h_seconds", NULL), 30000};
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++) pthread_create(&t[i], NULL, observe_many, &o);
+  for (int i = 0; i < 4; i++) pthread_join(t[i], NULL);
+  char *s = render(r);
+  /* 0, 0.5, 1 in turn: 40000 of each. */
+  cr_assert(strstr(s, "h_seconds_bucket{le=\"0.25\"} 40000\n"), "%s", s);
+  cr_assert(strstr(s, "h_seconds_bucket{le=\"0.75\"} 80000\n"), "%s", s);
+  cr_assert(strstr(s, "h_seconds_bucket{le=\"+Inf\"} 120000\n"), "%s", s);
+  cr_assert(strstr(s, "h_seconds_sum 60000\n"), "%s", s);
+  cr_assert(strstr(s, "h_seconds_count 120000\n"), "%s", s);
+  free(s);
+  metrics_destroy(r);
+}
+
+/* The value of the sample line `series` in text, or NAN. */
+static double sample_value(const char *text, const char *series) {
+  size_t n = strlen(series);
+  for (const char *l = text; l && *l; l = strchr(l, '\n') ? strchr(l, '\n') + 1 : NULL)
+    if (!strncmp(l, series, n) && l[n] == ' ') return strtod(l + n + 1, NULL);
+  return NAN;
+}
+
+Test(metrics, std_families_follow_the_exposition_rules) {
+  metrics_registry_t *r = metrics_create();
+  cr_assert_eq(metrics_define_std(r), 0);
+  char *s = render(r);
+  const build_info_t *bi = build_info();
+  char line[256];
+  snprintf(line, sizeof line, "meshd_build_info{version=\"%s\",commit=\"%s\",cuda=\"%s\"} 1\n",
+           bi->version, bi->commit, bi->cuda ? "true" : "false");
+  cr_assert(strstr(s, line), "%s", s);
+  const struct { const char *name, *type; } fams[] = {
+      {"meshd_build_info", "gauge"},
+      {"process_cpu_seconds_total", "counter"},
+      {"process_resident_memory_bytes", "gauge"},
+      {"process_virtual_memory_bytes", "gauge"},
+      {"process_open_fds", "gauge"},
+      {"process_max_fds", "gauge"},
+      {"process_start_time_seconds", "gauge"},
+  };
+  for (size_t i = 0; i < sizeof fams / sizeof fams[0]; i++) {
+    snprintf(line, sizeof line, "# HELP %s ", fams[i].name);
+    cr_assert(strstr(s, line), "no HELP for %s", fams[i].name);
+    snprintf(line, sizeof line, "# TYPE %s %s\n", fams[i].name, fams[i].type);
+    cr_assert(strstr(s, line), "no TYPE %s for %s", fams[i].type, fams[i].name);
+  }
+  cr_assert_gt(sample_value(s, "process_resident_memory_bytes"), 1 << 20);
+  cr_assert_geq(sample_value(s, "process_virtual_memory_bytes"),
+                sample_value(s, "process_resident_memory_bytes"));
+  cr_assert_geq(sample_value(s, "process_cpu_seconds_total"), 0);
+  cr_assert_geq(sample_value(s, "process_open_fds"), 3);
+  cr_assert_gt(sample_value(s, "process_max_fds"), 0);
+  double start = sample_value(s, "process_start_time_seconds"), now = (double)time(NULL);
+  cr_assert(start <= now + 1 && start > now - 3600, "start %f, now %f", start, now);
+  /* Read at each scrape: a new descriptor shows at once. */
+  double fds = sample_value(s, "process_open_fds");
+  free(s);
+  int fd = dup(0);
+  s = render(r);
+  cr_assert_eq(sample_value(s, "process_open_fds"), fds + 1, "%s", s);
+  close(fd);
   free(s);
   metrics_destroy(r);
 }
