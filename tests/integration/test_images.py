@@ -26,7 +26,7 @@ import pytest
 
 import dockerfiles as df
 import meshd_testlib as lib
-from test_manifests import find, load_objects
+from test_manifests import load_objects
 
 OCI = ["title", "description", "version", "revision", "source", "licenses"]
 GPU_WORDS = re.compile(r"cuda|nvidia|nccl|cublas|cudnn|nvrtc|tensorrt", re.I)
