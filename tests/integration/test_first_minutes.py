@@ -114,12 +114,22 @@ class Compose:
         self.published = {}  # host port -> (service, container port)
         self.restarts = {}
         self.server = None
+        self._given = set()
 
     def _listens(self, name, svc, image):
         words = list(svc.get("command") or []) + [str(v) for v in
                                                   {**image["env"], **(svc.get("environment") or {})}.values()]
         ports = {int(m.group(1)) for w in words for m in [re.fullmatch(r"0\.0\.0\.0:(\d+)", w)] if m}
-        return {p: lib.free_port() for p in sorted(ports)}
+        return {p: self._free_port() for p in sorted(ports)}
+
+    def _free_port(self):
+        """A free loopback port none of the services was given yet (all are given
+        before any binds, so free_port alone could hand one out twice)."""
+        while True:
+            port = lib.free_port()
+            if port not in self._given:
+                self._given.add(port)
+                return port
 
     def create(self):
         """Every default service (no profile): ports, directories, the published map."""
@@ -265,6 +275,17 @@ class Compose:
             f"--- {k} ---\n{lib.log_tail(self.services[k]['log'], 20)}" for k in bad)
         return ""
 
+    def diagnose(self):
+        """ps, ListAgents and the logs' tails: for a failure's message."""
+        out = [self.ps()]
+        try:
+            out.append("\n".join(lib.describe_agents(lib.list_agents(self.server["ports"][50051]))))
+        except (grpc.RpcError, TypeError) as e:
+            out.append(f"ListAgents: {e}")
+        for name, s in self.services.items():
+            out.append(f"--- {name} ---\n{lib.log_tail(s['log'], 15)}")
+        return "\n".join(out)
+
     def stop_all(self):
         for s in self.services.values():
             if s["proc"] and s["proc"].poll() is None:
@@ -338,7 +359,10 @@ class Walk:
                 out, rc = self.sh(m.group(1))
                 if rc == 0:
                     return out, 0
-                assert time.monotonic() < deadline, f"{cmd}: not true within {UNTIL_TIMEOUT} s: {out}"
+                dead = [n for n, s in self.compose.services.items() if s["proc"].poll() is not None]
+                assert not dead, f"{cmd}: {dead} exited\n{self.compose.diagnose()}"
+                assert time.monotonic() < deadline, \
+                    f"{cmd}: not true within {UNTIL_TIMEOUT} s: {out}\n{self.compose.diagnose()}"
                 time.sleep(0.1)  # the document's pause, shortened
         # $(...) first, as the shell does.
         cmd = re.sub(r'"?\$\(([^()]*)\)"?', lambda s: shlex.quote(self.run_ok(s.group(1)).strip()), cmd)

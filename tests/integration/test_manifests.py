@@ -118,6 +118,7 @@ class Cluster:
         self.tmp = str(tmp_path)
         self.config = {o["metadata"]["name"]: o.get("data", {}) for o in find(self.objs, "ConfigMap")}
         self.services = {o["metadata"]["name"]: o for o in find(self.objs, "Service")}
+        self._given = set()
         self.pods = []  # dicts: name, workload, template, container, ports{decl->local}, proc, log
 
     # ------------------------------------------------ addresses
@@ -168,12 +169,21 @@ class Cluster:
 
     # ------------------------------------------------ pods
 
+    def _free_port(self):
+        """A free loopback port no pod was given yet: all are given before any
+        binds, so free_port alone could hand one out twice."""
+        while True:
+            port = lib.free_port()
+            if port not in self._given:
+                self._given.add(port)
+                return port
+
     def add_pod(self, name, workload):
         tmpl = workload["spec"]["template"]
         containers = tmpl["spec"]["containers"]
         assert len(containers) == 1, f"{workload['metadata']['name']}: one container expected"
         c = containers[0]
-        ports = {p["containerPort"]: lib.free_port() for p in c.get("ports", [])}
+        ports = {p["containerPort"]: self._free_port() for p in c.get("ports", [])}
         pod = dict(name=name, workload=workload, template=tmpl, container=c,
                    labels=tmpl["metadata"]["labels"], ports=ports, proc=None, log=None)
         pod["mounts"] = self._write_secrets(pod)
