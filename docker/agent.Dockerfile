@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # meshd-agent image with the cuda backend (--device cuda:N; --device cpu works
-# too). Build from the repository root:
+# too, but docker/agent-cpu.Dockerfile is far smaller for that). Build from the
+# repository root:
 #   docker build -f docker/agent.Dockerfile -t meshd-agent .
 #
 # Both stages are NVIDIA's CUDA 13 images on Ubuntu 24.04, which ships the
@@ -15,7 +16,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends \
       build-essential cmake pkg-config \
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
-      libcriterion-dev libcurl4-openssl-dev libmicrohttpd-dev uthash-dev libopenblas-dev \
+      libcurl4-openssl-dev libmicrohttpd-dev uthash-dev libopenblas-dev libjson-c-dev \
       libnccl-dev libssl-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
@@ -32,24 +33,49 @@ FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
 ARG DEBIAN_FRONTEND=noninteractive
 # libnccl2 is already in the runtime image; installing it again from the CUDA
 # apt repository the image configures is a no-op that documents the need.
+# The rest: exactly what the binaries link (readelf -d: NEEDED), by package.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      libgrpc29t64 libprotobuf-c1 libmicrohttpd12t64 libopenblas0-pthread libnccl2 libssl3t64 \
-      ca-certificates \
+      libgrpc29t64 libprotobuf-c1 libcurl4t64 libmicrohttpd12t64 libopenblas0-pthread libjson-c5 \
+      libnccl2 libssl3t64 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 meshd \
- && useradd --system --uid 10001 --gid meshd --no-create-home --shell /usr/sbin/nologin meshd
+ && useradd --system --uid 10001 --gid meshd --no-create-home --home-dir /tmp \
+      --shell /usr/sbin/nologin meshd
 COPY --from=build /src/build/bin/meshd-agent /src/build/bin/meshctl /usr/local/bin/
+# Non-root (uid/gid 10001; the NVIDIA container toolkit grants the device nodes
+# to any user) and fit for a read-only root filesystem: the CUDA JIT cache
+# (PTX for GPUs newer than CUDA_ARCHS) goes to /tmp, and NCCL's shared memory
+# to /dev/shm; both are tmpfs/emptyDir mounts in compose and k8s.
 USER 10001:10001
+WORKDIR /tmp
 # 50052: the Agent service (for its server only: the call secret; mTLS with
 # MESHD_CLUSTER_CA/CERT/KEY). 8081: grpc.health.v1 alone, in plaintext, for
 # probes and the HEALTHCHECK whatever the gRPC port needs.
 ENV MESHD_LISTEN=0.0.0.0:50052 \
     MESHD_HEALTH_LISTEN=0.0.0.0:8081 \
-    NCCL_DEBUG=WARN
-EXPOSE 50052 8081
+    NCCL_DEBUG=WARN \
+    HOME=/tmp \
+    TMPDIR=/tmp \
+    CUDA_CACHE_PATH=/tmp/cuda-cache
+EXPOSE 50052 8081 9091
 # Liveness only: "" (accepting calls), never registration or load.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
   CMD ["meshctl", "--server", "127.0.0.1:8081", "--timeout-ms", "3000", "health"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["meshd-agent"]
+# OCI annotations (docker/README.md "Build arguments"). VERSION defaults to the
+# repository's VERSION file (a test keeps them equal); REVISION is the git
+# commit; SOURCE and LICENSES are for whoever publishes the image (the
+# repository states no licence: SPDX NOASSERTION).
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=unknown
+ARG LICENSES=NOASSERTION
+LABEL org.opencontainers.image.title="meshd-agent" \
+      org.opencontainers.image.description="meshd agent with the CUDA backend (cuBLAS, NCCL; Ubuntu 24.04, CUDA 13)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="${LICENSES}" \
+      org.opencontainers.image.base.name="docker.io/nvidia/cuda:13.0.1-runtime-ubuntu24.04"

@@ -13,6 +13,14 @@ POD_NAME/POD_NAMESPACE). Only two things are rewritten:
     (<pod>.meshd-agent.<ns>.svc:50052) become 127.0.0.1:<map of the port they
     select>. An address naming an undeclared port fails the test.
 
+The container's environment starts from its image's ENV (the Dockerfile that
+docker/compose.yaml builds under that image name), then ConfigMaps and env.
+emptyDir volumes are fresh directories, and a path under one (the images'
+HOME, TMPDIR, WORKDIR /tmp) is rewritten to it; the process runs in its
+image's WORKDIR. With readOnlyRootFilesystem that WORKDIR, HOME and TMPDIR must
+be on an emptyDir, and while it runs the process may hold no file open for
+writing anywhere but an emptyDir (its stdout/stderr aside).
+
 Secret volumes are written as the kubelet would (each item's file, its mode)
 into a directory per pod, from the Secrets docs/operations.md tells operators to
 create: meshd-cluster-tls (a cluster CA and certificate from
@@ -44,6 +52,7 @@ import grpc
 import pytest
 import yaml
 
+import dockerfiles
 import meshd_testlib as lib
 
 K8S_DIR = os.path.join(lib.SOURCE_DIR, "docker", "k8s")
@@ -109,6 +118,7 @@ class Cluster:
         self.tmp = str(tmp_path)
         self.config = {o["metadata"]["name"]: o.get("data", {}) for o in find(self.objs, "ConfigMap")}
         self.services = {o["metadata"]["name"]: o for o in find(self.objs, "Service")}
+        self._given = set()
         self.pods = []  # dicts: name, workload, template, container, ports{decl->local}, proc, log
 
     # ------------------------------------------------ addresses
@@ -159,15 +169,26 @@ class Cluster:
 
     # ------------------------------------------------ pods
 
+    def _free_port(self):
+        """A free loopback port no pod was given yet: all are given before any
+        binds, so free_port alone could hand one out twice."""
+        while True:
+            port = lib.free_port()
+            if port not in self._given:
+                self._given.add(port)
+                return port
+
     def add_pod(self, name, workload):
         tmpl = workload["spec"]["template"]
         containers = tmpl["spec"]["containers"]
         assert len(containers) == 1, f"{workload['metadata']['name']}: one container expected"
         c = containers[0]
-        ports = {p["containerPort"]: lib.free_port() for p in c.get("ports", [])}
+        ports = {p["containerPort"]: self._free_port() for p in c.get("ports", [])}
         pod = dict(name=name, workload=workload, template=tmpl, container=c,
                    labels=tmpl["metadata"]["labels"], ports=ports, proc=None, log=None)
         pod["mounts"] = self._write_secrets(pod)
+        pod["emptydirs"] = self._empty_dirs(pod)
+        pod["mounts"].update(pod["emptydirs"])
         self.pods.append(pod)
         return pod
 
@@ -197,16 +218,41 @@ class Cluster:
             mounts[m["mountPath"].rstrip("/")] = local
         return mounts
 
+    def _empty_dirs(self, pod):
+        """The pod's emptyDir volumes as fresh directories: {mountPath: local directory}."""
+        vols = {v["name"]: v for v in pod["template"]["spec"].get("volumes", [])}
+        out = {}
+        for m in pod["container"].get("volumeMounts", []):
+            if "emptyDir" in vols.get(m["name"], {}):
+                local = os.path.join(self.tmp, pod["name"] + "-" + m["name"])
+                os.makedirs(local, exist_ok=True)
+                out[m["mountPath"].rstrip("/")] = local
+        return out
+
+    def image(self, pod):
+        """The final stage of the Dockerfile compose.yaml builds as the container's image."""
+        name = pod["container"]["image"].split(":")[0]
+        images = dockerfiles.image_dockerfiles()
+        assert name in images, f"{pod['name']}: image {name} is built by no docker/*.Dockerfile"
+        return dockerfiles.final(images[name])
+
     def local_path(self, pod, value):
-        """A path under one of the pod's Secret mounts, as written here; else value."""
+        """A path under one of the pod's Secret or emptyDir mounts, as made here; else value."""
         for mount, local in pod["mounts"].items():
-            if value.startswith(mount + "/"):
+            if value == mount or value.startswith(mount + "/"):
                 return local + value[len(mount):]
         return value
 
+    def writable_dir(self, pod, path):
+        """path's directory here if it is on one of the pod's emptyDirs, else None."""
+        for mount, local in pod["emptydirs"].items():
+            if path == mount or path.startswith(mount + "/"):
+                return local + path[len(mount):]
+        return None
+
     def env_of(self, pod):
         c = pod["container"]
-        env = {}
+        env = dict(self.image(pod)["env"])
         for src in c.get("envFrom", []):
             ref = src["configMapRef"]["name"]
             assert ref in self.config, f"{c['name']}: envFrom ConfigMap {ref} not defined"
@@ -275,14 +321,50 @@ class Cluster:
                 env[k] = self.local_path(pod, env[k])
         argv = [self.local_path(pod, a) for a in self.argv_of(pod, env)]
         env["PATH"] = lib.BIN_DIR + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
+        workdir = pod["container"].get("workingDir") or self.image(pod)["workdir"]
+        cwd = self.local_path(pod, workdir)
+        if pod["container"].get("securityContext", {}).get("readOnlyRootFilesystem"):
+            # Where the process may write: its working directory, HOME and TMPDIR.
+            for what, path in (("WORKDIR", workdir), ("HOME", env.get("HOME")),
+                               ("TMPDIR", env.get("TMPDIR"))):
+                assert path and self.writable_dir(pod, path if what == "WORKDIR" else
+                                                  self._container_path(pod, path)), \
+                    (f"{pod['name']}: readOnlyRootFilesystem, but {what} {path} is on no emptyDir "
+                     f"(emptyDirs: {sorted(pod['emptydirs'])})")
+        assert os.path.isdir(cwd), f"{pod['name']}: WORKDIR {workdir} is no directory here ({cwd})"
         log = os.path.join(self.tmp, f"{pod['name']}.log")
         with open(log, "wb") as logf:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
                                     stderr=subprocess.STDOUT, env=lib.clean_env(env),
-                                    cwd=self.tmp)
+                                    cwd=cwd)
         lib._started.append(proc)
         pod.update(proc=proc, log=log, argv=argv, env=env)
         return pod
+
+    def _container_path(self, pod, local):
+        """The path in the container of a path made here (local_path's inverse)."""
+        for mount, loc in pod["mounts"].items():
+            if local == loc or local.startswith(loc + "/"):
+                return mount + local[len(loc):]
+        return local
+
+    def writes_outside(self, pod):
+        """Files the process holds open for writing off its emptyDirs (stdout, stderr aside)."""
+        pid = pod["proc"].pid
+        bad = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                flags = int(open(f"/proc/{pid}/fdinfo/{fd}").read().split("flags:")[1].split()[0], 8)
+            except (FileNotFoundError, IndexError):
+                continue  # closed meanwhile
+            if int(fd) in (1, 2) or not target.startswith("/") or flags & os.O_ACCMODE == os.O_RDONLY:
+                continue
+            if target.startswith("/dev/") or target.startswith("/proc/"):
+                continue  # /dev/null, pipes' and eventfds' pseudo paths
+            if not any(target == d or target.startswith(d + "/") for d in pod["emptydirs"].values()):
+                bad.append(target)
+        return bad
 
     def alive(self, pod):
         if pod["proc"].poll() is not None:
@@ -432,6 +514,9 @@ def test_manifests_run_as_declared(tmp_path):
 
         for pod in [server] + agents:
             cluster.alive(pod)
+            if pod["container"].get("securityContext", {}).get("readOnlyRootFilesystem"):
+                bad = cluster.writes_outside(pod)
+                assert not bad, f"{pod['name']}: readOnlyRootFilesystem, but writes {bad}"
     finally:
         codes = cluster.stop_all()
     bad = {k: v for k, v in codes.items() if v != 0}

@@ -1,6 +1,7 @@
 // Validates docker/k8s/*.yaml against the Kubernetes API schemas (kubernetes-models),
 // checks the probes and that every flag the manifests and compose.yaml pass exists
-// in docs/operations.md, and that docker/compose.yaml runs a server and 4 agents.
+// in docs/operations.md, and that docker/compose.yaml runs a server and 4 agents
+// (CPU by default, CUDA under the gpu profile).
 // Sources: $MESHD_SOURCE_DIR (default: two levels up from this file's directory).
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -216,14 +217,17 @@ test("agents: rank from the pod ordinal, stable advertise name, GPU, /dev/shm, N
   assert.equal(Number(containerEnv(server).MESHD_MIN_AGENTS), sts.spec.replicas, "min agents == replicas");
 });
 
-test("docker/compose.yaml runs a server and 4 agents with documented flags", () => {
+test("docker/compose.yaml runs a server and 4 CPU agents, and 4 GPU agents under the gpu profile, with documented flags", () => {
   const compose = parse(readFileSync(join(dockerDir, "compose.yaml"), "utf8"), { merge: true });
   const services = Object.entries(compose.services);
   const server = services.filter(([, s]) => /server\.Dockerfile$/.test(s.build?.dockerfile ?? ""));
-  const agents = services.filter(([, s]) => /agent\.Dockerfile$/.test(s.build?.dockerfile ?? ""));
+  const isAgent = ([, s]) => /agent(-cpu)?\.Dockerfile$/.test(s.build?.dockerfile ?? "");
+  const agents = services.filter((e) => isAgent(e) && !e[1].profiles);
+  const gpuAgents = services.filter((e) => isAgent(e) && e[1].profiles);
   assert.equal(server.length, 1, "one server");
-  assert.equal(agents.length, 4, "four agents");
-  const ranks = agents.map(([name, s]) => {
+  assert.equal(agents.length, 4, "four default agents");
+  assert.equal(gpuAgents.length, 4, "four gpu agents");
+  const checkAgent = ([name, s]) => {
     const cmd = s.command;
     assert.ok(Array.isArray(cmd), `${name}: command is a list`);
     for (const w of cmd.filter((w) => w.startsWith("--"))) {
@@ -234,8 +238,14 @@ test("docker/compose.yaml runs a server and 4 agents with documented flags", () 
       if (k.startsWith("MESHD_")) assert.ok(FLAGS["meshd-agent"].has("--" + k.slice(6).toLowerCase().replaceAll("_", "-")), `${name}: ${k}`);
     }
     return Number(cmd[cmd.indexOf("--rank") + 1]);
-  });
-  assert.deepEqual(ranks.sort(), [0, 1, 2, 3]);
+  };
+  assert.deepEqual(agents.map(checkAgent).sort(), [0, 1, 2, 3]);
+  for (const [name, s] of agents) assert.match(s.build.dockerfile, /agent-cpu\.Dockerfile$/, `${name}: the CPU image`);
+  assert.deepEqual(gpuAgents.map(checkAgent).sort(), [0, 1, 2, 3]);
+  for (const [name, s] of gpuAgents) {
+    assert.deepEqual(s.profiles, ["gpu"], `${name}: profiles`);
+    assert.match(s.build.dockerfile, /\/agent\.Dockerfile$/, `${name}: the CUDA image`);
+  }
   for (const w of server[0][1].command.filter((w) => w.startsWith("--"))) {
     assert.ok(FLAGS.meshd.has(w), `server: ${w} not documented`);
   }
