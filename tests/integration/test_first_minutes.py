@@ -468,8 +468,11 @@ def test_first_ten_minutes(tmp_path):
     assert kinds.index("kill") < len(kinds) - 1 - kinds[::-1].index("meshctl agents")
     assert walk.compose.restarts == {"agent-2": 1}, walk.compose.restarts
     last = walk.outputs("meshctl agents")[-1]
-    rows = [line.split() for line in last.splitlines()[1:] if line.strip()]
+    header, *lines = [line for line in last.splitlines() if line.strip()]
+    healthy = header.split().index("HEALTHY")
+    rows = [line.split() for line in lines]
     assert sorted(int(r[0]) for r in rows) == [0, 1, 2, 3], last
-    assert all(r[-1] == "yes" for r in rows), f"not all healthy:\n{last}"
-    # TODO(meshctl sessions --watch): once `sessions --watch --count 1` is on main,
-    # the document watches sessions with it and this test runs it like `sessions`.
+    assert all(r[healthy] == "yes" for r in rows), f"not all healthy:\n{last}"
+    # The sessions are watched (two frames, then it ends by itself).
+    watched = walk.outputs("meshctl sessions")
+    assert watched and watched[-1].count("SESSION") == 2, watched
