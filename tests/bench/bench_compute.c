@@ -386,7 +386,7 @@ static double broadcast_round(world_t *w, bmember_t *ms, size_t n, bool star, ui
   for (size_t r = 0; r < n && *ok; r++) {
     if (ms[r].rc != 0) {
       *ok = false;
-      snprintf(err, errlen, "member %zu: %s", r, ms[r].err.msg);
+      snprintf(err, errlen, "member %zu: %.400s", r, ms[r].err.msg);
     } else if (r > 0 && memcmp(ms[r].buf, ms[0].buf, bytes) != 0) {
       *ok = false;
       snprintf(err, errlen, "member %zu: wrong bytes", r);
