@@ -221,23 +221,42 @@ typedef struct {
   bool sync_ok;
 } run_t;
 
+/* The benchmark's tiny command: Call add(input, 1.0) into *result. The caller
+ * keeps t alive while the command is used; seq and *result are its to set. */
+typedef struct {
+  Meshd__V1__Arg a_in, a_f;
+  Meshd__V1__Arg *args[2];
+  Meshd__V1__Call call;
+  Meshd__V1__Command cmd;
+} tiny_add_t;
+
+static void tiny_add_init(tiny_add_t *t, uint64_t *result) {
+  meshd__v1__arg__init(&t->a_in);
+  t->a_in.value_case = MESHD__V1__ARG__VALUE_REF;
+  t->a_in.ref = INPUT_REF;
+  meshd__v1__arg__init(&t->a_f);
+  t->a_f.value_case = MESHD__V1__ARG__VALUE_F;
+  t->a_f.f = 1.0;
+  t->args[0] = &t->a_in;
+  t->args[1] = &t->a_f;
+  meshd__v1__call__init(&t->call);
+  t->call.op = "add";
+  t->call.n_args = 2;
+  t->call.args = t->args;
+  t->call.n_results = 1;
+  t->call.results = result;
+  meshd__v1__command__init(&t->cmd);
+  t->cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
+  t->cmd.call = &t->call;
+}
+
 static void *writer(void *p) {
   run_t *r = p;
-  Meshd__V1__Arg a_in = MESHD__V1__ARG__INIT, a_f = MESHD__V1__ARG__INIT;
-  a_in.value_case = MESHD__V1__ARG__VALUE_REF;
-  a_in.ref = INPUT_REF;
-  a_f.value_case = MESHD__V1__ARG__VALUE_F;
-  a_f.f = 1.0;
-  Meshd__V1__Arg *args[2] = {&a_in, &a_f};
   uint64_t result = 0;
-  Meshd__V1__Call call = MESHD__V1__CALL__INIT;
-  call.op = "add";
-  call.n_args = 2;
-  call.args = args;
-  call.n_results = 1;
-  call.results = &result;
-  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
-  cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
+  tiny_add_t add;
+  tiny_add_init(&add, &result);
+  Meshd__V1__Call call = add.call;
+  Meshd__V1__Command cmd = add.cmd;
   cmd.call = &call;
 
   size_t cap = r->drop_batch > 0 ? (size_t)r->drop_batch : 1;
@@ -483,22 +502,10 @@ static int cmp_double(const void *a, const void *b) {
  * trip in µs (the server answers once it accepted the command). */
 static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double seconds, double *p50,
                          double *p99) {
-  Meshd__V1__Arg a_in = MESHD__V1__ARG__INIT, a_f = MESHD__V1__ARG__INIT;
-  a_in.value_case = MESHD__V1__ARG__VALUE_REF;
-  a_in.ref = INPUT_REF;
-  a_f.value_case = MESHD__V1__ARG__VALUE_F;
-  a_f.f = 1.0;
-  Meshd__V1__Arg *args[2] = {&a_in, &a_f};
   uint64_t result = 0;
-  Meshd__V1__Call call = MESHD__V1__CALL__INIT;
-  call.op = "add";
-  call.n_args = 2;
-  call.args = args;
-  call.n_results = 1;
-  call.results = &result;
-  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
-  cmd.kind_case = MESHD__V1__COMMAND__KIND_CALL;
-  cmd.call = &call;
+  tiny_add_t add;
+  tiny_add_init(&add, &result);
+  Meshd__V1__Command *cmd = &add.cmd;
   size_t cap = 1 << 20, n = 0;
   double *lat = malloc(cap * sizeof *lat);
   if (!lat) return -1;
@@ -506,12 +513,12 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
   int64_t end = warm_end + (int64_t)(seconds * 1e9);
   int rc = 0;
   for (int64_t now = bench_now_ns(); now < end && n < cap; now = bench_now_ns()) {
-    cmd.seq = (*seq)++;
+    cmd->seq = (*seq)++;
     result = (*ref)++;
     ProtobufCMessage *resp = NULL;
     rpc_status_t st = {0};
     int64_t t0 = bench_now_ns();
-    grpc_status_code code = rpc_unary(c->ch, SVC "Execute", &cmd.base,
+    grpc_status_code code = rpc_unary(c->ch, SVC "Execute", &cmd->base,
                                       &meshd__v1__command_result__descriptor, &resp, c->md, 2,
                                       READ_TIMEOUT_MS, &st);
     int64_t t1 = bench_now_ns();

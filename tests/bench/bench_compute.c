@@ -270,21 +270,27 @@ static double allreduce_round(world_t *w, member_t *ms, uint64_t comm, size_t co
   return (double)(t1 - t0) / 1e9 / iters;
 }
 
-static int allreduce_cases(size_t n, size_t min_bytes, size_t max_bytes, double loopback_bps) {
-  world_t w;
-  memset(&w, 0, sizeof w);
-  w.n = n;
+/* n data planes on 127.0.0.1, ranks 0..n-1: 0, or -1 (said on stderr). */
+static int world_start(world_t *w, size_t n) {
+  memset(w, 0, sizeof *w);
+  w->n = n;
   for (size_t i = 0; i < n; i++) {
     meshd_error_t e = {0};
-    w.ranks[i] = (uint32_t)i;
-    w.dp[i] = dataplane_start("127.0.0.1", w.ranks[i], 30000, &e);
-    if (!w.dp[i]) {
+    w->ranks[i] = (uint32_t)i;
+    w->dp[i] = dataplane_start("127.0.0.1", w->ranks[i], 30000, &e);
+    if (!w->dp[i]) {
       fprintf(stderr, "bench_compute: dataplane_start: %s\n", e.msg);
       return -1;
     }
-    snprintf(w.addr_buf[i], sizeof w.addr_buf[i], "127.0.0.1:%d", dataplane_port(w.dp[i]));
-    w.addrs[i] = w.addr_buf[i];
+    snprintf(w->addr_buf[i], sizeof w->addr_buf[i], "127.0.0.1:%d", dataplane_port(w->dp[i]));
+    w->addrs[i] = w->addr_buf[i];
   }
+  return 0;
+}
+
+static int allreduce_cases(size_t n, size_t min_bytes, size_t max_bytes, double loopback_bps) {
+  world_t w;
+  if (world_start(&w, n) != 0) return -1;
   pthread_barrier_init(&w.bar, NULL, (unsigned)n + 1);
   member_t ms[MAXN];
   memset(ms, 0, sizeof ms);
@@ -401,21 +407,9 @@ static double broadcast_round(world_t *w, bmember_t *ms, size_t n, bool star, ui
  * the same bytes (a chain of one destination), rounds alternating. */
 static int broadcast_cases(size_t bytes, const size_t *dests, int ndests) {
   world_t w;
-  memset(&w, 0, sizeof w);
   size_t most = 2;
   for (int i = 0; i < ndests; i++) most = dests[i] + 1 > most ? dests[i] + 1 : most;
-  w.n = most;
-  for (size_t i = 0; i < most; i++) {
-    meshd_error_t e = {0};
-    w.ranks[i] = (uint32_t)i;
-    w.dp[i] = dataplane_start("127.0.0.1", w.ranks[i], 30000, &e);
-    if (!w.dp[i]) {
-      fprintf(stderr, "bench_compute: dataplane_start: %s\n", e.msg);
-      return -1;
-    }
-    snprintf(w.addr_buf[i], sizeof w.addr_buf[i], "127.0.0.1:%d", dataplane_port(w.dp[i]));
-    w.addrs[i] = w.addr_buf[i];
-  }
+  if (world_start(&w, most) != 0) return -1;
   bmember_t ms[MAXN];
   memset(ms, 0, sizeof ms);
   for (size_t r = 0; r < most; r++)
