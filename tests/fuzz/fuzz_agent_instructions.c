@@ -367,6 +367,19 @@ static void build_reduce(rd_t *r, instr_t *ins, model_t *mo) {
   }
   spoil(r, ro->input);
   spoil(r, ro->result);
+  /* Onto a sub-mesh: a root that may be outside the group. */
+  ro->rooted = (flags >> 2) & 1;
+  ro->root = (flags >> 3) % (uint32_t)(ro->group->n_ranks + 1);
+  if (((flags >> 6) & 3) == 3) { /* the same specs and group as to_mesh's broadcast chain */
+    Meshd__Agent__V1__BroadcastOp *bo = A(sizeof *bo);
+    meshd__agent__v1__broadcast_op__init(bo);
+    bo->input = ro->input;
+    bo->result = ro->result;
+    bo->group = ro->group;
+    ins->body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST;
+    ins->broadcast = bo;
+    return;
+  }
   ins->body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
   ins->reduce = ro;
 }
