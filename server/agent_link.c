@@ -132,40 +132,6 @@ static void free_list(agent_link_msg_t *m) {
   }
 }
 
-/* Wake-ups held back on this thread (agent_link_defer_kicks): the ranks whose
- * writer was not signalled yet. Past AGENT_LINK_DEFERRED_MAX ranks a push
- * signals at once. */
-#define AGENT_LINK_DEFERRED_MAX 64
-static _Thread_local bool defer_on;
-static _Thread_local uint32_t deferred[AGENT_LINK_DEFERRED_MAX];
-static _Thread_local size_t ndeferred;
-
-void agent_link_defer_kicks(void) { defer_on = true; }
-
-size_t agent_link_deferred(uint32_t *ranks, size_t cap) {
-  size_t n = ndeferred < cap ? ndeferred : cap;
-  memcpy(ranks, deferred, n * sizeof *ranks);
-  defer_on = false;
-  ndeferred = 0;
-  return n;
-}
-
-void agent_link_kick(agent_link_t *l) {
-  pthread_mutex_lock(&l->mu);
-  pthread_cond_signal(&l->cv);
-  pthread_mutex_unlock(&l->mu);
-}
-
-/* Whether the writer's wake-up is held back for now (recorded for later). */
-static bool held_back(uint32_t rank) {
-  if (!defer_on) return false;
-  for (size_t i = 0; i < ndeferred; i++)
-    if (deferred[i] == rank) return true;
-  if (ndeferred == AGENT_LINK_DEFERRED_MAX) return false;
-  deferred[ndeferred++] = rank;
-  return true;
-}
-
 uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m) {
   if (!m) return 0;
   pthread_mutex_lock(&l->mu);
@@ -181,7 +147,7 @@ uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m) {
   l->tail = m;
   l->queued++;
   l->queued_bytes += m->len;
-  if (!held_back(l->rank)) pthread_cond_signal(&l->cv);
+  pthread_cond_signal(&l->cv);
   pthread_mutex_unlock(&l->mu);
   return seq;
 }

@@ -97,16 +97,6 @@ size_t agent_link_msg_len(const agent_link_msg_t *m);
  * instruction to many ranks packs it once). NULL when out of memory. */
 agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m);
 
-/* Wake-ups held back on the calling thread: after agent_link_defer_kicks,
- * pushes on this thread queue their instruction but do not wake the link's
- * writer, so that a command's answer leaves before the writer (and the agent
- * after it) compete for the CPU. agent_link_deferred ends that and returns the
- * ranks whose writers must now be woken with agent_link_kick (through
- * agent_pool_kick_deferred, which finds their links): whoever defers must kick. */
-void agent_link_defer_kicks(void);
-size_t agent_link_deferred(uint32_t *ranks, size_t cap);
-void agent_link_kick(agent_link_t *l);
-
 /* Highest seq the agent reported executed (first_seq - 1 until the first report). */
 uint64_t agent_link_executed(agent_link_t *l);
 /* Highest seq given out. Frozen once the link is broken. */

@@ -417,18 +417,6 @@ int agent_pool_send_msg(agent_pool_t *p, uint32_t rank, agent_link_msg_t *m, uin
   return seq ? 0 : -1;
 }
 
-void agent_pool_kick_deferred(agent_pool_t *p) {
-  uint32_t ranks[64];
-  size_t n = agent_link_deferred(ranks, sizeof ranks / sizeof ranks[0]);
-  if (!n) return;
-  pthread_mutex_lock(&p->mu);
-  for (size_t i = 0; i < n; i++) {
-    agent_t *a = ranks[i] < p->cap && p->agents[ranks[i]].used ? &p->agents[ranks[i]] : NULL;
-    if (a && a->link) agent_link_kick(a->link->link);
-  }
-  pthread_mutex_unlock(&p->mu);
-}
-
 const char *agent_pool_data_address(agent_pool_t *p, uint32_t rank, char *buf, size_t len) {
   buf[0] = '\0';
   pthread_mutex_lock(&p->mu);

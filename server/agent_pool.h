@@ -143,9 +143,6 @@ uint64_t agent_pool_last_seq(agent_pool_t *pool, uint32_t rank);
  * (send one instruction to many ranks: pack once, agent_link_msg_clone each). */
 int agent_pool_send_msg(agent_pool_t *pool, uint32_t rank, agent_link_msg_t *m,
                         uint64_t *seq_out);
-/* Wakes the writers of the links this thread pushed to since
- * agent_link_defer_kicks (agent_link.h), and ends the deferral. */
-void agent_pool_kick_deferred(agent_pool_t *p);
 /* Highest seq rank has executed (0: none). Monotone, survives agent loss. */
 uint64_t agent_pool_executed(agent_pool_t *pool, uint32_t rank);
 /* Instructions queued for rank and not yet written (0 without a link). */

@@ -6,8 +6,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "agent_link.h"
-#include "agent_pool.h"
 #include "emit.h"
 #include "flow.h"
 #include "log.h"
@@ -691,12 +689,7 @@ static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
               "stream; Execute runs one command", cmd->n_batch);
     send_error(call, false, cmd->seq, &e);
   } else {
-    /* The answer first, then the agents' writers: on a busy machine a woken
-     * writer (and the agent it feeds) would otherwise run before the answer
-     * leaves, which is the client's latency. */
-    agent_link_defer_kicks();
     run_one(cs, s, call, false, cmd, NULL, NULL);
-    agent_pool_kick_deferred(cs->fe.pool);
   }
   session_release(s);
 }
