@@ -472,6 +472,27 @@ static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t
   return 0;
 }
 
+/* The data plane group of an instruction's Group, for member `me`: its
+ * addresses into addrs[256] and its secret, checked; the comm noted for the
+ * session's end. 0, or -1 with e naming `what`. */
+static int join_group(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t me, const uint64_t *since,
+                      const char *what, const char **addrs, dp_group_t *out, meshd_error_t *e) {
+  size_t n = g->n_ranks;
+  if (g->n_addresses < n || n > 256)
+    return error_set(e, ERR_REMOTE_FAILURE, "%s: the group lacks data plane addresses", what);
+  for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
+  if (g->secret.len != DP_SECRET_LEN)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "%s: the instruction's group has a %zu-byte secret where %d bytes are "
+                     "needed to join its data plane connections (a server older than this agent "
+                     "sends none: upgrade the server)",
+                     what, g->secret.len, DP_SECRET_LEN);
+  *out = (dp_group_t){.comm_id = g->comm_id, .session = c->s->key, .ranks = g->ranks,
+                      .addrs = addrs, .n = n, .me = me, .since = since, .secret = g->secret.data};
+  session_state_note_comm(c->s, g->comm_id);
+  return 0;
+}
+
 static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_t red,
                       const Meshd__Agent__V1__Group *g, agent_tensor_t *work,
                       const tensor_meta_t *rm, agent_tensor_t *res, int *any_failed,
@@ -493,18 +514,8 @@ static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_
   if (my_index(c, g, &me))
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent is not in the group it was sent");
   const char *addrs[256];
-  if (g->n_addresses < n || n > 256)
-    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: the group lacks data plane addresses");
-  for (size_t i = 0; i < n; i++) addrs[i] = g->addresses[i];
-  if (g->secret.len != DP_SECRET_LEN)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "Reduce: the instruction's group has a %zu-byte secret where %d bytes are "
-                     "needed to join its data plane connections (a server older than this agent "
-                     "sends none: upgrade the server)",
-                     g->secret.len, DP_SECRET_LEN);
-  dp_group_t grp = {.comm_id = g->comm_id, .session = c->s->key, .ranks = g->ranks,
-                    .addrs = addrs, .n = n, .me = me, .since = since, .secret = g->secret.data};
-  session_state_note_comm(c->s, g->comm_id);
+  dp_group_t grp;
+  if (join_group(c, g, me, since, "Reduce", addrs, &grp, e)) return -1;
   void *in = work->storage->data, *out = res->storage->data;
   int rc;
   const backend_ops_t *ops = c->b->ops;
@@ -698,16 +709,8 @@ static void run_broadcast(ctx_t *c) {
     goto fail;
   }
   const char *addrs[256];
-  if (g->n_ranks > 256 || g->n_addresses < g->n_ranks) {
-    error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: the broadcast lacks data plane addresses");
-    goto fail;
-  }
-  for (size_t i = 0; i < g->n_ranks; i++) addrs[i] = g->addresses[i];
-  if (g->secret.len != DP_SECRET_LEN) {
-    error_set(&e, ERR_BAD_ARGUMENT, "ToMesh: the broadcast has a %zu-byte secret where %d bytes are "
-              "needed to join its data plane channel", g->secret.len, DP_SECRET_LEN);
-    goto fail;
-  }
+  dp_group_t grp;
+  if (join_group(c, g, me, &since, "ToMesh", addrs, &grp, &e)) goto fail;
   int got = 1;
   if (source) {
     got = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, bo->input->ref, &in, &why);
@@ -733,9 +736,6 @@ static void run_broadcast(ctx_t *c) {
   }
   tensor_meta_t m;
   meta_of_spec(bo->result, &m);
-  dp_group_t grp = {.comm_id = g->comm_id, .session = c->s->key, .ranks = g->ranks, .addrs = addrs,
-                    .n = g->n_ranks, .me = me, .since = &since, .secret = g->secret.data};
-  session_state_note_comm(c->s, g->comm_id);
   int64_t hdr = 0;
   if (scalar_tensor(c, source ? got != 0 : 0, &hdr_t, &e) ||
       (source ? staged(c, &m, got == 0 ? &in : NULL, &buf, "ToMesh", &e)
