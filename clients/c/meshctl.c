@@ -1539,27 +1539,40 @@ static int load_failed(meshd_client_t *c, const char *what, meshd_err_t e) {
   return EXIT_RPC;
 }
 
+/* meshctl load's flags, checked before it connects (load_flags). */
+static load_req_t load_q;
+static const char *load_dims[16];
+static int64_t load_sizes[16];
+static size_t load_ndims; /* 0: every healthy, undrained agent */
+static char load_mesh_buf[256];
+
+static int load_flags(char *err, size_t errlen) {
+  char who[32];
+  for (int f = FLAG_DTYPE; f <= FLAG_DIM; f++) {
+    snprintf(who, sizeof who, "--%s", flags[f].name);
+    if (load_given[f] && load_option(&load_q, flags[f].name, load_given[f], who, err, errlen))
+      return -1;
+  }
+  if (load_check(&load_q, "--", err, errlen) != 0)
+    return -1;
+  if (load_given[FLAG_MESH] && parse_mesh(load_given[FLAG_MESH], load_mesh_buf,
+                                          sizeof load_mesh_buf, load_dims, load_sizes,
+                                          &load_ndims) != 0) {
+    snprintf(err, errlen, "--mesh: '%s' is not a mesh (DIM=N with N >= 1, comma-separated, "
+             "e.g. gpu=4 or host=2,gpu=4)", load_given[FLAG_MESH]);
+    return -1;
+  }
+  return 0;
+}
+
 static int cmd_load(meshd_client_t *c, int argc, char **argv) {
   (void)argc;
   const char *url = argv[0];
-  load_req_t q;
-  memset(&q, 0, sizeof q);
-  char err[256], who[32], meshbuf[256], shown[512], what[560];
-  for (int f = FLAG_DTYPE; f <= FLAG_DIM; f++) {
-    snprintf(who, sizeof who, "--%s", flags[f].name);
-    if (load_given[f] && load_option(&q, flags[f].name, load_given[f], who, err, sizeof err))
-      return usage_error(false, "load: %s", err);
-  }
-  if (load_check(&q, "--", err, sizeof err) != 0)
-    return usage_error(false, "load: %s", err);
-  const char *names[16];
-  int64_t sizes[16];
-  size_t ndims = 0;
-  if (load_given[FLAG_MESH]) {
-    if (parse_mesh(load_given[FLAG_MESH], meshbuf, sizeof meshbuf, names, sizes, &ndims) != 0)
-      return usage_error(false, "load: --mesh: '%s' is not a mesh (DIM=N with N >= 1, "
-                         "comma-separated, e.g. gpu=4 or host=2,gpu=4)", load_given[FLAG_MESH]);
-  } else { /* every agent that would take a mesh now */
+  char shown[512], what[560];
+  const char **names = load_dims;
+  int64_t *sizes = load_sizes;
+  size_t ndims = load_ndims;
+  if (!ndims) { /* every agent that would take a mesh now */
     meshd_agent_t *agents = NULL;
     size_t n = 0, up = 0;
     meshd_err_t e = meshd_agents(c, &agents, &n);
@@ -1590,7 +1603,7 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
     return report(c, "cannot open a session", e);
   meshd_ref_t mesh = 0, ref = 0;
   meshd_load_info_t info;
-  q.o.info = &info;
+  load_q.o.info = &info;
   int r = EXIT_OK;
   e = meshd_session_create_mesh(s, names, sizes, ndims, &mesh);
   if (e != MESHD_E_OK) {
@@ -1601,7 +1614,7 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
   char label[128];
   snprintf(label, sizeof label, "load %.100s", base && base[1] ? base + 1 : shown);
   double t0 = now_s();
-  e = load_and_wait(s, mesh, url, &q, label, &ref);
+  e = load_and_wait(s, mesh, url, &load_q, label, &ref);
   double secs = now_s() - t0;
   if (e != MESHD_E_OK) {
     r = load_failed(c, what, e);
@@ -1695,6 +1708,8 @@ static int run(int argc, char **argv) {
   if (load_flag_given && cmd->run != cmd_load)
     return usage_error(true, "--%s: only `meshctl load` takes it, not %s", load_flag_given,
                        cmd->name);
+  if (cmd->run == cmd_load && load_flags(err, sizeof err) != 0)
+    return usage_error(false, "load: %s", err);
   if (!server || !*server)
     return usage_error(true, "--server: empty address (expected host:port)");
   if (cmd->run == cmd_version)
