@@ -995,25 +995,17 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
 
 #define LOAD_PROGRESS_MAX 256 /* refs per LoadProgress (the server's limit) */
 
-meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
-                                        meshd_load_progress_t *out) {
-  if (!s)
-    return MESHD_E_INVALID;
-  if (!check_out(s, out, "meshd_session_load_progress"))
-    return MESHD_E_INVALID;
-  if (n == 0 || !refs) {
-    set_error(s->client, MESHD_E_INVALID, 0, NULL,
-              "meshd_session_load_progress: need at least one ref (got %zu, refs %s)", n,
-              refs ? "set" : "NULL");
-    return MESHD_E_INVALID;
-  }
+/* LoadProgress of n >= 1 refs, each call bounded by timeout_ms (<= 0: the client's). */
+static meshd_err_t load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
+                                 meshd_load_progress_t *out, int timeout_ms) {
   for (size_t at = 0; at < n; at += LOAD_PROGRESS_MAX) {
     Meshd__V1__LoadProgressRequest rq = MESHD__V1__LOAD_PROGRESS_REQUEST__INIT;
     rq.n_refs = n - at < LOAD_PROGRESS_MAX ? n - at : LOAD_PROGRESS_MAX;
     rq.refs = (uint64_t *)(refs + at);
     ProtobufCMessage *resp = NULL;
-    meshd_err_t ret = call_md(s->client, TS "LoadProgress", &rq.base,
-                              &meshd__v1__load_progress_reply__descriptor, &resp, s->md, s->nmd);
+    meshd_err_t ret = call_md_timeout(s->client, TS "LoadProgress", &rq.base,
+                                      &meshd__v1__load_progress_reply__descriptor, &resp, s->md,
+                                      s->nmd, timeout_ms);
     if (ret != MESHD_E_OK)
       return ret;
     const Meshd__V1__LoadProgressReply *r = (const Meshd__V1__LoadProgressReply *)resp;
@@ -1030,6 +1022,21 @@ meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *r
     protobuf_c_message_free_unpacked(resp, NULL);
   }
   return MESHD_E_OK;
+}
+
+meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
+                                        meshd_load_progress_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_load_progress"))
+    return MESHD_E_INVALID;
+  if (n == 0 || !refs) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load_progress: need at least one ref (got %zu, refs %s)", n,
+              refs ? "set" : "NULL");
+    return MESHD_E_INVALID;
+  }
+  return load_progress(s, refs, n, out, 0);
 }
 
 static int64_t mono_ms(void) {
@@ -1061,19 +1068,27 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
   meshd_err_t ret;
   for (;;) {
     /* A look, then a Sync bounded by the interval: it returns as soon as the
-     * loads are in (or failed), so the wait adds no delay of its own. */
-    if ((ret = meshd_session_load_progress(s, refs, n, p)) != MESHD_E_OK)
+     * loads are in (or failed), so the wait adds no delay of its own. A look
+     * that times out (the server asks each agent in turn: a wedged one holds
+     * it) is no news, not a failure. */
+    int64_t left = deadline ? deadline - mono_ms() : 0;
+    ret = deadline && left <= 0
+              ? MESHD_E_DEADLINE
+              : load_progress(s, refs, n, p, deadline && left < INT32_MAX ? (int)left : 0);
+    if (ret == MESHD_E_OK) {
+      done = total = 0;
+      for (size_t i = 0; i < n; i++) {
+        done += p[i].done_bytes;
+        total += p[i].total_bytes;
+      }
+      if (o->progress)
+        o->progress(o->progress_user, done < total ? done : total, total);
+    } else if (ret != MESHD_E_DEADLINE) {
       break;
-    done = total = 0;
-    for (size_t i = 0; i < n; i++) {
-      done += p[i].done_bytes;
-      total += p[i].total_bytes;
     }
-    if (o->progress)
-      o->progress(o->progress_user, done < total ? done : total, total);
     int step = interval;
     if (deadline) {
-      int64_t left = deadline - mono_ms();
+      left = deadline - mono_ms();
       if (left <= 0) {
         set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                   "meshd_session_wait_load: %llu of %llu bytes in after %d ms; the load goes on",

@@ -349,10 +349,11 @@ MESHD_API meshd_err_t meshd_session_load_progress(meshd_session_t *session,
 /* Options of meshd_session_wait_load; start from MESHD_WAIT_LOAD_OPTIONS_INIT. */
 typedef struct meshd_wait_load_options {
   int timeout_ms;  /* > 0 bounds the whole wait (MESHD_E_DEADLINE past it, the load goes
-                      on); <= 0: none, the agents' own --url-timeout-ms bound the loads */
+                      on); <= 0: none (the server's --url-timeout-ms and the agents'
+                      60 s stall rule bound each load, a lost agent fails it) */
   int interval_ms; /* between two looks at the progress; <= 0: 250 */
   /* NULL: none. Called on the calling thread with done and total summed over
-   * the refs (meshd_session_load_progress): once at the start, after each look,
+   * the refs (meshd_session_load_progress) after each look, the first at once,
    * and on success once more with done == total. Must not call the library. */
   void (*progress)(void *user, uint64_t done_bytes, uint64_t total_bytes);
   void *progress_user; /* passed to progress */

@@ -741,8 +741,27 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
   cr_assert_null(v.values);
   cr_assert_str_eq(meshd_last_error(c)->kind, "DEADLINE_EXCEEDED");
 
+  /* a load's wait ends at its deadline too, though LoadProgress cannot answer (the
+   * server asks the wedged agent); once it runs, the wait reports the load's failure */
+  meshd_ref_t l = 0;
+  meshd_load_options_t lo = {.dtype = "float32", .shape = (int64_t[]){4}, .ndim = 1};
+  const char *url = "http://127.0.0.1:1/x.bin"; /* nothing listens: refused */
+  cr_assert_eq(meshd_session_load(s, m, url, &lo, &l), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  w.timeout_ms = 1000;
+  t0 = now_ms();
+  cr_assert_eq(meshd_session_wait_load(s, &l, 1, &w), MESHD_E_DEADLINE, "%s",
+               meshd_last_error(c)->message);
+  took = now_ms() - t0;
+  cr_assert(took >= 900 && took < 3000, "a 1 s wait took %lld ms", (long long)took);
+  cr_assert(strstr(meshd_last_error(c)->message, "after 1000 ms"), "%s",
+            meshd_last_error(c)->message);
+
   kill(pid, SIGCONT);
   stopped_agent = -1;
+  cr_assert_eq(meshd_session_wait_load(s, &l, 1, NULL), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, url), "%s", meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
