@@ -167,8 +167,15 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   }
   uint64_t last = x->last_seq;
   pthread_mutex_unlock(&mu);
-  /* Queued, not run here: the handler never blocks. */
-  for (size_t i = 0; i < taken; i++) executor_submit(x->ex, b->instructions[i]);
+  /* Queued, not run here: the handler never blocks. The instructions stay in
+   * the message, which the last of them frees when done (no copy each). */
+  executor_batch_t *held = taken ? executor_batch_new((ProtobufCMessage *)msg) : NULL;
+  if (held) rpc_call_keep_message(call);
+  for (size_t i = 0; i < taken; i++) {
+    if (held) executor_submit_in(x->ex, b->instructions[i], held);
+    else executor_submit(x->ex, b->instructions[i]);
+  }
+  executor_batch_release(held);
 
   if (!why[0]) {
     executor_kick(x->ex); /* every batch is answered */

@@ -18,8 +18,28 @@
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 
+struct executor_batch {
+  _Atomic int refs;
+  ProtobufCMessage *msg;
+};
+
+executor_batch_t *executor_batch_new(ProtobufCMessage *msg) {
+  executor_batch_t *b = malloc(sizeof *b);
+  if (!b) return NULL;
+  atomic_init(&b->refs, 1);
+  b->msg = msg;
+  return b;
+}
+
+void executor_batch_release(executor_batch_t *b) {
+  if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
+  protobuf_c_message_free_unpacked(b->msg, NULL);
+  free(b);
+}
+
 typedef struct item {
-  instr_t *ins; /* unpacked copy, owned */
+  instr_t *ins; /* an unpacked copy, owned; or inside batch */
+  executor_batch_t *batch; /* holds ins (a reference), or NULL */
   meshd_error_t *refused; /* owned: the instruction failed validation; NULL: run it */
   struct item *next;
 } item_t;
@@ -407,7 +427,8 @@ static void run_stream(executor_t *x, xstream_t *st) {
     else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
       report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);
-    protobuf_c_message_free_unpacked(&it->ins->base, NULL);
+    if (it->batch) executor_batch_release(it->batch);
+    else protobuf_c_message_free_unpacked(&it->ins->base, NULL);
     free(it->refused);
     free(it);
     /* Cross-stream waiters need only the work queued (session_state.h). */
@@ -551,15 +572,19 @@ static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq
   return NULL;
 }
 
-int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
-  /* The batch belongs to the rpc layer: keep a copy. */
-  size_t len = protobuf_c_message_get_packed_size(&ins->base);
-  uint8_t *buf = malloc(len ? len : 1);
+static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
+                  executor_batch_t *batch) {
   instr_t *copy = NULL;
-  if (buf) {
-    protobuf_c_message_pack(&ins->base, buf);
-    copy = meshd__agent__v1__instruction__unpack(NULL, len, buf);
-    free(buf);
+  if (batch) {
+    copy = (instr_t *)ins; /* queued in place: the batch holds it */
+  } else { /* the caller's message: keep a copy */
+    size_t len = protobuf_c_message_get_packed_size(&ins->base);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf) {
+      protobuf_c_message_pack(&ins->base, buf);
+      copy = meshd__agent__v1__instruction__unpack(NULL, len, buf);
+      free(buf);
+    }
   }
   item_t *it = copy ? calloc(1, sizeof *it) : NULL;
   /* Checked before it is queued (validate.h); a refused instruction still
@@ -578,7 +603,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
   if (ring_reserve_locked(x, ins->seq) != 0) {
     pthread_mutex_unlock(&x->mu);
     log_error("executor", "out of memory tracking seq %" PRIu64, ins->seq);
-    if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
+    if (copy && !batch) protobuf_c_message_free_unpacked(&copy->base, NULL);
     free(it);
     free(why);
     return -1;
@@ -621,6 +646,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
       session_state_note_order(s->state, copy);
       it->ins = copy;
       copy = NULL;
+      if ((it->batch = batch)) atomic_fetch_add(&batch->refs, 1);
       it->refused = why;
       why = NULL;
       if (st->tail) st->tail->next = it;
@@ -645,7 +671,7 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
       if (key) b->ops->peer_lost(b, key, lost->rank);
     }
   }
-  if (copy) protobuf_c_message_free_unpacked(&copy->base, NULL);
+  if (copy && !batch) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
   free(why);
   if (to_free) {
@@ -664,6 +690,15 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
     return -1;
   }
   return 0;
+}
+
+int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
+  return submit(x, ins, NULL);
+}
+
+int executor_submit_in(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
+                       executor_batch_t *b) {
+  return submit(x, ins, b);
 }
 
 /* ------------------------------------------------------------------ data */

@@ -71,6 +71,15 @@ int executor_wait_all_freed(int timeout_ms);
  * backend's waits on that peer end at once. Returns 0, or -1 out of memory (the instruction is
  * then counted as done with a root failure reported). */
 int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
+/* The same without the copy: ins stays where it is, inside the message b
+ * holds, which the last of its queued instructions frees when done. */
+typedef struct executor_batch executor_batch_t;
+/* Holds msg (unpacked; freed with protobuf_c_message_free_unpacked) with one
+ * reference, the caller's. NULL out of memory (msg is then not taken). */
+executor_batch_t *executor_batch_new(ProtobufCMessage *msg);
+void executor_batch_release(executor_batch_t *b);
+int executor_submit_in(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
+                       executor_batch_t *b);
 /* The reporter sends a report soon even if nothing changed. */
 void executor_kick(executor_t *x);
 uint64_t executor_executed(executor_t *x);

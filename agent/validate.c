@@ -47,6 +47,24 @@ int validate_envelope(const instr_t *ins, char *why, size_t len) {
 
 /* ------------------------------------------------------------------ specs */
 
+/* Field names ("OpCall add args[1]") are formatted only once an instruction
+ * failed: validate_instruction checks it a second time with names on. On the
+ * hot path, formatting them cost more than the checks themselves. */
+static _Thread_local bool naming;
+
+static void name_field(char *buf, size_t len, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void name_field(char *buf, size_t len, const char *fmt, ...) {
+  if (!naming) {
+    buf[0] = 0;
+    return;
+  }
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, len, fmt, ap);
+  va_end(ap);
+}
+
 int validate_spec(const spec_t *sp, const char *field, meshd_error_t *e) {
   tensor_meta_t m;
   return validate_spec_meta(sp, field, &m, e);
@@ -57,9 +75,12 @@ int validate_spec_meta(const spec_t *sp, const char *field, tensor_meta_t *m, me
   dtype_t dt = (dtype_t)sp->dtype;
   if (!dtype_valid(dt))
     return error_set(e, ERR_BAD_ARGUMENT, "%s.dtype: unknown dtype %d", field, (int)sp->dtype);
-  char ctx[96];
-  snprintf(ctx, sizeof ctx, "%s.shape", field);
-  if (layout_check_shape(ctx, sp->shape, (int64_t)sp->n_shape, dtype_size(dt), e)) return -1;
+  if (layout_check_shape(NULL, sp->shape, (int64_t)sp->n_shape, dtype_size(dt), e)) {
+    char ctx[96]; /* again, for the message: only on failure */
+    snprintf(ctx, sizeof ctx, "%s.shape", field);
+    layout_check_shape(ctx, sp->shape, (int64_t)sp->n_shape, dtype_size(dt), e);
+    return -1;
+  }
   if (sp->n_strides && sp->n_strides != sp->n_shape)
     return error_set(e, ERR_BAD_ARGUMENT, "%s.strides: %zu strides for %zu dims (give one per dim, "
                      "or none for row-major)", field, sp->n_strides, sp->n_shape);
@@ -114,7 +135,7 @@ static int same_storage_dtype(storages_t *s, const spec_t *sp, const char *field
                        dtype_name((dtype_t)s->v[i]->dtype), s->field[i]);
   if (s->n < sizeof s->v / sizeof s->v[0]) {
     s->v[s->n] = sp;
-    snprintf(s->field[s->n++], sizeof s->field[0], "%s", field);
+    name_field(s->field[s->n++], sizeof s->field[0], "%s", field);
   }
   return 0;
 }
@@ -123,11 +144,13 @@ static int same_storage_dtype(storages_t *s, const spec_t *sp, const char *field
 static int check_spec(storages_t *st, const spec_t *sp, meshd_error_t *e, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static int check_spec(storages_t *st, const spec_t *sp, meshd_error_t *e, const char *fmt, ...) {
-  char field[64];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(field, sizeof field, fmt, ap);
-  va_end(ap);
+  char field[64] = "";
+  if (naming) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(field, sizeof field, fmt, ap);
+    va_end(ap);
+  }
   if (validate_spec(sp, field, e)) return -1;
   if (!sp->ref) return error_set(e, ERR_BAD_ARGUMENT, "%s.ref is 0 (refs start at 1)", field);
   return st ? same_storage_dtype(st, sp, field, e) : 0;
@@ -248,12 +271,12 @@ static int check_call(const Meshd__Agent__V1__OpCall *c, meshd_error_t *e) {
   size_t tensors = 0;
   char field[96];
   for (size_t i = 0; i < c->n_args; i++) {
-    snprintf(field, sizeof field, "OpCall %s args[%zu]", op->name, i);
+    name_field(field, sizeof field, "OpCall %s args[%zu]", op->name, i);
     if (check_arg(c->args[i], field, &tensors, e)) return -1;
   }
   for (size_t i = 0; i < c->n_kwargs; i++) {
     const Meshd__V1__Kwarg *k = c->kwargs[i];
-    snprintf(field, sizeof field, "OpCall %s kwargs[%zu]", op->name, i);
+    name_field(field, sizeof field, "OpCall %s kwargs[%zu]", op->name, i);
     if (!k || !k->name || !*k->name)
       return error_set(e, ERR_BAD_ARGUMENT, "%s has no name", field);
     if (!k->value) return error_set(e, ERR_BAD_ARGUMENT, "%s ('%.40s') has no value", field, k->name);
@@ -546,7 +569,12 @@ const char *validate_kind_name(const instr_t *ins) {
 
 int validate_instruction(const instr_t *ins, const validate_self_t *self, meshd_error_t *e) {
   meshd_error_t err = {0};
+  naming = false;
   if (check_body(ins, self, &err) == 0) return 0;
+  naming = true; /* again, for a message that names the field */
+  memset(&err, 0, sizeof err);
+  check_body(ins, self, &err);
+  naming = false;
   if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "%s is missing", validate_kind_name(ins));
   return error_set(e, ERR_BAD_ARGUMENT, "invalid %s (seq %" PRIu64 "): %.520s",
                    validate_kind_name(ins), ins->seq, err.msg);

@@ -9,7 +9,10 @@
 /* Repeated fields of a message beyond this many get no [index] in the path. */
 #define INDEXED_FIELDS 64
 
+/* A message is walked twice only when it fails: first without the path, whose
+ * formatting cost more than the walk itself, then with it for the message. */
 typedef struct walk {
+  bool naming;    /* keep the path and write err */
   char path[256]; /* "Command.call.args[1]" */
   size_t plen;
   char *err;
@@ -17,7 +20,7 @@ typedef struct walk {
 } walk_t;
 
 __attribute__((format(printf, 2, 3))) static int fail(walk_t *w, const char *fmt, ...) {
-  if (!w->err || !w->errlen) return -1;
+  if (!w->naming || !w->err || !w->errlen) return -1;
   int n = snprintf(w->err, w->errlen, "%s: ", w->path);
   if (n >= 0 && (size_t)n < w->errlen) {
     va_list ap;
@@ -102,6 +105,7 @@ static void push(walk_t *w, const ProtobufCMessageDescriptor *d, const ProtobufC
   size_t cap = sizeof w->path;
   int n;
   size_t idx = (size_t)(f - d->fields);
+  if (!w->naming) return;
   if (f->label == PROTOBUF_C_LABEL_REPEATED && idx < INDEXED_FIELDS)
     n = snprintf(w->path + w->plen, cap - w->plen, ".%s[%u]", f->name, seen[idx]++);
   else
@@ -159,8 +163,10 @@ static int walk_message(walk_t *w, const ProtobufCMessageDescriptor *d, const ui
     int rc = f->type == PROTOBUF_C_TYPE_STRING
                  ? check_string(w, body, (size_t)n)
                  : walk_message(w, f->descriptor, body, (size_t)n, depth + 1);
-    w->plen = saved;
-    w->path[saved] = '\0';
+    if (w->naming) {
+      w->plen = saved;
+      w->path[saved] = '\0';
+    }
     if (rc) return -1;
   }
   return 0;
@@ -168,10 +174,13 @@ static int walk_message(walk_t *w, const ProtobufCMessageDescriptor *d, const ui
 
 int proto_check_strings(const ProtobufCMessageDescriptor *d, const uint8_t *data, size_t len,
                         char *err, size_t errlen) {
-  walk_t w = {.path = "message", .err = err, .errlen = errlen};
+  walk_t w = {.naming = true, .path = "message", .err = err, .errlen = errlen};
   if (err && errlen) err[0] = '\0';
   if (!d || d->magic != PROTOBUF_C__MESSAGE_DESCRIPTOR_MAGIC) return fail(&w, "no message type");
   if (!data && len) return fail(&w, "no bytes");
+  w.naming = false;
+  if (walk_message(&w, d, data, len, 0) == 0) return 0;
+  w.naming = true; /* again, for the message */
   int n = snprintf(w.path, sizeof w.path, "%s", d->short_name ? d->short_name : d->name);
   w.plen = n > 0 && (size_t)n < sizeof w.path ? (size_t)n : 0;
   return walk_message(&w, d, data, len, 0);

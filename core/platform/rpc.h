@@ -239,6 +239,10 @@ bool rpc_call_peer_verified(rpc_call_t *call);
 /* One pointer of handler state, set in on_start. */
 void rpc_call_set_data(rpc_call_t *call, void *data);
 void *rpc_call_data(const rpc_call_t *call);
+/* Inside on_message: the handler keeps the message it was given, and frees it
+ * itself (protobuf_c_message_free_unpacked), e.g. once work that points into
+ * it is done; the layer does not free it. */
+void rpc_call_keep_message(rpc_call_t *call);
 /* Keeps the call alive past on_end (e.g. held in a list another thread walks).
  * Each rpc_call_ref needs one rpc_call_unref. Without a ref a handler must not
  * touch the call after on_end returns. */

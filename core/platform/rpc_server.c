@@ -59,6 +59,7 @@ struct rpc_call {
   pthread_mutex_t mu;
   int refs;
   int in_callback;
+  bool keep_msg; /* on_message took the message it got (rpc_call_keep_message) */
   bool accepted;       /* counted in srv->active */
   bool started;        /* on_start ran: only then does on_end run */
   bool sent_initial_md;
@@ -406,6 +407,8 @@ bool rpc_call_peer_verified(rpc_call_t *c) {
 void rpc_call_set_data(rpc_call_t *c, void *data) { c->data = data; }
 void *rpc_call_data(const rpc_call_t *c) { return c->data; }
 
+void rpc_call_keep_message(rpc_call_t *c) { c->keep_msg = true; }
+
 /* ------------------------------------------------------------------ events */
 
 /* Runs the drain wait's callback once its condition holds, as a callback of the
@@ -595,7 +598,8 @@ static void on_read(rpc_call_t *c, bool ok) {
     c->in_callback--;
   }
   if (msg) {
-    protobuf_c_message_free_unpacked(msg, NULL);
+    if (!c->keep_msg) protobuf_c_message_free_unpacked(msg, NULL);
+    c->keep_msg = false;
     start_reading_locked(c);
   }
   maybe_end_locked(c);

@@ -365,6 +365,9 @@ static const char *kind_desc(value_kind_t k) {
 
 static int check_tensor_meta(const op_def_t *op, const op_param_t *p, const tensor_meta_t *t,
                              meshd_error_t *e) {
+  if (t && dtype_valid(t->dtype) &&
+      layout_check_shape(NULL, t->layout.sizes, t->layout.ndim, dtype_size(t->dtype), e) == 0)
+    return 0; /* the common case: no message, so no need to format its context */
   char ctx[OP_NAME_MAX * 3];
   snprintf(ctx, sizeof ctx, "%s: argument '%s'", op->name, p->name);
   if (!t) return error_set(e, ERR_BAD_ARGUMENT, "%s: tensor is missing", ctx);
@@ -511,10 +514,12 @@ int ops_infer(const op_args_t *a, op_infer_t *out, meshd_error_t *e) {
   if (a->op->rule(a, out, e)) return -1;
   for (int i = 0; i < out->nresults; i++) {
     const tensor_meta_t *m = &out->results[i].meta;
-    char ctx[OP_NAME_MAX + 16];
+    if (layout_check_shape(NULL, m->layout.sizes, m->layout.ndim, dtype_size(m->dtype), e) == 0)
+      continue;
+    char ctx[OP_NAME_MAX + 16]; /* again, for the message */
     snprintf(ctx, sizeof ctx, "%s: result", a->op->name);
-    if (layout_check_shape(ctx, m->layout.sizes, m->layout.ndim, dtype_size(m->dtype), e))
-      return -1;
+    layout_check_shape(ctx, m->layout.sizes, m->layout.ndim, dtype_size(m->dtype), e);
+    return -1;
   }
   return 0;
 }

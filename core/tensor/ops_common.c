@@ -127,10 +127,13 @@ dtype_t ops_result_type(const op_value_t *const *vals, size_t n) {
 
 int ops__push_fresh(const op_args_t *a, op_infer_t *out, dtype_t dt, const int64_t *sizes,
                     int ndim, meshd_error_t *e) {
-  char ctx[OP_NAME_MAX + 16];
-  snprintf(ctx, sizeof ctx, "%s: result", OPN(a));
   op_result_t *r = &out->results[out->nresults];
-  if (layout_contiguous(&r->meta.layout, sizes, ndim, dtype_size(dt), ctx, e)) return -1;
+  if (layout_contiguous(&r->meta.layout, sizes, ndim, dtype_size(dt), NULL, e)) {
+    char ctx[OP_NAME_MAX + 16]; /* again, for the message */
+    snprintf(ctx, sizeof ctx, "%s: result", OPN(a));
+    layout_contiguous(&r->meta.layout, sizes, ndim, dtype_size(dt), ctx, e);
+    return -1;
+  }
   r->meta.dtype = dt;
   r->alias_param = -1;
   out->nresults++;
