@@ -600,7 +600,8 @@ static void *keepalive_main(void *arg) {
 }
 
 static void session_free(meshd_session_t *s) {
-  pipeline_close(s->pipe, s->client->timeout_ms);
+  if (s->pipe)
+    pipeline_close(s->pipe, s->client->timeout_ms);
   if (s->ka_started) {
     pthread_mutex_lock(&s->ka_mu);
     s->ka_stop = true;
