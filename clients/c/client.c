@@ -777,9 +777,14 @@ static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, 
       return pipeline_queue(s->pipe, &cmd->base, cmd->seq, &e) == 0 ? MESHD_E_OK
                                                                      : record(s->client, &e);
     }
+    int64_t t0 = rpc_now_ms();
     meshd_err_t ret = sync_point(s, timeout_ms);
     if (ret != MESHD_E_OK)
       return ret;
+    if (timeout_ms > 0) { /* one deadline for the wait and the call */
+      int64_t left = timeout_ms - (rpc_now_ms() - t0);
+      timeout_ms = left < 1 ? 1 : (int)left;
+    }
   }
   meshd_err_t ret = call_md_timeout(s->client, TS "Execute", &cmd->base,
                                     &meshd__v1__command_result__descriptor, &resp, s->md, s->nmd,
@@ -1469,12 +1474,12 @@ static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest
                                const direct_sink_t *sinks, size_t n, int timeout_ms) {
   if (timeout_ms <= 0)
     timeout_ms = s->client->timeout_ms;
+  int64_t end = rpc_now_ms() + timeout_ms; /* one deadline for the whole fetch */
   meshd_err_t ret = sync_point(s, timeout_ms); /* the tensor may be a queued command's */
   if (ret != MESHD_E_OK)
     return ret;
   direct_session_t view = session_view(s, timeout_ms);
   direct_err_t e = {0};
-  int64_t end = rpc_now_ms() + timeout_ms;
   direct_rc_t rc = direct_fetch(s->direct, &view, reqs, sinks, n, end, &e);
   if (rc == DIRECT_PROXY) {
     int64_t left = end - rpc_now_ms(); /* one deadline for the whole fetch */
