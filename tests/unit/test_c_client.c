@@ -476,6 +476,8 @@ Test(c_client, error_kinds) {
 
 /* ---------------------------------------------------------------- pipeline */
 
+static int64_t now_ms(void);
+
 /* The session `name`'s accepted commands, as the server counts them (ListSessions:
  * a client call, which never flushes a session's pipeline). */
 static uint64_t commands_of(meshd_client_t *c, const char *name) {
@@ -645,7 +647,29 @@ Test(c_client, pipeline_reports_a_rejection_at_the_next_sync) {
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   cr_assert_float_eq(fetch_first(c, s, b), 3.0, 1e-9);
   cr_assert_eq(commands_of(c, "c-pipe-err"), 2 + 2 + 1); /* setup, a and b, a sync */
+
+  /* The server dies: the next call that needs an answer fails at once, naming the
+   * stream, and so does every later one; close does not hang. (Its local agents
+   * get SIGTERM when it dies.) */
+  add_one(c, s, b, &a);
+  cr_assert_eq(kill(server_pid, SIGKILL), 0);
+  int status;
+  cr_assert_eq(waitpid(server_pid, &status, 0), server_pid);
+  server_pid = -1;
+  int64_t t0 = now_ms();
+  meshd_err_t err = meshd_session_sync(s);
+  cr_assert(err == MESHD_E_RPC, "sync after the server died: %s", meshd_strerror(err));
+  cr_assert(strstr(meshd_last_error(c)->message, "Submit stream"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_last_error(c)->seq, 0);
+  meshd_ref_t later = 0;
+  meshd_arg_t one = {.type = MESHD_ARG_REF, .ref = b};
+  cr_assert_eq(meshd_session_call(s, "relu", &one, 1, &later), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "Submit stream"), "%s",
+            meshd_last_error(c)->message);
   meshd_session_close(s);
+  cr_assert_lt(now_ms() - t0, 5000, "a dead server held the pipeline for %lld ms",
+               (long long)(now_ms() - t0));
   meshd_close(c);
 }
 
