@@ -3,15 +3,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <uthash.h>
 
-struct ref_slot {
-  uint64_t ref;
+#include "meta_pack.h"
+
+/* One ref: a tensor (its storage and packed meta) or the failure in its place. */
+typedef struct ref_slot {
+  uint64_t ref; /* first: the index's key */
+  union {
+    agent_storage_t *storage; /* when !failed */
+    ref_failure_t *why;       /* when failed */
+  };
   bool failed;
-  agent_tensor_t t;      /* when !failed */
-  ref_failure_t *why;    /* when failed */
-  UT_hash_handle hh;
-};
+  uint8_t meta[]; /* when !failed: dtype and layout */
+} ref_slot_t;
 
 agent_storage_t *storage_new(backend_t *b, backend_stream_t *st, size_t bytes, const char *what,
                              meshd_error_t *err) {
@@ -56,37 +60,36 @@ int tensor_alloc(backend_t *b, backend_stream_t *s, const tensor_meta_t *meta, a
 
 void refs_init(refs_t *r) {
   pthread_mutex_init(&r->mu, NULL);
-  r->map = NULL;
+  r->map = (refmap_t){0};
 }
 
-static void slot_reset(ref_slot_t *s) {
+static void slot_free(ref_slot_t *s) {
+  if (!s) return;
   if (s->failed) free(s->why);
-  else storage_release(s->t.storage);
-  s->why = NULL;
-  s->t.storage = NULL;
+  else storage_release(s->storage);
+  free(s);
 }
 
 void refs_clear(refs_t *r) {
   pthread_mutex_lock(&r->mu);
-  ref_slot_t *s, *tmp;
-  HASH_ITER(hh, r->map, s, tmp) {
-    HASH_DEL(r->map, s);
-    slot_reset(s);
-    free(s);
-  }
+  refmap_t map = r->map;
+  r->map = (refmap_t){0};
   pthread_mutex_unlock(&r->mu);
+  ref_slot_t *s;
+  for (size_t i = 0; (s = refmap_next(&map, &i));) slot_free(s);
+  refmap_free(&map);
 }
 
 int refs_get(refs_t *r, uint64_t ref, agent_tensor_t *out, ref_failure_t *why) {
   pthread_mutex_lock(&r->mu);
-  ref_slot_t *s = NULL;
-  HASH_FIND(hh, r->map, &ref, sizeof ref, s);
+  ref_slot_t *s = refmap_get(&r->map, ref);
   int rc = -1;
   if (s && s->failed) {
     if (why) *why = *s->why;
     rc = 1;
   } else if (s) {
-    *out = s->t;
+    meta_unpack(s->meta, &out->meta);
+    out->storage = s->storage;
     storage_retain(out->storage);
     rc = 0;
   }
@@ -94,64 +97,52 @@ int refs_get(refs_t *r, uint64_t ref, agent_tensor_t *out, ref_failure_t *why) {
   return rc;
 }
 
-/* The slot for ref, emptied, in the table; NULL out of memory. Holds mu. */
-static ref_slot_t *slot_locked(refs_t *r, uint64_t ref) {
-  ref_slot_t *s = NULL;
-  HASH_FIND(hh, r->map, &ref, sizeof ref, s);
-  if (s) {
-    slot_reset(s);
-    return s;
-  }
-  s = calloc(1, sizeof *s);
-  if (!s) return NULL;
-  s->ref = ref;
-  HASH_ADD(hh, r->map, ref, sizeof s->ref, s);
-  return s;
+/* Puts s in place of ref's slot, if any. 0, or -1 out of memory (s freed). */
+static int replace(refs_t *r, ref_slot_t *s) {
+  pthread_mutex_lock(&r->mu);
+  ref_slot_t *old = refmap_remove(&r->map, s->ref);
+  int rc = refmap_put(&r->map, s);
+  pthread_mutex_unlock(&r->mu);
+  slot_free(old);
+  if (rc) slot_free(s);
+  return rc;
 }
 
 int refs_put(refs_t *r, uint64_t ref, const agent_tensor_t *t) {
+  ref_slot_t *s = malloc(sizeof *s + meta_packed_size(&t->meta));
+  if (!s) return -1;
+  s->ref = ref;
+  s->failed = false;
+  s->storage = t->storage;
   storage_retain(t->storage);
-  pthread_mutex_lock(&r->mu);
-  ref_slot_t *s = slot_locked(r, ref);
-  if (s) {
-    s->failed = false;
-    s->t = *t;
-  }
-  pthread_mutex_unlock(&r->mu);
-  if (!s) storage_release(t->storage);
-  return s ? 0 : -1;
+  meta_pack(s->meta, &t->meta);
+  return replace(r, s);
 }
 
 int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why) {
-  ref_failure_t *copy = malloc(sizeof *copy);
-  if (!copy) return -1;
-  *copy = *why;
-  pthread_mutex_lock(&r->mu);
-  ref_slot_t *s = slot_locked(r, ref);
-  if (s) {
-    s->failed = true;
-    s->why = copy;
+  ref_slot_t *s = malloc(sizeof *s);
+  ref_failure_t *copy = s ? malloc(sizeof *copy) : NULL;
+  if (!copy) {
+    free(s);
+    return -1;
   }
-  pthread_mutex_unlock(&r->mu);
-  if (!s) free(copy);
-  return s ? 0 : -1;
+  *copy = *why;
+  s->ref = ref;
+  s->failed = true;
+  s->why = copy;
+  return replace(r, s);
 }
 
 void refs_delete(refs_t *r, uint64_t ref) {
   pthread_mutex_lock(&r->mu);
-  ref_slot_t *s = NULL;
-  HASH_FIND(hh, r->map, &ref, sizeof ref, s);
-  if (s) {
-    HASH_DEL(r->map, s);
-    slot_reset(s);
-    free(s);
-  }
+  ref_slot_t *s = refmap_remove(&r->map, ref);
   pthread_mutex_unlock(&r->mu);
+  slot_free(s);
 }
 
 size_t refs_count(refs_t *r) {
   pthread_mutex_lock(&r->mu);
-  size_t n = HASH_COUNT(r->map);
+  size_t n = r->map.n;
   pthread_mutex_unlock(&r->mu);
   return n;
 }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "backend.h"
+#include "refmap.h"
 
 /* A new storage of `bytes` bytes (at least 1 is allocated), first used on
  * stream s (NULL: ready for any stream; backend.h). NULL with err QUOTA
@@ -31,11 +32,12 @@ int tensor_alloc(backend_t *b, backend_stream_t *s, const tensor_meta_t *meta, a
 /* Bytes a tensor of this shape holds when contiguous. */
 size_t tensor_nbytes(const tensor_meta_t *m);
 
-typedef struct ref_slot ref_slot_t;
-
+/* The table keeps, per ref, its storage (or its failure) and its dtype and
+ * layout packed (meta_pack.h): about 44 bytes for a 1-D tensor, plus the
+ * storage (refs.c) and its bytes. */
 typedef struct refs {
   pthread_mutex_t mu;
-  ref_slot_t *map;
+  refmap_t map; /* ref_slot records by ref */
 } refs_t;
 
 /* What a failed ref carries: the root failure it stands for. */

@@ -25,7 +25,8 @@ int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, ui
   }
   obj_t *b = objects_add(o, ref, OBJ_BORROW);
   if (!b) return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
-  obj_t *handle = objects_new_borrowed(o, result, &origin->tensor.meta, origin, to_stream, ref);
+  tensor_meta_t m;
+  obj_t *handle = objects_new_borrowed(o, result, obj_meta(origin, &m), origin, to_stream, ref);
   if (!handle) return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
   b->borrow = (borrow_obj_t){.origin = origin->ref,
                              .result = result,
@@ -70,8 +71,8 @@ int borrow_drop(objects_t *o, obj_t *b, uint64_t seq, meshd_error_t *e) {
 
 uint64_t borrow_holder(objects_t *o, const storage_t *s) {
   if (s->mutable_borrow) return s->mutable_borrow;
-  obj_t *it, *tmp;
-  HASH_ITER(hh, o->table, it, tmp) {
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
     if (it->kind == OBJ_BORROW && it->borrow.origin_storage == s) return it->ref;
   }
   return 0;

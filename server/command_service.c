@@ -340,9 +340,9 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
       bool tensor = t && t->kind == OBJ_TENSOR;
       if (kind == ERR_DEPENDENT_FAILURE) {
         /* Not a root: the tensor fails everywhere, Sync reports only its root. */
-        if (tensor && t->tensor.state == TENSOR_LIVE)
+        if (tensor && t->state == TENSOR_LIVE)
           objects_fail_tensor(o, t, t->tensor.born_seq, kind, t->tensor.born_seq, msg);
-      } else if (tensor && t->tensor.state == TENSOR_LIVE) {
+      } else if (tensor && t->state == TENSOR_LIVE) {
         uint64_t seq = t->tensor.born_seq;
         objects_fail_tensor(o, t, seq, kind, seq, msg);
         objects_note_failure(o, kind, msg, seq);

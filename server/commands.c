@@ -47,7 +47,8 @@ void cmd_out_error(cmd_out_t *out, const meshd_error_t *e) {
 }
 
 void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims) {
-  const layout_t *l = &t->tensor.meta.layout;
+  tensor_meta_t tm;
+  const layout_t *l = &obj_meta(t, &tm)->layout;
   meshd__v1__tensor_meta__init(m);
   m->ref = t->ref;
   m->n_shape = m->n_strides = (size_t)l->ndim;
@@ -56,26 +57,26 @@ void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims
   memcpy(m->shape, l->sizes, sizeof(int64_t) * (size_t)l->ndim);
   memcpy(m->strides, l->strides, sizeof(int64_t) * (size_t)l->ndim);
   m->storage_offset = l->offset;
-  m->dtype = (Meshd__V1__DType)t->tensor.meta.dtype;
+  m->dtype = (Meshd__V1__DType)tm.dtype;
   m->mesh = t->tensor.mesh;
   m->stream = t->tensor.stream;
-  m->state = (Meshd__V1__TensorState)t->tensor.state;
+  m->state = (Meshd__V1__TensorState)t->state;
 }
 
 static Meshd__V1__TensorMeta *describe_tensor(cmd_out_t *out, const obj_t *t) {
   Meshd__V1__TensorMeta *m = out_alloc(out, sizeof *m);
-  const layout_t *l = &t->tensor.meta.layout;
-  int64_t *dims = out_alloc(out, sizeof(int64_t) * 2 * (size_t)(l->ndim ? l->ndim : 1));
+  int ndim = meta_packed_ndim(t->meta);
+  int64_t *dims = out_alloc(out, sizeof(int64_t) * 2 * (size_t)(ndim ? ndim : 1));
   if (!m || !dims) return NULL;
   command_tensor_meta(m, t, dims);
-  if (t->tensor.state == TENSOR_FAILED) {
+  if (t->state == TENSOR_FAILED) {
     Meshd__V1__Error *err = out_alloc(out, sizeof *err);
     if (err) {
       meshd__v1__error__init(err);
-      err->kind = (Meshd__V1__ErrorKind)t->tensor.fail_kind;
-      err->message = t->tensor.fail_msg;
-      err->code = (int32_t)error_kind_code(t->tensor.fail_kind);
-      err->seq = t->tensor.fail_root_seq;
+      err->kind = (Meshd__V1__ErrorKind)obj_fail_kind(t);
+      err->message = (char *)obj_fail_msg(t);
+      err->code = (int32_t)error_kind_code(obj_fail_kind(t));
+      err->seq = obj_fail_root_seq(t);
       err->ref = t->ref;
       m->error = err;
     }
@@ -231,7 +232,7 @@ static mesh_t *resolve_mesh(objects_t *o, const char *cmd, const char *what, uin
 /* Failure flows from inputs to results (DEPENDENT_FAILURE naming the root). */
 static const obj_t *first_failed(obj_t *const *ins, size_t n) {
   for (size_t i = 0; i < n; i++)
-    if (ins[i] && ins[i]->tensor.state == TENSOR_FAILED) return ins[i];
+    if (ins[i] && ins[i]->state == TENSOR_FAILED) return ins[i];
   return NULL;
 }
 
@@ -239,9 +240,9 @@ static void inherit_failure(objects_t *o, obj_t *t, const obj_t *root, uint64_t 
   if (!root) return;
   char msg[300];
   snprintf(msg, sizeof msg, "depends on tensor %llu, which failed at command seq %llu: %s",
-           (unsigned long long)root->ref, (unsigned long long)root->tensor.fail_root_seq,
-           root->tensor.fail_msg ? root->tensor.fail_msg : "");
-  objects_fail_tensor(o, t, seq, ERR_DEPENDENT_FAILURE, root->tensor.fail_root_seq, msg);
+           (unsigned long long)root->ref, (unsigned long long)obj_fail_root_seq(root),
+           obj_fail_msg(root));
+  objects_fail_tensor(o, t, seq, ERR_DEPENDENT_FAILURE, obj_fail_root_seq(root), msg);
 }
 
 /* ------------------------------------------------------------------ meshes, streams */
@@ -342,17 +343,16 @@ static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
   const Meshd__V1__CreateStream *m = c->create_stream;
   if (check_new(s, o, "CreateStream", OBJ_STREAM, &m->ref, 1, e)) return -1;
   size_t len = strlen(m->name);
-  if (len == 0 || len >= sizeof(((obj_t *)0)->stream_name))
-    return error_set(e, ERR_BAD_ARGUMENT, "CreateStream: the name must be 1..63 characters, got %zu",
-                     len);
+  if (len == 0 || len > OBJ_STREAM_NAME_MAX)
+    return error_set(e, ERR_BAD_ARGUMENT, "CreateStream: the name must be 1..%d characters, got %zu",
+                     OBJ_STREAM_NAME_MAX, len);
   int64_t existing = objects_stream_by_name(o, m->name);
   if (existing >= 0)
     return error_set(e, ERR_BAD_ARGUMENT,
                      "CreateStream: this session already has a stream named '%s' (ref %lld)%s",
                      m->name, (long long)existing, existing == 0 ? ", the default stream" : "");
-  obj_t *obj = objects_add(o, m->ref, OBJ_STREAM);
-  if (!obj) return error_set(e, ERR_QUOTA, "CreateStream: out of memory on the server");
-  snprintf(obj->stream_name, sizeof obj->stream_name, "%s", m->name);
+  if (!objects_add_stream(o, m->ref, m->name))
+    return error_set(e, ERR_QUOTA, "CreateStream: out of memory on the server");
   claim_refs(s, &m->ref, 1);
   return 0;
 }
@@ -501,15 +501,28 @@ typedef struct call_args {
   op_kwarg_t kw[MAX_ARGS];
   size_t npos, nkw;
   obj_t *tensors[MAX_ARGS * 2];     /* every tensor named, for checks */
+  const tensor_meta_t *meta_of[MAX_ARGS * 2]; /* tensors[i]'s dtype and layout */
   const char *names[MAX_ARGS * 2];
   size_t ntensors;
+  tensor_meta_t metas[MAX_ARGS * 2]; /* unpacked for the op's checks: a tensor argument's */
+  size_t nmetas;
   const tensor_meta_t *lists[MAX_ARGS][MAX_LIST];
+  tensor_meta_t *list_metas[MAX_ARGS]; /* a list argument's, malloc'd */
   size_t nlists;
   char labels[MAX_ARGS * 2][48];
 } call_args_t;
 
-static obj_t *obj_of_meta(const tensor_meta_t *m) {
-  return (obj_t *)((char *)m - offsetof(obj_t, tensor.meta));
+static void call_args_free(call_args_t *ca) {
+  if (!ca) return;
+  for (size_t i = 0; i < ca->nlists; i++) free(ca->list_metas[i]);
+  free(ca);
+}
+
+/* The tensor whose unpacked meta an op value points at. */
+static obj_t *obj_of_meta(const call_args_t *ca, const tensor_meta_t *m) {
+  for (size_t i = 0; i < ca->ntensors; i++)
+    if (ca->meta_of[i] == m) return ca->tensors[i];
+  return NULL;
 }
 
 static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, const char *label,
@@ -523,27 +536,31 @@ static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, c
       if (!t) return -1;
       snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", label);
       ca->names[ca->ntensors] = ca->labels[ca->ntensors];
-      ca->tensors[ca->ntensors++] = t;
       v->kind = VAL_TENSOR;
-      v->tensor = &t->tensor.meta;
+      v->tensor = ca->meta_of[ca->ntensors] = obj_meta(t, &ca->metas[ca->nmetas++]);
+      ca->tensors[ca->ntensors++] = t;
       return 0;
     }
     case MESHD__V1__ARG__VALUE_REFS: {
       if (ca->nlists == MAX_ARGS || a->refs->n_refs > MAX_LIST)
         return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: at most %d tensors in a list", cmd, label,
                          MAX_LIST);
-      const tensor_meta_t **list = ca->lists[ca->nlists++];
+      const tensor_meta_t **list = ca->lists[ca->nlists];
+      tensor_meta_t *metas = malloc(sizeof *metas * (a->refs->n_refs ? a->refs->n_refs : 1));
+      if (!metas) return error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
+      ca->list_metas[ca->nlists++] = metas;
       for (size_t i = 0; i < a->refs->n_refs; i++) {
         char item[48];
         snprintf(item, sizeof item, "%s[%zu]", label, i);
         obj_t *t = check_tensor(o, cmd, item, a->refs->refs[i], e);
         if (!t) return -1;
+        list[i] = obj_meta(t, &metas[i]);
         if (ca->ntensors < MAX_ARGS * 2) {
           snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", item);
           ca->names[ca->ntensors] = ca->labels[ca->ntensors];
+          ca->meta_of[ca->ntensors] = list[i];
           ca->tensors[ca->ntensors++] = t;
         }
-        list[i] = &t->tensor.meta;
       }
       v->kind = VAL_TENSORS;
       v->tensors = list;
@@ -562,8 +579,8 @@ static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, c
 
 static int resolve_call_args(objects_t *o, const char *cmd, const op_def_t *op,
                              const Meshd__V1__Call *call, call_args_t *ca, meshd_error_t *e) {
-  memset(ca, 0, offsetof(call_args_t, lists));
-  ca->nlists = 0;
+  memset(ca, 0, offsetof(call_args_t, metas));
+  ca->nmetas = ca->nlists = 0;
   if (call->n_args > MAX_ARGS || call->n_kwargs > MAX_ARGS)
     return error_set(e, ERR_BAD_ARGUMENT, "%s: at most %d positional and %d keyword arguments", cmd,
                      MAX_ARGS, MAX_ARGS);
@@ -637,7 +654,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   for (int p = 0; p < args.nparams; p++) {
     if (args.v[p].kind != VAL_TENSOR || !param_mutated(&inf, p)) continue;
     for (size_t i = 0; i < ca->ntensors; i++)
-      if (&ca->tensors[i]->tensor.meta == args.v[p].tensor) uses[i].write = true;
+      if (ca->meta_of[i] == args.v[p].tensor) uses[i].write = true;
   }
   uint64_t mesh_ref = 0;
   if (check_uses(o, cmd, uses, ca->ntensors, &mesh_ref, call->stream, e)) goto out;
@@ -649,7 +666,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
     for (size_t j = 0; j < ca->ntensors; j++) {
       const tensor_obj_t *r = &ca->tensors[j]->tensor;
       if (j == i || r->storage != w->storage) continue;
-      if (same_view(&r->meta.layout, &w->meta.layout)) continue;
+      if (same_view(&ca->meta_of[j]->layout, &ca->meta_of[i]->layout)) continue;
       error_set(e, ERR_BAD_ARGUMENT,
                 "%s: %s (tensor %llu) writes memory that %s (tensor %llu) views differently; "
                 "clone the input first", cmd, uses[i].what, (unsigned long long)ca->tensors[i]->ref,
@@ -677,7 +694,8 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   for (size_t i = 0; i < call->n_results; i++) {
     const op_result_t *r = &inf.results[i];
     if (r->alias_param >= 0 && args.v[r->alias_param].kind == VAL_TENSOR)
-      results[i] = objects_new_view(o, call->results[i], &r->meta, obj_of_meta(args.v[r->alias_param].tensor));
+      results[i] = objects_new_view(o, call->results[i], &r->meta,
+                                    obj_of_meta(ca, args.v[r->alias_param].tensor));
     else
       results[i] = objects_new_tensor(o, call->results[i], &r->meta, mesh_ref, call->stream, ranks);
     if (!results[i]) {
@@ -688,14 +706,14 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   }
   for (int p = 0; failed && p < args.nparams; p++)
     if (args.v[p].kind == VAL_TENSOR && param_mutated(&inf, p))
-      inherit_failure(o, obj_of_meta(args.v[p].tensor), failed, out->res.seq);
+      inherit_failure(o, obj_of_meta(ca, args.v[p].tensor), failed, out->res.seq);
   claim_refs(s, call->results, call->n_results);
   emit_call(fe, s, o, mesh_obj->mesh, call, ca->tensors, ca->ntensors, results, call->n_results,
             &inf);
   for (size_t i = 0; i < call->n_results; i++) add_tensor(out, results[i]);
   rc = 0;
 out:
-  free(ca);
+  call_args_free(ca);
   return rc;
 }
 
@@ -823,11 +841,12 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   int64_t group = 1;
   for (int i = 0; i < ndims; i++) group *= mesh->slice.sizes[dims[i]];
   /* The shape and dtype rules are the agents' too (reduction.h). */
+  tensor_meta_t in_meta, out_meta;
   reduce_args_t ra = {.reduction = red,
                       .scatter = r->scatter,
                       .inplace = r->inplace,
-                      .input = &in->tensor.meta,
-                      .out = outt ? &outt->tensor.meta : NULL,
+                      .input = obj_meta(in, &in_meta),
+                      .out = outt ? obj_meta(outt, &out_meta) : NULL,
                       .group = group,
                       .ndims = ndims,
                       .dims_named = r->n_dims > 0,
@@ -842,7 +861,7 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   obj_t *res;
   if (r->inplace) res = in;
   else if (r->ref == 0) res = outt;
-  else if (outt) res = objects_new_view(o, r->ref, &outt->tensor.meta, outt);
+  else if (outt) res = objects_new_view(o, r->ref, &out_meta, outt);
   else res = objects_new_tensor(o, r->ref, &rm, home->ref, r->stream, (uint64_t)mesh_len(home));
   if (!res) return error_set(e, ERR_QUOTA, "Reduce: out of memory on the server");
   if (r->ref) claim_refs(s, &r->ref, 1);
@@ -886,9 +905,10 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                        src.names[i], (long long)src.slice.sizes[i], sd,
                        (long long)dst->slice.sizes[j], dd);
   }
-  tensor_meta_t rm;
-  rm.dtype = in->tensor.meta.dtype;
-  if (layout_contiguous(&rm.layout, in->tensor.meta.layout.sizes, in->tensor.meta.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
+  tensor_meta_t rm, im;
+  obj_meta(in, &im);
+  rm.dtype = im.dtype;
+  if (layout_contiguous(&rm.layout, im.layout.sizes, im.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
     return -1;
   uint64_t ranks = (uint64_t)mesh_len(dst);
   if (check_room(fe, s, o, dst, cmd, meta_bytes(&rm), e)) return -1;

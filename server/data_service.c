@@ -863,9 +863,9 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
   pthread_mutex_lock(&f->sess->mu);
   objects_t *o = f->sess->objects;
   obj_t *t = o ? objects_get(o, f->ref) : NULL;
-  if (t && t->kind == OBJ_TENSOR && t->tensor.state == TENSOR_FAILED)
-    error_set(&e, t->tensor.fail_kind, "Fetch: tensor %llu failed: %s", (unsigned long long)f->ref,
-              t->tensor.fail_msg ? t->tensor.fail_msg : "");
+  if (t && t->kind == OBJ_TENSOR && t->state == TENSOR_FAILED)
+    error_set(&e, obj_fail_kind(t), "Fetch: tensor %llu failed: %s", (unsigned long long)f->ref,
+              obj_fail_msg(t));
   pthread_mutex_unlock(&f->sess->mu);
   if (e.kind != ERR_NONE) {
     finish_error(f->call, &e);
@@ -929,9 +929,9 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
                      (unsigned long long)rq->ref, (unsigned long long)g->seq);
   obj_t *t = objects_expect(o, rq->ref, OBJ_TENSOR, "Fetch: ref", e);
   if (!t) return -1;
-  if (t->tensor.state == TENSOR_FAILED)
-    return error_set(e, t->tensor.fail_kind, "Fetch: tensor %llu failed: %s",
-                     (unsigned long long)t->ref, t->tensor.fail_msg ? t->tensor.fail_msg : "");
+  if (t->state == TENSOR_FAILED)
+    return error_set(e, obj_fail_kind(t), "Fetch: tensor %llu failed: %s",
+                     (unsigned long long)t->ref, obj_fail_msg(t));
   const mesh_t *mesh = objects_get(o, t->tensor.mesh)->mesh;
   int64_t coords[NDSLICE_MAX_DIMS];
   bool given[NDSLICE_MAX_DIMS] = {0};
@@ -1003,7 +1003,9 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   session_ref(s);
   snprintf(f->session, sizeof f->session, "%s", s->id);
   command_tensor_meta(&f->meta, t, f->dims);
-  f->bytes = (size_t)layout_numel(&t->tensor.meta.layout) * dtype_size(t->tensor.meta.dtype);
+  tensor_meta_t tm;
+  obj_meta(t, &tm);
+  f->bytes = (size_t)layout_numel(&tm.layout) * dtype_size(tm.dtype);
   return 0;
 }
 

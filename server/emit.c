@@ -14,16 +14,28 @@ typedef Meshd__Agent__V1__TensorSpec spec_t;
 
 #define EMIT_ADDR_MAX 288 /* "host:port" of a data plane */
 
-static void spec_of(spec_t *sp, const obj_t *t) {
+/* A TensorSpec with room for its shape and strides. */
+typedef struct spec_buf {
+  spec_t sp;
+  int64_t dims[2 * LAYOUT_MAX_DIMS];
+} spec_buf_t;
+
+static spec_t *spec_of(spec_buf_t *b, const obj_t *t) {
+  spec_t *sp = &b->sp;
+  tensor_meta_t m;
+  obj_meta(t, &m);
+  size_t n = (size_t)m.layout.ndim;
   meshd__agent__v1__tensor_spec__init(sp);
-  const layout_t *l = &t->tensor.meta.layout;
   sp->ref = t->ref;
-  sp->n_shape = sp->n_strides = (size_t)l->ndim;
-  sp->shape = (int64_t *)l->sizes;
-  sp->strides = (int64_t *)l->strides;
-  sp->storage_offset = l->offset;
-  sp->dtype = (Meshd__V1__DType)t->tensor.meta.dtype;
+  sp->n_shape = sp->n_strides = n;
+  sp->shape = b->dims;
+  sp->strides = b->dims + n;
+  memcpy(sp->shape, m.layout.sizes, n * sizeof *sp->shape);
+  memcpy(sp->strides, m.layout.strides, n * sizeof *sp->strides);
+  sp->storage_offset = m.layout.offset;
+  sp->dtype = (Meshd__V1__DType)m.dtype;
   sp->storage = t->tensor.storage->id;
+  return sp;
 }
 
 static void init_instr(instr_t *ins, session_t *s, uint64_t stream) {
@@ -79,10 +91,9 @@ void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh
   instr_t ins;
   init_instr(&ins, s, f->stream);
   Meshd__Agent__V1__FactoryOp op = MESHD__AGENT__V1__FACTORY_OP__INIT;
-  spec_t result;
-  spec_of(&result, t);
+  spec_buf_t result;
   op.factory = (Meshd__V1__Factory *)f;
-  op.result = &result;
+  op.result = spec_of(&result, t);
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
   ins.factory = &op;
   int dim = f->dim && *f->dim ? mesh_find_dim(mesh, f->dim) : -1;
@@ -104,10 +115,9 @@ void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, c
   Meshd__Agent__V1__LoadOp op = MESHD__AGENT__V1__LOAD_OP__INIT;
   Meshd__Agent__V1__UrlPolicy policy;
   url_policy_to_proto(fe->urls, &policy);
-  spec_t result;
-  spec_of(&result, t);
+  spec_buf_t result;
   op.load = (Meshd__V1__Load *)l;
-  op.result = &result;
+  op.result = spec_of(&result, t);
   op.policy = &policy;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD;
   ins.load = &op;
@@ -126,18 +136,12 @@ void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, c
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
                obj_t *const *results, size_t nresults, const op_infer_t *inf) {
-  spec_t in_specs[32], out_specs[OP_MAX_RESULTS];
+  spec_buf_t in_specs[32], out_specs[OP_MAX_RESULTS];
   spec_t *in_ptrs[32], *out_ptrs[OP_MAX_RESULTS];
   uint64_t mutates[OP_MAX_RESULTS];
   if (ninputs > 32) ninputs = 32;
-  for (size_t i = 0; i < ninputs; i++) {
-    spec_of(&in_specs[i], inputs[i]);
-    in_ptrs[i] = &in_specs[i];
-  }
-  for (size_t i = 0; i < nresults; i++) {
-    spec_of(&out_specs[i], results[i]);
-    out_ptrs[i] = &out_specs[i];
-  }
+  for (size_t i = 0; i < ninputs; i++) in_ptrs[i] = spec_of(&in_specs[i], inputs[i]);
+  for (size_t i = 0; i < nresults; i++) out_ptrs[i] = spec_of(&out_specs[i], results[i]);
   Meshd__Agent__V1__OpCall op = MESHD__AGENT__V1__OP_CALL__INIT;
   op.op = call->op;
   op.n_args = call->n_args;
@@ -221,9 +225,8 @@ static uint64_t to_mesh_comm_id(const session_t *s, uint64_t losses, uint64_t in
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                  const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,
                  const obj_t *res, const int *dims, int ndims) {
-  spec_t in_spec, res_spec;
-  spec_of(&in_spec, in);
-  spec_of(&res_spec, res);
+  spec_buf_t in_buf, res_buf;
+  spec_t *in_spec = spec_of(&in_buf, in), *res_spec = spec_of(&res_buf, res);
   uint32_t mask = 0;
   int64_t group_size = 1;
   for (int i = 0; i < ndims; i++) {
@@ -247,8 +250,8 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   g.n_addresses = (size_t)group_size;
   Meshd__Agent__V1__ReduceOp op = MESHD__AGENT__V1__REDUCE_OP__INIT;
   op.reduce = (Meshd__V1__Reduce *)r;
-  op.input = &in_spec;
-  op.result = &res_spec;
+  op.input = in_spec;
+  op.result = res_spec;
   op.group = &g;
   op.rooted = target != NULL;
   instr_t ins;
@@ -324,9 +327,8 @@ out:
 
 void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
                   const obj_t *in, const obj_t *res) {
-  spec_t in_spec, res_spec;
-  spec_of(&in_spec, in);
-  spec_of(&res_spec, res);
+  spec_buf_t in_buf, res_buf;
+  spec_t *in_spec = spec_of(&in_buf, in), *res_spec = spec_of(&res_buf, res);
   size_t n;
   uint32_t *dranks = ranks_of(dst, &n);
   uint32_t *froms = malloc((n ? n : 1) * sizeof *froms), *chain = malloc((n ? n : 1) * sizeof *chain);
@@ -348,7 +350,7 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
       for (size_t j = i; j < n; j++)
         if (!done[j] && froms[j] == from && dranks[j] != from) chain[nchain++] = dranks[j];
       if (nchain >= 2) {
-        emit_broadcast(fe, s, o, in, res, &in_spec, &res_spec, from, chain, nchain);
+        emit_broadcast(fe, s, o, in, res, in_spec, res_spec, from, chain, nchain);
         for (size_t j = i; j < n; j++)
           if (froms[j] == from && dranks[j] != from) done[j] = true;
         continue;
@@ -362,8 +364,8 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
     st.comm_id = to_mesh_comm_id(s, o->losses, in->tensor.stream, res->tensor.stream);
     instr_t ins;
     if (from == dranks[i]) { /* same process: a local copy */
-      st.input = &in_spec;
-      st.result = &res_spec;
+      st.input = in_spec;
+      st.result = res_spec;
       init_instr(&ins, s, in->tensor.stream);
       ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
       ins.send = &st;
@@ -374,14 +376,14 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
     uint8_t secret[COMM_SECRET_LEN];
     if (comm_secret(s, st.comm_id, secret)) st.secret = (ProtobufCBinaryData){sizeof secret, secret};
     st.peer_address = peer;
-    st.input = &in_spec;
+    st.input = in_spec;
     agent_pool_data_address(fe->pool, dranks[i], peer, sizeof peer);
     init_instr(&ins, s, in->tensor.stream);
     ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
     ins.send = &st;
     send_to(fe, o, from, &ins);
     st.input = NULL;
-    st.result = &res_spec;
+    st.result = res_spec;
     agent_pool_data_address(fe->pool, from, peer, sizeof peer);
     init_instr(&ins, s, res->tensor.stream);
     ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;

@@ -11,19 +11,21 @@ static void storage_unref(storage_t *s) {
 
 void objects_destroy(objects_t *o) {
   if (!o) return;
-  obj_t *it, *tmp;
-  HASH_ITER(hh, o->table, it, tmp) {
-    HASH_DEL(o->table, it);
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
     if (it->kind == OBJ_TENSOR) {
       storage_unref(it->tensor.storage);
-      free(it->tensor.fail_msg);
+      free(it->tensor.fail);
     } else if (it->kind == OBJ_BORROW) {
       storage_unref(it->borrow.origin_storage);
     } else if (it->kind == OBJ_MESH) {
       free(it->mesh);
+    } else if (it->kind == OBJ_STREAM) {
+      free(it->stream_name);
     }
     free(it);
   }
+  refmap_free(&o->table);
   free(o->graves);
   free(o->unreported);
   free(o->unreported_seq);
@@ -67,9 +69,9 @@ void objects_sent(objects_t *o, uint32_t rank, uint64_t seq, uint64_t bytes) {
 }
 
 bool objects_holds_on(objects_t *o, uint32_t rank) {
-  obj_t *it, *tmp;
-  HASH_ITER(hh, o->table, it, tmp) {
-    if (it->kind != OBJ_TENSOR || it->tensor.state == TENSOR_DROPPED) continue;
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
+    if (it->kind != OBJ_TENSOR || it->state == TENSOR_DROPPED) continue;
     obj_t *m = objects_get(o, it->tensor.mesh);
     if (m && m->kind == OBJ_MESH && mesh_contains(m->mesh, rank)) return true;
   }
@@ -90,21 +92,36 @@ const char *obj_kind_name(obj_kind_t k) {
   return "object";
 }
 
-obj_t *objects_get(objects_t *o, uint64_t ref) {
-  obj_t *it = NULL;
-  HASH_FIND(hh, o->table, &ref, sizeof ref, it);
+obj_t *objects_get(objects_t *o, uint64_t ref) { return refmap_get(&o->table, ref); }
+
+/* A zeroed record with `extra` bytes after it (a tensor's packed meta). */
+static obj_t *add_record(objects_t *o, uint64_t ref, obj_kind_t kind, size_t extra) {
+  obj_t *it = calloc(1, sizeof *it + extra);
+  if (!it) return NULL;
+  it->ref = ref;
+  it->kind = (uint8_t)kind;
+  if (refmap_put(&o->table, it)) {
+    free(it);
+    return NULL;
+  }
+  if (kind == OBJ_MESH) o->meshes++;
+  else if (kind == OBJ_STREAM) o->streams++;
+  else if (kind == OBJ_BORROW) o->live_borrows++;
   return it;
 }
 
 obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind) {
-  obj_t *it = calloc(1, sizeof *it);
-  if (!it) return NULL;
-  it->ref = ref;
-  it->kind = kind;
-  HASH_ADD(hh, o->table, ref, sizeof it->ref, it);
-  if (kind == OBJ_MESH) o->meshes++;
-  else if (kind == OBJ_STREAM) o->streams++;
-  else if (kind == OBJ_BORROW) o->live_borrows++;
+  return add_record(o, ref, kind, 0);
+}
+
+obj_t *objects_add_stream(objects_t *o, uint64_t ref, const char *name) {
+  char *copy = strndup(name, OBJ_STREAM_NAME_MAX);
+  obj_t *it = copy ? add_record(o, ref, OBJ_STREAM, 0) : NULL;
+  if (!it) {
+    free(copy);
+    return NULL;
+  }
+  it->stream_name = copy;
   return it;
 }
 
@@ -201,7 +218,7 @@ static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool
 
 void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
   bury(o, b->ref, seq, b->ref, false);
-  HASH_DEL(o->table, b);
+  refmap_remove(&o->table, b->ref);
   storage_unref(b->borrow.origin_storage);
   free(b);
 }
@@ -248,8 +265,8 @@ const char *objects_stream_name(objects_t *o, uint64_t ref) {
 
 int64_t objects_stream_by_name(objects_t *o, const char *name) {
   if (strcmp(name, "main") == 0) return STREAM_MAIN;
-  obj_t *it, *tmp;
-  HASH_ITER(hh, o->table, it, tmp) {
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
     if (it->kind == OBJ_STREAM && strcmp(it->stream_name, name) == 0) return (int64_t)it->ref;
   }
   return -1;
@@ -264,13 +281,13 @@ static uint64_t layout_bytes(const tensor_meta_t *m) {
 
 static obj_t *new_tensor_record(objects_t *o, uint64_t ref, const tensor_meta_t *meta,
                                 uint64_t mesh, uint64_t stream, storage_t *s) {
-  obj_t *t = objects_add(o, ref, OBJ_TENSOR);
+  obj_t *t = add_record(o, ref, OBJ_TENSOR, meta_packed_size(meta));
   if (!t) return NULL;
-  t->tensor.meta = *meta;
+  meta_pack(t->meta, meta);
   t->tensor.storage = s;
   t->tensor.mesh = mesh;
   t->tensor.stream = stream;
-  t->tensor.state = TENSOR_LIVE;
+  t->state = TENSOR_LIVE;
   t->tensor.born_seq = o->current_seq;
   t->tensor.next_alias = s->aliases;
   s->aliases = t;
@@ -317,9 +334,9 @@ obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *met
 void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
   for (obj_t *it = storage->aliases, *next; it; it = next) {
     next = it->tensor.next_alias;
-    bury(o, it->ref, seq, storage->borrow, it->tensor.state == TENSOR_FAILED);
-    HASH_DEL(o->table, it);
-    free(it->tensor.fail_msg);
+    bury(o, it->ref, seq, storage->borrow, it->state == TENSOR_FAILED);
+    refmap_remove(&o->table, it->ref);
+    free(it->tensor.fail);
     free(it);
     o->live_tensors--;
     storage->refs--;
@@ -337,9 +354,9 @@ void objects_release(objects_t *o, obj_t *t, uint64_t seq) {
       *pp = t->tensor.next_alias;
       break;
     }
-  bury(o, t->ref, seq, storage->borrow, t->tensor.state == TENSOR_FAILED);
-  HASH_DEL(o->table, t);
-  free(t->tensor.fail_msg);
+  bury(o, t->ref, seq, storage->borrow, t->state == TENSOR_FAILED);
+  refmap_remove(&o->table, t->ref);
+  free(t->tensor.fail);
   free(t);
   o->live_tensors--;
   if (--storage->live_aliases == 0) o->bytes -= storage->bytes * storage->ranks;
@@ -348,13 +365,17 @@ void objects_release(objects_t *o, obj_t *t, uint64_t seq) {
 
 void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind,
                          uint64_t root_seq, const char *msg) {
+  if (!msg) msg = "";
+  size_t len = strlen(msg);
   for (obj_t *it = t->tensor.storage->aliases; it; it = it->tensor.next_alias) {
-    if (it->tensor.state != TENSOR_LIVE) continue;
-    it->tensor.state = TENSOR_FAILED;
+    if (it->state != TENSOR_LIVE) continue;
+    it->state = TENSOR_FAILED;
     it->tensor.state_seq = seq;
-    it->tensor.fail_kind = kind;
-    it->tensor.fail_root_seq = root_seq;
-    free(it->tensor.fail_msg);
-    it->tensor.fail_msg = strdup(msg ? msg : "");
+    free(it->tensor.fail);
+    it->tensor.fail = malloc(sizeof *it->tensor.fail + len + 1);
+    if (!it->tensor.fail) continue; /* obj_fail_* say so */
+    it->tensor.fail->kind = kind;
+    it->tensor.fail->root_seq = root_seq;
+    memcpy(it->tensor.fail->msg, msg, len + 1);
   }
 }

@@ -17,11 +17,11 @@
 
 #include <stdbool.h>
 #include <stdint.h>
-#include <uthash.h>
-
 #include "error_kind.h"
 #include "mesh.h"
+#include "meta_pack.h"
 #include "ops.h"
+#include "refmap.h"
 
 #define ACCESS_R 1u
 #define ACCESS_W 2u
@@ -47,18 +47,23 @@ typedef struct storage {
   uint64_t ranks;          /* ranks holding it (bytes * ranks count against the quota) */
 } storage_t;
 
+/* Why a tensor failed: kept apart, since few tensors fail. */
+typedef struct tensor_failure {
+  error_kind_t kind;       /* REMOTE_FAILURE / DEPENDENT_FAILURE */
+  uint64_t root_seq;       /* the command whose failure it is */
+  char msg[];
+} tensor_failure_t;
+
+/* A tensor's record. Its dtype and layout are packed after the record
+ * (obj_t.meta): read them with obj_meta. */
 typedef struct tensor_obj {
-  tensor_meta_t meta;
   storage_t *storage;
   struct obj *next_alias;
   uint64_t mesh;
   uint64_t stream;
-  tensor_state_t state;
   uint64_t state_seq;      /* command that dropped or failed it */
   uint64_t born_seq;       /* client seq of the command that made it */
-  error_kind_t fail_kind;  /* REMOTE_FAILURE / DEPENDENT_FAILURE */
-  uint64_t fail_root_seq;
-  char *fail_msg;
+  tensor_failure_t *fail;  /* when FAILED (NULL if there was no memory to say why) */
 } tensor_obj_t;
 
 typedef struct borrow_obj {
@@ -69,17 +74,39 @@ typedef struct borrow_obj {
   uint64_t from_stream, to_stream;
 } borrow_obj_t;
 
+#define OBJ_STREAM_NAME_MAX 63 /* bytes of a stream's name */
+
+/* One ref's record, as small as its kind allows: a live 1-D tensor takes 84
+ * bytes (and its storage 64, the index about 12). */
 typedef struct obj {
-  uint64_t ref;
-  obj_kind_t kind;
-  UT_hash_handle hh;
+  uint64_t ref;  /* first: the index's key (refmap.h) */
+  uint8_t kind;  /* obj_kind_t */
+  uint8_t state; /* a tensor's tensor_state_t */
   union {
-    mesh_t *mesh; /* owned; a pointer keeps tensor records small */
-    char stream_name[64];
+    mesh_t *mesh;      /* owned; a pointer keeps tensor records small */
+    char *stream_name; /* owned */
     tensor_obj_t tensor;
     borrow_obj_t borrow;
   };
+  uint8_t meta[]; /* a tensor's packed dtype and layout (meta_pack.h) */
 } obj_t;
+
+/* A tensor's dtype and layout, unpacked into *out; returns out. */
+static inline const tensor_meta_t *obj_meta(const obj_t *t, tensor_meta_t *out) {
+  meta_unpack(t->meta, out);
+  return out;
+}
+static inline dtype_t obj_dtype(const obj_t *t) { return meta_packed_dtype(t->meta); }
+/* A failed tensor's kind, root command and message (defaults if unknown). */
+static inline error_kind_t obj_fail_kind(const obj_t *t) {
+  return t->tensor.fail ? t->tensor.fail->kind : ERR_REMOTE_FAILURE;
+}
+static inline uint64_t obj_fail_root_seq(const obj_t *t) {
+  return t->tensor.fail ? t->tensor.fail->root_seq : t->tensor.state_seq;
+}
+static inline const char *obj_fail_msg(const obj_t *t) {
+  return t->tensor.fail ? t->tensor.fail->msg : "(no memory to keep the message)";
+}
 
 /* A dropped ref: when and, for a borrowed handle, by which borrow. A dropped
  * borrow's own record is freed too; its tombstone has borrow == ref. */
@@ -92,7 +119,7 @@ typedef struct tombstone {
 #define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 3 MiB at most) */
 
 typedef struct objects {
-  obj_t *table;
+  refmap_t table;          /* obj_t records by ref */
   tombstone_t *graves;     /* open addressing by ref; ref 0 = empty slot */
   size_t ngraves, gcap;
   uint64_t graves_forgotten; /* tombstones of refs <= this were let go (0: none) */
@@ -135,6 +162,8 @@ uint64_t objects_live_refs(const objects_t *o);
 obj_t *objects_get(objects_t *o, uint64_t ref);
 /* Adds a zeroed record; the ref must be new (the session checked it). NULL on OOM. */
 obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind);
+/* A stream record named `name` (at most OBJ_STREAM_NAME_MAX bytes). NULL on OOM. */
+obj_t *objects_add_stream(objects_t *o, uint64_t ref, const char *name);
 
 /* Looks up ref as kind; `what` names the argument for the message:
  * UNKNOWN_REF "Call add: argument 'other' is ref 7, which this session never

@@ -766,9 +766,12 @@ static bool pipelined(Meshd__V1__Command__KindCase kind) {
 }
 
 /* Execute one command with deadline timeout_ms (<= 0: the client's); a result
- * carrying an error counts as a failed call. With a pipeline, a command that
- * needs no answer is queued instead, and any other waits for the queue first. */
-static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, int timeout_ms) {
+ * carrying an error counts as a failed call. keep (may be NULL) gets the
+ * result of a successful call, for the caller to free. With a pipeline, a
+ * command that needs no answer is queued instead (keep is left alone), and any
+ * other waits for the queue first. */
+static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int timeout_ms,
+                                ProtobufCMessage **keep) {
   ProtobufCMessage *resp = NULL;
   cmd->seq = s->next_seq++;
   if (s->pipe) {
@@ -798,8 +801,15 @@ static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, 
               "%s", e->message ? e->message : "");
     ret = MESHD_E_RPC;
   }
-  protobuf_c_message_free_unpacked(resp, NULL);
+  if (ret == MESHD_E_OK && keep)
+    *keep = resp;
+  else
+    protobuf_c_message_free_unpacked(resp, NULL);
   return ret;
+}
+
+static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, int timeout_ms) {
+  return execute_keep(s, cmd, timeout_ms, NULL);
 }
 
 static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
@@ -918,6 +928,66 @@ static int dtype_by_name(const char *name) {
   return v && v->value ? v->value : 0;
 }
 
+static size_t itemsize(int dt) {
+  switch (dt) {
+  case MESHD__V1__DTYPE__DTYPE_FLOAT64:
+  case MESHD__V1__DTYPE__DTYPE_INT64:
+    return 8;
+  case MESHD__V1__DTYPE__DTYPE_FLOAT32:
+  case MESHD__V1__DTYPE__DTYPE_INT32:
+    return 4;
+  case MESHD__V1__DTYPE__DTYPE_FLOAT16:
+  case MESHD__V1__DTYPE__DTYPE_BFLOAT16:
+  case MESHD__V1__DTYPE__DTYPE_INT16:
+    return 2;
+  default:
+    return 1;
+  }
+}
+
+/* The load's result tensor into *info. */
+static void load_info(const Meshd__V1__CommandResult *r, meshd_load_info_t *info) {
+  memset(info, 0, sizeof *info);
+  if (r->n_tensors < 1)
+    return;
+  const Meshd__V1__TensorMeta *t = r->tensors[0];
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&meshd__v1__dtype__descriptor, (int)t->dtype);
+  const char *name = v && strncmp(v->name, "DTYPE_", 6) == 0 ? v->name + 6 : "";
+  for (size_t i = 0; name[i] && i + 1 < sizeof info->dtype; i++)
+    info->dtype[i] = (char)(name[i] >= 'A' && name[i] <= 'Z' ? name[i] + 32 : name[i]);
+  info->ndim = t->n_shape < 16 ? t->n_shape : 16;
+  info->bytes = itemsize(t->dtype);
+  for (size_t i = 0; i < info->ndim; i++) {
+    info->shape[i] = t->shape[i];
+    info->bytes *= t->shape[i] > 0 ? (uint64_t)t->shape[i] : 0;
+  }
+}
+
+/* "no tensor named 'x' in URL; it holds: a, b, c ..." */
+static void name_missing(meshd_session_t *s, const char *url, const char *name,
+                         const Meshd__V1__InspectUrlReply *r) {
+  char where[512], have[384] = "";
+  conn_redact_url(url, where, sizeof where);
+  size_t used = 0;
+  for (size_t i = 0; i < r->n_tensors && used < sizeof have; i++)
+    used += (size_t)snprintf(have + used, sizeof have - used, "%s%s", i ? ", " : "",
+                             r->tensors[i]->name);
+  if (used >= sizeof have)
+    memcpy(have + sizeof have - 5, " ...", 5);
+  if (name && r->format && strcmp(r->format, "npy") == 0)
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load: name '%s': %s is a .npy file, one tensor without a name; "
+              "leave name unset", name, where);
+  else if (name)
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load: no tensor named '%s' in %s; it holds: %s", name, where, have);
+  else
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load: %s holds %zu tensors (%s); name one", where, r->n_tensors,
+              have);
+}
+
 meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                const meshd_load_options_t *opts, meshd_ref_t *out) {
   if (!s)
@@ -935,7 +1005,7 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
   l.url = (char *)url;
   l.shard = (char *)(o.shard ? o.shard : "");
   l.dim = o.dim;
-  ProtobufCMessage *resp = NULL;
+  ProtobufCMessage *resp = NULL, *result = NULL;
   if (o.dtype) {
     if (!(l.dtype = (Meshd__V1__DType)dtype_by_name(o.dtype))) {
       set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_load: unknown dtype '%s'",
@@ -958,12 +1028,7 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
       if (o.name ? strcmp(r->tensors[i]->name, o.name) == 0 : r->n_tensors == 1)
         t = r->tensors[i];
     if (!t) {
-      if (o.name)
-        set_error(s->client, MESHD_E_INVALID, 0, NULL,
-                  "meshd_session_load: no tensor named '%s' in the file", o.name);
-      else
-        set_error(s->client, MESHD_E_INVALID, 0, NULL,
-                  "meshd_session_load: the file holds %zu tensors; name one", r->n_tensors);
+      name_missing(s, url, o.name, r);
       protobuf_c_message_free_unpacked(resp, NULL);
       return MESHD_E_INVALID;
     }
@@ -977,11 +1042,130 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_LOAD;
   cmd.load = &l;
-  meshd_err_t ret = execute(s, &cmd);
+  meshd_err_t ret = execute_keep(s, &cmd, 0, o.info ? &result : NULL);
   if (resp)
     protobuf_c_message_free_unpacked(resp, NULL);
+  if (result) {
+    load_info((const Meshd__V1__CommandResult *)result, o.info);
+    protobuf_c_message_free_unpacked(result, NULL);
+  }
   if (ret == MESHD_E_OK)
     *out = s->next_ref++;
+  return ret;
+}
+
+#define LOAD_PROGRESS_MAX 256 /* refs per LoadProgress (the server's limit) */
+
+/* LoadProgress of n >= 1 refs, each call bounded by timeout_ms (<= 0: the client's). */
+static meshd_err_t load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
+                                 meshd_load_progress_t *out, int timeout_ms) {
+  for (size_t at = 0; at < n; at += LOAD_PROGRESS_MAX) {
+    Meshd__V1__LoadProgressRequest rq = MESHD__V1__LOAD_PROGRESS_REQUEST__INIT;
+    rq.n_refs = n - at < LOAD_PROGRESS_MAX ? n - at : LOAD_PROGRESS_MAX;
+    rq.refs = (uint64_t *)(refs + at);
+    ProtobufCMessage *resp = NULL;
+    meshd_err_t ret = call_md_timeout(s->client, TS "LoadProgress", &rq.base,
+                                      &meshd__v1__load_progress_reply__descriptor, &resp, s->md,
+                                      s->nmd, timeout_ms);
+    if (ret != MESHD_E_OK)
+      return ret;
+    const Meshd__V1__LoadProgressReply *r = (const Meshd__V1__LoadProgressReply *)resp;
+    if (r->n_loads != rq.n_refs) {
+      set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                "LoadProgress: asked for %zu refs, the server answered %zu", rq.n_refs,
+                r->n_loads);
+      protobuf_c_message_free_unpacked(resp, NULL);
+      return MESHD_E_RPC;
+    }
+    for (size_t i = 0; i < r->n_loads; i++)
+      out[at + i] = (meshd_load_progress_t){refs[at + i], r->loads[i]->done_bytes,
+                                            r->loads[i]->total_bytes, r->loads[i]->failed};
+    protobuf_c_message_free_unpacked(resp, NULL);
+  }
+  return MESHD_E_OK;
+}
+
+meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
+                                        meshd_load_progress_t *out) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_load_progress"))
+    return MESHD_E_INVALID;
+  if (n == 0 || !refs) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load_progress: need at least one ref (got %zu, refs %s)", n,
+              refs ? "set" : "NULL");
+    return MESHD_E_INVALID;
+  }
+  return load_progress(s, refs, n, out, 0);
+}
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
+                                    const meshd_wait_load_options_t *opts) {
+  static const meshd_wait_load_options_t defaults = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  if (!s)
+    return MESHD_E_INVALID;
+  if (n == 0 || !refs) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_wait_load: need at least one ref (got %zu, refs %s)", n,
+              refs ? "set" : "NULL");
+    return MESHD_E_INVALID;
+  }
+  const meshd_wait_load_options_t *o = opts ? opts : &defaults;
+  int interval = o->interval_ms > 0 ? o->interval_ms : 250;
+  int64_t deadline = o->timeout_ms > 0 ? mono_ms() + o->timeout_ms : 0;
+  meshd_load_progress_t *p = malloc(n * sizeof *p);
+  if (!p) {
+    set_error(s->client, MESHD_E_NOMEM, 0, NULL, "meshd_session_wait_load: out of memory");
+    return MESHD_E_NOMEM;
+  }
+  uint64_t done = 0, total = 0;
+  meshd_err_t ret;
+  for (;;) {
+    /* A look, then a Sync bounded by the interval: it returns as soon as the
+     * loads are in (or failed), so the wait adds no delay of its own. A look
+     * that times out (the server asks each agent in turn: a wedged one holds
+     * it) is no news, not a failure. */
+    int64_t left = deadline ? deadline - mono_ms() : 0;
+    ret = deadline && left <= 0
+              ? MESHD_E_DEADLINE
+              : load_progress(s, refs, n, p, deadline && left < INT32_MAX ? (int)left : 0);
+    if (ret == MESHD_E_OK) {
+      done = total = 0;
+      for (size_t i = 0; i < n; i++) {
+        done += p[i].done_bytes;
+        total += p[i].total_bytes;
+      }
+      if (o->progress)
+        o->progress(o->progress_user, done < total ? done : total, total);
+    } else if (ret != MESHD_E_DEADLINE) {
+      break;
+    }
+    int step = interval;
+    if (deadline) {
+      left = deadline - mono_ms();
+      if (left <= 0) {
+        set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                  "meshd_session_wait_load: %llu of %llu bytes in after %d ms; the load goes on",
+                  (unsigned long long)done, (unsigned long long)total, o->timeout_ms);
+        ret = MESHD_E_DEADLINE;
+        break;
+      }
+      step = left < step ? (int)left : step;
+    }
+    ret = meshd_session_sync_timeout(s, step);
+    if (ret != MESHD_E_DEADLINE)
+      break;
+  }
+  if (ret == MESHD_E_OK && o->progress)
+    o->progress(o->progress_user, total, total);
+  free(p);
   return ret;
 }
 

@@ -122,3 +122,21 @@ int conn_check_pem(const char *path, const char *label, const char *what, char *
   }
   return 0;
 }
+
+const char *conn_redact_url(const char *url, char *out, size_t n) {
+  if (!n)
+    return out;
+  const char *sep = strstr(url, "://");
+  size_t lead = 0; /* bytes of "scheme://" */
+  if (sep && sep - url < 32 && (size_t)(sep - url) == strcspn(url, ":/?#@"))
+    lead = (size_t)(sep - url) + 3;
+  const char *auth = url + lead, *end = auth + strcspn(auth, "/?#");
+  const char *at = NULL;
+  for (const char *p = auth; p < end; p++)
+    if (*p == '@')
+      at = p;
+  const char *host = at ? at + 1 : auth;
+  const char *stop = host + strcspn(host, "?#");
+  snprintf(out, n, "%.*s%.*s", (int)lead, url, (int)(stop - host), host);
+  return out;
+}

@@ -25,4 +25,9 @@ int conn_check_token(const char *token, const char *what, char *err, size_t errl
 int conn_check_pem(const char *path, const char *label, const char *what, char *err,
                    size_t errlen);
 
+/* url for a message (meshd_session_load's errors, meshctl load): "https://host/path",
+ * without "user:password@", "?query" (presigned URLs carry their signature there)
+ * or "#fragment"; the agents' rule (core/url url_redact). Truncated to n. */
+const char *conn_redact_url(const char *url, char *out, size_t n);
+
 #endif

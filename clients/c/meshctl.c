@@ -89,6 +89,12 @@ enum {
   FLAG_INTERVAL,
   FLAG_COUNT,
   FLAG_DATA_PATH,
+  FLAG_MESH, /* FLAG_MESH .. FLAG_DIM: `meshctl load` only */
+  FLAG_DTYPE,
+  FLAG_SHAPE,
+  FLAG_NAME,
+  FLAG_SHARD,
+  FLAG_DIM,
   NFLAGS
 };
 static const flag_t flags[NFLAGS] = {
@@ -134,7 +140,25 @@ static const flag_t flags[NFLAGS] = {
     [FLAG_DATA_PATH] = {"data-path", "MODE", "MESHD_DATA_PATH", "auto",
                         "how run's tensor bytes travel: auto (straight to the agents when "
                         "they answer, else through the server), direct or proxy", false},
+    [FLAG_MESH] = {"mesh", "DIM=N,...", NULL, NULL,
+                   "load: the mesh to load onto (unset: gpu=N over every healthy, undrained "
+                   "agent)", false},
+    [FLAG_DTYPE] = {"dtype", "T", NULL, NULL,
+                    "load: raw bytes of dtype T (float32, bfloat16, int64, ...); needs --shape",
+                    false},
+    [FLAG_SHAPE] = {"shape", "N,N", NULL, NULL,
+                    "load: the raw bytes' shape, e.g. 1024,1024 (\"\" for a scalar); needs "
+                    "--dtype", false},
+    [FLAG_NAME] = {"name", "NAME", NULL, NULL,
+                   "load: the tensor NAME of a safetensors file (unset: the file's only one)",
+                   false},
+    [FLAG_SHARD] = {"shard", "DIM", NULL, NULL,
+                    "load: split the tensor over mesh dim DIM, each rank fetching its slice "
+                    "(unset: every rank loads all of it)", false},
+    [FLAG_DIM] = {"dim", "D", NULL, "0", "load --shard: the tensor dim split", false},
 };
+static const char *load_given[NFLAGS]; /* --mesh .. --dim as given (NULL: not given) */
+static const char *load_flag_given;    /* the first of them given */
 #define TIMEOUT_MS_MIN 1
 #define TIMEOUT_MS_MAX 3600000
 
@@ -377,6 +401,11 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
   for (int f = FLAG_WATCH; f <= FLAG_COUNT && !watch_flag_given; f++)
     if (given[f])
       watch_flag_given = flags[f].name;
+  for (int f = FLAG_MESH; f <= FLAG_DIM; f++) { /* checked by cmd_load */
+    load_given[f] = given[f];
+    if (given[f] && !load_flag_given)
+      load_flag_given = flags[f].name;
+  }
   text = flag_value(FLAG_DATA_PATH, given[FLAG_DATA_PATH], who, sizeof who);
   if (meshd_data_path_parse(text, &data_path) != MESHD_E_OK) {
     snprintf(err, errlen, "%s: expected auto, direct or proxy, got '%s'", who, text);
@@ -412,6 +441,7 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv);
 static int cmd_version(meshd_client_t *c, int argc, char **argv);
 static int cmd_drain(meshd_client_t *c, int argc, char **argv);
 static int cmd_undrain(meshd_client_t *c, int argc, char **argv);
+static int cmd_load(meshd_client_t *c, int argc, char **argv);
 
 typedef struct command {
   const char *name;
@@ -433,6 +463,11 @@ static const command_t commands[] = {
      0, 0, cmd_sessions},
     {"run", "FILE", "run a line-based script (FILE or - for stdin) in a new session", 1, 1,
      cmd_run},
+    {"load", "URL",
+     "the agents fetch a tensor from URL themselves (http, https, file; .npy, safetensors, "
+     "or raw bytes with --dtype and --shape), in a new session: waits until every rank holds "
+     "it, prints ref, dtype, shape, bytes, seconds and MB/s, then ends the session",
+     1, 1, cmd_load},
     {"version", "", "meshctl's, the server's and every agent's version and build", 0, 0,
      cmd_version},
     {"drain", "RANK",
@@ -1143,7 +1178,103 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
   return 0;
 }
 
-/* NAME = EXPR: a factory, a reduce or an op call. */
+/* ------------------------------------------------------------------ load */
+
+/* What a load asks: meshd_load_options_t with the storage its pointers need. */
+typedef struct load_req {
+  meshd_load_options_t o;
+  int64_t shape[16];
+  bool has_dim;
+} load_req_t;
+
+/* "1024,1024" (or "" for a scalar) into q's shape. */
+static int parse_sizes(const char *text, int64_t *out, size_t max, size_t *n) {
+  *n = 0;
+  if (!*text)
+    return 0;
+  for (const char *p = text;; p++) {
+    char *end;
+    errno = 0;
+    long long v = isdigit((unsigned char)*p) ? strtoll(p, &end, 10) : -1;
+    if (v < 0 || errno || *n == max || (*end && *end != ','))
+      return -1;
+    out[(*n)++] = v;
+    if (!*end)
+      return 0;
+    p = end;
+  }
+}
+
+/* One option of a load: key "dtype", "shape", "name", "shard" or "dim"; `who`
+ * names it in errors ("--shape", "shape="). q keeps pointers into value. */
+static int load_option(load_req_t *q, const char *key, const char *value, const char *who,
+                       char *err, size_t errlen) {
+  if (strcmp(key, "dtype") == 0) {
+    if (!*value) {
+      snprintf(err, errlen, "%s: expected a dtype (float32, bfloat16, int64, ...)", who);
+      return -1;
+    }
+    q->o.dtype = value;
+  } else if (strcmp(key, "shape") == 0) {
+    if (parse_sizes(value, q->shape, 16, &q->o.ndim) != 0) {
+      snprintf(err, errlen, "%s: '%s' is not a shape (at most 16 sizes >= 0 with commas, "
+               "e.g. 1024,1024; \"\" for a scalar)", who, value);
+      return -1;
+    }
+    q->o.shape = q->shape;
+  } else if (strcmp(key, "name") == 0) {
+    q->o.name = value;
+  } else if (strcmp(key, "shard") == 0) {
+    q->o.shard = value;
+  } else if (strcmp(key, "dim") == 0) {
+    int64_t d = 0;
+    if (parse_ms(who, value, 0, 15, &d, err, errlen) != 0)
+      return -1;
+    q->o.dim = (int)d;
+    q->has_dim = true;
+  } else {
+    snprintf(err, errlen, "%s: unknown option (expected dtype, shape, name, shard or dim)", who);
+    return -1;
+  }
+  return 0;
+}
+
+/* The checks across options; `pre` is "--" for flags, "" for script words. */
+static int load_check(const load_req_t *q, const char *pre, char *err, size_t errlen) {
+  if (!q->o.dtype != !q->o.shape)
+    snprintf(err, errlen, "%s%s needs %sshape%s: raw bytes need both; give neither for .npy "
+             "and safetensors files", pre, q->o.dtype ? "dtype" : "shape", pre,
+             q->o.dtype ? "" : " with its dtype");
+  else if (q->o.name && q->o.dtype)
+    snprintf(err, errlen, "%sname picks a tensor of a safetensors file; raw bytes (%sdtype, "
+             "%sshape) have none", pre, pre, pre);
+  else if (q->has_dim && !q->o.shard)
+    snprintf(err, errlen, "%sdim: the tensor dim to split needs %sshard DIM", pre, pre);
+  else
+    return 0;
+  return -1;
+}
+
+/* meshd_session_load, then meshd_session_wait_load with the progress line
+ * ("what: DONE / TOTAL ..."); *ref is set once the load is accepted. */
+static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const char *url,
+                                 load_req_t *q, const char *what, meshd_ref_t *ref) {
+  progress_t p = {what, now_s(), 0, false};
+  meshd_err_t e = meshd_session_load(s, mesh, url, &q->o, ref);
+  if (e != MESHD_E_OK)
+    return e;
+  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  if (progress_on) {
+    w.progress = show_progress;
+    w.progress_user = &p;
+  }
+  e = meshd_session_wait_load(s, ref, 1, &w);
+  if (p.shown) /* a failure: the error goes on its own line */
+    fputc('\n', stderr);
+  return e;
+}
+
+/* NAME = EXPR: a factory, an upload, a load, a reduce or an op call. */
 static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
   meshd_err_t e;
   meshd_ref_t out = 0, in = 0;
@@ -1187,6 +1318,30 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
     int64_t n = ntok - 2;
     e = meshd_session_upload(sc->s, in, "float32", &n, 1, values, (size_t)n * sizeof *values,
                              &out);
+  } else if (strcmp(what, "load") == 0) {
+    load_req_t q;
+    char err[256], label[128];
+    memset(&q, 0, sizeof q);
+    if (ntok < 3)
+      return script_fail(sc, "SYNTAX", "usage: NAME = load MESH URL [dtype=T shape=N,N] "
+                         "[name=NAME] [shard=DIM [dim=D]]");
+    if (need_ref(sc, tok[1], &in) < 0)
+      return -1;
+    for (int i = 3; i < ntok; i++) {
+      char *eq = strchr(tok[i], '=');
+      if (!eq || eq == tok[i])
+        return script_fail(sc, "SYNTAX", "load: expected KEY=VALUE (dtype, shape, name, shard, "
+                           "dim), got '%s'", tok[i]);
+      *eq = '\0';
+      char who[64];
+      snprintf(who, sizeof who, "load: %.40s=", tok[i]);
+      if (load_option(&q, tok[i], eq + 1, who, err, sizeof err) != 0)
+        return script_fail(sc, "SYNTAX", "%s", err);
+    }
+    if (load_check(&q, "", err, sizeof err) != 0)
+      return script_fail(sc, "SYNTAX", "load: %s", err);
+    snprintf(label, sizeof label, "load %.100s", name);
+    e = load_and_wait(sc->s, in, tok[2], &q, label, &out);
   } else if (strcmp(what, "to_mesh") == 0) {
     meshd_ref_t mesh = 0;
     if (ntok != 3)
@@ -1354,6 +1509,156 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
   return r;
 }
 
+/* --mesh "gpu=2,host=4" into names and sizes (text is copied into buf). */
+static int parse_mesh(const char *text, char *buf, size_t buflen, const char **names,
+                      int64_t *sizes, size_t *n) {
+  snprintf(buf, buflen, "%s", text);
+  *n = 0;
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+    char *eq = strchr(t, '=');
+    if (*n == 16 || !eq)
+      return -1;
+    *eq = '\0';
+    if (!is_ident(t) || !parse_int(eq + 1, &sizes[*n]) || sizes[*n] < 1)
+      return -1;
+    names[(*n)++] = t;
+  }
+  return *n ? 0 : -1;
+}
+
+/* A failed load: exit 3, as a failed call. The library's own refusals (a name
+ * the file lacks) come without a gRPC code: INVALID_ARGUMENT. */
+static int load_failed(meshd_client_t *c, const char *what, meshd_err_t e) {
+  if (e != MESHD_E_INVALID)
+    return report(c, what, e);
+  const meshd_error_info_t *info = meshd_last_error(c);
+  char msg[1024];
+  fprintf(stderr, "error: %s: %s\n", what, info->message);
+  snprintf(msg, sizeof msg, "%s: %s", what, info->message);
+  note_error("INVALID_ARGUMENT", NULL, msg, 0);
+  return EXIT_RPC;
+}
+
+/* meshctl load's flags, checked before it connects (load_flags). */
+static load_req_t load_q;
+static const char *load_dims[16];
+static int64_t load_sizes[16];
+static size_t load_ndims; /* 0: every healthy, undrained agent */
+static char load_mesh_buf[256];
+
+static int load_flags(char *err, size_t errlen) {
+  char who[32];
+  for (int f = FLAG_DTYPE; f <= FLAG_DIM; f++) {
+    snprintf(who, sizeof who, "--%s", flags[f].name);
+    if (load_given[f] && load_option(&load_q, flags[f].name, load_given[f], who, err, errlen))
+      return -1;
+  }
+  if (load_check(&load_q, "--", err, errlen) != 0)
+    return -1;
+  if (load_given[FLAG_MESH] && parse_mesh(load_given[FLAG_MESH], load_mesh_buf,
+                                          sizeof load_mesh_buf, load_dims, load_sizes,
+                                          &load_ndims) != 0) {
+    snprintf(err, errlen, "--mesh: '%s' is not a mesh (DIM=N with N >= 1, comma-separated, "
+             "e.g. gpu=4 or host=2,gpu=4)", load_given[FLAG_MESH]);
+    return -1;
+  }
+  return 0;
+}
+
+static int cmd_load(meshd_client_t *c, int argc, char **argv) {
+  (void)argc;
+  const char *url = argv[0];
+  char shown[512], what[560];
+  const char **names = load_dims;
+  int64_t *sizes = load_sizes;
+  size_t ndims = load_ndims;
+  if (!ndims) { /* every agent that would take a mesh now */
+    meshd_agent_t *agents = NULL;
+    size_t n = 0, up = 0;
+    meshd_err_t e = meshd_agents(c, &agents, &n);
+    if (e != MESHD_E_OK)
+      return report(c, "load: listing agents failed", e);
+    for (size_t i = 0; i < n; i++)
+      up += agents[i].healthy && !agents[i].drained;
+    meshd_agents_free(agents, n);
+    if (up == 0) {
+      fprintf(stderr, "error: load: no healthy, undrained agent on %s to load onto "
+              "(meshctl agents lists them)\n", server);
+      note_error("UNAVAILABLE", NULL, "load: no healthy, undrained agent to load onto", 0);
+      return EXIT_RPC;
+    }
+    names[0] = "gpu";
+    sizes[0] = (int64_t)up;
+    ndims = 1;
+  }
+  uint64_t ranks = 1;
+  for (size_t i = 0; i < ndims; i++)
+    ranks *= (uint64_t)sizes[i];
+  conn_redact_url(url, shown, sizeof shown);
+  snprintf(what, sizeof what, "load %s", shown);
+
+  meshd_err_t e = MESHD_E_OK;
+  meshd_session_t *s = meshd_session_open(c, "meshctl", &e);
+  if (!s)
+    return report(c, "cannot open a session", e);
+  meshd_ref_t mesh = 0, ref = 0;
+  meshd_load_info_t info;
+  load_q.o.info = &info;
+  int r = EXIT_OK;
+  e = meshd_session_create_mesh(s, names, sizes, ndims, &mesh);
+  if (e != MESHD_E_OK) {
+    r = report(c, "load: creating the mesh failed", e);
+    goto out;
+  }
+  const char *base = strrchr(shown, '/');
+  char label[128];
+  snprintf(label, sizeof label, "load %.100s", base && base[1] ? base + 1 : shown);
+  double t0 = now_s();
+  e = load_and_wait(s, mesh, url, &load_q, label, &ref);
+  double secs = now_s() - t0;
+  if (e != MESHD_E_OK) {
+    r = load_failed(c, what, e);
+    goto out;
+  }
+  uint64_t fetched = info.bytes * ranks;
+  double mbps = secs > 0 ? (double)fetched / secs / 1e6 : 0.0;
+  char shape[16 * 21 + 3] = "[";
+  size_t used = 1;
+  for (size_t i = 0; i < info.ndim; i++)
+    used += (size_t)snprintf(shape + used, sizeof shape - used, "%s%" PRId64, i ? "," : "",
+                             info.shape[i]);
+  snprintf(shape + used, sizeof shape - used, "]");
+  if (json_out) {
+    json_object *o = the_doc(), *sh = json_object_new_array(), *m = json_object_new_object();
+    put_str(o, "url", shown);
+    put_u64(o, "ref", ref);
+    put_str(o, "dtype", info.dtype);
+    for (size_t i = 0; i < info.ndim; i++)
+      json_object_array_add(sh, json_object_new_int64(info.shape[i]));
+    json_object_object_add(o, "shape", sh);
+    for (size_t i = 0; i < ndims; i++)
+      json_object_object_add(m, names[i], json_object_new_int64(sizes[i]));
+    json_object_object_add(o, "mesh", m);
+    put_u64(o, "bytes", info.bytes);
+    put_u64(o, "ranks", ranks);
+    put_u64(o, "fetched_bytes", fetched);
+    json_object_object_add(o, "seconds", json_object_new_double(secs));
+    json_object_object_add(o, "mb_per_s", json_object_new_double(mbps));
+  } else {
+    char b[32], f[32];
+    human_bytes(info.bytes, b, sizeof b);
+    human_bytes(fetched, f, sizeof f);
+    int w_shape = (int)strlen(shape) > 5 ? (int)strlen(shape) : 5;
+    printf("%-5s %-9s %-*s %-9s %-5s %-9s %-8s %-8s %s\n", "REF", "DTYPE", w_shape, "SHAPE",
+           "BYTES", "RANKS", "FETCHED", "SECONDS", "MB/S", "URL");
+    printf("%-5" PRIu64 " %-9s %-*s %-9s %-5" PRIu64 " %-9s %-8.3f %-8.1f %s\n", ref, info.dtype,
+           w_shape, shape, b, ranks, f, secs, mbps, shown);
+  }
+out:
+  meshd_session_close(s);
+  return r;
+}
+
 static int run(int argc, char **argv) {
   char err[256];
   int npos = 0;
@@ -1391,13 +1696,20 @@ static int run(int argc, char **argv) {
                        argv[2 + cmd->max_args], cmd->name, *cmd->args ? " " : "", cmd->args);
   if (nargs < cmd->min_args)
     return usage_error(true, "%s: missing %s (usage: meshctl %s %s)", cmd->name,
-                       cmd->run == cmd_run ? "FILE (a script path, or - for stdin)" : cmd->args,
+                       cmd->run == cmd_run    ? "FILE (a script path, or - for stdin)"
+                       : cmd->run == cmd_load ? "URL (http://, https:// or file://)"
+                                              : cmd->args,
                        cmd->name, cmd->args);
   if (watch_flag_given && cmd->run != cmd_sessions)
     return usage_error(true, "--%s: only `meshctl sessions` takes it, not %s", watch_flag_given,
                        cmd->name);
   if (watch_flag_given && !watch)
     return usage_error(true, "--%s: needs --watch", watch_flag_given);
+  if (load_flag_given && cmd->run != cmd_load)
+    return usage_error(true, "--%s: only `meshctl load` takes it, not %s", load_flag_given,
+                       cmd->name);
+  if (cmd->run == cmd_load && load_flags(err, sizeof err) != 0)
+    return usage_error(false, "load: %s", err);
   if (!server || !*server)
     return usage_error(true, "--server: empty address (expected host:port)");
   if (cmd->run == cmd_version)

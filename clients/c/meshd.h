@@ -295,6 +295,14 @@ MESHD_API meshd_err_t meshd_session_factory(meshd_session_t *session, meshd_ref_
                                             const char *kind, const int64_t *shape, size_t ndim,
                                             double value, meshd_ref_t *out);
 
+/* What a load made: the tensor every rank holds once its bytes are in. */
+typedef struct meshd_load_info {
+  char dtype[16];     /* "float32", "bfloat16", ... */
+  int64_t shape[16];  /* each rank's local shape (sharded: its slice) */
+  size_t ndim;
+  uint64_t bytes;     /* one rank's bytes: numel x dtype size */
+} meshd_load_info_t;
+
 /* What meshd_session_load loads (docs/loading.md). Zeroed: a .npy file, or a
  * safetensors file holding one tensor, replicated on every rank. */
 typedef struct meshd_load_options {
@@ -306,18 +314,63 @@ typedef struct meshd_load_options {
   const char *name;  /* a tensor of a safetensors file (NULL: its only one) */
   const char *shard; /* mesh dim to split over (NULL: every rank loads it all) */
   int dim;           /* the tensor dim split, with shard */
+  meshd_load_info_t *info; /* out (NULL: not wanted): filled when the call succeeds */
 } meshd_load_options_t;
 
 /* A tensor whose bytes every agent of `mesh` fetches itself from `url` (http,
  * https or file, as the server's --url-allow permits): no byte passes through
  * the server or the client. opts may be NULL. The header of a .npy or
  * safetensors file is read first by one agent (TensorService/InspectUrl);
- * errors there (404, a name not in the file, a dtype meshd lacks) fail this
- * call. Transfer failures on the agents fail the tensor: they surface at
- * sync or fetch. *out gets the tensor's ref. */
+ * errors there (404, a dtype meshd lacks) fail this call, and so does a name
+ * the file lacks (MESHD_E_INVALID, naming the URL and the names it holds).
+ * The call returns once the server accepted the load, before the agents
+ * fetched; transfer failures on the agents fail the tensor: they surface at
+ * sync, fetch or meshd_session_wait_load. *out gets the tensor's ref. */
 MESHD_API meshd_err_t meshd_session_load(meshd_session_t *session, meshd_ref_t mesh,
                                          const char *url, const meshd_load_options_t *opts,
                                          meshd_ref_t *out);
+
+/* How far the agents are with a load (TensorService/LoadProgress). */
+typedef struct meshd_load_progress {
+  meshd_ref_t ref;
+  uint64_t done_bytes;  /* fetched so far, summed over the tensor's ranks */
+  uint64_t total_bytes; /* the tensor's bytes on every rank together */
+  bool failed;          /* the load failed on some rank (the error comes at sync) */
+} meshd_load_progress_t;
+
+/* One look, without waiting: out[i] for refs[i] (n >= 1 of them, any number:
+ * asked 256 at a time). A rank that has not started counts 0; a rank's agent
+ * remembers its latest 1024 loads, so an old finished load or a ref that is
+ * not a load may read 0 done: meshd_session_wait_load is the one to trust for
+ * "in". A ref that is not a live tensor of the session is the server's
+ * UNKNOWN_REF (MESHD_E_RPC). */
+MESHD_API meshd_err_t meshd_session_load_progress(meshd_session_t *session,
+                                                  const meshd_ref_t *refs, size_t n,
+                                                  meshd_load_progress_t *out);
+
+/* Options of meshd_session_wait_load; start from MESHD_WAIT_LOAD_OPTIONS_INIT. */
+typedef struct meshd_wait_load_options {
+  int timeout_ms;  /* > 0 bounds the whole wait (MESHD_E_DEADLINE past it, the load goes
+                      on); <= 0: none (the server's --url-timeout-ms and the agents'
+                      60 s stall rule bound each load, a lost agent fails it) */
+  int interval_ms; /* between two looks at the progress; <= 0: 250 */
+  /* NULL: none. Called on the calling thread with done and total summed over
+   * the refs (meshd_session_load_progress) after each look, the first at once,
+   * and on success once more with done == total. Must not call the library. */
+  void (*progress)(void *user, uint64_t done_bytes, uint64_t total_bytes);
+  void *progress_user; /* passed to progress */
+} meshd_wait_load_options_t;
+
+#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL}
+
+/* Waits until everything the session issued so far ran, as meshd_session_sync
+ * does, showing the progress of the loads `refs` (n >= 1) while it waits:
+ * Syncs of at most interval_ms each, a LoadProgress between two. MESHD_E_OK
+ * once every rank holds them; a failed load fails it with the agent's error
+ * (its kind, the URL without credentials, the HTTP status or curl's error, the
+ * rank), reported once, as Sync reports it. opts may be NULL. */
+MESHD_API meshd_err_t meshd_session_wait_load(meshd_session_t *session, const meshd_ref_t *refs,
+                                              size_t n, const meshd_wait_load_options_t *opts);
 
 /* One positional argument of meshd_session_call. */
 typedef enum { MESHD_ARG_REF, MESHD_ARG_INT, MESHD_ARG_FLOAT } meshd_arg_type_t;

@@ -33,8 +33,9 @@
  * SubmitReplies; a Sync at the end is waited for. Counts are replies (every
  * command is answered once); CPU comes from /proc/<pid>/stat.
  *
- * Memory case: one agent, no drops; K Call results kept live, Sync; VmRSS of the
- * server before and after, per live tensor.
+ * Memory case: one agent, no drops; K Call results kept live (sent --batch at a
+ * time), Sync; VmRSS of the server and of the agent before and after, per live
+ * tensor.
  *
  * Where the backlog sits when the measured window closes: in_flight_at_stop
  * counts commands written and not yet answered (in the client's and server's
@@ -792,6 +793,7 @@ static int memory_case(const opts_t *o) {
     r.nagents = srv.nagents;
     r.ref = INPUT_REF + 1;
     r.drop_batch = 0;
+    r.batch = o->batch;
     r.max_calls = o->live_tensors;
     t0 = bench_now_ns();
     r.deadline_ns = t0 + (int64_t)(o->memory_seconds * 1e9);

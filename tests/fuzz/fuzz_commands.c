@@ -112,7 +112,8 @@ static size_t new_refs(const Meshd__V1__Command *c, uint64_t *refs, size_t cap) 
  * strides >= 0, on a mesh and stream of the session, and (for a storage of its
  * own) every element inside the storage's bytes. */
 static void check_tensor(objects_t *o, const obj_t *t, const char *name) {
-  const tensor_meta_t *m = &t->tensor.meta;
+  tensor_meta_t tm;
+  const tensor_meta_t *m = obj_meta(t, &tm);
   const layout_t *l = &m->layout;
   unsigned long long ref = (unsigned long long)t->ref;
   meshd_error_t e;
@@ -147,8 +148,8 @@ static void check_accounting(const session_t *s, objects_t *o, const char *name)
   storage_t *seen[512];
   size_t nseen = 0, tensors = 0;
   unsigned __int128 bytes = 0;
-  obj_t *it, *tmp;
-  HASH_ITER(hh, o->table, it, tmp) {
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
     if (it->kind != OBJ_TENSOR) continue;
     tensors++;
     check_tensor(o, it, name);
@@ -169,7 +170,7 @@ static void check_accounting(const session_t *s, objects_t *o, const char *name)
   FZ_CHECK(tensors == o->live_tensors, "%s: %zu tensor records, live_tensors %llu", name, tensors,
            (unsigned long long)o->live_tensors);
   uint64_t meshes = 0, streams = 0, borrows = 0;
-  HASH_ITER(hh, o->table, it, tmp) {
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
     meshes += it->kind == OBJ_MESH;
     streams += it->kind == OBJ_STREAM;
     borrows += it->kind == OBJ_BORROW;

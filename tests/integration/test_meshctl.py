@@ -516,3 +516,148 @@ def test_progress_true_forces_the_line_and_false_hides_it(shared_meshd, tmp_path
     assert rc == 0 and out.startswith("x [262144] 1 1") and term == "", repr(term)
     r = meshctl(srv.address, "--progress=maybe", "health")
     assert r.returncode == 64 and "--progress: 'maybe' is not a boolean" in r.stderr, _show(r)
+
+
+# ------------------------------------------------- load: the agents fetch a tensor from a URL
+# `meshctl load URL` and the script's `NAME = load MESH URL ...` (docs/operations.md), against
+# files served over HTTP with Range requests (lib.HttpFiles) to the shared 2-agent server,
+# whose default --url-allow admits loopback http.
+
+@pytest.fixture(scope="module")
+def load_files(tmp_path_factory):
+    """An HTTP server over a folder holding a .npy file, a safetensors checkpoint, raw bytes
+    and 2 MiB of raw float32 (served slowly under /trickle/); yields (HttpFiles, arrays)."""
+    import numpy as np
+    root = tmp_path_factory.mktemp("meshctl-load")
+    arrays = {"x.npy": np.arange(6, dtype=np.float32).reshape(2, 3),
+              "wte": np.arange(32, dtype=np.int16).reshape(4, 8),
+              "bias": np.ones(5, dtype=np.float64),
+              "raw.bin": np.arange(12, dtype=np.int32),
+              "two.bin": np.zeros(1 << 19, dtype=np.float32)}
+    np.save(root / "x.npy", arrays["x.npy"])
+    (root / "model.safetensors").write_bytes(
+        lib.safetensors_bytes({"wte": arrays["wte"], "bias": arrays["bias"]}))
+    (root / "raw.bin").write_bytes(arrays["raw.bin"].tobytes())
+    (root / "two.bin").write_bytes(arrays["two.bin"].tobytes())
+    with lib.HttpFiles(root) as files:
+        yield files, arrays
+
+
+def test_load_prints_what_every_rank_holds(shared_meshd, load_files):
+    srv = shared_meshd(2)
+    files, a = load_files
+    x = a["x.npy"]
+    r = meshctl(srv.address, "load", files.url("x.npy"))
+    assert r.returncode == 0 and r.stderr == "", _show(r)
+    head, row = r.stdout.splitlines()
+    assert head.split() == ["REF", "DTYPE", "SHAPE", "BYTES", "RANKS", "FETCHED", "SECONDS",
+                            "MB/S", "URL"], _show(r)
+    cols = row.split()
+    assert cols[1:6] == ["float32", "[2,3]", f"{x.nbytes}B", "2", f"{2 * x.nbytes}B"], _show(r)
+    assert float(cols[6]) > 0 and cols[8] == files.url("x.npy"), _show(r)
+
+    r = meshctl(srv.address, "--output", "json", "load", files.url("x.npy"))
+    assert r.returncode == 0, _show(r)
+    doc = _json(r)
+    assert doc["dtype"] == "float32" and doc["shape"] == list(x.shape), doc
+    assert doc["bytes"] == x.nbytes and doc["ranks"] == 2 and doc["mesh"] == {"gpu": 2}, doc
+    assert doc["fetched_bytes"] == 2 * x.nbytes and doc["url"] == files.url("x.npy"), doc
+    assert doc["seconds"] > 0 and doc["mb_per_s"] == pytest.approx(
+        doc["fetched_bytes"] / doc["seconds"] / 1e6, rel=1e-6), doc
+
+    # one tensor of a checkpoint, split over the mesh; raw bytes with their dtype and shape
+    wte = a["wte"]
+    r = meshctl(srv.address, "--output", "json", "load", files.url("model.safetensors"),
+                "--name", "wte", "--shard", "gpu", "--dim", "1")
+    doc = _json(r)
+    assert r.returncode == 0 and doc["dtype"] == "int16" and doc["shape"] == [4, 4], _show(r)
+    assert doc["bytes"] == wte.nbytes // 2 and doc["fetched_bytes"] == wte.nbytes, doc
+    r = meshctl(srv.address, "--output", "json", "load", files.url("raw.bin"), "--dtype",
+                "int32", "--shape", "3,4", "--mesh", "gpu=1")
+    doc = _json(r)
+    assert r.returncode == 0 and doc["shape"] == [3, 4] and doc["ranks"] == 1, _show(r)
+    assert doc["bytes"] == a["raw.bin"].nbytes and doc["mesh"] == {"gpu": 1}, doc
+
+
+def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path):
+    srv = shared_meshd(2)
+    files, a = load_files
+    # 2 MiB a rank at about 3 MB/s: the agents are still fetching at the first looks
+    r = meshctl(srv.address, "--progress", "--progress-delay-ms", "0", "load",
+                files.url("trickle/two.bin"), "--dtype", "float32", "--shape", str(1 << 19),
+                timeout_ms=20000)
+    assert r.returncode == 0, _show(r)
+    lines = r.stderr.split("\n")  # lib.run reads "\r" as a line end
+    seen = [int(m.group(1)) for m in (re.match(r"load two\.bin: .* +(\d+)%  [0-9.]+ MB/s$", ln)
+                                      for ln in lines) if m]
+    assert seen and seen[-1] == 100 and any(p < 100 for p in seen), repr(r.stderr)
+    assert seen == sorted(seen), repr(r.stderr)
+    assert re.search(r"\nload two\.bin: 4\.0MiB / 4\.0MiB 100%  [0-9.]+ MB/s\n$", r.stderr), \
+        repr(r.stderr)
+    assert r.stdout.count("\n") == 2, _show(r)  # the summary stays on stdout
+
+    # a script's load line draws its own, named after what it binds
+    script = tmp_path / "load.txt"
+    script.write_text(f"mesh m gpu=2\nw = load m {files.url('x.npy')}\ny = add w 1\n"
+                      f"fetch y gpu=1\n")
+    r = meshctl(srv.address, "--progress", "--progress-delay-ms", "0", "run", str(script))
+    assert r.returncode == 0 and r.stdout == "y [2,3] 1 2 3 4 5 6\n", _show(r)
+    assert re.search(r"(?m)^load w: 48B / 48B 100%  [0-9.]+ MB/s$", r.stderr), repr(r.stderr)
+
+    # --no-progress: nothing even on a terminal; without it the terminal gets the line
+    args = ("--progress-delay-ms=0", "load", files.url("x.npy"))
+    rc, out, term = _meshctl_on_pty(srv, "--no-progress", *args)
+    assert rc == 0 and "float32" in out and term == "", repr(term)
+    rc, out, term = _meshctl_on_pty(srv, *args)
+    assert rc == 0 and "load x.npy: 48B / 48B 100%" in term, repr(term)
+
+
+def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
+    srv = shared_meshd(2)
+    files, _ = load_files
+    # 404 on the agents (raw bytes: no header to read first), then on the header read
+    missing = files.url("missing.bin")
+    r = meshctl(srv.address, "load", files.base.replace("http://", "http://u:secret@")
+                + "/missing.bin?sig=secret", "--dtype", "float32", "--shape", "2")
+    assert r.returncode == 3 and r.stdout == "", _show(r)
+    assert f"error: load {missing}: INVALID_ARGUMENT (BAD_ARGUMENT): " in r.stderr, _show(r)
+    assert "HTTP 404" in r.stderr and "(rank " in r.stderr, _show(r)
+    assert "secret" not in r.stderr, _show(r)  # credentials and query stripped
+    r = meshctl(srv.address, "--output", "json", "load", files.url("missing.npy"))
+    err = _json(r)["error"]
+    assert r.returncode == 3 and err["code"] == "INVALID_ARGUMENT", _show(r)
+    assert err["kind"] == "BAD_ARGUMENT" and "HTTP 404" in err["message"], err
+    assert files.url("missing.npy") in err["message"].split(": ", 1)[1], err  # the server's part
+
+    # a name the checkpoint lacks: the URL and the names it holds
+    url = files.url("model.safetensors")
+    r = meshctl(srv.address, "load", url, "--name", "wpe")
+    assert r.returncode == 3, _show(r)
+    assert f"no tensor named 'wpe' in {url}; it holds: wte, bias" in r.stderr, _show(r)
+    r = meshctl(srv.address, "--output", "json", "load", url)
+    err = _json(r)["error"]
+    assert r.returncode == 3 and err["code"] == "INVALID_ARGUMENT", _show(r)
+    assert f"{url} holds 2 tensors (wte, bias); name one" in err["message"], err
+
+    # a script stops at the failing load line, with the agents' message
+    script = tmp_path / "bad.txt"
+    script.write_text(f"mesh m gpu=2\nw = load m {missing} dtype=int8 shape=4\nfetch w gpu=0\n")
+    r = meshctl(srv.address, "--output", "json", "run", str(script))
+    err = _json(r)["error"]
+    assert r.returncode == 3 and err["line"] == 2 and err["kind"] == "BAD_ARGUMENT", _show(r)
+    assert missing in err["message"] and "HTTP 404" in err["message"], err
+
+
+@pytest.mark.parametrize("args,says", [
+    (("load", "http://h/x", "--dtype", "float32"), "load: --dtype needs --shape"),
+    (("load", "http://h/x", "--shape", "2,x", "--dtype", "int8"),
+     "load: --shape: '2,x' is not a shape"),
+    (("load", "http://h/x", "--dtype", "int8", "--shape", "2", "--name", "w"),
+     "load: --name picks a tensor of a safetensors file"),
+    (("load", "http://h/x", "--dim", "1"), "load: --dim: the tensor dim to split needs --shard"),
+    (("load", "http://h/x", "--mesh", "gpu=0"), "load: --mesh: 'gpu=0' is not a mesh"),
+    (("load",), "load: missing URL"),
+    (("health", "--shard", "gpu"), "--shard: only `meshctl load` takes it, not health")])
+def test_load_usage_errors(args, says):
+    r = meshctl("127.0.0.1:1", *args)
+    assert r.returncode == 64 and says in r.stderr, _show(r)

@@ -15,9 +15,7 @@ static meshd_error_t err;
 #define OTHER 3
 
 static void add_stream(uint64_t ref, const char *name) {
-  obj_t *s = objects_add(o, ref, OBJ_STREAM);
-  cr_assert_not_null(s);
-  snprintf(s->stream_name, sizeof s->stream_name, "%s", name);
+  cr_assert_not_null(objects_add_stream(o, ref, name));
 }
 
 static void setup(void) {
@@ -41,7 +39,8 @@ static obj_t *tensor(uint64_t ref, uint64_t stream) {
 }
 
 static obj_t *view(uint64_t ref, obj_t *base) {
-  obj_t *v = objects_new_view(o, ref, &base->tensor.meta, base);
+  tensor_meta_t m;
+  obj_t *v = objects_new_view(o, ref, obj_meta(base, &m), base);
   cr_assert_not_null(v);
   return v;
 }
@@ -85,11 +84,12 @@ Test(borrow, read_borrow_leaves_both_sides_readable) {
   obj_t *h = objects_get(o, 6);
   cr_assert_not_null(h);
   cr_assert_eq(h->kind, OBJ_TENSOR);
-  cr_assert_eq(h->tensor.state, TENSOR_LIVE);
+  cr_assert_eq(h->state, TENSOR_LIVE);
   cr_assert_eq(h->tensor.stream, SIDE, "the handle lives on the borrowing stream");
   cr_assert_eq(h->tensor.mesh, t->tensor.mesh);
-  cr_assert_eq(h->tensor.meta.dtype, t->tensor.meta.dtype);
-  cr_assert(layout_same_shape(&h->tensor.meta.layout, &t->tensor.meta.layout));
+  tensor_meta_t hm, tm;
+  cr_assert_eq(obj_meta(h, &hm)->dtype, obj_meta(t, &tm)->dtype);
+  cr_assert(layout_same_shape(&hm.layout, &tm.layout));
   cr_assert_neq(h->tensor.storage, t->tensor.storage);
   cr_assert_eq(h->tensor.storage->borrow, 7, "the handle's storage knows its borrow");
   cr_assert_eq(t->tensor.storage->access, ACCESS_R, "origin: r");
@@ -176,7 +176,7 @@ Test(borrow, drop_restores_access_only_when_the_last_borrow_is_gone) {
   cr_assert_eq(t->tensor.storage->access, ACCESS_R | ACCESS_W);
   cr_assert_eq(t->tensor.storage->read_borrows, 0);
   cr_assert_eq(borrow_holder(o, t->tensor.storage), 0);
-  cr_assert_eq(t->tensor.state, TENSOR_LIVE, "dropping a borrow does not drop its origin");
+  cr_assert_eq(t->state, TENSOR_LIVE, "dropping a borrow does not drop its origin");
 
   obj_t *m = borrow_ok(40, 41, t, SIDE, true);
   cr_assert_eq(borrow_drop(o, m, 42, &err), 0, "%s", err.msg);
@@ -201,7 +201,7 @@ Test(borrow, drop_drops_the_handle_and_its_aliases) {
     cr_assert_eq(g->borrow, 7, "the tombstone names the borrow that dropped it");
   }
   cr_assert_null(objects_dropped(o, 5));
-  cr_assert_eq(t->tensor.state, TENSOR_LIVE);
+  cr_assert_eq(t->state, TENSOR_LIVE);
   cr_assert_eq(o->live_tensors, 1);
   cr_assert_eq(o->bytes, 32, "only the origin's bytes (16 * 2 ranks)");
 }
@@ -225,13 +225,13 @@ Test(borrow, a_borrow_and_drop_loop_keeps_no_record) {
    * OBJECTS_GRAVES_MAX bounds): the table keeps what it had, and
    * the origin's storage is held by the origin alone. */
   obj_t *t = tensor(5, STREAM_MAIN);
-  unsigned before = HASH_COUNT(o->table); /* the mesh, the streams and the origin */
+  size_t before = o->table.n; /* the mesh, the streams and the origin */
   uint64_t live = objects_live_refs(o);
   for (uint64_t r = 6; r < 6 + 2 * 1000; r += 2) {
     obj_t *b = borrow_ok(r, r + 1, t, SIDE, (r / 2) % 2 == 0);
     cr_assert_eq(borrow_drop(o, b, r, &err), 0, "%s", err.msg);
   }
-  cr_assert_eq(HASH_COUNT(o->table), before, "records: %u, %u before", HASH_COUNT(o->table), before);
+  cr_assert_eq(o->table.n, before, "records: %zu, %zu before", o->table.n, before);
   cr_assert_eq(t->tensor.storage->refs, 1, "dropped borrows still hold the origin's storage");
   cr_assert_eq(o->live_borrows, 0);
   cr_assert_eq(objects_live_refs(o), live);

@@ -940,8 +940,27 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
   cr_assert_null(v.values);
   cr_assert_str_eq(meshd_last_error(c)->kind, "DEADLINE_EXCEEDED");
 
+  /* a load's wait ends at its deadline too, though LoadProgress cannot answer (the
+   * server asks the wedged agent); once it runs, the wait reports the load's failure */
+  meshd_ref_t l = 0;
+  meshd_load_options_t lo = {.dtype = "float32", .shape = (int64_t[]){4}, .ndim = 1};
+  const char *url = "http://127.0.0.1:1/x.bin"; /* nothing listens: refused */
+  cr_assert_eq(meshd_session_load(s, m, url, &lo, &l), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  w.timeout_ms = 1000;
+  t0 = now_ms();
+  cr_assert_eq(meshd_session_wait_load(s, &l, 1, &w), MESHD_E_DEADLINE, "%s",
+               meshd_last_error(c)->message);
+  took = now_ms() - t0;
+  cr_assert(took >= 900 && took < 3000, "a 1 s wait took %lld ms", (long long)took);
+  cr_assert(strstr(meshd_last_error(c)->message, "after 1000 ms"), "%s",
+            meshd_last_error(c)->message);
+
   kill(pid, SIGCONT);
   stopped_agent = -1;
+  cr_assert_eq(meshd_session_wait_load(s, &l, 1, NULL), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, url), "%s", meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
@@ -1379,6 +1398,116 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
             meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_RPC); /* the failure, reported once */
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* What meshd_session_wait_load's progress callback saw. */
+typedef struct seen_progress {
+  int calls;
+  uint64_t done, total; /* the last call's */
+  bool backwards;       /* done went down, or total changed */
+} seen_progress_t;
+
+static void note_progress(void *user, uint64_t done, uint64_t total) {
+  seen_progress_t *p = user;
+  if (p->calls && (done < p->done || total != p->total))
+    p->backwards = true;
+  p->calls++;
+  p->done = done;
+  p->total = total;
+}
+
+/* A load's info (dtype, local shape, bytes), its progress while meshd_session_wait_load
+ * waits and once it is in, a failed load failing the wait with the agent's error, and
+ * what the progress calls refuse. */
+Test(c_client_load, info_progress_and_wait) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load-progress", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2};
+  meshd_ref_t m = 0, a = 0, b = 0, bad = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  char url[256];
+  meshd_load_info_t info;
+  memset(&info, 0x5a, sizeof info);
+  meshd_load_options_t o = {.info = &info};
+  snprintf(url, sizeof url, "file://%s/v.npy", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &a), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_str_eq(info.dtype, "float32");
+  cr_assert_eq(info.ndim, 2);
+  cr_assert_eq(info.shape[0], 2);
+  cr_assert_eq(info.shape[1], 3);
+  cr_assert_eq(info.bytes, 24);
+
+  seen_progress_t seen = {0};
+  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  w.progress = note_progress;
+  w.progress_user = &seen;
+  cr_assert_eq(meshd_session_wait_load(s, &a, 1, &w), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_geq(seen.calls, 2, "once at the start, once at the end");
+  cr_assert_eq(seen.total, 48, "24 bytes on each of 2 ranks");
+  cr_assert_eq(seen.done, 48);
+  cr_assert(!seen.backwards);
+
+  /* raw bytes sharded: each rank holds 3 floats; both loads looked at in one call */
+  int64_t six[] = {6};
+  meshd_load_options_t raw = {.dtype = "float32", .shape = six, .ndim = 1, .shard = "gpu",
+                              .info = &info};
+  snprintf(url, sizeof url, "file://%s/v.bin", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, &raw, &b), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(info.ndim, 1);
+  cr_assert_eq(info.shape[0], 3);
+  cr_assert_eq(info.bytes, 12);
+  cr_assert_eq(meshd_session_wait_load(s, &b, 1, NULL), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_ref_t both[] = {a, b};
+  meshd_load_progress_t p[2];
+  cr_assert_eq(meshd_session_load_progress(s, both, 2, p), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(p[0].ref, a);
+  cr_assert_eq(p[0].done_bytes, 48);
+  cr_assert_eq(p[0].total_bytes, 48);
+  cr_assert_eq(p[1].ref, b);
+  cr_assert_eq(p[1].done_bytes, 24);
+  cr_assert_eq(p[1].total_bytes, 24);
+  cr_assert(!p[0].failed && !p[1].failed);
+
+  /* 8 floats asked of a 24-byte file: the wait fails with the agents' error, once */
+  int64_t eight[] = {8};
+  raw.shape = eight;
+  raw.shard = NULL;
+  cr_assert_eq(meshd_session_load(s, m, url, &raw, &bad), MESHD_E_OK);
+  seen = (seen_progress_t){0};
+  cr_assert_eq(meshd_session_wait_load(s, &bad, 1, &w), MESHD_E_RPC);
+  const meshd_error_info_t *e = meshd_last_error(c);
+  cr_assert_str_eq(e->kind, "BAD_ARGUMENT", "%s", e->message);
+  cr_assert(strstr(e->message, url) && strstr(e->message, "24 bytes") &&
+                strstr(e->message, "rank"), "%s", e->message);
+  cr_assert(seen.calls >= 1 && seen.total == 64 && seen.done < 64, "%d calls, %lu of %lu",
+            seen.calls, (unsigned long)seen.done, (unsigned long)seen.total);
+  cr_assert_eq(meshd_session_load_progress(s, &bad, 1, p), MESHD_E_OK);
+  cr_assert(p[0].failed);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "reported once: %s", e->message);
+
+  /* refusals: no refs, a ref the session lacks, a name a .npy file has not */
+  cr_assert_eq(meshd_session_wait_load(s, NULL, 1, NULL), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "need at least one ref"));
+  cr_assert_eq(meshd_session_load_progress(s, &a, 0, p), MESHD_E_INVALID);
+  cr_assert_eq(meshd_session_load_progress(s, &a, 1, NULL), MESHD_E_INVALID);
+  meshd_ref_t nowhere = 4242;
+  cr_assert_eq(meshd_session_wait_load(s, &nowhere, 1, NULL), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
+  snprintf(url, sizeof url, "file://%s/v.npy", load_dir);
+  o.name = "w";
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &bad), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, url) &&
+                strstr(meshd_last_error(c)->message, ".npy file"),
+            "%s", meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);
 }

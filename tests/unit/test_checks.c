@@ -30,8 +30,7 @@ static void setup(void) {
   cr_assert_eq(mesh_slice(&root, SUB, &sel, 1, &sub, &err), 0, "%s", err.msg);
   cr_assert_not_null(objects_add_mesh(o, ROOT, &root));
   cr_assert_not_null(objects_add_mesh(o, SUB, &sub));
-  obj_t *s = objects_add(o, SIDE, OBJ_STREAM);
-  snprintf(s->stream_name, sizeof s->stream_name, "side");
+  cr_assert_not_null(objects_add_stream(o, SIDE, "side"));
 }
 
 static void teardown(void) { objects_destroy(o); }
@@ -166,7 +165,8 @@ Test(checks, wrong_stream_names_both_streams_and_the_fix) {
 
 Test(checks, mutably_borrowed_origin_is_borrowed) {
   obj_t *a = tensor(10, ROOT, STREAM_MAIN);
-  obj_t *v = objects_new_view(o, 11, &a->tensor.meta, a);
+  tensor_meta_t am;
+  obj_t *v = objects_new_view(o, 11, obj_meta(a, &am), a);
   cr_assert_eq(borrow_create(o, 13, 12, a, SIDE, true, &err), 0, "%s", err.msg);
   uint64_t mesh = 0;
   expect_err(CHECK_USES(STREAM_MAIN, {a, "argument 'self'", false}), ERR_BORROWED,

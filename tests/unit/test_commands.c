@@ -433,7 +433,7 @@ static void expect_mesh_dims(const Meshd__V1__MeshMeta *m, const char *const *na
 static tensor_state_t state_of(uint64_t ref) {
   obj_t *t = objects_get(objs, ref);
   cr_assert(t && t->kind == OBJ_TENSOR, "ref %llu is not a tensor (%p kind %d)", (unsigned long long)ref, (void *)t, t ? (int)t->kind : -1);
-  return t->tensor.state;
+  return t->state;
 }
 
 /* ref was dropped: its record is gone and its tombstone says when. */

@@ -250,3 +250,68 @@ Test(limits, more_elements_than_allowed_is_quota_naming_the_flag) {
   cr_assert_eq(e.kind, ERR_QUOTA);
   assert_msg_has(&e, "ToMesh: shape [101] has 101 elements");
 }
+
+/* meta_pack.h: every kind of layout comes back as it went in, in the bytes
+ * the header promises, and a 1-D contiguous one takes 12. */
+#include "meta_pack.h"
+
+static void round_trip(const tensor_meta_t *m, size_t want_size) {
+  uint8_t buf[META_PACKED_MAX + 8];
+  memset(buf, 0xa5, sizeof buf);
+  size_t n = meta_packed_size(m);
+  cr_assert_leq(n, META_PACKED_MAX);
+  if (want_size) cr_assert_eq(n, want_size, "packed size %zu, want %zu", n, want_size);
+  meta_pack(buf + 1, m); /* unaligned on purpose */
+  cr_assert_eq(buf[1 + n], 0xa5, "meta_pack wrote past meta_packed_size");
+  tensor_meta_t back;
+  memset(&back, 0x5a, sizeof back);
+  meta_unpack(buf + 1, &back);
+  cr_assert_eq(back.dtype, m->dtype);
+  cr_assert_eq(meta_packed_dtype(buf + 1), m->dtype);
+  cr_assert_eq(meta_packed_ndim(buf + 1), m->layout.ndim);
+  cr_assert_eq(back.layout.ndim, m->layout.ndim);
+  cr_assert_eq(back.layout.offset, m->layout.offset);
+  for (int i = 0; i < m->layout.ndim; i++) {
+    cr_assert_eq(back.layout.sizes[i], m->layout.sizes[i], "size %d", i);
+    cr_assert_eq(back.layout.strides[i], m->layout.strides[i], "stride %d", i);
+  }
+  for (int i = m->layout.ndim; i < LAYOUT_MAX_DIMS; i++)
+    cr_assert(back.layout.sizes[i] == 0 && back.layout.strides[i] == 0, "slot %d not zeroed", i);
+}
+
+Test(layout, meta_pack_round_trips_every_kind_of_layout) {
+  meshd_error_t e;
+  tensor_meta_t m = {.dtype = DTYPE_FLOAT32};
+  cr_assert_eq(layout_contiguous(&m.layout, (const int64_t[]){4}, 1, 4, "t", &e), 0);
+  round_trip(&m, 12); /* header + one size */
+  m.layout.offset = 3;
+  round_trip(&m, 20); /* + the offset */
+  cr_assert_eq(layout_contiguous(&m.layout, NULL, 0, 4, "t", &e), 0);
+  round_trip(&m, 4); /* a scalar: the header alone */
+  m.dtype = DTYPE_BFLOAT16;
+  cr_assert_eq(layout_contiguous(&m.layout, (const int64_t[]){2, 0, 3}, 3, 2, "t", &e), 0);
+  round_trip(&m, 4 + 3 * 8); /* empty: its row-major strides are still implied */
+  /* A transpose: strides that are not row-major are kept. */
+  cr_assert_eq(layout_contiguous(&m.layout, (const int64_t[]){2, 3}, 2, 2, "t", &e), 0);
+  m.layout.sizes[0] = 3;
+  m.layout.sizes[1] = 2;
+  m.layout.strides[0] = 1;
+  m.layout.strides[1] = 3;
+  round_trip(&m, 4 + 2 * 2 * 8);
+  /* expand: a stride 0; a size-1 dim with an odd stride. */
+  m.layout.strides[0] = 0;
+  round_trip(&m, 4 + 2 * 2 * 8);
+  m.layout.sizes[0] = 1;
+  m.layout.strides[0] = 77;
+  m.layout.strides[1] = 1;
+  round_trip(&m, 4 + 2 * 2 * 8);
+  /* The most dims, with an offset and strides. */
+  m.dtype = DTYPE_INT64;
+  m.layout.ndim = LAYOUT_MAX_DIMS;
+  m.layout.offset = 1;
+  for (int i = 0; i < LAYOUT_MAX_DIMS; i++) {
+    m.layout.sizes[i] = 2;
+    m.layout.strides[i] = (int64_t)1 << (i + 1);
+  }
+  round_trip(&m, META_PACKED_MAX);
+}
