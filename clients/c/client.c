@@ -12,6 +12,7 @@
 
 #include "conn.h"
 #include "direct.h"
+#include "pipeline.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "rpc.h"
@@ -72,11 +73,12 @@ static void set_error(meshd_client_t *c, meshd_err_t err, int grpc_code, const c
   c->last.grpc_code_name = c->code_name;
   c->last.kind = c->kind;
   c->last.message = c->message;
+  c->last.seq = 0;
 }
 
 const meshd_error_info_t *meshd_last_error(const meshd_client_t *client) {
   static const meshd_error_info_t null_client = {
-      MESHD_E_INVALID, 0, "", "", "meshd_last_error: client is NULL"};
+      MESHD_E_INVALID, 0, "", "", "meshd_last_error: client is NULL", 0};
   return client ? &client->last : &null_client;
 }
 
@@ -552,6 +554,7 @@ struct meshd_session {
   bool ka_stop;
   int ka_period_ms;
   direct_t *direct; /* the data path's state (direct.h) */
+  pipeline_t *pipe; /* the Submit pipeline while it is on (pipeline.h) */
 };
 
 static void deadline_in(struct timespec *ts, int ms) {
@@ -597,6 +600,8 @@ static void *keepalive_main(void *arg) {
 }
 
 static void session_free(meshd_session_t *s) {
+  if (s->pipe)
+    pipeline_close(s->pipe, s->client->timeout_ms);
   if (s->ka_started) {
     pthread_mutex_lock(&s->ka_mu);
     s->ka_stop = true;
@@ -696,6 +701,9 @@ void meshd_session_close(meshd_session_t *s) {
     pthread_cond_signal(&s->ka_cv);
     pthread_mutex_unlock(&s->ka_mu);
   }
+  /* What is queued runs before the session goes; its rejections go unreported. */
+  pipeline_close(s->pipe, s->client->timeout_ms);
+  s->pipe = NULL;
   Meshd__V1__CloseSessionRequest req = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
   meshd_error_info_t saved = s->client->last; /* not reported: keep the last error */
   char kind[sizeof s->client->kind], msg[sizeof s->client->message], code[32];
@@ -721,13 +729,66 @@ static const char *kind_name(int kind) {
   return strncmp(v->name, "ERROR_KIND_", 11) == 0 ? v->name + 11 : v->name;
 }
 
+static meshd_err_t record(meshd_client_t *c, const direct_err_t *e) {
+  set_error(c, e->err, e->code, e->kind, "%s", e->msg);
+  return e->err;
+}
+
+/* Before a call that needs an answer: the pipeline's queue sent and answered
+ * (within timeout_ms, <= 0: the client's), and its rejections reported. */
+static meshd_err_t sync_point(meshd_session_t *s, int timeout_ms) {
+  if (!s->pipe)
+    return MESHD_E_OK;
+  direct_err_t e = {0};
+  uint64_t seq = 0;
+  if (pipeline_flush(s->pipe, timeout_ms > 0 ? timeout_ms : s->client->timeout_ms, &e, &seq) == 0)
+    return MESHD_E_OK;
+  record(s->client, &e);
+  s->client->last.seq = seq;
+  return e.err;
+}
+
+/* The commands a pipeline queues: every ref they make is known before the answer. */
+static bool pipelined(Meshd__V1__Command__KindCase kind) {
+  switch (kind) {
+  case MESHD__V1__COMMAND__KIND_CALL:
+  case MESHD__V1__COMMAND__KIND_FACTORY:
+  case MESHD__V1__COMMAND__KIND_REDUCE:
+  case MESHD__V1__COMMAND__KIND_TO_MESH:
+  case MESHD__V1__COMMAND__KIND_DROP:
+  case MESHD__V1__COMMAND__KIND_RELEASE:
+  case MESHD__V1__COMMAND__KIND_BORROW:
+  case MESHD__V1__COMMAND__KIND_DROP_BORROW:
+    return true;
+  default:
+    return false;
+  }
+}
+
 /* Execute one command with deadline timeout_ms (<= 0: the client's); a result
  * carrying an error counts as a failed call. keep (may be NULL) gets the
- * result of a successful call, for the caller to free. */
+ * result of a successful call, for the caller to free. With a pipeline, a
+ * command that needs no answer is queued instead (keep is left alone), and any
+ * other waits for the queue first. */
 static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int timeout_ms,
                                 ProtobufCMessage **keep) {
   ProtobufCMessage *resp = NULL;
   cmd->seq = s->next_seq++;
+  if (s->pipe) {
+    if (pipelined(cmd->kind_case)) {
+      direct_err_t e = {0};
+      return pipeline_queue(s->pipe, &cmd->base, cmd->seq, &e) == 0 ? MESHD_E_OK
+                                                                     : record(s->client, &e);
+    }
+    int64_t t0 = rpc_now_ms();
+    meshd_err_t ret = sync_point(s, timeout_ms);
+    if (ret != MESHD_E_OK)
+      return ret;
+    if (timeout_ms > 0) { /* one deadline for the wait and the call */
+      int64_t left = timeout_ms - (rpc_now_ms() - t0);
+      timeout_ms = left < 1 ? 1 : (int)left;
+    }
+  }
   meshd_err_t ret = call_md_timeout(s->client, TS "Execute", &cmd->base,
                                     &meshd__v1__command_result__descriptor, &resp, s->md, s->nmd,
                                     timeout_ms);
@@ -1353,11 +1414,6 @@ static direct_session_t session_view(const meshd_session_t *s, int timeout_ms) {
                             .tls = s->client->tls};
 }
 
-static meshd_err_t record(meshd_client_t *c, const direct_err_t *e) {
-  set_error(c, e->err, e->code, e->kind, "%s", e->msg);
-  return e->err;
-}
-
 /* The proxied Upload of header h. */
 static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, const void *data,
                                 size_t bytes) {
@@ -1419,6 +1475,9 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
               "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
     return MESHD_E_INVALID;
   }
+  meshd_err_t ret = sync_point(s, 0); /* the upload's ref comes after the queued ones' */
+  if (ret != MESHD_E_OK)
+    return ret;
   Meshd__V1__UploadHeader h = MESHD__V1__UPLOAD_HEADER__INIT;
   h.ref = s->next_ref;
   h.mesh = mesh;
@@ -1438,7 +1497,7 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
     return record(s->client, &e);
   if (rc == DIRECT_PROXY) {
     h.ref = s->next_ref;
-    meshd_err_t ret = proxy_upload(s, &h, data, bytes);
+    ret = proxy_upload(s, &h, data, bytes);
     if (ret != MESHD_E_OK)
       return ret;
     direct_count_proxy(s->direct, true);
@@ -1599,9 +1658,12 @@ static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest
                                const direct_sink_t *sinks, size_t n, int timeout_ms) {
   if (timeout_ms <= 0)
     timeout_ms = s->client->timeout_ms;
+  int64_t end = rpc_now_ms() + timeout_ms; /* one deadline for the whole fetch */
+  meshd_err_t ret = sync_point(s, timeout_ms); /* the tensor may be a queued command's */
+  if (ret != MESHD_E_OK)
+    return ret;
   direct_session_t view = session_view(s, timeout_ms);
   direct_err_t e = {0};
-  int64_t end = rpc_now_ms() + timeout_ms;
   direct_rc_t rc = direct_fetch(s->direct, &view, reqs, sinks, n, end, &e);
   if (rc == DIRECT_PROXY) {
     int64_t left = end - rpc_now_ms(); /* one deadline for the whole fetch */
@@ -1816,3 +1878,50 @@ out:
   free(k);
   return ret;
 }
+
+/* ---------------------------------------------------------------- pipeline */
+
+meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_options_t *opts) {
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!opts) {
+    if (!s->pipe)
+      return MESHD_E_OK;
+    meshd_err_t ret = sync_point(s, 0);
+    pipeline_close(s->pipe, s->client->timeout_ms);
+    s->pipe = NULL;
+    return ret;
+  }
+  size_t batch = opts->max_batch ? opts->max_batch : 256;
+  int delay = opts->max_delay_us ? opts->max_delay_us : 200;
+  if (batch > PIPELINE_MAX_BATCH) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_set_pipeline: max_batch is %zu (expected 1..%d, 0: 256)", batch,
+              PIPELINE_MAX_BATCH);
+    return MESHD_E_INVALID;
+  }
+  if (delay < 0 || delay > 60000000) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_set_pipeline: max_delay_us is %d (expected 1..60000000, 0: 200)",
+              delay);
+    return MESHD_E_INVALID;
+  }
+  if (s->pipe) {
+    pipeline_set(s->pipe, batch, delay);
+    return MESHD_E_OK;
+  }
+  direct_err_t e = {0};
+  s->pipe = pipeline_open(s->client->ch, s->md, s->nmd, batch, delay, &e);
+  return s->pipe ? MESHD_E_OK : record(s->client, &e);
+}
+
+meshd_err_t meshd_session_pipeline_stats(const meshd_session_t *s, meshd_pipeline_stats_t *out) {
+  if (!s || !out)
+    return MESHD_E_INVALID;
+  memset(out, 0, sizeof *out);
+  if (s->pipe)
+    pipeline_stats(s->pipe, out);
+  return MESHD_E_OK;
+}
+
+uint64_t meshd_session_last_seq(const meshd_session_t *s) { return s ? s->next_seq - 1 : 0; }

@@ -135,6 +135,8 @@ typedef struct meshd_error_info {
   const char *kind;           /* meshd error kind ("WRONG_MESH") if the server sent one,
                                  "DEADLINE_EXCEEDED" for MESHD_E_DEADLINE; else "" */
   const char *message;        /* what went wrong ("unknown service"); "" when err is OK */
+  uint64_t seq;               /* a pipelined command's rejection: that command's seq
+                                 (meshd_session_last_seq); else 0 */
 } meshd_error_info_t;
 
 /* The last failed call on `client` (successful calls leave it unchanged).
@@ -495,6 +497,76 @@ MESHD_API meshd_err_t meshd_session_drop_borrow(meshd_session_t *session, meshd_
 
 /* The lease the server gave the session (seconds; CreateSession's ttl_seconds). */
 MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
+
+/* ---------------------------------------------------------------- pipeline */
+
+/* Pipelining (opt-in per session; off by default). With it on, the commands
+ * that return nothing the caller needs now are not sent one by one as unary
+ * Execute calls: they are queued and go out together, as one batch Command on
+ * one Submit stream per session (docs/protocol.md, Batches), and the call
+ * returns at once with MESHD_E_OK. Those are meshd_session_call, _factory,
+ * _reduce, _reduce_onto, _to_mesh, _drop, _release, _borrow and _drop_borrow:
+ * every ref they hand out is chosen by the library before the server answers.
+ *
+ * The queue goes out when it holds max_batch commands, when max_delay_us
+ * passed since its first command (a background thread sends it: no further
+ * call is needed), and before every call that needs an answer: _sync,
+ * _fetch*, _upload*, _load, _create_mesh, _slice_mesh, _stream, turning the
+ * pipeline off, and _close. Such a call first waits for the server's answer
+ * to every queued command (bounded by its deadline). If the server rejected
+ * any, the call does not run: it fails with MESHD_E_RPC and
+ * meshd_last_error() names the first rejected command (lowest seq) in `seq`,
+ * its error kind in `kind`, and the server's message with the seqs of later
+ * rejections; the rejections are then forgotten, and calling again runs the
+ * call. Commands after a rejected one still ran (the server runs each
+ * command of a batch on its own; one that used the rejected command's
+ * result is rejected too). Run-time failures on the agents are reported by
+ * Sync, as without a pipeline. _close sends what is queued and drops the
+ * rejections unreported.
+ *
+ * Threads: the session is still used by one thread at a time. A pipelined
+ * session runs two more background threads ("meshd-pipe-rd" reads the
+ * answers, "meshd-pipe-fl" sends a batch whose delay passed) that touch
+ * neither the client's last error nor the session's refs. If the Submit
+ * stream fails (the server went away), every later queued command and every
+ * call that needs an answer fails with its status until the pipeline is set
+ * again. */
+typedef struct meshd_pipeline_options {
+  size_t max_batch; /* commands per Submit message, 1..4096 (0: 256); a batch
+                       also goes out past 1 MiB */
+  int max_delay_us; /* how long a queued command may wait for more to join it:
+                       1..60,000,000 µs (0: 200) */
+} meshd_pipeline_options_t;
+
+#define MESHD_PIPELINE_OPTIONS_INIT {256, 200}
+
+/* Turns the session's pipeline on with opts (NULL: off). On when it was on
+ * already: the new limits apply from the next command. Off: what is queued
+ * is sent and answered first, and a rejection among it is reported as by a
+ * call that needs an answer (the pipeline is off all the same).
+ * MESHD_E_INVALID for limits out of range (the message names the field). */
+MESHD_API meshd_err_t meshd_session_set_pipeline(meshd_session_t *session,
+                                                 const meshd_pipeline_options_t *opts);
+
+/* What a session's pipeline did since it was turned on. */
+typedef struct meshd_pipeline_stats {
+  uint64_t commands_queued;   /* commands the session queued */
+  uint64_t commands_sent;     /* of those, written to the Submit stream */
+  uint64_t messages_sent;     /* the Submit messages (batches) they went in */
+  uint64_t delay_flushes;     /* of those, sent because max_delay_us passed */
+  uint64_t commands_answered; /* answers received */
+  uint64_t replies;           /* the SubmitReply messages they came in */
+  uint64_t rejected;          /* answers that were rejections */
+} meshd_pipeline_stats_t;
+
+/* Copies the counters into *out (zeros while the pipeline is off).
+ * MESHD_E_INVALID for NULLs. */
+MESHD_API meshd_err_t meshd_session_pipeline_stats(const meshd_session_t *session,
+                                                   meshd_pipeline_stats_t *out);
+
+/* The Command.seq of the session's last command (queued or sent); 0 before
+ * the first. A caller keeps it to match meshd_error_info_t.seq. */
+MESHD_API uint64_t meshd_session_last_seq(const meshd_session_t *session);
 
 /* Sync: waits until everything issued so far ran; fails with the first run-time
  * error not reported before (its kind in meshd_last_error). */

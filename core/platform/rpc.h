@@ -396,6 +396,14 @@ int rpc_call_send_raw(rpc_call_t *call, rpc_bytes_t *msg);
 /* rpc_stream_write of a packed message; msg stays the caller's (the call
  * sends a reference to the same bytes). */
 int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg);
+/* rpc_stream_read of a message left packed: 1 with *out (rpc_bytes_free it),
+ * 0 at the end of the stream, -2 on timeout (the read stays armed). */
+int rpc_stream_read_raw(rpc_stream_t *s, rpc_bytes_t **out, int timeout_ms);
+/* Copies msg's bytes (decompressed) into *buf, which holds *cap bytes and is
+ * grown with realloc when it is too small (a reader reuses one buffer for
+ * every message). Returns the message's length, or -1 out of memory (*buf,
+ * perhaps grown, stays the caller's to free). */
+long rpc_bytes_read(rpc_bytes_t *msg, uint8_t **buf, size_t *cap);
 /* rpc_pull_open whose fn gets each message packed (fn owns it: rpc_bytes_free),
  * NULL at the end, as rpc_pull_fn does. */
 typedef void (*rpc_pull_raw_fn)(rpc_pull_t *p, rpc_bytes_t *msg, void *arg);

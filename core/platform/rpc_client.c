@@ -370,9 +370,9 @@ int rpc_stream_close_send(rpc_stream_t *s) {
   return ev.success ? 0 : -1;
 }
 
-int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
-                    ProtobufCMessage **out, int timeout_ms) {
-  *out = NULL;
+/* The read of rpc_stream_read: 1 with *buf, 0 at the end, -2 on timeout. */
+static int stream_read_buf(rpc_stream_t *s, grpc_byte_buffer **buf, int timeout_ms) {
+  *buf = NULL;
   if (!s->read_pending) {
     grpc_op ops[2];
     memset(ops, 0, sizeof ops);
@@ -390,9 +390,21 @@ int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
   grpc_event ev = grpc_completion_queue_pluck(s->cq, &s->t_read, wire_deadline(timeout_ms), NULL);
   if (ev.type == GRPC_QUEUE_TIMEOUT) return -2;
   s->read_pending = false;
-  grpc_byte_buffer *buf = s->recv_buf;
+  *buf = s->recv_buf;
   s->recv_buf = NULL;
-  if (!buf) return 0; /* end of stream, or the call failed: rpc_stream_finish says which */
+  return *buf ? 1 : 0; /* 0: end of stream, or the call failed: rpc_stream_finish says which */
+}
+
+int rpc_stream_read_raw(rpc_stream_t *s, rpc_bytes_t **out, int timeout_ms) {
+  return stream_read_buf(s, out, timeout_ms);
+}
+
+int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
+                    ProtobufCMessage **out, int timeout_ms) {
+  *out = NULL;
+  grpc_byte_buffer *buf;
+  int r = stream_read_buf(s, &buf, timeout_ms);
+  if (r != 1) return r;
   *out = wire_unpack(buf, desc, NULL, 0);
   grpc_byte_buffer_destroy(buf);
   return *out ? 1 : -1;

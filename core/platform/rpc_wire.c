@@ -8,6 +8,7 @@
 #include <grpc/support/time.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -227,6 +228,35 @@ int rpc_bytes_field_visit(rpc_bytes_t *msg, int (*fn)(const uint8_t *piece, size
 
 ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc) {
   return wire_unpack(msg, desc, NULL, 0);
+}
+
+long rpc_bytes_read(rpc_bytes_t *msg, uint8_t **buf, size_t *cap) {
+  size_t len = grpc_byte_buffer_length(msg); /* the bytes as received */
+  grpc_byte_buffer_reader r;
+  if (!grpc_byte_buffer_reader_init(&r, msg)) return -1;
+  size_t n = 0;
+  grpc_slice s;
+  long ret = 0;
+  while (grpc_byte_buffer_reader_next(&r, &s)) {
+    size_t sl = GRPC_SLICE_LENGTH(s);
+    if (n + sl > *cap) {
+      size_t want = n + sl > len ? n + sl : len; /* decompressed can be longer */
+      size_t c = *cap * 2 > want ? *cap * 2 : want;
+      uint8_t *p = realloc(*buf, c);
+      if (!p) {
+        grpc_slice_unref(s);
+        ret = -1;
+        break;
+      }
+      *buf = p;
+      *cap = c;
+    }
+    memcpy(*buf + n, GRPC_SLICE_START_PTR(s), sl);
+    n += sl;
+    grpc_slice_unref(s);
+  }
+  grpc_byte_buffer_reader_destroy(&r);
+  return ret < 0 ? -1 : (long)n;
 }
 
 void rpc_bytes_free(rpc_bytes_t *msg) {

@@ -4,6 +4,7 @@
  *
  *   bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]
  *                  [--batch K] [--live-tensors K] [--memory-seconds M] [--skip-baseline]
+ *                  [--c-client]
  *
  * Each agent count's line also has the p50 and p99 of tiny Calls sent one at a
  * time by unary Execute, with the ratio of that p50 to the echo server's unary
@@ -15,6 +16,12 @@
  * stops making refs after this long and reports how many it made (90);
  * --batch: Calls per Submit message (1: one each; K > 1: a batch Command of K,
  * answered in one SubmitReply{results}, docs/protocol.md), the Drops between.
+ * --c-client: after each agent count's command case, the same tiny adds (and
+ * Drops) through the C client library's pipeline (meshd_session_call with
+ * meshd_session_set_pipeline's defaults: batches of up to 256, 200 µs), one
+ * thread making calls as fast as it can; its line ("c_client") has commands
+ * answered per second, the ratio to the raw bidi baseline and to the raw
+ * command case of the same run (pass --batch 256 for a batched one).
  *
  * Each case starts its own server, `$MESHD_BIN_DIR/meshd --listen 127.0.0.1:0
  * --port-file F --local-agents N` (MESHD_BIN_DIR defaults to this program's
@@ -59,6 +66,7 @@
 
 #include "grpc/health/v1/health.pb-c.h"
 #include "meshd/v1/tensor_service.pb-c.h"
+#include "meshd.h"
 #include "rpc.h"
 #include "bench_server.h"
 #include "rpc_baseline.h"
@@ -69,7 +77,8 @@
 static void usage(void) {
   fprintf(stderr,
           "usage: bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B] [--batch K]\n"
-          "                      [--live-tensors K] [--memory-seconds M] [--skip-baseline]\n");
+          "                      [--live-tensors K] [--memory-seconds M] [--skip-baseline]\n"
+          "                      [--c-client]\n");
   exit(2);
 }
 
@@ -543,7 +552,8 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
   return rc;
 }
 
-static int commands_case(int nagents, const opts_t *o, double baseline_bidi, double baseline_p50) {
+static int commands_case(int nagents, const opts_t *o, double baseline_bidi, double baseline_p50,
+                         double *cps_out) {
   server_t srv;
   /* --drop-batch may pass 4096 refs per Drop: the session limits would
    * refuse it. */
@@ -591,6 +601,7 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi, dou
   double secs = r.t1 > r.t0 ? (double)(r.t1 - r.t0) / 1e9 : NAN;
   double cmds = (double)(r.n1 - r.n0), calls = (double)(r.c1 - r.c0);
   double cps = cmds / secs;
+  *cps_out = cps;
   /* Everything from t0 to the Sync's answer: includes the drain of queued work. */
   double cmds_to_end = (double)(r.replies - r.n0);
   bench_json_t j;
@@ -640,6 +651,124 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi, dou
   bench_json_end(&j, stdout);
   server_cleanup(&srv, rc != 0 || warns || errors);
   return rc;
+}
+
+/* ------------------------------------------------------------------ the C client's pipeline */
+
+/* The command case's loop through the C client library: Call add(input, 1.0)
+ * with meshd_session_call on a pipelined session, a Drop every drop_batch
+ * results, as fast as one thread goes. Commands per second are the answers
+ * the pipeline received in the window (meshd_session_pipeline_stats). */
+static int c_client_case(int nagents, const opts_t *o, double baseline_bidi, double raw_cps) {
+  server_t srv;
+  static const char *const extra[] = {"--session-max-refs", "0", "--max-command-refs", "0"};
+  if (server_start(&srv, nagents, extra, 4) != 0) return -1;
+  fprintf(stderr, "bench_commands: c_client: meshd %d on %s with %d agent(s)\n", (int)srv.pid,
+          srv.target, nagents);
+  meshd_err_t err;
+  meshd_client_t *c = meshd_connect(srv.target, READ_TIMEOUT_MS, &err);
+  meshd_session_t *s = c ? meshd_session_open(c, "bench_commands-c", &err) : NULL;
+  int rc = s ? 0 : -1;
+  meshd_ref_t mesh = 0, input = 0;
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {nagents}, shape[] = {4};
+  meshd_pipeline_options_t po = MESHD_PIPELINE_OPTIONS_INIT;
+  if (rc == 0 && (meshd_session_create_mesh(s, dims, sizes, 1, &mesh) != MESHD_E_OK ||
+                  meshd_session_factory(s, mesh, "zeros", shape, 1, 0, &input) != MESHD_E_OK ||
+                  meshd_session_sync(s) != MESHD_E_OK ||
+                  meshd_session_set_pipeline(s, &po) != MESHD_E_OK))
+    rc = -1;
+  size_t cap = o->drop_batch > 0 ? (size_t)o->drop_batch : 1, np = 0;
+  meshd_ref_t *pending = malloc(cap * sizeof *pending);
+  if (!pending) rc = -1;
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = input}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
+  meshd_pipeline_stats_t st0 = {0}, st1 = {0}, st_end = {0};
+  int64_t t0 = 0, t1 = 0, sync_ns = 0;
+  int64_t srv0 = 0, srv1 = 0, ag0 = 0, ag1 = 0, self0 = 0, self1 = 0;
+  uint64_t calls = 0;
+  int64_t warm_end = bench_now_ns() + (int64_t)(o->warmup * 1e9);
+  while (rc == 0) {
+    meshd_ref_t r;
+    if (meshd_session_call(s, "add", args, 2, &r) != MESHD_E_OK) {
+      rc = -1;
+      break;
+    }
+    calls++;
+    if (o->drop_batch > 0) {
+      pending[np++] = r;
+      if (np == cap) {
+        if (meshd_session_drop(s, pending, np) != MESHD_E_OK) rc = -1;
+        np = 0;
+      }
+    }
+    if ((calls & 255) != 0) continue;
+    int64_t now = bench_now_ns();
+    if (!t0 && now >= warm_end) {
+      meshd_session_pipeline_stats(s, &st0);
+      t0 = now;
+      srv0 = proc_cpu_us(srv.pid);
+      ag0 = agents_cpu_us(srv.agents, srv.nagents);
+      self0 = self_cpu_us();
+    } else if (t0 && now >= t0 + (int64_t)(o->seconds * 1e9)) {
+      meshd_session_pipeline_stats(s, &st1);
+      t1 = bench_now_ns();
+      srv1 = proc_cpu_us(srv.pid);
+      ag1 = agents_cpu_us(srv.agents, srv.nagents);
+      self1 = self_cpu_us();
+      break;
+    }
+  }
+  if (rc == 0 && np && meshd_session_drop(s, pending, np) != MESHD_E_OK) rc = -1;
+  int64_t sync0 = bench_now_ns();
+  if (rc == 0 && meshd_session_sync(s) != MESHD_E_OK) rc = -1;
+  sync_ns = bench_now_ns() - sync0;
+  if (rc != 0 && c)
+    fprintf(stderr, "bench_commands: c_client: %s\n", meshd_last_error(c)->message);
+  else if (rc != 0)
+    fprintf(stderr, "bench_commands: c_client: no session: %s\n", meshd_strerror(err));
+  if (s) meshd_session_pipeline_stats(s, &st_end);
+  free(pending);
+  meshd_session_close(s);
+  meshd_close(c);
+  server_stop(&srv);
+  int warns, errors;
+  log_scan(&srv, &warns, &errors);
+  if (srv.exit_status != 0 || srv.agents_left) rc = -1;
+
+  double secs = t1 > t0 ? (double)(t1 - t0) / 1e9 : NAN;
+  double cmds = (double)(st1.commands_answered - st0.commands_answered);
+  double msgs = (double)(st1.messages_sent - st0.messages_sent);
+  double cps = cmds / secs;
+  bench_json_t j;
+  bench_json_begin(&j, "c_client");
+  bench_json_num(&j, "agents", nagents);
+  bench_json_num(&j, "seconds", secs);
+  bench_json_num(&j, "commands_per_s", cps);
+  bench_json_num(&j, "baseline_bidi_msgs_per_s", baseline_bidi);
+  json_numf(&j, "ratio_to_bidi", cps / baseline_bidi, 3);
+  bench_json_num(&j, "raw_commands_per_s", raw_cps);
+  json_numf(&j, "ratio_to_raw_commands", cps / raw_cps, 3);
+  json_numf(&j, "commands_per_message", cmds / msgs, 1);
+  json_numf(&j, "delay_flush_share",
+            (double)(st1.delay_flushes - st0.delay_flushes) / msgs, 3);
+  json_numf(&j, "commands_per_reply", cmds / (double)(st1.replies - st0.replies), 1);
+  json_numf(&j, "server_cpu_us_per_command", (double)(srv1 - srv0) / cmds, 2);
+  json_numf(&j, "agents_cpu_us_per_command", (double)(ag1 - ag0) / cmds, 2);
+  json_numf(&j, "client_cpu_us_per_command", (double)(self1 - self0) / cmds, 2);
+  json_numf(&j, "sync_wait_ms", (double)sync_ns / 1e6, 1);
+  bench_json_num(&j, "max_batch", (double)po.max_batch);
+  bench_json_num(&j, "max_delay_us", po.max_delay_us);
+  bench_json_num(&j, "drop_batch", o->drop_batch);
+  bench_json_num(&j, "commands_total", (double)st_end.commands_answered);
+  bench_json_num(&j, "rejected", (double)st_end.rejected);
+  bench_json_num(&j, "server_exit", srv.exit_status);
+  bench_json_num(&j, "agents_left", srv.agents_left);
+  bench_json_num(&j, "log_warn_lines", warns);
+  bench_json_num(&j, "log_error_lines", errors);
+  bench_json_str(&j, "status", rc == 0 && st_end.rejected == 0 ? "ok" : "failed");
+  bench_json_end(&j, stdout);
+  server_cleanup(&srv, rc != 0 || warns || errors);
+  return rc == 0 && st_end.rejected == 0 ? 0 : -1;
 }
 
 static int memory_case(const opts_t *o) {
@@ -711,7 +840,7 @@ int main(int argc, char **argv) {
   opts_t o = {.seconds = 2, .warmup = 0.5, .drop_batch = 256, .live_tensors = 1000000,
               .memory_seconds = 90};
   int agent_counts[8] = {1, 4}, ncounts = 2;
-  bool skip_baseline = false;
+  bool skip_baseline = false, c_client = false;
   for (int i = 1; i < argc; i++) {
     const char *v;
     if ((v = bench_arg(argc, argv, &i, "--seconds"))) {
@@ -739,6 +868,8 @@ int main(int argc, char **argv) {
       }
     } else if (strcmp(argv[i], "--skip-baseline") == 0) {
       skip_baseline = true;
+    } else if (strcmp(argv[i], "--c-client") == 0) {
+      c_client = true;
     } else {
       usage();
     }
@@ -773,8 +904,12 @@ int main(int argc, char **argv) {
     rpc_baseline_json(&j, &base);
     bench_json_end(&j, stdout);
   }
-  for (int i = 0; i < ncounts; i++)
-    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s, base.unary_1_p50_us) != 0) rc = 1;
+  for (int i = 0; i < ncounts; i++) {
+    double raw_cps = NAN;
+    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s, base.unary_1_p50_us, &raw_cps) != 0)
+      rc = 1;
+    if (c_client && c_client_case(agent_counts[i], &o, base.bidi_msgs_per_s, raw_cps) != 0) rc = 1;
+  }
   if (o.live_tensors > 0 && memory_case(&o) != 0) rc = 1;
   rpc_shutdown();
   return rc;

@@ -474,6 +474,205 @@ Test(c_client, error_kinds) {
   meshd_close(c);
 }
 
+/* ---------------------------------------------------------------- pipeline */
+
+static int64_t now_ms(void);
+
+/* The session `name`'s accepted commands, as the server counts them (ListSessions:
+ * a client call, which never flushes a session's pipeline). */
+static uint64_t commands_of(meshd_client_t *c, const char *name) {
+  meshd_session_info_t *list = NULL;
+  size_t n = 0;
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  uint64_t v = UINT64_MAX;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(list[i].client_name, name) == 0)
+      v = list[i].commands;
+  meshd_sessions_free(list, n);
+  cr_assert_neq(v, UINT64_MAX, "session %s not listed", name);
+  return v;
+}
+
+/* Polls until the server counts `want` commands of session `name` (at most 5 s). */
+static uint64_t await_commands(meshd_client_t *c, const char *name, uint64_t want) {
+  uint64_t got = 0;
+  for (int i = 0; i < 500 && (got = commands_of(c, name)) < want; i++)
+    sleep_ms(10);
+  return got;
+}
+
+static meshd_pipeline_stats_t pipe_stats(meshd_session_t *s) {
+  meshd_pipeline_stats_t st;
+  cr_assert_eq(meshd_session_pipeline_stats(s, &st), MESHD_E_OK);
+  return st;
+}
+
+static void add_one(meshd_client_t *c, meshd_session_t *s, meshd_ref_t in, meshd_ref_t *out) {
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = in}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, out), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+}
+
+static double fetch_first(meshd_client_t *c, meshd_session_t *s, meshd_ref_t t) {
+  const char *dims[] = {"gpu"};
+  int64_t at[] = {1};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, t, dims, at, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 2);
+  double x = v.values[0];
+  meshd_values_free(&v);
+  return x;
+}
+
+/* Commands wait in the queue until max_batch of them go as one Submit message;
+ * a lone command goes by itself once max_delay_us passed; a fetch sends what is
+ * queued first; a chain of commands over three batches runs in order. */
+Test(c_client, pipeline_batches_delays_and_flushes_before_fetch) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-pipe", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t two[] = {2};
+  meshd_ref_t m = 0, x = 0, y[7] = {0};
+  cr_assert_eq(meshd_session_create_mesh(s, dims, two, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", two, 1, 0, &x), MESHD_E_OK);
+  uint64_t base = commands_of(c, "c-pipe");
+  cr_assert_eq(base, 2);
+
+  meshd_pipeline_options_t o = {.max_batch = 4, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &o), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  /* Three of four: held (the delay is 30 s), the calls return at once with refs. */
+  y[0] = x;
+  for (int i = 1; i <= 3; i++)
+    add_one(c, s, y[i - 1], &y[i]);
+  cr_assert(y[1] > x && y[2] > y[1] && y[3] > y[2]);
+  sleep_ms(150);
+  cr_assert_eq(commands_of(c, "c-pipe"), base, "queued commands reached the server early");
+  cr_assert_eq(pipe_stats(s).messages_sent, 0);
+  /* The fourth fills the batch: all four go in one message, answered in one reply. */
+  add_one(c, s, y[3], &y[4]);
+  cr_assert_eq(await_commands(c, "c-pipe", base + 4), base + 4);
+  meshd_pipeline_stats_t st = pipe_stats(s);
+  cr_assert_eq(st.commands_queued, 4);
+  cr_assert_eq(st.commands_sent, 4);
+  cr_assert_eq(st.messages_sent, 1);
+  for (int i = 0; i < 500 && pipe_stats(s).commands_answered < 4; i++)
+    sleep_ms(10);
+  st = pipe_stats(s);
+  cr_assert_eq(st.commands_answered, 4);
+  cr_assert_eq(st.replies, 1, "%llu replies for one batch", (unsigned long long)st.replies);
+
+  /* A lone command under a 20 ms delay reaches the server with no further call. */
+  o = (meshd_pipeline_options_t){.max_batch = 256, .max_delay_us = 20000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &o), MESHD_E_OK);
+  add_one(c, s, y[4], &y[5]);
+  cr_assert_eq(await_commands(c, "c-pipe", base + 5), base + 5,
+               "the delay did not send a lone queued command");
+  st = pipe_stats(s);
+  cr_assert_eq(st.messages_sent, 2);
+  cr_assert_eq(st.delay_flushes, 1);
+
+  /* Held again (30 s); the fetch sends it first and sees its result. */
+  o.max_delay_us = 30000000;
+  cr_assert_eq(meshd_session_set_pipeline(s, &o), MESHD_E_OK);
+  add_one(c, s, y[5], &y[6]);
+  cr_assert_float_eq(fetch_first(c, s, y[6]), 7.0, 1e-9); /* 1 + six adds, in order */
+  st = pipe_stats(s);
+  cr_assert_eq(st.messages_sent, 3);
+  cr_assert_eq(st.commands_answered, 6);
+  cr_assert_eq(st.rejected, 0);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+
+  /* Limits out of range are named; off sends nothing more and goes back to Execute. */
+  o = (meshd_pipeline_options_t){.max_batch = 5000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &o), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "max_batch is 5000"), "%s",
+            meshd_last_error(c)->message);
+  o = (meshd_pipeline_options_t){.max_delay_us = -1};
+  cr_assert_eq(meshd_session_set_pipeline(s, &o), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "max_delay_us is -1"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_set_pipeline(s, NULL), MESHD_E_OK);
+  cr_assert_eq(pipe_stats(s).commands_queued, 0);
+  meshd_ref_t z = 0;
+  meshd_arg_t arg = {.type = MESHD_ARG_REF, .ref = x};
+  cr_assert_eq(meshd_session_call(s, "no_such_op", &arg, 1, &z), MESHD_E_RPC);
+  cr_assert_eq(meshd_last_error(c)->seq, 0);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A rejected command in the middle of a batch: the calls after it still ran, and
+ * the next call that needs an answer fails naming its seq (and a later one that
+ * used its result); the call after that runs. */
+Test(c_client, pipeline_reports_a_rejection_at_the_next_sync) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-pipe-err", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t two[] = {2};
+  meshd_ref_t m = 0, x = 0, a = 0, bad = 0, b = 0, worse = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, two, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", two, 1, 0, &x), MESHD_E_OK);
+  meshd_pipeline_options_t o = MESHD_PIPELINE_OPTIONS_INIT;
+  o.max_delay_us = 30000000; /* all in one batch, sent by the sync */
+  cr_assert_eq(meshd_session_set_pipeline(s, &o), MESHD_E_OK);
+
+  add_one(c, s, x, &a);
+  meshd_arg_t arg = {.type = MESHD_ARG_REF, .ref = a};
+  cr_assert_eq(meshd_session_call(s, "no_such_op", &arg, 1, &bad), MESHD_E_OK);
+  uint64_t bad_seq = meshd_session_last_seq(s);
+  add_one(c, s, a, &b);
+  add_one(c, s, bad, &worse); /* uses the rejected result: rejected too */
+  uint64_t worse_seq = meshd_session_last_seq(s);
+  cr_assert(bad_seq > 0 && worse_seq > bad_seq);
+
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_RPC);
+  const meshd_error_info_t *info = meshd_last_error(c);
+  cr_assert_eq(info->seq, bad_seq);
+  cr_assert_str_eq(info->kind, "UNKNOWN_OP");
+  char want[64];
+  snprintf(want, sizeof want, "seq %llu was rejected", (unsigned long long)bad_seq);
+  cr_assert(strstr(info->message, want), "%s", info->message);
+  cr_assert(strstr(info->message, "no_such_op"), "%s", info->message);
+  snprintf(want, sizeof want, "1 more rejected after it: seq %llu)", (unsigned long long)worse_seq);
+  cr_assert(strstr(info->message, want), "%s", info->message);
+  meshd_pipeline_stats_t st = pipe_stats(s);
+  cr_assert_eq(st.messages_sent, 1);
+  cr_assert_eq(st.commands_answered, 4);
+  cr_assert_eq(st.rejected, 2);
+
+  /* Reported once: the sync runs now, and what came after the rejection ran. */
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_float_eq(fetch_first(c, s, b), 3.0, 1e-9);
+  cr_assert_eq(commands_of(c, "c-pipe-err"), 2 + 2 + 1); /* setup, a and b, a sync */
+
+  /* The server dies: the next call that needs an answer fails at once, naming the
+   * stream, and so does every later one; close does not hang. (Its local agents
+   * get SIGTERM when it dies.) */
+  add_one(c, s, b, &a);
+  cr_assert_eq(kill(server_pid, SIGKILL), 0);
+  int status;
+  cr_assert_eq(waitpid(server_pid, &status, 0), server_pid);
+  server_pid = -1;
+  int64_t t0 = now_ms();
+  meshd_err_t err = meshd_session_sync(s);
+  cr_assert(err == MESHD_E_RPC, "sync after the server died: %s", meshd_strerror(err));
+  cr_assert(strstr(meshd_last_error(c)->message, "Submit stream"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_last_error(c)->seq, 0);
+  meshd_ref_t later = 0;
+  meshd_arg_t one = {.type = MESHD_ARG_REF, .ref = b};
+  cr_assert_eq(meshd_session_call(s, "relu", &one, 1, &later), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "Submit stream"), "%s",
+            meshd_last_error(c)->message);
+  meshd_session_close(s);
+  cr_assert_lt(now_ms() - t0, 5000, "a dead server held the pipeline for %lld ms",
+               (long long)(now_ms() - t0));
+  meshd_close(c);
+}
+
 /* Runs meshctl --server target run SCRIPT; returns its exit status, output in out/err. */
 static int meshctl_run(const char *script, char *out, size_t outlen, char *err, size_t errlen) {
   char spath[128], opath[128], epath[128], bin[512];

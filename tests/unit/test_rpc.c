@@ -1671,3 +1671,49 @@ Test(rpc, a_one_field_messages_bytes_are_aligned_for_any_element) {
     rpc_bytes_free(m);
   }
 }
+
+/* rpc_stream_read_raw hands a reply over packed; rpc_bytes_read copies any
+ * message, in however many slices it came, into one reused buffer that grows. */
+Test(rpc, raw_stream_reads_into_one_growing_buffer) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 5000);
+  cr_assert_not_null(s);
+  static char big[100000];
+  memset(big, 'x', sizeof big - 1);
+  const char *texts[] = {"one", big, "three"};
+  uint8_t *buf = NULL;
+  size_t cap = 0;
+  for (size_t i = 0; i < 3; i++) {
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = (char *)texts[i];
+    cr_assert_eq(rpc_stream_write(s, &req.base, i == 2), 0);
+    rpc_bytes_t *m = NULL;
+    cr_assert_eq(rpc_stream_read_raw(s, &m, 5000), 1);
+    long n = rpc_bytes_read(m, &buf, &cap);
+    cr_assert_eq(n, (long)grpc_byte_buffer_length(m));
+    cr_assert_geq(cap, (size_t)n);
+    rpc_bytes_free(m);
+    EchoReply *rep = (EchoReply *)protobuf_c_message_unpack(&echo_reply__descriptor, NULL,
+                                                             (size_t)n, buf);
+    cr_assert_not_null(rep);
+    cr_assert_str_eq(rep->text, texts[i]);
+    free_reply(rep);
+  }
+  rpc_bytes_t *m = NULL;
+  cr_assert_eq(rpc_stream_read_raw(s, &m, 5000), 0, "the end of the stream");
+  cr_assert_null(m);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+
+  /* Three slices, read into a buffer already big enough: no growth. */
+  grpc_slice parts[3] = {grpc_slice_from_copied_string("ab"), grpc_slice_from_copied_string("cde"),
+                         grpc_slice_from_copied_string("f")};
+  m = grpc_raw_byte_buffer_create(parts, 3);
+  for (int i = 0; i < 3; i++) grpc_slice_unref(parts[i]);
+  uint8_t *before = buf;
+  size_t cap_before = cap;
+  cr_assert_eq(rpc_bytes_read(m, &buf, &cap), 6);
+  cr_assert_eq(memcmp(buf, "abcdef", 6), 0);
+  cr_assert(buf == before && cap == cap_before);
+  rpc_bytes_free(m);
+  free(buf);
+}

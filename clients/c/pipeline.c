@@ -1,0 +1,477 @@
+/* A session's pipeline on one Submit stream (pipeline.h). */
+#include "pipeline.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
+
+#include "meshd/v1/tensor_service.pb-c.h"
+
+#define SUBMIT "/meshd.v1.TensorService/Submit"
+#define KEEP_REJECTIONS 64 /* kept in full; later ones are only counted */
+
+typedef struct rejection {
+  uint64_t seq;
+  int kind, code;
+  char msg[384];
+} rejection_t;
+
+struct pipeline {
+  rpc_stream_t *st;
+  pthread_t reader, flusher;
+  bool reader_started, flusher_started;
+
+  pthread_mutex_t wmu; /* the stream's write side; taken before mu */
+  pthread_mutex_t mu;
+  pthread_cond_t fl_cv;  /* flusher: something queued, new limits, stop */
+  pthread_cond_t ans_cv; /* waiters: answers came, or the stream ended */
+  /* under mu */
+  size_t max_batch;
+  int64_t max_delay_ns;
+  uint8_t *buf; /* the queued commands, packed as Command.batch's body */
+  size_t len, cap, nq;
+  int64_t first_at_ns;     /* when the batch's first command was queued */
+  uint64_t queued_through; /* the last queued seq */
+  uint64_t answered_through;
+  bool waiting, stop, ended, write_failed;
+  rpc_status_t status; /* how the stream ended, once ended */
+  rejection_t *rej;
+  size_t nrej, rej_cap, rej_dropped;
+  meshd_pipeline_stats_t stats;
+};
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static struct timespec at_ns(int64_t ns) {
+  return (struct timespec){.tv_sec = ns / 1000000000LL, .tv_nsec = ns % 1000000000LL};
+}
+
+/* "ERROR_KIND_WRONG_MESH" -> "WRONG_MESH"; "" for none. */
+static const char *kind_name(int kind) {
+  const ProtobufCEnumValue *v =
+      protobuf_c_enum_descriptor_get_value(&meshd__v1__error_kind__descriptor, kind);
+  if (!v || kind == 0) return "";
+  return strncmp(v->name, "ERROR_KIND_", 11) == 0 ? v->name + 11 : v->name;
+}
+
+static size_t varint_put(uint8_t *p, uint64_t v) {
+  size_t n = 0;
+  for (; v > 0x7f; v >>= 7) p[n++] = (uint8_t)(v | 0x80);
+  p[n++] = (uint8_t)v;
+  return n;
+}
+
+/* 0 when the bytes run out or the varint is too long. */
+static size_t varint_get(const uint8_t *p, size_t len, uint64_t *v) {
+  *v = 0;
+  for (size_t i = 0; i < len && i < 10; i++) {
+    *v |= (uint64_t)(p[i] & 0x7f) << (7 * i);
+    if (!(p[i] & 0x80)) return i + 1;
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------ sending */
+
+/* Sends the queued batch, if any; only_due: only if its delay has passed (the
+ * flusher, which may have waited for wmu while the batch was cut). */
+static void send_queued(pipeline_t *p, bool only_due) {
+  pthread_mutex_lock(&p->wmu);
+  pthread_mutex_lock(&p->mu);
+  if (!p->nq || p->ended || p->write_failed ||
+      (only_due && now_ns() < p->first_at_ns + p->max_delay_ns)) {
+    pthread_mutex_unlock(&p->mu);
+    pthread_mutex_unlock(&p->wmu);
+    return;
+  }
+  rpc_bytes_t *m = rpc_bytes_copy(p->buf, p->len);
+  size_t n = p->nq;
+  p->len = p->nq = 0;
+  pthread_mutex_unlock(&p->mu);
+  int rc = m ? rpc_stream_write_raw(p->st, m) : -1;
+  rpc_bytes_free(m);
+  pthread_mutex_lock(&p->mu);
+  if (rc == 0) {
+    p->stats.commands_sent += n;
+    p->stats.messages_sent++;
+    p->stats.delay_flushes += only_due;
+  } else {
+    /* The call is over (the reader gets its status) or we ran out of
+     * memory: either way nothing more goes out, and waiters give up. */
+    p->write_failed = true;
+    if (!m) rpc_stream_cancel(p->st);
+    pthread_cond_broadcast(&p->ans_cv);
+  }
+  pthread_mutex_unlock(&p->mu);
+  pthread_mutex_unlock(&p->wmu);
+}
+
+static void *flusher_main(void *arg) {
+  pipeline_t *p = arg;
+  prctl(PR_SET_NAME, "meshd-pipe-fl");
+  pthread_mutex_lock(&p->mu);
+  while (!p->stop) {
+    if (!p->nq || p->ended || p->write_failed) {
+      pthread_cond_wait(&p->fl_cv, &p->mu);
+      continue;
+    }
+    int64_t due = p->first_at_ns + p->max_delay_ns;
+    if (now_ns() < due) {
+      struct timespec at = at_ns(due);
+      pthread_cond_timedwait(&p->fl_cv, &p->mu, &at);
+      continue;
+    }
+    pthread_mutex_unlock(&p->mu);
+    send_queued(p, true);
+    pthread_mutex_lock(&p->mu);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ reading */
+
+/* A rejected command's answer (its bytes), unpacked: the rare path. */
+static void note_rejection(pipeline_t *p, const uint8_t *b, size_t n) {
+  Meshd__V1__CommandResult *r =
+      (Meshd__V1__CommandResult *)protobuf_c_message_unpack(&meshd__v1__command_result__descriptor,
+                                                             NULL, n, b);
+  rejection_t x = {0};
+  if (r) {
+    if (!r->error || r->error->kind == 0) { /* an empty Error is no rejection */
+      protobuf_c_message_free_unpacked(&r->base, NULL);
+      return;
+    }
+    x.seq = r->seq;
+    x.kind = r->error->kind;
+    x.code = r->error->code ? r->error->code : GRPC_STATUS_UNKNOWN;
+    snprintf(x.msg, sizeof x.msg, "%s", r->error->message ? r->error->message : "");
+    protobuf_c_message_free_unpacked(&r->base, NULL);
+  } else {
+    x.code = GRPC_STATUS_INTERNAL;
+    snprintf(x.msg, sizeof x.msg, "the server sent an answer that is not a CommandResult");
+  }
+  pthread_mutex_lock(&p->mu);
+  p->stats.rejected++;
+  if (p->nrej == p->rej_cap && p->rej_cap < KEEP_REJECTIONS) {
+    size_t cap = p->rej_cap ? p->rej_cap * 2 : 4;
+    rejection_t *q = realloc(p->rej, cap * sizeof *q);
+    if (q) {
+      p->rej = q;
+      p->rej_cap = cap;
+    }
+  }
+  if (p->nrej < p->rej_cap)
+    p->rej[p->nrej++] = x;
+  else
+    p->rej_dropped++;
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* One CommandResult's bytes: its seq, and whether it carries an error. */
+static int scan_result(const uint8_t *b, size_t n, uint64_t *seq, bool *error) {
+  *seq = 0;
+  *error = false;
+  for (size_t i = 0; i < n;) {
+    uint64_t tag, v;
+    size_t k = varint_get(b + i, n - i, &tag);
+    if (!k) return -1;
+    i += k;
+    switch (tag & 7) {
+    case 0:
+      if (!(k = varint_get(b + i, n - i, &v))) return -1;
+      if (tag >> 3 == 1) *seq = v;
+      i += k;
+      break;
+    case 1:
+      i += 8;
+      break;
+    case 5:
+      i += 4;
+      break;
+    case 2:
+      if (!(k = varint_get(b + i, n - i, &v)) || v > n - i - k) return -1;
+      if (tag >> 3 == 2) *error = true;
+      i += k + v;
+      break;
+    default:
+      return -1;
+    }
+    if (i > n) return -1;
+  }
+  return 0;
+}
+
+/* A SubmitReply's bytes: result (1) or results (2), each a CommandResult. */
+static int scan_reply(pipeline_t *p, const uint8_t *b, size_t n) {
+  uint64_t through = 0, count = 0;
+  for (size_t i = 0; i < n;) {
+    uint64_t tag, len;
+    size_t k = varint_get(b + i, n - i, &tag);
+    if (!k || (tag & 7) != 2) return -1;
+    i += k;
+    if (!(k = varint_get(b + i, n - i, &len)) || len > n - i - k) return -1;
+    i += k;
+    if (tag >> 3 == 1 || tag >> 3 == 2) {
+      uint64_t seq;
+      bool error;
+      if (scan_result(b + i, len, &seq, &error) != 0) return -1;
+      if (error) note_rejection(p, b + i, len);
+      if (seq) {
+        through = seq;
+        count++;
+      }
+    }
+    i += len;
+  }
+  pthread_mutex_lock(&p->mu);
+  p->stats.replies++;
+  p->stats.commands_answered += count;
+  if (through > p->answered_through) p->answered_through = through;
+  if (p->waiting) pthread_cond_broadcast(&p->ans_cv);
+  pthread_mutex_unlock(&p->mu);
+  return 0;
+}
+
+static void *reader_main(void *arg) {
+  pipeline_t *p = arg;
+  prctl(PR_SET_NAME, "meshd-pipe-rd");
+  uint8_t *buf = NULL;
+  size_t cap = 0;
+  const char *why = NULL;
+  for (;;) {
+    rpc_bytes_t *m = NULL;
+    if (rpc_stream_read_raw(p->st, &m, 0) != 1) break;
+    long n = rpc_bytes_read(m, &buf, &cap);
+    rpc_bytes_free(m);
+    if (n < 0 || scan_reply(p, buf, (size_t)n) != 0) {
+      why = n < 0 ? "out of memory reading an answer" : "the server sent a malformed SubmitReply";
+      rpc_stream_cancel(p->st);
+      break;
+    }
+  }
+  free(buf);
+  rpc_status_t st;
+  memset(&st, 0, sizeof st);
+  rpc_stream_finish(p->st, &st);
+  st.kind[sizeof st.kind - 1] = '\0';
+  st.message[sizeof st.message - 1] = '\0';
+  if (why) {
+    st.code = GRPC_STATUS_INTERNAL;
+    snprintf(st.message, sizeof st.message, "%s", why);
+  }
+  pthread_mutex_lock(&p->mu);
+  p->status = st;
+  p->ended = true;
+  pthread_cond_broadcast(&p->ans_cv);
+  pthread_cond_signal(&p->fl_cv);
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ the face */
+
+/* The stream is over: why, for a caller. Under mu. */
+static void ended_error(pipeline_t *p, direct_err_t *e) {
+  uint64_t lost = p->queued_through > p->answered_through ? 1 : 0;
+  const char *tail = lost ? "; commands queued after the last answer may not have run" : "";
+  if (!p->ended)
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNAVAILABLE, NULL,
+                   "pipeline: the Submit stream refused a write (the call is over)%s", tail);
+  else if (p->status.code == GRPC_STATUS_OK)
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNAVAILABLE, NULL,
+                   "pipeline: the server ended the Submit stream%s", tail);
+  else
+    direct_err_status(e, &p->status, "pipeline: the Submit stream failed: ");
+}
+
+pipeline_t *pipeline_open(rpc_channel_t *ch, const rpc_md_t *md, size_t nmd, size_t max_batch,
+                          int max_delay_us, direct_err_t *e) {
+  pipeline_t *p = calloc(1, sizeof *p);
+  if (!p) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: out of memory");
+    return NULL;
+  }
+  pthread_mutex_init(&p->wmu, NULL);
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&p->fl_cv, &ca);
+  pthread_cond_init(&p->ans_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  pipeline_set(p, max_batch, max_delay_us);
+  p->cap = 16384;
+  p->buf = malloc(p->cap);
+  p->st = p->buf ? rpc_stream_open(ch, SUBMIT, md, nmd, 0) : NULL;
+  if (!p->st) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: cannot open the Submit stream");
+    goto fail;
+  }
+  p->reader_started = pthread_create(&p->reader, NULL, reader_main, p) == 0;
+  p->flusher_started = p->reader_started && pthread_create(&p->flusher, NULL, flusher_main, p) == 0;
+  if (!p->flusher_started) {
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: cannot start its threads");
+    goto fail;
+  }
+  return p;
+fail:
+  pipeline_close(p, 1);
+  return NULL;
+}
+
+void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us) {
+  pthread_mutex_lock(&p->mu);
+  p->max_batch = max_batch;
+  p->max_delay_ns = (int64_t)max_delay_us * 1000;
+  pthread_cond_signal(&p->fl_cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, direct_err_t *e) {
+  size_t n = protobuf_c_message_get_packed_size(cmd);
+  pthread_mutex_lock(&p->mu);
+  if (p->ended || p->write_failed) {
+    ended_error(p, e);
+    pthread_mutex_unlock(&p->mu);
+    return -1;
+  }
+  if (p->len + n + 12 > p->cap) { /* tag (2) + length (<= 10) + the command */
+    size_t cap = p->cap * 2 > p->len + n + 12 ? p->cap * 2 : p->len + n + 12;
+    uint8_t *b = realloc(p->buf, cap);
+    if (!b) {
+      pthread_mutex_unlock(&p->mu);
+      direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: out of memory queueing a command");
+      return -1;
+    }
+    p->buf = b;
+    p->cap = cap;
+  }
+  p->len += varint_put(p->buf + p->len, (30 << 3) | 2); /* Command.batch */
+  p->len += varint_put(p->buf + p->len, n);
+  p->len += protobuf_c_message_pack(cmd, p->buf + p->len);
+  if (p->nq++ == 0) {
+    p->first_at_ns = now_ns();
+    pthread_cond_signal(&p->fl_cv);
+  }
+  p->queued_through = seq;
+  p->stats.commands_queued++;
+  bool full = p->nq >= p->max_batch || p->len >= PIPELINE_MAX_BYTES;
+  pthread_mutex_unlock(&p->mu);
+  if (full) send_queued(p, false);
+  return 0;
+}
+
+int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
+  *seq = 0;
+  send_queued(p, false);
+  int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
+  int ret = 0;
+  pthread_mutex_lock(&p->mu);
+  while (p->answered_through < p->queued_through && !p->ended && !p->write_failed) {
+    p->waiting = true;
+    struct timespec at = at_ns(deadline);
+    if (pthread_cond_timedwait(&p->ans_cv, &p->mu, &at) == ETIMEDOUT) break;
+  }
+  p->waiting = false;
+  if (p->nrej || p->rej_dropped) {
+    size_t first = 0; /* the lowest seq; asynchronous reports (seq 0) after */
+    for (size_t i = 0; i < p->nrej; i++)
+      if (p->rej[i].seq) {
+        first = i;
+        break;
+      }
+    size_t more = p->nrej + p->rej_dropped - 1;
+    char tail[256] = "";
+    if (p->nrej && more) { /* name a few of the later ones */
+      size_t k = (size_t)snprintf(tail, sizeof tail, " (and %zu more rejected after it:", more);
+      size_t shown = 0;
+      for (size_t i = 0; i < p->nrej && shown < 6; i++)
+        if (i != first) {
+          k += (size_t)snprintf(tail + k, sizeof tail - k, " seq %llu",
+                                (unsigned long long)p->rej[i].seq);
+          shown++;
+        }
+      snprintf(tail + k, sizeof tail - k, "%s)", more > shown ? " ..." : "");
+    }
+    const rejection_t *r = &p->rej[first];
+    if (p->nrej)
+      direct_err_set(e, MESHD_E_RPC, (grpc_status_code)r->code, kind_name(r->kind),
+                     "pipelined command seq %llu was rejected: %s%s", (unsigned long long)r->seq,
+                     r->msg, tail);
+    else
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNKNOWN, NULL,
+                     "%zu pipelined commands were rejected (too many to keep their errors)",
+                     p->rej_dropped);
+    *seq = p->nrej ? r->seq : 0;
+    p->nrej = p->rej_dropped = 0;
+    ret = -1;
+  } else if (p->answered_through < p->queued_through) {
+    if (p->ended || p->write_failed)
+      ended_error(p, e);
+    else
+      direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                     "pipeline: commands up to seq %llu not answered within %d ms (answered "
+                     "through seq %llu); they may still run",
+                     (unsigned long long)p->queued_through, timeout_ms,
+                     (unsigned long long)p->answered_through);
+    ret = -1;
+  } else if (p->ended && p->status.code != GRPC_STATUS_OK) {
+    ended_error(p, e); /* everything answered, yet nothing more will be */
+    ret = -1;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return ret;
+}
+
+void pipeline_stats(pipeline_t *p, meshd_pipeline_stats_t *out) {
+  pthread_mutex_lock(&p->mu);
+  *out = p->stats;
+  pthread_mutex_unlock(&p->mu);
+}
+
+void pipeline_close(pipeline_t *p, int timeout_ms) {
+  if (!p) return;
+  if (p->st && p->reader_started) {
+    direct_err_t e;
+    uint64_t seq;
+    pipeline_flush(p, timeout_ms, &e, &seq);
+    pthread_mutex_lock(&p->wmu);
+    rpc_stream_close_send(p->st);
+    pthread_mutex_unlock(&p->wmu);
+    /* The server ends the stream once it read the half-close. */
+    int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
+    pthread_mutex_lock(&p->mu);
+    while (!p->ended) {
+      struct timespec at = at_ns(deadline);
+      if (pthread_cond_timedwait(&p->ans_cv, &p->mu, &at) == ETIMEDOUT) break;
+    }
+    pthread_mutex_unlock(&p->mu);
+    rpc_stream_cancel(p->st); /* a no-op once ended */
+  } else if (p->st) {
+    rpc_stream_cancel(p->st);
+  }
+  pthread_mutex_lock(&p->mu);
+  p->stop = true;
+  pthread_cond_signal(&p->fl_cv);
+  pthread_mutex_unlock(&p->mu);
+  if (p->flusher_started) pthread_join(p->flusher, NULL);
+  if (p->reader_started) pthread_join(p->reader, NULL);
+  if (p->st) rpc_stream_destroy(p->st);
+  pthread_cond_destroy(&p->fl_cv);
+  pthread_cond_destroy(&p->ans_cv);
+  pthread_mutex_destroy(&p->mu);
+  pthread_mutex_destroy(&p->wmu);
+  free(p->buf);
+  free(p->rej);
+  free(p);
+}

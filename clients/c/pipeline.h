@@ -1,0 +1,65 @@
+/* Internal to clients/c: a session's pipeline (meshd.h,
+ * meshd_session_set_pipeline). Commands are packed, as they are queued, into
+ * one growing buffer that is the body of a batch Command (Command.batch = 30,
+ * docs/protocol.md): each command is the field's tag, its length and its
+ * bytes. The buffer goes out as one Submit message when it holds max_batch
+ * commands (or 1 MiB), when max_delay_us passed since its first command (the
+ * flusher thread), or when the session needs an answer (pipeline_flush).
+ *
+ * Threads: the session's thread queues and flushes; "meshd-pipe-fl" sends
+ * batches whose delay passed; "meshd-pipe-rd" reads the SubmitReplies. `mu`
+ * guards the buffer, the counters and the rejections; `wmu` the stream's
+ * write side and is taken before `mu`, so batches reach the stream in the
+ * order they were cut. The background threads never touch the client's last
+ * error: rejections wait in the pipeline until the session's thread asks.
+ *
+ * Hot path: no allocation per command. A batch costs one copy into a gRPC
+ * buffer; a reply is read into a reused buffer and scanned in place for each
+ * answer's seq and error; only a rejected command's answer is unpacked. */
+#ifndef MESHD_CLIENT_PIPELINE_H
+#define MESHD_CLIENT_PIPELINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "direct.h" /* direct_err_t: a failure for the session to record */
+#include "meshd.h"
+#include "rpc.h"
+
+/* Flush when the queued bytes pass this, whatever max_batch says: the
+ * server's messages are at most 4 MiB. */
+#define PIPELINE_MAX_BYTES (1u << 20)
+#define PIPELINE_MAX_BATCH 4096 /* the server's limit per batch */
+
+typedef struct pipeline pipeline_t;
+
+/* Opens the session's Submit stream (its metadata md) and starts the two
+ * threads. NULL with e set when it cannot. */
+pipeline_t *pipeline_open(rpc_channel_t *ch, const rpc_md_t *md, size_t nmd, size_t max_batch,
+                          int max_delay_us, direct_err_t *e);
+
+/* New limits, from the next queued command on. */
+void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us);
+
+/* Queues cmd, whose seq is `seq` (above every seq queued before). Sends the
+ * batch when it is full. 0, or -1 with e when the stream is over (it says
+ * why; nothing more can be queued). */
+int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, direct_err_t *e);
+
+/* Sends what is queued and waits up to timeout_ms (> 0) for every answer.
+ * Then hands over the rejections: 0 when there were none; -1 with e naming
+ * the first (lowest seq; asynchronous reports, seq 0, after) and how many
+ * followed, *seq its seq; the rejections are then forgotten. -1 also when
+ * the wait timed out (MESHD_E_DEADLINE; the answers still come, a later
+ * flush waits for them) or the stream ended (*seq 0). */
+int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq);
+
+/* The pipeline's counters. */
+void pipeline_stats(pipeline_t *p, meshd_pipeline_stats_t *out);
+
+/* Flushes (waiting at most timeout_ms), half-closes the stream, waits for its
+ * end (cancels it past timeout_ms), joins the threads and frees p.
+ * Rejections not yet handed over are dropped. NULL is ignored. */
+void pipeline_close(pipeline_t *p, int timeout_ms);
+
+#endif
