@@ -8,6 +8,7 @@ health port for probes."""
 
 import os
 import stat
+import sys
 import threading
 import time
 
@@ -268,6 +269,17 @@ def test_a_secured_client_port_admits_only_its_local_agents(meshd_server, agent,
         with pytest.raises(grpc.RpcError) as e:
             list(fn(iter([b""]), timeout=5))
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value
+    # A session over TLS keeps its bytes encrypted: with plaintext agents auto takes the
+    # proxy (the direct path is for agents on cluster mTLS, test_direct.py).
+    sys.path.insert(0, os.path.join(lib.SOURCE_DIR, "clients", "python"))
+    os.environ.setdefault("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    import meshd
+    with meshd.connect(f"localhost:{srv.port}", root_certs=(pki / "ca.pem").read_bytes(),
+                       timeout=30) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32))
+            assert meshd.fetch_shard(x, gpu=1).result().tolist() == [0, 1, 2, 3]
+        assert s._direct.counts == {"upload": 0, "fetch": 0}, s._direct.counts
 
     tokens = tmp_path / "principals"
     tokens.write_text("alice alice-0123456789abcdef\n")
