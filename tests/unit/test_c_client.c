@@ -1451,7 +1451,7 @@ static meshd_client_t *connect_cluster_tls(void) {
 }
 
 static void *resume_later(void *arg) {
-  sleep_ms(1500); /* past the client's 1 s connection wait */
+  sleep_ms(2000); /* well past the client's 1 s connection wait, which starts at once */
   kill(*(pid_t *)arg, SIGCONT);
   return NULL;
 }
@@ -1476,8 +1476,8 @@ Test(c_client_cluster_tls, direct_over_tls_and_fallback_when_an_agent_hangs) {
   meshd_session_close(s);
 
   s = session_on_mesh(c, &m); /* no agent channels yet */
-  pid_t pid = agent_pid(1);
-  cr_assert_gt(pid, 0, "no rank-1 agent child of meshd %d", (int)server_pid);
+  pid_t pid = agent_pid(0); /* the first shard: its wait starts right after the plan */
+  cr_assert_gt(pid, 0, "no rank-0 agent child of meshd %d", (int)server_pid);
   stop_agent(pid);
   pthread_t resumer;
   cr_assert_eq(pthread_create(&resumer, NULL, resume_later, &pid), 0);
@@ -1503,7 +1503,7 @@ Test(c_client_cluster_tls, direct_over_tls_and_fallback_when_an_agent_hangs) {
   cr_assert_eq(rc, MESHD_E_RPC);
   const meshd_error_info_t *info = meshd_last_error(c);
   cr_assert_str_eq(info->grpc_code_name, "UNAVAILABLE");
-  cr_assert(strstr(info->message, "direct upload: rank 1") &&
+  cr_assert(strstr(info->message, "direct upload: rank 0") &&
                 strstr(info->message, "does not answer within 1000 ms"),
             "%s", info->message);
   /* the refused plan's ref stays unused; the session goes on by the proxy */

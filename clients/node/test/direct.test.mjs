@@ -181,7 +181,7 @@ test('cluster mTLS: straight to the agents over TLS; an agent that does not answ
       const mesh2 = await s2.createMesh({ gpu: 2 });
       stopped = agentPid('mtls', 1);
       process.kill(stopped, 'SIGSTOP');
-      const resume = setTimeout(() => { process.kill(stopped, 'SIGCONT'); stopped = 0; }, 1500);
+      const resume = setTimeout(() => { process.kill(stopped, 'SIGCONT'); stopped = 0; }, 2000);
       try {
         await roundTrip(s2, mesh2, 3000, 5);
       } finally {
