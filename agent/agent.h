@@ -64,6 +64,14 @@ int agent_auth_secret(char *out);
  * UNAUTHENTICATED, logged (rate-limited) with its peer. */
 grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
                                   size_t msglen);
+/* With cluster mTLS the Agent port takes TLS clients without a certificate
+ * (the direct data path's Read and Write under a grant): guard_arg is the
+ * agent_info_t, and when its cluster_tls is on agent_auth_guard admits the
+ * call secret only from a peer whose cluster certificate the handshake
+ * verified, and agent_peer_guard (for Health on that port) admits only such a
+ * peer; both UNAUTHENTICATED otherwise. guard_arg NULL: no certificate check. */
+grpc_status_code agent_peer_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
+                                  size_t msglen);
 
 /* ---- transfer_grant.c: Read and Write by a client with a grant ------------ */
 

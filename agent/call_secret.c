@@ -1,6 +1,7 @@
 /* Who may call this agent's Agent service: the server it registered with,
  * which proves it with the call secret the agent sent in its RegisterRequest. */
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,8 +49,29 @@ static bool grant_method(rpc_call_t *call) {
          strcmp(m, "/meshd.agent.v1.Agent/Write") == 0;
 }
 
+/* Refused: logged (rate-limited) with the peer and why, msg for the caller. */
+static grpc_status_code refuse(rpc_call_t *call, const char *why, char *msg, size_t msglen,
+                               const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static grpc_status_code refuse(rpc_call_t *call, const char *why, char *msg, size_t msglen,
+                               const char *fmt, ...) {
+  int held = 0;
+  if (log_allow(&refusals, 10, 10000, &held)) {
+    char *peer = rpc_call_peer(call);
+    log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?", why);
+    if (held) log_warn("agent", "(and %d more calls refused in the last 10 s, not logged)", held);
+    free(peer);
+  }
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, msglen, fmt, ap);
+  va_end(ap);
+  return GRPC_STATUS_UNAUTHENTICATED;
+}
+
 grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
                                   size_t msglen) {
+  const agent_info_t *self = arg;
   /* One byte more than a secret: a longer value stays longer once truncated. */
   char got[SECRET_HEX_LEN + 2];
   const char *v = rpc_call_metadata(call, SECRET_AGENT_MD, got, sizeof got);
@@ -58,6 +80,13 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
     snprintf(id->name, sizeof id->name, "grant");
     return GRPC_STATUS_OK;
   }
+  /* The port admits clients without a certificate (for grants): everything
+   * else is for the server, which holds a cluster certificate. */
+  if (self && self->cluster_tls.on && !rpc_call_peer_verified(call))
+    return refuse(call, "no verified cluster certificate", msg, msglen,
+                  "this agent serves only the server it registered with; the call comes "
+                  "without a cluster certificate (only Agent/Read and Agent/Write take a "
+                  "transfer grant instead)");
   char want[SECRET_HEX_LEN + 1];
   pthread_mutex_lock(&mu);
   memcpy(want, current, sizeof want);
@@ -69,16 +98,20 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
     snprintf(id->name, sizeof id->name, "server");
     return GRPC_STATUS_OK;
   }
-  int held = 0;
-  if (log_allow(&refusals, 10, 10000, &held)) {
-    char *peer = rpc_call_peer(call);
-    log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?",
-             !v ? "no call secret" : registered ? "wrong call secret"
-                                                : "not registered with a server now");
-    if (held) log_warn("agent", "(and %d more calls refused in the last 10 s, not logged)", held);
-    free(peer);
-  }
-  snprintf(msg, msglen, "this agent serves only the server it registered with; the call lacks "
-           "that server's secret (metadata %s)", SECRET_AGENT_MD);
-  return GRPC_STATUS_UNAUTHENTICATED;
+  return refuse(call,
+                !v ? "no call secret" : registered ? "wrong call secret"
+                                                   : "not registered with a server now",
+                msg, msglen, "this agent serves only the server it registered with; the call "
+                "lacks that server's secret (metadata %s)", SECRET_AGENT_MD);
+}
+
+grpc_status_code agent_peer_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
+                                  size_t msglen) {
+  const agent_info_t *self = arg;
+  if (self && self->cluster_tls.on && !rpc_call_peer_verified(call))
+    return refuse(call, "no verified cluster certificate", msg, msglen,
+                  "this agent's port answers %s only to holders of a cluster certificate; "
+                  "probes use --health-listen", rpc_call_method(call));
+  snprintf(id->name, sizeof id->name, "peer");
+  return GRPC_STATUS_OK;
 }

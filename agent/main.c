@@ -317,14 +317,17 @@ int main(int argc, char **argv) {
   metrics_http_t *metrics_http = NULL;
   rpc_server_t *health_srv = NULL;
   reflection_t *reflection = NULL;
-  /* With cluster certificates the Agent port is mTLS: only holders of a
-   * certificate from the cluster CA (the server) complete the handshake. */
+  /* With cluster certificates the Agent port is TLS with this agent's cluster
+   * certificate. A client certificate is verified when presented but not
+   * required: clients of the direct data path hold none, and reach only Read
+   * and Write under a grant; every other call needs a verified cluster
+   * certificate as well as the call secret (agent_auth_guard, agent_peer_guard). */
   rpc_server_opts_t sopts = {
       .listen = opt.listen,
       .threads = (int)opt.threads,
       .max_message_bytes = (int)opt.max_message_bytes,
       .tls = {.on = cluster, .ca_file = opt.cluster_ca, .cert_file = opt.cluster_cert,
-              .key_file = opt.cluster_key},
+              .key_file = opt.cluster_key, .client_cert_optional = true},
   };
   rpc_server_t *srv = rpc_server_create(&sopts, err, sizeof err);
   if (!srv) {
@@ -333,15 +336,16 @@ int main(int argc, char **argv) {
   }
   size_t nmethods;
   const rpc_method_t *methods = agent_service_methods(&nmethods);
-  if (health_add_methods(health, srv) != 0 ||
-      rpc_server_add_methods_guarded(srv, methods, nmethods, &info, agent_auth_guard, NULL) != 0) {
+  if (health_add_methods_guarded(health, srv, agent_peer_guard, &info) != 0 ||
+      rpc_server_add_methods_guarded(srv, methods, nmethods, &info, agent_auth_guard, &info) !=
+          0) {
     log_error("agent", "cannot register the Health and Agent services");
     goto out;
   }
   /* Reflection is as closed as the Agent service (the call secret, cluster mTLS). */
   if (opt.reflection &&
       (!(reflection = reflection_create(err, sizeof err)) ||
-       reflection_add_methods(reflection, srv, agent_auth_guard, NULL) != 0)) {
+       reflection_add_methods(reflection, srv, agent_auth_guard, &info) != 0)) {
     log_error("agent", "cannot serve reflection: %s", reflection ? "already registered" : err);
     goto out;
   }
@@ -390,7 +394,8 @@ int main(int argc, char **argv) {
   if (fault_on) log_warn("agent", "fault injection on: %s", opt.fault);
   log_info("agent", "agent %s listening on port %d (%s), advertising %s, device %s, memory %" PRIu64
            " bytes, pid %d", info.id, port,
-           cluster ? "mTLS: cluster certificates only" : "plaintext; calls need the call secret",
+           cluster ? "TLS: a cluster certificate for all but Read/Write under a grant"
+                   : "plaintext; calls need the call secret",
            info.address, info.device, info.memory_bytes, (int)getpid());
   log_info("agent", "registering with %s %s", opt.server,
            cluster && info.join_token ? "over cluster mTLS, with a join token"

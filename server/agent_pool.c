@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "log.h"
@@ -62,6 +63,11 @@ struct agent_pool {
   uint64_t losses; /* mu */
   int max_agents;
   rpc_tls_t agent_tls;
+  /* The agent CA as clients get it (agent_pool_client_tls): its own lock, so
+   * a file read never holds mu. */
+  pthread_mutex_t ca_mu;
+  char *client_ca;
+  struct timespec client_ca_mtime;
 };
 
 agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
@@ -73,6 +79,7 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
     return NULL;
   }
   pthread_mutex_init(&p->mu, NULL);
+  pthread_mutex_init(&p->ca_mu, NULL);
   p->max_agents = AGENT_POOL_DEFAULT_MAX;
   if (cb) p->cb = *cb;
   p->changed = p->cb.changed;
@@ -93,6 +100,8 @@ void agent_pool_destroy(agent_pool_t *p) {
   }
   watermark_destroy(p->marks);
   free(p->agents);
+  free(p->client_ca);
+  pthread_mutex_destroy(&p->ca_mu);
   pthread_mutex_destroy(&p->mu);
   free(p);
 }
@@ -220,6 +229,42 @@ void agent_pool_set_agent_tls(agent_pool_t *p, const rpc_tls_t *tls) {
   pthread_mutex_lock(&p->mu);
   p->agent_tls = tls ? *tls : (rpc_tls_t){0};
   pthread_mutex_unlock(&p->mu);
+}
+
+int agent_pool_client_tls(agent_pool_t *p, char **ca_pem, const char **server_name, char *err,
+                          size_t errlen) {
+  *ca_pem = NULL;
+  *server_name = NULL;
+  pthread_mutex_lock(&p->mu);
+  rpc_tls_t t = p->agent_tls;
+  pthread_mutex_unlock(&p->mu);
+  if (!t.on || !t.ca_file) return 0;
+  struct stat st;
+  struct timespec now = stat(t.ca_file, &st) == 0 ? st.st_mtim : (struct timespec){0, 0};
+  pthread_mutex_lock(&p->ca_mu);
+  bool changed = !p->client_ca || now.tv_sec != p->client_ca_mtime.tv_sec ||
+                 now.tv_nsec != p->client_ca_mtime.tv_nsec;
+  if (changed) { /* rotated like the certificates: at the next use after a change */
+    char *pem = rpc_tls_read_pem("--cluster-ca", t.ca_file, "CERTIFICATE", err, errlen);
+    if (pem) {
+      free(p->client_ca);
+      p->client_ca = pem;
+      p->client_ca_mtime = now;
+    } else if (p->client_ca) {
+      log_warn("pool", "%s; clients still get the CA read before", err);
+      p->client_ca_mtime = now; /* again at the next change, not each call */
+    }
+  }
+  bool have = p->client_ca != NULL;
+  char *copy = have ? strdup(p->client_ca) : NULL;
+  pthread_mutex_unlock(&p->ca_mu);
+  if (!copy) {
+    if (have) snprintf(err, errlen, "out of memory");
+    return -1;
+  }
+  *ca_pem = copy;
+  *server_name = t.server_name ? t.server_name : "";
+  return 0;
 }
 
 int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *err,

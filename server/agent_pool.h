@@ -80,6 +80,13 @@ int agent_pool_max_agents(agent_pool_t *pool);
 /* TLS of every channel the server opens to an agent (cluster mTLS; .on false:
  * plaintext). Copied; the strings must outlive the pool. Before any agent. */
 void agent_pool_set_agent_tls(agent_pool_t *pool, const rpc_tls_t *tls);
+/* How a client of the direct data path dials the agents (AgentTls): without
+ * agent TLS, *ca_pem and *server_name NULL; with it, a copy of the CA's PEM
+ * (the caller frees it; read from the CA file, again once the file changed)
+ * and the name the agents' certificates carry (the pool's string). Returns 0,
+ * or -1 with err when the CA file was never readable. Thread-safe. */
+int agent_pool_client_tls(agent_pool_t *pool, char **ca_pem, const char **server_name, char *err,
+                          size_t errlen);
 
 /* How long a rank stays kept, after its agent left, from agents that ask for
  * any rank, when that agent had asked for it by number (--rank). */

@@ -1202,6 +1202,23 @@ static int shard_grant(data_service_t *ds, uint32_t rank, Meshd__Agent__V1__Tran
   return 0;
 }
 
+/* How the client dials the shards' addresses (reply->agent_tls): with cluster
+ * TLS the CA's PEM (*ca, for the caller to free after the reply) and the
+ * agents' certificate name; nothing in plaintext. */
+static int plan_tls(data_service_t *ds, Meshd__V1__PlanTransferReply *reply,
+                    Meshd__V1__AgentTls *tls, char **ca, meshd_error_t *e) {
+  const char *name = NULL;
+  char err[300];
+  if (agent_pool_client_tls(ds->pool, ca, &name, err, sizeof err) != 0)
+    return error_set(e, ERR_UNAVAILABLE, "PlanTransfer: the agents' TLS CA for clients: %s", err);
+  if (*ca) {
+    tls->ca_pem = *ca;
+    tls->server_name = (char *)name;
+    reply->agent_tls = tls;
+  }
+  return 0;
+}
+
 static void shards_free(Meshd__V1__ShardGrant *sh, size_t n) {
   for (size_t i = 0; sh && i < n; i++) {
     free(sh[i].address);
@@ -1290,13 +1307,16 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
     g.nonce.len = GRANT_NONCE_LEN;
     rc = shard_grant(ds, t->ranks[i], &g, &sh[i], e);
   }
+  Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
+  Meshd__V1__AgentTls tls = MESHD__V1__AGENT_TLS__INIT;
+  char *ca = NULL;
+  if (rc == 0) rc = plan_tls(ds, &reply, &tls, &ca, e);
   if (rc) {
     shards_free(sh, t->nranks);
     free(shp);
     transfer_free(ds, t, true); /* nothing was written, but a Write may have started */
     return -1;
   }
-  Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
   reply.transfer_id = t->id;
   reply.shards = shp;
   reply.n_shards = t->nranks;
@@ -1306,6 +1326,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   rpc_call_reply(call, &reply.base);
   shards_free(sh, n);
   free(shp);
+  free(ca);
   return 0;
 }
 
@@ -1349,13 +1370,16 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   rc = t->id && RAND_bytes(nonce, sizeof nonce) == 1
            ? shard_grant(ds, f->rank, &g, &sh, e)
            : error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
+  Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
+  Meshd__V1__AgentTls tls = MESHD__V1__AGENT_TLS__INIT;
+  char *ca = NULL;
+  if (rc == 0) rc = plan_tls(ds, &reply, &tls, &ca, e);
   if (rc) {
     free(sh.address);
     free(sh.grant.data);
     transfer_free(ds, t, true);
     return -1;
   }
-  Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
   reply.transfer_id = t->id;
   reply.shards = &shp;
   reply.n_shards = 1;
@@ -1367,6 +1391,7 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   rpc_call_reply(call, &reply.base);
   free(sh.address);
   free(sh.grant.data);
+  free(ca);
   return 0;
 }
 

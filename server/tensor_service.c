@@ -9,15 +9,31 @@
 /* When the method table was first asked for: main does so once at startup. */
 static int64_t started_ms;
 
+/* Every agent, and how a client dials their addresses (the direct data path). */
 static void list_agents(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   agent_pool_t *pool = arg;
   Meshd__V1__ListAgentsReply reply = MESHD__V1__LIST_AGENTS_REPLY__INIT;
+  Meshd__V1__AgentTls tls = MESHD__V1__AGENT_TLS__INIT;
+  char *ca = NULL, err[300];
+  const char *name = NULL;
+  if (agent_pool_client_tls(pool, &ca, &name, err, sizeof err) != 0) {
+    rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL,
+                    "ListAgents: the agents' TLS CA for clients: %s", err);
+    return;
+  }
+  if (ca) {
+    tls.ca_pem = ca;
+    tls.server_name = (char *)name;
+    reply.agent_tls = &tls;
+  }
   if (agent_pool_snapshot(pool, &reply.agents, &reply.n_agents) != 0) {
+    free(ca);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing agents");
     return;
   }
   rpc_call_reply(call, &reply.base);
   agent_pool_snapshot_free(reply.agents, reply.n_agents);
+  free(ca);
 }
 
 /* The server's build and uptime, and every agent (with the version it reported). */

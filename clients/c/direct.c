@@ -19,14 +19,19 @@
 /* How long FinishFetch of an abandoned fetch may take. */
 #define ABANDON_MS 300
 
+/* A channel to one agent, for the session: over TLS when the plan said the
+ * agents speak it (ca: the PEM that verifies them, "" plaintext). */
 typedef struct {
   char *address;
+  char *ca;
+  char *name;
   rpc_channel_t *ch;
 } chan_t;
 
 struct direct {
   meshd_data_path_t mode;
   bool refused;        /* the server refused PlanTransfer for its --data-path */
+  bool agents_plain;   /* a plan said the agents speak plaintext (for a TLS session) */
   int64_t off_until;   /* auto: not tried before this (rpc_now_ms), an agent did not connect */
   chan_t *chans;
   size_t nchans;
@@ -79,6 +84,8 @@ void direct_free(direct_t *d) {
   for (size_t i = 0; i < d->nchans; i++) {
     rpc_channel_destroy(d->chans[i].ch);
     free(d->chans[i].address);
+    free(d->chans[i].ca);
+    free(d->chans[i].name);
   }
   free(d->chans);
   free(d);
@@ -150,11 +157,24 @@ static int left_ms(int64_t end) {
   return n < 1 ? 1 : n > INT32_MAX ? INT32_MAX : (int)n;
 }
 
+/* The plan's AgentTls: the CA's PEM ("" plaintext) and the name to verify. */
+static const char *plan_ca(const Meshd__V1__PlanTransferReply *p) {
+  return p->agent_tls && p->agent_tls->ca_pem ? p->agent_tls->ca_pem : "";
+}
+
+static const char *plan_name(const Meshd__V1__PlanTransferReply *p) {
+  return p->agent_tls && p->agent_tls->server_name ? p->agent_tls->server_name : "";
+}
+
 /* A ready channel to the agent at address (kept for the session), or NULL
- * when it does not connect within wait_ms or its first attempt fails. */
-static rpc_channel_t *agent_channel(direct_t *d, const char *address, int wait_ms) {
+ * when it does not connect within wait_ms or its first attempt fails. ca
+ * non-empty: TLS verified with it, under name when that is not empty (the
+ * server's certificate only: grants stand in for a client certificate). */
+static rpc_channel_t *agent_channel(direct_t *d, const char *address, const char *ca,
+                                    const char *name, int wait_ms) {
   for (size_t i = 0; i < d->nchans; i++)
-    if (strcmp(d->chans[i].address, address) == 0)
+    if (strcmp(d->chans[i].address, address) == 0 && strcmp(d->chans[i].ca, ca) == 0 &&
+        strcmp(d->chans[i].name, name) == 0)
       return d->chans[i].ch;
   chan_t *grown = realloc(d->chans, (d->nchans + 1) * sizeof *grown);
   if (!grown)
@@ -163,15 +183,19 @@ static rpc_channel_t *agent_channel(direct_t *d, const char *address, int wait_m
   /* A connection of its own per agent: shards in parallel do not share one. */
   rpc_channel_t *ch = rpc_channel_create(address, &(rpc_channel_opts_t){
       .max_message_bytes = 8 << 20, .own_connection = true,
-      .connect_timeout_ms = DIRECT_CONNECT_MS});
-  char *name = strdup(address);
-  if (!ch || !name || rpc_channel_connect(ch, wait_ms) != RPC_CONNECT_READY) {
+      .connect_timeout_ms = DIRECT_CONNECT_MS,
+      .tls = {.on = *ca != '\0', .ca_pem = ca, .server_name = *name ? name : NULL}});
+  chan_t c = {strdup(address), strdup(ca), strdup(name), ch};
+  if (!ch || !c.address || !c.ca || !c.name ||
+      rpc_channel_connect(ch, wait_ms) != RPC_CONNECT_READY) {
     if (ch)
       rpc_channel_destroy(ch);
-    free(name);
+    free(c.address);
+    free(c.ca);
+    free(c.name);
     return NULL;
   }
-  d->chans[d->nchans++] = (chan_t){name, ch};
+  d->chans[d->nchans++] = c;
   return ch;
 }
 
@@ -181,7 +205,7 @@ static bool wanted(direct_t *d, const direct_session_t *s) {
     return false;
   if (d->mode == MESHD_DATA_PATH_DIRECT)
     return true;
-  if (s->tls) {
+  if (s->tls && d->agents_plain) {
     fallback(d, "the session is over TLS and the agents are reached in plaintext");
     return false;
   }
@@ -232,14 +256,22 @@ static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s
 }
 
 /* Channels for every shard (DIRECT_DONE), or DIRECT_PROXY / DIRECT_FAILED when
- * one does not connect (`what` says "upload" or "fetch") by `end`. */
-static direct_rc_t shard_channels(direct_t *d, const Meshd__V1__PlanTransferReply *p,
-                                  rpc_channel_t **out, const char *what, int64_t end,
-                                  direct_err_t *e) {
+ * one does not connect (`what` says "upload" or "fetch") by `end`. A session
+ * over TLS keeps its bytes encrypted: auto takes the proxy when the plan says
+ * the agents speak plaintext (and remembers it). */
+static direct_rc_t shard_channels(direct_t *d, const direct_session_t *s,
+                                  const Meshd__V1__PlanTransferReply *p, rpc_channel_t **out,
+                                  const char *what, int64_t end, direct_err_t *e) {
+  if (s->tls && !*plan_ca(p) && d->mode == MESHD_DATA_PATH_AUTO) {
+    d->agents_plain = true;
+    fallback(d, "the session is over TLS and the agents are reached in plaintext");
+    return DIRECT_PROXY;
+  }
   for (size_t i = 0; i < p->n_shards; i++) {
     int wait = left_ms(end);
     bool cut = wait < DIRECT_CONNECT_MS; /* the caller's deadline, not the agent's fault */
-    out[i] = agent_channel(d, p->shards[i]->address, cut ? wait : DIRECT_CONNECT_MS);
+    out[i] = agent_channel(d, p->shards[i]->address, plan_ca(p), plan_name(p),
+                           cut ? wait : DIRECT_CONNECT_MS);
     if (out[i])
       continue;
     if (cut) {
@@ -418,7 +450,7 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
     rc = DIRECT_FAILED;
     goto out;
   }
-  rc = shard_channels(d, p, u.chans, "upload", rpc_now_ms() + s->timeout_ms, e);
+  rc = shard_channels(d, s, p, u.chans, "upload", rpc_now_ms() + s->timeout_ms, e);
   if (rc != DIRECT_DONE) {
     finish_upload(s, p->transfer_id, NULL, 0, &st); /* undone at once; the slot is free */
     goto out;
@@ -600,7 +632,7 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
     }
   }
   for (size_t i = 0; i < n; i++) {
-    rc = shard_channels(d, f.plans[i], &f.chans[i], "fetch", end, e);
+    rc = shard_channels(d, s, f.plans[i], &f.chans[i], "fetch", end, e);
     if (rc != DIRECT_DONE)
       goto out;
   }

@@ -8,7 +8,8 @@
  * threads read its channels, never its table). Decisions, as the Python
  * client's (clients/python/meshd/direct.py): proxy never goes direct; direct
  * always does and fails when it cannot; auto goes direct unless the session
- * is over TLS (agents are reached in plaintext), the server refused
+ * is over TLS and a plan said the agents speak plaintext (with cluster TLS
+ * the plan's AgentTls says how to verify them), the server refused
  * PlanTransfer for its --data-path (remembered), or an agent did not connect
  * within DIRECT_CONNECT_MS in the last DIRECT_RETRY_MS; a fallback is counted
  * and its reason kept (meshd_session_transfer_stats). */

@@ -406,8 +406,8 @@ MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char 
 
 /* How tensor bytes travel (docs/protocol.md, Direct data path):
  *   AUTO   straight between the caller and the agents when the server offers it
- *          (PlanTransfer), the session is not over TLS (agents are reached in
- *          plaintext, their grant authenticating each call) and every agent a
+ *          (PlanTransfer), the agents' port is TLS (cluster mTLS: verified with
+ *          the CA the plan names) or the session is not over TLS, and every agent a
  *          transfer needs connects within 1 s; else through the server. An
  *          agent that did not connect is not tried again for 30 s; a server
  *          that refused PlanTransfer (--data-path=proxy) is not asked again.

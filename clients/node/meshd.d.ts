@@ -298,9 +298,9 @@ export function resolveSecurity(addr: string, options?: SecurityOptions): Resolv
 /**
  * How upload and fetch bytes travel (docs/protocol.md, Direct data path): 'auto' straight
  * between this process and the agents when the server offers it (PlanTransfer), the
- * session is not over TLS and the agents connect within DIRECT_CONNECT_MS, else through
- * the server; 'direct' always straight (fails when it cannot: UNAVAILABLE naming the
- * rank); 'proxy' always through the server (Upload, Fetch).
+ * agents' port is TLS (cluster mTLS) or the session is not over TLS, and the agents connect
+ * within DIRECT_CONNECT_MS, else through the server; 'direct' always straight (fails when it
+ * cannot: UNAVAILABLE naming the rank); 'proxy' always through the server (Upload, Fetch).
  */
 export type DataPath = 'auto' | 'direct' | 'proxy';
 

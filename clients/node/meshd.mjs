@@ -35,9 +35,10 @@
 // Data path (docs/protocol.md, Direct data path): connect(addr, {dataPath}) or
 // session.setDataPath(mode). 'auto' (default) moves upload and fetch bytes straight between
 // this process and the agents (PlanTransfer, then Agent/Write or Agent/Read per shard, all
-// shards at once, then FinishUpload or FinishFetch) when the server offers it, the session
-// is not over TLS (agents are reached in plaintext, a one-time grant authenticating each
-// call) and the agents connect within 1 s; else through the server (Upload, Fetch), the
+// shards at once, then FinishUpload or FinishFetch) when the server offers it, the agents'
+// port is TLS (cluster mTLS: the plan names the CA and name to verify them with; a one-time
+// grant authenticates each call, no client certificate) or the session is not over TLS,
+// and the agents connect within 1 s; else through the server (Upload, Fetch), the
 // reason counted in session.transferStats. 'direct' always goes straight and fails when it
 // cannot (UNAVAILABLE naming the rank and address); 'proxy' always through the server.
 //
@@ -191,8 +192,9 @@ const keepAliveTimers = new FinalizationRegistry((stop) => stop());
 export class Session {
   #md; // every call's metadata: authorization (with a token), meshd-session, meshd-token
 
-  #agents = new Map(); // address -> Agent client (direct path), made on first use
+  #agents = new Map(); // address + the plan's AgentTls -> Agent client (direct path), made on first use
   #refused = false; // the server refused PlanTransfer for its --data-path
+  #agentsPlain = false; // a plan said the agents speak plaintext (for a session over TLS)
   #offUntil = 0; // auto: no direct try before this (an agent did not connect)
   #protoFile;
   #wide; // TensorService on the same channel, 64-bit integers as strings (PlanTransfer)
@@ -474,7 +476,7 @@ export class Session {
     if (this.dataPath === 'proxy') return false;
     if (this.dataPath === 'direct') return true;
     let why = '';
-    if (this.tls) why = 'the session is over TLS and the agents are reached in plaintext';
+    if (this.tls && this.#agentsPlain) why = 'the session is over TLS and the agents are reached in plaintext';
     else if (this.#refused) why = 'the server does not offer PlanTransfer (its --data-path is proxy)';
     else if (Date.now() < this.#offUntil) why = `an agent did not connect within ${DIRECT_CONNECT_MS} ms less than ${DIRECT_RETRY_MS / 1000} s ago`;
     if (why) this.#fallback(why);
@@ -482,20 +484,37 @@ export class Session {
   }
 
   // A ready client for the agent at address, or null when it does not connect in waitMs.
-  async #agent(address, waitMs) {
-    const known = this.#agents.get(address);
+  // tls: the plan's AgentTls; with a CA the channel is TLS verified with it (under
+  // server_name), the server's certificate only.
+  async #agent(address, tls, waitMs) {
+    const ca = tls?.ca_pem ?? '';
+    const name = tls?.server_name ?? '';
+    const key = JSON.stringify([address, ca, name]);
+    const known = this.#agents.get(key);
     if (known) return known;
     const Agent = loadAgentService(this.#protoFile ?? protoPath());
-    const c = new Agent(address, grpc.credentials.createInsecure(), {
+    const options = {
       'grpc.enable_http_proxy': 0,
       'grpc.max_receive_message_length': 64 << 20,
       'grpc.max_send_message_length': 64 << 20,
       'grpc.use_local_subchannel_pool': 1, // a connection per agent of its own
-    });
+    };
+    if (ca && name) options['grpc.ssl_target_name_override'] = name;
+    const creds = ca ? grpc.credentials.createSsl(Buffer.from(ca)) : grpc.credentials.createInsecure();
+    const c = new Agent(address, creds, options);
     if (!await connected(c.getChannel(), Date.now() + waitMs)) { c.close(); return null; }
-    if (this.#agents.has(address)) { c.close(); return this.#agents.get(address); }
-    this.#agents.set(address, c);
+    if (this.#agents.has(key)) { c.close(); return this.#agents.get(key); }
+    this.#agents.set(key, c);
     return c;
+  }
+
+  // A session over TLS keeps its bytes encrypted: auto takes the proxy when the plan
+  // says the agents speak plaintext (and remembers it). True: use the proxy.
+  #plainForTls(plan) {
+    if (!this.tls || this.dataPath !== 'auto' || plan.agent_tls?.ca_pem) return false;
+    this.#agentsPlain = true;
+    this.#fallback('the session is over TLS and the agents are reached in plaintext');
+    return true;
   }
 
   // PlanTransfer's reply (transfer_id and after_seq as decimal strings, which requests
@@ -555,8 +574,9 @@ export class Session {
     const { shards } = plan;
     const abandon = () => this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
       this.deadline()).catch(() => {}); // undone at once; the session's slot is free
+    if (this.#plainForTls(plan)) { await abandon(); return null; }
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
-    const agents = await Promise.all(shards.map((sh) => this.#agent(sh.address, Math.max(1, wait))));
+    const agents = await Promise.all(shards.map((sh) => this.#agent(sh.address, plan.agent_tls, Math.max(1, wait))));
     const bad = agents.findIndex((a) => !a);
     if (bad >= 0) {
       await abandon();
@@ -609,8 +629,9 @@ export class Session {
     const quiet = () => finish(ABANDON_MS).catch(() => {});
     const T = DTYPES[meta.dtype];
     if (!T) { await quiet(); throw new Error(`meshd: no typed array for ${meta.dtype}`); }
+    if (this.#plainForTls(plan)) { await quiet(); return null; }
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
-    const agent = await this.#agent(sh.address, Math.max(1, wait));
+    const agent = await this.#agent(sh.address, plan.agent_tls, Math.max(1, wait));
     if (!agent) {
       await quiet();
       this.#unreachable('fetch', sh, wait < DIRECT_CONNECT_MS);

@@ -169,6 +169,12 @@ int health_add_methods(health_t *h, rpc_server_t *srv) {
   return rpc_server_add_methods(srv, methods, sizeof methods / sizeof methods[0], h);
 }
 
+int health_add_methods_guarded(health_t *h, rpc_server_t *srv, rpc_guard_fn guard,
+                               void *guard_arg) {
+  return rpc_server_add_methods_guarded(srv, methods, sizeof methods / sizeof methods[0], h,
+                                        guard, guard_arg);
+}
+
 rpc_server_t *health_serve(health_t *h, const char *listen, char *err, size_t errlen) {
   rpc_server_opts_t o = {.listen = listen, .threads = 1, .max_message_bytes = 4096};
   rpc_server_t *srv = rpc_server_create(&o, err, errlen);

@@ -20,6 +20,10 @@ typedef struct health health_t;
 health_t *health_create(void);
 /* Registers Check and Watch on srv (before rpc_server_start). Returns 0 or -1. */
 int health_add_methods(health_t *h, rpc_server_t *srv);
+/* The same behind a guard (rpc_server_add_methods_guarded): for a port whose
+ * other callers are not all entitled to the status. */
+int health_add_methods_guarded(health_t *h, rpc_server_t *srv, rpc_guard_fn guard,
+                               void *guard_arg);
 /* A plaintext server on `listen` that serves only Health (kubelet gRPC
  * probes speak plaintext, so a TLS port needs this beside it). Started; stop
  * it with rpc_server_shutdown + rpc_server_destroy. NULL with err on failure. */

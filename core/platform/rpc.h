@@ -48,17 +48,22 @@ typedef struct rpc_server rpc_server_t;
  *
  * Server: cert_file + key_file are its certificate chain and key; ca_file,
  * when set, makes the port require client certificates signed by that CA
- * (mTLS). Channel: ca_file holds the roots that verify the server (NULL:
- * the system's); cert_file + key_file, when set, are the client certificate
- * presented for mTLS; server_name, when set, is the name checked in the
- * server's certificate instead of the target's host (agents reached by IP
- * carry one cluster-wide name). */
+ * (mTLS), or with client_cert_optional ask for one and verify it when
+ * presented but admit clients without (rpc_call_peer_verified tells the
+ * calls apart; a certificate that does not verify still fails the
+ * handshake). Channel: ca_file holds the roots that verify the server (NULL:
+ * the system's), or ca_pem the same as PEM text; cert_file + key_file, when
+ * set, are the client certificate presented for mTLS; server_name, when set,
+ * is the name checked in the server's certificate instead of the target's
+ * host (agents reached by IP carry one cluster-wide name). */
 typedef struct rpc_tls {
   bool on;
   const char *ca_file;
   const char *cert_file;
   const char *key_file;
   const char *server_name;
+  bool client_cert_optional; /* server */
+  const char *ca_pem;        /* channel; instead of ca_file */
 } rpc_tls_t;
 
 /* Checks that the files `tls` names exist and hold PEM of the right kind, so a
@@ -66,6 +71,11 @@ typedef struct rpc_tls {
  * handshake. `what` prefixes the message ("--tls-cert"). server: cert and key
  * are required. Returns 0, or -1 with err. */
 int rpc_tls_check(const rpc_tls_t *tls, bool server, char *err, size_t errlen);
+/* The PEM text in path (at most 16 MiB), checked to hold a block whose label
+ * contains `label` ("CERTIFICATE"); caller frees. NULL with err naming `what`
+ * and the path. */
+char *rpc_tls_read_pem(const char *what, const char *path, const char *label, char *err,
+                       size_t errlen);
 
 /* Who a call's guard admitted (rpc_server_add_methods_guarded). */
 typedef struct rpc_identity {

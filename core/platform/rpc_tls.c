@@ -36,10 +36,8 @@ static char *read_file(const char *path) {
   return buf;
 }
 
-/* Reads path and checks it holds a PEM block whose label contains `label`
- * ("CERTIFICATE", "PRIVATE KEY"). */
-static char *read_pem(const char *what, const char *path, const char *label, char *err,
-                      size_t errlen) {
+char *rpc_tls_read_pem(const char *what, const char *path, const char *label, char *err,
+                       size_t errlen) {
   char *pem = read_file(path);
   if (!pem) {
     snprintf(err, errlen, "%s: cannot read '%s': %s", what, path,
@@ -71,7 +69,7 @@ int rpc_tls_check(const rpc_tls_t *t, bool server, char *err, size_t errlen) {
       {t->ca_file, "CERTIFICATE"}, {t->cert_file, "CERTIFICATE"}, {t->key_file, "PRIVATE KEY"}};
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
     if (!files[i].path) continue;
-    char *pem = read_pem("TLS", files[i].path, files[i].label, err, errlen);
+    char *pem = rpc_tls_read_pem("TLS", files[i].path, files[i].label, err, errlen);
     if (!pem) return -1;
     free(pem);
   }
@@ -103,10 +101,12 @@ static grpc_ssl_server_certificate_config *load_config(const rpc_tls_server_t *t
                                                        size_t errlen) {
   char *ca = NULL, *cert = NULL, *key = NULL;
   grpc_ssl_server_certificate_config *cfg = NULL;
-  if (t->ca_file && !(ca = read_pem("TLS client CA", t->ca_file, "CERTIFICATE", err, errlen)))
+  if (t->ca_file &&
+      !(ca = rpc_tls_read_pem("TLS client CA", t->ca_file, "CERTIFICATE", err, errlen)))
     goto out;
-  if (!(cert = read_pem("TLS certificate", t->cert_file, "CERTIFICATE", err, errlen))) goto out;
-  if (!(key = read_pem("TLS key", t->key_file, "PRIVATE KEY", err, errlen))) goto out;
+  if (!(cert = rpc_tls_read_pem("TLS certificate", t->cert_file, "CERTIFICATE", err, errlen)))
+    goto out;
+  if (!(key = rpc_tls_read_pem("TLS key", t->key_file, "PRIVATE KEY", err, errlen))) goto out;
   grpc_ssl_pem_key_cert_pair pair = {key, cert};
   /* gRPC 1.51 asserts on a fetched config without roots even when it never
    * asks for client certificates: without a client CA its own chain stands
@@ -183,8 +183,9 @@ grpc_server_credentials *rpc_tls_server_creds(const rpc_tls_t *tls, rpc_tls_serv
   }
   grpc_ssl_server_certificate_config_destroy(probe);
   grpc_ssl_client_certificate_request_type req =
-      tls->ca_file ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-                   : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
+      !tls->ca_file                ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+      : tls->client_cert_optional ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   grpc_ssl_server_credentials_options *o =
       grpc_ssl_server_credentials_create_options_using_config_fetcher(req, fetch, t);
   grpc_server_credentials *creds = o ? grpc_ssl_server_credentials_create_with_options(o) : NULL;
@@ -206,7 +207,7 @@ grpc_channel_credentials *rpc_tls_channel_creds(const rpc_tls_t *tls) {
     log_error("rpc", "%s", err);
     return NULL;
   }
-  char *ca = tls->ca_file ? read_file(tls->ca_file) : NULL;
+  char *ca = tls->ca_pem ? strdup(tls->ca_pem) : tls->ca_file ? read_file(tls->ca_file) : NULL;
   char *cert = tls->cert_file ? read_file(tls->cert_file) : NULL;
   char *key = tls->key_file ? read_file(tls->key_file) : NULL;
   grpc_ssl_pem_key_cert_pair pair = {key, cert};

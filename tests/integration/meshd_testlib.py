@@ -1043,7 +1043,9 @@ class FakeRegistry:
     RegisterRequest, so a test learns the call secret of agents a real server drives
     (`secret_md(address)`)."""
 
-    def __init__(self, token=None, rank=0, upstream=None):
+    def __init__(self, token=None, rank=0, upstream=None, tls=None):
+        """tls: (key, certificate, ca) PEM bytes: the registry port is mTLS, as a
+        server's --cluster-listen is."""
         self.token, self.rank, self.upstream = token, rank, upstream
         self.by_address = {}
         self.registrations = queue.Queue()
@@ -1063,7 +1065,12 @@ class FakeRegistry:
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16),
                                   options=opts)
         self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if tls:
+            creds = grpc.ssl_server_credentials([(tls[0], tls[1])], root_certificates=tls[2],
+                                                require_client_auth=True)
+            self.port = self.server.add_secure_port("127.0.0.1:0", creds)
+        else:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 
     @property

@@ -8,6 +8,7 @@ health port for probes."""
 
 import os
 import stat
+import sys
 import threading
 import time
 
@@ -268,6 +269,17 @@ def test_a_secured_client_port_admits_only_its_local_agents(meshd_server, agent,
         with pytest.raises(grpc.RpcError) as e:
             list(fn(iter([b""]), timeout=5))
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value
+    # A session over TLS keeps its bytes encrypted: with plaintext agents auto takes the
+    # proxy (the direct path is for agents on cluster mTLS, test_direct.py).
+    sys.path.insert(0, os.path.join(lib.SOURCE_DIR, "clients", "python"))
+    os.environ.setdefault("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    import meshd
+    with meshd.connect(f"localhost:{srv.port}", root_certs=(pki / "ca.pem").read_bytes(),
+                       timeout=30) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32))
+            assert meshd.fetch_shard(x, gpu=1).result().tolist() == [0, 1, 2, 3]
+        assert s._direct.counts == {"upload": 0, "fetch": 0}, s._direct.counts
 
     tokens = tmp_path / "principals"
     tokens.write_text("alice alice-0123456789abcdef\n")
@@ -319,23 +331,127 @@ def test_cluster_mtls_with_a_join_token_end_to_end(meshd_server, agent, pki, tmp
     ranks = {a.rank: a for a in ag}
     for p in (rogue, no_token):
         assert lib.proc_state(p.pid) not in (None, "Z"), "a refused agent exited"
-    # The agents' own ports: plaintext fails, TLS without a client certificate fails
-    # the handshake, a cluster certificate gets as far as the call secret.
+    # The agents' own ports: plaintext fails; TLS without a client certificate is
+    # refused on every call but a granted Read/Write; a certificate of another CA fails
+    # the handshake; a cluster certificate gets as far as the call secret.
     for a in (ranks[0], ranks[2]):
         with grpc.insecure_channel(a.address) as ch:
             assert _code(_agent_calls(ch)["Hello"], ()) == grpc.StatusCode.UNAVAILABLE
-        opts = [("grpc.ssl_target_name_override", "meshd-cluster")]
-        ca = (pki / "cluster-ca.pem").read_bytes()
-        creds = grpc.ssl_channel_credentials(root_certificates=ca)
-        with grpc.secure_channel(a.address, creds, options=opts) as ch:
-            assert _code(_agent_calls(ch)["Read"], ()) == grpc.StatusCode.UNAVAILABLE
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=ca, private_key=(pki / "cluster.key").read_bytes(),
-            certificate_chain=(pki / "cluster.pem").read_bytes())
-        with grpc.secure_channel(a.address, creds, options=opts) as ch:
-            assert _code(_agent_calls(ch)["Read"], ()) == grpc.StatusCode.UNAUTHENTICATED
+        for cert, want in ((None, "cluster certificate"), ("rogue", None),
+                           ("cluster", "lacks that server's secret")):
+            with _tls_channel(a.address, pki, cert) as ch:
+                code, details = _status(_agent_calls(ch)["Read"], ())
+                if want is None:
+                    assert code == grpc.StatusCode.UNAVAILABLE, (cert, code, details)
+                else:
+                    assert code == grpc.StatusCode.UNAUTHENTICATED and want in details, \
+                        (cert, code, details)
     lib.stop(good)
     assert TOKEN not in srv.log_text()
+
+
+def _tls_channel(address, pki, cert=None):
+    """TLS to an agent's port, verified with the cluster CA under the cluster name;
+    with cert ("cluster", "rogue") presenting that client certificate."""
+    ca = (pki / "cluster-ca.pem").read_bytes()
+    keys = {} if cert is None else dict(private_key=(pki / f"{cert}.key").read_bytes(),
+                                        certificate_chain=(pki / f"{cert}.pem").read_bytes())
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, **keys)
+    return grpc.secure_channel(address, creds, options=[
+        ("grpc.ssl_target_name_override", "meshd-cluster"), ("grpc.enable_http_proxy", 0),
+        ("grpc.use_local_subchannel_pool", 1)])
+
+
+def _status(fn, md):
+    try:
+        fn(md)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details() or ""
+
+
+def _port_calls(ch):
+    """Everything an agent's port serves besides Read and Write under a grant: the
+    Agent methods, reflection and Health, as callables taking metadata."""
+    calls = _agent_calls(ch)
+    a, h, r = lib.agent_pb2(), lib.health_pb2(), lib.reflection_pb2()
+
+    def unary(method, req):
+        return lambda md: ch.unary_unary(method, request_serializer=_serialize,
+                                         response_deserializer=lambda b: b)(req, metadata=md,
+                                                                            timeout=5)
+
+    def first(call):
+        return next(iter(call))
+
+    calls["InspectUrl"] = unary(_AGENT + "InspectUrl", a.InspectUrlRequest(url="http://127.0.0.1:1/x"))
+    calls["LoadProgress"] = unary(_AGENT + "LoadProgress", a.LoadProgressRequest(session_id="s"))
+    calls["Health/Check"] = unary("/grpc.health.v1.Health/Check", h.HealthCheckRequest())
+    calls["Health/Watch"] = lambda md: first(ch.unary_stream(
+        "/grpc.health.v1.Health/Watch", request_serializer=_serialize,
+        response_deserializer=lambda b: b)(h.HealthCheckRequest(), metadata=md, timeout=5))
+    calls["Reflection"] = lambda md: first(ch.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", request_serializer=_serialize,
+        response_deserializer=lambda b: b)(iter([r.ServerReflectionRequest(list_services="*")]),
+                                           metadata=md, timeout=5))
+    return calls
+
+
+def test_cluster_mtls_agents_admit_clients_without_a_certificate_only_to_granted_transfers(
+        agent, pki):
+    """With cluster mTLS an agent's port also takes TLS clients without a certificate
+    (the direct data path), for Read and Write under a grant only: every Agent method,
+    reflection and Health refuse such a client UNAUTHENTICATED even with the real call
+    secret (learned here by a fake registry), and a forged grant is refused as ever. A
+    client certificate of another CA fails the handshake; the cluster certificate with
+    the secret is served."""
+    tls = tuple((pki / n).read_bytes() for n in ("cluster.key", "cluster.pem", "cluster-ca.pem"))
+    with lib.FakeRegistry(tls=tls) as reg:
+        ag = agent(reg.port, *_cluster_flags(pki), wait_registered=False)
+        hello = reg.wait()
+        secret = reg.metadata()
+        with _tls_channel(hello.address, pki) as ch:
+            calls = _port_calls(ch)
+            for name, fn in calls.items():
+                for md in ((), secret):
+                    code, details = _status(fn, md)
+                    assert code == grpc.StatusCode.UNAUTHENTICATED and \
+                        "cluster certificate" in details, (name, bool(md), code, details)
+            # Read and Write reach the grant's checks without a certificate; a grant not
+            # signed with the agent's secret goes no further.
+            a = lib.agent_pb2()
+            expiry = int(time.time() * 1000) + 60000
+            for direction, call in ((1, "Read"), (2, "Write")):
+                g = a.TransferGrant(session_id="s", ref=1, rank=0, direction=direction,
+                                    expiry_unix_ms=expiry, nonce=bytes(16))
+                md = (("meshd-transfer-grant-bin", g.SerializeToString() + bytes(32)),)
+                if call == "Read":
+                    fn = lambda md: list(ch.unary_stream(
+                        _AGENT + "Read", request_serializer=_serialize,
+                        response_deserializer=lambda b: b)(a.ReadRequest(session_id="s", ref=1),
+                                                           metadata=md, timeout=5))
+                else:
+                    fn = lambda md: ch.stream_unary(
+                        _AGENT + "Write", request_serializer=_serialize,
+                        response_deserializer=lambda b: b)(iter([a.DataChunk(data=bytes(16))]),
+                                                           metadata=md, timeout=5)
+                code, details = _status(fn, md)
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "bad signature" in details, \
+                    (call, code, details)
+        with _tls_channel(hello.address, pki, "rogue") as ch:
+            assert _status(_agent_calls(ch)["Hello"], secret)[0] == grpc.StatusCode.UNAVAILABLE
+        with _tls_channel(hello.address, pki, "cluster") as ch:
+            calls = _port_calls(ch)
+            for name in ("Health/Check", "Reflection"):
+                assert _status(calls[name], secret) == (grpc.StatusCode.OK, ""), name
+            a = lib.agent_pb2()
+            hello_call = ch.unary_unary(_AGENT + "Hello", request_serializer=_serialize,
+                                        response_deserializer=a.HelloReply.FromString)
+            assert hello_call(a.HelloRequest(agent_id=hello.agent_id), metadata=secret,
+                              timeout=5).agent_id == hello.agent_id
+            code, details = _status(calls["Hello"], ())
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "secret" in details, details
+        _wait_log(ag, "no verified cluster certificate")
 
 
 def test_cluster_flags_are_checked_at_startup(pki):

@@ -57,23 +57,32 @@ def finish(s, method, req, reply_cls):
     return fn(req, metadata=s._md, timeout=30)
 
 
-def agent_read(shard, session_id, ref, after_seq=None, grant=None):
-    """Agent/Read under a grant: the data bytes, or raises grpc.RpcError."""
+def _agent_channel(address, creds=None, options=()):
+    """A channel of its own to an agent: plaintext, or TLS with creds."""
+    opts = [("grpc.use_local_subchannel_pool", 1)] + list(options)
+    if creds is None:
+        return grpc.insecure_channel(address, options=opts)
+    return grpc.secure_channel(address, creds, options=opts)
+
+
+def agent_read(shard, session_id, ref, after_seq=None, grant=None, creds=None, options=()):
+    """Agent/Read under a grant (b"": none): the data bytes, or raises grpc.RpcError."""
     a = lib.agent_pb2()
-    with grpc.insecure_channel(shard.address) as ch:
+    with _agent_channel(shard.address, creds, options) as ch:
         fn = ch.unary_stream(AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
                              response_deserializer=a.DataChunk.FromString)
         req = a.ReadRequest(session_id=session_id, ref=ref, max_chunk_bytes=1 << 20,
                             after_seq=shard.after_seq if after_seq is None else after_seq)
-        md = ((_direct.GRANT_MD, shard.grant if grant is None else grant),)
+        g = shard.grant if grant is None else grant
+        md = ((_direct.GRANT_MD, g),) if g else ()
         return b"".join(c.data for c in fn(req, metadata=md, timeout=10)
                         if c.WhichOneof("part") == "data")
 
 
-def agent_write(shard, data, grant=None):
+def agent_write(shard, data, grant=None, creds=None, options=()):
     """Agent/Write under a grant: the WriteReply, or raises grpc.RpcError."""
     a = lib.agent_pb2()
-    with grpc.insecure_channel(shard.address) as ch:
+    with _agent_channel(shard.address, creds, options) as ch:
         fn = ch.stream_unary(AGENT + "Write", request_serializer=lambda m: m.SerializeToString(),
                              response_deserializer=a.WriteReply.FromString)
         md = ((_direct.GRANT_MD, shard.grant if grant is None else grant),)
@@ -329,8 +338,8 @@ def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
     lib.wait_ready(srv, 2)
     real = _direct.Direct._channel
 
-    def unreachable(self, address, timeout=_direct.CONNECT_TIMEOUT):
-        return real(self, "127.0.0.1:1", timeout=0.2)
+    def unreachable(self, address, tls=None, timeout=_direct.CONNECT_TIMEOUT):
+        return real(self, "127.0.0.1:1", tls, timeout=0.2)
     monkeypatch.setattr(_direct.Direct, "_channel", unreachable)
     arr = np.arange(6, dtype=np.float64)
     with connect(srv) as s:
@@ -338,6 +347,51 @@ def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
             x = meshd.tensor(arr)
             assert meshd.fetch_shard(x, gpu=1).result().tolist() == arr.tolist()
         assert s._direct.counts == {"upload": 0, "fetch": 0}
+
+
+def test_direct_over_cluster_mtls(meshd_server, pki, tmp_path):
+    """Cluster mTLS on the agents' port and TLS on the client port: a client without a
+    cluster certificate still moves the bytes directly, over TLS to the agents (verified
+    with the cluster CA the server hands out; the bytes never go in plaintext), sharded
+    both ways. On that TLS port a Read or Write without a grant, or with a forged one,
+    is refused; plaintext does not connect."""
+    hport = lib.free_port()
+    srv = meshd_server(2, "--cluster-ca", pki / "cluster-ca.pem", "--cluster-cert",
+                       pki / "cluster.pem", "--cluster-key", pki / "cluster.key",
+                       "--cluster-listen", "127.0.0.1:0", "--tls-cert", pki / "server.pem",
+                       "--tls-key", pki / "server.key", "--health-listen", f"127.0.0.1:{hport}",
+                       wait_serving=False)
+    lib.wait_health(hport, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    proc=srv.proc, log=srv.log)
+    ca = (pki / "ca.pem").read_bytes()
+    with meshd.connect(f"localhost:{srv.port}", root_certs=ca, timeout=30) as s:
+        assert s.tls
+        mesh = s.mesh(gpu=2)
+        arr = np.arange(2 * 70000, dtype=np.float32).reshape(2, 70000)
+        with mesh.activate():
+            t = meshd.tensor(arr, shard="gpu")
+            for r in range(2):
+                np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=r).result(), arr[r])
+        assert s._direct.counts == {"upload": 1, "fetch": 2}, s._direct.counts
+        assert all(tls is not None for _, tls in s._direct._channels), "a plaintext agent channel"
+        reply = plan_fetch(s, t, gpu=1)
+        sh = reply.shards[0]
+        assert reply.agent_tls.server_name == "meshd-cluster"
+        assert reply.agent_tls.ca_pem == (pki / "cluster-ca.pem").read_text()
+        creds = grpc.ssl_channel_credentials(root_certificates=reply.agent_tls.ca_pem.encode())
+        opts = [("grpc.ssl_target_name_override", "meshd-cluster")]
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        refused(lambda: agent_read(sh, s.id, t.ref, grant=flipped(sh.grant, 3), creds=creds,
+                                   options=opts), denied, "bad signature")
+        refused(lambda: agent_read(sh, s.id, t.ref, grant=b"", creds=creds, options=opts),
+                grpc.StatusCode.UNAUTHENTICATED, "cluster certificate")
+        refused(lambda: agent_write(sh, arr[1].tobytes(), creds=creds, options=opts), denied,
+                "wrong direction")
+        refused(lambda: agent_read(sh, s.id, t.ref), grpc.StatusCode.UNAVAILABLE, "")
+        got = np.frombuffer(agent_read(sh, s.id, t.ref, creds=creds, options=opts), np.float32)
+        np.testing.assert_array_equal(got, arr[1])
+        finish(s, "FinishFetch", s._pb.FinishFetchRequest(transfer_id=reply.transfer_id),
+               s._pb.FinishFetchReply)
 
 
 def test_grant_metrics(meshd_server, agent, tmp_path):

@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1734,17 +1735,30 @@ Test(c_client_proxy_only, auto_uses_the_proxy) {
   meshd_close(c);
 }
 
-/* Cluster mTLS on the agents' port: a client without a cluster certificate
- * cannot connect to them (docs/security.md). */
+/* Cluster mTLS on the agents' port and TLS on the client port: a client
+ * without a cluster certificate reaches the agents over TLS, verified with the
+ * cluster CA the plan names (docs/security.md). --agent-timeout 10: a test
+ * stops an agent for about 2 s. */
+static meshd_connect_options_t cluster_tls_client(void) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_ca_file = pki_file("ca.pem");
+  o.timeout_ms = 10000;
+  return o;
+}
+
 static void start_cluster_tls(void) {
   make_pki();
-  static char ca[256], cert[256], key[256];
+  static char ca[256], cert[256], key[256], tcert[256], tkey[256];
   snprintf(ca, sizeof ca, "%s/cluster-ca.pem", pki);
   snprintf(cert, sizeof cert, "%s/cluster.pem", pki);
   snprintf(key, sizeof key, "%s/cluster.key", pki);
+  snprintf(tcert, sizeof tcert, "%s/server.pem", pki);
+  snprintf(tkey, sizeof tkey, "%s/server.key", pki);
   const char *const flags[] = {"--cluster-ca", ca, "--cluster-cert", cert, "--cluster-key", key,
-                               "--cluster-listen", "127.0.0.1:0", NULL};
-  start_server_with(flags);
+                               "--cluster-listen", "127.0.0.1:0", "--tls-cert", tcert,
+                               "--tls-key", tkey, "--agent-timeout", "10", NULL};
+  meshd_connect_options_t o = cluster_tls_client();
+  start_server_full("2", flags, &o);
 }
 
 static void stop_cluster_tls(void) {
@@ -1755,16 +1769,51 @@ static void stop_cluster_tls(void) {
 TestSuite(c_client_cluster_tls, .init = start_cluster_tls, .fini = stop_cluster_tls,
           .timeout = 60);
 
-/* Agents this client cannot reach: AUTO falls back to the proxy (the reason,
- * naming the rank, recorded; not tried again for a while, so later transfers
- * do not wait on the connection), DIRECT fails with UNAVAILABLE naming the
- * rank and its address. */
-Test(c_client_cluster_tls, auto_falls_back_when_agents_are_unreachable) {
-  meshd_client_t *c = connect_ok();
+static meshd_client_t *connect_cluster_tls(void) {
+  meshd_connect_options_t o = cluster_tls_client();
+  char why[512];
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, sizeof why);
+  cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
+  return c;
+}
+
+static void *resume_later(void *arg) {
+  sleep_ms(2000); /* well past the client's 1 s connection wait, which starts at once */
+  kill(*(pid_t *)arg, SIGCONT);
+  return NULL;
+}
+
+/* A session over TLS goes direct, over TLS to the agents: sharded bytes both
+ * ways (several messages each), nothing through the server, no fallback.
+ * Then, in a new session, an agent that does not answer (SIGSTOPped: its port
+ * accepts, no handshake follows): AUTO falls back to the proxy (the reason
+ * recorded; not tried again for a while, so later transfers do not wait on
+ * the connection) and the proxied transfers finish once it runs again; DIRECT
+ * fails with UNAVAILABLE naming the rank and its address. */
+Test(c_client_cluster_tls, direct_over_tls_and_fallback_when_an_agent_hangs) {
+  meshd_client_t *c = connect_cluster_tls();
   meshd_ref_t m = 0;
   meshd_session_t *s = session_on_mesh(c, &m);
-  cr_assert_eq(round_trip(s, m, 3000, 9), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(round_trip(s, m, (2u << 20) + 5, 8), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
   meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 1, "%s", st.last_fallback);
+  cr_assert_eq(st.direct_fetches, 2);
+  cr_assert_eq(st.proxy_uploads + st.proxy_fetches + st.fallbacks, 0, "%s", st.last_fallback);
+  meshd_session_close(s);
+
+  s = session_on_mesh(c, &m); /* no agent channels yet */
+  pid_t pid = agent_pid(0); /* the first shard: its wait starts right after the plan */
+  cr_assert_gt(pid, 0, "no rank-0 agent child of meshd %d", (int)server_pid);
+  stop_agent(pid);
+  pthread_t resumer;
+  cr_assert_eq(pthread_create(&resumer, NULL, resume_later, &pid), 0);
+  meshd_err_t rc = round_trip(s, m, 3000, 9);
+  pthread_join(resumer, NULL);
+  stopped_agent = -1;
+  cr_assert_eq(rc, MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  st = stats_of(s);
   cr_assert_eq(st.direct_uploads + st.direct_fetches, 0);
   cr_assert_eq(st.proxy_uploads, 1);
   cr_assert_eq(st.proxy_fetches, 2);
@@ -1774,11 +1823,15 @@ Test(c_client_cluster_tls, auto_falls_back_when_agents_are_unreachable) {
   cr_assert_eq(round_trip(s, m, 100, 10), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   cr_assert_lt(now_ms() - t0, 900, "a known unreachable agent was tried again");
 
+  stop_agent(pid);
   cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
-  cr_assert_eq(round_trip(s, m, 16, 11), MESHD_E_RPC);
+  rc = round_trip(s, m, 16, 11);
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(rc, MESHD_E_RPC);
   const meshd_error_info_t *info = meshd_last_error(c);
   cr_assert_str_eq(info->grpc_code_name, "UNAVAILABLE");
-  cr_assert(strstr(info->message, "direct upload: rank ") &&
+  cr_assert(strstr(info->message, "direct upload: rank 0") &&
                 strstr(info->message, "does not answer within 1000 ms"),
             "%s", info->message);
   /* the refused plan's ref stays unused; the session goes on by the proxy */

@@ -2,13 +2,14 @@
 // `meshd --local-agents 2`: --data-path=direct (the proxied Upload and Fetch are refused, so
 // every byte that arrives went straight between this process and the agents),
 // --data-path=proxy (auto uses the proxy; direct fails), and cluster mTLS on the agents'
-// port (this client cannot reach them: auto falls back, direct fails naming the rank).
+// port (this client, without a cluster certificate, goes straight to them over TLS; an
+// agent that does not answer: auto falls back, direct fails naming the rank).
 //
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, readdirSync, existsSync, openSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -69,7 +70,7 @@ before(async () => {
     startMeshd('direct', ['--data-path=direct']),
     startMeshd('proxy', ['--data-path=proxy']),
     startMeshd('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
-      '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0']),
+      '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0', '--agent-timeout', '10']),
   ]);
 });
 
@@ -151,28 +152,71 @@ test('--data-path=proxy: auto uses the proxy (reason recorded), direct fails wit
   }
 });
 
-test('agents this client cannot reach (cluster mTLS): auto falls back, direct names the rank', async () => {
+// The meshd-agent child of server `name` started with --rank rank (from /proc).
+function agentPid(name, rank) {
+  const pid = servers[name].proc.pid;
+  for (const task of readdirSync(`/proc/${pid}/task`)) {
+    for (const kid of readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8').split(/\s+/).filter(Boolean)) {
+      const argv = readFileSync(`/proc/${kid}/cmdline`, 'utf8').split('\0');
+      const at = argv.indexOf('--rank');
+      if (argv[0].endsWith('meshd-agent') && at >= 0 && argv[at + 1] === String(rank)) return Number(kid);
+    }
+  }
+  throw new Error(`no rank-${rank} agent child of meshd ${pid}`);
+}
+
+test('cluster mTLS: straight to the agents over TLS; an agent that does not answer: auto falls back, direct names the rank', async () => {
   const s = await open('mtls', 'auto');
+  let stopped = 0;
   try {
     const mesh = await s.createMesh({ gpu: 2 });
     await roundTrip(s, mesh, 3000, 4);
-    const st = s.transferStats;
-    assert.equal(st.directUploads + st.directFetches, 0);
-    assert.equal(st.proxyUploads, 1);
-    assert.equal(st.proxyFetches, 2);
-    assert.ok(st.fallbacks >= 2, JSON.stringify(st));
-    const t0 = Date.now();
-    await roundTrip(s, mesh, 10, 5); // not tried again for a while: no connection wait
-    assert.ok(Date.now() - t0 < 900, `took ${Date.now() - t0} ms`);
-    s.setDataPath('direct');
-    await assert.rejects(s.upload(mesh, [1], new Float32Array([1])), (err) => {
-      assert.equal(err.kind, 'UNAVAILABLE', err.message);
-      assert.match(err.message, /direct upload: rank \d's agent at 127\.0\.0\.1:\d+ does not answer within 1000 ms/);
-      return true;
+    assert.deepEqual(s.transferStats, {
+      directUploads: 1, directFetches: 2, proxyUploads: 0, proxyFetches: 0, fallbacks: 0, lastFallback: '',
     });
+    // A new session (no agent connections yet) while rank 1's agent is stopped: its
+    // port accepts, no handshake follows. Resumed after the 1 s wait, for the proxy.
+    const s2 = await open('mtls', 'auto');
+    try {
+      const mesh2 = await s2.createMesh({ gpu: 2 });
+      stopped = agentPid('mtls', 1);
+      process.kill(stopped, 'SIGSTOP');
+      const resume = setTimeout(() => { process.kill(stopped, 'SIGCONT'); stopped = 0; }, 2000);
+      try {
+        await roundTrip(s2, mesh2, 3000, 5);
+      } finally {
+        clearTimeout(resume);
+        if (stopped) { process.kill(stopped, 'SIGCONT'); stopped = 0; }
+      }
+      const st = s2.transferStats;
+      assert.equal(st.directUploads + st.directFetches, 0, JSON.stringify(st));
+      assert.equal(st.proxyUploads, 1);
+      assert.equal(st.proxyFetches, 2);
+      assert.match(st.lastFallback, /rank 1's agent at 127\.0\.0\.1:\d+ does not answer within 1000 ms|did not connect/);
+      const t0 = Date.now();
+      await roundTrip(s2, mesh2, 10, 6); // not tried again for a while: no connection wait
+      assert.ok(Date.now() - t0 < 900, `took ${Date.now() - t0} ms`);
+    } finally {
+      await s2.close();
+    }
+    const s3 = await open('mtls', 'direct');
+    try {
+      const mesh3 = await s3.createMesh({ gpu: 2 });
+      stopped = agentPid('mtls', 1);
+      process.kill(stopped, 'SIGSTOP');
+      await assert.rejects(s3.upload(mesh3, [1], new Float32Array([1])), (err) => {
+        assert.equal(err.kind, 'UNAVAILABLE', err.message);
+        assert.match(err.message, /direct upload: rank 1's agent at 127\.0\.0\.1:\d+ does not answer within 1000 ms/);
+        return true;
+      });
+    } finally {
+      if (stopped) { process.kill(stopped, 'SIGCONT'); stopped = 0; }
+      await s3.close();
+    }
     s.setDataPath('proxy');
-    await roundTrip(s, mesh, 10, 6);
+    await roundTrip(s, mesh, 10, 7);
   } finally {
+    if (stopped) process.kill(stopped, 'SIGCONT');
     await s.close();
   }
 });

@@ -5,10 +5,13 @@ shards in parallel, and tells the server (FinishUpload with the agents' receipts
 FinishFetch).
 
 data_path (meshd.connect): "direct" always takes this path; "proxy" never does;
-"auto" (default) takes it when the server offers PlanTransfer, the session is not
-over TLS (the agents' channels here are plaintext) and every agent of the pool
-answers a connection within CONNECT_TIMEOUT seconds (checked once per session and
-address), else the proxied Upload/Fetch.
+"auto" (default) takes it when the server offers PlanTransfer, the agents' port is
+TLS or the session is not (a session over TLS keeps its bytes encrypted), and every
+agent of the pool answers a connection within CONNECT_TIMEOUT seconds (checked once
+per session and address), else the proxied Upload/Fetch. With cluster mTLS the
+server says how to verify the agents (AgentTls in ListAgents and in each plan: the
+cluster CA and the name their certificates carry); the client presents no
+certificate, its grants authenticate Read and Write.
 
 The agents' messages used here are packed by hand (a few fields): the Python client
 generates only tensor_service.proto."""
@@ -83,6 +86,13 @@ def _fields(raw):
     return out
 
 
+def _tls_of(reply):
+    """(ca_pem bytes, server_name) from a reply's AgentTls, or None: plaintext."""
+    if not reply.HasField("agent_tls") or not reply.agent_tls.ca_pem:
+        return None
+    return reply.agent_tls.ca_pem.encode(), reply.agent_tls.server_name
+
+
 def _read_request(session_id, ref, max_chunk, after_seq):
     """meshd.agent.v1.ReadRequest packed."""
     sid = session_id.encode()
@@ -99,8 +109,8 @@ class Direct:
             raise ValueError(f"meshd: data_path must be one of {', '.join(DATA_PATHS)}, got {mode!r}")
         self.session, self.mode = session, mode
         self._lock = threading.Lock()
-        self._channels = {}
-        self._unreachable = {}  # address -> time it failed
+        self._channels = {}  # (address, tls) -> channel
+        self._unreachable = {}  # (address, tls) -> time it failed
         self._offered = None  # None: not known yet; False: the server refused PlanTransfer
         self._pool_ok = None  # auto: every agent of the pool answered
         self._probed = 0.0  # when _pool_ok was last found
@@ -113,42 +123,57 @@ class Direct:
             ch.close()
 
     # ------------------------------------------------------------ reachability
-    def _channel(self, address, timeout=CONNECT_TIMEOUT):
-        """A ready channel to the agent at address, or None when it does not connect
-        within timeout (remembered for a while)."""
+    def _channel(self, address, tls=None, timeout=CONNECT_TIMEOUT):
+        """A ready channel to the agent at address (tls: _tls_of's, the server's
+        certificate only), or None when it does not connect within timeout
+        (remembered for a while)."""
+        key = (address, tls)
         with self._lock:
-            ch = self._channels.get(address)
-            failed = self._unreachable.get(address)
+            ch = self._channels.get(key)
+            failed = self._unreachable.get(key)
         if ch is not None:
             return ch
         if failed is not None and time.monotonic() - failed < _UNREACHABLE_FOR:
             return None
-        ch = grpc.insecure_channel(address, options=_OPTIONS)
+        if tls is None:
+            ch = grpc.insecure_channel(address, options=_OPTIONS)
+        else:
+            opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls[1])] if tls[1] else [])
+            ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls[0]),
+                                     options=opts)
         try:
             grpc.channel_ready_future(ch).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             ch.close()
             with self._lock:
-                self._unreachable[address] = time.monotonic()
+                self._unreachable[key] = time.monotonic()
             return None
         with self._lock:
-            other = self._channels.setdefault(address, ch)
+            other = self._channels.setdefault(key, ch)
         if other is not ch:
             ch.close()
         return other
 
     def _pool_reachable(self):
         """auto: whether every agent of the pool answers (probed in parallel, once; a
-        failed probe is tried again after a while)."""
+        failed probe is tried again after a while). A session over TLS asked for its
+        bytes encrypted: with agents in plaintext it keeps to the server."""
         if self._pool_ok is None or (not self._pool_ok and
                                      time.monotonic() - self._probed > _UNREACHABLE_FOR):
             self._probed = time.monotonic()
+            s = self.session
             try:
-                addrs = [a["address"] for a in self.session.agents()]
+                reply = s._unary("ListAgents", s._pb.ListAgentsRequest(), s._pb.ListAgentsReply,
+                                 metadata=())
             except MeshdError:
                 return False
+            tls = _tls_of(reply)
+            if s.tls and tls is None:
+                self._pool_ok = False
+                return False
+            addrs = [a.address for a in reply.agents]
             with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(addrs)))) as ex:
-                ok = all(ex.map(lambda a: self._channel(a) is not None, addrs))
+                ok = all(ex.map(lambda a: self._channel(a, tls) is not None, addrs))
             self._pool_ok = ok and bool(addrs)
         return self._pool_ok
 
@@ -158,10 +183,6 @@ class Direct:
             return False
         if self.mode == "direct":
             return True
-        # A session over TLS asked for its bytes encrypted: agents speak plaintext
-        # to clients (the channels here are insecure), so auto keeps to the server.
-        if self.session.tls:
-            return False
         return self._offered is not False and self._pool_reachable()
 
     # ------------------------------------------------------------ server calls
@@ -182,11 +203,11 @@ class Direct:
                 return None
             raise MeshdError.from_rpc(e) from None
 
-    def _channels_for(self, shards):
-        """A channel per shard, or None if an agent does not connect."""
-        out = []
-        for sh in shards:
-            ch = self._channel(sh.address)
+    def _channels_for(self, reply):
+        """A channel per shard of a plan, or None if an agent does not connect."""
+        out, tls = [], _tls_of(reply)
+        for sh in reply.shards:
+            ch = self._channel(sh.address, tls)
             if ch is None:
                 return None
             out.append(ch)
@@ -204,7 +225,7 @@ class Direct:
         reply = self.plan(pb.PlanTransferRequest(upload=hdr))
         if reply is None:
             return None
-        chans = self._channels_for(reply.shards)
+        chans = self._channels_for(reply)
         if chans is None:
             self._abandon_upload(reply.transfer_id)
             if self.mode == "direct":
@@ -308,7 +329,7 @@ class Direct:
         reply = self.plan(pb.PlanTransferRequest(fetch=req))
         if reply is None:
             return None
-        ch = self._channel(reply.shards[0].address)
+        ch = self._channel(reply.shards[0].address, _tls_of(reply))
         if ch is None:
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)
             if self.mode == "direct":

@@ -418,8 +418,9 @@ def connect(addr: str, token: str | None = None, tls: bool = False, root_certs: 
     server's certificate instead of addr's host (default $MESHD_TLS_SERVER_NAME).
     A token is not sent in plaintext to a non-loopback address: ValueError, unless
     insecure=True. data_path: how tensor bytes move: "auto" (default) streams them
-    straight to and from the agents when the server offers it, the session is not
-    over TLS and the agents answer within 1 s, else through the server; "direct" always straight (MeshdError if it cannot);
+    straight to and from the agents when the server offers it, the agents' port is
+    TLS (cluster mTLS) or the session is not, and the agents answer within 1 s, else
+    through the server; "direct" always straight (MeshdError if it cannot);
     "proxy" always through the server (meshd/direct.py). client_name names the session
     in the server's logs; ttl_seconds its lease (0: the server's default), quota_bytes
     its memory quota (0: the server's), timeout (seconds) every call's deadline."""
