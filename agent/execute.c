@@ -148,6 +148,8 @@ static void take_locked(exec_call_t *x, const Meshd__Agent__V1__Instruction *ins
   s->instructions++;
 }
 
+static void free_kept(void *kept) { rpc_kept_free(kept); }
+
 void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   const agent_info_t *self = arg;
   exec_call_t *x = rpc_call_data(call);
@@ -169,13 +171,14 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   pthread_mutex_unlock(&mu);
   /* Queued, not run here: the handler never blocks. The instructions stay in
    * the message, which the last of them frees when done (no copy each). */
-  executor_batch_t *held = taken ? executor_batch_new((ProtobufCMessage *)msg) : NULL;
-  if (held) rpc_call_keep_message(call);
+  rpc_kept_t *kept = taken ? rpc_call_keep_message(call) : NULL;
+  executor_batch_t *held = kept ? executor_batch_new(free_kept, kept) : NULL;
   for (size_t i = 0; i < taken; i++) {
     if (held) executor_submit_in(x->ex, b->instructions[i], held);
-    else executor_submit(x->ex, b->instructions[i]);
+    else executor_submit(x->ex, b->instructions[i]); /* copies */
   }
-  executor_batch_release(held);
+  if (held) executor_batch_release(held);
+  else rpc_kept_free(kept);
 
   if (!why[0]) {
     executor_kick(x->ex); /* every batch is answered */

@@ -20,20 +20,22 @@ typedef Meshd__Agent__V1__Instruction instr_t;
 
 struct executor_batch {
   _Atomic int refs;
-  ProtobufCMessage *msg;
+  void (*release)(void *owner);
+  void *owner;
 };
 
-executor_batch_t *executor_batch_new(ProtobufCMessage *msg) {
+executor_batch_t *executor_batch_new(void (*release)(void *owner), void *owner) {
   executor_batch_t *b = malloc(sizeof *b);
   if (!b) return NULL;
   atomic_init(&b->refs, 1);
-  b->msg = msg;
+  b->release = release;
+  b->owner = owner;
   return b;
 }
 
 void executor_batch_release(executor_batch_t *b) {
   if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
-  protobuf_c_message_free_unpacked(b->msg, NULL);
+  b->release(b->owner);
   free(b);
 }
 

@@ -74,9 +74,9 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
 /* The same without the copy: ins stays where it is, inside the message b
  * holds, which the last of its queued instructions frees when done. */
 typedef struct executor_batch executor_batch_t;
-/* Holds msg (unpacked; freed with protobuf_c_message_free_unpacked) with one
- * reference, the caller's. NULL out of memory (msg is then not taken). */
-executor_batch_t *executor_batch_new(ProtobufCMessage *msg);
+/* Holds the memory of a message, `owner`, which release(owner) frees, with
+ * one reference, the caller's. NULL out of memory (owner is then not taken). */
+executor_batch_t *executor_batch_new(void (*release)(void *owner), void *owner);
 void executor_batch_release(executor_batch_t *b);
 int executor_submit_in(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
                        executor_batch_t *b);

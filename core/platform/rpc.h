@@ -249,10 +249,14 @@ bool rpc_call_peer_verified(rpc_call_t *call);
 /* One pointer of handler state, set in on_start. */
 void rpc_call_set_data(rpc_call_t *call, void *data);
 void *rpc_call_data(const rpc_call_t *call);
-/* Inside on_message: the handler keeps the message it was given, and frees it
- * itself (protobuf_c_message_free_unpacked), e.g. once work that points into
- * it is done; the layer does not free it. */
-void rpc_call_keep_message(rpc_call_t *call);
+/* Inside on_message: the handler keeps the message it was given (and every
+ * part of it), e.g. until work that points into it is done, and frees it with
+ * rpc_kept_free; the layer does not free it. Streamed requests are unpacked
+ * into an arena, so that is a few frees however many parts it has (never
+ * protobuf_c_message_free_unpacked). NULL outside on_message. */
+typedef struct rpc_kept rpc_kept_t;
+rpc_kept_t *rpc_call_keep_message(rpc_call_t *call);
+void rpc_kept_free(rpc_kept_t *kept);
 /* Keeps the call alive past on_end (e.g. held in a list another thread walks).
  * Each rpc_call_ref needs one rpc_call_unref. Without a ref a handler must not
  * touch the call after on_end returns. */

@@ -59,7 +59,8 @@ struct rpc_call {
   pthread_mutex_t mu;
   int refs;
   int in_callback;
-  bool keep_msg; /* on_message took the message it got (rpc_call_keep_message) */
+  wire_arena_t *msg_arena; /* the message on_message is given lives here */
+  bool keep_msg;           /* on_message took it (rpc_call_keep_message) */
   bool accepted;       /* counted in srv->active */
   bool started;        /* on_start ran: only then does on_end run */
   bool sent_initial_md;
@@ -407,7 +408,12 @@ bool rpc_call_peer_verified(rpc_call_t *c) {
 void rpc_call_set_data(rpc_call_t *c, void *data) { c->data = data; }
 void *rpc_call_data(const rpc_call_t *c) { return c->data; }
 
-void rpc_call_keep_message(rpc_call_t *c) { c->keep_msg = true; }
+rpc_kept_t *rpc_call_keep_message(rpc_call_t *c) {
+  c->keep_msg = c->msg_arena != NULL;
+  return (rpc_kept_t *)c->msg_arena;
+}
+
+void rpc_kept_free(rpc_kept_t *k) { wire_arena_free((wire_arena_t *)k); }
 
 /* ------------------------------------------------------------------ events */
 
@@ -574,7 +580,7 @@ static void on_read(rpc_call_t *c, bool ok) {
   }
   if (ok && buf) {
     char why[256];
-    msg = wire_unpack(buf, m->request, why, sizeof why);
+    msg = wire_unpack_arena(buf, m->request, why, sizeof why, &c->msg_arena);
     grpc_byte_buffer_destroy(buf);
     if (!msg) {
       char text[600];
@@ -598,7 +604,8 @@ static void on_read(rpc_call_t *c, bool ok) {
     c->in_callback--;
   }
   if (msg) {
-    if (!c->keep_msg) protobuf_c_message_free_unpacked(msg, NULL);
+    if (!c->keep_msg) wire_arena_free(c->msg_arena);
+    c->msg_arena = NULL;
     c->keep_msg = false;
     start_reading_locked(c);
   }

@@ -7,6 +7,7 @@
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,22 +26,91 @@ grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg) {
   return buf;
 }
 
-ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
-                              char *why, size_t whylen) {
+/* Blocks of an arena: the first sized from the packed message, each next
+ * twice the last (or the request, if larger). */
+typedef struct arena_block {
+  struct arena_block *next;
+  size_t cap, used;
+  max_align_t data[];
+} arena_block_t;
+
+struct wire_arena {
+  ProtobufCAllocator allocator; /* first: protobuf-c's allocator_data is the arena */
+  arena_block_t *head;
+  size_t next_cap;
+};
+
+static void *arena_alloc(void *data, size_t n) {
+  wire_arena_t *a = data;
+  n = (n + sizeof(max_align_t) - 1) / sizeof(max_align_t) * sizeof(max_align_t);
+  arena_block_t *b = a->head;
+  if (!b || b->cap - b->used < n) {
+    size_t cap = a->next_cap > n ? a->next_cap : n;
+    if (!(b = malloc(sizeof *b + cap))) return NULL;
+    b->cap = cap;
+    b->used = 0;
+    b->next = a->head;
+    a->head = b;
+    a->next_cap = cap * 2;
+  }
+  void *p = (char *)b->data + b->used;
+  b->used += n;
+  return p;
+}
+
+static void arena_free(void *data, void *p) {
+  (void)data, (void)p; /* freed with the arena */
+}
+
+void wire_arena_free(wire_arena_t *a) {
+  if (!a) return;
+  for (arena_block_t *b = a->head, *next; b; b = next) {
+    next = b->next;
+    free(b);
+  }
+  free(a);
+}
+
+/* unpack: protobuf_c_message_unpack with the allocator (NULL: malloc's). */
+static ProtobufCMessage *unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+                                char *why, size_t whylen, ProtobufCAllocator *allocator) {
   grpc_byte_buffer_reader r;
   if (why && whylen) why[0] = '\0';
   if (!buf || !grpc_byte_buffer_reader_init(&r, buf)) return NULL;
   grpc_slice s = grpc_byte_buffer_reader_readall(&r);
   grpc_byte_buffer_reader_destroy(&r);
   ProtobufCMessage *msg =
-      protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+      protobuf_c_message_unpack(desc, allocator, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
   /* protobuf-c reads strings as C strings: "add\0evil" would become "add". */
   if (msg && why &&
       proto_check_strings(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), why, whylen) != 0) {
-    protobuf_c_message_free_unpacked(msg, NULL);
+    protobuf_c_message_free_unpacked(msg, allocator);
     msg = NULL;
   }
   grpc_slice_unref(s);
+  return msg;
+}
+
+ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+                              char *why, size_t whylen) {
+  return unpack(buf, desc, why, whylen, NULL);
+}
+
+ProtobufCMessage *wire_unpack_arena(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+                                    char *why, size_t whylen, wire_arena_t **arena) {
+  *arena = NULL;
+  wire_arena_t *a = calloc(1, sizeof *a);
+  if (!a) return NULL;
+  a->allocator = (ProtobufCAllocator){arena_alloc, arena_free, a};
+  /* Unpacked, a message takes a few times its packed bytes (structs, pointers). */
+  size_t len = buf ? grpc_byte_buffer_length(buf) : 0;
+  a->next_cap = len * 4 + 1024;
+  ProtobufCMessage *msg = unpack(buf, desc, why, whylen, &a->allocator);
+  if (!msg) {
+    wire_arena_free(a);
+    return NULL;
+  }
+  *arena = a;
   return msg;
 }
 

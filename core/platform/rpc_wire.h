@@ -18,6 +18,15 @@ grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg);
 ProtobufCMessage *wire_unpack(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
                               char *why, size_t whylen);
 
+/* wire_unpack into an arena: the message's parts are carved from a few large
+ * blocks, so unpacking a batch of many instructions costs a few mallocs, and
+ * freeing it (wire_arena_free, not protobuf_c_message_free_unpacked) a few
+ * frees. *arena is NULL when the result is. */
+typedef struct wire_arena wire_arena_t;
+ProtobufCMessage *wire_unpack_arena(grpc_byte_buffer *buf, const ProtobufCMessageDescriptor *desc,
+                                    char *why, size_t whylen, wire_arena_t **arena);
+void wire_arena_free(wire_arena_t *a);
+
 /* A small fixed-capacity builder for grpc_channel_args. */
 typedef struct wire_args {
   grpc_arg args[24];

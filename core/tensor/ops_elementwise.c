@@ -22,28 +22,44 @@ static bool is_bool_operand(const op_value_t *v) {
   return (v->kind == VAL_TENSOR && v->tensor->dtype == DTYPE_BOOL) || v->kind == VAL_BOOL;
 }
 
+/* The message of a broadcast that failed at params[upto], against `shape`,
+ * the broadcast of the tensors before it: named only now, as formatting the
+ * names for every call cost more than the broadcast. */
+static int broadcast_error(const op_args_t *a, const int *params, int upto, const int64_t *shape,
+                           int nd, meshd_error_t *e) {
+  char names[4 * OP_NAME_MAX] = "", label[5 * OP_NAME_MAX];
+  int joined = 0;
+  for (int k = 0; k < upto; k++) {
+    if (!arg_tensor(a, params[k])) continue;
+    size_t len = strlen(names);
+    snprintf(names + len, sizeof names - len, "%s%s", joined ? " and " : "", PN(a, params[k]));
+    joined++;
+  }
+  if (joined > 1) snprintf(label, sizeof label, "the broadcast of %s", names);
+  else snprintf(label, sizeof label, "%s", names);
+  const tensor_meta_t *t = arg_tensor(a, params[upto]);
+  int64_t out[LAYOUT_MAX_DIMS];
+  int nout;
+  layout_broadcast(OPN(a), label, shape, nd, PN(a, params[upto]), t->layout.sizes, t->layout.ndim,
+                   out, &nout, e);
+  return -1;
+}
+
 /* Broadcasts the tensors among params[0..n) (scalars and None take no part). */
 static int broadcast_params(const op_args_t *a, const int *params, int n, int64_t *shape, int *nd,
                             meshd_error_t *e) {
   *nd = -1;
-  int joined = 0;
-  char names[4 * OP_NAME_MAX] = "", label[5 * OP_NAME_MAX];
   for (int k = 0; k < n; k++) {
     const tensor_meta_t *t = arg_tensor(a, params[k]);
     if (!t) continue;
     if (*nd >= 0) {
-      if (joined > 1) snprintf(label, sizeof label, "the broadcast of %s", names);
-      else snprintf(label, sizeof label, "%s", names);
-      if (layout_broadcast(OPN(a), label, shape, *nd, PN(a, params[k]), t->layout.sizes,
-                           t->layout.ndim, shape, nd, e))
-        return -1;
+      if (layout_broadcast(NULL, "", shape, *nd, "", t->layout.sizes, t->layout.ndim, shape, nd,
+                           e))
+        return broadcast_error(a, params, k, shape, *nd, e);
     } else {
       *nd = t->layout.ndim;
       memcpy(shape, t->layout.sizes, sizeof(int64_t) * (size_t)t->layout.ndim);
     }
-    size_t len = strlen(names);
-    snprintf(names + len, sizeof names - len, "%s%s", joined ? " and " : "", PN(a, params[k]));
-    joined++;
   }
   if (*nd < 0) *nd = 0;
   return 0;
