@@ -928,23 +928,6 @@ static int dtype_by_name(const char *name) {
   return v && v->value ? v->value : 0;
 }
 
-static size_t itemsize(int dt) {
-  switch (dt) {
-  case MESHD__V1__DTYPE__DTYPE_FLOAT64:
-  case MESHD__V1__DTYPE__DTYPE_INT64:
-    return 8;
-  case MESHD__V1__DTYPE__DTYPE_FLOAT32:
-  case MESHD__V1__DTYPE__DTYPE_INT32:
-    return 4;
-  case MESHD__V1__DTYPE__DTYPE_FLOAT16:
-  case MESHD__V1__DTYPE__DTYPE_BFLOAT16:
-  case MESHD__V1__DTYPE__DTYPE_INT16:
-    return 2;
-  default:
-    return 1;
-  }
-}
-
 /* The load's result tensor into *info. */
 static void load_info(const Meshd__V1__CommandResult *r, meshd_load_info_t *info) {
   memset(info, 0, sizeof *info);
@@ -957,7 +940,7 @@ static void load_info(const Meshd__V1__CommandResult *r, meshd_load_info_t *info
   for (size_t i = 0; name[i] && i + 1 < sizeof info->dtype; i++)
     info->dtype[i] = (char)(name[i] >= 'A' && name[i] <= 'Z' ? name[i] + 32 : name[i]);
   info->ndim = t->n_shape < 16 ? t->n_shape : 16;
-  info->bytes = itemsize(t->dtype);
+  info->bytes = direct_dtype_bytes(t->dtype);
   for (size_t i = 0; i < info->ndim; i++) {
     info->shape[i] = t->shape[i];
     info->bytes *= t->shape[i] > 0 ? (uint64_t)t->shape[i] : 0;

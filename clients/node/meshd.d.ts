@@ -181,6 +181,17 @@ export interface FactoryOptions {
   step?: number;
 }
 
+export interface PipelineOptions {
+  /** commands per Submit message, 1..4096 (default 256) */
+  maxBatch?: number;
+}
+
+export interface PipelineStats {
+  commands: number;
+  messages: number;
+  replies: number;
+}
+
 /** One Command for execute(): exactly one kind; seq is filled in. */
 export type Command =
   | { create_mesh: { ref: number; dims: Dim[] } }
@@ -389,6 +400,14 @@ export class Session {
   unary<M extends keyof UnaryMethods>(method: M, request: UnaryMethods[M][0], options?: CallOptions): Promise<UnaryMethods[M][1]>;
   /** Runs one Command and returns its CommandResult; a rejected command throws a MeshdError with .kind. */
   execute(command: Command, options?: CallOptions): Promise<CommandResult>;
+  /**
+   * Later commands go on one Submit stream, many to a message (what was issued before the
+   * event loop turns, at most maxBatch); each still settles with its own answer. Upload, fetch,
+   * inspectUrl and close wait for every outstanding answer first. null: back to unary Execute.
+   */
+  setPipeline(options?: PipelineOptions | null): Promise<void>;
+  /** What the pipeline sent and got back; null without one. */
+  pipelineStats(): PipelineStats | null;
 
   /** A mesh of the named dims and sizes ({gpu: 2}). */
   createMesh(dims: Record<string, number>): Promise<MeshMeta>;

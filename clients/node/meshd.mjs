@@ -198,6 +198,7 @@ export class Session {
   #offUntil = 0; // auto: no direct try before this (an agent did not connect)
   #protoFile;
   #wide; // TensorService on the same channel, 64-bit integers as strings (PlanTransfer)
+  #pipe = null; // setPipeline: the Submit stream, its queue and the answers awaited
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -285,9 +286,123 @@ export class Session {
   async execute(command, { timeoutMs } = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     this.seq += 1;
-    const res = await this.unary('Execute', { seq: this.seq, ...command }, { timeoutMs });
+    const res = this.#pipe
+      ? await this.#submit({ seq: this.seq, ...command }, command.sync ? (timeoutMs ?? this.timeoutMs) : undefined)
+      : await this.unary('Execute', { seq: this.seq, ...command }, { timeoutMs });
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     return res;
+  }
+
+  // ------------------------------------------------------------------ pipeline
+  // With a pipeline, commands (execute, so call, factory, reduce, sync...) go on one
+  // Submit stream, many to a message: whatever was issued before the event loop
+  // turns (setImmediate), at most maxBatch (1..4096, default 256) to a message.
+  // Each call still resolves or rejects with its own answer; issue many before
+  // awaiting them (e.g. Promise.all) and they share messages. Upload, fetch,
+  // inspectUrl and close first wait for every answer outstanding, so refs reach the
+  // server in order. setPipeline(null) waits for them and goes back to Execute.
+  async setPipeline(opts = {}) {
+    if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
+    const maxBatch = opts?.maxBatch ?? 256;
+    if (opts !== null && (!Number.isInteger(maxBatch) || maxBatch < 1 || maxBatch > 4096)) {
+      throw new RangeError(`meshd: setPipeline: maxBatch must be an integer in 1..4096, got ${maxBatch}`);
+    }
+    await this.#drain();
+    if (this.#pipe) {
+      this.#pipe.closing = true;
+      this.#pipe.stream.end();
+      this.#pipe = null;
+    }
+    if (opts === null) return;
+    const stream = this.client.Submit(this.#md);
+    const pipe = { stream, maxBatch, queue: [], pending: new Map(), waiters: [], scheduled: false,
+      broken: null, closing: false, messages: 0, commands: 0, replies: 0 };
+    stream.on('data', (reply) => this.#answers(pipe, reply));
+    stream.on('error', (err) => this.#broke(pipe, MeshdError.fromRpc(err)));
+    stream.on('end', () => this.#broke(pipe, new MeshdError('UNAVAILABLE',
+      'the Submit stream ended before every command was answered', grpc.status.UNAVAILABLE)));
+    this.#pipe = pipe;
+  }
+
+  // {commands, messages, replies}: commands sent on the pipeline's stream, in how many
+  // messages, answered in how many replies (null without a pipeline).
+  pipelineStats() {
+    const p = this.#pipe;
+    return p ? { commands: p.commands, messages: p.messages, replies: p.replies } : null;
+  }
+
+  #submit(cmd, timeoutMs) {
+    const pipe = this.#pipe;
+    if (pipe.broken) return Promise.reject(pipe.broken);
+    return new Promise((resolve, reject) => {
+      let timer;
+      const done = (fn) => (v) => { if (timer) clearTimeout(timer); fn(v); };
+      pipe.pending.set(cmd.seq, { resolve: done(resolve), reject: done(reject) });
+      pipe.queue.push(cmd);
+      if (pipe.queue.length >= pipe.maxBatch) this.#flush(pipe);
+      else if (!pipe.scheduled) {
+        pipe.scheduled = true;
+        setImmediate(() => this.#flush(pipe));
+      }
+      if (timeoutMs !== undefined) {
+        timer = setTimeout(() => {
+          if (!pipe.pending.delete(cmd.seq)) return;
+          this.#settled(pipe);
+          reject(new MeshdError('DEADLINE_EXCEEDED', `no answer to command seq ${cmd.seq} within ${timeoutMs} ms`,
+            grpc.status.DEADLINE_EXCEEDED, cmd.seq));
+        }, timeoutMs);
+      }
+    });
+  }
+
+  #flush(pipe) {
+    pipe.scheduled = false;
+    while (pipe.queue.length && !pipe.broken) {
+      const cmds = pipe.queue.splice(0, pipe.maxBatch);
+      pipe.stream.write(cmds.length === 1 ? cmds[0] : { batch: cmds });
+      pipe.messages += 1;
+      pipe.commands += cmds.length;
+    }
+  }
+
+  #answers(pipe, reply) {
+    pipe.replies += 1;
+    const results = reply.results?.length ? reply.results : (reply.result ? [reply.result] : []);
+    for (const r of results) {
+      const seq = Number(r.seq);
+      const p = pipe.pending.get(seq);
+      if (!p) {
+        // seq 0: a whole message refused (this client never sends one such)
+        if (seq === 0 && r.error) this.#broke(pipe, MeshdError.fromError(r.error));
+        continue;
+      }
+      pipe.pending.delete(seq);
+      p.resolve(r); // execute() turns an error into its MeshdError
+    }
+    this.#settled(pipe);
+  }
+
+  // The stream failed: every command awaiting an answer gets its error, and so do later ones.
+  #broke(pipe, err) {
+    if (pipe.closing && pipe.pending.size === 0) return;
+    if (!pipe.broken) pipe.broken = err;
+    for (const p of pipe.pending.values()) p.reject(pipe.broken);
+    pipe.pending.clear();
+    pipe.queue.length = 0;
+    this.#settled(pipe);
+  }
+
+  #settled(pipe) {
+    if (pipe.pending.size === 0) for (const w of pipe.waiters.splice(0)) w();
+  }
+
+  // Sends what is queued and waits until every command sent has its answer.
+  #drain() {
+    const pipe = this.#pipe;
+    if (!pipe) return Promise.resolve();
+    this.#flush(pipe);
+    if (pipe.pending.size === 0) return Promise.resolve();
+    return new Promise((resolve) => pipe.waiters.push(resolve));
   }
 
   // -------------------------------------------------------------- conveniences
@@ -318,7 +433,8 @@ export class Session {
 
   // What the file at `url` holds, read by the first agent of `mesh` (InspectUrl):
   // {format, file_size, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
-  inspectUrl(url, mesh = 0) {
+  async inspectUrl(url, mesh = 0) {
+    await this.#drain();
     return this.unary('InspectUrl', { url, mesh: mesh.ref ?? mesh });
   }
 
@@ -400,6 +516,7 @@ export class Session {
   }
 
   async #upload(header, bytes) {
+    await this.#drain(); // the header's ref after every queued command's
     if (this.#wanted()) {
       const tensor = await this.#directUpload(header, bytes);
       if (tensor) return tensor;
@@ -426,6 +543,7 @@ export class Session {
   // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
   // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED.
   async fetch(ref, coords = {}, { timeoutMs } = {}) {
+    await this.#drain(); // the tensor's command answered first
     const request = {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
@@ -673,6 +791,7 @@ export class Session {
     if (this.closed) return;
     this.stopKeepAlive();
     try {
+      if (this.#pipe) await this.setPipeline(null); // every command answered, then the stream ends
       await this.unary('CloseSession', {});
     } finally {
       this.closed = true;

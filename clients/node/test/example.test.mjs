@@ -185,3 +185,39 @@ test('factory takes a MeshMeta, and a list of tensors goes as a tensor list (cat
     await s.close();
   }
 });
+
+test('setPipeline: calls issued together share Submit messages, each settles with its own answer', async () => {
+  const s = await connect(addr, { clientName: 'node-pipeline' });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    await assert.rejects(s.setPipeline({ maxBatch: 0 }), /maxBatch must be an integer in 1\.\.4096, got 0/);
+    await s.setPipeline({ maxBatch: 64 });
+    const x = await s.factory({ kind: 'ones', mesh, shape: [2] });
+    // A chain of 150 adds issued before any is awaited (each names the last one's ref),
+    // with an unknown op in the middle: it alone is refused, and the chain goes on.
+    const calls = [];
+    let prev = { ref: x.ref };
+    for (let i = 0; i < 150; i++) {
+      if (i === 75) calls.push(s.call('no_such_op', [prev]));
+      calls.push(s.call('add', [prev, 1]));
+      prev = { ref: s.nextRef };
+    }
+    const settled = await Promise.allSettled(calls);
+    const refused = settled.filter((r) => r.status === 'rejected');
+    assert.equal(refused.length, 1, refused.map((r) => String(r.reason)).join('\n'));
+    assert.equal(refused[0].reason.kind, 'UNKNOWN_OP', String(refused[0].reason));
+    assert.equal(settled[75].status, 'rejected', 'the refused one is the 76th issued');
+    await s.sync();
+    const stats = s.pipelineStats();
+    assert.ok(stats.commands >= 152, JSON.stringify(stats));
+    assert.ok(stats.messages <= 8 && stats.messages * 10 < stats.commands, `not batched: ${JSON.stringify(stats)}`);
+    // fetch waits for every answer, then reads the chain's end: 1 + 150
+    assert.deepEqual([...await s.fetch(prev.ref, { gpu: 1 })], [151, 151]);
+    await s.setPipeline(null);
+    assert.equal(s.pipelineStats(), null);
+    const y = await s.call('mul', [prev, 2]); // unary Execute again
+    assert.deepEqual([...await s.fetch(y, { gpu: 0 })], [302, 302]);
+  } finally {
+    await s.close();
+  }
+});

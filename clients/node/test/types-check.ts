@@ -34,6 +34,12 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     void [path, stats.directUploads + stats.fallbacks, stats.lastFallback.length, DATA_PATHS[0], DIRECT_CONNECT_MS];
     // @ts-expect-error not a data path
     s.setDataPath('fast');
+    await s.setPipeline({ maxBatch: 64 });
+    const ps = s.pipelineStats();
+    if (ps) void [ps.commands + ps.messages + ps.replies];
+    await s.setPipeline(null);
+    // @ts-expect-error maxBatch is a number
+    await s.setPipeline({ maxBatch: 'many' });
 
     const v: Fetched = await s.fetch(total, { gpu: 1 }, { timeoutMs: 1000 });
     const shape: number[] = v.shape;
