@@ -837,8 +837,18 @@ void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
   if (!srv->started || srv->shut_down) return;
   rpc_server_stop_accepting(srv);
   int grace_ms = grace_seconds > 0 ? (int)(grace_seconds * 1000) : 1;
-  grpc_event ev = grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag,
-                                              wire_deadline(grace_ms), NULL);
+  int64_t end = rpc_now_ms() + grace_ms;
+  grpc_event ev;
+  for (;;) {
+    int64_t left = end - rpc_now_ms();
+    ev = grpc_completion_queue_pluck(srv->shutdown_cq, &srv->shutdown_tag,
+                                     wire_deadline(left < 50 ? (left > 0 ? (int)left : 1) : 50), NULL);
+    if (ev.type != GRPC_QUEUE_TIMEOUT || left <= 50) break;
+    /* No call left: only idle client connections keep the shutdown open
+     * (gRPC waits for their peers to close them after its GOAWAY, seconds):
+     * cancelling all calls disconnects them now. */
+    if (rpc_server_active_calls(srv) == 0) break;
+  }
   if (ev.type == GRPC_QUEUE_TIMEOUT) {
     int active = rpc_server_active_calls(srv);
     if (active > 0)

@@ -75,6 +75,30 @@ def test_sigkilled_agent_is_dropped_and_restarted(meshd_server):
     lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=10.0, log=srv.log)
 
 
+def test_an_idle_connection_does_not_hold_up_the_stop(meshd_server):
+    """A client connected with no call in flight (here an HTTP/2 peer that never
+    answers the server's GOAWAY, the worst case of an idle channel) must not keep
+    meshd waiting through --drain-seconds: with no call left, the connections
+    are closed at once."""
+    import socket
+    drain = 20
+    srv = meshd_server(1, "--drain-seconds", drain)
+    idle = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    try:
+        # The HTTP/2 preface and an empty SETTINGS frame: a live connection to gRPC.
+        idle.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        time.sleep(0.3)
+        os.kill(srv.pid, signal.SIGTERM)
+        try:
+            rc = srv.proc.wait(drain / 2)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"meshd still running {drain / 2} s after SIGTERM with only an idle "
+                        f"connection open (--drain-seconds {drain})\n{lib.log_tail(srv.log)}")
+        assert rc == 0, f"exit code {rc}\n{lib.log_tail(srv.log)}"
+    finally:
+        idle.close()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_drains_and_exits_zero(meshd_server, watches, sig):
     drain = 2
