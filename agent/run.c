@@ -1,6 +1,5 @@
 /* What each instruction does on the agent (run.h). */
 #include <inttypes.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +9,7 @@
 #include "load.h"
 #include "log.h"
 #include "reduction.h"
+#include "runtime.h"
 #include "run.h"
 #include "snapshot.h"
 #include "validate.h"
@@ -194,21 +194,12 @@ typedef struct held {
   ref_failure_t why;
 } held_t;
 
-/* A call's held inputs, about 23 KiB: one per worker thread, kept (freed when
- * the thread ends), since a calloc of that size per instruction cost more
- * than a tiny op's kernel. Reset for each call; NULL out of memory. */
-static pthread_key_t held_key;
-static pthread_once_t held_once = PTHREAD_ONCE_INIT;
-
-static void held_key_make(void) { (void)pthread_key_create(&held_key, free); }
-
+/* A call's held inputs, about 23 KiB: one per worker thread (runtime.h),
+ * since a calloc of that size per instruction cost more than a tiny op's
+ * kernel. Reset for each call; NULL out of memory. */
 static held_t *held_get(void) {
-  pthread_once(&held_once, held_key_make);
-  held_t *h = pthread_getspecific(held_key);
-  if (!h && (h = malloc(sizeof *h)) && pthread_setspecific(held_key, h)) {
-    free(h);
-    h = NULL;
-  }
+  static runtime_scratch_t scratch = RUNTIME_SCRATCH_INIT(sizeof(held_t));
+  held_t *h = runtime_scratch(&scratch);
   if (h) {
     h->n = h->nlists = 0;
     h->failed = false;

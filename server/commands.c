@@ -1,6 +1,5 @@
 #include "commands.h"
 
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -12,6 +11,7 @@
 #include "checks.h"
 #include "emit.h"
 #include "reduction.h"
+#include "runtime.h"
 
 #define MAX_ARGS 16
 #define MAX_LIST 64
@@ -513,23 +513,11 @@ typedef struct call_args {
   char labels[MAX_ARGS * 2][48];
 } call_args_t;
 
-/* A Call's arguments, about 29 KiB: one per thread, kept (freed when the
- * thread ends), since a malloc and free of that size per command made glibc
- * consolidate its free lists each time. cmd_call does not recurse. NULL out
- * of memory. */
-static pthread_key_t call_args_key;
-static pthread_once_t call_args_once = PTHREAD_ONCE_INIT;
-
-static void call_args_key_make(void) { (void)pthread_key_create(&call_args_key, free); }
-
+/* A Call's arguments, about 29 KiB: one per thread (runtime.h), as cmd_call
+ * does not recurse. NULL out of memory. */
 static call_args_t *call_args_get(void) {
-  pthread_once(&call_args_once, call_args_key_make);
-  call_args_t *ca = pthread_getspecific(call_args_key);
-  if (!ca && (ca = malloc(sizeof *ca)) && pthread_setspecific(call_args_key, ca)) {
-    free(ca);
-    ca = NULL;
-  }
-  return ca;
+  static runtime_scratch_t scratch = RUNTIME_SCRATCH_INIT(sizeof(call_args_t));
+  return runtime_scratch(&scratch);
 }
 
 static void call_args_done(call_args_t *ca) {

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <malloc.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,4 +84,22 @@ void runtime_tune_malloc(void) {
    * 32 MiB free at a heap's top kept rather than trimmed. */
   mallopt(M_MMAP_THRESHOLD, 8 << 20);
   mallopt(M_TRIM_THRESHOLD, 32 << 20);
+}
+
+void *runtime_scratch(runtime_scratch_t *s) {
+  static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+  if (!atomic_load_explicit(&s->ready, memory_order_acquire)) {
+    pthread_mutex_lock(&mu);
+    bool made = atomic_load_explicit(&s->ready, memory_order_relaxed) ||
+                pthread_key_create(&s->key, free) == 0;
+    if (made) atomic_store_explicit(&s->ready, true, memory_order_release);
+    pthread_mutex_unlock(&mu);
+    if (!made) return NULL;
+  }
+  void *p = pthread_getspecific(s->key);
+  if (!p && (p = malloc(s->size)) && pthread_setspecific(s->key, p) != 0) {
+    free(p);
+    p = NULL;
+  }
+  return p;
 }

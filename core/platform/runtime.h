@@ -2,6 +2,8 @@
 #ifndef MESHD_RUNTIME_H
 #define MESHD_RUNTIME_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <time.h>
 
@@ -24,6 +26,21 @@ void runtime_random_hex(char *out, size_t n);
 /* "HOST:PORT" that a local peer dials to reach a server listening on `listen`
  * with bound port `port`: a wildcard host (0.0.0.0, [::], empty) becomes 127.0.0.1. */
 void runtime_local_address(const char *listen, int port, char *out, size_t len);
+
+/* Per-thread scratch memory of a fixed size, for a record too big for the stack
+ * that a hot path needs once per call (a malloc of that size each call made
+ * glibc consolidate its free lists): allocated on a thread's first use, kept,
+ * freed when the thread ends. The caller must not need two at once.
+ *
+ *   static runtime_scratch_t s = RUNTIME_SCRATCH_INIT(sizeof(big_t));
+ *   big_t *b = runtime_scratch(&s);   // NULL out of memory (uninitialised bytes) */
+typedef struct runtime_scratch {
+  atomic_bool ready;
+  pthread_key_t key;
+  size_t size;
+} runtime_scratch_t;
+#define RUNTIME_SCRATCH_INIT(bytes) {false, 0, (bytes)}
+void *runtime_scratch(runtime_scratch_t *s);
 
 /* *ts = now on `clock` + ms: the deadline of a pthread_cond_timedwait (whose
  * condition variable uses that clock). */
