@@ -102,9 +102,10 @@ ProtobufCMessage *wire_unpack_arena(grpc_byte_buffer *buf, const ProtobufCMessag
   wire_arena_t *a = calloc(1, sizeof *a);
   if (!a) return NULL;
   a->allocator = (ProtobufCAllocator){arena_alloc, arena_free, a};
-  /* Unpacked, a message takes a few times its packed bytes (structs, pointers). */
+  /* Unpacked, a message takes several times its packed bytes (structs, pointers:
+   * about 7 for a batch of tiny instructions), so that one block is usually all. */
   size_t len = buf ? grpc_byte_buffer_length(buf) : 0;
-  a->next_cap = len * 4 + 1024;
+  a->next_cap = len * 8 + 1024;
   ProtobufCMessage *msg = unpack(buf, desc, why, whylen, &a->allocator);
   if (!msg) {
     wire_arena_free(a);
