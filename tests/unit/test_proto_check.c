@@ -316,7 +316,7 @@ Test(proto_check, arena_unpack_matches_malloc_unpack) {
   static Meshd__V1__Call calls[N];
   static Meshd__V1__Arg args[N][2], *argp[N][2];
   static uint64_t results[N];
-  static char ops[N][24];
+  static char ops[N][48];
   for (int i = 0; i < N; i++) {
     meshd__v1__command__init(&cmds[i]);
     meshd__v1__call__init(&calls[i]);
