@@ -9,6 +9,7 @@
 #include "executor.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "health.h"
+#include "log.h"
 #include "rpc.h"
 #include "secret.h"
 
@@ -72,6 +73,10 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
  * peer; both UNAUTHENTICATED otherwise. guard_arg NULL: no certificate check. */
 grpc_status_code agent_peer_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
                                   size_t msglen);
+/* Logs a refused call at warn with its method, peer and why, at most 10 lines
+ * in 10 s per `limit` (then how many were not logged); `what` names them in
+ * that line ("calls", "grants"). */
+void agent_log_refused(log_limit_t *limit, rpc_call_t *call, const char *why, const char *what);
 
 /* ---- transfer_grant.c: Read and Write by a client with a grant ------------ */
 

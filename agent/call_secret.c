@@ -55,13 +55,7 @@ static grpc_status_code refuse(rpc_call_t *call, const char *why, char *msg, siz
 
 static grpc_status_code refuse(rpc_call_t *call, const char *why, char *msg, size_t msglen,
                                const char *fmt, ...) {
-  int held = 0;
-  if (log_allow(&refusals, 10, 10000, &held)) {
-    char *peer = rpc_call_peer(call);
-    log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?", why);
-    if (held) log_warn("agent", "(and %d more calls refused in the last 10 s, not logged)", held);
-    free(peer);
-  }
+  agent_log_refused(&refusals, call, why, "calls");
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, msglen, fmt, ap);
@@ -103,6 +97,15 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
                                                    : "not registered with a server now",
                 msg, msglen, "this agent serves only the server it registered with; the call "
                 "lacks that server's secret (metadata %s)", SECRET_AGENT_MD);
+}
+
+void agent_log_refused(log_limit_t *limit, rpc_call_t *call, const char *why, const char *what) {
+  int held = 0;
+  if (!log_allow(limit, 10, 10000, &held)) return;
+  char *peer = rpc_call_peer(call);
+  log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?", why);
+  if (held) log_warn("agent", "(and %d more %s refused in the last 10 s, not logged)", held, what);
+  free(peer);
 }
 
 grpc_status_code agent_peer_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,

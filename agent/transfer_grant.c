@@ -94,13 +94,7 @@ static int refuse(rpc_call_t *call, int result, int code, char *msg, size_t msgl
   va_start(ap, fmt);
   vsnprintf(msg, msglen, fmt, ap);
   va_end(ap);
-  int held = 0;
-  if (log_allow(&refusals, 10, 10000, &held)) {
-    char *peer = rpc_call_peer(call);
-    log_warn("agent", "refused %s from %s: %s", rpc_call_method(call), peer ? peer : "?", msg);
-    if (held) log_warn("agent", "(and %d more grants refused in the last 10 s, not logged)", held);
-    free(peer);
-  }
+  agent_log_refused(&refusals, call, msg, "grants");
   return code;
 }
 

@@ -108,6 +108,24 @@ test("expected objects are present", () => {
   assert.ok(objects.some((o) => o.obj.kind === "ConfigMap"), "a ConfigMap");
 });
 
+test("agents' NetworkPolicy: direct-path clients reach the gRPC port and nothing else", () => {
+  const policy = find("NetworkPolicy", "meshd-agent");
+  const rules = policy.spec.ingress.filter((r) =>
+    (r.from ?? []).some((f) => f.podSelector?.matchLabels?.["meshd.io/data-client"] === "true"));
+  assert.equal(rules.length, 1, "one rule for pods labelled meshd.io/data-client=true");
+  const [rule] = rules;
+  assert.deepEqual(rule.ports, [{ port: 50052, protocol: "TCP" }], "the agents' gRPC port only");
+  const peer = rule.from.find((f) => f.podSelector?.matchLabels?.["meshd.io/data-client"] === "true");
+  assert.deepEqual(peer.namespaceSelector, {}, "clients in any namespace");
+  const grpcPort = find("StatefulSet", "meshd-agent").spec.template.spec.containers
+    .flatMap((c) => c.ports ?? []).find((p) => p.name === "grpc");
+  assert.equal(grpcPort?.containerPort, 50052, "the rule's port is the container port named grpc");
+  for (const r of policy.spec.ingress) {
+    const open = !r.from;
+    if (open) assert.ok(!(r.ports ?? []).some((p) => p.port === 50052), "the gRPC port is not open to all");
+  }
+});
+
 const PROBES = {
   meshd: { port: 50051, ready: "meshd.v1.TensorService" },
   "meshd-agent": { port: 50052, ready: "meshd.agent.v1.Agent" },
