@@ -96,15 +96,19 @@ static void send_queued(pipeline_t *p, bool only_due) {
   rpc_bytes_t *m = rpc_bytes_copy(p->buf, p->len);
   size_t n = p->nq;
   p->len = p->nq = 0;
+  /* Counted before the write: the server may answer before it returns, and
+   * a caller that saw the answer must see the message counted. */
+  p->stats.commands_sent += n;
+  p->stats.messages_sent++;
+  p->stats.delay_flushes += only_due;
   pthread_mutex_unlock(&p->mu);
   int rc = m ? rpc_stream_write_raw(p->st, m) : -1;
   rpc_bytes_free(m);
   pthread_mutex_lock(&p->mu);
-  if (rc == 0) {
-    p->stats.commands_sent += n;
-    p->stats.messages_sent++;
-    p->stats.delay_flushes += only_due;
-  } else {
+  if (rc != 0) {
+    p->stats.commands_sent -= n;
+    p->stats.messages_sent--;
+    p->stats.delay_flushes -= only_due;
     /* The call is over (the reader gets its status) or we ran out of
      * memory: either way nothing more goes out, and waiters give up. */
     p->write_failed = true;
