@@ -148,8 +148,6 @@ static void take_locked(exec_call_t *x, const Meshd__Agent__V1__Instruction *ins
   s->instructions++;
 }
 
-static void free_kept(void *kept) { rpc_kept_free(kept); }
-
 void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   const agent_info_t *self = arg;
   exec_call_t *x = rpc_call_data(call);
@@ -172,7 +170,7 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   /* Queued, not run here: the handler never blocks. The instructions stay in
    * the message, which the last of them frees when done (no copy each). */
   rpc_kept_t *kept = taken ? rpc_call_keep_message(call) : NULL;
-  executor_batch_t *held = kept ? executor_batch_new(free_kept, kept) : NULL;
+  executor_batch_t *held = kept ? executor_batch_new(kept) : NULL;
   for (size_t i = 0; i < taken; i++) {
     if (held) executor_submit_in(x->ex, b->instructions[i], held);
     else executor_submit(x->ex, b->instructions[i]); /* copies */

@@ -20,22 +20,20 @@ typedef Meshd__Agent__V1__Instruction instr_t;
 
 struct executor_batch {
   _Atomic int refs;
-  void (*release)(void *owner);
-  void *owner;
+  rpc_kept_t *kept;
 };
 
-executor_batch_t *executor_batch_new(void (*release)(void *owner), void *owner) {
+executor_batch_t *executor_batch_new(rpc_kept_t *kept) {
   executor_batch_t *b = malloc(sizeof *b);
   if (!b) return NULL;
   atomic_init(&b->refs, 1);
-  b->release = release;
-  b->owner = owner;
+  b->kept = kept;
   return b;
 }
 
 void executor_batch_release(executor_batch_t *b) {
   if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
-  b->release(b->owner);
+  rpc_kept_free(b->kept);
   free(b);
 }
 

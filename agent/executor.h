@@ -29,6 +29,7 @@
 #include "backend.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "refs.h"
+#include "rpc.h"
 #include "run.h"
 
 typedef struct executor executor_t;
@@ -74,9 +75,9 @@ int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
 /* The same without the copy: ins stays where it is, inside the message b
  * holds, which the last of its queued instructions frees when done. */
 typedef struct executor_batch executor_batch_t;
-/* Holds the memory of a message, `owner`, which release(owner) frees, with
- * one reference, the caller's. NULL out of memory (owner is then not taken). */
-executor_batch_t *executor_batch_new(void (*release)(void *owner), void *owner);
+/* Holds a message the Execute handler kept (rpc_call_keep_message), with one
+ * reference, the caller's. NULL out of memory (kept is then not taken). */
+executor_batch_t *executor_batch_new(rpc_kept_t *kept);
 void executor_batch_release(executor_batch_t *b);
 int executor_submit_in(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
                        executor_batch_t *b);

@@ -46,9 +46,7 @@ void storage_release(agent_storage_t *s) {
   free(s);
 }
 
-size_t tensor_nbytes(const tensor_meta_t *m) {
-  return (size_t)layout_numel(&m->layout) * dtype_size(m->dtype);
-}
+size_t tensor_nbytes(const tensor_meta_t *m) { return (size_t)meta_nbytes(m); }
 
 int tensor_alloc(backend_t *b, backend_stream_t *s, const tensor_meta_t *meta, agent_tensor_t *out,
                  const char *what, meshd_error_t *err) {

@@ -52,16 +52,19 @@ int validate_envelope(const instr_t *ins, char *why, size_t len) {
  * hot path, formatting them cost more than the checks themselves. */
 static _Thread_local bool naming;
 
+static void vname_field(char *buf, size_t len, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
+static void vname_field(char *buf, size_t len, const char *fmt, va_list ap) {
+  if (naming) vsnprintf(buf, len, fmt, ap);
+  else buf[0] = 0;
+}
+
 static void name_field(char *buf, size_t len, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void name_field(char *buf, size_t len, const char *fmt, ...) {
-  if (!naming) {
-    buf[0] = 0;
-    return;
-  }
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(buf, len, fmt, ap);
+  vname_field(buf, len, fmt, ap);
   va_end(ap);
 }
 
@@ -144,13 +147,11 @@ static int same_storage_dtype(storages_t *s, const spec_t *sp, const char *field
 static int check_spec(storages_t *st, const spec_t *sp, meshd_error_t *e, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static int check_spec(storages_t *st, const spec_t *sp, meshd_error_t *e, const char *fmt, ...) {
-  char field[64] = "";
-  if (naming) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(field, sizeof field, fmt, ap);
-    va_end(ap);
-  }
+  char field[64];
+  va_list ap;
+  va_start(ap, fmt);
+  vname_field(field, sizeof field, fmt, ap);
+  va_end(ap);
   if (validate_spec(sp, field, e)) return -1;
   if (!sp->ref) return error_set(e, ERR_BAD_ARGUMENT, "%s.ref is 0 (refs start at 1)", field);
   return st ? same_storage_dtype(st, sp, field, e) : 0;

@@ -205,11 +205,6 @@ static int check_room(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *
   return 0;
 }
 
-static uint64_t meta_bytes(const tensor_meta_t *m) {
-  uint64_t n = (uint64_t)layout_numel(&m->layout);
-  return n * dtype_size(m->dtype);
-}
-
 /* A stream argument: 0 is main, anything else must be a stream. */
 static int resolve_stream(objects_t *o, const char *cmd, uint64_t ref, meshd_error_t *e) {
   if (ref == STREAM_MAIN) return 0;
@@ -413,7 +408,7 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
     return -1;
   }
   uint64_t ranks = (uint64_t)mesh_len(mesh);
-  if (check_room(fe, s, o, mesh, "Factory", meta_bytes(&inf.results[0].meta), e)) return -1;
+  if (check_room(fe, s, o, mesh, "Factory", meta_nbytes(&inf.results[0].meta), e)) return -1;
   obj_t *t = objects_new_tensor(o, f->ref, &inf.results[0].meta, mesh->ref, f->stream, ranks);
   if (!t) return error_set(e, ERR_QUOTA, "Factory: out of memory on the server");
   claim_refs(s, &f->ref, 1);
@@ -486,7 +481,7 @@ static int cmd_load(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
     return error_set(e, ERR_QUOTA,
                      "Load: %llu bytes per rank is more than one load may fetch (--url-max-bytes "
                      "%llu)", (unsigned long long)local, (unsigned long long)fe->urls->opts.max_bytes);
-  if (check_room(fe, s, o, mesh, "Load", meta_bytes(&meta), e)) return -1;
+  if (check_room(fe, s, o, mesh, "Load", meta_nbytes(&meta), e)) return -1;
   obj_t *t = objects_new_tensor(o, l->ref, &meta, mesh->ref, l->stream, (uint64_t)mesh_len(mesh));
   if (!t) return error_set(e, ERR_QUOTA, "Load: out of memory on the server");
   claim_refs(s, &l->ref, 1);
@@ -696,7 +691,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   uint64_t ranks = (uint64_t)mesh_len(mesh_obj->mesh);
   uint64_t need = 0; /* per rank */
   for (size_t i = 0; i < call->n_results; i++)
-    if (inf.results[i].alias_param < 0) need += meta_bytes(&inf.results[i].meta);
+    if (inf.results[i].alias_param < 0) need += meta_nbytes(&inf.results[i].meta);
   if (check_room(fe, s, o, mesh_obj->mesh, cmd, need, e)) goto out;
 
   /* Accepted: define the results. */
@@ -867,7 +862,7 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   if (target && check_reduce_target(mesh, target, dims, ndims, e)) return -1;
   const mesh_t *home = target ? target : mesh; /* where the result lives */
   if (command_check_mesh_alive(fe->pool, mesh, cmd, e)) return -1;
-  if (!r->inplace && !outt && check_room(fe, s, o, home, cmd, meta_bytes(&rm), e)) return -1;
+  if (!r->inplace && !outt && check_room(fe, s, o, home, cmd, meta_nbytes(&rm), e)) return -1;
 
   obj_t *res;
   if (r->inplace) res = in;
@@ -922,7 +917,7 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   if (layout_contiguous(&rm.layout, im.layout.sizes, im.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
     return -1;
   uint64_t ranks = (uint64_t)mesh_len(dst);
-  if (check_room(fe, s, o, dst, cmd, meta_bytes(&rm), e)) return -1;
+  if (check_room(fe, s, o, dst, cmd, meta_nbytes(&rm), e)) return -1;
   obj_t *res = objects_new_tensor(o, t->ref, &rm, dst->ref, t->dst_stream, ranks);
   if (!res) return error_set(e, ERR_QUOTA, "ToMesh: out of memory on the server");
   claim_refs(s, &t->ref, 1);

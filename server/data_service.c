@@ -1003,9 +1003,7 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   session_ref(s);
   snprintf(f->session, sizeof f->session, "%s", s->id);
   command_tensor_meta(&f->meta, t, f->dims);
-  tensor_meta_t tm;
-  obj_meta(t, &tm);
-  f->bytes = (size_t)layout_numel(&tm.layout) * dtype_size(tm.dtype);
+  f->bytes = (size_t)obj_nbytes(t);
   return 0;
 }
 

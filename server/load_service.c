@@ -300,9 +300,7 @@ static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq,
     }
     if (n) mesh_ranks(m->mesh, mr);
     for (size_t j = 0; j < n; j++) p->on[i * world + mr[j]] = true;
-    tensor_meta_t tm;
-    obj_meta(t, &tm);
-    p->v[i].total_bytes = (uint64_t)layout_numel(&tm.layout) * dtype_size(tm.dtype) * n;
+    p->v[i].total_bytes = obj_nbytes(t) * n;
     p->v[i].failed = t->state == TENSOR_FAILED;
   }
   rc = 0;

@@ -272,13 +272,6 @@ int64_t objects_stream_by_name(objects_t *o, const char *name) {
   return -1;
 }
 
-static uint64_t layout_bytes(const tensor_meta_t *m) {
-  /* Storage needed by a fresh (contiguous) tensor: numel * element size. */
-  uint64_t n = 1;
-  for (int i = 0; i < m->layout.ndim; i++) n *= (uint64_t)m->layout.sizes[i];
-  return n * dtype_size(m->dtype);
-}
-
 static obj_t *new_tensor_record(objects_t *o, uint64_t ref, const tensor_meta_t *meta,
                                 uint64_t mesh, uint64_t stream, storage_t *s) {
   obj_t *t = add_record(o, ref, OBJ_TENSOR, meta_packed_size(meta));
@@ -303,7 +296,7 @@ obj_t *objects_new_tensor(objects_t *o, uint64_t ref, const tensor_meta_t *meta,
   if (!s) return NULL;
   s->id = ref;
   s->access = ACCESS_R | ACCESS_W;
-  s->bytes = layout_bytes(meta);
+  s->bytes = meta_nbytes(meta); /* a fresh storage is contiguous */
   s->ranks = ranks;
   obj_t *t = new_tensor_record(o, ref, meta, mesh, stream, s);
   if (!t) {

@@ -96,7 +96,11 @@ static inline const tensor_meta_t *obj_meta(const obj_t *t, tensor_meta_t *out) 
   meta_unpack(t->meta, out);
   return out;
 }
-static inline dtype_t obj_dtype(const obj_t *t) { return meta_packed_dtype(t->meta); }
+/* Bytes of one rank's shard of a tensor's shape, contiguous. */
+static inline uint64_t obj_nbytes(const obj_t *t) {
+  tensor_meta_t m;
+  return meta_nbytes(obj_meta(t, &m));
+}
 /* A failed tensor's kind, root command and message (defaults if unknown). */
 static inline error_kind_t obj_fail_kind(const obj_t *t) {
   return t->tensor.fail ? t->tensor.fail->kind : ERR_REMOTE_FAILURE;

@@ -59,5 +59,4 @@ void meta_unpack(const uint8_t *src, tensor_meta_t *out) {
   }
 }
 
-dtype_t meta_packed_dtype(const uint8_t *src) { return (dtype_t)src[0]; }
 int meta_packed_ndim(const uint8_t *src) { return src[1]; }

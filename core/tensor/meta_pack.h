@@ -22,8 +22,7 @@ size_t meta_packed_size(const tensor_meta_t *m);
 #define META_PACKED_MAX (4 + 8 + 2 * 8 * LAYOUT_MAX_DIMS)
 void meta_pack(uint8_t *dst, const tensor_meta_t *m);
 void meta_unpack(const uint8_t *src, tensor_meta_t *out);
-/* The dtype and ndim without unpacking the rest. */
-dtype_t meta_packed_dtype(const uint8_t *src);
+/* The ndim without unpacking the rest. */
 int meta_packed_ndim(const uint8_t *src);
 
 #endif

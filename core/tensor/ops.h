@@ -27,6 +27,11 @@ typedef struct tensor_meta {
   layout_t layout;
 } tensor_meta_t;
 
+/* Bytes a contiguous tensor of m's dtype and shape holds: numel * element size. */
+static inline uint64_t meta_nbytes(const tensor_meta_t *m) {
+  return (uint64_t)layout_numel(&m->layout) * dtype_size(m->dtype);
+}
+
 /* An argument as the server resolves it from a proto Arg. */
 typedef enum {
   VAL_NONE,
