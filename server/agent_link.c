@@ -1,9 +1,11 @@
 #include "agent_link.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "secret.h"
@@ -73,7 +75,64 @@ struct agent_link {
   uint64_t batches_sent, instructions_sent, reports;
   bool broken; /* the call is over: sends fail */
   bool stop;   /* agent_link_close runs: no more callbacks */
+  int corks;   /* threads holding the writer back (agent_link_cork) */
+  _Atomic int refs; /* the owner's, and one per cork holding it */
 };
+
+static void link_unref(agent_link_t *l) {
+  if (atomic_fetch_sub(&l->refs, 1) != 1) return;
+  pthread_cond_destroy(&l->cv);
+  pthread_mutex_destroy(&l->mu);
+  free(l);
+}
+
+/* ------------------------------------------------------------------ cork */
+
+/* The links one thread queued to while corked: each holds a cork and a
+ * reference until agent_link_uncork. Past CORK_LINKS links, the others are
+ * not held back (they are written as before). */
+#define CORK_LINKS 64
+/* Queued instructions that go out even while corked, and the longest a
+ * writer waits on a cork: a corked thread that blocks cannot stall a link. */
+#define CORK_FLUSH 256
+#define CORK_WAIT_NS 3000000L
+
+static _Thread_local struct {
+  int depth;
+  size_t n;
+  agent_link_t *links[CORK_LINKS];
+} cork;
+
+void agent_link_cork(void) { cork.depth++; }
+
+void agent_link_uncork(void) {
+  if (cork.depth == 0 || --cork.depth > 0) return;
+  for (size_t i = 0; i < cork.n; i++) {
+    agent_link_t *l = cork.links[i];
+    pthread_mutex_lock(&l->mu);
+    if (--l->corks == 0 && l->head) pthread_cond_signal(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    link_unref(l);
+  }
+  cork.n = 0;
+}
+
+/* Holds mu, after queueing. True when the writer need not be woken for this
+ * push: the calling thread is corked (and now holds a cork on l), and the
+ * writer already knows of queued work (it wakes once for the first, to time
+ * the cork's bound). */
+static bool corked_push_locked(agent_link_t *l) {
+  if (cork.depth == 0) return false;
+  bool held = false;
+  for (size_t i = 0; i < cork.n && !held; i++) held = cork.links[i] == l;
+  if (!held) {
+    if (cork.n == CORK_LINKS) return false;
+    cork.links[cork.n++] = l;
+    atomic_fetch_add(&l->refs, 1);
+    l->corks++;
+  }
+  return l->queued > 1 && l->queued < CORK_FLUSH;
+}
 
 /* ------------------------------------------------------------------ queue */
 
@@ -147,7 +206,7 @@ uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m) {
   l->tail = m;
   l->queued++;
   l->queued_bytes += m->len;
-  pthread_cond_signal(&l->cv);
+  if (!corked_push_locked(l)) pthread_cond_signal(&l->cv);
   pthread_mutex_unlock(&l->mu);
   return seq;
 }
@@ -164,6 +223,20 @@ static void *writer_main(void *arg) {
   pthread_mutex_lock(&l->mu);
   while (items) {
     while (!l->head && !l->stop && !l->broken) pthread_cond_wait(&l->cv, &l->mu);
+    /* Corked: the rest of the corking thread's instructions join this batch,
+     * up to CORK_FLUSH queued or CORK_WAIT_NS. */
+    if (l->corks > 0 && l->queued < CORK_FLUSH && !l->stop && !l->broken) {
+      struct timespec dl;
+      clock_gettime(CLOCK_REALTIME, &dl);
+      dl.tv_nsec += CORK_WAIT_NS;
+      if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+      }
+      int rc = 0;
+      while (l->corks > 0 && l->queued < CORK_FLUSH && !l->stop && !l->broken && rc == 0)
+        rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
+    }
     if (l->stop || l->broken) break;
     /* Take what is queued now: under load batches grow by themselves, and an
      * idle link sends a lone instruction at once. */
@@ -308,6 +381,7 @@ agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agen
   if (cb) l->cb = *cb;
   l->next_seq = first_seq ? first_seq : 1;
   l->executed = l->next_seq - 1;
+  atomic_init(&l->refs, 1);
   pthread_mutex_init(&l->mu, NULL);
   pthread_cond_init(&l->cv, NULL);
   /* No deadline: the call lives as long as the agent. */
@@ -344,10 +418,12 @@ void agent_link_close(agent_link_t *l) {
   if (!l) return;
   agent_link_stop(l);
   rpc_stream_destroy(l->stream);
-  free_list(l->head);
-  pthread_cond_destroy(&l->cv);
-  pthread_mutex_destroy(&l->mu);
-  free(l);
+  pthread_mutex_lock(&l->mu); /* a corked thread may still look (agent_link_uncork) */
+  agent_link_msg_t *left = l->head;
+  l->head = l->tail = NULL;
+  pthread_mutex_unlock(&l->mu);
+  free_list(left);
+  link_unref(l);
 }
 
 /* ------------------------------------------------------------------ queries */

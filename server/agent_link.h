@@ -97,6 +97,16 @@ size_t agent_link_msg_len(const agent_link_msg_t *m);
  * instruction to many ranks packs it once). NULL when out of memory. */
 agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m);
 
+/* Corking, for a thread about to queue many instructions in a row (the
+ * commands of one Submit batch): between agent_link_cork and
+ * agent_link_uncork (on the same thread; they nest) the links it pushes to
+ * hold their writers back, so that its instructions go out as one
+ * InstructionBatch instead of as many as the writer manages to take. A
+ * writer goes anyway at CORK_FLUSH queued instructions or after 1 ms, so a
+ * corked thread that blocks delays a link but never stalls it. */
+void agent_link_cork(void);
+void agent_link_uncork(void);
+
 /* Highest seq the agent reported executed (first_seq - 1 until the first report). */
 uint64_t agent_link_executed(agent_link_t *l);
 /* Highest seq given out. Frozen once the link is broken. */

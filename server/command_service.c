@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "agent_link.h"
 #include "emit.h"
 #include "flow.h"
 #include "log.h"
@@ -791,6 +792,7 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
     return;
   }
   reply_batch_t b = {.call = call};
+  agent_link_cork(); /* the batch's instructions go to each agent as one batch */
   for (size_t i = 0; i < cmd->n_batch; i++) {
     const Meshd__V1__Command *c = cmd->batch[i];
     if (c->n_batch) {
@@ -801,6 +803,7 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
     }
     submit_command(st, call, c, &b);
   }
+  agent_link_uncork();
   batch_flush(&b);
   free(b.buf);
 }

@@ -998,12 +998,14 @@ static int cmd_drop(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
                        "borrow first", (unsigned long long)ref,
                        (unsigned long long)borrow_holder(o, st));
   }
+  emit_deletes_t del = {0};
   for (size_t i = 0; i < d->n_refs; i++) {
     obj_t *t = objects_get(o, d->refs[i]); /* NULL: dropped with an earlier alias */
     if (!t) continue;
-    emit_drop(fe, s, o, t);
+    emit_drop(fe, s, o, &del, t);
     objects_drop_storage(o, t->tensor.storage, out->res.seq);
   }
+  emit_delete_flush(fe, s, o, &del);
   return 0;
 }
 
@@ -1032,22 +1034,14 @@ static int cmd_release(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                        (unsigned long long)borrow_holder(o, st));
   }
   /* DeleteRefs in batches of refs on one mesh and stream, in the command's order. */
-  uint64_t batch[EMIT_DELETE_BATCH];
-  size_t n = 0;
-  uint64_t mesh = 0, stream = 0;
+  emit_deletes_t del = {0};
   for (size_t i = 0; i < r->n_refs; i++) {
     obj_t *t = objects_get(o, r->refs[i]);
     if (!t) continue; /* named twice */
-    if (n && (n == EMIT_DELETE_BATCH || t->tensor.mesh != mesh || t->tensor.stream != stream)) {
-      emit_delete_refs(fe, s, o, mesh, stream, batch, n);
-      n = 0;
-    }
-    mesh = t->tensor.mesh;
-    stream = t->tensor.stream;
-    batch[n++] = t->ref;
+    emit_delete_add(fe, s, o, &del, t->tensor.mesh, t->tensor.stream, t->ref);
     objects_release(o, t, out->res.seq);
   }
-  emit_delete_refs(fe, s, o, mesh, stream, batch, n);
+  emit_delete_flush(fe, s, o, &del);
   return 0;
 }
 

@@ -438,16 +438,23 @@ void emit_delete_refs(frontend_t *fe, session_t *s, objects_t *o, uint64_t mesh,
   send_to_mesh(fe, o, objects_get(o, mesh)->mesh, &ins);
 }
 
-void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t) {
-  uint64_t refs[EMIT_DELETE_BATCH];
-  size_t n = 0;
-  for (const obj_t *a = t->tensor.storage->aliases; a; a = a->tensor.next_alias) {
-    refs[n++] = a->ref;
-    if (n == EMIT_DELETE_BATCH || !a->tensor.next_alias) {
-      emit_delete_refs(fe, s, o, t->tensor.mesh, t->tensor.stream, refs, n);
-      n = 0;
-    }
-  }
+void emit_delete_add(frontend_t *fe, session_t *s, objects_t *o, emit_deletes_t *d,
+                     uint64_t mesh, uint64_t stream, uint64_t ref) {
+  if (d->n && (d->n == EMIT_DELETE_BATCH || mesh != d->mesh || stream != d->stream))
+    emit_delete_flush(fe, s, o, d);
+  d->mesh = mesh;
+  d->stream = stream;
+  d->refs[d->n++] = ref;
+}
+
+void emit_delete_flush(frontend_t *fe, session_t *s, objects_t *o, emit_deletes_t *d) {
+  emit_delete_refs(fe, s, o, d->mesh, d->stream, d->refs, d->n);
+  d->n = 0;
+}
+
+void emit_drop(frontend_t *fe, session_t *s, objects_t *o, emit_deletes_t *d, const obj_t *t) {
+  for (const obj_t *a = t->tensor.storage->aliases; a; a = a->tensor.next_alias)
+    emit_delete_add(fe, s, o, d, t->tensor.mesh, t->tensor.stream, a->ref);
 }
 
 size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, uint64_t *seqs,

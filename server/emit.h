@@ -30,14 +30,26 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
                   const obj_t *in, const obj_t *res);
 void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow, const obj_t *origin,
                  const obj_t *handle, bool drop);
-/* DeleteRefs of every alias of t's storage (Drop), in batches. */
-void emit_drop(frontend_t *fe, session_t *s, objects_t *o, const obj_t *t);
 /* Refs per DeleteRefs instruction. */
 #define EMIT_DELETE_BATCH 256
 /* One DeleteRefs of refs[0..n) to every rank of mesh, on stream (Release:
  * each ref lets go of its storage; the agent frees it with its last ref). */
 void emit_delete_refs(frontend_t *fe, session_t *s, objects_t *o, uint64_t mesh, uint64_t stream,
                       uint64_t *refs, size_t n);
+/* The refs one command deletes (Drop, Release), gathered in its order: one
+ * DeleteRefs per run of refs on one mesh and stream, at most
+ * EMIT_DELETE_BATCH each, so a Drop of 256 tensors is one instruction per
+ * rank, not 256. Start zeroed; emit_delete_flush sends the last run. */
+typedef struct emit_deletes {
+  uint64_t mesh, stream;
+  size_t n;
+  uint64_t refs[EMIT_DELETE_BATCH];
+} emit_deletes_t;
+void emit_delete_add(frontend_t *fe, session_t *s, objects_t *o, emit_deletes_t *d,
+                     uint64_t mesh, uint64_t stream, uint64_t ref);
+void emit_delete_flush(frontend_t *fe, session_t *s, objects_t *o, emit_deletes_t *d);
+/* Adds every alias of t's storage (Drop) to d. */
+void emit_drop(frontend_t *fe, session_t *s, objects_t *o, emit_deletes_t *d, const obj_t *t);
 /* StatusRequest to every rank the session touched; the seqs to wait for go to
  * ranks[]/seqs[] (capacity cap). Returns how many. */
 size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, uint64_t *seqs,

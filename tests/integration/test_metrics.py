@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 
 import meshd_testlib as lib
-from meshd_testlib import Ref, Session, reduce, sync
+from meshd_testlib import Ref, Session, drop, reduce, sync
 from test_transfers import fetch_floats, upload
 
 
@@ -173,6 +173,15 @@ def test_server_metrics(meshd_server, tmp_path):
         x = s.tensor(m, (3,))
         for _ in range(3):
             s.op("add", Ref(x.ref), Ref(x.ref))
+        # A Drop of many tensors is one DeleteRefs per agent, not one per tensor.
+        made = [s.tensor(m, (2,)).ref for _ in range(40)]
+        s.run(sync())
+        before = [sample(parse(scrape(base + r)), "meshd_agent_instructions_total") for r in range(2)]
+        s.run(drop(*made))
+        s.run(sync())
+        grew = [sample(parse(scrape(base + r)), "meshd_agent_instructions_total") - before[r]
+                for r in range(2)]
+        assert grew == [1, 1], f"a Drop of 40 tensors took {grew} instructions per agent"
         s.fails("REF_REUSED", lib.create_mesh(m, gpu=2), "CreateMesh")
         text = scrape(mport)
         assert value(text, "meshd_sessions") == 1
@@ -191,7 +200,7 @@ def test_server_metrics(meshd_server, tmp_path):
             assert sample(after, "meshd_transfer_bytes_total", direction=d, path="direct") == 0
         s.close()
     assert value(text, 'meshd_commands_total{kind="Call",status="ok"}') == 3
-    assert value(text, 'meshd_commands_total{kind="Factory",status="ok"}') == 1
+    assert value(text, 'meshd_commands_total{kind="Factory",status="ok"}') == 41
     assert value(text, 'meshd_commands_total{kind="CreateMesh",status="ok"}') == 1
     assert value(text, 'meshd_commands_total{kind="CreateMesh",status="REF_REUSED"}') == 1
     assert value(text, 'meshd_command_duration_seconds_count{kind="Call"}') == 3

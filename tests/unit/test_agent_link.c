@@ -319,6 +319,58 @@ Test(agent_link, many_sends_fewer_batches) {
   fake_free(f);
 }
 
+/* A corked thread's instructions go as one batch, even with a pause between
+ * them that an uncorked writer would have used to send the first alone. */
+Test(agent_link, corked_sends_go_as_one_batch) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "sess", 3);
+  /* Uncorked first: the lone instruction goes at once. */
+  cr_assert_eq(agent_link_send(l, &ins), 1);
+  exec_want_t w = {l, 1};
+  cr_assert(eventually(executed_reaches, &w, 5000));
+  agent_link_cork();
+  agent_link_cork(); /* nested: only the outer uncork lets go */
+  cr_assert_eq(agent_link_send(l, &ins), 2);
+  usleep(300); /* well past a writer's wake-up, well under the cork's 3 ms bound */
+  for (uint64_t i = 3; i <= 100; i++) cr_assert_eq(agent_link_send(l, &ins), i);
+  agent_link_uncork();
+  agent_link_uncork();
+  w.want = 100;
+  cr_assert(eventually(executed_reaches, &w, 5000));
+  agent_link_stats_t st;
+  agent_link_stats(l, &st);
+  cr_assert_eq(st.batches_sent, 2, "99 corked instructions took %llu batches (plus the first)",
+               (unsigned long long)st.batches_sent - 1);
+  cr_assert_eq(f->max_batch, 99);
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
+/* A thread that stays corked (it blocked) delays a link, never stalls it. */
+Test(agent_link, a_cork_never_held_back_stalls_nothing) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "sess", 3);
+  agent_link_cork();
+  cr_assert_eq(agent_link_send(l, &ins), 1);
+  exec_want_t w = {l, 1};
+  cr_assert(eventually(executed_reaches, &w, 2000), "a corked instruction never went");
+  agent_link_uncork();
+  /* And a link closed while a cork holds it is released safely. */
+  agent_link_cork();
+  cr_assert_eq(agent_link_send(l, &ins), 2);
+  agent_link_close(l);
+  agent_link_uncork();
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
 Test(agent_link, batches_stay_under_the_byte_limit) {
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
