@@ -75,6 +75,7 @@ struct agent_link {
   uint64_t batches_sent, instructions_sent, reports;
   bool broken; /* the call is over: sends fail */
   bool stop;   /* agent_link_close runs: no more callbacks */
+  bool writer_idle; /* the writer waits for work: a push wakes it */
   int corks;   /* threads holding the writer back (agent_link_cork) */
   _Atomic int refs; /* the owner's, and one per cork holding it */
 };
@@ -92,18 +93,32 @@ static void link_unref(agent_link_t *l) {
  * reference until agent_link_uncork. Past CORK_LINKS links, the others are
  * not held back (they are written as before). */
 #define CORK_LINKS 64
-/* Queued instructions that go out even while corked, and the longest a
- * writer waits on a cork: a corked thread that blocks cannot stall a link. */
-#define CORK_FLUSH 256
+/* A corked link's writer holds queued instructions back until the corks go,
+ * HOLD_FLUSH are queued, or CORK_WAIT_NS passed: a corked thread that blocks
+ * delays a link but never stalls it. */
+#define HOLD_FLUSH 256
 #define CORK_WAIT_NS 3000000L
 
 static _Thread_local struct {
   int depth;
+  bool until_idle; /* one of depth is agent_link_cork_until_idle's */
   size_t n;
   agent_link_t *links[CORK_LINKS];
 } cork;
 
 void agent_link_cork(void) { cork.depth++; }
+
+void agent_link_cork_until_idle(void) {
+  if (cork.until_idle || !rpc_server_hold_until_idle()) return;
+  cork.until_idle = true;
+  cork.depth++;
+}
+
+void agent_link_uncork_idle(void) {
+  if (!cork.until_idle) return;
+  cork.until_idle = false;
+  agent_link_uncork();
+}
 
 void agent_link_uncork(void) {
   if (cork.depth == 0 || --cork.depth > 0) return;
@@ -117,21 +132,20 @@ void agent_link_uncork(void) {
   cork.n = 0;
 }
 
-/* Holds mu, after queueing. True when the writer need not be woken for this
- * push: the calling thread is corked (and now holds a cork on l), and the
- * writer already knows of queued work (it wakes once for the first, to time
- * the cork's bound). */
-static bool corked_push_locked(agent_link_t *l) {
-  if (cork.depth == 0) return false;
-  bool held = false;
-  for (size_t i = 0; i < cork.n && !held; i++) held = cork.links[i] == l;
-  if (!held) {
-    if (cork.n == CORK_LINKS) return false;
-    cork.links[cork.n++] = l;
-    atomic_fetch_add(&l->refs, 1);
-    l->corks++;
-  }
-  return l->queued > 1 && l->queued < CORK_FLUSH;
+/* Holds mu: a corked thread pushing to l holds a cork on it. */
+static void cork_push_locked(agent_link_t *l) {
+  if (cork.depth == 0) return;
+  for (size_t i = 0; i < cork.n; i++)
+    if (cork.links[i] == l) return;
+  if (cork.n == CORK_LINKS) return;
+  cork.links[cork.n++] = l;
+  atomic_fetch_add(&l->refs, 1);
+  l->corks++;
+}
+
+/* Holds mu. Whether the writer keeps what is queued a little longer. */
+static bool holding_locked(const agent_link_t *l) {
+  return !l->stop && !l->broken && l->queued < HOLD_FLUSH && l->corks > 0;
 }
 
 /* ------------------------------------------------------------------ queue */
@@ -206,7 +220,10 @@ uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m) {
   l->tail = m;
   l->queued++;
   l->queued_bytes += m->len;
-  if (!corked_push_locked(l)) pthread_cond_signal(&l->cv);
+  cork_push_locked(l);
+  /* A writer that is busy or holding finds this later; it is woken only from
+   * idle, or when the queue makes a full batch. */
+  if (l->writer_idle || l->queued == HOLD_FLUSH) pthread_cond_signal(&l->cv);
   pthread_mutex_unlock(&l->mu);
   return seq;
 }
@@ -222,10 +239,10 @@ static void *writer_main(void *arg) {
   ProtobufCBinaryData *items = malloc(AGENT_LINK_BATCH_MAX * sizeof *items);
   pthread_mutex_lock(&l->mu);
   while (items) {
+    l->writer_idle = true;
     while (!l->head && !l->stop && !l->broken) pthread_cond_wait(&l->cv, &l->mu);
-    /* Corked: the rest of the corking thread's instructions join this batch,
-     * up to CORK_FLUSH queued or CORK_WAIT_NS. */
-    if (l->corks > 0 && l->queued < CORK_FLUSH && !l->stop && !l->broken) {
+    l->writer_idle = false;
+    if (holding_locked(l)) { /* more will join this batch */
       struct timespec dl;
       clock_gettime(CLOCK_REALTIME, &dl);
       dl.tv_nsec += CORK_WAIT_NS;
@@ -234,8 +251,7 @@ static void *writer_main(void *arg) {
         dl.tv_nsec -= 1000000000L;
       }
       int rc = 0;
-      while (l->corks > 0 && l->queued < CORK_FLUSH && !l->stop && !l->broken && rc == 0)
-        rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
+      while (holding_locked(l) && rc == 0) rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
     }
     if (l->stop || l->broken) break;
     /* Take what is queued now: under load batches grow by themselves, and an

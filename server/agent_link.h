@@ -102,10 +102,17 @@ agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m);
  * agent_link_uncork (on the same thread; they nest) the links it pushes to
  * hold their writers back, so that its instructions go out as one
  * InstructionBatch instead of as many as the writer manages to take. A
- * writer goes anyway at CORK_FLUSH queued instructions or after 1 ms, so a
- * corked thread that blocks delays a link but never stalls it. */
+ * writer goes anyway at 256 queued instructions or after 3 ms, so a corked
+ * thread that blocks delays a link but never stalls it. */
 void agent_link_cork(void);
 void agent_link_uncork(void);
+/* A cork that lasts until agent_link_uncork_idle, which the server's
+ * completion-queue threads call before they wait for the next event
+ * (rpc_server_opts_t.before_wait): a Submit stream of one command per message
+ * thus sends the agents what arrived back to back as one batch. Taken once
+ * per thread however often it is called. */
+void agent_link_cork_until_idle(void);
+void agent_link_uncork_idle(void);
 
 /* Highest seq the agent reported executed (first_seq - 1 until the first report). */
 uint64_t agent_link_executed(agent_link_t *l);

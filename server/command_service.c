@@ -755,6 +755,9 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
     submit_batch(st, call, cmd);
     return;
   }
+  /* Commands one per message: what arrives back to back goes to the agents
+   * as one batch, once this thread has nothing more to read. */
+  agent_link_cork_until_idle();
   submit_command(st, call, cmd, NULL);
 }
 

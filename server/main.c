@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "agent_link.h"
 #include "agent_pool.h"
 #include "auth.h"
 #include "cluster.h"
@@ -413,7 +414,8 @@ int main(int argc, char **argv) {
                           .stream_window_bytes = (int)opt.stream_window_bytes,
                           .tls = tls,
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
-                          .max_concurrent_streams = (int)opt.max_streams_per_connection};
+                          .max_concurrent_streams = (int)opt.max_streams_per_connection,
+                          .before_wait = agent_link_uncork_idle};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data || !loads) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);

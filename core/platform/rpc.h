@@ -156,7 +156,17 @@ typedef struct rpc_server_opts {
   int max_connection_idle_ms;
   /* Calls one connection may have open at once; <= 0: 1024. */
   int max_concurrent_streams;
+  /* Runs on a completion-queue thread when no event is ready and it is about
+   * to wait for one: where handlers that held work back to batch it (the
+   * agents' links, corked until idle) let it go. NULL: none. */
+  void (*before_wait)(void);
 } rpc_server_opts_t;
+
+/* On a completion-queue thread of a server with a before_wait hook: marks
+ * that this thread holds work back, so it runs the hook before it next waits
+ * (it looks for a ready event first only then), and returns true. Elsewhere
+ * returns false: nothing would let the work go. */
+bool rpc_server_hold_until_idle(void);
 
 /* Creates a server. Returns NULL and a message in err on failure. */
 rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t errlen);

@@ -99,6 +99,7 @@ struct rpc_server {
   pthread_rwlock_t cq_lock; /* batches (read) vs the cq's shutdown (write) */
   bool cq_closed;           /* under cq_lock */
   rpc_tls_server_t *tls; /* the certificate fetcher's state (TLS only) */
+  void (*before_wait)(void);
   method_slot_t *slots;
   size_t nslots, cap;
   int posts_per_method;
@@ -685,13 +686,34 @@ static void dispatch(tag_t *t, bool ok) {
   if (left == 0) call_free(c);
 }
 
+static _Thread_local bool worker_with_hook, worker_holds;
+
+bool rpc_server_hold_until_idle(void) {
+  if (worker_with_hook) worker_holds = true;
+  return worker_with_hook;
+}
+
 static void *worker(void *arg) {
   rpc_server_t *srv = arg;
+  worker_with_hook = srv->before_wait != NULL;
   for (;;) {
-    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_event ev = {.type = GRPC_QUEUE_TIMEOUT};
+    if (worker_holds) { /* a ready event first; the hook before a real wait */
+      ev = grpc_completion_queue_next(srv->cq, gpr_inf_past(GPR_CLOCK_REALTIME), NULL);
+      if (ev.type == GRPC_QUEUE_TIMEOUT) {
+        worker_holds = false;
+        srv->before_wait();
+      }
+    }
+    if (ev.type == GRPC_QUEUE_TIMEOUT)
+      ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     dispatch(ev.tag, ev.success != 0);
+  }
+  if (worker_holds) { /* what it held goes before the thread ends */
+    worker_holds = false;
+    srv->before_wait();
   }
   return NULL;
 }
@@ -730,6 +752,7 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   }
   snprintf(srv->listen, sizeof srv->listen, "%s", opts->listen ? opts->listen : "127.0.0.1:0");
   srv->nthreads = opts->threads > 0 ? opts->threads : 2;
+  srv->before_wait = opts->before_wait;
   srv->posts_per_method = srv->nthreads * 2 < 4 ? 4 : srv->nthreads * 2;
   int max_msg = opts->max_message_bytes > 0 ? opts->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
   wire_args_t a = {0};
@@ -884,7 +907,16 @@ void rpc_server_destroy(rpc_server_t *srv) {
   }
   /* Drain whatever is left (nothing when the workers ran to the shutdown). */
   for (;;) {
-    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_event ev = {.type = GRPC_QUEUE_TIMEOUT};
+    if (worker_holds) { /* a ready event first; the hook before a real wait */
+      ev = grpc_completion_queue_next(srv->cq, gpr_inf_past(GPR_CLOCK_REALTIME), NULL);
+      if (ev.type == GRPC_QUEUE_TIMEOUT) {
+        worker_holds = false;
+        srv->before_wait();
+      }
+    }
+    if (ev.type == GRPC_QUEUE_TIMEOUT)
+      ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type == GRPC_OP_COMPLETE) dispatch(ev.tag, false);
   }

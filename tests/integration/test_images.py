@@ -87,9 +87,12 @@ def soname_packages(binary):
     needed = re.findall(r"\(NEEDED\).*\[(.+)\]", lib.run("/usr/bin/readelf", ["-d", binary]).stdout)
     paths = {}
     for line in lib.run("/usr/bin/ldd", [binary]).stdout.splitlines():
-        m = re.match(r"\s*(\S+) => (/\S+)", line)
-        if m:
+        m = re.match(r"\s*(\S+) => (/\S+)", line) or \
+            re.match(r"\s*(/\S+/(\S+)) \(", line)  # the dynamic loader: thread-locals need it
+        if m and "=>" in line:
             paths[m.group(1)] = os.path.realpath(m.group(2))
+        elif m:
+            paths[m.group(2)] = os.path.realpath(m.group(1))
     # One dpkg -S for all (0.3 s a call); merged-/usr systems list some under /lib.
     cands = sorted({c for so in needed for c in (paths[so], re.sub(r"^/usr", "", paths[so]))})
     r = subprocess.run(["dpkg", "-S"] + cands, capture_output=True, text=True)

@@ -371,6 +371,86 @@ Test(agent_link, a_cork_never_held_back_stalls_nothing) {
   fake_free(f);
 }
 
+/* ---------------------------------------------------------------- cork until idle */
+
+/* A front server whose handler sends one instruction per message to a link,
+ * corked until its completion-queue thread is idle (as a Submit stream of one
+ * command per message does). */
+typedef struct front {
+  agent_link_t *link;
+  atomic_int messages;
+} front_t;
+
+static void front_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  front_t *fr = arg;
+  if (!msg) {
+    rpc_call_finish(call, GRPC_STATUS_OK, NULL, "bye");
+    return;
+  }
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "sess", 3);
+  agent_link_cork_until_idle();
+  agent_link_send(fr->link, &ins);
+  usleep(100); /* time enough for an uncorked writer to send it alone */
+  atomic_fetch_add(&fr->messages, 1);
+}
+
+static void front_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  (void)call, (void)req, (void)arg;
+}
+
+static const rpc_method_t front_row = {
+    .path = "/test.Front/Stream",
+    .kind = RPC_BIDI,
+    .request = &meshd__agent__v1__instruction_batch__descriptor,
+    .on_start = front_start,
+    .on_message = front_message,
+};
+
+static bool front_done(void *arg) { return atomic_load(&((front_t *)arg)->messages) == 50; }
+
+Test(agent_link, messages_back_to_back_go_as_few_batches) {
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
+  front_t fr = {.link = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs)};
+  rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 1,
+                         .before_wait = agent_link_uncork_idle};
+  char err[256], target[64];
+  rpc_server_t *srv = rpc_server_create(&o, err, sizeof err);
+  cr_assert_not_null(srv, "%s", err);
+  cr_assert_eq(rpc_server_add_methods(srv, &front_row, 1, &fr), 0);
+  int port = rpc_server_start(srv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  snprintf(target, sizeof target, "127.0.0.1:%d", port);
+  rpc_channel_t *fch = rpc_channel_create(target, &live_peer);
+  rpc_stream_t *st = rpc_stream_open(fch, front_row.path, NULL, 0, 0);
+  cr_assert_not_null(st);
+  Meshd__Agent__V1__InstructionBatch empty = MESHD__AGENT__V1__INSTRUCTION_BATCH__INIT;
+  for (int i = 0; i < 50; i++) {
+    if (rpc_stream_write(st, &empty.base, false) == 0) continue;
+    rpc_status_t why = {0};
+    rpc_stream_finish(st, &why);
+    cr_assert_fail("write %d: the front ended the call: %s", i, why.message);
+  }
+  cr_assert(eventually(front_done, &fr, 10000), "the front took %d of 50 messages",
+            atomic_load(&fr.messages));
+  exec_want_t w = {fr.link, 50};
+  cr_assert(eventually(executed_reaches, &w, 5000), "the agent got %llu of 50",
+            (unsigned long long)agent_link_executed(fr.link));
+  agent_link_stats_t ls;
+  agent_link_stats(fr.link, &ls);
+  cr_log_info("50 messages, %llu batches", (unsigned long long)ls.batches_sent);
+  cr_assert_leq(ls.batches_sent, 25, "50 messages back to back took %llu batches",
+                (unsigned long long)ls.batches_sent);
+  rpc_stream_cancel(st);
+  rpc_stream_destroy(st);
+  rpc_channel_destroy(fch);
+  rpc_server_destroy(srv); /* its thread lets its cork go as it ends */
+  agent_link_close(fr.link);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+}
+
 Test(agent_link, batches_stay_under_the_byte_limit) {
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
