@@ -425,38 +425,26 @@ static int c_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, co
   return cuda_alltoall(b, s, g, in, out, count, dtype, e);
 }
 
-/* Rooted: emulated agents run the data plane's rooted collectives; real
- * ones run NCCL's allreduce/allgather and the others drop theirs (ncclReduce
- * and a grouped send/recv gather are left to do). */
+/* Rooted and broadcast: emulated agents run the data plane's (a ring or
+ * direct sends to the root; the chain); real ones NCCL's ncclReduce, a
+ * grouped send/recv gather to the root, and ncclBroadcast from member 0 on
+ * the group's communicator (cuda_nccl.c). */
 static int c_reduce_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
                          void *buf, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
-  if (cuda_state(b)->emulated && b->net)
-    return dp_reduce_root(b->net, g, root, buf, count, dtype, op, e);
-  return c_allreduce(b, s, g, buf, count, dtype, op, e);
+  cuda_bind(cuda_state(b));
+  return cuda_reduce_root(b, s, g, root, buf, count, dtype, op, e);
 }
 
 static int c_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
                          const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *e) {
-  if (cuda_state(b)->emulated && b->net)
-    return dp_gather_root(b->net, g, root, in, out, count, dtype, e);
-  return c_allgather(b, s, g, in, out, count, dtype, e);
+  cuda_bind(cuda_state(b));
+  return cuda_gather_root(b, s, g, root, in, out, count, dtype, e);
 }
 
-/* Broadcast: emulated agents run the data plane's chain; real ones send from
- * member 0 to each member in turn over NCCL point to point (ncclBroadcast on
- * the chain's communicator is left to do). */
 static int c_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
                        size_t bytes, meshd_error_t *e) {
-  if (cuda_state(b)->emulated && b->net) return dp_broadcast(b->net, g, buf, bytes, e);
   cuda_bind(cuda_state(b));
-  if (g->me != 0)
-    return cuda_recv(b, s, g->session, g->comm_id, g->secret, g->ranks[0], g->addrs[0], buf,
-                     bytes, e);
-  for (size_t j = 1; j < g->n; j++)
-    if (cuda_send(b, s, g->session, g->comm_id, g->secret, g->ranks[j], g->addrs[j], buf, bytes,
-                  e))
-      return -1;
-  return 0;
+  return cuda_broadcast(b, s, g, buf, bytes, e);
 }
 
 static int c_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,

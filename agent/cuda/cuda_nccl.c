@@ -585,7 +585,17 @@ static int comm_fail(cuda_state_t *st, comm_t *c, const who_t *w, ncclResult_t r
   return -1;
 }
 
-typedef enum { OP_ALLREDUCE, OP_REDUCE_SCATTER, OP_ALLGATHER, OP_ALLTOALL, OP_SEND, OP_RECV } op_kind_t;
+typedef enum {
+  OP_ALLREDUCE,
+  OP_REDUCE_SCATTER,
+  OP_ALLGATHER,
+  OP_ALLTOALL,
+  OP_REDUCE, /* rooted */
+  OP_GATHER, /* rooted */
+  OP_BROADCAST,
+  OP_SEND,
+  OP_RECV
+} op_kind_t;
 
 typedef struct {
   op_kind_t kind;
@@ -598,8 +608,21 @@ typedef struct {
   dtype_t dtype;
   reduction_t op;
   cuda_nccl_plan_t plan;
-  void *gather;    /* n * count elements of scratch, for CUDA_PLAN_GATHER */
+  void *gather;    /* n * count elements of scratch, for CUDA_PLAN_GATHER (rooted: the root's) */
+  size_t root;     /* rooted ops and broadcast: the member that receives (sends) */
 } job_t;
+
+/* Every member's `bytes` of in to the root, which receives member i's at
+ * out + i * bytes (its own through a send to itself, as alltoall does). */
+static ncclResult_t send_to_root(const job_t *j, comm_t *c, const void *in, char *out,
+                                 size_t bytes) {
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess) r = ncclSend(in, bytes, ncclUint8, (int)j->root, c->nc, c->stream);
+  for (size_t i = 0; c->me == j->root && i < j->n && r == ncclSuccess; i++)
+    r = ncclRecv(out + i * bytes, bytes, ncclUint8, (int)i, c->nc, c->stream);
+  ncclResult_t end = ncclGroupEnd(); /* always close the group */
+  return r == ncclSuccess ? end : r;
+}
 
 /* Enqueues the job's NCCL work on c->stream. */
 static ncclResult_t enqueue(const job_t *j, comm_t *c, int64_t deadline, bool *late) {
@@ -636,6 +659,22 @@ static ncclResult_t enqueue(const job_t *j, comm_t *c, int64_t deadline, bool *l
     break;
   case OP_ALLGATHER:
     r = ncclAllGather(in, out, bytes, ncclUint8, c->nc, c->stream);
+    break;
+  /* Rooted: a member that receives nothing has out NULL (or, broadcasting,
+   * in NULL); NCCL ignores that side there, so it gets the other pointer. */
+  case OP_REDUCE:
+    if (j->plan.kind == CUDA_PLAN_NATIVE)
+      r = ncclReduce(in, out ? out : (void *)in, j->count, (ncclDataType_t)j->plan.nccl_dtype,
+                     (ncclRedOp_t)j->plan.nccl_op, (int)j->root, c->nc, c->stream);
+    else
+      r = send_to_root(j, c, in, j->gather, bytes);
+    break;
+  case OP_GATHER:
+    r = send_to_root(j, c, in, out, bytes);
+    break;
+  case OP_BROADCAST:
+    r = ncclBroadcast(in ? in : out, out ? out : (void *)in, bytes, ncclUint8, (int)j->root, c->nc,
+                      c->stream);
     break;
   case OP_SEND:
     r = ncclSend(in, bytes, ncclUint8, 1, c->nc, c->stream);
@@ -714,8 +753,9 @@ static int run_real(backend_t *b, backend_stream_t *s, comm_kind_t ck, uint64_t 
   int rc = -1;
   const void *user_in = j->in;
   void *user_out = j->out, *din = NULL, *dout = NULL;
-  bool inplace = j->kind == OP_ALLREDUCE;
-  size_t gather_bytes = j->plan.kind == CUDA_PLAN_GATHER ? j->n * j->count * j->esz : 0;
+  bool inplace = j->kind == OP_ALLREDUCE || j->kind == OP_REDUCE;
+  bool gathers = j->plan.kind == CUDA_PLAN_GATHER && (j->kind != OP_REDUCE || g->me == j->root);
+  size_t gather_bytes = gathers ? j->n * j->count * j->esz : 0;
   bool late = false, enqueued = false, completed = false;
   ncclResult_t r;
   if (!c->nc) { /* aborted by a concurrent failure before we got the lock */
@@ -811,7 +851,7 @@ int cuda_allreduce(backend_t *b, backend_stream_t *s, const dp_group_t *g, void 
   if (check_group(what, g, err)) return -1;
   if (count == 0 || g->n == 1) return 0; /* avg over one member is the identity */
   size_t esz = dtype_size(dtype);
-  job_t j = {OP_ALLREDUCE, what, buf, buf, count, esz, g->n, dtype, op, plan, NULL};
+  job_t j = {OP_ALLREDUCE, what, buf, buf, count, esz, g->n, dtype, op, plan, NULL, 0};
   return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz, count * esz, err);
 }
 
@@ -826,7 +866,7 @@ int cuda_reduce_scatter(backend_t *b, backend_stream_t *s, const dp_group_t *g, 
   size_t esz = dtype_size(dtype);
   if (count == 0) return 0;
   if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
-  job_t j = {OP_REDUCE_SCATTER, what, in, out, count, esz, g->n, dtype, op, plan, NULL};
+  job_t j = {OP_REDUCE_SCATTER, what, in, out, count, esz, g->n, dtype, op, plan, NULL, 0};
   return run_real(b, s, COMM_GROUP, g->session, g, &j, g->n * count * esz, count * esz, err);
 }
 
@@ -840,7 +880,7 @@ int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const
   if (count == 0) return 0;
   if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
   cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
-  job_t j = {OP_ALLGATHER, what, in, out, count, esz, g->n, dtype, RED_SUM, bytes_only, NULL};
+  job_t j = {OP_ALLGATHER, what, in, out, count, esz, g->n, dtype, RED_SUM, bytes_only, NULL, 0};
   return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz, g->n * count * esz, err);
 }
 
@@ -854,8 +894,67 @@ int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const 
   if (count == 0) return 0;
   if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
   cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
-  job_t j = {OP_ALLTOALL, what, in, out, count, esz, g->n, dtype, RED_SUM, bytes_only, NULL};
+  job_t j = {OP_ALLTOALL, what, in, out, count, esz, g->n, dtype, RED_SUM, bytes_only, NULL, 0};
   return run_real(b, s, COMM_GROUP, g->session, g, &j, g->n * count * esz, g->n * count * esz, err);
+}
+
+static int bad_root(const char *what, size_t root, const dp_group_t *g, meshd_error_t *e) {
+  return error_set(e, ERR_BAD_ARGUMENT, "%s: root %zu is not a member of a group of %zu", what, root,
+                   g->n);
+}
+
+int cuda_reduce_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                     void *buf, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err) {
+  if (emulated(b))
+    return b->net ? dp_reduce_root(b->net, g, root, buf, count, dtype, op, err)
+                  : no_net("reduce", err);
+  cuda_nccl_plan_t plan = cuda_nccl_plan(dtype, op);
+  if (plan.kind == CUDA_PLAN_INVALID) return plan_error("reduce", dtype, op, err);
+  if (check_group("reduce", g, err)) return -1;
+  if (root >= g->n) return bad_root("reduce", root, g, err);
+  if (count == 0 || g->n == 1) return 0;
+  char what[40];
+  snprintf(what, sizeof what, "reduce to rank %u", g->ranks[root]);
+  bool at_root = g->me == root; /* the others' buf only sends */
+  size_t esz = dtype_size(dtype);
+  job_t j = {OP_REDUCE, what, buf, at_root ? buf : NULL, count, esz, g->n, dtype, op, plan, NULL,
+             root};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz, at_root ? count * esz : 0, err);
+}
+
+int cuda_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                     const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err) {
+  if (emulated(b))
+    return b->net ? dp_gather_root(b->net, g, root, in, out, count, dtype, err)
+                  : no_net("gather", err);
+  if (!dtype_valid(dtype)) return plan_error("gather", dtype, RED_SUM, err);
+  if (check_group("gather", g, err)) return -1;
+  if (root >= g->n) return bad_root("gather", root, g, err);
+  size_t esz = dtype_size(dtype);
+  if (count == 0) return 0;
+  if (g->n == 1) return local_copy(b, s, out, in, count * esz, err);
+  char what[40];
+  snprintf(what, sizeof what, "gather to rank %u", g->ranks[root]);
+  bool at_root = g->me == root;
+  cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
+  job_t j = {OP_GATHER, what, in, at_root ? out : NULL, count, esz, g->n, dtype, RED_SUM,
+             bytes_only, NULL, root};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, count * esz,
+                  at_root ? g->n * count * esz : 0, err);
+}
+
+int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
+                   meshd_error_t *err) {
+  const char *what = "broadcast";
+  if (emulated(b)) return b->net ? dp_broadcast(b->net, g, buf, bytes, err) : no_net(what, err);
+  if (check_group(what, g, err)) return -1;
+  if (bytes == 0 || g->n == 1) return 0;
+  if (!buf) return error_set(err, ERR_BAD_ARGUMENT, "%s: no buffer for %zu bytes", what, bytes);
+  bool source = g->me == 0; /* sends from its buf; the others receive into theirs */
+  cuda_nccl_plan_t bytes_only = {CUDA_PLAN_NATIVE, ncclUint8, -1};
+  job_t j = {OP_BROADCAST, what, source ? buf : NULL, source ? NULL : buf, bytes, 1, g->n,
+             DTYPE_UINT8, RED_SUM, bytes_only, NULL, 0};
+  return run_real(b, s, COMM_GROUP, g->session, g, &j, source ? bytes : 0, source ? 0 : bytes, err);
 }
 
 static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, uint64_t comm_id,
@@ -875,7 +974,7 @@ static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, u
                   .n = 1, .me = send ? 0 : 1, .secret = secret};
   /* me is only part of the key here; the communicator has two members. */
   job_t j = {send ? OP_SEND : OP_RECV, what, send ? buf : NULL, send ? NULL : buf, bytes, 1, 2,
-             DTYPE_UINT8, RED_SUM, {CUDA_PLAN_NATIVE, ncclUint8, -1}, NULL};
+             DTYPE_UINT8, RED_SUM, {CUDA_PLAN_NATIVE, ncclUint8, -1}, NULL, 0};
   return run_real(b, s, send ? COMM_SEND : COMM_RECV, session, &g, &j, send ? bytes : 0,
                   send ? 0 : bytes, err);
 }

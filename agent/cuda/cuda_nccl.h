@@ -47,6 +47,20 @@ int cuda_allgather(backend_t *b, backend_stream_t *s, const dp_group_t *g, const
                    size_t count, dtype_t dtype, meshd_error_t *err);
 int cuda_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in, void *out,
                   size_t count, dtype_t dtype, meshd_error_t *err);
+/* Rooted (backend.h's reduce_root, gather_root, broadcast): `root` is an
+ * index of g. reduce: ncclReduce in place on buf (a plan without a native
+ * NCCL reduction gathers the raw bytes to the root, as cuda_gather_root, and
+ * reduces there); only the root's buf changes. gather: a grouped send of
+ * every member's `in` (count elements) to the root, which receives member i's
+ * at slice i of `out` (n * count); the others' out is not touched (may be
+ * NULL). broadcast: ncclBroadcast of member 0's buf (bytes) to every member,
+ * on the group's communicator. */
+int cuda_reduce_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                     void *buf, size_t count, dtype_t dtype, reduction_t op, meshd_error_t *err);
+int cuda_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
+                     const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err);
+int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
+                   meshd_error_t *err);
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
               const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
               size_t bytes, meshd_error_t *err);

@@ -24,6 +24,7 @@ void *fake_dev_alloc(size_t bytes) {
 }
 
 void fake_dev_free(void *p) {
+  if (!p) return; /* as free(NULL) */
   pthread_mutex_lock(&mu);
   int i = 0;
   while (i < MAX_DEV && ptrs[i] != p) i++;

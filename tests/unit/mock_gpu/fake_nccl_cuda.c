@@ -69,13 +69,35 @@ static void st_i(dtype_t d, void *p, size_t i, int64_t v) {
   }
 }
 
-/* The cpu data plane's semantics on integers (the reductions the plan sends here). */
+/* Floating min/max as the cpu data plane: a NaN on either side wins. */
+static void reduce_floats(const void *in, void *out, size_t n, size_t count, dtype_t dtype,
+                          reduction_t op) {
+  REQUIRE(op == RED_MIN || op == RED_MAX);
+  for (size_t j = 0; j < count; j++) {
+    double acc = dtype == DTYPE_FLOAT32 ? ((const float *)in)[j] : ((const double *)in)[j];
+    for (size_t k = 1; k < n; k++) {
+      size_t i = k * count + j;
+      double v = dtype == DTYPE_FLOAT32 ? ((const float *)in)[i] : ((const double *)in)[i];
+      if (acc != acc || v != v) acc = acc != acc ? acc : v;
+      else acc = (op == RED_MAX) == (v > acc) ? v : acc;
+    }
+    if (dtype == DTYPE_FLOAT32) ((float *)out)[j] = (float)acc;
+    else ((double *)out)[j] = acc;
+  }
+}
+
+/* The cpu data plane's semantics on the reductions the plan sends here:
+ * integers, and floating min/max. */
 int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void *out, size_t n,
                        size_t count, dtype_t dtype, reduction_t op, meshd_error_t *e) {
   size_t esz = dtype_size(dtype);
-  REQUIRE(is_int_dtype(dtype));
+  REQUIRE(is_int_dtype(dtype) || dtype == DTYPE_FLOAT32 || dtype == DTYPE_FLOAT64);
   REQUIRE(fake_is_dev(in, n * count * esz) && fake_is_dev(out, count * esz));
   fake.reduce_slices++;
+  if (!is_int_dtype(dtype)) {
+    reduce_floats(in, out, n, count, dtype, op);
+    return 0;
+  }
   for (size_t j = 0; j < count; j++) {
     int64_t acc = ld_i(dtype, in, j);
     for (size_t k = 1; k < n; k++) {
@@ -190,6 +212,20 @@ int dp_alltoall(dataplane_t *dp, const dp_group_t *g, const void *in, void *out,
   fake.dp_collectives++;
   return 0;
 }
+int dp_reduce_root(dataplane_t *dp, const dp_group_t *g, size_t root, void *buf, size_t count,
+                   dtype_t dtype, reduction_t op, meshd_error_t *err) {
+  fake.dp_collectives++;
+  return 0;
+}
+int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void *in, void *out,
+                   size_t count, dtype_t dtype, meshd_error_t *err) {
+  fake.dp_collectives++;
+  return 0;
+}
+int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, meshd_error_t *err) {
+  fake.dp_collectives++;
+  return 0;
+}
 
 /* ------------------------------------------------------------ CUDA runtime */
 
@@ -253,10 +289,10 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcp
 
 /* -------------------------------------------------------------------- NCCL */
 
-#define MAX_RANKS 8
+#define MAX_RANKS FAKE_MAX_RANKS
 #define MAX_OPS 64
 #define MAX_RETIRED 256
-typedef enum { K_ALLREDUCE = 1, K_REDUCE_SCATTER, K_ALLGATHER, K_P2P } op_kind_t;
+typedef enum { K_ALLREDUCE = 1, K_REDUCE_SCATTER, K_ALLGATHER, K_P2P, K_REDUCE, K_BROADCAST } op_kind_t;
 typedef struct {
   bool send;
   void *buf;
@@ -270,6 +306,7 @@ struct op {
   size_t count;
   ncclDataType_t dt;
   ncclRedOp_t rop;
+  int root; /* K_REDUCE, K_BROADCAST */
   p2p_t p[2 * MAX_RANKS];
   int np;
   int seq;
@@ -498,6 +535,28 @@ ncclResult_t ncclAllGather(const void *in, void *out, size_t count, ncclDataType
   fake.gather_ops++;
   return ncclSuccess;
 }
+/* Rooted, as NCCL: recvbuff is only used on the root (reduce), sendbuff only
+ * on the root (broadcast); elsewhere it is neither checked nor touched. */
+ncclResult_t ncclReduce(const void *in, void *out, size_t count, ncclDataType_t dt, ncclRedOp_t op,
+                        int root, ncclComm_t nc, cudaStream_t s) {
+  REQUIRE(nc && s && root >= 0 && root < nc->cl->nranks);
+  size_t bytes = count * nccl_size(dt);
+  REQUIRE(fake_is_dev(in, bytes) && (nc->rank != root || fake_is_dev(out, bytes)));
+  op_t *o = post(nc, K_REDUCE);
+  o->in = in, o->out = out, o->count = count, o->dt = dt, o->rop = op, o->root = root;
+  fake.reduce_ops++;
+  return ncclSuccess;
+}
+ncclResult_t ncclBroadcast(const void *in, void *out, size_t count, ncclDataType_t dt, int root,
+                           ncclComm_t nc, cudaStream_t s) {
+  REQUIRE(nc && s && root >= 0 && root < nc->cl->nranks);
+  size_t bytes = count * nccl_size(dt);
+  REQUIRE(fake_is_dev(out, bytes) && (nc->rank != root || fake_is_dev(in, bytes)));
+  op_t *o = post(nc, K_BROADCAST);
+  o->in = in, o->out = out, o->count = count, o->dt = dt, o->root = root;
+  fake.broadcast_ops++;
+  return ncclSuccess;
+}
 
 /* Native reductions on the types the suite uses. */
 static double ld_n(ncclDataType_t dt, const void *p, size_t i) {
@@ -540,10 +599,14 @@ static void try_run(op_t *o) {
     all[r] = m->ops[o->seq];
     REQUIRE(all[r]->kind == o->kind); /* members disagree on the op order */
   }
-  if (o->kind == K_ALLREDUCE || o->kind == K_REDUCE_SCATTER) {
+  if (o->kind == K_REDUCE || o->kind == K_BROADCAST) /* members agree on the root and size */
+    for (int r = 0; r < n; r++)
+      REQUIRE(all[r]->root == all[0]->root && all[r]->count == all[0]->count &&
+              all[r]->dt == all[0]->dt && all[r]->rop == all[0]->rop);
+  if (o->kind == K_ALLREDUCE || o->kind == K_REDUCE_SCATTER || o->kind == K_REDUCE) {
     size_t cnt = all[0]->count;
     for (int r = 0; r < n; r++) REQUIRE(all[r]->count == cnt && all[r]->dt == all[0]->dt);
-    size_t per = o->kind == K_ALLREDUCE ? cnt : cnt * (size_t)n;
+    size_t per = o->kind == K_REDUCE_SCATTER ? cnt * (size_t)n : cnt;
     double *acc = calloc(per, sizeof *acc);
     REQUIRE(acc);
     for (size_t i = 0; i < per; i++) {
@@ -551,10 +614,16 @@ static void try_run(op_t *o) {
       for (int r = 1; r < n; r++) acc[i] = combine(all[r]->rop, acc[i], ld_n(all[r]->dt, all[r]->in, i));
       if (all[0]->rop == ncclAvg) acc[i] /= n;
     }
-    for (int r = 0; r < n; r++)
+    for (int r = 0; r < n; r++) {
+      if (o->kind == K_REDUCE && r != all[0]->root) continue; /* only the root receives */
       for (size_t i = 0; i < cnt; i++)
-        st_n(all[r]->dt, all[r]->out, i, acc[o->kind == K_ALLREDUCE ? i : (size_t)r * cnt + i]);
+        st_n(all[r]->dt, all[r]->out, i, acc[o->kind == K_REDUCE_SCATTER ? (size_t)r * cnt + i : i]);
+    }
     free(acc);
+  } else if (o->kind == K_BROADCAST) {
+    op_t *src = all[all[0]->root];
+    size_t bytes = src->count * nccl_size(src->dt);
+    for (int r = 0; r < n; r++) memmove(all[r]->out, src->in, bytes);
   } else if (o->kind == K_ALLGATHER) {
     for (int r = 0; r < n; r++)
       for (int k = 0; k < n; k++) {
@@ -562,10 +631,14 @@ static void try_run(op_t *o) {
         memcpy((char *)all[r]->out + (size_t)k * all[k]->count, all[k]->in, all[k]->count);
       }
   } else {
+    int sends = 0, recvs = 0;
     for (int r = 0; r < n; r++)
       for (int i = 0; i < all[r]->np; i++) {
         p2p_t *rv = &all[r]->p[i];
+        sends += rv->send;
         if (rv->send) continue;
+        recvs++;
+        fake.p2p_bytes_in[r] += (int)rv->bytes;
         op_t *so = all[rv->peer];
         int found = 0;
         for (int j = 0; j < so->np; j++)
@@ -576,6 +649,7 @@ static void try_run(op_t *o) {
           }
         REQUIRE(found == 1);
       }
+    REQUIRE(sends == recvs); /* a send nobody receives would hang NCCL */
   }
   for (int r = 0; r < n; r++) all[r]->done = true;
 }

@@ -31,6 +31,9 @@ struct dataplane {
 /* The only device the suite's agents use; NCCL init checks it is current. */
 #define FAKE_DEVICE 1
 
+/* The most members a fake communicator has. */
+#define FAKE_MAX_RANKS 8
+
 /* Frees data-plane messages nobody received (end of a test). */
 void fake_dp_drain(void);
 
@@ -40,9 +43,11 @@ typedef struct {
   atomic_int streams_live, events_live;               /* CUDA objects */
   atomic_int scratch_live;                            /* cuda_scratch_alloc not yet freed */
   atomic_int native_ops, gather_ops, p2p_ops;         /* ncclAllReduce/ReduceScatter, AllGather, Send/Recv */
+  atomic_int reduce_ops, broadcast_ops;               /* ncclReduce, ncclBroadcast (rooted) */
+  atomic_int p2p_bytes_in[FAKE_MAX_RANKS];            /* bytes ncclRecv delivered, per NCCL rank */
   atomic_int reduce_slices;                           /* cuda_reduce_slices */
   atomic_int memcpy_calls;                            /* cuda_memcpy */
-  atomic_int dp_collectives;                          /* dp_allreduce .. dp_alltoall (emulated path) */
+  atomic_int dp_collectives; /* dp_allreduce .. dp_broadcast (emulated path) */
 } fake_counters_t;
 extern fake_counters_t fake;
 

@@ -1,7 +1,8 @@
 /* cuda_nccl.c's real-device path (NCCL communicators bootstrapped over the data
  * plane) on a mock GPU: fake NCCL, CUDA runtime and data plane
  * (fake_nccl_cuda.c), agents as threads. Covers the native and fallback
- * reductions, host staging, point to point in both directions, the cache, and
+ * reductions, the rooted ones (ncclReduce, a grouped gather to the root,
+ * ncclBroadcast), host staging, point to point in both directions, the cache, and
  * every way a round fails: a missing member, an init that never finishes or
  * errs, a peer that skips an op, an NCCL error mid-op, members that disagree,
  * a stale id from a missed round; then session end and teardown. Each failure
@@ -16,7 +17,7 @@
 #include "cuda_nccl.h"
 #include "fake_nccl_cuda.h"
 
-#define NA 3
+#define NA 4
 #define COMM_TIMEOUT_MS 200
 #define DP_TIMEOUT_MS 300
 
@@ -28,8 +29,8 @@ typedef struct {
 
 static agent_t A[NA];
 static bool agents_closed;
-static const uint32_t RANKS[] = {0, 1, 2};
-static const char *const ADDRS[] = {"h:0", "h:1", "h:2"};
+static const uint32_t RANKS[] = {0, 1, 2, 3};
+static const char *const ADDRS[] = {"h:0", "h:1", "h:2", "h:3"};
 static const uint8_t SECRET[DP_SECRET_LEN] = "mock gpu group secret..........";
 
 static void agents_open(void) {
@@ -214,6 +215,201 @@ Test(cuda_nccl_mock_gpu, send_and_recv_in_both_directions_use_one_communicator_e
   cr_expect_eq(fake.inits, 4, "two directional communicators on each end, cached: %d",
                (int)fake.inits);
   cr_expect_eq(fake.p2p_ops, 8, "two sends and two receives per agent: %d", (int)fake.p2p_ops);
+  expect_nothing_left();
+}
+
+/* ------------------------------------------------------- rooted */
+
+#define RN 3 /* members of the rooted reductions and gathers */
+#define RCOUNT 5
+
+static float f32_in(int m, int i) { return (float)((m + 1) * 1.5 - i) * (m == 1 ? -1.0f : 1.0f); }
+static int32_t i32_in(int m, int i) { return (m + 1) * 10 - 7 * i * m + (m == 2 ? -40 : 0); }
+
+/* Reduces to member 1 in place: float32 sum on device buffers, int32 sum and
+ * max on host ones (staged). The root checks against sums and maxima computed
+ * here; the others check that their buffers still hold their input. */
+static void reduce_native_to_root(agent_t *a, res_t *r) {
+  const size_t root = 1;
+  int me = r->me;
+  dp_group_t g = group(1000, 7, RN, (size_t)me);
+  float *f = fake_dev_alloc(RCOUNT * sizeof *f);
+  for (int i = 0; i < RCOUNT; i++) f[i] = f32_in(me, i);
+  r->rc |= cuda_reduce_root(&a->b, NULL, &g, root, f, RCOUNT, DTYPE_FLOAT32, RED_SUM, &r->e);
+  for (int i = 0; i < RCOUNT; i++) {
+    float want = 0;
+    for (int m = 0; m < RN; m++) want += f32_in(m, i);
+    r->wrong += (size_t)me == root ? f[i] != want : f[i] != f32_in(me, i);
+  }
+  fake_dev_free(f);
+  for (int k = 0; k < 2; k++) {
+    reduction_t op = k ? RED_MAX : RED_SUM;
+    int32_t h[RCOUNT];
+    for (int i = 0; i < RCOUNT; i++) h[i] = i32_in(me, i);
+    r->rc |= cuda_reduce_root(&a->b, NULL, &g, root, h, RCOUNT, DTYPE_INT32, op, &r->e);
+    for (int i = 0; i < RCOUNT; i++) {
+      int32_t want = i32_in(0, i);
+      for (int m = 1; m < RN; m++)
+        want = op == RED_SUM ? want + i32_in(m, i) : i32_in(m, i) > want ? i32_in(m, i) : want;
+      r->wrong += (size_t)me == root ? h[i] != want : h[i] != i32_in(me, i);
+    }
+  }
+}
+
+Test(cuda_nccl_mock_gpu, reduce_to_a_nonzero_root_is_ncclReduce_and_leaves_the_others_untouched) {
+  res_t r[RN];
+  run_agents(RN, reduce_native_to_root, r);
+  expect_ok(r, RN);
+  cr_expect_eq(fake.reduce_ops, 3 * RN, "ncclReduce for each of 3 reductions on each member: %d",
+               (int)fake.reduce_ops);
+  cr_expect_eq(fake.native_ops, 0, "no all-reduce: %d", (int)fake.native_ops);
+  cr_expect_eq(fake.gather_ops + fake.p2p_ops, 0, "no all-gather nor sends");
+  cr_expect_eq(fake.reduce_slices, 0);
+  cr_expect_eq(fake.inits, RN, "one cached group communicator per member: %d", (int)fake.inits);
+  expect_nothing_left();
+}
+
+/* float32 max and int16 sum have no NCCL reduction: the raw bytes go to the
+ * root (member 2), which reduces them; the others only send. */
+static void reduce_fallback_to_root(agent_t *a, res_t *r) {
+  const size_t root = 2;
+  int me = r->me;
+  dp_group_t g = group(1001, 7, RN, (size_t)me);
+  float *f = fake_dev_alloc(RCOUNT * sizeof *f);
+  for (int i = 0; i < RCOUNT; i++) f[i] = f32_in(me, i);
+  r->rc |= cuda_reduce_root(&a->b, NULL, &g, root, f, RCOUNT, DTYPE_FLOAT32, RED_MAX, &r->e);
+  for (int i = 0; i < RCOUNT; i++) {
+    float want = f32_in(0, i);
+    for (int m = 1; m < RN; m++) want = f32_in(m, i) > want ? f32_in(m, i) : want;
+    r->wrong += (size_t)me == root ? f[i] != want : f[i] != f32_in(me, i);
+  }
+  fake_dev_free(f);
+  int16_t h[RCOUNT];
+  for (int i = 0; i < RCOUNT; i++) h[i] = (int16_t)i32_in(me, i);
+  r->rc |= cuda_reduce_root(&a->b, NULL, &g, root, h, RCOUNT, DTYPE_INT16, RED_SUM, &r->e);
+  for (int i = 0; i < RCOUNT; i++) {
+    int16_t want = 0;
+    for (int m = 0; m < RN; m++) want = (int16_t)(want + i32_in(m, i));
+    r->wrong += (size_t)me == root ? h[i] != want : h[i] != (int16_t)i32_in(me, i);
+  }
+}
+
+Test(cuda_nccl_mock_gpu, reduce_without_a_native_nccl_op_gathers_to_the_root_and_reduces_there) {
+  res_t r[RN];
+  run_agents(RN, reduce_fallback_to_root, r);
+  expect_ok(r, RN);
+  cr_expect_eq(fake.reduce_slices, 2, "reduced on the root only, twice: %d",
+               (int)fake.reduce_slices);
+  cr_expect_eq(fake.gather_ops + fake.native_ops + fake.reduce_ops, 0,
+               "no all-gather nor NCCL reduction");
+  cr_expect_eq(fake.p2p_ops, 2 * (RN + RN), "a send on each member, RN receives on the root: %d",
+               (int)fake.p2p_ops);
+  for (int m = 0; m < RN; m++)
+    cr_expect_eq(fake.p2p_bytes_in[m], m == 2 ? RN * RCOUNT * (4 + 2) : 0,
+                 "member %d received %d bytes", m, (int)fake.p2p_bytes_in[m]);
+  expect_nothing_left();
+}
+
+#define GSENT -77
+
+/* Gathers to member 2 every member's own int64 values (host buffers, staged)
+ * and then float64 ones (device buffers, no out off the root). */
+static void gather_to_root(agent_t *a, res_t *r) {
+  const size_t root = 2;
+  int me = r->me;
+  dp_group_t g = group(1002, 7, RN, (size_t)me);
+  int64_t in[RCOUNT], out[RN * RCOUNT];
+  for (int i = 0; i < RCOUNT; i++) in[i] = 1000 * me + i * i - 3;
+  for (int i = 0; i < RN * RCOUNT; i++) out[i] = GSENT;
+  r->rc |= cuda_gather_root(&a->b, NULL, &g, root, in, out, RCOUNT, DTYPE_INT64, &r->e);
+  for (int m = 0; m < RN; m++)
+    for (int i = 0; i < RCOUNT; i++)
+      r->wrong += out[m * RCOUNT + i] != ((size_t)me == root ? 1000 * m + i * i - 3 : GSENT);
+  double *din = fake_dev_alloc(2 * sizeof *din);
+  double *dout = (size_t)me == root ? fake_dev_alloc(RN * 2 * sizeof *dout) : NULL;
+  din[0] = me + 0.25, din[1] = -me;
+  r->rc |= cuda_gather_root(&a->b, NULL, &g, root, din, dout, 2, DTYPE_FLOAT64, &r->e);
+  for (int m = 0; dout && m < RN; m++) r->wrong += dout[2 * m] != m + 0.25 || dout[2 * m + 1] != -m;
+  fake_dev_free(din);
+  fake_dev_free(dout);
+}
+
+Test(cuda_nccl_mock_gpu, gather_to_a_root_is_grouped_sends_and_only_the_root_receives) {
+  res_t r[RN];
+  run_agents(RN, gather_to_root, r);
+  expect_ok(r, RN);
+  cr_expect_eq(fake.gather_ops, 0, "no all-gather: %d", (int)fake.gather_ops);
+  cr_expect_eq(fake.native_ops + fake.reduce_ops, 0);
+  cr_expect_eq(fake.p2p_ops, 2 * (RN + RN), "a send on each member, RN receives on the root: %d",
+               (int)fake.p2p_ops);
+  for (int m = 0; m < RN; m++)
+    cr_expect_eq(fake.p2p_bytes_in[m], m == 2 ? RN * (RCOUNT * 8 + 2 * 8) : 0,
+                 "member %d received %d bytes", m, (int)fake.p2p_bytes_in[m]);
+  cr_expect_eq(fake.inits, RN, "one cached group communicator per member: %d", (int)fake.inits);
+  expect_nothing_left();
+}
+
+/* Member 0's bytes to all four, twice (ToMesh's flag, then its data): odd
+ * members on device buffers, even ones on host buffers (staged). */
+static void broadcast_from_0(agent_t *a, res_t *r) {
+  int me = r->me;
+  dp_group_t g = group(1003, 7, NA, (size_t)me);
+  for (int rep = 0; rep < 2; rep++) {
+    size_t n = 37 + (size_t)rep * 64;
+    uint8_t host[128];
+    uint8_t *buf = me % 2 ? fake_dev_alloc(n) : host;
+    for (size_t i = 0; i < n; i++) buf[i] = me == 0 ? (uint8_t)(i * 7 + rep) : 0xee;
+    r->rc |= cuda_broadcast(&a->b, NULL, &g, buf, n, &r->e);
+    for (size_t i = 0; i < n; i++) r->wrong += buf[i] != (uint8_t)(i * 7 + rep);
+    if (me % 2) fake_dev_free(buf);
+  }
+}
+
+Test(cuda_nccl_mock_gpu, broadcast_over_four_members_is_ncclBroadcast_on_one_group_communicator) {
+  res_t r[NA];
+  run_agents(NA, broadcast_from_0, r);
+  expect_ok(r, NA);
+  cr_expect_eq(fake.broadcast_ops, 2 * NA, "ncclBroadcast twice on each member: %d",
+               (int)fake.broadcast_ops);
+  cr_expect_eq(fake.p2p_ops, 0, "no point-to-point sends: %d", (int)fake.p2p_ops);
+  cr_expect_eq(fake.ids, 1, "one group id, not one per destination: %d", (int)fake.ids);
+  cr_expect_eq(fake.inits, NA, "cached across both broadcasts: %d", (int)fake.inits);
+  expect_nothing_left();
+}
+
+static void reduce_of_three_to_1(agent_t *a, res_t *r) {
+  dp_group_t g = group(1004, 8, RN, (size_t)r->me);
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  *d = r->me + 1;
+  r->rc = cuda_reduce_root(&a->b, NULL, &g, 1, d, 1, DTYPE_INT32, RED_SUM, &r->e);
+  r->wrong += !r->rc && r->me == 1 && *d != 6;
+  fake_dev_free(d);
+}
+
+static void broadcast_of_four(agent_t *a, res_t *r) {
+  dp_group_t g = group(1005, 8, NA, (size_t)r->me);
+  int64_t v = r->me ? 0 : 99;
+  r->rc = cuda_broadcast(&a->b, NULL, &g, &v, sizeof v, &r->e);
+  r->wrong += !r->rc && v != 99;
+}
+
+Test(cuda_nccl_mock_gpu, rooted_failures_name_the_op_its_root_and_the_group) {
+  res_t r[NA];
+  run_agents(RN, reduce_of_three_to_1, r);
+  expect_ok(r, RN);
+  fake_op_error = ncclRemoteError;
+  run_agents(RN, reduce_of_three_to_1, r);
+  for (int i = 0; i < RN; i++)
+    expect_failed(&r[i], 2.0,
+                  "reduce to rank 1 over ranks [0,1,2]: NCCL failed: fake remote error: fake last "
+                  "error; the communicator was aborted", NULL);
+  cr_expect_eq(fake.comms_live, 0);
+  fake_op_error = 0;
+  run_agents(NA - 1, broadcast_of_four, r); /* member 3 never comes */
+  for (int i = 0; i < NA - 1; i++)
+    expect_failed(&r[i], 2.0, "broadcast over ranks [0,1,2,3]: setting up the NCCL communicator",
+                  "took longer than 0.2 s");
+  cr_expect_eq(fake.comms_live, 0);
   expect_nothing_left();
 }
 
@@ -504,6 +700,21 @@ Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
   rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
   expect_bad(rc, &e, "allreduce on comm 900: the group has no secret");
   g.secret = SECRET;
+  rc = cuda_reduce_root(b, NULL, &g, 2, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
+  expect_bad(rc, &e, "reduce: root 2 is not a member of a group of 2");
+  rc = cuda_gather_root(b, NULL, &g, 5, f, f + 2, 1, DTYPE_FLOAT32, &e);
+  expect_bad(rc, &e, "gather: root 5 is not a member of a group of 2");
+  rc = cuda_reduce_root(b, NULL, &g, 1, f, 1, DTYPE_FLOAT32, RED_BAND, &e);
+  expect_refused(rc, &e, ERR_DTYPE_MISMATCH,
+                 "reduce: 'band' is bitwise and needs an integer or bool tensor, not float32");
+  rc = cuda_gather_root(b, NULL, &g, 1, f, f + 2, 1, (dtype_t)99, &e);
+  expect_bad(rc, &e, "gather: dtype 99 is not a known dtype");
+  g.me = 2;
+  rc = cuda_broadcast(b, NULL, &g, f, 4, &e);
+  expect_bad(rc, &e, "broadcast: needs a group with this agent in it");
+  g.me = 0;
+  rc = cuda_broadcast(b, NULL, &g, NULL, 4, &e);
+  expect_bad(rc, &e, "broadcast: no buffer for 4 bytes");
   g.me = 2;
 
   A[0].b.net = NULL; /* the data plane failed to start */
@@ -528,7 +739,15 @@ Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
   out[0] = out[1] = 0;
   cr_expect_eq(cuda_allgather(b, NULL, &one, buf, out, 2, DTYPE_INT32, &e), 0);
   cr_expect(out[0] == 7 && out[1] == 8);
-  cr_expect_eq(fake.memcpy_calls, 2, "one-member reduce_scatter and allgather copy locally");
+  out[0] = out[1] = 0;
+  cr_expect_eq(cuda_gather_root(b, NULL, &one, 0, buf, out, 2, DTYPE_INT32, &e), 0);
+  cr_expect(out[0] == 7 && out[1] == 8);
+  cr_expect_eq(cuda_reduce_root(b, NULL, &one, 0, buf, 2, DTYPE_INT32, RED_SUM, &e), 0);
+  cr_expect_eq(cuda_reduce_root(b, NULL, &two, 1, buf, 0, DTYPE_INT32, RED_SUM, &e), 0);
+  cr_expect_eq(cuda_broadcast(b, NULL, &one, buf, 8, &e), 0);
+  cr_expect_eq(cuda_broadcast(b, NULL, &two, buf, 0, &e), 0);
+  cr_expect(buf[0] == 7 && buf[1] == 8);
+  cr_expect_eq(fake.memcpy_calls, 3, "one-member reduce_scatter, allgather, gather copy locally");
   cr_expect_eq(cuda_send(b, NULL, 1, 903, SECRET, 1, "h:1", buf, 0, &e), 0);
   cr_expect_eq(fake.ids + fake.inits, 0);
 }
@@ -544,11 +763,18 @@ Test(cuda_nccl_mock_gpu, emulated_device_delegates_to_the_data_plane) {
   cr_expect_eq(cuda_reduce_scatter(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, RED_SUM, &e), 0);
   cr_expect_eq(cuda_allgather(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
   cr_expect_eq(cuda_alltoall(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
-  cr_expect_eq(fake.dp_collectives, 4);
+  cr_expect_eq(cuda_reduce_root(b, NULL, &g, 1, buf, 1, DTYPE_INT32, RED_SUM, &e), 0);
+  cr_expect_eq(cuda_gather_root(b, NULL, &g, 1, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
+  cr_expect_eq(cuda_broadcast(b, NULL, &g, buf, 4, &e), 0);
+  cr_expect_eq(fake.dp_collectives, 7);
   cuda_session_end(b, 1);
   cr_expect_eq(fake.ids + fake.inits + fake.streams_live + fake.finalizes, 0,
                "no NCCL or CUDA call when emulated");
   A[0].b.net = NULL;
   cr_expect_eq(cuda_alltoall(b, NULL, &g, buf, buf + 2, 1, DTYPE_INT32, &e), -1);
   cr_expect(strstr(e.msg, "alltoall: this agent has no data plane"), "%s", e.msg);
+  cr_expect_eq(cuda_reduce_root(b, NULL, &g, 1, buf, 1, DTYPE_INT32, RED_SUM, &e), -1);
+  cr_expect(strstr(e.msg, "reduce: this agent has no data plane"), "%s", e.msg);
+  cr_expect_eq(cuda_broadcast(b, NULL, &g, buf, 4, &e), -1);
+  cr_expect(strstr(e.msg, "broadcast: this agent has no data plane"), "%s", e.msg);
 }
