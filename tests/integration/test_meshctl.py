@@ -612,6 +612,61 @@ def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path
     assert rc == 0 and "load x.npy: 48B / 48B 100%" in term, repr(term)
 
 
+def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, load_files):
+    """LoadProgress asks every rank at once under one deadline (about 2 s): with rank 1's
+    agent SIGSTOPped mid-load it still answers in bounded time, with rank 0's bytes and a
+    note naming rank 1; once the agent resumes the answers are whole again."""
+    srv = shared_meshd(2, "--agent-timeout", "60")  # the stopped agent stays registered
+    files, _ = load_files
+    t = lib.tensor_pb2()
+    by = time.monotonic() + 10
+    victim = None
+    while victim is None and time.monotonic() < by:
+        victim = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1), None)
+    assert victim, f"no rank-1 agent child of meshd {srv.pid}"
+    started = lib.proc_starttime(victim)
+    with lib.Session(srv.port, "progress-stop") as s:
+        m = s.mesh(gpu=2)
+        ref = s.new_ref()
+        s.run(("load", t.Load(ref=ref, mesh=m.ref, url=files.url("trickle/two.bin"), dtype=1,
+                              shape=[1 << 19])))
+
+        def look():
+            t0 = time.monotonic()
+            r = s.unary("LoadProgress", t.LoadProgressRequest(refs=[ref]), t.LoadProgressReply,
+                        timeout=30)
+            return r, time.monotonic() - t0
+
+        r, _ = look()
+        while r.loads[0].done_bytes == 0 and time.monotonic() < by:
+            r, _ = look()
+        assert r.loads[0].done_bytes > 0 and not r.unanswered, r
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            stop_by = time.monotonic() + 10
+            while not lib.all_threads_stopped(victim) and time.monotonic() < stop_by:
+                time.sleep(0.01)
+            r, took = look()
+        finally:
+            if lib.alive(victim, started):
+                os.kill(victim, signal.SIGCONT)
+        assert took < 4.0, f"LoadProgress took {took:.1f} s with rank 1 stopped"
+        assert [u.rank for u in r.unanswered] == [1], r
+        u = r.unanswered[0]
+        assert u.kind == t.ERROR_KIND_DEADLINE_EXCEEDED, r
+        assert "rank 1: no answer within 2000 ms" in u.message, u.message
+        total = r.loads[0].total_bytes
+        assert total == 2 * (2 << 20) and 0 < r.loads[0].done_bytes <= total // 2, r
+        # resumed: both ranks answer again and the load completes
+        by = time.monotonic() + 20
+        while time.monotonic() < by:
+            r, _ = look()
+            if not r.unanswered and r.loads[0].done_bytes == total:
+                break
+            time.sleep(0.05)
+        assert not r.unanswered and r.loads[0].done_bytes == total, r
+
+
 def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
     srv = shared_meshd(2)
     files, _ = load_files
