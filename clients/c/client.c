@@ -1089,6 +1089,13 @@ static int64_t mono_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+static meshd_err_t wait_stopped(meshd_session_t *s, uint64_t done, uint64_t total) {
+  set_error(s->client, MESHD_E_CANCELLED, 0, NULL,
+            "meshd_session_wait_load: stopped by the caller with %llu of %llu bytes in; the load "
+            "goes on until the session closes", (unsigned long long)done, (unsigned long long)total);
+  return MESHD_E_CANCELLED;
+}
+
 meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
                                     const meshd_wait_load_options_t *opts) {
   static const meshd_wait_load_options_t defaults = MESHD_WAIT_LOAD_OPTIONS_INIT;
@@ -1111,6 +1118,10 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
   uint64_t done = 0, total = 0;
   meshd_err_t ret;
   for (;;) {
+    if (o->stop && *o->stop) {
+      ret = wait_stopped(s, done, total);
+      break;
+    }
     /* A look, then a Sync bounded by the interval: it returns as soon as the
      * loads are in (or failed), so the wait adds no delay of its own. A look
      * that times out (the server asks each agent in turn: a wedged one holds
@@ -1141,6 +1152,10 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
         break;
       }
       step = left < step ? (int)left : step;
+    }
+    if (o->stop && *o->stop) {
+      ret = wait_stopped(s, done, total);
+      break;
     }
     ret = meshd_session_sync_timeout(s, step);
     if (ret != MESHD_E_DEADLINE)

@@ -699,12 +699,10 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
 
 /* ------------------------------------------------------------------ sessions */
 
-static volatile sig_atomic_t interrupted; /* Ctrl-C during --watch */
+/* The signal (SIGINT, SIGTERM) that came during --watch or a load's wait; 0: none. */
+static volatile sig_atomic_t interrupted;
 
-static void on_interrupt(int sig) {
-  (void)sig;
-  interrupted = 1;
-}
+static void on_interrupt(int sig) { interrupted = sig; }
 
 static double now_s(void) {
   struct timespec ts;
@@ -1256,22 +1254,47 @@ static int load_check(const load_req_t *q, const char *pre, char *err, size_t er
 }
 
 /* meshd_session_load, then meshd_session_wait_load with the progress line
- * ("what: DONE / TOTAL ..."); *ref is set once the load is accepted. */
+ * ("what: DONE / TOTAL ..."); *ref is set once the load is accepted. SIGINT
+ * and SIGTERM meanwhile end the wait (MESHD_E_CANCELLED, `interrupted` says
+ * which), so that the caller closes the session instead of leaving it to its
+ * lease; the default handlers are back on return. */
 static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                  load_req_t *q, const char *what, meshd_ref_t *ref) {
   progress_t p = {what, now_s(), 0, false};
+  struct sigaction sa, old_int, old_term;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  interrupted = 0;
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
   meshd_err_t e = meshd_session_load(s, mesh, url, &q->o, ref);
-  if (e != MESHD_E_OK)
-    return e;
-  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
-  if (progress_on) {
-    w.progress = show_progress;
-    w.progress_user = &p;
+  if (e == MESHD_E_OK && !interrupted) {
+    meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+    w.stop = &interrupted;
+    if (progress_on) {
+      w.progress = show_progress;
+      w.progress_user = &p;
+    }
+    e = meshd_session_wait_load(s, ref, 1, &w);
   }
-  e = meshd_session_wait_load(s, ref, 1, &w);
+  sigaction(SIGINT, &old_int, NULL);
+  sigaction(SIGTERM, &old_term, NULL);
   if (p.shown) /* a failure: the error goes on its own line */
     fputc('\n', stderr);
-  return e;
+  return interrupted ? MESHD_E_CANCELLED : e;
+}
+
+/* A load stopped by a signal: one line, exit 128 + the signal (the caller
+ * closes the session). */
+static int load_interrupted(const char *what) {
+  const char *name = interrupted == SIGTERM ? "SIGTERM" : "SIGINT";
+  char msg[640];
+  snprintf(msg, sizeof msg, "%s: interrupted by %s; the session is closed, the load abandoned",
+           what, name);
+  fprintf(stderr, "error: %s\n", msg);
+  note_error("CANCELLED", NULL, msg, 0);
+  return 128 + (interrupted == SIGTERM ? SIGTERM : SIGINT);
 }
 
 /* NAME = EXPR: a factory, an upload, a load, a reduce or an op call. */
@@ -1616,6 +1639,10 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
   double t0 = now_s();
   e = load_and_wait(s, mesh, url, &load_q, label, &ref);
   double secs = now_s() - t0;
+  if (e == MESHD_E_CANCELLED) {
+    r = load_interrupted(what);
+    goto out;
+  }
   if (e != MESHD_E_OK) {
     r = load_failed(c, what, e);
     goto out;

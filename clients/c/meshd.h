@@ -18,6 +18,7 @@
 #ifndef MESHD_CLIENT_H
 #define MESHD_CLIENT_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -40,7 +41,8 @@ extern "C" {
   XX(RPC, "the call failed")                                \
   XX(INVALID, "invalid argument")                           \
   XX(NOMEM, "out of memory")                                \
-  XX(DEADLINE, "the call's deadline passed")
+  XX(DEADLINE, "the call's deadline passed")                \
+  XX(CANCELLED, "stopped by the caller")
 
 typedef enum {
 #define XX(name, text) MESHD_E_##name,
@@ -359,9 +361,14 @@ typedef struct meshd_wait_load_options {
    * and on success once more with done == total. Must not call the library. */
   void (*progress)(void *user, uint64_t done_bytes, uint64_t total_bytes);
   void *progress_user; /* passed to progress */
+  /* NULL: none. A flag the caller's signal handler sets (SIGINT, SIGTERM): the
+   * wait looks at it after each look and each step (interval_ms at most) and,
+   * once it is non-zero, returns
+   * MESHD_E_CANCELLED; the load goes on until the session closes. */
+  const volatile sig_atomic_t *stop;
 } meshd_wait_load_options_t;
 
-#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL}
+#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL, NULL}
 
 /* Waits until everything the session issued so far ran, as meshd_session_sync
  * does, showing the progress of the loads `refs` (n >= 1) while it waits:

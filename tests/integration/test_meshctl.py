@@ -667,6 +667,36 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
         assert not r.unanswered and r.loads[0].done_bytes == total, r
 
 
+def test_load_interrupted_closes_its_session(shared_meshd, load_files):
+    """SIGINT during `meshctl load`'s wait: one line, exit 130, and the session is closed
+    at once (not left to its lease)."""
+    srv = shared_meshd(2)
+    files, _ = load_files
+    with lib.Session(srv.port, "watcher") as w:
+        def ours():
+            return [x for x in w.list_sessions() if x.client_name == "meshctl"]
+        assert not ours(), ours()
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "20000",
+                              "load", files.url("slow/two.bin"), "--dtype", "float32",
+                              "--shape", str(1 << 19)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            by = time.monotonic() + 10
+            while time.monotonic() < by and not any(x.commands >= 2 for x in ours()):
+                time.sleep(0.02)  # the mesh and the load are in: it waits
+            assert any(x.commands >= 2 for x in ours()), (ours(), p.poll(), p.communicate(timeout=10) if p.poll() is not None else '')
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 130, f"rc={p.returncode}\n{out}\n{err}"
+        assert err.count("\n") == 1 and "interrupted by SIGINT; the session is closed" in err, err
+        assert err.startswith(f"error: load {files.url('slow/two.bin')}: "), err
+        assert out == "" and not ours(), ours()
+
+
 def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
     srv = shared_meshd(2)
     files, _ = load_files
