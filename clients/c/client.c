@@ -368,8 +368,13 @@ meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n
   out = calloc(reply->n_agents, sizeof *out);
   if (!out)
     goto nomem;
+  const Meshd__V1__AgentTls *tls = reply->agent_tls;
+  bool has_tls = tls && tls->ca_pem && *tls->ca_pem;
   for (; count < reply->n_agents; count++) {
-    if (copy_agent(&out[count], reply->agents[count]) != 0) {
+    meshd_agent_t *a = &out[count];
+    if (copy_agent(a, reply->agents[count]) != 0 ||
+        (has_tls && (!(a->tls_server_name = dup_str(tls->server_name)) ||
+                     !(a->tls_ca_pem = dup_str(tls->ca_pem))))) {
       count++; /* free this one's partial strings too */
       goto nomem;
     }
@@ -399,6 +404,8 @@ void meshd_agents_free(meshd_agent_t *list, size_t n) {
     free(list[i].version);
     free(list[i].commit);
     free(list[i].build_type);
+    free(list[i].tls_server_name);
+    free(list[i].tls_ca_pem);
   }
   free(list);
 }

@@ -658,6 +658,17 @@ static json_object *agent_json(const meshd_agent_t *a) {
   return o;
 }
 
+/* ListAgents' AgentTls, as `agents` shows it: how a direct-path client dials
+ * the agent; null in plaintext. */
+static json_object *agent_tls_json(const meshd_agent_t *a) {
+  if (!a->tls_ca_pem)
+    return NULL;
+  json_object *t = json_object_new_object();
+  put_str(t, "server_name", a->tls_server_name);
+  put_str(t, "ca_pem", a->tls_ca_pem);
+  return t;
+}
+
 static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
   (void)argc;
   (void)argv;
@@ -669,25 +680,31 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
 
   if (json_out) {
     json_object *list = json_object_new_array();
-    for (size_t i = 0; i < n; i++)
-      json_object_array_add(list, agent_json(&agents[i]));
+    for (size_t i = 0; i < n; i++) {
+      json_object *o = agent_json(&agents[i]);
+      json_object_object_add(o, "tls", agent_tls_json(&agents[i]));
+      json_object_array_add(list, o);
+    }
     json_object_object_add(the_doc(), "agents", list);
   } else {
-    int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE");
+    int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE"), w_tls = (int)strlen("TLS");
     for (size_t i = 0; i < n; i++) {
       int a = (int)strlen(agents[i].address), d = (int)strlen(agents[i].device);
+      int t = agents[i].tls_server_name ? (int)strlen(agents[i].tls_server_name) : 1;
       w_addr = a > w_addr ? a : w_addr;
       w_dev = d > w_dev ? d : w_dev;
+      w_tls = t > w_tls ? t : w_tls;
     }
-    printf("%-5s %-*s %-*s %-9s %-9s %-7s %-7s %s\n", "RANK", w_addr, "ADDRESS", w_dev, "DEVICE",
-           "MEMORY", "ALLOCATED", "HEALTHY", "DRAINED", "VERSION");
+    printf("%-5s %-*s %-*s %-9s %-9s %-7s %-7s %-*s %s\n", "RANK", w_addr, "ADDRESS", w_dev,
+           "DEVICE", "MEMORY", "ALLOCATED", "HEALTHY", "DRAINED", w_tls, "TLS", "VERSION");
     for (size_t i = 0; i < n; i++) {
       char mem[32], alloc[32];
       human_bytes(agents[i].memory_bytes, mem, sizeof mem);
       human_bytes(agents[i].allocated_bytes, alloc, sizeof alloc);
-      printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %-7s %-7s %s\n", agents[i].rank, w_addr,
+      printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %-7s %-7s %-*s %s\n", agents[i].rank, w_addr,
              agents[i].address, w_dev, agents[i].device, mem, alloc,
-             agents[i].healthy ? "yes" : "no", agents[i].drained ? "yes" : "no",
+             agents[i].healthy ? "yes" : "no", agents[i].drained ? "yes" : "no", w_tls,
+             agents[i].tls_server_name ? agents[i].tls_server_name : "-",
              *agents[i].version ? agents[i].version : "-");
     }
   }

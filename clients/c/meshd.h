@@ -188,6 +188,12 @@ typedef struct meshd_agent {
   char *commit;
   char *build_type;
   bool cuda;
+  /* How a client of the direct data path dials the agents' port (ListAgents'
+   * AgentTls, the same for every agent; meshd_agents only): NULL, NULL in
+   * plaintext; with cluster mTLS the name their certificates carry and the
+   * cluster CA's PEM. */
+  char *tls_server_name;
+  char *tls_ca_pem;
 } meshd_agent_t;
 
 /* meshd.v1.TensorService/ListAgents. On MESHD_E_OK, *list is an array of *n

@@ -88,9 +88,12 @@ def test_agents_lists_two_ranks(meshd_server):
             if re.match(r"^\s*\d+\s", line)]
     assert len(rows) == 2, _show(r)
     assert sorted(int(row[0]) for row in rows) == [0, 1], _show(r)
+    head = r.stdout.splitlines()[0].split()
+    assert head[head.index("DRAINED") + 1] == "TLS", _show(r)
     for row in rows:
         assert any(col.startswith("127.0.0.1:") for col in row), _show(r)
         assert "cpu" in row, _show(r)
+        assert row[head.index("TLS")] == "-", _show(r)  # plaintext agents
 
 
 
@@ -324,6 +327,7 @@ def test_json_output_of_every_command(shared_meshd, tmp_path):
             assert a["healthy"] is True and a["drained"] is False and a["device"] == "cpu", a
             assert a["address"].startswith("127.0.0.1:") and a["memory_bytes"] > 0, a
             assert a["version"] == _version() and a["commit"], a
+            assert "tls" in a and a["tls"] is None, a  # plaintext agents (mTLS: test_direct)
 
         r = meshctl(srv.address, "--output=json", "sessions", env={"MESHD_OUTPUT": "table"})
         assert r.returncode == 0, _show(r)
@@ -460,7 +464,7 @@ def test_drain_keeps_new_sessions_off_a_rank(shared_meshd, secured):
         r = meshctl(srv.address, "--output", "json", "agents")
         assert {a["rank"]: a["drained"] for a in _json(r)["agents"]} == {0: True, 1: False}, r
         r = meshctl(srv.address, "agents")
-        assert re.search(r"(?m)^0 .* yes +yes +\S+$", r.stdout), _show(r)
+        assert re.search(r"(?m)^0 .* yes +yes +- +\S+$", r.stdout), _show(r)
 
         with lib.Session(srv.port, client_name="after-drain") as new:
             res = new.run(lib.create_mesh(new.new_ref(), gpu=1))
