@@ -214,6 +214,12 @@ struct progress {
   uint32_t *ranks;            /* every rank of every ref's mesh, deduplicated */
   size_t nranks;
   bool *on;                   /* [ref * nranks + rank index]: the ref lives there */
+  /* [rank index]: the rank ran everything the session sent it, so it holds its
+   * part of each ref that did not fail (a failure is recorded before the
+   * watermark moves): counted whole without asking its agent, which keeps only
+   * its latest loads in mind. */
+  bool *ran;
+  uint64_t *share;            /* [ref]: its bytes on one rank */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   size_t pending;             /* asks whose pull has not ended */
@@ -223,6 +229,8 @@ static void progress_free(progress_t *p) {
   free(p->v);
   free(p->ranks);
   free(p->on);
+  free(p->ran);
+  free(p->share);
   free(p);
 }
 
@@ -324,8 +332,11 @@ static void *progress_main(void *arg) {
       free(a->which);
       break;
     }
-    for (size_t i = 0; i < p->n; i++)
-      if (p->on[i * p->nranks + r] && !p->v[i].failed) a->which[a->k] = i, a->refs[a->k++] = p->v[i].ref;
+    for (size_t i = 0; i < p->n; i++) {
+      if (!p->on[i * p->nranks + r] || p->v[i].failed) continue;
+      if (p->ran[r]) p->v[i].done_bytes += p->share[i];
+      else a->which[a->k] = i, a->refs[a->k++] = p->v[i].ref;
+    }
     nasks++;
     if (!a->k) {
       a->ended = true;
@@ -403,8 +414,8 @@ static void *progress_main(void *arg) {
 }
 
 /* Each ref's total and ranks, under the session lock. */
-static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq, progress_t *p,
-                         meshd_error_t *e) {
+static int progress_plan(load_service_t *ls, session_t *s, const Meshd__V1__LoadProgressRequest *rq,
+                         progress_t *p, meshd_error_t *e) {
   int rc = -1;
   pthread_mutex_lock(&s->mu);
   objects_t *o = s->objects;
@@ -426,13 +437,20 @@ static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq,
     }
   }
   if (!p->v || !(p->ranks = calloc(world ? world : 1, sizeof *p->ranks)) ||
-      !(p->on = calloc((rq->n_refs ? rq->n_refs : 1) * (world ? world : 1), sizeof *p->on))) {
+      !(p->on = calloc((rq->n_refs ? rq->n_refs : 1) * (world ? world : 1), sizeof *p->on)) ||
+      !(p->ran = calloc(world ? world : 1, sizeof *p->ran)) ||
+      !(p->share = calloc(rq->n_refs ? rq->n_refs : 1, sizeof *p->share))) {
     error_set(e, ERR_QUOTA, "LoadProgress: out of memory");
     goto out;
   }
   p->n = rq->n_refs;
   p->nranks = world;
-  for (size_t r = 0; r < world; r++) p->ranks[r] = (uint32_t)r;
+  watermark_t *wm = agent_pool_watermark(ls->pool);
+  for (size_t r = 0; r < world; r++) {
+    p->ranks[r] = (uint32_t)r;
+    uint64_t last = o ? objects_last_seq(o, (uint32_t)r) : 0;
+    p->ran[r] = last && watermark_reached(wm, (uint32_t)r, s->id, last);
+  }
   for (size_t i = 0; i < rq->n_refs; i++) {
     meshd__v1__load_progress__init(&p->v[i]);
     p->v[i].ref = rq->refs[i];
@@ -451,6 +469,7 @@ static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq,
     }
     if (n) mesh_ranks(m->mesh, mr);
     for (size_t j = 0; j < n; j++) p->on[i * world + mr[j]] = true;
+    p->share[i] = obj_nbytes(t);
     p->v[i].total_bytes = obj_nbytes(t) * n;
     p->v[i].failed = t->state == TENSOR_FAILED;
   }
@@ -473,7 +492,7 @@ static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *
   else if (rq->n_refs > PROGRESS_REFS_MAX)
     error_set(&e, ERR_BAD_ARGUMENT, "LoadProgress: %zu refs, at most %d", rq->n_refs,
               PROGRESS_REFS_MAX);
-  else if ((rc = progress_plan(s, rq, p, &e)) == 0)
+  else if ((rc = progress_plan(ls, s, rq, p, &e)) == 0)
     snprintf(p->session, sizeof p->session, "%s", s->id);
   session_release(s);
   if (rc) {

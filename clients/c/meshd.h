@@ -368,8 +368,8 @@ typedef struct meshd_wait_load_options {
   void (*progress)(void *user, uint64_t done_bytes, uint64_t total_bytes);
   void *progress_user; /* passed to progress */
   /* NULL: none. A flag the caller's signal handler sets (SIGINT, SIGTERM): the
-   * wait looks at it after each look and each step (interval_ms at most) and,
-   * once it is non-zero, returns
+   * wait looks at it every 50 ms (every second once the loads are in and it
+   * Syncs) and, once it is non-zero, returns
    * MESHD_E_CANCELLED; the load goes on until the session closes. */
   const volatile sig_atomic_t *stop;
 } meshd_wait_load_options_t;
@@ -377,8 +377,10 @@ typedef struct meshd_wait_load_options {
 #define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL, NULL}
 
 /* Waits until everything the session issued so far ran, as meshd_session_sync
- * does, showing the progress of the loads `refs` (n >= 1) while it waits:
- * Syncs of at most interval_ms each, a LoadProgress between two. MESHD_E_OK
+ * does, showing the progress of the loads `refs` (n >= 1) while it waits: a
+ * LoadProgress every interval_ms (not a command: meshd_commands_total does not
+ * count it) until every load is in, one failed or a rank's agent is lost,
+ * then a Sync (re-sent each second while the rest of the session runs). MESHD_E_OK
  * once every rank holds them; a failed load fails it with the agent's error
  * (its kind, the URL without credentials, the HTTP status or curl's error, the
  * rank), reported once, as Sync reports it. opts may be NULL. */
