@@ -322,6 +322,7 @@ static void *progress_main(void *arg) {
   Meshd__V1__LoadProgressRank *notes = NULL;
   Meshd__V1__LoadProgressRank **pn = NULL;
   size_t nnotes = 0;
+  bool oom = !asks; /* then some ranks were not asked: no answer rather than a short one */
   for (size_t r = 0; asks && r < p->nranks; r++) {
     progress_ask_t *a = &asks[nasks];
     *a = (progress_ask_t){.p = p, .rank = p->ranks[r]};
@@ -330,6 +331,7 @@ static void *progress_main(void *arg) {
     if (!a->refs || !a->which) {
       free(a->refs);
       free(a->which);
+      oom = true;
       break;
     }
     for (size_t i = 0; i < p->n; i++) {
@@ -387,7 +389,7 @@ static void *progress_main(void *arg) {
   }
   free(asks);
   Meshd__V1__LoadProgress **pv = calloc(p->n ? p->n : 1, sizeof *pv);
-  if (pv && notes && pn) {
+  if (pv && notes && pn && !oom) {
     for (size_t i = 0; i < p->n; i++) {
       if (p->v[i].done_bytes > p->v[i].total_bytes) p->v[i].done_bytes = p->v[i].total_bytes;
       pv[i] = &p->v[i];
