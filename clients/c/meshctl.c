@@ -1302,8 +1302,8 @@ static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const cha
   return interrupted ? MESHD_E_CANCELLED : e;
 }
 
-/* A load stopped by a signal: one line, exit 128 + the signal (the caller
- * closes the session). */
+/* A load stopped by a signal, its session closed: one line, exit 128 + the
+ * signal. */
 static int load_interrupted(const char *what) {
   const char *name = interrupted == SIGTERM ? "SIGTERM" : "SIGINT";
   char msg[640];
@@ -1382,6 +1382,9 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
       return script_fail(sc, "SYNTAX", "load: %s", err);
     snprintf(label, sizeof label, "load %.100s", name);
     e = load_and_wait(sc->s, in, tok[2], &q, label, &out);
+    if (e == MESHD_E_CANCELLED) /* the script stops; its session is closed after */
+      return script_fail(sc, "CANCELLED", "load: interrupted by %s",
+                         interrupted == SIGTERM ? "SIGTERM" : "SIGINT");
   } else if (strcmp(what, "to_mesh") == 0) {
     meshd_ref_t mesh = 0;
     if (ntok != 3)
@@ -1657,6 +1660,8 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
   e = load_and_wait(s, mesh, url, &load_q, label, &ref);
   double secs = now_s() - t0;
   if (e == MESHD_E_CANCELLED) {
+    meshd_session_close(s); /* first: the line says it is closed */
+    s = NULL;
     r = load_interrupted(what);
     goto out;
   }

@@ -394,8 +394,8 @@ def test_direct_over_cluster_mtls(meshd_server, pki, tmp_path):
         finish(s, "FinishFetch", s._pb.FinishFetchRequest(transfer_id=reply.transfer_id),
                s._pb.FinishFetchReply)
     # meshctl agents shows the same AgentTls: a TLS column, and both fields in JSON
-    tls = ["--server", f"localhost:{srv.port}", "--tls-ca", str(pki / "ca.pem"), "--timeout-ms",
-           "10000"]
+    tls = ["--server", f"127.0.0.1:{srv.port}", "--tls-server-name", "localhost",  # no DNS
+           "--tls-ca", str(pki / "ca.pem"), "--timeout-ms", "10000"]
     r = lib.run(lib.MESHCTL, tls + ["agents"], timeout=30)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

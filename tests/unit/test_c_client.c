@@ -1537,6 +1537,13 @@ Test(c_client_load, info_progress_and_wait) {
   cr_assert_geq(seen.calls, 10, "a look every 50 ms for 1.5 s: %d", seen.calls);
   cr_assert_eq(session_commands(c, "c-load-progress"), before,
                "the wait sent commands (a Sync per look?)");
+  static volatile sig_atomic_t stop = 1; /* as a SIGINT handler would set it */
+  slow.stop = &stop;
+  cr_assert_eq(meshd_session_wait_load(s, &stuck, 1, &slow), MESHD_E_CANCELLED);
+  cr_assert_eq(meshd_last_error(c)->err, MESHD_E_CANCELLED);
+  cr_assert(strstr(meshd_last_error(c)->message, "stopped by the caller"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_str_eq(meshd_strerror(MESHD_E_CANCELLED), "stopped by the caller");
   close(ls); /* the agents' requests are reset: the load fails, the session closes below */
 
   /* refusals: no refs, a ref the session lacks, a name a .npy file has not */
