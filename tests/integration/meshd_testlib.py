@@ -1220,7 +1220,7 @@ class HttpFiles:
     agents' URL loads read them: HEAD, GET and single `Range: bytes=a-b` requests (206
     with Content-Range); a missing file is 404. A path under /trickle/ sends its body
     in 64 KiB pieces 20 ms apart (about 3 MB/s a request), for loads that take a while;
-    under /slow/ 200 ms apart (about 0.3 MB/s), for loads still running seconds later.
+    under /slow/ 100 ms apart (about 0.6 MB/s), for loads still running seconds later.
     Use as a context manager; url(name) gives the file's URL."""
 
     def __init__(self, root):
@@ -1239,7 +1239,7 @@ class HttpFiles:
 
             def do_GET(self):
                 parts = self.path.split("?")[0].strip("/").split("/")
-                pace = {"trickle": 0.02, "slow": 0.2}.get(parts[0], 0)
+                pace = {"trickle": 0.02, "slow": 0.1}.get(parts[0], 0)
                 trickle = pace > 0
                 name = os.path.join(files, *parts[1 if trickle else 0:])
                 if not os.path.isfile(name):
