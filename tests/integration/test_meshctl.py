@@ -618,8 +618,8 @@ def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path
 
 def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, load_files):
     """LoadProgress asks every rank at once under one deadline (about 2 s): with rank 1's
-    agent SIGSTOPped mid-load it still answers in bounded time, with rank 0's bytes and a
-    note naming rank 1; once the agent resumes the answers are whole again."""
+    agent SIGSTOPped while a load runs it still answers in bounded time, with rank 0's
+    bytes and a note naming rank 1; once the agent resumes the answers are whole again."""
     srv = shared_meshd(2, "--agent-timeout", "60")  # the stopped agent stays registered
     files, _ = load_files
     t = lib.tensor_pb2()
@@ -631,9 +631,9 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
     started = lib.proc_starttime(victim)
     with lib.Session(srv.port, "progress-stop") as s:
         m = s.mesh(gpu=2)
+        s.tensor(m.ref, (1,))  # both ranks set their backend up (it joins the peers): after
+        s.run(lib.sync())      # that rank 0's load needs nothing of rank 1
         ref = s.new_ref()
-        s.run(("load", t.Load(ref=ref, mesh=m.ref, url=files.url("trickle/two.bin"), dtype=1,
-                              shape=[1 << 19])))
 
         def look():
             t0 = time.monotonic()
@@ -641,16 +641,16 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
                         timeout=30)
             return r, time.monotonic() - t0
 
-        r, _ = look()
-        while r.loads[0].done_bytes == 0 and time.monotonic() < by:
-            r, _ = look()
-        assert r.loads[0].done_bytes > 0 and not r.unanswered, r
         os.kill(victim, signal.SIGSTOP)
         try:
             stop_by = time.monotonic() + 10
             while not lib.all_threads_stopped(victim) and time.monotonic() < stop_by:
                 time.sleep(0.01)
+            # queued to the stopped rank 1; rank 0 fetches its 2 MiB (0.65 s at the least)
+            s.run(("load", t.Load(ref=ref, mesh=m.ref, url=files.url("trickle/two.bin"),
+                                  dtype=1, shape=[1 << 19])))
             r, took = look()
+            late, _ = look()  # 2 s on: rank 0 has all its part in (0.65 s), rank 1 still none
         finally:
             if lib.alive(victim, started):
                 os.kill(victim, signal.SIGCONT)
@@ -660,7 +660,9 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
         assert u.kind == t.ERROR_KIND_DEADLINE_EXCEEDED, r
         assert "rank 1: no answer within 2000 ms" in u.message, u.message
         total = r.loads[0].total_bytes
-        assert total == 2 * (2 << 20) and 0 < r.loads[0].done_bytes <= total // 2, r
+        assert total == 2 * (2 << 20) and r.loads[0].done_bytes <= total // 2, r  # rank 0's
+        assert late.loads[0].done_bytes == total // 2, late
+        assert [u.rank for u in late.unanswered] == [1], late
         # resumed: both ranks answer again and the load completes
         by = time.monotonic() + 20
         while time.monotonic() < by:
