@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -178,7 +179,33 @@ static void inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *a
 
 #define PROGRESS_REFS_MAX 256
 
-typedef struct progress {
+/* One overall deadline for a look: every rank is asked at once, and whatever
+ * has not answered by then is named in the reply instead of holding it up. */
+#define PROGRESS_DEADLINE_MS 2000
+/* After the deadline, what the calls still running get before they are
+ * cancelled (gRPC ends them at the deadline itself; this only bounds a
+ * straggling completion). */
+#define PROGRESS_SLACK_MS 500
+
+typedef struct progress progress_t;
+
+/* One rank's Agent/LoadProgress, read as a pull (rpc.h): its callback runs on
+ * the rpc layer's client thread, so the ranks are asked concurrently without a
+ * thread each. */
+typedef struct progress_ask {
+  progress_t *p;
+  uint32_t rank;
+  size_t k;                 /* refs asked */
+  uint64_t *refs;           /* [k] */
+  size_t *which;            /* [k]: index into p->v */
+  rpc_channel_t *ch;
+  rpc_pull_t *pull;
+  ProtobufCMessage *reply;  /* under p->mu */
+  bool ended;               /* under p->mu: the pull delivered its end */
+  rpc_status_t st;          /* the call's status, once ended */
+} progress_ask_t;
+
+struct progress {
   load_service_t *ls;
   rpc_call_t *call; /* referenced */
   char session[80];
@@ -187,52 +214,182 @@ typedef struct progress {
   uint32_t *ranks;            /* every rank of every ref's mesh, deduplicated */
   size_t nranks;
   bool *on;                   /* [ref * nranks + rank index]: the ref lives there */
-} progress_t;
+  /* [rank index]: the rank ran everything the session sent it, so it holds its
+   * part of each ref that did not fail (a failure is recorded before the
+   * watermark moves): counted whole without asking its agent, which keeps only
+   * its latest loads in mind. */
+  bool *ran;
+  uint64_t *share;            /* [ref]: its bytes on one rank */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  size_t pending;             /* asks whose pull has not ended */
+};
 
 static void progress_free(progress_t *p) {
   free(p->v);
   free(p->ranks);
   free(p->on);
+  free(p->ran);
+  free(p->share);
   free(p);
+}
+
+static void ask_got(rpc_pull_t *pull, ProtobufCMessage *msg, void *arg) {
+  progress_ask_t *a = arg;
+  progress_t *p = a->p;
+  if (msg) {
+    pthread_mutex_lock(&p->mu);
+    if (a->reply) protobuf_c_message_free_unpacked(msg, NULL); /* a unary call: one */
+    else a->reply = msg;
+    pthread_mutex_unlock(&p->mu);
+    rpc_pull_next(pull); /* the end and the status */
+    return;
+  }
+  rpc_status_t st;
+  rpc_pull_status(pull, &st);
+  pthread_mutex_lock(&p->mu);
+  a->st = st;
+  a->ended = true;
+  if (--p->pending == 0) pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* Starts rank's ask; false (with a->st saying why) when it could not. */
+static bool ask_start(load_service_t *ls, progress_ask_t *a, const char *session) {
+  agent_target_t t;
+  if (agent_pool_target(ls->pool, a->rank, AGENT_CONNECT_MS, &t)) {
+    a->st = (rpc_status_t){.code = GRPC_STATUS_UNAVAILABLE, .kind = "AGENT_LOST"};
+    snprintf(a->st.message, sizeof a->st.message,
+             "LoadProgress: rank %u has no agent; its loads fail on their own", a->rank);
+    return false;
+  }
+  Meshd__Agent__V1__LoadProgressRequest rq = MESHD__AGENT__V1__LOAD_PROGRESS_REQUEST__INIT;
+  rq.session_id = (char *)session;
+  rq.n_refs = a->k;
+  rq.refs = a->refs;
+  if ((a->ch = rpc_channel_create(t.address, &t.opts)))
+    a->pull = rpc_pull_open(a->ch, "/meshd.agent.v1.Agent/LoadProgress", &rq.base,
+                            &meshd__v1__load_progress_reply__descriptor, t.md, 1,
+                            PROGRESS_DEADLINE_MS, ask_got, a);
+  if (!a->pull) {
+    a->st = (rpc_status_t){.code = GRPC_STATUS_RESOURCE_EXHAUSTED, .kind = "QUOTA"};
+    snprintf(a->st.message, sizeof a->st.message,
+             "LoadProgress: rank %u: could not start the call (out of memory)", a->rank);
+    return false;
+  }
+  return true;
+}
+
+/* Adds a's answer to p->v, or says in *note why there is none (false). */
+static bool ask_collect(progress_t *p, progress_ask_t *a, Meshd__V1__LoadProgressRank *note) {
+  const Meshd__V1__LoadProgressReply *r = (const Meshd__V1__LoadProgressReply *)a->reply;
+  if (a->ended && a->st.code == GRPC_STATUS_OK && r) {
+    for (size_t j = 0; j < r->n_loads && j < a->k; j++) {
+      Meshd__V1__LoadProgress *v = &p->v[a->which[j]];
+      v->done_bytes += r->loads[j]->done_bytes;
+      v->failed |= r->loads[j]->failed;
+    }
+    return true;
+  }
+  meshd__v1__load_progress_rank__init(note);
+  note->rank = a->rank;
+  char *msg = malloc(sizeof a->st.message + 160);
+  if (!msg) return false;
+  if (!a->ended || a->st.code == GRPC_STATUS_DEADLINE_EXCEEDED || a->st.code == GRPC_STATUS_CANCELLED) {
+    note->kind = MESHD__V1__ERROR_KIND__ERROR_KIND_DEADLINE_EXCEEDED;
+    snprintf(msg, sizeof a->st.message + 160,
+             "LoadProgress: rank %u: no answer within %d ms (its agent is hung, stopped or "
+             "overloaded); its bytes are not counted", a->rank, PROGRESS_DEADLINE_MS);
+  } else if (strncmp(a->st.message, "LoadProgress: rank", 18) == 0) {
+    note->kind = strcmp(a->st.kind, "AGENT_LOST") == 0 ? MESHD__V1__ERROR_KIND__ERROR_KIND_AGENT_LOST
+                                                       : MESHD__V1__ERROR_KIND__ERROR_KIND_QUOTA;
+    snprintf(msg, sizeof a->st.message + 160, "%s", a->st.message);
+  } else {
+    note->kind = a->st.code == GRPC_STATUS_UNAVAILABLE ? MESHD__V1__ERROR_KIND__ERROR_KIND_AGENT_LOST
+                                                       : MESHD__V1__ERROR_KIND__ERROR_KIND_REMOTE_FAILURE;
+    snprintf(msg, sizeof a->st.message + 160, "LoadProgress: rank %u: %s: %s", a->rank,
+             meshd_grpc_code_name(a->st.code), a->st.message[0] ? a->st.message : "no details");
+  }
+  note->message = msg;
+  return false;
 }
 
 static void *progress_main(void *arg) {
   progress_t *p = arg;
   load_service_t *ls = p->ls;
-  uint64_t *refs = malloc(sizeof *refs * (p->n ? p->n : 1));
-  size_t *which = malloc(sizeof *which * (p->n ? p->n : 1));
-  for (size_t r = 0; refs && which && r < p->nranks; r++) {
-    size_t k = 0;
-    for (size_t i = 0; i < p->n; i++)
-      if (p->on[i * p->nranks + r] && !p->v[i].failed) which[k] = i, refs[k++] = p->v[i].ref;
-    if (!k) continue;
-    agent_target_t t;
-    rpc_channel_t *ch = NULL;
-    if (agent_pool_target(ls->pool, p->ranks[r], AGENT_CONNECT_MS, &t) ||
-        !(ch = rpc_channel_create(t.address, &t.opts)))
-      continue; /* a lost rank: its tensors fail on their own */
-    Meshd__Agent__V1__LoadProgressRequest rq = MESHD__AGENT__V1__LOAD_PROGRESS_REQUEST__INIT;
-    rq.session_id = p->session;
-    rq.n_refs = k;
-    rq.refs = refs;
-    ProtobufCMessage *reply = NULL;
-    if (rpc_unary(ch, "/meshd.agent.v1.Agent/LoadProgress", &rq.base,
-                  &meshd__v1__load_progress_reply__descriptor, &reply, t.md, 1, 10000,
-                  NULL) == GRPC_STATUS_OK) {
-      const Meshd__V1__LoadProgressReply *a = (const Meshd__V1__LoadProgressReply *)reply;
-      for (size_t j = 0; j < a->n_loads && j < k; j++) {
-        Meshd__V1__LoadProgress *v = &p->v[which[j]];
-        v->done_bytes += a->loads[j]->done_bytes;
-        v->failed |= a->loads[j]->failed;
-      }
+  progress_ask_t *asks = calloc(p->nranks ? p->nranks : 1, sizeof *asks);
+  size_t nasks = 0;
+  Meshd__V1__LoadProgressRank *notes = NULL;
+  Meshd__V1__LoadProgressRank **pn = NULL;
+  size_t nnotes = 0;
+  bool oom = !asks; /* then some ranks were not asked: no answer rather than a short one */
+  for (size_t r = 0; asks && r < p->nranks; r++) {
+    progress_ask_t *a = &asks[nasks];
+    *a = (progress_ask_t){.p = p, .rank = p->ranks[r]};
+    a->refs = malloc(sizeof *a->refs * (p->n ? p->n : 1));
+    a->which = malloc(sizeof *a->which * (p->n ? p->n : 1));
+    if (!a->refs || !a->which) {
+      free(a->refs);
+      free(a->which);
+      oom = true;
+      break;
     }
-    if (reply) protobuf_c_message_free_unpacked(reply, NULL);
-    rpc_channel_destroy(ch);
+    for (size_t i = 0; i < p->n; i++) {
+      if (!p->on[i * p->nranks + r] || p->v[i].failed) continue;
+      if (p->ran[r]) p->v[i].done_bytes += p->share[i];
+      else a->which[a->k] = i, a->refs[a->k++] = p->v[i].ref;
+    }
+    nasks++;
+    if (!a->k) {
+      a->ended = true;
+      a->reply = NULL;
+      a->st.code = GRPC_STATUS_OK; /* nothing to ask: no note */
+      continue;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->pending++;
+    pthread_mutex_unlock(&p->mu);
+    if (ask_start(ls, a, p->session)) {
+      rpc_pull_next(a->pull);
+    } else {
+      pthread_mutex_lock(&p->mu);
+      p->pending--;
+      a->ended = true;
+      pthread_mutex_unlock(&p->mu);
+    }
   }
-  free(refs);
-  free(which);
+  /* Every call carries the deadline; wait for it (and a little), then cancel
+   * what still runs, which ends it at once. */
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  long ns = ts.tv_nsec + (long)((PROGRESS_DEADLINE_MS + PROGRESS_SLACK_MS) % 1000) * 1000000L;
+  ts.tv_sec += (PROGRESS_DEADLINE_MS + PROGRESS_SLACK_MS) / 1000 + ns / 1000000000L;
+  ts.tv_nsec = ns % 1000000000L;
+  pthread_mutex_lock(&p->mu);
+  while (p->pending && pthread_cond_timedwait(&p->cv, &p->mu, &ts) == 0) {
+  }
+  for (size_t i = 0; p->pending && i < nasks; i++)
+    if (asks[i].pull && !asks[i].ended) rpc_pull_cancel(asks[i].pull);
+  while (p->pending) pthread_cond_wait(&p->cv, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+
+  notes = calloc(nasks ? nasks : 1, sizeof *notes);
+  pn = calloc(nasks ? nasks : 1, sizeof *pn);
+  for (size_t i = 0; i < nasks; i++) {
+    progress_ask_t *a = &asks[i];
+    if (a->k && notes && pn && !ask_collect(p, a, &notes[nnotes]) && notes[nnotes].message) {
+      pn[nnotes] = &notes[nnotes];
+      nnotes++;
+    }
+    if (a->reply) protobuf_c_message_free_unpacked(a->reply, NULL);
+    if (a->pull) rpc_pull_destroy(a->pull);
+    if (a->ch) rpc_channel_destroy(a->ch);
+    free(a->refs);
+    free(a->which);
+  }
+  free(asks);
   Meshd__V1__LoadProgress **pv = calloc(p->n ? p->n : 1, sizeof *pv);
-  if (pv) {
+  if (pv && notes && pn && !oom) {
     for (size_t i = 0; i < p->n; i++) {
       if (p->v[i].done_bytes > p->v[i].total_bytes) p->v[i].done_bytes = p->v[i].total_bytes;
       pv[i] = &p->v[i];
@@ -240,20 +397,27 @@ static void *progress_main(void *arg) {
     Meshd__V1__LoadProgressReply reply = MESHD__V1__LOAD_PROGRESS_REPLY__INIT;
     reply.n_loads = p->n;
     reply.loads = pv;
+    reply.n_unanswered = nnotes;
+    reply.unanswered = pn;
     rpc_call_reply(p->call, &reply.base);
-    free(pv);
   } else {
     rpc_call_finish(p->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "LoadProgress: out of memory");
   }
+  for (size_t i = 0; i < nnotes; i++) free(notes[i].message);
+  free(notes);
+  free(pn);
+  free(pv);
   rpc_call_unref(p->call);
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->cv);
   progress_free(p);
   done(ls);
   return NULL;
 }
 
 /* Each ref's total and ranks, under the session lock. */
-static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq, progress_t *p,
-                         meshd_error_t *e) {
+static int progress_plan(load_service_t *ls, session_t *s, const Meshd__V1__LoadProgressRequest *rq,
+                         progress_t *p, meshd_error_t *e) {
   int rc = -1;
   pthread_mutex_lock(&s->mu);
   objects_t *o = s->objects;
@@ -275,13 +439,20 @@ static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq,
     }
   }
   if (!p->v || !(p->ranks = calloc(world ? world : 1, sizeof *p->ranks)) ||
-      !(p->on = calloc((rq->n_refs ? rq->n_refs : 1) * (world ? world : 1), sizeof *p->on))) {
+      !(p->on = calloc((rq->n_refs ? rq->n_refs : 1) * (world ? world : 1), sizeof *p->on)) ||
+      !(p->ran = calloc(world ? world : 1, sizeof *p->ran)) ||
+      !(p->share = calloc(rq->n_refs ? rq->n_refs : 1, sizeof *p->share))) {
     error_set(e, ERR_QUOTA, "LoadProgress: out of memory");
     goto out;
   }
   p->n = rq->n_refs;
   p->nranks = world;
-  for (size_t r = 0; r < world; r++) p->ranks[r] = (uint32_t)r;
+  watermark_t *wm = agent_pool_watermark(ls->pool);
+  for (size_t r = 0; r < world; r++) {
+    p->ranks[r] = (uint32_t)r;
+    uint64_t last = o ? objects_last_seq(o, (uint32_t)r) : 0;
+    p->ran[r] = last && watermark_reached(wm, (uint32_t)r, s->id, last);
+  }
   for (size_t i = 0; i < rq->n_refs; i++) {
     meshd__v1__load_progress__init(&p->v[i]);
     p->v[i].ref = rq->refs[i];
@@ -300,6 +471,7 @@ static int progress_plan(session_t *s, const Meshd__V1__LoadProgressRequest *rq,
     }
     if (n) mesh_ranks(m->mesh, mr);
     for (size_t j = 0; j < n; j++) p->on[i * world + mr[j]] = true;
+    p->share[i] = obj_nbytes(t);
     p->v[i].total_bytes = obj_nbytes(t) * n;
     p->v[i].failed = t->state == TENSOR_FAILED;
   }
@@ -322,7 +494,7 @@ static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *
   else if (rq->n_refs > PROGRESS_REFS_MAX)
     error_set(&e, ERR_BAD_ARGUMENT, "LoadProgress: %zu refs, at most %d", rq->n_refs,
               PROGRESS_REFS_MAX);
-  else if ((rc = progress_plan(s, rq, p, &e)) == 0)
+  else if ((rc = progress_plan(ls, s, rq, p, &e)) == 0)
     snprintf(p->session, sizeof p->session, "%s", s->id);
   session_release(s);
   if (rc) {
@@ -332,7 +504,13 @@ static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *
   }
   p->ls = ls;
   p->call = call;
-  if (spawn(ls, call, "LoadProgress", progress_main, p)) progress_free(p);
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv, NULL);
+  if (spawn(ls, call, "LoadProgress", progress_main, p)) {
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    progress_free(p);
+  }
 }
 
 static const rpc_method_t methods[] = {

@@ -368,8 +368,13 @@ meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n
   out = calloc(reply->n_agents, sizeof *out);
   if (!out)
     goto nomem;
+  const Meshd__V1__AgentTls *tls = reply->agent_tls;
+  bool has_tls = tls && tls->ca_pem && *tls->ca_pem;
   for (; count < reply->n_agents; count++) {
-    if (copy_agent(&out[count], reply->agents[count]) != 0) {
+    meshd_agent_t *a = &out[count];
+    if (copy_agent(a, reply->agents[count]) != 0 ||
+        (has_tls && (!(a->tls_server_name = dup_str(tls->server_name)) ||
+                     !(a->tls_ca_pem = dup_str(tls->ca_pem))))) {
       count++; /* free this one's partial strings too */
       goto nomem;
     }
@@ -399,6 +404,8 @@ void meshd_agents_free(meshd_agent_t *list, size_t n) {
     free(list[i].version);
     free(list[i].commit);
     free(list[i].build_type);
+    free(list[i].tls_server_name);
+    free(list[i].tls_ca_pem);
   }
   free(list);
 }
@@ -1038,10 +1045,13 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
 }
 
 #define LOAD_PROGRESS_MAX 256 /* refs per LoadProgress (the server's limit) */
+#define WAIT_STOP_MS 50         /* meshd_session_wait_load looks at opts->stop this often */
+#define WAIT_SYNC_STEP_MS 1000  /* its Syncs once the loads are in, between looks at stop */
 
-/* LoadProgress of n >= 1 refs, each call bounded by timeout_ms (<= 0: the client's). */
+/* LoadProgress of n >= 1 refs, each call bounded by timeout_ms (<= 0: the client's).
+ * lost (may be NULL) is set when the server named a rank whose agent is lost. */
 static meshd_err_t load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
-                                 meshd_load_progress_t *out, int timeout_ms) {
+                                 meshd_load_progress_t *out, int timeout_ms, bool *lost) {
   for (size_t at = 0; at < n; at += LOAD_PROGRESS_MAX) {
     Meshd__V1__LoadProgressRequest rq = MESHD__V1__LOAD_PROGRESS_REQUEST__INIT;
     rq.n_refs = n - at < LOAD_PROGRESS_MAX ? n - at : LOAD_PROGRESS_MAX;
@@ -1063,6 +1073,8 @@ static meshd_err_t load_progress(meshd_session_t *s, const meshd_ref_t *refs, si
     for (size_t i = 0; i < r->n_loads; i++)
       out[at + i] = (meshd_load_progress_t){refs[at + i], r->loads[i]->done_bytes,
                                             r->loads[i]->total_bytes, r->loads[i]->failed};
+    for (size_t i = 0; lost && i < r->n_unanswered; i++)
+      *lost |= r->unanswered[i]->kind == MESHD__V1__ERROR_KIND__ERROR_KIND_AGENT_LOST;
     protobuf_c_message_free_unpacked(resp, NULL);
   }
   return MESHD_E_OK;
@@ -1080,13 +1092,41 @@ meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *r
               refs ? "set" : "NULL");
     return MESHD_E_INVALID;
   }
-  return load_progress(s, refs, n, out, 0);
+  return load_progress(s, refs, n, out, 0, NULL);
 }
 
 static int64_t mono_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static meshd_err_t wait_stopped(meshd_session_t *s, uint64_t done, uint64_t total) {
+  set_error(s->client, MESHD_E_CANCELLED, 0, NULL,
+            "meshd_session_wait_load: stopped by the caller with %llu of %llu bytes in; the load "
+            "goes on until the session closes", (unsigned long long)done, (unsigned long long)total);
+  return MESHD_E_CANCELLED;
+}
+
+static meshd_err_t wait_late(meshd_session_t *s, uint64_t done, uint64_t total, int timeout_ms) {
+  set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+            "meshd_session_wait_load: %llu of %llu bytes in after %d ms; the load goes on",
+            (unsigned long long)done, (unsigned long long)total, timeout_ms);
+  return MESHD_E_DEADLINE;
+}
+
+/* Sleeps ms, in pieces short enough to see *stop soon. False if stopped. */
+static bool nap_ms(int ms, const volatile sig_atomic_t *stop) {
+  int64_t until = mono_ms() + ms;
+  for (;;) {
+    if (stop && *stop)
+      return false;
+    int64_t left = until - mono_ms();
+    if (left <= 0)
+      return true;
+    struct timespec ts = {0, (long)(left < WAIT_STOP_MS ? left : WAIT_STOP_MS) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
 }
 
 meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
@@ -1110,44 +1150,67 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
   }
   uint64_t done = 0, total = 0;
   meshd_err_t ret;
+  /* Looks only (LoadProgress, not a command) until every load is in, one
+   * failed or a rank's agent is lost; then Syncs, which wait for the rest of
+   * the session and report a failure. A look that times out is no news. */
   for (;;) {
-    /* A look, then a Sync bounded by the interval: it returns as soon as the
-     * loads are in (or failed), so the wait adds no delay of its own. A look
-     * that times out (the server asks each agent in turn: a wedged one holds
-     * it) is no news, not a failure. */
+    if (o->stop && *o->stop) {
+      ret = wait_stopped(s, done, total);
+      goto out;
+    }
     int64_t left = deadline ? deadline - mono_ms() : 0;
-    ret = deadline && left <= 0
-              ? MESHD_E_DEADLINE
-              : load_progress(s, refs, n, p, deadline && left < INT32_MAX ? (int)left : 0);
+    if (deadline && left <= 0) {
+      ret = wait_late(s, done, total, o->timeout_ms);
+      goto out;
+    }
+    bool lost = false;
+    ret = load_progress(s, refs, n, p, deadline && left < INT32_MAX ? (int)left : 0, &lost);
     if (ret == MESHD_E_OK) {
+      bool settled = lost;
       done = total = 0;
       for (size_t i = 0; i < n; i++) {
         done += p[i].done_bytes;
         total += p[i].total_bytes;
+        settled |= p[i].failed;
+      }
+      if (!settled) {
+        settled = true;
+        for (size_t i = 0; i < n; i++)
+          settled &= p[i].done_bytes >= p[i].total_bytes;
       }
       if (o->progress)
         o->progress(o->progress_user, done < total ? done : total, total);
-    } else if (ret != MESHD_E_DEADLINE) {
-      break;
-    }
-    int step = interval;
-    if (deadline) {
-      left = deadline - mono_ms();
-      if (left <= 0) {
-        set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                  "meshd_session_wait_load: %llu of %llu bytes in after %d ms; the load goes on",
-                  (unsigned long long)done, (unsigned long long)total, o->timeout_ms);
-        ret = MESHD_E_DEADLINE;
+      if (settled)
         break;
+    } else if (ret != MESHD_E_DEADLINE) {
+      goto out;
+    }
+    if (!nap_ms(interval, o->stop)) {
+      ret = wait_stopped(s, done, total);
+      goto out;
+    }
+  }
+  for (;;) {
+    int step = WAIT_SYNC_STEP_MS;
+    if (deadline) {
+      int64_t left = deadline - mono_ms();
+      if (left <= 0) {
+        ret = wait_late(s, done, total, o->timeout_ms);
+        goto out;
       }
       step = left < step ? (int)left : step;
     }
     ret = meshd_session_sync_timeout(s, step);
     if (ret != MESHD_E_DEADLINE)
       break;
+    if (o->stop && *o->stop) {
+      ret = wait_stopped(s, done, total);
+      goto out;
+    }
   }
   if (ret == MESHD_E_OK && o->progress)
     o->progress(o->progress_user, total, total);
+out:
   free(p);
   return ret;
 }

@@ -658,6 +658,17 @@ static json_object *agent_json(const meshd_agent_t *a) {
   return o;
 }
 
+/* ListAgents' AgentTls, as `agents` shows it: how a direct-path client dials
+ * the agent; null in plaintext. */
+static json_object *agent_tls_json(const meshd_agent_t *a) {
+  if (!a->tls_ca_pem)
+    return NULL;
+  json_object *t = json_object_new_object();
+  put_str(t, "server_name", a->tls_server_name);
+  put_str(t, "ca_pem", a->tls_ca_pem);
+  return t;
+}
+
 static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
   (void)argc;
   (void)argv;
@@ -669,25 +680,31 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
 
   if (json_out) {
     json_object *list = json_object_new_array();
-    for (size_t i = 0; i < n; i++)
-      json_object_array_add(list, agent_json(&agents[i]));
+    for (size_t i = 0; i < n; i++) {
+      json_object *o = agent_json(&agents[i]);
+      json_object_object_add(o, "tls", agent_tls_json(&agents[i]));
+      json_object_array_add(list, o);
+    }
     json_object_object_add(the_doc(), "agents", list);
   } else {
-    int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE");
+    int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE"), w_tls = (int)strlen("TLS");
     for (size_t i = 0; i < n; i++) {
       int a = (int)strlen(agents[i].address), d = (int)strlen(agents[i].device);
+      int t = agents[i].tls_server_name ? (int)strlen(agents[i].tls_server_name) : 1;
       w_addr = a > w_addr ? a : w_addr;
       w_dev = d > w_dev ? d : w_dev;
+      w_tls = t > w_tls ? t : w_tls;
     }
-    printf("%-5s %-*s %-*s %-9s %-9s %-7s %-7s %s\n", "RANK", w_addr, "ADDRESS", w_dev, "DEVICE",
-           "MEMORY", "ALLOCATED", "HEALTHY", "DRAINED", "VERSION");
+    printf("%-5s %-*s %-*s %-9s %-9s %-7s %-7s %-*s %s\n", "RANK", w_addr, "ADDRESS", w_dev,
+           "DEVICE", "MEMORY", "ALLOCATED", "HEALTHY", "DRAINED", w_tls, "TLS", "VERSION");
     for (size_t i = 0; i < n; i++) {
       char mem[32], alloc[32];
       human_bytes(agents[i].memory_bytes, mem, sizeof mem);
       human_bytes(agents[i].allocated_bytes, alloc, sizeof alloc);
-      printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %-7s %-7s %s\n", agents[i].rank, w_addr,
+      printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %-7s %-7s %-*s %s\n", agents[i].rank, w_addr,
              agents[i].address, w_dev, agents[i].device, mem, alloc,
-             agents[i].healthy ? "yes" : "no", agents[i].drained ? "yes" : "no",
+             agents[i].healthy ? "yes" : "no", agents[i].drained ? "yes" : "no", w_tls,
+             agents[i].tls_server_name ? agents[i].tls_server_name : "-",
              *agents[i].version ? agents[i].version : "-");
     }
   }
@@ -699,12 +716,10 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
 
 /* ------------------------------------------------------------------ sessions */
 
-static volatile sig_atomic_t interrupted; /* Ctrl-C during --watch */
+/* The signal (SIGINT, SIGTERM) that came during --watch or a load's wait; 0: none. */
+static volatile sig_atomic_t interrupted;
 
-static void on_interrupt(int sig) {
-  (void)sig;
-  interrupted = 1;
-}
+static void on_interrupt(int sig) { interrupted = sig; }
 
 static double now_s(void) {
   struct timespec ts;
@@ -1256,22 +1271,47 @@ static int load_check(const load_req_t *q, const char *pre, char *err, size_t er
 }
 
 /* meshd_session_load, then meshd_session_wait_load with the progress line
- * ("what: DONE / TOTAL ..."); *ref is set once the load is accepted. */
+ * ("what: DONE / TOTAL ..."); *ref is set once the load is accepted. SIGINT
+ * and SIGTERM meanwhile end the wait (MESHD_E_CANCELLED, `interrupted` says
+ * which), so that the caller closes the session instead of leaving it to its
+ * lease; the default handlers are back on return. */
 static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                  load_req_t *q, const char *what, meshd_ref_t *ref) {
   progress_t p = {what, now_s(), 0, false};
+  struct sigaction sa, old_int, old_term;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  interrupted = 0;
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
   meshd_err_t e = meshd_session_load(s, mesh, url, &q->o, ref);
-  if (e != MESHD_E_OK)
-    return e;
-  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
-  if (progress_on) {
-    w.progress = show_progress;
-    w.progress_user = &p;
+  if (e == MESHD_E_OK && !interrupted) {
+    meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+    w.stop = &interrupted;
+    if (progress_on) {
+      w.progress = show_progress;
+      w.progress_user = &p;
+    }
+    e = meshd_session_wait_load(s, ref, 1, &w);
   }
-  e = meshd_session_wait_load(s, ref, 1, &w);
+  sigaction(SIGINT, &old_int, NULL);
+  sigaction(SIGTERM, &old_term, NULL);
   if (p.shown) /* a failure: the error goes on its own line */
     fputc('\n', stderr);
-  return e;
+  return interrupted ? MESHD_E_CANCELLED : e;
+}
+
+/* A load stopped by a signal, its session closed: one line, exit 128 + the
+ * signal. */
+static int load_interrupted(const char *what) {
+  const char *name = interrupted == SIGTERM ? "SIGTERM" : "SIGINT";
+  char msg[640];
+  snprintf(msg, sizeof msg, "%s: interrupted by %s; the session is closed, the load abandoned",
+           what, name);
+  fprintf(stderr, "error: %s\n", msg);
+  note_error("CANCELLED", NULL, msg, 0);
+  return 128 + (interrupted == SIGTERM ? SIGTERM : SIGINT);
 }
 
 /* NAME = EXPR: a factory, an upload, a load, a reduce or an op call. */
@@ -1342,6 +1382,9 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
       return script_fail(sc, "SYNTAX", "load: %s", err);
     snprintf(label, sizeof label, "load %.100s", name);
     e = load_and_wait(sc->s, in, tok[2], &q, label, &out);
+    if (e == MESHD_E_CANCELLED) /* the script stops; its session is closed after */
+      return script_fail(sc, "CANCELLED", "load: interrupted by %s",
+                         interrupted == SIGTERM ? "SIGTERM" : "SIGINT");
   } else if (strcmp(what, "to_mesh") == 0) {
     meshd_ref_t mesh = 0;
     if (ntok != 3)
@@ -1616,6 +1659,12 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
   double t0 = now_s();
   e = load_and_wait(s, mesh, url, &load_q, label, &ref);
   double secs = now_s() - t0;
+  if (e == MESHD_E_CANCELLED) {
+    meshd_session_close(s); /* first: the line says it is closed */
+    s = NULL;
+    r = load_interrupted(what);
+    goto out;
+  }
   if (e != MESHD_E_OK) {
     r = load_failed(c, what, e);
     goto out;

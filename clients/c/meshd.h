@@ -18,6 +18,7 @@
 #ifndef MESHD_CLIENT_H
 #define MESHD_CLIENT_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -40,7 +41,8 @@ extern "C" {
   XX(RPC, "the call failed")                                \
   XX(INVALID, "invalid argument")                           \
   XX(NOMEM, "out of memory")                                \
-  XX(DEADLINE, "the call's deadline passed")
+  XX(DEADLINE, "the call's deadline passed")                \
+  XX(CANCELLED, "stopped by the caller")
 
 typedef enum {
 #define XX(name, text) MESHD_E_##name,
@@ -186,6 +188,12 @@ typedef struct meshd_agent {
   char *commit;
   char *build_type;
   bool cuda;
+  /* How a client of the direct data path dials the agents' port (ListAgents'
+   * AgentTls, the same for every agent; meshd_agents only): NULL, NULL in
+   * plaintext; with cluster mTLS the name their certificates carry and the
+   * cluster CA's PEM. */
+  char *tls_server_name;
+  char *tls_ca_pem;
 } meshd_agent_t;
 
 /* meshd.v1.TensorService/ListAgents. On MESHD_E_OK, *list is an array of *n
@@ -359,13 +367,20 @@ typedef struct meshd_wait_load_options {
    * and on success once more with done == total. Must not call the library. */
   void (*progress)(void *user, uint64_t done_bytes, uint64_t total_bytes);
   void *progress_user; /* passed to progress */
+  /* NULL: none. A flag the caller's signal handler sets (SIGINT, SIGTERM): the
+   * wait looks at it every 50 ms (every second once the loads are in and it
+   * Syncs) and, once it is non-zero, returns
+   * MESHD_E_CANCELLED; the load goes on until the session closes. */
+  const volatile sig_atomic_t *stop;
 } meshd_wait_load_options_t;
 
-#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL}
+#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL, NULL}
 
 /* Waits until everything the session issued so far ran, as meshd_session_sync
- * does, showing the progress of the loads `refs` (n >= 1) while it waits:
- * Syncs of at most interval_ms each, a LoadProgress between two. MESHD_E_OK
+ * does, showing the progress of the loads `refs` (n >= 1) while it waits: a
+ * LoadProgress every interval_ms (not a command: meshd_commands_total does not
+ * count it) until every load is in, one failed or a rank's agent is lost,
+ * then a Sync (re-sent each second while the rest of the session runs). MESHD_E_OK
  * once every rank holds them; a failed load fails it with the agent's error
  * (its kind, the URL without credentials, the HTTP status or curl's error, the
  * rank), reported once, as Sync reports it. opts may be NULL. */

@@ -1219,7 +1219,8 @@ class HttpFiles:
     """An HTTP/1.1 server on a free loopback port serving the files of `root` as the
     agents' URL loads read them: HEAD, GET and single `Range: bytes=a-b` requests (206
     with Content-Range); a missing file is 404. A path under /trickle/ sends its body
-    in 64 KiB pieces 20 ms apart (about 3 MB/s a request), for loads that take a while.
+    in 64 KiB pieces 20 ms apart (about 3 MB/s a request), for loads that take a while;
+    under /slow/ 100 ms apart (about 0.6 MB/s), for loads still running seconds later.
     Use as a context manager; url(name) gives the file's URL."""
 
     def __init__(self, root):
@@ -1238,7 +1239,8 @@ class HttpFiles:
 
             def do_GET(self):
                 parts = self.path.split("?")[0].strip("/").split("/")
-                trickle = parts[0] == "trickle"
+                pace = {"trickle": 0.02, "slow": 0.1}.get(parts[0], 0)
+                trickle = pace > 0
                 name = os.path.join(files, *parts[1 if trickle else 0:])
                 if not os.path.isfile(name):
                     body, code, headers = b"not found", 404, []
@@ -1264,7 +1266,7 @@ class HttpFiles:
                     self.wfile.write(body[i:i + 65536])
                     if trickle:
                         self.wfile.flush()
-                        time.sleep(0.02)
+                        time.sleep(pace)
 
         class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             daemon_threads = True

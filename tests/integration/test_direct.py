@@ -4,6 +4,7 @@ server issues (PlanTransfer); agents refuse forged, expired, reused and misdirec
 grants, and the server defines an upload only on its agents' receipts. In every
 case of refusal the session and the pool go on working."""
 
+import json
 import os
 import sys
 import tempfile
@@ -392,6 +393,19 @@ def test_direct_over_cluster_mtls(meshd_server, pki, tmp_path):
         np.testing.assert_array_equal(got, arr[1])
         finish(s, "FinishFetch", s._pb.FinishFetchRequest(transfer_id=reply.transfer_id),
                s._pb.FinishFetchReply)
+    # meshctl agents shows the same AgentTls: a TLS column, and both fields in JSON
+    tls = ["--server", f"127.0.0.1:{srv.port}", "--tls-server-name", "localhost",  # no DNS
+           "--tls-ca", str(pki / "ca.pem"), "--timeout-ms", "10000"]
+    r = lib.run(lib.MESHCTL, tls + ["agents"], timeout=30)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    col = lines[0].split().index("TLS")
+    assert [ln.split()[col] for ln in lines[1:]] == ["meshd-cluster"] * 2, r.stdout
+    r = lib.run(lib.MESHCTL, tls + ["--output", "json", "agents"], timeout=30)
+    agents = json.loads(r.stdout)["agents"]
+    assert r.returncode == 0 and len(agents) == 2, r.stdout
+    assert all(a["tls"] == {"server_name": "meshd-cluster",
+                            "ca_pem": (pki / "cluster-ca.pem").read_text()} for a in agents), agents
 
 
 def test_grant_metrics(meshd_server, agent, tmp_path):

@@ -88,9 +88,12 @@ def test_agents_lists_two_ranks(meshd_server):
             if re.match(r"^\s*\d+\s", line)]
     assert len(rows) == 2, _show(r)
     assert sorted(int(row[0]) for row in rows) == [0, 1], _show(r)
+    head = r.stdout.splitlines()[0].split()
+    assert head[head.index("DRAINED") + 1] == "TLS", _show(r)
     for row in rows:
         assert any(col.startswith("127.0.0.1:") for col in row), _show(r)
         assert "cpu" in row, _show(r)
+        assert row[head.index("TLS")] == "-", _show(r)  # plaintext agents
 
 
 
@@ -324,6 +327,7 @@ def test_json_output_of_every_command(shared_meshd, tmp_path):
             assert a["healthy"] is True and a["drained"] is False and a["device"] == "cpu", a
             assert a["address"].startswith("127.0.0.1:") and a["memory_bytes"] > 0, a
             assert a["version"] == _version() and a["commit"], a
+            assert "tls" in a and a["tls"] is None, a  # plaintext agents (mTLS: test_direct)
 
         r = meshctl(srv.address, "--output=json", "sessions", env={"MESHD_OUTPUT": "table"})
         assert r.returncode == 0, _show(r)
@@ -460,7 +464,7 @@ def test_drain_keeps_new_sessions_off_a_rank(shared_meshd, secured):
         r = meshctl(srv.address, "--output", "json", "agents")
         assert {a["rank"]: a["drained"] for a in _json(r)["agents"]} == {0: True, 1: False}, r
         r = meshctl(srv.address, "agents")
-        assert re.search(r"(?m)^0 .* yes +yes +\S+$", r.stdout), _show(r)
+        assert re.search(r"(?m)^0 .* yes +yes +- +\S+$", r.stdout), _show(r)
 
         with lib.Session(srv.port, client_name="after-drain") as new:
             res = new.run(lib.create_mesh(new.new_ref(), gpu=1))
@@ -610,6 +614,93 @@ def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path
     assert rc == 0 and "float32" in out and term == "", repr(term)
     rc, out, term = _meshctl_on_pty(srv, *args)
     assert rc == 0 and "load x.npy: 48B / 48B 100%" in term, repr(term)
+
+
+def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, load_files):
+    """LoadProgress asks every rank at once under one deadline (about 2 s): with rank 1's
+    agent SIGSTOPped while a load runs it still answers in bounded time, with rank 0's
+    bytes and a note naming rank 1; once the agent resumes the answers are whole again."""
+    srv = shared_meshd(2, "--agent-timeout", "60")  # the stopped agent stays registered
+    files, _ = load_files
+    t = lib.tensor_pb2()
+    by = time.monotonic() + 10
+    victim = None
+    while victim is None and time.monotonic() < by:
+        victim = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1), None)
+    assert victim, f"no rank-1 agent child of meshd {srv.pid}"
+    started = lib.proc_starttime(victim)
+    with lib.Session(srv.port, "progress-stop") as s:
+        m = s.mesh(gpu=2)
+        s.tensor(m.ref, (1,))  # both ranks set their backend up (it joins the peers): after
+        s.run(lib.sync())      # that rank 0's load needs nothing of rank 1
+        ref = s.new_ref()
+
+        def look():
+            t0 = time.monotonic()
+            r = s.unary("LoadProgress", t.LoadProgressRequest(refs=[ref]), t.LoadProgressReply,
+                        timeout=30)
+            return r, time.monotonic() - t0
+
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            stop_by = time.monotonic() + 10
+            while not lib.all_threads_stopped(victim) and time.monotonic() < stop_by:
+                time.sleep(0.01)
+            # queued to the stopped rank 1; rank 0 fetches its 2 MiB (0.65 s at the least)
+            s.run(("load", t.Load(ref=ref, mesh=m.ref, url=files.url("trickle/two.bin"),
+                                  dtype=1, shape=[1 << 19])))
+            r, took = look()
+            late, _ = look()  # 2 s on: rank 0 has all its part in (0.65 s), rank 1 still none
+        finally:
+            if lib.alive(victim, started):
+                os.kill(victim, signal.SIGCONT)
+        assert took < 4.0, f"LoadProgress took {took:.1f} s with rank 1 stopped"
+        assert [u.rank for u in r.unanswered] == [1], r
+        u = r.unanswered[0]
+        assert u.kind == t.ERROR_KIND_DEADLINE_EXCEEDED, r
+        assert "rank 1: no answer within 2000 ms" in u.message, u.message
+        total = r.loads[0].total_bytes
+        assert total == 2 * (2 << 20) and r.loads[0].done_bytes <= total // 2, r  # rank 0's
+        assert late.loads[0].done_bytes == total // 2, late
+        assert [u.rank for u in late.unanswered] == [1], late
+        # resumed: both ranks answer again and the load completes
+        by = time.monotonic() + 20
+        while time.monotonic() < by:
+            r, _ = look()
+            if not r.unanswered and r.loads[0].done_bytes == total:
+                break
+            time.sleep(0.05)
+        assert not r.unanswered and r.loads[0].done_bytes == total, r
+
+
+def test_load_interrupted_closes_its_session(shared_meshd, load_files):
+    """SIGINT during `meshctl load`'s wait: one line, exit 130, and the session is closed
+    at once (not left to its lease)."""
+    srv = shared_meshd(2)
+    files, _ = load_files
+    with lib.Session(srv.port, "watcher") as w:
+        def ours():
+            return [x for x in w.list_sessions() if x.client_name == "meshctl"]
+        assert not ours(), ours()
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "20000",
+                              "load", files.url("slow/two.bin"), "--dtype", "float32",
+                              "--shape", str(1 << 19)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            by = time.monotonic() + 10
+            while time.monotonic() < by and not any(x.commands >= 2 for x in ours()):
+                time.sleep(0.02)  # the mesh and the load are in: it waits
+            assert any(x.commands >= 2 for x in ours()), (ours(), p.poll(), p.communicate(timeout=10) if p.poll() is not None else '')
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 130, f"rc={p.returncode}\n{out}\n{err}"
+        assert err.count("\n") == 1 and "interrupted by SIGINT; the session is closed" in err, err
+        assert err.startswith(f"error: load {files.url('slow/two.bin')}: "), err
+        assert out == "" and not ours(), ours()
 
 
 def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):

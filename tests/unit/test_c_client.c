@@ -1335,7 +1335,7 @@ static void start_load_server(void) {
   npy[127] = '\n';
   memcpy(npy + 128, v, sizeof v);
   write_file("v.npy", npy, sizeof npy);
-  snprintf(load_flag, sizeof load_flag, "--url-allow=file://%s", load_dir);
+  snprintf(load_flag, sizeof load_flag, "--url-allow=file://%s,http://127.0.0.1", load_dir);
   const char *const flags[] = {load_flag, NULL};
   start_server_with(flags);
 }
@@ -1419,9 +1419,24 @@ static void note_progress(void *user, uint64_t done, uint64_t total) {
   p->total = total;
 }
 
+/* Commands the session `name` had accepted (ListSessions). */
+static uint64_t session_commands(meshd_client_t *c, const char *name) {
+  meshd_session_info_t *list = NULL;
+  size_t n = 0;
+  cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  uint64_t commands = UINT64_MAX;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(list[i].client_name, name) == 0)
+      commands = list[i].commands;
+  meshd_sessions_free(list, n);
+  cr_assert_neq(commands, UINT64_MAX, "no session named %s", name);
+  return commands;
+}
+
 /* A load's info (dtype, local shape, bytes), its progress while meshd_session_wait_load
- * waits and once it is in, a failed load failing the wait with the agent's error, and
- * what the progress calls refuse. */
+ * waits and once it is in, a failed load failing the wait with the agent's error, a
+ * wait on a load that never ends sending no command (no Sync per look), and what the
+ * progress calls refuse. */
 Test(c_client_load, info_progress_and_wait) {
   meshd_client_t *c = connect_ok();
   meshd_session_t *s = meshd_session_open(c, "c-load-progress", NULL);
@@ -1494,6 +1509,42 @@ Test(c_client_load, info_progress_and_wait) {
   cr_assert_eq(meshd_session_load_progress(s, &bad, 1, p), MESHD_E_OK);
   cr_assert(p[0].failed);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "reported once: %s", e->message);
+
+  /* A URL whose server never answers (a socket that listens and never accepts): the
+   * wait looks at the progress only, so the session's command count (Syncs included)
+   * stays where it was however long the wait, and the wait ends at its timeout. */
+  int ls = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t slen = sizeof sa;
+  cr_assert(ls >= 0 && bind(ls, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(ls, 8) == 0 &&
+            getsockname(ls, (struct sockaddr *)&sa, &slen) == 0);
+  snprintf(url, sizeof url, "http://127.0.0.1:%d/stuck.bin", ntohs(sa.sin_port));
+  raw.shape = six;
+  meshd_ref_t stuck = 0;
+  cr_assert_eq(meshd_session_load(s, m, url, &raw, &stuck), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  uint64_t before = session_commands(c, "c-load-progress");
+  meshd_wait_load_options_t slow = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  slow.timeout_ms = 1500;
+  slow.interval_ms = 50;
+  slow.progress = note_progress;
+  slow.progress_user = &seen;
+  seen = (seen_progress_t){0};
+  cr_assert_eq(meshd_session_wait_load(s, &stuck, 1, &slow), MESHD_E_DEADLINE, "%s",
+               meshd_last_error(c)->message);
+  cr_assert(strstr(meshd_last_error(c)->message, "after 1500 ms"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_geq(seen.calls, 10, "a look every 50 ms for 1.5 s: %d", seen.calls);
+  cr_assert_eq(session_commands(c, "c-load-progress"), before,
+               "the wait sent commands (a Sync per look?)");
+  static volatile sig_atomic_t stop = 1; /* as a SIGINT handler would set it */
+  slow.stop = &stop;
+  cr_assert_eq(meshd_session_wait_load(s, &stuck, 1, &slow), MESHD_E_CANCELLED);
+  cr_assert_eq(meshd_last_error(c)->err, MESHD_E_CANCELLED);
+  cr_assert(strstr(meshd_last_error(c)->message, "stopped by the caller"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_str_eq(meshd_strerror(MESHD_E_CANCELLED), "stopped by the caller");
+  close(ls); /* the agents' requests are reset: the load fails, the session closes below */
 
   /* refusals: no refs, a ref the session lacks, a name a .npy file has not */
   cr_assert_eq(meshd_session_wait_load(s, NULL, 1, NULL), MESHD_E_INVALID);
