@@ -907,16 +907,7 @@ void rpc_server_destroy(rpc_server_t *srv) {
   }
   /* Drain whatever is left (nothing when the workers ran to the shutdown). */
   for (;;) {
-    grpc_event ev = {.type = GRPC_QUEUE_TIMEOUT};
-    if (worker_holds) { /* a ready event first; the hook before a real wait */
-      ev = grpc_completion_queue_next(srv->cq, gpr_inf_past(GPR_CLOCK_REALTIME), NULL);
-      if (ev.type == GRPC_QUEUE_TIMEOUT) {
-        worker_holds = false;
-        srv->before_wait();
-      }
-    }
-    if (ev.type == GRPC_QUEUE_TIMEOUT)
-      ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type == GRPC_OP_COMPLETE) dispatch(ev.tag, false);
   }
