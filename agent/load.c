@@ -130,24 +130,29 @@ static int sink_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, mesh
 }
 
 static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
-                       tracked_t *progress, meshd_error_t *e);
+                       tracked_t *progress, bool (*stop)(void *), void *stop_arg,
+                       meshd_error_t *e);
 
 int load_run(backend_t *b, backend_stream_t *bs, const char *session,
-             const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, meshd_error_t *e) {
+             const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, bool (*stop)(void *),
+             void *stop_arg, meshd_error_t *e) {
   (void)bs; /* from_host's bytes are on the device for every stream when it returns */
   uint64_t bytes = (uint64_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype);
   tracked_t *p = track(session, op->result ? op->result->ref : 0, bytes);
-  int rc = fetch_slice(b, op, t, p, e);
+  int rc = fetch_slice(b, op, t, p, stop, stop_arg, e);
   track_end(p, rc == 0);
   return rc;
 }
 
 static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
-                       tracked_t *progress, meshd_error_t *e) {
+                       tracked_t *progress, bool (*stop)(void *), void *stop_arg,
+                       meshd_error_t *e) {
   const Meshd__V1__Load *l = op->load;
   url_allow_t allow;
   url_fetch_opts_t o;
   url_policy_from_proto(op->policy, &allow, &o);
+  o.stop = stop;
+  o.stop_arg = stop_arg;
   tensor_file_entry_t ent = {.name = (char *)"", .dtype = (dtype_t)l->dtype, .offset = l->offset};
   ent.ndim = (int)l->n_shape;
   uint64_t numel = 1;

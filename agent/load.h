@@ -5,6 +5,8 @@
 #ifndef MESHD_AGENT_LOAD_H
 #define MESHD_AGENT_LOAD_H
 
+#include <stdbool.h>
+
 #include "backend.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "rpc.h"
@@ -23,9 +25,11 @@
  * bytes go through a bounded staging buffer into the tensor wherever it
  * lives. 0, or -1 with e: its message names the URL (redacted) and rank, its
  * kind url_fetch's (BAD_ARGUMENT, PERMISSION_DENIED, DEADLINE_EXCEEDED,
- * UNAVAILABLE). */
+ * UNAVAILABLE). The download ends as soon as stop(stop_arg) says so (the
+ * session ended: nobody will read the tensor); NULL: never. */
 int load_run(backend_t *b, backend_stream_t *bs, const char *session,
-             const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, meshd_error_t *e);
+             const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, bool (*stop)(void *),
+             void *stop_arg, meshd_error_t *e);
 
 /* Agent/LoadProgress's on_start: done and total bytes per ref (unary, no
  * I/O: answered on the calling thread). */

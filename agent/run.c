@@ -159,6 +159,8 @@ fail:
 /* The tensor is defined only once all its bytes are in: a failed load leaves
  * a failed ref (with the transfer's kind: PERMISSION_DENIED, UNAVAILABLE...),
  * never a half-filled one. */
+static bool session_gone(void *s) { return session_state_closing(s); }
+
 static void run_load(ctx_t *c) {
   const Meshd__Agent__V1__LoadOp *lo = c->ins->load;
   uint64_t ref = lo->result->ref;
@@ -171,7 +173,7 @@ static void run_load(ctx_t *c) {
   }
   meta_of_spec(lo->result, &m);
   if (need_backend(c, "Load", &e) || tensor_alloc(c->b, c->bs, &m, &t, "Load", &e)) goto fail;
-  if (load_run(c->b, c->bs, c->ins->session_id, lo, &t, &e)) goto fail;
+  if (load_run(c->b, c->bs, c->ins->session_id, lo, &t, session_gone, c->s, &e)) goto fail;
   refs_put(&c->s->refs, ref, &t);
   storage_release(t.storage);
   return;

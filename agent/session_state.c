@@ -143,6 +143,13 @@ void session_state_close(session_state_t *s) {
   free(comms);
 }
 
+bool session_state_closing(session_state_t *s) {
+  pthread_mutex_lock(&s->mu);
+  bool closing = s->closing;
+  pthread_mutex_unlock(&s->mu);
+  return closing;
+}
+
 void session_state_note_comm(session_state_t *s, uint64_t comm_id) {
   pthread_mutex_lock(&s->mu);
   bool known = false;

@@ -100,6 +100,8 @@ void session_state_queued(session_state_t *s, stream_progress_t *p, uint64_t seq
  * in one of its collectives fails at once instead of at the comm timeout, and
  * no socket outlives the session). */
 void session_state_close(session_state_t *s);
+/* session_state_close ran: what the session still runs is for nobody. */
+bool session_state_closing(session_state_t *s);
 /* The session's work used data-plane channel comm_id (collectives, sends). */
 void session_state_note_comm(session_state_t *s, uint64_t comm_id);
 

@@ -30,6 +30,8 @@ typedef struct xfer {
   uint8_t *buf;
   url_sink_fn sink; /* instead of buf */
   void *sink_arg;
+  bool (*caller_stop)(void *arg); /* url_fetch_opts_t's stop */
+  void *caller_stop_arg;
   uint64_t max_bytes;
   const char *shown; /* the redacted URL of this hop */
   /* per attempt */
@@ -288,6 +290,9 @@ static outcome_t outcome(xfer_t *x, CURLcode cc, const char *url, bool http) {
   case CURLE_OPERATION_TIMEDOUT:
     fail(x, ERR_DEADLINE_EXCEEDED, "timed out (curl: %s)", text);
     return OUT_FAIL;
+  case CURLE_ABORTED_BY_CALLBACK:
+    fail(x, ERR_NO_SESSION, "stopped by its caller after %" PRIu64 " bytes", x->seen);
+    return OUT_FAIL;
   case CURLE_COULDNT_CONNECT:
     fail(x, ERR_UNAVAILABLE, "could not connect (curl: %s)", text);
     return OUT_FAIL;
@@ -322,6 +327,14 @@ static outcome_t outcome(xfer_t *x, CURLcode cc, const char *url, bool http) {
   }
 }
 
+/* curl's progress callback: about once a second even while nothing flows. */
+static int on_progress(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal,
+                       curl_off_t ulnow) {
+  (void)dltotal, (void)dlnow, (void)ultotal, (void)ulnow;
+  xfer_t *x = arg;
+  return x->caller_stop(x->caller_stop_arg) ? 1 : 0; /* 1: CURLE_ABORTED_BY_CALLBACK */
+}
+
 static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
                             const url_fetch_opts_t *o) {
   CURL *c = x->curl;
@@ -353,6 +366,11 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
   }
   if (x->mode == MODE_HEAD) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
   if (x->mode == MODE_ALL) curl_easy_setopt(c, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)x->length);
+  if (x->caller_stop) {
+    curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+    curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
+    curl_easy_setopt(c, CURLOPT_XFERINFODATA, x);
+  }
 }
 
 static void sleep_ms(long ms) {
@@ -383,6 +401,8 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
   url_redact(url0, shown, sizeof shown);
   x->shown = shown;
   x->allow = o->allow;
+  x->caller_stop = o->stop;
+  x->caller_stop_arg = o->stop_arg;
   pthread_once(&curl_once, curl_init);
   if (!url) return error_set(e, ERR_QUOTA, "fetch %s: out of memory", shown);
   if (curl_init_rc != CURLE_OK || !(x->curl = curl_easy_init())) {
@@ -405,7 +425,8 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
       x->skip = x->got = x->skipped = x->seen = 0;
       x->total = UINT64_MAX, x->refused[0] = x->why[0] = x->errbuf[0] = 0;
       out = outcome(x, curl_easy_perform(x->curl), url, http);
-      if (out != OUT_RETRY || attempt > o->max_retries) break;
+      if (out != OUT_RETRY || attempt > o->max_retries || (x->caller_stop && x->caller_stop(x->caller_stop_arg)))
+        break;
       sleep_ms(backoff);
       backoff = backoff > o->backoff_max_ms / 2 ? o->backoff_max_ms : backoff * 2;
     }

@@ -67,6 +67,11 @@ typedef struct url_fetch_opts {
   long backoff_max_ms;      /* the longest wait [5000] */
   uint64_t max_bytes;       /* most body bytes one call reads [URL_FETCH_MAX_BYTES] */
   int max_redirects;        /* [5]; negative: none followed */
+  /* Polled while a transfer runs (at least once a second, stalled or not)
+   * and before a retry; true ends the call at once with NO_SESSION ("stopped
+   * by its caller"), not retried. NULL: never. */
+  bool (*stop)(void *arg);
+  void *stop_arg;
 } url_fetch_opts_t;
 
 #define URL_FETCH_MAX_BYTES ((uint64_t)1 << 34) /* 16 GiB */

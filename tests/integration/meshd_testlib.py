@@ -1221,12 +1221,16 @@ class HttpFiles:
     with Content-Range); a missing file is 404. A path under /trickle/ sends its body
     in 64 KiB pieces 20 ms apart (about 3 MB/s a request), for loads that take a while;
     under /slow/ 100 ms apart (about 0.6 MB/s), for loads still running seconds later.
-    Use as a context manager; url(name) gives the file's URL."""
+    `sending` counts the bodies being written now (a reader that hangs up ends its
+    own). Use as a context manager; url(name) gives the file's URL."""
 
     def __init__(self, root):
         import http.server
         import socketserver
         files = str(root)
+        outer = self
+        self._mu = threading.Lock()
+        self.sending = 0  # bodies being written now
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -1262,11 +1266,19 @@ class HttpFiles:
                 self.end_headers()
                 if self.command == "HEAD":
                     return
-                for i in range(0, len(body), 65536):
-                    self.wfile.write(body[i:i + 65536])
-                    if trickle:
-                        self.wfile.flush()
-                        time.sleep(pace)
+                with outer._mu:
+                    outer.sending += 1
+                try:
+                    for i in range(0, len(body), 65536):
+                        self.wfile.write(body[i:i + 65536])
+                        if trickle:
+                            self.wfile.flush()
+                            time.sleep(pace)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the reader went away: a load stopped
+                finally:
+                    with outer._mu:
+                        outer.sending -= 1
 
         class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             daemon_threads = True

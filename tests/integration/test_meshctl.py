@@ -701,6 +701,12 @@ def test_load_interrupted_closes_its_session(shared_meshd, load_files):
         assert err.count("\n") == 1 and "interrupted by SIGINT; the session is closed" in err, err
         assert err.startswith(f"error: load {files.url('slow/two.bin')}: "), err
         assert out == "" and not ours(), ours()
+    # The agents stop downloading for the closed session (at curl's next progress
+    # look, about a second), rather than finish the ~3.5 s file for nobody.
+    by = time.monotonic() + 3
+    while files.sending and time.monotonic() < by:
+        time.sleep(0.05)
+    assert files.sending == 0, f"{files.sending} download(s) still running after the session closed"
 
 
 def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):

@@ -230,6 +230,30 @@ Test(url_fetch, timeouts) {
   HAS(e, "/slow/3000/10: timed out (curl: ");
 }
 
+/* A caller's stop ends a transfer that waits for bytes, at curl's next
+ * progress look (about a second), and is not retried. */
+static bool stop_after(void *arg) {
+  double *at = arg;
+  return now() >= *at;
+}
+
+Test(url_fetch, a_callers_stop_ends_the_wait) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  url_fetch_opts_t o = quick;
+  o.timeout_ms = 0;
+  o.max_retries = 3;
+  double t0 = now(), at = t0 + 0.3;
+  o.stop = stop_after;
+  o.stop_arg = &at;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_range(url("/slow/5000/10"), 0, 10, buf, &o, &info, &e), -1);
+  cr_assert_lt(now() - t0, 2.5, "took %.2f s", now() - t0);
+  cr_assert_eq(e.kind, ERR_NO_SESSION, "%s", e.msg);
+  cr_assert_eq(info.attempts, 1);
+  HAS(e, "/slow/5000/10: stopped by its caller");
+}
+
 Test(url_fetch, connection_refused) {
   int s = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
