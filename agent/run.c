@@ -156,10 +156,12 @@ fail:
 
 /* ------------------------------------------------------------------ loads */
 
+/* A load's download stops once its session ended: nobody reads the tensor. */
+static bool session_gone(void *s) { return session_state_closing(s); }
+
 /* The tensor is defined only once all its bytes are in: a failed load leaves
  * a failed ref (with the transfer's kind: PERMISSION_DENIED, UNAVAILABLE...),
  * never a half-filled one. */
-static bool session_gone(void *s) { return session_state_closing(s); }
 
 static void run_load(ctx_t *c) {
   const Meshd__Agent__V1__LoadOp *lo = c->ins->load;

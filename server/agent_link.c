@@ -5,9 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "log.h"
+#include "runtime.h"
 #include "secret.h"
 #include "rpc.h"
 
@@ -94,10 +94,10 @@ static void link_unref(agent_link_t *l) {
  * not held back (they are written as before). */
 #define CORK_LINKS 64
 /* A corked link's writer holds queued instructions back until the corks go,
- * HOLD_FLUSH are queued, or CORK_WAIT_NS passed: a corked thread that blocks
+ * HOLD_FLUSH are queued, or CORK_WAIT_MS passed: a corked thread that blocks
  * delays a link but never stalls it. */
 #define HOLD_FLUSH 256
-#define CORK_WAIT_NS 3000000L
+#define CORK_WAIT_MS 3
 
 static _Thread_local struct {
   int depth;
@@ -244,12 +244,7 @@ static void *writer_main(void *arg) {
     l->writer_idle = false;
     if (holding_locked(l)) { /* more will join this batch */
       struct timespec dl;
-      clock_gettime(CLOCK_REALTIME, &dl);
-      dl.tv_nsec += CORK_WAIT_NS;
-      if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-      }
+      runtime_deadline(&dl, CLOCK_REALTIME, CORK_WAIT_MS);
       int rc = 0;
       while (holding_locked(l) && rc == 0) rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
     }

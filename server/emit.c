@@ -425,8 +425,9 @@ void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow
   (void)handle;
 }
 
-void emit_delete_refs(frontend_t *fe, session_t *s, objects_t *o, uint64_t mesh, uint64_t stream,
-                      uint64_t *refs, size_t n) {
+/* One DeleteRefs of refs[0..n) to every rank of mesh, on stream. */
+static void emit_delete_refs(frontend_t *fe, session_t *s, objects_t *o, uint64_t mesh,
+                             uint64_t stream, uint64_t *refs, size_t n) {
   if (!n) return;
   Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
   d.refs = refs;

@@ -32,14 +32,11 @@ void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow
                  const obj_t *handle, bool drop);
 /* Refs per DeleteRefs instruction. */
 #define EMIT_DELETE_BATCH 256
-/* One DeleteRefs of refs[0..n) to every rank of mesh, on stream (Release:
- * each ref lets go of its storage; the agent frees it with its last ref). */
-void emit_delete_refs(frontend_t *fe, session_t *s, objects_t *o, uint64_t mesh, uint64_t stream,
-                      uint64_t *refs, size_t n);
 /* The refs one command deletes (Drop, Release), gathered in its order: one
  * DeleteRefs per run of refs on one mesh and stream, at most
  * EMIT_DELETE_BATCH each, so a Drop of 256 tensors is one instruction per
- * rank, not 256. Start zeroed; emit_delete_flush sends the last run. */
+ * rank, not 256 (Release: each ref lets go of its storage; the agent frees
+ * it with its last ref). Start zeroed; emit_delete_flush sends the last run. */
 typedef struct emit_deletes {
   uint64_t mesh, stream;
   size_t n;

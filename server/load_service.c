@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "runtime.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "objects.h"
 #include "session_service.h"
@@ -361,10 +362,7 @@ static void *progress_main(void *arg) {
   /* Every call carries the deadline; wait for it (and a little), then cancel
    * what still runs, which ends it at once. */
   struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  long ns = ts.tv_nsec + (long)((PROGRESS_DEADLINE_MS + PROGRESS_SLACK_MS) % 1000) * 1000000L;
-  ts.tv_sec += (PROGRESS_DEADLINE_MS + PROGRESS_SLACK_MS) / 1000 + ns / 1000000000L;
-  ts.tv_nsec = ns % 1000000000L;
+  runtime_deadline(&ts, CLOCK_REALTIME, PROGRESS_DEADLINE_MS + PROGRESS_SLACK_MS);
   pthread_mutex_lock(&p->mu);
   while (p->pending && pthread_cond_timedwait(&p->cv, &p->mu, &ts) == 0) {
   }

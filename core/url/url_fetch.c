@@ -327,12 +327,15 @@ static outcome_t outcome(xfer_t *x, CURLcode cc, const char *url, bool http) {
   }
 }
 
+static bool caller_stopped(const xfer_t *x) {
+  return x->caller_stop && x->caller_stop(x->caller_stop_arg);
+}
+
 /* curl's progress callback: about once a second even while nothing flows. */
 static int on_progress(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal,
                        curl_off_t ulnow) {
   (void)dltotal, (void)dlnow, (void)ultotal, (void)ulnow;
-  xfer_t *x = arg;
-  return x->caller_stop(x->caller_stop_arg) ? 1 : 0; /* 1: CURLE_ABORTED_BY_CALLBACK */
+  return caller_stopped(arg) ? 1 : 0; /* 1: CURLE_ABORTED_BY_CALLBACK */
 }
 
 static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
@@ -425,8 +428,7 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
       x->skip = x->got = x->skipped = x->seen = 0;
       x->total = UINT64_MAX, x->refused[0] = x->why[0] = x->errbuf[0] = 0;
       out = outcome(x, curl_easy_perform(x->curl), url, http);
-      if (out != OUT_RETRY || attempt > o->max_retries || (x->caller_stop && x->caller_stop(x->caller_stop_arg)))
-        break;
+      if (out != OUT_RETRY || attempt > o->max_retries || caller_stopped(x)) break;
       sleep_ms(backoff);
       backoff = backoff > o->backoff_max_ms / 2 ? o->backoff_max_ms : backoff * 2;
     }
