@@ -95,6 +95,7 @@ struct executor {
   Meshd__V1__Error **errs;
   size_t nerrs, caperrs;
   bool dirty, report_stop, closing;
+  bool report_holding; /* the reporter waits for the work it would report to end */
   uint64_t reported_alloc;
   executor_report_fn report;
   void *arg;
@@ -142,7 +143,8 @@ static void mark_done_locked(executor_t *x, uint64_t seq) {
     x->front++;
   }
   x->dirty = true;
-  pthread_cond_signal(&x->report_cv);
+  /* A holding reporter wants only the end of the work (reporter_main). */
+  if (!x->report_holding || x->front > x->last) pthread_cond_signal(&x->report_cv);
   pthread_cond_broadcast(&x->progress);
 }
 
@@ -254,9 +256,18 @@ static uint64_t allocated(const executor_t *x) {
  * Execute call's orphaned work finishing, a Read letting go of a storage), and
  * the server's ListAgents knows only what reports say. */
 #define ALLOC_POLL_MS 1000
+/* While instructions it received still run, a report waits up to this long
+ * for them: a batch is reported once, when it is done, instead of at every
+ * wake-up of the reporter while it runs. Errors, and the agent running out
+ * of work, are reported at once. */
+#define REPORT_HOLD_MS 1
+
+/* Some received seq is not done yet. Holds mu. */
+static bool busy_locked(const executor_t *x) { return x->front && x->front <= x->last; }
 
 static void *reporter_main(void *arg) {
   executor_t *x = arg;
+  pthread_setname_np(pthread_self(), "reporter");
   pthread_mutex_lock(&x->mu);
   for (;;) {
     while (!x->dirty && !x->report_stop) {
@@ -265,6 +276,15 @@ static void *reporter_main(void *arg) {
       if (pthread_cond_timedwait(&x->report_cv, &x->mu, &until) == ETIMEDOUT &&
           allocated(x) != x->reported_alloc)
         x->dirty = true;
+    }
+    if (!x->report_stop && !x->nerrs && busy_locked(x)) {
+      struct timespec until;
+      runtime_deadline(&until, CLOCK_MONOTONIC, REPORT_HOLD_MS);
+      x->report_holding = true;
+      while (!x->report_stop && !x->nerrs && busy_locked(x) &&
+             pthread_cond_timedwait(&x->report_cv, &x->mu, &until) != ETIMEDOUT) {
+      }
+      x->report_holding = false;
     }
     if (x->report_stop) break;
     x->dirty = false;
@@ -494,6 +514,7 @@ static void *worker_main(void *arg) {
   executor_t *x = wa->x;
   xstream_t *st = wa->st;
   free(wa);
+  pthread_setname_np(pthread_self(), "stream-worker");
   while (st) {
     run_stream(x, st);
     st = park(x);

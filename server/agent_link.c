@@ -76,6 +76,7 @@ struct agent_link {
   bool broken; /* the call is over: sends fail */
   bool stop;   /* agent_link_close runs: no more callbacks */
   bool writer_idle; /* the writer waits for work: a push wakes it */
+  bool deferred;    /* what is queued may wait for company (agent_link_defer_begin) */
   int corks;   /* threads holding the writer back (agent_link_cork) */
   _Atomic int refs; /* the owner's, and one per cork holding it */
 };
@@ -94,19 +95,37 @@ static void link_unref(agent_link_t *l) {
  * not held back (they are written as before). */
 #define CORK_LINKS 64
 /* A corked link's writer holds queued instructions back until the corks go,
- * HOLD_FLUSH are queued, or CORK_WAIT_MS passed: a corked thread that blocks
+ * HOLD_FLUSH are queued, or hold_ms passed: a corked thread that blocks
  * delays a link but never stalls it. */
 #define HOLD_FLUSH 256
-#define CORK_WAIT_MS 3
+static atomic_int hold_ms = 3; /* agent_link_set_hold_ms */
+
+void agent_link_set_hold_ms(int ms) { atomic_store(&hold_ms, ms < 0 ? 0 : ms); }
 
 static _Thread_local struct {
   int depth;
+  int defer;       /* agent_link_defer_begin's depth */
   bool until_idle; /* one of depth is agent_link_cork_until_idle's */
   size_t n;
   agent_link_t *links[CORK_LINKS];
 } cork;
 
 void agent_link_cork(void) { cork.depth++; }
+
+void agent_link_defer_begin(void) { cork.defer++; }
+
+void agent_link_defer_end(void) {
+  if (cork.defer > 0) cork.defer--;
+}
+
+void agent_link_flush(agent_link_t *l) {
+  pthread_mutex_lock(&l->mu);
+  if (l->deferred) {
+    l->deferred = false;
+    if (l->head) pthread_cond_signal(&l->cv);
+  }
+  pthread_mutex_unlock(&l->mu);
+}
 
 void agent_link_cork_until_idle(void) {
   if (cork.until_idle || !rpc_server_hold_until_idle()) return;
@@ -132,8 +151,10 @@ void agent_link_uncork(void) {
   cork.n = 0;
 }
 
-/* Holds mu: a corked thread pushing to l holds a cork on it. */
+/* Holds mu: a corked thread pushing to l holds a cork on it; a deferring
+ * one lets what is queued wait, and any other push sends it all. */
 static void cork_push_locked(agent_link_t *l) {
+  l->deferred = cork.defer > 0;
   if (cork.depth == 0) return;
   for (size_t i = 0; i < cork.n; i++)
     if (cork.links[i] == l) return;
@@ -145,7 +166,7 @@ static void cork_push_locked(agent_link_t *l) {
 
 /* Holds mu. Whether the writer keeps what is queued a little longer. */
 static bool holding_locked(const agent_link_t *l) {
-  return !l->stop && !l->broken && l->queued < HOLD_FLUSH && l->corks > 0;
+  return atomic_load(&hold_ms) > 0 && !l->stop && !l->broken && l->queued < HOLD_FLUSH && (l->corks > 0 || l->deferred);
 }
 
 /* ------------------------------------------------------------------ queue */
@@ -220,10 +241,14 @@ uint64_t agent_link_push(agent_link_t *l, agent_link_msg_t *m) {
   l->tail = m;
   l->queued++;
   l->queued_bytes += m->len;
+  bool was_deferred = l->deferred;
   cork_push_locked(l);
   /* A writer that is busy or holding finds this later; it is woken only from
-   * idle, or when the queue makes a full batch. */
-  if (l->writer_idle || l->queued == HOLD_FLUSH) pthread_cond_signal(&l->cv);
+   * idle, when the queue makes a full batch, or when this push ends a
+   * deferral it holds for. */
+  if (l->writer_idle || l->queued == HOLD_FLUSH ||
+      (was_deferred && !l->deferred && l->corks == 0))
+    pthread_cond_signal(&l->cv);
   pthread_mutex_unlock(&l->mu);
   return seq;
 }
@@ -234,8 +259,16 @@ uint64_t agent_link_send(agent_link_t *l, const Meshd__Agent__V1__Instruction *i
 
 /* ------------------------------------------------------------------ threads */
 
+/* "link-w3": what `top -H` and the tests see. */
+static void name_thread(const char *what, uint32_t rank) {
+  char name[16];
+  snprintf(name, sizeof name, "link-%s%u", what, rank);
+  pthread_setname_np(pthread_self(), name);
+}
+
 static void *writer_main(void *arg) {
   agent_link_t *l = arg;
+  name_thread("w", l->rank);
   ProtobufCBinaryData *items = malloc(AGENT_LINK_BATCH_MAX * sizeof *items);
   pthread_mutex_lock(&l->mu);
   while (items) {
@@ -244,7 +277,7 @@ static void *writer_main(void *arg) {
     l->writer_idle = false;
     if (holding_locked(l)) { /* more will join this batch */
       struct timespec dl;
-      runtime_deadline(&dl, CLOCK_REALTIME, CORK_WAIT_MS);
+      runtime_deadline(&dl, CLOCK_REALTIME, atomic_load(&hold_ms));
       int rc = 0;
       while (holding_locked(l) && rc == 0) rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
     }
@@ -263,6 +296,7 @@ static void *writer_main(void *arg) {
     }
     l->head = last->next;
     if (!l->head) l->tail = NULL;
+    l->deferred = false;
     last->next = NULL;
     l->queued -= n;
     l->queued_bytes -= bytes;
@@ -317,6 +351,7 @@ static bool take_report(agent_link_t *l, const Meshd__Agent__V1__AgentReport *re
 
 static void *reader_main(void *arg) {
   agent_link_t *l = arg;
+  name_thread("r", l->rank);
   char why[600] = "";
   for (;;) {
     ProtobufCMessage *msg = NULL;

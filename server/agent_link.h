@@ -102,8 +102,9 @@ agent_link_msg_t *agent_link_msg_clone(const agent_link_msg_t *m);
  * agent_link_uncork (on the same thread; they nest) the links it pushes to
  * hold their writers back, so that its instructions go out as one
  * InstructionBatch instead of as many as the writer manages to take. A
- * writer goes anyway at 256 queued instructions or after 3 ms, so a corked
- * thread that blocks delays a link but never stalls it. */
+ * writer goes anyway at 256 queued instructions or after the hold (3 ms,
+ * agent_link_set_hold_ms), so a corked thread that blocks delays a link but
+ * never stalls it. */
 void agent_link_cork(void);
 void agent_link_uncork(void);
 /* A cork that lasts until agent_link_uncork_idle, which the server's
@@ -113,6 +114,23 @@ void agent_link_uncork(void);
  * per thread however often it is called. */
 void agent_link_cork_until_idle(void);
 void agent_link_uncork_idle(void);
+
+/* Deferring, for instructions nobody waits for yet (a unary Execute's): what
+ * a thread pushes between agent_link_defer_begin and agent_link_defer_end
+ * (they nest) may wait in its link for company, up to 256 queued or the hold,
+ * so that a client's calls one at a time reach an agent as a few batches
+ * instead of one wake-up each. Any other push to the link, and
+ * agent_link_flush, send what waits at once. The server flushes a rank's
+ * link whenever something starts waiting for that rank's progress (a Sync,
+ * a Fetch, a full flow window: watermark_set_kick), so deferral delays only
+ * work that nothing waits for. */
+void agent_link_defer_begin(void);
+void agent_link_defer_end(void);
+void agent_link_flush(agent_link_t *l);
+
+/* How long a corked or deferring link holds back (3 ms unless set; 0: links
+ * never hold back). Process-wide: meshd's --link-hold-ms. */
+void agent_link_set_hold_ms(int ms);
 
 /* Highest seq the agent reported executed (first_seq - 1 until the first report). */
 uint64_t agent_link_executed(agent_link_t *l);

@@ -61,6 +61,7 @@ struct agent_pool {
   agent_pool_callbacks_t cb;
   watermark_t *marks;
   uint64_t losses; /* mu */
+  uint64_t old_batches, old_instructions; /* mu: sent by links since closed */
   int max_agents;
   rpc_tls_t agent_tls;
   /* The agent CA as clients get it (agent_pool_client_tls): its own lock, so
@@ -70,6 +71,8 @@ struct agent_pool {
   struct timespec client_ca_mtime;
 };
 
+static void kick_rank(uint32_t rank, void *arg);
+
 agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
   agent_pool_t *p = calloc(1, sizeof *p);
   if (!p) return NULL;
@@ -78,6 +81,7 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
     free(p);
     return NULL;
   }
+  watermark_set_kick(p->marks, kick_rank, p);
   pthread_mutex_init(&p->mu, NULL);
   pthread_mutex_init(&p->ca_mu, NULL);
   p->max_agents = AGENT_POOL_DEFAULT_MAX;
@@ -170,6 +174,13 @@ static void drop_link(pool_link_t *pl, const char *why) {
               (unsigned long long)st.executed, (unsigned long long)st.last_seq, st.queued);
   }
   link_gone(pl);
+  agent_link_stats_t st;
+  agent_link_stats(pl->link, &st);
+  agent_pool_t *p = pl->pool;
+  pthread_mutex_lock(&p->mu);
+  p->old_batches += st.batches_sent;
+  p->old_instructions += st.instructions_sent;
+  pthread_mutex_unlock(&p->mu);
   agent_link_close(pl->link);
   free(pl);
 }
@@ -445,6 +456,16 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
   }
 }
 
+void agent_pool_flush(agent_pool_t *p, uint32_t rank) {
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  if (a && a->link) agent_link_flush(a->link->link);
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* watermark_set_kick: a wait for rank's progress sends what its link defers. */
+static void kick_rank(uint32_t rank, void *arg) { agent_pool_flush(arg, rank); }
+
 int agent_pool_send(agent_pool_t *p, uint32_t rank, const Meshd__Agent__V1__Instruction *ins,
                     uint64_t *seq_out) {
   /* Packed outside the lock: O(size). */
@@ -533,6 +554,22 @@ uint64_t agent_pool_pending_instructions(agent_pool_t *p) {
   }
   pthread_mutex_unlock(&p->mu);
   return n;
+}
+
+void agent_pool_link_totals(agent_pool_t *p, uint64_t *batches, uint64_t *instructions) {
+  pthread_mutex_lock(&p->mu);
+  uint64_t b = p->old_batches, n = p->old_instructions;
+  for (size_t i = 0; i < p->cap; i++) {
+    agent_t *a = &p->agents[i];
+    if (!a->used || !a->link) continue;
+    agent_link_stats_t st;
+    agent_link_stats(a->link->link, &st);
+    b += st.batches_sent;
+    n += st.instructions_sent;
+  }
+  pthread_mutex_unlock(&p->mu);
+  *batches = b;
+  *instructions = n;
 }
 
 watermark_t *agent_pool_watermark(agent_pool_t *p) { return p->marks; }

@@ -159,6 +159,13 @@ size_t agent_pool_queued(agent_pool_t *pool, uint32_t rank);
  * which it ran everything, so one waiting stream holds back its agent's
  * count). */
 uint64_t agent_pool_pending_instructions(agent_pool_t *pool);
+/* Sends what rank's link holds back (agent_link_defer_begin) now: someone
+ * waits for, or asks about, that rank's progress. Waits on the pool's
+ * watermark do this by themselves. */
+void agent_pool_flush(agent_pool_t *pool, uint32_t rank);
+/* InstructionBatch messages and the instructions in them written to the
+ * agents since the pool began, over every link it had. */
+void agent_pool_link_totals(agent_pool_t *pool, uint64_t *batches, uint64_t *instructions);
 /* The watermark fed by every link: wait on it for Sync (watermark.h). Lives
  * as long as the pool. */
 watermark_t *agent_pool_watermark(agent_pool_t *pool);

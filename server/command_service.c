@@ -690,7 +690,11 @@ static void on_execute(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
               "stream; Execute runs one command", cmd->n_batch);
     send_error(call, false, cmd->seq, &e);
   } else {
+    /* Nobody waits for its instructions yet: they may wait in the links for
+     * the caller's next ones (a Sync or Fetch sends them at once). */
+    agent_link_defer_begin();
     run_one(cs, s, call, false, cmd, NULL, NULL);
+    agent_link_defer_end();
   }
   session_release(s);
 }

@@ -450,6 +450,8 @@ static int progress_plan(load_service_t *ls, session_t *s, const Meshd__V1__Load
     p->ranks[r] = (uint32_t)r;
     uint64_t last = o ? objects_last_seq(o, (uint32_t)r) : 0;
     p->ran[r] = last && watermark_reached(wm, (uint32_t)r, s->id, last);
+    /* Someone asks how far the rank got: what its link holds back goes now. */
+    if (last && !p->ran[r]) agent_pool_flush(ls->pool, (uint32_t)r);
   }
   for (size_t i = 0; i < rq->n_refs; i++) {
     meshd__v1__load_progress__init(&p->v[i]);

@@ -40,6 +40,7 @@ typedef struct options {
   int64_t max_sessions_per_principal, max_streams_per_connection;
   double max_connection_idle;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
+  int64_t link_hold_ms;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
   int64_t session_max_streams, max_command_refs;
   int64_t session_max_transfers, transfer_grant_ms;
@@ -69,6 +70,10 @@ static const config_flag_t flags[] = {
      "TensorService is SERVING with at least N healthy agents (-1: --local-agents, or 1)", &opt.min_agents, -1, 1 << 20},
     {"drain-seconds", CONFIG_DOUBLE, "10", "on SIGTERM, how long running calls may finish", &opt.drain_seconds, 0, 3600},
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
+    {"link-hold-ms", CONFIG_INT, "3",
+     "how long an agent's link may hold instructions back to send them with more: a Submit "
+     "batch's, a unary Execute's (a Sync or Fetch sends them at once); 0: never",
+     &opt.link_hold_ms, 0, 60000},
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction", &opt.max_message_bytes, 0, 0},
     {"stream-window-bytes", CONFIG_BYTES, "64KiB",
      "bytes a client may send on a stream ahead of the server's reads (0: gRPC's adaptive window)",
@@ -243,6 +248,18 @@ static double queued_instructions_gauge(void *arg) {
   return (double)agent_pool_pending_instructions(arg);
 }
 
+static double link_batches_counter(void *arg) {
+  uint64_t b, n;
+  agent_pool_link_totals(arg, &b, &n);
+  return (double)b;
+}
+
+static double link_instructions_counter(void *arg) {
+  uint64_t b, n;
+  agent_pool_link_totals(arg, &b, &n);
+  return (double)n;
+}
+
 /* The host of a "host:port" or "[v6]:port" address, into out ("" if none). */
 static void host_of(const char *addr, char *out, size_t len) {
   out[0] = '\0';
@@ -375,6 +392,7 @@ int main(int argc, char **argv) {
   server_state_t state = {health_create(), min_agents, NULL, NULL};
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
+  agent_link_set_hold_ms((int)opt.link_hold_ms);
   agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_opts_t ropts = {.server_id = server_id, .dial_timeout_ms = 3000,
                            .agent_timeout_ms = (int)(opt.agent_timeout * 1000),
@@ -485,6 +503,14 @@ int main(int argc, char **argv) {
       metrics_define(metrics, "meshd_queued_instructions", METRIC_GAUGE,
                      "Instructions sent to agents and not yet reported run, all agents.");
       metrics_set_fn(metrics, "meshd_queued_instructions", NULL, queued_instructions_gauge, pool);
+      metrics_define(metrics, "meshd_link_batches_total", METRIC_COUNTER,
+                     "InstructionBatch messages written to the agents (all ranks).");
+      metrics_set_fn(metrics, "meshd_link_batches_total", NULL, link_batches_counter, pool);
+      metrics_define(metrics, "meshd_link_instructions_total", METRIC_COUNTER,
+                     "Instructions written to the agents (all ranks); divided by "
+                     "meshd_link_batches_total, the mean batch.");
+      metrics_set_fn(metrics, "meshd_link_instructions_total", NULL, link_instructions_counter,
+                     pool);
       metrics_define(metrics, "meshd_agent_restarts_total", METRIC_COUNTER,
                      "Local agents (--local-agents) started again after they exited.");
       state.agent_restarts = metrics_series(metrics, "meshd_agent_restarts_total", NULL);

@@ -62,7 +62,14 @@ struct watermark {
   wait_t *waits; /* pending */
   size_t npending;
   uint64_t next_id;
+  watermark_kick_fn kick; /* set once, before any wait */
+  void *kick_arg;
 };
+
+void watermark_set_kick(watermark_t *w, watermark_kick_fn fn, void *arg) {
+  w->kick = fn;
+  w->kick_arg = arg;
+}
 
 watermark_t *watermark_create(void) {
   watermark_t *w = calloc(1, sizeof *w);
@@ -224,7 +231,13 @@ watermark_result_t watermark_wait_session(watermark_t *w, const char *session,
     if (id) *id = wt->id;
   }
   pthread_mutex_unlock(&w->mu);
-  if (res != WATERMARK_PENDING) free(wt);
+  if (res != WATERMARK_PENDING) {
+    free(wt);
+    return res;
+  }
+  /* wt may be gone already: the targets are the caller's. */
+  for (size_t i = 0; w->kick && i < n; i++)
+    if (targets[i].seq) w->kick(targets[i].rank, w->kick_arg);
   return res;
 }
 

@@ -60,6 +60,13 @@ watermark_result_t watermark_wait_session(watermark_t *w, const char *session,
                                           const watermark_target_t *targets, size_t n,
                                           watermark_fn cb, void *arg, uint64_t *id,
                                           uint32_t *lost_rank);
+/* Called, without the watermark's lock, for each target rank of a wait that
+ * is left pending (some of them may have been reached): the agent pool sends
+ * what that rank's link still holds back (agent_link_flush), since someone
+ * now waits for it. Set once, before the first wait; NULL: none. */
+typedef void (*watermark_kick_fn)(uint32_t rank, void *arg);
+void watermark_set_kick(watermark_t *w, watermark_kick_fn fn, void *arg);
+
 /* Withdraws a pending wait. true: removed, its callback will not run. false: it
  * already ran or is running (e.g. the Sync call ended as the agents caught up). */
 bool watermark_cancel(watermark_t *w, uint64_t id);

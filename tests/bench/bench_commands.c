@@ -8,7 +8,9 @@
  *
  * Each agent count's line also has the p50 and p99 of tiny Calls sent one at a
  * time by unary Execute, with the ratio of that p50 to the echo server's unary
- * p50 of the same run (unary_p50_ratio_to_echo).
+ * p50 (unary_p50_ratio_to_echo). The two are measured in alternating rounds of
+ * a tenth of --seconds each (baseline_unary_p50_us is the echo's p50 from
+ * those rounds), so that drift in the machine's load hits both alike.
  * --seconds: measured time per case (default 2); --warmup: unmeasured time
  * before it (0.5); --agents: the agent counts of the command cases (1,4);
  * --drop-batch: results dropped per Drop (256); --live-tensors: live refs made
@@ -507,53 +509,100 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* One tiny Call (add of the input and 1.0) per unary Execute, one at a time,
- * for `seconds` after a tenth as much unmeasured: p50 and p99 of the round
- * trip in µs (the server answers once it accepted the command). */
-static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double seconds, double *p50,
-                         double *p99) {
+/* Latencies of one kind of call, in µs. */
+typedef struct {
+  double *v;
+  size_t n, cap;
+} lat_t;
+
+static double lat_percentile(lat_t *l, int pct) {
+  if (l->n == 0) return NAN;
+  qsort(l->v, l->n, sizeof *l->v, cmp_double);
+  return l->v[l->n * (size_t)pct / 100];
+}
+
+/* Unary latency, in rounds: each round one tiny Call (add of the input and
+ * 1.0) per unary Execute, one at a time, for a tenth of `seconds`, then, with
+ * an echo channel, as long of one echo at a time. The first round is not
+ * measured. Interleaving puts both under the same conditions however the
+ * machine's load drifts during the run. p50 and p99 of the round trips in µs
+ * (the server answers once it accepted the command); echo_p50 NAN without
+ * echo. */
+#define UNARY_ROUNDS 10
+typedef struct {
+  rpc_channel_t *echo; /* NULL: no echo rounds */
+  pid_t echo_pid, server;
+  const pid_t *agents;
+  int nagents;
+  /* out: */
+  double p50, p99, echo_p50;
+  /* CPU per call in the measured rounds: meshd and its agents during the
+   * Execute slices, the echo server during the echo slices. */
+  double server_cpu_us, agents_cpu_us, echo_cpu_us;
+} unary_t;
+
+static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double seconds, unary_t *u) {
   uint64_t result = 0;
   tiny_add_t add;
   tiny_add_init(&add, &result);
   Meshd__V1__Command *cmd = &add.cmd;
-  size_t cap = 1 << 20, n = 0;
-  double *lat = malloc(cap * sizeof *lat);
-  if (!lat) return -1;
-  int64_t warm_end = bench_now_ns() + (int64_t)(seconds * 1e8);
-  int64_t end = warm_end + (int64_t)(seconds * 1e9);
-  int rc = 0;
-  for (int64_t now = bench_now_ns(); now < end && n < cap; now = bench_now_ns()) {
-    cmd->seq = (*seq)++;
-    result = (*ref)++;
-    ProtobufCMessage *resp = NULL;
-    rpc_status_t st = {0};
-    int64_t t0 = bench_now_ns();
-    grpc_status_code code = rpc_unary(c->ch, SVC "Execute", &cmd->base,
-                                      &meshd__v1__command_result__descriptor, &resp, c->md, 2,
-                                      READ_TIMEOUT_MS, &st);
-    int64_t t1 = bench_now_ns();
-    bool ok = code == GRPC_STATUS_OK && !((Meshd__V1__CommandResult *)resp)->error;
-    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
-    if (!ok) {
-      fprintf(stderr, "bench_commands: unary Execute failed (status %d: %s)\n", code, st.message);
-      rc = -1;
-      break;
+  lat_t ex = {.cap = 1 << 20}, ec = {.cap = 1 << 20};
+  ex.v = malloc(ex.cap * sizeof *ex.v);
+  ec.v = malloc(ec.cap * sizeof *ec.v);
+  int rc = ex.v && ec.v ? 0 : -1;
+  int64_t slice = (int64_t)(seconds * 1e9 / UNARY_ROUNDS);
+  int64_t srv_cpu = 0, ag_cpu = 0, echo_cpu = 0;
+  for (int round = 0; round <= UNARY_ROUNDS && rc == 0; round++) {
+    int64_t srv0 = proc_cpu_us(u->server), ag0 = agents_cpu_us(u->agents, u->nagents);
+    int64_t end = bench_now_ns() + slice;
+    for (int64_t now = bench_now_ns(); now < end && ex.n < ex.cap; now = bench_now_ns()) {
+      cmd->seq = (*seq)++;
+      result = (*ref)++;
+      ProtobufCMessage *resp = NULL;
+      rpc_status_t st = {0};
+      int64_t t0 = bench_now_ns();
+      grpc_status_code code = rpc_unary(c->ch, SVC "Execute", &cmd->base,
+                                        &meshd__v1__command_result__descriptor, &resp, c->md, 2,
+                                        READ_TIMEOUT_MS, &st);
+      int64_t t1 = bench_now_ns();
+      bool ok = code == GRPC_STATUS_OK && !((Meshd__V1__CommandResult *)resp)->error;
+      if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+      if (!ok) {
+        fprintf(stderr, "bench_commands: unary Execute failed (status %d: %s)\n", code, st.message);
+        rc = -1;
+        break;
+      }
+      if (round > 0) ex.v[ex.n++] = (double)(t1 - t0) / 1e3;
     }
-    if (t0 >= warm_end) lat[n++] = (double)(t1 - t0) / 1e3;
+    if (round > 0) {
+      srv_cpu += proc_cpu_us(u->server) - srv0;
+      ag_cpu += agents_cpu_us(u->agents, u->nagents) - ag0;
+    }
+    int64_t echo0 = u->echo ? proc_cpu_us(u->echo_pid) : 0;
+    end = bench_now_ns() + slice;
+    for (int64_t now = bench_now_ns(); u->echo && rc == 0 && now < end && ec.n < ec.cap;
+         now = bench_now_ns()) {
+      int64_t t0 = bench_now_ns();
+      if (rpc_baseline_echo_once(u->echo) != 0) rc = -1;
+      int64_t t1 = bench_now_ns();
+      if (round > 0) ec.v[ec.n++] = (double)(t1 - t0) / 1e3;
+    }
+    if (round > 0 && u->echo) echo_cpu += proc_cpu_us(u->echo_pid) - echo0;
   }
-  if (n > 0) {
-    qsort(lat, n, sizeof *lat, cmp_double);
-    *p50 = lat[n / 2];
-    *p99 = lat[n * 99 / 100];
-  } else {
-    rc = -1;
-  }
-  free(lat);
+  u->server_cpu_us = ex.n ? (double)srv_cpu / (double)ex.n : NAN;
+  u->agents_cpu_us = ex.n ? (double)ag_cpu / (double)ex.n : NAN;
+  u->echo_cpu_us = ec.n ? (double)echo_cpu / (double)ec.n : NAN;
+  u->p50 = lat_percentile(&ex, 50);
+  u->p99 = lat_percentile(&ex, 99);
+  u->echo_p50 = lat_percentile(&ec, 50);
+  if (ex.n == 0) rc = -1;
+  free(ex.v);
+  free(ec.v);
   return rc;
 }
 
-static int commands_case(int nagents, const opts_t *o, double baseline_bidi, double baseline_p50,
-                         double *cps_out) {
+static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
+                         const bench_echo_child_t *echo_child, double *cps_out) {
   server_t srv;
   /* --drop-batch may pass 4096 refs per Drop: the session limits would
    * refuse it. */
@@ -580,8 +629,21 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi, dou
     rc = run_pipeline(&r);
     if (!r.t1) rc = -1;
   }
-  double p50 = NAN, p99 = NAN;
-  if (rc == 0 && unary_latency(&c, &r.seq, &r.ref, o->seconds, &p50, &p99) != 0) rc = -1;
+  unary_t u = {.server = srv.pid, .agents = srv.agents, .nagents = srv.nagents,
+               .p50 = NAN, .p99 = NAN, .echo_p50 = NAN};
+  if (rc == 0 && echo_child) {
+    char target[64];
+    snprintf(target, sizeof target, "127.0.0.1:%d", echo_child->port);
+    rpc_channel_opts_t co = {.own_connection = true};
+    u.echo = rpc_channel_create(target, &co);
+    u.echo_pid = echo_child->pid;
+    if (!u.echo || !rpc_channel_wait_ready(u.echo, 5000)) {
+      fprintf(stderr, "bench_commands: the echo server %s is not ready\n", target);
+      rc = -1;
+    }
+  }
+  if (rc == 0 && unary_latency(&c, &r.seq, &r.ref, o->seconds, &u) != 0) rc = -1;
+  if (u.echo) rpc_channel_destroy(u.echo);
   int64_t rss_end = proc_status_bytes(srv.pid, "VmRSS");
   int64_t hwm = proc_status_bytes(srv.pid, "VmHWM");
   pid_t agents_end[MAX_AGENTS];
@@ -612,10 +674,13 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi, dou
   bench_json_num(&j, "calls_per_s", calls / secs);
   bench_json_num(&j, "baseline_bidi_msgs_per_s", baseline_bidi);
   json_numf(&j, "ratio_to_bidi", cps / baseline_bidi, 3);
-  json_numf(&j, "unary_execute_p50_us", p50, 1);
-  json_numf(&j, "unary_execute_p99_us", p99, 1);
-  json_numf(&j, "baseline_unary_p50_us", baseline_p50, 1);
-  json_numf(&j, "unary_p50_ratio_to_echo", p50 / baseline_p50, 3);
+  json_numf(&j, "unary_execute_p50_us", u.p50, 1);
+  json_numf(&j, "unary_execute_p99_us", u.p99, 1);
+  json_numf(&j, "baseline_unary_p50_us", u.echo_p50, 1);
+  json_numf(&j, "unary_p50_ratio_to_echo", u.p50 / u.echo_p50, 3);
+  json_numf(&j, "unary_server_cpu_us_per_call", u.server_cpu_us, 2);
+  json_numf(&j, "unary_agents_cpu_us_per_call", u.agents_cpu_us, 2);
+  json_numf(&j, "baseline_unary_server_cpu_us_per_call", u.echo_cpu_us, 2);
   json_numf(&j, "server_cpu_us_per_command", (double)(r.srv_cpu1 - r.srv_cpu0) / cmds, 2);
   json_numf(&j, "server_cpu_us_per_command_to_sync",
             r.srv_cpu_sync > 0 ? (double)(r.srv_cpu_sync - r.srv_cpu0) / cmds_to_end : NAN, 2);
@@ -892,13 +957,12 @@ int main(int argc, char **argv) {
   rpc_init();
   int rc = 0;
   rpc_baseline_t base = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
+  char target[64] = "";
   if (!skip_baseline) {
-    char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", echo.port);
     rpc_baseline_opts_t bo = {.seconds = o.seconds, .warmup_seconds = o.warmup};
     fprintf(stderr, "bench_commands: rpc baseline against the echo server %s\n", target);
     if (rpc_baseline_measure(target, &bo, &base) != 0) rc = 1;
-    if (bench_echo_child_stop(&echo) != 0) rc = 1;
     bench_json_t j;
     bench_json_begin(&j, "rpc");
     rpc_baseline_json(&j, &base);
@@ -906,10 +970,13 @@ int main(int argc, char **argv) {
   }
   for (int i = 0; i < ncounts; i++) {
     double raw_cps = NAN;
-    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s, base.unary_1_p50_us, &raw_cps) != 0)
+    if (commands_case(agent_counts[i], &o, base.bidi_msgs_per_s, skip_baseline ? NULL : &echo,
+                      &raw_cps) != 0)
       rc = 1;
     if (c_client && c_client_case(agent_counts[i], &o, base.bidi_msgs_per_s, raw_cps) != 0) rc = 1;
   }
+  /* The echo server stays up for the command cases' interleaved unary rounds. */
+  if (!skip_baseline && bench_echo_child_stop(&echo) != 0) rc = 1;
   if (o.live_tensors > 0 && memory_case(&o) != 0) rc = 1;
   rpc_shutdown();
   return rc;

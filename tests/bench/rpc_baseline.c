@@ -155,6 +155,19 @@ static void *unary_worker(void *p) {
   return NULL;
 }
 
+int rpc_baseline_echo_once(rpc_channel_t *ch) {
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = (char *)text33;
+  ProtobufCMessage *rep = NULL;
+  rpc_status_t st;
+  grpc_status_code code =
+      rpc_unary(ch, ECHO_UNARY, &req.base, &echo_reply__descriptor, &rep, NULL, 0, 30000, &st);
+  if (rep) protobuf_c_message_free_unpacked(rep, NULL);
+  if (code == GRPC_STATUS_OK) return 0;
+  fprintf(stderr, "bench_rpc: unary echo failed: code %d: %s\n", code, st.message);
+  return -1;
+}
+
 /* Runs `threads` callers on one shared channel (one connection). */
 static int unary_case(const char *target, int threads, size_t payload_len,
                       const rpc_baseline_opts_t *o, double *calls_per_s, double *p50,

@@ -18,6 +18,7 @@
 #include <sys/types.h>
 
 #include "bench_util.h"
+#include "rpc.h"
 
 /* Every message size the baseline uses fits under this, on both sides. */
 #define RPC_BASELINE_MAX_MESSAGE (8 << 20)
@@ -55,6 +56,11 @@ int bench_echo_child_stop(bench_echo_child_t *child);
  * must have run. Progress goes to stderr. Returns 0, or -1 if a call failed. */
 int rpc_baseline_measure(const char *target, const rpc_baseline_opts_t *opts,
                          rpc_baseline_t *out);
+/* One unary Echo of the 33-byte text on ch (a channel to the echo server),
+ * as the unary cases make it: for benchmarks that interleave their own calls
+ * with the baseline's. Returns 0, or -1 if it failed. */
+int rpc_baseline_echo_once(rpc_channel_t *ch);
+
 /* Adds the result's fields to a JSON line, under the names bench_rpc prints. */
 void rpc_baseline_json(bench_json_t *j, const rpc_baseline_t *r);
 

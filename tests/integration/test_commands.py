@@ -1347,3 +1347,21 @@ def test_a_string_with_a_nul_or_bad_utf8_is_refused_naming_the_field(s2):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value
     assert "Command.call.op: embedded NUL at byte 3" in e.value.message, e.value.message
     s2.mesh(gpu=2)  # the session goes on
+
+
+def test_unary_work_waits_in_the_links_until_something_waits_for_it(meshd_server):
+    """A unary Execute's instructions may wait in the agents' links for the caller's next ones
+    (--link-hold-ms, docs/architecture.md); a Fetch, an Upload or a Sync sends them at once.
+    With a minute's hold, any path that failed to send them would time out here."""
+    from test_transfers import fetch_floats, upload
+    srv = lib.wait_ready(meshd_server(2, "--link-hold-ms", "60000"), 2)
+    with Session(srv.port, "hold") as s:
+        m = s.mesh(gpu=2).ref
+        x = upload(s, m, [1.0, 2.0, 3.0], timeout=15).tensor.ref
+        y = s.op("add", Ref(x), Ref(x))[0].ref
+        assert fetch_floats(s, y, timeout=15) == [2.0, 4.0, 6.0]
+        z = s.op("add", Ref(y), Ref(x))[0].ref
+        assert not s.run(sync(), timeout=15).HasField("error")
+        w = upload(s, m, [0.5, 0.5, 0.5], timeout=15).tensor.ref
+        v = s.op("add", Ref(z), Ref(w))[0].ref
+        assert fetch_floats(s, v, timeout=15) == [3.5, 6.5, 9.5]

@@ -138,11 +138,14 @@ def free_ports(n):
     raise AssertionError(f"no {n} consecutive free ports")
 
 
+CALLS = 40
+
+
 def test_server_metrics(meshd_server, tmp_path):
     pf = tmp_path / "metrics.port"
     base = free_ports(2)
     srv = meshd_server(2, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf,
-                       "--local-agent-metrics-port-base", base)
+                       "--local-agent-metrics-port-base", base, "--link-hold-ms", "50")
     lib.wait_ready(srv, 2)
     mport = port_of(pf, srv)
     text = scrape(mport)
@@ -171,8 +174,19 @@ def test_server_metrics(meshd_server, tmp_path):
     with Session(srv.port, "metrics") as s:
         m = s.mesh(gpu=2).ref
         x = s.tensor(m, (3,))
-        for _ in range(3):
+        # Unary commands one at a time reach the agents in a few batches, not one each:
+        # their instructions wait in the links (here up to 50 ms) for the next ones.
+        links = parse(scrape(mport))
+        for _ in range(CALLS):
             s.op("add", Ref(x.ref), Ref(x.ref))
+        s.run(sync())
+        after = parse(scrape(mport))
+        sent = sample(after, "meshd_link_instructions_total") - \
+            sample(links, "meshd_link_instructions_total")
+        batches = sample(after, "meshd_link_batches_total") - \
+            sample(links, "meshd_link_batches_total")
+        assert sent >= 2 * CALLS + 2, sent  # a Call and a Sync per rank
+        assert batches * 4 <= sent, f"{sent} instructions in {batches} batches"
         # A Drop of many tensors is one DeleteRefs per agent, not one per tensor.
         made = [s.tensor(m, (2,)).ref for _ in range(40)]
         s.run(sync())
@@ -199,12 +213,12 @@ def test_server_metrics(meshd_server, tmp_path):
             assert grew == 4000, (d, grew)
             assert sample(after, "meshd_transfer_bytes_total", direction=d, path="direct") == 0
         s.close()
-    assert value(text, 'meshd_commands_total{kind="Call",status="ok"}') == 3
+    assert value(text, 'meshd_commands_total{kind="Call",status="ok"}') == CALLS
     assert value(text, 'meshd_commands_total{kind="Factory",status="ok"}') == 41
     assert value(text, 'meshd_commands_total{kind="CreateMesh",status="ok"}') == 1
     assert value(text, 'meshd_commands_total{kind="CreateMesh",status="REF_REUSED"}') == 1
-    assert value(text, 'meshd_command_duration_seconds_count{kind="Call"}') == 3
-    assert value(text, 'meshd_command_duration_seconds_bucket{kind="Call",le="+Inf"}') == 3
+    assert value(text, 'meshd_command_duration_seconds_count{kind="Call"}') == CALLS
+    assert value(text, 'meshd_command_duration_seconds_bucket{kind="Call",le="+Inf"}') == CALLS
     assert value(text, 'meshd_command_duration_seconds_sum{kind="Call"}') >= 0
     fams = parse(scrape(mport))
     assert sample(fams, "meshd_sessions") == 0

@@ -371,6 +371,70 @@ Test(agent_link, a_cork_never_held_back_stalls_nothing) {
   fake_free(f);
 }
 
+/* ---------------------------------------------------------------- deferring */
+
+/* What a deferring thread pushes waits in the link, however slowly it comes,
+ * until something needs it: agent_link_flush, or any other push. The hold is a
+ * minute here, so that only those can have sent it. */
+Test(agent_link, deferred_sends_wait_until_flushed_or_joined) {
+  agent_link_set_hold_ms(60000);
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "sess", 3);
+  agent_link_defer_begin();
+  for (uint64_t i = 1; i <= 10; i++) {
+    cr_assert_eq(agent_link_send(l, &ins), i);
+    usleep(200); /* an undeferred writer sends each alone */
+  }
+  agent_link_defer_end();
+  usleep(50 * 1000);
+  cr_assert_eq(agent_link_executed(l), 0, "deferred instructions went unasked");
+  cr_assert_eq(agent_link_queued(l), 10);
+  agent_link_flush(l);
+  exec_want_t w = {l, 10};
+  cr_assert(eventually(executed_reaches, &w, 5000), "a flush did not send the deferred ones");
+  /* Deferred ones go with the next undeferred push. */
+  agent_link_defer_begin();
+  for (int i = 0; i < 5; i++) agent_link_send(l, &ins);
+  agent_link_defer_end();
+  usleep(20 * 1000);
+  cr_assert_eq(agent_link_executed(l), 10);
+  cr_assert_eq(agent_link_send(l, &ins), 16);
+  w.want = 16;
+  cr_assert(eventually(executed_reaches, &w, 5000), "an eager push left deferred ones behind");
+  agent_link_stats_t st;
+  agent_link_stats(l, &st);
+  cr_assert_eq(st.batches_sent, 2, "16 instructions in %llu batches",
+               (unsigned long long)st.batches_sent);
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+  agent_link_set_hold_ms(3);
+}
+
+/* Without a hold (--link-hold-ms 0) nothing waits: each deferred push goes. */
+Test(agent_link, no_hold_defers_nothing) {
+  agent_link_set_hold_ms(0);
+  fake_t *f = fake_start(FAKE_ACK);
+  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
+  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "sess", 3);
+  agent_link_defer_begin();
+  agent_link_cork();
+  cr_assert_eq(agent_link_send(l, &ins), 1);
+  exec_want_t w = {l, 1};
+  cr_assert(eventually(executed_reaches, &w, 5000), "a deferred, corked push waited");
+  agent_link_uncork();
+  agent_link_defer_end();
+  agent_link_close(l);
+  rpc_channel_destroy(ch);
+  fake_free(f);
+  agent_link_set_hold_ms(3);
+}
+
 /* ---------------------------------------------------------------- cork until idle */
 
 /* A front server whose handler sends one instruction per message to a link,
@@ -682,6 +746,45 @@ Test(agent_link, pool_send_and_wait) {
   cr_assert_eq(atomic_load(&obs.lost), 0, "destroy is not a loss");
   fake_free(a);
   fake_free(b);
+}
+
+/* A wait on a rank's progress sends what its link defers (watermark_set_kick):
+ * with a minute's hold, nothing else would. */
+Test(agent_link, pool_wait_sends_deferred_work) {
+  agent_link_set_hold_ms(60000);
+  fake_t *a = fake_start(FAKE_ACK), *b = fake_start(FAKE_ACK);
+  agent_pool_t *p = make_pool();
+  admit(p, 0, "agent-0", a);
+  admit(p, 1, "agent-1", b);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  uint64_t last0 = 0, last1 = 0;
+  agent_link_defer_begin();
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(agent_pool_send(p, 0, &ins, &last0), 0);
+    cr_assert_eq(agent_pool_send(p, 1, &ins, &last1), 0);
+  }
+  agent_link_defer_end();
+  usleep(20 * 1000);
+  cr_assert_eq(agent_pool_queued(p, 0), 3);
+  cr_assert_eq(agent_pool_queued(p, 1), 3);
+  /* A wait on rank 0 sends rank 0's, and only those. */
+  fire_t fw = {0};
+  watermark_target_t t = {0, last0};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), &t, 1, on_fire, &fw, NULL, NULL),
+               WATERMARK_PENDING);
+  cr_assert(eventually(fired, &fw, 5000), "a wait left rank 0's deferred work in its link");
+  cr_assert_eq(fw.result, WATERMARK_REACHED);
+  cr_assert_eq(agent_pool_queued(p, 1), 3);
+  fire_t f1 = {0};
+  t = (watermark_target_t){1, last1};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), &t, 1, on_fire, &f1, NULL, NULL),
+               WATERMARK_PENDING);
+  cr_assert(eventually(fired, &f1, 5000));
+  agent_pool_destroy(p);
+  fake_free(a);
+  fake_free(b);
+  agent_link_set_hold_ms(3);
 }
 
 Test(agent_link, pool_lost_agent_fails_waits) {
