@@ -66,8 +66,9 @@ typedef struct rpc_tls {
   const char *ca_pem;        /* channel; instead of ca_file */
 } rpc_tls_t;
 
-/* Checks that the files `tls` names exist and hold PEM of the right kind, so a
- * daemon fails at startup with a clear message rather than at its first
+/* Checks that the files `tls` names exist and hold PEM of the right kind (and
+ * that ca_pem text holds a certificate), so a daemon fails at startup, and a
+ * channel at creation, with a clear message rather than at its first
  * handshake. `what` prefixes the message ("--tls-cert"). server: cert and key
  * are required. Returns 0, or -1 with err. */
 int rpc_tls_check(const rpc_tls_t *tls, bool server, char *err, size_t errlen);

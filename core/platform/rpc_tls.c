@@ -36,6 +36,14 @@ static char *read_file(const char *path) {
   return buf;
 }
 
+/* text has a "-----BEGIN ... label ... -----END" block. */
+static bool holds_pem(const char *text, const char *label) {
+  const char *begin = strstr(text, "-----BEGIN ");
+  const char *end = begin ? strstr(begin, "-----END ") : NULL;
+  const char *lab = begin ? strstr(begin, label) : NULL;
+  return begin && end && lab && lab < end;
+}
+
 char *rpc_tls_read_pem(const char *what, const char *path, const char *label, char *err,
                        size_t errlen) {
   char *pem = read_file(path);
@@ -44,10 +52,7 @@ char *rpc_tls_read_pem(const char *what, const char *path, const char *label, ch
              errno ? strerror(errno) : "too large");
     return NULL;
   }
-  const char *begin = strstr(pem, "-----BEGIN ");
-  const char *end = begin ? strstr(begin, "-----END ") : NULL;
-  const char *lab = begin ? strstr(begin, label) : NULL;
-  if (!begin || !end || !lab || lab > end) {
+  if (!holds_pem(pem, label)) {
     snprintf(err, errlen, "%s: '%s' holds no PEM %s", what, path, label);
     free(pem);
     return NULL;
@@ -72,6 +77,11 @@ int rpc_tls_check(const rpc_tls_t *t, bool server, char *err, size_t errlen) {
     char *pem = rpc_tls_read_pem("TLS", files[i].path, files[i].label, err, errlen);
     if (!pem) return -1;
     free(pem);
+  }
+  /* gRPC would take roots it cannot load and fail every connection later. */
+  if (t->ca_pem && !holds_pem(t->ca_pem, "CERTIFICATE")) {
+    snprintf(err, errlen, "TLS: the CA certificates given as text hold no PEM CERTIFICATE");
+    return -1;
   }
   return 0;
 }

@@ -161,8 +161,12 @@ Test(rpc_tls, an_optional_client_certificate_is_verified_when_presented) {
                      .key_file = pki_file("rogue.key")};
   cr_expect_eq(call_echo(es, rogue, NULL, 0, NULL, 0, &st), GRPC_STATUS_UNAVAILABLE,
                "a certificate from another CA was admitted: %s", st.message);
+  /* Roots that are no PEM fail at once, not at every connection. */
   rpc_tls_t wrong_roots = {.on = true, .ca_pem = "not a PEM"};
-  cr_expect_neq(call_echo(es, wrong_roots, NULL, 0, NULL, 0, &st), GRPC_STATUS_OK);
+  char err[300] = "";
+  cr_expect_neq(rpc_tls_check(&wrong_roots, false, err, sizeof err), 0);
+  cr_expect(strstr(err, "hold no PEM CERTIFICATE"), "%s", err);
+  cr_expect_null(rpc_channel_create("localhost:1", &(rpc_channel_opts_t){.tls = wrong_roots}));
   echo_server_stop(es, 0);
 }
 
