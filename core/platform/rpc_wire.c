@@ -34,6 +34,9 @@ typedef struct arena_block {
   max_align_t data[];
 } arena_block_t;
 
+/* Messages below this many packed bytes get a first block of 8 times that. */
+#define ARENA_SMALL (64 * 1024)
+
 struct wire_arena {
   ProtobufCAllocator allocator; /* first: protobuf-c's allocator_data is the arena */
   arena_block_t *head;
@@ -102,10 +105,13 @@ ProtobufCMessage *wire_unpack_arena(grpc_byte_buffer *buf, const ProtobufCMessag
   wire_arena_t *a = calloc(1, sizeof *a);
   if (!a) return NULL;
   a->allocator = (ProtobufCAllocator){arena_alloc, arena_free, a};
-  /* Unpacked, a message takes several times its packed bytes (structs, pointers:
-   * about 7 for a batch of tiny instructions), so that one block is usually all. */
+  /* Unpacked, a batch of tiny instructions takes about 7 times its packed bytes
+   * (structs, pointers), a chunk of tensor bytes barely more than them. Small
+   * messages get room for the first at once; a large one starts at its size
+   * and a quarter, since 8 times a 1 MiB chunk is past malloc's mmap threshold
+   * (runtime_tune_malloc): a fresh mapping, faulted page by page, per chunk. */
   size_t len = buf ? grpc_byte_buffer_length(buf) : 0;
-  a->next_cap = len * 8 + 1024;
+  a->next_cap = len < ARENA_SMALL ? len * 8 + 1024 : len + len / 4 + 1024;
   ProtobufCMessage *msg = unpack(buf, desc, why, whylen, &a->allocator);
   if (!msg) {
     wire_arena_free(a);

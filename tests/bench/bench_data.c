@@ -485,6 +485,7 @@ static double paired_mbs(run_fn fn, void *arg, const cpu_probe_t *fn_probe, cpu_
     probe = fn_probe;
     double mbs = run_mbs_tally(fn, arg, bytes, fn_cpu);
     probe = NULL;
+    fprintf(stderr, "bench_data:   round %d: baseline %.0f MB/s, path %.0f MB/s\n", r + 1, rm, mbs);
     if (!isfinite(mbs)) return NAN;
     if (mbs > best) best = mbs;
   }
