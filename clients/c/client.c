@@ -1618,6 +1618,16 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
 }
 
 /* The proxied Fetch of one local tensor into sink. */
+typedef struct {
+  const direct_sink_t *k;
+  direct_err_t *e;
+} fetch_piece_t;
+
+static int fetch_piece(const uint8_t *p, size_t n, void *arg) {
+  fetch_piece_t *f = arg;
+  return f->k->data(f->k->arg, p, n, f->e);
+}
+
 static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *req,
                             const direct_sink_t *k, int timeout_ms, direct_err_t *e) {
   rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
@@ -1629,39 +1639,46 @@ static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *r
   uint64_t want = 0, got = 0;
   if (rpc_stream_write(st, &req->base, true) == 0) {
     while (!stop) {
-      ProtobufCMessage *m = NULL;
-      int r = rpc_stream_read(st, &meshd__v1__fetch_chunk__descriptor, &m, timeout_ms);
+      /* Read packed: a data chunk's bytes go to the sink from where they lie
+       * in the message, the one copy; the rest (the meta) is unpacked. */
+      rpc_bytes_t *raw = NULL;
+      int r = rpc_stream_read_raw(st, &raw, timeout_ms);
       if (r <= 0) {
         if (r < 0) {
           rpc_stream_cancel(st);
-          if (r == -2)
-            direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED,
-                           "DEADLINE_EXCEEDED", "Fetch: no answer within %d ms", timeout_ms);
-          else
-            direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                           "Fetch: the server sent a message that is not a FetchChunk");
+          direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                         "Fetch: no answer within %d ms", timeout_ms);
         }
         break;
       }
-      const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
-      if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
-        have_meta = true;
-        want = direct_dtype_bytes(ch->meta->dtype);
-        for (size_t i = 0; i < ch->meta->n_shape; i++)
-          want *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
-        stop = k->begin(k->arg, ch->meta, e) != 0;
-      } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA && ch->data.len) {
-        if (!have_meta || got + ch->data.len > want) {
+      size_t len = 0;
+      if (rpc_bytes_is_field(raw, MESHD__V1__FETCH_CHUNK__PART_DATA, &len)) {
+        if (len && (!have_meta || got + len > want)) {
           direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: %s",
                          have_meta ? "more bytes than the TensorMeta describes"
                                    : "data before the TensorMeta");
           stop = true;
-        } else {
-          stop = k->data(k->arg, ch->data.data, ch->data.len, e) != 0;
-          got += ch->data.len;
+        } else if (len) {
+          stop = rpc_bytes_field_visit(raw, fetch_piece, &(fetch_piece_t){k, e}) != 0;
+          got += len;
         }
+      } else {
+        ProtobufCMessage *m = rpc_bytes_unpack(raw, &meshd__v1__fetch_chunk__descriptor);
+        const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
+        if (!m) {
+          direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                         "Fetch: the server sent a message that is not a FetchChunk");
+          stop = true;
+        } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
+          have_meta = true;
+          want = direct_dtype_bytes(ch->meta->dtype);
+          for (size_t i = 0; i < ch->meta->n_shape; i++)
+            want *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
+          stop = k->begin(k->arg, ch->meta, e) != 0;
+        }
+        if (m) protobuf_c_message_free_unpacked(m, NULL);
       }
-      protobuf_c_message_free_unpacked(m, NULL);
+      rpc_bytes_free(raw);
       if (stop)
         rpc_stream_cancel(st);
     }
