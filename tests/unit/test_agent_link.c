@@ -226,6 +226,29 @@ static void make_ins(Meshd__Agent__V1__Instruction *ins, const char *session, ui
   ins->status = &status_body;
 }
 
+/* A link to a fake agent, and a tiny instruction to send on it. */
+typedef struct rig {
+  fake_t *f;
+  rpc_channel_t *ch;
+  agent_link_t *l;
+  Meshd__Agent__V1__Instruction ins;
+} rig_t;
+
+static void rig_open(rig_t *r, fake_mode_t mode) {
+  r->f = fake_start(mode);
+  r->ch = rpc_channel_create(r->f->target, &live_peer);
+  r->l = agent_link_open(r->ch, 0, "agent-a", 1, NULL, &cbs);
+  cr_assert_not_null(r->l);
+  make_ins(&r->ins, "sess", 3);
+}
+
+/* Closes the link unless closed already (r->l NULL), then the rest. */
+static void rig_close(rig_t *r) {
+  agent_link_close(r->l);
+  rpc_channel_destroy(r->ch);
+  fake_free(r->f);
+}
+
 /* ---------------------------------------------------------------- ordering */
 
 Test(agent_link, seqs_in_order_and_all_acked) {
@@ -352,23 +375,20 @@ Test(agent_link, corked_sends_go_as_one_batch) {
 
 /* A thread that stays corked (it blocked) delays a link, never stalls it. */
 Test(agent_link, a_cork_never_held_back_stalls_nothing) {
-  fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
-  Meshd__Agent__V1__Instruction ins;
-  make_ins(&ins, "sess", 3);
+  rig_t r;
+  rig_open(&r, FAKE_ACK);
   agent_link_cork();
-  cr_assert_eq(agent_link_send(l, &ins), 1);
-  exec_want_t w = {l, 1};
+  cr_assert_eq(agent_link_send(r.l, &r.ins), 1);
+  exec_want_t w = {r.l, 1};
   cr_assert(eventually(executed_reaches, &w, 2000), "a corked instruction never went");
   agent_link_uncork();
   /* And a link closed while a cork holds it is released safely. */
   agent_link_cork();
-  cr_assert_eq(agent_link_send(l, &ins), 2);
-  agent_link_close(l);
+  cr_assert_eq(agent_link_send(r.l, &r.ins), 2);
+  agent_link_close(r.l);
+  r.l = NULL;
   agent_link_uncork();
-  rpc_channel_destroy(ch);
-  fake_free(f);
+  rig_close(&r);
 }
 
 /* ---------------------------------------------------------------- deferring */
@@ -378,11 +398,10 @@ Test(agent_link, a_cork_never_held_back_stalls_nothing) {
  * minute here, so that only those can have sent it. */
 Test(agent_link, deferred_sends_wait_until_flushed_or_joined) {
   agent_link_set_hold_ms(60000);
-  fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
-  Meshd__Agent__V1__Instruction ins;
-  make_ins(&ins, "sess", 3);
+  rig_t r;
+  rig_open(&r, FAKE_ACK);
+  agent_link_t *l = r.l;
+  Meshd__Agent__V1__Instruction ins = r.ins;
   agent_link_defer_begin();
   for (uint64_t i = 1; i <= 10; i++) {
     cr_assert_eq(agent_link_send(l, &ins), i);
@@ -408,30 +427,23 @@ Test(agent_link, deferred_sends_wait_until_flushed_or_joined) {
   agent_link_stats(l, &st);
   cr_assert_eq(st.batches_sent, 2, "16 instructions in %llu batches",
                (unsigned long long)st.batches_sent);
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
-  fake_free(f);
+  rig_close(&r);
   agent_link_set_hold_ms(3);
 }
 
 /* Without a hold (--link-hold-ms 0) nothing waits: each deferred push goes. */
 Test(agent_link, no_hold_defers_nothing) {
   agent_link_set_hold_ms(0);
-  fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
-  Meshd__Agent__V1__Instruction ins;
-  make_ins(&ins, "sess", 3);
+  rig_t r;
+  rig_open(&r, FAKE_ACK);
   agent_link_defer_begin();
   agent_link_cork();
-  cr_assert_eq(agent_link_send(l, &ins), 1);
-  exec_want_t w = {l, 1};
+  cr_assert_eq(agent_link_send(r.l, &r.ins), 1);
+  exec_want_t w = {r.l, 1};
   cr_assert(eventually(executed_reaches, &w, 5000), "a deferred, corked push waited");
   agent_link_uncork();
   agent_link_defer_end();
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
-  fake_free(f);
+  rig_close(&r);
   agent_link_set_hold_ms(3);
 }
 
