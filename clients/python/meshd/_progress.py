@@ -24,7 +24,8 @@ For code that moves bytes (tensor.py, load.py):
         for chunk in ...:
             send(chunk)
             tr.update(len(chunk))   # bytes moved since the last update
-    # (or tr.set(done): bytes moved so far, e.g. polled from the agents of a load)
+    # (or tr.set(done): bytes moved so far, e.g. polled from the agents of a load;
+    #  tr.note(text): a remark after the bar, "" clears it, a callback is not told)
 
 Leaving the block normally completes it (bar to total, the callback's done == total);
 leaving it by an exception closes the bar where it stood and calls nothing more.
@@ -88,6 +89,7 @@ class _Tracker:
         self._closed = False
         self._last_cb = time.monotonic()
         self._cb_done = 0  # done at the callback's last call
+        self._note = ""
         if progress is True or (progress is None and _tqdm is not None
                                 and self.total >= THRESHOLD and _stderr_is_tty()):
             self._bar = _bar(self.total, desc)
@@ -115,6 +117,16 @@ class _Tracker:
                 self._last_cb, self._cb_done = now, done
                 self._cb(done, self.total)
 
+    def note(self, text):
+        """A short remark shown after the bar (e.g. which ranks did not answer), or "" to
+        clear it; a callback is not told."""
+        text = str(text)
+        if self._closed or text == self._note:
+            return
+        self._note = text
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+
     def close(self, ok=False):
         """Ends the transfer: ok completes it (bar and callback at total); otherwise the
         bar stops where it is and the callback is not called again."""
@@ -123,6 +135,8 @@ class _Tracker:
         self._closed = True
         try:
             if ok:
+                if self._bar is not None and self._note:
+                    self._bar.set_postfix_str("")  # complete: nothing is missing any more
                 if self._bar is not None and self.done < self.total:
                     self._bar.update(self.total - self.done)
                 self.done = self.total

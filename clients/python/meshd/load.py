@@ -58,6 +58,15 @@ _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1,
 POLL_INTERVAL = 0.25  # seconds between two LoadProgress calls of a watched load
 
 
+def _silent(unanswered):
+    """What the bar says of ranks that gave LoadProgress no answer in time (their bytes
+    are missing from the count): "" when every rank answered."""
+    ranks = sorted({u.rank for u in unanswered})
+    if not ranks:
+        return ""
+    return "no answer from rank" + ("s " if len(ranks) > 1 else " ") + ", ".join(map(str, ranks))
+
+
 def _watch(mesh, tensors, progress, desc):
     """Progress of loads the agents run on their own: a thread polls
     TensorService/LoadProgress until every tensor is in (the tracker completes), one
@@ -87,6 +96,7 @@ def _watch(mesh, tensors, progress, desc):
                     ok = True
                     break
                 tr.set(done)
+                tr.note(_silent(r.unanswered))
                 threading.Event().wait(POLL_INTERVAL)
         except (MeshdError, ValueError):  # ValueError: grpc's closed channel
             pass  # the session ended or the server went: the bar stops where it is
@@ -112,7 +122,8 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
     `progress` (meshd._progress): None shows a tqdm bar on a terminal for loads of at
     least 64 MiB (over all ranks), False nothing, True always a bar, a callable
     progress(done_bytes, total_bytes) is called as the agents fetch. The load itself
-    does not wait: a background thread polls the agents until the bytes are in."""
+    does not wait: a background thread polls the agents until the bytes are in. A bar
+    names the ranks whose agents did not answer the last poll in time."""
     _progress.check(progress)
     if not isinstance(url, str) or not url:
         raise TypeError(f"meshd.load: url must be a non-empty str, got {url!r}")

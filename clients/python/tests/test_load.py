@@ -10,6 +10,7 @@ import http.server
 import json
 import os
 import re
+import signal
 import socketserver
 import struct
 import subprocess
@@ -390,6 +391,70 @@ def test_progress_callback_follows_the_agents_bytes(gpu4, http_base):
     assert [d for d, _ in calls] == sorted(set(d for d, _ in calls)), calls  # grows, no repeats
     assert len(calls) >= 3 and 0 < calls[0][0] < total and calls[-1][0] == total, calls
     np.testing.assert_array_equal(fetch(t, gpu=3), a.reshape(4, -1))
+
+
+def _agent_of_rank(server_pid, rank):
+    """The pid of the local agent meshd `server_pid` started with --rank `rank`."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and "--rank" in args and args[args.index("--rank") + 1] == str(rank):
+            return int(pid)
+    return None
+
+
+def test_progress_bar_names_a_rank_that_gives_no_answer(http_base, monkeypatch):
+    """A stopped agent gives LoadProgress no answer (the server answers at its 2 s
+    deadline without that rank): the bar says which rank, and clears the remark once
+    the load is complete."""
+    from meshd import _progress
+    notes, closed = [], threading.Event()
+
+    class Bar:
+        def __init__(self, **kw):
+            self.n = 0
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix_str(self, text):
+            notes.append(text)
+
+        def close(self):
+            closed.set()
+    monkeypatch.setattr(_progress, "_tqdm", type("FakeTqdm", (), {"tqdm": staticmethod(Bar)}))
+    addr, proc = start_meshd(2, name="meshd-silent", flags=("--url-allow=http://127.0.0.1",))
+    victim = _agent_of_rank(proc.pid, 1)
+    try:
+        assert victim, "no rank-1 agent child"
+        a = np.arange(1 << 20, dtype=np.float32)  # 4 MiB in 64 KiB pieces: about 1.3 s a rank
+        write("silent.bin", a.tobytes())
+        with meshd.connect(addr) as s, s.mesh(gpu=2).activate():
+            t = meshd.load(f"{http_base}/trickle/silent.bin", dtype="float32", shape=(1 << 20,),
+                           progress=True)
+            os.kill(victim, signal.SIGSTOP)
+            deadline = time.monotonic() + 20
+            while "no answer from rank 1" not in notes:
+                assert time.monotonic() < deadline, notes
+                time.sleep(0.05)
+            os.kill(victim, signal.SIGCONT)
+            assert closed.wait(30), notes
+            assert notes[-1] == "", notes
+            np.testing.assert_array_equal(fetch(t, gpu=1), a)
+    finally:
+        if victim:
+            try:
+                os.kill(victim, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        stop_meshd(proc)
 
 
 def test_progress_stops_without_completing_when_a_load_fails(gpu4, http_base):

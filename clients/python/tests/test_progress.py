@@ -29,11 +29,14 @@ class FakeTqdm:
 
         class Bar:
             def __init__(self):
-                self.kw, self.n, self.closed = kw, 0, False
+                self.kw, self.n, self.closed, self.postfix = kw, 0, False, ""
                 outer.bars.append(self)
 
             def update(self, n):
                 self.n += n
+
+            def set_postfix_str(self, text):
+                self.postfix = text
 
             def close(self):
                 self.closed = True
@@ -176,6 +179,27 @@ def test_tracker_set_takes_absolute_values(fake_tqdm, fast_callbacks):
         tr.update(20)
     bar = fake_tqdm.bars[-1]
     assert bar.n == 100 and bar.closed and bar.kw["desc"] == "load"
+
+
+def test_a_note_follows_the_bar_until_it_completes(fake_tqdm, fast_callbacks):
+    with _progress.tracker(100, True, "load") as tr:
+        tr.note("no answer from rank 1")
+        assert fake_tqdm.bars[-1].postfix == "no answer from rank 1"
+        tr.set(50)
+        tr.note("")
+        assert fake_tqdm.bars[-1].postfix == ""
+        tr.note("no answer from rank 3")
+    assert fake_tqdm.bars[-1].postfix == ""  # complete: nothing is missing
+    with pytest.raises(RuntimeError):
+        with _progress.tracker(100, True, "load") as tr:
+            tr.note("no answer from rank 2")
+            raise RuntimeError("lost")
+    assert fake_tqdm.bars[-1].postfix == "no answer from rank 2"  # stopped where it stood
+    calls = []
+    with _progress.tracker(100, lambda d, n: calls.append(d)) as tr:  # callbacks hear no note
+        tr.note("no answer from rank 1")
+        tr.set(50)
+    assert calls == [50, 100]
 
 
 def test_a_failure_closes_the_bar_and_ends_the_calls(fake_tqdm, fast_callbacks):
