@@ -1048,10 +1048,34 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
 #define WAIT_STOP_MS 50         /* meshd_session_wait_load looks at opts->stop this often */
 #define WAIT_SYNC_STEP_MS 1000  /* its Syncs once the loads are in, between looks at stop */
 
+/* Ranks a LoadProgress left unanswered, ascending and each once. */
+typedef struct {
+  uint32_t *v;
+  size_t n, cap;
+} rank_set_t;
+
+static void rank_set_add(rank_set_t *r, uint32_t rank) {
+  size_t i = 0;
+  while (i < r->n && r->v[i] < rank) i++;
+  if (i < r->n && r->v[i] == rank) return;
+  if (r->n == r->cap) {
+    size_t cap = r->cap ? 2 * r->cap : 8;
+    uint32_t *v = realloc(r->v, cap * sizeof *v);
+    if (!v) return; /* the list is a courtesy: shorter when out of memory */
+    r->v = v;
+    r->cap = cap;
+  }
+  memmove(r->v + i + 1, r->v + i, (r->n - i) * sizeof *r->v);
+  r->v[i] = rank;
+  r->n++;
+}
+
 /* LoadProgress of n >= 1 refs, each call bounded by timeout_ms (<= 0: the client's).
- * lost (may be NULL) is set when the server named a rank whose agent is lost. */
+ * lost (may be NULL) is set when the server named a rank whose agent is lost;
+ * silent (may be NULL) gets every rank it named. */
 static meshd_err_t load_progress(meshd_session_t *s, const meshd_ref_t *refs, size_t n,
-                                 meshd_load_progress_t *out, int timeout_ms, bool *lost) {
+                                 meshd_load_progress_t *out, int timeout_ms, bool *lost,
+                                 rank_set_t *silent) {
   for (size_t at = 0; at < n; at += LOAD_PROGRESS_MAX) {
     Meshd__V1__LoadProgressRequest rq = MESHD__V1__LOAD_PROGRESS_REQUEST__INIT;
     rq.n_refs = n - at < LOAD_PROGRESS_MAX ? n - at : LOAD_PROGRESS_MAX;
@@ -1073,8 +1097,10 @@ static meshd_err_t load_progress(meshd_session_t *s, const meshd_ref_t *refs, si
     for (size_t i = 0; i < r->n_loads; i++)
       out[at + i] = (meshd_load_progress_t){refs[at + i], r->loads[i]->done_bytes,
                                             r->loads[i]->total_bytes, r->loads[i]->failed};
-    for (size_t i = 0; lost && i < r->n_unanswered; i++)
-      *lost |= r->unanswered[i]->kind == MESHD__V1__ERROR_KIND__ERROR_KIND_AGENT_LOST;
+    for (size_t i = 0; i < r->n_unanswered; i++) {
+      if (lost) *lost |= r->unanswered[i]->kind == MESHD__V1__ERROR_KIND__ERROR_KIND_AGENT_LOST;
+      if (silent) rank_set_add(silent, r->unanswered[i]->rank);
+    }
     protobuf_c_message_free_unpacked(resp, NULL);
   }
   return MESHD_E_OK;
@@ -1092,7 +1118,7 @@ meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *r
               refs ? "set" : "NULL");
     return MESHD_E_INVALID;
   }
-  return load_progress(s, refs, n, out, 0, NULL);
+  return load_progress(s, refs, n, out, 0, NULL, NULL);
 }
 
 static int64_t mono_ms(void) {
@@ -1150,6 +1176,8 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
   }
   uint64_t done = 0, total = 0;
   meshd_err_t ret;
+  rank_set_t silent = {0};
+  bool told_silent = false; /* o->silent last heard of some ranks */
   /* Looks only (LoadProgress, not a command) until every load is in, one
    * failed or a rank's agent is lost; then Syncs, which wait for the rest of
    * the session and report a failure. A look that times out is no news. */
@@ -1164,8 +1192,13 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
       goto out;
     }
     bool lost = false;
-    ret = load_progress(s, refs, n, p, deadline && left < INT32_MAX ? (int)left : 0, &lost);
+    silent.n = 0;
+    ret = load_progress(s, refs, n, p, deadline && left < INT32_MAX ? (int)left : 0, &lost,
+                        &silent);
     if (ret == MESHD_E_OK) {
+      if (o->silent && (silent.n || told_silent))
+        o->silent(o->progress_user, silent.v, silent.n);
+      told_silent = silent.n > 0;
       bool settled = lost;
       done = total = 0;
       for (size_t i = 0; i < n; i++) {
@@ -1211,6 +1244,7 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
   if (ret == MESHD_E_OK && o->progress)
     o->progress(o->progress_user, total, total);
 out:
+  free(silent.v);
   free(p);
   return ret;
 }

@@ -1118,13 +1118,35 @@ typedef struct progress {
   const char *what;
   double start, last; /* CLOCK_MONOTONIC seconds */
   bool shown;
+  char note[96];      /* after the figures: "  (no answer from rank 1)"; "" none */
+  bool note_changed;  /* redraw at the next call, however recent the last */
 } progress_t;
+
+/* meshd_wait_load_options_t.silent: the ranks the last look did not hear from. */
+static void show_silent(void *user, const uint32_t *ranks, size_t n) {
+  progress_t *p = user;
+  char note[sizeof p->note] = "";
+  size_t len = 0;
+  for (size_t i = 0; i < n && len < sizeof note; i++) {
+    int k = snprintf(note + len, sizeof note - len, "%s%u", i ? ", " : "  (no answer from rank ",
+                     ranks[i]);
+    len += k > 0 ? (size_t)k : 0;
+  }
+  if (n && len < sizeof note) snprintf(note + len, sizeof note - len, ")");
+  if (strcmp(note, p->note) != 0) {
+    snprintf(p->note, sizeof p->note, "%s", note);
+    p->note_changed = true;
+  }
+}
 
 static void show_progress(void *user, uint64_t done, uint64_t total) {
   progress_t *p = user;
   double t = now_s(), ran = t - p->start;
   bool late = ran * 1000.0 >= (double)progress_delay_ms;
-  if (done < total ? !late || (p->shown && t - p->last < 0.2) : !late && !p->shown)
+  if (done == total) p->note[0] = '\0'; /* complete: nothing is missing */
+  bool redraw = p->note_changed && late;
+  p->note_changed = false;
+  if (!redraw && (done < total ? !late || (p->shown && t - p->last < 0.2) : !late && !p->shown))
     return;
   char d[32], n[32];
   human_bytes(done, d, sizeof d);
@@ -1133,9 +1155,9 @@ static void show_progress(void *user, uint64_t done, uint64_t total) {
   static int tty = -1;
   if (tty < 0)
     tty = isatty(STDERR_FILENO);
-  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s%s%s", p->what, d, n,
+  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s%s%s%s", p->what, d, n,
           total ? (int)(done * 100 / total) : 100, ran > 0 ? (double)done / ran / 1e6 : 0.0,
-          tty ? "\033[K" : "", done == total ? "\n" : "");
+          p->note, tty ? "\033[K" : "", done == total ? "\n" : "");
   fflush(stderr);
   p->shown = done < total;
   p->last = t;
@@ -1155,7 +1177,7 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
   meshd_values_t v;
   char what[128];
   snprintf(what, sizeof what, "fetch %s", tok[1]);
-  progress_t p = {what, now_s(), 0, false};
+  progress_t p = {what, now_s(), 0, false, "", false};
   meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
   if (progress_on) {
     o.progress = show_progress;
@@ -1277,7 +1299,7 @@ static int load_check(const load_req_t *q, const char *pre, char *err, size_t er
  * lease; the default handlers are back on return. */
 static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                  load_req_t *q, const char *what, meshd_ref_t *ref) {
-  progress_t p = {what, now_s(), 0, false};
+  progress_t p = {what, now_s(), 0, false, "", false};
   struct sigaction sa, old_int, old_term;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_interrupt;
@@ -1291,6 +1313,7 @@ static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const cha
     w.stop = &interrupted;
     if (progress_on) {
       w.progress = show_progress;
+      w.silent = show_silent;
       w.progress_user = &p;
     }
     e = meshd_session_wait_load(s, ref, 1, &w);

@@ -372,9 +372,14 @@ typedef struct meshd_wait_load_options {
    * Syncs) and, once it is non-zero, returns
    * MESHD_E_CANCELLED; the load goes on until the session closes. */
   const volatile sig_atomic_t *stop;
+  /* NULL: none. Called on the calling thread (with progress_user) after a look
+   * that some ranks did not answer in time (LoadProgress's `unanswered`: their
+   * bytes are missing from done), with those ranks ascending, n of them; then
+   * once with n == 0 when every rank answers again. Must not call the library. */
+  void (*silent)(void *user, const uint32_t *ranks, size_t n);
 } meshd_wait_load_options_t;
 
-#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL, NULL}
+#define MESHD_WAIT_LOAD_OPTIONS_INIT {0, 0, NULL, NULL, NULL, NULL}
 
 /* Waits until everything the session issued so far ran, as meshd_session_sync
  * does, showing the progress of the loads `refs` (n >= 1) while it waits: a

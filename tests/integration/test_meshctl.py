@@ -673,6 +673,47 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
         assert not r.unanswered and r.loads[0].done_bytes == total, r
 
 
+def test_load_progress_line_names_a_rank_that_gives_no_answer(shared_meshd, load_files):
+    """`meshctl load`'s progress line names a rank whose agent gives LoadProgress no
+    answer (SIGSTOPped: "(no answer from rank 1)"), and drops the remark once it answers
+    again; the load then completes."""
+    srv = shared_meshd(2, "--agent-timeout", "60")  # the stopped agent stays registered
+    files, _ = load_files
+    by = time.monotonic() + 10
+    victim = None
+    while victim is None and time.monotonic() < by:
+        victim = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1), None)
+    assert victim, f"no rank-1 agent child of meshd {srv.pid}"
+    started = lib.proc_starttime(victim)
+    p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "60000",
+                          "--progress=true", "--progress-delay-ms=0", "load",
+                          files.url("slow/two.bin"), "--dtype", "float32", "--shape",
+                          str(1 << 19)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = b""
+    try:
+        by = time.monotonic() + 10
+        while b"MB/s" not in err and time.monotonic() < by:  # the first look is in
+            err += os.read(p.stderr.fileno(), 4096)
+        os.kill(victim, signal.SIGSTOP)
+        by = time.monotonic() + 20
+        while b"(no answer from rank 1)" not in err and time.monotonic() < by and \
+                p.poll() is None:
+            err += os.read(p.stderr.fileno(), 4096)
+        os.kill(victim, signal.SIGCONT)
+        out, rest = p.communicate(timeout=60)
+        err += rest
+    finally:
+        if lib.alive(victim, started):
+            os.kill(victim, signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = err.decode()
+    assert p.returncode == 0, f"rc={p.returncode}\n{out}\n{text}"
+    assert "(no answer from rank 1)" in text, text
+    assert "(no answer" not in text.split("\r")[-1], text  # complete: the remark is gone
+
+
 def test_load_interrupted_closes_its_session(shared_meshd, load_files):
     """SIGINT during `meshctl load`'s wait: one line, exit 130, and the session is closed
     at once (not left to its lease)."""
