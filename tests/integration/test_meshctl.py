@@ -616,6 +616,17 @@ def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path
     assert rc == 0 and "load x.npy: 48B / 48B 100%" in term, repr(term)
 
 
+def _agent_of_rank(srv, rank):
+    """(pid, starttime) of the local agent meshd srv started with --rank `rank`."""
+    by = time.monotonic() + 10
+    victim = None
+    while victim is None and time.monotonic() < by:
+        victim = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == rank),
+                      None)
+    assert victim, f"no rank-{rank} agent child of meshd {srv.pid}"
+    return victim, lib.proc_starttime(victim)
+
+
 def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, load_files):
     """LoadProgress asks every rank at once under one deadline (about 2 s): with rank 1's
     agent SIGSTOPped while a load runs it still answers in bounded time, with rank 0's
@@ -623,12 +634,7 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
     srv = shared_meshd(2, "--agent-timeout", "60")  # the stopped agent stays registered
     files, _ = load_files
     t = lib.tensor_pb2()
-    by = time.monotonic() + 10
-    victim = None
-    while victim is None and time.monotonic() < by:
-        victim = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1), None)
-    assert victim, f"no rank-1 agent child of meshd {srv.pid}"
-    started = lib.proc_starttime(victim)
+    victim, started = _agent_of_rank(srv, 1)
     with lib.Session(srv.port, "progress-stop") as s:
         m = s.mesh(gpu=2)
         s.tensor(m.ref, (1,))  # both ranks set their backend up (it joins the peers): after
@@ -679,12 +685,7 @@ def test_load_progress_line_names_a_rank_that_gives_no_answer(shared_meshd, load
     again; the load then completes."""
     srv = shared_meshd(2, "--agent-timeout", "60")  # the stopped agent stays registered
     files, _ = load_files
-    by = time.monotonic() + 10
-    victim = None
-    while victim is None and time.monotonic() < by:
-        victim = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1), None)
-    assert victim, f"no rank-1 agent child of meshd {srv.pid}"
-    started = lib.proc_starttime(victim)
+    victim, started = _agent_of_rank(srv, 1)
     p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "60000",
                           "--progress=true", "--progress-delay-ms=0", "load",
                           files.url("slow/two.bin"), "--dtype", "float32", "--shape",
