@@ -535,7 +535,7 @@ typedef struct {
   const pid_t *agents;
   int nagents;
   /* out: */
-  double p50, p99, echo_p50;
+  double p50, p99, echo_p50, echo_p99;
   /* CPU per call in the measured rounds: meshd and its agents during the
    * Execute slices, the echo server during the echo slices. */
   double server_cpu_us, agents_cpu_us, echo_cpu_us;
@@ -595,6 +595,7 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
   u->p50 = lat_percentile(&ex, 50);
   u->p99 = lat_percentile(&ex, 99);
   u->echo_p50 = lat_percentile(&ec, 50);
+  u->echo_p99 = lat_percentile(&ec, 99);
   if (ex.n == 0) rc = -1;
   free(ex.v);
   free(ec.v);
@@ -630,7 +631,7 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
     if (!r.t1) rc = -1;
   }
   unary_t u = {.server = srv.pid, .agents = srv.agents, .nagents = srv.nagents,
-               .p50 = NAN, .p99 = NAN, .echo_p50 = NAN};
+               .p50 = NAN, .p99 = NAN, .echo_p50 = NAN, .echo_p99 = NAN};
   if (rc == 0 && echo_child) {
     char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", echo_child->port);
@@ -677,6 +678,7 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
   json_numf(&j, "unary_execute_p50_us", u.p50, 1);
   json_numf(&j, "unary_execute_p99_us", u.p99, 1);
   json_numf(&j, "baseline_unary_p50_us", u.echo_p50, 1);
+  json_numf(&j, "baseline_unary_p99_us", u.echo_p99, 1);
   json_numf(&j, "unary_p50_ratio_to_echo", u.p50 / u.echo_p50, 3);
   json_numf(&j, "unary_server_cpu_us_per_call", u.server_cpu_us, 2);
   json_numf(&j, "unary_agents_cpu_us_per_call", u.agents_cpu_us, 2);
