@@ -345,6 +345,9 @@ Test(agent_link, many_sends_fewer_batches) {
 /* A corked thread's instructions go as one batch, even with a pause between
  * them that an uncorked writer would have used to send the first alone. */
 Test(agent_link, corked_sends_go_as_one_batch) {
+  /* A minute's hold: only the uncork lets the batch go, however long this
+   * thread is off the CPU between its pushes (a loaded CI machine). */
+  agent_link_set_hold_ms(60000);
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
@@ -357,7 +360,7 @@ Test(agent_link, corked_sends_go_as_one_batch) {
   agent_link_cork();
   agent_link_cork(); /* nested: only the outer uncork lets go */
   cr_assert_eq(agent_link_send(l, &ins), 2);
-  usleep(300); /* well past a writer's wake-up, well under the cork's 3 ms bound */
+  usleep(300); /* well past a writer's wake-up */
   for (uint64_t i = 3; i <= 100; i++) cr_assert_eq(agent_link_send(l, &ins), i);
   agent_link_uncork();
   agent_link_uncork();
@@ -371,6 +374,7 @@ Test(agent_link, corked_sends_go_as_one_batch) {
   agent_link_close(l);
   rpc_channel_destroy(ch);
   fake_free(f);
+  agent_link_set_hold_ms(3);
 }
 
 /* A thread that stays corked (it blocked) delays a link, never stalls it. */
@@ -486,6 +490,7 @@ static const rpc_method_t front_row = {
 static bool front_done(void *arg) { return atomic_load(&((front_t *)arg)->messages) == 50; }
 
 Test(agent_link, messages_back_to_back_go_as_few_batches) {
+  agent_link_set_hold_ms(60000); /* only idleness lets a batch go */
   fake_t *f = fake_start(FAKE_ACK);
   rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
   front_t fr = {.link = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs)};
@@ -525,6 +530,7 @@ Test(agent_link, messages_back_to_back_go_as_few_batches) {
   agent_link_close(fr.link);
   rpc_channel_destroy(ch);
   fake_free(f);
+  agent_link_set_hold_ms(3);
 }
 
 Test(agent_link, batches_stay_under_the_byte_limit) {
