@@ -166,7 +166,8 @@ static void cork_push_locked(agent_link_t *l) {
 
 /* Holds mu. Whether the writer keeps what is queued a little longer. */
 static bool holding_locked(const agent_link_t *l) {
-  return atomic_load(&hold_ms) > 0 && !l->stop && !l->broken && l->queued < HOLD_FLUSH && (l->corks > 0 || l->deferred);
+  return atomic_load(&hold_ms) > 0 && !l->stop && !l->broken && l->queued < HOLD_FLUSH &&
+         (l->corks > 0 || l->deferred);
 }
 
 /* ------------------------------------------------------------------ queue */

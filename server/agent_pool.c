@@ -164,9 +164,9 @@ static void link_lost(uint32_t rank, void *arg) {
 static void drop_link(pool_link_t *pl, const char *why) {
   if (!pl) return;
   agent_link_stop(pl->link);
+  agent_link_stats_t st; /* final: the link is stopped */
+  agent_link_stats(pl->link, &st);
   if (!atomic_load(&pl->gone)) { /* else the link logged its own loss */
-    agent_link_stats_t st;
-    agent_link_stats(pl->link, &st);
     bool lost_work = st.last_seq > st.executed;
     log_write(lost_work ? LOG_LEVEL_WARN : LOG_LEVEL_INFO, "link", __FILE__, __LINE__,
               "rank %u (agent %s): Execute link closed: %s; executed through seq %llu of %llu, "
@@ -174,8 +174,6 @@ static void drop_link(pool_link_t *pl, const char *why) {
               (unsigned long long)st.executed, (unsigned long long)st.last_seq, st.queued);
   }
   link_gone(pl);
-  agent_link_stats_t st;
-  agent_link_stats(pl->link, &st);
   agent_pool_t *p = pl->pool;
   pthread_mutex_lock(&p->mu);
   p->old_batches += st.batches_sent;
@@ -542,34 +540,20 @@ size_t agent_pool_queued(agent_pool_t *p, uint32_t rank) {
   return n;
 }
 
-uint64_t agent_pool_pending_instructions(agent_pool_t *p) {
-  uint64_t n = 0;
+agent_pool_totals_t agent_pool_totals(agent_pool_t *p) {
   pthread_mutex_lock(&p->mu);
+  agent_pool_totals_t t = {.batches = p->old_batches, .instructions = p->old_instructions};
   for (size_t i = 0; i < p->cap; i++) {
     agent_t *a = &p->agents[i];
     if (!a->used || !a->link) continue;
     agent_link_stats_t st;
     agent_link_stats(a->link->link, &st);
-    if (!st.broken && st.last_seq > st.executed) n += st.last_seq - st.executed;
+    if (!st.broken && st.last_seq > st.executed) t.pending += st.last_seq - st.executed;
+    t.batches += st.batches_sent;
+    t.instructions += st.instructions_sent;
   }
   pthread_mutex_unlock(&p->mu);
-  return n;
-}
-
-void agent_pool_link_totals(agent_pool_t *p, uint64_t *batches, uint64_t *instructions) {
-  pthread_mutex_lock(&p->mu);
-  uint64_t b = p->old_batches, n = p->old_instructions;
-  for (size_t i = 0; i < p->cap; i++) {
-    agent_t *a = &p->agents[i];
-    if (!a->used || !a->link) continue;
-    agent_link_stats_t st;
-    agent_link_stats(a->link->link, &st);
-    b += st.batches_sent;
-    n += st.instructions_sent;
-  }
-  pthread_mutex_unlock(&p->mu);
-  *batches = b;
-  *instructions = n;
+  return t;
 }
 
 watermark_t *agent_pool_watermark(agent_pool_t *p) { return p->marks; }

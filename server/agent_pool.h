@@ -154,18 +154,21 @@ int agent_pool_send_msg(agent_pool_t *pool, uint32_t rank, agent_link_msg_t *m,
 uint64_t agent_pool_executed(agent_pool_t *pool, uint32_t rank);
 /* Instructions queued for rank and not yet written (0 without a link). */
 size_t agent_pool_queued(agent_pool_t *pool, uint32_t rank);
-/* Instructions given a seq on the agents' live links and not yet reported
- * executed, summed over agents (an agent reports the highest seq through
- * which it ran everything, so one waiting stream holds back its agent's
- * count). */
-uint64_t agent_pool_pending_instructions(agent_pool_t *pool);
+/* Over all agents, for the metrics. */
+typedef struct agent_pool_totals {
+  /* Instructions given a seq on the live links and not yet reported executed
+   * (an agent reports the highest seq through which it ran everything, so
+   * one waiting stream holds back its agent's count). */
+  uint64_t pending;
+  /* InstructionBatch messages, and the instructions in them, written since
+   * the pool began, over every link it had. */
+  uint64_t batches, instructions;
+} agent_pool_totals_t;
+agent_pool_totals_t agent_pool_totals(agent_pool_t *pool);
 /* Sends what rank's link holds back (agent_link_defer_begin) now: someone
  * waits for, or asks about, that rank's progress. Waits on the pool's
  * watermark do this by themselves. */
 void agent_pool_flush(agent_pool_t *pool, uint32_t rank);
-/* InstructionBatch messages and the instructions in them written to the
- * agents since the pool began, over every link it had. */
-void agent_pool_link_totals(agent_pool_t *pool, uint64_t *batches, uint64_t *instructions);
 /* The watermark fed by every link: wait on it for Sync (watermark.h). Lives
  * as long as the pool. */
 watermark_t *agent_pool_watermark(agent_pool_t *pool);

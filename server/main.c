@@ -244,20 +244,10 @@ static void default_agent_binary(char *out, size_t len) {
 static double sessions_gauge(void *arg) { return (double)session_count(arg); }
 static double agents_healthy_gauge(void *arg) { return agent_pool_healthy(arg); }
 static double agents_registered_gauge(void *arg) { return agent_pool_size(arg); }
-static double queued_instructions_gauge(void *arg) {
-  return (double)agent_pool_pending_instructions(arg);
-}
-
-static double link_batches_counter(void *arg) {
-  uint64_t b, n;
-  agent_pool_link_totals(arg, &b, &n);
-  return (double)b;
-}
-
+static double queued_instructions_gauge(void *arg) { return (double)agent_pool_totals(arg).pending; }
+static double link_batches_counter(void *arg) { return (double)agent_pool_totals(arg).batches; }
 static double link_instructions_counter(void *arg) {
-  uint64_t b, n;
-  agent_pool_link_totals(arg, &b, &n);
-  return (double)n;
+  return (double)agent_pool_totals(arg).instructions;
 }
 
 /* The host of a "host:port" or "[v6]:port" address, into out ("" if none). */

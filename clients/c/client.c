@@ -1651,7 +1651,7 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   return meshd_session_fetch_with(s, tensor, dims, index, ncoords, &o, out);
 }
 
-/* The proxied Fetch of one local tensor into sink. */
+/* One piece of a data chunk, as rpc_bytes_field_visit hands it, to the sink. */
 typedef struct {
   const direct_sink_t *k;
   direct_err_t *e;
@@ -1662,6 +1662,7 @@ static int fetch_piece(const uint8_t *p, size_t n, void *arg) {
   return f->k->data(f->k->arg, p, n, f->e);
 }
 
+/* The proxied Fetch of one local tensor into sink. */
 static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *req,
                             const direct_sink_t *k, int timeout_ms, direct_err_t *e) {
   rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);

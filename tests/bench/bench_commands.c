@@ -526,7 +526,7 @@ static double lat_percentile(lat_t *l, int pct) {
  * an echo channel, as long of one echo at a time. The first round is not
  * measured. Interleaving puts both under the same conditions however the
  * machine's load drifts during the run. p50 and p99 of the round trips in µs
- * (the server answers once it accepted the command); echo_p50 NAN without
+ * (the server answers once it accepted the command); the echo's NAN without
  * echo. */
 #define UNARY_ROUNDS 10
 typedef struct {
@@ -959,8 +959,8 @@ int main(int argc, char **argv) {
   rpc_init();
   int rc = 0;
   rpc_baseline_t base = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
-  char target[64] = "";
   if (!skip_baseline) {
+    char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", echo.port);
     rpc_baseline_opts_t bo = {.seconds = o.seconds, .warmup_seconds = o.warmup};
     fprintf(stderr, "bench_commands: rpc baseline against the echo server %s\n", target);
