@@ -8,18 +8,30 @@
 #include "cpu_internal.h"
 #include "kernel_family.h"
 
+/* What the cache of freed tensors (below) holds at most: 1 GiB, or a 16th
+ * of the agent's capacity when that is less. */
+#define CACHE_MAX ((size_t)1 << 30)
+
 static int cpu_open(backend_t *b, const char *device, meshd_error_t *err) {
   if (!device || strcmp(device, "cpu") != 0)
     return error_set(err, ERR_BAD_ARGUMENT, "cpu backend: device '%s' is not 'cpu'",
                      device ? device : "(null)");
   cpu_state_t *s = calloc(1, sizeof *s);
   if (!s) return error_set(err, ERR_UNAVAILABLE, "cpu backend: out of memory");
+  pthread_mutex_init(&s->cache_mu, NULL);
+  s->cache_max = CACHE_MAX;
+  if (b->capacity && b->capacity / 16 < s->cache_max) s->cache_max = b->capacity / 16;
   b->impl = s;
   return 0;
 }
 
+static int cache_drain(cpu_state_t *s);
+
 static void cpu_close(backend_t *b) {
-  free(b->impl);
+  cpu_state_t *s = b->impl;
+  cache_drain(s);
+  pthread_mutex_destroy(&s->cache_mu);
+  free(s);
   b->impl = NULL;
 }
 
@@ -32,19 +44,92 @@ static void cpu_close(backend_t *b) {
 #define HUGE_FROM (4u << 20)
 #define HUGE_PAGE (2u << 20)
 
+/* ---- memory: large tensors come from a small cache of freed ones ---------
+ *
+ * The kernel zeroes every page a process touches for the first time, and on
+ * virtual machines each fault is dear: filling a fresh 64 MiB tensor cost an
+ * Upload more CPU than moving its bytes. A freed tensor of HUGE_FROM bytes or
+ * more is kept (CPU_CACHE_SLOTS of them, cache_max bytes at most, the oldest
+ * going first) and handed to the next tensor of the same rounded size: a
+ * loop that uploads, computes and drops batches of one shape faults once.
+ * Cached memory is not counted in `allocated` (no tensor holds it); an
+ * allocation that finds no memory empties the cache and tries again. */
+
+static size_t rounded_size(size_t bytes, size_t align) {
+  return bytes ? (bytes + align - 1) / align * align : align;
+}
+
+static void *cache_take(cpu_state_t *s, size_t size) {
+  void *p = NULL;
+  pthread_mutex_lock(&s->cache_mu);
+  for (int i = s->ncache - 1; i >= 0; i--) /* the newest: its pages are the warmest */
+    if (s->cache[i].size == size) {
+      p = s->cache[i].p;
+      s->cache_bytes -= size;
+      memmove(&s->cache[i], &s->cache[i + 1], (size_t)(s->ncache - i - 1) * sizeof s->cache[0]);
+      s->ncache--;
+      break;
+    }
+  pthread_mutex_unlock(&s->cache_mu);
+  return p;
+}
+
+/* Keeps p (size bytes) for a later alloc, or frees it; frees what it evicts
+ * outside the lock. */
+static void cache_put(cpu_state_t *s, void *p, size_t size) {
+  void *evicted[CPU_CACHE_SLOTS + 1];
+  int nev = 0;
+  pthread_mutex_lock(&s->cache_mu);
+  if (size > s->cache_max) {
+    evicted[nev++] = p;
+  } else {
+    while (s->ncache > 0 &&
+           (s->ncache == CPU_CACHE_SLOTS || s->cache_bytes + size > s->cache_max)) {
+      evicted[nev++] = s->cache[0].p;
+      s->cache_bytes -= s->cache[0].size;
+      memmove(&s->cache[0], &s->cache[1], (size_t)(s->ncache - 1) * sizeof s->cache[0]);
+      s->ncache--;
+    }
+    s->cache[s->ncache++] = (cpu_block_t){p, size};
+    s->cache_bytes += size;
+  }
+  pthread_mutex_unlock(&s->cache_mu);
+  for (int i = 0; i < nev; i++) free(evicted[i]);
+}
+
+/* Frees every cached block; how many there were. */
+static int cache_drain(cpu_state_t *s) {
+  pthread_mutex_lock(&s->cache_mu);
+  int n = s->ncache;
+  cpu_block_t blocks[CPU_CACHE_SLOTS];
+  memcpy(blocks, s->cache, (size_t)n * sizeof blocks[0]);
+  s->ncache = 0;
+  s->cache_bytes = 0;
+  pthread_mutex_unlock(&s->cache_mu);
+  for (int i = 0; i < n; i++) free(blocks[i].p);
+  return n;
+}
+
 static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
   if (!backend_reserve(b, bytes)) return NULL;
-  size_t align = bytes >= HUGE_FROM ? HUGE_PAGE : ALIGN;
-  size_t rounded = bytes ? (bytes + align - 1) / align * align : align;
-  void *p = rounded >= bytes ? aligned_alloc(align, rounded) : NULL;
+  cpu_state_t *st = b->impl;
+  bool huge = bytes >= HUGE_FROM;
+  size_t align = huge ? HUGE_PAGE : ALIGN;
+  size_t rounded = rounded_size(bytes, align);
+  void *p = NULL;
+  if (rounded < bytes) goto out; /* overflow */
+  if (huge && (p = cache_take(st, rounded))) return p;
+  if (!(p = aligned_alloc(align, rounded)) && cache_drain(st)) p = aligned_alloc(align, rounded);
+  if (p && huge) (void)madvise(p, rounded, MADV_HUGEPAGE); /* a hint */
+out:
   if (!p) backend_unreserve(b, bytes);
-  else if (align == HUGE_PAGE) (void)madvise(p, rounded, MADV_HUGEPAGE); /* a hint */
   return p;
 }
 
 static void cpu_free(backend_t *b, void *ptr, size_t bytes) {
   if (!ptr) return;
-  free(ptr);
+  if (bytes >= HUGE_FROM) cache_put(b->impl, ptr, rounded_size(bytes, HUGE_PAGE));
+  else free(ptr);
   backend_unreserve(b, bytes);
 }
 

@@ -4,6 +4,7 @@
 #ifndef MESHD_CPU_INTERNAL_H
 #define MESHD_CPU_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -13,9 +14,22 @@
 #include "kernel_family.h"
 #include "half.h"
 
+/* Freed tensors of HUGE_FROM bytes or more that the cpu backend keeps for
+ * the next tensor of the same rounded size (cpu_backend.c). */
+#define CPU_CACHE_SLOTS 8
+
+typedef struct cpu_block {
+  void *p;
+  size_t size; /* rounded to HUGE_PAGE */
+} cpu_block_t;
+
 /* backend_t.impl of the cpu backend. */
 typedef struct cpu_state {
   _Atomic uint64_t rand_offset; /* the running offset of unseeded draws (philox.h) */
+  pthread_mutex_t cache_mu;
+  cpu_block_t cache[CPU_CACHE_SLOTS]; /* oldest first */
+  int ncache;
+  size_t cache_bytes, cache_max;
 } cpu_state_t;
 
 /* ---- loads and stores: floating values as double, integral ones as int64 ---- */

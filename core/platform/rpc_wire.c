@@ -262,18 +262,33 @@ rpc_bytes_t *rpc_bytes_copy(const void *data, size_t len) {
   return buf;
 }
 
+/* The field's tag and length: two varints at the start of msg, which may lie
+ * across slices (a message's first slice can be as short as the network read
+ * that ended in it). How many bytes they take, or 0 when they do not parse. */
+static size_t field_head(rpc_bytes_t *msg, uint64_t *tag, uint64_t *size) {
+  uint8_t head[20];
+  size_t h = 0;
+  const grpc_slice_buffer *sb = &msg->data.raw.slice_buffer;
+  for (size_t i = 0; i < sb->count && h < sizeof head; i++) {
+    size_t n = GRPC_SLICE_LENGTH(sb->slices[i]);
+    if (n > sizeof head - h) n = sizeof head - h;
+    memcpy(head + h, GRPC_SLICE_START_PTR(sb->slices[i]), n);
+    h += n;
+  }
+  size_t a, b;
+  if (!(a = varint_get(head, h, tag)) || !(b = varint_get(head + a, h - a, size))) return 0;
+  return a + b;
+}
+
 bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len) {
   if (!msg || msg->type != GRPC_BB_RAW || msg->data.raw.compression != GRPC_COMPRESS_NONE ||
       msg->data.raw.slice_buffer.count == 0)
     return false;
-  grpc_slice first = msg->data.raw.slice_buffer.slices[0];
-  const uint8_t *p = GRPC_SLICE_START_PTR(first);
-  size_t n = GRPC_SLICE_LENGTH(first), a, b;
   uint64_t tag, size;
-  if (!(a = varint_get(p, n, &tag)) || tag != (((uint64_t)field << 3) | 2) ||
-      !(b = varint_get(p + a, n - a, &size)))
+  size_t h = field_head(msg, &tag, &size);
+  if (!h || tag != (((uint64_t)field << 3) | 2) || size > SIZE_MAX - h ||
+      h + size != grpc_byte_buffer_length(msg))
     return false;
-  if (a + b + size != grpc_byte_buffer_length(msg)) return false;
   *len = (size_t)size;
   return true;
 }
@@ -281,14 +296,8 @@ bool rpc_bytes_is_field(rpc_bytes_t *msg, uint32_t field, size_t *len) {
 int rpc_bytes_field_visit(rpc_bytes_t *msg, int (*fn)(const uint8_t *piece, size_t n, void *arg),
                           void *arg) {
   grpc_slice_buffer *sb = &msg->data.raw.slice_buffer;
-  size_t skip = 0;
-  if (sb->count) { /* the tag and the length: both varints, in the first slice */
-    const uint8_t *p = GRPC_SLICE_START_PTR(sb->slices[0]);
-    size_t n = GRPC_SLICE_LENGTH(sb->slices[0]);
-    uint64_t v;
-    size_t a = varint_get(p, n, &v);
-    skip = a + varint_get(p + a, n - a, &v);
-  }
+  uint64_t tag, size;
+  size_t skip = sb->count ? field_head(msg, &tag, &size) : 0; /* the tag and the length */
   for (size_t i = 0; i < sb->count; i++) {
     const uint8_t *p = GRPC_SLICE_START_PTR(sb->slices[i]);
     size_t n = GRPC_SLICE_LENGTH(sb->slices[i]);

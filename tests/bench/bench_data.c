@@ -289,6 +289,9 @@ static int fetch_all(session_t *c, uint64_t ref, int nagents, size_t bytes) {
     pthread_join(t[i], NULL);
     got += jobs[i].got;
     rc |= jobs[i].rc;
+    if (jobs[i].got != bytes / (size_t)nagents)
+      fprintf(stderr, "bench_data: Fetch from rank %d: %zu bytes, expected %zu (rc %d)\n", i,
+              jobs[i].got, bytes / (size_t)nagents, jobs[i].rc);
   }
   return rc == 0 && got == bytes ? 0 : -1;
 }

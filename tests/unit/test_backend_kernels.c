@@ -220,6 +220,41 @@ Test(kernels, open_alloc_capacity) {
   cpu_backend_ops.close(&b);
 }
 
+/* A freed tensor of 4 MiB or more is kept for the next tensor of its rounded
+ * size (its pages need neither a fault nor the kernel's zeroing again), within
+ * the cache's bound: 1 GiB, or a 16th of the capacity. Cached bytes are no
+ * tensor's (allocated drops to 0). 64 MiB is past glibc's largest mmap
+ * threshold, so a block that was not kept comes back as fresh zero pages. */
+Test(kernels, freed_large_tensors_are_kept_for_the_next_of_their_size) {
+  const size_t big = 64u << 20, at = 1u << 20;
+  meshd_error_t e;
+  backend_t b = {.ops = &cpu_backend_ops, .capacity = 4ull << 30}; /* keeps up to 256 MiB */
+  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0);
+  uint8_t *p = cpu_backend_ops.alloc(&b, NULL, big);
+  cr_assert_not_null(p);
+  memset(p + at, 0xab, 4096);
+  cpu_backend_ops.free(&b, p, big);
+  cr_assert_eq(atomic_load(&b.allocated), 0);
+  uint8_t *q = cpu_backend_ops.alloc(&b, NULL, big - 100); /* the same 2 MiB-rounded size */
+  cr_assert_eq(q, p, "the freed block was not handed out again");
+  cr_assert_eq(q[at], 0xab, "a fresh mapping, not the kept block");
+  cr_assert_eq(atomic_load(&b.allocated), big - 100);
+  cpu_backend_ops.free(&b, q, big - 100);
+  cpu_backend_ops.close(&b); /* frees the cache (ASan's leak check sees it) */
+
+  backend_t c = {.ops = &cpu_backend_ops, .capacity = 512u << 20}; /* keeps up to 32 MiB */
+  cr_assert_eq(cpu_backend_ops.open(&c, "cpu", &e), 0);
+  p = cpu_backend_ops.alloc(&c, NULL, big);
+  cr_assert_not_null(p);
+  memset(p + at, 0xab, 4096);
+  cpu_backend_ops.free(&c, p, big);
+  q = cpu_backend_ops.alloc(&c, NULL, big);
+  cr_assert_not_null(q);
+  cr_assert_eq(q[at], 0, "a block past the cache's bound was kept");
+  cpu_backend_ops.free(&c, q, big);
+  cpu_backend_ops.close(&c);
+}
+
 /* Issue 16's goal on the agent: at most 256 bytes per live tensor, the ref
  * table's slot and index, the storage record and the cpu backend's bytes
  * together, for 100k live [4] float32 tensors as bench_commands' memory case

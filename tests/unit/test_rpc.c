@@ -1653,6 +1653,52 @@ Test(rpc, a_one_field_message_is_built_recognised_and_unpacks_as_the_message) {
   cr_assert_not(rpc_bytes_is_field(NULL, 2, &len));
 }
 
+static int visit_collect(const uint8_t *piece, size_t n, void *arg) {
+  uint8_t **at = arg;
+  memcpy(*at, piece, n);
+  *at += n;
+  return 0;
+}
+
+/* A received message comes in slices as the network cut it: its first slice
+ * may end inside the tag or the length. Such a message is still the bare
+ * field (a relay that missed it unpacked a copy, and a reader that counted
+ * only recognised chunks came up short), and the visit skips the head
+ * across the cut. */
+Test(rpc, a_one_field_message_is_recognised_when_its_head_spans_slices) {
+  uint8_t payload[300], wire[310], out[300];
+  for (size_t k = 0; k < sizeof payload; k++) payload[k] = (uint8_t)(k * 13 + 1);
+  Meshd__Test__V1__EchoRequest q = MESHD__TEST__V1__ECHO_REQUEST__INIT;
+  q.payload.data = payload;
+  q.payload.len = sizeof payload;
+  size_t n = protobuf_c_message_pack(&q.base, wire); /* tag (1 byte), length (2), bytes */
+  cr_assert_eq(n, 303);
+  for (size_t cut1 = 1; cut1 <= 4; cut1++)
+    for (size_t cut2 = cut1; cut2 <= 5; cut2++) { /* three slices: [0,cut1) [cut1,cut2) [cut2,n) */
+      grpc_slice sl[3] = {grpc_slice_from_copied_buffer((const char *)wire, cut1),
+                          grpc_slice_from_copied_buffer((const char *)wire + cut1, cut2 - cut1),
+                          grpc_slice_from_copied_buffer((const char *)wire + cut2, n - cut2)};
+      rpc_bytes_t *m = grpc_raw_byte_buffer_create(sl, 3);
+      for (int i = 0; i < 3; i++) grpc_slice_unref(sl[i]);
+      size_t len = 0;
+      cr_assert(rpc_bytes_is_field(m, 2, &len), "cut at %zu and %zu", cut1, cut2);
+      cr_assert_eq(len, sizeof payload);
+      memset(out, 0, sizeof out);
+      uint8_t *at = out;
+      cr_assert_eq(rpc_bytes_field_visit(m, visit_collect, &at), 0);
+      cr_assert_eq(at - out, (ptrdiff_t)sizeof payload, "cut at %zu and %zu", cut1, cut2);
+      cr_assert_arr_eq(out, payload, sizeof payload, "cut at %zu and %zu", cut1, cut2);
+      rpc_bytes_free(m);
+    }
+  /* Cut short inside the length: not a field. */
+  grpc_slice sl = grpc_slice_from_copied_buffer((const char *)wire, 2);
+  rpc_bytes_t *m = grpc_raw_byte_buffer_create(&sl, 1);
+  grpc_slice_unref(sl);
+  size_t len;
+  cr_assert_not(rpc_bytes_is_field(m, 2, &len));
+  rpc_bytes_free(m);
+}
+
 Test(rpc, a_one_field_messages_bytes_are_aligned_for_any_element) {
   for (size_t len = 0; len < 300; len += 7) {
     uint8_t *data = NULL;
