@@ -1662,6 +1662,17 @@ static int fetch_piece(const uint8_t *p, size_t n, void *arg) {
   return f->k->data(f->k->arg, p, n, f->e);
 }
 
+/* Whether a data chunk of len bytes may come now: after the meta, within
+ * the bytes it describes. False having set e. */
+static bool fetch_data_fits(direct_err_t *e, bool have_meta, uint64_t got, uint64_t want,
+                            size_t len) {
+  if (!len || (have_meta && got + len <= want)) return true;
+  direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: %s",
+                 have_meta ? "more bytes than the TensorMeta describes"
+                           : "data before the TensorMeta");
+  return false;
+}
+
 /* The proxied Fetch of one local tensor into sink. */
 static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *req,
                             const direct_sink_t *k, int timeout_ms, direct_err_t *e) {
@@ -1688,15 +1699,9 @@ static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *r
       }
       size_t len = 0;
       if (rpc_bytes_is_field(raw, MESHD__V1__FETCH_CHUNK__PART_DATA, &len)) {
-        if (len && (!have_meta || got + len > want)) {
-          direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: %s",
-                         have_meta ? "more bytes than the TensorMeta describes"
-                                   : "data before the TensorMeta");
-          stop = true;
-        } else if (len) {
-          stop = rpc_bytes_field_visit(raw, fetch_piece, &(fetch_piece_t){k, e}) != 0;
-          got += len;
-        }
+        stop = !fetch_data_fits(e, have_meta, got, want, len) ||
+               (len && rpc_bytes_field_visit(raw, fetch_piece, &(fetch_piece_t){k, e}) != 0);
+        got += len;
       } else {
         ProtobufCMessage *m = rpc_bytes_unpack(raw, &meshd__v1__fetch_chunk__descriptor);
         const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
@@ -1710,6 +1715,10 @@ static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *r
           for (size_t i = 0; i < ch->meta->n_shape; i++)
             want *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
           stop = k->begin(k->arg, ch->meta, e) != 0;
+        } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA) { /* with other fields */
+          stop = !fetch_data_fits(e, have_meta, got, want, ch->data.len) ||
+                 (ch->data.len && k->data(k->arg, ch->data.data, ch->data.len, e) != 0);
+          got += ch->data.len;
         }
         if (m) protobuf_c_message_free_unpacked(m, NULL);
       }

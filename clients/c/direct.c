@@ -500,6 +500,28 @@ typedef struct {
   direct_err_t *errs;
 } fetch_t;
 
+/* Whether shard i may take len more bytes after got; false having set its
+ * error. */
+static bool shard_fits(fetch_t *f, size_t i, uint64_t got, size_t len) {
+  if (got + len <= f->want[i]) return true;
+  const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
+  direct_err_set(&f->errs[i], MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                 "direct fetch, rank %u (agent %s): more bytes than the TensorMeta's %llu",
+                 sh->rank, sh->address, (unsigned long long)f->want[i]);
+  return false;
+}
+
+/* One piece of a data chunk, as rpc_bytes_field_visit hands it, to the sink. */
+typedef struct {
+  const direct_sink_t *k;
+  direct_err_t *e;
+} shard_piece_t;
+
+static int shard_piece(const uint8_t *p, size_t n, void *arg) {
+  shard_piece_t *sp = arg;
+  return sp->k->data(sp->k->arg, p, n, sp->e);
+}
+
 static void read_shard(void *arg, size_t i) {
   fetch_t *f = arg;
   const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
@@ -521,35 +543,40 @@ static void read_shard(void *arg, size_t i) {
   int rc = s ? rpc_stream_write(s, &r.base, true) : -1;
   uint64_t got = 0;
   while (rc == 0) {
-    ProtobufCMessage *m = NULL;
-    int rr = rpc_stream_read(s, &meshd__agent__v1__data_chunk__descriptor, &m, left_ms(f->end));
+    /* Read packed: a data chunk's bytes go to the sink from where they lie in
+     * the message, the one copy; anything else (the spec) is unpacked. */
+    rpc_bytes_t *raw = NULL;
+    int rr = rpc_stream_read_raw(s, &raw, left_ms(f->end));
     if (rr != 1) {
-      if (rr < 0) {
+      if (rr == -2) {
         rpc_stream_cancel(s);
-        if (rr == -2)
-          direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                         "direct fetch, rank %u (agent %s): no answer within %d ms", sh->rank,
-                         sh->address, timeout_ms);
-        else
-          direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                         "direct fetch, rank %u (agent %s): a message that is not a DataChunk",
-                         sh->rank, sh->address);
+        direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                       "direct fetch, rank %u (agent %s): no answer within %d ms", sh->rank,
+                       sh->address, timeout_ms);
       }
       break;
     }
-    const Meshd__Agent__V1__DataChunk *c = (const void *)m;
-    if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA && c->data.len) {
-      if (got + c->data.len > f->want[i]) {
+    size_t len = 0;
+    if (rpc_bytes_is_field(raw, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len)) {
+      rc = shard_fits(f, i, got, len) ? 0 : -1;
+      if (rc == 0 && len) rc = rpc_bytes_field_visit(raw, shard_piece, &(shard_piece_t){k, e});
+      got += len;
+    } else {
+      Meshd__Agent__V1__DataChunk *c =
+          (void *)rpc_bytes_unpack(raw, &meshd__agent__v1__data_chunk__descriptor);
+      if (!c) {
         direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                       "direct fetch, rank %u (agent %s): more bytes than the TensorMeta's %llu",
-                       sh->rank, sh->address, (unsigned long long)f->want[i]);
+                       "direct fetch, rank %u (agent %s): a message that is not a DataChunk",
+                       sh->rank, sh->address);
         rc = -1;
-      } else if (k->data(k->arg, c->data.data, c->data.len, e) != 0) {
-        rc = -1;
+      } else if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA && c->data.len) {
+        rc = shard_fits(f, i, got, c->data.len) ? 0 : -1;
+        if (rc == 0) rc = k->data(k->arg, c->data.data, c->data.len, e);
+        got += c->data.len;
       }
-      got += c->data.len;
+      if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
     }
-    protobuf_c_message_free_unpacked(m, NULL);
+    rpc_bytes_free(raw);
     if (rc != 0)
       rpc_stream_cancel(s);
   }
