@@ -31,6 +31,7 @@ typedef struct agent {
   int64_t registered_unix_ms;
   rpc_channel_t *channel;
   pool_link_t *link;
+  agent_data_t *data; /* the data calls' channel, made at the first (agent_pool_data) */
   /* Last seq of the rank's earlier links. Survives the agent (kept across the
    * memsets) so that seqs are never reused on a rank: a (rank, seq) the
    * watermark knows as lost cannot come back on the next agent. */
@@ -91,6 +92,43 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
   return p;
 }
 
+/* ------------------------------------------------------------------ data channels */
+
+struct agent_data {
+  _Atomic int refs; /* the agent's, and one per transfer that uses it */
+  rpc_channel_t *ch;
+};
+
+agent_data_t *agent_pool_data(agent_pool_t *p, uint32_t rank, agent_target_t *t) {
+  if (agent_pool_target(p, rank, AGENT_DATA_CONNECT_MS, t)) return NULL;
+  t->opts.stream_window_bytes = AGENT_DATA_WINDOW;
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  /* The agent it was made for (a replacement at another address gets its own). */
+  if (a && strcmp(a->d.address, t->address) != 0) a = NULL;
+  if (a && !a->data) {
+    agent_data_t *d = calloc(1, sizeof *d);
+    if (d && (d->ch = rpc_channel_create(t->address, &t->opts))) {
+      atomic_init(&d->refs, 1);
+      a->data = d;
+    } else {
+      free(d);
+    }
+  }
+  agent_data_t *d = a ? a->data : NULL;
+  if (d) atomic_fetch_add(&d->refs, 1);
+  pthread_mutex_unlock(&p->mu);
+  return d;
+}
+
+rpc_channel_t *agent_data_channel(const agent_data_t *d) { return d->ch; }
+
+void agent_data_release(agent_data_t *d) {
+  if (!d || atomic_fetch_sub(&d->refs, 1) != 1) return;
+  rpc_channel_destroy(d->ch);
+  free(d);
+}
+
 void agent_pool_destroy(agent_pool_t *p) {
   if (!p) return;
   /* No on_lost here: the owner is tearing down; pending waits are cancelled. */
@@ -101,6 +139,7 @@ void agent_pool_destroy(agent_pool_t *p) {
       free(pl);
     }
     rpc_channel_destroy(p->agents[i].channel);
+    agent_data_release(p->agents[i].data);
   }
   watermark_destroy(p->marks);
   free(p->agents);
@@ -347,6 +386,7 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   agent_t *a = find_locked(p, rank, agent_id);
   rpc_channel_t *ch = NULL;
   pool_link_t *pl = NULL;
+  agent_data_t *data = NULL;
   int count = 0;
   bool changed = false;
   if (a) {
@@ -354,6 +394,7 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
               "agent rank %u (%s, %s) left: %s", rank, a->d.address, a->d.agent_id, why);
     ch = a->channel;
     pl = a->link;
+    data = a->data;
     /* Sends take the pool lock, so the link's last seq is final here. */
     uint64_t floor = pl ? agent_link_last_seq(pl->link) : a->seq_floor, lost_no = a->lost_no;
     int64_t lost_ms = a->lost_unix_ms, drained_ms = a->drained_ms;
@@ -371,6 +412,7 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   pthread_mutex_unlock(&p->mu);
   drop_link(pl, why); /* before its channel goes */
   rpc_channel_destroy(ch);
+  agent_data_release(data); /* transfers that hold it end on their own */
   notify(p, changed, count);
 }
 

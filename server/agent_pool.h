@@ -141,6 +141,18 @@ typedef struct agent_target {
   char secret[SECRET_HEX_LEN + 1];
   rpc_md_t md[1];          /* {SECRET_AGENT_MD, secret} */
 } agent_target_t;
+/* The channel data calls (Agent/Read, Agent/Write) to rank's agent go on:
+ * one per agent, made at the first transfer and kept while the agent is
+ * registered, so that a transfer does not pay for a connection (a 1 MiB
+ * Upload spent more on its new connection than on its bytes). Fills *t as
+ * agent_pool_target does (the secret for each call's metadata). NULL if the
+ * rank has no agent. The caller holds a reference: agent_data_release it. */
+#define AGENT_DATA_CONNECT_MS 5000       /* a CPU-starved agent is not a lost one */
+#define AGENT_DATA_WINDOW (1 << 20)     /* each Read's stream window */
+typedef struct agent_data agent_data_t;
+agent_data_t *agent_pool_data(agent_pool_t *pool, uint32_t rank, agent_target_t *t);
+rpc_channel_t *agent_data_channel(const agent_data_t *d);
+void agent_data_release(agent_data_t *d); /* NULL: nothing */
 /* Returns 0, or -1 if the rank has no agent. */
 int agent_pool_target(agent_pool_t *pool, uint32_t rank, int connect_timeout_ms,
                       agent_target_t *out);

@@ -17,11 +17,8 @@
 #include "objects.h"
 #include "session_service.h"
 
-/* A channel per Upload or Fetch, to a live agent: a connection attempt may
- * take seconds (a CPU-starved or briefly paused agent is not a lost one). Its
- * TLS and the call secret come from the pool (agent_pool_target). */
-#define AGENT_CONNECT_MS 5000
-
+/* Upload and Fetch call the agents on the pool's data channels
+ * (agent_pool_data): one per agent, with its TLS and call secret. */
 #define AGENT_CALL_MS 600000
 
 struct data_service {
@@ -291,17 +288,16 @@ out:
 
 /* One rank's Agent/Write, open while the helper forwards. */
 typedef struct rank_write {
-  rpc_channel_t *ch;
+  agent_data_t *data;
   rpc_stream_t *st;
 } rank_write_t;
 
 static int write_open(upload_t *u, uint32_t rank, rank_write_t *w, meshd_error_t *e) {
   agent_target_t t;
-  if (agent_pool_target(u->ds->pool, rank, AGENT_CONNECT_MS, &t))
+  if (!(w->data = agent_pool_data(u->ds->pool, rank, &t)))
     return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", rank);
-  w->ch = rpc_channel_create(t.address, &t.opts);
-  w->st = w->ch ? rpc_stream_open(w->ch, "/meshd.agent.v1.Agent/Write", t.md, 1, AGENT_CALL_MS)
-                : NULL;
+  w->st = rpc_stream_open(agent_data_channel(w->data), "/meshd.agent.v1.Agent/Write", t.md, 1,
+                          AGENT_CALL_MS);
   if (!w->st) return error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", rank);
   Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
   sp.ref = u->ref;
@@ -355,7 +351,7 @@ static int write_finish(upload_t *u, size_t i, rank_write_t *w, meshd_error_t *e
 static void write_close(rank_write_t *w, bool cancel) {
   if (w->st && cancel) rpc_stream_cancel(w->st);
   if (w->st) rpc_stream_destroy(w->st);
-  if (w->ch) rpc_channel_destroy(w->ch);
+  agent_data_release(w->data);
 }
 
 /* Agents take data only for sessions open on them (docs/protocol.md): a
@@ -647,8 +643,6 @@ static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
  * in the server's outbox, plus what the agent call's stream window lets
  * through, and the agent's own sends back up behind them. */
 #define FETCH_QUEUED 2
-#define AGENT_READ_WINDOW (1 << 20)
-
 
 typedef struct fetch {
   data_service_t *ds;
@@ -672,7 +666,7 @@ typedef struct fetch {
   int refs;          /* the call's (until on_end) and the relay's (until it stops) */
   bool ended;        /* on_end ran: the relay stops at its next step */
   uint64_t wait_id;  /* the watermark wait in flight, 0 if none */
-  rpc_channel_t *ch; /* to the agent, while the relay reads from it */
+  agent_data_t *data; /* the agent's data channel, while the relay reads from it */
   rpc_pull_t *pull;
 } fetch_t;
 
@@ -720,12 +714,12 @@ static void fetch_unref(fetch_t *f) {
 static void relay_stop(fetch_t *f) {
   pthread_mutex_lock(&f->mu);
   rpc_pull_t *p = f->pull;
-  rpc_channel_t *ch = f->ch;
+  agent_data_t *data = f->data;
   f->pull = NULL;
-  f->ch = NULL;
+  f->data = NULL;
   pthread_mutex_unlock(&f->mu);
   rpc_pull_destroy(p);
-  if (ch) rpc_channel_destroy(ch);
+  agent_data_release(data);
   fetch_unref(f);
 }
 
@@ -802,7 +796,8 @@ static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
 /* Every rank caught up: read the shard from its agent. */
 static void fetch_read(fetch_t *f) {
   agent_target_t t;
-  if (agent_pool_target(f->ds->pool, f->rank, AGENT_CONNECT_MS, &t)) {
+  agent_data_t *data = agent_pool_data(f->ds->pool, f->rank, &t);
+  if (!data) {
     char msg[160];
     snprintf(msg, sizeof msg, "Fetch: rank %u has no agent (it was lost); its tensors are gone",
              f->rank);
@@ -816,15 +811,14 @@ static void fetch_read(fetch_t *f) {
   pthread_mutex_lock(&f->mu);
   bool ended = f->ended;
   if (!ended) {
-    t.opts.stream_window_bytes = AGENT_READ_WINDOW;
-    f->ch = rpc_channel_create(t.address, &t.opts);
-    f->pull = f->ch ? rpc_pull_open_raw(f->ch, "/meshd.agent.v1.Agent/Read", &rq.base, t.md, 1,
-                                        AGENT_CALL_MS, fetch_chunk, f)
-                    : NULL;
+    f->data = data;
+    f->pull = rpc_pull_open_raw(agent_data_channel(data), "/meshd.agent.v1.Agent/Read", &rq.base,
+                                t.md, 1, AGENT_CALL_MS, fetch_chunk, f);
     if (f->pull) rpc_pull_next(f->pull);
   }
   bool started = f->pull != NULL;
   pthread_mutex_unlock(&f->mu);
+  if (ended) agent_data_release(data);
   if (ended) return relay_stop(f);
   if (!started)
     relay_fail(f, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST", "Fetch: cannot call the agent");
@@ -1189,7 +1183,7 @@ static void *sweeper_main(void *arg) {
 static int shard_grant(data_service_t *ds, uint32_t rank, Meshd__Agent__V1__TransferGrant *g,
                        Meshd__V1__ShardGrant *out, meshd_error_t *e) {
   agent_target_t t;
-  if (agent_pool_target(ds->pool, rank, AGENT_CONNECT_MS, &t))
+  if (agent_pool_target(ds->pool, rank, AGENT_DATA_CONNECT_MS, &t))
     return error_set(e, ERR_AGENT_LOST, "PlanTransfer: rank %u has no agent", rank);
   g->rank = rank;
   out->rank = rank;

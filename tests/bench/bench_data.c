@@ -9,7 +9,8 @@
  * Paths: "c" (Upload and Fetch through the server) and "c_direct" (below).
  *
  * --sizes: MiB per tensor; --agents: agent counts; --rounds: runs per figure,
- * the best of which is reported (machines here are noisy); --paths: which of
+ * the best of which is reported (machines here are noisy), for 64 MiB and
+ * more (smaller sizes run up to 16 times as many); --paths: which of
  * them; --server-flag: a meshd flag (e.g. --server-flag --stream-window-bytes=0).
  *
  * Ratios: each round of a path runs right after a round of its baseline, and
@@ -26,8 +27,8 @@
  * sends an UploadHeader, then the bytes in 1 MiB UploadChunk{data} messages
  * packed by hand (rpc_bytes_field: what a C client that does not copy sends);
  * with N agents it is per_rank (a 1/N slice per rank). Fetch reads every
- * rank's shard, all at once, one thread per rank. The tensor is dropped after
- * each round.
+ * rank's shard, all at once, one thread per rank. Before each upload round,
+ * untimed, the last round's tensor is dropped.
  *
  * c_direct (docs/protocol.md, Direct data path): the C client library
  * (clients/c/meshd.h) with its data path set to direct: PlanTransfer, then
@@ -74,6 +75,14 @@ static void usage(void) {
   fprintf(stderr, "usage: bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] "
                   "[--skip-baseline] [--paths c,c_direct] [--server-flag --flag=value]...\n");
   exit(2);
+}
+
+/* Rounds for a size: --rounds for 64 MiB and more, up to 16 times as many for
+ * smaller ones (a 1 MiB round is a millisecond: one hiccup of the machine is
+ * its whole time). */
+static int rounds_for(const opts_t *o, int mib) {
+  int k = 64 / mib;
+  return o->rounds * (k < 1 ? 1 : k > 16 ? 16 : k);
 }
 
 static int parse_list(const char *v, int *out, int max, int lo, int hi) {
@@ -478,12 +487,14 @@ static double best_mbs(run_fn fn, void *arg, int rounds, size_t bytes) {
 /* best_mbs of fn, each round right after a round of the baseline `raw` (NULL:
  * none), whose best over the same rounds lands in *raw_best: a ratio from one
  * window of time, which machines here need (a baseline measured alone drifted
- * 2x over one run). */
-static double paired_mbs(run_fn fn, void *arg, const cpu_probe_t *fn_probe, cpu_tally_t *fn_cpu,
-                         run_fn raw, void *raw_arg, const cpu_probe_t *raw_probe,
+ * 2x over one run). `before` (NULL: none) runs ahead of each round of fn,
+ * untimed. */
+static double paired_mbs(run_fn before, run_fn fn, void *arg, const cpu_probe_t *fn_probe,
+                         cpu_tally_t *fn_cpu, run_fn raw, void *raw_arg, const cpu_probe_t *raw_probe,
                          cpu_tally_t *raw_cpu, int rounds, size_t bytes, double *raw_best) {
   double best = 0, rbest = 0;
   for (int r = 0; r < rounds; r++) {
+    if (before && before(arg) != 0) return NAN;
     probe = raw_probe;
     double rm = raw ? run_mbs_tally(raw, raw_arg, bytes, raw_cpu) : NAN;
     if (rm > rbest) rbest = rm;
@@ -506,7 +517,6 @@ typedef struct {
   size_t bytes;
   const uint8_t *block;
   uint64_t ref;
-  bool drop_after;
 } run_t;
 
 static int run_raw_upload(void *p) {
@@ -517,20 +527,30 @@ static int run_raw_fetch(void *p) {
   run_t *r = p;
   return raw_fetch(r->ch, r->bytes, r->block);
 }
+/* Before an upload round, untimed: the last round's tensor goes (the
+ * baseline keeps nothing either). */
+static int run_drop_last(void *p) {
+  run_t *r = p;
+  if (r->ref && drop(r->c, r->ref) != 0) return -1;
+  r->ref = 0;
+  return 0;
+}
 static int run_upload(void *p) {
   run_t *r = p;
-  if (r->ref && r->drop_after && drop(r->c, r->ref) != 0) return -1;
-  r->ref = 0;
   return upload(r->c, r->nagents, r->bytes, r->block, &r->ref);
 }
 static int run_fetch(void *p) {
   run_t *r = p;
   return fetch_all(r->c, r->ref, r->nagents, r->bytes);
 }
+static int run_direct_drop_last(void *p) {
+  run_t *r = p;
+  if (r->ref && lib_drop(r->lib, r->ref) != 0) return -1;
+  r->ref = 0;
+  return 0;
+}
 static int run_direct_upload(void *p) {
   run_t *r = p;
-  if (r->ref && r->drop_after && lib_drop(r->lib, r->ref) != 0) return -1;
-  r->ref = 0;
   return direct_upload(r->lib, r->nagents, r->bytes, &r->ref);
 }
 static int run_direct_fetch(void *p) {
@@ -561,11 +581,13 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
   if (rc == 0 && path_wanted(o, "c_direct")) rc = lib_open(&lib, srv.target, nagents);
   static const struct {
     const char *name;
-    run_fn up, down;
-  } paths[] = {{"c", run_upload, run_fetch}, {"c_direct", run_direct_upload, run_direct_fetch}};
+    run_fn before_up, up, down;
+  } paths[] = {{"c", run_drop_last, run_upload, run_fetch},
+               {"c_direct", run_direct_drop_last, run_direct_upload, run_direct_fetch}};
   for (int i = 0; rc == 0 && i < o->nsizes; i++) {
     size_t bytes = (size_t)o->sizes[i] << 20;
     bytes -= bytes % ((size_t)nagents * 4);
+    int rounds = rounds_for(o, o->sizes[i]);
     fprintf(stderr, "bench_data: %d agent(s), %d MiB\n", nagents, o->sizes[i]);
     run_t raw = {.ch = raw_ch, .bytes = bytes, .block = block};
     for (size_t k = 0; rc == 0 && k < sizeof paths / sizeof *paths; k++) {
@@ -575,15 +597,15 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
         rc = -1;
         break;
       }
-      run_t r = {.c = &c, .lib = &lib, .nagents = nagents, .bytes = bytes, .block = block,
-                 .drop_after = true};
+      run_t r = {.c = &c, .lib = &lib, .nagents = nagents, .bytes = bytes, .block = block};
       double rup = NAN, rdown = NAN;
       cpu_tally_t cu = {0}, cd = {0}, ru = {0}, rd = {0};
-      double up = paired_mbs(paths[k].up, &r, &meshd_probe, &cu, raw_ch ? run_raw_upload : NULL,
-                             &raw, echo_probe, &ru, o->rounds, bytes, &rup);
-      double down = isfinite(up) ? paired_mbs(paths[k].down, &r, &meshd_probe, &cd,
+      double up = paired_mbs(paths[k].before_up, paths[k].up, &r, &meshd_probe, &cu,
+                             raw_ch ? run_raw_upload : NULL, &raw, echo_probe, &ru, rounds,
+                             bytes, &rup);
+      double down = isfinite(up) ? paired_mbs(NULL, paths[k].down, &r, &meshd_probe, &cd,
                                               raw_ch ? run_raw_fetch : NULL, &raw, echo_probe,
-                                              &rd, o->rounds, bytes, &rdown)
+                                              &rd, rounds, bytes, &rdown)
                                  : NAN;
       if (r.ref && lib_path) lib_drop(&lib, r.ref);
       else if (r.ref) drop(&c, r.ref);
@@ -639,8 +661,8 @@ int main(int argc, char **argv) {
     for (int i = 0; i < o.nsizes; i++) {
       size_t bytes = (size_t)o.sizes[i] << 20;
       run_t r = {.ch = ch, .bytes = bytes, .block = block};
-      double up = best_mbs(run_raw_upload, &r, o.rounds, bytes);
-      double down = best_mbs(run_raw_fetch, &r, o.rounds, bytes);
+      double up = best_mbs(run_raw_upload, &r, rounds_for(&o, o.sizes[i]), bytes);
+      double down = best_mbs(run_raw_fetch, &r, rounds_for(&o, o.sizes[i]), bytes);
       emit(0, o.sizes[i], "raw", "upload", up, up, NULL, NULL);
       emit(0, o.sizes[i], "raw", "fetch", down, down, NULL, NULL);
     }
