@@ -321,3 +321,44 @@ def test_upload_chunks_of_any_size_reach_the_right_ranks(meshd_server):
                     t.FetchRequest(ref=r, coords=[t.Coordinate(dim="gpu", index=rank)]),
                     metadata=s.metadata, timeout=60) if c.WhichOneof("part") == "data")
                 assert got == want, (rank, r, len(got), len(want))
+
+
+def sockets_on_port(port):
+    """TCP sockets (any state but LISTEN) with `port` at either end: both ends of a
+    connection on loopback, and a closed connection's TIME_WAIT for a minute."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            cols = row.split()
+            local, remote, state = cols[1], cols[2], cols[3]
+            if state != "0A" and port in (int(local.rsplit(":", 1)[1], 16),
+                                          int(remote.rsplit(":", 1)[1], 16)):
+                n += 1
+    return n
+
+
+def test_uploads_and_fetches_share_one_connection_per_agent(meshd_server, agent):
+    """The server calls an agent's Write and Read on one data channel, kept while the
+    agent is registered: twelve Uploads and Fetches open one connection to the agent,
+    not one each (a new connection per transfer cost a 1 MiB Upload more than its
+    bytes), and every value comes back."""
+    srv = meshd_server(0)
+    a = agent(srv.port)
+    lib.wait_ready(srv, 1)
+    with lib.Session(srv.port, "one-connection", timeout=30) as s:
+        m = s.mesh(gpu=1).ref
+        ref = upload(s, m, [1.0, 2.0]).tensor.ref  # the data channel is made here
+        assert fetch_floats(s, ref) == [1.0, 2.0]
+        before = sockets_on_port(a.port)
+        for i in range(12):
+            vals = [float(i), float(i) + 0.5]
+            r = upload(s, m, vals).tensor.ref
+            assert fetch_floats(s, r) == vals, i
+        after = sockets_on_port(a.port)
+        s.close()
+    assert after - before <= 2, f"{after - before} new sockets on the agent's port for 24 transfers"
