@@ -14,8 +14,10 @@
  * them; --server-flag: a meshd flag (e.g. --server-flag --stream-window-bytes=0).
  *
  * Ratios: each round of a path runs right after a round of its baseline, and
- * the ratio is the path's best over the baseline's best in those same rounds
- * (a baseline measured once, apart, drifted 2x within one run here). The
+ * "ratio" is the path's best over the baseline's best in those same rounds
+ * (a baseline measured once, apart, drifted 2x within one run here);
+ * "ratio_median" the median over rounds of path / baseline of the round (a
+ * lucky round of either side moves it little). The
  * "raw" lines are the baseline measured alone first, for the chart.
  *
  * Baseline: an Echo server in a child process (rpc_baseline.h); "upload" is
@@ -413,7 +415,7 @@ static void emit_cpu(bench_json_t *j, const char *key, int64_t us, const cpu_tal
 }
 
 static void emit(int nagents, int mib, const char *path, const char *direction, double mbs,
-                 double raw, const cpu_tally_t *cpu, const cpu_tally_t *raw_cpu) {
+                 double raw, double median, const cpu_tally_t *cpu, const cpu_tally_t *raw_cpu) {
   bench_json_t j;
   bench_json_begin(&j, "data");
   if (nagents) bench_json_num(&j, "agents", nagents);
@@ -438,6 +440,12 @@ static void emit(int nagents, int mib, const char *path, const char *direction, 
     int n = isfinite(mbs / raw)
                 ? snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio\":%.3f", mbs / raw)
                 : snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio\":null");
+    j.len += n > 0 ? (size_t)n : 0;
+  }
+  if (nagents && j.len < sizeof j.buf) {
+    int n = isfinite(median)
+                ? snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio_median\":%.3f", median)
+                : snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio_median\":null");
     j.len += n > 0 ? (size_t)n : 0;
   }
   bench_json_end(&j, stdout);
@@ -489,10 +497,19 @@ static double best_mbs(run_fn fn, void *arg, int rounds, size_t bytes) {
  * window of time, which machines here need (a baseline measured alone drifted
  * 2x over one run). `before` (NULL: none) runs ahead of each round of fn,
  * untimed. */
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
 static double paired_mbs(run_fn before, run_fn fn, void *arg, const cpu_probe_t *fn_probe,
-                         cpu_tally_t *fn_cpu, run_fn raw, void *raw_arg, const cpu_probe_t *raw_probe,
-                         cpu_tally_t *raw_cpu, int rounds, size_t bytes, double *raw_best) {
+                         cpu_tally_t *fn_cpu, run_fn raw, void *raw_arg,
+                         const cpu_probe_t *raw_probe, cpu_tally_t *raw_cpu, int rounds, size_t bytes, double *raw_best,
+                         double *median) {
   double best = 0, rbest = 0;
+  double *ratios = calloc((size_t)rounds, sizeof *ratios);
+  int nr = 0;
+  *median = NAN;
   for (int r = 0; r < rounds; r++) {
     if (before && before(arg) != 0) return NAN;
     probe = raw_probe;
@@ -502,9 +519,18 @@ static double paired_mbs(run_fn before, run_fn fn, void *arg, const cpu_probe_t 
     double mbs = run_mbs_tally(fn, arg, bytes, fn_cpu);
     probe = NULL;
     fprintf(stderr, "bench_data:   round %d: baseline %.0f MB/s, path %.0f MB/s\n", r + 1, rm, mbs);
-    if (!isfinite(mbs)) return NAN;
+    if (!isfinite(mbs)) {
+      free(ratios);
+      return NAN;
+    }
     if (mbs > best) best = mbs;
+    if (ratios && isfinite(rm) && rm > 0) ratios[nr++] = mbs / rm;
   }
+  if (nr) {
+    qsort(ratios, (size_t)nr, sizeof *ratios, cmp_double);
+    *median = nr % 2 ? ratios[nr / 2] : (ratios[nr / 2 - 1] + ratios[nr / 2]) / 2;
+  }
+  free(ratios);
   *raw_best = raw ? rbest : NAN;
   return best;
 }
@@ -598,19 +624,20 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
         break;
       }
       run_t r = {.c = &c, .lib = &lib, .nagents = nagents, .bytes = bytes, .block = block};
-      double rup = NAN, rdown = NAN;
+      double rup = NAN, rdown = NAN, mup = NAN, mdown = NAN;
       cpu_tally_t cu = {0}, cd = {0}, ru = {0}, rd = {0};
       double up = paired_mbs(paths[k].before_up, paths[k].up, &r, &meshd_probe, &cu,
                              raw_ch ? run_raw_upload : NULL, &raw, echo_probe, &ru, rounds,
-                             bytes, &rup);
+                             bytes, &rup, &mup);
       double down = isfinite(up) ? paired_mbs(NULL, paths[k].down, &r, &meshd_probe, &cd,
                                               raw_ch ? run_raw_fetch : NULL, &raw, echo_probe,
-                                              &rd, rounds, bytes, &rdown)
+                                              &rd, rounds, bytes, &rdown, &mdown)
                                  : NAN;
       if (r.ref && lib_path) lib_drop(&lib, r.ref);
       else if (r.ref) drop(&c, r.ref);
-      emit(nagents, o->sizes[i], paths[k].name, "upload", up, rup, &cu, raw_ch ? &ru : NULL);
-      emit(nagents, o->sizes[i], paths[k].name, "fetch", down, rdown, &cd, raw_ch ? &rd : NULL);
+      emit(nagents, o->sizes[i], paths[k].name, "upload", up, rup, mup, &cu, raw_ch ? &ru : NULL);
+      emit(nagents, o->sizes[i], paths[k].name, "fetch", down, rdown, mdown, &cd,
+           raw_ch ? &rd : NULL);
       if (!isfinite(up) || !isfinite(down)) rc = -1;
     }
   }
@@ -663,8 +690,8 @@ int main(int argc, char **argv) {
       run_t r = {.ch = ch, .bytes = bytes, .block = block};
       double up = best_mbs(run_raw_upload, &r, rounds_for(&o, o.sizes[i]), bytes);
       double down = best_mbs(run_raw_fetch, &r, rounds_for(&o, o.sizes[i]), bytes);
-      emit(0, o.sizes[i], "raw", "upload", up, up, NULL, NULL);
-      emit(0, o.sizes[i], "raw", "fetch", down, down, NULL, NULL);
+      emit(0, o.sizes[i], "raw", "upload", up, up, NAN, NULL, NULL);
+      emit(0, o.sizes[i], "raw", "fetch", down, down, NAN, NULL, NULL);
     }
   }
   for (int i = 0; i < o.nagents; i++)
