@@ -1673,90 +1673,102 @@ static bool fetch_data_fits(direct_err_t *e, bool have_meta, uint64_t got, uint6
   return false;
 }
 
-/* The proxied Fetch of one local tensor into sink. */
-static void proxy_fetch_one(meshd_session_t *s, const Meshd__V1__FetchRequest *req,
-                            const direct_sink_t *k, int timeout_ms, direct_err_t *e) {
-  rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Fetch", s->md, s->nmd, timeout_ms);
-  if (!st) {
-    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: cannot open the call");
-    return;
+/* Proxied Fetches of n local tensors, each into its sink, read at once
+ * (direct_pull_all). */
+typedef struct {
+  const direct_sink_t *k;
+  direct_err_t *e;
+  bool have_meta;
+  uint64_t want, got;
+} proxy_part_t;
+
+typedef struct {
+  proxy_part_t *parts;
+  int timeout_ms;
+} proxy_fetch_t;
+
+/* A message of part i: a data chunk's bytes go to the sink from where they
+ * lie in the message, the one copy; the rest (the meta) is unpacked.
+ * Non-zero stops the part. */
+static int proxy_msg(void *arg, size_t i, rpc_bytes_t *raw) {
+  proxy_part_t *p = &((proxy_fetch_t *)arg)->parts[i];
+  const direct_sink_t *k = p->k;
+  direct_err_t *e = p->e;
+  size_t len = 0;
+  bool stop = false;
+  if (rpc_bytes_is_field(raw, MESHD__V1__FETCH_CHUNK__PART_DATA, &len)) {
+    stop = !fetch_data_fits(e, p->have_meta, p->got, p->want, len) ||
+           (len && rpc_bytes_field_visit(raw, fetch_piece, &(fetch_piece_t){k, e}) != 0);
+    p->got += len;
+    return stop;
   }
-  bool have_meta = false, stop = false;
-  uint64_t want = 0, got = 0;
-  if (rpc_stream_write(st, &req->base, true) == 0) {
-    while (!stop) {
-      /* Read packed: a data chunk's bytes go to the sink from where they lie
-       * in the message, the one copy; the rest (the meta) is unpacked. */
-      rpc_bytes_t *raw = NULL;
-      int r = rpc_stream_read_raw(st, &raw, timeout_ms);
-      if (r <= 0) {
-        if (r < 0) {
-          rpc_stream_cancel(st);
-          direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                         "Fetch: no answer within %d ms", timeout_ms);
-        }
-        break;
-      }
-      size_t len = 0;
-      if (rpc_bytes_is_field(raw, MESHD__V1__FETCH_CHUNK__PART_DATA, &len)) {
-        stop = !fetch_data_fits(e, have_meta, got, want, len) ||
-               (len && rpc_bytes_field_visit(raw, fetch_piece, &(fetch_piece_t){k, e}) != 0);
-        got += len;
-      } else {
-        ProtobufCMessage *m = rpc_bytes_unpack(raw, &meshd__v1__fetch_chunk__descriptor);
-        const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
-        if (!m) {
-          direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                         "Fetch: the server sent a message that is not a FetchChunk");
-          stop = true;
-        } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !have_meta) {
-          have_meta = true;
-          want = direct_dtype_bytes(ch->meta->dtype);
-          for (size_t i = 0; i < ch->meta->n_shape; i++)
-            want *= ch->meta->shape[i] > 0 ? (uint64_t)ch->meta->shape[i] : 0;
-          stop = k->begin(k->arg, ch->meta, e) != 0;
-        } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA) { /* with other fields */
-          stop = !fetch_data_fits(e, have_meta, got, want, ch->data.len) ||
-                 (ch->data.len && k->data(k->arg, ch->data.data, ch->data.len, e) != 0);
-          got += ch->data.len;
-        }
-        if (m) protobuf_c_message_free_unpacked(m, NULL);
-      }
-      rpc_bytes_free(raw);
-      if (stop)
-        rpc_stream_cancel(st);
-    }
+  ProtobufCMessage *m = rpc_bytes_unpack(raw, &meshd__v1__fetch_chunk__descriptor);
+  const Meshd__V1__FetchChunk *ch = (const Meshd__V1__FetchChunk *)m;
+  if (!m) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "Fetch: the server sent a message that is not a FetchChunk");
+    return 1;
   }
-  rpc_status_t rs;
-  memset(&rs, 0, sizeof rs);
-  grpc_status_code code = rpc_stream_finish(st, &rs);
-  rpc_stream_destroy(st);
+  if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !p->have_meta) {
+    p->have_meta = true;
+    p->want = direct_dtype_bytes(ch->meta->dtype);
+    for (size_t d = 0; d < ch->meta->n_shape; d++)
+      p->want *= ch->meta->shape[d] > 0 ? (uint64_t)ch->meta->shape[d] : 0;
+    stop = k->begin(k->arg, ch->meta, e) != 0;
+  } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA) { /* with other fields */
+    stop = !fetch_data_fits(e, p->have_meta, p->got, p->want, ch->data.len) ||
+           (ch->data.len && k->data(k->arg, ch->data.data, ch->data.len, e) != 0);
+    p->got += ch->data.len;
+  }
+  protobuf_c_message_free_unpacked(m, NULL);
+  return stop;
+}
+
+/* How part i's Fetch ended; the first error of the part stands. */
+static void proxy_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st,
+                      bool cancelled) {
+  proxy_fetch_t *f = arg;
+  proxy_part_t *p = &f->parts[i];
+  direct_err_t *e = p->e;
+  (void)cancelled; /* a stopped part's error is set already */
   if (e->err != MESHD_E_OK)
     return;
-  if (code != GRPC_STATUS_OK) {
+  if (code == GRPC_STATUS_DEADLINE_EXCEEDED) {
+    direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                   "Fetch: no answer within %d ms", f->timeout_ms);
+  } else if (code != GRPC_STATUS_OK) {
+    rpc_status_t rs = *st;
     rs.kind[sizeof rs.kind - 1] = '\0';
     rs.message[sizeof rs.message - 1] = '\0';
     direct_err_status(e, &rs, "");
-  } else if (!have_meta) {
+  } else if (!p->have_meta) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: no metadata in the reply");
-  } else if (got != want) {
+  } else if (p->got != p->want) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                    "Fetch: got %llu bytes where the TensorMeta needs %llu",
-                   (unsigned long long)got, (unsigned long long)want);
+                   (unsigned long long)p->got, (unsigned long long)p->want);
   }
 }
 
-typedef struct {
-  meshd_session_t *s;
-  const Meshd__V1__FetchRequest *const *reqs;
-  const direct_sink_t *sinks;
-  int timeout_ms;
-  direct_err_t *errs;
-} proxy_fetch_t;
-
-static void proxy_fetch_job(void *arg, size_t i) {
-  proxy_fetch_t *f = arg;
-  proxy_fetch_one(f->s, f->reqs[i], &f->sinks[i], f->timeout_ms, &f->errs[i]);
+/* Every part's proxied Fetch at once; errs[i] says how part i ended. */
+static int proxy_fetch_all(meshd_session_t *s, const Meshd__V1__FetchRequest *const *reqs,
+                           const direct_sink_t *sinks, size_t n, int timeout_ms,
+                           direct_err_t *errs) {
+  proxy_fetch_t f = {calloc(n, sizeof(proxy_part_t)), timeout_ms};
+  direct_call_t *calls = calloc(n, sizeof *calls);
+  if (!f.parts || !calls) {
+    free(f.parts);
+    free(calls);
+    return -1;
+  }
+  for (size_t i = 0; i < n; i++) {
+    f.parts[i] = (proxy_part_t){.k = &sinks[i], .e = &errs[i]};
+    calls[i] = (direct_call_t){s->client->ch, TS "Fetch", &reqs[i]->base, s->md, s->nmd};
+  }
+  direct_pull_all(n, calls, timeout_ms, proxy_msg, proxy_end, &f);
+  free(calls);
+  free(f.parts);
+  return 0;
 }
 
 /* n local tensors into their sinks by the session's data path, in parallel;
@@ -1781,9 +1793,8 @@ static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest
       return MESHD_E_NOMEM;
     }
     /* The sinks are untouched: direct_fetch begins them only once it cannot fall back. */
-    proxy_fetch_t f = {s, reqs, sinks, timeout_ms, errs};
-    if (direct_parallel(n, proxy_fetch_job, &f) != 0)
-      direct_err_set(&e, MESHD_E_NOMEM, 0, NULL, "Fetch: cannot start a thread per part");
+    if (proxy_fetch_all(s, reqs, sinks, n, timeout_ms, errs) != 0)
+      direct_err_set(&e, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
     for (size_t i = 0; i < n && e.err == MESHD_E_OK; i++)
       e = errs[i];
     free(errs);

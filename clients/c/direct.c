@@ -149,6 +149,142 @@ int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg) {
   return started == n ? 0 : -1;
 }
 
+/* ------------------------------------------------------------------ pulls */
+
+/* The pull thread only queues what arrives; the calling thread runs on_msg
+ * and on_end (the sinks, a user's progress callback) in order per call. At
+ * most PULL_QUEUED messages of a call wait in the queue before its next read
+ * is asked for. */
+#define PULL_QUEUED 2
+
+typedef struct pulled {
+  struct pulled *next;
+  size_t i;
+  rpc_bytes_t *m; /* NULL: the call ended */
+} pulled_t;
+
+typedef struct pull_one {
+  struct pull_group *g;
+  size_t i;
+  int queued;     /* under g->mu */
+  bool held;      /* a read waits for the queue to shrink (under g->mu) */
+  pulled_t end;   /* the call's end, queued without an allocation */
+} pull_one_t;
+
+typedef struct pull_group {
+  pthread_mutex_t mu;
+  pthread_cond_t ready;
+  pulled_t *head, *tail;
+} pull_group_t;
+
+static void pull_push(pull_group_t *g, pulled_t *q) {
+  if (g->tail)
+    g->tail->next = q;
+  else
+    g->head = q;
+  g->tail = q;
+  pthread_cond_signal(&g->ready);
+}
+
+/* On the pull thread: queues m (NULL: the end), asks for the next message
+ * while the call's queue is short. */
+static void pull_got(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
+  pull_one_t *o = arg;
+  pull_group_t *g = o->g;
+  pulled_t *q = m ? malloc(sizeof *q) : &o->end;
+  if (!q) { /* no memory to queue it: the call ends CANCELLED (its end queues) */
+    rpc_bytes_free(m);
+    rpc_pull_cancel(p);
+    rpc_pull_next(p);
+    return;
+  }
+  *q = (pulled_t){NULL, o->i, m};
+  pthread_mutex_lock(&g->mu);
+  bool next = m && ++o->queued < PULL_QUEUED;
+  if (m && !next)
+    o->held = true;
+  pull_push(g, q);
+  pthread_mutex_unlock(&g->mu);
+  if (next)
+    rpc_pull_next(p);
+}
+
+void direct_pull_all(size_t n, const direct_call_t *calls, int timeout_ms,
+                     int (*on_msg)(void *arg, size_t i, rpc_bytes_t *msg),
+                     void (*on_end)(void *arg, size_t i, grpc_status_code code,
+                                    const rpc_status_t *st, bool cancelled),
+                     void *arg) {
+  pull_group_t g = {.head = NULL};
+  pthread_mutex_init(&g.mu, NULL);
+  pthread_cond_init(&g.ready, NULL);
+  pull_one_t *ones = calloc(n, sizeof *ones);
+  rpc_pull_t **pulls = calloc(n, sizeof *pulls);
+  bool *cancelled = calloc(n, sizeof *cancelled);
+  size_t left = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (ones && pulls && cancelled) {
+      ones[i] = (pull_one_t){.g = &g, .i = i};
+      pulls[i] = rpc_pull_open_raw(calls[i].ch, calls[i].method, calls[i].req, calls[i].md,
+                                   calls[i].nmd, timeout_ms, pull_got, &ones[i]);
+    }
+    if (pulls && pulls[i]) {
+      left++;
+      rpc_pull_next(pulls[i]);
+      continue;
+    }
+    rpc_status_t st;
+    memset(&st, 0, sizeof st);
+    st.code = GRPC_STATUS_UNAVAILABLE;
+    snprintf(st.message, sizeof st.message, "cannot start the call (%s)",
+             ones && pulls && cancelled ? "no channel" : "out of memory");
+    on_end(arg, i, GRPC_STATUS_UNAVAILABLE, &st, false);
+  }
+  pthread_mutex_lock(&g.mu);
+  while (left > 0) {
+    while (!g.head)
+      pthread_cond_wait(&g.ready, &g.mu);
+    pulled_t *q = g.head;
+    g.head = q->next;
+    if (!g.head)
+      g.tail = NULL;
+    pull_one_t *o = &ones[q->i];
+    bool resume = false;
+    if (q->m) {
+      o->queued--;
+      resume = o->held;
+      o->held = false;
+    }
+    pthread_mutex_unlock(&g.mu);
+    rpc_pull_t *p = pulls[q->i];
+    if (q->m) {
+      if (!cancelled[q->i] && on_msg(arg, q->i, q->m) != 0) {
+        cancelled[q->i] = true;
+        rpc_pull_cancel(p); /* the reads that follow end the call */
+      }
+      rpc_bytes_free(q->m);
+      if (resume)
+        rpc_pull_next(p);
+    } else {
+      rpc_status_t st;
+      memset(&st, 0, sizeof st);
+      grpc_status_code code = rpc_pull_status(p, &st);
+      on_end(arg, q->i, code, &st, cancelled[q->i]);
+      left--;
+    }
+    if (q != &o->end)
+      free(q);
+    pthread_mutex_lock(&g.mu);
+  }
+  pthread_mutex_unlock(&g.mu);
+  for (size_t i = 0; pulls && i < n; i++)
+    rpc_pull_destroy(pulls[i]);
+  free(cancelled);
+  free(pulls);
+  free(ones);
+  pthread_cond_destroy(&g.ready);
+  pthread_mutex_destroy(&g.mu);
+}
+
 /* ------------------------------------------------------------------ agents */
 
 /* Milliseconds left before `end` (rpc_now_ms), at least 1. */
@@ -496,7 +632,9 @@ typedef struct {
   const direct_sink_t *sinks;
   const Meshd__V1__FetchRequest *const *reqs;
   uint64_t *want; /* bytes each part must get */
+  uint64_t *got;  /* bytes each part got so far (the pull thread's) */
   int64_t end;    /* the deadline, rpc_now_ms */
+  int timeout_ms; /* what was left of it when the reads started */
   direct_err_t *errs;
 } fetch_t;
 
@@ -522,81 +660,94 @@ static int shard_piece(const uint8_t *p, size_t n, void *arg) {
   return sp->k->data(sp->k->arg, p, n, sp->e);
 }
 
-static void read_shard(void *arg, size_t i) {
+/* A message of shard i's Agent/Read: a data chunk's bytes go to the sink from
+ * where they lie in the message, the one copy; anything else (the spec) is
+ * unpacked. Non-zero stops the shard. */
+static int shard_msg(void *arg, size_t i, rpc_bytes_t *raw) {
   fetch_t *f = arg;
   const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
   const direct_sink_t *k = &f->sinks[i];
   direct_err_t *e = &f->errs[i];
-  char *g = grant_hex(&sh->grant);
-  if (!g) {
-    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
-    return;
+  size_t len = 0;
+  int rc = 0;
+  if (rpc_bytes_is_field(raw, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len)) {
+    rc = shard_fits(f, i, f->got[i], len) ? 0 : -1;
+    if (rc == 0 && len) rc = rpc_bytes_field_visit(raw, shard_piece, &(shard_piece_t){k, e});
+    f->got[i] += len;
+    return rc;
   }
-  rpc_md_t md = {GRANT_MD, g};
-  int timeout_ms = left_ms(f->end);
-  rpc_stream_t *s = rpc_stream_open(f->chans[i], AGENT "Read", &md, 1, timeout_ms);
-  Meshd__Agent__V1__ReadRequest r = MESHD__AGENT__V1__READ_REQUEST__INIT;
-  r.session_id = (char *)f->s->id;
-  r.ref = f->reqs[i]->ref;
-  r.max_chunk_bytes = READ_CHUNK;
-  r.after_seq = sh->after_seq;
-  int rc = s ? rpc_stream_write(s, &r.base, true) : -1;
-  uint64_t got = 0;
-  while (rc == 0) {
-    /* Read packed: a data chunk's bytes go to the sink from where they lie in
-     * the message, the one copy; anything else (the spec) is unpacked. */
-    rpc_bytes_t *raw = NULL;
-    int rr = rpc_stream_read_raw(s, &raw, left_ms(f->end));
-    if (rr != 1) {
-      if (rr == -2) {
-        rpc_stream_cancel(s);
-        direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                       "direct fetch, rank %u (agent %s): no answer within %d ms", sh->rank,
-                       sh->address, timeout_ms);
-      }
-      break;
-    }
-    size_t len = 0;
-    if (rpc_bytes_is_field(raw, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len)) {
-      rc = shard_fits(f, i, got, len) ? 0 : -1;
-      if (rc == 0 && len) rc = rpc_bytes_field_visit(raw, shard_piece, &(shard_piece_t){k, e});
-      got += len;
-    } else {
-      Meshd__Agent__V1__DataChunk *c =
-          (void *)rpc_bytes_unpack(raw, &meshd__agent__v1__data_chunk__descriptor);
-      if (!c) {
-        direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                       "direct fetch, rank %u (agent %s): a message that is not a DataChunk",
-                       sh->rank, sh->address);
-        rc = -1;
-      } else if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA && c->data.len) {
-        rc = shard_fits(f, i, got, c->data.len) ? 0 : -1;
-        if (rc == 0) rc = k->data(k->arg, c->data.data, c->data.len, e);
-        got += c->data.len;
-      }
-      if (c) protobuf_c_message_free_unpacked(&c->base, NULL);
-    }
-    rpc_bytes_free(raw);
-    if (rc != 0)
-      rpc_stream_cancel(s);
-  }
-  rpc_status_t st;
-  memset(&st, 0, sizeof st);
-  if (!s) {
+  Meshd__Agent__V1__DataChunk *c =
+      (void *)rpc_bytes_unpack(raw, &meshd__agent__v1__data_chunk__descriptor);
+  if (!c) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                   "direct fetch, rank %u: cannot open Agent/Read", sh->rank);
-  } else if (rpc_stream_finish(s, &st) != GRPC_STATUS_OK && e->err == MESHD_E_OK) {
-    st.kind[sizeof st.kind - 1] = '\0';
-    st.message[sizeof st.message - 1] = '\0';
-    shard_error(e, "fetch", sh, &st);
-  } else if (e->err == MESHD_E_OK && got != f->want[i]) {
+                   "direct fetch, rank %u (agent %s): a message that is not a DataChunk",
+                   sh->rank, sh->address);
+    return -1;
+  }
+  if (c->part_case == MESHD__AGENT__V1__DATA_CHUNK__PART_DATA && c->data.len) {
+    rc = shard_fits(f, i, f->got[i], c->data.len) ? 0 : -1;
+    if (rc == 0) rc = k->data(k->arg, c->data.data, c->data.len, e);
+    f->got[i] += c->data.len;
+  }
+  protobuf_c_message_free_unpacked(&c->base, NULL);
+  return rc;
+}
+
+/* How shard i's Agent/Read ended; the first error of the shard stands. */
+static void shard_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st,
+                      bool cancelled) {
+  fetch_t *f = arg;
+  const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
+  direct_err_t *e = &f->errs[i];
+  if (e->err != MESHD_E_OK)
+    return;
+  if (code == GRPC_STATUS_DEADLINE_EXCEEDED)
+    direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                   "direct fetch, rank %u (agent %s): no answer within %d ms", sh->rank,
+                   sh->address, f->timeout_ms);
+  else if (code != GRPC_STATUS_OK)
+    shard_error(e, "fetch", sh, st);
+  else if (f->got[i] != f->want[i])
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                    "direct fetch, rank %u (agent %s): got %llu bytes where the TensorMeta needs "
-                   "%llu", sh->rank, sh->address, (unsigned long long)got,
+                   "%llu", sh->rank, sh->address, (unsigned long long)f->got[i],
                    (unsigned long long)f->want[i]);
+  (void)cancelled; /* a cancelled shard's error is set already */
+}
+
+/* Every shard's Agent/Read at once, each under its grant. */
+static void read_shards(fetch_t *f, size_t n) {
+  direct_call_t *calls = calloc(n, sizeof *calls);
+  Meshd__Agent__V1__ReadRequest *rqs = calloc(n, sizeof *rqs);
+  rpc_md_t *md = calloc(n, sizeof *md);
+  char **grants = calloc(n, sizeof *grants);
+  bool ok = calls && rqs && md && grants;
+  for (size_t i = 0; ok && i < n; i++) {
+    const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
+    if (!(grants[i] = grant_hex(&sh->grant))) {
+      ok = false;
+      break;
+    }
+    md[i] = (rpc_md_t){GRANT_MD, grants[i]};
+    meshd__agent__v1__read_request__init(&rqs[i]);
+    rqs[i].session_id = (char *)f->s->id;
+    rqs[i].ref = f->reqs[i]->ref;
+    rqs[i].max_chunk_bytes = READ_CHUNK;
+    rqs[i].after_seq = sh->after_seq;
+    calls[i] = (direct_call_t){f->chans[i], AGENT "Read", &rqs[i].base, &md[i], 1};
   }
-  rpc_stream_destroy(s);
-  free(g);
+  f->timeout_ms = left_ms(f->end);
+  if (ok)
+    direct_pull_all(n, calls, f->timeout_ms, shard_msg, shard_end, f);
+  else
+    for (size_t i = 0; i < n; i++)
+      direct_err_set(&f->errs[i], MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
+  for (size_t i = 0; grants && i < n; i++)
+    free(grants[i]);
+  free(grants);
+  free(md);
+  free(rqs);
+  free(calls);
 }
 
 /* FinishFetch: 0, or -1 with st (the tensor failed on some rank, ...). */
@@ -631,11 +782,12 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
   f.plans = calloc(n, sizeof *f.plans);
   f.chans = calloc(n, sizeof *f.chans);
   f.want = calloc(n, sizeof *f.want);
+  f.got = calloc(n, sizeof *f.got);
   f.errs = calloc(n, sizeof *f.errs);
   direct_rc_t rc = DIRECT_DONE;
   size_t planned = 0;
   rpc_status_t st;
-  if (!f.plans || !f.chans || !f.want || !f.errs) {
+  if (!f.plans || !f.chans || !f.want || !f.got || !f.errs) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
     rc = DIRECT_FAILED;
     goto out;
@@ -677,10 +829,7 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
       goto out;
     }
   }
-  if (direct_parallel(n, read_shard, &f) != 0) {
-    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: cannot start a thread per part");
-    rc = DIRECT_FAILED;
-  }
+  read_shards(&f, n);
   for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
     if (f.errs[i].err != MESHD_E_OK) {
       *e = f.errs[i];
@@ -703,6 +852,7 @@ out:
   free(f.plans);
   free(f.chans);
   free(f.want);
+  free(f.got);
   free(f.errs);
   return rc;
 }

@@ -653,8 +653,9 @@ typedef struct meshd_fetch_part {
   size_t nbytes; /* out: the local tensor's size in bytes, written to buf */
 } meshd_fetch_part_t;
 
-/* Fetches `tensor` from nparts ranks at once (one thread each), each straight
- * into its part's buffer, by the session's data path. opts (NULL: defaults):
+/* Fetches `tensor` from nparts ranks at once (their streams read by one thread
+ * of the library's), each straight into its part's buffer, by the session's
+ * data path. opts (NULL: defaults):
  * its timeout_ms bounds each call; progress is not called. A local tensor
  * larger than its part's cap is MESHD_E_INVALID naming both sizes. On failure
  * the buffers hold partial bytes and the error names the rank at fault. */
