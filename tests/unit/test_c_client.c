@@ -374,10 +374,13 @@ Test(c_client, upload_streams_borrows_to_mesh_drop_release) {
 typedef struct progress_log {
   uint64_t done[4096], total[4096];
   size_t n;
+  pthread_t caller;  /* the thread that called the fetch */
+  size_t elsewhere;  /* calls on any other thread */
 } progress_log_t;
 
 static void log_progress(void *user, uint64_t done, uint64_t total) {
   progress_log_t *l = user;
+  if (!pthread_equal(pthread_self(), l->caller)) l->elsewhere++;
   if (l->n < 4096) {
     l->done[l->n] = done;
     l->total[l->n++] = total;
@@ -385,7 +388,8 @@ static void log_progress(void *user, uint64_t done, uint64_t total) {
 }
 
 /* meshd_session_fetch_with's callback: done grows, in the tensor's own dtype, and the
- * last call (only that one) has done == total; a failed fetch ends without it. */
+ * last call (only that one) has done == total; a failed fetch ends without it. It runs
+ * on the calling thread (the streams are read on a thread of the library's). */
 Test(c_client, fetch_progress_callback) {
   meshd_client_t *c = connect_ok();
   meshd_session_t *s = meshd_session_open(c, "c-progress", NULL);
@@ -399,6 +403,7 @@ Test(c_client, fetch_progress_callback) {
 
   static progress_log_t log;
   memset(&log, 0, sizeof log);
+  log.caller = pthread_self();
   meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
   o.progress = log_progress;
   o.progress_user = &log;
@@ -409,6 +414,7 @@ Test(c_client, fetch_progress_callback) {
   meshd_values_free(&v);
   const uint64_t total = 4ull * (2 << 20); /* float32 bytes */
   cr_assert_geq(log.n, 2, "%zu calls", log.n);
+  cr_assert_eq(log.elsewhere, 0, "%zu of %zu calls on another thread", log.elsewhere, log.n);
   for (size_t i = 0; i < log.n; i++) {
     cr_assert_eq(log.total[i], total);
     cr_assert(i == 0 || log.done[i] > log.done[i - 1], "call %zu: %llu after %llu", i,
@@ -418,6 +424,7 @@ Test(c_client, fetch_progress_callback) {
   }
 
   memset(&log, 0, sizeof log);
+  log.caller = pthread_self();
   cr_assert_eq(meshd_session_fetch_with(s, 999, dims, at0, 1, &o, &v), MESHD_E_RPC);
   cr_assert_eq(log.n, 0);
   cr_assert_eq(meshd_session_fetch_with(s, x, dims, at0, 1, NULL, &v), MESHD_E_OK);
