@@ -8,9 +8,9 @@
 #include "cpu_internal.h"
 #include "kernel_family.h"
 
-/* What the cache of freed tensors (below) holds at most: 1 GiB, or a 16th
+/* What the cache of freed tensors (below) holds at most: 2 GiB, or an 8th
  * of the agent's capacity when that is less. */
-#define CACHE_MAX ((size_t)1 << 30)
+#define CACHE_MAX ((size_t)2 << 30)
 
 static int cpu_open(backend_t *b, const char *device, meshd_error_t *err) {
   if (!device || strcmp(device, "cpu") != 0)
@@ -20,7 +20,7 @@ static int cpu_open(backend_t *b, const char *device, meshd_error_t *err) {
   if (!s) return error_set(err, ERR_UNAVAILABLE, "cpu backend: out of memory");
   pthread_mutex_init(&s->cache_mu, NULL);
   s->cache_max = CACHE_MAX;
-  if (b->capacity && b->capacity / 16 < s->cache_max) s->cache_max = b->capacity / 16;
+  if (b->capacity && b->capacity / 8 < s->cache_max) s->cache_max = b->capacity / 8;
   b->impl = s;
   return 0;
 }
@@ -52,8 +52,11 @@ static void cpu_close(backend_t *b) {
  * more is kept (CPU_CACHE_SLOTS of them, cache_max bytes at most, the oldest
  * going first) and handed to the next tensor of the same rounded size: a
  * loop that uploads, computes and drops batches of one shape faults once.
- * Cached memory is not counted in `allocated` (no tensor holds it); an
- * allocation that finds no memory empties the cache and tries again. */
+ * Cached memory is not counted in `allocated` (no tensor holds it), but live
+ * and cached bytes together stay within the capacity (the pod's memory limit,
+ * where the agent runs in one): an allocation that would pass it frees the
+ * oldest cached blocks first. One that finds no memory empties the cache and
+ * tries again. */
 
 static size_t rounded_size(size_t bytes, size_t align) {
   return bytes ? (bytes + align - 1) / align * align : align;
@@ -97,6 +100,21 @@ static void cache_put(cpu_state_t *s, void *p, size_t size) {
   for (int i = 0; i < nev; i++) free(evicted[i]);
 }
 
+/* Frees the oldest cached blocks until at most `room` bytes stay cached. */
+static void cache_trim(cpu_state_t *s, uint64_t room) {
+  void *evicted[CPU_CACHE_SLOTS];
+  int nev = 0;
+  pthread_mutex_lock(&s->cache_mu);
+  while (s->ncache > 0 && s->cache_bytes > room) {
+    evicted[nev++] = s->cache[0].p;
+    s->cache_bytes -= s->cache[0].size;
+    memmove(&s->cache[0], &s->cache[1], (size_t)(s->ncache - 1) * sizeof s->cache[0]);
+    s->ncache--;
+  }
+  pthread_mutex_unlock(&s->cache_mu);
+  for (int i = 0; i < nev; i++) free(evicted[i]);
+}
+
 /* Frees every cached block; how many there were. */
 static int cache_drain(cpu_state_t *s) {
   pthread_mutex_lock(&s->cache_mu);
@@ -119,6 +137,10 @@ static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
   void *p = NULL;
   if (rounded < bytes) goto out; /* overflow */
   if (huge && (p = cache_take(st, rounded))) return p;
+  if (b->capacity) { /* live and cached bytes within the capacity */
+    uint64_t live = atomic_load(&b->allocated);
+    cache_trim(st, live < b->capacity ? b->capacity - live : 0);
+  }
   if (!(p = aligned_alloc(align, rounded)) && cache_drain(st)) p = aligned_alloc(align, rounded);
   if (p && huge) (void)madvise(p, rounded, MADV_HUGEPAGE); /* a hint */
 out:

@@ -16,6 +16,16 @@
  * 1 MiB: what the Python client measured best on loopback. */
 #define WRITE_CHUNK (2u << 20)
 #define READ_CHUNK (1u << 20)
+/* How long an upload waits, once its calls ended, for gRPC to let go of the
+ * messages that reference the caller's bytes before it closes the agents'
+ * connections (a peer that stopped reading holds them). */
+#define HOLD_WAIT_MS 2000
+/* Agent connections are pinged this often while calls run: an agent that
+ * stops answering (SIGSTOPped, its host gone) ends a send that its flow
+ * control holds, which neither the call's deadline nor a cancel ends in gRPC
+ * 1.51 (test_c_client: a_direct_upload_to_an_agent_that_stops_reading...). */
+#define DIRECT_PING_MS 2000
+#define DIRECT_PING_TIMEOUT_MS 5000
 /* How long FinishFetch of an abandoned fetch may take. */
 #define ABANDON_MS 300
 
@@ -320,6 +330,7 @@ static rpc_channel_t *agent_channel(direct_t *d, const char *address, const char
   rpc_channel_t *ch = rpc_channel_create(address, &(rpc_channel_opts_t){
       .max_message_bytes = 8 << 20, .own_connection = true,
       .connect_timeout_ms = DIRECT_CONNECT_MS,
+      .keepalive_ms = DIRECT_PING_MS, .keepalive_timeout_ms = DIRECT_PING_TIMEOUT_MS,
       .tls = {.on = *ca != '\0', .ca_pem = ca, .server_name = *name ? name : NULL}});
   chan_t c = {strdup(address), strdup(ca), strdup(name), ch};
   if (!ch || !c.address || !c.ca || !c.name ||
@@ -333,6 +344,20 @@ static rpc_channel_t *agent_channel(direct_t *d, const char *address, const char
   }
   d->chans[d->nchans++] = c;
   return ch;
+}
+
+/* Closes ch (a cached agent channel), which lets go of what its connection
+ * still held; the next transfer to that agent connects again. */
+static void drop_channel(direct_t *d, rpc_channel_t *ch) {
+  for (size_t i = 0; ch && i < d->nchans; i++)
+    if (d->chans[i].ch == ch) {
+      rpc_channel_destroy(ch);
+      free(d->chans[i].address);
+      free(d->chans[i].ca);
+      free(d->chans[i].name);
+      d->chans[i] = d->chans[--d->nchans];
+      return;
+    }
 }
 
 /* Whether the next transfer should try the direct path. */
@@ -466,6 +491,7 @@ typedef struct {
   uint8_t (*macs)[64];
   bool *ok;
   direct_err_t *errs;
+  rpc_hold_t *hold; /* the messages that reference data */
 } upload_t;
 
 static void write_shard(void *arg, size_t i) {
@@ -484,14 +510,15 @@ static void write_shard(void *arg, size_t i) {
   int rc = s ? 0 : -1;
   for (size_t off = 0; rc == 0 && off < u->each; off += WRITE_CHUNK) {
     size_t n = u->each - off < WRITE_CHUNK ? u->each - off : WRITE_CHUNK;
-    uint8_t *dst;
-    rpc_bytes_t *m = rpc_bytes_field(MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, n, &dst);
+    /* No copy: the message references the caller's bytes (u->hold counts it
+     * until gRPC lets go; direct_upload waits for that before it returns). */
+    rpc_bytes_t *m =
+        rpc_bytes_field_ref(MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, part + off, n, u->hold);
     if (!m) {
       direct_err_set(&u->errs[i], MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
       rpc_stream_cancel(s);
       break;
     }
-    memcpy(dst, part + off, n); /* the one copy: from the caller's buffer into the message */
     rc = rpc_stream_write_raw(s, m);
     rpc_bytes_free(m);
   }
@@ -572,8 +599,9 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   u.ok = calloc(n ? n : 1, sizeof *u.ok);
   u.errs = calloc(n ? n : 1, sizeof *u.errs);
   Meshd__V1__WriteReceipt **done = calloc(n ? n : 1, sizeof *done);
+  u.hold = rpc_hold_create();
   rpc_status_t st;
-  if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !done) {
+  if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !done || !u.hold) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
     finish_upload(s, p->transfer_id, NULL, 0, &st);
     rc = DIRECT_FAILED;
@@ -613,6 +641,15 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   if (rc == DIRECT_DONE)
     d->stats.direct_uploads++;
 out:
+  /* Not before gRPC let go of every message that references data: the caller
+   * may free it once we return. A connection whose peer stopped reading holds
+   * them until it closes: close it. */
+  if (u.hold && !rpc_hold_wait(u.hold, HOLD_WAIT_MS)) {
+    for (size_t i = 0; u.chans && i < n; i++)
+      drop_channel(d, u.chans[i]);
+    rpc_hold_wait(u.hold, -1);
+  }
+  rpc_hold_release(u.hold);
   free(u.chans);
   free(u.receipts);
   free(u.macs);

@@ -15,6 +15,7 @@
 
 #include "log.h"
 #include "rpc.h"
+#include "runtime.h"
 
 grpc_byte_buffer *wire_pack(const ProtobufCMessage *msg) {
   if (!msg) return NULL;
@@ -252,6 +253,75 @@ rpc_bytes_t *rpc_bytes_field(uint32_t field, size_t len, uint8_t **data) {
   grpc_slice s = grpc_slice_sub_no_ref(whole, pad, pad + h + len);
   grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(&s, 1);
   grpc_slice_unref(s); /* the buffer holds its own reference to the same bytes */
+  return buf;
+}
+
+struct rpc_hold {
+  pthread_mutex_t mu;
+  pthread_cond_t released;
+  size_t refs; /* the caller's, and one per message gRPC holds */
+  size_t held; /* messages gRPC holds */
+};
+
+rpc_hold_t *rpc_hold_create(void) {
+  rpc_hold_t *h = calloc(1, sizeof *h);
+  if (!h) return NULL;
+  pthread_mutex_init(&h->mu, NULL);
+  pthread_cond_init(&h->released, NULL);
+  h->refs = 1;
+  return h;
+}
+
+static void hold_unref_locked(rpc_hold_t *h) { /* unlocks; frees after the last */
+  bool last = --h->refs == 0;
+  pthread_mutex_unlock(&h->mu);
+  if (!last) return;
+  pthread_cond_destroy(&h->released);
+  pthread_mutex_destroy(&h->mu);
+  free(h);
+}
+
+static void hold_let_go(void *arg) { /* gRPC freed a message's referenced bytes */
+  rpc_hold_t *h = arg;
+  pthread_mutex_lock(&h->mu);
+  if (--h->held == 0) pthread_cond_broadcast(&h->released);
+  hold_unref_locked(h);
+}
+
+bool rpc_hold_wait(rpc_hold_t *h, int timeout_ms) {
+  struct timespec dl;
+  if (timeout_ms >= 0) runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
+  pthread_mutex_lock(&h->mu);
+  int rc = 0;
+  while (h->held > 0 && rc == 0)
+    rc = timeout_ms < 0 ? pthread_cond_wait(&h->released, &h->mu)
+                        : pthread_cond_timedwait(&h->released, &h->mu, &dl);
+  bool none = h->held == 0;
+  pthread_mutex_unlock(&h->mu);
+  return none;
+}
+
+void rpc_hold_release(rpc_hold_t *h) {
+  if (!h) return;
+  pthread_mutex_lock(&h->mu);
+  hold_unref_locked(h);
+}
+
+rpc_bytes_t *rpc_bytes_field_ref(uint32_t field, const void *data, size_t len, rpc_hold_t *hold) {
+  uint8_t head[20];
+  size_t h = varint_put(head, ((uint64_t)field << 3) | 2);
+  h += varint_put(head + h, len);
+  pthread_mutex_lock(&hold->mu);
+  hold->refs++;
+  hold->held++;
+  pthread_mutex_unlock(&hold->mu);
+  /* The slice's destroy runs once gRPC and we both let go of it (for len 0
+   * at once, below). */
+  grpc_slice s[2] = {grpc_slice_from_copied_buffer((const char *)head, h),
+                     grpc_slice_new_with_user_data((void *)data, len, hold_let_go, hold)};
+  grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(s, 2);
+  grpc_slice_unref(s[0]);
+  grpc_slice_unref(s[1]);
   return buf;
 }
 

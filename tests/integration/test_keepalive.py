@@ -212,3 +212,41 @@ def test_a_call_in_flight_keeps_its_session_and_deadlines_end_waits(meshd_server
     with open(srv.log, errors="replace") as f:
         assert f"session {s.id}" not in "".join(l for l in f if "expired" in l), \
             lib.log_tail(srv.log)
+
+
+def test_an_upload_to_a_stopped_agent_ends_and_the_server_goes_on(meshd_server):
+    """An Upload the server relays to an agent that stops reading (SIGSTOPped) mid-way
+    ends with an error naming the rank within bounded time (the C client's direct
+    upload to such an agent hung past its deadline: test_c_client), and once the agent
+    is back a new session computes on both ranks."""
+    srv = lib.wait_ready(meshd_server(2, "--agent-timeout", 30), 2)
+    pid = agent_pid(srv, 1)
+    t = lib.tensor_pb2()
+    each = 48 << 20  # far past what the sockets and windows buffer
+    chunk = b"\x01" * (1 << 20)
+    with Session(srv.port, "up-to-stopped", timeout=60) as s:
+        m = s.mesh(gpu=2).ref
+        fn = s.ch.stream_unary(_SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+
+        def chunks():
+            yield t.UploadChunk(header=t.UploadHeader(ref=s.new_ref(), mesh=m, shape=[each],
+                                                      dtype=lib.dtype("uint8"), per_rank=True))
+            for _ in range(2 * each // len(chunk)):
+                yield t.UploadChunk(data=chunk)
+        with stopped(pid):
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                fn(chunks(), metadata=s.metadata, timeout=60)
+            took = time.monotonic() - t0
+        assert took < 40, f"the upload took {took:.1f} s"
+        assert "rank 1" in (e.value.details() or ""), e.value.details()
+    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1], timeout=30,
+                    what="ranks 0 and 1 healthy after SIGCONT", log=srv.log)
+    with Session(srv.port, "after-stopped-upload", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        x = s.run(factory(s.new_ref(), m, "full", (3,), value=2.0)).tensors[0]
+        y = s.run(reduce(s.new_ref(), x.ref, ["gpu"], "sum")).tensors[0]
+        assert not s.run(sync(), timeout=30).errors
+        assert fetch_f32(s, y.ref, gpu=1) == [4.0] * 3
+    print(f"the upload to a stopped agent ended after {took:.1f} s: {e.value.details()}")

@@ -1624,6 +1624,47 @@ static meshd_session_t *session_on_mesh(meshd_client_t *c, meshd_ref_t *m) {
   return s;
 }
 
+/* A direct upload's messages reference the caller's buffer. To an agent that
+ * stops reading mid-transfer (SIGSTOPped), the upload ends by the client's
+ * deadline, and returns only once gRPC let go of those messages (the
+ * connection to that agent is closed if need be): the buffer is freed at once
+ * after, which ASan would catch if anything still read it. A send that the
+ * agent's flow control held outlived the deadline and a cancel in gRPC 1.51:
+ * the client's pings to the agent end it. */
+Test(c_client, a_direct_upload_to_an_agent_that_stops_reading_lets_go_of_the_buffer) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 3000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  pid_t pid = agent_pid(1);
+  cr_assert_gt(pid, 0, "no rank-1 agent child of meshd %d", (int)server_pid);
+  stop_agent(pid);
+  size_t each = 48u << 20; /* far past what the sockets and windows buffer */
+  uint8_t *data = malloc(2 * each);
+  cr_assert_not_null(data);
+  fill(data, 2 * each, 5);
+  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
+  o.per_rank = true;
+  int64_t shape[] = {(int64_t)each};
+  meshd_ref_t t = 0;
+  int64_t t0 = now_ms();
+  meshd_err_t rc = meshd_session_upload_with(s, m, "uint8", shape, 1, data, 2 * each, &o, &t);
+  int64_t took = now_ms() - t0;
+  free(data);
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_neq(rc, MESHD_E_OK, "an upload to a stopped agent succeeded");
+  const char *msg = meshd_last_error(c)->message;
+  cr_assert(strstr(msg, "rank 1"), "%s", msg);
+  cr_assert_lt(took, 12000, "the upload took %lld ms (deadline 3000 ms): %s", (long long)took,
+               msg);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* The default server (--data-path=auto): DIRECT moves a sharded tensor straight
  * between the buffers and both agents (2 MiB a rank: several messages each way),
  * PROXY through the server, AUTO takes the direct path here; a directly

@@ -1720,6 +1720,49 @@ Test(rpc, a_one_field_messages_bytes_are_aligned_for_any_element) {
 
 /* rpc_stream_read_raw hands a reply over packed; rpc_bytes_read copies any
  * message, in however many slices it came, into one reused buffer that grows. */
+/* rpc_bytes_field_ref: a message around the caller's bytes, not a copy of
+ * them. Its hold counts it until gRPC lets go (and the sender's own
+ * reference); the bytes arrive whole, and a change to the caller's buffer
+ * after the send shows that they were not copied when the message was made. */
+Test(rpc, a_message_can_reference_the_callers_bytes_until_grpc_lets_go) {
+  static uint8_t data[300000];
+  for (size_t k = 0; k < sizeof data; k++) data[k] = (uint8_t)(k * 31 + 7);
+  rpc_hold_t *h = rpc_hold_create();
+  cr_assert_not_null(h);
+  cr_assert(rpc_hold_wait(h, 0), "nothing held yet");
+  rpc_bytes_t *m = rpc_bytes_field_ref(2, data, sizeof data, h);
+  cr_assert_not_null(m);
+  size_t len = 0;
+  cr_assert(rpc_bytes_is_field(m, 2, &len));
+  cr_assert_eq(len, sizeof data);
+  cr_assert_not(rpc_hold_wait(h, 0), "the message is held");
+  data[5] = 0xee; /* referenced, not copied: the message sees it */
+
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 5000);
+  cr_assert_not_null(s);
+  cr_assert_eq(rpc_stream_write_raw(s, m), 0);
+  rpc_bytes_free(m);
+  cr_assert_eq(rpc_stream_close_send(s), 0);
+  ProtobufCMessage *got = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &got, 5000), 1);
+  EchoReply *rep = (EchoReply *)got;
+  cr_assert_eq(rep->payload.len, sizeof data);
+  cr_assert_eq(rep->payload.data[5], 0xee);
+  cr_assert_arr_eq(rep->payload.data, data, sizeof data);
+  free_reply(rep);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+  cr_assert(rpc_hold_wait(h, 5000), "gRPC still holds the message after the call");
+  rpc_hold_release(h);
+
+  /* Let go of before it was sent: the hold is free at once. */
+  h = rpc_hold_create();
+  m = rpc_bytes_field_ref(2, data, 10, h);
+  rpc_bytes_free(m);
+  cr_assert(rpc_hold_wait(h, 0));
+  rpc_hold_release(h);
+}
+
 Test(rpc, raw_stream_reads_into_one_growing_buffer) {
   rpc_stream_t *s = rpc_stream_open(ch, ECHO_BIDI, NULL, 0, 5000);
   cr_assert_not_null(s);
