@@ -276,6 +276,10 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   j->chunk = req->max_chunk_bytes ? req->max_chunk_bytes : CHUNK_DEFAULT;
   if (j->chunk > CHUNK_MAX) j->chunk = CHUNK_MAX;
   rpc_call_ref(call);
+  if (ready) { /* nothing to wait for: no thread (a start cost ~0.5 ms, a 1 MiB Read's time) */
+    read_run(j);
+    return;
+  }
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
