@@ -1651,17 +1651,6 @@ meshd_err_t meshd_session_fetch_timeout(meshd_session_t *s, meshd_ref_t tensor,
   return meshd_session_fetch_with(s, tensor, dims, index, ncoords, &o, out);
 }
 
-/* One piece of a data chunk, as rpc_bytes_field_visit hands it, to the sink. */
-typedef struct {
-  const direct_sink_t *k;
-  direct_err_t *e;
-} fetch_piece_t;
-
-static int fetch_piece(const uint8_t *p, size_t n, void *arg) {
-  fetch_piece_t *f = arg;
-  return f->k->data(f->k->arg, p, n, f->e);
-}
-
 /* Whether a data chunk of len bytes may come now: after the meta, within
  * the bytes it describes. False having set e. */
 static bool fetch_data_fits(direct_err_t *e, bool have_meta, uint64_t got, uint64_t want,
@@ -1698,7 +1687,7 @@ static int proxy_msg(void *arg, size_t i, rpc_bytes_t *raw) {
   bool stop = false;
   if (rpc_bytes_is_field(raw, MESHD__V1__FETCH_CHUNK__PART_DATA, &len)) {
     stop = !fetch_data_fits(e, p->have_meta, p->got, p->want, len) ||
-           (len && rpc_bytes_field_visit(raw, fetch_piece, &(fetch_piece_t){k, e}) != 0);
+           (len && direct_sink_field(k, raw, e) != 0);
     p->got += len;
     return stop;
   }

@@ -690,11 +690,15 @@ static bool shard_fits(fetch_t *f, size_t i, uint64_t got, size_t len) {
 typedef struct {
   const direct_sink_t *k;
   direct_err_t *e;
-} shard_piece_t;
+} sink_piece_t;
 
-static int shard_piece(const uint8_t *p, size_t n, void *arg) {
-  shard_piece_t *sp = arg;
+static int sink_piece(const uint8_t *p, size_t n, void *arg) {
+  sink_piece_t *sp = arg;
   return sp->k->data(sp->k->arg, p, n, sp->e);
+}
+
+int direct_sink_field(const direct_sink_t *k, rpc_bytes_t *msg, direct_err_t *e) {
+  return rpc_bytes_field_visit(msg, sink_piece, &(sink_piece_t){k, e});
 }
 
 /* A message of shard i's Agent/Read: a data chunk's bytes go to the sink from
@@ -709,7 +713,7 @@ static int shard_msg(void *arg, size_t i, rpc_bytes_t *raw) {
   int rc = 0;
   if (rpc_bytes_is_field(raw, MESHD__AGENT__V1__DATA_CHUNK__PART_DATA, &len)) {
     rc = shard_fits(f, i, f->got[i], len) ? 0 : -1;
-    if (rc == 0 && len) rc = rpc_bytes_field_visit(raw, shard_piece, &(shard_piece_t){k, e});
+    if (rc == 0 && len) rc = direct_sink_field(k, raw, e);
     f->got[i] += len;
     return rc;
   }

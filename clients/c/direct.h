@@ -114,6 +114,10 @@ void direct_pull_all(size_t n, const direct_call_t *calls, int timeout_ms,
                                     const rpc_status_t *st, bool cancelled),
                      void *arg);
 
+/* A message that rpc_bytes_is_field accepted: its bytes to k->data, piece by
+ * piece as they lie in the message (the one copy). 0, or k->data's error. */
+int direct_sink_field(const direct_sink_t *k, rpc_bytes_t *msg, direct_err_t *e);
+
 /* Bytes per element of a DType (float16 and bfloat16: 2); 0 if unknown. */
 size_t direct_dtype_bytes(int dtype);
 
