@@ -18,7 +18,9 @@ each size, times:
   and from the agents with PlanTransfer grants, all shards in parallel.
 With N agents the tensor is sharded: Upload per_rank (a 1/N slice per rank) and Fetch
 of every shard, all in flight together. Each figure is the best MB/s of --rounds
-runs (machines here are noisy), and its ratio to raw of the same direction and size.
+runs (machines here are noisy), and its ratio to raw of the same direction and size,
+whose rounds alternate with the path's (ratio: best over best; ratio_median: the
+median over rounds of path over baseline of the same round).
 One JSON line per (agents, size, path, direction) on stdout.
 
 Use Debian's /usr/bin/python3 (grpcio, numpy); generated modules come from
@@ -29,6 +31,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,20 +152,36 @@ def wire_fetch(s, ref, nagents, pool):
     return sum(pool.map(one, range(nagents)))
 
 
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def best(fn, rounds):
-    times = []
+    return min(timed(fn) for _ in range(rounds))
+
+
+def paired(fn, rounds, raw_fn=None):
+    """(best seconds of fn, best seconds of raw_fn, median over rounds of raw / fn
+    seconds): each round of fn runs right after a round of the baseline raw_fn, so
+    that both see the same machine (a baseline measured once, apart, drifts)."""
+    ts, rs, ratios = [], [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        r = timed(raw_fn) if raw_fn else None
+        t = timed(fn)
+        ts.append(t)
+        if r is not None:
+            rs.append(r)
+            ratios.append(r / t)
+    return min(ts), (min(rs) if rs else None), (statistics.median(ratios) if ratios else None)
 
 
 def emit(out, **kw):
     print(json.dumps(kw), file=out, flush=True)
 
 
-def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags=()):
+def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags=(), raw_ch=None):
     import meshd
     work = tempfile.mkdtemp(prefix="meshd-bench-data-")
     srv = lib.spawn("meshd", lib.MESHD, ["--listen", "127.0.0.1:0", "--local-agents",
@@ -179,6 +198,11 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
         for mib in sizes:
             nbytes = mib * MIB
             figures = {}
+            base_fn = {"upload": (lambda: raw_upload(raw_ch, nbytes, chunk)) if raw_ch else None,
+                       "fetch": (lambda: raw_fetch(raw_ch, nbytes, chunk)) if raw_ch else None}
+
+            def measure(fn, direction, n=rounds):
+                return paired(fn, n, base_fn[direction] if n == rounds else None)
             for path in paths:
                 if path == "wire":
                     refs = []
@@ -186,10 +210,11 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                     def up():
                         refs.append(wire_upload(s, mesh, nagents, nbytes, chunk))
                         s.run(lib.sync())
-                    figures[("wire", "upload")] = best(up, rounds if "upload" in directions else 1)
+                    figures[("wire", "upload")] = measure(
+                        up, "upload", rounds if "upload" in directions else 1)
                     if "fetch" in directions:
-                        figures[("wire", "fetch")] = best(
-                            lambda: wire_fetch(s, refs[-1], nagents, pool), rounds)
+                        figures[("wire", "fetch")] = measure(
+                            lambda: wire_fetch(s, refs[-1], nagents, pool), "fetch")
                     s.run(lib.drop(*refs))
                 elif path in ("client", "direct"):
                     client, cmesh = clients[path], cmeshes[path]
@@ -200,8 +225,8 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                         def up():
                             held.append(meshd.tensor(arr, shard="gpu" if nagents > 1 else None))
                             client.sync()
-                        figures[(path, "upload")] = best(
-                            up, rounds if "upload" in directions else 1)
+                        figures[(path, "upload")] = measure(
+                            up, "upload", rounds if "upload" in directions else 1)
                         x = held[-1]
 
                         def down():
@@ -209,19 +234,22 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                             for f in futs:
                                 f.result()
                         if "fetch" in directions:
-                            figures[(path, "fetch")] = best(down, rounds)
+                            figures[(path, "fetch")] = measure(down, "fetch")
                     if path == "direct":
                         assert client._direct.counts["fetch"] > 0, "the direct path was not taken"
                     for t in held:
                         t.drop()
                     del held, x, arr
-            for (path, direction), secs in figures.items():
+            for (path, direction), (secs, raw_secs, median) in figures.items():
+                if direction not in directions:
+                    continue  # uploaded once, only to be fetched: no figure
                 mbs = nbytes / secs / 1e6
-                base = raw.get((direction, mib))
+                base = nbytes / raw_secs / 1e6 if raw_secs else raw.get((direction, mib))
                 emit(out, bench="data", agents=nagents, mib=mib, path=path, direction=direction,
                      chunk_mib=chunk // MIB, mb_s=round(mbs, 1),
                      raw_mb_s=round(base, 1) if base else None,
-                     ratio=round(mbs / base, 3) if base else None)
+                     ratio=round(mbs / base, 3) if base else None,
+                     ratio_median=round(median, 3) if median else None)
         for c in clients.values():
             c.close()
         s.close()
@@ -262,14 +290,16 @@ def main():
                 raw[(direction, mib)] = nbytes / secs / 1e6
                 emit(sys.stdout, bench="data", mib=mib, path="raw", direction=direction,
                      chunk_mib=a.chunk_mib, mb_s=round(raw[(direction, mib)], 1), ratio=1.0)
+        # Each path's rounds alternate with rounds of the baseline (raw_mb_s, ratio and
+        # ratio_median of its line); the lines above are the baseline alone, for charts.
+        for n in (int(x) for x in a.agents.split(",")):
+            run_agents(n, sizes, chunk, a.rounds, raw, a.paths.split(","),
+                       a.directions.split(","), sys.stdout, a.extra, raw_ch=ch)
         ch.close()
     finally:
         rawp.terminate()
         rawp.wait(10)
         shutil.rmtree(work, ignore_errors=True)
-    for n in (int(x) for x in a.agents.split(",")):
-        run_agents(n, sizes, chunk, a.rounds, raw, a.paths.split(","), a.directions.split(","),
-                   sys.stdout, a.extra)
 
 
 if __name__ == "__main__":
