@@ -68,7 +68,7 @@ static void *cache_take(cpu_state_t *s, size_t size) {
   for (int i = s->ncache - 1; i >= 0; i--) /* the newest: its pages are the warmest */
     if (s->cache[i].size == size) {
       p = s->cache[i].p;
-      s->cache_bytes -= size;
+      atomic_fetch_sub(&s->cache_bytes, size);
       memmove(&s->cache[i], &s->cache[i + 1], (size_t)(s->ncache - i - 1) * sizeof s->cache[0]);
       s->ncache--;
       break;
@@ -77,8 +77,22 @@ static void *cache_take(cpu_state_t *s, size_t size) {
   return p;
 }
 
-/* Keeps p (size bytes) for a later alloc, or frees it; frees what it evicts
- * outside the lock. */
+/* Takes the oldest cached blocks out (into out[], their count returned) until
+ * `size` more bytes fit within `room` and a slot is free (size 0: until at
+ * most `room` stay cached). Holds cache_mu; the caller frees them unlocked. */
+static int evict_locked(cpu_state_t *s, size_t size, size_t room, void **out) {
+  int n = 0;
+  while (s->ncache > 0 && (atomic_load(&s->cache_bytes) + size > room ||
+                           (size && s->ncache == CPU_CACHE_SLOTS))) {
+    out[n++] = s->cache[0].p;
+    atomic_fetch_sub(&s->cache_bytes, s->cache[0].size);
+    memmove(&s->cache[0], &s->cache[1], (size_t)(s->ncache - 1) * sizeof s->cache[0]);
+    s->ncache--;
+  }
+  return n;
+}
+
+/* Keeps p (size bytes) for a later alloc, or frees it. */
 static void cache_put(cpu_state_t *s, void *p, size_t size) {
   void *evicted[CPU_CACHE_SLOTS + 1];
   int nev = 0;
@@ -86,47 +100,27 @@ static void cache_put(cpu_state_t *s, void *p, size_t size) {
   if (size > s->cache_max) {
     evicted[nev++] = p;
   } else {
-    while (s->ncache > 0 &&
-           (s->ncache == CPU_CACHE_SLOTS || s->cache_bytes + size > s->cache_max)) {
-      evicted[nev++] = s->cache[0].p;
-      s->cache_bytes -= s->cache[0].size;
-      memmove(&s->cache[0], &s->cache[1], (size_t)(s->ncache - 1) * sizeof s->cache[0]);
-      s->ncache--;
-    }
+    nev = evict_locked(s, size, s->cache_max, evicted);
     s->cache[s->ncache++] = (cpu_block_t){p, size};
-    s->cache_bytes += size;
+    atomic_fetch_add(&s->cache_bytes, size);
   }
   pthread_mutex_unlock(&s->cache_mu);
   for (int i = 0; i < nev; i++) free(evicted[i]);
 }
 
-/* Frees the oldest cached blocks until at most `room` bytes stay cached. */
-static void cache_trim(cpu_state_t *s, uint64_t room) {
+/* Frees the oldest cached blocks until at most `room` bytes stay cached; how
+ * many it freed. */
+static int cache_trim(cpu_state_t *s, size_t room) {
+  if (atomic_load(&s->cache_bytes) <= room) return 0; /* the common case: no lock */
   void *evicted[CPU_CACHE_SLOTS];
-  int nev = 0;
   pthread_mutex_lock(&s->cache_mu);
-  while (s->ncache > 0 && s->cache_bytes > room) {
-    evicted[nev++] = s->cache[0].p;
-    s->cache_bytes -= s->cache[0].size;
-    memmove(&s->cache[0], &s->cache[1], (size_t)(s->ncache - 1) * sizeof s->cache[0]);
-    s->ncache--;
-  }
+  int nev = evict_locked(s, 0, room, evicted);
   pthread_mutex_unlock(&s->cache_mu);
   for (int i = 0; i < nev; i++) free(evicted[i]);
+  return nev;
 }
 
-/* Frees every cached block; how many there were. */
-static int cache_drain(cpu_state_t *s) {
-  pthread_mutex_lock(&s->cache_mu);
-  int n = s->ncache;
-  cpu_block_t blocks[CPU_CACHE_SLOTS];
-  memcpy(blocks, s->cache, (size_t)n * sizeof blocks[0]);
-  s->ncache = 0;
-  s->cache_bytes = 0;
-  pthread_mutex_unlock(&s->cache_mu);
-  for (int i = 0; i < n; i++) free(blocks[i].p);
-  return n;
-}
+static int cache_drain(cpu_state_t *s) { return cache_trim(s, 0); }
 
 static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
   if (!backend_reserve(b, bytes)) return NULL;

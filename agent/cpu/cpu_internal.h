@@ -29,7 +29,8 @@ typedef struct cpu_state {
   pthread_mutex_t cache_mu;
   cpu_block_t cache[CPU_CACHE_SLOTS]; /* oldest first */
   int ncache;
-  size_t cache_bytes, cache_max;
+  _Atomic size_t cache_bytes; /* changed under cache_mu; read without it as a hint */
+  size_t cache_max;
 } cpu_state_t;
 
 /* ---- loads and stores: floating values as double, integral ones as int64 ---- */

@@ -1714,13 +1714,11 @@ static int proxy_msg(void *arg, size_t i, rpc_bytes_t *raw) {
 }
 
 /* How part i's Fetch ended; the first error of the part stands. */
-static void proxy_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st,
-                      bool cancelled) {
+static void proxy_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st) {
   proxy_fetch_t *f = arg;
   proxy_part_t *p = &f->parts[i];
   direct_err_t *e = p->e;
-  (void)cancelled; /* a stopped part's error is set already */
-  if (e->err != MESHD_E_OK)
+  if (e->err != MESHD_E_OK) /* a part its message stopped: its error is set already */
     return;
   if (code == GRPC_STATUS_DEADLINE_EXCEEDED) {
     direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",

@@ -265,7 +265,7 @@ static void pull_got(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
 void direct_pull_all(size_t n, const direct_call_t *calls, int timeout_ms,
                      int (*on_msg)(void *arg, size_t i, rpc_bytes_t *msg),
                      void (*on_end)(void *arg, size_t i, grpc_status_code code,
-                                    const rpc_status_t *st, bool cancelled),
+                                    const rpc_status_t *st),
                      void *arg) {
   pull_group_t g = {.head = NULL};
   pthread_mutex_init(&g.mu, NULL);
@@ -290,7 +290,7 @@ void direct_pull_all(size_t n, const direct_call_t *calls, int timeout_ms,
     st.code = GRPC_STATUS_UNAVAILABLE;
     snprintf(st.message, sizeof st.message, "cannot start the call (%s)",
              ones && pulls && cancelled ? "no channel" : "out of memory");
-    on_end(arg, i, GRPC_STATUS_UNAVAILABLE, &st, false);
+    on_end(arg, i, GRPC_STATUS_UNAVAILABLE, &st);
   }
   pthread_mutex_lock(&g.mu);
   while (left > 0) {
@@ -321,7 +321,7 @@ void direct_pull_all(size_t n, const direct_call_t *calls, int timeout_ms,
       rpc_status_t st;
       memset(&st, 0, sizeof st);
       grpc_status_code code = rpc_pull_status(p, &st);
-      on_end(arg, q->i, code, &st, cancelled[q->i]);
+      on_end(arg, q->i, code, &st);
       left--;
     }
     if (q != &o->end)
@@ -778,8 +778,7 @@ static int shard_msg(void *arg, size_t i, rpc_bytes_t *raw) {
 }
 
 /* How shard i's Agent/Read ended; the first error of the shard stands. */
-static void shard_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st,
-                      bool cancelled) {
+static void shard_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st) {
   fetch_t *f = arg;
   const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
   direct_err_t *e = &f->errs[i];
@@ -796,7 +795,6 @@ static void shard_end(void *arg, size_t i, grpc_status_code code, const rpc_stat
                    "direct fetch, rank %u (agent %s): got %llu bytes where the TensorMeta needs "
                    "%llu", sh->rank, sh->address, (unsigned long long)f->got[i],
                    (unsigned long long)f->want[i]);
-  (void)cancelled; /* a cancelled shard's error is set already */
 }
 
 /* Every shard's Agent/Read at once, each under its grant. */

@@ -97,8 +97,8 @@ int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg);
 /* n server-streaming calls (calls[i]: one request, then messages until the
  * status) read at once: the rpc layer's one pull thread takes their messages
  * and queues them, and the calling thread runs on_msg(arg, i, msg) for each
- * (packed; the helper frees it; 0 for the next, non-zero cancels the call) and
- * then on_end(arg, i, code, st, cancelled) (cancelled: on_msg asked to). A
+ * (packed; the helper frees it; 0 for the next, non-zero cancels the call and
+ * no more of its messages are handed on) and then on_end(arg, i, code, st). A
  * thread per call took turns as gRPC's poller: 1.7 times the client CPU per GB
  * over 4 shards. Returns once every call ended (each has its own deadline,
  * timeout_ms); a call that cannot start ends at once with UNAVAILABLE. */
@@ -112,7 +112,7 @@ typedef struct direct_call {
 void direct_pull_all(size_t n, const direct_call_t *calls, int timeout_ms,
                      int (*on_msg)(void *arg, size_t i, rpc_bytes_t *msg),
                      void (*on_end)(void *arg, size_t i, grpc_status_code code,
-                                    const rpc_status_t *st, bool cancelled),
+                                    const rpc_status_t *st),
                      void *arg);
 
 /* A message that rpc_bytes_is_field accepted: its bytes to k->data, piece by

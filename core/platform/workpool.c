@@ -114,18 +114,11 @@ int workpool_run(workpool_t *p, void (*fn)(void *arg), void *arg) {
   return -1;
 }
 
-int workpool_threads(workpool_t *p) {
+workpool_stats_t workpool_stats(workpool_t *p) {
   pthread_mutex_lock(&p->mu);
-  int n = p->threads;
+  workpool_stats_t st = {p->threads, p->parked};
   pthread_mutex_unlock(&p->mu);
-  return n;
-}
-
-int workpool_parked(workpool_t *p) {
-  pthread_mutex_lock(&p->mu);
-  int n = p->parked;
-  pthread_mutex_unlock(&p->mu);
-  return n;
+  return st;
 }
 
 void workpool_destroy(workpool_t *p) {

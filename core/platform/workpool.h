@@ -19,9 +19,11 @@ typedef struct workpool workpool_t;
 workpool_t *workpool_create(const char *name, int max_parked, int park_ms);
 /* 0, or -1 when no thread could start (fn did not run). */
 int workpool_run(workpool_t *p, void (*fn)(void *arg), void *arg);
-/* Threads alive now (running a job or parked), and those parked. */
-int workpool_threads(workpool_t *p);
-int workpool_parked(workpool_t *p);
+/* Threads alive now (running a job or parked), and those of them parked. */
+typedef struct workpool_stats {
+  int threads, parked;
+} workpool_stats_t;
+workpool_stats_t workpool_stats(workpool_t *p);
 /* Wakes the parked threads and waits until every thread of the pool ended
  * (a job still running finishes first). NULL is a no-op. */
 void workpool_destroy(workpool_t *p);

@@ -36,8 +36,8 @@ static int wait_for(_Atomic int *v, int want) {
 
 static int wait_threads(workpool_t *p, int want) {
   int64_t end = rpc_now_ms() + 5000;
-  while (workpool_threads(p) != want && rpc_now_ms() < end) usleep(1000);
-  return workpool_threads(p);
+  while (workpool_stats(p).threads != want && rpc_now_ms() < end) usleep(1000);
+  return workpool_stats(p).threads;
 }
 
 Test(workpool, a_job_after_another_runs_on_the_parked_thread) {
@@ -49,9 +49,9 @@ Test(workpool, a_job_after_another_runs_on_the_parked_thread) {
     cr_assert_eq(workpool_run(p, count, NULL), 0);
     cr_assert_eq(wait_for(&ran, i + 1), i + 1);
     int64_t end = rpc_now_ms() + 5000; /* it parks right after the job */
-    while (workpool_parked(p) != 1 && rpc_now_ms() < end) usleep(100);
+    while (workpool_stats(p).parked != 1 && rpc_now_ms() < end) usleep(100);
   }
-  cr_assert_eq(workpool_threads(p), 1, "one parked thread, not one per job");
+  cr_assert_eq(workpool_stats(p).threads, 1, "one parked thread, not one per job");
   cr_assert_eq(atomic_load(&distinct), 1, "%d threads ran the 20 jobs", atomic_load(&distinct));
   workpool_destroy(p);
 }
@@ -60,7 +60,7 @@ Test(workpool, at_most_max_parked_wait_and_they_leave_after_park_ms) {
   atomic_store(&ran, 0);
   workpool_t *p = workpool_create("test", 2, 300);
   for (int i = 0; i < 5; i++) cr_assert_eq(workpool_run(p, slow, (void *)(intptr_t)100), 0);
-  cr_assert_eq(workpool_threads(p), 5, "five jobs at once: five threads");
+  cr_assert_eq(workpool_stats(p).threads, 5, "five jobs at once: five threads");
   cr_assert_eq(wait_for(&ran, 5), 5);
   cr_assert_eq(wait_threads(p, 2), 2, "only two stay parked");
   cr_assert_eq(wait_threads(p, 0), 0, "parked threads leave after park_ms");
