@@ -437,9 +437,33 @@ def run(binary, args, env=None, timeout=20):
                           text=True, env=clean_env(env), timeout=timeout)
 
 
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
-    """A port nothing listens on (bound and released; good enough on loopback)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A port nothing listens on, to be bound later by a process we start: taken
+    below the kernel's ephemeral range, so that no other process's port-0 bind (an
+    agent's data plane, any client socket) can land on it in between, as one did
+    in test_first_minutes; bound and released to check it is free."""
+    lo, _ = _ephemeral_range()
+    import random
+    for _ in range(200):
+        port = random.randint(max(1024, lo - 12000), lo - 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            s.close()
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # the range below is full: any
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
