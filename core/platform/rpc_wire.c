@@ -3,6 +3,7 @@
 #include "proto_check.h"
 
 #include <grpc/byte_buffer_reader.h>
+#include <openssl/crypto.h>
 #include <grpc/slice.h>
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
@@ -165,7 +166,16 @@ static void grpc_log(gpr_log_func_args *a) {
 
 void rpc_init(void) {
   pthread_mutex_lock(&init_mu);
-  if (init_count == 0) gpr_set_log_function(grpc_log);
+  if (init_count == 0) {
+    gpr_set_log_function(grpc_log);
+    /* OpenSSL (gRPC's TLS) frees its globals at exit unless told not to, and a
+     * gRPC thread that made a TLS handshake may still be running then (an agent
+     * stopped while it retries a refused registration): its per-thread random
+     * generators, freed by a thread-exit hook that the clean-up removed, leak.
+     * Kept, they stay reachable, and the kernel takes them with the process.
+     * First call wins; a process that used OpenSSL before this keeps its choice. */
+    OPENSSL_init_crypto(OPENSSL_INIT_NO_ATEXIT, NULL);
+  }
   if (init_count++ == 0) grpc_init();
   pthread_mutex_unlock(&init_mu);
 }

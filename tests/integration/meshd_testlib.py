@@ -633,15 +633,17 @@ SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime e
                    "WARNING: ThreadSanitizer")
 
 
-def sanitizer_report(log_path):
-    """The first line of a sanitizer report in the log, or None."""
+def sanitizer_report(log_path, lines=40):
+    """The first sanitizer report in the log, its first line and up to `lines` more
+    (the stacks: a report at a process's exit is past any log tail's reach), or None."""
     try:
         with open(log_path, errors="replace") as f:
-            for line in f:
-                if any(m in line for m in SANITIZER_MARKS):
-                    return line.strip()
+            text = f.read().splitlines()
     except FileNotFoundError:
-        pass
+        return None
+    for i, line in enumerate(text):
+        if any(m in line for m in SANITIZER_MARKS):
+            return "\n".join(text[i:i + 1 + lines]).strip()
     return None
 
 
