@@ -171,10 +171,12 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
    * the message, which the last of them frees when done (no copy each). */
   rpc_kept_t *kept = taken ? rpc_call_keep_message(call) : NULL;
   executor_batch_t *held = kept ? executor_batch_new(kept) : NULL;
+  executor_submit_begin(x->ex);
   for (size_t i = 0; i < taken; i++) {
     if (held) executor_submit_in(x->ex, b->instructions[i], held);
     else executor_submit(x->ex, b->instructions[i]); /* copies */
   }
+  executor_submit_end(x->ex);
   if (held) executor_batch_release(held);
   else rpc_kept_free(kept);
 

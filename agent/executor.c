@@ -47,6 +47,10 @@ typedef struct item {
 typedef struct xsession xsession_t;
 
 /* One (session, stream) queue and its worker. Fields guarded by executor.mu. */
+/* Streams one batch's deferred wake-ups track; past it, a stream is woken at
+ * once, as outside a batch. */
+#define WAKE_MAX 16
+
 typedef struct xstream {
   uint64_t id;
   xsession_t *sess;
@@ -56,6 +60,7 @@ typedef struct xstream {
    * seqs run but waiting for their device work (0: none). */
   uint64_t running, unsynced_first;
   bool stop; /* the session ended: drop what is queued (not run), then exit */
+  bool wake_deferred; /* in executor.wake */
   pthread_cond_t wake;
   UT_hash_handle hh;
 } xstream_t;
@@ -102,6 +107,10 @@ struct executor {
   pthread_t reporter;
   bool has_reporter;
   _Atomic int refs;
+  /* executor_submit_begin..end: streams to wake at the end, each once (mu). */
+  bool deferring;
+  size_t nwake;
+  xstream_t *wake[WAKE_MAX];
   int workers; /* worker threads alive, parked ones too (mu) */
   idle_worker_t *idle; /* parked workers (mu) */
   int nidle;
@@ -575,9 +584,43 @@ fail:
 
 /* ------------------------------------------------------------------ routing */
 
+/* Wakes the streams executor_submit_begin deferred. Holds mu. */
+static void wake_deferred_locked(executor_t *x) {
+  for (size_t i = 0; i < x->nwake; i++) {
+    x->wake[i]->wake_deferred = false;
+    pthread_cond_signal(&x->wake[i]->wake);
+  }
+  x->nwake = 0;
+}
+
+/* A stream got work: its worker wakes now, or at the batch's end. Holds mu. */
+static void wake_stream_locked(executor_t *x, xstream_t *st) {
+  if (st->wake_deferred) return;
+  if (x->deferring && x->nwake < WAKE_MAX) {
+    st->wake_deferred = true;
+    x->wake[x->nwake++] = st;
+    return;
+  }
+  pthread_cond_signal(&st->wake);
+}
+
+void executor_submit_begin(executor_t *x) {
+  pthread_mutex_lock(&x->mu);
+  x->deferring = true;
+  pthread_mutex_unlock(&x->mu);
+}
+
+void executor_submit_end(executor_t *x) {
+  pthread_mutex_lock(&x->mu);
+  x->deferring = false;
+  wake_deferred_locked(x);
+  pthread_mutex_unlock(&x->mu);
+}
+
 /* Ends a session: its workers stop after their queues; the last one frees it
  * and completes `seq`. Holds mu; returns a session to free now (no workers). */
 static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq) {
+  wake_deferred_locked(x); /* its streams may end and be freed before the batch's end */
   HASH_DEL(x->sessions, s);
   s->end_seq = seq;
   session_state_close(s->state); /* waits (a hung instruction) end; nothing reads it after */
@@ -674,7 +717,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       else st->head = it;
       st->tail = it;
       it = NULL;
-      pthread_cond_signal(&st->wake);
+      wake_stream_locked(x, st);
     }
   }
   if (done_now && !to_free) mark_done_locked(x, ins->seq);

@@ -81,6 +81,12 @@ executor_batch_t *executor_batch_new(rpc_kept_t *kept);
 void executor_batch_release(executor_batch_t *b);
 int executor_submit_in(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
                        executor_batch_t *b);
+/* Between these two, the streams that instructions were queued on are woken
+ * once, at executor_submit_end, instead of at each instruction: a worker that
+ * keeps up with the queue would otherwise sleep and wake once per instruction
+ * of a batch. The Execute handler brackets each batch's submits. */
+void executor_submit_begin(executor_t *x);
+void executor_submit_end(executor_t *x);
 /* The reporter sends a report soon even if nothing changed. */
 void executor_kick(executor_t *x);
 uint64_t executor_executed(executor_t *x);

@@ -209,8 +209,11 @@ static void drop_link(pool_link_t *pl, const char *why) {
     bool lost_work = st.last_seq > st.executed;
     log_write(lost_work ? LOG_LEVEL_WARN : LOG_LEVEL_INFO, "link", __FILE__, __LINE__,
               "rank %u (agent %s): Execute link closed: %s; executed through seq %llu of %llu, "
-              "%zu queued instruction(s) dropped", pl->rank, pl->agent_id, why,
-              (unsigned long long)st.executed, (unsigned long long)st.last_seq, st.queued);
+              "%zu queued instruction(s) dropped; %llu instruction(s) sent in %llu batch(es), "
+              "%llu report(s) taken", pl->rank, pl->agent_id, why,
+              (unsigned long long)st.executed, (unsigned long long)st.last_seq, st.queued,
+              (unsigned long long)st.instructions_sent, (unsigned long long)st.batches_sent,
+              (unsigned long long)st.reports);
   }
   link_gone(pl);
   agent_pool_t *p = pl->pool;

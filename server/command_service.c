@@ -41,6 +41,12 @@ typedef struct submit_state {
   bool half_closed;
   uint64_t flow_wait; /* the stream's last flow_wait (its reads are paused until it fires) */
   uint64_t last_seq;  /* the highest Command.seq read so far (reads are one at a time) */
+  /* Answers to commands sent one per message, held until the reading thread
+   * has nothing more to read (or HELD_FLUSH_* says): one SubmitReply for what
+   * arrived back to back, as the agents get one batch. Under held_mu, which
+   * also keeps every send on the stream in order with them. */
+  pthread_mutex_t held_mu;
+  struct reply_batch *held;
 } submit_state_t;
 
 struct command_service {
@@ -153,18 +159,51 @@ typedef struct reply_batch {
   rpc_call_t *call;
   uint8_t *buf;
   size_t len, cap;
+  size_t n;        /* answers in buf */
+  bool lone_as_result; /* held answers: one alone goes as SubmitReply.result */
+  pthread_mutex_t *mu; /* held answers: the stream's held_mu, taken by batch_add */
+  int64_t since_ns;    /* held answers: when the first of buf was added */
 } reply_batch_t;
+
+/* Held answers go out at the latest once this many wait, or the first waited
+ * this long: a reader that always finds another message ready (a client
+ * that never pauses) still hears back. */
+#define HELD_FLUSH_ANSWERS 256
+#define HELD_FLUSH_NS 1000000
+
+static int64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static void batch_flush(reply_batch_t *b) {
   if (!b->len) return;
+  /* The one answer of a lone command, as it would go unheld: field 1, not 2. */
+  if (b->n == 1 && b->lone_as_result) b->buf[0] = (1 << 3) | 2;
   rpc_bytes_t *m = rpc_bytes_copy(b->buf, b->len);
-  if (!m || rpc_call_send_raw(b->call, m) != 0)
+  if (!m)
     rpc_call_finish(b->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
                     "Submit: out of memory on the server for a batch's answers");
+  else
+    rpc_call_send_raw(b->call, m); /* fails only once the call is over: nobody to tell */
   b->len = 0;
+  b->n = 0;
 }
 
+static void batch_add_locked(reply_batch_t *b, const Meshd__V1__CommandResult *res);
+
 static void batch_add(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
+  if (!b->mu) return batch_add_locked(b, res);
+  pthread_mutex_lock(b->mu);
+  if (!b->n) b->since_ns = mono_ns();
+  batch_add_locked(b, res);
+  if (b->n >= HELD_FLUSH_ANSWERS || (b->n && mono_ns() - b->since_ns >= HELD_FLUSH_NS))
+    batch_flush(b);
+  pthread_mutex_unlock(b->mu);
+}
+
+static void batch_add_locked(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
   size_t n = protobuf_c_message_get_packed_size(&res->base);
   if (b->len + n + 11 > b->cap) {
     size_t cap = b->cap * 2 > b->len + n + 11 ? b->cap * 2 : b->len + n + 11 + 4096;
@@ -183,6 +222,7 @@ static void batch_add(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
     if (v <= 0x7f) break;
   }
   b->len += protobuf_c_message_pack(&res->base, b->buf + b->len);
+  b->n++;
   if (b->len >= REPLY_BATCH_FLUSH) batch_flush(b);
 }
 
@@ -208,8 +248,71 @@ static void submit_unref(submit_state_t *st) {
   bool last = --st->refs == 0;
   pthread_mutex_unlock(&st->mu);
   if (!last) return;
+  if (st->held) free(st->held->buf);
+  free(st->held);
+  pthread_mutex_destroy(&st->held_mu);
   pthread_mutex_destroy(&st->mu);
   free(st);
+}
+
+/* ------------------------------------------------------------------ held answers */
+
+/* The streams whose answers this thread holds, each with a reference on the
+ * stream and on its call, let go by command_service_before_wait. */
+#define HELD_STREAMS 64
+static _Thread_local struct {
+  size_t n;
+  submit_state_t *st[HELD_STREAMS];
+  rpc_call_t *call[HELD_STREAMS];
+} held_here;
+
+/* Sends what the stream holds. */
+static void held_flush(submit_state_t *st) {
+  if (!st->held) return;
+  pthread_mutex_lock(&st->held_mu);
+  batch_flush(st->held);
+  pthread_mutex_unlock(&st->held_mu);
+}
+
+/* The stream's held answers for the command being read, or NULL where
+ * nothing would let them go (not a completion-queue thread of the server,
+ * or too many streams held here): the command is then answered at once,
+ * after what the stream held. */
+static reply_batch_t *hold_answers(submit_state_t *st, rpc_call_t *call) {
+  if (!st->held) return NULL;
+  for (size_t i = 0; i < held_here.n; i++)
+    if (held_here.st[i] == st) return st->held;
+  if (held_here.n == HELD_STREAMS || !rpc_server_hold_until_idle()) {
+    held_flush(st);
+    return NULL;
+  }
+  pthread_mutex_lock(&st->mu);
+  st->refs++;
+  pthread_mutex_unlock(&st->mu);
+  rpc_call_ref(call);
+  held_here.st[held_here.n] = st;
+  held_here.call[held_here.n++] = call;
+  return st->held;
+}
+
+void command_service_before_wait(void) {
+  for (size_t i = 0; i < held_here.n; i++) {
+    held_flush(held_here.st[i]);
+    submit_unref(held_here.st[i]);
+    rpc_call_unref(held_here.call[i]);
+  }
+  held_here.n = 0;
+}
+
+/* An answer on a Submit stream from outside its reading (a Sync that waited):
+ * after what the stream holds, and before anything held later. */
+static void stream_answer(submit_state_t *st, rpc_call_t *call, uint64_t seq,
+                          const Meshd__V1__CommandResult *res, const meshd_error_t *e) {
+  if (st->held) pthread_mutex_lock(&st->held_mu);
+  if (st->held) batch_flush(st->held);
+  if (e) send_error(call, true, seq, e);
+  else send_result(call, true, res);
+  if (st->held) pthread_mutex_unlock(&st->held_mu);
 }
 
 /* A pending Sync of the stream was answered; drops the Sync's reference (the
@@ -219,7 +322,10 @@ static void submit_answered(submit_state_t *st, rpc_call_t *call) {
   st->pending--;
   bool finish = st->half_closed && st->pending == 0;
   pthread_mutex_unlock(&st->mu);
-  if (finish) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
+  if (finish) {
+    held_flush(st);
+    rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
+  }
   submit_unref(st);
 }
 
@@ -305,12 +411,14 @@ static void complete_sync(pending_sync_t *p, const meshd_error_t *e) {
   /* Before the answer: a client that scrapes after its reply sees it. */
   if (p->sync_hist) metrics_series_observe(p->sync_hist, now_seconds() - p->t0);
   if (e) {
-    send_error(p->call, p->submit, p->seq, e);
+    if (p->stream) stream_answer(p->stream, p->call, p->seq, NULL, e);
+    else send_error(p->call, p->submit, p->seq, e);
   } else {
     cmd_out_t out;
     cmd_out_init(&out, p->seq);
     take_failures(p->session, &out);
-    send_result(p->call, p->submit, &out.res);
+    if (p->stream) stream_answer(p->stream, p->call, p->seq, &out.res, NULL);
+    else send_result(p->call, p->submit, &out.res);
     cmd_out_free(&out);
   }
   if (p->stream) submit_answered(p->stream, p->call);
@@ -470,7 +578,8 @@ static pending_sync_t *start_sync(command_service_t *cs, session_t *s, objects_t
     free(targets);
     meshd_error_t e;
     error_set(&e, ERR_QUOTA, "Sync: out of memory on the server");
-    send_error(call, submit, seq, &e);
+    if (stream) stream_answer(stream, call, seq, NULL, &e);
+    else send_error(call, submit, seq, &e);
     if (stream) submit_answered(stream, call);
     return NULL;
   }
@@ -732,6 +841,10 @@ static void on_submit_start(rpc_call_t *call, const ProtobufCMessage *req, void 
   st->cs = cs;
   st->session = s;
   pthread_mutex_init(&st->mu, NULL);
+  pthread_mutex_init(&st->held_mu, NULL);
+  /* NULL (out of memory): every answer goes at once */
+  if ((st->held = calloc(1, sizeof *st->held)))
+    *st->held = (reply_batch_t){.call = call, .lone_as_result = true, .mu = &st->held_mu};
   st->refs = 1; /* the stream's, dropped in on_submit_end */
   rpc_call_set_data(call, st);
 }
@@ -750,19 +863,22 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
     st->half_closed = true;
     bool finish = st->pending == 0;
     pthread_mutex_unlock(&st->mu);
+    held_flush(st);
     if (finish) rpc_call_finish(call, GRPC_STATUS_OK, NULL, "end of stream");
     return;
   }
   session_touch(st->session);
   const Meshd__V1__Command *cmd = (const Meshd__V1__Command *)msg;
   if (cmd->n_batch) {
+    held_flush(st);
     submit_batch(st, call, cmd);
     return;
   }
   /* Commands one per message: what arrives back to back goes to the agents
-   * as one batch, once this thread has nothing more to read. */
+   * as one batch, and its answers to the client as one SubmitReply, once this
+   * thread has nothing more to read. */
   agent_link_cork_until_idle();
-  submit_command(st, call, cmd, NULL);
+  submit_command(st, call, cmd, hold_answers(st, call));
 }
 
 /* One command of the stream, alone or in a batch. */

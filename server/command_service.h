@@ -56,6 +56,10 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *lo
  * meshd_flow_waits_total); defines those families. Call before serving. */
 typedef struct metrics_registry metrics_registry_t;
 void command_service_set_metrics(command_service_t *cs, metrics_registry_t *m);
+/* Sends the answers this thread held back (Submit streams' commands sent one
+ * per message, answered together): the server's before_wait hook, with
+ * agent_link_uncork_idle. */
+void command_service_before_wait(void);
 void command_service_destroy(command_service_t *cs);
 
 #endif

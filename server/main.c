@@ -245,6 +245,13 @@ static double sessions_gauge(void *arg) { return (double)session_count(arg); }
 static double agents_healthy_gauge(void *arg) { return agent_pool_healthy(arg); }
 static double agents_registered_gauge(void *arg) { return agent_pool_size(arg); }
 static double queued_instructions_gauge(void *arg) { return (double)agent_pool_totals(arg).pending; }
+/* A completion-queue thread about to wait: the answers and instructions it
+ * held back to batch them go now (answers first: they are older). */
+static void before_wait(void) {
+  command_service_before_wait();
+  agent_link_uncork_idle();
+}
+
 static double link_batches_counter(void *arg) { return (double)agent_pool_totals(arg).batches; }
 static double link_instructions_counter(void *arg) {
   return (double)agent_pool_totals(arg).instructions;
@@ -423,7 +430,7 @@ int main(int argc, char **argv) {
                           .tls = tls,
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
                           .max_concurrent_streams = (int)opt.max_streams_per_connection,
-                          .before_wait = agent_link_uncork_idle};
+                          .before_wait = before_wait};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data || !loads) {
     log_error("server", "cannot start: %s", srv ? "out of memory" : err);

@@ -643,7 +643,9 @@ def sanitizer_report(log_path, lines=40):
         return None
     for i, line in enumerate(text):
         if any(m in line for m in SANITIZER_MARKS):
-            return "\n".join(text[i:i + 1 + lines]).strip()
+            report = text[i:i + 1 + lines]
+            end = next((k for k, x in enumerate(report) if "SUMMARY:" in x), None)
+            return "\n".join(report if end is None else report[:end + 1]).strip()
     return None
 
 
@@ -835,6 +837,12 @@ def factory(ref, mesh, kind="zeros", shape=(), dtype_=None, stream=0, value=0.0,
     return "factory", f
 
 
+def answers(reply):
+    """The CommandResults of one SubmitReply: a batch's answers, or answers to
+    commands sent one per message and answered together (results), or one (result)."""
+    return list(reply.results) if reply.results else [reply.result]
+
+
 def call(op, *args, results=(), stream=0, **kwargs):
     t = tensor_pb2()
     return "call", t.Call(op=op, args=[arg(a) for a in args],
@@ -981,9 +989,10 @@ class Session:
         """Submit: sends every Command (pipelined, without waiting), half-closes, and reads
         to the end. Returns ([CommandResult], final code, details)."""
         t = tensor_pb2()
-        fn = self.ch.stream_stream(_SVC + "Submit", request_serializer=lambda m: m.SerializeToString(),
+        fn = self.ch.stream_stream(_SVC + "Submit", request_serializer=lambda b: b,
                                    response_deserializer=t.SubmitReply.FromString)
-        it = fn(iter(list(commands)),
+        # Packed before the call: written as fast as grpcio goes, back to back.
+        it = fn(iter([c.SerializeToString() for c in commands]),
                 metadata=self.metadata if metadata is None else tuple(metadata) + self.auth,
                 timeout=timeout)
         results = []
@@ -991,7 +1000,7 @@ class Session:
         try:
             for r in it:
                 self.submit_messages += 1
-                results.extend(r.results) if r.results else results.append(r.result)
+                results.extend(answers(r))
             return results, it.code(), it.details()
         except grpc.RpcError as e:
             return results, e.code(), e.details()

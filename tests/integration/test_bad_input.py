@@ -233,7 +233,8 @@ def _(ctx):
     it = fn(iter([good, JUNK]), metadata=s.metadata, timeout=TIMEOUT)
     got = []
     e = fails(lambda: got.extend(it), INVALID, "Submit", "Command")
-    assert [r.result.seq for r in got] == [good.seq] and not got[0].result.HasField("error"), (got, e)
+    got = [a for r in got for a in lib.answers(r)]
+    assert [a.seq for a in got] == [good.seq] and not got[0].HasField("error"), (got, e)
 
 
 @case("unknown-method")
@@ -529,10 +530,10 @@ def _(ctx):
                               response_deserializer=pb().SubmitReply.FromString)
     cmds = [s.command(lib.create_stream(s.new_ref(), "a"), seq=50),
             s.command(lib.create_stream(s.new_ref(), "b"), seq=40)]
-    replies = list(fn(iter(cmds), metadata=s.metadata, timeout=TIMEOUT))
-    assert replies[1].result.HasField("error"), f"seq 40 after seq 50 was accepted: {replies}"
-    assert lib.kind_name(replies[1].result.error.kind) == "BAD_ARGUMENT", replies[1]
-    assert "seq" in replies[1].result.error.message, replies[1]
+    replies = [a for r in fn(iter(cmds), metadata=s.metadata, timeout=TIMEOUT) for a in lib.answers(r)]
+    assert replies[1].HasField("error"), f"seq 40 after seq 50 was accepted: {replies}"
+    assert lib.kind_name(replies[1].error.kind) == "BAD_ARGUMENT", replies[1]
+    assert "seq" in replies[1].error.message, replies[1]
 
 
 @case("another-sessions-tensor")
@@ -735,10 +736,11 @@ def _(ctx):
     good = s.command(lib.create_stream(s.new_ref(), "after"), seq=1001)
     fn = ctx.ch.stream_stream(TS + "Submit", request_serializer=ser,
                               response_deserializer=pb().SubmitReply.FromString)
-    replies = list(fn(iter(bad + [good]), metadata=s.metadata, timeout=30))
-    errs = [r.result for r in replies if r.result.HasField("error")]
+    replies = [a for r in fn(iter(bad + [good]), metadata=s.metadata, timeout=30) for a in lib.answers(r)]
+    errs = [r for r in replies if r.HasField("error")]
     assert len(errs) == 1000 and all(lib.kind_name(e.error.kind) == "UNKNOWN_REF" for e in errs)
-    assert replies[-1].result.seq == 1001 and not replies[-1].result.HasField("error"), replies[-1]
+    assert [r.seq for r in replies] == list(range(1, 1002)), "one answer per command, in order"
+    assert replies[-1].seq == 1001 and not replies[-1].HasField("error"), replies[-1]
 
 
 # ================================================================ Upload chunk abuse

@@ -83,7 +83,7 @@ class Pipeline:
     def _read(self):
         try:
             for r in self.call:
-                self.results.append(r.result)
+                self.results.extend(lib.answers(r))
             self.code = self.call.code()
         except Exception as e:  # grpc.RpcError
             self.code = getattr(e, "code", lambda: e)()
