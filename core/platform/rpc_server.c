@@ -687,9 +687,17 @@ static void dispatch(tag_t *t, bool ok) {
 }
 
 static _Thread_local bool worker_with_hook, worker_holds;
+static _Thread_local int64_t worker_holds_since; /* rpc_now_ms when it began holding */
+
+/* A thread that never finds itself idle (other calls' events keep coming)
+ * still lets go of what it holds after this long. */
+#define HOLD_MAX_MS 1
 
 bool rpc_server_hold_until_idle(void) {
-  if (worker_with_hook) worker_holds = true;
+  if (worker_with_hook && !worker_holds) {
+    worker_holds = true;
+    worker_holds_since = rpc_now_ms();
+  }
   return worker_with_hook;
 }
 
@@ -710,6 +718,10 @@ static void *worker(void *arg) {
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     dispatch(ev.tag, ev.success != 0);
+    if (worker_holds && rpc_now_ms() - worker_holds_since > HOLD_MAX_MS) {
+      worker_holds = false;
+      srv->before_wait();
+    }
   }
   if (worker_holds) { /* what it held goes before the thread ends */
     worker_holds = false;
