@@ -182,11 +182,10 @@ static void batch_flush(reply_batch_t *b) {
   /* The one answer of a lone command, as it would go unheld: field 1, not 2. */
   if (b->n == 1 && b->lone_as_result) b->buf[0] = (1 << 3) | 2;
   rpc_bytes_t *m = rpc_bytes_copy(b->buf, b->len);
-  if (!m)
+  /* (a call already over ignores the finish: held answers may outlive it) */
+  if (!m || rpc_call_send_raw(b->call, m) != 0)
     rpc_call_finish(b->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
                     "Submit: out of memory on the server for a batch's answers");
-  else
-    rpc_call_send_raw(b->call, m); /* fails only once the call is over: nobody to tell */
   b->len = 0;
   b->n = 0;
 }
