@@ -151,6 +151,9 @@ def test_direct_round_trip(meshd_server, agents):
                 got = f.result()
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert np.array_equal(got, want)
+            # 16 fetches in flight (3 MiB ones among them): those that started while
+            # another read ran were read on the session's io loop (direct.py, _IoLoop)
+            assert s._direct._io._loop is not None, "no fetch was read on the io loop"
             assert meshd.fetch_shard(t_empty, gpu=0).result().shape == (0, 4)
             # computed on the agents from directly uploaded inputs, fetched directly
             z = (t_rep + 1) * 2

@@ -16,6 +16,7 @@ certificate, its grants authenticate Read and Write.
 The agents' messages used here are packed by hand (a few fields): the Python client
 generates only tensor_service.proto."""
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -93,6 +94,74 @@ def _tls_of(reply):
     return reply.agent_tls.ca_pem.encode(), reply.agent_tls.server_name
 
 
+class _IoLoop:
+    """One asyncio event loop on a thread of its own, which reads every direct fetch
+    of a session (grpc.aio): the shards of a sharded fetch then share one thread and
+    one GIL holder instead of taking turns as threads, each with its own poller (4
+    shards: 1.1-1.4 GB/s read and copied into place, where 4 threads got 0.86-0.97 on
+    this machine). Its channels are its own, made on its thread."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._loop = None
+        self._thread = None
+        self._channels = {}  # (address, tls) -> grpc.aio channel; used on the loop only
+
+    def _start_locked(self):
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+        t = threading.Thread(target=run, name="meshd-io", daemon=True)
+        t.start()
+        ready.wait()
+        self._loop, self._thread = loop, t
+
+    def run(self, coro_fn, *args):
+        """coro_fn(*args) on the loop: a concurrent.futures.Future of its result."""
+        with self._lock:
+            if self._loop is None:
+                self._start_locked()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args), loop)
+
+    def channel(self, address, tls):
+        """On the loop: its channel to address (tls: _tls_of's)."""
+        key = (address, tls)
+        ch = self._channels.get(key)
+        if ch is None:
+            if tls is None:
+                ch = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            else:
+                opts = _OPTIONS + ([("grpc.ssl_target_name_override", tls[1])] if tls[1] else [])
+                ch = grpc.aio.secure_channel(
+                    address, grpc.ssl_channel_credentials(root_certificates=tls[0]), options=opts)
+            self._channels[key] = ch
+        return ch
+
+    def close(self):
+        with self._lock:
+            loop, t, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None:
+            return
+
+        async def close_all():
+            chans, self._channels = list(self._channels.values()), {}
+            for ch in chans:
+                await ch.close()
+        try:
+            asyncio.run_coroutine_threadsafe(close_all(), loop).result(5)
+        except Exception:  # noqa: BLE001 - closing: nothing to tell
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        if not t.is_alive():
+            loop.close()
+
+
 def _read_request(session_id, ref, max_chunk, after_seq):
     """meshd.agent.v1.ReadRequest packed."""
     sid = session_id.encode()
@@ -115,8 +184,11 @@ class Direct:
         self._pool_ok = None  # auto: every agent of the pool answered
         self._probed = 0.0  # when _pool_ok was last found
         self.counts = {"upload": 0, "fetch": 0}  # transfers that took the direct path
+        self._io = _IoLoop()  # reads fetches that run together
+        self._reading = 0  # fetches reading now (_lock)
 
     def close(self):
+        self._io.close()
         with self._lock:
             chans, self._channels = list(self._channels.values()), {}
         for ch in chans:
@@ -354,34 +426,24 @@ class Direct:
     def fetch_finish(self, ref, planned, np_dtype, timeout, progress=None):
         """Reads the planned shard into one preallocated array (each chunk copied once,
         into its place), then FinishFetch (which raises if the value failed on any
-        rank)."""
-        from .tensor import _split_data_field
+        rank). Called on the fetch's own thread: a fetch that reads alone reads there;
+        one that starts while others read goes to the session's io loop (_IoLoop), so
+        that the shards of a sharded fetch share a thread instead of taking turns."""
         s = self.session
         reply, ch = planned
         sh = reply.shards[0]
         out = np.empty(tuple(reply.meta.shape), dtype=np_dtype)
         flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
-        fn = ch.unary_stream(_AGENT + "Read", request_serializer=lambda b: b,
-                             # False for the spec (grpc takes None for a failed decode)
-                             response_deserializer=lambda raw: _split_data_field(raw) or False)
-        got = 0
         tr = _progress.tracker(len(flat), progress, "fetch")
-        call = fn(_read_request(s.id, ref, _READ_CHUNK, sh.after_seq),
-                  metadata=((GRANT_MD, sh.grant),),
-                  timeout=s.timeout if timeout is None else timeout)
+        deadline = s.timeout if timeout is None else timeout
+        with self._lock:
+            self._reading += 1
+            together = self._reading > 1
         try:
-            for piece in call:
-                if piece is False:  # the spec: the plan's meta already said it
-                    continue
-                if got + len(piece) > len(flat):
-                    raise MeshdError("INTERNAL", "direct fetch: the agent sent more bytes than "
-                                     "the TensorMeta describes")
-                flat[got:got + len(piece)] = piece
-                got += len(piece)
-                tr.update(len(piece))
-            if got != len(flat):
-                raise MeshdError("INTERNAL", f"direct fetch: got {got} bytes where the "
-                                 f"TensorMeta needs {len(flat)}")
+            if together:  # another read runs: this one on the io loop
+                self._io.run(self._read_async, reply, sh, ref, flat, tr, deadline).result()
+            else:  # alone: here, a hop less (1 shard: 1.13-1.18 GB/s on the loop, 1.34 here)
+                self._read(ch, sh, ref, flat, tr, deadline)
         except grpc.RpcError as e:
             tr.close()
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)
@@ -391,10 +453,12 @@ class Direct:
                 msg = f"{msg} (rank {sh.rank})"
             raise MeshdError.of_kind(err.kind, msg, err.code) from None
         except BaseException:  # our checks, or the progress callback's exception
-            call.cancel()
             tr.close()
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)
             raise
+        finally:
+            with self._lock:
+                self._reading -= 1
         try:  # raises if the value failed on any rank of its mesh
             self._finish_fetch(reply.transfer_id, timeout)
         except BaseException:
@@ -403,3 +467,60 @@ class Direct:
         self.counts["fetch"] += 1
         tr.close(ok=True)
         return out
+
+    def _read_call(self, ch, sh, ref, deadline):
+        """Agent/Read of the shard on ch (a channel of grpc or grpc.aio)."""
+        from .tensor import _split_data_field
+        fn = ch.unary_stream(_AGENT + "Read", request_serializer=lambda b: b,
+                             # False for the spec (grpc takes None for a failed decode)
+                             response_deserializer=lambda raw: _split_data_field(raw) or False)
+        return fn(_read_request(self.session.id, ref, _READ_CHUNK, sh.after_seq),
+                  metadata=((GRANT_MD, sh.grant),), timeout=deadline)
+
+    @staticmethod
+    def _into(flat, got, piece, tr):
+        """Copies a Read's message into place: the bytes now in flat."""
+        if piece is False:  # the spec: the plan's meta already said it
+            return got
+        if got + len(piece) > len(flat):
+            raise MeshdError("INTERNAL", "direct fetch: the agent sent more bytes than the "
+                             "TensorMeta describes")
+        flat[got:got + len(piece)] = piece
+        tr.update(len(piece))
+        return got + len(piece)
+
+    @staticmethod
+    def _check_all(flat, got):
+        if got != len(flat):
+            raise MeshdError("INTERNAL", f"direct fetch: got {got} bytes where the TensorMeta "
+                             f"needs {len(flat)}")
+
+    def _read(self, ch, sh, ref, flat, tr, deadline):
+        """Agent/Read of the shard into flat on this thread, on ch (fetch_plan's);
+        raises grpc.RpcError, our MeshdError, or the progress callback's exception
+        (the call then cancelled)."""
+        call = self._read_call(ch, sh, ref, deadline)
+        got = 0
+        try:
+            for piece in call:
+                got = self._into(flat, got, piece, tr)
+            self._check_all(flat, got)
+        except grpc.RpcError:
+            raise
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def _read_async(self, reply, sh, ref, flat, tr, deadline):
+        """_read on the io loop."""
+        call = self._read_call(self._io.channel(sh.address, _tls_of(reply)), sh, ref, deadline)
+        got = 0
+        try:
+            async for piece in call:
+                got = self._into(flat, got, piece, tr)
+            self._check_all(flat, got)
+        except grpc.RpcError:
+            raise
+        except BaseException:
+            call.cancel()
+            raise
