@@ -236,7 +236,8 @@ def run_agents(nagents, sizes, chunk, rounds, raw, paths, directions, out, flags
                         if "fetch" in directions:
                             figures[(path, "fetch")] = measure(down, "fetch")
                     if path == "direct":
-                        assert client._direct.counts["fetch"] > 0, "the direct path was not taken"
+                        for d in directions:
+                            assert client._direct.counts[d] > 0, f"the direct path was not taken ({d})"
                     for t in held:
                         t.drop()
                     del held, x, arr
