@@ -162,20 +162,14 @@ typedef struct reply_batch {
   size_t n;        /* answers in buf */
   bool lone_as_result; /* held answers: one alone goes as SubmitReply.result */
   pthread_mutex_t *mu; /* held answers: the stream's held_mu, taken by batch_add */
-  int64_t since_ns;    /* held answers: when the first of buf was added */
+  double since;        /* held answers: when the first of buf was added (now_seconds) */
 } reply_batch_t;
 
 /* Held answers go out at the latest once this many wait, or the first waited
  * this long: a reader that always finds another message ready (a client
  * that never pauses) still hears back. */
 #define HELD_FLUSH_ANSWERS 256
-#define HELD_FLUSH_NS 1000000
-
-static int64_t mono_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
+#define HELD_FLUSH_SECONDS 0.001
 
 static void batch_flush(reply_batch_t *b) {
   if (!b->len) return;
@@ -188,18 +182,6 @@ static void batch_flush(reply_batch_t *b) {
                     "Submit: out of memory on the server for a batch's answers");
   b->len = 0;
   b->n = 0;
-}
-
-static void batch_add_locked(reply_batch_t *b, const Meshd__V1__CommandResult *res);
-
-static void batch_add(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
-  if (!b->mu) return batch_add_locked(b, res);
-  pthread_mutex_lock(b->mu);
-  if (!b->n) b->since_ns = mono_ns();
-  batch_add_locked(b, res);
-  if (b->n >= HELD_FLUSH_ANSWERS || (b->n && mono_ns() - b->since_ns >= HELD_FLUSH_NS))
-    batch_flush(b);
-  pthread_mutex_unlock(b->mu);
 }
 
 static void batch_add_locked(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
@@ -223,6 +205,16 @@ static void batch_add_locked(reply_batch_t *b, const Meshd__V1__CommandResult *r
   b->len += protobuf_c_message_pack(&res->base, b->buf + b->len);
   b->n++;
   if (b->len >= REPLY_BATCH_FLUSH) batch_flush(b);
+}
+
+static void batch_add(reply_batch_t *b, const Meshd__V1__CommandResult *res) {
+  if (!b->mu) return batch_add_locked(b, res);
+  pthread_mutex_lock(b->mu);
+  if (!b->n) b->since = now_seconds();
+  batch_add_locked(b, res);
+  if (b->n >= HELD_FLUSH_ANSWERS || (b->n && now_seconds() - b->since >= HELD_FLUSH_SECONDS))
+    batch_flush(b);
+  pthread_mutex_unlock(b->mu);
 }
 
 /* An answer on the Execute call, or the Submit stream, or into its batch. */
@@ -267,9 +259,8 @@ static _Thread_local struct {
 
 /* Sends what the stream holds. */
 static void held_flush(submit_state_t *st) {
-  if (!st->held) return;
   pthread_mutex_lock(&st->held_mu);
-  batch_flush(st->held);
+  if (st->held) batch_flush(st->held);
   pthread_mutex_unlock(&st->held_mu);
 }
 
@@ -307,11 +298,11 @@ void command_service_before_wait(void) {
  * after what the stream holds, and before anything held later. */
 static void stream_answer(submit_state_t *st, rpc_call_t *call, uint64_t seq,
                           const Meshd__V1__CommandResult *res, const meshd_error_t *e) {
-  if (st->held) pthread_mutex_lock(&st->held_mu);
+  pthread_mutex_lock(&st->held_mu);
   if (st->held) batch_flush(st->held);
   if (e) send_error(call, true, seq, e);
   else send_result(call, true, res);
-  if (st->held) pthread_mutex_unlock(&st->held_mu);
+  pthread_mutex_unlock(&st->held_mu);
 }
 
 /* A pending Sync of the stream was answered; drops the Sync's reference (the
