@@ -120,9 +120,11 @@ typedef struct backend_ops {
   int (*gather_root)(backend_t *b, backend_stream_t *s, const dp_group_t *g, size_t root,
                      const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err);
   /* Member 0's buf to every member of g (to_mesh's broadcast): cpu runs
-   * dp_broadcast's pipelined chain over the data plane; cuda one
-   * ncclBroadcast from member 0 on the group's communicator (cuda_nccl.c;
-   * cuda:emulated keeps the data plane's chain). */
+   * dp_broadcast's pipelined chain over the data plane (buf must be a whole
+   * allocation of `bytes`: between agents on one host a large one is mapped
+   * over it from the source's memfd); cuda one ncclBroadcast from member 0
+   * on the group's communicator (cuda_nccl.c; cuda:emulated keeps the data
+   * plane's chain). */
   int (*broadcast)(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
                    meshd_error_t *err);
   /* Point to point: `session` is the key of the session the transfer

@@ -52,6 +52,7 @@ typedef struct options {
   const char *health_listen, *health_port_file;
   int64_t max_tensor_dims, max_tensor_elements;
   bool reflection;
+  bool same_host_data;
 } options_t;
 
 static options_t opt;
@@ -94,6 +95,10 @@ static const config_flag_t flags[] = {
     {"comm-timeout-ms", CONFIG_INT, "30000",
      "a collective or send fails when a peer moves no byte for this long", &opt.comm_timeout_ms,
      100, 3600000},
+    {"same-host-data", CONFIG_BOOL, "true",
+     "reach data planes of this host over their unix socket, passing large broadcasts as "
+     "shared memory mapped by every destination; false: TCP to every peer", &opt.same_host_data,
+     0, 0},
     {"cluster-ca", CONFIG_STRING, NULL,
      "cluster mTLS (with --cluster-cert and --cluster-key): the CA of the server's and agents' "
      "cluster certificates; the Agent port then admits only its certificates", &opt.cluster_ca, 0, 0},
@@ -211,6 +216,17 @@ typedef struct aborts_series {
 static double aborts_fn(void *arg) {
   const aborts_series_t *a = arg;
   return (double)dataplane_aborts(a->dp, a->reason);
+}
+
+/* meshd_dataplane_shm_messages_total{landing="mapped"|"copied"}. */
+static double shm_mapped_fn(void *arg) {
+  uint64_t mapped = 0;
+  dataplane_shm_received(arg, &mapped);
+  return (double)mapped;
+}
+static double shm_copied_fn(void *arg) {
+  uint64_t mapped = 0, all = dataplane_shm_received(arg, &mapped);
+  return (double)(all - mapped);
 }
 
 /* One series of meshd_transfer_grants_total. */
@@ -416,6 +432,7 @@ int main(int argc, char **argv) {
   dp = dataplane_start(host, opt.rank >= 0 ? (uint32_t)opt.rank : 0, (int)opt.comm_timeout_ms,
                        &merr);
   if (dp) {
+    dataplane_same_host(dp, opt.same_host_data);
     info.data_port = (uint32_t)dataplane_port(dp);
     backend.net = dp; /* the cpu backend's communicators run on it */
     snprintf(info.data_address, sizeof info.data_address, "%s:%u", host, info.data_port);
@@ -461,6 +478,15 @@ int main(int argc, char **argv) {
       metrics_set_fn(metrics, "meshd_collective_aborts_total",
                      (const char *[]){"reason", dp_abort_name((dp_abort_t)r), NULL}, aborts_fn,
                      &aborts[r]);
+    }
+    metrics_define(metrics, "meshd_dataplane_shm_messages_total", METRIC_COUNTER,
+                   "Broadcasts received from agents on this host as shared memory, by landing: "
+                   "mapped copy-on-write over the tensor, or copied into it.");
+    if (dp) {
+      metrics_set_fn(metrics, "meshd_dataplane_shm_messages_total",
+                     (const char *[]){"landing", "mapped", NULL}, shm_mapped_fn, dp);
+      metrics_set_fn(metrics, "meshd_dataplane_shm_messages_total",
+                     (const char *[]){"landing", "copied", NULL}, shm_copied_fn, dp);
     }
     metrics_define(metrics, "meshd_transfer_grants_total", METRIC_COUNTER,
                    "Transfer grants presented to Read and Write (direct data path), by result.");

@@ -44,6 +44,20 @@ static void cpu_close(backend_t *b) {
 #define HUGE_FROM (4u << 20)
 #define HUGE_PAGE (2u << 20)
 
+/* A tensor of HUGE_FROM bytes or more is a whole private mapping of its own
+ * (size: a multiple of HUGE_PAGE, on a HUGE_PAGE boundary), so a same-host
+ * broadcast may map the source's pages over it (dp_group_t.mappable). */
+static void *huge_map(size_t size) {
+  size_t span = size + HUGE_PAGE;
+  uint8_t *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return NULL;
+  uint8_t *a = (uint8_t *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+  if (a > p) munmap(p, (size_t)(a - p));
+  if (a + size < p + span) munmap(a + size, (size_t)(p + span - (a + size)));
+  (void)madvise(a, size, MADV_HUGEPAGE); /* a hint */
+  return a;
+}
+
 /* ---- memory: large tensors come from a small cache of freed ones ---------
  *
  * The kernel zeroes every page a process touches for the first time, and on
@@ -80,11 +94,11 @@ static void *cache_take(cpu_state_t *s, size_t size) {
 /* Takes the oldest cached blocks out (into out[], their count returned) until
  * `size` more bytes fit within `room` and a slot is free (size 0: until at
  * most `room` stay cached). Holds cache_mu; the caller frees them unlocked. */
-static int evict_locked(cpu_state_t *s, size_t size, size_t room, void **out) {
+static int evict_locked(cpu_state_t *s, size_t size, size_t room, cpu_block_t *out) {
   int n = 0;
   while (s->ncache > 0 && (atomic_load(&s->cache_bytes) + size > room ||
                            (size && s->ncache == CPU_CACHE_SLOTS))) {
-    out[n++] = s->cache[0].p;
+    out[n++] = s->cache[0];
     atomic_fetch_sub(&s->cache_bytes, s->cache[0].size);
     memmove(&s->cache[0], &s->cache[1], (size_t)(s->ncache - 1) * sizeof s->cache[0]);
     s->ncache--;
@@ -94,29 +108,29 @@ static int evict_locked(cpu_state_t *s, size_t size, size_t room, void **out) {
 
 /* Keeps p (size bytes) for a later alloc, or frees it. */
 static void cache_put(cpu_state_t *s, void *p, size_t size) {
-  void *evicted[CPU_CACHE_SLOTS + 1];
+  cpu_block_t evicted[CPU_CACHE_SLOTS + 1];
   int nev = 0;
   pthread_mutex_lock(&s->cache_mu);
   if (size > s->cache_max) {
-    evicted[nev++] = p;
+    evicted[nev++] = (cpu_block_t){p, size};
   } else {
     nev = evict_locked(s, size, s->cache_max, evicted);
     s->cache[s->ncache++] = (cpu_block_t){p, size};
     atomic_fetch_add(&s->cache_bytes, size);
   }
   pthread_mutex_unlock(&s->cache_mu);
-  for (int i = 0; i < nev; i++) free(evicted[i]);
+  for (int i = 0; i < nev; i++) munmap(evicted[i].p, evicted[i].size);
 }
 
 /* Frees the oldest cached blocks until at most `room` bytes stay cached; how
  * many it freed. */
 static int cache_trim(cpu_state_t *s, size_t room) {
   if (atomic_load(&s->cache_bytes) <= room) return 0; /* the common case: no lock */
-  void *evicted[CPU_CACHE_SLOTS];
+  cpu_block_t evicted[CPU_CACHE_SLOTS];
   pthread_mutex_lock(&s->cache_mu);
   int nev = evict_locked(s, 0, room, evicted);
   pthread_mutex_unlock(&s->cache_mu);
-  for (int i = 0; i < nev; i++) free(evicted[i]);
+  for (int i = 0; i < nev; i++) munmap(evicted[i].p, evicted[i].size);
   return nev;
 }
 
@@ -135,8 +149,11 @@ static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
     uint64_t live = atomic_load(&b->allocated);
     cache_trim(st, live < b->capacity ? b->capacity - live : 0);
   }
-  if (!(p = aligned_alloc(align, rounded)) && cache_drain(st)) p = aligned_alloc(align, rounded);
-  if (p && huge) (void)madvise(p, rounded, MADV_HUGEPAGE); /* a hint */
+  if (huge) {
+    if (!(p = huge_map(rounded)) && cache_drain(st)) p = huge_map(rounded);
+  } else if (!(p = aligned_alloc(align, rounded)) && cache_drain(st)) {
+    p = aligned_alloc(align, rounded);
+  }
 out:
   if (!p) backend_unreserve(b, bytes);
   return p;
@@ -241,7 +258,9 @@ static int cpu_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *
 
 static int cpu_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf,
                          size_t bytes, meshd_error_t *e) {
-  return b->net ? dp_broadcast(b->net, g, buf, bytes, e) : no_net(e);
+  dp_group_t mine = *g;
+  mine.mappable = bytes >= HUGE_FROM; /* buf is an allocation of bytes: its own mapping */
+  return b->net ? dp_broadcast(b->net, &mine, buf, bytes, e) : no_net(e);
 }
 
 static int cpu_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, const void *in,

@@ -337,7 +337,10 @@ int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void
 /* The chain: member 0 sends buf to member 1, each member forwards to the next
  * what it has received while it receives (frame by frame, gated on the bytes
  * in), the last only receives. The source sends the bytes once however many
- * members there are; the time is one transfer plus a frame per hop. */
+ * members there are; the time is one transfer plus a frame per hop. Between
+ * members on one host the hop is a shared-memory frame (shm.c): the source
+ * copies buf into a sealed memfd once, and every member passes the same
+ * descriptor on and maps it over its buf (g->mappable) or copies it. */
 int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, meshd_error_t *err) {
   const char *what = "broadcast";
   if (check_group(dp, what, g, bytes, DTYPE_UINT8, err) != 0) return -1;
@@ -350,14 +353,17 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
   int rc = dp__plan_init(&p, dp, what, g, DTYPE_UINT8, RED_SUM, nx, nx, err);
   if (rc == 0) {
     size_t k = 0;
+    bool shm = bytes >= DP_SHM_MIN && dp->same_host;
     if (recv) {
-      p.msgs[k] = (msg_t){.buf = buf, .len = bytes};
+      p.msgs[k] = (msg_t){.buf = buf, .len = bytes, .shm = send ? &p.shm : NULL,
+                          .map = g->mappable};
       p.xs[k].msgs = &p.msgs[k];
       p.xs[k].nmsgs = 1;
       k++;
     }
     if (send) {
-      p.msgs[k] = (msg_t){.buf = buf, .len = bytes, .gate = recv ? &p.msgs[0].done : NULL};
+      p.msgs[k] = (msg_t){.buf = buf, .len = bytes, .gate = recv ? &p.msgs[0].done : NULL,
+                          .shm = shm ? &p.shm : NULL};
       p.xs[k].msgs = &p.msgs[k];
       p.xs[k].nmsgs = 1;
     }
@@ -365,6 +371,9 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
     /* Dial the next member first (that needs only its listener), then wait for the previous. */
     if (send) rc = dp__plan_connect(&p, g, recv ? 1 : 0, me + 1, true, deadline, err);
     if (rc == 0 && recv) rc = dp__plan_connect(&p, g, 0, me - 1, false, deadline, err);
+    /* The source of a same-host hop copies its bytes once, for every member
+     * down the chain (none: the bytes go as frames). */
+    if (rc == 0 && shm && !recv && p.xs[0].c->local) p.shm = dp__shm_create(buf, bytes);
     if (rc == 0) rc = dp__plan_run(&p, err);
   }
   rc = dp__plan_finish(&p, rc, err);

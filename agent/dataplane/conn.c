@@ -19,10 +19,20 @@
  * closed, counted by reason and logged (rate-limited); no byte after the hello
  * is ever read from it. Everything it sends before its ack, a member's dialer
  * treats as "dial again", so a stranger that crowds the listener delays a
- * member by a redial at most. */
+ * member by a redial at most.
+ *
+ * Same host. Every data plane also listens on the abstract unix socket
+ * "@meshd-dp:PORT" (PORT its TCP port). A dialer whose peer's address is its
+ * own (a loopback address or one of its interfaces') dials that socket
+ * instead, with the same handshake; anything short of an ack there (no such
+ * socket, another agent behind the name) and it dials TCP as always. Such a
+ * connection is `local`: it carries frames like TCP and can also pass memfds
+ * (shm.c). Abstract sockets live in the network namespace, as the addresses
+ * do, so "this address is mine" and "that socket is reachable" agree. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -33,6 +43,7 @@
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <openssl/rand.h>
@@ -49,6 +60,7 @@ typedef struct pending {
   size_t got;
   int64_t deadline; /* reading: DP_HELLO_MS after accept; parked: timeout_ms after */
   int64_t accepted;
+  bool local; /* came in on the unix socket */
   uint8_t nonce[DP_NONCE_LEN];
   uint8_t hello[DP_HELLO_LEN];
   char from[64]; /* the peer's address, for the log */
@@ -452,6 +464,64 @@ io:
   return -1;
 }
 
+/* The abstract unix socket of the data plane whose TCP port is `port`. */
+static socklen_t local_name(struct sockaddr_un *sa, int port) {
+  memset(sa, 0, sizeof *sa);
+  sa->sun_family = AF_UNIX;
+  int n = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "meshd-dp:%d", port);
+  return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+static bool same_ip(const struct sockaddr *a, const struct sockaddr *b) {
+  if (!a || !b || a->sa_family != b->sa_family) return false;
+  if (a->sa_family == AF_INET)
+    return ((const struct sockaddr_in *)a)->sin_addr.s_addr ==
+           ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+  if (a->sa_family == AF_INET6)
+    return memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                  &((const struct sockaddr_in6 *)b)->sin6_addr, sizeof(struct in6_addr)) == 0;
+  return false;
+}
+
+/* addr's port when its host is this host's (loopback, or an address of one
+ * of our interfaces); -1 otherwise. */
+static int local_port(const char *addr) {
+  char host[DP_ADDR_MAX], port[16];
+  if (split_addr(addr, host, sizeof host, port, sizeof port) != 0) return -1;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_NUMERICSERV};
+  struct addrinfo *ai = NULL;
+  if (getaddrinfo(host, port, &hints, &ai) != 0) return -1;
+  bool mine = false;
+  struct ifaddrs *ifs = NULL;
+  for (struct addrinfo *a = ai; a && !mine; a = a->ai_next) {
+    if (a->ai_family == AF_INET)
+      mine = (ntohl(((struct sockaddr_in *)a->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+    else if (a->ai_family == AF_INET6)
+      mine = IN6_IS_ADDR_LOOPBACK(&((struct sockaddr_in6 *)a->ai_addr)->sin6_addr);
+    if (!mine && (ifs || getifaddrs(&ifs) == 0))
+      for (struct ifaddrs *i = ifs; i && !mine; i = i->ifa_next) mine = same_ip(i->ifa_addr, a->ai_addr);
+  }
+  int p = mine ? atoi(port) : -1;
+  if (ifs) freeifaddrs(ifs);
+  freeaddrinfo(ai);
+  return p > 0 && p < 65536 ? p : -1;
+}
+
+/* A connected unix socket to the same-host peer at addr, or -1. */
+static int dial_local(const char *addr) {
+  int port = local_port(addr);
+  if (port < 0) return -1;
+  struct sockaddr_un sa;
+  socklen_t len = local_name(&sa, port);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, len) != 0) {
+    close(fd);
+    fd = -1;
+  }
+  return fd;
+}
+
 conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
                     int64_t deadline, meshd_error_t *err) {
   const char *what = cl->what;
@@ -471,8 +541,28 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   pthread_mutex_unlock(&dp->mu);
 
   char why[200];
-  int fd = -1, backoff = 10;
-  for (bool redial = false;; redial = true) {
+  int fd = dp->same_host ? dial_local(addr) : -1, backoff = 10;
+  bool local = fd >= 0, redial = false;
+  int hs = local ? handshake(dp, cl, fd, peer, deadline, why, sizeof why) : 0;
+  if (hs != 0) {
+    close(fd);
+    fd = -1;
+    local = false;
+    if (dp__check_lost(dp, cl, err)) return NULL;
+    if (dp__stopping(dp)) goto stopping;
+    if (hs < 0) {
+      error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s %s", what,
+                (unsigned long long)comm_id, peer, addr, why);
+      return NULL;
+    }
+    /* Closed unproven: crowded out, stopping, or another agent behind the
+     * name. TCP, as a redial: a refusal there means the peer has stopped. */
+    redial = true;
+    struct timespec ts = {0, (long)backoff * 1000000L};
+    nanosleep(&ts, NULL);
+    backoff *= 2;
+  }
+  for (; !local; redial = true) {
     /* A peer that closed us unproven, then refuses us, has stopped. */
     fd = dial(dp, cl, addr, deadline, !redial, why, sizeof why);
     if (fd < 0 && dp__check_lost(dp, cl, err)) return NULL;
@@ -483,7 +573,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
                 redial ? " (it closed our connection, then stopped listening)" : "", why);
       return NULL;
     }
-    int hs = handshake(dp, cl, fd, peer, deadline, why, sizeof why);
+    hs = handshake(dp, cl, fd, peer, deadline, why, sizeof why);
     if (hs == 0) break;
     close(fd);
     if (dp__check_lost(dp, cl, err)) return NULL;
@@ -507,6 +597,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   }
   c->fd = fd;
   c->refs = 2;
+  c->local = local;
   c->linked = true;
   c->comm_id = comm_id;
   c->peer = peer;
@@ -709,6 +800,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
   }
   c->fd = p->fd;
   c->refs = 1;
+  c->local = p->local;
   c->linked = true;
   c->comm_id = comm_id;
   c->peer = from;
@@ -814,6 +906,9 @@ static bool pending_open(dataplane_t *dp, pending_t *p, int fd, const struct soc
     inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
     port = ntohs(in6->sin6_port);
     snprintf(p->from, sizeof p->from, "[%s]:%d", host, port);
+  } else if (ss->ss_family == AF_UNIX) {
+    p->local = true;
+    snprintf(p->from, sizeof p->from, "a process on this host");
   } else {
     snprintf(p->from, sizeof p->from, "?");
   }
@@ -838,17 +933,18 @@ static void *listener_main(void *arg) {
   dataplane_t *dp = arg;
   pending_t pend[DP_UNPROVEN_MAX];
   size_t np = 0;
-  struct pollfd pfds[DP_UNPROVEN_MAX + 2];
+  struct pollfd pfds[DP_UNPROVEN_MAX + 3];
   for (;;) {
     pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
     pfds[1] = (struct pollfd){.fd = dp->lfd, .events = POLLIN};
+    pfds[2] = (struct pollfd){.fd = dp->ufd, .events = POLLIN}; /* -1: ignored */
     int64_t now = dp__now_ms(), next = INT64_MAX;
     for (size_t i = 0; i < np; i++) {
-      pfds[i + 2] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
+      pfds[i + 3] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
       if (pend[i].deadline < next) next = pend[i].deadline;
     }
     int wait = np == 0 ? -1 : next <= now ? 0 : (int)dp__min((size_t)(next - now), 1000);
-    int n = poll(pfds, (nfds_t)(np + 2), wait);
+    int n = poll(pfds, (nfds_t)(np + 3), wait);
     if (n < 0 && errno != EINTR) break;
     bool registered = false;
     if (n > 0 && pfds[0].revents) {
@@ -863,7 +959,7 @@ static void *listener_main(void *arg) {
     for (size_t i = 0; i < np; i++) {
       pending_t *p = &pend[i];
       bool alive = true;
-      if (n > 0 && pfds[i + 2].revents) alive = pending_read(dp, p);
+      if (n > 0 && pfds[i + 3].revents) alive = pending_read(dp, p);
       else if (registered && p->parked) alive = pending_admit(dp, p);
       if (alive && now > p->deadline) {
         char why[120];
@@ -879,13 +975,14 @@ static void *listener_main(void *arg) {
       if (alive) pend[keep++] = *p;
     }
     np = keep;
-    if (n > 0 && (pfds[1].revents & POLLIN)) {
+    for (int l = 1; l <= 2; l++) {
+      if (n <= 0 || !(pfds[l].revents & POLLIN)) continue;
       /* A burst at most, then back to the pending ones: a flood of new
        * connections must not keep the hellos already here from being read. */
       for (int burst = 0; burst < DP_UNPROVEN_MAX; burst++) {
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
-        int fd = accept4(dp->lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = accept4(pfds[l].fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) break;
         if (np == DP_UNPROVEN_MAX) { /* the oldest unproven one makes room */
           char why[120];
@@ -913,7 +1010,8 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   }
   dp->rank = my_rank;
   dp->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
-  dp->lfd = dp->wake[0] = dp->wake[1] = -1;
+  dp->lfd = dp->ufd = dp->wake[0] = dp->wake[1] = -1;
+  dp->same_host = true;
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
   int gai = getaddrinfo(host, "0", &hints, &ai);
   if (gai != 0) {
@@ -933,6 +1031,16 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   getsockname(dp->lfd, (struct sockaddr *)&ss, &sl);
   dp->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
                                             : ((struct sockaddr_in *)&ss)->sin_port);
+  struct sockaddr_un un;
+  socklen_t unlen = local_name(&un, dp->port);
+  dp->ufd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (dp->ufd >= 0 && (bind(dp->ufd, (struct sockaddr *)&un, unlen) != 0 || listen(dp->ufd, 512) != 0)) {
+    /* Another data plane of this host has the port on another address: peers reach us by TCP. */
+    log_info("dataplane", "rank %u: no same-host socket @%s: %s", my_rank, un.sun_path + 1,
+             strerror(errno));
+    close(dp->ufd);
+    dp->ufd = -1;
+  }
   if (pipe2(dp->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
     error_set(err, ERR_UNAVAILABLE, "data plane: pipe: %s", strerror(errno));
     goto fail;
@@ -954,6 +1062,7 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
 fail:
   if (ai) freeaddrinfo(ai);
   if (dp->lfd >= 0) close(dp->lfd);
+  if (dp->ufd >= 0) close(dp->ufd);
   if (dp->wake[0] >= 0) close(dp->wake[0]);
   if (dp->wake[1] >= 0) close(dp->wake[1]);
   free(dp);
@@ -961,6 +1070,16 @@ fail:
 }
 
 int dataplane_port(const dataplane_t *dp) { return dp ? dp->port : -1; }
+
+void dataplane_same_host(dataplane_t *dp, bool on) {
+  if (dp) dp->same_host = on;
+}
+
+uint64_t dataplane_shm_received(const dataplane_t *dp, uint64_t *mapped) {
+  dataplane_t *d = (dataplane_t *)dp;
+  if (mapped) *mapped = d ? atomic_load(&d->shm_mapped) : 0;
+  return d ? atomic_load(&d->shm_in) : 0;
+}
 
 void dataplane_shutdown(dataplane_t *dp) {
   if (!dp) return;
@@ -979,7 +1098,8 @@ void dataplane_shutdown(dataplane_t *dp) {
   while (w < 0 && errno == EINTR);
   pthread_join(dp->listener, NULL);
   close(dp->lfd); /* peers dialing us now are refused */
-  dp->lfd = -1;
+  if (dp->ufd >= 0) close(dp->ufd);
+  dp->lfd = dp->ufd = -1;
 }
 
 void dataplane_stop(dataplane_t *dp) {

@@ -27,6 +27,7 @@
 #ifndef MESHD_AGENT_DATAPLANE_DATAPLANE_H
 #define MESHD_AGENT_DATAPLANE_DATAPLANE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -60,6 +61,11 @@ typedef struct dp_group {
   /* DP_SECRET_LEN bytes every member holds (the instruction's Group.secret):
    * connections of the call must prove it. Required when n > 1. */
   const uint8_t *secret;
+  /* Broadcast: buf is the caller's own private mapping (page-aligned, every
+   * page of it the caller's alone), whose pages a same-host broadcast may
+   * replace with copy-on-write ones of the source's memfd instead of copying
+   * into them. false: buf is only written. */
+  bool mappable;
 } dp_group_t;
 
 /* Why the listener closed a connection before admitting it. */
@@ -98,10 +104,20 @@ const char *dp_abort_name(dp_abort_t reason);
 /* Calls failed so far for `reason` (0 for NULL or out of range). */
 uint64_t dataplane_aborts(const dataplane_t *dp, dp_abort_t reason);
 
-/* Listens on host:0 (e.g. "127.0.0.1", "0.0.0.0"). NULL with err on failure. */
+/* Messages received as shared memory from same-host peers, and of them
+ * those mapped rather than copied (0 for NULL). */
+uint64_t dataplane_shm_received(const dataplane_t *dp, uint64_t *mapped);
+
+/* Listens on host:0 (e.g. "127.0.0.1", "0.0.0.0"), and on the abstract unix
+ * socket "@meshd-dp:PORT" for peers on this host. NULL with err on failure. */
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
                              meshd_error_t *err);
 int dataplane_port(const dataplane_t *dp);
+/* Whether this agent dials peers on its own host (a loopback address or one
+ * of its interfaces') on their unix socket, which passes large broadcasts as
+ * shared memory; on by default. Off: TCP to every peer. Set before the first
+ * call. */
+void dataplane_same_host(dataplane_t *dp, bool on);
 /* Fails every call in progress at once (UNAVAILABLE "the data plane is
  * stopping"; peers waiting on this agent fail too: its connections close),
  * waits until each has returned, and stops listening. Calls made afterwards

@@ -10,6 +10,7 @@
  *   p2p.c          send and recv
  *   reduce_ops.c   the typed element-wise reductions (reduce_ops.h)
  *   wire.c         handshake and frame headers as pure functions (wire.h)
+ *   shm.c          same-host messages: sealed memfds, checked and mapped
  *
  * Wire format, connection rules and failure rules: conn.c's and transfer.c's
  * opening comments. Functions shared between the files are prefixed dp__. */
@@ -38,6 +39,9 @@
 #define DP_HELLO_MS 5000 /* to send a complete hello (or timeout_ms, if shorter) */
 #define DP_ADDR_MAX 96
 #define DP_DEAD_MAX 32 /* peers declared lost that calls in progress still check */
+/* A broadcast of this many bytes or more goes to a same-host member as one
+ * shared-memory frame (shm.c) instead of its bytes. */
+#define DP_SHM_MIN ((size_t)1 << 20)
 
 /* ------------------------------------------------------------------ helpers */
 
@@ -64,6 +68,7 @@ typedef struct conn {
   uint64_t comm_id;
   uint32_t peer;
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
+  bool local;   /* a unix socket to an agent on this host: it can pass memfds */
   uint8_t secret[DP_SECRET_LEN]; /* the group secret its handshake proved */
   char addr[DP_ADDR_MAX];
 } conn_t;
@@ -82,6 +87,8 @@ struct dataplane {
   int timeout_ms;
   int port;
   int lfd;
+  int ufd;        /* the same-host listener (abstract unix socket), or -1 */
+  bool same_host; /* dial same-host peers on their unix socket (dataplane_same_host) */
   int wake[2];
   pthread_t listener;
   pthread_mutex_t mu;
@@ -107,6 +114,7 @@ struct dataplane {
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
   _Atomic uint64_t rejected[DP_REJECT_COUNT];
   _Atomic uint64_t aborts[DP_ABORT_COUNT];
+  _Atomic uint64_t shm_in, shm_mapped; /* dataplane_shm_received */
   /* The listener's warn lines about refused connections: at most a few per
    * window, then one saying how many it left out (listener thread only). */
   int64_t log_window_ms;
@@ -162,12 +170,22 @@ void dp__drop_comm(dataplane_t *dp, uint64_t comm_id, const char *why);
 
 /* One message on a connection. Send: buf[0, len) leaves in frames, frame k only
  * once *gate >= its end (gate NULL: all ready). Receive: frames land in buf; with
- * `into`, each completed frame is then reduced into `into` at the same offset. */
+ * `into`, each completed frame is then reduced into `into` at the same offset.
+ *
+ * Shared memory (shm.c), on a local connection only: a send whose *shm holds
+ * a sealed memfd of the message's bytes sends that instead (once the whole
+ * message is past its gate; while *shm is empty and nothing is past the gate,
+ * it waits, for a receive may yet bring one). A receive takes either; a memfd
+ * it gets is kept in *shm (shm NULL: closed) after landing in buf: mapped over
+ * it copy-on-write when `map` (buf is the caller's own page-aligned private
+ * mapping, dp_group_t.mappable), else copied. */
 typedef struct msg {
   uint8_t *buf;
   size_t len;
   uint8_t *into;
   const size_t *gate;
+  int *shm;
+  bool map;
   size_t done; /* bytes sent, or received (and reduced) */
   size_t frames;
 } msg_t;
@@ -181,6 +199,10 @@ typedef struct xfer {
   bool in_frame, blocked;
   uint8_t hdr[DP_HDR_LEN];
   size_t hdr_done, flen, fdone;
+  bool shm;                     /* the frame in progress is a shared-memory one */
+  uint8_t pay[DP_SHM_PAYLOAD];  /* its payload */
+  int rfd;                      /* a descriptor received with it, + 1 (0: none) */
+  bool stray_fd;                /* a descriptor came that no frame asked for */
 } xfer_t;
 
 /* One public call: what received chunks are reduced with, and the root cause
@@ -207,6 +229,7 @@ typedef struct plan {
   size_t nx;
   msg_t *msgs;
   uint64_t reg; /* its group's registration (dp__register) */
+  int shm;      /* the memfd its messages share (msg_t.shm), or -1 */
 } plan_t;
 
 /* The call's comm_id and secret are g's; g must outlive the plan. nx
@@ -231,5 +254,16 @@ void dp__plan_count_abort(plan_t *p, const meshd_error_t *err);
  * counts the abort (a call that began), aborts and drops every connection of the comm, so that the next call starts
  * from fresh links. Returns rc. */
 int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err);
+
+/* ------------------------------------------------ shm.c: same-host messages */
+
+/* A sealed memfd (no write, grow or shrink: a receiver may map it) holding a
+ * copy of buf[0, len); -1 with errno when the kernel has none. */
+int dp__shm_create(const void *buf, size_t len);
+/* Lands the memfd `fd` a peer passed for a message of len bytes in buf:
+ * mapped over it copy-on-write when `map` and buf is page-aligned, else
+ * copied. 1 when mapped, 0 when copied, -1 with `why` when fd is not a
+ * sealed memfd of exactly len bytes (nothing written to buf then). */
+int dp__shm_land(int fd, uint8_t *buf, size_t len, bool map, char *why, size_t whylen);
 
 #endif

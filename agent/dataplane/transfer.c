@@ -26,6 +26,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include "dp_internal.h"
 
@@ -95,11 +96,20 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         continue;
       }
       size_t flen = dp__min(DP_CHUNK, m->len - m->done);
-      if (m->gate && *m->gate < m->done + flen) {
+      size_t past = m->gate ? *m->gate : m->len;
+      bool shm = m->shm && *m->shm >= 0 && x->c->local && m->done == 0 && past >= m->len;
+      if (!shm && ((m->gate && past < m->done + flen) ||
+                   (m->shm && *m->shm < 0 && x->c->local && past == 0 && m->len > 0))) {
         x->blocked = true;
         break;
       }
-      dp_wire_frame(x->hdr, DP_MAGIC_DATA, (uint32_t)flen, cl->comm_id, x->c->seq);
+      if (shm) {
+        flen = DP_SHM_PAYLOAD;
+        dp__put64(x->pay, m->len);
+      }
+      dp_wire_frame(x->hdr, shm ? DP_MAGIC_SHM : DP_MAGIC_DATA, (uint32_t)flen, cl->comm_id,
+                    x->c->seq);
+      x->shm = shm;
       x->flen = flen;
       x->hdr_done = x->fdone = 0;
       x->in_frame = true;
@@ -109,9 +119,23 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
     if (x->hdr_done < DP_HDR_LEN)
       iov[k++] = (struct iovec){x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done};
     if (x->fdone < x->flen)
-      iov[k++] = (struct iovec){m->buf + m->done + x->fdone, x->flen - x->fdone};
+      iov[k++] = (struct iovec){(x->shm ? x->pay : m->buf + m->done) + x->fdone, x->flen - x->fdone};
     if (k > 0) {
       struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+      union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+      } ctl;
+      if (x->shm && x->hdr_done == 0 && x->fdone == 0) { /* the memfd rides on the first byte */
+        memset(&ctl, 0, sizeof ctl);
+        mh.msg_control = ctl.b;
+        mh.msg_controllen = sizeof ctl.b;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), m->shm, sizeof(int));
+      }
       ssize_t w = sendmsg(x->c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w < 0) {
         if (errno == EINTR) continue;
@@ -124,13 +148,74 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       x->fdone += ww - h;
     }
     if (x->hdr_done == DP_HDR_LEN && x->fdone == x->flen) {
-      m->done += x->flen;
+      m->done = x->shm ? m->len : m->done + x->flen;
       m->frames++;
       x->c->seq++;
       x->in_frame = false;
     }
   }
   return (ssize_t)moved;
+}
+
+/* recv, keeping a descriptor that comes along on a local connection in
+ * x->rfd (any beyond the first is closed and marks x->stray_fd). */
+static ssize_t recv_some(xfer_t *x, void *buf, size_t len) {
+  if (!x->c->local) return recv(x->c->fd, buf, len, MSG_DONTWAIT);
+  union {
+    struct cmsghdr h;
+    char b[CMSG_SPACE(4 * sizeof(int))];
+  } ctl;
+  struct iovec iov = {buf, len};
+  struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b,
+                      .msg_controllen = sizeof ctl.b};
+  ssize_t r = recvmsg(x->c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (r < 0) return r;
+  if (mh.msg_flags & MSG_CTRUNC) x->stray_fd = true;
+  for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+    if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < n; i++) {
+      int fd;
+      memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof fd);
+      if (x->rfd == 0) {
+        x->rfd = fd + 1;
+      } else {
+        close(fd);
+        x->stray_fd = true;
+      }
+    }
+  }
+  return r;
+}
+
+static void drop_rfd(xfer_t *x) {
+  if (x->rfd > 0) close(x->rfd - 1);
+  x->rfd = 0;
+}
+
+/* A shared-memory frame is in: its memfd lands in m->buf (shm.c), then is
+ * kept in *m->shm for a send to pass on, or closed. */
+static int shm_landed(call_t *cl, xfer_t *x, msg_t *m, meshd_error_t *err) {
+  char why[200];
+  uint64_t count = dp__get64(x->pay);
+  if (count != m->len) {
+    drop_rfd(x);
+    return peer_error(cl, x->c, err, "sent shared memory of %llu bytes for a message of %zu",
+                      (unsigned long long)count, m->len);
+  }
+  if (x->rfd == 0)
+    return peer_error(cl, x->c, err, "sent a shared-memory frame without its memfd");
+  int fd = x->rfd - 1, landed = dp__shm_land(fd, m->buf, m->len, m->map, why, sizeof why);
+  if (landed < 0) {
+    drop_rfd(x);
+    return peer_error(cl, x->c, err, "%s", why);
+  }
+  atomic_fetch_add(&cl->dp->shm_in, 1);
+  if (landed) atomic_fetch_add(&cl->dp->shm_mapped, 1);
+  x->rfd = 0;
+  if (m->shm && *m->shm < 0) *m->shm = fd;
+  else close(fd);
+  return 0;
 }
 
 static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
@@ -142,7 +227,7 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         x->cur++;
         continue;
       }
-      ssize_t r = recv(x->c->fd, x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done, MSG_DONTWAIT);
+      ssize_t r = recv_some(x, x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done);
       if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
       if (r < 0) {
         if (errno == EINTR) continue;
@@ -155,7 +240,20 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       x->hdr_done = 0;
       size_t want = dp__min(DP_CHUNK, m->len - m->done);
       dp_frame_t f;
-      switch (dp_wire_parse_frame(x->hdr, cl->comm_id, x->c->seq, want, &f)) {
+      dp_frame_kind_t kind = dp_wire_parse_frame(x->hdr, cl->comm_id, x->c->seq, want, &f);
+      if (x->stray_fd || (x->rfd && kind != DP_FRAME_SHM)) {
+        drop_rfd(x);
+        return peer_error(cl, x->c, err, "passed a file descriptor that no frame of ours asks for");
+      }
+      x->shm = kind == DP_FRAME_SHM;
+      switch (kind) {
+      case DP_FRAME_SHM:
+        if (m->into || m->done > 0) {
+          drop_rfd(x);
+          return peer_error(cl, x->c, err, "sent shared memory where %s was expected",
+                            m->into ? "data to reduce" : "the rest of a message");
+        }
+        break;
       case DP_FRAME_ABORT: {
         char text[DP_ABORT_MAX + 1];
         read_abort(x->c->fd, &f, text, sizeof text);
@@ -175,7 +273,9 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       x->in_frame = true;
     }
     if (x->fdone < x->flen) {
-      ssize_t r = recv(x->c->fd, m->buf + m->done + x->fdone, x->flen - x->fdone, MSG_DONTWAIT);
+      ssize_t r = x->shm ? recv_some(x, x->pay + x->fdone, x->flen - x->fdone)
+                         : recv(x->c->fd, m->buf + m->done + x->fdone, x->flen - x->fdone,
+                                MSG_DONTWAIT);
       if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
       if (r < 0) {
         if (errno == EINTR) continue;
@@ -185,7 +285,17 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       moved += (size_t)r;
       x->fdone += (size_t)r;
     }
-    if (x->fdone == x->flen) {
+    if (x->fdone == x->flen && x->shm) {
+      if (x->stray_fd) {
+        drop_rfd(x);
+        return peer_error(cl, x->c, err, "passed a file descriptor that no frame of ours asks for");
+      }
+      if (shm_landed(cl, x, m, err) != 0) return -1;
+      m->done = m->len;
+      m->frames++;
+      x->c->seq++;
+      x->in_frame = false;
+    } else if (x->fdone == x->flen) {
       if (m->into && x->flen > 0)
         dp_reduce_apply(cl->op, cl->dtype, m->into + m->done, m->buf + m->done, x->flen / esz);
       m->done += x->flen;
@@ -305,6 +415,7 @@ static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
 int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t *g, dtype_t dtype,
                   reduction_t op, size_t nx, size_t nmsgs, meshd_error_t *err) {
   memset(p, 0, sizeof *p);
+  p->shm = -1;
   p->cl = (call_t){.dp = dp, .what = what, .g = g, .gen = g->since ? *g->since : atomic_load(&dp->gen),
                    .comm_id = g->comm_id, .secret = g->secret, .dtype = dtype, .op = op};
   if (!g->secret)
@@ -370,7 +481,11 @@ int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
     dp__drop_comm(p->cl.dp, p->cl.comm_id, p->cl.root);
   }
   if (p->xs)
-    for (size_t i = 0; i < p->nx; i++) dp__conn_put(p->cl.dp, p->xs[i].c);
+    for (size_t i = 0; i < p->nx; i++) {
+      drop_rfd(&p->xs[i]);
+      dp__conn_put(p->cl.dp, p->xs[i].c);
+    }
+  if (p->shm >= 0) close(p->shm);
   free(p->xs);
   free(p->msgs);
   return rc;

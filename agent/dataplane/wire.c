@@ -151,7 +151,10 @@ dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm
     if (f->len > DP_ABORT_MAX) f->len = DP_ABORT_MAX;
     return DP_FRAME_ABORT;
   }
-  if (f->magic != DP_MAGIC_DATA || f->comm_id != comm_id) return DP_FRAME_FOREIGN;
+  if ((f->magic != DP_MAGIC_DATA && f->magic != DP_MAGIC_SHM) || f->comm_id != comm_id)
+    return DP_FRAME_FOREIGN;
+  if (f->magic == DP_MAGIC_SHM)
+    return f->seq == want_seq && f->len == DP_SHM_PAYLOAD ? DP_FRAME_SHM : DP_FRAME_SKEWED;
   if (f->seq != want_seq || f->len != want_len) return DP_FRAME_SKEWED;
   return DP_FRAME_DATA;
 }

@@ -22,6 +22,11 @@
  *
  *   frame header {magic MDPD (data) or MDPA (abort), length, comm_id, seq}     24 bytes
  *
+ * On a same-host connection (a unix socket, conn.c) a whole message may
+ * instead travel as one shared-memory frame: header {magic MDPS, length 8,
+ * comm_id, seq} and the message's byte count (u64), with a sealed memfd
+ * holding those bytes passed alongside (SCM_RIGHTS; transfer.c checks it).
+ *
  * All integers little-endian. */
 #ifndef MESHD_AGENT_DATAPLANE_WIRE_H
 #define MESHD_AGENT_DATAPLANE_WIRE_H
@@ -38,6 +43,8 @@
 #define DP_MAGIC_ACK 0x4d44504bu       /* "MDPK" */
 #define DP_MAGIC_DATA 0x4d445044u      /* "MDPD" */
 #define DP_MAGIC_ABORT 0x4d445041u     /* "MDPA" */
+#define DP_MAGIC_SHM 0x4d445053u       /* "MDPS" */
+#define DP_SHM_PAYLOAD 8               /* a shared-memory frame's payload: the byte count */
 #define DP_NONCE_LEN 16
 #define DP_MAC_LEN 32
 #define DP_CHALLENGE_LEN (8 + DP_NONCE_LEN)
@@ -111,6 +118,7 @@ typedef enum {
   DP_FRAME_ABORT,   /* an abort notice: f->len (at most DP_ABORT_MAX) bytes of text follow */
   DP_FRAME_FOREIGN, /* not data of this comm (another magic or comm_id) */
   DP_FRAME_SKEWED,  /* data of this comm, but not frame want_seq of want_len bytes */
+  DP_FRAME_SHM,     /* frame want_seq as shared memory: DP_SHM_PAYLOAD bytes follow */
 } dp_frame_kind_t;
 
 typedef struct dp_frame {

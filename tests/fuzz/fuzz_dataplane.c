@@ -106,8 +106,16 @@ static void fuzz_frames(const uint8_t *in, size_t len, uint8_t sel) {
       CHECK(f.magic == DP_MAGIC_DATA && f.comm_id == comm && f.seq == seq && f.len == want);
       break;
     case DP_FRAME_ABORT: CHECK(f.magic == DP_MAGIC_ABORT && f.len <= DP_ABORT_MAX); break;
-    case DP_FRAME_FOREIGN: CHECK(f.magic != DP_MAGIC_DATA || f.comm_id != comm); break;
-    case DP_FRAME_SKEWED: CHECK(f.seq != seq || f.len != want); break;
+    case DP_FRAME_SHM:
+      CHECK(f.magic == DP_MAGIC_SHM && f.comm_id == comm && f.seq == seq &&
+            f.len == DP_SHM_PAYLOAD);
+      break;
+    case DP_FRAME_FOREIGN:
+      CHECK((f.magic != DP_MAGIC_DATA && f.magic != DP_MAGIC_SHM) || f.comm_id != comm);
+      break;
+    case DP_FRAME_SKEWED:
+      CHECK(f.seq != seq || (f.magic == DP_MAGIC_SHM ? f.len != DP_SHM_PAYLOAD : f.len != want));
+      break;
     default: CHECK(0);
     }
   }

@@ -314,6 +314,49 @@ def test_to_mesh_between_agents_and_broadcast(shared_meshd):
                 np.testing.assert_array_equal(fetch(s, b, host=h, gpu=g), np.full(3, 5, np.float32))
 
 
+def test_to_mesh_broadcast_on_one_host_maps_one_copy_per_destination(meshd_server, agent,
+                                                                      tmp_path):
+    """Agents on one host pass a large broadcast as one sealed memfd that every destination
+    maps copy-on-write (docs/architecture.md, "Same-host data plane"): each gets the source's
+    bytes, then writes its own into them in place without touching the others' or the
+    source's, and each counts the message as mapped."""
+    from test_metrics import scrape, value
+    srv = meshd_server(0, min_agents=4)
+    mports = {}
+    for rank in range(4):
+        pf = tmp_path / f"agent{rank}.metrics.port"
+        a = agent(srv.port, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf,
+                  rank=rank)
+        mports[rank] = lib.read_port_file(str(pf), a.proc, a.log)
+    lib.wait_ready(srv, 4)
+
+    def mapped(rank):
+        return value(scrape(mports[rank]),
+                     'meshd_dataplane_shm_messages_total{landing="mapped"}') or 0
+
+    with Session(srv.port, "same-host") as s:
+        if not data_plane(s):
+            pytest.skip("agents report no data_port")
+        root = s.mesh(gpu=4).ref
+        src = s.slice(root, gpu=0).ref
+        n = 3 << 20  # 12 MiB of float32: a tensor the cpu backend keeps in its own mapping
+        a = np.random.default_rng(4).standard_normal(n).astype(np.float32)
+        y = upload(s, src, a, chunk=1 << 20)
+        before = {r: mapped(r) for r in range(4)}
+        b = s.run(to_mesh(s.new_ref(), y, root)).tensors[0].ref
+        for g in range(4):
+            np.testing.assert_array_equal(fetch(s, b, gpu=g), a, err_msg=f"gpu {g}")
+        for r in range(1, 4):  # rank 0 holds the source: its copy is local
+            assert mapped(r) == before[r] + 1, (r, before, mapped(r))
+        k = upload(s, root, np.arange(4, dtype=np.float32).reshape(4, 1) * np.ones((1, n), np.float32),
+                   per_rank=True, chunk=1 << 20)
+        s.op("add_", Ref(b), Ref(k))
+        s.run(sync())
+        for g in range(4):
+            np.testing.assert_array_equal(fetch(s, b, gpu=g), a + g, err_msg=f"gpu {g} after add_")
+        np.testing.assert_array_equal(fetch(s, y), a, err_msg="the source changed")
+
+
 # ================================================================ a replaced agent
 
 def _agents(s):

@@ -3,6 +3,7 @@
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -10,7 +11,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stddef.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -74,6 +78,7 @@ typedef struct job {
   reduction_t op;
   size_t count, root;
   void *in, *out;
+  bool map; /* broadcast: in is a private mapping the data plane may map over */
   int rc;
   meshd_error_t err;
   int64_t took_ms;
@@ -82,6 +87,7 @@ typedef struct job {
 static void *job_main(void *arg) {
   job_t *j = arg;
   dp_group_t g = group(j->w, j->comm, j->me);
+  g.mappable = j->map;
   int64_t t0 = now_ms();
   switch (j->kind) {
   case K_ALLREDUCE: j->rc = dp_allreduce(j->w->dp[j->me], &g, j->in, j->count, j->dtype, j->op, &j->err); break;
@@ -192,6 +198,7 @@ static void expect_reduced(dtype_t dt, reduction_t op, size_t n, const void *buf
 }
 
 #define BIG_BYTES ((size_t)4 << 20)
+#define DP_TEST_SHM_BELOW (((size_t)1 << 20) - 1) /* under DP_SHM_MIN */
 
 static void allreduce_case(world_t *w, uint64_t comm, dtype_t dt, reduction_t op, size_t count) {
   job_t jobs[MAXN];
@@ -1040,6 +1047,13 @@ Test(dataplane_wire, frames_are_classified) {
   cr_assert_eq(f.len, DP_ABORT_MAX, "an abort's text is capped");
   dp_wire_frame(h, DP_MAGIC_HELLO, 1, 5, 0);
   cr_assert_eq(dp_wire_parse_frame(h, 5, 0, 1, &f), DP_FRAME_FOREIGN);
+  /* A shared-memory frame stands for a message of any length; its own length is the count's. */
+  dp_wire_frame(h, DP_MAGIC_SHM, DP_SHM_PAYLOAD, 5, 3);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 1u << 20, &f), DP_FRAME_SHM);
+  cr_assert_eq(dp_wire_parse_frame(h, 6, 3, 1u << 20, &f), DP_FRAME_FOREIGN);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 2, 1u << 20, &f), DP_FRAME_SKEWED);
+  dp_wire_frame(h, DP_MAGIC_SHM, 9, 5, 3);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 9, &f), DP_FRAME_SKEWED);
 }
 
 /* Calls without a secret are refused up front, naming what is missing. */
@@ -1057,5 +1071,182 @@ Test(dataplane_security, a_group_without_a_secret_is_refused) {
   cr_assert(strstr(err.msg, "missing: secret"), "%s", err.msg);
   g.n = 1; /* alone: nothing to prove */
   cr_assert_eq(dp_allreduce(w.dp[0], &g, v, 2, DTYPE_INT32, RED_SUM, &err), 0, "%s", err.msg);
+  world_stop(&w);
+}
+
+/* ------------------------------------------------------------ same host */
+
+static uint8_t *map_buffer(size_t bytes) {
+  uint8_t *b = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  cr_assert(b != MAP_FAILED, "mmap: %s", strerror(errno));
+  return b;
+}
+
+/* One broadcast of `bytes` from member 0 over w (destinations' buffers are
+ * mappings, `map` as given), checked byte for byte. The buffers are left in
+ * bufs[] (munmap them). */
+static void broadcast_once(world_t *w, uint64_t comm, size_t bytes, bool map, uint8_t **bufs) {
+  job_t jobs[MAXN];
+  for (size_t r = 0; r < w->n; r++) {
+    bufs[r] = map_buffer(bytes);
+    for (size_t i = 0; i < bytes; i += r == 0 ? 1 : 4096) bufs[r][i] = r == 0 ? (uint8_t)(i * 7 + 1) : 0xee;
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .kind = K_BROADCAST, .count = bytes,
+                      .in = bufs[r], .map = map && r > 0};
+  }
+  run_jobs(jobs, w->n);
+  for (size_t r = 0; r < w->n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "member %zu: %s", r, jobs[r].err.msg);
+    cr_assert(memcmp(bufs[r], bufs[0], bytes) == 0, "member %zu differs from the source", r);
+  }
+}
+
+static void expect_shm(const world_t *w, uint64_t received, uint64_t mapped, const char *ctx) {
+  for (size_t r = 0; r < w->n; r++) {
+    uint64_t m = 0, got = dataplane_shm_received(w->dp[r], &m);
+    cr_assert_eq(got, r == 0 ? 0 : received, "%s: member %zu received %llu as shared memory", ctx,
+                 r, (unsigned long long)got);
+    cr_assert_eq(m, r == 0 ? 0 : mapped, "%s: member %zu mapped %llu", ctx, r, (unsigned long long)m);
+  }
+}
+
+/* Between data planes of one host a large broadcast is one sealed memfd:
+ * every destination gets the source's bytes (an odd length: the last page
+ * is partly past the end) mapped copy-on-write over its buffer, or copied
+ * when its buffer is not its own mapping; a write to one destination's
+ * bytes changes nobody else's. With same-host links off it goes as frames. */
+Test(dataplane, same_host_broadcast_maps_one_memfd, .timeout = 60) {
+  world_t w;
+  world_start(&w, 4, 5000);
+  size_t bytes = 3 * BIG_BYTES / 4 + 5;
+  uint8_t *bufs[MAXN];
+  broadcast_once(&w, 700, bytes, true, bufs);
+  expect_shm(&w, 1, 1, "mappable");
+  bufs[1][0] ^= 0xff;
+  bufs[1][bytes - 1] ^= 0xff;
+  cr_assert_eq(bufs[2][0], bufs[0][0], "a write to one destination reached another");
+  cr_assert_eq(bufs[3][bytes - 1], bufs[0][bytes - 1], "a write to one destination reached another");
+  cr_assert_eq(bufs[0][0], 1, "a write to a destination reached the source");
+  for (size_t r = 0; r < w.n; r++) munmap(bufs[r], bytes);
+
+  broadcast_once(&w, 700, bytes, false, bufs); /* the same comm again: its links are reused */
+  expect_shm(&w, 2, 1, "copied");
+  for (size_t r = 0; r < w.n; r++) munmap(bufs[r], bytes);
+
+  broadcast_once(&w, 701, DP_TEST_SHM_BELOW, true, bufs); /* small: frames */
+  expect_shm(&w, 2, 1, "below the threshold");
+  for (size_t r = 0; r < w.n; r++) munmap(bufs[r], DP_TEST_SHM_BELOW);
+
+  for (size_t r = 0; r < w.n; r++) dataplane_same_host(w.dp[r], false);
+  broadcast_once(&w, 702, bytes, true, bufs);
+  expect_shm(&w, 2, 1, "same-host links off");
+  for (size_t r = 0; r < w.n; r++) munmap(bufs[r], bytes);
+  world_stop(&w);
+}
+
+/* A member that dials w's member `to` on its same-host socket and proves
+ * the group's secret as rank `from` of comm: the connected socket. */
+static int local_member_dial(const world_t *w, size_t to, uint32_t from, uint64_t comm) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  cr_assert(fd >= 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  int n = snprintf(sa.sun_path + 1, sizeof sa.sun_path - 1, "meshd-dp:%d", dataplane_port(w->dp[to]));
+  cr_assert_eq(connect(fd, (struct sockaddr *)&sa, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n)),
+               0, "connect to the same-host socket: %s", strerror(errno));
+  struct timeval tv = {.tv_sec = 3};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  uint8_t na[DP_NONCE_LEN], nd[DP_NONCE_LEN] = {5}, hello[DP_HELLO_LEN], ack[DP_ACK_LEN];
+  stranger_challenge(fd, na);
+  dp_wire_hello(hello, w->ranks[to], from, comm, nd, na, SECRET);
+  cr_assert_eq(send(fd, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+  cr_assert_eq(recv(fd, ack, sizeof ack, MSG_WAITALL), (ssize_t)sizeof ack, "no ack");
+  cr_assert(dp_wire_ack_proves(ack, sizeof ack, hello, na, SECRET));
+  return fd;
+}
+
+/* A frame header (+ payload) with descriptor `pass` attached (-1: none). */
+static void send_with_fd(int fd, uint32_t magic, uint64_t comm, const void *pay, size_t len, int pass) {
+  uint8_t buf[DP_HDR_LEN + 64];
+  dp_wire_frame(buf, magic, (uint32_t)len, comm, 0);
+  memcpy(buf + DP_HDR_LEN, pay, len);
+  struct iovec iov = {buf, DP_HDR_LEN + len};
+  union {
+    struct cmsghdr h;
+    char b[CMSG_SPACE(sizeof(int))];
+  } ctl;
+  memset(&ctl, 0, sizeof ctl);
+  struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+  if (pass >= 0) {
+    mh.msg_control = ctl.b;
+    mh.msg_controllen = sizeof ctl.b;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &pass, sizeof(int));
+  }
+  cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)(DP_HDR_LEN + len), "sendmsg: %s", strerror(errno));
+}
+
+static int memfd_of(size_t bytes, bool seal) {
+  int fd = memfd_create("test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  cr_assert(fd >= 0);
+  cr_assert_eq(ftruncate(fd, (off_t)bytes), 0);
+  if (seal) cr_assert_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  return fd;
+}
+
+/* A member (it holds the secret) whose same-host frames carry the wrong
+ * descriptor: an unsealed memfd (it could change the pages under a
+ * mapping), one of the wrong size, none, or one riding on a data frame. The
+ * receiver fails the call naming what was wrong, its buffer untouched, and
+ * a broadcast among the members right after succeeds. */
+Test(dataplane_security, a_member_passing_a_bad_descriptor_is_refused, .timeout = 60) {
+  world_t w;
+  world_start(&w, 3, 3000);
+  const size_t bytes = BIG_BYTES / 2;
+  const uint32_t rogue = 30;
+  const char *rogue_addr = "127.0.0.1:9";
+  struct {
+    uint32_t magic;
+    int fd;
+    uint64_t count;
+    const char *says;
+  } cases[] = {
+      {DP_MAGIC_SHM, memfd_of(bytes, false), bytes, "not a memfd sealed against writes"},
+      {DP_MAGIC_SHM, memfd_of(bytes / 2, true), bytes, "memfd of"},
+      {DP_MAGIC_SHM, -1, bytes, "without its memfd"},
+      {DP_MAGIC_SHM, memfd_of(bytes, true), bytes - 1, "for a message of"},
+      {DP_MAGIC_DATA, memfd_of(bytes, true), 0, "file descriptor that no frame"},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    uint64_t comm = 800 + k;
+    /* Member 1 of {rogue, w's member 1} waits to receive from the rogue. */
+    world_t v = w;
+    v.n = 2;
+    v.ranks[0] = rogue;
+    v.addrs[0] = rogue_addr;
+    uint8_t *buf = map_buffer(bytes);
+    memset(buf, 0xee, bytes);
+    job_t j = {.w = &v, .me = 1, .comm = comm, .kind = K_BROADCAST, .count = bytes, .in = buf,
+               .map = true};
+    pthread_t th;
+    pthread_create(&th, NULL, job_main, &j);
+    int fd = local_member_dial(&w, 1, rogue, comm);
+    uint8_t pay[8];
+    dp__put64(pay, cases[k].count);
+    if (cases[k].magic == DP_MAGIC_SHM) send_with_fd(fd, DP_MAGIC_SHM, comm, pay, 8, cases[k].fd);
+    else send_with_fd(fd, DP_MAGIC_DATA, comm, buf, 16, cases[k].fd);
+    pthread_join(th, NULL);
+    cr_assert_eq(j.rc, -1, "case %zu: the call succeeded", k);
+    cr_assert(strstr(j.err.msg, cases[k].says), "case %zu: %s", k, j.err.msg);
+    cr_assert(strstr(j.err.msg, "rank 30"), "case %zu names no sender: %s", k, j.err.msg);
+    for (size_t i = 0; i < bytes; i += 4096) cr_assert_eq(buf[i], 0xee, "case %zu: the buffer changed", k);
+    close(fd);
+    if (cases[k].fd >= 0) close(cases[k].fd);
+    munmap(buf, bytes);
+  }
+  uint8_t *bufs[MAXN];
+  broadcast_once(&w, 900, bytes, true, bufs);
+  for (size_t r = 0; r < w.n; r++) munmap(bufs[r], bytes);
   world_stop(&w);
 }
