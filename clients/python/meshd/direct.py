@@ -286,9 +286,9 @@ class Direct:
         return out
 
     # ------------------------------------------------------------ upload
-    def upload(self, hdr, raw, progress=None):
-        """Uploads raw (a byte memoryview) as UploadHeader hdr (ref already chosen, the
-        session lock held). Returns the UploadReply-like FinishUploadReply, or None
+    def upload(self, hdr, pieces, progress=None):
+        """Uploads pieces (byte memoryviews: one per rank with per_rank, else one) as
+        UploadHeader hdr (ref already chosen, the session lock held). Returns the UploadReply-like FinishUploadReply, or None
         when the direct path is not available (nothing was defined; the caller uses
         the proxy with a new ref). progress (meshd._progress) counts the array's bytes
         as the proxy does: with per_rank the bytes sent to all agents together, else
@@ -308,16 +308,19 @@ class Direct:
             self._pool_ok, self._probed = False, time.monotonic()
             return None
         n = len(reply.shards)
-        each = len(raw) // n if hdr.per_rank and n else len(raw)
+        if hdr.per_rank and len(pieces) != n:
+            self._abandon_upload(reply.transfer_id)
+            raise MeshdError("INTERNAL", f"direct upload: the plan has {n} shards for "
+                             f"{len(pieces)} ranks' rows")
         from .tensor import _data_field
-        tr = _progress.tracker(len(raw), progress, "upload")
+        tr = _progress.tracker(sum(len(p) for p in pieces), progress, "upload")
         tr_lock = threading.Lock()  # one tracker call at a time, from any shard's thread
         aborted = []  # the progress callback's exception: every shard stops
         sent = [0] * n
 
         def write(i):
             sh = reply.shards[i]
-            part = raw[i * each:(i + 1) * each] if hdr.per_rank else raw
+            part = pieces[i] if hdr.per_rank else pieces[0]
             fn = chans[i].stream_unary(_AGENT + "Write", request_serializer=lambda b: b,
                                        response_deserializer=lambda b: b)
 

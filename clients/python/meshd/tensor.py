@@ -612,11 +612,13 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         axis = mesh.names.index(shard)
         coords = np.indices([mesh.sizes[d] for d in mesh.names]).reshape(len(mesh.names), -1)
         rows = coords[axis]  # the coordinate along `shard` of each rank, row-major
-        shape, payload = data.shape[1:], np.ascontiguousarray(data[rows])
+        # Each rank's bytes are a view of its row: nothing is copied, even where ranks
+        # share a row.
+        shape, pieces = data.shape[1:], [_bytes_of(data[r]) for r in rows]
     else:
-        shape, payload = data.shape, data
+        shape, pieces = data.shape, [_bytes_of(data)]
     s, pb = mesh.session, mesh.session._pb
-    raw = memoryview(payload).cast("B") if payload.size else memoryview(b"")
+    total = sum(len(p) for p in pieces)
     stream = _active.stream_ref(s)
     # The header is a message; data chunks are packed by hand (bytes already).
     fn = s._ch.stream_unary(
@@ -628,9 +630,9 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         ref = s._new_ref()
         hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
-                              total_bytes=len(raw))
+                              total_bytes=total)
         if s._direct.wanted():  # straight to the agents (meshd/direct.py)
-            done = s._direct.upload(hdr, raw, progress)
+            done = s._direct.upload(hdr, pieces, progress)
             if done is not None:
                 return Tensor._from_meta(s, done.tensor)
             hdr.ref = ref = s._new_ref()  # the proxy instead; the plan may have claimed ref
@@ -639,14 +641,15 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
 
         def msgs():  # one chunk at a time: the client holds the array and one chunk
             yield pb.UploadChunk(header=hdr)
-            for i in range(0, len(raw), _CHUNK):
-                yield _data_field(raw[i:i + _CHUNK])
-                try:  # runs when gRPC takes the next message
-                    tr.update(min(_CHUNK, len(raw) - i))
-                except BaseException as e:  # a short upload: the server refuses it
-                    aborted.append(e)
-                    return
-        with _progress.tracker(len(raw), progress, "upload") as tr:
+            for raw in pieces:
+                for i in range(0, len(raw), _CHUNK):
+                    yield _data_field(raw[i:i + _CHUNK])
+                    try:  # runs when gRPC takes the next message
+                        tr.update(min(_CHUNK, len(raw) - i))
+                    except BaseException as e:  # a short upload: the server refuses it
+                        aborted.append(e)
+                        return
+        with _progress.tracker(total, progress, "upload") as tr:
             try:
                 reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
             except grpc.RpcError as e:
@@ -656,6 +659,11 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
             if aborted:
                 raise aborted[0]
     return Tensor._from_meta(s, reply.tensor)
+
+
+def _bytes_of(a):
+    """The bytes of a C-contiguous array (or numpy scalar) as a flat memoryview, no copy."""
+    return memoryview(a).cast("B") if np.size(a) else memoryview(b"")
 
 
 def _data_field(chunk):

@@ -25,6 +25,28 @@ def test_data_path_choice(server, data_path, direct):
         assert s._direct.counts == {"upload": n, "fetch": 2 * n}
 
 
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_a_sharded_upload_copies_no_rank_rows(server, data_path):
+    """Each rank's bytes go out as views of its row (issue 14: the client does not
+    copy): the Python heap never holds a second copy of the array, only a few chunks
+    per shard in flight (numpy's and the client's allocations are traced by
+    tracemalloc)."""
+    import tracemalloc
+    arr = np.arange(2 * (8 << 20), dtype=np.float32).reshape(2, -1)  # 64 MiB
+    with meshd.connect(server[0], data_path=data_path) as s:
+        with s.mesh(gpu=2).activate():
+            meshd.tensor(arr[:, :4], shard="gpu")  # the first call's one-time setup
+            tracemalloc.start()
+            try:
+                x = meshd.tensor(arr, shard="gpu")
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < arr.nbytes / 4, f"{peak} bytes traced for a {arr.nbytes}-byte upload"
+            for g in range(2):
+                np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=g).result(), arr[g])
+
+
 class Stop(Exception):
     pass
 
