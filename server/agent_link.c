@@ -102,6 +102,9 @@ static atomic_int hold_ms = 3; /* agent_link_set_hold_ms */
 
 void agent_link_set_hold_ms(int ms) { atomic_store(&hold_ms, ms < 0 ? 0 : ms); }
 
+static atomic_bool server_stopping; /* agent_links_server_stopping */
+void agent_links_server_stopping(void) { atomic_store(&server_stopping, true); }
+
 static _Thread_local struct {
   int depth;
   int defer;       /* agent_link_defer_begin's depth */
@@ -408,7 +411,9 @@ static void *reader_main(void *arg) {
   if (!why[0])
     snprintf(why, sizeof why, "%s: %s", meshd_grpc_code_name(st.code),
              st.message[0] ? st.message : "(no message)");
-  log_event(LOG_LEVEL_WARN, "link", &(log_fields_t){LOG_RANK(l->rank)},
+  /* Stopping, the server itself ends its local agents: that is no news. */
+  log_event(atomic_load(&server_stopping) ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, "link",
+            &(log_fields_t){LOG_RANK(l->rank)},
             "rank %u (agent %s): Execute link lost: %s; executed through seq %llu of %llu, "
             "%zu queued instruction(s) dropped", l->rank, l->agent_id, why,
             (unsigned long long)exec, (unsigned long long)last, ndropped);

@@ -131,6 +131,9 @@ void agent_link_flush(agent_link_t *l);
 /* How long a corked or deferring link holds back (3 ms unless set; 0: links
  * never hold back). Process-wide: meshd's --link-hold-ms. */
 void agent_link_set_hold_ms(int ms);
+/* The server is stopping (after its drain): links lost from now on are logged
+ * at info, not warn (its local agents stop with it). */
+void agent_links_server_stopping(void);
 
 /* Highest seq the agent reported executed (first_seq - 1 until the first report). */
 uint64_t agent_link_executed(agent_link_t *l);

@@ -126,6 +126,10 @@ def test_signal_drains_and_exits_zero(meshd_server, watches, sig):
     assert rc == 0, f"exit code {rc}\n{lib.log_tail(srv.log)}"
     left = lib.wait_gone(kids, 1.0)
     assert not left, f"agents {sorted(left)} outlived meshd"
+    # The local agents stop with the server: not a loss, and no warning says so (the
+    # server logs their links' end at info, when it sees it before it exits).
+    warns = [ln for ln in srv.log_text().splitlines() if " WARN " in ln and "lost" in ln]
+    assert not warns, warns
 
 
 def test_sigkilled_meshd_leaves_no_agents(meshd_server):
