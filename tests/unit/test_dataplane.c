@@ -2,6 +2,7 @@
  * thread per member, results checked against values computed here. */
 #include <criterion/criterion.h>
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -1249,4 +1250,47 @@ Test(dataplane_security, a_member_passing_a_bad_descriptor_is_refused, .timeout 
   broadcast_once(&w, 900, bytes, true, bufs);
   for (size_t r = 0; r < w.n; r++) munmap(bufs[r], bytes);
   world_stop(&w);
+}
+
+static int open_fds(void) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/fd");
+  cr_assert(d);
+  while (readdir(d)) n++;
+  closedir(d);
+  return n;
+}
+
+/* A same-host broadcast whose middle member never comes: the source (which
+ * made its memfd) and the last member fail within the timeout, naming it; the
+ * same comm with everyone present then succeeds; and once the data planes
+ * stop, no descriptor is left open (memfds made, passed or received, and
+ * sockets). */
+Test(dataplane, same_host_broadcast_with_a_missing_member_fails_and_leaks_nothing,
+     .timeout = 60) {
+  int before = open_fds();
+  world_t w;
+  world_start(&w, 3, 1000);
+  size_t bytes = BIG_BYTES / 2;
+  job_t jobs[3];
+  uint8_t *bufs[3];
+  for (size_t r = 0; r < 3; r++) {
+    bufs[r] = map_buffer(bytes);
+    memset(bufs[r], r == 0 ? 0x5a : 0, bytes);
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 990, .kind = K_BROADCAST, .count = bytes,
+                      .in = bufs[r], .map = r > 0};
+  }
+  job_t present[2] = {jobs[0], jobs[2]};
+  run_jobs(present, 2);
+  for (size_t k = 0; k < 2; k++) expect_names(&present[k], &w, 1, 3000);
+  cr_assert_eq(bufs[2][0], 0, "the last member got bytes past a missing one");
+  run_jobs(jobs, 3);
+  for (size_t r = 0; r < 3; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "after the failure, member %zu: %s", r, jobs[r].err.msg);
+    cr_assert(memcmp(bufs[r], bufs[0], bytes) == 0, "member %zu differs", r);
+  }
+  for (size_t r = 0; r < 3; r++) munmap(bufs[r], bytes);
+  expect_shm(&w, 1, 1, "after the failure");
+  world_stop(&w);
+  cr_assert_eq(open_fds(), before, "descriptors left open: %d before, %d after", before, open_fds());
 }
