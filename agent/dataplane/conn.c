@@ -27,7 +27,8 @@
  * instead, with the same handshake; anything short of an ack there (no such
  * socket, another agent behind the name) and it dials TCP as always. Such a
  * connection is `local`: it carries frames like TCP and can also pass memfds
- * (shm.c). Abstract sockets live in the network namespace, as the addresses
+ * (shm.c). A socket whose listener runs as another user is not dialed (anyone
+ * on the host can bind a name first). Abstract sockets live in the network namespace, as the addresses
  * do, so "this address is mine" and "that socket is reachable" agree. */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -508,14 +509,21 @@ static int local_port(const char *addr) {
   return p > 0 && p < 65536 ? p : -1;
 }
 
-/* A connected unix socket to the same-host peer at addr, or -1. */
+/* A connected unix socket to the same-host peer at addr, or -1. Only a
+ * listener of our own user counts: anyone on the host may bind an abstract
+ * name first, and one of another user must not stand between two agents
+ * (nor fail their call): then TCP. */
 static int dial_local(const char *addr) {
   int port = local_port(addr);
   if (port < 0) return -1;
   struct sockaddr_un sa;
   socklen_t len = local_name(&sa, port);
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, len) != 0) {
+  struct ucred cr;
+  socklen_t crlen = sizeof cr;
+  if (fd >= 0 && (connect(fd, (struct sockaddr *)&sa, len) != 0 ||
+                  getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &crlen) != 0 ||
+                  cr.uid != geteuid())) {
     close(fd);
     fd = -1;
   }

@@ -16,6 +16,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1293,4 +1294,69 @@ Test(dataplane, same_host_broadcast_with_a_missing_member_fails_and_leaks_nothin
   expect_shm(&w, 1, 1, "after the failure");
   world_stop(&w);
   cr_assert_eq(open_fds(), before, "descriptors left open: %d before, %d after", before, open_fds());
+}
+
+/* Anyone on the host can bind an agent's abstract name before it does. A
+ * squatter running as another user is not dialed: the sender never sends it
+ * a byte (not even a hello) and goes to TCP, where nobody listens here. Needs
+ * root (to run the squatter as nobody); skipped otherwise. */
+Test(dataplane_security, a_same_host_socket_of_another_user_is_not_dialed, .timeout = 30) {
+  if (geteuid() != 0) cr_skip_test("needs root to run a squatter as another user");
+  int probe = socket(AF_INET, SOCK_STREAM, 0); /* a free port nobody listens on */
+  struct sockaddr_in sa = {.sin_family = AF_INET};
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  socklen_t sl = sizeof sa;
+  cr_assert_eq(bind(probe, (struct sockaddr *)&sa, sizeof sa), 0);
+  getsockname(probe, (struct sockaddr *)&sa, &sl);
+  int port = ntohs(sa.sin_port);
+  close(probe);
+  int ready[2], told[2];
+  cr_assert_eq(pipe(ready), 0);
+  cr_assert_eq(pipe(told), 0);
+  pid_t child = fork();
+  cr_assert(child >= 0);
+  if (child == 0) { /* the squatter: nobody, on @meshd-dp:PORT */
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    int l = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    int n = snprintf(un.sun_path + 1, sizeof un.sun_path - 1, "meshd-dp:%d", port);
+    if (bind(l, (struct sockaddr *)&un, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n)) != 0 ||
+        listen(l, 4) != 0)
+      _exit(3);
+    if (write(ready[1], "r", 1) != 1) _exit(4);
+    struct pollfd p = {.fd = l, .events = POLLIN};
+    char got = 'n'; /* n: nobody came; 0: came, sent nothing; b: sent bytes */
+    if (poll(&p, 1, 5000) == 1) {
+      int c = accept(l, NULL, NULL);
+      char b[8];
+      struct pollfd q = {.fd = c, .events = POLLIN};
+      got = poll(&q, 1, 3000) == 1 && recv(c, b, sizeof b, 0) > 0 ? 'b' : '0';
+    }
+    _exit(write(told[1], &got, 1) == 1 ? 0 : 5);
+  }
+  close(ready[1]);
+  close(told[1]);
+  char r;
+  if (read(ready[0], &r, 1) != 1) { /* it exited first */
+    int st = 0;
+    waitpid(child, &st, 0);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 2) cr_skip_test("cannot become nobody here");
+    cr_assert_fail("the squatter did not start (status %d)", st);
+  }
+  world_t w;
+  world_start(&w, 1, 1000);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+  uint8_t buf[16] = {0};
+  meshd_error_t err = {0};
+  cr_assert_eq(dp_send(w.dp[0], 4545, SECRET, 99, addr, buf, sizeof buf, &err), -1);
+  cr_assert(strstr(err.msg, "unreachable") && strstr(err.msg, "cannot connect"),
+            "not a TCP dial that found nobody: %s", err.msg);
+  char got = '?';
+  cr_assert_eq(read(told[0], &got, 1), 1);
+  cr_assert(got != 'b', "the squatter of another user got bytes from a member");
+  int status = 0;
+  waitpid(child, &status, 0);
+  cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "squatter exit %d", status);
+  world_stop(&w);
 }
