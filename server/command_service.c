@@ -986,6 +986,14 @@ void command_service_set_urls(command_service_t *cs, const url_policy_t *urls) {
 
 flow_t *command_service_flow(command_service_t *cs) { return cs->flow; }
 
+/* A message that is no Command ends the stream (the rpc layer's
+ * INVALID_ARGUMENT): the answers to the commands before it go first. */
+static void on_submit_refused(rpc_call_t *call, void *arg) {
+  (void)arg;
+  submit_state_t *st = rpc_call_data(call);
+  if (st) held_flush(st);
+}
+
 static const rpc_method_t methods[] = {
     {
         .path = "/meshd.v1.TensorService/Execute",
@@ -1001,6 +1009,7 @@ static const rpc_method_t methods[] = {
         .on_start = on_submit_start,
         .on_message = on_submit_message,
         .on_end = on_submit_end,
+        .on_refused = on_submit_refused,
     },
 };
 

@@ -123,6 +123,11 @@ typedef struct rpc_method {
    * handed to on_message as usual. For relays that forward bulk bytes as
    * they came (rpc_bytes_is_field). */
   bool (*on_raw)(rpc_call_t *call, rpc_bytes_t *msg, void *arg);
+  /* Streaming requests, optional: a message could not be unpacked, and the
+   * layer ends the call with INVALID_ARGUMENT as soon as this returns. The
+   * handler's last chance to send what it holds back (what it sends now goes
+   * out before the status). */
+  void (*on_refused)(rpc_call_t *call, void *arg);
 } rpc_method_t;
 
 /* Shortest interval between a client's pings the server accepts without a

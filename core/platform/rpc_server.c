@@ -587,7 +587,15 @@ static void on_read(rpc_call_t *c, bool ok) {
       char text[600];
       if (why[0]) snprintf(text, sizeof text, "a message on %s: %s", m->path, why);
       else snprintf(text, sizeof text, "a message on %s is not a valid %s", m->path, m->request->name);
+      if (m->on_refused) {
+        c->in_callback++;
+        pthread_mutex_unlock(&c->mu);
+        m->on_refused(c, c->slot->arg);
+        pthread_mutex_lock(&c->mu);
+        c->in_callback--;
+      }
       finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", text);
+      maybe_end_locked(c);
       return;
     }
     deliver = true;

@@ -1103,11 +1103,31 @@ static void p_end(rpc_call_t *call, bool cancelled, void *arg) {
   if (cancelled) atomic_fetch_add(&p_cancelled, 1);
 }
 
+/* Hold: answers nothing while it reads; answers every message it read (in
+ * order) only when the layer refuses one, as meshd's Submit holds answers. */
+static atomic_int h_read;
+static void h_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)call, (void)arg;
+  if (msg) atomic_fetch_add(&h_read, 1);
+}
+static void h_refused(rpc_call_t *call, void *arg) {
+  (void)arg;
+  int n = atomic_exchange(&h_read, 0);
+  for (int i = 1; i <= n; i++) {
+    EchoReply rep = ECHO_REPLY__INIT;
+    rep.text = "held";
+    rep.index = i;
+    rpc_call_send(call, &rep.base);
+  }
+}
+
 static const rpc_method_t pause_rows[] = {
     {.path = "/meshd.test.v1.Pause/Bidi", .kind = RPC_BIDI, .request = &echo_request__descriptor,
      .on_start = p_start, .on_message = p_bidi_message, .on_end = p_end},
     {.path = "/meshd.test.v1.Pause/Unary", .kind = RPC_UNARY, .request = &echo_request__descriptor,
      .on_start = p_unary, .on_end = p_end},
+    {.path = "/meshd.test.v1.Pause/Hold", .kind = RPC_BIDI, .request = &echo_request__descriptor,
+     .on_start = p_start, .on_message = h_message, .on_end = p_end, .on_refused = h_refused},
 };
 
 static void pause_setup(void) {
@@ -1117,7 +1137,7 @@ static void pause_setup(void) {
   char err[256] = "";
   psrv = rpc_server_create(&o, err, sizeof err);
   cr_assert_not_null(psrv, "%s", err);
-  cr_assert_eq(rpc_server_add_methods(psrv, pause_rows, 2, NULL), 0);
+  cr_assert_eq(rpc_server_add_methods(psrv, pause_rows, 3, NULL), 0);
   int port = rpc_server_start(psrv, err, sizeof err);
   cr_assert_gt(port, 0, "%s", err);
   char t[64];
@@ -1178,6 +1198,25 @@ Test(rpc_pause, paused_reads_resume_from_another_thread) {
   rpc_stream_destroy(s);
   rpc_call_resume_reads(c); /* one resume too many is harmless */
   rpc_call_unref(c);
+}
+
+/* A message that does not unpack ends a stream with INVALID_ARGUMENT, but
+ * what the handler sends from on_refused goes out first: the answers it held
+ * for the good messages before the bad one are not lost. */
+Test(rpc_pause, a_refused_message_lets_the_handler_send_what_it_held_first) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Hold", NULL, 0, 10000);
+  write_text(s, "a");
+  write_text(s, "b");
+  EchoReply bogus = ECHO_REPLY__INIT; /* metadata (field 4) is not EchoRequest's varint */
+  bogus.metadata = "not a varint";
+  cr_assert_eq(rpc_stream_write(s, &bogus.base, false), 0);
+  expect_reply(s, 1);
+  expect_reply(s, 2);
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_INVALID_ARGUMENT, "%s", st.message);
+  rpc_stream_destroy(s);
 }
 
 Test(rpc_pause, pauses_nest) {
