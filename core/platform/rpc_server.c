@@ -499,12 +499,17 @@ static void on_new(rpc_call_t *c, bool ok) {
   start_batch_locked(c, &op, 1, &c->t_close);
 
   if (c->slot->guard) {
-    /* Authentication first: a refused caller's request is not even decoded. */
+    /* Authentication first: a refused caller's request is not even decoded.
+     * The guard counts as a callback: a CLOSE that comes meanwhile (the
+     * client gave up) leaves the end to this thread, so the call is never
+     * ended before on_start and then started (its on_end would never run). */
     char why[300] = "";
     rpc_identity_t id = {{0}, false};
+    c->in_callback++;
     pthread_mutex_unlock(&c->mu);
     grpc_status_code code = c->slot->guard(c, c->slot->guard_arg, &id, why, sizeof why);
     pthread_mutex_lock(&c->mu);
+    c->in_callback--;
     if (code != GRPC_STATUS_OK) {
       if (c->payload) {
         grpc_byte_buffer_destroy(c->payload);
@@ -512,6 +517,7 @@ static void on_new(rpc_call_t *c, bool ok) {
       }
       finish_locked(c, code, code == GRPC_STATUS_PERMISSION_DENIED ? "PERMISSION_DENIED"
                                                                    : "UNAUTHENTICATED", why);
+      maybe_end_locked(c);
       pthread_mutex_unlock(&c->mu);
       return;
     }
@@ -524,6 +530,7 @@ static void on_new(rpc_call_t *c, bool ok) {
   if (single_request) {
     if (!c->payload) {
       finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "request missing");
+      maybe_end_locked(c);
       pthread_mutex_unlock(&c->mu);
       return;
     }
@@ -536,6 +543,7 @@ static void on_new(rpc_call_t *c, bool ok) {
       if (why[0]) snprintf(msg, sizeof msg, "request to %s: %s", m->path, why);
       else snprintf(msg, sizeof msg, "request to %s is not a valid %s message", m->path, m->request->name);
       finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", msg);
+      maybe_end_locked(c);
       pthread_mutex_unlock(&c->mu);
       return;
     }

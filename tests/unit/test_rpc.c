@@ -1845,3 +1845,42 @@ Test(rpc, raw_stream_reads_into_one_growing_buffer) {
   rpc_bytes_free(m);
   free(buf);
 }
+
+/* A guard that takes its time (an auth check) while the client gives up: the
+ * call's end comes during the guard. The handler must then see on_start and
+ * on_end both, or neither: once a call started without its end (the agent's
+ * Write leaked its state that way under load). */
+static grpc_status_code slow_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *why,
+                                   size_t whylen) {
+  (void)call, (void)arg, (void)id, (void)why, (void)whylen;
+  usleep(300 * 1000);
+  return GRPC_STATUS_OK;
+}
+
+Test(rpc_guard, a_call_that_ends_during_its_guard_still_gets_its_end) {
+  rpc_init();
+  rpc_server_opts_t opts = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256] = "";
+  echo_server_t *gs = echo_server_start_guarded(&opts, slow_guard, NULL, err, sizeof err);
+  cr_assert_not_null(gs, "%s", err);
+  char t[64];
+  snprintf(t, sizeof t, "127.0.0.1:%d", echo_server_port(gs));
+  rpc_channel_t *c = rpc_channel_create(t, &live_peer);
+  cr_assert(rpc_channel_wait_ready(c, 5000), "the server is not ready");
+  for (int i = 0; i < 3; i++) {
+    rpc_stream_t *s = rpc_stream_open(c, ECHO_CLIENT_STREAM, NULL, 0, 100); /* gives up in 100 ms */
+    cr_assert_not_null(s);
+    rpc_stream_finish(s, NULL);
+    rpc_stream_destroy(s);
+  }
+  cr_assert_gt(echo_server_calls_started(gs), 0, "no call reached its handler");
+  int64_t end = rpc_now_ms() + 5000;
+  while (echo_server_calls_ended(gs) < echo_server_calls_started(gs) && rpc_now_ms() < end)
+    usleep(10 * 1000);
+  cr_assert_eq(echo_server_calls_ended(gs), echo_server_calls_started(gs),
+               "%d calls started, %d ended", echo_server_calls_started(gs),
+               echo_server_calls_ended(gs));
+  rpc_channel_destroy(c);
+  echo_server_stop(gs, 0);
+  rpc_shutdown();
+}
