@@ -104,6 +104,7 @@ void agent_link_set_hold_ms(int ms) { atomic_store(&hold_ms, ms < 0 ? 0 : ms); }
 
 static atomic_bool server_stopping; /* agent_links_server_stopping */
 void agent_links_server_stopping(void) { atomic_store(&server_stopping, true); }
+bool agent_links_stopping(void) { return atomic_load(&server_stopping); }
 
 static _Thread_local struct {
   int depth;

@@ -134,6 +134,7 @@ void agent_link_set_hold_ms(int ms);
 /* The server is stopping (after its drain): links lost from now on are logged
  * at info, not warn (its local agents stop with it). */
 void agent_links_server_stopping(void);
+bool agent_links_stopping(void); /* whether it was called */
 
 /* Highest seq the agent reported executed (first_seq - 1 until the first report). */
 uint64_t agent_link_executed(agent_link_t *l);

@@ -4,7 +4,6 @@
 #include <libgen.h>
 #include <limits.h>
 #include <signal.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,7 +195,6 @@ typedef struct server_state {
   int min_agents;
   command_service_t *commands;
   metrics_series_t *agent_restarts; /* NULL: not counted */
-  _Atomic bool stopping;            /* drained: the local agents stop with the server */
 } server_state_t;
 
 static void agent_restarted(int rank, void *arg) {
@@ -215,7 +213,7 @@ static void agent_reported(uint32_t rank, const agent_link_report_t *r, void *ar
 /* An agent is gone: the sessions with work on it hear of it at once. */
 static void agent_lost(const agent_lost_t *l, void *arg) {
   server_state_t *st = arg;
-  if (atomic_load(&st->stopping)) { /* not a loss: the server is stopping them */
+  if (agent_links_stopping()) { /* not a loss: the server is stopping them */
     log_event(LOG_LEVEL_INFO, "server", &(log_fields_t){LOG_RANK(l->rank)},
               "rank %u (agent %s) left as the server stops", l->rank, l->agent_id);
     return;
@@ -393,7 +391,7 @@ int main(int argc, char **argv) {
 
   char server_id[33];
   runtime_random_hex(server_id, 16);
-  server_state_t state = {health_create(), min_agents, NULL, NULL, false};
+  server_state_t state = {health_create(), min_agents, NULL, NULL};
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
   agent_link_set_hold_ms((int)opt.link_hold_ms);
@@ -615,7 +613,6 @@ int main(int argc, char **argv) {
   while (rpc_server_active_calls(srv) > on_client_port * registry_open_calls(registry) &&
          rpc_now_ms() < deadline)
     usleep(20000);
-  atomic_store(&state.stopping, true);
   agent_links_server_stopping();
   supervisor_stop(sup, 3.0);
   registry_close_all(registry);

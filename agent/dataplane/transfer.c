@@ -188,9 +188,15 @@ static ssize_t recv_some(xfer_t *x, void *buf, size_t len) {
   return r;
 }
 
+/* A descriptor received and not handed on is closed when the plan finishes
+ * (dp__plan_finish), whatever ended the call. */
 static void drop_rfd(xfer_t *x) {
   if (x->rfd > 0) close(x->rfd - 1);
   x->rfd = 0;
+}
+
+static int stray_fd(call_t *cl, xfer_t *x, meshd_error_t *err) {
+  return peer_error(cl, x->c, err, "passed a file descriptor that no frame of ours asks for");
 }
 
 /* A shared-memory frame is in: its memfd lands in m->buf (shm.c), then is
@@ -198,18 +204,13 @@ static void drop_rfd(xfer_t *x) {
 static int shm_landed(call_t *cl, xfer_t *x, msg_t *m, meshd_error_t *err) {
   char why[200];
   uint64_t count = dp__get64(x->pay);
-  if (count != m->len) {
-    drop_rfd(x);
+  if (count != m->len)
     return peer_error(cl, x->c, err, "sent shared memory of %llu bytes for a message of %zu",
                       (unsigned long long)count, m->len);
-  }
   if (x->rfd == 0)
     return peer_error(cl, x->c, err, "sent a shared-memory frame without its memfd");
   int fd = x->rfd - 1, landed = dp__shm_land(fd, m->buf, m->len, m->map, why, sizeof why);
-  if (landed < 0) {
-    drop_rfd(x);
-    return peer_error(cl, x->c, err, "%s", why);
-  }
+  if (landed < 0) return peer_error(cl, x->c, err, "%s", why);
   atomic_fetch_add(&cl->dp->shm_in, 1);
   if (landed) atomic_fetch_add(&cl->dp->shm_mapped, 1);
   x->rfd = 0;
@@ -241,18 +242,13 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       size_t want = dp__min(DP_CHUNK, m->len - m->done);
       dp_frame_t f;
       dp_frame_kind_t kind = dp_wire_parse_frame(x->hdr, cl->comm_id, x->c->seq, want, &f);
-      if (x->stray_fd || (x->rfd && kind != DP_FRAME_SHM)) {
-        drop_rfd(x);
-        return peer_error(cl, x->c, err, "passed a file descriptor that no frame of ours asks for");
-      }
+      if (x->stray_fd || (x->rfd && kind != DP_FRAME_SHM)) return stray_fd(cl, x, err);
       x->shm = kind == DP_FRAME_SHM;
       switch (kind) {
       case DP_FRAME_SHM:
-        if (m->into || m->done > 0) {
-          drop_rfd(x);
+        if (m->into || m->done > 0)
           return peer_error(cl, x->c, err, "sent shared memory where %s was expected",
                             m->into ? "data to reduce" : "the rest of a message");
-        }
         break;
       case DP_FRAME_ABORT: {
         char text[DP_ABORT_MAX + 1];
@@ -286,10 +282,7 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       x->fdone += (size_t)r;
     }
     if (x->fdone == x->flen && x->shm) {
-      if (x->stray_fd) {
-        drop_rfd(x);
-        return peer_error(cl, x->c, err, "passed a file descriptor that no frame of ours asks for");
-      }
+      if (x->stray_fd) return stray_fd(cl, x, err);
       if (shm_landed(cl, x, m, err) != 0) return -1;
       m->done = m->len;
       m->frames++;
