@@ -183,7 +183,12 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
     snprintf(c->bearer, n, "Bearer %s", o->token);
     c->md[c->nmd++] = (rpc_md_t){"authorization", c->bearer};
   }
-  rpc_channel_opts_t copts = {.tls = tls};
+  /* One connection attempt may take the whole wait: a TLS handshake on a busy
+   * host or a server a long round trip away outlasts rpc's 100 ms default (and
+   * with fail_fast, one attempt is all there is). A refused port still fails at
+   * once. */
+  rpc_channel_opts_t copts = {.tls = tls,
+                              .connect_timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : 20000};
   c->ch = rpc_channel_create(target, &copts);
   if (!c->ch) { /* out of memory, or TLS files that changed since they were checked */
     meshd_close(c);

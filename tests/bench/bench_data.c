@@ -13,7 +13,11 @@
  * more (smaller sizes run up to 16 times as many); --paths: which of
  * them; --server-flag: a meshd flag (e.g. --server-flag --stream-window-bytes=0).
  *
- * Ratios: each round of a path runs right after a round of its baseline, and
+ * Ratios: each figure starts with a round of the path and one of its baseline
+ * that are not measured (warm-up: the path's first transfer pays for its
+ * channels' flow-control windows growing and its buffers' first pages, which
+ * the baseline's channel paid in the "raw" lines before). Each measured round
+ * of a path runs right after a round of its baseline, and
  * "ratio" is the path's best over the baseline's best in those same rounds
  * (a baseline measured once, apart, drifted 2x within one run here);
  * "ratio_median" the median over rounds of path / baseline of the round (a
@@ -521,8 +525,18 @@ static double paired_mbs(run_fn before, run_fn fn, void *arg, const cpu_probe_t 
   double *ratios = calloc((size_t)rounds, sizeof *ratios);
   int nr = 0;
   *median = NAN;
+  /* One round unmeasured first, of both: a path's first transfer pays for its
+   * channels' flow-control windows growing and its buffers' first pages, which
+   * the baseline's channel paid already in the "raw" lines. */
+  if ((before && before(arg) != 0) || (raw && raw(raw_arg) != 0) || fn(arg) != 0) {
+    free(ratios);
+    return NAN;
+  }
   for (int r = 0; r < rounds; r++) {
-    if (before && before(arg) != 0) return NAN;
+    if (before && before(arg) != 0) {
+      free(ratios);
+      return NAN;
+    }
     probe = raw_probe;
     double rm = raw ? run_mbs_tally(raw, raw_arg, bytes, raw_cpu) : NAN;
     if (rm > rbest) rbest = rm;

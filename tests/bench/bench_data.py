@@ -20,7 +20,8 @@ With N agents the tensor is sharded: Upload per_rank (a 1/N slice per rank) and 
 of every shard, all in flight together. Each figure is the best MB/s of --rounds
 runs (machines here are noisy), and its ratio to raw of the same direction and size,
 whose rounds alternate with the path's (ratio: best over best; ratio_median: the
-median over rounds of path over baseline of the same round).
+median over rounds of path over baseline of the same round), after one round of
+each that is not measured (warm-up).
 One JSON line per (agents, size, path, direction) on stdout.
 
 Use Debian's /usr/bin/python3 (grpcio, numpy); generated modules come from
@@ -165,7 +166,12 @@ def best(fn, rounds):
 def paired(fn, rounds, raw_fn=None):
     """(best seconds of fn, best seconds of raw_fn, median over rounds of raw / fn
     seconds): each round of fn runs right after a round of the baseline raw_fn, so
-    that both see the same machine (a baseline measured once, apart, drifts)."""
+    that both see the same machine (a baseline measured once, apart, drifts). One
+    round of each first is not measured: a path's first transfer pays for its
+    channels' flow-control windows growing and its buffers' first pages."""
+    if raw_fn:
+        raw_fn()
+    fn()
     ts, rs, ratios = [], [], []
     for _ in range(rounds):
         r = timed(raw_fn) if raw_fn else None

@@ -959,8 +959,10 @@ def test_commands_sent_one_per_message_are_answered_together_in_order(s2):
     assert sorted(seqs) == list(range(1, 401)), f"{len(results)} answers"
     assert [q for q in seqs if q != 250] == [q for q in range(1, 401) if q != 250], seqs[:20]
     assert seqs.index(250) > seqs.index(249), "the Sync was answered before a command before it"
-    # (answered one by one: exactly 400; here about 230, the client's writes pacing it)
-    assert s.submit_messages < len(cmds) * 9 // 10, \
+    # Answered one by one: exactly 400. How many merge depends on whether the
+    # server reads faster than this client writes: about 230 replies on an idle
+    # machine, 364 once under a parallel ctest (which failed a 9/10 bound).
+    assert s.submit_messages < len(cmds), \
         f"{s.submit_messages} SubmitReply messages for {len(cmds)} commands sent back to back"
     by_seq = {r.seq: r for r in results}
     lib.expect_kind(CommandError.from_result(by_seq[200].error), "BAD_DIM", "SliceMesh")

@@ -8,7 +8,9 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -37,6 +39,73 @@ def test_health_default_service_is_process(meshd_server):
     srv = meshd_server()
     r = meshctl(srv.address, "health", "")
     assert r.returncode == 0, _show(r)
+
+
+class _SlowLink:
+    """A TCP relay to `target` on a free loopback port that holds every byte the
+    server sends for `delay` seconds: a server as far away as a slow WAN (or as
+    busy as a loaded TLS host) seen from the client."""
+
+    def __init__(self, target, delay):
+        self.delay, self.target = delay, target
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            host, port = self.target.rsplit(":", 1)
+            u = socket.create_connection((host, int(port)))
+            self.conns += [c, u]
+            threading.Thread(target=self._pump, args=(c, u, 0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, delay):
+        try:
+            while (data := src.recv(65536)):
+                time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_a_server_slow_to_answer_the_handshake_is_reached(meshd_server):
+    # Each connection attempt of the C client had 100 ms (gRPC's minimum connect
+    # timeout, set for the agents' fast reconnects): a server whose first bytes
+    # take longer (TLS on a busy host, a far region) was "cannot connect" at once.
+    srv = meshd_server()
+    link = _SlowLink(srv.address, 0.3)
+    try:
+        t0 = time.monotonic()
+        r = meshctl(link.address, "health", timeout_ms=10000)
+        took = time.monotonic() - t0
+        assert r.returncode == 0 and "SERVING" in r.stdout, _show(r)
+        assert took < 8, f"{took:.1f} s through a link 0.3 s slow"
+        # A refused port still fails at once (fail fast), not after --timeout-ms.
+        t0 = time.monotonic()
+        r = meshctl(f"127.0.0.1:{lib.free_port()}", "health", timeout_ms=10000)
+        assert r.returncode == 2 and "cannot connect" in r.stderr, _show(r)
+        assert time.monotonic() - t0 < 5, "a refused port waited for --timeout-ms"
+    finally:
+        link.close()
 
 
 def test_health_connection_failed_exit_2():
