@@ -46,14 +46,17 @@ static int infer_size(const op_args_t *a, int param, const tensor_meta_t *t, int
   *nres = (int)n;
   char b1[LAYOUT_SHAPE_BUF], b2[LAYOUT_SHAPE_BUF];
   if (!overflow && (numel == newsize || (infer >= 0 && newsize > 0 && numel % newsize == 0))) {
-    if (infer < 0) return 0;
-    if (newsize == 0)
+    if (infer >= 0 && newsize == 0)
       return error_set(e, ERR_SHAPE_MISMATCH,
                        "%s: argument '%s': can't infer the -1 in %s for a tensor of 0 elements "
                        "(any size would do)",
                        OPN(a), PN(a, param), layout_format_shape(shape, (int)n, b1, sizeof b1));
-    res[infer] = numel / newsize;
-    return 0;
+    if (infer >= 0) res[infer] = numel / newsize;
+    /* An empty tensor takes any shape with a 0 in it: its strides must fit all
+     * the same (the other sizes' product can overflow). */
+    char ctx[96];
+    snprintf(ctx, sizeof ctx, "%s: argument '%s'", OPN(a), PN(a, param));
+    return layout_check_shape(ctx, res, (int64_t)n, dtype_size(t->dtype), e);
   }
   return error_set(e, ERR_SHAPE_MISMATCH,
                    "%s: argument '%s': shape %s is invalid for self of shape %s (%" PRId64
