@@ -446,6 +446,24 @@ def _ephemeral_range():
         return 32768, 60999
 
 
+def listen_loopback(on_accept, backlog=64):
+    """A socket listening on a free loopback port; a daemon thread hands each
+    connection it accepts to on_accept(conn) until the socket is closed."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+
+    def accept():
+        while True:
+            try:
+                c, _ = sock.accept()
+            except OSError:
+                return
+            on_accept(c)
+    threading.Thread(target=accept, daemon=True).start()
+    return sock
+
+
 def free_port():
     """A port nothing listens on, to be bound later by a process we start: taken
     below the kernel's ephemeral range, so that no other process's port-0 bind (an

@@ -48,24 +48,16 @@ class _SlowLink:
 
     def __init__(self, target, delay):
         self.delay, self.target = delay, target
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.conns = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.sock = lib.listen_loopback(self._relay)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
 
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            host, port = self.target.rsplit(":", 1)
-            u = socket.create_connection((host, int(port)))
-            self.conns += [c, u]
-            threading.Thread(target=self._pump, args=(c, u, 0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(u, c, self.delay), daemon=True).start()
+    def _relay(self, c):
+        host, port = self.target.rsplit(":", 1)
+        u = socket.create_connection((host, int(port)))
+        self.conns += [c, u]
+        threading.Thread(target=self._pump, args=(c, u, 0), daemon=True).start()
+        threading.Thread(target=self._pump, args=(u, c, self.delay), daemon=True).start()
 
     @staticmethod
     def _pump(src, dst, delay):
