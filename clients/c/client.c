@@ -187,8 +187,7 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
    * host or a server a long round trip away outlasts rpc's 100 ms default (and
    * with fail_fast, one attempt is all there is). A refused port still fails at
    * once. */
-  rpc_channel_opts_t copts = {.tls = tls,
-                              .connect_timeout_ms = o->timeout_ms > 0 ? o->timeout_ms : 20000};
+  rpc_channel_opts_t copts = {.tls = tls, .connect_timeout_ms = o->timeout_ms}; /* > 0: checked */
   c->ch = rpc_channel_create(target, &copts);
   if (!c->ch) { /* out of memory, or TLS files that changed since they were checked */
     meshd_close(c);

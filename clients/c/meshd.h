@@ -91,7 +91,8 @@ MESHD_API meshd_client_t *meshd_connect(const char *target, int timeout_ms, mesh
  *   char why[256];
  *   meshd_client_t *c = meshd_connect_with("meshd.example:50051", &o, &err, why, sizeof why); */
 typedef struct meshd_connect_options {
-  int timeout_ms;              /* > 0: the connection wait and every call's deadline */
+  int timeout_ms;              /* > 0: the connection wait (one attempt may take all of
+                                  it) and every call's deadline */
   const char *token;           /* bearer token; NULL or "": none. 1..4096 visible ASCII
                                   characters (no spaces) */
   bool tls;                    /* TLS, verified against the system's roots */
