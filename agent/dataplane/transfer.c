@@ -122,20 +122,9 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       iov[k++] = (struct iovec){(x->shm ? x->pay : m->buf + m->done) + x->fdone, x->flen - x->fdone};
     if (k > 0) {
       struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)k};
-      union {
-        struct cmsghdr h;
-        char b[CMSG_SPACE(sizeof(int))];
-      } ctl;
-      if (x->shm && x->hdr_done == 0 && x->fdone == 0) { /* the memfd rides on the first byte */
-        memset(&ctl, 0, sizeof ctl);
-        mh.msg_control = ctl.b;
-        mh.msg_controllen = sizeof ctl.b;
-        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-        cm->cmsg_level = SOL_SOCKET;
-        cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(cm), m->shm, sizeof(int));
-      }
+      dp_fd_ctl_t ctl;
+      if (x->shm && x->hdr_done == 0 && x->fdone == 0) /* the memfd rides on the first byte */
+        dp_wire_attach_fd(&mh, &ctl, *m->shm);
       ssize_t w = sendmsg(x->c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w < 0) {
         if (errno == EINTR) continue;

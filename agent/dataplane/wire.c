@@ -158,3 +158,14 @@ dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm
   if (f->seq != want_seq || f->len != want_len) return DP_FRAME_SKEWED;
   return DP_FRAME_DATA;
 }
+
+void dp_wire_attach_fd(struct msghdr *mh, dp_fd_ctl_t *ctl, int fd) {
+  memset(ctl, 0, sizeof *ctl);
+  mh->msg_control = ctl->b;
+  mh->msg_controllen = sizeof ctl->b;
+  struct cmsghdr *cm = CMSG_FIRSTHDR(mh);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+}

@@ -34,6 +34,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "dataplane.h" /* DP_SECRET_LEN */
 
@@ -132,6 +133,14 @@ void dp_wire_frame(uint8_t hdr[DP_HDR_LEN], uint32_t magic, uint32_t len, uint64
  * DP_ABORT_MAX). */
 dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm_id,
                                     uint64_t want_seq, size_t want_len, dp_frame_t *f);
+
+/* An MDPS frame's memfd rides on its first byte as SCM_RIGHTS: the control
+ * buffer for one descriptor, and dp_wire_attach_fd putting fd in it for mh. */
+typedef union {
+  struct cmsghdr h;
+  char b[CMSG_SPACE(sizeof(int))];
+} dp_fd_ctl_t;
+void dp_wire_attach_fd(struct msghdr *mh, dp_fd_ctl_t *ctl, int fd);
 
 /* Little-endian fields. */
 static inline void dp__put32(uint8_t *p, uint32_t v) {

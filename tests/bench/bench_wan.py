@@ -8,19 +8,17 @@ Run once per server stream window (--windows: meshd's --stream-window-bytes valu
     /usr/bin/python3 tests/bench/bench_wan.py [--rtt-ms 50] [--mib 64] [--rounds 3]
                                              [--windows default,0]
 
-The relay is in this process (asyncio, one thread): it caps what it can carry at a
+The relay (meshd_testlib.DelayRelay) is in this process (asyncio, one thread): it caps what it can carry at a
 few hundred MB/s, so the figures are meaningful only well below that. One JSON line
 per (window, direction) on stdout; progress on stderr. Not a test: run by hand
 (bench.smoke runs it for a moment)."""
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -32,67 +30,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
 import meshd_testlib as lib  # noqa: E402
 
 MIB = 1 << 20
-
-
-class Relay:
-    """127.0.0.1:port -> target, each chunk held `delay` seconds (order kept)."""
-
-    def __init__(self, target_port, delay):
-        self.target, self.delay = target_port, delay
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self.thread.start()
-        ready.wait(10)
-
-    def _run(self, ready):
-        asyncio.set_event_loop(self.loop)
-        self.server = self.loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = self.server.sockets[0].getsockname()[1]
-        ready.set()
-        self.loop.run_forever()
-
-    async def _pipe(self, r, w):
-        q = asyncio.Queue()
-
-        async def send():
-            while True:
-                t, data = await q.get()
-                if not data:
-                    w.close()
-                    return
-                wait = t + self.delay - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                w.write(data)
-                await w.drain()
-        sender = asyncio.ensure_future(send())
-        try:
-            while True:
-                data = await r.read(1 << 16)
-                await q.put((time.monotonic(), data))
-                if not data:
-                    break
-        except OSError:
-            await q.put((time.monotonic(), b""))
-        await sender
-
-    async def _handle(self, cr, cw):
-        ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
-        await asyncio.gather(self._pipe(cr, uw), self._pipe(ur, cw), return_exceptions=True)
-
-    async def _stop(self):
-        self.server.close()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self.loop.stop()
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop)
-        self.thread.join(10)
 
 
 def transfers(meshd, addr, arr, rounds):
@@ -133,7 +70,7 @@ def main():
         relay = None
         try:
             lib.wait_ready(srv, 1)
-            relay = Relay(srv.port, a.rtt_ms / 2000)
+            relay = lib.DelayRelay(srv.port, a.rtt_ms / 2000, a.rtt_ms / 2000)
             print(f"bench_wan: window {window}: loopback, then {a.rtt_ms} ms away",
                   file=sys.stderr, flush=True)
             near = transfers(meshd, f"127.0.0.1:{srv.port}", arr, a.rounds)

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -44,9 +45,20 @@ class Tarpit:
     """Accepts connections and holds them without a byte."""
 
     def __init__(self):
-        self.held = []
-        self.sock = lib.listen_loopback(self.held.append, backlog=4096)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4096)
         self.port = self.sock.getsockname()[1]
+        self.held = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(c)
 
 
 class Bogus:

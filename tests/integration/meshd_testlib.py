@@ -12,6 +12,7 @@ Environment (set by ctest through MESHD_TEST_ENV):
                     unset = cpu; cuda:emulated; cuda (agent i on GPU i); cuda:N (all on GPU N)
 """
 
+import asyncio
 import atexit
 import concurrent.futures
 import glob
@@ -446,22 +447,71 @@ def _ephemeral_range():
         return 32768, 60999
 
 
-def listen_loopback(on_accept, backlog=64):
-    """A socket listening on a free loopback port; a daemon thread hands each
-    connection it accepts to on_accept(conn) until the socket is closed."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(backlog)
+class DelayRelay:
+    """127.0.0.1:self.port -> 127.0.0.1:target_port in a thread of its own: every
+    byte towards the target is held `up` seconds, every byte back `down` seconds
+    (order kept; throughput is the asyncio loop's, a few hundred MB/s). A server
+    far away, or slow to answer, as its client sees it."""
 
-    def accept():
-        while True:
-            try:
-                c, _ = sock.accept()
-            except OSError:
-                return
-            on_accept(c)
-    threading.Thread(target=accept, daemon=True).start()
-    return sock
+    def __init__(self, target_port, up, down):
+        self.target, self.delay = target_port, (up, down)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("the relay did not start")
+        self.address = f"127.0.0.1:{self.port}"
+
+    def _run(self, ready):
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    async def _pipe(self, r, w, delay):
+        q = asyncio.Queue()
+
+        async def send():
+            while True:
+                t, data = await q.get()
+                if not data:
+                    w.close()
+                    return
+                wait = t + delay - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                w.write(data)
+                await w.drain()
+        sender = asyncio.ensure_future(send())
+        try:
+            while True:
+                data = await r.read(1 << 16)
+                await q.put((time.monotonic(), data))
+                if not data:
+                    break
+        except OSError:
+            await q.put((time.monotonic(), b""))
+        await sender
+
+    async def _handle(self, cr, cw):
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
+        await asyncio.gather(self._pipe(cr, uw, self.delay[0]), self._pipe(ur, cw, self.delay[1]),
+                             return_exceptions=True)
+
+    async def _stop(self):
+        self.server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.loop.stop()
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop)
+        self.thread.join(10)
 
 
 def free_port():

@@ -8,9 +8,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import threading
 import time
 
 import pytest
@@ -41,50 +39,12 @@ def test_health_default_service_is_process(meshd_server):
     assert r.returncode == 0, _show(r)
 
 
-class _SlowLink:
-    """A TCP relay to `target` on a free loopback port that holds every byte the
-    server sends for `delay` seconds: a server as far away as a slow WAN (or as
-    busy as a loaded TLS host) seen from the client."""
-
-    def __init__(self, target, delay):
-        self.delay, self.target = delay, target
-        self.conns = []
-        self.sock = lib.listen_loopback(self._relay)
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-
-    def _relay(self, c):
-        host, port = self.target.rsplit(":", 1)
-        u = socket.create_connection((host, int(port)))
-        self.conns += [c, u]
-        threading.Thread(target=self._pump, args=(c, u, 0), daemon=True).start()
-        threading.Thread(target=self._pump, args=(u, c, self.delay), daemon=True).start()
-
-    @staticmethod
-    def _pump(src, dst, delay):
-        try:
-            while (data := src.recv(65536)):
-                time.sleep(delay)
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self):
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 def test_a_server_slow_to_answer_the_handshake_is_reached(meshd_server):
     # Each connection attempt of the C client had 100 ms (gRPC's minimum connect
     # timeout, set for the agents' fast reconnects): a server whose first bytes
     # take longer (TLS on a busy host, a far region) was "cannot connect" at once.
     srv = meshd_server()
-    link = _SlowLink(srv.address, 0.3)
+    link = lib.DelayRelay(srv.port, 0, 0.3)  # the server's bytes come 0.3 s late
     try:
         t0 = time.monotonic()
         r = meshctl(link.address, "health", timeout_ms=10000)

@@ -1171,21 +1171,9 @@ static void send_with_fd(int fd, uint32_t magic, uint64_t comm, const void *pay,
   dp_wire_frame(buf, magic, (uint32_t)len, comm, 0);
   memcpy(buf + DP_HDR_LEN, pay, len);
   struct iovec iov = {buf, DP_HDR_LEN + len};
-  union {
-    struct cmsghdr h;
-    char b[CMSG_SPACE(sizeof(int))];
-  } ctl;
-  memset(&ctl, 0, sizeof ctl);
+  dp_fd_ctl_t ctl;
   struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-  if (pass >= 0) {
-    mh.msg_control = ctl.b;
-    mh.msg_controllen = sizeof ctl.b;
-    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cm), &pass, sizeof(int));
-  }
+  if (pass >= 0) dp_wire_attach_fd(&mh, &ctl, pass);
   cr_assert_eq(sendmsg(fd, &mh, MSG_NOSIGNAL), (ssize_t)(DP_HDR_LEN + len), "sendmsg: %s", strerror(errno));
 }
 
