@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "agent_link.h"
 #include "log.h"
 #include "runtime.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -328,7 +329,9 @@ static void sweep(registry_t *r) {
   for (conn_t *c = r->conns; c; c = c->next) {
     if (!c->dialed || c->ending || ((size_t)c->rank < world && healthy[c->rank])) continue;
     c->ending = true;
-    log_event(LOG_LEVEL_WARN, "registry", &(log_fields_t){LOG_RANK(c->rank)},
+    /* A server that stops ends its local agents' links itself: not a loss. */
+    log_event(agent_links_stopping() ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, "registry",
+              &(log_fields_t){LOG_RANK(c->rank)},
               "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
               "within %.1f s, or the link broke): ending its registration so that it registers "
               "again", c->rank, c->address, c->agent_id, r->o.agent_timeout_ms / 1000.0);
