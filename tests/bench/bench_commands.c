@@ -4,13 +4,15 @@
  *
  *   bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B]
  *                  [--batch K] [--live-tensors K] [--memory-seconds M] [--skip-baseline]
- *                  [--c-client]
+ *                  [--c-client] [--unary-seconds U]
  *
  * Each agent count's line also has the p50 and p99 of tiny Calls sent one at a
  * time by unary Execute, with the ratio of that p50 to the echo server's unary
  * p50 (unary_p50_ratio_to_echo). The two are measured in alternating rounds of
  * a tenth of --seconds each (baseline_unary_p50_us is the echo's p50 from
  * those rounds), so that drift in the machine's load hits both alike.
+ * --unary-seconds: that phase's length instead of --seconds (to profile it:
+ * --seconds 0.2 --unary-seconds 30).
  * --seconds: measured time per case (default 2); --warmup: unmeasured time
  * before it (0.5); --agents: the agent counts of the command cases (1,4);
  * --drop-batch: results dropped per Drop (256); --live-tensors: live refs made
@@ -80,7 +82,7 @@ static void usage(void) {
   fprintf(stderr,
           "usage: bench_commands [--seconds N] [--warmup S] [--agents 1,4] [--drop-batch B] [--batch K]\n"
           "                      [--live-tensors K] [--memory-seconds M] [--skip-baseline]\n"
-          "                      [--c-client]\n");
+          "                      [--c-client] [--unary-seconds U]\n");
   exit(2);
 }
 
@@ -497,6 +499,7 @@ static int run_pipeline(run_t *r) {
 
 typedef struct {
   double seconds, warmup;
+  double unary_seconds; /* the unary latency phase; < 0: seconds */
   int drop_batch, batch;
   uint64_t live_tensors;
   double memory_seconds;
@@ -643,7 +646,8 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
       rc = -1;
     }
   }
-  if (rc == 0 && unary_latency(&c, &r.seq, &r.ref, o->seconds, &u) != 0) rc = -1;
+  double unary_s = o->unary_seconds < 0 ? o->seconds : o->unary_seconds;
+  if (rc == 0 && unary_latency(&c, &r.seq, &r.ref, unary_s, &u) != 0) rc = -1;
   if (u.echo) rpc_channel_destroy(u.echo);
   int64_t rss_end = proc_status_bytes(srv.pid, "VmRSS");
   int64_t hwm = proc_status_bytes(srv.pid, "VmHWM");
@@ -904,14 +908,17 @@ static int memory_case(const opts_t *o) {
 /* ------------------------------------------------------------------ main */
 
 int main(int argc, char **argv) {
-  opts_t o = {.seconds = 2, .warmup = 0.5, .drop_batch = 256, .live_tensors = 1000000,
-              .memory_seconds = 90};
+  opts_t o = {.seconds = 2, .warmup = 0.5, .unary_seconds = -1, .drop_batch = 256,
+              .live_tensors = 1000000, .memory_seconds = 90};
   int agent_counts[8] = {1, 4}, ncounts = 2;
   bool skip_baseline = false, c_client = false;
   for (int i = 1; i < argc; i++) {
     const char *v;
     if ((v = bench_arg(argc, argv, &i, "--seconds"))) {
       o.seconds = atof(v);
+    } else if ((v = bench_arg(argc, argv, &i, "--unary-seconds"))) {
+      o.unary_seconds = atof(v);
+      if (!(o.unary_seconds > 0)) usage();
     } else if ((v = bench_arg(argc, argv, &i, "--warmup"))) {
       o.warmup = atof(v);
     } else if ((v = bench_arg(argc, argv, &i, "--drop-batch"))) {
