@@ -586,6 +586,7 @@ int main(int argc, char **argv) {
                                .cluster_name = opt.cluster_name,
                                .max_tensor_dims = opt.max_tensor_dims,
                                .max_tensor_elements = opt.max_tensor_elements,
+                               .max_message_bytes = opt.max_message_bytes,
                                .reflection = opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {

@@ -50,7 +50,7 @@ static void exec_agent(char *const argv[], pid_t parent) {
 }
 
 static pid_t spawn(supervisor_t *s, int i) {
-  char rank[16], mem[32], device[32], dims[24], elems[24], metrics[320];
+  char rank[16], mem[32], device[32], dims[24], elems[24], msg[24], metrics[320];
   snprintf(rank, sizeof rank, "%d", i);
   const char *dev = s->o.device ? s->o.device : "cpu";
   if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
@@ -89,10 +89,12 @@ static pid_t spawn(supervisor_t *s, int i) {
   argv[n++] = metrics;
   snprintf(dims, sizeof dims, "%lld", (long long)s->o.max_tensor_dims);
   snprintf(elems, sizeof elems, "%lld", (long long)s->o.max_tensor_elements);
+  snprintf(msg, sizeof msg, "%llu", (unsigned long long)s->o.max_message_bytes);
   const struct { const char *flag, *value; } creds[] = {
       {"--log-format", s->o.log_format},
       {"--max-tensor-dims", s->o.max_tensor_dims ? dims : NULL},
       {"--max-tensor-elements", s->o.max_tensor_elements ? elems : NULL},
+      {"--max-message-bytes", s->o.max_message_bytes ? msg : NULL},
       {"--join-token-file", s->o.join_token_file}, {"--cluster-ca", s->o.cluster_ca},
       {"--cluster-cert", s->o.cluster_cert},       {"--cluster-key", s->o.cluster_key},
       {"--cluster-name", s->o.cluster_ca ? s->o.cluster_name : NULL}};

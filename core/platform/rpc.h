@@ -216,6 +216,10 @@ void rpc_call_finish(rpc_call_t *call, grpc_status_code code, const char *kind,
                      const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* rpc_call_send(msg) then rpc_call_finish(OK). */
 void rpc_call_reply(rpc_call_t *call, const ProtobufCMessage *msg);
+/* The largest message the call's server sends (its max_message_bytes):
+ * rpc_call_reply finishes the call with RESOURCE_EXHAUSTED ("QUOTA") instead
+ * of sending a larger reply. */
+int rpc_call_max_message(const rpc_call_t *c);
 /* Messages queued and not yet sent: a handler producing many messages pauses
  * when this grows. Reads are not re-armed while it is above 64 (backpressure). */
 size_t rpc_call_pending(rpc_call_t *call);

@@ -87,6 +87,7 @@ struct rpc_call {
 };
 
 struct rpc_server {
+  int max_msg; /* GRPC_ARG_MAX_SEND_MESSAGE_LENGTH: rpc_call_reply refuses larger */
   grpc_server *server;
   grpc_completion_queue *cq;
   grpc_completion_queue *shutdown_cq;
@@ -299,11 +300,24 @@ void rpc_call_finish(rpc_call_t *c, grpc_status_code code, const char *kind, con
 }
 
 void rpc_call_reply(rpc_call_t *c, const ProtobufCMessage *msg) {
+  size_t n = protobuf_c_message_get_packed_size(msg);
+  if (n > (size_t)c->srv->max_msg) { /* gRPC would fail the call with a bare RESOURCE_EXHAUSTED */
+    char text[256];
+    snprintf(text, sizeof text, "%s: the reply is %zu bytes, over this process's %d-byte "
+             "message limit (--max-message-bytes)", c->slot ? c->slot->m->path : "reply", n,
+             c->srv->max_msg);
+    pthread_mutex_lock(&c->mu);
+    finish_locked(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", text);
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
   grpc_byte_buffer *buf = wire_pack(msg);
   pthread_mutex_lock(&c->mu);
   if (queue_locked(c, buf) == 0) finish_locked(c, GRPC_STATUS_OK, NULL, "");
   pthread_mutex_unlock(&c->mu);
 }
+
+int rpc_call_max_message(const rpc_call_t *c) { return c->srv->max_msg; }
 
 size_t rpc_call_pending(rpc_call_t *c) {
   pthread_mutex_lock(&c->mu);
@@ -783,6 +797,7 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   srv->before_wait = opts->before_wait;
   srv->posts_per_method = srv->nthreads * 2 < 4 ? 4 : srv->nthreads * 2;
   int max_msg = opts->max_message_bytes > 0 ? opts->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
+  srv->max_msg = max_msg;
   wire_args_t a = {0};
   wire_args_int(&a, GRPC_ARG_ALLOW_REUSEPORT, 0); /* a second server on a port must fail */
   wire_args_int(&a, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg);

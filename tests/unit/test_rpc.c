@@ -392,6 +392,36 @@ Test(rpc, message_over_server_limit_is_resource_exhausted) {
   cr_assert_eq(code, GRPC_STATUS_OK);
 }
 
+/* A reply over the server's own limit (the request fit: the reply adds the
+ * x-echo metadata's value) is refused by rpc_call_reply with kind QUOTA and a
+ * message naming the method, the size and the limit, where gRPC's send would
+ * fail the call with a bare RESOURCE_EXHAUSTED. */
+Test(rpc, reply_over_server_limit_is_quota_naming_the_limit) {
+  stop_server();
+  start_server(64 * 1024);
+  size_t len = 64 * 1024 - 16;
+  uint8_t *payload = calloc(1, len);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.payload.data = payload;
+  req.payload.len = len;
+  cr_assert_leq(protobuf_c_message_get_packed_size(&req.base), 64 * 1024);
+  char value[200];
+  memset(value, 'v', sizeof value - 1);
+  value[sizeof value - 1] = '\0';
+  rpc_md_t md = {"x-echo", value};
+  EchoReply *rep = NULL;
+  rpc_status_t st;
+  grpc_status_code code = call_unary(ch, ECHO_UNARY, &req, &rep, &md, 1, 5000, &st);
+  cr_assert_eq(code, GRPC_STATUS_RESOURCE_EXHAUSTED, "code %d: %s", code, st.message);
+  cr_assert_str_eq(st.kind, "QUOTA", "%s", st.message);
+  cr_assert(strstr(st.message, "/meshd.test.v1.Echo/Unary: the reply is ") &&
+                strstr(st.message, "bytes, over this process's 65536-byte message limit"),
+            "%s", st.message);
+  cr_assert_null(rep);
+  assert_unary_ok("after the refused reply");
+  free(payload);
+}
+
 Test(rpc, message_over_channel_limit_is_resource_exhausted) {
   rpc_channel_opts_t o = {.max_message_bytes = 64 * 1024};
   rpc_channel_t *small = rpc_channel_create(target, &o);
