@@ -308,7 +308,9 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
     goto fail;
   }
   Meshd__V1__InspectUrlReply reply = MESHD__V1__INSPECT_URL_REPLY__INIT;
-  reply.format = f.format == TENSOR_FILE_NPY ? "npy" : "safetensors";
+  reply.format = f.format == TENSOR_FILE_NPY                   ? "npy"
+                 : f.format == TENSOR_FILE_SAFETENSORS_INDEX ? "safetensors_index"
+                                                             : "safetensors";
   reply.file_size = size;
   reply.metadata_json = f.metadata_json ? f.metadata_json : "";
   Meshd__V1__UrlTensor *ts = calloc(f.count ? f.count : 1, sizeof *ts);
@@ -327,10 +329,23 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
     ts[i].shape = f.tensors[i].shape;
     ts[i].offset = f.tensors[i].offset;
     ts[i].nbytes = f.tensors[i].nbytes;
+    ts[i].file = f.tensors[i].file ? f.tensors[i].file : "";
     tp[i] = &ts[i];
   }
   reply.n_tensors = f.count;
   reply.tensors = tp;
+  size_t packed = protobuf_c_message_get_packed_size(&reply.base);
+  if (packed > (size_t)rpc_call_max_message(call)) {
+    char shown[512];
+    error_set(&e, ERR_QUOTA, "%s names %zu tensors, whose description is %zu bytes: over the "
+              "%d-byte --max-message-bytes; raise it on the agents and the server (a server's "
+              "local agents take its own)",
+              url_redact(rq->url, shown, sizeof shown), f.count, packed,
+              rpc_call_max_message(call));
+    free(ts);
+    free(tp);
+    goto fail;
+  }
   rpc_call_reply(call, &reply.base);
   free(ts);
   free(tp);

@@ -16,6 +16,9 @@
 /* An inspection reads at most two header pieces; the transfer timeout of the
  * policy bounds each, this the whole call. */
 #define INSPECT_CALL_MS 120000
+/* The largest InspectUrl reply taken from an agent (whose own limit is its
+ * --max-message-bytes), as much as the Python client takes. */
+#define INSPECT_REPLY_MAX (64 << 20)
 
 struct load_service {
   agent_pool_t *pool;
@@ -85,15 +88,24 @@ static void *inspect_main(void *arg) {
   rq.policy = &policy;
   ProtobufCMessage *reply = NULL;
   rpc_status_t st = {0};
-  if (agent_pool_target(ls->pool, in->rank, AGENT_CONNECT_MS, &t) ||
-      !(ch = rpc_channel_create(t.address, &t.opts))) {
+  bool targeted = agent_pool_target(ls->pool, in->rank, AGENT_CONNECT_MS, &t) == 0;
+  /* The reply is as large as the agent's --max-message-bytes lets it be (an index
+   * of a big checkpoint names every tensor); rpc_call_reply then holds it to ours. */
+  if (targeted) t.opts.max_message_bytes = INSPECT_REPLY_MAX;
+  if (!targeted || !(ch = rpc_channel_create(t.address, &t.opts))) {
     rpc_call_finish(in->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
                     "InspectUrl: rank %u has no agent", in->rank);
   } else if (rpc_unary(ch, "/meshd.agent.v1.Agent/InspectUrl", &rq.base,
                        &meshd__v1__inspect_url_reply__descriptor, &reply, t.md, 1,
                        INSPECT_CALL_MS, &st) != GRPC_STATUS_OK) {
     /* The agent's kind and message are the answer (they name the URL and rank). */
-    rpc_call_finish(in->call, st.code, st.kind[0] ? st.kind : "AGENT_LOST", "%s", st.message);
+    const char *kind = st.kind[0]                                ? st.kind
+                       : st.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? "QUOTA"
+                                                                  : "AGENT_LOST";
+    if (st.kind[0])
+      rpc_call_finish(in->call, st.code, kind, "%s", st.message);
+    else /* gRPC's own: say whose */
+      rpc_call_finish(in->call, st.code, kind, "InspectUrl: rank %u: %s", in->rank, st.message);
   } else {
     rpc_call_reply(in->call, reply);
   }

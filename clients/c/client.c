@@ -982,6 +982,76 @@ static void name_missing(meshd_session_t *s, const char *url, const char *name,
               have);
 }
 
+/* The tensor named `name` of an InspectUrl reply (NULL: its only one), or NULL. */
+static const Meshd__V1__UrlTensor *find_url_tensor(const Meshd__V1__InspectUrlReply *r,
+                                                   const char *name) {
+  for (size_t i = 0; i < r->n_tensors; i++)
+    if (name ? strcmp(r->tensors[i]->name, name) == 0 : r->n_tensors == 1)
+      return r->tensors[i];
+  return NULL;
+}
+
+/* t of the safetensors index at index_url: InspectUrl of its file, whose URL
+ * is the index's with t->file in place of its last path segment (and without
+ * the index's query: a presigned index URL does not sign the files). On
+ * success *resp is that file's reply (the index's freed), *found the tensor
+ * in it and *file_url its URL (the caller frees *resp and *file_url). */
+static meshd_err_t inspect_index_file(meshd_session_t *s, meshd_ref_t mesh, const char *index_url,
+                                      const Meshd__V1__UrlTensor *t, ProtobufCMessage **resp,
+                                      const Meshd__V1__UrlTensor **found, char **file_url) {
+  size_t base = strcspn(index_url, "?#");
+  const char *host = strstr(index_url, "://");
+  size_t dir = base;
+  while (dir > 0 && index_url[dir - 1] != '/')
+    dir--;
+  bool no_path = !host || dir <= (size_t)(host - index_url) + 3;
+  size_t n = (no_path ? base + 1 : dir) + strlen(t->file) + 1;
+  char *u = malloc(n);
+  if (!u) {
+    set_error(s->client, MESHD_E_NOMEM, 0, NULL, "meshd_session_load: out of memory");
+    return MESHD_E_NOMEM;
+  }
+  if (no_path)
+    snprintf(u, n, "%.*s/%s", (int)base, index_url, t->file);
+  else
+    snprintf(u, n, "%.*s%s", (int)dir, index_url, t->file);
+  char *name = strdup(t->name);
+  protobuf_c_message_free_unpacked(*resp, NULL); /* t's too */
+  *resp = NULL;
+  Meshd__V1__InspectUrlRequest rq = MESHD__V1__INSPECT_URL_REQUEST__INIT;
+  rq.url = u;
+  rq.mesh = mesh;
+  meshd_err_t ret = name ? call_md(s->client, TS "InspectUrl", &rq.base,
+                                   &meshd__v1__inspect_url_reply__descriptor, resp, s->md, s->nmd)
+                         : MESHD_E_NOMEM;
+  const Meshd__V1__InspectUrlReply *r = (const Meshd__V1__InspectUrlReply *)*resp;
+  if (ret == MESHD_E_OK && (!r->format || strcmp(r->format, "safetensors") != 0 ||
+                            !find_url_tensor(r, name))) {
+    char where[512], file[512];
+    conn_redact_url(index_url, where, sizeof where);
+    conn_redact_url(u, file, sizeof file);
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load: the index %s puts '%s' in %s, which is %s", where, name, file,
+              strcmp(r->format ? r->format : "", "safetensors") ? "no safetensors file"
+                                                                : "a file without it");
+    ret = MESHD_E_INVALID;
+  }
+  if (ret == MESHD_E_NOMEM && !name)
+    set_error(s->client, MESHD_E_NOMEM, 0, NULL, "meshd_session_load: out of memory");
+  if (ret != MESHD_E_OK) {
+    free(name);
+    if (*resp)
+      protobuf_c_message_free_unpacked(*resp, NULL);
+    *resp = NULL;
+    free(u);
+    return ret;
+  }
+  *found = find_url_tensor(r, name);
+  free(name);
+  *file_url = u;
+  return MESHD_E_OK;
+}
+
 meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                const meshd_load_options_t *opts, meshd_ref_t *out) {
   if (!s)
@@ -1000,6 +1070,7 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
   l.shard = (char *)(o.shard ? o.shard : "");
   l.dim = o.dim;
   ProtobufCMessage *resp = NULL, *result = NULL;
+  char *file_url = NULL;
   if (o.dtype) {
     if (!(l.dtype = (Meshd__V1__DType)dtype_by_name(o.dtype))) {
       set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_load: unknown dtype '%s'",
@@ -1017,14 +1088,19 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
     if (ret != MESHD_E_OK)
       return ret;
     const Meshd__V1__InspectUrlReply *r = (const Meshd__V1__InspectUrlReply *)resp;
-    const Meshd__V1__UrlTensor *t = NULL;
-    for (size_t i = 0; i < r->n_tensors; i++)
-      if (o.name ? strcmp(r->tensors[i]->name, o.name) == 0 : r->n_tensors == 1)
-        t = r->tensors[i];
+    const Meshd__V1__UrlTensor *t = find_url_tensor(r, o.name);
     if (!t) {
       name_missing(s, url, o.name, r);
       protobuf_c_message_free_unpacked(resp, NULL);
       return MESHD_E_INVALID;
+    }
+    if (r->format && strcmp(r->format, "safetensors_index") == 0) {
+      /* A checkpoint's index: the tensor is in the file it names. */
+      ret = inspect_index_file(s, mesh, url, t, &resp, &t, &file_url);
+      if (ret != MESHD_E_OK)
+        return ret;
+      r = (const Meshd__V1__InspectUrlReply *)resp;
+      l.url = file_url;
     }
     l.dtype = t->dtype;
     l.n_shape = t->n_shape;
@@ -1039,6 +1115,7 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
   meshd_err_t ret = execute_keep(s, &cmd, 0, o.info ? &result : NULL);
   if (resp)
     protobuf_c_message_free_unpacked(resp, NULL);
+  free(file_url);
   if (result) {
     load_info((const Meshd__V1__CommandResult *)result, o.info);
     protobuf_c_message_free_unpacked(result, NULL);

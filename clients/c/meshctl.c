@@ -465,7 +465,8 @@ static const command_t commands[] = {
      cmd_run},
     {"load", "URL",
      "the agents fetch a tensor from URL themselves (http, https, file; .npy, safetensors, "
-     "or raw bytes with --dtype and --shape), in a new session: waits until every rank holds "
+     "a safetensors index with --name, or raw bytes with --dtype and --shape), in a new "
+     "session: waits until every rank holds "
      "it, prints ref, dtype, shape, bytes, seconds and MB/s, then ends the session",
      1, 1, cmd_load},
     {"version", "", "meshctl's, the server's and every agent's version and build", 0, 0,

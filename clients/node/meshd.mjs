@@ -441,14 +441,16 @@ export class Session {
   // A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
   // with {dtype: 'DTYPE_FLOAT32', shape}, else a .npy or safetensors file's header says.
   // A safetensors file without `name` gives an object of every tensor's TensorMeta.
+  // A checkpoint's safetensors index (model.safetensors.index.json) loads each tensor
+  // from the file it names, relative to the index's URL (its query dropped).
   // {shard: 'gpu', dim} splits the tensor's dim over that mesh dim.
   async load(mesh, url, { dtype, shape, name, shard = '', dim = 0, stream = 0 } = {}) {
     const m = mesh.ref ?? mesh;
-    const one = async (t, fileSize) => {
+    const one = async (t, fileSize, from = url) => {
       const ref = this.newRef();
       const res = await this.execute({
-        load: { ref, mesh: m, stream, url, dtype: t.dtype, shape: t.shape, offset: t.offset ?? 0,
-          file_size: fileSize, shard, dim },
+        load: { ref, mesh: m, stream, url: from, dtype: t.dtype, shape: t.shape,
+          offset: t.offset ?? 0, file_size: fileSize, shard, dim },
       });
       return res.tensors[0];
     };
@@ -457,6 +459,7 @@ export class Session {
       return one({ dtype, shape }, 0);
     }
     const info = await this.inspectUrl(url, m);
+    if (info.format === 'safetensors_index') return this.#loadIndex(m, url, info, name, one);
     if (info.format === 'npy') return one(info.tensors[0], info.file_size);
     if (name !== undefined) {
       const t = info.tensors.find((x) => x.name === name);
@@ -466,6 +469,30 @@ export class Session {
     const out = {};
     for (const t of info.tensors) out[t.name] = await one(t, info.file_size);
     return out;
+  }
+
+  // load() through a safetensors index: each file it names inspected once, and it must
+  // hold the tensors the index puts in it.
+  async #loadIndex(m, url, info, name, one) {
+    const shown = url.split(/[?#]/)[0];
+    const wanted = name === undefined ? info.tensors : info.tensors.filter((x) => x.name === name);
+    if (!wanted.length) throw new MeshdError('BAD_ARGUMENT', `no tensor named '${name}' in the index ${shown}; it holds: ${info.tensors.map((x) => x.name).join(', ')}`, grpc.status.INVALID_ARGUMENT);
+    const byFile = new Map();
+    for (const t of wanted) byFile.set(t.file, [...(byFile.get(t.file) ?? []), t.name]);
+    const plan = []; // every file checked before anything loads
+    for (const [file, names] of byFile) {
+      const from = new URL(file, shown).href;
+      const fi = await this.inspectUrl(from, m);
+      for (const n of names) {
+        const t = fi.format === 'safetensors' ? fi.tensors.find((x) => x.name === n) : undefined;
+        if (!t) throw new MeshdError('BAD_ARGUMENT', `the index ${shown} puts '${n}' in ${from.split(/[?#]/)[0]}, which is ${fi.format === 'safetensors' ? 'a file without it' : 'no safetensors file'}`, grpc.status.INVALID_ARGUMENT);
+        plan.push([n, t, fi.file_size, from]);
+      }
+    }
+    const got = {};
+    for (const [n, t, size, from] of plan) got[n] = await one(t, size, from);
+    if (name !== undefined) return got[name];
+    return Object.fromEntries(wanted.map((t) => [t.name, got[t.name]]));
   }
 
   // A catalogue op: args as toArg() reads them; returns the first result TensorMeta.

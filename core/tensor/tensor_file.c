@@ -1,12 +1,25 @@
 #include "tensor_file.h"
 
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tensor_file_internal.h"
 
 static const uint8_t npy_magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
+
+/* JSON text: '{' after optional whitespace, and no NUL in the first 8 bytes
+ * (a safetensors file starts with its header's length, whose high bytes are 0:
+ * the format caps it at 100 MB). */
+static bool looks_like_json(const uint8_t *b) {
+  size_t i = 0;
+  if (!memchr(b, 0, 8)) {
+    while (i < 8 && strchr(" \t\r\n", b[i])) i++;
+    return i < 8 && b[i] == '{';
+  }
+  return false;
+}
 
 int tensor_file_parse(const void *buf, size_t len, const tensor_file_opts_t *opts,
                       tensor_file_t *out, uint64_t *need, meshd_error_t *e) {
@@ -33,19 +46,25 @@ int tensor_file_parse(const void *buf, size_t len, const tensor_file_opts_t *opt
   }
   tensor_file_format_t f = o.format;
   if (f == TENSOR_FILE_AUTO)
-    f = memcmp(buf, npy_magic, sizeof npy_magic) == 0 ? TENSOR_FILE_NPY : TENSOR_FILE_SAFETENSORS;
+    f = memcmp(buf, npy_magic, sizeof npy_magic) == 0 ? TENSOR_FILE_NPY
+        : looks_like_json(buf)                       ? TENSOR_FILE_SAFETENSORS_INDEX
+                                                     : TENSOR_FILE_SAFETENSORS;
   switch (f) {
   case TENSOR_FILE_NPY: return npy_header_parse(buf, len, &o, out, need, e);
   case TENSOR_FILE_SAFETENSORS: return safetensors_header_parse(buf, len, &o, out, need, e);
+  case TENSOR_FILE_SAFETENSORS_INDEX: return safetensors_index_parse(buf, len, &o, out, need, e);
   default:
     return error_set(e, ERR_BAD_ARGUMENT, "tensor file: unknown format %d (0 auto, 1 npy, "
-                     "2 safetensors)", (int)f);
+                     "2 safetensors, 3 safetensors index)", (int)f);
   }
 }
 
 void tensor_file_free(tensor_file_t *f) {
   if (!f) return;
-  for (size_t i = 0; i < f->count && f->tensors; i++) free(f->tensors[i].name);
+  for (size_t i = 0; i < f->count && f->tensors; i++) {
+    free(f->tensors[i].name);
+    free(f->tensors[i].file);
+  }
   free(f->tensors);
   free(f->metadata_json);
   memset(f, 0, sizeof *f);

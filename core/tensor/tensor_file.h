@@ -31,14 +31,24 @@
 #define TENSOR_FILE_MAX_HEADER 100000000u
 
 typedef enum {
-  TENSOR_FILE_AUTO = 0, /* by the first bytes: "\x93NUMPY" is .npy, else safetensors */
+  TENSOR_FILE_AUTO = 0, /* by the first bytes: "\x93NUMPY" is .npy; JSON text ('{' after
+                           optional spaces, and no NUL in the first 8 bytes, where a
+                           safetensors length has its high zero bytes) is an index; else
+                           safetensors */
   TENSOR_FILE_NPY = 1,
   TENSOR_FILE_SAFETENSORS = 2,
+  /* A checkpoint split over several safetensors files, as Hugging Face writes it
+   * (model.safetensors.index.json): {"metadata": {...}, "weight_map": {tensor
+   * name: file name}}. Its entries have a name and a file only (dtype, shape and
+   * offset are in that file's header); the whole file is the header. */
+  TENSOR_FILE_SAFETENSORS_INDEX = 3,
 } tensor_file_format_t;
 
 /* One tensor of a file: row-major (C order), little-endian, contiguous. */
 typedef struct tensor_file_entry {
   char *name; /* the safetensors key; "" in a .npy file. Owned by the tensor_file_t */
+  char *file; /* index only: the file holding it, relative to the index (a path of
+                 [A-Za-z0-9._-] segments; no "..", no leading '/'); else NULL. Owned */
   dtype_t dtype;
   int ndim;
   int64_t shape[LAYOUT_MAX_DIMS];
@@ -52,7 +62,8 @@ typedef struct tensor_file {
   uint64_t header_bytes; /* bytes before the data: 8 + N (safetensors), magic to padding (.npy) */
   size_t count;          /* 1 for .npy */
   tensor_file_entry_t *tensors; /* in header order */
-  char *metadata_json;   /* safetensors "__metadata__" as JSON text, or NULL */
+  char *metadata_json;   /* safetensors "__metadata__" (an index's "metadata") as JSON text,
+                            or NULL */
 } tensor_file_t;
 
 typedef struct tensor_file_opts {

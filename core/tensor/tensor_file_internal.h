@@ -2,6 +2,8 @@
 #ifndef MESHD_TENSOR_FILE_INTERNAL_H
 #define MESHD_TENSOR_FILE_INTERNAL_H
 
+#include <json-c/json.h>
+
 #include "tensor_file.h"
 
 /* Names in messages are cut to this many bytes. */
@@ -13,6 +15,16 @@ int npy_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o
                      tensor_file_t *out, uint64_t *need, meshd_error_t *e);
 int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o,
                              tensor_file_t *out, uint64_t *need, meshd_error_t *e);
+int safetensors_index_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o,
+                            tensor_file_t *out, uint64_t *need, meshd_error_t *e);
+
+/* Tensor entry -> "shape" array: 3 levels; a little room, no deep recursion. */
+#define JSON_DEPTH 8
+
+/* The JSON object in text[0..n), json-c strict; only bytes of `padding` may
+ * follow it. ctx starts every message. *out: the caller's (json_object_put). */
+int tensor_file_json(const char *ctx, const char *text, size_t n, const char *padding,
+                     json_object **out, meshd_error_t *e);
 
 /* Checks t's shape (layout_check_shape, the message starting with ctx) and
  * sets t->nbytes. */

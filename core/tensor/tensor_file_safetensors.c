@@ -20,8 +20,6 @@
 #include "tensor_file_internal.h"
 
 #define CTX "safetensors header"
-/* Tensor entry -> "shape" array: 3 levels; a little room, no deep recursion. */
-#define JSON_DEPTH 8
 
 static const struct {
   const char *name;
@@ -149,9 +147,10 @@ static int check_overlaps(tensor_file_t *f, uint64_t data_start, meshd_error_t *
   return rc;
 }
 
-static int parse_json(const char *text, size_t n, json_object **out, meshd_error_t *e) {
+int tensor_file_json(const char *ctx, const char *text, size_t n, const char *padding,
+                     json_object **out, meshd_error_t *e) {
   struct json_tokener *tok = json_tokener_new_ex(JSON_DEPTH);
-  if (!tok) return error_set(e, ERR_QUOTA, CTX ": out of memory");
+  if (!tok) return error_set(e, ERR_QUOTA, "%s: out of memory", ctx);
   json_tokener_set_flags(tok, JSON_TOKENER_STRICT | JSON_TOKENER_ALLOW_TRAILING_CHARS |
                                   JSON_TOKENER_VALIDATE_UTF8);
   json_object *root = json_tokener_parse_ex(tok, text, (int)n);
@@ -160,17 +159,17 @@ static int parse_json(const char *text, size_t n, json_object **out, meshd_error
   json_tokener_free(tok);
   int rc = 0;
   if (err == json_tokener_continue)
-    rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": the JSON ends early (%zu bytes)", n);
+    rc = error_set(e, ERR_BAD_ARGUMENT, "%s: the JSON ends early (%zu bytes)", ctx, n);
   else if (err != json_tokener_success || !root)
-    rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": bad JSON near byte %zu: %s", end,
+    rc = error_set(e, ERR_BAD_ARGUMENT, "%s: bad JSON near byte %zu: %s", ctx, end,
                    json_tokener_error_desc(err));
   else if (!json_object_is_type(root, json_type_object))
-    rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": the JSON is a %s, not an object of tensors",
+    rc = error_set(e, ERR_BAD_ARGUMENT, "%s: the JSON is a %s, not an object", ctx,
                    json_type_to_name(json_object_get_type(root)));
   for (size_t i = end; !rc && i < n; i++)
-    if (!strchr(" \t\r\n", text[i]) || !text[i])
-      rc = error_set(e, ERR_BAD_ARGUMENT,
-                     CTX ": byte %zu after the JSON object is not padding (spaces)", i);
+    if (!strchr(padding, text[i]) || !text[i])
+      rc = error_set(e, ERR_BAD_ARGUMENT, "%s: byte %zu after the JSON object is not padding "
+                     "(whitespace)", ctx, i);
   if (rc) json_object_put(root);
   else *out = root;
   return rc;
@@ -198,7 +197,7 @@ int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_o
     return error_set(e, ERR_BAD_ARGUMENT, CTX ": does not start with '{' (is this a safetensors "
                      "file?)");
   json_object *root;
-  if (parse_json((const char *)buf + 8, n, &root, e)) return -1;
+  if (tensor_file_json(CTX, (const char *)buf + 8, n, " ", &root, e)) return -1;
   uint64_t data_size = o->file_size ? o->file_size - data_start : UINT64_MAX;
   size_t cap = (size_t)json_object_object_length(root);
   int rc = -1;

@@ -1,4 +1,4 @@
-/* Fuzz target: the .npy and safetensors header parsers (core/tensor/tensor_file)
+/* Fuzz target: the .npy, safetensors and safetensors index parsers (core/tensor/tensor_file)
  * and the shard ranges of what they accept.
  *
  * The input is a whole file (the seeds in corpus/tensor_file/ are real .npy
@@ -49,8 +49,29 @@ static void check_shards(const tensor_file_entry_t *t) {
   }
 }
 
+/* An index's entries: a name and a plain relative file path, nothing else. */
+static void check_index(const tensor_file_t *f, size_t size) {
+  FZ_CHECK(f->header_bytes == size && f->count > 0, "an index is its whole file");
+  for (size_t i = 0; i < f->count; i++) {
+    const tensor_file_entry_t *t = &f->tensors[i];
+    FZ_CHECK(t->name && t->file && t->file[0] && t->file[0] != '/' && !t->nbytes && !t->ndim,
+             "index entry %zu", i);
+    FZ_CHECK(strspn(t->file, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-/") ==
+                 strlen(t->file),
+             "index file '%s' has a character outside the plain set", t->file);
+    char padded[1100];
+    snprintf(padded, sizeof padded, "/%s/", t->file);
+    FZ_CHECK(!strstr(padded, "/../") && !strstr(padded, "/./") && !strstr(padded, "//"),
+             "index file '%s' has a '.', '..' or empty segment", t->file);
+  }
+}
+
 static void check_file(const tensor_file_t *f, size_t size) {
   FZ_CHECK(f->header_bytes <= size, "header past the file");
+  if (f->format == TENSOR_FILE_SAFETENSORS_INDEX) {
+    check_index(f, size);
+    return;
+  }
   FZ_CHECK(f->format != TENSOR_FILE_NPY || f->count == 1, "npy with %zu tensors", f->count);
   for (size_t i = 0; i < f->count; i++) {
     const tensor_file_entry_t *t = &f->tensors[i];
@@ -108,7 +129,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (size_t i = 0; i < f.count; i++)
     FZ_CHECK(g.tensors[i].offset == f.tensors[i].offset &&
                  g.tensors[i].nbytes == f.tensors[i].nbytes &&
-                 strcmp(g.tensors[i].name, f.tensors[i].name) == 0,
+                 strcmp(g.tensors[i].name, f.tensors[i].name) == 0 &&
+                 !g.tensors[i].file == !f.tensors[i].file,
              "tensor %zu differs", i);
   tensor_file_free(&g);
   tensor_file_free(&f);

@@ -1410,6 +1410,88 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
   meshd_close(c);
 }
 
+/* meshd_session_load through a checkpoint's safetensors index: the named
+ * tensor comes from the file the index names (relative to it, the index's
+ * query dropped); a name the index lacks, and an index that puts a tensor in a
+ * file without it, fail with MESHD_E_INVALID naming the URLs. */
+Test(c_client_load, a_tensor_through_a_safetensors_index) {
+  /* shard-2.safetensors: "w" uint8 [2, 2] = 1..4, after a space-padded header. */
+  static const char head[] = "{\"w\":{\"dtype\":\"U8\",\"shape\":[2,2],\"data_offsets\":[0,4]}}   ";
+  size_t hn = strlen(head);
+  uint8_t st[8 + sizeof head + 4];
+  for (int i = 0; i < 8; i++) st[i] = (uint8_t)(hn >> (8 * i));
+  memcpy(st + 8, head, hn);
+  const uint8_t w[4] = {1, 2, 3, 4};
+  memcpy(st + 8 + hn, w, 4);
+  write_file("shard-2.safetensors", st, 8 + hn + 4);
+  static const char index[] =
+      "{\"metadata\": {\"total_size\": 4},\n \"weight_map\": {\"w\": \"shard-2.safetensors\", "
+      "\"gone\": \"shard-2.safetensors\"}}\n";
+  write_file("model.safetensors.index.json", index, strlen(index));
+
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load-index", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at1[] = {1};
+  meshd_ref_t m = 0, t = 0, bad = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  char url[256];
+  snprintf(url, sizeof url, "file://%s/model.safetensors.index.json?sig=x", load_dir);
+  meshd_load_info_t info;
+  meshd_load_options_t o = {.name = "w", .info = &info};
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &t), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_str_eq(info.dtype, "uint8");
+  cr_assert_eq(info.ndim, 2);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, t, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 4);
+  for (size_t i = 0; i < 4; i++)
+    cr_assert_float_eq(v.values[i], (double)w[i], 1e-9);
+  meshd_values_free(&v);
+
+  o.name = "missing";
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &bad), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "no tensor named 'missing' in file://"),
+            "%s", meshd_last_error(c)->message);
+  o.name = "gone";
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &bad), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "puts 'gone' in file://") &&
+                strstr(meshd_last_error(c)->message, "shard-2.safetensors, which is a file "
+                                                      "without it"),
+            "%s", meshd_last_error(c)->message);
+  o.name = NULL; /* two tensors: name one */
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &bad), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "holds 2 tensors"), "%s",
+            meshd_last_error(c)->message);
+  /* An index of one tensor needs no name, though its file holds two. */
+  static const char head2[] = "{\"v\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+                              "\"w\":{\"dtype\":\"U8\",\"shape\":[2,2],\"data_offsets\":[1,5]}}";
+  size_t h2 = strlen(head2);
+  uint8_t both[8 + sizeof head2 + 5];
+  for (int i = 0; i < 8; i++) both[i] = (uint8_t)(h2 >> (8 * i));
+  memcpy(both + 8, head2, h2);
+  const uint8_t vw[5] = {9, 1, 2, 3, 4};
+  memcpy(both + 8 + h2, vw, 5);
+  write_file("both.safetensors", both, 8 + h2 + 5);
+  static const char one[] = "{\"weight_map\": {\"w\": \"both.safetensors\"}}";
+  write_file("one.index.json", one, strlen(one));
+  snprintf(url, sizeof url, "file://%s/one.index.json", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &t), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_fetch(s, t, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 4);
+  for (size_t i = 0; i < 4; i++)
+    cr_assert_float_eq(v.values[i], (double)w[i], 1e-9);
+  meshd_values_free(&v);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* What meshd_session_wait_load's progress callback saw. */
 typedef struct seen_progress {
   int calls;

@@ -433,6 +433,107 @@ Test(tensor_file, safetensors_shape_past_the_process_limit_is_quota) {
   layout_set_limits(NULL);
 }
 
+/* ---- safetensors index ---- */
+
+/* What huggingface's save_pretrained writes next to the shards (indented). */
+static const char hf_index[] =
+    "{\n  \"metadata\": {\n    \"total_size\": 28\n  },\n  \"weight_map\": {\n"
+    "    \"lm_head.weight\": \"model-00002-of-00002.safetensors\",\n"
+    "    \"model.embed.weight\": \"model-00001-of-00002.safetensors\",\n"
+    "    \"model.norm.weight\": \"sub/dir/model-00002-of-00002.safetensors\"\n  }\n}\n";
+
+Test(tensor_file, safetensors_index_as_huggingface_writes_it) {
+  size_t len = strlen(hf_index);
+  tensor_file_t f;
+  meshd_error_t e = {0};
+  int rounds;
+  /* Whatever the first read holds, the whole file is asked for, then parsed. */
+  cr_assert_eq(parse_incrementally((const uint8_t *)hf_index, len, &f, &e, &rounds), 0, "%s",
+               e.msg);
+  cr_assert_eq(rounds, 2);
+  cr_assert_eq(f.format, TENSOR_FILE_SAFETENSORS_INDEX);
+  cr_assert_eq(f.count, 3);
+  cr_assert_str_eq(f.metadata_json, "{\"total_size\":28}");
+  const tensor_file_entry_t *t = tensor_file_find(&f, "model.norm.weight");
+  cr_assert(t);
+  cr_assert_str_eq(t->file, "sub/dir/model-00002-of-00002.safetensors");
+  cr_assert_str_eq(tensor_file_find(&f, "lm_head.weight")->file,
+                   "model-00002-of-00002.safetensors");
+  cr_assert_null(tensor_file_find(&f, "missing"));
+  tensor_file_free(&f);
+  /* A safetensors file is still one, even when its header's length starts
+   * with '{' (0x7b = 123 bytes of JSON): its high length bytes are 0. */
+  char json[124];
+  memset(json, ' ', sizeof json);
+  static const char w[] = "{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}";
+  memcpy(json, w, strlen(w));
+  json[123] = 0;
+  size_t slen;
+  uint8_t *b = make_st(json, 1, &slen);
+  cr_assert_eq(b[0], '{');
+  cr_assert_eq(parse(b, slen, slen, &f, &e), 0, "%s", e.msg);
+  cr_assert_eq(f.format, TENSOR_FILE_SAFETENSORS);
+  cr_assert_null(f.tensors[0].file);
+  tensor_file_free(&f);
+  free(b);
+}
+
+static void expect_index(const char *json, error_kind_t kind, const char *needle) {
+  tensor_file_t f;
+  meshd_error_t e = {0};
+  size_t len = strlen(json);
+  int rc = parse((const uint8_t *)json, len, len, &f, &e);
+  cr_assert_eq(rc, -1, "%s: rc %d", json, rc);
+  cr_assert_eq(e.kind, kind, "%s: kind %s", json, error_kind_name(e.kind));
+  cr_assert(strstr(e.msg, needle), "%s:\n '%s'\n lacks '%s'", json, e.msg, needle);
+  cr_assert_null(f.tensors);
+  cr_assert_null(f.metadata_json);
+}
+
+Test(tensor_file, safetensors_index_refusals) {
+  expect_index("{\"metadata\": {}}   ", ERR_BAD_ARGUMENT, "no \"weight_map\" object");
+  expect_index("{\"weight_map\": [\"a\"]}", ERR_BAD_ARGUMENT, "no \"weight_map\" object");
+  expect_index("{\"weight_map\": {}}     ", ERR_BAD_ARGUMENT, "\"weight_map\" is empty");
+  expect_index("{\"weight_map\": {\"w\": 3}}", ERR_BAD_ARGUMENT,
+               "tensor 'w': its file must be a string");
+  expect_index("{\"weight_map\": {\"w\": \"a.st\"}} x", ERR_BAD_ARGUMENT,
+               "byte 30 after the JSON object is not padding");
+  expect_index("{\"weight_map\": {\"w\": \"a.st\"", ERR_BAD_ARGUMENT, "the JSON ends early");
+  expect_index("{\"weight_map\": {\"w\": \"a.st\",}}", ERR_BAD_ARGUMENT, "bad JSON near byte");
+  /* File names go into URLs: only plain relative paths. */
+  static const struct {
+    const char *file, *why;
+  } bad[] = {
+      {"", "is empty"},
+      {"/etc/passwd", "starts with '/'"},
+      {"../secret.safetensors", "'..' segment"},
+      {"a/../../b", "'..' segment"},
+      {"./a", "'.' or '..' segment"},
+      {"a//b", "empty path segment"},
+      {"a/", "empty path segment"},
+      {"https://evil.example/x", "a character other than"},
+      {"a?x=1", "a character other than"},
+      {"a%2e%2e", "a character other than"},
+      {"a b", "a character other than"},
+      {"a\\\\b", "a character other than"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char json[256];
+    snprintf(json, sizeof json, "{\"weight_map\": {\"ok\": \"x.st\", \"w\": \"%s\"}}", bad[i].file);
+    char needle[128];
+    snprintf(needle, sizeof needle, "tensor 'w': file \"");
+    expect_index(json, ERR_BAD_ARGUMENT, needle);
+    expect_index(json, ERR_BAD_ARGUMENT, bad[i].why);
+  }
+  /* An index past the header limit is refused before it is read. */
+  tensor_file_opts_t o = {.file_size = 2000, .max_header_bytes = 1000};
+  tensor_file_t f;
+  meshd_error_t e = {0};
+  uint64_t need;
+  cr_assert_eq(tensor_file_parse("{ \"weight_map\"", 14, &o, &f, &need, &e), -1);
+  cr_assert(strstr(e.msg, "the file has 2000 bytes, more than the 1000-byte limit"), "%s", e.msg);
+}
+
 /* ---- shards ---- */
 
 static tensor_file_entry_t entry(dtype_t d, int ndim, const int64_t *shape, uint64_t offset) {

@@ -120,10 +120,24 @@ function npyBuffer() {
   return Buffer.concat([head, Buffer.from(new Float32Array([0, 1, 2, 3, 4, 5, 6, 7]).buffer)]);
 }
 
+// A safetensors file holding "w": uint8 [2, 2] = 1..4, and an index (as huggingface
+// writes one) that puts "w" in it under dir/, and "gone" too, which it lacks.
+function safetensorsBuffer() {
+  const head = Buffer.from('{"w":{"dtype":"U8","shape":[2,2],"data_offsets":[0,4]}}');
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(head.length));
+  return Buffer.concat([len, head, Buffer.from([1, 2, 3, 4])]);
+}
+const indexJson = JSON.stringify({ metadata: { total_size: 4 },
+  weight_map: { w: 'dir/w.safetensors', gone: 'dir/w.safetensors' } }, null, 2);
+
 test('load: agents fetch a .npy file and raw bytes from a URL, sharded', async () => {
   const http = await import('node:http');
-  const body = npyBuffer();
+  const files = { '/x.npy': npyBuffer(), '/ckpt/dir/w.safetensors': safetensorsBuffer(),
+    '/ckpt/model.safetensors.index.json': Buffer.from(indexJson) };
   const srv = http.createServer((req, res) => {
+    const body = files[req.url.split('?')[0]];
+    if (!body) { res.writeHead(404, { 'Content-Length': 0 }); res.end(); return; }
     const m = /bytes=(\d+)-(\d+)/.exec(req.headers.range ?? '');
     const [a, b] = m ? [Number(m[1]), Math.min(Number(m[2]), body.length - 1)] : [0, body.length - 1];
     res.writeHead(m ? 206 : 200, { 'Content-Length': b - a + 1, 'Accept-Ranges': 'bytes',
@@ -146,6 +160,15 @@ test('load: agents fetch a .npy file and raw bytes from a URL, sharded', async (
     });
     await assert.rejects(s.load(mesh, 'http://169.254.169.254/x', { dtype: 'DTYPE_UINT8', shape: [1] }),
       (err) => err.kind === 'PERMISSION_DENIED');
+    // A checkpoint's index: the tensor comes from the file it names, relative to it.
+    const index = url.replace('/x.npy', '/ckpt/model.safetensors.index.json?sig=1');
+    const w = await s.load(mesh, index, { name: 'w' });
+    assert.deepEqual(w.shape, [2, 2]);
+    assert.deepEqual([...await s.fetch(w, { gpu: 1 })], [1, 2, 3, 4]);
+    await assert.rejects(s.load(mesh, index), (err) => err.kind === 'BAD_ARGUMENT' &&
+      /puts 'gone' in http:\/\/127\.0\.0\.1:\d+\/ckpt\/dir\/w\.safetensors, which is a file without it/.test(err.message));
+    await assert.rejects(s.load(mesh, index, { name: 'nope' }), (err) => err.kind === 'BAD_ARGUMENT' &&
+      /no tensor named 'nope' in the index .*it holds: w, gone/.test(err.message));
   } finally {
     await s.close();
     srv.close();

@@ -16,6 +16,7 @@ half-filled tensor.
 from __future__ import annotations
 
 import threading
+import urllib.parse
 from typing import Any
 
 import numpy as np
@@ -29,14 +30,60 @@ from .tensor import DType, Shape, Tensor, _dtype_from_value, _dtype_value, _shap
 
 def inspect_url(url: str, mesh: Mesh | None = None) -> dict[str, Any]:
     """What the file at `url` holds, read by the first agent of the (active) mesh:
-    {"format": "npy" | "safetensors", "file_size": int, "metadata": str,
-     "tensors": {name: (dtype, shape, offset, nbytes)}} (name "" for .npy)."""
+    {"format": "npy" | "safetensors" | "safetensors_index", "file_size": int,
+     "metadata": str, "tensors": {name: (dtype, shape, offset, nbytes)},
+     "files": {name: file}} (name "" for .npy). A safetensors index
+    (model.safetensors.index.json) names each tensor's file, relative to the index;
+    its "tensors" values are then empty, and "files" is empty for the others."""
     mesh = mesh if mesh is not None else _active.mesh()
     s, pb = mesh.session, mesh.session._pb
     r = s._unary("InspectUrl", pb.InspectUrlRequest(url=url, mesh=mesh.ref), pb.InspectUrlReply)
     return {"format": r.format, "file_size": r.file_size, "metadata": r.metadata_json,
             "tensors": {t.name: (_dtype_from_value(pb, t.dtype), tuple(t.shape), t.offset,
-                                 t.nbytes) for t in r.tensors}}
+                                 t.nbytes) for t in r.tensors},
+            "files": {t.name: t.file for t in r.tensors if t.file}}
+
+
+def _names(names) -> str:
+    return ", ".join(sorted(names)[:20]) + (" ..." if len(names) > 20 else "")
+
+
+def _load_index(mesh, url, files, name, one):
+    """The tensors a safetensors index names (one, with `name`), each loaded from its
+    file, whose URL is the index's with the file name in place of its last segment
+    (without the index's query: a presigned index URL does not sign the files). Every
+    file is inspected once, and must hold the tensors the index puts in it, before any
+    tensor loads."""
+    if name is not None:
+        if name not in files:
+            raise KeyError(f"meshd.load: no tensor named {name!r} in the index {_redact(url)}; "
+                           f"it holds: {_names(files)}")
+        wanted = {name: files[name]}
+    else:
+        wanted = files
+    base = urllib.parse.urlsplit(url)._replace(query="", fragment="").geturl()
+    by_file: dict[str, list[str]] = {}
+    for k, f in wanted.items():
+        by_file.setdefault(f, []).append(k)
+    plan = []  # every file checked before anything loads
+    for f, keys in by_file.items():
+        furl = urllib.parse.urljoin(base, f)
+        info = inspect_url(furl, mesh)
+        if info["format"] != "safetensors":
+            raise MeshdError("BAD_ARGUMENT", f"meshd.load: the index {_redact(url)} names "
+                             f"{_redact(furl)} as a safetensors file, but it is a "
+                             f"{info['format']} file")
+        missing = [k for k in keys if k not in info["tensors"]]
+        if missing:
+            raise MeshdError("BAD_ARGUMENT", f"meshd.load: the index {_redact(url)} puts "
+                             f"{_names(missing)} in {_redact(furl)}, which does not hold "
+                             f"{'it' if len(missing) == 1 else 'them'}; it holds: "
+                             f"{_names(info['tensors'])}")
+        plan += [(k, furl, info) for k in keys]
+    out = {k: one(k, furl, info) for k, furl, info in plan}
+    if name is not None:
+        return out[name]
+    return {k: out[k] for k in wanted}
 
 
 def _load_one(mesh, url, dtype, shape, offset, file_size, shard, dim):
@@ -143,29 +190,30 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
         _watch(mesh, [t], progress, "load")
         return t
     info = inspect_url(url, mesh)
-    tensors = info["tensors"]
 
-    def one(key):
-        dt, sh, off, _ = tensors[key]
+    def one(key, url=url, info=info):
+        dt, sh, off, _ = info["tensors"][key]
         d = dim
         if shard is not None and not -len(sh) <= d < len(sh):
             raise ValueError(f"meshd.load: {key or url!r} has shape {sh}: no dim {dim} to shard")
         if d < 0:
             d += len(sh)
         return _load_one(mesh, url, dt, sh, off, info["file_size"], shard, d)
-    if info["format"] == "npy":
+    if info["format"] == "safetensors_index":
+        out = _load_index(mesh, url, info["files"], name, one)
+    elif info["format"] == "npy":
         if name is not None:
             raise TypeError("meshd.load: name= picks a tensor of a safetensors file; this is a "
                             ".npy file")
         out = one("")
     elif name is not None:
-        if name not in tensors:
-            have = ", ".join(sorted(tensors)[:20]) + (" ..." if len(tensors) > 20 else "")
+        if name not in info["tensors"]:
+            have = _names(info["tensors"])
             raise KeyError(f"meshd.load: no tensor named {name!r} in {_redact(url)}; it holds: "
                            f"{have}")
         out = one(name)
     else:
-        out = {k: one(k) for k in tensors}
+        out = {k: one(k) for k in info["tensors"]}
     _watch(mesh, list(out.values()) if isinstance(out, dict) else [out], progress, "load")
     return out
 

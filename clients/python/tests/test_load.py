@@ -247,6 +247,113 @@ def test_safetensors_one_tensor_by_name_and_a_checkpoint_sharded_over_4_agents(g
             np.testing.assert_array_equal(fetch(sd[k], gpu=r), a[r * n:(r + 1) * n])
 
 
+def write_sharded_checkpoint(ckpt, files, index_name, subdir="ckpt"):
+    """A checkpoint as huggingface's save_pretrained splits it: each file of `files`
+    (file name -> tensor names) a safetensors file, and an index naming each tensor's
+    file (written as json.dump indents it), all under FILES/subdir."""
+    os.makedirs(os.path.join(FILES, subdir), exist_ok=True)
+    weight_map, total = {}, 0
+    for f, names in files.items():
+        os.makedirs(os.path.dirname(os.path.join(FILES, subdir, f)), exist_ok=True)
+        write(os.path.join(subdir, f), safetensors_bytes({k: ckpt[k] for k in names}))
+        for k in names:
+            weight_map[k] = f
+            total += ckpt[k].nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write(os.path.join(subdir, index_name), json.dumps(index, indent=2).encode())
+    return total
+
+
+def test_a_checkpoint_split_over_files_loads_through_its_index_sharded_over_4_agents(gpu4,
+                                                                                      http_base):
+    rng = np.random.default_rng(11)
+    ckpt = {"embed.weight": rng.standard_normal((16, 8)).astype(np.float32),
+            "layers.0.attn.weight": rng.standard_normal((8, 8)).astype(np.float16),
+            "layers.0.mlp.weight": rng.integers(-9, 9, (12, 4)).astype(np.int32),
+            "layers.1.attn.weight": rng.standard_normal((4, 8)).astype(np.float32),
+            "lm_head.weight": rng.standard_normal((8, 16)).astype(np.float64)}
+    files = {"model-00001-of-00003.safetensors": ["embed.weight", "layers.0.attn.weight"],
+             "model-00002-of-00003.safetensors": ["layers.0.mlp.weight", "layers.1.attn.weight"],
+             "part/model-00003-of-00003.safetensors": ["lm_head.weight"]}
+    total = write_sharded_checkpoint(ckpt, files, "model.safetensors.index.json")
+    for base in (f"{http_base}/ckpt", f"file://{FILES}/ckpt"):
+        url = f"{base}/model.safetensors.index.json"
+        info = meshd.inspect_url(url)
+        assert info["format"] == "safetensors_index"
+        assert json.loads(info["metadata"]) == {"total_size": total}
+        assert info["files"] == {k: f for f, ks in files.items() for k in ks}
+        sd = meshd.load(url, shard="gpu", dim=0)
+        assert list(sd) == list(ckpt), "the index's order"
+        for k, a in ckpt.items():
+            n = a.shape[0] // 4
+            assert sd[k].shape == (n,) + a.shape[1:] and sd[k].dtype == a.dtype.name
+            for r in range(4):
+                np.testing.assert_array_equal(fetch(sd[k], gpu=r), a[r * n:(r + 1) * n])
+        w = meshd.load(url, name="lm_head.weight")
+        np.testing.assert_array_equal(fetch(w, gpu=3), ckpt["lm_head.weight"])
+    # A query on the index's URL (a presigned one) is not passed on to its files.
+    w = meshd.load(f"{http_base}/ckpt/model.safetensors.index.json?sig=abc", name="embed.weight")
+    np.testing.assert_array_equal(fetch(w, gpu=0), ckpt["embed.weight"])
+
+
+def test_a_bad_index_is_refused_with_what_is_wrong(gpu4, http_base):
+    ckpt = {"a": np.arange(4, dtype=np.float32), "b": np.ones(4, np.float32)}
+    write_sharded_checkpoint(ckpt, {"one.safetensors": ["a"]}, "bad.index.json", "badckpt")
+    base = f"{http_base}/badckpt"
+    with pytest.raises(KeyError, match="'zz'.*in the index .*bad.index.json.*it holds: a"):
+        meshd.load(f"{base}/bad.index.json", name="zz")
+    # The index puts a tensor in a file that does not hold it.
+    write("badckpt/wrong.index.json", json.dumps(
+        {"weight_map": {"a": "one.safetensors", "b": "one.safetensors"}}).encode())
+    with pytest.raises(meshd.MeshdError) as ei:
+        meshd.load(f"{base}/wrong.index.json")
+    assert ei.value.kind == "BAD_ARGUMENT", ei.value
+    assert "puts b in" in ei.value.message and "one.safetensors" in ei.value.message, ei.value
+    # A file the index names that is not there: the agent's 404, naming it.
+    write("badckpt/gone.index.json", json.dumps({"weight_map": {"a": "gone.safetensors"}}).encode())
+    with pytest.raises(meshd.MeshdError) as ei:
+        meshd.load(f"{base}/gone.index.json")
+    assert "404" in ei.value.message and "gone.safetensors" in ei.value.message, ei.value
+    # File names that would leave the index's directory, or name another host.
+    for f in ("../model.safetensors", "/etc/passwd", "https://evil.example/x.safetensors"):
+        write("badckpt/escape.index.json", json.dumps({"weight_map": {"a": f}}).encode())
+        with pytest.raises(meshd.MeshdError) as ei:
+            meshd.load(f"{base}/escape.index.json")
+        assert ei.value.kind == "BAD_ARGUMENT", ei.value
+        assert "safetensors index: tensor 'a': file" in ei.value.message, ei.value
+    # JSON that is no index.
+    write("badckpt/notindex.json", b'{"hello": "world"}\n')
+    with pytest.raises(meshd.MeshdError, match="no \"weight_map\" object"):
+        meshd.load(f"{base}/notindex.json")
+    still_works()
+
+
+def test_an_index_too_big_for_one_message_names_the_flag_and_the_flag_lets_it_through(
+        gpu4, http_base):
+    # 2,000 tensors (MoE checkpoints have tens of thousands): about 90 KB of reply.
+    wm = {f"model.layers.{i // 20}.experts.{i % 20}.w": f"m-{i // 500:05d}-of-00004.safetensors"
+          for i in range(2000)}
+    write("big.index.json", json.dumps({"weight_map": wm}).encode())
+    url = f"{http_base}/big.index.json"
+    addr, proc = start_meshd(1, name="meshd-small-messages", flags=(
+        "--url-allow=http://127.0.0.1", "--max-message-bytes", "64KiB"))
+    try:
+        with meshd.connect(addr) as s:
+            with s.mesh(gpu=1).activate():
+                with pytest.raises(meshd.MeshdError) as ei:
+                    meshd.inspect_url(url)
+                # The agent's own refusal: its limit is the server's (local agents take it).
+                assert ei.value.kind == "QUOTA", ei.value
+                assert "names 2000 tensors" in ei.value.message, ei.value
+                assert "over the 65536-byte --max-message-bytes" in ei.value.message, ei.value
+                x = meshd.full((2,), 3.0)
+                np.testing.assert_array_equal(fetch(x, gpu=0), np.full(2, 3.0, np.float32))
+    finally:
+        stop_meshd(proc)
+    info = meshd.inspect_url(url)  # the module's server: the default 4 MiB
+    assert info["format"] == "safetensors_index" and info["files"] == wm
+
+
 def test_loaded_tensors_compute_like_any_other(gpu4, http_base):
     a = np.arange(16, dtype=np.float32).reshape(4, 4)
     np.save(os.path.join(FILES, "c.npy"), a)
