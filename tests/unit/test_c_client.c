@@ -1410,20 +1410,29 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
   meshd_close(c);
 }
 
+/* A safetensors file from its spec: the header's length (8 bytes, little
+ * endian), the header, the data. */
+static void write_safetensors(const char *name, const char *header, const uint8_t *data,
+                              size_t n) {
+  size_t hn = strlen(header);
+  uint8_t *b = malloc(8 + hn + n);
+  cr_assert_not_null(b);
+  for (int i = 0; i < 8; i++) b[i] = (uint8_t)(hn >> (8 * i));
+  memcpy(b + 8, header, hn);
+  memcpy(b + 8 + hn, data, n);
+  write_file(name, b, 8 + hn + n);
+  free(b);
+}
+
 /* meshd_session_load through a checkpoint's safetensors index: the named
  * tensor comes from the file the index names (relative to it, the index's
  * query dropped); a name the index lacks, and an index that puts a tensor in a
  * file without it, fail with MESHD_E_INVALID naming the URLs. */
 Test(c_client_load, a_tensor_through_a_safetensors_index) {
   /* shard-2.safetensors: "w" uint8 [2, 2] = 1..4, after a space-padded header. */
-  static const char head[] = "{\"w\":{\"dtype\":\"U8\",\"shape\":[2,2],\"data_offsets\":[0,4]}}   ";
-  size_t hn = strlen(head);
-  uint8_t st[8 + sizeof head + 4];
-  for (int i = 0; i < 8; i++) st[i] = (uint8_t)(hn >> (8 * i));
-  memcpy(st + 8, head, hn);
   const uint8_t w[4] = {1, 2, 3, 4};
-  memcpy(st + 8 + hn, w, 4);
-  write_file("shard-2.safetensors", st, 8 + hn + 4);
+  write_safetensors("shard-2.safetensors",
+                    "{\"w\":{\"dtype\":\"U8\",\"shape\":[2,2],\"data_offsets\":[0,4]}}   ", w, 4);
   static const char index[] =
       "{\"metadata\": {\"total_size\": 4},\n \"weight_map\": {\"w\": \"shard-2.safetensors\", "
       "\"gone\": \"shard-2.safetensors\"}}\n";
@@ -1467,15 +1476,10 @@ Test(c_client_load, a_tensor_through_a_safetensors_index) {
   cr_assert(strstr(meshd_last_error(c)->message, "holds 2 tensors"), "%s",
             meshd_last_error(c)->message);
   /* An index of one tensor needs no name, though its file holds two. */
-  static const char head2[] = "{\"v\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
-                              "\"w\":{\"dtype\":\"U8\",\"shape\":[2,2],\"data_offsets\":[1,5]}}";
-  size_t h2 = strlen(head2);
-  uint8_t both[8 + sizeof head2 + 5];
-  for (int i = 0; i < 8; i++) both[i] = (uint8_t)(h2 >> (8 * i));
-  memcpy(both + 8, head2, h2);
   const uint8_t vw[5] = {9, 1, 2, 3, 4};
-  memcpy(both + 8 + h2, vw, 5);
-  write_file("both.safetensors", both, 8 + h2 + 5);
+  write_safetensors("both.safetensors",
+                    "{\"v\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+                    "\"w\":{\"dtype\":\"U8\",\"shape\":[2,2],\"data_offsets\":[1,5]}}", vw, 5);
   static const char one[] = "{\"weight_map\": {\"w\": \"both.safetensors\"}}";
   write_file("one.index.json", one, strlen(one));
   snprintf(url, sizeof url, "file://%s/one.index.json", load_dir);
