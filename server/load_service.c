@@ -99,13 +99,12 @@ static void *inspect_main(void *arg) {
                        &meshd__v1__inspect_url_reply__descriptor, &reply, t.md, 1,
                        INSPECT_CALL_MS, &st) != GRPC_STATUS_OK) {
     /* The agent's kind and message are the answer (they name the URL and rank). */
-    const char *kind = st.kind[0]                                ? st.kind
-                       : st.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? "QUOTA"
-                                                                  : "AGENT_LOST";
     if (st.kind[0])
-      rpc_call_finish(in->call, st.code, kind, "%s", st.message);
+      rpc_call_finish(in->call, st.code, st.kind, "%s", st.message);
     else /* gRPC's own: say whose */
-      rpc_call_finish(in->call, st.code, kind, "InspectUrl: rank %u: %s", in->rank, st.message);
+      rpc_call_finish(in->call, st.code,
+                      st.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? "QUOTA" : "AGENT_LOST",
+                      "InspectUrl: rank %u: %s", in->rank, st.message);
   } else {
     rpc_call_reply(in->call, reply);
   }

@@ -993,9 +993,9 @@ static const Meshd__V1__UrlTensor *find_url_tensor(const Meshd__V1__InspectUrlRe
 
 /* t of the safetensors index at index_url: InspectUrl of its file, whose URL
  * is the index's with t->file in place of its last path segment (and without
- * the index's query: a presigned index URL does not sign the files). On
- * success *resp is that file's reply (the index's freed), *found the tensor
- * in it and *file_url its URL (the caller frees *resp and *file_url). */
+ * the index's query: a presigned index URL does not sign the files). *resp
+ * gets that file's reply whenever there is one (the caller frees it); on
+ * success *found is t's tensor in it and *file_url its URL (the caller's). */
 static meshd_err_t inspect_index_file(meshd_session_t *s, meshd_ref_t mesh, const char *index_url,
                                       const Meshd__V1__UrlTensor *t, ProtobufCMessage **resp,
                                       const Meshd__V1__UrlTensor **found, char **file_url) {
@@ -1015,39 +1015,28 @@ static meshd_err_t inspect_index_file(meshd_session_t *s, meshd_ref_t mesh, cons
     snprintf(u, n, "%.*s/%s", (int)base, index_url, t->file);
   else
     snprintf(u, n, "%.*s%s", (int)dir, index_url, t->file);
-  char *name = strdup(t->name);
-  protobuf_c_message_free_unpacked(*resp, NULL); /* t's too */
-  *resp = NULL;
   Meshd__V1__InspectUrlRequest rq = MESHD__V1__INSPECT_URL_REQUEST__INIT;
   rq.url = u;
   rq.mesh = mesh;
-  meshd_err_t ret = name ? call_md(s->client, TS "InspectUrl", &rq.base,
-                                   &meshd__v1__inspect_url_reply__descriptor, resp, s->md, s->nmd)
-                         : MESHD_E_NOMEM;
+  meshd_err_t ret = call_md(s->client, TS "InspectUrl", &rq.base,
+                            &meshd__v1__inspect_url_reply__descriptor, resp, s->md, s->nmd);
   const Meshd__V1__InspectUrlReply *r = (const Meshd__V1__InspectUrlReply *)*resp;
-  if (ret == MESHD_E_OK && (!r->format || strcmp(r->format, "safetensors") != 0 ||
-                            !find_url_tensor(r, name))) {
+  bool safetensors = ret == MESHD_E_OK && r->format && strcmp(r->format, "safetensors") == 0;
+  const Meshd__V1__UrlTensor *ft = safetensors ? find_url_tensor(r, t->name) : NULL;
+  if (ret == MESHD_E_OK && !ft) {
     char where[512], file[512];
     conn_redact_url(index_url, where, sizeof where);
     conn_redact_url(u, file, sizeof file);
     set_error(s->client, MESHD_E_INVALID, 0, NULL,
-              "meshd_session_load: the index %s puts '%s' in %s, which is %s", where, name, file,
-              strcmp(r->format ? r->format : "", "safetensors") ? "no safetensors file"
-                                                                : "a file without it");
+              "meshd_session_load: the index %s puts '%s' in %s, which is %s", where, t->name,
+              file, safetensors ? "a file without it" : "no safetensors file");
     ret = MESHD_E_INVALID;
   }
-  if (ret == MESHD_E_NOMEM && !name)
-    set_error(s->client, MESHD_E_NOMEM, 0, NULL, "meshd_session_load: out of memory");
   if (ret != MESHD_E_OK) {
-    free(name);
-    if (*resp)
-      protobuf_c_message_free_unpacked(*resp, NULL);
-    *resp = NULL;
     free(u);
     return ret;
   }
-  *found = find_url_tensor(r, name);
-  free(name);
+  *found = ft;
   *file_url = u;
   return MESHD_E_OK;
 }
@@ -1096,9 +1085,15 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
     }
     if (r->format && strcmp(r->format, "safetensors_index") == 0) {
       /* A checkpoint's index: the tensor is in the file it names. */
-      ret = inspect_index_file(s, mesh, url, t, &resp, &t, &file_url);
-      if (ret != MESHD_E_OK)
+      ProtobufCMessage *file_resp = NULL;
+      ret = inspect_index_file(s, mesh, url, t, &file_resp, &t, &file_url);
+      protobuf_c_message_free_unpacked(resp, NULL); /* the index's */
+      resp = file_resp;
+      if (ret != MESHD_E_OK) {
+        if (resp)
+          protobuf_c_message_free_unpacked(resp, NULL);
         return ret;
+      }
       r = (const Meshd__V1__InspectUrlReply *)resp;
       l.url = file_url;
     }
