@@ -450,11 +450,10 @@ const char *ncclGetLastError(ncclComm_t c) { return c ? "fake last error" : ""; 
 static _Thread_local bool in_group;
 static _Thread_local op_t *group_op;
 
-static op_t *post(ncclComm_t nc, op_kind_t kind) {
-  op_t *o = calloc(1, sizeof *o);
-  REQUIRE(o);
-  o->kind = kind;
-  o->comm = nc;
+/* Publishes `o` on its communicator: from here on another member's thread may
+ * run it, so every field is set before and nothing is written after. */
+static op_t *publish(op_t *o) {
+  ncclComm_t nc = o->comm;
   pthread_mutex_lock(&nccl_mu);
   REQUIRE(nc->nops < MAX_OPS);
   o->seq = nc->nops;
@@ -462,6 +461,14 @@ static op_t *post(ncclComm_t nc, op_kind_t kind) {
   pthread_mutex_unlock(&nccl_mu);
   last_op = o;
   return o;
+}
+
+static op_t *post(ncclComm_t nc, op_t fields) {
+  op_t *o = malloc(sizeof *o);
+  REQUIRE(o);
+  *o = fields;
+  o->comm = nc;
+  return publish(o);
 }
 
 ncclResult_t ncclGroupStart(void) {
@@ -473,7 +480,9 @@ ncclResult_t ncclGroupStart(void) {
 ncclResult_t ncclGroupEnd(void) {
   REQUIRE(in_group);
   in_group = false;
-  last_op = group_op;
+  last_op = NULL;
+  if (group_op) publish(group_op); /* the group's sends and receives, complete */
+  group_op = NULL;
   return ncclInProgress; /* non-blocking communicators settle later */
 }
 
@@ -481,11 +490,21 @@ static ncclResult_t p2p(bool send, const void *buf, size_t n, ncclDataType_t dt,
                         ncclComm_t nc) {
   REQUIRE(nc && dt == ncclUint8 && fake_is_dev(buf, n));
   REQUIRE(peer >= 0 && peer < nc->cl->nranks);
-  op_t *o = in_group ? group_op : NULL;
-  if (!o) o = post(nc, K_P2P);
-  if (in_group) group_op = o;
-  REQUIRE(o->np < 2 * MAX_RANKS);
-  o->p[o->np++] = (p2p_t){send, (void *)buf, n, peer};
+  p2p_t one = {send, (void *)buf, n, peer};
+  if (!in_group) {
+    op_t f = {.kind = K_P2P, .np = 1};
+    f.p[0] = one;
+    post(nc, f);
+  } else {
+    if (!group_op) {
+      group_op = calloc(1, sizeof *group_op);
+      REQUIRE(group_op);
+      group_op->kind = K_P2P;
+      group_op->comm = nc;
+    }
+    REQUIRE(group_op->comm == nc && group_op->np < 2 * MAX_RANKS);
+    group_op->p[group_op->np++] = one;
+  }
   fake.p2p_ops++;
   return ncclSuccess;
 }
@@ -512,8 +531,7 @@ static size_t nccl_size(ncclDataType_t dt) {
 ncclResult_t ncclAllReduce(const void *in, void *out, size_t count, ncclDataType_t dt,
                            ncclRedOp_t op, ncclComm_t nc, cudaStream_t s) {
   REQUIRE(nc && s && fake_is_dev(in, count * nccl_size(dt)) && fake_is_dev(out, count * nccl_size(dt)));
-  op_t *o = post(nc, K_ALLREDUCE);
-  o->in = in, o->out = out, o->count = count, o->dt = dt, o->rop = op;
+  post(nc, (op_t){.kind = K_ALLREDUCE, .in = in, .out = out, .count = count, .dt = dt, .rop = op});
   fake.native_ops++;
   return ncclSuccess;
 }
@@ -521,8 +539,7 @@ ncclResult_t ncclReduceScatter(const void *in, void *out, size_t count, ncclData
                                ncclRedOp_t op, ncclComm_t nc, cudaStream_t s) {
   size_t bytes = count * nccl_size(dt);
   REQUIRE(nc && s && fake_is_dev(in, bytes * (size_t)nc->cl->nranks) && fake_is_dev(out, bytes));
-  op_t *o = post(nc, K_REDUCE_SCATTER);
-  o->in = in, o->out = out, o->count = count, o->dt = dt, o->rop = op;
+  post(nc, (op_t){.kind = K_REDUCE_SCATTER, .in = in, .out = out, .count = count, .dt = dt, .rop = op});
   fake.native_ops++;
   return ncclSuccess;
 }
@@ -530,8 +547,7 @@ ncclResult_t ncclAllGather(const void *in, void *out, size_t count, ncclDataType
                            ncclComm_t nc, cudaStream_t s) {
   REQUIRE(nc && s && dt == ncclUint8);
   REQUIRE(fake_is_dev(in, count) && fake_is_dev(out, count * (size_t)nc->cl->nranks));
-  op_t *o = post(nc, K_ALLGATHER);
-  o->in = in, o->out = out, o->count = count, o->dt = dt;
+  post(nc, (op_t){.kind = K_ALLGATHER, .in = in, .out = out, .count = count, .dt = dt});
   fake.gather_ops++;
   return ncclSuccess;
 }
@@ -542,8 +558,8 @@ ncclResult_t ncclReduce(const void *in, void *out, size_t count, ncclDataType_t 
   REQUIRE(nc && s && root >= 0 && root < nc->cl->nranks);
   size_t bytes = count * nccl_size(dt);
   REQUIRE(fake_is_dev(in, bytes) && (nc->rank != root || fake_is_dev(out, bytes)));
-  op_t *o = post(nc, K_REDUCE);
-  o->in = in, o->out = out, o->count = count, o->dt = dt, o->rop = op, o->root = root;
+  post(nc, (op_t){.kind = K_REDUCE, .in = in, .out = out, .count = count, .dt = dt, .rop = op,
+                  .root = root});
   fake.reduce_ops++;
   return ncclSuccess;
 }
@@ -552,8 +568,7 @@ ncclResult_t ncclBroadcast(const void *in, void *out, size_t count, ncclDataType
   REQUIRE(nc && s && root >= 0 && root < nc->cl->nranks);
   size_t bytes = count * nccl_size(dt);
   REQUIRE(fake_is_dev(out, bytes) && (nc->rank != root || fake_is_dev(in, bytes)));
-  op_t *o = post(nc, K_BROADCAST);
-  o->in = in, o->out = out, o->count = count, o->dt = dt, o->root = root;
+  post(nc, (op_t){.kind = K_BROADCAST, .in = in, .out = out, .count = count, .dt = dt, .root = root});
   fake.broadcast_ops++;
   return ncclSuccess;
 }
