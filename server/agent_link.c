@@ -59,12 +59,13 @@ static const ProtobufCMessageDescriptor raw_batch_descriptor = {
 };
 
 struct agent_link {
-  rpc_stream_t *stream;
+  rpc_duplex_t *call;
   uint32_t rank;
   char agent_id[64];
   agent_link_callbacks_t cb;
-  pthread_t writer, reader;
-  bool writer_started, reader_started;
+  pthread_t writer;
+  bool writer_started;
+  char why[600]; /* a report refused: written by link_read before read_ended */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -74,6 +75,7 @@ struct agent_link {
   uint64_t executed;
   uint64_t batches_sent, instructions_sent, reports;
   bool broken; /* the call is over: sends fail */
+  bool read_ended; /* link_read got the end: the writer ends the link */
   bool stop;   /* agent_link_close runs: no more callbacks */
   bool writer_idle; /* the writer waits for work: a push wakes it */
   bool deferred;    /* what is queued may wait for company (agent_link_defer_begin) */
@@ -98,9 +100,11 @@ static void link_unref(agent_link_t *l) {
  * HOLD_FLUSH are queued, or hold_ms passed: a corked thread that blocks
  * delays a link but never stalls it. */
 #define HOLD_FLUSH 256
-static atomic_int hold_ms = 3; /* agent_link_set_hold_ms */
+static atomic_int hold_ms = 20; /* agent_link_set_hold_ms */
+static atomic_int lone_ms = 1;  /* agent_link_set_lone_ms */
 
 void agent_link_set_hold_ms(int ms) { atomic_store(&hold_ms, ms < 0 ? 0 : ms); }
+void agent_link_set_lone_ms(int ms) { atomic_store(&lone_ms, ms < 0 ? 0 : ms); }
 
 static atomic_bool server_stopping; /* agent_links_server_stopping */
 void agent_links_server_stopping(void) { atomic_store(&server_stopping, true); }
@@ -170,8 +174,30 @@ static void cork_push_locked(agent_link_t *l) {
 
 /* Holds mu. Whether the writer keeps what is queued a little longer. */
 static bool holding_locked(const agent_link_t *l) {
-  return atomic_load(&hold_ms) > 0 && !l->stop && !l->broken && l->queued < HOLD_FLUSH &&
+  return atomic_load(&hold_ms) > 0 && !l->stop && !l->broken && !l->read_ended &&
+         l->queued < HOLD_FLUSH &&
          (l->corks > 0 || l->deferred);
+}
+
+/* Holds mu. The writer's wait for company: a corked link until the corks go,
+ * a deferring one until a push ends the deferral; either at most hold_ms. A
+ * deferred instruction alone in the queue that no push joined within lone_ms
+ * goes then: a lone unary command goes at once, while a caller whose commands
+ * come faster than that sends them as one batch per hold (the writer wakes
+ * twice per batch). */
+static void hold_locked(agent_link_t *l) {
+  int hold = atomic_load(&hold_ms), lone = atomic_load(&lone_ms);
+  uint64_t seq = l->next_seq;
+  struct timespec dl;
+  int rc = 0;
+  if (lone > 0 && lone < hold) {
+    runtime_deadline(&dl, CLOCK_REALTIME, lone);
+    while (holding_locked(l) && rc == 0) rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
+    if (rc == 0 || (l->corks == 0 && l->next_seq == seq && l->queued == 1)) return;
+    rc = 0;
+  }
+  runtime_deadline(&dl, CLOCK_REALTIME, hold);
+  while (holding_locked(l) && rc == 0) rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
 }
 
 /* ------------------------------------------------------------------ queue */
@@ -271,6 +297,11 @@ static void name_thread(const char *what, uint32_t rank) {
   pthread_setname_np(pthread_self(), name);
 }
 
+static void link_ended(agent_link_t *l);
+
+/* The link's thread: sends what is queued, and ends the link when the call
+ * is over (link_read runs on the rpc layer's client thread and must not
+ * block; what the end calls may). */
 static void *writer_main(void *arg) {
   agent_link_t *l = arg;
   name_thread("w", l->rank);
@@ -278,15 +309,10 @@ static void *writer_main(void *arg) {
   pthread_mutex_lock(&l->mu);
   while (items) {
     l->writer_idle = true;
-    while (!l->head && !l->stop && !l->broken) pthread_cond_wait(&l->cv, &l->mu);
+    while (!l->head && !l->stop && !l->broken && !l->read_ended) pthread_cond_wait(&l->cv, &l->mu);
     l->writer_idle = false;
-    if (holding_locked(l)) { /* more will join this batch */
-      struct timespec dl;
-      runtime_deadline(&dl, CLOCK_REALTIME, atomic_load(&hold_ms));
-      int rc = 0;
-      while (holding_locked(l) && rc == 0) rc = pthread_cond_timedwait(&l->cv, &l->mu, &dl);
-    }
-    if (l->stop || l->broken) break;
+    if (holding_locked(l)) hold_locked(l);
+    if (l->stop || l->broken || l->read_ended) break;
     /* Take what is queued now: under load batches grow by themselves, and an
      * idle link sends a lone instruction at once. */
     agent_link_msg_t *first = l->head, *last = NULL;
@@ -308,20 +334,21 @@ static void *writer_main(void *arg) {
     pthread_mutex_unlock(&l->mu);
 
     raw_batch_t batch = {PROTOBUF_C_MESSAGE_INIT(&raw_batch_descriptor), n, items};
-    int rc = rpc_stream_write(l->stream, &batch.base, false);
+    int rc = rpc_duplex_write(l->call, &batch.base);
     free_list(first);
 
     pthread_mutex_lock(&l->mu);
-    if (rc != 0) break; /* the call is over; the reader finds out why */
+    if (rc != 0) break; /* the call is over; its status says why */
     l->batches_sent++;
     l->instructions_sent += n;
   }
   pthread_mutex_unlock(&l->mu);
   if (!items) {
     log_error("link", "rank %u: out of memory starting the writer", l->rank);
-    rpc_stream_cancel(l->stream);
+    rpc_duplex_cancel(l->call);
   }
   free(items);
+  link_ended(l);
   return NULL;
 }
 
@@ -354,44 +381,44 @@ static bool take_report(agent_link_t *l, const Meshd__Agent__V1__AgentReport *re
   return ok;
 }
 
-static void *reader_main(void *arg) {
+/* Each AgentReport, on the rpc layer's client thread; NULL at the end. */
+static void link_read(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
   agent_link_t *l = arg;
-  name_thread("r", l->rank);
-  char why[600] = "";
-  for (;;) {
-    ProtobufCMessage *msg = NULL;
-    int rc = rpc_stream_read(l->stream, &meshd__agent__v1__agent_report__descriptor, &msg, 0);
-    if (rc == 0) break;
-    if (rc < 0) {
-      snprintf(why, sizeof why, "the agent sent a message that is not an AgentReport");
-      rpc_stream_cancel(l->stream);
-      break;
-    }
-    const Meshd__Agent__V1__AgentReport *rep = (const void *)msg;
-    uint64_t exec;
-    bool stop;
-    if (!take_report(l, rep, &exec, &stop, why, sizeof why)) {
-      protobuf_c_message_free_unpacked(msg, NULL);
-      rpc_stream_cancel(l->stream);
-      break;
-    }
-    if (!stop && l->cb.on_report) {
-      agent_link_report_t r = {
-          .executed = exec,
-          .received = rep->received_through,
-          .sessions = (const Meshd__Agent__V1__SessionProgress *const *)rep->sessions,
-          .n_sessions = rep->n_sessions,
-          .errors = (const Meshd__V1__Error *const *)rep->errors,
-          .n_errors = rep->n_errors,
-          .allocated_bytes = rep->allocated_bytes,
-      };
-      l->cb.on_report(l->rank, &r, l->cb.arg);
-    }
-    protobuf_c_message_free_unpacked(msg, NULL);
+  if (!msg) {
+    pthread_mutex_lock(&l->mu);
+    l->read_ended = true;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    return;
   }
+  const Meshd__Agent__V1__AgentReport *rep = (const void *)msg;
+  uint64_t exec;
+  bool stop;
+  if (l->why[0]) { /* refused one already: the call is being cancelled */
+  } else if (!take_report(l, rep, &exec, &stop, l->why, sizeof l->why)) {
+    rpc_duplex_cancel(d);
+  } else if (!stop && l->cb.on_report) {
+    agent_link_report_t r = {
+        .executed = exec,
+        .received = rep->received_through,
+        .sessions = (const Meshd__Agent__V1__SessionProgress *const *)rep->sessions,
+        .n_sessions = rep->n_sessions,
+        .errors = (const Meshd__V1__Error *const *)rep->errors,
+        .n_errors = rep->n_errors,
+        .allocated_bytes = rep->allocated_bytes,
+    };
+    l->cb.on_report(l->rank, &r, l->cb.arg);
+  }
+  protobuf_c_message_free_unpacked(msg, NULL);
+}
 
+/* The writer's last act: once the call is over, the link is broken, and
+ * unless it is stopping, what was queued is dropped and the owner hears of
+ * the loss. */
+static void link_ended(agent_link_t *l) {
   rpc_status_t st;
-  rpc_stream_finish(l->stream, &st);
+  rpc_duplex_cancel(l->call); /* the writer may have stopped first */
+  rpc_duplex_finish(l->call, &st);
   pthread_mutex_lock(&l->mu);
   l->broken = true;
   bool lost = !l->stop;
@@ -407,9 +434,11 @@ static void *reader_main(void *arg) {
   pthread_cond_broadcast(&l->cv);
   pthread_mutex_unlock(&l->mu);
   free_list(dropped);
-  if (!lost) return NULL;
+  if (!lost) return;
 
-  if (!why[0])
+  char why[700];
+  if (l->why[0]) snprintf(why, sizeof why, "%s", l->why);
+  else
     snprintf(why, sizeof why, "%s: %s", meshd_grpc_code_name(st.code),
              st.message[0] ? st.message : "(no message)");
   /* Stopping, the server itself ends its local agents: that is no news. */
@@ -419,7 +448,6 @@ static void *reader_main(void *arg) {
             "%zu queued instruction(s) dropped", l->rank, l->agent_id, why,
             (unsigned long long)exec, (unsigned long long)last, ndropped);
   if (l->cb.on_lost) l->cb.on_lost(l->rank, l->cb.arg);
-  return NULL;
 }
 
 /* ------------------------------------------------------------------ life */
@@ -439,12 +467,11 @@ agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agen
   pthread_cond_init(&l->cv, NULL);
   /* No deadline: the call lives as long as the agent. */
   rpc_md_t md = {SECRET_AGENT_MD, call_secret};
-  l->stream = rpc_stream_open(ch, AGENT_LINK_METHOD, &md, call_secret ? 1 : 0, 0);
-  if (!l->stream) goto fail;
+  l->call = rpc_duplex_open(ch, AGENT_LINK_METHOD, &md, call_secret ? 1 : 0,
+                            &meshd__agent__v1__agent_report__descriptor, link_read, l);
+  if (!l->call) goto fail;
   l->writer_started = pthread_create(&l->writer, NULL, writer_main, l) == 0;
   if (!l->writer_started) goto fail;
-  l->reader_started = pthread_create(&l->reader, NULL, reader_main, l) == 0;
-  if (!l->reader_started) goto fail;
   log_event(LOG_LEVEL_INFO, "link", &(log_fields_t){LOG_RANK(rank)},
             "rank %u (agent %s): Execute link open, seqs from %llu", rank, l->agent_id,
             (unsigned long long)l->next_seq);
@@ -460,17 +487,18 @@ void agent_link_stop(agent_link_t *l) {
   l->stop = true;
   pthread_cond_broadcast(&l->cv);
   pthread_mutex_unlock(&l->mu);
-  /* Cancelling wakes a writer blocked on flow control and the reader. */
-  if (l->stream) rpc_stream_cancel(l->stream);
+  /* Cancelling wakes a writer blocked on flow control, and ends the reads. */
+  if (l->call) rpc_duplex_cancel(l->call);
   if (l->writer_started) pthread_join(l->writer, NULL);
-  if (l->reader_started) pthread_join(l->reader, NULL);
-  l->writer_started = l->reader_started = false;
+  /* Without a writer (it never started), link_read may still be running. */
+  else if (l->call) rpc_duplex_finish(l->call, NULL);
+  l->writer_started = false;
 }
 
 void agent_link_close(agent_link_t *l) {
   if (!l) return;
   agent_link_stop(l);
-  rpc_stream_destroy(l->stream);
+  rpc_duplex_destroy(l->call);
   pthread_mutex_lock(&l->mu); /* a corked thread may still look (agent_link_uncork) */
   agent_link_msg_t *left = l->head;
   l->head = l->tail = NULL;

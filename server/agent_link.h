@@ -4,8 +4,10 @@
  * agent_link_send never waits for the network: it packs the instruction,
  * gives it the link's next seq and queues it. A writer thread drains the
  * queue into InstructionBatch messages (everything queued, up to
- * AGENT_LINK_BATCH_MAX instructions or AGENT_LINK_BATCH_BYTES per batch). A
- * reader thread receives AgentReport messages and hands them to on_report.
+ * AGENT_LINK_BATCH_MAX instructions or AGENT_LINK_BATCH_BYTES per batch).
+ * AgentReport messages are handed to on_report on the rpc layer's client
+ * thread (rpc_duplex: no thread per link waits in gRPC), so on_report must
+ * not block.
  *
  * When the call ends on its own (agent died, agent refused the stream) the
  * link is broken: queued instructions are dropped, later sends fail, and
@@ -48,8 +50,9 @@ typedef struct agent_link_report {
   uint64_t allocated_bytes;
 } agent_link_report_t;
 
+/* On the rpc layer's client thread, one report at a time: must not block. */
 typedef void (*agent_link_report_fn)(uint32_t rank, const agent_link_report_t *r, void *arg);
-/* The link broke; called once, from the reader thread. */
+/* The link broke; called once, from the link's writer thread (may block). */
 typedef void (*agent_link_lost_fn)(uint32_t rank, void *arg);
 
 typedef struct agent_link_callbacks {
@@ -128,9 +131,13 @@ void agent_link_defer_begin(void);
 void agent_link_defer_end(void);
 void agent_link_flush(agent_link_t *l);
 
-/* How long a corked or deferring link holds back (3 ms unless set; 0: links
- * never hold back). Process-wide: meshd's --link-hold-ms. */
+/* How long a corked or deferring link holds back at most (20 ms unless set;
+ * 0: links never hold back). Process-wide: meshd's --link-hold-ms. */
 void agent_link_set_hold_ms(int ms);
+/* A deferred hold that no other push joined within this long ends then (1 ms
+ * unless set; 0: deferred holds last until flushed, joined or the hold's end).
+ * Process-wide: meshd's --link-lone-ms. */
+void agent_link_set_lone_ms(int ms);
 /* The server is stopping (after its drain): links lost from now on are logged
  * at info, not warn (its local agents stop with it). */
 void agent_links_server_stopping(void);
@@ -146,7 +153,7 @@ bool agent_link_broken(agent_link_t *l);
 void agent_link_stats(agent_link_t *l, agent_link_stats_t *out);
 uint32_t agent_link_rank(const agent_link_t *l);
 
-/* Cancels the call and joins the threads (a running callback finishes first;
+/* Cancels the call and joins the writer (a running callback finishes first;
  * so never call it while holding a lock the callbacks take). Prompt: it does
  * not wait for the agent. Afterwards no callback runs, sends fail, and the
  * queries above return final values. Idempotent. */

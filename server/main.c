@@ -40,7 +40,7 @@ typedef struct options {
   int64_t max_sessions_per_principal, max_streams_per_connection;
   double max_connection_idle;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
-  int64_t link_hold_ms;
+  int64_t link_hold_ms, link_lone_ms;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
   int64_t session_max_streams, max_command_refs;
   int64_t session_max_transfers, transfer_grant_ms;
@@ -70,10 +70,14 @@ static const config_flag_t flags[] = {
      "TensorService is SERVING with at least N healthy agents (-1: --local-agents, or 1)", &opt.min_agents, -1, 1 << 20},
     {"drain-seconds", CONFIG_DOUBLE, "10", "on SIGTERM, how long running calls may finish", &opt.drain_seconds, 0, 3600},
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
-    {"link-hold-ms", CONFIG_INT, "3",
+    {"link-hold-ms", CONFIG_INT, "20",
      "how long an agent's link may hold instructions back to send them with more: a Submit "
      "batch's, a unary Execute's (a Sync or Fetch sends them at once); 0: never",
      &opt.link_hold_ms, 0, 60000},
+    {"link-lone-ms", CONFIG_INT, "1",
+     "a unary Execute's instructions that no other instruction joined in this long go to the "
+     "agents at once instead of waiting out --link-hold-ms; 0: they wait",
+     &opt.link_lone_ms, 0, 60000},
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction", &opt.max_message_bytes, 0, 0},
     {"stream-window-bytes", CONFIG_BYTES, "64KiB",
      "bytes a client may send on a stream ahead of the server's reads (0: gRPC's adaptive window)",
@@ -395,6 +399,7 @@ int main(int argc, char **argv) {
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
   agent_link_set_hold_ms((int)opt.link_hold_ms);
+  agent_link_set_lone_ms((int)opt.link_lone_ms);
   agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_opts_t ropts = {.server_id = server_id, .dial_timeout_ms = 3000,
                            .agent_timeout_ms = (int)(opt.agent_timeout * 1000),

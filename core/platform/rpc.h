@@ -369,6 +369,44 @@ grpc_status_code rpc_stream_finish(rpc_stream_t *s, rpc_status_t *st);
 /* Frees the stream; cancels it first if it is still running. */
 void rpc_stream_destroy(rpc_stream_t *s);
 
+/* A bidi call whose messages in are handed to a callback on the layer's
+ * client thread (the one that serves pulls) instead of to a thread blocked in
+ * a read: a process with many long-lived streams keeps few threads waiting in
+ * gRPC, and each event wakes one of them (every thread that waits in gRPC
+ * takes turns polling for all of them: with a reader per stream, most events
+ * were handed from thread to thread).
+ *
+ *   d = rpc_duplex_open(ch, "/pkg.Svc/Link", md, 1, &report__descriptor, got, arg);
+ *   rpc_duplex_write(d, &batch.base);   // blocks until gRPC took it
+ *   ...
+ *   rpc_duplex_cancel(d);               // or the peer ends the call
+ *   rpc_duplex_finish(d, &st);          // after got(d, NULL, arg)
+ *   rpc_duplex_destroy(d);
+ *
+ * Reading starts at once: fn(d, msg, arg) runs for each message in order (fn
+ * owns it), the next read is armed when fn returns, and fn(d, NULL, arg) runs
+ * once at the end, when the status is in (a message that does not unpack ends
+ * the call INTERNAL). fn must not block; it may call rpc_duplex_cancel. */
+typedef struct rpc_duplex rpc_duplex_t;
+typedef void (*rpc_duplex_fn)(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg);
+/* No deadline. Returns NULL on a bad method or out of memory; fn never ran then. */
+rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
+                              size_t nmd, const ProtobufCMessageDescriptor *desc, rpc_duplex_fn fn,
+                              void *arg);
+/* Sends one message and waits (not in gRPC) until gRPC took it; one writer at
+ * a time. Returns 0, or -1 if the call is over. Never from fn. */
+int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg);
+/* Cancels the call, from any thread (fn too): a blocked write returns -1. */
+void rpc_duplex_cancel(rpc_duplex_t *d);
+/* Waits until fn got NULL and returns how the call ended; st may be NULL.
+ * Never from fn. */
+grpc_status_code rpc_duplex_finish(rpc_duplex_t *d, rpc_status_t *st);
+/* Gives the duplex back, with no write in flight; a call still running is
+ * cancelled and fn is not called again (one running on the client thread may
+ * still be finishing: an owner about to free what fn uses cancels and waits
+ * in rpc_duplex_finish first). */
+void rpc_duplex_destroy(rpc_duplex_t *d);
+
 /* A server-streaming call read without a thread of its own, for relays: each
  * message is handed to a callback on the layer's client thread, and only when
  * asked for, so a reader that stops asking leaves the rest with the peer (its

@@ -444,38 +444,124 @@ void rpc_stream_destroy(rpc_stream_t *s) {
   free(s);
 }
 
+/* ================================================================== client thread */
+
+/* A tag on the client thread's completion queue: the function that takes its
+ * event, which of the owner's batches it is, and the owner. */
+typedef struct async_tag {
+  void (*fn)(struct async_tag *t, bool ok);
+  int kind;
+  void *owner;
+} async_tag_t;
+
+/* What pulls and duplexes share: the call, its metadata and status, and the
+ * references that keep it alive while batches are in flight. First in both
+ * structs, so the call's memory is theirs. */
+typedef struct async_call {
+  grpc_call *call;
+  grpc_metadata *send_md;
+  size_t nmd;
+  grpc_metadata_array init_md, trailers;
+  grpc_byte_buffer *recv_buf;
+  grpc_status_code code;
+  grpc_slice details;
+  pthread_mutex_t mu;
+  int refs;         /* the owner's, and one per batch in flight */
+  bool owned;       /* not given back (destroyed) yet */
+  bool at_end;      /* no read is armed any more: fn(NULL) once the status is in */
+  bool status_done;
+  bool ended;       /* fn(NULL) delivered, or never to be */
+  bool bad_message; /* ended INTERNAL: a message did not unpack */
+} async_call_t;
+
+static void async_call_init(async_call_t *ac, rpc_channel_t *ch, void *handle,
+                            grpc_completion_queue *cq, gpr_timespec deadline, const rpc_md_t *md,
+                            size_t nmd) {
+  ac->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
+                                                 deadline, NULL);
+  ac->send_md = make_md(md, nmd);
+  ac->nmd = nmd;
+  grpc_metadata_array_init(&ac->init_md);
+  grpc_metadata_array_init(&ac->trailers);
+  ac->details = grpc_empty_slice();
+  ac->code = GRPC_STATUS_UNKNOWN;
+  pthread_mutex_init(&ac->mu, NULL);
+  ac->refs = 1;
+  ac->owned = true;
+}
+
+/* Drops one reference (lock held); after the last, free_rest(ac) frees what
+ * the containing struct adds, then the whole goes. */
+static void async_unref_locked(async_call_t *ac, void (*free_rest)(async_call_t *ac)) {
+  int left = --ac->refs;
+  pthread_mutex_unlock(&ac->mu);
+  if (left) return;
+  free_rest(ac);
+  if (ac->recv_buf) grpc_byte_buffer_destroy(ac->recv_buf);
+  grpc_call_unref(ac->call);
+  grpc_slice_unref(ac->details);
+  grpc_metadata_array_destroy(&ac->init_md);
+  grpc_metadata_array_destroy(&ac->trailers);
+  free_md(ac->send_md, ac->nmd);
+  pthread_mutex_destroy(&ac->mu);
+  free(ac);
+}
+
+/* The owner's end: no callback from here on; a call still running is
+ * cancelled, and the memory goes with the last batch. */
+static void async_give_back(async_call_t *ac, void (*free_rest)(async_call_t *ac)) {
+  pthread_mutex_lock(&ac->mu);
+  ac->owned = false;
+  if (!ac->status_done) grpc_call_cancel(ac->call, NULL);
+  async_unref_locked(ac, free_rest);
+}
+
+static bool async_batch_locked(async_call_t *ac, grpc_op *ops, size_t n, void *tag) {
+  if (grpc_call_start_batch(ac->call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
+  ac->refs++;
+  return true;
+}
+
+static bool async_status_batch_locked(async_call_t *ac, void *tag) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  op.data.recv_status_on_client.trailing_metadata = &ac->trailers;
+  op.data.recv_status_on_client.status = &ac->code;
+  op.data.recv_status_on_client.status_details = &ac->details;
+  return async_batch_locked(ac, &op, 1, tag);
+}
+
+/* How the call ended (lock held): a message that did not unpack as desc is
+ * INTERNAL, saying so. */
+static grpc_status_code async_status_locked(async_call_t *ac,
+                                            const ProtobufCMessageDescriptor *desc,
+                                            rpc_status_t *st) {
+  grpc_status_code code = ac->bad_message ? GRPC_STATUS_INTERNAL : ac->code;
+  if (st) {
+    fill_status(st, code, ac->details, &ac->trailers);
+    if (ac->bad_message)
+      snprintf(st->message, sizeof st->message, "a message from the peer is not a valid %s",
+               desc ? desc->name : "message");
+  }
+  return code;
+}
+
+
 /* ================================================================== pulls */
 
 typedef enum { PULL_START, PULL_READ, PULL_STATUS } pull_tag_kind_t;
 
-typedef struct pull_tag {
-  pull_tag_kind_t kind;
-  rpc_pull_t *pull;
-} pull_tag_t;
 
 struct rpc_pull {
-  grpc_call *call;
+  async_call_t ac; /* first: freed as one */
   const ProtobufCMessageDescriptor *desc;
   rpc_pull_fn fn;
   rpc_pull_raw_fn raw_fn; /* instead of fn: messages handed on packed */
   void *arg;
-  grpc_metadata *send_md;
-  size_t nmd;
   grpc_byte_buffer *req;
-  grpc_byte_buffer *recv_buf;
-  grpc_metadata_array init_md, trailers;
-  grpc_status_code code;
-  grpc_slice details;
-  pull_tag_t t_start, t_read, t_status;
-
-  pthread_mutex_t mu;
-  int refs;          /* the owner's, and one per batch in flight */
-  bool owned;        /* rpc_pull_destroy not called yet */
-  bool asked;        /* the owner waits for fn */
-  bool at_end;       /* a read came back empty: fn(NULL) once the status is in */
-  bool status_done;
-  bool ended;        /* fn(NULL) delivered */
-  bool bad_message;  /* ended INTERNAL: a message did not unpack */
+  async_tag_t t_start, t_read, t_status;
+  bool asked; /* the owner waits for fn */
 };
 
 static struct {
@@ -485,81 +571,69 @@ static struct {
   bool running;
 } pulls = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, false};
 
-static void pull_free(rpc_pull_t *p) {
-  if (p->recv_buf) grpc_byte_buffer_destroy(p->recv_buf);
+static void pull_free(async_call_t *ac) {
+  rpc_pull_t *p = (rpc_pull_t *)ac;
   if (p->req) grpc_byte_buffer_destroy(p->req);
-  grpc_call_unref(p->call);
-  grpc_slice_unref(p->details);
-  grpc_metadata_array_destroy(&p->init_md);
-  grpc_metadata_array_destroy(&p->trailers);
-  free_md(p->send_md, p->nmd);
-  pthread_mutex_destroy(&p->mu);
-  free(p);
 }
 
-/* Drops one reference (lock held); frees the pull after the last. */
-static void pull_unref_locked(rpc_pull_t *p) {
-  int left = --p->refs;
-  pthread_mutex_unlock(&p->mu);
-  if (left == 0) pull_free(p);
-}
+static void pull_unref_locked(rpc_pull_t *p) { async_unref_locked(&p->ac, pull_free); }
 
 /* Hands fn the end of the stream once both the empty read and the status are
  * in. Lock held; returns with it released. The caller holds a reference
  * across it (fn may destroy the pull). */
 static void pull_deliver_end_unlock(rpc_pull_t *p) {
-  bool deliver = p->at_end && p->status_done && p->asked && !p->ended && p->owned;
+  bool deliver = p->ac.at_end && p->ac.status_done && p->asked && !p->ac.ended && p->ac.owned;
   if (deliver) {
     p->asked = false;
-    p->ended = true;
+    p->ac.ended = true;
   }
-  pthread_mutex_unlock(&p->mu);
+  pthread_mutex_unlock(&p->ac.mu);
   if (deliver && p->raw_fn) p->raw_fn(p, NULL, p->arg);
   else if (deliver) p->fn(p, NULL, p->arg);
 }
 
 /* The batch's reference keeps p alive while fn runs. */
-static void pull_event(pull_tag_t *t, bool ok) {
-  rpc_pull_t *p = t->pull;
-  pthread_mutex_lock(&p->mu);
+static void pull_event(async_tag_t *t, bool ok) {
+  rpc_pull_t *p = t->owner;
+  pthread_mutex_lock(&p->ac.mu);
   switch (t->kind) {
     case PULL_START:
       break; /* a failure shows in the status */
     case PULL_STATUS:
-      p->status_done = true;
+      p->ac.status_done = true;
       pull_deliver_end_unlock(p);
-      pthread_mutex_lock(&p->mu);
+      pthread_mutex_lock(&p->ac.mu);
       break;
     case PULL_READ: {
-      grpc_byte_buffer *buf = p->recv_buf;
-      p->recv_buf = NULL;
-      if (p->raw_fn && buf && ok && p->owned) {
+      grpc_byte_buffer *buf = p->ac.recv_buf;
+      p->ac.recv_buf = NULL;
+      if (p->raw_fn && buf && ok && p->ac.owned) {
         p->asked = false;
-        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_unlock(&p->ac.mu);
         p->raw_fn(p, buf, p->arg);
-        pthread_mutex_lock(&p->mu);
+        pthread_mutex_lock(&p->ac.mu);
         break;
       }
       ProtobufCMessage *msg = NULL;
-      if (buf && ok && p->owned) {
+      if (buf && ok && p->ac.owned) {
         msg = wire_unpack(buf, p->desc, NULL, 0);
         if (!msg) {
-          p->bad_message = true;
-          grpc_call_cancel_with_status(p->call, GRPC_STATUS_INTERNAL,
+          p->ac.bad_message = true;
+          grpc_call_cancel_with_status(p->ac.call, GRPC_STATUS_INTERNAL,
                                        "a message does not unpack", NULL);
         }
       }
       if (buf) grpc_byte_buffer_destroy(buf);
       if (!msg) {
-        p->at_end = true;
+        p->ac.at_end = true;
         pull_deliver_end_unlock(p);
-        pthread_mutex_lock(&p->mu);
+        pthread_mutex_lock(&p->ac.mu);
         break;
       }
       p->asked = false;
-      pthread_mutex_unlock(&p->mu);
+      pthread_mutex_unlock(&p->ac.mu);
       p->fn(p, msg, p->arg);
-      pthread_mutex_lock(&p->mu);
+      pthread_mutex_lock(&p->ac.mu);
       break;
     }
   }
@@ -571,7 +645,10 @@ static void *pull_thread(void *arg) {
   for (;;) {
     grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
-    if (ev.type == GRPC_OP_COMPLETE) pull_event(ev.tag, ev.success != 0);
+    if (ev.type == GRPC_OP_COMPLETE) {
+      async_tag_t *t = ev.tag;
+      t->fn(t, ev.success != 0);
+    }
   }
   return NULL;
 }
@@ -606,10 +683,8 @@ void rpc_client_stop_pulls(void) {
   pulls.cq = NULL;
 }
 
-static bool pull_batch_locked(rpc_pull_t *p, grpc_op *ops, size_t n, pull_tag_t *tag) {
-  if (grpc_call_start_batch(p->call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
-  p->refs++;
-  return true;
+static bool pull_batch_locked(rpc_pull_t *p, grpc_op *ops, size_t n, async_tag_t *tag) {
+  return async_batch_locked(&p->ac, ops, n, tag);
 }
 
 rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
@@ -619,44 +694,29 @@ rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufC
   grpc_completion_queue *cq = handle ? pull_cq() : NULL;
   rpc_pull_t *p = cq ? calloc(1, sizeof *p) : NULL;
   if (!p) return NULL;
-  p->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
-                                                wire_deadline(timeout_ms), NULL);
+  async_call_init(&p->ac, ch, handle, cq, wire_deadline(timeout_ms), md, nmd);
   p->desc = desc;
   p->fn = fn;
   p->arg = arg;
-  p->send_md = make_md(md, nmd);
-  p->nmd = nmd;
   p->req = wire_pack(req);
-  grpc_metadata_array_init(&p->init_md);
-  grpc_metadata_array_init(&p->trailers);
-  p->details = grpc_empty_slice();
-  p->code = GRPC_STATUS_UNKNOWN;
-  p->t_start = (pull_tag_t){PULL_START, p};
-  p->t_read = (pull_tag_t){PULL_READ, p};
-  p->t_status = (pull_tag_t){PULL_STATUS, p};
-  pthread_mutex_init(&p->mu, NULL);
-  p->refs = 1;
-  p->owned = true;
+  p->t_start = (async_tag_t){pull_event, PULL_START, p};
+  p->t_read = (async_tag_t){pull_event, PULL_READ, p};
+  p->t_status = (async_tag_t){pull_event, PULL_STATUS, p};
 
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
   ops[0].data.send_initial_metadata.count = nmd;
-  ops[0].data.send_initial_metadata.metadata = p->send_md;
+  ops[0].data.send_initial_metadata.metadata = p->ac.send_md;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = p->req;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->init_md;
-  pthread_mutex_lock(&p->mu);
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->ac.init_md;
+  pthread_mutex_lock(&p->ac.mu);
   bool started = pull_batch_locked(p, ops, 4, &p->t_start);
-  memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  ops[0].data.recv_status_on_client.trailing_metadata = &p->trailers;
-  ops[0].data.recv_status_on_client.status = &p->code;
-  ops[0].data.recv_status_on_client.status_details = &p->details;
-  started = pull_batch_locked(p, ops, 1, &p->t_status) && started;
-  pthread_mutex_unlock(&p->mu);
+  started = async_status_batch_locked(&p->ac, &p->t_status) && started;
+  pthread_mutex_unlock(&p->ac.mu);
   if (!started) {
     rpc_pull_destroy(p);
     return NULL;
@@ -671,49 +731,210 @@ rpc_pull_t *rpc_pull_open_raw(rpc_channel_t *ch, const char *method, const Proto
    * once the call started. */
   rpc_pull_t *p = rpc_pull_open(ch, method, req, NULL, md, nmd, timeout_ms, NULL, arg);
   if (!p) return NULL;
-  pthread_mutex_lock(&p->mu);
+  pthread_mutex_lock(&p->ac.mu);
   p->raw_fn = fn;
-  pthread_mutex_unlock(&p->mu);
+  pthread_mutex_unlock(&p->ac.mu);
   return p;
 }
 
 void rpc_pull_next(rpc_pull_t *p) {
-  pthread_mutex_lock(&p->mu);
-  if (p->asked || p->ended || !p->owned) {
-    pthread_mutex_unlock(&p->mu);
+  pthread_mutex_lock(&p->ac.mu);
+  if (p->asked || p->ac.ended || !p->ac.owned) {
+    pthread_mutex_unlock(&p->ac.mu);
     return;
   }
   p->asked = true;
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_MESSAGE;
-  op.data.recv_message.recv_message = &p->recv_buf;
+  op.data.recv_message.recv_message = &p->ac.recv_buf;
   if (!pull_batch_locked(p, &op, 1, &p->t_read)) {
-    p->at_end = true;
-    grpc_call_cancel(p->call, NULL);
+    p->ac.at_end = true;
+    grpc_call_cancel(p->ac.call, NULL);
   }
-  pthread_mutex_unlock(&p->mu);
+  pthread_mutex_unlock(&p->ac.mu);
 }
 
-void rpc_pull_cancel(rpc_pull_t *p) { grpc_call_cancel(p->call, NULL); }
+void rpc_pull_cancel(rpc_pull_t *p) { grpc_call_cancel(p->ac.call, NULL); }
 
 grpc_status_code rpc_pull_status(rpc_pull_t *p, rpc_status_t *st) {
-  pthread_mutex_lock(&p->mu);
-  grpc_status_code code = p->bad_message ? GRPC_STATUS_INTERNAL : p->code;
-  if (st) {
-    fill_status(st, code, p->details, &p->trailers);
-    if (p->bad_message)
-      snprintf(st->message, sizeof st->message, "a message from the peer is not a valid %s",
-               p->desc ? p->desc->name : "message");
-  }
-  pthread_mutex_unlock(&p->mu);
+  pthread_mutex_lock(&p->ac.mu);
+  grpc_status_code code = async_status_locked(&p->ac, p->desc, st);
+  pthread_mutex_unlock(&p->ac.mu);
   return code;
 }
 
 void rpc_pull_destroy(rpc_pull_t *p) {
-  if (!p) return;
-  pthread_mutex_lock(&p->mu);
-  p->owned = false;
-  if (!p->status_done) grpc_call_cancel(p->call, NULL);
-  pull_unref_locked(p);
+  if (p) async_give_back(&p->ac, pull_free);
+}
+
+/* ================================================================== duplexes */
+
+typedef enum { DUPLEX_START, DUPLEX_READ, DUPLEX_WRITE, DUPLEX_STATUS } duplex_tag_kind_t;
+
+
+struct rpc_duplex {
+  async_call_t ac; /* first: freed as one */
+  const ProtobufCMessageDescriptor *desc;
+  rpc_duplex_fn fn;
+  void *arg;
+  grpc_byte_buffer *send_buf;
+  async_tag_t t_start, t_read, t_write, t_status;
+  pthread_cond_t cv; /* with ac.mu: a write's end, the call's end */
+  bool writing;      /* a write is in flight; write_ok is its outcome */
+  bool write_ok;
+};
+
+static void duplex_free(async_call_t *ac) { pthread_cond_destroy(&((rpc_duplex_t *)ac)->cv); }
+
+static void duplex_unref_locked(rpc_duplex_t *d) { async_unref_locked(&d->ac, duplex_free); }
+
+static bool duplex_batch_locked(rpc_duplex_t *d, grpc_op *ops, size_t n, async_tag_t *tag) {
+  return async_batch_locked(&d->ac, ops, n, tag);
+}
+
+static void duplex_arm_read_locked(rpc_duplex_t *d) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &d->ac.recv_buf;
+  if (!duplex_batch_locked(d, &op, 1, &d->t_read)) {
+    d->ac.at_end = true;
+    grpc_call_cancel(d->ac.call, NULL);
+  }
+}
+
+/* fn(NULL) once no read is armed and the status is in. Lock held; returns
+ * with it held. The caller holds a reference across it. */
+static void duplex_end_locked(rpc_duplex_t *d) {
+  if (!d->ac.at_end || !d->ac.status_done || d->ac.ended) return;
+  d->ac.ended = true;
+  bool deliver = d->ac.owned;
+  pthread_mutex_unlock(&d->ac.mu);
+  if (deliver) d->fn(d, NULL, d->arg);
+  pthread_mutex_lock(&d->ac.mu);
+  pthread_cond_broadcast(&d->cv); /* rpc_duplex_finish */
+}
+
+/* The batch's reference keeps d alive while fn runs. */
+static void duplex_event(async_tag_t *t, bool ok) {
+  rpc_duplex_t *d = t->owner;
+  pthread_mutex_lock(&d->ac.mu);
+  switch (t->kind) {
+    case DUPLEX_START:
+      break; /* a failure shows in the status */
+    case DUPLEX_WRITE:
+      grpc_byte_buffer_destroy(d->send_buf);
+      d->send_buf = NULL;
+      d->writing = false;
+      d->write_ok = ok;
+      pthread_cond_broadcast(&d->cv);
+      break;
+    case DUPLEX_STATUS:
+      d->ac.status_done = true;
+      duplex_end_locked(d);
+      break;
+    case DUPLEX_READ: {
+      grpc_byte_buffer *buf = d->ac.recv_buf;
+      d->ac.recv_buf = NULL;
+      ProtobufCMessage *msg = NULL;
+      if (buf && ok && d->ac.owned) {
+        msg = wire_unpack(buf, d->desc, NULL, 0);
+        if (!msg) {
+          d->ac.bad_message = true;
+          grpc_call_cancel_with_status(d->ac.call, GRPC_STATUS_INTERNAL, "a message does not unpack",
+                                       NULL);
+        }
+      }
+      if (buf) grpc_byte_buffer_destroy(buf);
+      if (!msg) {
+        d->ac.at_end = true;
+        duplex_end_locked(d);
+        break;
+      }
+      pthread_mutex_unlock(&d->ac.mu);
+      d->fn(d, msg, d->arg);
+      pthread_mutex_lock(&d->ac.mu);
+      if (d->ac.owned) duplex_arm_read_locked(d);
+      else d->ac.at_end = true;
+      duplex_end_locked(d);
+      break;
+    }
+  }
+  duplex_unref_locked(d); /* the batch's */
+}
+
+rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
+                              size_t nmd, const ProtobufCMessageDescriptor *desc, rpc_duplex_fn fn,
+                              void *arg) {
+  void *handle = method_handle(ch, method);
+  grpc_completion_queue *cq = handle ? pull_cq() : NULL;
+  rpc_duplex_t *d = cq ? calloc(1, sizeof *d) : NULL;
+  if (!d) return NULL;
+  async_call_init(&d->ac, ch, handle, cq, gpr_inf_future(GPR_CLOCK_REALTIME), md, nmd);
+  d->desc = desc;
+  d->fn = fn;
+  d->arg = arg;
+  d->t_start = (async_tag_t){duplex_event, DUPLEX_START, d};
+  d->t_read = (async_tag_t){duplex_event, DUPLEX_READ, d};
+  d->t_write = (async_tag_t){duplex_event, DUPLEX_WRITE, d};
+  d->t_status = (async_tag_t){duplex_event, DUPLEX_STATUS, d};
+  pthread_cond_init(&d->cv, NULL);
+
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[0].data.send_initial_metadata.count = nmd;
+  ops[0].data.send_initial_metadata.metadata = d->ac.send_md;
+  ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[1].data.recv_initial_metadata.recv_initial_metadata = &d->ac.init_md;
+  pthread_mutex_lock(&d->ac.mu);
+  bool started = duplex_batch_locked(d, ops, 2, &d->t_start);
+  started = async_status_batch_locked(&d->ac, &d->t_status) && started;
+  if (started) duplex_arm_read_locked(d);
+  else d->ac.at_end = true;
+  pthread_mutex_unlock(&d->ac.mu);
+  if (!started) {
+    /* Nothing may reach fn from here: the owner learns of it by the NULL. */
+    rpc_duplex_destroy(d);
+    return NULL;
+  }
+  return d;
+}
+
+int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_MESSAGE;
+  pthread_mutex_lock(&d->ac.mu);
+  int rc = -1;
+  if (!d->writing && !d->ac.status_done) {
+    d->send_buf = wire_pack(msg);
+    op.data.send_message.send_message = d->send_buf;
+    d->writing = true;
+    if (duplex_batch_locked(d, &op, 1, &d->t_write)) {
+      while (d->writing) pthread_cond_wait(&d->cv, &d->ac.mu);
+      rc = d->write_ok ? 0 : -1;
+    } else {
+      d->writing = false;
+      grpc_byte_buffer_destroy(d->send_buf);
+      d->send_buf = NULL;
+    }
+  }
+  pthread_mutex_unlock(&d->ac.mu);
+  return rc;
+}
+
+void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.call, NULL); }
+
+grpc_status_code rpc_duplex_finish(rpc_duplex_t *d, rpc_status_t *st) {
+  pthread_mutex_lock(&d->ac.mu);
+  while (!d->ac.ended) pthread_cond_wait(&d->cv, &d->ac.mu);
+  grpc_status_code code = async_status_locked(&d->ac, d->desc, st);
+  pthread_mutex_unlock(&d->ac.mu);
+  return code;
+}
+
+void rpc_duplex_destroy(rpc_duplex_t *d) {
+  if (d) async_give_back(&d->ac, duplex_free);
 }

@@ -1394,9 +1394,10 @@ def test_a_string_with_a_nul_or_bad_utf8_is_refused_naming_the_field(s2):
 def test_unary_work_waits_in_the_links_until_something_waits_for_it(meshd_server):
     """A unary Execute's instructions may wait in the agents' links for the caller's next ones
     (--link-hold-ms, docs/architecture.md); a Fetch, an Upload or a Sync sends them at once.
-    With a minute's hold, any path that failed to send them would time out here."""
+    With a minute's hold, and lone commands waiting too (--link-lone-ms 0), any path that
+    failed to send them would time out here."""
     from test_transfers import fetch_floats, upload
-    srv = lib.wait_ready(meshd_server(2, "--link-hold-ms", "60000"), 2)
+    srv = lib.wait_ready(meshd_server(2, "--link-hold-ms", "60000", "--link-lone-ms", "0"), 2)
     with Session(srv.port, "hold") as s:
         m = s.mesh(gpu=2).ref
         x = upload(s, m, [1.0, 2.0, 3.0], timeout=15).tensor.ref

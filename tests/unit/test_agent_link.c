@@ -385,7 +385,7 @@ Test(agent_link, corked_sends_go_as_one_batch) {
   agent_link_close(l);
   rpc_channel_destroy(ch);
   fake_free(f);
-  agent_link_set_hold_ms(3);
+  agent_link_set_hold_ms(20);
 }
 
 /* A thread that stays corked (it blocked) delays a link, never stalls it. */
@@ -410,9 +410,11 @@ Test(agent_link, a_cork_never_held_back_stalls_nothing) {
 
 /* What a deferring thread pushes waits in the link, however slowly it comes,
  * until something needs it: agent_link_flush, or any other push. The hold is a
- * minute here, so that only those can have sent it. */
+ * minute here and a lone instruction waits too (--link-lone-ms 0), so that
+ * only those can have sent it. */
 Test(agent_link, deferred_sends_wait_until_flushed_or_joined) {
   agent_link_set_hold_ms(60000);
+  agent_link_set_lone_ms(0);
   rig_t r;
   rig_open(&r, FAKE_ACK);
   agent_link_t *l = r.l;
@@ -443,7 +445,36 @@ Test(agent_link, deferred_sends_wait_until_flushed_or_joined) {
   cr_assert_eq(st.batches_sent, 2, "16 instructions in %llu batches",
                (unsigned long long)st.batches_sent);
   rig_close(&r);
-  agent_link_set_hold_ms(3);
+  agent_link_set_hold_ms(20);
+  agent_link_set_lone_ms(1);
+}
+
+/* A deferred instruction that nothing joins goes after the lone wait (1 ms),
+ * not after the hold (a minute here); instructions that come together keep
+ * waiting for the hold or a flush. */
+Test(agent_link, a_lone_deferred_instruction_goes_without_waiting_out_the_hold) {
+  agent_link_set_hold_ms(60000);
+  rig_t r;
+  rig_open(&r, FAKE_ACK);
+  agent_link_t *l = r.l;
+  agent_link_defer_begin();
+  cr_assert_eq(agent_link_send(l, &r.ins), 1);
+  agent_link_defer_end();
+  exec_want_t w = {l, 1};
+  cr_assert(eventually(executed_reaches, &w, 5000), "a lone deferred instruction waited");
+  /* Several at once are not lone: they wait (the writer may take the first
+   * alone if it looked before the second came). */
+  agent_link_defer_begin();
+  for (int i = 0; i < 20; i++) agent_link_send(l, &r.ins);
+  agent_link_defer_end();
+  usleep(50 * 1000);
+  cr_assert_leq(agent_link_executed(l), 2, "deferred instructions that came together went "
+                "before the hold (%llu executed)", (unsigned long long)agent_link_executed(l));
+  agent_link_flush(l);
+  w.want = 21;
+  cr_assert(eventually(executed_reaches, &w, 5000));
+  rig_close(&r);
+  agent_link_set_hold_ms(20);
 }
 
 /* Without a hold (--link-hold-ms 0) nothing waits: each deferred push goes. */
@@ -459,7 +490,7 @@ Test(agent_link, no_hold_defers_nothing) {
   agent_link_uncork();
   agent_link_defer_end();
   rig_close(&r);
-  agent_link_set_hold_ms(3);
+  agent_link_set_hold_ms(20);
 }
 
 /* ---------------------------------------------------------------- cork until idle */
@@ -541,7 +572,7 @@ Test(agent_link, messages_back_to_back_go_as_few_batches) {
   agent_link_close(fr.link);
   rpc_channel_destroy(ch);
   fake_free(f);
-  agent_link_set_hold_ms(3);
+  agent_link_set_hold_ms(20);
 }
 
 Test(agent_link, batches_stay_under_the_byte_limit) {
@@ -778,9 +809,10 @@ Test(agent_link, pool_send_and_wait) {
 }
 
 /* A wait on a rank's progress sends what its link defers (watermark_set_kick):
- * with a minute's hold, nothing else would. */
+ * with a minute's hold and no lone wait, nothing else would. */
 Test(agent_link, pool_wait_sends_deferred_work) {
   agent_link_set_hold_ms(60000);
+  agent_link_set_lone_ms(0);
   fake_t *a = fake_start(FAKE_ACK), *b = fake_start(FAKE_ACK);
   agent_pool_t *p = make_pool();
   admit(p, 0, "agent-0", a);
@@ -813,7 +845,8 @@ Test(agent_link, pool_wait_sends_deferred_work) {
   agent_pool_destroy(p);
   fake_free(a);
   fake_free(b);
-  agent_link_set_hold_ms(3);
+  agent_link_set_hold_ms(20);
+  agent_link_set_lone_ms(1);
 }
 
 Test(agent_link, pool_lost_agent_fails_waits) {

@@ -1541,6 +1541,98 @@ Test(rpc, pull_destroyed_unasked_cancels_the_call) {
   cr_assert_eq(l.got, 0);
 }
 
+/* ------------------------------------------------------------------ duplexes */
+
+/* The bidi echo numbers its replies from 1. */
+static void duplex_got(rpc_duplex_t *d, ProtobufCMessage *m, void *arg) {
+  (void)d;
+  pull_log_t *l = arg;
+  pthread_mutex_lock(&l->mu);
+  if (!m) {
+    cr_assert_not(l->ended, "a second end");
+    l->ended = true;
+  } else {
+    if (((EchoReply *)m)->index != l->got + 1) l->bad_order++;
+    l->got++;
+    protobuf_c_message_free_unpacked(m, NULL);
+  }
+  pthread_cond_broadcast(&l->cv);
+  pthread_mutex_unlock(&l->mu);
+}
+
+Test(rpc, duplex_hands_each_message_in_order_to_its_callback_then_the_end) {
+  rpc_channel_t *pc = pull_channel();
+  pull_log_t l;
+  pull_log_init(&l, false);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got, &l);
+  cr_assert_not_null(d);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "tick";
+  for (int i = 0; i < 500; i++) cr_assert_eq(rpc_duplex_write(d, &req.base), 0, "write %d", i);
+  cr_assert_eq(pull_wait(&l, 500, false, 10000), 500);
+  cr_assert_eq(l.bad_order, 0);
+  cr_assert_not(l.ended);
+  req.text = "last";
+  req.fail_code = GRPC_STATUS_OUT_OF_RANGE;
+  cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
+  pull_wait(&l, 0, true, 10000);
+  cr_assert(l.ended, "the peer's end never reached the callback");
+  rpc_status_t st;
+  cr_assert_eq(rpc_duplex_finish(d, &st), GRPC_STATUS_OUT_OF_RANGE);
+  cr_assert_str_eq(st.message, "echo failure: last");
+  cr_assert_eq(rpc_duplex_write(d, &req.base), -1, "a write after the end");
+  rpc_duplex_destroy(d);
+  rpc_channel_destroy(pc);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 10000), 1);
+}
+
+static void *cancel_duplex_later(void *d) {
+  usleep(100 * 1000);
+  rpc_duplex_cancel(d);
+  return NULL;
+}
+
+/* A cancel from another thread ends the reads (the callback gets its end) and
+ * fails the writes; the server sees the cancel. */
+Test(rpc, duplex_cancel_ends_the_call_for_both_sides) {
+  rpc_channel_t *pc = pull_channel();
+  pull_log_t l;
+  pull_log_init(&l, false);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got, &l);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "one";
+  cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
+  cr_assert_eq(pull_wait(&l, 1, false, 10000), 1);
+  pthread_t t;
+  pthread_create(&t, NULL, cancel_duplex_later, d);
+  pull_wait(&l, 0, true, 10000);
+  pthread_join(t, NULL);
+  cr_assert(l.ended);
+  cr_assert_eq(rpc_duplex_finish(d, NULL), GRPC_STATUS_CANCELLED);
+  cr_assert_eq(rpc_duplex_write(d, &req.base), -1);
+  rpc_duplex_destroy(d);
+  rpc_channel_destroy(pc);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 10000), 1);
+}
+
+/* A duplex given back while its call runs cancels it, and its callback runs
+ * no more. */
+Test(rpc, duplex_destroyed_while_running_cancels_the_call) {
+  rpc_channel_t *pc = pull_channel();
+  pull_log_t l;
+  pull_log_init(&l, false);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got, &l);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "one";
+  cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
+  cr_assert_eq(pull_wait(&l, 1, false, 10000), 1);
+  rpc_duplex_destroy(d);
+  rpc_channel_destroy(pc);
+  cr_assert_eq(wait_counter(echo_server_calls_cancelled, 1, 10000), 1);
+  usleep(50 * 1000);
+  cr_assert_not(l.ended, "the callback ran after the duplex was given back");
+}
+
 /* ------------------------------------------------------------------ drain waits */
 
 /* A server-streaming handler that queues reply_count replies of its payload and
