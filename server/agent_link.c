@@ -65,7 +65,7 @@ struct agent_link {
   agent_link_callbacks_t cb;
   pthread_t writer;
   bool writer_started;
-  char why[600]; /* a report refused: written by link_read before read_ended */
+  char why[600]; /* why the link ended: a refused report (link_read), else the status */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -391,11 +391,14 @@ static void link_read(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
     pthread_mutex_unlock(&l->mu);
     return;
   }
+  if (l->why[0]) { /* refused one already: the call is being cancelled */
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return;
+  }
   const Meshd__Agent__V1__AgentReport *rep = (const void *)msg;
   uint64_t exec;
   bool stop;
-  if (l->why[0]) { /* refused one already: the call is being cancelled */
-  } else if (!take_report(l, rep, &exec, &stop, l->why, sizeof l->why)) {
+  if (!take_report(l, rep, &exec, &stop, l->why, sizeof l->why)) {
     rpc_duplex_cancel(d);
   } else if (!stop && l->cb.on_report) {
     agent_link_report_t r = {
@@ -436,16 +439,14 @@ static void link_ended(agent_link_t *l) {
   free_list(dropped);
   if (!lost) return;
 
-  char why[700];
-  if (l->why[0]) snprintf(why, sizeof why, "%s", l->why);
-  else
-    snprintf(why, sizeof why, "%s: %s", meshd_grpc_code_name(st.code),
+  if (!l->why[0]) /* no report refused: the call's status says why */
+    snprintf(l->why, sizeof l->why, "%s: %s", meshd_grpc_code_name(st.code),
              st.message[0] ? st.message : "(no message)");
   /* Stopping, the server itself ends its local agents: that is no news. */
   log_event(atomic_load(&server_stopping) ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, "link",
             &(log_fields_t){LOG_RANK(l->rank)},
             "rank %u (agent %s): Execute link lost: %s; executed through seq %llu of %llu, "
-            "%zu queued instruction(s) dropped", l->rank, l->agent_id, why,
+            "%zu queued instruction(s) dropped", l->rank, l->agent_id, l->why,
             (unsigned long long)exec, (unsigned long long)last, ndropped);
   if (l->cb.on_lost) l->cb.on_lost(l->rank, l->cb.arg);
 }

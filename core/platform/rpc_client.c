@@ -1,10 +1,12 @@
-/* Client half of the rpc layer: blocking calls over the gRPC C core, and pulls.
+/* Client half of the rpc layer: blocking calls over the gRPC C core, pulls and
+ * duplexes.
  *
  * Every blocking call gets its own pluck completion queue, so calls on one
  * channel are independent and a stream's reader, writer and finisher can wait
  * on their own tags from different threads (at most
- * GRPC_MAX_COMPLETION_QUEUE_PLUCKERS). Pulls share one completion queue served
- * by one thread, started with the first pull and stopped by rpc_shutdown. */
+ * GRPC_MAX_COMPLETION_QUEUE_PLUCKERS). Pulls and duplexes share one completion
+ * queue served by one thread (the client thread), started with the first such
+ * call and stopped by rpc_shutdown. */
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
@@ -474,22 +476,6 @@ typedef struct async_call {
   bool bad_message; /* ended INTERNAL: a message did not unpack */
 } async_call_t;
 
-static void async_call_init(async_call_t *ac, rpc_channel_t *ch, void *handle,
-                            grpc_completion_queue *cq, gpr_timespec deadline, const rpc_md_t *md,
-                            size_t nmd) {
-  ac->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
-                                                 deadline, NULL);
-  ac->send_md = make_md(md, nmd);
-  ac->nmd = nmd;
-  grpc_metadata_array_init(&ac->init_md);
-  grpc_metadata_array_init(&ac->trailers);
-  ac->details = grpc_empty_slice();
-  ac->code = GRPC_STATUS_UNKNOWN;
-  pthread_mutex_init(&ac->mu, NULL);
-  ac->refs = 1;
-  ac->owned = true;
-}
-
 /* Drops one reference (lock held); after the last, free_rest(ac) frees what
  * the containing struct adds, then the whole goes. */
 static void async_unref_locked(async_call_t *ac, void (*free_rest)(async_call_t *ac)) {
@@ -547,11 +533,83 @@ static grpc_status_code async_status_locked(async_call_t *ac,
   return code;
 }
 
+/* The thread and queue that serve every pull's and duplex's events. */
+static struct {
+  pthread_mutex_t mu;
+  grpc_completion_queue *cq;
+  pthread_t thread;
+  bool running;
+} client = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, false};
+
+static void *client_thread(void *arg) {
+  grpc_completion_queue *cq = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type == GRPC_OP_COMPLETE) {
+      async_tag_t *t = ev.tag;
+      t->fn(t, ev.success != 0);
+    }
+  }
+  return NULL;
+}
+
+static grpc_completion_queue *client_cq(void) {
+  pthread_mutex_lock(&client.mu);
+  if (!client.running) {
+    client.cq = grpc_completion_queue_create_for_next(NULL);
+    if (pthread_create(&client.thread, NULL, client_thread, client.cq) == 0) {
+      client.running = true;
+    } else {
+      grpc_completion_queue_shutdown(client.cq);
+      grpc_completion_queue_destroy(client.cq);
+      client.cq = NULL;
+    }
+  }
+  grpc_completion_queue *cq = client.cq;
+  pthread_mutex_unlock(&client.mu);
+  return cq;
+}
+
+void rpc_client_stop_thread(void) {
+  pthread_mutex_lock(&client.mu);
+  bool running = client.running;
+  client.running = false;
+  pthread_mutex_unlock(&client.mu);
+  if (!running) return;
+  /* Calls still running would hold this up: their owners cancelled them. */
+  grpc_completion_queue_shutdown(client.cq);
+  pthread_join(client.thread, NULL);
+  grpc_completion_queue_destroy(client.cq);
+  client.cq = NULL;
+}
+
+/* A call on the client thread's queue: method's registered call, in a zeroed
+ * struct of `size` bytes that begins with its async_call_t. NULL on a bad
+ * method or out of memory. */
+static async_call_t *async_new(rpc_channel_t *ch, const char *method, size_t size,
+                               gpr_timespec deadline, const rpc_md_t *md, size_t nmd) {
+  void *handle = method_handle(ch, method);
+  grpc_completion_queue *cq = handle ? client_cq() : NULL;
+  async_call_t *ac = cq ? calloc(1, size) : NULL;
+  if (!ac) return NULL;
+  ac->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
+                                                 deadline, NULL);
+  ac->send_md = make_md(md, nmd);
+  ac->nmd = nmd;
+  grpc_metadata_array_init(&ac->init_md);
+  grpc_metadata_array_init(&ac->trailers);
+  ac->details = grpc_empty_slice();
+  ac->code = GRPC_STATUS_UNKNOWN;
+  pthread_mutex_init(&ac->mu, NULL);
+  ac->refs = 1;
+  ac->owned = true;
+  return ac;
+}
 
 /* ================================================================== pulls */
 
 typedef enum { PULL_START, PULL_READ, PULL_STATUS } pull_tag_kind_t;
-
 
 struct rpc_pull {
   async_call_t ac; /* first: freed as one */
@@ -564,19 +622,11 @@ struct rpc_pull {
   bool asked; /* the owner waits for fn */
 };
 
-static struct {
-  pthread_mutex_t mu;
-  grpc_completion_queue *cq;
-  pthread_t thread;
-  bool running;
-} pulls = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, false};
 
 static void pull_free(async_call_t *ac) {
   rpc_pull_t *p = (rpc_pull_t *)ac;
   if (p->req) grpc_byte_buffer_destroy(p->req);
 }
-
-static void pull_unref_locked(rpc_pull_t *p) { async_unref_locked(&p->ac, pull_free); }
 
 /* Hands fn the end of the stream once both the empty read and the status are
  * in. Lock held; returns with it released. The caller holds a reference
@@ -637,64 +687,15 @@ static void pull_event(async_tag_t *t, bool ok) {
       break;
     }
   }
-  pull_unref_locked(p); /* the batch's */
-}
-
-static void *pull_thread(void *arg) {
-  grpc_completion_queue *cq = arg;
-  for (;;) {
-    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
-    if (ev.type == GRPC_OP_COMPLETE) {
-      async_tag_t *t = ev.tag;
-      t->fn(t, ev.success != 0);
-    }
-  }
-  return NULL;
-}
-
-static grpc_completion_queue *pull_cq(void) {
-  pthread_mutex_lock(&pulls.mu);
-  if (!pulls.running) {
-    pulls.cq = grpc_completion_queue_create_for_next(NULL);
-    if (pthread_create(&pulls.thread, NULL, pull_thread, pulls.cq) == 0) {
-      pulls.running = true;
-    } else {
-      grpc_completion_queue_shutdown(pulls.cq);
-      grpc_completion_queue_destroy(pulls.cq);
-      pulls.cq = NULL;
-    }
-  }
-  grpc_completion_queue *cq = pulls.cq;
-  pthread_mutex_unlock(&pulls.mu);
-  return cq;
-}
-
-void rpc_client_stop_pulls(void) {
-  pthread_mutex_lock(&pulls.mu);
-  bool running = pulls.running;
-  pulls.running = false;
-  pthread_mutex_unlock(&pulls.mu);
-  if (!running) return;
-  /* Pulls still running would hold this up: their owners cancelled them. */
-  grpc_completion_queue_shutdown(pulls.cq);
-  pthread_join(pulls.thread, NULL);
-  grpc_completion_queue_destroy(pulls.cq);
-  pulls.cq = NULL;
-}
-
-static bool pull_batch_locked(rpc_pull_t *p, grpc_op *ops, size_t n, async_tag_t *tag) {
-  return async_batch_locked(&p->ac, ops, n, tag);
+  async_unref_locked(&p->ac, pull_free); /* the batch's */
 }
 
 rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
                           const ProtobufCMessageDescriptor *desc, const rpc_md_t *md, size_t nmd,
                           int timeout_ms, rpc_pull_fn fn, void *arg) {
-  void *handle = method_handle(ch, method);
-  grpc_completion_queue *cq = handle ? pull_cq() : NULL;
-  rpc_pull_t *p = cq ? calloc(1, sizeof *p) : NULL;
+  rpc_pull_t *p =
+      (rpc_pull_t *)async_new(ch, method, sizeof *p, wire_deadline(timeout_ms), md, nmd);
   if (!p) return NULL;
-  async_call_init(&p->ac, ch, handle, cq, wire_deadline(timeout_ms), md, nmd);
   p->desc = desc;
   p->fn = fn;
   p->arg = arg;
@@ -714,7 +715,7 @@ rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufC
   ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
   ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->ac.init_md;
   pthread_mutex_lock(&p->ac.mu);
-  bool started = pull_batch_locked(p, ops, 4, &p->t_start);
+  bool started = async_batch_locked(&p->ac, ops, 4, &p->t_start);
   started = async_status_batch_locked(&p->ac, &p->t_status) && started;
   pthread_mutex_unlock(&p->ac.mu);
   if (!started) {
@@ -748,7 +749,7 @@ void rpc_pull_next(rpc_pull_t *p) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_MESSAGE;
   op.data.recv_message.recv_message = &p->ac.recv_buf;
-  if (!pull_batch_locked(p, &op, 1, &p->t_read)) {
+  if (!async_batch_locked(&p->ac, &op, 1, &p->t_read)) {
     p->ac.at_end = true;
     grpc_call_cancel(p->ac.call, NULL);
   }
@@ -772,7 +773,6 @@ void rpc_pull_destroy(rpc_pull_t *p) {
 
 typedef enum { DUPLEX_START, DUPLEX_READ, DUPLEX_WRITE, DUPLEX_STATUS } duplex_tag_kind_t;
 
-
 struct rpc_duplex {
   async_call_t ac; /* first: freed as one */
   const ProtobufCMessageDescriptor *desc;
@@ -787,18 +787,12 @@ struct rpc_duplex {
 
 static void duplex_free(async_call_t *ac) { pthread_cond_destroy(&((rpc_duplex_t *)ac)->cv); }
 
-static void duplex_unref_locked(rpc_duplex_t *d) { async_unref_locked(&d->ac, duplex_free); }
-
-static bool duplex_batch_locked(rpc_duplex_t *d, grpc_op *ops, size_t n, async_tag_t *tag) {
-  return async_batch_locked(&d->ac, ops, n, tag);
-}
-
 static void duplex_arm_read_locked(rpc_duplex_t *d) {
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_MESSAGE;
   op.data.recv_message.recv_message = &d->ac.recv_buf;
-  if (!duplex_batch_locked(d, &op, 1, &d->t_read)) {
+  if (!async_batch_locked(&d->ac, &op, 1, &d->t_read)) {
     d->ac.at_end = true;
     grpc_call_cancel(d->ac.call, NULL);
   }
@@ -861,17 +855,15 @@ static void duplex_event(async_tag_t *t, bool ok) {
       break;
     }
   }
-  duplex_unref_locked(d); /* the batch's */
+  async_unref_locked(&d->ac, duplex_free); /* the batch's */
 }
 
 rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
                               size_t nmd, const ProtobufCMessageDescriptor *desc, rpc_duplex_fn fn,
                               void *arg) {
-  void *handle = method_handle(ch, method);
-  grpc_completion_queue *cq = handle ? pull_cq() : NULL;
-  rpc_duplex_t *d = cq ? calloc(1, sizeof *d) : NULL;
+  rpc_duplex_t *d = (rpc_duplex_t *)async_new(ch, method, sizeof *d,
+                                               gpr_inf_future(GPR_CLOCK_REALTIME), md, nmd);
   if (!d) return NULL;
-  async_call_init(&d->ac, ch, handle, cq, gpr_inf_future(GPR_CLOCK_REALTIME), md, nmd);
   d->desc = desc;
   d->fn = fn;
   d->arg = arg;
@@ -889,7 +881,7 @@ rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_m
   ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
   ops[1].data.recv_initial_metadata.recv_initial_metadata = &d->ac.init_md;
   pthread_mutex_lock(&d->ac.mu);
-  bool started = duplex_batch_locked(d, ops, 2, &d->t_start);
+  bool started = async_batch_locked(&d->ac, ops, 2, &d->t_start);
   started = async_status_batch_locked(&d->ac, &d->t_status) && started;
   if (started) duplex_arm_read_locked(d);
   else d->ac.at_end = true;
@@ -912,7 +904,7 @@ int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
     d->send_buf = wire_pack(msg);
     op.data.send_message.send_message = d->send_buf;
     d->writing = true;
-    if (duplex_batch_locked(d, &op, 1, &d->t_write)) {
+    if (async_batch_locked(&d->ac, &op, 1, &d->t_write)) {
       while (d->writing) pthread_cond_wait(&d->cv, &d->ac.mu);
       rc = d->write_ok ? 0 : -1;
     } else {

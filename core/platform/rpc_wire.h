@@ -36,8 +36,9 @@ void wire_args_int(wire_args_t *a, const char *key, int value);
 void wire_args_str(wire_args_t *a, const char *key, const char *value);
 const grpc_channel_args *wire_args_done(wire_args_t *a);
 
-/* Stops the pulls' thread (rpc_client.c); rpc_shutdown calls it. */
-void rpc_client_stop_pulls(void);
+/* Stops the client thread of pulls and duplexes (rpc_client.c); rpc_shutdown
+ * calls it. */
+void rpc_client_stop_thread(void);
 
 /* Absolute deadline timeout_ms from now; infinite for timeout_ms <= 0. */
 gpr_timespec wire_deadline(int timeout_ms);
