@@ -8,12 +8,76 @@
  *
  * Results differ from the cpu backend's within float rounding: its float32 and
  * float64 go through OpenBLAS, its 16-bit floats through a double loop. */
+#include <dlfcn.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cublas_v2.h>
 
 #include "cuda_blas.h"
+
+/* ---- cuBLAS, opened on first use ----
+ *
+ * Not linked: libcublasLt's initialisers cost every process that loads it
+ * about 0.4 s of CPU, which every agent of a cuda build paid at start, cpu
+ * agents included. The first matmul on a GPU opens it: symbols the process
+ * already has come first (the mock-GPU suite defines its fakes), then
+ * libcublas.so.<major> by the loader's search, then the toolkit's copy this
+ * build linked against. Every call below goes through the table. */
+#define BLAS_FUNCS(X)                                                                              \
+  X(cublasCreate)                                                                                  \
+  X(cublasDestroy)                                                                                 \
+  X(cublasSetStream)                                                                               \
+  X(cublasSetMathMode)                                                                             \
+  X(cublasSetWorkspace)                                                                            \
+  X(cublasGetStatusString)                                                                         \
+  X(cublasGemmStridedBatchedEx)
+/* The exported name: several are macros for their _v2 functions. */
+#define BLAS_NAME_(f) #f
+#define BLAS_NAME(f) BLAS_NAME_(f)
+
+static struct {
+#define X(f) __typeof__(f) *f;
+  BLAS_FUNCS(X)
+#undef X
+} blas;
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+static char blas_why[320]; /* why it could not be opened; "" once it is */
+
+/* The handle to look the functions up in (RTLD_DEFAULT is NULL); false with
+ * blas_why set when there is none. */
+static bool blas_open(void **h) {
+  *h = RTLD_DEFAULT;
+  if (dlsym(RTLD_DEFAULT, BLAS_NAME(cublasCreate))) return true;
+  char name[32];
+  snprintf(name, sizeof name, "libcublas.so.%d", CUBLAS_VER_MAJOR);
+  if ((*h = dlopen(name, RTLD_NOW | RTLD_LOCAL))) return true;
+  snprintf(blas_why, sizeof blas_why, "%s", dlerror());
+#ifdef MESHD_CUBLAS_PATH
+  if ((*h = dlopen(MESHD_CUBLAS_PATH, RTLD_NOW | RTLD_LOCAL))) return true;
+#endif
+  return false;
+}
+
+static void blas_load(void) {
+  void *h;
+  if (!blas_open(&h)) return;
+#define X(f)                                                                                       \
+  if (!(*(void **)&blas.f = dlsym(h, BLAS_NAME(f)))) {                                             \
+    snprintf(blas_why, sizeof blas_why, "%s", dlerror());                                          \
+    return;                                                                                        \
+  }
+  BLAS_FUNCS(X)
+#undef X
+  blas_why[0] = '\0';
+}
+
+bool cuda_blas_available(const char **why) {
+  pthread_once(&blas_once, blas_load);
+  if (why) *why = blas_why;
+  return blas_why[0] == '\0';
+}
 
 /* Each stream's cuBLAS workspace (cuBLAS recommends 32 MiB on Hopper). */
 #define BLAS_WS_BYTES ((size_t)32 << 20)
@@ -44,7 +108,7 @@ static int blas_error(const kernel_call_t *c, cublasStatus_t rc, const char *ste
   if (rc == CUBLAS_STATUS_ALLOC_FAILED)
     return error_set(e, ERR_QUOTA, "%s: cuBLAS %s: out of device memory", kernel_opname(c), step);
   return error_set(e, ERR_REMOTE_FAILURE, "%s: cuBLAS %s failed: %s", kernel_opname(c), step,
-                   cublasGetStatusString(rc));
+                   blas.cublasGetStatusString(rc));
 }
 
 /* Handles are made lazily by whichever thread first multiplies on a stream;
@@ -57,15 +121,20 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
   void *ws = NULL;
   cublasStatus_t rc;
   int ret = 0;
+  const char *why;
+  *out = NULL;
+  if (!cuda_blas_available(&why))
+    return error_set(e, ERR_REMOTE_FAILURE, "%s: cuBLAS could not be loaded: %s", kernel_opname(c),
+                     why);
   pthread_mutex_lock(&handle_mu);
   if (bs->blas) goto out;
-  if ((rc = cublasCreate(&h)) != CUBLAS_STATUS_SUCCESS) {
+  if ((rc = blas.cublasCreate(&h)) != CUBLAS_STATUS_SUCCESS) {
     ret = blas_error(c, rc, "handle creation", e);
     goto out;
   }
   /* SetStream resets the workspace, so it comes first. */
-  if ((rc = cublasSetStream(h, bs->s)) != CUBLAS_STATUS_SUCCESS ||
-      (rc = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH |
+  if ((rc = blas.cublasSetStream(h, bs->s)) != CUBLAS_STATUS_SUCCESS ||
+      (rc = blas.cublasSetMathMode(h, CUBLAS_DEFAULT_MATH |
                                      CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) !=
           CUBLAS_STATUS_SUCCESS) {
     ret = blas_error(c, rc, "handle setup", e);
@@ -76,7 +145,7 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
     ws = NULL;
     goto out;
   }
-  if ((rc = cublasSetWorkspace(h, ws, BLAS_WS_BYTES)) != CUBLAS_STATUS_SUCCESS) {
+  if ((rc = blas.cublasSetWorkspace(h, ws, BLAS_WS_BYTES)) != CUBLAS_STATUS_SUCCESS) {
     ret = blas_error(c, rc, "workspace setup", e);
     goto out;
   }
@@ -86,7 +155,7 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
   h = NULL;
   ws = NULL;
 out:
-  if (h) cublasDestroy(h);
+  if (h) blas.cublasDestroy(h);
   if (ws) cudaFree(ws);
   *out = (cublasHandle_t)bs->blas;
   pthread_mutex_unlock(&handle_mu);
@@ -94,7 +163,7 @@ out:
 }
 
 void cuda_blas_release(backend_stream_t *bs) {
-  if (bs->blas) cublasDestroy((cublasHandle_t)bs->blas);
+  if (bs->blas) blas.cublasDestroy((cublasHandle_t)bs->blas);
   if (bs->blas_ws) cudaFree(bs->blas_ws);
   bs->blas = NULL;
   bs->blas_ws = NULL;
@@ -283,7 +352,7 @@ int cuda_kernel_matmul(const kernel_call_t *c, meshd_error_t *e) {
   double alpha_d = 1.0, beta_d = 0.0;
   bool f64 = compute == CUBLAS_COMPUTE_64F;
   /* column-major: C^T (m x n) = op(B-memory) (m x k) * op(A-memory) (k x n) */
-  cublasStatus_t rc = cublasGemmStridedBatchedEx(
+  cublasStatus_t rc = blas.cublasGemmStridedBatchedEx(
       h, b.v.op, a.v.op, (int)m, (int)n, (int)k, f64 ? (const void *)&alpha_d : &alpha_f,
       b.m.p, type, (int)b.v.ld, b.v.batch_stride, a.m.p, type, (int)a.v.ld, a.v.batch_stride,
       f64 ? (const void *)&beta_d : &beta_f, r.m.p, type, (int)r.v.ld, r.v.batch_stride,

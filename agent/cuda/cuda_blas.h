@@ -17,6 +17,10 @@ extern "C" {
  * emulated. 0, or -1 with e. */
 int cuda_matmul_functor(const kernel_call_t *c, meshd_error_t *e);
 
+/* Whether cuBLAS could be opened (done once, on first call; cuda_blas.c says
+ * where it looks). If not, *why (when why is not NULL) is the loader's reason. */
+bool cuda_blas_available(const char **why);
+
 /* Destroys the cuBLAS handle and workspace the first matmul on bs made
  * (bs->blas, bs->blas_ws); nothing when there are none. The backend calls it
  * from stream_destroy (and for its own stream at close), after syncing bs. */
