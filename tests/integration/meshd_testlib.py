@@ -332,14 +332,23 @@ def alive(pid, starttime):
     return st is not None and st == starttime and proc_state(pid) not in ("Z", "X")
 
 
+def poll_delays(first=0.005, most=0.05):
+    """Sleep lengths for a polling loop: short at first (a process usually
+    starts or ends within milliseconds), then at most `most` seconds."""
+    d = first
+    while True:
+        yield d
+        d = min(d * 2, most)
+
+
 def wait_gone(pids, timeout):
     """Waits until none of {pid: starttime} is alive; returns the survivors."""
     deadline = time.monotonic() + timeout
-    while True:
+    for delay in poll_delays():
         left = {p: st for p, st in pids.items() if alive(p, st)}
         if not left or time.monotonic() > deadline:
             return left
-        time.sleep(0.05)
+        time.sleep(delay)
 
 
 def log_tail(path, lines=60):
@@ -353,7 +362,7 @@ def log_tail(path, lines=60):
 def read_port_file(path, proc, log_path, timeout=START_TIMEOUT):
     """Polls until path holds a port number and a newline; fails early if proc exits."""
     deadline = time.monotonic() + timeout
-    while True:
+    for delay in poll_delays():
         try:
             with open(path) as f:
                 text = f.read()
@@ -369,7 +378,7 @@ def read_port_file(path, proc, log_path, timeout=START_TIMEOUT):
         if time.monotonic() > deadline:
             raise AssertionError(f"{proc.args[0]} wrote no port to {path} within {timeout} s\n"
                                  f"--- log ---\n{log_tail(log_path)}")
-        time.sleep(0.05)
+        time.sleep(delay)
 
 
 class Process:
@@ -558,7 +567,7 @@ def wait_health(port, service, want, timeout=START_TIMEOUT, proc=None, log=None)
     """Polls Check until it returns `want`; fails with the last answer otherwise."""
     deadline = time.monotonic() + timeout
     last = None
-    while True:
+    for delay in poll_delays(0.01, 0.1):
         try:
             last = health_check(port, service, timeout=2.0)
             if last == want:
@@ -574,7 +583,7 @@ def wait_health(port, service, want, timeout=START_TIMEOUT, proc=None, log=None)
             raise AssertionError(f"health {service!r} on port {port} not {status_name(want)} "
                                  f"within {timeout} s; last: {last}"
                                  + (f"\n--- log ---\n{log_tail(log)}" if log else ""))
-        time.sleep(0.1)
+        time.sleep(delay)
 
 
 class Watch:
@@ -679,7 +688,7 @@ def wait_agents(port, predicate, timeout=REGISTER_TIMEOUT, what="agents", log=No
     """Polls ListAgents until predicate(agents) is true; returns the agents."""
     deadline = time.monotonic() + timeout
     last = None
-    while True:
+    for delay in poll_delays(0.01, 0.1):
         try:
             agents = list_agents(port, timeout=2.0)
             if predicate(agents):
@@ -690,7 +699,7 @@ def wait_agents(port, predicate, timeout=REGISTER_TIMEOUT, what="agents", log=No
         if time.monotonic() > deadline:
             raise AssertionError(f"ListAgents: {what} not seen within {timeout} s; last: {last}"
                                  + (f"\n--- log ---\n{log_tail(log)}" if log else ""))
-        time.sleep(0.1)
+        time.sleep(delay)
 
 
 def healthy_ranks(agents):
