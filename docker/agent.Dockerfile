@@ -33,6 +33,8 @@ FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
 ARG DEBIAN_FRONTEND=noninteractive
 # libnccl2 is already in the runtime image; installing it again from the CUDA
 # apt repository the image configures is a no-op that documents the need.
+# cuBLAS is not linked: the agent opens the image's libcublas.so.13 at its
+# first matmul on a GPU (cpu agents never load it).
 # The rest: exactly what the binaries link (readelf -d: NEEDED), by package.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
