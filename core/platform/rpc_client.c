@@ -543,6 +543,7 @@ static struct {
 
 static void *client_thread(void *arg) {
   grpc_completion_queue *cq = arg;
+  pthread_setname_np(pthread_self(), "rpc-client"); /* for top -H and perf */
   for (;;) {
     grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;

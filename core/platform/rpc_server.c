@@ -733,6 +733,7 @@ bool rpc_server_hold_until_idle(void) {
 
 static void *worker(void *arg) {
   rpc_server_t *srv = arg;
+  pthread_setname_np(pthread_self(), "rpc-server"); /* for top -H and perf */
   worker_with_hook = srv->before_wait != NULL;
   for (;;) {
     grpc_event ev = {.type = GRPC_QUEUE_TIMEOUT};
