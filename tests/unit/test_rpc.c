@@ -428,7 +428,7 @@ Test(rpc, reply_over_server_limit_is_quota_naming_the_limit) {
 }
 
 Test(rpc, message_over_channel_limit_is_resource_exhausted) {
-  rpc_channel_opts_t o = {.max_message_bytes = 64 * 1024};
+  rpc_channel_opts_t o = {.max_message_bytes = 64 * 1024, .connect_timeout_ms = 5000};
   rpc_channel_t *small = rpc_channel_create(target, &o);
   rpc_status_t st;
   grpc_status_code code = echo_payload(small, 100 * 1024, &st);
@@ -786,7 +786,7 @@ Test(rpc, port_in_use_fails) {
 
   /* The first server still owns the port and answers, also on a new connection. */
   assert_unary_ok("first server");
-  rpc_channel_opts_t co = {.own_connection = true};
+  rpc_channel_opts_t co = {.own_connection = true, .connect_timeout_ms = 5000};
   rpc_channel_t *fresh = rpc_channel_create(target, &co);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "fresh";
@@ -986,7 +986,7 @@ Test(rpc, stop_accepting_keeps_running_calls) {
   cr_assert_eq(rep->index, 2);
   free_reply(rep);
 
-  rpc_channel_opts_t co = {.own_connection = true};
+  rpc_channel_opts_t co = {.own_connection = true, .connect_timeout_ms = 5000};
   rpc_channel_t *fresh = rpc_channel_create(target, &co);
   EchoRequest ureq = ECHO_REQUEST__INIT;
   ureq.text = "new";
