@@ -784,6 +784,7 @@ struct rpc_duplex {
   pthread_cond_t cv; /* with ac.mu: a write's end, the call's end */
   bool writing;      /* a write is in flight; write_ok is its outcome */
   bool write_ok;
+  bool end_returned; /* fn(NULL) returned (or was never to run): finish may return */
 };
 
 static void duplex_free(async_call_t *ac) { pthread_cond_destroy(&((rpc_duplex_t *)ac)->cv); }
@@ -800,14 +801,17 @@ static void duplex_arm_read_locked(rpc_duplex_t *d) {
 }
 
 /* fn(NULL) once no read is armed and the status is in. Lock held; returns
- * with it held. The caller holds a reference across it. */
+ * with it held. The caller holds a reference across it. rpc_duplex_finish
+ * waits for fn(NULL) to return, not only to start: its caller may free what
+ * fn uses next. */
 static void duplex_end_locked(rpc_duplex_t *d) {
   if (!d->ac.at_end || !d->ac.status_done || d->ac.ended) return;
-  d->ac.ended = true;
+  d->ac.ended = true; /* once */
   bool deliver = d->ac.owned;
   pthread_mutex_unlock(&d->ac.mu);
   if (deliver) d->fn(d, NULL, d->arg);
   pthread_mutex_lock(&d->ac.mu);
+  d->end_returned = true;
   pthread_cond_broadcast(&d->cv); /* rpc_duplex_finish */
 }
 
@@ -922,7 +926,7 @@ void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.call, NULL); }
 
 grpc_status_code rpc_duplex_finish(rpc_duplex_t *d, rpc_status_t *st) {
   pthread_mutex_lock(&d->ac.mu);
-  while (!d->ac.ended) pthread_cond_wait(&d->cv, &d->ac.mu);
+  while (!d->end_returned) pthread_cond_wait(&d->cv, &d->ac.mu);
   grpc_status_code code = async_status_locked(&d->ac, d->desc, st);
   pthread_mutex_unlock(&d->ac.mu);
   return code;

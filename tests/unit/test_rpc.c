@@ -1652,6 +1652,44 @@ Test(rpc, the_layers_threads_are_named) {
   rpc_channel_destroy(pc);
 }
 
+/* An owner frees what fn uses as soon as rpc_duplex_finish returns (the
+ * server's links do): finish must wait for fn(NULL) to return, not only for
+ * the end to be due. A slow end callback shows it. */
+typedef struct {
+  pull_log_t log;
+  atomic_bool end_started, end_returned;
+} slow_end_t;
+
+static void duplex_got_slow_end(rpc_duplex_t *d, ProtobufCMessage *m, void *arg) {
+  slow_end_t *se = arg;
+  if (!m) {
+    atomic_store(&se->end_started, true);
+    usleep(300 * 1000);
+    atomic_store(&se->end_returned, true);
+  }
+  duplex_got(d, m, &se->log);
+}
+
+Test(rpc, duplex_finish_returns_after_the_end_callback_returned) {
+  rpc_channel_t *pc = pull_channel();
+  slow_end_t se = {0};
+  pull_log_init(&se.log, false);
+  rpc_duplex_t *d =
+      rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got_slow_end, &se);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "one";
+  cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
+  cr_assert_eq(pull_wait(&se.log, 1, false, 10000), 1);
+  rpc_duplex_cancel(d);
+  int64_t end = rpc_now_ms() + 10000;
+  while (!atomic_load(&se.end_started) && rpc_now_ms() < end) usleep(1000);
+  cr_assert(atomic_load(&se.end_started), "the end callback never ran");
+  cr_assert_eq(rpc_duplex_finish(d, NULL), GRPC_STATUS_CANCELLED);
+  cr_assert(atomic_load(&se.end_returned), "finish returned while the end callback still ran");
+  rpc_duplex_destroy(d);
+  rpc_channel_destroy(pc);
+}
+
 static void *cancel_duplex_later(void *d) {
   usleep(100 * 1000);
   rpc_duplex_cancel(d);
