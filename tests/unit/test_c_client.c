@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "meshd.h"
+#include "proc_threads.h"
 
 static pid_t server_pid = -1;
 static pid_t stopped_agent = -1; /* SIGSTOPped by a test; SIGCONTed at teardown whatever happens */
@@ -792,26 +793,6 @@ static int64_t now_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Threads of this process whose name is `name`. */
-static int threads_named(const char *name) {
-  DIR *d = opendir("/proc/self/task");
-  cr_assert_not_null(d);
-  int n = 0;
-  struct dirent *e;
-  while ((e = readdir(d))) {
-    char path[300], comm[64];
-    if (e->d_name[0] == '.')
-      continue;
-    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
-    if (slurp(path, comm, sizeof comm) > 0) {
-      comm[strcspn(comm, "\n")] = '\0';
-      n += strcmp(comm, name) == 0;
-    }
-  }
-  closedir(d);
-  return n;
-}
-
 /* The meshd-agent child of the server started with --rank rank, or -1. */
 static pid_t agent_pid(int rank) {
   char want[16];
@@ -873,13 +854,13 @@ static void stop_agent(pid_t pid) {
 Test(c_client_lease, idle_session_outlives_its_ttl) {
   meshd_client_t *c = connect_ok();
   meshd_err_t e;
-  int before = threads_named("meshd-keepalive");
+  int before = proc_threads_named("meshd-keepalive");
   meshd_session_t *s = meshd_session_open(c, "c-idle", &e);
   cr_assert_not_null(s, "open: %s: %s", meshd_strerror(e), meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_ttl(s), 2);
-  for (int i = 0; i < 100 && threads_named("meshd-keepalive") == before; i++)
+  for (int i = 0; i < 100 && proc_threads_named("meshd-keepalive") == before; i++)
     sleep_ms(10);
-  cr_assert_eq(threads_named("meshd-keepalive"), before + 1, "no keepalive thread");
+  cr_assert_eq(proc_threads_named("meshd-keepalive"), before + 1, "no keepalive thread");
 
   const char *dims[] = {"gpu"};
   int64_t sizes[] = {2};
@@ -892,7 +873,7 @@ Test(c_client_lease, idle_session_outlives_its_ttl) {
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
 
   meshd_session_close(s);
-  cr_assert_eq(threads_named("meshd-keepalive"), before, "the keepalive thread outlived close");
+  cr_assert_eq(proc_threads_named("meshd-keepalive"), before, "the keepalive thread outlived close");
   meshd_session_info_t *list = NULL;
   size_t n = 0;
   cr_assert_eq(meshd_sessions(c, &list, &n), MESHD_E_OK);

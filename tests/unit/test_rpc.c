@@ -2,7 +2,6 @@
  * 127.0.0.1:0. Criterion forks per test, so each test initialises gRPC. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
-#include <dirent.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -16,6 +15,7 @@
 #include <grpc/slice.h>
 
 #include "echo_server.h"
+#include "proc_threads.h"
 #include "rpc.h"
 
 /* A channel to a live peer in this process: seconds to connect, since a loaded
@@ -1614,27 +1614,9 @@ static void duplex_got_named(rpc_duplex_t *d, ProtobufCMessage *m, void *arg) {
   duplex_got(d, m, arg);
 }
 
-static int threads_named(const char *want) {
-  DIR *dir = opendir("/proc/self/task");
-  cr_assert_not_null(dir);
-  int n = 0;
-  struct dirent *e;
-  while ((e = readdir(dir))) {
-    char path[300], name[32] = "";
-    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
-    FILE *f = e->d_name[0] != '.' ? fopen(path, "r") : NULL;
-    if (!f) continue;
-    if (fgets(name, sizeof name, f)) name[strcspn(name, "\n")] = '\0';
-    fclose(f);
-    n += !strcmp(name, want);
-  }
-  closedir(dir);
-  return n;
-}
-
 Test(rpc, the_layers_threads_are_named) {
-  cr_assert_eq(threads_named("rpc-server"), 2, "the echo server runs 2 workers");
-  cr_assert_eq(threads_named("rpc-client"), 0, "no pull or duplex yet");
+  cr_assert_eq(proc_threads_named("rpc-server"), 2, "the echo server runs 2 workers");
+  cr_assert_eq(proc_threads_named("rpc-client"), 0, "no pull or duplex yet");
   rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
@@ -1645,7 +1627,7 @@ Test(rpc, the_layers_threads_are_named) {
   cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
   cr_assert_eq(pull_wait(&l, 1, false, 10000), 1);
   cr_assert_str_eq(duplex_thread, "rpc-client");
-  cr_assert_eq(threads_named("rpc-client"), 1);
+  cr_assert_eq(proc_threads_named("rpc-client"), 1);
   rpc_duplex_cancel(d);
   rpc_duplex_finish(d, NULL);
   rpc_duplex_destroy(d);
