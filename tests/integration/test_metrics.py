@@ -145,7 +145,8 @@ def test_server_metrics(meshd_server, tmp_path):
     pf = tmp_path / "metrics.port"
     base = free_ports(2)
     srv = meshd_server(2, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf,
-                       "--local-agent-metrics-port-base", base, "--link-hold-ms", "50")
+                       "--local-agent-metrics-port-base", base, "--link-hold-ms", "50",
+                       "--link-lone-ms", "0")
     lib.wait_ready(srv, 2)
     mport = port_of(pf, srv)
     text = scrape(mport)
