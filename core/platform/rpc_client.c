@@ -275,9 +275,12 @@ grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const Protobuf
 
 /* ------------------------------------------------------------------ streams */
 
-struct rpc_stream {
+/* What every client call keeps beside its grpc_call: the metadata it sent,
+ * the status it will receive, its last message and a lock. First in
+ * rpc_stream and async_call; call_core_init and call_core_free are its only
+ * setup and clean-up. */
+typedef struct call_core {
   grpc_call *call;
-  grpc_completion_queue *cq;
   grpc_metadata *send_md;
   size_t nmd;
   grpc_metadata_array init_md, trailers;
@@ -285,6 +288,35 @@ struct rpc_stream {
   grpc_status_code code;
   grpc_slice details;
   pthread_mutex_t mu;
+} call_core_t;
+
+static void call_core_init(call_core_t *c, rpc_channel_t *ch, void *handle,
+                           grpc_completion_queue *cq, gpr_timespec deadline, const rpc_md_t *md,
+                           size_t nmd) {
+  c->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
+                                                deadline, NULL);
+  c->send_md = make_md(md, nmd);
+  c->nmd = nmd;
+  grpc_metadata_array_init(&c->init_md);
+  grpc_metadata_array_init(&c->trailers);
+  c->details = grpc_empty_slice();
+  c->code = GRPC_STATUS_UNKNOWN;
+  pthread_mutex_init(&c->mu, NULL);
+}
+
+static void call_core_free(call_core_t *c) {
+  if (c->recv_buf) grpc_byte_buffer_destroy(c->recv_buf);
+  grpc_call_unref(c->call);
+  grpc_slice_unref(c->details);
+  grpc_metadata_array_destroy(&c->init_md);
+  grpc_metadata_array_destroy(&c->trailers);
+  free_md(c->send_md, c->nmd);
+  pthread_mutex_destroy(&c->mu);
+}
+
+struct rpc_stream {
+  call_core_t core;
+  grpc_completion_queue *cq;
   bool read_pending;    /* a RECV_MESSAGE batch is started and not yet plucked */
   bool got_init_md;
   bool status_done;
@@ -299,29 +331,21 @@ rpc_stream_t *rpc_stream_open(rpc_channel_t *ch, const char *method, const rpc_m
   rpc_stream_t *s = calloc(1, sizeof *s);
   if (!s) return NULL;
   s->cq = grpc_completion_queue_create_for_pluck(NULL);
-  s->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq,
-                                                handle, wire_deadline(timeout_ms), NULL);
-  s->send_md = make_md(md, nmd);
-  s->nmd = nmd;
-  grpc_metadata_array_init(&s->init_md);
-  grpc_metadata_array_init(&s->trailers);
-  s->details = grpc_empty_slice();
-  s->code = GRPC_STATUS_UNKNOWN;
-  pthread_mutex_init(&s->mu, NULL);
+  call_core_init(&s->core, ch, handle, s->cq, wire_deadline(timeout_ms), md, nmd);
 
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_INITIAL_METADATA;
   op.data.send_initial_metadata.count = nmd;
-  op.data.send_initial_metadata.metadata = s->send_md;
-  if (grpc_call_start_batch(s->call, &op, 1, &s->t_start, NULL) == GRPC_CALL_OK)
+  op.data.send_initial_metadata.metadata = s->core.send_md;
+  if (grpc_call_start_batch(s->core.call, &op, 1, &s->t_start, NULL) == GRPC_CALL_OK)
     grpc_completion_queue_pluck(s->cq, &s->t_start, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  op.data.recv_status_on_client.trailing_metadata = &s->trailers;
-  op.data.recv_status_on_client.status = &s->code;
-  op.data.recv_status_on_client.status_details = &s->details;
-  grpc_call_start_batch(s->call, &op, 1, &s->t_status, NULL);
+  op.data.recv_status_on_client.trailing_metadata = &s->core.trailers;
+  op.data.recv_status_on_client.status = &s->core.code;
+  op.data.recv_status_on_client.status_details = &s->core.details;
+  grpc_call_start_batch(s->core.call, &op, 1, &s->t_status, NULL);
   return s;
 }
 
@@ -334,7 +358,7 @@ int rpc_stream_write(rpc_stream_t *s, const ProtobufCMessage *msg, bool last) {
   ops[n++].data.send_message.send_message = buf;
   if (last) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   int rc = -1;
-  if (grpc_call_start_batch(s->call, ops, n, &s->t_write, NULL) == GRPC_CALL_OK) {
+  if (grpc_call_start_batch(s->core.call, ops, n, &s->t_write, NULL) == GRPC_CALL_OK) {
     grpc_event ev =
         grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     rc = ev.success ? 0 : -1;
@@ -351,7 +375,7 @@ int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg) {
   op.op = GRPC_OP_SEND_MESSAGE;
   op.data.send_message.send_message = buf;
   int rc = -1;
-  if (grpc_call_start_batch(s->call, &op, 1, &s->t_write, NULL) == GRPC_CALL_OK) {
+  if (grpc_call_start_batch(s->core.call, &op, 1, &s->t_write, NULL) == GRPC_CALL_OK) {
     grpc_event ev =
         grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     rc = ev.success ? 0 : -1;
@@ -366,7 +390,7 @@ int rpc_stream_close_send(rpc_stream_t *s) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   s->write_closed = true;
-  if (grpc_call_start_batch(s->call, &op, 1, &s->t_write, NULL) != GRPC_CALL_OK) return -1;
+  if (grpc_call_start_batch(s->core.call, &op, 1, &s->t_write, NULL) != GRPC_CALL_OK) return -1;
   grpc_event ev =
       grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   return ev.success ? 0 : -1;
@@ -381,19 +405,19 @@ static int stream_read_buf(rpc_stream_t *s, grpc_byte_buffer **buf, int timeout_
     size_t n = 0;
     if (!s->got_init_md) {
       ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
-      ops[n++].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+      ops[n++].data.recv_initial_metadata.recv_initial_metadata = &s->core.init_md;
       s->got_init_md = true;
     }
     ops[n].op = GRPC_OP_RECV_MESSAGE;
-    ops[n++].data.recv_message.recv_message = &s->recv_buf;
-    if (grpc_call_start_batch(s->call, ops, n, &s->t_read, NULL) != GRPC_CALL_OK) return 0;
+    ops[n++].data.recv_message.recv_message = &s->core.recv_buf;
+    if (grpc_call_start_batch(s->core.call, ops, n, &s->t_read, NULL) != GRPC_CALL_OK) return 0;
     s->read_pending = true;
   }
   grpc_event ev = grpc_completion_queue_pluck(s->cq, &s->t_read, wire_deadline(timeout_ms), NULL);
   if (ev.type == GRPC_QUEUE_TIMEOUT) return -2;
   s->read_pending = false;
-  *buf = s->recv_buf;
-  s->recv_buf = NULL;
+  *buf = s->core.recv_buf;
+  s->core.recv_buf = NULL;
   return *buf ? 1 : 0; /* 0: end of stream, or the call failed: rpc_stream_finish says which */
 }
 
@@ -412,37 +436,31 @@ int rpc_stream_read(rpc_stream_t *s, const ProtobufCMessageDescriptor *desc,
   return *out ? 1 : -1;
 }
 
-void rpc_stream_cancel(rpc_stream_t *s) { grpc_call_cancel(s->call, NULL); }
+void rpc_stream_cancel(rpc_stream_t *s) { grpc_call_cancel(s->core.call, NULL); }
 
 grpc_status_code rpc_stream_finish(rpc_stream_t *s, rpc_status_t *st) {
-  pthread_mutex_lock(&s->mu);
+  pthread_mutex_lock(&s->core.mu);
   if (!s->status_done) {
     grpc_completion_queue_pluck(s->cq, &s->t_status, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     s->status_done = true;
   }
-  fill_status(st, s->code, s->details, &s->trailers);
-  grpc_status_code code = s->code;
-  pthread_mutex_unlock(&s->mu);
+  fill_status(st, s->core.code, s->core.details, &s->core.trailers);
+  grpc_status_code code = s->core.code;
+  pthread_mutex_unlock(&s->core.mu);
   return code;
 }
 
 void rpc_stream_destroy(rpc_stream_t *s) {
   if (!s) return;
   if (!s->status_done) {
-    grpc_call_cancel(s->call, NULL);
+    grpc_call_cancel(s->core.call, NULL);
     rpc_stream_finish(s, NULL);
   }
   if (s->read_pending) {
     grpc_completion_queue_pluck(s->cq, &s->t_read, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    if (s->recv_buf) grpc_byte_buffer_destroy(s->recv_buf);
   }
-  grpc_call_unref(s->call);
+  call_core_free(&s->core); /* the call goes before its queue */
   destroy_cq(s->cq);
-  grpc_slice_unref(s->details);
-  grpc_metadata_array_destroy(&s->init_md);
-  grpc_metadata_array_destroy(&s->trailers);
-  free_md(s->send_md, s->nmd);
-  pthread_mutex_destroy(&s->mu);
   free(s);
 }
 
@@ -460,14 +478,7 @@ typedef struct async_tag {
  * references that keep it alive while batches are in flight. First in both
  * structs, so the call's memory is theirs. */
 typedef struct async_call {
-  grpc_call *call;
-  grpc_metadata *send_md;
-  size_t nmd;
-  grpc_metadata_array init_md, trailers;
-  grpc_byte_buffer *recv_buf;
-  grpc_status_code code;
-  grpc_slice details;
-  pthread_mutex_t mu;
+  call_core_t core;
   int refs;         /* the owner's, and one per batch in flight */
   bool owned;       /* not given back (destroyed) yet */
   bool at_end;      /* no read is armed any more: fn(NULL) once the status is in */
@@ -480,30 +491,24 @@ typedef struct async_call {
  * the containing struct adds, then the whole goes. */
 static void async_unref_locked(async_call_t *ac, void (*free_rest)(async_call_t *ac)) {
   int left = --ac->refs;
-  pthread_mutex_unlock(&ac->mu);
+  pthread_mutex_unlock(&ac->core.mu);
   if (left) return;
   free_rest(ac);
-  if (ac->recv_buf) grpc_byte_buffer_destroy(ac->recv_buf);
-  grpc_call_unref(ac->call);
-  grpc_slice_unref(ac->details);
-  grpc_metadata_array_destroy(&ac->init_md);
-  grpc_metadata_array_destroy(&ac->trailers);
-  free_md(ac->send_md, ac->nmd);
-  pthread_mutex_destroy(&ac->mu);
+  call_core_free(&ac->core);
   free(ac);
 }
 
 /* The owner's end: no callback from here on; a call still running is
  * cancelled, and the memory goes with the last batch. */
 static void async_give_back(async_call_t *ac, void (*free_rest)(async_call_t *ac)) {
-  pthread_mutex_lock(&ac->mu);
+  pthread_mutex_lock(&ac->core.mu);
   ac->owned = false;
-  if (!ac->status_done) grpc_call_cancel(ac->call, NULL);
+  if (!ac->status_done) grpc_call_cancel(ac->core.call, NULL);
   async_unref_locked(ac, free_rest);
 }
 
 static bool async_batch_locked(async_call_t *ac, grpc_op *ops, size_t n, void *tag) {
-  if (grpc_call_start_batch(ac->call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
+  if (grpc_call_start_batch(ac->core.call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
   ac->refs++;
   return true;
 }
@@ -512,9 +517,9 @@ static bool async_status_batch_locked(async_call_t *ac, void *tag) {
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  op.data.recv_status_on_client.trailing_metadata = &ac->trailers;
-  op.data.recv_status_on_client.status = &ac->code;
-  op.data.recv_status_on_client.status_details = &ac->details;
+  op.data.recv_status_on_client.trailing_metadata = &ac->core.trailers;
+  op.data.recv_status_on_client.status = &ac->core.code;
+  op.data.recv_status_on_client.status_details = &ac->core.details;
   return async_batch_locked(ac, &op, 1, tag);
 }
 
@@ -523,9 +528,9 @@ static bool async_status_batch_locked(async_call_t *ac, void *tag) {
 static grpc_status_code async_status_locked(async_call_t *ac,
                                             const ProtobufCMessageDescriptor *desc,
                                             rpc_status_t *st) {
-  grpc_status_code code = ac->bad_message ? GRPC_STATUS_INTERNAL : ac->code;
+  grpc_status_code code = ac->bad_message ? GRPC_STATUS_INTERNAL : ac->core.code;
   if (st) {
-    fill_status(st, code, ac->details, &ac->trailers);
+    fill_status(st, code, ac->core.details, &ac->core.trailers);
     if (ac->bad_message)
       snprintf(st->message, sizeof st->message, "a message from the peer is not a valid %s",
                desc ? desc->name : "message");
@@ -594,15 +599,7 @@ static async_call_t *async_new(rpc_channel_t *ch, const char *method, size_t siz
   grpc_completion_queue *cq = handle ? client_cq() : NULL;
   async_call_t *ac = cq ? calloc(1, size) : NULL;
   if (!ac) return NULL;
-  ac->call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, handle,
-                                                 deadline, NULL);
-  ac->send_md = make_md(md, nmd);
-  ac->nmd = nmd;
-  grpc_metadata_array_init(&ac->init_md);
-  grpc_metadata_array_init(&ac->trailers);
-  ac->details = grpc_empty_slice();
-  ac->code = GRPC_STATUS_UNKNOWN;
-  pthread_mutex_init(&ac->mu, NULL);
+  call_core_init(&ac->core, ch, handle, cq, deadline, md, nmd);
   ac->refs = 1;
   ac->owned = true;
   return ac;
@@ -638,7 +635,7 @@ static void pull_deliver_end_unlock(rpc_pull_t *p) {
     p->asked = false;
     p->ac.ended = true;
   }
-  pthread_mutex_unlock(&p->ac.mu);
+  pthread_mutex_unlock(&p->ac.core.mu);
   if (deliver && p->raw_fn) p->raw_fn(p, NULL, p->arg);
   else if (deliver) p->fn(p, NULL, p->arg);
 }
@@ -646,23 +643,23 @@ static void pull_deliver_end_unlock(rpc_pull_t *p) {
 /* The batch's reference keeps p alive while fn runs. */
 static void pull_event(async_tag_t *t, bool ok) {
   rpc_pull_t *p = t->owner;
-  pthread_mutex_lock(&p->ac.mu);
+  pthread_mutex_lock(&p->ac.core.mu);
   switch (t->kind) {
     case PULL_START:
       break; /* a failure shows in the status */
     case PULL_STATUS:
       p->ac.status_done = true;
       pull_deliver_end_unlock(p);
-      pthread_mutex_lock(&p->ac.mu);
+      pthread_mutex_lock(&p->ac.core.mu);
       break;
     case PULL_READ: {
-      grpc_byte_buffer *buf = p->ac.recv_buf;
-      p->ac.recv_buf = NULL;
+      grpc_byte_buffer *buf = p->ac.core.recv_buf;
+      p->ac.core.recv_buf = NULL;
       if (p->raw_fn && buf && ok && p->ac.owned) {
         p->asked = false;
-        pthread_mutex_unlock(&p->ac.mu);
+        pthread_mutex_unlock(&p->ac.core.mu);
         p->raw_fn(p, buf, p->arg);
-        pthread_mutex_lock(&p->ac.mu);
+        pthread_mutex_lock(&p->ac.core.mu);
         break;
       }
       ProtobufCMessage *msg = NULL;
@@ -670,7 +667,7 @@ static void pull_event(async_tag_t *t, bool ok) {
         msg = wire_unpack(buf, p->desc, NULL, 0);
         if (!msg) {
           p->ac.bad_message = true;
-          grpc_call_cancel_with_status(p->ac.call, GRPC_STATUS_INTERNAL,
+          grpc_call_cancel_with_status(p->ac.core.call, GRPC_STATUS_INTERNAL,
                                        "a message does not unpack", NULL);
         }
       }
@@ -678,13 +675,13 @@ static void pull_event(async_tag_t *t, bool ok) {
       if (!msg) {
         p->ac.at_end = true;
         pull_deliver_end_unlock(p);
-        pthread_mutex_lock(&p->ac.mu);
+        pthread_mutex_lock(&p->ac.core.mu);
         break;
       }
       p->asked = false;
-      pthread_mutex_unlock(&p->ac.mu);
+      pthread_mutex_unlock(&p->ac.core.mu);
       p->fn(p, msg, p->arg);
-      pthread_mutex_lock(&p->ac.mu);
+      pthread_mutex_lock(&p->ac.core.mu);
       break;
     }
   }
@@ -709,16 +706,16 @@ rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufC
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
   ops[0].data.send_initial_metadata.count = nmd;
-  ops[0].data.send_initial_metadata.metadata = p->ac.send_md;
+  ops[0].data.send_initial_metadata.metadata = p->ac.core.send_md;
   ops[1].op = GRPC_OP_SEND_MESSAGE;
   ops[1].data.send_message.send_message = p->req;
   ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->ac.init_md;
-  pthread_mutex_lock(&p->ac.mu);
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &p->ac.core.init_md;
+  pthread_mutex_lock(&p->ac.core.mu);
   bool started = async_batch_locked(&p->ac, ops, 4, &p->t_start);
   started = async_status_batch_locked(&p->ac, &p->t_status) && started;
-  pthread_mutex_unlock(&p->ac.mu);
+  pthread_mutex_unlock(&p->ac.core.mu);
   if (!started) {
     rpc_pull_destroy(p);
     return NULL;
@@ -733,36 +730,36 @@ rpc_pull_t *rpc_pull_open_raw(rpc_channel_t *ch, const char *method, const Proto
    * once the call started. */
   rpc_pull_t *p = rpc_pull_open(ch, method, req, NULL, md, nmd, timeout_ms, NULL, arg);
   if (!p) return NULL;
-  pthread_mutex_lock(&p->ac.mu);
+  pthread_mutex_lock(&p->ac.core.mu);
   p->raw_fn = fn;
-  pthread_mutex_unlock(&p->ac.mu);
+  pthread_mutex_unlock(&p->ac.core.mu);
   return p;
 }
 
 void rpc_pull_next(rpc_pull_t *p) {
-  pthread_mutex_lock(&p->ac.mu);
+  pthread_mutex_lock(&p->ac.core.mu);
   if (p->asked || p->ac.ended || !p->ac.owned) {
-    pthread_mutex_unlock(&p->ac.mu);
+    pthread_mutex_unlock(&p->ac.core.mu);
     return;
   }
   p->asked = true;
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_MESSAGE;
-  op.data.recv_message.recv_message = &p->ac.recv_buf;
+  op.data.recv_message.recv_message = &p->ac.core.recv_buf;
   if (!async_batch_locked(&p->ac, &op, 1, &p->t_read)) {
     p->ac.at_end = true;
-    grpc_call_cancel(p->ac.call, NULL);
+    grpc_call_cancel(p->ac.core.call, NULL);
   }
-  pthread_mutex_unlock(&p->ac.mu);
+  pthread_mutex_unlock(&p->ac.core.mu);
 }
 
-void rpc_pull_cancel(rpc_pull_t *p) { grpc_call_cancel(p->ac.call, NULL); }
+void rpc_pull_cancel(rpc_pull_t *p) { grpc_call_cancel(p->ac.core.call, NULL); }
 
 grpc_status_code rpc_pull_status(rpc_pull_t *p, rpc_status_t *st) {
-  pthread_mutex_lock(&p->ac.mu);
+  pthread_mutex_lock(&p->ac.core.mu);
   grpc_status_code code = async_status_locked(&p->ac, p->desc, st);
-  pthread_mutex_unlock(&p->ac.mu);
+  pthread_mutex_unlock(&p->ac.core.mu);
   return code;
 }
 
@@ -781,7 +778,7 @@ struct rpc_duplex {
   void *arg;
   grpc_byte_buffer *send_buf;
   async_tag_t t_start, t_read, t_write, t_status;
-  pthread_cond_t cv; /* with ac.mu: a write's end, the call's end */
+  pthread_cond_t cv; /* with ac.core.mu: a write's end, the call's end */
   bool writing;      /* a write is in flight; write_ok is its outcome */
   bool write_ok;
   bool end_returned; /* fn(NULL) returned (or was never to run): finish may return */
@@ -793,10 +790,10 @@ static void duplex_arm_read_locked(rpc_duplex_t *d) {
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_MESSAGE;
-  op.data.recv_message.recv_message = &d->ac.recv_buf;
+  op.data.recv_message.recv_message = &d->ac.core.recv_buf;
   if (!async_batch_locked(&d->ac, &op, 1, &d->t_read)) {
     d->ac.at_end = true;
-    grpc_call_cancel(d->ac.call, NULL);
+    grpc_call_cancel(d->ac.core.call, NULL);
   }
 }
 
@@ -808,9 +805,9 @@ static void duplex_end_locked(rpc_duplex_t *d) {
   if (!d->ac.at_end || !d->ac.status_done || d->ac.ended) return;
   d->ac.ended = true; /* once */
   bool deliver = d->ac.owned;
-  pthread_mutex_unlock(&d->ac.mu);
+  pthread_mutex_unlock(&d->ac.core.mu);
   if (deliver) d->fn(d, NULL, d->arg);
-  pthread_mutex_lock(&d->ac.mu);
+  pthread_mutex_lock(&d->ac.core.mu);
   d->end_returned = true;
   pthread_cond_broadcast(&d->cv); /* rpc_duplex_finish */
 }
@@ -818,7 +815,7 @@ static void duplex_end_locked(rpc_duplex_t *d) {
 /* The batch's reference keeps d alive while fn runs. */
 static void duplex_event(async_tag_t *t, bool ok) {
   rpc_duplex_t *d = t->owner;
-  pthread_mutex_lock(&d->ac.mu);
+  pthread_mutex_lock(&d->ac.core.mu);
   switch (t->kind) {
     case DUPLEX_START:
       break; /* a failure shows in the status */
@@ -834,15 +831,15 @@ static void duplex_event(async_tag_t *t, bool ok) {
       duplex_end_locked(d);
       break;
     case DUPLEX_READ: {
-      grpc_byte_buffer *buf = d->ac.recv_buf;
-      d->ac.recv_buf = NULL;
+      grpc_byte_buffer *buf = d->ac.core.recv_buf;
+      d->ac.core.recv_buf = NULL;
       ProtobufCMessage *msg = NULL;
       if (buf && ok && d->ac.owned) {
         msg = wire_unpack(buf, d->desc, NULL, 0);
         if (!msg) {
           d->ac.bad_message = true;
-          grpc_call_cancel_with_status(d->ac.call, GRPC_STATUS_INTERNAL, "a message does not unpack",
-                                       NULL);
+          grpc_call_cancel_with_status(d->ac.core.call, GRPC_STATUS_INTERNAL,
+                                       "a message does not unpack", NULL);
         }
       }
       if (buf) grpc_byte_buffer_destroy(buf);
@@ -851,9 +848,9 @@ static void duplex_event(async_tag_t *t, bool ok) {
         duplex_end_locked(d);
         break;
       }
-      pthread_mutex_unlock(&d->ac.mu);
+      pthread_mutex_unlock(&d->ac.core.mu);
       d->fn(d, msg, d->arg);
-      pthread_mutex_lock(&d->ac.mu);
+      pthread_mutex_lock(&d->ac.core.mu);
       if (d->ac.owned) duplex_arm_read_locked(d);
       else d->ac.at_end = true;
       duplex_end_locked(d);
@@ -882,15 +879,15 @@ rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_m
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
   ops[0].data.send_initial_metadata.count = nmd;
-  ops[0].data.send_initial_metadata.metadata = d->ac.send_md;
+  ops[0].data.send_initial_metadata.metadata = d->ac.core.send_md;
   ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[1].data.recv_initial_metadata.recv_initial_metadata = &d->ac.init_md;
-  pthread_mutex_lock(&d->ac.mu);
+  ops[1].data.recv_initial_metadata.recv_initial_metadata = &d->ac.core.init_md;
+  pthread_mutex_lock(&d->ac.core.mu);
   bool started = async_batch_locked(&d->ac, ops, 2, &d->t_start);
   started = async_status_batch_locked(&d->ac, &d->t_status) && started;
   if (started) duplex_arm_read_locked(d);
   else d->ac.at_end = true;
-  pthread_mutex_unlock(&d->ac.mu);
+  pthread_mutex_unlock(&d->ac.core.mu);
   if (!started) {
     /* Nothing may reach fn from here: the owner learns of it by the NULL. */
     rpc_duplex_destroy(d);
@@ -903,14 +900,14 @@ int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_MESSAGE;
-  pthread_mutex_lock(&d->ac.mu);
+  pthread_mutex_lock(&d->ac.core.mu);
   int rc = -1;
   if (!d->writing && !d->ac.status_done) {
     d->send_buf = wire_pack(msg);
     op.data.send_message.send_message = d->send_buf;
     d->writing = true;
     if (async_batch_locked(&d->ac, &op, 1, &d->t_write)) {
-      while (d->writing) pthread_cond_wait(&d->cv, &d->ac.mu);
+      while (d->writing) pthread_cond_wait(&d->cv, &d->ac.core.mu);
       rc = d->write_ok ? 0 : -1;
     } else {
       d->writing = false;
@@ -918,17 +915,17 @@ int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
       d->send_buf = NULL;
     }
   }
-  pthread_mutex_unlock(&d->ac.mu);
+  pthread_mutex_unlock(&d->ac.core.mu);
   return rc;
 }
 
-void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.call, NULL); }
+void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.core.call, NULL); }
 
 grpc_status_code rpc_duplex_finish(rpc_duplex_t *d, rpc_status_t *st) {
-  pthread_mutex_lock(&d->ac.mu);
-  while (!d->end_returned) pthread_cond_wait(&d->cv, &d->ac.mu);
+  pthread_mutex_lock(&d->ac.core.mu);
+  while (!d->end_returned) pthread_cond_wait(&d->cv, &d->ac.core.mu);
   grpc_status_code code = async_status_locked(&d->ac, d->desc, st);
-  pthread_mutex_unlock(&d->ac.mu);
+  pthread_mutex_unlock(&d->ac.core.mu);
   return code;
 }
 
