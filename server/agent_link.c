@@ -468,7 +468,7 @@ agent_link_t *agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agen
   pthread_cond_init(&l->cv, NULL);
   /* No deadline: the call lives as long as the agent. */
   rpc_md_t md = {SECRET_AGENT_MD, call_secret};
-  l->call = rpc_duplex_open(ch, AGENT_LINK_METHOD, &md, call_secret ? 1 : 0,
+  l->call = rpc_duplex_open(ch, AGENT_LINK_METHOD, &md, call_secret ? 1 : 0, -1,
                             &meshd__agent__v1__agent_report__descriptor, link_read, l);
   if (!l->call) goto fail;
   l->writer_started = pthread_create(&l->writer, NULL, writer_main, l) == 0;

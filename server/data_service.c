@@ -16,7 +16,6 @@
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "objects.h"
 #include "session_service.h"
-#include "workpool.h"
 
 /* Upload and Fetch call the agents on the pool's data channels
  * (agent_pool_data): one per agent, with its TLS and call secret. */
@@ -27,8 +26,8 @@ struct data_service {
   session_table_t *sessions;
   size_t chunk; /* bytes of data per message, well under the limit */
   int max_transfers; /* per session, Upload and Fetch calls together; 0: no bound */
-  /* Uploads and Fetches not yet freed: their last steps run on other threads
-   * (an Upload's helper, a Fetch's relay) after their calls ended, and
+  /* Uploads and Fetches not yet freed: their relays' last steps run on the
+   * rpc layer's client thread after their calls ended, and
    * data_service_destroy waits for them. */
   pthread_mutex_t mu;
   pthread_cond_t idle;
@@ -44,7 +43,6 @@ struct data_service {
   pthread_cond_t wake;
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
   metrics_series_t *bytes[2][2];
-  workpool_t *helpers; /* the Uploads' helper threads, parked between Uploads */
 };
 
 enum { DIR_UPLOAD, DIR_FETCH };
@@ -107,24 +105,41 @@ static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
 
 /* ------------------------------------------------------------------ upload */
 
-/* An Upload streams through: once its header is checked, a helper thread
- * opens an Agent/Write to every rank of the mesh and forwards each chunk as
- * it arrives (per_rank: the slice each rank gets; else every chunk to every
- * rank). The client's chunks wait in a queue of at most UPLOAD_QUEUED bytes:
- * past it the call's reads pause (HTTP/2 flow control then holds the client
- * back) until the helper caught up. So the server holds a few chunks, never
- * the tensor, and receiving and forwarding overlap. A rank is defined only
- * when its Write got exactly its bytes; any failure cancels the other Writes
- * and deletes the ref where it was defined: the ref stays undefined. */
+/* An Upload is relayed without a thread of its own, as a Fetch is. Once its
+ * header is checked, an Agent/Write opens to every rank of the mesh (an
+ * rpc_duplex: its events come on the rpc layer's client thread), and each
+ * client chunk becomes a message on the queue of every rank it is for
+ * (per_rank: the slice each rank gets; else every rank). A rank has one send
+ * in flight; its end starts the next. Messages queued or in flight are at most
+ * UPLOAD_QUEUED bytes: past that the call's reads pause (HTTP/2 flow control
+ * then holds the client back) until the sends drained half. So the server
+ * holds a few chunks, never the tensor, and receiving and forwarding overlap.
+ * Once the client half-closed with every byte, each rank half-closes when its
+ * queue is empty and the agent answers. A rank is defined only when its Write
+ * got exactly its bytes; any failure cancels the other Writes and deletes the
+ * ref where it was defined: the ref stays undefined. The last Write to end
+ * settles the Upload and answers the client. */
 #define UPLOAD_QUEUED (8u << 20)
 
-typedef struct upload_chunk {
-  struct upload_chunk *next;
+typedef struct queued_msg {
+  struct queued_msg *next;
+  rpc_bytes_t *msg;
   size_t len;
-  rpc_bytes_t *raw; /* the client's UploadChunk{data} as it came, sent on as a
-                     * DataChunk{data} (the same bytes); NULL: data[] holds them */
-  uint8_t data[];
-} upload_chunk_t;
+} queued_msg_t;
+
+/* One rank's Agent/Write. */
+typedef struct rank_write {
+  struct upload *u;
+  uint32_t rank;
+  agent_data_t *data;
+  rpc_duplex_t *d;
+  queued_msg_t *head, *tail;
+  size_t in_flight; /* bytes of the send in flight */
+  bool sending;
+  bool closed; /* half-closed after every byte */
+  bool ended;  /* the call is over: ok if the agent took exactly its bytes */
+  bool ok;
+} rank_write_t;
 
 typedef struct upload {
   data_service_t *ds;
@@ -137,38 +152,52 @@ typedef struct upload {
   uint32_t *ranks;
   size_t nranks;
   size_t each, total, got; /* bytes per rank, expected, received */
-  _Atomic int owners;       /* the call, and the helper thread once it runs */
+  _Atomic int owners;       /* the call (until on_end), and the relay until it settled */
 
-  pthread_mutex_t mu; /* the queue, between the call's callbacks and the helper */
-  pthread_cond_t cv;
-  upload_chunk_t *head, *tail;
-  size_t queued;
-  bool paused;   /* the call's reads are paused for a full queue */
-  bool received; /* the client half-closed with every byte sent */
-  bool aborted;  /* the call failed or ended early: the helper stops */
+  pthread_mutex_t mu; /* what follows: the call's callbacks and the Writes' events */
+  rank_write_t *w;    /* nranks of them once the relay started; NULL before */
+  size_t open;        /* Writes not ended */
+  size_t queued;      /* bytes queued and in flight, every rank's */
+  bool paused;        /* the call's reads are paused for a full queue */
+  bool received;      /* the client half-closed with every byte sent */
+  bool aborted;       /* a failure, or the call ended: the Writes are cancelled */
+  bool answered;      /* the call has its error already: settling adds none */
+  meshd_error_t err;  /* the first failure of a Write, ERR_NONE if none */
 } upload_t;
+
+static void queue_free(rank_write_t *w) {
+  while (w->head) {
+    queued_msg_t *q = w->head;
+    w->head = q->next;
+    rpc_bytes_free(q->msg);
+    free(q);
+  }
+  w->tail = NULL;
+}
 
 static void upload_release(upload_t *u) {
   if (atomic_fetch_sub(&u->owners, 1) != 1) return;
   data_service_t *ds = u->ds;
   session_release(u->session);
-  while (u->head) {
-    upload_chunk_t *c = u->head;
-    u->head = c->next;
-    rpc_bytes_free(c->raw);
-    free(c);
-  }
-  pthread_cond_destroy(&u->cv);
+  for (size_t i = 0; u->w && i < u->nranks; i++) queue_free(&u->w[i]);
+  free(u->w);
   pthread_mutex_destroy(&u->mu);
   free(u->ranks);
   free(u);
   live_done(ds);
 }
 
+/* Cancels every Write still running (lock held); their ends settle it. */
+static void upload_abort_locked(upload_t *u) {
+  if (u->aborted) return;
+  u->aborted = true;
+  for (size_t i = 0; u->w && i < u->nranks; i++)
+    if (!u->w[i].ended && u->w[i].d) rpc_duplex_cancel(u->w[i].d);
+}
+
 static void upload_abort(upload_t *u) {
   pthread_mutex_lock(&u->mu);
-  u->aborted = true;
-  pthread_cond_signal(&u->cv);
+  upload_abort_locked(u);
   pthread_mutex_unlock(&u->mu);
 }
 
@@ -176,7 +205,10 @@ static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const c
   meshd_error_t e;
   error_set(&e, kind, fmt, arg);
   u->failed = true;
-  upload_abort(u);
+  pthread_mutex_lock(&u->mu);
+  u->answered = true;
+  upload_abort_locked(u);
+  pthread_mutex_unlock(&u->mu);
   finish_error(u->call, &e);
 }
 
@@ -212,7 +244,6 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
   u->session = s;
   u->call = call;
   pthread_mutex_init(&u->mu, NULL);
-  pthread_cond_init(&u->cv, NULL);
   atomic_init(&u->owners, 1);
   rpc_call_set_data(call, u);
 }
@@ -288,74 +319,6 @@ out:
   return 0;
 }
 
-/* One rank's Agent/Write, open while the helper forwards. */
-typedef struct rank_write {
-  agent_data_t *data;
-  rpc_stream_t *st;
-} rank_write_t;
-
-static int write_open(upload_t *u, uint32_t rank, rank_write_t *w, meshd_error_t *e) {
-  agent_target_t t;
-  if (!(w->data = agent_pool_data(u->ds->pool, rank, &t)))
-    return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", rank);
-  w->st = rpc_stream_open(agent_data_channel(w->data), "/meshd.agent.v1.Agent/Write", t.md, 1,
-                          AGENT_CALL_MS);
-  if (!w->st) return error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", rank);
-  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  sp.ref = u->ref;
-  sp.n_shape = sp.n_strides = (size_t)u->meta.layout.ndim;
-  sp.shape = u->meta.layout.sizes;
-  sp.strides = u->meta.layout.strides;
-  sp.dtype = (Meshd__V1__DType)u->meta.dtype;
-  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
-  c.session_id = u->session->id;
-  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
-  c.spec = &sp;
-  if (rpc_stream_write(w->st, &c.base, false))
-    return error_set(e, ERR_AGENT_LOST, "Upload: the agent of rank %u ended the Write", rank);
-  return 0;
-}
-
-/* Bytes to one rank, in messages of at most ds->chunk. */
-static int write_data(upload_t *u, size_t i, rank_write_t *w, const uint8_t *data, size_t len,
-                      meshd_error_t *e) {
-  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
-  c.session_id = u->session->id;
-  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
-  for (size_t off = 0; off < len; off += u->ds->chunk) {
-    c.data.data = (uint8_t *)data + off;
-    c.data.len = len - off < u->ds->chunk ? len - off : u->ds->chunk;
-    if (rpc_stream_write(w->st, &c.base, false))
-      return error_set(e, ERR_AGENT_LOST, "Upload: the agent of rank %u ended the Write",
-                       u->ranks[i]);
-  }
-  return 0;
-}
-
-/* Half-closes rank i's Write and reads how it ended: 0 once the agent
- * defined the ref. */
-static int write_finish(upload_t *u, size_t i, rank_write_t *w, meshd_error_t *e) {
-  rpc_stream_close_send(w->st);
-  ProtobufCMessage *reply = NULL;
-  while (rpc_stream_read(w->st, &meshd__agent__v1__write_reply__descriptor, &reply, 0) == 1) {
-    protobuf_c_message_free_unpacked(reply, NULL);
-    reply = NULL;
-  }
-  rpc_status_t status;
-  if (rpc_stream_finish(w->st, &status) != GRPC_STATUS_OK)
-    return error_set(e, status.code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA
-                                                                       : ERR_REMOTE_FAILURE,
-                     "Upload: the agent of rank %u refused the data: %s", u->ranks[i],
-                     status.message);
-  return 0;
-}
-
-static void write_close(rank_write_t *w, bool cancel) {
-  if (w->st && cancel) rpc_stream_cancel(w->st);
-  if (w->st) rpc_stream_destroy(w->st);
-  agent_data_release(w->data);
-}
-
 /* Agents take data only for sessions open on them (docs/protocol.md): a
  * StatusRequest of the session opens it on each rank, ahead of the writes
  * (the agent waits briefly for it when the write overtakes it), and marks the
@@ -399,51 +362,6 @@ static void upload_undo(upload_t *u, objects_t *o, const bool *defined) {
   refs_undo(u->ds, u->session, o, u->ref, u->stream, u->ranks, u->nranks, defined);
 }
 
-/* The next queued chunk, NULL once every byte came (or the upload aborted:
- * *aborted). Resumes the call's reads once the queue drained to half. */
-static upload_chunk_t *upload_next(upload_t *u, bool *aborted) {
-  pthread_mutex_lock(&u->mu);
-  while (!u->head && !u->received && !u->aborted) pthread_cond_wait(&u->cv, &u->mu);
-  upload_chunk_t *c = u->aborted ? NULL : u->head;
-  if (c) {
-    u->head = c->next;
-    if (!u->head) u->tail = NULL;
-    u->queued -= c->len;
-  }
-  bool resume = u->paused && u->queued <= UPLOAD_QUEUED / 2;
-  if (resume) u->paused = false;
-  *aborted = u->aborted;
-  pthread_mutex_unlock(&u->mu);
-  if (resume) rpc_call_resume_reads(u->call);
-  return c;
-}
-
-/* Forwards one client chunk, at stream offset `pos`, to the ranks it is for. */
-static int upload_forward(upload_t *u, rank_write_t *w, size_t pos, const upload_chunk_t *c,
-                          meshd_error_t *e) {
-  if (c->raw) { /* upload_raw took it only whole for one rank, or for every rank */
-    for (size_t i = u->per_rank ? pos / u->each : 0; i < u->nranks; i++) {
-      if (rpc_stream_write_raw(w[i].st, c->raw))
-        return error_set(e, ERR_AGENT_LOST, "Upload: the agent of rank %u ended the Write",
-                         u->ranks[i]);
-      if (u->per_rank) break;
-    }
-    return 0;
-  }
-  if (!u->per_rank) {
-    for (size_t i = 0; i < u->nranks; i++)
-      if (write_data(u, i, &w[i], c->data, c->len, e)) return -1;
-    return 0;
-  }
-  for (size_t off = 0; off < c->len;) { /* slices: rank i has [i * each, (i + 1) * each) */
-    size_t i = (pos + off) / u->each, in = (pos + off) % u->each;
-    size_t n = c->len - off < u->each - in ? c->len - off : u->each - in;
-    if (write_data(u, i, &w[i], c->data + off, n, e)) return -1;
-    off += n;
-  }
-  return 0;
-}
-
 /* Every rank holds an uploaded tensor: the session defines it (the ref is
  * claimed here unless the caller claimed it before). Holds s->mu. */
 static obj_t *upload_define(session_t *s, objects_t *o, uint64_t ref, const tensor_meta_t *meta,
@@ -462,38 +380,44 @@ static obj_t *upload_define(session_t *s, objects_t *o, uint64_t ref, const tens
   return t;
 }
 
-static void upload_main(void *arg) {
-  upload_t *u = arg;
-  meshd_error_t e = {0};
-  rank_write_t *w = calloc(u->nranks ? u->nranks : 1, sizeof *w);
+/* Pauses and resumes happen under u->mu, in the order they were decided (the
+ * call counts them: a resume that overtook its pause would leave the reads
+ * paused for good). */
+static void upload_resume_locked(upload_t *u) {
+  u->paused = false;
+  rpc_call_resume_reads(u->call);
+}
+
+/* Every Write ended (or none opened): the ranks that took their bytes define
+ * the ref, or let it go if any failed, and the client gets its answer. */
+static void upload_settle(upload_t *u) {
+  pthread_mutex_lock(&u->mu);
+  bool ok = u->received && !u->aborted;
   bool *defined = calloc(u->nranks ? u->nranks : 1, sizeof *defined);
-  int rc = w && defined ? 0 : error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
-  bool aborted = false;
-  if (!rc) upload_open(u);
-  for (size_t i = 0; !rc && i < u->nranks; i++) rc = write_open(u, u->ranks[i], &w[i], &e);
-  size_t pos = 0;
-  upload_chunk_t *c;
-  while (!rc && (c = upload_next(u, &aborted))) {
-    rc = upload_forward(u, w, pos, c, &e);
-    pos += c->len;
-    rpc_bytes_free(c->raw);
-    free(c);
+  for (size_t i = 0; i < u->nranks; i++) {
+    defined[i] = u->w && u->w[i].ok;
+    ok = ok && defined[i];
   }
-  if (!rc && (aborted || pos != u->total)) rc = -1; /* the call already says why */
-  for (size_t i = 0; !rc && i < u->nranks; i++) {
-    rc = write_finish(u, i, &w[i], &e);
-    defined[i] = rc == 0;
+  meshd_error_t e = u->err;
+  bool answered = u->answered;
+  if (u->paused) upload_resume_locked(u); /* a pause of ours must not hold the call open */
+  pthread_mutex_unlock(&u->mu);
+  if (!defined) {
+    ok = false;
+    error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
   }
-  for (size_t i = 0; w && i < u->nranks; i++) write_close(&w[i], rc != 0);
-  if (rc) upload_abort(u); /* the call's reads may be paused: nothing waits for them now */
+  if (!ok && e.kind == ERR_NONE && !answered)
+    error_set(&e, ERR_AGENT_LOST, "Upload: the Writes to the agents of mesh %llu ended early",
+              (unsigned long long)u->mesh);
+
   session_t *s = u->session;
   obj_t *t = NULL;
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
-  if (rc != 0 && o && defined) upload_undo(u, o, defined);
+  if (!ok && o && defined) upload_undo(u, o, defined);
   /* Checked again: the session's other commands ran meanwhile. */
-  if (rc == 0 && session_check_refs(s, &u->ref, 1, &e) == 0)
+  if (ok && session_check_refs(s, &u->ref, 1, &e) == 0)
     t = upload_define(s, o, u->ref, &u->meta, u->mesh, u->stream, u->nranks, "Upload", &e);
   Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
   Meshd__V1__TensorMeta meta;
@@ -505,42 +429,190 @@ static void upload_main(void *arg) {
   }
   pthread_mutex_unlock(&s->mu);
   rpc_call_t *call = u->call;
-  if (!t && e.kind != ERR_NONE) finish_error(call, &e);
-  pthread_mutex_lock(&u->mu); /* a pause of ours must not hold the call open */
-  bool resume = u->paused;
-  u->paused = false;
-  pthread_mutex_unlock(&u->mu);
-  if (resume) rpc_call_resume_reads(call);
-  free(w);
+  if (!t && !answered && e.kind != ERR_NONE) finish_error(call, &e);
+  for (size_t i = 0; u->w && i < u->nranks; i++) {
+    rpc_duplex_destroy(u->w[i].d); /* from a Write's last event: the rpc layer allows it */
+    agent_data_release(u->w[i].data);
+    u->w[i].d = NULL;
+    u->w[i].data = NULL;
+  }
   free(defined);
   upload_release(u);
   rpc_call_unref(call);
 }
 
-/* The header passed: the helper starts forwarding at once. */
-static int upload_begin(upload_t *u, meshd_error_t *e) {
-  rpc_call_ref(u->call);
-  atomic_fetch_add(&u->owners, 1);
-  if (workpool_run(u->ds->helpers, upload_main, u) == 0) return 0;
-  atomic_fetch_sub(&u->owners, 1);
-  rpc_call_unref(u->call);
-  return error_set(e, ERR_QUOTA, "Upload: out of threads on the server");
+static void write_sent(rpc_duplex_t *d, bool ok, void *arg);
+
+/* Starts rank w's next send, or its half-close once the client sent every
+ * byte and the queue is empty (lock held). A send that cannot start ends the
+ * Write: its status says why. */
+static void write_kick_locked(upload_t *u, rank_write_t *w) {
+  if (w->sending || w->ended || w->closed || u->aborted) return;
+  queued_msg_t *q = w->head;
+  if (!q && !u->received) return;
+  if (q) {
+    w->head = q->next;
+    if (!w->head) w->tail = NULL;
+  } else {
+    w->closed = true;
+  }
+  w->sending = true;
+  w->in_flight = q ? q->len : 0;
+  if (rpc_duplex_send_raw(w->d, q ? q->msg : NULL, !q, write_sent) != 0) {
+    w->sending = false;
+    u->queued -= w->in_flight;
+    rpc_duplex_cancel(w->d);
+  }
+  free(q);
 }
 
-/* Hands q to the helper; past UPLOAD_QUEUED bytes queued the call's reads
- * pause until it caught up. From the call's callbacks only. */
-static void upload_queue(upload_t *u, upload_chunk_t *q) {
+/* msg (taken) joins rank w's queue and goes when the sends before it went. */
+static int write_queue_locked(upload_t *u, rank_write_t *w, rpc_bytes_t *msg, size_t len) {
+  queued_msg_t *q = msg ? malloc(sizeof *q) : NULL;
+  if (!q) {
+    rpc_bytes_free(msg);
+    return -1;
+  }
   q->next = NULL;
+  q->msg = msg;
+  q->len = len;
+  if (w->tail) w->tail->next = q;
+  else w->head = q;
+  w->tail = q;
+  u->queued += len;
+  write_kick_locked(u, w);
+  return 0;
+}
+
+/* From the client thread: a send of rank w's went; the next starts, and the
+ * call's reads resume once the queues drained to half. */
+static void write_sent(rpc_duplex_t *d, bool ok, void *arg) {
+  (void)d;
+  rank_write_t *w = arg;
+  upload_t *u = w->u;
   pthread_mutex_lock(&u->mu);
-  if (u->tail) u->tail->next = q;
-  else u->head = q;
-  u->tail = q;
-  u->queued += q->len;
-  bool pause = !u->paused && u->queued >= UPLOAD_QUEUED && !u->aborted;
-  if (pause) u->paused = true;
-  pthread_cond_signal(&u->cv);
+  w->sending = false;
+  u->queued -= w->in_flight;
+  w->in_flight = 0;
+  if (ok) write_kick_locked(u, w);
+  if (u->paused && u->queued <= UPLOAD_QUEUED / 2 && !u->aborted) upload_resume_locked(u);
   pthread_mutex_unlock(&u->mu);
-  if (pause) rpc_call_pause_reads(u->call);
+}
+
+/* From the client thread: the agent's WriteReply, then the Write's end. The
+ * last Write to end settles the Upload. */
+static void write_event(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
+  rank_write_t *w = arg;
+  upload_t *u = w->u;
+  if (msg) {
+    protobuf_c_message_free_unpacked(msg, NULL);
+    return;
+  }
+  rpc_status_t st;
+  grpc_status_code code = rpc_duplex_status(d, &st);
+  pthread_mutex_lock(&u->mu);
+  w->ended = true;
+  w->ok = code == GRPC_STATUS_OK && w->closed;
+  /* The Writes cancelled for another's failure do not hide it. */
+  if (!w->ok && u->err.kind == ERR_NONE && !(u->aborted && code == GRPC_STATUS_CANCELLED))
+    error_set(&u->err,
+              code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA
+              : code == GRPC_STATUS_OK              ? ERR_REMOTE_FAILURE
+                                                    : ERR_AGENT_LOST,
+              "Upload: the agent of rank %u refused the data: %s", w->rank,
+              code == GRPC_STATUS_OK ? "it ended the Write before every byte came" : st.message);
+  if (!w->ok) upload_abort_locked(u);
+  bool last = --u->open == 0;
+  pthread_mutex_unlock(&u->mu);
+  if (last) upload_settle(u);
+}
+
+/* Opens rank w's Write and queues its spec (lock held). */
+static int write_open_locked(upload_t *u, rank_write_t *w, meshd_error_t *e) {
+  agent_target_t t;
+  if (!(w->data = agent_pool_data(u->ds->pool, w->rank, &t)))
+    return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", w->rank);
+  w->d = rpc_duplex_open(agent_data_channel(w->data), "/meshd.agent.v1.Agent/Write", t.md, 1,
+                         AGENT_CALL_MS, &meshd__agent__v1__write_reply__descriptor, write_event,
+                         w);
+  if (!w->d)
+    return error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", w->rank);
+  u->open++;
+  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  sp.ref = u->ref;
+  sp.n_shape = sp.n_strides = (size_t)u->meta.layout.ndim;
+  sp.shape = u->meta.layout.sizes;
+  sp.strides = u->meta.layout.strides;
+  sp.dtype = (Meshd__V1__DType)u->meta.dtype;
+  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
+  c.session_id = u->session->id;
+  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
+  c.spec = &sp;
+  if (write_queue_locked(u, w, rpc_bytes_pack(&c.base), 0))
+    return error_set(e, ERR_QUOTA, "Upload: out of memory on the server");
+  return 0;
+}
+
+/* The header passed: every rank's Write opens, and the relay owns a share of
+ * u and the call until it settled. A failure here settles it too. */
+static int upload_begin(upload_t *u, meshd_error_t *e) {
+  rank_write_t *w = calloc(u->nranks ? u->nranks : 1, sizeof *w);
+  if (!w) return error_set(e, ERR_QUOTA, "Upload: out of memory on the server");
+  upload_open(u);
+  rpc_call_ref(u->call);
+  atomic_fetch_add(&u->owners, 1);
+  pthread_mutex_lock(&u->mu);
+  u->w = w;
+  for (size_t i = 0; i < u->nranks; i++) {
+    w[i].u = u;
+    w[i].rank = u->ranks[i];
+  }
+  meshd_error_t oe = {0};
+  for (size_t i = 0; i < u->nranks && oe.kind == ERR_NONE; i++) write_open_locked(u, &w[i], &oe);
+  if (oe.kind != ERR_NONE) {
+    if (u->err.kind == ERR_NONE) u->err = oe;
+    upload_abort_locked(u);
+  }
+  bool none = u->open == 0;
+  pthread_mutex_unlock(&u->mu);
+  if (none) upload_settle(u);
+  return 0;
+}
+
+/* Bytes at stream offset pos to the ranks they are for, as DataChunk{data}
+ * messages of at most ds->chunk bytes (lock held). */
+static int upload_split_locked(upload_t *u, size_t pos, const uint8_t *data, size_t len) {
+  Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
+  c.session_id = u->session->id;
+  c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_DATA;
+  for (size_t off = 0; off < len;) {
+    size_t i = u->per_rank ? (pos + off) / u->each : 0;
+    size_t room = u->per_rank ? u->each - (pos + off) % u->each : len - off;
+    size_t n = len - off < room ? len - off : room;
+    if (n > u->ds->chunk) n = u->ds->chunk;
+    c.data.data = (uint8_t *)data + off;
+    c.data.len = n;
+    rpc_bytes_t *m = rpc_bytes_pack(&c.base); /* one copy, every rank's reference */
+    size_t last = u->per_rank ? i : u->nranks - 1;
+    for (size_t k = i; k < last; k++)
+      if (!m || write_queue_locked(u, &u->w[k], rpc_bytes_share(m), n)) {
+        rpc_bytes_free(m);
+        return -1;
+      }
+    if (write_queue_locked(u, &u->w[last], m, n)) return -1;
+    off += n;
+  }
+  return 0;
+}
+
+/* After a chunk was queued: past UPLOAD_QUEUED the call's reads pause. */
+static void upload_maybe_pause(upload_t *u) {
+  pthread_mutex_lock(&u->mu);
+  if (!u->paused && u->queued >= UPLOAD_QUEUED && !u->aborted) {
+    u->paused = true;
+    rpc_call_pause_reads(u->call); /* under u->mu: a resume cannot overtake it */
+  }
+  pthread_mutex_unlock(&u->mu);
 }
 
 static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
@@ -557,7 +629,7 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
     u->failed = true; /* no more messages are expected */
     pthread_mutex_lock(&u->mu);
     u->received = true;
-    pthread_cond_signal(&u->cv);
+    for (size_t i = 0; i < u->nranks; i++) write_kick_locked(u, &u->w[i]);
     pthread_mutex_unlock(&u->mu);
     return;
   }
@@ -578,23 +650,20 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
     snprintf(why, sizeof why, "more data than the %zu bytes the header describes", u->total);
     return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
   }
+  size_t pos = u->got;
   u->got += c->data.len;
   count_bytes(u->ds, DIR_UPLOAD, PATH_PROXY, c->data.len);
   pthread_mutex_lock(&u->mu);
-  bool aborted = u->aborted;
+  int rc = u->aborted ? 0 : upload_split_locked(u, pos, c->data.data, c->data.len);
   pthread_mutex_unlock(&u->mu);
-  if (!c->data.len || aborted) return; /* the helper stopped: the call is ending */
-  upload_chunk_t *q = malloc(sizeof *q + c->data.len);
-  if (!q) return upload_fail(u, ERR_QUOTA, "Upload: %s", "out of memory on the server");
-  q->raw = NULL;
-  q->len = c->data.len;
-  memcpy(q->data, c->data.data, c->data.len);
-  upload_queue(u, q);
+  if (rc) return upload_fail(u, ERR_QUOTA, "Upload: %s", "out of memory on the server");
+  upload_maybe_pause(u);
 }
 
-/* A data chunk the helper can send on as it came (no unpacking, no copy):
- * UploadChunk{data} alone, no larger than the agents' chunks, for every rank
- * or within one rank's slice. Anything else goes the unpacked way. */
+/* A data chunk sent on as it came (no unpacking, no copy): UploadChunk{data}
+ * alone, no larger than the agents' chunks, for every rank (each a reference
+ * to the same bytes) or within one rank's slice. Anything else goes the
+ * unpacked way. */
 static bool upload_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
   upload_t *u = rpc_call_data(call);
   size_t len;
@@ -603,28 +672,31 @@ static bool upload_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
       len > u->ds->chunk || len > u->total - u->got ||
       (u->per_rank && u->got % u->each + len > u->each))
     return false;
-  upload_chunk_t *q = malloc(sizeof *q);
-  if (!q) return false; /* the unpacked way reports it */
+  size_t first = u->per_rank ? u->got / u->each : 0;
   u->got += len;
   count_bytes(u->ds, DIR_UPLOAD, PATH_PROXY, len);
-  q->raw = msg;
-  q->len = len;
+  int rc = 0;
   pthread_mutex_lock(&u->mu);
-  bool aborted = u->aborted;
-  pthread_mutex_unlock(&u->mu);
-  if (aborted) { /* the helper stopped: the call is ending */
+  if (u->aborted) { /* the Writes are ending: the call is too */
     rpc_bytes_free(msg);
-    free(q);
-    return true;
+  } else if (u->per_rank) {
+    rc = write_queue_locked(u, &u->w[first], msg, len);
+  } else {
+    for (size_t i = 1; i < u->nranks && rc == 0; i++)
+      rc = write_queue_locked(u, &u->w[i], rpc_bytes_share(msg), len);
+    if (rc == 0) rc = write_queue_locked(u, &u->w[0], msg, len);
+    else rpc_bytes_free(msg);
   }
-  upload_queue(u, q);
+  pthread_mutex_unlock(&u->mu);
+  if (rc) upload_fail(u, ERR_QUOTA, "Upload: %s", "out of memory on the server");
+  else upload_maybe_pause(u);
   return true;
 }
 
 static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
   upload_t *u = rpc_call_data(call);
   if (!u) return;
-  upload_abort(u); /* a client gone mid-upload: the helper stops and undoes */
+  upload_abort(u); /* a client gone mid-upload: the Writes end and settling undoes */
   transfer_end(u->session);
   upload_release(u);
 }
@@ -1519,14 +1591,6 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   ds->path = DATA_PATH_AUTO;
   ds->grant_ms = 600000;
   pthread_cond_init(&ds->wake, NULL);
-  /* A thread start cost about 0.5 ms here, as much as a 1 MiB Upload. */
-  if (!(ds->helpers = workpool_create("upload", 8, 10000))) {
-    pthread_cond_destroy(&ds->wake);
-    pthread_cond_destroy(&ds->idle);
-    pthread_mutex_destroy(&ds->mu);
-    free(ds);
-    return NULL;
-  }
   ds->sweeping = pthread_create(&ds->sweeper, NULL, sweeper_main, ds) == 0;
   return ds;
 }
@@ -1594,8 +1658,8 @@ void data_service_destroy(data_service_t *ds) {
     transfer_free(ds, t, false);
     t = next;
   }
-  /* Every call ended (the server shut down first): their relays and helpers
-   * stop at their next step. Bounded, for a helper stuck on an agent. */
+  /* Every call ended (the server shut down first): their relays stop at
+   * their next step. Bounded, for an agent that does not answer a cancel. */
   struct timespec until;
   clock_gettime(CLOCK_REALTIME, &until);
   until.tv_sec += 5;
@@ -1608,7 +1672,6 @@ void data_service_destroy(data_service_t *ds) {
     log_warn("data", "%d Upload/Fetch call(s) still finishing at shutdown", left);
     return; /* leaked rather than freed under them */
   }
-  workpool_destroy(ds->helpers); /* the parked helpers go; a finishing one ends */
   pthread_cond_destroy(&ds->idle);
   pthread_cond_destroy(&ds->wake);
   pthread_mutex_destroy(&ds->mu);

@@ -376,7 +376,7 @@ void rpc_stream_destroy(rpc_stream_t *s);
  * takes turns polling for all of them: with a reader per stream, most events
  * were handed from thread to thread).
  *
- *   d = rpc_duplex_open(ch, "/pkg.Svc/Link", md, 1, &report__descriptor, got, arg);
+ *   d = rpc_duplex_open(ch, "/pkg.Svc/Link", md, 1, -1, &report__descriptor, got, arg);
  *   rpc_duplex_write(d, &batch.base);   // blocks until gRPC took it
  *   ...
  *   rpc_duplex_cancel(d);               // or the peer ends the call
@@ -389,15 +389,28 @@ void rpc_stream_destroy(rpc_stream_t *s);
  * the call INTERNAL). fn must not block; it may call rpc_duplex_cancel. */
 typedef struct rpc_duplex rpc_duplex_t;
 typedef void (*rpc_duplex_fn)(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg);
-/* No deadline. Returns NULL on a bad method or out of memory; fn never ran then. */
+/* The call ends DEADLINE_EXCEEDED after timeout_ms (<= 0: no deadline).
+ * Returns NULL on a bad method or out of memory; fn never ran then. */
 rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
-                              size_t nmd, const ProtobufCMessageDescriptor *desc, rpc_duplex_fn fn,
-                              void *arg);
+                              size_t nmd, int timeout_ms, const ProtobufCMessageDescriptor *desc,
+                              rpc_duplex_fn fn, void *arg);
 /* Sends one message and waits (not in gRPC) until gRPC took it; one writer at
  * a time. Returns 0, or -1 if the call is over. Never from fn. */
 int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg);
+/* rpc_duplex_write that does not wait, for relays: starts sending msg (a
+ * packed message, which the duplex takes), then half-closes if `close` (msg
+ * NULL: the half-close alone). Once gRPC took them, sent(d, ok, arg) runs on
+ * the client thread (ok false: the call is over; the status says why). One
+ * send in flight at a time, rpc_duplex_write's included: returns -1 (msg
+ * freed, sent never runs) when one is, or when the call is over. Any thread,
+ * fn and sent too. */
+typedef void (*rpc_duplex_sent_fn)(rpc_duplex_t *d, bool ok, void *arg);
+int rpc_duplex_send_raw(rpc_duplex_t *d, rpc_bytes_t *msg, bool close, rpc_duplex_sent_fn sent);
 /* Cancels the call, from any thread (fn too): a blocked write returns -1. */
 void rpc_duplex_cancel(rpc_duplex_t *d);
+/* How the call ended, from fn(d, NULL, arg) (or after rpc_duplex_finish);
+ * st may be NULL. */
+grpc_status_code rpc_duplex_status(rpc_duplex_t *d, rpc_status_t *st);
 /* Waits until fn got NULL and returns how the call ended; st may be NULL.
  * Never from fn. */
 grpc_status_code rpc_duplex_finish(rpc_duplex_t *d, rpc_status_t *st);
@@ -474,6 +487,11 @@ int rpc_bytes_field_visit(rpc_bytes_t *msg, int (*fn)(const uint8_t *piece, size
 /* msg unpacked as desc (protobuf_c_message_free_unpacked), NULL when it is
  * not one; msg is not consumed. */
 ProtobufCMessage *rpc_bytes_unpack(rpc_bytes_t *msg, const ProtobufCMessageDescriptor *desc);
+/* msg packed (a copy). */
+rpc_bytes_t *rpc_bytes_pack(const ProtobufCMessage *msg);
+/* A second message of msg's bytes, referenced, not copied (each is freed on
+ * its own): one chunk sent on to many peers. */
+rpc_bytes_t *rpc_bytes_share(rpc_bytes_t *msg);
 /* A message of len packed bytes, copied. NULL when out of memory. */
 rpc_bytes_t *rpc_bytes_copy(const void *data, size_t len);
 /* NULL is a no-op. */

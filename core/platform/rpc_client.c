@@ -781,6 +781,7 @@ struct rpc_duplex {
   pthread_cond_t cv; /* with ac.core.mu: a write's end, the call's end */
   bool writing;      /* a write is in flight; write_ok is its outcome */
   bool write_ok;
+  rpc_duplex_sent_fn sent; /* the write in flight is rpc_duplex_send_raw's: its end goes here */
   bool end_returned; /* fn(NULL) returned (or was never to run): finish may return */
 };
 
@@ -819,13 +820,21 @@ static void duplex_event(async_tag_t *t, bool ok) {
   switch (t->kind) {
     case DUPLEX_START:
       break; /* a failure shows in the status */
-    case DUPLEX_WRITE:
-      grpc_byte_buffer_destroy(d->send_buf);
+    case DUPLEX_WRITE: {
+      if (d->send_buf) grpc_byte_buffer_destroy(d->send_buf);
       d->send_buf = NULL;
       d->writing = false;
       d->write_ok = ok;
+      rpc_duplex_sent_fn sent = d->sent;
+      d->sent = NULL;
       pthread_cond_broadcast(&d->cv);
+      if (sent && d->ac.owned) {
+        pthread_mutex_unlock(&d->ac.core.mu);
+        sent(d, ok, d->arg);
+        pthread_mutex_lock(&d->ac.core.mu);
+      }
       break;
+    }
     case DUPLEX_STATUS:
       d->ac.status_done = true;
       duplex_end_locked(d);
@@ -861,10 +870,10 @@ static void duplex_event(async_tag_t *t, bool ok) {
 }
 
 rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
-                              size_t nmd, const ProtobufCMessageDescriptor *desc, rpc_duplex_fn fn,
-                              void *arg) {
-  rpc_duplex_t *d = (rpc_duplex_t *)async_new(ch, method, sizeof *d,
-                                               gpr_inf_future(GPR_CLOCK_REALTIME), md, nmd);
+                              size_t nmd, int timeout_ms, const ProtobufCMessageDescriptor *desc,
+                              rpc_duplex_fn fn, void *arg) {
+  rpc_duplex_t *d =
+      (rpc_duplex_t *)async_new(ch, method, sizeof *d, wire_deadline(timeout_ms), md, nmd);
   if (!d) return NULL;
   d->desc = desc;
   d->fn = fn;
@@ -920,6 +929,41 @@ int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
 }
 
 void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.core.call, NULL); }
+
+int rpc_duplex_send_raw(rpc_duplex_t *d, rpc_bytes_t *msg, bool close, rpc_duplex_sent_fn sent) {
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  size_t n = 0;
+  if (msg) {
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n++].data.send_message.send_message = msg;
+  }
+  if (close) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  pthread_mutex_lock(&d->ac.core.mu);
+  int rc = -1;
+  if (n && !d->writing && !d->ac.status_done) {
+    d->send_buf = msg;
+    d->writing = true;
+    d->sent = sent;
+    if (async_batch_locked(&d->ac, ops, n, &d->t_write)) {
+      rc = 0;
+    } else {
+      d->writing = false;
+      d->sent = NULL;
+      d->send_buf = NULL;
+    }
+  }
+  pthread_mutex_unlock(&d->ac.core.mu);
+  if (rc && msg) grpc_byte_buffer_destroy(msg);
+  return rc;
+}
+
+grpc_status_code rpc_duplex_status(rpc_duplex_t *d, rpc_status_t *st) {
+  pthread_mutex_lock(&d->ac.core.mu);
+  grpc_status_code code = async_status_locked(&d->ac, d->desc, st);
+  pthread_mutex_unlock(&d->ac.core.mu);
+  return code;
+}
 
 grpc_status_code rpc_duplex_finish(rpc_duplex_t *d, rpc_status_t *st) {
   pthread_mutex_lock(&d->ac.core.mu);

@@ -335,6 +335,10 @@ rpc_bytes_t *rpc_bytes_field_ref(uint32_t field, const void *data, size_t len, r
   return buf;
 }
 
+rpc_bytes_t *rpc_bytes_pack(const ProtobufCMessage *msg) { return wire_pack(msg); }
+
+rpc_bytes_t *rpc_bytes_share(rpc_bytes_t *msg) { return grpc_byte_buffer_copy(msg); }
+
 rpc_bytes_t *rpc_bytes_copy(const void *data, size_t len) {
   grpc_slice s = grpc_slice_from_copied_buffer(data, len);
   grpc_byte_buffer *buf = grpc_raw_byte_buffer_create(&s, 1);

@@ -288,6 +288,82 @@ def test_an_upload_streams_through_the_server(meshd_server):
         assert fetch_floats(s, r.tensor.ref) == [5.0, 6.0]
 
 
+def test_uploads_held_open_hold_no_server_thread(meshd_server):
+    """2 sessions x 8 Uploads, each sent its header and half its bytes and then held open
+    by its client: the server relays them without a thread each (8 helper threads
+    waited on the agents before). Health and another session's compute work meanwhile;
+    then every Upload finishes with exactly its bytes on both ranks, and one cancelled
+    halfway leaves its ref undefined."""
+    import threading
+    srv = meshd_server(2, "--session-max-transfers", "8")
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+    n = 64 * 1024  # floats per Upload: 256 KiB, in two chunks
+    sessions = [lib.Session(srv.port, f"held-{i}", timeout=30) for i in range(2)]
+    jobs = []
+    try:
+        meshes = [s.mesh(gpu=2).ref for s in sessions]
+        threads0 = nthreads(srv.pid)
+        results, sent_half = {}, threading.Semaphore(0)
+
+        def chunks(m, ref, k, go):
+            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[n],
+                                                      dtype=lib.dtype("float32")))
+            yield t.UploadChunk(data=struct.pack(f"<{n // 2}f", *[float(k)] * (n // 2)))
+            sent_half.release()
+            go.wait(60)
+            if k == 0:
+                raise RuntimeError("the client gives up")
+            yield t.UploadChunk(data=struct.pack(f"<{n // 2}f", *[float(k + 1)] * (n // 2)))
+
+        def run(s, m, ref, k, go):
+            fn = s.ch.stream_unary(SVC + "Upload",
+                                   request_serializer=lambda x: x.SerializeToString(),
+                                   response_deserializer=t.UploadReply.FromString)
+            try:
+                results[k] = fn(chunks(m, ref, k, go), metadata=s.metadata, timeout=60)
+            except grpc.RpcError as e:
+                results[k] = e
+
+        for i, (s, m) in enumerate(zip(sessions, meshes)):
+            for j in range(8):
+                k, ref, go = i * 8 + j, s.new_ref(), threading.Event()
+                th = threading.Thread(target=run, args=(s, m, ref, k, go))
+                jobs.append((s, ref, k, go, th))
+                th.start()
+                # One at a time: a session's refs must reach the server in order.
+                assert sent_half.acquire(timeout=30), "an Upload did not start"
+        time.sleep(0.5)  # the halves reach the agents
+        assert nthreads(srv.pid) <= threads0 + 3, \
+            f"server threads {threads0} -> {nthreads(srv.pid)} for 16 Uploads held open"
+        assert lib.health_check(srv.port, lib.TENSOR_SERVICE, timeout=2.0) == lib.SERVING()
+        other_session_computes(srv.port)
+        # Released in order: a session defines its refs in increasing order.
+        for _, _, _, go, th in jobs:
+            go.set()
+            th.join(60)
+            assert not th.is_alive(), "an Upload did not end"
+        assert isinstance(results[0], grpc.RpcError), "the abandoned Upload was accepted"
+        sessions[0].fails("UNKNOWN_REF", lib.describe(jobs[0][1]))
+        for s, ref, k, _, _ in jobs[1:]:
+            assert not isinstance(results[k], grpc.RpcError), (k, results[k])
+            for rank in (0, 1):
+                fn_f = s.ch.unary_stream(SVC + "Fetch",
+                                         request_serializer=lambda x: x.SerializeToString(),
+                                         response_deserializer=t.FetchChunk.FromString)
+                data = b"".join(c.data for c in fn_f(
+                    t.FetchRequest(ref=ref, coords=[t.Coordinate(dim="gpu", index=rank)]),
+                    metadata=s.metadata, timeout=30) if c.WhichOneof("part") == "data")
+                got = struct.unpack(f"<{n}f", data)
+                assert got[0] == k and got[n // 2 - 1] == k and got[n // 2] == k + 1 \
+                    and got[-1] == k + 1, (k, rank, got[0], got[n // 2], got[-1])
+    finally:
+        for job in jobs:
+            job[3].set()
+        for s in sessions:
+            s.close()
+
+
 def test_upload_chunks_of_any_size_reach_the_right_ranks(meshd_server):
     """Chunks the server sends on untouched (one field, at most its agent chunk, inside
     one rank's slice) and chunks it repacks (larger, or straddling two ranks' slices)

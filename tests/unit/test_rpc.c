@@ -1583,7 +1583,7 @@ Test(rpc, duplex_hands_each_message_in_order_to_its_callback_then_the_end) {
   rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
-  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got, &l);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, -1, &echo_reply__descriptor, duplex_got, &l);
   cr_assert_not_null(d);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "tick";
@@ -1605,6 +1605,78 @@ Test(rpc, duplex_hands_each_message_in_order_to_its_callback_then_the_end) {
   cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 10000), 1);
 }
 
+/* rpc_duplex_send_raw chained from its own sent callback, as the server's
+ * Upload relay does: every message goes once, in order, then the half-close;
+ * a second send while one is in flight is refused. */
+typedef struct {
+  pull_log_t log;
+  int next, total, sent_ok, sent_failed;
+  int beside; /* what a send beside the one in flight got */
+  rpc_bytes_t *shared; /* every message is a reference to these bytes */
+} sender_t;
+
+static void send_next(rpc_duplex_t *d, bool ok, void *arg) {
+  sender_t *s = arg;
+  pthread_mutex_lock(&s->log.mu);
+  if (ok) s->sent_ok++;
+  else s->sent_failed++;
+  bool more = ok && s->next <= s->total;
+  bool close = more && s->next == s->total;
+  int n = s->next++;
+  pthread_mutex_unlock(&s->log.mu);
+  if (!more) return;
+  rpc_duplex_send_raw(d, close ? NULL : rpc_bytes_share(s->shared), close, send_next);
+  /* The send just started cannot have ended: its end comes on this thread. */
+  if (n == 2) s->beside = rpc_duplex_send_raw(d, rpc_bytes_share(s->shared), false, send_next);
+}
+
+static void sender_got(rpc_duplex_t *d, ProtobufCMessage *m, void *arg) {
+  duplex_got(d, m, &((sender_t *)arg)->log);
+}
+
+Test(rpc, duplex_send_raw_goes_in_order_without_waiting_then_half_closes) {
+  rpc_channel_t *pc = pull_channel();
+  sender_t s = {.total = 200};
+  pull_log_init(&s.log, false);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "raw";
+  s.shared = rpc_bytes_pack(&req.base);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, 10000, &echo_reply__descriptor,
+                                    sender_got, &s);
+  cr_assert_not_null(d);
+  s.next = 1;
+  s.beside = 1;
+  cr_assert_eq(rpc_duplex_send_raw(d, rpc_bytes_share(s.shared), false, send_next), 0);
+  pull_wait(&s.log, 0, true, 10000);
+  cr_assert(s.log.ended, "the echo never ended: the half-close did not go");
+  cr_assert_eq(rpc_duplex_status(d, NULL), GRPC_STATUS_OK);
+  cr_assert_eq(s.beside, -1, "a second send beside one in flight was not refused");
+  cr_assert_eq(s.log.bad_order, 0);
+  cr_assert_eq(s.log.got, s.total, "every message echoed once");
+  cr_assert_eq(s.sent_failed, 0);
+  cr_assert_eq(rpc_duplex_send_raw(d, rpc_bytes_share(s.shared), false, send_next), -1,
+               "a send after the end");
+  rpc_duplex_destroy(d);
+  rpc_bytes_free(s.shared);
+  rpc_channel_destroy(pc);
+}
+
+/* A duplex with a deadline ends DEADLINE_EXCEEDED when the peer never ends it. */
+Test(rpc, duplex_with_a_timeout_ends_at_its_deadline) {
+  rpc_channel_t *pc = pull_channel();
+  pull_log_t l;
+  pull_log_init(&l, false);
+  int64_t t0 = rpc_now_ms();
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, 300, &echo_reply__descriptor,
+                                    duplex_got, &l);
+  pull_wait(&l, 0, true, 10000);
+  cr_assert(l.ended, "the deadline never ended the call");
+  cr_assert_eq(rpc_duplex_status(d, NULL), GRPC_STATUS_DEADLINE_EXCEEDED);
+  cr_assert_geq(rpc_now_ms() - t0, 250);
+  rpc_duplex_destroy(d);
+  rpc_channel_destroy(pc);
+}
+
 /* The duplex's messages come on the rpc layer's client thread; the server's
  * workers are named too (operations.md, Troubleshooting: which thread is which). */
 static char duplex_thread[16];
@@ -1621,7 +1693,7 @@ Test(rpc, the_layers_threads_are_named) {
   pull_log_t l;
   pull_log_init(&l, false);
   rpc_duplex_t *d =
-      rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got_named, &l);
+      rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, -1, &echo_reply__descriptor, duplex_got_named, &l);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "who";
   cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
@@ -1657,7 +1729,7 @@ Test(rpc, duplex_finish_returns_after_the_end_callback_returned) {
   slow_end_t se = {0};
   pull_log_init(&se.log, false);
   rpc_duplex_t *d =
-      rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got_slow_end, &se);
+      rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, -1, &echo_reply__descriptor, duplex_got_slow_end, &se);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "one";
   cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
@@ -1684,7 +1756,7 @@ Test(rpc, duplex_cancel_ends_the_call_for_both_sides) {
   rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
-  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got, &l);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, -1, &echo_reply__descriptor, duplex_got, &l);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "one";
   cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
@@ -1707,7 +1779,7 @@ Test(rpc, duplex_destroyed_while_running_cancels_the_call) {
   rpc_channel_t *pc = pull_channel();
   pull_log_t l;
   pull_log_init(&l, false);
-  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, &echo_reply__descriptor, duplex_got, &l);
+  rpc_duplex_t *d = rpc_duplex_open(pc, ECHO_BIDI, NULL, 0, -1, &echo_reply__descriptor, duplex_got, &l);
   EchoRequest req = ECHO_REQUEST__INIT;
   req.text = "one";
   cr_assert_eq(rpc_duplex_write(d, &req.base), 0);
