@@ -59,6 +59,10 @@ struct agent_pool {
   int healthy;
   agent_pool_changed_fn changed;
   void *arg;
+  /* Held while changed runs: notifications go one at a time, each with the
+   * count as it is then (two threads that each recounted could otherwise
+   * deliver theirs out of order, leaving the older count as the last word). */
+  pthread_mutex_t notify_mu;
   agent_pool_callbacks_t cb;
   watermark_t *marks;
   uint64_t losses; /* mu */
@@ -85,6 +89,7 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
   watermark_set_kick(p->marks, kick_rank, p);
   pthread_mutex_init(&p->mu, NULL);
   pthread_mutex_init(&p->ca_mu, NULL);
+  pthread_mutex_init(&p->notify_mu, NULL);
   p->max_agents = AGENT_POOL_DEFAULT_MAX;
   if (cb) p->cb = *cb;
   p->changed = p->cb.changed;
@@ -145,6 +150,7 @@ void agent_pool_destroy(agent_pool_t *p) {
   free(p->agents);
   free(p->client_ca);
   pthread_mutex_destroy(&p->ca_mu);
+  pthread_mutex_destroy(&p->notify_mu);
   pthread_mutex_destroy(&p->mu);
   free(p);
 }
@@ -259,8 +265,15 @@ static bool recount_locked(agent_pool_t *p, int *count) {
   return changed;
 }
 
-static void notify(agent_pool_t *p, bool changed, int count) {
-  if (changed && p->changed) p->changed(count, p->arg);
+/* After a recount that changed the count: changed(the count now). */
+static void notify(agent_pool_t *p, bool changed) {
+  if (!changed || !p->changed) return;
+  pthread_mutex_lock(&p->notify_mu);
+  pthread_mutex_lock(&p->mu);
+  int count = p->healthy;
+  pthread_mutex_unlock(&p->mu);
+  p->changed(count, p->arg);
+  pthread_mutex_unlock(&p->notify_mu);
 }
 
 void agent_pool_set_max_agents(agent_pool_t *p, int max) {
@@ -416,7 +429,7 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   drop_link(pl, why); /* before its channel goes */
   rpc_channel_destroy(ch);
   agent_data_release(data); /* transfers that hold it end on their own */
-  notify(p, changed, count);
+  notify(p, changed);
 }
 
 void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id, bool healthy) {
@@ -437,7 +450,7 @@ void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
-  notify(p, changed, count);
+  notify(p, changed);
 }
 
 void agent_pool_set_allocated(agent_pool_t *p, uint32_t rank, const char *agent_id, uint64_t bytes) {

@@ -19,7 +19,9 @@
 
 typedef struct agent_pool agent_pool_t;
 
-/* Called (without pool locks held) whenever the count of healthy agents changes. */
+/* Called whenever the count of healthy agents changes, one call at a time and
+ * with the count as it is then (so the last call has the last word), without
+ * the pool's lock held: it may read the pool, not change an agent's health. */
 typedef void (*agent_pool_changed_fn)(int healthy, void *arg);
 
 typedef struct agent_desc {

@@ -291,7 +291,7 @@ def test_an_upload_streams_through_the_server(meshd_server):
 def test_uploads_held_open_hold_no_server_thread(meshd_server):
     """2 sessions x 8 Uploads, each sent its header and half its bytes and then held open
     by its client: the server relays them without a thread each (8 helper threads
-    waited on the agents before). Health and another session's compute work meanwhile;
+    waited on the agents before), and the agents' Writes hold none either. Health and another session's compute work meanwhile;
     then every Upload finishes with exactly its bytes on both ranks, and one cancelled
     halfway leaves its ref undefined."""
     import threading
@@ -303,7 +303,8 @@ def test_uploads_held_open_hold_no_server_thread(meshd_server):
     jobs = []
     try:
         meshes = [s.mesh(gpu=2).ref for s in sessions]
-        threads0 = nthreads(srv.pid)
+        agent0 = next(p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 0)
+        threads0, agent_threads0 = nthreads(srv.pid), nthreads(agent0)
         results, sent_half = {}, threading.Semaphore(0)
 
         def chunks(m, ref, k, go):
@@ -336,6 +337,8 @@ def test_uploads_held_open_hold_no_server_thread(meshd_server):
         time.sleep(0.5)  # the halves reach the agents
         assert nthreads(srv.pid) <= threads0 + 3, \
             f"server threads {threads0} -> {nthreads(srv.pid)} for 16 Uploads held open"
+        assert nthreads(agent0) <= agent_threads0 + 3, \
+            f"agent threads {agent_threads0} -> {nthreads(agent0)} for 16 Uploads held open"
         assert lib.health_check(srv.port, lib.TENSOR_SERVICE, timeout=2.0) == lib.SERVING()
         other_session_computes(srv.port)
         # Released in order: a session defines its refs in increasing order.

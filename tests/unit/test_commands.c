@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "commands.h"
 #include "log.h"
@@ -1540,4 +1541,68 @@ Test(commands, drain_belongs_to_the_rank) {
   agent_pool_remove(pool, 2, "agent-2b", "test");
   cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), -1);
   cr_assert_eq(agent_pool_set_drained(pool, 2, false, &e), 0, "%s", e.msg);
+}
+
+/* ------------------------------------------------------------------ pool health */
+
+/* Two agents turn healthy at once: the server's health follows the pool's
+ * change notifications, so the last one must carry the last count (the
+ * TensorService once stayed NOT_SERVING with both agents healthy: the thread
+ * that counted 1 delivered after the one that counted 2). A notification of
+ * a partial count is slow here, as under load. */
+typedef struct {
+  atomic_int last;
+  pthread_barrier_t go;
+  agent_pool_t *pool;
+} health_race_t;
+
+static void health_changed(int healthy, void *arg) {
+  health_race_t *h = arg;
+  if (healthy == 1) usleep(20 * 1000);
+  atomic_store(&h->last, healthy);
+}
+
+typedef struct {
+  health_race_t *h;
+  uint32_t rank;
+} turn_healthy_t;
+
+static void *turn_healthy(void *arg) {
+  turn_healthy_t *t = arg;
+  char id[32];
+  snprintf(id, sizeof id, "racer-%u", t->rank);
+  pthread_barrier_wait(&t->h->go);
+  agent_pool_set_healthy(t->h->pool, t->rank, id, true);
+  return NULL;
+}
+
+Test(agent_pool, the_last_health_notification_has_the_last_count, .timeout = 60) {
+  log_set_level(LOG_LEVEL_ERROR);
+  health_race_t h = {0};
+  agent_pool_callbacks_t cb = {.changed = health_changed, .arg = &h};
+  h.pool = agent_pool_create(&cb);
+  cr_assert_not_null(h.pool);
+  for (uint32_t r = 0; r < 2; r++) {
+    agent_desc_t d = {0};
+    snprintf(d.agent_id, sizeof d.agent_id, "racer-%u", r);
+    snprintf(d.address, sizeof d.address, "127.0.0.1:%u", 2000 + r);
+    snprintf(d.device, sizeof d.device, "cpu");
+    char msg[200];
+    cr_assert_eq(agent_pool_add(h.pool, &d, (int)r, msg, sizeof msg), (int)r, "%s", msg);
+  }
+  for (int round = 0; round < 20; round++) {
+    pthread_barrier_init(&h.go, NULL, 2);
+    turn_healthy_t t[2] = {{&h, 0}, {&h, 1}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, turn_healthy, &t[i]);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&h.go);
+    cr_assert_eq(agent_pool_healthy(h.pool), 2);
+    cr_assert_eq(atomic_load(&h.last), 2, "round %d: the last notification said %d healthy",
+                 round, atomic_load(&h.last));
+    agent_pool_set_healthy(h.pool, 0, "racer-0", false);
+    agent_pool_set_healthy(h.pool, 1, "racer-1", false);
+    cr_assert_eq(atomic_load(&h.last), 0);
+  }
+  agent_pool_destroy(h.pool);
 }
