@@ -131,3 +131,19 @@ def mesh(session):
     m = session.mesh(gpu=2)
     with m.activate():
         yield m
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report carries the tails of the meshd logs written while it ran
+    (the logs' folder goes when the run ends, and a flaky failure in CI is otherwise
+    left without the server's side of it)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    since = time.time() - max(report.duration, 0) - 5
+    for name in sorted(os.listdir(_TMP)):
+        path = os.path.join(_TMP, name)
+        if name.endswith(".log") and os.path.getmtime(path) >= since:
+            report.sections.append((f"meshd log {name} (last 80 lines)", _log_tail(path, 80)))
