@@ -391,12 +391,13 @@ static void upload_resume_locked(upload_t *u) {
 /* Every Write ended (or none opened): the ranks that took their bytes define
  * the ref, or let it go if any failed, and the client gets its answer. */
 static void upload_settle(upload_t *u) {
+  bool *defined = calloc(u->nranks ? u->nranks : 1, sizeof *defined);
   pthread_mutex_lock(&u->mu);
   bool ok = u->received && !u->aborted;
-  bool *defined = calloc(u->nranks ? u->nranks : 1, sizeof *defined);
   for (size_t i = 0; i < u->nranks; i++) {
-    defined[i] = u->w && u->w[i].ok;
-    ok = ok && defined[i];
+    bool rank_ok = u->w && u->w[i].ok;
+    if (defined) defined[i] = rank_ok;
+    ok = ok && rank_ok;
   }
   meshd_error_t e = u->err;
   bool answered = u->answered;
@@ -415,10 +416,11 @@ static void upload_settle(upload_t *u) {
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
-  if (!ok && o && defined) upload_undo(u, o, defined);
   /* Checked again: the session's other commands ran meanwhile. */
   if (ok && session_check_refs(s, &u->ref, 1, &e) == 0)
     t = upload_define(s, o, u->ref, &u->meta, u->mesh, u->stream, u->nranks, "Upload", &e);
+  /* A ref the session did not take is nobody's: the ranks that hold it let go. */
+  if (!t && o && defined) upload_undo(u, o, defined);
   Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];

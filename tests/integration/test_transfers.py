@@ -367,6 +367,61 @@ def test_uploads_held_open_hold_no_server_thread(meshd_server):
             s.close()
 
 
+def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(meshd_server):
+    """Two Uploads of one session at once, the higher ref finishing first: the lower is
+    refused when it settles (refs must increase), and the agents let go of the 4 MiB it
+    wrote to each rank (they kept it until the session's end before)."""
+    import threading
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+    n = MIB  # floats: 4 MiB per rank
+    with lib.Session(srv.port, "late-upload", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+
+        def allocated():
+            return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
+
+        base = allocated()
+        low, high = s.new_ref(), s.new_ref()
+        go, sent_half, result = threading.Event(), threading.Event(), {}
+
+        def chunks(ref, hold):
+            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[n],
+                                                      dtype=lib.dtype("float32")))
+            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
+            if hold:
+                sent_half.set()
+                go.wait(30)
+            yield t.UploadChunk(data=b"\x02" * (2 * MIB))
+
+        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+
+        def run_low():
+            try:
+                result["low"] = fn(chunks(low, True), metadata=s.metadata, timeout=30)
+            except grpc.RpcError as e:
+                result["low"] = e
+        th = threading.Thread(target=run_low)
+        th.start()
+        assert sent_half.wait(30), "the first Upload did not start"
+        fn(chunks(high, False), metadata=s.metadata, timeout=30)  # the higher ref, done first
+        go.set()
+        th.join(30)
+        e = result["low"]
+        assert isinstance(e, grpc.RpcError), "the lower ref was defined after the higher one"
+        assert "ref" in e.details() and "already used" in e.details(), e.details()
+        s.fails("UNKNOWN_REF", lib.describe(low))
+        assert fetch_floats(s, high)[:1] == [struct.unpack("<f", b"\x01" * 4)[0]]
+        # One tensor of 4 MiB per rank stays: the refused one's bytes go.
+        want = base + 2 * 4 * MIB
+        deadline = time.monotonic() + 10
+        while allocated() != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert allocated() == want, f"agents hold {allocated() - base} bytes, want {2 * 4 * MIB}"
+
+
 def test_upload_chunks_of_any_size_reach_the_right_ranks(meshd_server):
     """Chunks the server sends on untouched (one field, at most its agent chunk, inside
     one rank's slice) and chunks it repacks (larger, or straddling two ranks' slices)
