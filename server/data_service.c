@@ -76,6 +76,18 @@ static void live_done(data_service_t *ds) {
   pthread_mutex_unlock(&ds->mu);
 }
 
+/* The agents' TensorSpec of ref with meta: an Upload's Writes and a direct
+ * transfer's grants. sp points into meta. */
+static void tensor_spec_of(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref,
+                           const tensor_meta_t *meta) {
+  *sp = (Meshd__Agent__V1__TensorSpec)MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  sp->ref = ref;
+  sp->n_shape = sp->n_strides = (size_t)meta->layout.ndim;
+  sp->shape = (int64_t *)meta->layout.sizes;
+  sp->strides = (int64_t *)meta->layout.strides;
+  sp->dtype = (Meshd__V1__DType)meta->dtype;
+}
+
 static void destroy_objects(void *p) { objects_destroy(p); }
 
 static objects_t *objects_of(session_t *s) {
@@ -540,12 +552,8 @@ static int write_open_locked(upload_t *u, rank_write_t *w, meshd_error_t *e) {
   if (!w->d)
     return error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", w->rank);
   u->open++;
-  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  sp.ref = u->ref;
-  sp.n_shape = sp.n_strides = (size_t)u->meta.layout.ndim;
-  sp.shape = u->meta.layout.sizes;
-  sp.strides = u->meta.layout.strides;
-  sp.dtype = (Meshd__V1__DType)u->meta.dtype;
+  Meshd__Agent__V1__TensorSpec sp;
+  tensor_spec_of(&sp, u->ref, &u->meta);
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
   c.session_id = u->session->id;
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
@@ -1349,12 +1357,8 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
                RAND_bytes(&t->nonces[0][0], (int)(GRANT_NONCE_LEN * t->nranks)) == 1
            ? 0
            : error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
-  Meshd__Agent__V1__TensorSpec sp = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  sp.ref = t->ref;
-  sp.n_shape = sp.n_strides = (size_t)t->meta.layout.ndim;
-  sp.shape = t->meta.layout.sizes;
-  sp.strides = t->meta.layout.strides;
-  sp.dtype = (Meshd__V1__DType)t->meta.dtype;
+  Meshd__Agent__V1__TensorSpec sp;
+  tensor_spec_of(&sp, t->ref, &t->meta);
   Meshd__Agent__V1__TransferGrant g = MESHD__AGENT__V1__TRANSFER_GRANT__INIT;
   g.session_id = s->id;
   g.ref = t->ref;

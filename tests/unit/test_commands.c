@@ -470,19 +470,28 @@ static void expect_ref_free(uint64_t ref) {
 
 /* ------------------------------------------------------------------ fixture */
 
+/* n agents "<prefix>-<i>" at ranks 0 .. n - 1, not healthy yet. */
+static void add_agents(agent_pool_t *p, const char *prefix, int n, int port_base) {
+  for (int i = 0; i < n; i++) {
+    agent_desc_t d = {0};
+    snprintf(d.agent_id, sizeof d.agent_id, "%s-%d", prefix, i);
+    snprintf(d.address, sizeof d.address, "127.0.0.1:%d", port_base + i);
+    snprintf(d.device, sizeof d.device, "cpu");
+    char msg[200];
+    cr_assert_eq(agent_pool_add(p, &d, i, msg, sizeof msg), i, "%s", msg);
+  }
+}
+
 static void setup(void) {
   log_set_level(LOG_LEVEL_ERROR); /* every send fails: no links */
   rpc_init();
   pool = agent_pool_create(NULL);
   cr_assert_not_null(pool);
+  add_agents(pool, "agent", 8, 1000);
   for (int i = 0; i < 8; i++) {
-    agent_desc_t d = {0};
-    snprintf(d.agent_id, sizeof d.agent_id, "agent-%d", i);
-    snprintf(d.address, sizeof d.address, "127.0.0.1:%d", 1000 + i);
-    snprintf(d.device, sizeof d.device, "cpu");
-    char msg[200];
-    cr_assert_eq(agent_pool_add(pool, &d, i, msg, sizeof msg), i, "%s", msg);
-    agent_pool_set_healthy(pool, (uint32_t)i, d.agent_id, true);
+    char id[32];
+    snprintf(id, sizeof id, "agent-%d", i);
+    agent_pool_set_healthy(pool, (uint32_t)i, id, true);
   }
   cr_assert_eq(agent_pool_healthy(pool), 8);
   fe.pool = pool;
@@ -1582,14 +1591,7 @@ Test(agent_pool, the_last_health_notification_has_the_last_count, .timeout = 60)
   agent_pool_callbacks_t cb = {.changed = health_changed, .arg = &h};
   h.pool = agent_pool_create(&cb);
   cr_assert_not_null(h.pool);
-  for (uint32_t r = 0; r < 2; r++) {
-    agent_desc_t d = {0};
-    snprintf(d.agent_id, sizeof d.agent_id, "racer-%u", r);
-    snprintf(d.address, sizeof d.address, "127.0.0.1:%u", 2000 + r);
-    snprintf(d.device, sizeof d.device, "cpu");
-    char msg[200];
-    cr_assert_eq(agent_pool_add(h.pool, &d, (int)r, msg, sizeof msg), (int)r, "%s", msg);
-  }
+  add_agents(h.pool, "racer", 2, 2000);
   for (int round = 0; round < 20; round++) {
     pthread_barrier_init(&h.go, NULL, 2);
     turn_healthy_t t[2] = {{&h, 0}, {&h, 1}};
