@@ -905,32 +905,10 @@ rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_m
   return d;
 }
 
-int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
-  grpc_op op;
-  memset(&op, 0, sizeof op);
-  op.op = GRPC_OP_SEND_MESSAGE;
-  pthread_mutex_lock(&d->ac.core.mu);
-  int rc = -1;
-  if (!d->writing && !d->ac.status_done) {
-    d->send_buf = wire_pack(msg);
-    op.data.send_message.send_message = d->send_buf;
-    d->writing = true;
-    if (async_batch_locked(&d->ac, &op, 1, &d->t_write)) {
-      while (d->writing) pthread_cond_wait(&d->cv, &d->ac.core.mu);
-      rc = d->write_ok ? 0 : -1;
-    } else {
-      d->writing = false;
-      grpc_byte_buffer_destroy(d->send_buf);
-      d->send_buf = NULL;
-    }
-  }
-  pthread_mutex_unlock(&d->ac.core.mu);
-  return rc;
-}
-
-void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.core.call, NULL); }
-
-int rpc_duplex_send_raw(rpc_duplex_t *d, rpc_bytes_t *msg, bool close, rpc_duplex_sent_fn sent) {
+/* Starts the one send in flight (lock held): msg, which the duplex then owns,
+ * and/or the half-close. Its end wakes rpc_duplex_write, or goes to sent. */
+static bool duplex_send_locked(rpc_duplex_t *d, grpc_byte_buffer *msg, bool close,
+                               rpc_duplex_sent_fn sent) {
   grpc_op ops[2];
   memset(ops, 0, sizeof ops);
   size_t n = 0;
@@ -939,23 +917,39 @@ int rpc_duplex_send_raw(rpc_duplex_t *d, rpc_bytes_t *msg, bool close, rpc_duple
     ops[n++].data.send_message.send_message = msg;
   }
   if (close) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  if (!n || d->writing || d->ac.status_done) return false;
+  d->send_buf = msg;
+  d->writing = true;
+  d->sent = sent;
+  if (async_batch_locked(&d->ac, ops, n, &d->t_write)) return true;
+  d->writing = false;
+  d->sent = NULL;
+  d->send_buf = NULL;
+  return false;
+}
+
+int rpc_duplex_write(rpc_duplex_t *d, const ProtobufCMessage *msg) {
+  grpc_byte_buffer *buf = wire_pack(msg);
   pthread_mutex_lock(&d->ac.core.mu);
   int rc = -1;
-  if (n && !d->writing && !d->ac.status_done) {
-    d->send_buf = msg;
-    d->writing = true;
-    d->sent = sent;
-    if (async_batch_locked(&d->ac, ops, n, &d->t_write)) {
-      rc = 0;
-    } else {
-      d->writing = false;
-      d->sent = NULL;
-      d->send_buf = NULL;
-    }
+  if (duplex_send_locked(d, buf, false, NULL)) {
+    buf = NULL; /* the write's end frees it */
+    while (d->writing) pthread_cond_wait(&d->cv, &d->ac.core.mu);
+    rc = d->write_ok ? 0 : -1;
   }
   pthread_mutex_unlock(&d->ac.core.mu);
-  if (rc && msg) grpc_byte_buffer_destroy(msg);
+  if (buf) grpc_byte_buffer_destroy(buf);
   return rc;
+}
+
+void rpc_duplex_cancel(rpc_duplex_t *d) { grpc_call_cancel(d->ac.core.call, NULL); }
+
+int rpc_duplex_send_raw(rpc_duplex_t *d, rpc_bytes_t *msg, bool close, rpc_duplex_sent_fn sent) {
+  pthread_mutex_lock(&d->ac.core.mu);
+  bool started = duplex_send_locked(d, msg, close, sent);
+  pthread_mutex_unlock(&d->ac.core.mu);
+  if (!started && msg) grpc_byte_buffer_destroy(msg);
+  return started ? 0 : -1;
 }
 
 grpc_status_code rpc_duplex_status(rpc_duplex_t *d, rpc_status_t *st) {
