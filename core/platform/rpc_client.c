@@ -548,7 +548,6 @@ static struct {
 
 static void *client_thread(void *arg) {
   grpc_completion_queue *cq = arg;
-  pthread_setname_np(pthread_self(), "rpc-client"); /* for top -H and perf */
   for (;;) {
     grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
@@ -565,6 +564,7 @@ static grpc_completion_queue *client_cq(void) {
   if (!client.running) {
     client.cq = grpc_completion_queue_create_for_next(NULL);
     if (pthread_create(&client.thread, NULL, client_thread, client.cq) == 0) {
+      pthread_setname_np(client.thread, "rpc-client"); /* for top -H and perf */
       client.running = true;
     } else {
       grpc_completion_queue_shutdown(client.cq);
