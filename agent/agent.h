@@ -21,6 +21,7 @@
 typedef struct agent_info {
   char id[33];            /* 128 random bits in hex, made at start */
   const char *server;     /* --server: where to register */
+  int server_timeout_ms;  /* --server-timeout: the registration's keepalive ack timeout */
   char address[256];      /* what the server dials back (--advertise or derived) */
   const char *device;     /* "cpu" */
   uint64_t memory_bytes;  /* capacity reported to the server */

@@ -39,6 +39,7 @@ typedef struct options {
   int64_t rank;
   uint64_t memory_bytes;
   double drain_seconds;
+  double server_timeout;
   int64_t threads;
   uint64_t max_message_bytes;
   const char *log_level;
@@ -80,6 +81,10 @@ static const config_flag_t flags[] = {
      INT32_MAX},
     {"memory-bytes", CONFIG_BYTES, NULL,
      "capacity reported to the server (default: physical memory)", &opt.memory_bytes, 0, 0},
+    {"server-timeout", CONFIG_DOUBLE, "20",
+     "a server that acknowledges no keepalive ping for this many seconds is taken as gone, and "
+     "the agent registers again (one that exits closes the connection: noticed at once)",
+     &opt.server_timeout, 1, 3600},
     {"drain-seconds", CONFIG_DOUBLE, "5", "on SIGTERM/SIGINT, how long running calls may finish",
      &opt.drain_seconds, 0, 3600},
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 256},
@@ -287,6 +292,7 @@ int main(int argc, char **argv) {
   static agent_info_t info;
   runtime_random_hex(info.id, 16);
   info.server = opt.server;
+  info.server_timeout_ms = (int)(opt.server_timeout * 1000);
   info.device = opt.device;
   const backend_ops_t *ops = backend_for_device(opt.device);
   /* A GPU's capacity is its memory (the backend reads it at open); host

@@ -115,10 +115,14 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
 
   /* A fresh channel with its own connection per attempt: gRPC's reconnect
    * backoff (up to minutes) would otherwise outlive a restarted server and make
-   * our own 2 s ceiling meaningless. Keepalive catches a silent server in ~2 s. */
+   * our own 2 s ceiling meaningless. A server that exits closes the connection
+   * (noticed at once); keepalive catches a silent one (host gone, network cut)
+   * within --server-timeout. That must outlast a stalled server (a paused VM, a
+   * throttled container): an ack timeout of 1 s lost every agent to a 3 s pause
+   * although the server's --agent-timeout allowed 60. */
   rpc_channel_opts_t copts = {
       .keepalive_ms = 1000,
-      .keepalive_timeout_ms = 1000,
+      .keepalive_timeout_ms = info->server_timeout_ms > 0 ? info->server_timeout_ms : 20000,
       .own_connection = true,
       /* A TLS handshake on a busy machine takes longer than the 100 ms default. */
       .connect_timeout_ms = info->cluster_tls.on ? 2000 : 0,

@@ -175,6 +175,32 @@ def test_a_stopped_agent_is_lost_and_registers_again(meshd_server):
     print(f"rank 1 lost {lost_after:.2f} s after SIGSTOP")
 
 
+def test_a_server_that_pauses_keeps_its_agents(meshd_server):
+    """A server paused for 3 s (a stalled VM, a throttled container) under --agent-timeout
+    60 loses no agent. Both ends ping: the agent's registration call must wait for the
+    server's acks longer than such a stall, or the agent ends its registration and the
+    resumed server finds it gone. (With a 1 s ack timeout on the agent's side every such
+    pause lost both ranks.)"""
+    srv = lib.wait_ready(meshd_server(2, "--agent-timeout", 60), 2)
+    with Session(srv.port, "before-pause") as s:
+        m = s.mesh(gpu=2)
+        x = s.run(factory(s.new_ref(), m.ref, "full", (3,), value=2.0)).tensors[0]
+        assert not s.run(sync(), timeout=30).errors
+        before = {a.rank: (a.agent_id, a.registered_unix_ms) for a in lib.list_agents(srv.port)}
+        assert sorted(before) == [0, 1]
+        with stopped(srv.pid):
+            time.sleep(3.0)
+        time.sleep(1.5)  # an agent that gave up would have re-registered by now
+        after = {a.rank: (a.agent_id, a.registered_unix_ms) for a in lib.list_agents(srv.port)}
+        assert after == before, f"agents registered again after the server's pause: " \
+                                f"{before} -> {after}\n{lib.log_tail(srv.log)}"
+        assert lib.healthy_ranks(lib.list_agents(srv.port)) == [0, 1]
+        # The session and what it stored came through.
+        y = s.run(reduce(s.new_ref(), x.ref, ["gpu"], "sum")).tensors[0]
+        assert not s.run(sync(), timeout=30).errors
+        assert fetch_f32(s, y.ref, gpu=1) == [4.0] * 3
+
+
 def test_a_call_in_flight_keeps_its_session_and_deadlines_end_waits(meshd_server):
     """A session with a 2 s lease and no KeepAlive: a Sync waiting on a stopped agent for
     longer than that must not let it expire (the lease restarts when the call ends). A Sync
