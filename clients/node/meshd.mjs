@@ -61,6 +61,7 @@ const here = path.dirname(fileURLToPath(import.meta.url));
 const PROTO_REL = path.join('api', 'meshd', 'v1', 'tensor_service.proto');
 const KIND_MD = 'meshd-error-kind';
 const CHUNK = 1 << 20; // Upload data chunk size
+const QUEUED = Symbol('queued'); // execute: a pipelined command's answer, still to come
 const AGENT_PROTO_REL = path.join('meshd', 'agent', 'v1', 'agent.proto');
 const GRANT_MD = 'meshd-transfer-grant-bin';
 export const DATA_PATHS = Object.freeze(['auto', 'direct', 'proxy']);
@@ -199,6 +200,7 @@ export class Session {
   #protoFile;
   #wide; // TensorService on the same channel, 64-bit integers as strings (PlanTransfer)
   #pipe = null; // setPipeline: the Submit stream, its queue and the answers awaited
+  #order = Promise.resolve(); // the last ref-claiming send issued (#inOrder)
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -267,6 +269,19 @@ export class Session {
 
   newRef() { this.nextRef += 1; return this.nextRef; }
 
+  // Refs must reach the server in strictly increasing order (docs/protocol.md), and
+  // they are taken in the order calls are issued. So every send that claims refs
+  // (execute, upload) goes out in issue order: send() runs once the send issued
+  // before it has been claimed by the server: a unary Execute answered, a pipelined
+  // command written on the Submit stream (which keeps its order), an Upload finished.
+  // Without this, calls issued together (Promise.all) raced on separate calls, and
+  // a ref that arrived after a higher one was refused REF_REUSED.
+  #inOrder(send) {
+    const p = this.#order.then(send);
+    this.#order = p.then(() => {}, () => {});
+    return p;
+  }
+
   // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
   unary(method, request, { timeoutMs } = {}) {
     return this.#unaryBy(method, request, this.deadline(timeoutMs));
@@ -286,9 +301,14 @@ export class Session {
   async execute(command, { timeoutMs } = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     this.seq += 1;
-    const res = this.#pipe
-      ? await this.#submit({ seq: this.seq, ...command }, command.sync ? (timeoutMs ?? this.timeoutMs) : undefined)
-      : await this.unary('Execute', { seq: this.seq, ...command }, { timeoutMs });
+    const cmd = { seq: this.seq, ...command };
+    const deadline = this.deadline(timeoutMs); // from the call, not from its turn
+    // A pipelined command is claimed in stream order once queued; its answer is awaited
+    // outside the order (wrapped, so that the order does not wait for it).
+    const sent = await this.#inOrder(() => (this.#pipe
+      ? { [QUEUED]: this.#submit(cmd, command.sync ? Math.max(1, deadline - Date.now()) : undefined) }
+      : this.#unaryBy('Execute', cmd, deadline)));
+    const res = QUEUED in sent ? await sent[QUEUED] : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     return res;
   }
@@ -539,15 +559,19 @@ export class Session {
     const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     const header = { ref: this.newRef(), mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank,
       total_bytes: bytes.length };
-    return this.#upload(header, bytes);
+    // Taken now, below every later call's refs: the proxy's ref should a direct plan
+    // have claimed header.ref and then fallen back.
+    const spare = this.newRef();
+    return this.#inOrder(() => this.#upload(header, spare, bytes));
   }
 
-  async #upload(header, bytes) {
+  // Runs in its turn (#inOrder): the session's later ref-claiming calls wait for it.
+  async #upload(header, spare, bytes) {
     await this.#drain(); // the header's ref after every queued command's
     if (this.#wanted()) {
       const tensor = await this.#directUpload(header, bytes);
       if (tensor) return tensor;
-      header = { ...header, ref: this.newRef() }; // a plan claimed the old one
+      header = { ...header, ref: spare }; // a plan claimed the old one
     }
     const tensor = await this.#proxyUpload(header, bytes);
     this.transferStats.proxyUploads += 1;
@@ -818,6 +842,7 @@ export class Session {
     if (this.closed) return;
     this.stopKeepAlive();
     try {
+      await this.#order; // every call issued before close has gone out
       if (this.#pipe) await this.setPipeline(null); // every command answered, then the stream ends
       await this.unary('CloseSession', {});
     } finally {

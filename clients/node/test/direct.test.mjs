@@ -131,6 +131,41 @@ test('--data-path=direct: sharded bytes go straight to and from both agents, nev
   }
 });
 
+test('calls issued together reach the server in ref order: uploads, Execute and the pipeline, both paths', async () => {
+  // Refs are taken in issue order and must arrive strictly increasing. Before the
+  // session sent its ref-claiming calls in turn, these raced on separate gRPC calls:
+  // about 1 unary factory in 17, and half of the uploads, were refused REF_REUSED.
+  for (const name of ['direct', 'proxy']) {
+    for (const pipelined of [false, true]) {
+      const s = await open(name, 'auto');
+      try {
+        if (pipelined) await s.setPipeline();
+        const mesh = await s.createMesh({ gpu: 2 });
+        const base = await s.factory({ mesh, kind: 'full', shape: [4], value: 1 });
+        for (let round = 0; round < 4; round += 1) {
+          const big = new Float32Array(1 << 20).fill(round + 2);
+          const calls = [s.upload(mesh, [big.length], big)]; // left running while the rest are issued
+          for (let i = 0; i < 6; i += 1) calls.push(s.call('add', [base, i]));
+          calls.push(s.upload(mesh, [3], new Float32Array([round, round, round])));
+          for (let i = 0; i < 6; i += 1) calls.push(s.factory({ mesh, kind: 'full', shape: [2], value: i }));
+          const got = await Promise.allSettled(calls);
+          const refused = got.filter((r) => r.status === 'rejected').map((r) => r.reason.message);
+          assert.deepEqual(refused, [], `${name}, pipelined ${pipelined}, round ${round}`);
+          const t = got.map((r) => r.value);
+          const refs = t.map((x) => Number(x.ref));
+          assert.deepEqual([...refs].sort((a, b) => a - b), refs, 'refs in issue order');
+          assert.equal((await s.fetch(t[0], { gpu: 1 }))[12345], round + 2);
+          assert.deepEqual([...await s.fetch(t[3], { gpu: 0 })], [3, 3, 3, 3]);
+          assert.deepEqual([...await s.fetch(t[7], { gpu: 1 })], [round, round, round]);
+          assert.deepEqual([...await s.fetch(t[13], { gpu: 0 })], [5, 5]);
+        }
+      } finally {
+        await s.close();
+      }
+    }
+  }
+});
+
 test('--data-path=proxy: auto uses the proxy (reason recorded), direct fails with the refusal', async () => {
   const s = await open('proxy', 'auto');
   try {
