@@ -95,6 +95,18 @@ static objects_t *objects_of(session_t *s) {
   return s->objects;
 }
 
+/* Why an agent call of a transfer failed, for the client: what the agent said
+ * when it answered with an error (its kind set), else that the connection to
+ * it broke, which is how a dead or cut-off agent shows. */
+static const char *agent_failure(const rpc_status_t *st, char *buf, size_t n) {
+  if (st->kind[0] || st->code == GRPC_STATUS_RESOURCE_EXHAUSTED ||
+      st->code == GRPC_STATUS_INVALID_ARGUMENT || st->code == GRPC_STATUS_PERMISSION_DENIED)
+    return st->message;
+  snprintf(buf, n, "the connection to its agent broke (%s): the agent died or cannot be "
+           "reached", st->message[0] ? st->message : "no status");
+  return buf;
+}
+
 static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
@@ -528,13 +540,15 @@ static void write_event(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
   w->ended = true;
   w->ok = code == GRPC_STATUS_OK && w->closed;
   /* The Writes cancelled for another's failure do not hide it. */
+  char why[sizeof st.message + 100];
   if (!w->ok && u->err.kind == ERR_NONE && !(u->aborted && code == GRPC_STATUS_CANCELLED))
     error_set(&u->err,
               code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA
               : code == GRPC_STATUS_OK              ? ERR_REMOTE_FAILURE
                                                     : ERR_AGENT_LOST,
-              "Upload: the agent of rank %u refused the data: %s", w->rank,
-              code == GRPC_STATUS_OK ? "it ended the Write before every byte came" : st.message);
+              "Upload: the Write to rank %u failed: %s", w->rank,
+              code == GRPC_STATUS_OK ? "its agent ended it before every byte came"
+                                     : agent_failure(&st, why, sizeof why));
   if (!w->ok) upload_abort_locked(u);
   bool last = --u->open == 0;
   pthread_mutex_unlock(&u->mu);
@@ -826,9 +840,10 @@ static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
       atomic_store(&f->read_all, true);
       rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
     } else {
+      char why[sizeof st.message + 100];
       rpc_call_finish(f->call, code, st.kind[0] ? st.kind : "AGENT_LOST",
                       "Fetch of tensor %llu from rank %u: %s", (unsigned long long)f->ref, f->rank,
-                      st.message);
+                      agent_failure(&st, why, sizeof why));
     }
     relay_stop(f);
     return;

@@ -17,10 +17,12 @@ import pytest
 
 import meshd_testlib as lib
 from meshd_testlib import Session, reduce, sync
-from test_compute import FetchError, _agents, data_plane, fetch, pb, upload
+from test_compute import FetchError, _agents, _kind, data_plane, fetch, pb, upload
 from test_metrics import free_ports, parse, sample, scrape
 
 ONES = np.ones(8, dtype=np.float32)
+_SVC = "/meshd.v1.TensorService/"
+_SVC_UPLOAD = _SVC + "Upload"
 
 
 def _fault(spec):
@@ -209,3 +211,116 @@ def test_a_sync_whose_client_gave_up_holds_nothing(meshd_server):
         y = upload(b, mb, ONES)
         r = b.run(reduce(b.new_ref(), y, dims=["gpu"], reduction="sum")).tensors[0].ref
         np.testing.assert_array_equal(fetch(b, r, gpu=0), 2 * ONES)
+
+
+def test_an_agent_killed_mid_transfer_ends_its_transfers_and_spares_the_others(meshd_server):
+    """Rank 2 is SIGKILLed while the server relays, for session a, an Upload to ranks
+    0-2 and a Fetch from rank 2, both stopped halfway by their clients, and while
+    session b's Upload to ranks 0-1 is halfway too. a's Upload and Fetch end with
+    errors naming rank 2 within seconds (not at their 60 s deadlines); the survivors let
+    go of a's partial tensor and its ref stays undefined; b's Upload finishes with its
+    bytes; then a's next Upload on a new mesh lands on the replacement."""
+    srv = lib.wait_ready(meshd_server(3, "--agent-timeout", 3), 3)
+    t = lib.tensor_pb2()
+    half = threading.Event()  # set by each transfer once it is halfway
+    go = threading.Event()    # the kill happened: the clients go on
+    chunk_a, chunk_b = b"\x03" * (1 << 20), b"\x05" * (1 << 20)
+    each = 16 << 20           # per rank: more than the sockets and windows buffer
+
+    def upload_stream(s, mesh, ref, nranks, chunk, out, key):
+        fn = s.ch.stream_unary(_SVC_UPLOAD, request_serializer=lambda x: x.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+
+        def chunks():
+            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=mesh, shape=[each // 4],
+                                                      dtype=lib.dtype("float32"), per_rank=True))
+            total = nranks * each // len(chunk)
+            for i in range(total):
+                if i == total // 2:
+                    out[key + "_half"] = True
+                    half.set()
+                    go.wait(30)
+                yield t.UploadChunk(data=chunk)
+        t0 = time.monotonic()
+        try:
+            out[key] = fn(chunks(), metadata=s.metadata, timeout=60)
+        except grpc.RpcError as e:
+            out[key] = e
+        out[key + "_t"] = time.monotonic() - t0
+
+    with Session(srv.port, "victim", timeout=60) as a, Session(srv.port, "bystander",
+                                                               timeout=60) as b:
+        ma, mb = a.mesh(gpu=3).ref, b.mesh(gpu=2).ref
+        assert {x.rank for x in _agents(a).values()} == {0, 1, 2}
+        big = a.run(lib.factory(a.new_ref(), ma, "full", (each // 4,), value=7.0)).tensors[0].ref
+        assert list(a.run(sync(), timeout=30).errors) == []
+        base = {r: ag.allocated_bytes for r, ag in _agents(a).items()}
+        out = {}
+        up_ref = a.new_ref()
+        threads = [
+            threading.Thread(target=upload_stream, args=(a, ma, up_ref, 3, chunk_a, out, "a")),
+            threading.Thread(target=upload_stream, args=(b, mb, b.new_ref(), 2, chunk_b, out, "b")),
+        ]
+        # a's Fetch from rank 2 reads one chunk, then stops reading until the kill.
+        fetch_fn = a.ch.unary_stream(_SVC + "Fetch",
+                                     request_serializer=lambda x: x.SerializeToString(),
+                                     response_deserializer=t.FetchChunk.FromString)
+
+        def fetch_rank2():
+            t0 = time.monotonic()
+            got = 0
+            try:
+                for c in fetch_fn(t.FetchRequest(ref=big, coords=[t.Coordinate(dim="gpu", index=2)]),
+                                  metadata=a.metadata, timeout=60):
+                    got += len(c.data)
+                    if got and not out.get("f_half"):
+                        out["f_half"] = True
+                        half.set()
+                        go.wait(30)
+                out["f"] = got
+            except grpc.RpcError as e:
+                out["f"] = e
+            out["f_t"] = time.monotonic() - t0
+        threads.append(threading.Thread(target=fetch_rank2))
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 30
+        while not all(out.get(k) for k in ("a_half", "b_half", "f_half")):
+            assert time.monotonic() < deadline, f"the transfers did not get halfway: {out}"
+            half.wait(0.1)
+        old_id = _agents(a)[2].agent_id
+        victim = next(p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 2)
+        os.kill(victim, signal.SIGKILL)
+        go.set()
+        for th in threads:
+            th.join(30)
+        assert not any(th.is_alive() for th in threads), f"a transfer hung after the kill: {out}"
+
+        for key in ("a", "f"):
+            e = out[key]
+            assert isinstance(e, grpc.RpcError), f"{key}: ended without an error: {e!r}"
+            assert "rank 2" in (e.details() or ""), f"{key}: {e.details()}"
+            assert "agent died or cannot be reached" in e.details(), f"{key}: {e.details()}"
+            assert _kind(e) == "AGENT_LOST", f"{key}: {_kind(e)}: {e.details()}"
+            assert out[key + "_t"] < 20, f"{key} ended {out[key + '_t']:.1f} s after it began"
+        assert not isinstance(out["b"], grpc.RpcError), f"b's Upload failed: {out['b'].details()}"
+        got_b = fetch(b, out["b"].tensor.ref, gpu=1)
+        assert got_b.shape == (each // 4,)
+        np.testing.assert_array_equal(got_b, np.frombuffer(chunk_b[:4], np.float32)[0])
+        # a's partial tensor: its ref stays undefined and the survivors let it go.
+        a.fails("UNKNOWN_REF", lib.describe(up_ref))
+        deadline = time.monotonic() + 10
+        while True:
+            now = {r: ag.allocated_bytes for r, ag in _agents(a).items() if r in (0, 1)}
+            want = {0: base[0] + each, 1: base[1] + each}  # b's tensor, nothing of a's
+            if now == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert now == want, f"survivors hold {now}, want {want} (a's partial upload left behind?)"
+        # The pool recovers and a's next Upload, on a new mesh, lands on every rank.
+        _replaced(a, 2, old_id)
+        m2 = a.mesh(gpu=3).ref
+        y = upload(a, m2, ONES)
+        np.testing.assert_array_equal(fetch(a, y, gpu=2), ONES)
+    print(f"upload ended after {out['a_t']:.2f} s: {out['a'].details()}; "
+          f"fetch after {out['f_t']:.2f} s: {out['f'].details()}")
