@@ -723,9 +723,14 @@ export class Session {
     this.#fallback(why);
   }
 
+  // A broken connection (UNAVAILABLE, the agent gave no kind) is AGENT_LOST, as the
+  // server says of the same break on the proxied path.
   static #shardError(what, sh, err) {
     const e = MeshdError.fromRpc(err);
-    return new MeshdError(e.kind, `direct ${what}, rank ${sh.rank} (agent ${sh.address}): ${err.details ?? err.message}`, e.code);
+    const broke = e.kind === 'UNAVAILABLE' && !(err.metadata?.get(KIND_MD) ?? []).length;
+    const why = err.details ?? err.message;
+    return new MeshdError(broke ? 'AGENT_LOST' : e.kind, `direct ${what}, rank ${sh.rank} (agent ${sh.address}): ${
+      broke ? `the connection to its agent broke (${why}): the agent died or cannot be reached` : why}`, e.code);
   }
 
   #grantMd(sh) {

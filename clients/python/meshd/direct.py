@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from . import _progress
-from .errors import MeshdError, retry_transfers_full
+from .errors import KIND_MD, MeshdError, retry_transfers_full
 
 _SVC = "/meshd.v1.TensorService/"
 _AGENT = "/meshd.agent.v1.Agent/"
@@ -43,6 +43,20 @@ _OPTIONS = [("grpc.enable_http_proxy", 0), ("grpc.max_receive_message_length", 6
             ("grpc.max_send_message_length", 64 << 20),
             # one connection per agent of its own: shards in parallel do not share one
             ("grpc.use_local_subchannel_pool", 1)]
+
+
+def _shard_error(e, what, sh):
+    """A shard's failed agent call (grpc.RpcError e) as a MeshdError that names the
+    rank and the agent, which the agent's own words do not (the server says the rank on
+    the proxied path). A broken connection says that the agent died or is unreachable."""
+    err = MeshdError.from_rpc(e)
+    kind, msg = err.kind, err.message
+    if kind == "UNAVAILABLE" and not any(k == KIND_MD for k, _ in (e.trailing_metadata() or ())):
+        # AGENT_LOST, as the server says of the same break on the proxied path
+        kind = "AGENT_LOST"
+        msg = f"the connection to its agent broke ({msg}): the agent died or cannot be reached"
+    return MeshdError.of_kind(kind, f"direct {what} of rank {sh.rank} (agent {sh.address}): {msg}",
+                              err.code)
 
 
 def _varint(n):
@@ -336,7 +350,10 @@ class Direct:
                     except BaseException as e:
                         aborted.append(e)
                         return
-            out = _fields(fn(chunks(), metadata=((GRANT_MD, sh.grant),), timeout=s.timeout))
+            try:
+                out = _fields(fn(chunks(), metadata=((GRANT_MD, sh.grant),), timeout=s.timeout))
+            except grpc.RpcError as e:
+                raise _shard_error(e, "upload", sh) from None
             return pb.WriteReceipt(rank=sh.rank, bytes=out.get(1, 0), receipt=out.get(2, b""))
         try:
             receipts, err = self._parallel(write, n)
@@ -384,16 +401,16 @@ class Direct:
         if n == 1:
             try:
                 out[0] = fn(0)
-            except grpc.RpcError as e:
-                err = MeshdError.from_rpc(e)
+            except MeshdError as e:
+                err = e
             return out, err
         with concurrent.futures.ThreadPoolExecutor(n) as ex:
             jobs = [ex.submit(fn, i) for i in range(n)]
             for i, j in enumerate(jobs):
                 try:
                     out[i] = j.result()
-                except grpc.RpcError as e:
-                    err = err or MeshdError.from_rpc(e)
+                except MeshdError as e:
+                    err = err or e
         return out, err
 
     # ------------------------------------------------------------ fetch
@@ -450,11 +467,7 @@ class Direct:
         except grpc.RpcError as e:
             tr.close()
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)
-            err = MeshdError.from_rpc(e)  # the agent's words: the rank is ours to say, as
-            msg = err.message             # the server says it on the proxied path
-            if "(rank " not in msg:
-                msg = f"{msg} (rank {sh.rank})"
-            raise MeshdError.of_kind(err.kind, msg, err.code) from None
+            raise _shard_error(e, "fetch", sh) from None
         except BaseException:  # our checks, or the progress callback's exception
             tr.close()
             self._finish_fetch(reply.transfer_id, timeout, quiet=True)

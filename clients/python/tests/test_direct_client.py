@@ -2,6 +2,8 @@
 against a local server, proxy never does, and a bad value is refused before any
 connection is made. The protocol's refusals are in tests/integration/test_direct.py."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -94,4 +96,94 @@ def test_more_fetches_than_the_session_may_have_in_flight_wait_their_turn(data_p
                 for f in futs:
                     np.testing.assert_array_equal(f.result(), a)
     finally:
+        stop_meshd(proc)
+
+
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_an_agent_killed_mid_transfer_fails_it_and_the_session_goes_on(data_path):
+    """Rank 1's agent is SIGKILLed halfway through a fetch_shard from it, then halfway
+    through a sharded upload (the progress callback kills it). Each raises a MeshdError
+    naming rank 1 within seconds; the upload's ref stays undefined; the survivor keeps
+    nothing of it; and with --session-max-transfers 1 the next transfers still get the
+    slot (a failed transfer gave it back): on a new mesh, once the supervisor replaced
+    the agent, an upload and fetches round-trip."""
+    import os
+    import signal
+    import time
+    from conftest import start_meshd, stop_meshd
+    from test_keepalive import _agent_pid
+    from meshd import _progress
+    addr, proc = start_meshd(2, name=f"meshd-kill-{data_path}",
+                             flags=("--session-max-transfers", "1"))
+    old = _progress.CALLBACK_INTERVAL
+    _progress.CALLBACK_INTERVAL = 0.0
+    try:
+        with meshd.connect(addr, data_path=data_path, timeout=60) as s:
+            def rank1():
+                return next(a for a in s.agents() if a["rank"] == 1)
+
+            def killer():
+                pid = _agent_pid(proc.pid, 1)
+                fired = []
+
+                def cb(done, total):
+                    if not fired and done >= total // 2:
+                        fired.append(time.monotonic())
+                        os.kill(pid, signal.SIGKILL)
+                return cb, fired
+
+            def replaced(address):
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(StopIteration):
+                        a = rank1()
+                        if a["healthy"] and a["address"] != address:
+                            return
+                    time.sleep(0.05)
+                pytest.fail("rank 1 was not replaced within 30 s")
+
+            big = np.arange(2 * (8 << 20), dtype=np.float32).reshape(2, -1)  # 32 MiB a rank
+            m = s.mesh(gpu=2)
+            with m.activate():
+                t = meshd.tensor(big, shard="gpu")
+                cb, fired = killer()
+                before = rank1()["address"]
+                with pytest.raises(meshd.MeshdError) as ei:
+                    meshd.fetch_shard(t, gpu=1, progress=cb).result(timeout=30)
+                assert fired, "the fetch ended before it was halfway"
+                took = time.monotonic() - fired[0]
+                assert "rank 1" in str(ei.value), ei.value
+                assert ei.value.kind == "AGENT_LOST", ei.value  # on either path
+                assert took < 10, f"the fetch failed {took:.1f} s after the kill: {ei.value}"
+                fetch_err = ei.value
+            replaced(before)
+            m2 = s.mesh(gpu=2)
+            with m2.activate():
+                survivor = next(a for a in s.agents() if a["rank"] == 0)["allocated_bytes"]
+                cb, fired = killer()
+                before = rank1()["address"]
+                with pytest.raises(meshd.MeshdError) as ei:
+                    meshd.tensor(big, shard="gpu", progress=cb)
+                assert fired, "the upload ended before it was halfway"
+                took = time.monotonic() - fired[0]
+                assert "rank 1" in str(ei.value), ei.value
+                assert ei.value.kind == "AGENT_LOST", ei.value  # on either path
+                assert took < 10, f"the upload failed {took:.1f} s after the kill: {ei.value}"
+                print(f"{data_path}: fetch: {fetch_err}; upload: {ei.value}")
+                undefined = meshd.Tensor(s, s._ref, big.shape[1:], "float32", m2.ref, 0)
+                with pytest.raises(meshd.MeshdError) as e2:
+                    (undefined + 1).shape
+                assert e2.value.kind == "UNKNOWN_REF", e2.value
+                deadline = time.monotonic() + 10
+                while next(a for a in s.agents() if a["rank"] == 0)["allocated_bytes"] != survivor:
+                    assert time.monotonic() < deadline, "rank 0 kept the failed upload's shard"
+                    time.sleep(0.05)
+            replaced(before)
+            with s.mesh(gpu=2).activate():
+                x = meshd.tensor(big[:, :1000], shard="gpu")
+                for g in (0, 1):
+                    np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=g).result(timeout=30),
+                                                  big[g, :1000])
+    finally:
+        _progress.CALLBACK_INTERVAL = old
         stop_meshd(proc)
