@@ -255,3 +255,36 @@ test('cluster mTLS: straight to the agents over TLS; an agent that does not answ
     await s.close();
   }
 });
+
+test('direct: an agent killed mid-upload fails it with AGENT_LOST naming the rank; the session goes on', async () => {
+  const s = await open('direct', 'direct');
+  const mesh = async () => { // rank 1's replacement may still be registering
+    const until = Date.now() + 30000;
+    for (;;) {
+      try { return await s.createMesh({ gpu: 2 }); } catch (e) {
+        if (Date.now() > until) throw e;
+        await sleep(50);
+      }
+    }
+  };
+  try {
+    const each = 48 << 20; // far past what the sockets buffer: the kill lands mid-write
+    const data = new Uint8Array(2 * each).fill(9);
+    let err;
+    for (let attempt = 0; attempt < 5 && !err?.message.includes('direct upload, rank 1'); attempt += 1) {
+      const m = await mesh();
+      const pid = agentPid('direct', 1);
+      const up = s.upload(m, [each], data, { perRank: true });
+      setTimeout(() => process.kill(pid, 'SIGKILL'), 20 + 30 * attempt);
+      err = await up.then(() => undefined, (e) => e);
+    }
+    assert.ok(err, 'every upload finished before its agent was killed');
+    assert.equal(err.kind, 'AGENT_LOST', err.message);
+    assert.match(err.message, /direct upload, rank 1 \(agent 127\.0\.0\.1:\d+\): the connection to its agent broke \(.+\): the agent died or cannot be reached/);
+    const m = await mesh(); // the session goes on, on the replacement
+    const t = await s.upload(m, [3], new Float32Array([1, 2, 3]));
+    assert.deepEqual([...await s.fetch(t, { gpu: 1 })], [1, 2, 3]);
+  } finally {
+    await s.close();
+  }
+});
