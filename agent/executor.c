@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <uthash.h>
 
 #include "log.h"
@@ -358,6 +359,11 @@ static xsession_t *session_find_locked(executor_t *x, const char *id) {
   return s;
 }
 
+/* Sessions in any executor's table: the agent's meshd_agent_sessions gauge. */
+static atomic_size_t open_sessions;
+
+size_t executor_open_sessions(void) { return atomic_load(&open_sessions); }
+
 static xsession_t *session_get_locked(executor_t *x, const char *id) {
   xsession_t *s = session_find_locked(x, id);
   if (s) return s;
@@ -367,6 +373,7 @@ static xsession_t *session_get_locked(executor_t *x, const char *id) {
     return NULL;
   }
   HASH_ADD_KEYPTR(hh, x->sessions, s->state->id, strlen(s->state->id), s);
+  atomic_fetch_add(&open_sessions, 1);
   s->live_next = x->live;
   if (x->live) x->live->live_prev = s;
   x->live = s;
@@ -622,6 +629,7 @@ void executor_submit_end(executor_t *x) {
 static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq) {
   wake_deferred_locked(x); /* its streams may end and be freed before the batch's end */
   HASH_DEL(x->sessions, s);
+  atomic_fetch_sub(&open_sessions, 1);
   s->end_seq = seq;
   session_state_close(s->state); /* waits (a hung instruction) end; nothing reads it after */
   if (s->live_workers == 0) {
@@ -891,6 +899,7 @@ void executor_unref(executor_t *x) {
   xsession_t *s, *tmp;
   HASH_ITER(hh, x->sessions, s, tmp) { /* only sessions without workers remain */
     HASH_DEL(x->sessions, s);
+    atomic_fetch_sub(&open_sessions, 1);
     session_free(s);
   }
   for (size_t i = 0; i < x->nerrs; i++) {

@@ -92,6 +92,9 @@ void executor_kick(executor_t *x);
 uint64_t executor_executed(executor_t *x);
 /* Sessions with state on this executor. */
 size_t executor_sessions(executor_t *x);
+/* Sessions with state on every executor of the process (the agent's
+ * meshd_agent_sessions gauge). */
+size_t executor_open_sessions(void);
 /* Waits until executed_through >= seq. 0, or -1 on timeout / close. */
 int executor_wait(executor_t *x, uint64_t seq, int timeout_ms);
 /* Waits until `session` ran every one of its seqs <= seq (other sessions'

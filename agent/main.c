@@ -16,6 +16,7 @@
 #include "backend.h"
 #include "dataplane/dataplane.h"
 #include "execute.h"
+#include "executor.h"
 #include "build_info.h"
 #include "config.h"
 #include "health.h"
@@ -195,6 +196,10 @@ static int parse_options(int argc, char **argv) {
 static double allocated_gauge(void *arg) {
   backend_t *b = arg;
   return (double)atomic_load(&b->allocated);
+}
+static double sessions_gauge(void *arg) {
+  (void)arg;
+  return (double)executor_open_sessions();
 }
 static double instructions_fn(void *arg) {
   return (double)atomic_load(&((agent_stats_t *)arg)->instructions);
@@ -460,6 +465,10 @@ int main(int argc, char **argv) {
     metrics_define(metrics, "meshd_agent_allocated_bytes", METRIC_GAUGE,
                    "Device memory the agent holds now, in bytes.");
     metrics_set_fn(metrics, "meshd_agent_allocated_bytes", NULL, allocated_gauge, &backend);
+    metrics_define(metrics, "meshd_agent_sessions", METRIC_GAUGE,
+                   "Sessions the agent holds state for (opened by their first instruction, "
+                   "ended by the server's EndSession).");
+    metrics_set_fn(metrics, "meshd_agent_sessions", NULL, sessions_gauge, NULL);
     metrics_define(metrics, "meshd_agent_instructions_total", METRIC_COUNTER,
                    "Instructions the agent has run.");
     metrics_set_fn(metrics, "meshd_agent_instructions_total", NULL, instructions_fn, &stats);

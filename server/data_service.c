@@ -99,9 +99,7 @@ static objects_t *objects_of(session_t *s) {
  * when it answered with an error (its kind set), else that the connection to
  * it broke, which is how a dead or cut-off agent shows. */
 static const char *agent_failure(const rpc_status_t *st, char *buf, size_t n) {
-  if (st->kind[0] || st->code == GRPC_STATUS_RESOURCE_EXHAUSTED ||
-      st->code == GRPC_STATUS_INVALID_ARGUMENT || st->code == GRPC_STATUS_PERMISSION_DENIED)
-    return st->message;
+  if (st->kind[0] || st->code != GRPC_STATUS_UNAVAILABLE) return st->message;
   snprintf(buf, n, "the connection to its agent broke (%s): the agent died or cannot be "
            "reached", st->message[0] ? st->message : "no status");
   return buf;
@@ -279,6 +277,10 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   obj_t *m = NULL;
+  if (atomic_load(&s->closed)) { /* its EndSession went: nothing may open it again */
+    error_set(e, ERR_NO_SESSION, "Upload: session %.8s was closed; it takes no more data", s->id);
+    goto out;
+  }
   if (!o) {
     error_set(e, ERR_QUOTA, "Upload: out of memory on the server");
     goto out;
@@ -355,7 +357,9 @@ static void upload_open(upload_t *u) {
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
   ins.status = &sr;
   pthread_mutex_lock(&s->mu);
-  objects_t *o = objects_of(s);
+  /* Not once the session closed (between the header and here): its EndSession
+   * went, and a Status would open it on the agents again. */
+  objects_t *o = atomic_load(&s->closed) ? NULL : objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) {
     uint64_t seq = 0;
     if (agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0) objects_sent(o, u->ranks[i], seq, 0);
@@ -438,13 +442,22 @@ static void upload_settle(upload_t *u) {
   session_t *s = u->session;
   obj_t *t = NULL;
   pthread_mutex_lock(&s->mu);
-  objects_t *o = objects_of(s);
+  /* A session closed meanwhile: its EndSession freed what the ranks took, and
+   * any instruction now (an undo) would open it on them again. */
+  bool closed = atomic_load(&s->closed);
+  objects_t *o = closed ? NULL : objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) objects_touch(o, u->ranks[i]); /* EndSession frees it */
+  if (closed) /* the cause, whatever the Writes said (the agents had ended it) */
+    error_set(&e, ERR_NO_SESSION, "Upload: session %.8s was closed before the upload ended",
+              s->id);
   /* Checked again: the session's other commands ran meanwhile. */
-  if (ok && session_check_refs(s, &u->ref, 1, &e) == 0)
+  else if (ok && !o)
+    error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
+  else if (ok && session_check_refs(s, &u->ref, 1, &e) == 0)
     t = upload_define(s, o, u->ref, &u->meta, u->mesh, u->stream, u->nranks, "Upload", &e);
-  /* A ref the session did not take is nobody's: the ranks that hold it let go. */
-  if (!t && o && defined) upload_undo(u, o, defined);
+  /* A ref the session did not take is nobody's: the ranks that hold it let go
+   * (all of them when `defined` could not be allocated). */
+  if (!t && o) upload_undo(u, o, defined);
   Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];

@@ -46,6 +46,7 @@ typedef struct method_slot {
 
 struct rpc_call {
   rpc_server_t *srv;
+  int max_msg; /* srv's, kept: a relay may answer a closed call after srv is gone */
   method_slot_t *slot; /* NULL: a call to a method not in the table */
   grpc_call *call;
   grpc_call_details details; /* unknown methods only */
@@ -149,6 +150,7 @@ static rpc_call_t *call_new(rpc_server_t *srv, method_slot_t *slot) {
   rpc_call_t *c = calloc(1, sizeof *c);
   if (!c) abort(); /* a server that cannot allocate 300 bytes cannot do anything useful */
   c->srv = srv;
+  c->max_msg = srv->max_msg;
   c->slot = slot;
   pthread_mutex_init(&c->mu, NULL);
   grpc_metadata_array_init(&c->md);
@@ -300,12 +302,16 @@ void rpc_call_finish(rpc_call_t *c, grpc_status_code code, const char *kind, con
 }
 
 void rpc_call_reply(rpc_call_t *c, const ProtobufCMessage *msg) {
+  pthread_mutex_lock(&c->mu);
+  bool closed = c->closed; /* nothing to answer; its server may be gone (a late relay) */
+  pthread_mutex_unlock(&c->mu);
+  if (closed) return;
   size_t n = protobuf_c_message_get_packed_size(msg);
-  if (n > (size_t)c->srv->max_msg) { /* gRPC would fail the call with a bare RESOURCE_EXHAUSTED */
+  if (n > (size_t)c->max_msg) { /* gRPC would fail the call with a bare RESOURCE_EXHAUSTED */
     char text[256];
     snprintf(text, sizeof text, "%s: the reply is %zu bytes, over this process's %d-byte "
              "message limit (--max-message-bytes)", c->slot ? c->slot->m->path : "reply", n,
-             c->srv->max_msg);
+             c->max_msg);
     pthread_mutex_lock(&c->mu);
     finish_locked(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", text);
     pthread_mutex_unlock(&c->mu);
@@ -317,7 +323,7 @@ void rpc_call_reply(rpc_call_t *c, const ProtobufCMessage *msg) {
   pthread_mutex_unlock(&c->mu);
 }
 
-int rpc_call_max_message(const rpc_call_t *c) { return c->srv->max_msg; }
+int rpc_call_max_message(const rpc_call_t *c) { return c->max_msg; }
 
 size_t rpc_call_pending(rpc_call_t *c) {
   pthread_mutex_lock(&c->mu);

@@ -8,6 +8,7 @@ import struct
 import time
 
 import grpc
+import pytest
 
 import meshd_testlib as lib
 
@@ -496,3 +497,74 @@ def test_uploads_and_fetches_share_one_connection_per_agent(meshd_server, agent)
         after = sockets_on_port(a.port)
         s.close()
     assert after - before <= 2, f"{after - before} new sockets on the agent's port for 24 transfers"
+
+
+@pytest.mark.parametrize("when", ["before_header", "mid_upload"])
+def test_an_upload_outliving_its_session_leaves_nothing_on_the_agents(meshd_server, when):
+    """CloseSession while one of its Uploads is open: before the header came, or with
+    half the bytes sent. The Upload must not open the session on the agents again (the
+    server already ended it there), so nothing of it stays: the agents' allocated bytes
+    and open sessions go back to what they were, and the Upload does not answer OK for
+    a session that is gone. (It reopened the session with a Status instruction, or with
+    the DeleteRefs of its undo, and, before the header, defined the tensor there.)"""
+    import threading
+    from test_metrics import free_ports, parse, sample, scrape
+    mport = free_ports(2)
+    srv = meshd_server(2, "--local-agent-metrics-port-base", mport)
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+
+    def allocated():
+        return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
+
+    def agent_sessions():
+        return [sample(parse(scrape(mport + r)), "meshd_agent_sessions") for r in (0, 1)]
+
+    base = allocated()
+    assert agent_sessions() == [0, 0]
+    s = lib.Session(srv.port, f"closing-{when}", timeout=30)
+    m = s.mesh(gpu=2).ref
+    assert not s.run(lib.sync(), timeout=30).errors
+    go, reached, result = threading.Event(), threading.Event(), {}
+    n = MIB  # floats: 4 MiB per rank
+
+    def chunks():
+        if when == "before_header":
+            reached.set()
+            go.wait(30)
+        yield t.UploadChunk(header=t.UploadHeader(ref=s.new_ref(), mesh=m, shape=[n],
+                                                  dtype=lib.dtype("float32")))
+        yield t.UploadChunk(data=b"\x01" * (2 * MIB))
+        if when == "mid_upload":
+            reached.set()
+            go.wait(30)
+        yield t.UploadChunk(data=b"\x02" * (2 * MIB))
+
+    fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                           response_deserializer=t.UploadReply.FromString)
+
+    def run():
+        try:
+            result["r"] = fn(chunks(), metadata=s.metadata, timeout=30)
+        except grpc.RpcError as e:
+            result["r"] = e
+    th = threading.Thread(target=run)
+    th.start()
+    assert reached.wait(30), "the Upload did not start"
+    time.sleep(0.3)  # the call (and its first messages) reached the server
+    s.close()
+    go.set()
+    th.join(30)
+    assert not th.is_alive(), "the Upload hung after its session closed"
+    r = result["r"]
+    assert isinstance(r, grpc.RpcError), f"the Upload answered OK for a closed session: {r}"
+    kind = dict(r.trailing_metadata() or ()).get("meshd-error-kind", "")
+    assert kind == "NO_SESSION" and "was closed" in r.details(), f"{kind}: {r.details()}"
+    deadline = time.monotonic() + 10
+    while allocated() != base and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert allocated() == base, f"agents hold {allocated() - base} bytes of a closed session"
+    while agent_sessions() != [0, 0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent_sessions() == [0, 0], f"sessions left open on the agents: {agent_sessions()}"
+    print(f"{when}: {r.code()}: {r.details()}")
