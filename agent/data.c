@@ -117,9 +117,9 @@ static int read_wait(read_job_t *j) {
 }
 
 static void read_job_free(read_job_t *j) {
+  rpc_call_unref(j->call); /* before the executor's: see write_open_main */
   snapshot_release(j->snap);
   executor_unref(j->ex);
-  rpc_call_unref(j->call);
   free(j);
 }
 
@@ -275,6 +275,10 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   j->after_seq = req->after_seq;
   j->chunk = req->max_chunk_bytes ? req->max_chunk_bytes : CHUNK_DEFAULT;
   if (j->chunk > CHUNK_MAX) j->chunk = CHUNK_MAX;
+  /* Within this agent's --max-message-bytes (a DataChunk's framing is a few
+   * bytes): gRPC would end the call with a bare RESOURCE_EXHAUSTED. */
+  int max_msg = rpc_call_max_message(call);
+  if (max_msg > 64 && j->chunk > (uint32_t)max_msg - 64) j->chunk = (uint32_t)max_msg - 64;
   rpc_call_ref(call);
   if (ready) { /* nothing to wait for: no thread (a start cost ~0.5 ms, a 1 MiB Read's time) */
     read_run(j);
@@ -408,8 +412,10 @@ static void *write_open_main(void *arg) {
     if (!open) write_not_open(w);
     else if (write_ready(w) == 0) rpc_call_resume_reads(call);
   }
-  write_release(w);
+  /* The call first: the executor's last reference may let main go on to
+   * shut gRPC down (executor_wait_all_freed), and the call's free uses it. */
   rpc_call_unref(call);
+  write_release(w);
   return NULL;
 }
 

@@ -349,7 +349,7 @@ out:
  * StatusRequest of the session opens it on each rank, ahead of the writes
  * (the agent waits briefly for it when the write overtakes it), and marks the
  * rank touched so that EndSession closes it there. */
-static void upload_open(upload_t *u) {
+static int upload_open(upload_t *u) {
   Meshd__Agent__V1__StatusRequest sr = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   session_t *s = u->session;
@@ -359,12 +359,14 @@ static void upload_open(upload_t *u) {
   pthread_mutex_lock(&s->mu);
   /* Not once the session closed (between the header and here): its EndSession
    * went, and a Status would open it on the agents again. */
-  objects_t *o = atomic_load(&s->closed) ? NULL : objects_of(s);
+  bool closed = atomic_load(&s->closed);
+  objects_t *o = closed ? NULL : objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) {
     uint64_t seq = 0;
     if (agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0) objects_sent(o, u->ranks[i], seq, 0);
   }
   pthread_mutex_unlock(&s->mu);
+  return closed ? -1 : 0;
 }
 
 /* A write failed: the ranks that defined the ref let go of it (which the
@@ -396,6 +398,17 @@ static obj_t *upload_define(session_t *s, objects_t *o, uint64_t ref, const tens
                             uint64_t mesh, uint64_t stream, size_t nranks, const char *what,
                             meshd_error_t *e) {
   if (command_check_limits(s, o, OBJ_TENSOR, 1, what, e)) return NULL;
+  /* The quota again: the header's check was before the bytes came, and the
+   * session's other work (commands, transfers) may have taken it since. */
+  uint64_t each = (uint64_t)layout_numel(&meta->layout) * dtype_size(meta->dtype), add, total;
+  if (s->quota_bytes && (__builtin_mul_overflow(each, (uint64_t)nranks, &add) ||
+                         __builtin_add_overflow(o->bytes, add, &total) || total > s->quota_bytes)) {
+    error_set(e, ERR_QUOTA, "%s: the tensor needs %llu bytes across its mesh, but the session "
+              "now holds %llu of its %llu-byte quota (taken since the upload began); drop "
+              "tensors you no longer need", what, (unsigned long long)(each * nranks),
+              (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);
+    return NULL;
+  }
   o->current_seq = 0; /* an upload is not a numbered command */
   obj_t *t = objects_new_tensor(o, ref, meta, mesh, stream, nranks);
   if (t) {
@@ -1020,6 +1033,8 @@ static void fetch_waited(watermark_result_t r, uint32_t lost, void *arg) {
 /* Picks the rank and checks the tensor; fills f. Holds s->mu. */
 static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRequest *rq,
                       fetch_t *f, meshd_error_t *e) {
+  if (atomic_load(&s->closed)) /* its EndSession went: a Snapshot would open it again */
+    return error_set(e, ERR_NO_SESSION, "Fetch: session %.8s was closed", s->id);
   objects_t *o = objects_of(s);
   if (!o) return error_set(e, ERR_QUOTA, "Fetch: out of memory on the server");
   const tombstone_t *g = objects_dropped(o, rq->ref);
@@ -1075,10 +1090,7 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
   ins.snapshot = &snap;
   f->stream = t->tensor.stream;
-  if (agent_pool_send(ds->pool, f->rank, &ins, &f->after_seq))
-    return error_set(e, ERR_AGENT_LOST, "Fetch of tensor %llu: rank %u has no agent (it was "
-                     "lost); its shard is gone", (unsigned long long)t->ref, f->rank);
-  objects_sent(o, f->rank, f->after_seq, 0);
+  /* Allocated first: a Snapshot sent and then given up would stay on the agent. */
   size_t n = mesh_len(mesh);
   uint32_t *ranks = malloc(sizeof *ranks * (n ? n : 1));
   f->targets = malloc(sizeof *f->targets * (n ? n : 1));
@@ -1086,6 +1098,12 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
     free(ranks);
     return error_set(e, ERR_QUOTA, "Fetch: out of memory on the server");
   }
+  if (agent_pool_send(ds->pool, f->rank, &ins, &f->after_seq)) {
+    free(ranks);
+    return error_set(e, ERR_AGENT_LOST, "Fetch of tensor %llu: rank %u has no agent (it was "
+                     "lost); its shard is gone", (unsigned long long)t->ref, f->rank);
+  }
+  objects_sent(o, f->rank, f->after_seq, 0);
   mesh_ranks(mesh, ranks);
   size_t k = 0;
   meshd_error_t ignored;
@@ -1360,7 +1378,13 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
     if (strncmp(e->msg, "Upload", 6) != 0) error_prefix(e, "PlanTransfer", ": ");
     return -1;
   }
-  upload_open(u);
+  if (upload_open(u)) { /* closed since its header was checked: no grant for it */
+    free(u->ranks);
+    free(u);
+    free(t);
+    transfer_end(s);
+    return error_set(e, ERR_NO_SESSION, "PlanTransfer: session %.8s was closed", s->id);
+  }
   live_add(ds);
   session_ref(s);
   t->sess = s;
@@ -1478,10 +1502,14 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   reply.n_shards = 1;
   reply.meta = &f->meta;
   reply.expiry_unix_ms = t->expiry_ms;
-  /* Put first: FinishFetch names the id this reply carries (the reply is
-   * packed at once, and only an expiry could take t meanwhile). */
+  /* Put first: FinishFetch names the id this reply carries. The reply points
+   * into f, which an expiry (the sweeper) may free once t is put: held. */
+  pthread_mutex_lock(&f->mu);
+  f->refs++;
+  pthread_mutex_unlock(&f->mu);
   transfer_put(ds, t);
   rpc_call_reply(call, &reply.base);
+  fetch_unref(f);
   free(sh.address);
   free(sh.grant.data);
   free(ca);
@@ -1552,6 +1580,8 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   obj_t *obj = NULL;
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
+  if (e.kind == ERR_NONE && atomic_load(&s->closed))
+    error_set(&e, ERR_NO_SESSION, "FinishUpload: session %.8s was closed", s->id);
   if (e.kind == ERR_NONE && o) {
     obj = upload_define(s, o, t->ref, &t->meta, t->mesh, t->stream, t->nranks, "FinishUpload", &e);
     if (obj) {

@@ -516,7 +516,20 @@ static void on_new(rpc_call_t *c, bool ok) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   op.data.recv_close_on_server.cancelled = &c->close_cancelled;
-  start_batch_locked(c, &op, 1, &c->t_close);
+  if (!start_batch_locked(c, &op, 1, &c->t_close)) {
+    /* The queue is shutting down (a NEW drained after it): no CLOSE would
+     * ever come to end the call, so nothing of it starts (its handler's state
+     * would never be freed); it ends here, cancelled. */
+    c->closed = c->cancelled = true;
+    if (c->payload) {
+      grpc_byte_buffer_destroy(c->payload);
+      c->payload = NULL;
+    }
+    maybe_end_locked(c); /* not started: no on_end; drops the alive reference */
+    pthread_mutex_unlock(&c->mu);
+    grpc_call_cancel(c->call, NULL);
+    return;
+  }
 
   if (c->slot->guard) {
     /* Authentication first: a refused caller's request is not even decoded.

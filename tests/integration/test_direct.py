@@ -480,3 +480,19 @@ def test_a_finished_transfer_gives_its_slot_back_before_the_answer(meshd_server)
             np.testing.assert_array_equal(got, arr + i)
             finish(s, "FinishFetch", s._pb.FinishFetchRequest(transfer_id=fr.transfer_id),
                    s._pb.FinishFetchReply)
+
+
+def test_reads_fit_an_agents_smaller_message_limit(meshd_server, agent):
+    """An agent with --max-message-bytes 256KiB: a fetch whose client asks for 1 MiB
+    chunks (the Python client's) gets them cut to fit, on the direct path and through
+    the server, instead of a bare RESOURCE_EXHAUSTED from gRPC."""
+    srv = meshd_server(0, "--min-agents", 1)
+    agent(srv.port, "--max-message-bytes", "256KiB")
+    lib.wait_ready(srv, 1)
+    a = np.arange(3 << 18, dtype=np.float32)  # 3 MiB
+    for path in ("direct", "proxy"):
+        with connect(srv, path) as s:
+            with s.mesh(gpu=1).activate():
+                big = meshd.arange(3 << 18, dtype="float32")  # made on the agent
+                got = meshd.fetch_shard(big, gpu=0).result(timeout=30)
+                np.testing.assert_array_equal(got, a)

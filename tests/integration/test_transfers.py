@@ -568,3 +568,63 @@ def test_an_upload_outliving_its_session_leaves_nothing_on_the_agents(meshd_serv
         time.sleep(0.1)
     assert agent_sessions() == [0, 0], f"sessions left open on the agents: {agent_sessions()}"
     print(f"{when}: {r.code()}: {r.details()}")
+
+
+def test_an_upload_is_held_to_the_quota_when_it_ends(meshd_server):
+    """The quota is checked at an Upload's header and again when it ends: a session
+    with a 10 MiB quota starts an 8 MiB Upload (4 MiB per rank; the header passes),
+    then a Factory takes 4 MiB while the bytes stream. At its end the Upload would put
+    the session at 12 MiB: refused QUOTA, its ref undefined, nothing of it left on the
+    agents, and the session usable. (It was defined, past the quota.)"""
+    import threading
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+
+    def allocated():
+        return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
+
+    with lib.Session(srv.port, "quota-at-end", quota_bytes=10 * MIB, timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        base = allocated()
+        f_ref = s.new_ref()  # below the Upload's: claimed first, as it will be
+        up_ref = s.new_ref()
+        go, half, result = threading.Event(), threading.Event(), {}
+
+        def chunks():
+            yield t.UploadChunk(header=t.UploadHeader(ref=up_ref, mesh=m, shape=[MIB],
+                                                      dtype=lib.dtype("float32")))
+            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
+            half.set()
+            go.wait(30)
+            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
+
+        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+
+        def run():
+            try:
+                result["r"] = fn(chunks(), metadata=s.metadata, timeout=30)
+            except grpc.RpcError as e:
+                result["r"] = e
+        th = threading.Thread(target=run)
+        th.start()
+        assert half.wait(30), "the Upload did not start"
+        time.sleep(0.2)  # its header was checked
+        # 2 MiB per rank, 4 MiB in all: fits beside nothing defined yet
+        f = s.run(lib.factory(f_ref, m, "zeros", (MIB // 2,))).tensors[0].ref
+        go.set()
+        th.join(30)
+        r = result["r"]
+        assert isinstance(r, grpc.RpcError), f"the Upload was defined past the quota: {r}"
+        kind = dict(r.trailing_metadata() or ()).get("meshd-error-kind", "")
+        assert kind == "QUOTA" and "quota" in r.details(), f"{kind}: {r.details()}"
+        s.fails("UNKNOWN_REF", lib.describe(up_ref))
+        assert not s.run(lib.sync(), timeout=30).errors
+        deadline = time.monotonic() + 10
+        while allocated() != base + 4 * MIB and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert allocated() == base + 4 * MIB, f"agents hold {allocated() - base} bytes"
+        # The session goes on: the factory's tensor is there, and a fitting upload lands.
+        s.describe(f)
+        assert fetch_floats(s, upload(s, m, [1.0, 2.0, 3.0]).tensor.ref) == [1.0, 2.0, 3.0]
