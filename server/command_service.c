@@ -456,7 +456,7 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
     log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, LOG_RANK(rank)},
               "session %.8s: rank %u reports %s: %s", s->id, rank,
               error_kind_name(kind), msg);
-    session_release(s);
+    session_unfind(s);
   }
 }
 
@@ -499,7 +499,8 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
     session_t *s = session_find(cs->sessions, rows[i].id);
     if (!s) continue;
     pthread_mutex_lock(&s->mu);
-    objects_t *o = s->objects;
+    /* Not once it closed: its EndSession went, and nothing may follow it. */
+    objects_t *o = atomic_load(&s->closed) ? NULL : s->objects;
     /* Work on the rank: an instruction it had not run, or a tensor with a
      * shard there. A session that only once used the rank is not told. */
     bool work = o && l->rank < o->ntouched && o->touched[l->rank] &&
@@ -520,7 +521,7 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
       told++;
     }
     pthread_mutex_unlock(&s->mu);
-    session_release(s);
+    session_unfind(s);
   }
   free(rows);
   log_event(LOG_LEVEL_WARN, "command", &(log_fields_t){LOG_RANK(l->rank)},
@@ -633,6 +634,7 @@ typedef struct checkpoint {
 } checkpoint_t;
 
 static void take_checkpoint(objects_t *o, checkpoint_t *ck) {
+  if (!o->flow) return; /* its window could not be opened: the session runs unbounded */
   ck->cp = flow_checkpoint(o->flow);
   if (!ck->cp) return;
   ck->targets = malloc(sizeof *ck->targets * (o->ntouched ? o->ntouched : 1));

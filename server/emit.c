@@ -50,7 +50,12 @@ static void init_instr(instr_t *ins, session_t *s, uint64_t stream) {
 static uint64_t push(frontend_t *fe, objects_t *o, uint32_t rank, agent_link_msg_t *m) {
   size_t len = m ? agent_link_msg_len(m) : 0;
   uint64_t seq = 0;
-  objects_touch(o, rank);
+  /* Touched first, or not sent: an untouched rank never gets EndSession, and
+   * the session would stay open on it. */
+  if (!objects_touch(o, rank)) {
+    if (m) agent_link_msg_free(m);
+    return 0;
+  }
   if (agent_pool_send_msg(fe->pool, rank, m, &seq) != 0) return 0;
   objects_sent(o, rank, seq, len);
   return seq;

@@ -98,6 +98,12 @@ void session_release(session_t *s) {
   drop_table_ref(s);
 }
 
+void session_unfind(session_t *s) {
+  if (!s) return;
+  atomic_fetch_sub(&s->calls, 1);
+  drop_table_ref(s);
+}
+
 void session_touch(session_t *s) { atomic_store(&s->last_used_ms, rpc_now_ms()); }
 
 void session_set_objects(session_t *s, void *objects, void (*destroy)(void *objects)) {

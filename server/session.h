@@ -147,6 +147,10 @@ session_t *session_acquire(session_table_t *t, const char *id, const char *token
  * with this id, acquired, without a token and without renewing its lease; NULL
  * if there is none. */
 session_t *session_find(session_table_t *t, const char *id);
+/* Lets go of what session_find took, without renewing the lease (an agent's
+ * report or loss is not the session's use: session_release would keep an
+ * abandoned session from expiring while any agent restarts). */
+void session_unfind(session_t *s);
 /* Another reference to a session the caller already holds (a call that goes on
  * after its handler returned: a pending Sync, a Fetch's thread). */
 void session_ref(session_t *s);

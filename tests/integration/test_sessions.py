@@ -192,6 +192,31 @@ def test_lease_expiry_ends_the_session(meshd_server):
         assert s2.run(create_mesh(1, gpu=2)).mesh.ranks == [0, 1]
 
 
+def test_agents_restarting_do_not_keep_an_idle_session_alive(meshd_server):
+    """An idle session expires on time while an agent crash-loops: each loss (SIGKILL,
+    the supervisor restarts it) tells the sessions with work on it, and that lookup
+    must not count as the session's use. (It renewed every session's lease, so with an
+    agent lost more often than the ttl, abandoned sessions never expired.)"""
+    import os
+    import signal
+    srv = lib.wait_ready(meshd_server(2, "--session-ttl", 2), 2)
+    with Session(srv.port, "abandoned") as s:
+        s.run(create_mesh(s.new_ref(), gpu=2))
+        t0 = time.monotonic()
+        kills = 0
+        while s.info() is not None:
+            assert time.monotonic() - t0 < 12, \
+                f"the idle session outlived its 2 s ttl by far ({kills} agent losses meanwhile)"
+            pid = next((p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1), None)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                kills += 1
+            time.sleep(0.7)
+        took = time.monotonic() - t0
+        assert kills >= 2, f"only {kills} losses before it expired: the test proved nothing"
+        print(f"expired {took:.1f} s after its last use, through {kills} agent losses")
+
+
 def test_per_session_ttl_overrides_the_default(shared_meshd):
     srv = shared_meshd(2)   # default --session-ttl 300
     with Session(srv.port, "short", ttl_seconds=1) as short, Session(srv.port, "long") as long_:
