@@ -2,6 +2,8 @@
 #include <string.h>
 
 #include "agent.h"
+#include "backend.h"
+#include "dataplane/dataplane.h"
 #include "execute.h"
 #include "load.h"
 #include "log.h"
@@ -23,6 +25,9 @@ static void hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   }
   log_debug("agent", "hello from server %s for rank %u", req->server_id, req->rank);
   atomic_store(&agent_rank, (int64_t)req->rank);
+  /* An agent started without --rank learns its rank here: its data plane too
+   * (its peers address it by rank; collectives check it). */
+  if (self->env.backend) dataplane_set_rank(self->env.backend->net, req->rank);
 
   Meshd__Agent__V1__HelloReply reply = MESHD__AGENT__V1__HELLO_REPLY__INIT;
   reply.agent_id = (char *)self->id;

@@ -1079,6 +1079,10 @@ fail:
 
 int dataplane_port(const dataplane_t *dp) { return dp ? dp->port : -1; }
 
+void dataplane_set_rank(dataplane_t *dp, uint32_t rank) {
+  if (dp) atomic_store(&dp->rank, rank);
+}
+
 void dataplane_same_host(dataplane_t *dp, bool on) {
   if (dp) dp->same_host = on;
 }

@@ -113,6 +113,9 @@ uint64_t dataplane_shm_received(const dataplane_t *dp, uint64_t *mapped);
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
                              meshd_error_t *err);
 int dataplane_port(const dataplane_t *dp);
+/* The world rank the server gave this agent (its Hello), for an agent started
+ * without --rank: hellos to peers and admissions name it. */
+void dataplane_set_rank(dataplane_t *dp, uint32_t rank);
 /* Whether this agent dials peers on its own host (a loopback address or one
  * of its interfaces') on their unix socket, which passes large broadcasts as
  * shared memory; on by default. Off: TCP to every peer. Set before the first

@@ -83,7 +83,7 @@ typedef struct dead_peer {
 } dead_peer_t;
 
 struct dataplane {
-  uint32_t rank;
+  _Atomic uint32_t rank; /* the world rank: --rank, else the server's Hello's */
   int timeout_ms;
   int port;
   int lfd;

@@ -407,3 +407,28 @@ def test_a_lost_agent_breaks_its_meshes_and_its_replacement_serves_new_ones(mesh
         y = upload(s2, m, np.arange(4, dtype=np.float32))
         r = s2.run(reduce(s2.new_ref(), y, dims=["gpu"], reduction="sum")).tensors[0].ref
         np.testing.assert_array_equal(fetch(s2, r, gpu=1), 2 * np.arange(4, dtype=np.float32))
+
+
+def test_agents_started_without_a_rank_run_collectives(meshd_server, agent):
+    """Two agents started without --rank (the server gives them ranks 0 and 1 in its
+    Hello): a Reduce over both, and a ToMesh from rank 0 to rank 1, work. Their data
+    planes kept the rank they started with (0 for both), so every collective of a rank
+    other than 0 was refused and the Sync waited out its deadline."""
+    srv = meshd_server(0, "--min-agents", 2)
+    agent(srv.port)
+    agent(srv.port)
+    lib.wait_ready(srv, 2)
+    with Session(srv.port, "no-rank-flags") as s:
+        assert sorted(_agents(s)) == [0, 1]
+        m = s.mesh(gpu=2).ref
+        x = upload(s, m, np.arange(4, dtype=np.float32))
+        r = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum")).tensors[0].ref
+        assert list(s.run(sync(), timeout=20).errors) == []
+        for g in (0, 1):
+            np.testing.assert_array_equal(fetch(s, r, gpu=g), 2 * np.arange(4, dtype=np.float32))
+        one = s.slice(m, gpu=0).ref
+        y = upload(s, one, np.full(3, 5, np.float32))
+        dst = s.slice(m, gpu=1).ref
+        b = s.run(to_mesh(s.new_ref(), y, dst)).tensors[0].ref
+        assert list(s.run(sync(), timeout=20).errors) == []
+        np.testing.assert_array_equal(fetch(s, b), np.full(3, 5, np.float32))
