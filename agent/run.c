@@ -433,6 +433,14 @@ static int staged(ctx_t *c, const tensor_meta_t *m, const agent_tensor_t *src, a
 }
 
 /* A one-element device tensor holding v (int64); *out released by the caller. */
+/* A call of several data-plane steps failed midway (a local error between
+ * them): the comm's connections go, so that the peers fail now instead of
+ * waiting out --comm-timeout-ms, and no frame left in them is read by the
+ * next call on the comm. */
+static void abandon_comm(ctx_t *c, uint64_t comm_id) {
+  if (c->b->net) dataplane_drop_comm(c->b->net, comm_id);
+}
+
 static int scalar_tensor(ctx_t *c, int64_t v, agent_tensor_t *out, meshd_error_t *e) {
   tensor_meta_t m = {.dtype = DTYPE_INT64, .layout = {.ndim = 0}};
   layout_make_contiguous(&m.layout);
@@ -552,6 +560,7 @@ static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_
   agent_tensor_t flag = {0};
   int64_t f = *any_failed;
   rc = scalar_tensor(c, f, &flag, e);
+  if (rc) abandon_comm(c, grp.comm_id); /* the peers are in the flag's allreduce */
   if (!rc) rc = c->b->ops->allreduce(c->b, c->bs, &grp, flag.storage->data, 1, DTYPE_INT64, RED_MAX, e);
   if (!rc) rc = c->b->ops->to_host(c->b, &flag, &f, e);
   storage_release(flag.storage);
@@ -866,23 +875,28 @@ static void run_send(ctx_t *c) {
         c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
                         st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
         c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
-                        st->peer_address, out.storage->data, bytes, &e))
+                        st->peer_address, out.storage->data, bytes, &e)) {
+      abandon_comm(c, st->comm_id);
       log_event(LOG_LEVEL_WARN, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
                 "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                 c->ins->seq, st->to_rank, e.msg);
-    else
+    } else {
       count_bytes(c, (uint64_t)bytes);
+    }
     goto out;
   }
   int64_t hdr = 0;
-  if (scalar_tensor(c, 0, &hdr_t, &e) ||
+  /* Both tensors before the first recv: a failure between the header and the
+   * body would leave the body in the connection for the next call. */
+  if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e) ||
       c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->secret.data, st->from_rank,
                       st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
       c->b->ops->to_host(c->b, &hdr_t, &hdr, &e) ||
-      tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e) ||
       c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->secret.data, st->from_rank,
-                      st->peer_address, out.storage->data, bytes, &e))
+                      st->peer_address, out.storage->data, bytes, &e)) {
+    abandon_comm(c, st->comm_id);
     goto fail;
+  }
   if (hdr) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
     snprintf(f.msg, sizeof f.msg, "ToMesh: the source tensor failed on rank %u", st->from_rank);

@@ -133,14 +133,13 @@ void session_state_close(session_state_t *s) {
   pthread_mutex_lock(&s->mu);
   s->closing = true;
   pthread_cond_broadcast(&s->progress);
-  uint64_t *comms = s->comms;
-  size_t n = s->ncomms;
-  s->comms = NULL;
-  s->ncomms = s->capcomms = 0;
-  pthread_mutex_unlock(&s->mu);
+  /* Dropped now (the calls on them end), and kept: a call that joined its
+   * comm before now may file its connections after this drop, and
+   * session_state_free drops the list again (they leaked, in CLOSE_WAIT,
+   * for the agent's life). Under mu: the lock order is s->mu, then dp's. */
   dataplane_t *net = s->backend ? s->backend->net : NULL;
-  for (size_t i = 0; net && i < n; i++) dataplane_drop_comm(net, comms[i]);
-  free(comms);
+  for (size_t i = 0; net && i < s->ncomms; i++) dataplane_drop_comm(net, s->comms[i]);
+  pthread_mutex_unlock(&s->mu);
 }
 
 bool session_state_closing(session_state_t *s) {

@@ -303,12 +303,27 @@ out:
   fire(head);
 }
 
+size_t watermark_lost_ranges(watermark_t *w, uint32_t rank) {
+  pthread_mutex_lock(&w->mu);
+  size_t n = rank < w->cap ? w->ranks[rank].nlost : 0;
+  pthread_mutex_unlock(&w->mu);
+  return n;
+}
+
 void watermark_lost(watermark_t *w, uint32_t rank, uint64_t executed, uint64_t last_seq) {
   wait_t *head = NULL, *tail = NULL;
   pthread_mutex_lock(&w->mu);
   if (!grow_locked(w, rank) || last_seq <= executed) goto out;
   rank_state_t *r = &w->ranks[rank];
-  if (r->nlost == r->caplost) {
+  range_t *prev = r->nlost ? &r->lost[r->nlost - 1] : NULL;
+  /* Joins the last range when they touch (an agent that crash-loops on its
+   * own work loses run after run with nothing executed between): the list,
+   * which every wait scans, stays short. */
+  bool merged = prev && executed + 1 <= prev->hi + 1 && last_seq + 1 >= prev->lo;
+  if (merged) {
+    if (executed + 1 < prev->lo) prev->lo = executed + 1;
+    if (last_seq > prev->hi) prev->hi = last_seq;
+  } else if (r->nlost == r->caplost) {
     size_t cap = r->caplost ? r->caplost * 2 : 4;
     range_t *l = realloc(r->lost, cap * sizeof *l);
     if (!l) {
@@ -320,7 +335,7 @@ void watermark_lost(watermark_t *w, uint32_t rank, uint64_t executed, uint64_t l
       r->caplost = cap;
     }
   }
-  if (r->nlost < r->caplost) r->lost[r->nlost++] = (range_t){executed + 1, last_seq};
+  if (!merged && r->nlost < r->caplost) r->lost[r->nlost++] = (range_t){executed + 1, last_seq};
   /* Targets above last_seq belong to a newer link on this rank: they stay. */
   for (node_t *nd = r->head, *next; nd; nd = next) {
     next = nd->next;

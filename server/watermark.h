@@ -96,5 +96,7 @@ bool watermark_reached(watermark_t *w, uint32_t rank, const char *session, uint6
 uint64_t watermark_executed(watermark_t *w, uint32_t rank);
 /* Waits registered and not yet fired. */
 size_t watermark_pending(watermark_t *w);
+/* Ranges of lost seqs recorded for rank (adjacent losses share one). */
+size_t watermark_lost_ranges(watermark_t *w, uint32_t rank);
 
 #endif

@@ -69,6 +69,30 @@ Test(watermark, cancel_before_fire) {
   cr_assert_eq(f.calls, 0);
 }
 
+/* An agent that crash-loops on its own work: each link is lost with nothing
+ * executed, and the next starts where the last one's seqs ended. The ranges
+ * join (one, not 1000), and every seq of them still fails a wait; a seq in
+ * no lost run (executed before) still succeeds. */
+Test(watermark, adjacent_losses_share_one_range) {
+  watermark_advance(w, 3, 10);
+  for (uint64_t k = 0; k < 1000; k++) watermark_lost(w, 3, 10 + 5 * k, 10 + 5 * (k + 1));
+  cr_assert_eq(watermark_lost_ranges(w, 3), 1);
+  fired_t f = {0};
+  for (uint64_t seq = 11; seq <= 5010; seq += 499) {
+    watermark_target_t t[] = {{3, seq}};
+    cr_assert_eq(watermark_wait(w, t, 1, on_fire, &f, NULL, NULL), WATERMARK_LOST, "seq %llu",
+                 (unsigned long long)seq);
+  }
+  watermark_target_t done[] = {{3, 10}};
+  cr_assert_eq(watermark_wait(w, done, 1, on_fire, &f, NULL, NULL), WATERMARK_REACHED);
+  /* A link that executed some of its run before it was lost: a new range. */
+  watermark_advance(w, 3, 5100);
+  watermark_lost(w, 3, 5100, 5200);
+  cr_assert_eq(watermark_lost_ranges(w, 3), 2);
+  watermark_target_t between[] = {{3, 5050}};
+  cr_assert_eq(watermark_wait(w, between, 1, on_fire, &f, NULL, NULL), WATERMARK_REACHED);
+}
+
 Test(watermark, lost_fails_pending_in_range_only) {
   watermark_advance(w, 0, 10);
   fired_t in_range = {0}, newer = {0}, other = {0};
