@@ -25,6 +25,10 @@ typedef struct pool_link {
 
 typedef struct agent {
   bool used;
+  /* Removed, its link not dropped yet (so its loss not recorded yet, nor its
+   * unexecuted seqs marked lost): the rank is not given out meanwhile, or a
+   * newcomer's first report would pass those seqs as executed. */
+  bool leaving;
   bool healthy;
   agent_desc_t d;
   uint64_t allocated_bytes;
@@ -357,15 +361,22 @@ int agent_pool_add(agent_pool_t *p, const agent_desc_t *d, int requested, char *
                requested, a->d.agent_id, a->d.address);
       goto out;
     }
+    if (a->leaving) {
+      snprintf(err, errlen, "rank %d is still being released by its previous agent; register "
+               "again in a moment", requested);
+      goto out;
+    }
     rank = requested;
   } else {
     /* The lowest free rank not reserved for a replacement; else the lowest free. */
     int64_t now = unix_ms();
     size_t i = 0;
-    while (i < p->cap && (p->agents[i].used || p->agents[i].reserved_until_ms > now)) i++;
+    while (i < p->cap && (p->agents[i].used || p->agents[i].leaving ||
+                          p->agents[i].reserved_until_ms > now))
+      i++;
     if (i >= (size_t)p->max_agents) {
       i = 0;
-      while (i < p->cap && p->agents[i].used) i++;
+      while (i < p->cap && (p->agents[i].used || p->agents[i].leaving)) i++;
     }
     if (i >= (size_t)p->max_agents) {
       snprintf(err, errlen, "the pool is full: %d agents registered (--max-agents %d)",
@@ -423,10 +434,16 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
     a->reserved_until_ms = reserved;
     a->drained = drained;
     a->drained_ms = drained_ms;
+    a->leaving = true;
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);
   drop_link(pl, why); /* before its channel goes */
+  if (a) {
+    pthread_mutex_lock(&p->mu);
+    p->agents[rank].leaving = false; /* by index: the array may have grown */
+    pthread_mutex_unlock(&p->mu);
+  }
   rpc_channel_destroy(ch);
   agent_data_release(data); /* transfers that hold it end on their own */
   notify(p, changed);
