@@ -499,6 +499,50 @@ def test_uploads_and_fetches_share_one_connection_per_agent(meshd_server, agent)
     assert after - before <= 2, f"{after - before} new sockets on the agent's port for 24 transfers"
 
 
+class HeldUpload:
+    """A 4 MiB-a-rank float32 Upload of ref on mesh, on its own thread, that stops
+    before its header (hold="header") or after its first 2 MiB (hold="half") until
+    go() is called; .reached is set when it stops, .result is the UploadReply or the
+    grpc.RpcError once join() returned."""
+
+    def __init__(self, s, mesh, ref, hold):
+        import threading
+        t = lib.tensor_pb2()
+        self.reached, self._go, self.result = threading.Event(), threading.Event(), None
+
+        def chunks():
+            if hold == "header":
+                self.reached.set()
+                self._go.wait(30)
+            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=mesh, shape=[MIB],
+                                                      dtype=lib.dtype("float32")))
+            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
+            if hold == "half":
+                self.reached.set()
+                self._go.wait(30)
+            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
+
+        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+
+        def run():
+            try:
+                self.result = fn(chunks(), metadata=s.metadata, timeout=30)
+            except grpc.RpcError as e:
+                self.result = e
+        self._th = threading.Thread(target=run)
+        self._th.start()
+        assert self.reached.wait(30), "the Upload did not start"
+
+    def go(self):
+        self._go.set()
+
+    def join(self):
+        self._th.join(30)
+        assert not self._th.is_alive(), "the Upload hung"
+        return self.result
+
+
 @pytest.mark.parametrize("when", ["before_header", "mid_upload"])
 def test_an_upload_outliving_its_session_leaves_nothing_on_the_agents(meshd_server, when):
     """CloseSession while one of its Uploads is open: before the header came, or with
@@ -507,12 +551,10 @@ def test_an_upload_outliving_its_session_leaves_nothing_on_the_agents(meshd_serv
     and open sessions go back to what they were, and the Upload does not answer OK for
     a session that is gone. (It reopened the session with a Status instruction, or with
     the DeleteRefs of its undo, and, before the header, defined the tensor there.)"""
-    import threading
     from test_metrics import free_ports, parse, sample, scrape
     mport = free_ports(2)
     srv = meshd_server(2, "--local-agent-metrics-port-base", mport)
     lib.wait_ready(srv, 2)
-    t = lib.tensor_pb2()
 
     def allocated():
         return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
@@ -525,38 +567,11 @@ def test_an_upload_outliving_its_session_leaves_nothing_on_the_agents(meshd_serv
     s = lib.Session(srv.port, f"closing-{when}", timeout=30)
     m = s.mesh(gpu=2).ref
     assert not s.run(lib.sync(), timeout=30).errors
-    go, reached, result = threading.Event(), threading.Event(), {}
-    n = MIB  # floats: 4 MiB per rank
-
-    def chunks():
-        if when == "before_header":
-            reached.set()
-            go.wait(30)
-        yield t.UploadChunk(header=t.UploadHeader(ref=s.new_ref(), mesh=m, shape=[n],
-                                                  dtype=lib.dtype("float32")))
-        yield t.UploadChunk(data=b"\x01" * (2 * MIB))
-        if when == "mid_upload":
-            reached.set()
-            go.wait(30)
-        yield t.UploadChunk(data=b"\x02" * (2 * MIB))
-
-    fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
-                           response_deserializer=t.UploadReply.FromString)
-
-    def run():
-        try:
-            result["r"] = fn(chunks(), metadata=s.metadata, timeout=30)
-        except grpc.RpcError as e:
-            result["r"] = e
-    th = threading.Thread(target=run)
-    th.start()
-    assert reached.wait(30), "the Upload did not start"
+    up = HeldUpload(s, m, s.new_ref(), "header" if when == "before_header" else "half")
     time.sleep(0.3)  # the call (and its first messages) reached the server
     s.close()
-    go.set()
-    th.join(30)
-    assert not th.is_alive(), "the Upload hung after its session closed"
-    r = result["r"]
+    up.go()
+    r = up.join()
     assert isinstance(r, grpc.RpcError), f"the Upload answered OK for a closed session: {r}"
     kind = dict(r.trailing_metadata() or ()).get("meshd-error-kind", "")
     assert kind == "NO_SESSION" and "was closed" in r.details(), f"{kind}: {r.details()}"
@@ -576,10 +591,8 @@ def test_an_upload_is_held_to_the_quota_when_it_ends(meshd_server):
     then a Factory takes 4 MiB while the bytes stream. At its end the Upload would put
     the session at 12 MiB: refused QUOTA, its ref undefined, nothing of it left on the
     agents, and the session usable. (It was defined, past the quota.)"""
-    import threading
     srv = meshd_server(2)
     lib.wait_ready(srv, 2)
-    t = lib.tensor_pb2()
 
     def allocated():
         return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
@@ -589,33 +602,12 @@ def test_an_upload_is_held_to_the_quota_when_it_ends(meshd_server):
         base = allocated()
         f_ref = s.new_ref()  # below the Upload's: claimed first, as it will be
         up_ref = s.new_ref()
-        go, half, result = threading.Event(), threading.Event(), {}
-
-        def chunks():
-            yield t.UploadChunk(header=t.UploadHeader(ref=up_ref, mesh=m, shape=[MIB],
-                                                      dtype=lib.dtype("float32")))
-            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
-            half.set()
-            go.wait(30)
-            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
-
-        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
-                               response_deserializer=t.UploadReply.FromString)
-
-        def run():
-            try:
-                result["r"] = fn(chunks(), metadata=s.metadata, timeout=30)
-            except grpc.RpcError as e:
-                result["r"] = e
-        th = threading.Thread(target=run)
-        th.start()
-        assert half.wait(30), "the Upload did not start"
+        up = HeldUpload(s, m, up_ref, "half")
         time.sleep(0.2)  # its header was checked
         # 2 MiB per rank, 4 MiB in all: fits beside nothing defined yet
         f = s.run(lib.factory(f_ref, m, "zeros", (MIB // 2,))).tensors[0].ref
-        go.set()
-        th.join(30)
-        r = result["r"]
+        up.go()
+        r = up.join()
         assert isinstance(r, grpc.RpcError), f"the Upload was defined past the quota: {r}"
         kind = dict(r.trailing_metadata() or ()).get("meshd-error-kind", "")
         assert kind == "QUOTA" and "quota" in r.details(), f"{kind}: {r.details()}"
