@@ -935,6 +935,8 @@ static bool pending_open(dataplane_t *dp, pending_t *p, int fd, const struct soc
   return true;
 }
 
+#define DP_ACCEPT_BACKOFF_MS 100
+
 /* Accepts connections and runs their handshakes without ever blocking on one.
  * pend[] is in accept order: pend[0] is the oldest. */
 static void *listener_main(void *arg) {
@@ -942,16 +944,20 @@ static void *listener_main(void *arg) {
   pending_t pend[DP_UNPROVEN_MAX];
   size_t np = 0;
   struct pollfd pfds[DP_UNPROVEN_MAX + 3];
+  /* Out of file descriptors, a listener stays readable with nothing it can
+   * accept: it is left out of the poll for a while instead of spinning. */
+  int64_t accept_off_until = 0;
   for (;;) {
+    int64_t now = dp__now_ms(), next = accept_off_until > now ? accept_off_until : INT64_MAX;
+    bool listening = accept_off_until <= now;
     pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
-    pfds[1] = (struct pollfd){.fd = dp->lfd, .events = POLLIN};
-    pfds[2] = (struct pollfd){.fd = dp->ufd, .events = POLLIN}; /* -1: ignored */
-    int64_t now = dp__now_ms(), next = INT64_MAX;
+    pfds[1] = (struct pollfd){.fd = listening ? dp->lfd : -1, .events = POLLIN};
+    pfds[2] = (struct pollfd){.fd = listening ? dp->ufd : -1, .events = POLLIN}; /* -1: ignored */
     for (size_t i = 0; i < np; i++) {
       pfds[i + 3] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
       if (pend[i].deadline < next) next = pend[i].deadline;
     }
-    int wait = np == 0 ? -1 : next <= now ? 0 : (int)dp__min((size_t)(next - now), 1000);
+    int wait = next == INT64_MAX ? -1 : next <= now ? 0 : (int)dp__min((size_t)(next - now), 1000);
     int n = poll(pfds, (nfds_t)(np + 3), wait);
     if (n < 0 && errno != EINTR) break;
     bool registered = false;
@@ -991,7 +997,15 @@ static void *listener_main(void *arg) {
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
         int fd = accept4(pfds[l].fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) break;
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            if (accept_off_until == 0 || now - accept_off_until > 10000)
+              log_warn("dataplane", "rank %u cannot accept connections: %s; trying again every "
+                       "%d ms", dp->rank, strerror(errno), DP_ACCEPT_BACKOFF_MS);
+            accept_off_until = now + DP_ACCEPT_BACKOFF_MS;
+          }
+          break;
+        }
         if (np == DP_UNPROVEN_MAX) { /* the oldest unproven one makes room */
           char why[120];
           snprintf(why, sizeof why, "the oldest of more than %d unproven connections (after %lld ms)",

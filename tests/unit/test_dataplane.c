@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -14,6 +15,7 @@
 #include <string.h>
 #include <stddef.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -1347,4 +1349,55 @@ Test(dataplane_security, a_same_host_socket_of_another_user_is_not_dialed, .time
   waitpid(child, &status, 0);
   cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "squatter exit %d", status);
   world_stop(&w);
+}
+
+/* Out of file descriptors, the listener cannot accept what waits in its
+ * backlog, and its socket stays readable: it must back off, not spin (it took
+ * a whole core). This process's fds are used up; a child (its own fd table)
+ * fills the backlog. */
+Test(dataplane, a_listener_out_of_fds_does_not_spin, .timeout = 60) {
+  meshd_error_t err = {0};
+  dataplane_t *dp = dataplane_start("127.0.0.1", 0, 2000, &err);
+  cr_assert(dp, "dataplane_start: %s", err.msg);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)dataplane_port(dp))};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  struct rlimit old;
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+  int open_now = 0;
+  DIR *d = opendir("/proc/self/fd");
+  for (struct dirent *e; d && (e = readdir(d));) open_now += e->d_name[0] != '.';
+  if (d) closedir(d);
+  struct rlimit low = {.rlim_cur = (rlim_t)open_now + 16, .rlim_max = old.rlim_max};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  int dups[64], n = 0;
+  while (n < 64 && (dups[n] = dup(2)) >= 0) n++;
+  cr_assert_lt(n, 64, "the fd limit was not reached");
+  pid_t child = fork();
+  if (child == 0) {
+    for (int i = 0; i < n; i++) close(dups[i]);
+    for (int i = 0; i < 8; i++) {
+      int fd = socket(AF_INET, SOCK_STREAM, 0);
+      if (fd >= 0) connect(fd, (struct sockaddr *)&a, sizeof a);
+    }
+    sleep(5);
+    _exit(0);
+  }
+  cr_assert_gt(child, 0);
+  struct timespec pause = {0, 200 * 1000 * 1000};
+  nanosleep(&pause, NULL); /* the child connected; the listener met EMFILE */
+  struct rusage r0, r1;
+  getrusage(RUSAGE_SELF, &r0);
+  for (int i = 0; i < 3; i++) nanosleep(&pause, NULL);
+  getrusage(RUSAGE_SELF, &r1);
+  double cpu = (double)(r1.ru_utime.tv_sec - r0.ru_utime.tv_sec + r1.ru_stime.tv_sec -
+                        r0.ru_stime.tv_sec) +
+               (r1.ru_utime.tv_usec - r0.ru_utime.tv_usec + r1.ru_stime.tv_usec -
+                r0.ru_stime.tv_usec) / 1e6;
+  kill(child, SIGKILL);
+  waitpid(child, NULL, 0);
+  for (int i = 0; i < n; i++) close(dups[i]);
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+  cr_assert_lt(cpu, 0.15, "the process used %.2f CPU-s in 0.6 s while out of fds: the "
+               "listener spins", cpu);
+  dataplane_stop(dp);
 }
