@@ -270,6 +270,25 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
   rpc_call_set_data(call, u);
 }
 
+/* Whether the session can hold `each` more bytes on each of nranks ranks:
+ * its quota, and 2^64 bytes in all (a wrapped sum would slip under the
+ * quota). 0, or -1 with QUOTA; `when` ends the quota's message. Holds s->mu. */
+static int quota_check(session_t *s, objects_t *o, size_t each, size_t nranks, const char *what,
+                       const char *when, meshd_error_t *e) {
+  uint64_t add, total;
+  if (__builtin_mul_overflow((uint64_t)each, (uint64_t)nranks, &add) ||
+      __builtin_add_overflow(o->bytes, add, &total))
+    return error_set(e, ERR_QUOTA, "%s: the tensor needs %zu bytes on each of %zu ranks, more "
+                     "than the session can hold (2^64 bytes in all); use a smaller shape", what,
+                     each, nranks);
+  if (s->quota_bytes && total > s->quota_bytes)
+    return error_set(e, ERR_QUOTA, "%s: the tensor needs %llu bytes across its mesh, but the "
+                     "session holds %llu of its %llu-byte quota%s; drop tensors you no longer "
+                     "need", what, (unsigned long long)add, (unsigned long long)o->bytes,
+                     (unsigned long long)s->quota_bytes, when);
+  return 0;
+}
+
 /* Every check of the header, under the session lock; nothing changes. */
 static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_error_t *e) {
   session_t *s = u->session;
@@ -320,19 +339,7 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
   if (command_check_mesh_alive(u->ds->pool, m->mesh, "Upload", e) ||
       mesh_check_capacity(m->mesh, "Upload", u->each, e))
     goto out;
-  uint64_t add, total; /* checked: a wrapped sum would slip under the quota */
-  if (__builtin_mul_overflow((uint64_t)u->each, (uint64_t)u->nranks, &add) ||
-      __builtin_add_overflow(o->bytes, add, &total)) {
-    error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes on each of %zu ranks, more than "
-              "the session can hold (2^64 bytes in all); use a smaller shape", u->each, u->nranks);
-    goto out;
-  }
-  if (s->quota_bytes && total > s->quota_bytes) {
-    error_set(e, ERR_QUOTA, "Upload: the tensor needs %zu bytes across its mesh, but the session "
-              "holds %llu of its %llu-byte quota; drop tensors you no longer need",
-              u->each * u->nranks, (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);
-    goto out;
-  }
+  if (quota_check(s, o, u->each, u->nranks, "Upload", "", e)) goto out;
   rc = 0;
 out:
   pthread_mutex_unlock(&s->mu);
@@ -400,15 +407,9 @@ static obj_t *upload_define(session_t *s, objects_t *o, uint64_t ref, const tens
   if (command_check_limits(s, o, OBJ_TENSOR, 1, what, e)) return NULL;
   /* The quota again: the header's check was before the bytes came, and the
    * session's other work (commands, transfers) may have taken it since. */
-  uint64_t each = (uint64_t)layout_numel(&meta->layout) * dtype_size(meta->dtype), add, total;
-  if (s->quota_bytes && (__builtin_mul_overflow(each, (uint64_t)nranks, &add) ||
-                         __builtin_add_overflow(o->bytes, add, &total) || total > s->quota_bytes)) {
-    error_set(e, ERR_QUOTA, "%s: the tensor needs %llu bytes across its mesh, but the session "
-              "now holds %llu of its %llu-byte quota (taken since the upload began); drop "
-              "tensors you no longer need", what, (unsigned long long)(each * nranks),
-              (unsigned long long)o->bytes, (unsigned long long)s->quota_bytes);
+  if (quota_check(s, o, (size_t)layout_numel(&meta->layout) * dtype_size(meta->dtype), nranks,
+                  what, " (taken since the upload began)", e))
     return NULL;
-  }
   o->current_seq = 0; /* an upload is not a numbered command */
   obj_t *t = objects_new_tensor(o, ref, meta, mesh, stream, nranks);
   if (t) {
