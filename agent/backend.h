@@ -128,13 +128,14 @@ typedef struct backend_ops {
   int (*broadcast)(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
                    meshd_error_t *err);
   /* Point to point: `session` is the key of the session the transfer
-   * belongs to (dp_group_t.session); `secret` the channel's DP_SECRET_LEN
-   * bytes (SendTensor.secret, as dp_group_t.secret). */
+   * belongs to (dp_group_t.session); `call` the transfer's number on the
+   * channel, the same at both ends (dp_group_t.call); `secret` the channel's
+   * DP_SECRET_LEN bytes (SendTensor.secret, as dp_group_t.secret). */
   int (*send)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+              uint64_t call, const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
               size_t bytes, meshd_error_t *err);
   int (*recv)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+              uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
               meshd_error_t *err);
   /* The session with this key ended on this agent: release what its
    * collectives and sends kept (cuda: destroy its NCCL communicators). NULL

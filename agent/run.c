@@ -435,8 +435,8 @@ static int staged(ctx_t *c, const tensor_meta_t *m, const agent_tensor_t *src, a
 /* A one-element device tensor holding v (int64); *out released by the caller. */
 /* A call of several data-plane steps failed midway (a local error between
  * them): the comm's connections go, so that the peers fail now instead of
- * waiting out --comm-timeout-ms, and no frame left in them is read by the
- * next call on the comm. */
+ * waiting out --comm-timeout-ms. (A frame left in them could not mislead the
+ * next call on the comm anyway: it carries this call's number.) */
 static void abandon_comm(ctx_t *c, uint64_t comm_id) {
   if (c->b->net) dataplane_drop_comm(c->b->net, comm_id);
 }
@@ -497,6 +497,11 @@ static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t
   return 0;
 }
 
+/* Data plane calls an instruction may make, in order (a collective and its
+ * failure flag; a header and a body): each gets its own number, the server's
+ * Group.call (SendTensor.call) times this plus its step. */
+#define CALL_STEPS 4
+
 /* The data plane group of an instruction's Group, for member `me`: its
  * addresses into addrs[256] and its secret, checked; the comm noted for the
  * session's end. 0, or -1 with e naming `what`. */
@@ -512,7 +517,8 @@ static int join_group(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t me, con
                      "needed to join its data plane connections (a server older than this agent "
                      "sends none: upgrade the server)",
                      what, g->secret.len, DP_SECRET_LEN);
-  *out = (dp_group_t){.comm_id = g->comm_id, .session = c->s->key, .ranks = g->ranks,
+  *out = (dp_group_t){.comm_id = g->comm_id, .call = g->call * CALL_STEPS, .session = c->s->key,
+                      .ranks = g->ranks,
                       .addrs = addrs, .n = n, .me = me, .since = since, .secret = g->secret.data};
   session_state_note_comm(c->s, g->comm_id);
   return 0;
@@ -561,6 +567,7 @@ static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_
   int64_t f = *any_failed;
   rc = scalar_tensor(c, f, &flag, e);
   if (rc) abandon_comm(c, grp.comm_id); /* the peers are in the flag's allreduce */
+  grp.call++;
   if (!rc) rc = c->b->ops->allreduce(c->b, c->bs, &grp, flag.storage->data, 1, DTYPE_INT64, RED_MAX, e);
   if (!rc) rc = c->b->ops->to_host(c->b, &flag, &f, e);
   storage_release(flag.storage);
@@ -767,7 +774,7 @@ static void run_broadcast(ctx_t *c) {
       (source ? staged(c, &m, got == 0 ? &in : NULL, &buf, "ToMesh", &e)
               : tensor_alloc(c->b, c->bs, &m, &buf, "ToMesh", &e)) ||
       c->b->ops->broadcast(c->b, c->bs, &grp, hdr_t.storage->data, sizeof(int64_t), &e) ||
-      c->b->ops->broadcast(c->b, c->bs, &grp, buf.storage->data, tensor_nbytes(&m), &e) ||
+      (grp.call++, c->b->ops->broadcast(c->b, c->bs, &grp, buf.storage->data, tensor_nbytes(&m), &e)) ||
       c->b->ops->to_host(c->b, &hdr_t, &hdr, &e))
     goto fail;
   if (source) {
@@ -869,14 +876,19 @@ static void run_send(ctx_t *c) {
   size_t bytes = tensor_nbytes(&m);
   uint64_t key = c->s->key;
   session_state_note_comm(c->s, st->comm_id);
+  /* Two data plane calls: the header, then the body. A call that fails has
+   * settled its own link (dataplane.h); a local failure abandons the channel,
+   * so that the peer fails now rather than at the timeout. */
+  uint64_t call = st->call * CALL_STEPS;
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
-    if (scalar_tensor(c, got != 0, &hdr_t, &e) ||
-        staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e) ||
-        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
+    bool local = scalar_tensor(c, got != 0, &hdr_t, &e) ||
+                 staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e);
+    if (local) abandon_comm(c, st->comm_id);
+    if (local ||
+        c->b->ops->send(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->to_rank,
                         st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
-        c->b->ops->send(c->b, c->bs, key, st->comm_id, st->secret.data, st->to_rank,
+        c->b->ops->send(c->b, c->bs, key, st->comm_id, call + 1, st->secret.data, st->to_rank,
                         st->peer_address, out.storage->data, bytes, &e)) {
-      abandon_comm(c, st->comm_id);
       log_event(LOG_LEVEL_WARN, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
                 "session %.8s seq %" PRIu64 ": send to rank %u failed: %s", c->s->id,
                 c->ins->seq, st->to_rank, e.msg);
@@ -886,17 +898,22 @@ static void run_send(ctx_t *c) {
     goto out;
   }
   int64_t hdr = 0;
-  /* Both tensors before the first recv: a failure between the header and the
-   * body would leave the body in the connection for the next call. */
-  if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e) ||
-      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->secret.data, st->from_rank,
-                      st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
-      c->b->ops->to_host(c->b, &hdr_t, &hdr, &e) ||
-      c->b->ops->recv(c->b, c->bs, key, st->comm_id, st->secret.data, st->from_rank,
-                      st->peer_address, out.storage->data, bytes, &e)) {
+  /* Both tensors before the first recv, so that no local failure falls
+   * between the header and the body. */
+  if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e)) {
     abandon_comm(c, st->comm_id);
     goto fail;
   }
+  if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->from_rank,
+                      st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e))
+    goto fail;
+  if (c->b->ops->to_host(c->b, &hdr_t, &hdr, &e)) {
+    abandon_comm(c, st->comm_id);
+    goto fail;
+  }
+  if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call + 1, st->secret.data, st->from_rank,
+                      st->peer_address, out.storage->data, bytes, &e))
+    goto fail;
   if (hdr) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
     snprintf(f.msg, sizeof f.msg, "ToMesh: the source tensor failed on rank %u", st->from_rank);

@@ -247,6 +247,7 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   for (int64_t k = 0; k < group_size; k++) addrs[k] = addr_buf + k * EMIT_ADDR_MAX;
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id(s, mesh->ref, mask, r->stream);
+  g.call = ++o->calls;
   uint8_t secret[COMM_SECRET_LEN];
   if (comm_secret(s, g.comm_id, secret)) g.secret = (ProtobufCBinaryData){sizeof secret, secret};
   g.ranks = group;
@@ -307,6 +308,7 @@ static void emit_broadcast(frontend_t *fe, session_t *s, objects_t *o, const obj
                        res->tensor.stream, (1ull << 32) | from};
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id_of(s, parts, 5);
+  g.call = ++o->calls;
   uint8_t secret[COMM_SECRET_LEN];
   if (comm_secret(s, g.comm_id, secret)) g.secret = (ProtobufCBinaryData){sizeof secret, secret};
   g.ranks = ranks;
@@ -367,6 +369,7 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
     st.to_rank = dranks[i];
     st.to_stream = res->tensor.stream;
     st.comm_id = to_mesh_comm_id(s, o->losses, in->tensor.stream, res->tensor.stream);
+    st.call = ++o->calls;
     instr_t ins;
     if (from == dranks[i]) { /* same process: a local copy */
       st.input = in_spec;

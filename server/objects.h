@@ -141,6 +141,7 @@ typedef struct objects {
   uint64_t sent_bytes;     /* packed bytes of every instruction sent, ever */
   struct flow_window *flow; /* the command service's (flow.h): it opens and closes it */
   uint64_t losses;         /* agent losses the session was told of (ToMesh channels follow it) */
+  uint64_t calls;          /* data plane calls emitted (Group.call, SendTensor.call: the last one) */
 } objects_t;
 
 /* Queues a run-time root failure for the session's next Sync (at most 256 are

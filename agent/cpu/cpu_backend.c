@@ -269,15 +269,15 @@ static int cpu_alltoall(backend_t *b, backend_stream_t *s, const dp_group_t *g, 
 }
 
 static int cpu_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-                    const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+                    uint64_t call, const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
                     size_t bytes, meshd_error_t *e) {
-  return b->net ? dp_send(b->net, comm_id, secret, to_rank, addr, buf, bytes, e) : no_net(e);
+  return b->net ? dp_send(b->net, comm_id, call, secret, to_rank, addr, buf, bytes, e) : no_net(e);
 }
 
 static int cpu_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-                    const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf,
+                    uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf,
                     size_t bytes, meshd_error_t *e) {
-  return b->net ? dp_recv(b->net, comm_id, secret, from_rank, addr, buf, bytes, e) : no_net(e);
+  return b->net ? dp_recv(b->net, comm_id, call, secret, from_rank, addr, buf, bytes, e) : no_net(e);
 }
 
 const backend_ops_t cpu_backend_ops = {

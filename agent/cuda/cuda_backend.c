@@ -448,17 +448,17 @@ static int c_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, v
 }
 
 static int c_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-                  const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+                  uint64_t call, const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
                   size_t bytes, meshd_error_t *e) {
   cuda_bind(cuda_state(b));
-  return cuda_send(b, s, session, comm_id, secret, to_rank, addr, buf, bytes, e);
+  return cuda_send(b, s, session, comm_id, call, secret, to_rank, addr, buf, bytes, e);
 }
 
 static int c_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-                  const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf,
+                  uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf,
                   size_t bytes, meshd_error_t *e) {
   cuda_bind(cuda_state(b));
-  return cuda_recv(b, s, session, comm_id, secret, from_rank, addr, buf, bytes, e);
+  return cuda_recv(b, s, session, comm_id, call, secret, from_rank, addr, buf, bytes, e);
 }
 
 static void c_session_end(backend_t *b, uint64_t session) {

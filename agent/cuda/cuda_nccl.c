@@ -150,6 +150,7 @@ typedef struct comm {
   bool linked; /* in comms->list */
   comm_kind_t kind;
   uint64_t session, comm_id;
+  uint64_t call; /* of the call that made it: its bootstrap's frames carry it */
   size_t n, me;
   uint32_t *ranks; /* n; for point to point: [the peer] */
   char **addrs;    /* n, owned */
@@ -397,18 +398,18 @@ static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, 
     m.comm_id = c->comm_id;
     m.key = c->key;
     if (c->kind == COMM_SEND) {
-      if (dp_send(b->net, chan, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+      if (dp_send(b->net, chan, c->call, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
         return error_set(e, ERR_REMOTE_FAILURE, "%s: sending the NCCL id failed: %s", w->text,
                          de.msg);
     } else {
       for (size_t i = 1; i < c->n; i++)
-        if (dp_send(b->net, chan, c->secret, c->ranks[i], c->addrs[i], &m, sizeof m, &de))
+        if (dp_send(b->net, chan, c->call, c->secret, c->ranks[i], c->addrs[i], &m, sizeof m, &de))
           return error_set(e, ERR_REMOTE_FAILURE,
                            "%s: sending the NCCL id to rank %u failed: %s", w->text, c->ranks[i],
                            de.msg);
     }
   } else {
-    if (dp_recv(b->net, chan, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+    if (dp_recv(b->net, chan, c->call, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
       return error_set(e, ERR_REMOTE_FAILURE,
                        "%s: receiving the NCCL id from rank %u failed: %s", w->text, c->ranks[0],
                        de.msg);
@@ -464,6 +465,7 @@ static comm_t *comm_new(comm_kind_t kind, uint64_t session, const dp_group_t *g,
   c->kind = kind;
   c->session = session;
   c->comm_id = g->comm_id;
+  c->call = g->call;
   c->n = g->n;
   c->me = g->me;
   c->device = device;
@@ -958,7 +960,7 @@ int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void 
 }
 
 static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, uint64_t comm_id,
-               const uint8_t *secret, uint32_t peer, const char *addr, void *buf, size_t bytes,
+               uint64_t call, const uint8_t *secret, uint32_t peer, const char *addr, void *buf, size_t bytes,
                meshd_error_t *err) {
   const char *what = send ? "send" : "recv";
   if (!addr || (!buf && bytes > 0) || !secret)
@@ -970,7 +972,7 @@ static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, u
   if (bytes == 0) return 0; /* both ends know the size: nothing to match */
   /* The pair as a one-member group: the peer. */
   const char *addrs[1] = {addr};
-  dp_group_t g = {.comm_id = comm_id, .session = session, .ranks = &peer, .addrs = addrs,
+  dp_group_t g = {.comm_id = comm_id, .call = call, .session = session, .ranks = &peer, .addrs = addrs,
                   .n = 1, .me = send ? 0 : 1, .secret = secret};
   /* me is only part of the key here; the communicator has two members. */
   job_t j = {send ? OP_SEND : OP_RECV, what, send ? buf : NULL, send ? NULL : buf, bytes, 1, 2,
@@ -980,19 +982,19 @@ static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, u
 }
 
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+              uint64_t call, const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
               size_t bytes, meshd_error_t *err) {
   if (emulated(b))
-    return b->net ? dp_send(b->net, comm_id, secret, to_rank, addr, buf, bytes, err)
+    return b->net ? dp_send(b->net, comm_id, call, secret, to_rank, addr, buf, bytes, err)
                   : no_net("send", err);
-  return p2p(b, s, true, session, comm_id, secret, to_rank, addr, (void *)buf, bytes, err);
+  return p2p(b, s, true, session, comm_id, call, secret, to_rank, addr, (void *)buf, bytes, err);
 }
 
 int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+              uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
               meshd_error_t *err) {
   if (emulated(b))
-    return b->net ? dp_recv(b->net, comm_id, secret, from_rank, addr, buf, bytes, err)
+    return b->net ? dp_recv(b->net, comm_id, call, secret, from_rank, addr, buf, bytes, err)
                   : no_net("recv", err);
-  return p2p(b, s, false, session, comm_id, secret, from_rank, addr, buf, bytes, err);
+  return p2p(b, s, false, session, comm_id, call, secret, from_rank, addr, buf, bytes, err);
 }

@@ -62,10 +62,10 @@ int cuda_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, siz
 int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
                    meshd_error_t *err);
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
+              uint64_t call, const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
               size_t bytes, meshd_error_t *err);
 int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
-              const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
+              uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
               meshd_error_t *err);
 /* Destroys (or, when that errs or takes past comm_timeout_ms, aborts) every
  * communicator of the session. */

@@ -108,6 +108,7 @@ void dp__scratch_put(dataplane_t *dp, uint8_t *data) {
 static void conn_put_locked(conn_t *c) {
   if (--c->refs > 0) return;
   close(c->fd);
+  if (c->held_rfd > 0) close(c->held_rfd - 1);
   free(c);
 }
 
@@ -141,7 +142,7 @@ static void conn_unlink_locked(conn_t **list, conn_t *c) {
 void dp__drop_comm(dataplane_t *dp, uint64_t comm_id, const char *why) {
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
   size_t len = why ? dp__min(strlen(why), DP_ABORT_MAX) : 0;
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, 0);
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, 0, 0);
   if (why) memcpy(frame + DP_HDR_LEN, why, len);
   pthread_mutex_lock(&dp->mu);
   conn_t **lists[2] = {&dp->ins, &dp->outs};
@@ -216,6 +217,12 @@ static int split_addr(const char *addr, char *host, size_t hostlen, char *port, 
 /* ----------------------------------------------------------- lost peers */
 
 static int check_lost_locked(dataplane_t *dp, const call_t *cl, meshd_error_t *err) {
+  if (cl && atomic_load(&cl->dropped))
+    return error_set(err, ERR_REMOTE_FAILURE,
+                     "%s on comm %llu: the channel was closed on this agent while the call ran "
+                     "(its session ended here, or another of the session's instructions failed "
+                     "midway on it)",
+                     cl->what, (unsigned long long)cl->comm_id);
   uint64_t gen = atomic_load(&dp->gen);
   if (!cl || !cl->g || gen == cl->gen) return 0;
   uint64_t from = gen - cl->gen > DP_DEAD_MAX ? gen - DP_DEAD_MAX : cl->gen;
@@ -232,7 +239,7 @@ static int check_lost_locked(dataplane_t *dp, const call_t *cl, meshd_error_t *e
 }
 
 int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err) {
-  if (!cl || !cl->g || atomic_load(&dp->gen) == cl->gen) return 0;
+  if (!cl || !cl->g || (atomic_load(&dp->gen) == cl->gen && !atomic_load(&cl->dropped))) return 0;
   pthread_mutex_lock(&dp->mu);
   int rc = check_lost_locked(dp, cl, err);
   pthread_mutex_unlock(&dp->mu);
@@ -264,7 +271,14 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
 uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
 
 void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id) {
-  if (dp) dp__drop_comm(dp, comm_id, NULL);
+  if (!dp) return;
+  /* Calls in progress on it fail, even one still waiting to connect. */
+  pthread_mutex_lock(&dp->mu);
+  for (size_t i = 0; i < dp->nregs; i++)
+    if (dp->regs[i].comm_id == comm_id) atomic_store(&dp->reg_calls[i]->dropped, true);
+  pthread_cond_broadcast(&dp->cv);
+  pthread_mutex_unlock(&dp->mu);
+  dp__drop_comm(dp, comm_id, NULL);
 }
 
 static void set_nodelay(int fd) {
@@ -693,7 +707,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
 
 /* --------------------------------------------------------- registrations */
 
-int dp__register(dataplane_t *dp, const call_t *cl, uint64_t *id, meshd_error_t *err) {
+int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err) {
   *id = 0;
   pthread_mutex_lock(&dp->mu);
   if (dp->nregs == dp->capregs) {
@@ -702,7 +716,9 @@ int dp__register(dataplane_t *dp, const call_t *cl, uint64_t *id, meshd_error_t 
     if (regs) dp->regs = regs;
     uint64_t *ids = regs ? realloc(dp->reg_ids, cap * sizeof *ids) : NULL;
     if (ids) dp->reg_ids = ids;
-    if (!regs || !ids) {
+    call_t **calls = ids ? realloc(dp->reg_calls, cap * sizeof *calls) : NULL;
+    if (calls) dp->reg_calls = calls;
+    if (!regs || !ids || !calls) {
       pthread_mutex_unlock(&dp->mu);
       return error_set(err, ERR_QUOTA, "%s: out of memory", cl->what);
     }
@@ -710,6 +726,7 @@ int dp__register(dataplane_t *dp, const call_t *cl, uint64_t *id, meshd_error_t 
   }
   dp->regs[dp->nregs] = (dp_wire_group_t){
       .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n, .secret = cl->secret};
+  dp->reg_calls[dp->nregs] = cl;
   dp->reg_ids[dp->nregs++] = *id = ++dp->next_reg;
   bool wake = dp->parked > 0; /* the listener holds hellos: some may be this call's */
   pthread_mutex_unlock(&dp->mu);
@@ -728,6 +745,7 @@ void dp__unregister(dataplane_t *dp, uint64_t id) {
     if (dp->reg_ids[i] != id) continue;
     dp->regs[i] = dp->regs[dp->nregs - 1];
     dp->reg_ids[i] = dp->reg_ids[dp->nregs - 1];
+    dp->reg_calls[i] = dp->reg_calls[dp->nregs - 1];
     dp->nregs--;
     break;
   }
@@ -1140,6 +1158,7 @@ void dataplane_stop(dataplane_t *dp) {
   }
   free(dp->regs);
   free(dp->reg_ids);
+  free(dp->reg_calls);
   pthread_mutex_destroy(&dp->mu);
   free(dp);
 }

@@ -9,7 +9,7 @@
  *
  * Buffers are host memory, contiguous, `count` elements of `dtype`. Every call
  * is blocking, must be entered by every member of the group with the same
- * comm_id and arguments, and fails on every rank within `timeout_ms` if a peer
+ * comm_id, call number and arguments, and fails on every rank within `timeout_ms` if a peer
  * disappears (REMOTE_FAILURE / AGENT_LOST naming the peer) — never hangs.
  * Thread-safe: different comm_ids may run concurrently (one per stream).
  *
@@ -48,6 +48,12 @@ typedef struct dataplane dataplane_t;
  * `me` is this agent's index in it. */
 typedef struct dp_group {
   uint64_t comm_id;
+  /* Which call of the comm this is, the same on every member and growing
+   * from call to call (the server's Group.call, times the steps of an
+   * instruction): every frame carries it (wire.h), so a member that starts a
+   * call after its peers gave up on it fails at once (DP_ABORT_BEHIND) and
+   * catches up with them, instead of pairing with their next call. */
+  uint64_t call;
   uint64_t session; /* key of the owning session (backend session_end); the data plane ignores it */
   const uint32_t *ranks;
   const char *const *addrs;
@@ -92,6 +98,7 @@ uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason);
   XX(AGENT_LOST, "agent_lost")     /* a member was declared lost (dataplane_peer_lost) */  \
   XX(TIMEOUT, "timeout")           /* a peer did not connect or move a byte in time */     \
   XX(PEER_ABORTED, "peer_aborted") /* a peer failed first and sent its abort notice */     \
+  XX(BEHIND, "behind")             /* a peer was at a later call: this member fell behind */ \
   XX(ERROR, "error")               /* anything else: a closed connection, shutdown, OOM */
 typedef enum {
 #define XX(name, str) DP_ABORT_##name,
@@ -169,11 +176,12 @@ int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void
 /* Member 0's buf (bytes long) to every member, down the chain of g's order:
  * each forwards what it has received while it receives. */
 int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, meshd_error_t *err);
-/* Point to point on channel comm_id: bytes to/from the agent at addr (rank);
- * secret: DP_SECRET_LEN bytes both ends hold (SendTensor.secret). */
-int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,
-            const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
-int dp_recv(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t from_rank,
-            const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+/* Point to point on channel comm_id, call `call` (as dp_group_t.call; both
+ * ends pass the same): bytes to/from the agent at addr (rank); secret:
+ * DP_SECRET_LEN bytes both ends hold (SendTensor.secret). */
+int dp_send(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *secret,
+            uint32_t to_rank, const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
+int dp_recv(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *secret,
+            uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
 
 #endif

@@ -68,6 +68,12 @@ typedef struct conn {
   uint64_t comm_id;
   uint32_t peer;
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
+  /* An accepted conn: the header of a frame of a later call, read by a call
+   * that found itself behind and left for the call it belongs to (with the
+   * memfd that came with it, + 1; 0: none). */
+  bool held;
+  uint8_t held_hdr[DP_HDR_LEN];
+  int held_rfd;
   bool local;   /* a unix socket to an agent on this host: it can pass memfds */
   uint8_t secret[DP_SECRET_LEN]; /* the group secret its handshake proved */
   char addr[DP_ADDR_MAX];
@@ -109,6 +115,7 @@ struct dataplane {
    * hellos (mu): regs[i] registered as reg_ids[i]. */
   dp_wire_group_t *regs;
   uint64_t *reg_ids;
+  call_t **reg_calls; /* the calls themselves (dataplane_drop_comm fails them) */
   size_t nregs, capregs;
   uint64_t next_reg;
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
@@ -131,7 +138,7 @@ bool dp__stopping(dataplane_t *dp);
 /* While a call runs, hellos of its group's members are admitted: cl's
  * comm_id, members and secret (which must outlive the registration). *id
  * for dp__unregister. 0, or -1 with err (QUOTA). */
-int dp__register(dataplane_t *dp, const call_t *cl, uint64_t *id, meshd_error_t *err);
+int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err);
 void dp__unregister(dataplane_t *dp, uint64_t id); /* 0: a no-op */
 
 /* A scratch buffer of at least `bytes` (kept between calls); NULL when out of
@@ -154,8 +161,9 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
 conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char *addr,
                    int64_t deadline, const conn_t *const *watch, size_t nwatch, size_t *fired,
                    meshd_error_t *err);
-/* 0, or -1 with err (AGENT_LOST naming the member) when a member of cl's
- * group was declared lost after cl started. Lock-free when none was. */
+/* 0, or -1 with err when a member of cl's group was declared lost after cl
+ * started (AGENT_LOST naming the member), or cl's comm was dropped here
+ * meanwhile (dataplane_drop_comm: REMOTE_FAILURE). Lock-free when neither. */
 int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err);
 void dp__conn_put(dataplane_t *dp, conn_t *c);
 /* Takes c out of its table (if still there) and shuts its socket down, so
@@ -199,6 +207,8 @@ typedef struct xfer {
   bool in_frame, blocked;
   uint8_t hdr[DP_HDR_LEN];
   size_t hdr_done, flen, fdone;
+  bool skip;                    /* the frame in progress is of an older call: read and dropped */
+  bool stale, mine;             /* frames of an older call, of this call, came on c */
   bool shm;                     /* the frame in progress is a shared-memory one */
   uint8_t pay[DP_SHM_PAYLOAD];  /* its payload */
   int rfd;                      /* a descriptor received with it, + 1 (0: none) */
@@ -213,6 +223,8 @@ struct call {
   const dp_group_t *g; /* its members (a send or recv: the one peer) */
   uint64_t gen;        /* dp->gen when it started: later losses of a member fail it */
   uint64_t comm_id;
+  uint64_t call;         /* dp_group_t.call: every frame carries it */
+  _Atomic bool dropped;  /* dataplane_drop_comm closed its comm while it ran */
   const uint8_t *secret; /* the group's, DP_SECRET_LEN bytes */
   dtype_t dtype;
   reduction_t op;
@@ -230,6 +242,7 @@ typedef struct plan {
   msg_t *msgs;
   uint64_t reg; /* its group's registration (dp__register) */
   int shm;      /* the memfd its messages share (msg_t.shm), or -1 */
+  bool link_only; /* a send or recv: a failure discards its own link, not the comm's */
 } plan_t;
 
 /* The call's comm_id and secret are g's; g must outlive the plan. nx
@@ -250,9 +263,12 @@ void dp__plan_abort(plan_t *p);
 /* Counts the failed call once in dp->aborts: the reason set on the call, else
  * AGENT_LOST from err's kind, else ERROR (err may be NULL). */
 void dp__plan_count_abort(plan_t *p, const meshd_error_t *err);
-/* Unregisters the group, releases the plan's connections and memory; on failure (rc != 0) first
- * counts the abort (a call that began), aborts and drops every connection of the comm, so that the next call starts
- * from fresh links. Returns rc. */
+/* Unregisters the group, releases the plan's connections and memory. On
+ * failure (rc != 0) it first counts the abort (a call that began), then: a
+ * call that fell behind (DP_ABORT_BEHIND) closes only a connection it left
+ * mid-frame; any other sends its abort notice and closes every connection of
+ * the comm (of its own link, when link_only), so the next call starts from
+ * fresh links. Returns rc. */
 int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err);
 
 /* ------------------------------------------------ shm.c: same-host messages */

@@ -1,9 +1,19 @@
 /* The agents' TCP transport (dataplane.h): the transfer engine.
  *
  * Framing. A message is split into frames of at most DP_CHUNK bytes, each with a
- * header {magic, length, comm_id, seq}; seq counts frames on the connection, so a
- * desynchronised or misaddressed stream is detected rather than misread. A
- * zero-length message is one empty frame.
+ * header {magic, length, comm_id, call, seq}; seq counts frames on the
+ * connection, so a desynchronised or misaddressed stream is detected rather
+ * than misread. A zero-length message is one empty frame.
+ *
+ * Calls. `call` numbers the calls of a comm, the same on every member. A
+ * member that starts a call after its peers gave up on it (it was more than
+ * timeout_ms late) finds their frames of a later call: it fails at once
+ * (DP_ABORT_BEHIND), keeping the header for the call it belongs to, aborting
+ * nobody and closing only a connection it left mid-frame; its next calls do
+ * the same until it reaches the peers' call. The peers skip its frames of
+ * the older call (and, when it closed a connection on which they saw only
+ * such frames, wait for it to dial again). So a late member never pairs with
+ * the wrong call, and the group is back in step without a timeout per call.
  *
  * Progress. Every call runs its transfers in one thread on non-blocking sockets
  * with poll(2): all sends and receives of a call progress together (full
@@ -77,7 +87,8 @@ static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
   char text[DP_ABORT_MAX + 1];
   dp_frame_t f;
   ssize_t r = recv(x->c->fd, hdr, sizeof hdr, MSG_DONTWAIT | MSG_WAITALL);
-  if (r == (ssize_t)sizeof hdr && dp_wire_parse_frame(hdr, cl->comm_id, 0, 0, &f) == DP_FRAME_ABORT) {
+  if (r == (ssize_t)sizeof hdr &&
+      dp_wire_parse_frame(hdr, cl->comm_id, cl->call, 0, 0, 0, &f) == DP_FRAME_ABORT) {
     read_abort(x->c->fd, &f, text, sizeof text);
     return aborted(cl, x->c, text, err);
   }
@@ -108,7 +119,7 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         dp__put64(x->pay, m->len);
       }
       dp_wire_frame(x->hdr, shm ? DP_MAGIC_SHM : DP_MAGIC_DATA, (uint32_t)flen, cl->comm_id,
-                    x->c->seq);
+                    cl->call, x->c->seq);
       x->shm = shm;
       x->flen = flen;
       x->hdr_done = x->fdone = 0;
@@ -208,8 +219,35 @@ static int shm_landed(call_t *cl, xfer_t *x, msg_t *m, meshd_error_t *err) {
   return 0;
 }
 
+/* A frame of a later call: this member is behind its group (transfer.c's
+ * opening comment). The header (and its memfd) stay on the connection for
+ * the call it belongs to. */
+static int behind(call_t *cl, xfer_t *x, const dp_frame_t *f, meshd_error_t *err) {
+  memcpy(x->c->held_hdr, x->hdr, DP_HDR_LEN);
+  x->c->held = true;
+  x->c->held_rfd = x->rfd;
+  x->rfd = 0;
+  cl->abort_reason = DP_ABORT_BEHIND + 1;
+  return peer_error(cl, x->c, err,
+                    "is already at a later call of this comm (call %llu; this is call %llu): the "
+                    "group gave up on this call before this member reached it (it ran more "
+                    "than the comm timeout behind), so it fails here at once",
+                    (unsigned long long)f->call, (unsigned long long)cl->call);
+}
+
+/* The peer closed a connection on which it sent only frames of an older call:
+ * it was behind, and left one of them unfinished. */
+#define RECV_REDIAL (-2)
+
+static ssize_t recv_closed(call_t *cl, xfer_t *x, ssize_t r, meshd_error_t *err) {
+  if (x->stale && !x->mine) return RECV_REDIAL;
+  if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
+  return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
+}
+
 static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
   size_t moved = 0, esz = dtype_size(cl->dtype);
+  uint8_t sink[16384];
   while (x->cur < x->nmsgs) {
     msg_t *m = &x->msgs[x->cur];
     if (!x->in_frame) {
@@ -217,23 +255,38 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         x->cur++;
         continue;
       }
-      ssize_t r = recv_some(x, x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done);
-      if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
+      if (x->hdr_done == 0 && x->c->held) { /* left by a call that was behind */
+        memcpy(x->hdr, x->c->held_hdr, DP_HDR_LEN);
+        x->c->held = false;
+        if (x->c->held_rfd) {
+          drop_rfd(x);
+          x->rfd = x->c->held_rfd;
+          x->c->held_rfd = 0;
+        }
+        x->hdr_done = DP_HDR_LEN;
+      } else {
+        ssize_t r = recv_some(x, x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (r <= 0) return recv_closed(cl, x, r, err);
+        moved += (size_t)r;
+        x->hdr_done += (size_t)r;
+        if (x->hdr_done < DP_HDR_LEN) continue;
       }
-      moved += (size_t)r;
-      x->hdr_done += (size_t)r;
-      if (x->hdr_done < DP_HDR_LEN) continue;
       x->hdr_done = 0;
       size_t want = dp__min(DP_CHUNK, m->len - m->done);
       dp_frame_t f;
-      dp_frame_kind_t kind = dp_wire_parse_frame(x->hdr, cl->comm_id, x->c->seq, want, &f);
-      if (x->stray_fd || (x->rfd && kind != DP_FRAME_SHM)) return stray_fd(cl, x, err);
-      x->shm = kind == DP_FRAME_SHM;
+      dp_frame_kind_t kind =
+          dp_wire_parse_frame(x->hdr, cl->comm_id, cl->call, x->c->seq, want, DP_CHUNK, &f);
+      bool shm_magic = f.magic == DP_MAGIC_SHM;
+      if (x->stray_fd || (x->rfd && !(shm_magic && (kind == DP_FRAME_SHM || kind == DP_FRAME_STALE ||
+                                                    kind == DP_FRAME_AHEAD))))
+        return stray_fd(cl, x, err);
+      x->shm = kind == DP_FRAME_SHM || (kind == DP_FRAME_STALE && shm_magic);
+      x->skip = kind == DP_FRAME_STALE;
       switch (kind) {
+      case DP_FRAME_AHEAD: return behind(cl, x, &f, err);
+      case DP_FRAME_STALE: x->stale = true; break;
       case DP_FRAME_SHM:
         if (m->into || m->done > 0)
           return peer_error(cl, x->c, err, "sent shared memory where %s was expected",
@@ -242,6 +295,10 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       case DP_FRAME_ABORT: {
         char text[DP_ABORT_MAX + 1];
         read_abort(x->c->fd, &f, text, sizeof text);
+        if (f.call < cl->call && !x->mine) { /* an older call's end: its sender dials again */
+          x->stale = true;
+          continue;
+        }
         return aborted(cl, x->c, text, err);
       }
       case DP_FRAME_FOREIGN:
@@ -251,26 +308,31 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
                           "sent frame %llu of %u bytes where frame %llu of %zu bytes was expected "
                           "(do all members call with the same arguments?)",
                           (unsigned long long)f.seq, f.len, (unsigned long long)x->c->seq, want);
-      case DP_FRAME_DATA: break;
+      case DP_FRAME_DATA: x->mine = true; break;
       }
+      if (kind == DP_FRAME_SHM) x->mine = true;
       x->flen = f.len;
       x->fdone = 0;
       x->in_frame = true;
     }
     if (x->fdone < x->flen) {
-      ssize_t r = x->shm ? recv_some(x, x->pay + x->fdone, x->flen - x->fdone)
-                         : recv(x->c->fd, m->buf + m->done + x->fdone, x->flen - x->fdone,
-                                MSG_DONTWAIT);
-      if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
-      }
+      ssize_t r = x->shm    ? recv_some(x, x->pay + x->fdone, x->flen - x->fdone)
+                  : x->skip ? recv(x->c->fd, sink, dp__min(sizeof sink, x->flen - x->fdone),
+                                   MSG_DONTWAIT)
+                            : recv(x->c->fd, m->buf + m->done + x->fdone, x->flen - x->fdone,
+                                   MSG_DONTWAIT);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (r <= 0) return recv_closed(cl, x, r, err);
       moved += (size_t)r;
       x->fdone += (size_t)r;
     }
-    if (x->fdone == x->flen && x->shm) {
+    if (x->fdone == x->flen && x->skip) { /* an older call's frame, dropped */
+      if (x->stray_fd) return stray_fd(cl, x, err);
+      drop_rfd(x);
+      x->c->seq++;
+      x->skip = x->shm = x->in_frame = false;
+    } else if (x->fdone == x->flen && x->shm) {
       if (x->stray_fd) return stray_fd(cl, x, err);
       if (shm_landed(cl, x, m, err) != 0) return -1;
       m->done = m->len;
@@ -287,6 +349,27 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
     }
   }
   return (ssize_t)moved;
+}
+
+/* x's peer closed a connection on which it sent only frames of an older call
+ * (RECV_REDIAL): it is catching up, and dials again for this call. Waits for
+ * that connection, as when the call began. */
+static int redial_in(call_t *cl, xfer_t *x, meshd_error_t *err) {
+  dataplane_t *dp = cl->dp;
+  char addr[DP_ADDR_MAX];
+  snprintf(addr, sizeof addr, "%s", x->c->addr);
+  uint32_t peer = x->c->peer;
+  drop_rfd(x);
+  dp__conn_discard(dp, x->c);
+  dp__conn_put(dp, x->c);
+  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  x->c = dp__get_in(dp, cl, peer, addr, deadline, NULL, 0, NULL, err);
+  x->in_frame = x->skip = x->shm = x->stale = x->stray_fd = false;
+  x->hdr_done = x->flen = x->fdone = 0;
+  if (x->c) return 0;
+  snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "no connection");
+  if (!cl->abort_reason && dp__now_ms() >= deadline) cl->abort_reason = DP_ABORT_TIMEOUT + 1;
+  return -1;
 }
 
 /* Runs every transfer to completion, or fails after timeout_ms without progress. */
@@ -314,6 +397,7 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
       for (size_t i = 0; i < nx; i++) {
         if (xs[i].cur >= xs[i].nmsgs) continue;
         ssize_t r = xs[i].send ? send_step(cl, &xs[i], err) : recv_step(cl, &xs[i], err);
+        if (r == RECV_REDIAL && redial_in(cl, &xs[i], err) == 0) r = 1;
         if (r < 0) goto out;
         again |= r > 0;
       }
@@ -383,7 +467,7 @@ out:
 static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
   size_t len = dp__min(strlen(cl->root), DP_ABORT_MAX);
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, cl->comm_id, 0);
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, cl->comm_id, cl->call, 0);
   memcpy(frame + DP_HDR_LEN, cl->root, len);
   for (size_t i = 0; i < nx; i++) {
     if (!xs[i].c || (xs[i].send && xs[i].in_frame)) continue;
@@ -399,7 +483,7 @@ int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t
   memset(p, 0, sizeof *p);
   p->shm = -1;
   p->cl = (call_t){.dp = dp, .what = what, .g = g, .gen = g->since ? *g->since : atomic_load(&dp->gen),
-                   .comm_id = g->comm_id, .secret = g->secret, .dtype = dtype, .op = op};
+                   .comm_id = g->comm_id, .call = g->call, .secret = g->secret, .dtype = dtype, .op = op};
   if (!g->secret)
     return error_set(err, ERR_BAD_ARGUMENT,
                      "%s on comm %llu: the group has no secret (its instruction lacks one), so "
@@ -455,12 +539,33 @@ void dp__plan_count_abort(plan_t *p, const meshd_error_t *err) {
   atomic_fetch_add(&p->cl.dp->aborts[why], 1);
 }
 
+/* A call that fell behind its group leaves in place what the call it catches
+ * up with will use: no abort, and only a connection it left mid-frame is
+ * closed (a receiver of its older frames skips them, and on that close waits
+ * for it to dial again). */
+static void leave_behind(plan_t *p) {
+  for (size_t i = 0; i < p->nx; i++) {
+    xfer_t *x = &p->xs[i];
+    bool torn = x->send ? x->in_frame && (x->hdr_done > 0 || x->fdone > 0)
+                        : x->in_frame || x->hdr_done > 0;
+    if (x->c && torn) dp__conn_discard(p->cl.dp, x->c);
+  }
+}
+
 int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
   if (p->cl.dp) dp__unregister(p->cl.dp, p->reg);
-  if (rc != 0 && p->xs) { /* then close the comm: the next call starts from fresh links */
+  if (rc != 0 && p->xs) {
     dp__plan_count_abort(p, err);
-    dp__plan_abort(p);
-    dp__drop_comm(p->cl.dp, p->cl.comm_id, p->cl.root);
+    if (p->cl.abort_reason == DP_ABORT_BEHIND + 1) {
+      leave_behind(p);
+    } else if (p->link_only) { /* a send or recv: only its own link is suspect */
+      dp__plan_abort(p);
+      for (size_t i = 0; i < p->nx; i++)
+        if (p->xs[i].c) dp__conn_discard(p->cl.dp, p->xs[i].c);
+    } else { /* close the comm: the next call starts from fresh links */
+      dp__plan_abort(p);
+      dp__drop_comm(p->cl.dp, p->cl.comm_id, p->cl.root);
+    }
   }
   if (p->xs)
     for (size_t i = 0; i < p->nx; i++) {

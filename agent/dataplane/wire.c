@@ -134,27 +134,35 @@ bool dp_wire_ack_proves(const uint8_t *buf, size_t len, const uint8_t hello[DP_H
 }
 
 void dp_wire_frame(uint8_t hdr[DP_HDR_LEN], uint32_t magic, uint32_t len, uint64_t comm_id,
-                   uint64_t seq) {
+                   uint64_t call, uint64_t seq) {
   dp__put32(hdr, magic);
   dp__put32(hdr + 4, len);
   dp__put64(hdr + 8, comm_id);
-  dp__put64(hdr + 16, seq);
+  dp__put64(hdr + 16, call);
+  dp__put64(hdr + 24, seq);
 }
 
-dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm_id,
-                                    uint64_t want_seq, size_t want_len, dp_frame_t *f) {
+dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm_id, uint64_t call,
+                                    uint64_t want_seq, size_t want_len, size_t max_len,
+                                    dp_frame_t *f) {
   f->magic = dp__get32(hdr);
   f->len = dp__get32(hdr + 4);
   f->comm_id = dp__get64(hdr + 8);
-  f->seq = dp__get64(hdr + 16);
+  f->call = dp__get64(hdr + 16);
+  f->seq = dp__get64(hdr + 24);
   if (f->magic == DP_MAGIC_ABORT) {
     if (f->len > DP_ABORT_MAX) f->len = DP_ABORT_MAX;
     return DP_FRAME_ABORT;
   }
   if ((f->magic != DP_MAGIC_DATA && f->magic != DP_MAGIC_SHM) || f->comm_id != comm_id)
     return DP_FRAME_FOREIGN;
-  if (f->magic == DP_MAGIC_SHM)
-    return f->seq == want_seq && f->len == DP_SHM_PAYLOAD ? DP_FRAME_SHM : DP_FRAME_SKEWED;
+  bool shm = f->magic == DP_MAGIC_SHM;
+  if (f->call != call) {
+    bool formed = shm ? f->len == DP_SHM_PAYLOAD : f->len <= max_len;
+    if (!formed || f->seq != want_seq) return DP_FRAME_SKEWED;
+    return f->call < call ? DP_FRAME_STALE : DP_FRAME_AHEAD;
+  }
+  if (shm) return f->seq == want_seq && f->len == DP_SHM_PAYLOAD ? DP_FRAME_SHM : DP_FRAME_SKEWED;
   if (f->seq != want_seq || f->len != want_len) return DP_FRAME_SKEWED;
   return DP_FRAME_DATA;
 }

@@ -20,11 +20,19 @@
  * the dialer (nonce_d, inside hello[0, 40), is fresh per dial), so bytes are
  * only ever sent to a member. Then frames follow, dialer to acceptor:
  *
- *   frame header {magic MDPD (data) or MDPA (abort), length, comm_id, seq}     24 bytes
+ *   frame header {magic MDPD (data) or MDPA (abort), length, comm_id, call, seq}  32 bytes
+ *
+ * `call` names the call of the comm the frame belongs to: the server numbers
+ * the session's collectives and sends (Group.call, SendTensor.call) and every
+ * member tags its frames with that number (dp_group_t.call), so a member that
+ * falls behind its group (its peers gave up on a call it starts late) can
+ * never pair with the peers' next call: a receiver skips frames of an older
+ * call and fails on one of a newer call (transfer.c). `seq` counts data frames
+ * on the connection, whatever their call.
  *
  * On a same-host connection (a unix socket, conn.c) a whole message may
  * instead travel as one shared-memory frame: header {magic MDPS, length 8,
- * comm_id, seq} and the message's byte count (u64), with a sealed memfd
+ * comm_id, call, seq} and the message's byte count (u64), with a sealed memfd
  * holding those bytes passed alongside (SCM_RIGHTS; transfer.c checks it).
  *
  * All integers little-endian. */
@@ -38,7 +46,7 @@
 
 #include "dataplane.h" /* DP_SECRET_LEN */
 
-#define DP_WIRE_VERSION 1u
+#define DP_WIRE_VERSION 2u /* 2: frames carry the call */
 #define DP_MAGIC_CHALLENGE 0x4d44504eu /* "MDPN" */
 #define DP_MAGIC_HELLO 0x4d445048u     /* "MDPH" */
 #define DP_MAGIC_ACK 0x4d44504bu       /* "MDPK" */
@@ -52,7 +60,7 @@
 #define DP_HELLO_SIGNED 40 /* the hello's fields the mac covers: all but the mac */
 #define DP_HELLO_LEN (DP_HELLO_SIGNED + DP_MAC_LEN)
 #define DP_ACK_LEN (8 + DP_MAC_LEN)
-#define DP_HDR_LEN 24
+#define DP_HDR_LEN 32
 #define DP_ABORT_MAX 480 /* bytes of root cause carried in an abort frame */
 
 /* A parse of bytes that may still be arriving: MORE (a valid prefix; read on),
@@ -120,19 +128,26 @@ typedef enum {
   DP_FRAME_FOREIGN, /* not data of this comm (another magic or comm_id) */
   DP_FRAME_SKEWED,  /* data of this comm, but not frame want_seq of want_len bytes */
   DP_FRAME_SHM,     /* frame want_seq as shared memory: DP_SHM_PAYLOAD bytes follow */
+  DP_FRAME_STALE,   /* data of this comm for an older call (f->len bytes follow): skip it */
+  DP_FRAME_AHEAD,   /* data of this comm for a newer call: this member fell behind */
 } dp_frame_kind_t;
 
 typedef struct dp_frame {
   uint32_t magic, len;
-  uint64_t comm_id, seq;
+  uint64_t comm_id, call, seq;
 } dp_frame_t;
 
 void dp_wire_frame(uint8_t hdr[DP_HDR_LEN], uint32_t magic, uint32_t len, uint64_t comm_id,
-                   uint64_t seq);
-/* Classifies a received header; f gets its fields (an abort's len capped at
- * DP_ABORT_MAX). */
-dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm_id,
-                                    uint64_t want_seq, size_t want_len, dp_frame_t *f);
+                   uint64_t call, uint64_t seq);
+/* Classifies a received header for call `call` of comm_id, which expects
+ * frame want_seq of want_len bytes; f gets its fields (an abort's len capped
+ * at DP_ABORT_MAX). An abort is ABORT whatever its call (its sender closes
+ * the connection after it). Data or shared memory of another call is STALE
+ * or AHEAD when it is well-formed (data: at most max_len bytes, shared
+ * memory: DP_SHM_PAYLOAD) and numbered want_seq, else SKEWED. */
+dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm_id, uint64_t call,
+                                    uint64_t want_seq, size_t want_len, size_t max_len,
+                                    dp_frame_t *f);
 
 /* An MDPS frame's memfd rides on its first byte as SCM_RIGHTS: the control
  * buffer for one descriptor, and dp_wire_attach_fd putting fd in it for mh. */

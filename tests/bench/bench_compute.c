@@ -371,10 +371,10 @@ static void *bmember_main(void *p) {
     m->rc = dp_broadcast(w->dp[m->me], &g, m->buf, m->bytes, &m->err);
   } else if (m->me == 0) {
     for (size_t j = 1; j < m->n && m->rc == 0; j++)
-      m->rc = dp_send(w->dp[0], m->comm, secret, w->ranks[j], w->addrs[j], m->buf, m->bytes,
+      m->rc = dp_send(w->dp[0], m->comm, 0, secret, w->ranks[j], w->addrs[j], m->buf, m->bytes,
                       &m->err);
   } else {
-    m->rc = dp_recv(w->dp[m->me], m->comm, secret, w->ranks[0], w->addrs[0], m->buf, m->bytes,
+    m->rc = dp_recv(w->dp[m->me], m->comm, 0, secret, w->ranks[0], w->addrs[0], m->buf, m->bytes,
                     &m->err);
   }
   return NULL;

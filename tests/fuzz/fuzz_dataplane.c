@@ -97,24 +97,35 @@ static void fuzz_frames(const uint8_t *in, size_t len, uint8_t sel) {
   for (size_t off = 0; off + DP_HDR_LEN <= len; off += DP_HDR_LEN) {
     const uint8_t *h = in + off;
     uint64_t comm = sel & 1 ? dp__get64(h + 8) : 7; /* sometimes the comm the frame names */
-    uint64_t seq = sel & 2 ? dp__get64(h + 16) : 0;
-    size_t want = sel & 4 ? dp__get32(h + 4) : (size_t)(sel >> 3) * 4096;
+    uint64_t call = sel & 0x80 ? dp__get64(h + 16) : 3; /* and its call */
+    uint64_t seq = sel & 2 ? dp__get64(h + 24) : 0;
+    size_t want = sel & 4 ? dp__get32(h + 4) : (size_t)((sel >> 3) & 15) * 4096;
+    size_t max = 1u << 20;
     dp_frame_t f;
-    dp_frame_kind_t k = dp_wire_parse_frame(h, comm, seq, want, &f);
+    dp_frame_kind_t k = dp_wire_parse_frame(h, comm, call, seq, want, max, &f);
+    bool data = f.magic == DP_MAGIC_DATA || f.magic == DP_MAGIC_SHM;
     switch (k) {
     case DP_FRAME_DATA:
-      CHECK(f.magic == DP_MAGIC_DATA && f.comm_id == comm && f.seq == seq && f.len == want);
+      CHECK(f.magic == DP_MAGIC_DATA && f.comm_id == comm && f.call == call && f.seq == seq &&
+            f.len == want);
       break;
     case DP_FRAME_ABORT: CHECK(f.magic == DP_MAGIC_ABORT && f.len <= DP_ABORT_MAX); break;
     case DP_FRAME_SHM:
-      CHECK(f.magic == DP_MAGIC_SHM && f.comm_id == comm && f.seq == seq &&
+      CHECK(f.magic == DP_MAGIC_SHM && f.comm_id == comm && f.call == call && f.seq == seq &&
             f.len == DP_SHM_PAYLOAD);
       break;
-    case DP_FRAME_FOREIGN:
-      CHECK((f.magic != DP_MAGIC_DATA && f.magic != DP_MAGIC_SHM) || f.comm_id != comm);
+    case DP_FRAME_STALE:
+    case DP_FRAME_AHEAD:
+      CHECK(data && f.comm_id == comm && f.seq == seq &&
+            (k == DP_FRAME_STALE ? f.call < call : f.call > call) &&
+            (f.magic == DP_MAGIC_SHM ? f.len == DP_SHM_PAYLOAD : f.len <= max));
       break;
+    case DP_FRAME_FOREIGN: CHECK(!data || f.comm_id != comm); break;
     case DP_FRAME_SKEWED:
-      CHECK(f.seq != seq || (f.magic == DP_MAGIC_SHM ? f.len != DP_SHM_PAYLOAD : f.len != want));
+      CHECK(data && f.comm_id == comm);
+      CHECK(f.seq != seq ||
+            (f.magic == DP_MAGIC_SHM ? f.len != DP_SHM_PAYLOAD
+                                     : f.call == call ? f.len != want : f.len > max));
       break;
     default: CHECK(0);
     }

@@ -21,7 +21,7 @@ from meshd_testlib import Session, reduce, sync, to_mesh
 from test_metrics import scrape, value
 
 _SVC = "/meshd.v1.TensorService/"
-MAGIC_HELLO, MAGIC_DATA, VERSION = 0x4D445048, 0x4D445044, 1
+MAGIC_HELLO, MAGIC_DATA, VERSION = 0x4D445048, 0x4D445044, 2
 COMM_TIMEOUT_MS = 2000
 
 
@@ -80,7 +80,7 @@ class Stranger:
                 hello = struct.pack("<IIIIQ", MAGIC_HELLO, VERSION, to, frm, k) + os.urandom(48)
                 c.sendall(hello)
                 if k % 2 == 0:  # and the payload right away, as the original attack did
-                    c.sendall(struct.pack("<IIQQ", MAGIC_DATA, 16, k, 0) +
+                    c.sendall(struct.pack("<IIQQQ", MAGIC_DATA, 16, k, 1, 0) +
                               struct.pack("<4f", 1000, 1000, 1000, 1000))
             c.settimeout(COMM_TIMEOUT_MS / 1000 + 3)
             try:

@@ -181,6 +181,43 @@ def test_injected_collective_faults_fail_or_delay_only_that_collective(meshd_ser
         np.testing.assert_array_equal(fetch(s, r2, gpu=1), 2 * ONES)
 
 
+def test_a_member_late_past_the_comm_timeout_never_mixes_two_reduces(meshd_server):
+    """Rank 1 starts the first reduce 1.5 s late, with a 400 ms comm timeout: rank 0 gives
+    up on it and runs the next reduces meanwhile. Every result is either failed or the
+    exact sum of its own inputs, never a mix of two reduces (before the data plane's
+    frames named their call, rank 1's first reduce paired with rank 0's fourth, and the
+    two streams stayed shifted, every later result wrong and reported fine); and the
+    later reduces, once rank 1 caught up, succeed."""
+    env = {"MESHD_FAULT": "reduce:slow=1500,rank=1,count=1", "MESHD_COMM_TIMEOUT_MS": "400"}
+    srv = lib.wait_ready(meshd_server(2, env=env), 2)
+    with Session(srv.port, "late") as s:
+        if not data_plane(s):
+            pytest.skip("the agents report no data plane")
+        m = s.mesh(gpu=2).ref
+        n = 10
+        ins = [np.full((2, 8), [[k + 1.0], [100.0 * (k + 1)]], dtype=np.float32)
+               for k in range(n)]
+        xs = [upload(s, m, a, per_rank=True) for a in ins]
+        rs = [s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum")).tensors[0].ref
+              for x in xs]
+        s.run(sync(), timeout=30)
+        ok = []
+        for k, r in enumerate(rs):
+            for g in (0, 1):
+                try:
+                    got = fetch(s, r, gpu=g)
+                except FetchError:
+                    continue
+                np.testing.assert_array_equal(got, ins[k][0] + ins[k][1],
+                                              err_msg=f"reduce {k} on rank {g}")
+                ok.append((k, g))
+        assert (0, 1) not in ok, "the late rank's first reduce succeeded without its peer"
+        assert (n - 1, 0) in ok and (n - 1, 1) in ok, f"rank 1 never caught up: {ok}"
+        after = upload(s, m, ins[0], per_rank=True)
+        r = s.run(reduce(s.new_ref(), after, dims=["gpu"], reduction="sum")).tensors[0].ref
+        np.testing.assert_array_equal(fetch(s, r, gpu=1), ins[0][0] + ins[0][1])
+
+
 def test_a_sync_whose_client_gave_up_holds_nothing(meshd_server):
     # The Sync waits on a hung collective; its clients give up (a unary
     # deadline, a cancelled Submit stream). The server withdraws the unary

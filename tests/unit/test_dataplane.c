@@ -76,7 +76,7 @@ typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A, K_REDUCE_ROOT, K_GATHER_ROOT, K_B
 typedef struct job {
   world_t *w;
   size_t me;
-  uint64_t comm;
+  uint64_t comm, call;
   kind_t kind;
   dtype_t dtype;
   reduction_t op;
@@ -92,6 +92,7 @@ static void *job_main(void *arg) {
   job_t *j = arg;
   dp_group_t g = group(j->w, j->comm, j->me);
   g.mappable = j->map;
+  g.call = j->call;
   int64_t t0 = now_ms();
   switch (j->kind) {
   case K_ALLREDUCE: j->rc = dp_allreduce(j->w->dp[j->me], &g, j->in, j->count, j->dtype, j->op, &j->err); break;
@@ -464,7 +465,7 @@ Test(dataplane, reduce_scatter_allgather_alltoall, .timeout = 120) {
 typedef struct p2p_job {
   world_t *w;
   size_t me, peer;
-  uint64_t comm;
+  uint64_t comm, call;
   bool send;
   uint8_t *buf;
   size_t bytes;
@@ -474,9 +475,9 @@ typedef struct p2p_job {
 
 static void *p2p_main(void *arg) {
   p2p_job_t *j = arg;
-  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, SECRET, j->w->ranks[j->peer],
+  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, j->call, SECRET, j->w->ranks[j->peer],
                             j->w->addrs[j->peer], j->buf, j->bytes, &j->err)
-                  : dp_recv(j->w->dp[j->me], j->comm, SECRET, j->w->ranks[j->peer],
+                  : dp_recv(j->w->dp[j->me], j->comm, j->call, SECRET, j->w->ranks[j->peer],
                             j->w->addrs[j->peer], j->buf, j->bytes, &j->err);
   return NULL;
 }
@@ -628,6 +629,174 @@ Test(dataplane, member_never_joins_ring, .timeout = 30) {
   missing_member_case(4, 100000);
 }
 
+/* A member that starts a call more than the timeout late, after its peers
+ * gave up on it and began their next call on the comm: it must not pair with
+ * that next call (before frames carried the call, it did, and both reported
+ * success with a mix of two calls' data). It fails at once, then catches up:
+ * the peers' next call, and the one after, succeed with the right values. */
+static void late_member_case(size_t n, size_t count) {
+  world_t w;
+  world_start(&w, n, 400);
+  const uint64_t comm = 77;
+  job_t jobs[MAXN];
+  for (size_t r = 0; r < n; r++) {
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = comm, .call = 1, .kind = K_ALLREDUCE,
+                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
+    jobs[r].in = calloc(count, 4);
+  }
+  /* Call 1 without the last member: the others give up on it. */
+  for (size_t r = 0; r + 1 < n; r++) fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 1000);
+  run_jobs(jobs, n - 1);
+  for (size_t r = 0; r + 1 < n; r++) cr_assert_eq(jobs[r].rc, -1, "call 1 ran without a member");
+  /* The others start call 2; the last member now starts call 1, then call 2. */
+  pthread_t th[MAXN];
+  for (size_t r = 0; r < n; r++) {
+    jobs[r].call = 2;
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 2000);
+  }
+  for (size_t r = 0; r + 1 < n; r++) pthread_create(&th[r], NULL, job_main, &jobs[r]);
+  usleep(100 * 1000);
+  job_t late = jobs[n - 1];
+  late.call = 1;
+  late.in = calloc(count, 4);
+  fill(DTYPE_FLOAT32, RED_SUM, n - 1, late.in, count, 1000);
+  job_main(&late);
+  cr_assert_eq(late.rc, -1, "n=%zu count=%zu: the late member's call 1 paired with call 2", n,
+               count);
+  cr_assert(strstr(late.err.msg, "later call") && strstr(late.err.msg, "call 2; this is call 1"),
+            "%s", late.err.msg);
+  cr_assert(late.took_ms < 300, "the late call took %lld ms to fail", (long long)late.took_ms);
+  cr_assert_eq(dataplane_aborts(w.dp[n - 1], DP_ABORT_BEHIND), 1);
+  job_main(&jobs[n - 1]);
+  for (size_t r = 0; r + 1 < n; r++) pthread_join(th[r], NULL);
+  for (size_t r = 0; r < n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "n=%zu count=%zu: call 2 on member %zu: %s", n, count, r,
+                 jobs[r].err.msg);
+    expect_reduced(DTYPE_FLOAT32, RED_SUM, n, jobs[r].in, count, 2000, "call 2");
+  }
+  /* The group is in step again. */
+  for (size_t r = 0; r < n; r++) {
+    jobs[r].call = 3;
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 3000);
+  }
+  run_jobs(jobs, n);
+  for (size_t r = 0; r < n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "call 3 on member %zu: %s", r, jobs[r].err.msg);
+    expect_reduced(DTYPE_FLOAT32, RED_SUM, n, jobs[r].in, count, 3000, "call 3");
+    free(jobs[r].in);
+  }
+  free(late.in);
+  world_stop(&w);
+}
+
+Test(dataplane, a_member_late_past_the_timeout_fails_its_call_and_catches_up, .timeout = 60) {
+  late_member_case(2, 5);
+  late_member_case(3, 1009);
+  late_member_case(3, BIG_BYTES / 4); /* the ring: frames of 1 MiB, some left mid-way */
+}
+
+/* Point to point: a receiver that gave up on send 1 (the sender was late)
+ * skips it and gets send 2; a receiver that is late finds send 2 waiting and
+ * fails its recv 1 at once, then receives send 2 whole. */
+Test(dataplane, a_late_send_or_recv_never_delivers_the_wrong_message, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 400);
+  const size_t big = (size_t)6 << 20; /* more than the sockets buffer: a send waits for its receiver */
+  uint8_t *one = malloc(big), *two = malloc(big), *got = malloc(big);
+  memset(one, 1, big);
+  memset(two, 2, big);
+  /* The sender late: recv 1 times out, recv 2 waits; send 1, then send 2. */
+  p2p_job_t rx = {.w = &w, .me = 0, .peer = 1, .comm = 5, .call = 1, .buf = got, .bytes = big};
+  p2p_main(&rx);
+  cr_assert_eq(rx.rc, -1);
+  rx.call = 2;
+  memset(got, 0, big);
+  pthread_t th;
+  pthread_create(&th, NULL, p2p_main, &rx);
+  usleep(100 * 1000);
+  p2p_job_t tx = {.w = &w, .me = 1, .peer = 0, .comm = 5, .call = 1, .send = true, .buf = one,
+                  .bytes = big};
+  p2p_main(&tx); /* the receiver drains it, or it fails: either way nobody gets it */
+  tx.call = 2;
+  tx.buf = two;
+  p2p_main(&tx);
+  pthread_join(th, NULL);
+  cr_assert_eq(tx.rc, 0, "%s", tx.err.msg);
+  cr_assert_eq(rx.rc, 0, "%s", rx.err.msg);
+  cr_assert(memcmp(got, two, big) == 0, "recv 2 got send 1's bytes");
+  /* The receiver late: send 3 times out (nobody reads), send 4 goes ahead;
+   * then recv 3, and recv 4. */
+  tx.call = 3;
+  tx.buf = one;
+  p2p_main(&tx);
+  cr_assert_eq(tx.rc, -1);
+  tx.call = 4;
+  tx.buf = two;
+  pthread_create(&th, NULL, p2p_main, &tx);
+  usleep(100 * 1000);
+  rx.call = 3;
+  memset(got, 0, big);
+  p2p_main(&rx);
+  cr_assert_eq(rx.rc, -1, "recv 3 got send 4");
+  cr_assert(strstr(rx.err.msg, "later call"), "%s", rx.err.msg);
+  rx.call = 4;
+  p2p_main(&rx);
+  pthread_join(th, NULL);
+  cr_assert_eq(rx.rc, 0, "%s", rx.err.msg);
+  cr_assert_eq(tx.rc, 0, "%s", tx.err.msg);
+  cr_assert(memcmp(got, two, big) == 0, "recv 4 got the wrong bytes");
+  free(one);
+  free(two);
+  free(got);
+  world_stop(&w);
+}
+
+/* The session ended here (dataplane_drop_comm) while a call of it waited for
+ * a peer that never came: the call fails at once, not at the comm timeout,
+ * whether it waits for a connection in (a receive) or for the peer's ack
+ * (a send to a listener that holds its hello); a call on another comm runs on. */
+static void *drop_later(void *arg) {
+  world_t *w = arg;
+  usleep(300 * 1000);
+  dataplane_drop_comm(w->dp[0], 61);
+  return NULL;
+}
+
+Test(dataplane, dropping_a_comm_fails_its_calls_that_wait_to_connect, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 20000);
+  uint8_t buf[8] = {0};
+  p2p_job_t waits[2] = {
+      {.w = &w, .me = 0, .peer = 1, .comm = 61, .call = 1, .buf = buf, .bytes = 8},
+      {.w = &w, .me = 0, .peer = 1, .comm = 61, .call = 1, .send = true, .buf = buf, .bytes = 8}};
+  for (int k = 0; k < 2; k++) {
+    pthread_t th;
+    pthread_create(&th, NULL, drop_later, &w);
+    int64_t t0 = now_ms();
+    p2p_main(&waits[k]);
+    int64_t took = now_ms() - t0;
+    pthread_join(th, NULL);
+    cr_assert_eq(waits[k].rc, -1, "%s", k ? "send" : "recv");
+    cr_assert(strstr(waits[k].err.msg, "channel was closed on this agent"), "%s", waits[k].err.msg);
+    cr_assert(took < 2000, "%s took %lld ms after its comm was dropped", k ? "send" : "recv",
+              (long long)took);
+  }
+  /* Another comm, and the dropped one's next call, are unharmed. */
+  uint8_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {0};
+  for (uint64_t comm = 60; comm <= 61; comm++) {
+    p2p_job_t pair[2] = {
+        {.w = &w, .me = 0, .peer = 1, .comm = comm, .call = 2, .send = true, .buf = a, .bytes = 8},
+        {.w = &w, .me = 1, .peer = 0, .comm = comm, .call = 2, .buf = b, .bytes = 8}};
+    pthread_t th[2];
+    for (int k = 0; k < 2; k++) pthread_create(&th[k], NULL, p2p_main, &pair[k]);
+    for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    cr_assert_eq(pair[0].rc, 0, "%s", pair[0].err.msg);
+    cr_assert_eq(pair[1].rc, 0, "%s", pair[1].err.msg);
+    cr_assert(memcmp(a, b, 8) == 0);
+  }
+  world_stop(&w);
+}
+
 Test(dataplane, member_stopped_mid_call, .timeout = 30) {
   /* Member 2 is stuck in a collective with an absent member 3 when its data
    * plane stops; members 0 and 1, in a collective with 0..2, fail promptly. */
@@ -687,7 +856,7 @@ Test(dataplane, shutdown_fails_waiting_and_later_calls_before_it_is_freed) {
   t0 = now_ms();
   cr_assert_eq(dp_allreduce(w.dp[0], &g, f, 16, DTYPE_FLOAT32, RED_SUM, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
-  cr_assert_eq(dp_send(w.dp[0], 79, SECRET, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
+  cr_assert_eq(dp_send(w.dp[0], 79, 0, SECRET, w.ranks[1], w.addrs[1], f, sizeof f, &err), -1);
   cr_assert_eq(err.kind, ERR_UNAVAILABLE, "%s", err.msg);
   cr_assert_eq(aborts(&w, 0, -1), 1, "calls refused before they began are not aborts");
   cr_assert(now_ms() - t0 < 200, "refusals took %lld ms", (long long)(now_ms() - t0));
@@ -794,7 +963,7 @@ static void stranger_challenge(int fd, uint8_t nonce[DP_NONCE_LEN]) {
 /* A data frame of `count` int32 values v (what the finding injected). */
 static void stranger_frame(int fd, uint64_t comm, int32_t v, size_t count) {
   uint8_t buf[DP_HDR_LEN + 64 * 4];
-  dp_wire_frame(buf, DP_MAGIC_DATA, (uint32_t)(count * 4), comm, 0);
+  dp_wire_frame(buf, DP_MAGIC_DATA, (uint32_t)(count * 4), comm, 0, 0);
   for (size_t i = 0; i < count; i++) memcpy(buf + DP_HDR_LEN + 4 * i, &v, 4);
   ssize_t wr = send(fd, buf, DP_HDR_LEN + count * 4, MSG_NOSIGNAL);
   (void)wr; /* it may already be closed */
@@ -1041,23 +1210,36 @@ Test(dataplane_wire, a_hello_proves_only_its_secret_nonce_rank_and_comm) {
 Test(dataplane_wire, frames_are_classified) {
   uint8_t h[DP_HDR_LEN];
   dp_frame_t f;
-  dp_wire_frame(h, DP_MAGIC_DATA, 100, 5, 3);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 100, &f), DP_FRAME_DATA);
-  cr_assert_eq(dp_wire_parse_frame(h, 6, 3, 100, &f), DP_FRAME_FOREIGN);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 4, 100, &f), DP_FRAME_SKEWED);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 99, &f), DP_FRAME_SKEWED);
-  dp_wire_frame(h, DP_MAGIC_ABORT, 0xffffffffu, 5, 0);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 0, 0, &f), DP_FRAME_ABORT);
+  const size_t max = 1u << 20;
+  dp_wire_frame(h, DP_MAGIC_DATA, 100, 5, 40, 3);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 100, max, &f), DP_FRAME_DATA);
+  cr_assert_eq(f.call, 40);
+  cr_assert_eq(dp_wire_parse_frame(h, 6, 40, 3, 100, max, &f), DP_FRAME_FOREIGN);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 4, 100, max, &f), DP_FRAME_SKEWED);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 99, max, &f), DP_FRAME_SKEWED);
+  /* Another call's data: skipped when older, fails the call when newer; a
+   * frame out of sequence or over the limit is skewed whatever its call. */
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 3, 7, max, &f), DP_FRAME_STALE);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 39, 3, 7, max, &f), DP_FRAME_AHEAD);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 2, 100, max, &f), DP_FRAME_SKEWED);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 3, 100, 99, &f), DP_FRAME_SKEWED);
+  cr_assert_eq(dp_wire_parse_frame(h, 6, 41, 3, 100, max, &f), DP_FRAME_FOREIGN);
+  dp_wire_frame(h, DP_MAGIC_ABORT, 0xffffffffu, 5, 40, 0);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 0, 0, max, &f), DP_FRAME_ABORT);
   cr_assert_eq(f.len, DP_ABORT_MAX, "an abort's text is capped");
-  dp_wire_frame(h, DP_MAGIC_HELLO, 1, 5, 0);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 0, 1, &f), DP_FRAME_FOREIGN);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 0, 0, max, &f), DP_FRAME_ABORT, "whatever its call");
+  dp_wire_frame(h, DP_MAGIC_HELLO, 1, 5, 40, 0);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 0, 1, max, &f), DP_FRAME_FOREIGN);
   /* A shared-memory frame stands for a message of any length; its own length is the count's. */
-  dp_wire_frame(h, DP_MAGIC_SHM, DP_SHM_PAYLOAD, 5, 3);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 1u << 20, &f), DP_FRAME_SHM);
-  cr_assert_eq(dp_wire_parse_frame(h, 6, 3, 1u << 20, &f), DP_FRAME_FOREIGN);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 2, 1u << 20, &f), DP_FRAME_SKEWED);
-  dp_wire_frame(h, DP_MAGIC_SHM, 9, 5, 3);
-  cr_assert_eq(dp_wire_parse_frame(h, 5, 3, 9, &f), DP_FRAME_SKEWED);
+  dp_wire_frame(h, DP_MAGIC_SHM, DP_SHM_PAYLOAD, 5, 40, 3);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 1u << 20, max, &f), DP_FRAME_SHM);
+  cr_assert_eq(dp_wire_parse_frame(h, 6, 40, 3, 1u << 20, max, &f), DP_FRAME_FOREIGN);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 2, 1u << 20, max, &f), DP_FRAME_SKEWED);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 3, 1u << 20, max, &f), DP_FRAME_STALE);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 39, 3, 1u << 20, max, &f), DP_FRAME_AHEAD);
+  dp_wire_frame(h, DP_MAGIC_SHM, 9, 5, 40, 3);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 9, max, &f), DP_FRAME_SKEWED);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 3, 9, max, &f), DP_FRAME_SKEWED);
 }
 
 /* Calls without a secret are refused up front, naming what is missing. */
@@ -1071,7 +1253,7 @@ Test(dataplane_security, a_group_without_a_secret_is_refused) {
   cr_assert_eq(dp_allreduce(w.dp[0], &g, v, 2, DTYPE_INT32, RED_SUM, &err), -1);
   cr_assert_eq(err.kind, ERR_BAD_ARGUMENT);
   cr_assert(strstr(err.msg, "no secret"), "%s", err.msg);
-  cr_assert_eq(dp_send(w.dp[0], 2, NULL, w.ranks[1], w.addrs[1], v, 8, &err), -1);
+  cr_assert_eq(dp_send(w.dp[0], 2, 0, NULL, w.ranks[1], w.addrs[1], v, 8, &err), -1);
   cr_assert(strstr(err.msg, "missing: secret"), "%s", err.msg);
   g.n = 1; /* alone: nothing to prove */
   cr_assert_eq(dp_allreduce(w.dp[0], &g, v, 2, DTYPE_INT32, RED_SUM, &err), 0, "%s", err.msg);
@@ -1170,7 +1352,7 @@ static int local_member_dial(const world_t *w, size_t to, uint32_t from, uint64_
 /* A frame header (+ payload) with descriptor `pass` attached (-1: none). */
 static void send_with_fd(int fd, uint32_t magic, uint64_t comm, const void *pay, size_t len, int pass) {
   uint8_t buf[DP_HDR_LEN + 64];
-  dp_wire_frame(buf, magic, (uint32_t)len, comm, 0);
+  dp_wire_frame(buf, magic, (uint32_t)len, comm, 0, 0);
   memcpy(buf + DP_HDR_LEN, pay, len);
   struct iovec iov = {buf, DP_HDR_LEN + len};
   dp_fd_ctl_t ctl;
@@ -1339,7 +1521,7 @@ Test(dataplane_security, a_same_host_socket_of_another_user_is_not_dialed, .time
   snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
   uint8_t buf[16] = {0};
   meshd_error_t err = {0};
-  cr_assert_eq(dp_send(w.dp[0], 4545, SECRET, 99, addr, buf, sizeof buf, &err), -1);
+  cr_assert_eq(dp_send(w.dp[0], 4545, 0, SECRET, 99, addr, buf, sizeof buf, &err), -1);
   cr_assert(strstr(err.msg, "unreachable") && strstr(err.msg, "cannot connect"),
             "not a TCP dial that found nobody: %s", err.msg);
   char got = '?';

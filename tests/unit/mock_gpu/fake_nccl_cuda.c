@@ -132,7 +132,7 @@ static pthread_mutex_t dp_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t dp_cv = PTHREAD_COND_INITIALIZER;
 static msg_t *mailbox;
 
-int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t to_rank,
+int dp_send(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *secret, uint32_t to_rank,
             const char *addr, const void *buf, size_t bytes, meshd_error_t *err) {
   msg_t *m = malloc(sizeof *m + bytes);
   REQUIRE(m && addr && secret);
@@ -148,7 +148,7 @@ int dp_send(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t t
   return 0;
 }
 
-int dp_recv(dataplane_t *dp, uint64_t comm_id, const uint8_t *secret, uint32_t from_rank,
+int dp_recv(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *secret, uint32_t from_rank,
             const char *addr, void *buf, size_t bytes, meshd_error_t *err) {
   REQUIRE(secret);
   struct timespec dl;

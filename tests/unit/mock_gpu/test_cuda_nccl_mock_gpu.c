@@ -197,11 +197,11 @@ static void send_recv_both_ways(agent_t *a, res_t *r) {
   for (int rep = 0; rep < 2; rep++) {
     int64_t mine = me + 40 + rep, got = 0;
     if (me == 0) {
-      r->rc |= cuda_send(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
-      r->rc |= cuda_recv(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
+      r->rc |= cuda_send(&a->b, NULL, 7, 200, 1, SECRET, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
+      r->rc |= cuda_recv(&a->b, NULL, 7, 200, 1, SECRET, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
     } else {
-      r->rc |= cuda_recv(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
-      r->rc |= cuda_send(&a->b, NULL, 7, 200, SECRET, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
+      r->rc |= cuda_recv(&a->b, NULL, 7, 200, 1, SECRET, (uint32_t)peer, ADDRS[peer], &got, sizeof got, &r->e);
+      r->rc |= cuda_send(&a->b, NULL, 7, 200, 1, SECRET, (uint32_t)peer, ADDRS[peer], &mine, sizeof mine, &r->e);
     }
     r->wrong += got != peer + 40 + rep;
   }
@@ -689,11 +689,11 @@ Test(cuda_nccl_mock_gpu, bad_arguments_are_rejected_before_any_nccl_call) {
   g.me = 2;
   rc = cuda_allreduce(b, NULL, &g, f, 1, DTYPE_FLOAT32, RED_SUM, &e);
   expect_bad(rc, &e, "allreduce: needs a group with this agent in it");
-  rc = cuda_send(b, NULL, 1, 900, SECRET, 1, NULL, f, 4, &e);
+  rc = cuda_send(b, NULL, 1, 900, 1, SECRET, 1, NULL, f, 4, &e);
   expect_bad(rc, &e, "send on comm 900: needs a peer address, a buffer and the channel's secret (missing: address)");
-  rc = cuda_recv(b, NULL, 1, 900, SECRET, 1, "h:1", NULL, 4, &e);
+  rc = cuda_recv(b, NULL, 1, 900, 1, SECRET, 1, "h:1", NULL, 4, &e);
   expect_bad(rc, &e, "recv on comm 900: needs a peer address, a buffer and the channel's secret (missing: buffer)");
-  rc = cuda_send(b, NULL, 1, 900, NULL, 1, "h:1", f, 4, &e);
+  rc = cuda_send(b, NULL, 1, 900, 1, NULL, 1, "h:1", f, 4, &e);
   expect_bad(rc, &e, "(missing: secret)");
   g.me = 0;
   g.secret = NULL;
@@ -748,7 +748,7 @@ Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
   cr_expect_eq(cuda_broadcast(b, NULL, &two, buf, 0, &e), 0);
   cr_expect(buf[0] == 7 && buf[1] == 8);
   cr_expect_eq(fake.memcpy_calls, 3, "one-member reduce_scatter, allgather, gather copy locally");
-  cr_expect_eq(cuda_send(b, NULL, 1, 903, SECRET, 1, "h:1", buf, 0, &e), 0);
+  cr_expect_eq(cuda_send(b, NULL, 1, 903, 1, SECRET, 1, "h:1", buf, 0, &e), 0);
   cr_expect_eq(fake.ids + fake.inits, 0);
 }
 
