@@ -218,6 +218,38 @@ def test_a_member_late_past_the_comm_timeout_never_mixes_two_reduces(meshd_serve
         np.testing.assert_array_equal(fetch(s, r, gpu=1), ins[0][0] + ins[0][1])
 
 
+def test_closing_a_session_ends_its_collective_waiting_for_a_peer_at_once(meshd_server):
+    """Rank 1 hangs before a reduce (30 s comm timeout), so rank 0 waits in the data plane
+    for it to connect. CloseSession must end that wait: rank 0 frees the session's tensors
+    within seconds (its worker waited out the comm timeout, 30 s, holding them, before
+    a dropped channel failed the calls still waiting to connect on it)."""
+    env = {"MESHD_FAULT": "reduce:hang,rank=1,count=1", "MESHD_COMM_TIMEOUT_MS": "30000"}
+    srv = lib.wait_ready(meshd_server(2, env=env), 2)
+
+    def allocated():
+        return {a.rank: a.allocated_bytes for a in lib.list_agents(srv.port)}
+
+    base = allocated()
+    s = Session(srv.port, "closing")
+    try:
+        if not data_plane(s):
+            pytest.skip("the agents report no data plane")
+        m = s.mesh(gpu=2).ref
+        upload(s, m, np.ones(1 << 20, np.float32), chunk=1 << 20)  # 4 MiB on each rank
+        x = upload(s, m, ONES)
+        s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"))
+        time.sleep(0.5)  # rank 0 waits for rank 1's connection; rank 1 hangs
+        assert allocated()[0] >= base[0] + (4 << 20)
+    finally:
+        s.close()
+    t0 = time.monotonic()
+    while allocated() != base and time.monotonic() - t0 < 40:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert allocated() == base, "the agents kept the closed session's tensors"
+    assert took < 5, f"the agents freed the closed session's tensors after {took:.1f} s"
+
+
 def test_a_sync_whose_client_gave_up_holds_nothing(meshd_server):
     # The Sync waits on a hung collective; its clients give up (a unary
     # deadline, a cancelled Submit stream). The server withdraws the unary
