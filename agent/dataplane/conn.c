@@ -381,6 +381,74 @@ static bool out_alive(const conn_t *c) {
   return poll(&p, 1, 0) == 0;
 }
 
+/* Past the cap (dataplane_max_links): closes idle dialed connections whose
+ * peer hung up, then the least recently used idle ones, each after a goodbye
+ * frame (at a frame boundary: idle) and a clean FIN, so that a receiver that
+ * took it for a call dials us back in, rather than failing. */
+static void trim_outs_locked(dataplane_t *dp) {
+  size_t n = 0;
+  for (conn_t *c = dp->outs; c; c = c->next) n++;
+  if (n <= dp->max_outs) return;
+  for (conn_t **p = &dp->outs; *p;) {
+    conn_t *c = *p;
+    if (c->refs > 1 || out_alive(c)) {
+      p = &c->next;
+      continue;
+    }
+    *p = c->next;
+    c->linked = false;
+    conn_put_locked(c);
+    n--;
+  }
+  while (n > dp->max_outs) {
+    conn_t **lru = NULL;
+    for (conn_t **p = &dp->outs; *p; p = &(*p)->next)
+      if ((*p)->refs == 1 && (!lru || (*p)->used_ms < (*lru)->used_ms)) lru = p;
+    if (!lru) return; /* every one is in use */
+    conn_t *c = *lru;
+    *lru = c->next;
+    c->linked = false;
+    uint8_t bye[DP_HDR_LEN];
+    dp_wire_frame(bye, DP_MAGIC_BYE, 0, c->comm_id, 0, c->seq);
+    ssize_t w = send(c->fd, bye, sizeof bye, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)w;
+    shutdown(c->fd, SHUT_WR);
+    conn_put_locked(c);
+    n--;
+  }
+}
+
+/* Accepted connections no call holds whose peer hung up (it closed them idle,
+ * or its session ended): closed, so they hold no descriptor until a call of
+ * their comm looks. */
+static void sweep_ins_locked(dataplane_t *dp) {
+  for (conn_t **p = &dp->ins; *p;) {
+    conn_t *c = *p;
+    struct pollfd pf = {.fd = c->fd, .events = POLLRDHUP};
+    if (c->refs > 1 || poll(&pf, 1, 0) <= 0 || !(pf.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+      p = &c->next;
+      continue;
+    }
+    *p = c->next;
+    c->linked = false;
+    conn_put_locked(c);
+  }
+}
+
+void dataplane_max_links(dataplane_t *dp, size_t n) {
+  if (dp) dp->max_outs = n > 0 ? n : 1;
+}
+
+size_t dataplane_links(dataplane_t *dp) {
+  size_t n = 0;
+  if (!dp) return 0;
+  pthread_mutex_lock(&dp->mu);
+  for (conn_t *c = dp->outs; c; c = c->next) n++;
+  for (conn_t *c = dp->ins; c; c = c->next) n++;
+  pthread_mutex_unlock(&dp->mu);
+  return n;
+}
+
 /* An accepted connection whose peer hung up is no use for a new call, even if
  * bytes of an abandoned call are still buffered. */
 static bool in_alive(const conn_t *c) {
@@ -554,6 +622,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
     if (out_alive(c) && strcmp(c->addr, addr) == 0 &&
         memcmp(c->secret, cl->secret, DP_SECRET_LEN) == 0) {
       c->refs++;
+      c->used_ms = dp__now_ms();
       pthread_mutex_unlock(&dp->mu);
       return c;
     }
@@ -625,9 +694,11 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   c->peer = peer;
   memcpy(c->secret, cl->secret, DP_SECRET_LEN);
   snprintf(c->addr, sizeof c->addr, "%s", addr);
+  c->used_ms = dp__now_ms();
   pthread_mutex_lock(&dp->mu);
   c->next = dp->outs;
   dp->outs = c;
+  trim_outs_locked(dp);
   pthread_mutex_unlock(&dp->mu);
   return c;
 stopping:
@@ -846,6 +917,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
       break;
     }
   }
+  sweep_ins_locked(dp);
   c->next = dp->ins;
   dp->ins = c;
   pthread_cond_broadcast(&dp->cv);
@@ -1052,6 +1124,7 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   dp->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
   dp->lfd = dp->ufd = dp->wake[0] = dp->wake[1] = -1;
   dp->same_host = true;
+  dp->max_outs = DP_LINKS_DEFAULT;
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
   int gai = getaddrinfo(host, "0", &hints, &ai);
   if (gai != 0) {

@@ -143,9 +143,20 @@ void dataplane_shutdown(dataplane_t *dp);
  * `since` is older. */
 void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const char *why);
 /* Closes this agent's connections of channel comm_id, both directions (the
- * session that used it ended); a call using one fails, a later one dials
- * afresh. */
+ * session that used it ended); a call using one fails, even one still
+ * waiting to connect, and a later one dials afresh. */
 void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id);
+/* Connections are kept between calls, one per (comm, peer, direction). Of
+ * those this agent dialed it keeps at most `n` idle ones (default
+ * DP_LINKS_DEFAULT), closing the least recently used beyond that with a
+ * goodbye the peer understands (wire.h), so a session that makes many
+ * comms (meshes sliced in a loop) cannot exhaust file descriptors; a call
+ * on a closed one dials again. Set before the first call. */
+#define DP_LINKS_DEFAULT 256
+void dataplane_max_links(dataplane_t *dp, size_t n);
+/* Connections this agent holds now, dialed and accepted (0 for NULL). */
+size_t dataplane_links(dataplane_t *dp);
+
 /* How many peers were declared lost so far (see dp_group_t.since). */
 uint64_t dataplane_generation(dataplane_t *dp);
 

@@ -68,6 +68,7 @@ typedef struct conn {
   uint64_t comm_id;
   uint32_t peer;
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
+  int64_t used_ms; /* a dialed conn: when a call last took it (mu) */
   /* An accepted conn: the header of a frame of a later call, read by a call
    * that found itself behind and left for the call it belongs to (with the
    * memfd that came with it, + 1; 0: none). */
@@ -101,6 +102,7 @@ struct dataplane {
   pthread_cond_t cv; /* an accepted connection was filed; a call left; stopping */
   conn_t *ins;       /* accepted: we receive from (comm_id, peer) */
   conn_t *outs;      /* dialed: we send to (comm_id, peer) */
+  size_t max_outs;   /* idle dialed ones kept (dataplane_max_links) */
   bool stopping;
   int active; /* calls in progress */
   /* Ring scratch buffers kept between calls: a fresh 100 MB malloc per call

@@ -235,8 +235,9 @@ static int behind(call_t *cl, xfer_t *x, const dp_frame_t *f, meshd_error_t *err
                     (unsigned long long)f->call, (unsigned long long)cl->call);
 }
 
-/* The peer closed a connection on which it sent only frames of an older call:
- * it was behind, and left one of them unfinished. */
+/* The peer closed a connection on which it sent nothing of this call: it
+ * was behind and left a frame of an older call unfinished, or it closed the
+ * connection idle (a goodbye frame). It dials again for this call. */
 #define RECV_REDIAL (-2)
 
 static ssize_t recv_closed(call_t *cl, xfer_t *x, ssize_t r, meshd_error_t *err) {
@@ -286,6 +287,9 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       x->skip = kind == DP_FRAME_STALE;
       switch (kind) {
       case DP_FRAME_AHEAD: return behind(cl, x, &f, err);
+      case DP_FRAME_BYE: /* its sender closed it idle: it dials again for this call */
+        if (!x->mine) return RECV_REDIAL;
+        return peer_error(cl, x->c, err, "closed the connection in the middle of this call");
       case DP_FRAME_STALE: x->stale = true; break;
       case DP_FRAME_SHM:
         if (m->into || m->done > 0)

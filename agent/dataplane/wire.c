@@ -154,6 +154,7 @@ dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm
     if (f->len > DP_ABORT_MAX) f->len = DP_ABORT_MAX;
     return DP_FRAME_ABORT;
   }
+  if (f->magic == DP_MAGIC_BYE && f->comm_id == comm_id && f->len == 0) return DP_FRAME_BYE;
   if ((f->magic != DP_MAGIC_DATA && f->magic != DP_MAGIC_SHM) || f->comm_id != comm_id)
     return DP_FRAME_FOREIGN;
   bool shm = f->magic == DP_MAGIC_SHM;

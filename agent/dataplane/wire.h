@@ -30,6 +30,11 @@
  * call and fails on one of a newer call (transfer.c). `seq` counts data frames
  * on the connection, whatever their call.
  *
+ * A dialer that closes an idle connection (it keeps at most so many,
+ * dataplane_max_links) first sends {magic MDPB, 0, comm_id, 0, seq}: a
+ * receiver that already took it for a call waits for the next dial instead
+ * of failing.
+ *
  * On a same-host connection (a unix socket, conn.c) a whole message may
  * instead travel as one shared-memory frame: header {magic MDPS, length 8,
  * comm_id, call, seq} and the message's byte count (u64), with a sealed memfd
@@ -53,6 +58,7 @@
 #define DP_MAGIC_DATA 0x4d445044u      /* "MDPD" */
 #define DP_MAGIC_ABORT 0x4d445041u     /* "MDPA" */
 #define DP_MAGIC_SHM 0x4d445053u       /* "MDPS" */
+#define DP_MAGIC_BYE 0x4d445042u       /* "MDPB" */
 #define DP_SHM_PAYLOAD 8               /* a shared-memory frame's payload: the byte count */
 #define DP_NONCE_LEN 16
 #define DP_MAC_LEN 32
@@ -130,6 +136,7 @@ typedef enum {
   DP_FRAME_SHM,     /* frame want_seq as shared memory: DP_SHM_PAYLOAD bytes follow */
   DP_FRAME_STALE,   /* data of this comm for an older call (f->len bytes follow): skip it */
   DP_FRAME_AHEAD,   /* data of this comm for a newer call: this member fell behind */
+  DP_FRAME_BYE,     /* the sender closes this idle connection: it dials again for its next call */
 } dp_frame_kind_t;
 
 typedef struct dp_frame {

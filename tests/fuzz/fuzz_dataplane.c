@@ -120,7 +120,11 @@ static void fuzz_frames(const uint8_t *in, size_t len, uint8_t sel) {
             (k == DP_FRAME_STALE ? f.call < call : f.call > call) &&
             (f.magic == DP_MAGIC_SHM ? f.len == DP_SHM_PAYLOAD : f.len <= max));
       break;
-    case DP_FRAME_FOREIGN: CHECK(!data || f.comm_id != comm); break;
+    case DP_FRAME_BYE: CHECK(f.magic == DP_MAGIC_BYE && f.comm_id == comm && f.len == 0); break;
+    case DP_FRAME_FOREIGN:
+      CHECK(!data || f.comm_id != comm);
+      CHECK(f.magic != DP_MAGIC_BYE || f.comm_id != comm || f.len != 0);
+      break;
     case DP_FRAME_SKEWED:
       CHECK(data && f.comm_id == comm);
       CHECK(f.seq != seq ||

@@ -1240,6 +1240,12 @@ Test(dataplane_wire, frames_are_classified) {
   dp_wire_frame(h, DP_MAGIC_SHM, 9, 5, 40, 3);
   cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 9, max, &f), DP_FRAME_SKEWED);
   cr_assert_eq(dp_wire_parse_frame(h, 5, 41, 3, 9, max, &f), DP_FRAME_SKEWED);
+  /* A goodbye: of this comm, empty, whatever its call and seq. */
+  dp_wire_frame(h, DP_MAGIC_BYE, 0, 5, 0, 9);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 100, max, &f), DP_FRAME_BYE);
+  cr_assert_eq(dp_wire_parse_frame(h, 6, 40, 3, 100, max, &f), DP_FRAME_FOREIGN);
+  dp_wire_frame(h, DP_MAGIC_BYE, 1, 5, 0, 9);
+  cr_assert_eq(dp_wire_parse_frame(h, 5, 40, 3, 100, max, &f), DP_FRAME_FOREIGN);
 }
 
 /* Calls without a secret are refused up front, naming what is missing. */
@@ -1582,4 +1588,70 @@ Test(dataplane, a_listener_out_of_fds_does_not_spin, .timeout = 60) {
   cr_assert_lt(cpu, 0.15, "the process used %.2f CPU-s in 0.6 s while out of fds: the "
                "listener spins", cpu);
   dataplane_stop(dp);
+}
+
+/* One send from member `from` to the other on comm, call `call`: bytes a land in b. */
+static void pair_once(world_t *w, size_t from, uint64_t comm, uint64_t call) {
+  uint8_t a[64], b[64];
+  for (size_t i = 0; i < sizeof a; i++) a[i] = (uint8_t)(comm * 7 + i + call);
+  memset(b, 0, sizeof b);
+  p2p_job_t pair[2] = {{.w = w, .me = from, .peer = 1 - from, .comm = comm, .call = call,
+                        .send = true, .buf = a, .bytes = sizeof a},
+                       {.w = w, .me = 1 - from, .peer = from, .comm = comm, .call = call, .buf = b,
+                        .bytes = sizeof b}};
+  pthread_t th[2];
+  for (int k = 0; k < 2; k++) pthread_create(&th[k], NULL, p2p_main, &pair[k]);
+  for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+  for (int k = 0; k < 2; k++)
+    cr_assert_eq(pair[k].rc, 0, "comm %llu call %llu: %s", (unsigned long long)comm,
+                 (unsigned long long)call, pair[k].err.msg);
+  cr_assert(memcmp(a, b, sizeof a) == 0, "comm %llu call %llu: wrong bytes",
+            (unsigned long long)comm, (unsigned long long)call);
+}
+
+/* A session that makes comm after comm (meshes sliced in a loop) kept two
+ * descriptors per comm and peer until it ended, until the agent ran out of
+ * them. With a cap on kept links, descriptors stay bounded, and calls on
+ * comms whose links were closed dial again and move the right bytes, in both
+ * directions. */
+Test(dataplane, kept_links_are_capped_and_closed_ones_dial_again, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 5000);
+  for (size_t i = 0; i < 2; i++) dataplane_max_links(w.dp[i], 8);
+  int before = open_fds();
+  for (uint64_t round = 0; round < 2; round++)
+    for (uint64_t comm = 1000; comm < 1060; comm++) pair_once(&w, (comm + round) % 2, comm, 1 + round);
+  /* 60 comms, each dialed both ways: 240 descriptors in this process uncapped. */
+  size_t links = dataplane_links(w.dp[0]) + dataplane_links(w.dp[1]);
+  int grew = open_fds() - before;
+  cr_assert(links <= 4 * 8 + 4, "%zu links kept", links);
+  cr_assert(grew <= 4 * 8 + 8, "%d descriptors more after 120 transfers", grew);
+  world_stop(&w);
+}
+
+/* The sender closes an idle link (past its cap) just after the receiver took
+ * it for a call: the receiver reads the goodbye and waits for the sender to
+ * dial again, instead of failing on the closed link. */
+Test(dataplane, a_receiver_on_a_link_closed_idle_waits_for_the_next_dial, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 5000);
+  dataplane_max_links(w.dp[0], 2);
+  pair_once(&w, 0, 2000, 1); /* the link 0 -> 1 of comm 2000, kept */
+  uint8_t got[64] = {0};
+  p2p_job_t rx = {.w = &w, .me = 1, .peer = 0, .comm = 2000, .call = 2, .buf = got,
+                  .bytes = sizeof got};
+  pthread_t th;
+  pthread_create(&th, NULL, p2p_main, &rx); /* takes the kept link and waits on it */
+  usleep(200 * 1000);
+  for (uint64_t comm = 2001; comm < 2004; comm++) pair_once(&w, 0, comm, 1); /* closes it */
+  uint8_t a[64];
+  for (size_t i = 0; i < sizeof a; i++) a[i] = (uint8_t)(2000 * 7 + i + 2);
+  p2p_job_t tx = {.w = &w, .me = 0, .peer = 1, .comm = 2000, .call = 2, .send = true, .buf = a,
+                  .bytes = sizeof a};
+  p2p_main(&tx);
+  pthread_join(th, NULL);
+  cr_assert_eq(tx.rc, 0, "%s", tx.err.msg);
+  cr_assert_eq(rx.rc, 0, "the receiver failed on the link closed idle: %s", rx.err.msg);
+  cr_assert(memcmp(a, got, sizeof a) == 0);
+  world_stop(&w);
 }
