@@ -2,9 +2,11 @@
  *
  * Bootstrap. NCCL needs a unique id made by one member and known to all. The
  * agents already share a TCP data plane (b->net), so member 0 makes the id and
- * dp_sends it to every other member on a channel derived from comm_id (see
- * boot_channel): no server round trip, and the data plane's own timeout bounds
- * the wait for an absent member 0.
+ * dp_sends it to every other member on comm_id itself, in the data plane call
+ * that needs the communicator (its number: a member that missed a round
+ * skips that round's id as an older call's): no server round trip, the data
+ * plane's own timeout bounds the wait for an absent member 0, and the
+ * session's end (dataplane_drop_comm of comm_id) ends a wait for it.
  *
  * Communicators. A group's is keyed by (session, comm_id, its members and their
  * addresses: a replaced agent has a new address, hence a new communicator). A
@@ -39,8 +41,6 @@
 #include "dataplane/reduce_ops.h"
 #include "log.h"
 
-#define BOOT_GROUP 0x6e63636c2d677270ull /* "nccl-grp": group id channel = comm_id ^ this */
-#define BOOT_P2P 0x6e63636c2d703270ull   /* "nccl-p2p" */
 #define BOOT_MAGIC 0x4d44424f4f540001ull
 #define POLL_MIN_NS 20000L
 #define POLL_MAX_NS 1000000L
@@ -381,15 +381,11 @@ typedef struct {
   ncclUniqueId id;
 } boot_msg_t;
 
-static uint64_t boot_channel(comm_kind_t kind, uint64_t comm_id) {
-  return comm_id ^ (kind == COMM_GROUP ? BOOT_GROUP : BOOT_P2P);
-}
-
 /* Member 0 makes the id and hands it out; the others take it from member 0. */
 static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, meshd_error_t *e) {
   boot_msg_t m;
   memset(&m, 0, sizeof m);
-  uint64_t chan = boot_channel(c->kind, c->comm_id);
+  uint64_t chan = c->comm_id;
   meshd_error_t de = {0};
   if (c->me == 0) {
     ncclResult_t r = ncclGetUniqueId(&m.id);
@@ -524,17 +520,10 @@ static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const 
       cuda_check(st, cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming),
                  "creating a communicator event", e))
     goto fail;
-  /* A member that missed a round (it failed before calling) finds that
-   * round's id still queued on the channel; joining with it fails (its
-   * creator aborted), so a non-zero member takes the next id and tries again
-   * until the deadline. */
-  for (;;) {
-    if (bootstrap(b, c, w, &id, e)) goto fail;
-    int r = init_comm(st, c, w, id, nranks, rank, deadline, e);
-    if (r == 0) break;
-    if (r < 0 || c->me == 0 || now_ns() >= deadline) goto fail;
-    log_warn("cuda", "%s; trying the next NCCL id from rank %u", e->msg, c->ranks[0]);
-  }
+  /* One id per call: an id of a round a member missed (it failed before
+   * calling) is an older call's, which the data plane skips, so the id it
+   * gets is this round's, and a failed init fails the call. */
+  if (bootstrap(b, c, w, &id, e) || init_comm(st, c, w, id, nranks, rank, deadline, e)) goto fail;
   pthread_mutex_lock(&cs->mu);
   c->refs = 2; /* the cache's and the caller's */
   c->linked = true;

@@ -115,6 +115,7 @@ static void conn_put_locked(conn_t *c) {
 void dp__conn_put(dataplane_t *dp, conn_t *c) {
   if (!c) return;
   pthread_mutex_lock(&dp->mu);
+  c->used_ms = dp__now_ms();
   conn_put_locked(c);
   pthread_mutex_unlock(&dp->mu);
 }
@@ -381,6 +382,25 @@ static bool out_alive(const conn_t *c) {
   return poll(&p, 1, 0) == 0;
 }
 
+/* An accepted connection is dead when its dialer hung up and nothing but a
+ * goodbye is left to read: frames still unread (a send that ended before the
+ * dialer closed the link idle; an older call's frames or abort, which the
+ * next call skips) still belong to a call here. Under mu. */
+static bool in_empty(const conn_t *c) {
+  int avail = 0;
+  return !c->held_len && !c->skip_left && (ioctl(c->fd, FIONREAD, &avail) != 0 || avail <= 0);
+}
+
+static bool in_dead(const conn_t *c) {
+  struct pollfd p = {.fd = c->fd, .events = POLLIN | POLLRDHUP};
+  if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLRDHUP | POLLHUP | POLLERR))) return false;
+  if ((p.revents & POLLERR) || in_empty(c)) return true;
+  if (c->held_len || c->skip_left) return false;
+  uint8_t hdr[DP_HDR_LEN];
+  ssize_t r = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
+  return r == (ssize_t)sizeof hdr && dp__get32(hdr) == DP_MAGIC_BYE;
+}
+
 /* Past the cap (dataplane_max_links): closes idle dialed connections whose
  * peer hung up, then the least recently used idle ones, each after a goodbye
  * frame (at a frame boundary: idle) and a clean FIN, so that a receiver that
@@ -402,8 +422,12 @@ static void trim_outs_locked(dataplane_t *dp) {
   }
   while (n > dp->max_outs) {
     conn_t **lru = NULL;
-    for (conn_t **p = &dp->outs; *p; p = &(*p)->next)
-      if ((*p)->refs == 1 && (!lru || (*p)->used_ms < (*lru)->used_ms)) lru = p;
+    for (conn_t **p = &dp->outs; *p; p = &(*p)->next) {
+      int unsent = 0; /* bytes the peer has not taken: it still reads this link */
+      if ((*p)->refs == 1 && (!lru || (*p)->used_ms < (*lru)->used_ms) &&
+          ioctl((*p)->fd, SIOCOUTQ, &unsent) == 0 && unsent == 0)
+        lru = p;
+    }
     if (!lru) return; /* every one is in use */
     conn_t *c = *lru;
     *lru = c->next;
@@ -424,8 +448,7 @@ static void trim_outs_locked(dataplane_t *dp) {
 static void sweep_ins_locked(dataplane_t *dp) {
   for (conn_t **p = &dp->ins; *p;) {
     conn_t *c = *p;
-    struct pollfd pf = {.fd = c->fd, .events = POLLRDHUP};
-    if (c->refs > 1 || poll(&pf, 1, 0) <= 0 || !(pf.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+    if (c->refs > 1 || !in_dead(c)) {
       p = &c->next;
       continue;
     }
@@ -449,13 +472,6 @@ size_t dataplane_links(dataplane_t *dp) {
   return n;
 }
 
-/* An accepted connection whose peer hung up is no use for a new call, even if
- * bytes of an abandoned call are still buffered. */
-static bool in_alive(const conn_t *c) {
-  struct pollfd p = {.fd = c->fd, .events = POLLIN | POLLRDHUP};
-  if (poll(&p, 1, 0) <= 0) return true;
-  return !(p.revents & (POLLRDHUP | POLLHUP | POLLERR));
-}
 
 /* Reads exactly len bytes before deadline. 0; or -1 with errno ECONNRESET
  * (the peer closed it), ETIMEDOUT (deadline or stopping), ECANCELED (a member
@@ -744,7 +760,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
     while (c && (c->comm_id != comm_id || c->peer != peer ||
                  memcmp(c->secret, cl->secret, DP_SECRET_LEN) != 0))
       c = c->next;
-    if (c && !in_alive(c)) {
+    if (c && in_dead(c)) {
       conn_unlink_locked(&dp->ins, c);
       continue;
     }
@@ -910,16 +926,22 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
     free(c);
     return;
   }
+  /* The peer dialed again: it sends nothing more on the link it had. That
+   * one goes, unless frames on it are still to be read (a send that ended
+   * before it closed the link idle), or a call reads it: then it stays ahead
+   * of the new one, which get_in takes once it is done (oldest first). */
   for (conn_t *o = dp->ins; o; o = o->next) {
     if (o->comm_id == comm_id && o->peer == from &&
-        memcmp(o->secret, secret, DP_SECRET_LEN) == 0) { /* the peer re-dialed: the old one is dead */
+        memcmp(o->secret, secret, DP_SECRET_LEN) == 0 && o->refs == 1 && in_empty(o)) {
       conn_unlink_locked(&dp->ins, o);
       break;
     }
   }
   sweep_ins_locked(dp);
-  c->next = dp->ins;
-  dp->ins = c;
+  conn_t **tail = &dp->ins;
+  while (*tail) tail = &(*tail)->next;
+  c->next = NULL;
+  *tail = c;
   pthread_cond_broadcast(&dp->cv);
   pthread_mutex_unlock(&dp->mu);
 }

@@ -69,12 +69,15 @@ typedef struct conn {
   uint32_t peer;
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
   int64_t used_ms; /* a dialed conn: when a call last took it (mu) */
-  /* An accepted conn: the header of a frame of a later call, read by a call
-   * that found itself behind and left for the call it belongs to (with the
-   * memfd that came with it, + 1; 0: none). */
-  bool held;
+  /* An accepted conn, where a call that fell behind stopped reading: the
+   * header bytes it read of the next frame (all of a later call's header, or
+   * part of one), with the memfd that came with them (+ 1; 0: none); or the
+   * bytes of a frame it was reading still to skip. The next call goes on
+   * from there (transfer.c). */
+  size_t held_len;
   uint8_t held_hdr[DP_HDR_LEN];
   int held_rfd;
+  size_t skip_left;
   bool local;   /* a unix socket to an agent on this host: it can pass memfds */
   uint8_t secret[DP_SECRET_LEN]; /* the group secret its handshake proved */
   char addr[DP_ADDR_MAX];

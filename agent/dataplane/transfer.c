@@ -224,7 +224,7 @@ static int shm_landed(call_t *cl, xfer_t *x, msg_t *m, meshd_error_t *err) {
  * the call it belongs to. */
 static int behind(call_t *cl, xfer_t *x, const dp_frame_t *f, meshd_error_t *err) {
   memcpy(x->c->held_hdr, x->hdr, DP_HDR_LEN);
-  x->c->held = true;
+  x->c->held_len = DP_HDR_LEN;
   x->c->held_rfd = x->rfd;
   x->rfd = 0;
   cl->abort_reason = DP_ABORT_BEHIND + 1;
@@ -256,16 +256,25 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         x->cur++;
         continue;
       }
-      if (x->hdr_done == 0 && x->c->held) { /* left by a call that was behind */
-        memcpy(x->hdr, x->c->held_hdr, DP_HDR_LEN);
-        x->c->held = false;
+      if (x->c->skip_left) { /* the rest of a frame a call that fell behind was reading */
+        x->flen = x->c->skip_left;
+        x->c->skip_left = 0;
+        x->fdone = 0;
+        x->in_frame = x->skip = true;
+        x->shm = false;
+        continue;
+      }
+      if (x->hdr_done == 0 && x->c->held_len) { /* header bytes such a call read */
+        memcpy(x->hdr, x->c->held_hdr, x->c->held_len);
+        x->hdr_done = x->c->held_len;
+        x->c->held_len = 0;
         if (x->c->held_rfd) {
           drop_rfd(x);
           x->rfd = x->c->held_rfd;
           x->c->held_rfd = 0;
         }
-        x->hdr_done = DP_HDR_LEN;
-      } else {
+      }
+      if (x->hdr_done < DP_HDR_LEN) {
         ssize_t r = recv_some(x, x->hdr + x->hdr_done, DP_HDR_LEN - x->hdr_done);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
@@ -543,16 +552,58 @@ void dp__plan_count_abort(plan_t *p, const meshd_error_t *err) {
   atomic_fetch_add(&p->cl.dp->aborts[why], 1);
 }
 
-/* A call that fell behind its group leaves in place what the call it catches
- * up with will use: no abort, and only a connection it left mid-frame is
- * closed (a receiver of its older frames skips them, and on that close waits
- * for it to dial again). */
+/* Sends the rest of the frame x is in the middle of (its own bytes: they
+ * were ready when it began), waiting up to timeout_ms for the peer to take
+ * them. 0, or -1 (the connection is then torn). */
+static int finish_frame(dataplane_t *dp, xfer_t *x) {
+  const msg_t *m = &x->msgs[x->cur];
+  const uint8_t *pay = x->shm ? x->pay : m->buf + m->done;
+  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  while (x->hdr_done < DP_HDR_LEN || x->fdone < x->flen) {
+    bool hdr = x->hdr_done < DP_HDR_LEN;
+    const uint8_t *at = hdr ? x->hdr + x->hdr_done : pay + x->fdone;
+    size_t len = hdr ? DP_HDR_LEN - x->hdr_done : x->flen - x->fdone;
+    ssize_t w = send(x->c->fd, at, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      if (hdr) x->hdr_done += (size_t)w;
+      else x->fdone += (size_t)w;
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    int64_t left = deadline - dp__now_ms();
+    if (left <= 0 || dp__stopping(dp)) return -1;
+    struct pollfd pf = {.fd = x->c->fd, .events = POLLOUT};
+    poll(&pf, 1, (int)dp__min((size_t)left, 200));
+  }
+  x->c->seq++;
+  x->in_frame = false;
+  return 0;
+}
+
+/* A call that fell behind its group leaves its connections for the call it
+ * catches up with, aborting nobody: a frame it was sending is finished (its
+ * peers skip it as an older call's, and one still at this call takes it as
+ * it is); where it stopped reading, the next call goes on (the header bytes
+ * it read, or the rest of a frame to skip). Only a connection it cannot
+ * leave whole is closed. */
 static void leave_behind(plan_t *p) {
   for (size_t i = 0; i < p->nx; i++) {
     xfer_t *x = &p->xs[i];
-    bool torn = x->send ? x->in_frame && (x->hdr_done > 0 || x->fdone > 0)
-                        : x->in_frame || x->hdr_done > 0;
-    if (x->c && torn) dp__conn_discard(p->cl.dp, x->c);
+    if (!x->c) continue;
+    bool whole = true;
+    if (x->send && x->in_frame && (x->hdr_done > 0 || x->fdone > 0)) {
+      whole = finish_frame(p->cl.dp, x) == 0;
+    } else if (!x->send && x->in_frame) {
+      whole = !x->shm; /* a shared-memory frame half read: rare, closed */
+      if (whole) x->c->skip_left = x->flen - x->fdone;
+    } else if (!x->send && x->hdr_done > 0) {
+      memcpy(x->c->held_hdr, x->hdr, x->hdr_done);
+      x->c->held_len = x->hdr_done;
+      x->c->held_rfd = x->rfd;
+      x->rfd = 0;
+    }
+    if (!whole) dp__conn_discard(p->cl.dp, x->c);
   }
 }
 

@@ -122,7 +122,7 @@ int cuda_reduce_slices(backend_t *b, backend_stream_t *bs, const void *in, void 
 
 typedef struct msg {
   struct msg *next;
-  uint64_t chan;
+  uint64_t chan, call;
   uint8_t secret[DP_SECRET_LEN]; /* a receiver with another secret never sees it */
   uint32_t from, to;
   size_t n;
@@ -136,7 +136,7 @@ int dp_send(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *sec
             const char *addr, const void *buf, size_t bytes, meshd_error_t *err) {
   msg_t *m = malloc(sizeof *m + bytes);
   REQUIRE(m && addr && secret);
-  *m = (msg_t){.chan = comm_id, .from = dp->rank, .to = to_rank, .n = bytes};
+  *m = (msg_t){.chan = comm_id, .call = call, .from = dp->rank, .to = to_rank, .n = bytes};
   memcpy(m->secret, secret, DP_SECRET_LEN);
   memcpy(m->data, buf, bytes);
   pthread_mutex_lock(&dp_mu);
@@ -161,17 +161,24 @@ int dp_recv(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *sec
   }
   pthread_mutex_lock(&dp_mu);
   for (;;) {
-    for (msg_t **p = &mailbox; *p; p = &(*p)->next) {
+    for (msg_t **p = &mailbox; *p;) {
       msg_t *m = *p;
-      if (m->chan == comm_id && m->from == from_rank && m->to == dp->rank &&
-          memcmp(m->secret, secret, DP_SECRET_LEN) == 0) {
-        *p = m->next;
-        pthread_mutex_unlock(&dp_mu);
-        REQUIRE(m->n == bytes);
-        memcpy(buf, m->data, bytes);
-        free(m);
-        return 0;
+      if (m->chan != comm_id || m->from != from_rank || m->to != dp->rank ||
+          memcmp(m->secret, secret, DP_SECRET_LEN) != 0) {
+        p = &m->next;
+        continue;
       }
+      if (m->call > call) break; /* the real one fails as behind; this one waits */
+      *p = m->next;
+      if (m->call < call) { /* an older call's: skipped, as the data plane does */
+        free(m);
+        continue;
+      }
+      pthread_mutex_unlock(&dp_mu);
+      REQUIRE(m->n == bytes);
+      memcpy(buf, m->data, bytes);
+      free(m);
+      return 0;
     }
     if (pthread_cond_timedwait(&dp_cv, &dp_mu, &dl) == ETIMEDOUT) {
       pthread_mutex_unlock(&dp_mu);

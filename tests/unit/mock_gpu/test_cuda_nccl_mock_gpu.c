@@ -54,9 +54,13 @@ static void agents_close(void) {
 
 TestSuite(cuda_nccl_mock_gpu, .init = agents_open, .fini = agents_close, .timeout = 20);
 
+/* The data plane call number groups get (dp_group_t.call): a test that runs
+ * rounds of one comm numbers them, as the server does. */
+static uint64_t call_no = 1;
+
 static dp_group_t group(uint64_t comm_id, uint64_t session, size_t n, size_t me) {
-  return (dp_group_t){.comm_id = comm_id, .session = session, .ranks = RANKS, .addrs = ADDRS,
-                      .n = n, .me = me, .secret = SECRET};
+  return (dp_group_t){.comm_id = comm_id, .call = call_no, .session = session, .ranks = RANKS,
+                      .addrs = ADDRS, .n = n, .me = me, .secret = SECRET};
 }
 
 static double now_s(void) {
@@ -441,6 +445,7 @@ Test(cuda_nccl_mock_gpu, member_that_missed_a_round_skips_its_stale_id) {
   res_t r[NA];
   run_agents(2, allreduce_of_three, r); /* the id meant for rank 2 stays queued */
   cr_assert(r[0].rc && r[1].rc);
+  call_no++; /* the next round is the next call */
   run_agents(3, allreduce_of_three, r);
   expect_ok(r, 3);
   cr_expect_eq(fake.ids, 2);
@@ -476,9 +481,11 @@ Test(cuda_nccl_mock_gpu, init_error_reports_the_nccl_strings) {
   expect_failed(&r[0], 2.0,
                 "allreduce over ranks [0,1]: NCCL failed setting up the communicator: "
                 "fake system error: fake last error", NULL);
-  /* a non-zero member waits for a next id from member 0, which gave up */
-  expect_failed(&r[1], 2.0, "allreduce over ranks [0,1]: receiving the NCCL id from rank 0 failed",
-                NULL);
+  /* every member's init fails (or finds member 0's id gone): each fails its
+   * call at once, no retry */
+  expect_failed(&r[1], 2.0,
+                "allreduce over ranks [0,1]: NCCL failed setting up the communicator: "
+                "fake system error", NULL);
   cr_expect_eq(fake.comms_live, 0, "every communicator that joined was aborted");
   cr_expect_eq(fake.streams_live, 0);
 }
