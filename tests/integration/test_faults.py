@@ -190,7 +190,7 @@ def test_a_member_late_past_the_comm_timeout_never_mixes_two_reduces(meshd_serve
     later reduces, once rank 1 caught up, succeed."""
     env = {"MESHD_FAULT": "reduce:slow=1500,rank=1,count=1", "MESHD_COMM_TIMEOUT_MS": "400"}
     srv = lib.wait_ready(meshd_server(2, env=env), 2)
-    with Session(srv.port, "late") as s:
+    with Session(srv.port, "late") as s, Session(srv.port, "bystander") as b:
         if not data_plane(s):
             pytest.skip("the agents report no data plane")
         m = s.mesh(gpu=2).ref
@@ -200,6 +200,14 @@ def test_a_member_late_past_the_comm_timeout_never_mixes_two_reduces(meshd_serve
         xs = [upload(s, m, a, per_rank=True) for a in ins]
         rs = [s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum")).tensors[0].ref
               for x in xs]
+        # Another session's reduces on the same agents meanwhile: untouched.
+        mb = b.mesh(gpu=2).ref
+        bx = upload(b, mb, ins[1], per_rank=True)
+        brs = [b.run(reduce(b.new_ref(), bx, dims=["gpu"], reduction="sum")).tensors[0].ref
+               for _ in range(5)]
+        assert list(b.run(sync(), timeout=30).errors) == []
+        for r in brs:
+            np.testing.assert_array_equal(fetch(b, r, gpu=1), ins[1][0] + ins[1][1])
         s.run(sync(), timeout=30)
         ok = []
         for k, r in enumerate(rs):
