@@ -140,27 +140,47 @@ static void conn_unlink_locked(conn_t **list, conn_t *c) {
   }
 }
 
-void dp__drop_comm(dataplane_t *dp, uint64_t comm_id, const char *why) {
-  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  size_t len = why ? dp__min(strlen(why), DP_ABORT_MAX) : 0;
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, 0, 0);
-  if (why) memcpy(frame + DP_HDR_LEN, why, len);
+void dp__drop_comm(dataplane_t *dp, uint64_t comm_id) {
   pthread_mutex_lock(&dp->mu);
   conn_t **lists[2] = {&dp->ins, &dp->outs};
   for (int l = 0; l < 2; l++) {
     conn_t *c = *lists[l];
     while (c) {
       conn_t *next = c->next;
-      if (c->comm_id == comm_id) {
-        /* We only ever write aborts on a connection we receive on: safe at any time. */
-        if (why && l == 0) {
-          ssize_t w = send(c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
-          (void)w;
-        }
-        conn_unlink_locked(lists[l], c);
-      }
+      if (c->comm_id == comm_id) conn_unlink_locked(lists[l], c);
       c = next;
     }
+  }
+  pthread_mutex_unlock(&dp->mu);
+}
+
+/* The call an accepted link serves next, as far as this agent knows: that of
+ * the next frame waiting on it (a header held by a call that fell behind, or
+ * the first in the socket), else the latest known on it (last_call). Under
+ * mu, on a link no call holds. */
+static uint64_t next_call_locked(const conn_t *c) {
+  uint8_t hdr[DP_HDR_LEN];
+  if (c->held_len == DP_HDR_LEN) return dp__get64(c->held_hdr + 16);
+  if (!c->skip_left && !c->held_len &&
+      recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT) == (ssize_t)sizeof hdr)
+    return dp__get64(hdr + 16);
+  return c->last_call;
+}
+
+void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, const char *why) {
+  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+  size_t len = dp__min(strlen(why), DP_ABORT_MAX);
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, call, 0);
+  memcpy(frame + DP_HDR_LEN, why, len);
+  pthread_mutex_lock(&dp->mu);
+  for (conn_t *c = dp->ins, *next; c; c = next) {
+    next = c->next;
+    if (c->comm_id != comm_id || c->refs > 1) continue;
+    if (next_call_locked(c) > call) continue; /* a later call's */
+    /* We only ever write aborts on a connection we receive on: safe at any time. */
+    ssize_t w = send(c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)w;
+    conn_unlink_locked(&dp->ins, c);
   }
   pthread_mutex_unlock(&dp->mu);
 }
@@ -279,7 +299,7 @@ void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id) {
     if (dp->regs[i].comm_id == comm_id) atomic_store(&dp->reg_calls[i]->dropped, true);
   pthread_cond_broadcast(&dp->cv);
   pthread_mutex_unlock(&dp->mu);
-  dp__drop_comm(dp, comm_id, NULL);
+  dp__drop_comm(dp, comm_id);
 }
 
 static void set_nodelay(int fd) {
@@ -396,9 +416,12 @@ static bool in_dead(const conn_t *c) {
   if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLRDHUP | POLLHUP | POLLERR))) return false;
   if ((p.revents & POLLERR) || in_empty(c)) return true;
   if (c->held_len || c->skip_left) return false;
+  /* A goodbye, or an abort (a dialer's last frame: the rest is an older
+   * call's), is all that is left to read. */
   uint8_t hdr[DP_HDR_LEN];
   ssize_t r = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
-  return r == (ssize_t)sizeof hdr && dp__get32(hdr) == DP_MAGIC_BYE;
+  return r == (ssize_t)sizeof hdr &&
+         (dp__get32(hdr) == DP_MAGIC_BYE || dp__get32(hdr) == DP_MAGIC_ABORT);
 }
 
 /* Past the cap (dataplane_max_links): closes idle dialed connections whose
@@ -524,7 +547,7 @@ static int handshake(dataplane_t *dp, const call_t *cl, int fd, uint32_t peer, i
     snprintf(why, whylen, "was not dialed: no randomness for a nonce");
     return -1;
   }
-  dp_wire_hello(hello, peer, dp->rank, cl->comm_id, nonce_d, nonce_a, cl->secret);
+  dp_wire_hello(hello, peer, dp->rank, cl->comm_id, cl->call, nonce_d, nonce_a, cl->secret);
   if (write_all(dp, fd, hello, sizeof hello, deadline) != 0) {
     if (errno == ETIMEDOUT) {
       snprintf(why, whylen, "did not take our hello: %s", strerror(errno));
@@ -760,7 +783,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
     while (c && (c->comm_id != comm_id || c->peer != peer ||
                  memcmp(c->secret, cl->secret, DP_SECRET_LEN) != 0))
       c = c->next;
-    if (c && in_dead(c)) {
+    if (c && c->refs == 1 && in_dead(c)) {
       conn_unlink_locked(&dp->ins, c);
       continue;
     }
@@ -916,6 +939,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
   c->local = p->local;
   c->linked = true;
   c->comm_id = comm_id;
+  c->last_call = h.call;
   c->peer = from;
   memcpy(c->secret, secret, DP_SECRET_LEN);
   snprintf(c->addr, sizeof c->addr, "rank %u", from);

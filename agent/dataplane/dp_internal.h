@@ -69,6 +69,9 @@ typedef struct conn {
   uint32_t peer;
   uint64_t seq; /* frames sent (dialed conn) or received (accepted conn) */
   int64_t used_ms; /* a dialed conn: when a call last took it (mu) */
+  /* An accepted conn: the latest call known on it, the one its dialer dialed
+   * for (the hello's) or a later frame's; by the call holding it, or under mu. */
+  uint64_t last_call;
   /* An accepted conn, where a call that fell behind stopped reading: the
    * header bytes it read of the next frame (all of a later call's header, or
    * part of one), with the memfd that came with them (+ 1; 0: none); or the
@@ -174,10 +177,16 @@ void dp__conn_put(dataplane_t *dp, conn_t *c);
 /* Takes c out of its table (if still there) and shuts its socket down, so
  * that a call still using it fails and the next call dials afresh. */
 void dp__conn_discard(dataplane_t *dp, conn_t *c);
-/* Discards every connection of comm_id, in both directions; with `why`, first
- * writes an abort frame carrying it on each we receive on (so a peer whose
- * connection to us no call here has taken yet learns the root cause too). */
-void dp__drop_comm(dataplane_t *dp, uint64_t comm_id, const char *why);
+/* Discards every connection of comm_id, in both directions. */
+void dp__drop_comm(dataplane_t *dp, uint64_t comm_id);
+/* After call `call` of comm_id failed here: writes an abort frame carrying
+ * `why` on each accepted link of the comm no call took that serves this call
+ * or an older one (its next frame's call, else the one its dialer dialed it
+ * for or the latest frame's: a peer whose link no call here has taken yet
+ * learns the root cause too), and closes it. A link that serves a later call
+ * stays: a peer that moved on must not lose its next call to this one's
+ * failure. */
+void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, const char *why);
 
 /* ------------------------------------------------ transfer.c: the engine */
 
@@ -270,10 +279,10 @@ void dp__plan_abort(plan_t *p);
 void dp__plan_count_abort(plan_t *p, const meshd_error_t *err);
 /* Unregisters the group, releases the plan's connections and memory. On
  * failure (rc != 0) it first counts the abort (a call that began), then: a
- * call that fell behind (DP_ABORT_BEHIND) closes only a connection it left
- * mid-frame; any other sends its abort notice and closes every connection of
- * the comm (of its own link, when link_only), so the next call starts from
- * fresh links. Returns rc. */
+ * call that fell behind (DP_ABORT_BEHIND) leaves its links for the next call
+ * (transfer.c); any other sends its abort notice on its links and closes
+ * them, and a collective (not link_only) also on the links of this call it
+ * had not taken (dp__abort_untaken). Returns rc. */
 int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err);
 
 /* ------------------------------------------------ shm.c: same-host messages */

@@ -24,10 +24,11 @@
  * Failure. Every wait is bounded by timeout_ms of *inactivity* (no byte moved),
  * so a large transfer may take longer than the timeout but a vanished or absent
  * peer fails the call. A rank that fails writes an abort frame carrying the root
- * cause on every connection of the call (both directions), then closes all of
- * the comm's connections; its peers fail at once with that root cause, so every
- * rank names the peer that really went missing. The next call on the comm dials
- * afresh. */
+ * cause on every connection of the call (both directions) and closes them, and
+ * does the same on the comm's links of this call it had not taken yet (not on
+ * a later call's: a peer that moved on keeps its next call); its peers fail at
+ * once with that root cause, so every rank names the peer that really went
+ * missing. The next call dials afresh where a link was closed. */
 #include <errno.h>
 #include <poll.h>
 #include <stdarg.h>
@@ -260,7 +261,7 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         x->flen = x->c->skip_left;
         x->c->skip_left = 0;
         x->fdone = 0;
-        x->in_frame = x->skip = true;
+        x->in_frame = x->skip = x->stale = true;
         x->shm = false;
         continue;
       }
@@ -289,6 +290,9 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       dp_frame_kind_t kind =
           dp_wire_parse_frame(x->hdr, cl->comm_id, cl->call, x->c->seq, want, DP_CHUNK, &f);
       bool shm_magic = f.magic == DP_MAGIC_SHM;
+      if (kind == DP_FRAME_DATA || kind == DP_FRAME_SHM || kind == DP_FRAME_STALE ||
+          kind == DP_FRAME_AHEAD)
+        x->c->last_call = f.call > x->c->last_call ? f.call : x->c->last_call;
       if (x->stray_fd || (x->rfd && !(shm_magic && (kind == DP_FRAME_SHM || kind == DP_FRAME_STALE ||
                                                     kind == DP_FRAME_AHEAD))))
         return stray_fd(cl, x, err);
@@ -613,13 +617,12 @@ int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
     dp__plan_count_abort(p, err);
     if (p->cl.abort_reason == DP_ABORT_BEHIND + 1) {
       leave_behind(p);
-    } else if (p->link_only) { /* a send or recv: only its own link is suspect */
+    } else { /* its peers learn why, on its links and (a collective) on links of
+              * this call it did not take yet; links a later call uses stay */
       dp__plan_abort(p);
       for (size_t i = 0; i < p->nx; i++)
         if (p->xs[i].c) dp__conn_discard(p->cl.dp, p->xs[i].c);
-    } else { /* close the comm: the next call starts from fresh links */
-      dp__plan_abort(p);
-      dp__drop_comm(p->cl.dp, p->cl.comm_id, p->cl.root);
+      if (!p->link_only) dp__abort_untaken(p->cl.dp, p->cl.comm_id, p->cl.call, p->cl.root);
     }
   }
   if (p->xs)

@@ -60,14 +60,15 @@ dp_parse_t dp_wire_parse_challenge(const uint8_t *buf, size_t len, uint8_t nonce
 }
 
 void dp_wire_hello(uint8_t out[DP_HELLO_LEN], uint32_t to, uint32_t from, uint64_t comm_id,
-                   const uint8_t nonce_d[DP_NONCE_LEN], const uint8_t nonce_a[DP_NONCE_LEN],
+                   uint64_t call, const uint8_t nonce_d[DP_NONCE_LEN], const uint8_t nonce_a[DP_NONCE_LEN],
                    const uint8_t secret[DP_SECRET_LEN]) {
   dp__put32(out, DP_MAGIC_HELLO);
   dp__put32(out + 4, DP_WIRE_VERSION);
   dp__put32(out + 8, to);
   dp__put32(out + 12, from);
   dp__put64(out + 16, comm_id);
-  memcpy(out + 24, nonce_d, DP_NONCE_LEN);
+  dp__put64(out + 24, call);
+  memcpy(out + 32, nonce_d, DP_NONCE_LEN);
   mac(out + DP_HELLO_SIGNED, HELLO_LABEL, out, nonce_a, secret);
 }
 
@@ -79,6 +80,7 @@ dp_parse_t dp_wire_parse_hello(const uint8_t *buf, size_t len, dp_hello_t *h, ch
   h->to = dp__get32(buf + 8);
   h->from = dp__get32(buf + 12);
   h->comm_id = dp__get64(buf + 16);
+  h->call = dp__get64(buf + 24);
   return DP_PARSE_OK;
 }
 

@@ -6,19 +6,20 @@
  * The handshake on a new connection (the dialer sends, the acceptor receives):
  *
  *   acceptor -> dialer  challenge  {magic MDPN, version, nonce_a[16]}           24 bytes
- *   dialer -> acceptor  hello      {magic MDPH, version, to, from, comm_id,
- *                                   nonce_d[16], mac[32]}                       72 bytes
+ *   dialer -> acceptor  hello      {magic MDPH, version, to, from, comm_id, call,
+ *                                   nonce_d[16], mac[32]}                       80 bytes
  *   acceptor -> dialer  ack        {magic MDPK, version, mac[32]}               40 bytes
  *
- *   hello.mac = HMAC-SHA256(secret, "meshd-dp-hello" || hello[0, 40) || nonce_a)
- *   ack.mac   = HMAC-SHA256(secret, "meshd-dp-ack"   || hello[0, 40) || nonce_a)
+ *   hello.mac = HMAC-SHA256(secret, "meshd-dp-hello" || hello[0, 48) || nonce_a)
+ *   ack.mac   = HMAC-SHA256(secret, "meshd-dp-ack"   || hello[0, 48) || nonce_a)
  *
  * `secret` is the group's (dp_group_t.secret, from the instruction). The hello
  * proves to the acceptor that the dialer holds it for this comm_id, from this
  * rank, to this rank, now (nonce_a is fresh per connection: a recorded hello
  * proves nothing on another one). The ack proves the same of the acceptor to
- * the dialer (nonce_d, inside hello[0, 40), is fresh per dial), so bytes are
- * only ever sent to a member. Then frames follow, dialer to acceptor:
+ * the dialer (nonce_d, inside hello[0, 48), is fresh per dial), so bytes are
+ * only ever sent to a member. `call` is the call the dialer dialed for (see
+ * below). Then frames follow, dialer to acceptor:
  *
  *   frame header {magic MDPD (data) or MDPA (abort), length, comm_id, call, seq}  32 bytes
  *
@@ -63,7 +64,7 @@
 #define DP_NONCE_LEN 16
 #define DP_MAC_LEN 32
 #define DP_CHALLENGE_LEN (8 + DP_NONCE_LEN)
-#define DP_HELLO_SIGNED 40 /* the hello's fields the mac covers: all but the mac */
+#define DP_HELLO_SIGNED 48 /* the hello's fields the mac covers: all but the mac */
 #define DP_HELLO_LEN (DP_HELLO_SIGNED + DP_MAC_LEN)
 #define DP_ACK_LEN (8 + DP_MAC_LEN)
 #define DP_HDR_LEN 32
@@ -76,7 +77,7 @@ typedef enum { DP_PARSE_MORE, DP_PARSE_OK, DP_PARSE_BAD } dp_parse_t;
 
 typedef struct dp_hello {
   uint32_t to, from;
-  uint64_t comm_id;
+  uint64_t comm_id, call;
 } dp_hello_t;
 
 /* A group this agent takes part in now, against which hellos are checked. */
@@ -104,6 +105,7 @@ dp_parse_t dp_wire_parse_challenge(const uint8_t *buf, size_t len, uint8_t nonce
 
 /* The dialer's hello, proving `secret` against the acceptor's nonce_a. */
 void dp_wire_hello(uint8_t out[DP_HELLO_LEN], uint32_t to, uint32_t from, uint64_t comm_id,
+                   uint64_t call,
                    const uint8_t nonce_d[DP_NONCE_LEN], const uint8_t nonce_a[DP_NONCE_LEN],
                    const uint8_t secret[DP_SECRET_LEN]);
 /* The hello's fields, checking magic and version as soon as they are in

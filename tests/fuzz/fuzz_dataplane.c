@@ -59,7 +59,7 @@ static void fuzz_hello(const uint8_t *in, size_t len, uint8_t sel, const uint8_t
     dp_hello_t h;
     CHECK(dp_wire_parse_hello(in, n, &h, NULL, 0) == DP_PARSE_OK);
     uint8_t again[DP_HELLO_LEN];
-    dp_wire_hello(again, h.to, h.from, h.comm_id, in + 24, nonce_a, groups[which].secret);
+    dp_wire_hello(again, h.to, h.from, h.comm_id, h.call, in + 32, nonce_a, groups[which].secret);
     CHECK(memcmp(again, in, DP_HELLO_LEN) == 0);
     CHECK(h.to == me && h.from != me);
   }
@@ -85,7 +85,7 @@ static void fuzz_made_hello(const uint8_t *in, size_t len, const uint8_t *nonce_
   static const uint32_t ranks[2] = {5, 6};
   const dp_wire_group_t g = {.comm_id = dp__get64(in), .ranks = ranks, .n = 2, .secret = SECRET_A};
   uint8_t hello[DP_HELLO_LEN];
-  dp_wire_hello(hello, 5, 6, g.comm_id, in + 4, nonce_a, SECRET_A);
+  dp_wire_hello(hello, 5, 6, g.comm_id, dp__get64(in + 8), in + 4, nonce_a, SECRET_A);
   CHECK(dp_wire_admit(hello, sizeof hello, 5, nonce_a, &g, 1, NULL, NULL, 0) == DP_ADMIT_OK);
   size_t at = in[16] % DP_HELLO_LEN;
   uint8_t flip = in[17] ? in[17] : 1;

@@ -77,7 +77,7 @@ class Stranger:
                 c.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
             else:
                 # The right to and from; a comm_id it cannot know; a mac it cannot make.
-                hello = struct.pack("<IIIIQ", MAGIC_HELLO, VERSION, to, frm, k) + os.urandom(48)
+                hello = struct.pack("<IIIIQQ", MAGIC_HELLO, VERSION, to, frm, k, 1) + os.urandom(48)
                 c.sendall(hello)
                 if k % 2 == 0:  # and the payload right away, as the original attack did
                     c.sendall(struct.pack("<IIQQQ", MAGIC_DATA, 16, k, 1, 0) +

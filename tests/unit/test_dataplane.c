@@ -1030,7 +1030,7 @@ Test(dataplane_security, a_stranger_with_a_wrong_or_missing_proof_is_closed_befo
     uint8_t nonce[DP_NONCE_LEN], nonce_d[DP_NONCE_LEN] = {1, 2, 3}, hello[DP_HELLO_LEN];
     stranger_challenge(fd, nonce);
     /* Pretends to be member 1 (rank 11) of comm 4242, to member 0 (rank 10). */
-    dp_wire_hello(hello, w.ranks[0], w.ranks[1], comm, nonce_d, nonce, WRONG);
+    dp_wire_hello(hello, w.ranks[0], w.ranks[1], comm, 0, nonce_d, nonce, WRONG);
     if (attempt == 1) memset(hello + DP_HELLO_SIGNED, 0, DP_MAC_LEN); /* no proof at all */
     if (attempt == 2) { /* the old hello: {magic, to, from, 0, comm_id} */
       memset(hello, 0, sizeof hello);
@@ -1074,7 +1074,7 @@ Test(dataplane_security, a_replayed_hello_is_refused, .timeout = 30) {
   stranger_challenge(a, na);
   stranger_challenge(b, nb);
   cr_assert(memcmp(na, nb, DP_NONCE_LEN) != 0, "two connections got the same nonce");
-  dp_wire_hello(hello, w.ranks[0], w.ranks[1], comm, nd, na, SECRET);
+  dp_wire_hello(hello, w.ranks[0], w.ranks[1], comm, 0, nd, na, SECRET);
   cr_assert_eq(send(a, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
   uint8_t ack[DP_ACK_LEN];
   cr_assert_eq(recv(a, ack, sizeof ack, MSG_WAITALL), (ssize_t)sizeof ack, "no ack for a member");
@@ -1099,10 +1099,10 @@ Test(dataplane_security, silent_and_unknown_hellos_are_closed_at_their_deadlines
   uint8_t nonce[DP_NONCE_LEN], hello[DP_HELLO_LEN], nd[DP_NONCE_LEN] = {0};
   stranger_challenge(silent, nonce); /* then says nothing */
   stranger_challenge(half, nonce);
-  dp_wire_hello(hello, w.ranks[1], w.ranks[0], 77, nd, nonce, SECRET);
+  dp_wire_hello(hello, w.ranks[1], w.ranks[0], 77, 0, nd, nonce, SECRET);
   cr_assert_eq(send(half, hello, 10, MSG_NOSIGNAL), 10); /* a valid prefix, then silence */
   stranger_challenge(unknown, nonce);
-  dp_wire_hello(hello, w.ranks[1], w.ranks[0], 78, nd, nonce, SECRET);
+  dp_wire_hello(hello, w.ranks[1], w.ranks[0], 78, 0, nd, nonce, SECRET);
   cr_assert_eq(send(unknown, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
   int64_t t0 = now_ms();
   cr_assert(closed_without_ack(silent, 3000), "a silent socket stays open");
@@ -1180,7 +1180,7 @@ Test(dataplane_wire, a_hello_proves_only_its_secret_nonce_rank_and_comm) {
                           {.comm_id = 100, .ranks = ranks, .n = 3, .secret = SECRET}};
   char why[200];
   size_t which = 9;
-  dp_wire_hello(hello, 4, 6, 100, nd, na, SECRET);
+  dp_wire_hello(hello, 4, 6, 100, 0, nd, na, SECRET);
   for (size_t len = 0; len < DP_HELLO_LEN; len++)
     cr_assert_eq(dp_wire_admit(hello, len, 4, na, g, 2, &which, why, sizeof why), DP_ADMIT_MORE);
   cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, &which, why, sizeof why), DP_ADMIT_OK);
@@ -1201,9 +1201,9 @@ Test(dataplane_wire, a_hello_proves_only_its_secret_nonce_rank_and_comm) {
   cr_assert(strstr(why, "addressed to rank 4, but this is rank 5"), "%s", why);
   cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 1, NULL, why, sizeof why),
                DP_ADMIT_UNKNOWN_GROUP, "comm 100 not registered: %s", why);
-  dp_wire_hello(hello, 4, 6, 99, nd, na, WRONG); /* rank 6 is not in comm 99's group */
+  dp_wire_hello(hello, 4, 6, 99, 0, nd, na, WRONG); /* rank 6 is not in comm 99's group */
   cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_UNKNOWN_GROUP);
-  dp_wire_hello(hello, 4, 4, 100, nd, na, SECRET); /* from itself */
+  dp_wire_hello(hello, 4, 4, 100, 0, nd, na, SECRET); /* from itself */
   cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_UNKNOWN_GROUP);
   const uint8_t junk[8] = "GET / HT";
   cr_assert_eq(dp_wire_admit(junk, 4, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_MALFORMED);
@@ -1351,7 +1351,7 @@ static int local_member_dial(const world_t *w, size_t to, uint32_t from, uint64_
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   uint8_t na[DP_NONCE_LEN], nd[DP_NONCE_LEN] = {5}, hello[DP_HELLO_LEN], ack[DP_ACK_LEN];
   stranger_challenge(fd, na);
-  dp_wire_hello(hello, w->ranks[to], from, comm, nd, na, SECRET);
+  dp_wire_hello(hello, w->ranks[to], from, comm, 0, nd, na, SECRET);
   cr_assert_eq(send(fd, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
   cr_assert_eq(recv(fd, ack, sizeof ack, MSG_WAITALL), (ssize_t)sizeof ack, "no ack");
   cr_assert(dp_wire_ack_proves(ack, sizeof ack, hello, na, SECRET));
@@ -1683,5 +1683,49 @@ Test(dataplane, a_link_closed_idle_still_delivers_what_was_sent_on_it, .timeout 
                rx.err.msg);
   cr_assert(memcmp(a, got, sizeof a) == 0);
   pair_once(&w, 0, 3000, 3);
+  world_stop(&w);
+}
+
+/* Kept links, and a member late for call 2: its peer sent call 2's first
+ * frames on the kept link, gave up (an abort after them, and a close), and
+ * began call 3 on a new link. The late member's call 2 reads those frames
+ * and the abort and fails; its failure must not reach the new link, or the
+ * peer loses call 3 as well (it did when a failure closed every link of the
+ * comm). Call 3 then succeeds on both. */
+Test(dataplane, a_late_members_failure_spares_the_peers_next_call, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 400);
+  size_t count = 64 << 10; /* 128 KiB a member: the ring */
+  job_t jobs[2];
+  for (size_t r = 0; r < 2; r++) {
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 88, .call = 1, .kind = K_ALLREDUCE,
+                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
+    jobs[r].in = calloc(count, 4);
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 1000);
+  }
+  run_jobs(jobs, 2); /* call 1: the links are made, and kept */
+  for (size_t r = 0; r < 2; r++) cr_assert_eq(jobs[r].rc, 0, "call 1: %s", jobs[r].err.msg);
+  jobs[0].call = 2;
+  fill(DTYPE_FLOAT32, RED_SUM, 0, jobs[0].in, count, 2000);
+  job_main(&jobs[0]); /* member 1 is late: member 0 gives up */
+  cr_assert_eq(jobs[0].rc, -1);
+  pthread_t th;
+  jobs[0].call = 3;
+  fill(DTYPE_FLOAT32, RED_SUM, 0, jobs[0].in, count, 3000);
+  pthread_create(&th, NULL, job_main, &jobs[0]);
+  usleep(100 * 1000);
+  jobs[1].call = 2; /* late */
+  fill(DTYPE_FLOAT32, RED_SUM, 1, jobs[1].in, count, 2000);
+  job_main(&jobs[1]);
+  cr_assert_eq(jobs[1].rc, -1, "the late call 2 ran without its peer");
+  jobs[1].call = 3;
+  fill(DTYPE_FLOAT32, RED_SUM, 1, jobs[1].in, count, 3000);
+  job_main(&jobs[1]);
+  pthread_join(th, NULL);
+  for (size_t r = 0; r < 2; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "call 3 on member %zu: %s", r, jobs[r].err.msg);
+    expect_reduced(DTYPE_FLOAT32, RED_SUM, 2, jobs[r].in, count, 3000, "call 3");
+    free(jobs[r].in);
+  }
   world_stop(&w);
 }
