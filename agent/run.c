@@ -441,6 +441,12 @@ static void abandon_comm(ctx_t *c, uint64_t comm_id) {
   if (c->b->net) dataplane_drop_comm(c->b->net, comm_id);
 }
 
+/* The same for one transfer of a ToMesh, whose channel other pairs share
+ * (and this agent's other streams): only its link to (or from) the peer. */
+static void abandon_link(ctx_t *c, uint64_t comm_id, uint32_t peer, bool outgoing) {
+  if (c->b->net) dataplane_drop_link(c->b->net, comm_id, peer, outgoing);
+}
+
 static int scalar_tensor(ctx_t *c, int64_t v, agent_tensor_t *out, meshd_error_t *e) {
   tensor_meta_t m = {.dtype = DTYPE_INT64, .layout = {.ndim = 0}};
   layout_make_contiguous(&m.layout);
@@ -883,7 +889,7 @@ static void run_send(ctx_t *c) {
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
     bool local = scalar_tensor(c, got != 0, &hdr_t, &e) ||
                  staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e);
-    if (local) abandon_comm(c, st->comm_id);
+    if (local) abandon_link(c, st->comm_id, st->to_rank, true);
     if (local ||
         c->b->ops->send(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->to_rank,
                         st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
@@ -901,14 +907,14 @@ static void run_send(ctx_t *c) {
   /* Both tensors before the first recv, so that no local failure falls
    * between the header and the body. */
   if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e)) {
-    abandon_comm(c, st->comm_id);
+    abandon_link(c, st->comm_id, st->from_rank, false);
     goto fail;
   }
   if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->from_rank,
                       st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e))
     goto fail;
   if (c->b->ops->to_host(c->b, &hdr_t, &hdr, &e)) {
-    abandon_comm(c, st->comm_id);
+    abandon_link(c, st->comm_id, st->from_rank, false);
     goto fail;
   }
   if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call + 1, st->secret.data, st->from_rank,

@@ -177,10 +177,12 @@ void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, const c
     next = c->next;
     if (c->comm_id != comm_id || c->refs > 1) continue;
     if (next_call_locked(c) > call) continue; /* a later call's */
-    /* We only ever write aborts on a connection we receive on: safe at any time. */
+    /* We only ever write aborts on a connection we receive on: safe at any
+     * time. The link stays: frames of a later call its dialer may yet send
+     * on it are read by our next call (this one's it skips). */
     ssize_t w = send(c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)w;
-    conn_unlink_locked(&dp->ins, c);
+    if (call == 0) conn_unlink_locked(&dp->ins, c); /* unnumbered calls cannot tell them apart */
   }
   pthread_mutex_unlock(&dp->mu);
 }
@@ -290,6 +292,27 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
 }
 
 uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
+
+bool dp__superseded(dataplane_t *dp, const conn_t *c) {
+  bool newer = false;
+  pthread_mutex_lock(&dp->mu);
+  for (conn_t *o = dp->ins; o && !newer; o = o->next)
+    newer = o != c && o->comm_id == c->comm_id && o->peer == c->peer &&
+            memcmp(o->secret, c->secret, DP_SECRET_LEN) == 0;
+  pthread_mutex_unlock(&dp->mu);
+  return newer;
+}
+
+void dataplane_drop_link(dataplane_t *dp, uint64_t comm_id, uint32_t peer, bool outgoing) {
+  if (!dp) return;
+  pthread_mutex_lock(&dp->mu);
+  conn_t **list = outgoing ? &dp->outs : &dp->ins;
+  for (conn_t *c = *list, *next; c; c = next) {
+    next = c->next;
+    if (c->comm_id == comm_id && c->peer == peer) conn_unlink_locked(list, c);
+  }
+  pthread_mutex_unlock(&dp->mu);
+}
 
 void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id) {
   if (!dp) return;
@@ -411,17 +434,36 @@ static bool in_empty(const conn_t *c) {
   return !c->held_len && !c->skip_left && (ioctl(c->fd, FIONREAD, &avail) != 0 || avail <= 0);
 }
 
-static bool in_dead(const conn_t *c) {
+static bool in_dead(const conn_t *c, uint64_t call) {
   struct pollfd p = {.fd = c->fd, .events = POLLIN | POLLRDHUP};
   if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLRDHUP | POLLHUP | POLLERR))) return false;
   if ((p.revents & POLLERR) || in_empty(c)) return true;
   if (c->held_len || c->skip_left) return false;
-  /* A goodbye, or an abort (a dialer's last frame: the rest is an older
-   * call's), is all that is left to read. */
+  /* A goodbye, or an abort of a call older than `call` (a dialer's last
+   * frame, ending a call the taker is past), is all that is left to read. */
   uint8_t hdr[DP_HDR_LEN];
   ssize_t r = recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT);
   return r == (ssize_t)sizeof hdr &&
-         (dp__get32(hdr) == DP_MAGIC_BYE || dp__get32(hdr) == DP_MAGIC_ABORT);
+         (dp__get32(hdr) == DP_MAGIC_BYE ||
+          (dp__get32(hdr) == DP_MAGIC_ABORT && dp__get64(hdr + 16) < call));
+}
+
+/* A dialed link on which the peer wrote aborts of calls older than `call`
+ * (it failed them; the link stays open, dp__abort_untaken): read and
+ * dropped, so that the link serves this call. Whether any was. Under mu, on a
+ * link no call holds. */
+static bool consume_stale_aborts(conn_t *c, uint64_t call) {
+  bool any = false;
+  for (;;) {
+    uint8_t hdr[DP_HDR_LEN + DP_ABORT_MAX];
+    if (recv(c->fd, hdr, DP_HDR_LEN, MSG_PEEK | MSG_DONTWAIT) != DP_HDR_LEN ||
+        dp__get32(hdr) != DP_MAGIC_ABORT || dp__get64(hdr + 16) >= call)
+      return any;
+    size_t len = DP_HDR_LEN + dp__min(dp__get32(hdr + 4), DP_ABORT_MAX);
+    if (recv(c->fd, hdr, len, MSG_PEEK | MSG_DONTWAIT) != (ssize_t)len) return any; /* not all here */
+    if (recv(c->fd, hdr, len, MSG_DONTWAIT) != (ssize_t)len) return any;
+    any = true;
+  }
 }
 
 /* Past the cap (dataplane_max_links): closes idle dialed connections whose
@@ -471,7 +513,7 @@ static void trim_outs_locked(dataplane_t *dp) {
 static void sweep_ins_locked(dataplane_t *dp) {
   for (conn_t **p = &dp->ins; *p;) {
     conn_t *c = *p;
-    if (c->refs > 1 || !in_dead(c)) {
+    if (c->refs > 1 || !in_dead(c, 0)) {
       p = &c->next;
       continue;
     }
@@ -658,7 +700,16 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   pthread_mutex_lock(&dp->mu);
   for (conn_t *c = dp->outs; c; c = c->next) {
     if (c->comm_id != comm_id || c->peer != peer) continue;
-    if (out_alive(c) && strcmp(c->addr, addr) == 0 &&
+    /* A kept link the peer closed after an abort of this call (it gave up on
+     * us): taken all the same, so that the call fails at once on it with the
+     * peer's root cause (transfer.c), instead of dialing a peer that no
+     * longer runs this call. */
+    uint8_t hdr[DP_HDR_LEN];
+    bool alive = out_alive(c) || (consume_stale_aborts(c, cl->call) && out_alive(c));
+    bool aborted = !alive && cl->call > 0 && /* unnumbered calls cannot tell */
+                   recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT) == DP_HDR_LEN &&
+                   dp__get32(hdr) == DP_MAGIC_ABORT && dp__get64(hdr + 16) >= cl->call;
+    if ((alive || aborted) && strcmp(c->addr, addr) == 0 &&
         memcmp(c->secret, cl->secret, DP_SECRET_LEN) == 0) {
       c->refs++;
       c->used_ms = dp__now_ms();
@@ -783,7 +834,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
     while (c && (c->comm_id != comm_id || c->peer != peer ||
                  memcmp(c->secret, cl->secret, DP_SECRET_LEN) != 0))
       c = c->next;
-    if (c && c->refs == 1 && in_dead(c)) {
+    if (c && c->refs == 1 && in_dead(c, cl->call)) {
       conn_unlink_locked(&dp->ins, c);
       continue;
     }

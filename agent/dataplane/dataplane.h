@@ -146,6 +146,12 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
  * session that used it ended); a call using one fails, even one still
  * waiting to connect, and a later one dials afresh. */
 void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id);
+/* Closes this agent's link of channel comm_id to (outgoing) or from the agent
+ * of world rank `peer`: a point-to-point transfer on a shared channel failed
+ * here between its calls, and its peer should fail now rather than wait out
+ * the timeout. The channel's other links, and calls on them, go on. */
+void dataplane_drop_link(dataplane_t *dp, uint64_t comm_id, uint32_t peer, bool outgoing);
+
 /* Connections are kept between calls, one per (comm, peer, direction). Of
  * those this agent dialed it keeps at most `n` idle ones (default
  * DP_LINKS_DEFAULT), closing the least recently used beyond that with a

@@ -174,6 +174,9 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
  * meanwhile (dataplane_drop_comm: REMOTE_FAILURE). Lock-free when neither. */
 int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err);
 void dp__conn_put(dataplane_t *dp, conn_t *c);
+/* Whether the peer of accepted link c has dialed another one on its comm
+ * since: c will carry nothing more. */
+bool dp__superseded(dataplane_t *dp, const conn_t *c);
 /* Takes c out of its table (if still there) and shuts its socket down, so
  * that a call still using it fails and the next call dials afresh. */
 void dp__conn_discard(dataplane_t *dp, conn_t *c);
@@ -182,10 +185,10 @@ void dp__drop_comm(dataplane_t *dp, uint64_t comm_id);
 /* After call `call` of comm_id failed here: writes an abort frame carrying
  * `why` on each accepted link of the comm no call took that serves this call
  * or an older one (its next frame's call, else the one its dialer dialed it
- * for or the latest frame's: a peer whose link no call here has taken yet
- * learns the root cause too), and closes it. A link that serves a later call
- * stays: a peer that moved on must not lose its next call to this one's
- * failure. */
+ * for or the latest frame's), so that a peer whose link no call here has
+ * taken yet learns the root cause too. The links stay open: a peer that
+ * moved on to a later call on one reads the abort as an older call's and
+ * goes on (transfer.c). */
 void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, const char *why);
 
 /* ------------------------------------------------ transfer.c: the engine */

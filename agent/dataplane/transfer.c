@@ -57,8 +57,9 @@ static int peer_error(call_t *cl, const conn_t *c, meshd_error_t *err, const cha
   return -1;
 }
 
-/* Reads the text of an abort frame whose header is f (best effort). */
-static void read_abort(int fd, const dp_frame_t *f, char *text, size_t textlen) {
+/* Reads the text of an abort frame whose header is f (best effort): whether
+ * all of it came. */
+static bool read_abort(int fd, const dp_frame_t *f, char *text, size_t textlen) {
   size_t len = dp__min(f->len, textlen - 1);
   size_t got = 0;
   int64_t deadline = dp__now_ms() + 200;
@@ -72,6 +73,7 @@ static void read_abort(int fd, const dp_frame_t *f, char *text, size_t textlen) 
     }
   }
   text[got] = '\0';
+  return got == f->len;
 }
 
 static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t *err) {
@@ -82,7 +84,25 @@ static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t 
   return -1;
 }
 
-/* The peer wrote on a connection we only send on: an abort notice or EOF. */
+/* Nothing of this call was written on x's link yet. */
+static bool unwritten(const xfer_t *x) {
+  return x->cur == 0 && !x->in_frame && (x->nmsgs == 0 || (x->msgs[0].done == 0 && x->msgs[0].frames == 0));
+}
+
+/* The peer closed a link we send on after an abort of an older call, before
+ * this call wrote on it: it failed that call (it was late) and closed its
+ * links, this one included, though we had kept it for this call. A fresh one
+ * serves (redial_out). */
+#define SEND_REDIAL (-3)
+
+static bool hung_up(int fd) {
+  struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+/* The peer wrote on a connection we only send on: an abort notice or EOF.
+ * An older call's abort on a link the peer keeps open is only news of that
+ * call (its writer failed it): 0, and the call goes on. */
 static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
   uint8_t hdr[DP_HDR_LEN];
   char text[DP_ABORT_MAX + 1];
@@ -90,10 +110,30 @@ static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
   ssize_t r = recv(x->c->fd, hdr, sizeof hdr, MSG_DONTWAIT | MSG_WAITALL);
   if (r == (ssize_t)sizeof hdr &&
       dp_wire_parse_frame(hdr, cl->comm_id, cl->call, 0, 0, 0, &f) == DP_FRAME_ABORT) {
-    read_abort(x->c->fd, &f, text, sizeof text);
+    bool whole = read_abort(x->c->fd, &f, text, sizeof text);
+    if (f.call < cl->call && whole) {
+      x->stale = true;
+      if (!hung_up(x->c->fd)) return 0;
+      if (unwritten(x)) return SEND_REDIAL;
+    }
     return aborted(cl, x->c, text, err);
   }
+  if (r == 0 && x->stale && unwritten(x)) return SEND_REDIAL; /* the close after it */
   return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
+}
+
+/* SEND_REDIAL: x's link goes, and a fresh one to the same peer is dialed. */
+static int redial_out(call_t *cl, xfer_t *x, meshd_error_t *err) {
+  dataplane_t *dp = cl->dp;
+  char addr[DP_ADDR_MAX];
+  snprintf(addr, sizeof addr, "%s", x->c->addr);
+  uint32_t peer = x->c->peer;
+  dp__conn_discard(dp, x->c);
+  dp__conn_put(dp, x->c);
+  x->c = dp__get_out(dp, cl, peer, addr, dp__now_ms() + dp->timeout_ms, err);
+  if (x->c) return 0;
+  snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "no connection");
+  return -1;
 }
 
 /* Moves what it can without blocking; returns bytes moved or -1. */
@@ -141,7 +181,10 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       if (w < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        return send_side_closed(cl, x, err);
+        int rc = send_side_closed(cl, x, err);
+        if (rc == 0) /* the send failed: the link is no use, whatever came on it */
+          return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
+        return rc;
       }
       size_t ww = (size_t)w, h = dp__min(ww, DP_HDR_LEN - x->hdr_done);
       moved += ww;
@@ -223,26 +266,33 @@ static int shm_landed(call_t *cl, xfer_t *x, msg_t *m, meshd_error_t *err) {
 /* A frame of a later call: this member is behind its group (transfer.c's
  * opening comment). The header (and its memfd) stay on the connection for
  * the call it belongs to. */
+static int behind_at(call_t *cl, const conn_t *c, uint64_t at, meshd_error_t *err) {
+  cl->abort_reason = DP_ABORT_BEHIND + 1;
+  return peer_error(cl, c, err,
+                    "is already at a later call of this comm (call %llu; this is call %llu): the "
+                    "group gave up on this call before this member reached it (it ran more "
+                    "than the comm timeout behind), so it fails here at once",
+                    (unsigned long long)at, (unsigned long long)cl->call);
+}
+
 static int behind(call_t *cl, xfer_t *x, const dp_frame_t *f, meshd_error_t *err) {
   memcpy(x->c->held_hdr, x->hdr, DP_HDR_LEN);
   x->c->held_len = DP_HDR_LEN;
   x->c->held_rfd = x->rfd;
   x->rfd = 0;
-  cl->abort_reason = DP_ABORT_BEHIND + 1;
-  return peer_error(cl, x->c, err,
-                    "is already at a later call of this comm (call %llu; this is call %llu): the "
-                    "group gave up on this call before this member reached it (it ran more "
-                    "than the comm timeout behind), so it fails here at once",
-                    (unsigned long long)f->call, (unsigned long long)cl->call);
+  return behind_at(cl, x->c, f->call, err);
 }
 
 /* The peer closed a connection on which it sent nothing of this call: it
- * was behind and left a frame of an older call unfinished, or it closed the
- * connection idle (a goodbye frame). It dials again for this call. */
+ * was behind and left a frame of an older call unfinished, it closed the
+ * connection idle (a goodbye frame), or it has dialed another since (its
+ * failed older call closed this one). It dials again for this call. */
 #define RECV_REDIAL (-2)
 
 static ssize_t recv_closed(call_t *cl, xfer_t *x, ssize_t r, meshd_error_t *err) {
-  if (x->stale && !x->mine) return RECV_REDIAL;
+  int saved = errno;
+  if (!x->mine && (x->stale || dp__superseded(cl->dp, x->c))) return RECV_REDIAL;
+  errno = saved;
   if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
   return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
 }
@@ -311,8 +361,9 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
         break;
       case DP_FRAME_ABORT: {
         char text[DP_ABORT_MAX + 1];
-        read_abort(x->c->fd, &f, text, sizeof text);
+        bool whole = read_abort(x->c->fd, &f, text, sizeof text);
         if (f.call < cl->call && !x->mine) { /* an older call's end: its sender dials again */
+          if (!whole) return RECV_REDIAL;
           x->stale = true;
           continue;
         }
@@ -383,6 +434,7 @@ static int redial_in(call_t *cl, xfer_t *x, meshd_error_t *err) {
   x->c = dp__get_in(dp, cl, peer, addr, deadline, NULL, 0, NULL, err);
   x->in_frame = x->skip = x->shm = x->stale = x->stray_fd = false;
   x->hdr_done = x->flen = x->fdone = 0;
+  if (x->c && x->c->last_call > cl->call) return behind_at(cl, x->c, x->c->last_call, err);
   if (x->c) return 0;
   snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "no connection");
   if (!cl->abort_reason && dp__now_ms() >= deadline) cl->abort_reason = DP_ABORT_TIMEOUT + 1;
@@ -415,6 +467,7 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
         if (xs[i].cur >= xs[i].nmsgs) continue;
         ssize_t r = xs[i].send ? send_step(cl, &xs[i], err) : recv_step(cl, &xs[i], err);
         if (r == RECV_REDIAL && redial_in(cl, &xs[i], err) == 0) r = 1;
+        if (r == SEND_REDIAL && redial_out(cl, &xs[i], err) == 0) r = 1;
         if (r < 0) goto out;
         again |= r > 0;
       }
@@ -467,7 +520,8 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
     for (nfds_t i = 0; n > 0 && i < np; i++) {
       xfer_t *x = &xs[which[i]];
       if (x->send && (pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) {
-        send_side_closed(cl, x, err);
+        int rc = send_side_closed(cl, x, err);
+        if (rc == 0 || (rc == SEND_REDIAL && redial_out(cl, x, err) == 0)) break;
         goto out;
       }
     }
@@ -521,17 +575,27 @@ int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool
   if (send) {
     x->c = dp__get_out(p->cl.dp, &p->cl, g->ranks[peer], g->addrs[peer], deadline, err);
   } else {
-    const conn_t *watch[64];
-    size_t nwatch = 0, fired = SIZE_MAX;
-    for (size_t i = 0; i < p->nx && nwatch < 64; i++)
-      if (p->xs[i].send && p->xs[i].c) watch[nwatch++] = p->xs[i].c;
-    x->c = dp__get_in(p->cl.dp, &p->cl, g->ranks[peer], g->addrs[peer], deadline, watch, nwatch,
-                      &fired, err);
-    if (!x->c && fired != SIZE_MAX) {
-      for (size_t i = 0; i < p->nx; i++)
-        if (p->xs[i].c == watch[fired]) return send_side_closed(&p->cl, &p->xs[i], err);
+    for (bool again = true; again;) {
+      again = false;
+      const conn_t *watch[64];
+      size_t nwatch = 0, fired = SIZE_MAX;
+      for (size_t i = 0; i < p->nx && nwatch < 64; i++)
+        if (p->xs[i].send && p->xs[i].c) watch[nwatch++] = p->xs[i].c;
+      x->c = dp__get_in(p->cl.dp, &p->cl, g->ranks[peer], g->addrs[peer], deadline, watch, nwatch,
+                        &fired, err);
+      for (size_t i = 0; !x->c && fired != SIZE_MAX && i < p->nx; i++) {
+        if (p->xs[i].c != watch[fired]) continue;
+        int rc = send_side_closed(&p->cl, &p->xs[i], err);
+        if (rc == SEND_REDIAL) rc = redial_out(&p->cl, &p->xs[i], err);
+        if (rc != 0) return -1;
+        again = true; /* an older call's news, or a fresh link to that peer: wait on */
+        break;
+      }
     }
   }
+  /* A link its peer dialed for a later call (its hello said so): behind. */
+  if (x->c && !send && x->c->last_call > p->cl.call)
+    return behind_at(&p->cl, x->c, x->c->last_call, err);
   if (!x->c) {
     snprintf(p->cl.root, sizeof p->cl.root, "%s", err ? err->msg : "connection failed");
     /* The peer never came (or proved itself) before the deadline. */

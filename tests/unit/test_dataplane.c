@@ -572,14 +572,15 @@ static uint64_t aborts(const world_t *w, size_t r, int reason) {
   return n;
 }
 
-static void missing_member_case(size_t n, size_t count) {
+/* call: the first call's number, the retry's the next (0: both unnumbered). */
+static void missing_member_case(size_t n, size_t count, uint64_t call) {
   world_t w;
   world_start(&w, n, 1000);
   size_t missing = n - 1;
   job_t jobs[MAXN];
   for (size_t r = 0; r < n - 1; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = 77, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
-                      .op = RED_SUM, .count = count};
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 77, .call = call, .kind = K_ALLREDUCE,
+                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
     jobs[r].in = calloc(count, 4);
   }
   run_jobs(jobs, n - 1);
@@ -605,6 +606,7 @@ static void missing_member_case(size_t n, size_t count) {
       jobs[r].in = calloc(count, 4);
     }
     jobs[r].rc = -1;
+    jobs[r].call = call ? call + 1 : 0;
     fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 0);
   }
   run_jobs(jobs, n);
@@ -619,14 +621,18 @@ static void missing_member_case(size_t n, size_t count) {
 }
 
 Test(dataplane, member_never_joins_small, .timeout = 30) {
-  missing_member_case(2, 5);
-  missing_member_case(3, 5);
-  missing_member_case(4, 1009);
+  for (uint64_t call = 0; call <= 1; call++) {
+    missing_member_case(2, 5, call);
+    missing_member_case(3, 5, call);
+    missing_member_case(4, 1009, call);
+  }
 }
 
 Test(dataplane, member_never_joins_ring, .timeout = 30) {
-  missing_member_case(3, BIG_BYTES / 4);
-  missing_member_case(4, 100000);
+  for (uint64_t call = 0; call <= 1; call++) {
+    missing_member_case(3, BIG_BYTES / 4, call);
+    missing_member_case(4, 100000, call);
+  }
 }
 
 /* A member that starts a call more than the timeout late, after its peers
@@ -1725,6 +1731,91 @@ Test(dataplane, a_late_members_failure_spares_the_peers_next_call, .timeout = 60
   for (size_t r = 0; r < 2; r++) {
     cr_assert_eq(jobs[r].rc, 0, "call 3 on member %zu: %s", r, jobs[r].err.msg);
     expect_reduced(DTYPE_FLOAT32, RED_SUM, 2, jobs[r].in, count, 3000, "call 3");
+    free(jobs[r].in);
+  }
+  world_stop(&w);
+}
+
+/* A peer failed call 2 while it waited to connect (the late member had not
+ * come) and wrote its abort, first and alone, on a kept link to the late
+ * member before closing it. The late member's call 2 must read that abort
+ * and fail at once with its root cause, not take the link for a dead one and
+ * wait out the timeout for a redial that never comes. */
+Test(dataplane, a_late_member_reads_the_abort_left_alone_on_a_kept_link, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 600);
+  job_t jobs[2];
+  for (size_t r = 0; r < 2; r++) {
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 66, .call = 1, .kind = K_ALLREDUCE,
+                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = 5};
+    jobs[r].in = calloc(5, 4);
+  }
+  run_jobs(jobs, 2); /* call 1: the links are made, and kept */
+  for (size_t r = 0; r < 2; r++) cr_assert_eq(jobs[r].rc, 0, "call 1: %s", jobs[r].err.msg);
+  for (size_t r = 0; r < 2; r++) jobs[r].call = 2;
+  job_main(&jobs[0]); /* alone: it waits for member 1's link, gives up, aborts */
+  cr_assert_eq(jobs[0].rc, -1);
+  job_main(&jobs[1]);
+  cr_assert_eq(jobs[1].rc, -1);
+  cr_assert(strstr(jobs[1].err.msg, "aborted"), "%s", jobs[1].err.msg);
+  cr_assert(jobs[1].took_ms < 300, "the late call took %lld ms to fail: %s",
+            (long long)jobs[1].took_ms, jobs[1].err.msg);
+  for (size_t r = 0; r < 2; r++) free(jobs[r].in);
+  world_stop(&w);
+}
+
+/* Three members. Member 0 is late for ring call 2; members 1 and 2 give up
+ * and begin call 3 (a direct exchange), member 1 on the link to member 0 it
+ * kept from call 1, not yet written. Member 0's call 2 then fails (its peer
+ * aborted) and closes the untaken links of call 2 or older, that one
+ * included. Member 1 must dial it again for call 3, not fail call 3 on an
+ * older call's abort. Call 3 then succeeds on all three. */
+Test(dataplane, a_link_closed_for_an_older_call_is_dialed_again_by_its_sender, .timeout = 60) {
+  world_t w;
+  world_start(&w, 3, 500);
+  size_t small = 5, big = 3 * (64 << 10); /* direct; ring */
+  job_t jobs[3];
+  for (size_t r = 0; r < 3; r++) {
+    jobs[r] = (job_t){.w = &w, .me = r, .comm = 67, .call = 1, .kind = K_ALLREDUCE,
+                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = small};
+    jobs[r].in = calloc(big, 4);
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, small, 1000);
+  }
+  run_jobs(jobs, 3); /* call 1, direct: every link made, and kept */
+  for (size_t r = 0; r < 3; r++) cr_assert_eq(jobs[r].rc, 0, "call 1: %s", jobs[r].err.msg);
+  for (size_t r = 1; r < 3; r++) {
+    jobs[r].call = 2;
+    jobs[r].count = big;
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, big, 2000);
+  }
+  run_jobs(jobs + 1, 2); /* call 2, the ring, without member 0 */
+  for (size_t r = 1; r < 3; r++) cr_assert_eq(jobs[r].rc, -1, "call 2 ran without member 0");
+  pthread_t th[3];
+  for (size_t r = 1; r < 3; r++) {
+    jobs[r].call = 3;
+    jobs[r].count = small;
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, small, 3000);
+    pthread_create(&th[r], NULL, job_main, &jobs[r]);
+  }
+  usleep(100 * 1000);
+  jobs[0].call = 2; /* late */
+  jobs[0].count = big;
+  fill(DTYPE_FLOAT32, RED_SUM, 0, jobs[0].in, big, 2000);
+  job_main(&jobs[0]);
+  cr_assert_eq(jobs[0].rc, -1, "the late call 2 ran without its peers");
+  int64_t late_ms = jobs[0].took_ms;
+  char late_err[sizeof jobs[0].err.msg];
+  snprintf(late_err, sizeof late_err, "%s", jobs[0].err.msg);
+  jobs[0].call = 3;
+  jobs[0].count = small;
+  memset(&jobs[0].err, 0, sizeof jobs[0].err);
+  fill(DTYPE_FLOAT32, RED_SUM, 0, jobs[0].in, small, 3000);
+  job_main(&jobs[0]);
+  for (size_t r = 1; r < 3; r++) pthread_join(th[r], NULL);
+  for (size_t r = 0; r < 3; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "call 3 on member %zu: %s (the late call 2 failed in %lld ms: %s)",
+                 r, jobs[r].err.msg, (long long)late_ms, late_err);
+    expect_reduced(DTYPE_FLOAT32, RED_SUM, 3, jobs[r].in, small, 3000, "call 3");
     free(jobs[r].in);
   }
   world_stop(&w);
