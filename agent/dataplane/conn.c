@@ -476,7 +476,9 @@ static void trim_outs_locked(dataplane_t *dp) {
   if (n <= dp->max_outs) return;
   for (conn_t **p = &dp->outs; *p;) {
     conn_t *c = *p;
-    if (c->refs > 1 || out_alive(c)) {
+    struct pollfd pf = {.fd = c->fd, .events = POLLRDHUP};
+    bool hung = poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
+    if (c->refs > 1 || !hung) { /* an older call's abort alone: the link serves on */
       p = &c->next;
       continue;
     }
@@ -834,7 +836,8 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
     while (c && (c->comm_id != comm_id || c->peer != peer ||
                  memcmp(c->secret, cl->secret, DP_SECRET_LEN) != 0))
       c = c->next;
-    if (c && c->refs == 1 && in_dead(c, cl->call)) {
+    /* (An unnumbered call cannot tell an abort's call: any is dead.) */
+    if (c && c->refs == 1 && in_dead(c, cl->call ? cl->call : UINT64_MAX)) {
       conn_unlink_locked(&dp->ins, c);
       continue;
     }

@@ -226,6 +226,7 @@ typedef struct xfer {
   size_t hdr_done, flen, fdone;
   bool skip;                    /* the frame in progress is of an older call: read and dropped */
   bool stale, mine;             /* frames of an older call, of this call, came on c */
+  bool superseded;              /* c closed with nothing of this call, and its peer dialed anew */
   bool shm;                     /* the frame in progress is a shared-memory one */
   uint8_t pay[DP_SHM_PAYLOAD];  /* its payload */
   int rfd;                      /* a descriptor received with it, + 1 (0: none) */

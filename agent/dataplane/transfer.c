@@ -95,31 +95,36 @@ static bool unwritten(const xfer_t *x) {
  * serves (redial_out). */
 #define SEND_REDIAL (-3)
 
-static bool hung_up(int fd) {
+/* Whether the peer hung up fd, waiting up to ms for it. */
+static bool hung_up(int fd, int ms) {
   struct pollfd p = {.fd = fd, .events = POLLRDHUP};
-  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+  return poll(&p, 1, ms) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
 /* The peer wrote on a connection we only send on: an abort notice or EOF.
  * An older call's abort on a link the peer keeps open is only news of that
- * call (its writer failed it): 0, and the call goes on. */
+ * call (its writer failed it): 0, and the call goes on; one followed at once
+ * by the close (the link was that call's) and nothing written of this call:
+ * SEND_REDIAL. An abort of this call behind it is read too. */
 static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
-  uint8_t hdr[DP_HDR_LEN];
-  char text[DP_ABORT_MAX + 1];
-  dp_frame_t f;
-  ssize_t r = recv(x->c->fd, hdr, sizeof hdr, MSG_DONTWAIT | MSG_WAITALL);
-  if (r == (ssize_t)sizeof hdr &&
-      dp_wire_parse_frame(hdr, cl->comm_id, cl->call, 0, 0, 0, &f) == DP_FRAME_ABORT) {
-    bool whole = read_abort(x->c->fd, &f, text, sizeof text);
-    if (f.call < cl->call && whole) {
-      x->stale = true;
-      if (!hung_up(x->c->fd)) return 0;
+  for (;;) {
+    uint8_t hdr[DP_HDR_LEN];
+    char text[DP_ABORT_MAX + 1];
+    dp_frame_t f;
+    ssize_t r = recv(x->c->fd, hdr, sizeof hdr, MSG_DONTWAIT | MSG_WAITALL);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && x->stale) {
+      /* an older call's abort was all: the close follows it at once, or not */
+      if (!hung_up(x->c->fd, 20)) return 0;
       if (unwritten(x)) return SEND_REDIAL;
+      return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
     }
-    return aborted(cl, x->c, text, err);
+    if (r != (ssize_t)sizeof hdr ||
+        dp_wire_parse_frame(hdr, cl->comm_id, cl->call, 0, 0, 0, &f) != DP_FRAME_ABORT)
+      return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
+    bool whole = read_abort(x->c->fd, &f, text, sizeof text);
+    if (f.call >= cl->call || !whole) return aborted(cl, x->c, text, err);
+    x->stale = true; /* and read on: a later abort, or the close */
   }
-  if (r == 0 && x->stale && unwritten(x)) return SEND_REDIAL; /* the close after it */
-  return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
 }
 
 /* SEND_REDIAL: x's link goes, and a fresh one to the same peer is dialed. */
@@ -130,6 +135,7 @@ static int redial_out(call_t *cl, xfer_t *x, meshd_error_t *err) {
   uint32_t peer = x->c->peer;
   dp__conn_discard(dp, x->c);
   dp__conn_put(dp, x->c);
+  x->stale = false;
   x->c = dp__get_out(dp, cl, peer, addr, dp__now_ms() + dp->timeout_ms, err);
   if (x->c) return 0;
   snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "no connection");
@@ -181,9 +187,10 @@ static ssize_t send_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
       if (w < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        int saved = errno;
         int rc = send_side_closed(cl, x, err);
         if (rc == 0) /* the send failed: the link is no use, whatever came on it */
-          return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
+          return peer_error(cl, x->c, err, "broke the connection: %s", strerror(saved));
         return rc;
       }
       size_t ww = (size_t)w, h = dp__min(ww, DP_HDR_LEN - x->hdr_done);
@@ -291,7 +298,11 @@ static int behind(call_t *cl, xfer_t *x, const dp_frame_t *f, meshd_error_t *err
 
 static ssize_t recv_closed(call_t *cl, xfer_t *x, ssize_t r, meshd_error_t *err) {
   int saved = errno;
-  if (!x->mine && (x->stale || dp__superseded(cl->dp, x->c))) return RECV_REDIAL;
+  if (!x->mine && x->stale) return RECV_REDIAL;
+  if (!x->mine && dp__superseded(cl->dp, x->c)) {
+    x->superseded = true; /* a failed peer's link, or one it closed for a later call */
+    return RECV_REDIAL;
+  }
   errno = saved;
   if (r == 0) return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
   return peer_error(cl, x->c, err, "broke the connection: %s", strerror(errno));
@@ -432,8 +443,14 @@ static int redial_in(call_t *cl, xfer_t *x, meshd_error_t *err) {
   dp__conn_put(dp, x->c);
   int64_t deadline = dp__now_ms() + dp->timeout_ms;
   x->c = dp__get_in(dp, cl, peer, addr, deadline, NULL, 0, NULL, err);
-  x->in_frame = x->skip = x->shm = x->stale = x->stray_fd = false;
+  bool superseded = x->superseded;
+  x->in_frame = x->skip = x->shm = x->stale = x->stray_fd = x->superseded = false;
   x->hdr_done = x->flen = x->fdone = 0;
+  /* A later call's link behind one that closed with nothing of this call: the
+   * peer failed this call (mid-frame, so with no abort), or is past it. */
+  if (x->c && x->c->last_call > cl->call && superseded)
+    return peer_error(cl, x->c, err, "closed the connection before sending this call's data "
+                                     "(it failed this call, or it is past it)");
   if (x->c && x->c->last_call > cl->call) return behind_at(cl, x->c, x->c->last_call, err);
   if (x->c) return 0;
   snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "no connection");
