@@ -275,12 +275,6 @@ int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool
 /* Runs every transfer to completion, or fails after timeout_ms without
  * progress (naming the peer at fault, or passing on a peer's abort). */
 int dp__plan_run(plan_t *p, meshd_error_t *err);
-/* After a failure, tells every peer of the call why, on each of its
- * connections (best effort). */
-void dp__plan_abort(plan_t *p);
-/* Counts the failed call once in dp->aborts: the reason set on the call, else
- * AGENT_LOST from err's kind, else ERROR (err may be NULL). */
-void dp__plan_count_abort(plan_t *p, const meshd_error_t *err);
 /* Unregisters the group, releases the plan's connections and memory. On
  * failure (rc != 0) it first counts the abort (a call that began), then: a
  * call that fell behind (DP_ABORT_BEHIND) leaves its links for the next call

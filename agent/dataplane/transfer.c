@@ -625,11 +625,15 @@ int dp__plan_connect(plan_t *p, const dp_group_t *g, size_t k, size_t peer, bool
 
 int dp__plan_run(plan_t *p, meshd_error_t *err) { return run(&p->cl, p->xs, p->nx, err); }
 
-void dp__plan_abort(plan_t *p) {
+/* After a failure, tells every peer of the call why, on each of its
+ * connections (best effort). */
+static void plan_abort(plan_t *p) {
   if (p->xs) send_aborts(&p->cl, p->xs, p->nx);
 }
 
-void dp__plan_count_abort(plan_t *p, const meshd_error_t *err) {
+/* Counts the failed call once in dp->aborts: the reason set on the call, else
+ * AGENT_LOST from err's kind, else ERROR (err may be NULL). */
+static void plan_count_abort(plan_t *p, const meshd_error_t *err) {
   if (!p->cl.dp) return;
   dp_abort_t why = p->cl.abort_reason ? (dp_abort_t)(p->cl.abort_reason - 1)
                    : err && err->kind == ERR_AGENT_LOST ? DP_ABORT_AGENT_LOST
@@ -695,12 +699,12 @@ static void leave_behind(plan_t *p) {
 int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
   if (p->cl.dp) dp__unregister(p->cl.dp, p->reg);
   if (rc != 0 && p->xs) {
-    dp__plan_count_abort(p, err);
+    plan_count_abort(p, err);
     if (p->cl.abort_reason == DP_ABORT_BEHIND + 1) {
       leave_behind(p);
     } else { /* its peers learn why, on its links and (a collective) on links of
               * this call it did not take yet; links a later call uses stay */
-      dp__plan_abort(p);
+      plan_abort(p);
       for (size_t i = 0; i < p->nx; i++)
         if (p->xs[i].c) dp__conn_discard(p->cl.dp, p->xs[i].c);
       if (!p->link_only) dp__abort_untaken(p->cl.dp, p->cl.comm_id, p->cl.call, p->cl.root);

@@ -572,17 +572,26 @@ static uint64_t aborts(const world_t *w, size_t r, int reason) {
   return n;
 }
 
+/* jobs[0..n): a float sum allreduce of `count` elements on comm, call `call`;
+ * each member's input has room for `cap` elements (at least count), the
+ * first count filled from element 1000 * call. */
+static void sum_jobs(job_t *jobs, world_t *w, size_t n, uint64_t comm, uint64_t call, size_t count,
+                     size_t cap) {
+  for (size_t r = 0; r < n; r++) {
+    jobs[r] = (job_t){.w = w, .me = r, .comm = comm, .call = call, .kind = K_ALLREDUCE,
+                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
+    jobs[r].in = calloc(cap, 4);
+    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 1000 * call);
+  }
+}
+
 /* call: the first call's number, the retry's the next (0: both unnumbered). */
 static void missing_member_case(size_t n, size_t count, uint64_t call) {
   world_t w;
   world_start(&w, n, 1000);
   size_t missing = n - 1;
   job_t jobs[MAXN];
-  for (size_t r = 0; r < n - 1; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = 77, .call = call, .kind = K_ALLREDUCE,
-                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
-    jobs[r].in = calloc(count, 4);
-  }
+  sum_jobs(jobs, &w, n - 1, 77, call, count, count);
   run_jobs(jobs, n - 1);
   for (size_t r = 0; r < n - 1; r++) expect_names(&jobs[r], &w, missing, 2000);
   /* Each member's failed call counts once: a timeout where the absent member
@@ -645,11 +654,7 @@ static void late_member_case(size_t n, size_t count) {
   world_start(&w, n, 400);
   const uint64_t comm = 77;
   job_t jobs[MAXN];
-  for (size_t r = 0; r < n; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = comm, .call = 1, .kind = K_ALLREDUCE,
-                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
-    jobs[r].in = calloc(count, 4);
-  }
+  sum_jobs(jobs, &w, n, comm, 1, count, count);
   /* Call 1 without the last member: the others give up on it. */
   for (size_t r = 0; r + 1 < n; r++) fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 1000);
   run_jobs(jobs, n - 1);
@@ -1703,12 +1708,7 @@ Test(dataplane, a_late_members_failure_spares_the_peers_next_call, .timeout = 60
   world_start(&w, 2, 400);
   size_t count = 64 << 10; /* 128 KiB a member: the ring */
   job_t jobs[2];
-  for (size_t r = 0; r < 2; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = 88, .call = 1, .kind = K_ALLREDUCE,
-                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = count};
-    jobs[r].in = calloc(count, 4);
-    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, count, 1000);
-  }
+  sum_jobs(jobs, &w, 2, 88, 1, count, count);
   run_jobs(jobs, 2); /* call 1: the links are made, and kept */
   for (size_t r = 0; r < 2; r++) cr_assert_eq(jobs[r].rc, 0, "call 1: %s", jobs[r].err.msg);
   jobs[0].call = 2;
@@ -1745,11 +1745,7 @@ Test(dataplane, a_late_member_reads_the_abort_left_alone_on_a_kept_link, .timeou
   world_t w;
   world_start(&w, 2, 600);
   job_t jobs[2];
-  for (size_t r = 0; r < 2; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = 66, .call = 1, .kind = K_ALLREDUCE,
-                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = 5};
-    jobs[r].in = calloc(5, 4);
-  }
+  sum_jobs(jobs, &w, 2, 66, 1, 5, 5);
   run_jobs(jobs, 2); /* call 1: the links are made, and kept */
   for (size_t r = 0; r < 2; r++) cr_assert_eq(jobs[r].rc, 0, "call 1: %s", jobs[r].err.msg);
   for (size_t r = 0; r < 2; r++) jobs[r].call = 2;
@@ -1775,12 +1771,7 @@ Test(dataplane, a_link_closed_for_an_older_call_is_dialed_again_by_its_sender, .
   world_start(&w, 3, 500);
   size_t small = 5, big = 3 * (64 << 10); /* direct; ring */
   job_t jobs[3];
-  for (size_t r = 0; r < 3; r++) {
-    jobs[r] = (job_t){.w = &w, .me = r, .comm = 67, .call = 1, .kind = K_ALLREDUCE,
-                      .dtype = DTYPE_FLOAT32, .op = RED_SUM, .count = small};
-    jobs[r].in = calloc(big, 4);
-    fill(DTYPE_FLOAT32, RED_SUM, r, jobs[r].in, small, 1000);
-  }
+  sum_jobs(jobs, &w, 3, 67, 1, small, big);
   run_jobs(jobs, 3); /* call 1, direct: every link made, and kept */
   for (size_t r = 0; r < 3; r++) cr_assert_eq(jobs[r].rc, 0, "call 1: %s", jobs[r].err.msg);
   for (size_t r = 1; r < 3; r++) {
