@@ -883,8 +883,8 @@ static void run_send(ctx_t *c) {
   uint64_t key = c->s->key;
   session_state_note_comm(c->s, st->comm_id);
   /* Two data plane calls: the header, then the body. A call that fails has
-   * settled its own link (dataplane.h); a local failure abandons the channel,
-   * so that the peer fails now rather than at the timeout. */
+   * settled its own link (dataplane.h); a local failure closes the pair's
+   * link, so that the peer fails now rather than at the timeout. */
   uint64_t call = st->call * CALL_STEPS;
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
     bool local = scalar_tensor(c, got != 0, &hdr_t, &e) ||
