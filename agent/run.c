@@ -154,6 +154,30 @@ fail:
   root_failure(c, &ref, 1, &e);
 }
 
+/* ------------------------------------------------------------------ literals */
+
+/* The bytes came in the instruction (validated: exactly the result's). */
+static void run_literal(ctx_t *c) {
+  const Meshd__Agent__V1__LiteralOp *lo = c->ins->literal;
+  uint64_t ref = lo->result->ref;
+  meshd_error_t e = {0};
+  agent_tensor_t t = {0};
+  tensor_meta_t m;
+  if (check_fresh(c, ref, "Literal", &e)) {
+    report(c, e.kind, e.msg, ref);
+    return;
+  }
+  meta_of_spec(lo->result, &m);
+  if (need_backend(c, "Literal", &e) || tensor_alloc(c->b, c->bs, &m, &t, "Literal", &e)) goto fail;
+  if (lo->data.len && c->b->ops->from_host(c->b, &t, lo->data.data, &e)) goto fail;
+  refs_put(&c->s->refs, ref, &t);
+  storage_release(t.storage);
+  return;
+fail:
+  storage_release(t.storage);
+  root_failure(c, &ref, 1, &e);
+}
+
 /* ------------------------------------------------------------------ loads */
 
 /* A load's download stops once its session ended: nobody reads the tensor. */
@@ -972,6 +996,7 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD: run_load(&c); break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL: run_literal(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL: run_call(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS: run_delete(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW: run_borrow(&c); break;

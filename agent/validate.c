@@ -233,6 +233,21 @@ static int check_load(const Meshd__Agent__V1__LoadOp *lo, meshd_error_t *e) {
   return 0;
 }
 
+/* A Literal's bytes fill a fresh, row-major result exactly. */
+static int check_literal(const Meshd__Agent__V1__LiteralOp *lo, meshd_error_t *e) {
+  if (!lo->result || !lo->result->ref)
+    return error_set(e, ERR_BAD_ARGUMENT, "LiteralOp names no result ref");
+  tensor_meta_t m;
+  if (validate_spec_meta(lo->result, "LiteralOp.result", &m, e)) return -1;
+  if (m.layout.offset || !layout_is_contiguous(&m.layout))
+    return error_set(e, ERR_BAD_ARGUMENT, "LiteralOp.result: a literal is row-major from offset 0");
+  uint64_t nbytes = (uint64_t)layout_numel(&m.layout) * dtype_size(m.dtype);
+  if (lo->data.len != nbytes)
+    return error_set(e, ERR_BAD_ARGUMENT, "LiteralOp.data: %zu bytes where its result needs "
+                     "%" PRIu64, lo->data.len, nbytes);
+  return 0;
+}
+
 static int check_arg(const Meshd__V1__Arg *a, const char *field, size_t *tensors, meshd_error_t *e) {
   if (!a) return error_set(e, ERR_BAD_ARGUMENT, "%s is missing", field);
   switch (a->value_case) {
@@ -505,6 +520,8 @@ static int check_body(const instr_t *ins, const validate_self_t *self, meshd_err
       return ins->call ? check_call(ins->call, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD:
       return ins->load ? check_load(ins->load, e) : -1;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL:
+      return ins->literal ? check_literal(ins->literal, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE:
       return ins->reduce ? check_reduce(ins->reduce, self, e) : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND:
@@ -564,6 +581,7 @@ const char *validate_kind_name(const instr_t *ins) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: return "Snapshot";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT: return "DropSnapshot";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD: return "LoadOp";
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL: return "LiteralOp";
     default: return "instruction";
   }
 }
@@ -599,6 +617,9 @@ size_t validate_result_refs(const instr_t *ins, uint64_t *refs, size_t cap) {
         if (ins->load->result) PUT(ins->load->result->ref);
         else if (ins->load->load) PUT(ins->load->load->ref);
       }
+      break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL:
+      if (ins->literal && ins->literal->result) PUT(ins->literal->result->ref);
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CALL:
       for (size_t i = 0; ins->call && i < ins->call->n_results; i++)

@@ -424,6 +424,50 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   return add_tensor(out, t);
 }
 
+/* ------------------------------------------------------------------ literals */
+
+/* A small tensor whose bytes come in the command (Literal in
+ * tensor_service.proto): the checks of an UploadHeader, then the bytes go to
+ * each rank as an instruction, in order with the session's other commands. */
+static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
+                       cmd_out_t *out, meshd_error_t *e) {
+  const Meshd__V1__Literal *l = c->literal;
+  if (check_new(s, o, "Literal", OBJ_TENSOR, &l->ref, 1, e)) return -1;
+  if (l->data.len > LITERAL_MAX_BYTES)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Literal: %zu bytes of data, more than a Literal carries (%d); send larger "
+                     "tensors with Upload", l->data.len, LITERAL_MAX_BYTES);
+  mesh_t *mesh = resolve_mesh(o, "Literal", "mesh", l->mesh, e);
+  if (!mesh || resolve_stream(o, "Literal", l->stream, e)) return -1;
+  dtype_t dt = (dtype_t)l->dtype;
+  if (!dtype_valid(dt) || !dtype_name(dt))
+    return error_set(e, ERR_BAD_ARGUMENT, "Literal: unknown dtype %d; name one of float32, ..., bool",
+                     (int)l->dtype);
+  tensor_meta_t meta = {.dtype = dt};
+  if (layout_contiguous(&meta.layout, l->shape, (int64_t)l->n_shape, dtype_size(dt),
+                        "Literal: shape", e))
+    return -1;
+  uint64_t each = (uint64_t)layout_numel(&meta.layout) * dtype_size(dt);
+  uint64_t ranks = (uint64_t)mesh_len(mesh);
+  if (each > LITERAL_MAX_BYTES)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Literal: shape and dtype need %llu bytes%s, more than a Literal carries (%d); "
+                     "send larger tensors with Upload", (unsigned long long)each,
+                     l->per_rank ? " per rank" : "", LITERAL_MAX_BYTES);
+  uint64_t want = l->per_rank ? each * ranks : each; /* no overflow: each <= 1 MiB */
+  if (want != l->data.len)
+    return error_set(e, ERR_SHAPE_MISMATCH,
+                     "Literal: %zu bytes of data, but shape and dtype%s need %llu", l->data.len,
+                     l->per_rank ? " (per rank, times the mesh's ranks)" : "",
+                     (unsigned long long)want);
+  if (check_room(fe, s, o, mesh, "Literal", meta_nbytes(&meta), e)) return -1;
+  obj_t *t = objects_new_tensor(o, l->ref, &meta, mesh->ref, l->stream, ranks);
+  if (!t) return error_set(e, ERR_QUOTA, "Literal: out of memory on the server");
+  claim_refs(s, &l->ref, 1);
+  emit_literal(fe, s, o, mesh, t, l);
+  return add_tensor(out, t);
+}
+
 /* ------------------------------------------------------------------ loads */
 
 /* A tensor each agent fetches from a URL (Load in tensor_service.proto). The
@@ -1118,6 +1162,7 @@ static const struct {
     {MESHD__V1__COMMAND__KIND_SYNC, "Sync", cmd_sync},
     {MESHD__V1__COMMAND__KIND_DESCRIBE, "Describe", cmd_describe},
     {MESHD__V1__COMMAND__KIND_LOAD, "Load", cmd_load},
+    {MESHD__V1__COMMAND__KIND_LITERAL, "Literal", cmd_literal},
 };
 
 const char *command_name(const Meshd__V1__Command *cmd) {
@@ -1136,6 +1181,7 @@ int command_run(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Com
   }
   return error_set(e, ERR_BAD_ARGUMENT,
                    "Command %llu has no kind: set one of create_mesh, slice_mesh, create_stream, "
-                   "factory, call, reduce, to_mesh, borrow, drop_borrow, drop, sync, describe, load",
+                   "factory, call, reduce, to_mesh, borrow, drop_borrow, drop, sync, describe, load, "
+                   "release, literal",
                    (unsigned long long)cmd->seq);
 }

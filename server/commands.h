@@ -15,6 +15,10 @@
 
 #define CMD_MAX_ALLOCS 64
 
+/* The most data one Literal command carries (tensor_service.proto): a rank's
+ * instruction then stays within one link batch (AGENT_LINK_BATCH_BYTES). */
+#define LITERAL_MAX_BYTES (1024 * 1024)
+
 /* A CommandResult and the memory behind its repeated fields. */
 typedef struct cmd_out {
   Meshd__V1__CommandResult res;

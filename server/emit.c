@@ -113,6 +113,30 @@ void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh
   free(ranks);
 }
 
+void emit_literal(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
+                  const Meshd__V1__Literal *l) {
+  instr_t ins;
+  init_instr(&ins, s, l->stream);
+  Meshd__Agent__V1__LiteralOp op = MESHD__AGENT__V1__LITERAL_OP__INIT;
+  spec_buf_t result;
+  op.result = spec_of(&result, t);
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL;
+  ins.literal = &op;
+  if (!l->per_rank) {
+    op.data = l->data;
+    send_to_mesh(fe, o, mesh, &ins);
+    return;
+  }
+  size_t n;
+  uint32_t *ranks = ranks_of(mesh, &n);
+  size_t each = n ? l->data.len / n : 0; /* checked: n slices of exactly this size */
+  for (size_t i = 0; ranks && i < n; i++) {
+    op.data = (ProtobufCBinaryData){each, l->data.data + i * each};
+    send_to(fe, o, ranks[i], &ins);
+  }
+  free(ranks);
+}
+
 void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
                const Meshd__V1__Load *l) {
   instr_t ins;

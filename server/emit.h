@@ -17,6 +17,9 @@
 /* Load: each rank's coordinate along l->shard and the server's URL policy. */
 void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
                const Meshd__V1__Load *l);
+/* Literal: each rank its bytes (its slice of l->data with per_rank). */
+void emit_literal(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
+                  const Meshd__V1__Literal *l);
 void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, const obj_t *t,
                   const Meshd__V1__Factory *f);
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,

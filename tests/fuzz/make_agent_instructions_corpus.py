@@ -10,6 +10,7 @@ a 0x00 mode byte, and a few inputs for the target's structured builder
 
 import os
 import random
+import struct
 import subprocess
 import sys
 import tempfile
@@ -198,6 +199,14 @@ def seeds():
     b.call("where", [("ref", 5), ("ref", 1), 0], [spec(6, [6], I64)])
     b.call("stack", [("refs", [1, 1]), 1], [spec(7, [6, 2], I64)])
     out["views_lists_index"] = b
+
+    b = Batch()  # literals: one that fits, one short, one read by an op
+    i = b.ins()
+    i.literal.CopyFrom(A.LiteralOp(result=spec(1, [2]), data=struct.pack("<2f", 1.5, -2.0)))
+    i = b.ins()
+    i.literal.CopyFrom(A.LiteralOp(result=spec(2, [4]), data=b"\x00" * 12))
+    b.call("add", [("ref", 1), ("ref", 1)], [spec(3, [2])])
+    out["literals"] = b
 
     rnd = random.Random(13)
     for k in range(6):

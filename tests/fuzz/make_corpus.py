@@ -193,6 +193,18 @@ def command_seeds():
               .cmd(**call("matmul", [ref(10), ref(13)], results=[21]))
               .bytes()))
     # Streams and borrows: borrow onto a stream, use, drop the borrow, drop.
+    # Literals: replicated, per rank, on a stream, then read; one short, one too long.
+    s.append(("literals", Script()
+              .cmd(literal=pb.Literal(ref=10, mesh=1, shape=[2, 2], dtype=F32,
+                                      data=struct.pack("<4f", 1, 2, 3, 4)))
+              .cmd(literal=pb.Literal(ref=11, mesh=1, shape=[2], dtype=I64, per_rank=True,
+                                      data=struct.pack("<4q", 1, 2, 3, 4)))
+              .cmd(**call("add", [ref(10), ref(10)], results=[12]))
+              .cmd(literal=pb.Literal(ref=13, mesh=1, shape=[3], dtype=BOOL, data=b"\x01\x00"))
+              .cmd(literal=pb.Literal(ref=14, mesh=1, shape=[], dtype=F64, data=b"\x00" * 16))
+              .cmd(reduce=pb.Reduce(ref=15, input=11, dims=["gpu"], reduction="sum"))
+              .cmd(sync=pb.Sync())
+              .bytes()))
     s.append(("borrows", Script()
               .cmd(**factory(10, shape=(4,)))
               .cmd(borrow=pb.Borrow(ref=11, input=10, stream=3, mutable=False, borrow=12))

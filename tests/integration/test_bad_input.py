@@ -871,6 +871,102 @@ def _(ctx):
                  "mesh", str(st), kind="UNKNOWN_REF")
 
 
+# ================================================================ Literal abuse
+
+def _lit(s, n=16, shape=(4,), **kw):
+    """A Literal of n bytes (float32 [4] needs 16) under a fresh ref."""
+    kw.setdefault("dtype", lib.dtype("float32"))
+    return "literal", pb().Literal(ref=kw.pop("ref", None) or s.new_ref(), mesh=kw.pop("mesh", s.m),
+                                   shape=list(shape), data=b"\x01" * n, **kw)
+
+
+def literal_fails(ctx, s, lit, kind, *words):
+    """A rejected Literal defines nothing: its ref is unknown afterwards, and the
+    session's tensors made before it keep their values."""
+    keep = s.run(("literal", pb().Literal(ref=s.new_ref(), mesh=s.m, shape=[2],
+                                          dtype=lib.dtype("int32"), data=struct.pack("<2i", 7, -7))))
+    lit[1].ref = s.new_ref()  # above keep's
+    e = s.fails(kind, lit)
+    for w in words:
+        assert w in e.message, f"the message does not name {w!r}: {e.message!r}"
+    s.fails("UNKNOWN_REF", lib.describe(lit[1].ref))
+    req = pb().FetchRequest(ref=keep.tensors[0].ref, coords=[pb().Coordinate(dim="gpu", index=1)])
+    data = b"".join(pb().FetchChunk.FromString(b).data
+                    for b in ctx.unary_stream(TS + "Fetch", req, s.metadata))
+    assert struct.unpack("<2i", data) == (7, -7), "a rejected Literal changed a tensor made before it"
+
+
+@case("literal-too-few-bytes")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, 15), "SHAPE_MISMATCH", "Literal", "15", "16")
+
+
+@case("literal-too-many-bytes")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, 17), "SHAPE_MISMATCH", "Literal", "17", "16")
+
+
+@case("literal-per-rank-one-slice-short")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, 16, per_rank=True), "SHAPE_MISMATCH", "Literal", "16", "32",
+                  "per rank")
+
+
+@case("literal-over-1-MiB")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, (1 << 20) + 4, shape=((1 << 18) + 1,)), "BAD_ARGUMENT",
+                  "Literal", str((1 << 20) + 4), "Upload")
+
+
+@case("literal-shape-over-1-MiB-with-no-data")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, 0, shape=(1 << 19,)), "BAD_ARGUMENT", "Literal",
+                  str(2 << 20), "Upload")
+
+
+@case("literal-dtype-999")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, dtype=999), "BAD_ARGUMENT", "Literal", "dtype", "999")
+
+
+@case("literal-negative-dim")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, shape=(4, -1)), "BAD_ARGUMENT", "Literal", "-1")
+
+
+@case("literal-no-mesh")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, mesh=0), "BAD_ARGUMENT", "Literal", "mesh")
+
+
+@case("literal-stream-ref-as-mesh")
+def _(ctx):
+    s = ctx.session()
+    st = s.stream("side")
+    literal_fails(ctx, s, _lit(s, mesh=st), "UNKNOWN_REF", "Literal", "mesh", str(st))
+
+
+@case("literal-unknown-stream")
+def _(ctx):
+    s = ctx.session()
+    literal_fails(ctx, s, _lit(s, stream=U64), "UNKNOWN_REF", "Literal", "stream", str(U64))
+
+
+@case("literal-ref-reused")
+def _(ctx):
+    s = ctx.session()
+    e = s.fails("REF_REUSED", _lit(s, ref=s.m))
+    assert "Literal" in e.message and str(s.m) in e.message, e.message
+
+
 @case("transfers-over-the-session-limit")
 def _(ctx):
     s = ctx.session()

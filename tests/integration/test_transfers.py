@@ -620,3 +620,83 @@ def test_an_upload_is_held_to_the_quota_when_it_ends(meshd_server):
         # The session goes on: the factory's tensor is there, and a fitting upload lands.
         s.describe(f)
         assert fetch_floats(s, upload(s, m, [1.0, 2.0, 3.0]).tensor.ref) == [1.0, 2.0, 3.0]
+
+
+# ---------------------------------------------------------------- Literal commands
+
+def literal(ref, mesh, data, shape, dtype="float32", per_rank=False, stream=0):
+    return "literal", lib.tensor_pb2().Literal(ref=ref, mesh=mesh, shape=list(shape),
+                                               dtype=lib.dtype(dtype), data=data,
+                                               per_rank=per_rank, stream=stream)
+
+
+def fetch_bytes(s, ref, rank):
+    t = lib.tensor_pb2()
+    fn = s.ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                           response_deserializer=t.FetchChunk.FromString)
+    req = t.FetchRequest(ref=ref, coords=[t.Coordinate(dim="gpu", index=rank)])
+    return b"".join(c.data for c in fn(req, metadata=s.metadata, timeout=20)
+                    if c.WhichOneof("part") == "data")
+
+
+def test_literals_define_their_bytes_on_every_rank_in_command_order(meshd_server):
+    """A Literal (tensor_service.proto) carries a small tensor's bytes in the command:
+    replicated, every rank holds them; per_rank, each rank its slice. Sent in one
+    Submit batch with a sum over the mesh that reads them and a Literal on a stream of
+    its own, each runs in command order: the fetched bytes are exact, for dtypes of
+    1, 2, 4 and 8 bytes. A Literal of exactly 1 MiB is taken."""
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    with lib.Session(srv.port, "literals", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        side = s.stream("side")
+        cases = [("int8", struct.pack("<6b", 1, -2, 3, -4, 5, -6), (6,)),
+                 ("float16", struct.pack("<3e", 1.5, -2.0, 65504.0), (3,)),
+                 ("bfloat16", struct.pack("<2H", 0x3F80, 0xC000), (2,)),
+                 ("int32", struct.pack("<4i", 7, -8, 2 ** 31 - 1, -2 ** 31), (2, 2)),
+                 ("float64", struct.pack("<2d", 1e300, -0.5), (2,)),
+                 ("bool", bytes([1, 0, 1]), (3,))]
+        cmds, refs = [], []
+        for dt, raw, shape in cases:
+            refs.append(s.new_ref())
+            cmds.append(s.command(literal(refs[-1], m, raw, shape, dt)))
+        per = s.new_ref()  # rank 0: [1, 2, 3], rank 1: [10, 20, 30]
+        cmds.append(s.command(literal(per, m, struct.pack("<6f", 1, 2, 3, 10, 20, 30), (3,),
+                                      per_rank=True)))
+        total = s.new_ref()
+        cmds.append(s.command(lib.reduce(total, per, ("gpu",), "sum")))
+        on_side = s.new_ref()
+        cmds.append(s.command(literal(on_side, m, struct.pack("<f", 4.0), (), stream=side)))
+        big = s.new_ref()
+        cmds.append(s.command(literal(big, m, bytes(range(256)) * 4096, (MIB // 4,), "int32")))
+        results, code, details = s.submit(cmds)
+        assert code == grpc.StatusCode.OK, details
+        assert all(not r.HasField("error") for r in results), [r.error for r in results]
+        assert not s.run(lib.sync(), timeout=30).errors
+        for rank in (0, 1):
+            for (dt, raw, _), ref in zip(cases, refs):
+                assert fetch_bytes(s, ref, rank) == raw, f"{dt} on rank {rank}"
+            assert fetch_bytes(s, per, rank) == struct.pack("<3f", *([1, 2, 3], [10, 20, 30])[rank])
+            assert fetch_bytes(s, total, rank) == struct.pack("<3f", 11, 22, 33)
+            assert fetch_bytes(s, on_side, rank) == struct.pack("<f", 4.0)
+            assert fetch_bytes(s, big, rank) == bytes(range(256)) * 4096
+
+
+def test_a_literal_is_held_to_the_quota_and_the_session_goes_on(meshd_server):
+    """A Literal is charged to the session's quota as an Upload is: one that would pass
+    it is refused QUOTA naming the quota, its ref stays undefined, and the tensors made
+    before it keep their values."""
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    with lib.Session(srv.port, "literal-quota", quota_bytes=MIB, timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        a = s.new_ref()
+        s.run(literal(a, m, struct.pack("<2f", 1, 2), (2,)))
+        b = s.new_ref()
+        e = s.fails("QUOTA", literal(b, m, bytes(MIB // 2), (MIB // 8,)))
+        assert "quota" in e.message and "Literal" in e.message, e.message
+        s.fails("UNKNOWN_REF", lib.describe(b))
+        assert fetch_bytes(s, a, 1) == struct.pack("<2f", 1, 2)
+        c = s.new_ref()
+        s.run(literal(c, m, bytes(MIB // 4), (MIB // 16,)))  # 512 KiB in all: fits
+        assert fetch_bytes(s, c, 0) == bytes(MIB // 4)

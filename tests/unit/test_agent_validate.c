@@ -57,6 +57,7 @@ typedef struct kit {
   Meshd__Agent__V1__BorrowOp borrow;
   Meshd__V1__Load l;
   Meshd__Agent__V1__LoadOp lo;
+  Meshd__Agent__V1__LiteralOp lit;
   spec_t in, res;
   spec_t *results[1];
 } kit_t;
@@ -344,6 +345,46 @@ Test(validate, loads) {
   cr_assert_eq(refs[0], 10);
 }
 
+/* A LiteralOp of float32 [4] holding `bytes` bytes (16 fill it). */
+static const float LIT_VALUES[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+static instr_t *literal(kit_t *k, uint64_t ref, size_t bytes) {
+  meshd__agent__v1__literal_op__init(&k->lit);
+  k->res = mkspec(ref, four, 1, MESHD__V1__DTYPE__DTYPE_FLOAT32);
+  k->lit.result = &k->res;
+  k->lit.data = (ProtobufCBinaryData){bytes, (uint8_t *)LIT_VALUES};
+  k->ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL;
+  k->ins.literal = &k->lit;
+  return &k->ins;
+}
+
+Test(validate, literals) {
+  kit_t k;
+  kit_init(&k, 1, "s");
+  accepted(literal(&k, 10, 16));
+  refused(literal(&k, 10, 15), "invalid LiteralOp (seq 1)", "15 bytes where its result needs 16");
+  refused(literal(&k, 10, 0), "LiteralOp.data", "0 bytes");
+  refused(literal(&k, 0, 16), "LiteralOp names no result ref", NULL);
+  literal(&k, 10, 16);
+  int64_t two[1] = {2};
+  k.res.strides = two;
+  k.res.n_strides = 1;
+  refused(&k.ins, "LiteralOp.result", "row-major");
+  literal(&k, 10, 16);
+  k.res.storage_offset = 1;
+  refused(&k.ins, "LiteralOp.result", "row-major");
+  literal(&k, 10, 16);
+  k.res.dtype = 999;
+  refused(&k.ins, "LiteralOp.result.dtype", "999");
+  literal(&k, 10, 16);
+  k.lit.result = NULL;
+  refused(&k.ins, "LiteralOp names no result ref", NULL);
+  /* What a refused LiteralOp fails: its result. */
+  literal(&k, 10, 15);
+  uint64_t refs[4];
+  cr_assert_eq(validate_result_refs(&k.ins, refs, 4), 1);
+  cr_assert_eq(refs[0], 10);
+}
+
 Test(validate, groups) {
   kit_t k;
   kit_init(&k, 1, "s");
@@ -584,6 +625,24 @@ Test(refused, a_planted_shape_fails_its_result_and_the_agent_computes_on) {
   cr_assert_eq(executor_wait(X, 4, 10000), 0);
   assert_values(13, 2.0f);
   assert_values(10, 1.0f);
+}
+
+Test(refused, a_literal_defines_its_bytes_and_a_short_one_fails_only_its_result) {
+  kit_t k;
+  kit_init(&k, 1, "s");
+  submit(literal(&k, 10, 16));
+  kit_init(&k, 2, "s");
+  submit(literal(&k, 11, 12)); /* planted: 12 bytes for 16 */
+  kit_init(&k, 3, "s");
+  submit(add(&k, 10, 10, 12, four));
+  const char *m = error_of(2, NULL);
+  cr_assert_not_null(m, "no failure reported for the short literal");
+  cr_assert(strstr(m, "invalid LiteralOp (seq 2): LiteralOp.data: 12 bytes where its result "
+                      "needs 16"), "%s", m);
+  assert_failed(11, "12 bytes");
+  cr_assert_eq(executor_wait(X, 3, 10000), 0);
+  assert_values(10, 0.5f);
+  assert_values(12, 1.0f);
 }
 
 Test(refused, an_input_unlike_its_spec_fails_the_reduce) {

@@ -30,6 +30,9 @@ from .errors import MeshdError
 _SVC = "/meshd.v1.TensorService/"
 _END = object()
 _BATCH_MAX = 1024  # commands per Submit message (the server takes up to 4096)
+# Bytes per Submit message past which a batch ends (Literal commands carry up to
+# 1 MiB each; the server takes messages up to its --max-message-bytes, 4 MiB).
+_BATCH_BYTES = 1 << 20
 _BATCH_TAG = bytes([(30 << 3) | 2, 1])  # Command.batch = 30, length-delimited (a 2-byte varint)
 
 
@@ -118,12 +121,13 @@ class Pipeline:
         """The Submit stream's messages: whatever is queued when gRPC asks for the next
         one goes as one batch Command (up to _BATCH_MAX), so a fast caller sends few
         messages and a slow one loses no time waiting for a batch to fill."""
+        carry = None  # the message that did not fit the last batch
         while True:
-            m = self._q.get()
+            m, carry = (carry, None) if carry is not None else (self._q.get(), None)
             if m is _END:
                 return
-            batch, end = [m], False
-            while len(batch) < _BATCH_MAX:
+            batch, size, end = [m], len(m), False
+            while len(batch) < _BATCH_MAX and size < _BATCH_BYTES:
                 try:
                     m = self._q.get_nowait()
                 except queue.Empty:
@@ -131,7 +135,11 @@ class Pipeline:
                 if m is _END:
                     end = True
                     break
+                if size + len(m) > _BATCH_BYTES:
+                    carry = m
+                    break
                 batch.append(m)
+                size += len(m)
             yield batch[0] if len(batch) == 1 else _batch(batch)
             if end:
                 return

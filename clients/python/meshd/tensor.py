@@ -33,6 +33,9 @@ _T = TypeVar("_T")
 
 _SVC = "/meshd.v1.TensorService/"
 _CHUNK = 1 << 20
+# Tensors of at most this many bytes (all ranks' together) go as one Literal
+# command instead of an Upload: the server's LITERAL_MAX_BYTES.
+_LITERAL_MAX = 1 << 20
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
           "int64", "bool")
@@ -620,6 +623,8 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     s, pb = mesh.session, mesh.session._pb
     total = sum(len(p) for p in pieces)
     stream = _active.stream_ref(s)
+    if total <= _LITERAL_MAX and s._direct.mode != "direct":
+        return _literal(s, mesh, stream, shape, name, per_rank, pieces, progress)
     # The header is a message; data chunks are packed by hand (bytes already).
     fn = s._ch.stream_unary(
         _SVC + "Upload",
@@ -659,6 +664,23 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
             if aborted:
                 raise aborted[0]
     return Tensor._from_meta(s, reply.tensor)
+
+
+def _literal(s, mesh, stream, shape, name, per_rank, pieces, progress):
+    """A small tensor as one Literal command: its bytes travel in the command, which
+    is pipelined like any other (no Upload stream, no wait for the agents)."""
+    pb = s._pb
+    data = pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
+    box = {}
+
+    def build(ref):
+        box["ref"] = ref
+        return pb.Literal(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
+                          dtype=_dtype_value(pb, name), per_rank=per_rank, data=data)
+    with _progress.tracker(len(data), progress, "upload") as tr:
+        res = s._execute("literal", build, claim=1)
+        tr.update(len(data))
+    return Tensor._from_result(s, res, 0, box["ref"])
 
 
 def _bytes_of(a):

@@ -76,6 +76,22 @@ def test_rejection_raises_at_exit_with_kind_and_valid_commands_ran(session, mesh
     np.testing.assert_array_equal(get(a + 1, gpu=0), np.full((2, 3), 2, np.float32))
 
 
+def test_small_tensors_pipeline_and_big_batches_split(session, mesh):
+    """meshd.tensor of at most 1 MiB is a Literal command: inside a pipeline block it
+    waits for nothing. Sixteen of 1 MiB queue 16 MiB; each Submit message stays under
+    the server's 4 MiB limit (a batch ends at 1 MiB), and every value arrives exact,
+    in order, with the ops between them."""
+    arrs = [np.full(1 << 18, i, np.float32) for i in range(16)]
+    with session.pipeline():
+        ts = [meshd.tensor(a) for a in arrs]
+        total = ts[0]
+        for t in ts[1:]:
+            total = total + t
+    for i in (0, 7, 15):
+        np.testing.assert_array_equal(meshd.fetch_shard(ts[i], gpu=1).result(), arrs[i])
+    np.testing.assert_array_equal(meshd.fetch_shard(total, gpu=0).result(), float(sum(range(16))))
+
+
 def test_an_exception_in_the_block_is_not_masked(session, mesh):
     with pytest.raises(ZeroDivisionError):
         with session.pipeline():
