@@ -240,9 +240,12 @@ class Session:
             refs = [self._ref + i + 1 for i in range(claim)]
             self._ref += claim
             self._seq += 1
-            cmd = self._pb.Command(seq=self._seq)
             msg = build(refs[0] if claim == 1 else (refs or None))
-            getattr(cmd, field).CopyFrom(msg)
+            if getattr(msg, "packed_command", False):  # meshd.tensor's Literal, packed by hand
+                cmd, cmd.seq = msg, self._seq
+            else:
+                cmd = self._pb.Command(seq=self._seq)
+                getattr(cmd, field).CopyFrom(msg)
             if mine:
                 return pipe.send(cmd)  # a _Pending: its fields block until answered
             return self._unary("Execute", cmd, self._pb.CommandResult, timeout=timeout)

@@ -1,6 +1,7 @@
 """The Python client against a real meshd with 2 local cpu agents; numpy is the reference."""
 
 import os
+import sys
 import threading
 
 import numpy as np
@@ -118,6 +119,19 @@ def test_upload(mesh):
     bt = meshd.tensor(big, shard="gpu")
     np.testing.assert_array_equal(get(bt, gpu=1), big[1])
     assert get(meshd.tensor(np.array([True, False])), gpu=0).dtype == np.bool_
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["literal", "upload"])
+def test_a_0_dim_array_keeps_its_shape(mesh, big, monkeypatch):
+    """A 0-d array (or numpy scalar) is a 0-d tensor, as torch.tensor(3.5) is, whether
+    it goes as a Literal or an Upload (np.ascontiguousarray had made it [1])."""
+    if big:
+        monkeypatch.setattr(sys.modules["meshd.tensor"], "_LITERAL_MAX", -1)
+    for a, dtype in ((np.float64(3.5), None), (np.array(7, np.int32), None), (2.5, "bfloat16")):
+        t = meshd.tensor(a, dtype=dtype)
+        assert t.shape == (), (a, t.shape)
+        got = get(t, gpu=1)
+        assert got.shape == () and got == a, (a, got)
 
 
 def test_upload_shard_on_a_two_dim_mesh(session):
