@@ -460,6 +460,12 @@ static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                      "Literal: %zu bytes of data, but shape and dtype%s need %llu", l->data.len,
                      l->per_rank ? " (per rank, times the mesh's ranks)" : "",
                      (unsigned long long)want);
+  if (!l->per_rank && want * ranks > LITERAL_MAX_SENT_BYTES)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "Literal: its %llu bytes would go to each of the mesh's %llu ranks, %llu in "
+                     "all, more than a Literal sends (%d); send it with Upload",
+                     (unsigned long long)want, (unsigned long long)ranks,
+                     (unsigned long long)(want * ranks), LITERAL_MAX_SENT_BYTES);
   if (check_room(fe, s, o, mesh, "Literal", meta_nbytes(&meta), e)) return -1;
   obj_t *t = objects_new_tensor(o, l->ref, &meta, mesh->ref, l->stream, ranks);
   if (!t) return error_set(e, ERR_QUOTA, "Literal: out of memory on the server");

@@ -18,6 +18,9 @@
 /* The most data one Literal command carries (tensor_service.proto): a rank's
  * instruction then stays within one link batch (AGENT_LINK_BATCH_BYTES). */
 #define LITERAL_MAX_BYTES (1024 * 1024)
+/* ... and over all its ranks (a replicated one sends its bytes to each): what
+ * one command may add to the agents' queues beyond flow control's bound. */
+#define LITERAL_MAX_SENT_BYTES (8 * 1024 * 1024)
 
 /* A CommandResult and the memory behind its repeated fields. */
 typedef struct cmd_out {

@@ -700,6 +700,83 @@ Test(commands, factory_rejections) {
   cr_assert_eq(objs->ntouched, 0, "no rejected command reached an agent");
 }
 
+/* ------------------------------------------------------------------ literals */
+
+static int literal(uint64_t ref, uint64_t mesh, int dtype, const int64_t *shape, size_t n,
+                   size_t bytes, bool per_rank) {
+  static uint8_t data[4 << 20];
+  Meshd__V1__Literal l = MESHD__V1__LITERAL__INIT;
+  l.ref = ref;
+  l.mesh = mesh;
+  l.dtype = (Meshd__V1__DType)dtype;
+  l.shape = (int64_t *)shape;
+  l.n_shape = n;
+  l.per_rank = per_rank;
+  l.data = (ProtobufCBinaryData){bytes, data};
+  Meshd__V1__Command c = MESHD__V1__COMMAND__INIT;
+  c.kind_case = MESHD__V1__COMMAND__KIND_LITERAL;
+  c.literal = &l;
+  return run(&c);
+}
+#define LITERAL(ref, mesh, dtype, bytes, per_rank, ...) \
+  literal(ref, mesh, dtype, I64(__VA_ARGS__), COUNT(int64_t, __VA_ARGS__), bytes, per_rank)
+
+Test(commands, literals_define_a_tensor_of_their_bytes) {
+  ok(LITERAL(10, ROOT, DTYPE_FLOAT32, 24, false, 2, 3));
+  expect_meta(result(0), 10, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  EXPECT_SHAPE(result(0), 2, 3);
+  cr_assert_eq(objs->bytes, 24 * 8, "24 bytes on each of 8 ranks");
+  cr_assert_eq(objs->ntouched, 8, "every rank of the mesh got its instruction");
+  ok(LITERAL(11, SUB, DTYPE_INT64, 4 * 16, true, 2)); /* 4 ranks, 16 bytes each */
+  EXPECT_SHAPE(result(0), 2);
+  ok(LITERAL(12, ROOT, DTYPE_INT64, 1 << 20, false, 1 << 17)); /* 1 MiB to 8 ranks: 8 MiB */
+  ok(LITERAL(13, ROOT, DTYPE_BOOL, 0, false, 0, 5));
+  cr_assert_eq(objs->live_tensors, 4);
+}
+
+Test(commands, literal_rejections) {
+  uint64_t bytes = objs->bytes;
+  REJECT(LITERAL(10, ROOT, DTYPE_FLOAT32, 20, false, 2, 3), ERR_SHAPE_MISMATCH,
+         "Literal: 20 bytes of data, but shape and dtype need 24");
+  REJECT(LITERAL(10, SUB, DTYPE_FLOAT32, 24, true, 2, 3), ERR_SHAPE_MISMATCH,
+         "Literal: 24 bytes of data, but shape and dtype (per rank, times the mesh's ranks) "
+         "need 96");
+  REJECT(LITERAL(10, ROOT, DTYPE_FLOAT32, (1 << 20) + 4, false, (1 << 18) + 1), ERR_BAD_ARGUMENT,
+         "Literal: 1048580 bytes of data, more than a Literal carries (1048576)");
+  REJECT(LITERAL(10, ROOT, DTYPE_FLOAT32, 0, true, 1 << 19), ERR_BAD_ARGUMENT,
+         "Literal: shape and dtype need 2097152 bytes per rank, more than a Literal carries");
+  ok(LITERAL(10, ROOT, DTYPE_FLOAT32, 1 << 20, true, 1 << 15)); /* per rank: 1 MiB in all */
+  bytes = objs->bytes;
+  REJECT(LITERAL(11, ROOT, 99, 8, false, 2), ERR_BAD_ARGUMENT, "Literal: unknown dtype 99");
+  REJECT(LITERAL(11, ROOT, DTYPE_FLOAT32, 8, false, 2, -1), ERR_BAD_ARGUMENT, "-1");
+  REJECT(LITERAL(11, 0, DTYPE_FLOAT32, 8, false, 2), ERR_BAD_ARGUMENT, "Literal: mesh is missing");
+  REJECT(LITERAL(11, SIDE, DTYPE_FLOAT32, 8, false, 2), ERR_UNKNOWN_REF,
+         "Literal: mesh is ref 3, which is a stream, not a mesh");
+  REJECT(LITERAL(SIDE, ROOT, DTYPE_FLOAT32, 8, false, 2), ERR_REF_REUSED, "Literal: ref 3 was already used");
+  expect_ref_free(11);
+  cr_assert_eq(objs->bytes, bytes);
+  cr_assert_eq(objs->live_tensors, 1);
+}
+
+/* A replicated literal goes to every rank: at most 8 MiB in all. */
+Test(commands, a_replicated_literal_sends_at_most_8_mib) {
+  for (uint32_t r = 8; r < 16; r++) {
+    agent_desc_t d = {0};
+    snprintf(d.agent_id, sizeof d.agent_id, "more-%u", r);
+    snprintf(d.address, sizeof d.address, "127.0.0.1:%u", 2000 + r);
+    snprintf(d.device, sizeof d.device, "cpu");
+    char msg[200];
+    cr_assert_eq(agent_pool_add(pool, &d, (int)r, msg, sizeof msg), (int)r, "%s", msg);
+    agent_pool_set_healthy(pool, r, d.agent_id, true);
+  }
+  ok(create_mesh(10, NAMES("x"), I64(16), 1));
+  ok(LITERAL(11, 10, DTYPE_FLOAT32, 512 << 10, false, 1 << 17)); /* 16 x 512 KiB: 8 MiB */
+  REJECT(LITERAL(12, 10, DTYPE_FLOAT32, (512 << 10) + 4, false, (1 << 17) + 1), ERR_BAD_ARGUMENT,
+         "Literal: its 524292 bytes would go to each of the mesh's 16 ranks, 8388672 in all, "
+         "more than a Literal sends (8388608); send it with Upload");
+  ok(LITERAL(12, 10, DTYPE_FLOAT32, 1 << 20, true, 1 << 14)); /* per rank: 1 MiB in all */
+}
+
 /* ------------------------------------------------------------------ calls */
 
 Test(commands, call_results_shapes_dtypes_and_views) {

@@ -36,6 +36,7 @@ _CHUNK = 1 << 20
 # Tensors of at most this many bytes (all ranks' together) go as one Literal
 # command instead of an Upload: the server's LITERAL_MAX_BYTES.
 _LITERAL_MAX = 1 << 20
+_LITERAL_MAX_SENT = 8 << 20  # ... and at most this many over all ranks (LITERAL_MAX_SENT_BYTES)
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
           "int64", "bool")
@@ -623,7 +624,8 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     s, pb = mesh.session, mesh.session._pb
     total = sum(len(p) for p in pieces)
     stream = _active.stream_ref(s)
-    if total <= _LITERAL_MAX and s._direct.mode != "direct":
+    sent = total if per_rank else total * int(np.prod(list(mesh.sizes.values())))
+    if total <= _LITERAL_MAX and sent <= _LITERAL_MAX_SENT and s._direct.mode != "direct":
         return _literal(s, mesh, stream, shape, name, per_rank, pieces, progress)
     # The header is a message; data chunks are packed by hand (bytes already).
     fn = s._ch.stream_unary(
