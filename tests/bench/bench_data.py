@@ -59,8 +59,9 @@ OPTS = [("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_le
 # ------------------------------------------------------------------ the raw baseline
 
 def raw_server(port_file):
-    """Child process: Sink (client stream of bytes -> total length) and Source
-    (a request "<count> <size>" -> count messages of size bytes)."""
+    """Child process: Sink (client stream of bytes -> total length), Source
+    (a request "<count> <size>" -> count messages of size bytes) and Put (unary:
+    bytes -> their length; bench_small.py's baseline)."""
     from concurrent import futures
 
     def sink(it, ctx):
@@ -76,6 +77,8 @@ def raw_server(port_file):
     handler = grpc.method_handlers_generic_handler("bench.Raw", {
         "Sink": grpc.stream_unary_rpc_method_handler(sink, ident, ident),
         "Source": grpc.unary_stream_rpc_method_handler(source, ident, ident),
+        "Put": grpc.unary_unary_rpc_method_handler(lambda b, ctx: str(len(b)).encode(),
+                                                  ident, ident),
     })
     srv = grpc.server(futures.ThreadPoolExecutor(4), options=OPTS)
     srv.add_generic_rpc_handlers((handler,))

@@ -680,9 +680,18 @@ def _literal(s, mesh, stream, shape, name, per_rank, pieces, progress):
         head = pb.Literal(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                           dtype=_dtype_value(pb, name), per_rank=per_rank)
         return _PackedLiteral(head.SerializeToString(), pieces, total)
-    with _progress.tracker(total, progress, "upload") as tr:
+    tr = _progress.tracker(total, progress, "upload")
+    try:
         res = s._execute("literal", build, claim=1)
+    except BaseException:
+        tr.close()
+        raise
+    try:
         tr.update(total)
+        tr.close(ok=True)
+    except BaseException:  # the callback's: the caller gets no handle, so the ref goes
+        s._release_later(box["ref"])
+        raise
     return Tensor._from_result(s, res, 0, box["ref"])
 
 

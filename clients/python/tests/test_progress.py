@@ -158,6 +158,22 @@ def test_a_callback_exception_aborts_the_transfer(mesh, fast_callbacks):
     assert meshd.inspect(t + 1, gpu=1)[0] == 2.0  # the session goes on
 
 
+def test_a_callback_exception_on_a_small_tensor_lets_its_ref_go(session, mesh, fast_callbacks):
+    """A tensor of at most 1 MiB goes as one Literal command, whose progress call comes
+    after it was sent: a callback that raises there leaves the caller no handle, so
+    the ref joins the session's next Release instead of living on until its end."""
+    class Stop(Exception):
+        pass
+
+    def stop(done, total):
+        raise Stop
+    waiting = len(session._released)
+    with pytest.raises(Stop):
+        meshd.tensor(np.ones(4, np.float32), progress=stop)
+    assert len(session._released) == waiting + 1
+    assert meshd.inspect(meshd.tensor(np.ones(4, np.float32)) + 1, gpu=1)[0] == 2.0
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0.5])
 def test_progress_takes_none_bools_or_callables(mesh, bad):
     with pytest.raises(TypeError, match="progress="):
