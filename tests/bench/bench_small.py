@@ -9,10 +9,11 @@ run by ctest, bar bench.smoke's moment): run by hand, e.g.
 For each agent count it starts `meshd --local-agents N` and, for each size (KiB, the
 whole array; replicated to every rank), times `meshd.tensor(array)` followed by
 `session.sync()` (the tensor is on every agent when it returns) on two paths:
-- literal: what the Python client does for tensors of at most 1 MiB, one Literal
-  command (docs/protocol.md, Data in and out);
-- upload: the same call with the Literal turned off (the client's _LITERAL_MAX), an
-  Upload stream, as every size went before;
+- literal: one Literal command (docs/protocol.md, Data in and out), at every size up
+  to the server's 1 MiB (the client sends one up to its _LITERAL_MAX, 256 KiB: where
+  this path stops winning);
+- upload: the same call with the Literal turned off, an Upload stream, as every size
+  went before;
 - pipelined: 32 literals in one `session.pipeline()` block, then sync, per tensor.
 The baseline is a unary call of the same bytes to a bytes-in/length-out grpcio
 server in a child process (bench_data.py's), whose calls alternate with the path's.
@@ -66,25 +67,30 @@ def run_agents(n, sizes, calls, rounds, put, out):
                 raw = arr.tobytes()
                 held = []
 
+                def limited(limit, fn):  # the client's threshold set for fn's calls
+                    def run():
+                        kept = _tensor_module._LITERAL_MAX
+                        _tensor_module._LITERAL_MAX = limit
+                        try:
+                            fn()
+                        finally:
+                            _tensor_module._LITERAL_MAX = kept
+                    return run
+
                 def one():
                     held.append(meshd.tensor(arr))
                     s.sync()
-
-                def upload():
-                    _tensor_module._LITERAL_MAX = -1
-                    try:
-                        one()
-                    finally:
-                        _tensor_module._LITERAL_MAX = 1 << 20
 
                 def piped():
                     with s.pipeline():
                         for _ in range(32):
                             held.append(meshd.tensor(arr))
                     s.sync()
+                literal, upload = limited(1 << 20, one), limited(-1, one)
+                piped = limited(1 << 20, piped)
                 best = {}
                 for _ in range(rounds):
-                    for path, fn, k in (("literal", one, calls), ("upload", upload, calls),
+                    for path, fn, k in (("literal", literal, calls), ("upload", upload, calls),
                                         ("pipelined", piped, max(2, calls // 8))):
                         fn()  # warm: channels, the first allocation of this size
                         base = median_us(lambda: put(raw), k)

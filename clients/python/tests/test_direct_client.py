@@ -17,7 +17,7 @@ def test_bad_data_path_is_refused():
 
 @pytest.mark.parametrize("data_path,direct", [("auto", True), ("direct", True), ("proxy", False)])
 def test_data_path_choice(server, data_path, direct):
-    arr = np.arange(2 * (1 << 18), dtype=np.float32).reshape(2, -1)  # 2 MiB: not a Literal
+    arr = np.arange(2 * (1 << 17), dtype=np.float32).reshape(2, -1)  # 1 MiB: not a Literal
     with meshd.connect(server[0], data_path=data_path) as s:
         with s.mesh(gpu=2).activate():
             x = meshd.tensor(arr, shard="gpu")
@@ -28,8 +28,8 @@ def test_data_path_choice(server, data_path, direct):
 
 
 @pytest.mark.parametrize("data_path", ["auto", "proxy", "direct"])
-def test_tensors_of_at_most_1_mib_go_as_one_literal_command(server, data_path, monkeypatch):
-    """meshd.tensor of at most 1 MiB (all ranks' bytes) sends one Literal command: no
+def test_tensors_of_at_most_256_kib_go_as_one_literal_command(server, data_path, monkeypatch):
+    """meshd.tensor of at most 256 KiB (all ranks' bytes) sends one Literal command: no
     Upload call and no direct transfer, exact values on every rank; 4 bytes more
     takes the data path. data_path="direct" always takes the direct path."""
     uploads = []
@@ -47,15 +47,15 @@ def test_tensors_of_at_most_1_mib_go_as_one_literal_command(server, data_path, m
             return call
         monkeypatch.setattr(s._ch, "stream_unary", spy)
         with s.mesh(gpu=2).activate():
-            whole = np.arange(1 << 18, dtype=np.float32)  # 1 MiB to each rank
-            rows = np.arange(1 << 18, dtype=np.int32).reshape(2, -1)  # 512 KiB per rank
+            whole = np.arange(1 << 16, dtype=np.float32)  # 256 KiB to each rank
+            rows = np.arange(1 << 16, dtype=np.int32).reshape(2, -1)  # 128 KiB per rank
             x, y = meshd.tensor(whole), meshd.tensor(rows, shard="gpu")
             for g in range(2):
                 np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=g).result(), whole)
                 np.testing.assert_array_equal(meshd.fetch_shard(y, gpu=g).result(), rows[g])
             literal = data_path != "direct"
             assert (len(uploads), s._direct.counts["upload"]) == ((0, 0) if literal else (0, 2))
-            z = meshd.tensor(np.ones((1 << 18) + 1, dtype=np.float32))
+            z = meshd.tensor(np.ones((1 << 16) + 1, dtype=np.float32))
             np.testing.assert_array_equal(meshd.fetch_shard(z, gpu=1).result(), 1.0)
         went = (len(uploads), s._direct.counts["upload"])
         assert went == {"auto": (0, 1), "proxy": (1, 0), "direct": (0, 3)}[data_path], went

@@ -1,6 +1,7 @@
 """session.pipeline(): commands on one Submit stream, errors deferred to the end of the block."""
 
 import json
+import sys
 import threading
 
 import numpy as np
@@ -76,11 +77,13 @@ def test_rejection_raises_at_exit_with_kind_and_valid_commands_ran(session, mesh
     np.testing.assert_array_equal(get(a + 1, gpu=0), np.full((2, 3), 2, np.float32))
 
 
-def test_small_tensors_pipeline_and_big_batches_split(session, mesh):
-    """meshd.tensor of at most 1 MiB is a Literal command: inside a pipeline block it
-    waits for nothing. Sixteen of 1 MiB queue 16 MiB; each Submit message stays under
-    the server's 4 MiB limit (a batch ends at 1 MiB), and every value arrives exact,
-    in order, with the ops between them."""
+def test_small_tensors_pipeline_and_big_batches_split(session, mesh, monkeypatch):
+    """meshd.tensor of a small array is a Literal command: inside a pipeline block it
+    waits for nothing. With the client's threshold raised to the server's bound (1 MiB),
+    sixteen of 1 MiB queue 16 MiB; each Submit message stays under the server's 4 MiB
+    limit (a batch ends at 1 MiB), and every value arrives exact, in order, with the
+    ops between them."""
+    monkeypatch.setattr(sys.modules["meshd.tensor"], "_LITERAL_MAX", 1 << 20)
     arrs = [np.full(1 << 18, i, np.float32) for i in range(16)]
     with session.pipeline():
         ts = [meshd.tensor(a) for a in arrs]
