@@ -154,59 +154,52 @@ fail:
   root_failure(c, &ref, 1, &e);
 }
 
-/* ------------------------------------------------------------------ literals */
+/* ------------------------------------------------------------------ literals and loads */
 
-/* The bytes came in the instruction (validated: exactly the result's). */
-static void run_literal(ctx_t *c) {
-  const Meshd__Agent__V1__LiteralOp *lo = c->ins->literal;
-  uint64_t ref = lo->result->ref;
+/* Fills a fresh tensor's bytes: 0, or -1 with e. */
+typedef int (*fill_fn)(ctx_t *c, agent_tensor_t *t, meshd_error_t *e);
+
+/* The result of `spec`, defined only once fill put all its bytes in: a fill
+ * that fails leaves a failed ref, never a half-filled one (with fill's own
+ * kind when own_kind: PERMISSION_DENIED, UNAVAILABLE...). */
+static void define_filled(ctx_t *c, const spec_t *spec, const char *what, fill_fn fill,
+                          bool own_kind) {
+  uint64_t ref = spec->ref;
   meshd_error_t e = {0};
   agent_tensor_t t = {0};
   tensor_meta_t m;
-  if (check_fresh(c, ref, "Literal", &e)) {
+  if (check_fresh(c, ref, what, &e)) {
     report(c, e.kind, e.msg, ref);
     return;
   }
-  meta_of_spec(lo->result, &m);
-  if (need_backend(c, "Literal", &e) || tensor_alloc(c->b, c->bs, &m, &t, "Literal", &e)) goto fail;
-  if (lo->data.len && c->b->ops->from_host(c->b, &t, lo->data.data, &e)) goto fail;
+  meta_of_spec(spec, &m);
+  if (need_backend(c, what, &e) || tensor_alloc(c->b, c->bs, &m, &t, what, &e) || fill(c, &t, &e)) {
+    storage_release(t.storage);
+    root_failure_kind(c, &ref, 1, &e, own_kind && e.kind != ERR_REMOTE_FAILURE);
+    return;
+  }
   refs_put(&c->s->refs, ref, &t);
   storage_release(t.storage);
-  return;
-fail:
-  storage_release(t.storage);
-  root_failure(c, &ref, 1, &e);
 }
 
-/* ------------------------------------------------------------------ loads */
+/* A Literal's bytes came in the instruction (validated: exactly the result's). */
+static int fill_literal(ctx_t *c, agent_tensor_t *t, meshd_error_t *e) {
+  const ProtobufCBinaryData *d = &c->ins->literal->data;
+  return d->len ? c->b->ops->from_host(c->b, t, d->data, e) : 0;
+}
+
+static void run_literal(ctx_t *c) {
+  define_filled(c, c->ins->literal->result, "Literal", fill_literal, false);
+}
 
 /* A load's download stops once its session ended: nobody reads the tensor. */
 static bool session_gone(void *s) { return session_state_closing(s); }
 
-/* The tensor is defined only once all its bytes are in: a failed load leaves
- * a failed ref (with the transfer's kind: PERMISSION_DENIED, UNAVAILABLE...),
- * never a half-filled one. */
-
-static void run_load(ctx_t *c) {
-  const Meshd__Agent__V1__LoadOp *lo = c->ins->load;
-  uint64_t ref = lo->result->ref;
-  meshd_error_t e = {0};
-  agent_tensor_t t = {0};
-  tensor_meta_t m;
-  if (check_fresh(c, ref, "Load", &e)) {
-    report(c, e.kind, e.msg, ref);
-    return;
-  }
-  meta_of_spec(lo->result, &m);
-  if (need_backend(c, "Load", &e) || tensor_alloc(c->b, c->bs, &m, &t, "Load", &e)) goto fail;
-  if (load_run(c->b, c->bs, c->ins->session_id, lo, &t, session_gone, c->s, &e)) goto fail;
-  refs_put(&c->s->refs, ref, &t);
-  storage_release(t.storage);
-  return;
-fail:
-  storage_release(t.storage);
-  root_failure_kind(c, &ref, 1, &e, e.kind != ERR_REMOTE_FAILURE);
+static int fill_load(ctx_t *c, agent_tensor_t *t, meshd_error_t *e) {
+  return load_run(c->b, c->bs, c->ins->session_id, c->ins->load, t, session_gone, c->s, e);
 }
+
+static void run_load(ctx_t *c) { define_filled(c, c->ins->load->result, "Load", fill_load, true); }
 
 /* ------------------------------------------------------------------ op calls */
 

@@ -29,6 +29,7 @@ tests/integration/meshd_testlib.py."""
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -101,6 +102,23 @@ def start_raw_server(work):
         time.sleep(0.05)
     with open(port_file) as f:
         return p, int(f.read())
+
+
+@contextlib.contextmanager
+def raw_channel():
+    """A channel to the raw server, which runs in a child process until the block ends."""
+    work = tempfile.mkdtemp(prefix="meshd-bench-raw-")
+    rawp, port = start_raw_server(work)
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTS)
+        try:
+            yield ch
+        finally:
+            ch.close()
+    finally:
+        rawp.terminate()
+        rawp.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def raw_upload(ch, nbytes, chunk):
@@ -285,11 +303,8 @@ def main():
         return raw_server(a.raw_server)
     sizes = [int(x) for x in a.sizes.split(",")]
     chunk = a.chunk_mib * MIB
-    work = tempfile.mkdtemp(prefix="meshd-bench-raw-")
-    rawp, port = start_raw_server(work)
     raw = {}
-    try:
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTS)
+    with raw_channel() as ch:
         for mib in sizes:
             nbytes = mib * MIB
             for direction, fn in (("upload", raw_upload), ("fetch", raw_fetch)):
@@ -308,11 +323,6 @@ def main():
         for n in (int(x) for x in a.agents.split(",")):
             run_agents(n, sizes, chunk, a.rounds, raw, a.paths.split(","),
                        a.directions.split(","), sys.stdout, a.extra, raw_ch=ch)
-        ch.close()
-    finally:
-        rawp.terminate()
-        rawp.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

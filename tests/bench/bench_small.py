@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 
-import grpc
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -117,19 +116,11 @@ def main():
     ap.add_argument("--calls", type=int, default=64, help="calls per round")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="meshd-bench-raw-")
-    rawp, port = bench_data.start_raw_server(work)
-    try:
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=bench_data.OPTS)
+    with bench_data.raw_channel() as ch:
         fn = ch.unary_unary("/bench.Raw/Put")
-        put = (lambda b: fn(b, timeout=60))
         for n in (int(x) for x in a.agents.split(",")):
-            run_agents(n, [float(x) for x in a.kib.split(",")], a.calls, a.rounds, put, sys.stdout)
-        ch.close()
-    finally:
-        rawp.terminate()
-        rawp.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
+            run_agents(n, [float(x) for x in a.kib.split(",")], a.calls, a.rounds,
+                       lambda b: fn(b, timeout=60), sys.stdout)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from . import _active, _catalogue, _progress
 from ._progress import Progress
 from .errors import MeshdError, retry_transfers_full
 from .mesh import Mesh, selectors
-from .pipeline import _Pending
+from .pipeline import _Pending, _varint
 
 if TYPE_CHECKING:  # types only: session.py sits above this module
     from .session import Session, Stream
@@ -699,16 +699,7 @@ def _literal(s, mesh, stream, shape, name, per_rank, pieces, progress):
 
 def _tag_len(field, n):
     """A length-delimited field's tag and length."""
-    return _varint_bytes((field << 3) | 2) + _varint_bytes(n)
-
-
-def _varint_bytes(n):
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+    return _varint((field << 3) | 2) + _varint(n)
 
 
 class _PackedLiteral:
@@ -724,7 +715,7 @@ class _PackedLiteral:
 
     def SerializeToString(self):  # noqa: N802 - protobuf's name, for Session._execute
         body = len(self._head) + len(_tag_len(7, self._total)) + self._total
-        return b"".join([b"\x08", _varint_bytes(self.seq), _tag_len(24, body), self._head,
+        return b"".join([b"\x08", _varint(self.seq), _tag_len(24, body), self._head,
                          _tag_len(7, self._total), *self._pieces])
 
 
