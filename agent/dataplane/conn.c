@@ -373,6 +373,12 @@ static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t dea
   int fd = -1, last_errno = 0;
   int backoff = 10;
   for (;;) {
+    /* Past the deadline no connection is made: one made now would be closed
+     * before its hello, which the peer counts as a malformed stranger. */
+    if (deadline - dp__now_ms() <= 0) {
+      last_errno = ETIMEDOUT;
+      break;
+    }
     fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) {
       last_errno = errno;
@@ -733,7 +739,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
     local = false;
     if (dp__check_lost(dp, cl, err)) return NULL;
     if (dp__stopping(dp)) goto stopping;
-    if (hs < 0) {
+    if (hs < 0 || deadline - dp__now_ms() <= 0) { /* refused, or no time left for TCP */
       error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s %s", what,
                 (unsigned long long)comm_id, peer, addr, why);
       return NULL;

@@ -1811,3 +1811,314 @@ Test(dataplane, a_link_closed_for_an_older_call_is_dialed_again_by_its_sender, .
   }
   world_stop(&w);
 }
+
+/* ------------------------------------------------------------ late members, at random */
+
+/* A seeded chaos soak. Each member runs the same calls of one comm in order
+ * on its own thread, as agents do (each call two data plane calls, as an
+ * instruction makes them: a reduction and its failure flag, a broadcast's or
+ * a send's header and body, the second only if the first succeeded), but
+ * starts each call at once, a little late, or about or past the comm timeout
+ * late, drawn per member and call. Whatever the timing, every result on every
+ * member is a failure or exactly right: never a success with another call's
+ * data. Then, nobody late, every call succeeds everywhere (the members caught
+ * up), and a second comm running clean calls all along was never disturbed.
+ * MESHD_SOAK_SEED=N replays a plan (the timing, of course, differs). */
+
+typedef enum { SK_SMALL, SK_RING, SK_REDUCE, SK_BCAST, SK_SEND, SK_KINDS } soak_kind_t;
+
+static const char *const soak_kind_names[SK_KINDS] = {"allreduce", "ring allreduce", "reduce",
+                                                      "broadcast", "send"};
+
+typedef struct soak_call {
+  soak_kind_t kind;
+  size_t count;  /* int32 elements; bytes for a broadcast or a send */
+  size_t root;   /* a reduce's root; a send's sender */
+  size_t peer;   /* a send's receiver */
+  int delay_ms[MAXN];
+} soak_call_t;
+
+typedef struct soak_opts {
+  size_t n, chaos; /* members; calls drawn at random before the clean ones */
+  int timeout_ms;
+  int late_pct;    /* draws about or past the timeout late, in percent */
+  bool tcp;        /* TCP only (not the same-host socket and its memfds) */
+  size_t max_links; /* dataplane_max_links; 0: the default */
+} soak_opts_t;
+
+typedef struct soak {
+  world_t *w;
+  uint64_t seed, comm;
+  const soak_call_t *calls;
+  size_t nchaos, ncalls; /* calls [nchaos, ncalls) start at once, after the barrier */
+  pthread_barrier_t barrier;
+} soak_t;
+
+typedef struct soak_member {
+  soak_t *s;
+  size_t me;
+  size_t ok, failed, clean_failed;
+  char wrong[800];     /* the first success with wrong data */
+  char clean_err[800]; /* the first failure of a call after the chaos */
+} soak_member_t;
+
+static uint64_t soak_rand(uint64_t *state) { /* splitmix64 */
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static size_t soak_pick(uint64_t *state, size_t n) { return (size_t)(soak_rand(state) % n); }
+
+/* Member r's element k in data plane call `no`: different from call to call,
+ * so that a mix of two calls cannot pass for either; bounded, so that sums
+ * are exact. */
+static int32_t soak_val(uint64_t no, size_t r, size_t k) {
+  uint64_t st = no * 1000003u + r * 7919u + k * 104729u;
+  return (int32_t)(soak_rand(&st) % 2001) - 1000;
+}
+
+static uint8_t soak_byte(uint64_t no, size_t k) { return (uint8_t)soak_val(no, MAXN, k); }
+
+static uint64_t soak_seed(void) {
+  const char *env = getenv("MESHD_SOAK_SEED");
+  if (env && *env) return strtoull(env, NULL, 0);
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t st = (uint64_t)ts.tv_sec << 30 ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid() << 45;
+  return soak_rand(&st) % 1000000000; /* short enough to type */
+}
+
+/* How late a member starts a call: about as late as the timeout (its peers
+ * give up on the call just as it comes) or past it (they gave up and moved
+ * on), late_pct percent of the time, half each; else a little late (well
+ * within the timeout) or at once. */
+static int soak_delay(uint64_t *st, int timeout_ms, int late_pct) {
+  int roll = (int)soak_pick(st, 100);
+  if (roll < late_pct / 2) return timeout_ms - 25 + (int)soak_pick(st, 50);
+  if (roll < late_pct) return timeout_ms + 30 + (int)soak_pick(st, (size_t)timeout_ms / 2);
+  if (roll < late_pct + 25) return 1 + (int)soak_pick(st, (size_t)timeout_ms / 4);
+  return 0;
+}
+
+/* A call of `kind` (SK_KINDS: any), its size, roots and (chaos) delays. */
+static soak_call_t soak_draw(uint64_t *st, const soak_opts_t *o, soak_kind_t kind, bool chaos) {
+  soak_call_t c = {.kind = kind < SK_KINDS ? kind : (soak_kind_t)soak_pick(st, SK_KINDS)};
+  switch (c.kind) {
+  case SK_SMALL: c.count = 1 + soak_pick(st, 4000); break; /* direct: under 64 KiB */
+  case SK_RING: /* some of many frames, more than the sockets hold: failures leave some mid-way */
+    c.count = (64 << 10) / 4 + 1 + soak_pick(st, soak_pick(st, 4) ? 30000 : 1000000);
+    break;
+  case SK_REDUCE: c.count = soak_pick(st, 2) ? 1009 : 20011; break; /* direct; ring, then root */
+  case SK_BCAST: /* some of 1 MiB or more: one memfd on the same host */
+    c.count = soak_pick(st, 4) ? 1 + soak_pick(st, 100000) : ((size_t)1 << 20) + 5;
+    break;
+  case SK_SEND: c.count = 1 + soak_pick(st, soak_pick(st, 4) ? 300000 : 5000000); break;
+  default: break;
+  }
+  c.root = soak_pick(st, o->n);
+  c.peer = (c.root + 1 + soak_pick(st, o->n - 1)) % o->n;
+  for (size_t r = 0; r < o->n; r++)
+    c.delay_ms[r] = chaos ? soak_delay(st, o->timeout_ms, o->late_pct) : 0;
+  return c;
+}
+
+/* Data plane call `no`, step `step` of call i (c), on member m: 0 or -1
+ * (err), as the data plane returned it. A success whose data is not exactly
+ * right is noted in m->wrong. Step 1 of a reduction is the agent's failure
+ * flag (one element, the max over the members); step 0 of a broadcast or a
+ * send is its 8-byte header. */
+static int soak_step(soak_member_t *m, const soak_call_t *c, size_t i, uint64_t no, int step,
+                     meshd_error_t *err) {
+  world_t *w = m->s->w;
+  size_t me = m->me, n = w->n;
+  dp_group_t g = group(w, m->s->comm, me);
+  g.call = no;
+  char wrong[200] = "";
+  int rc;
+  if (c->kind == SK_BCAST || c->kind == SK_SEND) {
+    size_t bytes = step == 0 ? 8 : c->count;
+    bool source = c->kind == SK_BCAST ? me == 0 : me == c->root;
+    uint8_t *b = malloc(bytes + 1);
+    for (size_t k = 0; k < bytes; k++) b[k] = source ? soak_byte(no, k) : 0xee;
+    if (c->kind == SK_BCAST)
+      rc = dp_broadcast(w->dp[me], &g, b, bytes, err);
+    else if (source)
+      rc = dp_send(w->dp[me], g.comm_id, no, SECRET, w->ranks[c->peer], w->addrs[c->peer], b,
+                   bytes, err);
+    else
+      rc = dp_recv(w->dp[me], g.comm_id, no, SECRET, w->ranks[c->root], w->addrs[c->root], b,
+                   bytes, err);
+    for (size_t k = 0; rc == 0 && k < bytes && !*wrong; k++)
+      if (b[k] != soak_byte(no, k))
+        snprintf(wrong, sizeof wrong, "byte %zu of %zu = %u, expected %u", k, bytes, b[k],
+                 soak_byte(no, k));
+    free(b);
+  } else {
+    bool flag = step == 1, rooted = c->kind == SK_REDUCE && !flag;
+    size_t count = flag ? 1 : c->count;
+    reduction_t op = flag ? RED_MAX : rooted ? RED_BXOR : RED_SUM;
+    int32_t *v = malloc(count * 4);
+    for (size_t k = 0; k < count; k++) v[k] = soak_val(no, me, k);
+    rc = rooted ? dp_reduce_root(w->dp[me], &g, c->root, v, count, DTYPE_INT32, op, err)
+                : dp_allreduce(w->dp[me], &g, v, count, DTYPE_INT32, op, err);
+    bool holds = !rooted || me == c->root; /* the others' buffer is scratch */
+    for (size_t k = 0; rc == 0 && holds && k < count && !*wrong; k++) {
+      int32_t want = soak_val(no, 0, k);
+      for (size_t r = 1; r < n; r++) {
+        int32_t x = soak_val(no, r, k);
+        want = op == RED_SUM ? want + x : op == RED_BXOR ? want ^ x : x > want ? x : want;
+      }
+      if (v[k] != want)
+        snprintf(wrong, sizeof wrong, "element %zu of %zu = %d, expected %d", k, count, v[k], want);
+    }
+    free(v);
+  }
+  if (*wrong && !*m->wrong)
+    snprintf(m->wrong, sizeof m->wrong,
+             "seed %llu: call %zu (%s of %zu, data plane call %llu) succeeded on member %zu with "
+             "wrong data: %s",
+             (unsigned long long)m->s->seed, i, soak_kind_names[c->kind], c->count,
+             (unsigned long long)no, me, wrong);
+  return rc;
+}
+
+static void *soak_member_main(void *arg) {
+  soak_member_t *m = arg;
+  soak_t *s = m->s;
+  for (size_t i = 0; i < s->ncalls; i++) {
+    const soak_call_t *c = &s->calls[i];
+    if (i == s->nchaos) pthread_barrier_wait(&s->barrier); /* everyone is past the chaos */
+    if (c->kind == SK_SEND && m->me != c->root && m->me != c->peer) continue; /* not in it */
+    if (c->delay_ms[m->me] > 0) usleep((useconds_t)c->delay_ms[m->me] * 1000);
+    uint64_t no = (i + 1) * 4; /* the server's Group.call times the agent's CALL_STEPS */
+    meshd_error_t err = {0};
+    int rc = 0;
+    for (int step = 0; step < 2 && rc == 0; step++)
+      rc = soak_step(m, c, i, no + (uint64_t)step, step, &err);
+    if (i < s->nchaos) {
+      if (rc == 0) m->ok++;
+      else m->failed++;
+    } else if (rc != 0 && m->clean_failed++ == 0) {
+      snprintf(m->clean_err, sizeof m->clean_err,
+               "seed %llu: call %zu (%s of %zu), after the chaos, failed on member %zu: %s",
+               (unsigned long long)s->seed, i, soak_kind_names[c->kind], c->count, m->me, err.msg);
+    }
+  }
+  return NULL;
+}
+
+/* The bystander: calls on another comm of the same data planes, nobody late,
+ * paced to span the soak. */
+typedef struct soak_bystander {
+  world_t *w;
+  size_t me, calls;
+  int pause_ms;
+  char err[800];
+} soak_bystander_t;
+
+static void *soak_bystander_main(void *arg) {
+  soak_bystander_t *b = arg;
+  for (size_t i = 0; i < b->calls && !*b->err; i++) {
+    size_t count = i % 3 == 2 ? 30011 : 1009; /* direct, direct, ring */
+    uint64_t no = (i + 1) * 4;
+    dp_group_t g = group(b->w, 2, b->me);
+    g.call = no;
+    int32_t *v = malloc(count * 4);
+    for (size_t k = 0; k < count; k++) v[k] = soak_val(no, b->me, k);
+    meshd_error_t err = {0};
+    if (dp_allreduce(b->w->dp[b->me], &g, v, count, DTYPE_INT32, RED_SUM, &err) != 0)
+      snprintf(b->err, sizeof b->err, "call %zu failed on member %zu: %s", i, b->me, err.msg);
+    for (size_t k = 0; k < count && !*b->err; k++) {
+      int32_t want = 0;
+      for (size_t r = 0; r < b->w->n; r++) want += soak_val(no, r, k);
+      if (v[k] != want)
+        snprintf(b->err, sizeof b->err, "call %zu on member %zu: element %zu = %d, expected %d",
+                 i, b->me, k, v[k], want);
+    }
+    free(v);
+    usleep((useconds_t)b->pause_ms * 1000);
+  }
+  return NULL;
+}
+
+static void soak_case(soak_opts_t o) {
+  const size_t n = o.n, nclean = 2 * SK_KINDS;
+  soak_t s = {.seed = soak_seed(), .comm = 1, .nchaos = o.chaos, .ncalls = o.chaos + nclean};
+  fprintf(stderr, "late members soak, n=%zu: seed %llu (MESHD_SOAK_SEED=%llu replays it)\n", n,
+          (unsigned long long)s.seed, (unsigned long long)s.seed);
+  soak_call_t calls[128];
+  cr_assert_leq(s.ncalls, sizeof calls / sizeof calls[0]);
+  uint64_t st = s.seed ^ n;
+  int late = 0;
+  for (size_t i = 0; i < s.ncalls; i++) {
+    bool chaos = i < s.nchaos; /* after it, every kind twice, nobody late */
+    soak_kind_t kind = chaos ? SK_KINDS : (soak_kind_t)((i - s.nchaos) % SK_KINDS);
+    calls[i] = soak_draw(&st, &o, kind, chaos);
+    for (size_t r = 0; r < n; r++) late += calls[i].delay_ms[r] >= o.timeout_ms - 25;
+  }
+  s.calls = calls;
+  world_t w;
+  world_start(&w, n, o.timeout_ms);
+  for (size_t r = 0; r < n; r++) {
+    if (o.tcp) dataplane_same_host(w.dp[r], false);
+    if (o.max_links) dataplane_max_links(w.dp[r], o.max_links);
+  }
+  s.w = &w;
+  pthread_barrier_init(&s.barrier, NULL, (unsigned)n);
+  soak_member_t m[MAXN];
+  soak_bystander_t by[MAXN];
+  pthread_t th[2 * MAXN];
+  int64_t t0 = now_ms();
+  for (size_t r = 0; r < n; r++) {
+    m[r] = (soak_member_t){.s = &s, .me = r};
+    by[r] = (soak_bystander_t){.w = &w, .me = r, .calls = o.chaos / 2, .pause_ms = o.timeout_ms};
+    pthread_create(&th[r], NULL, soak_member_main, &m[r]);
+    pthread_create(&th[n + r], NULL, soak_bystander_main, &by[r]);
+  }
+  for (size_t r = 0; r < 2 * n; r++) pthread_join(th[r], NULL);
+  int64_t took = now_ms() - t0;
+  pthread_barrier_destroy(&s.barrier);
+  size_t ok = 0, failed = 0;
+  uint64_t why[DP_ABORT_COUNT] = {0};
+  for (size_t r = 0; r < n; r++) {
+    cr_assert(!*m[r].wrong, "%s", m[r].wrong);
+    cr_assert_eq(m[r].clean_failed, 0, "%s (and %zu more)", m[r].clean_err, m[r].clean_failed - 1);
+    cr_assert(!*by[r].err, "seed %llu: the bystander comm: %s", (unsigned long long)s.seed,
+              by[r].err);
+    ok += m[r].ok;
+    failed += m[r].failed;
+    for (int k = 0; k < DP_ABORT_COUNT; k++) why[k] += dataplane_aborts(w.dp[r], (dp_abort_t)k);
+    /* Members' own connections are never counted as strangers' (a dial that
+     * gave up on the same-host socket went on over TCP past its deadline and
+     * closed before its hello: "malformed"). */
+    cr_assert_eq(dataplane_rejected(w.dp[r], DP_REJECT_MALFORMED), 0,
+                 "seed %llu: member %zu counted a member's connection as malformed",
+                 (unsigned long long)s.seed, r);
+  }
+  fprintf(stderr,
+          "late members soak, n=%zu: seed %llu: %d late starts; %zu calls ok, %zu failed, in %lld "
+          "ms; aborts: %llu behind, %llu timeout, %llu peer_aborted, %llu error\n",
+          n, (unsigned long long)s.seed, late, ok, failed, (long long)took,
+          (unsigned long long)why[DP_ABORT_BEHIND], (unsigned long long)why[DP_ABORT_TIMEOUT],
+          (unsigned long long)why[DP_ABORT_PEER_ABORTED], (unsigned long long)why[DP_ABORT_ERROR]);
+  /* Not vacuous: the chaos made calls fail, and many still went through. */
+  cr_assert(late == 0 || failed > 0, "seed %llu: %d late starts and no call failed",
+            (unsigned long long)s.seed, late);
+  cr_assert_geq(ok * 5, ok + failed, "seed %llu: only %zu of %zu results succeeded",
+                (unsigned long long)s.seed, ok, ok + failed);
+  world_stop(&w);
+}
+
+/* On the same-host sockets (memfd broadcasts among them). */
+Test(dataplane, late_members_at_random_fail_or_are_exact_then_catch_up, .timeout = 60) {
+  soak_case((soak_opts_t){.n = 3, .chaos = 80, .timeout_ms = 200, .late_pct = 25});
+}
+
+/* Over TCP, as between hosts, with few kept links (closed idle with
+ * goodbyes between calls of the two comms). */
+Test(dataplane, late_members_at_random_fail_or_are_exact_then_catch_up_tcp_n4, .timeout = 60) {
+  soak_case((soak_opts_t){.n = 4, .chaos = 60, .timeout_ms = 200, .late_pct = 20, .tcp = true,
+                          .max_links = 4});
+}
