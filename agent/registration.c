@@ -11,6 +11,7 @@
 #include "agent.h"
 #include "build_info.h"
 #include "log.h"
+#include "meshd/agent/v1/agent.pb-c.h"
 #include "meshd/v1/agent_registry.pb-c.h"
 #include "rpc.h"
 
@@ -172,6 +173,7 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   hello.commit = (char *)build->commit;
   hello.build_type = (char *)build->build_type;
   hello.cuda = build->cuda;
+  hello.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
   hello.pid = (uint32_t)getpid();
   hello.call_secret = secret;
   Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;

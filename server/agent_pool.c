@@ -696,6 +696,21 @@ uint64_t agent_pool_min_capacity(agent_pool_t *p, const uint32_t *ranks, size_t 
   return min;
 }
 
+int64_t agent_pool_first_without(agent_pool_t *p, const uint32_t *ranks, size_t n, uint32_t body,
+                                 char *version, size_t len) {
+  int64_t found = -1;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < n && found < 0; i++) {
+    if (ranks[i] >= p->cap || !p->agents[ranks[i]].used) continue; /* gone: the mesh check says so */
+    const agent_desc_t *d = &p->agents[ranks[i]].d;
+    if (d->instructions >= body) continue;
+    found = ranks[i];
+    snprintf(version, len, "%s", d->version[0] ? d->version : "unknown");
+  }
+  pthread_mutex_unlock(&p->mu);
+  return found;
+}
+
 int agent_pool_size(agent_pool_t *p) {
   pthread_mutex_lock(&p->mu);
   int n = 0;

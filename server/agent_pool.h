@@ -36,6 +36,8 @@ typedef struct agent_desc {
   char commit[48];
   char build_type[24];
   bool cuda;
+  /* The newest Instruction body it runs (RegisterRequest.instructions; 0: older). */
+  uint32_t instructions;
   /* What every call to the agent carries (SECRET_AGENT_MD; RegisterRequest.call_secret).
    * Never shown (ListAgents) nor logged. */
   char call_secret[SECRET_HEX_LEN + 1];
@@ -190,6 +192,10 @@ int agent_pool_healthy(agent_pool_t *pool);
 /* map[rank] = rank has a healthy agent, for ranks 0..*world-1 (malloc'd; free it).
  * NULL (and *world 0) out of memory. */
 bool *agent_pool_healthy_map(agent_pool_t *pool, size_t *world);
+/* The first of ranks whose agent runs no Instruction body as new as `body`
+ * (its version, as it reported it, into version), or -1 if every one does. */
+int64_t agent_pool_first_without(agent_pool_t *pool, const uint32_t *ranks, size_t n,
+                                 uint32_t body, char *version, size_t len);
 int agent_pool_size(agent_pool_t *pool);
 /* Agents lost so far (agent_lost_t.loss of the latest). A mesh made when this
  * was L is broken if one of its ranks was lost later. */

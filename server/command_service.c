@@ -908,6 +908,7 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
   }
   reply_batch_t b = {.call = call};
   agent_link_cork(); /* the batch's instructions go to each agent as one batch */
+  command_batch_begin();
   for (size_t i = 0; i < cmd->n_batch; i++) {
     const Meshd__V1__Command *c = cmd->batch[i];
     if (c->n_batch) {
@@ -918,6 +919,7 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
     }
     submit_command(st, call, c, &b);
   }
+  command_batch_end();
   agent_link_uncork();
   batch_flush(&b);
   free(b.buf);

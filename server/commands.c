@@ -426,6 +426,30 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
 
 /* ------------------------------------------------------------------ literals */
 
+/* What the Literals of the batch this thread runs sent so far; -1: no batch. */
+static _Thread_local int64_t batch_literal_sent = -1;
+
+void command_batch_begin(void) { batch_literal_sent = 0; }
+void command_batch_end(void) { batch_literal_sent = -1; }
+
+/* Every agent of the mesh runs LiteralOp: an older one would end its Execute
+ * link on the unknown body (a rolling upgrade: the server goes first). */
+static int check_runs_literals(frontend_t *fe, const mesh_t *mesh, meshd_error_t *e) {
+  size_t n = mesh_len(mesh);
+  uint32_t *r = malloc((n ? n : 1) * sizeof *r);
+  if (!r) return error_set(e, ERR_QUOTA, "Literal: out of memory on the server");
+  mesh_ranks(mesh, r);
+  char version[32];
+  int64_t old = agent_pool_first_without(fe->pool, r, n, MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL,
+                                         version, sizeof version);
+  free(r);
+  if (old < 0) return 0;
+  return error_set(e, ERR_UNAVAILABLE,
+                   "Literal: the agent at rank %lld (version %s) predates the Literal command; "
+                   "send the tensor with Upload, or upgrade the agent",
+                   (long long)old, version);
+}
+
 /* A small tensor whose bytes come in the command (Literal in
  * tensor_service.proto): the checks of an UploadHeader, then the bytes go to
  * each rank as an instruction, in order with the session's other commands. */
@@ -466,10 +490,19 @@ static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                      "all, more than a Literal sends (%d); send it with Upload",
                      (unsigned long long)want, (unsigned long long)ranks,
                      (unsigned long long)(want * ranks), LITERAL_MAX_SENT_BYTES);
-  if (check_room(fe, s, o, mesh, "Literal", meta_nbytes(&meta), e)) return -1;
+  uint64_t sent = l->per_rank ? want : want * ranks;
+  if (batch_literal_sent >= 0 && (uint64_t)batch_literal_sent + sent > LITERAL_MAX_SENT_BYTES)
+    return error_set(e, ERR_QUOTA,
+                     "Literal: the Literals of one Submit message send at most %d bytes to the "
+                     "agents, and this one would make %llu; send it in a later message",
+                     LITERAL_MAX_SENT_BYTES, (unsigned long long)(batch_literal_sent + sent));
+  if (check_room(fe, s, o, mesh, "Literal", meta_nbytes(&meta), e) ||
+      check_runs_literals(fe, mesh, e))
+    return -1;
   obj_t *t = objects_new_tensor(o, l->ref, &meta, mesh->ref, l->stream, ranks);
   if (!t) return error_set(e, ERR_QUOTA, "Literal: out of memory on the server");
   claim_refs(s, &l->ref, 1);
+  if (batch_literal_sent >= 0) batch_literal_sent += (int64_t)sent;
   emit_literal(fe, s, o, mesh, t, l);
   return add_tensor(out, t);
 }

@@ -16,7 +16,8 @@
 #define CMD_MAX_ALLOCS 64
 
 /* The most data one Literal command carries (tensor_service.proto): a rank's
- * instruction then stays within one link batch (AGENT_LINK_BATCH_BYTES). */
+ * instruction stays well under AGENT_LINK_MAX_INSTRUCTION (a link batch holds
+ * up to AGENT_LINK_BATCH_BYTES of instructions, or one larger one alone). */
 #define LITERAL_MAX_BYTES (1024 * 1024)
 /* ... and over all its ranks (a replicated one sends its bytes to each): what
  * one command may add to the agents' queues beyond flow control's bound. */
@@ -34,6 +35,12 @@ void cmd_out_init(cmd_out_t *out, uint64_t seq);
 void cmd_out_free(cmd_out_t *out);
 /* Sets out's Error from e (kind, message, gRPC code, seq). */
 void cmd_out_error(cmd_out_t *out, const meshd_error_t *e);
+
+/* Around the commands of one Submit batch, on the thread that runs them:
+ * their Literals together send at most LITERAL_MAX_SENT_BYTES to the agents
+ * (flow control holds a session back only between messages). */
+void command_batch_begin(void);
+void command_batch_end(void);
 
 /* Runs `cmd` in session s (whose objects are `o`). Returns 0 if accepted
  * (out filled), -1 if rejected (e says why; nothing changed). */

@@ -131,7 +131,7 @@ void emit_literal(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh
   uint32_t *ranks = ranks_of(mesh, &n);
   size_t each = n ? l->data.len / n : 0; /* checked: n slices of exactly this size */
   for (size_t i = 0; ranks && i < n; i++) {
-    op.data = (ProtobufCBinaryData){each, l->data.data + i * each};
+    op.data = (ProtobufCBinaryData){each, each ? l->data.data + i * each : NULL}; /* (NULL when empty) */
     send_to(fe, o, ranks[i], &ins);
   }
   free(ranks);

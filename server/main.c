@@ -115,7 +115,8 @@ static const config_flag_t flags[] = {
     {"data-path", CONFIG_STRING, "auto",
      "how tensor bytes move: direct (clients stream straight to and from the agents with "
      "PlanTransfer grants; Upload and Fetch are refused), proxy (through the server only; "
-     "PlanTransfer is refused) or auto (both; clients that cannot reach the agents use the proxy)",
+     "PlanTransfer is refused) or auto (both; clients that cannot reach the agents use the proxy); "
+     "small tensors in Literal commands (at most 1 MiB each) go through the server under each",
      &opt.data_path, 0, 0},
     {"transfer-grant-ms", CONFIG_INT, "600000",
      "how long a direct transfer's grants are good for, in ms; an upload not finished by then "

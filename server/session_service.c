@@ -107,6 +107,9 @@ static void create_session(rpc_call_t *call, const ProtobufCMessage *req, void *
   reply.session_id = s->id;
   reply.token = s->token;
   reply.ttl_seconds = s->ttl_s;
+  char *features[] = {"literal"};
+  reply.features = features;
+  reply.n_features = sizeof features / sizeof *features;
   rpc_call_reply(call, &reply.base);
   session_release(s);
 }

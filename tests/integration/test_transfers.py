@@ -700,3 +700,34 @@ def test_a_literal_is_held_to_the_quota_and_the_session_goes_on(meshd_server):
         c = s.new_ref()
         s.run(literal(c, m, bytes(MIB // 4), (MIB // 16,)))  # 512 KiB in all: fits
         assert fetch_bytes(s, c, 0) == bytes(MIB // 4)
+
+
+def test_the_literals_of_one_submit_message_send_at_most_8_mib(meshd_server):
+    """One Submit message of three replicated 1 MiB Literals on 3 agents would queue
+    9 MiB at once, past flow control (which holds a session back between messages):
+    the third is refused QUOTA naming the bound, the first two and the commands after
+    it run, and the same Literal in the next message is taken."""
+    srv = meshd_server(3)
+    lib.wait_ready(srv, 3)
+    with lib.Session(srv.port, "literal-batch", timeout=30) as s:
+        m = s.mesh(gpu=3).ref
+        t = lib.tensor_pb2()
+        refs = [s.new_ref() for _ in range(4)]
+        cmds = [s.command(literal(r, m, bytes([i]) * MIB, (MIB,), "uint8"))
+                for i, r in enumerate(refs[:3])]
+        cmds.append(s.command(lib.factory(refs[3], m, "ones", (2,), "float32")))
+        batch = t.Command(batch=cmds)
+        fn = s.ch.stream_stream(SVC + "Submit", request_serializer=lambda b: b,
+                                response_deserializer=t.SubmitReply.FromString)
+        replies = list(fn(iter([batch.SerializeToString()]), metadata=s.metadata, timeout=30))
+        results = [r for rep in replies for r in lib.answers(rep)]
+        errors = {r.seq: r.error for r in results if r.HasField("error")}
+        assert list(errors) == [cmds[2].seq], errors
+        assert lib.kind_name(errors[cmds[2].seq].kind) == "QUOTA"
+        assert "one Submit message" in errors[cmds[2].seq].message, errors
+        assert fetch_bytes(s, refs[1], 2) == bytes([1]) * MIB
+        assert fetch_floats(s, refs[3]) == [1.0, 1.0]
+        again = s.new_ref()
+        res, code, details = s.submit([s.command(literal(again, m, bytes([2]) * MIB, (MIB,), "uint8"))])
+        assert code == grpc.StatusCode.OK and not res[0].HasField("error"), (details, res)
+        assert fetch_bytes(s, again, 0) == bytes([2]) * MIB

@@ -477,6 +477,7 @@ static void add_agents(agent_pool_t *p, const char *prefix, int n, int port_base
     snprintf(d.agent_id, sizeof d.agent_id, "%s-%d", prefix, i);
     snprintf(d.address, sizeof d.address, "127.0.0.1:%d", port_base + i);
     snprintf(d.device, sizeof d.device, "cpu");
+    d.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL;
     char msg[200];
     cr_assert_eq(agent_pool_add(p, &d, i, msg, sizeof msg), i, "%s", msg);
   }
@@ -758,23 +759,63 @@ Test(commands, literal_rejections) {
   cr_assert_eq(objs->live_tensors, 1);
 }
 
-/* A replicated literal goes to every rank: at most 8 MiB in all. */
-Test(commands, a_replicated_literal_sends_at_most_8_mib) {
+/* Agents at ranks 8 .. 15; `old` of them (the last ones) predate LiteralOp. */
+static void add_eight_more(int old) {
   for (uint32_t r = 8; r < 16; r++) {
     agent_desc_t d = {0};
     snprintf(d.agent_id, sizeof d.agent_id, "more-%u", r);
     snprintf(d.address, sizeof d.address, "127.0.0.1:%u", 2000 + r);
     snprintf(d.device, sizeof d.device, "cpu");
+    snprintf(d.version, sizeof d.version, "%s", r >= 16u - (uint32_t)old ? "0.0.9" : "0.1.0");
+    d.instructions = r >= 16u - (uint32_t)old ? 0 : MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL;
     char msg[200];
     cr_assert_eq(agent_pool_add(pool, &d, (int)r, msg, sizeof msg), (int)r, "%s", msg);
     agent_pool_set_healthy(pool, r, d.agent_id, true);
   }
+}
+
+/* A replicated literal goes to every rank: at most 8 MiB in all. */
+Test(commands, a_replicated_literal_sends_at_most_8_mib) {
+  add_eight_more(0);
   ok(create_mesh(10, NAMES("x"), I64(16), 1));
   ok(LITERAL(11, 10, DTYPE_FLOAT32, 512 << 10, false, 1 << 17)); /* 16 x 512 KiB: 8 MiB */
   REJECT(LITERAL(12, 10, DTYPE_FLOAT32, (512 << 10) + 4, false, (1 << 17) + 1), ERR_BAD_ARGUMENT,
          "Literal: its 524292 bytes would go to each of the mesh's 16 ranks, 8388672 in all, "
          "more than a Literal sends (8388608); send it with Upload");
   ok(LITERAL(12, 10, DTYPE_FLOAT32, 1 << 20, true, 1 << 14)); /* per rank: 1 MiB in all */
+}
+
+/* Flow control holds a session back between messages only: the Literals of
+ * one Submit batch send at most 8 MiB together. */
+Test(commands, the_literals_of_one_batch_send_at_most_8_mib) {
+  command_batch_begin();
+  ok(LITERAL(10, ROOT, DTYPE_FLOAT32, 512 << 10, false, 1 << 17)); /* 8 ranks: 4 MiB */
+  ok(LITERAL(11, ROOT, DTYPE_FLOAT32, 1 << 20, true, 1 << 15));    /* per rank: 1 MiB */
+  ok(LITERAL(12, SUB, DTYPE_FLOAT32, 3 << 18, false, 3 << 16));    /* 4 ranks: 3 MiB */
+  REJECT(LITERAL(13, ROOT, DTYPE_FLOAT32, 4, false, 1), ERR_QUOTA,
+         "Literal: the Literals of one Submit message send at most 8388608 bytes to the agents, "
+         "and this one would make 8388640; send it in a later message");
+  ok(FACTORY(.ref = 13, .mesh = ROOT, SHAPE(2))); /* other commands go on */
+  command_batch_end();
+  ok(LITERAL(14, ROOT, DTYPE_FLOAT32, 4, false, 1)); /* the next message: room again */
+  command_batch_begin();
+  ok(LITERAL(15, ROOT, DTYPE_FLOAT32, 512 << 10, false, 1 << 17));
+  command_batch_end();
+}
+
+/* An agent older than LiteralOp would end its link on it: the server refuses
+ * a Literal on a mesh holding one, and sends it nothing. */
+Test(commands, a_literal_on_a_mesh_with_an_older_agent_is_refused) {
+  add_eight_more(2);
+  ok(create_mesh(10, NAMES("x"), I64(16), 1));
+  ok(create_mesh(11, NAMES("x"), I64(8), 1)); /* ranks 0..7: all new */
+  size_t touched = objs->ntouched;
+  REJECT(LITERAL(12, 10, DTYPE_FLOAT32, 8, false, 2), ERR_UNAVAILABLE,
+         "Literal: the agent at rank 14 (version 0.0.9) predates the Literal command; send the "
+         "tensor with Upload, or upgrade the agent");
+  cr_assert_eq(objs->ntouched, touched, "nothing went to any agent");
+  expect_ref_free(12);
+  ok(LITERAL(12, 11, DTYPE_FLOAT32, 8, false, 2));
 }
 
 /* ------------------------------------------------------------------ calls */

@@ -33,6 +33,9 @@ _BATCH_MAX = 1024  # commands per Submit message (the server takes up to 4096)
 # Bytes per Submit message past which a batch ends (Literal commands carry up to
 # 1 MiB each; the server takes messages up to its --max-message-bytes, 4 MiB).
 _BATCH_BYTES = 1 << 20
+# What the Literals of one message may send to the agents together (a replicated
+# one sends its bytes to every rank): the server's LITERAL_MAX_SENT_BYTES.
+_BATCH_SENT = 8 << 20
 _BATCH_TAG = bytes([(30 << 3) | 2, 1])  # Command.batch = 30, length-delimited (a 2-byte varint)
 
 
@@ -121,12 +124,12 @@ class Pipeline:
         """The Submit stream's messages: whatever is queued when gRPC asks for the next
         one goes as one batch Command (up to _BATCH_MAX), so a fast caller sends few
         messages and a slow one loses no time waiting for a batch to fill."""
-        carry = None  # the message that did not fit the last batch
+        carry = None  # the (packed command, bytes it sends) that did not fit the last batch
         while True:
             m, carry = (carry, None) if carry is not None else (self._q.get(), None)
             if m is _END:
                 return
-            batch, size, end = [m], len(m), False
+            batch, size, sent, end = [m[0]], len(m[0]), m[1], False
             while len(batch) < _BATCH_MAX and size < _BATCH_BYTES:
                 try:
                     m = self._q.get_nowait()
@@ -135,11 +138,11 @@ class Pipeline:
                 if m is _END:
                     end = True
                     break
-                if size + len(m) > _BATCH_BYTES:
+                if size + len(m[0]) > _BATCH_BYTES or sent + m[1] > _BATCH_SENT:
                     carry = m
                     break
-                batch.append(m)
-                size += len(m)
+                batch.append(m[0])
+                size, sent = size + len(m[0]), sent + m[1]
             yield batch[0] if len(batch) == 1 else _batch(batch)
             if end:
                 return
@@ -198,7 +201,7 @@ class Pipeline:
             with self._plock:
                 self._pending.pop(cmd.seq, None)
             raise self._broken or MeshdError("UNAVAILABLE", "the Submit stream is closed")
-        self._q.put(cmd.SerializeToString())
+        self._q.put((cmd.SerializeToString(), getattr(cmd, "sent", 0)))
         return p
 
     def flush(self, timeout=None):

@@ -170,6 +170,9 @@ class Session:
             raise
         self.id, self._token = reply.session_id, reply.token
         self.ttl_seconds = reply.ttl_seconds
+        # Small tensors go as Literal commands to a server that takes them (meshd.tensor);
+        # False once one was refused for an agent older than the command.
+        self._literals = "literal" in reply.features
         # Every call of the session sends this (Upload, Fetch, Submit and KeepAlive too).
         self._md = self._auth + (("meshd-session", self.id), ("meshd-token", self._token))
         self.default_stream = Stream(self, 0, "main")

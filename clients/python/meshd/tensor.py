@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import concurrent.futures
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
@@ -606,6 +607,8 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         if dtype is not None:
             data = data.astype(dtype_name(dtype))
         name = dtype_name(data.dtype)
+    if data.dtype.byteorder == ">" or (data.dtype.byteorder == "=" and sys.byteorder == "big"):
+        data = data.astype(data.dtype.newbyteorder("<"))  # meshd's bytes are little-endian
     data = np.require(data, requirements="C")  # (ascontiguousarray makes a 0-d array 1-d)
     per_rank = shard is not None
     if per_rank:
@@ -627,8 +630,14 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     total = sum(len(p) for p in pieces)
     stream = _active.stream_ref(s)
     sent = total if per_rank else total * int(np.prod(list(mesh.sizes.values())))
-    if total <= _LITERAL_MAX and sent <= _LITERAL_MAX_SENT and s._direct.mode != "direct":
-        return _literal(s, mesh, stream, shape, name, per_rank, pieces, progress)
+    if (total <= _LITERAL_MAX and sent <= _LITERAL_MAX_SENT and s._literals
+            and s._direct.mode != "direct"):
+        try:
+            return _literal(s, mesh, stream, shape, name, per_rank, pieces, sent, progress)
+        except MeshdError as e:  # an agent of the mesh predates Literal: Upload from now on
+            if e.kind != "UNAVAILABLE" or "predates the Literal" not in e.message:
+                raise
+            s._literals = False
     # The header is a message; data chunks are packed by hand (bytes already).
     fn = s._ch.stream_unary(
         _SVC + "Upload",
@@ -670,7 +679,7 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     return Tensor._from_meta(s, reply.tensor)
 
 
-def _literal(s, mesh, stream, shape, name, per_rank, pieces, progress):
+def _literal(s, mesh, stream, shape, name, per_rank, pieces, sent, progress):
     """A small tensor as one Literal command: its bytes travel in the command, which
     is pipelined like any other (no Upload stream, no wait for the agents)."""
     pb = s._pb
@@ -681,7 +690,7 @@ def _literal(s, mesh, stream, shape, name, per_rank, pieces, progress):
         box["ref"] = ref
         head = pb.Literal(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                           dtype=_dtype_value(pb, name), per_rank=per_rank)
-        return _PackedLiteral(head.SerializeToString(), pieces, total)
+        return _PackedLiteral(head.SerializeToString(), pieces, total, sent)
     tr = _progress.tracker(total, progress, "upload")
     try:
         res = s._execute("literal", build, claim=1)
@@ -707,11 +716,11 @@ class _PackedLiteral:
     copied once, into the message (through protobuf they were copied four times,
     each into fresh pages: 3 ms per MiB here). Session._execute sets seq."""
 
-    __slots__ = ("seq", "_head", "_pieces", "_total")
+    __slots__ = ("seq", "sent", "_head", "_pieces", "_total")
     packed_command = True
 
-    def __init__(self, head, pieces, total):
-        self.seq, self._head, self._pieces, self._total = 0, head, pieces, total
+    def __init__(self, head, pieces, total, sent):  # sent: to the agents, in all
+        self.seq, self.sent, self._head, self._pieces, self._total = 0, sent, head, pieces, total
 
     def SerializeToString(self):  # noqa: N802 - protobuf's name, for Session._execute
         body = len(self._head) + len(_tag_len(7, self._total)) + self._total

@@ -122,6 +122,18 @@ def test_upload(mesh):
 
 
 @pytest.mark.parametrize("big", [False, True], ids=["literal", "upload"])
+def test_a_big_endian_array_keeps_its_values(mesh, big, monkeypatch):
+    """meshd's bytes are little-endian: an array of '>f4' or '>i8' is swapped on the way
+    (it went as it lay, and came back as other numbers)."""
+    if big:
+        monkeypatch.setattr(sys.modules["meshd.tensor"], "_LITERAL_MAX", -1)
+    for a in (np.array([1.5, -2.0, 3.25], dtype=">f4"), np.arange(6, dtype=">i8").reshape(2, 3)):
+        got = get(meshd.tensor(a), gpu=1)
+        np.testing.assert_array_equal(got, a)
+        assert got.dtype == a.dtype.newbyteorder("<"), got.dtype
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["literal", "upload"])
 def test_a_0_dim_array_keeps_its_shape(mesh, big, monkeypatch):
     """A 0-d array (or numpy scalar) is a 0-d tensor, as torch.tensor(3.5) is, whether
     it goes as a Literal or an Upload (np.ascontiguousarray had made it [1])."""

@@ -61,6 +61,42 @@ def test_tensors_of_at_most_256_kib_go_as_one_literal_command(server, data_path,
         assert went == {"auto": (0, 1), "proxy": (1, 0), "direct": (0, 3)}[data_path], went
 
 
+def test_a_literal_refused_for_an_older_agent_falls_back_to_upload(server, monkeypatch):
+    """A server refuses a Literal on a mesh with an agent older than the command (it
+    would end that agent's link; tests/unit/test_commands.c): the client then sends
+    that tensor, and every later one, as an Upload. Other refusals are raised."""
+    from meshd import MeshdError
+    with meshd.connect(server[0], data_path="proxy") as s:
+        assert s._literals, "the server lists the literal feature"
+        real, refused = s._execute, []
+
+        def old_agents(field, build, claim=0, timeout=None):
+            if field == "literal":
+                refused.append(build(s._new_ref()))  # (the ref is spent, as on the server)
+                raise MeshdError("UNAVAILABLE", "Literal: the agent at rank 1 (version 0.0.9) "
+                                 "predates the Literal command; send the tensor with Upload")
+            return real(field, build, claim, timeout)
+        monkeypatch.setattr(s, "_execute", old_agents)
+        with s.mesh(gpu=2).activate():
+            a = np.arange(6, dtype=np.int16)
+            x = meshd.tensor(a)
+            y = meshd.tensor(a + 1)
+            np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=1).result(), a)
+            np.testing.assert_array_equal(meshd.fetch_shard(y, gpu=0).result(), a + 1)
+        assert len(refused) == 1 and not s._literals
+
+    with meshd.connect(server[0], data_path="proxy") as s:
+        real = s._execute
+
+        def full(field, build, claim=0, timeout=None):
+            if field == "literal":
+                raise MeshdError("QUOTA", "Literal: the session holds its whole quota")
+            return real(field, build, claim, timeout)
+        monkeypatch.setattr(s, "_execute", full)
+        with s.mesh(gpu=2).activate(), pytest.raises(MeshdError, match="quota"):
+            meshd.tensor(np.ones(4, np.float32))
+
+
 @pytest.mark.parametrize("data_path", ["direct", "proxy"])
 def test_a_sharded_upload_copies_no_rank_rows(server, data_path):
     """Each rank's bytes go out as views of its row (issue 14: the client does not

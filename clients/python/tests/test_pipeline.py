@@ -95,6 +95,32 @@ def test_small_tensors_pipeline_and_big_batches_split(session, mesh, monkeypatch
     np.testing.assert_array_equal(meshd.fetch_shard(total, gpu=0).result(), float(sum(range(16))))
 
 
+def test_batches_end_at_1_mib_of_commands_and_8_mib_sent_in_order():
+    """Pipeline._requests on a queue filled beforehand (no server): whatever is queued
+    goes in one Submit message, which ends before 1 MiB of commands or 8 MiB that the
+    commands' Literals send to the agents; the command that did not fit opens the
+    next message. Nothing is lost or reordered, and the end mark ends the stream."""
+    import queue
+    from meshd import _proto
+    from meshd.pipeline import Pipeline
+    pb = _proto.tensor_pb2()
+
+    def lit(seq, nbytes):
+        return pb.Command(seq=seq, literal=pb.Literal(data=bytes(nbytes))).SerializeToString()
+    queued = [(lit(1, 10), 10), (lit(2, 600 << 10), 600 << 10), (lit(3, 600 << 10), 600 << 10),
+              (lit(4, 10), 10), (lit(5, 100), 5 << 20), (lit(6, 100), 5 << 20), (lit(7, 10), 10)]
+    p = Pipeline.__new__(Pipeline)
+    p._q = queue.Queue()
+    for m in queued:
+        p._q.put(m)
+    p._q.put(meshd.pipeline._END)
+    seqs = []
+    for raw in p._requests():
+        c = pb.Command.FromString(raw)
+        seqs.append([x.seq for x in c.batch] if c.batch else [c.seq])
+    assert seqs == [[1, 2], [3, 4, 5], [6, 7]], seqs
+
+
 def test_an_exception_in_the_block_is_not_masked(session, mesh):
     with pytest.raises(ZeroDivisionError):
         with session.pipeline():
