@@ -303,10 +303,11 @@ def test_forged_or_missing_receipts_leave_the_ref_undefined(meshd_server):
 def test_data_path_flag(meshd_server):
     """--data-path=proxy refuses PlanTransfer and the client (auto) falls back to the
     proxy; data_path="direct" then fails clearly. --data-path=direct refuses the
-    proxied Upload and Fetch; auto clients use the direct path there."""
+    proxied Upload and Fetch; auto clients use the direct path there. A small tensor
+    is a Literal command under every setting (docs/protocol.md, Data in and out)."""
     srv = meshd_server(2, "--data-path=proxy")
     lib.wait_ready(srv, 2)
-    arr = np.arange(10, dtype=np.int32)
+    arr = np.arange(1 << 17, dtype=np.int32)  # 512 KiB: an Upload, not a Literal
     with connect(srv) as s:
         mesh = s.mesh(gpu=2)
         refused(lambda: plan(s, fetch=s._pb.FetchRequest(ref=1)),
@@ -328,11 +329,16 @@ def test_data_path_flag(meshd_server):
             with pytest.raises(meshd.MeshdError) as ei:
                 meshd.tensor(arr)
             assert "--data-path is direct" in str(ei.value)
+            small = meshd.tensor(arr[:10])  # a Literal: taken (fetched below, directly)
+            s.sync()
+            assert small.shape == (10,)
     with connect(srv2) as s:
         with s.mesh(gpu=2).activate():
             x = meshd.tensor(arr)
             assert meshd.fetch_shard(x + 1, gpu=0).result().tolist() == (arr + 1).tolist()
-        assert s._direct.counts == {"upload": 1, "fetch": 1}
+            small = meshd.tensor(arr[:10])
+            assert meshd.fetch_shard(small, gpu=1).result().tolist() == arr[:10].tolist()
+        assert s._direct.counts == {"upload": 1, "fetch": 2}
 
 
 def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
