@@ -870,7 +870,9 @@ static void on_submit_message(rpc_call_t *call, const ProtobufCMessage *msg, voi
    * as one batch, and its answers to the client as one SubmitReply, once this
    * thread has nothing more to read. */
   agent_link_cork_until_idle();
+  command_batch_begin(); /* a message of one command: its own budget */
   submit_command(st, call, cmd, hold_answers(st, call));
+  command_batch_end();
 }
 
 /* One command of the stream, alone or in a batch. */

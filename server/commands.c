@@ -10,6 +10,7 @@
 #include "borrow.h"
 #include "checks.h"
 #include "emit.h"
+#include "flow.h"
 #include "reduction.h"
 #include "runtime.h"
 
@@ -97,7 +98,10 @@ static int add_tensor(cmd_out_t *out, const obj_t *t) {
   return 0;
 }
 
-static int add_mesh(cmd_out_t *out, const mesh_t *mesh) {
+static int64_t first_without_literals(frontend_t *fe, const mesh_t *mesh, char *version,
+                                      size_t len);
+
+static int add_mesh(frontend_t *fe, cmd_out_t *out, const mesh_t *mesh) {
   Meshd__V1__MeshMeta *m = out_alloc(out, sizeof *m);
   Meshd__V1__Dim *dims = out_alloc(out, sizeof *dims * (size_t)mesh->ndim);
   Meshd__V1__Dim **dimp = out_alloc(out, sizeof *dimp * (size_t)mesh->ndim);
@@ -117,6 +121,8 @@ static int add_mesh(cmd_out_t *out, const mesh_t *mesh) {
   mesh_ranks(mesh, ranks);
   m->n_ranks = n;
   m->ranks = ranks;
+  char version[32];
+  m->literals = first_without_literals(fe, mesh, version, sizeof version) < 0;
   out->res.mesh = m;
   return 0;
 }
@@ -315,7 +321,7 @@ static int cmd_create_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mes
   obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "CreateMesh: out of memory on the server");
   claim_refs(s, &m->ref, 1);
-  return add_mesh(out, obj->mesh);
+  return add_mesh(fe, out, obj->mesh);
 }
 
 static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1__Command *c,
@@ -331,7 +337,7 @@ static int cmd_slice_mesh(frontend_t *fe, session_t *s, objects_t *o, const Mesh
   obj_t *obj = objects_add_mesh(o, m->ref, &mesh);
   if (!obj) return error_set(e, ERR_QUOTA, "SliceMesh: out of memory on the server");
   claim_refs(s, &m->ref, 1);
-  return add_mesh(out, obj->mesh);
+  return add_mesh(fe, out, obj->mesh);
 }
 
 static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
@@ -426,23 +432,35 @@ static int cmd_factory(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
 
 /* ------------------------------------------------------------------ literals */
 
-/* What the Literals of the batch this thread runs sent so far; -1: no batch. */
+/* What the Literals of the Submit message this thread runs sent so far; -1:
+ * none (an Execute). */
 static _Thread_local int64_t batch_literal_sent = -1;
 
 void command_batch_begin(void) { batch_literal_sent = 0; }
 void command_batch_end(void) { batch_literal_sent = -1; }
 
+/* The first rank of the mesh whose agent predates LiteralOp (its version in
+ * version), -1 if none; a rank too when out of memory (version "unknown"). */
+static int64_t first_without_literals(frontend_t *fe, const mesh_t *mesh, char *version,
+                                      size_t len) {
+  size_t n = mesh_len(mesh);
+  uint32_t *r = malloc((n ? n : 1) * sizeof *r);
+  if (!r) {
+    snprintf(version, len, "unknown");
+    return 0;
+  }
+  mesh_ranks(mesh, r);
+  int64_t old = agent_pool_first_without(fe->pool, r, n, MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL,
+                                         version, len);
+  free(r);
+  return old;
+}
+
 /* Every agent of the mesh runs LiteralOp: an older one would end its Execute
  * link on the unknown body (a rolling upgrade: the server goes first). */
 static int check_runs_literals(frontend_t *fe, const mesh_t *mesh, meshd_error_t *e) {
-  size_t n = mesh_len(mesh);
-  uint32_t *r = malloc((n ? n : 1) * sizeof *r);
-  if (!r) return error_set(e, ERR_QUOTA, "Literal: out of memory on the server");
-  mesh_ranks(mesh, r);
   char version[32];
-  int64_t old = agent_pool_first_without(fe->pool, r, n, MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL,
-                                         version, sizeof version);
-  free(r);
+  int64_t old = first_without_literals(fe, mesh, version, sizeof version);
   if (old < 0) return 0;
   return error_set(e, ERR_UNAVAILABLE,
                    "Literal: the agent at rank %lld (version %s) predates the Literal command; "
@@ -496,6 +514,13 @@ static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                      "Literal: the Literals of one Submit message send at most %d bytes to the "
                      "agents, and this one would make %llu; send it in a later message",
                      LITERAL_MAX_SENT_BYTES, (unsigned long long)(batch_literal_sent + sent));
+  /* A Submit stream stops reading while the session's window is full; Execute
+   * calls in parallel would each still run: one more Literal waits for room. */
+  if (batch_literal_sent < 0 && o->flow && flow_over(o->flow))
+    return error_set(e, ERR_QUOTA,
+                     "Literal: session %.8s already has more queued for its agents than flow "
+                     "control allows (--session-max-queued or --session-max-queued-bytes); wait "
+                     "for its Executes' answers, or Sync, and send it again", s->id);
   if (check_room(fe, s, o, mesh, "Literal", meta_nbytes(&meta), e) ||
       check_runs_literals(fe, mesh, e))
     return -1;
@@ -1172,7 +1197,7 @@ static int cmd_describe(frontend_t *fe, session_t *s, objects_t *o, const Meshd_
     return error_set(e, ERR_UNKNOWN_REF, "Describe: ref %llu was never defined in this session",
                      (unsigned long long)ref);
   if (it->kind == OBJ_TENSOR) return add_tensor(out, it);
-  if (it->kind == OBJ_MESH) return add_mesh(out, it->mesh);
+  if (it->kind == OBJ_MESH) return add_mesh(fe, out, it->mesh);
   return error_set(e, ERR_BAD_ARGUMENT, "Describe: ref %llu is a %s; Describe takes tensors and meshes",
                    (unsigned long long)ref, obj_kind_name(it->kind));
 }

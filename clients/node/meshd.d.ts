@@ -74,6 +74,8 @@ export interface MeshMeta {
   dims: Dim[];
   /** world ranks, row-major over dims */
   ranks: number[];
+  /** every rank's agent runs Literal commands */
+  literals: boolean;
 }
 
 export interface CommandResult {
@@ -105,7 +107,11 @@ export interface InspectUrlReply {
   metadata_json: string;
 }
 
-export interface CreateSessionReply { session_id: string; token: string; ttl_seconds: number }
+export interface CreateSessionReply {
+  session_id: string; token: string; ttl_seconds: number;
+  /** what the server takes beyond the base protocol, e.g. 'literal' */
+  features: string[];
+}
 export interface KeepAliveReply { ttl_seconds: number }
 
 export interface AgentInfo {

@@ -13,7 +13,9 @@
  *          SliceMesh 2 = 1[host=1], CreateStream 3 "side"); bits 1-2: the
  *          session's quota (none, 64 MiB, 4 KiB, 1 GiB); bit 3: small limits
  *          (refs, meshes, streams, refs per command; dims and elements per
- *          tensor), else none but the hard bounds
+ *          tensor), else none but the hard bounds; bit 4: the commands run as
+ *          the commands of one Submit batch (command_batch_begin: its
+ *          Literals' bound)
  *   kind 0 a meshd.v1.Command (Execute's request, one message of Submit),
  *          checked by proto_check_strings first as the rpc layer does
  *        1 a meshd.v1.Error as an agent reports it (its session_id set to
@@ -69,6 +71,9 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     snprintf(d.device, sizeof d.device, "cpu");
     d.memory_bytes = i >= 4 ? 16u << 20 : 0;
     d.data_port = (uint32_t)(2000 + i);
+    /* Agents past the healthy ones predate LiteralOp (a mesh over them is refused
+     * anyway); the healthy ones run it. */
+    d.instructions = i < HEALTHY ? MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL : 0;
     char msg[200];
     FZ_CHECK(agent_pool_add(pool, &d, i, msg, sizeof msg) == i, "%s", msg);
     if (i < HEALTHY) agent_pool_set_healthy(pool, (uint32_t)i, d.agent_id, true);
@@ -327,6 +332,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   session_set_objects(s, o, destroy_objects);
   pthread_mutex_unlock(&s->mu);
   if (flags & 1) prelude(s, o);
+  if (flags & 16) command_batch_begin();
 
   for (int k = 0; k < MAX_RECORDS && fz_left(&in) >= 5; k++) {
     uint8_t kind = fz_u8(&in);
@@ -352,6 +358,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     default: agent_lost(len ? p[0] % 10u : 0); break;
     }
   }
+  if (flags & 16) command_batch_end();
 
   FZ_CHECK(session_close(table, s), "session_close");
   session_release(s); /* the last reference: its objects go */

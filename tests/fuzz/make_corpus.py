@@ -65,8 +65,8 @@ def frame(kind, payload):
 class Script:
     """Commands for fuzz_commands: seqs count up from 10 (the prelude uses 1..3)."""
 
-    def __init__(self, prelude=True, quota=0, limits=False):
-        self.flags = (1 if prelude else 0) | (quota << 1) | (8 if limits else 0)
+    def __init__(self, prelude=True, quota=0, limits=False, batch=False):
+        self.flags = (1 if prelude else 0) | (quota << 1) | (8 if limits else 0) | (16 if batch else 0)
         self.records = []
         self.seq = 10
 
@@ -194,7 +194,7 @@ def command_seeds():
               .bytes()))
     # Streams and borrows: borrow onto a stream, use, drop the borrow, drop.
     # Literals: replicated, per rank, on a stream, then read; one short, one too long.
-    s.append(("literals", Script()
+    s.append(("literals", Script(batch=True)
               .cmd(literal=pb.Literal(ref=10, mesh=1, shape=[2, 2], dtype=F32,
                                       data=struct.pack("<4f", 1, 2, 3, 4)))
               .cmd(literal=pb.Literal(ref=11, mesh=1, shape=[2], dtype=I64, per_rank=True,

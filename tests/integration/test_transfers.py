@@ -731,3 +731,39 @@ def test_the_literals_of_one_submit_message_send_at_most_8_mib(meshd_server):
         res, code, details = s.submit([s.command(literal(again, m, bytes([2]) * MIB, (MIB,), "uint8"))])
         assert code == grpc.StatusCode.OK and not res[0].HasField("error"), (details, res)
         assert fetch_bytes(s, again, 0) == bytes([2]) * MIB
+
+
+def test_a_literal_while_the_session_window_is_full_is_refused(meshd_server):
+    """A Submit stream stops reading while its session's flow window is full, but
+    Execute calls sent in parallel would each still run: a Literal (up to 8 MiB sent)
+    that finds the window full is refused QUOTA naming flow control, instead of
+    queueing past it. Here a slow reduce (1.5 s on rank 1) holds a 1 MiB window full
+    behind a 1 MiB literal, whose own Execute answer waits for room; a second literal
+    meanwhile is refused, and taken once the first was answered."""
+    env = dict(os.environ, MESHD_FAULT="reduce:slow=1500,rank=1,count=1")
+    srv = meshd_server(2, "--session-max-queued-bytes", "1MiB", env=env)
+    lib.wait_ready(srv, 2)
+    import threading
+    with lib.Session(srv.port, "literal-window", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        x = s.new_ref()
+        s.run(literal(x, m, struct.pack("<2f", 1, 2), (2,)))
+        s.run(lib.reduce(s.new_ref(), x, ("gpu",), "sum"))  # 1.5 s on rank 1
+        big, small = s.new_ref(), s.new_ref()
+        held = {}
+
+        def first():
+            t0 = time.monotonic()
+            held["res"] = s.run(literal(big, m, bytes(MIB // 2), (MIB // 8,)))
+            held["secs"] = time.monotonic() - t0
+        th = threading.Thread(target=first)
+        th.start()
+        time.sleep(0.4)
+        e = s.fails("QUOTA", literal(small, m, struct.pack("<f", 3), (1,)))
+        assert "flow control" in e.message and "Literal" in e.message, e.message
+        th.join(30)
+        assert held.get("secs", 0) > 0.5, f"the first literal's answer did not wait: {held}"
+        again = s.new_ref()
+        s.run(literal(again, m, struct.pack("<f", 3), (1,)))
+        assert fetch_floats(s, again) == [3.0]
+        assert fetch_bytes(s, big, 1) == bytes(MIB // 2)

@@ -808,7 +808,9 @@ Test(commands, the_literals_of_one_batch_send_at_most_8_mib) {
 Test(commands, a_literal_on_a_mesh_with_an_older_agent_is_refused) {
   add_eight_more(2);
   ok(create_mesh(10, NAMES("x"), I64(16), 1));
+  cr_assert_not(out.res.mesh->literals, "the mesh's answer says an agent predates Literal");
   ok(create_mesh(11, NAMES("x"), I64(8), 1)); /* ranks 0..7: all new */
+  cr_assert(out.res.mesh->literals);
   size_t touched = objs->ntouched;
   REJECT(LITERAL(12, 10, DTYPE_FLOAT32, 8, false, 2), ERR_UNAVAILABLE,
          "Literal: the agent at rank 14 (version 0.0.9) predates the Literal command; send the "

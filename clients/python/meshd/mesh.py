@@ -46,6 +46,7 @@ class Mesh:
         self.ref = meta.ref
         self.names = tuple(d.name for d in meta.dims)
         self.sizes = {d.name: d.size for d in meta.dims}
+        self._literals = meta.literals  # every rank's agent runs Literal commands
         self.ranks = tuple(meta.ranks)
 
     def __repr__(self) -> str:

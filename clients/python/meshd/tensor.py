@@ -43,9 +43,9 @@ _LITERAL_MAX_SENT = 8 << 20  # ... and at most this many over all ranks (LITERAL
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32",
           "int64", "bool")
-_NP = {n: np.dtype(n) for n in DTYPES if n != "bfloat16"}
+_NP = {n: np.dtype(n).newbyteorder("<") for n in DTYPES if n != "bfloat16"}  # meshd's bytes
 # numpy has no bfloat16: its elements travel as their 16 bits in a uint16 array.
-_WIRE = dict(_NP, bfloat16=np.dtype(np.uint16))
+_WIRE = dict(_NP, bfloat16=np.dtype(np.uint16).newbyteorder("<"))
 
 
 def _bf16_bits(a: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
@@ -631,7 +631,7 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     stream = _active.stream_ref(s)
     sent = total if per_rank else total * int(np.prod(list(mesh.sizes.values())))
     if (total <= _LITERAL_MAX and sent <= _LITERAL_MAX_SENT and s._literals
-            and s._direct.mode != "direct"):
+            and mesh._literals and s._direct.mode != "direct"):
         try:
             return _literal(s, mesh, stream, shape, name, per_rank, pieces, sent, progress)
         except MeshdError as e:  # an agent of the mesh predates Literal: Upload from now on

@@ -61,6 +61,30 @@ def test_tensors_of_at_most_256_kib_go_as_one_literal_command(server, data_path,
         assert went == {"auto": (0, 1), "proxy": (1, 0), "direct": (0, 3)}[data_path], went
 
 
+def test_a_mesh_with_an_older_agent_gets_uploads(server, monkeypatch):
+    """A mesh whose answer says not every agent runs Literal commands (MeshMeta.literals;
+    an agent older than the command, during a rolling upgrade) gets its small tensors
+    as Uploads, pipelined or not; the server's meshes here all say they do."""
+    uploads = []
+    with meshd.connect(server[0], data_path="proxy") as s:
+        real = s._ch.stream_unary
+
+        def spy(method, *a, **kw):
+            fn = real(method, *a, **kw)
+            return (lambda *ca, **ckw: (uploads.append(method), fn(*ca, **ckw))[1]) \
+                if method.endswith("/Upload") else fn
+        monkeypatch.setattr(s._ch, "stream_unary", spy)
+        m = s.mesh(gpu=2)
+        assert m._literals, "every agent of this server runs Literals"
+        m._literals = False  # as an older agent's mesh says
+        with m.activate():
+            with s.pipeline():
+                x = meshd.tensor(np.arange(4, dtype=np.float32))
+                y = x + 1
+            np.testing.assert_array_equal(meshd.fetch_shard(y, gpu=1).result(), np.arange(4) + 1)
+        assert len(uploads) == 1
+
+
 def test_a_literal_refused_for_an_older_agent_falls_back_to_upload(server, monkeypatch):
     """A server refuses a Literal on a mesh with an agent older than the command (it
     would end that agent's link; tests/unit/test_commands.c): the client then sends
