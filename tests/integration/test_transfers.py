@@ -767,3 +767,36 @@ def test_a_literal_while_the_session_window_is_full_is_refused(meshd_server):
         s.run(literal(again, m, struct.pack("<f", 3), (1,)))
         assert fetch_floats(s, again) == [3.0]
         assert fetch_bytes(s, big, 1) == bytes(MIB // 2)
+
+
+def test_per_rank_literals_follow_the_mesh_rank_order_on_2d_meshes_and_slices(meshd_server):
+    """A per_rank Literal's slices go to the mesh's ranks in row-major order over its
+    dims, as an Upload's do: on a {host: 2, gpu: 2} mesh the slice at host*2 + gpu,
+    and on its slice host=1 (world ranks 2 and 3) slices 0 and 1; each rank holds
+    exactly its own."""
+    srv = meshd_server(4)
+    lib.wait_ready(srv, 4)
+    with lib.Session(srv.port, "literal-2d", timeout=30) as s:
+        t = lib.tensor_pb2()
+        mesh = s.mesh(host=2, gpu=2)
+        sub = s.slice(mesh.ref, host=1)
+        assert list(sub.ranks) == [mesh.ranks[2], mesh.ranks[3]], (mesh.ranks, sub.ranks)
+
+        def fetch_at(ref, **coords):
+            fn = s.ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=t.FetchChunk.FromString)
+            req = t.FetchRequest(ref=ref, coords=[t.Coordinate(dim=k, index=v) for k, v in coords.items()])
+            data = b"".join(c.data for c in fn(req, metadata=s.metadata, timeout=20)
+                            if c.WhichOneof("part") == "data")
+            return list(struct.unpack(f"<{len(data) // 4}i", data))
+        whole = s.new_ref()
+        s.run(literal(whole, mesh.ref, struct.pack("<12i", *range(12)), (3,), "int32", per_rank=True))
+        half = s.new_ref()
+        s.run(literal(half, sub.ref, struct.pack("<4i", 100, 101, 200, 201), (2,), "int32",
+                      per_rank=True))
+        for h in (0, 1):
+            for g in (0, 1):
+                k = h * 2 + g
+                assert fetch_at(whole, host=h, gpu=g) == [3 * k, 3 * k + 1, 3 * k + 2], (h, g)
+        assert fetch_at(half, gpu=0) == [100, 101]
+        assert fetch_at(half, gpu=1) == [200, 201]
