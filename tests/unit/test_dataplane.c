@@ -1825,16 +1825,21 @@ Test(dataplane, a_link_closed_for_an_older_call_is_dialed_again_by_its_sender, .
  * up), and a second comm running clean calls all along was never disturbed.
  * MESHD_SOAK_SEED=N replays a plan (the timing, of course, differs). */
 
-typedef enum { SK_SMALL, SK_RING, SK_REDUCE, SK_BCAST, SK_SEND, SK_KINDS } soak_kind_t;
+typedef enum { SK_SMALL, SK_RING, SK_REDUCE, SK_BCAST, SK_SEND, SK_EXCHANGE, SK_KINDS } soak_kind_t;
 
 static const char *const soak_kind_names[SK_KINDS] = {"allreduce", "ring allreduce", "reduce",
-                                                      "broadcast", "send"};
+                                                      "broadcast", "send", "exchange"};
+
+/* SK_EXCHANGE's collectives (soak_call_t.sub). */
+static const char *const soak_exchange_names[4] = {"allgather", "reduce_scatter", "alltoall",
+                                                   "gather to a root"};
 
 typedef struct soak_call {
   soak_kind_t kind;
   size_t count;  /* int32 elements; bytes for a broadcast or a send */
   size_t root;   /* a reduce's root; a send's sender */
   size_t peer;   /* a send's receiver */
+  int sub;       /* an exchange's collective (soak_exchange_names) */
   int delay_ms[MAXN];
 } soak_call_t;
 
@@ -1915,6 +1920,10 @@ static soak_call_t soak_draw(uint64_t *st, const soak_opts_t *o, soak_kind_t kin
     c.count = soak_pick(st, 4) ? 1 + soak_pick(st, 100000) : ((size_t)1 << 20) + 5;
     break;
   case SK_SEND: c.count = 1 + soak_pick(st, soak_pick(st, 4) ? 300000 : 5000000); break;
+  case SK_EXCHANGE:
+    c.count = soak_pick(st, 2) ? 1 + soak_pick(st, 2000) : 20011;
+    c.sub = (int)soak_pick(st, 4);
+    break;
   default: break;
   }
   c.root = soak_pick(st, o->n);
@@ -1955,6 +1964,33 @@ static int soak_step(soak_member_t *m, const soak_call_t *c, size_t i, uint64_t 
         snprintf(wrong, sizeof wrong, "byte %zu of %zu = %u, expected %u", k, bytes, b[k],
                  soak_byte(no, k));
     free(b);
+  } else if (c->kind == SK_EXCHANGE && step == 0) {
+    /* Member r's input element k is soak_val(no, r, k); what each member gets
+     * follows from the collective's definition (dataplane.h). */
+    int x = c->sub;
+    size_t cnt = c->count, root = c->root, inlen = x == 1 || x == 2 ? n * cnt : cnt;
+    size_t outlen = x == 1 ? cnt : n * cnt;
+    int32_t *in = malloc(inlen * 4), *out = malloc(outlen * 4);
+    for (size_t k = 0; k < inlen; k++) in[k] = soak_val(no, me, k);
+    for (size_t k = 0; k < outlen; k++) out[k] = INT32_MIN;
+    rc = x == 0   ? dp_allgather(w->dp[me], &g, in, out, cnt, DTYPE_INT32, err)
+         : x == 1 ? dp_reduce_scatter(w->dp[me], &g, in, out, cnt, DTYPE_INT32, RED_SUM, err)
+         : x == 2 ? dp_alltoall(w->dp[me], &g, in, out, cnt, DTYPE_INT32, err)
+                  : dp_gather_root(w->dp[me], &g, root, in, out, cnt, DTYPE_INT32, err);
+    bool holds = x != 3 || me == root; /* the others' out is not touched */
+    for (size_t k = 0; rc == 0 && holds && k < outlen && !*wrong; k++) {
+      size_t i = k / cnt, j = k % cnt; /* out slice i, element j */
+      int32_t want = 0;
+      if (x == 1)
+        for (size_t r = 0; r < n; r++) want += soak_val(no, r, me * cnt + k);
+      else
+        want = soak_val(no, i, x == 2 ? me * cnt + j : j);
+      if (out[k] != want)
+        snprintf(wrong, sizeof wrong, "%s: element %zu of %zu = %d, expected %d",
+                 soak_exchange_names[x], k, outlen, out[k], want);
+    }
+    free(in);
+    free(out);
   } else {
     bool flag = step == 1, rooted = c->kind == SK_REDUCE && !flag;
     size_t count = flag ? 1 : c->count;
@@ -2044,18 +2080,22 @@ static void *soak_bystander_main(void *arg) {
 }
 
 static void soak_case(soak_opts_t o) {
-  const size_t n = o.n, nclean = 2 * SK_KINDS;
+  const size_t n = o.n, nclean = 2 * SK_KINDS + 2; /* + 2: every exchange once */
   soak_t s = {.seed = soak_seed(), .comm = 1, .nchaos = o.chaos, .ncalls = o.chaos + nclean};
   fprintf(stderr, "late members soak, n=%zu: seed %llu (MESHD_SOAK_SEED=%llu replays it)\n", n,
           (unsigned long long)s.seed, (unsigned long long)s.seed);
   soak_call_t calls[128];
   cr_assert_leq(s.ncalls, sizeof calls / sizeof calls[0]);
   uint64_t st = s.seed ^ n;
-  int late = 0;
+  int late = 0, exchanges = 0;
   for (size_t i = 0; i < s.ncalls; i++) {
-    bool chaos = i < s.nchaos; /* after it, every kind twice, nobody late */
-    soak_kind_t kind = chaos ? SK_KINDS : (soak_kind_t)((i - s.nchaos) % SK_KINDS);
+    /* After the chaos, nobody late: every kind twice, and the exchanges' four
+     * collectives each once. */
+    bool chaos = i < s.nchaos;
+    size_t j = i - s.nchaos;
+    soak_kind_t kind = chaos ? SK_KINDS : j < 2 * SK_KINDS ? (soak_kind_t)(j % SK_KINDS) : SK_EXCHANGE;
     calls[i] = soak_draw(&st, &o, kind, chaos);
+    if (!chaos && kind == SK_EXCHANGE) calls[i].sub = exchanges++ % 4;
     for (size_t r = 0; r < n; r++) late += calls[i].delay_ms[r] >= o.timeout_ms - 25;
   }
   s.calls = calls;
