@@ -98,8 +98,22 @@ static int add_tensor(cmd_out_t *out, const obj_t *t) {
   return 0;
 }
 
+/* The first rank of the mesh whose agent predates LiteralOp (its version in
+ * version), -1 if none; a rank too when out of memory (version "unknown"). */
 static int64_t first_without_literals(frontend_t *fe, const mesh_t *mesh, char *version,
-                                      size_t len);
+                                      size_t len) {
+  size_t n = mesh_len(mesh);
+  uint32_t *r = malloc((n ? n : 1) * sizeof *r);
+  if (!r) {
+    snprintf(version, len, "unknown");
+    return 0;
+  }
+  mesh_ranks(mesh, r);
+  int64_t old = agent_pool_first_without(fe->pool, r, n, MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL,
+                                         version, len);
+  free(r);
+  return old;
+}
 
 static int add_mesh(frontend_t *fe, cmd_out_t *out, const mesh_t *mesh) {
   Meshd__V1__MeshMeta *m = out_alloc(out, sizeof *m);
@@ -439,23 +453,6 @@ static _Thread_local int64_t batch_literal_sent = -1;
 void command_batch_begin(void) { batch_literal_sent = 0; }
 void command_batch_end(void) { batch_literal_sent = -1; }
 
-/* The first rank of the mesh whose agent predates LiteralOp (its version in
- * version), -1 if none; a rank too when out of memory (version "unknown"). */
-static int64_t first_without_literals(frontend_t *fe, const mesh_t *mesh, char *version,
-                                      size_t len) {
-  size_t n = mesh_len(mesh);
-  uint32_t *r = malloc((n ? n : 1) * sizeof *r);
-  if (!r) {
-    snprintf(version, len, "unknown");
-    return 0;
-  }
-  mesh_ranks(mesh, r);
-  int64_t old = agent_pool_first_without(fe->pool, r, n, MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL,
-                                         version, len);
-  free(r);
-  return old;
-}
-
 /* Every agent of the mesh runs LiteralOp: an older one would end its Execute
  * link on the unknown body (a rolling upgrade: the server goes first). */
 static int check_runs_literals(frontend_t *fe, const mesh_t *mesh, meshd_error_t *e) {
@@ -502,13 +499,13 @@ static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                      "Literal: %zu bytes of data, but shape and dtype%s need %llu", l->data.len,
                      l->per_rank ? " (per rank, times the mesh's ranks)" : "",
                      (unsigned long long)want);
-  if (!l->per_rank && want * ranks > LITERAL_MAX_SENT_BYTES)
+  uint64_t sent = l->per_rank ? want : want * ranks; /* to the agents, in all */
+  if (sent > LITERAL_MAX_SENT_BYTES) /* (per_rank: want <= 1 MiB, it is the data) */
     return error_set(e, ERR_BAD_ARGUMENT,
                      "Literal: its %llu bytes would go to each of the mesh's %llu ranks, %llu in "
                      "all, more than a Literal sends (%d); send it with Upload",
-                     (unsigned long long)want, (unsigned long long)ranks,
-                     (unsigned long long)(want * ranks), LITERAL_MAX_SENT_BYTES);
-  uint64_t sent = l->per_rank ? want : want * ranks;
+                     (unsigned long long)want, (unsigned long long)ranks, (unsigned long long)sent,
+                     LITERAL_MAX_SENT_BYTES);
   if (batch_literal_sent >= 0 && (uint64_t)batch_literal_sent + sent > LITERAL_MAX_SENT_BYTES)
     return error_set(e, ERR_QUOTA,
                      "Literal: the Literals of one Submit message send at most %d bytes to the "

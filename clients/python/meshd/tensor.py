@@ -629,11 +629,11 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     s, pb = mesh.session, mesh.session._pb
     total = sum(len(p) for p in pieces)
     stream = _active.stream_ref(s)
-    sent = total if per_rank else total * int(np.prod(list(mesh.sizes.values())))
+    sent = total if per_rank else total * len(mesh.ranks)  # what the agents get in all
     if (total <= _LITERAL_MAX and sent <= _LITERAL_MAX_SENT and s._literals
             and mesh._literals and s._direct.mode != "direct"):
         try:
-            return _literal(s, mesh, stream, shape, name, per_rank, pieces, sent, progress)
+            return _literal(s, mesh, stream, shape, name, per_rank, pieces, total, sent, progress)
         except MeshdError as e:  # an agent of the mesh predates Literal: Upload from now on
             if e.kind != "UNAVAILABLE" or "predates the Literal" not in e.message:
                 raise
@@ -679,11 +679,10 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     return Tensor._from_meta(s, reply.tensor)
 
 
-def _literal(s, mesh, stream, shape, name, per_rank, pieces, sent, progress):
+def _literal(s, mesh, stream, shape, name, per_rank, pieces, total, sent, progress):
     """A small tensor as one Literal command: its bytes travel in the command, which
     is pipelined like any other (no Upload stream, no wait for the agents)."""
     pb = s._pb
-    total = sum(len(p) for p in pieces)
     box = {}
 
     def build(ref):

@@ -27,25 +27,30 @@ def test_data_path_choice(server, data_path, direct):
         assert s._direct.counts == {"upload": n, "fetch": 2 * n}
 
 
+def count_uploads(s, monkeypatch):
+    """A list that grows by one for each Upload call session s makes (not its callables)."""
+    uploads, real = [], s._ch.stream_unary
+
+    def spy(method, *a, **kw):
+        fn = real(method, *a, **kw)
+        if not method.endswith("/Upload"):
+            return fn
+
+        def call(*ca, **ckw):
+            uploads.append(method)
+            return fn(*ca, **ckw)
+        return call
+    monkeypatch.setattr(s._ch, "stream_unary", spy)
+    return uploads
+
+
 @pytest.mark.parametrize("data_path", ["auto", "proxy", "direct"])
 def test_tensors_of_at_most_256_kib_go_as_one_literal_command(server, data_path, monkeypatch):
     """meshd.tensor of at most 256 KiB (all ranks' bytes) sends one Literal command: no
     Upload call and no direct transfer, exact values on every rank; 4 bytes more
     takes the data path. data_path="direct" always takes the direct path."""
-    uploads = []
     with meshd.connect(server[0], data_path=data_path) as s:
-        real = s._ch.stream_unary
-
-        def spy(method, *a, **kw):  # the Upload calls made (not the callables)
-            fn = real(method, *a, **kw)
-            if not method.endswith("/Upload"):
-                return fn
-
-            def call(*ca, **ckw):
-                uploads.append(method)
-                return fn(*ca, **ckw)
-            return call
-        monkeypatch.setattr(s._ch, "stream_unary", spy)
+        uploads = count_uploads(s, monkeypatch)
         with s.mesh(gpu=2).activate():
             whole = np.arange(1 << 16, dtype=np.float32)  # 256 KiB to each rank
             rows = np.arange(1 << 16, dtype=np.int32).reshape(2, -1)  # 128 KiB per rank
@@ -65,15 +70,8 @@ def test_a_mesh_with_an_older_agent_gets_uploads(server, monkeypatch):
     """A mesh whose answer says not every agent runs Literal commands (MeshMeta.literals;
     an agent older than the command, during a rolling upgrade) gets its small tensors
     as Uploads, pipelined or not; the server's meshes here all say they do."""
-    uploads = []
     with meshd.connect(server[0], data_path="proxy") as s:
-        real = s._ch.stream_unary
-
-        def spy(method, *a, **kw):
-            fn = real(method, *a, **kw)
-            return (lambda *ca, **ckw: (uploads.append(method), fn(*ca, **ckw))[1]) \
-                if method.endswith("/Upload") else fn
-        monkeypatch.setattr(s._ch, "stream_unary", spy)
+        uploads = count_uploads(s, monkeypatch)
         m = s.mesh(gpu=2)
         assert m._literals, "every agent of this server runs Literals"
         m._literals = False  # as an older agent's mesh says
