@@ -28,15 +28,24 @@ int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errl
     return -1;
   }
   *colon = '\0';
-  if (strcmp(part, "reduce") && strcmp(part, "send") && strcmp(part, "any")) {
-    snprintf(err, errlen, "fault spec '%s': WHERE '%s' is not one of reduce, send, any", spec, part);
+  if (strcmp(part, "reduce") && strcmp(part, "send") && strcmp(part, "any") &&
+      strcmp(part, "hello")) {
+    snprintf(err, errlen, "fault spec '%s': WHERE '%s' is not one of reduce, send, any, hello",
+             spec, part);
     return -1;
   }
   snprintf(f->where, sizeof f->where, "%s", part);
   char *action = colon + 1, *eq = strchr(action, '=');
   if (eq) *eq = '\0';
   long long v = 0;
-  if (!strcmp(action, "fail") && !eq) f->action = FAULT_FAIL;
+  bool hello = !strcmp(f->where, "hello");
+  if (hello != (!strcmp(action, "old") && !eq)) {
+    snprintf(err, errlen, "fault spec '%s': %s", spec,
+             hello ? "hello takes the ACTION old alone" : "ACTION old goes with WHERE hello");
+    return -1;
+  }
+  if (hello) f->action = FAULT_OLD;
+  else if (!strcmp(action, "fail") && !eq) f->action = FAULT_FAIL;
   else if (!strcmp(action, "hang")) f->action = FAULT_HANG;
   else if (!strcmp(action, "slow") && eq) f->action = FAULT_SLOW;
   else {
@@ -70,7 +79,8 @@ int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errl
 
 fault_action_t agent_fault_hit(agent_fault_t *f, const char *where, int64_t rank, int *ms) {
   if (!f || f->action == FAULT_NONE) return FAULT_NONE;
-  if (strcmp(f->where, "any") && strcmp(f->where, where)) return FAULT_NONE;
+  bool any = !strcmp(f->where, "any") && strcmp(where, "hello"); /* instructions only */
+  if (!any && strcmp(f->where, where)) return FAULT_NONE;
   if (f->rank >= 0 && f->rank != rank) return FAULT_NONE;
   if (atomic_fetch_add(&f->seen, 1) < f->after) return FAULT_NONE;
   if (f->count && atomic_fetch_add(&f->fired, 1) >= f->count) return FAULT_NONE;

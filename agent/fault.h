@@ -3,11 +3,14 @@
  * or sends fail, hang or run slowly.
  *
  *   WHERE:ACTION[,rank=R][,after=K][,count=C]
- *   WHERE   reduce | send | any
+ *   WHERE   reduce | send | any, or hello (with ACTION old)
  *   ACTION  fail            the instruction fails (REMOTE_FAILURE "injected fault")
  *           hang[=MS]       it blocks, like a wedged device, until the session
  *                           learns of a lost peer or ends (or MS passes; default 1 h)
  *           slow=MS         it sleeps MS, then runs
+ *           old             hello:old: the agent registers as a build older than
+ *                           the Literal command (rolling-upgrade drills; the
+ *                           server then sends it none)
  *   rank=R  only the agent of world rank R (all --local-agents share the env)
  *   after=K skip the first K matching instructions; count=C fire at most C times
  *
@@ -20,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef enum { FAULT_NONE, FAULT_FAIL, FAULT_HANG, FAULT_SLOW } fault_action_t;
+typedef enum { FAULT_NONE, FAULT_FAIL, FAULT_HANG, FAULT_SLOW, FAULT_OLD } fault_action_t;
 
 typedef struct agent_fault {
   char where[16];

@@ -130,7 +130,8 @@ static const config_flag_t flags[] = {
      "serve gRPC server reflection (grpcurl list/describe) on --listen, to callers the Agent "
      "service admits", &opt.reflection, 0, 0},
     {"fault", CONFIG_STRING, NULL,
-     "fault injection for tests, e.g. reduce:hang,rank=1 (see agent/fault.h)", &opt.fault, 0, 0},
+     "fault injection for tests, e.g. reduce:hang,rank=1 or hello:old (see agent/fault.h)",
+     &opt.fault, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
 
@@ -305,6 +306,10 @@ int main(int argc, char **argv) {
   bool gpu = ops != &cpu_backend_ops && strcmp(opt.device, "cuda:emulated") != 0;
   info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : default_memory_bytes();
   info.requested_rank = (int32_t)opt.rank;
+  info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
+  int unused_ms;
+  if (fault_on && agent_fault_hit(&fault, "hello", opt.rank, &unused_ms) == FAULT_OLD)
+    info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL - 1; /* drills: an older build */
   if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
   if (opt.rank >= 0) log_set_rank(opt.rank);
 

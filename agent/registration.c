@@ -173,7 +173,7 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   hello.commit = (char *)build->commit;
   hello.build_type = (char *)build->build_type;
   hello.cuda = build->cuda;
-  hello.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
+  hello.instructions = info->instructions;
   hello.pid = (uint32_t)getpid();
   hello.call_secret = secret;
   Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;

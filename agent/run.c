@@ -499,7 +499,8 @@ static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t
   int ms = 0;
   int64_t rank = c->env->rank ? atomic_load(c->env->rank) : -1;
   switch (agent_fault_hit(c->env->fault, where, rank, &ms)) {
-    case FAULT_NONE: return 0;
+    case FAULT_NONE:
+    case FAULT_OLD: return 0; /* hello:old is the registration's */
     case FAULT_SLOW: {
       struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
       nanosleep(&ts, NULL);

@@ -566,6 +566,15 @@ struct meshd_session {
   int ka_period_ms;
   direct_t *direct; /* the data path's state (direct.h) */
   pipeline_t *pipe; /* the Submit pipeline while it is on (pipeline.h) */
+  bool literals;    /* the server lists the "literal" feature */
+  /* The meshes this session made, by increasing ref: what a Literal to each
+   * sends in all, and whether its agents run Literals (MeshMeta). */
+  struct mesh_info {
+    meshd_ref_t ref;
+    uint64_t ranks;
+    bool literals;
+  } *meshes;
+  size_t nmeshes, meshes_cap;
 };
 
 static void deadline_in(struct timespec *ts, int ms) {
@@ -623,6 +632,7 @@ static void session_free(meshd_session_t *s) {
     pthread_mutex_destroy(&s->ka_mu);
   }
   direct_free(s->direct);
+  free(s->meshes);
   free(s->id);
   free(s->token);
   free(s);
@@ -688,6 +698,9 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
   s->next_ref = 1;
   s->next_seq = 1;
   s->ttl_s = reply->ttl_seconds;
+  for (size_t i = 0; i < reply->n_features; i++)
+    if (reply->features[i] && strcmp(reply->features[i], "literal") == 0)
+      s->literals = true;
   if (!keepalive_start(s)) {
     meshd_session_close(s); /* the server's session too */
     s = NULL;
@@ -760,6 +773,53 @@ static meshd_err_t sync_point(meshd_session_t *s, int timeout_ms) {
 }
 
 /* The commands a pipeline queues: every ref they make is known before the answer. */
+/* ------------------------------------------------------------------ meshes */
+
+static struct mesh_info *mesh_find(const meshd_session_t *s, meshd_ref_t ref) {
+  size_t lo = 0, hi = s->nmeshes; /* refs increase: a binary search */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (s->meshes[mid].ref == ref)
+      return &s->meshes[mid];
+    if (s->meshes[mid].ref < ref)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return NULL;
+}
+
+/* Keeps what the server said of a mesh this session made. Out of memory: not
+ * kept (a Literal to it is then checked by the server alone). */
+static void mesh_remember(meshd_session_t *s, const Meshd__V1__MeshMeta *m) {
+  if (!m || (s->nmeshes && s->meshes[s->nmeshes - 1].ref >= m->ref))
+    return;
+  if (s->nmeshes == s->meshes_cap) {
+    size_t cap = s->meshes_cap ? s->meshes_cap * 2 : 8;
+    struct mesh_info *v = realloc(s->meshes, cap * sizeof *v);
+    if (!v)
+      return;
+    s->meshes = v;
+    s->meshes_cap = cap;
+  }
+  s->meshes[s->nmeshes++] = (struct mesh_info){m->ref, m->n_ranks, m->literals};
+}
+
+/* What a Literal of `bytes` sends the agents in all: bytes on each rank of the
+ * mesh, or once over them (per_rank); bytes alone for a mesh not known here. */
+static uint64_t literal_sent(const meshd_session_t *s, meshd_ref_t mesh, bool per_rank,
+                             size_t bytes) {
+  const struct mesh_info *m = per_rank ? NULL : mesh_find(s, mesh);
+  return (uint64_t)bytes * (m && m->ranks ? m->ranks : 1);
+}
+
+bool meshd_session_literals(const meshd_session_t *s, meshd_ref_t mesh) {
+  if (!s || !s->literals)
+    return false;
+  const struct mesh_info *m = mesh_find(s, mesh);
+  return !m || m->literals;
+}
+
 static bool pipelined(Meshd__V1__Command__KindCase kind) {
   switch (kind) {
   case MESHD__V1__COMMAND__KIND_CALL:
@@ -770,6 +830,7 @@ static bool pipelined(Meshd__V1__Command__KindCase kind) {
   case MESHD__V1__COMMAND__KIND_RELEASE:
   case MESHD__V1__COMMAND__KIND_BORROW:
   case MESHD__V1__COMMAND__KIND_DROP_BORROW:
+  case MESHD__V1__COMMAND__KIND_LITERAL:
     return true;
   default:
     return false;
@@ -788,8 +849,13 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
   if (s->pipe) {
     if (pipelined(cmd->kind_case)) {
       direct_err_t e = {0};
-      return pipeline_queue(s->pipe, &cmd->base, cmd->seq, &e) == 0 ? MESHD_E_OK
-                                                                     : record(s->client, &e);
+      uint64_t sent = cmd->kind_case == MESHD__V1__COMMAND__KIND_LITERAL
+                          ? literal_sent(s, cmd->literal->mesh, cmd->literal->per_rank,
+                                         cmd->literal->data.len)
+                          : 0;
+      return pipeline_queue(s->pipe, &cmd->base, cmd->seq, sent, &e) == 0
+                 ? MESHD_E_OK
+                 : record(s->client, &e);
     }
     int64_t t0 = rpc_now_ms();
     meshd_err_t ret = sync_point(s, timeout_ms);
@@ -825,6 +891,18 @@ static meshd_err_t execute_timeout(meshd_session_t *s, Meshd__V1__Command *cmd, 
 
 static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
   return execute_timeout(s, cmd, 0);
+}
+
+/* execute_new() of CreateMesh or SliceMesh, which keeps the MeshMeta. */
+static meshd_err_t execute_mesh(meshd_session_t *s, Meshd__V1__Command *cmd, meshd_ref_t *out) {
+  ProtobufCMessage *resp = NULL;
+  meshd_err_t ret = execute_keep(s, cmd, 0, &resp);
+  if (ret == MESHD_E_OK) {
+    mesh_remember(s, ((const Meshd__V1__CommandResult *)resp)->mesh);
+    protobuf_c_message_free_unpacked(resp, NULL);
+    *out = s->next_ref++;
+  }
+  return ret;
 }
 
 /* execute() of a command that makes ref s->next_ref: on success *out gets it. */
@@ -868,7 +946,7 @@ meshd_err_t meshd_session_create_mesh(meshd_session_t *s, const char *const *nam
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_CREATE_MESH;
   cmd.create_mesh = &cm;
-  return execute_new(s, &cmd, mesh_out);
+  return execute_mesh(s, &cmd, mesh_out);
 }
 
 meshd_err_t meshd_session_slice_mesh(meshd_session_t *s, meshd_ref_t parent, const char *const *dims,
@@ -899,7 +977,7 @@ meshd_err_t meshd_session_slice_mesh(meshd_session_t *s, meshd_ref_t parent, con
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_SLICE_MESH;
   cmd.slice_mesh = &sm;
-  return execute_new(s, &cmd, mesh_out);
+  return execute_mesh(s, &cmd, mesh_out);
 }
 
 meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const char *kind,
@@ -1661,6 +1739,58 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   }
   *out = h.ref;
   return MESHD_E_OK;
+}
+
+meshd_err_t meshd_session_literal(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
+                                  const int64_t *shape, size_t ndim, const void *data,
+                                  size_t bytes, const meshd_upload_options_t *opts,
+                                  meshd_ref_t *out) {
+  static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
+  if (!opts)
+    opts = &defaults;
+  if (!s)
+    return MESHD_E_INVALID;
+  if (!check_out(s, out, "meshd_session_literal"))
+    return MESHD_E_INVALID;
+  int dt = dtype ? dtype_by_name(dtype) : 0;
+  if (!dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_literal: need a known dtype (got '%s'), at most 16 dims with a shape, "
+              "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
+    return MESHD_E_INVALID;
+  }
+  uint64_t sent = literal_sent(s, mesh, opts->per_rank, bytes);
+  if (bytes > MESHD_LITERAL_MAX_BYTES || sent > MESHD_LITERAL_MAX_SENT_BYTES) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_literal: %zu bytes (%llu to the mesh's ranks in all) are more than a "
+              "Literal carries (%u bytes, %u over the ranks); upload them with "
+              "meshd_session_upload_with", bytes, (unsigned long long)sent,
+              MESHD_LITERAL_MAX_BYTES, MESHD_LITERAL_MAX_SENT_BYTES);
+    return MESHD_E_INVALID;
+  }
+  if (meshd_session_literals(s, mesh)) {
+    Meshd__V1__Literal l = MESHD__V1__LITERAL__INIT;
+    l.ref = s->next_ref;
+    l.mesh = mesh;
+    l.stream = opts->stream;
+    l.shape = (int64_t *)shape;
+    l.n_shape = ndim;
+    l.dtype = (Meshd__V1__DType)dt;
+    l.per_rank = opts->per_rank;
+    l.data = (ProtobufCBinaryData){bytes, (uint8_t *)data};
+    Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+    cmd.kind_case = MESHD__V1__COMMAND__KIND_LITERAL;
+    cmd.literal = &l;
+    meshd_err_t ret = execute_new(s, &cmd, out);
+    /* An agent older than Literal joined the mesh: upload to it from now on. */
+    if (ret != MESHD_E_RPC || strcmp(s->client->kind, "UNAVAILABLE") != 0 ||
+        !strstr(s->client->message, "predates the Literal"))
+      return ret;
+    struct mesh_info *m = mesh_find(s, mesh);
+    if (m)
+      m->literals = false;
+  }
+  return meshd_session_upload_with(s, mesh, dtype, shape, ndim, data, bytes, opts, out);
 }
 
 meshd_err_t meshd_session_sync_timeout(meshd_session_t *s, int timeout_ms) {

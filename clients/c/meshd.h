@@ -494,6 +494,36 @@ MESHD_API meshd_err_t meshd_session_upload_with(meshd_session_t *session, meshd_
                                                 const meshd_upload_options_t *opts,
                                                 meshd_ref_t *out);
 
+/* The most data one Literal carries, and the most its copies to the ranks may
+ * come to in all (docs/protocol.md, Literal). */
+#define MESHD_LITERAL_MAX_BYTES (1u << 20)
+#define MESHD_LITERAL_MAX_SENT_BYTES (8u << 20)
+
+/* Literal: a small tensor whose bytes travel in the command itself, the
+ * arguments of meshd_session_upload_with. It is a command: it returns once
+ * sent (with a pipeline, once queued: data is copied and may be reused at
+ * once), in order with the session's other commands on its stream, and a
+ * failure on the agents is reported by the next Sync. An upload of a few KiB
+ * takes two round trips through the server and the agents; a Literal none.
+ * At most MESHD_LITERAL_MAX_BYTES of data, and at most
+ * MESHD_LITERAL_MAX_SENT_BYTES over the ranks it goes to (data times the
+ * mesh's ranks unless per_rank): larger is MESHD_E_INVALID, naming the bound
+ * (upload it). A pipeline batch's Literals stay within that bound together.
+ * Where the server, or an agent of the mesh, predates Literal
+ * (meshd_session_literals), it uploads instead, and returns once every rank
+ * holds the bytes. *out gets the tensor's ref. */
+MESHD_API meshd_err_t meshd_session_literal(meshd_session_t *session, meshd_ref_t mesh,
+                                            const char *dtype, const int64_t *shape, size_t ndim,
+                                            const void *data, size_t bytes,
+                                            const meshd_upload_options_t *opts,
+                                            meshd_ref_t *out);
+
+/* Whether meshd_session_literal sends a command to `mesh` (true), or uploads
+ * (false: the server lists no "literal" feature, or an agent of the mesh
+ * predates it). Meshes made by this session are known; others count as true,
+ * and the server checks. */
+MESHD_API bool meshd_session_literals(const meshd_session_t *session, meshd_ref_t mesh);
+
 /* Drop (Monarch's drop): frees each tensor's storage, every alias of it. */
 MESHD_API meshd_err_t meshd_session_drop(meshd_session_t *session, const meshd_ref_t *refs,
                                          size_t n);

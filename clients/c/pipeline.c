@@ -35,6 +35,7 @@ struct pipeline {
   int64_t max_delay_ns;
   uint8_t *buf; /* the queued commands, packed as Command.batch's body */
   size_t len, cap, nq;
+  uint64_t sent;           /* what the batch's Literals send the agents */
   int64_t first_at_ns;     /* when the batch's first command was queued */
   uint64_t queued_through; /* the last queued seq */
   uint64_t answered_through;
@@ -96,6 +97,7 @@ static void send_queued(pipeline_t *p, bool only_due) {
   rpc_bytes_t *m = rpc_bytes_copy(p->buf, p->len);
   size_t n = p->nq;
   p->len = p->nq = 0;
+  p->sent = 0;
   /* Counted before the write: the server may answer before it returns, and
    * a caller that saw the answer must see the message counted. */
   p->stats.commands_sent += n;
@@ -341,9 +343,15 @@ void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us) {
   pthread_mutex_unlock(&p->mu);
 }
 
-int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, direct_err_t *e) {
+int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
+                   direct_err_t *e) {
   size_t n = protobuf_c_message_get_packed_size(cmd);
   pthread_mutex_lock(&p->mu);
+  while (sent && p->nq && p->sent + sent > PIPELINE_MAX_SENT && !p->ended && !p->write_failed) {
+    pthread_mutex_unlock(&p->mu); /* the batch goes out without this Literal */
+    send_queued(p, false);
+    pthread_mutex_lock(&p->mu);
+  }
   if (p->ended || p->write_failed) {
     ended_error(p, e);
     pthread_mutex_unlock(&p->mu);
@@ -368,6 +376,7 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, dir
     pthread_cond_signal(&p->fl_cv);
   }
   p->queued_through = seq;
+  p->sent += sent;
   p->stats.commands_queued++;
   bool full = p->nq >= p->max_batch || p->len >= PIPELINE_MAX_BYTES;
   pthread_mutex_unlock(&p->mu);

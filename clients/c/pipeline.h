@@ -30,6 +30,9 @@
  * server's messages are at most 4 MiB. */
 #define PIPELINE_MAX_BYTES (1u << 20)
 #define PIPELINE_MAX_BATCH 4096 /* the server's limit per batch */
+/* What the Literals of one Submit message may send the agents together (the
+ * server's bound, MESHD_LITERAL_MAX_SENT_BYTES). */
+#define PIPELINE_MAX_SENT MESHD_LITERAL_MAX_SENT_BYTES
 
 typedef struct pipeline pipeline_t;
 
@@ -41,10 +44,13 @@ pipeline_t *pipeline_open(rpc_channel_t *ch, const rpc_md_t *md, size_t nmd, siz
 /* New limits, from the next queued command on. */
 void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us);
 
-/* Queues cmd, whose seq is `seq` (above every seq queued before). Sends the
- * batch when it is full. 0, or -1 with e when the stream is over (it says
- * why; nothing more can be queued). */
-int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, direct_err_t *e);
+/* Queues cmd, whose seq is `seq` (above every seq queued before). `sent`:
+ * what cmd, a Literal, sends the agents in all (0 for other commands); the
+ * batch goes out first if its Literals would pass PIPELINE_MAX_SENT with it.
+ * Sends the batch when it is full. 0, or -1 with e when the stream is over
+ * (it says why; nothing more can be queued). */
+int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
+                   direct_err_t *e);
 
 /* Sends what is queued and waits up to timeout_ms (> 0) for every answer.
  * Then hands over the rejections: 0 when there were none; -1 with e naming

@@ -382,6 +382,8 @@ export class Session {
   /** the last command's seq */
   seq: number;
   closed: boolean;
+  /** the server takes Literal commands (its features list 'literal') */
+  literals: boolean;
   /** how upload and fetch move bytes; change with setDataPath() */
   readonly dataPath: DataPath;
   /** counters of the session's transfers by path */
@@ -446,6 +448,13 @@ export class Session {
    * shards at once. Throws (synchronously) a TypeError for an array of no meshd dtype.
    */
   upload(mesh: Ref, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
+  /**
+   * upload()'s arguments as one Literal command: the bytes (copied at the call) travel in
+   * the command, pipelined and answered at once; a failure on the agents comes at the next
+   * sync(). At most 1 MiB, and 8 MiB over the ranks (a MeshMeta's ranks count): more is
+   * a RangeError. Uploads where the server or the mesh (MeshMeta.literals) predates Literal.
+   */
+  literal(mesh: Ref | MeshMeta, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
   /**
    * The local tensor at the rank named by coords (an index for every mesh dim: {gpu: 1})
    * as a typed array by dtype, with .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs

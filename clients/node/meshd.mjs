@@ -62,6 +62,10 @@ const PROTO_REL = path.join('api', 'meshd', 'v1', 'tensor_service.proto');
 const KIND_MD = 'meshd-error-kind';
 const CHUNK = 1 << 20; // Upload data chunk size
 const QUEUED = Symbol('queued'); // execute: a pipelined command's answer, still to come
+const WEIGHT = Symbol('weight'); // a queued Literal's {bytes, sent}: what the batch may hold
+const LITERAL_MAX_BYTES = 1 << 20; // the data one Literal carries (docs/protocol.md)
+const LITERAL_MAX_SENT = 8 << 20; // what it, or one message's Literals, sends the agents
+const BATCH_BYTES = 1 << 20; // a pipelined message ends past this much Literal data
 const AGENT_PROTO_REL = path.join('meshd', 'agent', 'v1', 'agent.proto');
 const GRANT_MD = 'meshd-transfer-grant-bin';
 export const DATA_PATHS = Object.freeze(['auto', 'direct', 'proxy']);
@@ -214,6 +218,7 @@ export class Session {
     this.nextRef = 0;
     this.seq = 0;
     this.closed = false;
+    this.literals = (reply.features ?? []).includes('literal'); // the server takes Literals
     this.dataPath = checkDataPath(dataPath);
     this.#protoFile = protoFile;
     this.transferStats = {
@@ -298,10 +303,11 @@ export class Session {
 
   // Runs one Command ({create_mesh: {...}} etc.; seq is filled in) and returns its
   // CommandResult; a rejected command throws a MeshdError with .kind.
-  async execute(command, { timeoutMs } = {}) {
+  async execute(command, { timeoutMs, [WEIGHT]: weight } = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     this.seq += 1;
     const cmd = { seq: this.seq, ...command };
+    if (weight) cmd[WEIGHT] = weight; // a symbol: protobuf does not see it
     const deadline = this.deadline(timeoutMs); // from the call, not from its turn
     // A pipelined command is claimed in stream order once queued; its answer is awaited
     // outside the order (wrapped, so that the order does not wait for it).
@@ -375,10 +381,21 @@ export class Session {
     });
   }
 
+  // A message holds at most maxBatch commands, and its Literals at most BATCH_BYTES of
+  // data (the server's messages are at most 4 MiB) and LITERAL_MAX_SENT to the agents
+  // (the server refuses a Literal past that).
   #flush(pipe) {
     pipe.scheduled = false;
     while (pipe.queue.length && !pipe.broken) {
-      const cmds = pipe.queue.splice(0, pipe.maxBatch);
+      let n = 0, bytes = 0, sent = 0;
+      for (; n < pipe.queue.length && n < pipe.maxBatch; n++) {
+        const w = pipe.queue[n][WEIGHT];
+        if (!w) continue;
+        if (n && (bytes + w.bytes > BATCH_BYTES || sent + w.sent > LITERAL_MAX_SENT)) break;
+        bytes += w.bytes;
+        sent += w.sent;
+      }
+      const cmds = pipe.queue.splice(0, n);
       pipe.stream.write(cmds.length === 1 ? cmds[0] : { batch: cmds });
       pipe.messages += 1;
       pipe.commands += cmds.length;
@@ -563,6 +580,37 @@ export class Session {
     // have claimed header.ref and then fallen back.
     const spare = this.newRef();
     return this.#inOrder(() => this.#upload(header, spare, bytes));
+  }
+
+  // A small tensor whose bytes travel in the command itself (a Literal,
+  // docs/protocol.md), upload()'s arguments: a command like any other, pipelined with
+  // the rest and answered at once, so a failure on the agents comes at the next sync.
+  // The bytes are copied at the call. At most 1 MiB, and at most 8 MiB over the ranks
+  // it goes to (its bytes times mesh.ranks.length unless perRank; `mesh` as a MeshMeta
+  // lets the client check that): more is a RangeError (upload() it). Where the server,
+  // or an agent of the mesh (mesh.literals false), predates Literal, it uploads.
+  async literal(mesh, shape, data, { stream = 0, perRank = false } = {}) {
+    const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
+    if (!dtype) throw new TypeError('meshd: literal takes a Float32Array, Float64Array or integer typed array');
+    const n = data.byteLength;
+    const sent = perRank ? n : n * (mesh?.ranks?.length || 1);
+    if (n > LITERAL_MAX_BYTES || sent > LITERAL_MAX_SENT) {
+      throw new RangeError(`meshd: literal: ${n} bytes (${sent} to the mesh's ranks in all) are more than a ` +
+        `Literal carries (${LITERAL_MAX_BYTES}, ${LITERAL_MAX_SENT} over the ranks); upload() them`);
+    }
+    if (this.literals && mesh?.literals !== false) {
+      const bytes = Buffer.from(new Uint8Array(data.buffer, data.byteOffset, n)); // a copy
+      try {
+        const res = await this.execute({
+          literal: { ref: this.newRef(), mesh: mesh?.ref ?? mesh, stream, shape, dtype, per_rank: perRank, data: bytes },
+        }, { [WEIGHT]: { bytes: n, sent } });
+        return res.tensors[0];
+      } catch (e) { // an agent older than Literal joined the mesh: upload from now on
+        if (!(e instanceof MeshdError) || e.kind !== 'UNAVAILABLE' || !e.message.includes('predates the Literal')) throw e;
+        if (mesh && typeof mesh === 'object') mesh.literals = false;
+      }
+    }
+    return this.upload(mesh, shape, data, { stream, perRank });
   }
 
   // Runs in its turn (#inOrder): the session's later ref-claiming calls wait for it.

@@ -2006,3 +2006,201 @@ Test(c_client_cluster_tls, direct_over_tls_and_fallback_when_an_agent_hangs) {
   meshd_session_close(s);
   meshd_close(c);
 }
+
+/* ------------------------------------------------------------------ literals */
+
+/* The bytes of `t` at rank gpu=`rank` (-1: a mesh without dims) into buf (cap
+ * bytes); returns their count. */
+static size_t fetch_rank(meshd_client_t *c, meshd_session_t *s, meshd_ref_t t, int64_t rank,
+                         void *buf, size_t cap) {
+  const char *dims[] = {"gpu"};
+  meshd_fetch_part_t part = {dims, &rank, rank >= 0, buf, cap, 0};
+  cr_assert_eq(meshd_session_fetch_bytes(s, t, &part, 1, NULL), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  return part.nbytes;
+}
+
+static uint64_t uploads_of(meshd_session_t *s) {
+  meshd_transfer_stats_t st = stats_of(s);
+  return st.direct_uploads + st.proxy_uploads;
+}
+
+/* A Literal is a command, not an upload: replicated, per rank and on a side
+ * stream, its values arrive exact, and no Upload ran (the transfer counters);
+ * pipelined, it waits in the queue with the other commands and is answered
+ * with them. Bytes that disagree with the shape are named by the server; over
+ * 1 MiB, the client names the bound and what to call instead. */
+Test(c_client, a_literal_is_a_command_whose_bytes_arrive_exact) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert(meshd_session_literals(s, m), "this server's agents all run Literals");
+
+  float f[3] = {1.5f, -2.0f, 3.25f}, fb[3];
+  int64_t three[] = {3}, two[] = {2};
+  meshd_ref_t x = 0, y = 0, z = 0, w = 0;
+  cr_assert_eq(meshd_session_literal(s, m, "float32", three, 1, f, sizeof f, NULL, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  for (int r = 0; r < 2; r++) {
+    cr_assert_eq(fetch_rank(c, s, x, r, fb, sizeof fb), sizeof f);
+    cr_assert(memcmp(f, fb, sizeof f) == 0, "rank %d", r);
+  }
+  int64_t rows[4] = {10, -11, 1LL << 40, 21}, back[2];
+  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
+  o.per_rank = true;
+  cr_assert_eq(meshd_session_literal(s, m, "int64", two, 1, rows, sizeof rows, &o, &y),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  for (int r = 0; r < 2; r++) {
+    cr_assert_eq(fetch_rank(c, s, y, r, back, sizeof back), sizeof back);
+    cr_assert(memcmp(back, rows + 2 * r, sizeof back) == 0, "rank %d got %lld %lld", r,
+              (long long)back[0], (long long)back[1]);
+  }
+  meshd_upload_options_t side = MESHD_UPLOAD_OPTIONS_INIT;
+  cr_assert_eq(meshd_session_stream(s, "side", &side.stream), MESHD_E_OK);
+  uint8_t u[5] = {0, 1, 254, 255, 7}, ub[5];
+  int64_t five[] = {5};
+  cr_assert_eq(meshd_session_literal(s, m, "uint8", five, 1, u, sizeof u, &side, &z),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(fetch_rank(c, s, z, 1, ub, sizeof ub), sizeof u);
+  cr_assert(memcmp(u, ub, sizeof u) == 0);
+  cr_assert_eq(uploads_of(s), 0, "a Literal went as an upload");
+
+  /* Refused: the server names the mismatch, and the ref stays free. */
+  meshd_ref_t before = 0;
+  cr_assert_eq(meshd_session_literal(s, m, "float32", five, 1, f, sizeof f, NULL, &before),
+               MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "SHAPE_MISMATCH");
+  cr_assert(strstr(meshd_last_error(c)->message, "Literal: 12 bytes of data"), "%s",
+            meshd_last_error(c)->message);
+  size_t big = MESHD_LITERAL_MAX_BYTES + 1;
+  uint8_t *lots = calloc(1, big);
+  cr_assert_not_null(lots);
+  int64_t nbig[] = {(int64_t)big};
+  cr_assert_eq(meshd_session_literal(s, m, "uint8", nbig, 1, lots, big, NULL, &w),
+               MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "more than a Literal carries") &&
+                strstr(meshd_last_error(c)->message, "meshd_session_upload_with"),
+            "%s", meshd_last_error(c)->message);
+  free(lots);
+  cr_assert_eq(meshd_session_literal(s, m, "float33", three, 1, f, sizeof f, NULL, &w),
+               MESHD_E_INVALID);
+
+  /* Pipelined: queued with the call that uses it, sent by the fetch. */
+  meshd_pipeline_options_t po = {.max_batch = 256, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  float g[2] = {4.0f, 0.5f};
+  meshd_ref_t a = 0, b = 0;
+  cr_assert_eq(meshd_session_literal(s, m, "float32", two, 1, g, sizeof g, NULL, &a),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  g[0] = 99.0f; /* queued: the literal holds its own copy */
+  add_one(c, s, a, &b);
+  meshd_pipeline_stats_t st = pipe_stats(s);
+  cr_assert_eq(st.commands_queued, 2);
+  cr_assert_eq(st.messages_sent, 0);
+  float gb[2];
+  cr_assert_eq(fetch_rank(c, s, b, 0, gb, sizeof gb), sizeof gb);
+  cr_assert(gb[0] == 5.0f && gb[1] == 1.5f, "got %g %g", gb[0], gb[1]);
+  st = pipe_stats(s);
+  cr_assert_eq(st.messages_sent, 1);
+  cr_assert_eq(st.rejected, 0);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(uploads_of(s), 0, "a Literal went as an upload");
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+static void start_old_rank1(void) {
+  setenv("MESHD_FAULT", "hello:old,rank=1", 1); /* the local agents inherit it */
+  start_server();
+  unsetenv("MESHD_FAULT");
+}
+
+TestSuite(c_client_old_agent, .init = start_old_rank1, .fini = stop_server, .timeout = 60);
+
+/* A rolling upgrade: the agent of rank 1 registers as a build older than the
+ * Literal command. A mesh with it says so (MeshMeta.literals), and a Literal
+ * to it is uploaded instead, exact, pipelined or not; a slice without it still
+ * gets commands. */
+Test(c_client_old_agent, a_mesh_with_an_older_agent_gets_uploads) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, m0 = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  const char *dims[] = {"gpu"};
+  int64_t at0[] = {0};
+  cr_assert_eq(meshd_session_slice_mesh(s, m, dims, at0, 1, &m0), MESHD_E_OK);
+  cr_assert(!meshd_session_literals(s, m), "a mesh with an older agent takes Literals");
+  cr_assert(meshd_session_literals(s, m0), "rank 0's slice runs Literals");
+
+  int32_t v[4] = {1, -2, 3, 1 << 30}, vb[4];
+  int64_t four[] = {4};
+  meshd_ref_t x = 0, y = 0, x1 = 0;
+  cr_assert_eq(meshd_session_literal(s, m, "int32", four, 1, v, sizeof v, NULL, &x), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  cr_assert_eq(uploads_of(s), 1);
+  cr_assert_eq(fetch_rank(c, s, x, 1, vb, sizeof vb), sizeof v);
+  cr_assert(memcmp(v, vb, sizeof v) == 0);
+  cr_assert_eq(meshd_session_literal(s, m0, "int32", four, 1, v, sizeof v, NULL, &y), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  cr_assert_eq(uploads_of(s), 1, "rank 0's slice got an upload");
+  cr_assert_eq(fetch_rank(c, s, y, -1, vb, sizeof vb), sizeof v);
+  cr_assert(memcmp(v, vb, sizeof v) == 0);
+
+  meshd_pipeline_options_t po = {.max_batch = 256, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  cr_assert_eq(meshd_session_literal(s, m, "int32", four, 1, v, sizeof v, NULL, &x1),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(uploads_of(s), 2);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(pipe_stats(s).rejected, 0);
+  cr_assert_eq(fetch_rank(c, s, x1, 1, vb, sizeof vb), sizeof v);
+  cr_assert(memcmp(v, vb, sizeof v) == 0);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+static void start_five(void) { start_server_full("5", NULL, NULL); }
+
+TestSuite(c_client_five, .init = start_five, .fini = stop_server, .timeout = 90);
+
+/* The Literals of one Submit message send at most 8 MiB to the agents together
+ * (the server refuses the one past it): a pipeline whose next Literal would
+ * pass that sends its batch first. Two 1,000,000-byte Literals on 5 ranks send
+ * 10 MB: they go in two messages, and both are accepted, exact. */
+Test(c_client_five, a_pipeline_keeps_its_batches_literals_under_the_servers_bound) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-literal-budget", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t five[] = {5};
+  meshd_ref_t m = 0, x[2] = {0};
+  cr_assert_eq(meshd_session_create_mesh(s, dims, five, 1, &m), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_pipeline_options_t po = {.max_batch = 256, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  size_t n = 1000000;
+  uint8_t *data = malloc(n), *back = malloc(n);
+  cr_assert(data && back);
+  int64_t shape[] = {(int64_t)n};
+  for (int i = 0; i < 2; i++) {
+    fill(data, n, 20 + (unsigned)i);
+    cr_assert_eq(meshd_session_literal(s, m, "uint8", shape, 1, data, n, NULL, &x[i]),
+                 MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  }
+  meshd_pipeline_stats_t st = pipe_stats(s);
+  cr_assert_eq(st.commands_queued, 2);
+  cr_assert_eq(st.messages_sent, 1, "the first Literal did not go out before the second");
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  st = pipe_stats(s);
+  cr_assert_eq(st.messages_sent, 2);
+  cr_assert_eq(st.rejected, 0);
+  for (int i = 0; i < 2; i++) {
+    fill(data, n, 20 + (unsigned)i);
+    cr_assert_eq(fetch_rank(c, s, x[i], 4, back, n), n);
+    cr_assert(memcmp(data, back, n) == 0, "literal %d", i);
+  }
+  cr_assert_eq(uploads_of(s), 0);
+  free(data);
+  free(back);
+  meshd_session_close(s);
+  meshd_close(c);
+}

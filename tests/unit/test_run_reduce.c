@@ -338,3 +338,26 @@ Test(run_reduce, a_group_or_send_without_a_secret_is_refused) {
   close_agent(&a);
   dataplane_stop(a.b.net);
 }
+
+/* hello:old (a rolling-upgrade drill) is an action of the registration only:
+ * it matches its rank, never an instruction, and any:... never matches it; a
+ * mix of the two grammars is refused with what goes with what. */
+Test(run_reduce, the_hello_old_fault_is_the_registrations_alone) {
+  agent_fault_t f;
+  char why[200];
+  int ms = 0;
+  cr_assert_eq(agent_fault_parse("hello:old,rank=1", &f, why, sizeof why), 0, "%s", why);
+  cr_assert_eq(agent_fault_hit(&f, "hello", 1, &ms), FAULT_OLD);
+  cr_assert_eq(agent_fault_hit(&f, "hello", 0, &ms), FAULT_NONE);
+  cr_assert_eq(agent_fault_hit(&f, "reduce", 1, &ms), FAULT_NONE);
+  cr_assert_eq(agent_fault_parse("any:fail", &f, why, sizeof why), 0, "%s", why);
+  cr_assert_eq(agent_fault_hit(&f, "hello", 0, &ms), FAULT_NONE);
+  cr_assert_eq(agent_fault_hit(&f, "send", 0, &ms), FAULT_FAIL);
+  cr_assert_eq(agent_fault_parse("hello:fail", &f, why, sizeof why), -1);
+  cr_assert(strstr(why, "hello takes the ACTION old alone"), "%s", why);
+  cr_assert_eq(agent_fault_parse("reduce:old", &f, why, sizeof why), -1);
+  cr_assert(strstr(why, "ACTION old goes with WHERE hello"), "%s", why);
+  cr_assert_eq(agent_fault_parse("hello:old=5", &f, why, sizeof why), -1);
+  cr_assert_eq(agent_fault_parse("boot:old", &f, why, sizeof why), -1);
+  cr_assert(strstr(why, "not one of reduce, send, any, hello"), "%s", why);
+}

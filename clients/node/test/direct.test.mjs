@@ -25,10 +25,12 @@ const servers = {}; // name -> { proc, addr, log }
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const logOf = (name) => { try { return readFileSync(servers[name].log, 'utf8'); } catch { return ''; } };
 
-// meshd --local-agents 2 with args; resolves once both agents are healthy.
-async function startMeshd(name, args) {
+// meshd --local-agents 2 with args (and MESHD_* variables in extraEnv); resolves once
+// both agents are healthy.
+async function startMeshd(name, args, extraEnv = {}) {
   const env = Object.fromEntries(Object.entries(process.env).filter(
     ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
+  Object.assign(env, extraEnv);
   const log = path.join(work, `${name}.log`);
   const portFile = path.join(work, `${name}.port`);
   const proc = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
@@ -69,6 +71,7 @@ before(async () => {
   await Promise.all([
     startMeshd('direct', ['--data-path=direct']),
     startMeshd('proxy', ['--data-path=proxy']),
+    startMeshd('old', [], { MESHD_FAULT: 'hello:old,rank=1' }), // rank 1: a build before Literal
     startMeshd('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
       '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0', '--agent-timeout', '10']),
   ]);
@@ -284,6 +287,69 @@ test('direct: an agent killed mid-upload fails it with AGENT_LOST naming the ran
     const m = await mesh(); // the session goes on, on the replacement
     const t = await s.upload(m, [3], new Float32Array([1, 2, 3]));
     assert.deepEqual([...await s.fetch(t, { gpu: 1 })], [1, 2, 3]);
+  } finally {
+    await s.close();
+  }
+});
+
+test('literal: a command, not an upload: exact per rank, pipelined in bounded messages, over the bounds a RangeError', async () => {
+  const s = await open('proxy', 'auto');
+  try {
+    assert.equal(s.literals, true, 'the server lists the literal feature');
+    const mesh = await s.createMesh({ gpu: 2 });
+    assert.equal(mesh.literals, true);
+    const x = await s.literal(mesh, [3], new Float32Array([1.5, -2, 3.25]));
+    const y = await s.literal(mesh, [2], new BigInt64Array([10n, -11n, 1n << 40n, 21n]), { perRank: true });
+    assert.deepEqual([...await s.fetch(x, { gpu: 1 })], [1.5, -2, 3.25]);
+    assert.deepEqual([...await s.fetch(y, { gpu: 0 })], [10n, -11n]);
+    assert.deepEqual([...await s.fetch(y, { gpu: 1 })], [1n << 40n, 21n]);
+    assert.equal(s.transferStats.proxyUploads + s.transferStats.directUploads, 0, 'a literal went as an upload');
+    await assert.rejects(s.literal(mesh, [5], new Float32Array(3)), (err) => {
+      assert.equal(err.kind, 'SHAPE_MISMATCH');
+      assert.match(err.message, /Literal: 12 bytes of data/);
+      return true;
+    });
+    await assert.rejects(s.literal(mesh, [(1 << 20) + 1], new Uint8Array((1 << 20) + 1)),
+      /more than a Literal carries .*upload\(\) them/);
+
+    // Pipelined: a message ends before 1 MiB of Literal data, and before its Literals
+    // send 8 MiB to the agents (here a MeshMeta that counts 9 ranks: 4.5 MB each).
+    await s.setPipeline({ maxBatch: 256 });
+    const big = (seed, n) => Uint8Array.from({ length: n }, (_, i) => (i * 31 + seed) & 0xff);
+    const a = big(1, 600000), b = big(2, 600000);
+    const ts = await Promise.all([s.literal(mesh, [a.length], a), s.literal(mesh, [b.length], b)]);
+    assert.equal(s.pipelineStats().messages, 2, 'two 600 kB Literals went in one message');
+    const c = await s.call('add', [ts[1], 1]);
+    const nine = { ...mesh, ranks: [0, 1, 0, 1, 0, 1, 0, 1, 0] };
+    const d = big(3, 500000), e = big(4, 500000);
+    const us = await Promise.all([s.literal(nine, [d.length], d), s.literal(nine, [e.length], e)]);
+    assert.equal(s.pipelineStats().messages, 5, 'two Literals sending 9 MB went in one message');
+    await s.sync();
+    assert.ok(Buffer.from(await s.fetch(ts[0], { gpu: 1 })).equals(Buffer.from(a)));
+    const got = await s.fetch(c, { gpu: 0 });
+    assert.equal(got.length, b.length);
+    assert.ok(got.every((v, i) => v === b[i] + 1), 'add(b, 1) differs');
+    assert.ok(Buffer.from(await s.fetch(us[1], { gpu: 1 })).equals(Buffer.from(e)));
+    await assert.rejects(s.literal(nine, [1000000], new Uint8Array(1000000)), /9000000 to the mesh's ranks/);
+    assert.equal(s.transferStats.proxyUploads + s.transferStats.directUploads, 0, 'a literal went as an upload');
+  } finally {
+    await s.close();
+  }
+});
+
+test('literal: a mesh with an agent older than Literal (MESHD_FAULT=hello:old) gets an upload; its slice without it a command', async () => {
+  const s = await open('old', 'proxy');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    assert.equal(mesh.literals, false, 'a mesh with an older agent says it runs Literals');
+    const x = await s.literal(mesh, [4], new Int32Array([1, -2, 3, 1 << 30]));
+    assert.equal(s.transferStats.proxyUploads, 1);
+    assert.deepEqual([...await s.fetch(x, { gpu: 1 })], [1, -2, 3, 1 << 30]);
+    const m0 = await s.sliceMesh(mesh, { gpu: 0 });
+    assert.equal(m0.literals, true);
+    const y = await s.literal(m0, [2], new Float64Array([0.25, -8]));
+    assert.equal(s.transferStats.proxyUploads, 1, "rank 0's slice got an upload");
+    assert.deepEqual([...await s.fetch(y, {})], [0.25, -8]);
   } finally {
     await s.close();
   }

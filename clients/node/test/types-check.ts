@@ -23,6 +23,9 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const ranks: number[] = mesh.ranks;
 
     const x = await s.upload(mesh, [4], Float32Array.from([1, 2, 3, 4, 5, 6, 7, 8]), { perRank: true });
+    const lit: TensorMeta = await s.literal(mesh, [2], Int32Array.from([1, 2, 3, 4]), { perRank: true, stream: 0 });
+    const canLiteral: boolean = s.literals && mesh.literals;
+    void [lit, canLiteral];
     const three = await s.factory({ kind: 'full', mesh: mesh.ref, shape: [4], dtype: 'DTYPE_FLOAT32', value: 3 });
     const y = await s.call('add', [x, three]);
     const z = await s.call('mul', [y, 0.5], { alpha: { i: 2 } }, { stream: 0 });
@@ -83,6 +86,8 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     await s.load(mesh, url, { dtype: 'float32', shape: [2] });
     // @ts-expect-error Uint16Array has no meshd dtype
     await s.upload(mesh, [2], new Uint16Array(2));
+    // @ts-expect-error Uint16Array has no meshd dtype
+    await s.literal(mesh, [2], new Uint16Array(2));
     // @ts-expect-error fetch resolves to a typed array, not a plain array
     const wrong: number[] = await s.fetch(total, { gpu: 0 });
     // @ts-expect-error unary() knows the RPC names

@@ -56,11 +56,11 @@ def _serving(port, connect=None):
         return st == h.HealthCheckResponse.SERVING
 
 
-def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=(), connect=None):
+def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=(), connect=None, env=None):
     """Starts meshd with `agents` local agents (and more `flags`); returns (address, Popen)
     once TensorService is SERVING and that many agents are healthy. Its log is
     log_path(name). `connect`: the meshd.connect arguments that server needs (token,
-    root_certs, ...) to check that."""
+    root_certs, ...) to check that. `env`: MESHD_* variables for it and its agents."""
     binary = os.path.join(BIN_DIR, "meshd")
     assert os.access(binary, os.X_OK), f"no meshd at {binary}; set MESHD_BIN_DIR"
     port_file = os.path.join(_TMP, f"{name}-{time.monotonic_ns()}.port")
@@ -69,7 +69,8 @@ def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=(), connect=No
         proc = subprocess.Popen([binary, "--listen", listen, "--local-agents", str(agents),
                                  "--port-file", port_file] + [str(f) for f in flags],
                                 stdin=subprocess.DEVNULL,
-                                stdout=logf, stderr=subprocess.STDOUT, env=_child_env())
+                                stdout=logf, stderr=subprocess.STDOUT,
+                                env={**_child_env(), **(env or {})})
     try:
         deadline = time.monotonic() + 30
         port = None

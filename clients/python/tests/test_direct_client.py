@@ -6,6 +6,7 @@ import contextlib
 
 import numpy as np
 import pytest
+from conftest import start_meshd, stop_meshd
 
 import meshd
 
@@ -66,21 +67,31 @@ def test_tensors_of_at_most_256_kib_go_as_one_literal_command(server, data_path,
         assert went == {"auto": (0, 1), "proxy": (1, 0), "direct": (0, 3)}[data_path], went
 
 
-def test_a_mesh_with_an_older_agent_gets_uploads(server, monkeypatch):
-    """A mesh whose answer says not every agent runs Literal commands (MeshMeta.literals;
-    an agent older than the command, during a rolling upgrade) gets its small tensors
-    as Uploads, pipelined or not; the server's meshes here all say they do."""
-    with meshd.connect(server[0], data_path="proxy") as s:
-        uploads = count_uploads(s, monkeypatch)
-        m = s.mesh(gpu=2)
-        assert m._literals, "every agent of this server runs Literals"
-        m._literals = False  # as an older agent's mesh says
-        with m.activate():
-            with s.pipeline():
-                x = meshd.tensor(np.arange(4, dtype=np.float32))
-                y = x + 1
-            np.testing.assert_array_equal(meshd.fetch_shard(y, gpu=1).result(), np.arange(4) + 1)
-        assert len(uploads) == 1
+def test_a_mesh_with_an_older_agent_gets_uploads(monkeypatch):
+    """A rolling upgrade: the agent of rank 1 registers as a build older than the Literal
+    command (MESHD_FAULT=hello:old). A mesh with it says so (MeshMeta.literals) and gets
+    its small tensors as Uploads, pipelined or not; rank 0's slice still gets Literals."""
+    addr, proc = start_meshd(2, name="old-agent", env={"MESHD_FAULT": "hello:old,rank=1"})
+    try:
+        with meshd.connect(addr, data_path="proxy") as s:
+            uploads = count_uploads(s, monkeypatch)
+            m = s.mesh(gpu=2)
+            assert not m._literals, "a mesh with an older agent says it runs Literals"
+            with m.activate():
+                with s.pipeline():
+                    x = meshd.tensor(np.arange(4, dtype=np.float32))
+                    y = x + 1
+                np.testing.assert_array_equal(meshd.fetch_shard(y, gpu=1).result(),
+                                              np.arange(4) + 1)
+            assert len(uploads) == 1
+            m0 = m.slice(gpu=0)
+            assert m0._literals, "rank 0's slice has no older agent"
+            with m0.activate():
+                z = meshd.tensor(np.arange(3, dtype=np.int64))
+                np.testing.assert_array_equal(meshd.inspect(z), np.arange(3))
+            assert len(uploads) == 1, "rank 0's slice got an Upload"
+    finally:
+        stop_meshd(proc)
 
 
 def test_a_literal_refused_for_an_older_agent_falls_back_to_upload(server, monkeypatch):
@@ -176,7 +187,6 @@ def test_more_fetches_than_the_session_may_have_in_flight_wait_their_turn(data_p
     """--session-max-transfers 2 and 12 fetch_shard Futures at once: each fetch waits
     for a slot of the session's own (the others are being read) instead of failing
     QUOTA, and every value is right."""
-    from conftest import start_meshd, stop_meshd
     addr, proc = start_meshd(2, name=f"meshd-slots-{data_path}",
                              flags=("--session-max-transfers", "2"))
     try:
