@@ -1379,9 +1379,9 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
         return script_fail(sc, "SYNTAX", "tensor: VALUE '%s' is not a number", tok[i]);
       values[i - 2] = (float)v;
     }
-    int64_t n = ntok - 2;
-    e = meshd_session_upload(sc->s, in, "float32", &n, 1, values, (size_t)n * sizeof *values,
-                             &out);
+    int64_t n = ntok - 2; /* a few values: a Literal command (an upload where one predates it) */
+    e = meshd_session_literal(sc->s, in, "float32", &n, 1, values, (size_t)n * sizeof *values,
+                              NULL, &out);
   } else if (strcmp(what, "load") == 0) {
     load_req_t q;
     char err[256], label[128];

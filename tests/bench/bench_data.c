@@ -4,9 +4,10 @@
  * client); both print the same JSON lines.
  *
  *   bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] [--skip-baseline]
- *              [--paths c,c_direct] [--server-flag --meshd-flag=value]...
+ *              [--paths c,c_direct,c_small] [--server-flag --meshd-flag=value]...
  *
- * Paths: "c" (Upload and Fetch through the server) and "c_direct" (below).
+ * Paths: "c" (Upload and Fetch through the server), "c_direct" and "c_small"
+ * (below).
  *
  * --sizes: MiB per tensor; --agents: agent counts; --rounds: runs per figure,
  * the best of which is reported (machines here are noisy), for 64 MiB and
@@ -80,7 +81,7 @@ typedef struct {
 
 static void usage(void) {
   fprintf(stderr, "usage: bench_data [--sizes 1,64,1024] [--agents 1,4] [--rounds 3] "
-                  "[--skip-baseline] [--paths c,c_direct] [--server-flag --flag=value]...\n");
+                  "[--skip-baseline] [--paths c,c_direct,c_small] [--server-flag --flag=value]...\n");
   exit(2);
 }
 
@@ -609,6 +610,111 @@ static int run_direct_fetch(void *p) {
   return direct_fetch(r->lib, r->ref, r->nagents, r->bytes);
 }
 
+/* ------------------------------------------------------------------ small tensors */
+
+/* c_small: tensors of a few bytes to 256 KiB, replicated on every rank, as a
+ * user making scalars, biases and labels makes them: µs per tensor until every
+ * rank holds it, for
+ *   c_upload            meshd_session_upload (the session's path: direct here);
+ *   c_literal           meshd_session_literal, then Sync;
+ *   c_literal_pipelined SMALL_BATCH Literals on a pipeline, then one Sync;
+ * and the baseline, one raw client-streaming call of the same bytes (raw_upload).
+ * Rounds of each alternate with the baseline's; the best round of each is
+ * reported, "ratio" is raw µs / path µs, "vs_upload" c_upload µs / path µs.
+ * Tensors are dropped between rounds, untimed. */
+#define SMALL_BATCH 64
+#define SMALL_ROUNDS 12
+
+typedef struct {
+  lib_t *lib;
+  rpc_channel_t *raw;
+  size_t bytes;
+  const uint8_t *block;
+  meshd_ref_t refs[SMALL_BATCH];
+  size_t nrefs;
+} small_t;
+
+static int small_drop(small_t *m) {
+  int rc = 0;
+  if (m->nrefs && meshd_session_drop(m->lib->s, m->refs, m->nrefs) != MESHD_E_OK)
+    rc = lib_fail(m->lib, "Drop");
+  m->nrefs = 0;
+  return rc;
+}
+
+/* One round of `path` (0 upload, 1 literal, 2 pipelined literals): µs per
+ * tensor, or NAN when a call failed. */
+static double small_round(small_t *m, int path) {
+  meshd_session_t *s = m->lib->s;
+  int64_t shape[1] = {(int64_t)m->bytes};
+  size_t n = path == 2 ? SMALL_BATCH : 4;
+  meshd_pipeline_options_t po = MESHD_PIPELINE_OPTIONS_INIT;
+  if (path == 2 && meshd_session_set_pipeline(s, &po) != MESHD_E_OK) return NAN;
+  int64_t t0 = bench_now_ns();
+  meshd_err_t e = MESHD_E_OK;
+  for (size_t i = 0; e == MESHD_E_OK && i < n; i++) {
+    meshd_ref_t *out = &m->refs[m->nrefs++];
+    e = path == 0 ? meshd_session_upload(s, m->lib->mesh, "uint8", shape, 1, m->block, m->bytes, out)
+                  : meshd_session_literal(s, m->lib->mesh, "uint8", shape, 1, m->block, m->bytes,
+                                          NULL, out);
+    if (e == MESHD_E_OK && path == 1) e = meshd_session_sync(s);
+  }
+  if (e == MESHD_E_OK && path == 2) e = meshd_session_sync(s);
+  double us = (double)(bench_now_ns() - t0) / 1e3 / (double)n;
+  if (e != MESHD_E_OK) m->nrefs--;
+  if (path == 2) meshd_session_set_pipeline(s, NULL);
+  if (e != MESHD_E_OK) {
+    lib_fail(m->lib, path == 0 ? "small upload" : "small literal");
+    return NAN;
+  }
+  return small_drop(m) == 0 ? us : NAN;
+}
+
+static double small_raw(small_t *m) {
+  int64_t t0 = bench_now_ns();
+  for (int i = 0; i < 4; i++)
+    if (raw_upload(m->raw, m->bytes, m->block) != 0) return NAN;
+  return (double)(bench_now_ns() - t0) / 1e3 / 4;
+}
+
+static void emit_small(int nagents, size_t bytes, const char *path, double us, double raw_us,
+                       double upload_us) {
+  bench_json_t j;
+  bench_json_begin(&j, "data_small");
+  bench_json_num(&j, "agents", nagents);
+  bench_json_num(&j, "bytes", (double)bytes);
+  bench_json_str(&j, "path", path);
+  bench_json_num(&j, "us", us);
+  bench_json_num(&j, "raw_us", raw_us);
+  if (j.len < sizeof j.buf) { /* three decimals (bench_json_num keeps one) */
+    int n = snprintf(j.buf + j.len, sizeof j.buf - j.len, ",\"ratio\":%.3f,\"vs_upload\":%.3f",
+                     raw_us / us, upload_us / us);
+    j.len += n > 0 ? (size_t)n : 0;
+  }
+  bench_json_end(&j, stdout);
+}
+
+static int small_case(int nagents, lib_t *lib, rpc_channel_t *raw, const uint8_t *block) {
+  static const size_t sizes[] = {64, 4096, 65536, 262144};
+  static const char *const names[] = {"c_upload", "c_literal", "c_literal_pipelined"};
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+    small_t m = {.lib = lib, .raw = raw, .bytes = sizes[i], .block = block};
+    double best[3] = {INFINITY, INFINITY, INFINITY}, raw_best = INFINITY;
+    for (int p = 0; p < 3; p++) small_round(&m, p); /* warm-up, unmeasured */
+    if (raw) small_raw(&m);
+    for (int r = 0; r < SMALL_ROUNDS; r++)
+      for (int p = 0; p < 3; p++) {
+        double rus = raw ? small_raw(&m) : NAN, us = small_round(&m, p);
+        if (!isfinite(us)) return -1;
+        if (us < best[p]) best[p] = us;
+        if (rus < raw_best) raw_best = rus;
+      }
+    for (int p = 0; p < 3; p++)
+      emit_small(nagents, sizes[i], names[p], best[p], raw ? raw_best : NAN, best[0]);
+  }
+  return 0;
+}
+
 /* Is path `name` one of --paths? */
 static bool path_wanted(const opts_t *o, const char *name) {
   if (!o->paths) return true;
@@ -629,7 +735,12 @@ static int agents_case(int nagents, const opts_t *o, rpc_channel_t *raw_ch,
   session_t c;
   lib_t lib = {0};
   int rc = session_open(&c, srv.target, nagents);
-  if (rc == 0 && path_wanted(o, "c_direct")) rc = lib_open(&lib, srv.target, nagents);
+  if (rc == 0 && (path_wanted(o, "c_direct") || path_wanted(o, "c_small")))
+    rc = lib_open(&lib, srv.target, nagents);
+  if (rc == 0 && path_wanted(o, "c_small")) {
+    fprintf(stderr, "bench_data: %d agent(s), small tensors\n", nagents);
+    rc = small_case(nagents, &lib, raw_ch, block);
+  }
   static const struct {
     const char *name;
     run_fn before_up, up, down;
