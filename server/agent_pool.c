@@ -111,23 +111,33 @@ struct agent_data {
 agent_data_t *agent_pool_data(agent_pool_t *p, uint32_t rank, agent_target_t *t) {
   if (agent_pool_target(p, rank, AGENT_DATA_CONNECT_MS, t)) return NULL;
   t->opts.stream_window_bytes = AGENT_DATA_WINDOW;
-  pthread_mutex_lock(&p->mu);
-  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
-  /* The agent it was made for (a replacement at another address gets its own). */
-  if (a && strcmp(a->d.address, t->address) != 0) a = NULL;
-  if (a && !a->data) {
-    agent_data_t *d = calloc(1, sizeof *d);
-    if (d && (d->ch = rpc_channel_create(t->address, &t->opts))) {
-      atomic_init(&d->refs, 1);
-      a->data = d;
-    } else {
-      free(d);
+  agent_data_t *made = NULL;
+  for (;;) {
+    pthread_mutex_lock(&p->mu);
+    agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+    /* The agent it was made for (a replacement at another address gets its own). */
+    if (a && strcmp(a->d.address, t->address) != 0) a = NULL;
+    if (a && !a->data && made) {
+      a->data = made;
+      made = NULL;
+    }
+    agent_data_t *d = a ? a->data : NULL;
+    if (d) atomic_fetch_add(&d->refs, 1);
+    pthread_mutex_unlock(&p->mu);
+    if (d || !a) {
+      agent_data_release(made); /* another call's was installed first, or the agent left */
+      return d;
+    }
+    /* Made outside the lock (a TLS channel's credentials take a while, and every
+     * command waits on this lock); the next turn installs it or takes another's. */
+    made = calloc(1, sizeof *made);
+    if (!made) return NULL;
+    atomic_init(&made->refs, 1);
+    if (!(made->ch = rpc_channel_create(t->address, &t->opts))) {
+      free(made);
+      return NULL;
     }
   }
-  agent_data_t *d = a ? a->data : NULL;
-  if (d) atomic_fetch_add(&d->refs, 1);
-  pthread_mutex_unlock(&p->mu);
-  return d;
 }
 
 rpc_channel_t *agent_data_channel(const agent_data_t *d) { return d->ch; }
