@@ -1823,7 +1823,15 @@ Test(dataplane, a_link_closed_for_an_older_call_is_dialed_again_by_its_sender, .
  * member is a failure or exactly right: never a success with another call's
  * data. Then, nobody late, every call succeeds everywhere (the members caught
  * up), and a second comm running clean calls all along was never disturbed.
- * MESHD_SOAK_SEED=N replays a plan (the timing, of course, differs). */
+ * MESHD_SOAK_SEED=N replays a plan (the timing, of course, differs).
+ *
+ * With `lose`, the last member dies at a call drawn in the chaos: its data
+ * plane shuts down before that call or some ms into it (its connections
+ * close, as a killed agent's do), and each survivor is, or is not, told of
+ * the loss (PeerLost, as the server tells agents). The survivors' next
+ * calls fail within two comm timeouts or are exact (a send between two of
+ * them); then, on a new comm of the survivors, every call succeeds, and the
+ * bystander comm (the survivors') never noticed. */
 
 typedef enum { SK_SMALL, SK_RING, SK_REDUCE, SK_BCAST, SK_SEND, SK_EXCHANGE, SK_KINDS } soak_kind_t;
 
@@ -1849,7 +1857,10 @@ typedef struct soak_opts {
   int late_pct;    /* draws about or past the timeout late, in percent */
   bool tcp;        /* TCP only (not the same-host socket and its memfds) */
   size_t max_links; /* dataplane_max_links; 0: the default */
+  bool lose;        /* the last member dies in the chaos */
 } soak_opts_t;
+
+#define SOAK_AFTER_LOSS 3 /* the survivors' calls of the old comm after the loss */
 
 typedef struct soak {
   world_t *w;
@@ -1857,14 +1868,26 @@ typedef struct soak {
   const soak_call_t *calls;
   size_t nchaos, ncalls; /* calls [nchaos, ncalls) start at once, after the barrier */
   pthread_barrier_t barrier;
+  /* lose: member n-1 dies at call lost_at, lost_after_ms into it (< 0: before
+   * it); survivors with declare[r] are told; after the chaos the survivors
+   * (the view ws) run the clean calls on comm 3. */
+  world_t *ws;
+  int timeout_ms;
+  size_t lost_at;
+  int lost_after_ms;
+  bool declare[MAXN];
 } soak_t;
 
 typedef struct soak_member {
   soak_t *s;
   size_t me;
+  world_t *w;    /* whose comm it calls on: everyone's, or the survivors' */
+  uint64_t comm;
   size_t ok, failed, clean_failed;
   char wrong[800];     /* the first success with wrong data */
   char clean_err[800]; /* the first failure of a call after the chaos */
+  char slow[800];      /* the first call after the loss that took too long to fail */
+  char undead[800];    /* the first call after the loss that succeeded with the dead in it */
 } soak_member_t;
 
 static uint64_t soak_rand(uint64_t *state) { /* splitmix64 */
@@ -1940,9 +1963,9 @@ static soak_call_t soak_draw(uint64_t *st, const soak_opts_t *o, soak_kind_t kin
  * send is its 8-byte header. */
 static int soak_step(soak_member_t *m, const soak_call_t *c, size_t i, uint64_t no, int step,
                      meshd_error_t *err) {
-  world_t *w = m->s->w;
+  world_t *w = m->w;
   size_t me = m->me, n = w->n;
-  dp_group_t g = group(w, m->s->comm, me);
+  dp_group_t g = group(w, m->comm, me);
   g.call = no;
   char wrong[200] = "";
   int rc;
@@ -2020,19 +2043,83 @@ static int soak_step(soak_member_t *m, const soak_call_t *c, size_t i, uint64_t 
   return rc;
 }
 
+/* The death of member n-1 (lose): its data plane shuts down, as a killed
+ * agent's connections close, then the survivors told of it hear PeerLost. */
+static void soak_die(soak_t *s) {
+  world_t *w = s->w;
+  size_t dead = w->n - 1;
+  dataplane_shutdown(w->dp[dead]);
+  for (size_t r = 0; r < dead; r++)
+    if (s->declare[r])
+      dataplane_peer_lost(w->dp[r], w->addrs[dead], w->ranks[dead], "was lost (soak)");
+}
+
+static void *soak_killer_main(void *arg) {
+  soak_t *s = arg;
+  usleep((useconds_t)s->lost_after_ms * 1000);
+  soak_die(s);
+  return NULL;
+}
+
 static void *soak_member_main(void *arg) {
   soak_member_t *m = arg;
   soak_t *s = m->s;
+  bool dying = s->ws && m->me == s->w->n - 1;
   for (size_t i = 0; i < s->ncalls; i++) {
     const soak_call_t *c = &s->calls[i];
-    if (i == s->nchaos) pthread_barrier_wait(&s->barrier); /* everyone is past the chaos */
-    if (c->kind == SK_SEND && m->me != c->root && m->me != c->peer) continue; /* not in it */
+    if (s->ws && i < s->nchaos && i >= s->lost_at + SOAK_AFTER_LOSS) continue; /* past the loss */
+    if (i == s->nchaos) {
+      pthread_barrier_wait(&s->barrier); /* everyone (alive) is past the chaos */
+      if (s->ws) { /* the survivors' own comm from now on */
+        m->w = s->ws;
+        m->comm = 3;
+      }
+    }
+    bool in_it = c->kind != SK_SEND || m->me == c->root || m->me == c->peer;
+    pthread_t killer;
+    if (dying && i == s->lost_at) {
+      if (s->lost_after_ms < 0 || !in_it) {
+        soak_die(s);
+        return NULL;
+      }
+      pthread_create(&killer, NULL, soak_killer_main, s);
+    }
+    if (!in_it) continue; /* a send between two others */
     if (c->delay_ms[m->me] > 0) usleep((useconds_t)c->delay_ms[m->me] * 1000);
     uint64_t no = (i + 1) * 4; /* the server's Group.call times the agent's CALL_STEPS */
     meshd_error_t err = {0};
     int rc = 0;
+    int64_t t0 = now_ms();
     for (int step = 0; step < 2 && rc == 0; step++)
       rc = soak_step(m, c, i, no + (uint64_t)step, step, &err);
+    int64_t took = now_ms() - t0;
+    if (dying && i == s->lost_at) { /* its last call: failed, or exact before the end */
+      pthread_join(killer, NULL);
+      return NULL;
+    }
+    /* After the loss, a call waiting on the dead member ends within two comm
+     * timeouts (its two steps), with slack for a loaded machine. */
+    int bound = 2 * s->timeout_ms + 1500;
+    if (s->ws && i >= s->lost_at && i < s->nchaos && rc != 0 && took > bound && !*m->slow)
+      snprintf(m->slow, sizeof m->slow,
+               "seed %llu: call %zu (%s of %zu), %zu after the loss, failed on member %zu after "
+               "%lld ms (bound %d): %s",
+               (unsigned long long)s->seed, i, soak_kind_names[c->kind], c->count, i - s->lost_at,
+               m->me, (long long)took, bound, err.msg);
+    /* A result made of the dead member's data cannot exist after its death:
+     * a reduction's (its failure flag is an allreduce), an exchange's but a
+     * gather's off its root, the bytes it sends. A broadcast from member 0, or
+     * a send to the dead, may end well for a member that needs nothing of it. */
+    size_t dead = s->w->n - 1;
+    bool needs_dead = c->kind == SK_SMALL || c->kind == SK_RING || c->kind == SK_REDUCE ||
+                      (c->kind == SK_EXCHANGE && (c->sub != 3 || m->me == c->root)) ||
+                      (c->kind == SK_SEND && c->root == dead);
+    if (s->ws && i > s->lost_at && i < s->nchaos && rc == 0 && needs_dead && !*m->undead)
+      snprintf(m->undead, sizeof m->undead,
+               "seed %llu: call %zu (%s of %zu), after member %zu died, succeeded on member %zu "
+               "with its data",
+               (unsigned long long)s->seed, i, soak_kind_names[c->kind], c->count, s->w->n - 1,
+               m->me);
     if (i < s->nchaos) {
       if (rc == 0) m->ok++;
       else m->failed++;
@@ -2081,20 +2168,30 @@ static void *soak_bystander_main(void *arg) {
 
 static void soak_case(soak_opts_t o) {
   const size_t n = o.n, nclean = 2 * SK_KINDS + 2; /* + 2: every exchange once */
-  soak_t s = {.seed = soak_seed(), .comm = 1, .nchaos = o.chaos, .ncalls = o.chaos + nclean};
-  fprintf(stderr, "late members soak, n=%zu: seed %llu (MESHD_SOAK_SEED=%llu replays it)\n", n,
-          (unsigned long long)s.seed, (unsigned long long)s.seed);
+  soak_t s = {.seed = soak_seed(), .comm = 1, .nchaos = o.chaos, .ncalls = o.chaos + nclean,
+              .timeout_ms = o.timeout_ms, .lost_at = SIZE_MAX};
+  fprintf(stderr, "late members soak, n=%zu%s: seed %llu (MESHD_SOAK_SEED=%llu replays it)\n", n,
+          o.lose ? ", one lost" : "", (unsigned long long)s.seed, (unsigned long long)s.seed);
   soak_call_t calls[128];
   cr_assert_leq(s.ncalls, sizeof calls / sizeof calls[0]);
-  uint64_t st = s.seed ^ n;
+  uint64_t st = s.seed ^ n ^ (o.lose ? 0x1055 : 0);
   int late = 0, exchanges = 0;
+  soak_opts_t survivors = o; /* lose: the clean calls are the survivors' */
+  survivors.n = o.lose ? n - 1 : n;
+  if (o.lose) {
+    s.lost_at = o.chaos / 4 + soak_pick(&st, o.chaos / 4);
+    s.lost_after_ms = soak_pick(&st, 3) ? (int)soak_pick(&st, (size_t)o.timeout_ms) : -1;
+    for (size_t r = 0; r + 1 < n; r++) s.declare[r] = soak_pick(&st, 2);
+    fprintf(stderr, "  member %zu dies at call %zu, %d ms into it\n", n - 1, s.lost_at,
+            s.lost_after_ms);
+  }
   for (size_t i = 0; i < s.ncalls; i++) {
     /* After the chaos, nobody late: every kind twice, and the exchanges' four
      * collectives each once. */
     bool chaos = i < s.nchaos;
     size_t j = i - s.nchaos;
     soak_kind_t kind = chaos ? SK_KINDS : j < 2 * SK_KINDS ? (soak_kind_t)(j % SK_KINDS) : SK_EXCHANGE;
-    calls[i] = soak_draw(&st, &o, kind, chaos);
+    calls[i] = soak_draw(&st, chaos ? &o : &survivors, kind, chaos);
     if (!chaos && kind == SK_EXCHANGE) calls[i].sub = exchanges++ % 4;
     for (size_t r = 0; r < n; r++) late += calls[i].delay_ms[r] >= o.timeout_ms - 25;
   }
@@ -2106,24 +2203,32 @@ static void soak_case(soak_opts_t o) {
     if (o.max_links) dataplane_max_links(w.dp[r], o.max_links);
   }
   s.w = &w;
-  pthread_barrier_init(&s.barrier, NULL, (unsigned)n);
+  world_t ws = w; /* the survivors: every member but the last */
+  ws.n = n - 1;
+  if (o.lose) s.ws = &ws;
+  size_t alive = survivors.n;
+  pthread_barrier_init(&s.barrier, NULL, (unsigned)alive);
   soak_member_t m[MAXN];
-  soak_bystander_t by[MAXN];
+  soak_bystander_t by[MAXN] = {0};
   pthread_t th[2 * MAXN];
   int64_t t0 = now_ms();
   for (size_t r = 0; r < n; r++) {
-    m[r] = (soak_member_t){.s = &s, .me = r};
-    by[r] = (soak_bystander_t){.w = &w, .me = r, .calls = o.chaos / 2, .pause_ms = o.timeout_ms};
+    m[r] = (soak_member_t){.s = &s, .me = r, .w = &w, .comm = s.comm};
+    by[r] = (soak_bystander_t){.w = o.lose ? &ws : &w, .me = r, .calls = o.chaos / 2,
+                               .pause_ms = o.timeout_ms};
     pthread_create(&th[r], NULL, soak_member_main, &m[r]);
-    pthread_create(&th[n + r], NULL, soak_bystander_main, &by[r]);
+    if (r < alive) pthread_create(&th[n + r], NULL, soak_bystander_main, &by[r]);
   }
-  for (size_t r = 0; r < 2 * n; r++) pthread_join(th[r], NULL);
+  for (size_t r = 0; r < n; r++) pthread_join(th[r], NULL);
+  for (size_t r = 0; r < alive; r++) pthread_join(th[n + r], NULL);
   int64_t took = now_ms() - t0;
   pthread_barrier_destroy(&s.barrier);
   size_t ok = 0, failed = 0;
   uint64_t why[DP_ABORT_COUNT] = {0};
   for (size_t r = 0; r < n; r++) {
     cr_assert(!*m[r].wrong, "%s", m[r].wrong);
+    cr_assert(!*m[r].slow, "%s", m[r].slow);
+    cr_assert(!*m[r].undead, "%s", m[r].undead);
     cr_assert_eq(m[r].clean_failed, 0, "%s (and %zu more)", m[r].clean_err, m[r].clean_failed - 1);
     cr_assert(!*by[r].err, "seed %llu: the bystander comm: %s", (unsigned long long)s.seed,
               by[r].err);
@@ -2139,10 +2244,11 @@ static void soak_case(soak_opts_t o) {
   }
   fprintf(stderr,
           "late members soak, n=%zu: seed %llu: %d late starts; %zu calls ok, %zu failed, in %lld "
-          "ms; aborts: %llu behind, %llu timeout, %llu peer_aborted, %llu error\n",
+          "ms; aborts: %llu behind, %llu timeout, %llu peer_aborted, %llu agent_lost, %llu error\n",
           n, (unsigned long long)s.seed, late, ok, failed, (long long)took,
           (unsigned long long)why[DP_ABORT_BEHIND], (unsigned long long)why[DP_ABORT_TIMEOUT],
-          (unsigned long long)why[DP_ABORT_PEER_ABORTED], (unsigned long long)why[DP_ABORT_ERROR]);
+          (unsigned long long)why[DP_ABORT_PEER_ABORTED],
+          (unsigned long long)why[DP_ABORT_AGENT_LOST], (unsigned long long)why[DP_ABORT_ERROR]);
   /* Not vacuous: the chaos made calls fail, and many still went through. */
   cr_assert(late == 0 || failed > 0, "seed %llu: %d late starts and no call failed",
             (unsigned long long)s.seed, late);
@@ -2161,4 +2267,11 @@ Test(dataplane, late_members_at_random_fail_or_are_exact_then_catch_up, .timeout
 Test(dataplane, late_members_at_random_fail_or_are_exact_then_catch_up_tcp_n4, .timeout = 60) {
   soak_case((soak_opts_t){.n = 4, .chaos = 60, .timeout_ms = 200, .late_pct = 20, .tcp = true,
                           .max_links = 4});
+}
+
+/* A member dies mid-chaos (its data plane shuts down, before or during a
+ * call); the survivors fail what waited on it, promptly, then run clean on a
+ * comm of their own, and their bystander comm never noticed. */
+Test(dataplane, a_member_lost_amid_late_members_fails_only_what_waits_on_it, .timeout = 60) {
+  soak_case((soak_opts_t){.n = 4, .chaos = 40, .timeout_ms = 200, .late_pct = 10, .lose = true});
 }
