@@ -33,6 +33,29 @@ struct meshd_client {
   char message[sizeof(((rpc_status_t *)0)->message) + 64];
 };
 
+/* A client's last error, kept across a call whose failure is not news to the
+ * caller (its strings point into the client's buffers, restored with it). */
+typedef struct {
+  meshd_error_info_t last;
+  char code_name[32];
+  char kind[sizeof(((rpc_status_t *)0)->kind)];
+  char message[sizeof(((rpc_status_t *)0)->message) + 64];
+} saved_error_t;
+
+static void error_save(const meshd_client_t *c, saved_error_t *o) {
+  o->last = c->last;
+  memcpy(o->code_name, c->code_name, sizeof o->code_name);
+  memcpy(o->kind, c->kind, sizeof o->kind);
+  memcpy(o->message, c->message, sizeof o->message);
+}
+
+static void error_restore(meshd_client_t *c, const saved_error_t *o) {
+  c->last = o->last;
+  memcpy(c->code_name, o->code_name, sizeof c->code_name);
+  memcpy(c->kind, o->kind, sizeof c->kind);
+  memcpy(c->message, o->message, sizeof c->message);
+}
+
 const char *meshd_strerror(meshd_err_t err) {
   switch (err) {
 #define XX(name, text) \
@@ -729,18 +752,12 @@ void meshd_session_close(meshd_session_t *s) {
   pipeline_close(s->pipe, s->client->timeout_ms);
   s->pipe = NULL;
   Meshd__V1__CloseSessionRequest req = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
-  meshd_error_info_t saved = s->client->last; /* not reported: keep the last error */
-  char kind[sizeof s->client->kind], msg[sizeof s->client->message], code[32];
-  memcpy(kind, s->client->kind, sizeof kind);
-  memcpy(msg, s->client->message, sizeof msg);
-  memcpy(code, s->client->code_name, sizeof code);
+  saved_error_t saved; /* not reported: keep the last error */
+  error_save(s->client, &saved);
   if (call_md(s->client, TS "CloseSession", &req.base, &meshd__v1__close_session_reply__descriptor,
               &resp, s->md, s->nmd) == MESHD_E_OK)
     protobuf_c_message_free_unpacked(resp, NULL);
-  s->client->last = saved;
-  memcpy(s->client->kind, kind, sizeof kind);
-  memcpy(s->client->message, msg, sizeof msg);
-  memcpy(s->client->code_name, code, sizeof code);
+  error_restore(s->client, &saved);
   session_free(s);
 }
 
@@ -769,10 +786,11 @@ static meshd_err_t sync_point(meshd_session_t *s, int timeout_ms) {
     return MESHD_E_OK;
   record(s->client, &e);
   s->client->last.seq = seq;
+  if (strstr(s->client->message, "predates the Literal"))
+    s->literals = false; /* an older agent joined a mesh: later Literals upload */
   return e.err;
 }
 
-/* The commands a pipeline queues: every ref they make is known before the answer. */
 /* ------------------------------------------------------------------ meshes */
 
 static struct mesh_info *mesh_find(const meshd_session_t *s, meshd_ref_t ref) {
@@ -820,6 +838,7 @@ bool meshd_session_literals(const meshd_session_t *s, meshd_ref_t mesh) {
   return !m || m->literals;
 }
 
+/* The commands a pipeline queues: every ref they make is known before the answer. */
 static bool pipelined(Meshd__V1__Command__KindCase kind) {
   switch (kind) {
   case MESHD__V1__COMMAND__KIND_CALL:
@@ -1781,14 +1800,20 @@ meshd_err_t meshd_session_literal(meshd_session_t *s, meshd_ref_t mesh, const ch
     Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
     cmd.kind_case = MESHD__V1__COMMAND__KIND_LITERAL;
     cmd.literal = &l;
+    saved_error_t saved;
+    error_save(s->client, &saved); /* a refusal followed by a good upload is no error */
     meshd_err_t ret = execute_new(s, &cmd, out);
-    /* An agent older than Literal joined the mesh: upload to it from now on. */
+    /* An agent older than Literal joined a mesh: this session uploads from now
+     * on (a pipelined refusal comes at the next call that needs an answer,
+     * which turns them off the same way: sync_point). */
     if (ret != MESHD_E_RPC || strcmp(s->client->kind, "UNAVAILABLE") != 0 ||
         !strstr(s->client->message, "predates the Literal"))
       return ret;
-    struct mesh_info *m = mesh_find(s, mesh);
-    if (m)
-      m->literals = false;
+    s->literals = false;
+    ret = meshd_session_upload_with(s, mesh, dtype, shape, ndim, data, bytes, opts, out);
+    if (ret == MESHD_E_OK)
+      error_restore(s->client, &saved);
+    return ret;
   }
   return meshd_session_upload_with(s, mesh, dtype, shape, ndim, data, bytes, opts, out);
 }

@@ -451,8 +451,9 @@ export class Session {
   /**
    * upload()'s arguments as one Literal command: the bytes (copied at the call) travel in
    * the command, pipelined and answered at once; a failure on the agents comes at the next
-   * sync(). At most 1 MiB, and 8 MiB over the ranks (a MeshMeta's ranks count): more is
-   * a RangeError. Uploads where the server or the mesh (MeshMeta.literals) predates Literal.
+   * sync(). At most 1 MiB, and 8 MiB over the mesh's ranks (a MeshMeta, or the ref of one
+   * this session made): more is a RangeError. Uploads where the server or the mesh
+   * (MeshMeta.literals) predates Literal; a refusal for such an agent turns `literals` off.
    */
   literal(mesh: Ref | MeshMeta, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
   /**

@@ -204,6 +204,7 @@ export class Session {
   #protoFile;
   #wide; // TensorService on the same channel, 64-bit integers as strings (PlanTransfer)
   #pipe = null; // setPipeline: the Submit stream, its queue and the answers awaited
+  #meshes = new Map(); // ref -> the MeshMeta of each mesh this session made (literal)
   #order = Promise.resolve(); // the last ref-claiming send issued (#inOrder)
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
@@ -448,7 +449,8 @@ export class Session {
     const res = await this.execute({
       create_mesh: { ref, dims: Object.entries(dims).map(([name, size]) => ({ name, size })) },
     });
-    return res.mesh; // MeshMeta {ref, dims, ranks}
+    this.#meshes.set(Number(res.mesh.ref), res.mesh);
+    return res.mesh; // MeshMeta {ref, dims, ranks, literals}
   }
 
   // The sub-mesh of `parent` (a MeshMeta or its ref) at the given index of each named
@@ -457,6 +459,7 @@ export class Session {
     const ref = this.newRef();
     const selectors = Object.entries(sel).map(([dim, index]) => ({ dim, index }));
     const res = await this.execute({ slice_mesh: { ref, parent: parent?.ref ?? parent, selectors } });
+    this.#meshes.set(Number(res.mesh.ref), res.mesh);
     return res.mesh;
   }
 
@@ -586,28 +589,31 @@ export class Session {
   // docs/protocol.md), upload()'s arguments: a command like any other, pipelined with
   // the rest and answered at once, so a failure on the agents comes at the next sync.
   // The bytes are copied at the call. At most 1 MiB, and at most 8 MiB over the ranks
-  // it goes to (its bytes times mesh.ranks.length unless perRank; `mesh` as a MeshMeta
-  // lets the client check that): more is a RangeError (upload() it). Where the server,
-  // or an agent of the mesh (mesh.literals false), predates Literal, it uploads.
+  // it goes to (its bytes times the mesh's ranks unless perRank): more is a RangeError
+  // (upload() it). `mesh`: a MeshMeta, or the ref of one this session made (another
+  // goes in a message of its own, and the server checks it). Where the server, or an
+  // agent of the mesh (MeshMeta.literals false), predates Literal, it uploads; a
+  // Literal refused for such an agent turns this session's Literals off.
   async literal(mesh, shape, data, { stream = 0, perRank = false } = {}) {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: literal takes a Float32Array, Float64Array or integer typed array');
     const n = data.byteLength;
-    const sent = perRank ? n : n * (mesh?.ranks?.length || 1);
+    const meta = Array.isArray(mesh?.ranks) ? mesh : this.#meshes.get(Number(mesh?.ref ?? mesh));
+    const sent = perRank ? n : meta ? n * (meta.ranks.length || 1) : LITERAL_MAX_SENT;
     if (n > LITERAL_MAX_BYTES || sent > LITERAL_MAX_SENT) {
       throw new RangeError(`meshd: literal: ${n} bytes (${sent} to the mesh's ranks in all) are more than a ` +
         `Literal carries (${LITERAL_MAX_BYTES}, ${LITERAL_MAX_SENT} over the ranks); upload() them`);
     }
-    if (this.literals && mesh?.literals !== false) {
+    if (this.literals && meta?.literals !== false) {
       const bytes = Buffer.from(new Uint8Array(data.buffer, data.byteOffset, n)); // a copy
       try {
         const res = await this.execute({
           literal: { ref: this.newRef(), mesh: mesh?.ref ?? mesh, stream, shape, dtype, per_rank: perRank, data: bytes },
         }, { [WEIGHT]: { bytes: n, sent } });
         return res.tensors[0];
-      } catch (e) { // an agent older than Literal joined the mesh: upload from now on
+      } catch (e) { // an agent older than Literal joined a mesh: upload from now on
         if (!(e instanceof MeshdError) || e.kind !== 'UNAVAILABLE' || !e.message.includes('predates the Literal')) throw e;
-        if (mesh && typeof mesh === 'object') mesh.literals = false;
+        this.literals = false;
       }
     }
     return this.upload(mesh, shape, data, { stream, perRank });

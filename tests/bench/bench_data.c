@@ -653,15 +653,15 @@ static double small_round(small_t *m, int path) {
   int64_t t0 = bench_now_ns();
   meshd_err_t e = MESHD_E_OK;
   for (size_t i = 0; e == MESHD_E_OK && i < n; i++) {
-    meshd_ref_t *out = &m->refs[m->nrefs++];
+    meshd_ref_t *out = &m->refs[m->nrefs];
     e = path == 0 ? meshd_session_upload(s, m->lib->mesh, "uint8", shape, 1, m->block, m->bytes, out)
                   : meshd_session_literal(s, m->lib->mesh, "uint8", shape, 1, m->block, m->bytes,
                                           NULL, out);
+    if (e == MESHD_E_OK) m->nrefs++;
     if (e == MESHD_E_OK && path == 1) e = meshd_session_sync(s);
   }
   if (e == MESHD_E_OK && path == 2) e = meshd_session_sync(s);
   double us = (double)(bench_now_ns() - t0) / 1e3 / (double)n;
-  if (e != MESHD_E_OK) m->nrefs--;
   if (path == 2) meshd_session_set_pipeline(s, NULL);
   if (e != MESHD_E_OK) {
     lib_fail(m->lib, path == 0 ? "small upload" : "small literal");

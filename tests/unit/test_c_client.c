@@ -2092,6 +2092,8 @@ Test(c_client, a_literal_is_a_command_whose_bytes_arrive_exact) {
   meshd_ref_t a = 0, b = 0;
   cr_assert_eq(meshd_session_literal(s, m, "float32", two, 1, g, sizeof g, NULL, &a),
                MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(a, z + 1, "the refused Literals spent refs (%llu after %llu)",
+               (unsigned long long)a, (unsigned long long)z);
   g[0] = 99.0f; /* queued: the literal holds its own copy */
   add_one(c, s, a, &b);
   meshd_pipeline_stats_t st = pipe_stats(s);

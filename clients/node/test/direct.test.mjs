@@ -345,10 +345,15 @@ test('literal: a mesh with an agent older than Literal (MESHD_FAULT=hello:old) g
     const x = await s.literal(mesh, [4], new Int32Array([1, -2, 3, 1 << 30]));
     assert.equal(s.transferStats.proxyUploads, 1);
     assert.deepEqual([...await s.fetch(x, { gpu: 1 })], [1, -2, 3, 1 << 30]);
+    // by its ref alone: the session knows the mesh, so no Literal is tried (and refused)
+    const x2 = await s.literal(mesh.ref, [1], new Int32Array([7]));
+    assert.equal(s.transferStats.proxyUploads, 2);
+    assert.equal(s.literals, true, 'a Literal was tried on the mesh and refused');
+    assert.deepEqual([...await s.fetch(x2, { gpu: 0 })], [7]);
     const m0 = await s.sliceMesh(mesh, { gpu: 0 });
     assert.equal(m0.literals, true);
     const y = await s.literal(m0, [2], new Float64Array([0.25, -8]));
-    assert.equal(s.transferStats.proxyUploads, 1, "rank 0's slice got an upload");
+    assert.equal(s.transferStats.proxyUploads, 2, "rank 0's slice got an upload");
     assert.deepEqual([...await s.fetch(y, {})], [0.25, -8]);
   } finally {
     await s.close();
