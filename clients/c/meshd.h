@@ -511,10 +511,11 @@ MESHD_API meshd_err_t meshd_session_upload_with(meshd_session_t *session, meshd_
  * (upload it). A pipeline batch's Literals stay within that bound together.
  * Where the server, or an agent of the mesh, predates Literal
  * (meshd_session_literals), it uploads instead, and returns once every rank
- * holds the bytes. A Literal refused because such an agent joined a mesh
- * after it was made turns the session's Literals off: without a pipeline
- * this call then uploads; with one, the refusal comes at the next call that
- * needs an answer. *out gets the tensor's ref. */
+ * holds the bytes. (A mesh whose agent is replaced runs nothing more, so its
+ * answer stays true; should the server still refuse a Literal for an older
+ * agent, the session's Literals turn off: without a pipeline this call then
+ * uploads, with one the refusal comes at the next call that needs an answer.)
+ * *out gets the tensor's ref. */
 MESHD_API meshd_err_t meshd_session_literal(meshd_session_t *session, meshd_ref_t mesh,
                                             const char *dtype, const int64_t *shape, size_t ndim,
                                             const void *data, size_t bytes,
