@@ -73,7 +73,12 @@ typedef struct scratch {
   uint8_t data[];
 } scratch_t;
 
+/* Ring scratch segments kept for the next ring (a fresh buffer's pages cost
+ * a fault each): at most SCRATCH_KEEP, none over SCRATCH_KEEP_BYTES. A big
+ * ring's segment (half a 1 GiB tensor over two members) is freed when its
+ * call ends rather than held, outside --memory-bytes, for good. */
 #define SCRATCH_KEEP 4
+#define SCRATCH_KEEP_BYTES ((size_t)16 << 20)
 
 uint8_t *dp__scratch_get(dataplane_t *dp, size_t bytes) {
   pthread_mutex_lock(&dp->mu);
@@ -95,7 +100,7 @@ void dp__scratch_put(dataplane_t *dp, uint8_t *data) {
   if (!data) return;
   scratch_t *s = (scratch_t *)(data - offsetof(scratch_t, data));
   pthread_mutex_lock(&dp->mu);
-  if (dp->nspare < SCRATCH_KEEP) {
+  if (dp->nspare < SCRATCH_KEEP && s->cap <= SCRATCH_KEEP_BYTES) {
     s->next = dp->spare;
     dp->spare = s;
     dp->nspare++;
@@ -103,6 +108,15 @@ void dp__scratch_put(dataplane_t *dp, uint8_t *data) {
   }
   pthread_mutex_unlock(&dp->mu);
   free(s);
+}
+
+size_t dataplane_scratch_bytes(dataplane_t *dp) {
+  size_t n = 0;
+  if (!dp) return 0;
+  pthread_mutex_lock(&dp->mu);
+  for (scratch_t *s = dp->spare; s; s = s->next) n += s->cap;
+  pthread_mutex_unlock(&dp->mu);
+  return n;
 }
 
 static void conn_put_locked(conn_t *c) {

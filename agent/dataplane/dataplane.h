@@ -162,6 +162,9 @@ void dataplane_drop_link(dataplane_t *dp, uint64_t comm_id, uint32_t peer, bool 
 void dataplane_max_links(dataplane_t *dp, size_t n);
 /* Connections this agent holds now, dialed and accepted (0 for NULL). */
 size_t dataplane_links(dataplane_t *dp);
+/* Bytes of ring scratch kept between calls (at most 4 segments of 16 MiB or
+ * less; a bigger one is freed when its call ends). */
+size_t dataplane_scratch_bytes(dataplane_t *dp);
 
 /* How many peers were declared lost so far (see dp_group_t.since). */
 uint64_t dataplane_generation(dataplane_t *dp);

@@ -369,6 +369,42 @@ Test(dataplane, allreduce_bitwise_identical_on_every_rank) {
   world_stop(&w);
 }
 
+/* A ring keeps its scratch segment for the next ring (no fresh pages each
+ * call), but not a big one: 48 MiB over two members needs 24 MiB of scratch,
+ * freed when the call ends, not held outside --memory-bytes for good. */
+Test(dataplane, a_big_rings_scratch_is_not_kept, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 10000);
+  size_t sizes[] = {(size_t)1 << 20, (size_t)12 << 20}; /* int32 elements: 4 MiB, 48 MiB */
+  for (size_t k = 0; k < 2; k++) {
+    job_t jobs[2];
+    for (size_t r = 0; r < 2; r++) {
+      jobs[r] = (job_t){.w = &w, .me = r, .comm = 60 + k, .dtype = DTYPE_INT32, .op = RED_SUM,
+                        .count = sizes[k]};
+      int32_t *v = malloc(sizes[k] * 4);
+      cr_assert_not_null(v);
+      for (size_t i = 0; i < sizes[k]; i++) v[i] = (int32_t)(i % 1000) + (int32_t)r;
+      jobs[r].in = v;
+    }
+    run_jobs(jobs, 2);
+    for (size_t r = 0; r < 2; r++) {
+      cr_assert_eq(jobs[r].rc, 0, "%s", jobs[r].err.msg);
+      int32_t *v = jobs[r].in;
+      for (size_t i = 0; i < sizes[k]; i += 4099)
+        cr_assert_eq(v[i], 2 * (int32_t)(i % 1000) + 1, "element %zu", i);
+      free(v);
+    }
+    for (size_t r = 0; r < 2; r++) {
+      size_t kept = dataplane_scratch_bytes(w.dp[r]);
+      if (k == 0) /* 2 MiB segments: kept for the next ring */
+        cr_assert_geq(kept, sizes[0] * 4 / 2, "member %zu kept %zu bytes of scratch", r, kept);
+      else /* 24 MiB segments: freed; the small one stays */
+        cr_assert_lt(kept, sizes[1] * 4 / 2, "member %zu kept %zu bytes of scratch", r, kept);
+    }
+  }
+  world_stop(&w);
+}
+
 Test(dataplane, rejects_undefined_reductions) {
   world_t w;
   world_start(&w, 1, 1000);
