@@ -1097,6 +1097,11 @@ static bool pending_read(dataplane_t *dp, pending_t *p) {
   }
   ssize_t r = recv(p->fd, p->hello + p->got, DP_HELLO_LEN - p->got, MSG_DONTWAIT);
   if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+  if (r <= 0 && p->got == 0) { /* withdrew: a member that gave up dialing (its deadline
+                                  * passed, its call ended) before our challenge reached it */
+    pending_close(dp, p, -1, "closed before its hello");
+    return false;
+  }
   if (r <= 0) {
     snprintf(why, sizeof why, "closed the connection after %zu of the hello's %d bytes", p->got,
              DP_HELLO_LEN);

@@ -2273,7 +2273,8 @@ static void soak_case(soak_opts_t o) {
     for (int k = 0; k < DP_ABORT_COUNT; k++) why[k] += dataplane_aborts(w.dp[r], (dp_abort_t)k);
     /* Members' own connections are never counted as strangers' (a dial that
      * gave up on the same-host socket went on over TCP past its deadline and
-     * closed before its hello: "malformed"). */
+     * sent part of a hello: "malformed"; one that closes before its first
+     * byte withdrew, which is no rejection). */
     cr_assert_eq(dataplane_rejected(w.dp[r], DP_REJECT_MALFORMED), 0,
                  "seed %llu: member %zu counted a member's connection as malformed",
                  (unsigned long long)s.seed, r);
