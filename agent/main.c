@@ -218,6 +218,7 @@ static double rejected_fn(void *arg) {
   const rejected_series_t *r = arg;
   return (double)dataplane_rejected(r->dp, r->reason);
 }
+static double withdrawn_fn(void *arg) { return (double)dataplane_withdrawn(arg); }
 
 /* One series of meshd_collective_aborts_total. */
 typedef struct aborts_series {
@@ -489,6 +490,12 @@ int main(int argc, char **argv) {
       metrics_set_fn(metrics, "meshd_dataplane_rejected_total",
                      (const char *[]){"reason", dp_reject_name((dp_reject_t)r), NULL}, rejected_fn,
                      &rejected[r]);
+    }
+    if (dp) {
+      metrics_define(metrics, "meshd_dataplane_withdrawn_total", METRIC_COUNTER,
+                     "Data port connections their dialer closed before it proved group "
+                     "membership (a member that gave up dialing or waiting, or a probe).");
+      metrics_set_fn(metrics, "meshd_dataplane_withdrawn_total", NULL, withdrawn_fn, dp);
     }
     static aborts_series_t aborts[DP_ABORT_COUNT];
     metrics_define(metrics, "meshd_collective_aborts_total", METRIC_COUNTER,

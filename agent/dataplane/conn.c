@@ -950,6 +950,10 @@ uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason) {
   return atomic_load(&((dataplane_t *)dp)->rejected[reason]);
 }
 
+uint64_t dataplane_withdrawn(const dataplane_t *dp) {
+  return dp ? atomic_load(&((dataplane_t *)dp)->withdrawn) : 0;
+}
+
 const char *dp_abort_name(dp_abort_t reason) {
   static const char *const names[] = {
 #define XX(name, str) str,
@@ -978,7 +982,10 @@ static void pending_close(dataplane_t *dp, pending_t *p, int reason, const char 
   }
   close(p->fd);
   p->fd = -1;
-  if (reason < 0) return;
+  if (reason < 0) { /* counted, not logged: under load members do it often */
+    atomic_fetch_add(&dp->withdrawn, 1);
+    return;
+  }
   atomic_fetch_add(&dp->rejected[reason], 1);
   int64_t now = dp__now_ms();
   if (now - dp->log_window_ms >= LOG_WINDOW_MS) {

@@ -89,6 +89,10 @@ typedef enum {
 } dp_reject_t;
 /* "bad_proof", ... (the metric's reason label); "?" out of range. */
 const char *dp_reject_name(dp_reject_t reason);
+/* Unproven connections whose dialer closed them (before its hello's first
+ * byte, or while it waited for our ack): no rejection -- a member that gave
+ * up dialing, or a probe (0 for NULL). */
+uint64_t dataplane_withdrawn(const dataplane_t *dp);
 /* Connections closed so far for `reason` (0 for NULL or out of range). */
 uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason);
 

@@ -128,6 +128,7 @@ struct dataplane {
   uint64_t next_reg;
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
   _Atomic uint64_t rejected[DP_REJECT_COUNT];
+  _Atomic uint64_t withdrawn; /* unproven connections their dialer closed (no rejection) */
   _Atomic uint64_t aborts[DP_ABORT_COUNT];
   _Atomic uint64_t shm_in, shm_mapped; /* dataplane_shm_received */
   /* The listener's warn lines about refused connections: at most a few per
