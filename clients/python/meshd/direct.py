@@ -302,9 +302,10 @@ class Direct:
     # ------------------------------------------------------------ upload
     def upload(self, hdr, pieces, progress=None):
         """Uploads pieces (byte memoryviews: one per rank with per_rank, else one) as
-        UploadHeader hdr (ref already chosen, the session lock held). Returns the UploadReply-like FinishUploadReply, or None
-        when the direct path is not available (nothing was defined; the caller uses
-        the proxy with a new ref). progress (meshd._progress) counts the array's bytes
+        UploadHeader hdr (ref already chosen, the session lock held). Returns
+        (the UploadReply-like FinishUploadReply, its progress tracker, which the caller
+        completes), or None when the direct path is not available (nothing was defined;
+        the caller uses the proxy with a new ref). progress (meshd._progress) counts the array's bytes
         as the proxy does: with per_rank the bytes sent to all agents together, else
         the bytes every agent got (the slowest's)."""
         s, pb = self.session, self.session._pb
@@ -364,8 +365,7 @@ class Direct:
             tr.close()  # the bar stops where it stood; the callback hears no more
             raise
         self.counts["upload"] += 1
-        tr.close(ok=True)
-        return res
+        return res, tr  # the caller completes tr (meshd.tensor._uploaded)
 
     def _finish_upload(self, transfer_id, receipts, err):
         """FinishUpload; sent even when a Write failed (err), so that the server undoes

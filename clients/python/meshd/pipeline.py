@@ -180,6 +180,8 @@ class Pipeline:
         if res.HasField("error") and res.error.kind != 0:
             e = MeshdError.from_error(pb, res.error)
             e.seq = res.seq
+            if e.kind == "UNAVAILABLE" and "predates the Literal" in e.message:
+                self.session._literals = False  # an older agent: later tensors upload
             if not p._quiet:
                 self._errors.append(e)
             else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import warnings
@@ -103,9 +104,19 @@ class Borrow:
     def __init__(self, session: Session, ref: int, handle: Tensor,
                  origin: Tensor | None = None) -> None:
         self.session, self.ref, self.handle = session, ref, handle
-        # The borrowed tensor's handle stays alive (and unreleased) while the borrow is.
+        # The borrowed tensor's handle stays alive (and unreleased) while the borrow is,
+        # and the borrow while its handle is: collected together, the borrow is dropped
+        # before the origin is released (Session._send_release).
         self._origin = origin
+        handle._borrow = self
         self.dropped = False
+
+    def __del__(self) -> None:
+        try:
+            if not self.dropped:
+                self.session._borrow_collected(self.ref)
+        except Exception:  # noqa: BLE001 - interpreter shutdown, half-made objects
+            pass
 
     def __enter__(self) -> Borrow:
         return self
@@ -121,6 +132,7 @@ class Borrow:
         self.session._execute("drop_borrow", lambda _: pb.DropBorrow(borrow=self.ref))
         self.dropped = True
         self.handle._dropped = True
+        self.handle._borrow = None
         self._origin = None
 
 
@@ -158,7 +170,10 @@ class Session:
         self._meshes = {}
         self._streams = {}
         self._pipe = None  # the open Pipeline (session.pipeline()), if any
-        self._released = []  # refs of garbage-collected handles, not yet sent
+        # Refs of garbage-collected handles, and borrows collected undropped, not yet
+        # sent: deques, appended to by __del__ in any thread, emptied by popleft.
+        self._released: collections.deque[int] = collections.deque()
+        self._unborrowed: collections.deque[int] = collections.deque()
         self.closed = False
         pb = self._pb
         try:
@@ -238,7 +253,8 @@ class Session:
                 pipe.flush()  # keep refs reaching the server in order
             if mine and field == "sync":
                 pipe.flush()
-            if len(self._released) >= _RELEASE_BATCH or (field == "sync" and self._released):
+            if (len(self._released) >= _RELEASE_BATCH or self._unborrowed
+                    or (field == "sync" and self._released)):
                 self._send_release(pipe if mine else None)
             refs = [self._ref + i + 1 for i in range(claim)]
             self._ref += claim
@@ -259,21 +275,40 @@ class Session:
         if not self.closed:
             self._released.append(ref)
 
+    def _borrow_collected(self, ref):
+        """A Borrow was garbage-collected undropped (with its handle: the handle keeps
+        it): a DropBorrow goes before the next Release, which may name its origin."""
+        if not self.closed:
+            self._unborrowed.append(ref)
+
     def _send_release(self, pipe):
-        """One Release command of every waiting ref, in order with the session's other
-        commands (the caller holds self._lock). It is housekeeping: a refusal is a
-        warning, never an exception in the unrelated call that happened to send it."""
-        refs, self._released = self._released, []  # a __del__ meanwhile appends to `refs`
-        self._seq += 1
-        cmd = self._pb.Command(seq=self._seq, release=self._pb.Release(refs=refs))
-        try:
-            if pipe is not None:
-                pipe.send(cmd, quiet=True)
-            else:
-                self._unary("Execute", cmd, self._pb.CommandResult)
-        except MeshdError as e:
-            warnings.warn(f"meshd: releasing {len(refs)} unused tensor refs failed: {e}",
-                          RuntimeWarning, stacklevel=3)
+        """DropBorrow of every collected borrow, then Release commands of every waiting
+        ref, _RELEASE_BATCH at most each (a server takes --max-command-refs), in order
+        with the session's other commands (the caller holds self._lock). It is
+        housekeeping: a refusal is a warning, never an exception in the unrelated call
+        that happened to send it."""
+        pb = self._pb
+        cmds = []
+        while self._unborrowed:
+            self._seq += 1
+            cmds.append(("borrow", pb.Command(seq=self._seq, drop_borrow=pb.DropBorrow(
+                borrow=self._unborrowed.popleft()))))
+        while self._released:
+            refs = [self._released.popleft()
+                    for _ in range(min(_RELEASE_BATCH, len(self._released)))]
+            self._seq += 1
+            cmds.append(("refs", pb.Command(seq=self._seq, release=pb.Release(refs=refs))))
+        for what, cmd in cmds:
+            try:
+                if pipe is not None:
+                    pipe.send(cmd, quiet=True)
+                else:
+                    self._unary("Execute", cmd, pb.CommandResult)
+            except MeshdError as e:
+                n = len(cmd.release.refs) if what == "refs" else 1
+                warnings.warn(f"meshd: releasing {n} unused tensor ref(s)"
+                              f"{' (a borrow)' if what == 'borrow' else ''} failed: {e}",
+                              RuntimeWarning, stacklevel=3)
 
     def _flush_pipeline(self):
         """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs)."""

@@ -116,6 +116,7 @@ class Tensor:
         self._mesh, self._stream = mesh_ref, stream_ref
         self._pending = None  # (pipeline _Pending, index) until the answer is in
         self._dropped = False
+        self._borrow = None  # a borrowed handle's Borrow (which it keeps alive)
         # The handle that made this ref: when it is garbage-collected the session
         # releases the ref (Session._release_later). A second handle on a ref
         # (an answer naming `out=`) is not owned.
@@ -601,7 +602,9 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     if dtype is not None and dtype_name(dtype) == "bfloat16":
         # uint16 data are bfloat16 bits already (inspect(t, raw=True) gives them);
         # anything else is converted, rounding to nearest even.
-        data = data if data.dtype == np.uint16 else _bf16_bits(data)
+        # (in either byte order: a big-endian array is swapped below)
+        bits = data.dtype.kind == "u" and data.dtype.itemsize == 2
+        data = data if bits else _bf16_bits(data)
         name = "bfloat16"
     else:
         if dtype is not None:
@@ -652,7 +655,7 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         if s._direct.wanted():  # straight to the agents (meshd/direct.py)
             done = s._direct.upload(hdr, pieces, progress)
             if done is not None:
-                return Tensor._from_meta(s, done.tensor)
+                return _uploaded(s, done[0].tensor, done[1])
             hdr.ref = ref = s._new_ref()  # the proxy instead; the plan may have claimed ref
 
         aborted = []  # the progress callback's exception, raised in gRPC's thread
@@ -667,16 +670,32 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
                     except BaseException as e:  # a short upload: the server refuses it
                         aborted.append(e)
                         return
-        with _progress.tracker(total, progress, "upload") as tr:
-            try:
-                reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
-            except grpc.RpcError as e:
-                if aborted:
-                    raise aborted[0] from None
-                raise MeshdError.from_rpc(e) from None
+        tr = _progress.tracker(total, progress, "upload")
+        try:
+            reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
+        except grpc.RpcError as e:
+            tr.close()
             if aborted:
-                raise aborted[0]
-    return Tensor._from_meta(s, reply.tensor)
+                raise aborted[0] from None
+            raise MeshdError.from_rpc(e) from None
+        except BaseException:
+            tr.close()
+            raise
+        if aborted:
+            tr.close()
+            raise aborted[0]
+    return _uploaded(s, reply.tensor, tr)
+
+
+def _uploaded(s, meta, tr):
+    """The handle of an upload that succeeded, once its progress completes (tr closed
+    ok); if the callback raises then, the caller gets no handle: the ref goes."""
+    try:
+        tr.close(ok=True)
+    except BaseException:
+        s._release_later(meta.ref)
+        raise
+    return Tensor._from_meta(s, meta)
 
 
 def _literal(s, mesh, stream, shape, name, per_rank, pieces, total, sent, progress):

@@ -51,6 +51,9 @@ def test_bfloat16_nan_stays_nan_and_bits_round_trip(half_mesh):
     u = meshd.tensor(bits, dtype="bfloat16")
     np.testing.assert_array_equal(meshd.inspect(u, gpu=1, raw=True), bits)
     assert meshd.inspect(u, gpu=1)[1] == 3.140625
+    # bits in a big-endian array are bits too (not numbers to convert)
+    big = meshd.tensor(bits.astype(">u2"), dtype="bfloat16")
+    np.testing.assert_array_equal(meshd.inspect(big, gpu=0, raw=True), bits)
 
 
 def test_bfloat16_computes(half_mesh):

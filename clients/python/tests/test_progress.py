@@ -174,6 +174,35 @@ def test_a_callback_exception_on_a_small_tensor_lets_its_ref_go(session, mesh, f
     assert meshd.inspect(meshd.tensor(np.ones(4, np.float32)) + 1, gpu=1)[0] == 2.0
 
 
+@pytest.mark.parametrize("data_path", ["proxy", "direct"])
+def test_a_callback_raising_at_the_end_of_an_upload_lets_its_ref_go(server, data_path,
+                                                                    fast_callbacks):
+    """The last progress call of an Upload comes once the tensor is defined: a callback
+    that raises there leaves the caller no handle, so the ref is released (the server
+    holds nothing more afterwards), through the server and straight to the agents."""
+    class Stop(Exception):
+        pass
+
+    def at_the_end(done, total):
+        if done == total:
+            raise Stop
+    with meshd.connect(server[0], data_path=data_path) as s, s.mesh(gpu=2).activate():
+        s.sync()
+        base = _live(s)
+        with pytest.raises(Stop):
+            meshd.tensor(np.ones(N, np.float32), progress=at_the_end)
+        assert s._direct.counts["upload"] == (data_path == "direct")
+        s.sync()
+        assert _live(s) == base, "the tensor of the raising callback lives on"
+
+
+def _live(s):
+    pb = s._pb
+    reply = s._unary("ListSessions", pb.ListSessionsRequest(), pb.ListSessionsReply)
+    (row,) = [r for r in reply.sessions if r.session_id == s.id]
+    return row.live_tensors
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0.5])
 def test_progress_takes_none_bools_or_callables(mesh, bad):
     with pytest.raises(TypeError, match="progress="):

@@ -117,6 +117,50 @@ def test_failures_of_collected_results_are_told_once_each(session, mesh):
     session.sync()
 
 
+def test_more_collected_handles_than_a_command_takes_are_all_released(session, mesh,
+                                                                       monkeypatch):
+    """5,000 handles collected between two commands: more refs than one command may
+    name (--max-command-refs, 4,096 by default). They go in Releases of 256 refs each,
+    every one is released, and no warning is given."""
+    base = _info(session).live_tensors
+    ts = [meshd.zeros((4,)) for _ in range(5000)]
+    assert _info(session).live_tensors == base + 5000
+    calls = _Calls(session, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del ts
+        gc.collect()
+        session.sync()
+    assert calls.release == 5000 // _session._RELEASE_BATCH + 1, calls.release
+    assert _info(session).live_tensors == base
+
+
+def test_a_borrow_collected_with_its_handle_is_dropped_before_its_origin_goes(session, mesh):
+    """The borrowed handle keeps its Borrow, the Borrow its origin: with the Borrow
+    object gone, the origin is not released while the handle is used; with the handle
+    gone too, the borrow is dropped before the origin's Release (which the server
+    would refuse, BORROWED, with every other ref in it)."""
+    side = session.stream("side")
+    base = _info(session).live_tensors
+    x = meshd.tensor(np.arange(4, dtype=np.float32))
+    others = [meshd.zeros((4,)) for _ in range(10)]
+    h, b = side.borrow(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del x, b, others
+        gc.collect()
+        session.sync()
+        with side.activate():
+            np.testing.assert_array_equal(meshd.inspect(h + 1, gpu=1), np.arange(4) + 1)
+        gc.collect()
+        session.sync()  # the temporary h + 1 is released
+        assert _info(session).live_tensors == base + 2  # the origin and its borrowed handle
+        del h
+        gc.collect()
+        session.sync()
+    assert _info(session).live_tensors == base
+
+
 def test_dropped_handles_are_not_released_again(session, mesh, monkeypatch):
     calls = _Calls(session, monkeypatch)
     x = meshd.ones((4,))
