@@ -142,11 +142,15 @@ static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
  * ref where it was defined: the ref stays undefined. The last Write to end
  * settles the Upload and answers the client. */
 #define UPLOAD_QUEUED (8u << 20)
+/* What a queued message costs beyond its bytes (its entry, gRPC's buffer):
+ * counted against UPLOAD_QUEUED, so that a client sending 1-byte chunks
+ * cannot queue millions of them. */
+#define QUEUED_MSG_COST 512u
 
 typedef struct queued_msg {
   struct queued_msg *next;
   rpc_bytes_t *msg;
-  size_t len;
+  size_t len; /* what it counts in u->queued: its bytes and QUEUED_MSG_COST */
 } queued_msg_t;
 
 /* One rank's Agent/Write. */
@@ -223,9 +227,31 @@ static void upload_abort(upload_t *u) {
   pthread_mutex_unlock(&u->mu);
 }
 
+/* An Upload that fails once its Writes opened spends its ref: a rank may have
+ * defined it, the undo (DeleteRefs) runs in its stream's order, and a retry's
+ * Write defines at once, so a retry under the same ref could be deleted by the
+ * undo. Claimed when the client is told (or the call ends), before any retry
+ * can come; e (may be NULL) says so. Holds s->mu. */
+static void spend_locked(session_t *s, uint64_t ref, meshd_error_t *e) {
+  if (atomic_load(&s->closed) || session_check_ref(s, ref, NULL) != 0 ||
+      session_claim_ref(s, ref, NULL) != 0 || !e || e->kind == ERR_NONE)
+    return;
+  size_t len = strlen(e->msg);
+  snprintf(e->msg + len, sizeof e->msg - len, " (ref %llu is spent: upload again under a later ref)",
+           (unsigned long long)ref);
+}
+
+static void upload_spend(upload_t *u, meshd_error_t *e) {
+  if (!u->w) return; /* no Write opened: nothing defined anywhere, the ref stays free */
+  pthread_mutex_lock(&u->session->mu);
+  spend_locked(u->session, u->ref, e);
+  pthread_mutex_unlock(&u->session->mu);
+}
+
 static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const char *arg) {
   meshd_error_t e;
   error_set(&e, kind, fmt, arg);
+  upload_spend(u, &e);
   u->failed = true;
   pthread_mutex_lock(&u->mu);
   u->answered = true;
@@ -469,9 +495,13 @@ static void upload_settle(upload_t *u) {
     error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
   else if (ok && session_check_refs(s, &u->ref, 1, &e) == 0)
     t = upload_define(s, o, u->ref, &u->meta, u->mesh, u->stream, u->nranks, "Upload", &e);
-  /* A ref the session did not take is nobody's: the ranks that hold it let go
-   * (all of them when `defined` could not be allocated). */
-  if (!t && o) upload_undo(u, o, defined);
+  /* Once Writes opened, a rank may hold the ref (one whose Write was cut after
+   * its last byte, too): every rank lets go, and the ref is spent (spend_locked;
+   * already, when the client was told before). */
+  if (!t && o && u->w) {
+    upload_undo(u, o, NULL);
+    spend_locked(s, u->ref, answered ? NULL : &e);
+  }
   Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
@@ -528,11 +558,11 @@ static int write_queue_locked(upload_t *u, rank_write_t *w, rpc_bytes_t *msg, si
   }
   q->next = NULL;
   q->msg = msg;
-  q->len = len;
+  q->len = len + QUEUED_MSG_COST;
   if (w->tail) w->tail->next = q;
   else w->head = q;
   w->tail = q;
-  u->queued += len;
+  u->queued += q->len;
   write_kick_locked(u, w);
   return 0;
 }
@@ -609,7 +639,10 @@ static int write_open_locked(upload_t *u, rank_write_t *w, meshd_error_t *e) {
 static int upload_begin(upload_t *u, meshd_error_t *e) {
   rank_write_t *w = calloc(u->nranks ? u->nranks : 1, sizeof *w);
   if (!w) return error_set(e, ERR_QUOTA, "Upload: out of memory on the server");
-  upload_open(u);
+  if (upload_open(u)) { /* closed since its header was checked: no Writes for it */
+    free(w);
+    return error_set(e, ERR_NO_SESSION, "Upload: session %.8s was closed", u->session->id);
+  }
   rpc_call_ref(u->call);
   atomic_fetch_add(&u->owners, 1);
   pthread_mutex_lock(&u->mu);
@@ -748,6 +781,7 @@ static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
   upload_t *u = rpc_call_data(call);
   if (!u) return;
   upload_abort(u); /* a client gone mid-upload: the Writes end and settling undoes */
+  upload_spend(u, NULL); /* (a defined tensor's ref is claimed already: no-op) */
   transfer_end(u->session);
   upload_release(u);
 }
@@ -1366,9 +1400,9 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   u->ds = ds;
   u->session = s;
   int rc = upload_header(u, h, e);
-  if (rc == 0) { /* claimed now: no command takes the ref; FinishUpload defines it */
+  if (rc == 0) { /* checked now, claimed once the plan can be answered (below) */
     pthread_mutex_lock(&s->mu);
-    rc = session_claim_ref(s, u->ref, e);
+    rc = session_check_ref(s, u->ref, e);
     pthread_mutex_unlock(&s->mu);
   }
   if (rc) {
@@ -1429,10 +1463,19 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   Meshd__V1__AgentTls tls = MESHD__V1__AGENT_TLS__INIT;
   char *ca = NULL;
   if (rc == 0) rc = plan_tls(ds, &reply, &tls, &ca, e);
+  /* Claimed only now: a plan that failed before leaves the ref free, as its
+   * client expects. No command takes it after; FinishUpload defines it. */
+  if (rc == 0) {
+    pthread_mutex_lock(&s->mu);
+    rc = session_claim_ref(s, t->ref, e);
+    pthread_mutex_unlock(&s->mu);
+    if (rc) error_prefix(e, "PlanTransfer", ": ");
+  }
   if (rc) {
     shards_free(sh, t->nranks);
     free(shp);
-    transfer_free(ds, t, true); /* nothing was written, but a Write may have started */
+    free(ca);
+    transfer_free(ds, t, false); /* no grant left the server: nothing to undo */
     return -1;
   }
   reply.transfer_id = t->id;
@@ -1583,6 +1626,8 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   objects_t *o = objects_of(s);
   if (e.kind == ERR_NONE && atomic_load(&s->closed))
     error_set(&e, ERR_NO_SESSION, "FinishUpload: session %.8s was closed", s->id);
+  if (e.kind == ERR_NONE && !o)
+    error_set(&e, ERR_QUOTA, "FinishUpload: out of memory on the server");
   if (e.kind == ERR_NONE && o) {
     obj = upload_define(s, o, t->ref, &t->meta, t->mesh, t->stream, t->nranks, "FinishUpload", &e);
     if (obj) {

@@ -1751,10 +1751,12 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   if (rc == DIRECT_PROXY) {
     h.ref = s->next_ref;
     ret = proxy_upload(s, &h, data, bytes);
+    /* A failed Upload whose Writes had opened spends its ref (the server says
+     * so); the next call takes a later one either way (refs may skip). */
+    s->next_ref++;
     if (ret != MESHD_E_OK)
       return ret;
     direct_count_proxy(s->direct, true);
-    s->next_ref++;
   }
   *out = h.ref;
   return MESHD_E_OK;

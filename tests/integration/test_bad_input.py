@@ -795,8 +795,14 @@ def _(ctx):
 
 @case("upload-too-few-bytes")
 def _(ctx):
+    """Its Writes had opened: the ref is spent (a retry under it could meet the undo,
+    which runs in stream order), and the error says so."""
     s = ctx.session()
-    upload_fails(ctx, s, [_hdr(s), _data(15)], INVALID, "Upload", "15", "16", kind="SHAPE_MISMATCH")
+    ref = s.new_ref()
+    upload_fails(ctx, s, [_hdr(s, ref=ref), _data(15)], INVALID, "Upload", "15", "16",
+                 f"ref {ref} is spent", kind="SHAPE_MISMATCH")
+    upload_fails(ctx, s, [_hdr(s, ref=ref), _data(16)], INVALID, "Upload", str(ref),
+                 "already used", kind="REF_REUSED")
 
 
 @case("upload-too-many-chunks")

@@ -228,8 +228,9 @@ def test_a_fetch_streams_the_value_at_its_point_in_the_stream(meshd_server):
 def test_an_upload_streams_through_the_server(meshd_server):
     """An Upload is forwarded to the agents as it arrives: the server holds a few chunks,
     never the tensor (128 MiB to both ranks grew it by 128 MiB before), every rank gets
-    exactly its bytes, and a client that stops halfway leaves the ref undefined, free to
-    be uploaded again."""
+    exactly its bytes, and a client that stops halfway leaves the ref undefined on every
+    rank, and spent: the undo runs in stream order, so a retry under the same ref could
+    be deleted by it; it is refused, and one under a later ref holds its bytes."""
     import threading
     srv = meshd_server(2)
     lib.wait_ready(srv, 2)
@@ -282,10 +283,15 @@ def test_an_upload_streams_through_the_server(meshd_server):
         except grpc.RpcError as e:
             assert e.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED), e
         s.fails("UNKNOWN_REF", lib.describe(ref2))
-        r = fn(iter([t.UploadChunk(header=t.UploadHeader(ref=ref2, mesh=m, shape=[2],
-                                                         dtype=lib.dtype("float32"))),
-                     t.UploadChunk(data=struct.pack("<2f", 5.0, 6.0))]),
-               metadata=s.metadata, timeout=20)
+
+        def small(ref):
+            return iter([t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[2],
+                                                             dtype=lib.dtype("float32"))),
+                         t.UploadChunk(data=struct.pack("<2f", 5.0, 6.0))])
+        with pytest.raises(grpc.RpcError) as e:
+            fn(small(ref2), metadata=s.metadata, timeout=20)
+        assert "already used" in e.value.details(), e.value.details()
+        r = fn(small(s.new_ref()), metadata=s.metadata, timeout=20)
         assert fetch_floats(s, r.tensor.ref) == [5.0, 6.0]
 
 
