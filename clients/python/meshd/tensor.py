@@ -115,7 +115,8 @@ class Tensor:
         self._shape, self._dtype = tuple(shape), dtype
         self._mesh, self._stream = mesh_ref, stream_ref
         self._pending = None  # (pipeline _Pending, index) until the answer is in
-        self._dropped = False
+        # True once dropped; a pipelined Drop's _Pending until answered (_gone)
+        self._dropped: bool | _Pending = False
         self._borrow = None  # a borrowed handle's Borrow (which it keeps alive)
         # The handle that made this ref: when it is garbage-collected the session
         # releases the ref (Session._release_later). A second handle on a ref
@@ -125,7 +126,7 @@ class Tensor:
     def __del__(self) -> None:
         # Never a call from here: the ref joins the session's batch of releases.
         try:
-            if self._owned and not self._dropped:
+            if self._owned and not self._gone():
                 self.session._release_later(self.ref)
         except Exception:  # noqa: BLE001 - interpreter shutdown, half-made handles
             pass
@@ -188,7 +189,15 @@ class Tensor:
 
     @property
     def dropped(self) -> bool:
-        return self._dropped
+        return self._gone()
+
+    def _gone(self) -> bool:
+        """Dropped: a pipelined Drop counts until its answer refused it (BORROWED):
+        then the tensor lives on, and its handle releases it as any other."""
+        d = self._dropped
+        if isinstance(d, bool):
+            return d
+        return not (d.done() and d._error is not None)
 
     @property
     def ndim(self) -> int:
@@ -216,11 +225,11 @@ class Tensor:
 
     def drop(self) -> None:
         """Frees the tensor (every alias of its storage); later use is DROPPED."""
-        if self._dropped:
+        if self._gone():
             return
         pb = self.session._pb
-        self.session._execute("drop", lambda _: pb.Drop(refs=[self.ref]))
-        self._dropped = True
+        res = self.session._execute("drop", lambda _: pb.Drop(refs=[self.ref]))
+        self._dropped = res if isinstance(res, _Pending) else True
 
     # ------------------------------------------------------------ operators
     def _bin(self, op, other):

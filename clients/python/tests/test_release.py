@@ -161,6 +161,24 @@ def test_a_borrow_collected_with_its_handle_is_dropped_before_its_origin_goes(se
     assert _info(session).live_tensors == base
 
 
+def test_a_pipelined_drop_that_is_refused_leaves_the_handle_live(session, mesh):
+    """A pipelined Drop is answered later: refused (the tensor is borrowed), the handle
+    is not dropped after all, and it releases its tensor when collected."""
+    side = session.stream("side")
+    base = _info(session).live_tensors
+    x = meshd.tensor(np.arange(4, dtype=np.float32))
+    h, b = side.borrow(x)
+    with pytest.raises(meshd.MeshdError, match="BORROWED|borrowed"):
+        with session.pipeline():
+            x.drop()
+    assert not x.dropped
+    b.drop()
+    del x, h, b
+    gc.collect()
+    session.sync()
+    assert _info(session).live_tensors == base
+
+
 def test_dropped_handles_are_not_released_again(session, mesh, monkeypatch):
     calls = _Calls(session, monkeypatch)
     x = meshd.ones((4,))
