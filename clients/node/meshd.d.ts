@@ -96,10 +96,12 @@ export interface UrlTensor {
   shape: number[];
   offset: number;
   nbytes: number;
+  /** a safetensors index's entry: the file that holds it, relative to the index */
+  file: string;
 }
 
 export interface InspectUrlReply {
-  format: 'npy' | 'safetensors';
+  format: 'npy' | 'safetensors' | 'safetensors_index';
   file_size: number;
   /** in header order */
   tensors: UrlTensor[];
@@ -126,8 +128,12 @@ export interface OpInfo { name: string; schema: string; view: boolean; inplace: 
 export interface LoadProgress { ref: number; done_bytes: number; total_bytes: number; failed: boolean }
 
 export interface ShardGrant { rank: number; address: string; grant: Buffer; after_seq: number }
+/** How to dial the agents' data port over TLS (unset: plaintext). */
+export interface AgentTls { ca_pem: string; server_name: string }
 export interface PlanTransferReply {
-  transfer_id: number; shards: ShardGrant[]; meta: TensorMeta | null; expiry_unix_ms: number;
+  /** 64 bits: through unary() a Number may round it; the client's own transfers keep it exact */
+  transfer_id: number | string; shards: ShardGrant[]; meta: TensorMeta | null; expiry_unix_ms: number;
+  agent_tls: AgentTls | null;
 }
 
 /** What fetch() resolves to: the local tensor's bytes as a typed array by dtype. */
@@ -213,7 +219,8 @@ export type Command =
   | { release: { refs: number[] } }
   | { sync: { stream?: number; has_stream?: boolean } }
   | { describe: { ref: number } }
-  | { load: { ref: number; mesh: number; url: string; dtype: DType; shape: number[]; stream?: number; offset?: number; file_size?: number; shard?: string; dim?: number } };
+  | { load: { ref: number; mesh: number; url: string; dtype: DType; shape: number[]; stream?: number; offset?: number; file_size?: number; shard?: string; dim?: number } }
+  | { literal: { ref: number; mesh: number; stream?: number; shape: number[]; dtype: DType; per_rank?: boolean; data: Uint8Array } };
 
 /** The unary RPCs unary() can make: [request, reply]. */
 export interface UnaryMethods {
@@ -410,8 +417,9 @@ export class Session {
   execute(command: Command, options?: CallOptions): Promise<CommandResult>;
   /**
    * Later commands go on one Submit stream, many to a message (what was issued before the
-   * event loop turns, at most maxBatch); each still settles with its own answer. Upload, fetch,
-   * inspectUrl and close wait for every outstanding answer first. null: back to unary Execute.
+   * event loop turns, at most maxBatch, about 1 MiB); each still settles with its own answer.
+   * Upload, fetch, inspectUrl and close wait for every outstanding answer first. null: back to
+   * unary Execute. The open stream keeps the process alive: close() the session when done.
    */
   setPipeline(options?: PipelineOptions | null): Promise<void>;
   /** What the pipeline sent and got back; null without one. */

@@ -65,7 +65,20 @@ const QUEUED = Symbol('queued'); // execute: a pipelined command's answer, still
 const WEIGHT = Symbol('weight'); // a queued Literal's {bytes, sent}: what the batch may hold
 const LITERAL_MAX_BYTES = 1 << 20; // the data one Literal carries (docs/protocol.md)
 const LITERAL_MAX_SENT = 8 << 20; // what it, or one message's Literals, sends the agents
-const BATCH_BYTES = 1 << 20; // a pipelined message ends past this much Literal data
+const BATCH_BYTES = 1 << 20; // a pipelined message ends past about this many bytes
+const MESSAGE_MAX = 4 << 20; // the server's largest message
+
+// About how many bytes a command takes on the wire (its strings, lists and bytes;
+// 10 a number): what a pipelined message may hold (BATCH_BYTES) is counted in these.
+function weigh(v) {
+  if (v === null || v === undefined) return 0;
+  if (typeof v === 'string') return v.length + 2;
+  if (typeof v !== 'object') return 10;
+  if (ArrayBuffer.isView(v)) return v.byteLength + 4;
+  let n = 2;
+  for (const k in v) n += weigh(v[k]) + 1;
+  return n;
+}
 const AGENT_PROTO_REL = path.join('meshd', 'agent', 'v1', 'agent.proto');
 const GRANT_MD = 'meshd-transfer-grant-bin';
 export const DATA_PATHS = Object.freeze(['auto', 'direct', 'proxy']);
@@ -206,6 +219,7 @@ export class Session {
   #pipe = null; // setPipeline: the Submit stream, its queue and the answers awaited
   #meshes = new Map(); // ref -> the MeshMeta of each mesh this session made (literal)
   #order = Promise.resolve(); // the last ref-claiming send issued (#inOrder)
+  #lateErrors = []; // run-time errors in the answer of a pipelined sync that timed out
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -308,7 +322,8 @@ export class Session {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     this.seq += 1;
     const cmd = { seq: this.seq, ...command };
-    if (weight) cmd[WEIGHT] = weight; // a symbol: protobuf does not see it
+    // a symbol, which protobuf does not see: what the command weighs in a message
+    cmd[WEIGHT] = weight ?? { bytes: weigh(command), sent: 0 };
     const deadline = this.deadline(timeoutMs); // from the call, not from its turn
     // A pipelined command is claimed in stream order once queued; its answer is awaited
     // outside the order (wrapped, so that the order does not wait for it).
@@ -327,7 +342,8 @@ export class Session {
   // Each call still resolves or rejects with its own answer; issue many before
   // awaiting them (e.g. Promise.all) and they share messages. Upload, fetch,
   // inspectUrl and close first wait for every answer outstanding, so refs reach the
-  // server in order. setPipeline(null) waits for them and goes back to Execute.
+  // server in order. setPipeline(null) waits for them and goes back to Execute. The
+  // open stream keeps the process (and the session) alive: close() the session.
   async setPipeline(opts = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     const maxBatch = opts?.maxBatch ?? 256;
@@ -343,7 +359,7 @@ export class Session {
     if (opts === null) return;
     const stream = this.client.Submit(this.#md);
     const pipe = { stream, maxBatch, queue: [], pending: new Map(), waiters: [], scheduled: false,
-      broken: null, closing: false, messages: 0, commands: 0, replies: 0 };
+      broken: null, closing: false, messages: 0, commands: 0, replies: 0, late: new Set() };
     stream.on('data', (reply) => this.#answers(pipe, reply));
     stream.on('error', (err) => this.#broke(pipe, MeshdError.fromRpc(err)));
     stream.on('end', () => this.#broke(pipe, new MeshdError('UNAVAILABLE',
@@ -361,6 +377,10 @@ export class Session {
   #submit(cmd, timeoutMs) {
     const pipe = this.#pipe;
     if (pipe.broken) return Promise.reject(pipe.broken);
+    if (cmd[WEIGHT].bytes > MESSAGE_MAX - 4096) { // it would end the stream for every call
+      return Promise.reject(new MeshdError('BAD_ARGUMENT', `command seq ${cmd.seq} takes about `
+        + `${cmd[WEIGHT].bytes} bytes, more than a message may (${MESSAGE_MAX})`, grpc.status.INVALID_ARGUMENT, cmd.seq));
+    }
     return new Promise((resolve, reject) => {
       let timer;
       const done = (fn) => (v) => { if (timer) clearTimeout(timer); fn(v); };
@@ -374,6 +394,7 @@ export class Session {
       if (timeoutMs !== undefined) {
         timer = setTimeout(() => {
           if (!pipe.pending.delete(cmd.seq)) return;
+          pipe.late.add(cmd.seq); // its answer still comes, with the errors it took
           this.#settled(pipe);
           reject(new MeshdError('DEADLINE_EXCEEDED', `no answer to command seq ${cmd.seq} within ${timeoutMs} ms`,
             grpc.status.DEADLINE_EXCEEDED, cmd.seq));
@@ -391,7 +412,6 @@ export class Session {
       let n = 0, bytes = 0, sent = 0;
       for (; n < pipe.queue.length && n < pipe.maxBatch; n++) {
         const w = pipe.queue[n][WEIGHT];
-        if (!w) continue;
         if (n && (bytes + w.bytes > BATCH_BYTES || sent + w.sent > LITERAL_MAX_SENT)) break;
         bytes += w.bytes;
         sent += w.sent;
@@ -409,6 +429,10 @@ export class Session {
     for (const r of results) {
       const seq = Number(r.seq);
       const p = pipe.pending.get(seq);
+      if (!p && pipe.late.delete(seq)) { // a sync that timed out: its errors go to the next
+        for (const e of r.errors ?? []) this.#lateErrors.push(e);
+        continue;
+      }
       if (!p) {
         // seq 0: a whole message refused (this client never sends one such)
         if (seq === 0 && r.error) this.#broke(pipe, MeshdError.fromError(r.error));
@@ -473,9 +497,11 @@ export class Session {
 
   // What the file at `url` holds, read by the first agent of `mesh` (InspectUrl):
   // {format, file_size, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
-  async inspectUrl(url, mesh = 0) {
-    await this.#drain();
-    return this.unary('InspectUrl', { url, mesh: mesh.ref ?? mesh });
+  inspectUrl(url, mesh = 0) {
+    return this.#inOrder(async () => { // after the calls issued before it, as fetch
+      await this.#drain();
+      return this.unary('InspectUrl', { url, mesh: mesh.ref ?? mesh });
+    });
   }
 
   // A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
@@ -563,8 +589,9 @@ export class Session {
   // timeoutMs (default: the session's) it throws kind DEADLINE_EXCEEDED.
   async sync({ timeoutMs } = {}) {
     const res = await this.execute({ sync: {} }, { timeoutMs });
-    if (res.errors && res.errors.length) {
-      const errors = res.errors.map((e) => MeshdError.fromError(e));
+    const all = [...this.#lateErrors.splice(0), ...(res.errors ?? [])];
+    if (all.length) {
+      const errors = all.map((e) => MeshdError.fromError(e));
       errors[0].errors = errors;
       throw errors[0];
     }
@@ -647,28 +674,45 @@ export class Session {
   // The local tensor at the rank named by coords ({gpu: 1}) as a typed array by dtype
   // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
   // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED.
+  // In issue order: after every call issued before it reached the server (pipelined:
+  // and was answered), and before those issued after it: they wait until the server
+  // planned the fetch, which fixes the value, not for its bytes.
   async fetch(ref, coords = {}, { timeoutMs } = {}) {
-    await this.#drain(); // the tensor's command answered first
     const request = {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
     };
     const deadline = this.deadline(timeoutMs); // one for the whole fetch, whichever path
-    if (this.#wanted()) {
-      const out = await this.#directFetch(request, deadline);
-      if (out) return out;
-    }
-    const out = await this.#proxyFetch(request, deadline);
-    this.transferStats.proxyFetches += 1;
-    return out;
+    let fixed; // later calls may go
+    const planned = new Promise((resolve) => { fixed = resolve; });
+    let work;
+    await this.#inOrder(() => {
+      work = (async () => {
+        try {
+          await this.#drain(); // the tensor's command answered first
+          if (this.#wanted()) {
+            const out = await this.#directFetch(request, deadline, fixed);
+            if (out) return out;
+          }
+          const out = await this.#proxyFetch(request, deadline, fixed);
+          this.transferStats.proxyFetches += 1;
+          return out;
+        } finally {
+          fixed();
+        }
+      })();
+      return planned;
+    });
+    return work;
   }
 
-  #proxyFetch(request, deadline) {
+  #proxyFetch(request, deadline, fixed = () => {}) {
     return new Promise((resolve, reject) => {
       const call = this.client.Fetch(request, this.#md, { deadline });
       let meta = null;
       const parts = [];
       call.on('data', (c) => {
+        fixed(); // the first message: the server planned it
         if (c.part === 'meta') meta = c.meta;
         else parts.push(c.data);
       });
@@ -678,6 +722,10 @@ export class Session {
         const T = DTYPES[meta.dtype];
         if (!T) { reject(new Error(`meshd: no typed array for ${meta.dtype}`)); return; }
         const all = Buffer.concat(parts);
+        if (all.length % T.BYTES_PER_ELEMENT) {
+          reject(new MeshdError('INTERNAL', `Fetch: ${all.length} bytes are no whole number of ${meta.dtype}`, grpc.status.INTERNAL));
+          return;
+        }
         const copy = new Uint8Array(all.length);
         copy.set(all);
         const out = new T(copy.buffer, 0, all.length / T.BYTES_PER_ELEMENT);
@@ -804,7 +852,13 @@ export class Session {
       this.deadline()).catch(() => {}); // undone at once; the session's slot is free
     if (this.#plainForTls(plan)) { await abandon(); return null; }
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
-    const agents = await Promise.all(shards.map((sh) => this.#agent(sh.address, plan.agent_tls, Math.max(1, wait))));
+    let agents;
+    try { // (agent.proto missing next to a protoPath: the slot goes back all the same)
+      agents = await Promise.all(shards.map((sh) => this.#agent(sh.address, plan.agent_tls, Math.max(1, wait))));
+    } catch (e) {
+      await abandon();
+      throw e;
+    }
     const bad = agents.findIndex((a) => !a);
     if (bad >= 0) {
       await abandon();
@@ -848,25 +902,32 @@ export class Session {
 
   // The shard straight from its agent into one preallocated typed array, or null to use
   // the proxy.
-  async #directFetch(request, deadline) {
+  async #directFetch(request, deadline, fixed = () => {}) {
     const plan = await this.#plan({ fetch: request }, deadline);
     if (!plan) return null;
     const sh = plan.shards[0];
     const { meta } = plan;
     const finish = (ms) => this.#unaryBy('FinishFetch', { transfer_id: plan.transfer_id }, Date.now() + ms);
     const quiet = () => finish(ABANDON_MS).catch(() => {});
-    const T = DTYPES[meta.dtype];
-    if (!T) { await quiet(); throw new Error(`meshd: no typed array for ${meta.dtype}`); }
-    if (this.#plainForTls(plan)) { await quiet(); return null; }
-    const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
-    const agent = await this.#agent(sh.address, plan.agent_tls, Math.max(1, wait));
-    if (!agent) {
+    let agent, out, view;
+    try { // whatever fails before the Read gives the transfer's slot back
+      const T = DTYPES[meta.dtype];
+      if (!T) throw new Error(`meshd: no typed array for ${meta.dtype}`);
+      if (this.#plainForTls(plan)) { await quiet(); return null; }
+      const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
+      agent = await this.#agent(sh.address, plan.agent_tls, Math.max(1, wait));
+      if (!agent) {
+        await quiet();
+        this.#unreachable('fetch', sh, wait < DIRECT_CONNECT_MS);
+        return null;
+      }
+      out = new T(meta.shape.reduce((a, b) => a * b, 1));
+      view = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
+    } catch (e) {
       await quiet();
-      this.#unreachable('fetch', sh, wait < DIRECT_CONNECT_MS);
-      return null;
+      throw e;
     }
-    const out = new T(meta.shape.reduce((a, b) => a * b, 1));
-    const view = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
+    fixed(); // no fallback from here: the plan fixed the value
     try {
       await new Promise((resolve, reject) => {
         let got = 0;

@@ -359,3 +359,68 @@ test('literal: a mesh with an agent older than Literal (MESHD_FAULT=hello:old) g
     await s.close();
   }
 });
+
+test('fetch waits for the calls issued before it, unary and pipelined; later ones wait for its plan only', async () => {
+  for (const name of ['proxy', 'direct']) {
+    const s = await open(name, 'auto');
+    try {
+      const mesh = await s.createMesh({ gpu: 2 });
+      const x = await s.factory({ kind: 'zeros', mesh, shape: [4] });
+      for (const piped of [false, true]) {
+        if (piped) await s.setPipeline({ maxBatch: 256 });
+        for (let i = 1; i <= 20; i += 1) {
+          s.call('add_', [x, 1]); // not awaited: the fetch issued next must see it
+          const got = await s.fetch(x, { gpu: i % 2 });
+          const want = piped ? 20 + i : i;
+          assert.deepEqual([...got], [want, want, want, want], `${name}, ${piped ? 'pipelined' : 'unary'}, round ${i}`);
+        }
+      }
+      // issued after the fetch: not seen by it
+      const before = s.fetch(x, { gpu: 0 });
+      const later = s.call('add_', [x, 100]);
+      assert.deepEqual([...await before], [40, 40, 40, 40]);
+      await later;
+      await s.sync();
+    } finally {
+      await s.close();
+    }
+  }
+});
+
+test('a pipelined sync that timed out hands its errors to the next sync', async () => {
+  const s = await open('proxy', 'proxy');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const x = await s.literal(mesh, [3], new Float32Array([1, 2, 3]));
+    const idx = await s.literal(mesh, [1], new BigInt64Array([5n])); // out of range: fails on the agents
+    await s.setPipeline({ maxBatch: 256 });
+    await s.call('index_select', [x, { i: 0 }, idx]);
+    const told = [];
+    for (const opts of [{ timeoutMs: 1 }, {}]) {
+      try {
+        await s.sync(opts);
+      } catch (e) {
+        told.push(e.kind);
+      }
+    }
+    assert.equal(told.filter((k) => k === 'REMOTE_FAILURE').length, 1, `reported: ${told}`);
+  } finally {
+    await s.close();
+  }
+});
+
+test('pipelined messages stay under the server message size whatever the commands', async () => {
+  const s = await open('proxy', 'proxy');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    await s.setPipeline({ maxBatch: 4096 });
+    const refs = Array.from({ length: 4000 }, (_, i) => 1e12 + i); // none live: skipped
+    const answers = await Promise.all(Array.from({ length: 300 }, () => s.execute({ release: { refs } })));
+    assert.equal(answers.length, 300);
+    assert.ok(s.pipelineStats().messages >= 12, `${s.pipelineStats().messages} messages for ~12 MB`);
+    const y = await s.factory({ kind: 'ones', mesh, shape: [2] });
+    assert.deepEqual([...await s.fetch(y, { gpu: 1 })], [1, 1]);
+  } finally {
+    await s.close();
+  }
+});
