@@ -391,10 +391,8 @@ out:
 
 static void run_delete(ctx_t *c) {
   const Meshd__Agent__V1__DeleteRefs *d = c->ins->delete_refs;
-  for (size_t i = 0; i < d->n_refs; i++) {
-    refs_delete(&c->s->refs, d->refs[i]);
-    session_state_forget_def(c->s, d->refs[i]);
-  }
+  for (size_t i = 0; i < d->n_refs; i++)
+    session_state_delete(c->s, c->ins->stream, c->ins->seq, c->bs, d->refs[i]);
 }
 
 static void run_borrow(ctx_t *c) {
@@ -418,8 +416,7 @@ static void run_borrow(ctx_t *c) {
       break;
     }
     case MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE:
-      refs_delete(&c->s->refs, b->result);
-      session_state_forget_def(c->s, b->result);
+      session_state_delete(c->s, c->ins->stream, c->ins->seq, c->bs, b->result);
       break;
     case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP:
       session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->ins->seq, c->bs);

@@ -241,6 +241,18 @@ int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend
   return refs_get(&s->refs, ref, out, why);
 }
 
+void session_state_delete(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
+                          uint64_t ref) {
+  pthread_mutex_lock(&s->mu);
+  pending_def_t *d = NULL;
+  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
+  uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
+  pthread_mutex_unlock(&s->mu);
+  if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, seq, bs);
+  refs_delete(&s->refs, ref);
+  session_state_forget_def(s, ref);
+}
+
 void session_state_forget_def(session_state_t *s, uint64_t ref) {
   pthread_mutex_lock(&s->mu);
   pending_def_t *d = NULL;

@@ -143,6 +143,11 @@ int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend
 /* ref is gone (deleted, or a borrow handle past its last use): readers no
  * longer order after its defining stream. */
 void session_state_forget_def(session_state_t *s, uint64_t ref);
+/* Deletes ref for the instruction (stream, seq): after its definition when that
+ * is on another stream, as a read waits (a definition still to come there would
+ * otherwise hold the tensor until the session ends); then forgets it. */
+void session_state_delete(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
+                          uint64_t ref);
 /* Borrow `borrow` is dropped by instruction `seq` on the origin stream
  * (`stream`, backend stream bs): forgets its record and orders the origin
  * after the borrower's last use. Unknown borrows are a no-op. */

@@ -1,4 +1,4 @@
-/* agent/executor.c's worker threads: a worker whose session ended parks and
+/* agent/executor.c: its worker threads, and deletes ordered after definitions on other streams (executor_refs). Worker threads: a worker whose session ended parks and
  * serves the next (session, stream) instead of a new thread being started
  * (thread creation costs ~0.5 ms on these machines, more than a short
  * session), and parked workers end when the executor closes. Real executor,
@@ -119,4 +119,165 @@ Test(executor_pool, a_parked_worker_serves_the_next_session_and_ends_at_close, .
     cr_assert_not(alive, "worker %ld still runs 2 s after close", workers[k]);
   }
   b.ops->close(&b);
+}
+
+/* ------------------------------------------------------------ deletes after definitions */
+
+/* A factory of n float32 ones as ref on stream. */
+static void submit_factory(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
+                           uint64_t ref, int64_t n) {
+  int64_t shape[1] = {n};
+  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
+  f.ref = ref;
+  f.kind = "ones";
+  f.n_shape = 1;
+  f.shape = shape;
+  f.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  Meshd__Agent__V1__TensorSpec res = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  res.ref = ref;
+  res.n_shape = 1;
+  res.shape = shape;
+  res.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
+  fo.factory = &f;
+  fo.result = &res;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.seq = seq;
+  ins.session_id = (char *)sid;
+  ins.stream = stream;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
+  ins.factory = &fo;
+  cr_assert_eq(executor_submit(x, &ins), 0);
+}
+
+static void submit_delete(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
+                          uint64_t ref) {
+  Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
+  d.refs = &ref;
+  d.n_refs = 1;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.seq = seq;
+  ins.session_id = (char *)sid;
+  ins.stream = stream;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
+  ins.delete_refs = &d;
+  cr_assert_eq(executor_submit(x, &ins), 0);
+}
+
+static void submit_borrow(executor_t *x, const char *sid, uint64_t seq, uint64_t stream, int phase,
+                          uint64_t id, uint64_t tensor, uint64_t result) {
+  Meshd__Agent__V1__BorrowOp b = MESHD__AGENT__V1__BORROW_OP__INIT;
+  b.phase = phase;
+  b.borrow = id;
+  b.tensor = tensor;
+  b.result = result;
+  b.from_stream = 1;
+  b.to_stream = 2;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.seq = seq;
+  ins.session_id = (char *)sid;
+  ins.stream = stream;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW;
+  ins.borrow = &b;
+  cr_assert_eq(executor_submit(x, &ins), 0);
+}
+
+/* A same-rank copy of ref in (on stream 1) as ref out on stream 2 (a to_mesh). */
+static void submit_local_send(executor_t *x, const char *sid, uint64_t seq, uint64_t in,
+                              uint64_t out, int64_t n) {
+  int64_t shape[1] = {n};
+  Meshd__Agent__V1__TensorSpec a = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  a.ref = in;
+  a.n_shape = 1;
+  a.shape = shape;
+  a.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  Meshd__Agent__V1__TensorSpec r = a;
+  r.ref = out;
+  Meshd__Agent__V1__SendTensor st = MESHD__AGENT__V1__SEND_TENSOR__INIT;
+  st.input = &a;
+  st.result = &r;
+  st.from_rank = st.to_rank = 0;
+  st.to_stream = 2;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.seq = seq;
+  ins.session_id = (char *)sid;
+  ins.stream = 1;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+  ins.send = &st;
+  cr_assert_eq(executor_submit(x, &ins), 0);
+}
+
+/* Stream 1 made busy (40 tensors of 16 MiB made and dropped) after ref 1 (4 MiB),
+ * with stream 2's worker started; returns the last seq. */
+static uint64_t busy_stream_1(executor_t *x, const char *sid) {
+  uint64_t seq = 0;
+  submit_factory(x, sid, ++seq, 2, 50, 4);
+  cr_assert_eq(executor_wait(x, seq, 10000), 0);
+  submit_factory(x, sid, ++seq, 1, 1, 1 << 20);
+  for (int i = 0; i < 40; i++) submit_factory(x, sid, ++seq, 1, 100 + (uint64_t)i, 1 << 22);
+  for (int i = 0; i < 40; i++) submit_delete(x, sid, ++seq, 1, 100 + (uint64_t)i);
+  return seq;
+}
+
+/* Static: the executor's workers may free a session after executor_close
+ * returned, and the backend must outlive them (an agent's lives as long as it). */
+typedef struct {
+  backend_t b;
+  _Atomic int64_t rank;
+  run_env_t env;
+  executor_t *x;
+} agent_t;
+
+static agent_t the_agent;
+
+static void agent_open(agent_t *a) {
+  memset(a, 0, sizeof *a);
+  a->b.ops = backend_for_device("cpu");
+  meshd_error_t e = {0};
+  cr_assert_eq(a->b.ops->open(&a->b, "cpu", &e), 0, "%s", e.msg);
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank};
+  a->x = executor_create(&a->env, on_report, NULL);
+}
+
+/* Every ref deleted: ref 2 is not defined, and no tensor byte is held. */
+static void expect_all_gone(agent_t *a, const char *sid, uint64_t seq) {
+  cr_assert_eq(executor_wait(a->x, seq, 30000), 0);
+  agent_tensor_t t;
+  int rc = executor_lookup(a->x, sid, 2, &t, NULL);
+  if (rc == 0) storage_release(t.storage);
+  cr_expect_neq(rc, 0, "ref 2 is still defined after its delete");
+  cr_expect_eq(atomic_load(&a->b.allocated), 0, "%llu bytes still held",
+               (unsigned long long)atomic_load(&a->b.allocated));
+  executor_close(a->x);
+}
+
+/* A borrow dropped unused: its handle's last use (on the borrowing stream) is
+ * queued before the busy lending stream made the handle. The delete waits for
+ * the definition, as a read does; else the handle held its storage until the
+ * session ended. */
+Test(executor_refs, a_borrow_handles_last_use_waits_for_its_creation, .timeout = 60) {
+  agent_t *a = &the_agent;
+  agent_open(a);
+  const char *sid = "s1";
+  uint64_t seq = busy_stream_1(a->x, sid);
+  submit_borrow(a->x, sid, ++seq, 1, MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE, 7, 1, 2);
+  submit_borrow(a->x, sid, ++seq, 2, MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE, 7, 1, 2);
+  submit_borrow(a->x, sid, ++seq, 1, MESHD__AGENT__V1__BORROW_OP__PHASE__DROP, 7, 1, 2);
+  submit_delete(a->x, sid, ++seq, 1, 1);
+  submit_delete(a->x, sid, ++seq, 2, 50);
+  expect_all_gone(a, sid, seq);
+}
+
+/* A same-rank to_mesh's result, made on the input's busy stream, dropped unused
+ * on its own stream: the delete waits for the copy. */
+Test(executor_refs, a_delete_on_the_results_stream_waits_for_a_copy_on_another, .timeout = 60) {
+  agent_t *a = &the_agent;
+  agent_open(a);
+  const char *sid = "s2";
+  uint64_t seq = busy_stream_1(a->x, sid);
+  submit_local_send(a->x, sid, ++seq, 1, 2, 1 << 20);
+  submit_delete(a->x, sid, ++seq, 2, 2);
+  submit_delete(a->x, sid, ++seq, 1, 1);
+  submit_delete(a->x, sid, ++seq, 2, 50);
+  expect_all_gone(a, sid, seq);
 }
