@@ -435,6 +435,9 @@ static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1
              "strides), got offset %lld", (long long)sp->storage_offset);
     return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", why), -1;
   }
+  if (sp->ref == 0)
+    return write_fail(call, w, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT",
+                      "Write.spec: ref 0 is no tensor (refs are 1 and up)"), -1;
   layout_make_contiguous(&w->meta.layout);
   w->ref = sp->ref;
   w->bytes = tensor_nbytes(&w->meta);
@@ -497,8 +500,15 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
                         "cannot sign the receipt (not registered with a server now)");
   }
   int rc = executor_define(w->ex, w->session, w->ref, &w->t);
-  if (rc > 0) return write_not_open(w); /* it ended meanwhile */
-  if (rc) return write_fail(call, w, GRPC_STATUS_INTERNAL, "REMOTE_FAILURE", "agent out of memory");
+  if (rc > 0) { /* it ended meanwhile */
+    char why[200];
+    snprintf(why, sizeof why, "session %s ended on this agent during the write; nothing was "
+             "stored", w->session);
+    return write_fail(call, w, error_kind_code(ERR_NO_SESSION), "NO_SESSION", why);
+  }
+  if (rc)
+    return write_fail(call, w, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                      "agent out of memory defining the written tensor; nothing was stored");
   w->done = true;
   Meshd__Agent__V1__WriteReply r = MESHD__AGENT__V1__WRITE_REPLY__INIT;
   r.bytes = w->got;

@@ -162,6 +162,8 @@ def _hostile_reads_and_writes(srv, relay):
                                     bytes(16)), code.INVALID_ARGUMENT, "unknown dtype 99")
         refused(lambda: agent_write(ch, "bad id\x01", spec(904, [4]), bytes(16)),
                 code.INVALID_ARGUMENT, "session_id")
+        refused(lambda: agent_write(ch, s.id, spec(0, [4]), bytes(16)), code.INVALID_ARGUMENT,
+                "Write.spec: ref 0")
         # Within the hard bounds, beyond this agent's flags.
         refused(lambda: agent_write(ch, s.id, spec(905, [1 << 21]), bytes(4)),
                 code.RESOURCE_EXHAUSTED, "2097152 elements", "--max-tensor-elements")
