@@ -230,25 +230,27 @@ void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq
   }
 }
 
-int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
-                      uint64_t ref, agent_tensor_t *out, ref_failure_t *why) {
+/* The instruction (stream, seq) orders after ref's definition when that is on
+ * another stream (and may still be to come there). */
+static void wait_definition(session_state_t *s, uint64_t stream, uint64_t seq,
+                            backend_stream_t *bs, uint64_t ref) {
   pthread_mutex_lock(&s->mu);
   pending_def_t *d = NULL;
   HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
   uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
   pthread_mutex_unlock(&s->mu);
   if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, seq, bs);
+}
+
+int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
+                      uint64_t ref, agent_tensor_t *out, ref_failure_t *why) {
+  wait_definition(s, stream, seq, bs, ref);
   return refs_get(&s->refs, ref, out, why);
 }
 
 void session_state_delete(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
                           uint64_t ref) {
-  pthread_mutex_lock(&s->mu);
-  pending_def_t *d = NULL;
-  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
-  uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
-  pthread_mutex_unlock(&s->mu);
-  if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, seq, bs);
+  wait_definition(s, stream, seq, bs, ref);
   refs_delete(&s->refs, ref);
   session_state_forget_def(s, ref);
 }

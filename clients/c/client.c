@@ -1710,6 +1710,22 @@ meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const cha
   return meshd_session_upload_with(s, mesh, dtype, shape, ndim, data, bytes, NULL, out);
 }
 
+/* The arguments of an upload or a Literal (fn names it): *dt gets the dtype. */
+static bool check_tensor_args(meshd_session_t *s, const char *fn, const char *dtype,
+                              const int64_t *shape, size_t ndim, const void *data, size_t bytes,
+                              meshd_ref_t *out, int *dt) {
+  if (!check_out(s, out, fn))
+    return false;
+  *dt = dtype ? dtype_by_name(dtype) : 0;
+  if (!*dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "%s: need a known dtype (got '%s'), at most 16 dims with a shape, and data for %zu "
+              "bytes", fn, dtype ? dtype : "(null)", bytes);
+    return false;
+  }
+  return true;
+}
+
 meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
                                       const int64_t *shape, size_t ndim, const void *data,
                                       size_t bytes, const meshd_upload_options_t *opts,
@@ -1717,17 +1733,9 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
   if (!opts)
     opts = &defaults;
-  if (!s)
+  int dt = 0;
+  if (!s || !check_tensor_args(s, "meshd_session_upload", dtype, shape, ndim, data, bytes, out, &dt))
     return MESHD_E_INVALID;
-  if (!check_out(s, out, "meshd_session_upload"))
-    return MESHD_E_INVALID;
-  int dt = dtype ? dtype_by_name(dtype) : 0;
-  if (!dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
-    set_error(s->client, MESHD_E_INVALID, 0, NULL,
-              "meshd_session_upload: need a known dtype (got '%s'), at most 16 dims with a shape, "
-              "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
-    return MESHD_E_INVALID;
-  }
   meshd_err_t ret = sync_point(s, 0); /* the upload's ref comes after the queued ones' */
   if (ret != MESHD_E_OK)
     return ret;
@@ -1769,17 +1777,9 @@ meshd_err_t meshd_session_literal(meshd_session_t *s, meshd_ref_t mesh, const ch
   static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
   if (!opts)
     opts = &defaults;
-  if (!s)
+  int dt = 0;
+  if (!s || !check_tensor_args(s, "meshd_session_literal", dtype, shape, ndim, data, bytes, out, &dt))
     return MESHD_E_INVALID;
-  if (!check_out(s, out, "meshd_session_literal"))
-    return MESHD_E_INVALID;
-  int dt = dtype ? dtype_by_name(dtype) : 0;
-  if (!dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
-    set_error(s->client, MESHD_E_INVALID, 0, NULL,
-              "meshd_session_literal: need a known dtype (got '%s'), at most 16 dims with a shape, "
-              "and data for %zu bytes", dtype ? dtype : "(null)", bytes);
-    return MESHD_E_INVALID;
-  }
   uint64_t sent = literal_sent(s, mesh, opts->per_rank, bytes);
   if (bytes > MESHD_LITERAL_MAX_BYTES || sent > MESHD_LITERAL_MAX_SENT_BYTES) {
     set_error(s->client, MESHD_E_INVALID, 0, NULL,

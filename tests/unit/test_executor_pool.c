@@ -38,29 +38,11 @@ static bool has(const long *v, size_t n, long t) {
   return false;
 }
 
+static void submit_factory(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
+                           uint64_t ref, int64_t n);
+
 static void submit_ones(executor_t *x, const char *session, uint64_t seq) {
-  int64_t shape[1] = {4};
-  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
-  f.ref = 1;
-  f.kind = "ones";
-  f.n_shape = 1;
-  f.shape = shape;
-  f.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  Meshd__Agent__V1__TensorSpec res = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  res.ref = 1;
-  res.n_shape = 1;
-  res.shape = shape;
-  res.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
-  fo.factory = &f;
-  fo.result = &res;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)session;
-  ins.stream = 1;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
-  ins.factory = &fo;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  submit_factory(x, session, seq, 1, 1, 4);
 }
 
 static void submit_end(executor_t *x, const char *session, uint64_t seq) {
@@ -123,6 +105,15 @@ Test(executor_pool, a_parked_worker_serves_the_next_session_and_ends_at_close, .
 
 /* ------------------------------------------------------------ deletes after definitions */
 
+/* ins (its body set) as instruction seq of session sid on stream. */
+static void submit_ins(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
+                       instr_t *ins) {
+  ins->seq = seq;
+  ins->session_id = (char *)sid;
+  ins->stream = stream;
+  cr_assert_eq(executor_submit(x, ins), 0);
+}
+
 /* A factory of n float32 ones as ref on stream. */
 static void submit_factory(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
                            uint64_t ref, int64_t n) {
@@ -142,12 +133,9 @@ static void submit_factory(executor_t *x, const char *sid, uint64_t seq, uint64_
   fo.factory = &f;
   fo.result = &res;
   instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)sid;
-  ins.stream = stream;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
   ins.factory = &fo;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  submit_ins(x, sid, seq, stream, &ins);
 }
 
 static void submit_delete(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
@@ -156,12 +144,9 @@ static void submit_delete(executor_t *x, const char *sid, uint64_t seq, uint64_t
   d.refs = &ref;
   d.n_refs = 1;
   instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)sid;
-  ins.stream = stream;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
   ins.delete_refs = &d;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  submit_ins(x, sid, seq, stream, &ins);
 }
 
 static void submit_borrow(executor_t *x, const char *sid, uint64_t seq, uint64_t stream, int phase,
@@ -174,12 +159,9 @@ static void submit_borrow(executor_t *x, const char *sid, uint64_t seq, uint64_t
   b.from_stream = 1;
   b.to_stream = 2;
   instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)sid;
-  ins.stream = stream;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW;
   ins.borrow = &b;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  submit_ins(x, sid, seq, stream, &ins);
 }
 
 /* A same-rank copy of ref in (on stream 1) as ref out on stream 2 (a to_mesh). */
@@ -199,12 +181,9 @@ static void submit_local_send(executor_t *x, const char *sid, uint64_t seq, uint
   st.from_rank = st.to_rank = 0;
   st.to_stream = 2;
   instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)sid;
-  ins.stream = 1;
   ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
   ins.send = &st;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  submit_ins(x, sid, seq, 1, &ins);
 }
 
 /* Stream 1 made busy (40 tensors of 16 MiB made and dropped) after ref 1 (4 MiB),
