@@ -500,6 +500,12 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
                         "cannot sign the receipt (not registered with a server now)");
   }
   int rc = executor_define(w->ex, w->session, w->ref, &w->t);
+  if (rc == 2) { /* its undo ran first: defining it now would hold it for good */
+    char why[200];
+    snprintf(why, sizeof why, "tensor %llu was deleted on this agent before the write finished "
+             "(the server undid the transfer); nothing was stored", (unsigned long long)w->ref);
+    return write_fail(call, w, GRPC_STATUS_FAILED_PRECONDITION, NULL, why);
+  }
   if (rc > 0) { /* it ended meanwhile */
     char why[200];
     snprintf(why, sizeof why, "session %s ended on this agent during the write; nothing was "

@@ -807,7 +807,7 @@ int executor_take_snapshot(executor_t *x, const char *session, uint64_t seq, uin
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t) {
   pthread_mutex_lock(&x->mu);
   xsession_t *s = session_find_locked(x, session);
-  int rc = !s ? 1 : refs_put(&s->state->refs, ref, t);
+  int rc = !s ? 1 : refs_put_write(&s->state->refs, ref, t);
   x->dirty = true;
   pthread_cond_signal(&x->report_cv);
   pthread_mutex_unlock(&x->mu);

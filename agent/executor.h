@@ -111,8 +111,10 @@ int executor_lookup(executor_t *x, const char *session, uint64_t ref, agent_tens
  * -1 none (why->msg; also for a session not open here). */
 int executor_take_snapshot(executor_t *x, const char *session, uint64_t seq, uint64_t ref,
                            snapshot_t **snap, ref_failure_t *why);
-/* Defines ref in session as t (retained by the table): 0; 1 when the session
- * is not open here (nothing is stored); -1 out of memory. */
+/* Defines ref in session as t (retained by the table), for a Write: 0; 1 when
+ * the session is not open here; 2 when ref was deleted here before (the server
+ * undid the transfer: refs_put_write); -1 out of memory. Nothing is stored
+ * but on 0. */
 int executor_define(executor_t *x, const char *session, uint64_t ref, const agent_tensor_t *t);
 backend_t *executor_backend(executor_t *x);
 /* A session is open on the executor from the first instruction of it that

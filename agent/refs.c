@@ -59,6 +59,8 @@ int tensor_alloc(backend_t *b, backend_stream_t *s, const tensor_meta_t *meta, a
 void refs_init(refs_t *r) {
   pthread_mutex_init(&r->mu, NULL);
   r->map = (refmap_t){0};
+  r->undone = NULL;
+  r->nundone = r->undone_cap = 0;
 }
 
 static void slot_free(ref_slot_t *s) {
@@ -72,6 +74,9 @@ void refs_clear(refs_t *r) {
   pthread_mutex_lock(&r->mu);
   refmap_t map = r->map;
   r->map = (refmap_t){0};
+  free(r->undone);
+  r->undone = NULL;
+  r->nundone = r->undone_cap = 0;
   pthread_mutex_unlock(&r->mu);
   ref_slot_t *s;
   for (size_t i = 0; (s = refmap_next(&map, &i));) slot_free(s);
@@ -96,8 +101,20 @@ int refs_get(refs_t *r, uint64_t ref, agent_tensor_t *out, ref_failure_t *why) {
 }
 
 /* Puts s in place of ref's slot, if any. 0, or -1 out of memory (s freed). */
-static int replace(refs_t *r, ref_slot_t *s) {
+static bool undone_locked(const refs_t *r, uint64_t ref) {
+  for (size_t i = 0; i < r->nundone; i++)
+    if (r->undone[i] == ref) return true;
+  return false;
+}
+
+/* s replaces ref's slot; unless `write` and ref was deleted before (2). */
+static int replace(refs_t *r, ref_slot_t *s, bool write) {
   pthread_mutex_lock(&r->mu);
+  if (write && undone_locked(r, s->ref)) {
+    pthread_mutex_unlock(&r->mu);
+    slot_free(s);
+    return 2;
+  }
   ref_slot_t *old = refmap_remove(&r->map, s->ref);
   int rc = refmap_put(&r->map, s);
   pthread_mutex_unlock(&r->mu);
@@ -106,7 +123,7 @@ static int replace(refs_t *r, ref_slot_t *s) {
   return rc;
 }
 
-int refs_put(refs_t *r, uint64_t ref, const agent_tensor_t *t) {
+static int put(refs_t *r, uint64_t ref, const agent_tensor_t *t, bool write) {
   ref_slot_t *s = malloc(sizeof *s + meta_packed_size(&t->meta));
   if (!s) return -1;
   s->ref = ref;
@@ -114,8 +131,12 @@ int refs_put(refs_t *r, uint64_t ref, const agent_tensor_t *t) {
   s->storage = t->storage;
   storage_retain(t->storage);
   meta_pack(s->meta, &t->meta);
-  return replace(r, s);
+  return replace(r, s, write);
 }
+
+int refs_put(refs_t *r, uint64_t ref, const agent_tensor_t *t) { return put(r, ref, t, false); }
+
+int refs_put_write(refs_t *r, uint64_t ref, const agent_tensor_t *t) { return put(r, ref, t, true); }
 
 int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why) {
   ref_slot_t *s = malloc(sizeof *s);
@@ -128,12 +149,23 @@ int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why) {
   s->ref = ref;
   s->failed = true;
   s->why = copy;
-  return replace(r, s);
+  return replace(r, s, false);
 }
 
 void refs_delete(refs_t *r, uint64_t ref) {
   pthread_mutex_lock(&r->mu);
   ref_slot_t *s = refmap_remove(&r->map, ref);
+  if (!s && r->nundone < REFS_UNDONE_MAX && !undone_locked(r, ref)) {
+    if (r->nundone == r->undone_cap) {
+      size_t cap = r->undone_cap ? 2 * r->undone_cap : 16;
+      uint64_t *v = realloc(r->undone, cap * sizeof *v);
+      if (v) {
+        r->undone = v;
+        r->undone_cap = cap;
+      }
+    }
+    if (r->nundone < r->undone_cap) r->undone[r->nundone++] = ref;
+  }
   pthread_mutex_unlock(&r->mu);
   slot_free(s);
 }

@@ -38,7 +38,14 @@ size_t tensor_nbytes(const tensor_meta_t *m);
 typedef struct refs {
   pthread_mutex_t mu;
   refmap_t map; /* ref_slot records by ref */
+  /* Refs deleted while not defined here (the server undid a failed transfer
+   * before its Write finished): a Write may not define them after (at most
+   * REFS_UNDONE_MAX; refs only increase, so no later command reuses one). */
+  uint64_t *undone;
+  size_t nundone, undone_cap;
 } refs_t;
+
+#define REFS_UNDONE_MAX 4096
 
 /* What a failed ref carries: the root failure it stands for. */
 typedef struct ref_failure {
@@ -59,6 +66,8 @@ int refs_get(refs_t *r, uint64_t ref, agent_tensor_t *out, ref_failure_t *why);
 int refs_put(refs_t *r, uint64_t ref, const agent_tensor_t *t);
 /* Defines or redefines ref as failed. */
 int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why);
+/* refs_put for a Write: 2 (nothing defined) when ref was deleted before it. */
+int refs_put_write(refs_t *r, uint64_t ref, const agent_tensor_t *t);
 void refs_delete(refs_t *r, uint64_t ref);
 size_t refs_count(refs_t *r);
 

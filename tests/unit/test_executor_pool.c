@@ -260,3 +260,29 @@ Test(executor_refs, a_delete_on_the_results_stream_waits_for_a_copy_on_another, 
   submit_delete(a->x, sid, ++seq, 2, 50);
   expect_all_gone(a, sid, seq);
 }
+
+/* The server undid a failed transfer (DeleteRefs of a ref its Write had not
+ * defined yet here): the Write may not define it after, which would hold the
+ * tensor until the session ended; another ref's Write still defines. */
+Test(executor_refs, a_write_may_not_define_a_ref_deleted_before_it, .timeout = 30) {
+  agent_t *a = &the_agent;
+  agent_open(a);
+  const char *sid = "s3";
+  uint64_t seq = 0;
+  submit_factory(a->x, sid, ++seq, 1, 1, 4);
+  submit_delete(a->x, sid, ++seq, 1, 9); /* never defined here */
+  cr_assert_eq(executor_wait(a->x, seq, 10000), 0);
+  agent_tensor_t t, u;
+  cr_assert_eq(executor_lookup(a->x, sid, 1, &t, NULL), 0);
+  cr_assert_eq(executor_define(a->x, sid, 9, &t), 2);
+  cr_assert_neq(executor_lookup(a->x, sid, 9, &u, NULL), 0, "the undone ref was defined");
+  cr_assert_eq(executor_define(a->x, sid, 10, &t), 0);
+  cr_assert_eq(executor_lookup(a->x, sid, 10, &u, NULL), 0);
+  storage_release(u.storage);
+  storage_release(t.storage);
+  submit_delete(a->x, sid, ++seq, 1, 1);
+  submit_delete(a->x, sid, ++seq, 1, 10);
+  cr_assert_eq(executor_wait(a->x, seq, 10000), 0);
+  cr_expect_eq(atomic_load(&a->b.allocated), 0);
+  executor_close(a->x);
+}
