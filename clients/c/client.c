@@ -1710,10 +1710,14 @@ meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const cha
   return meshd_session_upload_with(s, mesh, dtype, shape, ndim, data, bytes, NULL, out);
 }
 
-/* The arguments of an upload or a Literal (fn names it): *dt gets the dtype. */
+/* The arguments of an upload or a Literal (fn names it): *dt gets the dtype,
+ * *opts the defaults when NULL. */
 static bool check_tensor_args(meshd_session_t *s, const char *fn, const char *dtype,
                               const int64_t *shape, size_t ndim, const void *data, size_t bytes,
-                              meshd_ref_t *out, int *dt) {
+                              meshd_ref_t *out, const meshd_upload_options_t **opts, int *dt) {
+  static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
+  if (!*opts)
+    *opts = &defaults;
   if (!check_out(s, out, fn))
     return false;
   *dt = dtype ? dtype_by_name(dtype) : 0;
@@ -1730,11 +1734,9 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
                                       const int64_t *shape, size_t ndim, const void *data,
                                       size_t bytes, const meshd_upload_options_t *opts,
                                       meshd_ref_t *out) {
-  static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
-  if (!opts)
-    opts = &defaults;
   int dt = 0;
-  if (!s || !check_tensor_args(s, "meshd_session_upload", dtype, shape, ndim, data, bytes, out, &dt))
+  if (!s || !check_tensor_args(s, "meshd_session_upload", dtype, shape, ndim, data, bytes, out,
+                               &opts, &dt))
     return MESHD_E_INVALID;
   meshd_err_t ret = sync_point(s, 0); /* the upload's ref comes after the queued ones' */
   if (ret != MESHD_E_OK)
@@ -1774,11 +1776,9 @@ meshd_err_t meshd_session_literal(meshd_session_t *s, meshd_ref_t mesh, const ch
                                   const int64_t *shape, size_t ndim, const void *data,
                                   size_t bytes, const meshd_upload_options_t *opts,
                                   meshd_ref_t *out) {
-  static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
-  if (!opts)
-    opts = &defaults;
   int dt = 0;
-  if (!s || !check_tensor_args(s, "meshd_session_literal", dtype, shape, ndim, data, bytes, out, &dt))
+  if (!s || !check_tensor_args(s, "meshd_session_literal", dtype, shape, ndim, data, bytes, out,
+                               &opts, &dt))
     return MESHD_E_INVALID;
   uint64_t sent = literal_sent(s, mesh, opts->per_rank, bytes);
   if (bytes > MESHD_LITERAL_MAX_BYTES || sent > MESHD_LITERAL_MAX_SENT_BYTES) {
