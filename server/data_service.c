@@ -139,8 +139,9 @@ static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
  * Once the client half-closed with every byte, each rank half-closes when its
  * queue is empty and the agent answers. A rank is defined only when its Write
  * got exactly its bytes; any failure cancels the other Writes and deletes the
- * ref where it was defined: the ref stays undefined. The last Write to end
- * settles the Upload and answers the client. */
+ * ref on every rank: it stays undefined, and spent once Writes opened
+ * (spend_locked). The last Write to end settles the Upload and answers the
+ * client. */
 #define UPLOAD_QUEUED (8u << 20)
 /* What a queued message costs beyond its bytes (its entry, gRPC's buffer):
  * counted against UPLOAD_QUEUED, so that a client sending 1-byte chunks
@@ -402,10 +403,11 @@ static int upload_open(upload_t *u) {
   return closed ? -1 : 0;
 }
 
-/* A write failed: the ranks that defined the ref let go of it (which the
- * session never claimed, so a later command may define it). Holds s->mu. */
+/* A transfer failed: every rank lets go of the ref, whether its Write defined
+ * it or not (an agent remembers a ref deleted before its Write finished, and
+ * refuses that Write). Holds s->mu. */
 static void refs_undo(data_service_t *ds, session_t *s, objects_t *o, uint64_t ref,
-                      uint64_t stream, const uint32_t *ranks, size_t n, const bool *defined) {
+                      uint64_t stream, const uint32_t *ranks, size_t n) {
   Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   ins.session_id = s->id;
@@ -416,13 +418,13 @@ static void refs_undo(data_service_t *ds, session_t *s, objects_t *o, uint64_t r
   d.n_refs = 1;
   for (size_t i = 0; i < n; i++) {
     uint64_t seq = 0;
-    if ((!defined || defined[i]) && agent_pool_send(ds->pool, ranks[i], &ins, &seq) == 0)
+    if (agent_pool_send(ds->pool, ranks[i], &ins, &seq) == 0)
       objects_sent(o, ranks[i], seq, 0);
   }
 }
 
-static void upload_undo(upload_t *u, objects_t *o, const bool *defined) {
-  refs_undo(u->ds, u->session, o, u->ref, u->stream, u->ranks, u->nranks, defined);
+static void upload_undo(upload_t *u, objects_t *o) {
+  refs_undo(u->ds, u->session, o, u->ref, u->stream, u->ranks, u->nranks);
 }
 
 /* Every rank holds an uploaded tensor: the session defines it (the ref is
@@ -459,22 +461,13 @@ static void upload_resume_locked(upload_t *u) {
 /* Every Write ended (or none opened): the ranks that took their bytes define
  * the ref, or let it go if any failed, and the client gets its answer. */
 static void upload_settle(upload_t *u) {
-  bool *defined = calloc(u->nranks ? u->nranks : 1, sizeof *defined);
   pthread_mutex_lock(&u->mu);
   bool ok = u->received && !u->aborted;
-  for (size_t i = 0; i < u->nranks; i++) {
-    bool rank_ok = u->w && u->w[i].ok;
-    if (defined) defined[i] = rank_ok;
-    ok = ok && rank_ok;
-  }
+  for (size_t i = 0; i < u->nranks; i++) ok = ok && u->w && u->w[i].ok;
   meshd_error_t e = u->err;
   bool answered = u->answered;
   if (u->paused) upload_resume_locked(u); /* a pause of ours must not hold the call open */
   pthread_mutex_unlock(&u->mu);
-  if (!defined) {
-    ok = false;
-    error_set(&e, ERR_QUOTA, "Upload: out of memory on the server");
-  }
   if (!ok && e.kind == ERR_NONE && !answered)
     error_set(&e, ERR_AGENT_LOST, "Upload: the Writes to the agents of mesh %llu ended early",
               (unsigned long long)u->mesh);
@@ -499,7 +492,7 @@ static void upload_settle(upload_t *u) {
    * its last byte, too): every rank lets go, and the ref is spent (spend_locked;
    * already, when the client was told before). */
   if (!t && o && u->w) {
-    upload_undo(u, o, NULL);
+    upload_undo(u, o);
     spend_locked(s, u->ref, answered ? NULL : &e);
   }
   Meshd__V1__UploadReply reply = MESHD__V1__UPLOAD_REPLY__INIT;
@@ -519,7 +512,6 @@ static void upload_settle(upload_t *u) {
     u->w[i].d = NULL;
     u->w[i].data = NULL;
   }
-  free(defined);
   upload_release(u);
   rpc_call_unref(call);
 }
@@ -1267,7 +1259,7 @@ static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
   if (undo) {
     pthread_mutex_lock(&s->mu);
     if (!atomic_load(&s->closed) && s->objects)
-      refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks, NULL);
+      refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
     pthread_mutex_unlock(&s->mu);
   }
   if (!t->failed) transfer_end(s);
@@ -1651,7 +1643,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
    * may define it on its agent until then); the slot is free at once. */
   pthread_mutex_lock(&s->mu);
   if (!atomic_load(&s->closed) && o)
-    refs_undo(ds, s, o, t->ref, t->stream, t->ranks, t->nranks, NULL);
+    refs_undo(ds, s, o, t->ref, t->stream, t->ranks, t->nranks);
   pthread_mutex_unlock(&s->mu);
   transfer_end(s);
   t->failed = true;
