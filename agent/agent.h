@@ -104,6 +104,27 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
                          uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
                          size_t msglen);
 
+/* A call a grant admitted, watched until it ends: at its grant's expiry
+ * (unix ms, this agent's clock) it is finished PERMISSION_DENIED ("transfer
+ * grant expired before the Write finished ...; nothing was stored"), so a
+ * client that stalls holds nothing past the time its server undoes the
+ * transfer. Lives in the handler's state. */
+typedef struct grant_watch {
+  struct grant_watch *prev, *next;
+  rpc_call_t *call;
+  const char *what; /* "Read" or "Write" */
+  int64_t expiry_ms;
+  bool listed;
+} grant_watch_t;
+/* Watches the call until transfer_grant_unwatch, which the handler calls
+ * before it lets go of the call (on_end, or its last reference). */
+void transfer_grant_watch(grant_watch_t *w, rpc_call_t *call, const char *what,
+                          int64_t expiry_ms);
+/* Idempotent; w may be one never watched (zeroed). */
+void transfer_grant_unwatch(grant_watch_t *w);
+/* Calls ended at their grant's expiry so far. */
+uint64_t transfer_grant_watch_ended(void);
+
 /* ---- data.c: Agent/Read and Agent/Write -------------------------------- */
 
 void data_read_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);

@@ -65,6 +65,7 @@ typedef struct read_job {
   bool waiting; /* counted in read_waiting */
   snapshot_t *snap;  /* what is read, once taken */
   size_t bytes, off; /* off: the bytes queued on the call so far */
+  grant_watch_t watch; /* a client's direct Read: ended at its grant's expiry */
 } read_job_t;
 
 static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tensor_meta_t *m,
@@ -117,6 +118,7 @@ static int read_wait(read_job_t *j) {
 }
 
 static void read_job_free(read_job_t *j) {
+  transfer_grant_unwatch(&j->watch);
   rpc_call_unref(j->call); /* before the executor's: see write_open_main */
   snapshot_release(j->snap);
   executor_unref(j->ex);
@@ -217,6 +219,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "Read: %s", why);
     return;
   }
+  int64_t grant_expiry = 0;
   if (transfer_grant_call(call)) { /* a client's direct Read: its grant names this call */
     Meshd__Agent__V1__TransferGrant *g = NULL;
     char msg[300];
@@ -226,6 +229,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
       rpc_call_finish(call, (grpc_status_code)code, grant_kind(code), "Read: %s", msg);
       return;
     }
+    grant_expiry = g->expiry_unix_ms;
     protobuf_c_message_free_unpacked(&g->base, NULL);
   }
   executor_t *ex = execute_executor();
@@ -280,6 +284,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   int max_msg = rpc_call_max_message(call);
   if (max_msg > 64 && j->chunk > (uint32_t)max_msg - 64) j->chunk = (uint32_t)max_msg - 64;
   rpc_call_ref(call);
+  if (grant_expiry) transfer_grant_watch(&j->watch, call, "Read", grant_expiry);
   if (ready) { /* nothing to wait for: no thread (a start cost ~0.5 ms, a 1 MiB Read's time) */
     read_run(j);
     return;
@@ -320,6 +325,7 @@ typedef struct write_state {
   bool granted;
   uint8_t nonce[GRANT_NONCE_LEN];
   int64_t expiry_ms;
+  grant_watch_t watch; /* ended at the grant's expiry; unwatched at on_end */
 } write_state_t;
 
 static void write_release(write_state_t *w) {
@@ -351,6 +357,7 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
   w->granted = true;
   memcpy(w->nonce, g->nonce.data, GRANT_NONCE_LEN);
   w->expiry_ms = g->expiry_unix_ms;
+  transfer_grant_watch(&w->watch, call, "Write", w->expiry_ms);
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
   c.spec = g->spec;
@@ -585,5 +592,7 @@ bool data_write_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
 
 void data_write_end(rpc_call_t *call, bool cancelled, void *arg) {
   write_state_t *w = rpc_call_data(call);
-  if (w) write_release(w);
+  if (!w) return;
+  transfer_grant_unwatch(&w->watch); /* the call may be freed once this returns */
+  write_release(w);
 }

@@ -244,6 +244,10 @@ static double shm_copied_fn(void *arg) {
 /* One series of meshd_transfer_grants_total. */
 static int grant_series[GRANT_RESULT_COUNT];
 static double grants_fn(void *arg) { return (double)transfer_grant_results(*(const int *)arg); }
+static double grant_calls_expired_fn(void *arg) {
+  (void)arg;
+  return (double)transfer_grant_watch_ended();
+}
 
 static uint64_t cgroup_memory_limit(void) {
   static const char *const files[] = {
@@ -523,6 +527,11 @@ int main(int argc, char **argv) {
                      (const char *[]){"result", transfer_grant_result_name(r), NULL}, grants_fn,
                      &grant_series[r]);
     }
+    metrics_define(metrics, "meshd_transfer_calls_expired_total", METRIC_COUNTER,
+                   "Reads and Writes under a transfer grant still running at the grant's expiry, "
+                   "ended then (PERMISSION_DENIED).");
+    metrics_set_fn(metrics, "meshd_transfer_calls_expired_total", NULL, grant_calls_expired_fn,
+                   NULL);
     metrics_http = metrics_http_start(metrics, opt.metrics_listen, err, sizeof err);
     if (!metrics_http) {
       log_error("agent", "--metrics-listen: %s", err);

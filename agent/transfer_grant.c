@@ -4,7 +4,13 @@
  *
  * Seen nonces are kept until their grant's expiry (after which the grant is
  * refused as expired anyway), in one table of at most TRANSFER_NONCES; the
- * expired ones are swept when it fills. */
+ * expired ones are swept when it fills.
+ *
+ * A call a grant admitted ends at that grant's expiry if it still runs then
+ * (transfer_grant_watch): one thread, started with the first such call,
+ * sleeps until the earliest expiry and finishes the calls past theirs, so a
+ * client that stalls mid-Write holds no allocation, and mid-Read no snapshot,
+ * past the time its server forgets the transfer. */
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -165,4 +171,105 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
   atomic_fetch_add(&results[GRANT_ACCEPTED], 1);
   *out = g;
   return 0;
+}
+
+/* ------------------------------------------------------------------ watch */
+
+static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t watch_cond = PTHREAD_COND_INITIALIZER;
+static grant_watch_t *watched; /* a doubly linked list, unordered */
+static int64_t watch_wake_ms;  /* when the thread wakes next; 0: not before a signal */
+static pthread_once_t watch_once = PTHREAD_ONCE_INIT;
+static bool watch_running;
+static _Atomic uint64_t watch_ended;
+
+uint64_t transfer_grant_watch_ended(void) { return atomic_load(&watch_ended); }
+
+static void unlink_locked(grant_watch_t *w) {
+  if (w->prev) w->prev->next = w->next;
+  else watched = w->next;
+  if (w->next) w->next->prev = w->prev;
+  w->prev = w->next = NULL;
+  w->listed = false;
+}
+
+/* Finishes the calls past their expiry (under watch_mu: a handler's
+ * transfer_grant_unwatch, before it lets go of its call, waits for that), and
+ * returns the earliest expiry left, or 0. */
+static int64_t watch_sweep_locked(int64_t now) {
+  int64_t next = 0;
+  for (grant_watch_t *w = watched, *n; w; w = n) {
+    n = w->next;
+    if (w->expiry_ms > now) {
+      if (!next || w->expiry_ms < next) next = w->expiry_ms;
+      continue;
+    }
+    unlink_locked(w);
+    atomic_fetch_add(&watch_ended, 1);
+    /* Not behind chunks a stalled reader does not take; ignored when the
+     * call ended first. Runs no callback of the call here. */
+    bool write = strcmp(w->what, "Write") == 0;
+    rpc_call_abort(w->call, GRPC_STATUS_PERMISSION_DENIED, "PERMISSION_DENIED",
+                    "%s: transfer grant expired before the %s finished (%lld ms ago by this "
+                    "agent's clock); %s", w->what, w->what, (long long)(now - w->expiry_ms),
+                    write ? "nothing was stored" : "the rest was not sent");
+  }
+  return next;
+}
+
+static void *watch_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&watch_mu);
+  for (;;) {
+    int64_t next = watch_sweep_locked(grant_now_unix_ms());
+    watch_wake_ms = next;
+    if (!next) {
+      pthread_cond_wait(&watch_cond, &watch_mu);
+      continue;
+    }
+    /* CLOCK_REALTIME, the grants' clock (a condition variable's default). */
+    struct timespec ts = {.tv_sec = next / 1000, .tv_nsec = (long)(next % 1000) * 1000000};
+    pthread_cond_timedwait(&watch_cond, &watch_mu, &ts);
+  }
+  return NULL;
+}
+
+static void watch_start(void) {
+  pthread_t t;
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  if (pthread_create(&t, &attr, watch_main, NULL) == 0) {
+    pthread_setname_np(t, "grant-watch");
+    watch_running = true;
+  } else {
+    log_error("agent", "cannot start the grant-watch thread: calls under transfer grants are "
+              "not ended at their grants' expiry");
+  }
+  pthread_attr_destroy(&attr);
+}
+
+void transfer_grant_watch(grant_watch_t *w, rpc_call_t *call, const char *what,
+                          int64_t expiry_ms) {
+  pthread_once(&watch_once, watch_start);
+  pthread_mutex_lock(&watch_mu);
+  w->call = call;
+  w->what = what;
+  w->expiry_ms = expiry_ms;
+  w->prev = NULL;
+  w->next = watched;
+  if (watched) watched->prev = w;
+  watched = w;
+  w->listed = true;
+  if (watch_running && (!watch_wake_ms || expiry_ms < watch_wake_ms)) {
+    watch_wake_ms = expiry_ms;
+    pthread_cond_signal(&watch_cond);
+  }
+  pthread_mutex_unlock(&watch_mu);
+}
+
+void transfer_grant_unwatch(grant_watch_t *w) {
+  pthread_mutex_lock(&watch_mu);
+  if (w->listed) unlink_locked(w);
+  pthread_mutex_unlock(&watch_mu);
 }

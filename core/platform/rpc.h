@@ -214,6 +214,14 @@ int rpc_call_send(rpc_call_t *call, const ProtobufCMessage *msg);
  * not NULL, travels as trailing metadata RPC_KIND_KEY. Later calls are ignored. */
 void rpc_call_finish(rpc_call_t *call, grpc_status_code code, const char *kind,
                      const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* Ends the call with a status now: the messages queued and not yet handed
+ * to gRPC are dropped, and when one is in flight (a peer that stopped reading
+ * holds it back through flow control) or sends are held, the stream is reset
+ * with the status instead (without the kind trailer). For a deadline of the
+ * handler's own. Later calls, and a status already queued, win as with
+ * rpc_call_finish. */
+void rpc_call_abort(rpc_call_t *call, grpc_status_code code, const char *kind,
+                    const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* rpc_call_send(msg) then rpc_call_finish(OK). */
 void rpc_call_reply(rpc_call_t *call, const ProtobufCMessage *msg);
 /* The largest message the call's server sends (its max_message_bytes):

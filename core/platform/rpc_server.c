@@ -301,6 +301,39 @@ void rpc_call_finish(rpc_call_t *c, grpc_status_code code, const char *kind, con
   pthread_mutex_unlock(&c->mu);
 }
 
+void rpc_call_abort(rpc_call_t *c, grpc_status_code code, const char *kind, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&c->mu);
+  if (c->status_queued || c->closed) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  /* What gRPC has not been handed yet goes; a message in flight stays ours
+   * until on_write. */
+  outmsg_t *keep = c->writing ? c->out_head : NULL;
+  for (outmsg_t *p = keep ? keep->next : c->out_head, *next; p; p = next) {
+    next = p->next;
+    grpc_byte_buffer_destroy(p->buf);
+    free(p);
+  }
+  if (keep) keep->next = NULL;
+  c->out_head = c->out_tail = keep;
+  c->out_len = keep ? 1 : 0;
+  if (!c->writing && c->send_holds == 0) {
+    finish_locked(c, code, kind, msg); /* nothing ahead of it: it goes now */
+  } else {
+    /* A message the peer does not take (flow control) would hold the
+     * status back: the stream is reset instead, the status in it. */
+    c->status_queued = c->status_started = true; /* no status batch after the reset */
+    grpc_call_cancel_with_status(c->call, code, msg, NULL);
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
 void rpc_call_reply(rpc_call_t *c, const ProtobufCMessage *msg) {
   pthread_mutex_lock(&c->mu);
   bool closed = c->closed; /* nothing to answer; its server may be gone (a late relay) */

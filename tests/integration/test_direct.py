@@ -261,6 +261,103 @@ def test_expired_grants_are_refused_and_undone(meshd_server):
         still_works(s, mesh)
 
 
+def _agent_metric(port, name):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no {name} on the agent's /metrics")
+
+
+def _until(fn, seconds, what):
+    import time
+    end = time.monotonic() + seconds
+    while not fn():
+        assert time.monotonic() < end, what
+        time.sleep(0.05)
+
+
+def test_a_stalled_direct_write_or_read_ends_at_its_grants_expiry(meshd_server):
+    """A client that stalls mid-Write or mid-Read under a grant holds nothing past the
+    grant's expiry: the agent ends the call then (PERMISSION_DENIED naming the expiry;
+    the client's own deadline is far later), and frees the half-written tensor and the
+    snapshot the Read held of a tensor dropped meanwhile (meshd_agent_allocated_bytes),
+    though neither client moves; the Read stops short; both are counted
+    (meshd_transfer_calls_expired_total); the ref stays undefined and the session
+    works."""
+    import threading
+    import time
+    mport = lib.free_port()
+    srv = meshd_server(1, "--transfer-grant-ms", "2500", "--local-agent-metrics-port-base",
+                       str(mport))
+    lib.wait_ready(srv, 1)
+    a = lib.agent_pb2()
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        big = np.arange(16 << 20, dtype=np.float32)  # 64 MiB: more than gRPC buffers
+        with mesh.activate():
+            x = meshd.tensor(big)
+            s.sync()
+        alloc0 = _agent_metric(mport, "meshd_agent_allocated_bytes")
+        up, ref = plan_upload(s, mesh, big[:1 << 20])  # 4 MiB
+        rd = plan_fetch(s, x, gpu=0)
+        t0 = time.monotonic()
+        stall = threading.Event()
+
+        def chunks():
+            yield a.DataChunk(data=big[:1 << 18].tobytes())  # a quarter
+            stall.wait(30)
+
+        with _agent_channel(up.shards[0].address) as wch, \
+                _agent_channel(rd.shards[0].address) as rch:
+            write = wch.stream_unary(AGENT + "Write",
+                                     request_serializer=lambda m: m.SerializeToString(),
+                                     response_deserializer=a.WriteReply.FromString)
+            wf = write.future(chunks(), metadata=((_direct.GRANT_MD, up.shards[0].grant),),
+                              timeout=20)
+            read = rch.unary_stream(AGENT + "Read",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=a.DataChunk.FromString)
+            it = read(a.ReadRequest(session_id=s.id, ref=x.ref, max_chunk_bytes=1 << 20,
+                                    after_seq=rd.shards[0].after_seq),
+                      metadata=((_direct.GRANT_MD, rd.shards[0].grant),), timeout=20)
+            got = sum(len(c.data) for c in [next(it), next(it)])
+            # while the Write stalls, the agent holds its whole tensor; the Read holds
+            # x's bytes (its snapshot) after x is dropped
+            _until(lambda: _agent_metric(mport, "meshd_agent_allocated_bytes") >= alloc0 + (4 << 20),
+                   2, "the stalled Write's tensor was never allocated")
+            x.drop()
+            s.sync()
+            assert _agent_metric(mport, "meshd_agent_allocated_bytes") >= alloc0 + (4 << 20)
+            with pytest.raises(grpc.RpcError) as ei:
+                wf.result(timeout=15)
+            took = time.monotonic() - t0
+            assert ei.value.code() == denied, (ei.value.code(), ei.value.details())
+            assert "transfer grant expired before the Write finished" in ei.value.details()
+            assert "nothing was stored" in ei.value.details()
+            assert 2.0 < took < 6.0, took  # at the 2.5 s expiry, not the 20 s deadline
+            # both let go at the expiry, though neither client moved since
+            _until(lambda: _agent_metric(mport, "meshd_agent_allocated_bytes") <= alloc0 - big.nbytes,
+                   3, "the stalled Write's tensor or the stalled Read's snapshot is still held")
+            stall.set()
+            # the Read, not read meanwhile, was reset at its expiry too
+            with pytest.raises(grpc.RpcError) as ei:
+                for c in it:
+                    got += len(c.data)
+            assert ei.value.code() == denied, (ei.value.code(), ei.value.details())
+            assert "transfer grant expired before the Read finished" in ei.value.details()
+            assert got < big.nbytes, got
+        assert _agent_metric(mport, "meshd_transfer_calls_expired_total") == 2
+        with mesh.activate():
+            t = meshd.Tensor(s, ref, (1 << 20,), "float32", mesh.ref, 0)
+            with pytest.raises(meshd.MeshdError) as ei:
+                (t + 1).shape
+            assert ei.value.kind == "UNKNOWN_REF", ei.value
+        still_works(s, mesh)
+
+
 def test_forged_or_missing_receipts_leave_the_ref_undefined(meshd_server):
     """FinishUpload with a forged receipt, a short count or none at all is refused
     and undoes the upload: a command on the ref fails UNKNOWN_REF; a later upload and

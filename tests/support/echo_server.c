@@ -21,6 +21,7 @@ typedef struct delayed {
   int fail_code;
   char *fail_kind;
   char metadata[256];
+  bool abort; /* a ServerStream's: rpc_call_abort with fail_code */
 } delayed_t;
 
 /* Per-call state of the streaming methods (callbacks of one call never run
@@ -103,8 +104,12 @@ static void *timer_main(void *p) {
     pthread_mutex_unlock(&es->mu);
     /* The call may have ended meanwhile (deadline, cancel): answering it must
      * then be a harmless no-op, which the tests rely on the layer for. */
-    answer_unary(d->call, d->text, d->payload, d->payload_len, d->fail_code, d->fail_kind,
-                 d->metadata);
+    if (d->abort)
+      rpc_call_abort(d->call, (grpc_status_code)d->fail_code,
+                     d->fail_kind[0] ? d->fail_kind : NULL, "echo abort: %s", d->text);
+    else
+      answer_unary(d->call, d->text, d->payload, d->payload_len, d->fail_code, d->fail_kind,
+                   d->metadata);
     rpc_call_unref(d->call);
     delayed_free(d);
     pthread_mutex_lock(&es->mu);
@@ -221,6 +226,22 @@ static void server_stream_start(rpc_call_t *call, const ProtobufCMessage *msg, v
   for (int i = 0; i < req->reply_count; i++) {
     rep.index = i;
     if (rpc_call_send(call, &rep.base) != 0) return; /* ended: on_end follows */
+  }
+  if (req->delay_ms > 0 && req->fail_code != 0) {
+    delayed_t *d = calloc(1, sizeof *d);
+    if (!d) {
+      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "echo: out of memory");
+      return;
+    }
+    d->due_ms = mono_ms() + req->delay_ms;
+    d->call = call;
+    d->text = dup_or_empty(req->text);
+    d->fail_code = req->fail_code;
+    d->fail_kind = dup_or_empty(req->fail_kind);
+    d->abort = true;
+    rpc_call_ref(call);
+    schedule(es, d);
+    return;
   }
   if (req->fail_code != 0)
     rpc_call_finish(call, (grpc_status_code)req->fail_code,

@@ -10,7 +10,9 @@
  * ClientStream: at the client's half-close replies the concatenated texts of
  *               all messages with index = number of messages.
  * ServerStream: reply_count replies (text, payload, index 0..n-1), then OK; or,
- *               with fail_code, the fail_code status after the replies.
+ *               with fail_code, the fail_code status after the replies; or, with
+ *               fail_code and delay_ms, rpc_call_abort(fail_code, fail_kind,
+ *               "echo abort: <text>") that much later, whatever the client took.
  * Bidi:         replies to each message with its text and payload and
  *               index = messages received so far, this one included (1, 2, ...).
  *               A message with fail_code ends the call with that status. At the

@@ -538,6 +538,65 @@ Test(rpc, server_streaming_error_after_replies) {
   rpc_stream_destroy(s);
 }
 
+/* rpc_call_abort on a stream whose client reads nothing: 64 MiB of replies
+ * are queued, more than flow control lets through, so a status behind them
+ * (rpc_call_finish) would wait for the client; the abort ends the call on the
+ * server at once (on_end runs with the client still not reading), and the
+ * client then finds the status, the message in it, after fewer replies. */
+Test(rpc, abort_ends_a_stream_its_client_stopped_reading) {
+  enum { N = 64, MIB = 1 << 20 };
+  uint8_t *payload = calloc(1, MIB);
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_SERVER_STREAM, NULL, 0, 20000);
+  cr_assert_not_null(s);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "stalled";
+  req.payload.data = payload;
+  req.payload.len = MIB - 64;
+  req.reply_count = N;
+  req.fail_code = GRPC_STATUS_PERMISSION_DENIED;
+  req.fail_kind = "PERMISSION_DENIED";
+  req.delay_ms = 300;
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 5000), 1,
+               "the aborted call did not end while its client read nothing");
+  int got = 0;
+  for (;;) {
+    EchoReply *rep = NULL;
+    int r = rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000);
+    if (r != 1) break;
+    got++;
+    free_reply(rep);
+  }
+  rpc_status_t st;
+  poison_status(&st);
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_PERMISSION_DENIED, "%d: %s", st.code,
+               st.message);
+  cr_assert_str_eq(st.message, "echo abort: stalled");
+  cr_assert_lt(got, N, "all %d replies came: nothing was dropped", got);
+  rpc_stream_destroy(s);
+  free(payload);
+}
+
+/* With nothing queued the abort is an ordinary status, kind trailer and all. */
+Test(rpc, abort_with_nothing_queued_sends_the_status_and_kind) {
+  rpc_stream_t *s = rpc_stream_open(ch, ECHO_SERVER_STREAM, NULL, 0, 5000);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "idle";
+  req.fail_code = GRPC_STATUS_DATA_LOSS;
+  req.fail_kind = "LOST";
+  req.delay_ms = 50;
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  ProtobufCMessage *m = NULL;
+  cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, &m, 5000), 0);
+  rpc_status_t st;
+  poison_status(&st);
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_DATA_LOSS);
+  cr_assert_str_eq(st.kind, "LOST");
+  cr_assert_str_eq(st.message, "echo abort: idle");
+  rpc_stream_destroy(s);
+  cr_assert_eq(wait_counter(echo_server_calls_ended, 1, 2000), 1);
+}
+
 enum { BIDI_N = 10000 };
 
 typedef struct {
