@@ -441,8 +441,9 @@ export class Session {
   load(mesh: Ref, url: string, options: LoadOptions & { dtype: DType; shape: number[] }): Promise<TensorMeta>;
   load(mesh: Ref, url: string, options: LoadOptions & { name: string }): Promise<TensorMeta>;
   load(mesh: Ref, url: string, options?: LoadOptions): Promise<TensorMeta | Record<string, TensorMeta>>;
-  /** A catalogue op (ListOps) on args and kwargs; returns the first result's TensorMeta. */
-  call(op: string, args?: CallArg[], kwargs?: Record<string, CallArg>, options?: { stream?: number }): Promise<TensorMeta>;
+  /** A catalogue op (ListOps) on args and kwargs; returns the first result's TensorMeta.
+   * timeoutMs (default: the session's): past it without an answer, DEADLINE_EXCEEDED. */
+  call(op: string, args?: CallArg[], kwargs?: Record<string, CallArg>, options?: { stream?: number; timeoutMs?: number }): Promise<TensorMeta>;
   /** Reduces `input` over mesh dims (default []: every dim) with `reduction` (default 'sum'). */
   reduce(input: Ref, dims?: string[], reduction?: Reduction, options?: { scatter?: boolean; stream?: number; mesh?: MeshMeta | Ref }): Promise<TensorMeta>;
   /**

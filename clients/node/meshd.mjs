@@ -328,7 +328,7 @@ export class Session {
     // A pipelined command is claimed in stream order once queued; its answer is awaited
     // outside the order (wrapped, so that the order does not wait for it).
     const sent = await this.#inOrder(() => (this.#pipe
-      ? { [QUEUED]: this.#submit(cmd, command.sync ? Math.max(1, deadline - Date.now()) : undefined) }
+      ? { [QUEUED]: this.#submit(cmd, deadline, timeoutMs ?? this.timeoutMs, timeoutMs !== undefined || !!command.sync) }
       : this.#unaryBy('Execute', cmd, deadline)));
     const res = QUEUED in sent ? await sent[QUEUED] : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
@@ -359,7 +359,7 @@ export class Session {
     if (opts === null) return;
     const stream = this.client.Submit(this.#md);
     const pipe = { stream, maxBatch, queue: [], pending: new Map(), waiters: [], scheduled: false,
-      broken: null, closing: false, messages: 0, commands: 0, replies: 0, late: new Set() };
+      broken: null, closing: false, messages: 0, commands: 0, replies: 0, late: new Set(), watch: null };
     stream.on('data', (reply) => this.#answers(pipe, reply));
     stream.on('error', (err) => this.#broke(pipe, MeshdError.fromRpc(err)));
     stream.on('end', () => this.#broke(pipe, new MeshdError('UNAVAILABLE',
@@ -374,7 +374,10 @@ export class Session {
     return p ? { commands: p.commands, messages: p.messages, replies: p.replies } : null;
   }
 
-  #submit(cmd, timeoutMs) {
+  // A pipelined command's answer is awaited until its deadline: with a timer of its own
+  // when the call gave a timeoutMs (and for a sync), else by the pipeline's one sweep
+  // over the commands on the session's timeoutMs, oldest first (#watch).
+  #submit(cmd, deadline, timeoutMs, ownTimer) {
     const pipe = this.#pipe;
     if (pipe.broken) return Promise.reject(pipe.broken);
     if (cmd[WEIGHT].bytes > MESSAGE_MAX - 4096) { // it would end the stream for every call
@@ -384,23 +387,56 @@ export class Session {
     return new Promise((resolve, reject) => {
       let timer;
       const done = (fn) => (v) => { if (timer) clearTimeout(timer); fn(v); };
-      pipe.pending.set(cmd.seq, { resolve: done(resolve), reject: done(reject) });
+      const entry = { resolve: done(resolve), reject: done(reject), timeoutMs };
+      if (!ownTimer) entry.deadline = deadline;
+      pipe.pending.set(cmd.seq, entry);
       pipe.queue.push(cmd);
       if (pipe.queue.length >= pipe.maxBatch) this.#flush(pipe);
       else if (!pipe.scheduled) {
         pipe.scheduled = true;
         setImmediate(() => this.#flush(pipe));
       }
-      if (timeoutMs !== undefined) {
+      if (ownTimer) {
         timer = setTimeout(() => {
-          if (!pipe.pending.delete(cmd.seq)) return;
-          pipe.late.add(cmd.seq); // its answer still comes, with the errors it took
+          if (pipe.pending.get(cmd.seq) !== entry) return;
+          this.#expire(pipe, cmd.seq, entry);
           this.#settled(pipe);
-          reject(new MeshdError('DEADLINE_EXCEEDED', `no answer to command seq ${cmd.seq} within ${timeoutMs} ms`,
-            grpc.status.DEADLINE_EXCEEDED, cmd.seq));
-        }, timeoutMs);
+        }, Math.max(1, deadline - Date.now()));
+      } else {
+        this.#watch(pipe);
       }
     });
+  }
+
+  // No answer by its deadline: the command rejects; its answer may still come, with
+  // the errors it took (a sync's go to the next one).
+  #expire(pipe, seq, entry) {
+    pipe.pending.delete(seq);
+    pipe.late.add(seq);
+    entry.reject(new MeshdError('DEADLINE_EXCEEDED', `no answer to command seq ${seq} within `
+      + `${entry.timeoutMs} ms`, grpc.status.DEADLINE_EXCEEDED, seq));
+  }
+
+  // One timer per pipeline, at the oldest deadline of the commands on the session's
+  // timeoutMs (they were issued in seq order, so their deadlines are in that order too).
+  // It does not keep the process alive.
+  #watch(pipe) {
+    if (pipe.watch || pipe.broken) return;
+    let first;
+    for (const p of pipe.pending.values()) if (p.deadline !== undefined) { first = p; break; }
+    if (!first) return;
+    pipe.watch = setTimeout(() => {
+      pipe.watch = null;
+      const now = Date.now();
+      for (const [seq, p] of pipe.pending) {
+        if (p.deadline === undefined) continue;
+        if (p.deadline > now) break;
+        this.#expire(pipe, seq, p);
+      }
+      this.#settled(pipe);
+      this.#watch(pipe);
+    }, Math.max(1, first.deadline - Date.now()));
+    pipe.watch.unref?.();
   }
 
   // A message holds at most maxBatch commands, and its Literals at most BATCH_BYTES of
@@ -429,7 +465,7 @@ export class Session {
     for (const r of results) {
       const seq = Number(r.seq);
       const p = pipe.pending.get(seq);
-      if (!p && pipe.late.delete(seq)) { // a sync that timed out: its errors go to the next
+      if (!p && pipe.late.delete(seq)) { // one that timed out: a sync's errors go to the next
         for (const e of r.errors ?? []) this.#lateErrors.push(e);
         continue;
       }
@@ -448,6 +484,8 @@ export class Session {
   #broke(pipe, err) {
     if (pipe.closing && pipe.pending.size === 0) return;
     if (!pipe.broken) pipe.broken = err;
+    if (pipe.watch) clearTimeout(pipe.watch);
+    pipe.watch = null;
     for (const p of pipe.pending.values()) p.reject(pipe.broken);
     pipe.pending.clear();
     pipe.queue.length = 0;
@@ -562,7 +600,7 @@ export class Session {
   }
 
   // A catalogue op: args as toArg() reads them; returns the first result TensorMeta.
-  async call(op, args = [], kwargs = {}, { stream = 0 } = {}) {
+  async call(op, args = [], kwargs = {}, { stream = 0, timeoutMs } = {}) {
     const ref = this.newRef();
     const res = await this.execute({
       call: {
@@ -570,7 +608,7 @@ export class Session {
         kwargs: Object.entries(kwargs).map(([name, v]) => ({ name, value: toArg(v) })),
         results: [ref], stream,
       },
-    });
+    }, { timeoutMs });
     return res.tensors[0];
   }
 

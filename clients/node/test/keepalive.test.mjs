@@ -181,6 +181,47 @@ test('an idle session outlives its 2 s lease; close stops the keepalive', async 
   assert.ok(!lines.some((l) => l.includes('expired')), lines.join('\n'));
 });
 
+test('pipelined commands the server holds back past their deadline throw DEADLINE_EXCEEDED', async () => {
+  // A wedged rank fills the session's flow-control bound (--session-max-queued, 1024):
+  // the server reads no more of the Submit stream, so the commands past it get no
+  // answer. Each rejects at its deadline: the session's timeoutMs (2 s) or its own.
+  const s = await connect(addr, { clientName: 'node-pipe-deadline', timeoutMs: 2000 });
+  const pid = agentPid(1);
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const x = await s.factory({ kind: 'ones', mesh: mesh.ref, shape: [4] });
+    await s.sync();
+    await s.setPipeline({ maxBatch: 256 });
+    await stopAgent(pid);
+    const t0 = Date.now();
+    const settle = (p) => p.then(() => ({ ok: true, at: Date.now() - t0 }),
+      (err) => ({ err, at: Date.now() - t0 }));
+    const calls = [];
+    for (let i = 0; i < 1300; i++) calls.push(settle(s.call('add', [x, 1])));
+    const own = settle(s.call('add', [x, 2], {}, { timeoutMs: 700 }));
+    const ownR = await own;
+    assert.equal(ownR.err?.kind, 'DEADLINE_EXCEEDED', String(ownR.err));
+    assert.match(ownR.err.message, /within 700 ms/);
+    assert.ok(ownR.at >= 600 && ownR.at < 1900, `a 700 ms deadline took ${ownR.at} ms`);
+    const rs = await Promise.all(calls);
+    const late = rs.filter((r) => r.err);
+    assert.ok(rs.filter((r) => r.ok).length >= 1000, 'the bound should have let ~1024 in');
+    assert.ok(late.length >= 200, `only ${late.length} of 1300 were held back`);
+    for (const r of late) {
+      assert.equal(r.err.kind, 'DEADLINE_EXCEEDED', String(r.err));
+      assert.ok(r.at >= 1800 && r.at < 6000, `a 2 s deadline took ${r.at} ms`);
+    }
+    assert.match(late[0].err.message, /within 2000 ms/);
+    process.kill(pid, 'SIGCONT');
+    await s.sync({ timeoutMs: 30000 }); // the late ones ran after all, and the session works
+    const z = await s.call('add', [x, 5]);
+    assert.deepEqual([...await s.fetch(z, { gpu: 1 }, { timeoutMs: 30000 })], [6, 6, 6, 6]);
+  } finally {
+    process.kill(pid, 'SIGCONT');
+    await s.close();
+  }
+});
+
 test('sync and fetch with a deadline on a wedged agent throw DEADLINE_EXCEEDED', async () => {
   const s = await connect(addr, { clientName: 'node-deadline' });
   const pid = agentPid(1);
