@@ -138,6 +138,31 @@ static void schedule(echo_server_t *es, delayed_t *d) {
 
 /* ------------------------------------------------------------- handlers */
 
+/* What req asks to be answered (abort: aborted) delay_ms from now, from the
+ * timer thread; the call is held meanwhile. */
+static void delay(echo_server_t *es, rpc_call_t *call, const EchoRequest *req, const char *md,
+                  bool abort) {
+  delayed_t *d = calloc(1, sizeof *d);
+  if (!d) {
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "echo: out of memory");
+    return;
+  }
+  d->due_ms = mono_ms() + req->delay_ms;
+  d->call = call;
+  d->text = dup_or_empty(req->text);
+  if (req->payload.len && !abort) {
+    d->payload = malloc(req->payload.len);
+    if (d->payload) memcpy(d->payload, req->payload.data, req->payload.len);
+  }
+  d->payload_len = d->payload ? req->payload.len : 0;
+  d->fail_code = req->fail_code;
+  d->fail_kind = dup_or_empty(req->fail_kind);
+  snprintf(d->metadata, sizeof d->metadata, "%s", md);
+  d->abort = abort;
+  rpc_call_ref(call);
+  schedule(es, d);
+}
+
 static void unary_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   echo_server_t *es = arg;
   const EchoRequest *req = (const EchoRequest *)msg;
@@ -158,24 +183,7 @@ static void unary_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg
                  req->fail_kind, md);
     return;
   }
-  delayed_t *d = calloc(1, sizeof *d);
-  if (!d) {
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "echo: out of memory");
-    return;
-  }
-  d->due_ms = mono_ms() + req->delay_ms;
-  d->call = call;
-  d->text = dup_or_empty(req->text);
-  if (req->payload.len) {
-    d->payload = malloc(req->payload.len);
-    if (d->payload) memcpy(d->payload, req->payload.data, req->payload.len);
-  }
-  d->payload_len = d->payload ? req->payload.len : 0;
-  d->fail_code = req->fail_code;
-  d->fail_kind = dup_or_empty(req->fail_kind);
-  memcpy(d->metadata, md, sizeof md);
-  rpc_call_ref(call);
-  schedule(es, d);
+  delay(es, call, req, md, false);
 }
 
 static void stream_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
@@ -228,19 +236,7 @@ static void server_stream_start(rpc_call_t *call, const ProtobufCMessage *msg, v
     if (rpc_call_send(call, &rep.base) != 0) return; /* ended: on_end follows */
   }
   if (req->delay_ms > 0 && req->fail_code != 0) {
-    delayed_t *d = calloc(1, sizeof *d);
-    if (!d) {
-      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "echo: out of memory");
-      return;
-    }
-    d->due_ms = mono_ms() + req->delay_ms;
-    d->call = call;
-    d->text = dup_or_empty(req->text);
-    d->fail_code = req->fail_code;
-    d->fail_kind = dup_or_empty(req->fail_kind);
-    d->abort = true;
-    rpc_call_ref(call);
-    schedule(es, d);
+    delay(es, call, req, "", true);
     return;
   }
   if (req->fail_code != 0)
