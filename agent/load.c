@@ -270,10 +270,17 @@ static void inspect_fail(rpc_call_t *call, meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
 
+/* An InspectUrl whose caller gave up (its deadline, INSPECT_CALL_MS on the
+ * server) stops fetching: a server that sends a byte a second holds none of
+ * the LOAD_INSPECTS_MAX slots past that. */
+static bool inspect_gone(void *arg) { return rpc_call_ended(arg); }
+
 static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequest *rq) {
   url_allow_t allow;
   url_fetch_opts_t o;
   url_policy_from_proto(rq->policy, &allow, &o);
+  o.stop = inspect_gone;
+  o.stop_arg = call;
   meshd_error_t e = {0};
   uint64_t size = 0, need = TENSOR_FILE_PROBE_BYTES;
   uint8_t *head = NULL;

@@ -76,6 +76,13 @@ static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, void *(
   return -1;
 }
 
+/* The agent's call ends with its caller's: a client that gave up (or set a
+ * short deadline) holds no inspection, here or on the agent, past that. */
+static int inspect_ms(rpc_call_t *call) {
+  int64_t left = rpc_call_deadline_left_ms(call);
+  return left >= 0 && left < INSPECT_CALL_MS ? (int)(left ? left : 1) : INSPECT_CALL_MS;
+}
+
 static void *inspect_main(void *arg) {
   inspect_t *in = arg;
   load_service_t *ls = in->ls;
@@ -97,7 +104,7 @@ static void *inspect_main(void *arg) {
                     "InspectUrl: rank %u has no agent", in->rank);
   } else if (rpc_unary(ch, "/meshd.agent.v1.Agent/InspectUrl", &rq.base,
                        &meshd__v1__inspect_url_reply__descriptor, &reply, t.md, 1,
-                       INSPECT_CALL_MS, &st) != GRPC_STATUS_OK) {
+                       inspect_ms(in->call), &st) != GRPC_STATUS_OK) {
     /* The agent's kind and message are the answer (they name the URL and rank). */
     if (st.kind[0])
       rpc_call_finish(in->call, st.code, st.kind, "%s", st.message);

@@ -224,6 +224,9 @@ void rpc_call_abort(rpc_call_t *call, grpc_status_code code, const char *kind,
                     const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* rpc_call_send(msg) then rpc_call_finish(OK). */
 void rpc_call_reply(rpc_call_t *call, const ProtobufCMessage *msg);
+/* What is left of the deadline the client gave the call, in ms (0 once past);
+ * -1: none. For a handler's own calls on its behalf. */
+int64_t rpc_call_deadline_left_ms(const rpc_call_t *call);
 /* The largest message the call's server sends (its max_message_bytes):
  * rpc_call_reply finishes the call with RESOURCE_EXHAUSTED ("QUOTA") instead
  * of sending a larger reply. */

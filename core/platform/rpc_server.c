@@ -334,6 +334,13 @@ void rpc_call_abort(rpc_call_t *c, grpc_status_code code, const char *kind, cons
   pthread_mutex_unlock(&c->mu);
 }
 
+int64_t rpc_call_deadline_left_ms(const rpc_call_t *c) {
+  gpr_timespec d = gpr_convert_clock_type(c->deadline, GPR_CLOCK_MONOTONIC);
+  if (gpr_time_cmp(d, gpr_inf_future(GPR_CLOCK_MONOTONIC)) == 0) return -1;
+  int64_t left = gpr_time_to_millis(gpr_time_sub(d, gpr_now(GPR_CLOCK_MONOTONIC)));
+  return left > 0 ? left : 0;
+}
+
 void rpc_call_reply(rpc_call_t *c, const ProtobufCMessage *msg) {
   pthread_mutex_lock(&c->mu);
   bool closed = c->closed; /* nothing to answer; its server may be gone (a late relay) */

@@ -165,27 +165,50 @@ static bool host_matches(const char *pattern, const char *host) {
   return strcasecmp(pattern, host) == 0;
 }
 
-static int check_file_path(const url_allow_t *a, CURLU *u, const char *shown, meshd_error_t *e) {
+/* Whether path lies under root, as text ("/" holds everything). */
+static bool under(const char *path, const char *root) {
+  size_t n = strlen(root);
+  while (n > 1 && root[n - 1] == '/') n--;
+  if (n == 1 && root[0] == '/') return true;
+  return strncmp(path, root, n) == 0 && (path[n] == '/' || path[n] == 0);
+}
+
+/* A file:// path: first as text (no "." or ".." segment, under a root), so
+ * that where the file is not, or is not ours to see, nothing says whether it
+ * exists; then, where the file is read (on_disk), with its links resolved. */
+static int check_file_path(const url_allow_t *a, CURLU *u, const char *shown, bool on_disk,
+                           meshd_error_t *e) {
   if (!a || !a->n_file_roots) return 0;
   char *path = NULL, real[PATH_MAX], root[PATH_MAX];
   if (curl_url_get(u, CURLUPART_PATH, &path, CURLU_URLDECODE) != CURLUE_OK)
     return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: its path does not decode", shown);
-  bool found = realpath(path, real) != NULL;
-  curl_free(path);
-  if (!found) return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: no such file", shown);
-  for (size_t i = 0; i < a->n_file_roots; i++) {
-    if (!realpath(a->file_roots[i], root)) continue;
-    size_t n = strlen(root);
-    if (strncmp(real, root, n) == 0 && (real[n] == '/' || real[n] == 0 || strcmp(root, "/") == 0))
-      return 0;
+  int rc = 0;
+  for (const char *seg = path; *seg && !rc; seg += strcspn(seg, "/")) {
+    seg += strspn(seg, "/");
+    size_t n = strcspn(seg, "/");
+    if ((n == 1 && seg[0] == '.') || (n == 2 && seg[0] == '.' && seg[1] == '.'))
+      rc = error_set(e, ERR_BAD_ARGUMENT, "fetch %s: the path has a '.' or '..' segment; write "
+                     "it without", shown);
   }
-  return error_set(e, ERR_PERMISSION_DENIED,
+  size_t i = 0;
+  while (!rc && i < a->n_file_roots && !under(path, a->file_roots[i])) i++;
+  if (!rc && i == a->n_file_roots)
+    rc = error_set(e, ERR_PERMISSION_DENIED,
                    "fetch %s: the file is outside the directories the URL allow list gives",
                    shown);
+  bool found = !rc && on_disk && realpath(path, real) != NULL;
+  curl_free(path);
+  if (rc || !on_disk) return rc;
+  if (!found) return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: no such file", shown);
+  for (i = 0; i < a->n_file_roots; i++)
+    if (realpath(a->file_roots[i], root) && under(real, root)) return 0;
+  return error_set(e, ERR_PERMISSION_DENIED,
+                   "fetch %s: the file is outside the directories the URL allow list gives "
+                   "(through a symbolic link)", shown);
 }
 
-int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown, char *scheme,
-                        size_t scheme_cap, meshd_error_t *e) {
+int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown, bool on_disk,
+                        char *scheme, size_t scheme_cap, meshd_error_t *e) {
   static const char *const default_schemes[] = {"http", "https"};
   for (size_t i = 0; a && i < a->n_nets; i++) {
     addr_t net;
@@ -226,7 +249,7 @@ int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown
   }
   strcpy(scheme, s);
   if (strcmp(s, "file") == 0) {
-    rc = check_file_path(a, u, shown, e);
+    rc = check_file_path(a, u, shown, on_disk, e);
     goto out;
   }
   if (curl_url_get(u, CURLUPART_HOST, &host, 0) != CURLUE_OK || !host || !*host) {

@@ -51,18 +51,32 @@ static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
 static CURLcode curl_init_rc;
 static void curl_init(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
 
+/* From the parts curl itself reads (what it sends is what is hidden: curl takes
+ * "https:///u:p@h" and "https:/u:p@h" too); of a URL curl does not parse, and
+ * so never fetches, only the scheme shows. */
 const char *url_redact(const char *url, char *out, size_t n) {
   if (!n) return out;
-  const char *sep = strstr(url, "://");
-  size_t lead = 0; /* bytes of "scheme://" */
-  if (sep && sep - url < 32 && (size_t)(sep - url) == strcspn(url, ":/?#@")) lead = (size_t)(sep - url) + 3;
-  const char *auth = url + lead, *end = auth + strcspn(auth, "/?#");
-  const char *at = NULL;
-  for (const char *p = auth; p < end; p++)
-    if (*p == '@') at = p;
-  const char *host = at ? at + 1 : auth;
-  const char *stop = host + strcspn(host, "?#");
-  snprintf(out, n, "%.*s%.*s", (int)lead, url, (int)(stop - host), host);
+  CURLU *u = curl_url();
+  char *scheme = NULL, *host = NULL, *port = NULL, *path = NULL;
+  if (u && curl_url_set(u, CURLUPART_URL, url, CURLU_NON_SUPPORT_SCHEME) == CURLUE_OK &&
+      curl_url_get(u, CURLUPART_SCHEME, &scheme, 0) == CURLUE_OK) {
+    curl_url_get(u, CURLUPART_HOST, &host, 0); /* none for file:// */
+    curl_url_get(u, CURLUPART_PORT, &port, 0); /* only one written in the URL */
+    curl_url_get(u, CURLUPART_PATH, &path, 0);
+    snprintf(out, n, "%s://%s%s%s%s", scheme, host ? host : "", port ? ":" : "",
+             port ? port : "", path ? path : "");
+  } else { /* credentials could sit anywhere in it: its scheme alone */
+    size_t lead = strspn(url, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-");
+    if (lead > 0 && lead < 32 && url[lead] == ':')
+      snprintf(out, n, "%.*s:... (not shown: not a URL)", (int)lead, url);
+    else
+      snprintf(out, n, "... (not shown: not a URL)");
+  }
+  curl_free(scheme);
+  curl_free(host);
+  curl_free(port);
+  curl_free(path);
+  curl_url_cleanup(u);
   return out;
 }
 
@@ -278,7 +292,9 @@ static outcome_t http_outcome(xfer_t *x, bool http) {
 }
 
 static outcome_t outcome(xfer_t *x, CURLcode cc, const char *url, bool http) {
-  if (x->refused[0]) {
+  /* Only when no address was left to try: a name with a refused address and
+   * an allowed one is fetched from the allowed one. */
+  if (x->refused[0] && cc == CURLE_COULDNT_CONNECT) {
     fail(x, ERR_PERMISSION_DENIED, "refused before connecting: %s", x->refused);
     return OUT_FAIL;
   }
@@ -413,7 +429,9 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
     goto out;
   }
   for (;; hop++) {
-    if (url_allow_check_url(o->allow, url, shown, scheme, sizeof scheme, e)) goto out;
+    /* A redirect's file:// path as text only: what a server redirects to
+     * must not tell it which files exist here (refused just below anyway). */
+    if (url_allow_check_url(o->allow, url, shown, hop == 0, scheme, sizeof scheme, e)) goto out;
     if (hop && strcmp(scheme, "http") != 0 && strcmp(scheme, "https") != 0) {
       error_set(e, ERR_PERMISSION_DENIED, "fetch %s: a redirect to scheme %s is not followed",
                 shown, scheme);
@@ -489,7 +507,7 @@ static int fetch_range(const char *url, uint64_t offset, uint64_t length, void *
                      url_redact(url, shown, sizeof shown), offset, length);
   if (!length) {
     char scheme[16];
-    return url_allow_check_url(o.allow, url, url_redact(url, shown, sizeof shown), scheme,
+    return url_allow_check_url(o.allow, url, url_redact(url, shown, sizeof shown), true, scheme,
                                sizeof scheme, e);
   }
   xfer_t x = {.mode = MODE_RANGE, .offset = offset, .length = length, .buf = buf,

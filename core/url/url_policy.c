@@ -94,8 +94,8 @@ int url_policy_parse(const char *spec, url_policy_t *p, meshd_error_t *e) {
   if (p->allow.n_nets) {
     char scheme[16];
     meshd_error_t ce;
-    if (url_allow_check_url(&p->allow, "https://example.com/", "--url-allow", scheme, sizeof scheme,
-                            &ce) && ce.kind == ERR_BAD_ARGUMENT) {
+    if (url_allow_check_url(&p->allow, "https://example.com/", "--url-allow", false, scheme,
+                            sizeof scheme, &ce) && ce.kind == ERR_BAD_ARGUMENT) {
       url_policy_free(p);
       return error_set(e, ERR_BAD_ARGUMENT, "%s", ce.msg);
     }
@@ -114,7 +114,9 @@ int url_policy_check(const url_policy_t *p, const char *url, meshd_error_t *e) {
   if (p->disabled)
     return error_set(e, ERR_PERMISSION_DENIED,
                      "load %s: this server loads no URLs (--url-allow=none)", shown);
-  return url_allow_check_url(&p->allow, url, shown, scheme, sizeof scheme, e);
+  /* Here, before any agent connects: a file:// path names the agents' files,
+   * not ours, so it is checked as text. */
+  return url_allow_check_url(&p->allow, url, shown, false, scheme, sizeof scheme, e);
 }
 
 void url_policy_to_proto(const url_policy_t *p, Meshd__Agent__V1__UrlPolicy *w) {

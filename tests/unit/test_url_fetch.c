@@ -398,8 +398,18 @@ Test(url_fetch, credentials_and_query_stay_out_of_messages) {
   cr_assert_str_eq(url_redact("https://u:p@h.example:8443/a/b?q=1#f", out, sizeof out),
                    "https://h.example:8443/a/b");
   cr_assert_str_eq(url_redact("https://h/a@b?x", out, sizeof out), "https://h/a@b");
-  cr_assert_str_eq(url_redact("u:p@host/path?q", out, sizeof out), "host/path");
-  cr_assert_str_eq(url_redact("https://user@[::1]:80#x", out, sizeof out), "https://[::1]:80");
+
+  cr_assert_str_eq(url_redact("https://user@[::1]:80#x", out, sizeof out), "https://[::1]:80/");
+  /* One or three slashes: curl reads the credentials there too (and sends them). */
+  cr_assert_str_eq(url_redact("https:///u:pw@h.example/f?s", out, sizeof out), "https://h.example/f");
+  cr_assert_str_eq(url_redact("https:/u:pw@h.example/f", out, sizeof out), "https://h.example/f");
+  cr_assert_str_eq(url_redact("HTTP://U:PW@H/a", out, sizeof out), "http://H/a");
+  /* Not a URL curl reads: its scheme at most. */
+  cr_assert_str_eq(url_redact("u:p@host/path?q", out, sizeof out), "u:... (not shown: not a URL)");
+  cr_assert_str_eq(url_redact("ht tp://u:p@w@h/x?y", out, sizeof out), "... (not shown: not a URL)");
+  cr_assert_str_eq(url_redact("https://u:p?ss@h:x/", out, sizeof out),
+                   "https:... (not shown: not a URL)");
+  cr_assert_str_eq(url_redact("file:///data/w.npy", out, sizeof out), "file:///data/w.npy");
 }
 
 Test(url_fetch, redirects_followed_and_checked) {
@@ -488,6 +498,24 @@ Test(url_fetch, file_urls) {
   snprintf(outside, sizeof outside, "file://%s/missing", dir);
   cr_assert_eq(url_fetch_range(outside, 0, 1, buf, &o, NULL, &e), -1);
   HAS(e, "no such file");
+  /* Outside the roots, whether it exists or not: the same answer. */
+  cr_assert_eq(url_fetch_range("file:///etc/no-such-file-here", 0, 1, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED, "%s", e.msg);
+  HAS(e, "the file is outside the directories the URL allow list gives");
+  /* Encoded dots are not undone into a way out. */
+  snprintf(outside, sizeof outside, "file://%s/%%2e%%2e/x", dir);
+  cr_assert_eq(url_fetch_range(outside, 0, 1, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT, "%s", e.msg);
+  HAS(e, "'.' or '..' segment");
+  /* A link inside a root to a file outside it. */
+  char link[180];
+  snprintf(link, sizeof link, "%s/escape", dir);
+  cr_assert_eq(symlink("/etc/hostname", link), 0);
+  snprintf(outside, sizeof outside, "file://%s", link);
+  cr_assert_eq(url_fetch_range(outside, 0, 1, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED, "%s", e.msg);
+  HAS(e, "through a symbolic link");
+  unlink(link);
   unlink(path);
   rmdir(dir);
 }

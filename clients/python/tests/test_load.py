@@ -223,6 +223,15 @@ def test_file_urls_inside_the_allowed_directory(gpu4):
     np.save(os.path.join(FILES, "f.npy"), a)
     t = meshd.load(f"file://{FILES}/f.npy")
     np.testing.assert_array_equal(fetch(t, gpu=1), a)
+    # outside the directory: refused the same whether the file exists or not (the
+    # server checks the path as text: it names the agents' files, not its own)
+    for url in ("file:///etc/hostname", "file:///etc/meshd-no-such-file.npy",
+                f"file://{FILES}/../etc/x.npy"):
+        for call in (lambda: meshd.load(url), lambda: meshd.load(url, dtype="uint8", shape=(1,))):
+            with pytest.raises(meshd.MeshdError) as ei:
+                call()
+            assert ei.value.kind == "PERMISSION_DENIED", ei.value
+            assert "outside the directories" in str(ei.value), ei.value
 
 
 def test_safetensors_one_tensor_by_name_and_a_checkpoint_sharded_over_4_agents(gpu4, http_base):
@@ -438,6 +447,47 @@ def test_timeout_and_connection_refused(gpu4, http_base):
     e = failure(t)
     assert e.kind == "UNAVAILABLE" and f"127.0.0.1:{port}/x.bin" in e.message, e
     still_works()
+
+
+def test_inspections_their_callers_gave_up_free_the_agents_slots(http_base):
+    """Without --url-timeout-ms, an InspectUrl of a server that does not answer ends
+    with its caller's deadline, on the server and on the agent (it polls its call
+    while curl waits): eight such calls, the most an agent runs at once, do not keep
+    the next one out for as long as the HTTP server stalls (30 s)."""
+    os.makedirs(FILES, exist_ok=True)
+    np.save(os.path.join(FILES, "inspect-me.npy"), np.arange(6, dtype=np.int16))
+    addr, proc = start_meshd(1, name="meshd-inspect", flags=("--url-allow=http://127.0.0.1",))
+    try:
+        with meshd.connect(addr) as s:
+            m = s.mesh(gpu=1)
+            pb = s._pb
+
+            def stalled(_):
+                t0 = time.monotonic()
+                with pytest.raises(meshd.MeshdError) as ei:
+                    s._unary("InspectUrl", pb.InspectUrlRequest(
+                        url=f"{http_base}/slow/30/inspect-me.npy", mesh=m.ref),
+                        pb.InspectUrlReply, timeout=1.5)
+                return ei.value, time.monotonic() - t0
+
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(8) as pool:
+                outs = list(pool.map(stalled, range(8)))
+            for e, took in outs:
+                assert e.kind == "DEADLINE_EXCEEDED", e
+                assert took < 5, took
+            t0 = time.monotonic()
+            while True:  # the agent's slots come back within a poll or two
+                try:
+                    info = meshd.inspect_url(f"{http_base}/inspect-me.npy", mesh=m)
+                    break
+                except meshd.MeshdError as e:
+                    assert e.kind == "QUOTA", e
+                    assert time.monotonic() - t0 < 6, f"the slots are still taken: {e}"
+                    time.sleep(0.2)
+            assert info["format"] == "npy" and info["tensors"][""][1] == (6,), info
+    finally:
+        stop_meshd(proc)
 
 
 def test_unsupported_dtype_and_a_name_not_in_the_file(gpu4, http_base):
