@@ -31,10 +31,12 @@ int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, ui
   b->borrow = (borrow_obj_t){.origin = origin->ref,
                              .result = result,
                              .origin_storage = s,
+                             .result_storage = handle->tensor.storage,
                              .is_mutable = is_mutable,
                              .from_stream = origin->tensor.stream,
                              .to_stream = to_stream};
   s->refs++;
+  handle->tensor.storage->refs++;
   if (is_mutable) {
     s->access = 0;
     s->mutable_borrow = ref;
@@ -58,8 +60,9 @@ static unsigned own_access(objects_t *o, const storage_t *s) {
 int borrow_drop(objects_t *o, obj_t *b, uint64_t seq, meshd_error_t *e) {
   (void)e; /* a dropped borrow has no record left: objects_expect reports it */
   borrow_obj_t *x = &b->borrow;
-  obj_t *handle = objects_get(o, x->result);
-  if (handle) objects_drop_storage(o, handle->tensor.storage, seq);
+  /* The handle and every view of it, the handle released or not (the borrow
+   * holds the storage, so nothing is freed here). */
+  objects_drop_storage(o, x->result_storage, seq);
   storage_t *s = x->origin_storage;
   if (x->is_mutable) s->mutable_borrow = 0;
   else s->read_borrows--;

@@ -1053,15 +1053,24 @@ static int cmd_drop_borrow(frontend_t *fe, session_t *s, objects_t *o, const Mes
                            cmd_out_t *out, meshd_error_t *e) {
   obj_t *b = objects_expect(o, c->drop_borrow->borrow, OBJ_BORROW, "DropBorrow: borrow", e);
   if (!b) return -1;
-  /* Its handle borrowed in turn: dropping it would leave that borrow's origin gone. */
-  const obj_t *h = objects_get(o, b->borrow.result);
-  if (h && (h->tensor.storage->read_borrows || h->tensor.storage->mutable_borrow))
+  /* Its handle borrowed in turn (through a view too, the handle released or
+   * not): dropping it would leave that borrow's origin gone. */
+  storage_t *hs = b->borrow.result_storage;
+  if (hs->read_borrows || hs->mutable_borrow)
     return error_set(e, ERR_BORROWED,
                      "DropBorrow: borrow %llu's tensor %llu (or a view of it) is borrowed in turn "
                      "(borrow %llu); drop that borrow first", (unsigned long long)b->ref,
-                     (unsigned long long)h->ref,
-                     (unsigned long long)borrow_holder(o, h->tensor.storage));
-  emit_borrow(fe, s, o, b, objects_get(o, b->borrow.origin), h, true);
+                     (unsigned long long)b->borrow.result,
+                     (unsigned long long)borrow_holder(o, hs));
+  /* The handle's views go on the agents too, before its last use (which
+   * deletes the handle itself): they hold the origin's memory. */
+  emit_deletes_t del = {0};
+  for (const obj_t *a = hs->aliases; a; a = a->tensor.next_alias)
+    if (a->ref != b->borrow.result)
+      emit_delete_add(fe, s, o, &del, a->tensor.mesh, b->borrow.to_stream, a->ref);
+  emit_delete_flush(fe, s, o, &del);
+  emit_borrow(fe, s, o, b, objects_get(o, b->borrow.origin), objects_get(o, b->borrow.result),
+              true);
   return borrow_drop(o, b, out->res.seq, e); /* frees b */
 }
 

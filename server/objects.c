@@ -18,6 +18,7 @@ void objects_destroy(objects_t *o) {
       free(it->tensor.fail);
     } else if (it->kind == OBJ_BORROW) {
       storage_unref(it->borrow.origin_storage);
+      storage_unref(it->borrow.result_storage);
     } else if (it->kind == OBJ_MESH) {
       free(it->mesh);
     } else if (it->kind == OBJ_STREAM) {
@@ -220,6 +221,7 @@ void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
   bury(o, b->ref, seq, b->ref, false);
   refmap_remove(&o->table, b->ref);
   storage_unref(b->borrow.origin_storage);
+  storage_unref(b->borrow.result_storage);
   free(b);
 }
 

@@ -70,6 +70,9 @@ typedef struct borrow_obj {
   uint64_t origin;         /* the borrowed tensor */
   uint64_t result;         /* the tensor usable on to_stream */
   storage_t *origin_storage;
+  /* The handle's (referenced): its views outlive a Release of the handle,
+   * and DropBorrow ends them all. */
+  storage_t *result_storage;
   bool is_mutable;
   uint64_t from_stream, to_stream;
 } borrow_obj_t;

@@ -476,6 +476,29 @@ def test_drop_borrow_restores_access_and_drops_the_handle(borrowing):
     _borrow(s, s.x.ref, True)
 
 
+def test_drop_borrow_ends_views_of_a_released_handle(borrowing):
+    """A view of a borrow's handle is the origin's memory too: DropBorrow ends it even
+    after the handle itself was released, and refuses while such a view is borrowed
+    in turn."""
+    s = borrowing
+    need(s, s.x.mesh, calls=("select",))
+    h, b = _borrow(s, s.x.ref, True)
+    (v,) = s.op("select", Ref(h.ref), 0, 1, stream=s.side)
+    s.run(release(h.ref))
+    s.run(call("add_", Ref(v.ref), Ref(v.ref), stream=s.side))  # the view still writes
+    other = s.stream("other")
+    h2, b2 = s.new_ref(), s.new_ref()
+    s.run(borrow(h2, v.ref, other, False, b2))
+    e = s.fails("BORROWED", drop_borrow(b), "DropBorrow")
+    assert str(b2) in e.message, e.message
+    s.run(drop_borrow(b2))
+    seq = 7100
+    s.run(drop_borrow(b), seq=seq)
+    e = s.fails("DROPPED", _add(s, v.ref, v.ref, stream=s.side), "add")
+    assert f"seq {seq}" in e.message, e.message
+    s.run(_add_(s, s.x.ref, s.y.ref))  # the origin is writable again
+
+
 def test_borrow_errors(borrowing):
     s = borrowing
     h, b = s.new_ref(), s.new_ref()

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 
 import meshd_testlib as lib
-from meshd_testlib import Ref, Session, drop, reduce, sync
+from meshd_testlib import Ref, Session, borrow, drop, drop_borrow, reduce, sync
 from test_transfers import fetch_floats, upload
 
 
@@ -258,6 +258,33 @@ def test_local_agent_metrics_port_base_needs_local_agents():
     r = lib.run(lib.MESHD, ["--listen", "127.0.0.1:0", "--local-agents", "2",
                             "--local-agent-metrics-port-base", "65535"])
     assert r.returncode == 2 and "past port 65535" in r.stderr, r
+
+
+def test_drop_borrow_frees_the_views_of_its_handle_on_the_agents(meshd_server):
+    """A view of a borrow's handle holds the origin's memory on the agents: DropBorrow
+    deletes it there too, so borrowing, viewing, dropping the borrow and the origin,
+    over and over, leaves the agent's allocated bytes where they were."""
+    base = free_ports(1)
+    srv = meshd_server(1, "--local-agent-metrics-port-base", base)
+    lib.wait_ready(srv, 1)
+    allocated = lambda: value(scrape(base), "meshd_agent_allocated_bytes")  # noqa: E731
+    with Session(srv.port, "borrow-views") as s:
+        m = s.mesh(gpu=1)
+        side = s.stream("side")
+        s.run(sync())
+        a0 = allocated()
+        for _ in range(4):
+            x = s.tensor(m.ref, (4, 1 << 18))  # 4 MiB
+            h, b = s.new_ref(), s.new_ref()
+            s.run(borrow(h, x.ref, side, False, b))
+            s.op("select", Ref(h), 0, 1, stream=side)
+            s.run(drop_borrow(b))
+            s.run(drop(x.ref))
+        s.run(sync())
+        deadline = time.monotonic() + 5
+        while allocated() > a0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert allocated() <= a0, f"{allocated() - a0} bytes still allocated on the agent"
 
 
 def test_agent_metrics(meshd_server, agent, tmp_path):
