@@ -39,7 +39,8 @@ typedef struct submit_state {
   int refs;          /* the stream's, and one per pending Sync (which may outlive it) */
   pending_sync_t *waits; /* pending Syncs registered on the watermark */
   bool half_closed;
-  uint64_t flow_wait; /* the stream's last flow_wait (its reads are paused until it fires) */
+  uint64_t flow_wait; /* its flow wait, while one is registered (reads paused until it fires) */
+  struct flow_hold *flow_hold; /* what that wait holds */
   uint64_t last_seq;  /* the highest Command.seq read so far (reads are one at a time) */
   /* Answers to commands sent one per message, held until the reading thread
    * has nothing more to read (or HELD_FLUSH_* says): one SubmitReply for what
@@ -327,6 +328,7 @@ typedef struct exec_state {
   struct pending_sync *sync; /* valid only while sync_wait is registered */
   uint64_t sync_wait;        /* watermark wait id of its Sync */
   uint64_t flow_wait;        /* flow wait id of its held answer */
+  struct flow_hold *flow_hold; /* what that wait holds */
 } exec_state_t;
 
 /* The session's run-time failures not yet reported, moved into out.errors. */
@@ -516,6 +518,9 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
                "include rank %u refuse new commands; create a new mesh to use its replacement",
                l->rank, reason, l->rank);
       objects_note_failure(o, ERR_AGENT_LOST, msg, 0);
+      /* Told: a Sync no longer waits for what was lost there (emit_status
+       * waits for it only while the loss is not noted yet). */
+      o->last_seq[l->rank] = 0;
       o->losses++; /* new ToMesh channels: none shared with work the lost agent may still run */
       emit_peer_lost(&cs->fe, s, o, l->rank, l->data_address, reason);
       told++;
@@ -674,37 +679,74 @@ static void wait_checkpoint(command_service_t *cs, session_t *s, checkpoint_t *c
   if (r != WATERMARK_PENDING) flow_checkpoint_done(ck->cp);
 }
 
-static void resume_reads(void *arg) {
-  rpc_call_resume_reads(arg);
-  rpc_call_unref(arg);
+/* What a flow wait holds: the call (its reads paused, or its answer held),
+ * and a reference that keeps the caller's lease from running out meanwhile:
+ * an Execute's session (its handler has returned), or a Submit stream's
+ * state (whose stream holds the session). Freed by the wait's callback, or
+ * by the call's on_end when it withdraws the wait first. */
+typedef struct flow_hold {
+  rpc_call_t *call;
+  session_t *session;     /* an Execute's */
+  submit_state_t *stream; /* a Submit stream's */
+} flow_hold_t;
+
+static void flow_hold_free(flow_hold_t *h) {
+  rpc_call_unref(h->call);
+  if (h->session) session_release(h->session);
+  if (h->stream) submit_unref(h->stream);
+  free(h);
 }
 
-static void release_sends(void *arg) {
-  rpc_call_release_sends(arg);
-  rpc_call_unref(arg);
+static void flow_room(void *arg) {
+  flow_hold_t *h = arg;
+  if (h->stream) {
+    pthread_mutex_lock(&h->stream->mu);
+    h->stream->flow_wait = 0; /* the next command over the bound waits anew */
+    h->stream->flow_hold = NULL;
+    pthread_mutex_unlock(&h->stream->mu);
+    rpc_call_resume_reads(h->call);
+  } else {
+    rpc_call_release_sends(h->call);
+  }
+  flow_hold_free(h);
 }
 
 /* The session is over its bound (or the server over its own): a Submit stream
  * reads no more commands, an Execute's answer waits, until checkpoints make
- * room. Under s->mu (the window stays open while it is held). */
-static void hold_call(objects_t *o, rpc_call_t *call, submit_state_t *stream) {
-  if (stream) rpc_call_pause_reads(call);
-  else rpc_call_hold_sends(call);
-  rpc_call_ref(call); /* the wait's */
-  uint64_t id = flow_wait(o->flow, stream ? resume_reads : release_sends, call);
-  if (!id) { /* room already */
-    if (stream) resume_reads(call);
-    else release_sends(call);
-  } else if (stream) {
-    stream->flow_wait = id;
-  } else {
-    exec_state_t *x = rpc_call_data(call);
-    if (x) {
-      pthread_mutex_lock(&x->mu);
-      x->flow_wait = id;
-      pthread_mutex_unlock(&x->mu);
-    }
+ * room. Under s->mu (the window stays open while it is held). A stream
+ * already waiting waits once: its reads stay paused until that wait fires,
+ * however many commands of its batch went over. */
+static void hold_call(session_t *s, objects_t *o, rpc_call_t *call, submit_state_t *stream) {
+  exec_state_t *x = stream ? NULL : rpc_call_data(call);
+  pthread_mutex_t *mu = stream ? &stream->mu : x ? &x->mu : NULL;
+  flow_hold_t *h = malloc(sizeof *h);
+  if (!h) return; /* out of memory: not held (the bound is a bound on memory) */
+  if (mu) pthread_mutex_lock(mu);
+  if (stream && stream->flow_wait) {
+    pthread_mutex_unlock(mu);
+    free(h);
+    return;
   }
+  *h = (flow_hold_t){.call = call, .session = stream ? NULL : s, .stream = stream};
+  rpc_call_ref(call);
+  if (stream) {
+    rpc_call_pause_reads(call);
+    stream->refs++;
+  } else {
+    rpc_call_hold_sends(call);
+    session_ref(s);
+  }
+  /* Registered under mu, so that the callback, which takes it, finds the id. */
+  uint64_t id = flow_wait(o->flow, flow_room, h);
+  if (id && stream) {
+    stream->flow_wait = id;
+    stream->flow_hold = h;
+  } else if (id && x) {
+    x->flow_wait = id;
+    x->flow_hold = h;
+  }
+  if (mu) pthread_mutex_unlock(mu);
+  if (!id) flow_room(h); /* room already */
 }
 
 /* ------------------------------------------------------------------ one command */
@@ -733,7 +775,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     /* A Sync checkpoints too: after it nothing of the session counts as queued. */
     if ((fl & FLOW_CHECKPOINT) || (rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC))
       take_checkpoint(o, &ck);
-    if (fl & FLOW_OVER) hold_call(o, call, stream);
+    if (fl & FLOW_OVER) hold_call(s, o, call, stream);
   }
   bool sync = rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC;
   if (o) {
@@ -806,6 +848,7 @@ static void on_execute_end(rpc_call_t *call, bool cancelled, void *arg) {
   if (!x) return;
   pthread_mutex_lock(&x->mu);
   uint64_t sync_wait = x->sync_wait, flow_wait = x->flow_wait;
+  flow_hold_t *hold = x->flow_hold;
   pending_sync_t *p = x->sync;
   pthread_mutex_unlock(&x->mu);
   /* A Sync still waiting for a client that gave up: withdrawn, so it holds
@@ -815,7 +858,7 @@ static void on_execute_end(rpc_call_t *call, bool cancelled, void *arg) {
     session_release(p->session);
     free(p);
   }
-  if (flow_wait && flow_cancel(cs->flow, flow_wait)) rpc_call_unref(call);
+  if (flow_wait && flow_cancel(cs->flow, flow_wait)) flow_hold_free(hold);
   pthread_mutex_destroy(&x->mu);
   free(x);
 }
@@ -930,8 +973,12 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
 static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
   submit_state_t *st = rpc_call_data(call);
   if (!st) return;
-  /* Paused when it ended: the wait goes, and with it its ref on the call. */
-  if (flow_cancel(st->cs->flow, st->flow_wait)) rpc_call_unref(call);
+  /* Paused when it ended: the wait goes, and with it what it held. */
+  pthread_mutex_lock(&st->mu);
+  uint64_t flow_id = st->flow_wait;
+  struct flow_hold *hold = st->flow_hold;
+  pthread_mutex_unlock(&st->mu);
+  if (flow_id && flow_cancel(st->cs->flow, flow_id)) flow_hold_free(hold);
   /* Syncs still waiting for a client that is gone: withdrawn (a firing one
    * finishes on its own), so they hold neither the call nor the session. */
   watermark_t *w = agent_pool_watermark(st->cs->fe.pool);

@@ -1073,6 +1073,13 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   if (t->state == TENSOR_FAILED)
     return error_set(e, obj_fail_kind(t), "Fetch: tensor %llu failed: %s",
                      (unsigned long long)t->ref, obj_fail_msg(t));
+  /* As any use (checks.c): its borrower may be writing it on another stream,
+   * which the Snapshot on this one would not wait for. */
+  if (!(t->tensor.storage->access & ACCESS_R))
+    return error_set(e, ERR_BORROWED,
+                     "Fetch: tensor %llu is mutably borrowed (borrow %llu); fetch the borrow's "
+                     "tensor, or drop the borrow first", (unsigned long long)t->ref,
+                     (unsigned long long)t->tensor.storage->mutable_borrow);
   const mesh_t *mesh = objects_get(o, t->tensor.mesh)->mesh;
   int64_t coords[NDSLICE_MAX_DIMS];
   bool given[NDSLICE_MAX_DIMS] = {0};

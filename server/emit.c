@@ -501,6 +501,11 @@ size_t emit_status(frontend_t *fe, session_t *s, objects_t *o, uint32_t *ranks, 
   for (size_t r = 0; r < o->ntouched && k < cap; r++) {
     if (!o->touched[r]) continue;
     uint64_t seq = push(fe, o, (uint32_t)r, agent_link_pack(&ins));
+    /* No link to the rank now (its agent is going): the session's last
+     * instruction there is waited for instead, which fails the wait if it
+     * was lost with the link (watermark_lost), though the loss may not be
+     * noted on the session yet. */
+    if (!seq) seq = o->last_seq ? o->last_seq[r] : 0;
     if (!seq) continue;
     ranks[k] = (uint32_t)r;
     seqs[k++] = seq;

@@ -436,8 +436,16 @@ def test_mutable_borrow_then_using_the_origin(borrowing):
     s.fails("BORROWED", _add_(s, s.x.ref, s.y.ref), "add_")
     s.fails("BORROWED", _add_(s, s.y.ref, s.x.ref), "add_")
     s.run(_add_(s, h.ref, h.ref, stream=s.side))         # the borrower may write
+    # so the origin is not fetched either (the borrower may be writing it), the handle is
+    from test_transfers import fetch_floats
+    with pytest.raises(grpc.RpcError) as ei:
+        fetch_floats(s, s.x.ref)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION, ei.value
+    assert f"mutably borrowed (borrow {b})" in ei.value.details(), ei.value.details()
+    assert fetch_floats(s, h.ref) == [0.0] * 4
     s.run(drop_borrow(b))
     s.run(_add(s, s.x.ref, s.y.ref))
+    assert fetch_floats(s, s.x.ref) == [0.0] * 4
 
 
 def test_second_mutable_borrow_and_mutable_while_read_borrowed(borrowing):

@@ -250,3 +250,61 @@ def test_cancelled_paused_stream_leaves_no_wait_behind(meshd_server, tmp_path):
         assert s.info().queued_commands == 0
         assert value(scrape(mport), "meshd_queued_commands") == 0
         watcher.shut()
+
+
+def test_a_batch_over_the_bound_waits_once_and_its_cancel_leaves_no_wait(meshd_server,
+                                                                          tmp_path):
+    """One Submit message with 4x the bound of slow Reduces: every command of it is
+    accepted (a batch is read whole), its stream waits for room once, not once per
+    command past the bound, and cancelling it leaves no wait behind."""
+    pf = tmp_path / "metrics.port"
+    srv = lib.wait_ready(meshd_server(1, "--session-max-queued", BOUND, "--metrics-listen",
+                                      "127.0.0.1:0", "--metrics-port-file", pf,
+                                      env={"MESHD_FAULT": "reduce:slow=50"}), 1)
+    mport = port_of(pf, srv)
+    with Session(srv.port, "batch") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        cmds, _ = _reduces(s, x, 4 * BOUND, drop_every=1000)
+        p = Pipeline(s, [pb().Command(batch=cmds)], timeout=60)
+        end = time.monotonic() + 20
+        while len(p.results) < len(cmds) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert len(p.results) == len(cmds), "the batch was not answered whole"
+        assert value(scrape(mport), "meshd_flow_waiting") == 1, "one wait for the stream"
+        p.call.cancel()
+        p.join(10)
+        end = time.monotonic() + 5
+        while value(scrape(mport), "meshd_flow_waiting") != 0 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert value(scrape(mport), "meshd_flow_waiting") == 0, "the cancelled stream's wait is gone"
+        errs = s.run(sync(), timeout=60).errors
+        assert list(errs) == []
+
+
+def test_an_execute_held_for_room_holds_its_sessions_lease(meshd_server):
+    """An Execute whose answer waits for room is a call in flight: the session does not
+    expire under it (ttl 2 s, no KeepAlive, the agent busy for longer), and the
+    answer comes once the agent made room."""
+    srv = _server(meshd_server, 40, "--session-ttl", "2")
+    with Session(srv.port, "held-lease") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        # 10 s of work queued on a stream, 4x the bound: an Execute then waits for
+        # room for about 7.5 s (the queue down to the bound), past the 2 s ttl
+        cmds, _ = _reduces(s, x, 4 * BOUND, drop_every=1000)
+        p = Pipeline(s, [pb().Command(batch=cmds)], timeout=60)
+        end = time.monotonic() + 20
+        while len(p.results) < len(cmds) and time.monotonic() < end:
+            time.sleep(0.01)
+        p.call.cancel()  # its commands stay queued on the agent
+        p.join(10)
+        t0 = time.monotonic()
+        r = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"), timeout=30)
+        held = time.monotonic() - t0
+        assert r.tensors, r
+        assert held > 4, f"the Execute was answered after {held:.1f} s (the session expired?)"
+        # the session lived through it
+        assert list(s.run(sync(), timeout=30).errors) == []
