@@ -325,8 +325,18 @@ static void run_call(ctx_t *c) {
     rc = call->kwargs[i]->value ? resolve(c, h, call->kwargs[i]->value, &kw[i].value, &e) : -1;
   }
   if (h->failed) {
-    if (op && op->is_inplace && npos && call->args[0]->value_case == MESHD__V1__ARG__VALUE_REF)
-      outs[nouts++] = call->args[0]->ref;
+    /* What it writes in place fails with it: the parameters the server named
+     * (self, out=...), given by position or by keyword; not the failed input
+     * itself, which keeps its own root. */
+    for (size_t m = 0; op && m < call->n_mutates && nouts < OP_MAX_RESULTS * 2; m++) {
+      uint64_t p = call->mutates[m];
+      const Meshd__V1__Arg *a = NULL;
+      if (p < call->n_args) a = call->args[p];
+      for (size_t k = 0; !a && p < (uint64_t)op->nparams && k < call->n_kwargs; k++)
+        if (strcmp(call->kwargs[k]->name, op->params[p].name) == 0) a = call->kwargs[k]->value;
+      if (a && a->value_case == MESHD__V1__ARG__VALUE_REF && a->ref != h->failed_ref)
+        outs[nouts++] = a->ref;
+    }
     if (h->why.root_seq == c->ins->seq) {
       error_set(&e, ERR_REMOTE_FAILURE, "%s: %.500s", call->op, h->why.msg);
       root_failure(c, outs, nouts, &e);

@@ -401,3 +401,30 @@ def test_an_agent_killed_mid_transfer_ends_its_transfers_and_spares_the_others(m
         np.testing.assert_array_equal(fetch(a, y, gpu=2), ONES)
     print(f"upload ended after {out['a_t']:.2f} s: {out['a'].details()}; "
           f"fetch after {out['f_t']:.2f} s: {out['f'].details()}")
+
+
+def test_an_in_place_op_given_self_by_keyword_fails_with_its_failed_input(meshd_server):
+    """add_(self=a, other=r) where r is a reduce the agent fails, sent in the same
+    message (the server cannot know yet): a fails with r on the agent and on the
+    server, as add_(b, r) with b given by position does, and r keeps its own root;
+    no stale value of a is fetched."""
+    srv = lib.wait_ready(meshd_server(1, env=_fault("reduce:fail,count=1")), 1)
+    with Session(srv.port, "kw-inplace") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        a, b = s.tensor(m, (8,)), s.tensor(m, (8,))
+        s.run(sync())
+        r = s.new_ref()
+        cmds = [s.command(reduce(r, x, dims=["gpu"], reduction="sum")),
+                s.command(lib.call("add_", self=lib.Ref(a.ref), other=lib.Ref(r))),
+                s.command(lib.call("add_", lib.Ref(b.ref), lib.Ref(r)))]
+        results, code, details = s.submit([pb().Command(batch=cmds)])
+        assert code == grpc.StatusCode.OK, details
+        assert all(not x.HasField("error") for x in results), results
+        errs = s.run(sync(), timeout=20).errors
+        assert any("injected fault" in e.message for e in errs), errs
+        for t in (a.ref, b.ref, r):
+            with pytest.raises(FetchError) as ei:
+                fetch(s, t, gpu=0)
+            want = "injected fault" if t == r else f"tensor {r}"
+            assert want in str(ei.value), (t, ei.value)
