@@ -48,7 +48,8 @@ typedef struct kept_snapshot kept_snapshot_t;
 
 /* Snapshots (Snapshot instructions) a session keeps unread; past it the
  * oldest goes (its Read then says so). The server reads each at once, and a
- * session has at most --session-max-transfers Fetches in flight. */
+ * session has at most --session-max-transfers Fetches in flight, which is at
+ * most this (server/data_service.h, DATA_TRANSFERS_MAX). */
 #define SESSION_SNAPSHOTS_MAX 64
 
 /* A peer the server declared lost for this session (PeerLost). */

@@ -25,7 +25,7 @@ struct data_service {
   agent_pool_t *pool;
   session_table_t *sessions;
   size_t chunk; /* bytes of data per message, well under the limit */
-  int max_transfers; /* per session, Upload and Fetch calls together; 0: no bound */
+  int max_transfers; /* per session, Upload and Fetch calls together (1..DATA_TRANSFERS_MAX) */
   /* Uploads and Fetches not yet freed: their relays' last steps run on the
    * rpc layer's client thread after their calls ended, and
    * data_service_destroy waits for them. */
@@ -1691,7 +1691,8 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   if (!ds) return NULL;
   ds->pool = pool;
   ds->sessions = sessions;
-  ds->max_transfers = max_transfers;
+  ds->max_transfers = max_transfers > 0 && max_transfers < DATA_TRANSFERS_MAX
+                          ? max_transfers : DATA_TRANSFERS_MAX;
   pthread_mutex_init(&ds->mu, NULL);
   pthread_cond_init(&ds->idle, NULL);
   size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;

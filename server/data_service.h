@@ -27,8 +27,13 @@ typedef struct data_service data_service_t;
  * chooses. */
 typedef enum { DATA_PATH_AUTO, DATA_PATH_DIRECT, DATA_PATH_PROXY } data_path_t;
 
+/* What an agent keeps of one session's Fetches at once (its unread snapshots,
+ * agent/session_state.h, and its Reads waiting for their seq): more in flight
+ * would fail the oldest there. --session-max-transfers is at most this. */
+#define DATA_TRANSFERS_MAX 64
+
 /* max_message_bytes: the server's limit (chunks stay under it). max_transfers:
- * Upload and Fetch calls one session may have in flight (0: no bound). */
+ * Upload and Fetch calls one session may have in flight (0 or more: DATA_TRANSFERS_MAX). */
 data_service_t *data_service_create(agent_pool_t *pool, session_table_t *sessions,
                                     size_t max_message_bytes, int max_transfers);
 /* The data path (default AUTO) and how long a direct transfer's grants live

@@ -111,7 +111,8 @@ static const config_flag_t flags[] = {
      &opt.session_max_queued_bytes, 0, 0},
     {"session-max-transfers", CONFIG_INT, "8",
      "Upload and Fetch calls a session may have in flight at once; more are refused "
-     "RESOURCE_EXHAUSTED (0: no bound)", &opt.session_max_transfers, 0, 1 << 20},
+     "RESOURCE_EXHAUSTED (0: 64, the most: what an agent keeps of a session's fetches)",
+     &opt.session_max_transfers, 0, DATA_TRANSFERS_MAX},
     {"data-path", CONFIG_STRING, "auto",
      "how tensor bytes move: direct (clients stream straight to and from the agents with "
      "PlanTransfer grants; Upload and Fetch are refused), proxy (through the server only; "

@@ -219,7 +219,8 @@ def test_non_numeric_flag_is_a_usage_error(binary):
     (["--local-agents", "-1"], "local-agents"),
     (["--drain-seconds"], "drain-seconds"),           # missing value
     (["--max-message-bytes", "lots"], "max-message-bytes"),
-], ids=["out-of-range", "negative", "missing-value", "bad-bytes"])
+    (["--session-max-transfers", "65"], "session-max-transfers"),  # what agents keep: 64
+], ids=["out-of-range", "negative", "missing-value", "bad-bytes", "over-the-agents"])
 def test_meshd_bad_flag_values_exit_2(args, named):
     r = _run_bad("meshd", args)
     assert r.returncode == 2, (r.returncode, r.stderr)
