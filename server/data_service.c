@@ -1249,6 +1249,7 @@ typedef struct transfer {
   uint32_t *ranks;
   size_t nranks, each;
   uint8_t (*nonces)[GRANT_NONCE_LEN];
+  uint64_t losses; /* the pool's agent losses when it was planned */
   /* fetch */
   fetch_t *fetch;
 } transfer_t;
@@ -1430,6 +1431,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   t->nranks = u->nranks;
   t->each = u->each;
   t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
+  t->losses = agent_pool_losses(ds->pool);
   free(u);
   pthread_mutex_lock(&s->mu);
   for (size_t i = 0; s->objects && i < t->nranks; i++) objects_touch(s->objects, t->ranks[i]);
@@ -1598,6 +1600,10 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
     return;
   }
   meshd_error_t e = {0};
+  /* An agent replaced since the plan holds nothing of it, and would not
+   * verify the receipt its predecessor signed: that is the agent's loss, not
+   * a bad receipt. */
+  agent_pool_check_lost(ds->pool, t->ranks, t->nranks, t->losses, "FinishUpload", &e);
   for (size_t i = 0; i < t->nranks && e.kind == ERR_NONE; i++) {
     const Meshd__V1__WriteReceipt *r = NULL;
     for (size_t k = 0; k < rq->n_receipts && !r; k++)

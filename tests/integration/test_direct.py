@@ -358,6 +358,44 @@ def test_a_stalled_direct_write_or_read_ends_at_its_grants_expiry(meshd_server):
         still_works(s, mesh)
 
 
+def test_finish_upload_after_an_agent_was_replaced_says_agent_lost(meshd_server):
+    """Receipts signed by an agent that was lost and replaced since the plan: FinishUpload
+    says AGENT_LOST naming the rank (not a bad receipt), the ref stays undefined, and a
+    new mesh on the replacement works."""
+    import signal
+    import time
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=2)
+        arr = np.arange(16, dtype=np.float32)
+        up, ref = plan_upload(s, mesh, arr)
+        receipts = []
+        for g in up.shards:
+            w = agent_write(g, arr.tobytes())
+            receipts.append(s._pb.WriteReceipt(rank=g.rank, bytes=w.bytes, receipt=w.receipt))
+        victim = next(p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 1)
+        old = {a.rank: a.agent_id for a in s._unary("ListAgents", s._pb.ListAgentsRequest(),
+                                                     s._pb.ListAgentsReply, metadata=()).agents}
+        os.kill(victim, signal.SIGKILL)
+        end = time.monotonic() + 20
+        while True:
+            now = {a.rank: a for a in s._unary("ListAgents", s._pb.ListAgentsRequest(),
+                                                s._pb.ListAgentsReply, metadata=()).agents}
+            if now.get(1) and now[1].agent_id != old[1] and now[1].healthy:
+                break
+            assert time.monotonic() < end, "rank 1 was not replaced"
+            time.sleep(0.05)
+        e = refused(lambda: finish(s, "FinishUpload", s._pb.FinishUploadRequest(
+            transfer_id=up.transfer_id, receipts=receipts), s._pb.FinishUploadReply),
+            grpc.StatusCode.UNAVAILABLE, "rank 1")
+        assert "does not verify" not in e.details(), e.details()
+        md = dict(e.trailing_metadata() or ())
+        assert md.get("meshd-error-kind") == "AGENT_LOST", md
+        m2 = s.mesh(gpu=2)
+        still_works(s, m2)
+
+
 def test_forged_or_missing_receipts_leave_the_ref_undefined(meshd_server):
     """FinishUpload with a forged receipt, a short count or none at all is refused
     and undoes the upload: a command on the ref fails UNKNOWN_REF; a later upload and
