@@ -107,7 +107,52 @@ static bool undone_locked(const refs_t *r, uint64_t ref) {
   return false;
 }
 
-/* s replaces ref's slot; unless `write` and ref was deleted before (2). */
+/* The other live refs viewing `shared` fail as *why (Monarch fails every
+ * alias of memory a failed in-place write leaves undefined); their old slots
+ * go into *gone, for the caller to free outside the lock. Under r->mu. */
+static void fail_sharing_locked(refs_t *r, const agent_storage_t *shared, const ref_failure_t *why,
+                                ref_slot_t ***gone, size_t *ngone) {
+  size_t n = 0, cap = 0;
+  uint64_t *refs = NULL;
+  ref_slot_t *it;
+  for (size_t i = 0; (it = refmap_next(&r->map, &i));) {
+    if (it->failed || it->storage != shared) continue;
+    if (n == cap) {
+      size_t c = cap ? 2 * cap : 8;
+      uint64_t *v = realloc(refs, c * sizeof *v);
+      if (!v) break;
+      refs = v;
+      cap = c;
+    }
+    refs[n++] = it->ref;
+  }
+  ref_slot_t **olds = n ? calloc(n, sizeof *olds) : NULL;
+  size_t k = 0;
+  for (size_t i = 0; olds && i < n; i++) {
+    ref_slot_t *f = malloc(sizeof *f);
+    ref_failure_t *copy = f ? malloc(sizeof *copy) : NULL;
+    if (!copy) {
+      free(f);
+      break;
+    }
+    *copy = *why;
+    *f = (ref_slot_t){.ref = refs[i], .failed = true, .why = copy};
+    ref_slot_t *old = refmap_remove(&r->map, refs[i]);
+    if (refmap_put(&r->map, f)) { /* out of memory: the old one stays */
+      refmap_put(&r->map, old);
+      slot_free(f);
+      continue;
+    }
+    olds[k++] = old;
+  }
+  free(refs);
+  *gone = olds;
+  *ngone = k;
+}
+
+/* s replaces ref's slot; unless `write` and ref was deleted before (2). A
+ * failure in place of a live tensor whose storage others hold fails the
+ * other refs viewing it too (fail_sharing_locked). */
 static int replace(refs_t *r, ref_slot_t *s, bool write) {
   pthread_mutex_lock(&r->mu);
   if (write && undone_locked(r, s->ref)) {
@@ -117,8 +162,14 @@ static int replace(refs_t *r, ref_slot_t *s, bool write) {
   }
   ref_slot_t *old = refmap_remove(&r->map, s->ref);
   int rc = refmap_put(&r->map, s);
+  ref_slot_t **gone = NULL;
+  size_t ngone = 0;
+  if (!rc && s->failed && old && !old->failed && atomic_load(&old->storage->refs) > 1)
+    fail_sharing_locked(r, old->storage, s->why, &gone, &ngone);
   pthread_mutex_unlock(&r->mu);
   slot_free(old);
+  for (size_t i = 0; i < ngone; i++) slot_free(gone[i]);
+  free(gone);
   if (rc) slot_free(s);
   return rc;
 }

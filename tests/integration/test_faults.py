@@ -428,3 +428,28 @@ def test_an_in_place_op_given_self_by_keyword_fails_with_its_failed_input(meshd_
                 fetch(s, t, gpu=0)
             want = "injected fault" if t == r else f"tensor {r}"
             assert want in str(ei.value), (t, ei.value)
+
+
+def test_a_failed_in_place_write_fails_the_views_of_its_tensor_on_the_agent(meshd_server):
+    """add_(a, r) with r failed on the agent, and a view v of a read in the same message
+    (before the server hears of the failure): v fails with a on the agent, so y = v * 2
+    fails too instead of being computed from a's stale bytes."""
+    srv = lib.wait_ready(meshd_server(1, env=_fault("reduce:fail,count=1")), 1)
+    with Session(srv.port, "views-fail") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        a = s.tensor(m, (8,))
+        (v,) = s.op("narrow", lib.Ref(a.ref), 0, 2, 4)
+        s.run(sync())
+        r, y = s.new_ref(), s.new_ref()
+        cmds = [s.command(reduce(r, x, dims=["gpu"], reduction="sum")),
+                s.command(lib.call("add_", lib.Ref(a.ref), lib.Ref(r))),
+                s.command(lib.call("mul", lib.Ref(v.ref), 2, results=[y]))]
+        results, code, details = s.submit([pb().Command(batch=cmds)])
+        assert code == grpc.StatusCode.OK, details
+        assert [x.error.message for x in results if x.HasField("error")] == [], results
+        s.run(sync(), timeout=20)
+        for t in (a.ref, v.ref, y):
+            with pytest.raises(FetchError) as ei:
+                fetch(s, t, gpu=0)
+            assert f"tensor {r}" in str(ei.value) or "injected fault" in str(ei.value), (t, ei.value)
