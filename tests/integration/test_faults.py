@@ -453,3 +453,28 @@ def test_a_failed_in_place_write_fails_the_views_of_its_tensor_on_the_agent(mesh
             with pytest.raises(FetchError) as ei:
                 fetch(s, t, gpu=0)
             assert f"tensor {r}" in str(ei.value) or "injected fault" in str(ei.value), (t, ei.value)
+
+
+def test_a_failed_write_through_a_mutable_borrow_fails_its_origin(meshd_server):
+    """add_(h, r) on the borrowing stream, h a mutable borrow of t and r a reduce the
+    agent fails, then DropBorrow, all in one message: t, whose memory the failed
+    write left undefined, fails to fetch (Monarch's borrow carries the error back)."""
+    srv = lib.wait_ready(meshd_server(1, env=_fault("reduce:fail,count=1")), 1)
+    with Session(srv.port, "borrow-fail") as s:
+        m = s.mesh(gpu=1).ref
+        side = s.stream("side")
+        t = s.tensor(m, (8,))
+        xs = s.tensor(m, (8,), stream=side)
+        s.run(sync())
+        r, h, b = s.new_ref(), s.new_ref(), s.new_ref()
+        cmds = [s.command(reduce(r, xs.ref, dims=["gpu"], reduction="sum", stream=side)),
+                s.command(lib.borrow(h, t.ref, side, True, b)),
+                s.command(lib.call("add_", lib.Ref(h), lib.Ref(r), stream=side)),
+                s.command(lib.drop_borrow(b))]
+        results, code, details = s.submit([pb().Command(batch=cmds)])
+        assert code == grpc.StatusCode.OK, details
+        assert [x.error.message for x in results if x.HasField("error")] == [], results
+        s.run(sync(), timeout=20)
+        with pytest.raises(FetchError) as ei:
+            fetch(s, t.ref, gpu=0)
+        assert f"tensor {r}" in str(ei.value) or "injected fault" in str(ei.value), ei.value
