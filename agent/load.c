@@ -163,9 +163,18 @@ static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_t
   ent.nbytes = numel * dtype_size(ent.dtype);
   uint64_t want = l->file_size ? l->file_size : l->offset + ent.nbytes;
   uint64_t size = 0;
-  if (url_fetch_size(l->url, &o, &size, NULL, e)) return prefixed(e, "Load");
+  char version[URL_VERSION_MAX];
+  if (url_fetch_size_version(l->url, &o, &size, version, sizeof version, NULL, e))
+    return prefixed(e, "Load");
   char shown[512];
   url_redact(l->url, shown, sizeof shown);
+  /* Rewritten at the same size since the inspection (a checkpoint saved again):
+   * each rank compares, so that none reads another version than the rest. */
+  if (l->version && *l->version && strcmp(l->version, version) != 0) {
+    error_set(e, ERR_BAD_ARGUMENT, "%s changed since it was inspected (it was %s, now %s); load "
+              "it again", shown, l->version, *version ? version : "unmarked");
+    return prefixed(e, "Load");
+  }
   if (size != want) {
     if (l->file_size)
       error_set(e, ERR_BAD_ARGUMENT,
@@ -285,7 +294,8 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   uint64_t size = 0, need = TENSOR_FILE_PROBE_BYTES;
   uint8_t *head = NULL;
   tensor_file_t f = {0};
-  if (url_fetch_size(rq->url, &o, &size, NULL, &e)) goto fail;
+  char version[URL_VERSION_MAX];
+  if (url_fetch_size_version(rq->url, &o, &size, version, sizeof version, NULL, &e)) goto fail;
   int rc = TENSOR_FILE_NEED_MORE;
   tensor_file_opts_t fo = {.file_size = size};
   for (int round = 0; rc == TENSOR_FILE_NEED_MORE && round < 2; round++) {
@@ -319,6 +329,7 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
                  : f.format == TENSOR_FILE_SAFETENSORS_INDEX ? "safetensors_index"
                                                              : "safetensors";
   reply.file_size = size;
+  reply.version = version;
   reply.metadata_json = f.metadata_json ? f.metadata_json : "";
   Meshd__V1__UrlTensor *ts = calloc(f.count ? f.count : 1, sizeof *ts);
   Meshd__V1__UrlTensor **tp = calloc(f.count ? f.count : 1, sizeof *tp);

@@ -9,6 +9,7 @@
 
 #include "layout.h"
 #include "reduction.h"
+#include "url_fetch.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 typedef Meshd__Agent__V1__TensorSpec spec_t;
@@ -201,6 +202,9 @@ static int check_load(const Meshd__Agent__V1__LoadOp *lo, meshd_error_t *e) {
   size_t len = strlen(l->url ? l->url : "");
   if (len == 0 || len > 8192)
     return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load.url: %zu characters, expected 1..8192", len);
+  if (l->version && !url_version_ok(l->version))
+    return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load.version: not printable ASCII under %d "
+                     "characters", URL_VERSION_MAX);
   dtype_t dt = (dtype_t)l->dtype;
   if (l->dtype == MESHD__V1__DTYPE__DTYPE_UNSPECIFIED || !dtype_valid(dt))
     return error_set(e, ERR_BAD_ARGUMENT, "LoadOp.load.dtype: %d is not a dtype", (int)l->dtype);

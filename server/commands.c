@@ -544,6 +544,9 @@ static int cmd_load(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
     return error_set(e, ERR_BAD_ARGUMENT, "Load: the url is %zu characters; at most 8192",
                      strlen(l->url));
   if (url_policy_check(fe->urls, l->url, e)) return -1;
+  if (l->version && !url_version_ok(l->version))
+    return error_set(e, ERR_BAD_ARGUMENT, "Load: version is not what InspectUrl gives (printable "
+                     "ASCII, under %d characters)", URL_VERSION_MAX);
   mesh_t *mesh = resolve_mesh(o, "Load", "mesh", l->mesh, e);
   if (!mesh || resolve_stream(o, "Load", l->stream, e)) return -1;
   dtype_t dt = (dtype_t)l->dtype;

@@ -1199,6 +1199,7 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
     l.shape = t->shape;
     l.offset = t->offset;
     l.file_size = r->file_size;
+    l.version = r->version; /* a file rewritten at the same size since: refused by the agents */
   }
   l.ref = s->next_ref;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;

@@ -107,6 +107,8 @@ export interface InspectUrlReply {
   tensors: UrlTensor[];
   /** safetensors __metadata__, or '' */
   metadata_json: string;
+  /** its ETag ("etag ...") or modification time ("mtime ..."), which a load checks; '' none */
+  version: string;
 }
 
 export interface CreateSessionReply {
@@ -219,7 +221,7 @@ export type Command =
   | { release: { refs: number[] } }
   | { sync: { stream?: number; has_stream?: boolean } }
   | { describe: { ref: number } }
-  | { load: { ref: number; mesh: number; url: string; dtype: DType; shape: number[]; stream?: number; offset?: number; file_size?: number; shard?: string; dim?: number } }
+  | { load: { ref: number; mesh: number; url: string; dtype: DType; shape: number[]; stream?: number; offset?: number; file_size?: number; version?: string; shard?: string; dim?: number } }
   | { literal: { ref: number; mesh: number; stream?: number; shape: number[]; dtype: DType; per_rank?: boolean; data: Uint8Array } };
 
 /** The unary RPCs unary() can make: [request, reply]. */

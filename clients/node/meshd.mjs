@@ -534,7 +534,7 @@ export class Session {
   }
 
   // What the file at `url` holds, read by the first agent of `mesh` (InspectUrl):
-  // {format, file_size, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
+  // {format, file_size, version, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
   inspectUrl(url, mesh = 0) {
     return this.#inOrder(async () => { // after the calls issued before it, as fetch
       await this.#drain();
@@ -550,28 +550,31 @@ export class Session {
   // {shard: 'gpu', dim} splits the tensor's dim over that mesh dim.
   async load(mesh, url, { dtype, shape, name, shard = '', dim = 0, stream = 0 } = {}) {
     const m = mesh.ref ?? mesh;
-    const one = async (t, fileSize, from = url) => {
+    // fi: what InspectUrl said of the file (its size and version, which the agents
+    // check: a file rewritten since is refused), or null for raw bytes
+    const one = async (t, fi, from = url) => {
       const ref = this.newRef();
       const res = await this.execute({
         load: { ref, mesh: m, stream, url: from, dtype: t.dtype, shape: t.shape,
-          offset: t.offset ?? 0, file_size: fileSize, shard, dim },
+          offset: t.offset ?? 0, file_size: fi?.file_size ?? 0, version: fi?.version ?? '',
+          shard, dim },
       });
       return res.tensors[0];
     };
     if (dtype !== undefined || shape !== undefined) {
       if (dtype === undefined || shape === undefined) throw new TypeError('meshd: raw bytes need both dtype and shape');
-      return one({ dtype, shape }, 0);
+      return one({ dtype, shape }, null);
     }
     const info = await this.inspectUrl(url, m);
     if (info.format === 'safetensors_index') return this.#loadIndex(m, url, info, name, one);
-    if (info.format === 'npy') return one(info.tensors[0], info.file_size);
+    if (info.format === 'npy') return one(info.tensors[0], info);
     if (name !== undefined) {
       const t = info.tensors.find((x) => x.name === name);
       if (!t) throw new MeshdError('BAD_ARGUMENT', `no tensor named '${name}' in ${url.split('?')[0]}; it holds: ${info.tensors.map((x) => x.name).join(', ')}`, grpc.status.INVALID_ARGUMENT);
-      return one(t, info.file_size);
+      return one(t, info);
     }
     const out = {};
-    for (const t of info.tensors) out[t.name] = await one(t, info.file_size);
+    for (const t of info.tensors) out[t.name] = await one(t, info);
     return out;
   }
 
@@ -590,11 +593,11 @@ export class Session {
       for (const n of names) {
         const t = fi.format === 'safetensors' ? fi.tensors.find((x) => x.name === n) : undefined;
         if (!t) throw new MeshdError('BAD_ARGUMENT', `the index ${shown} puts '${n}' in ${from.split(/[?#]/)[0]}, which is ${fi.format === 'safetensors' ? 'a file without it' : 'no safetensors file'}`, grpc.status.INVALID_ARGUMENT);
-        plan.push([n, t, fi.file_size, from]);
+        plan.push([n, t, fi, from]);
       }
     }
     const got = {};
-    for (const [n, t, size, from] of plan) got[n] = await one(t, size, from);
+    for (const [n, t, fi, from] of plan) got[n] = await one(t, fi, from);
     if (name !== undefined) return got[name];
     return Object.fromEntries(wanted.map((t) => [t.name, got[t.name]]));
   }

@@ -43,6 +43,7 @@ typedef struct xfer {
   error_kind_t fail_kind;
   char why[300];
   char refused[240]; /* set by the socket callback */
+  char version[URL_VERSION_MAX]; /* HEAD and PROBE: what identifies this version of it */
   bool http_4xx;     /* the attempt ended on a 4xx status (url_fetch_size falls back) */
   char errbuf[CURL_ERROR_SIZE];
 } xfer_t;
@@ -241,6 +242,20 @@ static const char *curl_text(xfer_t *x, CURLcode cc, const char *url) {
   return x->errbuf;
 }
 
+/* The resource's validator, as url_fetch_size_version gives it: its ETag, or
+ * its modification time (Last-Modified; a file's mtime); "" when neither is
+ * known. Bytes outside printable ASCII become '?'. */
+static void take_version(xfer_t *x) {
+  const char *etag = header(x, "ETag");
+  curl_off_t t = -1;
+  if (etag && *etag)
+    snprintf(x->version, sizeof x->version, "etag %s", etag);
+  else if (!curl_easy_getinfo(x->curl, CURLINFO_FILETIME_T, &t) && t >= 0)
+    snprintf(x->version, sizeof x->version, "mtime %lld", (long long)t);
+  for (char *p = x->version; *p; p++)
+    if (*p < 0x20 || *p > 0x7e) *p = '?';
+}
+
 static outcome_t http_outcome(xfer_t *x, bool http) {
   if (!x->status) curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &x->status);
   long s = x->status;
@@ -250,7 +265,10 @@ static outcome_t http_outcome(xfer_t *x, bool http) {
     const char *cr = header(x, "Content-Range");
     bool has;
     uint64_t a, b, total;
-    if (cr && parse_content_range(cr, &has, &a, &b, &total) && !has) return x->total = total, OUT_OK;
+    if (cr && parse_content_range(cr, &has, &a, &b, &total) && !has) {
+      take_version(x);
+      return x->total = total, OUT_OK;
+    }
   }
   if (s >= 500) {
     fail(x, ERR_UNAVAILABLE, "HTTP %ld%s", s, status_text(s));
@@ -288,6 +306,7 @@ static outcome_t http_outcome(xfer_t *x, bool http) {
     if (!curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0)
       x->total = (uint64_t)len;
   }
+  if (x->mode == MODE_HEAD || x->mode == MODE_PROBE) take_version(x);
   return OUT_OK;
 }
 
@@ -384,6 +403,7 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
     curl_easy_setopt(c, CURLOPT_RANGE, range); /* curl copies it */
   }
   if (x->mode == MODE_HEAD) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  if (x->mode == MODE_HEAD || x->mode == MODE_PROBE) curl_easy_setopt(c, CURLOPT_FILETIME, 1L);
   if (x->mode == MODE_ALL) curl_easy_setopt(c, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)x->length);
   if (x->caller_stop) {
     curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
@@ -538,14 +558,30 @@ int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url
   return rc;
 }
 
+bool url_version_ok(const char *v) {
+  size_t n = 0;
+  for (; v[n]; n++)
+    if (n + 1 >= URL_VERSION_MAX || v[n] < 0x20 || v[n] > 0x7e) return false;
+  return true;
+}
+
 int url_fetch_size(const char *url, const url_fetch_opts_t *opts, uint64_t *size,
                    url_fetch_info_t *info, meshd_error_t *e) {
+  return url_fetch_size_version(url, opts, size, NULL, 0, info, e);
+}
+
+int url_fetch_size_version(const char *url, const url_fetch_opts_t *opts, uint64_t *size,
+                           char *version, size_t cap, url_fetch_info_t *info, meshd_error_t *e) {
   url_fetch_opts_t o = with_defaults(opts);
   if (info) memset(info, 0, sizeof *info);
+  if (version && cap) version[0] = '\0';
   xfer_t x = {.mode = MODE_HEAD, .max_bytes = o.max_bytes};
   meshd_error_t head_err;
   int rc = run(&x, url, &o, info, &head_err);
-  if (!rc && x.total != UINT64_MAX) return *size = x.total, 0;
+  if (!rc && x.total != UINT64_MAX) {
+    if (version && cap) snprintf(version, cap, "%s", x.version);
+    return *size = x.total, 0;
+  }
   /* Presigned URLs are signed for GET: their HEAD is refused (403). */
   if (rc && !x.http_4xx) {
     if (e) *e = head_err;
@@ -561,5 +597,6 @@ int url_fetch_size(const char *url, const url_fetch_opts_t *opts, uint64_t *size
                      url_redact(url, shown, sizeof shown));
   }
   *size = x.total;
+  if (version && cap) snprintf(version, cap, "%s", x.version);
   return 0;
 }

@@ -112,6 +112,16 @@ int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url
  * or gives none, a GET of byte 0 and the total in its Content-Range. */
 int url_fetch_size(const char *url, const url_fetch_opts_t *o, uint64_t *size,
                    url_fetch_info_t *info, meshd_error_t *e);
+/* The same, and the resource's validator into version (cap bytes): "etag X"
+ * (its ETag, quotes and all), else "mtime S" (Last-Modified, or a file's
+ * modification time, in Unix seconds), else "" (nothing says). Loads compare
+ * it with what the inspection saw, so that a file rewritten at the same size
+ * is not read half old, half new. Printable ASCII, under URL_VERSION_MAX. */
+#define URL_VERSION_MAX 200
+int url_fetch_size_version(const char *url, const url_fetch_opts_t *o, uint64_t *size,
+                           char *version, size_t cap, url_fetch_info_t *info, meshd_error_t *e);
+/* Whether v could be such a validator (printable ASCII, under URL_VERSION_MAX). */
+bool url_version_ok(const char *v);
 
 /* url for a message: "https://host/path", without "user:password@", "?query"
  * (presigned URLs carry their signature there) or "#fragment". Truncated to n. */

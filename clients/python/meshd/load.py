@@ -31,6 +31,7 @@ from .tensor import DType, Shape, Tensor, _dtype_from_value, _dtype_value, _shap
 def inspect_url(url: str, mesh: Mesh | None = None) -> dict[str, Any]:
     """What the file at `url` holds, read by the first agent of the (active) mesh:
     {"format": "npy" | "safetensors" | "safetensors_index", "file_size": int,
+     "version": str (its ETag or modification time, which loads check; "": none),
      "metadata": str, "tensors": {name: (dtype, shape, offset, nbytes)},
      "files": {name: file}} (name "" for .npy). A safetensors index
     (model.safetensors.index.json) names each tensor's file, relative to the index;
@@ -38,7 +39,8 @@ def inspect_url(url: str, mesh: Mesh | None = None) -> dict[str, Any]:
     mesh = mesh if mesh is not None else _active.mesh()
     s, pb = mesh.session, mesh.session._pb
     r = s._unary("InspectUrl", pb.InspectUrlRequest(url=url, mesh=mesh.ref), pb.InspectUrlReply)
-    return {"format": r.format, "file_size": r.file_size, "metadata": r.metadata_json,
+    return {"format": r.format, "file_size": r.file_size, "version": r.version,
+            "metadata": r.metadata_json,
             "tensors": {t.name: (_dtype_from_value(pb, t.dtype), tuple(t.shape), t.offset,
                                  t.nbytes) for t in r.tensors},
             "files": {t.name: t.file for t in r.tensors if t.file}}
@@ -86,11 +88,11 @@ def _load_index(mesh, url, files, name, one):
     return {k: out[k] for k in wanted}
 
 
-def _load_one(mesh, url, dtype, shape, offset, file_size, shard, dim):
+def _load_one(mesh, url, dtype, shape, offset, file_size, shard, dim, version=""):
     s, pb = mesh.session, mesh.session._pb
     f = dict(mesh=mesh.ref, stream=_active.stream_ref(s), url=url,
              dtype=_dtype_value(pb, dtype), shape=_shape(shape), offset=int(offset),
-             file_size=int(file_size), shard=shard or "", dim=int(dim))
+             file_size=int(file_size), shard=shard or "", dim=int(dim), version=version)
     box = {}
 
     def build(ref):
@@ -198,7 +200,8 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
             raise ValueError(f"meshd.load: {key or url!r} has shape {sh}: no dim {dim} to shard")
         if d < 0:
             d += len(sh)
-        return _load_one(mesh, url, dt, sh, off, info["file_size"], shard, d)
+        return _load_one(mesh, url, dt, sh, off, info["file_size"], shard, d,
+                         info.get("version", ""))
     if info["format"] == "safetensors_index":
         out = _load_index(mesh, url, info["files"], name, one)
     elif info["format"] == "npy":

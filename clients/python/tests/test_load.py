@@ -6,6 +6,7 @@ numpy), with Range requests, and misbehaves on the paths that say so. Every erro
 the issue lists is covered, and after each one the session and the pool still work.
 """
 
+import hashlib
 import http.server
 import json
 import os
@@ -79,7 +80,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             first, last = int(a), min(int(b) if b else len(data) - 1, len(data) - 1)
             code = 206
         body = data[first:last + 1]
-        headers = [("Accept-Ranges", "bytes")]
+        # a strong validator, as object stores give one: the content's hash
+        headers = [("Accept-Ranges", "bytes"),
+                   ("ETag", '"%s"' % hashlib.sha256(data).hexdigest()[:16])]
         if code == 206:
             headers.append(("Content-Range", f"bytes {first}-{last}/{len(data)}"))
         if truncated and self.command == "GET":
@@ -423,6 +426,31 @@ def test_a_file_changed_after_inspection_is_refused(gpu4, http_base):
     t = _load_one(meshd._active.mesh(), url, dt, shape, off, info["file_size"], None, 0)
     e = failure(t, rank=1)
     assert "changed" in e.message and re.search(r"\(rank \d\)", e.message), e
+
+
+def test_a_file_rewritten_at_the_same_size_is_refused(gpu4, http_base):
+    """A checkpoint saved again in place, same size, between the inspection and the
+    load: every rank compares the file's ETag (http) or modification time (file://)
+    with the inspection's and refuses it, instead of reading another version."""
+    from meshd.load import _load_one
+    np.save(os.path.join(FILES, "resaved.npy"), np.zeros(16, np.float32))
+    for url in (f"{http_base}/resaved.npy", f"file://{FILES}/resaved.npy"):
+        info = meshd.inspect_url(url)
+        assert info["version"].startswith("etag " if url.startswith("http") else "mtime "), info
+        np.save(os.path.join(FILES, "resaved.npy"), np.ones(16, np.float32))
+        st = os.stat(os.path.join(FILES, "resaved.npy"))
+        os.utime(os.path.join(FILES, "resaved.npy"), (st.st_atime, st.st_mtime + 5))
+        assert meshd.inspect_url(url)["file_size"] == info["file_size"]
+        dt, shape, off, _ = info["tensors"][""]
+        t = _load_one(meshd._active.mesh(), url, dt, shape, off, info["file_size"], None, 0,
+                      info["version"])
+        e = failure(t, rank=2)
+        assert "changed since it was inspected" in e.message, e
+        assert info["version"] in e.message, e
+        # loaded afresh, it is the new one
+        np.testing.assert_array_equal(fetch(meshd.load(url), gpu=3), np.ones(16, np.float32))
+        np.save(os.path.join(FILES, "resaved.npy"), np.zeros(16, np.float32))
+    still_works()
 
 
 def test_truncated_body_is_retried_then_fails(gpu4, http_base):
