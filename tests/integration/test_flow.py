@@ -252,6 +252,20 @@ def test_cancelled_paused_stream_leaves_no_wait_behind(meshd_server, tmp_path):
         watcher.shut()
 
 
+def _batch_answered(s, n):
+    """(x, the Pipeline) once one Submit message of n Reduces of x has every answer."""
+    m = s.mesh(gpu=1).ref
+    x = upload(s, m, ONES)
+    s.run(sync())
+    cmds, _ = _reduces(s, x, n, drop_every=1000)
+    p = Pipeline(s, [pb().Command(batch=cmds)], timeout=60)
+    end = time.monotonic() + 20
+    while len(p.results) < len(cmds) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert len(p.results) == len(cmds), "the batch was not answered whole"
+    return x, p
+
+
 def test_a_batch_over_the_bound_waits_once_and_its_cancel_leaves_no_wait(meshd_server,
                                                                           tmp_path):
     """One Submit message with 4x the bound of slow Reduces: every command of it is
@@ -263,15 +277,7 @@ def test_a_batch_over_the_bound_waits_once_and_its_cancel_leaves_no_wait(meshd_s
                                       env={"MESHD_FAULT": "reduce:slow=50"}), 1)
     mport = port_of(pf, srv)
     with Session(srv.port, "batch") as s:
-        m = s.mesh(gpu=1).ref
-        x = upload(s, m, ONES)
-        s.run(sync())
-        cmds, _ = _reduces(s, x, 4 * BOUND, drop_every=1000)
-        p = Pipeline(s, [pb().Command(batch=cmds)], timeout=60)
-        end = time.monotonic() + 20
-        while len(p.results) < len(cmds) and time.monotonic() < end:
-            time.sleep(0.01)
-        assert len(p.results) == len(cmds), "the batch was not answered whole"
+        x, p = _batch_answered(s, 4 * BOUND)
         assert value(scrape(mport), "meshd_flow_waiting") == 1, "one wait for the stream"
         p.call.cancel()
         p.join(10)
@@ -289,16 +295,9 @@ def test_an_execute_held_for_room_holds_its_sessions_lease(meshd_server):
     answer comes once the agent made room."""
     srv = _server(meshd_server, 40, "--session-ttl", "2")
     with Session(srv.port, "held-lease") as s:
-        m = s.mesh(gpu=1).ref
-        x = upload(s, m, ONES)
-        s.run(sync())
         # 10 s of work queued on a stream, 4x the bound: an Execute then waits for
         # room for about 7.5 s (the queue down to the bound), past the 2 s ttl
-        cmds, _ = _reduces(s, x, 4 * BOUND, drop_every=1000)
-        p = Pipeline(s, [pb().Command(batch=cmds)], timeout=60)
-        end = time.monotonic() + 20
-        while len(p.results) < len(cmds) and time.monotonic() < end:
-            time.sleep(0.01)
+        x, p = _batch_answered(s, 4 * BOUND)
         p.call.cancel()  # its commands stay queued on the agent
         p.join(10)
         t0 = time.monotonic()
