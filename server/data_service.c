@@ -173,6 +173,7 @@ typedef struct upload {
   session_t *session;
   rpc_call_t *call;
   bool have_header, failed; /* touched by the call's callbacks only */
+  bool reserved;             /* its ref (session_reserve_ref; under the session's mu) */
   uint64_t ref, mesh, stream;
   tensor_meta_t meta;
   bool per_rank;
@@ -242,9 +243,18 @@ static void spend_locked(session_t *s, uint64_t ref, meshd_error_t *e) {
            (unsigned long long)ref);
 }
 
+/* The Upload no longer holds its ref reserved (it settled, or it is spent).
+ * Holds s->mu. */
+static void unreserve_locked(upload_t *u) {
+  if (!u->reserved) return;
+  session_unreserve_ref(u->session, u->ref);
+  u->reserved = false;
+}
+
 static void upload_spend(upload_t *u, meshd_error_t *e) {
   if (!u->w) return; /* no Write opened: nothing defined anywhere, the ref stays free */
   pthread_mutex_lock(&u->session->mu);
+  unreserve_locked(u);
   spend_locked(u->session, u->ref, e);
   pthread_mutex_unlock(&u->session->mu);
 }
@@ -475,6 +485,7 @@ static void upload_settle(upload_t *u) {
   session_t *s = u->session;
   obj_t *t = NULL;
   pthread_mutex_lock(&s->mu);
+  unreserve_locked(u);
   /* A session closed meanwhile: its EndSession freed what the ranks took, and
    * any instruction now (an undo) would open it on them again. */
   bool closed = atomic_load(&s->closed);
@@ -626,6 +637,18 @@ static int write_open_locked(upload_t *u, rank_write_t *w, meshd_error_t *e) {
   return 0;
 }
 
+/* The header passed: its ref is reserved until the Upload settles, so that
+ * another Upload of it, or a command naming it, is refused meanwhile instead
+ * of being undone by this one's failure on the agents. */
+static int upload_reserve(upload_t *u, meshd_error_t *e) {
+  pthread_mutex_lock(&u->session->mu);
+  int rc = session_reserve_ref(u->session, u->ref, e);
+  if (rc == 0) u->reserved = true;
+  pthread_mutex_unlock(&u->session->mu);
+  if (rc) error_prefix(e, "Upload", ": ");
+  return rc;
+}
+
 /* The header passed: every rank's Write opens, and the relay owns a share of
  * u and the call until it settled. A failure here settles it too. */
 static int upload_begin(upload_t *u, meshd_error_t *e) {
@@ -712,7 +735,10 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
   const Meshd__V1__UploadChunk *c = (const void *)msg;
   if (c->part_case == MESHD__V1__UPLOAD_CHUNK__PART_HEADER) {
     if (u->have_header) return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", "a second header");
-    if (upload_header(u, c->header, &e) || upload_begin(u, &e)) {
+    if (upload_header(u, c->header, &e) || upload_reserve(u, &e) || upload_begin(u, &e)) {
+      pthread_mutex_lock(&u->session->mu); /* (a failed begin settled it already) */
+      unreserve_locked(u);
+      pthread_mutex_unlock(&u->session->mu);
       u->have_header = false;
       u->failed = true;
       finish_error(call, &e);

@@ -478,7 +478,29 @@ static int ref_error(uint64_t ref, uint64_t last, meshd_error_t *err) {
 int session_check_ref(session_t *s, uint64_t ref, meshd_error_t *err) {
   uint64_t last = atomic_load(&s->last_ref);
   if (ref == 0 || ref <= last) return ref_error(ref, last, err);
+  for (size_t i = 0; i < s->nuploading; i++)
+    if (s->uploading[i] == ref)
+      return error_set(err, ERR_REF_REUSED,
+                       "ref %llu is being uploaded (an Upload of it is in flight): a ref names "
+                       "one tensor; use another", (unsigned long long)ref);
   return 0;
+}
+
+int session_reserve_ref(session_t *s, uint64_t ref, meshd_error_t *err) {
+  if (session_check_ref(s, ref, err)) return -1;
+  if (s->nuploading == SESSION_UPLOADS_MAX)
+    return error_set(err, ERR_QUOTA, "%d Uploads of this session are in flight, the most a "
+                     "session may have", SESSION_UPLOADS_MAX);
+  s->uploading[s->nuploading++] = ref;
+  return 0;
+}
+
+void session_unreserve_ref(session_t *s, uint64_t ref) {
+  for (size_t i = 0; i < s->nuploading; i++)
+    if (s->uploading[i] == ref) {
+      s->uploading[i] = s->uploading[--s->nuploading];
+      return;
+    }
 }
 
 int session_check_refs(session_t *s, const uint64_t *refs, size_t n, meshd_error_t *err) {

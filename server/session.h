@@ -62,6 +62,8 @@ typedef enum {
   SESSION_END_SHUTDOWN, /* the table was destroyed */
 } session_end_t;
 
+#define SESSION_UPLOADS_MAX 64
+
 typedef struct session {
   /* Set at creation, then read-only. */
   char id[SESSION_ID_LEN + 1];
@@ -86,6 +88,10 @@ typedef struct session {
   pthread_mutex_t mu;
   void *objects;
   void (*destroy_objects)(void *objects);
+  /* Refs of proxied Uploads in flight (session_reserve_ref), under mu: at most
+   * one per transfer a session may have (--session-max-transfers, <= 64). */
+  uint64_t uploading[SESSION_UPLOADS_MAX];
+  size_t nuploading;
 
   /* Table-private below. */
   char token[SESSION_TOKEN_LEN + 1];
@@ -191,8 +197,17 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n);
  * a session; a claimed ref stays claimed even if the command then fails.
  * Returns 0, or -1 with REF_REUSED. */
 int session_claim_ref(session_t *s, uint64_t ref, meshd_error_t *err);
-/* The same test without claiming. */
+/* The same test without claiming; a ref reserved by an Upload in flight is
+ * taken too. Under s->mu. */
 int session_check_ref(session_t *s, uint64_t ref, meshd_error_t *err);
+/* An Upload in flight reserves its ref (it passed session_check_ref): until
+ * it settles, no command and no other Upload or plan may take it, and the
+ * high-water mark of claimed refs stays where it is (the session's other
+ * commands may still use lower refs). Under s->mu. 0, or -1 with err
+ * (REF_REUSED: taken or reserved; QUOTA: SESSION_UPLOADS_MAX reserved). */
+int session_reserve_ref(session_t *s, uint64_t ref, meshd_error_t *err);
+/* Lets a reserved ref go (a no-op for one not reserved). Under s->mu. */
+void session_unreserve_ref(session_t *s, uint64_t ref);
 /* Checks a command's new refs together: each passes session_check_ref and they
  * strictly increase among themselves. Claims nothing; after the command is
  * accepted, claim the last one. Hold s->mu across check and claim when commands

@@ -429,6 +429,56 @@ def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(meshd_server)
         assert allocated() == want, f"agents hold {allocated() - base} bytes, want {2 * 4 * MIB}"
 
 
+def test_a_ref_being_uploaded_is_taken_by_nothing_else_until_the_upload_ends(meshd_server):
+    """An Upload of ref r holds r from its header to its end: a second Upload of r and a
+    command naming r are refused meanwhile (before, they were accepted, and the first
+    one's failure then deleted r on the agents under them); lower and higher refs stay
+    free; the first Upload ends with its tensor; and r, once spent, stays taken."""
+    import threading
+    srv = meshd_server(2)
+    lib.wait_ready(srv, 2)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "reserved-ref", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        low, r = s.new_ref(), s.new_ref()
+        go, sent_half, result = threading.Event(), threading.Event(), {}
+
+        def chunks(ref, hold=False):
+            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[MIB // 4],
+                                                      dtype=lib.dtype("float32")))
+            yield t.UploadChunk(data=b"\x01" * (MIB // 2))
+            if hold:
+                sent_half.set()
+                go.wait(30)
+            yield t.UploadChunk(data=b"\x01" * (MIB // 2))
+
+        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                               response_deserializer=t.UploadReply.FromString)
+
+        def first():
+            try:
+                result["r"] = fn(chunks(r, True), metadata=s.metadata, timeout=30)
+            except grpc.RpcError as e:
+                result["r"] = e
+        th = threading.Thread(target=first)
+        th.start()
+        assert sent_half.wait(30), "the first Upload did not start"
+        time.sleep(0.2)  # its header reached the server
+        with pytest.raises(grpc.RpcError) as ei:
+            fn(chunks(r), metadata=s.metadata, timeout=20)
+        assert "is being uploaded" in ei.value.details(), ei.value.details()
+        e = s.fails("REF_REUSED", lib.factory(r, m, shape=(2,)), "Factory")
+        assert "is being uploaded" in e.message, e.message
+        assert s.run(lib.factory(low, m, shape=(2,))).tensors[0].ref == low  # lower: free
+        go.set()
+        th.join(30)
+        assert not isinstance(result["r"], grpc.RpcError), result["r"]
+        assert fetch_floats(s, r)[:1] == [struct.unpack("<f", b"\x01" * 4)[0]]
+        with pytest.raises(grpc.RpcError) as ei:
+            fn(chunks(r), metadata=s.metadata, timeout=20)
+        assert "already used" in ei.value.details(), ei.value.details()
+
+
 def test_upload_chunks_of_any_size_reach_the_right_ranks(meshd_server):
     """Chunks the server sends on untouched (one field, at most its agent chunk, inside
     one rank's slice) and chunks it repacks (larger, or straddling two ranks' slices)
