@@ -424,7 +424,7 @@ int main(int argc, char **argv) {
     snprintf(info.address, sizeof info.address, "%s", opt.advertise);
   else
     runtime_local_address(opt.listen, port, info.address, sizeof info.address);
-  if (opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
+  if (opt.port_file && *opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
     log_error("agent", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
     goto out;
   }
@@ -537,7 +537,7 @@ int main(int argc, char **argv) {
       log_error("agent", "--metrics-listen: %s", err);
       goto out;
     }
-    if (opt.metrics_port_file &&
+    if (opt.metrics_port_file && *opt.metrics_port_file &&
         runtime_write_port_file(opt.metrics_port_file, metrics_http_port(metrics_http)) != 0) {
       log_error("agent", "cannot write --metrics-port-file %s: %s", opt.metrics_port_file,
                 strerror(errno));

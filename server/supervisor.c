@@ -73,6 +73,12 @@ static pid_t spawn(supervisor_t *s, int i) {
   }
   /* Always explicit: an agent's own MESHD_REFLECTION must not differ from its server. */
   argv[n++] = s->o.reflection ? "--reflection=true" : "--reflection=false";
+  /* The server's own outputs, which the agents would read from its MESHD_*
+   * environment (every flag is a variable too): none of theirs. Each would
+   * overwrite the server's port file, or bind its health port and exit. */
+  argv[n++] = "--port-file=";
+  argv[n++] = "--health-listen=";
+  argv[n++] = "--metrics-port-file=";
   if (s->o.log_level) {
     argv[n++] = "--log-level";
     argv[n++] = (char *)s->o.log_level;

@@ -384,3 +384,25 @@ def test_agent_stopped_while_a_collective_waits_exits_promptly(meshd_server, age
     assert rc == 0, lib.log_tail(a0.log)
     assert took < 1 + 3.0, f"the agent took {took:.1f} s to exit after a 1 s drain"
     assert lib.sanitizer_report(a0.log) is None, lib.log_tail(a0.log)
+
+
+def test_local_agents_do_not_take_the_servers_outputs_from_its_environment(meshd_server,
+                                                                           tmp_path):
+    """Every flag is also a MESHD_* variable, which local agents inherit: the server's
+    MESHD_PORT_FILE, MESHD_HEALTH_LISTEN and MESHD_METRICS_PORT_FILE are its own. The
+    agents neither write its files nor bind its health port (they exited and were
+    restarted forever, and the port file held an agent's port)."""
+    stray = tmp_path / "stray.port"
+    mstray = tmp_path / "stray-metrics.port"
+    hport = lib.free_port()
+    srv = meshd_server(2, env={"MESHD_PORT_FILE": str(stray),
+                               "MESHD_HEALTH_LISTEN": f"127.0.0.1:{hport}",
+                               "MESHD_METRICS_PORT_FILE": str(mstray)})
+    lib.wait_ready(srv, 2)
+    # (the harness's --port-file wins for the server itself)
+    assert not stray.exists(), f"an agent wrote {stray.read_text()!r} into the server's port file"
+    assert not mstray.exists()
+    kids = lib.agent_children(srv.pid)
+    time.sleep(1.0)
+    assert lib.agent_children(srv.pid) == kids, "agents were restarted"
+    assert lib.health_check(hport, "") == lib.SERVING()  # the server's, on its port
