@@ -577,6 +577,9 @@ struct meshd_session {
   rpc_md_t md[3]; /* the client's (authorization), then meshd-session, meshd-token */
   size_t nmd;
   meshd_ref_t next_ref;
+  /* The last execute_keep's Execute failed in flight (a deadline, a broken
+   * connection): the server may have taken its refs (refs_taken). */
+  bool sent_unsure;
   uint64_t next_seq;
   uint64_t ttl_s;
   /* The keepalive thread (meshd.h). ka_stop is under ka_mu; the thread reads
@@ -865,6 +868,7 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
                                 ProtobufCMessage **keep) {
   ProtobufCMessage *resp = NULL;
   cmd->seq = s->next_seq++;
+  s->sent_unsure = false;
   if (s->pipe) {
     if (pipelined(cmd->kind_case)) {
       direct_err_t e = {0};
@@ -888,8 +892,10 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
   meshd_err_t ret = call_md_timeout(s->client, TS "Execute", &cmd->base,
                                     &meshd__v1__command_result__descriptor, &resp, s->md, s->nmd,
                                     timeout_ms);
-  if (ret != MESHD_E_OK)
+  if (ret != MESHD_E_OK) {
+    s->sent_unsure = true;
     return ret;
+  }
   const Meshd__V1__CommandResult *r = (const Meshd__V1__CommandResult *)resp;
   const Meshd__V1__Error *e = r->error ? r->error : (r->n_errors > 0 ? r->errors[0] : NULL);
   if (e && (e->kind != 0 || (e->message && *e->message))) {
@@ -912,6 +918,15 @@ static meshd_err_t execute(meshd_session_t *s, Meshd__V1__Command *cmd) {
   return execute_timeout(s, cmd, 0);
 }
 
+/* The n refs from s->next_ref that a command made are taken once it
+ * succeeded, and also when its call failed in flight: the server may have
+ * accepted it, and a ref it took would be refused REF_REUSED to every later
+ * command (refs may skip). A command the server refused took none. */
+static void refs_taken(meshd_session_t *s, meshd_err_t ret, uint64_t n) {
+  if (ret == MESHD_E_OK || s->sent_unsure)
+    s->next_ref += n;
+}
+
 /* execute_new() of CreateMesh or SliceMesh, which keeps the MeshMeta. */
 static meshd_err_t execute_mesh(meshd_session_t *s, Meshd__V1__Command *cmd, meshd_ref_t *out) {
   ProtobufCMessage *resp = NULL;
@@ -919,8 +934,9 @@ static meshd_err_t execute_mesh(meshd_session_t *s, Meshd__V1__Command *cmd, mes
   if (ret == MESHD_E_OK) {
     mesh_remember(s, ((const Meshd__V1__CommandResult *)resp)->mesh);
     protobuf_c_message_free_unpacked(resp, NULL);
-    *out = s->next_ref++;
+    *out = s->next_ref;
   }
+  refs_taken(s, ret, 1);
   return ret;
 }
 
@@ -928,7 +944,8 @@ static meshd_err_t execute_mesh(meshd_session_t *s, Meshd__V1__Command *cmd, mes
 static meshd_err_t execute_new(meshd_session_t *s, Meshd__V1__Command *cmd, meshd_ref_t *out) {
   meshd_err_t ret = execute(s, cmd);
   if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
+    *out = s->next_ref;
+  refs_taken(s, ret, 1);
   return ret;
 }
 
@@ -1214,7 +1231,8 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
     protobuf_c_message_free_unpacked(result, NULL);
   }
   if (ret == MESHD_E_OK)
-    *out = s->next_ref++;
+    *out = s->next_ref;
+  refs_taken(s, ret, 1);
   return ret;
 }
 
@@ -1599,8 +1617,8 @@ meshd_err_t meshd_session_borrow(meshd_session_t *s, meshd_ref_t input, meshd_re
   if (ret == MESHD_E_OK) {
     *handle = s->next_ref;
     *borrow = s->next_ref + 1;
-    s->next_ref += 2;
   }
+  refs_taken(s, ret, 2);
   return ret;
 }
 

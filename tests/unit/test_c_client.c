@@ -2206,3 +2206,42 @@ Test(c_client_five, a_pipeline_keeps_its_batches_literals_under_the_servers_boun
   meshd_session_close(s);
   meshd_close(c);
 }
+
+static void start_slow(void) {
+  setenv("MESHD_FAULT", "reduce:slow=1500", 1); /* the local agents inherit it */
+  const char *extra[] = {"--session-max-queued", "2", NULL};
+  start_server_with(extra);
+  unsetenv("MESHD_FAULT");
+}
+
+TestSuite(c_client_slow, .init = start_slow, .fini = stop_server, .timeout = 60);
+
+/* A command whose call times out may still have been accepted (here the
+ * server holds an Execute's answer while the session is over its flow bound,
+ * past the client's 700 ms): its ref is skipped, so the next command does
+ * not take it again and get REF_REUSED, as every later one did before. */
+Test(c_client_slow, a_command_that_timed_out_does_not_leave_its_ref_for_the_next) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 700, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0, x = 0, r = 0, y = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &x), MESHD_E_OK);
+  meshd_err_t rc = MESHD_E_OK;
+  int n = 0;
+  for (; n < 6 && rc == MESHD_E_OK; n++) /* 1.5 s each on the agents, a bound of 2 */
+    rc = meshd_session_reduce(s, x, "gpu", "sum", &r);
+  cr_assert_eq(rc, MESHD_E_DEADLINE, "reduce %d: %s (%s)", n, meshd_strerror(rc),
+               meshd_last_error(c)->message);
+  /* The held answer comes once the agents make room: then a new tensor. */
+  for (int i = 0; i < 40; i++) {
+    rc = meshd_session_factory(s, m, "zeros", four, 1, 0, &y);
+    if (rc != MESHD_E_DEADLINE)
+      break;
+  }
+  cr_assert_eq(rc, MESHD_E_OK, "%s: %s", meshd_strerror(rc), meshd_last_error(c)->message);
+  cr_assert_gt(y, r);
+  meshd_session_close(s);
+  meshd_close(c);
+}
