@@ -893,7 +893,10 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
                                     &meshd__v1__command_result__descriptor, &resp, s->md, s->nmd,
                                     timeout_ms);
   if (ret != MESHD_E_OK) {
-    s->sent_unsure = true;
+    /* A status of the server's own carries its kind: the command was refused
+     * and took nothing. A deadline, or a call gRPC ended (no kind), may have
+     * been accepted. */
+    s->sent_unsure = ret == MESHD_E_DEADLINE || !s->client->kind[0];
     return ret;
   }
   const Meshd__V1__CommandResult *r = (const Meshd__V1__CommandResult *)resp;
