@@ -1645,8 +1645,26 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
     meshd_err_t e = meshd_agents(c, &agents, &n);
     if (e != MESHD_E_OK)
       return report(c, "load: listing agents failed", e);
+    /* A mesh takes consecutive ranks (the server places it on a run of
+     * usable ones): the longest run, not every usable agent. */
+    uint32_t top = 0;
     for (size_t i = 0; i < n; i++)
-      up += agents[i].healthy && !agents[i].drained;
+      if (agents[i].rank >= top)
+        top = agents[i].rank + 1;
+    bool *usable = calloc(top ? top : 1, sizeof *usable);
+    if (!usable) {
+      meshd_agents_free(agents, n);
+      fprintf(stderr, "error: load: out of memory\n");
+      return EXIT_RPC;
+    }
+    for (size_t i = 0; i < n; i++)
+      usable[agents[i].rank] = agents[i].healthy && !agents[i].drained;
+    for (size_t r = 0, run = 0; r < top; r++) {
+      run = usable[r] ? run + 1 : 0;
+      if (run > up)
+        up = run;
+    }
+    free(usable);
     meshd_agents_free(agents, n);
     if (up == 0) {
       fprintf(stderr, "error: load: no healthy, undrained agent on %s to load onto "

@@ -604,6 +604,20 @@ def test_load_prints_what_every_rank_holds(shared_meshd, load_files):
     assert doc["bytes"] == a["raw.bin"].nbytes and doc["mesh"] == {"gpu": 1}, doc
 
 
+def test_load_without_a_mesh_takes_the_longest_run_of_usable_ranks(meshd_server, load_files):
+    """Without --mesh, load makes a mesh of consecutive usable ranks: with rank 1 of 3
+    drained, one rank (0 or 2), not two (no two consecutive ones are usable)."""
+    srv = lib.wait_ready(meshd_server(3), 3)
+    files, a = load_files
+    addr = f"127.0.0.1:{srv.port}"
+    r = meshctl(addr, "drain", "1")
+    assert r.returncode == 0, _show(r)
+    r = meshctl(addr, "--output", "json", "load", files.url("x.npy"))
+    assert r.returncode == 0, _show(r)
+    doc = _json(r)
+    assert doc["mesh"] == {"gpu": 1} and doc["ranks"] == 1, doc
+
+
 def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path):
     srv = shared_meshd(2)
     files, a = load_files
