@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1871,6 +1872,8 @@ static size_t dtype_size(int dt) {
   case MESHD__V1__DTYPE__DTYPE_INT32:
     return 4;
   case MESHD__V1__DTYPE__DTYPE_INT16:
+  case MESHD__V1__DTYPE__DTYPE_FLOAT16:
+  case MESHD__V1__DTYPE__DTYPE_BFLOAT16:
     return 2;
   case MESHD__V1__DTYPE__DTYPE_INT8:
   case MESHD__V1__DTYPE__DTYPE_UINT8:
@@ -1881,8 +1884,27 @@ static size_t dtype_size(int dt) {
   }
 }
 
+/* IEEE half and bfloat16 (little-endian bits) as doubles: exact. */
+static double half_value(uint16_t h) {
+  int exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  double v = exp == 0    ? ldexp(man, -24)
+             : exp == 31 ? (man ? NAN : INFINITY)
+                         : ldexp(man | 0x400, exp - 25);
+  return h & 0x8000 ? -v : v;
+}
+
+static double bfloat16_value(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 static double load_value(int dt, const uint8_t *p) {
+  uint16_t bits = (uint16_t)(p[0] | p[1] << 8);
   switch (dt) {
+  case MESHD__V1__DTYPE__DTYPE_FLOAT16: return half_value(bits);
+  case MESHD__V1__DTYPE__DTYPE_BFLOAT16: return bfloat16_value(bits);
   case MESHD__V1__DTYPE__DTYPE_FLOAT64: { double v; memcpy(&v, p, 8); return v; }
   case MESHD__V1__DTYPE__DTYPE_FLOAT32: { float v; memcpy(&v, p, 4); return v; }
   case MESHD__V1__DTYPE__DTYPE_INT64: { int64_t v; memcpy(&v, p, 8); return (double)v; }
@@ -2089,8 +2111,17 @@ static int values_begin(void *arg, const Meshd__V1__TensorMeta *meta, direct_err
     return -1;
   }
   v->total = v->es;
-  for (size_t i = 0; i < meta->n_shape; i++)
-    v->total *= meta->shape[i] > 0 ? (uint64_t)meta->shape[i] : 0;
+  for (size_t i = 0; i < meta->n_shape; i++) {
+    uint64_t d = meta->shape[i] > 0 ? (uint64_t)meta->shape[i] : 0;
+    /* A shape no answer could fill (a server's error): one double per element
+     * must stay addressable. */
+    if (d && v->total > (SIZE_MAX / sizeof(double)) / d) {
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "Fetch: the tensor's shape is too large to hold here");
+      return -1;
+    }
+    v->total *= d;
+  }
   if (meta->n_shape > 0) {
     v->out->shape = malloc(meta->n_shape * sizeof *v->out->shape);
     if (!v->out->shape)

@@ -2245,3 +2245,36 @@ Test(c_client_slow, a_command_that_timed_out_does_not_leave_its_ref_for_the_next
   meshd_session_close(s);
   meshd_close(c);
 }
+
+/* meshd_session_fetch gives float16 and bfloat16 tensors as doubles, exact
+ * (normal, subnormal, the largest, a sign): it refused them as unsupported. */
+Test(c_client, fetch_gives_half_precision_values) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, h = 0, b = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  uint16_t half[4] = {0x3C00, 0xC100, 0x7BFF, 0x0001};
+  uint16_t bf[4] = {0x3F80, 0xC020, 0x7F7F, 0x3A83};
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_literal(s, m, "float16", four, 1, half, sizeof half, NULL, &h),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_literal(s, m, "bfloat16", four, 1, bf, sizeof bf, NULL, &b),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, h, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  double want_h[4] = {1.0, -2.5, 65504.0, 0x1p-24};
+  cr_assert_eq(v.n, 4);
+  for (int i = 0; i < 4; i++)
+    cr_assert_eq(v.values[i], want_h[i], "float16 [%d]: %g, want %g", i, v.values[i], want_h[i]);
+  meshd_values_free(&v);
+  cr_assert_eq(meshd_session_fetch(s, b, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  double want_b[4] = {1.0, -2.5, 0x1.fep127, 0x1.06p-10};
+  for (int i = 0; i < 4; i++)
+    cr_assert_eq(v.values[i], want_b[i], "bfloat16 [%d]: %a, want %a", i, v.values[i], want_b[i]);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
+}
