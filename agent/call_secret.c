@@ -81,6 +81,11 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
                   "this agent serves only the server it registered with; the call comes "
                   "without a cluster certificate (only Agent/Read and Agent/Write take a "
                   "transfer grant instead)");
+  if (self && self->cluster_tls.on && !rpc_call_peer_named(call, self->cluster_tls.server_name))
+    return refuse(call, "a certificate not naming the cluster", msg, msglen,
+                  "this agent serves only the server it registered with; the call's "
+                  "certificate, though signed by the cluster CA, does not name the cluster "
+                  "(--cluster-name %s)", self->cluster_tls.server_name);
   char want[SECRET_HEX_LEN + 1];
   pthread_mutex_lock(&mu);
   memcpy(want, current, sizeof want);
@@ -111,10 +116,11 @@ void agent_log_refused(log_limit_t *limit, rpc_call_t *call, const char *why, co
 grpc_status_code agent_peer_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
                                   size_t msglen) {
   const agent_info_t *self = arg;
-  if (self && self->cluster_tls.on && !rpc_call_peer_verified(call))
-    return refuse(call, "no verified cluster certificate", msg, msglen,
-                  "this agent's port answers %s only to holders of a cluster certificate; "
-                  "probes use --health-listen", rpc_call_method(call));
+  if (self && self->cluster_tls.on && !rpc_call_peer_named(call, self->cluster_tls.server_name))
+    return refuse(call, "no verified cluster certificate naming the cluster", msg, msglen,
+                  "this agent's port answers %s only to holders of a cluster certificate "
+                  "(signed by the cluster CA, naming --cluster-name); probes use "
+                  "--health-listen", rpc_call_method(call));
   snprintf(id->name, sizeof id->name, "peer");
   return GRPC_STATUS_OK;
 }

@@ -75,6 +75,8 @@ static grpc_status_code guard(rpc_call_t *call, void *arg, rpc_identity_t *id, c
   if (r->o.require_cluster_cert && !rpc_call_peer_verified(call))
     why = "no verified cluster certificate (this port wants mTLS: the agent's --cluster-ca, "
           "--cluster-cert and --cluster-key)";
+  else if (r->o.require_cluster_cert && !rpc_call_peer_named(call, r->o.agent_tls.server_name))
+    why = "the certificate, signed by the cluster CA, does not name the cluster (--cluster-name)";
   if (!why && r->o.join_tokens) {
     char tok[SECRET_TOKEN_MAX + 2]; /* a longer value stays longer once truncated */
     const char *v = rpc_call_metadata(call, SECRET_JOIN_MD, tok, sizeof tok);

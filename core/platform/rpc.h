@@ -277,6 +277,10 @@ const char *rpc_call_method(const rpc_call_t *call);
 const rpc_identity_t *rpc_call_identity(const rpc_call_t *call);
 /* True if the call came over TLS with a client certificate the port verified. */
 bool rpc_call_peer_verified(rpc_call_t *call);
+/* The same, and the certificate names `name` (a DNS subject alternative name,
+ * or its common name): a CA that signs more than one kind of certificate
+ * (cluster peers, users) is told apart by the name. name NULL or "": verified. */
+bool rpc_call_peer_named(rpc_call_t *call, const char *name);
 /* One pointer of handler state, set in on_start. */
 void rpc_call_set_data(rpc_call_t *call, void *data);
 void *rpc_call_data(const rpc_call_t *call);

@@ -466,6 +466,25 @@ bool rpc_call_peer_verified(rpc_call_t *c) {
   return verified;
 }
 
+bool rpc_call_peer_named(rpc_call_t *c, const char *name) {
+  if (!name || !*name) return rpc_call_peer_verified(c);
+  grpc_auth_context *ctx = grpc_call_auth_context(c->call);
+  if (!ctx) return false;
+  bool ok = false;
+  if (grpc_auth_context_peer_is_authenticated(ctx)) {
+    static const char *const props[] = {GRPC_X509_SAN_PROPERTY_NAME, GRPC_X509_CN_PROPERTY_NAME};
+    size_t n = strlen(name);
+    for (size_t k = 0; k < 2 && !ok; k++) {
+      grpc_auth_property_iterator it = grpc_auth_context_find_properties_by_name(ctx, props[k]);
+      const grpc_auth_property *p;
+      while (!ok && (p = grpc_auth_property_iterator_next(&it)))
+        ok = p->value_length == n && memcmp(p->value, name, n) == 0;
+    }
+  }
+  grpc_auth_context_release(ctx);
+  return ok;
+}
+
 void rpc_call_set_data(rpc_call_t *c, void *data) { c->data = data; }
 void *rpc_call_data(const rpc_call_t *c) { return c->data; }
 

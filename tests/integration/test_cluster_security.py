@@ -312,9 +312,14 @@ def test_cluster_mtls_with_a_join_token_end_to_end(meshd_server, agent, pki, tmp
     # the real certificate but no join token is refused and logged with its peer.
     rogue = agent(cport, *_cluster_flags(pki, "rogue", "cluster-ca"), wait_registered=False)
     no_token = agent(cport, *_cluster_flags(pki), wait_registered=False)
+    # A certificate the cluster CA signed for another name (a CA that signs users too),
+    # with the join token: refused for its name.
+    stranger = agent(cport, *_cluster_flags(pki, "stranger"), "--join-token-file", tf,
+                     wait_registered=False)
     _wait_log(srv, "certificate verify failed")
     _wait_log(srv, "refused: no join token")
     _wait_log(no_token, "no join token")
+    _wait_log(srv, "does not name the cluster")
     # The real thing, with a plaintext health port for probes.
     hpf = tmp_path / "health.port"
     good = agent(cport, *_cluster_flags(pki), "--join-token-file", tf, "--rank", 2,
@@ -329,7 +334,7 @@ def test_cluster_mtls_with_a_join_token_end_to_end(meshd_server, agent, pki, tmp
     ag = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1, 2],
                          what="ranks 0..2 healthy", log=srv.log)
     ranks = {a.rank: a for a in ag}
-    for p in (rogue, no_token):
+    for p in (rogue, no_token, stranger):
         assert lib.proc_state(p.pid) not in (None, "Z"), "a refused agent exited"
     # The agents' own ports: plaintext fails; TLS without a client certificate is
     # refused on every call but a granted Read/Write; a certificate of another CA fails
@@ -338,6 +343,7 @@ def test_cluster_mtls_with_a_join_token_end_to_end(meshd_server, agent, pki, tmp
         with grpc.insecure_channel(a.address) as ch:
             assert _code(_agent_calls(ch)["Hello"], ()) == grpc.StatusCode.UNAVAILABLE
         for cert, want in ((None, "cluster certificate"), ("rogue", None),
+                           ("stranger", "does not name the cluster"),
                            ("cluster", "lacks that server's secret")):
             with _tls_channel(a.address, pki, cert) as ch:
                 code, details = _status(_agent_calls(ch)["Read"], ())

@@ -6,6 +6,7 @@
 #   cluster-ca.pem                    the cluster CA (server <-> agents)
 #   cluster.pem cluster.key           a cluster cert: SAN meshd-cluster, localhost, 127.0.0.1
 #   rogue-ca.pem rogue.pem rogue.key  a CA nobody trusts and a cert it signed (same names)
+#   stranger.pem stranger.key         a cert the cluster CA signed for another name (alice)
 # EC P-256 keys, valid for 2 days. Needs the openssl CLI.
 set -euo pipefail
 dir=${1:-$(mktemp -d)}
@@ -37,6 +38,7 @@ leaf cluster cluster-ca "meshd-cluster" "DNS:meshd-cluster,DNS:localhost,IP:127.
   serverAuth,clientAuth
 leaf rogue rogue-ca "meshd-cluster" "DNS:meshd-cluster,DNS:localhost,IP:127.0.0.1" \
   serverAuth,clientAuth
+leaf stranger cluster-ca "alice" "DNS:alice" serverAuth,clientAuth
 rm -f ./*.srl
 chmod 644 ./*.pem
 echo "$dir"
