@@ -111,6 +111,14 @@ static void printable(char *dst, size_t len, const char *src) {
   dst[i] = '\0';
 }
 
+/* Printable ASCII only: these names reach logs, ListAgents and operators'
+ * terminals (an escape sequence would too). */
+static bool all_printable(const char *s) {
+  for (; *s; s++)
+    if (*s < ' ' || *s > '~') return false;
+  return true;
+}
+
 static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *req) {
   if (!req->agent_id || !*req->agent_id || strlen(req->agent_id) >= sizeof c->agent_id)
     { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest.agent_id must be 1..63 characters"); return; }
@@ -125,6 +133,10 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
     { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
              "RegisterRequest.call_secret must be 64 hex characters (an agent older than this "
              "server sends none: upgrade it)"); return; }
+  if (!all_printable(req->agent_id) || !all_printable(req->address) ||
+      !all_printable(req->device))
+    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
+             "RegisterRequest: agent_id, address and device must be printable ASCII"); return; }
   if (req->requested_rank < -1 || req->requested_rank >= r->o.max_agents) {
     char msg[160];
     snprintf(msg, sizeof msg, "RegisterRequest.requested_rank %d is out of range [-1, %d] "

@@ -1122,6 +1122,13 @@ def _(ctx):
     register_fails(ctx, [_hello(agent_id="a" * 10000)], INVALID, "agent_id", "63")
 
 
+@case("register-escape-sequences")
+def _(ctx):
+    for field in ("agent_id", "address", "device"):
+        register_fails(ctx, [_hello(**{field: "cpu\x1b[2J\x1b]0;owned\x07"})], INVALID,
+                       "printable ASCII")
+
+
 @case("register-no-address")
 def _(ctx):
     register_fails(ctx, [_hello(address="")], INVALID, "address")
