@@ -184,6 +184,12 @@ static int parse_options(int argc, char **argv) {
     return usage_error("--cluster-ca, --cluster-cert and --cluster-key go together (missing: %s)",
                        !opt.cluster_ca ? "--cluster-ca" : !opt.cluster_cert ? "--cluster-cert"
                                                                             : "--cluster-key");
+  /* A port file of a port not opened would never be written. */
+  if (opt.metrics_port_file && *opt.metrics_port_file &&
+      !(opt.metrics_listen && *opt.metrics_listen))
+    return usage_error("--metrics-port-file needs --metrics-listen (the port it would hold)");
+  if (opt.health_port_file && *opt.health_port_file && !(opt.health_listen && *opt.health_listen))
+    return usage_error("--health-port-file needs --health-listen (the port it would hold)");
   if (!opt.cluster_name || !*opt.cluster_name)
     return usage_error("--cluster-name must not be empty");
   if (opt.fault && *opt.fault) {

@@ -354,6 +354,18 @@ int main(int argc, char **argv) {
   rpc_tls_t tls = {.on = opt.tls_cert != NULL, .cert_file = opt.tls_cert, .key_file = opt.tls_key,
                    .ca_file = opt.tls_client_ca};
   if (rpc_tls_check(&tls, true, err, sizeof err) != 0) return usage_error("meshd", err);
+  /* A port file of a port not opened would never be written: a script
+   * waiting for it would wait for ever. */
+  static const struct { const char *file, *listen; } needs[] = {
+      {"--cluster-port-file", "--cluster-listen"}, {"--metrics-port-file", "--metrics-listen"}};
+  const char *const have[][2] = {{opt.cluster_port_file, opt.cluster_listen},
+                                 {opt.metrics_port_file, opt.metrics_listen}};
+  for (size_t i = 0; i < sizeof needs / sizeof needs[0]; i++)
+    if (have[i][0] && *have[i][0] && !(have[i][1] && *have[i][1])) {
+      snprintf(err, sizeof err, "%s needs %s (the port it would hold)", needs[i].file,
+               needs[i].listen);
+      return usage_error("meshd", err);
+    }
   log_set_level(level);
   log_set_format(log_format);
   int min_agents = opt.min_agents >= 0 ? (int)opt.min_agents

@@ -79,6 +79,7 @@ static pid_t spawn(supervisor_t *s, int i) {
   argv[n++] = "--port-file=";
   argv[n++] = "--health-listen=";
   argv[n++] = "--metrics-port-file=";
+  argv[n++] = "--health-port-file=";
   if (s->o.log_level) {
     argv[n++] = "--log-level";
     argv[n++] = (char *)s->o.log_level;

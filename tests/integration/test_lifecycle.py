@@ -220,9 +220,22 @@ def test_non_numeric_flag_is_a_usage_error(binary):
     (["--drain-seconds"], "drain-seconds"),           # missing value
     (["--max-message-bytes", "lots"], "max-message-bytes"),
     (["--session-max-transfers", "65"], "session-max-transfers"),  # what agents keep: 64
-], ids=["out-of-range", "negative", "missing-value", "bad-bytes", "over-the-agents"])
+    (["--metrics-port-file", "/tmp/m.port"], "needs --metrics-listen"),
+    (["--cluster-port-file", "/tmp/c.port"], "needs --cluster-listen"),
+], ids=["out-of-range", "negative", "missing-value", "bad-bytes", "over-the-agents",
+        "metrics-port-file-alone", "cluster-port-file-alone"])
 def test_meshd_bad_flag_values_exit_2(args, named):
     r = _run_bad("meshd", args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert named in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--metrics-port-file", "/tmp/m.port"], "needs --metrics-listen"),
+    (["--health-port-file", "/tmp/h.port"], "needs --health-listen"),
+], ids=["metrics-port-file-alone", "health-port-file-alone"])
+def test_agent_port_file_without_its_port_exits_2(args, named):
+    r = _run_bad("meshd-agent", args)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert named in r.stderr, r.stderr
 
@@ -389,19 +402,16 @@ def test_agent_stopped_while_a_collective_waits_exits_promptly(meshd_server, age
 def test_local_agents_do_not_take_the_servers_outputs_from_its_environment(meshd_server,
                                                                            tmp_path):
     """Every flag is also a MESHD_* variable, which local agents inherit: the server's
-    MESHD_PORT_FILE, MESHD_HEALTH_LISTEN and MESHD_METRICS_PORT_FILE are its own. The
-    agents neither write its files nor bind its health port (they exited and were
-    restarted forever, and the port file held an agent's port)."""
+    MESHD_PORT_FILE and MESHD_HEALTH_LISTEN are its own. The agents neither write its
+    port file nor bind its health port (they exited and were restarted forever, and the
+    port file held an agent's port)."""
     stray = tmp_path / "stray.port"
-    mstray = tmp_path / "stray-metrics.port"
     hport = lib.free_port()
     srv = meshd_server(2, env={"MESHD_PORT_FILE": str(stray),
-                               "MESHD_HEALTH_LISTEN": f"127.0.0.1:{hport}",
-                               "MESHD_METRICS_PORT_FILE": str(mstray)})
+                               "MESHD_HEALTH_LISTEN": f"127.0.0.1:{hport}"})
     lib.wait_ready(srv, 2)
     # (the harness's --port-file wins for the server itself)
     assert not stray.exists(), f"an agent wrote {stray.read_text()!r} into the server's port file"
-    assert not mstray.exists()
     kids = lib.agent_children(srv.pid)
     time.sleep(1.0)
     assert lib.agent_children(srv.pid) == kids, "agents were restarted"
