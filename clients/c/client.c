@@ -905,6 +905,20 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
   if (e && (e->kind != 0 || (e->message && *e->message))) {
     set_error(s->client, MESHD_E_RPC, e->code ? e->code : GRPC_STATUS_UNKNOWN, kind_name(e->kind),
               "%s", e->message ? e->message : "");
+    /* A Sync reports every failure since the last one, once: the rest are
+     * named after the first, as far as the message holds them. */
+    size_t more = r->error ? 0 : r->n_errors - 1;
+    if (more) {
+      char *msg = s->client->message;
+      size_t len = strlen(msg), cap = sizeof s->client->message;
+      len += (size_t)snprintf(msg + len, cap - len, " (and %zu more:", more);
+      for (size_t i = 1; i < r->n_errors && len + 1 < cap; i++)
+        len += (size_t)snprintf(msg + len, cap - len, "%s %s: %s", i > 1 ? ";" : "",
+                                kind_name(r->errors[i]->kind),
+                                r->errors[i]->message ? r->errors[i]->message : "");
+      if (len + 1 < cap)
+        snprintf(msg + len, cap - len, ")");
+    }
     ret = MESHD_E_RPC;
   }
   if (ret == MESHD_E_OK && keep)

@@ -2278,3 +2278,30 @@ Test(c_client, fetch_gives_half_precision_values) {
   meshd_session_close(s);
   meshd_close(c);
 }
+
+static void start_faulty(void) {
+  setenv("MESHD_FAULT", "reduce:fail", 1); /* the local agents inherit it */
+  start_server();
+  unsetenv("MESHD_FAULT");
+}
+
+TestSuite(c_client_faulty, .init = start_faulty, .fini = stop_server, .timeout = 60);
+
+/* A Sync reports each failure once: the ones after the first are named in the
+ * message too (only the first was, and the rest were lost). */
+Test(c_client_faulty, a_sync_names_every_failure_it_reports) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, x = 0, r1 = 0, r2 = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &x), MESHD_E_OK);
+  cr_assert_eq(meshd_session_reduce(s, x, "gpu", "sum", &r1), MESHD_E_OK);
+  cr_assert_eq(meshd_session_reduce(s, x, "gpu", "max", &r2), MESHD_E_OK);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_RPC);
+  const char *msg = meshd_last_error(c)->message;
+  cr_assert(strstr(msg, "injected fault") && strstr(msg, "(and 1 more:"), "%s", msg);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "reported twice: %s",
+               meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
