@@ -422,8 +422,15 @@ metrics_http_t *metrics_http_start(metrics_registry_t *r, const char *listen, ch
   h->r = r;
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO;
   if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+  /* Anyone who reaches the port may connect: a few connections per address
+   * and a bound on all (each idle one closed after 10 s), so that a stranger
+   * holding slow connections takes neither every scrape nor the process's
+   * file descriptors. */
   h->d = MHD_start_daemon(flags, 0, NULL, NULL, answer, h, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                          MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+                          MHD_OPTION_CONNECTION_TIMEOUT, 10u,
+                          MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_HTTP_CONNECTIONS,
+                          MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                          (unsigned)METRICS_HTTP_CONNECTIONS_PER_IP, MHD_OPTION_END);
   freeaddrinfo(ai);
   if (!h->d) {
     snprintf(err, errlen, "cannot serve metrics on %s (address in use or not local?)", listen);

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -285,6 +286,40 @@ def test_drop_borrow_frees_the_views_of_its_handle_on_the_agents(meshd_server):
         while allocated() > a0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert allocated() <= a0, f"{allocated() - a0} bytes still allocated on the agent"
+
+
+def test_the_metrics_port_holds_few_connections_per_address(meshd_server, tmp_path):
+    """A stranger opening many idle connections gets 16 held (the rest are closed at
+    once), not a file descriptor each until the process runs out; once they go, scrapes
+    work again."""
+    pf = tmp_path / "metrics.port"
+    srv = meshd_server(0, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf,
+                       min_agents=0)
+    mport = port_of(pf, srv)
+    socks = []
+    try:
+        for _ in range(40):
+            socks.append(socket.create_connection(("127.0.0.1", mport), timeout=5))
+        time.sleep(0.5)
+        closed = 0
+        for sk in socks:
+            sk.settimeout(0.2)
+            try:
+                closed += sk.recv(1) == b""
+            except (socket.timeout, ConnectionResetError):
+                closed += isinstance(sys.exc_info()[1], ConnectionResetError)
+        assert closed >= 40 - 16, f"{40 - closed} of 40 idle connections held"
+    finally:
+        for sk in socks:
+            sk.close()
+    end = time.monotonic() + 10
+    while True:
+        try:
+            assert "meshd_sessions" in scrape(mport)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < end, "no scrape after the connections closed"
+            time.sleep(0.2)
 
 
 def test_agent_metrics(meshd_server, agent, tmp_path):
