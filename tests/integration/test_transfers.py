@@ -5,6 +5,7 @@ other sessions' work go on."""
 
 import os
 import struct
+import threading
 import time
 
 import grpc
@@ -375,15 +376,55 @@ def test_uploads_held_open_hold_no_server_thread(meshd_server):
             s.close()
 
 
+class _HeldUpload:
+    """Uploads of float32 tensors of 2 x `half` bytes (\\x01 then \\x02) onto mesh m: held(ref)
+    runs one on a thread that stops after its header and first half until release();
+    whole(ref) sends one at once."""
+
+    def __init__(self, s, m, half):
+        t = lib.tensor_pb2()
+        self.s, self.m, self.half, self.t = s, m, half, t
+        self.fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
+                                    response_deserializer=t.UploadReply.FromString)
+        self.go, self.sent_half, self.result = threading.Event(), threading.Event(), {}
+
+    def chunks(self, ref, hold=False):
+        t = self.t
+        yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=self.m, shape=[self.half // 2],
+                                                  dtype=lib.dtype("float32")))
+        yield t.UploadChunk(data=b"\x01" * self.half)
+        if hold:
+            self.sent_half.set()
+            self.go.wait(30)
+        yield t.UploadChunk(data=b"\x02" * self.half)
+
+    def held(self, ref):
+        def run():
+            try:
+                self.result["r"] = self.fn(self.chunks(ref, True), metadata=self.s.metadata,
+                                           timeout=30)
+            except grpc.RpcError as e:
+                self.result["r"] = e
+        self.th = threading.Thread(target=run)
+        self.th.start()
+        assert self.sent_half.wait(30), "the held Upload did not start"
+
+    def release(self):
+        """The held Upload's reply, or its grpc.RpcError."""
+        self.go.set()
+        self.th.join(30)
+        return self.result["r"]
+
+    def whole(self, ref, timeout=20):
+        return self.fn(self.chunks(ref), metadata=self.s.metadata, timeout=timeout)
+
+
 def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(meshd_server):
     """Two Uploads of one session at once, the higher ref finishing first: the lower is
     refused when it settles (refs must increase), and the agents let go of the 4 MiB it
     wrote to each rank (they kept it until the session's end before)."""
-    import threading
     srv = meshd_server(2)
     lib.wait_ready(srv, 2)
-    t = lib.tensor_pb2()
-    n = MIB  # floats: 4 MiB per rank
     with lib.Session(srv.port, "late-upload", timeout=30) as s:
         m = s.mesh(gpu=2).ref
 
@@ -392,32 +433,10 @@ def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(meshd_server)
 
         base = allocated()
         low, high = s.new_ref(), s.new_ref()
-        go, sent_half, result = threading.Event(), threading.Event(), {}
-
-        def chunks(ref, hold):
-            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[n],
-                                                      dtype=lib.dtype("float32")))
-            yield t.UploadChunk(data=b"\x01" * (2 * MIB))
-            if hold:
-                sent_half.set()
-                go.wait(30)
-            yield t.UploadChunk(data=b"\x02" * (2 * MIB))
-
-        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
-                               response_deserializer=t.UploadReply.FromString)
-
-        def run_low():
-            try:
-                result["low"] = fn(chunks(low, True), metadata=s.metadata, timeout=30)
-            except grpc.RpcError as e:
-                result["low"] = e
-        th = threading.Thread(target=run_low)
-        th.start()
-        assert sent_half.wait(30), "the first Upload did not start"
-        fn(chunks(high, False), metadata=s.metadata, timeout=30)  # the higher ref, done first
-        go.set()
-        th.join(30)
-        e = result["low"]
+        up = _HeldUpload(s, m, 2 * MIB)
+        up.held(low)
+        up.whole(high, timeout=30)  # the higher ref, done first
+        e = up.release()
         assert isinstance(e, grpc.RpcError), "the lower ref was defined after the higher one"
         assert "ref" in e.details() and "already used" in e.details(), e.details()
         s.fails("UNKNOWN_REF", lib.describe(low))
@@ -435,48 +454,25 @@ def test_a_ref_being_uploaded_is_taken_by_nothing_else_until_the_upload_ends(mes
     command naming r are refused meanwhile (before, they were accepted, and the first
     one's failure then deleted r on the agents under them); lower and higher refs stay
     free; the first Upload ends with its tensor; and r, once spent, stays taken."""
-    import threading
     srv = meshd_server(2)
     lib.wait_ready(srv, 2)
-    t = lib.tensor_pb2()
     with lib.Session(srv.port, "reserved-ref", timeout=30) as s:
         m = s.mesh(gpu=2).ref
         low, r = s.new_ref(), s.new_ref()
-        go, sent_half, result = threading.Event(), threading.Event(), {}
-
-        def chunks(ref, hold=False):
-            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[MIB // 4],
-                                                      dtype=lib.dtype("float32")))
-            yield t.UploadChunk(data=b"\x01" * (MIB // 2))
-            if hold:
-                sent_half.set()
-                go.wait(30)
-            yield t.UploadChunk(data=b"\x01" * (MIB // 2))
-
-        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
-                               response_deserializer=t.UploadReply.FromString)
-
-        def first():
-            try:
-                result["r"] = fn(chunks(r, True), metadata=s.metadata, timeout=30)
-            except grpc.RpcError as e:
-                result["r"] = e
-        th = threading.Thread(target=first)
-        th.start()
-        assert sent_half.wait(30), "the first Upload did not start"
+        up = _HeldUpload(s, m, MIB // 2)
+        up.held(r)
         time.sleep(0.2)  # its header reached the server
         with pytest.raises(grpc.RpcError) as ei:
-            fn(chunks(r), metadata=s.metadata, timeout=20)
+            up.whole(r)
         assert "is being uploaded" in ei.value.details(), ei.value.details()
         e = s.fails("REF_REUSED", lib.factory(r, m, shape=(2,)), "Factory")
         assert "is being uploaded" in e.message, e.message
         assert s.run(lib.factory(low, m, shape=(2,))).tensors[0].ref == low  # lower: free
-        go.set()
-        th.join(30)
-        assert not isinstance(result["r"], grpc.RpcError), result["r"]
+        res = up.release()
+        assert not isinstance(res, grpc.RpcError), res
         assert fetch_floats(s, r)[:1] == [struct.unpack("<f", b"\x01" * 4)[0]]
         with pytest.raises(grpc.RpcError) as ei:
-            fn(chunks(r), metadata=s.metadata, timeout=20)
+            up.whole(r)
         assert "already used" in ei.value.details(), ei.value.details()
 
 

@@ -13,6 +13,7 @@
 
 #include "backend.h"
 #include "executor.h"
+#include "instr_build.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 
@@ -117,25 +118,8 @@ static void submit_ins(executor_t *x, const char *sid, uint64_t seq, uint64_t st
 /* A factory of n float32 ones as ref on stream. */
 static void submit_factory(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
                            uint64_t ref, int64_t n) {
-  int64_t shape[1] = {n};
-  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
-  f.ref = ref;
-  f.kind = "ones";
-  f.n_shape = 1;
-  f.shape = shape;
-  f.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  Meshd__Agent__V1__TensorSpec res = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  res.ref = ref;
-  res.n_shape = 1;
-  res.shape = shape;
-  res.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
-  fo.factory = &f;
-  fo.result = &res;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
-  ins.factory = &fo;
-  submit_ins(x, sid, seq, stream, &ins);
+  factory_instr_t b;
+  submit_ins(x, sid, seq, stream, factory_instr(&b, "ones", ref, n, DTYPE_FLOAT32));
 }
 
 static void submit_delete(executor_t *x, const char *sid, uint64_t seq, uint64_t stream,
@@ -151,17 +135,8 @@ static void submit_delete(executor_t *x, const char *sid, uint64_t seq, uint64_t
 
 static void submit_borrow(executor_t *x, const char *sid, uint64_t seq, uint64_t stream, int phase,
                           uint64_t id, uint64_t tensor, uint64_t result) {
-  Meshd__Agent__V1__BorrowOp b = MESHD__AGENT__V1__BORROW_OP__INIT;
-  b.phase = phase;
-  b.borrow = id;
-  b.tensor = tensor;
-  b.result = result;
-  b.from_stream = 1;
-  b.to_stream = 2;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW;
-  ins.borrow = &b;
-  submit_ins(x, sid, seq, stream, &ins);
+  borrow_instr_t b;
+  submit_ins(x, sid, seq, stream, borrow_instr(&b, phase, id, tensor, result));
 }
 
 /* A same-rank copy of ref in (on stream 1) as ref out on stream 2 (a to_mesh). */

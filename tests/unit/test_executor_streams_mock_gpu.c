@@ -16,6 +16,7 @@
 
 #include "backend.h"
 #include "executor.h"
+#include "instr_build.h"
 
 /* ---- the mock device ---- */
 
@@ -192,40 +193,14 @@ static void submit(instr_t *ins, uint64_t seq, uint64_t stream) {
 }
 
 static void submit_factory_ones(uint64_t seq, uint64_t stream, uint64_t ref) {
-  static int64_t shape[] = {4};
-  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
-  f.ref = ref;
-  f.kind = "ones";
-  f.n_shape = 1;
-  f.shape = shape;
-  f.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
-  Meshd__Agent__V1__TensorSpec res = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  res.ref = ref;
-  res.n_shape = 1;
-  res.shape = shape;
-  res.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
-  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
-  fo.factory = &f;
-  fo.result = &res;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
-  ins.factory = &fo;
-  submit(&ins, seq, stream);
+  factory_instr_t b;
+  submit(factory_instr(&b, "ones", ref, 4, MESHD__V1__DTYPE__DTYPE_FLOAT32), seq, stream);
 }
 
 static void submit_borrow(uint64_t seq, uint64_t stream, Meshd__Agent__V1__BorrowOp__Phase phase,
                           uint64_t borrow, uint64_t tensor, uint64_t result) {
-  Meshd__Agent__V1__BorrowOp b = MESHD__AGENT__V1__BORROW_OP__INIT;
-  b.phase = phase;
-  b.borrow = borrow;
-  b.tensor = tensor;
-  b.result = result;
-  b.from_stream = 1;
-  b.to_stream = 2;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BORROW;
-  ins.borrow = &b;
-  submit(&ins, seq, stream);
+  borrow_instr_t b;
+  submit(borrow_instr(&b, phase, borrow, tensor, result), seq, stream);
 }
 
 static void submit_add(uint64_t seq, uint64_t stream, uint64_t a, uint64_t out) {

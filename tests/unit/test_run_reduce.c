@@ -13,6 +13,7 @@
 
 #include "backend.h"
 #include "executor.h"
+#include "instr_build.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 
@@ -94,20 +95,8 @@ static Meshd__Agent__V1__TensorSpec spec(uint64_t ref, int64_t *shape, dtype_t d
 }
 
 static void submit_ones(agent_t *a, uint64_t seq, uint64_t ref, dtype_t dt, int64_t *shape) {
-  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
-  f.ref = ref;
-  f.kind = "ones";
-  f.n_shape = 1;
-  f.shape = shape;
-  f.dtype = (Meshd__V1__DType)dt;
-  Meshd__Agent__V1__TensorSpec res = spec(ref, shape, dt);
-  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
-  fo.factory = &f;
-  fo.result = &res;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
-  ins.factory = &fo;
-  submit(a, &ins, seq);
+  factory_instr_t b;
+  submit(a, factory_instr(&b, "ones", ref, shape[0], dt), seq);
 }
 
 /* Reduce `reduction` of input (shape [n], dt) into result (shape [rn]) over a
@@ -236,22 +225,11 @@ Test(run_reduce, a_hung_reduce_holds_only_its_own_session) {
   submit_ones(&a, 1, 1, DTYPE_FLOAT32, shape);
   submit_reduce(&a, 2, "sum", 1, shape, 2, shape, DTYPE_FLOAT32); /* hangs */
   /* Another session, after it on the same agent. */
-  Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
-  f.ref = 1;
-  f.kind = "zeros";
-  f.n_shape = 1;
-  f.shape = shape;
-  f.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  Meshd__Agent__V1__TensorSpec res = spec(1, shape, DTYPE_FLOAT32);
-  Meshd__Agent__V1__FactoryOp fo = MESHD__AGENT__V1__FACTORY_OP__INIT;
-  fo.factory = &f;
-  fo.result = &res;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY;
-  ins.factory = &fo;
-  ins.seq = 3;
-  ins.session_id = "other-session";
-  cr_assert_eq(executor_submit(a.x, &ins), 0);
+  factory_instr_t b;
+  instr_t *ins = factory_instr(&b, "zeros", 1, shape[0], DTYPE_FLOAT32);
+  ins->seq = 3;
+  ins->session_id = "other-session";
+  cr_assert_eq(executor_submit(a.x, ins), 0);
   cr_assert_eq(executor_wait_session(a.x, "other-session", 3, 5000), 0,
                "the other session waited for the hung one");
   cr_assert_eq(executor_wait(a.x, 2, 200), -1, "the hung reduce ran?");
