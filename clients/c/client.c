@@ -877,7 +877,8 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
                           ? literal_sent(s, cmd->literal->mesh, cmd->literal->per_rank,
                                          cmd->literal->data.len)
                           : 0;
-      return pipeline_queue(s->pipe, &cmd->base, cmd->seq, sent, &e) == 0
+      return pipeline_queue(s->pipe, &cmd->base, cmd->seq, sent,
+                            timeout_ms > 0 ? timeout_ms : s->client->timeout_ms, &e) == 0
                  ? MESHD_E_OK
                  : record(s->client, &e);
     }
@@ -2310,6 +2311,10 @@ meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_
               "meshd_session_set_pipeline: max_delay_us is %d (expected 1..60000000, 0: 200)",
               delay);
     return MESHD_E_INVALID;
+  }
+  if (s->pipe && pipeline_over(s->pipe)) { /* a new stream: the old one failed */
+    pipeline_close(s->pipe, s->client->timeout_ms);
+    s->pipe = NULL;
   }
   if (s->pipe) {
     pipeline_set(s->pipe, batch, delay);

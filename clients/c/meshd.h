@@ -585,7 +585,15 @@ MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
  * neither the client's last error nor the session's refs. If the Submit
  * stream fails (the server went away), every later queued command and every
  * call that needs an answer fails with its status until the pipeline is set
- * again. */
+ * again (which opens a new stream).
+ *
+ * Flow control: a server whose session has too much work queued on its agents
+ * (--session-max-queued) stops reading the Submit stream. A queued command
+ * then waits, within the client's timeout, for the full batch before it to go
+ * out; past it the call fails MESHD_E_DEADLINE and that command is not queued
+ * (its ref is not taken: calling again later is safe). A call that needs an
+ * answer fails MESHD_E_DEADLINE at its deadline, naming the commands not yet
+ * sent; they stay queued and go out once the server reads again. */
 typedef struct meshd_pipeline_options {
   size_t max_batch; /* commands per Submit message, 1..4096 (0: 256); a batch
                        also goes out past 1 MiB */
@@ -596,7 +604,8 @@ typedef struct meshd_pipeline_options {
 #define MESHD_PIPELINE_OPTIONS_INIT {256, 200}
 
 /* Turns the session's pipeline on with opts (NULL: off). On when it was on
- * already: the new limits apply from the next command. Off: what is queued
+ * already: the new limits apply from the next command, on a new stream if the
+ * old one failed. Off: what is queued
  * is sent and answered first, and a rejection among it is reported as by a
  * call that needs an answer (the pipeline is off all the same).
  * MESHD_E_INVALID for limits out of range (the message names the field). */

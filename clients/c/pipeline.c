@@ -2,6 +2,7 @@
 #include "pipeline.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -26,11 +27,17 @@ struct pipeline {
   pthread_t reader, flusher;
   bool reader_started, flusher_started;
 
-  pthread_mutex_t wmu; /* the stream's write side; taken before mu */
   pthread_mutex_t mu;
   pthread_cond_t fl_cv;  /* flusher: something queued, new limits, stop */
   pthread_cond_t ans_cv; /* waiters: answers came, or the stream ended */
+  pthread_cond_t wr_cv;  /* writers: the write side is free */
   /* under mu */
+  /* The stream's write side is one thread's at a time (writer_take). A batch
+   * whose writer's time passed while the server was not reading stays in
+   * flight, and the next writer waits for it before anything else goes out:
+   * no caller waits past its own deadline for another's write. */
+  bool writing, in_flight;
+  uint64_t sent_through; /* the last seq handed to gRPC (in flight included) */
   size_t max_batch;
   int64_t max_delay_ns;
   uint8_t *buf; /* the queued commands, packed as Command.batch's body */
@@ -83,42 +90,94 @@ static size_t varint_get(const uint8_t *p, size_t len, uint64_t *v) {
 
 /* ------------------------------------------------------------------ sending */
 
-/* Sends the queued batch, if any; only_due: only if its delay has passed (the
- * flusher, which may have waited for wmu while the batch was cut). */
-static void send_queued(pipeline_t *p, bool only_due) {
-  pthread_mutex_lock(&p->wmu);
+/* Milliseconds left until deadline_ns (0: no bound, -1). */
+static int ms_left(int64_t deadline_ns) {
+  if (!deadline_ns) return -1;
+  int64_t left = (deadline_ns - now_ns()) / 1000000;
+  return left < 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
+}
+
+/* Takes the write side by deadline_ns (0: no bound). Under mu; false when the
+ * time passed first. */
+static bool writer_take(pipeline_t *p, int64_t deadline_ns) {
+  while (p->writing) {
+    if (!deadline_ns) {
+      pthread_cond_wait(&p->wr_cv, &p->mu);
+      continue;
+    }
+    struct timespec at = at_ns(deadline_ns);
+    if (pthread_cond_timedwait(&p->wr_cv, &p->mu, &at) == ETIMEDOUT && p->writing) return false;
+  }
+  p->writing = true;
+  return true;
+}
+
+static void writer_give(pipeline_t *p) {
+  p->writing = false;
+  pthread_cond_broadcast(&p->wr_cv);
+}
+
+/* A write failed: the call is over (the reader gets its status) or we ran out
+ * of memory. Nothing more goes out, and waiters give up. Under mu. */
+static void write_failed(pipeline_t *p) {
+  p->write_failed = true;
+  pthread_cond_broadcast(&p->ans_cv);
+}
+
+/* Waits by deadline_ns for a batch left in flight. Under mu, writing. */
+static int collect_in_flight(pipeline_t *p, int64_t deadline_ns) {
+  if (!p->in_flight) return 0;
+  pthread_mutex_unlock(&p->mu);
+  int rc = rpc_stream_write_wait(p->st, ms_left(deadline_ns));
   pthread_mutex_lock(&p->mu);
-  if (!p->nq || p->ended || p->write_failed ||
-      (only_due && now_ns() < p->first_at_ns + p->max_delay_ns)) {
+  if (rc != -2) p->in_flight = false;
+  if (rc == -1) write_failed(p);
+  return rc;
+}
+
+/* Sends the queued batch, if any, by deadline_ns (0: no bound); only_due:
+ * only if its delay has passed (the flusher, which may have waited for the
+ * write side while the batch was cut). 0: sent, or nothing to send; -2: the
+ * time passed first (the batch is in flight, or still queued when an earlier
+ * one was); -1: the stream refused it. */
+static int send_queued(pipeline_t *p, bool only_due, int64_t deadline_ns) {
+  pthread_mutex_lock(&p->mu);
+  if (!writer_take(p, deadline_ns)) {
     pthread_mutex_unlock(&p->mu);
-    pthread_mutex_unlock(&p->wmu);
-    return;
+    return -2;
+  }
+  int rc = collect_in_flight(p, deadline_ns);
+  if (rc != 0 || !p->nq || p->ended || p->write_failed ||
+      (only_due && now_ns() < p->first_at_ns + p->max_delay_ns)) {
+    writer_give(p);
+    pthread_mutex_unlock(&p->mu);
+    return rc;
   }
   rpc_bytes_t *m = rpc_bytes_copy(p->buf, p->len);
   size_t n = p->nq;
   p->len = p->nq = 0;
   p->sent = 0;
+  p->sent_through = p->queued_through;
   /* Counted before the write: the server may answer before it returns, and
    * a caller that saw the answer must see the message counted. */
   p->stats.commands_sent += n;
   p->stats.messages_sent++;
   p->stats.delay_flushes += only_due;
   pthread_mutex_unlock(&p->mu);
-  int rc = m ? rpc_stream_write_raw(p->st, m) : -1;
-  rpc_bytes_free(m);
+  rc = m ? rpc_stream_write_raw_within(p->st, m, ms_left(deadline_ns)) : -1;
+  rpc_bytes_free(m); /* gRPC holds its own reference while in flight */
   pthread_mutex_lock(&p->mu);
-  if (rc != 0) {
+  if (rc == -2) p->in_flight = true;
+  if (rc == -1) {
     p->stats.commands_sent -= n;
     p->stats.messages_sent--;
     p->stats.delay_flushes -= only_due;
-    /* The call is over (the reader gets its status) or we ran out of
-     * memory: either way nothing more goes out, and waiters give up. */
-    p->write_failed = true;
     if (!m) rpc_stream_cancel(p->st);
-    pthread_cond_broadcast(&p->ans_cv);
+    write_failed(p);
   }
+  writer_give(p);
   pthread_mutex_unlock(&p->mu);
-  pthread_mutex_unlock(&p->wmu);
+  return rc;
 }
 
 static void *flusher_main(void *arg) {
@@ -137,7 +196,7 @@ static void *flusher_main(void *arg) {
       continue;
     }
     pthread_mutex_unlock(&p->mu);
-    send_queued(p, true);
+    send_queued(p, true, 0); /* a close cancels the stream if this never ends */
     pthread_mutex_lock(&p->mu);
   }
   pthread_mutex_unlock(&p->mu);
@@ -307,13 +366,13 @@ pipeline_t *pipeline_open(rpc_channel_t *ch, const rpc_md_t *md, size_t nmd, siz
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: out of memory");
     return NULL;
   }
-  pthread_mutex_init(&p->wmu, NULL);
   pthread_mutex_init(&p->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&p->fl_cv, &ca);
   pthread_cond_init(&p->ans_cv, &ca);
+  pthread_cond_init(&p->wr_cv, &ca);
   pthread_condattr_destroy(&ca);
   pipeline_set(p, max_batch, max_delay_us);
   p->cap = 16384;
@@ -343,14 +402,31 @@ void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us) {
   pthread_mutex_unlock(&p->mu);
 }
 
+/* The queued batch must go out before a command of `sent` Literal bytes joins:
+ * it is full, or would carry too many bytes to the agents. Under mu. */
+static bool batch_full(const pipeline_t *p, uint64_t sent) {
+  return p->nq && (p->nq >= p->max_batch || p->len >= PIPELINE_MAX_BYTES ||
+                   (sent && p->sent + sent > PIPELINE_MAX_SENT));
+}
+
 int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
-                   direct_err_t *e) {
+                   int timeout_ms, direct_err_t *e) {
   size_t n = protobuf_c_message_get_packed_size(cmd);
+  int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
   pthread_mutex_lock(&p->mu);
-  while (sent && p->nq && p->sent + sent > PIPELINE_MAX_SENT && !p->ended && !p->write_failed) {
-    pthread_mutex_unlock(&p->mu); /* the batch goes out without this Literal */
-    send_queued(p, false);
+  while (batch_full(p, sent) && !p->ended && !p->write_failed) {
+    pthread_mutex_unlock(&p->mu);
+    int rc = send_queued(p, false, deadline);
     pthread_mutex_lock(&p->mu);
+    if (rc == -2) { /* the server stopped reading: the queue stays bounded */
+      direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                     "pipeline: the server took no batch within %d ms (it is not reading the "
+                     "Submit stream); command seq %llu was not queued, the %zu before it "
+                     "stay queued",
+                     timeout_ms, (unsigned long long)seq, p->nq);
+      pthread_mutex_unlock(&p->mu);
+      return -1;
+    }
   }
   if (p->ended || p->write_failed) {
     ended_error(p, e);
@@ -378,16 +454,16 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
   p->queued_through = seq;
   p->sent += sent;
   p->stats.commands_queued++;
-  bool full = p->nq >= p->max_batch || p->len >= PIPELINE_MAX_BYTES;
+  bool full = batch_full(p, 0);
   pthread_mutex_unlock(&p->mu);
-  if (full) send_queued(p, false);
+  if (full) send_queued(p, false, deadline); /* queued either way: it goes out later */
   return 0;
 }
 
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
   *seq = 0;
-  send_queued(p, false);
   int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
+  send_queued(p, false, deadline);
   int ret = 0;
   pthread_mutex_lock(&p->mu);
   while (p->answered_through < p->queued_through && !p->ended && !p->write_failed) {
@@ -431,6 +507,13 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   } else if (p->answered_through < p->queued_through) {
     if (p->ended || p->write_failed)
       ended_error(p, e);
+    else if (p->sent_through < p->queued_through || p->nq || p->in_flight)
+      direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                     "pipeline: commands up to seq %llu not sent within %d ms: the server is "
+                     "not reading the Submit stream (answered through seq %llu); they stay "
+                     "queued and may still run",
+                     (unsigned long long)p->queued_through, timeout_ms,
+                     (unsigned long long)p->answered_through);
     else
       direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                      "pipeline: commands up to seq %llu not answered within %d ms (answered "
@@ -446,6 +529,13 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   return ret;
 }
 
+bool pipeline_over(pipeline_t *p) {
+  pthread_mutex_lock(&p->mu);
+  bool over = p->ended || p->write_failed;
+  pthread_mutex_unlock(&p->mu);
+  return over;
+}
+
 void pipeline_stats(pipeline_t *p, meshd_pipeline_stats_t *out) {
   pthread_mutex_lock(&p->mu);
   *out = p->stats;
@@ -458,12 +548,19 @@ void pipeline_close(pipeline_t *p, int timeout_ms) {
     direct_err_t e;
     uint64_t seq;
     pipeline_flush(p, timeout_ms, &e, &seq);
-    pthread_mutex_lock(&p->wmu);
-    rpc_stream_close_send(p->st);
-    pthread_mutex_unlock(&p->wmu);
-    /* The server ends the stream once it read the half-close. */
+    /* The half-close goes after what is in flight; a server that still does
+     * not read gets none, and the cancel below ends the call. */
     int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
     pthread_mutex_lock(&p->mu);
+    if (writer_take(p, deadline)) {
+      if (collect_in_flight(p, deadline) == 0 && !p->write_failed) {
+        pthread_mutex_unlock(&p->mu);
+        rpc_stream_close_send(p->st);
+        pthread_mutex_lock(&p->mu);
+      }
+      writer_give(p);
+    }
+    /* The server ends the stream once it read the half-close. */
     while (!p->ended) {
       struct timespec at = at_ns(deadline);
       if (pthread_cond_timedwait(&p->ans_cv, &p->mu, &at) == ETIMEDOUT) break;
@@ -482,8 +579,8 @@ void pipeline_close(pipeline_t *p, int timeout_ms) {
   if (p->st) rpc_stream_destroy(p->st);
   pthread_cond_destroy(&p->fl_cv);
   pthread_cond_destroy(&p->ans_cv);
+  pthread_cond_destroy(&p->wr_cv);
   pthread_mutex_destroy(&p->mu);
-  pthread_mutex_destroy(&p->wmu);
   free(p->buf);
   free(p->rej);
   free(p);

@@ -19,6 +19,7 @@
 #ifndef MESHD_CLIENT_PIPELINE_H
 #define MESHD_CLIENT_PIPELINE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,12 +48,15 @@ void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us);
 /* Queues cmd, whose seq is `seq` (above every seq queued before). `sent`:
  * what cmd, a Literal, sends the agents in all (0 for other commands); the
  * batch goes out first if its Literals would pass PIPELINE_MAX_SENT with it.
- * Sends the batch when it is full. 0, or -1 with e when the stream is over
- * (it says why; nothing more can be queued). */
+ * Sends the batch when it is full. A full batch the server does not take
+ * within timeout_ms (> 0; it stopped reading: flow control) leaves cmd out:
+ * -1 with e (MESHD_E_DEADLINE), so the queue stays bounded. 0, or -1 with e
+ * when the stream is over (it says why; nothing more can be queued). */
 int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
-                   direct_err_t *e);
+                   int timeout_ms, direct_err_t *e);
 
-/* Sends what is queued and waits up to timeout_ms (> 0) for every answer.
+/* Sends what is queued and waits up to timeout_ms (> 0) for every answer
+ * (a server that is not reading leaves the batch queued or in flight).
  * Then hands over the rejections: 0 when there were none; -1 with e naming
  * the first (lowest seq; asynchronous reports, seq 0, after) and how many
  * followed, *seq its seq; the rejections are then forgotten. -1 also when
@@ -60,11 +64,15 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
  * flush waits for them) or the stream ended (*seq 0). */
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq);
 
+/* True once the stream failed or ended: nothing more can be queued. */
+bool pipeline_over(pipeline_t *p);
+
 /* The pipeline's counters. */
 void pipeline_stats(pipeline_t *p, meshd_pipeline_stats_t *out);
 
 /* Flushes (waiting at most timeout_ms), half-closes the stream, waits for its
- * end (cancels it past timeout_ms), joins the threads and frees p.
+ * end (cancels it past timeout_ms), joins the threads and frees p: at most
+ * about twice timeout_ms, even with a server that stopped reading.
  * Rejections not yet handed over are dropped. NULL is ignored. */
 void pipeline_close(pipeline_t *p, int timeout_ms);
 

@@ -516,6 +516,15 @@ int rpc_call_send_raw(rpc_call_t *call, rpc_bytes_t *msg);
 /* rpc_stream_write of a packed message; msg stays the caller's (the call
  * sends a reference to the same bytes). */
 int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg);
+/* rpc_stream_write_raw bounded by timeout_ms (< 0: no bound), for a peer that
+ * may stop reading (flow control): 0 sent, -1 the call is over, -2 the time
+ * passed first. Then the message stays in flight (gRPC holds its own reference
+ * to the bytes) and the next write, or rpc_stream_write_wait, waits for it
+ * before anything else goes out; destroying the stream ends it. */
+int rpc_stream_write_raw_within(rpc_stream_t *s, rpc_bytes_t *msg, int timeout_ms);
+/* Waits within timeout_ms (< 0: no bound) for a write left in flight: 0 it went
+ * out (or none was), -1 the call is over, -2 still in flight. */
+int rpc_stream_write_wait(rpc_stream_t *s, int timeout_ms);
 /* rpc_stream_read of a message left packed: 1 with *out (rpc_bytes_free it),
  * 0 at the end of the stream, -2 on timeout (the read stays armed). */
 int rpc_stream_read_raw(rpc_stream_t *s, rpc_bytes_t **out, int timeout_ms);

@@ -321,8 +321,39 @@ struct rpc_stream {
   bool got_init_md;
   bool status_done;
   bool write_closed;
+  bool write_pending; /* a SEND_MESSAGE batch is started and not yet plucked */
+  grpc_byte_buffer *write_buf; /* its message, destroyed when plucked */
   int t_read, t_write, t_status, t_start;
 };
+
+/* Collects the pending write within timeout_ms (< 0: no bound): 0 it went out
+ * (or none was pending), -1 the call is over, -2 still pending. */
+static int stream_write_collect(rpc_stream_t *s, int timeout_ms) {
+  if (!s->write_pending) return 0;
+  gpr_timespec until = timeout_ms < 0    ? gpr_inf_future(GPR_CLOCK_REALTIME)
+                       : timeout_ms == 0 ? gpr_now(GPR_CLOCK_MONOTONIC)
+                                         : wire_deadline(timeout_ms);
+  grpc_event ev = grpc_completion_queue_pluck(s->cq, &s->t_write, until, NULL);
+  if (ev.type == GRPC_QUEUE_TIMEOUT) return -2;
+  s->write_pending = false;
+  grpc_byte_buffer_destroy(s->write_buf);
+  s->write_buf = NULL;
+  return ev.success ? 0 : -1;
+}
+
+/* Starts one batch on the write tag (after the pending write went out) and
+ * waits for it within timeout_ms (< 0: no bound); buf is taken. */
+static int stream_write_ops(rpc_stream_t *s, grpc_op *ops, size_t n, grpc_byte_buffer *buf,
+                            int timeout_ms) {
+  int rc = stream_write_collect(s, -1);
+  if (rc != 0 || grpc_call_start_batch(s->core.call, ops, n, &s->t_write, NULL) != GRPC_CALL_OK) {
+    grpc_byte_buffer_destroy(buf);
+    return -1;
+  }
+  s->write_pending = true;
+  s->write_buf = buf;
+  return stream_write_collect(s, timeout_ms);
+}
 
 rpc_stream_t *rpc_stream_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
                               size_t nmd, int timeout_ms) {
@@ -357,31 +388,28 @@ int rpc_stream_write(rpc_stream_t *s, const ProtobufCMessage *msg, bool last) {
   ops[n].op = GRPC_OP_SEND_MESSAGE;
   ops[n++].data.send_message.send_message = buf;
   if (last) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-  int rc = -1;
-  if (grpc_call_start_batch(s->core.call, ops, n, &s->t_write, NULL) == GRPC_CALL_OK) {
-    grpc_event ev =
-        grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    rc = ev.success ? 0 : -1;
-  }
+  int rc = stream_write_ops(s, ops, n, buf, -1);
   if (last) s->write_closed = true;
-  grpc_byte_buffer_destroy(buf);
   return rc;
 }
 
 int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg) {
+  return rpc_stream_write_raw_within(s, msg, -1);
+}
+
+int rpc_stream_write_raw_within(rpc_stream_t *s, rpc_bytes_t *msg, int timeout_ms) {
+  int rc = stream_write_collect(s, timeout_ms); /* the one before, first */
+  if (rc != 0) return rc;
   grpc_byte_buffer *buf = grpc_byte_buffer_copy(msg); /* references, not bytes */
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_MESSAGE;
   op.data.send_message.send_message = buf;
-  int rc = -1;
-  if (grpc_call_start_batch(s->core.call, &op, 1, &s->t_write, NULL) == GRPC_CALL_OK) {
-    grpc_event ev =
-        grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    rc = ev.success ? 0 : -1;
-  }
-  grpc_byte_buffer_destroy(buf);
-  return rc;
+  return stream_write_ops(s, &op, 1, buf, timeout_ms);
+}
+
+int rpc_stream_write_wait(rpc_stream_t *s, int timeout_ms) {
+  return stream_write_collect(s, timeout_ms);
 }
 
 int rpc_stream_close_send(rpc_stream_t *s) {
@@ -390,10 +418,7 @@ int rpc_stream_close_send(rpc_stream_t *s) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   s->write_closed = true;
-  if (grpc_call_start_batch(s->core.call, &op, 1, &s->t_write, NULL) != GRPC_CALL_OK) return -1;
-  grpc_event ev =
-      grpc_completion_queue_pluck(s->cq, &s->t_write, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-  return ev.success ? 0 : -1;
+  return stream_write_ops(s, &op, 1, NULL, -1);
 }
 
 /* The read of rpc_stream_read: 1 with *buf, 0 at the end, -2 on timeout. */
@@ -459,6 +484,7 @@ void rpc_stream_destroy(rpc_stream_t *s) {
   if (s->read_pending) {
     grpc_completion_queue_pluck(s->cq, &s->t_read, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   }
+  stream_write_collect(s, -1); /* the call is over: a pending write ends now */
   call_core_free(&s->core); /* the call goes before its queue */
   destroy_cq(s->cq);
   free(s);

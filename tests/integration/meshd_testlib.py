@@ -332,6 +332,17 @@ def alive(pid, starttime):
     return st is not None and st == starttime and proc_state(pid) not in ("Z", "X")
 
 
+def signal_if_alive(pid, starttime, sig):
+    """Sends sig to the process (pid, starttime) if it still runs: not to a
+    later process that got its pid, and no error when it ended meanwhile (a
+    server gave the agent up and reaped it between the check and the kill)."""
+    if alive(pid, starttime):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def poll_delays(first=0.005, most=0.05):
     """Sleep lengths for a polling loop: short at first (a process usually
     starts or ends within milliseconds), then at most `most` seconds."""

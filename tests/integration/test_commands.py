@@ -1121,14 +1121,13 @@ def test_sync_fails_with_agent_lost_when_an_agent_dies(meshd_server):
                     early = fut.result(1.0)
                     pytest.fail(f"Sync answered while the rank-1 agent was stopped: {early}")
                 except concurrent.futures.TimeoutError:
-                    os.kill(victim, signal.SIGKILL)
+                    lib.signal_if_alive(victim, started, signal.SIGKILL)
                 except CommandError:
                     pass   # the server already gave the silent agent up: checked below
                 with pytest.raises(CommandError) as ei:
                     fut.result(40)
         finally:
-            if lib.alive(victim, started):   # not a later process that got its pid
-                os.kill(victim, signal.SIGKILL)
+            lib.signal_if_alive(victim, started, signal.SIGKILL)
         lib.expect_kind(ei.value, "AGENT_LOST", "Sync")
         assert "1" in ei.value.message
     assert srv.proc.poll() is None

@@ -693,8 +693,7 @@ def test_load_progress_names_a_stopped_rank_within_its_deadline(shared_meshd, lo
             r, took = look()
             late, _ = look()  # 2 s on: rank 0 has all its part in (0.65 s), rank 1 still none
         finally:
-            if lib.alive(victim, started):
-                os.kill(victim, signal.SIGCONT)
+            lib.signal_if_alive(victim, started, signal.SIGCONT)
         assert took < 4.0, f"LoadProgress took {took:.1f} s with rank 1 stopped"
         assert [u.rank for u in r.unanswered] == [1], r
         u = r.unanswered[0]
@@ -739,8 +738,7 @@ def test_load_progress_line_names_a_rank_that_gives_no_answer(shared_meshd, load
         out, rest = p.communicate(timeout=60)
         err += rest
     finally:
-        if lib.alive(victim, started):
-            os.kill(victim, signal.SIGCONT)
+        lib.signal_if_alive(victim, started, signal.SIGCONT)
         if p.poll() is None:
             p.kill()
             p.wait()

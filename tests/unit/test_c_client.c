@@ -960,6 +960,81 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
   meshd_close(c);
 }
 
+/* A wedged agent fills the session's queue (--session-max-queued), so the
+ * server stops reading the Submit stream: a pipeline's calls end by the
+ * client's timeout (1 s) instead of hanging in a write, the command that found
+ * no room is not queued (its ref not taken), and once the agent runs every
+ * queued command runs and the session goes on. */
+Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the_timeout) {
+  meshd_err_t err;
+  meshd_client_t *c = meshd_connect(target, 1000, &err);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_session_t *s = meshd_session_open(c, "c-stall", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at1[] = {1};
+  meshd_ref_t m = 0, x = 0, y = 0, last = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_pipeline_options_t po = {.max_batch = 64};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+
+  pid_t pid = agent_pid(1);
+  cr_assert_gt(pid, 0);
+  stop_agent(pid);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
+  meshd_err_t e = MESHD_E_OK;
+  int queued = 0;
+  int64_t took = 0;
+  for (; queued < 200000; queued++) {
+    int64_t t0 = now_ms();
+    e = meshd_session_call(s, "add", args, 2, &y);
+    took = now_ms() - t0;
+    if (e != MESHD_E_OK)
+      break;
+    last = y;
+  }
+  cr_assert_eq(e, MESHD_E_DEADLINE, "after %d commands: %s", queued,
+               meshd_last_error(c)->message);
+  cr_assert_lt(took, 3000, "a call with a 1 s timeout took %lld ms", (long long)took);
+  cr_assert(strstr(meshd_last_error(c)->message, "was not queued"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_gt(queued, 1024, "the server read only %d commands", queued);
+
+  int64_t t0 = now_ms();
+  cr_assert_eq(meshd_session_sync_timeout(s, 1000), MESHD_E_DEADLINE, "%s",
+               meshd_last_error(c)->message);
+  took = now_ms() - t0;
+  cr_assert_lt(took, 3000, "a 1 s sync took %lld ms", (long long)took);
+  cr_assert(strstr(meshd_last_error(c)->message, "not sent within"), "%s",
+            meshd_last_error(c)->message);
+
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  meshd_err_t se = MESHD_E_DEADLINE;
+  for (int i = 0; i < 30 && se == MESHD_E_DEADLINE; i++) /* 2,000 commands on a loaded machine */
+    se = meshd_session_sync_timeout(s, 1000);
+  cr_assert_eq(se, MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_pipeline_stats_t ps;
+  cr_assert_eq(meshd_session_pipeline_stats(s, &ps), MESHD_E_OK);
+  cr_assert_eq(ps.commands_answered, (uint64_t)queued, "%llu of %d answered",
+               (unsigned long long)ps.commands_answered, queued);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, last, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_float_eq(v.values[0], 2.0, 1e-9);
+  meshd_values_free(&v);
+  /* the refused command took no ref: the next one's is fresh */
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK);
+  cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_float_eq(v.values[3], 2.0, 1e-9);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* ------------------------------------------- connect options (no server) */
 
 static char pki[128]; /* make_certs.sh's folder, for the suites below */
@@ -2203,6 +2278,50 @@ Test(c_client_five, a_pipeline_keeps_its_batches_literals_under_the_servers_boun
   cr_assert_eq(uploads_of(s), 0);
   free(data);
   free(back);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+static void start_small_messages(void) {
+  const char *extra[] = {"--max-message-bytes", "64KiB", NULL};
+  start_server_with(extra);
+}
+
+TestSuite(c_client_small_messages, .init = start_small_messages, .fini = stop_server,
+          .timeout = 60);
+
+/* A batch over the server's --max-message-bytes ends the Submit stream: the
+ * next call that needs an answer says so, and setting the pipeline again
+ * opens a new stream, on which the session goes on. */
+Test(c_client_small_messages, setting_a_failed_pipeline_again_opens_a_new_stream) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, x = 0, y = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  meshd_pipeline_options_t po = {.max_batch = 256, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  size_t n = 100000;
+  uint8_t *data = calloc(1, n);
+  int64_t shape[] = {(int64_t)n}, four[] = {4};
+  cr_assert_eq(meshd_session_literal(s, m, "uint8", shape, 1, data, n, NULL, &x), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  cr_assert_neq(meshd_session_sync(s), MESHD_E_OK);
+  cr_assert(strstr(meshd_last_error(c)->message, "Submit stream failed"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_neq(meshd_session_factory(s, m, "ones", four, 1, 0, &y), MESHD_E_OK,
+                "a failed stream took a command");
+
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &y), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(pipe_stats(s).commands_answered, 1, "not a new stream's counters");
+  const char *dims[] = {"gpu"};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, y, dims, (int64_t[]){1}, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_float_eq(v.values[3], 1.0, 1e-9);
+  meshd_values_free(&v);
+  free(data);
   meshd_session_close(s);
   meshd_close(c);
 }

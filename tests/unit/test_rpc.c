@@ -1372,6 +1372,89 @@ Test(rpc_pause, paused_stream_backs_the_client_up) {
   rpc_call_unref(c);
 }
 
+/* A 64 KiB EchoRequest, packed: a writer's reference. */
+static rpc_bytes_t *packed_64k(char *text) {
+  memset(text, 'w', 65536);
+  text[65536] = '\0';
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = text;
+  uint8_t *b = malloc(protobuf_c_message_get_packed_size(&req.base));
+  size_t n = protobuf_c_message_pack(&req.base, b);
+  rpc_bytes_t *m = rpc_bytes_copy(b, n);
+  free(b);
+  return m;
+}
+
+/* Writes 64 KiB messages into a paused stream, each within 150 ms, until one
+ * does not go out in time; returns how many did. */
+static int write_until_stuck(rpc_stream_t *s, rpc_bytes_t *m) {
+  for (int i = 0; i < 64; i++) {
+    int64_t t0 = rpc_now_ms();
+    int rc = rpc_stream_write_raw_within(s, m, 150);
+    if (rc == -2) {
+      cr_assert_lt(rpc_now_ms() - t0, 2000, "a write bounded by 150 ms took %lld ms",
+                   (long long)(rpc_now_ms() - t0));
+      return i;
+    }
+    cr_assert_eq(rc, 0, "write %d: %d", i, rc);
+  }
+  cr_assert_fail("64 messages of 64 KiB went into a paused stream");
+  return -1;
+}
+
+Test(rpc_pause, a_bounded_write_into_a_paused_stream_stays_in_flight_until_reads_resume) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 20000);
+  write_text(s, "pause");
+  expect_reply(s, 1);
+  rpc_call_t *c = take_call();
+  char *text = malloc(65537);
+  rpc_bytes_t *m = packed_64k(text);
+  int went = write_until_stuck(s, m);
+  /* The next writer waits for the one in flight, within its own bound. */
+  int64_t t0 = rpc_now_ms();
+  cr_assert_eq(rpc_stream_write_raw_within(s, m, 100), -2);
+  cr_assert_lt(rpc_now_ms() - t0, 2000);
+  cr_assert_eq(rpc_stream_write_wait(s, 0), -2, "still in flight: nobody reads");
+  cr_assert_eq(atomic_load(&p_received), 1);
+  rpc_call_resume_reads(c);
+  cr_assert_eq(rpc_stream_write_wait(s, 5000), 0, "the write in flight goes once reads resume");
+  cr_assert_eq(rpc_stream_write_raw_within(s, m, 5000), 0);
+  /* Each message once, in order: the one left in flight was not sent twice. */
+  for (int i = 2; i <= went + 3; i++) {
+    EchoReply *rep = NULL;
+    cr_assert_eq(rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000), 1,
+                 "reply %d of %d", i, went + 3);
+    cr_assert_eq(rep->index, i);
+    cr_assert_eq(strlen(rep->text), 65536);
+    free_reply(rep);
+  }
+  cr_assert_eq(atomic_load(&p_received), went + 3);
+  rpc_stream_destroy(s);
+  rpc_bytes_free(m);
+  free(text);
+  rpc_call_unref(c);
+}
+
+Test(rpc_pause, destroying_a_stream_with_a_write_in_flight_ends_it) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 20000);
+  write_text(s, "pause");
+  expect_reply(s, 1);
+  rpc_call_t *c = take_call();
+  char *text = malloc(65537);
+  rpc_bytes_t *m = packed_64k(text);
+  write_until_stuck(s, m);
+  int64_t t0 = rpc_now_ms();
+  rpc_stream_destroy(s); /* cancels: the write in flight fails, nothing waits for the reader */
+  cr_assert_lt(rpc_now_ms() - t0, 2000);
+  int64_t end = rpc_now_ms() + 5000;
+  while (atomic_load(&p_ended) < 1 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(atomic_load(&p_cancelled), 1);
+  rpc_call_resume_reads(c);
+  rpc_call_unref(c);
+  rpc_bytes_free(m);
+  free(text);
+}
+
 Test(rpc_pause, cancel_while_paused_ends_the_call) {
   rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 10000);
   write_text(s, "pause");
