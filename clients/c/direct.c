@@ -601,9 +601,15 @@ static void write_shard(void *arg, size_t i) {
 }
 
 /* FinishUpload with the receipts of the shards that succeeded (none: the
- * server undoes the upload at once). Returns 0 or -1 with st. */
+ * server undoes the upload at once), by the upload's deadline `end` (an undo
+ * gets at least UNDO_MIN_MS, so that the slot is freed now even past it).
+ * Returns 0 or -1 with st. */
+#define UNDO_MIN_MS 1000
 static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
-                         size_t n, rpc_status_t *st) {
+                         size_t n, int64_t end, rpc_status_t *st) {
+  int timeout_ms = left_ms(end);
+  if (n == 0 && timeout_ms < UNDO_MIN_MS)
+    timeout_ms = UNDO_MIN_MS;
   Meshd__V1__FinishUploadRequest fin = MESHD__V1__FINISH_UPLOAD_REQUEST__INIT;
   fin.transfer_id = id;
   fin.receipts = r;
@@ -612,7 +618,7 @@ static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__Writ
   memset(st, 0, sizeof *st);
   grpc_status_code code = rpc_unary(s->ch, TS "FinishUpload", &fin.base,
                                     &meshd__v1__finish_upload_reply__descriptor, &rep, s->md,
-                                    s->nmd, s->timeout_ms, st);
+                                    s->nmd, timeout_ms, st);
   if (rep)
     protobuf_c_message_free_unpacked(rep, NULL);
   st->kind[sizeof st->kind - 1] = '\0';
@@ -629,12 +635,13 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_UPLOAD;
   rq.upload = (Meshd__V1__UploadHeader *)h;
   direct_rc_t rc = DIRECT_FAILED;
+  int64_t end = rpc_now_ms() + s->timeout_ms; /* one deadline for the plan, writes and finish */
   Meshd__V1__PlanTransferReply *p = plan(d, s, &rq, s->timeout_ms, &rc, e);
   if (!p)
     return rc;
   *ref_spent = true;
   size_t n = p->n_shards;
-  upload_t u = {.p = p, .data = data, .per_rank = h->per_rank, .timeout_ms = s->timeout_ms};
+  upload_t u = {.p = p, .data = data, .per_rank = h->per_rank};
   u.each = h->per_rank && n ? bytes / n : bytes;
   u.chans = calloc(n ? n : 1, sizeof *u.chans);
   u.receipts = calloc(n ? n : 1, sizeof *u.receipts);
@@ -646,22 +653,23 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   rpc_status_t st;
   if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !done || !u.hold) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
-    finish_upload(s, p->transfer_id, NULL, 0, &st);
+    finish_upload(s, p->transfer_id, NULL, 0, end, &st);
     rc = DIRECT_FAILED;
     goto out;
   }
   if (n == 0 || (h->per_rank && u.each * n != bytes)) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                    "direct upload: the plan has %zu shards for %zu bytes", n, bytes);
-    finish_upload(s, p->transfer_id, NULL, 0, &st);
+    finish_upload(s, p->transfer_id, NULL, 0, end, &st);
     rc = DIRECT_FAILED;
     goto out;
   }
-  rc = shard_channels(d, s, p, u.chans, "upload", rpc_now_ms() + s->timeout_ms, e);
+  rc = shard_channels(d, s, p, u.chans, "upload", end, e);
   if (rc != DIRECT_DONE) {
-    finish_upload(s, p->transfer_id, NULL, 0, &st); /* undone at once; the slot is free */
+    finish_upload(s, p->transfer_id, NULL, 0, end, &st); /* undone at once; the slot is free */
     goto out;
   }
+  u.timeout_ms = left_ms(end);
   if (direct_parallel(n, write_shard, &u) != 0) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: cannot start a thread per shard");
     rc = DIRECT_FAILED;
@@ -676,7 +684,7 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
     }
   }
   /* Sent even when a shard failed, so that the server undoes the rest now. */
-  if (finish_upload(s, p->transfer_id, done, rc == DIRECT_DONE ? nd : 0, &st) != 0 &&
+  if (finish_upload(s, p->transfer_id, done, rc == DIRECT_DONE ? nd : 0, end, &st) != 0 &&
       rc == DIRECT_DONE) {
     direct_err_status(e, &st, "");
     rc = DIRECT_FAILED;
