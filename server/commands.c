@@ -16,6 +16,10 @@
 
 #define MAX_ARGS 16
 #define MAX_LIST 64
+/* What an agent holds for one Call (agent/run.c MAX_HELD, MAX_LISTS): more is
+ * refused here, not accepted and failed there. */
+#define MAX_TENSORS 64
+#define MAX_LISTS 8
 
 /* ------------------------------------------------------------------ results */
 
@@ -604,19 +608,19 @@ typedef struct call_args {
   op_value_t pos[MAX_ARGS];
   op_kwarg_t kw[MAX_ARGS];
   size_t npos, nkw;
-  obj_t *tensors[MAX_ARGS * 2];     /* every tensor named, for checks */
-  const tensor_meta_t *meta_of[MAX_ARGS * 2]; /* tensors[i]'s dtype and layout */
-  const char *names[MAX_ARGS * 2];
+  obj_t *tensors[MAX_TENSORS]; /* every tensor named, list entries too, for checks */
+  const tensor_meta_t *meta_of[MAX_TENSORS]; /* tensors[i]'s dtype and layout */
+  const char *names[MAX_TENSORS];
   size_t ntensors;
   tensor_meta_t metas[MAX_ARGS * 2]; /* unpacked for the op's checks: a tensor argument's */
   size_t nmetas;
-  const tensor_meta_t *lists[MAX_ARGS][MAX_LIST];
-  tensor_meta_t *list_metas[MAX_ARGS]; /* a list argument's, malloc'd */
+  const tensor_meta_t *lists[MAX_LISTS][MAX_LIST];
+  tensor_meta_t *list_metas[MAX_LISTS]; /* a list argument's, malloc'd */
   size_t nlists;
-  char labels[MAX_ARGS * 2][48];
+  char labels[MAX_TENSORS][48];
 } call_args_t;
 
-/* A Call's arguments, about 29 KiB: one per thread (runtime.h), as cmd_call
+/* A Call's arguments, some tens of KiB: one per thread (runtime.h), as cmd_call
  * does not recurse. NULL out of memory. */
 static call_args_t *call_args_get(void) {
   static runtime_scratch_t scratch = RUNTIME_SCRATCH_INIT(sizeof(call_args_t));
@@ -640,8 +644,9 @@ static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, c
   memset(v, 0, sizeof *v);
   switch (a->value_case) {
     case MESHD__V1__ARG__VALUE_REF: {
-      if (ca->ntensors == MAX_ARGS * 2)
-        return error_set(e, ERR_BAD_ARGUMENT, "%s: too many tensor arguments", cmd);
+      if (ca->ntensors == MAX_TENSORS)
+        return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: at most %d tensors in all, lists included",
+                         cmd, label, MAX_TENSORS);
       obj_t *t = check_tensor(o, cmd, label, a->ref, e);
       if (!t) return -1;
       snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", label);
@@ -652,9 +657,15 @@ static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, c
       return 0;
     }
     case MESHD__V1__ARG__VALUE_REFS: {
-      if (ca->nlists == MAX_ARGS || a->refs->n_refs > MAX_LIST)
+      if (a->refs->n_refs > MAX_LIST)
         return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: at most %d tensors in a list", cmd, label,
                          MAX_LIST);
+      if (ca->nlists == MAX_LISTS)
+        return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: at most %d tensor-list arguments", cmd,
+                         label, MAX_LISTS);
+      if (a->refs->n_refs > MAX_TENSORS - ca->ntensors)
+        return error_set(e, ERR_BAD_ARGUMENT, "%s: %s: at most %d tensors in all, lists included",
+                         cmd, label, MAX_TENSORS);
       const tensor_meta_t **list = ca->lists[ca->nlists];
       tensor_meta_t *metas = malloc(sizeof *metas * (a->refs->n_refs ? a->refs->n_refs : 1));
       if (!metas) return error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
@@ -665,12 +676,10 @@ static int resolve_arg(objects_t *o, const char *cmd, const Meshd__V1__Arg *a, c
         obj_t *t = check_tensor(o, cmd, item, a->refs->refs[i], e);
         if (!t) return -1;
         list[i] = obj_meta(t, &metas[i]);
-        if (ca->ntensors < MAX_ARGS * 2) {
-          snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", item);
-          ca->names[ca->ntensors] = ca->labels[ca->ntensors];
-          ca->meta_of[ca->ntensors] = list[i];
-          ca->tensors[ca->ntensors++] = t;
-        }
+        snprintf(ca->labels[ca->ntensors], sizeof ca->labels[0], "%s", item);
+        ca->names[ca->ntensors] = ca->labels[ca->ntensors];
+        ca->meta_of[ca->ntensors] = list[i];
+        ca->tensors[ca->ntensors++] = t; /* every entry is checked like any argument */
       }
       v->kind = VAL_TENSORS;
       v->tensors = list;
@@ -763,7 +772,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
     goto out;
   }
   /* Which tensors the op writes: the parameters in inf.mutates. */
-  tensor_use_t uses[MAX_ARGS * 2];
+  tensor_use_t uses[MAX_TENSORS];
   for (size_t i = 0; i < ca->ntensors; i++) uses[i] = (tensor_use_t){ca->tensors[i], ca->names[i], false};
   for (int p = 0; p < args.nparams; p++) {
     if (args.v[p].kind != VAL_TENSOR || !param_mutated(&inf, p)) continue;

@@ -165,10 +165,10 @@ void emit_load(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh, c
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
                obj_t *const *results, size_t nresults, const op_infer_t *inf) {
-  spec_buf_t in_specs[32], out_specs[OP_MAX_RESULTS];
-  spec_t *in_ptrs[32], *out_ptrs[OP_MAX_RESULTS];
+  spec_buf_t in_specs[64], out_specs[OP_MAX_RESULTS]; /* commands.c: at most 64 inputs */
+  spec_t *in_ptrs[64], *out_ptrs[OP_MAX_RESULTS];
   uint64_t mutates[OP_MAX_RESULTS];
-  if (ninputs > 32) ninputs = 32;
+  if (ninputs > 64) ninputs = 64;
   for (size_t i = 0; i < ninputs; i++) in_ptrs[i] = spec_of(&in_specs[i], inputs[i]);
   for (size_t i = 0; i < nresults; i++) out_ptrs[i] = spec_of(&out_specs[i], results[i]);
   Meshd__Agent__V1__OpCall op = MESHD__AGENT__V1__OP_CALL__INIT;

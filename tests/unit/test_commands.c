@@ -937,6 +937,42 @@ Test(commands, call_rejections_by_kind) {
   expect_ref_free(20);
 }
 
+/* Every entry of a tensor list is checked like any argument, the 40th too (the
+ * server once tracked only the first 32: a later entry on another mesh or
+ * stream, or mutably borrowed, reached the agents); more tensors than an agent
+ * holds for one call (64 in all, 8 lists) are refused here. */
+Test(commands, call_checks_every_list_entry) {
+  uint64_t refs[65];
+  for (int i = 0; i < 65; i++) {
+    refs[i] = 100 + (uint64_t)i;
+    ZEROS(refs[i], 1);
+  }
+  zeros(200, SUB, STREAM_MAIN, 0, I64(1), 1);
+  zeros(201, ROOT, SIDE, 0, I64(1), 1);
+  ZEROS(202, 1);
+  ok(borrow(203, 202, SIDE, true, 204)); /* 202 mutably borrowed onto side */
+  uint64_t list[40];
+  memcpy(list, refs, sizeof list);
+  list[39] = 200;
+  REJECT(CALL("cat", STREAM_MAIN, ARGS(arefs_(list, 40)), RES(300)), ERR_WRONG_MESH,
+         "argument 'tensors'[39] (tensor 200) is on mesh 2");
+  list[39] = 201;
+  REJECT(CALL("cat", STREAM_MAIN, ARGS(arefs_(list, 40)), RES(300)), ERR_WRONG_STREAM,
+         "argument 'tensors'[39] (tensor 201) is on stream 'side'");
+  list[39] = 202;
+  REJECT(CALL("cat", STREAM_MAIN, ARGS(arefs_(list, 40)), RES(300)), ERR_BORROWED,
+         "tensor 202");
+  REJECT(CALL("cat", STREAM_MAIN, ARGS(arefs_(refs, 65)), RES(300)), ERR_BAD_ARGUMENT,
+         "at most 64 tensors in a list");
+  REJECT(call_full("add", STREAM_MAIN, ARGS(aref(100), aref(101)),
+                   KWARGS(kw("alpha", arefs_(refs, 63))), RES(300)),
+         ERR_BAD_ARGUMENT, "at most 64 tensors in all, lists included");
+  expect_ref_free(300);
+  ok(CALL("cat", STREAM_MAIN, ARGS(arefs_(refs, 64)), RES(300)));
+  tensor_meta_t m;
+  cr_assert_eq(obj_meta(objects_get(objs, 300), &m)->layout.sizes[0], 64);
+}
+
 Test(commands, call_borrow_checks) {
   ZEROS(10, 4);
   ZEROS(11, 4);
