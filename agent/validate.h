@@ -25,13 +25,15 @@
 #include "error_kind.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "ops.h"
+#include "reduction.h"
 
 /* Session ids are the server's 32 hex characters; an agent takes up to 63. */
 #define VALIDATE_SESSION_ID_MAX 63
 /* World ranks an agent accepts in a group, a send or a PeerLost. */
 #define VALIDATE_RANK_MAX ((uint32_t)1 << 20)
-/* Members of one collective group (the data plane's limit). */
-#define VALIDATE_GROUP_MAX 256
+/* Members of one collective group (the data plane's limit; the server's
+ * checks take the same bound). */
+#define VALIDATE_GROUP_MAX REDUCE_GROUP_MAX
 /* A data plane "host:port". */
 #define VALIDATE_ADDRESS_MAX 255
 /* Positional and keyword arguments of one OpCall, tensors in one argument list. */

@@ -1034,6 +1034,8 @@ static int cmd_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
   if (layout_contiguous(&rm.layout, im.layout.sizes, im.layout.ndim, dtype_size(rm.dtype), "ToMesh", e))
     return -1;
   uint64_t ranks = (uint64_t)mesh_len(dst);
+  /* The senders too: a lost one would leave its receivers waiting. */
+  if (command_check_mesh_alive(fe->pool, &src, cmd, e)) return -1;
   if (check_room(fe, s, o, dst, cmd, meta_nbytes(&rm), e)) return -1;
   obj_t *res = objects_new_tensor(o, t->ref, &rm, dst->ref, t->dst_stream, ranks);
   if (!res) return error_set(e, ERR_QUOTA, "ToMesh: out of memory on the server");

@@ -8,6 +8,7 @@
 
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
+#include "reduction.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 typedef Meshd__Agent__V1__TensorSpec spec_t;
@@ -356,6 +357,15 @@ out:
   free(addr_buf);
 }
 
+size_t emit_chain_pieces(size_t n) {
+  return (n + REDUCE_GROUP_MAX - 2) / (REDUCE_GROUP_MAX - 1);
+}
+
+size_t emit_chain_piece_len(size_t n, size_t k) {
+  size_t pieces = emit_chain_pieces(n);
+  return n / pieces + (k < n % pieces);
+}
+
 void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
                   const obj_t *in, const obj_t *res) {
   spec_buf_t in_buf, res_buf;
@@ -381,7 +391,11 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
       for (size_t j = i; j < n; j++)
         if (!done[j] && froms[j] == from && dranks[j] != from) chain[nchain++] = dranks[j];
       if (nchain >= 2) {
-        emit_broadcast(fe, s, o, in, res, in_spec, res_spec, from, chain, nchain);
+        for (size_t k = 0, at = 0; k < emit_chain_pieces(nchain); k++) {
+          size_t len = emit_chain_piece_len(nchain, k);
+          emit_broadcast(fe, s, o, in, res, in_spec, res_spec, from, chain + at, len);
+          at += len;
+        }
         for (size_t j = i; j < n; j++)
           if (froms[j] == from && dranks[j] != from) done[j] = true;
         continue;

@@ -29,6 +29,13 @@ void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                  const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,
                  const obj_t *res, const int *dims, int ndims);
+/* A broadcast chain is one collective group with its source: a chain of n
+ * destinations goes as emit_chain_pieces(n) chains, one after another, piece
+ * k of emit_chain_piece_len(n, k) destinations: each group within
+ * REDUCE_GROUP_MAX members, each piece (n >= 2) at least 2 destinations. */
+size_t emit_chain_pieces(size_t n);
+size_t emit_chain_piece_len(size_t n, size_t k);
+
 void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src, const mesh_t *dst,
                   const obj_t *in, const obj_t *res);
 void emit_borrow(frontend_t *fe, session_t *s, objects_t *o, const obj_t *borrow, const obj_t *origin,

@@ -79,6 +79,12 @@ int reduce_infer(const reduce_args_t *a, tensor_meta_t *result, meshd_error_t *e
                      "one dim at a time",
                      stack ? "stack" : "scatter", a->ndims,
                      a->dims_named ? "as named" : "all dims of the mesh");
+  if (a->group > REDUCE_GROUP_MAX)
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "Reduce: the group has %lld ranks (%s); a collective runs on at most %d: "
+                     "reduce over a sub-mesh, then across the partial results",
+                     (long long)a->group, a->dims_named ? "the dims named" : "all dims of the mesh",
+                     REDUCE_GROUP_MAX);
   const tensor_meta_t *im = a->input;
   if (reduction_check_dtype(r, im->dtype, err) != 0) {
     if (err) error_prefix(err, "Reduce", ": ");
@@ -108,6 +114,16 @@ int reduce_infer(const reduce_args_t *a, tensor_meta_t *result, meshd_error_t *e
   }
   tensor_meta_t rm = *im;
   if (layout_contiguous(&rm.layout, sizes, nd, dtype_size(im->dtype), "Reduce", err)) return -1;
+  /* Each result element is written once: not into memory several elements
+   * share (an expand), as torch's in-place ops refuse too. */
+  if (a->inplace && layout_has_internal_overlap(il))
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "Reduce: in place into a tensor whose elements share memory (an expanded "
+                     "view); clone it first");
+  if (a->out && layout_has_internal_overlap(&a->out->layout))
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "Reduce: out is a tensor whose elements share memory (an expanded view); "
+                     "clone it first");
   if (a->inplace && !same_shape(sizes, nd, il->sizes, il->ndim))
     return error_set(err, ERR_BAD_ARGUMENT,
                      "Reduce: in-place is only possible when the result has the input's shape; %s "

@@ -83,6 +83,10 @@ bool reduction_dtype_ok(reduction_t r, dtype_t dtype);
  * (naming both and what to do) when the rule refuses the dtype. */
 int reduction_check_dtype(reduction_t r, dtype_t dtype, meshd_error_t *err);
 
+/* Members of one collective group (a Reduce's, a broadcast chain's): what an
+ * agent's data plane runs (agent/validate.h takes the same bound). */
+#define REDUCE_GROUP_MAX 256
+
 /* A Reduce command as the checks see it. */
 typedef struct reduce_args {
   reduction_t reduction;

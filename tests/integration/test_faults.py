@@ -138,6 +138,12 @@ def test_a_lost_agent_fails_only_its_sessions_at_once_and_the_pool_recovers(mesh
         with pytest.raises(FetchError) as e:
             fetch(a, xa, gpu=2)
         assert e.value.kind == "AGENT_LOST", e.value
+        # A ToMesh whose sender is the lost rank is refused too, although its
+        # receiver (a new mesh on a survivor) is healthy.
+        one = a.mesh(host=1).ref
+        with pytest.raises(lib.CommandError) as e:
+            a.run(lib.to_mesh(a.new_ref(), xa, one, selection={"gpu": 2}))
+        assert e.value.kind == "AGENT_LOST" and "2" in e.value.message, e.value
         # The pool recovers: a new session computes on every rank soon after
         # the replacement registers.
         t_reg = _replaced(a, 2, old_id)

@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include "commands.h"
+#include "emit.h"
+#include "reduction.h"
 #include "log.h"
 #include "rpc.h"
 
@@ -1213,6 +1215,24 @@ Test(commands, to_mesh_moves_and_broadcasts) {
   ok(TO_MESH(.ref = 15, .input = 14, .dst_mesh = SUB, .sel = {sel_index("host", 0)}));
   expect_meta(result(0), 15, DTYPE_FLOAT32, SUB, STREAM_MAIN);
   EXPECT_SHAPE(result(0), 5);
+}
+
+/* A broadcast to more destinations than one collective group holds goes as
+ * several chains, each a group the agents run (they refuse more than
+ * REDUCE_GROUP_MAX members), none a lone destination. */
+Test(commands, long_broadcast_chains_split_into_groups_the_agents_run) {
+  cr_assert_eq(emit_chain_pieces(2), 1);
+  cr_assert_eq(emit_chain_pieces(REDUCE_GROUP_MAX - 1), 1);
+  cr_assert_eq(emit_chain_pieces(REDUCE_GROUP_MAX), 2);
+  for (size_t n = 2; n <= 3000; n++) {
+    size_t sum = 0;
+    for (size_t k = 0; k < emit_chain_pieces(n); k++) {
+      size_t len = emit_chain_piece_len(n, k);
+      cr_assert(len >= 2 && len + 1 <= REDUCE_GROUP_MAX, "n %zu piece %zu: %zu", n, k, len);
+      sum += len;
+    }
+    cr_assert_eq(sum, n);
+  }
 }
 
 Test(commands, to_mesh_rejections) {

@@ -107,6 +107,37 @@ Test(reduction, result_shapes_of_the_four_collectives) {
   expect_shape(&res, 3, (int64_t[]){4, 4, 3});
 }
 
+/* What a server accepts, its agents run: a group beyond the data plane's
+ * REDUCE_GROUP_MAX is refused (agents refused it at run time), and so is a
+ * result written into memory its elements share (an expanded view), in place
+ * or as `out`, which would keep only the last of several values. */
+Test(reduction, groups_over_the_bound_and_overlapping_results_are_refused) {
+  int64_t s[1] = {4};
+  tensor_meta_t in = meta(DTYPE_FLOAT32, 1, s), res;
+  meshd_error_t e = {0};
+  reduce_args_t a = {.reduction = RED_SUM, .input = &in, .group = REDUCE_GROUP_MAX, .ndims = 1};
+  cr_assert_eq(reduce_infer(&a, &res, &e), 0, "%s", e.msg);
+  a.group = REDUCE_GROUP_MAX + 1;
+  cr_assert_eq(reduce_infer(&a, &res, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  cr_assert(strstr(e.msg, "the group has 257 ranks"), "%s", e.msg);
+
+  tensor_meta_t expanded = in; /* [4] viewing one element */
+  expanded.layout.strides[0] = 0;
+  a = (reduce_args_t){.reduction = RED_SUM, .inplace = true, .input = &expanded, .group = 2,
+                      .ndims = 1};
+  cr_assert_eq(reduce_infer(&a, &res, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  cr_assert(strstr(e.msg, "in place into a tensor whose elements share memory"), "%s", e.msg);
+  a = (reduce_args_t){.reduction = RED_SUM, .input = &in, .out = &expanded, .group = 2,
+                      .ndims = 1};
+  cr_assert_eq(reduce_infer(&a, &res, &e), -1);
+  cr_assert(strstr(e.msg, "out is a tensor whose elements share memory"), "%s", e.msg);
+  a.input = &expanded; /* reading shared memory is fine */
+  a.out = &in;
+  cr_assert_eq(reduce_infer(&a, &res, &e), 0, "%s", e.msg);
+}
+
 Test(reduction, the_checks_name_what_is_wrong) {
   int64_t s[2] = {4, 3};
   tensor_meta_t in = meta(DTYPE_FLOAT32, 2, s), res;
