@@ -37,7 +37,10 @@
  * for long. */
 #define DP_UNPROVEN_MAX 64
 #define DP_HELLO_MS 5000 /* to send a complete hello (or timeout_ms, if shorter) */
-#define DP_ADDR_MAX 96
+/* A peer's "host:port" and its NUL: what an instruction may name (agent/validate.h
+ * VALIDATE_ADDRESS_MAX, 255; Kubernetes service names run past 90). Shorter,
+ * a long address was cut: no link matched it again, and no loss was seen. */
+#define DP_ADDR_MAX 256
 #define DP_DEAD_MAX 32 /* peers declared lost that calls in progress still check */
 /* A broadcast of this many bytes or more goes to a same-host member as one
  * shared-memory frame (shm.c) instead of its bytes. */

@@ -36,21 +36,27 @@ typedef struct world {
   size_t n;
   dataplane_t *dp[MAXN];
   uint32_t ranks[MAXN];
-  char addr_buf[MAXN][64];
+  char addr_buf[MAXN][300];
   const char *addrs[MAXN];
 } world_t;
 
-static void world_start(world_t *w, size_t n, int timeout_ms) {
+/* n data planes advertising host (NULL: 127.0.0.1). */
+static void world_start_at(world_t *w, size_t n, int timeout_ms, const char *host) {
   memset(w, 0, sizeof *w);
   w->n = n;
+  host = host ? host : "127.0.0.1";
   for (size_t i = 0; i < n; i++) {
     meshd_error_t err = {0};
     w->ranks[i] = 10 + (uint32_t)i;
-    w->dp[i] = dataplane_start("127.0.0.1", w->ranks[i], timeout_ms, &err);
+    w->dp[i] = dataplane_start(host, w->ranks[i], timeout_ms, &err);
     cr_assert(w->dp[i], "dataplane_start: %s", err.msg);
-    snprintf(w->addr_buf[i], sizeof w->addr_buf[i], "127.0.0.1:%d", dataplane_port(w->dp[i]));
+    snprintf(w->addr_buf[i], sizeof w->addr_buf[i], "%s:%d", host, dataplane_port(w->dp[i]));
     w->addrs[i] = w->addr_buf[i];
   }
+}
+
+static void world_start(world_t *w, size_t n, int timeout_ms) {
+  world_start_at(w, n, timeout_ms, NULL);
 }
 
 static void world_stop(world_t *w) {
@@ -1061,6 +1067,58 @@ static void expect_twos(job_t *jobs, size_t n, const char *ctx) {
  * of 1000s made a victim's allreduce 1001. Now the hello must prove the
  * secret: a wrong mac, no mac, or the old hello are closed unread, counted,
  * and the members' allreduce is 2. */
+/* Peers named by addresses as long as an instruction may carry (255
+ * characters: Kubernetes names run past 90; here a 240-character numeric
+ * host for 127.0.0.1): collectives run, kept links are reused, and a peer
+ * declared lost by that address ends the calls waiting on it at once. (The
+ * data plane kept 95 characters: longer hosts were never dialed, longer
+ * addresses never matched a loss.) */
+Test(dataplane, peers_with_addresses_of_255_characters, .timeout = 60) {
+  char host[241];
+  memset(host, '0', 231);
+  strcpy(host + 231, "177.0.0.1"); /* octal 0177: 127.0.0.1 */
+  world_t w;
+  world_start_at(&w, 3, 20000, host);
+  cr_assert_geq(strlen(w.addrs[0]), 246);
+  size_t count = 4096;
+  job_t jobs[MAXN];
+  for (uint64_t call = 1; call <= 2; call++) {
+    sum_jobs(jobs, &w, 3, 91, call, count, count);
+    run_jobs(jobs, 3);
+    for (size_t r = 0; r < 3; r++) {
+      cr_assert_eq(jobs[r].rc, 0, "call %llu, member %zu: %s", (unsigned long long)call, r,
+                   jobs[r].err.msg);
+      expect_reduced(DTYPE_FLOAT32, RED_SUM, 3, jobs[r].in, count, 1000 * call, "long address");
+      free(jobs[r].in);
+    }
+  }
+  size_t links = dataplane_links(w.dp[0]);
+  cr_assert_gt(links, 0);
+  sum_jobs(jobs, &w, 3, 91, 3, count, count);
+  run_jobs(jobs, 3);
+  for (size_t r = 0; r < 3; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "%s", jobs[r].err.msg);
+    free(jobs[r].in);
+  }
+  cr_assert_eq(dataplane_links(w.dp[0]), links, "the kept links were not reused");
+
+  job_t j = {.w = &w, .me = 0, .comm = 92, .kind = K_ALLREDUCE, .dtype = DTYPE_FLOAT32,
+             .op = RED_SUM, .count = 16};
+  j.in = calloc(16, 4);
+  pthread_t th;
+  pthread_create(&th, NULL, job_main, &j); /* member 2 never joins */
+  usleep(300 * 1000);
+  int64_t t0 = now_ms();
+  dataplane_peer_lost(w.dp[0], w.addrs[2], w.ranks[2], "was lost (long address)");
+  pthread_join(th, NULL);
+  cr_assert_eq(j.rc, -1);
+  cr_assert_eq(j.err.kind, ERR_AGENT_LOST, "%s", j.err.msg);
+  cr_assert_lt(now_ms() - t0, 1000, "the loss ended the wait after %lld ms",
+               (long long)(now_ms() - t0));
+  free(j.in);
+  world_stop(&w);
+}
+
 Test(dataplane_security, a_stranger_with_a_wrong_or_missing_proof_is_closed_before_any_payload,
      .timeout = 30) {
   world_t w;
