@@ -1059,6 +1059,8 @@ static int cmd_borrow(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   if (borrow_create(o, b->borrow, b->ref, in, b->stream, b->mutable_, e)) return -1;
   claim_refs(s, refs, 2);
   obj_t *handle = objects_get(o, b->ref);
+  obj_t *ins[1] = {in};
+  inherit_failure(o, handle, first_failed(ins, 1), out->res.seq); /* as the agents do */
   emit_borrow(fe, s, o, objects_get(o, b->borrow), in, handle, false);
   return add_tensor(out, handle);
 }

@@ -362,15 +362,24 @@ void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind
                          uint64_t root_seq, const char *msg) {
   if (!msg) msg = "";
   size_t len = strlen(msg);
-  for (obj_t *it = t->tensor.storage->aliases; it; it = it->tensor.next_alias) {
-    if (it->state != TENSOR_LIVE) continue;
-    it->state = TENSOR_FAILED;
-    it->tensor.state_seq = seq;
-    free(it->tensor.fail);
-    it->tensor.fail = malloc(sizeof *it->tensor.fail + len + 1);
-    if (!it->tensor.fail) continue; /* obj_fail_* say so */
-    it->tensor.fail->kind = kind;
-    it->tensor.fail->root_seq = root_seq;
-    memcpy(it->tensor.fail->msg, msg, len + 1);
+  /* Every view of the storage, and through a mutable borrow the origin's
+   * (the agents' handle is the origin's memory: Monarch fails the origin when
+   * the borrow ends), borrows of borrows too. */
+  for (storage_t *st = t->tensor.storage; st;) {
+    for (obj_t *it = st->aliases; it; it = it->tensor.next_alias) {
+      if (it->state != TENSOR_LIVE) continue;
+      it->state = TENSOR_FAILED;
+      it->tensor.state_seq = seq;
+      free(it->tensor.fail);
+      it->tensor.fail = malloc(sizeof *it->tensor.fail + len + 1);
+      if (!it->tensor.fail) continue; /* obj_fail_* say so */
+      it->tensor.fail->kind = kind;
+      it->tensor.fail->root_seq = root_seq;
+      memcpy(it->tensor.fail->msg, msg, len + 1);
+    }
+    const obj_t *b = st->borrow ? objects_get(o, st->borrow) : NULL;
+    st = b && b->kind == OBJ_BORROW && b->borrow.is_mutable && b->borrow.result_storage == st
+             ? b->borrow.origin_storage
+             : NULL;
   }
 }

@@ -1069,6 +1069,33 @@ Test(commands, readers_of_a_failed_tensor_fail_with_dependent_failure) {
   /* a command not touching the failed tensor is unaffected */
   ok(CALL("neg", STREAM_MAIN, ARGS(aref(11)), RES(25)));
   expect_meta(result(0), 25, DTYPE_FLOAT32, ROOT, STREAM_MAIN);
+  /* a borrow of a failed tensor: its handle is failed too */
+  ok(borrow(125, 10, SIDE, false, 126));
+  cr_assert_eq(result(0)->state, MESHD__V1__TENSOR_STATE__TENSOR_STATE_FAILED);
+  cr_assert_eq((int)result(0)->error->kind, ERR_DEPENDENT_FAILURE);
+  cr_assert_eq(result(0)->error->seq, 40);
+  /* a mutable borrow's handle mutated with a failed input fails its origin
+   * (the same memory on the agents), through a borrow of the borrow too */
+  ZEROS(127, 2, 3);
+  ok(borrow(128, 127, SIDE, true, 129));
+  ok(borrow(130, 128, STREAM_MAIN, true, 131));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(130), aref(10)), NORES));
+  cr_assert_eq(state_of(130), TENSOR_FAILED);
+  cr_assert_eq(state_of(128), TENSOR_FAILED, "the borrowed handle failed with its borrow's");
+  cr_assert_eq(state_of(127), TENSOR_FAILED, "the origin failed with its mutable borrow's handle");
+  ok(drop_borrow(131));
+  ok(drop_borrow(129));
+  ok(describe(127));
+  cr_assert_eq((int)result(0)->error->kind, ERR_DEPENDENT_FAILURE);
+  cr_assert_eq(result(0)->error->seq, 40);
+  /* a read borrow's origin is not failed by its handle's readers */
+  ZEROS(134, 2, 3);
+  ok(borrow(135, 134, SIDE, false, 136));
+  ok(CALL("add", SIDE, ARGS(aref(135), aref(125)), RES(137)));
+  cr_assert_eq(state_of(137), TENSOR_FAILED);
+  cr_assert_eq(state_of(134), TENSOR_LIVE);
+  ok(drop_borrow(136));
+  ok(drop_borrow(126));
 }
 
 /* ------------------------------------------------------------------ reduce */
