@@ -193,7 +193,6 @@ void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   send_to_mesh(fe, o, mesh, &ins);
 }
 
-#define COMM_SECRET_LEN 32 /* the agents' DP_SECRET_LEN */
 
 /* HMAC-SHA256(s->comm_key, `len` bytes). false only if OpenSSL fails. */
 static bool keyed(const session_t *s, const uint8_t *msg, size_t len, uint8_t out[32]) {
@@ -205,7 +204,7 @@ static bool keyed(const session_t *s, const uint8_t *msg, size_t len, uint8_t ou
  * key over `parts` (which clients choose), so that no client can steer its
  * comm_id onto another session's. Falls back to FNV-1a if OpenSSL fails. */
 static uint64_t comm_id_of(const session_t *s, const uint64_t *parts, size_t n) {
-  uint8_t msg[8 * 4], mac[32];
+  uint8_t msg[8 * 8], mac[32]; /* every part: a broadcast's fifth, its source, was left out */
   size_t len = 0;
   for (size_t i = 0; i < n && len + 8 <= sizeof msg; i++)
     for (int b = 0; b < 8; b++) msg[len++] = (uint8_t)(parts[i] >> (8 * b));
@@ -219,15 +218,15 @@ static uint64_t comm_id_of(const session_t *s, const uint64_t *parts, size_t n) 
   return h;
 }
 
-/* The secret the members of comm_id prove to each other on the data plane:
- * HMAC-SHA256(comm_key, comm_id as 8 little-endian bytes). Derived again
- * whenever needed, stored nowhere. false (and zeros, which agents reject as
- * no proof of anything secret) if OpenSSL fails. */
-static bool comm_secret(const session_t *s, uint64_t comm_id, uint8_t out[COMM_SECRET_LEN]) {
-  uint8_t msg[8];
-  for (int b = 0; b < 8; b++) msg[b] = (uint8_t)(comm_id >> (8 * b));
-  if (keyed(s, msg, sizeof msg, out)) return true;
-  memset(out, 0, COMM_SECRET_LEN);
+bool emit_group_secret(const session_t *s, uint64_t comm_id, const uint32_t *ranks, size_t n,
+                       uint8_t out[EMIT_SECRET_LEN]) {
+  uint8_t msg[8 + 4 * REDUCE_GROUP_MAX];
+  size_t len = 0;
+  for (int b = 0; b < 8; b++) msg[len++] = (uint8_t)(comm_id >> (8 * b));
+  for (size_t i = 0; i < n && n <= REDUCE_GROUP_MAX; i++)
+    for (int b = 0; b < 4; b++) msg[len++] = (uint8_t)(ranks[i] >> (8 * b));
+  if (n <= REDUCE_GROUP_MAX && keyed(s, msg, len, out)) return true;
+  memset(out, 0, EMIT_SECRET_LEN);
   log_error("emit", "session %.8s: cannot derive the data plane secret of comm %llu", s->id,
             (unsigned long long)comm_id);
   return false;
@@ -273,8 +272,7 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id(s, mesh->ref, mask, r->stream);
   g.call = ++o->calls;
-  uint8_t secret[COMM_SECRET_LEN];
-  if (comm_secret(s, g.comm_id, secret)) g.secret = (ProtobufCBinaryData){sizeof secret, secret};
+  uint8_t secret[EMIT_SECRET_LEN];
   g.ranks = group;
   g.n_ranks = (size_t)group_size;
   g.addresses = addrs;
@@ -304,6 +302,10 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
       agent_pool_data_address(fe->pool, group[k], addrs[k], EMIT_ADDR_MAX);
       if (target && mesh_contains(target, group[k])) op.root = (uint32_t)k; /* one per group */
     }
+    /* The groups of one Reduce share its comm_id; each proves its own secret. */
+    g.secret = emit_group_secret(s, g.comm_id, group, (size_t)group_size, secret)
+                   ? (ProtobufCBinaryData){sizeof secret, secret}
+                   : (ProtobufCBinaryData){0, NULL};
     send_to(fe, o, ranks[i], &ins);
   }
 out:
@@ -334,8 +336,9 @@ static void emit_broadcast(frontend_t *fe, session_t *s, objects_t *o, const obj
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id_of(s, parts, 5);
   g.call = ++o->calls;
-  uint8_t secret[COMM_SECRET_LEN];
-  if (comm_secret(s, g.comm_id, secret)) g.secret = (ProtobufCBinaryData){sizeof secret, secret};
+  uint8_t secret[EMIT_SECRET_LEN];
+  if (emit_group_secret(s, g.comm_id, ranks, n, secret))
+    g.secret = (ProtobufCBinaryData){sizeof secret, secret};
   g.ranks = ranks;
   g.n_ranks = n;
   g.addresses = addrs;
@@ -419,8 +422,10 @@ void emit_to_mesh(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *src,
       continue;
     }
     char peer[EMIT_ADDR_MAX];
-    uint8_t secret[COMM_SECRET_LEN];
-    if (comm_secret(s, st.comm_id, secret)) st.secret = (ProtobufCBinaryData){sizeof secret, secret};
+    /* The channel is the session's; the secret is this pair's alone. */
+    uint8_t secret[EMIT_SECRET_LEN];
+    if (emit_group_secret(s, st.comm_id, (uint32_t[]){from, dranks[i]}, 2, secret))
+      st.secret = (ProtobufCBinaryData){sizeof secret, secret};
     st.peer_address = peer;
     st.input = in_spec;
     agent_pool_data_address(fe->pool, dranks[i], peer, sizeof peer);

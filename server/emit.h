@@ -29,6 +29,18 @@ void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                  const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,
                  const obj_t *res, const int *dims, int ndims);
+#define EMIT_SECRET_LEN 32 /* the agents' DP_SECRET_LEN */
+
+/* The secret the members of one group of comm_id (a Reduce's group, a
+ * broadcast chain, one sender and its receiver) prove to each other on the
+ * data plane: HMAC-SHA256(the session's comm_key, comm_id and the members'
+ * ranks in order). Per group, not per comm: the groups of one Reduce and the
+ * pairs of a ToMesh share a comm_id, and a member of one must not pass for a
+ * member of another. Derived whenever needed, stored nowhere. false (and
+ * zeros, which agents refuse) if OpenSSL fails or n > REDUCE_GROUP_MAX. */
+bool emit_group_secret(const session_t *s, uint64_t comm_id, const uint32_t *ranks, size_t n,
+                       uint8_t out[EMIT_SECRET_LEN]);
+
 /* A broadcast chain is one collective group with its source: a chain of n
  * destinations goes as emit_chain_pieces(n) chains, one after another, piece
  * k of emit_chain_piece_len(n, k) destinations: each group within

@@ -1244,6 +1244,28 @@ Test(commands, to_mesh_moves_and_broadcasts) {
   EXPECT_SHAPE(result(0), 5);
 }
 
+/* The data plane secret is per group, not per comm: the two groups of a Reduce
+ * over gpu on {host: 2, gpu: 2} share a comm_id, and a member of one once held
+ * the other's secret (so it could pass for one of its members); the same for
+ * the pairs of a ToMesh, which share the session's channel. Equal members give
+ * equal secrets (every member derives the one its peers prove). */
+Test(commands, every_group_of_a_comm_proves_its_own_secret) {
+  uint8_t a[EMIT_SECRET_LEN], b[EMIT_SECRET_LEN], c[EMIT_SECRET_LEN], d[EMIT_SECRET_LEN];
+  cr_assert(emit_group_secret(sess, 77, (uint32_t[]){0, 1}, 2, a));
+  cr_assert(emit_group_secret(sess, 77, (uint32_t[]){2, 3}, 2, b));
+  cr_assert(emit_group_secret(sess, 77, (uint32_t[]){0, 1}, 2, c));
+  cr_assert(emit_group_secret(sess, 78, (uint32_t[]){0, 1}, 2, d));
+  cr_assert(memcmp(a, b, sizeof a) != 0, "two groups of one comm share a secret");
+  cr_assert(memcmp(a, c, sizeof a) == 0, "one group, two secrets");
+  cr_assert(memcmp(a, d, sizeof a) != 0, "two comms share a secret");
+  cr_assert(emit_group_secret(sess, 77, (uint32_t[]){1, 0}, 2, b));
+  cr_assert(memcmp(a, b, sizeof a) != 0, "a send and its reverse share a secret");
+  uint32_t many[REDUCE_GROUP_MAX + 1] = {0};
+  cr_assert_not(emit_group_secret(sess, 77, many, REDUCE_GROUP_MAX + 1, b));
+  uint8_t zeros[EMIT_SECRET_LEN] = {0};
+  cr_assert(memcmp(b, zeros, sizeof b) == 0);
+}
+
 /* A broadcast to more destinations than one collective group holds goes as
  * several chains, each a group the agents run (they refuse more than
  * REDUCE_GROUP_MAX members), none a lone destination. */
