@@ -731,6 +731,29 @@ static bool same_view(const layout_t *a, const layout_t *b) {
   return true;
 }
 
+/* The bytes of its storage a view may touch: [*lo, *hi). false for no element. */
+static bool byte_span(const tensor_meta_t *m, int64_t *lo, int64_t *hi) {
+  const layout_t *l = &m->layout;
+  int64_t es = (int64_t)dtype_size(m->dtype), first = l->offset, last = l->offset;
+  for (int i = 0; i < l->ndim; i++) {
+    if (l->sizes[i] == 0) return false;
+    int64_t reach = (l->sizes[i] - 1) * l->strides[i];
+    if (reach < 0) first += reach;
+    else last += reach;
+  }
+  *lo = first * es;
+  *hi = (last + 1) * es;
+  return true;
+}
+
+/* Two views of one storage that share no byte (torch's rule for in-place
+ * ops: only a partial overlap is refused), e.g. x[0] and x[1]. */
+static bool disjoint(const tensor_meta_t *a, const tensor_meta_t *b) {
+  int64_t alo, ahi, blo, bhi;
+  if (!byte_span(a, &alo, &ahi) || !byte_span(b, &blo, &bhi)) return true;
+  return ahi <= blo || bhi <= alo;
+}
+
 static bool param_mutated(const op_infer_t *inf, int param) {
   for (int i = 0; i < inf->nmutates; i++)
     if (inf->mutates[i] == param) return true;
@@ -781,8 +804,9 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
   }
   uint64_t mesh_ref = 0;
   if (check_uses(o, cmd, uses, ca->ntensors, &mesh_ref, call->stream, e)) goto out;
-  /* Like torch: an input may be the written tensor itself, but not another
-   * view of the same memory (the result would depend on the kernel's order). */
+  /* Like torch: an input may be the written tensor itself, or a view of the
+   * same memory that shares none of its bytes, but not one that overlaps it
+   * (the result would depend on the kernel's order). */
   for (size_t i = 0; i < ca->ntensors; i++) {
     if (!uses[i].write) continue;
     const tensor_obj_t *w = &ca->tensors[i]->tensor;
@@ -790,6 +814,7 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
       const tensor_obj_t *r = &ca->tensors[j]->tensor;
       if (j == i || r->storage != w->storage) continue;
       if (same_view(&ca->meta_of[j]->layout, &ca->meta_of[i]->layout)) continue;
+      if (disjoint(ca->meta_of[j], ca->meta_of[i])) continue;
       error_set(e, ERR_BAD_ARGUMENT,
                 "%s: %s (tensor %llu) writes memory that %s (tensor %llu) views differently; "
                 "clone the input first", cmd, uses[i].what, (unsigned long long)ca->tensors[i]->ref,

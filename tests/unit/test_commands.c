@@ -1724,6 +1724,15 @@ Test(commands, inplace_refuses_a_partially_overlapping_input) {
   /* A clone is a different storage: accepted. */
   ok(CALL("clone", STREAM_MAIN, ARGS(aref(22)), RES(24)));
   ok(CALL("add_", STREAM_MAIN, ARGS(aref(20), aref(24)), RES(25)));
+  /* Two views that share no byte: x[0].add_(x[1]) is accepted, as in torch;
+   * x[0:2].add_(x[1:3]) overlaps and is not. */
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(20), aint(0), aint(0)), RES(26)));
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(20), aint(0), aint(1)), RES(27)));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(26), aref(27)), RES(28)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(0), aint(2)), RES(29)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(1), aint(3)), RES(30)));
+  REJECT(CALL("add_", STREAM_MAIN, ARGS(aref(29), aref(30)), RES(31)), ERR_BAD_ARGUMENT,
+         "writes memory that");
 }
 
 /* DrainAgent: sessions created after a drain get no mesh on the drained rank
