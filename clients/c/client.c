@@ -648,7 +648,7 @@ static void *keepalive_main(void *arg) {
 
 static void session_free(meshd_session_t *s) {
   if (s->pipe)
-    pipeline_close(s->pipe, s->client->timeout_ms);
+    pipeline_close(s->pipe, s->client->timeout_ms, NULL, NULL);
   if (s->ka_started) {
     pthread_mutex_lock(&s->ka_mu);
     s->ka_stop = true;
@@ -753,7 +753,7 @@ void meshd_session_close(meshd_session_t *s) {
     pthread_mutex_unlock(&s->ka_mu);
   }
   /* What is queued runs before the session goes; its rejections go unreported. */
-  pipeline_close(s->pipe, s->client->timeout_ms);
+  pipeline_close(s->pipe, s->client->timeout_ms, NULL, NULL);
   s->pipe = NULL;
   Meshd__V1__CloseSessionRequest req = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
   saved_error_t saved; /* not reported: keep the last error */
@@ -2294,7 +2294,14 @@ meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_
     if (!s->pipe)
       return MESHD_E_OK;
     meshd_err_t ret = sync_point(s, 0);
-    pipeline_close(s->pipe, s->client->timeout_ms);
+    direct_err_t e = {0};
+    uint64_t seq = 0;
+    /* Past a timed-out wait, what close still hears is reported, not dropped. */
+    if (pipeline_close(s->pipe, s->client->timeout_ms, &e, &seq) != 0 &&
+        ret == MESHD_E_DEADLINE && e.err != MESHD_E_DEADLINE) {
+      ret = record(s->client, &e);
+      s->client->last.seq = seq;
+    }
     s->pipe = NULL;
     return ret;
   }
@@ -2313,7 +2320,7 @@ meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_
     return MESHD_E_INVALID;
   }
   if (s->pipe && pipeline_over(s->pipe)) { /* a new stream: the old one failed */
-    pipeline_close(s->pipe, s->client->timeout_ms);
+    pipeline_close(s->pipe, s->client->timeout_ms, NULL, NULL);
     s->pipe = NULL;
   }
   if (s->pipe) {

@@ -390,7 +390,7 @@ pipeline_t *pipeline_open(rpc_channel_t *ch, const rpc_md_t *md, size_t nmd, siz
   }
   return p;
 fail:
-  pipeline_close(p, 1);
+  pipeline_close(p, 1, NULL, NULL);
   return NULL;
 }
 
@@ -542,12 +542,13 @@ void pipeline_stats(pipeline_t *p, meshd_pipeline_stats_t *out) {
   pthread_mutex_unlock(&p->mu);
 }
 
-void pipeline_close(pipeline_t *p, int timeout_ms) {
-  if (!p) return;
+int pipeline_close(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
+  int ret = 0;
+  if (!p) return 0;
   if (p->st && p->reader_started) {
-    direct_err_t e;
-    uint64_t seq;
-    pipeline_flush(p, timeout_ms, &e, &seq);
+    direct_err_t dropped;
+    uint64_t dropped_seq;
+    ret = pipeline_flush(p, timeout_ms, e ? e : &dropped, seq ? seq : &dropped_seq);
     /* The half-close goes after what is in flight; a server that still does
      * not read gets none, and the cancel below ends the call. */
     int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
@@ -584,4 +585,5 @@ void pipeline_close(pipeline_t *p, int timeout_ms) {
   free(p->buf);
   free(p->rej);
   free(p);
+  return ret;
 }

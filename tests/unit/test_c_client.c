@@ -2398,6 +2398,35 @@ Test(c_client, fetch_gives_half_precision_values) {
   meshd_close(c);
 }
 
+/* Turning the pipeline off waits for its answers; a rejection that comes
+ * after that wait's deadline but while the stream closes is still reported,
+ * not dropped (here the server reads the bad command only once the first slow
+ * reduce, 1.5 s, makes room under --session-max-queued 2; the wait is 1.2 s). */
+Test(c_client_slow, turning_a_pipeline_off_reports_a_rejection_that_came_late) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 1200, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0, x = 0, r = 0, y = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &x), MESHD_E_OK);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_pipeline_options_t po = {.max_batch = 1};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  for (int i = 0; i < 2; i++) /* the bound: the next command waits for the first */
+    cr_assert_eq(meshd_session_reduce(s, x, "gpu", "sum", &r), MESHD_E_OK);
+  meshd_arg_t args[1] = {{.type = MESHD_ARG_REF, .ref = x}};
+  cr_assert_eq(meshd_session_call(s, "frobnicate", args, 1, &y), MESHD_E_OK);
+  int64_t t0 = now_ms();
+  e = meshd_session_set_pipeline(s, NULL);
+  cr_assert_eq(e, MESHD_E_RPC, "%s: %s", meshd_strerror(e), meshd_last_error(c)->message);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_OP", "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_last_error(c)->seq, meshd_session_last_seq(s));
+  cr_assert_gt(now_ms() - t0, 1000, "the rejection came within the first wait: no late path");
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 static void start_faulty(void) {
   setenv("MESHD_FAULT", "reduce:fail", 1); /* the local agents inherit it */
   start_server();
