@@ -14,13 +14,25 @@ Design (the simplest correct one):
 - Rejections are collected; at the end of the block every answer is awaited, the
   stream is closed, and the first rejection (lowest seq) is raised as MeshdError
   (all of them in its `.errors`). Asynchronous run-time errors the server reports on
-  the stream (seq 0) are raised the same way, after rejections.
+  the stream (seq 0) are raised the same way, after rejections, then the stream's own
+  failure. A rejection the caller already got (reading a handle) is not raised again.
+- Flow control: a server that stops reading the stream (--session-max-queued) makes
+  the client's queue fill; it is bounded (_QUEUE_MAX commands, _QUEUE_BYTES), and a
+  command that finds it full waits up to the session's timeout, then raises
+  DEADLINE_EXCEEDED without being queued (its ref is not taken). Nothing queued is ever
+  dropped because the server is slow: at the end of a block whose answers did not all
+  come within the timeout, the block raises DEADLINE_EXCEEDED (after its rejections)
+  and the stream is left to finish: what is queued goes out once the server reads
+  again, and the session's next call waits for those answers first (Session._drain).
+- Every wait for an answer has a deadline: the session's timeout, or the caller's
+  (sync(timeout=...), fetch_shard(timeout=...)) for all the answers it waits for.
 - Only the thread that opened the pipeline uses it; other threads keep using unary
   Execute, after flushing the pipeline so refs stay in order.
 """
 
 import queue
 import threading
+import time
 import warnings
 
 import grpc
@@ -37,6 +49,10 @@ _BATCH_BYTES = 1 << 20
 # one sends its bytes to every rank): the server's LITERAL_MAX_SENT_BYTES.
 _BATCH_SENT = 8 << 20
 _BATCH_TAG = bytes([(30 << 3) | 2, 1])  # Command.batch = 30, length-delimited (a 2-byte varint)
+# What the client queues ahead of the message gRPC is writing: two batches' worth. A
+# server that stops reading (flow control) stops the queue here, not in memory.
+_QUEUE_MAX = 2 * _BATCH_MAX
+_QUEUE_BYTES = 2 * _BATCH_BYTES
 
 
 def _varint(n):
@@ -54,14 +70,57 @@ def _batch(packed):
     return b"".join(_BATCH_TAG + _varint(len(c)) + c for c in packed)
 
 
+class _Queue(queue.Queue):
+    """The packed commands gRPC has not taken yet, (bytes, bytes it sends) each, bounded
+    by put_within; the end mark (_END) always goes in."""
+
+    def _init(self, maxsize):
+        super()._init(maxsize)
+        self.nbytes = 0
+
+    def _put(self, item):
+        super()._put(item)
+        if item is not _END:
+            self.nbytes += len(item[0])
+
+    def _get(self):
+        item = super()._get()
+        if item is not _END:
+            self.nbytes -= len(item[0])
+        return item
+
+    def put_within(self, item, deadline, stopped):
+        """Queues item once there is room for it (an empty queue always has), waiting
+        until `deadline` (time.monotonic()); False if there was none by then or
+        stopped() holds (the stream ended: nothing takes from the queue)."""
+        with self.not_full:
+            while self._qsize() and (self._qsize() >= _QUEUE_MAX
+                                     or self.nbytes + len(item[0]) > _QUEUE_BYTES):
+                left = deadline - time.monotonic()
+                if left <= 0 or stopped():
+                    return False
+                self.not_full.wait(left)
+            self._put(item)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+            return True
+
+
+def _deadline_error(what, limit, seq=None):
+    return MeshdError("DEADLINE_EXCEEDED", f"{what} within {limit:.3g} s",
+                      grpc.StatusCode.DEADLINE_EXCEEDED, seq)
+
+
 class _Pending:
-    """The answer to one pipelined command; attribute reads block until it arrived."""
+    """The answer to one pipelined command; attribute reads block until it arrived, at
+    most the session's timeout (`timeout`)."""
 
-    __slots__ = ("seq", "_event", "_result", "_error", "_quiet")
+    __slots__ = ("seq", "_event", "_result", "_error", "_quiet", "_timeout")
 
-    def __init__(self, seq):
+    def __init__(self, seq, timeout=None):
         self.seq = seq
         self._quiet = False
+        self._timeout = timeout
         self._event = threading.Event()
         self._result = None
         self._error = None
@@ -74,15 +133,19 @@ class _Pending:
         return self._event.is_set()
 
     def wait(self, timeout=None):
+        """Waits for the answer, `timeout` seconds at most (None: the session's)."""
+        timeout = self._timeout if timeout is None else timeout
         if not self._event.wait(timeout):
-            raise MeshdError("DEADLINE_EXCEEDED", f"no answer to pipelined command seq "
-                             f"{self.seq} within {timeout} s", grpc.StatusCode.DEADLINE_EXCEEDED,
-                             self.seq)
+            raise _deadline_error(f"no answer to pipelined command seq {self.seq} (the server "
+                                  f"is slow or not reading the Submit stream: flow control)",
+                                  timeout, self.seq)
 
     def result(self, timeout=None):
-        """The CommandResult; raises the command's MeshdError if it was rejected."""
+        """The CommandResult; raises the command's MeshdError if it was rejected (which
+        the end of the block then does not raise again)."""
         self.wait(timeout)
         if self._error is not None:
+            self._error._reported = True
             raise self._error
         return self._result
 
@@ -106,9 +169,11 @@ class Pipeline:
     def __init__(self, session):
         self.session = session
         self.owner = threading.get_ident()
-        self._q = queue.Queue()
+        self._q = _Queue()
         self._pending = {}          # seq -> _Pending, not yet answered
         self._plock = threading.Lock()
+        self._done = False          # the reader ended: nothing more is answered (_plock)
+        self._closed = False        # close() collected the errors (_plock)
         self._errors = []           # rejections (MeshdError), in order of arrival
         self._async_errors = []     # seq-0 reports
         self._broken = None         # MeshdError when the stream itself failed
@@ -163,67 +228,122 @@ class Pipeline:
         finally:
             err = self._broken or MeshdError("UNAVAILABLE", "the Submit stream ended before "
                                              "answering every command")
-            with self._plock:
+            with self._plock:  # send() looks under the same lock: none is left behind
+                self._done = True
                 left, self._pending = list(self._pending.values()), {}
+                if left and self._broken is None:  # ended early: the block says so
+                    self._broken = err
             for p in left:
                 p._set(error=err)
+            with self._q.not_full:  # a send waiting for room: nothing takes from the queue
+                self._q.not_full.notify_all()
 
     def _answer(self, pb, res):
         if res.seq == 0:
             if res.HasField("error"):
                 self._async_errors.append(MeshdError.from_error(pb, res.error))
             return
-        with self._plock:
-            p = self._pending.pop(res.seq, None)
-        if p is None:
-            return
-        if res.HasField("error") and res.error.kind != 0:
+        rejected = res.HasField("error") and res.error.kind != 0
+        e = None
+        if rejected:
             e = MeshdError.from_error(pb, res.error)
             e.seq = res.seq
+        with self._plock:
+            p = self._pending.pop(res.seq, None)
+            late = self._closed  # the block ended before this answer came
+            if p is not None and e is not None and not p._quiet and not late:
+                self._errors.append(e)
+        if p is None:
+            return
+        if e is not None:
             if e.kind == "UNAVAILABLE" and "predates the Literal" in e.message:
                 self.session._literals = False  # an older agent: later tensors upload
-            if not p._quiet:
-                self._errors.append(e)
-            else:
-                warnings.warn(f"meshd: {e}", RuntimeWarning, stacklevel=1)
+            if p._quiet or late:
+                warnings.warn(f"meshd: {e}" + (" (answered after its pipeline block ended)"
+                                               if late and not p._quiet else ""),
+                              RuntimeWarning, stacklevel=1)
             p._set(error=e)
         else:
             p._set(result=res)
 
-    def send(self, cmd, quiet=False):
+    def _ended(self):
+        """The error of a send after the stream ended (raised to its caller, so not
+        again at the end of the block)."""
+        e = self._broken or MeshdError("UNAVAILABLE", "the Submit stream is closed")
+        e._reported = True
+        return e
+
+    def send(self, cmd, quiet=False, timeout=None):
         """Queues one Command (its seq set); returns its _Pending. quiet: a rejection
-        is not raised at the end of the block (the session's Release housekeeping)."""
-        if self._broken is not None:
-            raise self._broken
-        p = _Pending(cmd.seq)
+        is not raised at the end of the block (the session's Release housekeeping).
+        A full queue (the server is not reading) is waited on `timeout` seconds at most
+        (None: the session's); then MeshdError DEADLINE_EXCEEDED, the command not
+        queued. A stream that ended raises its error; that command is not queued either."""
+        p = _Pending(cmd.seq, self.session.timeout)
         p._quiet = quiet
         with self._plock:
+            if self._done:
+                raise self._ended()
             self._pending[cmd.seq] = p
-        if not self._reader.is_alive():
+        limit = self.session.timeout if timeout is None else timeout
+        if not self._q.put_within((cmd.SerializeToString(), getattr(cmd, "sent", 0)),
+                                  time.monotonic() + limit, lambda: self._done):
             with self._plock:
                 self._pending.pop(cmd.seq, None)
-            raise self._broken or MeshdError("UNAVAILABLE", "the Submit stream is closed")
-        self._q.put((cmd.SerializeToString(), getattr(cmd, "sent", 0)))
+                if self._done:
+                    raise self._ended()
+            raise _deadline_error(f"pipeline: command seq {cmd.seq} was not queued: the "
+                                  f"{self._q.qsize()} commands queued before it did not go out "
+                                  f"(the server is not reading the Submit stream: flow control; "
+                                  f"they stay queued and go out once it reads again)",
+                                  limit, cmd.seq)
         return p
 
+    def unanswered(self):
+        """How many commands sent have no answer yet."""
+        with self._plock:
+            return len(self._pending)
+
     def flush(self, timeout=None):
-        """Waits for the answer to every command sent so far (errors stay deferred)."""
+        """Waits for the answer to every command sent so far (errors stay deferred),
+        `timeout` seconds in all at most (None: the session's timeout); then MeshdError
+        DEADLINE_EXCEEDED (the commands stay queued and sent)."""
+        limit = self.session.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         with self._plock:
             waiting = list(self._pending.values())
         for p in waiting:
-            p.wait(timeout if timeout is not None else self.session.timeout)
+            if not p._event.wait(max(0.0, deadline - time.monotonic())):
+                left = [q for q in waiting if not q.done()]
+                raise _deadline_error(
+                    f"pipeline: {len(left)} of the commands sent (seq {left[0].seq} first) were "
+                    f"not answered, {self._q.qsize()} of them still queued on the client (the "
+                    f"server is slow or not reading the Submit stream: flow control; they go "
+                    f"out and run once it reads again)", limit, left[0].seq)
 
     def close(self):
-        """Flushes, ends the stream; returns the deferred errors (rejections first)."""
+        """Flushes and ends the stream (its end goes after what is queued); returns the
+        deferred errors: the rejections (lowest seq first), the server's asynchronous
+        reports, the stream's failure, then DEADLINE_EXCEEDED if answers were missing
+        at the session's timeout. It never cancels the stream: what is still queued goes
+        out when the server reads again, and the stream ends after it."""
+        deadline = time.monotonic() + self.session.timeout
+        late = None
         try:
-            self.flush()
+            self.flush(self.session.timeout)
+        except MeshdError as e:
+            late = e
         finally:
             self._q.put(_END)
-            self._reader.join(self.session.timeout)
-            if self._reader.is_alive():
-                self._call.cancel()
-                self._reader.join(5)
-        errs = sorted(self._errors, key=lambda e: e.seq or 0) + self._async_errors
-        if not errs and self._broken is not None and self._broken.code != grpc.StatusCode.OK:
-            errs = [self._broken]
+            if late is None:  # the server ends the stream once it read the end
+                self._reader.join(max(0.0, deadline - time.monotonic()))
+            with self._plock:
+                self._closed = True
+                errs = sorted(self._errors, key=lambda e: e.seq or 0) + self._async_errors
+            b = self._broken
+            if b is not None and b.code != grpc.StatusCode.OK:
+                errs.append(b)
+            if late is not None:
+                errs.append(late)
+            errs = [e for e in errs if not getattr(e, "_reported", False)]
         return errs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -35,6 +36,14 @@ _KEEPALIVE_DEADLINE = 5.0  # seconds one background KeepAlive may take
 # Refs of garbage-collected handles sent in one Release command: the session
 # sends one when this many are waiting, and before every Sync.
 _RELEASE_BATCH = 256
+# How a call failed when its command may not have reached the server (no kind of the
+# server's): a Release that failed so is sent again (refs no longer live are skipped).
+_TRANSPORT_KINDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+
+
+def _left(deadline):
+    """Seconds until deadline (time.monotonic()), at least 0."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def _keepalive_period(ttl_seconds):
@@ -170,6 +179,9 @@ class Session:
         self._meshes = {}
         self._streams = {}
         self._pipe = None  # the open Pipeline (session.pipeline()), if any
+        # A block's Pipeline that ended before all its answers came (a server not reading:
+        # flow control): its commands are still sent; every call waits for them first.
+        self._drain = None
         # Refs of garbage-collected handles, and borrows collected undropped, not yet
         # sent: deques, appended to by __del__ in any thread, emptied by popleft.
         self._released: collections.deque[int] = collections.deque()
@@ -243,16 +255,19 @@ class Session:
     def _execute(self, field, build, claim=0, timeout=None):
         """Runs one Command under the session lock: `build` gets the claimed ref (claim=1),
         a list of refs (claim>1) or None, and returns the message for `field`. `timeout`
-        (seconds, default the session's) is the unary call's deadline."""
+        (seconds, default the session's) is the deadline of all the call waits for: the
+        pipelined answers before it, its room in the pipeline, the unary call."""
         if self.closed:
             raise MeshdError("NO_SESSION", "the session is closed")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             pipe = self._pipe
             mine = pipe is not None and pipe.owner == threading.get_ident()
+            self._flush_drain(_left(deadline))
             if pipe is not None and not mine:
-                pipe.flush()  # keep refs reaching the server in order
+                pipe.flush(_left(deadline))  # keep refs reaching the server in order
             if mine and field == "sync":
-                pipe.flush()
+                pipe.flush(_left(deadline))
             if (len(self._released) >= _RELEASE_BATCH or self._unborrowed
                     or (field == "sync" and self._released)):
                 self._send_release(pipe if mine else None)
@@ -266,8 +281,13 @@ class Session:
                 cmd = self._pb.Command(seq=self._seq)
                 getattr(cmd, field).CopyFrom(msg)
             if mine:
-                return pipe.send(cmd)  # a _Pending: its fields block until answered
-            return self._unary("Execute", cmd, self._pb.CommandResult, timeout=timeout)
+                try:  # a _Pending: its fields block until answered
+                    return pipe.send(cmd, timeout=_left(deadline))
+                except MeshdError:  # not queued: its refs and seq are not taken
+                    self._ref -= claim
+                    self._seq -= 1
+                    raise
+            return self._unary("Execute", cmd, self._pb.CommandResult, timeout=_left(deadline))
 
     def _release_later(self, ref):
         """A handle of ref was garbage-collected (Tensor.__del__): the ref joins the next
@@ -298,23 +318,45 @@ class Session:
                     for _ in range(min(_RELEASE_BATCH, len(self._released)))]
             self._seq += 1
             cmds.append(("refs", pb.Command(seq=self._seq, release=pb.Release(refs=refs))))
-        for what, cmd in cmds:
+        for i, (what, cmd) in enumerate(cmds):
             try:
                 if pipe is not None:
                     pipe.send(cmd, quiet=True)
                 else:
                     self._unary("Execute", cmd, pb.CommandResult)
             except MeshdError as e:
+                if pipe is not None or (e.kind in _TRANSPORT_KINDS
+                                        and isinstance(e.code, grpc.StatusCode)):
+                    # Not sent (a send raises only then), or perhaps not: this one and
+                    # those after it go with a later call (a ref released twice is skipped).
+                    for kind, later in reversed(cmds[i:]):
+                        if kind == "borrow":
+                            self._unborrowed.appendleft(later.drop_borrow.borrow)
+                        else:
+                            self._released.extendleft(reversed(later.release.refs))
+                    return
                 n = len(cmd.release.refs) if what == "refs" else 1
                 warnings.warn(f"meshd: releasing {n} unused tensor ref(s)"
                               f"{' (a borrow)' if what == 'borrow' else ''} failed: {e}",
                               RuntimeWarning, stacklevel=3)
 
-    def _flush_pipeline(self):
-        """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs)."""
+    def _flush_pipeline(self, timeout=None):
+        """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs),
+        `timeout` seconds in all at most (None: the session's timeout)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._flush_drain(_left(deadline))
         pipe = self._pipe
         if pipe is not None:
-            pipe.flush()
+            pipe.flush(_left(deadline))
+
+    def _flush_drain(self, timeout):
+        """Waits for the answers of a block that ended without them (Session._drain):
+        its commands go before any later one. MeshdError DEADLINE_EXCEEDED past timeout."""
+        d = self._drain
+        if d is not None:
+            d.flush(timeout)
+            if self._drain is d:
+                self._drain = None
 
     def _new_ref(self):
         """A fresh ref; callers that send it must hold self._lock across the send."""
@@ -359,26 +401,39 @@ class Session:
         as Monarch's coalescing blocks nest."""
         if self.closed:
             raise MeshdError("NO_SESSION", "the session is closed")
-        with self._lock:
+        with self._lock:  # one check and one pipeline: another thread waits for this one
             outer = self._pipe
             if outer is not None and outer.owner != threading.get_ident():
                 raise RuntimeError("meshd: another thread has a pipeline open on this session")
+            if outer is None:
+                self._flush_drain(self.timeout)
+                pipe = self._pipe = Pipeline(self)
         if outer is not None:
             yield outer
             return
-        with self._lock:
-            pipe = self._pipe = Pipeline(self)
-        failed = True
+        failed = None
         try:
             yield pipe
-            failed = False
+        except BaseException as e:
+            failed = e
+            raise
         finally:
             with self._lock:
-                self._pipe = None
+                if self._pipe is pipe:
+                    self._pipe = None
                 errs = pipe.close()
-            if errs and not failed:
+                if pipe.unanswered():  # the server is not reading: they still go
+                    self._drain = pipe
+            if errs:
                 errs[0].errors = errs
-                raise errs[0]
+                if failed is None:
+                    raise errs[0]
+                # The block's own exception wins; the deferred errors go with it.
+                if failed.__context__ is None:
+                    failed.__context__ = errs[0]
+                elif hasattr(failed, "add_note"):  # Python 3.11+
+                    failed.add_note(f"meshd: the pipeline block also had: {errs[0]!r}"
+                                    + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""))
 
     def agents(self) -> list[dict[str, Any]]:
         """[{rank, address, device, memory_bytes, allocated_bytes, healthy, drained}, ...]"""
@@ -418,7 +473,9 @@ class Session:
         def build(ref):
             box["ref"] = ref
             return pb.CreateStream(ref=ref, name=name)
-        self._execute("create_stream", build, claim=1)
+        res = self._execute("create_stream", build, claim=1)
+        if isinstance(res, _Pending):  # pipelined: its answer, within the session's timeout
+            res.result()
         s = Stream(self, box["ref"], name)
         self._streams[s.ref] = s
         return s
@@ -428,9 +485,11 @@ class Session:
         reported before (a MeshdError; its `.errors` lists all this Sync reported).
         timeout: seconds to wait (default: the session's timeout); past it the Sync
         raises MeshdError kind DEADLINE_EXCEEDED (the work it waited for goes on)."""
-        res = self._execute("sync", lambda _: self._pb.Sync(), timeout=timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit  # for all it waits for, pipelined answers too
+        res = self._execute("sync", lambda _: self._pb.Sync(), timeout=limit)
         if isinstance(res, _Pending):  # pipelined: wait for its answer, as long as unary would
-            res = res.result(self.timeout if timeout is None else timeout)
+            res = res.result(_left(deadline))
         if res.errors:
             errors = [MeshdError.from_error(self._pb, e) for e in res.errors]
             errors[0].errors = errors  # every error this Sync reported, the first raised

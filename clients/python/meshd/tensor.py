@@ -7,6 +7,7 @@ import concurrent.futures
 import itertools
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 
@@ -139,8 +140,9 @@ class Tensor:
     @classmethod
     def _from_result(cls, session, res, index, ref):
         """The index-th result tensor of `res` (a CommandResult, or a pipelined _Pending
-        whose metadata is filled in when its answer arrives)."""
-        if isinstance(res, _Pending) and not res.done():
+        whose metadata is filled in when its answer arrives: a handle even when the answer
+        is in already, so a rejection is raised when the handle is read, never here)."""
+        if isinstance(res, _Pending):
             t = cls.__new__(cls)
             t.session, t.ref = session, ref
             t._pending, t._dropped, t._owned = (res, index), False, True
@@ -150,7 +152,8 @@ class Tensor:
     def _resolve(self):
         p = self._pending
         if p is not None:
-            meta = p[0].result().tensors[p[1]]  # blocks; raises if the command was rejected
+            # blocks (the session's timeout at most); raises if the command was rejected
+            meta = p[0].result().tensors[p[1]]
             self._shape, self._dtype = tuple(meta.shape), _dtype_from_value(self.session._pb,
                                                                             meta.dtype)
             self._mesh, self._stream = meta.mesh, meta.stream
@@ -890,10 +893,19 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     for k, v in coords.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise TypeError(f"meshd: coordinate {k}= must be an int, got {v!r}")
-    t.session._flush_pipeline()  # pipelined commands before it must have reached the server
+    fut: Future[npt.NDArray[Any]] = Future()
+    limit = t.session.timeout if timeout is None else timeout
+    deadline = time.monotonic() + limit  # for the pipelined answers and the Fetch together
+    try:
+        # pipelined commands before it must have reached the server
+        t.session._flush_pipeline(limit)
+        t._resolve()  # a rejected pipelined command: its error (the ref was never defined)
+    except MeshdError as e:
+        fut.set_exception(e)
+        return fut
+    timeout = max(deadline - time.monotonic(), 0.001)
     if not coords:  # Monarch: the first rank
         coords = {d: 0 for d in t.mesh.names}
-    fut: Future[npt.NDArray[Any]] = Future()
 
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
