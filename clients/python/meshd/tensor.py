@@ -537,10 +537,17 @@ def empty(*size: Shape, dtype: DType | None = None) -> Tensor:
 
 
 def full(size: Shape, fill_value: Scalar, *, dtype: DType | None = None) -> Tensor:
-    """full((3, 4), 2.5), as torch.full."""
-    if isinstance(fill_value, bool) or not isinstance(fill_value,
-                                                       (int, float, np.integer, np.floating)):
+    """full((3, 4), 2.5), as torch.full: the fill value's kind gives the dtype when none
+    is given (float32, int64 for an int, bool for a bool)."""
+    if not isinstance(fill_value, (bool, int, float, np.bool_, np.integer, np.floating)):
         raise TypeError(f"meshd: full takes a number, got {type(fill_value).__name__}")
+    if isinstance(fill_value, (bool, np.bool_)):
+        dtype, fill_value = dtype if dtype is not None else "bool", float(fill_value)
+    elif isinstance(fill_value, (int, np.integer)):
+        if abs(int(fill_value)) > 1 << 53:  # Factory.value is a double
+            raise ValueError(f"meshd: full's fill value {fill_value} is beyond 2**53, which a "
+                             f"factory cannot carry exactly; upload a tensor instead")
+        dtype = dtype if dtype is not None else "int64"  # torch.full: int64 for an int
     return _factory("full", size, dtype, value=fill_value)
 
 

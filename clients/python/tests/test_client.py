@@ -85,6 +85,17 @@ def test_factories(mesh):
     f = meshd.full((2,), 2.5, dtype=np.float64)
     assert f.dtype == "float64"
     np.testing.assert_array_equal(get(f, gpu=0), np.full(2, 2.5))
+    # torch.full: the fill value's kind gives the dtype (int64, bool, float32)
+    i = meshd.full((2,), 3)
+    assert i.dtype == "int64"
+    np.testing.assert_array_equal(get(i, gpu=0), np.full(2, 3, np.int64))
+    b = meshd.full((2,), True)
+    assert b.dtype == "bool"
+    np.testing.assert_array_equal(get(b, gpu=1), np.full(2, True))
+    assert meshd.full((1,), 3.0).dtype == "float32"
+    assert meshd.full((1,), 3, dtype="float16").dtype == "float16"
+    with pytest.raises(ValueError, match="beyond 2"):
+        meshd.full((1,), 2**60)
     assert meshd.empty((3, 1)).shape == (3, 1)
     a = meshd.arange(5)
     assert a.dtype == "int64"
