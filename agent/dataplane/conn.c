@@ -367,8 +367,9 @@ static int write_all(dataplane_t *dp, int fd, const uint8_t *buf, size_t len, in
 }
 
 /* Connects to addr, retrying refused connections (the peer may not listen
- * yet) until deadline if retry_refused. Returns a non-blocking socket, or -1
- * with `why` set. */
+ * yet) until deadline if retry_refused. Every address the host resolves to is
+ * tried in turn (a dual-stack name whose peer listens on one family only).
+ * Returns a non-blocking socket, or -1 with `why` set. */
 static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t deadline,
                 bool retry_refused, char *why, size_t whylen) {
   meshd_error_t lost;
@@ -386,6 +387,7 @@ static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t dea
   }
   int fd = -1, last_errno = 0;
   int backoff = 10;
+  const struct addrinfo *at = ai;
   for (;;) {
     /* Past the deadline no connection is made: one made now would be closed
      * before its hello, which the peer counts as a malformed stranger. */
@@ -393,12 +395,17 @@ static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t dea
       last_errno = ETIMEDOUT;
       break;
     }
-    fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    fd = socket(at->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0 && at->ai_next) { /* a family this host lacks: the next address */
+      last_errno = errno;
+      at = at->ai_next;
+      continue;
+    }
     if (fd < 0) {
       last_errno = errno;
       break;
     }
-    int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+    int rc = connect(fd, at->ai_addr, at->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
       for (;;) {
         int64_t left = deadline - dp__now_ms();
@@ -424,6 +431,11 @@ static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t dea
     fd = -1;
     int64_t left = deadline - dp__now_ms();
     if (left <= 0 || dp__stopping(dp) || last_errno == ETIMEDOUT) break;
+    if (at->ai_next) { /* the host's next address, at once */
+      at = at->ai_next;
+      continue;
+    }
+    at = ai;
     if (!retry_refused && last_errno == ECONNREFUSED) break;
     if (dp__check_lost(dp, cl, &lost)) break; /* the caller reports it */
     struct timespec ts = {0, (long)dp__min((size_t)backoff, (size_t)left) * 1000000L};
