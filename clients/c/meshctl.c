@@ -366,6 +366,11 @@ static int parse_flags(int argc, char **argv, int *npos, char *err, size_t errle
 
   char who[64];
   server = flag_value(FLAG_SERVER, given[FLAG_SERVER], who, sizeof who);
+  if (!*server) {
+    snprintf(err, errlen, "%s: empty; expected host:port (default %s)", who,
+             flags[FLAG_SERVER].default_value);
+    return -1;
+  }
   const char *text = flag_value(FLAG_TIMEOUT_MS, given[FLAG_TIMEOUT_MS], who, sizeof who);
   if (parse_ms(who, text, TIMEOUT_MS_MIN, TIMEOUT_MS_MAX, &timeout_ms, err, errlen) != 0)
     return -1;
@@ -580,7 +585,7 @@ static int report(meshd_client_t *c, const char *what, meshd_err_t e) {
   char msg[1024];
   if (e == MESHD_E_RPC || e == MESHD_E_DEADLINE) { /* a timeout is an RPC failure (exit 3) */
     fprintf(stderr, "error: %s: %s", what, info->grpc_code_name);
-    if (*info->kind)
+    if (*info->kind && strcmp(info->kind, info->grpc_code_name) != 0) /* not twice */
       fprintf(stderr, " (%s)", info->kind);
     if (*info->message)
       fprintf(stderr, ": %s", info->message);

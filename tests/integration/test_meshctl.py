@@ -317,7 +317,8 @@ def test_fetch_progress_only_on_a_terminal(meshd_server, tmp_path):
     (("--progress-delay-ms", "-1"), "--progress-delay-ms: -1 is out of range"),
     (("--progress-delay-ms", "soon"), "--progress-delay-ms: 'soon' is not an integer"),
     (("--no-progress=maybe",), "--no-progress: 'maybe' is not a boolean"),
-    (("--data-path", "udp"), "--data-path: expected auto, direct or proxy, got 'udp'")])
+    (("--data-path", "udp"), "--data-path: expected auto, direct or proxy, got 'udp'"),
+    (("--server=",), "--server: empty; expected host:port")])
 def test_bad_progress_flags_are_usage_errors(args, says):
     r = meshctl("127.0.0.1:1", *args, "health")
     assert r.returncode == 64 and says in r.stderr, _show(r)
