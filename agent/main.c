@@ -255,35 +255,6 @@ static double grant_calls_expired_fn(void *arg) {
   return (double)transfer_grant_watch_ended();
 }
 
-static uint64_t cgroup_memory_limit(void) {
-  static const char *const files[] = {
-      "/sys/fs/cgroup/memory.max",                   /* cgroup v2; "max" = none */
-      "/sys/fs/cgroup/memory/memory.limit_in_bytes", /* v1; huge = none */
-  };
-  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-    FILE *f = fopen(files[i], "r");
-    if (!f)
-      continue;
-    unsigned long long v = 0;
-    int n = fscanf(f, "%llu", &v);
-    fclose(f);
-    if (n == 1 && v > 0)
-      return v;
-  }
-  return 0;
-}
-
-/* Physical memory, or the container's limit when that is smaller: allocating
- * past a cgroup limit gets the agent OOM-killed, not an error. */
-static uint64_t default_memory_bytes(void) {
-  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  uint64_t mem = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-  uint64_t limit = cgroup_memory_limit();
-  if (limit && (mem == 0 || limit < mem))
-    mem = limit;
-  return mem;
-}
-
 /* SIGUSR1 ends the server's Execute call as a broken link would (fault drills:
  * tests/integration/chaos.py "cut"); the agent then registers again. */
 static _Atomic bool usr1_stop;
@@ -296,6 +267,18 @@ static void *usr1_thread(void *arg) {
     if (sigwait(&s, &sig) != 0 || atomic_load(&usr1_stop)) return NULL;
     if (!execute_cut("the agent got SIGUSR1: its link to the server is cut"))
       log_info("agent", "SIGUSR1: no Execute call to cut");
+  }
+}
+
+/* The host of "host:port" ("[::1]:5" -> "::1"). */
+static void host_of(const char *addr, char *host, size_t len) {
+  snprintf(host, len, "%s", addr);
+  char *colon = strrchr(host, ':');
+  if (colon && (host[0] != '[' || colon > strchr(host, ']'))) *colon = '\0';
+  if (host[0] == '[') {
+    memmove(host, host + 1, strlen(host));
+    char *end = strchr(host, ']');
+    if (end) *end = '\0';
   }
 }
 
@@ -315,7 +298,7 @@ int main(int argc, char **argv) {
   /* A GPU's capacity is its memory (the backend reads it at open); host
    * backends default to physical memory. */
   bool gpu = ops != &cpu_backend_ops && strcmp(opt.device, "cuda:emulated") != 0;
-  info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : default_memory_bytes();
+  info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : runtime_memory_bytes();
   info.requested_rank = (int32_t)opt.rank;
   info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
   int unused_ms;
@@ -446,28 +429,24 @@ int main(int argc, char **argv) {
            : info.join_token          ? "with a join token"
                                       : "without credentials (the server must be open to that)");
 
-  /* The data plane on the advertised host (the device is open already). */
-  char host[200];
-  snprintf(host, sizeof host, "%.199s", info.address);
-  char *colon = strrchr(host, ':');
-  if (colon) *colon = '\0';
-  if (host[0] == '[') { /* "[::1]" -> "::1" */
-    memmove(host, host + 1, strlen(host));
-    char *end = strchr(host, ']');
-    if (end) *end = '\0';
+  /* The data plane (the device is open already): bound where the agent
+   * listens (in Kubernetes a wildcard: the advertised name need not resolve
+   * yet, nor to this pod's new address), reached at the advertised host. */
+  char host[200], bind_host[200];
+  host_of(info.address, host, sizeof host);
+  host_of(opt.listen, bind_host, sizeof bind_host);
+  if (!bind_host[0]) snprintf(bind_host, sizeof bind_host, "0.0.0.0"); /* ":port" */
+  dp = dataplane_start(bind_host, opt.rank >= 0 ? (uint32_t)opt.rank : 0,
+                       (int)opt.comm_timeout_ms, &merr);
+  if (!dp) { /* of no use to a mesh of several agents: a restart tries again */
+    log_error("agent", "cannot start the data plane on %s: %s", bind_host, merr.msg);
+    goto out;
   }
-  dp = dataplane_start(host, opt.rank >= 0 ? (uint32_t)opt.rank : 0, (int)opt.comm_timeout_ms,
-                       &merr);
-  if (dp) {
-    dataplane_same_host(dp, opt.same_host_data);
-    info.data_port = (uint32_t)dataplane_port(dp);
-    backend.net = dp; /* the cpu backend's communicators run on it */
-    snprintf(info.data_address, sizeof info.data_address, "%s:%u", host, info.data_port);
-    log_info("agent", "data plane on %s", info.data_address);
-  } else {
-    log_warn("agent", "no data plane (%s): collectives over several agents and sends will fail",
-             merr.msg);
-  }
+  dataplane_same_host(dp, opt.same_host_data);
+  info.data_port = (uint32_t)dataplane_port(dp);
+  backend.net = dp; /* the cpu backend's communicators run on it */
+  snprintf(info.data_address, sizeof info.data_address, "%s:%u", host, info.data_port);
+  log_info("agent", "data plane on %s (bound on %s)", info.data_address, bind_host);
   info.env = (run_env_t){.backend = &backend, .data_address = info.data_address,
                          .rank = &agent_rank, .stats = &stats, .fault = fault_on ? &fault : NULL};
 

@@ -580,9 +580,10 @@ int main(int argc, char **argv) {
     if (opt.agent_binary) snprintf(binary, sizeof binary, "%s", opt.agent_binary);
     else default_agent_binary(binary, sizeof binary);
     cluster_local_target(cluster, client_addr, server_addr, sizeof server_addr);
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    uint64_t total = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-    /* Host memory is shared among cpu agents; a GPU agent's capacity is its GPU's. */
+    /* The host's memory, or this container's limit when smaller (the agents
+     * share the server's cgroup), is shared among cpu agents; a GPU agent's
+     * capacity is its GPU's. */
+    uint64_t total = runtime_memory_bytes();
     bool gpu = !strncmp(opt.local_agent_device, "cuda", 4) &&
                strcmp(opt.local_agent_device, "cuda:emulated") != 0;
     static char metrics_host[256]; /* the supervisor keeps a pointer */

@@ -103,3 +103,28 @@ void *runtime_scratch(runtime_scratch_t *s) {
   }
   return p;
 }
+
+unsigned long long runtime_memory_bytes_in(const char *const *files, size_t n) {
+  long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  unsigned long long mem = pages > 0 && page > 0 ? (unsigned long long)pages * (unsigned long long)page : 0;
+  for (size_t i = 0; i < n; i++) {
+    FILE *f = fopen(files[i], "r");
+    if (!f) continue;
+    unsigned long long v = 0;
+    int got = fscanf(f, "%llu", &v);
+    fclose(f);
+    if (got == 1 && v > 0) {
+      if (mem == 0 || v < mem) mem = v;
+      break;
+    }
+  }
+  return mem;
+}
+
+unsigned long long runtime_memory_bytes(void) {
+  static const char *const files[] = {
+      "/sys/fs/cgroup/memory.max",                   /* cgroup v2; "max" = none */
+      "/sys/fs/cgroup/memory/memory.limit_in_bytes", /* v1; huge = none */
+  };
+  return runtime_memory_bytes_in(files, sizeof files / sizeof files[0]);
+}

@@ -27,6 +27,14 @@ void runtime_random_hex(char *out, size_t n);
  * with bound port `port`: a wildcard host (0.0.0.0, [::], empty) becomes 127.0.0.1. */
 void runtime_local_address(const char *listen, int port, char *out, size_t len);
 
+/* Physical memory, or the container's limit when that is smaller (cgroup v2
+ * memory.max, v1 memory.limit_in_bytes): allocating past a cgroup limit gets a
+ * process OOM-killed, not an error. 0 when neither is known. */
+unsigned long long runtime_memory_bytes(void);
+/* The same, reading the limit from the first of `files` that holds a number
+ * ("max" or none: no limit); for tests. */
+unsigned long long runtime_memory_bytes_in(const char *const *files, size_t n);
+
 /* Per-thread scratch memory of a fixed size, for a record too big for the stack
  * that a hot path needs once per call (a malloc of that size each call made
  * glibc consolidate its free lists): allocated on a thread's first use, kept,

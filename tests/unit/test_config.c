@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "config.h"
 
@@ -497,4 +498,40 @@ Test(config, usage_without_synopsis) {
   cr_assert_str_eq(text, "usage: meshctl\n  -h, --help   show this help\n"
                          "  --version    print the version and exit\n");
   free(text);
+}
+
+/* ------------------------------------------------------------ memory for agents */
+
+#include "runtime.h"
+
+static const char *write_tmp(const char *name, const char *text) {
+  static char paths[4][64];
+  static int next;
+  char *p = paths[next++ % 4];
+  snprintf(p, sizeof paths[0], "/tmp/meshd-test-%d-%s", (int)getpid(), name);
+  FILE *f = fopen(p, "w");
+  cr_assert_not_null(f);
+  fputs(text, f);
+  fclose(f);
+  return p;
+}
+
+/* What a local agent's --memory-bytes is split from: the host's memory, or the
+ * container's cgroup limit when smaller (the server passed host RAM, so agents
+ * in an 8 GiB container on a large host each offered far more than it has, and
+ * the kernel, not a QUOTA error, ended the work). */
+Test(runtime, memory_is_the_cgroup_limit_when_smaller) {
+  unsigned long long phys = runtime_memory_bytes_in(NULL, 0);
+  cr_assert_gt(phys, 0);
+  const char *v2 = write_tmp("max", "8589934592\n"), *none = write_tmp("none", "max\n"),
+             *huge = write_tmp("huge", "9223372036854771712\n");
+  const char *missing = "/tmp/meshd-test-no-such-file";
+  unsigned long long want = phys < 8589934592ull ? phys : 8589934592ull;
+  cr_assert_eq(runtime_memory_bytes_in((const char *[]){missing, v2}, 2), want);
+  cr_assert_eq(runtime_memory_bytes_in((const char *[]){none}, 1), phys, "\"max\": no limit");
+  cr_assert_eq(runtime_memory_bytes_in((const char *[]){huge}, 1), phys, "v1's huge: no limit");
+  cr_assert_leq(runtime_memory_bytes(), phys);
+  remove(v2);
+  remove(none);
+  remove(huge);
 }
