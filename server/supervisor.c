@@ -45,6 +45,10 @@ static void exec_agent(char *const argv[], pid_t parent) {
   sigaction(SIGPIPE, &dfl, NULL);
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() != parent) _exit(1); /* meshd died before prctl took effect */
+  /* A group of its own: a terminal's Ctrl-C (or a kill of meshd's process
+   * group) reaches meshd alone, which drains its sessions and then stops the
+   * agents, rather than the agents dying under the draining sessions. */
+  setpgid(0, 0);
   execv(argv[0], argv);
   _exit(127);
 }
@@ -145,7 +149,7 @@ static void *watch(void *arg) {
         /* An agent that lived a while gets restarted at once; one that keeps
          * dying right after start backs off (100 ms doubling, at most 1 s). */
         if (now - c->started_ms > 5000) c->restarts_in_row = 0;
-        int delay = c->restarts_in_row == 0 ? 0 : 100 << (c->restarts_in_row < 4 ? c->restarts_in_row - 1 : 3);
+        int delay = c->restarts_in_row == 0 ? 0 : 100 << (c->restarts_in_row < 5 ? c->restarts_in_row - 1 : 4);
         if (delay > 1000) delay = 1000;
         c->restarts_in_row++;
         log_event(LOG_LEVEL_WARN, "supervisor", &(log_fields_t){LOG_RANK(i)},

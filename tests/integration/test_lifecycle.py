@@ -38,6 +38,10 @@ def test_local_agents_are_children_with_ranks(meshd_server):
         assert a.address.startswith("127.0.0.1:"), a.address
         assert a.memory_bytes > 0
         assert a.agent_id
+    # Each agent leads a process group of its own: a Ctrl-C to meshd's group (the
+    # terminal's) reaches meshd alone, which drains its sessions before it stops them.
+    for p in kids:
+        assert os.getpgid(p) == p != os.getpgid(srv.proc.pid), (p, os.getpgid(p))
 
 
 def test_sigkilled_agent_is_dropped_and_restarted(meshd_server):
