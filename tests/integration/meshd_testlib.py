@@ -685,10 +685,11 @@ def unary(port, method, request, response_cls, timeout=5.0, serializer=None, met
         return call(request, timeout=timeout, metadata=metadata)
 
 
-def list_agents(port, timeout=5.0):
+def list_agents(port, timeout=5.0, token=None):
     t = tensor_pb2()
+    md = (("authorization", f"Bearer {token}"),) if token else None
     return list(unary(port, "/meshd.v1.TensorService/ListAgents", t.ListAgentsRequest(),
-                      t.ListAgentsReply, timeout=timeout).agents)
+                      t.ListAgentsReply, timeout=timeout, metadata=md).agents)
 
 
 def describe_agents(agents):

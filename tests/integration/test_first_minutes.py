@@ -147,6 +147,8 @@ class Compose:
             self.services[name] = s
             for p in svc.get("ports", []):
                 host, _, cont = str(p).rpartition(":")
+                ip, _, host = host.rpartition(":")  # "127.0.0.1:50051:50051": this host only
+                assert ip in ("", "127.0.0.1"), f"{name}: publishes on {ip}"
                 assert int(cont) in s["ports"], f"{name}: publishes {cont}, where it does not listen"
                 self.published[int(host)] = (name, int(cont))
             if "--min-agents" in (svc.get("command") or []):

@@ -158,6 +158,9 @@ def test_compose_cpu_by_default_gpu_profile_cuda():
     assert "--metrics-listen" in server["command"], "the walk-through scrapes the server"
     mport = server["command"][server["command"].index("--metrics-listen") + 1].rsplit(":", 1)[1]
     assert any(p.split(":")[-1] == mport for p in server["ports"]), "metrics port published"
+    # The client port takes no token in compose: published to this host only.
+    assert "--auth-tokens" not in server["command"]
+    assert all(str(p).startswith("127.0.0.1:") for p in server["ports"]), server["ports"]
 
 
 def test_compose_services_non_root_read_only():

@@ -37,7 +37,8 @@ terminationGracePeriodSeconds.
 A flag the binary does not know (exit 2), a MESHD_* variable it does not read
 (its --help lists every one), a wrong probe port or service, an address on an
 undeclared port, or a metrics port nobody serves fails the test. All the
-StatefulSet's replicas run, since MESHD_MIN_AGENTS must equal them.
+StatefulSet's replicas run (MESHD_MIN_AGENTS is one less: the one agent the
+PodDisruptionBudget lets go). The client port wants the operators' tokens.
 """
 
 import glob
@@ -106,7 +107,11 @@ def operator_secrets(tmp_path):
                               "tls.crt": (pki / "cluster.pem").read_bytes(),
                               "tls.key": (pki / "cluster.key").read_bytes()},
         "meshd-join-token": {"token": (os.urandom(24).hex() + "\n").encode()},
+        "meshd-auth-tokens": {"tokens": f"ops {OPS_TOKEN} admin\n".encode()},
     }
+
+
+OPS_TOKEN = os.urandom(24).hex()
 
 
 class Cluster:
@@ -459,8 +464,10 @@ def test_manifests_run_as_declared(tmp_path):
     server_wl, agent_wl = server_wl[0], agent_wl[0]
     replicas = agent_wl["spec"]["replicas"]
     assert server_wl["spec"]["replicas"] == 1
-    assert int(cluster.config["meshd-server-config"]["MESHD_MIN_AGENTS"]) == replicas, \
-        "MESHD_MIN_AGENTS must equal the agent StatefulSet's replicas"
+    pdb = find(cluster.objs, "PodDisruptionBudget", None)
+    assert len(pdb) == 1 and pdb[0]["spec"]["maxUnavailable"] == 1, pdb
+    assert int(cluster.config["meshd-server-config"]["MESHD_MIN_AGENTS"]) == replicas - 1, \
+        "MESHD_MIN_AGENTS must be the agent StatefulSet's replicas less the one the PDB lets go"
     sts_name = agent_wl["metadata"]["name"]
 
     server = cluster.add_pod("meshd-7d9c5b-x1", server_wl)
@@ -483,8 +490,12 @@ def test_manifests_run_as_declared(tmp_path):
 
         # The agents registered with their pod ordinal as rank.
         sgrpc = server["container"]["readinessProbe"]["grpc"]["port"]
-        ranks = lib.healthy_ranks(lib.list_agents(server["ports"][sgrpc]))
+        ranks = lib.healthy_ranks(lib.list_agents(server["ports"][sgrpc], token=OPS_TOKEN))
         assert ranks == list(range(replicas)), ranks
+        # The client port wants a token: a stranger's call is refused.
+        with pytest.raises(grpc.RpcError) as e:
+            lib.list_agents(server["ports"][sgrpc])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
 
         # Metrics: the declared "metrics" port, the one the annotations point at.
         for pod, names in [(server, SERVER_METRICS)] + [(a, AGENT_METRICS) for a in agents]:

@@ -230,9 +230,13 @@ test("agents: rank from the pod ordinal, stable advertise name, GPU, /dev/shm, N
   const vol = spec.volumes.find((v) => v.name === shm.name);
   assert.equal(vol?.emptyDir?.medium, "Memory", "/dev/shm is a memory emptyDir");
   assert.ok(env.NCCL_SOCKET_IFNAME, "NCCL_SOCKET_IFNAME set");
-  // Server readiness waits for --min-agents: keep it equal to the replicas.
+  // Server readiness waits for --min-agents: the replicas less the agents the
+  // PodDisruptionBudget lets go, so that a rolling update or a drain does not
+  // take the server out of its Service.
   const server = find("Deployment", "meshd").spec.template.spec.containers[0];
-  assert.equal(Number(containerEnv(server).MESHD_MIN_AGENTS), sts.spec.replicas, "min agents == replicas");
+  const pdb = find("PodDisruptionBudget", "meshd-agent");
+  assert.equal(Number(containerEnv(server).MESHD_MIN_AGENTS),
+               sts.spec.replicas - pdb.spec.maxUnavailable, "min agents == replicas - maxUnavailable");
 });
 
 test("docker/compose.yaml runs a server and 4 CPU agents, and 4 GPU agents under the gpu profile, with documented flags", () => {
