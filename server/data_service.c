@@ -26,6 +26,8 @@ struct data_service {
   session_table_t *sessions;
   size_t chunk; /* bytes of data per message, well under the limit */
   int max_transfers; /* per session, Upload and Fetch calls together (1..DATA_TRANSFERS_MAX) */
+  int max_relays;     /* over all sessions, Upload and Fetch calls (0: no bound) */
+  _Atomic int relays; /* those calls in flight, on_start to on_end */
   /* Uploads and Fetches not yet freed: their relays' last steps run on the
    * rpc layer's client thread after their calls ended, and
    * data_service_destroy waits for them. */
@@ -123,6 +125,20 @@ static int transfer_begin(data_service_t *ds, session_t *s, const char *method, 
 }
 
 static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
+
+/* The server's Upload and Fetch calls in flight, over every session, are at
+ * most --max-relayed-transfers: what they queue is the server's memory. */
+static int relay_begin(data_service_t *ds, const char *method, meshd_error_t *e) {
+  int before = atomic_fetch_add(&ds->relays, 1);
+  if (ds->max_relays <= 0 || before < ds->max_relays) return 0;
+  atomic_fetch_sub(&ds->relays, 1);
+  return error_set(e, ERR_QUOTA,
+                   "%s: the server relays %d Upload and Fetch calls already, the most "
+                   "--max-relayed-transfers (%d) allows; retry in a moment, or use the direct "
+                   "data path", method, before, ds->max_relays);
+}
+
+static void relay_end(data_service_t *ds) { atomic_fetch_sub(&ds->relays, 1); }
 
 
 /* ------------------------------------------------------------------ upload */
@@ -291,8 +307,15 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
     finish_error(call, &e);
     return;
   }
+  if (relay_begin(ds, "Upload", &e)) {
+    transfer_end(s);
+    session_release(s);
+    finish_error(call, &e);
+    return;
+  }
   upload_t *u = calloc(1, sizeof *u);
   if (!u) {
+    relay_end(ds);
     transfer_end(s);
     session_release(s);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of memory");
@@ -801,6 +824,7 @@ static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
   upload_abort(u); /* a client gone mid-upload: the Writes end and settling undoes */
   upload_spend(u, NULL); /* (a defined tensor's ref is claimed already: no-op) */
   transfer_end(u->session);
+  relay_end(u->ds);
   upload_release(u);
 }
 
@@ -1195,6 +1219,12 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
     finish_error(call, &e);
     return;
   }
+  if (relay_begin(ds, "Fetch", &e)) {
+    transfer_end(s);
+    session_release(s);
+    finish_error(call, &e);
+    return;
+  }
   fetch_t *f = calloc(1, sizeof *f);
   int rc = f ? 0 : error_set(&e, ERR_QUOTA, "Fetch: out of memory on the server");
   if (!rc) {
@@ -1203,6 +1233,7 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
     pthread_mutex_unlock(&s->mu);
   }
   if (rc) {
+    relay_end(ds);
     transfer_end(s);
     session_release(s);
     if (f) fetch_free(f);
@@ -1232,6 +1263,7 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   data_service_t *ds = arg;
   fetch_t *f = rpc_call_data(call);
   if (!f) return;
+  relay_end(ds);
   pthread_mutex_lock(&f->mu);
   f->ended = true;
   uint64_t wait = f->wait_id;
@@ -1735,6 +1767,10 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   pthread_cond_init(&ds->wake, NULL);
   ds->sweeping = pthread_create(&ds->sweeper, NULL, sweeper_main, ds) == 0;
   return ds;
+}
+
+void data_service_set_max_relays(data_service_t *ds, int max_relays) {
+  ds->max_relays = max_relays > 0 ? max_relays : 0;
 }
 
 void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms) {

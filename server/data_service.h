@@ -39,6 +39,10 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
 /* The data path (default AUTO) and how long a direct transfer's grants live
  * (grant_ms > 0; default 10 minutes). Before the server starts. */
 void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms);
+/* Upload and Fetch calls the server relays at once, over all sessions (each
+ * holds up to 8 MiB of queued chunks): more are refused QUOTA naming
+ * --max-relayed-transfers. 0: no bound. Before the server starts. */
+void data_service_set_max_relays(data_service_t *ds, int max_relays);
 /* Counts tensor bytes moved in meshd_transfer_bytes_total{direction,path}
  * (upload/fetch, proxy/direct). Before the server starts; m outlives ds. */
 struct metrics_registry;

@@ -43,7 +43,7 @@ typedef struct options {
   int64_t link_hold_ms, link_lone_ms;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
   int64_t session_max_streams, max_command_refs;
-  int64_t session_max_transfers, transfer_grant_ms;
+  int64_t session_max_transfers, transfer_grant_ms, max_relayed_transfers;
   const char *data_path;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
@@ -113,6 +113,10 @@ static const config_flag_t flags[] = {
      "Upload and Fetch calls a session may have in flight at once; more are refused "
      "RESOURCE_EXHAUSTED (0: 64, the most: what an agent keeps of a session's fetches)",
      &opt.session_max_transfers, 0, DATA_TRANSFERS_MAX},
+    {"max-relayed-transfers", CONFIG_INT, "128",
+     "Upload and Fetch calls the server relays at once over all sessions (each queues up to "
+     "8 MiB); more are refused RESOURCE_EXHAUSTED (0: no bound)",
+     &opt.max_relayed_transfers, 0, 1 << 20},
     {"data-path", CONFIG_STRING, "auto",
      "how tensor bytes move: direct (clients stream straight to and from the agents with "
      "PlanTransfer grants; Upload and Fetch are refused), proxy (through the server only; "
@@ -442,6 +446,7 @@ int main(int argc, char **argv) {
   data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes,
                                                                (int)opt.session_max_transfers) : NULL;
   if (data) data_service_set_path(data, data_path, opt.transfer_grant_ms);
+  if (data) data_service_set_max_relays(data, (int)opt.max_relayed_transfers);
   load_service_t *loads = sessions ? load_service_create(pool, sessions, &urls) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel

@@ -853,3 +853,33 @@ def test_per_rank_literals_follow_the_mesh_rank_order_on_2d_meshes_and_slices(me
                 assert fetch_at(whole, host=h, gpu=g) == [3 * k, 3 * k + 1, 3 * k + 2], (h, g)
         assert fetch_at(half, gpu=0) == [100, 101]
         assert fetch_at(half, gpu=1) == [200, 201]
+
+
+def test_the_server_relays_at_most_max_relayed_transfers_over_all_sessions(meshd_server):
+    """--max-relayed-transfers bounds the Upload and Fetch calls the server relays over
+    every session (each queues server memory): one held Upload of session a fills a bound
+    of 1, and session b's Upload and Fetch are refused QUOTA naming the flag; once a's
+    ends, b's go through."""
+    srv = meshd_server(2, "--max-relayed-transfers", "1")
+    lib.wait_ready(srv, 2)
+    with lib.Session(srv.port, "holder", timeout=30) as a, \
+            lib.Session(srv.port, "other", timeout=30) as b:
+        ma, mb = a.mesh(gpu=2).ref, b.mesh(gpu=2).ref
+        held = _HeldUpload(a, ma, 64 * 1024)
+        held.held(a.new_ref())
+        other = _HeldUpload(b, mb, 64 * 1024)
+        with pytest.raises(grpc.RpcError) as e:
+            other.whole(b.new_ref())
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "--max-relayed-transfers (1)" in e.value.details(), e.value.details()
+        assert not isinstance(held.release(), grpc.RpcError)
+        x = b.new_ref()
+        other.whole(x)
+        b.run(lib.sync(), timeout=10)
+        held = _HeldUpload(a, ma, 64 * 1024)
+        held.held(a.new_ref())
+        with pytest.raises(grpc.RpcError) as e:
+            fetch_floats(b, x)
+        assert "Fetch" in e.value.details() and "--max-relayed-transfers" in e.value.details()
+        assert not isinstance(held.release(), grpc.RpcError)
+        assert len(fetch_floats(b, x)) == 64 * 1024 // 4 * 2
