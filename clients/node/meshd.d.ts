@@ -196,14 +196,20 @@ export interface FactoryOptions {
 }
 
 export interface PipelineOptions {
-  /** commands per Submit message, 1..4096 (default 256) */
+  /** commands per Submit message, 1..4096 (default 256); the client queues at most twice
+   * as many (and 2 MiB) behind the messages the stream has not taken yet */
   maxBatch?: number;
 }
 
 export interface PipelineStats {
+  /** commands handed to the Submit stream */
   commands: number;
+  /** the messages they went in */
   messages: number;
+  /** the SubmitReply messages their answers came in */
   replies: number;
+  /** commands queued on the client, not yet handed to the stream (flow control) */
+  queued: number;
 }
 
 /** One Command for execute(): exactly one kind; seq is filled in. */
@@ -415,13 +421,24 @@ export class Session {
 
   /** One unary RPC with the session's metadata; a failure rejects with a MeshdError. */
   unary<M extends keyof UnaryMethods>(method: M, request: UnaryMethods[M][0], options?: CallOptions): Promise<UnaryMethods[M][1]>;
-  /** Runs one Command and returns its CommandResult; a rejected command throws a MeshdError with .kind. */
+  /**
+   * Runs one Command and returns its CommandResult; a rejected command throws a MeshdError
+   * with .kind. timeoutMs (default: the session's) bounds all the call waits for: its turn
+   * after the calls issued before it, room in the pipeline's queue, its answer; past it
+   * kind DEADLINE_EXCEEDED (a command that was not queued gives its seq and refs back when
+   * no later call took any).
+   */
   execute(command: Command, options?: CallOptions): Promise<CommandResult>;
   /**
    * Later commands go on one Submit stream, many to a message (what was issued before the
    * event loop turns, at most maxBatch, about 1 MiB); each still settles with its own answer.
-   * Upload, fetch, inspectUrl and close wait for every outstanding answer first. null: back to
-   * unary Execute. The open stream keeps the process alive: close() the session when done.
+   * Upload, fetch, inspectUrl and close wait for every outstanding answer first. A server that
+   * stops reading the stream (flow control) fills a bounded queue: a command that finds it full
+   * waits until its deadline, then rejects DEADLINE_EXCEEDED, not queued. With a pipeline on,
+   * options change maxBatch (a failed stream is replaced). null: back to unary Execute once
+   * every answer is in, the session's timeoutMs at most (then DEADLINE_EXCEEDED, the pipeline
+   * off all the same: what is queued still goes out, and later calls wait for it first).
+   * The open stream keeps the process alive: close() the session when done.
    */
   setPipeline(options?: PipelineOptions | null): Promise<void>;
   /** What the pipeline sent and got back; null without one. */
@@ -470,9 +487,14 @@ export class Session {
   /**
    * The local tensor at the rank named by coords (an index for every mesh dim: {gpu: 1})
    * as a typed array by dtype, with .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs
-   * (one deadline for the whole fetch, a fallback to the proxy included).
+   * (one deadline for the whole fetch: its turn, the pipelined answers it waits for, a
+   * fallback to the proxy included).
    */
   fetch(ref: Ref, coords?: Record<string, number>, options?: CallOptions): Promise<Fetched>;
-  /** Closes the session and its channel; a second call does nothing. */
+  /**
+   * Closes the session and its channel once the calls issued before it went out and every
+   * pipelined answer came (the session's timeoutMs at most: past it the session closes all
+   * the same and close() rejects DEADLINE_EXCEEDED); a second call does nothing.
+   */
   close(): Promise<void>;
 }

@@ -67,6 +67,12 @@ const LITERAL_MAX_BYTES = 1 << 20; // the data one Literal carries (docs/protoco
 const LITERAL_MAX_SENT = 8 << 20; // what it, or one message's Literals, sends the agents
 const BATCH_BYTES = 1 << 20; // a pipelined message ends past about this many bytes
 const MESSAGE_MAX = 4 << 20; // the server's largest message
+// Flow control (a server that stops reading the Submit stream): at most WRITES_MAX
+// messages handed to the stream and not yet taken by it, and behind them a queue of
+// at most 2 * maxBatch commands and QUEUE_BYTES (one command always fits an empty one).
+const WRITES_MAX = 2;
+const QUEUE_BYTES = 2 * BATCH_BYTES;
+const NOT_SENT = Symbol('notSent'); // on an error: the command never went out
 
 // About how many bytes a command takes on the wire (its strings, lists and bytes;
 // 10 a number): what a pipelined message may hold (BATCH_BYTES) is counted in these.
@@ -79,6 +85,18 @@ function weigh(v) {
   for (const k in v) n += weigh(v[k]) + 1;
   return n;
 }
+// The refs a command claims (those the conveniences took with newRef just before it).
+function claims(command) {
+  const [kind] = Object.keys(command);
+  const c = command[kind] ?? {};
+  if (kind === 'call') return (c.results ?? []).map(Number);
+  if (kind === 'borrow') return [Number(c.ref), Number(c.borrow)].filter((r) => r > 0);
+  if (['create_mesh', 'slice_mesh', 'create_stream', 'factory', 'reduce', 'to_mesh', 'load', 'literal'].includes(kind)) {
+    return Number(c.ref) > 0 ? [Number(c.ref)] : [];
+  }
+  return [];
+}
+
 const AGENT_PROTO_REL = path.join('meshd', 'agent', 'v1', 'agent.proto');
 const GRANT_MD = 'meshd-transfer-grant-bin';
 export const DATA_PATHS = Object.freeze(['auto', 'direct', 'proxy']);
@@ -219,7 +237,11 @@ export class Session {
   #pipe = null; // setPipeline: the Submit stream, its queue and the answers awaited
   #meshes = new Map(); // ref -> the MeshMeta of each mesh this session made (literal)
   #order = Promise.resolve(); // the last ref-claiming send issued (#inOrder)
+  #steps = 0; // sends issued to #order and not yet finished
+  #old = []; // pipelines turned off whose streams have not ended (their answers may be due)
+  #drains = []; // #drain's waiters: every pipelined command answered
   #lateErrors = []; // run-time errors in the answer of a pipelined sync that timed out
+  #closing = null; // close() under way
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -293,13 +315,35 @@ export class Session {
   // they are taken in the order calls are issued. So every send that claims refs
   // (execute, upload) goes out in issue order: send() runs once the send issued
   // before it has been claimed by the server: a unary Execute answered, a pipelined
-  // command written on the Submit stream (which keeps its order), an Upload finished.
+  // command queued for the Submit stream (which keeps its order), an Upload finished.
   // Without this, calls issued together (Promise.all) raced on separate calls, and
   // a ref that arrived after a higher one was refused REF_REUSED.
-  #inOrder(send) {
-    const p = this.#order.then(send);
+  // With a deadline (execute, fetch) the wait for the turn is bounded too: past it the
+  // call rejects DEADLINE_EXCEEDED (marked NOT_SENT) and its send is skipped when the
+  // turn comes. setPipeline and close take their turn here as well, so a call issued
+  // before them goes out before the pipeline changes.
+  #inOrder(send, deadline, limitMs, what) {
+    let timer;
+    let cut = null; // the error the caller got when its turn did not come in time
+    const idle = this.#steps === 0; // the turn comes at once (a microtask)
+    this.#steps += 1;
+    const p = this.#order.then(() => {
+      if (cut) throw cut;
+      clearTimeout(timer);
+      return send();
+    }).finally(() => { this.#steps -= 1; });
     this.#order = p.then(() => {}, () => {});
-    return p;
+    if (deadline === undefined || idle) return p;
+    return new Promise((resolve, reject) => {
+      timer = setTimeout(() => {
+        cut = new MeshdError('DEADLINE_EXCEEDED', `${what} was not queued or sent within ${limitMs} ms: the calls `
+          + 'issued before it had not gone out yet (an upload, a fetch not yet planned, or pipelined commands '
+          + 'waiting for the server to read the Submit stream: flow control)', grpc.status.DEADLINE_EXCEEDED);
+        cut[NOT_SENT] = true;
+        reject(cut);
+      }, Math.max(1, deadline - Date.now()));
+      p.then(resolve, reject); // (after a cut, p rejects with it: a no-op)
+    });
   }
 
   // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
@@ -317,80 +361,163 @@ export class Session {
   }
 
   // Runs one Command ({create_mesh: {...}} etc.; seq is filled in) and returns its
-  // CommandResult; a rejected command throws a MeshdError with .kind.
+  // CommandResult; a rejected command throws a MeshdError with .kind. timeoutMs (default:
+  // the session's) bounds everything the call waits for: its turn, the answers of a
+  // pipeline turned off before it (unary), room in the pipeline's queue, its answer.
+  // A command that never went out (no room in time) gives its seq and refs back when no
+  // later call took any.
   async execute(command, { timeoutMs, [WEIGHT]: weight } = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     this.seq += 1;
     const cmd = { seq: this.seq, ...command };
     // a symbol, which protobuf does not see: what the command weighs in a message
     cmd[WEIGHT] = weight ?? { bytes: weigh(command), sent: 0 };
-    const deadline = this.deadline(timeoutMs); // from the call, not from its turn
+    const limitMs = timeoutMs ?? this.timeoutMs;
+    const deadline = Date.now() + limitMs; // from the call, not from its turn
+    const what = `command seq ${cmd.seq}`;
     // A pipelined command is claimed in stream order once queued; its answer is awaited
     // outside the order (wrapped, so that the order does not wait for it).
-    const sent = await this.#inOrder(() => (this.#pipe
-      ? { [QUEUED]: this.#submit(cmd, deadline, timeoutMs ?? this.timeoutMs, timeoutMs !== undefined || !!command.sync) }
-      : this.#unaryBy('Execute', cmd, deadline)));
+    let sent;
+    try {
+      sent = await this.#inOrder(async () => {
+        const pipe = this.#pipe;
+        if (pipe) return this.#submit(pipe, cmd, deadline, limitMs, timeoutMs !== undefined || !!command.sync);
+        await this.#drain(deadline, limitMs, what, true); // a pipeline turned off: its commands first
+        return this.#unaryBy('Execute', cmd, deadline);
+      }, deadline, limitMs, what);
+    } catch (e) {
+      if (e?.[NOT_SENT]) this.#giveBack(cmd.seq, command);
+      throw e;
+    }
     const res = QUEUED in sent ? await sent[QUEUED] : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     return res;
+  }
+
+  // A command that did not go out: its seq, and the refs it would have claimed, are
+  // taken again by the next call, unless a later call took one since.
+  #giveBack(seq, command) {
+    if (this.seq !== seq) return;
+    this.seq -= 1;
+    const refs = claims(command);
+    if (refs.length && Math.max(...refs) === this.nextRef && Math.min(...refs) === this.nextRef - refs.length + 1) {
+      this.nextRef -= refs.length;
+    }
   }
 
   // ------------------------------------------------------------------ pipeline
   // With a pipeline, commands (execute, so call, factory, reduce, sync...) go on one
   // Submit stream, many to a message: whatever was issued before the event loop
   // turns (setImmediate), at most maxBatch (1..4096, default 256) to a message.
-  // Each call still resolves or rejects with its own answer; issue many before
-  // awaiting them (e.g. Promise.all) and they share messages. Upload, fetch,
-  // inspectUrl and close first wait for every answer outstanding, so refs reach the
-  // server in order. setPipeline(null) waits for them and goes back to Execute. The
-  // open stream keeps the process (and the session) alive: close() the session.
+  // Each call still resolves or rejects with its own answer (a rejection goes to that
+  // call only); issue many before awaiting them (e.g. Promise.all) and they share
+  // messages. Upload, fetch, inspectUrl and close first wait for every answer
+  // outstanding, so refs reach the server in order. The open stream keeps the
+  // process (and the session) alive: close() the session.
+  //
+  // Flow control: a server whose session has too much work queued on its agents
+  // (--session-max-queued) stops reading the stream. The client then holds at most
+  // WRITES_MAX messages in the stream and 2 * maxBatch commands (QUEUE_BYTES) queued
+  // behind them; a command that finds the queue full waits for room until its deadline,
+  // then rejects DEADLINE_EXCEEDED, not queued (it never went out: calling again is
+  // safe). Nothing queued is dropped because the server is slow: a command whose answer
+  // did not come in time rejects DEADLINE_EXCEEDED but stays queued, goes out once the
+  // server reads again, and every later call that must follow it waits for its answer.
+  //
+  // setPipeline(opts) with a pipeline on changes maxBatch for it; on a stream that
+  // failed it opens a new one (after the answers of a pipeline turned off before).
+  // setPipeline(null) turns it off (the stream ends after what is queued) and waits for
+  // every answer, the session's timeoutMs at most: past it, DEADLINE_EXCEEDED (the
+  // pipeline is off all the same; what is queued still goes out, and later calls wait
+  // for those answers first).
   async setPipeline(opts = {}) {
     if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
     const maxBatch = opts?.maxBatch ?? 256;
     if (opts !== null && (!Number.isInteger(maxBatch) || maxBatch < 1 || maxBatch > 4096)) {
       throw new RangeError(`meshd: setPipeline: maxBatch must be an integer in 1..4096, got ${maxBatch}`);
     }
-    await this.#drain();
-    if (this.#pipe) {
-      this.#pipe.closing = true;
-      this.#pipe.stream.end();
-      this.#pipe = null;
-    }
-    if (opts === null) return;
-    const stream = this.client.Submit(this.#md);
-    const pipe = { stream, maxBatch, queue: [], pending: new Map(), waiters: [], scheduled: false,
-      broken: null, closing: false, messages: 0, commands: 0, replies: 0, late: new Set(), watch: null };
-    stream.on('data', (reply) => this.#answers(pipe, reply));
-    stream.on('error', (err) => this.#broke(pipe, MeshdError.fromRpc(err)));
-    stream.on('end', () => this.#broke(pipe, new MeshdError('UNAVAILABLE',
-      'the Submit stream ended before every command was answered', grpc.status.UNAVAILABLE)));
-    this.#pipe = pipe;
+    await this.#inOrder(async () => {
+      const limitMs = this.timeoutMs;
+      const deadline = Date.now() + limitMs;
+      const pipe = this.#pipe;
+      if (opts === null) {
+        this.#off();
+        await this.#drain(deadline, limitMs, 'setPipeline(null)');
+        return;
+      }
+      if (pipe && !pipe.broken) {
+        pipe.maxBatch = maxBatch;
+        if (pipe.queue.length >= maxBatch) this.#flush(pipe);
+        this.#roomy(pipe);
+        return;
+      }
+      this.#pipe = null; // a failed stream: every command on it has its error
+      await this.#drain(deadline, limitMs, 'setPipeline'); // the old streams' refs before the new one's
+      this.#pipe = this.#open(maxBatch);
+    });
   }
 
-  // {commands, messages, replies}: commands sent on the pipeline's stream, in how many
-  // messages, answered in how many replies (null without a pipeline).
+  #open(maxBatch) {
+    const stream = this.client.Submit(this.#md);
+    const pipe = { stream, maxBatch, queue: [], bytes: 0, writing: 0, pending: new Map(), late: new Set(),
+      room: [], scheduled: false, broken: null, closing: false, ended: false, cancelled: false,
+      messages: 0, commands: 0, replies: 0, watch: null };
+    stream.on('data', (reply) => this.#answers(pipe, reply));
+    stream.on('error', (err) => this.#over(pipe, err.code === undefined || typeof err.code !== 'number'
+      ? new MeshdError('UNAVAILABLE', `the Submit stream failed: ${err.message}`, grpc.status.UNAVAILABLE)
+      : MeshdError.fromRpc(err)));
+    stream.on('end', () => this.#over(pipe, new MeshdError('UNAVAILABLE',
+      'the Submit stream ended before every command was answered', grpc.status.UNAVAILABLE)));
+    return pipe;
+  }
+
+  // The pipeline goes off: its stream ends once what is queued went out; until it has
+  // ended (its answers in) it stays among #old, which later calls wait for.
+  #off() {
+    const pipe = this.#pipe;
+    if (!pipe) return;
+    this.#pipe = null;
+    if (pipe.broken) return;
+    pipe.closing = true;
+    this.#old.push(pipe);
+    this.#flush(pipe);
+  }
+
+  // {commands, messages, replies, queued}: commands sent on the pipeline's stream, in
+  // how many messages, answered in how many replies, and the commands queued on the
+  // client, not yet handed to the stream (null without a pipeline).
   pipelineStats() {
     const p = this.#pipe;
-    return p ? { commands: p.commands, messages: p.messages, replies: p.replies } : null;
+    return p ? { commands: p.commands, messages: p.messages, replies: p.replies, queued: p.queue.length } : null;
   }
 
-  // A pipelined command's answer is awaited until its deadline: with a timer of its own
-  // when the call gave a timeoutMs (and for a sync), else by the pipeline's one sweep
-  // over the commands on the session's timeoutMs, oldest first (#watch).
-  #submit(cmd, deadline, timeoutMs, ownTimer) {
-    const pipe = this.#pipe;
-    if (pipe.broken) return Promise.reject(pipe.broken);
+  // Whether the queue takes a command of weight w now.
+  static #fits(pipe, w) {
+    return !pipe.queue.length || (pipe.queue.length < 2 * pipe.maxBatch && pipe.bytes + w.bytes <= QUEUE_BYTES);
+  }
+
+  // Queues cmd (in its turn) once there is room, its deadline at most; returns its
+  // answer, wrapped. A pipelined command's answer is awaited until its deadline: with a
+  // timer of its own when the call gave a timeoutMs (and for a sync), else by the
+  // pipeline's one sweep over the commands on the session's timeoutMs, oldest first (#watch).
+  async #submit(pipe, cmd, deadline, limitMs, ownTimer) {
+    if (pipe.broken) throw pipe.broken;
     if (cmd[WEIGHT].bytes > MESSAGE_MAX - 4096) { // it would end the stream for every call
-      return Promise.reject(new MeshdError('BAD_ARGUMENT', `command seq ${cmd.seq} takes about `
-        + `${cmd[WEIGHT].bytes} bytes, more than a message may (${MESSAGE_MAX})`, grpc.status.INVALID_ARGUMENT, cmd.seq));
+      const e = new MeshdError('BAD_ARGUMENT', `command seq ${cmd.seq} takes about `
+        + `${cmd[WEIGHT].bytes} bytes, more than a message may (${MESSAGE_MAX})`, grpc.status.INVALID_ARGUMENT, cmd.seq);
+      e[NOT_SENT] = true;
+      throw e;
     }
-    return new Promise((resolve, reject) => {
+    if (!Session.#fits(pipe, cmd[WEIGHT])) await this.#room(pipe, cmd, deadline, limitMs);
+    if (pipe.broken) throw pipe.broken;
+    const answer = new Promise((resolve, reject) => {
       let timer;
       const done = (fn) => (v) => { if (timer) clearTimeout(timer); fn(v); };
-      const entry = { resolve: done(resolve), reject: done(reject), timeoutMs };
+      const entry = { resolve: done(resolve), reject: done(reject), timeoutMs: limitMs };
       if (!ownTimer) entry.deadline = deadline;
       pipe.pending.set(cmd.seq, entry);
       pipe.queue.push(cmd);
+      pipe.bytes += cmd[WEIGHT].bytes;
       if (pipe.queue.length >= pipe.maxBatch) this.#flush(pipe);
       else if (!pipe.scheduled) {
         pipe.scheduled = true;
@@ -406,15 +533,46 @@ export class Session {
         this.#watch(pipe);
       }
     });
+    return { [QUEUED]: answer };
   }
 
-  // No answer by its deadline: the command rejects; its answer may still come, with
-  // the errors it took (a sync's go to the next one).
+  // Waits for room in the queue until deadline; DEADLINE_EXCEEDED (NOT_SENT) past it.
+  // (Sends take their turns one at a time, so one command at most waits here.)
+  #room(pipe, cmd, deadline, limitMs) {
+    return new Promise((resolve, reject) => {
+      const waiter = { w: cmd[WEIGHT] };
+      const timer = setTimeout(() => {
+        const i = pipe.room.indexOf(waiter);
+        if (i < 0) return;
+        pipe.room.splice(i, 1);
+        const e = new MeshdError('DEADLINE_EXCEEDED', `pipeline: command seq ${cmd.seq} was not queued within `
+          + `${limitMs} ms: the ${pipe.queue.length} commands queued before it did not go out (the server is not `
+          + 'reading the Submit stream: flow control); they stay queued and go out once it reads again',
+        grpc.status.DEADLINE_EXCEEDED, cmd.seq);
+        e[NOT_SENT] = true;
+        reject(e);
+      }, Math.max(1, deadline - Date.now()));
+      waiter.go = () => { clearTimeout(timer); resolve(); };
+      pipe.room.push(waiter);
+    });
+  }
+
+  // Lets the first command waiting for room in (all of them when the stream failed).
+  #roomy(pipe) {
+    while (pipe.room.length && (pipe.broken || Session.#fits(pipe, pipe.room[0].w))) {
+      pipe.room.shift().go();
+      if (!pipe.broken) break;
+    }
+  }
+
+  // No answer by its deadline: the command rejects; it stays queued (or sent) and its
+  // answer may still come, with the errors it took (a sync's go to the next one).
   #expire(pipe, seq, entry) {
     pipe.pending.delete(seq);
     pipe.late.add(seq);
     entry.reject(new MeshdError('DEADLINE_EXCEEDED', `no answer to command seq ${seq} within `
-      + `${entry.timeoutMs} ms`, grpc.status.DEADLINE_EXCEEDED, seq));
+      + `${entry.timeoutMs} ms (the server is slow or not reading the Submit stream: flow control; it stays `
+      + 'queued and may still run)', grpc.status.DEADLINE_EXCEEDED, seq));
   }
 
   // One timer per pipeline, at the oldest deadline of the commands on the session's
@@ -439,12 +597,14 @@ export class Session {
     pipe.watch.unref?.();
   }
 
-  // A message holds at most maxBatch commands, and its Literals at most BATCH_BYTES of
-  // data (the server's messages are at most 4 MiB) and LITERAL_MAX_SENT to the agents
-  // (the server refuses a Literal past that).
+  // Hands queued commands to the stream while it takes them (WRITES_MAX messages not
+  // yet written at most). A message holds at most maxBatch commands, and its Literals
+  // at most BATCH_BYTES of data (the server's messages are at most 4 MiB) and
+  // LITERAL_MAX_SENT to the agents (the server refuses a Literal past that). A pipeline
+  // turned off ends its stream once its queue went out.
   #flush(pipe) {
     pipe.scheduled = false;
-    while (pipe.queue.length && !pipe.broken) {
+    while (pipe.queue.length && !pipe.broken && pipe.writing < WRITES_MAX) {
       let n = 0, bytes = 0, sent = 0;
       for (; n < pipe.queue.length && n < pipe.maxBatch; n++) {
         const w = pipe.queue[n][WEIGHT];
@@ -453,10 +613,20 @@ export class Session {
         sent += w.sent;
       }
       const cmds = pipe.queue.splice(0, n);
-      pipe.stream.write(cmds.length === 1 ? cmds[0] : { batch: cmds });
+      pipe.bytes -= bytes;
+      pipe.writing += 1;
+      pipe.stream.write(cmds.length === 1 ? cmds[0] : { batch: cmds }, (err) => {
+        pipe.writing -= 1;
+        if (!err) this.#flush(pipe); // (a failed write fails the stream: 'error')
+      });
       pipe.messages += 1;
       pipe.commands += cmds.length;
     }
+    if (pipe.closing && !pipe.ended && !pipe.queue.length && !pipe.broken && !pipe.cancelled) {
+      pipe.ended = true;
+      pipe.stream.end();
+    }
+    this.#roomy(pipe);
   }
 
   #answers(pipe, reply) {
@@ -467,6 +637,11 @@ export class Session {
       const p = pipe.pending.get(seq);
       if (!p && pipe.late.delete(seq)) { // one that timed out: a sync's errors go to the next
         for (const e of r.errors ?? []) this.#lateErrors.push(e);
+        if (r.error && r.error.kind && r.error.kind !== 'ERROR_KIND_UNSPECIFIED') {
+          // its caller got DEADLINE_EXCEEDED and may think it ran: say that it did not
+          process.emitWarning(`meshd: pipelined command seq ${seq}, whose answer came after its deadline, `
+            + `was rejected: ${MeshdError.fromError(r.error).message}`, 'MeshdWarning');
+        }
         continue;
       }
       if (!p) {
@@ -480,29 +655,75 @@ export class Session {
     this.#settled(pipe);
   }
 
-  // The stream failed: every command awaiting an answer gets its error, and so do later ones.
+  // The stream ended or failed. A pipeline turned off whose answers all came is done;
+  // otherwise the commands still awaiting an answer get the stream's error.
+  #over(pipe, err) {
+    const i = this.#old.indexOf(pipe);
+    if (i >= 0) this.#old.splice(i, 1);
+    if (pipe.cancelled) return; // close() cancelled it, after giving its commands their error
+    if (pipe.closing && pipe.pending.size + pipe.late.size === 0) return;
+    this.#broke(pipe, err);
+  }
+
+  // The stream failed: every command awaiting an answer gets its error, and so do later
+  // ones (setPipeline opens a new stream).
   #broke(pipe, err) {
-    if (pipe.closing && pipe.pending.size === 0) return;
     if (!pipe.broken) pipe.broken = err;
     if (pipe.watch) clearTimeout(pipe.watch);
     pipe.watch = null;
     for (const p of pipe.pending.values()) p.reject(pipe.broken);
     pipe.pending.clear();
+    pipe.late.clear();
     pipe.queue.length = 0;
+    pipe.bytes = 0;
+    this.#roomy(pipe);
     this.#settled(pipe);
   }
 
   #settled(pipe) {
-    if (pipe.pending.size === 0) for (const w of pipe.waiters.splice(0)) w();
+    if (pipe.pending.size + pipe.late.size === 0 || pipe.broken) this.#wake();
   }
 
-  // Sends what is queued and waits until every command sent has its answer.
-  #drain() {
-    const pipe = this.#pipe;
-    if (!pipe) return Promise.resolve();
-    this.#flush(pipe);
-    if (pipe.pending.size === 0) return Promise.resolve();
-    return new Promise((resolve) => pipe.waiters.push(resolve));
+  // Commands sent (or queued) on any pipeline of this session that have no answer yet.
+  #unanswered() {
+    let n = 0;
+    for (const p of this.#old) n += p.pending.size + p.late.size;
+    if (this.#pipe) n += this.#pipe.pending.size + this.#pipe.late.size;
+    return n;
+  }
+
+  #wake() {
+    if (this.#unanswered()) return;
+    for (const w of this.#drains.splice(0)) w();
+  }
+
+  // Sends what is queued and waits until every command sent has its answer (those of
+  // pipelines turned off before too), until deadline: past it DEADLINE_EXCEEDED naming
+  // what is left (marked NOT_SENT for a call that then does not go out: notSent).
+  #drain(deadline, limitMs, what, notSent = false) {
+    const pipes = this.#pipe ? [...this.#old, this.#pipe] : this.#old;
+    if (!pipes.length) return undefined;
+    for (const p of pipes) this.#flush(p);
+    if (!this.#unanswered()) return undefined;
+    return new Promise((resolve, reject) => {
+      const waiter = () => { clearTimeout(timer); resolve(); };
+      const timer = setTimeout(() => {
+        const i = this.#drains.indexOf(waiter);
+        if (i >= 0) this.#drains.splice(i, 1);
+        let n = 0, first = Infinity, queued = 0;
+        for (const p of this.#pipe ? [...this.#old, this.#pipe] : this.#old) {
+          for (const seq of [...p.pending.keys(), ...p.late]) { n += 1; first = Math.min(first, seq); }
+          queued += p.queue.length;
+        }
+        const e = new MeshdError('DEADLINE_EXCEEDED', `${what}: ${n} pipelined command(s) sent before it `
+          + `(seq ${first} first) not answered within ${limitMs} ms, ${queued} of them still queued on `
+          + 'the client (the server is slow or not reading the Submit stream: flow control); they stay queued and '
+          + 'go out and run once it reads again', grpc.status.DEADLINE_EXCEEDED);
+        if (notSent) e[NOT_SENT] = true;
+        reject(e);
+      }, Math.max(1, deadline - Date.now()));
+      this.#drains.push(waiter);
+    });
   }
 
   // -------------------------------------------------------------- conveniences
@@ -537,7 +758,7 @@ export class Session {
   // {format, file_size, version, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
   inspectUrl(url, mesh = 0) {
     return this.#inOrder(async () => { // after the calls issued before it, as fetch
-      await this.#drain();
+      await this.#drain(this.deadline(), this.timeoutMs, 'inspectUrl');
       return this.unary('InspectUrl', { url, mesh: mesh.ref ?? mesh });
     });
   }
@@ -689,7 +910,8 @@ export class Session {
 
   // Runs in its turn (#inOrder): the session's later ref-claiming calls wait for it.
   async #upload(header, spare, bytes) {
-    await this.#drain(); // the header's ref after every queued command's
+    // the header's ref after every queued command's (the session's timeoutMs at most)
+    await this.#drain(this.deadline(), this.timeoutMs, 'upload');
     if (this.#wanted()) {
       const tensor = await this.#directUpload(header, bytes);
       if (tensor) return tensor;
@@ -714,7 +936,8 @@ export class Session {
 
   // The local tensor at the rank named by coords ({gpu: 1}) as a typed array by dtype
   // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
-  // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED.
+  // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED: one
+  // deadline for all it waits for (its turn, the pipelined answers before it, the bytes).
   // In issue order: after every call issued before it reached the server (pipelined:
   // and was answered), and before those issued after it: they wait until the server
   // planned the fetch, which fixes the value, not for its bytes.
@@ -723,14 +946,15 @@ export class Session {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
     };
-    const deadline = this.deadline(timeoutMs); // one for the whole fetch, whichever path
+    const limitMs = timeoutMs ?? this.timeoutMs;
+    const deadline = Date.now() + limitMs; // one for the whole fetch, whichever path and every wait
     let fixed; // later calls may go
     const planned = new Promise((resolve) => { fixed = resolve; });
     let work;
     await this.#inOrder(() => {
       work = (async () => {
         try {
-          await this.#drain(); // the tensor's command answered first
+          await this.#drain(deadline, limitMs, 'fetch'); // the tensor's command answered first
           if (this.#wanted()) {
             const out = await this.#directFetch(request, deadline, fixed);
             if (out) return out;
@@ -743,7 +967,7 @@ export class Session {
         }
       })();
       return planned;
-    });
+    }, deadline, limitMs, 'fetch');
     return work;
   }
 
@@ -999,19 +1223,62 @@ export class Session {
     return out;
   }
 
-  async close() {
-    if (this.closed) return;
-    this.stopKeepAlive();
+  // Every call issued before it goes out first, and every pipelined command is answered
+  // (the session's timeoutMs at most: past it, the session still closes and close()
+  // rejects DEADLINE_EXCEEDED naming what was left; the calls still waiting for those
+  // answers reject NO_SESSION).
+  close() {
+    if (this.closed) return Promise.resolve();
+    this.#closing ??= this.#close(); // a second call while it runs waits for the same
+    return this.#closing;
+  }
+
+  async #close() {
+    let err;
     try {
-      await this.#order; // every call issued before close has gone out
-      if (this.#pipe) await this.setPipeline(null); // every command answered, then the stream ends
+      try {
+        await this.#inOrder(async () => {
+          this.#off(); // the stream ends after what is queued
+          await this.#drain(this.deadline(), this.timeoutMs, 'close');
+        });
+      } catch (e) {
+        err = e;
+      }
+      this.stopKeepAlive();
       await this.unary('CloseSession', {});
+    } catch (e) {
+      err ??= e;
     } finally {
       this.closed = true;
+      this.stopKeepAlive();
+      this.#abandon();
       this.client.close();
       for (const a of this.#agents.values()) a.close();
       this.#agents.clear();
     }
+    if (err) throw err;
+  }
+
+  // The session is closed: the streams still open end now, and a call still waiting for
+  // an answer on one of them gets NO_SESSION (their CANCELLED is the client's own: not reported).
+  #abandon() {
+    for (const pipe of this.#pipe ? [...this.#old, this.#pipe] : [...this.#old]) {
+      pipe.cancelled = true;
+      pipe.broken ??= new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
+      for (const [seq, p] of pipe.pending) {
+        p.reject(new MeshdError('NO_SESSION', `the session was closed before command seq ${seq} was answered`,
+          grpc.status.FAILED_PRECONDITION, seq));
+      }
+      pipe.pending.clear();
+      pipe.late.clear();
+      pipe.queue.length = 0;
+      if (pipe.watch) clearTimeout(pipe.watch);
+      this.#roomy(pipe);
+      pipe.stream.cancel();
+    }
+    this.#old = [];
+    this.#pipe = null;
+    this.#wake();
   }
 }
 

@@ -39,7 +39,7 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     s.setDataPath('fast');
     await s.setPipeline({ maxBatch: 64 });
     const ps = s.pipelineStats();
-    if (ps) void [ps.commands + ps.messages + ps.replies];
+    if (ps) void [ps.commands + ps.messages + ps.replies + ps.queued];
     await s.setPipeline(null);
     // @ts-expect-error maxBatch is a number
     await s.setPipeline({ maxBatch: 'many' });

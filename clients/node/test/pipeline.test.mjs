@@ -1,0 +1,351 @@
+// The Node client's pipeline (setPipeline) when things go wrong, against a real
+// `meshd --local-agents 2 --session-max-queued 2 --agent-timeout 60`: with its rank-0
+// agent stopped (SIGSTOP, SIGCONT in a finally) two commands fill a session's flow
+// window and the server reads nothing more from the Submit stream until the agent runs
+// again. Every wait is bounded (within()): a hang fails the test instead of blocking it.
+//
+// MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readFileSync, readdirSync, existsSync, openSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { connect } from '../meshd.mjs';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
+const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
+const meshdBin = path.join(binDir, 'meshd');
+
+let work;
+let meshd;
+let addr;
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const logTail = () => {
+  try { return readFileSync(path.join(work, 'meshd.log'), 'utf8').split('\n').slice(-40).join('\n'); } catch { return ''; }
+};
+
+// p's value, or its error thrown; fails if it is still pending after ms (a hang).
+async function within(p, ms, what) {
+  let timer;
+  try {
+    return await Promise.race([p, new Promise((_, reject) => {
+      timer = setTimeout(() => reject(new Error(`${what}: still waiting after ${ms} ms`)), ms);
+    })]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+// {ok, value} or {err}, and when it settled (ms after t0).
+const settle = (p, t0 = Date.now()) => p.then((value) => ({ ok: true, value, at: Date.now() - t0 }),
+  (err) => ({ err, at: Date.now() - t0 }));
+
+before(async () => {
+  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
+  work = mkdtempSync(path.join(tmpdir(), 'meshd-node-pipeline-'));
+  const env = Object.fromEntries(Object.entries(process.env).filter(
+    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
+  const log = openSync(path.join(work, 'meshd.log'), 'w');
+  const portFile = path.join(work, 'meshd.port');
+  meshd = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
+    '--session-max-queued', '2', '--agent-timeout', '60'], { env, stdio: ['ignore', log, log] });
+  const deadline = Date.now() + 30000;
+  let last = '';
+  for (;;) {
+    if (meshd.exitCode !== null || meshd.signalCode !== null) throw new Error(`meshd exited\n${logTail()}`);
+    if (Date.now() > deadline) throw new Error(`meshd not ready within 30 s: ${last}\n${logTail()}`);
+    if (!addr && existsSync(portFile) && /^\d+\n$/.test(readFileSync(portFile, 'utf8'))) {
+      addr = `127.0.0.1:${readFileSync(portFile, 'utf8').trim()}`;
+    }
+    if (addr) {
+      try {
+        const s = await connect(addr, { clientName: 'node-wait', timeoutMs: 2000, token: '' });
+        try {
+          const { agents } = await s.unary('ListAgents', {});
+          if (agents.filter((a) => a.healthy).length >= 2) break;
+          last = `${agents.length} agents`;
+        } finally {
+          await s.close();
+        }
+      } catch (e) {
+        last = e.message;
+      }
+    }
+    await sleep(100);
+  }
+});
+
+after(async () => {
+  // Stops only the meshd this file started (its own agents go with it).
+  if (meshd && meshd.exitCode === null && meshd.signalCode === null) {
+    const exited = new Promise((resolve) => meshd.once('exit', resolve));
+    meshd.kill('SIGTERM');
+    const timer = setTimeout(() => meshd.kill('SIGKILL'), 15000);
+    await exited;
+    clearTimeout(timer);
+  }
+  if (work) rmSync(work, { recursive: true, force: true });
+});
+
+// The meshd-agent child of meshd started with --rank rank.
+function agentPid(rank) {
+  for (const task of readdirSync(`/proc/${meshd.pid}/task`)) {
+    let kids = '';
+    try { kids = readFileSync(`/proc/${meshd.pid}/task/${task}/children`, 'utf8'); } catch { continue; }
+    for (const pid of kids.split(/\s+/).filter(Boolean)) {
+      let args = [];
+      try { args = readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0'); } catch { continue; }
+      const i = args.indexOf('--rank');
+      if (args[0].endsWith('meshd-agent') && i >= 0 && args[i + 1] === String(rank)) return Number(pid);
+    }
+  }
+  throw new Error(`no rank-${rank} agent child of meshd ${meshd.pid}`);
+}
+
+// A session with a gpu=2 mesh and x = ones(4), all run; and the rank-0 agent's pid,
+// stopped by stop(), resumed by resume() (the test's finally resumes it too).
+async function setup(timeoutMs) {
+  const s = await connect(addr, { clientName: 'node-pipeline-faults', timeoutMs, token: '' });
+  const mesh = await s.createMesh({ gpu: 2 });
+  const x = await s.factory({ kind: 'ones', mesh, shape: [4] });
+  await s.sync({ timeoutMs: 10000 });
+  const pid = agentPid(0);
+  let stopped = false;
+  const stop = async () => {
+    process.kill(pid, 'SIGSTOP');
+    stopped = true;
+    for (const until = Date.now() + 5000; Date.now() < until;) {
+      const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+      if (/^[Tt]/.test(stat.slice(stat.lastIndexOf(')') + 2))) break;
+      await sleep(10);
+    }
+    await sleep(150); // every thread, not just the main one
+  };
+  const resume = () => { if (stopped) process.kill(pid, 'SIGCONT'); stopped = false; };
+  return { s, mesh, x, stop, resume };
+}
+
+// With the agent stopped: two pipelined commands fill the session's flow window; they
+// are answered, and the server then reads nothing more from the stream.
+async function stall(s, x) {
+  await within(Promise.all([s.call('add', [x, 1]), s.call('add', [x, 2])]), 5000, 'the two stalling commands');
+}
+
+test('a server that stops reading bounds the pipeline queue: a command that finds it full is not queued and takes no seq or ref', async () => {
+  const { s, mesh, stop, resume, x } = await setup(1500);
+  try {
+    await s.setPipeline();
+    await stop();
+    await stall(s, x);
+    // 100 Literals of 240 KB, none awaited (24 MB): before the fix every one went into
+    // the stream's write buffer at once, however long the server did not read.
+    const n = 60000;
+    const first = s.nextRef + 1; // literal i takes ref first + i
+    const t0 = Date.now();
+    const calls = [];
+    for (let i = 0; i < 100; i += 1) calls.push(settle(s.literal(mesh, [n], new Float32Array(n).fill(i)), t0));
+    await sleep(300);
+    const held = s.pipelineStats();
+    const rs = await within(Promise.all(calls), 10000, 'the 100 literals');
+    const notQueued = rs.filter((r) => r.err && /not queued/.test(r.err.message));
+    const handed = held.commands - 2; // the literals the stream took (the two stalling commands aside)
+    assert.ok(notQueued.length >= 40, `only ${notQueued.length} of 100 were refused room: ${JSON.stringify(held)}`);
+    assert.ok(handed + held.queued <= 40, `the client held ${handed} + ${held.queued} literals of 240 KB`);
+    for (const r of rs) {
+      assert.ok(r.err, 'the server read nothing: no literal can be answered');
+      assert.equal(r.err.kind, 'DEADLINE_EXCEEDED', r.err.message);
+      assert.ok(r.at >= 1300 && r.at < 6000, `a 1.5 s deadline took ${r.at} ms`);
+    }
+    assert.match(notQueued[0].err.message, /within 1500 ms/);
+    // Alone, with the queue still full: refused, and it gives its seq and ref back.
+    const [seq, ref] = [s.seq, s.nextRef];
+    const one = await within(settle(s.literal(mesh, [n], new Float32Array(n))), 5000, 'one more literal');
+    assert.equal(one.err?.kind, 'DEADLINE_EXCEEDED', String(one.err));
+    assert.match(one.err.message, /was not queued/);
+    assert.deepEqual([s.seq, s.nextRef], [seq, ref], 'the refused command kept its seq or ref');
+    // What was queued goes out once the server reads again; the last one queued ran.
+    resume();
+    await within(s.sync({ timeoutMs: 20000 }), 25000, 'sync after resume');
+    const last = rs.findLastIndex((r) => !/not queued/.test(r.err.message));
+    assert.ok(last >= 0, 'no literal was queued at all');
+    const got = await s.fetch(first + last, { gpu: 1 }, { timeoutMs: 10000 });
+    assert.deepEqual([got[0], got[n - 1]], [last, last]);
+    const after = await within(s.literal(mesh, [2], new Float32Array([7, 8])), 10000, 'a literal after');
+    assert.equal(Number(after.ref), ref + 1, 'the refused ref was not taken again');
+    assert.deepEqual([...await s.fetch(after, { gpu: 0 }, { timeoutMs: 10000 })], [7, 8]);
+  } finally {
+    resume();
+    await s.close().catch(() => {});
+  }
+});
+
+test('a command answered late is not dropped: setPipeline(null) says so, and the next call waits for it', async () => {
+  const { s, stop, resume, x } = await setup(1000);
+  try {
+    await s.setPipeline();
+    await stop();
+    await stall(s, x);
+    const y = await within(settle(s.call('add', [x, 10])), 5000, 'the late call');
+    assert.equal(y.err?.kind, 'DEADLINE_EXCEEDED', String(y.err));
+    const yRef = s.nextRef;
+    // One that the server will reject once it reads it: its caller stopped waiting, so
+    // the rejection comes as a warning, once.
+    const warnings = [];
+    const onWarning = (w) => { if (w.name === 'MeshdWarning') warnings.push(w.message); };
+    process.on('warning', onWarning);
+    const bad = await within(settle(s.execute({ reduce: { ref: s.newRef(), input: x.ref, dims: ['nodim'],
+      reduction: 'sum' } }, { timeoutMs: 300 })), 5000, 'the late bad reduce');
+    assert.equal(bad.err?.kind, 'DEADLINE_EXCEEDED', String(bad.err));
+    // Their commands are still on the stream: turning the pipeline off waits for their
+    // answers, the session's 1 s, and says what was left (before: it returned at once, and
+    // the unary call below overtook them, so y was refused REF_REUSED unseen).
+    const off = await within(settle(s.setPipeline(null)), 5000, 'setPipeline(null)');
+    assert.equal(off.err?.kind, 'DEADLINE_EXCEEDED', String(off.err));
+    assert.match(off.err.message, /setPipeline\(null\): 2 pipelined command\(s\) sent before it \(seq \d+ first\) not answered within 1000 ms/);
+    assert.equal(s.pipelineStats(), null, 'the pipeline is off all the same');
+    setTimeout(resume, 500);
+    const z = await within(s.call('add', [x, 20], {}, { timeoutMs: 15000 }), 20000, 'the unary call after');
+    assert.equal(Number(z.ref), yRef + 2);
+    process.off('warning', onWarning);
+    assert.equal(warnings.length, 1, warnings.join('\n'));
+    assert.match(warnings[0], /seq \d+, whose answer came after its deadline, was rejected: BAD_DIM/);
+    assert.deepEqual([...await s.fetch(yRef, { gpu: 0 }, { timeoutMs: 10000 })], [11, 11, 11, 11]);
+    assert.deepEqual([...await s.fetch(z, { gpu: 1 }, { timeoutMs: 10000 })], [21, 21, 21, 21]);
+  } finally {
+    resume();
+    await s.close().catch(() => {});
+  }
+});
+
+test('fetch and sync in a pipeline wait at most their own timeoutMs for the answers before them', async () => {
+  const { s, stop, resume, x } = await setup(20000);
+  try {
+    await s.setPipeline();
+    await stop();
+    await stall(s, x);
+    const y = s.call('mul', [x, 3]); // not answered while the server does not read
+    const yRef = s.nextRef;
+    let t0 = Date.now();
+    const f = await within(settle(s.fetch(yRef, { gpu: 0 }, { timeoutMs: 500 })), 5000, 'fetch');
+    assert.equal(f.err?.kind, 'DEADLINE_EXCEEDED', String(f.err));
+    assert.ok(Date.now() - t0 < 2500, `a 500 ms fetch took ${Date.now() - t0} ms`);
+    t0 = Date.now();
+    const sy = await within(settle(s.sync({ timeoutMs: 500 })), 5000, 'sync');
+    assert.equal(sy.err?.kind, 'DEADLINE_EXCEEDED', String(sy.err));
+    assert.ok(Date.now() - t0 < 2500, `a 500 ms sync took ${Date.now() - t0} ms`);
+    resume();
+    await within(s.sync({ timeoutMs: 15000 }), 20000, 'sync after resume');
+    assert.deepEqual([...await s.fetch(await y, { gpu: 1 }, { timeoutMs: 10000 })], [3, 3, 3, 3]);
+  } finally {
+    resume();
+    await s.close().catch(() => {});
+  }
+});
+
+test('close: answers missing at its deadline close the session all the same, and nobody gets a CANCELLED of the client', async () => {
+  // Every answer in, but the server reads the stream's end only once its agents caught
+  // up: turning the pipeline off and closing report nothing.
+  const a = await setup(1000);
+  try {
+    await a.s.setPipeline();
+    await a.stop();
+    await stall(a.s, a.x);
+    await within(a.s.setPipeline(null), 5000, 'setPipeline(null), all answered');
+    await within(a.s.close(), 5000, 'close, all answered');
+  } finally {
+    a.resume();
+    await a.s.close().catch(() => {});
+  }
+  // A call still waiting (its own 20 s) when close runs out of the session's 800 ms.
+  const { s, stop, resume, x } = await setup(800);
+  try {
+    await s.setPipeline();
+    await stop();
+    await stall(s, x);
+    const waiting = settle(s.call('add', [x, 1], {}, { timeoutMs: 20000 }));
+    const t0 = Date.now();
+    const closed = await within(settle(s.close()), 5000, 'close with an answer missing');
+    assert.equal(closed.err?.kind, 'DEADLINE_EXCEEDED', String(closed.err));
+    assert.match(closed.err.message, /close: 1 pipelined command\(s\) sent before it/);
+    assert.ok(Date.now() - t0 < 3000, `close took ${Date.now() - t0} ms`);
+    assert.equal(s.closed, true);
+    const w = await within(waiting, 2000, 'the call close left');
+    assert.equal(w.err?.kind, 'NO_SESSION', String(w.err));
+    const obs = await connect(addr, { clientName: 'node-observer', token: '' });
+    try {
+      const { sessions } = await obs.unary('ListSessions', {});
+      assert.ok(!sessions.some((r) => r.session_id === s.id), 'the session is still open');
+    } finally {
+      await obs.close();
+    }
+  } finally {
+    resume();
+  }
+});
+
+test('setPipeline and calls from tasks that interleave keep their order (no write after the stream ended)', async () => {
+  const { s, mesh } = await setup(10000);
+  try {
+    const acc = await s.factory({ kind: 'zeros', mesh, shape: [2] });
+    const calls = [];
+    const on = (async () => {
+      for (let i = 0; i < 8; i += 1) {
+        await s.setPipeline({ maxBatch: 1 + (i % 3) });
+        calls.push(s.call('add_', [acc, 1]));
+      }
+    })();
+    const off = (async () => {
+      for (let i = 0; i < 8; i += 1) {
+        calls.push(s.call('add_', [acc, 1])); // issued just before the pipeline goes off
+        await s.setPipeline(null);
+      }
+    })();
+    await within(Promise.all([on, off]), 10000, 'the two tasks');
+    const rs = await within(Promise.allSettled(calls), 10000, 'their calls');
+    assert.deepEqual(rs.filter((r) => r.status === 'rejected').map((r) => r.reason.message), []);
+    await s.setPipeline();
+    const seen = s.fetch(acc, { gpu: 0 }, { timeoutMs: 10000 });
+    const after = s.call('add_', [acc, 100]); // issued after the fetch: not seen by it
+    assert.deepEqual([...await seen], [16, 16]);
+    await after;
+  } finally {
+    await s.close().catch(() => {});
+  }
+});
+
+test('a rejection goes to its own call once; a stream that dies fails every call waiting and the next one, never hangs', async () => {
+  const { s, stop, resume, x } = await setup(3000);
+  const streams = [];
+  const submit = s.client.Submit.bind(s.client);
+  s.client.Submit = (...args) => { const st = submit(...args); streams.push(st); return st; };
+  try {
+    await s.setPipeline();
+    const bad = await within(settle(s.reduce(x, ['nodim'])), 5000, 'a bad reduce');
+    assert.equal(bad.err?.kind, 'BAD_DIM', String(bad.err));
+    await stop();
+    await stall(s, x);
+    const waiting = settle(s.call('add', [x, 1]));
+    await sleep(50);
+    streams[0].cancel(); // the stream dies (as when the connection breaks)...
+    const sentAsItDied = settle(s.call('add', [x, 2])); // ...and a command goes just then
+    const [w, d] = await within(Promise.all([waiting, sentAsItDied]), 2000, 'the calls on the dead stream');
+    assert.equal(w.err?.kind, 'CANCELLED', String(w.err));
+    assert.equal(d.err?.kind, 'CANCELLED', String(d.err));
+    const next = await within(settle(s.call('add', [x, 3])), 2000, 'a call after');
+    assert.equal(next.err?.kind, 'CANCELLED', String(next.err));
+    // setPipeline again opens a new stream; the rejection is not reported again anywhere
+    resume();
+    await s.setPipeline();
+    assert.equal(streams.length, 2);
+    const y = await within(s.call('add', [x, 4]), 10000, 'a call on the new stream');
+    assert.deepEqual([...await s.fetch(y, { gpu: 0 }, { timeoutMs: 10000 })], [5, 5, 5, 5]);
+    await within(s.setPipeline(null), 5000, 'setPipeline(null)');
+  } finally {
+    resume();
+    await s.close();
+  }
+});
