@@ -490,7 +490,13 @@ def test_manifests_run_as_declared(tmp_path):
 
         # The agents registered with their pod ordinal as rank.
         sgrpc = server["container"]["readinessProbe"]["grpc"]["port"]
-        ranks = lib.healthy_ranks(lib.list_agents(server["ports"][sgrpc], token=OPS_TOKEN))
+        # (The server is ready with replicas - 1: the last may still be dialed back.)
+        by = time.monotonic() + lib.REGISTER_TIMEOUT
+        while True:
+            ranks = lib.healthy_ranks(lib.list_agents(server["ports"][sgrpc], token=OPS_TOKEN))
+            if ranks == list(range(replicas)) or time.monotonic() > by:
+                break
+            time.sleep(0.1)
         assert ranks == list(range(replicas)), ranks
         # The client port wants a token: a stranger's call is refused.
         with pytest.raises(grpc.RpcError) as e:
