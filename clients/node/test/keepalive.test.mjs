@@ -7,10 +7,11 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, readdirSync, existsSync, openSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { agentPid, stopAgent } from '../test-lib/agents.mjs';
 import { connect, keepAlivePeriodMs, MeshdError } from '../meshd.mjs';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -69,32 +70,6 @@ async function waitAgents(timeoutMs) {
     if (Date.now() > deadline) throw new Error(`agents not healthy within ${timeoutMs} ms; last ${last}\n${logTail()}`);
     await sleep(100);
   }
-}
-
-// The meshd-agent child of meshd started with --rank rank.
-function agentPid(rank) {
-  for (const task of readdirSync(`/proc/${meshd.pid}/task`)) {
-    let kids = '';
-    try { kids = readFileSync(`/proc/${meshd.pid}/task/${task}/children`, 'utf8'); } catch { continue; }
-    for (const pid of kids.split(/\s+/).filter(Boolean)) {
-      let args = [];
-      try { args = readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0'); } catch { continue; }
-      const i = args.indexOf('--rank');
-      if (args[0].endsWith('meshd-agent') && i >= 0 && args[i + 1] === String(rank)) return Number(pid);
-    }
-  }
-  throw new Error(`no rank-${rank} agent child of meshd ${meshd.pid}`);
-}
-
-async function stopAgent(pid) {
-  process.kill(pid, 'SIGSTOP');
-  const deadline = Date.now() + 10000;
-  while (Date.now() < deadline) {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    if (/^[Tt]/.test(stat.slice(stat.lastIndexOf(')') + 2))) break;
-    await sleep(10);
-  }
-  await sleep(200); // every thread, not just the main one
 }
 
 async function listed(sessionId) {
@@ -186,7 +161,7 @@ test('pipelined commands the server holds back past their deadline throw DEADLIN
   // the server reads no more of the Submit stream, so the commands past it get no
   // answer. Each rejects at its deadline: the session's timeoutMs (2 s) or its own.
   const s = await connect(addr, { clientName: 'node-pipe-deadline', timeoutMs: 2000 });
-  const pid = agentPid(1);
+  const pid = agentPid(meshd.pid, 1);
   try {
     const mesh = await s.createMesh({ gpu: 2 });
     const x = await s.factory({ kind: 'ones', mesh: mesh.ref, shape: [4] });
@@ -224,7 +199,7 @@ test('pipelined commands the server holds back past their deadline throw DEADLIN
 
 test('sync and fetch with a deadline on a wedged agent throw DEADLINE_EXCEEDED', async () => {
   const s = await connect(addr, { clientName: 'node-deadline' });
-  const pid = agentPid(1);
+  const pid = agentPid(meshd.pid, 1);
   try {
     const mesh = await s.createMesh({ gpu: 2 });
     const x = await s.factory({ kind: 'ones', mesh: mesh.ref, shape: [4] });

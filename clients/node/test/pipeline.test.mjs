@@ -8,10 +8,11 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, readdirSync, existsSync, openSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { agentPid, stopAgent } from '../test-lib/agents.mjs';
 import { connect } from '../meshd.mjs';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -91,21 +92,6 @@ after(async () => {
   if (work) rmSync(work, { recursive: true, force: true });
 });
 
-// The meshd-agent child of meshd started with --rank rank.
-function agentPid(rank) {
-  for (const task of readdirSync(`/proc/${meshd.pid}/task`)) {
-    let kids = '';
-    try { kids = readFileSync(`/proc/${meshd.pid}/task/${task}/children`, 'utf8'); } catch { continue; }
-    for (const pid of kids.split(/\s+/).filter(Boolean)) {
-      let args = [];
-      try { args = readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0'); } catch { continue; }
-      const i = args.indexOf('--rank');
-      if (args[0].endsWith('meshd-agent') && i >= 0 && args[i + 1] === String(rank)) return Number(pid);
-    }
-  }
-  throw new Error(`no rank-${rank} agent child of meshd ${meshd.pid}`);
-}
-
 // A session with a gpu=2 mesh and x = ones(4), all run; and the rank-0 agent's pid,
 // stopped by stop(), resumed by resume() (the test's finally resumes it too).
 async function setup(timeoutMs) {
@@ -113,17 +99,11 @@ async function setup(timeoutMs) {
   const mesh = await s.createMesh({ gpu: 2 });
   const x = await s.factory({ kind: 'ones', mesh, shape: [4] });
   await s.sync({ timeoutMs: 10000 });
-  const pid = agentPid(0);
+  const pid = agentPid(meshd.pid, 0);
   let stopped = false;
   const stop = async () => {
-    process.kill(pid, 'SIGSTOP');
     stopped = true;
-    for (const until = Date.now() + 5000; Date.now() < until;) {
-      const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-      if (/^[Tt]/.test(stat.slice(stat.lastIndexOf(')') + 2))) break;
-      await sleep(10);
-    }
-    await sleep(150); // every thread, not just the main one
+    await stopAgent(pid);
   };
   const resume = () => { if (stopped) process.kill(pid, 'SIGCONT'); stopped = false; };
   return { s, mesh, x, stop, resume };
