@@ -270,18 +270,6 @@ static void *usr1_thread(void *arg) {
   }
 }
 
-/* The host of "host:port" ("[::1]:5" -> "::1"). */
-static void host_of(const char *addr, char *host, size_t len) {
-  snprintf(host, len, "%s", addr);
-  char *colon = strrchr(host, ':');
-  if (colon && (host[0] != '[' || colon > strchr(host, ']'))) *colon = '\0';
-  if (host[0] == '[') {
-    memmove(host, host + 1, strlen(host));
-    char *end = strchr(host, ']');
-    if (end) *end = '\0';
-  }
-}
-
 int main(int argc, char **argv) {
   int rc = parse_options(argc, argv);
   if (rc >= 0)
@@ -433,8 +421,8 @@ int main(int argc, char **argv) {
    * listens (in Kubernetes a wildcard: the advertised name need not resolve
    * yet, nor to this pod's new address), reached at the advertised host. */
   char host[200], bind_host[200];
-  host_of(info.address, host, sizeof host);
-  host_of(opt.listen, bind_host, sizeof bind_host);
+  runtime_host_of(info.address, host, sizeof host);
+  runtime_host_of(opt.listen, bind_host, sizeof bind_host);
   if (!bind_host[0]) snprintf(bind_host, sizeof bind_host, "0.0.0.0"); /* ":port" */
   dp = dataplane_start(bind_host, opt.rank >= 0 ? (uint32_t)opt.rank : 0,
                        (int)opt.comm_timeout_ms, &merr);

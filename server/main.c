@@ -272,20 +272,6 @@ static double link_instructions_counter(void *arg) {
   return (double)agent_pool_totals(arg).instructions;
 }
 
-/* The host of a "host:port" or "[v6]:port" address, into out ("" if none). */
-static void host_of(const char *addr, char *out, size_t len) {
-  out[0] = '\0';
-  const char *colon = addr ? strrchr(addr, ':') : NULL;
-  if (!colon) return;
-  const char *h = addr;
-  size_t n = (size_t)(colon - addr);
-  if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
-    h++;
-    n -= 2;
-  }
-  snprintf(out, len, "%.*s", (int)n, h);
-}
-
 static int usage_error(const char *prog, const char *msg) {
   fprintf(stderr, "meshd: %s\n", msg);
   config_usage(stderr, prog, synopsis, flags, NFLAGS);
@@ -592,7 +578,7 @@ int main(int argc, char **argv) {
     bool gpu = !strncmp(opt.local_agent_device, "cuda", 4) &&
                strcmp(opt.local_agent_device, "cuda:emulated") != 0;
     static char metrics_host[256]; /* the supervisor keeps a pointer */
-    host_of(opt.metrics_listen, metrics_host, sizeof metrics_host);
+    runtime_host_of(opt.metrics_listen, metrics_host, sizeof metrics_host);
     supervisor_opts_t sopts = {.agent_binary = binary,
                                .server = server_addr,
                                .count = (int)opt.local_agents,

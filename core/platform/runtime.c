@@ -79,6 +79,19 @@ void runtime_local_address(const char *listen, int port, char *out, size_t len) 
   snprintf(out, len, "%s:%d", host, port);
 }
 
+void runtime_host_of(const char *addr, char *out, size_t len) {
+  out[0] = '\0';
+  const char *colon = addr ? strrchr(addr, ':') : NULL;
+  if (!colon) return;
+  const char *h = addr;
+  size_t n = (size_t)(colon - addr);
+  if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+    h++;
+    n -= 2;
+  }
+  snprintf(out, len, "%.*s", (int)n, h);
+}
+
 void runtime_tune_malloc(void) {
   /* Below 8 MiB from the heap (not a fresh mmap each time), and up to
    * 32 MiB free at a heap's top kept rather than trimmed. */

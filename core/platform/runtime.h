@@ -26,6 +26,8 @@ void runtime_random_hex(char *out, size_t n);
 /* "HOST:PORT" that a local peer dials to reach a server listening on `listen`
  * with bound port `port`: a wildcard host (0.0.0.0, [::], empty) becomes 127.0.0.1. */
 void runtime_local_address(const char *listen, int port, char *out, size_t len);
+/* The host of "HOST:PORT" ("[::1]:5" -> "::1"; "" when addr has no port). */
+void runtime_host_of(const char *addr, char *out, size_t len);
 
 /* Physical memory, or the container's limit when that is smaller (cgroup v2
  * memory.max, v1 memory.limit_in_bytes): allocating past a cgroup limit gets a

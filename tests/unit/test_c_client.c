@@ -107,6 +107,13 @@ static void start_server_with(const char *const *extra) { start_server_full("2",
 
 static void start_server(void) { start_server_with(NULL); }
 
+/* start_server_with, its local agents under MESHD_FAULT=fault (agent/fault.h). */
+static void start_server_fault(const char *fault, const char *const *extra) {
+  setenv("MESHD_FAULT", fault, 1); /* the local agents inherit it */
+  start_server_with(extra);
+  unsetenv("MESHD_FAULT");
+}
+
 static void stop_server(void) {
   if (stopped_agent > 0)
     kill(stopped_agent, SIGCONT);
@@ -2186,11 +2193,7 @@ Test(c_client, a_literal_is_a_command_whose_bytes_arrive_exact) {
   meshd_close(c);
 }
 
-static void start_old_rank1(void) {
-  setenv("MESHD_FAULT", "hello:old,rank=1", 1); /* the local agents inherit it */
-  start_server();
-  unsetenv("MESHD_FAULT");
-}
+static void start_old_rank1(void) { start_server_fault("hello:old,rank=1", NULL); }
 
 TestSuite(c_client_old_agent, .init = start_old_rank1, .fini = stop_server, .timeout = 60);
 
@@ -2327,10 +2330,8 @@ Test(c_client_small_messages, setting_a_failed_pipeline_again_opens_a_new_stream
 }
 
 static void start_slow(void) {
-  setenv("MESHD_FAULT", "reduce:slow=1500", 1); /* the local agents inherit it */
-  const char *extra[] = {"--session-max-queued", "2", NULL};
-  start_server_with(extra);
-  unsetenv("MESHD_FAULT");
+  static const char *const extra[] = {"--session-max-queued", "2", NULL};
+  start_server_fault("reduce:slow=1500", extra);
 }
 
 TestSuite(c_client_slow, .init = start_slow, .fini = stop_server, .timeout = 60);
@@ -2427,11 +2428,7 @@ Test(c_client_slow, turning_a_pipeline_off_reports_a_rejection_that_came_late) {
   meshd_close(c);
 }
 
-static void start_faulty(void) {
-  setenv("MESHD_FAULT", "reduce:fail", 1); /* the local agents inherit it */
-  start_server();
-  unsetenv("MESHD_FAULT");
-}
+static void start_faulty(void) { start_server_fault("reduce:fail", NULL); }
 
 TestSuite(c_client_faulty, .init = start_faulty, .fini = stop_server, .timeout = 60);
 

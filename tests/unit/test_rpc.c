@@ -1372,8 +1372,9 @@ Test(rpc_pause, paused_stream_backs_the_client_up) {
   rpc_call_unref(c);
 }
 
-/* A 64 KiB EchoRequest, packed: a writer's reference. */
-static rpc_bytes_t *packed_64k(char *text) {
+/* A 64 KiB EchoRequest, packed (the bytes are copied: a writer's reference). */
+static rpc_bytes_t *packed_64k(void) {
+  char *text = malloc(65537);
   memset(text, 'w', 65536);
   text[65536] = '\0';
   EchoRequest req = ECHO_REQUEST__INIT;
@@ -1382,7 +1383,17 @@ static rpc_bytes_t *packed_64k(char *text) {
   size_t n = protobuf_c_message_pack(&req.base, b);
   rpc_bytes_t *m = rpc_bytes_copy(b, n);
   free(b);
+  free(text);
   return m;
+}
+
+/* A Bidi stream whose handler paused its reads; *c: that call (the test's ref). */
+static rpc_stream_t *paused_stream(rpc_call_t **c) {
+  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 20000);
+  write_text(s, "pause");
+  expect_reply(s, 1);
+  *c = take_call();
+  return s;
 }
 
 /* Writes 64 KiB messages into a paused stream, each within 150 ms, until one
@@ -1403,12 +1414,9 @@ static int write_until_stuck(rpc_stream_t *s, rpc_bytes_t *m) {
 }
 
 Test(rpc_pause, a_bounded_write_into_a_paused_stream_stays_in_flight_until_reads_resume) {
-  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 20000);
-  write_text(s, "pause");
-  expect_reply(s, 1);
-  rpc_call_t *c = take_call();
-  char *text = malloc(65537);
-  rpc_bytes_t *m = packed_64k(text);
+  rpc_call_t *c;
+  rpc_stream_t *s = paused_stream(&c);
+  rpc_bytes_t *m = packed_64k();
   int went = write_until_stuck(s, m);
   /* The next writer waits for the one in flight, within its own bound. */
   int64_t t0 = rpc_now_ms();
@@ -1431,17 +1439,13 @@ Test(rpc_pause, a_bounded_write_into_a_paused_stream_stays_in_flight_until_reads
   cr_assert_eq(atomic_load(&p_received), went + 3);
   rpc_stream_destroy(s);
   rpc_bytes_free(m);
-  free(text);
   rpc_call_unref(c);
 }
 
 Test(rpc_pause, destroying_a_stream_with_a_write_in_flight_ends_it) {
-  rpc_stream_t *s = rpc_stream_open(pch, "/meshd.test.v1.Pause/Bidi", NULL, 0, 20000);
-  write_text(s, "pause");
-  expect_reply(s, 1);
-  rpc_call_t *c = take_call();
-  char *text = malloc(65537);
-  rpc_bytes_t *m = packed_64k(text);
+  rpc_call_t *c;
+  rpc_stream_t *s = paused_stream(&c);
+  rpc_bytes_t *m = packed_64k();
   write_until_stuck(s, m);
   int64_t t0 = rpc_now_ms();
   rpc_stream_destroy(s); /* cancels: the write in flight fails, nothing waits for the reader */
@@ -1452,7 +1456,6 @@ Test(rpc_pause, destroying_a_stream_with_a_write_in_flight_ends_it) {
   rpc_call_resume_reads(c);
   rpc_call_unref(c);
   rpc_bytes_free(m);
-  free(text);
 }
 
 Test(rpc_pause, cancel_while_paused_ends_the_call) {
