@@ -38,6 +38,7 @@ typedef struct options {
   const char *port_file;
   const char *device;
   int64_t rank;
+  int64_t memory_share;
   uint64_t memory_bytes;
   double drain_seconds;
   double server_timeout;
@@ -81,7 +82,10 @@ static const config_flag_t flags[] = {
     {"rank", CONFIG_INT, "-1", "ask for this world rank; -1: any free rank", &opt.rank, -1,
      INT32_MAX},
     {"memory-bytes", CONFIG_BYTES, NULL,
-     "capacity reported to the server (default: physical memory)", &opt.memory_bytes, 0, 0},
+     "capacity reported to the server (default: physical memory, or the GPU's)", &opt.memory_bytes, 0, 0},
+    {"memory-share", CONFIG_INT, "1",
+     "without --memory-bytes, report 1/N of the device's memory: N agents on one GPU "
+     "(meshd --local-agents N --local-agent-device cuda:K passes it)", &opt.memory_share, 1, 256},
     {"server-timeout", CONFIG_DOUBLE, "20",
      "a server that acknowledges no keepalive ping for this many seconds is taken as gone, and "
      "the agent registers again (one that exits closes the connection: noticed at once)",
@@ -287,6 +291,7 @@ int main(int argc, char **argv) {
    * backends default to physical memory. */
   bool gpu = ops != &cpu_backend_ops && strcmp(opt.device, "cuda:emulated") != 0;
   info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : runtime_memory_bytes();
+  if (!opt.memory_bytes) info.memory_bytes /= (uint64_t)opt.memory_share; /* the GPU's: below */
   info.requested_rank = (int32_t)opt.rank;
   info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
   int unused_ms;
@@ -395,6 +400,7 @@ int main(int argc, char **argv) {
     goto out;
   }
   backend_open = true;
+  if (gpu && !opt.memory_bytes) backend.capacity /= (uint64_t)opt.memory_share;
   info.memory_bytes = backend.capacity;
 
   if (opt.advertise)

@@ -4,6 +4,8 @@
 #include <libgen.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -205,12 +207,32 @@ typedef struct server_state {
   int min_agents;
   command_service_t *commands;
   metrics_series_t *agent_restarts; /* NULL: not counted */
+  int local_agents;
+  _Atomic int local_failing; /* local agents the supervisor reports failing */
 } server_state_t;
 
 static void agent_restarted(int rank, void *arg) {
   (void)rank;
   server_state_t *st = arg;
   metrics_series_inc(st->agent_restarts, 1);
+}
+
+/* Liveness ("") says whether this process can do its work: with every local
+ * agent failing (a wrong --local-agent-device, a broken binary) it cannot, and
+ * an orchestrator that restarts it shows the loop (CrashLoopBackOff). One rank
+ * failing out of several shows in readiness and the metric, not liveness:
+ * restarting the server would end the sessions the others serve. */
+static void agent_failing(int rank, bool failing, int failing_now, void *arg) {
+  (void)rank;
+  (void)failing;
+  server_state_t *st = arg;
+  atomic_store(&st->local_failing, failing_now);
+  health_set(st->health, "",
+             failing_now >= st->local_agents ? HEALTH_NOT_SERVING : HEALTH_SERVING);
+}
+
+static double local_failing_gauge(void *arg) {
+  return atomic_load(&((server_state_t *)arg)->local_failing);
 }
 
 /* Root failures agents report become failed tensors and Sync answers. */
@@ -399,7 +421,7 @@ int main(int argc, char **argv) {
 
   char server_id[33];
   runtime_random_hex(server_id, 16);
-  server_state_t state = {health_create(), min_agents, NULL, NULL};
+  server_state_t state = {health_create(), min_agents, NULL, NULL, (int)opt.local_agents, 0};
   agent_pool_callbacks_t pool_cb = {.changed = agents_changed, .on_report = agent_reported,
                                      .on_lost = agent_lost, .arg = &state};
   agent_link_set_hold_ms((int)opt.link_hold_ms);
@@ -526,6 +548,10 @@ int main(int argc, char **argv) {
       metrics_define(metrics, "meshd_agent_restarts_total", METRIC_COUNTER,
                      "Local agents (--local-agents) started again after they exited.");
       state.agent_restarts = metrics_series(metrics, "meshd_agent_restarts_total", NULL);
+      metrics_define(metrics, "meshd_local_agents_failing", METRIC_GAUGE,
+                     "Local agents (--local-agents) that keep exiting right after their "
+                     "start; with all of them failing, liveness (\"\") is NOT_SERVING.");
+      metrics_set_fn(metrics, "meshd_local_agents_failing", NULL, local_failing_gauge, &state);
       metrics_define(metrics, "meshd_sessions", METRIC_GAUGE, "Open sessions.");
       metrics_set_fn(metrics, "meshd_sessions", NULL, sessions_gauge, sessions);
       metrics_define(metrics, "meshd_agents", METRIC_GAUGE,
@@ -588,6 +614,7 @@ int main(int argc, char **argv) {
                                .metrics_host = opt.metrics_listen && *opt.metrics_listen ? metrics_host : NULL,
                                .metrics_port_base = (int)opt.local_agent_metrics_port_base,
                                .on_restart = agent_restarted,
+                               .on_failing = agent_failing,
                                .arg = &state,
                                .device = opt.local_agent_device,
                                .join_token_file = cluster_join_token_file(cluster),

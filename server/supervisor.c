@@ -23,6 +23,7 @@ typedef struct child {
   int64_t started_ms;
   int64_t restart_at_ms; /* when pid == 0: when to start it again */
   bool restarting;       /* it exited: the next start is a restart */
+  bool failing;          /* SUPERVISOR_FAIL_AFTER fast exits in a row, and not run 5 s since */
 } child_t;
 
 struct supervisor {
@@ -31,8 +32,19 @@ struct supervisor {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   bool stopping;
+  int failing; /* children with .failing */
   pthread_t thread;
 };
+
+#define LIVED_MS 5000 /* an exit this long after the start is not a fast one */
+
+static void set_failing(supervisor_t *s, int i, bool failing) {
+  child_t *c = &s->children[i];
+  if (c->failing == failing) return;
+  c->failing = failing;
+  s->failing += failing ? 1 : -1;
+  if (s->o.on_failing) s->o.on_failing(i, failing, s->failing, s->o.arg);
+}
 
 /* Runs in the child between fork and exec: async-signal-safe calls only. */
 static void exec_agent(char *const argv[], pid_t parent) {
@@ -60,7 +72,7 @@ static pid_t spawn(supervisor_t *s, int i) {
   if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
   else snprintf(device, sizeof device, "%s", dev);
   snprintf(mem, sizeof mem, "%llu", (unsigned long long)s->o.memory_bytes);
-  char *argv[40];
+  char *argv[48];
   int n = 0;
   argv[n++] = (char *)s->o.agent_binary;
   argv[n++] = "--server";
@@ -74,6 +86,14 @@ static pid_t spawn(supervisor_t *s, int i) {
   if (s->o.memory_bytes) {
     argv[n++] = "--memory-bytes";
     argv[n++] = mem;
+  }
+  /* All on one GPU (cuda:K): each reports its share of the GPU's memory, which
+   * only the agent can read, rather than each the whole of it. */
+  char share[32];
+  if (!strncmp(dev, "cuda:", 5) && strcmp(dev, "cuda:emulated") != 0 && s->o.count > 1 &&
+      !s->o.memory_bytes) {
+    snprintf(share, sizeof share, "--memory-share=%d", s->o.count);
+    argv[n++] = share;
   }
   /* Always explicit: an agent's own MESHD_REFLECTION must not differ from its server. */
   argv[n++] = s->o.reflection ? "--reflection=true" : "--reflection=false";
@@ -143,15 +163,38 @@ static void *watch(void *arg) {
       if (c->pid > 0) {
         int status;
         pid_t r = waitpid(c->pid, &status, WNOHANG);
-        if (r != c->pid) continue;
+        if (r != c->pid) {
+          if (c->failing && now - c->started_ms > LIVED_MS) {
+            log_event(LOG_LEVEL_INFO, "supervisor", &(log_fields_t){LOG_RANK(i)},
+                      "agent rank %d (pid %d) has run %d s: no longer failing", i,
+                      (int)c->pid, LIVED_MS / 1000);
+            c->restarts_in_row = 0;
+            set_failing(s, i, false);
+          }
+          continue;
+        }
         char why[96];
         describe_exit(status, why, sizeof why);
         /* An agent that lived a while gets restarted at once; one that keeps
-         * dying right after start backs off (100 ms doubling, at most 1 s). */
-        if (now - c->started_ms > 5000) c->restarts_in_row = 0;
+         * dying right after start backs off (100 ms doubling, at most 1 s),
+         * and after SUPERVISOR_FAIL_AFTER such exits is retried only every
+         * SUPERVISOR_FAILING_RETRY_MS: a wrong flag or a missing device does
+         * not mend itself, and each start may cost a device's initialization. */
+        if (now - c->started_ms > LIVED_MS) c->restarts_in_row = 0;
         int delay = c->restarts_in_row == 0 ? 0 : 100 << (c->restarts_in_row < 5 ? c->restarts_in_row - 1 : 4);
         if (delay > 1000) delay = 1000;
         c->restarts_in_row++;
+        if (c->restarts_in_row >= SUPERVISOR_FAIL_AFTER) {
+          delay = SUPERVISOR_FAILING_RETRY_MS;
+          if (!c->failing)
+            log_event(LOG_LEVEL_ERROR, "supervisor", &(log_fields_t){LOG_RANK(i)},
+                      "agent rank %d keeps exiting within %d s of its start (%d times in a "
+                      "row, the last with %s): failing; its own log says why; retried every "
+                      "%d s",
+                      i, LIVED_MS / 1000, c->restarts_in_row, why,
+                      SUPERVISOR_FAILING_RETRY_MS / 1000);
+          set_failing(s, i, true);
+        }
         log_event(LOG_LEVEL_WARN, "supervisor", &(log_fields_t){LOG_RANK(i)},
                   "agent rank %d (pid %d) exited with %s; restarting in %d ms", i,
                   (int)c->pid, why, delay);

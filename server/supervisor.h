@@ -5,14 +5,20 @@
  * the environment they inherit says), --join-token-file and
  * the --cluster-* flags when set (never a secret in argv).
  * A child that exits is restarted within 2 s (at once, then with a backoff of up
- * to 1 s if it keeps dying). Children get SIGTERM if meshd dies (PR_SET_PDEATHSIG),
- * so no agent outlives its supervisor. */
+ * to 1 s if it keeps dying). One that exits within 5 s of its start
+ * SUPERVISOR_FAIL_AFTER times in a row is "failing": an error is logged once,
+ * naming its last exit, it is retried every SUPERVISOR_FAILING_RETRY_MS, and it
+ * stops failing once it has run 5 s. Children get SIGTERM if meshd dies
+ * (PR_SET_PDEATHSIG), so no agent outlives its supervisor. */
 #ifndef MESHD_SUPERVISOR_H
 #define MESHD_SUPERVISOR_H
 
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
+
+#define SUPERVISOR_FAIL_AFTER 5
+#define SUPERVISOR_FAILING_RETRY_MS 5000
 
 typedef struct supervisor supervisor_t;
 
@@ -30,8 +36,13 @@ typedef struct supervisor_opts {
   /* Called (from the watch thread) each time an agent that exited is started
    * again; may be NULL. */
   void (*on_restart)(int rank, void *arg);
-  void *arg;
-  const char *device;        /* passed on as --device, except "cuda": agent i serves cuda:i */
+  /* Called (from the watch thread) when agent `rank` starts or stops failing;
+   * `failing_now` counts the ranks failing after the change. May be NULL. */
+  void (*on_failing)(int rank, bool failing, int failing_now, void *arg);
+  void *arg;  /* of on_restart and on_failing */
+  /* Passed on as --device, except "cuda": agent i serves cuda:i. With "cuda:K"
+   * and count > 1 each agent gets --memory-share=count. */
+  const char *device;
   /* Passed on when set: how the agents prove who they are (server/cluster.h). */
   const char *join_token_file;
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;

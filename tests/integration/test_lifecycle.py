@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -77,6 +78,101 @@ def test_sigkilled_agent_is_dropped_and_restarted(meshd_server):
         timeout=15.0, what="a new rank-0 agent", log=srv.log)
     assert lib.healthy_ranks(after) == [0, 1], lib.describe_agents(after)
     lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=10.0, log=srv.log)
+
+
+def _wait_log(srv, pattern, timeout):
+    """The first match of pattern in srv's log within timeout s, or a failure with its tail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(srv.log, errors="replace") as f:
+            m = re.search(pattern, f.read())
+        if m:
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"no /{pattern}/ in meshd's log within {timeout} s\n{lib.log_tail(srv.log)}")
+        time.sleep(0.05)
+
+
+def test_local_agents_that_keep_exiting_are_failing_and_liveness_says_when_all_are(
+        meshd_server, tmp_path):
+    """A local agent that keeps exiting right after its start (a wrong device, a broken
+    binary) is "failing": an error names its rank and last exit, and it is retried every
+    5 s rather than every second. Liveness ("") turns NOT_SERVING only when every local
+    agent fails (restarting the server would end the sessions the others serve), and
+    SERVING again once one has run 5 s."""
+    # The agents run through a wrapper that exits 3 while a file says its rank must fail.
+    wrapper = tmp_path / "agent-wrapper"
+    wrapper.write_text(f"""#!/bin/sh
+prev=; rank=
+for a in "$@"; do [ "$prev" = --rank ] && rank=$a; prev=$a; done
+if [ -e "{tmp_path}/fail-$rank" ]; then echo "rank $rank: told to fail" >&2; exit 3; fi
+exec "{lib.AGENT}" "$@"
+""")
+    wrapper.chmod(0o755)
+    (tmp_path / "fail-1").touch()
+    pf = tmp_path / "metrics.port"
+    srv = meshd_server(2, "--agent-binary", wrapper, "--metrics-listen", "127.0.0.1:0",
+                       "--metrics-port-file", pf, min_agents=1)
+
+    def failing_gauge():
+        port = int(pf.read_text())
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return float(re.search(r"^meshd_local_agents_failing (\S+)$", r.read().decode(),
+                                   re.M).group(1))
+
+    m = _wait_log(srv, r"agent rank 1 keeps exiting within 5 s of its start \(5 times in a row, "
+                       r"the last with exit code 3\): failing", timeout=15.0)
+    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0], what="rank 0 healthy",
+                    log=srv.log)
+    assert lib.health_check(srv.port, "") == lib.SERVING(), "one of two failing is not liveness"
+    assert failing_gauge() == 1
+    failing_at = time.monotonic()
+
+    # Rank 0 fails too: nothing this server supervises can run.
+    (tmp_path / "fail-0").touch()
+    victim = next(p for p in _wait_children(srv, 1) if lib.child_rank(p) == 0)
+    os.kill(victim, signal.SIGKILL)
+    lib.wait_health(srv.port, "", lib.NOT_SERVING(), timeout=15.0, log=srv.log)
+    assert failing_gauge() == 2
+
+    # Rank 1 was retried every 5 s meanwhile, not every second: at most 2 starts in 6 s.
+    time.sleep(max(0.0, failing_at + 6.0 - time.monotonic()))
+    with open(srv.log, errors="replace") as f:
+        later = f.read()[m.end():]
+    assert 1 <= len(re.findall(r"agent rank 1 \(pid \d+\) exited", later)) <= 2, later
+
+    # Rank 1 may run again: once it has run 5 s, liveness is SERVING.
+    (tmp_path / "fail-1").unlink()
+    lib.wait_health(srv.port, "", lib.SERVING(), timeout=20.0, log=srv.log)
+    _wait_log(srv, r"agent rank 1 \(pid \d+\) has run 5 s: no longer failing", timeout=1.0)
+    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [1], what="rank 1 healthy",
+                    log=srv.log)
+    assert failing_gauge() == 1
+
+
+def test_local_agents_on_one_gpu_each_report_their_share_of_it(meshd_server, tmp_path):
+    """`--local-agent-device cuda:K` puts every local agent on GPU K: each gets
+    --memory-share=N and reports 1/N of the device's memory, not each the whole of it.
+    No GPU here: a wrapper records the arguments and runs the agent on cpu, whose
+    memory the share divides the same way."""
+    wrapper = tmp_path / "agent-wrapper"
+    wrapper.write_text(f"""#!/bin/sh
+echo "$@" >> "{tmp_path}/args"
+args=; for a in "$@"; do [ "$a" = cuda:0 ] && a=cpu; args="$args $a"; done
+exec "{lib.AGENT}" $args
+""")
+    wrapper.chmod(0o755)
+    srv = meshd_server(2, "--agent-binary", wrapper, "--local-agent-device", "cuda:0")
+    shared = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1],
+                             what="ranks 0 and 1 healthy", log=srv.log)
+    lines = (tmp_path / "args").read_text().splitlines()
+    assert len(lines) == 2 and all("--device cuda:0" in ln and "--memory-share=2" in ln
+                                   for ln in lines), lines
+    # One cpu agent alone reports the whole (meshd gives cpu agents total / N).
+    one = meshd_server(1)
+    whole = lib.wait_agents(one.port, lambda ag: lib.healthy_ranks(ag) == [0], what="rank 0",
+                            log=one.log)[0].memory_bytes
+    assert [a.memory_bytes for a in shared] == [whole // 2] * 2, (whole, lib.describe_agents(shared))
 
 
 def test_an_idle_connection_does_not_hold_up_the_stop(meshd_server):

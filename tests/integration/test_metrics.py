@@ -161,6 +161,7 @@ def test_server_metrics(meshd_server, tmp_path):
     assert fams["meshd_sync_duration_seconds"]["type"] == "histogram"
     assert fams["meshd_queued_instructions"]["type"] == "gauge"
     assert sample(fams, "meshd_agent_restarts_total") == 0
+    assert sample(fams, "meshd_local_agents_failing") == 0
     syncs0 = sample(fams, "meshd_sync_duration_seconds_count")
 
     # Local agents serve their metrics on base + rank, as the agent they are.
