@@ -39,17 +39,22 @@ COPY --from=build /src/build/bin/meshd /src/build/bin/meshd-agent /src/build/bin
 USER 10001:10001
 WORKDIR /tmp
 ENV MESHD_LISTEN=0.0.0.0:50051 \
+    MESHD_HEALTH_LISTEN=0.0.0.0:8080 \
     HOME=/tmp \
     TMPDIR=/tmp
 # 50051 clients; 50053 the agent registry when MESHD_CLUSTER_LISTEN puts it there
 # (cluster mTLS: certificates and the join token are mounted, e.g. under
 # /etc/meshd/cluster and /etc/meshd/join; docs/operations.md "Cluster security");
-# 9090 /metrics where MESHD_METRICS_LISTEN puts it.
-EXPOSE 50051 50053 9090
+# 8080 grpc.health.v1 alone, in plaintext, for probes and the HEALTHCHECK
+# whatever the client port needs (TLS, a token, another port); 9090 /metrics
+# where MESHD_METRICS_LISTEN puts it.
+EXPOSE 50051 50053 8080 9090
 # Docker's health is liveness: "" (accepting calls), never agent count or load.
-# Readiness (meshd.v1.TensorService) is the orchestrator's business.
+# Readiness (meshd.v1.TensorService) is the orchestrator's business. The empty
+# TLS flags: MESHD_TLS_CERT/KEY, when set, are the server's own certificate,
+# which meshctl would take for a client certificate.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
-  CMD ["meshctl", "--server", "127.0.0.1:50051", "--timeout-ms", "3000", "health"]
+  CMD ["meshctl", "--server", "127.0.0.1:8080", "--tls-cert=", "--tls-key=", "--timeout-ms", "3000", "health"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["meshd"]
 # OCI annotations (docker/README.md "Build arguments"). VERSION defaults to the

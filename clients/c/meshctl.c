@@ -62,7 +62,9 @@ static meshd_data_path_t data_path; /* run's session */
 /* The flags as every meshd program takes them: `--name VALUE` or `--name=VALUE`
  * anywhere on the line (a value may not start with "--"; the last one given
  * wins), else the environment variable (empty counts as unset), else the
- * default. -h or --help anywhere before a lone "--" shows the usage, even after
+ * default. A flag with no default given empty (`--tls-cert=`) is unset, whatever
+ * the environment says: a probe in a container whose MESHD_TLS_CERT is the
+ * server's own certificate speaks plaintext that way. -h or --help anywhere before a lone "--" shows the usage, even after
  * a bad flag; "--" makes everything after it positional. */
 typedef struct flag {
   const char *name, *metavar, *env, *default_value, *help;
@@ -180,7 +182,7 @@ static bool help_follows(int from, int argc, char **argv) {
 static const char *flag_value(int f, const char *given, char *who, size_t wholen) {
   if (given) {
     snprintf(who, wholen, "--%s", flags[f].name);
-    return given;
+    return *given || flags[f].default_value ? given : NULL;
   }
   const char *env = flags[f].env ? getenv(flags[f].env) : NULL;
   if (env && *env) {

@@ -3,7 +3,8 @@
 parse(path) returns the stages of a Dockerfile, each a dict: name, base (FROM),
 args ({name: default}, ARG), env ({name: value}, ENV, with the ARG defaults
 expanded), labels (LABEL, likewise), user (last USER), workdir, run (the RUN
-commands' text), copies (COPY lines), entrypoint and cmd (exec form, parsed).
+commands' text), copies (COPY lines), entrypoint, cmd and healthcheck (the
+HEALTHCHECK's CMD; exec forms, parsed).
 Only the forms docker/*.Dockerfile use: KEY=VALUE pairs for ENV and LABEL.
 """
 
@@ -65,7 +66,7 @@ def parse(path):
             m = re.match(r"(\S+)(?:\s+AS\s+(\S+))?", rest, re.I)
             stages.append(dict(name=m.group(2), base=m.group(1), args={}, env={}, labels={},
                                user=None, workdir="/", run=[], copies=[], entrypoint=None,
-                               cmd=None))
+                               cmd=None, healthcheck=None))
             continue
         if not stages:
             if word == "ARG":
@@ -90,6 +91,10 @@ def parse(path):
             st["copies"].append(rest)
         elif word in ("ENTRYPOINT", "CMD"):
             st[word.lower()] = json.loads(rest)
+        elif word == "HEALTHCHECK":
+            m = re.search(r"\bCMD\s+(\[.*\])\s*$", rest)
+            assert m, f"HEALTHCHECK without an exec-form CMD: {rest!r}"
+            st["healthcheck"] = json.loads(m.group(1))
     return stages
 
 

@@ -13,7 +13,9 @@ declare as local processes).
     image with a GPU reserved, every service as that uid with a read-only root,
     /tmp a tmpfs, no capabilities, no new privileges;
   * k8s: every pod and container has the securityContext to match, and /tmp an
-    emptyDir.
+    emptyDir;
+  * every image's HEALTHCHECK, run with the image's environment against its
+    ENTRYPOINT started with that environment and TLS on its gRPC port, is healthy.
 """
 
 import functools
@@ -21,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -204,3 +207,49 @@ def test_k8s_security_context():
                      if "emptyDir" in vols.get(m["name"], {})]
             for k in ("HOME", "TMPDIR"):
                 assert st["env"][k] in empty, f"{name}: {k}={st['env'][k]} is not an emptyDir ({empty})"
+
+
+@pytest.mark.parametrize("path", df.dockerfiles(), ids=os.path.basename)
+def test_healthcheck_is_healthy_with_tls_on_the_grpc_port(path, tmp_path):
+    """Docker runs HEALTHCHECK inside the container, with the image's environment (and
+    whatever the operator added, e.g. the server's MESHD_TLS_CERT/KEY). Here: the
+    ENTRYPOINT with the image's ENV, every address in it and in the HEALTHCHECK moved
+    to one free loopback port each, and TLS on its gRPC port (the server's
+    certificate; the agents' cluster mTLS). The HEALTHCHECK must pass, and fail once
+    the process is gone."""
+    st = df.final(path)
+    hc, entry = st["healthcheck"], st["entrypoint"]
+    assert hc and hc[0] == "meshctl", f"HEALTHCHECK {hc}: meshctl, which every image ships"
+    ports = {}
+
+    def local(addr):
+        host, _, port = addr.rpartition(":")
+        assert host in ("0.0.0.0", "127.0.0.1"), addr
+        return f"127.0.0.1:{ports.setdefault(port, lib.free_port())}"
+
+    env = {k: local(v) if re.fullmatch(r"[\d.]+:\d+", v) else v for k, v in st["env"].items()
+           if k.startswith("MESHD_")}
+    pki = lib.make_pki(tmp_path / "pki")
+    if entry == ["meshd"]:
+        env.update(MESHD_TLS_CERT=str(pki / "server.pem"), MESHD_TLS_KEY=str(pki / "server.key"))
+    else:
+        assert entry == ["meshd-agent"], entry
+        env.update(MESHD_CLUSTER_CA=str(pki / "cluster-ca.pem"),
+                   MESHD_CLUSTER_CERT=str(pki / "cluster.pem"),
+                   MESHD_CLUSTER_KEY=str(pki / "cluster.key"),
+                   MESHD_SERVER=f"127.0.0.1:{lib.free_port()}", MESHD_DEVICE="cpu")
+    proc = lib.spawn("image", os.path.join(lib.BIN_DIR, entry[0]), [], str(tmp_path), env=env,
+                     port_file=False)
+    argv = [local(a) if re.fullmatch(r"127\.0\.0\.1:\d+", a) else a for a in hc[1:]]
+    deadline = time.monotonic() + lib.START_TIMEOUT
+    while True:
+        r = lib.run(lib.MESHCTL, argv, env=env)
+        if r.returncode == 0 or time.monotonic() > deadline or proc.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    assert r.returncode == 0 and r.stdout.strip() == "SERVING", \
+        f"HEALTHCHECK {hc} -> {argv}: rc {r.returncode}\n{r.stdout}{r.stderr}\n" \
+        f"{lib.log_tail(proc.log)}"
+    assert lib.stop(proc) == 0, lib.log_tail(proc.log)
+    r = lib.run(lib.MESHCTL, argv, env=env)
+    assert r.returncode != 0, "healthy with the process gone: it probed something else"

@@ -489,7 +489,8 @@ def test_manifests_run_as_declared(tmp_path):
             assert a["container"]["readinessProbe"]["grpc"]["service"] == lib.AGENT_SERVICE
 
         # The agents registered with their pod ordinal as rank.
-        sgrpc = server["container"]["readinessProbe"]["grpc"]["port"]
+        sgrpc = next(p["containerPort"] for p in server["container"]["ports"]
+                     if p.get("name") == "grpc")
         # (The server is ready with replicas - 1: the last may still be dialed back.)
         by = time.monotonic() + lib.REGISTER_TIMEOUT
         while True:
