@@ -563,25 +563,29 @@ static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_
   size_t n = g->n_ranks, me = 0, in_count = (size_t)layout_numel(&work->meta.layout);
   dtype_t dt = work->meta.dtype;
   bool stack = !reduction_combines(red);
+  const backend_ops_t *ops = c->b->ops;
+  bool gather_root = ro->rooted && stack && ops->gather_root;
+  if (n > 1 && my_index(c, g, &me))
+    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent is not in the group it was sent");
   if (n <= 1 || (!stack && !r->scatter)) { /* one member: every variant is the identity */
     *res = (agent_tensor_t){.meta = *rm, .storage = work->storage};
     layout_make_contiguous(&res->meta.layout);
     storage_retain(res->storage);
     if (n <= 1) return 0;
+  } else if (gather_root && me != ro->root) {
+    /* Only the root receives a rooted gather (n times the input): the others
+     * send and allocate nothing, as the server's room check counts them. */
   } else if (tensor_alloc(c->b, c->bs, rm, res, "Reduce", e)) {
     return -1;
   }
   if (!c->b->net)
     return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent has no data plane");
-  if (my_index(c, g, &me))
-    return error_set(e, ERR_REMOTE_FAILURE, "Reduce: this agent is not in the group it was sent");
   const char *addrs[256];
   dp_group_t grp;
   if (join_group(c, g, me, since, "Reduce", addrs, &grp, e)) return -1;
-  void *in = work->storage->data, *out = res->storage->data;
+  void *in = work->storage->data, *out = res->storage ? res->storage->data : NULL;
   int rc;
-  const backend_ops_t *ops = c->b->ops;
-  if (ro->rooted && stack && ops->gather_root)
+  if (gather_root)
     rc = ops->gather_root(c->b, c->bs, &grp, ro->root, in, out, in_count, dt, e);
   else if (ro->rooted && !stack && ops->reduce_root)
     rc = ops->reduce_root(c->b, c->bs, &grp, ro->root, in, in_count, dt, red, e);

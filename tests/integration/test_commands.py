@@ -828,6 +828,30 @@ def test_capacity_is_checked_before_dispatch(meshd_server, agent):
         assert state(s, small.ref) == "TENSOR_STATE_LIVE"
 
 
+def test_a_gather_onto_a_sub_mesh_allocates_only_on_its_target(meshd_server, agent):
+    """A rooted gather (reduce "stack" with mesh=) leaves n times the input on its target;
+    the other members only send. They allocated the whole result as well, which the
+    server's room check (the target's) does not count: a member with room for its input
+    alone failed QUOTA before it joined, and the target waited out --comm-timeout-ms."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    agent(srv.port, "--memory-bytes", "4MiB", "--comm-timeout-ms", 5000, rank=0)
+    agent(srv.port, "--memory-bytes", "1000000", "--comm-timeout-ms", 5000, rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    with Session(srv.port, "rooted-gather") as s:
+        m = s.mesh(gpu=2)
+        need(s, m.ref, factories=("zeros", "ones"))
+        target, other = s.slice(m.ref, gpu=0), s.slice(m.ref, gpu=1)
+        s.tensor(other.ref, (140_000,))                 # 560 kB on rank 1
+        x = s.tensor(m.ref, (50_000,), kind="ones")     # 200 kB on each: rank 1 is at 760 kB
+        g = s.new_ref()
+        started = time.monotonic()
+        s.run(reduce(g, x.ref, ["gpu"], reduction="stack", mesh=target.ref))
+        s.run(sync(), timeout=30)
+        assert state(s, g) == "TENSOR_STATE_LIVE", s.describe(g)
+        assert time.monotonic() - started < 4.0, "waited for a member that never joined"
+
+
 def test_quota(shared_meshd):
     srv = shared_meshd(2)
     with Session(srv.port, "quota", quota_bytes=1000) as s:
