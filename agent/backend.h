@@ -93,7 +93,7 @@ typedef struct backend_ops {
    * NULL on backends whose streams are host threads (cpu): the executor orders
    * those itself with per-stream progress counters. */
   backend_event_t *(*event_record)(backend_t *b, backend_stream_t *s);
-  void (*event_wait)(backend_t *b, backend_stream_t *t, backend_event_t *ev);
+  int (*event_wait)(backend_t *b, backend_stream_t *t, backend_event_t *ev); /* -1: not ordered */
   void (*event_destroy)(backend_t *b, backend_event_t *ev);
 
   /* Communicators: collectives and point-to-point between agents on the

@@ -220,10 +220,9 @@ void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq
   backend_t *b = s->backend;
   if (sbs && b && b->ops->event_record) {
     backend_event_t *ev = b->ops->event_record(b, sbs);
-    if (ev) {
-      b->ops->event_wait(b, wbs, ev);
-      b->ops->event_destroy(b, ev);
-    } else { /* no event to be had: wait on the host instead */
+    int rc = ev ? b->ops->event_wait(b, wbs, ev) : -1;
+    if (ev) b->ops->event_destroy(b, ev);
+    if (rc != 0) { /* no event to be had, or not waited on: wait on the host instead */
       meshd_error_t e;
       b->ops->stream_sync(b, sbs, &e);
     }

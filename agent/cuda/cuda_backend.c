@@ -141,7 +141,7 @@ static int own_waits_for_all(cuda_state_t *st, meshd_error_t *e) {
   if (st->emulated) return 0;
   int rc = 0;
   pthread_mutex_lock(&st->mu);
-  for (backend_stream_t *s = st->streams; s && !rc; s = s->next) {
+  for (backend_stream_t *s = st->streams; s; s = s->next) { /* every one, even after a failure */
     cudaEvent_t ev;
     cudaError_t r = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
     if (r == cudaSuccess) {
@@ -149,7 +149,7 @@ static int own_waits_for_all(cuda_state_t *st, meshd_error_t *e) {
       if (r == cudaSuccess) r = cudaStreamWaitEvent(st->own.s, ev, 0);
       cudaEventDestroy(ev); /* released once it completes */
     }
-    if (r != cudaSuccess) rc = cuda_check(st, r, "ordering streams", e);
+    if (r != cudaSuccess && !rc) rc = cuda_check(st, r, "ordering streams", e);
   }
   pthread_mutex_unlock(&st->mu);
   return rc;
@@ -179,7 +179,10 @@ static void cuda_free(backend_t *b, void *ptr, size_t bytes) {
   if (!st->emulated) {
     meshd_error_t e;
     cuda_bind(st);
-    own_waits_for_all(st, &e); /* on failure the device is gone: free anyway */
+    /* Unordered, the pool could hand the memory out while a kernel still uses
+     * it: wait for the whole device instead (a failure there is sticky, the
+     * device lost, and the memory no one's). */
+    if (own_waits_for_all(st, &e) != 0) (void)cudaDeviceSynchronize();
   }
   cuda_scratch_free(b, &st->own, ptr, bytes);
 }
@@ -271,11 +274,13 @@ static backend_event_t *cuda_event_record(backend_t *b, backend_stream_t *s) {
   return (backend_event_t *)ev;
 }
 
-static void cuda_event_wait(backend_t *b, backend_stream_t *t, backend_event_t *ev) {
+static int cuda_event_wait(backend_t *b, backend_stream_t *t, backend_event_t *ev) {
   cuda_state_t *st = cuda_state(b);
-  if (st->emulated || !ev) return;
+  if (st->emulated || !ev) return 0;
   cuda_bind(st);
-  cudaStreamWaitEvent(cuda_stream_of(b, t)->s, (cudaEvent_t)ev, 0);
+  meshd_error_t e;
+  return cuda_check(st, cudaStreamWaitEvent(cuda_stream_of(b, t)->s, (cudaEvent_t)ev, 0),
+                    "ordering streams", &e);
 }
 
 static void cuda_event_destroy(backend_t *b, backend_event_t *ev) {

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cuda_internal.h"
+#include "log.h"
 
 /* ------------------------------------------------------------------ errors */
 
@@ -39,16 +40,21 @@ int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t
     return error_set(e, ERR_QUOTA, "%s: out of device memory", what);
   }
   if (st && sticky(rc)) {
-    pthread_mutex_lock(&st->mu);
-    if (!st->lost) {
-      st->lost = true;
-      snprintf(st->lost_why, sizeof st->lost_why, "%s: %s (%s)", what, cudaGetErrorString(rc),
-               cudaGetErrorName(rc));
-    }
-    pthread_mutex_unlock(&st->mu);
+    char why[sizeof st->lost_why];
+    snprintf(why, sizeof why, "%s: %s (%s)", what, cudaGetErrorString(rc), cudaGetErrorName(rc));
+    cuda_mark_lost(st, why);
   }
   return error_set(e, ERR_REMOTE_FAILURE, "%s: %s (%s)", what, cudaGetErrorString(rc),
                    cudaGetErrorName(rc));
+}
+
+void cuda_mark_lost(cuda_state_t *st, const char *why) {
+  pthread_mutex_lock(&st->mu);
+  if (!st->lost) {
+    st->lost = true;
+    snprintf(st->lost_why, sizeof st->lost_why, "%s", why);
+  }
+  pthread_mutex_unlock(&st->mu);
 }
 
 void cuda_bind(cuda_state_t *st) {
@@ -87,8 +93,18 @@ void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
 
 void cuda_scratch_free(backend_t *b, backend_stream_t *bs, void *p, size_t bytes) {
   if (!p) return;
-  if (cuda_state(b)->emulated) free(p);
-  else cudaFreeAsync(p, bs->s);
+  cuda_state_t *st = cuda_state(b);
+  if (st->emulated) {
+    free(p);
+  } else {
+    cudaError_t rc = cudaFreeAsync(p, bs->s);
+    if (rc != cudaSuccess) { /* still held: it stays counted, or the pool would overcommit */
+      meshd_error_t e;
+      cuda_check(st, rc, "free", &e);
+      log_warn("cuda", "cannot free %zu bytes of device memory: %s", bytes, e.msg);
+      return;
+    }
+  }
   backend_unreserve(b, bytes);
 }
 

@@ -82,6 +82,9 @@ void cuda_bind(cuda_state_t *st);
  * dead: launch failures, illegal addresses, ECC) also mark the state lost, which
  * the health slot reports. `st` may be NULL. */
 int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t *e);
+/* Takes the device as lost (health turns NOT_SERVING and the agent exits):
+ * why is kept for the reports; the first reason stays. */
+void cuda_mark_lost(cuda_state_t *st, const char *why);
 
 /* Device memory in stream order on bs (host memory when emulated), counted in
  * b->allocated against b->capacity: kernels' temporaries, and what the alloc

@@ -808,10 +808,18 @@ out:
   }
   if (enqueued && !completed && !quiesced(c)) {
     /* An aborted kernel may still touch the scratch: keep it rather than
-     * let the pool hand it out again. */
+     * let the pool hand it out again. The caller's buffers are the caller's
+     * to free: order its stream (which every free waits for) after the
+     * communicator's, and take the device as lost, since work that an abort
+     * does not stop leaves nothing on it to trust. */
     log_warn("cuda", "%s: the aborted NCCL work has not stopped; keeping %zu bytes of scratch",
              w.text, gather_bytes + (dout && dout != din ? out_bytes : 0) + (din ? in_bytes : 0));
     j->gather = din = dout = NULL;
+    if (cudaEventRecord(c->done, c->stream) == cudaSuccess)
+      (void)cudaStreamWaitEvent(bs->s, c->done, 0);
+    char why[sizeof w.text + 64];
+    snprintf(why, sizeof why, "%s: the aborted NCCL work did not stop within 1 s", w.text);
+    cuda_mark_lost(st, why);
   }
   pthread_mutex_unlock(&c->busy);
   if (j->gather) cuda_scratch_free(b, bs, j->gather, gather_bytes);

@@ -35,6 +35,7 @@ static char log_lines[LOG_MAX][64];
 static int nlog, next_stream;
 static bool gate_open;
 static int sync_fail; /* stream_sync fails this many more times */
+static int wait_fail; /* event_wait fails this many more times */
 
 static void logf_(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void logf_(const char *fmt, ...) {
@@ -77,8 +78,13 @@ static backend_event_t *m_event_record(backend_t *b, backend_stream_t *s) {
   return (backend_event_t *)ev;
 }
 
-static void m_event_wait(backend_t *b, backend_stream_t *t, backend_event_t *ev) {
-  logf_("wait %d<-%d", t ? t->id : 0, ((mock_event_t *)ev)->stream);
+static int m_event_wait(backend_t *b, backend_stream_t *t, backend_event_t *ev) {
+  pthread_mutex_lock(&mu);
+  bool fail = wait_fail > 0;
+  if (fail) wait_fail--;
+  pthread_mutex_unlock(&mu);
+  logf_("%s %d<-%d", fail ? "wait-failed" : "wait", t ? t->id : 0, ((mock_event_t *)ev)->stream);
+  return fail ? -1 : 0;
 }
 
 static void m_event_destroy(backend_t *b, backend_event_t *ev) { free(ev); }
@@ -120,7 +126,7 @@ static void setup(void) {
   cr_assert_eq(cpu_backend_ops.open(&B, "cpu", &e), 0, "%s", e.msg);
   nlog = next_stream = 0;
   gate_open = false;
-  sync_fail = 0;
+  sync_fail = wait_fail = 0;
   atomic_store(&reported, 0);
   static run_env_t env;
   env = (run_env_t){.backend = &B, .rank = &rank0};
@@ -285,6 +291,27 @@ Test(executor_streams_mock_gpu, borrows_order_device_streams_with_events) {
   cr_assert(rec2 > add && wait2 > rec2, "the drop must make stream %d wait on stream %d", s1, s2);
   /* exactly one device stream per (session, stream) */
   cr_assert_eq(find_line("create 3", 0), -1, "a third device stream was made");
+}
+
+Test(executor_streams_mock_gpu, a_stream_wait_that_fails_falls_back_to_a_host_sync) {
+  /* The device refused to order the borrower after the origin's event: the
+   * origin stream is synchronised on the host before the borrower's add. */
+  wait_fail = 1;
+  open_gate();
+  submit_borrow_program();
+  cr_assert_eq(executor_wait(X, 5, 10000), 0, "executed through 5");
+  expect_twos(12);
+  int s1 = stream_of_op("ones"), s2 = stream_of_op("add");
+  char line[64];
+  snprintf(line, sizeof line, "wait-failed %d<-%d", s2, s1);
+  int failed = find_line(line, 0);
+  snprintf(line, sizeof line, "sync %d", s1);
+  int sync = find_line(line, failed < 0 ? 0 : failed);
+  snprintf(line, sizeof line, "op %d add", s2);
+  int add = find_line(line, 0);
+  if (failed < 0 || sync < 0 || add < 0 || sync > add) dump_log();
+  cr_assert(failed >= 0 && sync > failed && add > sync,
+            "after a failed wait, stream %d must be synchronised before the add on %d", s1, s2);
 }
 
 Test(executor_streams_mock_gpu, the_watermark_waits_for_the_device) {

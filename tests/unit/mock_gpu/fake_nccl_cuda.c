@@ -14,7 +14,7 @@
 #include "fake_nccl_cuda.h"
 
 fake_counters_t fake;
-atomic_int fake_never_join, fake_init_error, fake_op_error, fake_finalize_hangs;
+atomic_int fake_never_join, fake_init_error, fake_op_error, fake_finalize_hangs, fake_stream_busy;
 
 
 /* ------------------------------------------- cuda helpers (cuda_device.c) */
@@ -23,6 +23,14 @@ int cuda_check(cuda_state_t *st, cudaError_t rc, const char *what, meshd_error_t
   (void)st;
   if (rc == cudaSuccess) return 0;
   return error_set(e, ERR_REMOTE_FAILURE, "%s: fake cuda error %d", what, (int)rc);
+}
+
+void cuda_mark_lost(cuda_state_t *st, const char *why) {
+  fake.marked_lost++;
+  if (!st->lost) {
+    st->lost = true;
+    snprintf(st->lost_why, sizeof st->lost_why, "%s", why);
+  }
 }
 
 void *cuda_scratch_alloc(backend_t *b, backend_stream_t *bs, size_t bytes) {
@@ -274,12 +282,15 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int flags) {
-  REQUIRE(s && e);
+  REQUIRE(e); /* s NULL: the default stream (the tests' callers pass no stream) */
+  fake.stream_waits++;
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaSuccess; }
-cudaError_t cudaStreamQuery(cudaStream_t s) { return cudaSuccess; }
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  return fake_stream_busy ? cudaErrorNotReady : cudaSuccess;
+}
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
   memset(a, 0, sizeof *a);
   a->type = fake_is_dev(p, 1) ? cudaMemoryTypeDevice : cudaMemoryTypeUnregistered;

@@ -48,6 +48,8 @@ typedef struct {
   atomic_int reduce_slices;                           /* cuda_reduce_slices */
   atomic_int memcpy_calls;                            /* cuda_memcpy */
   atomic_int dp_collectives; /* dp_allreduce .. dp_broadcast (emulated path) */
+  atomic_int marked_lost;    /* cuda_mark_lost */
+  atomic_int stream_waits;   /* cudaStreamWaitEvent */
 } fake_counters_t;
 extern fake_counters_t fake;
 
@@ -56,5 +58,6 @@ extern atomic_int fake_never_join;     /* communicator init never completes */
 extern atomic_int fake_init_error;     /* init completes with this ncclResult_t (0: none) */
 extern atomic_int fake_op_error;       /* posted ops never complete; async error = this */
 extern atomic_int fake_finalize_hangs; /* ncclCommFinalize never completes */
+extern atomic_int fake_stream_busy;    /* cudaStreamQuery: never drained (NotReady) */
 
 #endif

@@ -563,6 +563,28 @@ Test(cuda_nccl_mock_gpu, nccl_error_mid_op_aborts_both_and_the_next_call_rebuild
   cr_expect_eq(fake.ids, 2);
 }
 
+Test(cuda_nccl_mock_gpu, aborted_work_that_does_not_stop_orders_the_callers_stream_and_loses_the_device) {
+  /* The NCCL kernels go on after the abort (the communicator's stream never
+   * drains): the caller frees its buffers after the call, so its stream must
+   * wait for the communicator's, and the device is taken as lost. */
+  fake_op_error = ncclRemoteError;
+  fake_stream_busy = 1;
+  res_t r[2];
+  int waits = fake.stream_waits;
+  run_agents(2, allreduce_of_two, r);
+  fake_op_error = 0;
+  fake_stream_busy = 0;
+  for (int i = 0; i < 2; i++) {
+    expect_failed(&r[i], 3.0, "the communicator was aborted", NULL);
+    cr_expect(A[i].st.lost, "agent %d: device not taken as lost", i);
+    cr_expect(strstr(A[i].st.lost_why, "the aborted NCCL work did not stop"), "agent %d: %s", i,
+              A[i].st.lost_why);
+  }
+  cr_expect_eq(fake.marked_lost, 2);
+  /* per agent: the communicator after the caller, then the caller after it */
+  cr_expect_eq(fake.stream_waits - waits, 4, "%d", fake.stream_waits - waits);
+}
+
 static const char *const ADDRS_OTHER[] = {"h:0", "h:9"};
 
 static void disagree_on_addresses(agent_t *a, res_t *r) {
