@@ -3,6 +3,8 @@
 #include <arpa/inet.h>
 #include <ctype.h>
 #include <curl/curl.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <netinet/in.h>
 #include <stdint.h>
@@ -10,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 /* Addresses that are not on the public internet (RFC 6890 and successors).
  * A URL reaching one of these from an agent could read the cluster's own
@@ -175,8 +179,11 @@ static bool under(const char *path, const char *root) {
 
 /* A file:// path: first as text (no "." or ".." segment, under a root), so
  * that where the file is not, or is not ours to see, nothing says whether it
- * exists; then, where the file is read (on_disk), with its links resolved. */
-static int check_file_path(const url_allow_t *a, CURLU *u, const char *shown, bool on_disk,
+ * exists; then, where the file is read (fd), opened, and the file opened
+ * checked (its path with the links resolved under a root, a regular file):
+ * the caller reads that descriptor, so the check holds for what is read even
+ * if a link is swapped in meanwhile. */
+static int check_file_path(const url_allow_t *a, CURLU *u, const char *shown, int *fd,
                            meshd_error_t *e) {
   if (!a || !a->n_file_roots) return 0;
   char *path = NULL, real[PATH_MAX], root[PATH_MAX];
@@ -196,19 +203,46 @@ static int check_file_path(const url_allow_t *a, CURLU *u, const char *shown, bo
     rc = error_set(e, ERR_PERMISSION_DENIED,
                    "fetch %s: the file is outside the directories the URL allow list gives",
                    shown);
-  bool found = !rc && on_disk && realpath(path, real) != NULL;
+  /* O_NONBLOCK: a FIFO's open would wait for a writer; it is refused below. */
+  int f = rc || !fd ? -1 : open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  int open_errno = errno;
   curl_free(path);
-  if (rc || !on_disk) return rc;
-  if (!found) return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: no such file", shown);
+  if (rc || !fd) return rc;
+  if (f < 0) {
+    if (open_errno == ENOENT || open_errno == ENOTDIR)
+      return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: no such file", shown);
+    return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: cannot open the file: %s", shown,
+                     strerror(open_errno));
+  }
+  char link[64];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", f);
+  ssize_t n = readlink(link, real, sizeof real - 1);
+  struct stat st;
+  if (n <= 0 || fstat(f, &st) != 0) {
+    close(f);
+    return error_set(e, ERR_UNAVAILABLE, "fetch %s: cannot tell where the file is: %s", shown,
+                     strerror(errno));
+  }
+  real[n] = 0;
   for (i = 0; i < a->n_file_roots; i++)
-    if (realpath(a->file_roots[i], root) && under(real, root)) return 0;
-  return error_set(e, ERR_PERMISSION_DENIED,
-                   "fetch %s: the file is outside the directories the URL allow list gives "
-                   "(through a symbolic link)", shown);
+    if (realpath(a->file_roots[i], root) && under(real, root)) break;
+  if (i == a->n_file_roots) {
+    close(f);
+    return error_set(e, ERR_PERMISSION_DENIED,
+                     "fetch %s: the file is outside the directories the URL allow list gives "
+                     "(through a symbolic link)", shown);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    close(f);
+    return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: not a regular file", shown);
+  }
+  *fd = f;
+  return 0;
 }
 
-int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown, bool on_disk,
+int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown, int *file_fd,
                         char *scheme, size_t scheme_cap, meshd_error_t *e) {
+  if (file_fd) *file_fd = -1;
   static const char *const default_schemes[] = {"http", "https"};
   for (size_t i = 0; a && i < a->n_nets; i++) {
     addr_t net;
@@ -249,7 +283,7 @@ int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown
   }
   strcpy(scheme, s);
   if (strcmp(s, "file") == 0) {
-    rc = check_file_path(a, u, shown, on_disk, e);
+    rc = check_file_path(a, u, shown, file_fd, e);
     goto out;
   }
   if (curl_url_get(u, CURLUPART_HOST, &host, 0) != CURLUE_OK || !host || !*host) {

@@ -11,6 +11,7 @@
 #include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "url_allow.h"
 
@@ -436,7 +437,7 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
                meshd_error_t *e) {
   char shown[URL_SHOWN], scheme[16];
   char *url = strdup(url0);
-  int rc = -1, attempt = 0, hop = 0;
+  int rc = -1, attempt = 0, hop = 0, file_fd = -1;
   url_redact(url0, shown, sizeof shown);
   x->shown = shown;
   x->allow = o->allow;
@@ -451,14 +452,20 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
   for (;; hop++) {
     /* A redirect's file:// path as text only: what a server redirects to
      * must not tell it which files exist here (refused just below anyway). */
-    if (url_allow_check_url(o->allow, url, shown, hop == 0, scheme, sizeof scheme, e)) goto out;
+    if (url_allow_check_url(o->allow, url, shown, hop == 0 ? &file_fd : NULL, scheme,
+                            sizeof scheme, e))
+      goto out;
     if (hop && strcmp(scheme, "http") != 0 && strcmp(scheme, "https") != 0) {
       error_set(e, ERR_PERMISSION_DENIED, "fetch %s: a redirect to scheme %s is not followed",
                 shown, scheme);
       goto out;
     }
     bool http = strcmp(scheme, "file") != 0;
-    set_hop_options(x, url, scheme, o);
+    /* A file checked open is read through that descriptor (curl opens the
+     * magic link: the same file, whatever its path names by then). */
+    char fd_url[48];
+    if (file_fd >= 0) snprintf(fd_url, sizeof fd_url, "file:///proc/self/fd/%d", file_fd);
+    set_hop_options(x, file_fd >= 0 ? fd_url : url, scheme, o);
     long backoff = o->backoff_ms;
     outcome_t out;
     for (attempt = 1;; attempt++) {
@@ -508,6 +515,7 @@ out:
   }
   if (x->curl) curl_easy_cleanup(x->curl);
   x->curl = NULL;
+  if (file_fd >= 0) close(file_fd);
   free(url);
   return rc;
 }
@@ -527,8 +535,10 @@ static int fetch_range(const char *url, uint64_t offset, uint64_t length, void *
                      url_redact(url, shown, sizeof shown), offset, length);
   if (!length) {
     char scheme[16];
-    return url_allow_check_url(o.allow, url, url_redact(url, shown, sizeof shown), true, scheme,
-                               sizeof scheme, e);
+    int fd = -1, rc = url_allow_check_url(o.allow, url, url_redact(url, shown, sizeof shown), &fd,
+                                          scheme, sizeof scheme, e);
+    if (fd >= 0) close(fd);
+    return rc;
   }
   xfer_t x = {.mode = MODE_RANGE, .offset = offset, .length = length, .buf = buf,
               .sink = sink, .sink_arg = sink_arg, .max_bytes = o.max_bytes};

@@ -94,7 +94,7 @@ int url_policy_parse(const char *spec, url_policy_t *p, meshd_error_t *e) {
   if (p->allow.n_nets) {
     char scheme[16];
     meshd_error_t ce;
-    if (url_allow_check_url(&p->allow, "https://example.com/", "--url-allow", false, scheme,
+    if (url_allow_check_url(&p->allow, "https://example.com/", "--url-allow", NULL, scheme,
                             sizeof scheme, &ce) && ce.kind == ERR_BAD_ARGUMENT) {
       url_policy_free(p);
       return error_set(e, ERR_BAD_ARGUMENT, "%s", ce.msg);
@@ -116,7 +116,7 @@ int url_policy_check(const url_policy_t *p, const char *url, meshd_error_t *e) {
                      "load %s: this server loads no URLs (--url-allow=none)", shown);
   /* Here, before any agent connects: a file:// path names the agents' files,
    * not ours, so it is checked as text. */
-  return url_allow_check_url(&p->allow, url, shown, false, scheme, sizeof scheme, e);
+  return url_allow_check_url(&p->allow, url, shown, NULL, scheme, sizeof scheme, e);
 }
 
 void url_policy_to_proto(const url_policy_t *p, Meshd__Agent__V1__UrlPolicy *w) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -516,6 +517,49 @@ Test(url_fetch, file_urls) {
   cr_assert_eq(e.kind, ERR_PERMISSION_DENIED, "%s", e.msg);
   HAS(e, "through a symbolic link");
   unlink(link);
+  /* A FIFO is refused, not waited on for a writer that never comes. */
+  char fifo[180];
+  snprintf(fifo, sizeof fifo, "%s/fifo", dir);
+  cr_assert_eq(mkfifo(fifo, 0600), 0);
+  snprintf(outside, sizeof outside, "file://%s", fifo);
+  cr_assert_eq(url_fetch_range(outside, 0, 1, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT, "%s", e.msg);
+  HAS(e, "not a regular file");
+  unlink(fifo);
   unlink(path);
+  rmdir(dir);
+}
+
+Test(url_fetch, a_file_checked_is_the_file_read_whatever_its_path_names_later) {
+  /* The check opens the file and hands back that descriptor: a link swapped
+   * in after the check (to a file outside the roots) changes nothing read. */
+  char dir[] = "/tmp/url_fetch_XXXXXX", path[128], u[160], moved[140];
+  cr_assert(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/data.txt", dir);
+  FILE *f = fopen(path, "w");
+  fputs("inside", f);
+  fclose(f);
+  snprintf(u, sizeof u, "file://%s", path);
+  url_allow_t allow = {.schemes = (const char *[]){"file"}, .n_schemes = 1,
+                       .file_roots = (const char *[]){dir}, .n_file_roots = 1};
+  char scheme[16];
+  meshd_error_t e;
+  int fd = -1;
+  cr_assert_eq(url_allow_check_url(&allow, u, u, &fd, scheme, sizeof scheme, &e), 0, "%s", e.msg);
+  cr_assert_geq(fd, 0, "the check opened nothing");
+  snprintf(moved, sizeof moved, "%s/moved.txt", dir);
+  cr_assert_eq(rename(path, moved), 0);
+  cr_assert_eq(symlink("/etc/hostname", path), 0);
+  char got[16] = {0};
+  cr_assert_eq(pread(fd, got, sizeof got - 1, 0), 6);
+  cr_assert_str_eq(got, "inside");
+  close(fd);
+  /* Checked again, the link is refused; as text only, nothing is opened. */
+  cr_assert_eq(url_allow_check_url(&allow, u, u, &fd, scheme, sizeof scheme, &e), -1);
+  HAS(e, "through a symbolic link");
+  cr_assert_eq(fd, -1);
+  cr_assert_eq(url_allow_check_url(&allow, u, u, NULL, scheme, sizeof scheme, &e), 0, "%s", e.msg);
+  unlink(path);
+  unlink(moved);
   rmdir(dir);
 }
