@@ -713,6 +713,18 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
       session_free(s);
       s = NULL;
     }
+    /* The server's session goes too, rather than wait out its lease. */
+    rpc_md_t md[3];
+    size_t nmd = 0;
+    for (size_t i = 0; i < client->nmd; i++)
+      md[nmd++] = client->md[i];
+    md[nmd++] = (rpc_md_t){"meshd-session", reply->session_id};
+    md[nmd++] = (rpc_md_t){"meshd-token", reply->token};
+    Meshd__V1__CloseSessionRequest creq = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
+    ProtobufCMessage *cresp = NULL;
+    if (call_md(client, TS "CloseSession", &creq.base, &meshd__v1__close_session_reply__descriptor,
+                &cresp, md, nmd) == MESHD_E_OK)
+      protobuf_c_message_free_unpacked(cresp, NULL);
     set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_session_open: out of memory");
     ret = MESHD_E_NOMEM;
     goto out;
