@@ -12,6 +12,7 @@
 #include <strings.h>
 
 #include "log.h"
+#include "secret.h"
 
 typedef struct principal {
   char name[AUTH_NAME_MAX + 1];
@@ -130,6 +131,7 @@ static int load(auth_t *a, char *err, size_t errlen) {
     snprintf(err, errlen, "--auth-tokens: cannot read '%s': %s", a->file, strerror(errno));
     return -1;
   }
+  secret_warn_if_public("--auth-tokens", a->file);
   char *text = NULL;
   size_t cap = 0, len = 0;
   char buf[4096];

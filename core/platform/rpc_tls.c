@@ -16,6 +16,7 @@
 #include "log.h"
 #include "rpc.h"
 #include "rpc_tls.h"
+#include "secret.h"
 
 static char *read_file(const char *path) {
   FILE *f = fopen(path, "rb");
@@ -78,6 +79,7 @@ int rpc_tls_check(const rpc_tls_t *t, bool server, char *err, size_t errlen) {
     if (!pem) return -1;
     free(pem);
   }
+  if (server) secret_warn_if_public("TLS private key", t->key_file);
   /* gRPC would take roots it cannot load and fail every connection later. */
   if (t->ca_pem && !holds_pem(t->ca_pem, "CERTIFICATE")) {
     snprintf(err, errlen, "TLS: the CA certificates given as text hold no PEM CERTIFICATE");

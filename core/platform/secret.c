@@ -149,6 +149,13 @@ static void refresh_locked(secret_file_t *f) {
   log_info("secret", "%s: re-read '%s' (%d token%s)", f->what, f->path, n, n == 1 ? "" : "s");
 }
 
+void secret_warn_if_public(const char *what, const char *path) {
+  struct stat st;
+  if (path && stat(path, &st) == 0 && (st.st_mode & S_IROTH))
+    log_warn("secret", "%s: '%s' is readable by every user (mode %03o); 0600, 0440 or 0400 "
+             "keeps it to meshd", what, path, (unsigned)(st.st_mode & 0777));
+}
+
 secret_file_t *secret_file_open(const char *what, const char *path, char *err, size_t errlen) {
   secret_file_t *f = calloc(1, sizeof *f);
   if (!f || !(f->what = strdup(what)) || !(f->path = strdup(path))) {
@@ -163,9 +170,7 @@ secret_file_t *secret_file_open(const char *what, const char *path, char *err, s
     return NULL;
   }
   f->n = (size_t)n;
-  if (f->seen.st_mode & S_IROTH)
-    log_warn("secret", "%s: '%s' is readable by every user (mode %03o); 0600 or 0400 keeps it "
-             "to meshd", what, path, (unsigned)(f->seen.st_mode & 0777));
+  secret_warn_if_public(what, path);
   return f;
 }
 

@@ -32,6 +32,10 @@ int secret_random_hex(char *out);
 /* a[0..alen) == b[0..blen), in time independent of where they differ. */
 bool secret_equal(const char *a, size_t alen, const char *b, size_t blen);
 
+/* Logs a warning when the file at path (what: the flag naming it) is readable
+ * by every user: a token or a private key there is anyone's on that host. */
+void secret_warn_if_public(const char *what, const char *path);
+
 /* A file of tokens, one per line; blank lines and lines starting with '#' are
  * skipped, surrounding whitespace is trimmed. Several tokens allow rotation:
  * the server accepts each; an agent presents the first. The file is read again

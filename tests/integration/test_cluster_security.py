@@ -257,11 +257,15 @@ def test_a_secured_client_port_admits_only_its_local_agents(meshd_server, agent,
     """--tls-cert: the registry is not on the TLS client port; local agents register on a
     loopback port of their own. --auth-tokens without a join token: only local agents."""
     hport = lib.free_port()
-    srv = meshd_server(2, "--tls-cert", pki / "server.pem", "--tls-key", pki / "server.key",
+    key = tmp_path / "server.key"  # readable by every user: a warning names it
+    key.write_bytes((pki / "server.key").read_bytes())
+    key.chmod(0o644)
+    srv = meshd_server(2, "--tls-cert", pki / "server.pem", "--tls-key", key,
                        "--health-listen", f"127.0.0.1:{hport}", wait_serving=False)
     lib.wait_health(hport, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
                     proc=srv.proc, log=srv.log)  # both local agents registered
     _wait_log(srv, "plaintext, loopback only: for the local agents")
+    _wait_log(srv, f"TLS private key: '{key}' is readable by every user (mode 644)")
     creds = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes())
     with grpc.secure_channel(f"localhost:{srv.port}", creds) as ch:
         fn = ch.stream_stream(_REGISTER, request_serializer=lambda b: b,
@@ -283,10 +287,16 @@ def test_a_secured_client_port_admits_only_its_local_agents(meshd_server, agent,
 
     tokens = tmp_path / "principals"
     tokens.write_text("alice alice-0123456789abcdef\n")
+    tokens.chmod(0o644)
     plain = meshd_server(0, "--auth-tokens", tokens, min_agents=0)
     stranger = agent(plain.port, wait_registered=False)
     _wait_log(stranger, "no join token")
     _wait_log(plain, "only its local agents can")
+    _wait_log(plain, f"--auth-tokens: '{tokens}' is readable by every user (mode 644)")
+    tokens.chmod(0o600)
+    private = meshd_server(0, "--auth-tokens", tokens, min_agents=0)
+    _wait_log(private, "only its local agents can")
+    assert "readable by every user" not in open(private.log).read()
 
 
 # ================================================================ cluster mTLS
