@@ -862,10 +862,12 @@ typedef struct fetch {
   uint64_t wait_id;  /* the watermark wait in flight, 0 if none */
   agent_data_t *data; /* the agent's data channel, while the relay reads from it */
   rpc_pull_t *pull;
+  bool sess_held;    /* sess is a hold (session_hold: a planned fetch), not a call's */
 } fetch_t;
 
 static void fetch_free(fetch_t *f) {
-  if (f->sess) session_release(f->sess);
+  if (f->sess && f->sess_held) session_unhold(f->sess); /* a plan's (plan_fetch) */
+  else if (f->sess) session_release(f->sess);
   if (f->call) rpc_call_unref(f->call);
   free(f->targets);
   free(f);
@@ -1329,7 +1331,7 @@ static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
     pthread_mutex_unlock(&s->mu);
   }
   if (!t->failed) transfer_end(s);
-  session_release(s);
+  session_unhold(s);
   free(t->ranks);
   free(t->nonces);
   free(t);
@@ -1479,7 +1481,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
     return error_set(e, ERR_NO_SESSION, "PlanTransfer: session %.8s was closed", s->id);
   }
   live_add(ds);
-  session_ref(s);
+  session_hold(s); /* the session, not its lease: the client keeps that alive */
   t->sess = s;
   t->ref = u->ref;
   t->stream = u->stream;
@@ -1571,6 +1573,8 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   live_add(ds);
   f->ds = ds;
   f->direct = true;
+  session_detach(s); /* f->sess's: the plan keeps the session, not its lease */
+  f->sess_held = true;
   pthread_mutex_init(&f->mu, NULL);
   f->refs = 1; /* the transfer's, then FinishFetch's wait's */
   t->fetch = f;
@@ -1738,6 +1742,8 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   }
   fetch_t *f = t->fetch;
   free(t);
+  session_attach(f->sess); /* a call in flight again: its wait holds the lease */
+  f->sess_held = false;
   pthread_mutex_lock(&f->mu);
   f->refs++; /* the call's, until on_end (fetch_end) */
   pthread_mutex_unlock(&f->mu);

@@ -98,6 +98,19 @@ void session_release(session_t *s) {
   drop_table_ref(s);
 }
 
+void session_hold(session_t *s) { atomic_fetch_add(&s->refs, 1); }
+
+void session_detach(session_t *s) {
+  atomic_store(&s->last_used_ms, rpc_now_ms());
+  atomic_fetch_sub(&s->calls, 1);
+}
+
+void session_unhold(session_t *s) {
+  if (s) drop_table_ref(s);
+}
+
+void session_attach(session_t *s) { atomic_fetch_add(&s->calls, 1); }
+
 void session_unfind(session_t *s) {
   if (!s) return;
   atomic_fetch_sub(&s->calls, 1);

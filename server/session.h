@@ -163,6 +163,18 @@ void session_ref(session_t *s);
 /* Drops a reference taken by session_create, _acquire, _find or _ref; renews
  * the lease (the end of a call is activity). */
 void session_release(session_t *s);
+/* A reference that keeps the session's memory, not its lease: for state that
+ * outlives a call and must not keep an abandoned session open (a planned
+ * direct transfer, whose client keeps the session alive with KeepAlive while
+ * it moves the bytes). session_hold takes one; session_detach turns the
+ * caller's call reference into one (renewing the lease, as the call's end);
+ * session_unhold drops one. */
+void session_hold(session_t *s);
+void session_detach(session_t *s);
+void session_unhold(session_t *s);
+/* Turns a hold back into a call reference (a call that goes on with it):
+ * drop it with session_release. */
+void session_attach(session_t *s);
 /* Renews the lease: long-lived calls (Submit streams) call it per message. */
 void session_touch(session_t *s);
 /* Closes s: out of the table at once, on_closed(SESSION_END_CLOSED) before it

@@ -261,6 +261,32 @@ def test_expired_grants_are_refused_and_undone(meshd_server):
         still_works(s, mesh)
 
 
+def test_a_planned_transfer_does_not_hold_its_sessions_lease(meshd_server):
+    """A client that plans a direct fetch and upload and then goes away: its session
+    expires at its ttl, not at the grants' expiry (10 min by default). The plans keep
+    the session's memory, not its lease; a client moving bytes keeps the lease with
+    KeepAlive (every meshd client does), and a FinishFetch waiting holds it as a call."""
+    srv = meshd_server(2, "--transfer-grant-ms", "60000")
+    lib.wait_ready(srv, 2)
+    pb = lib.tensor_pb2()
+    with lib.Session(srv.port, "planner", ttl_seconds=1) as s:
+        m = s.mesh(gpu=2)
+        x = s.tensor(m.ref, (8,))
+        s.unary("PlanTransfer", pb.PlanTransferRequest(fetch=pb.FetchRequest(
+            ref=x.ref, coords=[pb.Coordinate(dim="gpu", index=0)])), pb.PlanTransferReply)
+        s.unary("PlanTransfer", pb.PlanTransferRequest(upload=pb.UploadHeader(
+            ref=s.new_ref(), mesh=m.ref, shape=[8], dtype=pb.DType.Value("DTYPE_FLOAT32"),
+            total_bytes=32)), pb.PlanTransferReply)
+        import time
+        end = time.monotonic() + 10
+        while s.info() is not None:
+            assert time.monotonic() < end, "the session outlived its 1 s lease by 10 s"
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as e:
+            s.keep_alive()
+        assert lib.trailer(e.value.trailing_metadata(), lib.KIND_MD) == "NO_SESSION", e.value
+
+
 def _agent_metric(port, name):
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
