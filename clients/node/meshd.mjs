@@ -72,6 +72,17 @@ const MESSAGE_MAX = 4 << 20; // the server's largest message
 // at most 2 * maxBatch commands and QUEUE_BYTES (one command always fits an empty one).
 const WRITES_MAX = 2;
 const QUEUE_BYTES = 2 * BATCH_BYTES;
+// ...and "taken by the stream" must mean taken by the transport (HTTP/2 flow control:
+// the server's --stream-window-bytes, 64 KiB by default). gRPC-js keeps each call's
+// messages for a transparent retry, up to grpc.per_rpc_retry_buffer_size (1 MiB by
+// default), and reports such a write done at once, before the transport took it: a
+// server that stopped reading had about 30,000 tiny pipelined commands (1 MiB of
+// them) accepted past WRITES_MAX. grpc.enable_retries 0 does not bound it (the buffer
+// is kept all the same; only the retries go). With 16 KiB, less than the server's
+// window, as many were accepted as with no buffer at all (2,816 at maxBatch 256: the
+// queue, and the window's worth), and the calls whose message fits it (unary Execute,
+// KeepAlive, CreateSession...) are still retried transparently.
+const RETRY_BUFFER_BYTES = 16 << 10;
 const NOT_SENT = Symbol('notSent'); // on an error: the command never went out
 
 // About how many bytes a command takes on the wire (its strings, lists and bytes;
@@ -1393,7 +1404,7 @@ export async function connect(addr, { clientName = 'meshd-node', ttlSeconds = 0,
   const sec = resolveSecurity(addr, { token, tls, rootCerts, certChain, privateKey, serverName, insecure });
   const protoFile = file ?? protoPath();
   const Svc = loadService(protoFile);
-  const client = new Svc(addr, sec.creds, sec.options);
+  const client = new Svc(addr, sec.creds, { ...sec.options, 'grpc.per_rpc_retry_buffer_size': RETRY_BUFFER_BYTES });
   const reply = await new Promise((resolve, reject) => {
     client.CreateSession({ client_name: clientName, ttl_seconds: ttlSeconds, quota_bytes: quotaBytes },
       sec.md, { deadline: Date.now() + timeoutMs }, (err, r) => {

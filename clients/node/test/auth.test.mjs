@@ -7,18 +7,13 @@
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, writeFileSync, existsSync, openSync, rmSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, writeFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { inspect } from 'node:util';
-import { fileURLToPath } from 'node:url';
+import { sourceDir, startMeshd, stopAll } from '../test-lib/meshd.mjs';
 import { connect, isLoopback, resolveSecurity, MeshdError } from '../meshd.mjs';
-
-const here = path.dirname(fileURLToPath(import.meta.url));
-const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
-const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
-const meshdBin = path.join(binDir, 'meshd');
 
 const ALICE = 'alice-7f3e9a0c5d1b2468';
 const BOB = 'bob-0c5d1b24687f3e9a';
@@ -27,11 +22,10 @@ const ENV = ['MESHD_TOKEN', 'MESHD_TLS', 'MESHD_TLS_CA', 'MESHD_TLS_CERT', 'MESH
 
 let work;
 let pki;
-const servers = {}; // name -> { proc, addr, log }
+const servers = {}; // name -> startMeshd's handle ({ proc, pid, addr, log, logText(), ... })
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const file = (name) => path.join(pki, name);
-const logOf = (name) => { try { return readFileSync(servers[name].log, 'utf8'); } catch { return ''; } };
 
 // Runs fn with the MESHD_* security variables set to `vars` only, restoring them after.
 async function withEnv(vars, fn) {
@@ -48,42 +42,13 @@ async function withEnv(vars, fn) {
   }
 }
 
-async function startMeshd(name, args, connectOpts, agents) {
-  const env = Object.fromEntries(Object.entries(process.env).filter(
-    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
-  const log = path.join(work, `${name}.log`);
-  const portFile = path.join(work, `${name}.port`);
-  const proc = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents',
-    String(agents), ...args], { env, stdio: ['ignore', openSync(log, 'w'), openSync(log, 'a')] });
-  servers[name] = { proc, log };
-  const deadline = Date.now() + 30000;
-  let last = '';
-  for (;;) {
-    if (proc.exitCode !== null || proc.signalCode !== null) throw new Error(`${name} exited\n${logOf(name)}`);
-    if (Date.now() > deadline) throw new Error(`${name} not ready within 30 s: ${last}\n${logOf(name)}`);
-    if (!servers[name].addr && existsSync(portFile) && /^\d+\n$/.test(readFileSync(portFile, 'utf8'))) {
-      servers[name].addr = `127.0.0.1:${readFileSync(portFile, 'utf8').trim()}`;
-    }
-    if (servers[name].addr) {
-      try {
-        const s = await connect(servers[name].addr, { ...connectOpts, clientName: 'node-wait', timeoutMs: 2000 });
-        try {
-          const { agents: list } = await s.unary('ListAgents', {});
-          if (list.filter((a) => a.healthy).length >= agents) return;
-          last = `${list.length} agents`;
-        } finally {
-          await s.close();
-        }
-      } catch (e) {
-        last = e.message;
-      }
-    }
-    await sleep(100);
-  }
+// meshd --local-agents `agents` with args; resolves once its ListAgents (through
+// connect(connectOpts)) lists that many healthy agents.
+async function start(name, args, connectOpts, agents) {
+  servers[name] = await startMeshd({ name, work, agents, args, connectOpts });
 }
 
 before(async () => {
-  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
   work = mkdtempSync(path.join(tmpdir(), 'meshd-node-auth-'));
   pki = path.join(work, 'pki');
   execFileSync('bash', [path.join(sourceDir, 'tests', 'support', 'make_certs.sh'), pki], { stdio: 'ignore' });
@@ -91,29 +56,23 @@ before(async () => {
   const tls = ['--tls-cert', file('server.pem'), '--tls-key', file('server.key'), '--auth-tokens',
     file('tokens'), '--min-agents', '0'];
   await withEnv({}, async () => {
-    await startMeshd('plain', ['--auth-tokens', file('tokens'), '--session-ttl', '2'], { token: ALICE }, 2);
-    await startMeshd('tls', tls, { token: ALICE, rootCerts: file('ca.pem') }, 0);
-    await startMeshd('mtls', [...tls, '--tls-client-ca', file('ca.pem')], {
+    await start('plain', ['--auth-tokens', file('tokens'), '--session-ttl', '2'], { token: ALICE }, 2);
+    await start('tls', tls, { token: ALICE, rootCerts: file('ca.pem') }, 0);
+    await start('mtls', [...tls, '--tls-client-ca', file('ca.pem')], {
       token: ALICE, rootCerts: file('ca.pem'), certChain: file('client.pem'), privateKey: file('client.key'),
     }, 0);
   });
 });
 
 after(async () => {
-  // Stops only the meshd this file started (their agents go with them).
-  for (const { proc } of Object.values(servers)) {
-    if (proc.exitCode === null && proc.signalCode === null) {
-      const exited = new Promise((resolve) => proc.once('exit', resolve));
-      proc.kill('SIGTERM');
-      const timer = setTimeout(() => proc.kill('SIGKILL'), 15000);
-      await exited;
-      clearTimeout(timer);
+  try {
+    await stopAll(); // only the meshd this file started (their agents go with them)
+    for (const [name, m] of Object.entries(servers)) {
+      for (const t of [ALICE, BOB, WRONG]) assert.ok(!m.logText().includes(t), `${name} logged a token`);
     }
+  } finally {
+    if (work) rmSync(work, { recursive: true, force: true });
   }
-  for (const name of Object.keys(servers)) {
-    for (const t of [ALICE, BOB, WRONG]) assert.ok(!logOf(name).includes(t), `${name} logged a token`);
-  }
-  if (work) rmSync(work, { recursive: true, force: true });
 });
 
 // ------------------------------------------------------------------ no server

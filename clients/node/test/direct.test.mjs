@@ -8,87 +8,44 @@
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn, execFileSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, readdirSync, existsSync, openSync, rmSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { agentPid as agentChild } from '../test-lib/agents.mjs';
+import { sourceDir, startMeshd, stopAll } from '../test-lib/meshd.mjs';
 import { connect, MeshdError } from '../meshd.mjs';
 
-const here = path.dirname(fileURLToPath(import.meta.url));
-const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
-const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
-const meshdBin = path.join(binDir, 'meshd');
-
 let work;
-const servers = {}; // name -> { proc, addr, log }
+const servers = {}; // name -> startMeshd's handle ({ proc, pid, addr, log, ... })
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-const logOf = (name) => { try { return readFileSync(servers[name].log, 'utf8'); } catch { return ''; } };
 
 // meshd --local-agents 2 with args (and MESHD_* variables in extraEnv); resolves once
 // both agents are healthy.
-async function startMeshd(name, args, extraEnv = {}) {
-  const env = Object.fromEntries(Object.entries(process.env).filter(
-    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
-  Object.assign(env, extraEnv);
-  const log = path.join(work, `${name}.log`);
-  const portFile = path.join(work, `${name}.port`);
-  const proc = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
-    ...args], { env, stdio: ['ignore', openSync(log, 'w'), openSync(log, 'a')] });
-  servers[name] = { proc, log };
-  const deadline = Date.now() + 30000;
-  let last = '';
-  for (;;) {
-    if (proc.exitCode !== null || proc.signalCode !== null) throw new Error(`${name} exited\n${logOf(name)}`);
-    if (Date.now() > deadline) throw new Error(`${name} not ready within 30 s: ${last}\n${logOf(name)}`);
-    if (!servers[name].addr && existsSync(portFile) && /^\d+\n$/.test(readFileSync(portFile, 'utf8'))) {
-      servers[name].addr = `127.0.0.1:${readFileSync(portFile, 'utf8').trim()}`;
-    }
-    if (servers[name].addr) {
-      try {
-        const s = await connect(servers[name].addr, { clientName: 'node-wait', timeoutMs: 2000, token: '' });
-        try {
-          const { agents } = await s.unary('ListAgents', {});
-          if (agents.filter((a) => a.healthy).length >= 2) return;
-          last = `${agents.length} agents`;
-        } finally {
-          await s.close();
-        }
-      } catch (e) {
-        last = e.message;
-      }
-    }
-    await sleep(100);
-  }
+async function start(name, args, extraEnv = {}) {
+  servers[name] = await startMeshd({ name, work, args, env: extraEnv, connectOpts: { token: '' } });
 }
 
 before(async () => {
-  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
   work = mkdtempSync(path.join(tmpdir(), 'meshd-node-direct-'));
   const pki = path.join(work, 'pki');
   execFileSync('bash', [path.join(sourceDir, 'tests', 'support', 'make_certs.sh'), pki], { stdio: 'ignore' });
   const f = (n) => path.join(pki, n);
   await Promise.all([
-    startMeshd('direct', ['--data-path=direct']),
-    startMeshd('proxy', ['--data-path=proxy']),
-    startMeshd('old', [], { MESHD_FAULT: 'hello:old,rank=1' }), // rank 1: a build before Literal
-    startMeshd('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
+    start('direct', ['--data-path=direct']),
+    start('proxy', ['--data-path=proxy']),
+    start('old', [], { MESHD_FAULT: 'hello:old,rank=1' }), // rank 1: a build before Literal
+    start('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
       '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0', '--agent-timeout', '10']),
   ]);
 });
 
 after(async () => {
-  // Stops only the meshd this file started (their agents go with them).
-  for (const { proc } of Object.values(servers)) {
-    if (proc.exitCode === null && proc.signalCode === null) {
-      const exited = new Promise((resolve) => proc.once('exit', resolve));
-      proc.kill('SIGTERM');
-      const timer = setTimeout(() => proc.kill('SIGKILL'), 15000);
-      await exited;
-      clearTimeout(timer);
-    }
+  try {
+    await stopAll(); // only the meshd this file started (their agents go with them)
+  } finally {
+    if (work) rmSync(work, { recursive: true, force: true });
   }
-  if (work) rmSync(work, { recursive: true, force: true });
 });
 
 const open = (name, dataPath) => connect(servers[name].addr, { clientName: 'node-direct', token: '', dataPath });
@@ -191,17 +148,7 @@ test('--data-path=proxy: auto uses the proxy (reason recorded), direct fails wit
 });
 
 // The meshd-agent child of server `name` started with --rank rank (from /proc).
-function agentPid(name, rank) {
-  const pid = servers[name].proc.pid;
-  for (const task of readdirSync(`/proc/${pid}/task`)) {
-    for (const kid of readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8').split(/\s+/).filter(Boolean)) {
-      const argv = readFileSync(`/proc/${kid}/cmdline`, 'utf8').split('\0');
-      const at = argv.indexOf('--rank');
-      if (argv[0].endsWith('meshd-agent') && at >= 0 && argv[at + 1] === String(rank)) return Number(kid);
-    }
-  }
-  throw new Error(`no rank-${rank} agent child of meshd ${pid}`);
-}
+const agentPid = (name, rank) => agentChild(servers[name].pid, rank);
 
 test('cluster mTLS: straight to the agents over TLS; an agent that does not answer: auto falls back, direct names the rank', async () => {
   const s = await open('mtls', 'auto');

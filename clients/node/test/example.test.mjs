@@ -4,97 +4,26 @@
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn, execFile } from 'node:child_process';
-import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { execFile } from 'node:child_process';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { createRequire } from 'node:module';
+import { startMeshd, stopAll } from '../test-lib/meshd.mjs';
 import { connect, MeshdError } from '../meshd.mjs';
 
-const require = createRequire(import.meta.url);
-const grpc = require('@grpc/grpc-js');
-const healthCheck = require('grpc-health-check');
-
 const here = path.dirname(fileURLToPath(import.meta.url));
-const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
-const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
-const meshdBin = path.join(binDir, 'meshd');
-const HealthClient = grpc.makeGenericClientConstructor(healthCheck.service, 'Health');
 
-let work;
 let meshd;
 let addr;
 
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-
-function logTail() {
-  try {
-    return readFileSync(path.join(work, 'meshd.log'), 'utf8').split('\n').slice(-40).join('\n');
-  } catch {
-    return '(no log)';
-  }
-}
-
-async function readPortFile(file, timeoutMs) {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    if (existsSync(file)) {
-      const text = readFileSync(file, 'utf8');
-      if (/^\d+\n$/.test(text)) return Number(text.trim());
-    }
-    if (meshd.exitCode !== null || meshd.signalCode !== null) {
-      throw new Error(`meshd exited (${meshd.exitCode ?? meshd.signalCode}) before writing its port\n${logTail()}`);
-    }
-    if (Date.now() > deadline) throw new Error(`no port in ${file} within ${timeoutMs} ms\n${logTail()}`);
-    await sleep(50);
-  }
-}
-
-// Waits until meshd.v1.TensorService is SERVING (its agents are up).
-async function waitServing(timeoutMs) {
-  const client = new HealthClient(addr, grpc.credentials.createInsecure(), { 'grpc.enable_http_proxy': 0 });
-  const deadline = Date.now() + timeoutMs;
-  let last;
-  try {
-    for (;;) {
-      last = await new Promise((resolve) => {
-        client.check({ service: 'meshd.v1.TensorService' }, { deadline: Date.now() + 2000 },
-          (err, reply) => resolve(err ? `${err.code}: ${err.details}` : reply.status));
-      });
-      if (last === 'SERVING') return;
-      if (Date.now() > deadline) throw new Error(`not SERVING within ${timeoutMs} ms; last ${last}\n${logTail()}`);
-      await sleep(100);
-    }
-  } finally {
-    client.close();
-  }
-}
+const logTail = () => meshd.logTail();
 
 before(async () => {
-  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
-  work = mkdtempSync(path.join(tmpdir(), 'meshd-node-client-'));
-  const env = Object.fromEntries(Object.entries(process.env).filter(
-    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
-  const log = openSync(path.join(work, 'meshd.log'), 'w');
-  const portFile = path.join(work, 'meshd.port');
-  meshd = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2'],
-    { env, stdio: ['ignore', log, log] });
-  addr = `127.0.0.1:${await readPortFile(portFile, 20000)}`;
-  await waitServing(30000);
+  // ready once meshd.v1.TensorService is SERVING (its agents are up)
+  meshd = await startMeshd({ name: 'client', ready: 'serving' });
+  addr = meshd.addr;
 });
 
-after(async () => {
-  // Stops only the meshd this file started (its own agents go with it).
-  if (meshd && meshd.exitCode === null && meshd.signalCode === null) {
-    const exited = new Promise((resolve) => meshd.once('exit', resolve));
-    meshd.kill('SIGTERM');
-    const timer = setTimeout(() => meshd.kill('SIGKILL'), 15000);
-    await exited;
-    clearTimeout(timer);
-  }
-  if (work) rmSync(work, { recursive: true, force: true });
-});
+after(() => stopAll()); // only the meshd this file started (its own agents go with it)
 
 test('examples/compute.mjs computes, reduces and fetches the right values', async () => {
   const example = path.join(here, '..', 'examples', 'compute.mjs');

@@ -6,71 +6,15 @@
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { agentPid, stopAgent } from '../test-lib/agents.mjs';
+import { startMeshd, stopAll } from '../test-lib/meshd.mjs';
 import { connect, keepAlivePeriodMs, MeshdError } from '../meshd.mjs';
 
-const here = path.dirname(fileURLToPath(import.meta.url));
-const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
-const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
-const meshdBin = path.join(binDir, 'meshd');
-
-let work;
 let meshd;
 let addr;
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-
-function logText() {
-  try {
-    return readFileSync(path.join(work, 'meshd.log'), 'utf8');
-  } catch {
-    return '';
-  }
-}
-
-const logTail = () => logText().split('\n').slice(-40).join('\n');
-
-async function readPortFile(file, timeoutMs) {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    if (existsSync(file)) {
-      const text = readFileSync(file, 'utf8');
-      if (/^\d+\n$/.test(text)) return Number(text.trim());
-    }
-    if (meshd.exitCode !== null || meshd.signalCode !== null) {
-      throw new Error(`meshd exited (${meshd.exitCode ?? meshd.signalCode}) before writing its port\n${logTail()}`);
-    }
-    if (Date.now() > deadline) throw new Error(`no port in ${file} within ${timeoutMs} ms\n${logTail()}`);
-    await sleep(50);
-  }
-}
-
-// Waits until both agents are healthy (ListAgents through a session-less call).
-async function waitAgents(timeoutMs) {
-  const deadline = Date.now() + timeoutMs;
-  let last;
-  for (;;) {
-    try {
-      const s = await connect(addr, { clientName: 'node-wait', timeoutMs: 2000 });
-      try {
-        const { agents } = await s.unary('ListAgents', {});
-        if (agents.filter((a) => a.healthy).length >= 2) return;
-        last = JSON.stringify(agents);
-      } finally {
-        await s.close();
-      }
-    } catch (e) {
-      last = String(e);
-    }
-    if (Date.now() > deadline) throw new Error(`agents not healthy within ${timeoutMs} ms; last ${last}\n${logTail()}`);
-    await sleep(100);
-  }
-}
+const logText = () => meshd.logText();
 
 async function listed(sessionId) {
   const obs = await connect(addr, { clientName: 'node-observer' });
@@ -83,29 +27,12 @@ async function listed(sessionId) {
 }
 
 before(async () => {
-  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
-  work = mkdtempSync(path.join(tmpdir(), 'meshd-node-keepalive-'));
-  const env = Object.fromEntries(Object.entries(process.env).filter(
-    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
-  const log = openSync(path.join(work, 'meshd.log'), 'w');
-  const portFile = path.join(work, 'meshd.port');
-  meshd = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
-    '--session-ttl', '2', '--agent-timeout', '60'], { env, stdio: ['ignore', log, log] });
-  addr = `127.0.0.1:${await readPortFile(portFile, 20000)}`;
-  await waitAgents(30000);
+  // ready once both agents are healthy (ListAgents through a session-less call)
+  meshd = await startMeshd({ name: 'keepalive', args: ['--session-ttl', '2', '--agent-timeout', '60'] });
+  addr = meshd.addr;
 });
 
-after(async () => {
-  // Stops only the meshd this file started (its own agents go with it).
-  if (meshd && meshd.exitCode === null && meshd.signalCode === null) {
-    const exited = new Promise((resolve) => meshd.once('exit', resolve));
-    meshd.kill('SIGTERM');
-    const timer = setTimeout(() => meshd.kill('SIGKILL'), 15000);
-    await exited;
-    clearTimeout(timer);
-  }
-  if (work) rmSync(work, { recursive: true, force: true });
-});
+after(() => stopAll()); // only the meshd this file started (its own agents go with it)
 
 test('the keepalive period is a third of the lease, at least 1 s', () => {
   assert.equal(keepAlivePeriodMs(2), 1000);

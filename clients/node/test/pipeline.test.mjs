@@ -7,27 +7,14 @@
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, existsSync, openSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import { agentPid, stopAgent } from '../test-lib/agents.mjs';
+import { startMeshd, stopAll } from '../test-lib/meshd.mjs';
 import { connect } from '../meshd.mjs';
 
-const here = path.dirname(fileURLToPath(import.meta.url));
-const sourceDir = process.env.MESHD_SOURCE_DIR ?? path.resolve(here, '..', '..', '..');
-const binDir = process.env.MESHD_BIN_DIR ?? path.join(sourceDir, 'build', 'bin');
-const meshdBin = path.join(binDir, 'meshd');
-
-let work;
 let meshd;
 let addr;
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-const logTail = () => {
-  try { return readFileSync(path.join(work, 'meshd.log'), 'utf8').split('\n').slice(-40).join('\n'); } catch { return ''; }
-};
 
 // p's value, or its error thrown; fails if it is still pending after ms (a hang).
 async function within(p, ms, what) {
@@ -46,51 +33,12 @@ const settle = (p, t0 = Date.now()) => p.then((value) => ({ ok: true, value, at:
   (err) => ({ err, at: Date.now() - t0 }));
 
 before(async () => {
-  assert.ok(existsSync(meshdBin), `meshd not built: ${meshdBin}`);
-  work = mkdtempSync(path.join(tmpdir(), 'meshd-node-pipeline-'));
-  const env = Object.fromEntries(Object.entries(process.env).filter(
-    ([k]) => !k.startsWith('MESHD_') && !/^(https?|grpc|all)_proxy$/i.test(k)));
-  const log = openSync(path.join(work, 'meshd.log'), 'w');
-  const portFile = path.join(work, 'meshd.port');
-  meshd = spawn(meshdBin, ['--listen', '127.0.0.1:0', '--port-file', portFile, '--local-agents', '2',
-    '--session-max-queued', '2', '--agent-timeout', '60'], { env, stdio: ['ignore', log, log] });
-  const deadline = Date.now() + 30000;
-  let last = '';
-  for (;;) {
-    if (meshd.exitCode !== null || meshd.signalCode !== null) throw new Error(`meshd exited\n${logTail()}`);
-    if (Date.now() > deadline) throw new Error(`meshd not ready within 30 s: ${last}\n${logTail()}`);
-    if (!addr && existsSync(portFile) && /^\d+\n$/.test(readFileSync(portFile, 'utf8'))) {
-      addr = `127.0.0.1:${readFileSync(portFile, 'utf8').trim()}`;
-    }
-    if (addr) {
-      try {
-        const s = await connect(addr, { clientName: 'node-wait', timeoutMs: 2000, token: '' });
-        try {
-          const { agents } = await s.unary('ListAgents', {});
-          if (agents.filter((a) => a.healthy).length >= 2) break;
-          last = `${agents.length} agents`;
-        } finally {
-          await s.close();
-        }
-      } catch (e) {
-        last = e.message;
-      }
-    }
-    await sleep(100);
-  }
+  meshd = await startMeshd({ name: 'pipeline', args: ['--session-max-queued', '2', '--agent-timeout', '60'],
+    connectOpts: { token: '' } });
+  addr = meshd.addr;
 });
 
-after(async () => {
-  // Stops only the meshd this file started (its own agents go with it).
-  if (meshd && meshd.exitCode === null && meshd.signalCode === null) {
-    const exited = new Promise((resolve) => meshd.once('exit', resolve));
-    meshd.kill('SIGTERM');
-    const timer = setTimeout(() => meshd.kill('SIGKILL'), 15000);
-    await exited;
-    clearTimeout(timer);
-  }
-  if (work) rmSync(work, { recursive: true, force: true });
-});
+after(() => stopAll()); // only the meshd this file started (its own agents go with it)
 
 // A session with a gpu=2 mesh and x = ones(4), all run; and the rank-0 agent's pid,
 // stopped by stop(), resumed by resume() (the test's finally resumes it too).
@@ -157,6 +105,42 @@ test('a server that stops reading bounds the pipeline queue: a command that find
     const after = await within(s.literal(mesh, [2], new Float32Array([7, 8])), 10000, 'a literal after');
     assert.equal(Number(after.ref), ref + 1, 'the refused ref was not taken again');
     assert.deepEqual([...await s.fetch(after, { gpu: 0 }, { timeoutMs: 10000 })], [7, 8]);
+  } finally {
+    resume();
+    await s.close().catch(() => {});
+  }
+});
+
+test('a server that stops reading: tiny commands are accepted up to the queue and the transport window only, not into gRPC-js\'s retry buffer', async () => {
+  // gRPC-js used to report a write done at once while the call's retry buffer
+  // (grpc.per_rpc_retry_buffer_size, 1 MiB) had room: about 31,000 of these adds were
+  // accepted, and all 8000 here. Now: at most 2 * maxBatch queued on the client,
+  // WRITES_MAX (2) messages of maxBatch handed to the stream, and what the transport
+  // took: the server's stream window (--stream-window-bytes, 64 KiB by default) and the
+  // client's 16 KiB retry buffer, at 24 bytes an add at least (about 32 on the wire).
+  const maxBatch = 64;
+  const bound = 4 * maxBatch + Math.ceil(((64 + 16) << 10) / 24); // 3670
+  const n = 8000;
+  const { s, stop, resume, x } = await setup(1500);
+  try {
+    await s.setPipeline({ maxBatch });
+    await stop();
+    await stall(s, x);
+    const first = s.nextRef + 1; // add i takes ref first + i
+    const t0 = Date.now();
+    const calls = [];
+    for (let i = 0; i < n; i += 1) calls.push(settle(s.call('add', [x, 1]), t0));
+    const rs = await within(Promise.all(calls), 10000, `the ${n} adds`);
+    const notQueued = (r) => /not queued/.test(r.err?.message);
+    const accepted = rs.filter((r) => !notQueued(r)).length;
+    assert.ok(accepted <= bound, `${accepted} of ${n} tiny commands accepted while the server did not read (at most ${bound})`);
+    assert.ok(accepted > 2 * maxBatch, `only ${accepted} accepted: the queue alone takes ${2 * maxBatch}`);
+    assert.ok(rs.slice(accepted).every(notQueued), 'a command issued after one refused room was accepted');
+    for (const r of rs) assert.equal(r.err?.kind, 'DEADLINE_EXCEEDED', String(r.err));
+    // What was accepted goes out and runs once the server reads again.
+    resume();
+    await within(s.sync({ timeoutMs: 20000 }), 25000, 'sync after resume');
+    assert.deepEqual([...await s.fetch(first + accepted - 1, { gpu: 1 }, { timeoutMs: 10000 })], [2, 2, 2, 2]);
   } finally {
     resume();
     await s.close().catch(() => {});
