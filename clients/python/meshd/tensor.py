@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import concurrent.futures
 import itertools
+import queue
 import sys
 import threading
 import time
@@ -683,6 +684,8 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
             yield pb.UploadChunk(header=hdr)
             for raw in pieces:
                 for i in range(0, len(raw), _CHUNK):
+                    if aborted:  # interrupted (below): no more
+                        return
                     yield _data_field(raw[i:i + _CHUNK])
                     try:  # runs when gRPC takes the next message
                         tr.update(min(_CHUNK, len(raw) - i))
@@ -690,14 +693,27 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
                         aborted.append(e)
                         return
         tr = _progress.tracker(total, progress, "upload")
+        call = None
         try:
-            reply = fn(msgs(), metadata=s._md, timeout=s.timeout)
+            call = fn.future(msgs(), metadata=s._md, timeout=s.timeout)
+            ended = queue.SimpleQueue()  # (not call.result(): see direct.Direct.upload)
+            call.add_done_callback(ended.put)
+            try:  # (the call ends by its deadline: the wait is bounded too)
+                ended.get(timeout=s.timeout + 5)
+            except queue.Empty:
+                call.cancel()
+                raise MeshdError("DEADLINE_EXCEEDED", "Upload: the call did not end by its "
+                                 "deadline", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+            reply = call.result()
         except grpc.RpcError as e:
             tr.close()
             if aborted:
                 raise aborted[0] from None
             raise MeshdError.from_rpc(e) from None
-        except BaseException:
+        except BaseException as e:  # KeyboardInterrupt: the server undoes a cancelled Upload
+            aborted.append(e)  # msgs() sends no more
+            if call is not None and not call.cancel() and call.code() == grpc.StatusCode.OK:
+                s._release_later(ref)  # it ended just before: the caller gets no handle
             tr.close()
             raise
         if aborted:
@@ -865,15 +881,17 @@ def _fetch_request(t, coords):
 
 def _fetch_direct(t, d, coords, timeout, progress=None):
     """Plans a direct fetch now (ordered like a Fetch); returns what reads it, or None
-    to use the proxied Fetch."""
-    planned = d.fetch_plan(_fetch_request(t, coords), timeout)
+    to use the proxied Fetch. timeout: seconds for the plan, the Read and FinishFetch
+    together (as for the one proxied Fetch call)."""
+    deadline = time.monotonic() + timeout
+    planned = d.fetch_plan(_fetch_request(t, coords), deadline)
     if planned is None:
         return None
     name = _dtype_from_value(t.session._pb, planned[0].meta.dtype)
     if name not in _WIRE:
-        d._finish_fetch(planned[0].transfer_id, timeout, quiet=True)
+        d._finish_fetch(planned[0].transfer_id, quiet=True)
         raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
-    return lambda: d.fetch_finish(t.ref, planned, _WIRE[name], timeout, progress)
+    return lambda: d.fetch_finish(t.ref, planned, _WIRE[name], deadline, progress)
 
 
 class Future(concurrent.futures.Future, Generic[_T]):  # type: ignore[type-arg]
@@ -929,6 +947,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
                     fut.set_result(values(work()))
                 except BaseException as e:  # handed to .result()
                     fut.set_exception(e)
+            fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
             threading.Thread(target=run, daemon=True).start()
             return fut
     try:  # planned before the next command is sent: that one cannot change the value
@@ -942,6 +961,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
             fut.set_result(values(_fetch_finish(t, call, first, progress)))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
+    fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
     threading.Thread(target=work, daemon=True).start()
     return fut
 

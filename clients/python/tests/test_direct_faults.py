@@ -1,0 +1,380 @@
+"""The direct data path (meshd/direct.py) when things go wrong: a session closed
+while fetches read, an upload interrupted (Ctrl-C) or failing on one shard, a
+fetch_shard timeout, Future.cancel(), and plans the client must not follow (a
+TLS session's bytes to plaintext agents, an address that is not host:port).
+
+Every wait is bounded; tensors are 16 MiB at most, slowed down where a test needs
+a transfer still running (a progress callback that sleeps, CALLBACK_INTERVAL 0)."""
+
+import asyncio
+import importlib
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import start_meshd, stop_meshd
+
+import meshd
+from meshd import _progress
+from meshd import direct as _direct
+
+_tensor = importlib.import_module("meshd.tensor")  # (meshd.tensor is the function)
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def one_slot():
+    """The address of a meshd whose sessions may have one transfer in flight
+    (--session-max-transfers 1): a transfer that keeps its slot shows at once."""
+    addr, proc = start_meshd(2, name="meshd-direct-faults", flags=("--session-max-transfers", "1"))
+    try:
+        yield addr
+    finally:
+        stop_meshd(proc)
+
+
+@pytest.fixture
+def fast_callbacks(monkeypatch):
+    monkeypatch.setattr(_progress, "CALLBACK_INTERVAL", 0.0)
+
+
+def _allocated(s):
+    return {a["rank"]: a["allocated_bytes"] for a in s.agents()}
+
+
+def _wait_allocated_at_most(s, before, limit=5.0):
+    """Waits (limit seconds at most) until no agent holds more than before."""
+    deadline = time.monotonic() + limit
+    while True:
+        now = _allocated(s)
+        if all(now[r] <= before[r] for r in before):
+            return
+        assert time.monotonic() < deadline, f"the agents still hold {now} (before: {before})"
+        time.sleep(0.05)
+
+
+def _slow(per_call):
+    """A progress callback that sleeps per_call seconds each time: a transfer that lasts."""
+    def cb(done, total):
+        time.sleep(per_call)
+    return cb
+
+
+# ------------------------------------------------------------ bug 1: close() during fetches
+
+def test_close_ends_direct_fetches_in_flight(server, fast_callbacks):
+    """close() while four direct fetches read (the first on its own thread, the others on
+    the session's io loop): every Future resolves at once with MeshdError (CANCELLED, as
+    on the proxied path), no thread stays behind, and the io loop is not started again."""
+    before = {t.ident for t in threading.enumerate()}
+    s = meshd.connect(server[0], data_path="direct")
+    try:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(np.ones(4 * MIB, np.float32), progress=False)  # 16 MiB
+            futs = [meshd.fetch_shard(t, gpu=g % 2, progress=_slow(0.05)) for g in range(4)]
+            time.sleep(0.1)
+            assert s._direct._io._loop is not None, "no fetch was read on the io loop"
+    finally:
+        t0 = time.monotonic()
+        s.close()
+    errors = []
+    for f in futs:
+        with pytest.raises(meshd.MeshdError) as ei:
+            f.result(timeout=max(0.1, t0 + 5 - time.monotonic()))
+        errors.append(ei.value)
+    assert time.monotonic() - t0 < 5
+    assert all(e.kind in ("CANCELLED", "NO_SESSION") for e in errors), errors
+    deadline = time.monotonic() + 5
+    while True:
+        left = [t.name for t in threading.enumerate() if t.ident not in before
+                and (t.name == "meshd-io" or t.name.endswith("(run)"))]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"threads left behind: {left}"
+        time.sleep(0.05)
+    with pytest.raises(meshd.MeshdError) as ei:  # a fetch planned before close() reaching it
+        s._direct._io.run(asyncio.sleep, 0)
+    assert ei.value.kind == "CANCELLED"
+    assert s._direct._io._loop is None, "the io loop started again after close()"
+
+
+# ------------------------------------------------------------ bug 2: interrupted uploads
+
+class Interrupt(BaseException):
+    """What the test's SIGINT handler raises (KeyboardInterrupt would end pytest if it
+    escaped)."""
+
+
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_an_interrupted_upload_frees_its_slot_and_memory_at_once(one_slot, data_path,
+                                                                 fast_callbacks):
+    """SIGINT (Ctrl-C) while an upload streams: the exception comes at once, not after
+    the whole upload, and the server is told: the session's one transfer slot is free
+    for the next upload and the agents hold nothing of it (before: both until the
+    grants expired, or the proxied Upload's deadline)."""
+    fired, calls = [], []
+
+    def cb(done, total):  # on gRPC's thread; slows the upload to 200 ms a chunk
+        calls.append(done)
+        if len(calls) == 2:  # (the caller waits by then)
+            fired.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+
+    def handler(signum, frame):
+        raise Interrupt()
+    with meshd.connect(one_slot, data_path=data_path, timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            before = _allocated(s)
+            old = signal.signal(signal.SIGINT, handler)
+            try:
+                with pytest.raises(Interrupt):
+                    meshd.tensor(np.ones(4 * MIB, np.float32), progress=cb)  # 16 MiB a rank
+                took = time.monotonic() - fired[0]
+            finally:
+                signal.signal(signal.SIGINT, old)
+            assert took < 0.8, f"the interrupt came {took:.2f} s after the signal"
+            _wait_allocated_at_most(s, before)
+            s.timeout = 3
+            t0 = time.monotonic()
+            while True:  # (the server ends a cancelled Upload soon, not at once)
+                try:
+                    x = meshd.tensor(np.arange(MIB, dtype=np.float32), progress=False)
+                    break
+                except meshd.MeshdError as e:
+                    if e.kind != "QUOTA" or time.monotonic() - t0 > 2:
+                        raise
+                    time.sleep(0.05)
+            assert time.monotonic() - t0 < 2, "the next upload waited for the transfer slot"
+            np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=1).result(10),
+                                          np.arange(MIB, dtype=np.float32))
+
+
+def test_a_shard_error_that_is_no_meshd_error_abandons_the_upload(one_slot, monkeypatch):
+    """An unexpected exception on one shard (here: a Write's reply that cannot be read)
+    is a MeshdError naming the rank, and the transfer is abandoned at once (its slot
+    free, nothing kept on the agents); before, the bare exception left both held."""
+    def garbled(raw):
+        raise ValueError("garbled WriteReply")
+    with meshd.connect(one_slot, data_path="direct", timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            before = _allocated(s)
+            monkeypatch.setattr(_direct, "_fields", garbled)
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.tensor(np.ones(MIB, np.float32), progress=False)
+            monkeypatch.undo()
+            assert ei.value.kind == "INTERNAL" and "rank" in str(ei.value), ei.value
+            _wait_allocated_at_most(s, before)
+            s.timeout = 3
+            x = meshd.tensor(np.ones(MIB, np.float32), progress=False)
+            assert meshd.fetch_shard(x, gpu=0).result(10)[0] == 1.0
+            assert s._direct.counts["upload"] == 1
+
+
+# ------------------------------------------------------------ bug 5: one shard fails
+
+def test_a_failing_shard_stops_the_others_at_once(server, monkeypatch):
+    """Rank 1's Write is refused at once (its grant altered): rank 0's stops too instead
+    of streaming the whole tensor first. Chunks are made 20 ms apart; 16 MiB is 8 of
+    them per rank."""
+    made = []
+    real_data_field = _tensor._data_field
+
+    def slow_data_field(chunk):
+        made.append(1)
+        time.sleep(0.02)
+        return real_data_field(chunk)
+    real_plan = _direct.Direct.plan
+
+    def bad_grant(self, request, *a):
+        reply = real_plan(self, request, *a)
+        if request.HasField("upload") and len(reply.shards) == 2:
+            reply.shards[1].grant = bytes(len(reply.shards[1].grant))
+        return reply
+    with meshd.connect(server[0], data_path="direct", timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            monkeypatch.setattr(_tensor, "_data_field", slow_data_field)
+            monkeypatch.setattr(_direct.Direct, "plan", bad_grant)
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.tensor(np.ones(4 * MIB, np.float32), progress=False)
+            monkeypatch.undo()
+            assert ei.value.kind == "PERMISSION_DENIED" and "rank 1" in str(ei.value), ei.value
+            assert len(made) <= 5, f"{len(made)} chunks made after rank 1 failed"
+            x = meshd.tensor(np.ones(MIB, np.float32), progress=False)
+            assert meshd.fetch_shard(x, gpu=1).result(10)[0] == 1.0
+
+
+# ------------------------------------------------------------ bug 3: one deadline
+
+def test_fetch_shard_timeout_bounds_the_wait_for_a_transfer_slot(one_slot):
+    """fetch_shard(timeout=0.5) while the session's one transfer slot is taken fails
+    QUOTA after about 0.5 s, as on the proxied path (before: the session's timeout)."""
+    with meshd.connect(one_slot, data_path="direct", timeout=4) as s:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(np.ones(4 * MIB, np.float32), progress=False)
+            # a proxied Fetch not read: the slot (16 MiB: more than flow control lets by)
+            held, _ = _tensor._fetch_open(t, {"gpu": 0})
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(meshd.MeshdError) as ei:
+                    meshd.fetch_shard(t, gpu=1, timeout=0.5).result(10)
+                took = time.monotonic() - t0
+            finally:
+                held.cancel()
+            assert ei.value.kind == "QUOTA", ei.value
+            assert took < 1.5, f"fetch_shard(timeout=0.5) failed after {took:.2f} s"
+
+
+def _record_deadlines(s, monkeypatch):
+    """[(method, absolute deadline)] of every call the session's direct transfers make
+    from now on (PlanTransfer, FinishUpload, FinishFetch, Agent/Write, Agent/Read)."""
+    seen = []
+
+    class Recorded:
+        def __init__(self, method, fn):
+            self.method, self.fn = method, fn
+
+        def _note(self, kw):
+            if kw.get("timeout") is not None:
+                seen.append((self.method.rsplit("/", 1)[-1], time.monotonic() + kw["timeout"]))
+
+        def __call__(self, *a, **kw):
+            self._note(kw)
+            return self.fn(*a, **kw)
+
+        def future(self, *a, **kw):
+            self._note(kw)
+            return self.fn.future(*a, **kw)
+
+    def spy(ch, kind):
+        real = getattr(ch, kind)
+
+        def make(method, *a, **kw):
+            fn = real(method, *a, **kw)
+            if any(w in method for w in ("PlanTransfer", "Finish", "Agent/")):
+                return Recorded(method, fn)
+            return fn
+        monkeypatch.setattr(ch, kind, make)
+    spy(s._ch, "unary_unary")
+    for ch in s._direct._channels.values():
+        spy(ch, "stream_unary")
+        spy(ch, "unary_stream")
+    return seen
+
+
+def test_a_direct_transfer_has_one_deadline(one_slot, monkeypatch, fast_callbacks):
+    """Every call of a direct fetch (PlanTransfer, Read, FinishFetch) runs under the one
+    deadline of fetch_shard's timeout, and every call of a direct upload (PlanTransfer,
+    the Writes, FinishUpload) under the session's timeout counted from the upload's
+    start, as the proxy's one call (before: each call got the whole timeout again)."""
+    with meshd.connect(one_slot, data_path="direct", timeout=30) as s:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(np.ones(2 * MIB, np.float32), progress=False)  # the channels
+            seen = _record_deadlines(s, monkeypatch)
+            t0 = time.monotonic()
+            meshd.fetch_shard(t, gpu=1, timeout=10, progress=_slow(0.05)).result(20)
+            meshd.tensor(np.ones(2 * MIB, np.float32), progress=_slow(0.05))
+            took = time.monotonic() - t0
+            monkeypatch.undo()
+    fetch, upload = seen[:3], seen[3:]
+    assert [m for m, _ in fetch] == ["PlanTransfer", "Read", "FinishFetch"], seen
+    assert [m for m, _ in upload] == ["PlanTransfer", "Write", "Write", "FinishUpload"], seen
+    assert took > 0.2, "the transfers were too quick to tell"
+    for calls, limit in ((fetch, 10), (upload, 30)):
+        ends = [d for _, d in calls]
+        assert max(ends) - min(ends) < 0.05, f"more than one deadline: {calls}"
+        assert max(ends) <= t0 + limit + took + 0.05, calls
+
+
+# ------------------------------------------------------------ bug 4: Future.cancel()
+
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_a_fetch_future_cannot_be_cancelled_and_its_thread_raises_nothing(server, data_path,
+                                                                          monkeypatch):
+    """A fetch_shard Future is running from the start: cancel() says False and the value
+    still comes (before: True, then InvalidStateError in the fetch's thread)."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    with meshd.connect(server[0], data_path=data_path) as s:
+        with s.mesh(gpu=2).activate():
+            a = np.arange(MIB, dtype=np.float32)
+            t = meshd.tensor(a, progress=False)
+            f = meshd.fetch_shard(t, gpu=1)
+            assert f.cancel() is False
+            np.testing.assert_array_equal(f.result(10), a)
+            assert not f.cancelled()
+    time.sleep(0.1)
+    assert not raised, [r.exc_value for r in raised]
+
+
+# ------------------------------------------------------------ plans not to follow
+
+def test_a_tls_session_never_sends_to_plaintext_agents(server):
+    """A session over TLS keeps its bytes encrypted, checked on every plan: with agents in
+    plaintext data_path="direct" refuses the transfer (MeshdError UNAVAILABLE, nothing
+    sent, the plan abandoned) and "auto" takes the proxy even after a direct transfer.
+    (The local server speaks plaintext: the session says TLS as one over TLS would.)"""
+    a = np.arange(MIB, dtype=np.float32)
+    with meshd.connect(server[0], data_path="direct") as s:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(a, progress=False)
+            s.tls = True
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.tensor(a, progress=False)
+            assert ei.value.kind == "UNAVAILABLE" and "plaintext" in str(ei.value), ei.value
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.fetch_shard(t, gpu=1).result(10)
+            assert ei.value.kind == "UNAVAILABLE" and "plaintext" in str(ei.value), ei.value
+            assert s._direct.counts == {"upload": 1, "fetch": 0}
+            s.tls = False
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=1).result(10), a)
+    with meshd.connect(server[0], data_path="auto") as s:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(a, progress=False)
+            assert s._direct.counts == {"upload": 1, "fetch": 0}
+            s.tls = True
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=1).result(10), a)
+            u = meshd.tensor(a + 1, progress=False)
+            np.testing.assert_array_equal(meshd.fetch_shard(u, gpu=0).result(10), a + 1)
+            assert s._direct.counts == {"upload": 1, "fetch": 0}, "plaintext under TLS"
+
+
+def test_plan_addresses_must_be_host_port(one_slot, monkeypatch):
+    """An agent address that is a gRPC target of another kind (unix:, dns:///...) is not
+    dialled: data_path="direct" fails clearly (and frees the slot), "auto" uses the
+    proxy."""
+    for good in ("127.0.0.1:5000", "[::1]:50051", "agent-3.cluster.local:9000"):
+        assert _direct._host_port(good), good
+    for bad in ("unix:/tmp/x.sock", "unix-abstract:x", "dns:///a:1", "ipv4:1.2.3.4:5",
+                "a:b", "host", "127.0.0.1:5000/x"):
+        assert not _direct._host_port(bad), bad
+    real_plan = _direct.Direct.plan
+    target = "unix:/tmp/meshd-direct-faults-nowhere.sock"
+
+    def elsewhere(self, request, *a):
+        reply = real_plan(self, request, *a)
+        reply.shards[0].address = target
+        return reply
+    a = np.arange(MIB, dtype=np.float32)
+    for data_path in ("direct", "auto"):
+        with meshd.connect(one_slot, data_path=data_path, timeout=3) as s:
+            with s.mesh(gpu=2).activate():
+                s._direct.wanted()  # auto: the pool probed (with its real addresses)
+                monkeypatch.setattr(_direct.Direct, "plan", elsewhere)
+                if data_path == "direct":
+                    with pytest.raises(meshd.MeshdError) as ei:
+                        meshd.tensor(a, progress=False)
+                    assert ei.value.kind == "UNAVAILABLE" and "host:port" in str(ei.value), ei.value
+                    monkeypatch.undo()
+                    x = meshd.tensor(a, progress=False)  # the slot is free
+                else:
+                    x = meshd.tensor(a, progress=False)
+                    monkeypatch.undo()
+                    assert s._direct.counts["upload"] == 0
+                np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=1).result(10), a)
+                assert not any(addr == target for addr, _ in
+                               list(s._direct._channels) + list(s._direct._unreachable))
