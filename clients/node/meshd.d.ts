@@ -129,12 +129,13 @@ export interface SessionInfo {
 export interface OpInfo { name: string; schema: string; view: boolean; inplace: boolean; factory: boolean }
 export interface LoadProgress { ref: number; done_bytes: number; total_bytes: number; failed: boolean }
 
-export interface ShardGrant { rank: number; address: string; grant: Buffer; after_seq: number }
+/** after_seq: 64 bits, as a decimal string */
+export interface ShardGrant { rank: number; address: string; grant: Buffer; after_seq: string }
 /** How to dial the agents' data port over TLS (unset: plaintext). */
 export interface AgentTls { ca_pem: string; server_name: string }
 export interface PlanTransferReply {
-  /** 64 bits: through unary() a Number may round it; the client's own transfers keep it exact */
-  transfer_id: number | string; shards: ShardGrant[]; meta: TensorMeta | null; expiry_unix_ms: number;
+  /** 64 bits, as a decimal string (a Number would round it) */
+  transfer_id: string; shards: ShardGrant[]; meta: TensorMeta | null; expiry_unix_ms: number;
   agent_tls: AgentTls | null;
 }
 
@@ -242,8 +243,8 @@ export interface UnaryMethods {
   InspectUrl: [{ url: string; mesh?: number }, InspectUrlReply];
   LoadProgress: [{ refs: number[] }, { loads: LoadProgress[] }];
   PlanTransfer: [object, PlanTransferReply];
-  FinishUpload: [{ transfer_id: number; receipts: { rank: number; bytes: number; receipt: Uint8Array }[] }, { tensor: TensorMeta | null }];
-  FinishFetch: [{ transfer_id: number }, Record<string, never>];
+  FinishUpload: [{ transfer_id: string | number; receipts: { rank: number; bytes: number; receipt: Uint8Array }[] }, { tensor: TensorMeta | null }];
+  FinishFetch: [{ transfer_id: string | number }, Record<string, never>];
 }
 
 /** Per-call options: the deadline from now (default: the session's timeoutMs). */

@@ -359,7 +359,22 @@ export class Session {
 
   // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
   unary(method, request, { timeoutMs } = {}) {
-    return this.#unaryBy(method, request, this.deadline(timeoutMs));
+    // PlanTransfer answers a random 64-bit transfer_id, which a Number would round:
+    // read as decimal strings (requests take strings or Numbers either way).
+    if (method !== 'PlanTransfer') return this.#unaryBy(method, request, this.deadline(timeoutMs));
+    return this.#unaryBy(method, request, this.deadline(timeoutMs), this.#wideClient())
+      .then((reply) => {
+        if (reply.meta) reply.meta.shape = reply.meta.shape.map(Number);
+        return reply;
+      });
+  }
+
+  #wideClient() {
+    if (!this.#wide) {
+      const Wide = loadService(this.#protoFile ?? protoPath(), true);
+      this.#wide = new Wide('meshd', grpc.credentials.createInsecure(), { channelOverride: this.client.getChannel() });
+    }
+    return this.#wide;
   }
 
   #unaryBy(method, request, deadline, client = this.client) {
@@ -1067,12 +1082,8 @@ export class Session {
   // PlanTransfer's reply (transfer_id and after_seq as decimal strings, which requests
   // take as they are), or null when auto should use the proxy (the server does not offer it).
   async #plan(request, deadline) {
-    if (!this.#wide) {
-      const Wide = loadService(this.#protoFile ?? protoPath(), true);
-      this.#wide = new Wide('meshd', grpc.credentials.createInsecure(), { channelOverride: this.client.getChannel() });
-    }
     try {
-      const reply = await this.#unaryBy('PlanTransfer', request, deadline, this.#wide);
+      const reply = await this.#unaryBy('PlanTransfer', request, deadline, this.#wideClient());
       if (reply.meta) reply.meta.shape = reply.meta.shape.map(Number);
       return reply;
     } catch (e) {

@@ -91,6 +91,25 @@ test('--data-path=direct: sharded bytes go straight to and from both agents, nev
   }
 });
 
+test('unary PlanTransfer: the 64-bit transfer_id comes back exact, and FinishUpload finds its plan', async () => {
+  const s = await open('direct', 'auto');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const plan = await s.unary('PlanTransfer', {
+      upload: { ref: s.newRef(), mesh: mesh.ref, shape: [4], dtype: 'DTYPE_FLOAT32', total_bytes: 16 },
+    });
+    assert.match(plan.transfer_id, /^[0-9]+$/, String(plan.transfer_id)); // a Number rounded past 2^53
+    // No receipts: the plan is found, and refused for its missing Writes (undone)...
+    await assert.rejects(s.unary('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] }),
+      (err) => { assert.doesNotMatch(err.message, /no pending upload/); return true; });
+    // ...after which it is gone.
+    await assert.rejects(s.unary('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] }),
+      /no pending upload/);
+  } finally {
+    await s.close();
+  }
+});
+
 test('calls issued together reach the server in ref order: uploads, Execute and the pipeline, both paths', async () => {
   // Refs are taken in issue order and must arrive strictly increasing. Before the
   // session sent its ref-claiming calls in turn, these raced on separate gRPC calls:
