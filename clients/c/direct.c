@@ -461,12 +461,19 @@ static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s
 
 /* Channels for every shard (DIRECT_DONE), or DIRECT_PROXY / DIRECT_FAILED when
  * one does not connect (`what` says "upload" or "fetch") by `end`. A session
- * over TLS keeps its bytes encrypted: auto takes the proxy when the plan says
- * the agents speak plaintext (and remembers it). */
+ * over TLS keeps its bytes encrypted: when the plan says the agents speak
+ * plaintext, auto takes the proxy (and remembers it) and direct fails. */
 static direct_rc_t shard_channels(direct_t *d, const direct_session_t *s,
                                   const Meshd__V1__PlanTransferReply *p, rpc_channel_t **out,
                                   const char *what, int64_t end, direct_err_t *e) {
-  if (s->tls && !*plan_ca(p) && d->mode == MESHD_DATA_PATH_AUTO) {
+  if (s->tls && !*plan_ca(p)) {
+    if (d->mode == MESHD_DATA_PATH_DIRECT) { /* never the tensor's bytes unencrypted */
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                     "direct %s: the session is over TLS and the plan's agents speak "
+                     "plaintext: the tensor's bytes would travel unencrypted; use the auto "
+                     "data path (which takes the proxy then) or the proxy", what);
+      return DIRECT_FAILED;
+    }
     d->agents_plain = true;
     fallback(d, "the session is over TLS and the agents are reached in plaintext");
     return DIRECT_PROXY;

@@ -1070,10 +1070,16 @@ export class Session {
     return c;
   }
 
-  // A session over TLS keeps its bytes encrypted: auto takes the proxy when the plan
-  // says the agents speak plaintext (and remembers it). True: use the proxy.
-  #plainForTls(plan) {
-    if (!this.tls || this.dataPath !== 'auto' || plan.agent_tls?.ca_pem) return false;
+  // A session over TLS keeps its bytes encrypted: when the plan says the agents speak
+  // plaintext, auto takes the proxy (and remembers it) and direct throws UNAVAILABLE.
+  // True: use the proxy. The caller abandons the plan either way.
+  #plainForTls(plan, what) {
+    if (!this.tls || plan.agent_tls?.ca_pem) return false;
+    if (this.dataPath === 'direct') {
+      throw new MeshdError('UNAVAILABLE', `direct ${what}: the session is over TLS and the plan's agents `
+        + "speak plaintext: the tensor's bytes would travel unencrypted; use dataPath 'auto' (which "
+        + "takes the proxy then) or 'proxy'", grpc.status.UNAVAILABLE);
+    }
     this.#agentsPlain = true;
     this.#fallback('the session is over TLS and the agents are reached in plaintext');
     return true;
@@ -1137,7 +1143,9 @@ export class Session {
     const { shards } = plan;
     const abandon = () => this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
       this.deadline()).catch(() => {}); // undone at once; the session's slot is free
-    if (this.#plainForTls(plan)) { await abandon(); return null; }
+    let plain;
+    try { plain = this.#plainForTls(plan, 'upload'); } catch (e) { await abandon(); throw e; }
+    if (plain) { await abandon(); return null; }
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
     let agents;
     try { // (agent.proto missing next to a protoPath: the slot goes back all the same)
@@ -1200,7 +1208,7 @@ export class Session {
     try { // whatever fails before the Read gives the transfer's slot back
       const T = DTYPES[meta.dtype];
       if (!T) throw new Error(`meshd: no typed array for ${meta.dtype}`);
-      if (this.#plainForTls(plan)) { await quiet(); return null; }
+      if (this.#plainForTls(plan, 'fetch')) { await quiet(); return null; }
       const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
       agent = await this.#agent(sh.address, plan.agent_tls, Math.max(1, wait));
       if (!agent) {

@@ -1313,17 +1313,18 @@ Test(c_client_tokens, every_call_carries_the_token) {
   }
 }
 
-/* TLS and tokens, no agents (local agents cannot register on a TLS port yet). */
+/* TLS and tokens, 2 agents (they register on a plaintext loopback port of
+ * their own, and speak plaintext). */
 static void start_tls_server(void) {
   make_pki_and_tokens();
   static char cert[256], key[256];
   snprintf(cert, sizeof cert, "%s/server.pem", pki);
   snprintf(key, sizeof key, "%s/server.key", pki);
   const char *const flags[] = {"--tls-cert", cert, "--tls-key", key, "--auth-tokens",
-                               tokens_flag_value, "--min-agents", "0", NULL};
+                               tokens_flag_value, NULL};
   meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
   o.tls_ca_file = pki_file("ca.pem");
-  start_server_full("0", flags, &o);
+  start_server_full("2", flags, &o);
 }
 
 TestSuite(c_client_tls, .init = start_tls_server, .fini = stop_server_and_pki, .timeout = 60);
@@ -1340,7 +1341,7 @@ Test(c_client_tls, tls_with_a_token) {
   cr_assert_not_null(s, "open: %s: %s", meshd_last_error(c)->kind, meshd_last_error(c)->message);
   /* Execute and Fetch get past the token check to their handlers. */
   meshd_ref_t m = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){3}, 1, &m),
                MESHD_E_RPC);
   cr_assert_str_eq(meshd_last_error(c)->kind, "BAD_ARGUMENT", "%s", meshd_last_error(c)->message);
   meshd_values_t v;
@@ -2085,6 +2086,52 @@ Test(c_client_cluster_tls, direct_over_tls_and_fallback_when_an_agent_hangs) {
   /* the refused plan's ref stays unused; the session goes on by the proxy */
   cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
   cr_assert_eq(round_trip(s, m, 100, 12), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A session over TLS never sends tensor bytes to plaintext agents: DIRECT
+ * refuses the transfer (UNAVAILABLE, nothing defined), AUTO takes the proxy
+ * and says why. */
+Test(c_client_tls, a_tls_session_never_sends_to_plaintext_agents) {
+  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
+  o.tls_ca_file = pki_file("ca.pem");
+  o.token = ALICE;
+  char why[512];
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, sizeof why);
+  cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
+  meshd_session_t *s = meshd_session_open(c, "c-tls-direct", &e);
+  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
+  meshd_ref_t m = 0, t = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){2}, 1, &m),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  float v[4] = {1, 2, 3, 4}, back[4] = {0};
+  int64_t shape[] = {4};
+  cr_assert_eq(meshd_session_upload(s, m, "float32", shape, 1, v, sizeof v, &t), MESHD_E_RPC);
+  const meshd_error_info_t *info = meshd_last_error(c);
+  cr_assert_str_eq(info->grpc_code_name, "UNAVAILABLE", "%s", info->message);
+  cr_assert(strstr(info->message, "direct upload: the session is over TLS and the plan's agents "
+                                  "speak plaintext"), "%s", info->message);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_AUTO), MESHD_E_OK);
+  cr_assert_eq(meshd_session_upload(s, m, "float32", shape, 1, v, sizeof v, &t), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  const char *dims[] = {"gpu"};
+  int64_t r1[] = {1};
+  meshd_fetch_part_t part = {dims, r1, 1, back, sizeof back, 0};
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(meshd_session_fetch_bytes(s, t, &part, 1, NULL), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "direct fetch: the session is over TLS"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_AUTO), MESHD_E_OK);
+  cr_assert_eq(meshd_session_fetch_bytes(s, t, &part, 1, NULL), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(memcmp(back, v, sizeof v), 0);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads + st.direct_fetches, 0);
+  cr_assert(strstr(st.last_fallback, "over TLS and the agents are reached in plaintext"), "%s",
+            st.last_fallback);
   meshd_session_close(s);
   meshd_close(c);
 }

@@ -1,8 +1,9 @@
 // The Node client with TLS, mTLS and bearer tokens: the options and the plaintext-token
 // rule without a server, then against three real meshd: plaintext with two principals'
-// tokens and 2 agents (computes; sessions leased for 2 s), TLS with the tokens and mTLS
-// with the tokens (no agents: local agents register on the client port, which they cannot
-// do over TLS yet). Certificates from tests/support/make_certs.sh (the openssl CLI).
+// tokens and 2 agents (computes; sessions leased for 2 s), TLS with the tokens and 2
+// agents (they register on a plaintext loopback port of their own and speak plaintext) and
+// mTLS with the tokens (no agents). Certificates from tests/support/make_certs.sh (the
+// openssl CLI).
 //
 // MESHD_BIN_DIR (set by ctest) locates meshd; else <source>/build/bin.
 import { test, before, after } from 'node:test';
@@ -57,7 +58,7 @@ before(async () => {
     file('tokens'), '--min-agents', '0'];
   await withEnv({}, async () => {
     await start('plain', ['--auth-tokens', file('tokens'), '--session-ttl', '2'], { token: ALICE }, 2);
-    await start('tls', tls, { token: ALICE, rootCerts: file('ca.pem') }, 0);
+    await start('tls', tls, { token: ALICE, rootCerts: file('ca.pem') }, 2);
     await start('mtls', [...tls, '--tls-client-ca', file('ca.pem')], {
       token: ALICE, rootCerts: file('ca.pem'), certChain: file('client.pem'), privateKey: file('client.key'),
     }, 0);
@@ -176,8 +177,8 @@ test('TLS with a token; another CA, a wrong name or plaintext cannot connect', a
     const s = await connect(addr, { token: ALICE, rootCerts: readFileSync(file('ca.pem')), serverName: 'localhost' });
     try {
       assert.equal(s.tls, true);
-      // Execute reaches its handler (no agent for a mesh), past the token check.
-      await assert.rejects(s.createMesh({ gpu: 1 }), (err) => err.kind === 'BAD_ARGUMENT');
+      // Execute reaches its handler (a mesh bigger than the agents), past the token check.
+      await assert.rejects(s.createMesh({ gpu: 3 }), (err) => err.kind === 'BAD_ARGUMENT');
     } finally {
       await s.close();
     }
@@ -195,6 +196,32 @@ test('TLS with a token; another CA, a wrong name or plaintext cannot connect', a
   await withEnv({ MESHD_TOKEN: BOB, MESHD_TLS_CA: file('ca.pem') }, async () => {
     const s = await connect(addr);
     await s.close();
+  });
+});
+
+test('a session over TLS never sends tensor bytes to plaintext agents: auto takes the proxy, direct refuses', async () => {
+  const { addr } = servers.tls;
+  await withEnv({}, async () => {
+    const s = await connect(addr, { token: ALICE, rootCerts: readFileSync(file('ca.pem')), dataPath: 'direct' });
+    try {
+      const mesh = await s.createMesh({ gpu: 2 });
+      await assert.rejects(s.upload(mesh, [4], new Float32Array([1, 2, 3, 4])), (err) => {
+        assert.equal(err.kind, 'UNAVAILABLE', err.message);
+        assert.match(err.message, /direct upload: the session is over TLS and the plan's agents speak plaintext/);
+        return true;
+      });
+      s.setDataPath('auto');
+      const x = await s.upload(mesh, [4], new Float32Array([1, 2, 3, 4]));
+      s.setDataPath('direct');
+      await assert.rejects(s.fetch(x, { gpu: 1 }), /direct fetch: the session is over TLS/);
+      s.setDataPath('auto');
+      assert.deepEqual([...await s.fetch(x, { gpu: 1 })], [1, 2, 3, 4]);
+      const st = s.transferStats;
+      assert.equal(st.directUploads + st.directFetches, 0, JSON.stringify(st));
+      assert.match(st.lastFallback, /over TLS and the agents are reached in plaintext/);
+    } finally {
+      await s.close();
+    }
   });
 });
 
