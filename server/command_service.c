@@ -524,6 +524,12 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
       o->losses++; /* new ToMesh channels: none shared with work the lost agent may still run */
       emit_peer_lost(&cs->fe, s, o, l->rank, l->data_address, reason);
       told++;
+    } else if (o && l->rank < o->ntouched) {
+      /* All of it ran there: nothing to wait for. Left, a Sync would wait for
+       * this seq, which the watermark counts lost while another session's
+       * work held the agent back: AGENT_LOST on every Sync until a new agent
+       * took the rank. */
+      o->last_seq[l->rank] = 0;
     }
     pthread_mutex_unlock(&s->mu);
     session_unfind(s);
@@ -934,6 +940,10 @@ static void submit_command(submit_state_t *st, rpc_call_t *call, const Meshd__V1
     return;
   }
   if (cmd->seq) st->last_seq = cmd->seq;
+  /* A Sync is answered on its own (stream_answer), at once or from another
+   * thread: the answers of a Command.batch's earlier commands go first. (The
+   * stream's held answers are flushed by stream_answer.) */
+  if (cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC && batch && !batch->mu) batch_flush(batch);
   run_one(st->cs, st->session, call, true, cmd, st, batch);
 }
 

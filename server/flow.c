@@ -72,13 +72,21 @@ static void update_gauge(flow_window_t *w) {
   if (w->gauge) atomic_store(w->gauge, queued(w));
 }
 
-static bool over_locked(const flow_t *f, const flow_window_t *w) {
-  if (w->closed || f->destroyed) return false;
+static bool session_over_locked(const flow_t *f, const flow_window_t *w) {
   const flow_limits_t *l = &f->lim;
   return (l->session_commands && queued(w) >= l->session_commands) ||
-         (l->session_bytes && w->accepted.bytes - w->done.bytes >= l->session_bytes) ||
-         (l->total_commands && f->total.commands >= l->total_commands) ||
+         (l->session_bytes && w->accepted.bytes - w->done.bytes >= l->session_bytes);
+}
+
+static bool total_over_locked(const flow_t *f) {
+  const flow_limits_t *l = &f->lim;
+  return (l->total_commands && f->total.commands >= l->total_commands) ||
          (l->total_bytes && f->total.bytes >= l->total_bytes);
+}
+
+static bool over_locked(const flow_t *f, const flow_window_t *w) {
+  if (w->closed || f->destroyed) return false;
+  return session_over_locked(f, w) || total_over_locked(f);
 }
 
 static void unlink_waiter(flow_t *f, waiter_t *wt) {
@@ -219,10 +227,11 @@ void flow_checkpoint_done(flow_checkpoint_t *cp) {
   if (free_flow) flow_free(f);
 }
 
-bool flow_over(flow_window_t *w) {
+bool flow_over(flow_window_t *w, bool *server_wide) {
   flow_t *f = w->f;
   pthread_mutex_lock(&f->mu);
   bool over = over_locked(f, w);
+  if (server_wide) *server_wide = over && !session_over_locked(f, w);
   pthread_mutex_unlock(&f->mu);
   return over;
 }

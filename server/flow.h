@@ -96,8 +96,9 @@ flow_checkpoint_t *flow_checkpoint(flow_window_t *w);
  * mark leaves the queue; waits that now have room fire. Frees cp. */
 void flow_checkpoint_done(flow_checkpoint_t *cp);
 
-/* Whether w is over its bounds or the total over its own. */
-bool flow_over(flow_window_t *w);
+/* Whether w is over its bounds or the total over its own; *server_wide (may
+ * be NULL) says whether it is the total only (other sessions' work). */
+bool flow_over(flow_window_t *w, bool *server_wide);
 /* If w is over: registers cb(arg) to run once it is not (or the window
  * closes, or the flow is destroyed) and returns the wait's id (> 0).
  * Otherwise returns 0 and never calls cb. */

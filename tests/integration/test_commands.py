@@ -999,6 +999,21 @@ def test_submit_batches_run_in_order_and_answer_in_one_message(s2):
     assert not by_seq[201].HasField("error") and not by_seq[1001].HasField("error")
 
 
+def test_a_sync_in_a_batch_is_answered_after_the_batchs_earlier_commands(s2):
+    """Each command of a batch runs as if it came alone: a Sync's answer, sent on its own
+    (at once here: nothing to wait for), follows the answers of the commands before it,
+    rejections included. It went first, since those waited for the batch's end."""
+    s = s2
+    cmds = [s.command(drop(999_999)),                                       # refused
+            s.command(factory(s.new_ref(), 12345, "ones", (2,))),           # refused
+            s.command(sync())]
+    results, code, details = s.submit([pb().Command(batch=cmds)], timeout=30)
+    assert code == grpc.StatusCode.OK, (code, details)
+    assert [r.seq for r in results] == [c.seq for c in cmds], [r.seq for r in results]
+    assert results[0].HasField("error") and results[1].HasField("error")
+    assert not results[2].HasField("error"), results[2]
+
+
 def test_commands_sent_one_per_message_are_answered_together_in_order(s2):
     # 400 commands written back to back, one per message, a Sync among them: the
     # server answers what it read in one go in one SubmitReply (results), each

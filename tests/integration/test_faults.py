@@ -164,6 +164,35 @@ def test_a_lost_agent_fails_only_its_sessions_at_once_and_the_pool_recovers(mesh
         np.testing.assert_array_equal(fetch(a, r2, gpu=2), 3 * ONES)
 
 
+def test_a_session_whose_work_all_ran_on_a_lost_agent_syncs_as_before(meshd_server, agent):
+    """Session S ran (and synced) its work on an agent that another session's long
+    instruction held back; the agent is lost and not replaced. S had no work there left,
+    so it is not told, and its next Syncs answer OK: they waited for S's last seq on the
+    rank, which the loss counts lost (the agent's own progress was behind it), and failed
+    AGENT_LOST until an agent took the rank again."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    env = {"MESHD_FAULT": "reduce:slow=30000,rank=0"}
+    a0 = agent(srv.port, rank=0, env=env)
+    agent(srv.port, rank=1)
+    lib.wait_ready(srv, 2)
+    with Session(srv.port, "T") as t, Session(srv.port, "S") as s:
+        mt = t.mesh(gpu=1)
+        x = t.tensor(mt.ref, (8,), kind="ones")
+        t.run(sync(), timeout=10)
+        t.run(reduce(t.new_ref(), x.ref, ["gpu"]))  # held 30 s on rank 0
+        ms = s.mesh(gpu=2)
+        y = s.tensor(ms.ref, (8,), kind="ones")
+        s.run(lib.drop(y.ref))
+        assert not s.run(sync(), timeout=10).errors
+        os.kill(a0.pid, signal.SIGKILL)
+        lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [1], timeout=15,
+                        what="rank 0 gone", log=srv.log)
+        for _ in range(2):
+            assert not s.run(sync(), timeout=10).errors
+        s.tensor(s.slice(ms.ref, gpu=1).ref, (4,))  # on the survivor
+        assert not s.run(sync(), timeout=10).errors
+
+
 @pytest.mark.parametrize("action", ["fail", "slow=300"])
 def test_injected_collective_faults_fail_or_delay_only_that_collective(meshd_server, action):
     srv = lib.wait_ready(meshd_server(2, env=_fault(f"reduce:{action},rank=1,count=1")), 2)

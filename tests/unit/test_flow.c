@@ -93,7 +93,9 @@ Test(flow, session_bound_waits_until_a_checkpoint_fires) {
   unsigned fl = flow_accept(w, 1);
   cr_assert_eq(fl, FLOW_OVER | FLOW_CHECKPOINT, "the 8th reaches the bound");
   cps[n++] = flow_checkpoint(w);
-  cr_assert(flow_over(w));
+  bool wide = true;
+  cr_assert(flow_over(w, &wide));
+  cr_assert_not(wide, "over its own bound");
   uint64_t id = flow_wait(w, count_fire, NULL);
   cr_assert_gt(id, 0);
   flow_stats_t st;
@@ -104,7 +106,7 @@ Test(flow, session_bound_waits_until_a_checkpoint_fires) {
   flow_checkpoint_done(cps[0]); /* 2 commands ran */
   cr_assert_eq(fired, 1, "room: the wait fired");
   cr_assert_eq(queued(f, w), 6);
-  cr_assert_not(flow_over(w));
+  cr_assert_not(flow_over(w, NULL));
   cr_assert_eq(flow_wait(w, count_fire, NULL), 0, "room now: no wait");
   cr_assert_not(flow_cancel(f, id), "a fired wait cannot be cancelled");
   for (int i = 1; i < n; i++) flow_checkpoint_done(cps[i]);
@@ -157,12 +159,14 @@ Test(flow, total_bound_holds_every_session) {
   for (int i = 0; i < 6; i++)
     if (flow_accept(a, 1) & FLOW_CHECKPOINT) ca = flow_checkpoint(a);
   cr_assert_not_null(ca);
-  cr_assert_not(flow_over(a));
+  cr_assert_not(flow_over(a, NULL));
   for (int i = 0; i < 6; i++)
     if (flow_accept(b, 1) & FLOW_CHECKPOINT) cb = flow_checkpoint(b);
   cr_assert_not_null(cb);
-  cr_assert(flow_over(a), "12 queued in total, bound 10: a waits too");
-  cr_assert(flow_over(b));
+  bool wide = false;
+  cr_assert(flow_over(a, &wide), "12 queued in total, bound 10: a waits too");
+  cr_assert(wide, "a is over the total's bound, not its own");
+  cr_assert(flow_over(b, NULL));
   cr_assert_eq(flow_accept(a, 1), FLOW_OVER | FLOW_CHECKPOINT);
   cr_assert_gt(flow_wait(a, count_fire, NULL), 0);
   cr_assert_gt(flow_wait(b, count_fire, NULL), 0);
@@ -180,7 +184,7 @@ Test(flow, uncovered_tails_never_hold_others) {
   flow_t *f = make(0, 4, 100);
   flow_window_t *a = flow_window_open(f, NULL), *b = flow_window_open(f, NULL);
   for (int i = 0; i < 50; i++) cr_assert_eq(flow_accept(a, 1), 0u);
-  cr_assert_not(flow_over(b), "a's tail has no checkpoint: it is not in the total");
+  cr_assert_not(flow_over(b, NULL), "a's tail has no checkpoint: it is not in the total");
   cr_assert_eq(queued(f, a), 50, "but a counts it");
   flow_window_close(a);
   flow_window_close(b);
@@ -297,7 +301,7 @@ static void *producer(void *p) {
     }
     if (fl & FLOW_OVER) {
       if (flow_wait(w, wake, r)) {
-        while (flow_over(w)) sched_yield(); /* a real caller returns; this one spins */
+        while (flow_over(w, NULL)) sched_yield(); /* a real caller returns; this one spins */
       }
     }
   }
