@@ -121,15 +121,29 @@ export interface KeepAliveReply { ttl_seconds: number }
 export interface AgentInfo {
   rank: number; address: string; device: string; memory_bytes: number; allocated_bytes: number;
   healthy: boolean; agent_id: string; data_port: number; registered_unix_ms: number;
+  /** taken out of placement by DrainAgent (sessions created since get no mesh on it) */
+  drained: boolean;
+  /** what the agent reported at registration ('' from an agent too old to say) */
+  version: string; commit: string; build_type: string; cuda: boolean;
 }
 export interface SessionInfo {
   session_id: string; client_name: string; bytes_held: number; live_tensors: number;
   idle_ms: number; queued_commands: number; owner: string;
+  /** commands accepted so far (a batch counts each of its commands) */
+  commands: number;
+  /** since CreateSession */
+  age_ms: number;
 }
+/** What the server is (GetInfo): its build, how long it has run, every registered agent. */
+export interface GetInfoReply {
+  version: string; commit: string; build_type: string; cuda: boolean; uptime_ms: number; agents: AgentInfo[];
+}
+/** LoadProgress: a rank that did not answer in time. */
+export interface LoadProgressRank { rank: number; kind: ErrorKindName; message: string }
 export interface OpInfo { name: string; schema: string; view: boolean; inplace: boolean; factory: boolean }
 export interface LoadProgress { ref: number; done_bytes: number; total_bytes: number; failed: boolean }
 
-/** after_seq: 64 bits, as a decimal string */
+/** after_seq: 64 bits, as a decimal string (unary('PlanTransfer') gives every other integer as a number) */
 export interface ShardGrant { rank: number; address: string; grant: Buffer; after_seq: string }
 /** How to dial the agents' data port over TLS (unset: plaintext). */
 export interface AgentTls { ca_pem: string; server_name: string }
@@ -139,14 +153,18 @@ export interface PlanTransferReply {
   agent_tls: AgentTls | null;
 }
 
-/** What fetch() resolves to: the local tensor's bytes as a typed array by dtype. */
-export type FetchArray =
-  | Float32Array | Float64Array | Int8Array | Uint8Array | Int16Array | Int32Array | BigInt64Array;
-/** Narrow it with instanceof (`v instanceof Float32Array`); DTYPE_BOOL is a Uint8Array. */
-export type Fetched = FetchArray & { shape: number[]; dtype: DType };
-
 /** What upload() takes; the dtype follows the array (Uint8Array: DTYPE_UINT8). */
-export type UploadArray = FetchArray;
+export type UploadArray =
+  | Float32Array | Float64Array | Int8Array | Uint8Array | Int16Array | Int32Array | BigInt64Array;
+/**
+ * What fetch() resolves to: the local tensor's bytes as a typed array by dtype, upload()'s
+ * arrays and, for DTYPE_FLOAT16 and DTYPE_BFLOAT16, a Uint16Array of the raw bits (JS has
+ * no such floats: decode them yourself). Another dtype rejects with MeshdError UNIMPLEMENTED.
+ */
+export type FetchArray = UploadArray | Uint16Array;
+/** Narrow it with instanceof (`v instanceof Float32Array`); DTYPE_BOOL is a Uint8Array,
+ * float16 and bfloat16 a Uint16Array (tell them apart by .dtype). */
+export type Fetched = FetchArray & { shape: number[]; dtype: DType };
 
 // ------------------------------------------------------------------ requests
 
@@ -236,12 +254,15 @@ export interface UnaryMethods {
   CreateSession: [{ client_name?: string; ttl_seconds?: number; quota_bytes?: number }, CreateSessionReply];
   CloseSession: [Record<string, never>, Record<string, never>];
   KeepAlive: [Record<string, never>, KeepAliveReply];
-  ListAgents: [Record<string, never>, { agents: AgentInfo[] }];
+  ListAgents: [Record<string, never>, { agents: AgentInfo[]; agent_tls: AgentTls | null }];
+  GetInfo: [Record<string, never>, GetInfoReply];
+  /** admin principals only; drain false puts the rank back */
+  DrainAgent: [{ rank: number; drain?: boolean }, { agent: AgentInfo | null }];
   ListSessions: [Record<string, never>, { sessions: SessionInfo[] }];
   ListOps: [Record<string, never>, { ops: OpInfo[] }];
   Execute: [Command & { seq: number }, CommandResult];
   InspectUrl: [{ url: string; mesh?: number }, InspectUrlReply];
-  LoadProgress: [{ refs: number[] }, { loads: LoadProgress[] }];
+  LoadProgress: [{ refs: number[] }, { loads: LoadProgress[]; unanswered: LoadProgressRank[] }];
   PlanTransfer: [object, PlanTransferReply];
   FinishUpload: [{ transfer_id: string | number; receipts: { rank: number; bytes: number; receipt: Uint8Array }[] }, { tensor: TensorMeta | null }];
   FinishFetch: [{ transfer_id: string | number }, Record<string, never>];
@@ -290,7 +311,7 @@ export class MeshdError extends Error {
 /** The tensor_service.proto connect() loads: under $MESHD_SOURCE_DIR, else the source tree's; throws if neither exists. */
 export function protoPath(): string;
 
-/** KeepAlive period for a lease of ttlSeconds (0 or absent: 300): a third of it, at least 1000 ms. */
+/** KeepAlive period for a lease of ttlSeconds (0 or absent: 300): a third of it, at least 250 ms. */
 export function keepAlivePeriodMs(ttlSeconds?: number): number;
 
 /** True if every host `addr` names is loopback (localhost, 127.0.0.0/8, ::1) or it is a local socket. */
@@ -303,8 +324,12 @@ export type Pem = Buffer | Uint8Array | string;
 export interface SecurityOptions {
   /** bearer token (1..4096 visible ASCII); unset or null: $MESHD_TOKEN; '': none */
   token?: string | null;
-  /** TLS with the system's roots ($MESHD_TLS=1); any certificate option or serverName implies it */
-  tls?: boolean;
+  /**
+   * TLS with the system's roots; any certificate option or serverName implies it. Unset (or
+   * null): $MESHD_TLS=1, or any MESHD_TLS_* certificate or name variable, turns it on;
+   * false: plaintext, no MESHD_TLS* variable read (a certificate option with it throws).
+   */
+  tls?: boolean | null;
   /** the CA that verifies the server ($MESHD_TLS_CA) */
   rootCerts?: Pem | null;
   /** client certificate for mTLS, with privateKey ($MESHD_TLS_CERT) */
@@ -420,7 +445,8 @@ export class Session {
   /** The next ref. */
   newRef(): number;
 
-  /** One unary RPC with the session's metadata; a failure rejects with a MeshdError. */
+  /** One unary RPC with the session's metadata; a failure rejects with a MeshdError
+   * (NO_SESSION, not sent, once close() was called, as every call of the session). */
   unary<M extends keyof UnaryMethods>(method: M, request: UnaryMethods[M][0], options?: CallOptions): Promise<UnaryMethods[M][1]>;
   /**
    * Runs one Command and returns its CommandResult; a rejected command throws a MeshdError
@@ -474,7 +500,9 @@ export class Session {
   /**
    * Uploads `data` as the same tensor of `shape` on every rank of `mesh`; with perRank,
    * one local tensor of `shape` per rank, in rank order. The bytes go by dataPath, all
-   * shards at once. Throws (synchronously) a TypeError for an array of no meshd dtype.
+   * shards at once (the first shard to fail stops the others and undoes the upload); one
+   * deadline, the session's timeoutMs, for all of it. Throws (synchronously) a TypeError
+   * for an array of no meshd dtype.
    */
   upload(mesh: Ref, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
   /**
@@ -487,15 +515,18 @@ export class Session {
   literal(mesh: Ref | MeshMeta, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;
   /**
    * The local tensor at the rank named by coords (an index for every mesh dim: {gpu: 1})
-   * as a typed array by dtype, with .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs
+   * as a typed array by dtype (float16, bfloat16: a Uint16Array of the raw bits), with
+   * .shape and .dtype; kind DEADLINE_EXCEEDED past timeoutMs
    * (one deadline for the whole fetch: its turn, the pipelined answers it waits for, a
    * fallback to the proxy included).
    */
   fetch(ref: Ref, coords?: Record<string, number>, options?: CallOptions): Promise<Fetched>;
   /**
-   * Closes the session and its channel once the calls issued before it went out and every
-   * pipelined answer came (the session's timeoutMs at most: past it the session closes all
-   * the same and close() rejects DEADLINE_EXCEEDED); a second call does nothing.
+   * Closes the session and its channel once the calls issued before it went out, every
+   * pipelined answer came and every fetch issued before it has its bytes (the session's
+   * timeoutMs at most: past it the session closes all the same and close() rejects
+   * DEADLINE_EXCEEDED); a second call waits for the first. Every call made once close()
+   * was called (awaited or not) rejects NO_SESSION (code UNAUTHENTICATED) without being sent.
    */
   close(): Promise<void>;
 }

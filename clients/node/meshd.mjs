@@ -10,6 +10,10 @@
 // (proto-loader `longs: Number`): refs and seqs are counters this client hands out from
 // 1, far below Number.MAX_SAFE_INTEGER (2^53 - 1); values above that would lose precision.
 // Enums are their names (`enums: String`): dtype "DTYPE_FLOAT32", kind "ERROR_KIND_...".
+// fetch() gives a typed array by dtype: Float32Array, Float64Array, Int8Array, Uint8Array
+// (uint8 and bool), Int16Array, Int32Array, BigInt64Array, and for float16 and bfloat16 a
+// Uint16Array of the raw bits (JS has no such floats; decode them yourself). Another
+// dtype rejects with a MeshdError (UNIMPLEMENTED) before any byte is read.
 //
 //   import { connect } from './meshd.mjs';
 //   const s = await connect('127.0.0.1:50051');
@@ -26,7 +30,8 @@
 // server, else the system's roots) and mTLS (certChain + privateKey), and sends the bearer
 // token as `authorization: Bearer TOKEN` on every call. Each certificate option is a PEM
 // Buffer/string or a file path. Unset options come from MESHD_TOKEN, MESHD_TLS (=1),
-// MESHD_TLS_CA, MESHD_TLS_CERT, MESHD_TLS_KEY, MESHD_TLS_SERVER_NAME. A token is not sent in
+// MESHD_TLS_CA, MESHD_TLS_CERT, MESHD_TLS_KEY, MESHD_TLS_SERVER_NAME; an explicit tls: false
+// reads none of the MESHD_TLS* variables (plaintext whatever they say). A token is not sent in
 // plaintext to an address that is not loopback unless insecure: true. The token never shows
 // in a Session's inspect output or in error messages.
 //
@@ -41,11 +46,18 @@
 // and the agents connect within 1 s; else through the server (Upload, Fetch), the
 // reason counted in session.transferStats. 'direct' always goes straight and fails when it
 // cannot (UNAVAILABLE naming the rank and address); 'proxy' always through the server.
+// A plan's agents are dialled only at host:port addresses (another, unix:/path say: auto
+// takes the proxy, direct UNAVAILABLE). The first shard of an upload to fail cancels the
+// others' Writes and undoes the upload at once (FinishUpload without receipts).
 //
-// While a session is open it sends KeepAlive every third of its ttl (at least every
-// 1 s) from an unref'd timer, so an idle session outlives its ttl and the timer never
+// While a session is open it sends KeepAlive every third of its ttl (never more often
+// than every 250 ms) from an unref'd timer, so an idle session outlives its ttl and the timer never
 // keeps the process alive; close() stops it, and so does garbage collection of a
 // session that was never closed.
+//
+// Once close() is called (awaited or not), every later call (execute and the
+// conveniences, fetch, upload, literal, inspectUrl, unary, setPipeline) rejects with
+// MeshdError NO_SESSION (code UNAUTHENTICATED, as the server's) without being sent.
 import { existsSync, readFileSync } from 'node:fs';
 import { BlockList, isIP } from 'node:net';
 import path from 'node:path';
@@ -117,6 +129,8 @@ const DIRECT_RETRY_MS = 30000; // ...is not tried again (auto) for this long
 const WRITE_CHUNK = 2 << 20;
 const READ_CHUNK = 1 << 20;
 const ABANDON_MS = 300; // FinishFetch of a fetch given up on
+const CLEANUP_MS = 5000; // FinishUpload undoing an upload given up on (the session's timeoutMs if less)
+const PROXY = Symbol('proxy'); // #directUpload, #directFetch: use the proxy instead
 
 export function protoPath() {
   const candidates = [];
@@ -211,6 +225,39 @@ const DTYPES = {
   DTYPE_INT64: BigInt64Array,
   DTYPE_BOOL: Uint8Array,
 };
+// What fetch() makes of each dtype: upload's, and float16/bfloat16 as their raw bits.
+const FETCH_TYPES = { ...DTYPES, DTYPE_FLOAT16: Uint16Array, DTYPE_BFLOAT16: Uint16Array };
+
+// A TensorMeta or Error read with 64-bit integers as strings, as Numbers.
+function narrowMeta(m) {
+  if (!m) return m;
+  for (const k of ['ref', 'mesh', 'stream', 'storage_offset']) m[k] = Number(m[k]);
+  m.shape = m.shape.map(Number);
+  m.strides = m.strides.map(Number);
+  if (m.error) for (const k of ['code', 'seq', 'ref']) m.error[k] = Number(m.error[k]);
+  return m;
+}
+
+// PlanTransfer's reply read with 64-bit integers as strings (the wide client): its
+// transfer_id and the shards' after_seq stay decimal strings (random or large 64-bit
+// values a Number would round), every other integer becomes a Number.
+function narrowPlan(reply) {
+  reply.expiry_unix_ms = Number(reply.expiry_unix_ms);
+  for (const sh of reply.shards ?? []) sh.rank = Number(sh.rank);
+  narrowMeta(reply.meta);
+  return reply;
+}
+
+// What an agent's address in a plan must look like before it is dialled: host:port (a
+// name, an IPv4 address or a bracketed IPv6 one), never another gRPC target (unix:/path,
+// dns:///name, ipv4:..., or a "host" that grpc-js reads as a scheme, unix:123), which
+// would dial something other than the agent.
+const HOST_PORT = /^(\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]|[A-Za-z0-9_.-]+):[0-9]{1,5}$/;
+const SCHEMES = /^(unix|unix-abstract|dns|ipv4|ipv6|xds|vsock)$/i;
+function hostPort(address) {
+  const m = HOST_PORT.exec(address);
+  return Boolean(m) && !SCHEMES.test(m[1]);
+}
 
 // One Arg of a Call: a number is a double (`f`) unless wrapped as {i: n}; a Tensor
 // handle ({ref}) or a BigInt is a ref; {ints: [..]}, {s: '..'}, {b: true}, ... pass through.
@@ -228,9 +275,11 @@ function toArg(a) {
   return a; // already an Arg ({ref}, {i}, {ints}, ...)
 }
 
-// KeepAlive period for a session lease of ttlSeconds: a third of it, at least 1 s.
+// KeepAlive period for a session lease of ttlSeconds: a third of it, at least 250 ms
+// (a floor well below a 1 s lease, which a 1 s period let expire).
+const KEEPALIVE_MIN_MS = 250;
 export function keepAlivePeriodMs(ttlSeconds) {
-  return Math.max(1000, Math.floor(((ttlSeconds || 300) * 1000) / 3));
+  return Math.max(KEEPALIVE_MIN_MS, Math.floor(((ttlSeconds || 300) * 1000) / 3));
 }
 
 // Clears the keepalive timer of a session that was collected without close().
@@ -253,6 +302,8 @@ export class Session {
   #drains = []; // #drain's waiters: every pipelined command answered
   #lateErrors = []; // run-time errors in the answer of a pipelined sync that timed out
   #closing = null; // close() under way
+  #closeCalled = false; // close() was called: later calls reject NO_SESSION unsent
+  #fetches = new Set(); // fetches whose bytes are still moving (close() waits for them)
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -285,6 +336,7 @@ export class Session {
   // The timer holds the session only weakly (the client and metadata it needs are
   // captured instead), so an unclosed session can still be collected.
   startKeepAlive() {
+    if (this.keepAliveTimer) this.stopKeepAlive(); // a second call replaces the timer
     const periodMs = keepAlivePeriodMs(this.ttlSeconds);
     const self = new WeakRef(this);
     const { client } = this;
@@ -357,16 +409,28 @@ export class Session {
     });
   }
 
+  // close() was called (it may still run): the session takes no more calls.
+  get #shut() { return this.closed || this.#closeCalled; }
+
+  // What a call made once close() was called rejects with (it is not sent): NO_SESSION,
+  // with the server's code for it (docs/protocol.md: UNAUTHENTICATED).
+  static #noSession(what) {
+    return new MeshdError('NO_SESSION', `${what}: the session is closed (close() was called)`,
+      grpc.status.UNAUTHENTICATED);
+  }
+
   // timeoutMs: the call's deadline from now (default: the session's timeoutMs).
   unary(method, request, { timeoutMs } = {}) {
+    if (this.#shut) return Promise.reject(Session.#noSession(method));
+    return this.#unary(method, request, this.deadline(timeoutMs));
+  }
+
+  #unary(method, request, deadline) {
     // PlanTransfer answers a random 64-bit transfer_id, which a Number would round:
-    // read as decimal strings (requests take strings or Numbers either way).
-    if (method !== 'PlanTransfer') return this.#unaryBy(method, request, this.deadline(timeoutMs));
-    return this.#unaryBy(method, request, this.deadline(timeoutMs), this.#wideClient())
-      .then((reply) => {
-        if (reply.meta) reply.meta.shape = reply.meta.shape.map(Number);
-        return reply;
-      });
+    // read with 64-bit integers as decimal strings (requests take strings or Numbers
+    // either way), then every one but transfer_id and the shards' after_seq as Numbers.
+    if (method !== 'PlanTransfer') return this.#unaryBy(method, request, deadline);
+    return this.#unaryBy(method, request, deadline, this.#wideClient()).then(narrowPlan);
   }
 
   #wideClient() {
@@ -379,6 +443,8 @@ export class Session {
 
   #unaryBy(method, request, deadline, client = this.client) {
     return new Promise((resolve, reject) => {
+      // the channel is closed: grpc-js would throw its own plain Error
+      if (this.closed) { reject(Session.#noSession(method)); return; }
       client[method](request, this.#md, { deadline }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
         else resolve(reply);
@@ -393,7 +459,7 @@ export class Session {
   // A command that never went out (no room in time) gives its seq and refs back when no
   // later call took any.
   async execute(command, { timeoutMs, [WEIGHT]: weight } = {}) {
-    if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
+    if (this.#shut) throw Session.#noSession(Object.keys(command)[0] ?? 'execute');
     this.seq += 1;
     const cmd = { seq: this.seq, ...command };
     // a symbol, which protobuf does not see: what the command weighs in a message
@@ -457,7 +523,7 @@ export class Session {
   // pipeline is off all the same; what is queued still goes out, and later calls wait
   // for those answers first).
   async setPipeline(opts = {}) {
-    if (this.closed) throw new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
+    if (this.#shut) throw Session.#noSession('setPipeline');
     const maxBatch = opts?.maxBatch ?? 256;
     if (opts !== null && (!Number.isInteger(maxBatch) || maxBatch < 1 || maxBatch > 4096)) {
       throw new RangeError(`meshd: setPipeline: maxBatch must be an integer in 1..4096, got ${maxBatch}`);
@@ -783,9 +849,11 @@ export class Session {
   // What the file at `url` holds, read by the first agent of `mesh` (InspectUrl):
   // {format, file_size, version, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
   inspectUrl(url, mesh = 0) {
+    if (this.#shut) return Promise.reject(Session.#noSession('inspectUrl'));
     return this.#inOrder(async () => { // after the calls issued before it, as fetch
-      await this.#drain(this.deadline(), this.timeoutMs, 'inspectUrl');
-      return this.unary('InspectUrl', { url, mesh: mesh.ref ?? mesh });
+      const deadline = this.deadline();
+      await this.#drain(deadline, this.timeoutMs, 'inspectUrl');
+      return this.#unary('InspectUrl', { url, mesh: mesh.ref ?? mesh }, deadline);
     });
   }
 
@@ -888,9 +956,13 @@ export class Session {
   // Uploads a typed array as the same tensor (of `shape`) on every rank of `mesh`; with
   // perRank, `data` holds one local tensor of `shape` per mesh rank, in rank order. The
   // bytes go by the session's dataPath, straight from `data` (no copy of the whole).
+  // One deadline (the session's timeoutMs) from the upload's turn bounds all of it: the
+  // pipelined answers it waits for, the plan, the Writes and FinishUpload, and a
+  // fallback to the proxy.
   upload(mesh, shape, data, { stream = 0, perRank = false } = {}) {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: upload takes a Float32Array, Float64Array or integer typed array');
+    if (this.#shut) return Promise.reject(Session.#noSession('upload'));
     const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     const header = { ref: this.newRef(), mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank,
       total_bytes: bytes.length };
@@ -912,6 +984,7 @@ export class Session {
   async literal(mesh, shape, data, { stream = 0, perRank = false } = {}) {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: literal takes a Float32Array, Float64Array or integer typed array');
+    if (this.#shut) throw Session.#noSession('literal');
     const n = data.byteLength;
     const meta = Array.isArray(mesh?.ranks) ? mesh : this.#meshes.get(Number(mesh?.ref ?? mesh));
     const sent = perRank ? n : meta ? n * (meta.ranks.length || 1) : LITERAL_MAX_SENT;
@@ -936,22 +1009,25 @@ export class Session {
 
   // Runs in its turn (#inOrder): the session's later ref-claiming calls wait for it.
   async #upload(header, spare, bytes) {
-    // the header's ref after every queued command's (the session's timeoutMs at most)
-    await this.#drain(this.deadline(), this.timeoutMs, 'upload');
+    const limitMs = this.timeoutMs;
+    const deadline = Date.now() + limitMs; // one for the whole upload, whichever path
+    // the header's ref after every queued command's
+    await this.#drain(deadline, limitMs, 'upload');
     if (this.#wanted()) {
-      const tensor = await this.#directUpload(header, bytes);
-      if (tensor) return tensor;
+      const tensor = await this.#directUpload(header, bytes, deadline);
+      if (tensor !== PROXY) return tensor;
       header = { ...header, ref: spare }; // a plan claimed the old one
     }
-    const tensor = await this.#proxyUpload(header, bytes);
+    const tensor = await this.#proxyUpload(header, bytes, deadline);
     this.transferStats.proxyUploads += 1;
     return tensor;
   }
 
-  #proxyUpload(header, bytes) {
+  #proxyUpload(header, bytes, deadline) {
     return new Promise((resolve, reject) => {
-      const call = this.client.Upload(this.#md, { deadline: this.deadline() }, (err, reply) => {
+      const call = this.client.Upload(this.#md, { deadline }, (err, reply) => {
         if (err) reject(MeshdError.fromRpc(err));
+        else if (!reply.tensor) reject(new MeshdError('INTERNAL', 'Upload answered no TensorMeta', grpc.status.INTERNAL));
         else resolve(reply.tensor);
       });
       call.write({ header });
@@ -961,13 +1037,16 @@ export class Session {
   }
 
   // The local tensor at the rank named by coords ({gpu: 1}) as a typed array by dtype
-  // (Float32Array for float32, Float64Array for float64, ...), with .shape and .dtype set.
+  // (Float32Array for float32, Float64Array for float64, ..., a Uint16Array of the raw
+  // bits for float16 and bfloat16), with .shape and .dtype set; another dtype rejects
+  // UNIMPLEMENTED before its bytes are read.
   // Past timeoutMs (default: the session's) it rejects with kind DEADLINE_EXCEEDED: one
   // deadline for all it waits for (its turn, the pipelined answers before it, the bytes).
   // In issue order: after every call issued before it reached the server (pipelined:
   // and was answered), and before those issued after it: they wait until the server
-  // planned the fetch, which fixes the value, not for its bytes.
+  // planned the fetch, which fixes the value, not for its bytes (close() waits for them).
   async fetch(ref, coords = {}, { timeoutMs } = {}) {
+    if (this.#shut) throw Session.#noSession('fetch');
     const request = {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),
@@ -983,7 +1062,7 @@ export class Session {
           await this.#drain(deadline, limitMs, 'fetch'); // the tensor's command answered first
           if (this.#wanted()) {
             const out = await this.#directFetch(request, deadline, fixed);
-            if (out) return out;
+            if (out !== PROXY) return out;
           }
           const out = await this.#proxyFetch(request, deadline, fixed);
           this.transferStats.proxyFetches += 1;
@@ -992,37 +1071,90 @@ export class Session {
           fixed();
         }
       })();
+      const forget = () => { this.#fetches.delete(work); };
+      this.#fetches.add(work);
+      work.then(forget, forget);
       return planned;
     }, deadline, limitMs, 'fetch');
     return work;
   }
 
+  // fetch's typed array for meta: the type for its dtype (UNIMPLEMENTED for one this
+  // client has none for), of its shape's elements.
+  static #typed(meta, what) {
+    const T = FETCH_TYPES[meta.dtype];
+    if (!T) {
+      throw new MeshdError('UNIMPLEMENTED', `${what}: this client has no typed array for ${meta.dtype} `
+        + `(it reads ${Object.keys(FETCH_TYPES).join(', ')})`, grpc.status.UNIMPLEMENTED);
+    }
+    return T;
+  }
+
+  static #allocate(T, meta, what) {
+    const n = meta.shape.reduce((a, b) => a * b, 1);
+    if (!Number.isSafeInteger(n) || n < 0 || meta.shape.some((d) => !Number.isSafeInteger(d) || d < 0)) {
+      throw new MeshdError('INTERNAL', `${what}: the TensorMeta's shape [${meta.shape}] is no tensor's`, grpc.status.INTERNAL);
+    }
+    let out;
+    try {
+      out = new T(n);
+    } catch (e) {
+      throw new MeshdError('RESOURCE_EXHAUSTED', `${what}: no room for ${n} elements of ${meta.dtype} `
+        + `(shape [${meta.shape}]): ${e.message}`, grpc.status.RESOURCE_EXHAUSTED);
+    }
+    out.shape = meta.shape;
+    out.dtype = meta.dtype;
+    return out;
+  }
+
+  // The bytes land in one typed array made at the TensorMeta (no copy of the whole);
+  // they must be exactly what its shape and dtype need (else INTERNAL).
   #proxyFetch(request, deadline, fixed = () => {}) {
     return new Promise((resolve, reject) => {
       const call = this.client.Fetch(request, this.#md, { deadline });
-      let meta = null;
-      const parts = [];
+      let out = null;
+      let view = null;
+      let got = 0;
+      let over = false; // settled: what comes after (the cancel's CANCELLED) is ignored
+      const fail = (e) => {
+        if (over) return;
+        over = true;
+        reject(e);
+        call.cancel();
+      };
+      const bad = (why) => new MeshdError('INTERNAL', `Fetch: ${why}`, grpc.status.INTERNAL);
       call.on('data', (c) => {
         fixed(); // the first message: the server planned it
-        if (c.part === 'meta') meta = c.meta;
-        else parts.push(c.data);
-      });
-      call.on('error', (err) => reject(MeshdError.fromRpc(err)));
-      call.on('end', () => {
-        if (!meta) { reject(new Error('meshd: Fetch ended without a TensorMeta')); return; }
-        const T = DTYPES[meta.dtype];
-        if (!T) { reject(new Error(`meshd: no typed array for ${meta.dtype}`)); return; }
-        const all = Buffer.concat(parts);
-        if (all.length % T.BYTES_PER_ELEMENT) {
-          reject(new MeshdError('INTERNAL', `Fetch: ${all.length} bytes are no whole number of ${meta.dtype}`, grpc.status.INTERNAL));
-          return;
+        if (over) return;
+        try {
+          if (c.part === 'meta') {
+            if (out) throw bad('a second TensorMeta');
+            out = Session.#allocate(Session.#typed(c.meta, 'fetch'), c.meta, 'fetch');
+            view = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
+            return;
+          }
+          if (!out) throw bad('bytes before the TensorMeta');
+          if (got + c.data.length > view.length) {
+            throw bad(`more bytes than shape [${out.shape}] of ${out.dtype} holds (${view.length})`);
+          }
+          view.set(c.data, got);
+          got += c.data.length;
+        } catch (e) {
+          fail(e);
         }
-        const copy = new Uint8Array(all.length);
-        copy.set(all);
-        const out = new T(copy.buffer, 0, all.length / T.BYTES_PER_ELEMENT);
-        out.shape = meta.shape;
-        out.dtype = meta.dtype;
-        resolve(out);
+      });
+      call.on('error', (err) => {
+        if (over) return;
+        over = true;
+        reject(MeshdError.fromRpc(err));
+      });
+      call.on('end', () => {
+        if (over) return;
+        over = true;
+        if (!out) reject(bad('the stream ended without a TensorMeta'));
+        else if (got !== view.length) {
+          reject(bad(`got ${got} bytes where shape [${out.shape}] of ${out.dtype} needs ${view.length}`));
+        } else resolve(out);
       });
     });
   }
@@ -1085,13 +1217,30 @@ export class Session {
     return true;
   }
 
+  // The agents of a plan are dialled only at host:port addresses: another (unix:/path,
+  // dns:///name...) would reach something else. auto takes the proxy, direct throws
+  // UNAVAILABLE. True: use the proxy. The caller abandons the plan either way.
+  #notHostPort(plan, what) {
+    const bad = plan.shards.find((sh) => !hostPort(sh.address));
+    if (!bad) return false;
+    const why = `direct ${what}: the plan names ${JSON.stringify(bad.address)} as the agent of rank ${bad.rank}, `
+      + 'not host:port; refusing to dial it';
+    if (this.dataPath === 'direct') {
+      throw new MeshdError('UNAVAILABLE', `${why}; use dataPath 'auto' or 'proxy'`, grpc.status.UNAVAILABLE);
+    }
+    this.#fallback(why);
+    return true;
+  }
+
+  // The deadline of a call that undoes a transfer given up on (its own deadline may
+  // have passed): without it the server holds the transfer's slot until the grants expire.
+  #cleanupDeadline() { return Date.now() + Math.min(this.timeoutMs, CLEANUP_MS); }
+
   // PlanTransfer's reply (transfer_id and after_seq as decimal strings, which requests
   // take as they are), or null when auto should use the proxy (the server does not offer it).
   async #plan(request, deadline) {
     try {
-      const reply = await this.#unaryBy('PlanTransfer', request, deadline, this.#wideClient());
-      if (reply.meta) reply.meta.shape = reply.meta.shape.map(Number);
-      return reply;
+      return await this.#unary('PlanTransfer', request, deadline);
     } catch (e) {
       const notOffered = e.code === grpc.status.UNIMPLEMENTED
         || (e.code === grpc.status.FAILED_PRECONDITION && e.message.includes('--data-path'));
@@ -1135,20 +1284,30 @@ export class Session {
   }
 
   // Every shard's bytes straight to its agent, all at once; the tensor's TensorMeta, or
-  // null to use the proxy (nothing was defined).
-  async #directUpload(header, bytes) {
-    const deadline = this.deadline();
+  // PROXY to use the proxy (nothing was defined). The first shard that fails stops
+  // the others (their Writes cancelled) and undoes the plan at once (FinishUpload
+  // without receipts); the upload rejects with that shard's error, naming its rank.
+  async #directUpload(header, bytes, deadline) {
     const plan = await this.#plan({ upload: header }, deadline);
-    if (!plan) return null;
+    if (!plan) return PROXY;
     const { shards } = plan;
-    const abandon = () => this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
-      this.deadline()).catch(() => {}); // undone at once; the session's slot is free
-    let plain;
-    try { plain = this.#plainForTls(plan, 'upload'); } catch (e) { await abandon(); throw e; }
-    if (plain) { await abandon(); return null; }
+    let undone = false;
+    const abandon = () => { // undone at once; the session's slot is free
+      if (undone) return undefined;
+      undone = true;
+      return this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
+        this.#cleanupDeadline()).catch(() => {});
+    };
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
     let agents;
     try { // (agent.proto missing next to a protoPath: the slot goes back all the same)
+      if (!shards.length) {
+        throw new MeshdError('INTERNAL', 'direct upload: the plan names no shard', grpc.status.INTERNAL);
+      }
+      if (this.#plainForTls(plan, 'upload') || this.#notHostPort(plan, 'upload')) {
+        await abandon();
+        return PROXY;
+      }
       agents = await Promise.all(shards.map((sh) => this.#agent(sh.address, plan.agent_tls, Math.max(1, wait))));
     } catch (e) {
       await abandon();
@@ -1158,65 +1317,84 @@ export class Session {
     if (bad >= 0) {
       await abandon();
       this.#unreachable('upload', shards[bad], wait < DIRECT_CONNECT_MS);
-      return null;
+      return PROXY;
     }
     const each = header.per_rank ? bytes.length / shards.length : bytes.length;
-    const results = await Promise.allSettled(shards.map((sh, i) => this.#writeShard(
-      agents[i], sh, header.per_rank ? bytes.subarray(i * each, (i + 1) * each) : bytes, deadline)));
-    const failed = results.find((r) => r.status === 'rejected');
-    const receipts = failed ? [] : results.map((r) => r.value);
-    let fin;
-    try { // sent even when a shard failed, so that the server undoes the rest now
-      fin = await this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts }, this.deadline());
+    const calls = []; // each Write's stop()
+    let receipts;
+    try {
+      receipts = await Promise.all(shards.map((sh, i) => this.#writeShard(
+        agents[i], sh, header.per_rank ? bytes.subarray(i * each, (i + 1) * each) : bytes, deadline, calls)));
     } catch (e) {
-      throw failed ? failed.reason : e;
+      for (const stop of calls) stop(); // (their CANCELLED goes nowhere: Promise.all has settled)
+      await abandon();
+      throw e;
     }
-    if (failed) throw failed.reason;
+    if (Date.now() >= deadline) { // a FinishUpload past it would not go out: undo instead
+      await abandon();
+      throw new MeshdError('DEADLINE_EXCEEDED', `direct upload: every shard written, no time left for FinishUpload `
+        + `within ${this.timeoutMs} ms`, grpc.status.DEADLINE_EXCEEDED);
+    }
+    const fin = await this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts }, deadline);
+    if (!fin.tensor) {
+      throw new MeshdError('INTERNAL', 'direct upload: FinishUpload answered no TensorMeta', grpc.status.INTERNAL);
+    }
     this.transferStats.directUploads += 1;
     return fin.tensor;
   }
 
-  #writeShard(agent, sh, part, deadline) {
+  // A Write of part to shard sh's agent; pushes to `calls` a stop() that cancels it.
+  #writeShard(agent, sh, part, deadline, calls) {
     return new Promise((resolve, reject) => {
+      let stopped = false;
       const call = agent.Write(this.#grantMd(sh), { deadline }, (err, r) => {
         if (err) reject(Session.#shardError('upload', sh, err));
         else resolve({ rank: sh.rank, bytes: r.bytes, receipt: r.receipt });
       });
+      calls.push(() => { stopped = true; call.cancel(); });
       let off = 0;
       const pump = () => { // at most a chunk or two buffered: flow control paces the rest
-        while (off < part.length) {
+        while (!stopped && off < part.length) {
           const piece = part.subarray(off, off + WRITE_CHUNK);
           off += piece.length;
           if (!call.write({ data: piece })) { call.once('drain', pump); return; }
         }
-        call.end();
+        if (!stopped) call.end();
       };
       pump();
     });
   }
 
-  // The shard straight from its agent into one preallocated typed array, or null to use
-  // the proxy.
+  // The shard straight from its agent into one preallocated typed array, or PROXY to
+  // use the proxy.
   async #directFetch(request, deadline, fixed = () => {}) {
     const plan = await this.#plan({ fetch: request }, deadline);
-    if (!plan) return null;
-    const sh = plan.shards[0];
-    const { meta } = plan;
+    if (!plan) return PROXY;
     const finish = (ms) => this.#unaryBy('FinishFetch', { transfer_id: plan.transfer_id }, Date.now() + ms);
-    const quiet = () => finish(ABANDON_MS).catch(() => {});
-    let agent, out, view;
+    let quieted = false;
+    const quiet = () => { // the plan given up on: its slot goes back (once)
+      if (quieted) return undefined;
+      quieted = true;
+      return finish(ABANDON_MS).catch(() => {});
+    };
+    let agent, out, view, sh, meta;
     try { // whatever fails before the Read gives the transfer's slot back
-      const T = DTYPES[meta.dtype];
-      if (!T) throw new Error(`meshd: no typed array for ${meta.dtype}`);
-      if (this.#plainForTls(plan, 'fetch')) { await quiet(); return null; }
+      if (plan.shards.length !== 1 || !plan.meta) {
+        throw new MeshdError('INTERNAL', `direct fetch: the plan names ${plan.shards.length} shards`
+          + `${plan.meta ? '' : ' and no TensorMeta'} (a fetch's names one)`, grpc.status.INTERNAL);
+      }
+      [sh] = plan.shards;
+      ({ meta } = plan);
+      const T = Session.#typed(meta, 'direct fetch');
+      if (this.#plainForTls(plan, 'fetch') || this.#notHostPort(plan, 'fetch')) { await quiet(); return PROXY; }
       const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
       agent = await this.#agent(sh.address, plan.agent_tls, Math.max(1, wait));
       if (!agent) {
         await quiet();
         this.#unreachable('fetch', sh, wait < DIRECT_CONNECT_MS);
-        return null;
+        return PROXY;
       }
-      out = new T(meta.shape.reduce((a, b) => a * b, 1));
+      out = Session.#allocate(T, meta, 'direct fetch');
       view = new Uint8Array(out.buffer, out.byteOffset, out.byteLength);
     } catch (e) {
       await quiet();
@@ -1248,34 +1426,41 @@ export class Session {
     }
     await finish(Math.max(1, deadline - Date.now())); // throws if the value failed on any rank
     this.transferStats.directFetches += 1;
-    out.shape = meta.shape;
-    out.dtype = meta.dtype;
     return out;
   }
 
-  // Every call issued before it goes out first, and every pipelined command is answered
-  // (the session's timeoutMs at most: past it, the session still closes and close()
-  // rejects DEADLINE_EXCEEDED naming what was left; the calls still waiting for those
-  // answers reject NO_SESSION).
+  // Every call issued before it goes out first, every pipelined command is answered
+  // and every fetch issued before it has its bytes (the session's timeoutMs at most, from
+  // the call: past it, the session still closes and close() rejects DEADLINE_EXCEEDED
+  // naming what was left; the calls still waiting for those answers reject NO_SESSION).
+  // Calls made once close() was called reject NO_SESSION without being sent.
   close() {
     if (this.closed) return Promise.resolve();
+    this.#closeCalled = true;
     this.#closing ??= this.#close(); // a second call while it runs waits for the same
     return this.#closing;
   }
 
   async #close() {
+    const limitMs = this.timeoutMs;
+    const deadline = Date.now() + limitMs;
     let err;
     try {
       try {
         await this.#inOrder(async () => {
           this.#off(); // the stream ends after what is queued
-          await this.#drain(this.deadline(), this.timeoutMs, 'close');
+          await this.#drain(deadline, limitMs, 'close');
         });
       } catch (e) {
         err = e;
       }
+      try {
+        await this.#fetched(deadline, limitMs); // the agents' channels and FinishFetch still needed
+      } catch (e) {
+        err ??= e;
+      }
       this.stopKeepAlive();
-      await this.unary('CloseSession', {});
+      await this.#unaryBy('CloseSession', {}, this.deadline());
     } catch (e) {
       err ??= e;
     } finally {
@@ -1289,15 +1474,31 @@ export class Session {
     if (err) throw err;
   }
 
+  // Waits until every fetch in flight (issued before close()) settled, until deadline:
+  // past it DEADLINE_EXCEEDED (the session closes under them all the same).
+  async #fetched(deadline, limitMs) {
+    if (!this.#fetches.size) return;
+    let timer;
+    const cut = await Promise.race([
+      Promise.allSettled([...this.#fetches]).then(() => false),
+      new Promise((resolve) => { timer = setTimeout(resolve, Math.max(1, deadline - Date.now()), true); }),
+    ]);
+    clearTimeout(timer);
+    if (cut) {
+      throw new MeshdError('DEADLINE_EXCEEDED', `close: ${this.#fetches.size} fetch(es) issued before it still `
+        + `moving bytes after ${limitMs} ms; the session closed under them`, grpc.status.DEADLINE_EXCEEDED);
+    }
+  }
+
   // The session is closed: the streams still open end now, and a call still waiting for
   // an answer on one of them gets NO_SESSION (their CANCELLED is the client's own: not reported).
   #abandon() {
     for (const pipe of this.#pipe ? [...this.#old, this.#pipe] : [...this.#old]) {
       pipe.cancelled = true;
-      pipe.broken ??= new MeshdError('NO_SESSION', 'the session is closed', grpc.status.FAILED_PRECONDITION);
+      pipe.broken ??= new MeshdError('NO_SESSION', 'the session is closed', grpc.status.UNAUTHENTICATED);
       for (const [seq, p] of pipe.pending) {
         p.reject(new MeshdError('NO_SESSION', `the session was closed before command seq ${seq} was answered`,
-          grpc.status.FAILED_PRECONDITION, seq));
+          grpc.status.UNAUTHENTICATED, seq));
       }
       pipe.pending.clear();
       pipe.late.clear();
@@ -1381,7 +1582,10 @@ export function isLoopback(addr) {
 const envOf = (name) => process.env[name] || undefined; // empty counts as unset
 
 // The channel credentials, channel options and base metadata of connect()'s options.
-export function resolveSecurity(addr, { token, tls = false, rootCerts, certChain, privateKey,
+// tls unset (or null): TLS when $MESHD_TLS says so or any certificate option or server
+// name (given or from the environment) is set; tls: true always; tls: false never, and
+// then no MESHD_TLS* variable is read (a certificate option given with it is an error).
+export function resolveSecurity(addr, { token, tls, rootCerts, certChain, privateKey,
   serverName, insecure = false } = {}) {
   let tok = token;
   if (tok === undefined || tok === null) {
@@ -1389,7 +1593,14 @@ export function resolveSecurity(addr, { token, tls = false, rootCerts, certChain
     if (tok !== undefined) checkToken(tok, '$MESHD_TOKEN');
   } else if (tok === '') tok = undefined; // explicitly none: MESHD_TOKEN is not read
   else checkToken(tok, 'token');
-  const pem = (v, what, env) => (v !== undefined && v !== null ? readPem(v, what) : readPem(envOf(env), `$${env}`));
+  const off = tls === false; // explicitly plaintext: the environment does not turn TLS on
+  if (off) {
+    const given = Object.entries({ rootCerts, certChain, privateKey, serverName })
+      .filter(([, v]) => v !== undefined && v !== null).map(([k]) => k);
+    if (given.length) throw new Error(`meshd: tls: false was given with ${given.join(', ')}, which only TLS uses`);
+  }
+  const fromEnv = (env) => (off ? undefined : envOf(env));
+  const pem = (v, what, env) => (v !== undefined && v !== null ? readPem(v, what) : readPem(fromEnv(env), `$${env}`));
   const roots = pem(rootCerts, 'rootCerts', 'MESHD_TLS_CA');
   const chain = pem(certChain, 'certChain', 'MESHD_TLS_CERT');
   const key = pem(privateKey, 'privateKey', 'MESHD_TLS_KEY');
@@ -1397,12 +1608,15 @@ export function resolveSecurity(addr, { token, tls = false, rootCerts, certChain
     const [have, miss] = chain ? ['certChain', 'privateKey'] : ['privateKey', 'certChain'];
     throw new Error(`meshd: ${have} was given without ${miss} (MESHD_TLS_CERT/MESHD_TLS_KEY): a client certificate needs both`);
   }
-  const name = serverName ?? envOf('MESHD_TLS_SERVER_NAME');
-  const envTls = (envOf('MESHD_TLS') ?? '').toLowerCase();
-  if (!['', '0', '1', 'true', 'false', 'yes', 'no'].includes(envTls)) {
-    throw new Error(`meshd: $MESHD_TLS: expected 1/0/true/false/yes/no, got '${envTls}'`);
-  }
-  const useTls = Boolean(tls) || ['1', 'true', 'yes'].includes(envTls) || Boolean(roots || chain || name);
+  const name = serverName ?? fromEnv('MESHD_TLS_SERVER_NAME');
+  let useTls;
+  if (tls === undefined || tls === null) { // $MESHD_TLS is read only when tls is not given
+    const envTls = (envOf('MESHD_TLS') ?? '').toLowerCase();
+    if (!['', '0', '1', 'true', 'false', 'yes', 'no'].includes(envTls)) {
+      throw new Error(`meshd: $MESHD_TLS: expected 1/0/true/false/yes/no, got '${envTls}'`);
+    }
+    useTls = ['1', 'true', 'yes'].includes(envTls) || Boolean(roots || chain || name);
+  } else useTls = Boolean(tls) || Boolean(roots || chain || name);
   if (tok && !useTls && !insecure && !isLoopback(addr)) {
     throw new Error(`meshd: refusing to send a token in plaintext to ${addr}, which is not a loopback address: `
       + 'connect with TLS (tls: true or rootCerts), or pass insecure: true to send it anyway');

@@ -126,6 +126,31 @@ test('bad options are named and never show the token or key', async () => {
   });
 });
 
+test('an explicit tls: false stays plaintext whatever MESHD_TLS* say; unset, they turn TLS on', async () => {
+  const env = { MESHD_TLS: '1', MESHD_TLS_SERVER_NAME: 'meshd', MESHD_TLS_CA: '/nonexistent/ca.pem' };
+  await withEnv(env, () => {
+    // not even read: the missing CA file is no error
+    assert.equal(resolveSecurity('127.0.0.1:1', { tls: false }).tls, false);
+    assert.equal(resolveSecurity('127.0.0.1:1', { tls: false }).options['grpc.ssl_target_name_override'], undefined);
+    assert.throws(() => resolveSecurity('10.0.0.5:1', { tls: false, token: ALICE }), /plaintext/);
+  });
+  await withEnv({ MESHD_TLS: '1' }, () => assert.equal(resolveSecurity('127.0.0.1:1', { tls: false }).tls, false));
+  await withEnv({ MESHD_TLS_SERVER_NAME: 'meshd' }, () => {
+    assert.equal(resolveSecurity('127.0.0.1:1', { tls: false }).tls, false);
+    assert.equal(resolveSecurity('127.0.0.1:1', {}).tls, true); // unset: the name implies TLS
+  });
+  await withEnv({ MESHD_TLS: 'yes' }, () => {
+    assert.equal(resolveSecurity('127.0.0.1:1', {}).tls, true);
+    assert.equal(resolveSecurity('127.0.0.1:1', { tls: null }).tls, true);
+  });
+  await withEnv({ MESHD_TLS: 'maybe' }, () => {
+    assert.throws(() => resolveSecurity('127.0.0.1:1', {}), /MESHD_TLS: expected/);
+    assert.equal(resolveSecurity('127.0.0.1:1', { tls: true }).tls, true); // given: $MESHD_TLS not read
+  });
+  await withEnv({}, () => assert.throws(() => resolveSecurity('127.0.0.1:1', { tls: false, rootCerts: file('ca.pem') }),
+    /tls: false was given with rootCerts/));
+});
+
 // ------------------------------------------------------------------ real servers
 
 test('computes with a token on every call (Execute, Upload, Fetch, KeepAlive)', async () => {

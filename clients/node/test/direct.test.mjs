@@ -353,6 +353,30 @@ test('fetch waits for the calls issued before it, unary and pipelined; later one
   }
 });
 
+test('fetch: float16 and bfloat16 come as a Uint16Array of their raw bits, both paths', async () => {
+  for (const name of ['direct', 'proxy']) {
+    const s = await open(name, 'auto');
+    try {
+      const mesh = await s.createMesh({ gpu: 2 });
+      for (const [dtype, bits] of [['DTYPE_FLOAT16', [0x3c00, 0xc000]], ['DTYPE_BFLOAT16', [0x3f80, 0xc000]]]) {
+        const one = await s.factory({ kind: 'ones', mesh, shape: [2, 1], dtype });
+        const two = await s.factory({ kind: 'full', mesh, shape: [1], dtype, value: -2 });
+        for (const [t, want] of [[one, [bits[0], bits[0]]], [two, [bits[1]]]]) {
+          const v = await s.fetch(t, { gpu: 1 });
+          assert.ok(v instanceof Uint16Array, `${name} ${dtype}: ${v.constructor.name}`);
+          assert.equal(v.dtype, dtype);
+          assert.deepEqual(v.shape, t.shape);
+          assert.deepEqual([...v], want, `${name} ${dtype}`);
+        }
+      }
+      const st = s.transferStats;
+      assert.equal(name === 'direct' ? st.directFetches : st.proxyFetches, 4, JSON.stringify(st));
+    } finally {
+      await s.close();
+    }
+  }
+});
+
 test('a pipelined sync that timed out hands its errors to the next sync', async () => {
   const s = await open('proxy', 'proxy');
   try {

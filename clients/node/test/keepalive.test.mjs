@@ -34,8 +34,11 @@ before(async () => {
 
 after(() => stopAll()); // only the meshd this file started (its own agents go with it)
 
-test('the keepalive period is a third of the lease, at least 1 s', () => {
-  assert.equal(keepAlivePeriodMs(2), 1000);
+test('the keepalive period is a third of the lease, at least 250 ms', () => {
+  // a 1 s floor made a 1 s lease's period the lease itself: an idle ttl-1 session expired
+  assert.equal(keepAlivePeriodMs(1), 333);
+  assert.equal(keepAlivePeriodMs(2), 666);
+  assert.equal(keepAlivePeriodMs(0.5), 250);
   assert.equal(keepAlivePeriodMs(300), 100000);
   assert.equal(keepAlivePeriodMs(0), 100000);
 });
@@ -47,6 +50,8 @@ test('an idle session outlives its 2 s lease; close stops the keepalive', async 
   // An idle connection with no session traffic at all (issue 12, idle clients keep their
   // connection): a session with the default lease, its keepalive stopped.
   const quiet = await connect(addr, { clientName: 'node-quiet', ttlSeconds: 300 });
+  // The shortest lease there is (1 s): kept too.
+  const short = await connect(addr, { clientName: 'node-ttl1', ttlSeconds: 1 });
   let sent = 0;
   const orig = s.client.KeepAlive.bind(s.client);
   s.client.KeepAlive = (...a) => { sent += 1; return orig(...a); };
@@ -57,6 +62,8 @@ test('an idle session outlives its 2 s lease; close stops the keepalive', async 
     const mesh = await s.createMesh({ gpu: 2 });
     const meshBare = await bare.createMesh({ gpu: 2 });
     const meshQuiet = await quiet.createMesh({ gpu: 2 });
+    const meshShort = await short.createMesh({ gpu: 2 });
+    assert.equal(short.ttlSeconds, 1);
     await sleep(7000); // no call of ours: more than three leases
     assert.ok(sent >= 3, `only ${sent} KeepAlive(s) in 7 s`);
     const x = await s.factory({ kind: 'full', mesh: mesh.ref, shape: [3], value: 2 });
@@ -68,9 +75,12 @@ test('an idle session outlives its 2 s lease; close stops the keepalive', async 
     });
     const q = await quiet.factory({ kind: 'ones', mesh: meshQuiet.ref, shape: [2] });
     assert.deepEqual([...await quiet.fetch(q, { gpu: 0 })], [1, 1]);
+    const r = await short.factory({ kind: 'ones', mesh: meshShort.ref, shape: [2] });
+    assert.deepEqual([...await short.fetch(r, { gpu: 1 })], [1, 1]);
   } finally {
     bare.closed = true; // expired on the server already
     bare.client.close();
+    await short.close().catch(() => {}); // (expired: the assertion above said so)
     await quiet.close();
     await s.close();
   }

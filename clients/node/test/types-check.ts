@@ -48,6 +48,7 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const shape: number[] = v.shape;
     let values: number[] = [];
     if (v instanceof Float32Array) values = [...v];
+    if (v instanceof Uint16Array && v.dtype === 'DTYPE_FLOAT16') values = [...v]; // the raw bits
 
     const info = await s.inspectUrl(url, mesh);
     const first: string = info.tensors[0].name + info.format + info.file_size;
@@ -56,7 +57,25 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const any = await s.load(mesh, url, { shard: 'gpu', dim: 1 });
     const loaded = isMeta(any) ? [any] : Object.values(any);
 
-    const { agents } = await s.unary('ListAgents', {});
+    const { agents, agent_tls } = await s.unary('ListAgents', {});
+    const built: string = agents[0].version + agents[0].commit + agents[0].build_type;
+    const drained: boolean = agents[0].drained || agents[0].cuda;
+    const server = await s.unary('GetInfo', {});
+    const up: number = server.uptime_ms + server.agents.length;
+    const back = await s.unary('DrainAgent', { rank: 1, drain: false });
+    const { sessions } = await s.unary('ListSessions', {});
+    const counted: number = sessions[0].commands + sessions[0].age_ms;
+    const plan = await s.unary('PlanTransfer', { fetch: { ref: total.ref, coords: [{ dim: 'gpu', index: 0 }] } });
+    const expires: number = plan.expiry_unix_ms;
+    const id: string = plan.transfer_id;
+    const after: string = plan.shards[0].after_seq;
+    const planned: number | undefined = plan.meta?.ref;
+    await s.unary('FinishFetch', { transfer_id: plan.transfer_id });
+    const progress = await s.unary('LoadProgress', { refs: [1] });
+    void [built, drained, up, back.agent?.drained, counted, expires, id, after, planned, agent_tls?.server_name,
+      progress.unanswered[0]?.kind];
+    // @ts-expect-error DrainAgent names a rank
+    await s.unary('DrainAgent', { drain: true });
     const res = await s.execute({ drop: { refs: [raw.ref, named.ref] } });
     const failed: string | undefined = res.tensors[0]?.error?.kind;
     void [dims, ranks, shape, first, loaded, agents[0].device, failed, s.id, s.closed, s.keepAlivePeriodMs];
@@ -106,7 +125,10 @@ export function helpers(): void {
   const period: number = keepAlivePeriodMs(30);
   const file: string = protoPath();
   const local: boolean = isLoopback('[::1]:50051');
-  const e = new MeshdError('NO_SESSION', 'closed', grpc.status.FAILED_PRECONDITION);
+  const e = new MeshdError('NO_SESSION', 'closed', grpc.status.UNAUTHENTICATED);
+  const plain = resolveSecurity('127.0.0.1:1', { tls: false });
+  const fromEnv = resolveSecurity('127.0.0.1:1', { tls: null });
+  void [plain.tls, fromEnv.tls];
   const fromReply = MeshdError.fromError({ kind: 'ERROR_KIND_QUOTA', message: 'full', code: 8, seq: 3 });
   void [md, tls, period, file, local, e.kind, fromReply.seq];
   // @ts-expect-error misspelled option (rootCerts)

@@ -1,0 +1,402 @@
+// The Node client against a fake meshd and fake agents (in-process grpc-js servers on
+// 127.0.0.1:0 speaking tensor_service.proto and agent.proto): what it does with replies
+// and failures a real server seldom gives on cue: a shard that fails at once, a plan
+// naming no shard or a unix: address, a Fetch whose bytes do not match its shape,
+// float16 and unknown dtypes, close() while a direct fetch reads, calls after close(),
+// one deadline for a whole upload, a keepalive restarted. No meshd needed.
+import { test, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { connect, grpc, MeshdError, protoPath } from '../meshd.mjs';
+
+const require = createRequire(import.meta.url);
+const protoLoader = require('@grpc/proto-loader');
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const OPTS = { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true };
+const tensorProto = protoPath();
+const apiRoot = path.resolve(path.dirname(tensorProto), '..', '..');
+const TensorService = grpc.loadPackageDefinition(protoLoader.loadSync(tensorProto, OPTS)).meshd.v1.TensorService.service;
+const Agent = grpc.loadPackageDefinition(protoLoader.loadSync(path.join(apiRoot, 'meshd', 'agent', 'v1', 'agent.proto'),
+  { ...OPTS, includeDirs: [apiRoot] })).meshd.agent.v1.Agent.service;
+
+const servers = [];
+after(() => { for (const s of servers) s.forceShutdown(); });
+
+// A grpc-js server of `service` with the handlers in impl; resolves to its host:port.
+async function serve(service, impl) {
+  const server = new grpc.Server();
+  server.addService(service, impl);
+  servers.push(server);
+  const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0',
+    grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  return `127.0.0.1:${port}`;
+}
+
+// A fake meshd: sessions, KeepAlive, CloseSession, and `impl` for the rest (a missing
+// RPC is UNIMPLEMENTED); `log` names every RPC it got, in order, and `got` each request.
+async function fakeMeshd(impl = {}, { ttl = 300 } = {}) {
+  const log = [];
+  const got = {};
+  const unimplemented = (c, cb) => cb({ code: grpc.status.UNIMPLEMENTED, details: 'fake' });
+  const handlers = {};
+  for (const [name, def] of Object.entries(TensorService)) {
+    const h = impl[name] ?? {
+      CreateSession: (c, cb) => cb(null, { session_id: 's1', token: 't', ttl_seconds: ttl, features: ['literal'] }),
+      CloseSession: (c, cb) => cb(null, {}),
+      KeepAlive: (c, cb) => cb(null, { ttl_seconds: ttl }),
+    }[name] ?? unimplemented;
+    handlers[name] = (call, cb) => {
+      log.push(name);
+      if (!def.requestStream) (got[name] ??= []).push(call.request);
+      return h(call, cb);
+    };
+  }
+  const addr = await serve(TensorService, handlers);
+  return { addr, log, got, count: (name) => log.filter((n) => n === name).length };
+}
+
+const open = (addr, opts = {}) => connect(addr, { token: '', clientName: 'node-fake', ...opts });
+const plan = (shards, meta = null) => ({ transfer_id: '18446744073709551615', shards, meta,
+  expiry_unix_ms: String(Date.now() + 600000) });
+const shard = (rank, address, extra = {}) => ({ rank, address, grant: Buffer.from([rank]), ...extra });
+const f32meta = (n) => ({ ref: 1, shape: [n], dtype: 'DTYPE_FLOAT32', strides: [1] });
+
+test('direct upload: a shard that fails at once stops the others and undoes the plan at once, naming its rank', async () => {
+  let cancelled = false;
+  let t0;
+  let finishAt;
+  const a = await serve(Agent, { Write: (call, cb) => {
+    call.on('data', () => {});
+    setTimeout(() => cb({ code: grpc.status.RESOURCE_EXHAUSTED, details: 'out of memory' }), 10);
+  } });
+  const b = await serve(Agent, { Write: (call) => { // never answers
+    call.on('data', () => {});
+    call.on('cancelled', () => { cancelled = true; });
+  } });
+  const m = await fakeMeshd({
+    PlanTransfer: (c, cb) => cb(null, plan([shard(0, a), shard(1, b)])),
+    FinishUpload: (c, cb) => { finishAt = Date.now() - t0; cb(null, { tensor: null }); },
+  });
+  const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 4000 });
+  try {
+    t0 = Date.now();
+    await assert.rejects(s.upload(1, [4], new Float32Array(4)), (err) => {
+      assert.ok(err instanceof MeshdError, String(err));
+      assert.equal(err.kind, 'RESOURCE_EXHAUSTED', err.message);
+      assert.match(err.message, /direct upload, rank 0 \(agent 127\.0\.0\.1:\d+\): out of memory/);
+      return true;
+    });
+    const took = Date.now() - t0;
+    assert.ok(took < 1500, `upload rejected after ${took} ms of a 4000 ms deadline`);
+    assert.ok(finishAt !== undefined && finishAt < 1500, `FinishUpload sent at ${finishAt} ms`);
+    assert.deepEqual(m.got.FinishUpload.map((r) => r.receipts), [[]]);
+    for (let i = 0; i < 50 && !cancelled; i += 1) await sleep(20);
+    assert.ok(cancelled, "rank 1's Write was not cancelled");
+  } finally {
+    await s.close();
+  }
+});
+
+test('close() waits for a direct fetch in flight: its bytes arrive, FinishFetch before CloseSession', async () => {
+  let reading;
+  const readStarted = new Promise((resolve) => { reading = resolve; });
+  const agent = await serve(Agent, { Read: (call) => {
+    reading();
+    call.write({ data: Buffer.from(new Float32Array([1, 2]).buffer) });
+    setTimeout(() => {
+      call.write({ data: Buffer.from(new Float32Array([3, 4]).buffer) });
+      call.end();
+    }, 400);
+  } });
+  const m = await fakeMeshd({
+    PlanTransfer: (c, cb) => cb(null, plan([shard(0, agent, { after_seq: '7' })], f32meta(4))),
+    FinishFetch: (c, cb) => cb(null, {}),
+  });
+  const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+  const fetched = s.fetch(1, { gpu: 0 });
+  await readStarted;
+  await s.close();
+  const v = await fetched;
+  assert.ok(v instanceof Float32Array);
+  assert.deepEqual([...v], [1, 2, 3, 4]);
+  assert.deepEqual(m.log.filter((n) => n !== 'KeepAlive'),
+    ['CreateSession', 'PlanTransfer', 'FinishFetch', 'CloseSession']);
+});
+
+test('once close() is called, awaited or not, every call rejects NO_SESSION (UNAUTHENTICATED) unsent', async () => {
+  const m = await fakeMeshd({ Execute: (c, cb) => cb(null, { seq: c.request.seq }) });
+  const s = await open(m.addr, { timeoutMs: 5000 });
+  const calls = () => [
+    s.execute({ sync: {} }), s.call('add', [1, 2]), s.fetch(1, {}), s.upload(1, [1], new Float32Array(1)),
+    s.literal(1, [1], new Float32Array(1)), s.inspectUrl('http://127.0.0.1:1/x.npy'),
+    s.unary('KeepAlive', {}), s.setPipeline({}),
+  ];
+  const check = async (what) => {
+    const rs = await Promise.allSettled(calls());
+    rs.forEach((r, i) => {
+      assert.equal(r.status, 'rejected', `${what}: call ${i} went through`);
+      assert.ok(r.reason instanceof MeshdError, `${what}: call ${i}: ${r.reason}`);
+      assert.equal(r.reason.kind, 'NO_SESSION', `${what}: call ${i}: ${r.reason.message}`);
+      assert.equal(r.reason.code, grpc.status.UNAUTHENTICATED, `${what}: call ${i}: code ${r.reason.code}`);
+    });
+  };
+  await s.execute({ sync: {} }); // the one call that goes
+  const closing = s.close(); // not awaited
+  await check('during close()');
+  await closing;
+  await check('after close()');
+  await s.close(); // again: nothing
+  assert.deepEqual(m.log.filter((n) => n !== 'KeepAlive'), ['CreateSession', 'Execute', 'CloseSession']);
+});
+
+test('a pipelined call that close() leaves unanswered rejects NO_SESSION with code UNAUTHENTICATED', async () => {
+  const m = await fakeMeshd({ Submit: (call) => { call.on('data', () => {}); } }); // never answers
+  const s = await open(m.addr, { timeoutMs: 300 });
+  await s.setPipeline();
+  const waiting = s.call('add', [1, 2], {}, { timeoutMs: 5000 }).then(() => null, (e) => e);
+  await assert.rejects(s.close(), /close: 1 pipelined command\(s\) sent before it/);
+  const err = await waiting;
+  assert.equal(err?.kind, 'NO_SESSION', String(err));
+  assert.equal(err.code, grpc.status.UNAUTHENTICATED, err.message);
+});
+
+test('fetch: float16 and bfloat16 are a Uint16Array of the raw bits; an unknown dtype rejects UNIMPLEMENTED at once', async () => {
+  let dtype = 'DTYPE_FLOAT16';
+  let cancelled = false;
+  const agent = await serve(Agent, { Read: (call) => {
+    call.write({ data: Buffer.from(new Uint16Array([0x3c00, 0xc000]).buffer) });
+    call.end();
+  } });
+  const m = await fakeMeshd({
+    Fetch: (call) => {
+      call.write({ meta: { ref: 1, shape: [2], dtype, strides: [1] } });
+      const later = setTimeout(() => { // the bytes come late: an unknown dtype rejects before them
+        call.write({ data: Buffer.from(new Uint16Array([0x3f80, 0x4000]).buffer) });
+        call.end();
+      }, dtype === 'DTYPE_UNSPECIFIED' ? 3000 : 0);
+      call.on('cancelled', () => { cancelled = true; clearTimeout(later); });
+    },
+    PlanTransfer: (c, cb) => cb(null, plan([shard(0, agent)], { ref: 1, shape: [2], dtype, strides: [1] })),
+    FinishFetch: (c, cb) => cb(null, {}),
+  });
+  for (const dataPath of ['proxy', 'direct']) {
+    const s = await open(m.addr, { dataPath, timeoutMs: 5000 });
+    try {
+      for (dtype of ['DTYPE_FLOAT16', 'DTYPE_BFLOAT16']) {
+        const v = await s.fetch(1, { gpu: 0 });
+        assert.ok(v instanceof Uint16Array, `${dataPath} ${dtype}: ${v?.constructor?.name}`);
+        assert.equal(v.dtype, dtype);
+        assert.deepEqual(v.shape, [2]);
+        assert.deepEqual([...v], dataPath === 'proxy' ? [0x3f80, 0x4000] : [0x3c00, 0xc000]);
+      }
+      dtype = 'DTYPE_UNSPECIFIED';
+      const t0 = Date.now();
+      const finishes = m.count('FinishFetch');
+      await assert.rejects(s.fetch(1, { gpu: 0 }), (err) => {
+        assert.ok(err instanceof MeshdError, String(err));
+        assert.equal(err.kind, 'UNIMPLEMENTED', err.message);
+        assert.match(err.message, /no typed array for DTYPE_UNSPECIFIED/);
+        return true;
+      });
+      assert.ok(Date.now() - t0 < 2000, `took ${Date.now() - t0} ms`);
+      if (dataPath === 'direct') assert.equal(m.count('FinishFetch'), finishes + 1, 'the plan was not given back');
+    } finally {
+      await s.close();
+    }
+  }
+  assert.ok(cancelled, 'the proxied Fetch of an unknown dtype was not cancelled');
+});
+
+test('proxy fetch: bytes that are not what the shape needs reject INTERNAL', async () => {
+  let mode;
+  const m = await fakeMeshd({ Fetch: (call) => {
+    if (mode !== 'none') call.write({ meta: f32meta(4) });
+    if (mode === 'short') call.write({ data: Buffer.alloc(8) });
+    if (mode === 'long') { call.write({ data: Buffer.alloc(12) }); call.write({ data: Buffer.alloc(8) }); }
+    if (mode === 'exact') { call.write({ data: Buffer.alloc(8, 0) }); call.write({ data: Buffer.alloc(8, 0) }); }
+    call.end();
+  } });
+  const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 5000 });
+  try {
+    for (const [m2, re] of [['short', /got 8 bytes where shape \[4\] of DTYPE_FLOAT32 needs 16/],
+      ['long', /more bytes than shape \[4\] of DTYPE_FLOAT32 holds \(16\)/], ['none', /without a TensorMeta/]]) {
+      mode = m2;
+      await assert.rejects(s.fetch(1, {}), (err) => {
+        assert.ok(err instanceof MeshdError, `${m2}: ${err}`);
+        assert.equal(err.kind, 'INTERNAL', err.message);
+        assert.match(err.message, re);
+        return true;
+      });
+    }
+    mode = 'exact';
+    const v = await s.fetch(1, {});
+    assert.deepEqual([...v], [0, 0, 0, 0]);
+    assert.deepEqual(v.shape, [4]);
+  } finally {
+    await s.close();
+  }
+});
+
+test("unary('PlanTransfer'): transfer_id and after_seq are decimal strings, every other integer a number", async () => {
+  const m = await fakeMeshd({
+    PlanTransfer: (c, cb) => cb(null, plan([shard(3, '127.0.0.1:1', { after_seq: '9007199254740993' })], {
+      ref: '12', shape: ['2', '3'], dtype: 'DTYPE_FLOAT32', strides: ['3', '1'], mesh: '4', stream: '5',
+      storage_offset: '6', error: { kind: 'ERROR_KIND_QUOTA', message: 'x', code: 8, seq: '7', ref: '12' },
+    })),
+  });
+  const s = await open(m.addr);
+  try {
+    const p = await s.unary('PlanTransfer', { fetch: { ref: 12, coords: [] } });
+    assert.equal(p.transfer_id, '18446744073709551615');
+    assert.equal(p.shards[0].after_seq, '9007199254740993');
+    assert.equal(p.shards[0].rank, 3);
+    assert.equal(typeof p.expiry_unix_ms, 'number');
+    assert.ok(p.expiry_unix_ms > Date.now());
+    const { ref, shape, strides, mesh, stream, storage_offset: offset, error } = p.meta;
+    assert.deepEqual({ ref, shape, strides, mesh, stream, offset, seq: error.seq, eref: error.ref },
+      { ref: 12, shape: [2, 3], strides: [3, 1], mesh: 4, stream: 5, offset: 6, seq: 7, eref: 12 });
+  } finally {
+    await s.close();
+  }
+});
+
+// A fake meshd whose plans follow fake.mode: 'unix' and 'scheme' name addresses that are
+// not host:port, 'none' no shard, 'refused' a port nothing listens on, else a fake agent
+// (whose Writes succeed; FinishUpload answers no tensor). Its proxied Fetch and Upload work.
+async function planFake() {
+  const fake = { mode: '' };
+  const agent = await serve(Agent, { Write: (call, cb) => {
+    call.on('data', () => {});
+    call.on('end', () => cb(null, { bytes: 4, receipt: Buffer.from([1]) }));
+  } });
+  const addresses = { unix: 'unix:/nonexistent/meshd-node-evil.sock', scheme: 'unix:50051', refused: '127.0.0.1:1' };
+  fake.m = await fakeMeshd({
+    PlanTransfer: (c, cb) => {
+      const meta = c.request.fetch ? f32meta(1) : null;
+      cb(null, plan(fake.mode === 'none' ? [] : [shard(0, addresses[fake.mode] ?? agent)], meta));
+    },
+    FinishFetch: (c, cb) => cb(null, {}),
+    FinishUpload: (c, cb) => cb(null, { tensor: null }),
+    Fetch: (call) => { call.write({ meta: f32meta(1) }); call.write({ data: Buffer.alloc(4) }); call.end(); },
+    Upload: (call, cb) => { call.on('data', () => {}); call.on('end', () => cb(null, { tensor: { ref: 9, shape: [1] } })); },
+  });
+  fake.finishes = () => fake.m.count('FinishFetch') + fake.m.count('FinishUpload');
+  return fake;
+}
+
+test('a plan naming an address that is not host:port: direct refuses to dial it, auto takes the proxy', async () => {
+  const fake = await planFake();
+  const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+  try {
+    for (fake.mode of ['unix', 'scheme']) {
+      const finishes = fake.finishes();
+      await assert.rejects(s.fetch(1, {}), (err) => {
+        assert.equal(err.kind, 'UNAVAILABLE', err.message);
+        assert.match(err.message, /as the agent of rank 0, not host:port; refusing to dial it/);
+        return true;
+      });
+      await assert.rejects(s.upload(1, [1], new Float32Array(1)), /not host:port; refusing to dial it/);
+      assert.equal(fake.finishes(), finishes + 2, 'the plans were not given back');
+    }
+    s.setDataPath('auto');
+    fake.mode = 'unix';
+    assert.deepEqual([...await s.fetch(1, {})], [0]);
+    assert.equal((await s.upload(1, [1], new Float32Array(1))).ref, 9);
+    assert.match(s.transferStats.lastFallback, /"unix:\/nonexistent\/meshd-node-evil\.sock" as the agent of rank 0, not host:port/);
+    assert.equal(s.transferStats.proxyFetches + s.transferStats.proxyUploads, 2);
+  } finally {
+    await s.close();
+  }
+});
+
+test('a plan with no shard rejects INTERNAL and is given back', async () => {
+  const fake = await planFake();
+  fake.mode = 'none';
+  const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+  try {
+    await assert.rejects(s.fetch(1, {}), (err) => {
+      assert.ok(err instanceof MeshdError, String(err));
+      assert.equal(err.kind, 'INTERNAL', err.message);
+      assert.match(err.message, /the plan names 0 shards/);
+      return true;
+    });
+    await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
+      assert.equal(err.kind, 'INTERNAL', err.message);
+      assert.match(err.message, /direct upload: the plan names no shard/);
+      return true;
+    });
+    assert.equal(fake.finishes(), 2);
+  } finally {
+    await s.close();
+  }
+});
+
+test('a direct fetch whose agent does not answer abandons its plan once', async () => {
+  const fake = await planFake();
+  fake.mode = 'refused';
+  const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+  try {
+    await assert.rejects(s.fetch(1, {}), /rank 0's agent at 127\.0\.0\.1:1 does not answer/);
+    assert.equal(fake.m.count('FinishFetch'), 1, 'the plan was abandoned more than once');
+  } finally {
+    await s.close();
+  }
+});
+
+test("a FinishUpload that answers no tensor rejects INTERNAL; 'direct' never takes the proxy", async () => {
+  const fake = await planFake();
+  const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+  try {
+    await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
+      assert.equal(err.kind, 'INTERNAL', err.message);
+      assert.match(err.message, /FinishUpload answered no TensorMeta/);
+      return true;
+    });
+    assert.equal(fake.m.count('Upload'), 0, "a 'direct' upload went through the server");
+  } finally {
+    await s.close();
+  }
+});
+
+test('upload: one deadline for the plan, the Writes and FinishUpload', async () => {
+  const agent = await serve(Agent, { Write: (call, cb) => {
+    call.on('data', () => {});
+    call.on('end', () => cb(null, { bytes: 4, receipt: Buffer.from([1]) }));
+  } });
+  const m = await fakeMeshd({
+    PlanTransfer: (c, cb) => setTimeout(() => cb(null, plan([shard(0, agent)])), 500),
+    FinishUpload: () => {}, // never answers
+  });
+  const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 1000 });
+  try {
+    const t0 = Date.now();
+    await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
+      assert.equal(err.kind, 'DEADLINE_EXCEEDED', err.message);
+      return true;
+    });
+    const took = Date.now() - t0;
+    assert.ok(took >= 900 && took < 1400, `a 1000 ms upload took ${took} ms`);
+  } finally {
+    await s.close();
+  }
+});
+
+test('startKeepAlive() again replaces the timer: one KeepAlive a period, none after stopKeepAlive()', async () => {
+  const m = await fakeMeshd({}, { ttl: 1 }); // a period of 333 ms
+  const s = await open(m.addr);
+  try {
+    const period = s.keepAlivePeriodMs;
+    s.startKeepAlive();
+    s.startKeepAlive();
+    await sleep(3.3 * period);
+    const sent = m.count('KeepAlive');
+    assert.ok(sent >= 2 && sent <= 4, `${sent} KeepAlives in ${3.3 * period} ms at one every ${period} ms`);
+    s.stopKeepAlive();
+    await sleep(1.4 * period);
+    assert.equal(m.count('KeepAlive'), sent, 'KeepAlive sent after stopKeepAlive()');
+  } finally {
+    await s.close();
+  }
+});
