@@ -668,7 +668,8 @@ static void session_free(meshd_session_t *s) {
 /* Starts the keepalive thread; false if it cannot. */
 static bool keepalive_start(meshd_session_t *s) {
   uint64_t period = (s->ttl_s ? s->ttl_s : 300) * 1000 / 3;
-  s->ka_period_ms = period < 1000 ? 1000 : period > INT32_MAX ? INT32_MAX : (int)period;
+  /* (A floor of 1 s was the whole lease of a 1 s session, which then expired.) */
+  s->ka_period_ms = period < 250 ? 250 : period > INT32_MAX ? INT32_MAX : (int)period;
   pthread_mutex_init(&s->ka_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);

@@ -264,7 +264,7 @@ MESHD_API void meshd_sessions_free(meshd_session_info_t *list, size_t n);
  * The keepalive thread: while a session is open, the library runs one
  * background thread for it (started by meshd_session_open, stopped and joined
  * by meshd_session_close) that sends KeepAlive on the client's connection
- * every third of the session's ttl (at least 1 s apart), so a session that
+ * every third of the session's ttl (at least 250 ms apart), so a session that
  * makes no call for longer than its ttl is not expired by the server. It
  * touches nothing of the client but its connection (gRPC calls are
  * thread-safe): not the last error, not the session's refs. It ends by itself

@@ -86,9 +86,12 @@ def test_an_idle_session_outlives_its_ttl_and_close_stops_the_keepalive(short_le
     s = meshd.connect(addr, client_name="idle-python")
     # The control: the same session without its keepalive thread expires in these 7 s.
     bare = meshd.connect(addr, client_name="bare-python")
+    # A 1 s lease: kept too (its KeepAlives a third of it apart, not a whole lease).
+    one = meshd.connect(addr, client_name="ttl1-python", ttl_seconds=1)
     try:
-        assert s.ttl_seconds == TTL
-        assert set(_keepalive_threads()) - before == {s._ka_thread, bare._ka_thread}
+        assert s.ttl_seconds == TTL and one.ttl_seconds == 1
+        assert set(_keepalive_threads()) - before == {s._ka_thread, bare._ka_thread,
+                                                       one._ka_thread}
         bare._stop_keepalive()
         m, mb = s.mesh(gpu=2), bare.mesh(gpu=2)
         time.sleep(7.0)  # no call from this thread: > 3 leases
@@ -96,11 +99,13 @@ def test_an_idle_session_outlives_its_ttl_and_close_stops_the_keepalive(short_le
             x = meshd.full((3,), 2.0) + 1
             assert np.array_equal(meshd.inspect(x, gpu=1), np.full(3, 3.0, np.float32))
         s.sync()
+        one.sync()
         with pytest.raises(meshd.MeshdError) as e:
             with mb.activate():
                 meshd.ones((2,))
         assert e.value.kind == "NO_SESSION", e.value
     finally:
+        one.close()
         bare.closed = True  # already gone on the server
         bare._ch.close()
         sid = s.id
