@@ -427,6 +427,13 @@ static void run_stream(executor_t *x, xstream_t *st) {
   session_state_t *ss = s->state;
   backend_t *b = x->env.backend;
   backend_stream_t *bs = b && b->ops->stream_create ? b->ops->stream_create(b) : NULL;
+  /* A device backend that could make no stream for it: its instructions fail
+   * rather than run on a stream and library handles other threads use. */
+  meshd_error_t no_stream = {0};
+  if (b && b->ops->stream_create && !bs)
+    error_set(&no_stream, ERR_UNAVAILABLE,
+              "the agent could not create a device stream for stream %" PRIu64
+              " of this session (out of device resources)", st->id);
   session_state_stream_ready(ss, st->progress, bs);
   bool deferred = b && b->ops->stream_sync;
   uint64_t unsynced[MAX_UNSYNCED];
@@ -460,6 +467,7 @@ static void run_stream(executor_t *x, xstream_t *st) {
     pthread_mutex_unlock(&x->mu);
     failed.n = 0;
     if (!skip && it->refused) run_refused(&x->env, ss, it->ins, it->refused, &failed);
+    else if (!skip && no_stream.kind != ERR_NONE) run_refused(&x->env, ss, it->ins, &no_stream, &failed);
     else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
       report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);

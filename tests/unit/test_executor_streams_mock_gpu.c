@@ -36,6 +36,7 @@ static int nlog, next_stream;
 static bool gate_open;
 static int sync_fail; /* stream_sync fails this many more times */
 static int wait_fail; /* event_wait fails this many more times */
+static int create_fail; /* stream_create fails (NULL) this many more times */
 
 static void logf_(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void logf_(const char *fmt, ...) {
@@ -48,6 +49,14 @@ static void logf_(const char *fmt, ...) {
 }
 
 static backend_stream_t *m_stream_create(backend_t *b) {
+  pthread_mutex_lock(&mu);
+  bool fail = create_fail > 0;
+  if (fail) create_fail--;
+  pthread_mutex_unlock(&mu);
+  if (fail) {
+    logf_("create failed");
+    return NULL;
+  }
   backend_stream_t *s = calloc(1, sizeof *s);
   pthread_mutex_lock(&mu);
   s->id = ++next_stream;
@@ -126,7 +135,7 @@ static void setup(void) {
   cr_assert_eq(cpu_backend_ops.open(&B, "cpu", &e), 0, "%s", e.msg);
   nlog = next_stream = 0;
   gate_open = false;
-  sync_fail = wait_fail = 0;
+  sync_fail = wait_fail = create_fail = 0;
   atomic_store(&reported, 0);
   static run_env_t env;
   env = (run_env_t){.backend = &B, .rank = &rank0};
@@ -312,6 +321,25 @@ Test(executor_streams_mock_gpu, a_stream_wait_that_fails_falls_back_to_a_host_sy
   if (failed < 0 || sync < 0 || add < 0 || sync > add) dump_log();
   cr_assert(failed >= 0 && sync > failed && add > sync,
             "after a failed wait, stream %d must be synchronised before the add on %d", s1, s2);
+}
+
+Test(executor_streams_mock_gpu, a_stream_the_device_cannot_make_fails_its_instructions) {
+  /* Stream 1's device stream cannot be made: its instructions fail, naming
+   * why, instead of running on a stream (and library handles) other threads
+   * use; stream 2 runs as usual. */
+  create_fail = 1;
+  open_gate();
+  submit_factory_ones(1, 1, 10);
+  cr_assert_eq(executor_wait(X, 1, 10000), 0, "executed through 1"); /* stream 1's made first */
+  submit_factory_ones(2, 2, 20);
+  cr_assert_eq(executor_wait(X, 2, 10000), 0, "executed through 2");
+  agent_tensor_t t;
+  ref_failure_t why;
+  cr_assert_neq(executor_lookup(X, SESSION, 10, &t, &why), 0, "ref 10 ran without a stream");
+  cr_assert(strstr(why.msg, "could not create a device stream for stream 1"), "%s", why.msg);
+  cr_assert_eq(executor_lookup(X, SESSION, 20, &t, &why), 0, "%s", why.msg);
+  storage_release(t.storage);
+  cr_assert_eq(stream_of_op("ones"), 1, "stream 2's factory on the one device stream made");
 }
 
 Test(executor_streams_mock_gpu, the_watermark_waits_for_the_device) {
