@@ -1329,14 +1329,23 @@ static void start_tls_server(void) {
 
 TestSuite(c_client_tls, .init = start_tls_server, .fini = stop_server_and_pki, .timeout = 60);
 
-Test(c_client_tls, tls_with_a_token) {
-  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
-  o.tls_ca_file = pki_file("ca.pem");
-  o.token = ALICE;
+/* A client of the TLS server with alice's token; *o gets its options. */
+static meshd_client_t *connect_tls_alice(meshd_connect_options_t *o) {
+  *o = (meshd_connect_options_t)MESHD_CONNECT_OPTIONS_INIT;
+  o->tls_ca_file = pki_file("ca.pem");
+  o->token = ALICE;
   char why[512];
   meshd_err_t e;
-  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, sizeof why);
+  meshd_client_t *c = meshd_connect_with(target, o, &e, why, sizeof why);
   cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
+  return c;
+}
+
+Test(c_client_tls, tls_with_a_token) {
+  meshd_connect_options_t o;
+  meshd_client_t *c = connect_tls_alice(&o);
+  char why[512];
+  meshd_err_t e;
   meshd_session_t *s = meshd_session_open(c, "c-tls", &e);
   cr_assert_not_null(s, "open: %s: %s", meshd_last_error(c)->kind, meshd_last_error(c)->message);
   /* Execute and Fetch get past the token check to their handlers. */
@@ -2094,13 +2103,9 @@ Test(c_client_cluster_tls, direct_over_tls_and_fallback_when_an_agent_hangs) {
  * refuses the transfer (UNAVAILABLE, nothing defined), AUTO takes the proxy
  * and says why. */
 Test(c_client_tls, a_tls_session_never_sends_to_plaintext_agents) {
-  meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
-  o.tls_ca_file = pki_file("ca.pem");
-  o.token = ALICE;
-  char why[512];
+  meshd_connect_options_t o;
+  meshd_client_t *c = connect_tls_alice(&o);
   meshd_err_t e;
-  meshd_client_t *c = meshd_connect_with(target, &o, &e, why, sizeof why);
-  cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
   meshd_session_t *s = meshd_session_open(c, "c-tls-direct", &e);
   cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
   meshd_ref_t m = 0, t = 0;
