@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "workpool.h"
@@ -479,6 +480,20 @@ static direct_rc_t shard_channels(direct_t *d, const direct_session_t *s,
     return DIRECT_PROXY;
   }
   for (size_t i = 0; i < p->n_shards; i++) {
+    if (direct_host_port(p->shards[i]->address))
+      continue;
+    if (d->mode == MESHD_DATA_PATH_DIRECT) {
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                     "direct %s: the plan names '%.200s' as the agent of rank %u, not host:port; "
+                     "refusing to dial it; use the auto or proxy data path",
+                     what, p->shards[i]->address, p->shards[i]->rank);
+      return DIRECT_FAILED;
+    }
+    fallback(d, "direct %s: the plan names '%.200s' as the agent of rank %u, not host:port", what,
+             p->shards[i]->address, p->shards[i]->rank);
+    return DIRECT_PROXY;
+  }
+  for (size_t i = 0; i < p->n_shards; i++) {
     int wait = left_ms(end);
     bool cut = wait < DIRECT_CONNECT_MS; /* the caller's deadline, not the agent's fault */
     out[i] = agent_channel(d, p->shards[i]->address, plan_ca(p), plan_name(p),
@@ -504,6 +519,32 @@ static direct_rc_t shard_channels(direct_t *d, const direct_session_t *s,
     return DIRECT_PROXY;
   }
   return DIRECT_DONE;
+}
+
+bool direct_host_port(const char *a) {
+  const char *colon = a ? strrchr(a, ':') : NULL;
+  if (!colon || colon == a) return false;
+  size_t digits = strspn(colon + 1, "0123456789");
+  if (digits < 1 || digits > 5 || colon[1 + digits] != '\0') return false;
+  if (a[0] == '[') { /* [v6]:port, an optional %zone inside */
+    if (colon[-1] != ']' || colon - a <= 2) return false;
+    size_t in = (size_t)(colon - a - 2), addr = strspn(a + 1, "0123456789abcdefABCDEF:.");
+    if (addr == 0) return false;
+    if (addr == in) return true;
+    static const char zone[] =
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-";
+    return a[1 + addr] == '%' && addr + 1 < in && strspn(a + 2 + addr, zone) == in - addr - 1;
+  }
+  size_t n = (size_t)(colon - a);
+  if (strspn(a, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_") != n)
+    return false;
+  /* A host named as one of gRPC's target schemes reads as that scheme
+   * ("unix:123" is the socket file 123). */
+  static const char *const schemes[] = {"unix", "unix-abstract", "ipv4", "ipv6", "dns",
+                                        "vsock", "xds", "google-c2p"};
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++)
+    if (strlen(schemes[i]) == n && strncasecmp(a, schemes[i], n) == 0) return false;
+  return true;
 }
 
 /* The grant as rpc_md_t wants a -bin value: hex. Caller frees. */

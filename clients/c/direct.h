@@ -38,6 +38,11 @@ typedef struct direct_err {
 void direct_err_set(direct_err_t *e, meshd_err_t err, grpc_status_code code, const char *kind,
                     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
+/* Whether a plan's agent address is host:port (a name, an IPv4 address or a
+ * bracketed IPv6 one, a port of 1 to 5 digits), never a gRPC target such as
+ * unix:/path or dns:///name that would dial something other than an agent. */
+bool direct_host_port(const char *address);
+
 /* A failed call's status as an error (DEADLINE_EXCEEDED: MESHD_E_DEADLINE),
  * its message after `prefix`. */
 void direct_err_status(direct_err_t *e, const rpc_status_t *st, const char *prefix);

@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "direct.h"
 #include "meshd.h"
 #include "proc_threads.h"
 
@@ -2139,6 +2140,20 @@ Test(c_client_tls, a_tls_session_never_sends_to_plaintext_agents) {
             st.last_fallback);
   meshd_session_close(s);
   meshd_close(c);
+}
+
+/* A plan's agent address is dialled only when it is host:port: never a gRPC
+ * target (unix:/path, dns:///name, "unix:123" is the socket file 123). */
+Test(c_client_direct_addresses, only_host_port_addresses_are_dialled) {
+  const char *good[] = {"127.0.0.1:50052", "agent-0.meshd-agents.ns.svc:50052", "[::1]:1",
+                        "[fe80::1%eth0]:65535", "localhost:9"};
+  const char *bad[] = {"unix:/tmp/evil.sock", "unix:123", "dns:///agent:50052", "ipv4:1.2.3.4:5",
+                       "unix-abstract:x", "agent", "agent:", ":50052", "agent:123456",
+                       "agent:12a", "[::1]", "[]:5", "a b:5", "agent:50052/x", "", NULL};
+  for (size_t i = 0; i < sizeof good / sizeof good[0]; i++)
+    cr_expect(direct_host_port(good[i]), "%s refused", good[i]);
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    cr_expect_not(direct_host_port(bad[i]), "%s accepted", bad[i] ? bad[i] : "(null)");
 }
 
 /* ------------------------------------------------------------------ literals */
