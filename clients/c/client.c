@@ -1718,13 +1718,12 @@ static direct_session_t session_view(const meshd_session_t *s, int timeout_ms) {
                             .tls = s->client->tls};
 }
 
-/* The proxied Upload of header h. */
+/* The proxied Upload of header h, within timeout_ms. */
 static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, const void *data,
-                                size_t bytes) {
+                                size_t bytes, int timeout_ms) {
   Meshd__V1__UploadChunk first = MESHD__V1__UPLOAD_CHUNK__INIT;
   first.part_case = MESHD__V1__UPLOAD_CHUNK__PART_HEADER;
   first.header = h;
-  int timeout_ms = s->client->timeout_ms;
   rpc_stream_t *st = rpc_stream_open(s->client->ch, TS "Upload", s->md, s->nmd, timeout_ms);
   if (!st) {
     set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Upload: cannot open the call");
@@ -1804,14 +1803,23 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   direct_session_t view = session_view(s, 0);
   direct_err_t e = {0};
   bool spent = false;
+  /* One deadline for the whole upload, a fallback to the proxy included. */
+  int64_t end = rpc_now_ms() + s->client->timeout_ms;
   direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &e);
   if (spent) /* the plan claimed the ref, done or not: nothing else may take it */
     s->next_ref++;
   if (rc == DIRECT_FAILED)
     return record(s->client, &e);
   if (rc == DIRECT_PROXY) {
+    int64_t left = end - rpc_now_ms();
+    if (left <= 0) {
+      set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                "Upload: the deadline passed before the proxied upload could start (the direct "
+                "path was tried first and fell back)");
+      return MESHD_E_DEADLINE;
+    }
     h.ref = s->next_ref;
-    ret = proxy_upload(s, &h, data, bytes);
+    ret = proxy_upload(s, &h, data, bytes, (int)left);
     /* A failed Upload whose Writes had opened spends its ref (the server says
      * so); the next call takes a later one either way (refs may skip). */
     s->next_ref++;
@@ -2005,10 +2013,13 @@ static int proxy_msg(void *arg, size_t i, rpc_bytes_t *raw) {
   }
   if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_META && ch->meta && !p->have_meta) {
     p->have_meta = true;
-    p->want = direct_dtype_bytes(ch->meta->dtype);
-    for (size_t d = 0; d < ch->meta->n_shape; d++)
-      p->want *= ch->meta->shape[d] > 0 ? (uint64_t)ch->meta->shape[d] : 0;
-    stop = k->begin(k->arg, ch->meta, e) != 0;
+    if (!direct_meta_bytes(ch->meta, &p->want)) {
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "Fetch: the server's shape holds more than 2^64 bytes");
+      stop = true;
+    } else {
+      stop = k->begin(k->arg, ch->meta, e) != 0;
+    }
   } else if (ch->part_case == MESHD__V1__FETCH_CHUNK__PART_DATA) { /* with other fields */
     stop = !fetch_data_fits(e, p->have_meta, p->got, p->want, ch->data.len) ||
            (ch->data.len && k->data(k->arg, ch->data.data, ch->data.len, e) != 0);
@@ -2223,14 +2234,17 @@ typedef struct {
 
 static int bytes_begin(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e) {
   bytes_sink_t *b = arg;
-  uint64_t total = direct_dtype_bytes(meta->dtype);
-  if (total == 0) {
+  uint64_t total = 0;
+  if (direct_dtype_bytes(meta->dtype) == 0) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: unsupported dtype %d",
                    meta->dtype);
     return -1;
   }
-  for (size_t i = 0; i < meta->n_shape; i++)
-    total *= meta->shape[i] > 0 ? (uint64_t)meta->shape[i] : 0;
+  if (!direct_meta_bytes(meta, &total)) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                   "Fetch: the server's shape holds more than 2^64 bytes");
+    return -1;
+  }
   if (total > b->part->cap) {
     direct_err_set(e, MESHD_E_INVALID, 0, NULL,
                    "meshd_session_fetch_bytes: part %zu's local tensor is %llu bytes, its buffer "
@@ -2247,6 +2261,8 @@ static int bytes_data(void *arg, const uint8_t *p, size_t n, direct_err_t *e) {
   b->part->nbytes += n;
   return 0;
 }
+
+#define FETCH_WAVE 8 /* the server's --session-max-transfers by default */
 
 meshd_err_t meshd_session_fetch_bytes(meshd_session_t *s, meshd_ref_t tensor,
                                       meshd_fetch_part_t *parts, size_t nparts,
@@ -2287,7 +2303,24 @@ meshd_err_t meshd_session_fetch_bytes(meshd_session_t *s, meshd_ref_t tensor,
     b[i] = (bytes_sink_t){&parts[i], i};
     k[i] = (direct_sink_t){bytes_begin, bytes_data, &b[i]};
   }
-  ret = fetch_parts(s, reqs, k, nparts, opts ? opts->timeout_ms : 0);
+  /* In waves: the server takes at most --session-max-transfers (8 by
+   * default) of a session's transfers at once, and more parts than that
+   * failed the call outright. One deadline for all of them. */
+  int timeout_ms = opts && opts->timeout_ms > 0 ? opts->timeout_ms : s->client->timeout_ms;
+  int64_t end = rpc_now_ms() + timeout_ms;
+  ret = MESHD_E_OK;
+  for (size_t i = 0; i < nparts && ret == MESHD_E_OK; i += FETCH_WAVE) {
+    int64_t left = end - rpc_now_ms();
+    if (left <= 0) {
+      set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                "meshd_session_fetch_bytes: the deadline passed after %zu of %zu parts", i,
+                nparts);
+      ret = MESHD_E_DEADLINE;
+      break;
+    }
+    size_t wave = nparts - i < FETCH_WAVE ? nparts - i : FETCH_WAVE;
+    ret = fetch_parts(s, reqs + i, k + i, wave, (int)left);
+  }
 out:
   free(co);
   free(pco);

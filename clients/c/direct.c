@@ -904,11 +904,16 @@ static int finish_fetch(const direct_session_t *s, uint64_t id, int timeout_ms, 
   return code == GRPC_STATUS_OK ? 0 : -1;
 }
 
-static uint64_t meta_bytes(const Meshd__V1__TensorMeta *m) {
+bool direct_meta_bytes(const Meshd__V1__TensorMeta *m, uint64_t *out) {
   uint64_t n = direct_dtype_bytes(m->dtype);
-  for (size_t i = 0; i < m->n_shape; i++)
-    n *= m->shape[i] > 0 ? (uint64_t)m->shape[i] : 0;
-  return n;
+  for (size_t i = 0; i < m->n_shape; i++) {
+    uint64_t d = m->shape[i] > 0 ? (uint64_t)m->shape[i] : 0;
+    if (d && n > UINT64_MAX / d)
+      return false;
+    n *= d;
+  }
+  *out = n;
+  return true;
 }
 
 direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
@@ -955,7 +960,12 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
   }
   for (size_t i = 0; i < n; i++) {
     const Meshd__V1__TensorMeta *m = f.plans[i]->meta;
-    f.want[i] = meta_bytes(m);
+    if (!direct_meta_bytes(m, &f.want[i])) {
+      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "direct fetch: the plan's shape holds more than 2^64 bytes");
+      rc = DIRECT_FAILED;
+      goto out;
+    }
     if (f.want[i] == 0 && m->n_shape > 0 && direct_dtype_bytes(m->dtype) == 0) {
       direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                      "direct fetch: unsupported dtype %d", m->dtype);

@@ -126,5 +126,8 @@ int direct_sink_field(const direct_sink_t *k, rpc_bytes_t *msg, direct_err_t *e)
 
 /* Bytes per element of a DType (float16 and bfloat16: 2); 0 if unknown. */
 size_t direct_dtype_bytes(int dtype);
+/* The bytes of a TensorMeta's elements into *out (0 for an unknown dtype);
+ * false when they overflow 64 bits (a server's shape is not to be trusted). */
+bool direct_meta_bytes(const Meshd__V1__TensorMeta *m, uint64_t *out);
 
 #endif

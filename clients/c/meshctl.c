@@ -14,7 +14,9 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <float.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1200,12 +1202,22 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
     json_object *o = json_object_new_object(), *shape = json_object_new_array(),
                 *values = json_object_new_array_ext((int)(v.n < INT32_MAX ? v.n : INT32_MAX));
     put_str(o, "fetch", tok[1]);
+    /* The coordinates apart: a dim may be named "shape" or "values". */
+    json_object *coords = json_object_new_object();
     for (int i = 2; i < ntok; i++)
-      json_object_object_add(o, dims[i - 2], json_object_new_int64(idx[i - 2]));
+      json_object_object_add(coords, dims[i - 2], json_object_new_int64(idx[i - 2]));
+    json_object_object_add(o, "coords", coords);
     for (size_t i = 0; i < v.ndim; i++)
       json_object_array_add(shape, json_object_new_int64(v.shape[i]));
-    for (size_t i = 0; i < v.n; i++)
-      json_object_array_add(values, json_object_new_double(v.values[i]));
+    /* JSON has no NaN or infinity: those go as the strings Python and
+     * JavaScript print for them. */
+    for (size_t i = 0; i < v.n; i++) {
+      double x = v.values[i];
+      json_object_array_add(values, isfinite(x) ? json_object_new_double(x)
+                                    : json_object_new_string(isnan(x) ? "NaN"
+                                                             : x > 0 ? "Infinity"
+                                                                     : "-Infinity"));
+    }
     json_object_object_add(o, "shape", shape);
     json_object_object_add(o, "values", values);
     json_object_array_add(sc->results, o);
@@ -1384,6 +1396,8 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
       double v;
       if (!parse_float(tok[i], &v))
         return script_fail(sc, "SYNTAX", "tensor: VALUE '%s' is not a number", tok[i]);
+      if (isfinite(v) && fabs(v) > FLT_MAX) /* (float)v would be undefined */
+        return script_fail(sc, "SYNTAX", "tensor: VALUE '%s' is outside float32's range", tok[i]);
       values[i - 2] = (float)v;
     }
     int64_t n = ntok - 2; /* a few values: a Literal command (an upload where one predates it) */
@@ -1613,6 +1627,11 @@ static int load_failed(meshd_client_t *c, const char *what, meshd_err_t e) {
   return EXIT_RPC;
 }
 
+static int cmp_u32(const void *a, const void *b) {
+  uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+  return (x > y) - (x < y);
+}
+
 /* meshctl load's flags, checked before it connects (load_flags). */
 static load_req_t load_q;
 static const char *load_dims[16];
@@ -1654,20 +1673,23 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
       return report(c, "load: listing agents failed", e);
     /* A mesh takes consecutive ranks (the server places it on a run of
      * usable ones): the longest run, not every usable agent. */
-    uint32_t top = 0;
-    for (size_t i = 0; i < n; i++)
-      if (agents[i].rank >= top)
-        top = agents[i].rank + 1;
-    bool *usable = calloc(top ? top : 1, sizeof *usable);
+    /* The usable ranks sorted (not an array indexed by rank: a rank is the
+     * server's to say, and 0xffffffff wrapped a bound to 0). */
+    uint32_t *usable = calloc(n ? n : 1, sizeof *usable);
     if (!usable) {
       meshd_agents_free(agents, n);
       fprintf(stderr, "error: load: out of memory\n");
       return EXIT_RPC;
     }
+    size_t k = 0;
     for (size_t i = 0; i < n; i++)
-      usable[agents[i].rank] = agents[i].healthy && !agents[i].drained;
-    for (size_t r = 0, run = 0; r < top; r++) {
-      run = usable[r] ? run + 1 : 0;
+      if (agents[i].healthy && !agents[i].drained)
+        usable[k++] = agents[i].rank;
+    qsort(usable, k, sizeof *usable, cmp_u32);
+    for (size_t i = 0, run = 0; i < k; i++) {
+      if (i > 0 && usable[i] == usable[i - 1])
+        continue; /* listed twice: one rank */
+      run = i > 0 && usable[i] == usable[i - 1] + 1 ? run + 1 : 1;
       if (run > up)
         up = run;
     }

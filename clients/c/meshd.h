@@ -699,8 +699,9 @@ typedef struct meshd_fetch_part {
 
 /* Fetches `tensor` from nparts ranks at once (their streams read by one thread
  * of the library's), each straight into its part's buffer, by the session's
- * data path. opts (NULL: defaults):
- * its timeout_ms bounds each call; progress is not called. A local tensor
+ * data path; more than 8 parts (the server's --session-max-transfers by
+ * default) go in waves of 8. opts (NULL: defaults):
+ * its timeout_ms bounds the whole call; progress is not called. A local tensor
  * larger than its part's cap is MESHD_E_INVALID naming both sizes. On failure
  * the buffers hold partial bytes and the error names the rank at fault. */
 MESHD_API meshd_err_t meshd_session_fetch_bytes(meshd_session_t *session, meshd_ref_t tensor,

@@ -365,8 +365,19 @@ def test_json_output_of_every_command(shared_meshd, tmp_path):
         script.write_text(SCRIPT)
         r = meshctl(srv.address, "--output", "json", "run", str(script), timeout_ms=20000)
         assert r.returncode == 0, _show(r)
-        assert _json(r) == {"results": [{"fetch": "z", "gpu": 1, "shape": [2, 3],
+        assert _json(r) == {"results": [{"fetch": "z", "coords": {"gpu": 1}, "shape": [2, 3],
                                          "values": [5.0] * 6}]}, _show(r)
+        # Strict JSON: NaN and infinities as strings; a dim named like a field stays apart.
+        script.write_text("mesh m values=2\nw = tensor m nan inf -inf 1\nfetch w values=0\n")
+        r = meshctl(srv.address, "--output", "json", "run", str(script), timeout_ms=20000)
+        assert r.returncode == 0, _show(r)
+        doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{c} in {r.stdout}"))
+        assert doc == {"results": [{"fetch": "w", "coords": {"values": 0}, "shape": [4],
+                                    "values": ["NaN", "Infinity", "-Infinity", 1.0]}]}, doc
+        script.write_text("mesh m gpu=2\nw = tensor m 1e300\n")
+        r = meshctl(srv.address, "--output", "json", "run", str(script), timeout_ms=20000)
+        assert r.returncode == 3 and "outside float32's range" in _json(r)["error"]["message"], \
+            _show(r)
         script.write_text("mesh m gpu=2\nx = nosuchop m\n")
         r = meshctl(srv.address, "--output", "json", "run", str(script), timeout_ms=20000)
         assert r.returncode == 3, _show(r)
@@ -834,3 +845,39 @@ def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
 def test_load_usage_errors(args, says):
     r = meshctl("127.0.0.1:1", *args)
     assert r.returncode == 64 and says in r.stderr, _show(r)
+
+
+def test_load_survives_a_server_that_lists_absurd_ranks():
+    """meshctl load without --mesh sizes the mesh from ListAgents' longest run of usable
+    ranks. A rank is the server's to say: 0xffffffff wrapped the array's bound to 0 and
+    meshctl wrote past it (SIGSEGV); 0x7fffffff allocated 2 GiB. A fake server lists
+    such ranks and then refuses the session: meshctl reports that, exit 3."""
+    import concurrent.futures
+    import grpc
+    t = lib.tensor_pb2()
+    agents = [t.AgentInfo(rank=r, healthy=True, address=f"127.0.0.1:{9000 + i}")
+              for i, r in enumerate([0xFFFFFFFF, 0x7FFFFFFF, 3, 3, 5, 6])]
+
+    def list_agents(request, context):
+        return t.ListAgentsReply(agents=agents)
+
+    def create_session(request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "this fake serves no sessions")
+
+    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
+        "ListAgents": grpc.unary_unary_rpc_method_handler(
+            list_agents, request_deserializer=t.ListAgentsRequest.FromString,
+            response_serializer=lambda m: m.SerializeToString()),
+        "CreateSession": grpc.unary_unary_rpc_method_handler(
+            create_session, request_deserializer=t.CreateSessionRequest.FromString,
+            response_serializer=lambda m: m.SerializeToString())})
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        r = meshctl(f"127.0.0.1:{port}", "load", "file:///tmp/nowhere.npy")
+    finally:
+        server.stop(0)
+    assert r.returncode == 3, _show(r)
+    assert "cannot open a session" in r.stderr and "serves no sessions" in r.stderr, _show(r)

@@ -2156,6 +2156,91 @@ Test(c_client_direct_addresses, only_host_port_addresses_are_dialled) {
     cr_expect_not(direct_host_port(bad[i]), "%s accepted", bad[i] ? bad[i] : "(null)");
 }
 
+/* A fetch's byte count from the server's TensorMeta: a shape whose bytes
+ * overflow 64 bits is refused (it wrapped: int8 [2^32, 2^32] was 0 bytes, a
+ * fetch of it "succeeded" empty). */
+Test(c_client_direct_addresses, a_shape_whose_bytes_overflow_is_refused) {
+  int64_t fits[] = {2, 3}, wraps[] = {INT64_C(1) << 32, INT64_C(1) << 32},
+          big[] = {INT64_C(1) << 31, INT64_C(1) << 31};
+  Meshd__V1__TensorMeta m = MESHD__V1__TENSOR_META__INIT;
+  uint64_t n = 7;
+  m.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT32;
+  m.n_shape = 2;
+  m.shape = fits;
+  cr_assert(direct_meta_bytes(&m, &n));
+  cr_assert_eq(n, 24);
+  m.dtype = MESHD__V1__DTYPE__DTYPE_INT8;
+  m.shape = wraps;
+  cr_assert_not(direct_meta_bytes(&m, &n), "2^64 int8 elements fit in 64 bits?");
+  m.shape = big; /* 2^62 bytes: fits */
+  cr_assert(direct_meta_bytes(&m, &n));
+  cr_assert_eq(n, UINT64_C(1) << 62);
+  m.dtype = MESHD__V1__DTYPE__DTYPE_FLOAT64; /* 2^65 */
+  cr_assert_not(direct_meta_bytes(&m, &n));
+}
+
+/* An upload that falls back to the proxy (auto: an agent that does not
+ * answer) keeps the one deadline it started with: the proxied Upload, stuck
+ * on the stopped agent, ends when it ends, not a whole timeout later. */
+Test(c_client_lease, an_upload_that_falls_back_to_the_proxy_keeps_one_deadline) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 2000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0, t = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  pid_t pid = agent_pid(0);
+  cr_assert_gt(pid, 0, "no rank-0 agent child of meshd %d", (int)server_pid);
+  stop_agent(pid);
+  static uint8_t data[3000];
+  int64_t shape[] = {(int64_t)sizeof data};
+  int64_t t0 = now_ms();
+  meshd_err_t rc = meshd_session_upload(s, m, "uint8", shape, 1, data, sizeof data, &t);
+  int64_t took = now_ms() - t0;
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_neq(rc, MESHD_E_OK, "an upload to a stopped agent succeeded");
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.fallbacks, 1, "the direct path was not tried first: %s", st.last_fallback);
+  /* 1 s for the agent's connection, then the proxy: 3 s and more before. */
+  cr_assert_lt(took, 2600, "the upload took %lld ms with a 2000 ms timeout", (long long)took);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* More parts than the server's --session-max-transfers (8) in one
+ * meshd_session_fetch_bytes: in waves, every part filled (the call failed
+ * RESOURCE_EXHAUSTED on the ninth). */
+Test(c_client_lease, a_fetch_of_more_parts_than_the_transfer_slots_goes_in_waves) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, t = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  uint8_t data[2 * 64];
+  for (size_t i = 0; i < sizeof data; i++)
+    data[i] = (uint8_t)(i * 7 + 1);
+  meshd_upload_options_t uo = MESHD_UPLOAD_OPTIONS_INIT;
+  uo.per_rank = true;
+  int64_t shape[] = {64};
+  cr_assert_eq(meshd_session_upload_with(s, m, "uint8", shape, 1, data, sizeof data, &uo, &t),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  enum { N = 19 };
+  static uint8_t back[N][64];
+  int64_t rank[N];
+  const char *dims[] = {"gpu"};
+  meshd_fetch_part_t parts[N];
+  for (int i = 0; i < N; i++) {
+    rank[i] = i % 2;
+    parts[i] = (meshd_fetch_part_t){dims, &rank[i], 1, back[i], sizeof back[i], 0};
+  }
+  cr_assert_eq(meshd_session_fetch_bytes(s, t, parts, N, NULL), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  for (int i = 0; i < N; i++) {
+    cr_assert_eq(parts[i].nbytes, 64, "part %d", i);
+    cr_assert_eq(memcmp(back[i], data + 64 * rank[i], 64), 0, "part %d", i);
+  }
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* ------------------------------------------------------------------ literals */
 
 /* The bytes of `t` at rank gpu=`rank` (-1: a mesh without dims) into buf (cap
