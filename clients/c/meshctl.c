@@ -1579,8 +1579,11 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
       else if (run_line(&sc, line) == 0)
         continue;
       fprintf(stderr, "line %ld: %s: %s\n", lineno, sc.kind, sc.message);
-      note_error(*sc.code ? sc.code : "INVALID_ARGUMENT", sc.kind, sc.message, lineno);
-      r = EXIT_RPC;
+      /* A load a signal ended stops the script as the standalone load does. */
+      bool cut = interrupted && strcmp(sc.kind, "CANCELLED") == 0;
+      note_error(*sc.code ? sc.code : cut ? "CANCELLED" : "INVALID_ARGUMENT", sc.kind, sc.message,
+                 lineno);
+      r = cut ? 128 + (interrupted == SIGTERM ? SIGTERM : SIGINT) : EXIT_RPC;
       break;
     }
     if (r == EXIT_OK && ferror(f)) {

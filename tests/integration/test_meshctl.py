@@ -760,18 +760,25 @@ def test_load_progress_line_names_a_rank_that_gives_no_answer(shared_meshd, load
     assert "(no answer" not in text.split("\r")[-1], text  # complete: the remark is gone
 
 
-def test_load_interrupted_closes_its_session(shared_meshd, load_files):
+@pytest.mark.parametrize("how", ["load", "run"])
+def test_load_interrupted_closes_its_session(shared_meshd, load_files, tmp_path, how):
     """SIGINT during `meshctl load`'s wait: one line, exit 130, and the session is closed
-    at once (not left to its lease)."""
+    at once (not left to its lease). The same from a `run` script's load (it exited 3,
+    its JSON code INVALID_ARGUMENT)."""
     srv = shared_meshd(2)
     files, _ = load_files
+    if how == "load":
+        args = ["load", files.url("slow/two.bin"), "--dtype", "float32", "--shape", str(1 << 19)]
+    else:
+        script = tmp_path / "s.txt"
+        script.write_text(f"mesh m gpu=2\nx = load m {files.url('slow/two.bin')} dtype=float32 "
+                          f"shape={1 << 19}\n")
+        args = ["--output", "json", "run", str(script)]
     with lib.Session(srv.port, "watcher") as w:
         def ours():
             return [x for x in w.list_sessions() if x.client_name == "meshctl"]
         assert not ours(), ours()
-        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "20000",
-                              "load", files.url("slow/two.bin"), "--dtype", "float32",
-                              "--shape", str(1 << 19)],
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "20000"] + args,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             by = time.monotonic() + 10
@@ -785,9 +792,15 @@ def test_load_interrupted_closes_its_session(shared_meshd, load_files):
                 p.kill()
                 p.wait()
         assert p.returncode == 130, f"rc={p.returncode}\n{out}\n{err}"
-        assert err.count("\n") == 1 and "interrupted by SIGINT; the session is closed" in err, err
-        assert err.startswith(f"error: load {files.url('slow/two.bin')}: "), err
-        assert out == "" and not ours(), ours()
+        if how == "load":
+            assert err.count("\n") == 1 and "interrupted by SIGINT; the session is closed" in err, err
+            assert err.startswith(f"error: load {files.url('slow/two.bin')}: "), err
+            assert out == "", out
+        else:
+            assert "load: interrupted by SIGINT" in err, err
+            e = json.loads(out)["error"]
+            assert e["code"] == "CANCELLED" and e["line"] == 2, e
+        assert not ours(), ours()
     # The agents stop downloading for the closed session (at curl's next progress
     # look, about a second), rather than finish the ~3.5 s file for nobody.
     by = time.monotonic() + 3
