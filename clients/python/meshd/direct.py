@@ -278,7 +278,8 @@ class Direct:
     def _channel(self, address, tls=None, timeout=CONNECT_TIMEOUT):
         """A ready channel to the agent at address (tls: _tls_of's, the server's
         certificate only), or None when it does not connect within timeout
-        (remembered for a while) or is not a host:port address."""
+        (remembered for a while, unless a deadline cut the wait short) or is not a
+        host:port address."""
         if not _host_port(address):
             return None
         key = (address, tls)
@@ -301,8 +302,9 @@ class Direct:
             grpc.channel_ready_future(ch).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             ch.close()
-            with self._lock:
-                self._unreachable[key] = time.monotonic()
+            if timeout >= CONNECT_TIMEOUT:  # the agent's fault, not a deadline's
+                with self._lock:
+                    self._unreachable[key] = time.monotonic()
             return None
         with self._lock:
             other = None if self._closed else self._channels.setdefault(key, ch)
@@ -367,12 +369,14 @@ class Direct:
                 raise _closed_error("PlanTransfer") from None
             raise
 
-    def _channels_for(self, reply, what):
+    def _channels_for(self, reply, what, deadline=None):
         """A channel per shard of a plan, or None (auto) to use the proxy instead: when
         the session is over TLS and the plan's agents speak plaintext (its bytes stay
         encrypted), when the plan names an address that is not host:port, or when an
         agent does not connect. data_path="direct" raises MeshdError UNAVAILABLE then.
-        The caller abandons the plan either way."""
+        The caller abandons the plan either way. deadline (time.monotonic()): the
+        transfer's, which also bounds the wait for a connection (then
+        DEADLINE_EXCEEDED, whatever the data path)."""
         s, tls = self.session, _tls_of(reply)
         bad = next((sh for sh in reply.shards if not _host_port(sh.address)), None)
         hint = "use data_path=\"auto\" or \"proxy\""
@@ -386,7 +390,13 @@ class Direct:
         else:
             out = []
             for sh in reply.shards:
-                ch = self._channel(sh.address, tls)
+                wait = CONNECT_TIMEOUT if deadline is None else min(CONNECT_TIMEOUT, _left(deadline))
+                ch = self._channel(sh.address, tls, timeout=wait)
+                if ch is None and wait < CONNECT_TIMEOUT:
+                    raise MeshdError("DEADLINE_EXCEEDED",
+                                     f"direct {what}: no connection to the agent of rank "
+                                     f"{sh.rank} at {sh.address} before the deadline",
+                                     grpc.StatusCode.DEADLINE_EXCEEDED)
                 if ch is None:
                     break
                 out.append(ch)
@@ -420,7 +430,7 @@ class Direct:
         if reply is None:
             return None
         try:
-            chans = self._channels_for(reply, "upload")
+            chans = self._channels_for(reply, "upload", deadline)
         except BaseException:
             self._abandon_upload(reply.transfer_id)
             raise
@@ -571,7 +581,7 @@ class Direct:
         if reply is None:
             return None
         try:
-            chans = self._channels_for(reply, "fetch")
+            chans = self._channels_for(reply, "fetch", deadline)
         except BaseException:
             self._finish_fetch(reply.transfer_id, quiet=True)
             raise

@@ -378,3 +378,40 @@ def test_plan_addresses_must_be_host_port(one_slot, monkeypatch):
                 np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=1).result(10), a)
                 assert not any(addr == target for addr, _ in
                                list(s._direct._channels) + list(s._direct._unreachable))
+
+
+def test_the_wait_for_an_agents_connection_ends_at_the_transfers_deadline(one_slot, monkeypatch):
+    """The first connection to an agent may take CONNECT_TIMEOUT (1 s); a fetch_shard
+    with a shorter timeout ends at its own deadline, DEADLINE_EXCEEDED, not a second
+    later, and the agent is not remembered as unreachable for it. (A listener that
+    accepts and never speaks HTTP/2 stands in for an agent that does not answer.)"""
+    import socket
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    target = f"127.0.0.1:{silent.getsockname()[1]}"
+    real_plan = _direct.Direct.plan
+
+    def silent_agent(self, request, *a):
+        reply = real_plan(self, request, *a)
+        reply.shards[0].address = target
+        return reply
+    try:
+        with meshd.connect(one_slot, data_path="direct", timeout=10) as s:
+            with s.mesh(gpu=2).activate():
+                x = meshd.tensor(np.arange(4, dtype=np.float32), progress=False)
+                monkeypatch.setattr(_direct.Direct, "plan", silent_agent)
+                t0 = time.monotonic()
+                with pytest.raises(meshd.MeshdError) as ei:
+                    meshd.fetch_shard(x, gpu=1, timeout=0.3).result(10)
+                took = time.monotonic() - t0
+                monkeypatch.undo()
+                assert ei.value.kind == "DEADLINE_EXCEEDED", ei.value
+                assert "before the deadline" in str(ei.value), ei.value
+                assert took < 0.8, f"{took:.2f} s for a 0.3 s fetch"
+                assert not any(addr == target for addr, _ in s._direct._unreachable)
+                # the slot came back: the next fetch goes through
+                np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=1).result(10),
+                                              np.arange(4, dtype=np.float32))
+    finally:
+        silent.close()
