@@ -1713,9 +1713,11 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   }
   char msg[sizeof e.msg + 100];
   snprintf(msg, sizeof msg, "%s; tensor %llu stays undefined", e.msg, (unsigned long long)t->ref);
-  rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "%s", msg);
   /* Undone now, and again once the grants expired (a Write still running
-   * may define it on its agent until then); the slot is free at once. */
+   * may define it on its agent until then). The slot is free before the
+   * answer, as on success: a client that falls back to the proxy on it (an
+   * abandoned plan) must find the slot free (--session-max-transfers 1 found
+   * it taken now and then). */
   pthread_mutex_lock(&s->mu);
   if (!atomic_load(&s->closed) && o)
     refs_undo(ds, s, o, t->ref, t->stream, t->ranks, t->nranks);
@@ -1723,6 +1725,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   transfer_end(s);
   t->failed = true;
   transfer_put(ds, t);
+  rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "%s", msg);
 }
 
 /* The client read its shard: answered once every rank of the mesh ran what
