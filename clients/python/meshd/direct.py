@@ -65,8 +65,14 @@ def _left(deadline):
     return max(deadline - time.monotonic(), 0.001)
 
 
+# A host named as one of gRPC's target schemes reads as that scheme: "unix:123" is
+# the socket file 123 (the C and Node clients refuse the same names).
+_SCHEMES = {"unix", "unix-abstract", "ipv4", "ipv6", "dns", "vsock", "xds", "google-c2p"}
+
+
 def _host_port(address):
-    return bool(_HOST_PORT.match(address))
+    m = _HOST_PORT.match(address)
+    return bool(m) and m.group(1).lower() not in _SCHEMES
 
 
 def _closed_channel(e):

@@ -350,7 +350,7 @@ def test_plan_addresses_must_be_host_port(one_slot, monkeypatch):
     for good in ("127.0.0.1:5000", "[::1]:50051", "agent-3.cluster.local:9000"):
         assert _direct._host_port(good), good
     for bad in ("unix:/tmp/x.sock", "unix-abstract:x", "dns:///a:1", "ipv4:1.2.3.4:5",
-                "a:b", "host", "127.0.0.1:5000/x"):
+                "a:b", "host", "127.0.0.1:5000/x", "unix:123", "DNS:53"):
         assert not _direct._host_port(bad), bad
     real_plan = _direct.Direct.plan
     target = "unix:/tmp/meshd-direct-faults-nowhere.sock"
