@@ -137,6 +137,14 @@ typedef struct backend_ops {
   int (*recv)(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
               uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
               meshd_error_t *err);
+  /* This member will not take part in a data plane call it was sent (a
+   * collective or broadcast of g, or its side of a send or recv: g the
+   * one-member group of the peer): it failed before it could. Tells the
+   * peers why, so that they fail the call now instead of at the timeout
+   * (dp_refuse, which it blocks in as the call would have). NULL allowed:
+   * the peers wait out the timeout (cuda:N, whose peers wait in NCCL). */
+  void (*refuse)(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+                   const char *why);
   /* The session with this key ended on this agent: release what its
    * collectives and sends kept (cuda: destroy its NCCL communicators). NULL
    * allowed. */

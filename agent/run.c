@@ -27,6 +27,9 @@ typedef struct ctx {
   backend_t *b;
   backend_stream_t *bs; /* the instruction's stream on the backend (NULL: cpu) */
   run_failures_t *out;
+  /* The instruction entered its data plane call, or refused it: its peers
+   * learn of a failure there (refuse_group, refuse_link). */
+  bool joined;
 } ctx_t;
 
 /* ------------------------------------------------------------------ failures */
@@ -555,6 +558,40 @@ static int join_group(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t me, con
   return 0;
 }
 
+/* The instruction fails on this agent before it joined the data plane call
+ * of group g (a collective or a broadcast) that its peers run: they are told
+ * why now (backend refuse, dataplane.h's dp_refuse), instead of waiting out
+ * --comm-timeout-ms for it. Blocks as the call would have, until each peer
+ * reached the call. Nothing when it joined already, or when it could not
+ * have (not a member, no secret: its peers fail the same way). */
+static void refuse_group(ctx_t *c, const Meshd__Agent__V1__Group *g, const uint64_t *since,
+                         const char *what, const meshd_error_t *why) {
+  size_t me = 0;
+  const char *addrs[256];
+  dp_group_t grp;
+  meshd_error_t ignored;
+  if (c->joined || !c->b || !c->b->ops->refuse || !g || g->n_ranks < 2 ||
+      session_state_closing(c->s) || my_index(c, g, &me) ||
+      join_group(c, g, me, since, what, addrs, &grp, &ignored))
+    return;
+  c->joined = true;
+  c->b->ops->refuse(c->b, &grp, DP_REFUSE_GROUP, CALL_STEPS, why->msg);
+}
+
+/* The same for a ToMesh transfer's side (st: this agent's SendTensor). */
+static void refuse_link(ctx_t *c, const Meshd__Agent__V1__SendTensor *st, const meshd_error_t *why) {
+  if (c->joined || !c->b || !c->b->ops->refuse || !st->input == !st->result ||
+      st->secret.len != DP_SECRET_LEN || !st->peer_address || session_state_closing(c->s))
+    return;
+  uint32_t peer = st->input ? st->to_rank : st->from_rank;
+  const char *addrs[1] = {st->peer_address};
+  dp_group_t g = {.comm_id = st->comm_id, .call = st->call * CALL_STEPS, .session = c->s->key,
+                  .ranks = &peer, .addrs = addrs, .n = 1, .secret = st->secret.data};
+  session_state_note_comm(c->s, st->comm_id);
+  c->joined = true;
+  c->b->ops->refuse(c->b, &g, st->input ? DP_REFUSE_SEND : DP_REFUSE_RECV, CALL_STEPS, why->msg);
+}
+
 static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_t red,
                       const Meshd__Agent__V1__Group *g, agent_tensor_t *work,
                       const tensor_meta_t *rm, agent_tensor_t *res, int *any_failed,
@@ -585,6 +622,7 @@ static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_
   if (join_group(c, g, me, since, "Reduce", addrs, &grp, e)) return -1;
   void *in = work->storage->data, *out = res->storage ? res->storage->data : NULL;
   int rc;
+  c->joined = true;
   if (gather_root)
     rc = ops->gather_root(c->b, c->bs, &grp, ro->root, in, out, in_count, dt, e);
   else if (ro->rooted && !stack && ops->reduce_root)
@@ -652,15 +690,19 @@ static void run_reduce(ctx_t *c) {
   size_t me = 0;
   bool keep = !ro->rooted || (!my_index(c, ro->group, &me) && me == ro->root);
   if (keep && !in_place && !into_out && check_fresh(c, res_ref, "Reduce", &e)) {
+    refuse_group(c, ro->group, NULL, "Reduce", &e);
     report(c, e.kind, e.msg, res_ref);
     return;
   }
   /* The generation first: a peer lost after it fails the collective itself. */
   uint64_t since = c->b && c->b->net ? dataplane_generation(c->b->net) : 0;
+  /* A peer lost: every member learns it from the server; nobody to tell. */
+  bool tell = false;
   if (need_backend(c, "Reduce", &e) ||
       session_state_check_peers(c->s, ro->group->ranks, ro->group->n_ranks, c->ins->seq,
                                 "Reduce", &e))
     goto fail;
+  tell = true;
   int got =
       session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ro->input->ref, &in, &why);
   if (got < 0) {
@@ -674,8 +716,9 @@ static void run_reduce(ctx_t *c) {
   int failed = got != 0;
   meshd_error_t fault = {0};
   int inj = injected(c, "reduce", "Reduce", &fault);
-  if (inj < 0) {
+  if (inj < 0) { /* after a hang: the peers are long gone, or learn it from the server */
     e = fault;
+    tell = false;
     goto fail;
   }
   if (inj > 0) failed = 1; /* the peers learn it through the failure flag */
@@ -736,6 +779,7 @@ static void run_reduce(ctx_t *c) {
   }
   goto out;
 fail:
+  if (tell) refuse_group(c, ro->group, &since, "Reduce", &e);
   if (keep) root_failure(c, &res_ref, 1, &e);
   else report(c, e.kind == ERR_QUOTA || e.kind == ERR_AGENT_LOST ? e.kind : ERR_REMOTE_FAILURE,
               e.msg, res_ref); /* told, not recorded: the result does not live here */
@@ -765,13 +809,16 @@ static void run_broadcast(ctx_t *c) {
   bool source = me == 0;
   uint64_t res_ref = source ? 0 : bo->result->ref;
   if (!source && check_fresh(c, res_ref, "ToMesh", &e)) {
+    refuse_group(c, g, NULL, "ToMesh", &e);
     report(c, e.kind, e.msg, res_ref);
     return;
   }
   uint64_t since = c->b && c->b->net ? dataplane_generation(c->b->net) : 0;
+  bool tell = false; /* as in run_reduce */
   if (need_backend(c, "ToMesh", &e) ||
       session_state_check_peers(c->s, g->ranks, g->n_ranks, c->ins->seq, "ToMesh", &e))
     goto fail;
+  tell = true;
   if (!c->b->net) {
     error_set(&e, ERR_REMOTE_FAILURE, "ToMesh: this agent has no data plane");
     goto fail;
@@ -794,6 +841,7 @@ static void run_broadcast(ctx_t *c) {
   int inj = injected(c, "send", "ToMesh", &fault);
   if (inj < 0) {
     e = fault;
+    tell = false;
     goto fail;
   }
   if (source && inj > 0) { /* the destinations get the failure flag, the server the root */
@@ -807,8 +855,10 @@ static void run_broadcast(ctx_t *c) {
   int64_t hdr = 0;
   if (scalar_tensor(c, source ? got != 0 : 0, &hdr_t, &e) ||
       (source ? staged(c, &m, got == 0 ? &in : NULL, &buf, "ToMesh", &e)
-              : tensor_alloc(c->b, c->bs, &m, &buf, "ToMesh", &e)) ||
-      c->b->ops->broadcast(c->b, c->bs, &grp, hdr_t.storage->data, sizeof(int64_t), &e) ||
+              : tensor_alloc(c->b, c->bs, &m, &buf, "ToMesh", &e)))
+    goto fail;
+  c->joined = true;
+  if (c->b->ops->broadcast(c->b, c->bs, &grp, hdr_t.storage->data, sizeof(int64_t), &e) ||
       (grp.call++, c->b->ops->broadcast(c->b, c->bs, &grp, buf.storage->data, tensor_nbytes(&m), &e)) ||
       c->b->ops->to_host(c->b, &hdr_t, &hdr, &e))
     goto fail;
@@ -829,6 +879,7 @@ static void run_broadcast(ctx_t *c) {
   refs_put(&c->s->refs, res_ref, &buf);
   goto out;
 fail:
+  if (tell) refuse_group(c, g, &since, "ToMesh", &e);
   if (res_ref) root_failure(c, &res_ref, 1, &e);
   else log_warn("run", "session %.8s seq %" PRIu64 ": broadcast failed: %s", c->s->id, c->ins->seq,
                 e.msg);
@@ -846,9 +897,11 @@ static void run_send(ctx_t *c) {
   uint64_t res_ref = st->result ? st->result->ref : 0;
   int got = -1;
   if (res_ref && check_fresh(c, res_ref, "ToMesh", &e)) {
+    refuse_link(c, st, &e);
     report(c, e.kind, e.msg, res_ref);
     return;
   }
+  bool tell = false; /* as in run_reduce */
   if (need_backend(c, "ToMesh", &e)) goto fail;
   if (st->input) {
     got = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, st->input->ref, &in,
@@ -898,8 +951,10 @@ static void run_send(ctx_t *c) {
   int inj = injected(c, "send", "ToMesh", &fault);
   if (inj < 0 || (inj > 0 && !st->input)) { /* a receiver's fault: its result fails */
     e = fault;
+    tell = inj > 0; /* after a hang, the sender is long gone */
     goto fail;
   }
+  tell = true;
   if (inj > 0) { /* a sender's: the receiver gets the failure flag, the server the root */
     report(c, fault.kind, fault.msg, 0);
     got = 1;
@@ -918,7 +973,8 @@ static void run_send(ctx_t *c) {
   if (st->input) { /* sender: a failure flag, then the bytes (zeros if failed) */
     bool local = scalar_tensor(c, got != 0, &hdr_t, &e) ||
                  staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e);
-    if (local) abandon_link(c, st->comm_id, st->to_rank, true);
+    if (local) refuse_link(c, st, &e);
+    else c->joined = true;
     if (local ||
         c->b->ops->send(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->to_rank,
                         st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e) ||
@@ -935,10 +991,9 @@ static void run_send(ctx_t *c) {
   int64_t hdr = 0;
   /* Both tensors before the first recv, so that no local failure falls
    * between the header and the body. */
-  if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e)) {
-    abandon_link(c, st->comm_id, st->from_rank, false);
+  if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e))
     goto fail;
-  }
+  c->joined = true;
   if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->from_rank,
                       st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e))
     goto fail;
@@ -958,6 +1013,7 @@ static void run_send(ctx_t *c) {
   refs_put(&c->s->refs, res_ref, &out);
   goto out;
 fail:
+  if (tell) refuse_link(c, st, &e);
   if (res_ref) root_failure(c, &res_ref, 1, &e);
   else log_event(LOG_LEVEL_WARN, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
                  "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e.msg);
@@ -996,7 +1052,7 @@ static void run_snapshot(ctx_t *c) {
 
 void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t *bs,
                      const Meshd__Agent__V1__Instruction *ins, run_failures_t *out) {
-  ctx_t c = {env, s, ins, env->backend, bs, out};
+  ctx_t c = {env, s, ins, env->backend, bs, out, false};
   if (env->stats) atomic_fetch_add(&env->stats->instructions, 1);
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_FACTORY: run_factory(&c); break;
@@ -1018,9 +1074,16 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
 
 void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V1__Instruction *ins,
                  const meshd_error_t *why, run_failures_t *out) {
-  ctx_t c = {env, s, ins, env->backend, NULL, out};
+  ctx_t c = {env, s, ins, env->backend, NULL, out, false};
   uint64_t refs[OP_MAX_RESULTS + 1];
   size_t n = validate_result_refs(ins, refs, sizeof refs / sizeof refs[0]);
+  /* Peers that run it wait for this agent in its data plane call: told. */
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE && ins->reduce)
+    refuse_group(&c, ins->reduce->group, NULL, "Reduce", why);
+  else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST && ins->broadcast)
+    refuse_group(&c, ins->broadcast->group, NULL, "ToMesh", why);
+  else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SEND && ins->send)
+    refuse_link(&c, ins->send, why);
   root_failure(&c, refs, n, why);
   if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT && ins->snapshot) {
     /* Its Read answers with the reason. */

@@ -280,6 +280,11 @@ static int cpu_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_
   return b->net ? dp_recv(b->net, comm_id, call, secret, from_rank, addr, buf, bytes, e) : no_net(e);
 }
 
+static void cpu_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+                   const char *why) {
+  if (b->net) dp_refuse(b->net, g, what, calls, why, NULL);
+}
+
 const backend_ops_t cpu_backend_ops = {
     .name = "cpu",
     .open = cpu_open,
@@ -306,5 +311,6 @@ const backend_ops_t cpu_backend_ops = {
     .broadcast = cpu_broadcast,
     .send = cpu_send,
     .recv = cpu_recv,
+    .refuse = cpu_refuse,
     .session_end = NULL, /* the data plane drops a session's connections on its own */
 };

@@ -471,6 +471,11 @@ static void c_session_end(backend_t *b, uint64_t session) {
   cuda_session_end(b, session);
 }
 
+static void c_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+                   const char *why) {
+  cuda_refuse(b, g, what, calls, why);
+}
+
 static void c_peer_lost(backend_t *b, uint64_t session, uint32_t rank) {
   cuda_bind(cuda_state(b));
   cuda_peer_lost(b, session, rank);
@@ -502,6 +507,7 @@ const backend_ops_t cuda_backend_ops = {
     .broadcast = c_broadcast,
     .send = c_send,
     .recv = c_recv,
+    .refuse = c_refuse,
     .session_end = c_session_end,
     .peer_lost = c_peer_lost,
 };

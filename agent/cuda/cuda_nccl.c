@@ -956,6 +956,11 @@ int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void 
   return run_real(b, s, COMM_GROUP, g->session, g, &j, source ? bytes : 0, source ? 0 : bytes, err);
 }
 
+void cuda_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+                   const char *why) {
+  if (emulated(b) && b->net) dp_refuse(b->net, g, what, calls, why, NULL);
+}
+
 static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, uint64_t comm_id,
                uint64_t call, const uint8_t *secret, uint32_t peer, const char *addr, void *buf, size_t bytes,
                meshd_error_t *err) {

@@ -61,6 +61,11 @@ int cuda_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, siz
                      const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err);
 int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
                    meshd_error_t *err);
+/* backend_ops_t.refuse: the data plane's refusal on cuda:emulated, whose
+ * calls run there; nothing on a GPU (the peers wait in NCCL until the comm
+ * timeout aborts it). */
+void cuda_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+                   const char *why);
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,
               uint64_t call, const uint8_t *secret, uint32_t to_rank, const char *addr, const void *buf,
               size_t bytes, meshd_error_t *err);

@@ -19,7 +19,9 @@
  * closed, counted by reason and logged (rate-limited); no byte after the hello
  * is ever read from it. Everything it sends before its ack, a member's dialer
  * treats as "dial again", so a stranger that crowds the listener delays a
- * member by a redial at most.
+ * member by a redial at most. A hello for a call that failed or was refused
+ * here (failed_call_t), while no call of its comm runs, is acked and answered
+ * at once with that call's abort instead of being held.
  *
  * Same host. Every data plane also listens on the abstract unix socket
  * "@meshd-dp:PORT" (PORT its TCP port). A dialer whose peer's address is its
@@ -181,20 +183,28 @@ static uint64_t next_call_locked(const conn_t *c) {
   return c->last_call;
 }
 
-void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, const char *why) {
-  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+/* An abort frame of call `call` carrying why (cut at DP_ABORT_MAX): its length. */
+static size_t abort_frame(uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX], uint64_t comm_id, uint64_t call,
+                          const char *why) {
   size_t len = dp__min(strlen(why), DP_ABORT_MAX);
   dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, call, 0);
   memcpy(frame + DP_HDR_LEN, why, len);
+  return DP_HDR_LEN + len;
+}
+
+void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_t peer,
+                       const char *why) {
+  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+  size_t len = abort_frame(frame, comm_id, call, why);
   pthread_mutex_lock(&dp->mu);
   for (conn_t *c = dp->ins, *next; c; c = next) {
     next = c->next;
-    if (c->comm_id != comm_id || c->refs > 1) continue;
+    if (c->comm_id != comm_id || c->refs > 1 || (peer != DP_ANY_PEER && c->peer != peer)) continue;
     if (next_call_locked(c) > call) continue; /* a later call's */
     /* We only ever write aborts on a connection we receive on: safe at any
      * time. The link stays: frames of a later call its dialer may yet send
      * on it are read by our next call (this one's it skips). */
-    ssize_t w = send(c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t w = send(c->fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)w;
     if (call == 0) conn_unlink_locked(&dp->ins, c); /* unnumbered calls cannot tell them apart */
   }
@@ -903,6 +913,14 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
 
 /* --------------------------------------------------------- registrations */
 
+/* The listener looks again at the hellos it holds (a call started, or one
+ * was refused). */
+static void wake_listener(dataplane_t *dp) {
+  ssize_t w;
+  do w = write(dp->wake[1], "r", 1);
+  while (w < 0 && errno == EINTR);
+}
+
 int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err) {
   *id = 0;
   pthread_mutex_lock(&dp->mu);
@@ -926,11 +944,7 @@ int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err) 
   dp->reg_ids[dp->nregs++] = *id = ++dp->next_reg;
   bool wake = dp->parked > 0; /* the listener holds hellos: some may be this call's */
   pthread_mutex_unlock(&dp->mu);
-  if (wake) {
-    ssize_t w;
-    do w = write(dp->wake[1], "r", 1);
-    while (w < 0 && errno == EINTR);
-  }
+  if (wake) wake_listener(dp);
   return 0;
 }
 
@@ -946,6 +960,69 @@ void dp__unregister(dataplane_t *dp, uint64_t id) {
     break;
   }
   pthread_mutex_unlock(&dp->mu);
+}
+
+/* -------------------------------------------------------- failed calls */
+
+static void failed_calls_expire_locked(dataplane_t *dp, int64_t now, size_t keep) {
+  size_t k = 0;
+  for (size_t i = 0; i < dp->nfailed; i++) {
+    /* Oldest first: beyond `keep`, the oldest go whatever their time. */
+    if (dp->failed[i].until_ms <= now || dp->nfailed - i > keep) {
+      free(dp->failed[i].ranks);
+      continue;
+    }
+    dp->failed[k++] = dp->failed[i];
+  }
+  dp->nfailed = k;
+}
+
+void dp__failed_call_add(dataplane_t *dp, const dp_group_t *g, uint64_t last, const char *why) {
+  if (g->call == 0 || !g->secret) return; /* unnumbered calls cannot tell one call's hellos
+                                           * from the next's */
+  uint32_t *ranks = malloc(g->n * sizeof *ranks);
+  if (!ranks) return; /* a peer that dials us waits out its timeout, as before refusals */
+  memcpy(ranks, g->ranks, g->n * sizeof *ranks);
+  int64_t now = dp__now_ms();
+  pthread_mutex_lock(&dp->mu);
+  failed_calls_expire_locked(dp, now, DP_FAILED_MAX - 1);
+  failed_call_t *r = &dp->failed[dp->nfailed++];
+  *r = (failed_call_t){.comm_id = g->comm_id, .call = g->call,
+                       .last = last > g->call ? last : g->call, .ranks = ranks, .n = g->n,
+                   .until_ms = now + dp->timeout_ms};
+  memcpy(r->secret, g->secret, DP_SECRET_LEN);
+  snprintf(r->why, sizeof r->why, "%s", why && *why ? why : "it failed this call");
+  bool wake = dp->parked > 0;
+  pthread_mutex_unlock(&dp->mu);
+  if (wake) wake_listener(dp);
+}
+
+/* Whether p's complete hello is for a call that failed here (or an older
+ * one: the dialer is behind, and we are past it), from a member of its
+ * group proving its secret: then *r is a copy of the latest such record
+ * (its ranks not to be used). Not while a call of the comm runs here: that
+ * call takes it as always (a refusal's own registration aside). Under mu. */
+static bool failed_call_answers_locked(dataplane_t *dp, const pending_t *p, failed_call_t *r) {
+  dp_hello_t h;
+  if (dp_wire_parse_hello(p->hello, p->got, &h, NULL, 0) != DP_PARSE_OK) return false;
+  for (size_t i = 0; i < dp->nregs; i++)
+    if (dp->regs[i].comm_id == h.comm_id && dp->reg_calls[i] && !dp->reg_calls[i]->refusal)
+      return false;
+  int64_t now = dp__now_ms();
+  const failed_call_t *best = NULL;
+  for (size_t i = 0; i < dp->nfailed; i++) {
+    const failed_call_t *f = &dp->failed[i];
+    if (f->comm_id != h.comm_id || h.call > f->last || f->until_ms <= now ||
+        (best && best->last >= f->last))
+      continue;
+    dp_wire_group_t grp = {.comm_id = f->comm_id, .ranks = f->ranks, .n = f->n, .secret = f->secret};
+    size_t which;
+    if (dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, &grp, 1, &which, NULL, 0) ==
+        DP_ADMIT_OK)
+      best = f;
+  }
+  if (best) *r = *best;
+  return best != NULL;
 }
 
 const char *dp_reject_name(dp_reject_t reason) {
@@ -1069,10 +1146,16 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   char why[200] = "";
   size_t which = 0;
   uint8_t secret[DP_SECRET_LEN];
+  failed_call_t failed;
   pthread_mutex_lock(&dp->mu);
-  dp_admit_t a = dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, dp->regs, dp->nregs, &which,
-                               why, sizeof why);
-  if (a == DP_ADMIT_OK) memcpy(secret, dp->regs[which].secret, DP_SECRET_LEN);
+  /* A call that failed (or was refused) here, while none of its comm runs:
+   * acked, then told why. */
+  bool refuse = failed_call_answers_locked(dp, p, &failed);
+  dp_admit_t a = refuse ? DP_ADMIT_OK
+                        : dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, dp->regs, dp->nregs,
+                                        &which, why, sizeof why);
+  if (a == DP_ADMIT_OK)
+    memcpy(secret, refuse ? failed.secret : dp->regs[which].secret, DP_SECRET_LEN);
   if (a == DP_ADMIT_UNKNOWN_GROUP && !p->parked) { /* its call may not have started here yet */
     p->parked = true;
     p->deadline = p->accepted + dp->timeout_ms;
@@ -1098,6 +1181,12 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   if (send(p->fd, ack, sizeof ack, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof ack) {
     close(p->fd);
     return false;
+  }
+  if (refuse) { /* as dp__abort_untaken writes it: the link stays for its dialer to close */
+    uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+    ssize_t w = send(p->fd, frame, abort_frame(frame, failed.comm_id, failed.last, failed.why),
+                     MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)w;
   }
   file_accepted(dp, p, secret);
   return false;
@@ -1373,6 +1462,7 @@ void dataplane_stop(dataplane_t *dp) {
     next = sc->next;
     free(sc);
   }
+  failed_calls_expire_locked(dp, INT64_MAX, 0);
   free(dp->regs);
   free(dp->reg_ids);
   free(dp->reg_calls);

@@ -103,6 +103,7 @@ uint64_t dataplane_rejected(const dataplane_t *dp, dp_reject_t reason);
   XX(TIMEOUT, "timeout")           /* a peer did not connect or move a byte in time */     \
   XX(PEER_ABORTED, "peer_aborted") /* a peer failed first and sent its abort notice */     \
   XX(BEHIND, "behind")             /* a peer was at a later call: this member fell behind */ \
+  XX(REFUSED, "refused")           /* this member failed before it joined (dp_refuse) */     \
   XX(ERROR, "error")               /* anything else: a closed connection, shutdown, OOM */
 typedef enum {
 #define XX(name, str) DP_ABORT_##name,
@@ -207,5 +208,28 @@ int dp_send(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *sec
             uint32_t to_rank, const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
 int dp_recv(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *secret,
             uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+
+/* What a member refuses (dp_refuse): a collective or broadcast of group g,
+ * or its side of a point-to-point transfer (g: the one-member group of the
+ * peer, as dp_send and dp_recv make; g->me is ignored). */
+typedef enum { DP_REFUSE_GROUP, DP_REFUSE_SEND, DP_REFUSE_RECV } dp_refuse_t;
+/* This member will not take part in the `calls` calls of g's comm from
+ * g->call on (an instruction's steps: a collective and its failure flag),
+ * which it was sent: it failed before it could (no memory for its buffers,
+ * no device stream). Its peers fail at whichever of those calls they are,
+ * at once, with `why` (PEER_ABORTED, the message naming this rank), instead
+ * of waiting out timeout_ms for it:
+ *   - each peer that waits for a connection from us gets one carrying an
+ *     abort frame (a group: every member is dialed; a recv: nobody);
+ *   - links of the comm no call holds here get one (dp__abort_untaken);
+ *   - for timeout_ms, hellos of those calls are answered with an ack and an
+ *     abort, so a peer that dials us later learns it as well (as every
+ *     failed call's hellos are: conn.c).
+ * Blocks until every peer to dial took its notice (a peer still busy before
+ * the call: until it gets there, as the call would have), or until
+ * timeout_ms; counts DP_ABORT_REFUSED once. 0, or -1 with err naming a peer
+ * that could not be told (it then fails at its timeout, as before). */
+int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+              const char *why, meshd_error_t *err);
 
 #endif

@@ -8,6 +8,7 @@
  *                  plan (its connections and messages)
  *   collectives.c  ring and direct exchanges; allreduce .. alltoall
  *   p2p.c          send and recv
+ *   refuse.c       a member that will not take part in a call (dp_refuse)
  *   reduce_ops.c   the typed element-wise reductions (reduce_ops.h)
  *   wire.c         handshake and frame headers as pure functions (wire.h)
  *   shm.c          same-host messages: sealed memfds, checked and mapped
@@ -42,6 +43,7 @@
  * a long address was cut: no link matched it again, and no loss was seen. */
 #define DP_ADDR_MAX 256
 #define DP_DEAD_MAX 32 /* peers declared lost that calls in progress still check */
+#define DP_FAILED_MAX 64 /* failed calls whose late hellos are still answered (failed_call_t) */
 /* A broadcast of this many bytes or more goes to a same-host member as one
  * shared-memory frame (shm.c) instead of its bytes. */
 #define DP_SHM_MIN ((size_t)1 << 20)
@@ -98,6 +100,24 @@ typedef struct dead_peer {
   char why[200];
 } dead_peer_t;
 
+/* A call that failed here (dp__plan_finish) or was refused (dp_refuse): for
+ * timeout_ms, while no call of its comm runs here, a hello of that call (or
+ * an older one) from a member of its group is acked, then answered with an
+ * abort carrying `why` (conn.c's listener), so that a member that dials for
+ * it after we left it learns why at once instead of waiting out its
+ * timeout. */
+typedef struct failed_call {
+  uint64_t comm_id;
+  /* Hellos of calls call..last are answered, with an abort of `last` (which
+   * fails a peer at any of them, transfer.c) */
+  uint64_t call, last;
+  uint32_t *ranks; /* the group's members (owned) */
+  size_t n;
+  uint8_t secret[DP_SECRET_LEN];
+  int64_t until_ms;
+  char why[DP_ABORT_MAX + 1];
+} failed_call_t;
+
 struct dataplane {
   _Atomic uint32_t rank; /* the world rank: --rank, else the server's Hello's */
   int timeout_ms;
@@ -130,6 +150,8 @@ struct dataplane {
   size_t nregs, capregs;
   uint64_t next_reg;
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
+  failed_call_t failed[DP_FAILED_MAX]; /* oldest first (mu) */
+  size_t nfailed;
   _Atomic uint64_t rejected[DP_REJECT_COUNT];
   _Atomic uint64_t withdrawn; /* unproven connections their dialer closed (no rejection) */
   _Atomic uint64_t aborts[DP_ABORT_COUNT];
@@ -187,13 +209,21 @@ void dp__conn_discard(dataplane_t *dp, conn_t *c);
 /* Discards every connection of comm_id, in both directions. */
 void dp__drop_comm(dataplane_t *dp, uint64_t comm_id);
 /* After call `call` of comm_id failed here: writes an abort frame carrying
- * `why` on each accepted link of the comm no call took that serves this call
- * or an older one (its next frame's call, else the one its dialer dialed it
+ * `why` on each accepted link of the comm (from `peer` only, unless it is
+ * DP_ANY_PEER) no call took that serves this call or an older one (its next frame's call, else the one its dialer dialed it
  * for or the latest frame's), so that a peer whose link no call here has
  * taken yet learns the root cause too. The links stay open: a peer that
  * moved on to a later call on one reads the abort as an older call's and
  * goes on (transfer.c). */
-void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, const char *why);
+#define DP_ANY_PEER UINT32_MAX
+void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_t peer,
+                       const char *why);
+/* Records calls g->call..last of g's comm as failed here, answered with `why`
+ * (failed_call_t; not call 0, which cannot tell one call from the next),
+ * dropping expired records (and the oldest beyond DP_FAILED_MAX), and has the
+ * listener look again at the hellos it holds. Best effort: without memory
+ * nothing is recorded. */
+void dp__failed_call_add(dataplane_t *dp, const dp_group_t *g, uint64_t last, const char *why);
 
 /* ------------------------------------------------ transfer.c: the engine */
 
@@ -246,7 +276,11 @@ struct call {
   uint64_t gen;        /* dp->gen when it started: later losses of a member fail it */
   uint64_t comm_id;
   uint64_t call;         /* dp_group_t.call: every frame carries it */
+  /* The last call a peer's abort that ended it named (dp_refuse's cover an
+   * instruction's calls): its own aborts and failure record cover as many. */
+  uint64_t upto;
   _Atomic bool dropped;  /* dataplane_drop_comm closed its comm while it ran */
+  bool refusal;          /* a dp_refuse: registered for drops only, not to take hellos */
   const uint8_t *secret; /* the group's, DP_SECRET_LEN bytes */
   dtype_t dtype;
   reduction_t op;
@@ -255,6 +289,10 @@ struct call {
    * (DP_ABORT_TIMEOUT, DP_ABORT_PEER_ABORTED); else from the kind. */
   int abort_reason; /* dp_abort_t + 1; 0: not set */
 };
+
+/* The last call a failure of cl covers: its own, or a later one a peer's
+ * abort named. */
+static inline uint64_t dp__upto(const call_t *cl) { return cl->upto > cl->call ? cl->upto : cl->call; }
 
 /* A call's transfers and the messages they carry (owned by the plan). */
 typedef struct plan {

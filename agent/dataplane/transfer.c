@@ -76,7 +76,10 @@ static bool read_abort(int fd, const dp_frame_t *f, char *text, size_t textlen) 
   return got == f->len;
 }
 
-static int aborted(call_t *cl, const conn_t *c, const char *text, meshd_error_t *err) {
+/* A peer's abort of call `at` (ours, or a later one: a refusal covers an
+ * instruction's calls, dp_refuse) ended this call. */
+static int aborted(call_t *cl, const conn_t *c, uint64_t at, const char *text, meshd_error_t *err) {
+  if (at > cl->upto) cl->upto = at;
   error_set(err, ERR_REMOTE_FAILURE, "%s on comm %llu: rank %u at %s aborted: %s", cl->what,
             (unsigned long long)cl->comm_id, c->peer, c->addr, text);
   snprintf(cl->root, sizeof cl->root, "%s", text);
@@ -122,7 +125,7 @@ static int send_side_closed(call_t *cl, xfer_t *x, meshd_error_t *err) {
         dp_wire_parse_frame(hdr, cl->comm_id, cl->call, 0, 0, 0, &f) != DP_FRAME_ABORT)
       return peer_error(cl, x->c, err, "closed the connection (it failed or stopped)");
     bool whole = read_abort(x->c->fd, &f, text, sizeof text);
-    if (f.call >= cl->call || !whole) return aborted(cl, x->c, text, err);
+    if (f.call >= cl->call || !whole) return aborted(cl, x->c, f.call, text, err);
     x->stale = true; /* and read on: a later abort, or the close */
   }
 }
@@ -378,7 +381,7 @@ static ssize_t recv_step(call_t *cl, xfer_t *x, meshd_error_t *err) {
           x->stale = true;
           continue;
         }
-        return aborted(cl, x->c, text, err);
+        return aborted(cl, x->c, f.call, text, err);
       }
       case DP_FRAME_FOREIGN:
         return peer_error(cl, x->c, err, "sent a frame that is not data for this comm");
@@ -555,7 +558,7 @@ out:
 static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
   size_t len = dp__min(strlen(cl->root), DP_ABORT_MAX);
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, cl->comm_id, cl->call, 0);
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, cl->comm_id, dp__upto(cl), 0);
   memcpy(frame + DP_HDR_LEN, cl->root, len);
   for (size_t i = 0; i < nx; i++) {
     if (!xs[i].c || (xs[i].send && xs[i].in_frame)) continue;
@@ -707,7 +710,10 @@ int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
       plan_abort(p);
       for (size_t i = 0; i < p->nx; i++)
         if (p->xs[i].c) dp__conn_discard(p->cl.dp, p->xs[i].c);
-      if (!p->link_only) dp__abort_untaken(p->cl.dp, p->cl.comm_id, p->cl.call, p->cl.root);
+      if (!p->link_only)
+        dp__abort_untaken(p->cl.dp, p->cl.comm_id, dp__upto(&p->cl), DP_ANY_PEER, p->cl.root);
+      /* and a member that dials for it later, as well */
+      dp__failed_call_add(p->cl.dp, p->cl.g, dp__upto(&p->cl), p->cl.root);
     }
   }
   if (p->xs)

@@ -852,6 +852,63 @@ def test_a_gather_onto_a_sub_mesh_allocates_only_on_its_target(meshd_server, age
         assert time.monotonic() - started < 4.0, "waited for a member that never joined"
 
 
+def test_a_member_out_of_memory_before_a_reduce_fails_its_peers_at_once(meshd_server, agent):
+    """Rank 1 has room for a reduce_scatter's result (the server's check) but not for its
+    staging copy of the input as well: it fails QUOTA before it joins the collective. Rank 0 waited for it until
+    --comm-timeout-ms (20 s here); now rank 1 tells it why (dp_refuse) and the reduce fails
+    at once with that reason. Another session's collectives on the same agents go on, and
+    this session works again once there is room."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    agent(srv.port, "--memory-bytes", "4MiB", "--comm-timeout-ms", 20000, rank=0)
+    agent(srv.port, "--memory-bytes", "1000000", "--comm-timeout-ms", 20000, rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    stop, other_errors, other_done = threading.Event(), [], [0]
+
+    def other_session():
+        with Session(srv.port, "bystander") as b:
+            m = b.mesh(gpu=2)
+            t = b.tensor(m.ref, (4,), kind="ones")
+            while not stop.is_set():
+                try:
+                    b.run(reduce(b.new_ref(), t.ref, ["gpu"], reduction="sum"))
+                    b.run(sync(), timeout=10)
+                    other_done[0] += 1
+                except Exception as e:  # noqa: BLE001 -- reported below
+                    other_errors.append(repr(e))
+                    return
+
+    bystander = threading.Thread(target=other_session)
+    bystander.start()
+    try:
+        with Session(srv.port, "no-room") as s:
+            m = s.mesh(gpu=2)
+            need(s, m.ref, factories=("zeros", "ones"))
+            other = s.tensor(s.slice(m.ref, gpu=1).ref, (140_000,))  # 560 kB on rank 1
+            x = s.tensor(m.ref, (2, 25_000), kind="ones")           # 200 kB each: 760 kB
+            r = s.new_ref()
+            started = time.monotonic()
+            s.run(reduce(r, x.ref, ["gpu"], reduction="sum", scatter=True))  # 100 kB: room
+            s.run(sync(), timeout=30)  # every agent is done with it: rank 0 too
+            took = time.monotonic() - started
+            assert took < 5.0, f"the reduce_scatter took {took:.1f} s to fail"
+            d = s.describe(r).tensors[0]
+            assert pb().TensorState.Name(d.state) == "TENSOR_STATE_FAILED", d
+            assert "cannot allocate" in d.error.message and "rank 1" in d.error.message, d
+            # Room again: the same reduce runs.
+            s.run(drop(other.ref))
+            r2 = s.new_ref()
+            s.run(reduce(r2, x.ref, ["gpu"], reduction="sum", scatter=True))
+            s.run(sync(), timeout=30)
+            assert state(s, r2) == "TENSOR_STATE_LIVE", s.describe(r2)
+    finally:
+        stop.set()
+        bystander.join(timeout=60)
+    assert not bystander.is_alive(), "the other session hung"
+    assert not other_errors, other_errors
+    assert other_done[0] > 0, "the other session ran no collective"
+
+
 def test_quota(shared_meshd):
     srv = shared_meshd(2)
     with Session(srv.port, "quota", quota_bytes=1000) as s:

@@ -172,7 +172,7 @@ def test_server_metrics(meshd_server, tmp_path):
         assert afams["meshd_agent_allocated_bytes"]["type"] == "gauge"
         assert afams["meshd_collective_aborts_total"]["type"] == "counter"
         assert {ls["reason"] for _, ls, _ in afams["meshd_collective_aborts_total"]["samples"]} == \
-            {"agent_lost", "timeout", "peer_aborted", "behind", "error"}
+            {"agent_lost", "timeout", "peer_aborted", "behind", "refused", "error"}
 
     with Session(srv.port, "metrics") as s:
         m = s.mesh(gpu=2).ref

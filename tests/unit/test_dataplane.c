@@ -77,7 +77,12 @@ static int64_t now_ms(void) {
 
 /* ------------------------------------------------------------ one call per member */
 
-typedef enum { K_ALLREDUCE, K_RS, K_AG, K_A2A, K_REDUCE_ROOT, K_GATHER_ROOT, K_BROADCAST } kind_t;
+typedef enum {
+  K_ALLREDUCE, K_RS, K_AG, K_A2A, K_REDUCE_ROOT, K_GATHER_ROOT, K_BROADCAST,
+  K_REFUSE,                 /* dp_refuse of the group */
+  K_SEND, K_RECV,           /* to / from member `root`, count bytes */
+  K_REFUSE_SEND, K_REFUSE_RECV /* dp_refuse of that send / recv */
+} kind_t;
 
 typedef struct job {
   world_t *w;
@@ -89,6 +94,9 @@ typedef struct job {
   size_t count, root;
   void *in, *out;
   bool map; /* broadcast: in is a private mapping the data plane may map over */
+  int delay_ms; /* waited before the call */
+  bool flag;    /* then, if it succeeded, a failure flag's allreduce (call + 1), as an agent does */
+  const char *why; /* a refusal's reason */
   int rc;
   meshd_error_t err;
   int64_t took_ms;
@@ -99,8 +107,25 @@ static void *job_main(void *arg) {
   dp_group_t g = group(j->w, j->comm, j->me);
   g.mappable = j->map;
   g.call = j->call;
+  if (j->delay_ms > 0) usleep((useconds_t)j->delay_ms * 1000);
+  /* A send or recv's group: the one peer. */
+  const char *peer_addr[1] = {j->w->addrs[j->root]};
+  dp_group_t pg = {.comm_id = j->comm, .call = j->call, .ranks = &j->w->ranks[j->root],
+                   .addrs = peer_addr, .n = 1, .secret = SECRET};
   int64_t t0 = now_ms();
   switch (j->kind) {
+  /* Two calls, as an agent's instruction makes (a collective, its failure flag). */
+  case K_REFUSE: j->rc = dp_refuse(j->w->dp[j->me], &g, DP_REFUSE_GROUP, 2, j->why, &j->err); break;
+  case K_REFUSE_SEND: j->rc = dp_refuse(j->w->dp[j->me], &pg, DP_REFUSE_SEND, 2, j->why, &j->err); break;
+  case K_REFUSE_RECV: j->rc = dp_refuse(j->w->dp[j->me], &pg, DP_REFUSE_RECV, 2, j->why, &j->err); break;
+  case K_SEND:
+    j->rc = dp_send(j->w->dp[j->me], j->comm, j->call, SECRET, j->w->ranks[j->root],
+                    j->w->addrs[j->root], j->in, j->count, &j->err);
+    break;
+  case K_RECV:
+    j->rc = dp_recv(j->w->dp[j->me], j->comm, j->call, SECRET, j->w->ranks[j->root],
+                    j->w->addrs[j->root], j->in, j->count, &j->err);
+    break;
   case K_ALLREDUCE: j->rc = dp_allreduce(j->w->dp[j->me], &g, j->in, j->count, j->dtype, j->op, &j->err); break;
   case K_RS: j->rc = dp_reduce_scatter(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, j->op, &j->err); break;
   case K_AG: j->rc = dp_allgather(j->w->dp[j->me], &g, j->in, j->out, j->count, j->dtype, &j->err); break;
@@ -112,6 +137,11 @@ static void *job_main(void *arg) {
   case K_GATHER_ROOT:
     j->rc = dp_gather_root(j->w->dp[j->me], &g, j->root, j->in, j->out, j->count, j->dtype, &j->err);
     break;
+  }
+  if (j->rc == 0 && j->flag) {
+    float f = 0;
+    g.call++;
+    j->rc = dp_allreduce(j->w->dp[j->me], &g, &f, 1, DTYPE_FLOAT32, RED_MAX, &j->err);
   }
   j->took_ms = now_ms() - t0;
   return NULL;
@@ -684,6 +714,169 @@ Test(dataplane, member_never_joins_ring, .timeout = 30) {
     missing_member_case(3, BIG_BYTES / 4, call);
     missing_member_case(4, 100000, call);
   }
+}
+
+/* ------------------------------------------------------------ refusals */
+
+#define REFUSAL "Reduce: no memory for the staging copy (a test's refusal)"
+
+/* Member r's job for call `call` of a collective of kind k over w: count
+ * float elements per member (a broadcast: count * 4 bytes), inputs filled. */
+static void kind_job(job_t *j, world_t *w, size_t r, kind_t k, uint64_t comm, uint64_t call,
+                     size_t count) {
+  size_t n = w->n;
+  *j = (job_t){.w = w, .me = r, .comm = comm, .call = call, .kind = k, .dtype = DTYPE_FLOAT32,
+               .op = RED_SUM, .count = k == K_BROADCAST ? count * 4 : count};
+  size_t in = k == K_RS || k == K_A2A ? n * count : count;
+  size_t out = k == K_AG || k == K_GATHER_ROOT || k == K_A2A ? n * count : count;
+  j->in = calloc(in + 1, 4);
+  j->out = calloc(out + 1, 4);
+  fill(DTYPE_FLOAT32, RED_SUM, r, j->in, in, 0);
+}
+
+static void free_jobs(job_t *jobs, size_t n) {
+  for (size_t r = 0; r < n; r++) {
+    free(jobs[r].in);
+    free(jobs[r].out);
+  }
+}
+
+/* A peer's error after a refusal: the refusal's reason and who refused, or a
+ * link closed by a member that failed in the middle of a frame (it could not
+ * pass the reason on). */
+static bool told(const job_t *j, const char *who) {
+  return (strstr(j->err.msg, REFUSAL) && strstr(j->err.msg, who)) ||
+         strstr(j->err.msg, "closed the connection");
+}
+
+/* Member `refuser` refuses calls 2 and 3 of comm 40 (dp_refuse: a collective
+ * of kind k and its failure flag, as an agent's instruction has) while its
+ * peers run call 2: 100 ms before they start, or 100 ms after they are
+ * waiting for it. With kept_links, call 1 ran first with everyone, so the
+ * comm's links are kept ones; else each is dialed for the refused call.
+ * Every peer fails at once (not after the 10 s timeout), told why: one that
+ * receives at call 2; one that only sends may complete it, and then fails
+ * its flag (call 3). Call 4 with everyone succeeds. */
+static void refusal_case(size_t n, kind_t k, size_t count, size_t refuser, bool refuse_first,
+                         bool kept_links) {
+  world_t w;
+  world_start(&w, n, 10000);
+  const uint64_t comm = 40;
+  job_t jobs[MAXN];
+  char ctx[200], who[32];
+  snprintf(ctx, sizeof ctx, "n=%zu kind=%d count=%zu refuser=%zu %s, %s", n, (int)k, count,
+           refuser, refuse_first ? "refusing first" : "refusing while the peers wait",
+           kept_links ? "kept links" : "fresh links");
+  snprintf(who, sizeof who, "rank %u", w.ranks[refuser]);
+  if (kept_links) {
+    for (size_t r = 0; r < n; r++) kind_job(&jobs[r], &w, r, k, comm, 1, count);
+    run_jobs(jobs, n);
+    for (size_t r = 0; r < n; r++)
+      cr_assert_eq(jobs[r].rc, 0, "%s: call 1, member %zu: %s", ctx, r, jobs[r].err.msg);
+    free_jobs(jobs, n);
+  }
+  for (size_t r = 0; r < n; r++) {
+    kind_job(&jobs[r], &w, r, k, comm, 2, count);
+    jobs[r].flag = true;
+    if (r == refuser) {
+      jobs[r].kind = K_REFUSE;
+      jobs[r].why = REFUSAL;
+      jobs[r].flag = false;
+    }
+    jobs[r].delay_ms = (r == refuser) == refuse_first ? 0 : 100;
+  }
+  run_jobs(jobs, n);
+  cr_assert_eq(jobs[refuser].rc, 0, "%s: the refusal: %s", ctx, jobs[refuser].err.msg);
+  cr_assert_eq(dataplane_aborts(w.dp[refuser], DP_ABORT_REFUSED), 1, "%s", ctx);
+  size_t named = 0;
+  for (size_t r = 0; r < n; r++) {
+    if (r == refuser) continue;
+    cr_assert_eq(jobs[r].rc, -1, "%s: member %zu ran its call and flag without the refuser", ctx, r);
+    cr_assert(jobs[r].took_ms < 3000, "%s: member %zu failed after %lld ms: %s", ctx, r,
+              (long long)jobs[r].took_ms, jobs[r].err.msg);
+    cr_assert(told(&jobs[r], who), "%s: member %zu's error does not say who refused and why: %s",
+              ctx, r, jobs[r].err.msg);
+    cr_assert_eq(aborts(&w, r, DP_ABORT_TIMEOUT), 0, "%s: member %zu timed out", ctx, r);
+    named += strstr(jobs[r].err.msg, REFUSAL) != NULL;
+  }
+  cr_assert_geq(named, 1, "%s: no peer learned the refusal's reason", ctx);
+  free_jobs(jobs, n);
+  for (size_t r = 0; r < n; r++) kind_job(&jobs[r], &w, r, k, comm, 4, count);
+  run_jobs(jobs, n);
+  for (size_t r = 0; r < n; r++) {
+    cr_assert_eq(jobs[r].rc, 0, "%s: call 4 after the refusal, member %zu: %s", ctx, r,
+                 jobs[r].err.msg);
+    if (k == K_ALLREDUCE) expect_reduced(DTYPE_FLOAT32, RED_SUM, n, jobs[r].in, count, 0, ctx);
+  }
+  free_jobs(jobs, n);
+  world_stop(&w);
+}
+
+Test(dataplane, a_member_that_refuses_a_call_fails_its_peers_at_once, .timeout = 120) {
+  const struct {
+    kind_t k;
+    size_t count;
+  } cases[] = {{K_ALLREDUCE, 5},   {K_ALLREDUCE, BIG_BYTES / 4}, {K_REDUCE_ROOT, 5},
+               {K_REDUCE_ROOT, BIG_BYTES / 4}, {K_GATHER_ROOT, 1009}, {K_BROADCAST, 1009},
+               {K_RS, 1009}, {K_AG, 20000}, {K_A2A, 7}};
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+    for (size_t refuser = 0; refuser < 3; refuser++)
+      refusal_case(3, cases[c].k, cases[c].count, refuser, refuser != 1, (refuser + c) % 2 == 0);
+  refusal_case(2, K_ALLREDUCE, 5, 1, true, false);
+  refusal_case(2, K_BROADCAST, 5, 1, false, true);
+  refusal_case(4, K_ALLREDUCE, 100000, 2, false, false);
+  refusal_case(4, K_BROADCAST, 100000, 3, true, true);
+}
+
+/* Point to point: member 0 sends to member 1 on a channel; one side refuses
+ * its transfer, before the other starts or while it waits. The other fails
+ * at once with the reason, and the next transfer on the channel delivers. */
+static void refusal_p2p_case(bool sender_refuses, bool refuse_first, bool kept_links) {
+  world_t w;
+  world_start(&w, 2, 10000);
+  const uint64_t comm = 60;
+  /* More than the sockets buffer: a send is done only once its receiver took it. */
+  const size_t bytes = (size_t)6 << 20;
+  char ctx[160], who[32];
+  size_t refuser = sender_refuses ? 0 : 1, other = 1 - refuser;
+  snprintf(ctx, sizeof ctx, "the %s refuses %s, %s", sender_refuses ? "sender" : "receiver",
+           refuse_first ? "first" : "while the other waits", kept_links ? "kept link" : "fresh link");
+  snprintf(who, sizeof who, "rank %u", w.ranks[refuser]);
+  job_t jobs[2];
+  /* Calls 2 and 3 are refused (a header and a body, as an agent's send has). */
+  for (uint64_t call = kept_links ? 1 : 2; call <= 4; call += call == 2 ? 2 : 1) {
+    jobs[0] = (job_t){.w = &w, .me = 0, .root = 1, .comm = comm, .call = call, .kind = K_SEND,
+                      .count = bytes, .in = malloc(bytes)};
+    jobs[1] = (job_t){.w = &w, .me = 1, .root = 0, .comm = comm, .call = call, .kind = K_RECV,
+                      .count = bytes, .in = calloc(1, bytes)};
+    memset(jobs[0].in, (int)call, bytes);
+    if (call == 2) {
+      jobs[refuser].kind = sender_refuses ? K_REFUSE_SEND : K_REFUSE_RECV;
+      jobs[refuser].why = REFUSAL;
+      jobs[refuse_first ? other : refuser].delay_ms = 100;
+    }
+    run_jobs(jobs, 2);
+    if (call == 2) {
+      cr_assert_eq(jobs[refuser].rc, 0, "%s: the refusal: %s", ctx, jobs[refuser].err.msg);
+      cr_assert_eq(jobs[other].rc, -1, "%s: the transfer ran without its peer", ctx);
+      cr_assert(strstr(jobs[other].err.msg, REFUSAL) && strstr(jobs[other].err.msg, who),
+                "%s: the error does not say who refused and why: %s", ctx, jobs[other].err.msg);
+      cr_assert(jobs[other].took_ms < 3000, "%s: failed after %lld ms", ctx,
+                (long long)jobs[other].took_ms);
+    } else {
+      cr_assert_eq(jobs[0].rc, 0, "%s: send %llu: %s", ctx, (unsigned long long)call, jobs[0].err.msg);
+      cr_assert_eq(jobs[1].rc, 0, "%s: recv %llu: %s", ctx, (unsigned long long)call, jobs[1].err.msg);
+      cr_assert(memcmp(jobs[0].in, jobs[1].in, bytes) == 0, "%s: transfer %llu delivered other bytes",
+                ctx, (unsigned long long)call);
+    }
+    free(jobs[0].in);
+    free(jobs[1].in);
+  }
+  world_stop(&w);
+}
+
+Test(dataplane, a_refused_send_or_recv_fails_its_peer_at_once, .timeout = 60) {
+  for (int c = 0; c < 8; c++) refusal_p2p_case(c & 1, c & 2, c & 4);
 }
 
 /* A member that starts a call more than the timeout late, after its peers

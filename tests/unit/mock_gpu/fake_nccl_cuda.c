@@ -241,6 +241,11 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
   fake.dp_collectives++;
   return 0;
 }
+int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+              const char *why, meshd_error_t *err) {
+  fake.dp_refusals++;
+  return 0;
+}
 
 /* ------------------------------------------------------------ CUDA runtime */
 

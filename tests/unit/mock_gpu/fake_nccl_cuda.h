@@ -48,6 +48,7 @@ typedef struct {
   atomic_int reduce_slices;                           /* cuda_reduce_slices */
   atomic_int memcpy_calls;                            /* cuda_memcpy */
   atomic_int dp_collectives; /* dp_allreduce .. dp_broadcast (emulated path) */
+  atomic_int dp_refusals;    /* dp_refuse (emulated path) */
   atomic_int marked_lost;    /* cuda_mark_lost */
   atomic_int stream_waits;   /* cudaStreamWaitEvent */
 } fake_counters_t;

@@ -779,6 +779,8 @@ Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
   cr_expect_eq(fake.memcpy_calls, 3, "one-member reduce_scatter, allgather, gather copy locally");
   cr_expect_eq(cuda_send(b, NULL, 1, 903, 1, SECRET, 1, "h:1", buf, 0, &e), 0);
   cr_expect_eq(fake.ids + fake.inits, 0);
+  cuda_refuse(b, &two, DP_REFUSE_GROUP, 4, "no room");
+  cr_expect_eq(fake.dp_refusals, 0, "on a GPU the peers wait in NCCL, not on the data plane");
 }
 
 Test(cuda_nccl_mock_gpu, emulated_device_delegates_to_the_data_plane) {
@@ -796,6 +798,8 @@ Test(cuda_nccl_mock_gpu, emulated_device_delegates_to_the_data_plane) {
   cr_expect_eq(cuda_gather_root(b, NULL, &g, 1, buf, buf + 2, 1, DTYPE_INT32, &e), 0);
   cr_expect_eq(cuda_broadcast(b, NULL, &g, buf, 4, &e), 0);
   cr_expect_eq(fake.dp_collectives, 7);
+  cuda_refuse(b, &g, DP_REFUSE_GROUP, 4, "no room");
+  cr_expect_eq(fake.dp_refusals, 1, "a refusal goes to the data plane, where the peers wait");
   cuda_session_end(b, 1);
   cr_expect_eq(fake.ids + fake.inits + fake.streams_live + fake.finalizes, 0,
                "no NCCL or CUDA call when emulated");

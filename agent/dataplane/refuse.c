@@ -1,0 +1,106 @@
+/* The agents' TCP transport (dataplane.h): a member that will not take part
+ * in a call it was sent (dp_refuse).
+ *
+ * Without it, a member that fails before it joins a collective (no memory
+ * for its staging copy or its result, no device stream) reports its own
+ * error, but its peers wait for it until timeout_ms and then fail with a
+ * timeout that names it without saying why. A refusal reaches each way a
+ * peer can wait for this member:
+ *   - a peer waiting for our connection: we dial it for the call and send an
+ *     abort frame, as a member that failed mid-call does on its links;
+ *   - a peer sending to us on a link it keeps: dp__abort_untaken writes the
+ *     abort on that link, where its sender reads it;
+ *   - a peer that dials us for the call, now or later: the refusal record
+ *     (conn.c) acks its hello and answers with the abort.
+ * Each peer fails the call at once (PEER_ABORTED) with our reason, and the
+ * failure spreads through the group as any abort does (transfer.c). */
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "dp_internal.h"
+
+/* Writes the abort frame of `call` carrying why on the link c we dialed, at a
+ * frame boundary (no call holds it): 0, 1 when the link broke (a kept one
+ * the peer closed), or -1 past the deadline. */
+static int write_abort(dataplane_t *dp, conn_t *c, uint64_t call, const char *why,
+                       int64_t deadline) {
+  uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
+  size_t len = dp__min(strlen(why), DP_ABORT_MAX), done = 0;
+  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, c->comm_id, call, 0);
+  memcpy(frame + DP_HDR_LEN, why, len);
+  len += DP_HDR_LEN;
+  while (done < len) {
+    ssize_t w = send(c->fd, frame + done, len - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      done += (size_t)w;
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return 1;
+    int64_t left = deadline - dp__now_ms();
+    if (left <= 0 || dp__stopping(dp)) return -1;
+    struct pollfd pf = {.fd = c->fd, .events = POLLOUT};
+    poll(&pf, 1, (int)dp__min((size_t)left, 200));
+  }
+  return 0;
+}
+
+int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
+              const char *why, meshd_error_t *err) {
+  bool group = what == DP_REFUSE_GROUP;
+  if (!dp || !g || !g->ranks || !g->addrs || g->n == 0 || !g->secret ||
+      (group && g->me >= g->n) || (!group && g->n != 1))
+    return error_set(err, ERR_BAD_ARGUMENT,
+                     "refusal: needs a data plane and a group with its secret that contains this "
+                     "member (or, for a send or recv, the one peer)");
+  if (group && g->n == 1) return 0; /* nobody waits */
+  const char *name = group ? "refusal" : what == DP_REFUSE_SEND ? "send" : "recv";
+  if (dp__call_enter(dp, name, err) != 0) return -1;
+  char text[DP_ABORT_MAX + 1];
+  snprintf(text, sizeof text, "rank %u did not take part: %s", atomic_load(&dp->rank),
+           why && *why ? why : "it failed before it could");
+  /* The notices carry the last of the calls: a peer fails at any of them. */
+  uint64_t last = g->call + (calls > 1 ? calls - 1 : 0);
+  dp__failed_call_add(dp, g, last, text);
+  dp__abort_untaken(dp, g->comm_id, last, group ? DP_ANY_PEER : g->ranks[0], text);
+  call_t cl = {.dp = dp, .what = name, .g = g,
+               .gen = g->since ? *g->since : atomic_load(&dp->gen), .comm_id = g->comm_id,
+               .call = g->call, .secret = g->secret, .refusal = true};
+  /* Registered as a call, so that the comm's drop (the session ended) ends
+   * its dials as it ends a call's; hellos still get the record's answer
+   * (conn.c). */
+  uint64_t reg = 0;
+  dp__register(dp, &cl, &reg, NULL); /* out of memory: its dials end only at the deadline */
+  int rc = 0;
+  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  /* A recv's peer only ever dials us: the record and its link tell it. */
+  for (size_t i = 0; what != DP_REFUSE_RECV && i < g->n; i++) {
+    if (group && i == g->me) continue;
+    meshd_error_t e = {0};
+    /* A kept link the peer closed: once more on a fresh one (a peer that
+     * left the call answers that with its own abort, conn.c). */
+    for (int tries = 0; tries < 2; tries++) {
+      conn_t *c = dp__get_out(dp, &cl, g->ranks[i], g->addrs[i], deadline, &e);
+      if (!c) break;
+      int w = write_abort(dp, c, last, text, deadline);
+      dp__conn_discard(dp, c); /* the link was this call's: it goes, as a failed call's do */
+      dp__conn_put(dp, c);
+      if (w < 0)
+        error_set(&e, ERR_REMOTE_FAILURE,
+                  "%s on comm %llu: rank %u at %s did not take the notice within %d ms", name,
+                  (unsigned long long)g->comm_id, g->ranks[i], g->addrs[i], dp->timeout_ms);
+      if (w <= 0) break;
+    }
+    if (e.kind != ERR_NONE && rc == 0) {
+      rc = -1;
+      if (err) *err = e;
+    }
+  }
+  dp__unregister(dp, reg);
+  atomic_fetch_add(&dp->aborts[DP_ABORT_REFUSED], 1);
+  dp__call_leave(dp);
+  return rc;
+}
