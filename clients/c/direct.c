@@ -618,7 +618,17 @@ static void write_shard(void *arg, size_t i) {
   ProtobufCMessage *m = NULL;
   while (s && rpc_stream_read(s, &meshd__agent__v1__write_reply__descriptor, &m, u->timeout_ms) == 1) {
     const Meshd__Agent__V1__WriteReply *r = (const void *)m;
-    size_t len = r->receipt.len < sizeof u->macs[i] ? r->receipt.len : sizeof u->macs[i];
+    size_t len = r->receipt.len;
+    if (len > sizeof u->macs[i]) { /* not one the server could check: not passed on cut */
+      direct_err_set(&u->errs[i], MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "direct upload, rank %u: the agent's receipt is %zu bytes, more than the "
+                     "%zu a receipt has",
+                     sh->rank, len, sizeof u->macs[i]);
+      u->ok[i] = false;
+      protobuf_c_message_free_unpacked(m, NULL);
+      m = NULL;
+      break;
+    }
     memcpy(u->macs[i], r->receipt.data, len);
     meshd__v1__write_receipt__init(&u->receipts[i]);
     u->receipts[i].rank = sh->rank;

@@ -475,10 +475,7 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   if (p->nrej || p->rej_dropped) {
     size_t first = 0; /* the lowest seq; asynchronous reports (seq 0) after */
     for (size_t i = 0; i < p->nrej; i++)
-      if (p->rej[i].seq) {
-        first = i;
-        break;
-      }
+      if (p->rej[i].seq && (!p->rej[first].seq || p->rej[i].seq < p->rej[first].seq)) first = i;
     size_t more = p->nrej + p->rej_dropped - 1;
     char tail[256] = "";
     if (p->nrej && more) { /* name a few of the later ones */
