@@ -294,9 +294,12 @@ int main(int argc, char **argv) {
   if (!opt.memory_bytes) info.memory_bytes /= (uint64_t)opt.memory_share; /* the GPU's: below */
   info.requested_rank = (int32_t)opt.rank;
   info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
+  info.data_plane = 1; /* Group.pair_secrets */
   int unused_ms;
-  if (fault_on && agent_fault_hit(&fault, "hello", opt.rank, &unused_ms) == FAULT_OLD)
+  if (fault_on && agent_fault_hit(&fault, "hello", opt.rank, &unused_ms) == FAULT_OLD) {
     info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL - 1; /* drills: an older build */
+    info.data_plane = 0;
+  }
   if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
   if (opt.rank >= 0) log_set_rank(opt.rank);
 

@@ -174,6 +174,7 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
   hello.build_type = (char *)build->build_type;
   hello.cuda = build->cuda;
   hello.instructions = info->instructions;
+  hello.data_plane = info->data_plane;
   hello.pid = (uint32_t)getpid();
   hello.call_secret = secret;
   Meshd__V1__AgentToServer first = MESHD__V1__AGENT_TO_SERVER__INIT;

@@ -552,8 +552,11 @@ static int join_group(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t me, con
                      "sends none: upgrade the server)",
                      what, g->secret.len, DP_SECRET_LEN);
   *out = (dp_group_t){.comm_id = g->comm_id, .call = g->call * CALL_STEPS, .session = c->s->key,
-                      .ranks = g->ranks,
-                      .addrs = addrs, .n = n, .me = me, .since = since, .secret = g->secret.data};
+                      .ranks = g->ranks, .addrs = addrs, .n = n, .me = me, .since = since,
+                      .secret = g->secret.data,
+                      .pair_secrets = g->pair_secrets.len == n * DP_SECRET_LEN
+                                          ? g->pair_secrets.data
+                                          : NULL};
   session_state_note_comm(c->s, g->comm_id);
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "dataplane/dataplane.h"
 #include "layout.h"
 #include "reduction.h"
 #include "url_fetch.h"
@@ -344,6 +345,11 @@ static int check_group(const Meshd__Agent__V1__Group *g, const char *what,
     return error_set(e, ERR_BAD_ARGUMENT, "%s.group has %zu ranks but %zu addresses (one each)",
                      what, n, g->n_addresses);
   if (!g->comm_id) return error_set(e, ERR_BAD_ARGUMENT, "%s.group.comm_id is 0", what);
+  if (g->pair_secrets.len != 0 && g->pair_secrets.len != n * DP_SECRET_LEN)
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "%s.group.pair_secrets has %zu bytes where its %zu members need %zu (%d each) "
+                     "or none",
+                     what, g->pair_secrets.len, n, n * DP_SECRET_LEN, DP_SECRET_LEN);
   size_t mine = 0, mine_by_addr = 0;
   for (size_t i = 0; i < n; i++) {
     if (g->ranks[i] >= VALIDATE_RANK_MAX)

@@ -721,6 +721,17 @@ int64_t agent_pool_first_without(agent_pool_t *p, const uint32_t *ranks, size_t 
   return found;
 }
 
+uint32_t agent_pool_data_plane(agent_pool_t *p, const uint32_t *ranks, size_t n) {
+  uint32_t least = UINT32_MAX;
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < n; i++) {
+    uint32_t f = ranks[i] < p->cap && p->agents[ranks[i]].used ? p->agents[ranks[i]].d.data_plane : 0;
+    if (f < least) least = f;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return n ? least : 0;
+}
+
 int agent_pool_size(agent_pool_t *p) {
   pthread_mutex_lock(&p->mu);
   int n = 0;

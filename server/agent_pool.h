@@ -38,6 +38,8 @@ typedef struct agent_desc {
   bool cuda;
   /* The newest Instruction body it runs (RegisterRequest.instructions; 0: older). */
   uint32_t instructions;
+  /* The newest data plane feature it has (RegisterRequest.data_plane; 0: older). */
+  uint32_t data_plane;
   /* What every call to the agent carries (SECRET_AGENT_MD; RegisterRequest.call_secret).
    * Never shown (ListAgents) nor logged. */
   char call_secret[SECRET_HEX_LEN + 1];
@@ -196,6 +198,9 @@ bool *agent_pool_healthy_map(agent_pool_t *pool, size_t *world);
  * (its version, as it reported it, into version), or -1 if every one does. */
 int64_t agent_pool_first_without(agent_pool_t *pool, const uint32_t *ranks, size_t n,
                                  uint32_t body, char *version, size_t len);
+/* The newest data plane feature every one of ranks has (the least of their
+ * RegisterRequest.data_plane; 0 when one is gone). */
+uint32_t agent_pool_data_plane(agent_pool_t *pool, const uint32_t *ranks, size_t n);
 int agent_pool_size(agent_pool_t *pool);
 /* Agents lost so far (agent_lost_t.loss of the latest). A mesh made when this
  * was L is broken if one of its ranks was lost later. */

@@ -232,6 +232,36 @@ bool emit_group_secret(const session_t *s, uint64_t comm_id, const uint32_t *ran
   return false;
 }
 
+bool emit_pair_secrets(const session_t *s, uint64_t comm_id, const uint32_t *ranks, size_t n,
+                       size_t me, uint8_t *out) {
+  for (size_t i = 0; i < n; i++) {
+    uint8_t *entry = out + i * EMIT_SECRET_LEN;
+    if (i == me) {
+      memset(entry, 0, EMIT_SECRET_LEN);
+      continue;
+    }
+    uint32_t a = ranks[me] < ranks[i] ? ranks[me] : ranks[i], b = ranks[me] ^ ranks[i] ^ a;
+    uint8_t msg[4 + 8 + 4 + 4] = {'p', 'a', 'i', 'r'};
+    for (int k = 0; k < 8; k++) msg[4 + k] = (uint8_t)(comm_id >> (8 * k));
+    for (int k = 0; k < 4; k++) {
+      msg[12 + k] = (uint8_t)(a >> (8 * k));
+      msg[16 + k] = (uint8_t)(b >> (8 * k));
+    }
+    if (!keyed(s, msg, sizeof msg, entry)) return false;
+  }
+  return true;
+}
+
+/* Group.pair_secrets of member `me` into buf (n * EMIT_SECRET_LEN bytes), when
+ * every member takes them; else none (they prove the group's secret). */
+static ProtobufCBinaryData pair_secrets(frontend_t *fe, const session_t *s, uint64_t comm_id,
+                                        const uint32_t *ranks, size_t n, size_t me, uint8_t *buf) {
+  if (!buf || n < 2 || agent_pool_data_plane(fe->pool, ranks, n) < EMIT_DATA_PLANE_PAIRS ||
+      !emit_pair_secrets(s, comm_id, ranks, n, me, buf))
+    return (ProtobufCBinaryData){0, NULL};
+  return (ProtobufCBinaryData){n * EMIT_SECRET_LEN, buf};
+}
+
 /* The communicator of (session, mesh, dims, stream): a Reduce. */
 static uint64_t comm_id(const session_t *s, uint64_t mesh, uint32_t dimmask, uint64_t stream) {
   uint64_t parts[3] = {mesh, dimmask, stream};
@@ -263,6 +293,7 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
     group_size *= mesh->slice.sizes[dims[i]];
   }
   uint32_t *group = malloc(sizeof *group * (size_t)group_size);
+  uint8_t *pairs = malloc((size_t)group_size * EMIT_SECRET_LEN);
   char **addrs = calloc((size_t)group_size, sizeof *addrs);
   char *addr_buf = malloc((size_t)group_size * EMIT_ADDR_MAX);
   size_t n;
@@ -306,9 +337,13 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
     g.secret = emit_group_secret(s, g.comm_id, group, (size_t)group_size, secret)
                    ? (ProtobufCBinaryData){sizeof secret, secret}
                    : (ProtobufCBinaryData){0, NULL};
+    size_t me = 0;
+    while (me + 1 < (size_t)group_size && group[me] != ranks[i]) me++;
+    g.pair_secrets = pair_secrets(fe, s, g.comm_id, group, (size_t)group_size, me, pairs);
     send_to(fe, o, ranks[i], &ins);
   }
 out:
+  free(pairs);
   free(group);
   free(addrs);
   free(addr_buf);
@@ -322,6 +357,7 @@ static void emit_broadcast(frontend_t *fe, session_t *s, objects_t *o, const obj
                            const uint32_t *to, size_t nto) {
   size_t n = nto + 1;
   uint32_t *ranks = malloc(n * sizeof *ranks);
+  uint8_t *pairs = malloc(n * EMIT_SECRET_LEN);
   char **addrs = calloc(n, sizeof *addrs);
   char *addr_buf = malloc(n * EMIT_ADDR_MAX);
   if (!ranks || !addrs || !addr_buf) goto out;
@@ -352,9 +388,11 @@ static void emit_broadcast(frontend_t *fe, session_t *s, objects_t *o, const obj
     init_instr(&ins, s, k == 0 ? in->tensor.stream : res->tensor.stream);
     ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST;
     ins.broadcast = &op;
+    g.pair_secrets = pair_secrets(fe, s, g.comm_id, ranks, n, k, pairs);
     send_to(fe, o, ranks[k], &ins);
   }
 out:
+  free(pairs);
   free(ranks);
   free(addrs);
   free(addr_buf);

@@ -40,6 +40,16 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
  * zeros, which agents refuse) if OpenSSL fails or n > REDUCE_GROUP_MAX. */
 bool emit_group_secret(const session_t *s, uint64_t comm_id, const uint32_t *ranks, size_t n,
                        uint8_t out[EMIT_SECRET_LEN]);
+/* The pair secrets of member `me` of a group (Group.pair_secrets): n entries of
+ * EMIT_SECRET_LEN bytes, entry i HMAC-SHA256(comm_key, "pair", comm_id, the
+ * smaller and the larger of ranks[me] and ranks[i]), entry me zeros. Only the
+ * two members of a pair get its secret, so no member can pass for another on
+ * the data plane. false (out unspecified) if OpenSSL fails. */
+bool emit_pair_secrets(const session_t *s, uint64_t comm_id, const uint32_t *ranks, size_t n,
+                       size_t me, uint8_t *out);
+/* EMIT_DATA_PLANE_PAIRS: the data plane feature (RegisterRequest.data_plane)
+ * of agents that take Group.pair_secrets. */
+#define EMIT_DATA_PLANE_PAIRS 1
 
 /* A broadcast chain is one collective group with its source: a chain of n
  * destinations goes as emit_chain_pieces(n) chains, one after another, piece

@@ -162,6 +162,7 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   printable(d.build_type, sizeof d.build_type, req->build_type);
   d.cuda = req->cuda;
   d.instructions = req->instructions;
+  d.data_plane = req->data_plane;
   memcpy(d.call_secret, req->call_secret, SECRET_HEX_LEN + 1);
   char err[256];
   int rank = agent_pool_add(r->pool, &d, req->requested_rank, err, sizeof err);

@@ -633,7 +633,8 @@ static int handshake(dataplane_t *dp, const call_t *cl, int fd, uint32_t peer, i
     snprintf(why, whylen, "was not dialed: no randomness for a nonce");
     return -1;
   }
-  dp_wire_hello(hello, peer, dp->rank, cl->comm_id, cl->call, nonce_d, nonce_a, cl->secret);
+  const uint8_t *secret = dp__link_secret(cl, peer);
+  dp_wire_hello(hello, peer, dp->rank, cl->comm_id, cl->call, nonce_d, nonce_a, secret);
   if (write_all(dp, fd, hello, sizeof hello, deadline) != 0) {
     if (errno == ETIMEDOUT) {
       snprintf(why, whylen, "did not take our hello: %s", strerror(errno));
@@ -645,7 +646,7 @@ static int handshake(dataplane_t *dp, const call_t *cl, int fd, uint32_t peer, i
   }
   step = "ack";
   if (read_exact(dp, cl, fd, ack, sizeof ack, deadline) != 0) goto io;
-  if (!dp_wire_ack_proves(ack, sizeof ack, hello, nonce_a, cl->secret)) {
+  if (!dp_wire_ack_proves(ack, sizeof ack, hello, nonce_a, secret)) {
     snprintf(why, whylen,
              "answered our hello without proving the group's secret: it is not a member of comm "
              "%llu",
@@ -754,7 +755,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
                    recv(c->fd, hdr, sizeof hdr, MSG_PEEK | MSG_DONTWAIT) == DP_HDR_LEN &&
                    dp__get32(hdr) == DP_MAGIC_ABORT && dp__get64(hdr + 16) >= cl->call;
     if ((alive || aborted) && strcmp(c->addr, addr) == 0 &&
-        memcmp(c->secret, cl->secret, DP_SECRET_LEN) == 0) {
+        memcmp(c->secret, dp__link_secret(cl, peer), DP_SECRET_LEN) == 0) {
       c->refs++;
       c->used_ms = dp__now_ms();
       pthread_mutex_unlock(&dp->mu);
@@ -826,7 +827,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   c->linked = true;
   c->comm_id = comm_id;
   c->peer = peer;
-  memcpy(c->secret, cl->secret, DP_SECRET_LEN);
+  memcpy(c->secret, dp__link_secret(cl, peer), DP_SECRET_LEN);
   snprintf(c->addr, sizeof c->addr, "%s", addr);
   c->used_ms = dp__now_ms();
   pthread_mutex_lock(&dp->mu);
@@ -876,7 +877,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
     }
     conn_t *c = dp->ins;
     while (c && (c->comm_id != comm_id || c->peer != peer ||
-                 memcmp(c->secret, cl->secret, DP_SECRET_LEN) != 0))
+                 memcmp(c->secret, dp__link_secret(cl, peer), DP_SECRET_LEN) != 0))
       c = c->next;
     /* (An unnumbered call cannot tell an abort's call: any is dead.) */
     if (c && c->refs == 1 && in_dead(c, cl->call ? cl->call : UINT64_MAX)) {
@@ -939,7 +940,8 @@ int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err) 
     dp->capregs = cap;
   }
   dp->regs[dp->nregs] = (dp_wire_group_t){
-      .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n, .secret = cl->secret};
+      .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n, .secret = cl->secret,
+      .member_secrets = cl->g->pair_secrets};
   dp->reg_calls[dp->nregs] = cl;
   dp->reg_ids[dp->nregs++] = *id = ++dp->next_reg;
   bool wake = dp->parked > 0; /* the listener holds hellos: some may be this call's */
@@ -970,6 +972,7 @@ static void failed_calls_expire_locked(dataplane_t *dp, int64_t now, size_t keep
     /* Oldest first: beyond `keep`, the oldest go whatever their time. */
     if (dp->failed[i].until_ms <= now || dp->nfailed - i > keep) {
       free(dp->failed[i].ranks);
+      free(dp->failed[i].member_secrets);
       continue;
     }
     dp->failed[k++] = dp->failed[i];
@@ -981,14 +984,21 @@ void dp__failed_call_add(dataplane_t *dp, const dp_group_t *g, uint64_t last, co
   if (g->call == 0 || !g->secret) return; /* unnumbered calls cannot tell one call's hellos
                                            * from the next's */
   uint32_t *ranks = malloc(g->n * sizeof *ranks);
-  if (!ranks) return; /* a peer that dials us waits out its timeout, as before refusals */
+  uint8_t *pairs = g->pair_secrets ? malloc(g->n * DP_SECRET_LEN) : NULL;
+  if (!ranks || (g->pair_secrets && !pairs)) { /* a peer that dials us waits out its timeout */
+    free(ranks);
+    free(pairs);
+    return;
+  }
   memcpy(ranks, g->ranks, g->n * sizeof *ranks);
+  if (pairs) memcpy(pairs, g->pair_secrets, g->n * DP_SECRET_LEN);
   int64_t now = dp__now_ms();
   pthread_mutex_lock(&dp->mu);
   failed_calls_expire_locked(dp, now, DP_FAILED_MAX - 1);
   failed_call_t *r = &dp->failed[dp->nfailed++];
   *r = (failed_call_t){.comm_id = g->comm_id, .call = g->call,
                        .last = last > g->call ? last : g->call, .ranks = ranks, .n = g->n,
+                       .member_secrets = pairs,
                    .until_ms = now + dp->timeout_ms};
   memcpy(r->secret, g->secret, DP_SECRET_LEN);
   snprintf(r->why, sizeof r->why, "%s", why && *why ? why : "it failed this call");
@@ -1002,7 +1012,8 @@ void dp__failed_call_add(dataplane_t *dp, const dp_group_t *g, uint64_t last, co
  * group proving its secret: then *r is a copy of the latest such record
  * (its ranks not to be used). Not while a call of the comm runs here: that
  * call takes it as always (a refusal's own registration aside). Under mu. */
-static bool failed_call_answers_locked(dataplane_t *dp, const pending_t *p, failed_call_t *r) {
+static bool failed_call_answers_locked(dataplane_t *dp, const pending_t *p, failed_call_t *r,
+                                       uint8_t secret[DP_SECRET_LEN]) {
   dp_hello_t h;
   if (dp_wire_parse_hello(p->hello, p->got, &h, NULL, 0) != DP_PARSE_OK) return false;
   for (size_t i = 0; i < dp->nregs; i++)
@@ -1015,11 +1026,14 @@ static bool failed_call_answers_locked(dataplane_t *dp, const pending_t *p, fail
     if (f->comm_id != h.comm_id || h.call > f->last || f->until_ms <= now ||
         (best && best->last >= f->last))
       continue;
-    dp_wire_group_t grp = {.comm_id = f->comm_id, .ranks = f->ranks, .n = f->n, .secret = f->secret};
+    dp_wire_group_t grp = {.comm_id = f->comm_id, .ranks = f->ranks, .n = f->n, .secret = f->secret,
+                           .member_secrets = f->member_secrets};
     size_t which;
     if (dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, &grp, 1, &which, NULL, 0) ==
-        DP_ADMIT_OK)
+        DP_ADMIT_OK) {
       best = f;
+      memcpy(secret, dp_wire_secret_of(&grp, h.from), DP_SECRET_LEN);
+    }
   }
   if (best) *r = *best;
   return best != NULL;
@@ -1150,12 +1164,15 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   pthread_mutex_lock(&dp->mu);
   /* A call that failed (or was refused) here, while none of its comm runs:
    * acked, then told why. */
-  bool refuse = failed_call_answers_locked(dp, p, &failed);
+  bool refuse = failed_call_answers_locked(dp, p, &failed, secret);
   dp_admit_t a = refuse ? DP_ADMIT_OK
                         : dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, dp->regs, dp->nregs,
                                         &which, why, sizeof why);
-  if (a == DP_ADMIT_OK)
-    memcpy(secret, refuse ? failed.secret : dp->regs[which].secret, DP_SECRET_LEN);
+  if (a == DP_ADMIT_OK && !refuse) {
+    dp_hello_t h;
+    dp_wire_parse_hello(p->hello, p->got, &h, NULL, 0); /* admitted: well-formed */
+    memcpy(secret, dp_wire_secret_of(&dp->regs[which], h.from), DP_SECRET_LEN);
+  }
   if (a == DP_ADMIT_UNKNOWN_GROUP && !p->parked) { /* its call may not have started here yet */
     p->parked = true;
     p->deadline = p->accepted + dp->timeout_ms;

@@ -67,6 +67,10 @@ typedef struct dp_group {
   /* DP_SECRET_LEN bytes every member holds (the instruction's Group.secret):
    * connections of the call must prove it. Required when n > 1. */
   const uint8_t *secret;
+  /* n * DP_SECRET_LEN bytes, or NULL: entry i is the secret of this member's
+   * links with member i (Group.pair_secrets), which they prove instead of
+   * `secret`, so that no member can pass for another (entry me unused). */
+  const uint8_t *pair_secrets;
   /* Broadcast: buf is the caller's own private mapping (page-aligned, every
    * page of it the caller's alone), whose pages a same-host broadcast may
    * replace with copy-on-write ones of the source's memfd instead of copying

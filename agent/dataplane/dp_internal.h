@@ -108,6 +108,7 @@ typedef struct dead_peer {
  * timeout. */
 typedef struct failed_call {
   uint64_t comm_id;
+  uint8_t *member_secrets; /* the group's pair secrets (owned), or NULL */
   /* Hellos of calls call..last are answered, with an abort of `last` (which
    * fails a peer at any of them, transfer.c) */
   uint64_t call, last;
@@ -289,6 +290,16 @@ struct call {
    * (DP_ABORT_TIMEOUT, DP_ABORT_PEER_ABORTED); else from the kind. */
   int abort_reason; /* dp_abort_t + 1; 0: not set */
 };
+
+/* The secret cl's link with world rank `peer` proves: the pair's, where the
+ * group has them (dp_group_t.pair_secrets), else the group's. */
+static inline const uint8_t *dp__link_secret(const call_t *cl, uint32_t peer) {
+  const dp_group_t *g = cl->g;
+  if (g && g->pair_secrets)
+    for (size_t i = 0; i < g->n; i++)
+      if (g->ranks[i] == peer) return g->pair_secrets + i * DP_SECRET_LEN;
+  return cl->secret;
+}
 
 /* The last call a failure of cl covers: its own, or a later one a peer's
  * abort named. */

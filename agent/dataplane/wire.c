@@ -84,6 +84,12 @@ dp_parse_t dp_wire_parse_hello(const uint8_t *buf, size_t len, dp_hello_t *h, ch
   return DP_PARSE_OK;
 }
 
+const uint8_t *dp_wire_secret_of(const dp_wire_group_t *g, uint32_t from) {
+  for (size_t k = 0; k < g->n; k++)
+    if (g->ranks[k] == from) return g->member_secrets ? g->member_secrets + k * DP_SECRET_LEN : g->secret;
+  return NULL;
+}
+
 dp_admit_t dp_wire_admit(const uint8_t *buf, size_t len, uint32_t my_rank,
                          const uint8_t nonce_a[DP_NONCE_LEN], const dp_wire_group_t *groups,
                          size_t ngroups, size_t *which, char *why, size_t whylen) {
@@ -100,12 +106,11 @@ dp_admit_t dp_wire_admit(const uint8_t *buf, size_t len, uint32_t my_rank,
   for (size_t g = 0; g < ngroups; g++) {
     const dp_wire_group_t *grp = &groups[g];
     if (grp->comm_id != h.comm_id || !grp->secret || h.from == my_rank) continue;
-    bool in = false;
-    for (size_t i = 0; i < grp->n && !in; i++) in = grp->ranks[i] == h.from;
-    if (!in) continue;
+    const uint8_t *secret = dp_wire_secret_of(grp, h.from);
+    if (!secret) continue;
     member = true;
     uint8_t want[DP_MAC_LEN];
-    mac(want, HELLO_LABEL, buf, nonce_a, grp->secret);
+    mac(want, HELLO_LABEL, buf, nonce_a, secret);
     if (CRYPTO_memcmp(want, buf + DP_HELLO_SIGNED, DP_MAC_LEN) == 0) {
       if (which) *which = g;
       return DP_ADMIT_OK;

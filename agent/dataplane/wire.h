@@ -86,6 +86,9 @@ typedef struct dp_wire_group {
   const uint32_t *ranks; /* its members */
   size_t n;
   const uint8_t *secret; /* DP_SECRET_LEN bytes */
+  /* n * DP_SECRET_LEN bytes, or NULL: member i proves entry i (our link's
+   * secret with it) instead of `secret` */
+  const uint8_t *member_secrets;
 } dp_wire_group_t;
 
 /* What the acceptor does with a hello. */
@@ -116,10 +119,15 @@ dp_parse_t dp_wire_parse_hello(const uint8_t *buf, size_t len, dp_hello_t *h, ch
  * (or MALFORMED earlier). A complete hello must be addressed to my_rank, come
  * from a member (other than my_rank) of a group with its comm_id, and carry
  * that group's mac over nonce_a (compared in constant time); the first group
- * it proves is *which. `why` says what was wrong. */
+ * it proves is *which (its member_secrets' entry for the sender, where it has
+ * them). `why` says what was wrong. */
 dp_admit_t dp_wire_admit(const uint8_t *buf, size_t len, uint32_t my_rank,
                          const uint8_t nonce_a[DP_NONCE_LEN], const dp_wire_group_t *groups,
                          size_t ngroups, size_t *which, char *why, size_t whylen);
+
+/* The secret member `from` of g proves: its member_secrets' entry, or the
+ * group's; NULL when it is not a member. */
+const uint8_t *dp_wire_secret_of(const dp_wire_group_t *g, uint32_t from);
 
 /* The acceptor's answer to a proven hello; the dialer checks it (len must be
  * DP_ACK_LEN, compared in constant time). */

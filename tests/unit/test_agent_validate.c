@@ -399,6 +399,12 @@ Test(validate, groups) {
   reduce(&k, "sum", 10, four, 1, 11, four, 1);
   k.g.comm_id = 0;
   refused(&k.ins, "comm_id is 0", NULL);
+  uint8_t pairs[33] = {0};
+  reduce(&k, "sum", 10, four, 1, 11, four, 1);
+  k.g.pair_secrets = (ProtobufCBinaryData){33, pairs};
+  refused(&k.ins, "pair_secrets has 33 bytes where its 1 members need 32 (32 each) or none", NULL);
+  k.g.pair_secrets = (ProtobufCBinaryData){32, pairs};
+  accepted(&k.ins);
   reduce(&k, "sum", 10, four, 1, 11, four, 1);
   k.g.ranks = big;
   refused(&k.ins, "rank 1073741824 is not below", NULL);

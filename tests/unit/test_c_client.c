@@ -2386,6 +2386,15 @@ Test(c_client_old_agent, a_mesh_with_an_older_agent_gets_uploads) {
   cr_assert_eq(pipe_stats(s).rejected, 0);
   cr_assert_eq(fetch_rank(c, s, x1, 1, vb, sizeof vb), sizeof v);
   cr_assert(memcmp(v, vb, sizeof v) == 0);
+  /* A collective over both: rank 1 takes no pair secrets, so the group
+   * proves the group's secret (docs/protocol.md), and it runs. */
+  meshd_ref_t sum = 0;
+  cr_assert_eq(meshd_session_reduce(s, x, "gpu", "sum", &sum), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(fetch_rank(c, s, sum, 0, vb, sizeof vb), sizeof v);
+  for (int i = 0; i < 4; i++)
+    cr_assert_eq(vb[i], (int32_t)(2u * (uint32_t)v[i]), "element %d after the reduce", i);
   meshd_session_close(s);
   meshd_close(c);
 }

@@ -1266,6 +1266,36 @@ Test(commands, every_group_of_a_comm_proves_its_own_secret) {
   cr_assert(memcmp(b, zeros, sizeof b) == 0);
 }
 
+/* Pair secrets (Group.pair_secrets): member i's entry j is member j's entry
+ * i (both ends of a link prove the same), every pair's differs from every
+ * other's and from the group's, a member's own entry is zeros, and another
+ * comm has other ones. */
+Test(commands, each_pair_of_a_group_has_its_own_secret) {
+  const uint32_t ranks[4] = {5, 9, 2, 7};
+  uint8_t rows[4][4 * EMIT_SECRET_LEN], other[4 * EMIT_SECRET_LEN], group[EMIT_SECRET_LEN];
+  uint8_t zeros[EMIT_SECRET_LEN] = {0};
+  for (size_t i = 0; i < 4; i++) cr_assert(emit_pair_secrets(sess, 77, ranks, 4, i, rows[i]));
+  cr_assert(emit_group_secret(sess, 77, ranks, 4, group));
+  for (size_t i = 0; i < 4; i++)
+    for (size_t j = 0; j < 4; j++) {
+      const uint8_t *e = rows[i] + j * EMIT_SECRET_LEN;
+      if (i == j) {
+        cr_assert(memcmp(e, zeros, EMIT_SECRET_LEN) == 0, "member %zu's own entry", i);
+        continue;
+      }
+      cr_assert(memcmp(e, rows[j] + i * EMIT_SECRET_LEN, EMIT_SECRET_LEN) == 0,
+                "the two ends of pair {%zu, %zu} differ", i, j);
+      cr_assert(memcmp(e, group, EMIT_SECRET_LEN) != 0, "pair {%zu, %zu} is the group's", i, j);
+      for (size_t k = 0; k < 4; k++)
+        if (k != i && k != j)
+          cr_assert(memcmp(e, rows[i] + k * EMIT_SECRET_LEN, EMIT_SECRET_LEN) != 0,
+                    "pairs {%zu, %zu} and {%zu, %zu} share a secret", i, j, i, k);
+    }
+  cr_assert(emit_pair_secrets(sess, 78, ranks, 4, 0, other));
+  cr_assert(memcmp(other + EMIT_SECRET_LEN, rows[0] + EMIT_SECRET_LEN, EMIT_SECRET_LEN) != 0,
+            "two comms share a pair secret");
+}
+
 /* A broadcast to more destinations than one collective group holds goes as
  * several chains, each a group the agents run (they refuse more than
  * REDUCE_GROUP_MAX members), none a lone destination. */

@@ -38,7 +38,28 @@ typedef struct world {
   uint32_t ranks[MAXN];
   char addr_buf[MAXN][300];
   const char *addrs[MAXN];
+  /* world_pairs: member i's pair secrets (Group.pair_secrets), entry j the
+   * secret of the pair {i, j}, as the server derives one per pair. */
+  bool pairs;
+  uint8_t pair[MAXN][MAXN * DP_SECRET_LEN];
 } world_t;
+
+/* The secret of the pair {i, j} of world w, for a test: any bytes that differ
+ * from pair to pair (and from SECRET). */
+static void pair_secret(size_t i, size_t j, uint8_t out[DP_SECRET_LEN]) {
+  size_t a = i < j ? i : j, b = i ^ j ^ a;
+  for (size_t k = 0; k < DP_SECRET_LEN; k++) out[k] = (uint8_t)(0xa0 + 16 * a + b + 7 * k);
+}
+
+/* The groups of w prove per-pair secrets from now on. */
+static void world_pairs(world_t *w) {
+  w->pairs = true;
+  for (size_t i = 0; i < MAXN; i++)
+    for (size_t j = 0; j < MAXN; j++) {
+      if (i == j) memset(w->pair[i] + j * DP_SECRET_LEN, 0, DP_SECRET_LEN);
+      else pair_secret(i, j, w->pair[i] + j * DP_SECRET_LEN);
+    }
+}
 
 /* n data planes advertising host (NULL: 127.0.0.1). */
 static void world_start_at(world_t *w, size_t n, int timeout_ms, const char *host) {
@@ -66,7 +87,7 @@ static void world_stop(world_t *w) {
 
 static dp_group_t group(const world_t *w, uint64_t comm, size_t me) {
   return (dp_group_t){.comm_id = comm, .ranks = w->ranks, .addrs = w->addrs, .n = w->n, .me = me,
-                      .secret = SECRET};
+                      .secret = SECRET, .pair_secrets = w->pairs ? w->pair[me] : NULL};
 }
 
 static int64_t now_ms(void) {
@@ -364,6 +385,7 @@ Test(dataplane, broadcast_down_the_chain, .timeout = 120) {
   for (size_t n = 2; n <= 5; n++) {
     world_t w;
     world_start(&w, n, 5000);
+    if (n % 2) world_pairs(&w);
     for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
       job_t jobs[MAXN];
       size_t bytes = sizes[k];
@@ -518,6 +540,7 @@ Test(dataplane, reduce_scatter_allgather_alltoall, .timeout = 120) {
   for (size_t n = 2; n <= 4; n++) {
     world_t w;
     world_start(&w, n, 5000);
+    if (n > 2) world_pairs(&w); /* per-pair secrets (Group.pair_secrets) */
     const size_t sizes[] = {0, 1, 1009, 70001, BIG_BYTES / 4 / 2 + 3};
     uint64_t comm = 100;
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
@@ -761,6 +784,7 @@ static void refusal_case(size_t n, kind_t k, size_t count, size_t refuser, bool 
                          bool kept_links) {
   world_t w;
   world_start(&w, n, 10000);
+  if (refuser == 1) world_pairs(&w);
   const uint64_t comm = 40;
   job_t jobs[MAXN];
   char ctx[200], who[32];
@@ -877,6 +901,48 @@ static void refusal_p2p_case(bool sender_refuses, bool refuse_first, bool kept_l
 
 Test(dataplane, a_refused_send_or_recv_fails_its_peer_at_once, .timeout = 60) {
   for (int c = 0; c < 8; c++) refusal_p2p_case(c & 1, c & 2, c & 4);
+}
+
+/* ------------------------------------------------------------ pair secrets */
+
+/* Member 2 of {10, 11, 12} knows its own pair secrets, {2, 0} and {2, 1}, and
+ * the group's. Here it claims to be member 1 (a data plane of rank 11) and
+ * dials member 0, which waits for member 1 in an allreduce. With per-pair
+ * secrets member 0 refuses it (bad_proof: the hello would need {0, 1}'s);
+ * with the group's secret alone (an older server) it is let in, which is what
+ * the pairs are for. */
+static uint64_t impostor_admitted(bool pairs) {
+  world_t w;
+  world_start(&w, 3, 1000);
+  if (pairs) world_pairs(&w);
+  meshd_error_t err = {0};
+  dataplane_t *impostor = dataplane_start("127.0.0.1", w.ranks[1], 1000, &err);
+  cr_assert(impostor, "%s", err.msg);
+  job_t victim;
+  kind_job(&victim, &w, 0, K_ALLREDUCE, 50, 1, 5);
+  pthread_t th;
+  pthread_create(&th, NULL, job_main, &victim);
+  /* What member 2 knows, put where member 1's would be: entry 0 is {2, 0}'s. */
+  uint8_t knows[MAXN * DP_SECRET_LEN];
+  memcpy(knows, w.pair[2], sizeof knows);
+  dp_group_t g = group(&w, 50, 1);
+  g.call = 1;
+  g.pair_secrets = pairs ? knows : NULL;
+  float buf[5] = {0};
+  dp_allreduce(impostor, &g, buf, 5, DTYPE_FLOAT32, RED_SUM, &err);
+  pthread_join(th, NULL);
+  cr_assert_eq(victim.rc, -1, "the allreduce ran without member 2");
+  uint64_t bad = dataplane_rejected(w.dp[0], DP_REJECT_BAD_PROOF);
+  free_jobs(&victim, 1);
+  dataplane_stop(impostor);
+  world_stop(&w);
+  return bad;
+}
+
+Test(dataplane_security, a_member_cannot_pass_for_another_with_pair_secrets, .timeout = 30) {
+  cr_assert_geq(impostor_admitted(true), 1, "member 0 took the impostor's hello");
+  cr_assert_eq(impostor_admitted(false), 0,
+               "with the group's secret alone the impostor was refused: the test shows nothing");
 }
 
 /* A member that starts a call more than the timeout late, after its peers
