@@ -156,6 +156,7 @@ typedef struct comm {
   char **addrs;    /* n, owned */
   uint64_t key;    /* key_of: what the members check when the id arrives */
   uint8_t secret[DP_SECRET_LEN]; /* the group's: the bootstrap's data plane proves it */
+  uint8_t *pairs; /* n * DP_SECRET_LEN, owned, or NULL: its pair secrets, proved instead */
   int device;
   pthread_mutex_t busy; /* one operation at a time on this communicator */
   ncclComm_t nc;        /* NULL once aborted */
@@ -206,6 +207,7 @@ static void comm_free_mem(comm_t *c) {
   for (size_t i = 0; c->addrs && i < c->n; i++) free(c->addrs[i]);
   free(c->addrs);
   free(c->ranks);
+  free(c->pairs);
   pthread_mutex_destroy(&c->busy);
   free(c);
 }
@@ -381,6 +383,11 @@ typedef struct {
   ncclUniqueId id;
 } boot_msg_t;
 
+/* The secret c's bootstrap link with member i proves: their pair's, or the group's. */
+static const uint8_t *boot_secret(const comm_t *c, size_t i) {
+  return c->pairs ? c->pairs + i * DP_SECRET_LEN : c->secret;
+}
+
 /* Member 0 makes the id and hands it out; the others take it from member 0. */
 static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, meshd_error_t *e) {
   boot_msg_t m;
@@ -399,13 +406,15 @@ static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, 
                          de.msg);
     } else {
       for (size_t i = 1; i < c->n; i++)
-        if (dp_send(b->net, chan, c->call, c->secret, c->ranks[i], c->addrs[i], &m, sizeof m, &de))
+        if (dp_send(b->net, chan, c->call, boot_secret(c, i), c->ranks[i], c->addrs[i], &m,
+                    sizeof m, &de))
           return error_set(e, ERR_REMOTE_FAILURE,
                            "%s: sending the NCCL id to rank %u failed: %s", w->text, c->ranks[i],
                            de.msg);
     }
   } else {
-    if (dp_recv(b->net, chan, c->call, c->secret, c->ranks[0], c->addrs[0], &m, sizeof m, &de))
+    if (dp_recv(b->net, chan, c->call, boot_secret(c, 0), c->ranks[0], c->addrs[0], &m, sizeof m,
+                &de))
       return error_set(e, ERR_REMOTE_FAILURE,
                        "%s: receiving the NCCL id from rank %u failed: %s", w->text, c->ranks[0],
                        de.msg);
@@ -466,6 +475,8 @@ static comm_t *comm_new(comm_kind_t kind, uint64_t session, const dp_group_t *g,
   c->me = g->me;
   c->device = device;
   if (g->secret) memcpy(c->secret, g->secret, DP_SECRET_LEN);
+  if (g->pair_secrets && !(c->pairs = malloc(g->n * DP_SECRET_LEN))) goto fail;
+  if (c->pairs) memcpy(c->pairs, g->pair_secrets, g->n * DP_SECRET_LEN);
   c->ranks = malloc(g->n * sizeof *c->ranks);
   c->addrs = calloc(g->n, sizeof *c->addrs);
   if (!c->ranks || !c->addrs) goto fail;

@@ -606,6 +606,47 @@ Test(cuda_nccl_mock_gpu, members_disagreeing_on_the_group_fail_at_bootstrap) {
   cr_expect_eq(fake.comms_live, 0);
 }
 
+/* Pair secrets (Group.pair_secrets): member 0 hands the NCCL id to member i
+ * over a link that proves their pair's secret, not the group's. Entry j of
+ * member i's row: bytes of the pair {i, j}; member 2's row for member 0 is
+ * wrong in the second run, so the id never reaches it (a member that does not
+ * hold {0, 2}'s secret gets nothing), while member 1 joins as before. */
+static uint8_t pair_rows[3][3 * DP_SECRET_LEN];
+static void pair_rows_fill(bool spoil) {
+  for (size_t i = 0; i < 3; i++)
+    for (size_t j = 0; j < 3; j++) {
+      size_t a = i < j ? i : j, b = i ^ j ^ a;
+      memset(pair_rows[i] + j * DP_SECRET_LEN, i == j ? 0 : (int)(0x40 + 4 * a + b), DP_SECRET_LEN);
+    }
+  if (spoil) pair_rows[2][0] ^= 1;
+}
+
+static uint64_t pair_comm = 610;
+static void boot_with_pairs(agent_t *a, res_t *r) {
+  dp_group_t g = group(pair_comm, 12, 3, (size_t)r->me);
+  g.pair_secrets = pair_rows[r->me];
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  *d = r->me + 1;
+  r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
+  r->wrong += r->rc == 0 && *d != 6;
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, the_bootstrap_proves_pair_secrets) {
+  res_t r[3];
+  pair_rows_fill(false);
+  run_agents(3, boot_with_pairs, r);
+  expect_ok(r, 3);
+  cr_expect_eq(fake.inits, 3);
+  fake.inits = 0;
+  pair_rows_fill(true);
+  pair_comm++;
+  call_no++;
+  run_agents(3, boot_with_pairs, r);
+  expect_failed(&r[2], 2.0, "receiving the NCCL id from rank 0 failed", NULL);
+  cr_expect_eq(fake.inits, 2, "member 2 joined without the id (%d inits)", (int)fake.inits);
+}
+
 /* ------------------------------------------------------- lifetime */
 
 static void build_two_sessions(agent_t *a, res_t *r) {
