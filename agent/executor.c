@@ -466,8 +466,9 @@ static void run_stream(executor_t *x, xstream_t *st) {
     bool skip = st->stop;
     pthread_mutex_unlock(&x->mu);
     failed.n = 0;
-    if (!skip && it->refused) run_refused(&x->env, ss, it->ins, it->refused, &failed);
-    else if (!skip && no_stream.kind != ERR_NONE) run_refused(&x->env, ss, it->ins, &no_stream, &failed);
+    if (!skip && it->refused) run_refused(&x->env, ss, it->ins, it->refused, false, &failed);
+    else if (!skip && no_stream.kind != ERR_NONE)
+      run_refused(&x->env, ss, it->ins, &no_stream, true, &failed);
     else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
       report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);

@@ -1076,16 +1076,18 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
 }
 
 void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V1__Instruction *ins,
-                 const meshd_error_t *why, run_failures_t *out) {
+                 const meshd_error_t *why, bool tell_peers, run_failures_t *out) {
   ctx_t c = {env, s, ins, env->backend, NULL, out, false};
   uint64_t refs[OP_MAX_RESULTS + 1];
   size_t n = validate_result_refs(ins, refs, sizeof refs / sizeof refs[0]);
   /* Peers that run it wait for this agent in its data plane call: told. */
-  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE && ins->reduce)
-    refuse_group(&c, ins->reduce->group, NULL, "Reduce", why);
-  else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST && ins->broadcast)
-    refuse_group(&c, ins->broadcast->group, NULL, "ToMesh", why);
-  else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SEND && ins->send)
+  bool reduce = ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE && ins->reduce;
+  bool bcast = ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST && ins->broadcast;
+  bool send = ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SEND && ins->send;
+  if (tell_peers && (reduce || bcast))
+    refuse_group(&c, reduce ? ins->reduce->group : ins->broadcast->group, NULL,
+                 reduce ? "Reduce" : "ToMesh", why);
+  else if (tell_peers && send)
     refuse_link(&c, ins->send, why);
   root_failure(&c, refs, n, why);
   if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT && ins->snapshot) {

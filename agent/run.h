@@ -64,8 +64,11 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
                      const Meshd__Agent__V1__Instruction *ins, run_failures_t *out);
 /* ins failed validation (validate.h) with *why: instead of running, it fails
  * the refs it would define (validate_result_refs) with why as their root
- * failure, which is appended to *out. */
+ * failure, which is appended to *out. tell_peers: the failure is this
+ * agent's own (no device stream), not the instruction's, which every member
+ * finds alike: the peers of a collective or send are told (dp_refuse)
+ * rather than left waiting for it. */
 void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V1__Instruction *ins,
-                 const meshd_error_t *why, run_failures_t *out);
+                 const meshd_error_t *why, bool tell_peers, run_failures_t *out);
 
 #endif

@@ -193,13 +193,15 @@ static size_t abort_frame(uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX], uint64_t com
 }
 
 void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_t peer,
-                       const char *why) {
+                       const uint8_t *secret, const char *why) {
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
   size_t len = abort_frame(frame, comm_id, call, why);
   pthread_mutex_lock(&dp->mu);
   for (conn_t *c = dp->ins, *next; c; c = next) {
     next = c->next;
-    if (c->comm_id != comm_id || c->refs > 1 || (peer != DP_ANY_PEER && c->peer != peer)) continue;
+    if (c->comm_id != comm_id || c->refs > 1 || (peer != DP_ANY_PEER && c->peer != peer) ||
+        (secret && memcmp(c->secret, secret, DP_SECRET_LEN) != 0))
+      continue;
     if (next_call_locked(c) > call) continue; /* a later call's */
     /* We only ever write aborts on a connection we receive on: safe at any
      * time. The link stays: frames of a later call its dialer may yet send
@@ -316,6 +318,16 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
 }
 
 uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
+
+bool dp__declared_lost(dataplane_t *dp, const char *addr) {
+  bool lost = false;
+  pthread_mutex_lock(&dp->mu);
+  uint64_t gen = atomic_load(&dp->gen);
+  for (uint64_t k = gen > DP_DEAD_MAX ? gen - DP_DEAD_MAX : 0; k < gen && !lost; k++)
+    lost = strcmp(dp->dead[k % DP_DEAD_MAX].addr, addr) == 0;
+  pthread_mutex_unlock(&dp->mu);
+  return lost;
+}
 
 bool dp__superseded(dataplane_t *dp, const conn_t *c) {
   bool newer = false;
@@ -940,8 +952,10 @@ int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err) 
     dp->capregs = cap;
   }
   dp->regs[dp->nregs] = (dp_wire_group_t){
-      .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n, .secret = cl->secret,
-      .member_secrets = cl->g->pair_secrets};
+      .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n,
+      /* a refusal is registered for drops only: its hellos get the record's answer */
+      .secret = cl->refusal ? NULL : cl->secret,
+      .member_secrets = cl->refusal ? NULL : cl->g->pair_secrets};
   dp->reg_calls[dp->nregs] = cl;
   dp->reg_ids[dp->nregs++] = *id = ++dp->next_reg;
   bool wake = dp->parked > 0; /* the listener holds hellos: some may be this call's */
@@ -1016,15 +1030,14 @@ static bool failed_call_answers_locked(dataplane_t *dp, const pending_t *p, fail
                                        uint8_t secret[DP_SECRET_LEN]) {
   dp_hello_t h;
   if (dp_wire_parse_hello(p->hello, p->got, &h, NULL, 0) != DP_PARSE_OK) return false;
-  for (size_t i = 0; i < dp->nregs; i++)
-    if (dp->regs[i].comm_id == h.comm_id && dp->reg_calls[i] && !dp->reg_calls[i]->refusal)
-      return false;
   int64_t now = dp__now_ms();
   const failed_call_t *best = NULL;
+  bool best_covers = false; /* best's calls include the hello's */
   for (size_t i = 0; i < dp->nfailed; i++) {
     const failed_call_t *f = &dp->failed[i];
+    bool covers = h.call >= f->call;
     if (f->comm_id != h.comm_id || h.call > f->last || f->until_ms <= now ||
-        (best && best->last >= f->last))
+        (best && (best_covers > covers || (best_covers == covers && best->last >= f->last))))
       continue;
     dp_wire_group_t grp = {.comm_id = f->comm_id, .ranks = f->ranks, .n = f->n, .secret = f->secret,
                            .member_secrets = f->member_secrets};
@@ -1032,6 +1045,7 @@ static bool failed_call_answers_locked(dataplane_t *dp, const pending_t *p, fail
     if (dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, &grp, 1, &which, NULL, 0) ==
         DP_ADMIT_OK) {
       best = f;
+      best_covers = covers;
       memcpy(secret, dp_wire_secret_of(&grp, h.from), DP_SECRET_LEN);
     }
   }
@@ -1161,17 +1175,17 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   size_t which = 0;
   uint8_t secret[DP_SECRET_LEN];
   failed_call_t failed;
+  bool refuse = false;
   pthread_mutex_lock(&dp->mu);
-  /* A call that failed (or was refused) here, while none of its comm runs:
-   * acked, then told why. */
-  bool refuse = failed_call_answers_locked(dp, p, &failed, secret);
-  dp_admit_t a = refuse ? DP_ADMIT_OK
-                        : dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, dp->regs, dp->nregs,
-                                        &which, why, sizeof why);
-  if (a == DP_ADMIT_OK && !refuse) {
+  dp_admit_t a = dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, dp->regs, dp->nregs, &which,
+                               why, sizeof why);
+  if (a == DP_ADMIT_OK) {
     dp_hello_t h;
     dp_wire_parse_hello(p->hello, p->got, &h, NULL, 0); /* admitted: well-formed */
     memcpy(secret, dp_wire_secret_of(&dp->regs[which], h.from), DP_SECRET_LEN);
+  } else if (a == DP_ADMIT_UNKNOWN_GROUP && failed_call_answers_locked(dp, p, &failed, secret)) {
+    a = DP_ADMIT_OK; /* no call here takes it, and its call failed here: acked, then told why */
+    refuse = true;
   }
   if (a == DP_ADMIT_UNKNOWN_GROUP && !p->parked) { /* its call may not have started here yet */
     p->parked = true;

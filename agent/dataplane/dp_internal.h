@@ -201,6 +201,8 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
  * meanwhile (dataplane_drop_comm: REMOTE_FAILURE). Lock-free when neither. */
 int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err);
 void dp__conn_put(dataplane_t *dp, conn_t *c);
+/* Whether the agent at addr is among the last DP_DEAD_MAX declared lost. */
+bool dp__declared_lost(dataplane_t *dp, const char *addr);
 /* Whether the peer of accepted link c has dialed another one on its comm
  * since: c will carry nothing more. */
 bool dp__superseded(dataplane_t *dp, const conn_t *c);
@@ -211,14 +213,15 @@ void dp__conn_discard(dataplane_t *dp, conn_t *c);
 void dp__drop_comm(dataplane_t *dp, uint64_t comm_id);
 /* After call `call` of comm_id failed here: writes an abort frame carrying
  * `why` on each accepted link of the comm (from `peer` only, unless it is
- * DP_ANY_PEER) no call took that serves this call or an older one (its next frame's call, else the one its dialer dialed it
+ * DP_ANY_PEER; proving `secret` only, unless it is NULL) no call took that
+ * serves this call or an older one (its next frame's call, else the one its dialer dialed it
  * for or the latest frame's), so that a peer whose link no call here has
  * taken yet learns the root cause too. The links stay open: a peer that
  * moved on to a later call on one reads the abort as an older call's and
  * goes on (transfer.c). */
 #define DP_ANY_PEER UINT32_MAX
 void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_t peer,
-                       const char *why);
+                       const uint8_t *secret, const char *why);
 /* Records calls g->call..last of g's comm as failed here, answered with `why`
  * (failed_call_t; not call 0, which cannot tell one call from the next),
  * dropping expired records (and the oldest beyond DP_FAILED_MAX), and has the

@@ -6,16 +6,22 @@
  * error, but its peers wait for it until timeout_ms and then fail with a
  * timeout that names it without saying why. A refusal reaches each way a
  * peer can wait for this member:
- *   - a peer waiting for our connection: we dial it for the call and send an
- *     abort frame, as a member that failed mid-call does on its links;
+ *   - a peer waiting for our connection: we dial it for the call (or take the
+ *     link we keep to it) and send an abort frame, as a member that failed
+ *     mid-call does on its links; every peer at once, on up to
+ *     REFUSE_THREADS threads, so that one still busy before the call holds
+ *     up only its own notice;
  *   - a peer sending to us on a link it keeps: dp__abort_untaken writes the
- *     abort on that link, where its sender reads it;
+ *     abort on that link, where its sender reads it (a send's peer does not
+ *     send to us for it: its links to us carry its own sends);
  *   - a peer that dials us for the call, now or later: the refusal record
  *     (conn.c) acks its hello and answers with the abort.
  * Each peer fails the call at once (PEER_ABORTED) with our reason, and the
  * failure spreads through the group as any abort does (transfer.c). */
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -48,6 +54,62 @@ static int write_abort(dataplane_t *dp, conn_t *c, uint64_t call, const char *wh
   return 0;
 }
 
+/* The refusal's dials, shared by its threads: each takes the next member. */
+typedef struct notice {
+  dataplane_t *dp;
+  const dp_group_t *g;
+  const call_t *cl;
+  bool group;
+  uint64_t last;
+  const char *text;
+  int64_t deadline;
+  _Atomic size_t next;
+  pthread_mutex_t mu;
+  meshd_error_t err; /* the first member that could not be told (mu) */
+} notice_t;
+
+/* Tells member i: dials it (or takes our kept link to it) and writes the
+ * abort there. The link stays: the peer, which fails on it, closes it; a
+ * later call of ours skips past it, as past any older call's abort. */
+static void tell(notice_t *nt, size_t i) {
+  const dp_group_t *g = nt->g;
+  meshd_error_t e = {0};
+  /* A kept link the peer closed: once more on a fresh one (a peer that left
+   * the call answers that with its own abort, conn.c). */
+  for (int tries = 0; tries < 2; tries++) {
+    conn_t *c = dp__get_out(nt->dp, nt->cl, g->ranks[i], g->addrs[i], nt->deadline, &e);
+    if (!c) break;
+    int w = write_abort(nt->dp, c, nt->last, nt->text, nt->deadline);
+    if (w != 0) dp__conn_discard(nt->dp, c);
+    dp__conn_put(nt->dp, c);
+    if (w < 0)
+      error_set(&e, ERR_REMOTE_FAILURE,
+                "%s on comm %llu: rank %u at %s did not take the notice within %d ms",
+                nt->cl->what, (unsigned long long)g->comm_id, g->ranks[i], g->addrs[i],
+                nt->dp->timeout_ms);
+    if (w <= 0) break;
+  }
+  if (e.kind == ERR_NONE) return;
+  pthread_mutex_lock(&nt->mu);
+  if (nt->err.kind == ERR_NONE) nt->err = e;
+  pthread_mutex_unlock(&nt->mu);
+}
+
+static void *tell_main(void *arg) {
+  notice_t *nt = arg;
+  for (size_t i; (i = atomic_fetch_add(&nt->next, 1)) < nt->g->n;) {
+    /* Not ourselves, nor a member declared lost (it runs nothing: a dial
+     * would wait out the deadline, and every peer knows of the loss). */
+    if ((nt->group && i == nt->g->me) || dp__declared_lost(nt->dp, nt->g->addrs[i])) continue;
+    tell(nt, i);
+  }
+  return NULL;
+}
+
+/* Peers told at once: a member that has not reached the call yet holds up
+ * only its own notice. */
+#define REFUSE_THREADS 16
+
 int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
               const char *why, meshd_error_t *err) {
   bool group = what == DP_REFUSE_GROUP;
@@ -65,7 +127,12 @@ int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t c
   /* The notices carry the last of the calls: a peer fails at any of them. */
   uint64_t last = g->call + (calls > 1 ? calls - 1 : 0);
   dp__failed_call_add(dp, g, last, text);
-  dp__abort_untaken(dp, g->comm_id, last, group ? DP_ANY_PEER : g->ranks[0], text);
+  /* Links a sender keeps to us: a group's, or a recv's from its one peer
+   * (its secret tells that direction from the peer's sends the other way;
+   * a send's peer sends nothing to us for it). */
+  if (what != DP_REFUSE_SEND)
+    dp__abort_untaken(dp, g->comm_id, last, group ? DP_ANY_PEER : g->ranks[0],
+                      group ? NULL : g->secret, text);
   call_t cl = {.dp = dp, .what = name, .g = g,
                .gen = g->since ? *g->since : atomic_load(&dp->gen), .comm_id = g->comm_id,
                .call = g->call, .secret = g->secret, .refusal = true};
@@ -74,33 +141,23 @@ int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t c
    * (conn.c). */
   uint64_t reg = 0;
   dp__register(dp, &cl, &reg, NULL); /* out of memory: its dials end only at the deadline */
-  int rc = 0;
-  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  notice_t nt = {.dp = dp, .g = g, .cl = &cl, .group = group, .last = last, .text = text,
+                 .deadline = dp__now_ms() + dp->timeout_ms};
+  pthread_mutex_init(&nt.mu, NULL);
   /* A recv's peer only ever dials us: the record and its link tell it. */
-  for (size_t i = 0; what != DP_REFUSE_RECV && i < g->n; i++) {
-    if (group && i == g->me) continue;
-    meshd_error_t e = {0};
-    /* A kept link the peer closed: once more on a fresh one (a peer that
-     * left the call answers that with its own abort, conn.c). */
-    for (int tries = 0; tries < 2; tries++) {
-      conn_t *c = dp__get_out(dp, &cl, g->ranks[i], g->addrs[i], deadline, &e);
-      if (!c) break;
-      int w = write_abort(dp, c, last, text, deadline);
-      dp__conn_discard(dp, c); /* the link was this call's: it goes, as a failed call's do */
-      dp__conn_put(dp, c);
-      if (w < 0)
-        error_set(&e, ERR_REMOTE_FAILURE,
-                  "%s on comm %llu: rank %u at %s did not take the notice within %d ms", name,
-                  (unsigned long long)g->comm_id, g->ranks[i], g->addrs[i], dp->timeout_ms);
-      if (w <= 0) break;
-    }
-    if (e.kind != ERR_NONE && rc == 0) {
-      rc = -1;
-      if (err) *err = e;
-    }
+  if (what != DP_REFUSE_RECV) {
+    pthread_t th[REFUSE_THREADS];
+    size_t nth = 0, want = g->n - (group ? 1 : 0);
+    while (nth + 1 < want && nth < REFUSE_THREADS && pthread_create(&th[nth], NULL, tell_main, &nt) == 0)
+      nth++;
+    tell_main(&nt);
+    for (size_t i = 0; i < nth; i++) pthread_join(th[i], NULL);
   }
+  pthread_mutex_destroy(&nt.mu);
   dp__unregister(dp, reg);
   atomic_fetch_add(&dp->aborts[DP_ABORT_REFUSED], 1);
   dp__call_leave(dp);
-  return rc;
+  if (nt.err.kind == ERR_NONE) return 0;
+  if (err) *err = nt.err;
+  return -1;
 }

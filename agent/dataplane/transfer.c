@@ -711,7 +711,8 @@ int dp__plan_finish(plan_t *p, int rc, const meshd_error_t *err) {
       for (size_t i = 0; i < p->nx; i++)
         if (p->xs[i].c) dp__conn_discard(p->cl.dp, p->xs[i].c);
       if (!p->link_only)
-        dp__abort_untaken(p->cl.dp, p->cl.comm_id, dp__upto(&p->cl), DP_ANY_PEER, p->cl.root);
+        dp__abort_untaken(p->cl.dp, p->cl.comm_id, dp__upto(&p->cl), DP_ANY_PEER, NULL,
+                          p->cl.root);
       /* and a member that dials for it later, as well */
       dp__failed_call_add(p->cl.dp, p->cl.g, dp__upto(&p->cl), p->cl.root);
     }

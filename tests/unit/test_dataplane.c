@@ -903,6 +903,119 @@ Test(dataplane, a_refused_send_or_recv_fails_its_peer_at_once, .timeout = 60) {
   for (int c = 0; c < 8; c++) refusal_p2p_case(c & 1, c & 2, c & 4);
 }
 
+/* A p2p job: member `me` sends `bytes` to (or receives them from) member
+ * `peer` on comm, call `call`, after delay_ms. */
+static job_t p2p_job(world_t *w, kind_t k, size_t me, size_t peer, uint64_t comm, uint64_t call,
+                     size_t bytes, int delay_ms) {
+  return (job_t){.w = w, .me = me, .root = peer, .comm = comm, .call = call, .kind = k,
+                 .count = bytes, .in = calloc(1, bytes ? bytes : 1), .delay_ms = delay_ms};
+}
+
+/* A refused send names one direction of a channel: member 1's own send to
+ * member 0 on the same channel, waiting on a kept link for member 0's recv,
+ * is not aborted by member 0's refusal of its send to member 1 (the abort
+ * once went on every link from member 1). */
+Test(dataplane, a_refused_send_spares_the_peers_send_the_other_way, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 3000);
+  const size_t big = (size_t)24 << 20; /* more than the sockets hold */
+  job_t j[3] = {p2p_job(&w, K_SEND, 1, 0, 70, 4, 1000, 0), p2p_job(&w, K_RECV, 0, 1, 70, 4, 1000, 0)};
+  run_jobs(j, 2); /* a kept link 1 -> 0 */
+  cr_assert_eq(j[0].rc + j[1].rc, 0, "%s %s", j[0].err.msg, j[1].err.msg);
+  free(j[0].in);
+  free(j[1].in);
+  j[0] = p2p_job(&w, K_SEND, 1, 0, 70, 8, big, 0);
+  j[1] = p2p_job(&w, K_RECV, 0, 1, 70, 8, big, 800);
+  j[2] = p2p_job(&w, K_REFUSE_SEND, 0, 1, 70, 12, 0, 200);
+  j[2].why = REFUSAL;
+  run_jobs(j, 3);
+  cr_assert_eq(j[2].rc, 0, "the refusal: %s", j[2].err.msg);
+  cr_assert_eq(j[0].rc, 0, "the other direction's send failed: %s", j[0].err.msg);
+  cr_assert_eq(j[1].rc, 0, "the other direction's recv failed: %s", j[1].err.msg);
+  for (size_t i = 0; i < 3; i++) free(j[i].in);
+  world_stop(&w);
+}
+
+/* Member 0 refuses its recv from member 1 while it sends to member 2 on the
+ * same channel: member 1's send is told at once (a call of the channel
+ * running here once kept the refusal's answer from every hello of it). */
+Test(dataplane, a_refused_recv_is_told_while_another_call_of_the_channel_runs, .timeout = 60) {
+  world_t w;
+  world_start(&w, 3, 2000);
+  const size_t big = (size_t)24 << 20;
+  job_t j[4] = {p2p_job(&w, K_SEND, 0, 2, 71, 40, big, 0), p2p_job(&w, K_RECV, 2, 0, 71, 40, big, 1500),
+                p2p_job(&w, K_REFUSE_RECV, 0, 1, 71, 44, 0, 100),
+                p2p_job(&w, K_SEND, 1, 0, 71, 44, big, 300)};
+  j[2].why = REFUSAL;
+  run_jobs(j, 4);
+  cr_assert_eq(j[0].rc + j[1].rc, 0, "the other pair: %s %s", j[0].err.msg, j[1].err.msg);
+  cr_assert_eq(j[3].rc, -1, "the refused transfer was sent");
+  cr_assert(j[3].took_ms < 1000 && strstr(j[3].err.msg, REFUSAL),
+            "the refused sender failed after %lld ms: %s", (long long)j[3].took_ms, j[3].err.msg);
+  for (size_t i = 0; i < 4; i++) free(j[i].in);
+  world_stop(&w);
+}
+
+/* A member already declared lost is not dialed: the refusal does not wait
+ * out the timeout on it, and the member still waiting is told at once. */
+Test(dataplane, a_refusal_skips_a_peer_declared_lost, .timeout = 60) {
+  world_t w;
+  world_start(&w, 3, 2000);
+  dataplane_stop(w.dp[1]);
+  w.dp[1] = NULL;
+  dataplane_peer_lost(w.dp[0], w.addrs[1], w.ranks[1], "test: lost");
+  job_t j[2] = {{.w = &w, .me = 0, .comm = 72, .call = 2, .kind = K_REFUSE, .why = REFUSAL},
+                p2p_job(&w, K_RECV, 2, 0, 72, 2, 100, 0)};
+  run_jobs(j, 2);
+  cr_assert(j[0].took_ms < 1000, "the refusal took %lld ms: %s", (long long)j[0].took_ms,
+            j[0].err.msg);
+  cr_assert(j[1].rc == -1 && j[1].took_ms < 1000 && strstr(j[1].err.msg, REFUSAL),
+            "member 2 (%lld ms): %s", (long long)j[1].took_ms, j[1].err.msg);
+  free(j[1].in);
+  world_stop(&w);
+}
+
+/* A refusal on a kept link leaves what an earlier send queued on it (it once
+ * closed the link, resetting it): the receiver, busy until after the
+ * refusal, still gets the earlier send whole. Over TCP. */
+static void *send_then_refuse(void *arg) {
+  job_t *j = arg;
+  job_main(&j[0]);
+  job_main(&j[1]);
+  return NULL;
+}
+
+Test(dataplane, a_refusal_after_a_queued_send_keeps_its_bytes, .timeout = 60) {
+  const size_t sizes[] = {(size_t)1 << 20, (size_t)8 << 20};
+  for (size_t k = 0; k < 2; k++) {
+    world_t w;
+    world_start(&w, 2, 3000);
+    for (size_t i = 0; i < 2; i++) dataplane_same_host(w.dp[i], false);
+    job_t j[2] = {p2p_job(&w, K_SEND, 0, 1, 73, 4, 10, 0), p2p_job(&w, K_RECV, 1, 0, 73, 4, 10, 0)};
+    run_jobs(j, 2); /* a kept link 0 -> 1 */
+    cr_assert_eq(j[0].rc + j[1].rc, 0, "%s %s", j[0].err.msg, j[1].err.msg);
+    free(j[0].in);
+    free(j[1].in);
+    j[0] = p2p_job(&w, K_SEND, 0, 1, 73, 40, sizes[k], 0);
+    memset(j[0].in, 7, sizes[k]);
+    j[1] = p2p_job(&w, K_REFUSE_SEND, 0, 1, 73, 44, 0, 0);
+    j[1].why = REFUSAL;
+    job_t r = p2p_job(&w, K_RECV, 1, 0, 73, 40, sizes[k], 1500);
+    pthread_t a, b;
+    pthread_create(&a, NULL, send_then_refuse, j);
+    pthread_create(&b, NULL, job_main, &r);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    cr_assert(j[0].rc != 0 || (r.rc == 0 && memcmp(r.in, j[0].in, sizes[k]) == 0),
+              "%zu bytes: the send succeeded but its receiver did not get it: %s", sizes[k],
+              r.err.msg);
+    free(j[0].in);
+    free(j[1].in);
+    free(r.in);
+    world_stop(&w);
+  }
+}
+
 /* ------------------------------------------------------------ pair secrets */
 
 /* Member 2 of {10, 11, 12} knows its own pair secrets, {2, 0} and {2, 1}, and
@@ -2581,7 +2694,18 @@ static void soak_case(soak_opts_t o) {
     soak_kind_t kind = chaos ? SK_KINDS : j < 2 * SK_KINDS ? (soak_kind_t)(j % SK_KINDS) : SK_EXCHANGE;
     calls[i] = soak_draw(&st, chaos ? &o : &survivors, kind, chaos);
     if (!chaos && kind == SK_EXCHANGE) calls[i].sub = exchanges++ % 4;
-    for (size_t r = 0; r < n; r++) late += calls[i].delay_ms[r] >= o.timeout_ms - 25;
+    /* Late past the timeout, in a call that runs, as a member it involves
+     * (not the lost member's calls after its loss, nor chaos calls after
+     * SOAK_AFTER_LOSS, which are skipped): such a start fails a call, unless
+     * its peers had nothing to wait for (a small send or broadcast delivered
+     * into the socket), so three of them must fail one.
+     * (Counting every start near the timeout, the check below failed on seed
+     * 841794978: 15 such starts, none of them able to fail a call.) */
+    for (size_t r = 0; r < n; r++) {
+      bool runs = !chaos || !o.lose || (i < s.lost_at + SOAK_AFTER_LOSS && (r + 1 < n || i < s.lost_at));
+      bool involved = calls[i].kind != SK_SEND || r == calls[i].root || r == calls[i].peer;
+      late += runs && involved && calls[i].delay_ms[r] >= o.timeout_ms + 30;
+    }
   }
   s.calls = calls;
   world_t w;
@@ -2639,7 +2763,7 @@ static void soak_case(soak_opts_t o) {
           (unsigned long long)why[DP_ABORT_PEER_ABORTED],
           (unsigned long long)why[DP_ABORT_AGENT_LOST], (unsigned long long)why[DP_ABORT_ERROR]);
   /* Not vacuous: the chaos made calls fail, and many still went through. */
-  cr_assert(late == 0 || failed > 0, "seed %llu: %d late starts and no call failed",
+  cr_assert(late < 3 || failed > 0, "seed %llu: %d late starts and no call failed",
             (unsigned long long)s.seed, late);
   cr_assert_geq(ok * 5, ok + failed, "seed %llu: only %zu of %zu results succeeded",
                 (unsigned long long)s.seed, ok, ok + failed);
