@@ -1023,6 +1023,11 @@ export class Session {
     return tensor;
   }
 
+  // Every chunk is handed to the stream at once, without waiting for 'drain': they are
+  // views of `bytes`, not copies, and the stream (a Writable) takes one at a time,
+  // serializing the next only when HTTP/2 took the last; a server that stops reading
+  // leaves about one serialized chunk (CHUNK) held beyond the tensor, whatever its size
+  // (test/client.test.mjs measures it).
   #proxyUpload(header, bytes, deadline) {
     return new Promise((resolve, reject) => {
       const call = this.client.Upload(this.#md, { deadline }, (err, reply) => {

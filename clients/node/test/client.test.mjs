@@ -8,6 +8,8 @@ import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { createRequire } from 'node:module';
 import path from 'node:path';
+import v8 from 'node:v8';
+import vm from 'node:vm';
 import { connect, grpc, MeshdError, protoPath } from '../meshd.mjs';
 
 const require = createRequire(import.meta.url);
@@ -378,6 +380,39 @@ test('upload: one deadline for the plan, the Writes and FinishUpload', async () 
     });
     const took = Date.now() - t0;
     assert.ok(took >= 900 && took < 1400, `a 1000 ms upload took ${took} ms`);
+  } finally {
+    await s.close();
+  }
+});
+
+// The proxied upload hands grpc-js every chunk at once (views of the caller's array,
+// no copies), but grpc-js takes them one at a time: it serializes the next only when
+// the HTTP/2 stream took the last, so against a server that stops reading the client
+// holds about one serialized chunk (1 MiB) beyond the tensor, whatever its size.
+test('proxy upload to a server that does not read holds about one chunk beyond the tensor, not a copy', async () => {
+  v8.setFlagsFromString('--expose-gc');
+  const gc = globalThis.gc ?? vm.runInNewContext('gc');
+  let called = false;
+  const m = await fakeMeshd({ Upload: () => { called = true; } }); // never reads, never answers
+  const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 1500 });
+  try {
+    const data = new Float32Array(16 << 20).fill(1); // 64 MiB
+    gc();
+    const base = process.memoryUsage().arrayBuffers;
+    const t0 = Date.now();
+    const up = s.upload(1, [data.length], data);
+    up.catch(() => {});
+    await sleep(700);
+    gc();
+    const held = process.memoryUsage().arrayBuffers - base;
+    assert.ok(called, 'the server got no Upload');
+    assert.ok(held < (8 << 20), `${(held / 1048576).toFixed(1)} MiB held beyond a 64 MiB tensor`);
+    await assert.rejects(up, (err) => {
+      assert.equal(err.kind, 'DEADLINE_EXCEEDED', err.message);
+      return true;
+    });
+    const took = Date.now() - t0;
+    assert.ok(took >= 1400 && took < 2500, `a 1500 ms upload took ${took} ms`);
   } finally {
     await s.close();
   }
