@@ -431,7 +431,9 @@ static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, 
 /* Non-blocking init, polled up to the deadline; aborted on failure. 0 when
  * made; 1 when NCCL reported an error; -1 past the deadline. */
 static int init_comm(cuda_state_t *st, comm_t *c, const who_t *w, ncclUniqueId id, int nranks,
-                     int rank, int64_t deadline, meshd_error_t *e) {
+                     int rank, int64_t deadline, dataplane_t *net, dp_watch_t *watch,
+                     meshd_error_t *e) {
+  char why[600]; /* a peer's refusal: its rank and reason */
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   int ms = timeout_ms_of(st);
@@ -448,6 +450,11 @@ static int init_comm(cuda_state_t *st, comm_t *c, const who_t *w, ncclUniqueId i
                 "join); it was aborted",
                 w->text, s);
       return -1;
+    }
+    if (dp_watch_fired(net, watch, why, sizeof why)) {
+      ncclCommAbort(nc);
+      return error_set(e, ERR_REMOTE_FAILURE,
+                       "%s: %s; setting up the NCCL communicator was aborted", w->text, why);
     }
     nap(&ns);
     ncclResult_t a = ncclSuccess;
@@ -494,7 +501,7 @@ fail:
 /* The cached communicator for the key, made (bootstrap + init) when missing.
  * Returns it with a reference for the caller, or NULL with e. */
 static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const dp_group_t *g,
-                        const who_t *w, meshd_error_t *e) {
+                        const who_t *w, dp_watch_t *watch, meshd_error_t *e) {
   cuda_state_t *st = cuda_state(b);
   cuda_comms_t *cs = st->comms;
   if (!cs) {
@@ -534,7 +541,9 @@ static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const 
   /* One id per call: an id of a round a member missed (it failed before
    * calling) is an older call's, which the data plane skips, so the id it
    * gets is this round's, and a failed init fails the call. */
-  if (bootstrap(b, c, w, &id, e) || init_comm(st, c, w, id, nranks, rank, deadline, e)) goto fail;
+  if (bootstrap(b, c, w, &id, e) ||
+      init_comm(st, c, w, id, nranks, rank, deadline, b->net, watch, e))
+    goto fail;
   pthread_mutex_lock(&cs->mu);
   c->refs = 2; /* the cache's and the caller's */
   c->linked = true;
@@ -581,6 +590,17 @@ static int comm_fail(cuda_state_t *st, comm_t *c, const who_t *w, ncclResult_t r
   } else if (r != ncclSuccess) {
     nccl_error(w, c->nc, r, NULL, "; the communicator was aborted", e);
   }
+  ncclCommAbort(c->nc);
+  c->nc = NULL;
+  comm_unlink(st->comms, c);
+  return -1;
+}
+
+/* A peer refused the call (dp_refuse: it failed before it joined): the
+ * same, with its reason. */
+static int comm_refused(cuda_state_t *st, comm_t *c, const who_t *w, const char *why,
+                        meshd_error_t *e) {
+  error_set(e, ERR_REMOTE_FAILURE, "%s: %s; the communicator was aborted", w->text, why);
   ncclCommAbort(c->nc);
   c->nc = NULL;
   comm_unlink(st->comms, c);
@@ -691,9 +711,11 @@ static ncclResult_t enqueue(const job_t *j, comm_t *c, int64_t deadline, bool *l
 /* Waits for c->done, watching for NCCL errors. The deadline runs from when
  * this side's earlier work on the caller's stream (c->ready) is done: only
  * the peers' absence may count against it. */
-static int wait_done(cuda_state_t *st, comm_t *c, const who_t *w, meshd_error_t *e) {
+static int wait_done(cuda_state_t *st, comm_t *c, const who_t *w, dataplane_t *net,
+                     dp_watch_t *watch, meshd_error_t *e) {
   long ns = POLL_MIN_NS;
   int64_t deadline = INT64_MAX;
+  char why[600]; /* a peer's abort: its rank and reason */
   for (;;) {
     if (deadline == INT64_MAX && cudaEventQuery(c->ready) == cudaSuccess)
       deadline = now_ns() + (int64_t)timeout_ms_of(st) * 1000000;
@@ -710,6 +732,7 @@ static int wait_done(cuda_state_t *st, comm_t *c, const who_t *w, meshd_error_t 
     if (r == ncclSuccess) r = a;
     if (r != ncclSuccess && r != ncclInProgress) return comm_fail(st, c, w, r, false, e);
     if (now_ns() >= deadline || atomic_load(&c->lost)) return comm_fail(st, c, w, ncclSuccess, true, e);
+    if (dp_watch_fired(net, watch, why, sizeof why)) return comm_refused(st, c, w, why, e);
     nap(&ns);
   }
 }
@@ -749,8 +772,15 @@ static int run_real(backend_t *b, backend_stream_t *s, comm_kind_t ck, uint64_t 
   who_t w;
   describe(&w, j->what, ck, g);
   if (cuda_check(st, cudaSetDevice(st->device), w.text, e)) return -1;
-  comm_t *c = comm_get(b, ck, session, g, &w, e);
-  if (!c) return -1;
+  /* A peer that refuses the call (it failed before joining) says so on the
+   * data plane, which the waits below watch meanwhile (and which admits its
+   * notice then, so that it does not wait for us either). */
+  dp_watch_t *watch = dp_watch_begin(b->net, g);
+  comm_t *c = comm_get(b, ck, session, g, &w, watch, e);
+  if (!c) {
+    dp_watch_end(b->net, watch);
+    return -1;
+  }
   pthread_mutex_lock(&c->busy);
   int rc = -1;
   const void *user_in = j->in;
@@ -790,7 +820,7 @@ static int run_real(backend_t *b, backend_stream_t *s, comm_kind_t ck, uint64_t 
     goto out;
   }
   if (cuda_check(st, cudaEventRecord(c->done, c->stream), w.text, e)) goto out;
-  if (wait_done(st, c, &w, e)) goto out;
+  if (wait_done(st, c, &w, b->net, watch, e)) goto out;
   completed = true;
   if (j->gather) {
     size_t slices = j->n;
@@ -832,6 +862,7 @@ out:
     snprintf(why, sizeof why, "%s: the aborted NCCL work did not stop within 1 s", w.text);
     cuda_mark_lost(st, why);
   }
+  dp_watch_end(b->net, watch);
   pthread_mutex_unlock(&c->busy);
   if (j->gather) cuda_scratch_free(b, bs, j->gather, gather_bytes);
   if (dout && dout != din) cuda_scratch_free(b, bs, dout, out_bytes);
@@ -968,8 +999,34 @@ int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void 
 }
 
 void cuda_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
-                   const char *why) {
-  if (emulated(b) && b->net) dp_refuse(b->net, g, what, calls, why, NULL);
+                 const char *why) {
+  cuda_state_t *st = cuda_state(b);
+  if (!st->emulated && st->comms) {
+    /* The peers drop their communicator when they give up on the call:
+     * ours goes too, so that the next call rebuilds it with them. A send's
+     * is keyed as p2p() keys it: the sender is member 0. */
+    comm_kind_t kind = what == DP_REFUSE_GROUP ? COMM_GROUP
+                       : what == DP_REFUSE_SEND ? COMM_SEND
+                                                : COMM_RECV;
+    dp_group_t key = *g;
+    if (kind != COMM_GROUP) key.me = kind == COMM_SEND ? 0 : 1;
+    cuda_comms_t *cs = st->comms;
+    comm_t *found = NULL;
+    pthread_mutex_lock(&cs->mu);
+    for (comm_t *c = cs->list; c && !found; c = c->next)
+      if (same_key(c, kind, g->session, &key)) found = c;
+    if (found) found->refs++;
+    pthread_mutex_unlock(&cs->mu);
+    if (found) {
+      comm_unlink(cs, found);
+      comm_put(cs, found, false, 0);
+    }
+  }
+  /* Its peers wait for it in NCCL (watching the data plane: wait_done), or
+   * on the data plane itself (emulated, and the NCCL bootstrap). A recv's
+   * sender in NCCL dials nobody: it is dialed, as a send's receiver is. */
+  dp_refuse_t how = !st->emulated && what == DP_REFUSE_RECV ? DP_REFUSE_SEND : what;
+  if (b->net) dp_refuse(b->net, g, how, calls, why, NULL);
 }
 
 static int p2p(backend_t *b, backend_stream_t *s, bool send, uint64_t session, uint64_t comm_id,

@@ -61,9 +61,10 @@ int cuda_gather_root(backend_t *b, backend_stream_t *s, const dp_group_t *g, siz
                      const void *in, void *out, size_t count, dtype_t dtype, meshd_error_t *err);
 int cuda_broadcast(backend_t *b, backend_stream_t *s, const dp_group_t *g, void *buf, size_t bytes,
                    meshd_error_t *err);
-/* backend_ops_t.refuse: the data plane's refusal on cuda:emulated, whose
- * calls run there; nothing on a GPU (the peers wait in NCCL until the comm
- * timeout aborts it). */
+/* backend_ops_t.refuse: drops the cached communicator of the refused call (a
+ * GPU's: the peers drop theirs), then the data plane's refusal, which reaches
+ * peers waiting on the data plane (cuda:emulated, the NCCL bootstrap) and
+ * peers waiting in NCCL, which watch the data plane meanwhile (dp_watch). */
 void cuda_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
                    const char *why);
 int cuda_send(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm_id,

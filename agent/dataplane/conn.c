@@ -319,6 +319,25 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
 
 uint64_t dataplane_generation(dataplane_t *dp) { return dp ? atomic_load(&dp->gen) : 0; }
 
+bool dp__abort_pending(dataplane_t *dp, const call_t *cl, char *why, size_t len) {
+  bool found = false;
+  pthread_mutex_lock(&dp->mu);
+  for (conn_t *c = dp->ins; c && !found; c = c->next) {
+    if (c->comm_id != cl->comm_id || c->refs > 1 || c->held_len || c->skip_left ||
+        memcmp(c->secret, dp__link_secret(cl, c->peer), DP_SECRET_LEN) != 0)
+      continue;
+    uint8_t buf[DP_HDR_LEN + DP_ABORT_MAX];
+    ssize_t r = recv(c->fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+    if (r < DP_HDR_LEN || dp__get32(buf) != DP_MAGIC_ABORT || dp__get64(buf + 16) < cl->call)
+      continue;
+    size_t n = dp__min(dp__min(dp__get32(buf + 4), DP_ABORT_MAX), (size_t)r - DP_HDR_LEN);
+    snprintf(why, len, "rank %u aborted: %.*s", c->peer, (int)n, (const char *)buf + DP_HDR_LEN);
+    found = true;
+  }
+  pthread_mutex_unlock(&dp->mu);
+  return found;
+}
+
 bool dp__declared_lost(dataplane_t *dp, const char *addr) {
   bool lost = false;
   pthread_mutex_lock(&dp->mu);

@@ -236,4 +236,17 @@ typedef enum { DP_REFUSE_GROUP, DP_REFUSE_SEND, DP_REFUSE_RECV } dp_refuse_t;
 int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
               const char *why, meshd_error_t *err);
 
+/* A member that waits on a call outside the data plane (an NCCL collective
+ * or send of a cuda:N agent) watches for a peer's refusal of it: while
+ * watched, members' connections for g's comm are admitted (proving g's
+ * secrets, as a call's are), so that a refusing peer's notice (dp_refuse)
+ * lands here. g must outlive the watch; NULL when out of memory. */
+typedef struct dp_watch dp_watch_t;
+dp_watch_t *dp_watch_begin(dataplane_t *dp, const dp_group_t *g);
+/* Whether a peer's abort of call g->call or a later one has come: then why
+ * gets "rank R aborted: <its reason>". Does not block; cheap enough to poll
+ * every millisecond. NULL: false. */
+bool dp_watch_fired(dataplane_t *dp, dp_watch_t *w, char *why, size_t len);
+void dp_watch_end(dataplane_t *dp, dp_watch_t *w); /* NULL: a no-op */
+
 #endif

@@ -201,6 +201,10 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
  * meanwhile (dataplane_drop_comm: REMOTE_FAILURE). Lock-free when neither. */
 int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err);
 void dp__conn_put(dataplane_t *dp, conn_t *c);
+/* Whether an accepted link of cl's comm that no call holds, proving cl's
+ * secret for its peer, starts with an abort of cl's call or a later one:
+ * then why gets "rank R aborted: <text>" (the frame is left where it is). */
+bool dp__abort_pending(dataplane_t *dp, const call_t *cl, char *why, size_t len);
 /* Whether the agent at addr is among the last DP_DEAD_MAX declared lost. */
 bool dp__declared_lost(dataplane_t *dp, const char *addr);
 /* Whether the peer of accepted link c has dialed another one on its comm

@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -160,4 +161,39 @@ int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t c
   if (nt.err.kind == ERR_NONE) return 0;
   if (err) *err = nt.err;
   return -1;
+}
+
+/* ------------------------------------------------------------------ watches */
+
+struct dp_watch {
+  call_t cl;       /* registered: members' hellos for the comm are admitted */
+  uint64_t reg;
+  int64_t next_ms; /* dp_watch_fired looks again from then on */
+};
+
+dp_watch_t *dp_watch_begin(dataplane_t *dp, const dp_group_t *g) {
+  if (!dp || !g || !g->ranks || !g->secret || g->n == 0) return NULL;
+  dp_watch_t *w = calloc(1, sizeof *w);
+  if (!w) return NULL;
+  w->cl = (call_t){.dp = dp, .what = "watch", .g = g, .gen = atomic_load(&dp->gen),
+                   .comm_id = g->comm_id, .call = g->call, .secret = g->secret};
+  if (dp__register(dp, &w->cl, &w->reg, NULL) != 0) {
+    free(w);
+    return NULL;
+  }
+  return w;
+}
+
+bool dp_watch_fired(dataplane_t *dp, dp_watch_t *w, char *why, size_t len) {
+  if (!w) return false;
+  int64_t now = dp__now_ms();
+  if (now < w->next_ms) return false;
+  w->next_ms = now + 1;
+  return dp__abort_pending(dp, &w->cl, why, len);
+}
+
+void dp_watch_end(dataplane_t *dp, dp_watch_t *w) {
+  if (!w) return;
+  dp__unregister(dp, w->reg);
+  free(w);
 }

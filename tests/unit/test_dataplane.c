@@ -903,6 +903,57 @@ Test(dataplane, a_refused_send_or_recv_fails_its_peer_at_once, .timeout = 60) {
   for (int c = 0; c < 8; c++) refusal_p2p_case(c & 1, c & 2, c & 4);
 }
 
+/* A member waiting in NCCL (cuda:N) watches the data plane for a refusal of
+ * its call (dp_watch): member 2 refuses calls 8..11 while members 0 and 1
+ * watch call 8 (with pair secrets); both watches fire within a second with
+ * the reason, the refusal tells both, and a watch of call 12 does not fire. */
+static void *refuse_later(void *arg) {
+  job_t *j = arg;
+  usleep(100 * 1000);
+  dp_group_t g = group(j->w, j->comm, j->me);
+  g.call = j->call;
+  j->rc = dp_refuse(j->w->dp[j->me], &g, DP_REFUSE_GROUP, 4, REFUSAL, &j->err);
+  return NULL;
+}
+
+Test(dataplane, a_refusal_fires_the_watches_of_members_waiting_outside_the_data_plane,
+     .timeout = 30) {
+  world_t w;
+  world_start(&w, 3, 5000);
+  world_pairs(&w);
+  dp_group_t g0 = group(&w, 80, 0), g1 = group(&w, 80, 1);
+  g0.call = g1.call = 8;
+  dp_watch_t *w0 = dp_watch_begin(w.dp[0], &g0), *w1 = dp_watch_begin(w.dp[1], &g1);
+  cr_assert(w0 && w1);
+  char why[600] = "";
+  cr_assert(!dp_watch_fired(w.dp[0], w0, why, sizeof why), "fired before any refusal: %s", why);
+  job_t r = {.w = &w, .me = 2, .comm = 80, .call = 8};
+  pthread_t th;
+  pthread_create(&th, NULL, refuse_later, &r);
+  int64_t t0 = now_ms();
+  bool f0 = false, f1 = false;
+  char why1[600] = "";
+  while ((!f0 || !f1) && now_ms() - t0 < 3000) {
+    f0 = f0 || dp_watch_fired(w.dp[0], w0, why, sizeof why);
+    f1 = f1 || dp_watch_fired(w.dp[1], w1, why1, sizeof why1);
+    usleep(2000);
+  }
+  pthread_join(th, NULL);
+  cr_assert(f0 && f1, "watches fired: %d %d", f0, f1);
+  cr_assert(now_ms() - t0 < 1000, "took %lld ms", (long long)(now_ms() - t0));
+  cr_assert(strstr(why, REFUSAL) && strstr(why, "rank 12"), "%s", why);
+  cr_assert(strstr(why1, REFUSAL), "%s", why1);
+  cr_assert_eq(r.rc, 0, "the refusal: %s", r.err.msg);
+  dp_watch_end(w.dp[0], w0);
+  dp_watch_end(w.dp[1], w1);
+  dp_group_t later = group(&w, 80, 0);
+  later.call = 12;
+  dp_watch_t *w2 = dp_watch_begin(w.dp[0], &later);
+  cr_assert(!dp_watch_fired(w.dp[0], w2, why, sizeof why), "a later call's watch fired: %s", why);
+  dp_watch_end(w.dp[0], w2);
+  world_stop(&w);
+}
+
 /* A p2p job: member `me` sends `bytes` to (or receives them from) member
  * `peer` on comm, call `call`, after delay_ms. */
 static job_t p2p_job(world_t *w, kind_t k, size_t me, size_t peer, uint64_t comm, uint64_t call,

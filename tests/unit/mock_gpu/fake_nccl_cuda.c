@@ -241,11 +241,45 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
   fake.dp_collectives++;
   return 0;
 }
+/* A refusal reaches the watches of its comm (every agent of a test shares
+ * this fake data plane), as the real one reaches its peers' listeners. */
+static _Atomic uint64_t refused_comm, refused_last;
+static char refused_why[200];
+
 int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t calls,
               const char *why, meshd_error_t *err) {
+  pthread_mutex_lock(&dp_mu);
+  snprintf(refused_why, sizeof refused_why, "rank %u did not take part: %s", dp->rank, why);
+  pthread_mutex_unlock(&dp_mu);
+  atomic_store(&refused_last, g->call + calls - 1);
+  atomic_store(&refused_comm, g->comm_id);
   fake.dp_refusals++;
   return 0;
 }
+
+struct dp_watch {
+  uint64_t comm_id, call;
+};
+
+dp_watch_t *dp_watch_begin(dataplane_t *dp, const dp_group_t *g) {
+  dp_watch_t *w = malloc(sizeof *w);
+  REQUIRE(w && g);
+  w->comm_id = g->comm_id;
+  w->call = g->call;
+  fake.dp_watches++;
+  return w;
+}
+
+bool dp_watch_fired(dataplane_t *dp, dp_watch_t *w, char *why, size_t len) {
+  if (!w || atomic_load(&refused_comm) != w->comm_id || w->call > atomic_load(&refused_last))
+    return false;
+  pthread_mutex_lock(&dp_mu);
+  snprintf(why, len, "aborted: %s", refused_why);
+  pthread_mutex_unlock(&dp_mu);
+  return true;
+}
+
+void dp_watch_end(dataplane_t *dp, dp_watch_t *w) { free(w); }
 
 /* ------------------------------------------------------------ CUDA runtime */
 

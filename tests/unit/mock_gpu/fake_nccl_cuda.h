@@ -48,7 +48,8 @@ typedef struct {
   atomic_int reduce_slices;                           /* cuda_reduce_slices */
   atomic_int memcpy_calls;                            /* cuda_memcpy */
   atomic_int dp_collectives; /* dp_allreduce .. dp_broadcast (emulated path) */
-  atomic_int dp_refusals;    /* dp_refuse (emulated path) */
+  atomic_int dp_refusals;    /* dp_refuse */
+  atomic_int dp_watches;     /* dp_watch_begin: NCCL waits that watch for a refusal */
   atomic_int marked_lost;    /* cuda_mark_lost */
   atomic_int stream_waits;   /* cudaStreamWaitEvent */
 } fake_counters_t;

@@ -11,6 +11,7 @@
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "cuda_internal.h"
@@ -595,6 +596,44 @@ static void disagree_on_addresses(agent_t *a, res_t *r) {
   fake_dev_free(d);
 }
 
+/* A member that fails before it joins refuses the call (backend refuse):
+ * its peer, waiting in NCCL, watches the data plane and fails at once with
+ * the reason instead of at the 2 s timeout; the refuser drops its cached
+ * communicator as the peer drops its own, so the next call rebuilds it with
+ * both and runs. */
+static void refuse_round(agent_t *a, res_t *r) {
+  dp_group_t g = group(620, 13, 2, (size_t)r->me);
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  *d = r->me + 1;
+  if (r->me == 1 && call_no == 8) { /* calls 8 .. 11: an instruction's steps */
+    usleep(100 * 1000); /* agent 0 waits in NCCL by then */
+    cuda_refuse(&a->b, &g, DP_REFUSE_GROUP, 4, "no device memory for the staging copy");
+  } else {
+    r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
+    r->wrong += r->rc == 0 && *d != 3;
+  }
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, a_refusal_fails_the_peer_waiting_in_nccl_at_once) {
+  res_t r[2];
+  call_no = 4;
+  run_agents(2, refuse_round, r);
+  expect_ok(r, 2);
+  cr_expect_eq(fake.ids, 1);
+  call_no = 8;
+  run_agents(2, refuse_round, r);
+  expect_failed(&r[0], 1.0, "rank 1 did not take part: no device memory for the staging copy",
+                "the communicator was aborted");
+  cr_expect_eq(fake.dp_refusals, 1);
+  cr_expect_geq(fake.dp_watches, 3, "the waits watched the data plane");
+  cr_expect_eq(fake.comms_live, 0, "the refuser kept its communicator");
+  call_no = 12;
+  run_agents(2, refuse_round, r);
+  expect_ok(r, 2);
+  cr_expect_eq(fake.ids, 2, "the next call did not rebuild the communicator");
+}
+
 Test(cuda_nccl_mock_gpu, members_disagreeing_on_the_group_fail_at_bootstrap) {
   res_t r[2];
   run_agents(2, disagree_on_addresses, r);
@@ -820,8 +859,6 @@ Test(cuda_nccl_mock_gpu, empty_and_one_member_ops_make_no_communicator) {
   cr_expect_eq(fake.memcpy_calls, 3, "one-member reduce_scatter, allgather, gather copy locally");
   cr_expect_eq(cuda_send(b, NULL, 1, 903, 1, SECRET, 1, "h:1", buf, 0, &e), 0);
   cr_expect_eq(fake.ids + fake.inits, 0);
-  cuda_refuse(b, &two, DP_REFUSE_GROUP, 4, "no room");
-  cr_expect_eq(fake.dp_refusals, 0, "on a GPU the peers wait in NCCL, not on the data plane");
 }
 
 Test(cuda_nccl_mock_gpu, emulated_device_delegates_to_the_data_plane) {
