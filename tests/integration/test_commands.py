@@ -909,6 +909,34 @@ def test_a_member_out_of_memory_before_a_reduce_fails_its_peers_at_once(meshd_se
     assert other_done[0] > 0, "the other session ran no collective"
 
 
+def test_a_source_out_of_memory_before_a_to_mesh_fails_its_destination_at_once(meshd_server,
+                                                                               agent):
+    """to_mesh stages the source's bytes in a copy the server's room check does not count:
+    a source with room for its tensor only fails QUOTA before it sends. Its destination
+    waited for it until --comm-timeout-ms (20 s here); the source now refuses the transfer
+    (dp_refuse) and the destination fails at once, naming the source's reason."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    agent(srv.port, "--memory-bytes", "1000000", "--comm-timeout-ms", 20000, rank=0)
+    agent(srv.port, "--memory-bytes", "4MiB", "--comm-timeout-ms", 20000, rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    with Session(srv.port, "no-room-to-send") as s:
+        m = s.mesh(gpu=2)
+        need(s, m.ref, factories=("ones",))
+        src, dst = s.slice(m.ref, gpu=0), s.slice(m.ref, gpu=1)
+        x = s.tensor(src.ref, (150_000,), kind="ones")  # 600 kB of rank 0's 1,000,000
+        r = s.new_ref()
+        started = time.monotonic()
+        s.run(to_mesh(r, x.ref, dst.ref))
+        s.run(sync(), timeout=30)
+        took = time.monotonic() - started
+        assert took < 5.0, f"the to_mesh took {took:.1f} s to fail"
+        d = s.describe(r).tensors[0]
+        assert pb().TensorState.Name(d.state) == "TENSOR_STATE_FAILED", d
+        assert "rank 0" in d.error.message and "cannot allocate" in d.error.message, d
+        assert state(s, x.ref) == "TENSOR_STATE_LIVE"
+
+
 def test_quota(shared_meshd):
     srv = shared_meshd(2)
     with Session(srv.port, "quota", quota_bytes=1000) as s:
