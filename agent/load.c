@@ -198,6 +198,9 @@ static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_t
               "result's", shown, sl.length * sl.count);
     return prefixed(e, "Load");
   }
+  /* Every range carries the version this rank checked: a file saved again
+   * between two of them fails the load instead of mixing two versions. */
+  o.expect_version = version;
   sink_t k = {.b = b, .t = t, .progress = progress};
   /* cpu: the tensor is host memory, where curl's bytes go straight. */
   if (b->ops == &cpu_backend_ops)
@@ -296,6 +299,7 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   tensor_file_t f = {0};
   char version[URL_VERSION_MAX];
   if (url_fetch_size_version(rq->url, &o, &size, version, sizeof version, NULL, &e)) goto fail;
+  o.expect_version = version; /* the header read is of the version answered */
   int rc = TENSOR_FILE_NEED_MORE;
   tensor_file_opts_t fo = {.file_size = size};
   for (int round = 0; rc == TENSOR_FILE_NEED_MORE && round < 2; round++) {

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,6 +35,8 @@ typedef struct xfer {
   bool (*caller_stop)(void *arg); /* url_fetch_opts_t's stop */
   void *caller_stop_arg;
   uint64_t max_bytes;
+  const char *expect; /* RANGE, ALL: url_fetch_opts_t's expect_version; NULL: any */
+  struct curl_slist *headers; /* its If-Match or If-Unmodified-Since; owned by run() */
   const char *shown; /* the redacted URL of this hop */
   /* per attempt */
   bool started;
@@ -125,6 +128,38 @@ static const char *header(xfer_t *x, const char *name) {
   return curl_easy_header(x->curl, name, 0, CURLH_HEADER, -1, &h) == CURLHE_OK ? h->value : NULL;
 }
 
+static void printable(char *v) {
+  for (; *v; v++)
+    if (*v < 0x20 || *v > 0x7e) *v = '?';
+}
+
+/* "W/\"x\"" and "\"x\"" are one tag to a weak comparison (RFC 9110 8.8.3.2). */
+static const char *opaque_tag(const char *etag) {
+  return strncmp(etag, "W/", 2) == 0 ? etag + 2 : etag;
+}
+
+/* Whether the answer, where it names its version, names the one expected: a
+ * server that ignored If-Match or If-Unmodified-Since serves another version
+ * with a 200 or 206 and says so in its headers. */
+static bool answer_is_expected(xfer_t *x) {
+  char now[URL_VERSION_MAX] = "";
+  if (strncmp(x->expect, "etag ", 5) == 0) {
+    const char *etag = header(x, "ETag");
+    if (!etag || !*etag) return true;
+    snprintf(now, sizeof now, "etag %s", etag);
+    printable(now);
+    if (strcmp(opaque_tag(now + 5), opaque_tag(x->expect + 5)) == 0) return true;
+  } else {
+    curl_off_t t = -1;
+    if (curl_easy_getinfo(x->curl, CURLINFO_FILETIME_T, &t) || t < 0) return true;
+    snprintf(now, sizeof now, "mtime %lld", (long long)t);
+    if (strcmp(now, x->expect) == 0) return true;
+  }
+  fail(x, ERR_BAD_ARGUMENT, "the resource changed during the load (it was %.100s, now %.100s); "
+       "load it again", x->expect, now);
+  return false;
+}
+
 /* The first body bytes of an answer: is it the answer asked for? */
 static bool body_start(xfer_t *x) {
   curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &x->status);
@@ -132,6 +167,7 @@ static bool body_start(xfer_t *x) {
     x->stop = STOP_STATUS; /* its body is an error page: not ours */
     return false;
   }
+  if (x->expect && x->status && !answer_is_expected(x)) return false;
   const char *cr = x->status ? header(x, "Content-Range") : NULL;
   bool has;
   uint64_t a = 0, b = 0, total;
@@ -224,6 +260,7 @@ static const char *status_text(long s) {
   case 403: return " (forbidden)";
   case 404: return " (not found)";
   case 410: return " (gone)";
+  case 412: return " (precondition failed)";
   case 416: return " (range not satisfiable)";
   case 429: return " (too many requests)";
   case 500: return " (internal server error)";
@@ -253,8 +290,7 @@ static void take_version(xfer_t *x) {
     snprintf(x->version, sizeof x->version, "etag %s", etag);
   else if (!curl_easy_getinfo(x->curl, CURLINFO_FILETIME_T, &t) && t >= 0)
     snprintf(x->version, sizeof x->version, "mtime %lld", (long long)t);
-  for (char *p = x->version; *p; p++)
-    if (*p < 0x20 || *p > 0x7e) *p = '?';
+  printable(x->version);
 }
 
 static outcome_t http_outcome(xfer_t *x, bool http) {
@@ -274,6 +310,11 @@ static outcome_t http_outcome(xfer_t *x, bool http) {
   if (s >= 500) {
     fail(x, ERR_UNAVAILABLE, "HTTP %ld%s", s, status_text(s));
     return OUT_RETRY;
+  }
+  if (s == 412 && x->expect) {
+    fail(x, ERR_BAD_ARGUMENT, "the resource changed during the load (HTTP 412 Precondition "
+         "Failed: it is no longer %.150s); load it again", x->expect);
+    return OUT_FAIL;
   }
   if (s >= 400) {
     x->http_4xx = true;
@@ -404,7 +445,9 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
     curl_easy_setopt(c, CURLOPT_RANGE, range); /* curl copies it */
   }
   if (x->mode == MODE_HEAD) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
-  if (x->mode == MODE_HEAD || x->mode == MODE_PROBE) curl_easy_setopt(c, CURLOPT_FILETIME, 1L);
+  if (x->mode == MODE_HEAD || x->mode == MODE_PROBE || x->expect)
+    curl_easy_setopt(c, CURLOPT_FILETIME, 1L);
+  if (x->headers) curl_easy_setopt(c, CURLOPT_HTTPHEADER, x->headers);
   if (x->mode == MODE_ALL) curl_easy_setopt(c, CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)x->length);
   if (x->caller_stop) {
     curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
@@ -432,6 +475,59 @@ static url_fetch_opts_t with_defaults(const url_fetch_opts_t *in) {
   return o;
 }
 
+/* "Sun, 06 Nov 1994 08:49:37 GMT" (RFC 9110 5.6.7), whatever the locale;
+ * false past year 9999. */
+static bool http_date(long long secs, char *out, size_t n) {
+  static const char days[][4] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+  static const char months[][4] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                   "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+  time_t t = (time_t)secs;
+  struct tm tm;
+  if (secs > 253402300799LL || !gmtime_r(&t, &tm)) return false;
+  snprintf(out, n, "%s, %02d %s %04d %02d:%02d:%02d GMT", days[tm.tm_wday], tm.tm_mday,
+           months[tm.tm_mon], tm.tm_year + 1900, tm.tm_hour, tm.tm_min, tm.tm_sec);
+  return true;
+}
+
+/* x->expect checked, and its precondition header into x->headers. */
+static int expect_headers(xfer_t *x, const char *shown, meshd_error_t *e) {
+  const char *v = x->expect;
+  char line[URL_VERSION_MAX + 32] = "", *end;
+  const char *since = "If-Unmodified-Since: ";
+  size_t k = strlen(since);
+  long long secs = 0;
+  if (strncmp(v, "etag ", 5) == 0 && v[5] && url_version_ok(v)) {
+    if (strncmp(v + 5, "W/", 2) != 0) /* If-Match compares strongly: a weak tag never matches */
+      snprintf(line, sizeof line, "If-Match: %s", v + 5);
+  } else if (strncmp(v, "mtime ", 6) == 0 && v[6] >= '0' && v[6] <= '9' &&
+             (errno = 0, secs = strtoll(v + 6, &end, 10), !errno && !*end) &&
+             http_date(secs, line + k, sizeof line - k)) {
+    memcpy(line, since, k);
+  } else {
+    return error_set(e, ERR_BAD_ARGUMENT, "fetch %s: expect_version '%.200s' is neither \"etag "
+                     "TAG\" nor \"mtime SECONDS\" (what url_fetch_size_version gives)", shown, v);
+  }
+  if (line[0] && !(x->headers = curl_slist_append(NULL, line)))
+    return error_set(e, ERR_QUOTA, "fetch %s: out of memory", shown);
+  return 0;
+}
+
+/* file://: the file read must still be the version expected once its bytes
+ * are in (a rewrite in place, before or during the read, moves its mtime).
+ * Without file roots nothing was opened here: its mtime when curl opened it. */
+static bool file_is_expected(xfer_t *x, int fd) {
+  struct stat st;
+  curl_off_t t = -1;
+  char now[64] = "unknown";
+  if (fd >= 0 && fstat(fd, &st) == 0) t = st.st_mtime;
+  else if (fd < 0) curl_easy_getinfo(x->curl, CURLINFO_FILETIME_T, &t);
+  if (t >= 0) snprintf(now, sizeof now, "mtime %lld", (long long)t);
+  if (strcmp(now, x->expect) == 0) return true;
+  fail(x, ERR_BAD_ARGUMENT, "the resource changed during the load (it was %.100s, now %s); load "
+       "it again", x->expect, now);
+  return false;
+}
+
 /* Runs x's request on url: allow-list checks, redirects, retries. */
 static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch_info_t *info,
                meshd_error_t *e) {
@@ -449,6 +545,8 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
     error_set(e, ERR_UNAVAILABLE, "fetch %s: libcurl did not start", shown);
     goto out;
   }
+  if (x->expect && !*x->expect) x->expect = NULL;
+  if (x->expect && expect_headers(x, shown, e)) goto out;
   for (;; hop++) {
     /* A redirect's file:// path as text only: what a server redirects to
      * must not tell it which files exist here (refused just below anyway). */
@@ -477,6 +575,8 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
       sleep_ms(backoff);
       backoff = backoff > o->backoff_max_ms / 2 ? o->backoff_max_ms : backoff * 2;
     }
+    if (out == OUT_OK && x->expect && !http && !file_is_expected(x, file_fd))
+      out = OUT_FAIL;
     if (out == OUT_OK) {
       rc = 0;
       break;
@@ -515,6 +615,8 @@ out:
   }
   if (x->curl) curl_easy_cleanup(x->curl);
   x->curl = NULL;
+  curl_slist_free_all(x->headers);
+  x->headers = NULL;
   if (file_fd >= 0) close(file_fd);
   free(url);
   return rc;
@@ -541,7 +643,8 @@ static int fetch_range(const char *url, uint64_t offset, uint64_t length, void *
     return rc;
   }
   xfer_t x = {.mode = MODE_RANGE, .offset = offset, .length = length, .buf = buf,
-              .sink = sink, .sink_arg = sink_arg, .max_bytes = o.max_bytes};
+              .sink = sink, .sink_arg = sink_arg, .max_bytes = o.max_bytes,
+              .expect = o.expect_version};
   return run(&x, url, &o, info, e);
 }
 
@@ -561,7 +664,7 @@ int url_fetch_all(const char *url, void *buf, size_t cap, size_t *got, const url
   url_fetch_opts_t o = with_defaults(opts);
   if (info) memset(info, 0, sizeof *info);
   xfer_t x = {.mode = MODE_ALL, .length = cap < o.max_bytes ? cap : o.max_bytes, .buf = buf,
-              .max_bytes = o.max_bytes};
+              .max_bytes = o.max_bytes, .expect = o.expect_version};
   *got = 0;
   int rc = run(&x, url, &o, info, e);
   if (!rc) *got = (size_t)x.got;

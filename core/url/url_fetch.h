@@ -19,7 +19,8 @@
  * Retries: a 5xx status, a reset or closed connection, or a body cut short
  * are retried after backoff_ms, doubling up to backoff_max_ms, at most
  * max_retries times. Not retried: 4xx, timeouts, refused connections, refusals
- * by the allow list, answers of the wrong size.
+ * by the allow list, answers of the wrong size, a resource that changed
+ * (expect_version).
  *
  * Errors name the URL without credentials, query or fragment (url_redact):
  * BAD_ARGUMENT for a malformed URL, a 4xx other than 401/403, an answer of the
@@ -72,6 +73,20 @@ typedef struct url_fetch_opts {
    * by its caller"), not retried. NULL: never. */
   bool (*stop)(void *arg);
   void *stop_arg;
+  /* The version the resource must still have, as url_fetch_size_version gave
+   * it ("etag X", "mtime S"); NULL or "": any. For the ranges of one load, so
+   * that a file saved again in place between two of them is not read half
+   * old, half new. Range and whole-body GETs send If-Match: X (not for a weak
+   * W/ tag, which If-Match never matches) or If-Unmodified-Since: S as an
+   * HTTP date, on every hop and retry. A 412, or an answer whose own ETag or
+   * Last-Modified is another one (a server that ignores preconditions;
+   * checked before any byte reaches the caller), fails the call with
+   * BAD_ARGUMENT, "the resource changed during the load", not retried. An
+   * answer without the validator passes. file://: the file's mtime, read after
+   * its bytes (without file_roots: when curl opened it), must still be S (a
+   * rewrite within that same second is not seen). Another form is
+   * BAD_ARGUMENT. Borrowed for the call. */
+  const char *expect_version;
 } url_fetch_opts_t;
 
 #define URL_FETCH_MAX_BYTES ((uint64_t)1 << 34) /* 16 GiB */

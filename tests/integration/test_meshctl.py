@@ -845,6 +845,57 @@ def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
     assert missing in err["message"] and "HTTP 404" in err["message"], err
 
 
+@pytest.fixture
+def versioned_files(tmp_path):
+    """tests/support/range_http_server.py over a folder holding x.npy (float32 [4, 8]): its
+    /files/KEY/HOW/H/x.npy serves a new version (validators) from the first GET after H
+    HEADs on; yields (the base URL, the array)."""
+    import numpy as np
+    a = np.arange(32, dtype=np.float32).reshape(4, 8)
+    np.save(tmp_path / "x.npy", a)
+    script = os.path.join(lib.SOURCE_DIR, "tests", "support", "range_http_server.py")
+    p = subprocess.Popen(["/usr/bin/python3", script, str(tmp_path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+    try:
+        port = int(p.stdout.readline() or 0)
+        assert port > 0, "the range server did not print its port"
+        yield f"http://127.0.0.1:{port}/files", a
+    finally:
+        p.stdin.close()  # it serves until its stdin closes
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+
+
+def test_load_fails_when_the_file_changes_between_its_ranges(shared_meshd, versioned_files):
+    """A file saved again in place mid-load, after every rank checked its version: each
+    range carries the version (If-Match, If-Unmodified-Since), and an answer of another
+    version (412, or a server that ignores them and says so in its headers) fails the load
+    rather than leaving it half old, half new."""
+    srv = shared_meshd(2)
+    base, a = versioned_files
+    # split along dim 1, each rank reads one range per row; H = 3 HEADs (the inspection's,
+    # one per rank) see version 1, then one more range, then the file changes
+    for how, says in (("etag", "HTTP 412 Precondition Failed: it is no longer etag "),
+                      ("mtime-lax", "it was mtime 1700000000, now mtime 1700000060")):
+        url = f"{base}/c-{how}/{how}/3/x.npy"
+        r = meshctl(srv.address, "--output", "json", "load", url, "--shard", "gpu", "--dim", "1")
+        assert r.returncode == 3, _show(r)  # not a tensor of two versions
+        err = _json(r)["error"]
+        assert err["kind"] == "BAD_ARGUMENT", err
+        assert f"{url}: the resource changed during the load (" in err["message"], err
+        assert says in err["message"] and "load it again" in err["message"], err
+    # the same sharded load of a file that stays put passes its preconditions
+    r = meshctl(srv.address, "--output", "json", "load", f"{base}/same/etag/99/x.npy",
+                "--shard", "gpu", "--dim", "1")
+    doc = _json(r)
+    assert r.returncode == 0 and doc["shape"] == [4, 4], _show(r)
+    assert doc["fetched_bytes"] == a.nbytes, doc
+
+
 @pytest.mark.parametrize("args,says", [
     (("load", "http://h/x", "--dtype", "float32"), "load: --dtype needs --shape"),
     (("load", "http://h/x", "--shape", "2,x", "--dtype", "int8"),

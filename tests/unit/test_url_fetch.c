@@ -2,6 +2,8 @@
  * free port, ended by its pid in fini), file:// URLs, and the allow list. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <fcntl.h>
+#include <inttypes.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -561,5 +563,162 @@ Test(url_fetch, a_file_checked_is_the_file_read_whatever_its_path_names_later) {
   cr_assert_eq(url_allow_check_url(&allow, u, u, NULL, scheme, sizeof scheme, &e), 0, "%s", e.msg);
   unlink(path);
   unlink(moved);
+  rmdir(dir);
+}
+
+/* ------------------------------------------------ a load reads one version
+ * The range server's /versioned/KEY/HOW/1/N changes (same size, new
+ * validators and bytes) after the first GET that follows its first HEAD:
+ * the size and version are read, one range sees version 1, the next one
+ * version 2, as when a checkpoint is saved again in place mid-load. */
+
+/* The resource's version, then the first half (version 1) under it. */
+static void read_version_then_half(const char *u, char *version, url_fetch_opts_t *o) {
+  uint64_t size = 0;
+  uint8_t buf[500];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_size_version(u, o, &size, version, URL_VERSION_MAX, NULL, &e), 0, "%s",
+               e.msg);
+  cr_assert_eq(size, 1000);
+  o->expect_version = version;
+  o->max_retries = 3; /* a change is not retried */
+  cr_assert_eq(url_fetch_range(u, 0, 500, buf, o, NULL, &e), 0, "%s", e.msg);
+  for (int i = 0; i < 500; i++) cr_assert_eq(buf[i], pattern((uint64_t)i));
+}
+
+static int count_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, meshd_error_t *e) {
+  (void)pos, (void)bytes, (void)e;
+  *(uint64_t *)arg += n;
+  return 0;
+}
+
+/* The second half must fail as a change; returns its message. */
+static meshd_error_t second_half_fails(const char *u, const url_fetch_opts_t *o) {
+  meshd_error_t e = {0};
+  url_fetch_info_t info;
+  uint64_t given = 0;
+  cr_assert_eq(url_fetch_range_to(u, 500, 500, count_bytes, &given, o, &info, &e), -1,
+               "%s: the second half of a changed resource was read", u);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT, "%s", e.msg);
+  char want[300];
+  snprintf(want, sizeof want, "fetch %s: the resource changed during the load (", u);
+  HAS(e, want);
+  HAS(e, "); load it again");
+  cr_assert_eq(info.attempts, 1, "a change is not retried: %s", e.msg);
+  cr_assert_eq(given, 0, "%" PRIu64 " bytes of the new version reached the caller", given);
+  return e;
+}
+
+Test(url_fetch, a_change_mid_load_fails_the_next_range_by_etag) {
+  char version[URL_VERSION_MAX];
+  url_fetch_opts_t o = quick;
+  read_version_then_half(url("/versioned/e/etag/1/1000"), version, &o);
+  cr_assert_str_eq(version, "etag \"e-v1\"");
+  meshd_error_t e = second_half_fails(url("/versioned/e/etag/1/1000"), &o);
+  HAS(e, "HTTP 412 Precondition Failed: it is no longer etag \"e-v1\"");
+}
+
+Test(url_fetch, a_change_mid_load_fails_the_next_range_by_last_modified) {
+  char version[URL_VERSION_MAX];
+  url_fetch_opts_t o = quick;
+  read_version_then_half(url("/versioned/m/mtime/1/1000"), version, &o);
+  cr_assert_str_eq(version, "mtime 1700000000");
+  meshd_error_t e = second_half_fails(url("/versioned/m/mtime/1/1000"), &o);
+  HAS(e, "HTTP 412 Precondition Failed: it is no longer mtime 1700000000");
+}
+
+/* A server that ignores If-Match and If-Unmodified-Since: the answer's own
+ * ETag or Last-Modified tells, before any of its bytes are taken. */
+Test(url_fetch, a_change_mid_load_is_seen_where_the_server_ignores_preconditions) {
+  char version[URL_VERSION_MAX];
+  url_fetch_opts_t o = quick;
+  read_version_then_half(url("/versioned/le/etag-lax/1/1000"), version, &o);
+  meshd_error_t e = second_half_fails(url("/versioned/le/etag-lax/1/1000"), &o);
+  HAS(e, "it was etag \"le-v1\", now etag \"le-v2\"");
+  o = quick;
+  read_version_then_half(url("/versioned/lm/mtime-lax/1/1000"), version, &o);
+  e = second_half_fails(url("/versioned/lm/mtime-lax/1/1000"), &o);
+  HAS(e, "it was mtime 1700000000, now mtime 1700000060");
+}
+
+/* An unchanged resource read in many ranges under its validator, as a
+ * sharded load reads its rows: every range passes, strict server or not. */
+Test(url_fetch, a_sharded_load_of_an_unchanged_resource_passes_its_preconditions) {
+  const char *paths[] = {"/versioned/s1/etag/99/4096", "/versioned/s2/mtime/99/4096",
+                         "/versioned/s3/etag-lax/99/4096"};
+  for (size_t p = 0; p < sizeof paths / sizeof paths[0]; p++) {
+    const char *u = url(paths[p]);
+    char version[URL_VERSION_MAX];
+    uint64_t size;
+    meshd_error_t e;
+    url_fetch_opts_t o = quick;
+    cr_assert_eq(url_fetch_size_version(u, &o, &size, version, sizeof version, NULL, &e), 0, "%s",
+                 e.msg);
+    o.expect_version = version;
+    uint8_t buf[4096];
+    for (uint64_t row = 0; row < 8; row++) {
+      url_fetch_info_t info;
+      cr_assert_eq(url_fetch_range(u, row * 512, 512, buf + row * 512, &o, &info, &e), 0,
+                   "%s row %" PRIu64 ": %s", u, row, e.msg);
+      cr_assert_eq(info.status, 206);
+    }
+    for (int i = 0; i < 4096; i++) cr_assert_eq(buf[i], pattern((uint64_t)i), "%s", u);
+    size_t got;
+    cr_assert_eq(url_fetch_all(u, buf, sizeof buf, &got, &o, NULL, &e), 0, "%s", e.msg);
+  }
+  /* Not a validator url_fetch_size_version gives: refused, nothing sent. */
+  url_fetch_opts_t o = quick;
+  o.expect_version = "sha 1234";
+  uint8_t b[4];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range(url("/bytes/10"), 0, 4, b, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+  HAS(e, "expect_version 'sha 1234' is neither \"etag TAG\" nor \"mtime SECONDS\"");
+  o.expect_version = "mtime 99999999999999999"; /* past any HTTP date */
+  cr_assert_eq(url_fetch_range(url("/bytes/10"), 0, 4, b, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT);
+}
+
+/* file://: the file's mtime, read after the bytes, must still be the one
+ * expected: a file rewritten in place before or during the read fails. */
+Test(url_fetch, a_file_changed_mid_load_fails) {
+  char dir[] = "/tmp/url_fetch_XXXXXX", path[128], u[160];
+  cr_assert(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  FILE *f = fopen(path, "wb");
+  for (int i = 0; i < 1000; i++) fputc(pattern((uint64_t)i), f);
+  fclose(f);
+  struct timespec old[2] = {{1700000000, 0}, {1700000000, 0}};
+  cr_assert_eq(utimensat(AT_FDCWD, path, old, 0), 0);
+  snprintf(u, sizeof u, "file://%s", path);
+  url_allow_t allow = {.schemes = (const char *[]){"file"}, .n_schemes = 1,
+                       .file_roots = (const char *[]){dir}, .n_file_roots = 1};
+  url_fetch_opts_t o = quick;
+  o.allow = &allow;
+  char version[URL_VERSION_MAX];
+  uint64_t size;
+  uint8_t buf[500];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_size_version(u, &o, &size, version, sizeof version, NULL, &e), 0, "%s",
+               e.msg);
+  cr_assert_str_eq(version, "mtime 1700000000");
+  o.expect_version = version;
+  cr_assert_eq(url_fetch_range(u, 0, 500, buf, &o, NULL, &e), 0, "%s", e.msg);
+  f = fopen(path, "r+b"); /* saved again in place, the same size */
+  fputc(0, f);
+  fclose(f);
+  cr_assert_eq(url_fetch_range(u, 500, 500, buf, &o, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_BAD_ARGUMENT, "%s", e.msg);
+  char want[300];
+  snprintf(want, sizeof want, "fetch %s: the resource changed during the load (it was mtime "
+           "1700000000, now mtime ", u);
+  HAS(e, want);
+  /* Without file roots (curl opens the file, not url_fetch): the same. */
+  allow.n_file_roots = 0;
+  cr_assert_eq(url_fetch_range(u, 500, 500, buf, &o, NULL, &e), -1);
+  HAS(e, want);
+  cr_assert_eq(utimensat(AT_FDCWD, path, old, 0), 0);
+  cr_assert_eq(url_fetch_range(u, 500, 500, buf, &o, NULL, &e), 0, "%s", e.msg);
+  unlink(path);
   rmdir(dir);
 }
