@@ -102,12 +102,23 @@ void execute_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   }
 }
 
+/* The largest seq taken: past it, counters of "done through seq + 1" would
+ * wrap. */
+#define EXECUTE_SEQ_MAX ((uint64_t)INT64_MAX)
+
 /* Checks one instruction against the call; fills why and returns false if the
  * stream is broken. Holds mu. */
 static bool check_locked(const exec_call_t *x, const Meshd__Agent__V1__Instruction *ins, char *why,
                          size_t len) {
   if (ins->seq == 0) {
     snprintf(why, len, "instruction seq 0: seqs start at 1");
+    return false;
+  }
+  if (ins->seq > EXECUTE_SEQ_MAX) { /* the progress counters count one past a seq */
+    snprintf(why, len,
+             "instruction seq %" PRIu64 " is past 2^63 (no server numbers that far: its "
+             "instruction stream is corrupt)",
+             ins->seq);
     return false;
   }
   if (x->last_seq != 0 && ins->seq != x->last_seq + 1) {

@@ -167,6 +167,13 @@ Test(execute, seq_zero_is_refused) {
   assert_refused(NULL, 0, bad, 1, NULL, -1, "seq 0", NULL);
 }
 
+/* A first seq near 2^64 would wrap the executor's progress counters (front,
+ * "done through"): refused, as no server numbers that far. */
+Test(execute, a_seq_past_2_63_is_refused) {
+  uint64_t bad[] = {UINT64_MAX - 1};
+  assert_refused(NULL, 0, bad, 1, NULL, -1, "seq 18446744073709551614 is past 2^63", NULL);
+}
+
 Test(execute, empty_session_is_refused) {
   uint64_t bad[] = {1, 2};
   const char *sessions[] = {"s", ""};
