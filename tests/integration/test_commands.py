@@ -798,16 +798,23 @@ def _upload_header_only(s, mesh, shape, dtype_="float32"):
     return ei.value
 
 
+def _two_agents(meshd_server, agent, mem0, mem1, comm_timeout_ms=None):
+    """A server whose ranks 0 and 1 are agents of mem0 and mem1 bytes (and a comm timeout)."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    extra = ("--comm-timeout-ms", comm_timeout_ms) if comm_timeout_ms else ()
+    agent(srv.port, "--memory-bytes", mem0, *extra, rank=0)
+    agent(srv.port, "--memory-bytes", mem1, *extra, rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    return srv
+
+
 def test_capacity_is_checked_before_dispatch(meshd_server, agent):
     """A result that cannot fit in an agent's registered capacity is refused with QUOTA at the
     call, before anything runs (issue 12): nothing changes, and a later Sync reports nothing.
     The limit is the smallest agent of the mesh the command runs on, so a slice over a larger
     agent takes more."""
-    srv = meshd_server(0, min_agents=2, wait_serving=False)
-    agent(srv.port, "--memory-bytes", "1MiB", rank=0)
-    agent(srv.port, "--memory-bytes", "4MiB", rank=1)
-    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
-                    log=srv.log)
+    srv = _two_agents(meshd_server, agent, "1MiB", "4MiB")
     with Session(srv.port, "capacity") as s:
         m = s.mesh(gpu=2)
         need(s, m.ref, factories=("zeros",))
@@ -833,11 +840,7 @@ def test_a_gather_onto_a_sub_mesh_allocates_only_on_its_target(meshd_server, age
     the other members only send. They allocated the whole result as well, which the
     server's room check (the target's) does not count: a member with room for its input
     alone failed QUOTA before it joined, and the target waited out --comm-timeout-ms."""
-    srv = meshd_server(0, min_agents=2, wait_serving=False)
-    agent(srv.port, "--memory-bytes", "4MiB", "--comm-timeout-ms", 5000, rank=0)
-    agent(srv.port, "--memory-bytes", "1000000", "--comm-timeout-ms", 5000, rank=1)
-    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
-                    log=srv.log)
+    srv = _two_agents(meshd_server, agent, "4MiB", "1000000", 5000)
     with Session(srv.port, "rooted-gather") as s:
         m = s.mesh(gpu=2)
         need(s, m.ref, factories=("zeros", "ones"))
@@ -858,11 +861,7 @@ def test_a_member_out_of_memory_before_a_reduce_fails_its_peers_at_once(meshd_se
     --comm-timeout-ms (20 s here); now rank 1 tells it why (dp_refuse) and the reduce fails
     at once with that reason. Another session's collectives on the same agents go on, and
     this session works again once there is room."""
-    srv = meshd_server(0, min_agents=2, wait_serving=False)
-    agent(srv.port, "--memory-bytes", "4MiB", "--comm-timeout-ms", 20000, rank=0)
-    agent(srv.port, "--memory-bytes", "1000000", "--comm-timeout-ms", 20000, rank=1)
-    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
-                    log=srv.log)
+    srv = _two_agents(meshd_server, agent, "4MiB", "1000000", 20000)
     stop, other_errors, other_done = threading.Event(), [], [0]
 
     def other_session():
@@ -915,11 +914,7 @@ def test_a_source_out_of_memory_before_a_to_mesh_fails_its_destination_at_once(m
     a source with room for its tensor only fails QUOTA before it sends. Its destination
     waited for it until --comm-timeout-ms (20 s here); the source now refuses the transfer
     (dp_refuse) and the destination fails at once, naming the source's reason."""
-    srv = meshd_server(0, min_agents=2, wait_serving=False)
-    agent(srv.port, "--memory-bytes", "1000000", "--comm-timeout-ms", 20000, rank=0)
-    agent(srv.port, "--memory-bytes", "4MiB", "--comm-timeout-ms", 20000, rank=1)
-    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
-                    log=srv.log)
+    srv = _two_agents(meshd_server, agent, "1000000", "4MiB", 20000)
     with Session(srv.port, "no-room-to-send") as s:
         m = s.mesh(gpu=2)
         need(s, m.ref, factories=("ones",))
