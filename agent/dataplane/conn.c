@@ -136,6 +136,13 @@ void dp__conn_put(dataplane_t *dp, conn_t *c) {
   pthread_mutex_unlock(&dp->mu);
 }
 
+bool dp__conn_busy(dataplane_t *dp, const conn_t *c) {
+  pthread_mutex_lock(&dp->mu);
+  bool busy = c->refs > (c->linked ? 2 : 1);
+  pthread_mutex_unlock(&dp->mu);
+  return busy;
+}
+
 /* Unlinks c from `list` and shuts its socket down, so a call still using it fails. */
 static void conn_unlink_locked(conn_t **list, conn_t *c) {
   for (conn_t **p = list; *p; p = &(*p)->next) {

@@ -201,6 +201,8 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
  * meanwhile (dataplane_drop_comm: REMOTE_FAILURE). Lock-free when neither. */
 int dp__check_lost(dataplane_t *dp, const call_t *cl, meshd_error_t *err);
 void dp__conn_put(dataplane_t *dp, conn_t *c);
+/* Whether a call besides the caller (and the table) holds dialed link c. */
+bool dp__conn_busy(dataplane_t *dp, const conn_t *c);
 /* Whether an accepted link of cl's comm that no call holds, proving cl's
  * secret for its peer, starts with an abort of cl's call or a later one:
  * then why gets "rank R aborted: <text>" (the frame is left where it is). */

@@ -70,8 +70,10 @@ typedef struct notice {
 } notice_t;
 
 /* Tells member i: dials it (or takes our kept link to it) and writes the
- * abort there. The link stays: the peer, which fails on it, closes it; a
- * later call of ours skips past it, as past any older call's abort. */
+ * abort there. The link stays: the peer, which fails on it, closes it, and a
+ * later call of the peer's on it skips it, as any older call's abort. A link
+ * another call of ours is sending on (a channel's transfer from another
+ * stream) is not written on: frames of two calls would interleave. */
 static void tell(notice_t *nt, size_t i) {
   const dp_group_t *g = nt->g;
   meshd_error_t e = {0};
@@ -80,6 +82,10 @@ static void tell(notice_t *nt, size_t i) {
   for (int tries = 0; tries < 2; tries++) {
     conn_t *c = dp__get_out(nt->dp, nt->cl, g->ranks[i], g->addrs[i], nt->deadline, &e);
     if (!c) break;
+    if (dp__conn_busy(nt->dp, c)) {
+      dp__conn_put(nt->dp, c);
+      break;
+    }
     int w = write_abort(nt->dp, c, nt->last, nt->text, nt->deadline);
     if (w != 0) dp__conn_discard(nt->dp, c);
     dp__conn_put(nt->dp, c);
