@@ -405,12 +405,18 @@ static int bootstrap(backend_t *b, comm_t *c, const who_t *w, ncclUniqueId *id, 
         return error_set(e, ERR_REMOTE_FAILURE, "%s: sending the NCCL id failed: %s", w->text,
                          de.msg);
     } else {
+      /* Every member gets the id, even past one that failed (a member that
+       * refused the call answers with its abort): the others then learn of
+       * the failure while they set up (init_comm watches), not at the timeout
+       * of a handout that never came. */
+      int rc = 0;
       for (size_t i = 1; i < c->n; i++)
         if (dp_send(b->net, chan, c->call, boot_secret(c, i), c->ranks[i], c->addrs[i], &m,
-                    sizeof m, &de))
-          return error_set(e, ERR_REMOTE_FAILURE,
-                           "%s: sending the NCCL id to rank %u failed: %s", w->text, c->ranks[i],
-                           de.msg);
+                    sizeof m, &de) &&
+            rc == 0)
+          rc = error_set(e, ERR_REMOTE_FAILURE, "%s: sending the NCCL id to rank %u failed: %s",
+                         w->text, c->ranks[i], de.msg);
+      if (rc) return rc;
     }
   } else {
     if (dp_recv(b->net, chan, c->call, boot_secret(c, 0), c->ranks[0], c->addrs[0], &m, sizeof m,

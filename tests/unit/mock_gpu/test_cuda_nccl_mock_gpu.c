@@ -634,6 +634,32 @@ Test(cuda_nccl_mock_gpu, a_refusal_fails_the_peer_waiting_in_nccl_at_once) {
   cr_expect_eq(fake.ids, 2, "the next call did not rebuild the communicator");
 }
 
+/* The same on a communicator's first use: members 0 and 1 set it up (the
+ * id handed out, ncclCommInitRank waiting for member 2) while member 2
+ * refuses; the setup watches the data plane and is aborted at once, naming
+ * the refusal, rather than at the timeout. */
+static void refuse_first_use(agent_t *a, res_t *r) {
+  dp_group_t g = group(630, 14, 3, (size_t)r->me);
+  int32_t *d = fake_dev_alloc(sizeof *d);
+  if (r->me == 2) {
+    usleep(100 * 1000);
+    cuda_refuse(&a->b, &g, DP_REFUSE_GROUP, 4, "no device stream");
+  } else {
+    r->rc = cuda_allreduce(&a->b, NULL, &g, d, 1, DTYPE_INT32, RED_SUM, &r->e);
+  }
+  fake_dev_free(d);
+}
+
+Test(cuda_nccl_mock_gpu, a_refusal_aborts_a_communicator_being_set_up) {
+  res_t r[3];
+  fake_never_join = 1; /* init completes only with every member: never, here */
+  run_agents(3, refuse_first_use, r);
+  for (int i = 0; i < 2; i++)
+    expect_failed(&r[i], 1.0, "rank 2 did not take part: no device stream",
+                  "setting up the NCCL communicator was aborted");
+  cr_expect_eq(fake.comms_live, 0);
+}
+
 Test(cuda_nccl_mock_gpu, members_disagreeing_on_the_group_fail_at_bootstrap) {
   res_t r[2];
   run_agents(2, disagree_on_addresses, r);
