@@ -126,7 +126,7 @@ static void cuda_close(backend_t *b) {
   cuda_comms_destroy(st->comms);
   if (!st->emulated) {
     cudaStreamSynchronize(st->own.s);
-    cuda_blas_release(&st->own);
+    cuda_blas_release(b, &st->own);
     cudaStreamDestroy(st->own.s);
   }
   state_free(st);
@@ -214,7 +214,7 @@ static void cuda_stream_destroy(backend_t *b, backend_stream_t *s) {
   if (!st->emulated) {
     cuda_bind(st);
     cudaStreamSynchronize(s->s);
-    cuda_blas_release(s);
+    cuda_blas_release(b, s);
   }
   pthread_mutex_lock(&st->mu);
   if (s->prev) s->prev->next = s->next;

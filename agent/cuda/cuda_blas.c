@@ -140,8 +140,20 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
     ret = blas_error(c, rc, "handle setup", e);
     goto out;
   }
+  /* The workspace is device memory the stream holds for good: counted
+   * against --memory-bytes like a tensor. */
+  if (!backend_reserve(c->b, BLAS_WS_BYTES)) {
+    ret = error_set(e, ERR_QUOTA,
+                    "%s: no room on this agent for cuBLAS's %d MiB workspace of this stream (it "
+                    "holds %llu of its %llu bytes); drop tensors you no longer need",
+                    kernel_opname(c), (int)(BLAS_WS_BYTES >> 20),
+                    (unsigned long long)atomic_load(&c->b->allocated),
+                    (unsigned long long)c->b->capacity);
+    goto out;
+  }
   if ((ret = cuda_check(cuda_state(c->b), cudaMalloc(&ws, BLAS_WS_BYTES), kernel_opname(c),
                         e)) != 0) {
+    backend_unreserve(c->b, BLAS_WS_BYTES);
     ws = NULL;
     goto out;
   }
@@ -156,15 +168,21 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
   ws = NULL;
 out:
   if (h) blas.cublasDestroy(h);
-  if (ws) cudaFree(ws);
+  if (ws) {
+    cudaFree(ws);
+    backend_unreserve(c->b, BLAS_WS_BYTES);
+  }
   *out = (cublasHandle_t)bs->blas;
   pthread_mutex_unlock(&handle_mu);
   return ret;
 }
 
-void cuda_blas_release(backend_stream_t *bs) {
+void cuda_blas_release(backend_t *b, backend_stream_t *bs) {
   if (bs->blas) blas.cublasDestroy((cublasHandle_t)bs->blas);
-  if (bs->blas_ws) cudaFree(bs->blas_ws);
+  if (bs->blas_ws) {
+    cudaFree(bs->blas_ws);
+    backend_unreserve(b, bs->blas_ws_bytes);
+  }
   bs->blas = NULL;
   bs->blas_ws = NULL;
   bs->blas_ws_bytes = 0;

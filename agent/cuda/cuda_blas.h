@@ -22,9 +22,11 @@ int cuda_matmul_functor(const kernel_call_t *c, meshd_error_t *e);
 bool cuda_blas_available(const char **why);
 
 /* Destroys the cuBLAS handle and workspace the first matmul on bs made
- * (bs->blas, bs->blas_ws); nothing when there are none. The backend calls it
- * from stream_destroy (and for its own stream at close), after syncing bs. */
-void cuda_blas_release(backend_stream_t *bs);
+ * (bs->blas, bs->blas_ws), giving the workspace's bytes back to b's count
+ * (the first matmul reserved them: --memory-bytes); nothing when there are
+ * none. The backend calls it from stream_destroy (and for its own stream at
+ * close), after syncing bs. */
+void cuda_blas_release(backend_t *b, backend_stream_t *bs);
 
 #ifdef __cplusplus
 }

@@ -21,7 +21,7 @@ static void open_backend(void) {
   B = (backend_t){.impl = &ST};
 }
 
-static void close_backend(void) { cuda_blas_release(&ST.own); }
+static void close_backend(void) { cuda_blas_release(&B, &ST.own); }
 
 TestSuite(cuda_blas_mock_gpu, .init = open_backend, .fini = close_backend, .timeout = 30);
 
@@ -337,15 +337,38 @@ Test(cuda_blas_mock_gpu, one_handle_per_stream_with_workspace_and_no_reduced_pre
   cr_expect_eq(fake.last_stream, other.s);
   cr_expect_eq(fake.handles_live, 2);
 
-  cuda_blas_release(&other);
-  cuda_blas_release(&ST.own);
-  cuda_blas_release(&ST.own); /* nothing left: no double free */
+  cr_expect_eq(B.allocated, (uint64_t)2 * (32 << 20), "each workspace counts as device memory");
+  cuda_blas_release(&B, &other);
+  cuda_blas_release(&B, &ST.own);
+  cuda_blas_release(&B, &ST.own); /* nothing left: no double free */
+  cr_expect_eq(B.allocated, 0, "the workspaces' bytes were not given back");
   cr_expect_eq(fake.handles_live, 0);
   cr_expect_eq(fake.workspaces_live, 0);
   cr_expect(!ST.own.blas && !ST.own.blas_ws && ST.own.blas_ws_bytes == 0);
   tens_free(&x);
   tens_free(&y);
   cr_expect_eq(fake_dev_live(), 0);
+}
+
+/* A stream's workspace is held for good: an agent without room for it under
+ * --memory-bytes fails the matmul as QUOTA, naming the workspace, makes no
+ * handle, and keeps nothing; with room, the next product makes it. */
+Test(cuda_blas_mock_gpu, a_workspace_without_room_is_a_quota_error) {
+  tens_t x, y, out;
+  meshd_error_t e = {0};
+  square(&x, &y, DTYPE_FLOAT32);
+  B.capacity = 16 << 20;
+  cr_assert_eq(multiply("mm", &x, &y, &out, NULL, &e), -1, "a 32 MiB workspace fit in 16 MiB");
+  cr_expect_eq(e.kind, ERR_QUOTA, "%s", e.msg);
+  cr_expect(strstr(e.msg, "no room on this agent for cuBLAS's 32 MiB workspace"), "%s", e.msg);
+  cr_expect_eq(fake.handles_live + fake.workspaces_live, 0);
+  cr_expect_eq(B.allocated, 0);
+  B.capacity = 64 << 20;
+  cr_assert_eq(multiply("mm", &x, &y, &out, NULL, &e), 0, "%s", e.msg);
+  cr_expect_eq(B.allocated, (uint64_t)32 << 20);
+  tens_free(&out);
+  tens_free(&x);
+  tens_free(&y);
 }
 
 Test(cuda_blas_mock_gpu, integers_emulation_and_empty_sizes_skip_cublas) {
