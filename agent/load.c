@@ -130,8 +130,8 @@ static int sink_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, mesh
 }
 
 static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
-                       tracked_t *progress, bool (*stop)(void *), void *stop_arg,
-                       meshd_error_t *e);
+                       tracked_t *progress, url_share_t *share, bool (*stop)(void *),
+                       void *stop_arg, meshd_error_t *e);
 
 int load_run(backend_t *b, backend_stream_t *bs, const char *session,
              const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, bool (*stop)(void *),
@@ -139,18 +139,23 @@ int load_run(backend_t *b, backend_stream_t *bs, const char *session,
   (void)bs; /* from_host's bytes are on the device for every stream when it returns */
   uint64_t bytes = (uint64_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype);
   tracked_t *p = track(session, op->result ? op->result->ref : 0, bytes);
-  int rc = fetch_slice(b, op, t, p, stop, stop_arg, e);
+  /* One connection for the load's size check and all its ranges (a range
+   * per row when split along a later dim); NULL (no memory): one each. */
+  url_share_t *share = url_share_new();
+  int rc = fetch_slice(b, op, t, p, share, stop, stop_arg, e);
+  url_share_free(share);
   track_end(p, rc == 0);
   return rc;
 }
 
 static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
-                       tracked_t *progress, bool (*stop)(void *), void *stop_arg,
-                       meshd_error_t *e) {
+                       tracked_t *progress, url_share_t *share, bool (*stop)(void *),
+                       void *stop_arg, meshd_error_t *e) {
   const Meshd__V1__Load *l = op->load;
   url_allow_t allow;
   url_fetch_opts_t o;
   url_policy_from_proto(op->policy, &allow, &o);
+  o.share = share;
   o.stop = stop;
   o.stop_arg = stop_arg;
   tensor_file_entry_t ent = {.name = (char *)"", .dtype = (dtype_t)l->dtype, .offset = l->offset};
@@ -293,6 +298,7 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   url_policy_from_proto(rq->policy, &allow, &o);
   o.stop = inspect_gone;
   o.stop_arg = call;
+  o.share = url_share_new(); /* the HEAD and the header's reads on one connection */
   meshd_error_t e = {0};
   uint64_t size = 0, need = TENSOR_FILE_PROBE_BYTES;
   uint8_t *head = NULL;
@@ -373,10 +379,12 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   free(tp);
   free(head);
   tensor_file_free(&f);
+  url_share_free(o.share);
   return;
 fail:
   free(head);
   tensor_file_free(&f);
+  url_share_free(o.share);
   inspect_fail(call, &e);
 }
 

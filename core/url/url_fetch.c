@@ -5,6 +5,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +39,7 @@ typedef struct xfer {
   const char *expect; /* RANGE, ALL: url_fetch_opts_t's expect_version; NULL: any */
   struct curl_slist *headers; /* its If-Match or If-Unmodified-Since; owned by run() */
   const char *shown; /* the redacted URL of this hop */
+  CURLSH *share;     /* url_fetch_opts_t's share, when this call holds it; NULL: none */
   /* per attempt */
   bool started;
   long status;
@@ -55,6 +57,73 @@ typedef struct xfer {
 static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
 static CURLcode curl_init_rc;
 static void curl_init(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+
+struct url_share {
+  CURLSH *sh;
+  atomic_flag busy;  /* a call holds it */
+  char *allow_key;   /* the allow list of its first call (allow_key()); NULL before */
+};
+
+url_share_t *url_share_new(void) {
+  pthread_once(&curl_once, curl_init);
+  if (curl_init_rc != CURLE_OK) return NULL;
+  url_share_t *s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  atomic_flag_clear(&s->busy);
+  /* No lock callbacks: one call at a time uses it (busy), and the flag's
+   * atomics order one thread's use before the next one's. */
+  if (!(s->sh = curl_share_init()) ||
+      curl_share_setopt(s->sh, CURLSHOPT_SHARE, CURL_LOCK_DATA_CONNECT) != CURLSHE_OK ||
+      curl_share_setopt(s->sh, CURLSHOPT_SHARE, CURL_LOCK_DATA_DNS) != CURLSHE_OK ||
+      curl_share_setopt(s->sh, CURLSHOPT_SHARE, CURL_LOCK_DATA_SSL_SESSION) != CURLSHE_OK) {
+    url_share_free(s);
+    return NULL;
+  }
+  return s;
+}
+
+void url_share_free(url_share_t *s) {
+  if (!s) return;
+  if (s->sh) curl_share_cleanup(s->sh); /* closes the connections it kept */
+  free(s->allow_key);
+  free(s);
+}
+
+/* a's rules as text: two lists with the same text decide alike (NULL is the
+ * zero list: both are the defaults). NULL when out of memory. */
+static char *allow_key(const url_allow_t *a) {
+  static const url_allow_t none;
+  char *key = NULL;
+  size_t n = 0;
+  FILE *f = open_memstream(&key, &n);
+  if (!f) return NULL;
+  if (!a) a = &none;
+  const char *const *lists[] = {a->schemes, a->hosts, a->nets, a->file_roots};
+  size_t counts[] = {a->n_schemes, a->n_hosts, a->n_nets, a->n_file_roots};
+  fprintf(f, "%d", (int)a->allow_private);
+  for (size_t l = 0; l < 4; l++) {
+    fprintf(f, ";%zu", counts[l]);
+    for (size_t i = 0; i < counts[l]; i++) fprintf(f, ",%zu:%s", strlen(lists[l][i]), lists[l][i]);
+  }
+  if (fclose(f)) {
+    free(key);
+    return NULL;
+  }
+  return key;
+}
+
+/* s's connections for a call with allow list a: NULL where another thread's
+ * call holds it, or its connections were opened under another list. */
+static CURLSH *share_take(url_share_t *s, const url_allow_t *a) {
+  if (!s || atomic_flag_test_and_set(&s->busy)) return NULL;
+  char *key = allow_key(a);
+  bool ok = key && (!s->allow_key || strcmp(key, s->allow_key) == 0);
+  if (ok && !s->allow_key) s->allow_key = key, key = NULL;
+  free(key);
+  if (ok) return s->sh;
+  atomic_flag_clear(&s->busy);
+  return NULL;
+}
 
 /* From the parts curl itself reads (what it sends is what is hidden: curl takes
  * "https:///u:p@h" and "https:/u:p@h" too); of a URL curl does not parse, and
@@ -438,6 +507,7 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
   curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
   curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, (long)URL_FETCH_STALL_S);
   curl_easy_setopt(c, CURLOPT_USERAGENT, "meshd-agent/" MESHD_VERSION);
+  if (x->share && strcmp(scheme, "file") != 0) curl_easy_setopt(c, CURLOPT_SHARE, x->share);
   if (x->mode == MODE_RANGE || x->mode == MODE_PROBE) {
     uint64_t first = x->mode == MODE_RANGE ? x->offset : 0;
     uint64_t last = x->mode == MODE_RANGE ? x->offset + x->length - 1 : 0;
@@ -545,6 +615,7 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
     error_set(e, ERR_UNAVAILABLE, "fetch %s: libcurl did not start", shown);
     goto out;
   }
+  x->share = share_take(o->share, o->allow);
   if (x->expect && !*x->expect) x->expect = NULL;
   if (x->expect && expect_headers(x, shown, e)) goto out;
   for (;; hop++) {
@@ -613,8 +684,10 @@ out:
     info->bytes = x->got;
     info->skipped = x->skipped;
   }
-  if (x->curl) curl_easy_cleanup(x->curl);
+  if (x->curl) curl_easy_cleanup(x->curl); /* its connection stays in the share, if any */
   x->curl = NULL;
+  if (x->share) atomic_flag_clear(&o->share->busy); /* after the handle left it */
+  x->share = NULL;
   curl_slist_free_all(x->headers);
   x->headers = NULL;
   if (file_fd >= 0) close(file_fd);

@@ -27,7 +27,8 @@
  * wrong size, more than max_bytes; PERMISSION_DENIED for the allow list and
  * 401/403; DEADLINE_EXCEEDED for a timeout; UNAVAILABLE for connection
  * failures and 5xx after the retries. Thread-safe: every call has its own
- * curl handle (no connection reuse across calls). */
+ * curl handle. Calls reuse no connection of another call unless they share a
+ * url_share_t (below): the ranges of one load do. */
 #ifndef MESHD_URL_FETCH_H
 #define MESHD_URL_FETCH_H
 
@@ -58,6 +59,39 @@ typedef struct url_allow {
   size_t n_file_roots;
 } url_allow_t;
 
+/* Connections, DNS answers and TLS sessions kept from one call for the next:
+ * the ranges of one load (one per row when it is split along a later dim)
+ * then share a connection instead of opening one each, a TCP and a TLS
+ * handshake per row.
+ *
+ *   url_share_t *s = url_share_new();      // NULL (no memory): calls run unshared
+ *   url_fetch_opts_t o = {.allow = &allow, .share = s};
+ *   for (...) url_fetch_range_to(url, off[i], len, sink, arg, &o, NULL, &e);
+ *   url_share_free(s);                     // closes its connections
+ *
+ * Nothing it keeps skips a check. curl reuses a connection only for the same
+ * scheme, host name and port, and the socket callback checked its address
+ * when it was opened; a redirect to another host opens and checks its own.
+ * A share is bound to the allow list of its first call (by content): a call
+ * with another list runs without it, since its connections were checked
+ * against the first list's addresses. The checks of the URL as text (scheme,
+ * host patterns) run on every call and hop, shared or not. file:// does not
+ * use it.
+ *
+ * A kept connection the server has closed meanwhile is not an error: curl
+ * notices it before the request, or, when the close crosses the request and
+ * not a byte of an answer came, sends the request again on a new connection
+ * within the same attempt (neither a retry nor a body cut short).
+ *
+ * One call uses a share at a time: curl cannot share connections between
+ * threads running at once, so it takes no lock callbacks. A call that finds
+ * it in use by another thread runs without it (correct, only unshared). Calls
+ * from different threads one after the other are fine. Owned by its creator;
+ * url_share_free(NULL) does nothing; no call may be using it then. */
+typedef struct url_share url_share_t;
+url_share_t *url_share_new(void);
+void url_share_free(url_share_t *s);
+
 /* Zero fields take the defaults in brackets. */
 typedef struct url_fetch_opts {
   const url_allow_t *allow; /* NULL: http and https to public or loopback addresses */
@@ -87,6 +121,9 @@ typedef struct url_fetch_opts {
    * rewrite within that same second is not seen). Another form is
    * BAD_ARGUMENT. Borrowed for the call. */
   const char *expect_version;
+  /* Connections kept between calls (url_share_t above); NULL: each call its
+   * own. Borrowed for the call. */
+  url_share_t *share;
 } url_fetch_opts_t;
 
 #define URL_FETCH_MAX_BYTES ((uint64_t)1 << 34) /* 16 GiB */

@@ -18,6 +18,14 @@ Byte i of every body is (i * 7 + 3) % 256. Paths (N: a length in bytes):
   /redirect/PATH...         302 to /PATH...
   /redirect-to?url=U        302 to U
   /count/KEY                how many requests KEY saw (flaky, reset)
+  /connections              how many TCP connections the server accepted, this
+                            one's included
+  /lastcall/N               as /bytes/N, then the connection's next request is
+                            closed unanswered (a kept-alive connection the
+                            server drops as the client sends on it)
+
+HTTP/1.1: every answer has a Content-Length and the connection stays open for
+the next request unless the path says otherwise (/reset, /truncated).
 
 Versioned resources, for loads that must not mix two versions of a file. HOW is
 "etag" (an ETag and a Last-Modified), "mtime" (a Last-Modified only), either
@@ -40,6 +48,7 @@ import time
 import urllib.parse
 
 counts = {}
+connections = 0  # TCP connections accepted
 lock = threading.Lock()
 root = None  # /files/ reads here
 heads = {}  # versioned KEY: HEADs seen
@@ -63,6 +72,9 @@ def bump(key):
 
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body are two writes: with Nagle the body of a kept-alive
+    # connection's answer waits for the client's delayed ACK (40 ms).
+    disable_nagle_algorithm = True
 
     def log_message(self, *args):
         pass
@@ -157,6 +169,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def route(self):
+        if getattr(self, "hang_up", False):  # after /lastcall/N on this connection
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
         url = urllib.parse.urlsplit(self.path)
         p = url.path.strip("/").split("/")
         kind, args = p[0], p[1:]
@@ -204,6 +220,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with open(name, "rb") as f:
                 data = f.read()
             self.serve_versioned(args[0], args[1], int(args[2]), lambda v: data)
+        elif kind == "lastcall":
+            self.serve_bytes(int(args[0]))
+            self.hang_up = True
+        elif kind == "connections":
+            with lock:
+                n = connections
+            self.send_status(200, b"%d" % n)
         elif kind == "count":
             with lock:
                 n = counts.get(args[0], 0)
@@ -218,6 +241,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def process_request(self, request, client_address):
+        global connections
+        with lock:
+            connections += 1
+        super().process_request(request, client_address)
 
 
 def main():

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -721,4 +722,195 @@ Test(url_fetch, a_file_changed_mid_load_fails) {
   cr_assert_eq(url_fetch_range(u, 500, 500, buf, &o, NULL, &e), 0, "%s", e.msg);
   unlink(path);
   rmdir(dir);
+}
+
+/* ------------------------------------------------ connections kept (url_share_t)
+ * The range server counts the TCP connections it accepted (/connections). */
+
+/* Connections the server accepted before this question (its own not counted). */
+static int accepted(void) {
+  char n[24] = {0};
+  size_t got;
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_all(url("/connections"), n, sizeof n - 1, &got, &quick, NULL, &e), 0,
+               "%s", e.msg);
+  return atoi(n) - 1;
+}
+
+/* Rows of a load split along dim 1: n ranges of len bytes, stride apart. */
+static double read_rows(const char *u, int n, uint64_t len, uint64_t stride,
+                        const url_fetch_opts_t *o) {
+  uint8_t buf[64];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  double t0 = now();
+  for (int i = 0; i < n; i++) {
+    uint64_t off = (uint64_t)i * stride + 3;
+    cr_assert_eq(url_fetch_range(u, off, len, buf, o, &info, &e), 0, "row %d: %s", i, e.msg);
+    cr_assert_eq(info.attempts, 1);
+    for (uint64_t j = 0; j < len; j++) cr_assert_eq(buf[j], pattern(off + j), "row %d", i);
+  }
+  return now() - t0;
+}
+
+Test(url_fetch, the_ranges_of_a_share_reuse_its_connection) {
+  enum { ROWS = 200 };
+  const char *u = url("/bytes/20000");
+  url_fetch_opts_t o = quick;
+  int before = accepted();
+  double alone = read_rows(u, ROWS, 40, 100, &o);
+  int unshared = accepted() - before - 1;
+  cr_assert_eq(unshared, ROWS, "without a share every range opens its own connection");
+
+  url_share_t *s = url_share_new();
+  cr_assert(s);
+  o.share = s;
+  before = accepted();
+  uint64_t size = 0;
+  char version[URL_VERSION_MAX];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_size_version(u, &o, &size, version, sizeof version, NULL, &e), 0, "%s",
+               e.msg);
+  cr_assert_eq(size, 20000);
+  double shared = read_rows(u, ROWS, 40, 100, &o);
+  int opened = accepted() - before - 1;
+  cr_assert_leq(opened, 2, "a share opened %d connections for a HEAD and %d ranges", opened, ROWS);
+  cr_log_info("%d ranges: %.3f s on %d connections, %.3f s on %d shared (%.1fx)", ROWS, alone,
+              unshared, shared, opened, alone / shared);
+  url_share_free(s);
+  url_share_free(NULL);
+}
+
+Test(url_fetch, a_share_keeps_no_allow_list_decision) {
+  uint8_t buf[100];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  url_share_t *s = url_share_new();
+  url_fetch_opts_t o = quick;
+  o.share = s;
+  int before = accepted();
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 10, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(accepted() - before - 1, 1);
+
+  /* A redirect to another name of the same address opens (and checks) its own
+   * socket; that one is kept too. */
+  char to[160];
+  snprintf(to, sizeof to, "/redirect-to?url=http://localhost:%d/bytes/100", port);
+  before = accepted();
+  cr_assert_eq(url_fetch_range(url(to), 0, 10, buf, &o, &info, &e), 0, "%s", e.msg);
+  cr_assert_eq(info.redirects, 1);
+  char direct[80];
+  snprintf(direct, sizeof direct, "http://localhost:%d/bytes/100", port);
+  cr_assert_eq(url_fetch_range(direct, 20, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(buf[0], pattern(20));
+  cr_assert_eq(accepted() - before - 1, 1, "one new connection, for localhost");
+
+  /* With connections open, a refused address is still refused, through a
+   * redirect too. */
+  cr_assert_eq(url_fetch_range(url("/redirect-to?url=http://10.0.0.1/x"), 0, 10, buf, &o, NULL,
+                               &e), -1);
+  cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
+  HAS(e, "fetch http://10.0.0.1/x: refused before connecting");
+  /* Checks of the URL as text run on every call. */
+  url_allow_t named = {.hosts = (const char *[]){"localhost"}, .n_hosts = 1};
+  o.allow = &named;
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), -1);
+  HAS(e, "host '127.0.0.1' is not in the URL allow list");
+
+  /* Another allow list does not use connections checked under the first:
+   * each of its calls opens its own socket, checked against it. */
+  url_allow_t other = {.nets = (const char *[]){"10.1.0.0/16"}, .n_nets = 1};
+  o.allow = &other;
+  before = accepted();
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(accepted() - before - 1, 2);
+  /* The same rules in another struct are the same list. */
+  url_allow_t same = {0};
+  o.allow = &same;
+  before = accepted();
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(accepted() - before - 1, 0);
+  url_share_free(s);
+
+  /* file:// through a share: read as without one. */
+  char dir[] = "/tmp/url_share_XXXXXX", path[128], u[160];
+  cr_assert(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/f.bin", dir);
+  FILE *f = fopen(path, "wb");
+  for (int i = 0; i < 100; i++) fputc(pattern((uint64_t)i), f);
+  fclose(f);
+  snprintf(u, sizeof u, "file://%s", path);
+  url_allow_t files = {.schemes = (const char *[]){"file", "http"}, .n_schemes = 2,
+                       .file_roots = (const char *[]){dir}, .n_file_roots = 1};
+  o.allow = &files;
+  o.share = s = url_share_new();
+  for (int i = 0; i < 3; i++) {
+    cr_assert_eq(url_fetch_range(u, 50, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+    cr_assert_eq(buf[0], pattern(50));
+    cr_assert_eq(url_fetch_range(url("/bytes/100"), 50, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  }
+  url_share_free(s);
+  unlink(path);
+  rmdir(dir);
+}
+
+/* A kept connection the server closes as the next request arrives (no byte
+ * of an answer): curl sends the request again on a new one, within the same
+ * attempt; not a failure, not a retry, not a body cut short. */
+Test(url_fetch, a_kept_connection_the_server_dropped_is_replaced) {
+  uint8_t buf[100];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  url_share_t *s = url_share_new();
+  url_fetch_opts_t o = quick; /* no retries */
+  o.share = s;
+  int before = accepted();
+  cr_assert_eq(url_fetch_range(url("/lastcall/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 30, 50, buf, &o, &info, &e), 0, "%s", e.msg);
+  cr_assert_eq(info.attempts, 1);
+  cr_assert_eq(info.bytes, 50);
+  for (int i = 0; i < 50; i++) cr_assert_eq(buf[i], pattern(30 + (uint64_t)i));
+  /* A HEAD too. */
+  cr_assert_eq(url_fetch_range(url("/lastcall/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  uint64_t size = 0;
+  cr_assert_eq(url_fetch_size(url("/bytes/100"), &o, &size, &info, &e), 0, "%s", e.msg);
+  cr_assert_eq(size, 100);
+  cr_assert_eq(info.attempts, 1);
+  cr_assert_eq(accepted() - before - 1, 3);
+  url_share_free(s);
+}
+
+/* A share another thread's call holds is not waited for: the call runs
+ * without it. */
+static void *slow_through(void *arg) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  url_fetch_opts_t o = quick;
+  o.share = arg;
+  cr_assert_eq(url_fetch_range(url("/slow/600/10"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  return NULL;
+}
+
+Test(url_fetch, a_share_in_use_is_not_waited_for) {
+  url_share_t *s = url_share_new();
+  url_fetch_opts_t o = quick;
+  o.share = s;
+  uint8_t buf[10];
+  meshd_error_t e;
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 0, 10, buf, &o, NULL, &e), 0, "%s", e.msg);
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, slow_through, s), 0);
+  usleep(200 * 1000);
+  double t0 = now();
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 5, 5, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_lt(now() - t0, 0.3, "waited %.2f s for the other call", now() - t0);
+  cr_assert_eq(buf[0], pattern(5));
+  pthread_join(th, NULL);
+  /* Free again: its connection is used. */
+  int before = accepted();
+  cr_assert_eq(url_fetch_range(url("/bytes/100"), 5, 5, buf, &o, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(accepted() - before - 1, 0);
+  url_share_free(s);
 }
