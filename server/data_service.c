@@ -1303,6 +1303,9 @@ typedef struct transfer {
   session_t *sess;   /* referenced (a fetch's is its fetch_t's) */
   int64_t expiry_ms; /* the grants', Unix ms */
   bool failed;       /* FinishUpload refused it: kept only to undo it again at expiry */
+  /* FinishUpload defined it: kept until expiry only to answer a FinishUpload
+   * repeated because its answer was lost (finish_again) */
+  bool finished;
   /* upload */
   uint64_t ref, stream, mesh;
   tensor_meta_t meta;
@@ -1324,13 +1327,13 @@ static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
     return;
   }
   session_t *s = t->sess;
-  if (undo) {
+  if (undo && !t->finished) {
     pthread_mutex_lock(&s->mu);
     if (!atomic_load(&s->closed) && s->objects)
       refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
     pthread_mutex_unlock(&s->mu);
   }
-  if (!t->failed) transfer_end(s);
+  if (!t->failed && !t->finished) transfer_end(s);
   session_unhold(s);
   free(t->ranks);
   free(t->nonces);
@@ -1375,7 +1378,7 @@ static void *sweeper_main(void *arg) {
     pthread_mutex_unlock(&ds->mu);
     while ((t = expired)) {
       expired = t->next;
-      if (!t->failed)
+      if (!t->failed && !t->finished)
         log_info("data", "direct %s of tensor %llu expired unfinished; %s",
                  t->fetch ? "fetch" : "upload",
                  (unsigned long long)(t->fetch ? t->fetch->ref : t->ref),
@@ -1648,6 +1651,33 @@ static void plan_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
 
 /* Every receipt checked: the tensor is defined. Any receipt missing, short
  * or forged: the ref is deleted where it was written and stays undefined. */
+/* A FinishUpload of an upload that finished: its answer was lost (the
+ * client's deadline passed, the connection dropped), and the client asks
+ * again rather than leave its tensor defined behind its back. The same answer
+ * while the tensor stands as the upload defined it; NOT_FOUND once dropped.
+ * t goes back to the table until its expiry. */
+static void finish_again(data_service_t *ds, rpc_call_t *call, transfer_t *t) {
+  session_t *s = t->sess;
+  Meshd__V1__FinishUploadReply reply = MESHD__V1__FINISH_UPLOAD_REPLY__INIT;
+  Meshd__V1__TensorMeta meta;
+  int64_t dims[2 * LAYOUT_MAX_DIMS];
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = atomic_load(&s->closed) ? NULL : s->objects;
+  obj_t *obj = o ? objects_get(o, t->ref) : NULL;
+  if (obj && obj->kind == OBJ_TENSOR) {
+    command_tensor_meta(&meta, obj, dims);
+    reply.tensor = &meta;
+  }
+  uint64_t ref = t->ref;
+  pthread_mutex_unlock(&s->mu);
+  transfer_put(ds, t);
+  if (reply.tensor) rpc_call_reply(call, &reply.base); /* meta and dims are copies */
+  if (!reply.tensor)
+    rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
+                    "FinishUpload: upload of tensor %llu finished, and the tensor was dropped since",
+                    (unsigned long long)ref);
+}
+
 static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   data_service_t *ds = arg;
   const Meshd__V1__FinishUploadRequest *rq = (const void *)req;
@@ -1657,8 +1687,12 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   session_release(s);
   if (!t) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
-                    "FinishUpload: this session has no pending upload %llu (it finished, failed, "
-                    "or its grants expired and it was undone)", (unsigned long long)rq->transfer_id);
+                    "FinishUpload: this session has no pending upload %llu (it failed, or its "
+                    "grants expired and it was undone)", (unsigned long long)rq->transfer_id);
+    return;
+  }
+  if (t->finished) {
+    finish_again(ds, call, t);
     return;
   }
   meshd_error_t e = {0};
@@ -1705,10 +1739,14 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   pthread_mutex_unlock(&s->mu);
   if (obj) {
     /* The slot first: a client that starts its next transfer on the answer
-     * must find it free (--session-max-transfers). */
+     * must find it free (--session-max-transfers). The transfer stays, as
+     * finished, until its expiry: a client whose answer is lost asks again
+     * (finish_again). */
     count_bytes(ds, DIR_UPLOAD, PATH_DIRECT, t->each * t->nranks);
-    transfer_free(ds, t, false);
+    transfer_end(s);
+    t->finished = true;
     rpc_call_reply(call, &reply.base);
+    transfer_put(ds, t);
     return;
   }
   char msg[sizeof e.msg + 100];

@@ -225,6 +225,17 @@ def test_agents_refuse_bad_grants(meshd_server):
         done = finish(s, "FinishUpload", s._pb.FinishUploadRequest(
             transfer_id=up.transfer_id, receipts=receipts), s._pb.FinishUploadReply)
         assert done.tensor.ref == ref and list(done.tensor.shape) == [16]
+        # its answer lost, a client asks again: the same answer (it once was "no pending
+        # upload", and the client raised with its tensor defined behind its back) ...
+        again = finish(s, "FinishUpload", s._pb.FinishUploadRequest(
+            transfer_id=up.transfer_id), s._pb.FinishUploadReply)
+        assert again.tensor == done.tensor, again
+        # ... while the tensor stands: dropped, it is not found
+        meshd.Tensor(s, ref, (16,), "float32", mesh.ref, 0).drop()
+        s.sync()
+        refused(lambda: finish(s, "FinishUpload", s._pb.FinishUploadRequest(
+            transfer_id=up.transfer_id), s._pb.FinishUploadReply),
+            grpc.StatusCode.NOT_FOUND, "the tensor was dropped since")
         still_works(s, mesh)
 
 

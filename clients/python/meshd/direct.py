@@ -546,19 +546,33 @@ class Direct:
         return res, tr  # the caller completes tr (meshd.tensor._uploaded)
 
     def _finish_upload(self, transfer_id, receipts, deadline):
-        """FinishUpload with every shard's receipt: the reply, or MeshdError. Past
-        the deadline the transfer is also abandoned (the call may not have reached the
-        server, which would keep the slot)."""
+        """FinishUpload with every shard's receipt: the reply, or MeshdError.
+
+        When no answer came (the deadline passed, the connection dropped), the upload
+        may have finished all the same, its answer lost: it is asked once more (the
+        server answers a finished upload's FinishUpload again, and finishes one it had
+        not yet), so that the tensor is not left defined behind the caller's back while
+        it raises. Still no answer, and the transfer is abandoned (the call may not have
+        reached the server, which would keep the slot)."""
         s, pb = self.session, self.session._pb
         fin = s._ch.unary_unary(_SVC + "FinishUpload", request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=pb.FinishUploadReply.FromString)
+        req = pb.FinishUploadRequest(transfer_id=transfer_id, receipts=receipts)
+        lost = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
         try:
-            return fin(pb.FinishUploadRequest(transfer_id=transfer_id, receipts=receipts),
-                       metadata=s._md, timeout=_left(deadline))
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self._abandon_upload(transfer_id)
-            raise MeshdError.from_rpc(e) from None
+            try:
+                return fin(req, metadata=s._md, timeout=_left(deadline))
+            except grpc.RpcError as e:
+                if e.code() not in lost:
+                    raise MeshdError.from_rpc(e) from None
+                first = e
+            try:
+                return fin(req, metadata=s._md, timeout=min(s.timeout, _CLEANUP_TIMEOUT))
+            except grpc.RpcError as e:
+                if e.code() in lost:
+                    self._abandon_upload(transfer_id)
+                    raise MeshdError.from_rpc(first) from None
+                raise MeshdError.from_rpc(e) from None  # failed, or undone: why
         except ValueError as e:
             if _closed_channel(e):
                 raise _closed_error("FinishUpload") from None

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 from conftest import start_meshd, stop_meshd
@@ -264,6 +265,51 @@ def _record_deadlines(s, monkeypatch):
         spy(ch, "stream_unary")
         spy(ch, "unary_stream")
     return seen
+
+
+class _LostAnswer(grpc.RpcError):
+    """What a FinishUpload whose answer never came raises: the server did finish it."""
+
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded (the test dropped the answer)"
+
+    def trailing_metadata(self):
+        return ()
+
+
+def test_an_upload_whose_finish_answer_is_lost_asks_again(one_slot, monkeypatch):
+    """The first FinishUpload reaches the server, which defines the tensor, but its answer
+    is lost (DEADLINE_EXCEEDED here). The client asks again and gets the same answer:
+    meshd.tensor returns the tensor, exact. It raised before, leaving the tensor defined
+    behind the caller's back (holding the agents' memory) until the session ended."""
+    with meshd.connect(one_slot, data_path="direct", timeout=30) as s:
+        with s.mesh(gpu=2).activate():
+            meshd.tensor(np.ones(2 * MIB, np.float32), progress=False)  # the channels
+            real = s._ch.unary_unary
+            calls = []
+
+            def make(method, *a, **kw):
+                fn = real(method, *a, **kw)
+                if not method.endswith("/FinishUpload"):
+                    return fn
+
+                def finish(*ca, **ckw):
+                    calls.append(method)
+                    reply = fn(*ca, **ckw)  # the server finishes it ...
+                    if len(calls) == 1:
+                        raise _LostAnswer()  # ... and its answer is lost
+                    return reply
+                return finish
+            monkeypatch.setattr(s._ch, "unary_unary", make)
+            arr = np.arange(2 * MIB, dtype=np.float32)
+            t = meshd.tensor(arr, progress=False)
+            monkeypatch.undo()
+            assert len(calls) == 2, calls
+            for g in (0, 1):
+                assert np.array_equal(meshd.fetch_shard(t, gpu=g).result(30), arr), g
 
 
 def test_a_direct_transfer_has_one_deadline(one_slot, monkeypatch, fast_callbacks):
