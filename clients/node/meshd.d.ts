@@ -501,7 +501,9 @@ export class Session {
    * Uploads `data` as the same tensor of `shape` on every rank of `mesh`; with perRank,
    * one local tensor of `shape` per rank, in rank order. The bytes go by dataPath, all
    * shards at once (the first shard to fail stops the others and undoes the upload); one
-   * deadline, the session's timeoutMs, for all of it. Throws (synchronously) a TypeError
+   * deadline, the session's timeoutMs, for all of it (a direct upload's FinishUpload that
+   * got no answer is asked once more, within min(timeoutMs, 5 s), so that a tensor the
+   * server defined is not left behind a rejection). Throws (synchronously) a TypeError
    * for an array of no meshd dtype.
    */
   upload(mesh: Ref, shape: number[], data: UploadArray, options?: { stream?: number; perRank?: boolean }): Promise<TensorMeta>;

@@ -48,7 +48,10 @@
 // cannot (UNAVAILABLE naming the rank and address); 'proxy' always through the server.
 // A plan's agents are dialled only at host:port addresses (another, unix:/path say: auto
 // takes the proxy, direct UNAVAILABLE). The first shard of an upload to fail cancels the
-// others' Writes and undoes the upload at once (FinishUpload without receipts).
+// others' Writes and undoes the upload at once (FinishUpload without receipts). A
+// FinishUpload that got no answer (DEADLINE_EXCEEDED, UNAVAILABLE) is asked once more with
+// the cleanup deadline (the server answers a finished upload's again): an answer and the
+// upload succeeds; none, and it is undone and the upload rejects with the first error.
 //
 // While a session is open it sends KeepAlive every third of its ttl (never more often
 // than every 250 ms) from an unref'd timer, so an idle session outlives its ttl and the timer never
@@ -1340,12 +1343,39 @@ export class Session {
       throw new MeshdError('DEADLINE_EXCEEDED', `direct upload: every shard written, no time left for FinishUpload `
         + `within ${this.timeoutMs} ms`, grpc.status.DEADLINE_EXCEEDED);
     }
-    const fin = await this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts }, deadline);
+    const fin = await this.#finishUpload(plan.transfer_id, receipts, deadline, abandon);
     if (!fin.tensor) {
       throw new MeshdError('INTERNAL', 'direct upload: FinishUpload answered no TensorMeta', grpc.status.INTERNAL);
     }
     this.transferStats.directUploads += 1;
     return fin.tensor;
+  }
+
+  // FinishUpload with every shard's receipt: its reply. When no answer came (the deadline
+  // passed, the connection dropped), the upload may have finished all the same, its answer
+  // lost: it is asked once more, with the cleanup deadline (the server answers a finished
+  // upload's FinishUpload again, and finishes one it had not yet), so that the tensor is
+  // not left defined behind the caller's back while the upload rejects. Still no answer:
+  // the transfer is abandoned (the first call may not have reached the server, which
+  // would keep the slot) and the first error thrown; another error (the transfer failed,
+  // or was undone) is thrown as it is.
+  async #finishUpload(transferId, receipts, deadline, abandon) {
+    const request = { transfer_id: transferId, receipts };
+    const lost = (e) => e.code === grpc.status.DEADLINE_EXCEEDED || e.code === grpc.status.UNAVAILABLE;
+    let first;
+    try {
+      return await this.#unaryBy('FinishUpload', request, deadline);
+    } catch (e) {
+      if (!(e instanceof MeshdError) || !lost(e)) throw e;
+      first = e;
+    }
+    try {
+      return await this.#unaryBy('FinishUpload', request, this.#cleanupDeadline());
+    } catch (e) {
+      if (!(e instanceof MeshdError) || !lost(e)) throw e; // failed, or undone: why
+      await abandon();
+      throw first;
+    }
   }
 
   // A Write of part to shard sh's agent; pushes to `calls` a stop() that cancels it.

@@ -362,24 +362,35 @@ test("a FinishUpload that answers no tensor rejects INTERNAL; 'direct' never tak
   }
 });
 
-test('upload: one deadline for the plan, the Writes and FinishUpload', async () => {
+// A FinishUpload with no answer may have finished the upload all the same: it is asked
+// once more (the server answers a finished upload's again), within the cleanup deadline
+// (min(timeoutMs, 5 s)); no answer to that either, and the upload is undone (FinishUpload
+// without receipts, the same deadline) and the first error thrown.
+test('upload: one deadline for the plan, the Writes and FinishUpload; one with no answer is asked once more, then undone', async () => {
   const agent = await serve(Agent, { Write: (call, cb) => {
     call.on('data', () => {});
     call.on('end', () => cb(null, { bytes: 4, receipt: Buffer.from([1]) }));
   } });
+  const finishes = []; // [ms since t0, receipts]
+  let t0;
   const m = await fakeMeshd({
     PlanTransfer: (c, cb) => setTimeout(() => cb(null, plan([shard(0, agent)])), 500),
-    FinishUpload: () => {}, // never answers
+    FinishUpload: (c) => { finishes.push([Date.now() - t0, (c.request.receipts ?? []).length]); }, // never answers
   });
   const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 1000 });
   try {
-    const t0 = Date.now();
+    t0 = Date.now();
     await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
       assert.equal(err.kind, 'DEADLINE_EXCEEDED', err.message);
       return true;
     });
     const took = Date.now() - t0;
-    assert.ok(took >= 900 && took < 1400, `a 1000 ms upload took ${took} ms`);
+    assert.deepEqual(finishes.map(([, n]) => n), [1, 1, 0], JSON.stringify(finishes));
+    const [[first], [again], [undo]] = finishes;
+    assert.ok(first >= 450 && first < 900, `the first FinishUpload went at ${first} ms`);
+    assert.ok(again >= 900 && again < 1400, `the second FinishUpload went at ${again} ms`);
+    assert.ok(undo >= 1900 && undo < 2400, `the undoing FinishUpload went at ${undo} ms`);
+    assert.ok(took >= 2900 && took < 3400, `a 1000 ms upload whose FinishUpload never answers took ${took} ms`);
   } finally {
     await s.close();
   }

@@ -14,7 +14,7 @@ import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { agentPid as agentChild } from '../test-lib/agents.mjs';
 import { sourceDir, startMeshd, stopAll } from '../test-lib/meshd.mjs';
-import { connect, MeshdError } from '../meshd.mjs';
+import { connect, grpc, MeshdError } from '../meshd.mjs';
 
 let work;
 const servers = {}; // name -> startMeshd's handle ({ proc, pid, addr, log, ... })
@@ -105,6 +105,64 @@ test('unary PlanTransfer: the 64-bit transfer_id comes back exact, and FinishUpl
     // ...after which it is gone.
     await assert.rejects(s.unary('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] }),
       /no pending upload/);
+  } finally {
+    await s.close();
+  }
+});
+
+// Wraps s.client's FinishUpload: each call goes to the server as it is, and fate(n, err,
+// reply) (n: 1 for the first call) answers the caller in its place; the receipts' count of
+// each call is pushed to the returned list (0: the upload was abandoned).
+function wrapFinishUpload(s, fate) {
+  const real = s.client.FinishUpload;
+  const calls = [];
+  s.client.FinishUpload = function (request, md, opts, cb) {
+    const n = calls.push(request.receipts?.length ?? 0);
+    return real.call(this, request, md, opts, (err, reply) => fate(n, err, reply, cb));
+  };
+  return calls;
+}
+const rpcError = (code, details) => Object.assign(new Error(details), { code, details, metadata: new grpc.Metadata() });
+
+test('direct: a FinishUpload whose answer was lost is asked once more: the upload returns the tensor the server defined', async () => {
+  const s = await open('direct', 'direct');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const data = new Float32Array([1.5, -2, 3, 4.25, 5, 6]);
+    // the first call finishes the upload on the server; its answer is lost
+    let calls = wrapFinishUpload(s, (n, err, reply, cb) => (n === 1 && !err
+      ? cb(rpcError(grpc.status.DEADLINE_EXCEEDED, 'Deadline exceeded (test: answer lost)')) : cb(err, reply)));
+    const t = await s.upload(mesh, [2, 3], data);
+    assert.deepEqual(calls, [2, 2]); // asked once more, with the same receipts
+    delete s.client.FinishUpload;
+    assert.deepEqual(t.shape, [2, 3]);
+    for (const gpu of [0, 1]) assert.deepEqual([...await s.fetch(t, { gpu })], [...data]);
+    assert.equal(s.transferStats.directUploads, 1);
+
+    // no answer to either: abandoned (FinishUpload without receipts), the first error thrown
+    calls = wrapFinishUpload(s, (n, err, reply, cb) => (n <= 2
+      ? cb(rpcError(grpc.status.UNAVAILABLE, `test: answer ${n} lost`)) : cb(err, reply)));
+    await assert.rejects(s.upload(mesh, [2, 3], data), (e) => {
+      assert.ok(e instanceof MeshdError);
+      assert.equal(e.kind, 'UNAVAILABLE', e.message);
+      assert.match(e.message, /test: answer 1 lost/);
+      return true;
+    });
+    assert.deepEqual(calls, [2, 2, 0]);
+    delete s.client.FinishUpload;
+
+    // another error the second time (the transfer failed, or was undone): that one, not abandoned
+    calls = wrapFinishUpload(s, (n, err, reply, cb) => cb(n === 1
+      ? rpcError(grpc.status.DEADLINE_EXCEEDED, 'test: answer lost')
+      : rpcError(grpc.status.NOT_FOUND, 'test: tensor dropped since')));
+    await assert.rejects(s.upload(mesh, [2, 3], data), (e) => {
+      assert.equal(e.kind, 'NOT_FOUND', e.message);
+      assert.match(e.message, /test: tensor dropped since/);
+      return true;
+    });
+    assert.deepEqual(calls, [2, 2]);
+    delete s.client.FinishUpload;
+    assert.equal(s.transferStats.directUploads, 1);
   } finally {
     await s.close();
   }
