@@ -658,16 +658,9 @@ static void write_shard(void *arg, size_t i) {
   free(g);
 }
 
-/* FinishUpload with the receipts of the shards that succeeded (none: the
- * server undoes the upload at once), by the upload's deadline `end` (an undo
- * gets at least UNDO_MIN_MS, so that the slot is freed now even past it).
- * Returns 0 or -1 with st. */
-#define UNDO_MIN_MS 1000
-static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
-                         size_t n, int64_t end, rpc_status_t *st) {
-  int timeout_ms = left_ms(end);
-  if (n == 0 && timeout_ms < UNDO_MIN_MS)
-    timeout_ms = UNDO_MIN_MS;
+/* FinishUpload with n receipts, within timeout_ms. Returns 0 or -1 with st. */
+static int finish_call(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
+                       size_t n, int timeout_ms, rpc_status_t *st) {
   Meshd__V1__FinishUploadRequest fin = MESHD__V1__FINISH_UPLOAD_REQUEST__INIT;
   fin.transfer_id = id;
   fin.receipts = r;
@@ -682,6 +675,45 @@ static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__Writ
   st->kind[sizeof st->kind - 1] = '\0';
   st->message[sizeof st->message - 1] = '\0';
   return code == GRPC_STATUS_OK ? 0 : -1;
+}
+
+/* What is left of the upload's deadline `end`, but at least UNDO_MIN_MS: a
+ * cleanup call that frees the session's slot now, even past the deadline. */
+#define UNDO_MIN_MS 1000
+static int cleanup_ms(int64_t end) {
+  int left = left_ms(end);
+  return left < UNDO_MIN_MS ? UNDO_MIN_MS : left;
+}
+
+/* FinishUpload without receipts: the server undoes the upload at once. */
+static void abandon_upload(const direct_session_t *s, uint64_t id, int64_t end) {
+  rpc_status_t st;
+  finish_call(s, id, NULL, 0, cleanup_ms(end), &st);
+}
+
+/* FinishUpload with every shard's receipt, by the upload's deadline `end`.
+ * Returns 0, or -1 with st. No answer (the deadline passed, the connection
+ * dropped) does not mean it failed: the server may have defined the tensor
+ * and its answer been lost. So it is asked once more (the server answers a
+ * finished upload's FinishUpload again, and finishes one it had not), lest the
+ * caller be told of a failure while the tensor stands. Still no answer: the
+ * transfer is abandoned (the calls may not have reached the server, which
+ * would keep the slot) and st is the first failure. */
+static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
+                         size_t n, int64_t end, rpc_status_t *st) {
+  if (finish_call(s, id, r, n, left_ms(end), st) == 0)
+    return 0;
+  if (st->code != GRPC_STATUS_DEADLINE_EXCEEDED && st->code != GRPC_STATUS_UNAVAILABLE)
+    return -1;
+  rpc_status_t again;
+  if (finish_call(s, id, r, n, cleanup_ms(end), &again) == 0)
+    return 0;
+  if (again.code != GRPC_STATUS_DEADLINE_EXCEEDED && again.code != GRPC_STATUS_UNAVAILABLE) {
+    *st = again; /* failed, or undone: why */
+    return -1;
+  }
+  abandon_upload(s, id, end);
+  return -1;
 }
 
 direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
@@ -711,20 +743,20 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   rpc_status_t st;
   if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !done || !u.hold) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
-    finish_upload(s, p->transfer_id, NULL, 0, end, &st);
+    abandon_upload(s, p->transfer_id, end);
     rc = DIRECT_FAILED;
     goto out;
   }
   if (n == 0 || (h->per_rank && u.each * n != bytes)) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                    "direct upload: the plan has %zu shards for %zu bytes", n, bytes);
-    finish_upload(s, p->transfer_id, NULL, 0, end, &st);
+    abandon_upload(s, p->transfer_id, end);
     rc = DIRECT_FAILED;
     goto out;
   }
   rc = shard_channels(d, s, p, u.chans, "upload", end, e);
   if (rc != DIRECT_DONE) {
-    finish_upload(s, p->transfer_id, NULL, 0, end, &st); /* undone at once; the slot is free */
+    abandon_upload(s, p->transfer_id, end); /* undone at once; the slot is free */
     goto out;
   }
   u.timeout_ms = left_ms(end);
@@ -741,9 +773,9 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
       rc = DIRECT_FAILED;
     }
   }
-  /* Sent even when a shard failed, so that the server undoes the rest now. */
-  if (finish_upload(s, p->transfer_id, done, rc == DIRECT_DONE ? nd : 0, end, &st) != 0 &&
-      rc == DIRECT_DONE) {
+  if (rc != DIRECT_DONE) {
+    abandon_upload(s, p->transfer_id, end); /* so that the server undoes the rest now */
+  } else if (finish_upload(s, p->transfer_id, done, nd, end, &st) != 0) {
     direct_err_status(e, &st, "");
     rc = DIRECT_FAILED;
   }

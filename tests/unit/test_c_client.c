@@ -7,8 +7,10 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -2610,4 +2612,158 @@ Test(c_client_faulty, a_sync_names_every_failure_it_reports) {
                meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);
+}
+
+/* A TCP proxy on 127.0.0.1 in front of the server, one thread per connection.
+ * The first connection on which the client sends "FinishUpload" (a path's
+ * first use on a connection is an HPACK literal) is cut: the server's bytes
+ * after it are dropped, and the connection is closed once the server answered
+ * (at most 3 s on). The client's call fails UNAVAILABLE although the server
+ * processed it: an answer lost, with only real parts. */
+#define PROXY_PUMPS 16
+typedef struct {
+  int lfd, port, server_port;
+  atomic_int stop, cuts;
+  pthread_t acceptor;
+  pthread_t pumps[PROXY_PUMPS];
+  atomic_size_t npumps;
+} cut_proxy_t;
+
+typedef struct {
+  cut_proxy_t *p;
+  int cfd, sfd;
+} pump_t;
+
+static bool send_all(int fd, const char *b, size_t n) {
+  while (n > 0) {
+    ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
+    if (k <= 0)
+      return false;
+    b += k;
+    n -= (size_t)k;
+  }
+  return true;
+}
+
+static void *pump_main(void *arg) {
+  pump_t *pp = arg;
+  static const char key[] = "FinishUpload";
+  enum { KEEP = sizeof key - 2, CHUNK = 65536 };
+  char *buf = malloc(KEEP + CHUNK);
+  size_t kept = 0; /* the client's last bytes, for a key split between reads */
+  int64_t cut_at = 0, close_at = 0;
+  struct pollfd f[2] = {{.fd = pp->cfd, .events = POLLIN}, {.fd = pp->sfd, .events = POLLIN}};
+  while (buf && !atomic_load(&pp->p->stop) && !(close_at && now_ms() >= close_at)) {
+    if (poll(f, 2, 20) <= 0)
+      continue;
+    if (f[0].revents) {
+      ssize_t n = recv(pp->cfd, buf + kept, CHUNK, 0);
+      if (n <= 0 || !send_all(pp->sfd, buf + kept, (size_t)n))
+        break;
+      size_t all = kept + (size_t)n;
+      int none = 0;
+      if (!cut_at && memmem(buf, all, key, sizeof key - 1) &&
+          atomic_compare_exchange_strong(&pp->p->cuts, &none, 1)) {
+        cut_at = now_ms();
+        close_at = cut_at + 3000;
+      }
+      kept = all < KEEP ? all : KEEP;
+      memmove(buf, buf + all - kept, kept);
+    }
+    if (f[1].revents) {
+      ssize_t n = recv(pp->sfd, buf + KEEP, CHUNK, 0);
+      if (n <= 0)
+        break;
+      if (cut_at && close_at > now_ms() + 200)
+        close_at = now_ms() + 200; /* the answer's frames all in, dropped */
+      if (!cut_at && !send_all(pp->cfd, buf + KEEP, (size_t)n))
+        break;
+    }
+  }
+  close(pp->cfd);
+  close(pp->sfd);
+  free(buf);
+  free(pp);
+  return NULL;
+}
+
+static void *acceptor_main(void *arg) {
+  cut_proxy_t *p = arg;
+  struct pollfd f = {.fd = p->lfd, .events = POLLIN};
+  while (!atomic_load(&p->stop)) {
+    if (poll(&f, 1, 20) <= 0)
+      continue;
+    int cfd = accept(p->lfd, NULL, NULL);
+    if (cfd < 0)
+      continue;
+    int sfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->server_port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    pump_t *pp = malloc(sizeof *pp);
+    size_t i = atomic_load(&p->npumps);
+    if (sfd < 0 || !pp || i == PROXY_PUMPS || connect(sfd, (void *)&a, sizeof a) != 0) {
+      close(cfd);
+      if (sfd >= 0)
+        close(sfd);
+      free(pp);
+      continue;
+    }
+    *pp = (pump_t){p, cfd, sfd};
+    if (pthread_create(&p->pumps[i], NULL, pump_main, pp) != 0) {
+      close(cfd);
+      close(sfd);
+      free(pp);
+      continue;
+    }
+    atomic_store(&p->npumps, i + 1);
+  }
+  return NULL;
+}
+
+static void proxy_start(cut_proxy_t *p) {
+  memset(p, 0, sizeof *p);
+  p->server_port = atoi(strrchr(target, ':') + 1);
+  p->lfd = socket(AF_INET, SOCK_STREAM, 0);
+  cr_assert_geq(p->lfd, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  cr_assert_eq(bind(p->lfd, (void *)&a, sizeof a), 0);
+  cr_assert_eq(listen(p->lfd, 16), 0);
+  cr_assert_eq(getsockname(p->lfd, (void *)&a, &len), 0);
+  p->port = ntohs(a.sin_port);
+  cr_assert_eq(pthread_create(&p->acceptor, NULL, acceptor_main, p), 0);
+}
+
+static void proxy_stop(cut_proxy_t *p) {
+  atomic_store(&p->stop, 1);
+  pthread_join(p->acceptor, NULL);
+  for (size_t i = 0; i < atomic_load(&p->npumps); i++)
+    pthread_join(p->pumps[i], NULL);
+  close(p->lfd);
+}
+
+/* The answer to a direct upload's FinishUpload is lost after the server
+ * defined the tensor (the connection drops: UNAVAILABLE): the client asks
+ * again, gets the same answer, and the upload succeeds, its bytes where they
+ * belong. (It reported UNAVAILABLE, the tensor defined behind its back.) */
+Test(c_client, a_direct_upload_whose_finish_answer_is_lost_asks_again) {
+  cut_proxy_t px;
+  proxy_start(&px);
+  char to[64];
+  snprintf(to, sizeof to, "127.0.0.1:%d", px.port);
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(to, 10000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  meshd_err_t rc = round_trip(s, m, 1000, 11);
+  cr_assert_eq(atomic_load(&px.cuts), 1, "no FinishUpload went through the proxy");
+  cr_assert_eq(rc, MESHD_E_OK, "%s: %s", meshd_strerror(rc), meshd_last_error(c)->message);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 1);
+  cr_assert_eq(st.proxy_uploads + st.fallbacks, 0, "%s", st.last_fallback);
+  meshd_session_close(s);
+  meshd_close(c);
+  proxy_stop(&px);
 }
