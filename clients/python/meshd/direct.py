@@ -583,8 +583,10 @@ class Direct:
         fin = s._ch.unary_unary(_SVC + "FinishUpload", request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=pb.FinishUploadReply.FromString)
         try:  # no receipts: the server undoes it and frees the session's slot at once
-            fin(pb.FinishUploadRequest(transfer_id=transfer_id), metadata=s._md,
-                timeout=min(s.timeout, _CLEANUP_TIMEOUT))
+            done = fin(pb.FinishUploadRequest(transfer_id=transfer_id), metadata=s._md,
+                       timeout=min(s.timeout, _CLEANUP_TIMEOUT))
+            if done.HasField("tensor"):  # it had finished, every answer lost: nobody holds it
+                s._release_later(done.tensor.ref)
         except grpc.RpcError:
             pass
         except ValueError as e:  # the session was closed: the server ended it

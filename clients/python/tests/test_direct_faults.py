@@ -312,6 +312,43 @@ def test_an_upload_whose_finish_answer_is_lost_asks_again(one_slot, monkeypatch)
                 assert np.array_equal(meshd.fetch_shard(t, gpu=g).result(30), arr), g
 
 
+def test_an_upload_whose_finish_answers_are_all_lost_leaves_nothing_behind(one_slot,
+                                                                             monkeypatch):
+    """Both FinishUpload answers are lost (the server finished the upload on the first), so
+    the client abandons the transfer; the server answers that FinishUpload too with the
+    tensor, which nobody holds: the client releases it, and meshd.tensor raises with the
+    agents' memory back where it was (it stayed taken until the session ended)."""
+    with meshd.connect(one_slot, data_path="direct", timeout=30) as s:
+        with s.mesh(gpu=2).activate():
+            kept = meshd.tensor(np.ones(2 * MIB, np.float32), progress=False)  # the channels
+            s.sync()
+            before = _allocated(s)
+            real = s._ch.unary_unary
+            calls = []
+
+            def make(method, *a, **kw):
+                fn = real(method, *a, **kw)
+                if not method.endswith("/FinishUpload"):
+                    return fn
+
+                def finish(*ca, **ckw):
+                    calls.append(method)
+                    reply = fn(*ca, **ckw)  # the server answers ...
+                    if len(calls) <= 2:
+                        raise _LostAnswer()  # ... and the answer is lost, twice
+                    return reply
+                return finish
+            monkeypatch.setattr(s._ch, "unary_unary", make)
+            with pytest.raises(meshd.MeshdError) as ei:
+                meshd.tensor(np.arange(2 * MIB, dtype=np.float32), progress=False)
+            monkeypatch.undo()
+            assert ei.value.kind == "DEADLINE_EXCEEDED", ei.value
+            assert len(calls) == 3, calls
+            s.sync()
+            _wait_allocated_at_most(s, before)
+            assert kept.shape == (2 * MIB,)
+
+
 def test_a_direct_transfer_has_one_deadline(one_slot, monkeypatch, fast_callbacks):
     """Every call of a direct fetch (PlanTransfer, Read, FinishFetch) runs under the one
     deadline of fetch_shard's timeout, and every call of a direct upload (PlanTransfer,
