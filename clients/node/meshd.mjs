@@ -51,7 +51,8 @@
 // others' Writes and undoes the upload at once (FinishUpload without receipts). A
 // FinishUpload that got no answer (DEADLINE_EXCEEDED, UNAVAILABLE) is asked once more with
 // the cleanup deadline (the server answers a finished upload's again): an answer and the
-// upload succeeds; none, and it is undone and the upload rejects with the first error.
+// upload succeeds; none, and it is undone and the upload rejects with the first error
+// (a tensor the undoing FinishUpload answers with, the first having defined it, is dropped).
 //
 // While a session is open it sends KeepAlive every third of its ttl (never more often
 // than every 250 ms) from an unref'd timer, so an idle session outlives its ttl and the timer never
@@ -1300,11 +1301,19 @@ export class Session {
     if (!plan) return PROXY;
     const { shards } = plan;
     let undone = false;
-    const abandon = () => { // undone at once; the session's slot is free
-      if (undone) return undefined;
+    // Undone at once; the session's slot is free. An upload that a FinishUpload had
+    // finished (its answers lost, #finishUpload) is answered with its tensor: dropped.
+    const abandon = async () => {
+      if (undone) return;
       undone = true;
-      return this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
-        this.#cleanupDeadline()).catch(() => {});
+      let reply;
+      try {
+        reply = await this.#unaryBy('FinishUpload', { transfer_id: plan.transfer_id, receipts: [] },
+          this.#cleanupDeadline());
+      } catch {
+        return;
+      }
+      if (reply?.tensor) await this.#dropInTurn(Number(reply.tensor.ref));
     };
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
     let agents;
@@ -1357,8 +1366,9 @@ export class Session {
   // upload's FinishUpload again, and finishes one it had not yet), so that the tensor is
   // not left defined behind the caller's back while the upload rejects. Still no answer:
   // the transfer is abandoned (the first call may not have reached the server, which
-  // would keep the slot) and the first error thrown; another error (the transfer failed,
-  // or was undone) is thrown as it is.
+  // would keep the slot; should the first have finished it, that answer names the
+  // tensor, which abandon drops) and the first error thrown; another error (the
+  // transfer failed, or was undone) is thrown as it is.
   async #finishUpload(transferId, receipts, deadline, abandon) {
     const request = { transfer_id: transferId, receipts };
     const lost = (e) => e.code === grpc.status.DEADLINE_EXCEEDED || e.code === grpc.status.UNAVAILABLE;
@@ -1375,6 +1385,25 @@ export class Session {
       if (!(e instanceof MeshdError) || !lost(e)) throw e; // failed, or undone: why
       await abandon();
       throw first;
+    }
+  }
+
+  // Drops ref, best effort, with the cleanup deadline, from inside the caller's turn
+  // (#inOrder), which execute() would wait for: by the pipeline if one is on (drained
+  // by the upload), else by a unary Execute.
+  async #dropInTurn(ref) {
+    const command = { drop: { refs: [ref] } };
+    this.seq += 1;
+    const cmd = { seq: this.seq, ...command };
+    cmd[WEIGHT] = { bytes: weigh(command), sent: 0 };
+    const deadline = this.#cleanupDeadline();
+    try {
+      const pipe = this.#pipe;
+      const sent = pipe ? await this.#submit(pipe, cmd, deadline, Math.min(this.timeoutMs, CLEANUP_MS), true)
+        : await this.#unaryBy('Execute', cmd, deadline);
+      await (QUEUED in sent ? sent[QUEUED] : sent);
+    } catch {
+      // best effort: the upload rejects all the same
     }
   }
 

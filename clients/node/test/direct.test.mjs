@@ -151,6 +151,26 @@ test('direct: a FinishUpload whose answer was lost is asked once more: the uploa
     assert.deepEqual(calls, [2, 2, 0]);
     delete s.client.FinishUpload;
 
+    // the same, the first call having finished the upload on the server and the abandon's
+    // answer (the same FinishUploadReply, its tensor) coming back: that tensor is dropped,
+    // not left defined behind the caller's back
+    const ref = s.nextRef + 1; // the upload's (the direct plan claims its header's ref)
+    calls = wrapFinishUpload(s, (n, err, reply, cb) => {
+      if (n === 1) assert.equal(err, null, 'the first FinishUpload finishes the upload');
+      if (n === 3) assert.equal(Number(reply?.tensor?.ref), ref, 'the abandon is answered with the tensor');
+      return n <= 2 ? cb(rpcError(grpc.status.DEADLINE_EXCEEDED, `test: answer ${n} lost`)) : cb(err, reply);
+    });
+    await assert.rejects(s.upload(mesh, [2, 3], data), (e) => {
+      assert.equal(e.kind, 'DEADLINE_EXCEEDED', e.message);
+      assert.match(e.message, /test: answer 1 lost/);
+      return true;
+    });
+    assert.deepEqual(calls, [2, 2, 0]);
+    delete s.client.FinishUpload;
+    const [gone] = (await s.execute({ describe: { ref } })).tensors;
+    assert.equal(gone.state, 'TENSOR_STATE_DROPPED', JSON.stringify(gone));
+    assert.match(gone.error.message, /dropped at command seq/);
+
     // another error the second time (the transfer failed, or was undone): that one, not abandoned
     calls = wrapFinishUpload(s, (n, err, reply, cb) => cb(n === 1
       ? rpcError(grpc.status.DEADLINE_EXCEEDED, 'test: answer lost')
