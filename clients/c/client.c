@@ -1780,6 +1780,20 @@ static bool check_tensor_args(meshd_session_t *s, const char *fn, const char *dt
   return true;
 }
 
+/* Drops the tensor of a direct upload that failed although the server defined
+ * it (direct_upload's *defined): the caller was told it does not exist. Best
+ * effort, within the cleanup time left until `end`; the upload's error is
+ * recorded after, over the drop's. */
+static void drop_stray(meshd_session_t *s, uint64_t ref, int64_t end) {
+  Meshd__V1__Drop d = MESHD__V1__DROP__INIT;
+  d.refs = &ref;
+  d.n_refs = 1;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
+  cmd.drop = &d;
+  execute_timeout(s, &cmd, direct_cleanup_ms(end));
+}
+
 meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
                                       const int64_t *shape, size_t ndim, const void *data,
                                       size_t bytes, const meshd_upload_options_t *opts,
@@ -1802,14 +1816,17 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   h.total_bytes = bytes;
   direct_session_t view = session_view(s, 0);
   direct_err_t e = {0};
-  bool spent = false;
+  bool spent = false, defined = false;
   /* One deadline for the whole upload, a fallback to the proxy included. */
   int64_t end = rpc_now_ms() + s->client->timeout_ms;
-  direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &e);
+  direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &defined, &e);
   if (spent) /* the plan claimed the ref, done or not: nothing else may take it */
     s->next_ref++;
-  if (rc == DIRECT_FAILED)
+  if (rc == DIRECT_FAILED) {
+    if (defined)
+      drop_stray(s, h.ref, end);
     return record(s->client, &e);
+  }
   if (rc == DIRECT_PROXY) {
     int64_t left = end - rpc_now_ms();
     if (left <= 0) {

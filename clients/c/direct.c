@@ -658,9 +658,10 @@ static void write_shard(void *arg, size_t i) {
   free(g);
 }
 
-/* FinishUpload with n receipts, within timeout_ms. Returns 0 or -1 with st. */
+/* FinishUpload with n receipts, within timeout_ms. Returns 0 or -1 with st;
+ * *defined (may be NULL): the answer carries the tensor. */
 static int finish_call(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
-                       size_t n, int timeout_ms, rpc_status_t *st) {
+                       size_t n, int timeout_ms, rpc_status_t *st, bool *defined) {
   Meshd__V1__FinishUploadRequest fin = MESHD__V1__FINISH_UPLOAD_REQUEST__INIT;
   fin.transfer_id = id;
   fin.receipts = r;
@@ -670,6 +671,9 @@ static int finish_call(const direct_session_t *s, uint64_t id, Meshd__V1__WriteR
   grpc_status_code code = rpc_unary(s->ch, TS "FinishUpload", &fin.base,
                                     &meshd__v1__finish_upload_reply__descriptor, &rep, s->md,
                                     s->nmd, timeout_ms, st);
+  if (defined)
+    *defined = code == GRPC_STATUS_OK && rep &&
+               ((const Meshd__V1__FinishUploadReply *)rep)->tensor;
   if (rep)
     protobuf_c_message_free_unpacked(rep, NULL);
   st->kind[sizeof st->kind - 1] = '\0';
@@ -680,15 +684,19 @@ static int finish_call(const direct_session_t *s, uint64_t id, Meshd__V1__WriteR
 /* What is left of the upload's deadline `end`, but at least UNDO_MIN_MS: a
  * cleanup call that frees the session's slot now, even past the deadline. */
 #define UNDO_MIN_MS 1000
-static int cleanup_ms(int64_t end) {
+int direct_cleanup_ms(int64_t end) {
   int left = left_ms(end);
   return left < UNDO_MIN_MS ? UNDO_MIN_MS : left;
 }
 
-/* FinishUpload without receipts: the server undoes the upload at once. */
-static void abandon_upload(const direct_session_t *s, uint64_t id, int64_t end) {
+/* FinishUpload without receipts: the server undoes the upload at once. Returns
+ * whether it answered with the tensor instead: an earlier FinishUpload whose
+ * answer was lost had defined it. */
+static bool abandon_upload(const direct_session_t *s, uint64_t id, int64_t end) {
   rpc_status_t st;
-  finish_call(s, id, NULL, 0, cleanup_ms(end), &st);
+  bool defined = false;
+  finish_call(s, id, NULL, 0, direct_cleanup_ms(end), &st, &defined);
+  return defined;
 }
 
 /* FinishUpload with every shard's receipt, by the upload's deadline `end`.
@@ -698,27 +706,29 @@ static void abandon_upload(const direct_session_t *s, uint64_t id, int64_t end) 
  * finished upload's FinishUpload again, and finishes one it had not), lest the
  * caller be told of a failure while the tensor stands. Still no answer: the
  * transfer is abandoned (the calls may not have reached the server, which
- * would keep the slot) and st is the first failure. */
+ * would keep the slot) and st is the first failure; *defined: the abandon's
+ * answer says the tensor stands all the same, for the caller to drop. */
 static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__WriteReceipt **r,
-                         size_t n, int64_t end, rpc_status_t *st) {
-  if (finish_call(s, id, r, n, left_ms(end), st) == 0)
+                         size_t n, int64_t end, rpc_status_t *st, bool *defined) {
+  if (finish_call(s, id, r, n, left_ms(end), st, NULL) == 0)
     return 0;
   if (st->code != GRPC_STATUS_DEADLINE_EXCEEDED && st->code != GRPC_STATUS_UNAVAILABLE)
     return -1;
   rpc_status_t again;
-  if (finish_call(s, id, r, n, cleanup_ms(end), &again) == 0)
+  if (finish_call(s, id, r, n, direct_cleanup_ms(end), &again, NULL) == 0)
     return 0;
   if (again.code != GRPC_STATUS_DEADLINE_EXCEEDED && again.code != GRPC_STATUS_UNAVAILABLE) {
     *st = again; /* failed, or undone: why */
     return -1;
   }
-  abandon_upload(s, id, end);
+  *defined = abandon_upload(s, id, end);
   return -1;
 }
 
 direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
-                          const uint8_t *data, size_t bytes, bool *ref_spent, direct_err_t *e) {
-  *ref_spent = false;
+                          const uint8_t *data, size_t bytes, bool *ref_spent, bool *defined,
+                          direct_err_t *e) {
+  *ref_spent = *defined = false;
   if (!wanted(d, s))
     return DIRECT_PROXY;
   Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
@@ -775,7 +785,7 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   }
   if (rc != DIRECT_DONE) {
     abandon_upload(s, p->transfer_id, end); /* so that the server undoes the rest now */
-  } else if (finish_upload(s, p->transfer_id, done, nd, end, &st) != 0) {
+  } else if (finish_upload(s, p->transfer_id, done, nd, end, &st, defined) != 0) {
     direct_err_status(e, &st, "");
     rc = DIRECT_FAILED;
   }

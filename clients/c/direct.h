@@ -83,9 +83,17 @@ void direct_count_proxy(direct_t *d, bool upload);
 
 /* Uploads `bytes` of data as header h (h->ref not yet used by any command).
  * *ref_spent: the ref was claimed by a plan (done or not): a proxied upload
- * after DIRECT_PROXY, or the next command, takes a new one. */
+ * after DIRECT_PROXY, or the next command, takes a new one. *defined (with
+ * DIRECT_FAILED only): the server defined h->ref all the same (FinishUpload's
+ * answers were lost, the abandon's said so); the caller, which has the
+ * session's commands, drops it within direct_cleanup_ms. */
 direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
-                          const uint8_t *data, size_t bytes, bool *ref_spent, direct_err_t *e);
+                          const uint8_t *data, size_t bytes, bool *ref_spent, bool *defined,
+                          direct_err_t *e);
+
+/* The time for a call that undoes a transfer: what is left until `end`
+ * (rpc_now_ms), but at least a second, even past it. */
+int direct_cleanup_ms(int64_t end);
 
 /* Fetches n local tensors (reqs[i] into sinks[i]), all done by `end`
  * (rpc_now_ms); parts run in parallel. */

@@ -2615,14 +2615,14 @@ Test(c_client_faulty, a_sync_names_every_failure_it_reports) {
 }
 
 /* A TCP proxy on 127.0.0.1 in front of the server, one thread per connection.
- * The first connection on which the client sends "FinishUpload" (a path's
- * first use on a connection is an HPACK literal) is cut: the server's bytes
+ * The first `limit` connections on which the client sends "FinishUpload" (a
+ * path's first use on a connection is an HPACK literal) are cut: the server's bytes
  * after it are dropped, and the connection is closed once the server answered
  * (at most 3 s on). The client's call fails UNAVAILABLE although the server
  * processed it: an answer lost, with only real parts. */
 #define PROXY_PUMPS 16
 typedef struct {
-  int lfd, port, server_port;
+  int lfd, port, server_port, limit;
   atomic_int stop, cuts;
   pthread_t acceptor;
   pthread_t pumps[PROXY_PUMPS];
@@ -2645,6 +2645,15 @@ static bool send_all(int fd, const char *b, size_t n) {
   return true;
 }
 
+/* Whether one more connection may be cut (counted if so). */
+static bool take_cut(cut_proxy_t *p) {
+  int done = atomic_load(&p->cuts);
+  while (done < p->limit)
+    if (atomic_compare_exchange_weak(&p->cuts, &done, done + 1))
+      return true;
+  return false;
+}
+
 static void *pump_main(void *arg) {
   pump_t *pp = arg;
   static const char key[] = "FinishUpload";
@@ -2661,9 +2670,7 @@ static void *pump_main(void *arg) {
       if (n <= 0 || !send_all(pp->sfd, buf + kept, (size_t)n))
         break;
       size_t all = kept + (size_t)n;
-      int none = 0;
-      if (!cut_at && memmem(buf, all, key, sizeof key - 1) &&
-          atomic_compare_exchange_strong(&pp->p->cuts, &none, 1)) {
+      if (!cut_at && memmem(buf, all, key, sizeof key - 1) && take_cut(pp->p)) {
         cut_at = now_ms();
         close_at = cut_at + 3000;
       }
@@ -2720,8 +2727,9 @@ static void *acceptor_main(void *arg) {
   return NULL;
 }
 
-static void proxy_start(cut_proxy_t *p) {
+static void proxy_start(cut_proxy_t *p, int limit) {
   memset(p, 0, sizeof *p);
+  p->limit = limit;
   p->server_port = atoi(strrchr(target, ':') + 1);
   p->lfd = socket(AF_INET, SOCK_STREAM, 0);
   cr_assert_geq(p->lfd, 0);
@@ -2748,7 +2756,7 @@ static void proxy_stop(cut_proxy_t *p) {
  * belong. (It reported UNAVAILABLE, the tensor defined behind its back.) */
 Test(c_client, a_direct_upload_whose_finish_answer_is_lost_asks_again) {
   cut_proxy_t px;
-  proxy_start(&px);
+  proxy_start(&px, 1);
   char to[64];
   snprintf(to, sizeof to, "127.0.0.1:%d", px.port);
   meshd_err_t e;
@@ -2763,6 +2771,43 @@ Test(c_client, a_direct_upload_whose_finish_answer_is_lost_asks_again) {
   meshd_transfer_stats_t st = stats_of(s);
   cr_assert_eq(st.direct_uploads, 1);
   cr_assert_eq(st.proxy_uploads + st.fallbacks, 0, "%s", st.last_fallback);
+  meshd_session_close(s);
+  meshd_close(c);
+  proxy_stop(&px);
+}
+
+/* Both FinishUpload answers are lost, the first after the server defined the
+ * tensor: the abandon's answer carries it, and the client drops it before it
+ * reports the failure. (The tensor stood, the caller told it did not.) */
+Test(c_client, a_direct_upload_whose_finish_answers_are_both_lost_drops_the_tensor) {
+  cut_proxy_t px;
+  proxy_start(&px, 2);
+  char to[64];
+  snprintf(to, sizeof to, "127.0.0.1:%d", px.port);
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(to, 10000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  const char *name = "c-finish-lost-twice", *dims[] = {"gpu"};
+  meshd_session_t *s = meshd_session_open(c, name, NULL);
+  cr_assert_not_null(s);
+  int64_t sizes[] = {2};
+  meshd_ref_t m = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  uint64_t live0, bytes0, live1, bytes1;
+  session_row(c, name, &live0, &bytes0);
+  meshd_err_t rc = round_trip(s, m, 1000, 12);
+  cr_assert_eq(atomic_load(&px.cuts), 2, "%d FinishUpload connections cut, not 2",
+               atomic_load(&px.cuts));
+  cr_assert_neq(rc, MESHD_E_OK, "the upload succeeded although both answers were lost");
+  cr_assert_str_eq(meshd_last_error(c)->grpc_code_name, "UNAVAILABLE", "%s",
+                   meshd_last_error(c)->message); /* the first failure, not the drop's */
+  session_row(c, name, &live1, &bytes1);
+  cr_assert_eq(live1, live0, "the failed upload's tensor stands: %llu live tensors, not %llu",
+               (unsigned long long)live1, (unsigned long long)live0);
+  cr_assert_eq(bytes1, bytes0);
+  rc = round_trip(s, m, 1000, 13);
+  cr_assert_eq(rc, MESHD_E_OK, "%s: %s", meshd_strerror(rc), meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);
   proxy_stop(&px);
