@@ -280,6 +280,28 @@ class _LostAnswer(grpc.RpcError):
         return ()
 
 
+def _lose_finish_answers(s, monkeypatch, n):
+    """From now on the session's FinishUpload calls reach the server, but the first n
+    answers are lost on their way back (_LostAnswer). Returns the list of calls made."""
+    real = s._ch.unary_unary
+    calls = []
+
+    def make(method, *a, **kw):
+        fn = real(method, *a, **kw)
+        if not method.endswith("/FinishUpload"):
+            return fn
+
+        def finish(*ca, **ckw):
+            calls.append(method)
+            reply = fn(*ca, **ckw)  # the server answers ...
+            if len(calls) <= n:
+                raise _LostAnswer()  # ... and the answer is lost
+            return reply
+        return finish
+    monkeypatch.setattr(s._ch, "unary_unary", make)
+    return calls
+
+
 def test_an_upload_whose_finish_answer_is_lost_asks_again(one_slot, monkeypatch):
     """The first FinishUpload reaches the server, which defines the tensor, but its answer
     is lost (DEADLINE_EXCEEDED here). The client asks again and gets the same answer:
@@ -288,22 +310,7 @@ def test_an_upload_whose_finish_answer_is_lost_asks_again(one_slot, monkeypatch)
     with meshd.connect(one_slot, data_path="direct", timeout=30) as s:
         with s.mesh(gpu=2).activate():
             meshd.tensor(np.ones(2 * MIB, np.float32), progress=False)  # the channels
-            real = s._ch.unary_unary
-            calls = []
-
-            def make(method, *a, **kw):
-                fn = real(method, *a, **kw)
-                if not method.endswith("/FinishUpload"):
-                    return fn
-
-                def finish(*ca, **ckw):
-                    calls.append(method)
-                    reply = fn(*ca, **ckw)  # the server finishes it ...
-                    if len(calls) == 1:
-                        raise _LostAnswer()  # ... and its answer is lost
-                    return reply
-                return finish
-            monkeypatch.setattr(s._ch, "unary_unary", make)
+            calls = _lose_finish_answers(s, monkeypatch, 1)
             arr = np.arange(2 * MIB, dtype=np.float32)
             t = meshd.tensor(arr, progress=False)
             monkeypatch.undo()
@@ -323,22 +330,7 @@ def test_an_upload_whose_finish_answers_are_all_lost_leaves_nothing_behind(one_s
             kept = meshd.tensor(np.ones(2 * MIB, np.float32), progress=False)  # the channels
             s.sync()
             before = _allocated(s)
-            real = s._ch.unary_unary
-            calls = []
-
-            def make(method, *a, **kw):
-                fn = real(method, *a, **kw)
-                if not method.endswith("/FinishUpload"):
-                    return fn
-
-                def finish(*ca, **ckw):
-                    calls.append(method)
-                    reply = fn(*ca, **ckw)  # the server answers ...
-                    if len(calls) <= 2:
-                        raise _LostAnswer()  # ... and the answer is lost, twice
-                    return reply
-                return finish
-            monkeypatch.setattr(s._ch, "unary_unary", make)
+            calls = _lose_finish_answers(s, monkeypatch, 2)
             with pytest.raises(meshd.MeshdError) as ei:
                 meshd.tensor(np.arange(2 * MIB, dtype=np.float32), progress=False)
             monkeypatch.undo()
