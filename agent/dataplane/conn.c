@@ -190,19 +190,10 @@ static uint64_t next_call_locked(const conn_t *c) {
   return c->last_call;
 }
 
-/* An abort frame of call `call` carrying why (cut at DP_ABORT_MAX): its length. */
-static size_t abort_frame(uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX], uint64_t comm_id, uint64_t call,
-                          const char *why) {
-  size_t len = dp__min(strlen(why), DP_ABORT_MAX);
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, comm_id, call, 0);
-  memcpy(frame + DP_HDR_LEN, why, len);
-  return DP_HDR_LEN + len;
-}
-
 void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_t peer,
                        const uint8_t *secret, const char *why) {
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  size_t len = abort_frame(frame, comm_id, call, why);
+  size_t len = dp_wire_abort(frame, comm_id, call, why);
   pthread_mutex_lock(&dp->mu);
   for (conn_t *c = dp->ins, *next; c; c = next) {
     next = c->next;
@@ -1241,7 +1232,7 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   }
   if (refuse) { /* as dp__abort_untaken writes it: the link stays for its dialer to close */
     uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-    ssize_t w = send(p->fd, frame, abort_frame(frame, failed.comm_id, failed.last, failed.why),
+    ssize_t w = send(p->fd, frame, dp_wire_abort(frame, failed.comm_id, failed.last, failed.why),
                      MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)w;
   }

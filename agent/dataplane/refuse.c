@@ -35,10 +35,7 @@
 static int write_abort(dataplane_t *dp, conn_t *c, uint64_t call, const char *why,
                        int64_t deadline) {
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  size_t len = dp__min(strlen(why), DP_ABORT_MAX), done = 0;
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, c->comm_id, call, 0);
-  memcpy(frame + DP_HDR_LEN, why, len);
-  len += DP_HDR_LEN;
+  size_t len = dp_wire_abort(frame, c->comm_id, call, why), done = 0;
   while (done < len) {
     ssize_t w = send(c->fd, frame + done, len - done, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w > 0) {

@@ -556,13 +556,11 @@ out:
 /* After a failure: tell every peer of the call why, on each connection of the
  * call (best effort, skipping a send connection we are mid-frame on). */
 static void send_aborts(call_t *cl, xfer_t *xs, size_t nx) {
-  size_t len = dp__min(strlen(cl->root), DP_ABORT_MAX);
   uint8_t frame[DP_HDR_LEN + DP_ABORT_MAX];
-  dp_wire_frame(frame, DP_MAGIC_ABORT, (uint32_t)len, cl->comm_id, dp__upto(cl), 0);
-  memcpy(frame + DP_HDR_LEN, cl->root, len);
+  size_t len = dp_wire_abort(frame, cl->comm_id, dp__upto(cl), cl->root);
   for (size_t i = 0; i < nx; i++) {
     if (!xs[i].c || (xs[i].send && xs[i].in_frame)) continue;
-    ssize_t w = send(xs[i].c->fd, frame, DP_HDR_LEN + len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    ssize_t w = send(xs[i].c->fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)w;
   }
 }

@@ -149,6 +149,15 @@ void dp_wire_frame(uint8_t hdr[DP_HDR_LEN], uint32_t magic, uint32_t len, uint64
   dp__put64(hdr + 24, seq);
 }
 
+size_t dp_wire_abort(uint8_t out[DP_HDR_LEN + DP_ABORT_MAX], uint64_t comm_id, uint64_t call,
+                     const char *why) {
+  size_t len = strlen(why);
+  if (len > DP_ABORT_MAX) len = DP_ABORT_MAX;
+  dp_wire_frame(out, DP_MAGIC_ABORT, (uint32_t)len, comm_id, call, 0);
+  memcpy(out + DP_HDR_LEN, why, len);
+  return DP_HDR_LEN + len;
+}
+
 dp_frame_kind_t dp_wire_parse_frame(const uint8_t hdr[DP_HDR_LEN], uint64_t comm_id, uint64_t call,
                                     uint64_t want_seq, size_t want_len, size_t max_len,
                                     dp_frame_t *f) {

@@ -156,6 +156,10 @@ typedef struct dp_frame {
 
 void dp_wire_frame(uint8_t hdr[DP_HDR_LEN], uint32_t magic, uint32_t len, uint64_t comm_id,
                    uint64_t call, uint64_t seq);
+/* An abort notice of call `call` carrying why (cut at DP_ABORT_MAX bytes)
+ * into out: its length, header included. */
+size_t dp_wire_abort(uint8_t out[DP_HDR_LEN + DP_ABORT_MAX], uint64_t comm_id, uint64_t call,
+                     const char *why);
 /* Classifies a received header for call `call` of comm_id, which expects
  * frame want_seq of want_len bytes; f gets its fields (an abort's len capped
  * at DP_ABORT_MAX). An abort is ABORT whatever its call (its sender closes
