@@ -2750,6 +2750,16 @@ static void proxy_stop(cut_proxy_t *p) {
   close(p->lfd);
 }
 
+/* A client of the server through proxy px. */
+static meshd_client_t *connect_via(const cut_proxy_t *px) {
+  char to[64];
+  snprintf(to, sizeof to, "127.0.0.1:%d", px->port);
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(to, 10000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  return c;
+}
+
 /* The answer to a direct upload's FinishUpload is lost after the server
  * defined the tensor (the connection drops: UNAVAILABLE): the client asks
  * again, gets the same answer, and the upload succeeds, its bytes where they
@@ -2757,11 +2767,7 @@ static void proxy_stop(cut_proxy_t *p) {
 Test(c_client, a_direct_upload_whose_finish_answer_is_lost_asks_again) {
   cut_proxy_t px;
   proxy_start(&px, 1);
-  char to[64];
-  snprintf(to, sizeof to, "127.0.0.1:%d", px.port);
-  meshd_err_t e;
-  meshd_client_t *c = meshd_connect(to, 10000, &e);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_client_t *c = connect_via(&px);
   meshd_ref_t m = 0;
   meshd_session_t *s = session_on_mesh(c, &m);
   cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
@@ -2782,11 +2788,7 @@ Test(c_client, a_direct_upload_whose_finish_answer_is_lost_asks_again) {
 Test(c_client, a_direct_upload_whose_finish_answers_are_both_lost_drops_the_tensor) {
   cut_proxy_t px;
   proxy_start(&px, 2);
-  char to[64];
-  snprintf(to, sizeof to, "127.0.0.1:%d", px.port);
-  meshd_err_t e;
-  meshd_client_t *c = meshd_connect(to, 10000, &e);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_client_t *c = connect_via(&px);
   const char *name = "c-finish-lost-twice", *dims[] = {"gpu"};
   meshd_session_t *s = meshd_session_open(c, name, NULL);
   cr_assert_not_null(s);
