@@ -506,6 +506,18 @@ fail:
 
 /* The cached communicator for the key, made (bootstrap + init) when missing.
  * Returns it with a reference for the caller, or NULL with e. */
+/* The cached communicator of (kind, session, g), with a reference for the
+ * caller (comm_put); NULL when none. */
+static comm_t *comm_find(cuda_comms_t *cs, comm_kind_t kind, uint64_t session, const dp_group_t *g) {
+  comm_t *found = NULL;
+  pthread_mutex_lock(&cs->mu);
+  for (comm_t *c = cs->list; c && !found; c = c->next)
+    if (same_key(c, kind, session, g)) found = c;
+  if (found) found->refs++;
+  pthread_mutex_unlock(&cs->mu);
+  return found;
+}
+
 static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const dp_group_t *g,
                         const who_t *w, dp_watch_t *watch, meshd_error_t *e) {
   cuda_state_t *st = cuda_state(b);
@@ -514,14 +526,8 @@ static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const 
     error_set(e, ERR_REMOTE_FAILURE, "%s: the backend has no communicator cache", w->text);
     return NULL;
   }
-  pthread_mutex_lock(&cs->mu);
-  for (comm_t *c = cs->list; c; c = c->next)
-    if (same_key(c, kind, session, g)) {
-      c->refs++;
-      pthread_mutex_unlock(&cs->mu);
-      return c;
-    }
-  pthread_mutex_unlock(&cs->mu);
+  comm_t *cached = comm_find(cs, kind, session, g);
+  if (cached) return cached;
 
   if (!b->net) {
     no_net(w->text, e);
@@ -1017,12 +1023,7 @@ void cuda_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t c
     dp_group_t key = *g;
     if (kind != COMM_GROUP) key.me = kind == COMM_SEND ? 0 : 1;
     cuda_comms_t *cs = st->comms;
-    comm_t *found = NULL;
-    pthread_mutex_lock(&cs->mu);
-    for (comm_t *c = cs->list; c && !found; c = c->next)
-      if (same_key(c, kind, g->session, &key)) found = c;
-    if (found) found->refs++;
-    pthread_mutex_unlock(&cs->mu);
+    comm_t *found = comm_find(cs, kind, g->session, &key);
     if (found) {
       comm_unlink(cs, found);
       comm_put(cs, found, false, 0);
