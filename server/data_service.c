@@ -1741,12 +1741,14 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
     /* The slot first: a client that starts its next transfer on the answer
      * must find it free (--session-max-transfers). The transfer stays, as
      * finished, until its expiry: a client whose answer is lost asks again
-     * (finish_again). */
+     * (finish_again). Back in the table before the answer: a client that
+     * asks again as soon as it got it (it lost it on its side) must find it
+     * (it found nothing now and then under ASan). t is not ours once put. */
     count_bytes(ds, DIR_UPLOAD, PATH_DIRECT, t->each * t->nranks);
     transfer_end(s);
     t->finished = true;
-    rpc_call_reply(call, &reply.base);
     transfer_put(ds, t);
+    rpc_call_reply(call, &reply.base);
     return;
   }
   char msg[sizeof e.msg + 100];
