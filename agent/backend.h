@@ -82,12 +82,19 @@ typedef struct backend_ops {
   /* Copies src into dst (same shape; any strides and dtypes: casts). */
   int (*copy)(backend_t *b, backend_stream_t *s, agent_tensor_t *dst, const agent_tensor_t *src,
               meshd_error_t *err);
-  /* Host <-> device for Upload/Fetch: dst/src are row-major bytes of the whole
-   * tensor in its dtype (non-contiguous tensors are gathered/scattered).
-   * Synchronous: to_host sees all work queued on any stream before the call;
-   * from_host's data is on the device, for every stream, when it returns. */
-  int (*to_host)(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err);
-  int (*from_host)(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err);
+  /* Host <-> device for Upload/Fetch, scalars and flags: dst/src are
+   * row-major bytes of the whole tensor in its dtype (non-contiguous tensors
+   * are gathered/scattered). Ordered after the work queued on s before the
+   * call (NULL: the backend's own stream), and after nothing queued on any
+   * other stream: one session's transfer never waits for another's kernels.
+   * So t's memory must be ready in s's order: allocated on s, or with a NULL
+   * stream (ready for every stream), or ordered by an event (snapshot.c).
+   * Synchronous: to_host's bytes are in dst, from_host's on the device for
+   * every stream, when it returns. */
+  int (*to_host)(backend_t *b, backend_stream_t *s, const agent_tensor_t *t, void *dst,
+                 meshd_error_t *err);
+  int (*from_host)(backend_t *b, backend_stream_t *s, agent_tensor_t *t, const void *src,
+                   meshd_error_t *err);
 
   /* Events, for borrows: record a point on stream s; make stream t wait for it.
    * NULL on backends whose streams are host threads (cpu): the executor orders

@@ -401,7 +401,7 @@ static int write_bytes(write_state_t *w, const uint8_t *data, size_t n, meshd_er
   layout_make_contiguous(&v.meta.layout);
   v.meta.layout.offset = (int64_t)w->got;
   backend_t *b = executor_backend(w->ex);
-  return n ? b->ops->from_host(b, &v, data, e) : 0;
+  return n ? b->ops->from_host(b, NULL, &v, data, e) : 0;
 }
 
 /* The helper thread of a Write whose session is not open yet; the call's

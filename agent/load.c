@@ -79,6 +79,7 @@ static void track_end(tracked_t *t, bool ok) {
 
 typedef struct sink {
   backend_t *b;
+  backend_stream_t *bs; /* the load's stream: the tensor's memory is in its order */
   agent_tensor_t *t;
   uint8_t *host;      /* the tensor's first byte when it is host memory (cpu), else NULL */
   tracked_t *progress;
@@ -99,7 +100,7 @@ static int flush(sink_t *k, meshd_error_t *e) {
   layout_make_contiguous(&v.meta.layout);
   v.meta.layout.offset = k->t->meta.layout.offset * (int64_t)dtype_size(k->t->meta.dtype) +
                          (int64_t)(k->base + k->stage_pos);
-  int rc = k->b->ops->from_host(k->b, &v, k->stage, e);
+  int rc = k->b->ops->from_host(k->b, k->bs, &v, k->stage, e);
   k->stage_pos += k->staged;
   k->staged = 0;
   return rc;
@@ -129,28 +130,27 @@ static int sink_bytes(void *arg, uint64_t pos, const void *bytes, size_t n, mesh
   return 0;
 }
 
-static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
-                       tracked_t *progress, url_share_t *share, bool (*stop)(void *),
-                       void *stop_arg, meshd_error_t *e);
+static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V1__LoadOp *op,
+                       agent_tensor_t *t, tracked_t *progress, url_share_t *share,
+                       bool (*stop)(void *), void *stop_arg, meshd_error_t *e);
 
 int load_run(backend_t *b, backend_stream_t *bs, const char *session,
              const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, bool (*stop)(void *),
              void *stop_arg, meshd_error_t *e) {
-  (void)bs; /* from_host's bytes are on the device for every stream when it returns */
   uint64_t bytes = (uint64_t)layout_numel(&t->meta.layout) * dtype_size(t->meta.dtype);
   tracked_t *p = track(session, op->result ? op->result->ref : 0, bytes);
   /* One connection for the load's size check and all its ranges (a range
    * per row when split along a later dim); NULL (no memory): one each. */
   url_share_t *share = url_share_new();
-  int rc = fetch_slice(b, op, t, p, share, stop, stop_arg, e);
+  int rc = fetch_slice(b, bs, op, t, p, share, stop, stop_arg, e);
   url_share_free(share);
   track_end(p, rc == 0);
   return rc;
 }
 
-static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t,
-                       tracked_t *progress, url_share_t *share, bool (*stop)(void *),
-                       void *stop_arg, meshd_error_t *e) {
+static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V1__LoadOp *op,
+                       agent_tensor_t *t, tracked_t *progress, url_share_t *share,
+                       bool (*stop)(void *), void *stop_arg, meshd_error_t *e) {
   const Meshd__V1__Load *l = op->load;
   url_allow_t allow;
   url_fetch_opts_t o;
@@ -206,7 +206,7 @@ static int fetch_slice(backend_t *b, const Meshd__Agent__V1__LoadOp *op, agent_t
   /* Every range carries the version this rank checked: a file saved again
    * between two of them fails the load instead of mixing two versions. */
   o.expect_version = version;
-  sink_t k = {.b = b, .t = t, .progress = progress};
+  sink_t k = {.b = b, .bs = bs, .t = t, .progress = progress};
   /* cpu: the tensor is host memory, where curl's bytes go straight. */
   if (b->ops == &cpu_backend_ops)
     k.host = (uint8_t *)t->storage->data + t->meta.layout.offset * (int64_t)dtype_size(t->meta.dtype);

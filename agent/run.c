@@ -188,7 +188,7 @@ static void define_filled(ctx_t *c, const spec_t *spec, const char *what, fill_f
 /* A Literal's bytes came in the instruction (validated: exactly the result's). */
 static int fill_literal(ctx_t *c, agent_tensor_t *t, meshd_error_t *e) {
   const ProtobufCBinaryData *d = &c->ins->literal->data;
-  return d->len ? c->b->ops->from_host(c->b, t, d->data, e) : 0;
+  return d->len ? c->b->ops->from_host(c->b, c->bs, t, d->data, e) : 0;
 }
 
 static void run_literal(ctx_t *c) {
@@ -454,7 +454,7 @@ static int staged(ctx_t *c, const tensor_meta_t *m, const agent_tensor_t *src, a
   size_t n = tensor_nbytes(m);
   void *zeros = calloc(1, n ? n : 1);
   if (!zeros) return error_set(e, ERR_QUOTA, "%s: agent out of host memory", what);
-  int rc = c->b->ops->from_host(c->b, out, zeros, e);
+  int rc = c->b->ops->from_host(c->b, c->bs, out, zeros, e);
   free(zeros);
   return rc;
 }
@@ -478,7 +478,7 @@ static int scalar_tensor(ctx_t *c, int64_t v, agent_tensor_t *out, meshd_error_t
   tensor_meta_t m = {.dtype = DTYPE_INT64, .layout = {.ndim = 0}};
   layout_make_contiguous(&m.layout);
   if (tensor_alloc(c->b, c->bs, &m, out, "data plane", e)) return -1;
-  return c->b->ops->from_host(c->b, out, &v, e);
+  return c->b->ops->from_host(c->b, c->bs, out, &v, e);
 }
 
 static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
@@ -645,7 +645,7 @@ static int collective(ctx_t *c, const Meshd__Agent__V1__ReduceOp *ro, reduction_
   if (rc) abandon_comm(c, grp.comm_id); /* the peers are in the flag's allreduce */
   grp.call++;
   if (!rc) rc = c->b->ops->allreduce(c->b, c->bs, &grp, flag.storage->data, 1, DTYPE_INT64, RED_MAX, e);
-  if (!rc) rc = c->b->ops->to_host(c->b, &flag, &f, e);
+  if (!rc) rc = c->b->ops->to_host(c->b, c->bs, &flag, &f, e);
   storage_release(flag.storage);
   *any_failed = rc ? *any_failed : (int)f;
   return rc;
@@ -863,7 +863,7 @@ static void run_broadcast(ctx_t *c) {
   c->joined = true;
   if (c->b->ops->broadcast(c->b, c->bs, &grp, hdr_t.storage->data, sizeof(int64_t), &e) ||
       (grp.call++, c->b->ops->broadcast(c->b, c->bs, &grp, buf.storage->data, tensor_nbytes(&m), &e)) ||
-      c->b->ops->to_host(c->b, &hdr_t, &hdr, &e))
+      c->b->ops->to_host(c->b, c->bs, &hdr_t, &hdr, &e))
     goto fail;
   if (source) {
     count_bytes(c, (uint64_t)tensor_nbytes(&m));
@@ -1000,7 +1000,7 @@ static void run_send(ctx_t *c) {
   if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->from_rank,
                       st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e))
     goto fail;
-  if (c->b->ops->to_host(c->b, &hdr_t, &hdr, &e)) {
+  if (c->b->ops->to_host(c->b, c->bs, &hdr_t, &hdr, &e)) {
     abandon_link(c, st->comm_id, st->from_rank, false);
     goto fail;
   }
@@ -1037,12 +1037,13 @@ static void run_snapshot(ctx_t *c) {
   int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, ref, &t, &why);
   snapshot_t *snap = NULL;
   if (rc == 0 && c->b) {
-    snap = snapshot_pin(c->b, &t);
+    meshd_error_t e = {0};
+    snap = snapshot_pin(c->b, c->bs, &t, &e);
     if (!snap) {
       rc = 1;
-      why = (ref_failure_t){.kind = ERR_QUOTA, .root_seq = c->ins->seq, .root_ref = ref};
-      snprintf(why.msg, sizeof why.msg, "Snapshot of tensor %llu: agent out of memory",
-               (unsigned long long)ref);
+      why = (ref_failure_t){.kind = e.kind, .root_seq = c->ins->seq, .root_ref = ref};
+      snprintf(why.msg, sizeof why.msg, "Snapshot of tensor %llu: %.400s",
+               (unsigned long long)ref, e.msg);
     }
   } else if (rc == 0) {
     rc = 1;

@@ -11,7 +11,7 @@
  * a writer never waits for a reader (a client that fetches, writes, then
  * syncs before it reads the fetch would deadlock otherwise).
  *
- *   snapshot_t *s = snapshot_pin(backend, &t);      // worker, at the Snapshot
+ *   snapshot_t *s = snapshot_pin(backend, bs, &t, &err); // worker, at the Snapshot
  *   snapshot_before_write(backend, storage, &err);  // worker, before a write
  *   snapshot_read(s, off, n, buf, &err);            // Read, chunk by chunk
  *   snapshot_release(s);                            // Read done, session end
@@ -26,8 +26,12 @@
 
 typedef struct snapshot snapshot_t;
 
-/* Pins t (its view: dtype, layout, storage); NULL when out of memory. */
-snapshot_t *snapshot_pin(backend_t *b, const agent_tensor_t *t);
+/* Pins t (its view: dtype, layout, storage) as stream bs's work queued so far
+ * leaves it: reads are ordered after that point, and after nothing queued
+ * later on any stream. NULL with err when out of memory or the device cannot
+ * mark the point. */
+snapshot_t *snapshot_pin(backend_t *b, backend_stream_t *bs, const agent_tensor_t *t,
+                         meshd_error_t *err);
 /* The pinned view's dtype and layout. */
 const tensor_meta_t *snapshot_meta(const snapshot_t *s);
 /* Bytes the snapshot's elements take row-major. */

@@ -208,14 +208,17 @@ static agent_tensor_t host_view(const agent_tensor_t *t, agent_storage_t *st, vo
   return h;
 }
 
-static int cpu_to_host(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err) {
+/* Streams are host threads here: the caller's thread is s's order. */
+static int cpu_to_host(backend_t *b, backend_stream_t *s, const agent_tensor_t *t, void *dst,
+                       meshd_error_t *err) {
   agent_storage_t st = {0};
   agent_tensor_t h = host_view(t, &st, dst);
   cpu_copy_broadcast(&h, t);
   return 0;
 }
 
-static int cpu_from_host(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err) {
+static int cpu_from_host(backend_t *b, backend_stream_t *s, agent_tensor_t *t, const void *src,
+                         meshd_error_t *err) {
   agent_storage_t st = {0};
   agent_tensor_t h = host_view(t, &st, (void *)src);
   cpu_copy_broadcast(t, &h);

@@ -8,11 +8,15 @@
  * - a stream's kernels, copies and scratch memory are queued on its CUDA
  *   stream; a NULL stream means the backend's own stream, used synchronously;
  * - memory is allocated in the order of the stream that uses it first, and
- *   released on the backend's own stream after waiting (events) for every
- *   live stream: whoever drops the last reference, every use was queued
- *   before, so the release follows it on the device;
- * - to_host / from_host wait for every live stream the same way, then copy on
- *   the own stream and synchronise it.
+ *   released on the backend's release stream after waiting (events) for
+ *   every live stream: whoever drops the last reference, every use was
+ *   queued before, so the release follows it on the device. Nothing else runs
+ *   on the release stream, so nothing else waits for every stream;
+ * - to_host / from_host copy on the stream they are given (the own stream
+ *   for NULL) and wait for that copy only: one session's Fetch, flag or
+ *   scalar never waits for another session's kernels, nor for what its own
+ *   stream queued after it (a snapshot's copies run on a stream of their own
+ *   that waits for the snapshot's point: agent/snapshot.c).
  *
  * "cuda:emulated" runs the same code over host memory with kernels in host
  * loops and no CUDA calls at all (cuda_internal.h). */
@@ -49,6 +53,8 @@ static int parse_device(const char *device, bool *emulated, int *ordinal) {
 
 static void state_free(cuda_state_t *st) {
   if (!st) return;
+  if (st->own.s) cudaStreamDestroy(st->own.s);
+  if (st->release.s) cudaStreamDestroy(st->release.s);
   pthread_mutex_destroy(&st->mu);
   free(st);
 }
@@ -94,10 +100,10 @@ static int cuda_open(backend_t *b, const char *device, meshd_error_t *err) {
         (rc = cudaMemPoolSetAttribute(st->pool, cudaMemPoolAttrReleaseThreshold, &keep)) !=
             cudaSuccess ||
         (rc = cudaStreamCreateWithFlags(&st->own.s, cudaStreamNonBlocking)) != cudaSuccess ||
+        (rc = cudaStreamCreateWithFlags(&st->release.s, cudaStreamNonBlocking)) != cudaSuccess ||
         (rc = cudaMemGetInfo(&free_b, &total_b)) != cudaSuccess) {
       error_set(err, ERR_UNAVAILABLE, "cuda backend: cannot open %s: %s", device,
                 cudaGetErrorString(rc));
-      if (st->own.s) cudaStreamDestroy(st->own.s);
       state_free(st);
       return -1;
     }
@@ -111,7 +117,6 @@ static int cuda_open(backend_t *b, const char *device, meshd_error_t *err) {
     if (!b->capacity || b->capacity > total_b) b->capacity = total_b;
   }
   if (!(st->comms = cuda_comms_create())) {
-    if (st->own.s) cudaStreamDestroy(st->own.s);
     state_free(st);
     return error_set(err, ERR_UNAVAILABLE, "cuda backend: out of memory");
   }
@@ -126,38 +131,55 @@ static void cuda_close(backend_t *b) {
   cuda_comms_destroy(st->comms);
   if (!st->emulated) {
     cudaStreamSynchronize(st->own.s);
+    cudaStreamSynchronize(st->release.s);
     cuda_blas_release(b, &st->own);
-    cudaStreamDestroy(st->own.s);
   }
-  state_free(st);
+  state_free(st); /* destroys own and release */
   b->impl = NULL;
 }
 
 /* ------------------------------------------------------------------ ordering */
 
-/* Makes the own stream wait for everything queued so far on every live
- * stream. Holds nothing on return. */
-static int own_waits_for_all(cuda_state_t *st, meshd_error_t *e) {
+/* Makes stream `t` wait for everything queued so far on stream `s`. */
+static cudaError_t stream_waits(cudaStream_t t, cudaStream_t s) {
+  cudaEvent_t ev;
+  cudaError_t r = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (r != cudaSuccess) return r;
+  r = cudaEventRecord(ev, s);
+  if (r == cudaSuccess) r = cudaStreamWaitEvent(t, ev, 0);
+  cudaEventDestroy(ev); /* released once it completes */
+  return r;
+}
+
+/* Makes the release stream wait for everything queued so far on every live
+ * stream and the own one. Holds nothing on return. */
+static int release_waits_for_all(cuda_state_t *st, meshd_error_t *e) {
   if (st->emulated) return 0;
-  int rc = 0;
   pthread_mutex_lock(&st->mu);
-  for (backend_stream_t *s = st->streams; s; s = s->next) { /* every one, even after a failure */
-    cudaEvent_t ev;
-    cudaError_t r = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
-    if (r == cudaSuccess) {
-      r = cudaEventRecord(ev, s->s);
-      if (r == cudaSuccess) r = cudaStreamWaitEvent(st->own.s, ev, 0);
-      cudaEventDestroy(ev); /* released once it completes */
-    }
-    if (r != cudaSuccess && !rc) rc = cuda_check(st, r, "ordering streams", e);
-  }
+  cudaError_t r = stream_waits(st->release.s, st->own.s);
+  int rc = r != cudaSuccess ? cuda_check(st, r, "ordering streams", e) : 0;
+  for (backend_stream_t *s = st->streams; s; s = s->next) /* every one, even after a failure */
+    if ((r = stream_waits(st->release.s, s->s)) != cudaSuccess && !rc)
+      rc = cuda_check(st, r, "ordering streams", e);
   pthread_mutex_unlock(&st->mu);
   return rc;
 }
 
-static int sync_own(cuda_state_t *st, meshd_error_t *e) {
-  return st->emulated ? 0 : cuda_check(st, cudaStreamSynchronize(st->own.s), "synchronize", e);
+/* Waits until what bs queued so far ran, and not for what other threads
+ * queue on it meanwhile (the own stream is shared): an event after it. */
+static int wait_queued(cuda_state_t *st, backend_stream_t *bs, meshd_error_t *e) {
+  if (st->emulated) return 0;
+  cudaEvent_t ev;
+  cudaError_t r = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (r == cudaSuccess) {
+    r = cudaEventRecord(ev, bs->s);
+    if (r == cudaSuccess) r = cudaEventSynchronize(ev);
+    cudaEventDestroy(ev);
+  }
+  return cuda_check(st, r, "synchronize", e);
 }
+
+static int sync_own(cuda_state_t *st, meshd_error_t *e) { return wait_queued(st, &st->own, e); }
 
 /* ------------------------------------------------------------------ memory */
 
@@ -166,7 +188,8 @@ static int sync_own(cuda_state_t *st, meshd_error_t *e) {
 static void *cuda_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
   cuda_state_t *st = cuda_state(b);
   void *p = cuda_scratch_alloc(b, cuda_stream_of(b, s), bytes);
-  if (p && !s && !st->emulated && cudaStreamSynchronize(st->own.s) != cudaSuccess) {
+  meshd_error_t e;
+  if (p && !s && sync_own(st, &e) != 0) {
     cuda_scratch_free(b, &st->own, p, bytes);
     p = NULL;
   }
@@ -182,9 +205,9 @@ static void cuda_free(backend_t *b, void *ptr, size_t bytes) {
     /* Unordered, the pool could hand the memory out while a kernel still uses
      * it: wait for the whole device instead (a failure there is sticky, the
      * device lost, and the memory no one's). */
-    if (own_waits_for_all(st, &e) != 0) (void)cudaDeviceSynchronize();
+    if (release_waits_for_all(st, &e) != 0) (void)cudaDeviceSynchronize();
   }
-  cuda_scratch_free(b, &st->own, ptr, bytes);
+  cuda_scratch_free(b, &st->release, ptr, bytes);
 }
 
 /* ------------------------------------------------------------------ streams, events */
@@ -229,7 +252,7 @@ static int cuda_stream_sync(backend_t *b, backend_stream_t *s, meshd_error_t *er
   cuda_state_t *st = cuda_state(b);
   if (st->emulated) return 0;
   cuda_bind(st);
-  return cuda_check(st, cudaStreamSynchronize(cuda_stream_of(b, s)->s), "stream", err);
+  return wait_queued(st, cuda_stream_of(b, s), err);
 }
 
 /* A file whose existence makes "cuda:emulated" report its device lost: the
@@ -345,60 +368,64 @@ static agent_tensor_t contiguous_like(const agent_tensor_t *t, agent_storage_t *
   return c;
 }
 
-static int cuda_to_host(backend_t *b, const agent_tensor_t *t, void *dst, meshd_error_t *err) {
+/* Both run on s's CUDA stream (cuda_stream_of), in its order, and wait for
+ * their own copy only (wait_queued). */
+static int cuda_to_host(backend_t *b, backend_stream_t *s, const agent_tensor_t *t, void *dst,
+                        meshd_error_t *err) {
   cuda_state_t *st = cuda_state(b);
+  backend_stream_t *bs = cuda_stream_of(b, s);
   size_t n = nbytes(t);
   agent_storage_t tmp_st = {0};
   if (st->emulated) {
     agent_tensor_t h = contiguous_like(t, &tmp_st, dst);
-    return cuda_copy_broadcast(b, &st->own, &h, t, err);
+    return cuda_copy_broadcast(b, bs, &h, t, err);
   }
   cuda_bind(st);
-  if (own_waits_for_all(st, err)) return -1;
   void *src = element0(t), *scratch = NULL;
   int rc = 0;
   if (!layout_is_contiguous(&t->meta.layout)) { /* gather on the device first */
-    if (!(scratch = cuda_scratch_alloc(b, &st->own, n ? n : 1)))
+    if (!(scratch = cuda_scratch_alloc(b, bs, n ? n : 1)))
       return error_set(err, ERR_QUOTA, "fetch: out of device memory gathering %zu bytes", n);
     agent_tensor_t c = contiguous_like(t, &tmp_st, scratch);
-    rc = cuda_copy_broadcast(b, &st->own, &c, t, err);
+    rc = cuda_copy_broadcast(b, bs, &c, t, err);
     src = scratch;
   }
   if (!rc && n)
-    rc = cuda_check(st, cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, st->own.s),
+    rc = cuda_check(st, cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, bs->s),
                     "copy to host", err);
-  cuda_scratch_free(b, &st->own, scratch, n ? n : 1);
-  int rc2 = sync_own(st, rc ? NULL : err);
+  cuda_scratch_free(b, bs, scratch, n ? n : 1);
+  int rc2 = wait_queued(st, bs, rc ? NULL : err);
   return rc ? rc : rc2;
 }
 
-static int cuda_from_host(backend_t *b, agent_tensor_t *t, const void *src, meshd_error_t *err) {
+static int cuda_from_host(backend_t *b, backend_stream_t *s, agent_tensor_t *t, const void *src,
+                          meshd_error_t *err) {
   cuda_state_t *st = cuda_state(b);
+  backend_stream_t *bs = cuda_stream_of(b, s);
   size_t n = nbytes(t);
   agent_storage_t tmp_st = {0};
   if (st->emulated) {
     agent_tensor_t h = contiguous_like(t, &tmp_st, (void *)src);
-    return cuda_copy_broadcast(b, &st->own, t, &h, err);
+    return cuda_copy_broadcast(b, bs, t, &h, err);
   }
   cuda_bind(st);
-  if (own_waits_for_all(st, err)) return -1;
   int rc = 0;
   if (layout_is_contiguous(&t->meta.layout)) {
     if (n)
-      rc = cuda_check(st, cudaMemcpyAsync(element0(t), src, n, cudaMemcpyHostToDevice, st->own.s),
+      rc = cuda_check(st, cudaMemcpyAsync(element0(t), src, n, cudaMemcpyHostToDevice, bs->s),
                       "copy from host", err);
   } else { /* scatter on the device */
-    void *scratch = cuda_scratch_alloc(b, &st->own, n ? n : 1);
+    void *scratch = cuda_scratch_alloc(b, bs, n ? n : 1);
     if (!scratch)
       return error_set(err, ERR_QUOTA, "upload: out of device memory staging %zu bytes", n);
-    rc = n ? cuda_check(st, cudaMemcpyAsync(scratch, src, n, cudaMemcpyHostToDevice, st->own.s),
+    rc = n ? cuda_check(st, cudaMemcpyAsync(scratch, src, n, cudaMemcpyHostToDevice, bs->s),
                         "copy from host", err)
            : 0;
     agent_tensor_t c = contiguous_like(t, &tmp_st, scratch);
-    if (!rc) rc = cuda_copy_broadcast(b, &st->own, t, &c, err);
-    cuda_scratch_free(b, &st->own, scratch, n ? n : 1);
+    if (!rc) rc = cuda_copy_broadcast(b, bs, t, &c, err);
+    cuda_scratch_free(b, bs, scratch, n ? n : 1);
   }
-  int rc2 = sync_own(st, rc ? NULL : err);
+  int rc2 = wait_queued(st, bs, rc ? NULL : err);
   return rc ? rc : rc2;
 }
 

@@ -51,7 +51,8 @@ typedef struct cuda_state {
   char name[64];             /* "NVIDIA H200 (cuda:0, sm_90)" or "cuda:emulated" */
   int cc_major, cc_minor;
   cudaMemPool_t pool;        /* the device's pool, release threshold set at open */
-  backend_stream_t own;      /* the backend's stream: NULL stream arguments, uploads, frees */
+  backend_stream_t own;      /* the backend's stream: NULL stream arguments (a Write's memory) */
+  backend_stream_t release;  /* frees: it waits for every stream, so nothing else may wait on it */
   pthread_mutex_t mu;        /* guards streams and own's queue order across threads */
   backend_stream_t *streams; /* live streams (not `own`) */
   uint64_t rand_offset;      /* running offset of unseeded draws (philox.h); under mu */

@@ -152,13 +152,13 @@ static void tensor_free(agent_tensor_t *t) {
 static void upload(agent_tensor_t *t, const void *src) {
   meshd_error_t e = {0};
   backend_t *b = t->storage->backend;
-  if (b->ops->from_host(b, t, src, &e) != 0) fail("from_host", e.msg);
+  if (b->ops->from_host(b, NULL, t, src, &e) != 0) fail("from_host", e.msg);
 }
 
 static void fetch(const agent_tensor_t *t, void *dst) {
   meshd_error_t e = {0};
   backend_t *b = t->storage->backend;
-  if (b->ops->to_host(b, t, dst, &e) != 0) fail("to_host", e.msg);
+  if (b->ops->to_host(b, NULL, t, dst, &e) != 0) fail("to_host", e.msg);
 }
 
 static uint16_t bf16_of(float f) {

@@ -601,7 +601,7 @@ static void assert_values(uint64_t ref, float want) {
                why.msg);
   float host[4] = {0};
   meshd_error_t e = {0};
-  cr_assert_eq(B.ops->to_host(&B, &t, host, &e), 0, "%s", e.msg);
+  cr_assert_eq(B.ops->to_host(&B, NULL, &t, host, &e), 0, "%s", e.msg);
   storage_release(t.storage);
   for (int i = 0; i < 4; i++) cr_assert_eq(host[i], want, "ref %llu[%d]", (unsigned long long)ref, i);
 }

@@ -558,7 +558,7 @@ static int run2(const char *name, const spec_t *sp, int n, const op_kwarg_t *kw,
     for (int b = 0; b < 2; b++) {
       meshd_error_t te;
       h[b] = malloc(bytes + 1);
-      cr_assert_eq(bops[b]->to_host(&bk[b], res[b][i], h[b], &te), 0, "to_host: %s", te.msg);
+      cr_assert_eq(bops[b]->to_host(&bk[b], NULL, res[b][i], h[b], &te), 0, "to_host: %s", te.msg);
     }
     int64_t at = first_diff(dt, h[0], h[1], nel, cmp);
     if (at >= 0) {

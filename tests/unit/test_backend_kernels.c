@@ -77,7 +77,7 @@ static agent_tensor_t *tensor(dtype_t dt, int nd, const int64_t *sizes, const vo
   s->data = OPS->alloc(&B, NULL, s->bytes);
   cr_assert_not_null(s->data);
   t->storage = s;
-  if (data) cr_assert_eq(OPS->from_host(&B, t, data, &e), 0);
+  if (data) cr_assert_eq(OPS->from_host(&B, NULL, t, data, &e), 0);
   return keep(t);
 }
 
@@ -173,7 +173,7 @@ static void expect_f(const agent_tensor_t *t, dtype_t dt, const double *want, in
   size_t esz = dtype_size(dt);
   char *buf = malloc((size_t)n * esz + 1);
   meshd_error_t e;
-  cr_assert_eq(OPS->to_host(&B, t, buf, &e), 0);
+  cr_assert_eq(OPS->to_host(&B, NULL, t, buf, &e), 0);
   for (int64_t i = 0; i < n; i++) {
     double got = cpu_ld_f(dt, buf + i * (int64_t)esz);
     if (isnan(want[i])) cr_assert(isnan(got), "element %ld: %g, want nan", (long)i, got);
@@ -189,7 +189,7 @@ static void expect_i(const agent_tensor_t *t, dtype_t dt, const int64_t *want, i
   size_t esz = dtype_size(dt);
   char *buf = malloc((size_t)n * esz + 1);
   meshd_error_t e;
-  cr_assert_eq(OPS->to_host(&B, t, buf, &e), 0);
+  cr_assert_eq(OPS->to_host(&B, NULL, t, buf, &e), 0);
   for (int64_t i = 0; i < n; i++)
     cr_assert_eq(cpu_ld_i(dt, buf + i * (int64_t)esz), want[i], "element %ld: %ld, want %ld",
                  (long)i, (long)cpu_ld_i(dt, buf + i * (int64_t)esz), (long)want[i]);
@@ -340,7 +340,7 @@ Test(kernels, host_gather_scatter_and_copy) {
   cr_assert_eq(xt->storage, x->storage);
   EXPECT_F(xt, DTYPE_FLOAT32, 1, 4, 2, 5, 3, 6);
   meshd_error_t e;
-  cr_assert_eq(OPS->from_host(&B, xt, (const float[]){10, 40, 20, 50, 30, 60}, &e), 0);
+  cr_assert_eq(OPS->from_host(&B, NULL, xt, (const float[]){10, 40, 20, 50, 30, 60}, &e), 0);
   EXPECT_F(x, DTYPE_FLOAT32, 10, 20, 30, 40, 50, 60);
   agent_tensor_t *d = tensor(DTYPE_INT64, SZ(3, 2), NULL);
   cr_assert_eq(OPS->copy(&B, NULL, d, xt, &e), 0);
@@ -372,7 +372,7 @@ Test(kernels, philox_known_answers) {
 
 static void host_f32(const agent_tensor_t *t, float *out) {
   meshd_error_t e;
-  cr_assert_eq(OPS->to_host(&B, t, out, &e), 0);
+  cr_assert_eq(OPS->to_host(&B, NULL, t, out, &e), 0);
 }
 
 Test(kernels, rand_is_philox_and_deterministic) {
@@ -422,8 +422,8 @@ Test(kernels, randn_and_half_rand) {
   agent_tensor_t *tb = ok(run_at("rand", ARGS(VINTS(4096)), bf, 2, 0, 0));
   static uint16_t hh[4096], hb[4096];
   meshd_error_t e;
-  OPS->to_host(&B, th, hh, &e);
-  OPS->to_host(&B, tb, hb, &e);
+  OPS->to_host(&B, NULL, th, hh, &e);
+  OPS->to_host(&B, NULL, tb, hb, &e);
   for (int i = 0; i < 4096; i++) {
     float a = half_to_float(hh[i]), b = bf16_to_float(hb[i]);
     cr_assert(a >= 0 && a < 1 && b >= 0 && b < 1);
@@ -729,8 +729,8 @@ Test(kernels, matmul_large_blas_vs_loop) {
   static float rf[N * P];
   static int64_t rl[N * P];
   meshd_error_t e;
-  OPS->to_host(&B, r, rf, &e);
-  OPS->to_host(&B, ri, rl, &e);
+  OPS->to_host(&B, NULL, r, rf, &e);
+  OPS->to_host(&B, NULL, ri, rl, &e);
   for (int i = 0; i < N * P; i++) cr_assert_eq((int64_t)rf[i], rl[i], "element %d", i);
 }
 
@@ -846,7 +846,7 @@ Test(kernels, index_out_of_range) {
 static uint16_t raw16(const agent_tensor_t *t) {
   uint16_t v;
   meshd_error_t e;
-  OPS->to_host(&B, t, &v, &e);
+  OPS->to_host(&B, NULL, t, &v, &e);
   return v;
 }
 
@@ -962,11 +962,11 @@ Test(kernels, large_elementwise_and_reduce) {
   agent_tensor_t *rows = RUN("amax", VT(RUN("t", VT(m))), VINTS(1));
   static double r[512];
   meshd_error_t e;
-  OPS->to_host(&B, rows, r, &e);
+  OPS->to_host(&B, NULL, rows, r, &e);
   for (int i = 0; i < 512; i++) cr_assert_eq(r[i], 2.0 * (511 * 512 + i));
   agent_tensor_t *f = RUN("to", VT(x), VD(DTYPE_FLOAT32));
   agent_tensor_t *g = RUN("add", VT(f), VT(f));
   static float gv[N];
-  OPS->to_host(&B, g, gv, &e);
+  OPS->to_host(&B, NULL, g, gv, &e);
   for (int i = 0; i < N; i += 997) cr_assert_eq(gv[i], 2.0f * (float)i);
 }

@@ -17,6 +17,7 @@
 #include "backend.h"
 #include "executor.h"
 #include "instr_build.h"
+#include "snapshot.h"
 
 /* ---- the mock device ---- */
 
@@ -105,6 +106,12 @@ static int m_run_op(backend_t *b, backend_stream_t *s, const op_args_t *a, agent
   return cpu_backend_ops.run_op(b, NULL, a, res, nres, inf, rank, coord, e);
 }
 
+static int m_to_host(backend_t *b, backend_stream_t *s, const agent_tensor_t *t, void *dst,
+                     meshd_error_t *e) {
+  logf_("to_host %d", s ? s->id : 0);
+  return cpu_backend_ops.to_host(b, NULL, t, dst, e);
+}
+
 static void m_session_end(backend_t *b, uint64_t session) { logf_("end %016llx", (unsigned long long)session); }
 
 static backend_ops_t mock_ops;
@@ -127,6 +134,7 @@ static void setup(void) {
   mock_ops.event_wait = m_event_wait;
   mock_ops.event_destroy = m_event_destroy;
   mock_ops.run_op = m_run_op;
+  mock_ops.to_host = m_to_host;
   mock_ops.session_end = m_session_end;
   memset(&B, 0, sizeof B);
   B.ops = &mock_ops;
@@ -266,7 +274,7 @@ static void expect_twos(uint64_t ref) {
                (unsigned long long)ref, why.msg);
   float v[4];
   meshd_error_t e;
-  cr_assert_eq(cpu_backend_ops.to_host(&B, &t, v, &e), 0);
+  cr_assert_eq(cpu_backend_ops.to_host(&B, NULL, &t, v, &e), 0);
   storage_release(t.storage);
   for (int i = 0; i < 4; i++) cr_assert_eq(v[i], 2.0f, "element %d: %g", i, v[i]);
 }
@@ -300,6 +308,47 @@ Test(executor_streams_mock_gpu, borrows_order_device_streams_with_events) {
   cr_assert(rec2 > add && wait2 > rec2, "the drop must make stream %d wait on stream %d", s1, s2);
   /* exactly one device stream per (session, stream) */
   cr_assert_eq(find_line("create 3", 0), -1, "a third device stream was made");
+}
+
+/* A Fetch's Read copies the tensor as its Snapshot left it, on a device
+ * stream of its own that waits for an event recorded at the Snapshot: never
+ * on the session's stream (it would wait for what the stream queued after
+ * the Snapshot) nor on the backend's own (shared by every session). */
+Test(executor_streams_mock_gpu, a_snapshot_is_read_on_its_own_stream_after_its_point) {
+  open_gate();
+  submit_factory_ones(1, 1, 10);
+  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
+  snap.ref = 10;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+  ins.snapshot = &snap;
+  submit(&ins, 2, 1);
+  cr_assert_eq(executor_wait(X, 2, 10000), 0, "executed through 2");
+  snapshot_t *sn = NULL;
+  ref_failure_t why = {0};
+  cr_assert_eq(executor_take_snapshot(X, SESSION, 2, 10, &sn, &why), 0, "%s", why.msg);
+  float v[4];
+  meshd_error_t e;
+  cr_assert_eq(snapshot_read(sn, 0, sizeof v, v, &e), 0, "%s", e.msg);
+  cr_assert_eq(snapshot_read(sn, 0, sizeof v, v, &e), 0, "%s", e.msg);
+  for (int i = 0; i < 4; i++) cr_assert_eq(v[i], 1.0f, "element %d: %g", i, v[i]);
+  int s1 = stream_of_op("ones");
+  char line[64];
+  snprintf(line, sizeof line, "record %d", s1);
+  int rec = find_line(line, 0);
+  snprintf(line, sizeof line, "create %d", s1 + 1);
+  int made = find_line(line, 0);
+  snprintf(line, sizeof line, "wait %d<-%d", s1 + 1, s1);
+  int wait = find_line(line, 0);
+  snprintf(line, sizeof line, "to_host %d", s1 + 1);
+  int copy = find_line(line, 0), again = find_line(line, copy + 1);
+  if (rec < 0 || made < 0 || wait < rec || copy < wait || again < copy) dump_log();
+  cr_assert(rec >= 0 && made >= 0 && wait > rec && wait > made && copy > wait && again > copy,
+            "the reads must copy on a stream of their own, after the Snapshot's event");
+  cr_assert_eq(find_line("create 3", 0), -1, "one stream for the snapshot's reads, not one each");
+  snapshot_release(sn);
+  snprintf(line, sizeof line, "destroy %d", s1 + 1);
+  cr_assert_geq(find_line(line, again), 0, "the reads' stream goes with the snapshot");
 }
 
 Test(executor_streams_mock_gpu, a_stream_wait_that_fails_falls_back_to_a_host_sync) {

@@ -185,7 +185,7 @@ Test(run_reduce, float_avg_over_one_member_is_the_identity) {
     cr_assert_eq(executor_lookup(a.x, SESSION, 11, &t, &why), 0, "%s: %s", devices[d], why.msg);
     float host[4] = {0};
     meshd_error_t e = {0};
-    cr_assert_eq(a.b.ops->to_host(&a.b, &t, host, &e), 0, "%s", e.msg);
+    cr_assert_eq(a.b.ops->to_host(&a.b, NULL, &t, host, &e), 0, "%s", e.msg);
     for (int i = 0; i < 4; i++) cr_assert_eq(host[i], 1.0f, "%s: element %d", devices[d], i);
     storage_release(t.storage);
     cr_assert_null(error_of(2), "%s: %s", devices[d], error_of(2));

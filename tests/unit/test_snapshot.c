@@ -30,7 +30,7 @@ static agent_tensor_t arange(backend_t *b) {
   cr_assert_eq(tensor_alloc(b, NULL, &t.meta, &t, "test", &e), 0, "%s", e.msg);
   float v[105];
   for (int i = 0; i < 105; i++) v[i] = (float)i;
-  cr_assert_eq(b->ops->from_host(b, &t, v, &e), 0, "%s", e.msg);
+  cr_assert_eq(b->ops->from_host(b, NULL, &t, v, &e), 0, "%s", e.msg);
   return t;
 }
 
@@ -72,8 +72,8 @@ static void reads_match_to_host(const char *device) {
   for (int i = 0; i < nv; i++) {
     size_t bytes = tensor_nbytes(&v[i].meta);
     float want[105] = {0}, got[105];
-    if (bytes) cr_assert_eq(b.ops->to_host(&b, &v[i], want, &e), 0, "%s", e.msg);
-    snapshot_t *s = snapshot_pin(&b, &v[i]);
+    if (bytes) cr_assert_eq(b.ops->to_host(&b, NULL, &v[i], want, &e), 0, "%s", e.msg);
+    snapshot_t *s = snapshot_pin(&b, NULL, &v[i], &e);
     cr_assert_eq(snapshot_bytes(s), bytes);
     size_t chunks[] = {4, 8, 12, 20, 28, 84, 400, 4096};
     for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {
@@ -107,7 +107,7 @@ Test(snapshot, a_write_after_the_pin_never_shows_and_copies_only_then) {
   views(&base, v);
   meshd_error_t e = {0};
   uint64_t copies0 = snapshot_copies();
-  snapshot_t *whole = snapshot_pin(&b, &v[0]), *part = snapshot_pin(&b, &v[2]);
+  snapshot_t *whole = snapshot_pin(&b, NULL, &v[0], &e), *part = snapshot_pin(&b, NULL, &v[2], &e);
   float head[4];
   cr_assert_eq(snapshot_read(whole, 0, 16, head, &e), 0);
   cr_assert_eq(head[3], 3.0f);
@@ -133,7 +133,7 @@ Test(snapshot, a_write_after_the_pin_never_shows_and_copies_only_then) {
   snapshot_release(part);
 
   /* A snapshot released before any write leaves nothing pinned. */
-  snapshot_t *late = snapshot_pin(&b, &v[1]);
+  snapshot_t *late = snapshot_pin(&b, NULL, &v[1], &e);
   snapshot_release(late);
   cr_assert_eq(atomic_load(&base.storage->pins), 0);
   cr_assert_null(base.storage->pinned);
