@@ -86,7 +86,7 @@ typedef struct backend_ops {
    * row-major bytes of the whole tensor in its dtype (non-contiguous tensors
    * are gathered/scattered). Ordered after the work queued on s before the
    * call (NULL: the backend's own stream), and after nothing queued on any
-   * other stream: one session's transfer never waits for another's kernels.
+   * other stream: one session's transfer does not wait for another's kernels.
    * So t's memory must be ready in s's order: allocated on s, or with a NULL
    * stream (ready for every stream), or ordered by an event (snapshot.c).
    * Synchronous: to_host's bytes are in dst, from_host's on the device for

@@ -108,9 +108,12 @@ static int copies_ordered(snapshot_t *s, meshd_error_t *err) {
   if (s->ordered || !s->at) return 0;
   backend_t *b = s->b;
   if (b->ops->stream_create) s->copies = b->ops->stream_create(b);
-  if (b->ops->event_wait(b, s->copies, s->at))
+  if (b->ops->event_wait(b, s->copies, s->at)) {
+    if (s->copies) b->ops->stream_destroy(b, s->copies); /* the next copy makes another */
+    s->copies = NULL;
     return error_set(err, ERR_REMOTE_FAILURE,
                      "the device cannot order the copy after the snapshot's point");
+  }
   s->ordered = true;
   return 0;
 }
@@ -151,6 +154,12 @@ int snapshot_before_write(backend_t *b, agent_storage_t *st, meshd_error_t *err)
     }
     s->host = host;
     s->t.storage = NULL;
+    /* Reads come from host now: the device's stream and event go (each live
+     * stream costs every free an event, cuda_backend.c). */
+    if (s->copies) b->ops->stream_destroy(b, s->copies);
+    if (s->at) b->ops->event_destroy(b, s->at);
+    s->copies = NULL;
+    s->at = NULL;
     st->pinned = s->next;
     s->next = NULL;
     moved++;

@@ -11,10 +11,11 @@
  *   released on the backend's release stream after waiting (events) for
  *   every live stream: whoever drops the last reference, every use was
  *   queued before, so the release follows it on the device. Nothing else runs
- *   on the release stream, so nothing else waits for every stream;
+ *   on the release stream, so nothing else waits for every stream (but the
+ *   pool may make an allocation wait for the free whose memory it reuses);
  * - to_host / from_host copy on the stream they are given (the own stream
  *   for NULL) and wait for that copy only: one session's Fetch, flag or
- *   scalar never waits for another session's kernels, nor for what its own
+ *   scalar does not wait for another session's kernels, nor for what its own
  *   stream queued after it (a snapshot's copies run on a stream of their own
  *   that waits for the snapshot's point: agent/snapshot.c).
  *
@@ -152,21 +153,24 @@ static cudaError_t stream_waits(cudaStream_t t, cudaStream_t s) {
 }
 
 /* Makes the release stream wait for everything queued so far on every live
- * stream and the own one. Holds nothing on return. */
+ * stream and the own one. Holds nothing on return. The first error is
+ * checked after st->mu is let go: a sticky one marks the device lost, which
+ * takes st->mu (it deadlocked on itself here, and every later free, stream
+ * and health check with it). */
 static int release_waits_for_all(cuda_state_t *st, meshd_error_t *e) {
   if (st->emulated) return 0;
   pthread_mutex_lock(&st->mu);
-  cudaError_t r = stream_waits(st->release.s, st->own.s);
-  int rc = r != cudaSuccess ? cuda_check(st, r, "ordering streams", e) : 0;
+  cudaError_t first = stream_waits(st->release.s, st->own.s), r;
   for (backend_stream_t *s = st->streams; s; s = s->next) /* every one, even after a failure */
-    if ((r = stream_waits(st->release.s, s->s)) != cudaSuccess && !rc)
-      rc = cuda_check(st, r, "ordering streams", e);
+    if ((r = stream_waits(st->release.s, s->s)) != cudaSuccess && first == cudaSuccess) first = r;
   pthread_mutex_unlock(&st->mu);
-  return rc;
+  return cuda_check(st, first, "ordering streams", e);
 }
 
 /* Waits until what bs queued so far ran, and not for what other threads
- * queue on it meanwhile (the own stream is shared): an event after it. */
+ * queue on it meanwhile (the own stream is shared): an event after it. No
+ * event to be had (out of resources), the whole stream: a caller takes a
+ * return as "done", whatever it says (a borrow's fallback, the watermark). */
 static int wait_queued(cuda_state_t *st, backend_stream_t *bs, meshd_error_t *e) {
   if (st->emulated) return 0;
   cudaEvent_t ev;
@@ -175,8 +179,9 @@ static int wait_queued(cuda_state_t *st, backend_stream_t *bs, meshd_error_t *e)
     r = cudaEventRecord(ev, bs->s);
     if (r == cudaSuccess) r = cudaEventSynchronize(ev);
     cudaEventDestroy(ev);
+    return cuda_check(st, r, "synchronize", e);
   }
-  return cuda_check(st, r, "synchronize", e);
+  return cuda_check(st, cudaStreamSynchronize(bs->s), "synchronize", e);
 }
 
 static int sync_own(cuda_state_t *st, meshd_error_t *e) { return wait_queued(st, &st->own, e); }
@@ -309,6 +314,7 @@ static int cuda_event_wait(backend_t *b, backend_stream_t *t, backend_event_t *e
 static void cuda_event_destroy(backend_t *b, backend_event_t *ev) {
   cuda_state_t *st = cuda_state(b);
   if (st->emulated || !ev) return;
+  cuda_bind(st); /* a Read's thread may have made no other CUDA call */
   cudaEventDestroy((cudaEvent_t)ev);
 }
 

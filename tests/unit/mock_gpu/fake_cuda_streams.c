@@ -19,6 +19,7 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static uint64_t ticks;
 
 _Atomic int fake_query_error;
+_Atomic int fake_event_error;
 
 /* ------------------------------------------------------------------ the model */
 
@@ -367,6 +368,7 @@ cudaError_t cudaStreamQuery(cudaStream_t s) {
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *out, unsigned int flags) {
   REQUIRE(flags == cudaEventDisableTiming);
+  if (fake_event_error) return (cudaError_t)fake_event_error;
   struct CUevent_st *e = calloc(1, sizeof *e);
   REQUIRE(e);
   pthread_mutex_lock(&mu);

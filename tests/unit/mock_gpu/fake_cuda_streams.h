@@ -58,5 +58,8 @@ int fake_events_live(void);
 /* Knob: cudaStreamQuery returns this error when it is not cudaSuccess (a
  * device that failed, as a sticky error reports it). */
 extern _Atomic int fake_query_error;
+/* Knob: cudaEventCreateWithFlags fails with this error when it is not
+ * cudaSuccess (a sticky one: the device is lost). */
+extern _Atomic int fake_event_error;
 
 #endif

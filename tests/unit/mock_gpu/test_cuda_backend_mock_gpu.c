@@ -562,3 +562,46 @@ Test(cuda_backend_mock_gpu, close_leaves_nothing) {
   cr_assert_eq(fake_dev_live(), 0);
   cr_assert_eq(atomic_load(&B.allocated), 0);
 }
+
+/* ------------------------------------------------------------------ review: sticky errors */
+
+/* A device that failed (a sticky error: every CUDA call returns it) while a
+ * free orders the release stream: release_waits_for_all holds st->mu and its
+ * cuda_check marks the device lost, which takes st->mu again. The free must
+ * return, and health must then report the device lost (it takes st->mu too). */
+Test(cuda_backend_mock_gpu, a_sticky_error_while_ordering_a_free_does_not_deadlock) {
+  agent_tensor_t *t = tensor_on(NULL);
+  fake_event_error = cudaErrorIllegalAddress;
+  call_t f = {.kind = FREE, .t = t};
+  call_start(&f);
+  bool freed = returned_within(&f, RETURN_MS);
+  cr_assert(freed, "the free hangs: cuda_mark_lost relocks st->mu under release_waits_for_all");
+  pthread_join(f.th, NULL);
+  t->storage->data = NULL;
+  call_t h = {.kind = HEALTH};
+  call_start(&h);
+  cr_assert(returned_within(&h, RETURN_MS), "health hangs on st->mu");
+  pthread_join(h.th, NULL);
+  cr_assert_eq(h.rc, -1, "health must report the device lost");
+  fake_event_error = 0;
+}
+
+/* stream_sync is the executor's and session_state_wait_stream's host-side
+ * fallback ("no event to be had: wait on the host instead"): when the device
+ * cannot make an event (out of resources, not sticky), it must still wait for
+ * the stream, not return at once (its callers go on either way). */
+Test(cuda_backend_mock_gpu, stream_sync_without_an_event_still_waits) {
+  backend_stream_t *a = B.ops->stream_create(&B);
+  cr_assert_not_null(a);
+  fake_gate_t *g = fake_gate_new();
+  fake_gate_queue(a->s, g);
+  fake_event_error = cudaErrorMemoryAllocation;
+  call_t c = {.kind = STREAM_SYNC, .s = a};
+  call_start(&c);
+  bool early = returned_within(&c, HOLD_MS);
+  fake_gate_open(g);
+  pthread_join(c.th, NULL);
+  fake_event_error = 0;
+  cr_assert(!early, "stream_sync returned (rc %d: %s) while its stream was held", c.rc, c.e.msg);
+  B.ops->stream_destroy(&B, a);
+}
