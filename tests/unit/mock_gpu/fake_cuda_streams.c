@@ -36,12 +36,12 @@ struct fake_gate {
   uint64_t opened_at;
 };
 
-typedef enum { OP_COPY, OP_SET, OP_MARK, OP_WAIT, OP_GATE, OP_CALL, OP_FREE } op_kind_t;
+typedef enum { OP_COPY, OP_SET, OP_MARK, OP_WAIT, OP_GATE, OP_CALL, OP_FREE, OP_ALLOC } op_kind_t;
 
 typedef struct op {
   struct op *next;
   op_kind_t kind;
-  void *dst;           /* COPY, SET, FREE */
+  void *dst;           /* COPY, SET, FREE, ALLOC */
   const void *src;     /* COPY */
   size_t n;            /* COPY, SET */
   int value;           /* SET */
@@ -84,6 +84,49 @@ static struct {
 } frees[MAX_FREES];
 static int nfrees;
 
+/* Stream-ordered allocations whose allocating op has not run yet: their
+ * memory exists (the pointer is returned at once, as CUDA does) but no
+ * operation may touch it before the op ran, so a use on another stream that
+ * is not ordered after the allocation aborts when the allocating stream is
+ * held. Under mu. */
+#define MAX_PENDING 256
+static struct {
+  const char *p; /* NULL: a free slot */
+  size_t n;
+} pending[MAX_PENDING];
+
+/* Whether [p, p + n) overlaps an allocation whose op has not run. */
+static bool pending_locked(const void *p, size_t n) {
+  const char *c = p;
+  for (int i = 0; i < MAX_PENDING; i++)
+    if (pending[i].p && c < pending[i].p + pending[i].n && c + (n ? n : 1) > pending[i].p)
+      return true;
+  return false;
+}
+
+static void pending_add_locked(const void *p, size_t n) {
+  int i = 0;
+  while (i < MAX_PENDING && pending[i].p) i++;
+  REQUIRE(i < MAX_PENDING);
+  pending[i].p = p;
+  pending[i].n = n ? n : 1;
+}
+
+static void pending_remove_locked(const void *p) {
+  for (int i = 0; i < MAX_PENDING; i++)
+    if (pending[i].p == p) pending[i].p = NULL;
+}
+
+/* Device memory an operation may touch now: live, and its allocation ran. */
+static bool usable(const void *p, size_t n) {
+  pthread_mutex_lock(&mu);
+  bool pend = pending_locked(p, n);
+  pthread_mutex_unlock(&mu);
+  return !pend && fake_is_dev(p, n);
+}
+
+bool fake_dev_ready(const void *p, size_t bytes) { return usable(p, bytes); }
+
 static void mark_drop_locked(mark_t *m) {
   if (m && --m->refs == 0) free(m);
 }
@@ -99,14 +142,17 @@ static bool runnable_locked(const op_t *op) {
 /* Runs op on the worker, without mu. Device sides are checked again here: a
  * free that ran before this op (an ordering bug) leaves them unregistered. */
 static void run(op_t *op) {
-  if (op->dst_dev) REQUIRE(fake_is_dev(op->dst, op->n));
-  if (op->src_dev) REQUIRE(fake_is_dev(op->src, op->n));
+  if (op->dst_dev) REQUIRE(usable(op->dst, op->n));
+  if (op->src_dev) REQUIRE(usable(op->src, op->n));
   switch (op->kind) {
   case OP_COPY: memmove(op->dst, op->src, op->n); break;
   case OP_SET: memset(op->dst, op->value, op->n); break;
   case OP_CALL: op->fn(op->arg); break;
-  case OP_FREE: fake_dev_free(op->dst); break;
-  default: break; /* MARK, WAIT, GATE act on the fake's state, under mu */
+  case OP_FREE:
+    REQUIRE(usable(op->dst, 1)); /* freed before its allocation ran: an ordering bug */
+    fake_dev_free(op->dst);
+    break;
+  default: break; /* MARK, WAIT, GATE, ALLOC act on the fake's state, under mu */
   }
 }
 
@@ -123,6 +169,7 @@ static void *worker(void *arg) {
     pthread_mutex_lock(&mu);
     ticks++;
     if (op->kind == OP_MARK) op->mark->done = true;
+    if (op->kind == OP_ALLOC) pending_remove_locked(op->dst);
     if (op->kind == OP_FREE) {
       REQUIRE(nfrees < MAX_FREES);
       frees[nfrees].p = op->dst;
@@ -429,6 +476,13 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
 cudaError_t cudaMallocFromPoolAsync(void **p, size_t bytes, cudaMemPool_t mp, cudaStream_t s) {
   REQUIRE(mp == &pool && s);
   *p = fake_dev_alloc(bytes);
+  op_t *op = calloc(1, sizeof *op);
+  REQUIRE(op);
+  *op = (op_t){.kind = OP_ALLOC, .dst = *p};
+  pthread_mutex_lock(&mu);
+  pending_add_locked(*p, bytes);
+  enqueue_locked(s, op);
+  pthread_mutex_unlock(&mu);
   return cudaSuccess;
 }
 
@@ -496,8 +550,8 @@ static void strided_copy(void *arg) {
       s += idx[i] * c->sl.strides[i];
     }
     /* Each element is checked as it is touched: a free that ran early shows. */
-    REQUIRE(fake_is_dev(c->dst + d * (int64_t)c->esz, c->esz));
-    REQUIRE(fake_is_dev(c->src + s * (int64_t)c->esz, c->esz));
+    REQUIRE(usable(c->dst + d * (int64_t)c->esz, c->esz));
+    REQUIRE(usable(c->src + s * (int64_t)c->esz, c->esz));
     memcpy(c->dst + d * (int64_t)c->esz, c->src + s * (int64_t)c->esz, c->esz);
     for (int i = c->dl.ndim - 1; i >= 0 && ++idx[i] == c->dl.sizes[i]; i--) idx[i] = 0;
   }

@@ -51,6 +51,12 @@ void fake_stream_call(cudaStream_t s, void (*fn)(void *), void *arg);
  * it has not. The latest such free when p's address was reused. */
 uint64_t fake_freed_at(const void *p);
 
+/* Whether an operation may touch [p, p + bytes) now: device memory whose
+ * stream-ordered allocation already ran on its stream (a test's kernel
+ * checks it: memory used on a stream not ordered after its allocation is an
+ * ordering bug, caught when the allocating stream is held). */
+bool fake_dev_ready(const void *p, size_t bytes);
+
 /* CUDA objects created and not destroyed yet. */
 int fake_streams_live(void);
 int fake_events_live(void);

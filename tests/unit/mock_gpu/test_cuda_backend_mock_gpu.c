@@ -11,6 +11,7 @@
  * wrong wait fails the test instead of hanging it. */
 #include <criterion/criterion.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <unistd.h>
@@ -91,7 +92,7 @@ typedef struct {
 
 static void fill_kernel(void *arg) {
   fill_t *f = arg;
-  REQUIRE(fake_is_dev(f->p, BYTES)); /* not freed yet: the free waited for us */
+  REQUIRE(fake_dev_ready(f->p, BYTES)); /* allocated and not freed yet: ordered both ways */
   pattern(f->p, f->base);
   f->ran = true;
 }
@@ -109,7 +110,7 @@ typedef struct {
 
 static void read_kernel(void *arg) {
   read_t *r = arg;
-  REQUIRE(fake_is_dev(r->p, BYTES));
+  REQUIRE(fake_dev_ready(r->p, BYTES));
   memcpy(r->seen, r->p, BYTES);
 }
 
@@ -604,4 +605,49 @@ Test(cuda_backend_mock_gpu, stream_sync_without_an_event_still_waits) {
   fake_event_error = 0;
   cr_assert(!early, "stream_sync returned (rc %d: %s) while its stream was held", c.rc, c.e.msg);
   B.ops->stream_destroy(&B, a);
+}
+
+/* ------------------------------------------------------------------ allocation order */
+
+/* Memory allocated on a held stream exists at once, but is usable only in
+ * that stream's order: another stream that waits on an event recorded after
+ * the allocation may copy into it once the stream moves, not before. */
+Test(cuda_backend_mock_gpu, memory_allocated_on_a_held_stream_is_used_after_an_event) {
+  backend_stream_t *a = B.ops->stream_create(&B), *b = B.ops->stream_create(&B);
+  cr_assert(a && b);
+  fake_gate_t *g = fake_gate_new();
+  fake_gate_queue(a->s, g);
+  agent_tensor_t *t = tensor_on(a); /* its allocation waits behind the gate */
+  backend_event_t *ev = B.ops->event_record(&B, a);
+  cr_assert_eq(B.ops->event_wait(&B, b, ev), 0);
+  int32_t v[N];
+  pattern(v, 90);
+  call_t c = {.kind = FROM_HOST, .s = b, .t = t, .host = v};
+  call_start(&c);
+  bool early = returned_within(&c, HOLD_MS);
+  fake_gate_open(g);
+  call_join(&c);
+  cr_assert_not(early, "from_host on b ran before a's allocation (the gate was closed)");
+  int32_t out[N];
+  to_host(b, t, out);
+  expect_pattern(out, 90, "uploaded on b after a's allocation");
+  B.ops->event_destroy(&B, ev);
+  tensor_free(t);
+  B.ops->stream_destroy(&B, b);
+  B.ops->stream_destroy(&B, a);
+}
+
+/* The check above is real: the same copy with no event between the streams
+ * touches memory whose allocation has not run, and the fake aborts. */
+Test(cuda_backend_mock_gpu, memory_used_before_its_allocation_ran_is_caught, .signal = SIGABRT) {
+  backend_stream_t *a = B.ops->stream_create(&B), *b = B.ops->stream_create(&B);
+  cr_assert(a && b);
+  fake_gate_t *g = fake_gate_new();
+  fake_gate_queue(a->s, g);
+  agent_tensor_t *t = tensor_on(a);
+  int32_t v[N];
+  pattern(v, 91);
+  meshd_error_t e;
+  B.ops->from_host(&B, b, t, v, &e); /* unordered: aborts in b's worker */
+  fake_gate_open(g);
 }
