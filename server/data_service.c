@@ -43,6 +43,7 @@ struct data_service {
   pthread_t sweeper;
   bool sweeping, stop;
   pthread_cond_t wake;
+  pthread_cond_t settled; /* a busy transfer is not any more */
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
   metrics_series_t *bytes[2][2];
 };
@@ -206,6 +207,7 @@ typedef struct upload {
   bool received;      /* the client half-closed with every byte sent */
   bool aborted;       /* a failure, or the call ended: the Writes are cancelled */
   bool answered;      /* the call has its error already: settling adds none */
+  _Atomic bool given_back; /* its slot and relay (transfer_end, relay_end) */
   meshd_error_t err;  /* the first failure of a Write, ERR_NONE if none */
 } upload_t;
 
@@ -217,6 +219,14 @@ static void queue_free(rank_write_t *w) {
     free(q);
   }
   w->tail = NULL;
+}
+
+/* The session's slot and the server's relay, given back once: before the
+ * client's answer (it may start its next transfer on it), or at on_end. */
+static void upload_give_back(upload_t *u) {
+  if (atomic_exchange(&u->given_back, true)) return;
+  transfer_end(u->session);
+  relay_end(u->ds);
 }
 
 static void upload_release(upload_t *u) {
@@ -284,6 +294,7 @@ static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const c
   u->answered = true;
   upload_abort_locked(u);
   pthread_mutex_unlock(&u->mu);
+  upload_give_back(u);
   finish_error(u->call, &e);
 }
 
@@ -535,11 +546,15 @@ static void upload_settle(upload_t *u) {
   if (t) {
     command_tensor_meta(&meta, t, dims);
     reply.tensor = &meta;
+    upload_give_back(u);
     rpc_call_reply(u->call, &reply.base);
   }
   pthread_mutex_unlock(&s->mu);
   rpc_call_t *call = u->call;
-  if (!t && !answered && e.kind != ERR_NONE) finish_error(call, &e);
+  if (!t && !answered && e.kind != ERR_NONE) {
+    upload_give_back(u);
+    finish_error(call, &e);
+  }
   for (size_t i = 0; u->w && i < u->nranks; i++) {
     rpc_duplex_destroy(u->w[i].d); /* from a Write's last event: the rpc layer allows it */
     agent_data_release(u->w[i].data);
@@ -764,6 +779,7 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
       pthread_mutex_unlock(&u->session->mu);
       u->have_header = false;
       u->failed = true;
+      upload_give_back(u);
       finish_error(call, &e);
     }
     return;
@@ -823,8 +839,7 @@ static void upload_end(rpc_call_t *call, bool cancelled, void *arg) {
   if (!u) return;
   upload_abort(u); /* a client gone mid-upload: the Writes end and settling undoes */
   upload_spend(u, NULL); /* (a defined tensor's ref is claimed already: no-op) */
-  transfer_end(u->session);
-  relay_end(u->ds);
+  upload_give_back(u);
   upload_release(u);
 }
 
@@ -894,6 +909,14 @@ static void fetch_drop_snapshot(fetch_t *f) {
   pthread_mutex_unlock(&s->mu);
 }
 
+/* The slot, and a Fetch's relay, given back once: before the client's answer
+ * (it may start its next transfer on it), or at on_end. */
+static void fetch_give_back(fetch_t *f) {
+  if (atomic_exchange(&f->slot_freed, true)) return;
+  transfer_end(f->sess);
+  if (!f->direct) relay_end(f->ds);
+}
+
 static void fetch_unref(fetch_t *f) {
   pthread_mutex_lock(&f->mu);
   int left = --f->refs;
@@ -920,6 +943,7 @@ static void relay_stop(fetch_t *f) {
 }
 
 static void relay_fail(fetch_t *f, grpc_status_code code, const char *kind, const char *msg) {
+  fetch_give_back(f);
   rpc_call_finish(f->call, code, kind, "%s", msg);
   relay_stop(f);
 }
@@ -941,6 +965,7 @@ static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
   if (!m) { /* the agent's stream is over */
     rpc_status_t st = {0};
     grpc_status_code code = rpc_pull_status(p, &st);
+    fetch_give_back(f);
     if (code == GRPC_STATUS_OK) {
       atomic_store(&f->read_all, true);
       rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
@@ -1059,15 +1084,18 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
               obj_fail_msg(t));
   pthread_mutex_unlock(&f->sess->mu);
   if (e.kind != ERR_NONE) {
+    fetch_give_back(f);
     finish_error(f->call, &e);
     relay_stop(f);
     return true;
   }
   if (f->direct) { /* the client read the shard itself: the value is good on every rank */
     Meshd__V1__FinishFetchReply ok = MESHD__V1__FINISH_FETCH_REPLY__INIT;
-    atomic_store(&f->read_all, true);
+    /* read_all stays false: a client that abandons the plan before its Read
+     * ends it with FinishFetch too, and its Snapshot would stay pinned on the
+     * agent; a DropSnapshot after a Read took it is a no-op there. */
     /* The slot before the answer: the client may start its next transfer on it. */
-    if (!atomic_exchange(&f->slot_freed, true)) transfer_end(f->sess);
+    fetch_give_back(f);
     count_bytes(f->ds, DIR_FETCH, PATH_DIRECT, f->bytes);
     rpc_call_reply(f->call, &ok.base);
     relay_stop(f);
@@ -1265,13 +1293,13 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   data_service_t *ds = arg;
   fetch_t *f = rpc_call_data(call);
   if (!f) return;
-  relay_end(ds);
+  (void)ds; /* the relay goes back with the slot (fetch_give_back): FinishFetch took none */
   pthread_mutex_lock(&f->mu);
   f->ended = true;
   uint64_t wait = f->wait_id;
   if (f->pull) rpc_pull_cancel(f->pull); /* the relay's next step ends it */
   pthread_mutex_unlock(&f->mu);
-  if (!atomic_exchange(&f->slot_freed, true)) transfer_end(f->sess);
+  fetch_give_back(f);
   /* Parked on the watermark: withdrawn, the relay will take no more steps. */
   if (wait && watermark_cancel(agent_pool_watermark(ds->pool), wait)) fetch_unref(f);
   fetch_unref(f);
@@ -1306,6 +1334,10 @@ typedef struct transfer {
   /* FinishUpload defined it: kept until expiry only to answer a FinishUpload
    * repeated because its answer was lost (finish_again) */
   bool finished;
+  /* A FinishUpload is checking it (under ds->mu): it stays in the table, and
+   * another FinishUpload of it waits for the outcome instead of finding
+   * nothing; the sweeper leaves it. */
+  bool busy;
   /* upload */
   uint64_t ref, stream, mesh;
   tensor_meta_t meta;
@@ -1348,16 +1380,34 @@ static void transfer_put(data_service_t *ds, transfer_t *t) {
   pthread_mutex_unlock(&ds->mu);
 }
 
-/* The session's pending transfer `id` of that kind, taken out of the table. */
+/* The session's pending transfer `id` of that kind: a fetch is taken out of
+ * the table; an upload stays in it, marked busy, until transfer_settle (a
+ * FinishUpload asked again meanwhile waits for the first's outcome). */
 static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, bool upload) {
   pthread_mutex_lock(&ds->mu);
-  transfer_t **pp = &ds->pending, *t;
-  while ((t = *pp) && !(t->id == id && !t->failed && (t->fetch ? t->fetch->sess : t->sess) == s &&
-                        upload == !t->fetch))
-    pp = &t->next;
-  if (t) *pp = t->next;
+  transfer_t **pp, *t;
+  for (;;) {
+    pp = &ds->pending;
+    while ((t = *pp) && !(t->id == id && !t->failed &&
+                          (t->fetch ? t->fetch->sess : t->sess) == s && upload == !t->fetch))
+      pp = &t->next;
+    if (!t || !t->busy) break;
+    pthread_cond_wait(&ds->settled, &ds->mu);
+  }
+  if (t && upload) t->busy = true;
+  else if (t) *pp = t->next;
   pthread_mutex_unlock(&ds->mu);
   return t;
+}
+
+/* A FinishUpload decided about t (finished, or failed): visible to the next. */
+static void transfer_settle(data_service_t *ds, transfer_t *t, bool finished, bool failed) {
+  pthread_mutex_lock(&ds->mu);
+  t->finished = t->finished || finished;
+  t->failed = failed;
+  t->busy = false;
+  pthread_cond_broadcast(&ds->settled);
+  pthread_mutex_unlock(&ds->mu);
 }
 
 static void *sweeper_main(void *arg) {
@@ -1367,7 +1417,7 @@ static void *sweeper_main(void *arg) {
     int64_t now = grant_now_unix_ms();
     transfer_t *expired = NULL, **pp = &ds->pending, *t;
     while ((t = *pp)) {
-      if (t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now) {
+      if (!t->busy && t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now) {
         *pp = t->next;
         t->next = expired;
         expired = t;
@@ -1531,7 +1581,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
    * client expects. No command takes it after; FinishUpload defines it. */
   if (rc == 0) {
     pthread_mutex_lock(&s->mu);
-    rc = session_claim_ref(s, t->ref, e);
+    rc = session_check_ref(s, t->ref, e) ? -1 : session_claim_ref(s, t->ref, e);
     pthread_mutex_unlock(&s->mu);
     if (rc) error_prefix(e, "PlanTransfer", ": ");
   }
@@ -1670,7 +1720,7 @@ static void finish_again(data_service_t *ds, rpc_call_t *call, transfer_t *t) {
   }
   uint64_t ref = t->ref;
   pthread_mutex_unlock(&s->mu);
-  transfer_put(ds, t);
+  transfer_settle(ds, t, true, false);
   if (reply.tensor) rpc_call_reply(call, &reply.base); /* meta and dims are copies */
   if (!reply.tensor)
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
@@ -1746,8 +1796,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
      * (it found nothing now and then under ASan). t is not ours once put. */
     count_bytes(ds, DIR_UPLOAD, PATH_DIRECT, t->each * t->nranks);
     transfer_end(s);
-    t->finished = true;
-    transfer_put(ds, t);
+    transfer_settle(ds, t, true, false);
     rpc_call_reply(call, &reply.base);
     return;
   }
@@ -1763,8 +1812,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
     refs_undo(ds, s, o, t->ref, t->stream, t->ranks, t->nranks);
   pthread_mutex_unlock(&s->mu);
   transfer_end(s);
-  t->failed = true;
-  transfer_put(ds, t);
+  transfer_settle(ds, t, false, true);
   rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "%s", msg);
 }
 
@@ -1814,6 +1862,7 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   ds->path = DATA_PATH_AUTO;
   ds->grant_ms = 600000;
   pthread_cond_init(&ds->wake, NULL);
+  pthread_cond_init(&ds->settled, NULL);
   ds->sweeping = pthread_create(&ds->sweeper, NULL, sweeper_main, ds) == 0;
   return ds;
 }
@@ -1901,6 +1950,7 @@ void data_service_destroy(data_service_t *ds) {
   }
   pthread_cond_destroy(&ds->idle);
   pthread_cond_destroy(&ds->wake);
+  pthread_cond_destroy(&ds->settled);
   pthread_mutex_destroy(&ds->mu);
   free(ds);
 }

@@ -490,3 +490,41 @@ def test_the_wait_for_an_agents_connection_ends_at_the_transfers_deadline(one_sl
                                               np.arange(4, dtype=np.float32))
     finally:
         silent.close()
+
+
+def _read_shard(s, plan, ref):
+    """One Agent/Read of plan's first shard under its grant: the bytes read."""
+    sh = plan.shards[0]
+    with grpc.insecure_channel(sh.address) as ch:
+        return sum(len(p) for p in s._direct._read_call(ch, sh, ref, time.monotonic() + 10)
+                   if p is not False)
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_a_fetch_finished_without_its_read_lets_the_snapshot_go(server, read):
+    """PlanTransfer(fetch) has the agent take a Snapshot, which pins the tensor's memory
+    until a Read takes it. A client that abandons the plan before reading (fetch_plan: no
+    channel to the agent, the proxy instead) ends it with FinishFetch: the Snapshot goes
+    too, and dropping the tensor frees its memory. (It stayed pinned until 64 later
+    snapshots pushed it out or the session ended.) read=True: the plan read, then
+    finished."""
+    with meshd.connect(server[0], data_path="direct", timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            warm = meshd.tensor(np.ones(MIB, np.float32), progress=False)
+            s.sync()
+            before = _allocated(s)
+            x = meshd.tensor(np.arange(4 * MIB, dtype=np.float32), progress=False)  # 16 MiB
+            pb = s._pb
+            plan = s._ch.unary_unary("/meshd.v1.TensorService/PlanTransfer",
+                                     request_serializer=lambda m: m.SerializeToString(),
+                                     response_deserializer=pb.PlanTransferReply.FromString)
+            p = plan(pb.PlanTransferRequest(fetch=pb.FetchRequest(
+                ref=x.ref, coords=[pb.Coordinate(dim="gpu", index=0)])), metadata=s._md,
+                timeout=10)
+            if read:
+                assert _read_shard(s, p, x.ref) == 16 * MIB
+            s._direct._finish_fetch(p.transfer_id, quiet=True)  # what fetch_plan does
+            x.drop()
+            s.sync()
+            _wait_allocated_at_most(s, before)
+            assert warm.shape == (MIB,)
