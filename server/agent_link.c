@@ -371,7 +371,10 @@ static bool take_report(agent_link_t *l, const Meshd__Agent__V1__AgentReport *re
     snprintf(why, whylen, "the agent reported executed through seq %llu (received %llu), but only "
              "%llu were sent", (unsigned long long)rep->executed_through,
              (unsigned long long)rep->received_through, (unsigned long long)l->next_seq - 1);
-  if (ok) {
+  /* A report taken once the link stops goes to no callback: it must not count
+   * either, or the seqs it names would be neither reached (the watermark never
+   * heard of them) nor lost (link_gone marks only those after l->executed). */
+  if (ok && !l->stop) {
     if (rep->executed_through > l->executed) l->executed = rep->executed_through;
     l->reports++;
   }

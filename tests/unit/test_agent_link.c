@@ -961,3 +961,92 @@ Test(agent_link, pool_destroy_cancels_waits) {
   cr_assert_eq(f.result, WATERMARK_CANCELLED);
   fake_free(a);
 }
+
+/* ------------------------------------------------- a report as the agent leaves */
+
+/* The pool's on_report, which can hold the rpc layer's client thread (which
+ * carries every link's reports) inside rank blk.rank's report. */
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint32_t rank;
+  bool armed, blocked, release;
+} blk = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, false, false, false};
+
+static void on_report_blocking(uint32_t rank, const agent_link_report_t *r, void *arg) {
+  (void)r;
+  (void)arg;
+  pthread_mutex_lock(&blk.mu);
+  if (blk.armed && rank == blk.rank) {
+    blk.armed = false;
+    blk.blocked = true;
+    pthread_cond_broadcast(&blk.cv);
+    while (!blk.release) pthread_cond_wait(&blk.cv, &blk.mu);
+  }
+  pthread_mutex_unlock(&blk.mu);
+}
+
+static void *remove_rank0(void *p) {
+  agent_pool_remove(p, 0, "agent-0", "registration ended");
+  return NULL;
+}
+
+/* Rank 0's agent ran seq S and its report is on its way when its registration
+ * ends (agent_pool_remove stops the link): the report is taken after the stop.
+ * A wait on S must still end (REACHED: it ran; or LOST), whether or not a new
+ * agent ever comes to rank 0. The client thread is held in rank 1's report so
+ * that rank 0's report arrives while the link stops, every time. */
+Test(agent_link, pool_report_taken_as_the_agent_leaves_still_ends_waits) {
+  fake_t *a = fake_start(FAKE_ACK), *b = fake_start(FAKE_ACK);
+  agent_pool_callbacks_t cb = {pool_changed, on_report_blocking, on_pool_lost, &obs};
+  agent_pool_t *p = agent_pool_create(&cb);
+  cr_assert_not_null(p);
+  admit(p, 0, "agent-0", a);
+  admit(p, 1, "agent-1", b);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+
+  /* Rank 1's report holds the client thread. */
+  pthread_mutex_lock(&blk.mu);
+  blk.rank = 1;
+  blk.armed = true;
+  blk.blocked = blk.release = false;
+  pthread_mutex_unlock(&blk.mu);
+  uint64_t seq1 = 0, seq0 = 0;
+  cr_assert_eq(agent_pool_send(p, 1, &ins, &seq1), 0);
+  pthread_mutex_lock(&blk.mu);
+  while (!blk.blocked) pthread_cond_wait(&blk.cv, &blk.mu);
+  pthread_mutex_unlock(&blk.mu);
+
+  /* Rank 0 runs seq0 and reports it; the report waits behind rank 1's. */
+  cr_assert_eq(agent_pool_send(p, 0, &ins, &seq0), 0);
+  fire_t f = {0};
+  watermark_target_t t = {0, seq0};
+  cr_assert_eq(watermark_wait(agent_pool_watermark(p), &t, 1, on_fire, &f, NULL, NULL),
+               WATERMARK_PENDING);
+  int64_t end = rpc_now_ms() + 5000;
+  while (fake_get(a, &a->reports) < 1 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_geq(fake_get(a, &a->reports), 1, "the fake agent never ran seq %llu",
+                (unsigned long long)seq0);
+  usleep(200 * 1000); /* its report reaches this process */
+
+  /* The agent leaves: the pool stops its link, then waits for its reader. */
+  pthread_t remover;
+  cr_assert_eq(pthread_create(&remover, NULL, remove_rank0, p), 0);
+  usleep(200 * 1000);
+  pthread_mutex_lock(&blk.mu);
+  blk.release = true;
+  pthread_cond_broadcast(&blk.cv);
+  pthread_mutex_unlock(&blk.mu);
+  pthread_join(remover, NULL);
+
+  cr_assert(eventually(fired, &f, 5000),
+            "a wait on seq %llu of a rank whose agent left never ended (the pool's watermark "
+            "executed %llu, lost ranges %zu)",
+            (unsigned long long)seq0, (unsigned long long)agent_pool_executed(p, 0),
+            watermark_lost_ranges(agent_pool_watermark(p), 0));
+  cr_assert(f.result == WATERMARK_REACHED || f.result == WATERMARK_LOST);
+  agent_pool_destroy(p);
+  fake_free(a);
+  fake_free(b);
+}
