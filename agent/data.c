@@ -300,9 +300,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     atomic_fetch_sub(&read_threads, 1);
     if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads");
-    executor_unref(ex);
-    rpc_call_unref(call);
-    free(j);
+    read_job_free(j); /* unwatches its grant first: the watch thread must not find it freed */
   }
 }
 

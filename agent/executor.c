@@ -218,9 +218,9 @@ int executor_wait_session(executor_t *x, const char *session, uint64_t seq, int 
 
 /* ------------------------------------------------------------------ reports */
 
-/* Queues a failure for the next report. */
-static void report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
-                         uint64_t seq, uint64_t ref) {
+/* A failure for a report; NULL out of memory. */
+static Meshd__V1__Error *error_new(const char *session, error_kind_t kind, const char *msg,
+                                   uint64_t seq, uint64_t ref) {
   Meshd__V1__Error *e = calloc(1, sizeof *e);
   char *m = strdup(msg ? msg : "");
   char *sid = strdup(session ? session : "");
@@ -228,7 +228,7 @@ static void report_error(executor_t *x, const char *session, error_kind_t kind, 
     free(e);
     free(m);
     free(sid);
-    return;
+    return NULL;
   }
   meshd__v1__error__init(e);
   e->kind = (Meshd__V1__ErrorKind)kind;
@@ -237,15 +237,24 @@ static void report_error(executor_t *x, const char *session, error_kind_t kind, 
   e->seq = seq;
   e->ref = ref;
   e->session_id = sid;
-  pthread_mutex_lock(&x->mu);
+  return e;
+}
+
+static void error_free(Meshd__V1__Error *e) {
+  if (!e) return;
+  free(e->message);
+  free(e->session_id);
+  free(e);
+}
+
+/* Queues e (NULL: a no-op) for the next report. Holds mu. */
+static void error_push_locked(executor_t *x, Meshd__V1__Error *e) {
+  if (!e) return;
   if (x->nerrs == x->caperrs) {
     size_t cap = x->caperrs ? 2 * x->caperrs : 8;
     Meshd__V1__Error **n = realloc(x->errs, cap * sizeof *n);
     if (!n) {
-      pthread_mutex_unlock(&x->mu);
-      free(m);
-      free(sid);
-      free(e);
+      error_free(e);
       return;
     }
     x->errs = n;
@@ -254,6 +263,15 @@ static void report_error(executor_t *x, const char *session, error_kind_t kind, 
   x->errs[x->nerrs++] = e;
   x->dirty = true;
   pthread_cond_signal(&x->report_cv);
+}
+
+/* Queues a failure for the next report. */
+static void report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
+                         uint64_t seq, uint64_t ref) {
+  Meshd__V1__Error *e = error_new(session, kind, msg, seq, ref);
+  if (!e) return;
+  pthread_mutex_lock(&x->mu);
+  error_push_locked(x, e);
   pthread_mutex_unlock(&x->mu);
 }
 
@@ -675,10 +693,12 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   meshd_error_t verr = {0};
   bool refused = validate_instruction(ins, &self, &verr) != 0;
   meshd_error_t *why = NULL;
+  Meshd__V1__Error *refusal = NULL; /* reported with the seq, when it is done at once */
   if (refused) {
     log_event(LOG_LEVEL_WARN, "executor", &(log_fields_t){.session = ins->session_id, .seq = ins->seq},
               "session %.8s: %s", ins->session_id ? ins->session_id : "", verr.msg);
     if ((why = malloc(sizeof *why))) *why = verr;
+    refusal = error_new(ins->session_id, ERR_REMOTE_FAILURE, verr.msg, ins->seq, 0);
   }
   pthread_mutex_lock(&x->mu);
   if (ring_reserve_locked(x, ins->seq) != 0) {
@@ -687,6 +707,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     if (copy && !batch) protobuf_c_message_free_unpacked(&copy->base, NULL);
     free(it);
     free(why);
+    error_free(refusal);
     return -1;
   }
   x->last = ins->seq;
@@ -737,6 +758,16 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       wake_stream_locked(x, st);
     }
   }
+  /* The failure goes in before the watermark passes the seq: a report that
+   * says it ran says how it failed. */
+  char failmsg[160] = "";
+  if (failed)
+    snprintf(failmsg, sizeof failmsg, "agent out of memory or threads queueing instruction seq %" PRIu64
+             " (it runs at most %d streams at once, over all sessions)", ins->seq, MAX_WORKERS);
+  if (done_now && refused) error_push_locked(x, refusal);
+  else error_free(refusal);
+  if (failed)
+    error_push_locked(x, error_new(ins->session_id, ERR_REMOTE_FAILURE, failmsg, ins->seq, 0));
   if (done_now && !to_free) mark_done_locked(x, ins->seq);
   pthread_mutex_unlock(&x->mu);
   if (lost) {
@@ -761,16 +792,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     mark_done_locked(x, ins->seq);
     pthread_mutex_unlock(&x->mu);
   }
-  if (refused && done_now)
-    report_error(x, ins->session_id, ERR_REMOTE_FAILURE, verr.msg, ins->seq, 0);
-  if (failed) {
-    char msg[160];
-    snprintf(msg, sizeof msg, "agent out of memory or threads queueing instruction seq %" PRIu64
-             " (it runs at most %d streams at once, over all sessions)", ins->seq, MAX_WORKERS);
-    report_error(x, ins->session_id, ERR_REMOTE_FAILURE, msg, ins->seq, 0);
-    return -1;
-  }
-  return 0;
+  return failed ? -1 : 0;
 }
 
 int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {
