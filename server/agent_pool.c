@@ -21,6 +21,10 @@ typedef struct pool_link {
   char agent_id[64];
   char data_address[300];
   atomic_bool gone;
+  /* Its number among all losses once counted (under the pool's mu; 0: not yet):
+   * when the agent leaves the pool, or when link_gone reports it. */
+  uint64_t loss;
+  int64_t loss_unix_ms;
 } pool_link_t;
 
 typedef struct agent {
@@ -190,6 +194,17 @@ static void link_report(uint32_t rank, const agent_link_report_t *r, void *arg) 
   if (ss != few) free(ss);
 }
 
+/* Counts pl's loss (once) and records it on its rank. Under p->mu. */
+static void count_loss_locked(agent_pool_t *p, pool_link_t *pl) {
+  if (pl->loss) return;
+  pl->loss = ++p->losses;
+  pl->loss_unix_ms = unix_ms();
+  if (grow_locked(p, (size_t)pl->rank + 1)) {
+    p->agents[pl->rank].lost_no = pl->loss;
+    p->agents[pl->rank].lost_unix_ms = pl->loss_unix_ms;
+  }
+}
+
 /* The link carried its last instruction: tell the owner, then fail the waits
  * on what it had not executed. The link must be broken or stopped, so its
  * numbers are final. */
@@ -197,15 +212,13 @@ static void link_gone(pool_link_t *pl) {
   if (atomic_exchange(&pl->gone, true)) return;
   agent_pool_t *p = pl->pool;
   uint64_t executed = agent_link_executed(pl->link), last = agent_link_last_seq(pl->link);
-  agent_lost_t lost = {.rank = pl->rank, .unix_ms = unix_ms()};
+  agent_lost_t lost = {.rank = pl->rank};
   snprintf(lost.agent_id, sizeof lost.agent_id, "%s", pl->agent_id);
   snprintf(lost.data_address, sizeof lost.data_address, "%s", pl->data_address);
   pthread_mutex_lock(&p->mu);
-  lost.loss = ++p->losses;
-  if (grow_locked(p, (size_t)pl->rank + 1)) {
-    p->agents[pl->rank].lost_no = lost.loss;
-    p->agents[pl->rank].lost_unix_ms = lost.unix_ms;
-  }
+  count_loss_locked(p, pl);
+  lost.loss = pl->loss;
+  lost.unix_ms = pl->loss_unix_ms;
   pthread_mutex_unlock(&p->mu);
   if (p->cb.on_lost) p->cb.on_lost(&lost, p->cb.arg);
   watermark_lost(p->marks, pl->rank, executed, last);
@@ -445,6 +458,11 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
     a->drained = drained;
     a->drained_ms = drained_ms;
     a->leaving = true;
+    /* Lost as of now, in the same step that empties the slot: a mesh with this
+     * rank must refuse commands (agent_pool_check_lost) from the moment the
+     * rank has no agent, not only once drop_link below reports the loss, or a
+     * command in between goes out with no address for the rank. */
+    if (pl) count_loss_locked(p, pl);
     changed = recount_locked(p, &count);
   }
   pthread_mutex_unlock(&p->mu);

@@ -474,6 +474,10 @@ int main(int argc, char **argv) {
     return 1;
   }
   size_t n;
+  /* Before any agent can register (with --cluster-listen the registry's port starts
+   * in cluster_serve_registry): from then on agents_changed has the last word. */
+  health_set(state.health, "", HEALTH_SERVING);
+  health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
   /* The registry has its own guard (join token, cluster certificate), on the
    * client port or a port of its own (cluster.h). */
   if (cluster_serve_registry(cluster, registry, srv, err, sizeof err) != 0) {
@@ -501,8 +505,6 @@ int main(int argc, char **argv) {
     rpc_server_destroy(srv);
     return 1;
   }
-  health_set(state.health, "", HEALTH_SERVING);
-  health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
 
   int port = rpc_server_start(srv, err, sizeof err);
   if (port < 0) {
@@ -649,9 +651,16 @@ int main(int argc, char **argv) {
   rpc_server_stop_accepting(srv);
   int64_t deadline = rpc_now_ms() + (int64_t)(opt.drain_seconds * 1000);
   int on_client_port = cluster_has_own_port(cluster) ? 0 : 1;
-  while (rpc_server_active_calls(srv) > on_client_port * registry_open_calls(registry) &&
-         rpc_now_ms() < deadline)
+  /* The calls in flight first: a registration that ends between the two
+   * reads then makes the loop wait longer, never stop early under a client's
+   * call (read the other way round, it counted the agent's call as gone from
+   * the registry but not yet from the server). */
+  for (;;) {
+    int active = rpc_server_active_calls(srv);
+    if (active <= on_client_port * registry_open_calls(registry) || rpc_now_ms() >= deadline)
+      break;
     usleep(20000);
+  }
   agent_links_server_stopping();
   supervisor_stop(sup, 3.0);
   registry_close_all(registry);

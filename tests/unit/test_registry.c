@@ -393,3 +393,66 @@ Test(registry, registrations_that_cannot_be_dialed_back_do_not_starve_a_real_one
   for (int i = 0; i < NBOGUS; i++) reg_close(&bogus[i]);
   rpc_server_destroy(silent);
 }
+
+/* ---------------------------------------------------------------- loss (review-80) */
+
+/* Once an agent is out of the pool (its rank has no address, no link, and gets no
+ * instruction), a mesh made before must already see the rank lost: between the two
+ * a command on that mesh passes command_check_mesh_alive and is emitted with an
+ * empty data address for the rank, which the survivors refuse as BAD_ARGUMENT
+ * ("group.addresses[k]: 0 characters") instead of failing as AGENT_LOST. */
+typedef struct gap_watch {
+  atomic_bool stop;
+  atomic_int gaps, gone_seen;
+  _Atomic uint64_t since;
+} gap_watch_t;
+
+static void *watch_gap(void *arg) {
+  gap_watch_t *w = arg;
+  while (!atomic_load(&w->stop)) {
+    char addr[256];
+    if (agent_pool_address(pool, 0, addr, sizeof addr) == 0) continue;
+    atomic_fetch_add(&w->gone_seen, 1);
+    uint32_t rank = 0;
+    meshd_error_t e;
+    if (agent_pool_check_lost(pool, &rank, 1, atomic_load(&w->since), "Test", &e) == 0)
+      atomic_fetch_add(&w->gaps, 1);
+  }
+  return NULL;
+}
+
+Test(registry, an_agent_out_of_the_pool_is_already_counted_lost) {
+  start_registry(8, true, false);
+  gap_watch_t w = {0};
+  for (int round = 0; round < 20; round++) {
+    char id[32];
+    snprintf(id, sizeof id, "agent-%d", round);
+    reg_call_t c;
+    int64_t end = rpc_now_ms() + 5000;
+    for (;;) { /* the rank may still be being released by the last round's agent */
+      reg_open(&c, TOKEN, id, fake.target, 0, SECRET);
+      if (c.rank == 0 || rpc_now_ms() > end) break;
+      reg_close(&c);
+      usleep(5000);
+    }
+    cr_assert_eq(c.rank, 0, "%d %s", c.st.code, c.st.message);
+    cr_assert(wait_healthy(1, 5000));
+    uint64_t before = agent_pool_losses(pool);
+    atomic_store(&w.since, before);
+    atomic_store(&w.stop, false);
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, watch_gap, &w), 0);
+    reg_close(&c); /* the agent leaves: its registration ends, the pool removes it */
+    end = rpc_now_ms() + 5000;
+    while ((agent_pool_size(pool) > 0 || agent_pool_losses(pool) == before) && rpc_now_ms() < end)
+      usleep(1000);
+    usleep(2000);
+    atomic_store(&w.stop, true);
+    pthread_join(t, NULL);
+    cr_assert_gt(agent_pool_losses(pool), before, "the agent's loss was never counted");
+  }
+  cr_assert_gt(atomic_load(&w.gone_seen), 0);
+  cr_assert_eq(atomic_load(&w.gaps), 0,
+               "%d of %d looks at a rank whose agent was out of the pool found it not lost yet",
+               atomic_load(&w.gaps), atomic_load(&w.gone_seen));
+}
