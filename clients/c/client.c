@@ -896,13 +896,12 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
                  : record(s->client, &e);
     }
     int64_t t0 = rpc_now_ms();
-    meshd_err_t ret = sync_point(s, timeout_ms);
+    int budget = timeout_ms > 0 ? timeout_ms : s->client->timeout_ms;
+    meshd_err_t ret = sync_point(s, budget);
     if (ret != MESHD_E_OK)
       return ret;
-    if (timeout_ms > 0) { /* one deadline for the wait and the call */
-      int64_t left = timeout_ms - (rpc_now_ms() - t0);
-      timeout_ms = left < 1 ? 1 : (int)left;
-    }
+    int64_t left = budget - (rpc_now_ms() - t0); /* one deadline for the wait and the call */
+    timeout_ms = left < 1 ? 1 : (int)left;
   }
   meshd_err_t ret = call_md_timeout(s->client, TS "Execute", &cmd->base,
                                     &meshd__v1__command_result__descriptor, &resp, s->md, s->nmd,
@@ -1747,8 +1746,9 @@ static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, 
   rpc_status_t status;
   meshd_err_t ret = MESHD_E_OK;
   if (rpc_stream_finish(st, &status) != GRPC_STATUS_OK) {
-    set_error(s->client, MESHD_E_RPC, status.code, status.kind, "Upload: %s", status.message);
-    ret = MESHD_E_RPC;
+    char msg[sizeof status.message + 16];
+    snprintf(msg, sizeof msg, "Upload: %s", status.message);
+    ret = set_status(s->client, status.code, status.kind, msg); /* a deadline: _DEADLINE */
   }
   rpc_stream_destroy(st);
   return ret;
@@ -1792,6 +1792,22 @@ static void drop_stray(meshd_session_t *s, uint64_t ref, int64_t end) {
   cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
   cmd.drop = &d;
   execute_timeout(s, &cmd, direct_cleanup_ms(end));
+}
+
+/* Lets go of the ref of a proxied upload whose answer may have been lost: the
+ * caller, told it failed, holds no ref to free it with. A Release skips a ref
+ * that is not live. Best effort; the upload's error stays the last one. */
+static void release_stray(meshd_session_t *s, uint64_t ref, int64_t end) {
+  saved_error_t saved;
+  error_save(s->client, &saved);
+  Meshd__V1__Release r = MESHD__V1__RELEASE__INIT;
+  r.refs = &ref;
+  r.n_refs = 1;
+  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
+  cmd.kind_case = MESHD__V1__COMMAND__KIND_RELEASE;
+  cmd.release = &r;
+  execute_timeout(s, &cmd, direct_cleanup_ms(end));
+  error_restore(s->client, &saved);
 }
 
 meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, const char *dtype,
@@ -1840,8 +1856,13 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
     /* A failed Upload whose Writes had opened spends its ref (the server says
      * so); the next call takes a later one either way (refs may skip). */
     s->next_ref++;
-    if (ret != MESHD_E_OK)
+    if (ret != MESHD_E_OK) {
+      /* No status of the server's own (a deadline, a dropped connection): it
+       * may have defined the tensor and its answer been lost. */
+      if (ret == MESHD_E_DEADLINE || !s->client->kind[0])
+        release_stray(s, h.ref, end);
       return ret;
+    }
     direct_count_proxy(s->direct, true);
   }
   *out = h.ref;
@@ -2382,7 +2403,11 @@ meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_
               delay);
     return MESHD_E_INVALID;
   }
+  meshd_err_t heard = MESHD_E_OK;
   if (s->pipe && pipeline_over(s->pipe)) { /* a new stream: the old one failed */
+    /* What it was told before it failed is reported, not dropped with it. */
+    if (pipeline_rejections(s->pipe))
+      heard = sync_point(s, 0);
     pipeline_close(s->pipe, s->client->timeout_ms, NULL, NULL);
     s->pipe = NULL;
   }
@@ -2392,7 +2417,7 @@ meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_
   }
   direct_err_t e = {0};
   s->pipe = pipeline_open(s->client->ch, s->md, s->nmd, batch, delay, &e);
-  return s->pipe ? MESHD_E_OK : record(s->client, &e);
+  return !s->pipe ? record(s->client, &e) : heard;
 }
 
 meshd_err_t meshd_session_pipeline_stats(const meshd_session_t *s, meshd_pipeline_stats_t *out) {

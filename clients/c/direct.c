@@ -737,8 +737,14 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   direct_rc_t rc = DIRECT_FAILED;
   int64_t end = rpc_now_ms() + s->timeout_ms; /* one deadline for the plan, writes and finish */
   Meshd__V1__PlanTransferReply *p = plan(d, s, &rq, s->timeout_ms, &rc, e);
-  if (!p)
+  if (!p) {
+    /* No answer is no refusal: the server claims the ref once it can answer the
+     * plan, and an answer lost on the way (a deadline, a dropped connection)
+     * leaves it claimed; kept, it would be REF_REUSED to every later command. */
+    if (rc == DIRECT_FAILED && (e->err == MESHD_E_DEADLINE || !e->kind[0]))
+      *ref_spent = true;
     return rc;
+  }
   *ref_spent = true;
   size_t n = p->n_shards;
   upload_t u = {.p = p, .data = data, .per_rank = h->per_rank};

@@ -605,9 +605,10 @@ typedef struct meshd_pipeline_options {
 
 /* Turns the session's pipeline on with opts (NULL: off). On when it was on
  * already: the new limits apply from the next command, on a new stream if the
- * old one failed. Off: what is queued
- * is sent and answered first, and a rejection among it is reported as by a
- * call that needs an answer (the pipeline is off all the same).
+ * old one failed; a rejection the failed stream had received is reported then
+ * (its error, returned; the new stream is open all the same). Off: what is
+ * queued is sent and answered first, and a rejection among it is reported as
+ * by a call that needs an answer (the pipeline is off all the same).
  * MESHD_E_INVALID for limits out of range (the message names the field). */
 MESHD_API meshd_err_t meshd_session_set_pipeline(meshd_session_t *session,
                                                  const meshd_pipeline_options_t *opts);

@@ -526,6 +526,13 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   return ret;
 }
 
+bool pipeline_rejections(pipeline_t *p) {
+  pthread_mutex_lock(&p->mu);
+  bool any = p->nrej || p->rej_dropped;
+  pthread_mutex_unlock(&p->mu);
+  return any;
+}
+
 bool pipeline_over(pipeline_t *p) {
   pthread_mutex_lock(&p->mu);
   bool over = p->ended || p->write_failed;

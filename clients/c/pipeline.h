@@ -64,6 +64,9 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
  * flush waits for them) or the stream ended (*seq 0). */
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq);
 
+/* Whether rejections wait to be handed over (pipeline_flush). */
+bool pipeline_rejections(pipeline_t *p);
+
 /* True once the stream failed or ended: nothing more can be queued. */
 bool pipeline_over(pipeline_t *p);
 

@@ -2623,6 +2623,7 @@ Test(c_client_faulty, a_sync_names_every_failure_it_reports) {
 #define PROXY_PUMPS 16
 typedef struct {
   int lfd, port, server_port, limit;
+  const char *key; /* what the client sends on a connection that is cut (< 64 bytes) */
   atomic_int stop, cuts;
   pthread_t acceptor;
   pthread_t pumps[PROXY_PUMPS];
@@ -2656,8 +2657,9 @@ static bool take_cut(cut_proxy_t *p) {
 
 static void *pump_main(void *arg) {
   pump_t *pp = arg;
-  static const char key[] = "FinishUpload";
-  enum { KEEP = sizeof key - 2, CHUNK = 65536 };
+  const char *key = pp->p->key;
+  size_t klen = strlen(key);
+  enum { KEEP = 63, CHUNK = 65536 };
   char *buf = malloc(KEEP + CHUNK);
   size_t kept = 0; /* the client's last bytes, for a key split between reads */
   int64_t cut_at = 0, close_at = 0;
@@ -2670,7 +2672,7 @@ static void *pump_main(void *arg) {
       if (n <= 0 || !send_all(pp->sfd, buf + kept, (size_t)n))
         break;
       size_t all = kept + (size_t)n;
-      if (!cut_at && memmem(buf, all, key, sizeof key - 1) && take_cut(pp->p)) {
+      if (!cut_at && memmem(buf, all, key, klen) && take_cut(pp->p)) {
         cut_at = now_ms();
         close_at = cut_at + 3000;
       }
@@ -2727,9 +2729,10 @@ static void *acceptor_main(void *arg) {
   return NULL;
 }
 
-static void proxy_start(cut_proxy_t *p, int limit) {
+static void proxy_start_key(cut_proxy_t *p, int limit, const char *key) {
   memset(p, 0, sizeof *p);
   p->limit = limit;
+  p->key = key;
   p->server_port = atoi(strrchr(target, ':') + 1);
   p->lfd = socket(AF_INET, SOCK_STREAM, 0);
   cr_assert_geq(p->lfd, 0);
@@ -2741,6 +2744,8 @@ static void proxy_start(cut_proxy_t *p, int limit) {
   p->port = ntohs(a.sin_port);
   cr_assert_eq(pthread_create(&p->acceptor, NULL, acceptor_main, p), 0);
 }
+
+static void proxy_start(cut_proxy_t *p, int limit) { proxy_start_key(p, limit, "FinishUpload"); }
 
 static void proxy_stop(cut_proxy_t *p) {
   atomic_store(&p->stop, 1);
@@ -2813,4 +2818,164 @@ Test(c_client, a_direct_upload_whose_finish_answers_are_both_lost_drops_the_tens
   meshd_session_close(s);
   meshd_close(c);
   proxy_stop(&px);
+}
+
+/* ------------------------------------------------------------ review-81 */
+
+/* PlanTransfer's answer is lost after the server claimed the upload's ref
+ * (the connection drops: UNAVAILABLE). The ref is spent all the same, so the
+ * session's next commands take later ones. (The client kept it, and every
+ * later ref-making call was refused REF_REUSED, which takes no ref: for good.) */
+Test(c_client, a_direct_upload_whose_plan_answer_is_lost_spends_its_ref) {
+  cut_proxy_t px;
+  proxy_start_key(&px, 1, "PlanTransfer");
+  meshd_client_t *c = connect_via(&px);
+  meshd_ref_t m = 0, t = 0, x = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  uint8_t data[1000];
+  fill(data, sizeof data, 14);
+  int64_t shape[] = {(int64_t)sizeof data}, four[] = {4};
+  meshd_err_t rc = meshd_session_upload(s, m, "uint8", shape, 1, data, sizeof data, &t);
+  cr_assert_eq(atomic_load(&px.cuts), 1, "no PlanTransfer went through the proxy");
+  cr_assert_neq(rc, MESHD_E_OK, "the upload succeeded although its plan's answer was lost");
+  rc = meshd_session_factory(s, m, "ones", four, 1, 0, &x);
+  cr_assert_eq(rc, MESHD_E_OK, "the next command: %s: %s: %s", meshd_strerror(rc),
+               meshd_last_error(c)->kind, meshd_last_error(c)->message);
+  rc = round_trip(s, m, 1000, 15);
+  cr_assert_eq(rc, MESHD_E_OK, "the next upload: %s: %s: %s", meshd_strerror(rc),
+               meshd_last_error(c)->kind, meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+  proxy_stop(&px);
+}
+
+/* The answer to a proxied Upload is lost after the server defined the tensor
+ * (UNAVAILABLE): the caller, told it failed and given no ref, cannot free it;
+ * the client lets go of it. (It stood, its bytes held on every rank, until the
+ * session closed.) */
+Test(c_client, a_proxied_upload_whose_answer_is_lost_leaves_no_tensor) {
+  cut_proxy_t px;
+  proxy_start_key(&px, 1, "TensorService/Upload");
+  meshd_client_t *c = connect_via(&px);
+  const char *name = "c-upload-lost", *dims[] = {"gpu"};
+  meshd_session_t *s = meshd_session_open(c, name, NULL);
+  cr_assert_not_null(s);
+  int64_t sizes[] = {2};
+  meshd_ref_t m = 0, t = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
+  uint64_t live0, bytes0, live1, bytes1;
+  session_row(c, name, &live0, &bytes0);
+  uint8_t data[1000];
+  fill(data, sizeof data, 16);
+  int64_t shape[] = {(int64_t)sizeof data};
+  meshd_err_t rc = meshd_session_upload(s, m, "uint8", shape, 1, data, sizeof data, &t);
+  cr_assert_eq(atomic_load(&px.cuts), 1, "no Upload went through the proxy");
+  cr_assert_neq(rc, MESHD_E_OK, "the upload succeeded although its answer was lost");
+  meshd_session_sync(s);
+  session_row(c, name, &live1, &bytes1);
+  cr_assert_eq(live1, live0, "the failed upload's tensor stands: %llu live tensors, not %llu",
+               (unsigned long long)live1, (unsigned long long)live0);
+  cr_assert_eq(bytes1, bytes0);
+  meshd_session_close(s);
+  meshd_close(c);
+  proxy_stop(&px);
+}
+
+/* A proxied Upload whose deadline passes (the server waits on a stopped agent)
+ * is MESHD_E_DEADLINE with kind DEADLINE_EXCEEDED, as meshd.h promises of every
+ * call, never MESHD_E_RPC. */
+Test(c_client_lease, a_proxied_upload_past_its_deadline_is_meshd_e_deadline) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 1000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0, t = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
+  pid_t pid = agent_pid(0);
+  cr_assert_gt(pid, 0);
+  stop_agent(pid);
+  static uint8_t data[3000];
+  int64_t shape[] = {(int64_t)sizeof data};
+  meshd_err_t rc = meshd_session_upload(s, m, "uint8", shape, 1, data, sizeof data, &t);
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  const meshd_error_info_t *info = meshd_last_error(c);
+  cr_assert_eq(rc, MESHD_E_DEADLINE, "%s (grpc %s, kind '%s'): %s", meshd_strerror(rc),
+               info->grpc_code_name, info->kind, info->message);
+  cr_assert_str_eq(info->kind, "DEADLINE_EXCEEDED");
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A rejection that came before the Submit stream failed is still reported when
+ * a queued call found the stream over and the caller set the pipeline again
+ * (meshd.h's way back): it went with the old stream, unreported. */
+Test(c_client_small_messages, a_rejection_before_the_stream_failed_survives_setting_it_again) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, x = 0, bad = 0, y = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &x), MESHD_E_OK);
+  meshd_pipeline_options_t po = {.max_batch = 1, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  meshd_arg_t arg = {.type = MESHD_ARG_REF, .ref = x};
+  cr_assert_eq(meshd_session_call(s, "no_such_op", &arg, 1, &bad), MESHD_E_OK);
+  uint64_t bad_seq = meshd_session_last_seq(s);
+  for (int i = 0; i < 300 && pipe_stats(s).rejected == 0; i++)
+    sleep_ms(10);
+  cr_assert_eq(pipe_stats(s).rejected, 1, "the rejection never came");
+  size_t n = 100000; /* over --max-message-bytes: the server ends the stream */
+  uint8_t *data = calloc(1, n);
+  int64_t shape[] = {(int64_t)n};
+  cr_assert_eq(meshd_session_literal(s, m, "uint8", shape, 1, data, n, NULL, &y), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  free(data);
+  meshd_err_t e = MESHD_E_OK;
+  for (int i = 0; i < 300 && e == MESHD_E_OK; i++) {
+    e = meshd_session_factory(s, m, "ones", four, 1, 0, &y);
+    if (e == MESHD_E_OK)
+      sleep_ms(10);
+  }
+  cr_assert_eq(e, MESHD_E_RPC, "%s", meshd_last_error(c)->message);
+  cr_assert(strstr(meshd_last_error(c)->message, "Submit stream"), "%s",
+            meshd_last_error(c)->message);
+  meshd_err_t on = meshd_session_set_pipeline(s, &po);
+  bool reported = on == MESHD_E_RPC && meshd_last_error(c)->seq == bad_seq;
+  if (!reported) {
+    cr_assert_eq(on, MESHD_E_OK, "%s", meshd_last_error(c)->message);
+    e = meshd_session_sync(s);
+    reported = e == MESHD_E_RPC && meshd_last_error(c)->seq == bad_seq;
+  }
+  cr_assert(reported, "seq %llu's UNKNOWN_OP was never reported (last: %s, seq %llu)",
+            (unsigned long long)bad_seq, meshd_last_error(c)->message,
+            (unsigned long long)meshd_last_error(c)->seq);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A call that needs an answer keeps one deadline, the wait for the pipeline's
+ * answers included (meshd.h: "bounded by its deadline"): a Sync behind three
+ * slow reduces (1.5 s each, a bound of 2: the third is read after 1.5 s) ends
+ * at the client's 2 s, not 2 s after the queue was answered. */
+Test(c_client_slow, a_sync_behind_a_pipeline_keeps_one_deadline) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 2000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0, x = 0, r = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &x), MESHD_E_OK);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_pipeline_options_t po = {.max_batch = 1};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(meshd_session_reduce(s, x, "gpu", "sum", &r), MESHD_E_OK);
+  int64_t t0 = now_ms();
+  e = meshd_session_sync(s);
+  int64_t took = now_ms() - t0;
+  cr_assert_eq(e, MESHD_E_DEADLINE, "%s: %s", meshd_strerror(e), meshd_last_error(c)->message);
+  cr_assert_lt(took, 2600, "a sync with a 2000 ms timeout took %lld ms", (long long)took);
+  meshd_session_close(s);
+  meshd_close(c);
 }
