@@ -326,13 +326,17 @@ struct rpc_stream {
   int t_read, t_write, t_status, t_start;
 };
 
-/* Collects the pending write within timeout_ms (< 0: no bound): 0 it went out
- * (or none was pending), -1 the call is over, -2 still pending. */
-static int stream_write_collect(rpc_stream_t *s, int timeout_ms) {
+/* The absolute time timeout_ms from now (< 0: no bound, 0: now). */
+static gpr_timespec write_until(int timeout_ms) {
+  return timeout_ms < 0    ? gpr_inf_future(GPR_CLOCK_REALTIME)
+         : timeout_ms == 0 ? gpr_now(GPR_CLOCK_MONOTONIC)
+                           : wire_deadline(timeout_ms);
+}
+
+/* Collects the pending write by `until`: 0 it went out (or none was
+ * pending), -1 the call is over, -2 still pending. */
+static int stream_write_collect(rpc_stream_t *s, gpr_timespec until) {
   if (!s->write_pending) return 0;
-  gpr_timespec until = timeout_ms < 0    ? gpr_inf_future(GPR_CLOCK_REALTIME)
-                       : timeout_ms == 0 ? gpr_now(GPR_CLOCK_MONOTONIC)
-                                         : wire_deadline(timeout_ms);
   grpc_event ev = grpc_completion_queue_pluck(s->cq, &s->t_write, until, NULL);
   if (ev.type == GRPC_QUEUE_TIMEOUT) return -2;
   s->write_pending = false;
@@ -342,17 +346,17 @@ static int stream_write_collect(rpc_stream_t *s, int timeout_ms) {
 }
 
 /* Starts one batch on the write tag (after the pending write went out) and
- * waits for it within timeout_ms (< 0: no bound); buf is taken. */
+ * waits for it by `until`; buf is taken. */
 static int stream_write_ops(rpc_stream_t *s, grpc_op *ops, size_t n, grpc_byte_buffer *buf,
-                            int timeout_ms) {
-  int rc = stream_write_collect(s, -1);
+                            gpr_timespec until) {
+  int rc = stream_write_collect(s, gpr_inf_future(GPR_CLOCK_REALTIME));
   if (rc != 0 || grpc_call_start_batch(s->core.call, ops, n, &s->t_write, NULL) != GRPC_CALL_OK) {
     grpc_byte_buffer_destroy(buf);
     return -1;
   }
   s->write_pending = true;
   s->write_buf = buf;
-  return stream_write_collect(s, timeout_ms);
+  return stream_write_collect(s, until);
 }
 
 rpc_stream_t *rpc_stream_open(rpc_channel_t *ch, const char *method, const rpc_md_t *md,
@@ -388,7 +392,7 @@ int rpc_stream_write(rpc_stream_t *s, const ProtobufCMessage *msg, bool last) {
   ops[n].op = GRPC_OP_SEND_MESSAGE;
   ops[n++].data.send_message.send_message = buf;
   if (last) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-  int rc = stream_write_ops(s, ops, n, buf, -1);
+  int rc = stream_write_ops(s, ops, n, buf, write_until(-1));
   if (last) s->write_closed = true;
   return rc;
 }
@@ -398,18 +402,19 @@ int rpc_stream_write_raw(rpc_stream_t *s, rpc_bytes_t *msg) {
 }
 
 int rpc_stream_write_raw_within(rpc_stream_t *s, rpc_bytes_t *msg, int timeout_ms) {
-  int rc = stream_write_collect(s, timeout_ms); /* the one before, first */
+  gpr_timespec until = write_until(timeout_ms); /* one bound for both waits */
+  int rc = stream_write_collect(s, until); /* the one before, first */
   if (rc != 0) return rc;
   grpc_byte_buffer *buf = grpc_byte_buffer_copy(msg); /* references, not bytes */
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_MESSAGE;
   op.data.send_message.send_message = buf;
-  return stream_write_ops(s, &op, 1, buf, timeout_ms);
+  return stream_write_ops(s, &op, 1, buf, until);
 }
 
 int rpc_stream_write_wait(rpc_stream_t *s, int timeout_ms) {
-  return stream_write_collect(s, timeout_ms);
+  return stream_write_collect(s, write_until(timeout_ms));
 }
 
 int rpc_stream_close_send(rpc_stream_t *s) {
@@ -418,7 +423,7 @@ int rpc_stream_close_send(rpc_stream_t *s) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
   s->write_closed = true;
-  return stream_write_ops(s, &op, 1, NULL, -1);
+  return stream_write_ops(s, &op, 1, NULL, write_until(-1));
 }
 
 /* The read of rpc_stream_read: 1 with *buf, 0 at the end, -2 on timeout. */
@@ -484,7 +489,7 @@ void rpc_stream_destroy(rpc_stream_t *s) {
   if (s->read_pending) {
     grpc_completion_queue_pluck(s->cq, &s->t_read, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   }
-  stream_write_collect(s, -1); /* the call is over: a pending write ends now */
+  stream_write_collect(s, write_until(-1)); /* the call is over: a pending write ends now */
   call_core_free(&s->core); /* the call goes before its queue */
   destroy_cq(s->cq);
   free(s);

@@ -58,6 +58,10 @@ struct rpc_call {
   tag_t t_new, t_read, t_write, t_status, t_close;
 
   pthread_mutex_t mu;
+  /* Held while a callback that can overlap another runs (a drain callback,
+   * started by a write's completion, against the read chain's on_start /
+   * on_raw / on_refused / on_message), never with mu held. */
+  pthread_mutex_t cb_mu;
   int refs;
   int in_callback;
   wire_arena_t *msg_arena; /* the message on_message is given lives here */
@@ -130,6 +134,7 @@ static void call_free(rpc_call_t *c) {
   if (c->has_trailer) grpc_slice_unref(c->trailer.value);
   if (c->call) grpc_call_unref(c->call);
   pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->cb_mu);
   free(c);
 }
 
@@ -153,6 +158,7 @@ static rpc_call_t *call_new(rpc_server_t *srv, method_slot_t *slot) {
   c->max_msg = srv->max_msg;
   c->slot = slot;
   pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_init(&c->cb_mu, NULL);
   grpc_metadata_array_init(&c->md);
   if (!slot) grpc_call_details_init(&c->details);
   c->status_details = grpc_empty_slice();
@@ -501,13 +507,18 @@ void rpc_kept_free(rpc_kept_t *k) { wire_arena_free((wire_arena_t *)k); }
  * call (in_callback holds on_end back). Called with the lock held; returns with
  * it held. */
 static void drained_locked(rpc_call_t *c) {
-  if (!c->drain_cb || (!c->closed && c->out_len > c->drain_below)) return;
+  /* Another callback of the call is running (on_start, on_message, a drain
+   * callback, on another thread): it runs this when it returns
+   * (maybe_end_locked), so that callbacks of one call never overlap. */
+  if (!c->drain_cb || c->in_callback > 0 || (!c->closed && c->out_len > c->drain_below)) return;
   void (*cb)(rpc_call_t *, void *) = c->drain_cb;
   void *arg = c->drain_arg;
   c->drain_cb = NULL;
   c->in_callback++;
   pthread_mutex_unlock(&c->mu);
+  pthread_mutex_lock(&c->cb_mu);
   cb(c, arg);
+  pthread_mutex_unlock(&c->cb_mu);
   pthread_mutex_lock(&c->mu);
   c->in_callback--;
 }
@@ -515,6 +526,7 @@ static void drained_locked(rpc_call_t *c) {
 /* Runs on_end once every other callback of the call has returned. Called with
  * the lock held; returns with it held. */
 static void maybe_end_locked(rpc_call_t *c) {
+  drained_locked(c); /* a drain wait held back while another callback ran */
   if (!c->closed || c->end_done || c->in_callback > 0) return;
   c->end_done = true;
   const rpc_method_t *m = c->slot->m;
@@ -644,8 +656,10 @@ static void on_new(rpc_call_t *c, bool ok) {
   c->started = true;
   pthread_mutex_unlock(&c->mu);
 
+  pthread_mutex_lock(&c->cb_mu);
   if (m->on_start) m->on_start(c, req, c->slot->arg);
-  else rpc_call_finish(c, GRPC_STATUS_UNIMPLEMENTED, NULL, "%s has no handler", m->path);
+  pthread_mutex_unlock(&c->cb_mu);
+  if (!m->on_start) rpc_call_finish(c, GRPC_STATUS_UNIMPLEMENTED, NULL, "%s has no handler", m->path);
   if (req) protobuf_c_message_free_unpacked(req, NULL);
 
   pthread_mutex_lock(&c->mu);
@@ -670,7 +684,9 @@ static void on_read(rpc_call_t *c, bool ok) {
   if (ok && buf && m->on_raw) {
     c->in_callback++;
     pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&c->cb_mu);
     bool taken = m->on_raw(c, buf, c->slot->arg);
+    pthread_mutex_unlock(&c->cb_mu);
     pthread_mutex_lock(&c->mu);
     c->in_callback--;
     if (taken) {
@@ -690,7 +706,9 @@ static void on_read(rpc_call_t *c, bool ok) {
       if (m->on_refused) {
         c->in_callback++;
         pthread_mutex_unlock(&c->mu);
+        pthread_mutex_lock(&c->cb_mu);
         m->on_refused(c, c->slot->arg);
+        pthread_mutex_unlock(&c->cb_mu);
         pthread_mutex_lock(&c->mu);
         c->in_callback--;
       }
@@ -708,7 +726,9 @@ static void on_read(rpc_call_t *c, bool ok) {
   if (deliver && m->on_message) {
     c->in_callback++;
     pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&c->cb_mu);
     m->on_message(c, msg, c->slot->arg);
+    pthread_mutex_unlock(&c->cb_mu);
     pthread_mutex_lock(&c->mu);
     c->in_callback--;
   }

@@ -2321,3 +2321,122 @@ Test(rpc_guard, a_call_that_ends_during_its_guard_still_gets_its_end) {
   echo_server_stop(gs, 0);
   rpc_shutdown();
 }
+
+/* ---------------------------------------------------------- review-82 */
+
+/* rpc.h promises a drain callback runs "as a callback of the call (never at
+ * the same time as its others)". A bidi handler that registers the wait in
+ * on_message and is still inside on_message when the write completes: the
+ * write's completion is taken by the other completion-queue thread, which ran
+ * the drain callback at once, concurrently with on_message. */
+static rpc_server_t *dcsrv;
+static atomic_int dc_in_message, dc_overlap, dc_fired, dc_registered;
+
+static void dc_drained(rpc_call_t *call, void *arg) {
+  (void)call, (void)arg;
+  if (atomic_load(&dc_in_message)) atomic_fetch_add(&dc_overlap, 1);
+  atomic_fetch_add(&dc_fired, 1);
+}
+
+static void dc_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)arg;
+  if (!msg) {
+    rpc_call_finish(call, GRPC_STATUS_OK, NULL, "done");
+    return;
+  }
+  atomic_store(&dc_in_message, 1);
+  EchoReply rep = ECHO_REPLY__INIT;
+  rep.text = "r";
+  rpc_call_hold_sends(call); /* queued, not yet written: the wait registers */
+  rpc_call_send(call, &rep.base);
+  if (rpc_call_when_drained(call, 0, dc_drained, NULL)) atomic_fetch_add(&dc_registered, 1);
+  rpc_call_release_sends(call); /* the write goes; its completion lands on the other thread */
+  usleep(300 * 1000);            /* the handler is still busy (test-side sleep) */
+  atomic_store(&dc_in_message, 0);
+}
+
+static void dc_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
+  (void)call, (void)msg, (void)arg;
+}
+
+static const rpc_method_t dc_rows[] = {
+    {.path = "/meshd.test.v1.DrainCb/Bidi", .kind = RPC_BIDI, .request = &echo_request__descriptor,
+     .on_start = dc_start, .on_message = dc_message},
+};
+
+Test(rpc_review, drain_callback_never_runs_during_on_message, .timeout = 30) {
+  rpc_init();
+  rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256] = "";
+  dcsrv = rpc_server_create(&o, err, sizeof err);
+  cr_assert_not_null(dcsrv, "%s", err);
+  cr_assert_eq(rpc_server_add_methods(dcsrv, dc_rows, 1, NULL), 0);
+  int port = rpc_server_start(dcsrv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  char t[64];
+  snprintf(t, sizeof t, "127.0.0.1:%d", port);
+  rpc_channel_t *c = rpc_channel_create(t, &live_peer);
+  rpc_stream_t *s = rpc_stream_open(c, "/meshd.test.v1.DrainCb/Bidi", NULL, 0, 10000);
+  cr_assert_not_null(s);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "x";
+  cr_assert_eq(rpc_stream_write(s, &req.base, true), 0);
+  ProtobufCMessage *m = NULL;
+  while (rpc_stream_read(s, &echo_reply__descriptor, &m, 5000) == 1) protobuf_c_message_free_unpacked(m, NULL);
+  cr_assert_eq(rpc_stream_finish(s, NULL), GRPC_STATUS_OK);
+  rpc_stream_destroy(s);
+  cr_assert_eq(atomic_load(&dc_registered), 1);
+  cr_assert_eq(wait_atomic(&dc_fired, 1, 5000), 1);
+  cr_assert_eq(atomic_load(&dc_overlap), 0,
+               "the drain callback ran while on_message of the same call was running");
+  rpc_channel_destroy(c);
+  rpc_server_destroy(dcsrv);
+  rpc_shutdown();
+}
+
+/* rpc_stream_write_raw_within(s, msg, T) is "bounded by timeout_ms", yet it
+ * waits up to T for the write left in flight and then up to T again for its
+ * own: a write left in flight that goes at 0.75 T, followed by one the peer
+ * does not take, returns after about 1.75 T. */
+static rpc_bytes_t *packed_text_payload(const char *text, size_t payload) {
+  uint8_t *pl = calloc(1, payload);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = (char *)text;
+  req.payload.data = pl;
+  req.payload.len = payload;
+  uint8_t *b = malloc(protobuf_c_message_get_packed_size(&req.base));
+  size_t n = protobuf_c_message_pack(&req.base, b);
+  rpc_bytes_t *m = rpc_bytes_copy(b, n);
+  free(b);
+  free(pl);
+  return m;
+}
+
+static void *resume_later(void *p) {
+  usleep(300 * 1000);
+  rpc_call_resume_reads(p); /* the handler reads one "pause" message and pauses again */
+  return NULL;
+}
+
+Test(rpc_pause, a_bounded_write_returns_within_its_bound_when_one_was_in_flight) {
+  rpc_call_t *c;
+  rpc_stream_t *s = paused_stream(&c);
+  rpc_bytes_t *m = packed_text_payload("pause", 65536);
+  write_until_stuck(s, m); /* one 64 KiB write left in flight, behind unread "pause"s */
+  rpc_bytes_t *big = packed_text_payload("x", 256 * 1024);
+  pthread_t th;
+  pthread_create(&th, NULL, resume_later, c);
+  int64_t t0 = rpc_now_ms();
+  int rc = rpc_stream_write_raw_within(s, big, 400);
+  int64_t took = rpc_now_ms() - t0;
+  pthread_join(th, NULL);
+  rpc_call_t *again = take_call(); /* the handler's ref from its second pause */
+  cr_assert(rc == 0 || rc == -2, "rc %d", rc);
+  cr_assert_lt(took, 400 + 150, "a write bounded by 400 ms took %lld ms (rc %d)", (long long)took,
+               rc);
+  rpc_stream_destroy(s);
+  rpc_bytes_free(m);
+  rpc_bytes_free(big);
+  rpc_call_unref(again);
+  rpc_call_unref(c);
+}
