@@ -1780,32 +1780,29 @@ static bool check_tensor_args(meshd_session_t *s, const char *fn, const char *dt
   return true;
 }
 
-/* Drops the tensor of a direct upload that failed although the server defined
- * it (direct_upload's *defined): the caller was told it does not exist. Best
- * effort, within the cleanup time left until `end`; the upload's error is
- * recorded after, over the drop's. */
-static void drop_stray(meshd_session_t *s, uint64_t ref, int64_t end) {
-  Meshd__V1__Drop d = MESHD__V1__DROP__INIT;
-  d.refs = &ref;
-  d.n_refs = 1;
-  Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
-  cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
-  cmd.drop = &d;
-  execute_timeout(s, &cmd, direct_cleanup_ms(end));
-}
-
-/* Lets go of the ref of a proxied upload whose answer may have been lost: the
- * caller, told it failed, holds no ref to free it with. A Release skips a ref
- * that is not live. Best effort; the upload's error stays the last one. */
-static void release_stray(meshd_session_t *s, uint64_t ref, int64_t end) {
+/* Lets go of the tensor of an upload the caller was told failed, which holds
+ * no ref to free it with: a direct upload's that the server defined all the
+ * same (drop: it is live), or a proxied upload's whose answer may have been
+ * lost (release: skipped by the server when the ref is not live). Best effort,
+ * within the cleanup time left until `end`; the upload's error stays the last
+ * one. */
+static void let_go_stray(meshd_session_t *s, uint64_t ref, int64_t end, bool drop) {
   saved_error_t saved;
   error_save(s->client, &saved);
+  Meshd__V1__Drop d = MESHD__V1__DROP__INIT;
   Meshd__V1__Release r = MESHD__V1__RELEASE__INIT;
-  r.refs = &ref;
-  r.n_refs = 1;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
-  cmd.kind_case = MESHD__V1__COMMAND__KIND_RELEASE;
-  cmd.release = &r;
+  if (drop) {
+    d.refs = &ref;
+    d.n_refs = 1;
+    cmd.kind_case = MESHD__V1__COMMAND__KIND_DROP;
+    cmd.drop = &d;
+  } else {
+    r.refs = &ref;
+    r.n_refs = 1;
+    cmd.kind_case = MESHD__V1__COMMAND__KIND_RELEASE;
+    cmd.release = &r;
+  }
   execute_timeout(s, &cmd, direct_cleanup_ms(end));
   error_restore(s->client, &saved);
 }
@@ -1840,7 +1837,7 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
     s->next_ref++;
   if (rc == DIRECT_FAILED) {
     if (defined)
-      drop_stray(s, h.ref, end);
+      let_go_stray(s, h.ref, end, true);
     return record(s->client, &e);
   }
   if (rc == DIRECT_PROXY) {
@@ -1860,7 +1857,7 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
       /* No status of the server's own (a deadline, a dropped connection): it
        * may have defined the tensor and its answer been lost. */
       if (ret == MESHD_E_DEADLINE || !s->client->kind[0])
-        release_stray(s, h.ref, end);
+        let_go_stray(s, h.ref, end, false);
       return ret;
     }
     direct_count_proxy(s->direct, true);

@@ -2820,7 +2820,7 @@ Test(c_client, a_direct_upload_whose_finish_answers_are_both_lost_drops_the_tens
   proxy_stop(&px);
 }
 
-/* ------------------------------------------------------------ review-81 */
+/* ------------------------------------------------------------ lost answers, deadlines, rejections */
 
 /* PlanTransfer's answer is lost after the server claimed the upload's ref
  * (the connection drops: UNAVAILABLE). The ref is spent all the same, so the
