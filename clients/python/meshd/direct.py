@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from . import _progress
-from .errors import KIND_MD, MeshdError, retry_transfers_full
+from .errors import KIND_MD, MeshdError, closed_channel, retry_transfers_full
 
 _SVC = "/meshd.v1.TensorService/"
 _AGENT = "/meshd.agent.v1.Agent/"
@@ -75,10 +75,7 @@ def _host_port(address):
     return bool(m) and m.group(1).lower() not in _SCHEMES
 
 
-def _closed_channel(e):
-    """Whether e is grpc's refusal to start a call on a closed channel (the session
-    was closed)."""
-    return isinstance(e, ValueError) and "closed channel" in str(e)
+_closed_channel = closed_channel  # (errors.py: grpc says it two ways)
 
 
 def _closed_error(what):
@@ -320,36 +317,42 @@ class Direct:
             raise _closed_error("direct transfer")
         return other
 
-    def _pool_reachable(self):
+    def _pool_reachable(self, deadline=None):
         """auto: whether every agent of the pool answers (probed in parallel, once; a
         failed probe is tried again after a while). A session over TLS asked for its
-        bytes encrypted: with agents in plaintext it keeps to the server."""
+        bytes encrypted: with agents in plaintext it keeps to the server. deadline
+        (time.monotonic()): the transfer's, which bounds the probe; a probe it cuts
+        short answers False (the proxy) and is made again next time."""
         if self._pool_ok is None or (not self._pool_ok and
                                      time.monotonic() - self._probed > _UNREACHABLE_FOR):
             self._probed = time.monotonic()
             s = self.session
             try:
                 reply = s._unary("ListAgents", s._pb.ListAgentsRequest(), s._pb.ListAgentsReply,
-                                 metadata=())
+                                 metadata=(), timeout=None if deadline is None else _left(deadline))
             except MeshdError:
                 return False
             tls = _tls_of(reply)
             if s.tls and tls is None:
                 self._pool_ok = False
                 return False
+            wait = CONNECT_TIMEOUT if deadline is None else min(CONNECT_TIMEOUT, _left(deadline))
             addrs = [a.address for a in reply.agents]
             with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(addrs)))) as ex:
-                ok = all(ex.map(lambda a: self._channel(a, tls) is not None, addrs))
+                ok = all(ex.map(lambda a: self._channel(a, tls, timeout=wait) is not None, addrs))
+            if not ok and wait < CONNECT_TIMEOUT:
+                return False  # cut short by the deadline: not known yet
             self._pool_ok = ok and bool(addrs)
         return self._pool_ok
 
-    def wanted(self):
-        """Whether the next transfer should try the direct path."""
+    def wanted(self, deadline=None):
+        """Whether the next transfer should try the direct path (deadline: the
+        transfer's, which bounds the pool's probe)."""
         if self.mode == "proxy" or self.session.closed:
             return False
         if self.mode == "direct":
             return True
-        return self._offered is not False and self._pool_reachable()
+        return self._offered is not False and self._pool_reachable(deadline)
 
     # ------------------------------------------------------------ server calls
     def plan(self, request, deadline):
@@ -539,8 +542,12 @@ class Direct:
             raise failed[0]
         try:
             res = self._finish_upload(reply.transfer_id, receipts, deadline)
-        except BaseException:
+        except MeshdError:
             tr.close()
+            raise
+        except BaseException:  # Ctrl-C: it may have defined the tensor, or not been told
+            tr.close()
+            self._abandon_upload(reply.transfer_id)  # (a defined tensor comes back: released)
             raise
         self.counts["upload"] += 1
         return res, tr  # the caller completes tr (meshd.tensor._uploaded)
@@ -602,6 +609,10 @@ class Direct:
         reply = self.plan(pb.PlanTransferRequest(fetch=req), deadline)
         if reply is None:
             return None
+        if len(reply.shards) != 1:
+            self._finish_fetch(reply.transfer_id, quiet=True)
+            raise MeshdError("INTERNAL", f"direct fetch: the plan has {len(reply.shards)} "
+                             f"shards, not 1")
         try:
             chans = self._channels_for(reply, "fetch", deadline)
         except BaseException:
@@ -645,9 +656,13 @@ class Direct:
         A fetch that the session's close() cuts raises MeshdError CANCELLED."""
         reply, ch = planned
         sh = reply.shards[0]
-        out = np.empty(tuple(reply.meta.shape), dtype=np_dtype)
-        flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
-        tr = _progress.tracker(len(flat), progress, "fetch")
+        try:  # (a tensor larger than this machine's memory: MemoryError)
+            out = np.empty(tuple(reply.meta.shape), dtype=np_dtype)
+            flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
+            tr = _progress.tracker(len(flat), progress, "fetch")
+        except BaseException:
+            self._finish_fetch(reply.transfer_id, quiet=True)
+            raise
         what = f"direct fetch of rank {sh.rank} (agent {sh.address})"
         with self._lock:
             self._reading += 1

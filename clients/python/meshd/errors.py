@@ -72,6 +72,14 @@ _BUILTIN.update({k: MeshdValueError for k in ("BAD_ARGUMENT", "SHAPE_MISMATCH",
                                               "DTYPE_MISMATCH", "BAD_DIM", "UNKNOWN_OP")})
 
 
+def closed_channel(e):
+    """Whether e is grpc's refusal to start a call on a closed channel (the session
+    was closed): 'Cannot invoke RPC on closed channel!' (unary calls) or 'Cannot
+    invoke RPC: Channel closed!' (streaming calls, grpcio 1.51)."""
+    return isinstance(e, ValueError) and ("closed channel" in str(e)
+                                          or "Channel closed" in str(e))
+
+
 def transfers_full(e):
     """Whether a refused transfer (grpc.RpcError) only met --session-max-transfers: the
     session's own transfers in flight end soon (their threads read them), so the caller

@@ -286,8 +286,14 @@ class Pipeline:
                 raise self._ended()
             self._pending[cmd.seq] = p
         limit = self.session.timeout if timeout is None else timeout
-        if not self._q.put_within((cmd.SerializeToString(), getattr(cmd, "sent", 0)),
-                                  time.monotonic() + limit, lambda: self._done):
+        try:
+            queued = self._q.put_within((cmd.SerializeToString(), getattr(cmd, "sent", 0)),
+                                        time.monotonic() + limit, lambda: self._done)
+        except BaseException:  # Ctrl-C while waiting for room: it was not queued
+            with self._plock:
+                self._pending.pop(cmd.seq, None)
+            raise
+        if not queued:
             with self._plock:
                 self._pending.pop(cmd.seq, None)
                 if self._done:

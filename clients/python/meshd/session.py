@@ -15,7 +15,7 @@ import grpc
 
 from . import _active, _catalogue, _conn, _proto
 from . import direct as _direct
-from .errors import MeshdError
+from .errors import MeshdError, closed_channel
 from .mesh import Mesh
 from ._conn import Pem
 from .pipeline import Pipeline, _Pending
@@ -252,6 +252,10 @@ class Session:
                       timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise MeshdError.from_rpc(e) from None
+        except ValueError as e:  # grpc's refusal on a channel close() closed
+            if not closed_channel(e):
+                raise
+            raise MeshdError("NO_SESSION", "the session is closed") from None
 
     def _execute(self, field, build, claim=0, timeout=None):
         """Runs one Command under the session lock: `build` gets the claimed ref (claim=1),
@@ -378,8 +382,15 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # the block's own exception wins over close()'s (the server may be gone)
+            self.close()
+        except MeshdError as e:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"meshd: closing the session failed too: {e!r}")
 
     def close(self) -> None:
         if self.closed:
@@ -422,9 +433,11 @@ class Session:
             with self._lock:
                 if self._pipe is pipe:
                     self._pipe = None
-                errs = pipe.close()
-                if pipe.unanswered():  # the server is not reading: they still go
-                    self._drain = pipe
+                try:
+                    errs = pipe.close()
+                finally:  # (Ctrl-C in close's wait too: what is queued still goes first)
+                    if pipe.unanswered():  # the server is not reading: they still go
+                        self._drain = pipe
             if errs:
                 errs[0].errors = errs
                 if failed is None:

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from . import _active, _catalogue, _progress
 from ._progress import Progress
-from .errors import MeshdError, retry_transfers_full
+from .errors import KIND_MD, MeshdError, closed_channel, retry_transfers_full, transfers_full
 from .mesh import Mesh, selectors
 from .pipeline import _Pending, _varint
 
@@ -666,6 +666,8 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         _SVC + "Upload",
         request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
         response_deserializer=pb.UploadReply.FromString)
+    if s.closed:
+        raise MeshdError("NO_SESSION", "the session is closed")
     with s._lock:  # the ref must reach the server in order with other commands
         s._flush_pipeline()
         ref = s._new_ref()
@@ -694,21 +696,39 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
                         return
         tr = _progress.tracker(total, progress, "upload")
         call = None
+        deadline = time.monotonic() + s.timeout
+        wait = 0.005
         try:
-            call = fn.future(msgs(), metadata=s._md, timeout=s.timeout)
-            ended = queue.SimpleQueue()  # (not call.result(): see direct.Direct.upload)
-            call.add_done_callback(ended.put)
-            try:  # (the call ends by its deadline: the wait is bounded too)
-                ended.get(timeout=s.timeout + 5)
-            except queue.Empty:
-                call.cancel()
-                raise MeshdError("DEADLINE_EXCEEDED", "Upload: the call did not end by its "
-                                 "deadline", grpc.StatusCode.DEADLINE_EXCEEDED) from None
-            reply = call.result()
+            while True:
+                call = fn.future(msgs(), metadata=s._md,
+                                 timeout=max(deadline - time.monotonic(), 0.001))
+                ended = queue.SimpleQueue()  # (not call.result(): see direct.Direct.upload)
+                call.add_done_callback(ended.put)
+                try:  # (the call ends by its deadline: the wait is bounded too)
+                    ended.get(timeout=max(deadline - time.monotonic(), 0) + 5)
+                except queue.Empty:
+                    call.cancel()
+                    s._release_later(ref)  # it may have defined the tensor, its answer lost
+                    raise MeshdError("DEADLINE_EXCEEDED", "Upload: the call did not end by its "
+                                     "deadline", grpc.StatusCode.DEADLINE_EXCEEDED) from None
+                if (call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not aborted
+                        and transfers_full(call) and time.monotonic() + wait < deadline):
+                    # the session's own transfers hold every slot: they end soon (errors.py)
+                    time.sleep(wait)
+                    wait = min(wait * 2, 0.2)
+                    hdr.ref = ref = s._new_ref()  # the next ref, whatever the refused one's fate
+                    continue
+                reply = call.result()
+                break
         except grpc.RpcError as e:
             tr.close()
             if aborted:
                 raise aborted[0] from None
+            if not any(k == KIND_MD for k, _ in (e.trailing_metadata() or ())):
+                # No kind of the server's (a deadline, a dropped connection): it may have
+                # defined the tensor and its answer been lost; nobody else can release it
+                # (a Release skips a ref that is not live).
+                s._release_later(ref)
             raise MeshdError.from_rpc(e) from None
         except BaseException as e:  # KeyboardInterrupt: the server undoes a cancelled Upload
             aborted.append(e)  # msgs() sends no more
@@ -887,7 +907,10 @@ def _fetch_direct(t, d, coords, timeout, progress=None):
     planned = d.fetch_plan(_fetch_request(t, coords), deadline)
     if planned is None:
         return None
-    name = _dtype_from_value(t.session._pb, planned[0].meta.dtype)
+    try:
+        name = _dtype_from_value(t.session._pb, planned[0].meta.dtype)
+    except ValueError:  # a dtype this client does not know (a newer server)
+        name = f"dtype {planned[0].meta.dtype}"
     if name not in _WIRE:
         d._finish_fetch(planned[0].transfer_id, quiet=True)
         raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
@@ -935,7 +958,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
     d = t.session._direct
-    if d.wanted():  # straight from the agent (meshd/direct.py)
+    if d.wanted(deadline):  # straight from the agent (meshd/direct.py)
         try:
             work = _fetch_direct(t, d, coords, timeout, progress)
         except (MeshdError, ValueError) as e:
@@ -952,6 +975,11 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
             return fut
     try:  # planned before the next command is sent: that one cannot change the value
         call, first = _fetch_open(t, coords, timeout)
+    except ValueError as e:
+        if not closed_channel(e):
+            raise
+        fut.set_exception(MeshdError("NO_SESSION", "the session is closed"))
+        return fut
     except MeshdError as e:
         fut.set_exception(e)
         return fut
