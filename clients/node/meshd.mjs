@@ -135,6 +135,7 @@ const READ_CHUNK = 1 << 20;
 const ABANDON_MS = 300; // FinishFetch of a fetch given up on
 const CLEANUP_MS = 5000; // FinishUpload undoing an upload given up on (the session's timeoutMs if less)
 const PROXY = Symbol('proxy'); // #directUpload, #directFetch: use the proxy instead
+const UNKINDED = Symbol('unkinded'); // a MeshdError with no kind of the server's (its answer may be lost)
 
 export function protoPath() {
   const candidates = [];
@@ -1022,7 +1023,15 @@ export class Session {
       if (tensor !== PROXY) return tensor;
       header = { ...header, ref: spare }; // a plan claimed the old one
     }
-    const tensor = await this.#proxyUpload(header, bytes, deadline);
+    let tensor;
+    try {
+      tensor = await this.#proxyUpload(header, bytes, deadline);
+    } catch (e) {
+      // No kind of the server's (a deadline, a dropped connection): it may have defined
+      // the tensor and its answer been lost, and nobody else holds the ref to free it.
+      if (e?.[UNKINDED]) await this.#letGoInTurn(header.ref, 'release');
+      throw e;
+    }
     this.transferStats.proxyUploads += 1;
     return tensor;
   }
@@ -1035,8 +1044,11 @@ export class Session {
   #proxyUpload(header, bytes, deadline) {
     return new Promise((resolve, reject) => {
       const call = this.client.Upload(this.#md, { deadline }, (err, reply) => {
-        if (err) reject(MeshdError.fromRpc(err));
-        else if (!reply.tensor) reject(new MeshdError('INTERNAL', 'Upload answered no TensorMeta', grpc.status.INTERNAL));
+        if (err) {
+          const e = MeshdError.fromRpc(err);
+          if (!(err.metadata?.get(KIND_MD) ?? []).length) e[UNKINDED] = true;
+          reject(e);
+        } else if (!reply.tensor) reject(new MeshdError('INTERNAL', 'Upload answered no TensorMeta', grpc.status.INTERNAL));
         else resolve(reply.tensor);
       });
       call.write({ header });
@@ -1313,7 +1325,7 @@ export class Session {
       } catch {
         return;
       }
-      if (reply?.tensor) await this.#dropInTurn(Number(reply.tensor.ref));
+      if (reply?.tensor) await this.#letGoInTurn(Number(reply.tensor.ref), 'drop');
     };
     const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
     let agents;
@@ -1388,11 +1400,12 @@ export class Session {
     }
   }
 
-  // Drops ref, best effort, with the cleanup deadline, from inside the caller's turn
-  // (#inOrder), which execute() would wait for: by the pipeline if one is on (drained
-  // by the upload), else by a unary Execute.
-  async #dropInTurn(ref) {
-    const command = { drop: { refs: [ref] } };
+  // Lets go of ref, best effort, with the cleanup deadline, from inside the caller's
+  // turn (#inOrder), which execute() would wait for: by the pipeline if one is on
+  // (drained by the upload), else by a unary Execute. how: 'drop' (a tensor known to
+  // stand) or 'release' (one that may: the server skips a ref that is not live).
+  async #letGoInTurn(ref, how) {
+    const command = { [how]: { refs: [ref] } };
     this.seq += 1;
     const cmd = { seq: this.seq, ...command };
     cmd[WEIGHT] = { bytes: weigh(command), sent: 0 };

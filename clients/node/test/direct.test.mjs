@@ -492,3 +492,32 @@ test('pipelined messages stay under the server message size whatever the command
     await s.close();
   }
 });
+
+test('proxy: an Upload whose answer was lost lets go of the tensor the server defined', async () => {
+  // The server defines the tensor; the answer is lost (a deadline, a dropped connection),
+  // so the caller gets an error and no ref. The client releases the ref: the tensor stood,
+  // its bytes held on every rank, until the session closed.
+  const s = await open('proxy', 'proxy');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const live = async () => {
+      const { sessions } = await s.unary('ListSessions', {});
+      return Number(sessions.find((r) => r.session_id === s.id).live_tensors);
+    };
+    const before = await live();
+    const real = s.client.Upload;
+    s.client.Upload = function (md, opts, cb) {
+      return real.call(this, md, opts, (err, reply) => cb(err ?? rpcError(grpc.status.DEADLINE_EXCEEDED,
+        'Deadline exceeded (test: answer lost)'), err ? reply : undefined));
+    };
+    await assert.rejects(s.upload(mesh, [2, 3], new Float32Array(6)), (e) => {
+      assert.equal(e.kind, 'DEADLINE_EXCEEDED', e.message);
+      return true;
+    });
+    delete s.client.Upload;
+    await s.sync();
+    assert.equal(await live(), before, 'the tensor the lost answer defined is still live');
+  } finally {
+    await s.close();
+  }
+});
