@@ -1021,8 +1021,10 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   else res = objects_new_tensor(o, r->ref, &rm, home->ref, r->stream, (uint64_t)mesh_len(home));
   if (!res) return error_set(e, ERR_QUOTA, "Reduce: out of memory on the server");
   if (r->ref) claim_refs(s, &r->ref, 1);
-  obj_t *ins[1] = {in};
-  inherit_failure(o, res, first_failed(ins, 1), out->res.seq);
+  /* out is a mutated input too (Monarch: ts = [self, out]): a result under its
+   * own ref is a view of out's storage, failed if out is. */
+  obj_t *ins[2] = {in, outt};
+  inherit_failure(o, res, first_failed(ins, 2), out->res.seq);
   emit_reduce(fe, s, o, mesh, target, r, in, res, dims, ndims);
   return add_tensor(out, res);
 }
