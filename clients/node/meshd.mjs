@@ -855,11 +855,12 @@ export class Session {
   // {format, file_size, version, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
   inspectUrl(url, mesh = 0) {
     if (this.#shut) return Promise.reject(Session.#noSession('inspectUrl'));
+    const limitMs = this.timeoutMs;
+    const deadline = Date.now() + limitMs; // from the call, as fetch: its turn too
     return this.#inOrder(async () => { // after the calls issued before it, as fetch
-      const deadline = this.deadline();
-      await this.#drain(deadline, this.timeoutMs, 'inspectUrl');
+      await this.#drain(deadline, limitMs, 'inspectUrl');
       return this.#unary('InspectUrl', { url, mesh: mesh.ref ?? mesh }, deadline);
-    });
+    }, deadline, limitMs, 'inspectUrl');
   }
 
   // A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
@@ -1401,20 +1402,16 @@ export class Session {
   }
 
   // Lets go of ref, best effort, with the cleanup deadline, from inside the caller's
-  // turn (#inOrder), which execute() would wait for: by the pipeline if one is on
-  // (drained by the upload), else by a unary Execute. how: 'drop' (a tensor known to
-  // stand) or 'release' (one that may: the server skips a ref that is not live).
+  // turn (#inOrder), which execute() would wait for: by a unary Execute. how: 'drop'
+  // (a tensor known to stand) or 'release' (one that may: the server skips a ref that
+  // is not live).
   async #letGoInTurn(ref, how) {
-    const command = { [how]: { refs: [ref] } };
-    this.seq += 1;
-    const cmd = { seq: this.seq, ...command };
-    cmd[WEIGHT] = { bytes: weigh(command), sent: 0 };
-    const deadline = this.#cleanupDeadline();
+    // Always a unary Execute, seq 0 (only echoed): a seq taken here would be above those of
+    // the calls issued during the upload (execute takes its seq at the call), and on the
+    // Submit stream, written before them, it would get them refused BAD_ARGUMENT. The
+    // upload drained the pipeline and holds the turn: nothing pipelined is outstanding.
     try {
-      const pipe = this.#pipe;
-      const sent = pipe ? await this.#submit(pipe, cmd, deadline, Math.min(this.timeoutMs, CLEANUP_MS), true)
-        : await this.#unaryBy('Execute', cmd, deadline);
-      await (QUEUED in sent ? sent[QUEUED] : sent);
+      await this.#unaryBy('Execute', { seq: 0, [how]: { refs: [ref] } }, this.#cleanupDeadline());
     } catch {
       // best effort: the upload rejects all the same
     }
@@ -1501,7 +1498,14 @@ export class Session {
       await quiet();
       throw e;
     }
-    await finish(Math.max(1, deadline - Date.now())); // throws if the value failed on any rank
+    try {
+      await finish(Math.max(1, deadline - Date.now())); // throws if the value failed on any rank
+    } catch (e) {
+      // No answer: it may not have reached the server (little time was left, the connection
+      // dropped), which would hold the slot and the agent's snapshot until the grant expires.
+      if (e.code === grpc.status.DEADLINE_EXCEEDED || e.code === grpc.status.UNAVAILABLE) await quiet();
+      throw e;
+    }
     this.transferStats.directFetches += 1;
     return out;
   }

@@ -446,3 +446,94 @@ test('startKeepAlive() again replaces the timer: one KeepAlive a period, none af
     await s.close();
   }
 });
+
+// a proxied Upload that fails with no kind (its answer may be lost) is released
+// from inside the upload's turn; with a pipeline on, that Release takes a seq above the
+// one a call issued right after the upload already holds, and goes out on the Submit
+// stream first: the server refuses the later call (its seq is not above the Release's).
+test('a lost Upload answer released on a pipeline does not push the seq of a call issued after it below', async () => {
+  const seqs = [];
+  const m = await fakeMeshd({
+    Upload: (call, cb) => { call.on('data', () => {}); call.on('end', () => cb({ code: grpc.status.UNAVAILABLE, details: 'dropped' })); },
+    Submit: (call) => {
+      let last = 0;
+      call.on('data', (msg) => {
+        for (const c of msg.batch?.length ? msg.batch : [msg]) {
+          const seq = Number(c.seq);
+          seqs.push([seq, Object.keys(c).find((k) => !['seq', 'batch'].includes(k) && c[k] !== null && c[k] !== undefined && (typeof c[k] !== 'object' || Object.keys(c[k]).length))]);
+          const error = seq <= last ? { kind: 'ERROR_KIND_BAD_ARGUMENT', message: `seq ${seq} is not above ${last}`, code: 3, seq: String(seq) } : null;
+          if (seq > last) last = seq;
+          call.write({ result: { seq: String(seq), error, tensors: [{ ref: 1, shape: [1] }] } });
+        }
+      });
+      call.on('end', () => call.end());
+    },
+  });
+  const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 3000 });
+  try {
+    await s.setPipeline({});
+    const up = s.upload(1, [1], new Float32Array([1])).then(() => null, (e) => e);
+    const after = s.call('add', [{ ref: 1 }, 1]).then(() => null, (e) => e);
+    const upErr = await up;
+    assert.ok(upErr instanceof MeshdError && upErr.kind === 'UNAVAILABLE', String(upErr));
+    const callErr = await after;
+    assert.equal(callErr, null, `the call issued after the upload was refused: ${callErr?.message} (seqs sent: ${JSON.stringify(seqs)})`);
+  } finally {
+    await s.close().catch(() => {});
+  }
+});
+
+// the FinishFetch after a Read that ended with ~no time left fails
+// DEADLINE_EXCEEDED on the client (here: the client's first FinishFetch is lost before it
+// reaches the server). Nothing else ends the transfer: the session's transfer slot and the
+// agent's snapshot stay held until the grant expires (10 min). Python ends it quietly then.
+test('a direct fetch whose FinishFetch got no answer still ends the transfer', async () => {
+  const agent = await serve(Agent, { Read: (call) => {
+    call.write({ data: Buffer.from(new Float32Array([1]).buffer) });
+    call.end();
+  } });
+  const m = await fakeMeshd({
+    PlanTransfer: (c, cb) => cb(null, plan([shard(0, agent)], f32meta(1))),
+    FinishFetch: (c, cb) => cb(null, {}),
+  });
+  const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+  const real = s.client.FinishFetch.bind(s.client);
+  let lost = 0;
+  s.client.FinishFetch = (req, md, opts, cb) => {
+    if (lost++ === 0) { // the first one never reaches the server
+      const err = Object.assign(new Error('Deadline exceeded'), { code: grpc.status.DEADLINE_EXCEEDED, details: 'Deadline exceeded', metadata: new grpc.Metadata() });
+      setImmediate(() => cb(err));
+      return undefined;
+    }
+    return real(req, md, opts, cb);
+  };
+  try {
+    await assert.rejects(s.fetch(1, {}), (err) => err instanceof MeshdError && err.kind === 'DEADLINE_EXCEEDED');
+    await sleep(100);
+    assert.equal(m.count('FinishFetch'), 1, 'no FinishFetch reached the server: the slot and the snapshot stay held for the grant\'s 10 min');
+  } finally {
+    await s.close().catch(() => {});
+  }
+});
+
+// inspectUrl (and load(), which calls it) takes its turn with no deadline and
+// starts the session's timeoutMs only once its turn came: behind an upload that uses its
+// whole timeoutMs, it rejects after twice the timeout (fetch, same case: once).
+test('inspectUrl behind a stuck upload rejects within the session timeoutMs', async () => {
+  const m = await fakeMeshd({
+    Upload: (call) => { call.on('data', () => {}); }, // never answers
+    InspectUrl: () => {}, // never answers
+  });
+  const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 600 });
+  try {
+    const up = s.upload(1, [1], new Float32Array([1])).catch((e) => e);
+    const t0 = Date.now();
+    const err = await s.inspectUrl('http://127.0.0.1:1/x.npy').then(() => null, (e) => e);
+    const took = Date.now() - t0;
+    await up;
+    assert.ok(err instanceof MeshdError && err.kind === 'DEADLINE_EXCEEDED', String(err));
+    assert.ok(took < 900, `inspectUrl with timeoutMs 600 rejected after ${took} ms`);
+  } finally {
+    await s.close().catch(() => {});
+  }
+});
