@@ -310,11 +310,9 @@ Test(executor_streams_mock_gpu, borrows_order_device_streams_with_events) {
   cr_assert_eq(find_line("create 3", 0), -1, "a third device stream was made");
 }
 
-/* A Fetch's Read copies the tensor as its Snapshot left it, on a device
- * stream of its own that waits for an event recorded at the Snapshot: never
- * on the session's stream (it would wait for what the stream queued after
- * the Snapshot) nor on the backend's own (shared by every session). */
-Test(executor_streams_mock_gpu, a_snapshot_is_read_on_its_own_stream_after_its_point) {
+/* ones [4] as ref 10 on stream 1 (seq 1), its Snapshot (seq 2), taken as a
+ * Read takes it. */
+static snapshot_t *snapshot_of_ones(void) {
   open_gate();
   submit_factory_ones(1, 1, 10);
   Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
@@ -327,6 +325,16 @@ Test(executor_streams_mock_gpu, a_snapshot_is_read_on_its_own_stream_after_its_p
   snapshot_t *sn = NULL;
   ref_failure_t why = {0};
   cr_assert_eq(executor_take_snapshot(X, SESSION, 2, 10, &sn, &why), 0, "%s", why.msg);
+  return sn;
+}
+
+/* A Fetch's Read copies the tensor as its Snapshot left it, on a device
+ * stream of its own that waits for an event recorded at the Snapshot: never
+ * on the session's stream (it would wait for what the stream queued after
+ * the Snapshot) nor on the backend's own (shared by every session). */
+Test(executor_streams_mock_gpu, a_snapshot_is_read_on_its_own_stream_after_its_point) {
+  snapshot_t *sn = snapshot_of_ones();
+  ref_failure_t why = {0};
   float v[4];
   meshd_error_t e;
   cr_assert_eq(snapshot_read(sn, 0, sizeof v, v, &e), 0, "%s", e.msg);
@@ -361,18 +369,7 @@ Test(executor_streams_mock_gpu, a_snapshot_is_read_on_its_own_stream_after_its_p
 
 /* A snapshot read, then released, takes its read stream with it. */
 Test(executor_streams_mock_gpu, a_snapshot_read_to_its_end_releases_its_stream) {
-  open_gate();
-  submit_factory_ones(1, 1, 10);
-  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
-  snap.ref = 10;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
-  ins.snapshot = &snap;
-  submit(&ins, 2, 1);
-  cr_assert_eq(executor_wait(X, 2, 10000), 0, "executed through 2");
-  snapshot_t *sn = NULL;
-  ref_failure_t why = {0};
-  cr_assert_eq(executor_take_snapshot(X, SESSION, 2, 10, &sn, &why), 0, "%s", why.msg);
+  snapshot_t *sn = snapshot_of_ones();
   float v[4];
   meshd_error_t e;
   cr_assert_eq(snapshot_read(sn, 0, sizeof v, v, &e), 0, "%s", e.msg);
@@ -472,18 +469,7 @@ Test(executor_streams_mock_gpu, session_end_destroys_streams_and_releases_comms)
  * stream on the next read; the first one must not be left behind (it stays in
  * the backend's stream list for good otherwise: every free waits on it). */
 Test(executor_streams_mock_gpu, a_failed_read_ordering_leaves_no_stream_behind) {
-  open_gate();
-  submit_factory_ones(1, 1, 10);
-  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
-  snap.ref = 10;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
-  ins.snapshot = &snap;
-  submit(&ins, 2, 1);
-  cr_assert_eq(executor_wait(X, 2, 10000), 0, "executed through 2");
-  snapshot_t *sn = NULL;
-  ref_failure_t why = {0};
-  cr_assert_eq(executor_take_snapshot(X, SESSION, 2, 10, &sn, &why), 0, "%s", why.msg);
+  snapshot_t *sn = snapshot_of_ones();
   float v[4];
   meshd_error_t e;
   pthread_mutex_lock(&mu);

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import start_meshd, stop_meshd
+from test_direct_faults import _LostAnswer  # a call that reached the server, its answer lost
 from test_keepalive import _agent_pid, _stopped
 
 import meshd
@@ -25,19 +26,6 @@ MIB = 1 << 20
 
 class Interrupt(BaseException):
     """Stands for KeyboardInterrupt (which would end pytest if it escaped)."""
-
-
-class _LostAnswer(grpc.RpcError):
-    """A call that reached the server, whose answer never came back."""
-
-    def code(self):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self):
-        return "Deadline Exceeded (the test dropped the answer)"
-
-    def trailing_metadata(self):
-        return ()
 
 
 def _live(s):
