@@ -428,9 +428,11 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
     error_kind_t kind = err->kind ? (error_kind_t)err->kind : ERR_REMOTE_FAILURE;
     /* Kernel messages name their rank; others get it here. */
     const char *text = err->message ? err->message : "";
-    char msg[520];
+    /* Room for an agent's whole message (meshd_error_t.msg) and the rank: a cut
+     * here drops the end, where a load's HTTP status and the rank are. */
+    char msg[sizeof ((meshd_error_t *)0)->msg + 32];
     if (strstr(text, "(rank ")) snprintf(msg, sizeof msg, "%s", text);
-    else snprintf(msg, sizeof msg, "%s (rank %u)", text, rank);
+    else snprintf(msg, sizeof msg, "%.*s (rank %u)", (int)(sizeof msg - 24), text, rank);
     pthread_mutex_lock(&s->mu);
     objects_t *o = s->objects;
     if (o) {

@@ -136,6 +136,11 @@ static const char *special_kind(const addr_t *x) {
   if (x->b[0] == 0xff) return "a multicast address (ff00::/8)";
   if (x->b[0] == 0x20 && x->b[1] == 0x01 && x->b[2] == 0x0d && x->b[3] == 0xb8)
     return "a documentation address (2001:db8::/32)";
+  if (x->b[0] == 0x3f && x->b[1] == 0xff && (x->b[2] & 0xf0) == 0)
+    return "a documentation address (3fff::/20)";
+  /* Teredo (2001::/32), benchmarking (2001:2::/48), ORCHIDv2 (2001:20::/28) ... */
+  if (x->b[0] == 0x20 && x->b[1] == 0x01 && x->b[2] < 0x02)
+    return "an IETF protocol address (2001::/23)";
   if ((x->b[0] & 0xe0) != 0x20) return "not a global unicast address (2000::/3)";
   return NULL;
 }

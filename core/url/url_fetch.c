@@ -18,6 +18,7 @@
 #include "url_allow.h"
 
 #define URL_SHOWN 512
+#define URL_REDACT_MAX 240 /* the longest URL a message quotes */
 
 typedef enum { MODE_RANGE, MODE_ALL, MODE_HEAD, MODE_PROBE } req_mode_t;
 /* Why the write callback stopped a transfer (curl then says CURLE_WRITE_ERROR). */
@@ -137,8 +138,15 @@ const char *url_redact(const char *url, char *out, size_t n) {
     curl_url_get(u, CURLUPART_HOST, &host, 0); /* none for file:// */
     curl_url_get(u, CURLUPART_PORT, &port, 0); /* only one written in the URL */
     curl_url_get(u, CURLUPART_PATH, &path, 0);
-    snprintf(out, n, "%s://%s%s%s%s", scheme, host ? host : "", port ? ":" : "",
-             port ? port : "", path ? path : "");
+    char full[1024];
+    int len = snprintf(full, sizeof full, "%s://%s%s%s%s", scheme, host ? host : "",
+                       port ? ":" : "", port ? port : "", path ? path : "");
+    if (len >= (int)sizeof full) len = (int)sizeof full - 1;
+    /* A long one keeps its start (scheme, host) and end (the file's name): the
+     * messages that quote it must still have room for what follows it (the
+     * HTTP status or curl's error, the rank) in every buffer on the way. */
+    if (len > URL_REDACT_MAX) snprintf(out, n, "%.160s...%s", full, full + len - (URL_REDACT_MAX - 163));
+    else snprintf(out, n, "%s", full);
   } else { /* credentials could sit anywhere in it: its scheme alone */
     size_t lead = strspn(url, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-");
     if (lead > 0 && lead < 32 && url[lead] == ':')

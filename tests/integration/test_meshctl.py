@@ -945,3 +945,24 @@ def test_load_survives_a_server_that_lists_absurd_ranks():
         server.stop(0)
     assert r.returncode == 3, _show(r)
     assert "cannot open a session" in r.stderr and "serves no sessions" in r.stderr, _show(r)
+
+
+def test_load_error_with_a_long_url_keeps_its_status_and_rank(shared_meshd, load_files):
+    """A 404 on a URL whose path is long (~490 characters, under the 8192 a Load takes):
+    the message still names the HTTP status and the rank."""
+    srv = shared_meshd(2)
+    files, _ = load_files
+    url = files.url("d" * 700 + "/missing.bin")
+    r = meshctl(srv.address, "load", url, "--dtype", "float32", "--shape", "2")
+    assert r.returncode == 3, _show(r)
+    assert "HTTP 404" in r.stderr and "(rank " in r.stderr, _show(r)
+
+
+def test_inspect_error_with_a_long_url_keeps_its_status_and_rank(shared_meshd, load_files):
+    """The same through InspectUrl (no --dtype: the header is read first)."""
+    srv = shared_meshd(2)
+    files, _ = load_files
+    url = files.url("d" * 700 + "/missing.npy")
+    r = meshctl(srv.address, "load", url)
+    assert r.returncode == 3, _show(r)
+    assert "HTTP 404" in r.stderr and "rank 0" in r.stderr, _show(r)

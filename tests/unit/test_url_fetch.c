@@ -914,3 +914,12 @@ Test(url_fetch, a_share_in_use_is_not_waited_for) {
   cr_assert_eq(accepted() - before - 1, 0);
   url_share_free(s);
 }
+
+/* IPv6's special-purpose ranges that are not global (RFC 6890 and the IANA
+ * registry): the documentation prefix of RFC 9637, benchmarking (RFC 5180),
+ * ORCHIDv2, and Teredo, whose address carries an IPv4 one. */
+Test(url_fetch, address_rules_ipv6_special_purpose) {
+  const char *refused[] = {"3fff::1", "2001:2::1", "2001:20::1", "2001:0:a00:1::1"};
+  for (size_t i = 0; i < sizeof refused / sizeof *refused; i++)
+    cr_expect(!allowed(NULL, refused[i]), "%s was allowed", refused[i]);
+}
