@@ -35,6 +35,35 @@ def _live(s):
     return row.live_tensors
 
 
+class _CtrlC:
+    """A SIGINT this process sends itself `delay` s after start(), raising Interrupt
+    where it lands; `fired`: when it was sent. A context manager: the handler is
+    installed on entry, and the timer cancelled and the old handler back on exit."""
+
+    def __init__(self, delay):
+        self.fired = []
+        self._timer = threading.Timer(delay, self._send)
+
+    def _send(self):
+        self.fired.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise Interrupt()
+
+    def start(self):
+        self._timer.start()
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGINT, self._raise)
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        signal.signal(signal.SIGINT, self._old)
+
+
 @pytest.fixture(scope="module")
 def one_slot():
     addr, proc = start_meshd(2, name="meshd-interrupts", flags=("--session-max-transfers", "1"))
@@ -201,33 +230,20 @@ def test_ctrl_c_while_a_pipelined_send_waits_for_room(flow_server):
     never queued, even though the server reads again at once, and reports a spurious
     DEADLINE_EXCEEDED."""
     addr, pid = flow_server
-    fired = []
-
-    def handler(signum, frame):
-        raise Interrupt()
-
-    def interrupt():
-        fired.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGINT)
     with meshd.connect(addr, timeout=4) as s:
         with s.mesh(gpu=2).activate():
             arr = np.zeros(60000, np.float32)  # 240 KB Literals: the queue fills fast
-            old = signal.signal(signal.SIGINT, handler)
-            timer = threading.Timer(1.0, interrupt)
-            try:
+            with _CtrlC(1.0) as ctrl_c:
                 with pytest.raises(Interrupt) as ei:
                     with s.pipeline():
                         with _stopped(pid):  # resumes the agent as the interrupt passes
                             a = meshd.ones(2)
                             b = a + 1
                             s._pipe.flush(5)
-                            timer.start()
+                            ctrl_c.start()
                             for i in range(400):
                                 meshd.tensor(arr + i)
-                took = time.monotonic() - fired[0]
-            finally:
-                timer.cancel()
-                signal.signal(signal.SIGINT, old)
+                took = time.monotonic() - ctrl_c.fired[0]
             assert took < 2.5, f"the block ended {took:.2f} s after Ctrl-C (session timeout 4 s)"
             ctx = ei.value.__context__
             assert ctx is None or ctx.kind != "DEADLINE_EXCEEDED", ctx.errors
@@ -344,19 +360,9 @@ def test_ctrl_c_during_the_blocks_final_flush_keeps_its_commands_first(flow_serv
     next unary command no longer waits for them: it claims a higher ref first, and the
     block's commands are then refused REF_REUSED (their tensors never exist)."""
     addr, pid = flow_server
-    fired = []
-
-    def handler(signum, frame):
-        raise Interrupt()
-
-    def interrupt():
-        fired.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGINT)
     with meshd.connect(addr, timeout=4) as s:
         with s.mesh(gpu=2).activate():
-            old = signal.signal(signal.SIGINT, handler)
-            timer = threading.Timer(0.5, interrupt)
-            try:
+            with _CtrlC(0.5) as ctrl_c:
                 with _stopped(pid):
                     with pytest.raises(Interrupt):
                         with s.pipeline():
@@ -364,13 +370,10 @@ def test_ctrl_c_during_the_blocks_final_flush_keeps_its_commands_first(flow_serv
                             b = a + 1
                             s._pipe.flush(5)  # the flow window is full from here on
                             last = [meshd.ones(2) * i for i in range(1, 4)]  # queued
-                            timer.start()  # fires in the block's final flush
+                            ctrl_c.start()  # fires in the block's final flush
                     waker = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
                     waker.start()
                     z = meshd.ones(2) + 5
-            finally:
-                timer.cancel()
-                signal.signal(signal.SIGINT, old)
             np.testing.assert_array_equal(meshd.fetch_shard(b, gpu=0).result(10), [2.0, 2.0])
             np.testing.assert_array_equal(meshd.fetch_shard(last[-1], gpu=0).result(10),
                                           [3.0, 3.0])
