@@ -1353,7 +1353,7 @@ typedef struct transfer {
  * closed: its EndSession freed everything), a fetch's snapshot dropped. */
 static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
   if (t->fetch) {
-    if (!atomic_exchange(&t->fetch->slot_freed, true)) transfer_end(t->fetch->sess);
+    fetch_give_back(t->fetch); /* a direct fetch's: its slot (it took no relay) */
     fetch_unref(t->fetch); /* drops the snapshot: nobody said it was read */
     free(t);
     return;
