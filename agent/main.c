@@ -59,7 +59,7 @@ typedef struct options {
 } options_t;
 
 static options_t opt;
-static agent_fault_t fault;
+static fault_t fault;
 static bool fault_on;
 
 /* Only the devices this build serves (tests and people read --help to know). */
@@ -134,7 +134,7 @@ static const config_flag_t flags[] = {
      "serve gRPC server reflection (grpcurl list/describe) on --listen, to callers the Agent "
      "service admits", &opt.reflection, 0, 0},
     {"fault", CONFIG_STRING, NULL,
-     "fault injection for tests, e.g. reduce:hang,rank=1 or hello:old (see agent/fault.h)",
+     "fault injection for tests, e.g. reduce:hang,rank=1 or hello:old (see core/platform/fault.h)",
      &opt.fault, 0, 0},
 };
 #define NFLAGS (sizeof flags / sizeof flags[0])
@@ -197,7 +197,7 @@ static int parse_options(int argc, char **argv) {
   if (!opt.cluster_name || !*opt.cluster_name)
     return usage_error("--cluster-name must not be empty");
   if (opt.fault && *opt.fault) {
-    if (agent_fault_parse(opt.fault, &fault, err, sizeof err) != 0)
+    if (fault_parse(opt.fault, FAULT_AGENT_PLACES, &fault, err, sizeof err) != 0)
       return usage_error("--fault: %s", err);
     fault_on = true;
   }
@@ -296,7 +296,7 @@ int main(int argc, char **argv) {
   info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
   info.data_plane = 1; /* Group.pair_secrets */
   int unused_ms;
-  if (fault_on && agent_fault_hit(&fault, "hello", opt.rank, &unused_ms) == FAULT_OLD) {
+  if (fault_on && fault_hit(&fault, "hello", opt.rank, &unused_ms) == FAULT_OLD) {
     info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL - 1; /* drills: an older build */
     info.data_plane = 0;
   }

@@ -508,7 +508,7 @@ static int my_index(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t *me) {
 static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t *e) {
   int ms = 0;
   int64_t rank = c->env->rank ? atomic_load(c->env->rank) : -1;
-  switch (agent_fault_hit(c->env->fault, where, rank, &ms)) {
+  switch (fault_hit(c->env->fault, where, rank, &ms)) {
     case FAULT_NONE:
     case FAULT_OLD: return 0; /* hello:old is the registration's */
     case FAULT_SLOW: {

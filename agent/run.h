@@ -37,7 +37,7 @@ typedef struct run_env {
   const char *data_address; /* this agent's data plane "host:port" (finds it in a Group) */
   _Atomic int64_t *rank;    /* world rank from Hello; -1 until known */
   agent_stats_t *stats;
-  agent_fault_t *fault;     /* fault injection (fault.h); NULL: none */
+  fault_t *fault;           /* fault injection (fault.h); NULL: none */
 } run_env_t;
 
 /* A failure to report: a root failure, or a dependent one (kind

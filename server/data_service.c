@@ -10,6 +10,7 @@
 #include <openssl/rand.h>
 
 #include "commands.h"
+#include "fault.h"
 #include "grant.h"
 #include "log.h"
 #include "metrics.h"
@@ -44,6 +45,7 @@ struct data_service {
   bool sweeping, stop;
   pthread_cond_t wake;
   pthread_cond_t settled; /* a busy transfer is not any more */
+  fault_t *fault; /* --server-fault; NULL: none */
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
   metrics_series_t *bytes[2][2];
 };
@@ -1490,6 +1492,32 @@ static void shards_free(Meshd__V1__ShardGrant *sh, size_t n) {
   free(sh);
 }
 
+/* A plan's answer, once its transfer is in the table. The call keeps the
+ * transfer's id: a call that ends cancelled (plan_end) never told its client
+ * the id, and the plan is undone then rather than at its grants' expiry. */
+static void plan_answer(data_service_t *ds, rpc_call_t *call, uint64_t id,
+                        const Meshd__V1__PlanTransferReply *reply) {
+  uint64_t *kept = malloc(sizeof *kept); /* none: undone at expiry, as before */
+  if (kept) *kept = id;
+  rpc_call_set_data(call, kept);
+  int ms = 0;
+  switch (fault_hit(ds->fault, "plan", -1, &ms)) {
+    case FAULT_FAIL:
+      rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                      "PlanTransfer: injected fault (--server-fault): the answer is lost");
+      return;
+    case FAULT_HANG:
+    case FAULT_SLOW:
+      log_warn("data", "PlanTransfer: answer held %d ms (injected fault)", ms);
+      struct timespec d = {ms / 1000, (long)(ms % 1000) * 1000000L};
+      nanosleep(&d, NULL);
+      break;
+    default:
+      break;
+  }
+  rpc_call_reply(call, &reply->base);
+}
+
 static uint64_t transfer_new_id(void) {
   uint64_t id = 0;
   while (id == 0)
@@ -1597,8 +1625,9 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   reply.n_shards = t->nranks;
   reply.expiry_unix_ms = t->expiry_ms;
   size_t n = t->nranks;
+  uint64_t id = t->id;
   transfer_put(ds, t);
-  rpc_call_reply(call, &reply.base);
+  plan_answer(ds, call, id, &reply);
   shards_free(sh, n);
   free(shp);
   free(ca);
@@ -1667,8 +1696,9 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   pthread_mutex_lock(&f->mu);
   f->refs++;
   pthread_mutex_unlock(&f->mu);
+  uint64_t id = t->id;
   transfer_put(ds, t);
-  rpc_call_reply(call, &reply.base);
+  plan_answer(ds, call, id, &reply);
   fetch_unref(f);
   free(sh.address);
   free(sh.grant.data);
@@ -1697,6 +1727,48 @@ static void plan_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
                    "fetch (a FetchRequest)");
   session_release(s);
   if (rc) finish_error(call, &e);
+}
+
+/* A plan's call is over. Cancelled (the client's deadline passed, it gave up,
+ * its connection dropped before the status went out), its client never
+ * learned the transfer's id and nobody will finish it: its session slot and
+ * a fetch's snapshot are given back now, not at the grants' expiry (eight
+ * lost answers would block the session's transfers for --transfer-grant-ms).
+ * An upload is undone on its ranks now and, like a refused FinishUpload, once
+ * more at expiry (a client that kept the grant may still Write); its ref
+ * stays claimed and undefined, as a client that lost the answer expects. */
+static void plan_end(rpc_call_t *call, bool cancelled, void *arg) {
+  data_service_t *ds = arg;
+  uint64_t *kept = rpc_call_data(call);
+  rpc_call_set_data(call, NULL);
+  if (!kept) return;
+  uint64_t id = *kept;
+  free(kept);
+  if (!cancelled) return;
+  pthread_mutex_lock(&ds->mu);
+  transfer_t **pp = &ds->pending, *t;
+  while ((t = *pp) && t->id != id) pp = &t->next;
+  /* Busy, finished or failed: a FinishUpload came (the client had the
+   * answer after all) and decides. */
+  if (t && (t->busy || t->finished || t->failed)) t = NULL;
+  if (t && t->fetch) *pp = t->next;
+  else if (t) t->busy = true;
+  pthread_mutex_unlock(&ds->mu);
+  if (!t) return;
+  log_info("data", "PlanTransfer of tensor %llu: its call was cancelled before the answer "
+           "reached the client; the direct %s is undone",
+           (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), t->fetch ? "fetch" : "upload");
+  if (t->fetch) {
+    transfer_free(ds, t, true);
+    return;
+  }
+  session_t *s = t->sess;
+  pthread_mutex_lock(&s->mu);
+  if (!atomic_load(&s->closed) && s->objects)
+    refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
+  pthread_mutex_unlock(&s->mu);
+  transfer_end(s);
+  transfer_settle(ds, t, false, true);
 }
 
 /* Every receipt checked: the tensor is defined. Any receipt missing, short
@@ -1867,6 +1939,8 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   return ds;
 }
 
+void data_service_set_fault(data_service_t *ds, fault_t *f) { ds->fault = f; }
+
 void data_service_set_max_relays(data_service_t *ds, int max_relays) {
   ds->max_relays = max_relays > 0 ? max_relays : 0;
 }
@@ -1898,6 +1972,7 @@ static const rpc_method_t methods[] = {
         .kind = RPC_UNARY,
         .request = &meshd__v1__plan_transfer_request__descriptor,
         .on_start = plan_start,
+        .on_end = plan_end,
     },
     {
         .path = "/meshd.v1.TensorService/FinishUpload",

@@ -43,6 +43,11 @@ void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_m
  * holds up to 8 MiB of queued chunks): more are refused QUOTA naming
  * --max-relayed-transfers. 0: no bound. Before the server starts. */
 void data_service_set_max_relays(data_service_t *ds, int max_relays);
+/* Fault injection for tests (fault.h, --server-fault): "plan" delays or
+ * fails a PlanTransfer's answer once its transfer is in the table. f
+ * outlives ds; NULL: none. Before the server starts. */
+struct fault;
+void data_service_set_fault(data_service_t *ds, struct fault *f);
 /* Counts tensor bytes moved in meshd_transfer_bytes_total{direction,path}
  * (upload/fetch, proxy/direct). Before the server starts; m outlives ds. */
 struct metrics_registry;

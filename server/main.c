@@ -30,6 +30,7 @@
 #include "session_service.h"
 #include "supervisor.h"
 #include "data_service.h"
+#include "fault.h"
 #include "load_service.h"
 #include "tensor_service.h"
 
@@ -54,12 +55,15 @@ typedef struct options {
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name, *cluster_listen;
   const char *cluster_port_file, *join_token_file;
   const char *url_allow;
+  const char *server_fault;
   uint64_t url_max_bytes;
   int64_t url_connect_timeout_ms, url_timeout_ms, url_retries;
   bool reflection;
 } options_t;
 
 static options_t opt;
+static fault_t server_fault; /* --server-fault */
+static bool server_fault_on;
 
 static const config_flag_t flags[] = {
     {"listen", CONFIG_STRING, "0.0.0.0:50051", "gRPC address; port 0 picks a free port", &opt.listen, 0, 0},
@@ -128,6 +132,10 @@ static const config_flag_t flags[] = {
     {"transfer-grant-ms", CONFIG_INT, "600000",
      "how long a direct transfer's grants are good for, in ms; an upload not finished by then "
      "is undone", &opt.transfer_grant_ms, 100, 86400000},
+    {"server-fault", CONFIG_STRING, NULL,
+     "fault injection for tests: plan:slow=MS holds each PlanTransfer's answer MS ms once its "
+     "transfer is planned (a lost answer), plan:fail loses it (see core/platform/fault.h)",
+     &opt.server_fault, 0, 0},
     {"max-queued", CONFIG_INT, "8192",
      "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
     {"max-queued-bytes", CONFIG_BYTES, "256MiB",
@@ -396,6 +404,15 @@ int main(int argc, char **argv) {
                           .max_message_bytes = (int)opt.max_message_bytes};
   if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
 
+  if (opt.server_fault && *opt.server_fault) {
+    char why[400];
+    if (fault_parse(opt.server_fault, FAULT_SERVER_PLACES, &server_fault, why, sizeof why) != 0) {
+      snprintf(err, sizeof err, "--server-fault: %s", why);
+      return usage_error("meshd", err);
+    }
+    server_fault_on = true;
+    log_warn("meshd", "fault injection on: %s", opt.server_fault);
+  }
   url_policy_t urls;
   meshd_error_t ue;
   if (url_policy_parse(opt.url_allow, &urls, &ue)) return usage_error("meshd", ue.msg);
@@ -455,6 +472,7 @@ int main(int argc, char **argv) {
                                                                (int)opt.session_max_transfers) : NULL;
   if (data) data_service_set_path(data, data_path, opt.transfer_grant_ms);
   if (data) data_service_set_max_relays(data, (int)opt.max_relayed_transfers);
+  if (data && server_fault_on) data_service_set_fault(data, &server_fault);
   load_service_t *loads = sessions ? load_service_create(pool, sessions, &urls) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel

@@ -298,6 +298,58 @@ def test_a_planned_transfer_does_not_hold_its_sessions_lease(meshd_server):
         assert lib.trailer(e.value.trailing_metadata(), lib.KIND_MD) == "NO_SESSION", e.value
 
 
+def test_a_plan_whose_answer_is_lost_gives_its_slot_back_when_its_call_ends(meshd_server):
+    """A PlanTransfer whose client gave up before the answer came (its 0.5 s deadline
+    passed while the server held the answer: --server-fault plan:slow) never told the
+    client its transfer's id, so nobody will finish it. The server undoes it when the
+    call ends, not at the grants' expiry (60 s here): the session's one transfer slot
+    (--session-max-transfers 1) is free again within seconds, after a lost upload plan
+    and a lost fetch plan alike; the lost upload's ref stays undefined, and the session
+    works."""
+    import time
+    srv = meshd_server(2, "--transfer-grant-ms", "60000", "--session-max-transfers", "1",
+                       "--server-fault", "plan:slow=1500,count=2")
+    lib.wait_ready(srv, 2)
+    pb = lib.tensor_pb2()
+    with lib.Session(srv.port, "lost-plans") as s:
+        m = s.mesh(gpu=2)
+        x = s.tensor(m.ref, (8,), kind="ones")
+        fetch = pb.PlanTransferRequest(fetch=pb.FetchRequest(
+            ref=x.ref, coords=[pb.Coordinate(dim="gpu", index=1)]))
+        lost_ref = s.new_ref()
+        upload = pb.PlanTransferRequest(upload=pb.UploadHeader(
+            ref=lost_ref, mesh=m.ref, shape=[8], dtype=pb.DType.Value("DTYPE_FLOAT32"),
+            total_bytes=32))
+        def admitted(req, timeout):
+            """PlanTransfer, asked again while the session's slot is taken (8 s at most)."""
+            end = time.monotonic() + 8
+            while True:
+                try:
+                    return s.unary("PlanTransfer", req, pb.PlanTransferReply, timeout=timeout)
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    assert "--session-max-transfers" in err.details(), err.details()
+                    assert time.monotonic() < end, \
+                        "a lost plan held the session's transfer slot 8 s (until its grants expire)"
+                    time.sleep(0.1)
+
+        # the two plans held by the fault are lost; each frees the slot once the
+        # server's answer finds its call over, so the next one gets in
+        for lost in (upload, fetch):
+            with pytest.raises(grpc.RpcError) as e:
+                admitted(lost, 0.5)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+        # a plan whose answer came is the client's to finish, as ever
+        reply = admitted(fetch, 10)
+        s.unary("FinishFetch", pb.FinishFetchRequest(transfer_id=reply.transfer_id),
+                pb.FinishFetchReply, timeout=10)
+        e = s.fails("UNKNOWN_REF", lib.call("add", lib.Ref(lost_ref), 1.0, results=[s.new_ref()]))
+        assert "never defined" in str(e), e
+        assert s.op("add", lib.Ref(x.ref), 1.0)[0].ref
+    assert "the direct upload is undone" in open(srv.log).read()
+
+
 def _agent_metric(port, name):
     import urllib.request
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:

@@ -3,7 +3,7 @@ another's, a lost agent fails only the sessions with work on it, at once, and th
 pool serves new work as soon as the replacement registers.
 
 Real binaries (`meshd --local-agents N`); stalls come from the agents' fault
-injection (MESHD_FAULT, agent/fault.h), losses from SIGKILL of an agent the
+injection (MESHD_FAULT, core/platform/fault.h), losses from SIGKILL of an agent the
 server supervises. Every wait is bounded, so a hang fails the test."""
 
 import os

@@ -4,7 +4,7 @@ work per session, and a Sync, a CloseSession or an agent's loss always releases 
 paused stream.
 
 Real binaries (`meshd --local-agents 1 --session-max-queued B`); the agent is made
-slow with fault injection (MESHD_FAULT="reduce:slow=MS", agent/fault.h), so that each
+slow with fault injection (MESHD_FAULT="reduce:slow=MS", core/platform/fault.h), so that each
 Reduce takes MS on the agent while the server accepts it in microseconds. Every wait
 is bounded, so a hang fails the test."""
 

@@ -728,9 +728,9 @@ Test(refused, a_read_never_waits_for_a_later_instruction) {
   /* Slow reduces first on both streams, so that everything is routed (and
    * its cross-stream defs recorded) before the readers run. */
   executor_close(X);
-  static agent_fault_t slow;
+  static fault_t slow;
   char why[200];
-  cr_assert_eq(agent_fault_parse("reduce:slow=300", &slow, why, sizeof why), 0, "%s", why);
+  cr_assert_eq(fault_parse("reduce:slow=300", FAULT_AGENT_PLACES, &slow, why, sizeof why), 0, "%s", why);
   env.fault = &slow;
   X = executor_create(&env, on_report, NULL);
   kit_t k;

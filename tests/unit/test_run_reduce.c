@@ -53,10 +53,10 @@ typedef struct {
   _Atomic int64_t rank;
 } agent_t;
 
-static int open_agent_with(agent_t *a, const char *device, agent_fault_t *fault);
+static int open_agent_with(agent_t *a, const char *device, fault_t *fault);
 static int open_agent(agent_t *a, const char *device) { return open_agent_with(a, device, NULL); }
 
-static int open_agent_with(agent_t *a, const char *device, agent_fault_t *fault) {
+static int open_agent_with(agent_t *a, const char *device, fault_t *fault) {
   memset(a, 0, sizeof *a);
   const backend_ops_t *ops = backend_for_device(device);
   if (!ops) return -1;
@@ -216,9 +216,9 @@ Test(run_reduce, a_result_spec_the_rule_does_not_give_is_refused) {
  * own session only; the reports list that session behind, with its own
  * watermark, and PeerLost for it ends the hang. */
 Test(run_reduce, a_hung_reduce_holds_only_its_own_session) {
-  agent_fault_t fault;
+  fault_t fault;
   char why[200];
-  cr_assert_eq(agent_fault_parse("reduce:hang,count=1", &fault, why, sizeof why), 0, "%s", why);
+  cr_assert_eq(fault_parse("reduce:hang,count=1", FAULT_AGENT_PLACES, &fault, why, sizeof why), 0, "%s", why);
   agent_t a;
   open_agent_with(&a, "cpu", &fault);
   int64_t shape[1] = {4};
@@ -321,21 +321,29 @@ Test(run_reduce, a_group_or_send_without_a_secret_is_refused) {
  * it matches its rank, never an instruction, and any:... never matches it; a
  * mix of the two grammars is refused with what goes with what. */
 Test(run_reduce, the_hello_old_fault_is_the_registrations_alone) {
-  agent_fault_t f;
+  fault_t f;
   char why[200];
   int ms = 0;
-  cr_assert_eq(agent_fault_parse("hello:old,rank=1", &f, why, sizeof why), 0, "%s", why);
-  cr_assert_eq(agent_fault_hit(&f, "hello", 1, &ms), FAULT_OLD);
-  cr_assert_eq(agent_fault_hit(&f, "hello", 0, &ms), FAULT_NONE);
-  cr_assert_eq(agent_fault_hit(&f, "reduce", 1, &ms), FAULT_NONE);
-  cr_assert_eq(agent_fault_parse("any:fail", &f, why, sizeof why), 0, "%s", why);
-  cr_assert_eq(agent_fault_hit(&f, "hello", 0, &ms), FAULT_NONE);
-  cr_assert_eq(agent_fault_hit(&f, "send", 0, &ms), FAULT_FAIL);
-  cr_assert_eq(agent_fault_parse("hello:fail", &f, why, sizeof why), -1);
+  cr_assert_eq(fault_parse("hello:old,rank=1", FAULT_AGENT_PLACES, &f, why, sizeof why), 0, "%s", why);
+  cr_assert_eq(fault_hit(&f, "hello", 1, &ms), FAULT_OLD);
+  cr_assert_eq(fault_hit(&f, "hello", 0, &ms), FAULT_NONE);
+  cr_assert_eq(fault_hit(&f, "reduce", 1, &ms), FAULT_NONE);
+  cr_assert_eq(fault_parse("any:fail", FAULT_AGENT_PLACES, &f, why, sizeof why), 0, "%s", why);
+  cr_assert_eq(fault_hit(&f, "hello", 0, &ms), FAULT_NONE);
+  cr_assert_eq(fault_hit(&f, "send", 0, &ms), FAULT_FAIL);
+  cr_assert_eq(fault_parse("hello:fail", FAULT_AGENT_PLACES, &f, why, sizeof why), -1);
   cr_assert(strstr(why, "hello takes the ACTION old alone"), "%s", why);
-  cr_assert_eq(agent_fault_parse("reduce:old", &f, why, sizeof why), -1);
+  cr_assert_eq(fault_parse("reduce:old", FAULT_AGENT_PLACES, &f, why, sizeof why), -1);
   cr_assert(strstr(why, "ACTION old goes with WHERE hello"), "%s", why);
-  cr_assert_eq(agent_fault_parse("hello:old=5", &f, why, sizeof why), -1);
-  cr_assert_eq(agent_fault_parse("boot:old", &f, why, sizeof why), -1);
+  cr_assert_eq(fault_parse("hello:old=5", FAULT_AGENT_PLACES, &f, why, sizeof why), -1);
+  cr_assert_eq(fault_parse("boot:old", FAULT_AGENT_PLACES, &f, why, sizeof why), -1);
   cr_assert(strstr(why, "not one of reduce, send, any, hello"), "%s", why);
+  /* the server's places are its own (--server-fault): an agent's is refused */
+  cr_assert_eq(fault_parse("reduce:fail", FAULT_SERVER_PLACES, &f, why, sizeof why), -1);
+  cr_assert(strstr(why, "not one of plan"), "%s", why);
+  cr_assert_eq(fault_parse("plan:slow=20,count=1", FAULT_SERVER_PLACES, &f, why, sizeof why), 0,
+               "%s", why);
+  cr_assert_eq(fault_hit(&f, "plan", -1, &ms), FAULT_SLOW);
+  cr_assert_eq(ms, 20);
+  cr_assert_eq(fault_hit(&f, "plan", -1, &ms), FAULT_NONE);
 }

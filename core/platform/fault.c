@@ -12,7 +12,10 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
   return 0;
 }
 
-int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errlen) {
+const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "any", "hello", NULL};
+const char *const FAULT_SERVER_PLACES[] = {"plan", NULL};
+
+int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {
   memset(f, 0, sizeof *f);
   f->rank = -1;
   char buf[256];
@@ -28,10 +31,13 @@ int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errl
     return -1;
   }
   *colon = '\0';
-  if (strcmp(part, "reduce") && strcmp(part, "send") && strcmp(part, "any") &&
-      strcmp(part, "hello")) {
-    snprintf(err, errlen, "fault spec '%s': WHERE '%s' is not one of reduce, send, any, hello",
-             spec, part);
+  size_t k = 0;
+  while (places[k] && strcmp(places[k], part)) k++;
+  if (!places[k]) {
+    char known[128] = "";
+    for (size_t i = 0, len = 0; places[i] && len < sizeof known; i++)
+      len += (size_t)snprintf(known + len, sizeof known - len, "%s%s", i ? ", " : "", places[i]);
+    snprintf(err, errlen, "fault spec '%s': WHERE '%s' is not one of %s", spec, part, known);
     return -1;
   }
   snprintf(f->where, sizeof f->where, "%s", part);
@@ -77,7 +83,7 @@ int agent_fault_parse(const char *spec, agent_fault_t *f, char *err, size_t errl
   return 0;
 }
 
-fault_action_t agent_fault_hit(agent_fault_t *f, const char *where, int64_t rank, int *ms) {
+fault_action_t fault_hit(fault_t *f, const char *where, int64_t rank, int *ms) {
   if (!f || f->action == FAULT_NONE) return FAULT_NONE;
   bool any = !strcmp(f->where, "any") && strcmp(where, "hello"); /* instructions only */
   if (!any && strcmp(f->where, where)) return FAULT_NONE;
