@@ -540,6 +540,18 @@ static void sleep_ms(long ms) {
   }
 }
 
+/* The wait before a retry, looking at the caller's stop every 50 ms: false
+ * once it says stop (a session closed during a 5 s backoff ends its load
+ * now, not after it). */
+static bool backoff_wait(const xfer_t *x, long ms) {
+  while (ms > 0 && !caller_stopped(x)) {
+    long step = ms < 50 ? ms : 50;
+    sleep_ms(step);
+    ms -= step;
+  }
+  return !caller_stopped(x);
+}
+
 static url_fetch_opts_t with_defaults(const url_fetch_opts_t *in) {
   url_fetch_opts_t o = in ? *in : (url_fetch_opts_t){0};
   if (o.connect_timeout_ms <= 0) o.connect_timeout_ms = 10000;
@@ -650,8 +662,14 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
       x->skip = x->got = x->skipped = x->seen = 0;
       x->total = UINT64_MAX, x->refused[0] = x->why[0] = x->errbuf[0] = 0;
       out = outcome(x, curl_easy_perform(x->curl), url, http);
-      if (out != OUT_RETRY || attempt > o->max_retries || caller_stopped(x)) break;
-      sleep_ms(backoff);
+      if (out != OUT_RETRY || attempt > o->max_retries) break;
+      if (!backoff_wait(x, backoff)) {
+        char was[sizeof x->why];
+        snprintf(was, sizeof was, "%s", x->why);
+        fail(x, ERR_NO_SESSION, "stopped by its caller before a retry (it failed: %s)", was);
+        out = OUT_FAIL;
+        break;
+      }
       backoff = backoff > o->backoff_max_ms / 2 ? o->backoff_max_ms : backoff * 2;
     }
     if (out == OUT_OK && x->expect && !http && !file_is_expected(x, file_fd))

@@ -103,7 +103,7 @@ typedef struct url_fetch_opts {
   uint64_t max_bytes;       /* most body bytes one call reads [URL_FETCH_MAX_BYTES] */
   int max_redirects;        /* [5]; negative: none followed */
   /* Polled while a transfer runs (at least once a second, stalled or not)
-   * and before a retry; true ends the call at once with NO_SESSION ("stopped
+   * and every 50 ms of a retry's backoff; true ends the call at once with NO_SESSION ("stopped
    * by its caller"), not retried. NULL: never. */
   bool (*stop)(void *arg);
   void *stop_arg;

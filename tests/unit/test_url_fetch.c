@@ -258,6 +258,30 @@ Test(url_fetch, a_callers_stop_ends_the_wait) {
   HAS(e, "/slow/5000/10: stopped by its caller");
 }
 
+/* A stop that comes while the fetch waits to retry (a 5 s backoff here) ends
+ * it at once, as NO_SESSION naming why the last attempt failed; the retry
+ * never goes. */
+Test(url_fetch, a_callers_stop_ends_the_backoff_before_a_retry) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  url_fetch_opts_t o = quick;
+  o.max_retries = 3;
+  o.backoff_ms = 5000;
+  double t0 = now(), at = t0 + 0.3;
+  o.stop = stop_after;
+  o.stop_arg = &at;
+  url_fetch_info_t info;
+  cr_assert_eq(url_fetch_range(url("/flaky/stop/3/100"), 0, 10, buf, &o, &info, &e), -1);
+  cr_assert_lt(now() - t0, 2.0, "the backoff ran on past the stop: %.2f s", now() - t0);
+  cr_assert_eq(e.kind, ERR_NO_SESSION, "%s", e.msg);
+  cr_assert_eq(info.attempts, 1);
+  HAS(e, "stopped by its caller before a retry (it failed: HTTP 500");
+  char count[8] = {0};
+  size_t got;
+  cr_assert_eq(url_fetch_all(url("/count/stop"), count, sizeof count - 1, &got, &quick, NULL, &e), 0);
+  cr_assert_str_eq(count, "1", "no retry went after the stop");
+}
+
 Test(url_fetch, connection_refused) {
   int s = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
