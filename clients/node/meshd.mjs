@@ -964,8 +964,9 @@ export class Session {
   // bytes go by the session's dataPath, straight from `data` (no copy of the whole).
   // One deadline (the session's timeoutMs) from the upload's turn bounds all of it: the
   // pipelined answers it waits for, the plan, the Writes and FinishUpload, and a
-  // fallback to the proxy.
-  upload(mesh, shape, data, { stream = 0, perRank = false } = {}) {
+  // fallback to the proxy. Async: bad arguments reject, as every failure does (the
+  // body up to #inOrder still runs at the call, so the ref order is the call order).
+  async upload(mesh, shape, data, { stream = 0, perRank = false } = {}) {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: upload takes a Float32Array, Float64Array or integer typed array');
     if (this.#shut) return Promise.reject(Session.#noSession('upload'));

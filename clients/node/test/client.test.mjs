@@ -153,6 +153,19 @@ test('once close() is called, awaited or not, every call rejects NO_SESSION (UNA
   assert.deepEqual(m.log.filter((n) => n !== 'KeepAlive'), ['CreateSession', 'Execute', 'CloseSession']);
 });
 
+test('upload() and literal() reject bad data (a TypeError), never throw at the call', async () => {
+  const m = await fakeMeshd();
+  const s = await open(m.addr, { timeoutMs: 5000 });
+  for (const [name, go] of [['upload', () => s.upload(1, [2], [1, 2])], ['literal', () => s.literal(1, [2], 'ab')],
+    ['upload', () => s.upload(undefined, [2], new Float32Array(2))]]) {
+    let p;
+    assert.doesNotThrow(() => { p = go(); }, `${name} threw at the call`);
+    await assert.rejects(p, TypeError, `${name} did not reject a TypeError`);
+  }
+  await s.close();
+  assert.deepEqual(m.log.filter((n) => n !== 'KeepAlive'), ['CreateSession', 'CloseSession']);
+});
+
 test('a pipelined call that close() leaves unanswered rejects NO_SESSION with code UNAUTHENTICATED', async () => {
   const m = await fakeMeshd({ Submit: (call) => { call.on('data', () => {}); } }); // never answers
   const s = await open(m.addr, { timeoutMs: 300 });
