@@ -29,8 +29,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "agent.h"
+#include "fault.h"
 #include "execute.h"
 #include "grant.h"
 #include "log.h"
@@ -353,6 +355,22 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
                                   0, 0, &g, msg, sizeof msg);
   if (code) return write_fail(call, w, (grpc_status_code)code, grant_kind(code), msg);
   w->granted = true;
+  int ms = 0;
+  const agent_info_t *info = arg;
+  switch (fault_hit(info ? info->env.fault : NULL, "write", atomic_load(&agent_rank), &ms)) {
+    case FAULT_FAIL:
+      protobuf_c_message_free_unpacked(&g->base, NULL);
+      snprintf(msg, sizeof msg, "injected fault (MESHD_FAULT) on rank %lld; nothing was stored",
+               (long long)atomic_load(&agent_rank));
+      return write_fail(call, w, GRPC_STATUS_UNAVAILABLE, "REMOTE_FAILURE", msg);
+    case FAULT_SLOW: {
+      struct timespec d = {ms / 1000, (long)(ms % 1000) * 1000000L};
+      nanosleep(&d, NULL);
+      break;
+    }
+    default:
+      break;
+  }
   memcpy(w->nonce, g->nonce.data, GRANT_NONCE_LEN);
   w->expiry_ms = g->expiry_unix_ms;
   transfer_grant_watch(&w->watch, call, "Write", w->expiry_ms);

@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -583,7 +584,31 @@ typedef struct {
   bool *ok;
   direct_err_t *errs;
   rpc_hold_t *hold; /* the messages that reference data */
+  /* The shards' streams while they run (under mu): the first shard to fail
+   * cancels the others, so that the upload ends on its error, not at the
+   * deadline of a shard still writing; `first` is its index (SIZE_MAX: none). */
+  pthread_mutex_t mu;
+  rpc_stream_t **streams;
+  size_t first;
 } upload_t;
+
+/* Shard i's stream runs (s) or ended (NULL, failed: it did not finish with a
+ * receipt). The first failure cancels every other shard still running. */
+static void upload_track(upload_t *u, size_t i, rpc_stream_t *s, bool failed) {
+  pthread_mutex_lock(&u->mu);
+  u->streams[i] = NULL;
+  if (s && u->first != SIZE_MAX)
+    rpc_stream_cancel(s); /* another shard failed already: this one is not needed */
+  else if (s)
+    u->streams[i] = s;
+  if (failed && u->first == SIZE_MAX) {
+    u->first = i;
+    for (size_t j = 0; j < u->p->n_shards; j++)
+      if (u->streams[j])
+        rpc_stream_cancel(u->streams[j]);
+  }
+  pthread_mutex_unlock(&u->mu);
+}
 
 static void write_shard(void *arg, size_t i) {
   upload_t *u = arg;
@@ -598,6 +623,8 @@ static void write_shard(void *arg, size_t i) {
   }
   rpc_md_t md = {GRANT_MD, g};
   rpc_stream_t *s = rpc_stream_open(u->chans[i], AGENT "Write", &md, 1, u->timeout_ms);
+  if (s)
+    upload_track(u, i, s, false);
   int rc = s ? 0 : -1;
   for (size_t off = 0; rc == 0 && off < u->each; off += WRITE_CHUNK) {
     size_t n = u->each - off < WRITE_CHUNK ? u->each - off : WRITE_CHUNK;
@@ -654,6 +681,7 @@ static void write_shard(void *arg, size_t i) {
                    "direct upload, rank %u (agent %s): the agent sent no WriteReply", sh->rank,
                    sh->address);
   }
+  upload_track(u, i, NULL, !u->ok[i]);
   rpc_stream_destroy(s);
   free(g);
 }
@@ -754,10 +782,13 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   u.macs = calloc(n ? n : 1, sizeof *u.macs);
   u.ok = calloc(n ? n : 1, sizeof *u.ok);
   u.errs = calloc(n ? n : 1, sizeof *u.errs);
+  u.streams = calloc(n ? n : 1, sizeof *u.streams);
+  u.first = SIZE_MAX;
+  pthread_mutex_init(&u.mu, NULL);
   Meshd__V1__WriteReceipt **done = calloc(n ? n : 1, sizeof *done);
   u.hold = rpc_hold_create();
   rpc_status_t st;
-  if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !done || !u.hold) {
+  if (!u.chans || !u.receipts || !u.macs || !u.ok || !u.errs || !u.streams || !done || !u.hold) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct upload: out of memory");
     abandon_upload(s, p->transfer_id, end);
     rc = DIRECT_FAILED;
@@ -785,7 +816,7 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
     if (u.ok[i])
       done[nd++] = &u.receipts[i];
     else if (rc == DIRECT_DONE) {
-      *e = u.errs[i];
+      *e = u.errs[u.first < n ? u.first : i]; /* the cause, not a shard it stopped */
       rc = DIRECT_FAILED;
     }
   }
@@ -812,6 +843,8 @@ out:
   free(u.macs);
   free(u.ok);
   free(u.errs);
+  free(u.streams);
+  pthread_mutex_destroy(&u.mu);
   free(done);
   protobuf_c_message_free_unpacked(&p->base, NULL);
   return rc;

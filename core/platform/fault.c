@@ -12,7 +12,7 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
   return 0;
 }
 
-const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "any", "hello", NULL};
+const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "any", "hello", "write", NULL};
 const char *const FAULT_SERVER_PLACES[] = {"plan", NULL};
 
 int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {
@@ -85,7 +85,8 @@ int fault_parse(const char *spec, const char *const *places, fault_t *f, char *e
 
 fault_action_t fault_hit(fault_t *f, const char *where, int64_t rank, int *ms) {
   if (!f || f->action == FAULT_NONE) return FAULT_NONE;
-  bool any = !strcmp(f->where, "any") && strcmp(where, "hello"); /* instructions only */
+  bool any = !strcmp(f->where, "any") && /* the agent's instructions only */
+             (!strcmp(where, "reduce") || !strcmp(where, "send"));
   if (!any && strcmp(f->where, where)) return FAULT_NONE;
   if (f->rank >= 0 && f->rank != rank) return FAULT_NONE;
   if (atomic_fetch_add(&f->seen, 1) < f->after) return FAULT_NONE;

@@ -2979,3 +2979,63 @@ Test(c_client_slow, a_sync_behind_a_pipeline_keeps_one_deadline) {
   meshd_session_close(s);
   meshd_close(c);
 }
+
+/* rank 1's agent takes one Write, then refuses every other */
+static void start_write_refused_rank1(void) { start_server_fault("write:fail,rank=1,after=1", NULL); }
+
+TestSuite(c_client_write_fault, .init = start_write_refused_rank1, .fini = stop_server, .timeout = 60);
+
+/* A direct upload whose rank-1 agent refuses its Write at once (an injected
+ * fault) while rank 0's agent stops reading (SIGSTOPped): the first shard to
+ * fail cancels the others (a healthy one would write its whole shard for
+ * nothing), and the caller is told that cause, not the error of a shard it
+ * stopped or of one that went on failing after (rank 0's, which came first in
+ * rank order). It ends before the 10 s deadline; the session works after. */
+Test(c_client_write_fault, a_direct_upload_ends_on_its_first_failed_shard) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 10000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  /* the channels to both agents, open before rank 1 stops */
+  cr_assert_eq(round_trip(s, m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  pid_t pid = agent_pid(0);
+  cr_assert_gt(pid, 0, "no rank-0 agent child of meshd %d", (int)server_pid);
+  stop_agent(pid);
+  size_t each = 48u << 20; /* far past what the sockets and windows buffer */
+  uint8_t *data = malloc(2 * each);
+  cr_assert_not_null(data);
+  fill(data, 2 * each, 6);
+  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
+  o.per_rank = true;
+  int64_t shape[] = {(int64_t)each};
+  meshd_ref_t t = 0;
+  int64_t t0 = now_ms();
+  meshd_err_t rc = meshd_session_upload_with(s, m, "uint8", shape, 1, data, 2 * each, &o, &t);
+  int64_t took = now_ms() - t0;
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  free(data);
+  cr_assert_neq(rc, MESHD_E_OK, "an upload whose rank 1 refused its Write succeeded");
+  const char *msg = meshd_last_error(c)->message;
+  cr_assert(strstr(msg, "rank 1") && strstr(msg, "injected fault"), "not the cause: %s", msg);
+  cr_assert_lt(took, 9000, "the upload took %lld ms (deadline 10000 ms): %s", (long long)took,
+               msg);
+  /* rank 0, stopped 5 s, may have been declared lost: a new mesh uses its
+   * replacement */
+  meshd_ref_t x = 0, m2 = 0;
+  int64_t four[] = {4}, two[] = {2};
+  const char *dims[] = {"gpu"};
+  int64_t t1 = now_ms();
+  do {
+    rc = meshd_session_create_mesh(s, dims, two, 1, &m2);
+    if (rc == MESHD_E_OK)
+      rc = meshd_session_factory(s, m2, "ones", four, 1, 0, &x);
+    if (rc != MESHD_E_OK)
+      sleep_ms(200);
+  } while (rc != MESHD_E_OK && now_ms() - t1 < 20000);
+  cr_assert_eq(rc, MESHD_E_OK, "the session after: %s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
