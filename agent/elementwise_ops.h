@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "ops.h"
 
 #ifdef __CUDACC__
@@ -140,6 +141,19 @@ EW_FN double ew_qnan(void) {
   return d;
 }
 EW_FN bool ew_is_nan(double v) { return v != v; }
+
+/* v rounded to float32, float16 or bfloat16 (other dtypes: v itself): a
+ * comparison's operands are cast to their common dtype first, and a sum's or
+ * product's input to its dtype=, as torch and numpy do (float32 0.1 == 0.1
+ * holds). */
+EW_FN double ew_round_to(dtype_t dt, double v) {
+  switch (dt) {
+  case DTYPE_FLOAT32: return (float)v;
+  case DTYPE_FLOAT16: return half_to_float(float_to_half((float)v));
+  case DTYPE_BFLOAT16: return bf16_to_float(float_to_bf16((float)v));
+  default: return v;
+  }
+}
 
 /* ---- binary ---- */
 

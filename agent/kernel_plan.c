@@ -106,6 +106,9 @@ kernel_binary_t kernel_binary_plan(const kernel_call_t *c) {
   }
   p.is_int = p.op == B_DIV || p.op == B_LAND || p.op == B_LOR ? false : !dtype_is_floating(p.rt);
   if (p.op >= B_BAND) p.is_int = true;
+  /* torch casts a comparison's operands to their common dtype: a float64
+   * scalar or 0-dim tensor against a float32 tensor compares as float32. */
+  if (!p.is_int && p.op >= B_EQ && p.op <= B_GE) p.round_to = p.rt;
   return p;
 }
 

@@ -55,6 +55,8 @@ typedef struct kernel_binary {
   double alpha_f;  /* add/sub's alpha (1 without), as double and as int64 */
   int64_t alpha_i;
   dtype_t rt;      /* the result type of self and other (ops_result_type) */
+  dtype_t round_to; /* comparisons computed in double: both operands rounded to
+                       this dtype first (ew_round_to); DTYPE_INVALID: none */
 } kernel_binary_t;
 
 kernel_binary_t kernel_binary_plan(const kernel_call_t *c);

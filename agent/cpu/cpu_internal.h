@@ -100,7 +100,9 @@ static inline void cpu_st_i(dtype_t dt, char *p, int64_t i) {
   case DTYPE_INT32: { int32_t x = (int32_t)i; memcpy(p, &x, 4); return; }
   case DTYPE_INT64: memcpy(p, &i, 8); return;
   case DTYPE_BOOL: *(uint8_t *)p = i != 0; return;
-  default: cpu_st_f(dt, p, (double)i); return;
+  case DTYPE_FLOAT64: cpu_st_f(dt, p, (double)i); return;
+  /* rounded once, to float: through double, 2^60 + 2^36 + 1 fell on a tie */
+  default: cpu_st_f(dt, p, (double)(float)i); return;
   }
 }
 

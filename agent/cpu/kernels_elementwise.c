@@ -13,6 +13,7 @@ typedef struct {
   int op;
   bool is_int;       /* computed as int64 */
   dtype_t out, in[3];
+  dtype_t round_to; /* kernel_binary_t.round_to */
   double alpha_f;
   int64_t alpha_i;
   _Atomic int zero_div; /* an integer division by zero happened */
@@ -52,6 +53,7 @@ static void bin_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   } else {
     for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2]) {
       double a = cpu_ld_f(c->in[0], x), b = cpu_ld_f(c->in[1], y);
+      if (c->round_to) a = ew_round_to(c->round_to, a), b = ew_round_to(c->round_to, b);
       cpu_st_f(c->out, o, ew_bin_f(c->op, c->alpha_f, a, b));
     }
   }
@@ -99,7 +101,8 @@ int cpu_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   const op_args_t *a = c->a;
   kernel_binary_t bp = kernel_binary_plan(c);
   dtype_t rt = bp.rt;
-  ew_ctx_t x = {.op = bp.op, .is_int = bp.is_int, .alpha_f = bp.alpha_f, .alpha_i = bp.alpha_i};
+  ew_ctx_t x = {.op = bp.op, .is_int = bp.is_int, .alpha_f = bp.alpha_f, .alpha_i = bp.alpha_i,
+                .round_to = bp.round_to};
   agent_tensor_t *out = output_of(c);
   x.out = out->meta.dtype;
   cpu_iter_t it;

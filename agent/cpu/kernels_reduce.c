@@ -5,12 +5,14 @@
 #include <string.h>
 
 #include "cpu_internal.h"
+#include "elementwise_ops.h"
 #include "kernel_plan.h"
 
 typedef struct {
   kernel_reduce_plan_t p; /* kernel_plan.h */
   int op;                 /* kernel_reduce_op_t */
   bool is_int;
+  bool cast_in; /* sum/prod/mean with dtype=: each input value cast to out_dt first */
   dtype_t in_dt, out_dt;
   const char *in;
   char *out, *idx; /* idx: int64 indices (max/min with dim), or NULL */
@@ -59,13 +61,15 @@ static void reduce_range(void *p, int64_t begin, int64_t end) {
       for (int64_t t = 0; t < inner_n; t++, q += inner_s) {
         int64_t pos = n + t;
         if (r->is_int) {
-          int64_t v = cpu_ld_i(r->in_dt, q);
+          int64_t v = r->cast_in && r->out_dt == DTYPE_BOOL ? cpu_ld_f(r->in_dt, q) != 0
+                                                            : cpu_ld_i(r->in_dt, q);
           if (r->op == REDUCE_SUM || r->op == REDUCE_MEAN)
             acci = (int64_t)((uint64_t)acci + (uint64_t)v);
           else if (r->op == REDUCE_PROD) acci = (int64_t)((uint64_t)acci * (uint64_t)v);
           else if (best < 0 || (is_max ? v > acci : v < acci)) acci = v, best = pos;
         } else {
           double v = cpu_ld_f(r->in_dt, q);
+          if (r->cast_in) v = ew_round_to(r->out_dt, v);
           if (r->op == REDUCE_SUM || r->op == REDUCE_MEAN) accf += v;
           else if (r->op == REDUCE_PROD) accf *= v;
           else if (!nan_seen) {
@@ -99,6 +103,7 @@ int cpu_kernel_reduce(const kernel_call_t *c, meshd_error_t *e) {
   /* sums and products accumulate in the result dtype, max/min compare in self's */
   r.is_int = r.op <= REDUCE_PROD ? cpu_is_int(r.out_dt) && r.op != REDUCE_MEAN
                                  : cpu_is_int(r.in_dt);
+  r.cast_in = r.op <= REDUCE_PROD && r.in_dt != r.out_dt;
   kernel_reduce_plan(&r.p, in, mask, &out->meta.layout, (int64_t)dtype_size(r.out_dt), false);
   int64_t nout = layout_numel(&out->meta.layout);
   int64_t grain = r.p.rcount >= 4096 ? 1 : 4096 / (r.p.rcount ? r.p.rcount : 1);

@@ -111,7 +111,8 @@ CU_HD void cu_st_i(dtype_t dt, char *p, int64_t i) {
     case DTYPE_INT32: *(int32_t *)p = (int32_t)i; return;
     case DTYPE_INT64: *(int64_t *)p = i; return;
     case DTYPE_BOOL: *(uint8_t *)p = i != 0; return;
-    default: cu_st_f(dt, p, (double)i); return;
+    case DTYPE_FLOAT64: cu_st_f(dt, p, (double)i); return;
+    default: cu_st_f(dt, p, (double)(float)i); return; /* rounded once, as the cpu's */
   }
 }
 

@@ -70,6 +70,7 @@ struct Binary {
   scal_t s[2];
   int op;
   bool is_int, f32;
+  dtype_t round_to; /* kernel_binary_t.round_to */
   double alpha_f;
   int64_t alpha_i;
   float alpha32;
@@ -85,8 +86,9 @@ struct Binary {
               ew_bin_i(op, alpha_i, ld_i(s[0], it.dt[1], p[1]), ld_i(s[1], it.dt[2], p[2]),
                        zero_div));
     } else {
-      cu_st_f(it.dt[0], p[0],
-              ew_bin_f(op, alpha_f, ld_f(s[0], it.dt[1], p[1]), ld_f(s[1], it.dt[2], p[2])));
+      double a = ld_f(s[0], it.dt[1], p[1]), b = ld_f(s[1], it.dt[2], p[2]);
+      if (round_to) a = ew_round_to(round_to, a), b = ew_round_to(round_to, b);
+      cu_st_f(it.dt[0], p[0], ew_bin_f(op, alpha_f, a, b));
     }
   }
 };
@@ -103,6 +105,7 @@ extern "C" int cuda_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   x.is_int = bp.is_int;
   x.alpha_f = bp.alpha_f;
   x.alpha_i = bp.alpha_i;
+  x.round_to = bp.round_to;
   x.alpha32 = (float)x.alpha_f;
   agent_tensor_t *out = output_of(c);
   cu_iter_init(&x.it, out->meta.layout.sizes, out->meta.layout.ndim);

@@ -26,6 +26,7 @@ extern "C" {
 #include <math.h>
 
 #include "kernels.cuh"
+#include "elementwise_ops.h"
 #include "kernel_plan.h"
 
 /* One chunk covers up to RED_SEQ_MAX reduced elements; past that, outputs are
@@ -130,6 +131,7 @@ struct red_args_t {
   red_plan_t p;
   int op;
   bool is_int;
+  bool cast_in; /* sum/prod/mean with dtype=: each input value cast to out_dt first */
   dtype_t in_dt, out_dt;
   const char *in;
   char *out, *idx; /* idx: int64 indices (max/min with dim), or NULL */
@@ -152,13 +154,14 @@ struct red_args_t {
     for (int64_t pos = p0; pos < p1; pos++, w.next(p)) {
       const char *q = in + in_off + w.off;
       if (is_int) {
-        int64_t v = cu_ld_i(in_dt, q);
+        int64_t v = cast_in && out_dt == DTYPE_BOOL ? cu_ld_f(in_dt, q) != 0 : cu_ld_i(in_dt, q);
         if (op == REDUCE_SUM || op == REDUCE_MEAN)
           a.i = (int64_t)((uint64_t)a.i + (uint64_t)v);
         else if (op == REDUCE_PROD) a.i = (int64_t)((uint64_t)a.i * (uint64_t)v);
         else if (a.best < 0 || (mx ? v > a.i : v < a.i)) a.i = v, a.best = pos;
       } else {
         double v = cu_ld_f(in_dt, q);
+        if (cast_in) v = ew_round_to(out_dt, v);
         if (op == REDUCE_SUM || op == REDUCE_MEAN) a.f += v;
         else if (op == REDUCE_PROD) a.f *= v;
         else if (!a.nan) {
@@ -260,6 +263,7 @@ extern "C" int cuda_kernel_reduce(const kernel_call_t *c, meshd_error_t *e) {
   /* sums and products accumulate in the result dtype, max/min compare in self's */
   r.is_int = r.op <= REDUCE_PROD ? cu_is_int(r.out_dt) && r.op != REDUCE_MEAN
                                  : cu_is_int(r.in_dt);
+  r.cast_in = r.op <= REDUCE_PROD && r.in_dt != r.out_dt;
   kernel_reduce_plan(&r.p, in, mask, &out->meta.layout, r.out_esz, false);
   int64_t nout = layout_numel(&out->meta.layout);
   plan_chunks(nout, r.p.rcount, &r.nch, &r.chunk);

@@ -128,6 +128,18 @@ for _n, _f in (("eq", np.equal), ("ne", np.not_equal), ("lt", np.less), ("le", n
     _binary(_n, _f, scalar=0.0)
 
 
+@case("eq", "compare-inexact-scalar")
+def _compare_inexact(c):
+    # numpy (and torch) cast 0.1 to the tensor's float32 / float16 before comparing
+    x = np.array([0.1, 0.2, 0.3], np.float32)
+    r = c.fresh(x)
+    h = Ref(c.op("to", r, DT("float16"))[0])
+    xh = x.astype(np.float16)
+    return (one(c, "eq", x == 0.1, r, 0.1) + one(c, "gt", x > 0.1, r, 0.1)
+            + one(c, "le", x <= 0.2, r, 0.2) + one(c, "eq", xh == 0.1, h, 0.1)
+            + one(c, "lt", xh < 0.3, h, 0.3))
+
+
 @case("add", "add-alpha")
 def _add_alpha(c):
     return one(c, "add", A + 3 * B, c.A, c.B, alpha=3) + \
@@ -192,6 +204,17 @@ def _sum(c):
             + one(c, "sum", A.sum(0, keepdims=True), c.A, [0], True)
             + one(c, "sum", M3.sum((0, 2)), c.M3, [0, 2])
             + one(c, "sum", AI.sum(1).astype(np.int64), c.AI, [1]))
+
+
+@case("sum", "sum-dtype-casts-first")
+def _sum_dtype(c):
+    # numpy and torch cast the input to dtype= before summing
+    f = np.array([[0.5, -0.5], [0.0, 0.0]], np.float32)
+    i = np.array([[2049, 1], [3, 5]], np.int64)
+    h = Ref(c.op("sum", c.fresh(i), [1], dtype=DT("float16"))[0])
+    return (one(c, "sum", f.sum(1, dtype=bool), c.fresh(f), [1], dtype=DT("bool"))
+            + one(c, "sum", i.sum(dtype=bool), c.fresh(i * [[1, -1], [0, 0]]), dtype=DT("bool"))
+            + one(c, "to", i.sum(1, dtype=np.float16).astype(np.float32), h, DT("float32")))
 
 
 @case("mean")
@@ -420,6 +443,15 @@ def test_op_against_numpy(ctx, opname, label, fn):
     for i, (ref, want) in enumerate(pairs):
         for g in (0, 1):
             _close(fetch(ctx.s, ref, gpu=g), want, f"{label}[{i}] rank {g}")
+
+
+def test_int64_to_float32_rounds_like_numpy(ctx):
+    # exact: numpy rounds int64 -> float32 once; through double these landed on a tie
+    x = np.array([2**60 + 2**36 + 1, 2**53 + 1, -(2**62 + 2**38 + 1), 7], np.int64)
+    r = ctx.fresh(x)
+    for op in ("to", "cast"):
+        got = fetch(ctx.s, ctx.op(op, r, DT("float32"))[0], gpu=1)
+        np.testing.assert_array_equal(got, x.astype(np.float32), err_msg=op)
 
 
 def test_factories(ctx):

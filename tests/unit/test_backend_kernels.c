@@ -970,3 +970,53 @@ Test(kernels, large_elementwise_and_reduce) {
   OPS->to_host(&B, NULL, g, gv, &e);
   for (int i = 0; i < N; i += 997) cr_assert_eq(gv[i], 2.0f * (float)i);
 }
+
+/* ---- torch's casts: comparisons, dtype=, int64 to float ---- */
+
+/* A comparison casts both operands to their result type first (torch, numpy):
+ * float32(0.1) == 0.1 is true, as float16(0.1) == 0.1 is. */
+Test(kernels, comparison_with_a_wider_scalar_rounds_it_to_the_result_type) {
+  agent_tensor_t *x = F32(SZ(3), 0.1f, 0.2f, 0.3f);
+  EXPECT_I(RUN("eq", VT(x), VF(0.1)), DTYPE_BOOL, 1, 0, 0);
+  EXPECT_I(RUN("ne", VT(x), VF(0.1)), DTYPE_BOOL, 0, 1, 1);
+  EXPECT_I(RUN("gt", VT(x), VF(0.1)), DTYPE_BOOL, 0, 1, 1);
+  EXPECT_I(RUN("le", VT(x), VF(0.2)), DTYPE_BOOL, 1, 1, 0);
+  /* a 0-dim float64 tensor does not promote a float32 one: float32 comparison */
+  agent_tensor_t *s = tensor(DTYPE_FLOAT64, 0, NULL, (const double[]){0.3});
+  EXPECT_I(RUN("eq", VT(x), VT(s)), DTYPE_BOOL, 0, 0, 1);
+  agent_tensor_t *h = RUN("to", VT(x), VD(DTYPE_FLOAT16));
+  EXPECT_I(RUN("eq", VT(h), VF(0.1)), DTYPE_BOOL, 1, 0, 0);
+  EXPECT_I(RUN("lt", VT(h), VF(0.3)), DTYPE_BOOL, 1, 1, 0);
+  agent_tensor_t *b = RUN("to", VT(x), VD(DTYPE_BFLOAT16));
+  EXPECT_I(RUN("ge", VT(b), VF(0.2)), DTYPE_BOOL, 0, 1, 1);
+  /* an int64 tensor against a float scalar compares in float32 (torch) */
+  EXPECT_I(RUN("eq", VT(I64(SZ(1), 16777217)), VF(16777216.0)), DTYPE_BOOL, 1);
+}
+
+/* int64 -> float32 rounds once (numpy, torch): through double first, a value
+ * just above a float32 tie landed on the tie and went to even. */
+Test(kernels, int64_to_float32_rounds_once) {
+  const int64_t v[3] = {(INT64_C(1) << 60) + (INT64_C(1) << 36) + 1, (INT64_C(1) << 53) + 1,
+                        -((INT64_C(1) << 62) + (INT64_C(1) << 38) + 1)};
+  agent_tensor_t *x = tensor(DTYPE_INT64, 1, (const int64_t[]){3}, v);
+  float got[3];
+  meshd_error_t e;
+  cr_assert_eq(OPS->to_host(&B, NULL, RUN("to", VT(x), VD(DTYPE_FLOAT32)), got, &e), 0);
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(got[i], (float)v[i], "element %d: %.1f, want %.1f", i, (double)got[i],
+                 (double)(float)v[i]);
+}
+
+/* sum/prod with dtype= cast the input to that dtype first (torch, numpy): to
+ * bool, every nonzero value is true (an "any"); to float16, each value is
+ * rounded to float16 before the sum. */
+Test(kernels, reduce_with_dtype_casts_the_input_first) {
+  const op_kwarg_t to_bool[] = {{"dtype", VD(DTYPE_BOOL)}}, to_half[] = {{"dtype", VD(DTYPE_FLOAT16)}};
+  EXPECT_I(RUNKW("sum", ARGS(VT(F32(SZ(2), 0.5, -0.5))), to_bool, 1), DTYPE_BOOL, 1);
+  EXPECT_I(RUNKW("sum", ARGS(VT(I64(SZ(2), 1, -1))), to_bool, 1), DTYPE_BOOL, 1);
+  EXPECT_I(RUNKW("sum", ARGS(VT(F32(SZ(2), 0, 0))), to_bool, 1), DTYPE_BOOL, 0);
+  /* 2049 is 2048 in float16: 2048 + 1 rounds back to 2048 */
+  EXPECT_F(RUNKW("sum", ARGS(VT(I64(SZ(2), 2049, 1))), to_half, 1), DTYPE_FLOAT16, 2048);
+  EXPECT_F(RUNKW("prod", ARGS(VT(F64(SZ(2), 1 + 0x1p-12, 1 + 0x1p-12))), to_half, 1),
+           DTYPE_FLOAT16, 1);
+}
