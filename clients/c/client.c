@@ -755,6 +755,8 @@ out:
   return s;
 }
 
+#define CLOSE_LAST_TRY_MS 250
+
 void meshd_session_close(meshd_session_t *s) {
   if (!s)
     return;
@@ -765,14 +767,20 @@ void meshd_session_close(meshd_session_t *s) {
     pthread_cond_signal(&s->ka_cv);
     pthread_mutex_unlock(&s->ka_mu);
   }
-  /* What is queued runs before the session goes; its rejections go unreported. */
+  /* One deadline, the client's timeout, for all of it: what is queued runs
+   * before the session goes (its rejections go unreported), then
+   * CloseSession, with at least CLOSE_LAST_TRY_MS should the pipeline have
+   * taken the rest (a frozen server held a close three timeouts). */
+  int64_t end = rpc_now_ms() + s->client->timeout_ms;
   pipeline_close(s->pipe, s->client->timeout_ms, NULL, NULL);
   s->pipe = NULL;
+  int64_t left = end - rpc_now_ms();
   Meshd__V1__CloseSessionRequest req = MESHD__V1__CLOSE_SESSION_REQUEST__INIT;
   saved_error_t saved; /* not reported: keep the last error */
   error_save(s->client, &saved);
-  if (call_md(s->client, TS "CloseSession", &req.base, &meshd__v1__close_session_reply__descriptor,
-              &resp, s->md, s->nmd) == MESHD_E_OK)
+  if (call_md_timeout(s->client, TS "CloseSession", &req.base,
+                      &meshd__v1__close_session_reply__descriptor, &resp, s->md, s->nmd,
+                      left > CLOSE_LAST_TRY_MS ? (int)left : CLOSE_LAST_TRY_MS) == MESHD_E_OK)
     protobuf_c_message_free_unpacked(resp, NULL);
   error_restore(s->client, &saved);
   session_free(s);

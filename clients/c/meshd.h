@@ -279,10 +279,11 @@ typedef uint64_t meshd_ref_t;
 MESHD_API meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name,
                                               meshd_err_t *err);
 
-/* Stops the keepalive thread, CloseSession (the server frees the session's
- * tensors), joins the thread (it may finish a KeepAlive in flight: at most
- * 5 s), then frees the handle. NULL is ignored. A failed CloseSession is not
- * reported: the session expires. */
+/* Stops the keepalive thread, sends what a pipeline has queued, CloseSession
+ * (the server frees the session's tensors), joins the thread (it may finish a
+ * KeepAlive in flight), then frees the handle: within about the client's
+ * timeout in all, even from a server that stopped answering. NULL is ignored.
+ * A failed CloseSession is not reported: the session expires. */
 MESHD_API void meshd_session_close(meshd_session_t *session);
 
 /* CreateMesh over dims names[i] of sizes[i] (ndims >= 1); *mesh_out gets its ref. */

@@ -552,10 +552,12 @@ int pipeline_close(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   if (p->st && p->reader_started) {
     direct_err_t dropped;
     uint64_t dropped_seq;
+    /* One deadline for the flush and the half-close: a frozen server holds
+     * the caller timeout_ms, not twice that. */
+    int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
     ret = pipeline_flush(p, timeout_ms, e ? e : &dropped, seq ? seq : &dropped_seq);
     /* The half-close goes after what is in flight; a server that still does
      * not read gets none, and the cancel below ends the call. */
-    int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
     pthread_mutex_lock(&p->mu);
     if (writer_take(p, deadline)) {
       if (collect_in_flight(p, deadline) == 0 && !p->write_failed) {

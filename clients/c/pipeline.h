@@ -73,9 +73,9 @@ bool pipeline_over(pipeline_t *p);
 /* The pipeline's counters. */
 void pipeline_stats(pipeline_t *p, meshd_pipeline_stats_t *out);
 
-/* Flushes (waiting at most timeout_ms), half-closes the stream, waits for its
- * end (cancels it past timeout_ms), joins the threads and frees p: at most
- * about twice timeout_ms, even with a server that stopped reading. Returns
+/* Flushes, half-closes the stream, waits for its end (cancels it past
+ * timeout_ms, one deadline for all of it), joins the threads and frees p: at
+ * most about timeout_ms, even with a server that stopped reading. Returns
  * that flush's result (pipeline_flush: 0, or -1 with e and *seq; e and seq
  * may be NULL: dropped). NULL p is ignored (0). */
 int pipeline_close(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq);

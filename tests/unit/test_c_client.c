@@ -1045,6 +1045,37 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
   meshd_close(c);
 }
 
+/* A server that stops answering (SIGSTOPped) while a pipeline has commands
+ * queued: meshd_session_close holds the caller about the client's timeout
+ * (1 s), not once for the pipeline's flush, once for its half-close and once
+ * more for CloseSession (3 s and more). */
+Test(c_client_lease, closing_a_session_on_a_frozen_server_takes_one_timeout) {
+  meshd_err_t err;
+  meshd_client_t *c = meshd_connect(target, 1000, &err);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_session_t *s = meshd_session_open(c, "c-frozen", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2};
+  meshd_ref_t m = 0, x = 0, y = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
+  meshd_pipeline_options_t po = {.max_batch = 64, .max_delay_us = 1000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  stop_agent(server_pid); /* the server, and its agents keep running */
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
+  for (int i = 0; i < 10; i++)
+    cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK, "%s",
+                 meshd_last_error(c)->message);
+  int64_t t0 = now_ms();
+  meshd_session_close(s);
+  int64_t took = now_ms() - t0;
+  kill(server_pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_lt(took, 1900, "closing took %lld ms with a 1000 ms timeout", (long long)took);
+  meshd_close(c);
+}
+
 /* ------------------------------------------- connect options (no server) */
 
 static char pki[128]; /* make_certs.sh's folder, for the suites below */
