@@ -175,6 +175,7 @@ class Session:
         self._ch = _conn.open_channel(addr, creds, _OPTIONS)
         self._calls: dict = {}  # (method, reply class) -> grpc callable
         self._lock = threading.Lock()
+        self._close_lock = threading.RLock()  # (a signal handler may close inside a close)
         self._ref = 0
         self._seq = 0
         self._meshes = {}
@@ -393,15 +394,19 @@ class Session:
                 exc.add_note(f"meshd: closing the session failed too: {e!r}")
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self._stop_keepalive()
-        try:
-            self._unary("CloseSession", self._pb.CloseSessionRequest(), self._pb.CloseSessionReply)
-        finally:
-            self.closed = True
-            self._direct.close()
-            self._ch.close()
+        # One close at a time: a second thread waits for the first's, then finds it closed
+        # (it sent CloseSession again and raised NO_SESSION).
+        with self._close_lock:
+            if self.closed:
+                return
+            self._stop_keepalive()
+            try:
+                self._unary("CloseSession", self._pb.CloseSessionRequest(),
+                            self._pb.CloseSessionReply)
+            finally:
+                self.closed = True
+                self._direct.close()
+                self._ch.close()
 
     @contextlib.contextmanager
     def pipeline(self) -> Iterator[Pipeline]:

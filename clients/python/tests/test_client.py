@@ -74,6 +74,32 @@ def test_context_manager_and_close(server):
         raises_kind("NO_SESSION", meshd.zeros, (1,))
 
 
+def test_close_from_two_threads_at_once_closes_once_and_raises_in_neither(server):
+    """Two threads closing one session at once (a worker and the main thread at
+    shutdown): one CloseSession goes; neither raises (the second found
+    NO_SESSION), and each returns once the session is closed."""
+    import threading
+    for _ in range(5):
+        s = meshd.connect(server[0])
+        s.mesh(gpu=2)
+        start, errors, done = threading.Barrier(2), [], []
+
+        def close():
+            start.wait(10)
+            try:
+                s.close()
+                done.append(s.closed)
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+        threads = [threading.Thread(target=close) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert done == [True, True], done
+
+
 # ================================================================ factories, upload, fetch
 
 def test_factories(mesh):
