@@ -668,14 +668,18 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         response_deserializer=pb.UploadReply.FromString)
     if s.closed:
         raise MeshdError("NO_SESSION", "the session is closed")
+    # One deadline, the session's timeout, for the pipeline's answers, a direct attempt
+    # and the Upload (each took a whole timeout of its own)
+    deadline = time.monotonic() + s.timeout
     with s._lock:  # the ref must reach the server in order with other commands
-        s._flush_pipeline()
+        s._flush_pipeline(max(deadline - time.monotonic(), 0.001))
         ref = s._new_ref()
         hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
                               total_bytes=total)
         if s._direct.wanted():  # straight to the agents (meshd/direct.py)
-            done = s._direct.upload(hdr, pieces, progress)
+            done = s._direct.upload(hdr, pieces, progress,
+                                    timeout=max(deadline - time.monotonic(), 0.001))
             if done is not None:
                 return _uploaded(s, done[0].tensor, done[1])
             hdr.ref = ref = s._new_ref()  # the proxy instead; the plan may have claimed ref
@@ -696,7 +700,6 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
                         return
         tr = _progress.tracker(total, progress, "upload")
         call = None
-        deadline = time.monotonic() + s.timeout
         wait = 0.005
         try:
             while True:

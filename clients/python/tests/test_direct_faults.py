@@ -365,6 +365,39 @@ def test_a_direct_transfer_has_one_deadline(one_slot, monkeypatch, fast_callback
         assert max(ends) <= t0 + limit + took + 0.05, calls
 
 
+def test_a_proxied_upload_after_a_direct_attempt_keeps_the_one_deadline(server, monkeypatch):
+    """An upload whose direct attempt took a while and fell back to the proxy (an agent
+    that did not answer in time) sends its Upload under what is left of the session's
+    timeout, and the attempt itself ran under that deadline (each had a whole timeout)."""
+    with meshd.connect(server[0], data_path="auto", timeout=5) as s:
+        with s.mesh(gpu=2).activate():
+            got = {}
+
+            def slow_attempt(hdr, pieces, progress=None, timeout=None):
+                got["direct"] = timeout
+                time.sleep(1.0)
+                return None  # the proxy instead
+
+            monkeypatch.setattr(s._direct, "wanted", lambda: True)
+            monkeypatch.setattr(s._direct, "upload", slow_attempt)
+            real = s._ch.stream_unary
+
+            class Spy:
+                def __init__(self, fn):
+                    self.fn = fn
+
+                def future(self, *a, **kw):
+                    got.setdefault("upload", kw.get("timeout"))
+                    return self.fn.future(*a, **kw)
+
+            monkeypatch.setattr(s._ch, "stream_unary", lambda *a, **kw: Spy(real(*a, **kw)))
+            t = meshd.tensor(np.ones(MIB, np.float32), progress=False)  # 4 MiB: no Literal
+            monkeypatch.undo()
+            assert meshd.inspect(t, gpu=1)[0] == 1.0
+    assert got["direct"] is not None and got["direct"] <= 5.0, got
+    assert got["upload"] is not None and got["upload"] < 4.2, got
+
+
 # ------------------------------------------------------------ bug 4: Future.cancel()
 
 @pytest.mark.parametrize("data_path", ["direct", "proxy"])
