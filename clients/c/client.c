@@ -898,10 +898,11 @@ static meshd_err_t execute_keep(meshd_session_t *s, Meshd__V1__Command *cmd, int
                           ? literal_sent(s, cmd->literal->mesh, cmd->literal->per_rank,
                                          cmd->literal->data.len)
                           : 0;
-      return pipeline_queue(s->pipe, &cmd->base, cmd->seq, sent,
-                            timeout_ms > 0 ? timeout_ms : s->client->timeout_ms, &e) == 0
-                 ? MESHD_E_OK
-                 : record(s->client, &e);
+      int rc = pipeline_queue(s->pipe, &cmd->base, cmd->seq, sent,
+                              timeout_ms > 0 ? timeout_ms : s->client->timeout_ms, &e);
+      if (rc <= 0)
+        return rc == 0 ? MESHD_E_OK : record(s->client, &e);
+      /* rc 1, over a batch's bytes: an Execute of its own, after the queue */
     }
     int64_t t0 = rpc_now_ms();
     int budget = timeout_ms > 0 ? timeout_ms : s->client->timeout_ms;

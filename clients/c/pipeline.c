@@ -412,6 +412,7 @@ static bool batch_full(const pipeline_t *p, uint64_t sent) {
 int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
                    int timeout_ms, direct_err_t *e) {
   size_t n = protobuf_c_message_get_packed_size(cmd);
+  if (n > PIPELINE_MAX_BYTES) return 1; /* alone, in its own call */
   int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
   pthread_mutex_lock(&p->mu);
   while (batch_full(p, sent) && !p->ended && !p->write_failed) {

@@ -51,7 +51,10 @@ void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us);
  * Sends the batch when it is full. A full batch the server does not take
  * within timeout_ms (> 0; it stopped reading: flow control) leaves cmd out:
  * -1 with e (MESHD_E_DEADLINE), so the queue stays bounded. 0, or -1 with e
- * when the stream is over (it says why; nothing more can be queued). */
+ * when the stream is over (it says why; nothing more can be queued). 1 (not
+ * queued) for a command of more than PIPELINE_MAX_BYTES: the caller sends it
+ * alone (Execute), where a server whose --max-message-bytes it passes refuses
+ * that call, not the stream and every command batched with it. */
 int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
                    int timeout_ms, direct_err_t *e);
 

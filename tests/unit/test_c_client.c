@@ -2479,6 +2479,41 @@ Test(c_client_five, a_pipeline_keeps_its_batches_literals_under_the_servers_boun
   meshd_close(c);
 }
 
+/* A pipelined command bigger than a batch may be (a Release of 1.5 million
+ * refs, 7 MB, past the server's 4 MiB --max-message-bytes) goes alone, after
+ * the queue: that one call is refused, not the Submit stream with every
+ * command batched with it; the command queued before it stands, and the
+ * pipeline goes on. */
+Test(c_client, an_oversized_pipelined_command_fails_alone) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, y = 0, z = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  meshd_pipeline_options_t po = {.max_batch = 256, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  int64_t four[] = {4};
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &y), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  size_t n = 1500000;
+  meshd_ref_t *refs = malloc(n * sizeof *refs);
+  cr_assert_not_null(refs);
+  for (size_t i = 0; i < n; i++)
+    refs[i] = (UINT64_C(1) << 30) + i; /* 5 bytes each */
+  cr_assert_neq(meshd_session_release(s, refs, n), MESHD_E_OK, "a 7 MB Release went through");
+  free(refs);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "the stream: %s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", four, 1, 0, &z), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  const char *dims[] = {"gpu"};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, y, dims, (int64_t[]){1}, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_float_eq(v.values[3], 1.0, 1e-9);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 static void start_small_messages(void) {
   const char *extra[] = {"--max-message-bytes", "64KiB", NULL};
   start_server_with(extra);
