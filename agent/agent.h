@@ -142,12 +142,17 @@ int data_read_threads(void);
 typedef struct registration registration_t;
 
 /* Starts the thread that registers with info->server and re-registers, with
- * backoff, whenever the call ends. While registered, `health` has
- * AGENT_HEALTH_SERVICE SERVING, otherwise NOT_SERVING. `info` and `health` must
+ * backoff, whenever the call ends. While registered and reached by the
+ * server's dial-back, `health` has AGENT_HEALTH_SERVICE SERVING, otherwise
+ * NOT_SERVING. `info` and `health` must
  * outlive registration_stop. Returns NULL (and logs) if the thread cannot start. */
 registration_t *registration_start(const agent_info_t *info, health_t *health);
 /* Cancels the registration call, wakes a backoff sleep, joins the thread and
  * frees everything. Prompt: it does not wait for the server. NULL is a no-op. */
 void registration_stop(registration_t *reg);
+/* The server's dial-back (Agent/Hello) reached this agent: with the call
+ * secret of the attempt in progress, and once RegisterAccepted came, the
+ * agent's readiness turns SERVING (the server counts it from then on). */
+void registration_reached(rpc_call_t *hello);
 
 #endif

@@ -28,6 +28,7 @@ static void hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   /* An agent started without --rank learns its rank here: its data plane too
    * (its peers address it by rank; collectives check it). */
   if (self->env.backend) dataplane_set_rank(self->env.backend->net, req->rank);
+  registration_reached(call); /* readiness before the reply the server counts us on */
 
   Meshd__Agent__V1__HelloReply reply = MESHD__AGENT__V1__HELLO_REPLY__INIT;
   reply.agent_id = (char *)self->id;

@@ -14,6 +14,7 @@
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "meshd/v1/agent_registry.pb-c.h"
 #include "rpc.h"
+#include "secret.h"
 
 #define REGISTER_METHOD "/meshd.v1.AgentRegistry/RegisterAgent"
 
@@ -35,7 +36,18 @@ struct registration {
   bool stopping;         /* guarded by mu */
   rpc_stream_t *stream;  /* the call in progress, for registration_stop to cancel; mu */
   uint64_t rng;          /* jitter; used by the thread only */
+  /* Readiness (meshd.agent.v1.Agent) is SERVING once both came for the attempt
+   * whose secret this is: the server's RegisterAccepted and its dial-back
+   * (Agent/Hello, registration_reached). The server counts the agent only after
+   * the dial-back, and one that cannot reach us (a wrong --advertise, a
+   * NetworkPolicy) admits us for a moment each try. mu; health_set under mu. */
+  char secret[SECRET_HEX_LEN + 1];
+  bool accepted, reached;
 };
+
+/* The process's registration, for the Hello handler; current_mu before reg->mu. */
+static pthread_mutex_t current_mu = PTHREAD_MUTEX_INITIALIZER;
+static registration_t *current;
 
 /* One attempt's outcome, for the log line and the backoff. */
 typedef struct attempt {
@@ -89,6 +101,25 @@ static void set_serving(registration_t *reg, bool serving) {
   health_set(reg->health, AGENT_HEALTH_SERVICE, serving ? HEALTH_SERVING : HEALTH_NOT_SERVING);
 }
 
+void registration_reached(rpc_call_t *hello) {
+  char got[SECRET_HEX_LEN + 2];
+  const char *v = rpc_call_metadata(hello, SECRET_AGENT_MD, got, sizeof got);
+  pthread_mutex_lock(&current_mu);
+  registration_t *reg = current;
+  if (reg && v) {
+    pthread_mutex_lock(&reg->mu);
+    /* This attempt's server (a Hello of an attempt that ended since counts not). */
+    if (reg->secret[0] && secret_equal(v, strlen(v), reg->secret, strlen(reg->secret))) {
+      reg->reached = true;
+      if (reg->accepted)
+        set_serving(reg, true);
+    }
+    pthread_mutex_unlock(&reg->mu);
+  }
+  pthread_mutex_unlock(&current_mu);
+  memset(got, 0, sizeof got);
+}
+
 static void on_server_message(registration_t *reg, const Meshd__V1__ServerToAgent *m,
                               attempt_t *at) {
   switch (m->msg_case) {
@@ -100,7 +131,11 @@ static void on_server_message(registration_t *reg, const Meshd__V1__ServerToAgen
       at->accepted = true;
       at->accepted_at_ms = rpc_now_ms();
     }
-    set_serving(reg, true);
+    pthread_mutex_lock(&reg->mu);
+    reg->accepted = true;
+    if (reg->reached)
+      set_serving(reg, true);
+    pthread_mutex_unlock(&reg->mu);
     break;
   default:
     /* A newer server may send more kinds; they are not ours to fail on. */
@@ -157,6 +192,8 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
 
   pthread_mutex_lock(&reg->mu);
   reg->stream = s;
+  memcpy(reg->secret, secret, sizeof reg->secret);
+  reg->accepted = reg->reached = false;
   if (reg->stopping)
     rpc_stream_cancel(s);
   pthread_mutex_unlock(&reg->mu);
@@ -203,13 +240,14 @@ static void attempt_once(registration_t *reg, attempt_t *at) {
 
   pthread_mutex_lock(&reg->mu);
   reg->stream = NULL;
+  memset(reg->secret, 0, sizeof reg->secret);
+  reg->accepted = reg->reached = false;
+  set_serving(reg, false);
   pthread_mutex_unlock(&reg->mu);
   rpc_stream_destroy(s);
   rpc_channel_destroy(ch);
   agent_auth_clear();
   memset(secret, 0, sizeof secret);
-  if (at->accepted)
-    set_serving(reg, false);
 }
 
 static void log_failure(registration_t *reg, const attempt_t *at, int delay_ms,
@@ -296,9 +334,15 @@ registration_t *registration_start(const agent_info_t *info, health_t *health) {
   pthread_mutex_init(&reg->mu, NULL);
 
   set_serving(reg, false);
+  pthread_mutex_lock(&current_mu);
+  current = reg;
+  pthread_mutex_unlock(&current_mu);
   int err = pthread_create(&reg->thread, NULL, run, reg);
   if (err != 0) {
     log_error("agent", "registration: cannot start a thread: %s", strerror(err));
+    pthread_mutex_lock(&current_mu);
+    current = NULL;
+    pthread_mutex_unlock(&current_mu);
     pthread_cond_destroy(&reg->wake);
     pthread_mutex_destroy(&reg->mu);
     free(reg);
@@ -310,6 +354,10 @@ registration_t *registration_start(const agent_info_t *info, health_t *health) {
 void registration_stop(registration_t *reg) {
   if (!reg)
     return;
+  pthread_mutex_lock(&current_mu);
+  if (current == reg)
+    current = NULL;
+  pthread_mutex_unlock(&current_mu);
   pthread_mutex_lock(&reg->mu);
   reg->stopping = true;
   if (reg->stream)

@@ -221,10 +221,16 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
     errbuf_set(errbuf, errlen, "the TLS files could not be loaded");
     ret = MESHD_E_INVALID;
   } else {
+    int64_t t0 = rpc_now_ms();
     rpc_connect_t how = o->fail_fast ? rpc_channel_connect(c->ch, o->timeout_ms)
                                      : rpc_channel_wait_ready(c->ch, o->timeout_ms)
                                          ? RPC_CONNECT_READY
                                          : RPC_CONNECT_TIMEOUT;
+    /* The one attempt ran out its time (connect_timeout_ms is timeout_ms): the
+     * port accepted and nothing answered (a stopped or overloaded server), or the
+     * packets went nowhere; not "nothing listens", which is a quick refusal. */
+    if (how == RPC_CONNECT_FAILED && rpc_now_ms() - t0 >= (int64_t)o->timeout_ms * 9 / 10)
+      how = RPC_CONNECT_TIMEOUT;
     const char *tls_hint = tls.on ? " (with TLS: is the server up, does it speak TLS, and is its "
                                     "certificate valid for that name and signed by the CA?)"
                                   : "";
@@ -233,8 +239,10 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
                  "the connection to %s failed: nothing listens there, or it is unreachable%s",
                  target, tls_hint);
     else if (how == RPC_CONNECT_TIMEOUT)
-      errbuf_set(errbuf, errlen, "no connection to %s within %d ms%s", target, o->timeout_ms,
-                 tls_hint);
+      errbuf_set(errbuf, errlen,
+                 "no connection to %s within %d ms: no answer there (a stopped or overloaded "
+                 "server, or a host that drops the packets)%s",
+                 target, o->timeout_ms, tls_hint);
     if (how != RPC_CONNECT_READY) {
       ret = MESHD_E_CONNECT;
       meshd_close(c);

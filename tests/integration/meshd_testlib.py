@@ -1160,7 +1160,8 @@ JOIN_TOKEN_MD = "meshd-join-token"
 class FakeRegistry:
     """meshd.v1.AgentRegistry/RegisterAgent in process (grpcio): admits every agent
     (with `token` set, only those presenting it) as rank `rank` (or its requested rank),
-    keeps its RegisterRequest, and holds the call open until close() or drop().
+    keeps its RegisterRequest, dials the agent back (Agent/Hello, as meshd does; not
+    with `tls`), and holds the call open until close() or drop().
 
     With `upstream` (a real meshd's registry address) it admits nobody itself: it
     relays each registration to that server both ways and only keeps the
@@ -1171,6 +1172,7 @@ class FakeRegistry:
         """tls: (key, certificate, ca) PEM bytes: the registry port is mTLS, as a
         server's --cluster-listen is."""
         self.token, self.rank, self.upstream = token, rank, upstream
+        self.tls = tls
         self.by_address = {}
         self.registrations = queue.Queue()
         self.last = None
@@ -1252,6 +1254,8 @@ class FakeRegistry:
         rank = hello.requested_rank if hello.requested_rank >= 0 else self.rank
         self.registrations.put((hello, rank))
         yield reg.ServerToAgent(accepted=reg.RegisterAccepted(rank=rank, server_id="fake"))
+        if not self.tls:  # the dial-back, as meshd does: the agent is ready after it
+            threading.Thread(target=self._dial_back, args=(hello, rank), daemon=True).start()
         while not self._stop.is_set() and not self._drop.is_set() and context.is_active():
             time.sleep(0.02)
         if self._drop.is_set():
@@ -1270,16 +1274,22 @@ class FakeRegistry:
         """What every call to the agent carries: its call secret."""
         return ((AGENT_SECRET_MD, (hello or self.last[0]).call_secret),)
 
-    def hello(self, timeout=5.0):
+    def _dial_back(self, hello, rank):
+        try:
+            self.hello(timeout=5.0, registered=(hello, rank))
+        except grpc.RpcError:
+            pass  # the registration ended meanwhile; the agent registers again
+
+    def hello(self, timeout=5.0, registered=None):
         """Agent/Hello as the server's dial-back (sets the agent's rank); the reply."""
-        hello, rank = self.last
+        hello, rank = registered or self.last
         a = agent_pb2()
         with grpc.insecure_channel(hello.address, options=_CHANNEL_OPTIONS) as ch:
             fn = ch.unary_unary("/meshd.agent.v1.Agent/Hello",
                                 request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=a.HelloReply.FromString)
             return fn(a.HelloRequest(agent_id=hello.agent_id, rank=rank, server_id="fake"),
-                      metadata=self.metadata(), timeout=timeout)
+                      metadata=self.metadata(hello), timeout=timeout)
 
     def channel(self, hello=None):
         """A channel to the registered agent that sends its call secret on every call."""

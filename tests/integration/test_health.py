@@ -3,7 +3,8 @@ grpcio as a third-party client.
 
 docs/operations.md, "Health": "" is SERVING while the process accepts calls;
 meshd.v1.TensorService only with at least --min-agents healthy agents;
-meshd.agent.v1.Agent while the agent is registered with a server. Standard
+meshd.agent.v1.Agent while the agent is registered with a server that dialed it
+back. Standard
 semantics: Check on an unknown service is NOT_FOUND; Watch on one sends
 SERVICE_UNKNOWN and stays open; Watch sends the current status at once.
 
@@ -14,6 +15,8 @@ agents follow their server).
 """
 
 import signal
+import socket
+import time
 
 import grpc
 import pytest
@@ -118,6 +121,35 @@ def test_agent_service_follows_registration(meshd_server, agent, watches):
     w.wait_for(lib.NOT_SERVING(), 10.0)
     assert a.proc.poll() is None, "the agent outlives its server and retries"
     assert lib.health_check(a.port, "") == lib.SERVING()
+
+
+def test_agent_not_ready_while_the_server_cannot_dial_it_back(meshd_server, agent, watches):
+    # An agent the server cannot reach (a wrong --advertise, a NetworkPolicy that
+    # drops the dial-back) has a rank for a moment, but the server never counts it:
+    # its readiness must not say SERVING meanwhile (the kubelet would mark the pod
+    # Ready, and the PodDisruptionBudget count it, while the server lists it
+    # unhealthy). Here the advertised port accepts connections and never answers,
+    # so each dial-back waits out the server's 3 s.
+    srv = meshd_server(0, min_agents=1)
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        a = agent(srv.port, "--advertise", f"127.0.0.1:{hole.getsockname()[1]}",
+                  wait_registered=False)
+        w = watches(a.port, lib.AGENT_SERVICE)
+        assert lib.status_name(w.first()) == "NOT_SERVING"
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline:
+            w.next(max(0.0, deadline - time.monotonic()))
+            assert w.end is None, w.end
+        assert "SERVING" not in [lib.status_name(s) for s in w.seen], \
+            f"readiness SERVING although the server never reached the agent: " \
+            f"{[lib.status_name(s) for s in w.seen]}"
+        assert "cannot dial agent rank" in open(srv.log, errors="replace").read()
+        assert lib.healthy_ranks(lib.list_agents(srv.port)) == []
+    finally:
+        hole.close()
 
 
 # ---------------------------------------------------------------- reflection

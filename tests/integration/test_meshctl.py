@@ -425,6 +425,31 @@ def test_a_refused_port_fails_at_once():
             assert _json(r)["error"]["code"] == "UNAVAILABLE", _show(r)
 
 
+def test_a_server_that_accepts_but_never_answers_is_not_called_absent(meshd_server):
+    # A hung or stopped meshd (SIGSTOP, a paused container): the kernel still
+    # accepts its connections, nothing answers. meshctl gives up after --timeout-ms
+    # (exit 2), and must not send the operator looking for a process that is not
+    # running ("nothing listens there").
+    srv = meshd_server()
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        for fmt in ("table", "json"):
+            t0 = time.monotonic()
+            r = meshctl(srv.address, "--output", fmt, "health", timeout_ms=1500)
+            took = time.monotonic() - t0
+            assert r.returncode == 2 and "cannot connect" in r.stderr, _show(r)
+            assert took < 10, f"{took:.1f} s with --timeout-ms 1500"
+            assert "nothing listens" not in r.stderr, _show(r)
+            assert "within 1500 ms" in r.stderr, _show(r)
+            if fmt == "json":
+                err = _json(r)["error"]
+                assert err["code"] == "UNAVAILABLE" and "within 1500 ms" in err["message"], r
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    r = meshctl(srv.address, "health")
+    assert r.returncode == 0, _show(r)
+
+
 def test_sessions_watch_frames_and_rates(shared_meshd):
     srv = shared_meshd(2)
     with lib.Session(srv.port, client_name="watched") as s:
