@@ -1835,6 +1835,9 @@ static int run(int argc, char **argv) {
     return usage_error(false, "load: %s", err);
   if (!server || !*server)
     return usage_error(true, "--server: empty address (expected host:port)");
+  /* A script that cannot be read is the caller's mistake, whatever the server. */
+  if (cmd->run == cmd_run && strcmp(argv[2], "-") != 0 && access(argv[2], R_OK) != 0)
+    return usage_error(false, "run: cannot open %s: %s", argv[2], strerror(errno));
   if (cmd->run == cmd_version)
     print_own_version();
 

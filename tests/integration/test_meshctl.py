@@ -324,6 +324,14 @@ def test_bad_progress_flags_are_usage_errors(args, says):
     assert r.returncode == 64 and says in r.stderr, _show(r)
 
 
+def test_a_script_that_cannot_be_opened_is_a_usage_error_before_any_connection():
+    """meshctl run with a file that does not exist says so (exit 64, naming the file),
+    without a server to connect to: the file is checked before the connection."""
+    r = meshctl("127.0.0.1:1", "run", "/nonexistent/steps.txt", timeout_ms=500)
+    assert r.returncode == 64, _show(r)
+    assert "cannot open /nonexistent/steps.txt" in r.stderr, _show(r)
+
+
 # ------------------------------------------------- --output json, version, watch, drain
 # One shared server with 2 local agents for these (sessions keep the tests apart; the drain
 # test puts its rank back).
