@@ -892,6 +892,16 @@ out:
   storage_release(hdr_t.storage);
 }
 
+/* A ToMesh's peer declared lost since the data plane's generation was
+ * `since` (read before the instruction checked its peers): the transfer
+ * would wait out the comm timeout for it. 0, or -1 with e (AGENT_LOST). The
+ * executor records a loss in the session before the data plane counts it,
+ * so a changed generation finds it there. */
+static int lost_since(ctx_t *c, uint32_t peer, uint64_t since, meshd_error_t *e) {
+  if (dataplane_generation(c->b->net) == since) return 0;
+  return session_state_check_peers(c->s, &peer, 1, c->ins->seq, "ToMesh", e);
+}
+
 static void run_send(ctx_t *c) {
   const Meshd__Agent__V1__SendTensor *st = c->ins->send;
   meshd_error_t e = {0};
@@ -949,6 +959,9 @@ static void run_send(ctx_t *c) {
     goto fail;
   }
   uint32_t peer = st->input ? st->to_rank : st->from_rank;
+  /* The generation first, as a collective's: a loss declared after it is
+   * checked for again just before the transfer (sends take no `since`). */
+  uint64_t since = dataplane_generation(c->b->net);
   if (session_state_check_peers(c->s, &peer, 1, c->ins->seq, "ToMesh", &e)) goto fail;
   meshd_error_t fault = {0};
   int inj = injected(c, "send", "ToMesh", &fault);
@@ -977,6 +990,7 @@ static void run_send(ctx_t *c) {
     bool local = scalar_tensor(c, got != 0, &hdr_t, &e) ||
                  staged(c, &m, got == 0 ? &in : NULL, &out, "ToMesh", &e);
     if (local) refuse_link(c, st, &e);
+    else if (lost_since(c, peer, since, &e)) local = true; /* nobody to tell */
     else c->joined = true;
     if (local ||
         c->b->ops->send(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->to_rank,
@@ -996,6 +1010,10 @@ static void run_send(ctx_t *c) {
    * between the header and the body. */
   if (scalar_tensor(c, 0, &hdr_t, &e) || tensor_alloc(c->b, c->bs, &m, &out, "ToMesh", &e))
     goto fail;
+  if (lost_since(c, peer, since, &e)) { /* the sender is gone: nobody to tell */
+    tell = false;
+    goto fail;
+  }
   c->joined = true;
   if (c->b->ops->recv(c->b, c->bs, key, st->comm_id, call, st->secret.data, st->from_rank,
                       st->peer_address, hdr_t.storage->data, sizeof(int64_t), &e))

@@ -87,7 +87,10 @@ void session_state_free(session_state_t *s) {
     free(r);
   }
   dataplane_t *net = b ? b->net : NULL;
-  for (size_t i = 0; net && i < s->ncomms; i++) dataplane_drop_comm(net, s->comms[i]);
+  for (size_t i = 0; net && i < s->ncomms; i++) {
+    dataplane_drop_comm(net, s->comms[i]);
+    dataplane_forget_comm(net, s->comms[i]); /* no call of it can start any more */
+  }
   free(s->comms);
   pthread_cond_destroy(&s->progress);
   pthread_mutex_destroy(&s->mu);
@@ -138,7 +141,9 @@ void session_state_close(session_state_t *s) {
    * session_state_free drops the list again (they leaked, in CLOSE_WAIT,
    * for the agent's life). Under mu: the lock order is s->mu, then dp's. */
   dataplane_t *net = s->backend ? s->backend->net : NULL;
-  for (size_t i = 0; net && i < s->ncomms; i++) dataplane_drop_comm(net, s->comms[i]);
+  /* Ended, not only dropped: a worker still running an instruction of the
+   * session may join its call after this, and must fail at once too. */
+  for (size_t i = 0; net && i < s->ncomms; i++) dataplane_end_comm(net, s->comms[i]);
   pthread_mutex_unlock(&s->mu);
 }
 
@@ -161,7 +166,13 @@ void session_state_note_comm(session_state_t *s, uint64_t comm_id) {
       s->capcomms = cap;
     }
   }
-  if (!known && s->ncomms < s->capcomms) s->comms[s->ncomms++] = comm_id;
+  bool added = !known && s->ncomms < s->capcomms;
+  if (added) s->comms[s->ncomms++] = comm_id;
+  /* A comm first used after the session closed (a worker that was running
+   * then): ended as session_state_close ends the others (and forgotten with
+   * them, at session_state_free). */
+  dataplane_t *net = s->backend ? s->backend->net : NULL;
+  if (added && s->closing && net) dataplane_end_comm(net, comm_id);
   pthread_mutex_unlock(&s->mu);
 }
 

@@ -378,6 +378,31 @@ void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id) {
   dp__drop_comm(dp, comm_id);
 }
 
+void dataplane_end_comm(dataplane_t *dp, uint64_t comm_id) {
+  if (!dp) return;
+  pthread_mutex_lock(&dp->mu);
+  if (dp->nended == dp->capended) {
+    size_t cap = dp->capended ? 2 * dp->capended : 16;
+    uint64_t *e = realloc(dp->ended, cap * sizeof *e);
+    if (e) { /* else best effort: a late call waits out its timeout */
+      dp->ended = e;
+      dp->capended = cap;
+    }
+  }
+  if (dp->nended < dp->capended) dp->ended[dp->nended++] = comm_id;
+  pthread_mutex_unlock(&dp->mu);
+  dataplane_drop_comm(dp, comm_id);
+}
+
+void dataplane_forget_comm(dataplane_t *dp, uint64_t comm_id) {
+  if (!dp) return;
+  pthread_mutex_lock(&dp->mu);
+  for (size_t i = 0; i < dp->nended;) /* every copy (a session closed twice) */
+    if (dp->ended[i] == comm_id) dp->ended[i] = dp->ended[--dp->nended];
+    else i++;
+  pthread_mutex_unlock(&dp->mu);
+}
+
 static void set_nodelay(int fd) {
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -972,9 +997,11 @@ int dp__register(dataplane_t *dp, call_t *cl, uint64_t *id, meshd_error_t *err) 
       .comm_id = cl->comm_id, .ranks = cl->g->ranks, .n = cl->g->n,
       /* a refusal is registered for drops only: its hellos get the record's answer */
       .secret = cl->refusal ? NULL : cl->secret,
-      .member_secrets = cl->refusal ? NULL : cl->g->pair_secrets};
+      .member_secrets = cl->refusal ? NULL : cl->g->pair_secrets, .call = cl->call};
   dp->reg_calls[dp->nregs] = cl;
   dp->reg_ids[dp->nregs++] = *id = ++dp->next_reg;
+  for (size_t i = 0; i < dp->nended; i++) /* its session ended here: nobody comes */
+    if (dp->ended[i] == cl->comm_id) atomic_store(&cl->dropped, true);
   bool wake = dp->parked > 0; /* the listener holds hellos: some may be this call's */
   pthread_mutex_unlock(&dp->mu);
   if (wake) wake_listener(dp);
@@ -1514,6 +1541,7 @@ void dataplane_stop(dataplane_t *dp) {
   free(dp->regs);
   free(dp->reg_ids);
   free(dp->reg_calls);
+  free(dp->ended);
   pthread_mutex_destroy(&dp->mu);
   free(dp);
 }

@@ -155,6 +155,13 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
  * session that used it ended); a call using one fails, even one still
  * waiting to connect, and a later one dials afresh. */
 void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id);
+/* The session that used channel comm_id ended here: dataplane_drop_comm, and
+ * until dataplane_forget_comm every call that starts on it fails at once as
+ * well (a worker already running an instruction of the session may join its
+ * call after the drop: its peers have left, and it waited out timeout_ms). */
+void dataplane_end_comm(dataplane_t *dp, uint64_t comm_id);
+/* No call of comm_id's session can start any more (its workers are gone). */
+void dataplane_forget_comm(dataplane_t *dp, uint64_t comm_id);
 /* Closes this agent's link of channel comm_id to (outgoing) or from the agent
  * of world rank `peer`: a point-to-point transfer on a shared channel failed
  * here between its calls, and its peer should fail now rather than wait out

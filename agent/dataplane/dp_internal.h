@@ -151,6 +151,10 @@ struct dataplane {
   size_t nregs, capregs;
   uint64_t next_reg;
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
+  /* Comms whose session ended here (dataplane_end_comm): a call registered
+   * on one is dropped at once (mu). */
+  uint64_t *ended;
+  size_t nended, capended;
   failed_call_t failed[DP_FAILED_MAX]; /* oldest first (mu) */
   size_t nfailed;
   _Atomic uint64_t rejected[DP_REJECT_COUNT];

@@ -582,7 +582,13 @@ int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t
   p->msgs = calloc(nmsgs ? nmsgs : 1, sizeof *p->msgs);
   p->nx = nx;
   if (!p->xs || !p->msgs) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
-  return dp__register(dp, &p->cl, &p->reg, err);
+  if (dp__register(dp, &p->cl, &p->reg, err) != 0) return -1;
+  /* Its session ended here before it joined (dataplane_end_comm): at once. */
+  if (atomic_load(&p->cl.dropped) && dp__check_lost(dp, &p->cl, err) != 0) {
+    snprintf(p->cl.root, sizeof p->cl.root, "%s", err ? err->msg : "the channel was closed");
+    return -1;
+  }
+  return 0;
 }
 
 /* Connects xs[k] (send to, or receive from, g's member `peer`). */

@@ -108,13 +108,14 @@ dp_admit_t dp_wire_admit(const uint8_t *buf, size_t len, uint32_t my_rank,
     if (grp->comm_id != h.comm_id || !grp->secret || h.from == my_rank) continue;
     const uint8_t *secret = dp_wire_secret_of(grp, h.from);
     if (!secret) continue;
-    member = true;
     uint8_t want[DP_MAC_LEN];
     mac(want, HELLO_LABEL, buf, nonce_a, secret);
     if (CRYPTO_memcmp(want, buf + DP_HELLO_SIGNED, DP_MAC_LEN) == 0) {
       if (which) *which = g;
       return DP_ADMIT_OK;
     }
+    /* A hello for another call of the comm may prove another secret (wire.h). */
+    if (grp->call == h.call) member = true;
   }
   if (why && whylen)
     snprintf(why, whylen,

@@ -89,6 +89,11 @@ typedef struct dp_wire_group {
   /* n * DP_SECRET_LEN bytes, or NULL: member i proves entry i (our link's
    * secret with it) instead of `secret` */
   const uint8_t *member_secrets;
+  /* The call it runs (dp_group_t.call): a wrong mac on a hello for another
+   * call of the comm is no bad proof, for that call may prove another secret
+   * (the other direction of a ToMesh channel): it is held as a hello for a
+   * call not started here yet. */
+  uint64_t call;
 } dp_wire_group_t;
 
 /* What the acceptor does with a hello. */
@@ -120,7 +125,8 @@ dp_parse_t dp_wire_parse_hello(const uint8_t *buf, size_t len, dp_hello_t *h, ch
  * from a member (other than my_rank) of a group with its comm_id, and carry
  * that group's mac over nonce_a (compared in constant time); the first group
  * it proves is *which (its member_secrets' entry for the sender, where it has
- * them). `why` says what was wrong. */
+ * them). BAD_PROOF only when a group of the hello's call, too, has that
+ * comm_id and member (else UNKNOWN_GROUP). `why` says what was wrong. */
 dp_admit_t dp_wire_admit(const uint8_t *buf, size_t len, uint32_t my_rank,
                          const uint8_t nonce_a[DP_NONCE_LEN], const dp_wire_group_t *groups,
                          size_t ngroups, size_t *which, char *why, size_t whylen);

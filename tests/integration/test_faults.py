@@ -293,6 +293,73 @@ def test_closing_a_session_ends_its_collective_waiting_for_a_peer_at_once(meshd_
     assert took < 5, f"the agents freed the closed session's tensors after {took:.1f} s"
 
 
+def test_a_collective_that_starts_after_its_session_closed_does_not_wait_out_the_timeout(
+        meshd_server):
+    """Both ranks have a reduce running (asleep before its collective, an injected slow
+    step standing for a long staging copy or a cross-stream wait) when CloseSession comes;
+    rank 0 first sleeps in a one-member reduce, so it skips the two-rank one, while rank 1
+    wakes and joins its data plane call only after the close. That call must fail at once:
+    it waited for rank 0 for the whole comm timeout (30 s), its worker holding the closed
+    session's tensors."""
+    env = {"MESHD_FAULT": "reduce:slow=3000,count=2", "MESHD_COMM_TIMEOUT_MS": "30000"}
+    srv = lib.wait_ready(meshd_server(2, env=env), 2)
+
+    def allocated():
+        return {a.rank: a.allocated_bytes for a in lib.list_agents(srv.port)}
+
+    base = allocated()
+    s = Session(srv.port, "closed-before-join")
+    try:
+        if not data_plane(s):
+            pytest.skip("the agents report no data plane")
+        m = s.mesh(gpu=2).ref
+        only0 = s.slice(m, gpu=slice(0, 1)).ref
+        upload(s, m, np.ones(1 << 20, np.float32), chunk=1 << 20)  # 4 MiB on each rank
+        x = upload(s, m, ONES)
+        x0 = upload(s, only0, ONES)
+        s.run(reduce(s.new_ref(), x0, dims=["gpu"], reduction="sum"))  # rank 0 sleeps 3 s
+        s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"))  # rank 1 sleeps 3 s
+        time.sleep(0.5)
+        assert allocated()[1] >= base[1] + (4 << 20)
+    finally:
+        s.close()
+    t0 = time.monotonic()
+    while allocated() != base and time.monotonic() - t0 < 45:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert allocated() == base, "the agents kept the closed session's tensors"
+    # The sleeps end 2.5 s after the close; then the late call must fail at once.
+    assert took < 8, f"the agents freed the closed session's tensors after {took:.1f} s"
+
+
+def test_a_recv_whose_sender_is_lost_just_before_it_joins_fails_at_once(meshd_server):
+    """Rank 1, the receiver of a ToMesh from rank 0, has checked its peer and is still
+    getting ready for the transfer (an injected slow step standing for the result's
+    allocation) when rank 0 is killed and the server tells rank 1 so. The recv that
+    starts next must fail AGENT_LOST at once, as a collective does (it passes the
+    generation it read before its check to the data plane): it waited for the dead
+    sender's connection for the whole comm timeout (30 s), holding rank 1's stream."""
+    env = {"MESHD_FAULT": "send:slow=2000,rank=1,count=1", "MESHD_COMM_TIMEOUT_MS": "30000"}
+    srv = lib.wait_ready(meshd_server(2, env=env), 2)
+    with Session(srv.port, "lost-before-recv", timeout=60) as s:
+        if not data_plane(s):
+            pytest.skip("the agents report no data plane")
+        m = s.mesh(gpu=2).ref
+        src = s.slice(m, gpu=slice(0, 1)).ref
+        dst = s.slice(m, gpu=slice(1, 2)).ref
+        x = upload(s, src, ONES)
+        s.run(lib.to_mesh(s.new_ref(), x, dst))  # rank 1 sleeps 2 s, then receives
+        time.sleep(0.3)
+        victim = next(p for p in lib.agent_children(srv.pid) if lib.child_rank(p) == 0)
+        t_kill = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        # Later work on rank 1's stream waits for the recv to end.
+        after = upload(s, dst, np.arange(8, dtype=np.float32))
+        np.testing.assert_array_equal(fetch(s, after, gpu=0), np.arange(8, dtype=np.float32))
+        took = time.monotonic() - t_kill
+        assert took < 8, f"rank 1's stream was held {took:.1f} s by a recv from a lost sender"
+
+
 def test_a_sync_whose_client_gave_up_holds_nothing(meshd_server):
     # The Sync waits on a hung collective; its clients give up (a unary
     # deadline, a cancelled Submit stream). The server withdraws the unary

@@ -564,15 +564,19 @@ typedef struct p2p_job {
   bool send;
   uint8_t *buf;
   size_t bytes;
+  const uint8_t *secret; /* NULL: SECRET */
+  int delay_ms;          /* waited before the call */
   int rc;
   meshd_error_t err;
 } p2p_job_t;
 
 static void *p2p_main(void *arg) {
   p2p_job_t *j = arg;
-  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, j->call, SECRET, j->w->ranks[j->peer],
+  const uint8_t *secret = j->secret ? j->secret : SECRET;
+  if (j->delay_ms > 0) usleep((useconds_t)j->delay_ms * 1000);
+  j->rc = j->send ? dp_send(j->w->dp[j->me], j->comm, j->call, secret, j->w->ranks[j->peer],
                             j->w->addrs[j->peer], j->buf, j->bytes, &j->err)
-                  : dp_recv(j->w->dp[j->me], j->comm, j->call, SECRET, j->w->ranks[j->peer],
+                  : dp_recv(j->w->dp[j->me], j->comm, j->call, secret, j->w->ranks[j->peer],
                             j->w->addrs[j->peer], j->buf, j->bytes, &j->err);
   return NULL;
 }
@@ -603,6 +607,41 @@ Test(dataplane, send_recv_odd_sizes_both_ways, .timeout = 60) {
     }
     for (int k = 0; k < 4; k++) free(j[k].buf);
   }
+  world_stop(&w);
+}
+
+/* A ToMesh channel carries both directions between two agents (x from rank 0
+ * to 1 and y from 1 to 0 on the same streams), each direction proving its own
+ * pair secret. A member's hello that comes while the receiver runs only its
+ * own send the other way on the channel is for a call not started there yet:
+ * held, as any early hello, and taken when the recv starts; not closed as a
+ * stranger's bad proof (counted, logged at warn, and redialed meanwhile). */
+Test(dataplane_security, a_channels_other_direction_is_no_bad_proof, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 5000);
+  uint8_t s01[DP_SECRET_LEN], s10[DP_SECRET_LEN];
+  memset(s01, 0x51, sizeof s01);
+  memset(s10, 0x15, sizeof s10);
+  uint8_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {9, 10, 11, 12, 13, 14, 15, 16};
+  uint8_t got_a[8] = {0}, got_b[8] = {0};
+  p2p_job_t j[4] = {
+      {.w = &w, .me = 0, .peer = 1, .comm = 905, .call = 1, .send = true, .buf = a, .bytes = 8,
+       .secret = s01},
+      {.w = &w, .me = 1, .peer = 0, .comm = 905, .call = 2, .send = true, .buf = b, .bytes = 8,
+       .secret = s10},
+      {.w = &w, .me = 1, .peer = 0, .comm = 905, .call = 1, .buf = got_a, .bytes = 8,
+       .secret = s01, .delay_ms = 500},
+      {.w = &w, .me = 0, .peer = 1, .comm = 905, .call = 2, .buf = got_b, .bytes = 8,
+       .secret = s10, .delay_ms = 500}};
+  pthread_t th[4];
+  for (int k = 0; k < 4; k++) pthread_create(&th[k], NULL, p2p_main, &j[k]);
+  for (int k = 0; k < 4; k++) pthread_join(th[k], NULL);
+  for (int k = 0; k < 4; k++) cr_assert_eq(j[k].rc, 0, "job %d: %s", k, j[k].err.msg);
+  cr_assert(memcmp(a, got_a, 8) == 0 && memcmp(b, got_b, 8) == 0);
+  for (size_t r = 0; r < 2; r++)
+    cr_assert_eq(dataplane_rejected(w.dp[r], DP_REJECT_BAD_PROOF), 0,
+                 "rank %zu closed %llu of its peer's hellos as bad proofs", r,
+                 (unsigned long long)dataplane_rejected(w.dp[r], DP_REJECT_BAD_PROOF));
   world_stop(&w);
 }
 
@@ -1276,6 +1315,40 @@ Test(dataplane, dropping_a_comm_fails_its_calls_that_wait_to_connect, .timeout =
   world_stop(&w);
 }
 
+/* The session ended here (dataplane_end_comm) before a worker of it joined
+ * its call: that call fails at once (its peers have left), a send and a
+ * receive alike, instead of waiting out the comm timeout; once the session is
+ * gone (dataplane_forget_comm) the comm serves calls again. */
+Test(dataplane, a_call_that_starts_after_its_session_ended_fails_at_once, .timeout = 60) {
+  world_t w;
+  world_start(&w, 2, 20000);
+  dataplane_end_comm(w.dp[0], 62);
+  uint8_t buf[8] = {0};
+  for (int k = 0; k < 2; k++) {
+    p2p_job_t late = {.w = &w, .me = 0, .peer = 1, .comm = 62, .call = 3, .send = k == 1,
+                      .buf = buf, .bytes = 8};
+    int64_t t0 = now_ms();
+    p2p_main(&late);
+    int64_t took = now_ms() - t0;
+    cr_assert_eq(late.rc, -1, "%s", k ? "send" : "recv");
+    cr_assert(strstr(late.err.msg, "channel was closed on this agent"), "%s", late.err.msg);
+    cr_assert(took < 2000, "%s took %lld ms on an ended comm", k ? "send" : "recv",
+              (long long)took);
+  }
+  dataplane_forget_comm(w.dp[0], 62);
+  uint8_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {0};
+  p2p_job_t pair[2] = {
+      {.w = &w, .me = 0, .peer = 1, .comm = 62, .call = 4, .send = true, .buf = a, .bytes = 8},
+      {.w = &w, .me = 1, .peer = 0, .comm = 62, .call = 4, .buf = b, .bytes = 8}};
+  pthread_t th[2];
+  for (int k = 0; k < 2; k++) pthread_create(&th[k], NULL, p2p_main, &pair[k]);
+  for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+  cr_assert_eq(pair[0].rc, 0, "%s", pair[0].err.msg);
+  cr_assert_eq(pair[1].rc, 0, "%s", pair[1].err.msg);
+  cr_assert(memcmp(a, b, 8) == 0);
+  world_stop(&w);
+}
+
 Test(dataplane, member_stopped_mid_call, .timeout = 30) {
   /* Member 2 is stuck in a collective with an absent member 3 when its data
    * plane stops; members 0 and 1, in a collective with 0..2, fail promptly. */
@@ -1754,6 +1827,10 @@ Test(dataplane_wire, a_hello_proves_only_its_secret_nonce_rank_and_comm) {
   cr_assert(strstr(why, "addressed to rank 4, but this is rank 5"), "%s", why);
   cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 1, NULL, why, sizeof why),
                DP_ADMIT_UNKNOWN_GROUP, "comm 100 not registered: %s", why);
+  /* A wrong mac for another call of the comm: held (that call may prove another secret). */
+  dp_wire_hello(hello, 4, 6, 100, 7, nd, na, WRONG);
+  cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why),
+               DP_ADMIT_UNKNOWN_GROUP, "%s", why);
   dp_wire_hello(hello, 4, 6, 99, 0, nd, na, WRONG); /* rank 6 is not in comm 99's group */
   cr_assert_eq(dp_wire_admit(hello, sizeof hello, 4, na, g, 2, NULL, why, sizeof why), DP_ADMIT_UNKNOWN_GROUP);
   dp_wire_hello(hello, 4, 4, 100, 0, nd, na, SECRET); /* from itself */
