@@ -545,8 +545,17 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
 static void sync_fired(watermark_result_t result, uint32_t lost_rank, void *arg) {
   pending_sync_t *p = arg;
   meshd_error_t e;
-  if (result == WATERMARK_REACHED) {
+  if (result == WATERMARK_REACHED && !atomic_load(&p->session->closed)) {
     complete_sync(p, NULL);
+    return;
+  }
+  if (result == WATERMARK_REACHED) {
+    /* Closed while it waited: EndSession ended what the agents still had of
+     * the session, and they pass its seqs without running them. */
+    error_set(&e, ERR_NO_SESSION,
+              "Sync: session %.8s was closed while this Sync waited; the work before it may "
+              "not have run", p->session->id);
+    complete_sync(p, &e);
     return;
   }
   if (result == WATERMARK_LOST) {
@@ -779,7 +788,11 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     uint64_t sent0 = o->sent_bytes;
     rc = command_run(&cs->fe, s, o, cmd, &out, &e);
     if (rc == 0) atomic_fetch_add(&s->commands, 1);
-    unsigned fl = rc == 0 && o->flow ? flow_accept(o->flow, o->sent_bytes - sent0) : 0;
+    /* Queued work is what went to the agents (a Sync's StatusRequests go below):
+     * a command that sent them nothing (Describe, CreateMesh, SliceMesh) has
+     * nothing for them to run, and must not wait for the session's slow work. */
+    bool queues = o->sent_bytes != sent0 || cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC;
+    unsigned fl = rc == 0 && o->flow && queues ? flow_accept(o->flow, o->sent_bytes - sent0) : 0;
     /* A Sync checkpoints too: after it nothing of the session counts as queued. */
     if ((fl & FLOW_CHECKPOINT) || (rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC))
       take_checkpoint(o, &ck);

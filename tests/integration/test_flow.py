@@ -307,3 +307,79 @@ def test_an_execute_held_for_room_holds_its_sessions_lease(meshd_server):
         assert held > 3.5, f"the Execute was answered after {held:.1f} s (the session expired?)"
         # the session lived through it
         assert list(s.run(sync(), timeout=30).errors) == []
+
+
+def test_commands_that_queue_nothing_on_the_agents_are_not_held(meshd_server):
+    """Describe, CreateMesh and SliceMesh send the agents nothing: they are not queued
+    work, so a session whose one slow Reduce runs for 3 s answers a bound's worth and
+    more of them at once (they were counted, and from the bound on each waited for the
+    Reduce), on Execute and on a Submit stream, and ListSessions counts only the Reduce."""
+    srv = _server(meshd_server, 3000)
+    with Session(srv.port, "metadata") as s:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        t0 = time.monotonic()
+        s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"))
+        worst = 0.0
+        for i in range(BOUND + 8):
+            t = time.monotonic()
+            s.run(lib.describe(x) if i % 2 else lib.slice_mesh(s.new_ref(), m, gpu=0), timeout=30)
+            worst = max(worst, time.monotonic() - t)
+        assert worst < 1.0, f"a command that queues nothing waited {worst:.2f} s behind the Reduce"
+        cmds = [s.command(lib.create_mesh(s.new_ref(), gpu=1)) for _ in range(2 * BOUND)]
+        results, code, _ = s.submit(cmds, timeout=30)
+        assert code == lib.grpc.StatusCode.OK and len(results) == len(cmds), code
+        assert not [r for r in results if r.HasField("error")]
+        assert s.info().queued_commands <= 1, s.info().queued_commands
+        took = time.monotonic() - t0
+        assert took < 2.5, f"the metadata commands waited for the Reduce: {took:.2f} s"
+        assert list(s.run(sync(), timeout=30).errors) == []
+        assert s.info().queued_commands == 0
+
+
+def test_a_sync_waiting_when_its_session_closes_is_not_answered_ok(meshd_server):
+    """CloseSession ends the session's work still queued on the agents (EndSession), so a
+    Sync that was waiting for that work must not say it ran: both a Submit stream's Sync
+    and an Execute's are answered NO_SESSION, at once (they were answered OK, with no
+    error, though 3 s of Reduces never ran)."""
+    srv = _server(meshd_server, 100)
+    with Session(srv.port, "closing-sync") as s, Session(srv.port, "other") as other:
+        m = s.mesh(gpu=1).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        cmds, _ = _reduces(s, x, 30, drop_every=1000)
+        p = Pipeline(s, cmds + [s.command(sync())], timeout=30)
+        out = {}
+
+        def execute_sync():
+            try:
+                out["result"] = s.run(sync(), timeout=30)
+            except lib.CommandError as e:
+                out["error"] = e
+        end = time.monotonic() + 10
+        while len(p.results) < len(cmds) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert len(p.results) == len(cmds), "the Reduces were not all answered"
+        th = threading.Thread(target=execute_sync, daemon=True)
+        th.start()
+        time.sleep(0.3)
+        assert th.is_alive() and len(p.results) == len(cmds), "a Sync returned before the close"
+        t0 = time.monotonic()
+        s.close()
+        p.join(10)
+        th.join(10)
+        assert not th.is_alive(), "the Execute Sync was not answered after CloseSession"
+        assert time.monotonic() - t0 < 2.0
+        last = p.results[-1]
+        assert last.seq == p.commands[-1].seq, last
+        assert last.HasField("error"), f"the Submit Sync was answered OK after the close: {last}"
+        assert lib.kind_name(last.error.kind) == "NO_SESSION", last.error
+        assert "closed" in last.error.message, last.error
+        assert "result" not in out, f"the Execute Sync was answered OK after the close: {out}"
+        lib.expect_kind(out["error"], "NO_SESSION", "Sync")
+        # Another session on the same agent goes on.
+        mo = other.mesh(gpu=1).ref
+        xo = upload(other, mo, ONES)
+        assert list(other.run(sync(), timeout=10).errors) == []
+        np.testing.assert_array_equal(fetch(other, xo, gpu=0), ONES)
