@@ -40,10 +40,24 @@ void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint
   if (!o->unreported) o->unreported = calloc(MAX_UNREPORTED, sizeof *o->unreported);
   if (!o->unreported_seq) o->unreported_seq = calloc(MAX_UNREPORTED, sizeof *o->unreported_seq);
   if (!o->unreported || !o->unreported_seq) return;
-  if (o->nunreported == MAX_UNREPORTED) return;
-  meshd_error_t *e = &o->unreported[o->nunreported];
-  error_set(e, kind, "%s", msg);
-  o->unreported_seq[o->nunreported++] = seq;
+  size_t at = o->nunreported;
+  if (at == MAX_UNREPORTED) {
+    /* Full: an agent's loss still gets in, over the newest other failure (a
+     * Sync waiting on that agent takes its note; it was silently dropped and
+     * the Sync said AGENT_LOST without naming the loss). Others are dropped. */
+    if (kind != ERR_AGENT_LOST) return;
+    size_t run = at; /* the losses already at the end stay, in order, after it */
+    while (run > 0 && o->unreported[run - 1].kind == ERR_AGENT_LOST) run--;
+    if (run == 0) return; /* every one a loss already */
+    memmove(&o->unreported[run - 1], &o->unreported[run], (at - run) * sizeof *o->unreported);
+    memmove(&o->unreported_seq[run - 1], &o->unreported_seq[run],
+            (at - run) * sizeof *o->unreported_seq);
+    at--;
+  } else {
+    o->nunreported++;
+  }
+  error_set(&o->unreported[at], kind, "%s", msg);
+  o->unreported_seq[at] = seq;
 }
 
 bool objects_touch(objects_t *o, uint32_t rank) {

@@ -409,3 +409,20 @@ Test(objects, a_live_tensor_costs_at_most_256_bytes) {
   cr_assert_eq(o->live_tensors, N);
 #endif
 }
+
+/* A session whose 256 unreported failures filled the list still keeps an
+ * agent's loss noted after them (over the newest other failure): the Sync
+ * waiting on that agent names the loss. Other failures past 256 are dropped. */
+Test(objects, a_full_failure_list_still_keeps_an_agents_loss) {
+  for (int i = 0; i < 300; i++) objects_note_failure(o, ERR_REMOTE_FAILURE, "kernel failed", (uint64_t)i + 1);
+  cr_assert_eq(o->nunreported, 256);
+  objects_note_failure(o, ERR_AGENT_LOST, "rank 1 lost", 0);
+  objects_note_failure(o, ERR_AGENT_LOST, "rank 2 lost", 0);
+  cr_assert_eq(o->nunreported, 256);
+  cr_assert_eq(o->unreported[255].kind, ERR_AGENT_LOST);
+  cr_assert_str_eq(o->unreported[255].msg, "rank 2 lost");
+  cr_assert_eq(o->unreported[254].kind, ERR_AGENT_LOST);
+  cr_assert_str_eq(o->unreported[254].msg, "rank 1 lost");
+  cr_assert_eq(o->unreported[253].kind, ERR_REMOTE_FAILURE);
+  cr_assert_eq(o->unreported_seq[253], 254);
+}
