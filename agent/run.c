@@ -424,7 +424,10 @@ static void run_borrow(ctx_t *c) {
         refs_put(&c->s->refs, b->result, &t);
         storage_release(t.storage);
       } else if (rc == 1) {
-        refs_fail(&c->s->refs, b->result, &why);
+        /* Reported, as any reader's: the server may have accepted the Borrow
+         * before it learned of the failure, and must fail the handle on
+         * every rank (a borrow of a failed tensor is a failed handle). */
+        dependent_failure(c, &b->result, 1, b->tensor, &why);
       }
       break;
     }
@@ -877,6 +880,9 @@ static void run_broadcast(ctx_t *c) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
     snprintf(f.msg, sizeof f.msg, "ToMesh: the source tensor failed on rank %u", g->ranks[0]);
     refs_fail(&c->s->refs, res_ref, &f);
+    /* Told: no one else does (the source knows no result ref), and the
+     * server fails the result on every rank. */
+    report(c, ERR_DEPENDENT_FAILURE, f.msg, res_ref);
     goto out;
   }
   refs_put(&c->s->refs, res_ref, &buf);
@@ -1029,6 +1035,7 @@ static void run_send(ctx_t *c) {
     ref_failure_t f = {.kind = ERR_DEPENDENT_FAILURE, .root_seq = c->ins->seq};
     snprintf(f.msg, sizeof f.msg, "ToMesh: the source tensor failed on rank %u", st->from_rank);
     refs_fail(&c->s->refs, res_ref, &f);
+    report(c, ERR_DEPENDENT_FAILURE, f.msg, res_ref); /* as a broadcast's receiver */
     goto out;
   }
   refs_put(&c->s->refs, res_ref, &out);

@@ -442,9 +442,18 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
       obj_t *t = err->ref ? objects_get(o, err->ref) : NULL;
       bool tensor = t && t->kind == OBJ_TENSOR;
       if (kind == ERR_DEPENDENT_FAILURE) {
-        /* Not a root: the tensor fails everywhere, Sync reports only its root. */
-        if (tensor && t->state == TENSOR_LIVE)
-          objects_fail_tensor(o, t, t->tensor.born_seq, kind, t->tensor.born_seq, msg);
+        /* Not a root: the tensor fails everywhere, Sync reports only its root.
+         * An agent names the root tensor ("depends on tensor N, ...") but
+         * knows only its own seqs: failed here, the root gives its command seq
+         * and message, as for a dependent the server fails itself. */
+        unsigned long long rr = 0;
+        obj_t *root = sscanf(text, "depends on tensor %llu,", &rr) == 1 ? objects_get(o, rr) : NULL;
+        if (tensor && t->state == TENSOR_LIVE) {
+          if (root && root != t && root->kind == OBJ_TENSOR && root->state == TENSOR_FAILED)
+            command_inherit_failure(o, t, root, t->tensor.born_seq);
+          else
+            objects_fail_tensor(o, t, t->tensor.born_seq, kind, t->tensor.born_seq, msg);
+        }
       } else if (tensor && t->state == TENSOR_LIVE) {
         uint64_t seq = t->tensor.born_seq;
         objects_fail_tensor(o, t, seq, kind, seq, msg);

@@ -258,11 +258,23 @@ static const obj_t *first_failed(obj_t *const *ins, size_t n) {
 
 static void inherit_failure(objects_t *o, obj_t *t, const obj_t *root, uint64_t seq) {
   if (!root) return;
-  char msg[300];
+  /* A dependent's dependent keeps the message that names the root (Monarch's
+   * DependentError(root)): wrapped once per step, a chain of a few ops cut
+   * the root's own error off. */
+  if (obj_fail_kind(root) == ERR_DEPENDENT_FAILURE && root->tensor.fail) {
+    objects_fail_tensor(o, t, seq, ERR_DEPENDENT_FAILURE, obj_fail_root_seq(root),
+                        obj_fail_msg(root));
+    return;
+  }
+  char msg[sizeof ((meshd_error_t *)0)->msg + 96];
   snprintf(msg, sizeof msg, "depends on tensor %llu, which failed at command seq %llu: %s",
            (unsigned long long)root->ref, (unsigned long long)obj_fail_root_seq(root),
            obj_fail_msg(root));
   objects_fail_tensor(o, t, seq, ERR_DEPENDENT_FAILURE, obj_fail_root_seq(root), msg);
+}
+
+void command_inherit_failure(objects_t *o, obj_t *t, const obj_t *root, uint64_t seq) {
+  inherit_failure(o, t, root, seq);
 }
 
 /* ------------------------------------------------------------------ meshes, streams */

@@ -58,6 +58,10 @@ void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims
 int command_check_limits(const session_t *s, const objects_t *o, obj_kind_t kind, size_t n,
                          const char *cmd, meshd_error_t *e);
 
+/* Fails t (and its aliases) at command seq as a dependent of the failed
+ * tensor root: DEPENDENT_FAILURE under root's command seq, naming the root. */
+void command_inherit_failure(objects_t *o, obj_t *t, const obj_t *root, uint64_t seq);
+
 /* "CreateMesh", "Call", ... for logs and messages. */
 const char *command_name(const Meshd__V1__Command *cmd);
 /* 0, or -1 with AGENT_LOST when an agent of the mesh was lost after the mesh
