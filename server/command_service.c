@@ -42,6 +42,7 @@ typedef struct submit_state {
   uint64_t flow_wait; /* its flow wait, while one is registered (reads paused until it fires) */
   struct flow_hold *flow_hold; /* what that wait holds */
   uint64_t last_seq;  /* the highest Command.seq read so far (reads are one at a time) */
+  uint64_t msg_bytes; /* instruction bytes the Command.batch being run queued so far */
   /* Answers to commands sent one per message, held until the reading thread
    * has nothing more to read (or HELD_FLUSH_* says): one SubmitReply for what
    * arrived back to back, as the agents get one batch. Under held_mu, which
@@ -802,6 +803,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
      * nothing for them to run, and must not wait for the session's slow work. */
     bool queues = o->sent_bytes != sent0 || cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC;
     unsigned fl = rc == 0 && o->flow && queues ? flow_accept(o->flow, o->sent_bytes - sent0) : 0;
+    if (stream) stream->msg_bytes += o->sent_bytes - sent0; /* (its reads are one at a time) */
     /* A Sync checkpoints too: after it nothing of the session counts as queued. */
     if ((fl & FLOW_CHECKPOINT) || (rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC))
       take_checkpoint(o, &ck);
@@ -916,6 +918,14 @@ static void on_submit_start(rpc_call_t *call, const ProtobufCMessage *req, void 
 
 #define SUBMIT_BATCH_MAX 4096
 
+/* The instruction bytes one Submit message's commands may queue: 4x the
+ * session's flow bound on bytes (or the server's, without one); 0: none. */
+static uint64_t batch_bytes_cap(command_service_t *cs) {
+  flow_limits_t l = flow_limits(cs->flow);
+  uint64_t bound = l.session_bytes ? l.session_bytes : l.total_bytes;
+  return bound > UINT64_MAX / 4 ? 0 : 4 * bound;
+}
+
 static void submit_command(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd,
                            reply_batch_t *batch);
 static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd);
@@ -986,10 +996,24 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
     return;
   }
   reply_batch_t b = {.call = call};
+  uint64_t cap = batch_bytes_cap(st->cs);
+  st->msg_bytes = 0;
   agent_link_cork(); /* the batch's instructions go to each agent as one batch */
   command_batch_begin();
   for (size_t i = 0; i < cmd->n_batch; i++) {
     const Meshd__V1__Command *c = cmd->batch[i];
+    if (cap && st->msg_bytes >= cap) {
+      /* Flow control holds a stream only between its messages: past this,
+       * one message would queue the agents unbounded memory (a Reduce's
+       * instructions grow with its group's ranks squared). */
+      error_set(&e, ERR_QUOTA, "%s: the commands before it in this Submit message queued %llu "
+                "bytes of instructions for the agents, the most one message may (4x the "
+                "session's flow bound, --session-max-queued-bytes); send it in a later message",
+                command_name(c), (unsigned long long)st->msg_bytes);
+      answer_error(call, true, &b, c->seq, &e);
+      if (c->seq) st->last_seq = c->seq > st->last_seq ? c->seq : st->last_seq;
+      continue;
+    }
     if (c->n_batch) {
       error_set(&e, ERR_BAD_ARGUMENT, "Submit: command seq %llu of a batch is a batch itself; "
                 "batches do not nest", (unsigned long long)c->seq);

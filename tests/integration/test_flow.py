@@ -383,3 +383,40 @@ def test_a_sync_waiting_when_its_session_closes_is_not_answered_ok(meshd_server)
         xo = upload(other, mo, ONES)
         assert list(other.run(sync(), timeout=10).errors) == []
         np.testing.assert_array_equal(fetch(other, xo, gpu=0), ONES)
+
+
+def test_one_message_queues_at_most_four_times_the_byte_bound(meshd_server, tmp_path):
+    """Flow control holds a Submit stream only between its messages, and a Reduce's
+    instructions grow with its group (4 ranks here: about 1.3 KB a command). One message
+    of 4096 Reduces with --session-max-queued-bytes 1MiB queued 5.5 MB; now the commands
+    past 4 MiB of queued instructions are refused QUOTA, each answered in order, and
+    the session goes on (a Sync, then the next message's Reduces)."""
+    pf = tmp_path / "metrics.port"
+    srv = lib.wait_ready(meshd_server(4, "--session-max-queued-bytes", "1MiB",
+                                      "--metrics-listen", "127.0.0.1:0",
+                                      "--metrics-port-file", pf), 4)
+    with Session(srv.port, "big-batch") as s:
+        m = s.mesh(gpu=4).ref
+        x = upload(s, m, ONES)
+        s.run(sync())
+        cmds = [s.command(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum"))
+                for _ in range(4096)]
+        p = Pipeline(s, [pb().Command(batch=cmds)], timeout=60)
+        end = time.monotonic() + 30
+        while len(p.results) < len(cmds) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert len(p.results) == len(cmds), "the batch was not answered whole"
+        assert [r.seq for r in p.results] == [c.seq for c in cmds], "answers out of order"
+        refused = [i for i, r in enumerate(p.results) if r.HasField("error")]
+        assert refused, "4096 Reduces over 4 ranks in one message were all queued"
+        first = refused[0]
+        assert first > 1000 and refused == list(range(first, len(cmds))), refused[:5]
+        err = p.results[first].error
+        assert err.kind == pb().ErrorKind.Value("ERROR_KIND_QUOTA"), err
+        assert "the most one message may" in err.message and "Reduce" in err.message, err.message
+        p.call.cancel()
+        p.join(10)
+        assert list(s.run(sync(), timeout=60).errors) == []
+        res, code, details = s.submit([pb().Command(batch=[
+            s.command(reduce(s.new_ref(), x, dims=["gpu"], reduction="sum")) for _ in range(8)])])
+        assert len(res) == 8 and not any(r.HasField("error") for r in res), (code, details)
