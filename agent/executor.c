@@ -267,9 +267,10 @@ static void error_push_locked(executor_t *x, Meshd__V1__Error *e) {
 
 /* Queues a failure for the next report. */
 static void report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
-                         uint64_t seq, uint64_t ref) {
+                         uint64_t seq, uint64_t ref, uint64_t command_seq) {
   Meshd__V1__Error *e = error_new(session, kind, msg, seq, ref);
   if (!e) return;
+  e->command_seq = command_seq; /* the server names the client's command by it */
   pthread_mutex_lock(&x->mu);
   error_push_locked(x, e);
   pthread_mutex_unlock(&x->mu);
@@ -489,7 +490,8 @@ static void run_stream(executor_t *x, xstream_t *st) {
       run_refused(&x->env, ss, it->ins, &no_stream, true, &failed);
     else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
     for (size_t i = 0; i < failed.n; i++)
-      report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref);
+      report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref,
+                   it->ins->command_seq);
     if (it->batch) executor_batch_release(it->batch);
     else protobuf_c_message_free_unpacked(&it->ins->base, NULL);
     free(it->refused);

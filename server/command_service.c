@@ -439,7 +439,7 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
     if (o) {
       /* One command failing on several ranks is one root failure: only the
        * report that fails the tensor is kept for Sync, under the client seq of
-       * the command that made the tensor (agents know only their link seqs). */
+       * the failing command (Error.command_seq). */
       obj_t *t = err->ref ? objects_get(o, err->ref) : NULL;
       bool tensor = t && t->kind == OBJ_TENSOR;
       if (kind == ERR_DEPENDENT_FAILURE) {
@@ -456,14 +456,16 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
             objects_fail_tensor(o, t, t->tensor.born_seq, kind, t->tensor.born_seq, msg);
         }
       } else if (tensor && t->state == TENSOR_LIVE) {
-        uint64_t seq = t->tensor.born_seq;
+        /* The failing command (an in-place one is not the tensor's maker);
+         * an older agent does not say: the command that made the tensor. */
+        uint64_t seq = err->command_seq ? err->command_seq : t->tensor.born_seq;
         objects_fail_tensor(o, t, seq, kind, seq, msg);
         objects_note_failure(o, kind, msg, seq);
       } else if (!tensor) {
         /* A dropped or released tensor's failure is still told, once. */
         bool gone = err->ref && objects_dropped(o, err->ref);
         if (!gone || objects_dropped_failure_first(o, err->ref))
-          objects_note_failure(o, kind, msg, err->seq);
+          objects_note_failure(o, kind, msg, err->command_seq ? err->command_seq : err->seq);
       }
     }
     pthread_mutex_unlock(&s->mu);

@@ -43,6 +43,9 @@ static void init_instr(instr_t *ins, session_t *s, uint64_t stream) {
   meshd__agent__v1__instruction__init(ins);
   ins->session_id = s->id;
   ins->stream = stream;
+  /* the client command it is part of: the agent's failures name it */
+  const objects_t *o = s->objects;
+  ins->command_seq = o ? o->current_seq : 0;
 }
 
 /* Queues a packed instruction (owned; NULL: it did not pack) on rank's link and

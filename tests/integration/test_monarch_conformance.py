@@ -158,13 +158,11 @@ def test_a_dependent_names_the_root_command_however_early_it_was_issued(s2):
     assert late.error.seq == root_seq, late.error
 
 
-@pytest.mark.xfail(strict=True, reason="open: the agents report a failure under the tensor's "
-                   "creating command; naming the failing in-place command needs a command seq "
-                   "in Instruction (agent.proto)")
 def test_a_failed_in_place_reduce_names_its_own_command(meshd_server):
     """Monarch's controller reports the failing invocation (the reduce_), whose seq and
-    traceback the user sees. meshd's Sync names the command that made the tensor (here an
-    upload: seq 0), since the server files a root failure under its tensor's birth."""
+    traceback the user sees. So do Sync and Describe: each agent instruction carries its
+    command's seq (Instruction.command_seq) and the agent's failure echoes it; the
+    server filed a root failure under its tensor's birth (here an upload: seq 0)."""
     srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "reduce:fail,rank=0,count=1",
                                               "MESHD_COMM_TIMEOUT_MS": "2000"}), 2)
     with Session(srv.port, "inplace") as s:
