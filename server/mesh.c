@@ -201,16 +201,28 @@ int mesh_create_root(uint64_t ref, const char *const names[], const int64_t size
       snprintf(need, sizeof need, "1 agent (rank 0)");
     else
       snprintf(need, sizeof need, "%lld agents (ranks 0..%lld)", (long long)k, (long long)k - 1);
+    /* Healthy agents at ranks >= k (an agent started with --rank 3 alone) do not
+     * help, which "start more agents" alone does not tell. */
+    int64_t past = 0, first_past = -1;
+    for (size_t r = (size_t)k; healthy_by_rank && r < world; r++)
+      if (healthy_by_rank[r] && past++ == 0) first_past = (int64_t)r;
+    char hint[160] = "";
+    if (past)
+      snprintf(hint, sizeof hint,
+               " (%lld healthy agent%s from rank %lld on do%s not count: a mesh takes ranks from "
+               "0, see meshd-agent --rank)",
+               (long long)past, past == 1 ? "" : "s", (long long)first_past,
+               past == 1 ? "es" : "");
     if (have == 0)
       return error_set(err, ERR_BAD_ARGUMENT,
                        "CreateMesh %s needs %s but none of them is healthy (missing: %s); start "
-                       "more agents or ask for a smaller mesh",
-                       dims, need, missing);
+                       "more agents or ask for a smaller mesh%s",
+                       dims, need, missing, hint);
     return error_set(
         err, ERR_BAD_ARGUMENT,
         "CreateMesh %s needs %s but only %lld %s healthy: %s (missing: %s); start more "
-        "agents or ask for a smaller mesh",
-        dims, need, (long long)have, have == 1 ? "is" : "are", ok, missing);
+        "agents or ask for a smaller mesh%s",
+        dims, need, (long long)have, have == 1 ? "is" : "are", ok, missing, hint);
   }
 
   mesh_t m = {.ref = ref, .ndim = ndim};

@@ -1464,6 +1464,20 @@ static int run_assign(script_t *sc, const char *name, char **tok, int ntok) {
   return bind(sc, name, out);
 }
 
+/* A script's sync: Syncs of at most a second each until the work is done or
+ * --timeout-ms is over, so that Ctrl-C (cmd_run's handler) ends the wait within
+ * a second and the session is closed, not left to its lease. */
+static meshd_err_t script_sync(meshd_session_t *s) {
+  double end = now_s() + (double)timeout_ms / 1000.0;
+  for (;;) {
+    double left_ms = (end - now_s()) * 1000.0;
+    int step = left_ms > 1000.0 ? 1000 : left_ms > 1.0 ? (int)left_ms : 1;
+    meshd_err_t e = meshd_session_sync_timeout(s, step);
+    if (e != MESHD_E_DEADLINE || interrupted || now_s() >= end)
+      return e;
+  }
+}
+
 static int run_line(script_t *sc, char *line) {
   char *hash = strchr(line, '#');
   if (hash)
@@ -1540,7 +1554,17 @@ static int run_line(script_t *sc, char *line) {
   if (strcmp(tok[0], "sync") == 0) {
     if (ntok != 1)
       return script_fail(sc, "SYNTAX", "usage: sync");
-    meshd_err_t e = meshd_session_sync(sc->s);
+    meshd_err_t e = script_sync(sc->s);
+    if (e != MESHD_E_OK && interrupted)
+      return script_fail(sc, "CANCELLED", "sync: interrupted by %s; the session is closed",
+                         interrupted == SIGTERM ? "SIGTERM" : "SIGINT");
+    if (e == MESHD_E_DEADLINE) { /* gRPC's "Deadline Exceeded" said neither whose nor what now */
+      snprintf(sc->code, sizeof sc->code, "DEADLINE_EXCEEDED");
+      return script_fail(sc, "DEADLINE_EXCEEDED",
+                         "sync: the work was not done within --timeout-ms (%lld ms); a larger "
+                         "--timeout-ms waits longer",
+                         (long long)timeout_ms);
+    }
     if (e != MESHD_E_OK)
       return script_lib_fail(sc, e);
     return 0;
@@ -1567,6 +1591,17 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
   meshd_err_t e = MESHD_E_OK;
   sc.s = meshd_session_open(c, "meshctl", &e);
   int r = EXIT_OK;
+  /* SIGINT and SIGTERM stop the script after its line (a sync within a second),
+   * and the session is closed below instead of left to its lease with its
+   * tensors; a second signal ends meshctl at once. */
+  struct sigaction sa, old_int, old_term;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_interrupt;
+  sa.sa_flags = (int)SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  interrupted = 0;
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
   if (!sc.s) {
     r = report(c, "cannot open a session", e);
   } else {
@@ -1576,8 +1611,13 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
       size_t len = strlen(line);
       if (len == sizeof line - 1 && line[len - 1] != '\n')
         script_fail(&sc, "SYNTAX", "line longer than %zu characters", sizeof line - 2);
-      else if (run_line(&sc, line) == 0)
+      else if (!interrupted && run_line(&sc, line) == 0 && !interrupted)
         continue;
+      if (interrupted && strcmp(sc.kind, "CANCELLED") != 0) {
+        sc.code[0] = '\0';
+        script_fail(&sc, "CANCELLED", "interrupted by %s; the session is closed",
+                    interrupted == SIGTERM ? "SIGTERM" : "SIGINT");
+      }
       fprintf(stderr, "line %ld: %s: %s\n", lineno, sc.kind, sc.message);
       /* A load a signal ended stops the script as the standalone load does. */
       bool cut = interrupted && strcmp(sc.kind, "CANCELLED") == 0;
@@ -1586,13 +1626,22 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
       r = cut ? 128 + (interrupted == SIGTERM ? SIGTERM : SIGINT) : EXIT_RPC;
       break;
     }
-    if (r == EXIT_OK && ferror(f)) {
+    if (r == EXIT_OK && interrupted) { /* while reading the script (stdin) */
+      const char *sig = interrupted == SIGTERM ? "SIGTERM" : "SIGINT";
+      char msg[128];
+      snprintf(msg, sizeof msg, "interrupted by %s; the session is closed", sig);
+      fprintf(stderr, "meshctl: run: %s\n", msg);
+      note_error("CANCELLED", NULL, msg, 0);
+      r = 128 + (interrupted == SIGTERM ? SIGTERM : SIGINT);
+    } else if (r == EXIT_OK && ferror(f)) {
       fprintf(stderr, "meshctl: run: reading %s failed\n", argv[0]);
       note_error("INTERNAL", NULL, "reading the script failed", 0);
       r = EXIT_FAILURE_OTHER;
     }
   }
   meshd_session_close(sc.s);
+  sigaction(SIGINT, &old_int, NULL);
+  sigaction(SIGTERM, &old_term, NULL);
   for (size_t i = 0; i < sc.nnames; i++)
     free(sc.names[i]);
   if (!use_stdin)

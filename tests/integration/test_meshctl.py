@@ -842,6 +842,83 @@ def test_load_interrupted_closes_its_session(shared_meshd, load_files, tmp_path,
     assert files.sending == 0, f"{files.sending} download(s) still running after the session closed"
 
 
+def test_ctrl_c_during_a_run_scripts_sync_closes_its_session(meshd_server, tmp_path):
+    """SIGINT while a `run` script's sync waits (rank 1 hangs in a reduce): meshctl died
+    of the signal at once and left its session, with its tensors on the agents, to its
+    lease (300 s); as a load's Ctrl-C does, it now closes the session and exits 130."""
+    env = {"MESHD_FAULT": "reduce:hang,rank=1,count=1", "MESHD_COMM_TIMEOUT_MS": "30000"}
+    srv = lib.wait_ready(meshd_server(2, env=env), 2)
+    script = tmp_path / "s.txt"
+    script.write_text("mesh m gpu=2\nx = ones m 1024\ny = reduce x gpu sum\nsync\n")
+    with lib.Session(srv.port, "watcher") as w:
+        def ours():
+            return [x for x in w.list_sessions() if x.client_name == "meshctl"]
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "20000",
+                              "--output", "json", "run", str(script)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            by = time.monotonic() + 10
+            while time.monotonic() < by and not any(x.commands >= 4 for x in ours()):
+                time.sleep(0.02)  # mesh, ones, reduce and the sync are in: it waits
+            assert any(x.commands >= 4 for x in ours()), (ours(), p.poll())
+            time.sleep(0.2)
+            p.send_signal(signal.SIGINT)
+            t0 = time.monotonic()
+            out, err = p.communicate(timeout=10)
+            took = time.monotonic() - t0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 130, f"rc={p.returncode}\n{out}\n{err}"
+        assert took < 5, f"meshctl took {took:.1f} s to stop"
+        assert "line 4: CANCELLED: sync: interrupted by SIGINT" in err, err
+        e = json.loads(out)["error"]
+        assert e["code"] == "CANCELLED" and e["line"] == 4, e
+        assert not ours(), ours()
+
+
+def test_ctrl_c_while_run_reads_stdin_closes_its_session(shared_meshd):
+    """`meshctl run -` waiting for its next line: Ctrl-C closes the session, exit 130
+    (the handler the script's calls need must not turn it into an EOF, exit 0)."""
+    srv = shared_meshd(2)
+    with lib.Session(srv.port, "watcher") as w:
+        def ours():
+            return [x for x in w.list_sessions() if x.client_name == "meshctl"]
+        p = subprocess.Popen([lib.MESHCTL, "--server", srv.address, "run", "-"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            p.stdin.write("mesh m gpu=2\nx = ones m 4\n")
+            p.stdin.flush()
+            by = time.monotonic() + 10
+            while time.monotonic() < by and not any(x.commands >= 2 for x in ours()):
+                time.sleep(0.02)
+            assert any(x.commands >= 2 for x in ours()), (ours(), p.poll())
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 130, f"rc={p.returncode}\n{out}\n{err}"
+        assert "interrupted by SIGINT; the session is closed" in err, err
+        assert not ours(), ours()
+
+
+def test_a_run_scripts_sync_past_timeout_ms_names_the_flag(meshd_server, tmp_path):
+    """A sync still waiting at --timeout-ms (5 s by default: any real script's work) said
+    gRPC's bare "Deadline Exceeded"; it names the flag that bounds it."""
+    env = {"MESHD_FAULT": "reduce:hang,rank=1,count=1", "MESHD_COMM_TIMEOUT_MS": "30000"}
+    srv = lib.wait_ready(meshd_server(2, env=env), 2)
+    script = tmp_path / "s.txt"
+    script.write_text("mesh m gpu=2\nx = ones m 4\ny = reduce x gpu sum\nsync\n")
+    r = meshctl(srv.address, "run", str(script), timeout_ms=1500)
+    assert r.returncode == 3, _show(r)
+    assert "line 4: DEADLINE_EXCEEDED: sync: the work was not done within --timeout-ms " \
+           "(1500 ms)" in r.stderr, _show(r)
+
+
 def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
     srv = shared_meshd(2)
     files, _ = load_files

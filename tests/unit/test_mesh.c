@@ -268,6 +268,21 @@ Test(mesh, create_needs_healthy_agents) {
   expect_err(create(NAMES("gpu"), I64(2), 1, gap, 4), ERR_BAD_ARGUMENT, "(missing: 0)");
 }
 
+Test(mesh, create_names_healthy_agents_past_the_mesh) {
+  /* One agent started as the README shows (--rank 3) and nothing else: "start more
+   * agents or ask for a smaller mesh" alone sent a user looking for a smaller mesh
+   * than {gpu: 1}; the message says that rank 3 does not count and why. */
+  bool only3[4] = {false, false, false, true};
+  expect_err(create(NAMES("gpu"), I64(1), 1, only3, 4), ERR_BAD_ARGUMENT,
+             "CreateMesh {gpu: 1} needs 1 agent (rank 0) but none of them is healthy (missing: "
+             "0); start more agents or ask for a smaller mesh (1 healthy agent from rank 3 on "
+             "does not count: a mesh takes ranks from 0, see meshd-agent --rank)");
+  bool gap[5] = {false, true, true, true, true};
+  expect_err(create(NAMES("gpu"), I64(2), 1, gap, 5), ERR_BAD_ARGUMENT,
+             "only 1 is healthy: 1 (missing: 0); start more agents or ask for a smaller mesh (3 "
+             "healthy agents from rank 2 on do not count");
+}
+
 Test(mesh, create_message_stays_short_for_big_pools) {
   bool *h = calloc(100000, sizeof *h);
   for (int i = 0; i < 100000; i += 2) h[i] = true; /* every odd rank is down */

@@ -56,3 +56,21 @@ def test_train_mlp_overlaps_its_all_reduce_and_matches_numpy(server, hosts, gpus
     assert "steps/s" in r.stdout and "matches numpy" in r.stdout, out
     r = run_example("train_mlp.py", "--server", server[0], "--steps", "2", "--tol", "0")
     assert r.returncode == 1 and "DOES NOT match numpy" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_readmes_first_example_runs(server, tmp_path):
+    # clients/python/README.md's first block is what a new user pastes first; it mixed a
+    # float64 array into a float32 matmul and failed with DTYPE_MISMATCH.
+    with open(os.path.join(REPO, "clients", "python", "README.md")) as f:
+        block = f.read().split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"127.0.0.1:50051"' in block, block
+    script = tmp_path / "readme.py"
+    script.write_text(block.replace('"127.0.0.1:50051"', repr(server[0])))
+    env = _child_env()
+    env["PYTHONPATH"] = os.path.join(REPO, "clients", "python")
+    env["XDG_CACHE_HOME"] = os.environ["XDG_CACHE_HOME"]
+    r = subprocess.run([sys.executable, str(script)], env=env, stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # y = (1 + xs) @ 1.T on gpu=1 (xs row 1 = [3, 4, 5]): 15s; the reduce over gpu: [3, 5, 7]
+    assert "15." in r.stdout and "[3. 5. 7.]" in r.stdout, r.stdout
