@@ -2,6 +2,7 @@
 
 #include <inttypes.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,7 +52,15 @@ int tensor_file_parse(const void *buf, size_t len, const tensor_file_opts_t *opt
                                                      : TENSOR_FILE_SAFETENSORS;
   switch (f) {
   case TENSOR_FILE_NPY: return npy_header_parse(buf, len, &o, out, need, e);
-  case TENSOR_FILE_SAFETENSORS: return safetensors_header_parse(buf, len, &o, out, need, e);
+  case TENSOR_FILE_SAFETENSORS: {
+    int rc = safetensors_header_parse(buf, len, &o, out, need, e);
+    /* Guessed (neither .npy nor JSON): raw bytes the caller gave no dtype and
+     * shape for are likelier than a broken safetensors file. */
+    size_t n = rc < 0 ? strlen(e->msg) : 0;
+    if (rc < 0 && o.format == TENSOR_FILE_AUTO && strstr(e->msg, "(is this a safetensors file?)"))
+      snprintf(e->msg + n, sizeof e->msg - n, "; raw bytes need a dtype and a shape");
+    return rc;
+  }
   case TENSOR_FILE_SAFETENSORS_INDEX: return safetensors_index_parse(buf, len, &o, out, need, e);
   default:
     return error_set(e, ERR_BAD_ARGUMENT, "tensor file: unknown format %d (0 auto, 1 npy, "

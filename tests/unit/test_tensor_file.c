@@ -423,6 +423,11 @@ Test(tensor_file, safetensors_header_length) {
   memset(b, 0xff, 8);
   cr_assert_eq(tensor_file_parse(b, len, NULL, &f, &need, &e), -1);
   cr_assert(strstr(e.msg, "is more than the 100000000-byte limit"), "%s", e.msg);
+  /* guessed, not asked for: raw bytes without a dtype and shape are likelier */
+  cr_assert(strstr(e.msg, "; raw bytes need a dtype and a shape"), "%s", e.msg);
+  o = (tensor_file_opts_t){.format = TENSOR_FILE_SAFETENSORS};
+  cr_assert_eq(tensor_file_parse(b, len, &o, &f, &need, &e), -1);
+  cr_assert(!strstr(e.msg, "raw bytes"), "asked for safetensors: %s", e.msg);
   free(b);
 }
 
