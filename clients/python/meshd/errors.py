@@ -44,9 +44,13 @@ class MeshdError(Exception):
         for k, v in (e.trailing_metadata() or ()):
             if k == KIND_MD:
                 kind = v
+        details = e.details() or ""
         if not kind:
             kind = _CODE_KINDS.get(e.code(), str(e.code().name))
-        return cls.of_kind(kind, e.details() or "", e.code())
+            if details == "Deadline Exceeded":  # gRPC's own words: say whose deadline
+                details = ("the call's deadline passed (the session's timeout, or the "
+                           "timeout= given): Deadline Exceeded")
+        return cls.of_kind(kind, details, e.code())
 
     @classmethod
     def from_error(cls, pb: Any, err: Any) -> MeshdError:

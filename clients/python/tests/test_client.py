@@ -551,3 +551,30 @@ def test_a_fetch_is_the_value_where_it_was_asked_for(mesh):
     for i, f in enumerate(futures):
         np.testing.assert_array_equal(f.result(), np.full((256, 256), 1.0 + i, np.float32))
     np.testing.assert_array_equal(get(x, gpu=0), np.full((256, 256), 10.0, np.float32))
+
+
+def test_grpcs_bare_deadline_message_says_whose_deadline():
+    """gRPC's own "Deadline Exceeded" (no kind of the server's) becomes a
+    DEADLINE_EXCEEDED MeshdError that says which deadline passed; a server's own
+    message is kept as it is."""
+    import grpc
+
+    class Lost(grpc.RpcError):
+        def __init__(self, details, trailers=()):
+            self._details, self._trailers = details, trailers
+
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return self._details
+
+        def trailing_metadata(self):
+            return self._trailers
+
+    e = meshd.MeshdError.from_rpc(Lost("Deadline Exceeded"))
+    assert e.kind == "DEADLINE_EXCEEDED"
+    assert "the session's timeout, or the timeout= given" in str(e), str(e)
+    mine = meshd.MeshdError.from_rpc(Lost("Sync: waited 5 s", (("meshd-error-kind",
+                                                                  "DEADLINE_EXCEEDED"),)))
+    assert "Sync: waited 5 s" in str(mine) and "session's timeout" not in str(mine), str(mine)
