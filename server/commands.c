@@ -67,6 +67,7 @@ void command_tensor_meta(Meshd__V1__TensorMeta *m, const obj_t *t, int64_t *dims
   m->mesh = t->tensor.mesh;
   m->stream = t->tensor.stream;
   m->state = (Meshd__V1__TensorState)t->state;
+  m->storage = t->tensor.storage->id;
 }
 
 static Meshd__V1__TensorMeta *describe_tensor(cmd_out_t *out, const obj_t *t) {

@@ -19,7 +19,7 @@ from .errors import MeshdError, closed_channel
 from .mesh import Mesh
 from ._conn import Pem
 from .pipeline import Pipeline, _Pending
-from .tensor import Tensor, _factory as _tensor_factory
+from .tensor import Tensor, _drop_counts, _factory as _tensor_factory
 
 DataPath = Literal["auto", "direct", "proxy"]
 
@@ -142,6 +142,7 @@ class Borrow:
         self.session._execute("drop_borrow", lambda _: pb.DropBorrow(borrow=self.ref))
         self.dropped = True
         self.handle._dropped = True
+        self.session._note_drop(self.handle)  # its views too
         self.handle._borrow = None
         self._origin = None
 
@@ -186,6 +187,10 @@ class Session:
         self._drain = None
         # Refs of garbage-collected handles, and borrows collected undropped, not yet
         # sent: deques, appended to by __del__ in any thread, emptied by popleft.
+        # Dropped storages (TensorMeta.storage -> the drop's marker: True, or a pipelined
+        # Drop's _Pending), and dropped handles whose meta (their storage) is not in yet.
+        self._dropped_storages: dict = {}
+        self._drops_unresolved: list = []
         self._released: collections.deque[int] = collections.deque()
         self._unborrowed: collections.deque[int] = collections.deque()
         self.closed = False
@@ -363,6 +368,26 @@ class Session:
             d.flush(timeout)
             if self._drain is d:
                 self._drain = None
+
+    def _note_drop(self, t) -> None:
+        """t was dropped: its storage, and so every alias of it, is."""
+        if t._pending is None:
+            if t._storage:
+                self._dropped_storages[t._storage] = t._dropped
+        else:
+            self._drops_unresolved.append(t)
+
+    def _storage_dropped(self, storage) -> bool:
+        """Whether a drop of any alias of storage counts (Tensor.dropped)."""
+        pending, self._drops_unresolved = self._drops_unresolved, []
+        for t in pending:
+            try:
+                t._resolve()
+            except MeshdError:  # its command was refused: nothing to drop
+                continue
+            self._note_drop(t)
+        d = self._dropped_storages.get(storage) if storage else None
+        return d is not None and _drop_counts(d)
 
     def _new_ref(self):
         """A fresh ref; callers that send it must hold self._lock across the send."""

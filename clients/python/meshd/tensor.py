@@ -106,6 +106,14 @@ def _shape(shape):
     return [int(s) for s in out]
 
 
+def _drop_counts(d) -> bool:
+    """A drop marker: False, True, or a pipelined Drop's _Pending, which counts until its
+    answer refused it."""
+    if isinstance(d, bool):
+        return d
+    return not (d.done() and d._error is not None)
+
+
 class Tensor:
     """A handle on a tensor that lives on every rank of a mesh."""
 
@@ -119,6 +127,7 @@ class Tensor:
         self._pending = None  # (pipeline _Pending, index) until the answer is in
         # True once dropped; a pipelined Drop's _Pending until answered (_gone)
         self._dropped: bool | _Pending = False
+        self._storage = None  # its memory's id (TensorMeta.storage), once its meta is in
         self._borrow = None  # a borrowed handle's Borrow (which it keeps alive)
         # The handle that made this ref: when it is garbage-collected the session
         # releases the ref (Session._release_later). A second handle on a ref
@@ -135,8 +144,10 @@ class Tensor:
 
     @classmethod
     def _from_meta(cls, session, meta, owned=True):
-        return cls(session, meta.ref, meta.shape, _dtype_from_value(session._pb, meta.dtype),
-                   meta.mesh, meta.stream, owned)
+        t = cls(session, meta.ref, meta.shape, _dtype_from_value(session._pb, meta.dtype),
+                meta.mesh, meta.stream, owned)
+        t._storage = meta.storage or None
+        return t
 
     @classmethod
     def _from_result(cls, session, res, index, ref):
@@ -147,6 +158,7 @@ class Tensor:
             t = cls.__new__(cls)
             t.session, t.ref = session, ref
             t._pending, t._dropped, t._owned = (res, index), False, True
+            t._storage, t._borrow = None, None
             return t
         return cls._from_meta(session, res.tensors[index])
 
@@ -158,6 +170,7 @@ class Tensor:
             self._shape, self._dtype = tuple(meta.shape), _dtype_from_value(self.session._pb,
                                                                             meta.dtype)
             self._mesh, self._stream = meta.mesh, meta.stream
+            self._storage = meta.storage or None
             self._pending = None
 
     @property
@@ -193,15 +206,16 @@ class Tensor:
 
     @property
     def dropped(self) -> bool:
-        return self._gone()
+        """This handle, or any alias of its memory (a view, its base), was dropped."""
+        if self._gone():
+            return True
+        self._resolve()  # (its storage's id comes with its meta)
+        return self.session._storage_dropped(self._storage)
 
     def _gone(self) -> bool:
         """Dropped: a pipelined Drop counts until its answer refused it (BORROWED):
         then the tensor lives on, and its handle releases it as any other."""
-        d = self._dropped
-        if isinstance(d, bool):
-            return d
-        return not (d.done() and d._error is not None)
+        return _drop_counts(self._dropped)
 
     @property
     def ndim(self) -> int:
@@ -234,6 +248,7 @@ class Tensor:
         pb = self.session._pb
         res = self.session._execute("drop", lambda _: pb.Drop(refs=[self.ref]))
         self._dropped = res if isinstance(res, _Pending) else True
+        self.session._note_drop(self)
 
     # ------------------------------------------------------------ operators
     def _bin(self, op, other):
