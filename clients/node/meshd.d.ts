@@ -52,6 +52,8 @@ export interface ProtoError {
   seq: number;
   ref: number;
   session_id: string;
+  /** agent -> server reports only */
+  command_seq: number;
 }
 
 export interface Dim { name: string; size: number }
@@ -67,6 +69,8 @@ export interface TensorMeta {
   /** why it is failed or dropped */
   error: ProtoError | null;
   storage_offset: number;
+  /** the id of its memory, shared by its aliases (a Drop of one drops all); 0: an older server */
+  storage: number;
 }
 
 export interface MeshMeta {
