@@ -29,6 +29,7 @@ struct health {
   pthread_mutex_t mu;
   service_t *services;
   watcher_t *watchers;
+  int nwatchers;
   bool shutting_down;
 };
 
@@ -105,7 +106,23 @@ static void on_check(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
 static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   health_t *h = arg;
   const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
+  /* Health is open to strangers and a Watch lasts as long as its client
+   * likes: what it holds is bounded (the name it keeps, how many there are). */
+  size_t len = strlen(req->service);
+  if (len > HEALTH_SERVICE_MAX) {
+    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, NULL,
+                    "Watch: a service name of %zu bytes; names are at most %d", len,
+                    HEALTH_SERVICE_MAX);
+    return;
+  }
   pthread_mutex_lock(&h->mu);
+  if (!h->shutting_down && h->nwatchers >= HEALTH_WATCHERS_MAX) {
+    pthread_mutex_unlock(&h->mu);
+    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL,
+                    "Watch: %d Watch calls are open on this process already; use Check",
+                    HEALTH_WATCHERS_MAX);
+    return;
+  }
   send_status(call, get_locked(h, req->service));
   if (h->shutting_down) {
     pthread_mutex_unlock(&h->mu);
@@ -113,11 +130,15 @@ static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     return;
   }
   watcher_t *w = calloc(1, sizeof *w);
+  if (w && !(w->service = strdup(req->service))) { /* (health_set compares it) */
+    free(w);
+    w = NULL;
+  }
   if (w) {
     w->call = call;
-    w->service = strdup(req->service);
     w->next = h->watchers;
     h->watchers = w;
+    h->nwatchers++;
     rpc_call_ref(call);
     rpc_call_set_data(call, w);
   }
@@ -133,6 +154,7 @@ static void on_watch_end(rpc_call_t *call, bool cancelled, void *arg) {
   for (watcher_t **p = &h->watchers; *p; p = &(*p)->next) {
     if (*p == w) {
       *p = w->next;
+      h->nwatchers--;
       break;
     }
   }

@@ -17,6 +17,13 @@ typedef enum {
 
 typedef struct health health_t;
 
+/* Health answers strangers (no token, plaintext probes): a Watch keeps its
+ * service name for its life, so names past this many bytes are refused
+ * (INVALID_ARGUMENT), and past this many open Watch calls (all services) a new
+ * one is refused (RESOURCE_EXHAUSTED). */
+#define HEALTH_SERVICE_MAX 256
+#define HEALTH_WATCHERS_MAX 1024
+
 health_t *health_create(void);
 /* Registers Check and Watch on srv (before rpc_server_start). Returns 0 or -1. */
 int health_add_methods(health_t *h, rpc_server_t *srv);
