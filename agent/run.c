@@ -62,6 +62,14 @@ static void root_failure_kind(ctx_t *c, const uint64_t *refs, size_t n, const me
   log_event(LOG_LEVEL_DEBUG, "run", &(log_fields_t){.session = c->s->id, .seq = c->ins->seq},
             "session %.8s seq %" PRIu64 ": %s", c->s->id, c->ins->seq, e->msg);
   report(c, f.kind, f.msg, f.root_ref);
+  /* Its other results (max's indices) and what it wrote in place fail with it
+   * on the server too: each told, with the same root (the server keeps one
+   * note of it for Sync); only the first was, and the rest stayed live there. */
+  for (size_t i = 1; i < n; i++) {
+    bool told = refs[i] == 0;
+    for (size_t k = 0; k < i && !told; k++) told = refs[k] == refs[i];
+    if (!told) report(c, f.kind, f.msg, refs[i]);
+  }
 }
 
 static void root_failure(ctx_t *c, const uint64_t *refs, size_t n, const meshd_error_t *e) {
@@ -295,6 +303,8 @@ static uint64_t ref_of_meta(const held_t *h, const tensor_meta_t *m) {
   return 0;
 }
 
+static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t *e);
+
 static void run_call(ctx_t *c) {
   const Meshd__Agent__V1__OpCall *call = c->ins->call;
   held_t *h = held_get();
@@ -322,6 +332,7 @@ static void run_call(ctx_t *c) {
   }
   int rc = need_backend(c, call->op, &e);
   if (!rc && !op) rc = error_set(&e, ERR_REMOTE_FAILURE, "Call: unknown op '%s'", call->op);
+  if (!rc && injected(c, "call", call->op, &e) != 0) rc = -1; /* (fault.h: call:fail) */
   for (size_t i = 0; !rc && i < npos; i++) rc = resolve(c, h, call->args[i], &pos[i], &e);
   for (size_t i = 0; !rc && i < nkw; i++) {
     kw[i].name = call->kwargs[i]->name;

@@ -41,6 +41,11 @@ void objects_note_failure(objects_t *o, error_kind_t kind, const char *msg, uint
   if (!o->unreported_seq) o->unreported_seq = calloc(MAX_UNREPORTED, sizeof *o->unreported_seq);
   if (!o->unreported || !o->unreported_seq) return;
   size_t at = o->nunreported;
+  /* One failure told for each result of one command (max's values and
+   * indices): one note. */
+  if (at > 0 && o->unreported_seq[at - 1] == seq && seq && o->unreported[at - 1].kind == kind &&
+      strcmp(o->unreported[at - 1].msg, msg) == 0)
+    return;
   if (at == MAX_UNREPORTED) {
     /* Full: an agent's loss still gets in, over the newest other failure (a
      * Sync waiting on that agent takes its note; it was silently dropped and

@@ -12,7 +12,7 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
   return 0;
 }
 
-const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "any", "hello", "write", NULL};
+const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "call", "any", "hello", "write", NULL};
 const char *const FAULT_SERVER_PLACES[] = {"plan", NULL};
 
 int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {

@@ -3,7 +3,8 @@
  * makes chosen steps fail, hang or run slowly. Each program names its places:
  *
  *   WHERE:ACTION[,rank=R][,after=K][,count=C]
- *   WHERE   the agent: reduce | send | any (instructions), write (a
+ *   WHERE   the agent: reduce | send | any (collectives and sends), call
+ *           (an op's Call: fail makes it fail as a kernel would), write (a
  *           client's Agent/Write under a grant: fail refuses it at once,
  *           slow=MS delays it), or hello (with ACTION old);
  *           the server: plan (a PlanTransfer's answer, once its transfer is
@@ -40,7 +41,7 @@ typedef struct fault {
 } fault_t;
 
 /* The places each program knows ("any" is the agent's every instruction). */
-extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, any, hello, write */
+extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write */
 extern const char *const FAULT_SERVER_PLACES[]; /* plan */
 
 /* Parses spec into *f, with WHERE one of places (NULL-terminated). 0, or -1

@@ -206,3 +206,22 @@ def test_dropping_a_view_drops_its_base_in_the_client(shared_meshd):
                 w = z[1]
                 w.drop()
             assert z.dropped and not y.dropped
+
+
+def test_every_result_of_a_failed_op_fails_and_sync_tells_it_once(meshd_server):
+    """Monarch fails every result of a failed invocation. max over a dim has two (values
+    and indices); it fails on rank 0 (MESHD_FAULT call:fail): both are failed on the
+    server (the indices stayed live there), under the max's own seq, and the next Sync
+    reports the one root failure once."""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:fail,rank=0,count=1"}), 2)
+    with Session(srv.port, "two-results") as s:
+        m = s.mesh(gpu=2).ref
+        x = upload(s, m, np.arange(6, dtype=np.float32).reshape(2, 3))
+        values, indices = s.op("max", Ref(x), 1, nresults=2)
+        errors = s.run(sync()).errors
+        assert [lib.kind_name(e.kind) for e in errors] == ["REMOTE_FAILURE"], errors
+        assert "injected fault" in errors[0].message, errors[0].message
+        assert state(s, values.ref) == "TENSOR_STATE_FAILED"
+        assert state(s, indices.ref) == "TENSOR_STATE_FAILED"
+        err = s.run(describe(indices.ref)).tensors[0].error
+        assert err.seq == errors[0].seq and "injected fault" in err.message, err

@@ -338,7 +338,7 @@ Test(run_reduce, the_hello_old_fault_is_the_registrations_alone) {
   cr_assert(strstr(why, "ACTION old goes with WHERE hello"), "%s", why);
   cr_assert_eq(fault_parse("hello:old=5", FAULT_AGENT_PLACES, &f, why, sizeof why), -1);
   cr_assert_eq(fault_parse("boot:old", FAULT_AGENT_PLACES, &f, why, sizeof why), -1);
-  cr_assert(strstr(why, "not one of reduce, send, any, hello, write"), "%s", why);
+  cr_assert(strstr(why, "not one of reduce, send, call, any, hello, write"), "%s", why);
   /* the server's places are its own (--server-fault): an agent's is refused */
   cr_assert_eq(fault_parse("reduce:fail", FAULT_SERVER_PLACES, &f, why, sizeof why), -1);
   cr_assert(strstr(why, "not one of plan"), "%s", why);
