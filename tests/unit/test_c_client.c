@@ -1817,6 +1817,31 @@ static meshd_session_t *session_on_mesh(meshd_client_t *c, meshd_ref_t *m) {
   return s;
 }
 
+/* A per-rank upload of 2 x 48 MiB (far past what the sockets and windows
+ * buffer) while the agent of rank `stopped` is SIGSTOPped; continued after.
+ * Its result, *took its ms; the buffer is freed at once after it returns. */
+static meshd_err_t upload_to_a_stopped_agent(meshd_session_t *s, meshd_ref_t m, int stopped,
+                                             unsigned seed, int64_t *took) {
+  pid_t pid = agent_pid(stopped);
+  cr_assert_gt(pid, 0, "no rank-%d agent child of meshd %d", stopped, (int)server_pid);
+  stop_agent(pid);
+  size_t each = 48u << 20;
+  uint8_t *data = malloc(2 * each);
+  cr_assert_not_null(data);
+  fill(data, 2 * each, seed);
+  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
+  o.per_rank = true;
+  int64_t shape[] = {(int64_t)each};
+  meshd_ref_t t = 0;
+  int64_t t0 = now_ms();
+  meshd_err_t rc = meshd_session_upload_with(s, m, "uint8", shape, 1, data, 2 * each, &o, &t);
+  *took = now_ms() - t0;
+  free(data);
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  return rc;
+}
+
 /* A direct upload's messages reference the caller's buffer. To an agent that
  * stops reading mid-transfer (SIGSTOPped), the upload ends by the client's
  * deadline, and returns only once gRPC let go of those messages (the
@@ -1832,23 +1857,8 @@ Test(c_client, a_direct_upload_to_an_agent_that_stops_reading_lets_go_of_the_buf
   meshd_session_t *s = session_on_mesh(c, &m);
   cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
   cr_assert_eq(round_trip(s, m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
-  pid_t pid = agent_pid(1);
-  cr_assert_gt(pid, 0, "no rank-1 agent child of meshd %d", (int)server_pid);
-  stop_agent(pid);
-  size_t each = 48u << 20; /* far past what the sockets and windows buffer */
-  uint8_t *data = malloc(2 * each);
-  cr_assert_not_null(data);
-  fill(data, 2 * each, 5);
-  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
-  o.per_rank = true;
-  int64_t shape[] = {(int64_t)each};
-  meshd_ref_t t = 0;
-  int64_t t0 = now_ms();
-  meshd_err_t rc = meshd_session_upload_with(s, m, "uint8", shape, 1, data, 2 * each, &o, &t);
-  int64_t took = now_ms() - t0;
-  free(data);
-  kill(pid, SIGCONT);
-  stopped_agent = -1;
+  int64_t took = 0;
+  meshd_err_t rc = upload_to_a_stopped_agent(s, m, 1, 5, &took);
   cr_assert_neq(rc, MESHD_E_OK, "an upload to a stopped agent succeeded");
   const char *msg = meshd_last_error(c)->message;
   cr_assert(strstr(msg, "rank 1"), "%s", msg);
@@ -3066,23 +3076,8 @@ Test(c_client_write_fault, a_direct_upload_ends_on_its_first_failed_shard) {
   cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
   /* the channels to both agents, open before rank 1 stops */
   cr_assert_eq(round_trip(s, m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
-  pid_t pid = agent_pid(0);
-  cr_assert_gt(pid, 0, "no rank-0 agent child of meshd %d", (int)server_pid);
-  stop_agent(pid);
-  size_t each = 48u << 20; /* far past what the sockets and windows buffer */
-  uint8_t *data = malloc(2 * each);
-  cr_assert_not_null(data);
-  fill(data, 2 * each, 6);
-  meshd_upload_options_t o = MESHD_UPLOAD_OPTIONS_INIT;
-  o.per_rank = true;
-  int64_t shape[] = {(int64_t)each};
-  meshd_ref_t t = 0;
-  int64_t t0 = now_ms();
-  meshd_err_t rc = meshd_session_upload_with(s, m, "uint8", shape, 1, data, 2 * each, &o, &t);
-  int64_t took = now_ms() - t0;
-  kill(pid, SIGCONT);
-  stopped_agent = -1;
-  free(data);
+  int64_t took = 0;
+  meshd_err_t rc = upload_to_a_stopped_agent(s, m, 0, 6, &took);
   cr_assert_neq(rc, MESHD_E_OK, "an upload whose rank 1 refused its Write succeeded");
   const char *msg = meshd_last_error(c)->message;
   cr_assert(strstr(msg, "rank 1") && strstr(msg, "injected fault"), "not the cause: %s", msg);
