@@ -334,18 +334,21 @@ class Tensor:
         return sorted(set(super().__dir__()) | set(ops))
 
     def reduce(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
-               out: Tensor | None = None, mesh: Mesh | None = None) -> Tensor:
+               mesh: Mesh | None = None, _inplace: bool = False,
+               out: Tensor | None = None) -> Tensor:
         """A collective over mesh dims (str or tuple; () means all): reduction "sum",
         "avg", "product", "min", "max", "band", "bor", "bxor" or "stack".
         mesh: a sub-mesh holding one member of each reduced group and none of the
         reduced dims (e.g. mesh.slice(gpu=0)): the result lives there only, the
-        other members keep nothing (Monarch's reduce(..., mesh=))."""
-        return self._reduce(dims, reduction, scatter, out, inplace=False, mesh=mesh)
+        other members keep nothing (Monarch's reduce(..., mesh=)). The parameters are
+        Monarch's, in its order: reduce(dims, reduction, scatter, mesh, _inplace, out)."""
+        return self._reduce(dims, reduction, scatter, out, inplace=_inplace, mesh=mesh)
 
     def reduce_(self, dims: str | Sequence[str], reduction: str = "sum", scatter: bool = False,
-                out: Tensor | None = None) -> Tensor:
-        """reduce() in place: returns this tensor."""
-        return self._reduce(dims, reduction, scatter, out, inplace=True)
+                mesh: Mesh | None = None, out: Tensor | None = None) -> Tensor:
+        """reduce() in place: returns this tensor. (A mesh= is refused: the input's mesh
+        keeps its tensor.)"""
+        return self._reduce(dims, reduction, scatter, out, inplace=True, mesh=mesh)
 
     def _reduce(self, dims, reduction, scatter, out, inplace, mesh=None):
         if isinstance(dims, str):
@@ -604,19 +607,17 @@ def _tree_map(fn: Callable[[Tensor], Any], tree: Any) -> Any:
 
 def reduce(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
            scatter: bool = False, mesh: Mesh | None = None, _inplace: bool = False) -> Any:
-    """Monarch's meshd.reduce: t.reduce(dims, reduction, scatter, mesh=mesh) for every
-    Tensor of the pytree `tensors` (lists, tuples, dicts of tensors, nested), in the
-    same structure: e.g. every gradient of a model in one call, pipelined by the
+    """Monarch's meshd.reduce: t.reduce(dims, reduction, scatter, mesh, _inplace) for
+    every Tensor of the pytree `tensors` (lists, tuples, dicts of tensors, nested), in
+    the same structure: e.g. every gradient of a model in one call, pipelined by the
     caller's block."""
-    if _inplace:
-        return _tree_map(lambda t: t.reduce_(dims, reduction, scatter), tensors)
-    return _tree_map(lambda t: t.reduce(dims, reduction, scatter, mesh=mesh), tensors)
+    return _tree_map(lambda t: t.reduce(dims, reduction, scatter, mesh, _inplace), tensors)
 
 
 def reduce_(tensors: Any, dims: str | Sequence[str], reduction: str = "sum",
-            scatter: bool = False) -> Any:
+            scatter: bool = False, mesh: Mesh | None = None) -> Any:
     """meshd.reduce in place: t.reduce_ on every Tensor of the pytree (Monarch's reduce_)."""
-    return reduce(tensors, dims, reduction, scatter, _inplace=True)
+    return reduce(tensors, dims, reduction, scatter, mesh, _inplace=True)
 
 
 # ---------------------------------------------------------------- data in and out

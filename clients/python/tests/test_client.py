@@ -315,6 +315,29 @@ def test_reduce(mesh):
     np.testing.assert_array_equal(get(y, gpu=1), b.sum(0))
 
 
+def test_reduce_takes_monarchs_arguments_in_monarchs_order(mesh):
+    """Monarch's Tensor.reduce(dims, reduction, scatter, mesh, _inplace, out) and
+    reduce_(dims, reduction, scatter, mesh), and the pytree forms: a Monarch program
+    passing mesh 4th by position runs unchanged (it was out there: a TypeError), and an
+    in-place reduce onto a mesh is refused by the server, not silently done in place."""
+    b = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
+    x = meshd.tensor(b, shard="gpu")
+    root = mesh.slice(gpu=0)
+    s = x.reduce("gpu", "sum", False, root)
+    assert s.mesh is root
+    np.testing.assert_array_equal(get(s), b.sum(0))
+    g, = meshd.reduce([x], "gpu", "stack", False, root)
+    np.testing.assert_array_equal(get(g), b)
+    for inplace in (lambda: x.reduce_("gpu", "sum", False, root),
+                    lambda: meshd.reduce_([x], "gpu", "sum", False, root),
+                    lambda: meshd.reduce([x], "gpu", "sum", False, root, True)):
+        with pytest.raises(meshd.MeshdError, match="in place onto mesh"):
+            inplace()
+    np.testing.assert_array_equal(get(x, gpu=1), b[1])  # untouched
+    assert x.reduce("gpu", "sum", False, None, True) is x  # _inplace, Monarch's 5th
+    np.testing.assert_array_equal(get(x, gpu=1), b.sum(0))
+
+
 def test_reduce_onto_a_sub_mesh(mesh):
     b = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
     x = meshd.tensor(b, shard="gpu")
