@@ -531,7 +531,7 @@ static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t
       return 0;
     }
     case FAULT_FAIL:
-      error_set(e, ERR_REMOTE_FAILURE, "%s: injected fault (MESHD_FAULT) on rank %lld", what,
+      error_set(e, ERR_REMOTE_FAILURE, "%s: injected fault (MESHD_FAULT) (rank %lld)", what,
                 (long long)rank);
       return 1;
     case FAULT_HANG: {
