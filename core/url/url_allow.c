@@ -277,8 +277,9 @@ int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown
     for (size_t k = 0; k < n_schemes; k++)
       snprintf(list + strlen(list), sizeof list - strlen(list), "%s%.16s", k ? ", " : "",
                schemes[k]);
-    error_set(e, ERR_PERMISSION_DENIED, "fetch %s: scheme '%.16s' is not allowed (allowed: %s)",
-              shown, s ? s : "", list);
+    error_set(e, ERR_PERMISSION_DENIED,
+              "fetch %s: scheme '%.16s' is not allowed (allowed: %s; the server's --url-allow "
+              "lists them)", shown, s ? s : "", list);
     goto out;
   }
   if (strcmp(s, "http") != 0 && strcmp(s, "https") != 0 && strcmp(s, "file") != 0) {

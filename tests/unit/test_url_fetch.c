@@ -382,7 +382,7 @@ Test(url_fetch, schemes_and_hosts) {
   cr_assert_eq(url_fetch_range("ftp://example.com/x", 0, 10, buf, &quick, NULL, &e), -1);
   cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
   cr_assert_str_eq(e.msg, "fetch ftp://example.com/x: scheme 'ftp' is not allowed (allowed: http, "
-                          "https)");
+                          "https; the server's --url-allow lists them)");
   cr_assert_eq(url_fetch_range("file:///etc/hostname", 0, 1, buf, &quick, NULL, &e), -1);
   HAS(e, "scheme 'file' is not allowed");
   url_allow_t gopher = {.schemes = (const char *[]){"gopher"}, .n_schemes = 1};
