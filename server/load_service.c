@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "commands.h"
 #include "log.h"
 #include "runtime.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -492,6 +493,13 @@ static int progress_plan(load_service_t *ls, session_t *s, const Meshd__V1__Load
     p->share[i] = obj_nbytes(t);
     p->v[i].total_bytes = obj_nbytes(t) * n;
     p->v[i].failed = t->state == TENSOR_FAILED;
+    /* A rank of its mesh lost since the mesh was made: its shard there is gone
+     * and a replacement agent knows nothing of the load, which can never be
+     * in; failed, so that a waiting client stops looking (and Syncs). */
+    meshd_error_t lost = {0};
+    if (!p->v[i].failed && n && command_check_mesh_alive(ls->pool, m->mesh, "LoadProgress", &lost) &&
+        lost.kind == ERR_AGENT_LOST)
+      p->v[i].failed = true;
   }
   rc = 0;
 out:

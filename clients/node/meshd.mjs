@@ -895,8 +895,24 @@ export class Session {
       return one(t, info);
     }
     const out = {};
-    for (const t of info.tensors) out[t.name] = await one(t, info);
+    await this.#loadAll(info.tensors.map((t) => [t.name, () => one(t, info)]), out);
     return out;
+  }
+
+  // Runs each [name, load] of a many-tensor load into out, in order. One refused (a dim
+  // that does not split, the quota): the tensors loaded before it are dropped, as the
+  // caller gets no handle to drop them with, and the error is thrown.
+  async #loadAll(loads, out) {
+    const done = [];
+    try {
+      for (const [name, load] of loads) {
+        out[name] = await load();
+        done.push(Number(out[name].ref));
+      }
+    } catch (err) {
+      if (done.length) await this.execute({ drop: { refs: done } }).catch(() => {});
+      throw err;
+    }
   }
 
   // load() through a safetensors index: each file it names inspected once, and it must
@@ -918,7 +934,7 @@ export class Session {
       }
     }
     const got = {};
-    for (const [n, t, fi, from] of plan) got[n] = await one(t, fi, from);
+    await this.#loadAll(plan.map(([n, t, fi, from]) => [n, () => one(t, fi, from)]), got);
     if (name !== undefined) return got[name];
     return Object.fromEntries(wanted.map((t) => [t.name, got[t.name]]));
   }

@@ -363,9 +363,15 @@ static const char *curl_text(xfer_t *x, CURLcode cc, const char *url) {
 static void take_version(xfer_t *x) {
   const char *etag = header(x, "ETag");
   curl_off_t t = -1;
-  if (etag && *etag)
+  x->version[0] = '\0';
+  /* A tag that does not fit whole, or holds bytes outside printable ASCII,
+   * could not be sent back as it came (If-Match: a cut or '?'-mended tag
+   * matches nothing, a 412 on every range): no validator, the mtime if any. */
+  if (etag && *etag) {
     snprintf(x->version, sizeof x->version, "etag %s", etag);
-  else if (!curl_easy_getinfo(x->curl, CURLINFO_FILETIME_T, &t) && t >= 0)
+    if (strlen(etag) + 5 >= sizeof x->version || !url_version_ok(x->version)) x->version[0] = '\0';
+  }
+  if (!x->version[0] && !curl_easy_getinfo(x->curl, CURLINFO_FILETIME_T, &t) && t >= 0)
     snprintf(x->version, sizeof x->version, "mtime %lld", (long long)t);
   printable(x->version);
 }

@@ -104,6 +104,44 @@ test('load: agents fetch a .npy file and raw bytes from a URL, sharded', async (
   }
 });
 
+// A safetensors file whose tensors split over 2 ranks along dim 1 but the second's:
+// the load is refused at that tensor, and the first one, loaded already, is dropped
+// (the caller got no handle to drop it with: it would hold memory until the session ends).
+test('load: a checkpoint refused at one tensor keeps none of the others', async () => {
+  const http = await import('node:http');
+  const head = Buffer.from(JSON.stringify({
+    a: { dtype: 'F32', shape: [2, 4], data_offsets: [0, 32] },
+    b: { dtype: 'F32', shape: [2, 3], data_offsets: [32, 56] },
+    c: { dtype: 'F32', shape: [2, 4], data_offsets: [56, 88] } }));
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(head.length));
+  const body = Buffer.concat([len, head, Buffer.alloc(88)]);
+  const srv = http.createServer((req, res) => {
+    const m = /bytes=(\d+)-(\d+)/.exec(req.headers.range ?? '');
+    const [a, b] = m ? [Number(m[1]), Math.min(Number(m[2]), body.length - 1)] : [0, body.length - 1];
+    res.writeHead(m ? 206 : 200, { 'Content-Length': b - a + 1, 'Accept-Ranges': 'bytes',
+      ...(m ? { 'Content-Range': `bytes ${a}-${b}/${body.length}` } : {}) });
+    res.end(req.method === 'HEAD' ? undefined : body.subarray(a, b + 1));
+  });
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  const s = await connect(addr, { clientName: 'node-load-partial' });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const live = async () => {
+      await s.sync();
+      const r = await s.unary('ListSessions', {});
+      return Number(r.sessions.find((x) => x.session_id === s.id).live_tensors);
+    };
+    const before = await live();
+    await assert.rejects(s.load(mesh, `http://127.0.0.1:${srv.address().port}/m.safetensors`,
+      { shard: 'gpu', dim: 1 }), (err) => err.kind === 'BAD_ARGUMENT' && /split evenly/.test(err.message));
+    assert.equal(await live(), before, 'tensors of the refused load are still held');
+  } finally {
+    await s.close();
+    srv.close();
+  }
+});
+
 test('an unknown op throws a MeshdError with kind UNKNOWN_OP', async () => {
   const s = await connect(addr, { clientName: 'node-test' });
   try {

@@ -68,6 +68,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         truncated = parts[0] == "truncated"
         if truncated:
             parts = parts[1:]
+        long_tag = parts[0] == "longtag"  # a 258-character ETag, and If-Match honoured
+        if long_tag:
+            parts = parts[1:]
         name = os.path.join(FILES, *parts)
         if not os.path.isfile(name):
             return self._send(404, b"not found")
@@ -81,8 +84,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             code = 206
         body = data[first:last + 1]
         # a strong validator, as object stores give one: the content's hash
-        headers = [("Accept-Ranges", "bytes"),
-                   ("ETag", '"%s"' % hashlib.sha256(data).hexdigest()[:16])]
+        tag = hashlib.sha256(data).hexdigest()
+        tag = '"%s"' % (tag * 4 if long_tag else tag[:16])
+        if long_tag and self.headers.get("If-Match", tag) != tag:
+            return self._send(412, b"precondition failed")
+        headers = [("Accept-Ranges", "bytes"), ("ETag", tag)]
         if code == 206:
             headers.append(("Content-Range", f"bytes {first}-{last}/{len(data)}"))
         if truncated and self.command == "GET":
@@ -682,3 +688,61 @@ def test_cuda_emulated_agents_load_through_their_staging_buffer(http_base):
                 np.testing.assert_array_equal(fetch(h, gpu=1), a[:, a.shape[1] // 2:])
     finally:
         stop_meshd(proc)
+
+
+def test_progress_ends_when_a_rank_of_the_load_is_lost(http_base, monkeypatch):
+    """An agent killed mid-load (its replacement knows nothing of the load): the
+    poller ends (the bar closes, not complete) instead of polling LoadProgress until the
+    session closes, and a Sync says AGENT_LOST."""
+    from meshd import _progress
+    closed = threading.Event()
+    seen = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.n = 0
+
+        def update(self, n):
+            self.n += n
+            seen.append(self.n)
+
+        def set_postfix_str(self, text):
+            pass
+
+        def close(self):
+            closed.set()
+    monkeypatch.setattr(_progress, "_tqdm", type("FakeTqdm", (), {"tqdm": staticmethod(Bar)}))
+    addr, proc = start_meshd(2, name="meshd-lost-load", flags=("--url-allow=http://127.0.0.1",))
+    victim = _agent_of_rank(proc.pid, 1)
+    try:
+        assert victim, "no rank-1 agent child"
+        a = np.arange(4 << 20, dtype=np.float32)  # 16 MiB in 64 KiB pieces: about 5 s a rank
+        write("lost.bin", a.tobytes())
+        with meshd.connect(addr) as s, s.mesh(gpu=2).activate():
+            meshd.load(f"{http_base}/trickle/lost.bin", dtype="float32", shape=(4 << 20,),
+                       progress=True)
+            deadline = time.monotonic() + 20
+            while not seen:  # under way
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            os.kill(victim, signal.SIGKILL)
+            assert closed.wait(20), "the progress bar still polls a load whose rank is gone"
+            with pytest.raises(meshd.MeshdError) as ei:
+                s.sync(timeout=30)
+            assert ei.value.kind == "AGENT_LOST", ei.value
+    finally:
+        stop_meshd(proc)
+
+
+def test_a_file_whose_etag_is_longer_than_a_version_loads(gpu4, http_base):
+    """An ETag too long to keep whole (RFC 9110 sets no bound) is no validator: cut,
+    its If-Match would match nothing (412, "the resource changed ... load it again",
+    whatever the file does). Such a file loads, checked by its size (and mtime)."""
+    a = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+    np.save(os.path.join(FILES, "longtag.npy"), a)
+    url = f"{http_base}/longtag/longtag.npy"
+    info = meshd.inspect_url(url)
+    assert info["tensors"][""][:2] == ("float32", (6, 8)), info
+    t = meshd.load(url, shard="gpu", dim=1)
+    for r in range(4):
+        np.testing.assert_array_equal(fetch(t, gpu=r), a[:, 2 * r:2 * r + 2])
