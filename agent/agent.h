@@ -63,9 +63,11 @@ void agent_auth_clear(void);
 int agent_auth_secret(char *out);
 /* rpc_guard_fn for the Agent service (Hello, Execute, Read, Write): admits a
  * call carrying the current secret (constant-time compare) as "server"; a Read
- * or Write without it but with a transfer grant (GRANT_MD) as "grant", for
- * its handler to check (transfer_grant_admit); anything else gets
- * UNAUTHENTICATED, logged (rate-limited) with its peer. */
+ * or Write without it but with a transfer grant (GRANT_MD) whose signature
+ * checks out as "grant", for its handler to check the rest
+ * (transfer_grant_admit; a bad signature is refused here, before the request
+ * is read); anything else gets UNAUTHENTICATED, logged (rate-limited) with
+ * its peer. */
 grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *msg,
                                   size_t msglen);
 /* With cluster mTLS the Agent port takes TLS clients without a certificate
@@ -104,6 +106,11 @@ uint64_t transfer_grant_results(int result);
 int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
                          uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
                          size_t msglen);
+/* For agent_auth_guard, before the request is read: 0 when the call's grant
+ * carries this agent's server's signature; 1 when that cannot be told (not
+ * registered now: transfer_grant_admit refuses it); else a refusal as
+ * transfer_grant_admit's (PERMISSION_DENIED, counted) with msg. */
+int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen);
 
 /* A call a grant admitted, watched until it ends: at its grant's expiry
  * (unix ms, this agent's clock) it is finished PERMISSION_DENIED ("transfer

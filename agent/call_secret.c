@@ -71,7 +71,12 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
   const char *v = rpc_call_metadata(call, SECRET_AGENT_MD, got, sizeof got);
   uint8_t probe[1];
   if (!v && grant_method(call) && rpc_call_metadata_bin(call, GRANT_MD, probe, 0) >= 0) {
+    /* Its signature now, before the request is read (a stranger's would
+     * be held until complete); the handler checks the rest against it. */
+    int code = transfer_grant_signed(call, msg, msglen);
+    if (code > 1) return (grpc_status_code)code;
     snprintf(id->name, sizeof id->name, "grant");
+    id->unauthenticated = code == 1;
     return GRPC_STATUS_OK;
   }
   /* The port admits clients without a certificate (for grants): everything
@@ -122,5 +127,6 @@ grpc_status_code agent_peer_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
                   "(signed by the cluster CA, naming --cluster-name); probes use "
                   "--health-listen", rpc_call_method(call));
   snprintf(id->name, sizeof id->name, "peer");
+  id->unauthenticated = !(self && self->cluster_tls.on); /* without cluster TLS: anyone */
   return GRPC_STATUS_OK;
 }

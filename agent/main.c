@@ -44,6 +44,7 @@ typedef struct options {
   double server_timeout;
   int64_t threads;
   uint64_t max_message_bytes;
+  int64_t max_unauthenticated_requests;
   const char *log_level;
   const char *log_format;
   const char *metrics_listen;
@@ -95,6 +96,10 @@ static const config_flag_t flags[] = {
     {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 256},
     {"max-message-bytes", CONFIG_BYTES, "4MiB", "largest gRPC message in either direction",
      &opt.max_message_bytes, 0, 0},
+    {"max-unauthenticated-requests", CONFIG_INT, "16",
+     "requests of callers no guard authenticated (Health without cluster TLS) still arriving at "
+     "once, each up to --max-message-bytes; past it the oldest is cancelled",
+     &opt.max_unauthenticated_requests, 1, 65536},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"log-format", CONFIG_STRING, "text", "text, or json (one object per line)", &opt.log_format,
      0, 0},
@@ -348,6 +353,7 @@ int main(int argc, char **argv) {
       .listen = opt.listen,
       .threads = (int)opt.threads,
       .max_message_bytes = (int)opt.max_message_bytes,
+      .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
       .tls = {.on = cluster, .ca_file = opt.cluster_ca, .cert_file = opt.cluster_cert,
               .key_file = opt.cluster_key, .client_cert_optional = true},
   };

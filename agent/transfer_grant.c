@@ -104,9 +104,10 @@ static int refuse(rpc_call_t *call, int result, int code, char *msg, size_t msgl
   return code;
 }
 
-int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
-                         uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
-                         size_t msglen) {
+/* The call's grant, its signature checked with the current call secret: 0
+ * with *out, or a refusal (counted and logged) with msg. */
+static int open_grant(rpc_call_t *call, Meshd__Agent__V1__TransferGrant **out, char *msg,
+                      size_t msglen) {
   *out = NULL;
   const int denied = GRPC_STATUS_PERMISSION_DENIED;
   uint8_t buf[GRANT_MAX_BYTES];
@@ -118,16 +119,35 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
   if (agent_auth_secret(secret))
     return refuse(call, GRANT_UNREGISTERED, GRPC_STATUS_UNAVAILABLE, msg, msglen,
                   "transfer grant refused: this agent is not registered with a server now");
-  Meshd__Agent__V1__TransferGrant *g = NULL;
-  int rc = grant_open(secret, buf, (size_t)n, &g);
+  int rc = grant_open(secret, buf, (size_t)n, out);
   memset(secret, 0, sizeof secret);
   if (rc == -1)
     return refuse(call, GRANT_BAD_SIGNATURE, denied, msg, msglen, "transfer grant refused: bad signature (it was not "
                   "issued by this agent's server, or it was altered)");
   if (rc)
     return refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (not a TransferGrant)");
+  return 0;
+}
+
+int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen) {
+  char secret[SECRET_HEX_LEN + 1];
+  if (agent_auth_secret(secret)) return 1; /* the handler refuses it, UNAVAILABLE */
+  memset(secret, 0, sizeof secret);
+  Meshd__Agent__V1__TransferGrant *g = NULL;
+  int code = open_grant(call, &g, msg, msglen);
+  if (g) protobuf_c_message_free_unpacked(&g->base, NULL);
+  return code;
+}
+
+int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
+                         uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
+                         size_t msglen) {
+  *out = NULL;
+  const int denied = GRPC_STATUS_PERMISSION_DENIED;
+  Meshd__Agent__V1__TransferGrant *g = NULL;
+  int code = open_grant(call, &g, msg, msglen);
+  if (code) return code;
   int64_t now = grant_now_unix_ms();
-  int code = 0;
   int64_t rank = atomic_load(&agent_rank);
   if (g->expiry_unix_ms <= now)
     code = refuse(call, GRANT_EXPIRED, denied, msg, msglen, "transfer grant refused: expired %lld ms ago; ask the "

@@ -40,7 +40,7 @@ typedef struct options {
   int64_t local_agent_metrics_port_base;
   const char *local_agent_device;
   const char *tls_cert, *tls_key, *tls_client_ca, *auth_tokens, *health_listen;
-  int64_t max_sessions_per_principal, max_streams_per_connection;
+  int64_t max_sessions_per_principal, max_streams_per_connection, max_unauthenticated_requests;
   double max_connection_idle;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   int64_t link_hold_ms, link_lone_ms;
@@ -161,6 +161,10 @@ static const config_flag_t flags[] = {
     {"max-streams-per-connection", CONFIG_INT, "1024",
      "calls one client connection may have open at once", &opt.max_streams_per_connection, 1,
      1 << 20},
+    {"max-unauthenticated-requests", CONFIG_INT, "16",
+     "requests of callers no guard authenticated (Health) still arriving at once, each up to "
+     "--max-message-bytes; past it the oldest is cancelled", &opt.max_unauthenticated_requests,
+     1, 65536},
     {"max-agents", CONFIG_INT, "1024", "the pool's size: agents may register as ranks 0..N-1",
      &opt.max_agents, 1, 65536},
     {"join-token-file", CONFIG_STRING, NULL,
@@ -485,6 +489,7 @@ int main(int argc, char **argv) {
                           .tls = tls,
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
                           .max_concurrent_streams = (int)opt.max_streams_per_connection,
+                          .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
                           .before_wait = before_wait};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data || !loads) {

@@ -82,9 +82,15 @@ char *rpc_tls_read_pem(const char *what, const char *path, const char *label, ch
 typedef struct rpc_identity {
   char name[64];   /* a principal ("alice"), "agent", "anonymous" */
   bool admin;
+  /* Admitted without proof of who calls (a probe; a transfer grant the
+   * handler checks later): while its request is incomplete the call counts
+   * as unauthenticated (rpc_server_opts_t.max_unauthenticated_requests), as
+   * every call to a method without a guard does. */
+  bool unauthenticated;
 } rpc_identity_t;
 
-/* Runs before on_start for every call to a guarded method, on a
+/* Runs before on_start for every call to a guarded method, at its headers
+ * (before any of its request is read), on a
  * completion-queue thread (so: quick, no blocking). Returns GRPC_STATUS_OK and
  * fills *id to admit the call; any other code refuses it with msg (nothing of
  * the call's handler runs). */
@@ -135,6 +141,9 @@ typedef struct rpc_method {
  * the server pings its agents every second. */
 #define RPC_SERVER_MIN_PING_MS 500
 
+/* rpc_server_opts_t.max_unauthenticated_requests when <= 0. */
+#define RPC_DEFAULT_MAX_UNAUTHENTICATED 16
+
 typedef struct rpc_server_opts {
   const char *listen;          /* "127.0.0.1:0", "[::]:50051"; port 0 picks a free one */
   int threads;                 /* completion-queue threads; <= 0: 2 */
@@ -162,6 +171,16 @@ typedef struct rpc_server_opts {
   int max_connection_idle_ms;
   /* Calls one connection may have open at once; <= 0: 1024. */
   int max_concurrent_streams;
+  /* A unary or server-streaming call's request is read only once its guard
+   * admitted the caller (until then gRPC holds at most a stream window of it),
+   * and a read makes gRPC take the whole message, up to max_message_bytes.
+   * Calls that nothing authenticated (methods without a guard, identities
+   * marked unauthenticated) may have at most this many requests incomplete
+   * at once; past it the oldest is cancelled RESOURCE_EXHAUSTED. What
+   * strangers make the server hold before a guard: about this many messages.
+   * <= 0: RPC_DEFAULT_MAX_UNAUTHENTICATED; never below 2 * max(4, 2 * threads)
+   * + threads (the calls a burst of probes has queued ahead of its reads). */
+  int max_unauthenticated_requests;
   /* Runs on a completion-queue thread when no event is ready and it is about
    * to wait for one: where handlers that held work back to batch it (the
    * agents' links, corked until idle) let it go. NULL: none. */

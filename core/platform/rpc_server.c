@@ -52,7 +52,6 @@ struct rpc_call {
   grpc_call_details details; /* unknown methods only */
   grpc_metadata_array md;
   gpr_timespec deadline;
-  grpc_byte_buffer *payload; /* request of unary / server-streaming calls */
   grpc_byte_buffer *recv_buf;
   int close_cancelled; /* RECV_CLOSE_ON_SERVER out-param; read only after the CLOSE event */
   tag_t t_new, t_read, t_write, t_status, t_close;
@@ -85,6 +84,13 @@ struct rpc_call {
   void *data;
   bool has_identity;
   rpc_identity_t identity; /* what the guard admitted the call as */
+  /* A unary or server-streaming call whose request is being read: on_start
+   * waits for it. */
+  bool first_read;
+  /* Under srv->mu: one of srv's open requests (a caller not authenticated,
+   * its request incomplete), and its place in that list, oldest first. */
+  bool in_open;
+  struct rpc_call *open_prev, *open_next;
   /* rpc_call_when_drained: cb runs once out_len <= drain_below, or at the end. */
   void (*drain_cb)(rpc_call_t *call, void *arg);
   void *drain_arg;
@@ -112,6 +118,10 @@ struct rpc_server {
   pthread_mutex_t mu;
   int active;
   int shutdown_tag;
+  /* Requests of callers that nothing authenticated, not complete yet (under
+   * mu): gRPC holds up to a message each; past max_open the oldest goes. */
+  int max_open, nopen;
+  rpc_call_t *open_head, *open_tail;
 };
 
 static void post_request(rpc_server_t *srv, method_slot_t *slot);
@@ -123,7 +133,6 @@ static void pump_locked(rpc_call_t *c);
 static void call_free(rpc_call_t *c) {
   grpc_metadata_array_destroy(&c->md);
   if (!c->slot) grpc_call_details_destroy(&c->details);
-  if (c->payload) grpc_byte_buffer_destroy(c->payload);
   if (c->recv_buf) grpc_byte_buffer_destroy(c->recv_buf);
   for (outmsg_t *o = c->out_head, *next; o; o = next) {
     next = o->next;
@@ -563,6 +572,99 @@ static void answer_unknown(rpc_call_t *c) {
   pthread_mutex_unlock(&c->mu);
 }
 
+/* The open-request list (see rpc_server_t): under srv->mu. A call is in it
+ * only while its first read is in flight or its CLOSE is still to come, and
+ * leaves it (open_remove) before either batch lets go of the call. */
+static void open_remove_locked(rpc_server_t *srv, rpc_call_t *c) {
+  if (!c->in_open) return;
+  if (c->open_prev) c->open_prev->open_next = c->open_next;
+  else srv->open_head = c->open_next;
+  if (c->open_next) c->open_next->open_prev = c->open_prev;
+  else srv->open_tail = c->open_prev;
+  c->open_prev = c->open_next = NULL;
+  c->in_open = false;
+  srv->nopen--;
+}
+
+static void open_remove(rpc_call_t *c) {
+  pthread_mutex_lock(&c->srv->mu);
+  open_remove_locked(c->srv, c);
+  pthread_mutex_unlock(&c->srv->mu);
+}
+
+/* Adds c, and cancels the oldest open request past srv->max_open: a stranger
+ * can make the server hold at most max_open incomplete requests, while a
+ * probe's, whose request comes with its headers, is done long before it is
+ * the oldest. */
+static void open_add(rpc_call_t *c) {
+  rpc_server_t *srv = c->srv;
+  grpc_call *evict = NULL;
+  pthread_mutex_lock(&srv->mu);
+  c->in_open = true;
+  c->open_prev = srv->open_tail;
+  c->open_next = NULL;
+  if (srv->open_tail) srv->open_tail->open_next = c;
+  else srv->open_head = c;
+  srv->open_tail = c;
+  srv->nopen++;
+  if (srv->nopen > srv->max_open) {
+    rpc_call_t *old = srv->open_head;
+    open_remove_locked(srv, old);
+    evict = old->call; /* old lives while it is listed: its batch holds it */
+    grpc_call_ref(evict);
+  }
+  int max_open = srv->max_open;
+  pthread_mutex_unlock(&srv->mu);
+  if (evict) {
+    char msg[200];
+    snprintf(msg, sizeof msg, "more than %d requests of unauthenticated callers are incomplete "
+             "(--max-unauthenticated-requests): the oldest is cancelled", max_open);
+    grpc_call_cancel_with_status(evict, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, NULL);
+    grpc_call_unref(evict);
+  }
+}
+
+/* Decodes a unary or server-streaming call's request (buf, taken) and starts
+ * the handler; for streaming requests (buf NULL) starts it and the reads.
+ * Called with the lock held; returns with it held. */
+static void begin_locked(rpc_call_t *c, grpc_byte_buffer *buf) {
+  const rpc_method_t *m = c->slot->m;
+  ProtobufCMessage *req = NULL;
+  bool single_request = m->kind == RPC_UNARY || m->kind == RPC_SERVER_STREAMING;
+  if (single_request) {
+    if (!buf) {
+      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "request missing");
+      maybe_end_locked(c);
+      return;
+    }
+    char why[256];
+    req = wire_unpack(buf, m->request, why, sizeof why);
+    grpc_byte_buffer_destroy(buf);
+    if (!req) {
+      char msg[600];
+      if (why[0]) snprintf(msg, sizeof msg, "request to %s: %s", m->path, why);
+      else snprintf(msg, sizeof msg, "request to %s is not a valid %s message", m->path, m->request->name);
+      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", msg);
+      maybe_end_locked(c);
+      return;
+    }
+  }
+  c->in_callback++;
+  c->started = true;
+  pthread_mutex_unlock(&c->mu);
+
+  pthread_mutex_lock(&c->cb_mu);
+  if (m->on_start) m->on_start(c, req, c->slot->arg);
+  pthread_mutex_unlock(&c->cb_mu);
+  if (!m->on_start) rpc_call_finish(c, GRPC_STATUS_UNIMPLEMENTED, NULL, "%s has no handler", m->path);
+  if (req) protobuf_c_message_free_unpacked(req, NULL);
+
+  pthread_mutex_lock(&c->mu);
+  c->in_callback--;
+  if (!single_request) start_reading_locked(c);
+  maybe_end_locked(c);
+}
+
 static void on_new(rpc_call_t *c, bool ok) {
   rpc_server_t *srv = c->srv;
   if (!ok) return; /* shutting down: the call never existed */
@@ -592,10 +694,6 @@ static void on_new(rpc_call_t *c, bool ok) {
      * ever come to end the call, so nothing of it starts (its handler's state
      * would never be freed); it ends here, cancelled. */
     c->closed = c->cancelled = true;
-    if (c->payload) {
-      grpc_byte_buffer_destroy(c->payload);
-      c->payload = NULL;
-    }
     maybe_end_locked(c); /* not started: no on_end; drops the alive reference */
     pthread_mutex_unlock(&c->mu);
     grpc_call_cancel(c->call, NULL);
@@ -608,17 +706,13 @@ static void on_new(rpc_call_t *c, bool ok) {
      * client gave up) leaves the end to this thread, so the call is never
      * ended before on_start and then started (its on_end would never run). */
     char why[300] = "";
-    rpc_identity_t id = {{0}, false};
+    rpc_identity_t id = {{0}, false, false};
     c->in_callback++;
     pthread_mutex_unlock(&c->mu);
     grpc_status_code code = c->slot->guard(c, c->slot->guard_arg, &id, why, sizeof why);
     pthread_mutex_lock(&c->mu);
     c->in_callback--;
     if (code != GRPC_STATUS_OK) {
-      if (c->payload) {
-        grpc_byte_buffer_destroy(c->payload);
-        c->payload = NULL;
-      }
       finish_locked(c, code, code == GRPC_STATUS_PERMISSION_DENIED ? "PERMISSION_DENIED"
                                                                    : "UNAUTHENTICATED", why);
       maybe_end_locked(c);
@@ -629,43 +723,22 @@ static void on_new(rpc_call_t *c, bool ok) {
     c->has_identity = true;
   }
 
-  ProtobufCMessage *req = NULL;
-  bool single_request = m->kind == RPC_UNARY || m->kind == RPC_SERVER_STREAMING;
-  if (single_request) {
-    if (!c->payload) {
-      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "request missing");
-      maybe_end_locked(c);
-      pthread_mutex_unlock(&c->mu);
-      return;
-    }
-    char why[256];
-    req = wire_unpack(c->payload, m->request, why, sizeof why);
-    grpc_byte_buffer_destroy(c->payload);
-    c->payload = NULL;
-    if (!req) {
-      char msg[600];
-      if (why[0]) snprintf(msg, sizeof msg, "request to %s: %s", m->path, why);
-      else snprintf(msg, sizeof msg, "request to %s is not a valid %s message", m->path, m->request->name);
-      finish_locked(c, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", msg);
-      maybe_end_locked(c);
-      pthread_mutex_unlock(&c->mu);
-      return;
-    }
+  if (m->kind == RPC_UNARY || m->kind == RPC_SERVER_STREAMING) {
+    /* The request is read only now, once the guard admitted the caller:
+     * gRPC holds what the stream window lets through until a read asks for
+     * the message, then the whole message. A caller nothing authenticated
+     * counts against the server's bound while its request is incomplete. */
+    if (!c->slot->guard || c->identity.unauthenticated) open_add(c);
+    c->first_read = true;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->recv_buf;
+    c->reading = start_batch_locked(c, &op, 1, &c->t_read);
+    /* Not started (the queue is shutting down): the CLOSE batch ends it. */
+    pthread_mutex_unlock(&c->mu);
+    return;
   }
-  c->in_callback++;
-  c->started = true;
-  pthread_mutex_unlock(&c->mu);
-
-  pthread_mutex_lock(&c->cb_mu);
-  if (m->on_start) m->on_start(c, req, c->slot->arg);
-  pthread_mutex_unlock(&c->cb_mu);
-  if (!m->on_start) rpc_call_finish(c, GRPC_STATUS_UNIMPLEMENTED, NULL, "%s has no handler", m->path);
-  if (req) protobuf_c_message_free_unpacked(req, NULL);
-
-  pthread_mutex_lock(&c->mu);
-  c->in_callback--;
-  if (!single_request) start_reading_locked(c);
-  maybe_end_locked(c);
+  begin_locked(c, NULL);
   pthread_mutex_unlock(&c->mu);
 }
 
@@ -675,8 +748,19 @@ static void on_read(rpc_call_t *c, bool ok) {
   c->reading = false;
   grpc_byte_buffer *buf = c->recv_buf;
   c->recv_buf = NULL;
+  bool first = c->first_read;
+  c->first_read = false;
+  if (first) open_remove(c);
   if (c->closed || c->status_queued) {
     if (buf) grpc_byte_buffer_destroy(buf);
+    return;
+  }
+  if (first) {
+    if (!ok || (!buf && grpc_call_failed_before_recv_message(c->call))) {
+      if (buf) grpc_byte_buffer_destroy(buf);
+      return; /* cancelled or broken: the CLOSE event will say so */
+    }
+    begin_locked(c, buf); /* buf NULL: the client half-closed without one */
     return;
   }
   ProtobufCMessage *msg = NULL;
@@ -784,6 +868,7 @@ static void on_status(rpc_call_t *c, bool ok) {
 
 static void on_close(rpc_call_t *c, bool ok) {
   pthread_mutex_lock(&c->mu);
+  open_remove(c); /* a request whose read never started */
   c->closed = true;
   c->cancelled = c->close_cancelled != 0 || !ok;
   drained_locked(c);
@@ -862,10 +947,10 @@ static void post_request(rpc_server_t *srv, method_slot_t *slot) {
   rpc_call_t *c = call_new(srv, slot);
   grpc_call_error e;
   if (slot) {
-    bool single = slot->m->kind == RPC_UNARY || slot->m->kind == RPC_SERVER_STREAMING;
+    /* Without the payload: gRPC hands the call over at its headers, so the
+     * guard runs before any of the request is read (on_new). */
     e = grpc_server_request_registered_call(srv->server, slot->handle, &c->call, &c->deadline,
-                                            &c->md, single ? &c->payload : NULL, srv->cq, srv->cq,
-                                            &c->t_new);
+                                            &c->md, NULL, srv->cq, srv->cq, &c->t_new);
   } else {
     e = grpc_server_request_call(srv->server, &c->call, &c->details, &c->md, srv->cq, srv->cq,
                                  &c->t_new);
@@ -894,6 +979,13 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   srv->nthreads = opts->threads > 0 ? opts->threads : 2;
   srv->before_wait = opts->before_wait;
   srv->posts_per_method = srv->nthreads * 2 < 4 ? 4 : srv->nthreads * 2;
+  srv->max_open = opts->max_unauthenticated_requests > 0 ? opts->max_unauthenticated_requests
+                                                         : RPC_DEFAULT_MAX_UNAUTHENTICATED;
+  /* A burst of probes (Check and Watch) queues up to posts_per_method NEW
+   * events per method ahead of their reads' completions: a bound below that
+   * would evict probes whose requests are already here. */
+  if (srv->max_open < 2 * srv->posts_per_method + srv->nthreads)
+    srv->max_open = 2 * srv->posts_per_method + srv->nthreads;
   int max_msg = opts->max_message_bytes > 0 ? opts->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
   srv->max_msg = max_msg;
   wire_args_t a = {0};
@@ -946,10 +1038,8 @@ int rpc_server_add_methods_guarded(rpc_server_t *srv, const rpc_method_t *method
       srv->slots = s;
       srv->cap = cap;
     }
-    bool single = methods[i].kind == RPC_UNARY || methods[i].kind == RPC_SERVER_STREAMING;
-    void *h = grpc_server_register_method(
-        srv->server, methods[i].path, NULL,
-        single ? GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER : GRPC_SRM_PAYLOAD_NONE, 0);
+    void *h = grpc_server_register_method(srv->server, methods[i].path, NULL,
+                                          GRPC_SRM_PAYLOAD_NONE, 0);
     if (!h) return -1;
     srv->slots[srv->nslots++] = (method_slot_t){&methods[i], arg, h, guard, guard_arg};
   }
