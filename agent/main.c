@@ -279,6 +279,16 @@ static void *usr1_thread(void *arg) {
   }
 }
 
+/* A thread started before main blocked SIGUSR1 (OpenBLAS's workers: the
+ * library starts them when it loads) would take it with its default action,
+ * which ends the agent; caught there, it goes on to usr1_thread. */
+static pthread_t usr1_tid;
+static void usr1_forward(int sig) {
+  int saved = errno;
+  if (!atomic_load(&usr1_stop)) pthread_kill(usr1_tid, sig);
+  errno = saved;
+}
+
 int main(int argc, char **argv) {
   int rc = parse_options(argc, argv);
   if (rc >= 0)
@@ -328,8 +338,12 @@ int main(int argc, char **argv) {
   sigemptyset(&usr1);
   sigaddset(&usr1, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &usr1, NULL);
-  pthread_t usr1_tid;
   bool usr1_started = pthread_create(&usr1_tid, NULL, usr1_thread, NULL) == 0;
+  if (usr1_started) {
+    struct sigaction sa = {.sa_handler = usr1_forward};
+    sigfillset(&sa.sa_mask);
+    sigaction(SIGUSR1, &sa, NULL);
+  }
 
   runtime_tune_malloc();
   rpc_init();

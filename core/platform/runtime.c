@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -20,9 +21,29 @@ static sigset_t blocked(void) {
   return s;
 }
 
+/* The thread that blocked the signals, and waits for them (main). */
+static pthread_t signal_waiter;
+
+/* A thread a library started before main blocked the signals (OpenBLAS starts
+ * its workers when it loads) has none blocked, and the kernel may hand it a
+ * signal sent to the process when the waiting thread is not in its wait: with
+ * the default action the process would end at once, without its shutdown. Such
+ * a thread catches it here and passes it on to the waiter. */
+static void forward_signal(int sig) {
+  int saved = errno;
+  pthread_kill(signal_waiter, sig);
+  errno = saved;
+}
+
 void runtime_block_signals(void) {
   sigset_t s = blocked();
   pthread_sigmask(SIG_BLOCK, &s, NULL);
+  signal_waiter = pthread_self();
+  struct sigaction sa = {.sa_handler = forward_signal};
+  sigfillset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGHUP, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
 }
 

@@ -9,7 +9,9 @@
 
 /* Blocks SIGTERM, SIGINT and SIGHUP in the calling thread (call it first in
  * main, before any thread exists, so every thread inherits the mask) and
- * ignores SIGPIPE. */
+ * ignores SIGPIPE. A thread that exists already (a library's, started when it
+ * loaded) and gets one of them passes it on to the calling thread, which must
+ * live as long as the process (runtime_wait_signal takes it there). */
 void runtime_block_signals(void);
 /* Keeps freed memory of bulk transfers' sizes in the process: glibc would
  * give each freed 1 MiB message buffer back to the kernel (madvise) and

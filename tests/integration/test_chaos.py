@@ -298,6 +298,47 @@ def test_a_killed_clients_memory_is_freed_within_its_ttl(meshd_server, in_call):
             client.wait(10)
 
 
+# ================================================================ signals
+
+def _threads_taking(pid, sig):
+    """Names of pid's threads that do not block sig (the kernel may hand a signal sent
+    to the process to any of them)."""
+    out = []
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                st = dict(line.split(":", 1) for line in f if ":" in line)
+        except FileNotFoundError:
+            continue
+        if not int(st["SigBlk"].strip(), 16) & (1 << (sig - 1)):
+            out.append(st["Name"].strip())
+    return out
+
+
+def test_sigusr1_cuts_the_link_and_the_agent_lives_on(meshd_server):
+    """Regression: SIGUSR1 (the link-cut drill, chaos.LinkCut) ended the agent instead of
+    its Execute link. OpenBLAS starts its worker threads when the library loads, before
+    main blocks any signal, so they take SIGUSR1 (and SIGTERM, SIGINT, SIGHUP while the
+    main thread is not waiting for them) with its default action: the process exits, the
+    supervisor starts another, and every "agent back from a cut link" test tested a
+    replacement instead. Five cuts in a row: the same process registers again each time."""
+    srv = lib.wait_ready(meshd_server(1), 1)
+    pid = chaos.supervised_agent_pid(srv.pid, 0)
+    assert pid, "no supervised agent"
+    print(f"threads of the agent that take SIGUSR1: {_threads_taking(pid, signal.SIGUSR1)}")
+    for i in range(5):
+        old = chaos.agents_by_rank(srv.port)[0]
+        chaos.LinkCut(pid)
+        lib.wait_agents(srv.port, lambda ag: any(a.rank == 0 and a.healthy and
+                                                 a.registered_unix_ms != old.registered_unix_ms
+                                                 for a in ag),
+                        timeout=20, what="rank 0 registered again", log=srv.log)
+        now = chaos.supervised_agent_pid(srv.pid, 0)
+        assert now == pid, (f"cut {i + 1}: the agent (pid {pid}) exited on SIGUSR1 and was "
+                            f"replaced by pid {now}:\n{lib.log_tail(srv.log, 8)}")
+    assert "exited with signal" not in srv.log_text()
+
+
 # ================================================================ data-plane connections
 
 def _agent_fds(srv):
