@@ -48,12 +48,18 @@ static void set_failing(supervisor_t *s, int i, bool failing) {
 
 /* Runs in the child between fork and exec: async-signal-safe calls only. */
 static void exec_agent(char *const argv[], pid_t parent) {
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, NULL); /* meshd blocks signals for sigwait; agents must not inherit that */
   struct sigaction dfl;
   memset(&dfl, 0, sizeof dfl);
   dfl.sa_handler = SIG_DFL;
+  /* meshd's handlers pass these on to its main thread (runtime_block_signals),
+   * which this child has not: until the exec they end it, as the death signal
+   * below must. */
+  sigaction(SIGTERM, &dfl, NULL);
+  sigaction(SIGINT, &dfl, NULL);
+  sigaction(SIGHUP, &dfl, NULL);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL); /* meshd blocks signals for sigwait; agents must not inherit that */
   sigaction(SIGPIPE, &dfl, NULL);
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (getppid() != parent) _exit(1); /* meshd died before prctl took effect */
