@@ -1817,6 +1817,15 @@ static meshd_session_t *session_on_mesh(meshd_client_t *c, meshd_ref_t *m) {
   return s;
 }
 
+/* A session on a {gpu: 2} mesh (*m) with the direct data path, whose
+ * channels to both agents are open (one round trip): before an agent stops. */
+static meshd_session_t *direct_session_with_channels(meshd_client_t *c, meshd_ref_t *m) {
+  meshd_session_t *s = session_on_mesh(c, m);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(round_trip(s, *m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  return s;
+}
+
 /* A per-rank upload of 2 x 48 MiB (far past what the sockets and windows
  * buffer) while the agent of rank `stopped` is SIGSTOPped; continued after.
  * Its result, *took its ms; the buffer is freed at once after it returns. */
@@ -1854,9 +1863,7 @@ Test(c_client, a_direct_upload_to_an_agent_that_stops_reading_lets_go_of_the_buf
   meshd_client_t *c = meshd_connect(target, 3000, &e);
   cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
   meshd_ref_t m = 0;
-  meshd_session_t *s = session_on_mesh(c, &m);
-  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
-  cr_assert_eq(round_trip(s, m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_t *s = direct_session_with_channels(c, &m);
   int64_t took = 0;
   meshd_err_t rc = upload_to_a_stopped_agent(s, m, 1, 5, &took);
   cr_assert_neq(rc, MESHD_E_OK, "an upload to a stopped agent succeeded");
@@ -3072,10 +3079,7 @@ Test(c_client_write_fault, a_direct_upload_ends_on_its_first_failed_shard) {
   meshd_client_t *c = meshd_connect(target, 10000, &e);
   cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
   meshd_ref_t m = 0;
-  meshd_session_t *s = session_on_mesh(c, &m);
-  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
-  /* the channels to both agents, open before rank 1 stops */
-  cr_assert_eq(round_trip(s, m, 1000, 3), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_t *s = direct_session_with_channels(c, &m);
   int64_t took = 0;
   meshd_err_t rc = upload_to_a_stopped_agent(s, m, 0, 6, &took);
   cr_assert_neq(rc, MESHD_E_OK, "an upload whose rank 1 refused its Write succeeded");
