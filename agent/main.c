@@ -151,7 +151,8 @@ __attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ..
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
   va_end(ap);
-  config_usage(stderr, PROG, SYNOPSIS, flags, NFLAGS);
+  /* A usage line, not the whole help: the problem stays in sight. */
+  fprintf(stderr, "usage: %s %s\nrun '%s --help' for every flag\n", PROG, SYNOPSIS, PROG);
   return 2;
 }
 

@@ -27,7 +27,13 @@ struct load_service {
   const url_policy_t *urls;
   pthread_mutex_t mu;
   pthread_cond_t idle;
-  int running; /* helper threads */
+  int running;    /* helper threads, both kinds */
+  int inspecting; /* of which InspectUrl's (at most LOAD_INSPECTS_MAX) */
+  /* The session of each running LoadProgress ("": a free slot): progress looks
+   * have slots of their own, at most LOAD_PROGRESS_PER_SESSION a session, so
+   * that one session's pollers of a hung agent (each look waits 2 s) keep
+   * neither InspectUrl nor other sessions' looks out. */
+  char progress_of[LOAD_PROGRESS_MAX][SESSION_ID_LEN + 1];
 };
 
 typedef struct inspect {
@@ -41,26 +47,56 @@ static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
 
-static void done(load_service_t *ls) {
+/* Gives back a helper's slot: an InspectUrl's (slot < 0) or LoadProgress slot. */
+static void done(load_service_t *ls, int slot) {
   pthread_mutex_lock(&ls->mu);
+  if (slot < 0) ls->inspecting--;
+  else ls->progress_of[slot][0] = '\0';
   if (--ls->running == 0) pthread_cond_broadcast(&ls->idle);
   pthread_mutex_unlock(&ls->mu);
 }
 
 /* Runs fn(arg) on a detached helper thread that owns a reference to call and
- * one of the LOAD_INSPECTS_MAX slots (fn ends with rpc_call_unref and done).
- * 0, or -1 having answered the call (no slot, no thread): the caller then
- * frees arg. */
-static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, void *(*fn)(void *),
-                 void *arg) {
+ * a slot (fn ends with rpc_call_unref and done(ls, *slot)): with session NULL
+ * one of the LOAD_INSPECTS_MAX InspectUrl slots (*slot = -1), else one of the
+ * LOAD_PROGRESS_MAX LoadProgress slots, LOAD_PROGRESS_PER_SESSION at most for
+ * that session. 0, or -1 having answered the call (no slot, no thread): the
+ * caller then frees arg. */
+static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, const char *session,
+                 int *slot, void *(*fn)(void *), void *arg) {
   pthread_mutex_lock(&ls->mu);
-  bool room = ls->running < LOAD_INSPECTS_MAX;
+  bool room = false;
+  int mine = 0, free_slot = -1;
+  if (!session) {
+    room = ls->inspecting < LOAD_INSPECTS_MAX;
+    if (room) ls->inspecting++;
+  } else {
+    for (int i = 0; i < LOAD_PROGRESS_MAX; i++) {
+      if (!ls->progress_of[i][0]) {
+        if (free_slot < 0) free_slot = i;
+      } else if (strcmp(ls->progress_of[i], session) == 0) {
+        mine++;
+      }
+    }
+    room = free_slot >= 0 && mine < LOAD_PROGRESS_PER_SESSION;
+    if (room) snprintf(ls->progress_of[free_slot], sizeof ls->progress_of[free_slot], "%s", session);
+  }
+  *slot = session ? free_slot : -1;
   if (room) ls->running++;
   pthread_mutex_unlock(&ls->mu);
   if (!room) {
-    rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
-                    "%s: %d inspections and progress calls are running, the most this server "
-                    "runs at once; retry", what, LOAD_INSPECTS_MAX);
+    if (!session)
+      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                      "%s: %d inspections are running, the most this server runs at once; "
+                      "retry", what, LOAD_INSPECTS_MAX);
+    else if (mine >= LOAD_PROGRESS_PER_SESSION)
+      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                      "%s: this session has %d progress calls running, the most it runs at "
+                      "once; retry", what, LOAD_PROGRESS_PER_SESSION);
+    else
+      rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA",
+                      "%s: %d progress calls are running, the most this server runs at once; "
+                      "retry", what, LOAD_PROGRESS_MAX);
     return -1;
   }
   rpc_call_ref(call);
@@ -72,7 +108,7 @@ static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, void *(
   pthread_attr_destroy(&at);
   if (rc == 0) return 0;
   rpc_call_unref(call);
-  done(ls);
+  done(ls, *slot);
   rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "%s: out of threads", what);
   return -1;
 }
@@ -121,7 +157,7 @@ static void *inspect_main(void *arg) {
   rpc_call_unref(in->call);
   free(in->url);
   free(in);
-  done(ls);
+  done(ls, -1);
   return NULL;
 }
 
@@ -189,7 +225,8 @@ static void inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *a
     return;
   }
   *in = (inspect_t){.ls = ls, .call = call, .rank = rank, .url = url};
-  if (spawn(ls, call, "InspectUrl", inspect_main, in)) {
+  int slot;
+  if (spawn(ls, call, "InspectUrl", NULL, &slot, inspect_main, in)) {
     free(in);
     free(url);
   }
@@ -227,6 +264,7 @@ typedef struct progress_ask {
 
 struct progress {
   load_service_t *ls;
+  int slot; /* its LoadProgress slot (spawn) */
   rpc_call_t *call; /* referenced */
   char session[80];
   size_t n;
@@ -427,8 +465,9 @@ static void *progress_main(void *arg) {
   rpc_call_unref(p->call);
   pthread_mutex_destroy(&p->mu);
   pthread_cond_destroy(&p->cv);
+  int slot = p->slot;
   progress_free(p);
-  done(ls);
+  done(ls, slot);
   return NULL;
 }
 
@@ -532,7 +571,7 @@ static void progress_start(rpc_call_t *call, const ProtobufCMessage *req, void *
   p->call = call;
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv, NULL);
-  if (spawn(ls, call, "LoadProgress", progress_main, p)) {
+  if (spawn(ls, call, "LoadProgress", p->session, &p->slot, progress_main, p)) {
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     progress_free(p);

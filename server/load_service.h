@@ -5,8 +5,9 @@
  * agents fetched so far (progress bars), summed over each tensor's ranks. The URL is checked against the server's policy (--url-allow)
  * before any agent connects; the agent checks every address it connects to
  * against the same policy. The agent calls run on a helper thread, never on
- * a completion-queue thread; at most LOAD_INSPECTS_MAX of both kinds run at
- * once (more are refused RESOURCE_EXHAUSTED). */
+ * a completion-queue thread; at most LOAD_INSPECTS_MAX InspectUrls and, apart,
+ * LOAD_PROGRESS_MAX LoadProgress calls (LOAD_PROGRESS_PER_SESSION of one
+ * session) run at once (more are refused RESOURCE_EXHAUSTED). */
 #ifndef MESHD_LOAD_SERVICE_H
 #define MESHD_LOAD_SERVICE_H
 
@@ -18,6 +19,8 @@
 #include "url_policy.h"
 
 #define LOAD_INSPECTS_MAX 16
+#define LOAD_PROGRESS_MAX 64
+#define LOAD_PROGRESS_PER_SESSION 8
 
 typedef struct load_service load_service_t;
 

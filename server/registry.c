@@ -137,6 +137,12 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
       !all_printable(req->device))
     { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
              "RegisterRequest: agent_id, address and device must be printable ASCII"); return; }
+  if (req->data_port > 65535) { /* 0: no data plane (the proto's "none yet") */
+    char msg[160];
+    snprintf(msg, sizeof msg, "RegisterRequest.data_port %u is not a port (1..65535, or 0 for "
+             "no data plane)", req->data_port);
+    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, msg); return; }
+  }
   if (req->requested_rank < -1 || req->requested_rank >= r->o.max_agents) {
     char msg[160];
     snprintf(msg, sizeof msg, "RegisterRequest.requested_rank %d is out of range [-1, %d] "

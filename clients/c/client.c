@@ -153,6 +153,9 @@ static int check_options(const char *target, const meshd_connect_options_t *o, r
        conn_check_pem(o->tls_cert_file, "CERTIFICATE", "tls_cert_file", msg, len)) ||
       (o->tls_key_file && conn_check_pem(o->tls_key_file, "PRIVATE KEY", "tls_key_file", msg, len)))
     return -1;
+  if (o->tls_cert_file && o->tls_key_file &&
+      rpc_tls_check_pair(o->tls_cert_file, o->tls_key_file, msg, len) != 0)
+    return -1;
   if (o->tls_server_name && !*o->tls_server_name) {
     snprintf(msg, len, "tls_server_name is empty (NULL: check the target's host)");
     return -1;
@@ -1266,6 +1269,8 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
     l.file_size = r->file_size;
     l.version = r->version; /* a file rewritten at the same size since: refused by the agents */
   }
+  if (l.shard[0] && l.dim < 0) /* from the end, as Python's meshd.load takes it */
+    l.dim += (int32_t)l.n_shape;
   l.ref = s->next_ref;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_LOAD;
@@ -1832,6 +1837,9 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   if (!s || !check_tensor_args(s, "meshd_session_upload", dtype, shape, ndim, data, bytes, out,
                                &opts, &dt))
     return MESHD_E_INVALID;
+  /* One deadline for the whole upload: the queued commands' answers, a
+   * fallback to the proxy included. */
+  int64_t end = rpc_now_ms() + s->client->timeout_ms;
   meshd_err_t ret = sync_point(s, 0); /* the upload's ref comes after the queued ones' */
   if (ret != MESHD_E_OK)
     return ret;
@@ -1844,11 +1852,10 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   h.dtype = (Meshd__V1__DType)dt;
   h.per_rank = opts->per_rank;
   h.total_bytes = bytes;
-  direct_session_t view = session_view(s, 0);
+  int64_t left = end - rpc_now_ms();
+  direct_session_t view = session_view(s, left < 1 ? 1 : (int)left);
   direct_err_t e = {0};
   bool spent = false, defined = false;
-  /* One deadline for the whole upload, a fallback to the proxy included. */
-  int64_t end = rpc_now_ms() + s->client->timeout_ms;
   direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &defined, &e);
   if (spent) /* the plan claimed the ref, done or not: nothing else may take it */
     s->next_ref++;
@@ -1858,7 +1865,7 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
     return record(s->client, &e);
   }
   if (rc == DIRECT_PROXY) {
-    int64_t left = end - rpc_now_ms();
+    left = end - rpc_now_ms();
     if (left <= 0) {
       set_error(s->client, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                 "Upload: the deadline passed before the proxied upload could start (the direct "
@@ -2126,6 +2133,29 @@ static int proxy_fetch_all(meshd_session_t *s, const Meshd__V1__FetchRequest *co
   return 0;
 }
 
+/* A proxied fetch's failure names the parts that failed, by their coordinates
+ * (the server's message may not: a deadline is the client's own): e holds the
+ * first failure; " (the local tensor at gpu=1)", or with several failed,
+ * " (the local tensors at gpu=0; gpu=1)". */
+static void name_parts(direct_err_t *e, const Meshd__V1__FetchRequest *const *reqs,
+                       const direct_err_t *errs, size_t n) {
+  char where[256] = "";
+  size_t k = 0, failed = 0;
+  for (size_t p = 0; p < n && k < sizeof where; p++) {
+    if (errs[p].err == MESHD_E_OK) continue;
+    const Meshd__V1__FetchRequest *r = reqs[p];
+    if (failed++) k += (size_t)snprintf(where + k, sizeof where - k, "; ");
+    for (size_t i = 0; i < r->n_coords && k < sizeof where; i++)
+      k += (size_t)snprintf(where + k, sizeof where - k, "%s%s=%lld", i ? "," : "",
+                            r->coords[i]->dim ? r->coords[i]->dim : "",
+                            (long long)r->coords[i]->index);
+  }
+  size_t len = strlen(e->msg);
+  if (k && len < sizeof e->msg)
+    snprintf(e->msg + len, sizeof e->msg - len, " (the local tensor%s at %s)",
+             failed > 1 ? "s" : "", where);
+}
+
 /* n local tensors into their sinks by the session's data path, in parallel;
  * the first failure is recorded on the client. */
 static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest *const *reqs,
@@ -2152,6 +2182,8 @@ static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest
       direct_err_set(&e, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
     for (size_t i = 0; i < n && e.err == MESHD_E_OK; i++)
       e = errs[i];
+    if (e.err != MESHD_E_OK)
+      name_parts(&e, reqs, errs, n);
     free(errs);
     if (e.err == MESHD_E_OK)
       for (size_t i = 0; i < n; i++)

@@ -110,10 +110,14 @@ int conn_check_pem(const char *path, const char *label, const char *what, char *
     return -1;
   }
   buf[n] = '\0';
-  const char *begin = strstr(buf, "-----BEGIN ");
-  const char *eol = begin ? strchr(begin, '\n') : NULL;
-  const char *lab = begin ? strstr(begin, label) : NULL;
-  bool ok = begin && lab && (!eol || lab < eol);
+  /* Any block's BEGIN line (`openssl ecparam -genkey` writes EC PARAMETERS first). */
+  bool ok = false;
+  for (const char *begin = strstr(buf, "-----BEGIN "); begin && !ok;
+       begin = strstr(begin + 1, "-----BEGIN ")) {
+    const char *eol = strchr(begin, '\n');
+    const char *lab = strstr(begin, label);
+    ok = lab && (!eol || lab < eol);
+  }
   explicit_bzero(buf, n); /* it may have been a key */
   free(buf);
   if (!ok) {

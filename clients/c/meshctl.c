@@ -568,7 +568,7 @@ static void note_error(const char *code, const char *kind, const char *message, 
     json_object_object_add(doc_error, "line", json_object_new_int64(line));
 }
 
-/* A usage error (exit 64): the message on stderr, the usage after it. */
+/* A usage error (exit 64): the message on stderr, a usage line after it. */
 static int usage_error(bool show_usage, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int usage_error(bool show_usage, const char *fmt, ...) {
   char msg[512];
@@ -577,8 +577,9 @@ static int usage_error(bool show_usage, const char *fmt, ...) {
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   fprintf(stderr, "meshctl: %s\n", msg);
-  if (show_usage)
-    usage(stderr);
+  if (show_usage) /* a usage line, not the whole help: the problem stays in sight */
+    fprintf(stderr, "usage: meshctl %s\nrun 'meshctl --help' for every flag and command\n",
+            SYNOPSIS);
   note_error("USAGE", NULL, msg, 0);
   return EXIT_USAGE;
 }
@@ -1609,8 +1610,10 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
     char line[4096];
     for (long lineno = 1; fgets(line, sizeof line, f); lineno++) {
       size_t len = strlen(line);
-      if (len == sizeof line - 1 && line[len - 1] != '\n')
-        script_fail(&sc, "SYNTAX", "line longer than %zu characters", sizeof line - 2);
+      /* A full buffer without the newline: the line fits when its end comes next. */
+      int next = len == sizeof line - 1 && line[len - 1] != '\n' ? getc(f) : '\n';
+      if (next != '\n' && next != EOF)
+        script_fail(&sc, "SYNTAX", "line longer than %zu characters", sizeof line - 1);
       else if (!interrupted && run_line(&sc, line) == 0 && !interrupted)
         continue;
       if (interrupted && strcmp(sc.kind, "CANCELLED") != 0) {
@@ -1731,7 +1734,8 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
     if (!usable) {
       meshd_agents_free(agents, n);
       fprintf(stderr, "error: load: out of memory\n");
-      return EXIT_RPC;
+      note_error("RESOURCE_EXHAUSTED", NULL, "load: out of memory", 0);
+      return EXIT_FAILURE_OTHER;
     }
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
@@ -1750,7 +1754,9 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
     if (up == 0) {
       fprintf(stderr, "error: load: no healthy, undrained agent on %s to load onto "
               "(meshctl agents lists them)\n", server);
-      note_error("UNAVAILABLE", NULL, "load: no healthy, undrained agent to load onto", 0);
+      /* A refused command (exit 3), not UNAVAILABLE: that code says "could not connect". */
+      note_error("FAILED_PRECONDITION", NULL,
+                 "load: no healthy, undrained agent to load onto (meshctl agents lists them)", 0);
       return EXIT_RPC;
     }
     names[0] = "gpu";

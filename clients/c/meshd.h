@@ -323,7 +323,7 @@ typedef struct meshd_load_options {
   size_t ndim;
   const char *name;  /* a tensor of a safetensors file (NULL: its only one) */
   const char *shard; /* mesh dim to split over (NULL: every rank loads it all) */
-  int dim;           /* the tensor dim split, with shard */
+  int dim;           /* the tensor dim split, with shard (< 0: from the end) */
   meshd_load_info_t *info; /* out (NULL: not wanted): filled when the call succeeds */
 } meshd_load_options_t;
 

@@ -133,6 +133,7 @@ const DIRECT_RETRY_MS = 30000; // ...is not tried again (auto) for this long
 const WRITE_CHUNK = 2 << 20;
 const READ_CHUNK = 1 << 20;
 const ABANDON_MS = 300; // FinishFetch of a fetch given up on
+const CLOSE_LAST_TRY_MS = 250; // CloseSession's time at least, should the waits before it have taken the rest
 const CLEANUP_MS = 5000; // FinishUpload undoing an upload given up on (the session's timeoutMs if less)
 const PROXY = Symbol('proxy'); // #directUpload, #directFetch: use the proxy instead
 const UNKINDED = Symbol('unkinded'); // a MeshdError with no kind of the server's (its answer may be lost)
@@ -875,20 +876,26 @@ export class Session {
     // check: a file rewritten since is refused), or null for raw bytes
     const one = async (t, fi, from = url) => {
       const ref = this.newRef();
+      // a negative dim counts from the end, as in Python's meshd.load
+      const d = shard && dim < 0 && Array.isArray(t.shape) ? dim + t.shape.length : dim;
       const res = await this.execute({
         load: { ref, mesh: m, stream, url: from, dtype: t.dtype, shape: t.shape,
           offset: t.offset ?? 0, file_size: fi?.file_size ?? 0, version: fi?.version ?? '',
-          shard, dim },
+          shard, dim: d },
       });
       return res.tensors[0];
     };
     if (dtype !== undefined || shape !== undefined) {
       if (dtype === undefined || shape === undefined) throw new TypeError('meshd: raw bytes need both dtype and shape');
+      if (name !== undefined) throw new TypeError('meshd: name picks a tensor of a safetensors file; raw bytes (dtype and shape) have none');
       return one({ dtype, shape }, null);
     }
     const info = await this.inspectUrl(url, m);
     if (info.format === 'safetensors_index') return this.#loadIndex(m, url, info, name, one);
-    if (info.format === 'npy') return one(info.tensors[0], info);
+    if (info.format === 'npy') {
+      if (name !== undefined) throw new MeshdError('BAD_ARGUMENT', `name '${name}': ${url.split(/[?#]/)[0]} is a .npy file, one tensor without a name; leave name unset`, grpc.status.INVALID_ARGUMENT);
+      return one(info.tensors[0], info);
+    }
     if (name !== undefined) {
       const t = info.tensors.find((x) => x.name === name);
       if (!t) throw new MeshdError('BAD_ARGUMENT', `no tensor named '${name}' in ${url.split('?')[0]}; it holds: ${info.tensors.map((x) => x.name).join(', ')}`, grpc.status.INVALID_ARGUMENT);
@@ -902,15 +909,22 @@ export class Session {
   // Runs each [name, load] of a many-tensor load into out, in order. One refused (a dim
   // that does not split, the quota): the tensors loaded before it are dropped, as the
   // caller gets no handle to drop them with, and the error is thrown.
+  // The error names the tensor refused.
   async #loadAll(loads, out) {
     const done = [];
+    let at;
     try {
       for (const [name, load] of loads) {
+        at = name;
         out[name] = await load();
         done.push(Number(out[name].ref));
       }
     } catch (err) {
       if (done.length) await this.execute({ drop: { refs: done } }).catch(() => {});
+      if (err instanceof MeshdError && at) {
+        const msg = err.message.startsWith(`${err.kind}: `) ? err.message.slice(err.kind.length + 2) : err.message;
+        throw new MeshdError(err.kind, `tensor '${at}': ${msg}`, err.code, err.seq);
+      }
       throw err;
     }
   }
@@ -1548,7 +1562,7 @@ export class Session {
         await this.#inOrder(async () => {
           this.#off(); // the stream ends after what is queued
           await this.#drain(deadline, limitMs, 'close');
-        });
+        }, deadline, limitMs, 'close');
       } catch (e) {
         err = e;
       }
@@ -1558,7 +1572,7 @@ export class Session {
         err ??= e;
       }
       this.stopKeepAlive();
-      await this.#unaryBy('CloseSession', {}, this.deadline());
+      await this.#unaryBy('CloseSession', {}, Math.max(deadline, Date.now() + CLOSE_LAST_TRY_MS));
     } catch (e) {
       err ??= e;
     } finally {

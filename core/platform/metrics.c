@@ -1,5 +1,6 @@
 /* Prometheus registry and its HTTP endpoint. See metrics.h. */
 #include "metrics.h"
+#include "runtime.h"
 
 #include <math.h>
 #include <microhttpd.h>
@@ -406,6 +407,7 @@ metrics_http_t *metrics_http_start(metrics_registry_t *r, const char *listen, ch
     h0[n - 1] = '\0';
     h0++;
   }
+  if (runtime_check_port(listen, err, errlen) != 0) return NULL;
   struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICSERV | AI_PASSIVE};
   struct addrinfo *ai = NULL;
   int g = getaddrinfo(*h0 ? h0 : NULL, colon + 1, &hints, &ai);

@@ -72,6 +72,10 @@ typedef struct rpc_tls {
  * handshake. `what` prefixes the message ("--tls-cert"). server: cert and key
  * are required. Returns 0, or -1 with err. */
 int rpc_tls_check(const rpc_tls_t *tls, bool server, char *err, size_t errlen);
+/* The private key in key_file belongs to the (first) certificate in cert_file:
+ * gRPC refuses a pair that does not only when a port opens or a channel
+ * connects, in words that name neither file. Returns 0, or -1 with err. */
+int rpc_tls_check_pair(const char *cert_file, const char *key_file, char *err, size_t errlen);
 /* The PEM text in path (at most 16 MiB), checked to hold a block whose label
  * contains `label` ("CERTIFICATE"); caller frees. NULL with err naming `what`
  * and the path. */
@@ -297,7 +301,7 @@ const rpc_identity_t *rpc_call_identity(const rpc_call_t *call);
 /* True if the call came over TLS with a client certificate the port verified. */
 bool rpc_call_peer_verified(rpc_call_t *call);
 /* The same, and the certificate names `name` (a DNS subject alternative name,
- * or its common name): a CA that signs more than one kind of certificate
+ * or its common name when it has no DNS name): a CA that signs more than one kind of certificate
  * (cluster peers, users) is told apart by the name. name NULL or "": verified. */
 bool rpc_call_peer_named(rpc_call_t *call, const char *name);
 /* One pointer of handler state, set in on_start. */

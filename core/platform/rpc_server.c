@@ -20,6 +20,7 @@
 #include "rpc.h"
 #include "rpc_tls.h"
 #include "rpc_wire.h"
+#include "runtime.h"
 
 #define OUTBOX_HIGH 64 /* stop re-arming reads above this many queued messages */
 #define OUTBOX_LOW 16  /* resume below this */
@@ -487,13 +488,18 @@ bool rpc_call_peer_named(rpc_call_t *c, const char *name) {
   if (!ctx) return false;
   bool ok = false;
   if (grpc_auth_context_peer_is_authenticated(ctx)) {
-    static const char *const props[] = {GRPC_X509_SAN_PROPERTY_NAME, GRPC_X509_CN_PROPERTY_NAME};
+    /* The DNS names; the common name only when there is none (RFC 6125 6.4.4):
+     * a user's CN=meshd-cluster beside DNS:alice does not make a peer. */
+    static const char *const props[] = {GRPC_PEER_DNS_PROPERTY_NAME, GRPC_X509_CN_PROPERTY_NAME};
     size_t n = strlen(name);
-    for (size_t k = 0; k < 2 && !ok; k++) {
+    bool dns = false;
+    for (size_t k = 0; k < 2 && !ok && !(k == 1 && dns); k++) {
       grpc_auth_property_iterator it = grpc_auth_context_find_properties_by_name(ctx, props[k]);
       const grpc_auth_property *p;
-      while (!ok && (p = grpc_auth_property_iterator_next(&it)))
+      while (!ok && (p = grpc_auth_property_iterator_next(&it))) {
+        dns = true;
         ok = p->value_length == n && memcmp(p->value, name, n) == 0;
+      }
     }
   }
   grpc_auth_context_release(ctx);
@@ -1048,6 +1054,7 @@ int rpc_server_add_methods_guarded(rpc_server_t *srv, const rpc_method_t *method
 
 int rpc_server_start(rpc_server_t *srv, char *err, size_t errlen) {
   if (srv->started) return srv->port;
+  if (runtime_check_port(srv->listen, err, errlen) != 0) return -1;
   srv->port = grpc_server_add_http2_port(srv->server, srv->listen, srv->creds);
   if (srv->port <= 0) {
     snprintf(err, errlen, "cannot listen on %s (address in use, or not a valid address)",

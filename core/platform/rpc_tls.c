@@ -7,6 +7,10 @@
  * previous config (and logs once per change). */
 #include <errno.h>
 #include <grpc/grpc_security.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,12 +41,17 @@ static char *read_file(const char *path) {
   return buf;
 }
 
-/* text has a "-----BEGIN ... label ... -----END" block. */
+/* text has a "-----BEGIN ... label ... -----END" block: any of its blocks
+ * (`openssl ecparam -genkey` writes EC PARAMETERS before the EC PRIVATE KEY). */
 static bool holds_pem(const char *text, const char *label) {
-  const char *begin = strstr(text, "-----BEGIN ");
-  const char *end = begin ? strstr(begin, "-----END ") : NULL;
-  const char *lab = begin ? strstr(begin, label) : NULL;
-  return begin && end && lab && lab < end;
+  for (const char *begin = strstr(text, "-----BEGIN "); begin;
+       begin = strstr(begin + 1, "-----BEGIN ")) {
+    const char *end = strstr(begin, "-----END ");
+    const char *lab = strstr(begin, label);
+    if (!end) return false;
+    if (lab && lab < end) return true;
+  }
+  return false;
 }
 
 char *rpc_tls_read_pem(const char *what, const char *path, const char *label, char *err,
@@ -59,6 +68,35 @@ char *rpc_tls_read_pem(const char *what, const char *path, const char *label, ch
     return NULL;
   }
   return pem;
+}
+
+/* No passphrase (gRPC takes no encrypted key): never a prompt on the terminal. */
+static int no_passphrase(char *buf, int size, int rwflag, void *u) {
+  (void)buf, (void)size, (void)rwflag, (void)u;
+  return -1;
+}
+
+int rpc_tls_check_pair(const char *cert_file, const char *key_file, char *err, size_t errlen) {
+  FILE *cf = fopen(cert_file, "r"), *kf = fopen(key_file, "r");
+  X509 *cert = cf ? PEM_read_X509(cf, NULL, no_passphrase, NULL) : NULL;
+  EVP_PKEY *key = kf ? PEM_read_PrivateKey(kf, NULL, no_passphrase, NULL) : NULL;
+  int rc = 0;
+  if (!cert || !key) {
+    snprintf(err, errlen, "TLS: '%s' holds no %s that parses%s", !cert ? cert_file : key_file,
+             !cert ? "certificate" : "private key", !cert ? "" : " (an encrypted key is not "
+             "supported)");
+    rc = -1;
+  } else if (X509_check_private_key(cert, key) != 1) {
+    snprintf(err, errlen, "TLS: the key in '%s' does not belong to the certificate in '%s'",
+             key_file, cert_file);
+    rc = -1;
+  }
+  ERR_clear_error();
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  if (cf) fclose(cf);
+  if (kf) fclose(kf);
+  return rc;
 }
 
 int rpc_tls_check(const rpc_tls_t *t, bool server, char *err, size_t errlen) {
@@ -79,6 +117,8 @@ int rpc_tls_check(const rpc_tls_t *t, bool server, char *err, size_t errlen) {
     if (!pem) return -1;
     free(pem);
   }
+  if (t->cert_file && t->key_file && rpc_tls_check_pair(t->cert_file, t->key_file, err, errlen))
+    return -1;
   if (server) secret_warn_if_public("TLS private key", t->key_file);
   /* gRPC would take roots it cannot load and fail every connection later. */
   if (t->ca_pem && !holds_pem(t->ca_pem, "CERTIFICATE")) {

@@ -100,6 +100,15 @@ void runtime_local_address(const char *listen, int port, char *out, size_t len) 
   snprintf(out, len, "%s:%d", host, port);
 }
 
+int runtime_check_port(const char *addr, char *err, size_t errlen) {
+  const char *colon = addr ? strrchr(addr, ':') : NULL;
+  if (!colon || !colon[1] || strspn(colon + 1, "0123456789") != strlen(colon + 1)) return 0;
+  if (strlen(colon + 1) <= 5 && atol(colon + 1) <= 65535) return 0;
+  snprintf(err, errlen, "cannot listen on %s: port %s is out of range (0..65535; 0 picks a "
+           "free port)", addr, colon + 1);
+  return -1;
+}
+
 void runtime_host_of(const char *addr, char *out, size_t len) {
   out[0] = '\0';
   const char *colon = addr ? strrchr(addr, ':') : NULL;

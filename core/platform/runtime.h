@@ -30,6 +30,10 @@ void runtime_random_hex(char *out, size_t n);
 void runtime_local_address(const char *listen, int port, char *out, size_t len);
 /* The host of "HOST:PORT" ("[::1]:5" -> "::1"; "" when addr has no port). */
 void runtime_host_of(const char *addr, char *out, size_t len);
+/* A listen address's decimal port fits 0..65535: gRPC and getaddrinfo take it
+ * modulo 65536 ("HOST:99999" listened on 34463). Returns 0, or -1 with err
+ * naming addr; an address without a decimal port is left to the listener. */
+int runtime_check_port(const char *addr, char *err, size_t errlen);
 
 /* Physical memory, or the container's limit when that is smaller (cgroup v2
  * memory.max, v1 memory.limit_in_bytes): allocating past a cgroup limit gets a

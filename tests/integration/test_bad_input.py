@@ -1150,6 +1150,14 @@ def _(ctx):
                    str(2 ** 31 - 1))
 
 
+@case("register-data-port-70000")
+def _(ctx):
+    # A port past 65535 was kept and handed to the other agents of every collective as
+    # "host:70000": they failed to connect, far from the cause.
+    for port in (65536, 70000, 2 ** 32 - 1):
+        register_fails(ctx, [_hello(data_port=port)], INVALID, "data_port", str(port))
+
+
 @case("register-a-live-agents-rank")
 def _(ctx):
     register_fails(ctx, [_hello(requested_rank=0)], grpc.StatusCode.FAILED_PRECONDITION,

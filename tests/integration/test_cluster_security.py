@@ -470,6 +470,49 @@ def test_cluster_mtls_agents_admit_clients_without_a_certificate_only_to_granted
         _wait_log(ag, "no verified cluster certificate")
 
 
+def _leaf(pki, name, cn, san):
+    """A certificate the cluster CA signs, CN cn, subjectAltName san (None: none)."""
+    import subprocess
+    key, csr, pem, ext = (pki / f"{name}.{x}" for x in ("key", "csr", "pem", "ext"))
+    subprocess.run(["openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                    "-nodes", "-subj", f"/CN={cn}", "-keyout", key, "-out", csr],
+                   check=True, capture_output=True, timeout=60)
+    ext.write_text((f"subjectAltName={san}\n" if san else "") +
+                   "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
+    subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", pki / "cluster-ca.pem",
+                    "-CAkey", pki / "cluster-ca.key", "-CAcreateserial", "-days", "2",
+                    "-extfile", ext, "-out", pem], check=True, capture_output=True, timeout=60)
+
+
+def test_a_common_name_counts_only_without_dns_names(agent, pki):
+    """security.md: a cluster certificate names --cluster-name in a DNS subject alternative
+    name, or in its common name when it has no DNS name (RFC 6125's rule, and what gRPC's
+    own hostname check does). A CA that also signs users' certificates could give a user
+    CN=meshd-cluster beside DNS:alice: that certificate was taken for a cluster peer on an
+    agent's port (and the registry's). One with only the CN (an IP name beside it) is
+    still a peer."""
+    _leaf(pki, "cn-beside-san", "meshd-cluster", "DNS:alice,IP:127.0.0.1")
+    _leaf(pki, "cn-only", "meshd-cluster", "IP:127.0.0.1")
+    tls = tuple((pki / n).read_bytes() for n in ("cluster.key", "cluster.pem", "cluster-ca.pem"))
+    a = lib.agent_pb2()
+    with lib.FakeRegistry(tls=tls) as reg:
+        agent(reg.port, *_cluster_flags(pki), wait_registered=False)
+        hello = reg.wait()
+        secret = reg.metadata()
+        for cert, want in (("cn-beside-san", "does not name the cluster"), ("cn-only", None)):
+            with _tls_channel(hello.address, pki, cert) as ch:
+                call = ch.unary_unary(_AGENT + "Hello", request_serializer=_serialize,
+                                      response_deserializer=a.HelloReply.FromString)
+                code, details = _status(
+                    lambda md: call(a.HelloRequest(agent_id=hello.agent_id), metadata=md,
+                                    timeout=5), secret)
+                if want is None:
+                    assert code == grpc.StatusCode.OK, (cert, code, details)
+                else:
+                    assert code == grpc.StatusCode.UNAUTHENTICATED and want in details, \
+                        (cert, code, details)
+
+
 def test_cluster_flags_are_checked_at_startup(pki):
     for flags, want in (
             (_cluster_flags(pki)[:4], "--cluster-key"),

@@ -306,6 +306,34 @@ def test_unknown_flag_is_a_usage_error(binary):
     assert "no-such-flag" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("binary,args", [
+    ("meshd", ["--listen", "127.0.0.1:99999"]),
+    ("meshd", ["--health-listen", "127.0.0.1:65536"]),
+    ("meshd", ["--metrics-listen", "127.0.0.1:70000"]),
+    ("meshd-agent", ["--listen", "127.0.0.1:65537"]),
+], ids=["listen", "health-listen", "metrics-listen", "agent-listen"])
+def test_a_port_past_65535_is_refused_at_startup(binary, args):
+    """gRPC and getaddrinfo take a port modulo 65536: `--listen 127.0.0.1:99999` served on
+    port 34463 (logged as "listening on 127.0.0.1:99999, port 34463"), 65536 on a random
+    port, 65537 on port 1. The process must stop at startup naming the address."""
+    r = _run_bad(binary, args)
+    assert r.returncode != 0, (r.returncode, r.stderr)
+    assert args[1] in r.stderr and "out of range" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("binary", list(BINARIES))
+def test_a_bad_flag_prints_a_usage_line_and_a_pointer_to_help(binary):
+    """operations.md: a bad flag prints the problem and a usage line (not the whole --help,
+    which buried the problem under 60 lines of flags) and says where the rest is."""
+    r = _run_bad(binary, ["--no-such-flag", "1"] + (["health"] if binary == "meshctl" else []))
+    assert r.returncode == USAGE_EXIT[binary], (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert "no-such-flag" in lines[0], r.stderr
+    assert [l for l in lines if l.startswith("usage: ")] == [lines[1]], r.stderr
+    assert f"{binary} --help" in r.stderr and len(lines) <= 3, r.stderr
+    assert "show this help" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("binary", list(BINARIES))
 def test_non_numeric_flag_is_a_usage_error(binary):
     flag = NUMERIC_FLAG[binary]

@@ -1076,3 +1076,143 @@ def test_inspect_error_with_a_long_url_keeps_its_status_and_rank(shared_meshd, l
     r = meshctl(srv.address, "load", url)
     assert r.returncode == 3, _show(r)
     assert "HTTP 404" in r.stderr and "rank 0" in r.stderr, _show(r)
+
+
+# ------------------------------------------------- operators' edge cases (review 100)
+
+def test_load_with_no_usable_agent_is_a_refused_command_not_unavailable(meshd_server):
+    """A server with no agent: `meshctl load` without --mesh has nothing to load onto. That
+    is a refused command (exit 3) whose JSON code is not UNAVAILABLE: operations.md keeps
+    UNAVAILABLE for "could not connect" (exit 2), and a script telling the two apart by the
+    code took a reachable server for an absent one."""
+    srv = meshd_server()
+    addr = f"127.0.0.1:{srv.port}"
+    r = meshctl(addr, "load", "file:///tmp/nowhere.npy")
+    assert r.returncode == 3, _show(r)
+    assert "no healthy, undrained agent" in r.stderr and "meshctl agents" in r.stderr, _show(r)
+    r = meshctl(addr, "--output", "json", "load", "file:///tmp/nowhere.npy")
+    assert r.returncode == 3, _show(r)
+    err = _json(r)["error"]
+    assert err["code"] == "FAILED_PRECONDITION", err
+    assert "no healthy, undrained agent" in err["message"], err
+
+
+_FAIL_CALLOC = r"""
+#include <stddef.h>
+#include <stdlib.h>
+extern void *__libc_calloc(size_t, size_t);
+void *calloc(size_t n, size_t size) {
+  /* meshctl load's array of usable ranks for a server that lists 777 agents */
+  if (n == 777 && size == 4) return NULL;
+  return __libc_calloc(n, size);
+}
+"""
+
+
+def test_load_out_of_memory_still_prints_its_json_document(tmp_path):
+    """--output json prints one document for every command, a failure included. meshctl
+    load's out-of-memory path (its array of usable ranks) printed nothing on stdout and
+    exited 3 (a call failed) where report() says out of memory is exit 1 and
+    RESOURCE_EXHAUSTED. A fake server lists 777 agents and an LD_PRELOAD shim fails that
+    one allocation."""
+    import concurrent.futures
+    import shutil
+    import grpc
+    cc = shutil.which("cc")
+    if not cc:
+        pytest.skip("no C compiler for the allocation shim")
+    if "libasan" in subprocess.run(["ldd", lib.MESHCTL], capture_output=True, text=True).stdout:
+        pytest.skip("a sanitizer build owns calloc")
+    src = tmp_path / "failcalloc.c"
+    src.write_text(_FAIL_CALLOC)
+    so = tmp_path / "failcalloc.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(src)], check=True, timeout=60)
+    t = lib.tensor_pb2()
+    agents = [t.AgentInfo(rank=i, healthy=True, address=f"127.0.0.1:{9000 + i}")
+              for i in range(777)]
+
+    def list_agents(request, context):
+        return t.ListAgentsReply(agents=agents)
+
+    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
+        "ListAgents": grpc.unary_unary_rpc_method_handler(
+            list_agents, request_deserializer=t.ListAgentsRequest.FromString,
+            response_serializer=lambda m: m.SerializeToString())})
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {"LD_PRELOAD": str(so)}
+    try:
+        r = meshctl(f"127.0.0.1:{port}", "--output", "json", "load", "file:///tmp/nowhere.npy",
+                    env=env)
+    finally:
+        server.stop(0)
+    assert "out of memory" in r.stderr, _show(r)
+    assert r.returncode == 1, _show(r)
+    err = _json(r)["error"]
+    assert err["code"] == "RESOURCE_EXHAUSTED" and "out of memory" in err["message"], err
+
+
+def test_run_takes_a_4095_character_line_with_or_without_its_newline(meshd_server, tmp_path):
+    """run reads a script line into 4096 bytes: 4095 characters fit. A last line of 4095
+    characters without a newline was refused as "longer than 4094 characters" (and one with
+    its newline too); a longer line is still refused, naming the limit."""
+    srv = meshd_server()
+    addr = f"127.0.0.1:{srv.port}"
+    long_comment = "#" + "x" * 4094
+    assert len(long_comment) == 4095
+    for name, text in (("last.txt", "sync\n" + long_comment),
+                       ("middle.txt", long_comment + "\nsync\n")):
+        script = tmp_path / name
+        script.write_text(text)
+        r = meshctl(addr, "run", str(script))
+        assert r.returncode == 0 and r.stderr == "", (name, _show(r))
+    script = tmp_path / "over.txt"
+    script.write_text("sync\n" + long_comment + "x\nsync\n")
+    r = meshctl(addr, "run", str(script))
+    assert r.returncode == 3 and "line 2: SYNTAX: line longer than 4095 characters" in r.stderr, \
+        _show(r)
+
+
+def test_every_column_of_the_sessions_table_is_documented(meshd_server):
+    """operations.md's `sessions` entry names the table's columns by the headers meshctl
+    prints: CMD/S (commands per second, `-` outside --watch's later frames) was in the
+    table and in no document."""
+    srv = meshd_server()
+    r = meshctl(f"127.0.0.1:{srv.port}", "sessions")
+    assert r.returncode == 0, _show(r)
+    header = r.stdout.splitlines()[0].split()
+    assert "CMD/S" in header, _show(r)
+    with open(os.path.join(lib.SOURCE_DIR, "docs", "operations.md")) as f:
+        doc = f.read()
+    entry = doc[doc.index("- `sessions` — "):doc.index("- `sessions --watch")]
+    missing = [h for h in header if f"`{h}`" not in entry]
+    assert not missing, f"columns not in operations.md's sessions entry: {missing}\n{entry}"
+
+
+def test_an_ec_key_file_that_starts_with_its_parameters_is_a_key(pki, tmp_path):
+    """`openssl ecparam -genkey` writes an EC PARAMETERS block before the EC PRIVATE KEY.
+    meshd's and meshctl's startup checks looked at the first PEM block only and refused
+    the file: "holds no PEM PRIVATE KEY" (meshd exit 2, meshctl 64), though gRPC takes it."""
+    import subprocess as sp
+    key, csr, crt, ext = (tmp_path / n for n in ("ecp.key", "ecp.csr", "ecp.pem", "ecp.ext"))
+    sp.run(["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-out", key], check=True,
+           capture_output=True, timeout=60)
+    assert key.read_text().startswith("-----BEGIN EC PARAMETERS-----")
+    sp.run(["openssl", "req", "-new", "-key", key, "-subj", "/CN=ecp", "-out", csr], check=True,
+           capture_output=True, timeout=60)
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                   "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
+    sp.run(["openssl", "x509", "-req", "-in", csr, "-CA", pki / "ca.pem", "-CAkey", pki / "ca.key",
+            "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", crt], check=True,
+           capture_output=True, timeout=60)
+    args = ["--listen", "127.0.0.1:0", "--tls-cert", crt, "--tls-key", key,
+            "--tls-client-ca", pki / "ca.pem", "--min-agents", 0]
+    p = lib.spawn("meshd-ecp", lib.MESHD, [str(a) for a in args], str(tmp_path))
+    try:
+        r = meshctl(f"127.0.0.1:{p.port}", "--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(crt),
+                    "--tls-key", str(key), "health")
+        assert r.returncode == 0 and r.stdout == "SERVING\n", _show(r)
+    finally:
+        lib.stop(p)

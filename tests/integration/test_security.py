@@ -310,6 +310,30 @@ def test_bad_tls_flags_fail_at_startup_naming_the_file(tmp_path, pki):
     assert r.returncode == 2 and "cannot read '/nonexistent'" in r.stdout + r.stderr
 
 
+def test_a_key_that_is_not_the_certificates_fails_at_startup_naming_both(pki):
+    """A --tls-key (or --cluster-key, or meshctl's --tls-key) that belongs to another
+    certificate: gRPC refused the credentials when the port opened, and the operator read
+    "cannot listen on ADDR (address in use, or not a valid address)" (exit 1), or from
+    meshctl "nothing listens there" (exit 2). It is a bad flag: exit 2 (64 for meshctl)
+    naming both files."""
+    cases = (
+        (lib.MESHD, ["--listen", "127.0.0.1:0", "--tls-cert", pki / "server.pem",
+                     "--tls-key", pki / "client.key"], 2, ("server.pem", "client.key")),
+        (lib.MESHD, ["--listen", "127.0.0.1:0", "--cluster-ca", pki / "cluster-ca.pem",
+                     "--cluster-cert", pki / "cluster.pem", "--cluster-key", pki / "server.key",
+                     "--cluster-listen", "127.0.0.1:0"], 2, ("cluster.pem", "server.key")),
+        (lib.AGENT, ["--server", "127.0.0.1:1", "--listen", "127.0.0.1:0",
+                     "--cluster-ca", pki / "cluster-ca.pem", "--cluster-cert", pki / "cluster.pem",
+                     "--cluster-key", pki / "server.key"], 2, ("cluster.pem", "server.key")),
+        (lib.MESHCTL, ["--server", "127.0.0.1:1", "--tls-cert", pki / "client.pem",
+                       "--tls-key", pki / "server.key", "health"], 64, ("client.pem", "server.key")))
+    for binary, args, rc, files in cases:
+        r = lib.run(binary, [str(a) for a in args], timeout=20)
+        out = r.stdout + r.stderr
+        assert r.returncode == rc and "does not belong to the certificate" in out, (args, out[-600:])
+        assert all(f in out for f in files) and "address in use" not in out, (args, out[-600:])
+
+
 def _rss_mib(pid):
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -1517,6 +1517,44 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
   meshd_close(c);
 }
 
+/* A negative dim counts from the end, as Python's meshd.load takes it: the
+ * .npy file's (2, 3) split along dim -2 (its rows), raw bytes (6) along -1. */
+Test(c_client_load, a_negative_dim_counts_from_the_end) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load-negative-dim", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at1[] = {1};
+  meshd_ref_t m = 0, a = 0, b = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  char url[256];
+  snprintf(url, sizeof url, "file://%s/v.npy", load_dir);
+  meshd_load_options_t o = {.shard = "gpu", .dim = -2};
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &a), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, a, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  for (size_t i = 0; i < 3; i++)
+    cr_assert_float_eq(v.values[i], 3.0 + (double)i, 1e-9);
+  meshd_values_free(&v);
+  int64_t shape[] = {6};
+  meshd_load_options_t r = {.dtype = "float32", .shape = shape, .ndim = 1, .shard = "gpu",
+                            .dim = -1};
+  snprintf(url, sizeof url, "file://%s/v.bin", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, &r, &b), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_fetch(s, b, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  for (size_t i = 0; i < 3; i++)
+    cr_assert_float_eq(v.values[i], 3.0 + (double)i, 1e-9);
+  meshd_values_free(&v);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* A safetensors file from its spec: the header's length (8 bytes, little
  * endian), the header, the data. */
 static void write_safetensors(const char *name, const char *header, const uint8_t *data,
@@ -3101,6 +3139,88 @@ Test(c_client_write_fault, a_direct_upload_ends_on_its_first_failed_shard) {
       sleep_ms(200);
   } while (rc != MESHD_E_OK && now_ms() - t1 < 20000);
   cr_assert_eq(rc, MESHD_E_OK, "the session after: %s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* meshd.h promises that a failed meshd_session_fetch_bytes names the rank at
+ * fault. A proxied fetch of two parts whose rank-1 agent is wedged ended
+ * "Fetch: no answer within N ms", naming no part (the direct path names the
+ * rank and its agent). */
+Test(c_client_lease, a_proxied_fetch_that_times_out_names_its_part) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-proxy-part", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at0[] = {0}, at1[] = {1};
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);
+  pid_t pid = agent_pid(1);
+  cr_assert_gt(pid, 0);
+  stop_agent(pid);
+  float b0[4], b1[4];
+  meshd_fetch_part_t parts[2] = {{dims, at0, 1, b0, sizeof b0, 0}, {dims, at1, 1, b1, sizeof b1, 0}};
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.timeout_ms = 1000;
+  meshd_err_t rc = meshd_session_fetch_bytes(s, x, parts, 2, &o);
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(rc, MESHD_E_DEADLINE, "%s: %s", meshd_strerror(rc), meshd_last_error(c)->message);
+  const char *msg = meshd_last_error(c)->message;
+  cr_assert(strstr(msg, "gpu=1") || strstr(msg, "rank 1"), "names no part: %s", msg);
+  /* Part 0's agent runs: unless a loaded machine made it late too (then the
+   * message names it as well), its bytes came. */
+  if (!strstr(msg, "gpu=0"))
+    cr_assert_eq(parts[0].nbytes, sizeof b0, "part 0 (its agent runs) got %zu bytes",
+                 parts[0].nbytes);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+static void *resume_server_later(void *arg) {
+  sleep_ms(*(int *)arg);
+  kill(server_pid, SIGCONT);
+  return NULL;
+}
+
+/* An upload behind pipelined commands keeps one deadline, the client's
+ * timeout, for their answers and the transfer (as the Python client's upload
+ * and the Execute of a command behind a pipeline): here the answers come at
+ * 700 ms (the server was paused) and the Write to the stopped rank-1 agent
+ * then took a whole timeout of its own (1.7 s with a 1 s timeout). */
+Test(c_client_lease, an_upload_behind_a_pipeline_keeps_one_deadline) {
+  meshd_err_t e;
+  meshd_client_t *c = meshd_connect(target, 1000, &e);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
+  meshd_ref_t m = 0, x = 0, y = 0, t = 0;
+  meshd_session_t *s = direct_session_with_channels(c, &m);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
+  meshd_pipeline_options_t po = {.max_batch = 64, .max_delay_us = 1000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  pid_t pid = agent_pid(1);
+  cr_assert_gt(pid, 0);
+  stop_agent(pid);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
+  cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(kill(server_pid, SIGSTOP), 0);
+  int later = 700;
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, resume_server_later, &later), 0);
+  static uint8_t data[3000];
+  int64_t shape[] = {(int64_t)sizeof data};
+  int64_t t0 = now_ms();
+  meshd_err_t rc = meshd_session_upload(s, m, "uint8", shape, 1, data, sizeof data, &t);
+  int64_t took = now_ms() - t0;
+  pthread_join(th, NULL);
+  kill(pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(rc, MESHD_E_DEADLINE, "%s: %s", meshd_strerror(rc), meshd_last_error(c)->message);
+  cr_assert_lt(took, 1450, "the upload took %lld ms with a 1000 ms timeout (%s)", (long long)took,
+               meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);
 }

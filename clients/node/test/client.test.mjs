@@ -550,3 +550,24 @@ test('inspectUrl behind a stuck upload rejects within the session timeoutMs', as
     await s.close().catch(() => {});
   }
 });
+
+// close() on a server that stops answering is bounded by one timeoutMs, as the C and
+// Python clients' close (their CLOSE_LAST_TRY_MS): it took its turn with no deadline
+// (behind uploads that each used a whole timeoutMs from their own turn) and then gave
+// CloseSession a whole timeoutMs of its own: one timeout for each call before it, and one more.
+test('close() behind stuck uploads, on a server that never answers CloseSession, takes one timeoutMs', async () => {
+  const m = await fakeMeshd({
+    Upload: (call) => { call.on('data', () => {}); }, // never answers
+    CloseSession: () => {}, // never answers
+  });
+  const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 600 });
+  // two: the second's turn (and its timeoutMs) starts when the first's ends
+  const ups = [1, 2].map(() => s.upload(1, [1], new Float32Array([1])).catch((e) => e));
+  const t0 = Date.now();
+  const err = await s.close().then(() => null, (e) => e);
+  const took = Date.now() - t0;
+  await Promise.all(ups);
+  assert.ok(err instanceof MeshdError && err.kind === 'DEADLINE_EXCEEDED', String(err));
+  assert.ok(took < 1100, `close() with timeoutMs 600 settled after ${took} ms`); // 850 ms: 600, then CloseSession's 250
+  assert.ok(s.closed);
+});

@@ -142,6 +142,49 @@ test('load: a checkpoint refused at one tensor keeps none of the others', async 
   }
 });
 
+// review-99: what load() takes as Python's meshd.load does. A .npy file holds one
+// tensor without a name: name= is refused, not ignored (a typo'd name loaded the file's
+// tensor); a negative dim counts from the end; a many-tensor load refused at one tensor
+// names it.
+test('load: name= of a .npy file is refused, a negative dim counts from the end, a refused tensor is named', async () => {
+  const http = await import('node:http');
+  const head = Buffer.from(JSON.stringify({
+    a: { dtype: 'F32', shape: [2, 4], data_offsets: [0, 32] },
+    oddone: { dtype: 'F32', shape: [3, 4], data_offsets: [32, 80] } }));
+  const len = Buffer.alloc(8);
+  len.writeBigUInt64LE(BigInt(head.length));
+  const files = { '/x.npy': npyBuffer(), '/m.safetensors': Buffer.concat([len, head, Buffer.alloc(80)]) };
+  const srv = http.createServer((req, res) => {
+    const body = files[req.url.split('?')[0]];
+    if (!body) { res.writeHead(404, { 'Content-Length': 0 }); res.end(); return; }
+    const m = /bytes=(\d+)-(\d+)/.exec(req.headers.range ?? '');
+    const [a, b] = m ? [Number(m[1]), Math.min(Number(m[2]), body.length - 1)] : [0, body.length - 1];
+    res.writeHead(m ? 206 : 200, { 'Content-Length': b - a + 1, 'Accept-Ranges': 'bytes',
+      ...(m ? { 'Content-Range': `bytes ${a}-${b}/${body.length}` } : {}) });
+    res.end(req.method === 'HEAD' ? undefined : body.subarray(a, b + 1));
+  });
+  await new Promise((resolve) => srv.listen(0, '127.0.0.1', resolve));
+  const base = `http://127.0.0.1:${srv.address().port}`;
+  const s = await connect(addr, { clientName: 'node-load-args' });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    await assert.rejects(s.load(mesh, `${base}/x.npy`, { name: 'w' }), (err) =>
+      err.kind === 'BAD_ARGUMENT' && /\.npy/.test(err.message));
+    const t = await s.load(mesh, `${base}/x.npy`, { shard: 'gpu', dim: -1 });
+    assert.deepEqual(t.shape, [2, 2]);
+    assert.deepEqual([...await s.fetch(t, { gpu: 1 })], [2, 3, 6, 7]);
+    // raw bytes: the file's 160 bytes as float32 [2, 20], rows split (its last 8: the data)
+    const r = await s.load(mesh, `${base}/x.npy`, { dtype: 'DTYPE_FLOAT32', shape: [2, 20], shard: 'gpu', dim: -2 });
+    assert.deepEqual(r.shape, [1, 20]);
+    assert.deepEqual([...await s.fetch(r, { gpu: 1 })].slice(12), [0, 1, 2, 3, 4, 5, 6, 7]);
+    await assert.rejects(s.load(mesh, `${base}/m.safetensors`, { shard: 'gpu', dim: 0 }), (err) =>
+      err.kind === 'BAD_ARGUMENT' && /split evenly/.test(err.message) && /'oddone'/.test(err.message));
+  } finally {
+    await s.close();
+    srv.close();
+  }
+});
+
 test('an unknown op throws a MeshdError with kind UNKNOWN_OP', async () => {
   const s = await connect(addr, { clientName: 'node-test' });
   try {

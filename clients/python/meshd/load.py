@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import urllib.parse
+import warnings
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,10 @@ def _load_one(mesh, url, dtype, shape, offset, file_size, shard, dim, version=""
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
              "int16": 2, "int32": 4, "int64": 8, "bool": 1}
 POLL_INTERVAL = 0.25  # seconds between two LoadProgress calls of a watched load
+# LoadProgress answers that a later look may not give (the server's helpers all busy,
+# a slow answer): the poller looks again instead of stopping
+_POLL_AGAIN = ("QUOTA", "DEADLINE_EXCEEDED")
+_PROGRESS_REFS_MAX = 256  # refs in one LoadProgress, the most the server takes
 
 
 def _silent(unanswered):
@@ -131,21 +136,42 @@ def _watch(mesh, tensors, progress, desc):
         tr.close(ok=bool(tensors) and tr.active)
         return None
     s, pb = mesh.session, mesh.session._pb
-    req = pb.LoadProgressRequest(refs=[t.ref for t in tensors])
+    refs = [t.ref for t in tensors]  # in pieces: the server answers _PROGRESS_REFS_MAX a call
+    reqs = [pb.LoadProgressRequest(refs=refs[i:i + _PROGRESS_REFS_MAX])
+            for i in range(0, len(refs), _PROGRESS_REFS_MAX)]
+
+    def look():
+        loads, unanswered = [], []
+        for q in reqs:
+            r = s._unary("LoadProgress", q, pb.LoadProgressReply)
+            loads += r.loads
+            unanswered += r.unanswered
+        return loads, unanswered
 
     def poll():
         ok = False
         try:
             while not s.closed:
-                r = s._unary("LoadProgress", req, pb.LoadProgressReply)
-                if any(x.failed for x in r.loads):
+                try:
+                    loads, unanswered = look()
+                except MeshdError as e:
+                    if s.closed or e.kind in ("NO_SESSION", "UNKNOWN_REF", "DROPPED"):
+                        raise  # the session ended, or its tensors were dropped: nothing to show
+                    if e.kind not in _POLL_AGAIN:
+                        warnings.warn(f"meshd.load: the progress of the load stopped showing "
+                                      f"(the load goes on): {e}", RuntimeWarning, stacklevel=1)
+                        raise
+                    tr.note(f"no progress answer: {e.kind}")  # the server is busy: ask again
+                    threading.Event().wait(POLL_INTERVAL)
+                    continue
+                if any(x.failed for x in loads):
                     break
-                done = sum(x.done_bytes for x in r.loads)
+                done = sum(x.done_bytes for x in loads)
                 if done >= total:
                     ok = True
                     break
                 tr.set(done)
-                tr.note(_silent(r.unanswered))
+                tr.note(_silent(unanswered))
                 threading.Event().wait(POLL_INTERVAL)
         except (MeshdError, ValueError):  # ValueError: grpc's closed channel
             pass  # the session ended or the server went: the bar stops where it is
@@ -188,7 +214,14 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
         if name is not None:
             raise TypeError("meshd.load: name= picks a tensor of a safetensors file; raw bytes "
                             "(dtype= and shape=) have none")
-        t = _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, dim)
+        d = dim
+        if d < 0:  # from the end, as for .npy and safetensors files
+            nd = len(_shape(shape))
+            if shard is not None and d < -nd:
+                raise ValueError(f"meshd.load: shape {tuple(_shape(shape))} has no dim {dim} to "
+                                 "shard")
+            d += nd
+        t = _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, d)
         _watch(mesh, [t], progress, "load")
         return t
     info = inspect_url(url, mesh)
@@ -200,8 +233,14 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
             raise ValueError(f"meshd.load: {key or url!r} has shape {sh}: no dim {dim} to shard")
         if d < 0:
             d += len(sh)
-        return _load_one(mesh, url, dt, sh, off, info["file_size"], shard, d,
-                         info.get("version", ""))
+        try:
+            return _load_one(mesh, url, dt, sh, off, info["file_size"], shard, d,
+                             info.get("version", ""))
+        except MeshdError as e:  # which tensor of a many-tensor load was refused
+            if not key:
+                raise
+            raise MeshdError.of_kind(e.kind, f"tensor {key!r} of {_redact(url)}: {e.message}",
+                                     e.code, e.seq) from None
     if info["format"] == "safetensors_index":
         out = _load_index(mesh, url, info["files"], name, one)
     elif info["format"] == "npy":

@@ -746,3 +746,143 @@ def test_a_file_whose_etag_is_longer_than_a_version_loads(gpu4, http_base):
     t = meshd.load(url, shard="gpu", dim=1)
     for r in range(4):
         np.testing.assert_array_equal(fetch(t, gpu=r), a[:, 2 * r:2 * r + 2])
+
+
+# ------------------------------------------------------------------ review-99
+
+
+def test_progress_pollers_of_one_session_leave_room_for_other_sessions(http_base):
+    """A LoadProgress that asks a stopped agent holds a server helper for its 2 s
+    deadline. One session polling many loads at once (a poller per meshd.load) must
+    not make InspectUrl and LoadProgress answer QUOTA to every other session."""
+    np.save(os.path.join(FILES, "starve.npy"), np.arange(4, dtype=np.float32))
+    write("starve.bin", np.zeros(4, np.float32).tobytes())
+    addr, proc = start_meshd(2, name="meshd-starve", flags=("--url-allow=http://127.0.0.1",))
+    victim = _agent_of_rank(proc.pid, 1)
+    stop, threads = threading.Event(), []
+    try:
+        assert victim, "no rank-1 agent child"
+        with meshd.connect(addr) as a, meshd.connect(addr) as b:
+            ma, mb = a.mesh(gpu=2), b.mesh(gpu=2)
+            os.kill(victim, signal.SIGSTOP)  # the loads below never finish on rank 1
+            with ma.activate():
+                ta = meshd.load(f"{http_base}/starve.bin", dtype="float32", shape=(4,),
+                                progress=False)
+            with mb.activate():
+                tb = meshd.load(f"{http_base}/starve.bin", dtype="float32", shape=(4,),
+                                progress=False)
+            pb = a._pb
+
+            def poll():
+                while not stop.is_set():
+                    try:
+                        a._unary("LoadProgress", pb.LoadProgressRequest(refs=[ta.ref]),
+                                 pb.LoadProgressReply, timeout=10)
+                    except meshd.MeshdError:
+                        time.sleep(0.01)
+            threads = [threading.Thread(target=poll, daemon=True) for _ in range(40)]
+            for th in threads:
+                th.start()
+            time.sleep(0.5)  # every helper slot a's pollers can take is taken
+            info = meshd.inspect_url(f"{http_base}/starve.npy", mesh=mb)
+            assert info["format"] == "npy", info
+            r = b._unary("LoadProgress", pb.LoadProgressRequest(refs=[tb.ref]),
+                         pb.LoadProgressReply, timeout=10)
+            assert len(r.loads) == 1 and r.loads[0].ref == tb.ref, r
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=15)
+        if victim:
+            try:
+                os.kill(victim, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        stop_meshd(proc)
+
+
+def test_progress_goes_on_after_a_transient_error_of_one_poll(gpu4, http_base, monkeypatch):
+    """One LoadProgress answered QUOTA (the server's helpers busy) or DEADLINE_EXCEEDED:
+    the poller looks again, instead of stopping silently with the bar frozen."""
+    a = np.arange(1 << 18, dtype=np.float32)  # 1 MiB in 64 KiB pieces, 20 ms apart
+    write("transient.bin", a.tobytes())
+    s = gpu4
+    real, refused = s._unary, []
+
+    def flaky(method, *args, **kw):
+        if method == "LoadProgress" and len(refused) < 2:
+            refused.append(method)
+            raise meshd.MeshdError("QUOTA", "LoadProgress: this session has 8 progress calls "
+                                   "running, the most it runs at once; retry")
+        return real(method, *args, **kw)
+    monkeypatch.setattr(s, "_unary", flaky)
+    done = threading.Event()
+    t = meshd.load(f"{http_base}/trickle/transient.bin", dtype="float32", shape=(1 << 18,),
+                   progress=lambda d, total: d == total and done.set())
+    assert done.wait(20), "the progress poller stopped at a QUOTA answer"
+    assert len(refused) == 2
+    np.testing.assert_array_equal(fetch(t, gpu=2), a)
+
+
+def test_progress_poller_that_stops_on_an_error_says_so(gpu4, http_base, monkeypatch):
+    """A poll refused for good (not a closed session): the user is told why the
+    progress stopped, not left with a frozen bar."""
+    write("permanent.bin", np.zeros(1 << 18, np.float32).tobytes())
+    s = gpu4
+    real = s._unary
+
+    def broken(method, *args, **kw):
+        if method == "LoadProgress":
+            raise meshd.MeshdError("PERMISSION_DENIED", "LoadProgress: not for you")
+        return real(method, *args, **kw)
+    monkeypatch.setattr(s, "_unary", broken)
+    import warnings
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        meshd.load(f"{http_base}/trickle/permanent.bin", dtype="float32", shape=(1 << 18,),
+                   progress=lambda d, total: None)
+        deadline = time.monotonic() + 10
+        while not any("not for you" in str(w.message) for w in got):
+            assert time.monotonic() < deadline, [str(w.message) for w in got]
+            time.sleep(0.05)
+    s.sync()
+
+
+def test_a_refused_tensor_of_a_many_tensor_load_is_named(gpu4, http_base):
+    """A safetensors file loaded whole (a dict) whose second tensor does not split over
+    the mesh: the error names that tensor, not only its dim and size."""
+    write("named.safetensors", safetensors_bytes({"fine": np.zeros((4, 2), np.float32),
+                                                  "oddone": np.zeros((2, 3), np.float32)}))
+    with pytest.raises(meshd.MeshdError, match="split evenly") as ei:
+        meshd.load(f"{http_base}/named.safetensors", shard="gpu", dim=0)
+    assert "'oddone'" in ei.value.message, ei.value
+    still_works()
+
+
+def test_raw_bytes_take_a_negative_dim_like_files(gpu4, http_base):
+    """dim=-2 of a (8, 6) raw load is dim 0, as for a .npy file's (Python counts
+    from the end everywhere else)."""
+    a = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    write("rawneg.bin", a.tobytes())
+    t = meshd.load(f"{http_base}/rawneg.bin", dtype="float32", shape=(8, 6), shard="gpu", dim=-2)
+    assert t.shape == (2, 6), t.shape
+    np.testing.assert_array_equal(fetch(t, gpu=3), a[6:])
+
+
+def test_progress_of_a_checkpoint_of_more_than_256_tensors(gpu4, http_base):
+    """A checkpoint of 300 tensors (an LLM's has hundreds) loaded whole with progress:
+    the server answers at most 256 refs per LoadProgress, so the poller asks in
+    pieces; the callback ends at the total instead of the bar never moving."""
+    ts = {f"t{i:03d}": np.full(4, i, np.float32) for i in range(300)}
+    write("many.safetensors", safetensors_bytes(ts))
+    done, calls = threading.Event(), []
+
+    def cb(d, total):
+        calls.append((d, total))
+        if d == total:
+            done.set()
+    out = meshd.load(f"{http_base}/many.safetensors", progress=cb)
+    assert len(out) == 300
+    assert done.wait(30), calls[-3:]
+    assert calls[-1] == (300 * 16 * 4, 300 * 16 * 4), calls[-3:]
+    np.testing.assert_array_equal(fetch(out["t299"], gpu=3), ts["t299"])
