@@ -71,8 +71,9 @@ typedef struct xstream {
 struct xsession {
   session_state_t *state;
   xstream_t *streams;
-  int live_workers;
+  int live_workers; /* stream workers, and refusers (start_refuser_locked) */
   uint64_t end_seq; /* EndSession's seq; 0 while open */
+  bool ended;       /* EndSession, or the executor closed: the last live worker frees it */
   struct xsession *live_prev, *live_next; /* executor.live: not yet freed */
   UT_hash_handle hh;
 };
@@ -113,6 +114,7 @@ struct executor {
   size_t nwake;
   xstream_t *wake[WAKE_MAX];
   int workers; /* worker threads alive, parked ones too (mu) */
+  int refusers; /* refuser threads alive (mu; start_refuser_locked) */
   idle_worker_t *idle; /* parked workers (mu) */
   int nidle;
 };
@@ -123,6 +125,10 @@ struct executor {
 #define MAX_WORKERS 4096
 /* Workers kept parked at most, and how long one waits for a stream. */
 #define MAX_IDLE_WORKERS 16
+/* Refuser threads (start_refuser_locked) one executor runs at most; past
+ * it, an instruction that could not be queued fails without telling its
+ * peers, as before. */
+#define MAX_REFUSERS 64
 #define IDLE_WORKER_MS 10000
 
 /* ------------------------------------------------------------------ watermark */
@@ -618,6 +624,101 @@ fail:
   return NULL;
 }
 
+/* An instruction with a data plane call (a Reduce, a ToMesh broadcast or
+ * transfer) that could not be queued (no worker for its stream: MAX_WORKERS,
+ * or no memory or thread): its peers wait for this agent in that call. A
+ * thread of its own refuses it as its worker would have (run_refused: the
+ * peers are told why at once rather than at the comm timeout, its results
+ * fail here), counted as a live worker of the session so that the session
+ * outlives it; its seq is done when it returns. */
+typedef struct refuser {
+  executor_t *x;
+  xsession_t *s;
+  instr_t *ins; /* owned, or inside batch */
+  executor_batch_t *batch;
+  meshd_error_t why;
+} refuser_t;
+
+static void queue_failure_msg(char *buf, size_t len, uint64_t seq) {
+  snprintf(buf, len, "agent out of memory or threads queueing instruction seq %" PRIu64
+           " (it runs at most %d streams at once, over all sessions)", seq, MAX_WORKERS);
+}
+
+static bool has_data_plane_call(const instr_t *ins) {
+  switch (ins->body_case) {
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE:
+      return ins->reduce && ins->reduce->group && ins->reduce->group->n_ranks > 1;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST:
+      return ins->broadcast && ins->broadcast->group && ins->broadcast->group->n_ranks > 1;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND:
+      return ins->send && !ins->send->input != !ins->send->result;
+    default: return false;
+  }
+}
+
+static void *refuser_main(void *arg) {
+  refuser_t *r = arg;
+  executor_t *x = r->x;
+  xsession_t *s = r->s;
+  session_state_t *ss = s->state;
+  uint64_t seq = r->ins->seq;
+  pthread_setname_np(pthread_self(), "refuser");
+  run_failures_t failed;
+  failed.n = 0;
+  run_refused(&x->env, ss, r->ins, &r->why, true, &failed);
+  for (size_t i = 0; i < failed.n; i++)
+    report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref,
+                 r->ins->command_seq);
+  if (r->batch) executor_batch_release(r->batch);
+  else protobuf_c_message_free_unpacked(&r->ins->base, NULL);
+  free(r);
+  pthread_mutex_lock(&x->mu);
+  x->refusers--;
+  mark_done_locked(x, seq);
+  bool last = --s->live_workers == 0 && s->ended;
+  uint64_t end_seq = s->end_seq;
+  if (last) unlink_live_locked(x, s);
+  pthread_mutex_unlock(&x->mu);
+  if (last) {
+    session_free(s);
+    pthread_mutex_lock(&x->mu);
+    mark_done_locked(x, end_seq);
+    pthread_mutex_unlock(&x->mu);
+  }
+  executor_unref(x);
+  return NULL;
+}
+
+/* Hands ins (the caller's copy, or inside batch) to a refuser: true when one
+ * took it. Holds mu. */
+static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
+                                 executor_batch_t *batch) {
+  if (!ins || !has_data_plane_call(ins) || x->refusers >= MAX_REFUSERS) return false;
+  refuser_t *r = malloc(sizeof *r);
+  if (!r) return false;
+  char msg[160];
+  queue_failure_msg(msg, sizeof msg, ins->seq);
+  *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch};
+  error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
+  executor_ref(x);
+  if (batch) atomic_fetch_add(&batch->refs, 1);
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  pthread_t t;
+  int rc = pthread_create(&t, &attr, refuser_main, r);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) { /* neither count can drop to 0: the caller holds one of each */
+    atomic_fetch_sub(&x->refs, 1);
+    if (batch) atomic_fetch_sub(&batch->refs, 1);
+    free(r);
+    return false;
+  }
+  s->live_workers++;
+  x->refusers++;
+  return true;
+}
+
 /* ------------------------------------------------------------------ routing */
 
 /* Wakes the streams executor_submit_begin deferred. Holds mu. */
@@ -660,6 +761,7 @@ static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq
   HASH_DEL(x->sessions, s);
   atomic_fetch_sub(&open_sessions, 1);
   s->end_seq = seq;
+  s->ended = true;
   session_state_close(s->state); /* waits (a hung instruction) end; nothing reads it after */
   if (s->live_workers == 0) {
     unlink_live_locked(x, s);
@@ -713,7 +815,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     return -1;
   }
   x->last = ins->seq;
-  bool done_now = false, failed = false;
+  bool done_now = false, failed = false, refuse_later = false;
   xsession_t *to_free = NULL;
   const Meshd__Agent__V1__PeerLost *lost = NULL;
   switch (ins->body_case) {
@@ -744,6 +846,13 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       xsession_t *s = it ? session_get_locked(x, ins->session_id) : NULL;
       xstream_t *st = s && (!refused || why) ? stream_get_locked(x, s, ins->stream) : NULL;
       if (!st) {
+        /* Peers that wait for it in its data plane call are told, on a
+         * thread of its own (which reports it and completes the seq). */
+        if (s && !refused && start_refuser_locked(x, s, copy, batch)) {
+          copy = NULL;
+          refuse_later = true;
+          break;
+        }
         done_now = failed = true;
         break;
       }
@@ -763,9 +872,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   /* The failure goes in before the watermark passes the seq: a report that
    * says it ran says how it failed. */
   char failmsg[160] = "";
-  if (failed)
-    snprintf(failmsg, sizeof failmsg, "agent out of memory or threads queueing instruction seq %" PRIu64
-             " (it runs at most %d streams at once, over all sessions)", ins->seq, MAX_WORKERS);
+  if (failed) queue_failure_msg(failmsg, sizeof failmsg, ins->seq);
   if (done_now && refused) error_push_locked(x, refusal);
   else error_free(refusal);
   if (failed)
@@ -794,7 +901,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     mark_done_locked(x, ins->seq);
     pthread_mutex_unlock(&x->mu);
   }
-  return failed ? -1 : 0;
+  return failed || refuse_later ? -1 : 0;
 }
 
 int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins) {

@@ -70,7 +70,8 @@ int executor_wait_all_freed(int timeout_ms);
  * anything queued runs: the session's instructions that need the lost rank
  * then fail with AGENT_LOST without running, and the data plane's and the
  * backend's waits on that peer end at once. Returns 0, or -1 out of memory (the instruction is
- * then counted as done with a root failure reported). */
+ * then counted as done with a root failure reported; one with a data plane call once a thread
+ * of its own told its peers, as run_refused does). */
 int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
 /* The same without the copy: ins stays where it is, inside the message b
  * holds, which the last of its queued instructions frees when done. */

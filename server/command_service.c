@@ -12,6 +12,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "session_service.h"
+#include "workpool.h"
 
 /* A Sync waiting for agents (watermark.h): answered on its call when every
  * rank it touched ran everything issued before it, or failed with AGENT_LOST. */
@@ -43,6 +44,8 @@ typedef struct submit_state {
   struct flow_hold *flow_hold; /* what that wait holds */
   uint64_t last_seq;  /* the highest Command.seq read so far (reads are one at a time) */
   uint64_t msg_bytes; /* instruction bytes the Command.batch being run queued so far */
+  /* Under mu: the rest of a Command.batch, waiting for room (batch_run). */
+  struct batch_rest *rest;
   /* Answers to commands sent one per message, held until the reading thread
    * has nothing more to read (or HELD_FLUSH_* says): one SubmitReply for what
    * arrived back to back, as the agents get one batch. Under held_mu, which
@@ -57,6 +60,7 @@ struct command_service {
   flow_t *flow;
   metrics_registry_t *metrics; /* NULL: not counted */
   metrics_series_t *sync_hist; /* meshd_sync_duration_seconds */
+  workpool_t *jobs; /* runs the rest of a batch once there is room (batch_run) */
 };
 
 /* Sync waits for agents' work: buckets up to a minute. */
@@ -726,14 +730,19 @@ static void flow_hold_free(flow_hold_t *h) {
   free(h);
 }
 
+static bool batch_rest_start(struct batch_rest *r);
+
 static void flow_room(void *arg) {
   flow_hold_t *h = arg;
   if (h->stream) {
     pthread_mutex_lock(&h->stream->mu);
     h->stream->flow_wait = 0; /* the next command over the bound waits anew */
     h->stream->flow_hold = NULL;
+    struct batch_rest *rest = h->stream->rest;
+    h->stream->rest = NULL;
     pthread_mutex_unlock(&h->stream->mu);
-    rpc_call_resume_reads(h->call);
+    /* The rest of a batch first: its job resumes the reads once it ran. */
+    if (!rest || !batch_rest_start(rest)) rpc_call_resume_reads(h->call);
   } else {
     rpc_call_release_sends(h->call);
   }
@@ -983,6 +992,122 @@ static void submit_command(submit_state_t *st, rpc_call_t *call, const Meshd__V1
   run_one(st->cs, st->session, call, true, cmd, st, batch);
 }
 
+/* The rest of a Command.batch that made its stream wait for room: run by a
+ * job once the wait fires, as the next message would have been read. */
+typedef struct batch_rest {
+  submit_state_t *st; /* referenced */
+  rpc_call_t *call;   /* referenced */
+  session_t *session; /* referenced (the stream's goes at its call's end) */
+  rpc_kept_t *kept;   /* the message its commands live in */
+  const Meshd__V1__Command *cmd;
+  size_t next; /* the first command not run */
+} batch_rest_t;
+
+static void batch_rest_free(batch_rest_t *r) {
+  rpc_kept_free(r->kept);
+  rpc_call_unref(r->call);
+  session_release(r->session);
+  submit_unref(r->st);
+  free(r);
+}
+
+/* Makes the stream wait for room if its session (or the server) is over its
+ * flow bound: as run_one does for a command that filled the window. */
+static void stream_wait_room(submit_state_t *st, rpc_call_t *call) {
+  session_t *s = st->session;
+  pthread_mutex_lock(&s->mu);
+  objects_t *o = s->objects;
+  if (o && o->flow && !atomic_load(&s->closed)) hold_call(s, o, call, st);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* Runs the batch's commands from i on, each as if it came alone. Flow control
+ * holds a stream between its messages, and a batch is read whole (a session
+ * may run over its bounds by one batch) up to 4x the session's byte bound of
+ * instructions (a Reduce's grow with its group's ranks squared). Past that
+ * the part run so far goes to the agents and its answers to the client, and
+ * the rest waits for room as a next message would: in st->rest, until
+ * flow_room hands it to a job (batch_rest_start), which takes it the same
+ * way. Returns true when the rest waits: it then owns *kept, the message
+ * (kept from on_message if *kept was NULL). */
+static bool batch_run(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd,
+                      size_t i, rpc_kept_t **kept) {
+  uint64_t cap = batch_bytes_cap(st->cs);
+  for (;;) {
+    meshd_error_t e = {0};
+    reply_batch_t b = {.call = call};
+    st->msg_bytes = 0;
+    agent_link_cork(); /* the part's instructions go to each agent as one batch */
+    command_batch_begin();
+    for (; i < cmd->n_batch && !(cap && st->msg_bytes >= cap); i++) {
+      const Meshd__V1__Command *c = cmd->batch[i];
+      if (c->n_batch) {
+        error_set(&e, ERR_BAD_ARGUMENT, "Submit: command seq %llu of a batch is a batch itself; "
+                  "batches do not nest", (unsigned long long)c->seq);
+        answer_error(call, true, &b, c->seq, &e);
+        continue;
+      }
+      submit_command(st, call, c, &b);
+    }
+    command_batch_end();
+    agent_link_uncork(); /* before the rest can run on another thread */
+    batch_flush(&b);
+    free(b.buf);
+    if (i == cmd->n_batch) return false;
+    stream_wait_room(st, call);
+    batch_rest_t *r = malloc(sizeof *r);
+    if (r && !*kept && !(*kept = rpc_call_keep_message(call))) {
+      free(r);
+      r = NULL;
+    }
+    if (!r) continue; /* out of memory, or no message to keep: the rest runs now */
+    *r = (batch_rest_t){.st = st, .call = call, .session = st->session, .kept = *kept,
+                        .cmd = cmd, .next = i};
+    rpc_call_ref(call);
+    session_ref(st->session);
+    pthread_mutex_lock(&st->mu);
+    bool waits = st->flow_wait != 0; /* 0: room already (or no window) */
+    if (waits) {
+      st->rest = r;
+      st->refs++;
+    }
+    pthread_mutex_unlock(&st->mu);
+    if (waits) return true;
+    rpc_call_unref(call);
+    session_release(st->session);
+    free(r);
+  }
+}
+
+static void batch_resume(void *arg) {
+  batch_rest_t *r = arg;
+  /* A client gone meanwhile: nothing to run for it. */
+  if (!rpc_call_ended(r->call) && batch_run(r->st, r->call, r->cmd, r->next, &r->kept))
+    r->kept = NULL; /* the rest of the rest waits again */
+  rpc_call_resume_reads(r->call); /* the pause of the wait that ran it */
+  batch_rest_free(r);
+}
+
+/* From flow_room, on whichever thread made room (maybe under the session's
+ * lock): the rest runs on a job. false: it could not (its commands are
+ * refused), the caller resumes the reads. */
+static bool batch_rest_start(batch_rest_t *r) {
+  if (workpool_run(r->st->cs->jobs, batch_resume, r) == 0) return true;
+  meshd_error_t e;
+  reply_batch_t b = {.call = r->call};
+  for (size_t i = r->next; i < r->cmd->n_batch; i++) {
+    const Meshd__V1__Command *c = r->cmd->batch[i];
+    error_set(&e, ERR_QUOTA, "%s: the server could not start a thread to run the rest of its "
+              "Submit message; send it again", command_name(c));
+    answer_error(r->call, true, &b, c->seq, &e);
+    if (c->seq) r->st->last_seq = c->seq > r->st->last_seq ? c->seq : r->st->last_seq;
+  }
+  batch_flush(&b);
+  free(b.buf);
+  batch_rest_free(r);
+  return false;
+}
+
 /* Command.batch: each command as if it came alone, the answers in one reply. */
 static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Command *cmd) {
   meshd_error_t e = {0};
@@ -997,37 +1122,8 @@ static void submit_batch(submit_state_t *st, rpc_call_t *call, const Meshd__V1__
     send_error(call, true, cmd->seq, &e);
     return;
   }
-  reply_batch_t b = {.call = call};
-  uint64_t cap = batch_bytes_cap(st->cs);
-  st->msg_bytes = 0;
-  agent_link_cork(); /* the batch's instructions go to each agent as one batch */
-  command_batch_begin();
-  for (size_t i = 0; i < cmd->n_batch; i++) {
-    const Meshd__V1__Command *c = cmd->batch[i];
-    if (cap && st->msg_bytes >= cap) {
-      /* Flow control holds a stream only between its messages: past this,
-       * one message would queue the agents unbounded memory (a Reduce's
-       * instructions grow with its group's ranks squared). */
-      error_set(&e, ERR_QUOTA, "%s: the commands before it in this Submit message queued %llu "
-                "bytes of instructions for the agents, the most one message may (4x the "
-                "session's flow bound, --session-max-queued-bytes); send it in a later message",
-                command_name(c), (unsigned long long)st->msg_bytes);
-      answer_error(call, true, &b, c->seq, &e);
-      if (c->seq) st->last_seq = c->seq > st->last_seq ? c->seq : st->last_seq;
-      continue;
-    }
-    if (c->n_batch) {
-      error_set(&e, ERR_BAD_ARGUMENT, "Submit: command seq %llu of a batch is a batch itself; "
-                "batches do not nest", (unsigned long long)c->seq);
-      answer_error(call, true, &b, c->seq, &e);
-      continue;
-    }
-    submit_command(st, call, c, &b);
-  }
-  command_batch_end();
-  agent_link_uncork();
-  batch_flush(&b);
-  free(b.buf);
+  rpc_kept_t *kept = NULL;
+  if (!batch_run(st, call, cmd, 0, &kept) && kept) rpc_kept_free(kept);
 }
 
 static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
@@ -1037,8 +1133,11 @@ static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
   pthread_mutex_lock(&st->mu);
   uint64_t flow_id = st->flow_wait;
   struct flow_hold *hold = st->flow_hold;
+  batch_rest_t *rest = st->rest; /* the rest of a batch: nobody to run it for */
+  st->rest = NULL;
   pthread_mutex_unlock(&st->mu);
   if (flow_id && flow_cancel(st->cs->flow, flow_id)) flow_hold_free(hold);
+  if (rest) batch_rest_free(rest);
   /* Syncs still waiting for a client that is gone: withdrawn (a firing one
    * finishes on its own), so they hold neither the call nor the session. */
   watermark_t *w = agent_pool_watermark(st->cs->fe.pool);
@@ -1088,10 +1187,14 @@ command_service_t *command_service_create(agent_pool_t *pool, session_table_t *s
   cs->fe.pool = pool;
   cs->sessions = sessions;
   cs->flow = flow_create(limits ? limits : &(flow_limits_t){0});
-  if (!cs->flow) {
+  cs->jobs = workpool_create("submit-rest", 2, 10000);
+  if (!cs->flow || !cs->jobs) {
+    flow_destroy(cs->flow);
+    workpool_destroy(cs->jobs);
     free(cs);
     return NULL;
   }
+  cs->fe.max_command_bytes = batch_bytes_cap(cs);
   return cs;
 }
 
@@ -1133,6 +1236,7 @@ const rpc_method_t *command_service_methods(size_t *n) {
 
 void command_service_destroy(command_service_t *cs) {
   if (!cs) return;
+  workpool_destroy(cs->jobs); /* a batch's rest still running ends first */
   flow_destroy(cs->flow);
   free(cs);
 }

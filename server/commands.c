@@ -1026,6 +1026,18 @@ static int cmd_reduce(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V
   const mesh_t *home = target ? target : mesh; /* where the result lives */
   if (command_check_mesh_alive(fe->pool, mesh, cmd, e)) return -1;
   if (!r->inplace && !outt && check_room(fe, s, o, home, cmd, meta_nbytes(&rm), e)) return -1;
+  /* Its instructions grow with the group's ranks squared: one too big to
+   * queue even alone is refused (a Submit message waits for room past it). */
+  uint64_t bytes = emit_reduce_bytes_min(fe, mesh, group, fe->max_command_bytes);
+  if (bytes > fe->max_command_bytes)
+    return error_set(e, ERR_QUOTA,
+                     "Reduce: over mesh %llu %s in groups of %lld ranks, this one command would "
+                     "queue at least %llu bytes of instructions for the agents (every rank's lists "
+                     "its group), more than one command or Submit message may (%llu: 4x the "
+                     "session's flow bound, --session-max-queued-bytes); reduce over fewer "
+                     "ranks, or raise the bound", (unsigned long long)mesh->ref, mesh_dims,
+                     (long long)group, (unsigned long long)bytes,
+                     (unsigned long long)fe->max_command_bytes);
 
   obj_t *res;
   if (r->inplace) res = in;

@@ -284,6 +284,26 @@ static uint64_t to_mesh_comm_id(const session_t *s, uint64_t losses, uint64_t in
   return comm_id_of(s, parts, 4);
 }
 
+uint64_t emit_reduce_bytes_min(frontend_t *fe, const mesh_t *mesh, int64_t group, uint64_t cap) {
+  uint64_t n = (uint64_t)mesh_len(mesh), g = (uint64_t)group;
+  /* Per member at most its rank, address and pair secret with their tags. */
+  if (!cap || n * g < cap / (EMIT_ADDR_MAX + EMIT_SECRET_LEN + 16)) return 0;
+  size_t nr;
+  uint32_t *ranks = ranks_of(mesh, &nr);
+  if (!ranks || !nr) {
+    free(ranks);
+    return 0;
+  }
+  /* Per member at least: its rank (one byte of a packed field), its data
+   * address (a string: tag, length, bytes; all alike), its pair secret. */
+  char addr[EMIT_ADDR_MAX];
+  uint64_t member = 3 + strlen(agent_pool_data_address(fe->pool, ranks[0], addr, sizeof addr));
+  if (g > 1 && agent_pool_data_plane(fe->pool, ranks, nr) >= EMIT_DATA_PLANE_PAIRS)
+    member += EMIT_SECRET_LEN;
+  free(ranks);
+  return n * g * member;
+}
+
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                  const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,
                  const obj_t *res, const int *dims, int ndims) {

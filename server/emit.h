@@ -25,6 +25,10 @@ void emit_factory(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh
 void emit_call(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                const Meshd__V1__Call *call, obj_t *const *inputs, size_t ninputs,
                obj_t *const *results, size_t nresults, const op_infer_t *inf);
+/* A lower bound on the instruction bytes a Reduce over groups of `group`
+ * ranks of the mesh sends, over all its ranks: every rank's instruction lists
+ * its group's members. 0 when below `cap` by any count (no work done then). */
+uint64_t emit_reduce_bytes_min(frontend_t *fe, const mesh_t *mesh, int64_t group, uint64_t cap);
 /* target: the sub-mesh that keeps the result (Reduce.mesh), or NULL. */
 void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
                  const mesh_t *target, const Meshd__V1__Reduce *r, const obj_t *in,

@@ -9,6 +9,9 @@
 typedef struct frontend {
   agent_pool_t *pool; /* outlives the front end */
   const url_policy_t *urls; /* what Load may fetch (NULL: no loads); outlives it */
+  /* The instruction bytes one command may queue: what one Submit message may
+   * queue before it waits for room (command_service.c); 0: no bound. */
+  uint64_t max_command_bytes;
 } frontend_t;
 
 #endif

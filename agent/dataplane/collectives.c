@@ -36,6 +36,20 @@ static int check_group(dataplane_t *dp, const char *what, const dp_group_t *g, s
   return 0;
 }
 
+/* This member has no memory for a buffer of its own in call g->call, which
+ * its peers run: it refuses the call (dp_refuse), so that they fail at once
+ * naming it and why, instead of waiting out timeout_ms for it and then
+ * blaming a connection. -1 with err (QUOTA). */
+static int out_of_memory(dataplane_t *dp, const char *what, const dp_group_t *g, size_t bytes,
+                         meshd_error_t *err) {
+  meshd_error_t e = {0};
+  error_set(&e, ERR_QUOTA, "%s on comm %llu: out of memory for %zu bytes of its buffers on rank %u",
+            what, (unsigned long long)g->comm_id, bytes, (unsigned)atomic_load(&dp->rank));
+  if (g->n > 1) dp_refuse(dp, g, DP_REFUSE_GROUP, 1, e.msg, NULL);
+  if (err) *err = e;
+  return -1;
+}
+
 static int check_op(const char *what, reduction_t op, dtype_t dtype, meshd_error_t *err) {
   if (dp_reduce_check(op, dtype, err) == 0) return 0;
   if (err) error_prefix(err, what, ": ");
@@ -58,20 +72,19 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
   size_t steps = (rs ? n - 1 : 0) + (ag ? n - 1 : 0);
   plan_t p;
   uint8_t *scratch = NULL;
-  size_t *off = NULL;
-  int rc = dp__plan_init(&p, dp, what, g, dtype, op, 2, 2 * steps, err);
-  if (rc != 0) goto out;
-  if (!(off = malloc((n + 1) * sizeof *off))) {
-    rc = error_set(err, ERR_QUOTA, "%s: out of memory", what);
-    goto out;
-  }
+  /* Its own buffers first: a member without them refuses the call before it
+   * joins it, telling its peers (out_of_memory). */
+  size_t *off = malloc((n + 1) * sizeof *off);
+  if (!off) return out_of_memory(dp, what, g, (n + 1) * sizeof *off, err);
   size_t maxseg = 0;
   for (size_t i = 0; i <= n; i++) off[i] = i * (total / n) + i * (total % n) / n;
   for (size_t i = 0; i < n; i++) maxseg = off[i + 1] - off[i] > maxseg ? off[i + 1] - off[i] : maxseg;
   if (rs && !(scratch = dp__scratch_get(dp, maxseg > 0 ? maxseg * esz : 1))) {
-    rc = error_set(err, ERR_QUOTA, "%s: out of memory", what);
-    goto out;
+    free(off);
+    return out_of_memory(dp, what, g, maxseg * esz, err);
   }
+  int rc = dp__plan_init(&p, dp, what, g, dtype, op, 2, 2 * steps, err);
+  if (rc != 0) goto out;
   size_t next = (me + 1) % n, prev = (me + n - 1) % n;
   msg_t *sm = p.msgs, *rm = p.msgs + steps;
   for (size_t k = 0; k < steps; k++) {
@@ -187,7 +200,7 @@ static int reduce_over(dataplane_t *dp, const char *what, const dp_group_t *g, c
   int rc;
   if (ring_total * dtype_size(dtype) > DP_DIRECT_MAX && ring_total >= n) {
     uint8_t *work = all ? out : malloc(n * bytes);
-    if (!work) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+    if (!work) return out_of_memory(dp, what, g, n * bytes, err);
     if (!all) memcpy(work, in, n * bytes);
     rc = ring(dp, what, g, work, ring_total, dtype, op, true, all, err);
     if (rc == 0 && !all) memcpy(out, work + me * bytes, bytes);
@@ -195,7 +208,7 @@ static int reduce_over(dataplane_t *dp, const char *what, const dp_group_t *g, c
     return rc;
   }
   uint8_t *slots = malloc(n * bytes);
-  if (!slots) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  if (!slots) return out_of_memory(dp, what, g, n * bytes, err);
   memcpy(slots + me * bytes, in + me * in_stride, bytes);
   rc = direct(dp, what, g, dtype, in, in_stride, slots, bytes, err);
   if (rc == 0) reduce_slots(op, dtype, out, slots, n, count);
@@ -283,7 +296,7 @@ int dp_reduce_root(dataplane_t *dp, const dp_group_t *g, size_t root, void *buf,
   size_t n = g->n, esz = dtype_size(dtype), bytes = count * esz;
   size_t *off = malloc((n + 1) * sizeof *off);
   uint8_t *slots = NULL;
-  if (!off) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  if (!off) return out_of_memory(dp, what, g, (n + 1) * sizeof *off, err);
   if (dp__call_enter(dp, what, err) != 0) {
     free(off);
     return -1;
@@ -297,7 +310,7 @@ int dp_reduce_root(dataplane_t *dp, const dp_group_t *g, size_t root, void *buf,
   } else {
     for (size_t i = 0; i <= n; i++) off[i] = i * count;
     if (g->me == root && !(slots = malloc(n * bytes))) {
-      rc = error_set(err, ERR_QUOTA, "%s: out of memory", what);
+      rc = out_of_memory(dp, what, g, n * bytes, err);
     } else {
       if (slots) memcpy(slots + root * bytes, b, bytes);
       rc = to_root(dp, what, g, root, dtype, b, slots, off, err);
@@ -323,7 +336,7 @@ int dp_gather_root(dataplane_t *dp, const dp_group_t *g, size_t root, const void
   if (g->me == root) memmove((uint8_t *)out + root * bytes, in, bytes);
   if (n == 1) return 0;
   size_t *off = malloc((n + 1) * sizeof *off);
-  if (!off) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  if (!off) return out_of_memory(dp, what, g, (n + 1) * sizeof *off, err);
   for (size_t i = 0; i <= n; i++) off[i] = i * count;
   int rc = dp__call_enter(dp, what, err);
   if (rc == 0) {

@@ -942,6 +942,71 @@ Test(dataplane, a_refused_send_or_recv_fails_its_peer_at_once, .timeout = 60) {
   for (int c = 0; c < 8; c++) refusal_p2p_case(c & 1, c & 2, c & 4);
 }
 
+/* A member that runs out of memory for a buffer of its own inside a
+ * collective (reduce_scatter's working copy, a ring's scratch segment), after
+ * the agent joined the call: its peers fail at once with its reason, not
+ * after the comm timeout with "did not connect". The allocation is made to
+ * fail by that member's count alone (no address space holds it); nothing of
+ * its buffers is touched before the allocation. */
+#if defined(__SANITIZE_ADDRESS__)
+/* oom_case's allocation: NULL from the sanitizer's allocator too, not a
+ * report that ends the suite. */
+const char *__asan_default_options(void);
+__attribute__((visibility("default"))) const char *__asan_default_options(void) {
+  return "allocator_may_return_null=1";
+}
+#endif
+
+static void oom_case(kind_t k, size_t count, size_t oom) {
+  world_t w;
+  world_start(&w, 3, 10000);
+  const uint64_t comm = 41;
+  job_t jobs[MAXN];
+  char ctx[120], who[32];
+  snprintf(ctx, sizeof ctx, "kind=%d count=%zu member %zu out of memory", (int)k, count, oom);
+  snprintf(who, sizeof who, "rank %u", w.ranks[oom]);
+  for (size_t r = 0; r < w.n; r++) {
+    kind_job(&jobs[r], &w, r, k, comm, 2, count);
+    jobs[r].flag = true;
+    jobs[r].root = 0;
+  }
+  jobs[oom].count = (size_t)1 << 48; /* 1 PiB of floats: no malloc gets that */
+  jobs[oom].delay_ms = 100;          /* its peers are waiting for it */
+  run_jobs(jobs, w.n);
+  cr_assert_eq(jobs[oom].rc, -1, "%s: the call succeeded", ctx);
+  cr_assert(strstr(jobs[oom].err.msg, "out of memory"), "%s: %s", ctx, jobs[oom].err.msg);
+  /* As after a refusal (told): a peer may instead see a link closed by
+   * another peer that failed mid-frame; one at least names the cause. */
+  size_t named = 0;
+  for (size_t r = 0; r < w.n; r++) {
+    if (r == oom) continue;
+    cr_assert_eq(jobs[r].rc, -1, "%s: member %zu succeeded", ctx, r);
+    cr_assert(jobs[r].took_ms < 3000, "%s: member %zu failed after %lld ms: %s", ctx, r,
+              (long long)jobs[r].took_ms, jobs[r].err.msg);
+    bool says = strstr(jobs[r].err.msg, who) && strstr(jobs[r].err.msg, "out of memory");
+    cr_assert(says || strstr(jobs[r].err.msg, "closed the connection"),
+              "%s: member %zu's error does not say that %s ran out of memory: %s", ctx, r, who,
+              jobs[r].err.msg);
+    named += says;
+  }
+  cr_assert_geq(named, 1, "%s: no peer learned that %s ran out of memory", ctx, who);
+  free_jobs(jobs, w.n);
+  /* The next call with everyone delivers. */
+  for (size_t r = 0; r < w.n; r++) kind_job(&jobs[r], &w, r, k, comm, 4, count);
+  run_jobs(jobs, w.n);
+  for (size_t r = 0; r < w.n; r++)
+    cr_assert_eq(jobs[r].rc, 0, "%s: call 4, member %zu: %s", ctx, r, jobs[r].err.msg);
+  free_jobs(jobs, w.n);
+  world_stop(&w);
+}
+
+Test(dataplane, a_member_out_of_memory_inside_a_collective_fails_its_peers_at_once,
+     .timeout = 120) {
+  oom_case(K_RS, 20000, 1);                      /* the ring's working copy */
+  oom_case(K_ALLREDUCE, BIG_BYTES / 4, 2);       /* the ring's scratch */
+  oom_case(K_REDUCE_ROOT, BIG_BYTES / 4, 1);     /* the same, rooted */
+}
+
 /* A member waiting in NCCL (cuda:N) watches the data plane for a refusal of
  * its call (dp_watch): member 2 refuses calls 8..11 while members 0 and 1
  * watch call 8 (with pair secrets); both watches fire within a second with
@@ -2921,4 +2986,68 @@ Test(dataplane, a_member_lost_amid_late_members_fails_only_what_waits_on_it, .ti
 Test(dataplane, a_member_lost_amid_late_members_fails_only_what_waits_on_it_tcp, .timeout = 60) {
   soak_case((soak_opts_t){.n = 4, .chaos = 40, .timeout_ms = 200, .late_pct = 10, .lose = true,
                           .tcp = true, .max_links = 4});
+}
+
+/* ------------------------------------------------------------ many members */
+
+#define MANY 80
+
+typedef struct many_job {
+  dataplane_t *dp;
+  const uint32_t *ranks;
+  const char *const *addrs;
+  size_t me;
+  int delay_ms;
+  float in, *out;
+  int rc;
+  meshd_error_t err;
+} many_job_t;
+
+static void *many_main(void *arg) {
+  many_job_t *j = arg;
+  dp_group_t g = {.comm_id = 90, .call = 2, .ranks = j->ranks, .addrs = j->addrs, .n = MANY,
+                  .me = j->me, .secret = SECRET};
+  if (j->delay_ms > 0) usleep((useconds_t)j->delay_ms * 1000);
+  j->rc = dp_gather_root(j->dp, &g, 0, &j->in, j->out, 1, DTYPE_FLOAT32, &j->err);
+  return NULL;
+}
+
+/* More members than the listener holds unproven connections (64) all dial
+ * member 0 for a gather while it is late: their hellos wait for its call
+ * (parked), the oldest are closed as too many, and their dialers dial again.
+ * Once member 0 joins, every member gets in: the gather delivers, with no
+ * member failed. */
+Test(dataplane, more_than_64_members_dialing_a_late_member_all_get_in, .timeout = 120) {
+  static dataplane_t *dps[MANY];
+  static uint32_t ranks[MANY];
+  static char abuf[MANY][64];
+  static const char *addrs[MANY];
+  static many_job_t jobs[MANY];
+  static float out[MANY];
+  for (size_t i = 0; i < MANY; i++) {
+    meshd_error_t e = {0};
+    ranks[i] = 100 + (uint32_t)i;
+    dps[i] = dataplane_start("127.0.0.1", ranks[i], 10000, &e);
+    cr_assert(dps[i], "%s", e.msg);
+    snprintf(abuf[i], sizeof abuf[i], "127.0.0.1:%d", dataplane_port(dps[i]));
+    addrs[i] = abuf[i];
+  }
+  pthread_t th[MANY];
+  int64_t t0 = now_ms();
+  for (size_t i = 0; i < MANY; i++) {
+    jobs[i] = (many_job_t){.dp = dps[i], .ranks = ranks, .addrs = addrs, .me = i,
+                           .delay_ms = i == 0 ? 1500 : 0, .in = (float)i, .out = out};
+    pthread_create(&th[i], NULL, many_main, &jobs[i]);
+  }
+  for (size_t i = 0; i < MANY; i++) pthread_join(th[i], NULL);
+  int64_t took = now_ms() - t0;
+  uint64_t crowded = dataplane_rejected(dps[0], DP_REJECT_TOO_MANY_PENDING);
+  fprintf(stderr, "many members: %lld ms, %llu closed as too_many_pending\n", (long long)took,
+          (unsigned long long)crowded);
+  for (size_t i = 0; i < MANY; i++)
+    cr_assert_eq(jobs[i].rc, 0, "member %zu: %s (after %lld ms, %llu closed as too many)", i,
+                 jobs[i].err.msg, (long long)took, (unsigned long long)crowded);
+  for (size_t i = 0; i < MANY; i++) cr_assert_eq(out[i], (float)i, "slot %zu", i);
+  cr_assert(took < 5000, "took %lld ms", (long long)took);
+  for (size_t i = 0; i < MANY; i++) dataplane_stop(dps[i]);
 }

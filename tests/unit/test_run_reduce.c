@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "executor.h"
@@ -347,4 +348,109 @@ Test(run_reduce, the_hello_old_fault_is_the_registrations_alone) {
   cr_assert_eq(fault_hit(&f, "plan", -1, &ms), FAULT_SLOW);
   cr_assert_eq(ms, 20);
   cr_assert_eq(fault_hit(&f, "plan", -1, &ms), FAULT_NONE);
+}
+
+/* A peer's side of a Reduce's allreduce (call 3 of comm 9: data plane call
+ * 12), on its own data plane. */
+typedef struct {
+  dataplane_t *dp;
+  const char *const *addrs;
+  const uint8_t *secret;
+  int rc;
+  meshd_error_t err;
+  int64_t took_ms;
+} peer_job_t;
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void *peer_allreduce(void *arg) {
+  peer_job_t *j = arg;
+  static const uint32_t ranks[2] = {0, 1};
+  dp_group_t g = {.comm_id = 9, .call = 3 * 4, .ranks = ranks, .addrs = j->addrs, .n = 2, .me = 1,
+                  .secret = j->secret};
+  float v[4] = {1, 1, 1, 1};
+  int64_t t0 = mono_ms();
+  j->rc = dp_allreduce(j->dp, &g, v, 4, DTYPE_FLOAT32, RED_SUM, &j->err);
+  j->took_ms = mono_ms() - t0;
+  return NULL;
+}
+
+/* An agent that already runs as many stream workers as it may (4096, over
+ * all sessions) cannot queue a Reduce on a new stream: its peer, waiting for
+ * it in the allreduce, fails at once with that reason, not after the comm
+ * timeout with "did not connect". */
+Test(run_reduce, a_reduce_the_agent_cannot_queue_fails_its_peers_at_once, .timeout = 180) {
+  agent_t a;
+  open_agent(&a, "cpu");
+  meshd_error_t e = {0};
+  a.b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
+  cr_assert_not_null(a.b.net, "%s", e.msg);
+  dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
+  cr_assert_not_null(peer, "%s", e.msg);
+  char me[64], other[64];
+  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(a.b.net));
+  snprintf(other, sizeof other, "127.0.0.1:%d", dataplane_port(peer));
+  a.env.data_address = me;
+  /* Every worker the agent may start, each on its own stream. */
+  const uint64_t workers = 4096;
+  int64_t one[1] = {1};
+  for (uint64_t i = 1; i <= workers; i++) {
+    factory_instr_t b;
+    instr_t *ins = factory_instr(&b, "ones", i, 1, DTYPE_FLOAT32);
+    ins->seq = i;
+    ins->session_id = (char *)SESSION;
+    ins->stream = i;
+    cr_assert_eq(executor_submit(a.x, ins), 0, "stream %llu", (unsigned long long)i);
+  }
+  cr_assert_eq(executor_wait(a.x, workers, 60000), 0);
+  static const uint8_t secret[32] = "0123456789abcdef0123456789abcde";
+  const char *addrs[2] = {me, other};
+  peer_job_t pj = {.dp = peer, .addrs = addrs, .secret = secret};
+  pthread_t th;
+  pthread_create(&th, NULL, peer_allreduce, &pj);
+  usleep(100 * 1000); /* the peer waits for it */
+  static uint32_t ranks[2] = {0, 1};
+  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
+  r.ref = 9001;
+  r.input = 1;
+  r.reduction = "sum";
+  Meshd__Agent__V1__TensorSpec is = spec(1, one, DTYPE_FLOAT32), rs = spec(9001, one, DTYPE_FLOAT32);
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.n_ranks = g.n_addresses = 2;
+  g.ranks = ranks;
+  g.addresses = (char **)addrs;
+  g.comm_id = 9;
+  g.call = 3;
+  g.secret.len = 32;
+  g.secret.data = (uint8_t *)secret;
+  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
+  ro.reduce = &r;
+  ro.input = &is;
+  ro.result = &rs;
+  ro.group = &g;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  ins.reduce = &ro;
+  ins.seq = workers + 1;
+  ins.session_id = (char *)SESSION;
+  ins.stream = workers + 1;
+  executor_submit(a.x, &ins); /* -1 or 0: either way it is not run */
+  pthread_join(th, NULL);
+  const char *m = wait_error(&a, workers + 1, workers + 1);
+  cr_assert_not_null(m, "no error reported for the Reduce");
+  cr_assert(strstr(m, "streams"), "the agent's error: %s", m);
+  cr_assert_eq(pj.rc, -1, "the peer's allreduce succeeded");
+  cr_assert(pj.took_ms < 3000, "the peer failed after %lld ms: %s", (long long)pj.took_ms,
+            pj.err.msg);
+  cr_assert(strstr(pj.err.msg, "rank 0") && strstr(pj.err.msg, "streams"),
+            "the peer's error does not say why rank 0 did not take part: %s", pj.err.msg);
+  executor_close(a.x);
+  cr_assert_eq(executor_wait_all_freed(60000), 0);
+  a.b.ops->close(&a.b);
+  dataplane_stop(a.b.net);
+  dataplane_stop(peer);
 }

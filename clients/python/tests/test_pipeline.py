@@ -121,6 +121,43 @@ def test_batches_end_at_1_mib_of_commands_and_8_mib_sent_in_order():
     assert seqs == [[1, 2], [3, 4, 5], [6, 7]], seqs
 
 
+def test_a_long_pipeline_of_reduces_past_the_message_byte_limit_just_runs():
+    """A Reduce queues instructions for every rank of its group (about 1.3 KB over 4
+    ranks, 3.4 MB over 256), and the pipeline batches whatever it queued while the
+    server's flow control held the stream (up to 1024 commands a message). The server
+    refused QUOTA the commands of one message past 4x the session's byte bound ("the
+    most one message may"): a plain loop of reduces raised an error the user could not
+    act on. Now such a batch is taken in parts, each waiting for room as separate
+    messages would: every Reduce runs and the values are right."""
+    addr, proc = start_meshd(4, name="meshd-big-batch",
+                             flags=("--session-max-queued-bytes", "8KiB"),
+                             env={"MESHD_FAULT": "reduce:slow=1"})
+    try:
+        out = {}
+
+        def run():
+            try:
+                with meshd.connect(addr, timeout=60) as s:
+                    m = s.mesh(gpu=4)
+                    with m.activate():
+                        x = meshd.ones((4,))
+                        with s.pipeline():
+                            ys = [x.reduce("gpu", "sum") for _ in range(600)]
+                        out["values"] = [get(ys[i], gpu=i % 4) for i in (0, 299, 599)]
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                out["error"] = e
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        th.join(120)
+        assert not th.is_alive(), "the pipeline did not end within 120 s"
+        if "error" in out:
+            raise out["error"]
+        for v in out["values"]:
+            np.testing.assert_array_equal(v, np.full(4, 4, np.float32))
+    finally:
+        stop_meshd(proc)
+
+
 def test_an_exception_in_the_block_is_not_masked(session, mesh):
     with pytest.raises(ZeroDivisionError):
         with session.pipeline():
