@@ -196,7 +196,9 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     return;
   }
   /* The good prefix is reported as executed before the call ends, so the
-   * server knows exactly what ran. */
+   * server knows exactly what ran: the reporter ends the call, after a
+   * report that covers `last` (even when it ran already: its report, and the
+   * failures it carries, may not have gone out yet). */
   x->failed = true;
   log_warn("execute", "agent %s: ending the Execute call from %s: %s", self->id,
            x->peer ? x->peer : "?", why);
@@ -204,11 +206,8 @@ void execute_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   x->finishing = true;
   x->finish_after = last;
   snprintf(x->why, sizeof x->why, "%s", why);
-  bool now = taken == 0 && executor_executed(x->ex) >= last;
-  if (now) x->finished = true;
   pthread_mutex_unlock(&mu);
-  if (now) rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, NULL, "%s", why);
-  else executor_kick(x->ex);
+  executor_kick(x->ex);
 }
 
 void execute_end(rpc_call_t *call, bool cancelled, void *arg) {

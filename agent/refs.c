@@ -206,7 +206,11 @@ int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why) {
 void refs_delete(refs_t *r, uint64_t ref) {
   pthread_mutex_lock(&r->mu);
   ref_slot_t *s = refmap_remove(&r->map, ref);
-  if (!s && r->nundone < REFS_UNDONE_MAX && !undone_locked(r, ref)) {
+  if (!s && !undone_locked(r, ref)) {
+    if (r->nundone == REFS_UNDONE_MAX) { /* the oldest goes: its Write is long over */
+      memmove(r->undone, r->undone + 1, (REFS_UNDONE_MAX - 1) * sizeof *r->undone);
+      r->nundone--;
+    }
     if (r->nundone == r->undone_cap) {
       size_t cap = r->undone_cap ? 2 * r->undone_cap : 16;
       uint64_t *v = realloc(r->undone, cap * sizeof *v);

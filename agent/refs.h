@@ -39,8 +39,9 @@ typedef struct refs {
   pthread_mutex_t mu;
   refmap_t map; /* ref_slot records by ref */
   /* Refs deleted while not defined here (the server undid a failed transfer
-   * before its Write finished): a Write may not define them after (at most
-   * REFS_UNDONE_MAX; refs only increase, so no later command reuses one). */
+   * before its Write finished): a Write may not define them after (the
+   * REFS_UNDONE_MAX latest, oldest first; refs only increase, so no later
+   * command reuses one). */
   uint64_t *undone;
   size_t nundone, undone_cap;
 } refs_t;

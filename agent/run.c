@@ -93,6 +93,17 @@ static void dependent_failure(ctx_t *c, const uint64_t *refs, size_t n, uint64_t
     if (refs[i]) report(c, ERR_DEPENDENT_FAILURE, f.msg, refs[i]);
 }
 
+/* Records t as ref's value. The table out of memory: the result fails
+ * (QUOTA, reported), instead of staying undefined here while the server holds
+ * it defined. */
+static void define(ctx_t *c, uint64_t ref, const agent_tensor_t *t, const char *what) {
+  if (refs_put(&c->s->refs, ref, t) == 0) return;
+  meshd_error_t e;
+  error_set(&e, ERR_QUOTA, "%s: agent out of memory recording result ref %llu", what,
+            (unsigned long long)ref);
+  root_failure(c, &ref, 1, &e);
+}
+
 static void count_bytes(ctx_t *c, uint64_t bytes) {
   if (c->env->stats) atomic_fetch_add(&c->env->stats->collective_bytes, bytes);
 }
@@ -157,7 +168,7 @@ static void run_factory(ctx_t *c) {
   agent_tensor_t *rp = &t;
   if (c->b->ops->run_op(c->b, c->bs, &args, &rp, 1, &inf, fo->mesh_rank, fo->coordinate, &e))
     goto fail;
-  refs_put(&c->s->refs, ref, &t);
+  define(c, ref, &t, "Factory");
   storage_release(t.storage);
   return;
 fail:
@@ -189,7 +200,7 @@ static void define_filled(ctx_t *c, const spec_t *spec, const char *what, fill_f
     root_failure_kind(c, &ref, 1, &e, own_kind && e.kind != ERR_REMOTE_FAILURE);
     return;
   }
-  refs_put(&c->s->refs, ref, &t);
+  define(c, ref, &t, what);
   storage_release(t.storage);
 }
 
@@ -332,7 +343,6 @@ static void run_call(ctx_t *c) {
   }
   int rc = need_backend(c, call->op, &e);
   if (!rc && !op) rc = error_set(&e, ERR_REMOTE_FAILURE, "Call: unknown op '%s'", call->op);
-  if (!rc && injected(c, "call", call->op, &e) != 0) rc = -1; /* (fault.h: call:fail) */
   for (size_t i = 0; !rc && i < npos; i++) rc = resolve(c, h, call->args[i], &pos[i], &e);
   for (size_t i = 0; !rc && i < nkw; i++) {
     kw[i].name = call->kwargs[i]->name;
@@ -390,6 +400,9 @@ static void run_call(ctx_t *c) {
   }
   for (int m = 0; m < inf.nmutates && nouts < OP_MAX_RESULTS * 2; m++)
     if (args.v[inf.mutates[m]].kind == VAL_TENSOR) outs[nouts++] = ref_of_meta(h, args.v[inf.mutates[m]].tensor);
+  /* Where its kernel would fail (fault.h: call:fail), what it writes in
+   * place failing with it. */
+  if (injected(c, "call", call->op, &e) != 0) goto fail;
   /* A Fetch still reading what this op overwrites keeps the value it was
    * promised (snapshot.h). */
   for (int m = 0; m < inf.nmutates; m++)
@@ -402,7 +415,7 @@ static void run_call(ctx_t *c) {
                         &e))
     goto fail;
   for (size_t i = 0; i < call->n_results && i < (size_t)inf.nresults; i++)
-    refs_put(&c->s->refs, call->results[i]->ref, &res[i]);
+    define(c, call->results[i]->ref, &res[i], call->op);
   goto out;
 fail:
   root_failure(c, outs, nouts, &e);
@@ -432,7 +445,7 @@ static void run_borrow(ctx_t *c) {
       }
       int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, b->tensor, &t, &why);
       if (rc == 0) {
-        refs_put(&c->s->refs, b->result, &t);
+        define(c, b->result, &t, "Borrow");
         storage_release(t.storage);
       } else if (rc == 1) {
         /* Reported, as any reader's: the server may have accepted the Borrow
@@ -792,7 +805,7 @@ static void run_reduce(ctx_t *c) {
       refs_fail(&c->s->refs, res_ref, &f);
     }
   } else {
-    refs_put(&c->s->refs, res_ref, &target);
+    define(c, res_ref, &target, "Reduce");
   }
   goto out;
 fail:
@@ -896,7 +909,7 @@ static void run_broadcast(ctx_t *c) {
     report(c, ERR_DEPENDENT_FAILURE, f.msg, res_ref);
     goto out;
   }
-  refs_put(&c->s->refs, res_ref, &buf);
+  define(c, res_ref, &buf, "ToMesh");
   goto out;
 fail:
   if (tell) refuse_group(c, g, &since, "ToMesh", &e);
@@ -960,7 +973,7 @@ static void run_send(ctx_t *c) {
     if (tensor_alloc(c->b, c->bs, &rm, &out, "ToMesh", &e) ||
         c->b->ops->copy(c->b, c->bs, &out, &in, &e))
       goto fail;
-    refs_put(&c->s->refs, res_ref, &out);
+    define(c, res_ref, &out, "ToMesh");
     goto out;
   }
   if (!c->b->net) {
@@ -1049,7 +1062,7 @@ static void run_send(ctx_t *c) {
     report(c, ERR_DEPENDENT_FAILURE, f.msg, res_ref); /* as a broadcast's receiver */
     goto out;
   }
-  refs_put(&c->s->refs, res_ref, &out);
+  define(c, res_ref, &out, "ToMesh");
   goto out;
 fail:
   if (tell) refuse_link(c, st, &e);

@@ -1,5 +1,7 @@
 #include "borrow.h"
 
+#include <stdlib.h>
+
 int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, uint64_t to_stream,
                   bool is_mutable, meshd_error_t *e) {
   storage_t *s = origin->tensor.storage;
@@ -27,7 +29,12 @@ int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, ui
   if (!b) return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
   tensor_meta_t m;
   obj_t *handle = objects_new_borrowed(o, result, obj_meta(origin, &m), origin, to_stream, ref);
-  if (!handle) return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
+  if (!handle) { /* the borrow's record goes too: nothing half-made stays under its ref */
+    refmap_remove(&o->table, ref);
+    o->live_borrows--;
+    free(b);
+    return error_set(e, ERR_QUOTA, "Borrow: out of memory on the server");
+  }
   b->borrow = (borrow_obj_t){.origin = origin->ref,
                              .result = result,
                              .origin_storage = s,

@@ -869,7 +869,11 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
       results[i] = objects_new_tensor(o, call->results[i], &r->meta, mesh_ref, call->stream, ranks);
     if (!results[i]) {
       error_set(e, ERR_QUOTA, "%s: out of memory on the server", cmd);
-      goto out; /* refs stay unclaimed; the records made so far are harmless */
+      /* The refs stay unclaimed (a retry reuses them): the records made so
+       * far go, or they would hold quota and refs, and a retry would put a
+       * second record under the same ref. */
+      for (size_t k = 0; k < i; k++) objects_release(o, results[k], out->res.seq);
+      goto out;
     }
     inherit_failure(o, results[i], failed, out->res.seq);
   }

@@ -50,12 +50,22 @@ struct registry {
   int ndialers;
   bool sweeper_started;
   log_limit_t refusals;
+  log_limit_t dial_failures; /* dial-backs that failed (the same bound, apart) */
 };
 
-static void reject(rpc_call_t *call, grpc_status_code code, const char *msg) {
-  char *peer = rpc_call_peer(call);
-  log_warn("registry", "registration from %s refused: %s", peer ? peer : "?", msg);
-  free(peer);
+/* A refusal after the guard: an open registry admits anyone to the call, so
+ * these lines are bounded like the guard's (the same limit). */
+static void reject(registry_t *r, rpc_call_t *call, grpc_status_code code, const char *msg) {
+  int held = 0;
+  if (log_allow(&r->refusals, 10, 10000, &held)) {
+    char *peer = rpc_call_peer(call);
+    if (held)
+      log_warn("registry", "registration from %s refused: %s (and %d more refused in the last "
+               "10 s, not logged)", peer ? peer : "?", msg, held);
+    else
+      log_warn("registry", "registration from %s refused: %s", peer ? peer : "?", msg);
+    free(peer);
+  }
   rpc_call_finish(call, code, NULL, "%s", msg);
 }
 
@@ -121,40 +131,40 @@ static bool all_printable(const char *s) {
 
 static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *req) {
   if (!req->agent_id || !*req->agent_id || strlen(req->agent_id) >= sizeof c->agent_id)
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest.agent_id must be 1..63 characters"); return; }
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest.agent_id must be 1..63 characters"); return; }
   if (!req->address || !*req->address || strlen(req->address) >= sizeof c->address)
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT,
                   "RegisterRequest.address must be the agent's host:port (1..255 characters)"); return; }
   if (!req->device || !*req->device || strlen(req->device) >= 32)
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT,
                   "RegisterRequest.device must name the device, e.g. \"cpu\" or \"cuda:0\""); return; }
   if (!req->call_secret || strlen(req->call_secret) != SECRET_HEX_LEN ||
       !is_hex(req->call_secret, SECRET_HEX_LEN))
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT,
              "RegisterRequest.call_secret must be 64 hex characters (an agent older than this "
              "server sends none: upgrade it)"); return; }
   if (!all_printable(req->agent_id) || !all_printable(req->address) ||
       !all_printable(req->device))
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT,
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT,
              "RegisterRequest: agent_id, address and device must be printable ASCII"); return; }
   if (req->data_port > 65535) { /* 0: no data plane (the proto's "none yet") */
     char msg[160];
     snprintf(msg, sizeof msg, "RegisterRequest.data_port %u is not a port (1..65535, or 0 for "
              "no data plane)", req->data_port);
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, msg); return; }
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT, msg); return; }
   }
   if (req->requested_rank < -1 || req->requested_rank >= r->o.max_agents) {
     char msg[160];
     snprintf(msg, sizeof msg, "RegisterRequest.requested_rank %d is out of range [-1, %d] "
              "(the server's --max-agents is %d)", req->requested_rank, r->o.max_agents - 1,
              r->o.max_agents);
-    { reject(c->call, GRPC_STATUS_INVALID_ARGUMENT, msg); return; }
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT, msg); return; }
   }
   if (req->requested_rank < 0 && agent_pool_size(r->pool) >= r->o.max_agents) {
     char msg[160];
     snprintf(msg, sizeof msg, "the pool is full: %d agents registered (the server's --max-agents)",
              r->o.max_agents);
-    { reject(c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg); return; }
+    { reject(r, c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg); return; }
   }
   agent_desc_t d = {0};
   snprintf(d.agent_id, sizeof d.agent_id, "%s", req->agent_id);
@@ -172,7 +182,7 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   memcpy(d.call_secret, req->call_secret, SECRET_HEX_LEN + 1);
   char err[256];
   int rank = agent_pool_add(r->pool, &d, req->requested_rank, err, sizeof err);
-  if (rank < 0) { reject(c->call, GRPC_STATUS_FAILED_PRECONDITION, err); return; }
+  if (rank < 0) { reject(r, c->call, GRPC_STATUS_FAILED_PRECONDITION, err); return; }
   c->rank = rank;
   snprintf(c->agent_id, sizeof c->agent_id, "%s", d.agent_id);
   snprintf(c->address, sizeof c->address, "%s", d.address);
@@ -191,7 +201,7 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   rpc_call_send(c->call, &out.base);
 
   job_t *j = calloc(1, sizeof *j);
-  if (!j) { reject(c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory"); return; }
+  if (!j) { reject(r, c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory"); return; }
   j->call = c->call;
   j->rank = (uint32_t)rank;
   memcpy(j->agent_id, c->agent_id, sizeof j->agent_id);
@@ -238,20 +248,20 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   switch (m->msg_case) {
     case MESHD__V1__AGENT_TO_SERVER__MSG_HELLO:
       if (c->rank >= 0) {
-        reject(call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest sent twice on one call");
+        reject(r, call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest sent twice on one call");
         return;
       }
       admit(r, c, m->hello);
       return;
     case MESHD__V1__AGENT_TO_SERVER__MSG_STATUS:
       if (c->rank < 0) {
-        reject(call, GRPC_STATUS_INVALID_ARGUMENT, "AgentStatus before RegisterRequest");
+        reject(r, call, GRPC_STATUS_INVALID_ARGUMENT, "AgentStatus before RegisterRequest");
         return;
       }
       agent_pool_set_allocated(r->pool, (uint32_t)c->rank, c->agent_id, m->status->allocated_bytes);
       return;
     default:
-      reject(call, GRPC_STATUS_INVALID_ARGUMENT,
+      reject(r, call, GRPC_STATUS_INVALID_ARGUMENT,
              "the first message must be AgentToServer.hello (RegisterRequest)");
   }
 }
@@ -326,7 +336,15 @@ static void dial(registry_t *r, job_t *j) {
     snprintf(st.message, sizeof st.message, "%s answered as agent %s", j->address, rep->agent_id);
     protobuf_c_message_free_unpacked(resp, NULL);
   }
-  log_warn("registry", "cannot dial agent rank %u back at %s: %s", j->rank, j->address, st.message);
+  int held = 0; /* an open registry dials whatever address anyone registers: bounded */
+  if (log_allow(&r->dial_failures, 10, 10000, &held)) {
+    if (held)
+      log_warn("registry", "cannot dial agent rank %u back at %s: %s (and %d more failed in the "
+               "last 10 s, not logged)", j->rank, j->address, st.message, held);
+    else
+      log_warn("registry", "cannot dial agent rank %u back at %s: %s", j->rank, j->address,
+               st.message);
+  }
   rpc_call_finish(j->call, GRPC_STATUS_FAILED_PRECONDITION, NULL,
                   "the server could not reach the agent at %s (%s); check --advertise", j->address,
                   st.message);

@@ -6,8 +6,10 @@
  * carry one of them (SECRET_JOIN_MD; constant-time compare). Both may be
  * required. A call that cannot authenticate ends UNAUTHENTICATED at once, with
  * nothing admitted and nothing dialed, and is logged at warn with its peer
- * address (at most 10 lines per 10 s, then a count). With neither, anyone who
- * reaches the port may register (registry_open says so; main warns).
+ * address (at most 10 lines per 10 s, then a count; the refusals of admitted
+ * calls, a bad RegisterRequest, share that bound, and failed dial-backs have
+ * one of their own). With neither, anyone who reaches the port may register
+ * (registry_open says so; main warns).
  *
  * First message: RegisterRequest. Its requested_rank must be below max_agents,
  * and its call_secret 64 hex characters. The server admits the agent to the

@@ -248,7 +248,9 @@ supervisor_t *supervisor_start(const supervisor_opts_t *opts) {
   pthread_cond_init(&s->cv, &ca);
   pthread_condattr_destroy(&ca);
   /* The watch thread forks: PR_SET_PDEATHSIG follows the thread that forked,
-   * and this thread lives until supervisor_stop has reaped every child. */
+   * and this thread lives until supervisor_stop joins it. Its end is already
+   * the children's SIGTERM (the death signal); supervisor_stop then sends its
+   * own, reaps them, and SIGKILLs what outlives its timeout. */
   if (!s->children || pthread_create(&s->thread, NULL, watch, s) != 0) {
     free(s->children);
     free(s);

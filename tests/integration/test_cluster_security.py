@@ -233,6 +233,47 @@ def test_refusals_are_logged_at_a_bounded_rate(token_server):
     assert logged <= 20, f"{logged} lines for 40 refusals"
 
 
+def test_refusals_after_the_guard_are_logged_at_a_bounded_rate(meshd_server):
+    """An open registry (no join token, no certificates) admits anyone to the call; what
+    it then refuses (a bad RegisterRequest) is logged with the same bound as the guard's
+    refusals, or a stranger writes one WARN line per call into the server's log."""
+    srv = meshd_server(0, min_agents=0)
+    before = len(_lines(srv, "registration from ipv4:"))
+    for _ in range(40):
+        code, details = _register_raw(srv.port, None, rank=1 << 20)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-agents" in details, details
+    time.sleep(0.2)
+    logged = len(_lines(srv, "registration from ipv4:")) - before
+    # At most 10 a window (10 s); the 40 may straddle two.
+    assert 1 <= logged <= 20, f"{logged} lines for 40 refusals"
+    # Well-formed requests whose address does not answer: admitted, then refused when
+    # the dial-back fails; those lines are bounded too.
+    reg = lib.registry_pb2()
+    before = len(_lines(srv, "cannot dial agent rank"))
+    with lib.channel(srv.port) as ch:
+        fn = ch.stream_stream(_REGISTER, request_serializer=_serialize,
+                              response_deserializer=reg.ServerToAgent.FromString)
+        for _ in range(40):
+            ended = threading.Event()
+
+            def requests():  # the hello, then the call stays open until the server ends it
+                yield reg.AgentToServer(hello=reg.RegisterRequest(
+                    agent_id=f"rogue-{time.monotonic_ns()}", address="127.0.0.1:1",
+                    device="cpu", requested_rank=-1, call_secret="a" * 64))
+                ended.wait(5)
+            try:
+                list(fn(requests(), timeout=5))
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details()
+            ended.set()
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "could not reach" in details, \
+                (code, details)
+    time.sleep(0.2)
+    logged = len(_lines(srv, "cannot dial agent rank")) - before
+    assert 1 <= logged <= 20, f"{logged} lines for 40 failed dial-backs"
+
+
 def test_local_agents_get_a_private_join_token(meshd_server, agent):
     srv = lib.wait_ready(meshd_server(1), 1)
     kids = lib.agent_children(srv.pid)

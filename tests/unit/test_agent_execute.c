@@ -274,3 +274,49 @@ Test(execute, real_link_to_real_handler) {
   agent_link_close(l);
   agent_link_close(l2);
 }
+
+/* A refusal that arrives right after a batch the agent ran at once (a
+ * PeerLost it refused: done, and its failure queued, inside the handler)
+ * still ends the call after that batch's report: the server learns that seq 1
+ * ran and how it failed, not just that the stream was refused. The handler
+ * used to end the call at once when the watermark had passed, racing the
+ * reporter, whose report then went nowhere. Repeated: the window is small. */
+Test(execute, a_refusal_right_after_a_batch_ends_the_call_after_its_report) {
+  for (int round = 0; round < 40; round++) {
+    rpc_stream_t *s = open_execute();
+    Meshd__Agent__V1__PeerLost pl = MESHD__AGENT__V1__PEER_LOST__INIT;
+    pl.rank = UINT32_MAX; /* refused by validate.c: reported as seq 1's failure */
+    Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+    ins.seq = 1;
+    ins.session_id = "sess";
+    ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST;
+    ins.peer_lost = &pl;
+    Meshd__Agent__V1__Instruction *p = &ins;
+    Meshd__Agent__V1__InstructionBatch b = MESHD__AGENT__V1__INSTRUCTION_BATCH__INIT;
+    b.n_instructions = 1;
+    b.instructions = &p;
+    cr_assert_eq(rpc_stream_write(s, &b.base, false), 0);
+    uint64_t gap[] = {3};
+    cr_assert_eq(write_batch(s, gap, NULL, 1), 0);
+    int64_t through = 0;
+    bool told = false;
+    for (;;) {
+      ProtobufCMessage *m = NULL;
+      int rc = rpc_stream_read(s, &meshd__agent__v1__agent_report__descriptor, &m, 5000);
+      cr_assert_neq(rc, -2, "no report or end within 5 s");
+      if (rc != 1) break;
+      Meshd__Agent__V1__AgentReport *r = (void *)m;
+      if ((int64_t)r->executed_through > through) through = (int64_t)r->executed_through;
+      for (size_t i = 0; i < r->n_errors; i++)
+        if (r->errors[i]->seq == 1 && strstr(r->errors[i]->message, "PeerLost.rank")) told = true;
+      protobuf_c_message_free_unpacked(m, NULL);
+    }
+    rpc_status_t st;
+    cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_INVALID_ARGUMENT, "%d: %s", st.code,
+                 st.message);
+    cr_assert(strstr(st.message, "gap"), "%s", st.message);
+    cr_assert_eq(through, 1, "round %d: the call ended before a report said seq 1 ran", round);
+    cr_assert(told, "round %d: the call ended before seq 1's failure was reported", round);
+    rpc_stream_destroy(s);
+  }
+}
