@@ -58,6 +58,13 @@ int fault_parse(const char *spec, const char *const *places, fault_t *f, char *e
     snprintf(err, errlen, "fault spec '%s': ACTION must be fail, hang[=MS] or slow=MS", spec);
     return -1;
   }
+  /* A client's Write and a PlanTransfer's answer run on the rpc layer's
+   * threads: a hang there would stall every caller, not wedge one step. */
+  if (f->action == FAULT_HANG && (!strcmp(f->where, "write") || !strcmp(f->where, "plan"))) {
+    snprintf(err, errlen, "fault spec '%s': %s takes fail or slow=MS, not hang (it runs on the "
+             "server's call threads: use slow=MS for a late answer)", spec, f->where);
+    return -1;
+  }
   if (eq && parse_num(eq + 1, 0, 86400000, &v)) {
     snprintf(err, errlen, "fault spec '%s': '%s' is not a number of milliseconds", spec, eq + 1);
     return -1;

@@ -11,7 +11,9 @@
  *           in the table: slow=MS makes a client's deadline pass before it)
  *   ACTION  fail            the instruction fails (REMOTE_FAILURE "injected fault")
  *           hang[=MS]       it blocks, like a wedged device, until the session
- *                           learns of a lost peer or ends (or MS passes; default 1 h)
+ *                           learns of a lost peer or ends (or MS passes; default 1 h);
+ *                           the agent's instructions only (write and plan run on
+ *                           call threads: they refuse hang)
  *           slow=MS         it sleeps MS, then runs
  *           old             hello:old: the agent registers as a build older than
  *                           the Literal command (rolling-upgrade drills; the
@@ -40,7 +42,8 @@ typedef struct fault {
   _Atomic uint64_t seen, fired;
 } fault_t;
 
-/* The places each program knows ("any" is the agent's every instruction). */
+/* The places each program knows ("any" is the agent's reduce and send
+ * instructions, the collectives and transfers; not call). */
 extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write */
 extern const char *const FAULT_SERVER_PLACES[]; /* plan */
 
