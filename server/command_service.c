@@ -531,10 +531,16 @@ void command_service_on_agent_lost(command_service_t *cs, const agent_lost_t *l)
       /* Reported by the next Sync (or the one waiting now); the survivors stop
        * waiting for the lost rank in this session's work. */
       char msg[400];
+      /* Only a Sync's check may have been left there (its tensors dropped). */
+      bool held = objects_holds_on(o, l->rank);
       snprintf(msg, sizeof msg,
-               "the agent of rank %u %s: this session's tensors on it are gone, and meshes that "
-               "include rank %u refuse new commands; create a new mesh to use its replacement",
-               l->rank, reason, l->rank);
+               "the agent of rank %u %s%s, and meshes that include rank %u refuse new commands; "
+               "create a new mesh to use its replacement",
+               l->rank, reason,
+               held ? ": this session's tensors on it are gone"
+                    : " before it ran this session's last work there (the session held no "
+                      "tensors on it)",
+               l->rank);
       objects_note_failure(o, ERR_AGENT_LOST, msg, 0);
       /* Told: a Sync no longer waits for what was lost there (emit_status
        * waits for it only while the loss is not noted yet). */

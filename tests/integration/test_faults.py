@@ -193,6 +193,36 @@ def test_a_session_whose_work_all_ran_on_a_lost_agent_syncs_as_before(meshd_serv
         assert not s.run(sync(), timeout=10).errors
 
 
+def test_a_sync_whose_only_work_on_a_lost_agent_was_its_own_check_does_not_claim_tensors(
+        meshd_server, agent):
+    """S dropped everything it had on rank 0; its next Sync's StatusRequest is all it has
+    there when the agent is lost (stopped, then killed). The Sync fails AGENT_LOST, but
+    its message must not say S's tensors on rank 0 are gone: S held none there."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    a0 = agent(srv.port, rank=0)
+    agent(srv.port, rank=1)
+    lib.wait_ready(srv, 2)
+    with Session(srv.port, "S") as s:
+        ms = s.mesh(gpu=2)
+        y = s.tensor(ms.ref, (8,), kind="ones")
+        s.run(lib.drop(y.ref))
+        assert not s.run(sync(), timeout=10).errors
+        os.kill(a0.pid, signal.SIGSTOP)
+        try:
+            out = _sync_in_thread(s, timeout=20)
+            time.sleep(0.3)
+            assert "t" not in out, "the Sync answered while rank 0 was stopped"
+        finally:
+            os.kill(a0.pid, signal.SIGKILL)
+        out["thread"].join(20)
+        assert "error" in out or "result" in out, "the Sync did not answer within 20 s"
+        errs = out["result"].errors if "result" in out else [out["error"]]
+        msgs = " | ".join(getattr(e, "message", str(e)) for e in errs)
+        assert errs and "rank 0" in msgs, msgs
+        assert "tensors on it are gone" not in msgs, msgs
+        assert "held no tensors" in msgs, msgs
+
+
 @pytest.mark.parametrize("action", ["fail", "slow=300"])
 def test_injected_collective_faults_fail_or_delay_only_that_collective(meshd_server, action):
     srv = lib.wait_ready(meshd_server(2, env=_fault(f"reduce:{action},rank=1,count=1")), 2)
