@@ -11,6 +11,9 @@
  * p50 (unary_p50_ratio_to_echo). The two are measured in alternating rounds of
  * a tenth of --seconds each (baseline_unary_p50_us is the echo's p50 from
  * those rounds), so that drift in the machine's load hits both alike.
+ * unary_server_ctx_switches_per_call and baseline_unary_ctx_switches_per_call
+ * count the context switches of every thread of each server per call: the
+ * handoffs between threads (pollers, workers) that a unary call costs.
  * --unary-seconds: that phase's length instead of --seconds (to profile it:
  * --seconds 0.2 --unary-seconds 30).
  * --seconds: measured time per case (default 2); --warmup: unmeasured time
@@ -542,6 +545,9 @@ typedef struct {
   /* CPU per call in the measured rounds: meshd and its agents during the
    * Execute slices, the echo server during the echo slices. */
   double server_cpu_us, agents_cpu_us, echo_cpu_us;
+  /* Context switches per call of the server's and the echo server's threads:
+   * the handoffs between threads that a unary call costs. */
+  double server_ctxsw, echo_ctxsw;
 } unary_t;
 
 static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double seconds, unary_t *u) {
@@ -554,9 +560,10 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
   ec.v = malloc(ec.cap * sizeof *ec.v);
   int rc = ex.v && ec.v ? 0 : -1;
   int64_t slice = (int64_t)(seconds * 1e9 / UNARY_ROUNDS);
-  int64_t srv_cpu = 0, ag_cpu = 0, echo_cpu = 0;
+  int64_t srv_cpu = 0, ag_cpu = 0, echo_cpu = 0, srv_sw = 0, echo_sw = 0;
   for (int round = 0; round <= UNARY_ROUNDS && rc == 0; round++) {
     int64_t srv0 = proc_cpu_us(u->server), ag0 = agents_cpu_us(u->agents, u->nagents);
+    int64_t sw0 = proc_ctx_switches(u->server);
     int64_t end = bench_now_ns() + slice;
     for (int64_t now = bench_now_ns(); now < end && ex.n < ex.cap; now = bench_now_ns()) {
       cmd->seq = (*seq)++;
@@ -580,8 +587,10 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
     if (round > 0) {
       srv_cpu += proc_cpu_us(u->server) - srv0;
       ag_cpu += agents_cpu_us(u->agents, u->nagents) - ag0;
+      srv_sw += proc_ctx_switches(u->server) - sw0;
     }
     int64_t echo0 = u->echo ? proc_cpu_us(u->echo_pid) : 0;
+    int64_t esw0 = u->echo ? proc_ctx_switches(u->echo_pid) : 0;
     end = bench_now_ns() + slice;
     for (int64_t now = bench_now_ns(); u->echo && rc == 0 && now < end && ec.n < ec.cap;
          now = bench_now_ns()) {
@@ -590,8 +599,13 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
       int64_t t1 = bench_now_ns();
       if (round > 0) ec.v[ec.n++] = (double)(t1 - t0) / 1e3;
     }
-    if (round > 0 && u->echo) echo_cpu += proc_cpu_us(u->echo_pid) - echo0;
+    if (round > 0 && u->echo) {
+      echo_cpu += proc_cpu_us(u->echo_pid) - echo0;
+      echo_sw += proc_ctx_switches(u->echo_pid) - esw0;
+    }
   }
+  u->server_ctxsw = ex.n ? (double)srv_sw / (double)ex.n : NAN;
+  u->echo_ctxsw = ec.n ? (double)echo_sw / (double)ec.n : NAN;
   u->server_cpu_us = ex.n ? (double)srv_cpu / (double)ex.n : NAN;
   u->agents_cpu_us = ex.n ? (double)ag_cpu / (double)ex.n : NAN;
   u->echo_cpu_us = ec.n ? (double)echo_cpu / (double)ec.n : NAN;
@@ -634,7 +648,8 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
     if (!r.t1) rc = -1;
   }
   unary_t u = {.server = srv.pid, .agents = srv.agents, .nagents = srv.nagents,
-               .p50 = NAN, .p99 = NAN, .echo_p50 = NAN, .echo_p99 = NAN};
+               .p50 = NAN, .p99 = NAN, .echo_p50 = NAN, .echo_p99 = NAN,
+               .server_ctxsw = NAN, .echo_ctxsw = NAN};
   if (rc == 0 && echo_child) {
     char target[64];
     snprintf(target, sizeof target, "127.0.0.1:%d", echo_child->port);
@@ -687,6 +702,8 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
   json_numf(&j, "unary_server_cpu_us_per_call", u.server_cpu_us, 2);
   json_numf(&j, "unary_agents_cpu_us_per_call", u.agents_cpu_us, 2);
   json_numf(&j, "baseline_unary_server_cpu_us_per_call", u.echo_cpu_us, 2);
+  json_numf(&j, "unary_server_ctx_switches_per_call", u.server_ctxsw, 2);
+  json_numf(&j, "baseline_unary_ctx_switches_per_call", u.echo_ctxsw, 2);
   json_numf(&j, "server_cpu_us_per_command", (double)(r.srv_cpu1 - r.srv_cpu0) / cmds, 2);
   json_numf(&j, "server_cpu_us_per_command_to_sync",
             r.srv_cpu_sync > 0 ? (double)(r.srv_cpu_sync - r.srv_cpu0) / cmds_to_end : NAN, 2);

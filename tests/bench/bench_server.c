@@ -55,6 +55,33 @@ int64_t proc_cpu_us(pid_t pid) {
   return proc_stat(pid, NULL, NULL, &us) == 0 ? us : -1;
 }
 
+/* Context switches (voluntary and not) of every live thread of pid, from
+ * /proc/<pid>/task/<tid>/status; -1 if the process is gone. */
+int64_t proc_ctx_switches(pid_t pid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  if (!d) return -1;
+  int64_t n = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if (e->d_name[0] == '.') continue;
+    char file[128], line[256];
+    snprintf(file, sizeof file, "/proc/%d/task/%.20s/status", (int)pid, e->d_name);
+    FILE *f = fopen(file, "re");
+    if (!f) continue;
+    while (fgets(line, sizeof line, f)) {
+      long long v;
+      if (sscanf(line, "voluntary_ctxt_switches: %lld", &v) == 1 ||
+          sscanf(line, "nonvoluntary_ctxt_switches: %lld", &v) == 1)
+        n += v;
+    }
+    fclose(f);
+  }
+  closedir(d);
+  return n;
+}
+
 /* A "VmRSS:" style line of /proc/<pid>/status, in bytes; -1 if absent. */
 int64_t proc_status_bytes(pid_t pid, const char *key) {
   char path[64], line[256];

@@ -27,6 +27,8 @@ extern char bin_dir[PATH_MAX];
 /* ppid, state and utime+stime (µs) of pid; -1 if it is gone. */
 int proc_stat(pid_t pid, pid_t *ppid, char *state, int64_t *cpu_us);
 int64_t proc_cpu_us(pid_t pid);
+/* Context switches of every live thread of pid; -1 if it is gone. */
+int64_t proc_ctx_switches(pid_t pid);
 /* A "VmRSS:" style line of /proc/<pid>/status, in bytes; -1 if absent. */
 int64_t proc_status_bytes(pid_t pid, const char *key);
 /* Live (not zombie) children of ppid. */
