@@ -55,7 +55,10 @@ class MeshdError(Exception):
     @classmethod
     def from_error(cls, pb: Any, err: Any) -> MeshdError:
         """From an Error message of module `pb` (tensor_service_pb2)."""
-        kind = pb.ErrorKind.Name(err.kind)
+        try:
+            kind = pb.ErrorKind.Name(err.kind)
+        except ValueError:  # a kind this client does not know (a newer server)
+            kind = f"kind {err.kind}"
         if kind.startswith("ERROR_KIND_"):
             kind = kind[len("ERROR_KIND_"):]
         return cls.of_kind(kind, err.message, err.code, err.seq or None)

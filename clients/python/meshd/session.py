@@ -39,6 +39,8 @@ _RELEASE_BATCH = 256
 # How a call failed when its command may not have reached the server (no kind of the
 # server's): a Release that failed so is sent again (refs no longer live are skipped).
 _TRANSPORT_KINDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
+# Commands whose claimed refs are all tensors (a Release may name them).
+_TENSOR_FIELDS = ("factory", "call", "reduce", "to_mesh", "literal", "load")
 
 
 def _left(deadline):
@@ -141,6 +143,7 @@ class Borrow:
         pb = self.session._pb
         self.session._execute("drop_borrow", lambda _: pb.DropBorrow(borrow=self.ref))
         self.dropped = True
+        self.session._borrow_ended()
         self.handle._dropped = True
         self.session._note_drop(self.handle)  # its views too
         self.handle._borrow = None
@@ -193,6 +196,9 @@ class Session:
         self._drops_unresolved: list = []
         self._released: collections.deque[int] = collections.deque()
         self._unborrowed: collections.deque[int] = collections.deque()
+        # Refs of Releases the server refused BORROWED (one names a view of a borrowed
+        # tensor, and then nothing of it is released): sent again once a borrow ends.
+        self._held: collections.deque[int] = collections.deque()
         self.closed = False
         pb = self._pb
         try:
@@ -298,7 +304,19 @@ class Session:
                     self._ref -= claim
                     self._seq -= 1
                     raise
-            return self._unary("Execute", cmd, self._pb.CommandResult, timeout=_left(deadline))
+            try:
+                return self._unary("Execute", cmd, self._pb.CommandResult,
+                                   timeout=_left(deadline))
+            except BaseException as e:
+                # No answer of the server's (a deadline, a dropped connection, Ctrl-C): it
+                # may have defined the tensors and the answer been lost; nobody else can
+                # release them (a Release skips refs that are not live).
+                if refs and field in _TENSOR_FIELDS and (
+                        not isinstance(e, MeshdError) or (e.kind in _TRANSPORT_KINDS and
+                                                          isinstance(e.code, grpc.StatusCode))):
+                    for r in refs:
+                        self._release_later(r)
+                raise
 
     def _release_later(self, ref):
         """A handle of ref was garbage-collected (Tensor.__del__): the ref joins the next
@@ -320,6 +338,8 @@ class Session:
         that happened to send it."""
         pb = self._pb
         cmds = []
+        if self._unborrowed:  # borrows end here: what they held goes after them
+            self._borrow_ended()
         while self._unborrowed:
             self._seq += 1
             cmds.append(("borrow", pb.Command(seq=self._seq, drop_borrow=pb.DropBorrow(
@@ -332,7 +352,10 @@ class Session:
         for i, (what, cmd) in enumerate(cmds):
             try:
                 if pipe is not None:
-                    pipe.send(cmd, quiet=True)
+                    p = pipe.send(cmd, quiet=True)
+                    if what == "refs":  # refused BORROWED: held (the reader thread's)
+                        p._refused_borrowed = lambda refs=list(cmd.release.refs): (
+                            self._held.extend(refs))
                 else:
                     self._unary("Execute", cmd, pb.CommandResult)
             except MeshdError as e:
@@ -346,10 +369,18 @@ class Session:
                         else:
                             self._released.extendleft(reversed(later.release.refs))
                     return
+                if what == "refs" and e.kind == "BORROWED":
+                    self._held.extend(cmd.release.refs)  # they go once a borrow ends
+                    continue
                 n = len(cmd.release.refs) if what == "refs" else 1
                 warnings.warn(f"meshd: releasing {n} unused tensor ref(s)"
                               f"{' (a borrow)' if what == 'borrow' else ''} failed: {e}",
                               RuntimeWarning, stacklevel=3)
+
+    def _borrow_ended(self):
+        """A borrow ended: the refs held back by a BORROWED Release go with the next one."""
+        while self._held:
+            self._released.append(self._held.popleft())
 
     def _flush_pipeline(self, timeout=None):
         """Waits for every pipelined answer (before Upload/Fetch, which are other RPCs),

@@ -90,7 +90,10 @@ def _dtype_value(pb, name):
 
 
 def _dtype_from_value(pb, v):
-    return pb.DType.Name(v)[len("DTYPE_"):].lower()
+    try:
+        return pb.DType.Name(v)[len("DTYPE_"):].lower()
+    except ValueError:  # a dtype this client does not know (a newer server)
+        return f"dtype {v}"
 
 
 def _shape(shape):
