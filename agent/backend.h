@@ -168,6 +168,8 @@ struct backend {
   void *impl;                 /* the backend's own state */
   _Atomic uint64_t allocated; /* bytes held now (reported to the server) */
   uint64_t capacity;          /* bytes it may hold (--memory-bytes); 0: no limit */
+  int comm_timeout_ms;        /* --comm-timeout-ms, for communicators outside the data
+                               * plane (cuda: NCCL); 0: the backend's default */
   dataplane_t *net;           /* the agents' TCP transport (dataplane/dataplane.h): the cpu
                                * and emulated communicators, NCCL's bootstrap; may be NULL */
 };

@@ -155,6 +155,29 @@ EW_FN double ew_round_to(dtype_t dt, double v) {
   }
 }
 
+/* An integer v cast to float32, float16 or bfloat16 (other dtypes: v as a
+ * double): rounded once to float32 (through double, 2^60 + 2^36 + 1 fell on a
+ * tie), and from there to float16/bfloat16, as a cast does. */
+EW_FN double ew_round_i(dtype_t dt, int64_t v) {
+  switch (dt) {
+  case DTYPE_FLOAT32: return (float)v;
+  case DTYPE_FLOAT16: return half_to_float(float_to_half((float)v));
+  case DTYPE_BFLOAT16: return bf16_to_float(float_to_bf16((float)v));
+  default: return (double)v;
+  }
+}
+
+/* An integer v cast to a narrower integer dtype dt, wrapping (other dtypes: v). */
+EW_FN int64_t ew_wrap_i(dtype_t dt, int64_t v) {
+  switch (dt) {
+  case DTYPE_UINT8: return (uint8_t)v;
+  case DTYPE_INT8: return (int8_t)v;
+  case DTYPE_INT16: return (int16_t)v;
+  case DTYPE_INT32: return (int32_t)v;
+  default: return v;
+  }
+}
+
 /* ---- binary ---- */
 
 EW_FN int64_t ipow(int64_t a, int64_t b) {

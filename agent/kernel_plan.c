@@ -106,9 +106,27 @@ kernel_binary_t kernel_binary_plan(const kernel_call_t *c) {
   }
   p.is_int = p.op == B_DIV || p.op == B_LAND || p.op == B_LOR ? false : !dtype_is_floating(p.rt);
   if (p.op >= B_BAND) p.is_int = true;
-  /* torch casts a comparison's operands to their common dtype: a float64
-   * scalar or 0-dim tensor against a float32 tensor compares as float32. */
-  if (!p.is_int && p.op >= B_EQ && p.op <= B_GE) p.round_to = p.rt;
+  /* torch casts the operands to their common dtype (float32 for a true division
+   * of integers) and computes in it: a float64 scalar or 0-dim tensor against a
+   * float32 tensor compares as float32, int64 + float32 adds float32(int64). */
+  if (p.op == B_LAND || p.op == B_LOR) return p;
+  dtype_t comp = p.op == B_DIV && !dtype_is_floating(p.rt) ? DTYPE_DEFAULT_FLOAT : p.rt;
+  bool compare = p.op >= B_EQ && p.op <= B_GE;
+  for (int k = 0; k < 2; k++) {
+    const op_value_t *v = &a->v[k];
+    dtype_t dt = v->kind == VAL_TENSOR ? v->tensor->dtype
+                 : v->kind == VAL_FLOAT ? DTYPE_FLOAT64
+                 : v->kind == VAL_BOOL  ? DTYPE_BOOL
+                                        : DTYPE_INT64;
+    if (dt == comp) continue;
+    if (p.is_int) {
+      if (comp != DTYPE_INT64 && comp != DTYPE_BOOL && dt != DTYPE_BOOL) p.cast[k] = comp;
+    } else if (compare || comp == DTYPE_FLOAT32) {
+      p.cast[k] = comp;
+    } else if (comp == DTYPE_FLOAT16 || comp == DTYPE_BFLOAT16) {
+      if (v->kind == VAL_TENSOR) p.cast[k] = comp;
+    }
+  }
   return p;
 }
 

@@ -55,8 +55,12 @@ typedef struct kernel_binary {
   double alpha_f;  /* add/sub's alpha (1 without), as double and as int64 */
   int64_t alpha_i;
   dtype_t rt;      /* the result type of self and other (ops_result_type) */
-  dtype_t round_to; /* comparisons computed in double: both operands rounded to
-                       this dtype first (ew_round_to); DTYPE_INVALID: none */
+  dtype_t cast[2];  /* what each operand is cast to before the op, as torch casts
+                       it to the common dtype (DTYPE_INVALID: nothing): in double,
+                       rounded to float32/float16/bfloat16 (ew_round_to, ew_round_i;
+                       a Python scalar against a float16/bfloat16 result is left
+                       as it is); in int64, wrapped into a narrower integer result
+                       type (ew_wrap_i: uint8 < 300 compares with 44, as torch) */
 } kernel_binary_t;
 
 kernel_binary_t kernel_binary_plan(const kernel_call_t *c);

@@ -419,6 +419,7 @@ int main(int argc, char **argv) {
   meshd_error_t merr = {0};
   backend.ops = ops;
   backend.capacity = info.memory_bytes;
+  backend.comm_timeout_ms = (int)opt.comm_timeout_ms; /* NCCL's waits: as the data plane's */
   if (backend.ops->open(&backend, info.device, &merr) != 0) {
     log_error("agent", "cannot open device %s: %s", info.device, merr.msg);
     goto out;

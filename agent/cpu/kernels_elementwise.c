@@ -1,7 +1,8 @@
 /* Elementwise kernels: binary ops with broadcasting, scalars and alpha; unary
  * ops; where; clamp. Values are computed as int64 when the op's computation
  * dtype is integral or bool, as double otherwise (float32 gets its own fast
- * rows; float16/bfloat16 round through float32 on store). */
+ * rows; float16/bfloat16 round through float32 on store), each operand first
+ * cast to the computation dtype as torch casts it (kernel_binary_t.cast). */
 #include <math.h>
 #include <string.h>
 
@@ -13,7 +14,8 @@ typedef struct {
   int op;
   bool is_int;       /* computed as int64 */
   dtype_t out, in[3];
-  dtype_t round_to; /* kernel_binary_t.round_to */
+  dtype_t cast[2];   /* kernel_binary_t.cast */
+  bool cast_int[2];  /* operand k is integral or bool (cast with ew_round_i) */
   double alpha_f;
   int64_t alpha_i;
   _Atomic int zero_div; /* an integer division by zero happened */
@@ -39,6 +41,13 @@ static agent_tensor_t *output_of(const kernel_call_t *c) {
 
 /* ---- binary ---- */
 
+/* Operand k at p as a double, cast as kernel_binary_t.cast says. */
+static inline double ld_cast(const ew_ctx_t *c, int k, const char *p) {
+  if (!c->cast[k]) return cpu_ld_f(c->in[k], p);
+  if (c->cast_int[k]) return ew_round_i(c->cast[k], cpu_ld_i(c->in[k], p));
+  return ew_round_to(c->cast[k], cpu_ld_f(c->in[k], p));
+}
+
 static void bin_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
   ew_ctx_t *c = p;
   char *o = ptr[0];
@@ -47,13 +56,14 @@ static void bin_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
     int zero_div = 0;
     for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2]) {
       int64_t a = cpu_ld_i(c->in[0], x), b = cpu_ld_i(c->in[1], y);
+      if (c->cast[0]) a = ew_wrap_i(c->cast[0], a);
+      if (c->cast[1]) b = ew_wrap_i(c->cast[1], b);
       cpu_st_i(c->out, o, ew_bin_i(c->op, c->alpha_i, a, b, &zero_div));
     }
     if (zero_div) atomic_store(&c->zero_div, 1);
   } else {
     for (int64_t i = 0; i < n; i++, o += s[0], x += s[1], y += s[2]) {
-      double a = cpu_ld_f(c->in[0], x), b = cpu_ld_f(c->in[1], y);
-      if (c->round_to) a = ew_round_to(c->round_to, a), b = ew_round_to(c->round_to, b);
+      double a = ld_cast(c, 0, x), b = ld_cast(c, 1, y);
       cpu_st_f(c->out, o, ew_bin_f(c->op, c->alpha_f, a, b));
     }
   }
@@ -102,7 +112,7 @@ int cpu_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   kernel_binary_t bp = kernel_binary_plan(c);
   dtype_t rt = bp.rt;
   ew_ctx_t x = {.op = bp.op, .is_int = bp.is_int, .alpha_f = bp.alpha_f, .alpha_i = bp.alpha_i,
-                .round_to = bp.round_to};
+                .cast = {bp.cast[0], bp.cast[1]}};
   agent_tensor_t *out = output_of(c);
   x.out = out->meta.dtype;
   cpu_iter_t it;
@@ -115,11 +125,13 @@ int cpu_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   if (!f32 && x.out == DTYPE_FLOAT32 && x.in[0] == DTYPE_FLOAT32 && rt == DTYPE_FLOAT32 &&
       a->v[1].kind != VAL_TENSOR) {
     /* A Python scalar against a float32 tensor is a float32 value in torch. */
-    float f = (float)cpu_ld_f(x.in[1], (const char *)&bufs[1]);
+    float f = x.in[1] == DTYPE_INT64 ? (float)bufs[1].i /* rounded once */
+                                     : (float)cpu_ld_f(x.in[1], (const char *)&bufs[1]);
     memcpy(&bufs[1], &f, 4);
     x.in[1] = DTYPE_FLOAT32;
     f32 = true;
   }
+  for (int k = 0; k < 2; k++) x.cast_int[k] = !dtype_is_floating(x.in[k]);
   cpu_iter_run(&it, f32 ? bin_row_f32 : bin_row, &x);
   if (atomic_load(&x.zero_div))
     return error_set(e, ERR_REMOTE_FAILURE,
@@ -139,7 +151,7 @@ static void un_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
       cpu_st_i(c->out, o, ew_un_i(c->op, cpu_ld_i(c->in[0], x)));
   } else {
     for (int64_t i = 0; i < n; i++, o += s[0], x += s[1])
-      cpu_st_f(c->out, o, ew_un_f(c->op, cpu_ld_f(c->in[0], x)));
+      cpu_st_f(c->out, o, ew_un_f(c->op, ld_cast(c, 0, x)));
   }
 }
 
@@ -188,6 +200,9 @@ int cpu_kernel_unary(const kernel_call_t *c, meshd_error_t *e) {
   x.in[0] = in->meta.dtype;
   /* logical_not reads any dtype as double; the others compute in their result dtype. */
   x.is_int = x.op != U_NOT && cpu_is_int(x.out);
+  /* an integer input of a floating op is cast to its result dtype first (torch) */
+  x.cast_int[0] = !dtype_is_floating(x.in[0]);
+  if (!x.is_int && x.op != U_NOT && x.cast_int[0]) x.cast[0] = x.out;
   cpu_iter_t it;
   cpu_iter_init(&it, out->meta.layout.sizes, out->meta.layout.ndim);
   cpu_iter_add(&it, out);

@@ -74,7 +74,8 @@ static int cuda_open(backend_t *b, const char *device, meshd_error_t *err) {
   st->device = ordinal;
   st->comm_timeout_ms = 30000;
   const char *t = getenv("MESHD_COMM_TIMEOUT_MS");
-  if (t && atoi(t) > 0) st->comm_timeout_ms = atoi(t);
+  if (b->comm_timeout_ms > 0) st->comm_timeout_ms = b->comm_timeout_ms; /* the agent's flag */
+  else if (t && atoi(t) > 0) st->comm_timeout_ms = atoi(t);
   if (emulated) {
     snprintf(st->name, sizeof st->name, "cuda:emulated (kernels on the host)");
   } else {

@@ -169,6 +169,7 @@ typedef struct comm {
 struct cuda_comms {
   pthread_mutex_t mu;
   comm_t *list;
+  comm_t *setup; /* being made (comm_get), through next: cuda_peer_lost flags them too */
 };
 
 cuda_comms_t *cuda_comms_create(void) {
@@ -313,6 +314,14 @@ void cuda_peer_lost(backend_t *b, uint64_t session, uint32_t rank) {
   /* Only flagged here: the thread using the communicator aborts it (an abort
    * from under a user would free what it polls), and nobody picks it again. */
   pthread_mutex_lock(&cs->mu);
+  for (comm_t *c = cs->setup; c; c = c->next) { /* their maker polls the flag */
+    bool member = false;
+    for (size_t i = 0; i < c->n; i++) member |= c->ranks[i] == rank;
+    if (c->session == session && member && !atomic_load(&c->lost)) {
+      snprintf(c->lost_why, sizeof c->lost_why, "rank %u was declared lost", rank);
+      atomic_store(&c->lost, true);
+    }
+  }
   for (comm_t **p = &cs->list; *p;) {
     comm_t *c = *p;
     bool member = false;
@@ -462,6 +471,11 @@ static int init_comm(cuda_state_t *st, comm_t *c, const who_t *w, ncclUniqueId i
       return error_set(e, ERR_REMOTE_FAILURE,
                        "%s: %s; setting up the NCCL communicator was aborted", w->text, why);
     }
+    if (atomic_load(&c->lost)) { /* cuda_peer_lost: the member will never join */
+      ncclCommAbort(nc);
+      return error_set(e, ERR_AGENT_LOST, "%s: %s; setting up the NCCL communicator was aborted",
+                       w->text, c->lost_why);
+    }
     nap(&ns);
     ncclResult_t a = ncclSuccess;
     r = ncclCommGetAsyncError(nc, &a);
@@ -504,6 +518,16 @@ fail:
   return NULL;
 }
 
+/* Takes c off cs->setup when it is there. Holds cs->mu. */
+static void setup_remove_locked(cuda_comms_t *cs, comm_t *c) {
+  for (comm_t **p = &cs->setup; *p; p = &(*p)->next)
+    if (*p == c) {
+      *p = c->next;
+      c->next = NULL;
+      return;
+    }
+}
+
 /* The cached communicator for the key, made (bootstrap + init) when missing.
  * Returns it with a reference for the caller, or NULL with e. */
 /* The cached communicator of (kind, session, g), with a reference for the
@@ -543,6 +567,10 @@ static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const 
   int rank = kind == COMM_GROUP ? (int)g->me : kind == COMM_SEND ? 0 : 1;
   ncclUniqueId id;
   int64_t deadline = now_ns() + (int64_t)timeout_ms_of(st) * 1000000;
+  pthread_mutex_lock(&cs->mu);
+  c->next = cs->setup;
+  cs->setup = c;
+  pthread_mutex_unlock(&cs->mu);
   if (cuda_check(st, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking),
                  "creating a communicator stream", e) ||
       cuda_check(st, cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming),
@@ -557,13 +585,22 @@ static comm_t *comm_get(backend_t *b, comm_kind_t kind, uint64_t session, const 
       init_comm(st, c, w, id, nranks, rank, deadline, b->net, watch, e))
     goto fail;
   pthread_mutex_lock(&cs->mu);
-  c->refs = 2; /* the cache's and the caller's */
-  c->linked = true;
-  c->next = cs->list;
-  cs->list = c;
+  setup_remove_locked(cs, c);
+  bool lost = atomic_load(&c->lost); /* declared lost as init completed */
+  if (!lost) {
+    c->refs = 2; /* the cache's and the caller's */
+    c->linked = true;
+    c->next = cs->list;
+    cs->list = c;
+  }
   pthread_mutex_unlock(&cs->mu);
-  return c;
+  if (!lost) return c;
+  error_set(e, ERR_AGENT_LOST, "%s: %s; setting up the NCCL communicator was aborted", w->text,
+            c->lost_why);
 fail:
+  pthread_mutex_lock(&cs->mu);
+  setup_remove_locked(cs, c);
+  pthread_mutex_unlock(&cs->mu);
   comm_teardown(c, false, 0);
   comm_free_mem(c);
   return NULL;

@@ -30,7 +30,7 @@ static scal_t scal_of(const scalar_buf_t *buf, dtype_t dt) {
   s.byte0 = buf->b;
   s.f = cu_ld_f(dt, p);
   s.i = cu_ld_i(dt, p);
-  s.f32 = dt == DTYPE_FLOAT32 ? buf->f32 : (float)s.f;
+  s.f32 = dt == DTYPE_FLOAT32 ? buf->f32 : dt == DTYPE_INT64 ? (float)s.i : (float)s.f;
   return s;
 }
 
@@ -70,11 +70,19 @@ struct Binary {
   scal_t s[2];
   int op;
   bool is_int, f32;
-  dtype_t round_to; /* kernel_binary_t.round_to */
+  dtype_t cast[2];  /* kernel_binary_t.cast */
+  bool cast_int[2]; /* operand k is integral or bool (cast with ew_round_i) */
   double alpha_f;
   int64_t alpha_i;
   float alpha32;
   int *zero_div; /* device flag, for integer division */
+
+  /* Operand k at q as a double, cast as kernel_binary_t.cast says. */
+  CU_HD double ld_cast(int k, const char *q) const {
+    if (!cast[k]) return ld_f(s[k], it.dt[k + 1], q);
+    if (cast_int[k]) return ew_round_i(cast[k], ld_i(s[k], it.dt[k + 1], q));
+    return ew_round_to(cast[k], ld_f(s[k], it.dt[k + 1], q));
+  }
 
   CU_HD void operator()(int64_t i) const {
     char *p[CU_MAX_OPS];
@@ -82,12 +90,12 @@ struct Binary {
     if (f32) {
       *(float *)p[0] = ew_bin_f32(op, alpha32, ld_f32(s[0], p[1]), ld_f32(s[1], p[2]));
     } else if (is_int) {
-      cu_st_i(it.dt[0], p[0],
-              ew_bin_i(op, alpha_i, ld_i(s[0], it.dt[1], p[1]), ld_i(s[1], it.dt[2], p[2]),
-                       zero_div));
+      int64_t a = ld_i(s[0], it.dt[1], p[1]), b = ld_i(s[1], it.dt[2], p[2]);
+      if (cast[0]) a = ew_wrap_i(cast[0], a);
+      if (cast[1]) b = ew_wrap_i(cast[1], b);
+      cu_st_i(it.dt[0], p[0], ew_bin_i(op, alpha_i, a, b, zero_div));
     } else {
-      double a = ld_f(s[0], it.dt[1], p[1]), b = ld_f(s[1], it.dt[2], p[2]);
-      if (round_to) a = ew_round_to(round_to, a), b = ew_round_to(round_to, b);
+      double a = ld_cast(0, p[1]), b = ld_cast(1, p[2]);
       cu_st_f(it.dt[0], p[0], ew_bin_f(op, alpha_f, a, b));
     }
   }
@@ -105,7 +113,8 @@ extern "C" int cuda_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
   x.is_int = bp.is_int;
   x.alpha_f = bp.alpha_f;
   x.alpha_i = bp.alpha_i;
-  x.round_to = bp.round_to;
+  x.cast[0] = bp.cast[0];
+  x.cast[1] = bp.cast[1];
   x.alpha32 = (float)x.alpha_f;
   agent_tensor_t *out = output_of(c);
   cu_iter_init(&x.it, out->meta.layout.sizes, out->meta.layout.ndim);
@@ -124,6 +133,8 @@ extern "C" int cuda_kernel_binary(const kernel_call_t *c, meshd_error_t *e) {
     x.it.dt[2] = DTYPE_FLOAT32;
     f32 = true;
   }
+  x.cast_int[0] = !dtype_is_floating(x.it.dt[1]);
+  x.cast_int[1] = !dtype_is_floating(x.it.dt[2]);
   /* The cpu's float32 rows cover these four ops; the rest go through double. */
   x.f32 = f32 && ew_bin_has_f32(x.op);
   cu_iter_coalesce(&x.it);
@@ -158,12 +169,14 @@ struct Unary {
   cu_iter_t it; /* out, in */
   int op;
   bool is_int, f32;
+  dtype_t cast; /* an integer input rounded to this first (ew_round_i) */
 
   CU_HD void operator()(int64_t i) const {
     char *p[CU_MAX_OPS];
     it.at(i, p);
     if (f32) *(float *)p[0] = ew_un_f32(op, *(const float *)p[1]);
     else if (is_int) cu_st_i(it.dt[0], p[0], ew_un_i(op, cu_ld_i(it.dt[1], p[1])));
+    else if (cast) cu_st_f(it.dt[0], p[0], ew_un_f(op, ew_round_i(cast, cu_ld_i(it.dt[1], p[1]))));
     else cu_st_f(it.dt[0], p[0], ew_un_f(op, cu_ld_f(it.dt[1], p[1])));
   }
 };
@@ -179,6 +192,8 @@ extern "C" int cuda_kernel_unary(const kernel_call_t *c, meshd_error_t *e) {
   agent_tensor_t *out = c->res[0], *in = kernel_arg(c, 0);
   /* logical_not reads any dtype as double; the others compute in their result dtype. */
   x.is_int = x.op != U_NOT && cu_is_int(out->meta.dtype);
+  /* an integer input of a floating op is cast to its result dtype first (torch) */
+  if (!x.is_int && x.op != U_NOT && !dtype_is_floating(in->meta.dtype)) x.cast = out->meta.dtype;
   x.f32 = out->meta.dtype == DTYPE_FLOAT32 && in->meta.dtype == DTYPE_FLOAT32 &&
           ew_un_has_f32(x.op);
   cu_iter_init(&x.it, out->meta.layout.sizes, out->meta.layout.ndim);

@@ -454,6 +454,30 @@ def test_int64_to_float32_rounds_like_numpy(ctx):
         np.testing.assert_array_equal(got, x.astype(np.float32), err_msg=op)
 
 
+def test_mixed_dtypes_compute_in_the_common_dtype(ctx):
+    # torch casts every operand to the common dtype, then computes in it: int64 + float32
+    # is float32(int64) + float32 (16777217 + 1 is 16777216 + 1, a tie: 16777216), a
+    # uint8 tensor against an int takes the int wrapped into uint8 (300 is 44)
+    f32 = np.float32
+    i = np.array([16777217, 2**60 + 2**36 + 1], np.int64)
+    f = np.array([1, 0], f32)
+    ri, rf = ctx.fresh(i), ctx.fresh(f)
+    for g in (0, 1):
+        np.testing.assert_array_equal(fetch(ctx.s, ctx.op("add", ri, rf)[0], gpu=g),
+                                      i.astype(f32) + f, err_msg=f"int64 + float32 rank {g}")
+        np.testing.assert_array_equal(fetch(ctx.s, ctx.op("add", ri, 1.0)[0], gpu=g),
+                                      i.astype(f32) + f32(1), err_msg=f"int64 + 1.0 rank {g}")
+    u8 = np.array([100, 44, 200], np.uint8)
+    u = Ref(ctx.op("to", ctx.fresh(u8.astype(np.int32)), DT("uint8"))[0])
+    w = np.uint8(300 % 256)
+    for name, want in (("lt", u8 < w), ("eq", u8 == w), ("gt", u8 > w)):
+        got = fetch(ctx.s, ctx.op(name, u, 300)[0], gpu=1)
+        np.testing.assert_array_equal(got, want, err_msg=f"uint8 {name} 300")
+    q = ctx.op("div", u, 300, rounding_mode="floor")[0]
+    got = fetch(ctx.s, ctx.op("to", Ref(q), DT("int32"))[0], gpu=0)
+    np.testing.assert_array_equal(got, (u8 // w).astype(np.int32), err_msg="uint8 // 300")
+
+
 def test_factories(ctx):
     pairs, empty = _factory_checks(ctx.s)
     for ref, want in pairs:

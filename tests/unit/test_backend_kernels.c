@@ -1020,3 +1020,59 @@ Test(kernels, reduce_with_dtype_casts_the_input_first) {
   EXPECT_F(RUNKW("prod", ARGS(VT(F64(SZ(2), 1 + 0x1p-12, 1 + 0x1p-12))), to_half, 1),
            DTYPE_FLOAT16, 1);
 }
+
+/* Mixed integer/floating arithmetic computes in the result dtype (torch's
+ * TensorIterator casts every operand to the common dtype first): int64 +
+ * float32 is float32(int64) + float32, so 16777217 + 1 is 16777216 + 1, a tie
+ * that goes to even (16777216), not 16777218 as in double; an int64 past 2^53
+ * rounds once, straight to float32. A Python float against an int tensor is a
+ * float32 value; int / int is float32 / float32; int64 + float16 is float16. */
+Test(kernels, mixed_int_float_arithmetic_computes_in_the_result_dtype) {
+  const int64_t big = (INT64_C(1) << 60) + (INT64_C(1) << 36) + 1;
+  agent_tensor_t *i = I64(SZ(2), 16777217, big);
+  EXPECT_FT(RUN("add", VT(i), VT(F32(SZ(2), 1, 0))), DTYPE_FLOAT32, 0, 16777216,
+            (double)(float)big);
+  EXPECT_FT(RUN("add", VT(i), VF(1.0)), DTYPE_FLOAT32, 0, 16777216, (double)((float)big + 1.0f));
+  EXPECT_FT(RUN("mul", VT(i), VT(F32(SZ(1), 3))), DTYPE_FLOAT32, 0, 50331648,
+            (double)((float)big * 3.0f));
+  EXPECT_FT(RUN("sub", VT(F32(SZ(1), 0)), VT(i)), DTYPE_FLOAT32, 0, -16777216,
+            -(double)(float)big);
+  /* true division of ints: both cast to float32 first */
+  agent_tensor_t *n = I64(SZ(3), 1829207725, 1105859001, 51992755);
+  agent_tensor_t *d = I64(SZ(3), 622, 739, 111);
+  EXPECT_FT(RUN("div", VT(n), VT(d)), DTYPE_FLOAT32, 0, 2940848.25, 1496426.125, 468403.21875);
+  /* int64 + float16 is float16: 2049 is 2048 in float16, and 2048 + 1 is 2048 */
+  agent_tensor_t *h = RUN("to", VT(F32(SZ(1), 1)), VD(DTYPE_FLOAT16));
+  EXPECT_FT(RUN("add", VT(I64(SZ(1), 2049)), VT(h)), DTYPE_FLOAT16, 0, 2048);
+}
+
+/* An integer tensor against a Python int (or a 0-dim tensor) of a wider
+ * integer dtype computes in the tensor's dtype, the int cast into it, wrapping
+ * (torch's promotion: same category, so the tensor's dtype; pytorch#101653):
+ * uint8 < 300 is uint8 < 44, uint8 >= -1 is uint8 >= 255. */
+Test(kernels, narrow_int_against_a_wider_int_wraps_it_first) {
+  agent_tensor_t *u = U8(SZ(3), 100, 44, 200);
+  EXPECT_I(RUN("lt", VT(u), VI(300)), DTYPE_BOOL, 0, 0, 0);
+  EXPECT_I(RUN("eq", VT(u), VI(300)), DTYPE_BOOL, 0, 1, 0);
+  EXPECT_I(RUN("ge", VT(u), VI(-1)), DTYPE_BOOL, 0, 0, 0);
+  const op_kwarg_t floor[] = {{"rounding_mode", VS("floor")}};
+  EXPECT_I(RUNKW("div", ARGS(VT(u), VI(300)), floor, 1), DTYPE_UINT8, 2, 1, 4);
+  EXPECT_I(RUN("maximum", VT(u), VT(tensor(DTYPE_INT64, 0, NULL, (const int64_t[]){300}))),
+           DTYPE_UINT8, 100, 44, 200);
+  EXPECT_I(RUN("add", VT(u), VI(300)), DTYPE_UINT8, 144, 88, 244);
+  agent_tensor_t *i8 = tensor(DTYPE_INT8, 1, (const int64_t[]){2}, (const int8_t[]){-100, 50});
+  EXPECT_I(RUN("gt", VT(i8), VI(200)), DTYPE_BOOL, 0, 1);
+}
+
+/* A Python int against a float32 tensor is rounded once to float32. */
+Test(kernels, float32_tensor_and_a_large_int_scalar) {
+  const int64_t big = (INT64_C(1) << 60) + (INT64_C(1) << 36) + 1;
+  EXPECT_FT(RUN("add", VT(F32(SZ(1), 0)), VI(big)), DTYPE_FLOAT32, 0, (double)(float)big);
+}
+
+/* A floating op of an integer tensor casts it to the result dtype first
+ * (torch): sqrt of an int64 is sqrtf(float32(x)), not sqrt(double(x)) rounded. */
+Test(kernels, unary_float_op_of_an_int_tensor_casts_it_first) {
+  const int64_t v = INT64_C(2481747993491284838);
+  EXPECT_FT(RUN("sqrt", VT(I64(SZ(1), v))), DTYPE_FLOAT32, 0, (double)sqrtf((float)v));
+}

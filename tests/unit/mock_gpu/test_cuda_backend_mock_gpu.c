@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -650,4 +651,24 @@ Test(cuda_backend_mock_gpu, memory_used_before_its_allocation_ran_is_caught, .si
   meshd_error_t e;
   B.ops->from_host(&B, b, t, v, &e); /* unordered: aborts in b's worker */
   fake_gate_open(g);
+}
+
+/* The agent's --comm-timeout-ms (backend_t.comm_timeout_ms) bounds the NCCL
+ * waits, as it bounds the data plane's: the flag is not only its environment
+ * form (MESHD_COMM_TIMEOUT_MS), and the command line beats the environment. */
+Test(cuda_backend_mock_gpu, the_agents_comm_timeout_bounds_the_nccl_waits) {
+  B.ops->close(&B);
+  setenv("MESHD_COMM_TIMEOUT_MS", "60000", 1);
+  B.comm_timeout_ms = 1234;
+  meshd_error_t e;
+  cr_assert_eq(B.ops->open(&B, "cuda:0", &e), 0, "%s", e.msg);
+  cr_expect_eq(cuda_state(&B)->comm_timeout_ms, 1234);
+  B.ops->close(&B);
+  B.comm_timeout_ms = 0; /* none given: the environment, else 30 s */
+  cr_assert_eq(B.ops->open(&B, "cuda:0", &e), 0, "%s", e.msg);
+  cr_expect_eq(cuda_state(&B)->comm_timeout_ms, 60000);
+  B.ops->close(&B);
+  unsetenv("MESHD_COMM_TIMEOUT_MS");
+  cr_assert_eq(B.ops->open(&B, "cuda:0", &e), 0, "%s", e.msg);
+  cr_expect_eq(cuda_state(&B)->comm_timeout_ms, 30000);
 }

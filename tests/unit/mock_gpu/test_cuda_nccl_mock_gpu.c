@@ -545,6 +545,41 @@ Test(cuda_nccl_mock_gpu, a_peer_declared_lost_aborts_a_waiting_communicator_at_o
   cr_expect_eq(fake.aborts, 1);
 }
 
+static void *declare_rank1_lost_in_setup(void *arg) {
+  struct timespec ts = {0, 300 * 1000000L}; /* agent 0 is in init, which never completes */
+  nanosleep(&ts, NULL);
+  cuda_peer_lost(&A[0].b, 9, 1); /* session key 9, as allreduce_of_two's group */
+  return arg;
+}
+
+/* A peer declared lost while this agent sets the communicator up (bootstrap
+ * done, init polling): the wait ends at once with AGENT_LOST, as it does for
+ * a communicator already made, not at comm_timeout_ms with "a peer did not
+ * join". */
+Test(cuda_nccl_mock_gpu, a_peer_declared_lost_aborts_a_communicator_being_set_up) {
+  fake_never_join = 1;
+  A[0].st.comm_timeout_ms = 10000; /* only the loss may end agent 0's wait */
+  pthread_t t;
+  cr_assert_eq(pthread_create(&t, NULL, declare_rank1_lost_in_setup, NULL), 0);
+  res_t r[2];
+  run_agents(2, allreduce_of_two, r);
+  pthread_join(t, NULL);
+  cr_assert_neq(r[0].rc, 0, "agent 0 should have failed");
+  cr_expect_eq(r[0].e.kind, ERR_AGENT_LOST, "%s", r[0].e.msg);
+  cr_expect(strstr(r[0].e.msg, "allreduce over ranks [0,1]: rank 1 was declared lost"), "%s",
+            r[0].e.msg);
+  cr_expect_lt(r[0].secs, 3.0, "waited %.2f s: the loss did not end the setup", r[0].secs);
+  cr_expect_eq(fake.comms_live, 0);
+  cr_expect_eq(fake.streams_live, 0);
+  cr_expect_eq(fake.events_live, 0);
+  /* Nothing is left flagged: the next round of the session makes a new one. */
+  fake_never_join = 0;
+  A[0].st.comm_timeout_ms = COMM_TIMEOUT_MS;
+  call_no++;
+  run_agents(2, allreduce_of_two, r);
+  expect_ok(r, 2);
+}
+
 Test(cuda_nccl_mock_gpu, nccl_error_mid_op_aborts_both_and_the_next_call_rebuilds) {
   res_t r[2];
   run_agents(2, allreduce_of_two, r);
