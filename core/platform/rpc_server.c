@@ -727,6 +727,14 @@ static void on_new(rpc_call_t *c, bool ok) {
     }
     c->identity = id;
     c->has_identity = true;
+    if (c->closed) {
+      /* Its CLOSE came during the guard and left the end to this thread: no
+       * read or handler starts on a call already over (a unary call's failed
+       * read would end nothing), it ends here. */
+      maybe_end_locked(c);
+      pthread_mutex_unlock(&c->mu);
+      return;
+    }
   }
 
   if (m->kind == RPC_UNARY || m->kind == RPC_SERVER_STREAMING) {

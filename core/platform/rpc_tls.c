@@ -159,6 +159,9 @@ static grpc_ssl_server_certificate_config *load_config(const rpc_tls_server_t *t
   if (!(cert = rpc_tls_read_pem("TLS certificate", t->cert_file, "CERTIFICATE", err, errlen)))
     goto out;
   if (!(key = rpc_tls_read_pem("TLS key", t->key_file, "PRIVATE KEY", err, errlen))) goto out;
+  /* gRPC takes a pair that does not belong together, then refuses it at the
+   * handshake and keeps the old one, in words that name neither file. */
+  if (rpc_tls_check_pair(t->cert_file, t->key_file, err, errlen) != 0) goto out;
   grpc_ssl_pem_key_cert_pair pair = {key, cert};
   /* gRPC 1.51 asserts on a fetched config without roots even when it never
    * asks for client certificates: without a client CA its own chain stands

@@ -2440,3 +2440,45 @@ Test(rpc_pause, a_bounded_write_returns_within_its_bound_when_one_was_in_flight)
   rpc_call_unref(again);
   rpc_call_unref(c);
 }
+
+/* ---------------------------------------------------------- review-110 */
+
+/* A unary call whose client gives up while its guard runs: the CLOSE comes
+ * during the guard (another completion-queue thread takes it) and leaves the
+ * end to the guard's thread. The guard admits; the call's request read then
+ * fails on the cancelled call, and nothing ended the call: it stayed counted
+ * in rpc_server_active_calls (and its memory and grpc_call were never given
+ * back, which held the server's shutdown for its 5 s bound). */
+Test(rpc_guard, a_unary_call_that_ends_during_its_guard_is_given_back) {
+  rpc_init();
+  rpc_server_opts_t opts = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256] = "";
+  echo_server_t *gs = echo_server_start_guarded(&opts, slow_guard, NULL, err, sizeof err);
+  cr_assert_not_null(gs, "%s", err);
+  char t[64];
+  snprintf(t, sizeof t, "127.0.0.1:%d", echo_server_port(gs));
+  rpc_channel_t *c = rpc_channel_create(t, &live_peer);
+  cr_assert(rpc_channel_wait_ready(c, 5000), "the server is not ready");
+  for (int i = 0; i < 3; i++) {
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = "late";
+    ProtobufCMessage *resp = NULL;
+    grpc_status_code code =
+        rpc_unary(c, ECHO_UNARY, &req.base, &echo_reply__descriptor, &resp, NULL, 0, 100, NULL);
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    cr_assert_eq(code, GRPC_STATUS_DEADLINE_EXCEEDED, "code %d", code);
+    usleep(400 * 1000); /* the guard (300 ms) returns */
+  }
+  rpc_server_t *srv = echo_server_rpc(gs);
+  int64_t end = rpc_now_ms() + 3000;
+  while (rpc_server_active_calls(srv) > 0 && rpc_now_ms() < end) usleep(10 * 1000);
+  cr_assert_eq(rpc_server_active_calls(srv), 0,
+               "%d call(s) cancelled during their guard are still counted active",
+               rpc_server_active_calls(srv));
+  int64_t t0 = rpc_now_ms();
+  rpc_channel_destroy(c);
+  echo_server_stop(gs, 0);
+  cr_expect_lt(rpc_now_ms() - t0, 3000, "the server's shutdown took %lld ms",
+               (long long)(rpc_now_ms() - t0));
+  rpc_shutdown();
+}
