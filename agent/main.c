@@ -43,7 +43,7 @@ typedef struct options {
   double drain_seconds;
   double server_timeout;
   int64_t threads;
-  uint64_t max_message_bytes;
+  uint64_t max_message_bytes, rpc_memory_bytes;
   int64_t max_unauthenticated_requests;
   const char *log_level;
   const char *log_format;
@@ -100,6 +100,9 @@ static const config_flag_t flags[] = {
      "requests of callers no guard authenticated (Health without cluster TLS) still arriving at "
      "once, each up to --max-message-bytes; past it the oldest is cancelled",
      &opt.max_unauthenticated_requests, 1, 65536},
+    {"rpc-memory-bytes", CONFIG_BYTES, "1GiB",
+     "memory gRPC may take for this port's connections (read buffers, calls) before it closes "
+     "idle ones and then cancels calls (0: no bound)", &opt.rpc_memory_bytes, 0, 0},
     {"log-level", CONFIG_STRING, "info", "debug, info, warn, error", &opt.log_level, 0, 0},
     {"log-format", CONFIG_STRING, "text", "text, or json (one object per line)", &opt.log_format,
      0, 0},
@@ -369,6 +372,7 @@ int main(int argc, char **argv) {
       .threads = (int)opt.threads,
       .max_message_bytes = (int)opt.max_message_bytes,
       .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
+      .memory_bytes = opt.rpc_memory_bytes,
       .tls = {.on = cluster, .ca_file = opt.cluster_ca, .cert_file = opt.cluster_cert,
               .key_file = opt.cluster_key, .client_cert_optional = true},
   };

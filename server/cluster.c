@@ -98,6 +98,7 @@ int cluster_serve_registry(cluster_t *c, registry_t *r, rpc_server_t *client_srv
   rpc_server_opts_t so = {.listen = listen,
                           .threads = c->o.threads,
                           .max_message_bytes = c->o.max_message_bytes,
+                          .memory_bytes = c->o.memory_bytes,
                           .tls = {.on = c->agent_tls.on, .ca_file = c->o.ca,
                                   .cert_file = c->o.cert, .key_file = c->o.key}};
   char why[300] = "";

@@ -41,6 +41,7 @@ typedef struct cluster_opts {
   bool local_agents;           /* --local-agents > 0 */
   bool client_tls, client_auth; /* the client port has TLS, bearer tokens */
   int threads, max_message_bytes;
+  uint64_t memory_bytes;        /* rpc_server_opts_t.memory_bytes of its own port */
 } cluster_opts_t;
 
 typedef struct cluster cluster_t;

@@ -50,7 +50,7 @@ typedef struct options {
   const char *data_path;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
-  uint64_t stream_window_bytes;
+  uint64_t stream_window_bytes, rpc_memory_bytes;
   int64_t max_agents;
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name, *cluster_listen;
   const char *cluster_port_file, *join_token_file;
@@ -165,6 +165,10 @@ static const config_flag_t flags[] = {
      "requests of callers no guard authenticated (Health) still arriving at once, each up to "
      "--max-message-bytes; past it the oldest is cancelled", &opt.max_unauthenticated_requests,
      1, 65536},
+    {"rpc-memory-bytes", CONFIG_BYTES, "1GiB",
+     "memory gRPC may take for a port's connections (read buffers, calls: the client port, "
+     "--cluster-listen each; local agents take it) before it closes idle ones, then cancels "
+     "calls (0: no bound)", &opt.rpc_memory_bytes, 0, 0},
     {"max-agents", CONFIG_INT, "1024", "the pool's size: agents may register as ranks 0..N-1",
      &opt.max_agents, 1, 65536},
     {"join-token-file", CONFIG_STRING, NULL,
@@ -406,7 +410,8 @@ int main(int argc, char **argv) {
                           .port_file = opt.cluster_port_file, .join_token_file = opt.join_token_file,
                           .local_agents = opt.local_agents > 0, .client_tls = tls.on,
                           .client_auth = opt.auth_tokens != NULL, .threads = (int)opt.threads,
-                          .max_message_bytes = (int)opt.max_message_bytes};
+                          .max_message_bytes = (int)opt.max_message_bytes,
+                          .memory_bytes = opt.rpc_memory_bytes};
   if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
 
   if (opt.server_fault && *opt.server_fault) {
@@ -491,6 +496,7 @@ int main(int argc, char **argv) {
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
                           .max_concurrent_streams = (int)opt.max_streams_per_connection,
                           .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
+                          .memory_bytes = opt.rpc_memory_bytes,
                           .before_wait = before_wait};
   rpc_server_t *srv = rpc_server_create(&so, err, sizeof err);
   if (!srv || !state.health || !pool || !registry || !sessions || !state.commands || !data || !loads) {
@@ -651,6 +657,7 @@ int main(int argc, char **argv) {
                                .max_tensor_dims = opt.max_tensor_dims,
                                .max_tensor_elements = opt.max_tensor_elements,
                                .max_message_bytes = opt.max_message_bytes,
+                               .rpc_memory_bytes = opt.rpc_memory_bytes,
                                .reflection = opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {

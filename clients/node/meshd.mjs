@@ -59,6 +59,12 @@
 // keeps the process alive; close() stops it, and so does garbage collection of a
 // session that was never closed.
 //
+// A command whose answer was lost (a unary Execute past its deadline or cut off, the
+// pipelined ones a dropped Submit stream owed) rejects without a handle; the tensors the
+// server may have defined for it are released (Release, after the calls issued before).
+// A transfer (upload, fetch) that finds the session's --session-max-transfers all in
+// use waits for one of its own to end, its deadline at most, as the Python client does.
+//
 // Once close() is called (awaited or not), every later call (execute and the
 // conveniences, fetch, upload, literal, inspectUrl, unary, setPipeline) rejects with
 // MeshdError NO_SESSION (code UNAUTHENTICATED, as the server's) without being sent.
@@ -112,6 +118,9 @@ function weigh(v) {
   for (const k in v) n += weigh(v[k]) + 1;
   return n;
 }
+// Commands whose claimed refs are all tensors (a Release may name them).
+const TENSOR_KINDS = ['factory', 'call', 'reduce', 'to_mesh', 'literal', 'load'];
+const RELEASE_BATCH = 1024; // refs per Release (the server's --max-command-refs is 4096 by default)
 // The refs a command claims (those the conveniences took with newRef just before it).
 function claims(command) {
   const [kind] = Object.keys(command);
@@ -452,8 +461,11 @@ export class Session {
       // the channel is closed: grpc-js would throw its own plain Error
       if (this.closed) { reject(Session.#noSession(method)); return; }
       client[method](request, this.#md, { deadline }, (err, reply) => {
-        if (err) reject(MeshdError.fromRpc(err));
-        else resolve(reply);
+        if (err) {
+          const e = MeshdError.fromRpc(err);
+          if (!(err.metadata?.get(KIND_MD) ?? []).length) e[UNKINDED] = true;
+          reject(e);
+        } else resolve(reply);
       });
     });
   }
@@ -481,7 +493,12 @@ export class Session {
         const pipe = this.#pipe;
         if (pipe) return this.#submit(pipe, cmd, deadline, limitMs, timeoutMs !== undefined || !!command.sync);
         await this.#drain(deadline, limitMs, what, true); // a pipeline turned off: its commands first
-        return this.#unaryBy('Execute', cmd, deadline);
+        return this.#unaryBy('Execute', cmd, deadline).catch((e) => {
+          // No kind of the server's (a deadline, a dropped connection): it may have defined
+          // the tensors and its answer been lost, and the caller has no handle to free them.
+          if (e?.[UNKINDED]) this.#releaseLost([cmd]);
+          throw e;
+        });
       }, deadline, limitMs, what);
     } catch (e) {
       if (e?.[NOT_SENT]) this.#giveBack(cmd.seq, command);
@@ -490,6 +507,21 @@ export class Session {
     const res = QUEUED in sent ? await sent[QUEUED] : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     return res;
+  }
+
+  // Commands whose answers were lost (a unary Execute's, or those a Submit stream that
+  // broke without a kind of the server's owed): the tensors they may have defined are released
+  // (refs not live are skipped) in a turn of their own, after the calls issued so far,
+  // before any issued from now on.
+  #releaseLost(cmds) {
+    const refs = [];
+    for (const { seq, ...command } of cmds) {
+      if (TENSOR_KINDS.includes(Object.keys(command)[0])) refs.push(...claims(command));
+    }
+    for (let i = 0; i < refs.length; i += RELEASE_BATCH) {
+      const some = refs.slice(i, i + RELEASE_BATCH);
+      this.#inOrder(() => this.#letGoInTurn(some, 'release'));
+    }
   }
 
   // A command that did not go out: its seq, and the refs it would have claimed, are
@@ -561,11 +593,13 @@ export class Session {
       room: [], scheduled: false, broken: null, closing: false, ended: false, cancelled: false,
       messages: 0, commands: 0, replies: 0, watch: null };
     stream.on('data', (reply) => this.#answers(pipe, reply));
+    // no kind of the server's: the answers it owed may be lost (#broke)
+    const unkinded = (e) => Object.assign(e, { [UNKINDED]: true });
     stream.on('error', (err) => this.#over(pipe, err.code === undefined || typeof err.code !== 'number'
-      ? new MeshdError('UNAVAILABLE', `the Submit stream failed: ${err.message}`, grpc.status.UNAVAILABLE)
-      : MeshdError.fromRpc(err)));
-    stream.on('end', () => this.#over(pipe, new MeshdError('UNAVAILABLE',
-      'the Submit stream ended before every command was answered', grpc.status.UNAVAILABLE)));
+      ? unkinded(new MeshdError('UNAVAILABLE', `the Submit stream failed: ${err.message}`, grpc.status.UNAVAILABLE))
+      : (err.metadata?.get(KIND_MD) ?? []).length ? MeshdError.fromRpc(err) : unkinded(MeshdError.fromRpc(err))));
+    stream.on('end', () => this.#over(pipe, unkinded(new MeshdError('UNAVAILABLE',
+      'the Submit stream ended before every command was answered', grpc.status.UNAVAILABLE))));
     return pipe;
   }
 
@@ -611,7 +645,7 @@ export class Session {
     const answer = new Promise((resolve, reject) => {
       let timer;
       const done = (fn) => (v) => { if (timer) clearTimeout(timer); fn(v); };
-      const entry = { resolve: done(resolve), reject: done(reject), timeoutMs: limitMs };
+      const entry = { resolve: done(resolve), reject: done(reject), timeoutMs: limitMs, cmd };
       if (!ownTimer) entry.deadline = deadline;
       pipe.pending.set(cmd.seq, entry);
       pipe.queue.push(cmd);
@@ -764,11 +798,13 @@ export class Session {
   }
 
   // The stream failed: every command awaiting an answer gets its error, and so do later
-  // ones (setPipeline opens a new stream).
+  // ones (setPipeline opens a new stream). Without a kind of the server's (a dropped
+  // connection), the server may have run them, their answers lost: their tensors are released.
   #broke(pipe, err) {
     if (!pipe.broken) pipe.broken = err;
     if (pipe.watch) clearTimeout(pipe.watch);
     pipe.watch = null;
+    if (err[UNKINDED]) this.#releaseLost([...pipe.pending.values()].map((p) => p.cmd));
     for (const p of pipe.pending.values()) p.reject(pipe.broken);
     pipe.pending.clear();
     pipe.late.clear();
@@ -1057,7 +1093,7 @@ export class Session {
     }
     let tensor;
     try {
-      tensor = await this.#proxyUpload(header, bytes, deadline);
+      tensor = await Session.#slot(() => this.#proxyUpload(header, bytes, deadline), deadline);
     } catch (e) {
       // No kind of the server's (a deadline, a dropped connection): it may have defined
       // the tensor and its answer been lost, and nobody else holds the ref to free it.
@@ -1117,7 +1153,7 @@ export class Session {
             const out = await this.#directFetch(request, deadline, fixed);
             if (out !== PROXY) return out;
           }
-          const out = await this.#proxyFetch(request, deadline, fixed);
+          const out = await Session.#slot(() => this.#proxyFetch(request, deadline, fixed), deadline);
           this.transferStats.proxyFetches += 1;
           return out;
         } finally {
@@ -1130,6 +1166,22 @@ export class Session {
       return planned;
     }, deadline, limitMs, 'fetch');
     return work;
+  }
+
+  // start() again while it rejects for --session-max-transfers only (QUOTA, refused at its
+  // start: the session's own transfers in flight end soon, e.g. fetches issued together),
+  // waiting 5 ms, doubling to 200 ms, until deadline; then that error goes to the caller
+  // (as the Python client's retry_transfers_full).
+  static async #slot(start, deadline) {
+    for (let wait = 5; ; wait = Math.min(2 * wait, 200)) {
+      try {
+        return await start();
+      } catch (e) {
+        if (!(e instanceof MeshdError) || e.code !== grpc.status.RESOURCE_EXHAUSTED
+          || !e.message.includes('--session-max-transfers') || Date.now() + wait >= deadline) throw e;
+      }
+      await new Promise((resolve) => { setTimeout(resolve, wait); });
+    }
   }
 
   // fetch's typed array for meta: the type for its dtype (UNIMPLEMENTED for one this
@@ -1293,7 +1345,7 @@ export class Session {
   // take as they are), or null when auto should use the proxy (the server does not offer it).
   async #plan(request, deadline) {
     try {
-      return await this.#unary('PlanTransfer', request, deadline);
+      return await Session.#slot(() => this.#unary('PlanTransfer', request, deadline), deadline);
     } catch (e) {
       const notOffered = e.code === grpc.status.UNIMPLEMENTED
         || (e.code === grpc.status.FAILED_PRECONDITION && e.message.includes('--data-path'));
@@ -1432,7 +1484,7 @@ export class Session {
     }
   }
 
-  // Lets go of ref, best effort, with the cleanup deadline, from inside the caller's
+  // Lets go of ref (or refs), best effort, with the cleanup deadline, from inside the caller's
   // turn (#inOrder), which execute() would wait for: by a unary Execute. how: 'drop'
   // (a tensor known to stand) or 'release' (one that may: the server skips a ref that
   // is not live).
@@ -1442,7 +1494,7 @@ export class Session {
     // Submit stream, written before them, it would get them refused BAD_ARGUMENT. The
     // upload drained the pipeline and holds the turn: nothing pipelined is outstanding.
     try {
-      await this.#unaryBy('Execute', { seq: 0, [how]: { refs: [ref] } }, this.#cleanupDeadline());
+      await this.#unaryBy('Execute', { seq: 0, [how]: { refs: [].concat(ref) } }, this.#cleanupDeadline());
     } catch {
       // best effort: the upload rejects all the same
     }

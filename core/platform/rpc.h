@@ -185,6 +185,13 @@ typedef struct rpc_server_opts {
    * <= 0: RPC_DEFAULT_MAX_UNAUTHENTICATED; never below 2 * max(4, 2 * threads)
    * + threads (the calls a burst of probes has queued ahead of its reads). */
   int max_unauthenticated_requests;
+  /* gRPC's memory quota for this port (GRPC_ARG_RESOURCE_QUOTA): what its
+   * connections' read buffers, HTTP/2 state and calls may take together.
+   * Near it gRPC reads in smaller pieces, and past it closes connections
+   * without calls (GOAWAY), then cancels calls (RESOURCE_EXHAUSTED "Buffers
+   * full"), so strangers' connections cannot grow the process without bound.
+   * 0: no quota (gRPC's default). */
+  uint64_t memory_bytes;
   /* Runs on a completion-queue thread when no event is ready and it is about
    * to wait for one: where handlers that held work back to batch it (the
    * agents' links, corked until idle) let it go. NULL: none. */

@@ -1027,7 +1027,14 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
     wire_args_int(&a, GRPC_ARG_HTTP2_BDP_PROBE, 0);
     wire_args_int(&a, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, opts->stream_window_bytes);
   }
+  grpc_resource_quota *quota = NULL;
+  if (opts->memory_bytes > 0) {
+    quota = grpc_resource_quota_create("meshd-rpc-server");
+    grpc_resource_quota_resize(quota, (size_t)opts->memory_bytes);
+    wire_args_ptr(&a, GRPC_ARG_RESOURCE_QUOTA, quota, grpc_resource_quota_arg_vtable());
+  }
   srv->server = grpc_server_create(wire_args_done(&a), NULL);
+  if (quota) grpc_resource_quota_unref(quota); /* the server's args hold their own ref */
   srv->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
   pthread_mutex_init(&srv->mu, NULL);

@@ -141,6 +141,16 @@ void wire_args_str(wire_args_t *a, const char *key, const char *value) {
   a->ca.num_args = n + 1;
 }
 
+void wire_args_ptr(wire_args_t *a, const char *key, void *p, const grpc_arg_pointer_vtable *vt) {
+  size_t n = a->ca.num_args;
+  if (n >= sizeof a->args / sizeof a->args[0]) return;
+  a->args[n].type = GRPC_ARG_POINTER;
+  a->args[n].key = (char *)key;
+  a->args[n].value.pointer.p = p;
+  a->args[n].value.pointer.vtable = vt;
+  a->ca.num_args = n + 1;
+}
+
 const grpc_channel_args *wire_args_done(wire_args_t *a) {
   a->ca.args = a->args;
   return &a->ca;

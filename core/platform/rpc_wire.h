@@ -34,6 +34,7 @@ typedef struct wire_args {
 } wire_args_t;
 void wire_args_int(wire_args_t *a, const char *key, int value);
 void wire_args_str(wire_args_t *a, const char *key, const char *value);
+void wire_args_ptr(wire_args_t *a, const char *key, void *p, const grpc_arg_pointer_vtable *vt);
 const grpc_channel_args *wire_args_done(wire_args_t *a);
 
 /* Stops the client thread of pulls and duplexes (rpc_client.c); rpc_shutdown

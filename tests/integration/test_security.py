@@ -578,6 +578,48 @@ def test_a_stranger_without_a_token_holds_bounded_memory(tmp_path, tokens_file):
         lib.stop(p)
 
 
+def test_a_strangers_many_connections_hold_bounded_memory(tmp_path, tokens_file):
+    """What a burst of refused calls leaves in gRPC (its read buffers, ~6 MiB a
+    connection of 1000 refused calls of 60 KB) stayed until the connection closed,
+    and connections are not bounded: 60 such connections grew meshd by 270-400
+    MiB, and more connections by more, without end. gRPC's memory quota
+    (--rpc-memory-bytes) bounds it: near the quota gRPC reads in small pieces,
+    past it it closes connections without calls (70-130 MiB grown here however
+    many connections, most of it the allocator's). A token holder still moves
+    64 MiB through the proxy path after the flood."""
+    p = _start(tmp_path, "--auth-tokens", tokens_file, "--rpc-memory-bytes", "32MiB", n=1)
+    t = lib.tensor_pb2()
+    deadline = time.monotonic() + lib.REGISTER_TIMEOUT
+    while not [a for a in lib.unary(p.port, _SVC + "ListAgents", t.ListAgentsRequest(),
+                                    t.ListAgentsReply, metadata=bearer(ALICE)).agents
+               if a.healthy]:
+        assert time.monotonic() < deadline, f"no agent\n{lib.log_tail(p.log)}"
+        time.sleep(0.1)
+    socks = []
+    try:
+        before = _rss_mib(p.pid)
+        t0 = time.monotonic()
+        for _ in range(60):
+            s, _sent = _h2_partial_unary_calls(p.port, _SVC + "ListSessions", 1000, 60000)
+            socks.append(s)
+            assert time.monotonic() - t0 < 50, "the flood took too long"
+        time.sleep(1.0)
+        grown = _rss_mib(p.pid) - before
+        assert grown < 180, (f"60 connections of a stranger's 1000 refused calls each grew "
+                             f"meshd by {grown:.0f} MiB")
+        assert lib.health_check(p.port, "") == lib.SERVING()
+        with Session(p.port, "after-flood", auth=bearer(ALICE)) as s:
+            m = s.mesh(gpu=1).ref
+            big = np.arange(16 << 20, dtype=np.float32)  # 64 MiB through the proxy path
+            x = tc.upload(s, m, big, per_rank=False, chunk=3 << 20)
+            np.testing.assert_array_equal(tc.fetch(s, x, gpu=0), big)
+            s.close()
+    finally:
+        for s in socks:
+            s.close()
+        lib.stop(p)
+
+
 def test_a_stranger_that_keeps_to_flow_control_is_refused_at_the_headers(tmp_path, tokens_file):
     """A stranger that waits for window updates could send each call's whole
     announced message (up to --max-message-bytes, 4 MiB), and gRPC held it all
@@ -670,4 +712,45 @@ def test_a_stranger_with_a_forged_grant_is_refused_at_the_headers(tmp_path, toke
         assert len(st.ended) == 32, f"{len(st.ended)} of 32 unfinished Reads answered"
     finally:
         st.close()
+        lib.stop(p)
+
+
+def test_a_strangers_many_connections_to_an_agent_hold_bounded_memory(tmp_path, tokens_file):
+    """An agent's port alike: each connection of 1000 Read calls without the call
+    secret (refused at the headers) left gRPC's read buffers in the agent until it
+    closed, without bound over connections (60: 220-240 MiB). The server's
+    --rpc-memory-bytes goes to its local agents, whose gRPC quota bounds it."""
+    p = _start(tmp_path, "--auth-tokens", tokens_file, "--rpc-memory-bytes", "32MiB", n=1)
+    t = lib.tensor_pb2()
+    deadline = time.monotonic() + lib.REGISTER_TIMEOUT
+    while True:
+        agents = lib.unary(p.port, _SVC + "ListAgents", t.ListAgentsRequest(), t.ListAgentsReply,
+                           metadata=bearer(ALICE)).agents
+        if agents and agents[0].healthy:
+            break
+        assert time.monotonic() < deadline, f"no agent: {agents}\n{lib.log_tail(p.log)}"
+        time.sleep(0.1)
+    agent_port = int(agents[0].address.rsplit(":", 1)[1])
+    agent_pid = list(lib.agent_children(p.pid))[0]
+    socks = []
+    try:
+        before = _rss_mib(agent_pid)
+        t0 = time.monotonic()
+        for _ in range(60):
+            s, _sent = _h2_partial_unary_calls(agent_port, "/meshd.agent.v1.Agent/Read", 1000, 60000)
+            socks.append(s)
+            assert time.monotonic() - t0 < 50, "the flood took too long"
+        time.sleep(1.0)
+        grown = _rss_mib(agent_pid) - before
+        assert grown < 180, (f"60 connections of a stranger's 1000 refused Reads each grew "
+                             f"an agent by {grown:.0f} MiB")
+        with Session(p.port, "after-agent-flood", auth=bearer(ALICE)) as s:
+            m = s.mesh(gpu=1).ref
+            big = np.arange(16 << 20, dtype=np.float32)  # 64 MiB through the proxy path
+            x = tc.upload(s, m, big, per_rank=False, chunk=3 << 20)
+            np.testing.assert_array_equal(tc.fetch(s, x, gpu=0), big)
+            s.close()
+    finally:
+        for s in socks:
+            s.close()
         lib.stop(p)
