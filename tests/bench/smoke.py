@@ -58,10 +58,15 @@ RUNS = [
 ]
 
 
+_TMPDIR = None  # main's temp dir: every benchmark's TMPDIR, removed however they ended
+
+
 def env():
     e = {k: v for k, v in os.environ.items()
          if k.lower() not in ("http_proxy", "https_proxy", "grpc_proxy", "all_proxy")}
     e["MESHD_BIN_DIR"] = BIN
+    if _TMPDIR:
+        e["TMPDIR"] = _TMPDIR
     e["PYTHONPATH"] = os.path.join(REPO, "clients", "python")
     return e
 
@@ -132,8 +137,10 @@ def pipeline(tmp):
 
 
 def main():
+    global _TMPDIR
     lines = []
     with tempfile.TemporaryDirectory(prefix="meshd-bench-smoke-") as tmp:
+        _TMPDIR = tmp
         for name, argv, want in RUNS:
             lines += run(name, argv, want)
         pipeline(tmp)

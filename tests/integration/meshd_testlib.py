@@ -423,8 +423,13 @@ class Process:
 
 
 def spawn(kind, binary, args, workdir, env=None, port_file=True, wait_port=True):
-    """Starts binary with args (+ --port-file), stdout+stderr to a log in workdir."""
+    """Starts binary with args (+ --port-file), stdout+stderr to a log in workdir.
+    Its TMPDIR is workdir (unless env names one): what it makes there (meshd's
+    --local-agents join token directory) goes with the test's temp dir even when the
+    process is SIGKILLed and cannot remove it itself."""
     os.makedirs(workdir, exist_ok=True)
+    env = dict(env or {})
+    env.setdefault("TMPDIR", os.path.abspath(workdir))
     n = len(glob.glob(os.path.join(workdir, f"{kind}-*.log")))
     log = os.path.join(workdir, f"{kind}-{n}.log")
     pf = os.path.join(workdir, f"{kind}-{n}.port") if port_file else None

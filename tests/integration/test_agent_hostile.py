@@ -33,23 +33,7 @@ def apb():
     Python client)."""
     global _agent_pb2
     if _agent_pb2 is None:
-        import importlib
-        import os
-        import subprocess
-        import tempfile
-        lib.tensor_pb2()
-        src = os.path.join(lib.SOURCE_DIR, "api", "meshd", "agent", "v1", "agent.proto")
-        tmp = tempfile.mkdtemp(prefix="meshd-it-agent-")
-        with open(src) as f:
-            text = f.read().replace('import "meshd/v1/tensor_service.proto";',
-                                    'import "tensor_service.proto";')
-        with open(os.path.join(tmp, "agent.proto"), "w") as f:
-            f.write(text)
-        subprocess.run(["protoc", "--proto_path=" + tmp,
-                        "--proto_path=" + os.path.join(lib.SOURCE_DIR, "api", "meshd", "v1"),
-                        "--python_out=" + lib._gen_dir, os.path.join(tmp, "agent.proto")],
-                       check=True)
-        _agent_pb2 = importlib.import_module("agent_pb2")
+        _agent_pb2 = lib.agent_pb2()
     return _agent_pb2
 
 

@@ -245,7 +245,7 @@ def _sessions(srv):
 
 
 @pytest.mark.parametrize("in_call", [False, True], ids=["idle", "in_call"])
-def test_a_killed_clients_memory_is_freed_within_its_ttl(meshd_server, in_call):
+def test_a_killed_clients_memory_is_freed_within_its_ttl(meshd_server, in_call, tmp_path):
     env = {"MESHD_FAULT": "reduce:hang", "MESHD_COMM_TIMEOUT_MS": "30000"} if in_call else None
     srv = lib.wait_ready(meshd_server(4, env=env), 4)
     if in_call and not all(a.data_port for a in lib.list_agents(srv.port)):
@@ -254,7 +254,9 @@ def test_a_killed_clients_memory_is_freed_within_its_ttl(meshd_server, in_call):
     client = subprocess.Popen([sys.executable, "-c", _CLIENT, lib.HERE, str(srv.port), str(TTL),
                                "1" if in_call else "0"], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=lib.clean_env(
-                                  {"MESHD_SOURCE_DIR": lib.SOURCE_DIR}))
+                                  # TMPDIR: its generated protos go with tmp_path (SIGKILLed,
+                                  # it cannot remove them)
+                                  {"MESHD_SOURCE_DIR": lib.SOURCE_DIR, "TMPDIR": str(tmp_path)}))
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in client.stdout], daemon=True).start()
     try:

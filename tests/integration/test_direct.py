@@ -4,8 +4,10 @@ server issues (PlanTransfer); agents refuse forged, expired, reused and misdirec
 grants, and the server defines an upload only on its agents' receipts. In every
 case of refusal the session and the pool go on working."""
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -16,7 +18,9 @@ import pytest
 import meshd_testlib as lib
 
 sys.path.insert(0, os.path.join(lib.SOURCE_DIR, "clients", "python"))
-os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="meshd-direct-cache-"))
+if not os.environ.get("XDG_CACHE_HOME"):  # the client's generated modules: a cache of our own
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="meshd-direct-cache-")
+    atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 import meshd  # noqa: E402
 from meshd import direct as _direct  # noqa: E402
 

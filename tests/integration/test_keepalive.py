@@ -113,7 +113,7 @@ def test_idle_clients_keep_their_connection(meshd_server, tmp_path):
             procs[pause] = (subprocess.Popen(
                 [sys.executable, "-c", _IDLE_CLIENT, lib.HERE, str(srv.port), str(pause),
                  str(IDLE_WINDOW)], stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, env=lib.clean_env()), out)
+                stderr=subprocess.STDOUT, env=lib.clean_env({"TMPDIR": str(tmp_path)})), out)
         deadline = time.monotonic() + IDLE_WINDOW + 60
         for pause, (p, _) in procs.items():
             p.wait(max(1.0, deadline - time.monotonic()))

@@ -245,6 +245,21 @@ def test_sigkilled_meshd_leaves_no_agents(meshd_server):
     assert not left, f"agents {sorted(left)} survived a SIGKILLed meshd"
 
 
+def test_a_sigkilled_meshds_join_token_stays_in_the_tests_temp_dir(meshd_server, tmp_path):
+    """meshd removes the join token directory it makes for --local-agents when it
+    exits, but not when it is SIGKILLed: the fixtures give it TMPDIR=tmp_path, so that
+    directory goes with the test's own (one /tmp/meshd-join-* a killed server, before)."""
+    srv = meshd_server(1)
+    kids = _wait_children(srv, 1)
+    args = lib.proc_cmdline(next(iter(kids)))
+    token = args[args.index("--join-token-file") + 1]
+    assert os.path.commonpath([token, str(tmp_path)]) == str(tmp_path), token
+    srv.signal(signal.SIGKILL)
+    srv.proc.wait(10)
+    assert not lib.wait_gone(kids, 10.0)
+    assert os.path.exists(token), "a SIGKILLed meshd removed its token: nothing to test"
+
+
 def test_agent_survives_server_restart(meshd_server, agent):
     first = meshd_server()
     a = agent(first.port)

@@ -50,16 +50,40 @@ static long slurp(const char *path, char *buf, size_t len) {
   return (long)n;
 }
 
+static void stop_server(void);
+
+/* A start that failed: the start of meshd's log on stderr, then the server
+ * stopped and dir removed (Criterion runs no .fini after a failed .init). */
+static void start_failed(void) {
+  char path[128], text[4096];
+  snprintf(path, sizeof path, "%s/meshd.log", dir);
+  if (slurp(path, text, sizeof text) > 0)
+    fprintf(stderr, "--- meshd log ---\n%s\n", text);
+  stop_server();
+}
+
 /* meshd --local-agents `agents` and the NULL-terminated `extra` flags; ready
  * once TensorService is SERVING to a client connected with `o` (NULL: plaintext). */
 static void start_server_full(const char *agents, const char *const *extra,
                               const meshd_connect_options_t *o) {
+  char port_file[128], log_file[128], bin[512];
+  snprintf(bin, sizeof bin, "%s/meshd", bin_dir()); /* before dir: it may fail */
   snprintf(dir, sizeof dir, "/tmp/meshd-c-client-XXXXXX");
   cr_assert_not_null(mkdtemp(dir));
-  char port_file[128], log_file[128], bin[512];
   snprintf(port_file, sizeof port_file, "%s/port", dir);
   snprintf(log_file, sizeof log_file, "%s/meshd.log", dir);
-  snprintf(bin, sizeof bin, "%s/meshd", bin_dir());
+  /* Its TMPDIR is dir: the join token directory it makes for its local agents
+   * goes with dir (stop_server) even when a test SIGKILLs it. */
+  extern char **environ;
+  static char tmpdir_var[80];
+  static char *envp[512];
+  snprintf(tmpdir_var, sizeof tmpdir_var, "TMPDIR=%s", dir);
+  size_t ne = 0;
+  for (char **e = environ; *e && ne < 510; e++)
+    if (strncmp(*e, "TMPDIR=", 7) != 0)
+      envp[ne++] = *e;
+  envp[ne++] = tmpdir_var;
+  envp[ne] = NULL;
   server_pid = fork();
   cr_assert_geq(server_pid, 0);
   if (server_pid == 0) {
@@ -74,7 +98,7 @@ static void start_server_full(const char *agents, const char *const *extra,
     size_t n = 7;
     for (size_t i = 0; extra && extra[i] && n < 23; i++)
       argv[n++] = extra[i];
-    execv(bin, (char *const *)argv);
+    execve(bin, (char *const *)argv, envp);
     _exit(127);
   }
   char buf[64];
@@ -87,6 +111,8 @@ static void start_server_full(const char *agents, const char *const *extra,
     if (port <= 0)
       sleep_ms(50);
   }
+  if (port <= 0)
+    start_failed();
   cr_assert_gt(port, 0, "meshd wrote no port file");
   snprintf(target, sizeof target, "127.0.0.1:%d", port);
 
@@ -94,6 +120,8 @@ static void start_server_full(const char *agents, const char *const *extra,
   meshd_connect_options_t plain = MESHD_CONNECT_OPTIONS_INIT;
   char why[512] = "";
   meshd_client_t *c = meshd_connect_with(target, o ? o : &plain, &e, why, sizeof why);
+  if (!c)
+    start_failed();
   cr_assert_not_null(c, "connect: %s: %s", meshd_strerror(e), why);
   int status = MESHD_HEALTH_UNKNOWN;
   for (int i = 0; i < 300; i++) {
@@ -103,6 +131,8 @@ static void start_server_full(const char *agents, const char *const *extra,
     sleep_ms(50);
   }
   meshd_close(c);
+  if (status != MESHD_HEALTH_SERVING)
+    start_failed();
   cr_assert_eq(status, MESHD_HEALTH_SERVING, "TensorService never became SERVING");
 }
 

@@ -70,7 +70,9 @@ def start_meshd(agents, listen="127.0.0.1:0", name="meshd", flags=(), connect=No
                                  "--port-file", port_file] + [str(f) for f in flags],
                                 stdin=subprocess.DEVNULL,
                                 stdout=logf, stderr=subprocess.STDOUT,
-                                env={**_child_env(), **(env or {})})
+                                # TMPDIR: its join token's directory goes with _TMP
+                                # even if it is SIGKILLed
+                                env={**_child_env(), "TMPDIR": _TMP, **(env or {})})
     try:
         deadline = time.monotonic() + 30
         port = None
