@@ -441,11 +441,18 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
     pthread_mutex_lock(&s->mu);
     objects_t *o = s->objects;
     if (o) {
+      /* What this report fails says where it came from (a fetch planned before
+       * the failing instruction ignores it: fetch_caught_up). */
+      o->report_rank = rank;
+      o->report_seq = err->seq;
+      o->report_command = err->command_seq;
       /* One command failing on several ranks is one root failure: only the
        * report that fails the tensor is kept for Sync, under the client seq of
        * the failing command (Error.command_seq). */
       obj_t *t = err->ref ? objects_get(o, err->ref) : NULL;
       bool tensor = t && t->kind == OBJ_TENSOR;
+      if (tensor && t->state == TENSOR_FAILED && t->tensor.fail)
+        objects_failure_origin(t->tensor.fail, rank, err->seq, err->command_seq); /* failed already */
       if (kind == ERR_DEPENDENT_FAILURE) {
         /* Not a root: the tensor fails everywhere, Sync reports only its root.
          * An agent names the root tensor ("depends on tensor N, ...") but
@@ -471,6 +478,7 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
         if (!gone || objects_dropped_failure_first(o, err->ref))
           objects_note_failure(o, kind, msg, err->command_seq ? err->command_seq : err->seq);
       }
+      o->report_seq = o->report_command = 0;
     }
     pthread_mutex_unlock(&s->mu);
     log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, LOG_RANK(rank)},

@@ -1,5 +1,6 @@
 #include "data_service.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -20,7 +21,6 @@
 
 /* Upload and Fetch call the agents on the pool's data channels
  * (agent_pool_data): one per agent, with its TLS and call secret. */
-#define AGENT_CALL_MS 600000
 
 struct data_service {
   agent_pool_t *pool;
@@ -108,6 +108,17 @@ static const char *agent_failure(const rpc_status_t *st, char *buf, size_t n) {
   snprintf(buf, n, "the connection to its agent broke (%s): the agent died or cannot be "
            "reached", st->message[0] ? st->message : "no status");
   return buf;
+}
+
+/* The deadline of a relay's call to an agent: its client's (a second later,
+ * so that the client sees its own), none when the client set none: the
+ * client's call ends the relay (upload_end, fetch_end cancel it) and an agent
+ * that dies breaks its connection. (A fixed 10 min ended a slow client's
+ * Upload or Fetch then, DEADLINE_EXCEEDED with kind AGENT_LOST.) */
+static int relay_call_ms(rpc_call_t *call) {
+  int64_t left = rpc_call_deadline_left_ms(call);
+  if (left < 0) return 0;
+  return left > INT_MAX - 1000 ? INT_MAX : (int)left + 1000;
 }
 
 static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
@@ -661,8 +672,8 @@ static int write_open_locked(upload_t *u, rank_write_t *w, meshd_error_t *e) {
   if (!(w->data = agent_pool_data(u->ds->pool, w->rank, &t)))
     return error_set(e, ERR_AGENT_LOST, "Upload: rank %u has no agent", w->rank);
   w->d = rpc_duplex_open(agent_data_channel(w->data), "/meshd.agent.v1.Agent/Write", t.md, 1,
-                         AGENT_CALL_MS, &meshd__agent__v1__write_reply__descriptor, write_event,
-                         w);
+                         relay_call_ms(u->call), &meshd__agent__v1__write_reply__descriptor,
+                         write_event, w);
   if (!w->d)
     return error_set(e, ERR_AGENT_LOST, "Upload: cannot call the agent of rank %u", w->rank);
   u->open++;
@@ -1037,7 +1048,7 @@ static void fetch_read(fetch_t *f) {
   if (!ended) {
     f->data = data;
     f->pull = rpc_pull_open_raw(agent_data_channel(data), "/meshd.agent.v1.Agent/Read", &rq.base,
-                                t.md, 1, AGENT_CALL_MS, fetch_chunk, f);
+                                t.md, 1, relay_call_ms(f->call), fetch_chunk, f);
     if (f->pull) rpc_pull_next(f->pull);
   }
   bool started = f->pull != NULL;
@@ -1046,6 +1057,22 @@ static void fetch_read(fetch_t *f) {
   if (ended) return relay_stop(f);
   if (!started)
     relay_fail(f, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST", "Fetch: cannot call the agent");
+}
+
+/* Whether the failure of the fetched tensor t came from what was sent before
+ * the fetch's plan (the plan refused a tensor failed then): an agent's report
+ * of an instruction at or before the seq waited for on its rank. One the
+ * server decided at a later command's check, or an agent's of a later
+ * instruction (an in-place command after the fetch), leaves the value the
+ * Snapshot holds, which the Fetch promises. Unknown (no memory to say,
+ * reports of several ranks, a rank not waited for): failed, as before. */
+static bool failed_before_plan(const fetch_t *f, const obj_t *t) {
+  const tensor_failure_t *why = t->tensor.fail;
+  if (!why || why->ranks) return true;
+  if (!why->rank_seq) return false;
+  for (size_t i = 0; i < f->ntargets; i++)
+    if (f->targets[i].rank == why->rank) return why->rank_seq <= f->targets[i].seq;
+  return true;
 }
 
 /* The watermark wait ended with r. Returns false to wait again (another rank
@@ -1081,7 +1108,7 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
   pthread_mutex_lock(&f->sess->mu);
   objects_t *o = f->sess->objects;
   obj_t *t = o ? objects_get(o, f->ref) : NULL;
-  if (t && t->kind == OBJ_TENSOR && t->state == TENSOR_FAILED)
+  if (t && t->kind == OBJ_TENSOR && t->state == TENSOR_FAILED && failed_before_plan(f, t))
     error_set(&e, obj_fail_kind(t), "Fetch: tensor %llu failed: %s", (unsigned long long)f->ref,
               obj_fail_msg(t));
   pthread_mutex_unlock(&f->sess->mu);

@@ -394,6 +394,10 @@ void objects_fail_tensor(objects_t *o, obj_t *t, uint64_t seq, error_kind_t kind
       if (!it->tensor.fail) continue; /* obj_fail_* say so */
       it->tensor.fail->kind = kind;
       it->tensor.fail->root_seq = root_seq;
+      it->tensor.fail->rank = o->report_rank;
+      it->tensor.fail->rank_seq = o->report_seq;
+      it->tensor.fail->rank_command = o->report_command;
+      it->tensor.fail->ranks = false;
       memcpy(it->tensor.fail->msg, msg, len + 1);
     }
     const obj_t *b = st->borrow ? objects_get(o, st->borrow) : NULL;

@@ -51,8 +51,31 @@ typedef struct storage {
 typedef struct tensor_failure {
   error_kind_t kind;       /* REMOTE_FAILURE / DEPENDENT_FAILURE */
   uint64_t root_seq;       /* the command whose failure it is */
+  /* Where it came from: the instruction seq on `rank` of an agent's report
+   * (rank_seq 0: the server failed it at a command's check). A fetch planned
+   * before that instruction was sent reads the value from before it. */
+  uint32_t rank;
+  uint64_t rank_seq;
+  uint64_t rank_command; /* that instruction's client command seq (0: not known) */
+  bool ranks;              /* reports of other commands on other ranks: where is not known */
   char msg[];
 } tensor_failure_t;
+
+/* A rank's report of a failure of a tensor failed already: the earlier origin
+ * is kept (one of the same rank, or any over the server's own check); one
+ * command failing on several ranks is one origin (a command's instructions go
+ * to its ranks at once). */
+static inline void objects_failure_origin(tensor_failure_t *f, uint32_t rank, uint64_t seq,
+                                          uint64_t command) {
+  if (!seq) return;
+  if (!f->rank_seq || (f->rank == rank && seq < f->rank_seq)) {
+    f->rank = rank;
+    f->rank_seq = seq;
+    f->rank_command = command;
+  } else if (f->rank != rank && (!command || command != f->rank_command)) {
+    f->ranks = true;
+  }
+}
 
 /* A tensor's record. Its dtype and layout are packed after the record
  * (obj_t.meta): read them with obj_meta. */
@@ -135,6 +158,9 @@ typedef struct objects {
   uint64_t live_borrows;   /* borrows not dropped */
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
   uint64_t current_seq;    /* client seq of the command running now (new tensors' born_seq) */
+  uint32_t report_rank;    /* the agent report being applied (tensor_failure_t.rank_seq): */
+  uint64_t report_seq;     /* its rank, instruction seq (0: none) and client command seq */
+  uint64_t report_command;
   meshd_error_t *unreported; /* run-time root failures not yet returned by a Sync */
   uint64_t *unreported_seq;
   size_t nunreported;

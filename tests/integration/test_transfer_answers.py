@@ -4,7 +4,9 @@ starts its next transfer on it), a FinishUpload asked again while the first is h
 gets the same answer, and a direct fetch gives back no relay it never took."""
 
 import concurrent.futures
+import os
 import threading
+import time
 
 import grpc
 import pytest
@@ -133,3 +135,96 @@ def test_a_finish_upload_asked_twice_at_once_gets_the_same_answer_twice(meshd_se
             if got != [ref, ref]:
                 bad.append((i, got))
     assert not bad, f"{len(bad)} of 100: {bad[:3]}"
+
+
+def test_a_fetch_is_not_failed_by_a_command_sent_after_its_plan(meshd_server):
+    """A fetch reads the tensor as the commands before its plan left it (its Snapshot;
+    protocol.md, Fetch and Direct data path), so a command sent after the plan that fails
+    the tensor in place does not fail the fetch: the agent's Read gives the value, and
+    FinishFetch must not then refuse it with the later command's failure. Twice: an in-place
+    add_ that fails on the agent (MESHD_FAULT call:fail), and one the server fails at once
+    because its other input had failed (DEPENDENT_FAILURE); each on both ranks of the mesh.
+    (FinishFetch failed with either: it checked only whether the tensor was failed by the
+    time every rank caught up, so a client whose fetch_shard returned a good value raised
+    the error of a later command.)"""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:fail,count=1"}), 2)
+    t = lib.tensor_pb2()
+    ones = b"\x00\x00\x80\x3f" * 4
+    with lib.Session(srv.port, "later-failure", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        for case in ("the agent fails it", "the server fails it"):
+            x = s.tensor(m, (4,), "ones").ref
+            if case == "the agent fails it":
+                p = _plan_fetch(s, x, gpu=1)
+                s.run(lib.call("add_", lib.Ref(x), lib.Ref(x)))  # the injected failure
+                errors = s.run(lib.sync()).errors
+                assert [lib.kind_name(e.kind) for e in errors] == ["REMOTE_FAILURE"], errors
+                failed = x
+            else:
+                p = _plan_fetch(s, x, gpu=1)
+                s.run(lib.call("add_", lib.Ref(x), lib.Ref(failed)))  # failed by the server
+                s.run(lib.sync())
+            state = s.run(lib.describe(x)).tensors[0].state
+            assert t.TensorState.Name(state) == "TENSOR_STATE_FAILED", (case, state)
+            assert agent_read(p.shards[0], s.id, x) == ones, case
+            try:
+                s.unary("FinishFetch", t.FinishFetchRequest(transfer_id=p.transfer_id),
+                        t.FinishFetchReply)
+            except grpc.RpcError as e:
+                raise AssertionError(f"{case} after the plan: FinishFetch failed: "
+                                     f"{e.code()} {e.details()}") from None
+
+
+def test_a_proxied_fetch_is_not_failed_by_a_command_sent_after_its_first_message(meshd_server):
+    """The same for Fetch through the server: a client that waited for its first message
+    (the meta: the Fetch is planned) and then sends an in-place add_ that fails gets the
+    value, even when that failure lands while the Fetch still waits for the ranks to catch
+    up (a slow matmul queued before it keeps the wait open). (It failed with the add_'s
+    error whenever the failure landed first.)"""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:fail,after=3,count=1"}), 2)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "later-failure-proxy", timeout=60) as s:
+        m = s.mesh(gpu=2).ref
+        a = s.tensor(m, (1024, 1024), "ones").ref
+        x = s.tensor(m, (4,), "ones").ref
+        fn = s.ch.unary_stream("/meshd.v1.TensorService/Fetch", request_serializer=lambda q: q.SerializeToString(),
+                               response_deserializer=t.FetchChunk.FromString)
+        for _ in range(3):  # slow, and not failed (after=3): the next call fails
+            s.op("matmul", lib.Ref(a), lib.Ref(a))
+        it = fn(t.FetchRequest(ref=x, coords=[t.Coordinate(dim="gpu", index=1)]),
+                metadata=s.metadata, timeout=60)
+        assert next(it).WhichOneof("part") == "meta"
+        s.run(lib.call("add_", lib.Ref(x), lib.Ref(x)))  # fails on both ranks
+        try:
+            data = b"".join(c.data for c in it)
+        except grpc.RpcError as e:
+            raise AssertionError(f"the Fetch failed: {e.code()} {e.details()}") from None
+        assert data == b"\x00\x00\x80\x3f" * 4
+        errors = s.run(lib.sync()).errors
+        assert [lib.kind_name(e.kind) for e in errors] == ["REMOTE_FAILURE"], errors
+
+
+@pytest.mark.skipif(not os.environ.get("MESHD_LONG_TESTS"),
+                    reason="11 minutes: set MESHD_LONG_TESTS=1")
+def test_a_proxied_fetch_outlives_ten_minutes_under_its_clients_deadline(meshd_server):
+    """A Fetch read slowly (its client's deadline 15 min) is not ended at 10 min by the
+    server's own deadline on its call to the agent (AGENT_CALL_MS), which the client
+    neither chose nor sees: it failed DEADLINE_EXCEEDED, kind AGENT_LOST, 'Deadline
+    Exceeded', from a healthy agent. (The same deadline is on an Upload's Writes.)"""
+    srv = lib.wait_ready(meshd_server(1), 1)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "slow-reader", timeout=900) as s:
+        m = s.mesh(gpu=1).ref
+        x = s.tensor(m, (4 << 20,), "ones").ref  # 16 MiB: more than the relay holds
+        fn = s.ch.unary_stream("/meshd.v1.TensorService/Fetch",
+                               request_serializer=lambda q: q.SerializeToString(),
+                               response_deserializer=t.FetchChunk.FromString)
+        it = fn(t.FetchRequest(ref=x, coords=[t.Coordinate(dim="gpu", index=0)]),
+                metadata=s.metadata, timeout=900)
+        assert next(it).WhichOneof("part") == "meta"
+        time.sleep(610)
+        try:
+            n = sum(len(c.data) for c in it)
+        except grpc.RpcError as e:
+            raise AssertionError(f"the Fetch failed: {e.code()} {e.details()}") from None
+        assert n == 16 << 20
