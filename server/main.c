@@ -167,6 +167,7 @@ static const config_flag_t flags[] = {
      1, 65536},
     {"rpc-memory-bytes", CONFIG_BYTES, "1GiB",
      "memory gRPC may take for a port's connections (read buffers, calls: the client port, "
+     "--health-listen, "
      "--cluster-listen each; local agents take it) before it closes idle ones, then cancels "
      "calls (0: no bound)", &opt.rpc_memory_bytes, 0, 0},
     {"max-agents", CONFIG_INT, "1024", "the pool's size: agents may register as ranks 0..N-1",
@@ -544,7 +545,8 @@ int main(int argc, char **argv) {
   }
   rpc_server_t *health_srv = NULL;
   if (opt.health_listen && *opt.health_listen) {
-    health_srv = health_serve(state.health, opt.health_listen, err, sizeof err);
+    health_srv = health_serve(state.health, opt.health_listen, opt.rpc_memory_bytes, err,
+                              sizeof err);
     if (!health_srv) {
       log_error("server", "--health-listen: %s", err);
       rpc_server_destroy(srv);

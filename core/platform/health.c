@@ -4,6 +4,9 @@
  * Each Watch call is held in `watchers` with an rpc_call_ref until its on_end. */
 #include "health.h"
 
+/* Calls one connection to the health port may have open at once. */
+#define HEALTH_PORT_STREAMS 16
+
 #include <stdio.h>
 
 #include <pthread.h>
@@ -197,8 +200,13 @@ int health_add_methods_guarded(health_t *h, rpc_server_t *srv, rpc_guard_fn guar
                                         guard, guard_arg);
 }
 
-rpc_server_t *health_serve(health_t *h, const char *listen, char *err, size_t errlen) {
-  rpc_server_opts_t o = {.listen = listen, .threads = 1, .max_message_bytes = 4096};
+rpc_server_t *health_serve(health_t *h, const char *listen, uint64_t memory_bytes, char *err,
+                           size_t errlen) {
+  /* Probes send a Check at a time (a Watch or two): a stranger's connection
+   * keeps no more calls open than that. */
+  rpc_server_opts_t o = {.listen = listen, .threads = 1, .max_message_bytes = 4096,
+                         .max_concurrent_streams = HEALTH_PORT_STREAMS,
+                         .memory_bytes = memory_bytes};
   rpc_server_t *srv = rpc_server_create(&o, err, errlen);
   if (!srv) return NULL;
   if (health_add_methods(h, srv) != 0 || rpc_server_start(srv, err, errlen) < 0) {

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 
 const double metrics_duration_buckets[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                            0.1,    0.25,  0.5,    1,     2.5,  5,     10};
@@ -344,11 +345,110 @@ char *metrics_render(metrics_registry_t *r, size_t *len) {
 
 /* ---- HTTP ---- */
 
+/* A connection's deadline (its MHD socket context). */
+typedef struct conn_deadline {
+  struct conn_deadline *prev, *next;
+  int fd;
+  double deadline;
+  bool cut;
+} conn_deadline_t;
+
 struct metrics_http {
   struct MHD_Daemon *d;
   metrics_registry_t *r;
   int port;
+  /* The reaper shuts down (never closes: MHD owns the descriptor) the socket
+   * of a connection past its deadline; MHD then sees it end and closes it.
+   * A node leaves the list (mu) in NOTIFY_CLOSED, before MHD closes its fd. */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  conn_deadline_t *conns;
+  bool stopping, reaping;
+  pthread_t reaper;
 };
+
+static double mono_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
+                          enum MHD_ConnectionNotificationCode code) {
+  metrics_http_t *h = cls;
+  if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+    conn_deadline_t *c = ci ? calloc(1, sizeof *c) : NULL;
+    *socket_context = c;
+    if (!c) return;
+    c->fd = ci->connect_fd;
+    c->deadline = mono_now() + METRICS_HTTP_REQUEST_SECONDS;
+    pthread_mutex_lock(&h->mu);
+    c->next = h->conns;
+    if (h->conns) h->conns->prev = c;
+    h->conns = c;
+    pthread_mutex_unlock(&h->mu);
+    return;
+  }
+  conn_deadline_t *c = *socket_context;
+  if (!c) return;
+  pthread_mutex_lock(&h->mu);
+  if (c->prev) c->prev->next = c->next;
+  else h->conns = c->next;
+  if (c->next) c->next->prev = c->prev;
+  pthread_mutex_unlock(&h->mu);
+  free(c);
+  *socket_context = NULL;
+}
+
+/* A request answered: the next one on the connection has a bound of its own. */
+static void on_completed(void *cls, struct MHD_Connection *conn, void **req_cls,
+                         enum MHD_RequestTerminationCode toe) {
+  metrics_http_t *h = cls;
+  (void)req_cls;
+  (void)toe;
+  const union MHD_ConnectionInfo *ci =
+      MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  conn_deadline_t *c = ci ? ci->socket_context : NULL;
+  if (!c) return;
+  pthread_mutex_lock(&h->mu);
+  c->deadline = mono_now() + METRICS_HTTP_REQUEST_SECONDS;
+  pthread_mutex_unlock(&h->mu);
+}
+
+static void *reaper(void *arg) {
+  metrics_http_t *h = arg;
+  pthread_mutex_lock(&h->mu);
+  while (!h->stopping) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 250 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&h->cv, &h->mu, &ts);
+    double now = mono_now();
+    for (conn_deadline_t *c = h->conns; c; c = c->next)
+      if (!c->cut && now >= c->deadline) {
+        shutdown(c->fd, SHUT_RDWR);
+        c->cut = true;
+      }
+  }
+  pthread_mutex_unlock(&h->mu);
+  return NULL;
+}
+
+static void stop_reaper(metrics_http_t *h) {
+  if (!h->reaping) return;
+  pthread_mutex_lock(&h->mu);
+  h->stopping = true;
+  pthread_cond_signal(&h->cv);
+  pthread_mutex_unlock(&h->mu);
+  pthread_join(h->reaper, NULL);
+  h->reaping = false;
+}
 
 static enum MHD_Result answer(void *cls, struct MHD_Connection *conn, const char *url,
                               const char *method, const char *version, const char *upload_data,
@@ -422,6 +522,8 @@ metrics_http_t *metrics_http_start(metrics_registry_t *r, const char *listen, ch
     return NULL;
   }
   h->r = r;
+  pthread_mutex_init(&h->mu, NULL);
+  pthread_cond_init(&h->cv, NULL);
   unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO;
   if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
   /* Anyone who reaches the port may connect: a few connections per address
@@ -432,13 +534,20 @@ metrics_http_t *metrics_http_start(metrics_registry_t *r, const char *listen, ch
                           MHD_OPTION_CONNECTION_TIMEOUT, 10u,
                           MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_HTTP_CONNECTIONS,
                           MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-                          (unsigned)METRICS_HTTP_CONNECTIONS_PER_IP, MHD_OPTION_END);
+                          (unsigned)METRICS_HTTP_CONNECTIONS_PER_IP,
+                          MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
+                          MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_END);
   freeaddrinfo(ai);
-  if (!h->d) {
+  if (h->d) h->reaping = pthread_create(&h->reaper, NULL, reaper, h) == 0;
+  if (!h->d || !h->reaping) {
     snprintf(err, errlen, "cannot serve metrics on %s (address in use or not local?)", listen);
+    if (h->d) MHD_stop_daemon(h->d);
+    pthread_cond_destroy(&h->cv);
+    pthread_mutex_destroy(&h->mu);
     free(h);
     return NULL;
   }
+  pthread_setname_np(h->reaper, "metrics-reaper");
   const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
   h->port = info ? (int)info->port : 0;
   return h;
@@ -448,6 +557,9 @@ int metrics_http_port(const metrics_http_t *h) { return h ? h->port : -1; }
 
 void metrics_http_stop(metrics_http_t *h) {
   if (!h) return;
+  stop_reaper(h);
   MHD_stop_daemon(h->d);
+  pthread_cond_destroy(&h->cv);
+  pthread_mutex_destroy(&h->mu);
   free(h);
 }

@@ -72,6 +72,10 @@ typedef struct metrics_http metrics_http_t;
 /* Connections the metrics port holds at once, in all and per client address. */
 #define METRICS_HTTP_CONNECTIONS 64
 #define METRICS_HTTP_CONNECTIONS_PER_IP 16
+/* Seconds a connection has for each request, from its accept or the end of
+ * its previous request to the end of the answer: MHD's own timeout is one of
+ * inactivity, which a client sending a byte a second never reaches. */
+#define METRICS_HTTP_REQUEST_SECONDS 10
 /* Serves GET /metrics (200, "text/plain; version=0.0.4; charset=utf-8") on
  * `listen` ("host:port", "[v6]:port"; port 0 picks a free one) from its own
  * thread; any other path is 404, other methods 405. NULL with a message in

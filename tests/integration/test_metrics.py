@@ -323,6 +323,73 @@ def test_the_metrics_port_holds_few_connections_per_address(meshd_server, tmp_pa
             time.sleep(0.2)
 
 
+def test_slow_requests_on_the_metrics_port_do_not_hold_it(meshd_server, tmp_path):
+    """MHD's 10 s timeout is one of inactivity: a stranger that sends a header byte
+    every second never completes a request and is never closed, and 64 such
+    connections from 4 addresses (16 each) held every connection the port takes:
+    every scrape timed out for as long as the stranger liked. A request's headers
+    must now arrive within a bound (10 s), then the connection is closed."""
+    import select
+    pf = tmp_path / "metrics.port"
+    srv = meshd_server(0, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf,
+                       min_agents=0)
+    mport = port_of(pf, srv)
+    socks = []
+    try:
+        for ip in range(2, 6):
+            for _ in range(16):
+                sk = socket.socket()
+                sk.bind((f"127.0.0.{ip}", 0))
+                sk.settimeout(5)
+                sk.connect(("127.0.0.1", mport))
+                sk.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                socks.append(sk)
+        import threading
+        stop = threading.Event()
+        closed = []
+
+        def feed():  # a byte a second on each, for as long as the port takes them
+            while not stop.wait(1.0):
+                for sk in socks:
+                    if sk in closed:
+                        continue
+                    try:
+                        if select.select([sk], [], [], 0)[0] and sk.recv(1024) == b"":
+                            raise ConnectionResetError
+                        sk.sendall(b"a")
+                    except OSError:
+                        closed.append(sk)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        t0 = time.monotonic()
+        scraped = False
+        try:
+            while time.monotonic() - t0 < 25 and not scraped:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics",
+                                                timeout=2) as r:
+                        scraped = "meshd_sessions" in r.read().decode()
+                except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+                    time.sleep(0.5)
+        finally:
+            stop.set()
+            feeder.join(10)
+        assert scraped, (f"no scrape in 25 s while {64 - len(closed)} connections sent a "
+                         f"header byte a second")
+        for sk in socks:  # the slow ones were closed, not served
+            if sk not in closed and select.select([sk], [], [], 2.0)[0]:
+                try:
+                    if sk.recv(1024) == b"":
+                        closed.append(sk)
+                except OSError:
+                    closed.append(sk)
+        assert len(closed) == 64, f"{64 - len(closed)} slow connections still open"
+    finally:
+        for sk in socks:
+            sk.close()
+
+
 def test_agent_metrics(meshd_server, agent, tmp_path):
     srv = meshd_server(0, min_agents=2)
     ports = []

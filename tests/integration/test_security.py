@@ -620,6 +620,35 @@ def test_a_strangers_many_connections_hold_bounded_memory(tmp_path, tokens_file)
         lib.stop(p)
 
 
+def test_a_strangers_many_connections_to_the_health_port_hold_bounded_memory(tmp_path):
+    """The --health-listen port is open to anyone too, and its gRPC server had no
+    memory quota: 60 connections of 1000 refused 60 KB Check calls each grew meshd
+    by ~300 MiB (more connections, more). It takes --rpc-memory-bytes as the other
+    ports do; probes are still answered after the flood."""
+    hport = lib.free_port()
+    p = _start(tmp_path, "--health-listen", f"127.0.0.1:{hport}", "--rpc-memory-bytes", "32MiB",
+               wait=False)
+    socks = []
+    try:
+        lib.wait_health(hport, "", lib.SERVING(), proc=p.proc, log=p.log)
+        before = _rss_mib(p.pid)
+        t0 = time.monotonic()
+        for _ in range(60):
+            s, _sent = _h2_partial_unary_calls(hport, "/grpc.health.v1.Health/Check", 1000, 60000)
+            socks.append(s)
+            assert time.monotonic() - t0 < 50, "the flood took too long"
+        time.sleep(1.0)
+        grown = _rss_mib(p.pid) - before
+        assert grown < 180, (f"60 connections of a stranger's 1000 refused calls each on the "
+                             f"health port grew meshd by {grown:.0f} MiB")
+        assert lib.health_check(hport, "") == lib.SERVING()
+        assert lib.health_check(p.port, "") == lib.SERVING()
+    finally:
+        for s in socks:
+            s.close()
+        lib.stop(p)
+
+
 def test_a_stranger_that_keeps_to_flow_control_is_refused_at_the_headers(tmp_path, tokens_file):
     """A stranger that waits for window updates could send each call's whole
     announced message (up to --max-message-bytes, 4 MiB), and gRPC held it all
