@@ -440,6 +440,22 @@ typedef struct worker_arg {
   xstream_t *st;
 } worker_arg_t;
 
+/* A live worker of session s (a stream's, or a refuser) is done with it;
+ * the last one out of an ended session frees it and completes its
+ * EndSession's seq. Called with mu, returns without it. */
+static void leave_session_locked(executor_t *x, xsession_t *s) {
+  bool last = --s->live_workers == 0 && s->ended;
+  uint64_t end_seq = s->end_seq;
+  if (last) unlink_live_locked(x, s);
+  pthread_mutex_unlock(&x->mu);
+  if (last) {
+    session_free(s);
+    pthread_mutex_lock(&x->mu);
+    mark_done_locked(x, end_seq);
+    pthread_mutex_unlock(&x->mu);
+  }
+}
+
 /* Seqs a worker ran whose device work may still be in flight (backends with
  * stream_sync): marked done together once the stream is synchronised, when
  * the queue runs dry or this many are waiting. */
@@ -513,16 +529,7 @@ static void run_stream(executor_t *x, xstream_t *st) {
       mark_done_locked(x, seq);
     }
   }
-  bool last = --s->live_workers == 0;
-  uint64_t end_seq = s->end_seq;
-  if (last) unlink_live_locked(x, s);
-  pthread_mutex_unlock(&x->mu);
-  if (last) {
-    session_free(s);
-    pthread_mutex_lock(&x->mu);
-    mark_done_locked(x, end_seq);
-    pthread_mutex_unlock(&x->mu);
-  }
+  leave_session_locked(x, s);
 }
 
 /* Parks the calling worker until it is handed a stream (returned), or
@@ -675,16 +682,7 @@ static void *refuser_main(void *arg) {
   pthread_mutex_lock(&x->mu);
   x->refusers--;
   mark_done_locked(x, seq);
-  bool last = --s->live_workers == 0 && s->ended;
-  uint64_t end_seq = s->end_seq;
-  if (last) unlink_live_locked(x, s);
-  pthread_mutex_unlock(&x->mu);
-  if (last) {
-    session_free(s);
-    pthread_mutex_lock(&x->mu);
-    mark_done_locked(x, end_seq);
-    pthread_mutex_unlock(&x->mu);
-  }
+  leave_session_locked(x, s);
   executor_unref(x);
   return NULL;
 }
