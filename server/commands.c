@@ -744,11 +744,13 @@ static int resolve_call_args(objects_t *o, const char *cmd, const op_def_t *op,
   return 0;
 }
 
-/* Same offset, sizes and strides (slots past ndim are not part of a layout). */
+/* Same offset, sizes and strides (slots past ndim are not part of a layout;
+ * the stride of a size-1 dim moves nowhere, so it does not count). */
 static bool same_view(const layout_t *a, const layout_t *b) {
   if (a->ndim != b->ndim || a->offset != b->offset) return false;
   for (int i = 0; i < a->ndim; i++)
-    if (a->sizes[i] != b->sizes[i] || a->strides[i] != b->strides[i]) return false;
+    if (a->sizes[i] != b->sizes[i] || (a->sizes[i] > 1 && a->strides[i] != b->strides[i]))
+      return false;
   return true;
 }
 
@@ -767,12 +769,94 @@ static bool byte_span(const tensor_meta_t *m, int64_t *lo, int64_t *hi) {
   return true;
 }
 
+/* The steps views_may_share searches before it answers "they may". */
+#define SHARE_STEPS 1024
+
+/* One stride of the merged views, with the multiples of it the two may add:
+ * a's indices count up, b's down (a's offset + a's sum == b's offset + b's sum). */
+typedef struct share_dim {
+  int64_t stride;
+  __int128 lo, hi;
+} share_dim_t;
+
+static __int128 floor_div(__int128 a, __int128 b) { /* b > 0 */
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+/* 1: rem is a sum of k_i * stride_i with lo_i <= k_i <= hi_i (i >= at); 0: it
+ * is not; -1: out of steps. low[i], high[i]: the least and greatest sums of
+ * dims i.. (d is sorted by stride, largest first, so they bound the rest). */
+static int share_search(const share_dim_t *d, int n, int at, __int128 rem, const __int128 *low,
+                        const __int128 *high, int *steps) {
+  if (at == n) return rem == 0;
+  __int128 s = d[at].stride;
+  __int128 kmin = -floor_div(-(rem - high[at + 1]), s), kmax = floor_div(rem - low[at + 1], s);
+  if (kmin < d[at].lo) kmin = d[at].lo;
+  if (kmax > d[at].hi) kmax = d[at].hi;
+  for (__int128 k = kmin; k <= kmax; k++) {
+    if (--*steps < 0) return -1;
+    int r = share_search(d, n, at + 1, rem - k * s, low, high, steps);
+    if (r) return r;
+  }
+  return 0;
+}
+
+static int share_add(share_dim_t *d, int n, int64_t stride, __int128 lo, __int128 hi) {
+  if (stride < 0) {
+    __int128 t = lo;
+    lo = -hi, hi = -t, stride = -stride;
+  }
+  for (int i = 0; i < n; i++)
+    if (d[i].stride == stride) {
+      d[i].lo += lo, d[i].hi += hi;
+      return n;
+    }
+  d[n] = (share_dim_t){stride, lo, hi};
+  return n + 1;
+}
+
+/* Whether views a and b of one storage, with elements of one size, may reach a
+ * common element: an exact search over their strides (the offsets' difference
+ * as a sum of stride multiples within the sizes), e.g. false for the columns
+ * x[:, 0] and x[:, 1] or x[::2] and x[1::2], whose byte ranges interleave.
+ * Past SHARE_STEPS steps of search it answers true (conservative). */
+static bool views_may_share(const layout_t *a, const layout_t *b) {
+  share_dim_t d[2 * LAYOUT_MAX_DIMS];
+  int n = 0;
+  for (int i = 0; i < a->ndim; i++) {
+    if (a->sizes[i] == 0) return false;
+    if (a->sizes[i] > 1 && a->strides[i] != 0)
+      n = share_add(d, n, a->strides[i], 0, a->sizes[i] - 1);
+  }
+  for (int i = 0; i < b->ndim; i++) {
+    if (b->sizes[i] == 0) return false;
+    if (b->sizes[i] > 1 && b->strides[i] != 0)
+      n = share_add(d, n, b->strides[i], -(b->sizes[i] - 1), 0);
+  }
+  for (int i = 1; i < n; i++) /* by stride, largest first */
+    for (int j = i; j > 0 && d[j].stride > d[j - 1].stride; j--) {
+      share_dim_t t = d[j];
+      d[j] = d[j - 1], d[j - 1] = t;
+    }
+  __int128 low[2 * LAYOUT_MAX_DIMS + 1], high[2 * LAYOUT_MAX_DIMS + 1];
+  low[n] = high[n] = 0;
+  for (int i = n - 1; i >= 0; i--) {
+    low[i] = low[i + 1] + d[i].lo * d[i].stride;
+    high[i] = high[i + 1] + d[i].hi * d[i].stride;
+  }
+  int steps = SHARE_STEPS;
+  return share_search(d, n, 0, (__int128)b->offset - a->offset, low, high, &steps) != 0;
+}
+
 /* Two views of one storage that share no byte (torch's rule for in-place
- * ops: only a partial overlap is refused), e.g. x[0] and x[1]. */
+ * ops: only a partial overlap is refused), e.g. x[0] and x[1], or x[:, 0] and
+ * x[:, 1], whose byte ranges interleave: then the strides decide
+ * (views_may_share, exact within its steps, else "they may"). */
 static bool disjoint(const tensor_meta_t *a, const tensor_meta_t *b) {
   int64_t alo, ahi, blo, bhi;
   if (!byte_span(a, &alo, &ahi) || !byte_span(b, &blo, &bhi)) return true;
-  return ahi <= blo || bhi <= alo;
+  if (ahi <= blo || bhi <= alo) return true;
+  return dtype_size(a->dtype) == dtype_size(b->dtype) && !views_may_share(&a->layout, &b->layout);
 }
 
 static bool param_mutated(const op_infer_t *inf, int param) {

@@ -140,6 +140,28 @@ def test_elementwise_matmul_sum_views(s2):
     np.testing.assert_array_equal(fetch(s2, t, gpu=1), b.T)
 
 
+def test_in_place_between_views_of_one_tensor(s2):
+    """Views that share no element (columns, every other row) may be written from each other,
+    as in torch, with torch's values; views that share some are refused (clone first)."""
+    m = s2.mesh(gpu=2).ref
+    a = np.arange(16, dtype=np.float32).reshape(4, 4)
+    x = upload(s2, m, a)
+    want = a.copy()
+    op(s2, "copy_", Ref(op(s2, "select", Ref(x), 1, 0)), Ref(op(s2, "select", Ref(x), 1, 1)))
+    want[:, 0] = want[:, 1]
+    even, odd = op(s2, "slice", Ref(x), 0, 0, 4, 2), op(s2, "slice", Ref(x), 0, 1, 4, 2)
+    op(s2, "add_", Ref(even), Ref(odd))
+    want[::2] += want[1::2]
+    op(s2, "copy_", Ref(op(s2, "slice", Ref(x), 1, 2, 4)), Ref(op(s2, "slice", Ref(x), 1, 0, 2)))
+    want[:, 2:] = want[:, :2]
+    for g in range(2):
+        np.testing.assert_array_equal(fetch(s2, x, gpu=g), want)
+    dst, src = op(s2, "slice", Ref(x), 0, 1), op(s2, "slice", Ref(x), 0, 0, 3)
+    e = s2.fails("BAD_ARGUMENT", call("copy_", Ref(dst), Ref(src), results=[s2.new_ref()]))
+    assert "clone the input first" in str(e)
+    np.testing.assert_array_equal(fetch(s2, x, gpu=0), want)
+
+
 def test_factories_and_rand_determinism(s2):
     m = s2.mesh(gpu=2).ref
     z = s2.tensor(m, (2, 3), "ones").ref

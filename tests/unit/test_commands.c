@@ -1780,6 +1780,49 @@ Test(commands, inplace_refuses_a_partially_overlapping_input) {
          "writes memory that");
 }
 
+/* Views of one storage whose byte ranges interleave but share no element
+ * (columns, halves of rows, every other row) are disjoint, as in torch and as
+ * protocol.md says: only views that share an element are refused. The same
+ * elements through another stride on a size-1 dim are the same view. */
+Test(commands, inplace_accepts_interleaved_views_that_share_no_element) {
+  ZEROS(20, 4, 4);
+  /* x[:, 0].copy_(x[:, 1]) */
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(20), aint(1), aint(0)), RES(21)));
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(20), aint(1), aint(1)), RES(22)));
+  ok(CALL("copy_", STREAM_MAIN, ARGS(aref(21), aref(22)), RES(23)));
+  /* x[:, :2].add_(x[:, 2:]) */
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(1), aint(0), aint(2)), RES(24)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(1), aint(2), aint(4)), RES(25)));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(24), aref(25)), RES(26)));
+  /* x[::2].copy_(x[1::2]) */
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(0), aint(4), aint(2)), RES(27)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(1), aint(4), aint(2)), RES(28)));
+  ok(CALL("copy_", STREAM_MAIN, ARGS(aref(27), aref(28)), RES(29)));
+  /* ... but x[:, 1:].copy_(x[:, :-1]) and x[1:].copy_(x[:-1]) share elements. */
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(1), aint(1), aint(4)), RES(30)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(1), aint(0), aint(3)), RES(31)));
+  REJECT(CALL("copy_", STREAM_MAIN, ARGS(aref(30), aref(31)), RES(32)), ERR_BAD_ARGUMENT,
+         "Call copy_", "writes memory that", "clone the input first");
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(1), aint(4)), RES(33)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(0), aint(3)), RES(34)));
+  REJECT(CALL("copy_", STREAM_MAIN, ARGS(aref(33), aref(34)), RES(35)), ERR_BAD_ARGUMENT,
+         "writes memory that");
+  /* x[:, 0:2] and x[1:3, 1] share x[1, 1] */
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(0), aint(1), aint(3)), RES(36)));
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(36), aint(1), aint(1)), RES(37)));
+  ok(CALL("slice", STREAM_MAIN, ARGS(aref(20), aint(1), aint(0), aint(2)), RES(38)));
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(38), aint(0), aint(1)), RES(39))); /* x[1, 0:2] */
+  REJECT(CALL("add_", STREAM_MAIN, ARGS(aref(39), aref(37)), RES(40)), ERR_BAD_ARGUMENT,
+         "writes memory that");
+  /* y = x[0]: y.unsqueeze(0) (strides [4, 1]) and y.unsqueeze(1).t() (strides
+   * [1, 1]) are the same elements in the same order: the same view. */
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(20), aint(0), aint(0)), RES(41)));
+  ok(CALL("unsqueeze", STREAM_MAIN, ARGS(aref(41), aint(0)), RES(42)));
+  ok(CALL("unsqueeze", STREAM_MAIN, ARGS(aref(41), aint(1)), RES(43)));
+  ok(CALL("t", STREAM_MAIN, ARGS(aref(43)), RES(44)));
+  ok(CALL("add_", STREAM_MAIN, ARGS(aref(42), aref(44)), RES(45)));
+}
+
 /* DrainAgent: sessions created after a drain get no mesh on the drained rank
  * (the lowest run of healthy undrained ranks instead); older sessions keep it. */
 Test(commands, create_mesh_avoids_ranks_drained_before_the_session) {
