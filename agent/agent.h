@@ -106,6 +106,10 @@ uint64_t transfer_grant_results(int result);
 int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
                          uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
                          size_t msglen);
+/* Forgets a nonce transfer_grant_admit took: its call was refused for a cause
+ * not about the grant (QUOTA, a session not open) before anything moved, and
+ * the client may present the grant again. */
+void transfer_grant_give_back(const uint8_t *nonce);
 /* For agent_auth_guard, before the request is read: 0 when the call's grant
  * carries this agent's server's signature; 1 when that cannot be told (not
  * registered now: transfer_grant_admit refuses it); else a refusal as

@@ -222,6 +222,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     return;
   }
   int64_t grant_expiry = 0;
+  uint8_t nonce[GRANT_NONCE_LEN];
   if (transfer_grant_call(call)) { /* a client's direct Read: its grant names this call */
     Meshd__Agent__V1__TransferGrant *g = NULL;
     char msg[300];
@@ -232,11 +233,13 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
       return;
     }
     grant_expiry = g->expiry_unix_ms;
+    memcpy(nonce, g->nonce.data, GRANT_NONCE_LEN);
     protobuf_c_message_free_unpacked(&g->base, NULL);
   }
   executor_t *ex = execute_executor();
   if (!ex || !executor_backend(ex)) {
     if (ex) executor_unref(ex);
+    if (grant_expiry) transfer_grant_give_back(nonce); /* nothing read: the grant may come again */
     rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
                     "Read: no server drives this agent (no Execute call)");
     return;
@@ -263,6 +266,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   }
   if (code != GRPC_STATUS_OK) {
     executor_unref(ex);
+    if (grant_expiry) transfer_grant_give_back(nonce); /* refused for a cause not the grant's */
     rpc_call_finish(call, code, kind, "Read: %s", why);
     return;
   }
@@ -270,6 +274,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   if (!j) {
     if (!ready) atomic_fetch_sub(&read_waiting, 1);
     executor_unref(ex);
+    if (grant_expiry) transfer_grant_give_back(nonce);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of memory");
     return;
   }
@@ -301,6 +306,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   if (rc != 0) {
     atomic_fetch_sub(&read_threads, 1);
     if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
+    if (grant_expiry) transfer_grant_give_back(nonce);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads");
     read_job_free(j); /* unwatches its grant first: the watch thread must not find it freed */
   }
@@ -378,7 +384,9 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
   c.spec = g->spec;
   c.session_id = g->session_id;
-  write_spec(call, w, &c);
+  /* Refused before a byte came (QUOTA, the session not open...): not the
+   * grant's fault, which the client may present again. */
+  if (write_spec(call, w, &c) < 0) transfer_grant_give_back(w->nonce);
   protobuf_c_message_free_unpacked(&g->base, NULL);
 }
 
@@ -392,7 +400,8 @@ static void write_not_open(write_state_t *w) {
   char why[200];
   snprintf(why, sizeof why, "session %s is not open on this agent (the server opens a session "
            "with an instruction before it writes to it); nothing was stored", w->session);
-  write_fail(w->call, w, GRPC_STATUS_FAILED_PRECONDITION, NULL, why);
+  /* Its kind too (as a Read's unseen seq): the server relays it, not AGENT_LOST. */
+  write_fail(w->call, w, GRPC_STATUS_FAILED_PRECONDITION, "UNAVAILABLE", why);
 }
 
 /* The spec checked, its session open: the tensor its bytes go into (no
@@ -432,8 +441,9 @@ static void *write_open_main(void *arg) {
     if ((open = executor_wait_open(w->ex, w->session, POLL_MS))) break;
   atomic_fetch_sub(&write_waiting, 1);
   if (!rpc_call_ended(call)) {
-    if (!open) write_not_open(w);
-    else if (write_ready(w) == 0) rpc_call_resume_reads(call);
+    int rc = open ? write_ready(w) : (write_not_open(w), -1);
+    if (rc == 0) rpc_call_resume_reads(call);
+    else if (w->granted) transfer_grant_give_back(w->nonce); /* no byte came: not the grant's fault */
   }
   /* The call first: the executor's last reference may let main go on to
    * shut gRPC down (executor_wait_all_freed), and the call's free uses it. */

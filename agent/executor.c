@@ -507,7 +507,10 @@ static void run_stream(executor_t *x, xstream_t *st) {
     bool skip = st->stop;
     pthread_mutex_unlock(&x->mu);
     failed.n = 0;
-    if (!skip && it->refused) run_refused(&x->env, ss, it->ins, it->refused, false, &failed);
+    /* Refused by its checks: every member refuses alike, and is not told,
+     * unless only this agent's own limits refused it (QUOTA, validate.h). */
+    if (!skip && it->refused)
+      run_refused(&x->env, ss, it->ins, it->refused, it->refused->kind == ERR_QUOTA, &failed);
     else if (!skip && no_stream.kind != ERR_NONE)
       run_refused(&x->env, ss, it->ins, &no_stream, true, &failed);
     else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);

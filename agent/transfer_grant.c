@@ -85,6 +85,18 @@ static int take_nonce(const uint8_t *nonce, int64_t expiry_ms, int64_t now) {
   return rc;
 }
 
+void transfer_grant_give_back(const uint8_t *nonce) {
+  pthread_mutex_lock(&mu);
+  seen_t *e = NULL;
+  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  if (e) {
+    HASH_DEL(seen, e);
+    free(e);
+    nseen--;
+  }
+  pthread_mutex_unlock(&mu);
+}
+
 static const char *dir_name(int d) {
   return d == GRANT_READ    ? "Read"
          : d == GRANT_WRITE ? "Write"

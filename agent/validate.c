@@ -600,13 +600,22 @@ int validate_instruction(const instr_t *ins, const validate_self_t *self, meshd_
   meshd_error_t err = {0};
   naming = false;
   if (check_body(ins, self, &err) == 0) return 0;
+  /* Over this agent's own --max-tensor-dims/--max-tensor-elements (QUOTA) and
+   * fine within the hard bounds: a peer with other limits may run it. */
+  bool limits_only = false;
+  if (err.kind == ERR_QUOTA) {
+    meshd_error_t ignored = {0};
+    layout_limits_off(true);
+    limits_only = check_body(ins, self, &ignored) == 0;
+    layout_limits_off(false);
+  }
   naming = true; /* again, for a message that names the field */
   memset(&err, 0, sizeof err);
   check_body(ins, self, &err);
   naming = false;
   if (!err.msg[0]) snprintf(err.msg, sizeof err.msg, "%s is missing", validate_kind_name(ins));
-  return error_set(e, ERR_BAD_ARGUMENT, "invalid %s (seq %" PRIu64 "): %.520s",
-                   validate_kind_name(ins), ins->seq, err.msg);
+  return error_set(e, limits_only ? ERR_QUOTA : ERR_BAD_ARGUMENT, "invalid %s (seq %" PRIu64
+                   "): %.520s", validate_kind_name(ins), ins->seq, err.msg);
 }
 
 size_t validate_result_refs(const instr_t *ins, uint64_t *refs, size_t cap) {

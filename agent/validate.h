@@ -59,7 +59,8 @@ int validate_envelope(const Meshd__Agent__V1__Instruction *ins, char *why, size_
 
 /* Every static rule of one instruction whose envelope passed. 0, or -1 with
  * *e (kind BAD_ARGUMENT; the message starts with the instruction's kind and
- * seq). */
+ * seq). Kind QUOTA when only this agent's tensor limits refuse it (it passes
+ * within the hard bounds): its peers, whose limits may differ, may run it. */
 int validate_instruction(const Meshd__Agent__V1__Instruction *ins, const validate_self_t *self,
                          meshd_error_t *e);
 

@@ -121,6 +121,16 @@ static int relay_call_ms(rpc_call_t *call) {
   return left > INT_MAX - 1000 ? INT_MAX : (int)left + 1000;
 }
 
+/* The kind of an agent's failed call: the one in its meshd-error-kind
+ * trailer, else QUOTA for RESOURCE_EXHAUSTED and AGENT_LOST for the rest. */
+static error_kind_t agent_kind(const rpc_status_t *st, grpc_status_code code) {
+#define XX(name, value, c) \
+  if (strcmp(st->kind, #name) == 0 && ERR_##name != ERR_NONE) return ERR_##name;
+  ERROR_KIND_MAP(XX)
+#undef XX
+  return code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA : ERR_AGENT_LOST;
+}
+
 static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
@@ -652,11 +662,11 @@ static void write_event(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
   w->ok = code == GRPC_STATUS_OK && w->closed;
   /* The Writes cancelled for another's failure do not hide it. */
   char why[sizeof st.message + 100];
+  /* The agent's own kind when it answered with one (as a Fetch relays it);
+   * else its code says: a broken connection is the agent's loss. */
+  error_kind_t kind = code == GRPC_STATUS_OK ? ERR_REMOTE_FAILURE : agent_kind(&st, code);
   if (!w->ok && u->err.kind == ERR_NONE && !(u->aborted && code == GRPC_STATUS_CANCELLED))
-    error_set(&u->err,
-              code == GRPC_STATUS_RESOURCE_EXHAUSTED ? ERR_QUOTA
-              : code == GRPC_STATUS_OK              ? ERR_REMOTE_FAILURE
-                                                    : ERR_AGENT_LOST,
+    error_set(&u->err, kind,
               "Upload: the Write to rank %u failed: %s", w->rank,
               code == GRPC_STATUS_OK ? "its agent ended it before every byte came"
                                      : agent_failure(&st, why, sizeof why));

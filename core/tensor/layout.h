@@ -36,6 +36,10 @@ typedef struct layout_limits {
 /* Values out of range are clamped into it; NULL restores the hard bounds. */
 void layout_set_limits(const layout_limits_t *l);
 layout_limits_t layout_get_limits(void);
+/* On the calling thread only, checks against the hard bounds alone (true) or
+ * the limits again (false): whether a shape fails only because of this
+ * process's limits (agent/validate.c). */
+void layout_limits_off(bool off);
 
 /* A shape a tensor may have: 0 <= ndim <= LAYOUT_MAX_DIMS, every size >= 0,
  * and the product of the sizes, a size 0 counted as 1, times elem_size is at

@@ -932,6 +932,51 @@ def test_a_source_out_of_memory_before_a_to_mesh_fails_its_destination_at_once(m
         assert state(s, x.ref) == "TENSOR_STATE_LIVE"
 
 
+def test_a_member_whose_tensor_limits_refuse_a_collective_fails_its_peers_at_once(meshd_server,
+                                                                                 agent):
+    """Agents may run with their own --max-tensor-elements, which the server does not know:
+    rank 0's (1000) refuses a stack reduce whose result (2 x 600) its peer and the server
+    accept, and the receive of a to_mesh of 1200 elements. It refused them in its checks
+    before they were queued and told no peer ("every member refuses alike"): rank 1 waited
+    out --comm-timeout-ms (20 s here) and failed naming a connection, not the limit. Now the
+    refusing member tells its peers why, as one out of memory does."""
+    srv = meshd_server(0, min_agents=2, wait_serving=False)
+    agent(srv.port, "--max-tensor-elements", 1000, "--comm-timeout-ms", 20000, rank=0)
+    agent(srv.port, "--comm-timeout-ms", 20000, rank=1)
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    log=srv.log)
+    with Session(srv.port, "limits-differ") as s:
+        m = s.mesh(gpu=2)
+        need(s, m.ref, factories=("ones",))
+        x = s.tensor(m.ref, (600,), kind="ones")  # within both limits
+        r = s.new_ref()
+        started = time.monotonic()
+        s.run(reduce(r, x.ref, ["gpu"], reduction="stack"))  # [2, 600]: over rank 0's limit
+        s.run(sync(), timeout=40)
+        took = time.monotonic() - started
+        assert took < 5.0, f"the reduce took {took:.1f} s to fail"
+        for d in s.describe(r).tensors:
+            assert pb().TensorState.Name(d.state) == "TENSOR_STATE_FAILED", d
+            assert "--max-tensor-elements" in d.error.message, d
+        # A to_mesh onto rank 0 of a tensor over its limit: the source is told.
+        src, dst = s.slice(m.ref, gpu=1), s.slice(m.ref, gpu=0)
+        y = s.tensor(src.ref, (1200,), kind="ones")
+        t = s.new_ref()
+        started = time.monotonic()
+        s.run(to_mesh(t, y.ref, dst.ref))
+        s.run(sync(), timeout=40)
+        took = time.monotonic() - started
+        assert took < 5.0, f"the to_mesh took {took:.1f} s to fail"
+        d = s.describe(t).tensors[0]
+        assert pb().TensorState.Name(d.state) == "TENSOR_STATE_FAILED", d
+        assert "--max-tensor-elements" in d.error.message, d
+        # The agents compute on.
+        r2 = s.new_ref()
+        s.run(reduce(r2, x.ref, ["gpu"], reduction="sum"))
+        s.run(sync(), timeout=30)
+        assert state(s, r2) == "TENSOR_STATE_LIVE", s.describe(r2)
+
+
 def test_quota(shared_meshd):
     srv = shared_meshd(2)
     with Session(srv.port, "quota", quota_bytes=1000) as s:

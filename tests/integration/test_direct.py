@@ -730,3 +730,136 @@ def test_reads_fit_an_agents_smaller_message_limit(meshd_server, agent):
                 big = meshd.arange(3 << 18, dtype="float32")  # made on the agent
                 got = meshd.fetch_shard(big, gpu=0).result(timeout=30)
                 np.testing.assert_array_equal(got, a)
+
+
+def test_a_read_refused_quota_keeps_its_grant_for_a_retry(meshd_server):
+    """An agent lets at most 64 Reads wait for their seq; a direct Read past them is
+    refused RESOURCE_EXHAUSTED / QUOTA. That refusal is not about the grant, so the
+    grant is not used up: the client retries it once the waiting Reads left and gets
+    its bytes (it was refused "reused" before, the real cause lost)."""
+    import time
+    # rank 0's first two op calls run 6 s: a fetch of their results waits for them
+    srv = meshd_server(2, "--session-max-transfers", "64",
+                       env={"MESHD_FAULT": "call:slow=6000,rank=0,count=2"})
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s, connect(srv, "direct") as s2:
+        arr = np.arange(8, dtype=np.float32)
+        mesh = s.mesh(gpu=2)
+        with mesh.activate():
+            y = meshd.tensor(arr) * 3  # held 6 s on rank 0
+        mesh2 = s2.mesh(gpu=2)
+        with mesh2.activate():
+            z = meshd.tensor(arr) * 3  # and this one
+        a = lib.agent_pb2()
+        plans = [plan_fetch(s, y, gpu=0) for _ in range(64)]
+        last = plan_fetch(s2, z, gpu=0).shards[0]
+        with _agent_channel(last.address) as ch:
+            fn = ch.unary_stream(AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
+                                 response_deserializer=a.DataChunk.FromString)
+            waiting = [fn(a.ReadRequest(session_id=s.id, ref=y.ref, max_chunk_bytes=1 << 20,
+                                        after_seq=p.shards[0].after_seq),
+                          metadata=((_direct.GRANT_MD, p.shards[0].grant),), timeout=30)
+                       for p in plans]
+            time.sleep(1.0)  # the 64 wait on the agent now
+            e = refused(lambda: agent_read(last, s2.id, z.ref),
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, "64 Reads already wait")
+            assert lib.trailer(e.trailing_metadata(), lib.KIND_MD) == "QUOTA", e
+            for c in waiting:
+                c.cancel()
+            end = time.monotonic() + 10
+            while True:  # the cancelled Reads leave within a poll (100 ms) each
+                try:
+                    got = agent_read(last, s2.id, z.ref)
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, \
+                        (err.code(), err.details())
+                    assert time.monotonic() < end, "the waiting Reads did not leave in 10 s"
+                    time.sleep(0.1)
+        assert np.frombuffer(got, np.float32).tolist() == (arr * 3).tolist()
+        refused(lambda: agent_read(last, s2.id, z.ref), grpc.StatusCode.PERMISSION_DENIED,
+                "reused")
+
+
+_PLAN_CLIENT = r"""
+import sys, grpc
+port, req, md = sys.argv[1], bytes.fromhex(sys.argv[2]), eval(sys.argv[3])
+ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.enable_http_proxy", 0)])
+fn = ch.unary_unary("/meshd.v1.TensorService/PlanTransfer")
+print("calling", flush=True)
+fn(req, metadata=md, timeout=60)
+print("answered", flush=True)
+"""
+
+
+def test_a_plan_whose_client_dies_before_the_answer_gives_its_slot_back(meshd_server):
+    """A PlanTransfer whose client process dies (SIGKILL: its connection drops, no
+    cancel is sent, its deadline is a minute off) while the server holds the answer
+    (--server-fault plan:slow) never told anyone the transfer's id: the call ends
+    cancelled when the connection drops, and the server gives the session's one slot
+    (--session-max-transfers 1) back then, not at the grants' expiry (60 s)."""
+    import signal
+    import subprocess
+    import time
+    srv = meshd_server(2, "--transfer-grant-ms", "60000", "--session-max-transfers", "1",
+                       "--server-fault", "plan:slow=2500,count=1")
+    lib.wait_ready(srv, 2)
+    pb = lib.tensor_pb2()
+    with lib.Session(srv.port, "dead-planner") as s:
+        m = s.mesh(gpu=2)
+        x = s.tensor(m.ref, (8,), kind="ones")
+        fetch = pb.PlanTransferRequest(fetch=pb.FetchRequest(
+            ref=x.ref, coords=[pb.Coordinate(dim="gpu", index=1)]))
+        p = subprocess.Popen([sys.executable, "-c", _PLAN_CLIENT, str(srv.port),
+                              fetch.SerializeToString().hex(), repr(tuple(s.metadata))],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert p.stdout.readline().strip() == "calling"
+            deadline = time.monotonic() + 10
+            while "answer held" not in open(srv.log).read():
+                assert time.monotonic() < deadline, "the plan never reached the fault"
+                time.sleep(0.05)
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        end = time.monotonic() + 8
+        while True:
+            try:
+                reply = s.unary("PlanTransfer", fetch, pb.PlanTransferReply, timeout=10)
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                assert time.monotonic() < end, \
+                    "a plan whose client died held the session's transfer slot 8 s"
+                time.sleep(0.1)
+        s.unary("FinishFetch", pb.FinishFetchRequest(transfer_id=reply.transfer_id),
+                pb.FinishFetchReply, timeout=10)
+    assert "the direct fetch is undone" in open(srv.log).read()
+
+
+def test_finish_upload_is_accepted_within_2_s_past_the_grants_expiry(meshd_server):
+    """docs/protocol.md, Limits and expiry: an upload is undone 2 s after its grants'
+    expiry, and FinishUpload is accepted until then (the receipts prove the Writes
+    finished before the expiry by the agents' clocks); after, it is NOT_FOUND."""
+    import time
+    srv = meshd_server(2, "--transfer-grant-ms", "1500")
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=2)
+        arr = np.arange(8, dtype=np.float32)
+        for late, ok in ((0.6, True), (3.0, False)):
+            up, ref = plan_upload(s, mesh, arr)
+            receipts = [s._pb.WriteReceipt(rank=g.rank, bytes=w.bytes, receipt=w.receipt)
+                        for g in up.shards for w in [agent_write(g, arr.tobytes())]]
+            wait = up.expiry_unix_ms / 1000 + late - time.time()
+            time.sleep(max(0.0, wait))
+            req = s._pb.FinishUploadRequest(transfer_id=up.transfer_id, receipts=receipts)
+            if ok:
+                r = finish(s, "FinishUpload", req, s._pb.FinishUploadReply)
+                assert list(r.tensor.shape) == [8], r
+            else:
+                refused(lambda: finish(s, "FinishUpload", req, s._pb.FinishUploadReply),
+                        grpc.StatusCode.NOT_FOUND, "no pending upload")

@@ -883,3 +883,96 @@ def test_the_server_relays_at_most_max_relayed_transfers_over_all_sessions(meshd
         assert "Fetch" in e.value.details() and "--max-relayed-transfers" in e.value.details()
         assert not isinstance(held.release(), grpc.RpcError)
         assert len(fetch_floats(b, x)) == 64 * 1024 // 4 * 2
+
+
+class _HoldingRelay:
+    """127.0.0.1:self.port -> 127.0.0.1:target: bytes towards the target on the
+    connections made before hold() wait until hold()'s end; later connections pass
+    at once. The server's Execute link to an agent held back, its data channel not."""
+
+    def __init__(self, target):
+        import asyncio
+        self.target, self.until, self.conns = target, 0.0, 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def pipe(r, w, old):
+            try:
+                while True:
+                    data = await r.read(1 << 16)
+                    if not data:
+                        break
+                    wait = self.until - time.monotonic() if old() else 0
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                    w.write(data)
+                    await w.drain()
+            except (OSError, asyncio.CancelledError):
+                pass
+            w.close()
+
+        async def handle(cr, cw):
+            gen = self.generation
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.target)
+            await asyncio.gather(pipe(cr, uw, lambda: gen == 0), pipe(ur, cw, lambda: False))
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            srv = self.loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+            self.port = srv.sockets[0].getsockname()[1]
+            ready.set()
+            self.loop.run_forever()
+        self.generation = 0
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(10), "the relay did not start"
+
+    def hold(self, seconds):
+        self.generation = 1
+        self.until = time.monotonic() + seconds
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_an_upload_refused_by_its_agent_says_the_agents_kind(meshd_server, agent):
+    """An agent that refuses a proxied Upload's Write with an error of its own kind is
+    relayed with that kind, as a Fetch's is, not as AGENT_LOST (which tells the user
+    the agent died and to make a new mesh). Here the session's opening instruction is
+    held back on the server's Execute link while 17 Uploads start: the agent lets 16
+    Writes wait for the session (3 s) and refuses the next at once, "session ... is
+    not open on this agent": UNAVAILABLE, the agent is alive and the upload may be
+    tried again."""
+    port = lib.free_port()
+    relay = _HoldingRelay(port)
+    try:
+        srv = meshd_server(0, "--session-max-transfers", "64")
+        agent(srv.port, "--listen", f"127.0.0.1:{port}", "--advertise",
+              f"127.0.0.1:{relay.port}")
+        lib.wait_ready(srv, 1)
+        with lib.Session(srv.port, "held-open", timeout=30) as s:
+            m = s.mesh(gpu=1).ref
+            relay.hold(4.5)  # the Execute link's bytes to the agent; the data channel is new
+            errors = []
+
+            def one():
+                try:
+                    upload(s, m, [1.0, 2.0], timeout=20)
+                    errors.append(None)
+                except grpc.RpcError as e:
+                    errors.append(e)
+            threads = [threading.Thread(target=one) for _ in range(17)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert len(errors) == 17, "an Upload did not end in 30 s"
+            not_open = [e for e in errors if e and "is not open on this agent" in e.details()]
+            assert not_open, [e and e.details() for e in errors]
+            for e in not_open:
+                kind = lib.trailer(e.trailing_metadata(), lib.KIND_MD)
+                assert kind == "UNAVAILABLE", (kind, e.details())
+            relay.hold(0)
+    finally:
+        relay.close()

@@ -445,6 +445,32 @@ Test(validate, reduce_rules) {
           "result is float32 [3] but its input and group of 1 give float32 [4]", NULL);
 }
 
+/* Over this agent's own --max-tensor-* only (QUOTA): a peer with other limits
+ * runs it, so the executor tells the peers; anything else wrong with it
+ * (BAD_ARGUMENT) every member refuses alike. */
+Test(validate, only_this_agents_limits_refuse_with_quota) {
+  kit_t k;
+  kit_init(&k, 1, "s");
+  meshd_error_t e = {0};
+  layout_set_limits(&(layout_limits_t){LAYOUT_MAX_DIMS, 3});
+  reduce(&k, "sum", 10, four, 1, 11, four, 1);
+  cr_assert_eq(validate_instruction(&k.ins, &SELF, &e), -1);
+  cr_expect_eq(e.kind, ERR_QUOTA, "%s", e.msg);
+  cr_expect(strstr(e.msg, "--max-tensor-elements"), "%s", e.msg);
+  int64_t three[1] = {3}; /* and a wrong result: refused alike everywhere */
+  reduce(&k, "sum", 10, four, 1, 11, three, 1);
+  cr_assert_eq(validate_instruction(&k.ins, &SELF, &e), -1);
+  cr_expect_eq(e.kind, ERR_BAD_ARGUMENT, "%s", e.msg);
+  uint32_t other[1] = {3}; /* not this agent's group */
+  reduce(&k, "sum", 10, four, 1, 11, four, 1);
+  k.g.ranks = other;
+  cr_assert_eq(validate_instruction(&k.ins, &SELF, &e), -1);
+  cr_expect_eq(e.kind, ERR_BAD_ARGUMENT, "%s", e.msg);
+  layout_set_limits(NULL);
+  reduce(&k, "sum", 10, four, 1, 11, four, 1);
+  cr_expect_eq(validate_instruction(&k.ins, &SELF, &e), 0, "%s", e.msg);
+}
+
 Test(validate, sends) {
   kit_t k;
   kit_init(&k, 1, "s");
