@@ -1218,6 +1218,12 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
               "meshd_session_load: need a url, and a shape with a dtype (raw bytes) or neither");
     return MESHD_E_INVALID;
   }
+  if (o.dtype && o.name) { /* as Python's and Node's: not silently the whole file */
+    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+              "meshd_session_load: name '%s' picks a tensor of a safetensors file; raw bytes "
+              "(dtype and shape) have none", o.name);
+    return MESHD_E_INVALID;
+  }
   Meshd__V1__Load l = MESHD__V1__LOAD__INIT;
   l.mesh = mesh;
   l.url = (char *)url;
@@ -1425,7 +1431,8 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
   bool told_silent = false; /* o->silent last heard of some ranks */
   /* Looks only (LoadProgress, not a command) until every load is in, one
    * failed or a rank's agent is lost; then Syncs, which wait for the rest of
-   * the session and report a failure. A look that times out is no news. */
+   * the session and report a failure. A look that times out, or that is
+ * refused QUOTA (the server's helpers busy), is no news. */
   for (;;) {
     if (o->stop && *o->stop) {
       ret = wait_stopped(s, done, total);
@@ -1460,8 +1467,9 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
         o->progress(o->progress_user, done < total ? done : total, total);
       if (settled)
         break;
-    } else if (ret != MESHD_E_DEADLINE) {
-      goto out;
+    } else if (ret != MESHD_E_DEADLINE &&
+               !(ret == MESHD_E_RPC && strcmp(s->client->kind, "QUOTA") == 0)) {
+      goto out; /* (QUOTA: the server's progress helpers are busy; look again) */
     }
     if (!nap_ms(interval, o->stop)) {
       ret = wait_stopped(s, done, total);

@@ -522,6 +522,20 @@ export class Session {
       const some = refs.slice(i, i + RELEASE_BATCH);
       this.#inOrder(() => this.#letGoInTurn(some, 'release'));
     }
+    // A Borrow the server may have made (its origin then undroppable): DropBorrow of its
+    // claimed ref ends it, or is refused UNKNOWN_REF if it never was (ignored: best effort).
+    for (const { seq, ...command } of cmds) {
+      const b = Number(command.borrow?.borrow);
+      if (b > 0) this.#inOrder(() => this.#dropLostBorrow(b));
+    }
+  }
+
+  async #dropLostBorrow(borrow) {
+    try { // seq 0, unary: as #letGoInTurn's
+      await this.#unaryBy('Execute', { seq: 0, drop_borrow: { borrow } }, this.#cleanupDeadline());
+    } catch {
+      // best effort
+    }
   }
 
   // A command that did not go out: its seq, and the refs it would have claimed, are

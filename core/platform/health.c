@@ -25,14 +25,25 @@ typedef struct service {
 typedef struct watcher {
   struct watcher *next;
   rpc_call_t *call;
+  const struct port *port; /* the bound on Watch calls is per port */
   char *service;
+  struct health *h;
+  health_status_t sent; /* the last status queued */
+  health_status_t latest;
+  bool behind; /* a status is queued: latest goes when it has (watch_drained) */
 } watcher_t;
+
+/* One per server the methods were added to: their `arg`. */
+typedef struct port {
+  struct port *next;
+  struct health *h;
+} port_t;
 
 struct health {
   pthread_mutex_t mu;
   service_t *services;
   watcher_t *watchers;
-  int nwatchers;
+  port_t *ports;
   bool shutting_down;
 };
 
@@ -59,6 +70,31 @@ static void send_status(rpc_call_t *call, health_status_t st) {
   rpc_call_send(call, &r.base);
 }
 
+/* A client that does not read holds at most one queued status: later ones
+ * wait as `latest` (Watch may skip intermediate statuses) and go when the
+ * queue has drained. Under h->mu. */
+static void watch_drained(rpc_call_t *call, void *arg);
+
+static void watcher_send_locked(watcher_t *w, health_status_t st) {
+  w->latest = st;
+  if (w->behind) return;
+  if (rpc_call_pending(w->call) > 0) {
+    w->behind = rpc_call_when_drained(w->call, 0, watch_drained, w);
+    if (w->behind) return;
+  }
+  w->sent = st;
+  send_status(w->call, st);
+}
+
+static void watch_drained(rpc_call_t *call, void *arg) {
+  watcher_t *w = arg; /* alive: on_end runs after this callback */
+  health_t *h = w->h;
+  pthread_mutex_lock(&h->mu);
+  w->behind = false;
+  if (!rpc_call_ended(call) && w->latest != w->sent) watcher_send_locked(w, w->latest);
+  pthread_mutex_unlock(&h->mu);
+}
+
 health_status_t health_get(health_t *h, const char *service) {
   pthread_mutex_lock(&h->mu);
   health_status_t st = get_locked(h, service);
@@ -80,7 +116,7 @@ void health_set(health_t *h, const char *service, health_status_t status) {
   if (changed) {
     log_info("health", "%s is %s", *service ? service : "\"\"", health_status_name(status));
     for (watcher_t *w = h->watchers; w; w = w->next)
-      if (strcmp(w->service, service) == 0) send_status(w->call, status);
+      if (strcmp(w->service, service) == 0) watcher_send_locked(w, status);
   }
   pthread_mutex_unlock(&h->mu);
 }
@@ -94,7 +130,7 @@ int health_watchers(health_t *h) {
 }
 
 static void on_check(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
-  health_t *h = arg;
+  health_t *h = ((port_t *)arg)->h;
   const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
   health_status_t st = health_get(h, req->service);
   if (st == HEALTH_SERVICE_UNKNOWN) {
@@ -107,7 +143,8 @@ static void on_check(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
 }
 
 static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
-  health_t *h = arg;
+  const port_t *port = arg;
+  health_t *h = port->h;
   const Grpc__Health__V1__HealthCheckRequest *req = (const void *)msg;
   /* Health is open to strangers and a Watch lasts as long as its client
    * likes: what it holds is bounded (the name it keeps, how many there are). */
@@ -119,14 +156,17 @@ static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     return;
   }
   pthread_mutex_lock(&h->mu);
-  if (!h->shutting_down && h->nwatchers >= HEALTH_WATCHERS_MAX) {
+  int on_port = 0;
+  for (watcher_t *o = h->watchers; o; o = o->next) on_port += o->port == port;
+  if (!h->shutting_down && on_port >= HEALTH_WATCHERS_MAX) {
     pthread_mutex_unlock(&h->mu);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL,
-                    "Watch: %d Watch calls are open on this process already; use Check",
+                    "Watch: %d Watch calls are open on this port already; use Check",
                     HEALTH_WATCHERS_MAX);
     return;
   }
-  send_status(call, get_locked(h, req->service));
+  health_status_t first = get_locked(h, req->service);
+  send_status(call, first);
   if (h->shutting_down) {
     pthread_mutex_unlock(&h->mu);
     rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL, "server shutting down");
@@ -139,9 +179,11 @@ static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   }
   if (w) {
     w->call = call;
+    w->port = port;
+    w->h = h;
+    w->sent = w->latest = first;
     w->next = h->watchers;
     h->watchers = w;
-    h->nwatchers++;
     rpc_call_ref(call);
     rpc_call_set_data(call, w);
   }
@@ -150,14 +192,13 @@ static void on_watch(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
 }
 
 static void on_watch_end(rpc_call_t *call, bool cancelled, void *arg) {
-  health_t *h = arg;
+  health_t *h = ((port_t *)arg)->h;
   watcher_t *w = rpc_call_data(call);
   if (!w) return;
   pthread_mutex_lock(&h->mu);
   for (watcher_t **p = &h->watchers; *p; p = &(*p)->next) {
     if (*p == w) {
       *p = w->next;
-      h->nwatchers--;
       break;
     }
   }
@@ -191,12 +232,19 @@ static const rpc_method_t methods[] = {
 };
 
 int health_add_methods(health_t *h, rpc_server_t *srv) {
-  return rpc_server_add_methods(srv, methods, sizeof methods / sizeof methods[0], h);
+  return health_add_methods_guarded(h, srv, NULL, NULL);
 }
 
 int health_add_methods_guarded(health_t *h, rpc_server_t *srv, rpc_guard_fn guard,
                                void *guard_arg) {
-  return rpc_server_add_methods_guarded(srv, methods, sizeof methods / sizeof methods[0], h,
+  port_t *port = calloc(1, sizeof *port); /* freed by health_destroy, after the server */
+  if (!port) return -1;
+  port->h = h;
+  pthread_mutex_lock(&h->mu);
+  port->next = h->ports;
+  h->ports = port;
+  pthread_mutex_unlock(&h->mu);
+  return rpc_server_add_methods_guarded(srv, methods, sizeof methods / sizeof methods[0], port,
                                         guard, guard_arg);
 }
 
@@ -238,6 +286,10 @@ void health_destroy(health_t *h) {
     next = s->next;
     free(s->name);
     free(s);
+  }
+  for (port_t *p = h->ports, *next; p; p = next) {
+    next = p->next;
+    free(p);
   }
   /* Watchers are gone: each on_end ran before the rpc server finished shutting down. */
   pthread_mutex_destroy(&h->mu);

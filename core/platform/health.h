@@ -19,8 +19,9 @@ typedef struct health health_t;
 
 /* Health answers strangers (no token, plaintext probes): a Watch keeps its
  * service name for its life, so names past this many bytes are refused
- * (INVALID_ARGUMENT), and past this many open Watch calls (all services) a new
- * one is refused (RESOURCE_EXHAUSTED). */
+ * (INVALID_ARGUMENT), and past this many open Watch calls on one server (all
+ * services) a new one is refused (RESOURCE_EXHAUSTED). A Watch whose client
+ * does not read holds one queued status at most: it gets the latest later. */
 #define HEALTH_SERVICE_MAX 256
 #define HEALTH_WATCHERS_MAX 1024
 

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "log.h"
 #include "rpc.h"
@@ -175,9 +176,20 @@ out:
   return cfg;
 }
 
+/* Every time in mtimes is over a second before `seen` (a clock read before
+ * they were taken): a later write gets a different time, however coarse the
+ * file system's timestamps. */
+static bool settled(const struct timespec mtimes[3], struct timespec seen) {
+  for (int i = 0; i < 3; i++)
+    if (mtimes[i].tv_sec + 1 >= seen.tv_sec) return false;
+  return true;
+}
+
 static grpc_ssl_certificate_config_reload_status fetch(void *arg,
                                                        grpc_ssl_server_certificate_config **out) {
   rpc_tls_server_t *t = arg;
+  struct timespec seen;
+  clock_gettime(CLOCK_REALTIME, &seen); /* before the stat: see settled() */
   struct timespec now[3] = {mtime_of(t->ca_file), mtime_of(t->cert_file), mtime_of(t->key_file)};
   pthread_mutex_lock(&t->mu);
   grpc_ssl_certificate_config_reload_status rc = GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_UNCHANGED;
@@ -196,7 +208,11 @@ static grpc_ssl_certificate_config_reload_status fetch(void *arg,
     } else {
       if (!t->failing) log_error("rpc", "%s; keeping the certificates loaded before", err);
       t->failing = true;
-      memcpy(t->mtime, now, sizeof now); /* retry at the next change, not each handshake */
+      /* Retry at the next change, not each handshake; but a file changed
+       * within the last second may still be being written (truncate, then
+       * write) and finish within the same timestamp tick: retried until its
+       * time is older than that. */
+      if (settled(now, seen)) memcpy(t->mtime, now, sizeof now);
       rc = t->loaded ? GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_UNCHANGED
                      : GRPC_SSL_CERTIFICATE_CONFIG_RELOAD_FAIL;
     }

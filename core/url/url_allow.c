@@ -308,7 +308,9 @@ int url_allow_check_url(const url_allow_t *a, const char *url, const char *shown
   memcpy(bare, h, hl);
   bare[hl] = 0;
   if (hl > 1 && bare[hl - 1] == '.') bare[hl - 1] = 0;
-  char *zone = strchr(bare, '%');
+  /* A zone id only ends an IPv6 literal: in a name, '%' is part of what curl
+   * resolves ("example.com%25.evil.example" is a host under evil.example). */
+  char *zone = host[0] == '[' ? strchr(bare, '%') : NULL;
   if (zone) *zone = 0;
   bool host_ok = !a || !a->n_hosts;
   for (size_t k = 0; !host_ok && k < a->n_hosts; k++) host_ok = host_matches(a->hosts[k], bare);

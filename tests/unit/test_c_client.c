@@ -1547,6 +1547,125 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
   meshd_close(c);
 }
 
+/* Raw bytes (dtype and shape) with a name: refused, as Python and Node refuse
+ * it, not loaded as the whole file with the name ignored (review-117). */
+Test(c_client_load, a_name_with_raw_bytes_is_refused) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load-name", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, shape[] = {6};
+  meshd_ref_t m = 0, t = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  char url[256];
+  snprintf(url, sizeof url, "file://%s/v.bin", load_dir);
+  meshd_load_options_t o = {.dtype = "float32", .shape = shape, .ndim = 1, .name = "w"};
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &t), MESHD_E_INVALID, "%s",
+               meshd_last_error(c)->message);
+  cr_assert(strstr(meshd_last_error(c)->message, "name") != NULL, "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A session of its own polling LoadProgress until *stop (each look takes the
+ * server's 2 s deadline while an agent is stopped: it holds a helper slot). */
+typedef struct {
+  meshd_client_t *c;
+  meshd_session_t *s;
+  meshd_ref_t t;
+  atomic_int *stop;
+} poller_t;
+
+static void *poll_progress(void *arg) {
+  poller_t *p = arg;
+  meshd_load_progress_t out;
+  while (!atomic_load(p->stop))
+    if (meshd_session_load_progress(p->s, &p->t, 1, &out) != MESHD_E_OK)
+      sleep_ms(5);
+  return NULL;
+}
+
+typedef struct {
+  atomic_int *stop;
+  pid_t agent;
+} release_t;
+
+static void *release_later(void *arg) {
+  release_t *r = arg;
+  sleep_ms(2500);
+  atomic_store(r->stop, 1);
+  kill(r->agent, SIGCONT);
+  return NULL;
+}
+
+#define POLLERS 64 /* the server's LoadProgress slots (LOAD_PROGRESS_MAX) */
+
+/* LoadProgress answered QUOTA (every helper slot of the server busy with other
+ * sessions' looks at a stopped agent): meshd_session_wait_load looks again, as
+ * Python's poller does, instead of failing MESHD_E_RPC at once (review-117). */
+Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load-quota", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, shape[] = {6};
+  meshd_ref_t m = 0, t = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  /* the pollers' loads never end (a socket that listens and never accepts): every
+   * look asks the agents, and waits 2 s for the stopped one */
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t slen = sizeof sa;
+  cr_assert(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+            listen(lfd, 128) == 0 && getsockname(lfd, (struct sockaddr *)&sa, &slen) == 0);
+  char stuck[128], url[256];
+  snprintf(stuck, sizeof stuck, "http://127.0.0.1:%d/stuck.bin", ntohs(sa.sin_port));
+  meshd_load_options_t o = {.dtype = "float32", .shape = shape, .ndim = 1};
+  atomic_int stop = 0;
+  static poller_t pl[POLLERS];
+  pthread_t th[POLLERS];
+  for (int i = 0; i < POLLERS; i++) {
+    pl[i] = (poller_t){connect_ok(), NULL, 0, &stop};
+    pl[i].s = meshd_session_open(pl[i].c, "c-load-quota-poller", NULL);
+    cr_assert_not_null(pl[i].s);
+    meshd_ref_t pm = 0;
+    cr_assert_eq(meshd_session_create_mesh(pl[i].s, dims, sizes, 1, &pm), MESHD_E_OK);
+    cr_assert_eq(meshd_session_load(pl[i].s, pm, stuck, &o, &pl[i].t), MESHD_E_OK);
+  }
+  pid_t agent = agent_pid(1);
+  cr_assert_gt(agent, 0);
+  stop_agent(agent);
+  /* the waited load: in once the agent goes on */
+  snprintf(url, sizeof url, "file://%s/v.bin", load_dir);
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &t), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  for (int i = 0; i < POLLERS; i++)
+    cr_assert_eq(pthread_create(&th[i], NULL, poll_progress, &pl[i]), 0);
+  sleep_ms(500); /* every slot taken */
+  release_t r = {&stop, agent};
+  pthread_t rel;
+  cr_assert_eq(pthread_create(&rel, NULL, release_later, &r), 0);
+  meshd_wait_load_options_t w = MESHD_WAIT_LOAD_OPTIONS_INIT;
+  w.timeout_ms = 30000;
+  w.interval_ms = 20;
+  meshd_err_t rc = meshd_session_wait_load(s, &t, 1, &w);
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s %s", meshd_last_error(c)->kind, meshd_last_error(c)->message);
+  pthread_join(rel, NULL);
+  stopped_agent = -1;
+  for (int i = 0; i < POLLERS; i++) {
+    pthread_join(th[i], NULL);
+    meshd_session_close(pl[i].s);
+    meshd_close(pl[i].c);
+  }
+  close(lfd);
+  cr_assert_eq(rc, MESHD_E_OK, "%s: %s", meshd_strerror(rc), msg);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* A negative dim counts from the end, as Python's meshd.load takes it: the
  * .npy file's (2, 3) split along dim -2 (its rows), raw bytes (6) along -1. */
 Test(c_client_load, a_negative_dim_counts_from_the_end) {

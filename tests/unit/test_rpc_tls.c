@@ -3,6 +3,12 @@
  * Real gRPC over 127.0.0.1 with a throwaway PKI made once per process by
  * tests/support/make_certs.sh (the openssl CLI). */
 #include <criterion/criterion.h>
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -360,4 +366,83 @@ Test(rpc_tls, a_rotated_certificate_without_its_key_is_refused_by_name) {
   cr_expect_eq(call_echo(es, new_ca, NULL, 0, NULL, 0, &st), GRPC_STATUS_OK,
                "after the key followed: %s", st.message);
   echo_server_stop(es, 0);
+}
+
+/* ---------------------------------------------------------- review-119 */
+
+/* Both files' modification times set to `at` (one timestamp tick). */
+static void set_mtimes(const char *a, const char *b, struct timespec at) {
+  struct timespec ts[2] = {at, at};
+  cr_assert_eq(utimensat(AT_FDCWD, a, ts, 0), 0);
+  cr_assert_eq(utimensat(AT_FDCWD, b, ts, 0), 0);
+}
+
+/* A rotation that rewrites the files in place (truncate, then write: cp onto
+ * the live file, a ConfigMap tool) seen half-written by a handshake: the
+ * reload fails and keeps the old certificates, but recorded the files' times
+ * anyway; the write that completed the files within the same timestamp tick
+ * left the times unchanged, so the new certificate was never loaded (until
+ * the files changed again, possibly never). */
+Test(rpc_tls, a_rotation_seen_half_written_loads_once_complete_in_the_same_tick) {
+  char cert[600], key[600], cmd[4096];
+  snprintf(cert, sizeof cert, "%s/live.pem", pki);
+  snprintf(key, sizeof key, "%s/live.key", pki);
+  snprintf(cmd, sizeof cmd, "cp %s %s && cp %s %s", pki_file("server.pem"), cert,
+           pki_file("server.key"), key);
+  cr_assert_eq(system(cmd), 0);
+  echo_server_t *es = start((rpc_tls_t){.on = true, .cert_file = cert, .key_file = key}, NULL, NULL);
+  rpc_tls_t old_ca = {.on = true, .ca_file = pki_file("ca.pem")};
+  rpc_tls_t new_ca = {.on = true, .ca_file = pki_file("rogue-ca.pem"), .server_name = "localhost"};
+  rpc_status_t st;
+  cr_assert_eq(call_echo(es, old_ca, NULL, 0, NULL, 0, &st), GRPC_STATUS_OK, "%s", st.message);
+  /* Half-written: the new key, the certificate truncated. */
+  struct timespec tick;
+  clock_gettime(CLOCK_REALTIME, &tick);
+  snprintf(cmd, sizeof cmd, "cat %s > %s && : > %s", pki_file("rogue.key"), key, cert);
+  cr_assert_eq(system(cmd), 0);
+  set_mtimes(cert, key, tick);
+  cr_expect_eq(call_echo(es, old_ca, NULL, 0, NULL, 0, &st), GRPC_STATUS_OK,
+               "half-written files: the old certificate is no longer served: %s", st.message);
+  /* Complete, in the same tick. */
+  snprintf(cmd, sizeof cmd, "cat %s > %s", pki_file("rogue.pem"), cert);
+  cr_assert_eq(system(cmd), 0);
+  set_mtimes(cert, key, tick);
+  cr_expect_eq(call_echo(es, new_ca, NULL, 0, NULL, 0, &st), GRPC_STATUS_OK,
+               "the completed rotation was never loaded: %s", st.message);
+  echo_server_stop(es, 0);
+}
+
+/* Connections arrive while the server is destroyed: each accepted one makes
+ * gRPC call the certificate fetcher, whose state rpc_server_destroy frees
+ * (rpc_tls_server_free) right after the credentials. Run under ASan or
+ * valgrind: a fetch after the free is a use after free. */
+typedef struct {
+  int port;
+  atomic_bool stop;
+} knocker_t;
+
+static void *knock(void *arg) {
+  knocker_t *k = arg;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)k->port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  while (!atomic_load(&k->stop)) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) continue;
+    (void)connect(fd, (struct sockaddr *)&a, sizeof a);
+    close(fd);
+  }
+  return NULL;
+}
+
+Test(rpc_tls, a_tls_server_destroyed_while_connections_arrive) {
+  for (int i = 0; i < 10; i++) {
+    echo_server_t *es = start(server_tls(false), NULL, NULL);
+    knocker_t k = {.port = echo_server_port(es)};
+    pthread_t th[2];
+    for (int j = 0; j < 2; j++) cr_assert_eq(pthread_create(&th[j], NULL, knock, &k), 0);
+    usleep(20000);
+    echo_server_stop(es, 0);
+    atomic_store(&k.stop, true);
+    for (int j = 0; j < 2; j++) pthread_join(th[j], NULL);
+  }
 }

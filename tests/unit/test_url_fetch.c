@@ -947,3 +947,32 @@ Test(url_fetch, address_rules_ipv6_special_purpose) {
   for (size_t i = 0; i < sizeof refused / sizeof *refused; i++)
     cr_expect(!allowed(NULL, refused[i]), "%s was allowed", refused[i]);
 }
+
+/* curl reads "example.com%25.evil.example" as the host "example.com%.evil.example"
+ * (it decodes the %25) and resolves that name: the allow list must match the
+ * whole of it, not the part before a '%' (a zone id is only an IPv6 literal's,
+ * and curl gives that apart from the host). fuzz_url checks it too
+ * (tests/fuzz/corpus/url/crash-host-cut-at-percent). */
+Test(url_allow, a_percent_in_a_host_name_does_not_cut_it_for_the_host_patterns) {
+  url_allow_t hosts = {.hosts = (const char *[]){"models.internal", "*.example.com"},
+                       .n_hosts = 2};
+  const char *refused[] = {"https://models.internal%25.evil.example/w.npy",
+                           "https://models.internal%.evil.example/w.npy",
+                           "https://a.example.com%25.evil.example/w.npy"};
+  for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+    char scheme[16];
+    meshd_error_t e = {0};
+    cr_expect_eq(url_allow_check_url(&hosts, refused[i], refused[i], NULL, scheme, sizeof scheme,
+                                     &e),
+                 -1, "%s was allowed", refused[i]);
+    cr_expect_eq(e.kind, ERR_PERMISSION_DENIED, "%s: %s", refused[i], e.msg);
+  }
+  /* An IPv6 literal's zone still goes (curl hands it apart from the host). */
+  url_allow_t v6 = {.hosts = (const char *[]){"fe80::1"}, .n_hosts = 1, .allow_private = true};
+  char scheme[16];
+  meshd_error_t e = {0};
+  cr_expect_eq(url_allow_check_url(&v6, "http://[fe80::1%25eth0]/x", "x", NULL, scheme,
+                                   sizeof scheme, &e), 0, "%s", e.msg);
+  cr_expect_eq(url_allow_check_url(&hosts, "https://models.internal./w.npy", "x", NULL, scheme,
+                                   sizeof scheme, &e), 0, "%s", e.msg);
+}

@@ -180,3 +180,31 @@ test('more fetches at once than --session-max-transfers: each waits for a slot, 
   }
   await few.stop();
 });
+
+for (const code of [grpc.status.DEADLINE_EXCEEDED, grpc.status.UNAVAILABLE]) {
+  test(`a borrow whose Execute answer is lost (${grpc.status[code]}) does not pin its origin`, async () => {
+    // review-117: the server made the borrow, the caller got no answer and has no ref to
+    // drop: the origin could not be dropped (BORROWED) until the session ended.
+    const s = await connect(meshd.addr, { clientName: 'node-lost-borrow', token: '', timeoutMs: 10000 });
+    try {
+      const mesh = await s.createMesh({ gpu: 2 });
+      const x = await s.factory({ kind: 'ones', mesh, shape: [4] });
+      const stream = s.newRef();
+      await s.execute({ create_stream: { ref: stream, name: 'side' } });
+      await s.sync();
+      const { lost, undo } = loseAnswers(s, 'borrow', code);
+      const ref = s.newRef(), borrow = s.newRef();
+      try {
+        await assert.rejects(s.execute({ borrow: { ref, input: x.ref, stream, borrow } }),
+          (e) => e instanceof MeshdError && e.kind === grpc.status[code]);
+      } finally {
+        undo();
+      }
+      assert.equal(lost.length, 1, 'the borrow did not go as a unary Execute');
+      await s.execute({ drop: { refs: [x.ref] } }); // rejected BORROWED
+      await s.sync();
+    } finally {
+      await s.close();
+    }
+  });
+}

@@ -126,6 +126,8 @@ def _watch(mesh, tensors, progress, desc):
     TensorService/LoadProgress until every tensor is in (the tracker completes), one
     failed or the session ends (it stops where it stood). Nothing when progress= shows
     nothing (False, or the automatic rule says no)."""
+    if any(t.dtype not in _ITEMSIZE for t in tensors):  # "dtype 99" of a newer server:
+        return None  # its size unknown, there is no total to show (the load goes on)
     ranks = 1
     for n in mesh.sizes.values():
         ranks *= n

@@ -115,13 +115,15 @@ class _Pending:
     """The answer to one pipelined command; attribute reads block until it arrived, at
     most the session's timeout (`timeout`)."""
 
-    __slots__ = ("seq", "_event", "_result", "_error", "_quiet", "_timeout", "_refused_borrowed")
+    __slots__ = ("seq", "_event", "_result", "_error", "_quiet", "_timeout", "_refused_borrowed",
+                 "_unknown_ok")
 
     def __init__(self, seq, timeout=None):
         self.seq = seq
         self._quiet = False
         self._timeout = timeout
         self._refused_borrowed = None  # a Release's: called if it is refused BORROWED
+        self._unknown_ok = False  # a DropBorrow of a borrow that may not exist: quiet
         self._event = threading.Event()
         self._result = None
         self._error = None
@@ -261,7 +263,7 @@ class Pipeline:
                 self.session._literals = False  # an older agent: later tensors upload
             if p._refused_borrowed is not None and e.kind == "BORROWED":
                 p._refused_borrowed()  # its refs go again once a borrow ends
-            elif p._quiet or late:
+            elif (p._quiet or late) and not (p._unknown_ok and e.kind == "UNKNOWN_REF"):
                 warnings.warn(f"meshd: {e}" + (" (answered after its pipeline block ended)"
                                                if late and not p._quiet else ""),
                               RuntimeWarning, stacklevel=1)

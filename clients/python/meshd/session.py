@@ -126,7 +126,10 @@ class Borrow:
     def __del__(self) -> None:
         try:
             if not self.dropped:
-                self.session._borrow_collected(self.ref)
+                p = self.handle._pending  # a pipelined Borrow's (_Pending, index), if unread
+                if p is not None and p[0].done() and p[0]._error is not None:
+                    return  # refused: there is no borrow to drop
+                self.session._borrow_collected(self.ref, maybe=p is not None and not p[0].done())
         except Exception:  # noqa: BLE001 - interpreter shutdown, half-made objects
             pass
 
@@ -199,15 +202,27 @@ class Session:
         # Refs of Releases the server refused BORROWED (one names a view of a borrowed
         # tensor, and then nothing of it is released): sent again once a borrow ends.
         self._held: collections.deque[int] = collections.deque()
+        # Borrows that may not exist (a Borrow whose answer was lost, a pipelined one
+        # unanswered when collected): their DropBorrow refused UNKNOWN_REF is no news.
+        self._maybe_borrows: set = set()
         self.closed = False
         pb = self._pb
         try:
             reply = self._unary("CreateSession", pb.CreateSessionRequest(
                 client_name=client_name, ttl_seconds=ttl_seconds, quota_bytes=quota_bytes),
                 pb.CreateSessionReply, metadata=())
-        except MeshdError:
+        except BaseException:  # (KeyboardInterrupt too: the channel is ours to close)
             self._ch.close()
             raise
+        try:
+            self._open(reply)
+        except BaseException:  # Ctrl-C or an error during ListOps or the catalogue's load
+            self._abandon()
+            raise
+
+    def _open(self, reply):
+        """The rest of __init__ once CreateSession answered."""
+        pb = self._pb
         self.id, self._token = reply.session_id, reply.token
         self.ttl_seconds = reply.ttl_seconds
         # Small tensors go as Literal commands to a server that takes them (meshd.tensor);
@@ -223,8 +238,26 @@ class Session:
         except MeshdError as e:  # not fatal: without it any name goes to the server
             if e.code != grpc.StatusCode.UNIMPLEMENTED:  # (an older server has no ListOps)
                 warnings.warn(f"meshd: the op catalogue could not be read ({e}); op names "
-                              f"are checked by the server only", RuntimeWarning, stacklevel=2)
+                              f"are checked by the server only", RuntimeWarning, stacklevel=3)
         self._start_keepalive()
+
+    def _abandon(self):
+        """__init__ failed after CreateSession: the session is closed now, not left
+        alive until its lease runs out, and the channel with it."""
+        self.closed = True
+        try:
+            ka = getattr(self, "_ka_stop", None)
+            if ka is not None:
+                ka.set()
+            if getattr(self, "_md", None) is not None:
+                self._unary("CloseSession", self._pb.CloseSessionRequest(),
+                            self._pb.CloseSessionReply,
+                            timeout=min(self.timeout, _KEEPALIVE_DEADLINE))
+        except Exception:  # noqa: BLE001 - best effort: the lease ends it otherwise
+            pass
+        finally:
+            self._direct.close()
+            self._ch.close()
 
     def _start_keepalive(self):
         period = _keepalive_period(self.ttl_seconds)
@@ -316,6 +349,11 @@ class Session:
                                                           isinstance(e.code, grpc.StatusCode))):
                     for r in refs:
                         self._release_later(r)
+                if field == "borrow" and (not isinstance(e, MeshdError) or (
+                        e.kind in _TRANSPORT_KINDS and isinstance(e.code, grpc.StatusCode))):
+                    # the server may have made the borrow (its origin then undroppable):
+                    # a DropBorrow ends it, or is refused UNKNOWN_REF if it never was
+                    self._borrow_collected(refs[1], maybe=True)
                 raise
 
     def _release_later(self, ref):
@@ -324,10 +362,13 @@ class Session:
         if not self.closed:
             self._released.append(ref)
 
-    def _borrow_collected(self, ref):
+    def _borrow_collected(self, ref, maybe=False):
         """A Borrow was garbage-collected undropped (with its handle: the handle keeps
-        it): a DropBorrow goes before the next Release, which may name its origin."""
+        it): a DropBorrow goes before the next Release, which may name its origin.
+        maybe: the borrow may not exist (its DropBorrow refused UNKNOWN_REF is quiet)."""
         if not self.closed:
+            if maybe:
+                self._maybe_borrows.add(ref)
             self._unborrowed.append(ref)
 
     def _send_release(self, pipe):
@@ -353,11 +394,16 @@ class Session:
             try:
                 if pipe is not None:
                     p = pipe.send(cmd, quiet=True)
+                    if what == "borrow" and cmd.drop_borrow.borrow in self._maybe_borrows:
+                        self._maybe_borrows.discard(cmd.drop_borrow.borrow)
+                        p._unknown_ok = True  # refused UNKNOWN_REF: it never existed
                     if what == "refs":  # refused BORROWED: held (the reader thread's)
                         p._refused_borrowed = lambda refs=list(cmd.release.refs): (
                             self._held.extend(refs))
                 else:
                     self._unary("Execute", cmd, pb.CommandResult)
+                    if what == "borrow":
+                        self._maybe_borrows.discard(cmd.drop_borrow.borrow)
             except MeshdError as e:
                 if pipe is not None or (e.kind in _TRANSPORT_KINDS
                                         and isinstance(e.code, grpc.StatusCode)):
@@ -372,6 +418,10 @@ class Session:
                 if what == "refs" and e.kind == "BORROWED":
                     self._held.extend(cmd.release.refs)  # they go once a borrow ends
                     continue
+                if what == "borrow" and cmd.drop_borrow.borrow in self._maybe_borrows:
+                    self._maybe_borrows.discard(cmd.drop_borrow.borrow)
+                    if e.kind == "UNKNOWN_REF":
+                        continue  # the borrow never was: nothing to drop
                 n = len(cmd.release.refs) if what == "refs" else 1
                 warnings.warn(f"meshd: releasing {n} unused tensor ref(s)"
                               f"{' (a borrow)' if what == 'borrow' else ''} failed: {e}",

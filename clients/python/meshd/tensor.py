@@ -936,14 +936,38 @@ def _fetch_direct(t, d, coords, timeout, progress=None):
     if name not in _WIRE:
         d._finish_fetch(planned[0].transfer_id, quiet=True)
         raise ValueError(f"meshd: numpy has no {name}; convert the tensor first (t.to(...))")
-    return lambda: d.fetch_finish(t.ref, planned, _WIRE[name], deadline, progress)
+    return lambda on_stop=None: d.fetch_finish(t.ref, planned, _WIRE[name], deadline, progress,
+                                               on_stop)
 
 
 class Future(concurrent.futures.Future, Generic[_T]):  # type: ignore[type-arg]
     """A fetch's result to come: `.result(timeout)`, or Monarch's `.get(timeout)`."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._stop_lock = threading.Lock()
+        self._stops: list = []  # what cancels the fetch's calls (inspect() interrupted)
+        self._stopped = False
+
     def get(self, timeout: float | None = None) -> _T:
         return self.result(timeout)
+
+    def _on_stop(self, fn) -> None:
+        """fn cancels a call of the fetch: at _stop(), or now if that came already."""
+        with self._stop_lock:
+            if not self._stopped:
+                self._stops.append(fn)
+                return
+        fn()
+
+    def _stop(self) -> None:
+        """Cancels the fetch's calls: it ends now, its transfer slot given back, instead
+        of running on to its deadline for a caller that stopped waiting."""
+        with self._stop_lock:
+            self._stopped = True
+            fns, self._stops = self._stops, []
+        for fn in fns:
+            fn()
 
 
 def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = None,
@@ -989,7 +1013,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
         if work is not None:
             def run():
                 try:
-                    fut.set_result(values(work()))
+                    fut.set_result(values(work(fut._on_stop)))
                 except BaseException as e:  # handed to .result()
                     fut.set_exception(e)
             fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
@@ -1005,6 +1029,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     except MeshdError as e:
         fut.set_exception(e)
         return fut
+    fut._on_stop(call.cancel)
 
     def work():
         try:
@@ -1019,4 +1044,10 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
 def inspect(t: Tensor, timeout: float | None = None, progress: Progress = None,
             raw: bool = False, **coords: Coord) -> npt.NDArray[Any]:
     """fetch_shard(t, timeout, progress, raw, **coords).result()"""
-    return fetch_shard(t, timeout, progress, raw, **coords).result()
+    fut = fetch_shard(t, timeout, progress, raw, **coords)
+    try:
+        return fut.result()
+    except BaseException:  # Ctrl-C: the fetch stops too (it would hold its slot)
+        if not fut.done():
+            fut._stop()
+        raise

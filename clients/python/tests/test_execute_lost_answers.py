@@ -241,3 +241,73 @@ def test_a_pipelined_release_naming_a_view_of_a_borrowed_tensor(session, mesh):
     gc.collect()
     session.sync()
     assert live() == base + 1, "the tensors released with the view are still live"
+
+
+# ------------------------------------------------------------ review-117
+
+@pytest.mark.parametrize("fault", [_LostAnswer, Interrupt], ids=["deadline", "ctrl-c"])
+def test_a_borrow_whose_answer_is_lost_does_not_pin_its_origin(server, monkeypatch, fault):
+    """The server made the borrow and its answer was lost: the caller has no Borrow to
+    drop, and the origin could never be dropped (BORROWED) until the session ended. The
+    client now ends it (DropBorrow of the claimed ref) before its next command."""
+    with meshd.connect(server[0], timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.ones(4)
+            side = s.stream("side")
+            s.sync()
+            calls = _lose_execute_answers(s, monkeypatch, fault, "borrow")
+            with pytest.raises((meshd.MeshdError, Interrupt)):
+                side.borrow(x)
+            monkeypatch.undo()
+            assert calls, "the Borrow was not sent as a unary Execute"
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                x.drop()  # raised BORROWED
+                s.sync()
+
+
+def test_a_borrow_refused_before_the_server_made_it_sends_no_warning(server):
+    """A Borrow whose Execute failed before the server ran it (UNAVAILABLE from the
+    client's side, with no answer) may not exist: its DropBorrow refused UNKNOWN_REF
+    is no news, and the session goes on without a warning."""
+    with meshd.connect(server[0], timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.ones(4)
+            side = s.stream("side")
+            s.sync()
+            real = s._unary
+
+            def unsent(method, request, *a, **kw):
+                if method == "Execute" and request.HasField("borrow"):
+                    raise meshd.MeshdError("UNAVAILABLE", "connection reset (test)",
+                                           grpc.StatusCode.UNAVAILABLE)
+                return real(method, request, *a, **kw)
+            s._unary = unsent
+            with pytest.raises(meshd.MeshdError):
+                side.borrow(x)
+            del s._unary
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                x.drop()
+                s.sync()
+
+
+def test_a_refused_pipelined_borrow_sends_no_drop_borrow_warning(server):
+    """A pipelined Borrow the server refused (here: a stream it never made) gives a
+    Borrow object all the same; collected, it sent a DropBorrow for a borrow that never
+    existed, and the next call warned "releasing 1 unused tensor ref(s) (a borrow)
+    failed: UNKNOWN_REF"."""
+    with meshd.connect(server[0], timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.ones(4)
+            bogus = meshd.Stream(s, 999, "bogus")
+            with pytest.raises(meshd.MeshdError):
+                with s.pipeline():
+                    h, b = bogus.borrow(x)
+            del h, b
+            gc.collect()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                s.sync()
+                x.drop()
+                s.sync()

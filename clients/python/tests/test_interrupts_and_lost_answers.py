@@ -408,3 +408,54 @@ def test_close_between_upload_plan_and_writes(server, monkeypatch):
             assert ei.value.kind in ("CANCELLED", "NO_SESSION"), ei.value
     finally:
         s.close()
+
+
+# ------------------------------------------------------------ review-117
+
+def test_connect_interrupted_after_create_session_closes_the_session(server, monkeypatch):
+    """A Ctrl-C (or an error) in connect() after CreateSession, here during the op
+    catalogue's load: the session is closed at once, and the channel. It stayed alive
+    (a row of ListSessions) until its lease ran out, the channel open."""
+    from meshd import _catalogue, _conn
+    channels = []
+    real_open = _conn.open_channel
+
+    def keep(*args, **kw):
+        channels.append(real_open(*args, **kw))
+        return channels[-1]
+
+    def interrupted(_reply):
+        raise Interrupt()
+    monkeypatch.setattr(_conn, "open_channel", keep)
+    monkeypatch.setattr(_catalogue, "load", interrupted)
+    with pytest.raises(Interrupt):
+        meshd.connect(server[0], client_name="review-117-interrupted")
+    monkeypatch.undo()
+    with meshd.connect(server[0]) as s:
+        pb = s._pb
+        rows = s._unary("ListSessions", pb.ListSessionsRequest(), pb.ListSessionsReply).sessions
+        assert not [r for r in rows if r.client_name == "review-117-interrupted"], rows
+    (ch,) = channels
+    with pytest.raises(ValueError):  # grpc's refusal on a closed channel
+        ch.unary_unary("/meshd.v1.TensorService/GetInfo")(b"", timeout=1)
+
+
+@pytest.mark.parametrize("data_path", ["proxy", "direct"])
+def test_ctrl_c_in_inspect_cancels_the_fetch_and_its_transfer_slot(one_slot, data_path):
+    """Ctrl-C in meshd.inspect() stopped only the wait: the fetch thread read on to its
+    deadline (30 s here), holding the session's one transfer slot, so the next fetch
+    (3 s) failed. The fetch is cancelled now, its slot given back at once."""
+    gate = threading.Event()
+    with meshd.connect(one_slot, data_path=data_path, timeout=30) as s:
+        with s.mesh(gpu=2).activate():
+            big = meshd.tensor(np.ones(16 * MIB, np.float32), progress=False)  # 64 MiB
+            small = meshd.tensor(np.arange(4, dtype=np.float32), progress=False)
+            try:
+                with _CtrlC(0.5) as c, pytest.raises(Interrupt):
+                    c.start()
+                    # a slow reader: 0.5 s a chunk
+                    meshd.inspect(big, gpu=0, timeout=30, progress=lambda d, n: gate.wait(0.5))
+                got = meshd.fetch_shard(small, gpu=1, timeout=3, progress=False).result(10)
+            finally:
+                gate.set()
+            np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))

@@ -886,3 +886,14 @@ def test_progress_of_a_checkpoint_of_more_than_256_tensors(gpu4, http_base):
     assert done.wait(30), calls[-3:]
     assert calls[-1] == (300 * 16 * 4, 300 * 16 * 4), calls[-3:]
     np.testing.assert_array_equal(fetch(out["t299"], gpu=3), ts["t299"])
+
+
+def test_progress_of_a_load_whose_dtype_the_client_does_not_know():
+    """A newer server's dtype ("dtype 99"): _watch raised KeyError from its byte count
+    (the load itself accepted); it shows nothing now, the load going on."""
+    import importlib
+    from types import SimpleNamespace
+    _load = importlib.import_module("meshd.load")  # (meshd.load is the function)
+    t = SimpleNamespace(dtype="dtype 99", shape=(4,), ref=7)
+    mesh = SimpleNamespace(sizes={"gpu": 2}, session=None)
+    assert _load._watch(mesh, [t], True, "load") is None
