@@ -154,8 +154,7 @@ __attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ..
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
   va_end(ap);
-  /* A usage line, not the whole help: the problem stays in sight. */
-  fprintf(stderr, "usage: %s %s\nrun '%s --help' for every flag\n", PROG, SYNOPSIS, PROG);
+  config_usage_line(stderr, PROG, SYNOPSIS);
   return 2;
 }
 

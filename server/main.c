@@ -313,8 +313,7 @@ static double link_instructions_counter(void *arg) {
 
 static int usage_error(const char *prog, const char *msg) {
   fprintf(stderr, "meshd: %s\n", msg);
-  /* A usage line, not the whole help: the problem stays in sight. */
-  fprintf(stderr, "usage: %s %s\nrun '%s --help' for every flag\n", prog, synopsis, prog);
+  config_usage_line(stderr, prog, synopsis);
   return 2;
 }
 

@@ -283,6 +283,10 @@ static const char *metavar(config_type_t type) {
   return NULL;
 }
 
+void config_usage_line(FILE *out, const char *prog, const char *synopsis) {
+  fprintf(out, "usage: %s %s\nrun '%s --help' for every flag\n", prog, synopsis, prog);
+}
+
 void config_usage(FILE *out, const char *prog, const char *synopsis,
                   const config_flag_t *flags, size_t nflags) {
   if (synopsis && *synopsis)

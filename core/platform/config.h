@@ -50,6 +50,10 @@ int config_parse(const config_flag_t *flags, size_t nflags, int argc, char **arg
 void config_usage(FILE *out, const char *prog, const char *synopsis,
                   const config_flag_t *flags, size_t nflags);
 
+/* After a usage error: "usage: PROG SYNOPSIS" and a pointer to --help (not the
+ * whole help, so the problem stays in sight). */
+void config_usage_line(FILE *out, const char *prog, const char *synopsis);
+
 /* "4MiB" -> 4194304. Decimal digits, then optionally B, or K/M/G/T/P/E alone or
  * with "iB" (powers of 1024, case-insensitive). false on junk or overflow; *out is
  * written only on success. */
