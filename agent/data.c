@@ -537,7 +537,7 @@ static void write_finish(rpc_call_t *call, write_state_t *w) {
     char why[200];
     snprintf(why, sizeof why, "tensor %llu was deleted on this agent before the write finished "
              "(the server undid the transfer); nothing was stored", (unsigned long long)w->ref);
-    return write_fail(call, w, GRPC_STATUS_FAILED_PRECONDITION, NULL, why);
+    return write_fail(call, w, GRPC_STATUS_FAILED_PRECONDITION, "DROPPED", why);
   }
   if (rc > 0) { /* it ended meanwhile */
     char why[200];

@@ -691,16 +691,18 @@ static void *refuser_main(void *arg) {
 }
 
 /* Hands ins (the caller's copy, or inside batch) to a refuser: true when one
- * took it. Holds mu. */
+ * took it. why: the refusal its checks made (only this agent's limits:
+ * QUOTA), or NULL for the queue's failure. Holds mu. */
 static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
-                                 executor_batch_t *batch) {
+                                 executor_batch_t *batch, const meshd_error_t *why) {
   if (!ins || !has_data_plane_call(ins) || x->refusers >= MAX_REFUSERS) return false;
   refuser_t *r = malloc(sizeof *r);
   if (!r) return false;
   char msg[160];
   queue_failure_msg(msg, sizeof msg, ins->seq);
   *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch};
-  error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
+  if (why) r->why = *why;
+  else error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
   executor_ref(x);
   if (batch) atomic_fetch_add(&batch->refs, 1);
   pthread_attr_t attr;
@@ -849,7 +851,10 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       if (!st) {
         /* Peers that wait for it in its data plane call are told, on a
          * thread of its own (which reports it and completes the seq). */
-        if (s && !refused && start_refuser_locked(x, s, copy, batch)) {
+        /* Refused by this agent's own limits alone (QUOTA): its peers may run
+         * it, and are told as its worker would have told them. */
+        bool tell = !refused || (why && why->kind == ERR_QUOTA);
+        if (s && tell && start_refuser_locked(x, s, copy, batch, refused ? why : NULL)) {
           copy = NULL;
           refuse_later = true;
           break;

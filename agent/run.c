@@ -452,6 +452,10 @@ static void run_borrow(ctx_t *c) {
          * before it learned of the failure, and must fail the handle on
          * every rank (a borrow of a failed tensor is a failed handle). */
         dependent_failure(c, &b->result, 1, b->tensor, &why);
+      } else { /* never defined here: a root failure, as any reader's (hold) */
+        error_set(&e, ERR_REMOTE_FAILURE, "Borrow: tensor %llu is not on the agent",
+                  (unsigned long long)b->tensor);
+        root_failure(c, &b->result, 1, &e);
       }
       break;
     }

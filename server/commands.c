@@ -920,6 +920,12 @@ static int cmd_call(frontend_t *fe, session_t *s, objects_t *o, const Meshd__V1_
       if (j == i || r->storage != w->storage) continue;
       if (same_view(&ca->meta_of[j]->layout, &ca->meta_of[i]->layout)) continue;
       if (disjoint(ca->meta_of[j], ca->meta_of[i])) continue;
+      /* x.fill_(x[k]), as torch allows: the 0-dim value is read and written
+       * with the same bits wherever it overlaps, so no kernel order matters. */
+      if (strcmp(op->name, "fill_") == 0 && args.v[1].kind == VAL_TENSOR &&
+          args.v[1].tensor == ca->meta_of[j] &&
+          ca->meta_of[j]->dtype == ca->meta_of[i]->dtype)
+        continue;
       error_set(e, ERR_BAD_ARGUMENT,
                 "%s: %s (tensor %llu) writes memory that %s (tensor %llu) views differently; "
                 "clone the input first", cmd, uses[i].what, (unsigned long long)ca->tensors[i]->ref,

@@ -364,8 +364,8 @@ session_t *session_acquire(session_table_t *t, const char *id, const char *token
   if (!s) {
     pthread_mutex_unlock(&t->mu);
     error_set(err, ERR_NO_SESSION,
-              "no session '%.32s%s': it was closed, expired after %llu s idle, or never existed; "
-              "create a new one",
+              "no session '%.32s%s': it was closed, expired (idle past its ttl: %llu s unless "
+              "CreateSession asked for another), or never existed; create a new one",
               id, more, (unsigned long long)t->default_ttl_s);
     return NULL;
   }

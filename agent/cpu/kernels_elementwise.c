@@ -239,6 +239,7 @@ int cpu_kernel_where(const kernel_call_t *c, meshd_error_t *e) {
 
 typedef struct {
   ew_ctx_t ew;
+  dtype_t rt; /* the computation dtype: integer bounds wrap into it, as torch casts them */
   bool has_lo, has_hi;
 } clamp_ctx_t;
 
@@ -251,11 +252,11 @@ static void clamp_row(void *p, char *const *ptr, const int64_t *s, int64_t n) {
     if (x->is_int) {
       int64_t r = cpu_ld_i(x->in[0], v);
       if (c->has_lo) {
-        int64_t l = cpu_ld_i(x->in[1], lo);
+        int64_t l = ew_wrap_i(c->rt, cpu_ld_i(x->in[1], lo));
         r = r < l ? l : r;
       }
       if (c->has_hi) {
-        int64_t h = cpu_ld_i(x->in[2], hi);
+        int64_t h = ew_wrap_i(c->rt, cpu_ld_i(x->in[2], hi));
         r = r > h ? h : r;
       }
       cpu_st_i(x->out, o, r);
@@ -279,6 +280,7 @@ int cpu_kernel_clamp(const kernel_call_t *c, meshd_error_t *e) {
   dtype_t rt = ops_result_type(vals, 3);
   agent_tensor_t *out = output_of(c);
   clamp_ctx_t x = {.ew = {.out = out->meta.dtype, .is_int = cpu_is_int(rt)},
+                   .rt = rt,
                    .has_lo = c->a->v[1].kind != VAL_NONE,
                    .has_hi = c->a->v[2].kind != VAL_NONE};
   cpu_iter_t it;

@@ -242,6 +242,7 @@ namespace {
 struct Clamp {
   cu_iter_t it; /* out, self, min, max */
   scal_t s[3];
+  dtype_t rt; /* the computation dtype: integer bounds wrap into it, as torch casts them */
   bool is_int, has_lo, has_hi;
 
   CU_HD void operator()(int64_t i) const {
@@ -250,11 +251,11 @@ struct Clamp {
     if (is_int) {
       int64_t r = ld_i(s[0], it.dt[1], p[1]);
       if (has_lo) {
-        int64_t l = ld_i(s[1], it.dt[2], p[2]);
+        int64_t l = ew_wrap_i(rt, ld_i(s[1], it.dt[2], p[2]));
         r = r < l ? l : r;
       }
       if (has_hi) {
-        int64_t h = ld_i(s[2], it.dt[3], p[3]);
+        int64_t h = ew_wrap_i(rt, ld_i(s[2], it.dt[3], p[3]));
         r = r > h ? h : r;
       }
       cu_st_i(it.dt[0], p[0], r);
@@ -282,6 +283,7 @@ extern "C" int cuda_kernel_clamp(const kernel_call_t *c, meshd_error_t *e) {
   Clamp x;
   memset(&x, 0, sizeof x);
   x.is_int = cu_is_int(rt);
+  x.rt = rt;
   x.has_lo = c->a->v[1].kind != VAL_NONE;
   x.has_hi = c->a->v[2].kind != VAL_NONE;
   cu_iter_init(&x.it, out->meta.layout.sizes, out->meta.layout.ndim);

@@ -581,7 +581,23 @@ int dp__plan_init(plan_t *p, dataplane_t *dp, const char *what, const dp_group_t
   p->xs = calloc(nx ? nx : 1, sizeof *p->xs);
   p->msgs = calloc(nmsgs ? nmsgs : 1, sizeof *p->msgs);
   p->nx = nx;
-  if (!p->xs || !p->msgs) return error_set(err, ERR_QUOTA, "%s: out of memory", what);
+  if (!p->xs || !p->msgs) {
+    /* Before it joined: its peers, which run the call, are told why at once
+     * (dp_refuse) rather than waiting out timeout_ms for it. */
+    free(p->xs);
+    free(p->msgs);
+    p->xs = NULL;
+    p->msgs = NULL;
+    meshd_error_t e = {0};
+    error_set(&e, ERR_QUOTA, "%s on comm %llu: out of memory for its transfer plan on rank %u",
+              what, (unsigned long long)g->comm_id, (unsigned)atomic_load(&dp->rank));
+    dp_refuse_t kind = g->n > 1             ? DP_REFUSE_GROUP
+                       : !strcmp(what, "send") ? DP_REFUSE_SEND
+                                               : DP_REFUSE_RECV;
+    dp_refuse(dp, g, kind, 1, e.msg, NULL);
+    if (err) *err = e;
+    return -1;
+  }
   if (dp__register(dp, &p->cl, &p->reg, err) != 0) return -1;
   /* Its session ended here before it joined (dataplane_end_comm): at once. */
   if (atomic_load(&p->cl.dropped) && dp__check_lost(dp, &p->cl, err) != 0) {

@@ -319,6 +319,7 @@ export class Session {
   #closing = null; // close() under way
   #closeCalled = false; // close() was called: later calls reject NO_SESSION unsent
   #fetches = new Set(); // fetches whose bytes are still moving (close() waits for them)
+  #held = []; // refs of lost answers whose Release was refused BORROWED: sent again once a borrow ends
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -506,6 +507,7 @@ export class Session {
     }
     const res = QUEUED in sent ? await sent[QUEUED] : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
+    if (command.drop_borrow) this.#borrowEnded();
     return res;
   }
 
@@ -520,7 +522,7 @@ export class Session {
     }
     for (let i = 0; i < refs.length; i += RELEASE_BATCH) {
       const some = refs.slice(i, i + RELEASE_BATCH);
-      this.#inOrder(() => this.#letGoInTurn(some, 'release'));
+      this.#inOrder(() => this.#releaseHeld(some));
     }
     // A Borrow the server may have made (its origin then undroppable): DropBorrow of its
     // claimed ref ends it, or is refused UNKNOWN_REF if it never was (ignored: best effort).
@@ -532,9 +534,44 @@ export class Session {
 
   async #dropLostBorrow(borrow) {
     try { // seq 0, unary: as #letGoInTurn's
-      await this.#unaryBy('Execute', { seq: 0, drop_borrow: { borrow } }, this.#cleanupDeadline());
+      const res = await this.#unaryBy('Execute', { seq: 0, drop_borrow: { borrow } }, this.#cleanupDeadline());
+      if (!Session.#refusal(res)) this.#borrowEnded();
     } catch {
       // best effort
+    }
+  }
+
+  // A unary Execute's answer: the kind it was refused with ('' if accepted).
+  static #refusal(res) {
+    const kind = res?.error?.kind;
+    return kind && kind !== 'ERROR_KIND_UNSPECIFIED' ? String(kind).replace(/^ERROR_KIND_/, '') : '';
+  }
+
+  // Releases the refs of lost answers, best effort (seq 0, unary: as #letGoInTurn's). The
+  // server refuses a whole Release BORROWED when one of its refs is (a view of) a borrowed
+  // tensor, releasing none: then each goes alone, and those refused BORROWED are held
+  // until a borrow ends (#borrowEnded), as the Python client does.
+  async #releaseHeld(refs) {
+    const one = async (some) => {
+      try {
+        const res = await this.#unaryBy('Execute', { seq: 0, release: { refs: some } }, this.#cleanupDeadline());
+        return Session.#refusal(res);
+      } catch (e) {
+        return e instanceof MeshdError ? e.kind : '';
+      }
+    };
+    if (await one(refs) !== 'BORROWED') return;
+    if (refs.length === 1) { this.#held.push(...refs); return; }
+    for (const r of refs) if (await one([r]) === 'BORROWED') this.#held.push(r);
+  }
+
+  // A borrow ended: the refs held back by a Release refused BORROWED go again.
+  #borrowEnded() {
+    if (!this.#held.length || this.#shut) return;
+    const refs = this.#held.splice(0);
+    for (let i = 0; i < refs.length; i += RELEASE_BATCH) {
+      const some = refs.slice(i, i + RELEASE_BATCH);
+      this.#inOrder(() => this.#releaseHeld(some));
     }
   }
 

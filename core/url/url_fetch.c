@@ -174,7 +174,8 @@ static void fail(xfer_t *x, error_kind_t kind, const char *fmt, ...) {
 }
 
 /* "bytes a-b/total" (*b_out, *a_out set) or "bytes * /total"; a total of "*"
- * is UINT64_MAX. */
+ * is UINT64_MAX. A range that ends at or past its total ("bytes 0-9/5")
+ * contradicts itself: false. */
 static bool parse_content_range(const char *v, bool *has_range, uint64_t *a, uint64_t *b,
                                 uint64_t *total) {
   if (strncasecmp(v, "bytes ", 6) != 0) return false;
@@ -197,7 +198,7 @@ static bool parse_content_range(const char *v, bool *has_range, uint64_t *a, uin
   if (*v < '0' || *v > '9') return false;
   errno = 0;
   *total = strtoull(v, &end, 10);
-  return !errno && *end == 0;
+  return !errno && *end == 0 && !(*has_range && *total <= *b);
 }
 
 static const char *header(xfer_t *x, const char *name) {
@@ -250,7 +251,11 @@ static bool body_start(xfer_t *x) {
   uint64_t a = 0, b = 0, total;
   if (x->mode == MODE_PROBE) {
     curl_off_t len = -1;
-    if (x->status == 206 && cr && parse_content_range(cr, &has, &a, &b, &total)) x->total = total;
+    if (x->status == 206 && (!cr || !parse_content_range(cr, &has, &a, &b, &total) || !has)) {
+      fail(x, ERR_UNAVAILABLE, "HTTP 206 without a valid Content-Range (\"%.64s\")", cr ? cr : "");
+      return false;
+    }
+    if (x->status == 206) x->total = total;
     else if (x->status == 200 && !curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0)
       x->total = (uint64_t)len;
     x->stop = STOP_DONE; /* the length is all a probe wants */

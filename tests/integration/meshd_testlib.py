@@ -1009,14 +1009,22 @@ class Session:
         return self
 
     def __exit__(self, *exc):
-        self.shut()
+        # The session ends with its block (its tensors on shared agents go too), best
+        # effort: a test may have closed it, let it expire, or stopped the server.
+        try:
+            t = tensor_pb2()
+            self.unary("CloseSession", t.CloseSessionRequest(), t.CloseSessionReply, timeout=2)
+        except (grpc.RpcError, ValueError):  # ValueError: the channel was shut already
+            pass
+        finally:
+            self.shut()
 
     @property
     def metadata(self):
         return ((SESSION_MD, self.id), (TOKEN_MD, self.token)) + self.auth
 
     def shut(self):
-        """Closes the channel (not the session)."""
+        """Closes the channel (not the session; leaving a `with` block closes both)."""
         self.ch.close()
 
     def unary(self, method, request, reply_cls, metadata=None, timeout=None):

@@ -1016,3 +1016,28 @@ def test_cast_out_of_range_is_defined_and_harmless(s2m):
         else:
             assert got.all(), got  # every value is non-zero (NaN included, as in torch)
     assert list(s.run(sync()).errors) == []
+
+
+def test_clamp_wraps_an_int_bound_into_a_narrow_int_tensor(ctx):
+    # torch: clamp(uint8, min=-5) converts -5 to uint8 (Scalar::to<uint8_t>, two's
+    # complement: 251), as the comparisons wrap 300 into 44; clamping in int64 left
+    # the tensor as it was
+    u8 = np.array([100, 44, 200], np.uint8)
+    u = Ref(ctx.op("to", ctx.fresh(u8.astype(np.int32)), DT("uint8"))[0])
+    def as_i32(ref, g):
+        return fetch(ctx.s, ctx.op("to", Ref(ref), DT("int32"))[0], gpu=g)
+    np.testing.assert_array_equal(as_i32(ctx.op("clamp", u, -5)[0], 1), [251, 251, 251],
+                                  err_msg="uint8 clamp min=-5")
+    np.testing.assert_array_equal(as_i32(ctx.op("clamp", u, max=-56)[0], 0), u8.astype(np.int32),
+                                  err_msg="uint8 clamp max=-56 (200)")
+
+
+def test_fill_with_a_0dim_view_of_self(ctx):
+    # torch: x.fill_(x[1]) is allowed (fill_ clones a value that aliases self)
+    a = np.array([1, 2, 3, 4], np.float32)
+    x = ctx.fresh(a)
+    v = ctx.op("select", x, 0, 1)[0]
+    ctx.op("fill_", x, Ref(v))
+    for g in (0, 1):
+        np.testing.assert_array_equal(fetch(ctx.s, int(x), gpu=g), np.full(4, 2, np.float32),
+                                      err_msg=f"x.fill_(x[1]) rank {g}")

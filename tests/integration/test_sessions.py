@@ -222,8 +222,22 @@ def test_per_session_ttl_overrides_the_default(shared_meshd):
     with Session(srv.port, "short", ttl_seconds=1) as short, Session(srv.port, "long") as long_:
         _wait_gone(short, 10.0)
         assert long_.info() is not None
-        _no_session(lambda: short.keep_alive(), "KeepAlive after expiry")
+        msg = _no_session(lambda: short.keep_alive(), "KeepAlive after expiry")
+        # review-123: the message quoted the server's default ttl as the session's own
+        assert "after 300 s idle" not in msg, msg
         long_.keep_alive()
+
+
+def test_the_testlib_session_block_closes_its_session(shared_meshd):
+    # review-123: Session.__exit__ closed only the channel, leaving every test's session
+    # (and its tensors on the shared agents) to its lease (300 s by default).
+    srv = shared_meshd(2)
+    with Session(srv.port, "block") as s:
+        s.run(create_mesh(s.new_ref(), gpu=2))
+    with Session(srv.port, "watcher") as w:
+        assert s.id not in [x.session_id for x in w.list_sessions()], "still open after its block"
+    with Session(srv.port, "closed-inside") as s:  # closed already: the block still ends quietly
+        s.close()
 
 
 def test_a_call_after_the_lease_ran_out_does_not_revive_it(meshd_server):

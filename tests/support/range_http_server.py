@@ -14,6 +14,9 @@ Byte i of every body is (i * 7 + 3) % 256. Paths (N: a length in bytes):
   /reset/KEY/K/N            closes the connection unanswered K times, then /bytes/N
   /truncated/N              Content-Length N (or the range's), half the bytes, close
   /norange/N                ignores Range: 200 with all N bytes
+  /badtotal/T/N             as /nohead/N, but its Content-Range says the total is T
+                            (a server's answer that contradicts itself when T <= the
+                            range's end)
   /slow/MS/N                waits MS ms before answering /bytes/N
   /redirect/PATH...         302 to /PATH...
   /redirect-to?url=U        302 to U
@@ -104,7 +107,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return "bad"
         return a, min(b, n - 1)
 
-    def serve_bytes(self, n, honour_range=True, truncate=False, data=None, headers=()):
+    def serve_bytes(self, n, honour_range=True, truncate=False, data=None, headers=(),
+                    total=None):
         data = body(n) if data is None else data
         r = self.parse_range(n) if honour_range else None
         if r == "bad":
@@ -114,7 +118,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             a, b = r
             part = data[a:b + 1]
             self.send_response(206)
-            self.send_header("Content-Range", "bytes %d-%d/%d" % (a, b, n))
+            self.send_header("Content-Range", "bytes %d-%d/%d" % (a, b, n if total is None else total))
         else:
             part = data
             self.send_response(200)
@@ -183,6 +187,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_status(405, headers=[("Allow", "GET")])
             else:
                 self.serve_bytes(int(args[0]))
+        elif kind == "badtotal":
+            if self.command == "HEAD":
+                self.send_status(405, headers=[("Allow", "GET")])
+            else:
+                self.serve_bytes(int(args[1]), total=int(args[0]))
         elif kind == "status":
             self.send_status(int(args[0]), b"error page\n")
         elif kind == "flaky":

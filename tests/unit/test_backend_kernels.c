@@ -1064,6 +1064,35 @@ Test(kernels, narrow_int_against_a_wider_int_wraps_it_first) {
   EXPECT_I(RUN("gt", VT(i8), VI(200)), DTYPE_BOOL, 0, 1);
 }
 
+/* clamp casts its bounds to the computation dtype as every other op does
+ * (protocol.md, "Ops' arithmetic"): an integer bound wider than a narrow
+ * integer self wraps into its dtype. torch: clamp(uint8, min=-5) converts -5
+ * with Scalar::to<uint8_t> (two's complement: 251); a 0-dim int64 tensor bound
+ * is cast to the common dtype uint8 by TensorIterator (300 -> 44). Computing in
+ * int64 gave [100, 44, 200] for min=-5 and left max=300 without effect. */
+Test(kernels, clamp_wraps_a_wider_int_bound_into_a_narrow_int_self) {
+  agent_tensor_t *u = U8(SZ(3), 100, 44, 200);
+  EXPECT_I(RUN("clamp", VT(u), VI(-5)), DTYPE_UINT8, 251, 251, 251);
+  EXPECT_I(RUN("clamp", VT(u), VNONE, VI(-56)), DTYPE_UINT8, 100, 44, 200);
+  EXPECT_I(RUN("clamp", VT(u), VNONE, VT(tensor(DTYPE_INT64, 0, NULL, (const int64_t[]){300}))),
+           DTYPE_UINT8, 44, 44, 44);
+  agent_tensor_t *i8 = tensor(DTYPE_INT8, 1, (const int64_t[]){2}, (const int8_t[]){-100, 50});
+  EXPECT_I(RUN("clamp", VT(i8), VT(tensor(DTYPE_INT64, 0, NULL, (const int64_t[]){200}))),
+           DTYPE_INT8, -56, 50);
+  agent_tensor_t *z = U8(SZ(3), 1, 2, 3);
+  RUN("clamp_", VT(z), VI(-254));
+  EXPECT_I(z, DTYPE_UINT8, 2, 2, 3);
+}
+
+/* x.fill_(x[2]): the value is a 0-dim view of self (torch allows it: fill_
+ * clones a value that aliases self). Every element gets the value x[2] had. */
+Test(kernels, fill_with_a_0dim_view_of_self) {
+  agent_tensor_t *x = F32(SZ(5), 1, 2, 3, 4, 5);
+  layout_t l = {.ndim = 0, .offset = 2};
+  RUN("fill_", VT(x), VT(view_of(x, DTYPE_FLOAT32, &l)));
+  EXPECT_F(x, DTYPE_FLOAT32, 3, 3, 3, 3, 3);
+}
+
 /* A Python int against a float32 tensor is rounded once to float32. */
 Test(kernels, float32_tensor_and_a_large_int_scalar) {
   const int64_t big = (INT64_C(1) << 60) + (INT64_C(1) << 36) + 1;

@@ -1823,6 +1823,20 @@ Test(commands, inplace_accepts_interleaved_views_that_share_no_element) {
   ok(CALL("add_", STREAM_MAIN, ARGS(aref(42), aref(44)), RES(45)));
 }
 
+/* x.fill_(x[1]): torch's fill_ takes a 0-dim value that is a view of self (it
+ * clones it first); the fill writes the value's own bits wherever it reads
+ * them, so the kernel order cannot matter. Other ops keep the refusal:
+ * x.add_(x[1]) and x.copy_(x[1]) are partial overlaps in torch too. */
+Test(commands, fill_accepts_a_0dim_view_of_self) {
+  ZEROS(20, 4);
+  ok(CALL("select", STREAM_MAIN, ARGS(aref(20), aint(0), aint(1)), RES(21)));
+  ok(CALL("fill_", STREAM_MAIN, ARGS(aref(20), aref(21)), RES(22)));
+  REJECT(CALL("add_", STREAM_MAIN, ARGS(aref(20), aref(21)), RES(23)), ERR_BAD_ARGUMENT,
+         "writes memory that");
+  REJECT(CALL("copy_", STREAM_MAIN, ARGS(aref(20), aref(21)), RES(24)), ERR_BAD_ARGUMENT,
+         "writes memory that");
+}
+
 /* DrainAgent: sessions created after a drain get no mesh on the drained rank
  * (the lowest run of healthy undrained ranks instead); older sessions keep it. */
 Test(commands, create_mesh_avoids_ranks_drained_before_the_session) {

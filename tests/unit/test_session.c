@@ -171,8 +171,8 @@ Test(session, wrong_or_missing_credentials) {
   expect_no_session(session_acquire(table, NULL, s->token, &err), "no session id");
 
   expect_no_session(session_acquire(table, "abc", s->token, &err),
-                    "no session 'abc': it was closed, expired after 300 s idle, or never "
-                    "existed; create a new one");
+                    "no session 'abc': it was closed, expired (idle past its ttl: 300 s unless "
+                    "CreateSession asked for another), or never existed; create a new one");
   char longid[200];
   memset(longid, 'f', sizeof longid - 1);
   longid[sizeof longid - 1] = '\0';
@@ -705,7 +705,8 @@ Test(session, rpc_lifecycle) {
   expect_status(code, &st, GRPC_STATUS_UNAUTHENTICATED, "NO_SESSION", "CloseSession: no session '");
   code = keep_alive(rep->session_id, rep->token, NULL, &st);
   expect_status(code, &st, GRPC_STATUS_UNAUTHENTICATED, "NO_SESSION",
-                "it was closed, expired after 300 s idle, or never existed");
+                "it was closed, expired (idle past its ttl: 300 s unless CreateSession asked "
+                "for another), or never existed");
   protobuf_c_message_free_unpacked(&rep->base, NULL);
   stop_rpc();
   ASSERT_NO_BAD();

@@ -482,6 +482,32 @@ Test(url_fetch, size_from_head_or_a_range_get) {
   cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
 }
 
+/* A Content-Range whose total is not past its range's end ("bytes 0-9/5")
+ * contradicts itself: refused, naming the URL and the header, on a range
+ * read and on the size probe (a HEAD-refusing server), not taken as the
+ * resource's length. */
+Test(url_fetch, a_content_range_total_before_its_end_is_refused) {
+  uint8_t buf[10];
+  uint64_t size = 0;
+  meshd_error_t e;
+  const char *u = url("/badtotal/5/10");
+  cr_assert_eq(url_fetch_range(u, 0, 10, buf, &quick, NULL, &e), -1, "a range read of bytes 0-9 "
+               "of a 5-byte resource was accepted");
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE);
+  HAS(e, u);
+  HAS(e, "Content-Range");
+  HAS(e, "bytes 0-9/5");
+  cr_assert_eq(url_fetch_size(url("/badtotal/0/10"), &quick, &size, NULL, &e), -1,
+               "the size probe took %llu from \"bytes 0-0/0\"", (unsigned long long)size);
+  HAS(e, "bytes 0-0/0");
+  HAS(e, "/badtotal/0/10");
+  /* A consistent one still reads. */
+  cr_assert_eq(url_fetch_range(url("/badtotal/10/10"), 0, 10, buf, &quick, NULL, &e), 0, "%s",
+               e.msg);
+  cr_assert_eq(url_fetch_size(url("/badtotal/10/10"), &quick, &size, NULL, &e), 0, "%s", e.msg);
+  cr_assert_eq(size, 10);
+}
+
 Test(url_fetch, max_bytes_per_fetch) {
   uint8_t buf[10];
   meshd_error_t e;

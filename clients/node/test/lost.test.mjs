@@ -208,3 +208,55 @@ for (const code of [grpc.status.DEADLINE_EXCEEDED, grpc.status.UNAVAILABLE]) {
     }
   });
 }
+
+// review-123: the lost commands' Release is refused whole (BORROWED) when one of its refs
+// is a view of a borrowed tensor: none of its refs was released, not even once the borrow
+// ended (Node kept no trace of them), so they stayed live until the session ended.
+test('a lost view of a borrowed tensor keeps neither itself nor the other lost refs live', async () => {
+  const s = await connect(meshd.addr, { clientName: 'node-lost-view', token: '', timeoutMs: 10000 });
+  try {
+    const live = async () => {
+      const { sessions } = await s.unary('ListSessions', {});
+      return Number(sessions.find((r) => r.session_id === s.id).live_tensors);
+    };
+    const mesh = await s.createMesh({ gpu: 2 });
+    const x = await s.factory({ kind: 'ones', mesh, shape: [4] });
+    const stream = s.newRef();
+    await s.execute({ create_stream: { ref: stream, name: 'side' } });
+    await s.sync();
+    const base = await live();
+    const ref = s.newRef(), borrow = s.newRef();
+    await s.execute({ borrow: { ref, input: x.ref, stream, borrow } });
+    await s.sync();
+    const borrowed = await live();
+    // Pipelined commands whose answers a dropped Submit stream lost: one Release names both.
+    let dropped = 0;
+    const real = s.client.Submit;
+    s.client.Submit = function (...a) {
+      const st = real.apply(this, a);
+      const emit = st.emit.bind(st);
+      st.emit = (ev, ...args) => {
+        if (ev === 'data') {
+          if (!dropped++) st.cancel();
+          return true;
+        }
+        if (ev === 'error' && dropped) return emit('error', rpcError(grpc.status.UNAVAILABLE, 'test: connection dropped'));
+        return emit(ev, ...args);
+      };
+      return st;
+    };
+    await s.setPipeline();
+    delete s.client.Submit;
+    const rs = await Promise.allSettled([s.call('view', [x, [2, 2]]), s.call('add', [x, 1])]);
+    for (const r of rs) assert.equal(r.status, 'rejected');
+    await s.setPipeline(null);
+    await s.sync();
+    assert.equal(await live(), borrowed + 1, 'only the view of the borrowed tensor may stay live while the borrow does');
+    await s.execute({ drop_borrow: { borrow } });
+    await s.sync();
+    assert.equal(await live(), base, 'the lost view of the borrowed tensor is still live once the borrow ended');
+    assert.deepEqual([...await s.fetch(x, { gpu: 0 })], [1, 1, 1, 1]);
+  } finally {
+    await s.close();
+  }
+});

@@ -1,0 +1,296 @@
+/* A member that fails a collective on its own, before it joins the data plane
+ * call its peers run, must tell them why at once (dp_refuse): they fail
+ * naming its rank and the cause, well before --comm-timeout-ms, instead of
+ * waiting it out and blaming a connection.
+ *
+ * - agent/executor.c: a Reduce refused only by this agent's own
+ *   --max-tensor-elements (QUOTA, validate.h) when no stream worker can be
+ *   started for it (this suite's pthread_create fails once, when armed);
+ * - agent/dataplane/transfer.c: dp__plan_init's own allocations fail (this
+ *   suite's calloc refuses the plan's transfer array once, on the armed
+ *   thread only). Both interpositions are off under ASan. */
+#include <criterion/criterion.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "dataplane/dataplane.h"
+#include "dataplane/dp_internal.h"
+#include "executor.h"
+#include "instr_build.h"
+#include "layout.h"
+
+typedef Meshd__Agent__V1__Instruction instr_t;
+
+#if !defined(__SANITIZE_ADDRESS__)
+static _Atomic bool fail_next_detached; /* the next detached thread of the armed thread */
+static pthread_t armed_thread;
+
+int pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(void *), void *arg) {
+  static int (*real)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *);
+  if (!real) real = (int (*)(pthread_t *, const pthread_attr_t *, void *(*)(void *), void *))
+                        dlsym(RTLD_NEXT, "pthread_create");
+  int detached = 0;
+  if (attr) pthread_attr_getdetachstate(attr, &detached);
+  if (detached == PTHREAD_CREATE_DETACHED && atomic_load(&fail_next_detached) &&
+      pthread_equal(pthread_self(), armed_thread) && atomic_exchange(&fail_next_detached, false))
+    return EAGAIN;
+  return real(t, attr, fn, arg);
+}
+
+extern void *__libc_calloc(size_t n, size_t size);
+static _Thread_local bool fail_plan_calloc; /* the next calloc of a plan's xfer_t array */
+static atomic_int plan_calloc_fired;
+
+void *calloc(size_t n, size_t size) {
+  if (fail_plan_calloc && size == sizeof(xfer_t)) {
+    fail_plan_calloc = false;
+    atomic_store(&plan_calloc_fired, 1);
+    return NULL;
+  }
+  return __libc_calloc(n, size);
+}
+#endif
+
+static const char *SESSION = "refusal-session";
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static char errors[16][700];
+static uint64_t error_seqs[16], error_refs[16];
+static int nerrors;
+
+static void on_report(const executor_report_t *r, void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&mu);
+  for (size_t i = 0; i < r->n_errors && nerrors < 16; i++) {
+    snprintf(errors[nerrors], sizeof errors[0], "%s", r->errors[i]->message);
+    error_refs[nerrors] = r->errors[i]->ref;
+    error_seqs[nerrors++] = r->errors[i]->seq;
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* One member's allreduce of 8 floats, call 3 of comm 9 (data plane call 12,
+ * as an instruction's Group.call 3), on its own data plane. */
+typedef struct {
+  dataplane_t *dp;
+  const char *const *addrs;
+  const uint8_t *secret;
+  uint32_t me;
+  bool oom; /* its plan's allocation fails */
+  int rc;
+  meshd_error_t err;
+  int64_t took_ms;
+} member_job_t;
+
+static const uint32_t RANKS[2] = {0, 1};
+
+static void *member_allreduce(void *arg) {
+  member_job_t *j = arg;
+  dp_group_t g = {.comm_id = 9, .call = 3 * 4, .ranks = RANKS, .addrs = j->addrs, .n = 2,
+                  .me = j->me, .secret = j->secret};
+  float v[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+#if !defined(__SANITIZE_ADDRESS__)
+  fail_plan_calloc = j->oom;
+#endif
+  int64_t t0 = mono_ms();
+  j->rc = dp_allreduce(j->dp, &g, v, 8, DTYPE_FLOAT32, RED_SUM, &j->err);
+  j->took_ms = mono_ms() - t0;
+  return NULL;
+}
+
+static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcde";
+
+/* Rank 0's agent has --max-tensor-elements 4, below the Reduce's 8 elements
+ * that its peer (and the server) accept; it has no stream worker for the
+ * Reduce's stream (no thread). It refuses the Reduce in its checks (QUOTA:
+ * its own limits only) and, as it cannot queue it, on a refuser thread of
+ * its own: that thread must tell the peer, which waits in the allreduce. */
+Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails_its_peers_at_once,
+     .timeout = 60) {
+#if defined(__SANITIZE_ADDRESS__)
+  cr_skip_test("pthread_create is interposed");
+#else
+  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
+  meshd_error_t e = {0};
+  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
+  b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
+  cr_assert_not_null(b.net, "%s", e.msg);
+  dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
+  cr_assert_not_null(peer, "%s", e.msg);
+  char me[64], other[64];
+  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(b.net));
+  snprintf(other, sizeof other, "127.0.0.1:%d", dataplane_port(peer));
+  _Atomic int64_t rank = 0;
+  run_env_t env = {.backend = &b, .rank = &rank, .data_address = me};
+  executor_t *x = executor_create(&env, on_report, NULL);
+  cr_assert_not_null(x);
+  layout_set_limits(&(layout_limits_t){.max_dims = 8, .max_elements = 4});
+
+  const char *addrs[2] = {me, other};
+  member_job_t pj = {.dp = peer, .addrs = addrs, .secret = SECRET, .me = 1};
+  pthread_t th;
+  cr_assert_eq(pthread_create(&th, NULL, member_allreduce, &pj), 0);
+  usleep(100 * 1000); /* the peer waits for rank 0 */
+
+  int64_t shape[1] = {8};
+  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
+  r.ref = 9001;
+  r.input = 1;
+  r.reduction = "sum";
+  Meshd__Agent__V1__TensorSpec is = MESHD__AGENT__V1__TENSOR_SPEC__INIT,
+                               rs = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
+  is.ref = 1;
+  rs.ref = 9001;
+  is.n_shape = rs.n_shape = 1;
+  is.shape = rs.shape = shape;
+  is.dtype = rs.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.n_ranks = g.n_addresses = 2;
+  g.ranks = (uint32_t *)RANKS;
+  g.addresses = (char **)addrs;
+  g.comm_id = 9;
+  g.call = 3;
+  g.secret.len = 32;
+  g.secret.data = (uint8_t *)SECRET;
+  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
+  ro.reduce = &r;
+  ro.input = &is;
+  ro.result = &rs;
+  ro.group = &g;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  ins.reduce = &ro;
+  ins.seq = 1;
+  ins.session_id = (char *)SESSION;
+  ins.stream = 1;
+  armed_thread = pthread_self();
+  atomic_store(&fail_next_detached, true);
+  executor_submit(x, &ins); /* -1 or 0: either way it is not run */
+  bool fired = !atomic_exchange(&fail_next_detached, false);
+  pthread_join(th, NULL);
+  cr_assert(fired, "no worker thread was asked for");
+  cr_assert_eq(executor_wait(x, 1, 10000), 0, "seq 1 not done");
+  const char *m = NULL;
+  for (int i = 0; i < 1000 && !m; i++) {
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < nerrors && !m; k++)
+      if (error_seqs[k] == 1) m = errors[k];
+    pthread_mutex_unlock(&mu);
+    if (!m) {
+      executor_kick(x);
+      nanosleep(&(struct timespec){0, 2000000}, NULL);
+    }
+  }
+  cr_assert_not_null(m, "no error reported for the Reduce");
+  cr_assert(strstr(m, "--max-tensor-elements"), "the agent's error: %s", m);
+  cr_assert_eq(pj.rc, -1, "the peer's allreduce succeeded");
+  cr_assert(pj.took_ms < 3000, "the peer failed after %lld ms (comm timeout 10 s): %s",
+            (long long)pj.took_ms, pj.err.msg);
+  cr_assert(strstr(pj.err.msg, "rank 0") && strstr(pj.err.msg, "--max-tensor-elements"),
+            "the peer's error does not say why rank 0 did not take part: %s", pj.err.msg);
+  layout_set_limits(NULL);
+  executor_close(x);
+  cr_assert_eq(executor_wait_all_freed(10000), 0);
+  cpu_backend_ops.close(&b);
+  dataplane_stop(b.net);
+  dataplane_stop(peer);
+#endif
+}
+
+/* Rank 0's data plane cannot allocate its plan for the allreduce (a tiny
+ * calloc in dp__plan_init): it fails, and its peer must learn why at once. */
+Test(run_refusals, a_member_whose_plan_cannot_be_allocated_fails_its_peers_at_once, .timeout = 60) {
+#if defined(__SANITIZE_ADDRESS__)
+  cr_skip_test("calloc is the sanitizer's");
+#else
+  meshd_error_t e = {0};
+  dataplane_t *dp[2];
+  char addr[2][64];
+  for (int i = 0; i < 2; i++) {
+    dp[i] = dataplane_start("127.0.0.1", (uint32_t)i, 10000, &e);
+    cr_assert_not_null(dp[i], "%s", e.msg);
+    snprintf(addr[i], sizeof addr[i], "127.0.0.1:%d", dataplane_port(dp[i]));
+  }
+  const char *addrs[2] = {addr[0], addr[1]};
+  member_job_t j[2];
+  pthread_t th[2];
+  for (int i = 0; i < 2; i++) {
+    j[i] = (member_job_t){.dp = dp[i], .addrs = addrs, .secret = SECRET, .me = (uint32_t)i,
+                          .oom = i == 0};
+  }
+  cr_assert_eq(pthread_create(&th[1], NULL, member_allreduce, &j[1]), 0);
+  usleep(100 * 1000); /* the peer waits for rank 0 */
+  cr_assert_eq(pthread_create(&th[0], NULL, member_allreduce, &j[0]), 0);
+  for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+  cr_assert(atomic_load(&plan_calloc_fired), "the interposed calloc did not fire");
+  cr_assert_eq(j[0].rc, -1, "rank 0 ran without its plan");
+  cr_assert(strstr(j[0].err.msg, "out of memory"), "rank 0's error: %s", j[0].err.msg);
+  cr_assert_eq(j[1].rc, -1, "the peer's allreduce succeeded");
+  cr_assert(j[1].took_ms < 3000, "the peer failed after %lld ms (comm timeout 10 s): %s",
+            (long long)j[1].took_ms, j[1].err.msg);
+  cr_assert(strstr(j[1].err.msg, "rank 0") && strstr(j[1].err.msg, "out of memory"),
+            "the peer's error does not say why rank 0 did not take part: %s", j[1].err.msg);
+  for (int i = 0; i < 2; i++) dataplane_stop(dp[i]);
+#endif
+}
+
+/* A Borrow whose origin tensor is not on the agent (never defined here: the
+ * server believes otherwise) fails its handle and says so, as any other
+ * reader of a missing tensor does: the handle was left undefined and nothing
+ * was reported, so the server held the borrow live and its first reader
+ * failed later with a root failure of its own naming the handle, not the
+ * missing origin. */
+Test(run_refusals, a_borrow_of_a_tensor_not_on_the_agent_fails_its_handle_and_is_reported,
+     .timeout = 30) {
+  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
+  meshd_error_t e = {0};
+  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
+  _Atomic int64_t rank = 0;
+  run_env_t env = {.backend = &b, .rank = &rank};
+  executor_t *x = executor_create(&env, on_report, NULL);
+  cr_assert_not_null(x);
+  borrow_instr_t bi;
+  instr_t *ins = borrow_instr(&bi, MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE, 1, 5, 6);
+  ins->seq = 1;
+  ins->session_id = (char *)SESSION;
+  ins->stream = 1;
+  cr_assert_eq(executor_submit(x, ins), 0);
+  cr_assert_eq(executor_wait(x, 1, 10000), 0, "seq 1 not done");
+  const char *m = NULL;
+  uint64_t ref = 0;
+  for (int i = 0; i < 500 && !m; i++) {
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < nerrors && !m; k++)
+      if (error_seqs[k] == 1) {
+        m = errors[k];
+        ref = error_refs[k];
+      }
+    pthread_mutex_unlock(&mu);
+    if (!m) {
+      executor_kick(x);
+      nanosleep(&(struct timespec){0, 2000000}, NULL);
+    }
+  }
+  cr_assert_not_null(m, "a Borrow of a tensor not on the agent reported nothing");
+  cr_assert_eq(ref, 6, "the report names handle 6 (%s)", m);
+  cr_assert(strstr(m, "tensor 5") && strstr(m, "not on the agent"), "%s", m);
+  agent_tensor_t t;
+  ref_failure_t why;
+  cr_assert_eq(executor_lookup(x, SESSION, 6, &t, &why), 1, "handle 6 is failed, not missing");
+  executor_close(x);
+  cr_assert_eq(executor_wait_all_freed(10000), 0);
+  cpu_backend_ops.close(&b);
+}
