@@ -111,9 +111,11 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
  * the client may present the grant again. */
 void transfer_grant_give_back(const uint8_t *nonce);
 /* For agent_auth_guard, before the request is read: 0 when the call's grant
- * carries this agent's server's signature; 1 when that cannot be told (not
- * registered now: transfer_grant_admit refuses it); else a refusal as
- * transfer_grant_admit's (PERMISSION_DENIED, counted) with msg. */
+ * carries this agent's server's signature and its nonce is not taken; 1 when
+ * that cannot be told (not registered now: transfer_grant_admit refuses it)
+ * or its nonce is taken (used or in use: a stranger's call until its handler
+ * refuses it); else a refusal as transfer_grant_admit's (PERMISSION_DENIED,
+ * counted: malformed, bad signature, expired) with msg. */
 int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen);
 
 /* A call a grant admitted, watched until it ends: at its grant's expiry

@@ -71,8 +71,9 @@ grpc_status_code agent_auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *i
   const char *v = rpc_call_metadata(call, SECRET_AGENT_MD, got, sizeof got);
   uint8_t probe[1];
   if (!v && grant_method(call) && rpc_call_metadata_bin(call, GRANT_MD, probe, 0) >= 0) {
-    /* Its signature now, before the request is read (a stranger's would
-     * be held until complete); the handler checks the rest against it. */
+    /* Its signature, expiry and nonce now, before the request is read (a
+     * stranger's would be held until complete); the handler checks the rest
+     * against it. */
     int code = transfer_grant_signed(call, msg, msglen);
     if (code > 1) return (grpc_status_code)code;
     snprintf(id->name, sizeof id->name, "grant");

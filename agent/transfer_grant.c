@@ -141,12 +141,35 @@ static int open_grant(rpc_call_t *call, Meshd__Agent__V1__TransferGrant **out, c
   return 0;
 }
 
+/* Whether nonce is in the table: used, or in use, until its grant's expiry. */
+static bool nonce_seen(const uint8_t *nonce) {
+  pthread_mutex_lock(&mu);
+  seen_t *e = NULL;
+  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  pthread_mutex_unlock(&mu);
+  return e != NULL;
+}
+
 int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen) {
   char secret[SECRET_HEX_LEN + 1];
   if (agent_auth_secret(secret)) return 1; /* the handler refuses it, UNAVAILABLE */
   memset(secret, 0, sizeof secret);
   Meshd__Agent__V1__TransferGrant *g = NULL;
   int code = open_grant(call, &g, msg, msglen);
+  if (!code) {
+    /* A signature proves the grant was issued, not that it is still good: an
+     * expired grant is refused here, before its request is read; one whose
+     * nonce was taken (used, or in use) is a stranger's until its handler
+     * refuses it "reused" (or takes it, given back meanwhile), so that
+     * replays of an old grant stay within --max-unauthenticated-requests. */
+    int64_t now = grant_now_unix_ms();
+    if (g->expiry_unix_ms <= now)
+      code = refuse(call, GRANT_EXPIRED, GRPC_STATUS_PERMISSION_DENIED, msg, msglen,
+                    "transfer grant refused: expired %lld ms ago; ask the server for a new one "
+                    "(PlanTransfer)", (long long)(now - g->expiry_unix_ms));
+    else if (g->nonce.len == GRANT_NONCE_LEN && nonce_seen(g->nonce.data))
+      code = 1;
+  }
   if (g) protobuf_c_message_free_unpacked(&g->base, NULL);
   return code;
 }

@@ -451,6 +451,10 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
        * the failing command (Error.command_seq). */
       obj_t *t = err->ref ? objects_get(o, err->ref) : NULL;
       bool tensor = t && t->kind == OBJ_TENSOR;
+      /* Dropped or released: its tombstone keeps where the failure came from,
+       * for a fetch planned before the drop (fetch_caught_up). */
+      if (!t && err->ref)
+        objects_dropped_failure_origin(o, err->ref, kind, rank, err->seq, err->command_seq, msg);
       if (tensor && t->state == TENSOR_FAILED && t->tensor.fail)
         objects_failure_origin(t->tensor.fail, rank, err->seq, err->command_seq); /* failed already */
       if (kind == ERR_DEPENDENT_FAILURE) {

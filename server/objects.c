@@ -27,6 +27,7 @@ void objects_destroy(objects_t *o) {
     free(it);
   }
   refmap_free(&o->table);
+  for (size_t i = 0; i < o->gcap; i++) free(o->graves[i].fail);
   free(o->graves);
   free(o->unreported);
   free(o->unreported_seq);
@@ -185,6 +186,62 @@ bool objects_dropped_failure_first(objects_t *o, uint64_t ref) {
   return true;
 }
 
+/* At OBJECTS_GRAVE_FAILS_MAX: lets the failure records of the older half (by
+ * ref) of the tombstones holding one go. */
+static void forget_older_fails(objects_t *o) {
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (size_t i = 0; i < o->gcap; i++)
+    if (o->graves[i].fail) {
+      if (o->graves[i].ref < lo) lo = o->graves[i].ref;
+      if (o->graves[i].ref > hi) hi = o->graves[i].ref;
+    }
+  uint64_t cut = lo + (hi - lo) / 2;
+  for (size_t i = 0; i < o->gcap; i++)
+    if (o->graves[i].fail && o->graves[i].ref <= cut) {
+      free(o->graves[i].fail);
+      o->graves[i].fail = NULL;
+      o->ngrave_fails--;
+    }
+}
+
+/* A tombstone's failure record: f (taken; NULL: a new one), its message cut
+ * to OBJECTS_GRAVE_FAIL_MSG. NULL on OOM (f is then freed). */
+static tensor_failure_t *grave_fail(objects_t *o, tensor_failure_t *f, const char *msg) {
+  if (o->ngrave_fails >= OBJECTS_GRAVE_FAILS_MAX) forget_older_fails(o);
+  size_t len = strlen(f ? f->msg : msg);
+  if (len > OBJECTS_GRAVE_FAIL_MSG) len = OBJECTS_GRAVE_FAIL_MSG;
+  tensor_failure_t *g = realloc(f, sizeof *g + len + 1);
+  if (!g) {
+    free(f);
+    return NULL;
+  }
+  if (!f) {
+    memset(g, 0, sizeof *g);
+    memcpy(g->msg, msg, len);
+  }
+  g->msg[len] = '\0';
+  o->ngrave_fails++;
+  return g;
+}
+
+void objects_dropped_failure_origin(objects_t *o, uint64_t ref, error_kind_t kind, uint32_t rank,
+                                    uint64_t seq, uint64_t command, const char *msg) {
+  tombstone_t *t = (tombstone_t *)objects_dropped(o, ref);
+  if (!t) return;
+  if (t->fail) {
+    objects_failure_origin(t->fail, rank, seq, command);
+    return;
+  }
+  tensor_failure_t *f = grave_fail(o, NULL, msg ? msg : "");
+  if (!f) return;
+  f->kind = kind;
+  f->root_seq = command ? command : seq;
+  f->rank = rank;
+  f->rank_seq = seq;
+  f->rank_command = command;
+  t->fail = f;
+}
+
 const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref) {
   const tombstone_t *t = grave(o, ref);
   return t && t->borrow == ref ? t : NULL;
@@ -211,6 +268,9 @@ static void forget_older_half(objects_t *o) {
     if (o->graves[i].ref > cut) {
       g[grave_slot(g, o->gcap, o->graves[i].ref)] = o->graves[i];
       n++;
+    } else if (o->graves[i].fail) {
+      free(o->graves[i].fail);
+      o->ngrave_fails--;
     }
   free(o->graves);
   o->graves = g;
@@ -218,13 +278,20 @@ static void forget_older_half(objects_t *o) {
   if (cut > o->graves_forgotten) o->graves_forgotten = cut;
 }
 
-/* failed: the tensor failed already, so its failure is told (failure_noted). */
-static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool failed) {
+/* failed: the tensor failed already, so its failure is told (failure_noted);
+ * fail: its failure record, taken (kept for fetches planned before the drop). */
+static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool failed,
+                 tensor_failure_t *fail) {
   if (o->ngraves >= OBJECTS_GRAVES_MAX) forget_older_half(o);
+  if (fail) fail = grave_fail(o, fail, NULL);
   if ((o->ngraves + 1) * 2 > o->gcap) { /* keep the load under 1/2 */
     size_t cap = o->gcap ? o->gcap * 2 : 1024;
     tombstone_t *g = calloc(cap, sizeof *g);
-    if (!g) return; /* a lost tombstone only degrades DROPPED to UNKNOWN_REF */
+    if (!g) { /* a lost tombstone only degrades DROPPED to UNKNOWN_REF */
+      if (fail) o->ngrave_fails--;
+      free(fail);
+      return;
+    }
     for (size_t i = 0; i < o->gcap; i++)
       if (o->graves[i].ref) g[grave_slot(g, cap, o->graves[i].ref)] = o->graves[i];
     free(o->graves);
@@ -233,11 +300,13 @@ static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool
   }
   size_t i = grave_slot(o->graves, o->gcap, ref);
   if (!o->graves[i].ref) o->ngraves++;
-  o->graves[i] = (tombstone_t){ref, seq, borrow, failed};
+  if (o->graves[i].fail) o->ngrave_fails--;
+  free(o->graves[i].fail);
+  o->graves[i] = (tombstone_t){ref, seq, borrow, fail, failed};
 }
 
 void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
-  bury(o, b->ref, seq, b->ref, false);
+  bury(o, b->ref, seq, b->ref, false, NULL);
   refmap_remove(&o->table, b->ref);
   storage_unref(b->borrow.origin_storage);
   storage_unref(b->borrow.result_storage);
@@ -348,9 +417,10 @@ obj_t *objects_new_borrowed(objects_t *o, uint64_t ref, const tensor_meta_t *met
 void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
   for (obj_t *it = storage->aliases, *next; it; it = next) {
     next = it->tensor.next_alias;
-    bury(o, it->ref, seq, storage->borrow, it->state == TENSOR_FAILED);
+    bury(o, it->ref, seq, storage->borrow, it->state == TENSOR_FAILED,
+         it->state == TENSOR_FAILED ? it->tensor.fail : NULL);
+    if (it->state != TENSOR_FAILED) free(it->tensor.fail);
     refmap_remove(&o->table, it->ref);
-    free(it->tensor.fail);
     free(it);
     o->live_tensors--;
     storage->refs--;
@@ -368,9 +438,10 @@ void objects_release(objects_t *o, obj_t *t, uint64_t seq) {
       *pp = t->tensor.next_alias;
       break;
     }
-  bury(o, t->ref, seq, storage->borrow, t->state == TENSOR_FAILED);
+  bury(o, t->ref, seq, storage->borrow, t->state == TENSOR_FAILED,
+       t->state == TENSOR_FAILED ? t->tensor.fail : NULL);
+  if (t->state != TENSOR_FAILED) free(t->tensor.fail);
   refmap_remove(&o->table, t->ref);
-  free(t->tensor.fail);
   free(t);
   o->live_tensors--;
   if (--storage->live_aliases == 0) o->bytes -= storage->bytes * storage->ranks;

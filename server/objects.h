@@ -142,17 +142,28 @@ static inline const char *obj_fail_msg(const obj_t *t) {
  * borrow's own record is freed too; its tombstone has borrow == ref. */
 typedef struct tombstone {
   uint64_t ref, seq, borrow;
+  /* Its failure's kind, message (cut) and where it came from: the record it
+   * had failed with, or one of a rank's report after the drop. A fetch planned
+   * before the drop fails as the tensor would have (fetch_caught_up). NULL:
+   * none (or not kept: see OBJECTS_GRAVE_FAILS_MAX). */
+  tensor_failure_t *fail;
   bool failure_noted; /* its failure is told already: by a rank's report, or it had
                        * failed before it was dropped */
 } tombstone_t;
 
-#define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 3 MiB at most) */
+#define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 5 MiB at most) */
+/* Failure records kept by tombstones per session, their messages cut to
+ * OBJECTS_GRAVE_FAIL_MSG bytes (about 1.2 MiB at most); past it the older
+ * half is let go (their fetches then fail, as when a failure is not known). */
+#define OBJECTS_GRAVE_FAILS_MAX 4096
+#define OBJECTS_GRAVE_FAIL_MSG 255
 
 typedef struct objects {
   refmap_t table;          /* obj_t records by ref */
   tombstone_t *graves;     /* open addressing by ref; ref 0 = empty slot */
   size_t ngraves, gcap;
   uint64_t graves_forgotten; /* tombstones of refs <= this were let go (0: none) */
+  size_t ngrave_fails;     /* tombstones with a failure record (tombstone_t.fail) */
   uint64_t live_tensors;
   uint64_t meshes, streams; /* made so far (neither is ever dropped) */
   uint64_t live_borrows;   /* borrows not dropped */
@@ -217,6 +228,11 @@ const tombstone_t *objects_dropped(const objects_t *o, uint64_t ref);
  * true for the first such report (the one Sync tells of; the other ranks' are
  * the same failure), false after it, and for a ref without a tombstone. */
 bool objects_dropped_failure_first(objects_t *o, uint64_t ref);
+/* A rank's report of a failure of `ref`, which is dropped or released: its
+ * tombstone keeps where the failure came from (as objects_failure_origin does
+ * for a live tensor), its kind and message. No-op for a ref without one. */
+void objects_dropped_failure_origin(objects_t *o, uint64_t ref, error_kind_t kind, uint32_t rank,
+                                    uint64_t seq, uint64_t command, const char *msg);
 /* The tombstone of a dropped borrow ref, or NULL. */
 const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref);
 /* Frees a borrow's record, leaving its tombstone (borrow_drop's last step). */

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "workpool.h"
@@ -944,6 +945,62 @@ static void shard_end(void *arg, size_t i, grpc_status_code code, const rpc_stat
                    (unsigned long long)f->want[i]);
 }
 
+/* Whether shard i's Read was refused only because its agent already has its
+ * most Reads waiting for their seqs (QUOTA, agent/data.c READ_WAITING_MAX):
+ * nothing was read and the grant stays good, so it is tried again. */
+static bool reads_full(const fetch_t *f, size_t i) {
+  const direct_err_t *e = &f->errs[i];
+  return e->err != MESHD_E_OK && e->code == GRPC_STATUS_RESOURCE_EXHAUSTED && f->got[i] == 0 &&
+         strstr(e->msg, "Reads already wait for seqs") != NULL;
+}
+
+/* The shards read again: their index among the fetch's. */
+typedef struct {
+  fetch_t *f;
+  const size_t *idx;
+} again_t;
+
+static int again_msg(void *arg, size_t i, rpc_bytes_t *raw) {
+  const again_t *a = arg;
+  return shard_msg(a->f, a->idx[i], raw);
+}
+
+static void again_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st) {
+  const again_t *a = arg;
+  shard_end(a->f, a->idx[i], code, st);
+}
+
+/* The Reads of calls refused because their agent has its most Reads waiting,
+ * again until they are not or the deadline: waiting 5 ms, doubling to 200 ms
+ * (as the Python client's _reads_full); the waiting Reads end as their seqs
+ * run. Past the deadline that refusal stays the shard's error. */
+static void read_again(fetch_t *f, size_t n, const direct_call_t *calls) {
+  direct_call_t *sub = calloc(n, sizeof *sub);
+  size_t *idx = calloc(n, sizeof *idx);
+  if (!sub || !idx) {
+    free(sub);
+    free(idx);
+    return;
+  }
+  for (int wait = 5;; wait = wait >= 100 ? 200 : 2 * wait) {
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+      if (reads_full(f, i))
+        idx[m++] = i;
+    if (!m || f->end - rpc_now_ms() <= wait)
+      break;
+    struct timespec ts = {0, (long)wait * 1000000L};
+    nanosleep(&ts, NULL);
+    for (size_t k = 0; k < m; k++) {
+      memset(&f->errs[idx[k]], 0, sizeof f->errs[idx[k]]);
+      sub[k] = calls[idx[k]];
+    }
+    direct_pull_all(m, sub, left_ms(f->end), again_msg, again_end, &(again_t){f, idx});
+  }
+  free(sub);
+  free(idx);
+}
+
 /* Every shard's Agent/Read at once, each under its grant. */
 static void read_shards(fetch_t *f, size_t n) {
   direct_call_t *calls = calloc(n, sizeof *calls);
@@ -966,9 +1023,10 @@ static void read_shards(fetch_t *f, size_t n) {
     calls[i] = (direct_call_t){f->chans[i], AGENT "Read", &rqs[i].base, &md[i], 1};
   }
   f->timeout_ms = left_ms(f->end);
-  if (ok)
+  if (ok) {
     direct_pull_all(n, calls, f->timeout_ms, shard_msg, shard_end, f);
-  else
+    read_again(f, n, calls);
+  } else
     for (size_t i = 0; i < n; i++)
       direct_err_set(&f->errs[i], MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
   for (size_t i = 0; grants && i < n; i++)

@@ -1235,6 +1235,23 @@ export class Session {
     }
   }
 
+  // read() again while it rejects only because its agent already has its most Reads waiting
+  // for their seqs (QUOTA "... Reads already wait for seqs on this agent", agent/data.c
+  // READ_WAITING_MAX): refused before any byte, its grant kept for a retry; the waiting
+  // Reads end as their seqs run. Waits 5 ms, doubling to 200 ms, until deadline; then that
+  // error goes to the caller (as the Python client's _reads_full).
+  static async #readsFull(read, deadline) {
+    for (let wait = 5; ; wait = Math.min(2 * wait, 200)) {
+      try {
+        return await read();
+      } catch (e) {
+        if (!(e instanceof MeshdError) || e.code !== grpc.status.RESOURCE_EXHAUSTED
+          || !e.message.includes('Reads already wait for seqs') || Date.now() + wait >= deadline) throw e;
+      }
+      await new Promise((resolve) => { setTimeout(resolve, wait); });
+    }
+  }
+
   // fetch's typed array for meta: the type for its dtype (UNIMPLEMENTED for one this
   // client has none for), of its shape's elements.
   static #typed(meta, what) {
@@ -1610,7 +1627,7 @@ export class Session {
     }
     fixed(); // no fallback from here: the plan fixed the value
     try {
-      await new Promise((resolve, reject) => {
+      await Session.#readsFull(() => new Promise((resolve, reject) => {
         let got = 0;
         const call = agent.Read({ session_id: this.id, ref: request.ref, max_chunk_bytes: READ_CHUNK,
           after_seq: sh.after_seq }, this.#grantMd(sh), { deadline });
@@ -1627,7 +1644,7 @@ export class Session {
         call.on('error', (err) => reject(Session.#shardError('fetch', sh, err)));
         call.on('end', () => (got === view.length ? resolve() : reject(new MeshdError('INTERNAL',
           `direct fetch, rank ${sh.rank}: got ${got} bytes where the TensorMeta needs ${view.length}`, grpc.status.INTERNAL))));
-      });
+      }), deadline);
     } catch (e) {
       await quiet();
       throw e;

@@ -964,6 +964,74 @@ def test_granted_reads_whose_requests_are_still_arriving_are_not_cancelled(meshd
             assert np.frombuffer(b, np.float32).tolist() == (arr * 3).tolist()
 
 
+def _replay_held(shard, session_id, ref, n, release):
+    """n Agent/Read calls presenting shard's grant whose requests are held back
+    until release is set: their calls, and the channel to close."""
+    a = lib.agent_pb2()
+
+    def held(req):
+        assert release.wait(20), "never released"
+        yield req
+
+    ch = _agent_channel(shard.address)
+    fn = ch.stream_stream(AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
+                          response_deserializer=a.DataChunk.FromString)
+    calls = [fn(held(a.ReadRequest(session_id=session_id, ref=ref, max_chunk_bytes=1 << 20,
+                                   after_seq=shard.after_seq)),
+                metadata=((_direct.GRANT_MD, shard.grant),), timeout=30)
+             for _ in range(n)]
+    return calls, ch
+
+
+@pytest.mark.parametrize("how", ["used", "expired"])
+def test_replayed_used_or_expired_grants_are_not_authenticated(meshd_server, how):
+    """A grant already used, or expired, replayed on 24 Reads whose requests are held
+    back (an old user's, or one sniffed off plaintext agent traffic) does not pass
+    the agent's guard as authenticated: its calls are strangers' and at most
+    --max-unauthenticated-requests (16) of them wait for their requests (the others
+    are refused at their headers, or cancelled as the oldest); none gets data."""
+    import threading
+    import time
+    n = 24
+    args = ("--transfer-grant-ms", "600") if how == "expired" else ()
+    srv = meshd_server(1, *args)
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        arr = np.arange(16, dtype=np.float32)
+        with s.mesh(gpu=1).activate():
+            y = meshd.tensor(arr) * 3
+        sh = plan_fetch(s, y, gpu=0).shards[0]
+        if how == "used":
+            assert np.frombuffer(agent_read(sh, s.id, y.ref), np.float32).tolist() == \
+                (arr * 3).tolist()
+        else:
+            time.sleep(0.9)
+        release = threading.Event()
+        calls, ch = _replay_held(sh, s.id, y.ref, n, release)
+        try:
+            time.sleep(1.5)  # every call's headers are at the agent, its guard has run
+            pending = sum(1 for c in calls if not c.done())
+            release.set()
+            outcomes = []
+            for c in calls:
+                try:
+                    outcomes.append(("data", len(list(c))))
+                except grpc.RpcError as e:
+                    outcomes.append((e.code(), e.details()))
+        finally:
+            release.set()
+            ch.close()
+        assert pending <= 16, (f"{pending} of {n} replayed Reads ({how} grant) wait for their "
+                               f"requests, past --max-unauthenticated-requests 16: {outcomes[:2]}")
+        want = "reused" if how == "used" else "expired"
+        for o in outcomes:
+            assert o[0] in (grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED), o
+            assert want in o[1] or "--max-unauthenticated-requests" in o[1], o
+        with s.mesh(gpu=1).activate():
+            assert meshd.fetch_shard(y, gpu=0).result(timeout=30).tolist() == (arr * 3).tolist()
+
+
 def test_more_direct_fetches_waiting_on_one_agent_than_it_keeps_all_succeed(meshd_server):
     """9 sessions each fetch a tensor still being computed 8 times at once (their
     --session-max-transfers), directly from one agent: 72 Reads wait for their seq,
@@ -1036,8 +1104,6 @@ def test_a_write_after_its_upload_was_undone_says_dropped(meshd_server):
         still_works(s, mesh)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a dropped tensor's tombstone does not "
-                   "record which rank and seq its late failure came from (docs/protocol.md)")
 def test_finish_fetch_fails_for_a_value_that_failed_before_the_plan_though_dropped_since(
         meshd_server):
     """y fails on rank 1 (its op call hangs 2 s, then fails) before a fetch of rank 0's

@@ -228,3 +228,98 @@ def test_a_proxied_fetch_outlives_ten_minutes_under_its_clients_deadline(meshd_s
         except grpc.RpcError as e:
             raise AssertionError(f"the Fetch failed: {e.code()} {e.details()}") from None
         assert n == 16 << 20
+
+
+def _finish_fetch(s, p):
+    t = lib.tensor_pb2()
+    return s.unary("FinishFetch", t.FinishFetchRequest(transfer_id=p.transfer_id),
+                   t.FinishFetchReply)
+
+
+def _kinds(errors):
+    return [lib.kind_name(e.kind) for e in errors]
+
+
+def test_finish_fetch_fails_for_a_value_failed_before_its_plan_though_dropped_since(meshd_server):
+    """y fails on rank 1 (its add hangs 1.5 s, then fails) before a fetch of rank 0's shard is
+    planned; the client reads rank 0's bytes and drops y. Whether rank 1's report lands before
+    the drop (y was failed when dropped) or after it, FinishFetch fails with y's failure, as it
+    does when y is not dropped (protocol.md: a value that failed on any rank fails the fetch
+    from every rank). (It answered OK: with y gone, fetch_caught_up found nothing failed.)"""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:hang=1500,rank=1,count=2"}), 2)
+    twos = b"\x00\x00\x00\x40" * 4
+    with lib.Session(srv.port, "failed-then-dropped", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        for case in ("report before the drop", "report after the drop"):
+            x = s.tensor(m, (4,), "ones").ref
+            y = s.op("add", lib.Ref(x), lib.Ref(x))[0].ref  # hangs on rank 1, then fails
+            p = _plan_fetch(s, y, gpu=0)
+            assert agent_read(p.shards[0], s.id, y) == twos, case
+            if case == "report before the drop":
+                errors = s.run(lib.sync()).errors
+                s.run(lib.drop(y))
+            else:
+                s.run(lib.drop(y))
+                errors = s.run(lib.sync()).errors
+            assert _kinds(errors) == ["REMOTE_FAILURE"], (case, errors)
+            with pytest.raises(grpc.RpcError) as e:
+                _finish_fetch(s, p)
+            assert e.value.code() == grpc.StatusCode.ABORTED, (case, e.value)
+            assert "injected hang" in e.value.details(), (case, e.value.details())
+            kind = lib.trailer(e.value.trailing_metadata(), "meshd-error-kind")
+            assert kind == "REMOTE_FAILURE", (case, kind)
+
+
+def test_finish_fetch_succeeds_for_a_value_failed_after_its_plan_and_dropped_since(meshd_server):
+    """The converse: x is good when the fetch is planned; an in-place add_ sent after the plan
+    fails on rank 1 (hangs 1.5 s, then fails), and x is dropped, before or after that report
+    lands. The Snapshot holds the value from before the add_, so FinishFetch succeeds (a
+    tombstone that only remembers "it failed" would fail it)."""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:hang=1500,rank=1,count=2"}), 2)
+    ones = b"\x00\x00\x80\x3f" * 4
+    with lib.Session(srv.port, "planned-then-failed", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        for case in ("report before the drop", "report after the drop"):
+            x = s.tensor(m, (4,), "ones").ref
+            p = _plan_fetch(s, x, gpu=0)
+            s.run(lib.call("add_", lib.Ref(x), lib.Ref(x)))  # after the plan: fails on rank 1
+            if case == "report before the drop":
+                errors = s.run(lib.sync()).errors
+                s.run(lib.drop(x))
+            else:
+                s.run(lib.drop(x))
+                errors = s.run(lib.sync()).errors
+            assert _kinds(errors) == ["REMOTE_FAILURE"], (case, errors)
+            assert agent_read(p.shards[0], s.id, x) == ones, case
+            try:
+                _finish_fetch(s, p)
+            except grpc.RpcError as e:
+                raise AssertionError(f"{case}: FinishFetch failed: {e.code()} {e.details()}") \
+                    from None
+
+
+def test_a_proxied_fetch_fails_for_a_value_failed_before_it_though_dropped_while_it_waits(
+        meshd_server):
+    """The same through the server: a Fetch of rank 0's shard of y, whose add hangs 1.5 s on
+    rank 1 and then fails, waits for rank 1 to catch up; the client drops y meanwhile (after
+    the Fetch's first message), so rank 1's report lands after the drop. The Fetch must fail
+    with y's failure, not stream rank 0's bytes."""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:hang=1500,rank=1,count=1"}), 2)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "proxied-dropped", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        x = s.tensor(m, (4,), "ones").ref
+        y = s.op("add", lib.Ref(x), lib.Ref(x))[0].ref  # hangs on rank 1, then fails
+        fn = s.ch.unary_stream("/meshd.v1.TensorService/Fetch",
+                               request_serializer=lambda q: q.SerializeToString(),
+                               response_deserializer=t.FetchChunk.FromString)
+        it = fn(t.FetchRequest(ref=y, coords=[t.Coordinate(dim="gpu", index=0)]),
+                metadata=s.metadata, timeout=30)
+        assert next(it).WhichOneof("part") == "meta"
+        s.run(lib.drop(y))
+        with pytest.raises(grpc.RpcError) as e:
+            b"".join(c.data for c in it)
+        assert e.value.code() == grpc.StatusCode.ABORTED, e.value
+        assert "injected hang" in e.value.details(), e.value.details()
+        assert lib.trailer(e.value.trailing_metadata(), "meshd-error-kind") == "REMOTE_FAILURE"
+        assert _kinds(s.run(lib.sync()).errors) == ["REMOTE_FAILURE"]

@@ -3373,3 +3373,92 @@ Test(c_client_lease, an_upload_behind_a_pipeline_keeps_one_deadline) {
   meshd_session_close(s);
   meshd_close(c);
 }
+
+/* ------------------------------- more Reads waiting on one agent than it keeps */
+
+#define READS_FULL_SESSIONS 9
+#define READS_FULL_FETCHES 8
+
+/* One agent whose first 9 op calls on rank 0 run 4 s: the fetches of their
+ * results wait on the agent for their seqs. */
+static void start_slow_calls(void) {
+  const char *const flags[] = {"--data-path=direct", NULL};
+  setenv("MESHD_FAULT", "call:slow=4000,rank=0,count=9", 1); /* the local agent inherits it */
+  start_server_full("1", flags, NULL);
+  unsetenv("MESHD_FAULT");
+}
+
+TestSuite(c_client_reads_full, .init = start_slow_calls, .fini = stop_server, .timeout = 90);
+
+typedef struct {
+  meshd_client_t *c;
+  meshd_session_t *s;
+  meshd_ref_t y;
+  float back[READS_FULL_FETCHES][16];
+  meshd_err_t rc;
+  char msg[512];
+} reads_full_t;
+
+static void *fetch_eight(void *arg) {
+  reads_full_t *r = arg;
+  const char *dims[] = {"gpu"};
+  int64_t at0[] = {0};
+  meshd_fetch_part_t parts[READS_FULL_FETCHES];
+  for (int i = 0; i < READS_FULL_FETCHES; i++)
+    parts[i] = (meshd_fetch_part_t){dims, at0, 1, r->back[i], sizeof r->back[i], 0};
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.timeout_ms = 60000;
+  r->rc = meshd_session_fetch_bytes(r->s, r->y, parts, READS_FULL_FETCHES, &o);
+  if (r->rc != MESHD_E_OK)
+    snprintf(r->msg, sizeof r->msg, "%s", meshd_last_error(r->c)->message);
+  return NULL;
+}
+
+/* 9 sessions each fetch a value still being computed 8 times at once (their
+ * --session-max-transfers), directly from one agent: 72 Reads wait for their
+ * seq, past the 64 an agent lets wait. The agent refuses the rest
+ * RESOURCE_EXHAUSTED "64 Reads already wait" and keeps their grants; the
+ * client retries that refusal until its deadline (it failed the fetch before). */
+Test(c_client_reads_full, more_direct_fetches_waiting_on_one_agent_than_it_keeps_all_succeed) {
+  static reads_full_t r[READS_FULL_SESSIONS];
+  pthread_t t[READS_FULL_SESSIONS];
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {1}, shape[] = {16};
+  for (int i = 0; i < READS_FULL_SESSIONS; i++) {
+    meshd_err_t e;
+    r[i].c = meshd_connect(target, 60000, &e);
+    cr_assert_not_null(r[i].c, "connect: %s", meshd_strerror(e));
+    r[i].s = meshd_session_open(r[i].c, "c-reads-full", &e);
+    cr_assert_not_null(r[i].s, "open: %s", meshd_strerror(e));
+    meshd_ref_t m = 0, x = 0;
+    cr_assert_eq(meshd_session_create_mesh(r[i].s, dims, sizes, 1, &m), MESHD_E_OK, "%s",
+                 meshd_last_error(r[i].c)->message);
+    cr_assert_eq(meshd_session_factory(r[i].s, m, "ones", shape, 1, 0, &x), MESHD_E_OK, "%s",
+                 meshd_last_error(r[i].c)->message);
+    meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 2}};
+    cr_assert_eq(meshd_session_call(r[i].s, "add", args, 2, &r[i].y), MESHD_E_OK, "%s",
+                 meshd_last_error(r[i].c)->message);
+  }
+  for (int i = 0; i < READS_FULL_SESSIONS; i++)
+    cr_assert_eq(pthread_create(&t[i], NULL, fetch_eight, &r[i]), 0);
+  for (int i = 0; i < READS_FULL_SESSIONS; i++)
+    pthread_join(t[i], NULL);
+  int failed = 0;
+  const char *first = "";
+  for (int i = 0; i < READS_FULL_SESSIONS; i++) {
+    if (r[i].rc != MESHD_E_OK) {
+      if (!failed++)
+        first = r[i].msg;
+      continue;
+    }
+    for (int k = 0; k < READS_FULL_FETCHES; k++)
+      for (int j = 0; j < 16; j++)
+        cr_assert_float_eq(r[i].back[k][j], 3.0f, 1e-6);
+  }
+  cr_assert_eq(failed, 0, "%d of %d sessions' fetches failed: %s", failed, READS_FULL_SESSIONS,
+               first);
+  for (int i = 0; i < READS_FULL_SESSIONS; i++) {
+    meshd_session_close(r[i].s);
+    meshd_close(r[i].c);
+  }
+}

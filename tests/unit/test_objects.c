@@ -426,3 +426,47 @@ Test(objects, a_full_failure_list_still_keeps_an_agents_loss) {
   cr_assert_eq(o->unreported[253].kind, ERR_REMOTE_FAILURE);
   cr_assert_eq(o->unreported_seq[253], 254);
 }
+
+Test(objects, a_dropped_tensors_failure_keeps_its_origin_within_a_bound) {
+  /* A tombstone keeps where its tensor's failure came from (fetch_caught_up):
+   * the record it failed with, or a rank's report after the drop; messages
+   * are cut, and past OBJECTS_GRAVE_FAILS_MAX the older records go. */
+  char big[1000];
+  memset(big, 'x', sizeof big - 1);
+  big[sizeof big - 1] = '\0';
+  obj_t *t = tensor(1);
+  o->report_rank = 1;
+  o->report_seq = 5;
+  o->report_command = 3;
+  objects_fail_tensor(o, t, 3, ERR_REMOTE_FAILURE, 3, big);
+  objects_drop_storage(o, t->tensor.storage, 9);
+  const tombstone_t *g = objects_dropped(o, 1);
+  cr_assert(g && g->failure_noted && g->fail);
+  cr_assert_eq(g->fail->rank, 1);
+  cr_assert_eq(g->fail->rank_seq, 5);
+  cr_assert_eq(strlen(g->fail->msg), OBJECTS_GRAVE_FAIL_MSG);
+
+  tensor(2);
+  objects_drop_storage(o, objects_get(o, 2)->tensor.storage, 10);
+  cr_assert_null(objects_dropped(o, 2)->fail, "a good tensor's tombstone has no failure");
+  objects_dropped_failure_origin(o, 2, ERR_DEPENDENT_FAILURE, 0, 7, 4, "late");
+  g = objects_dropped(o, 2);
+  cr_assert(g->fail && g->fail->rank == 0 && g->fail->rank_seq == 7 && !g->fail->ranks);
+  cr_assert_eq(g->fail->kind, ERR_DEPENDENT_FAILURE);
+  cr_assert_str_eq(g->fail->msg, "late");
+  objects_dropped_failure_origin(o, 2, ERR_REMOTE_FAILURE, 1, 6, 4, "same command");
+  cr_assert_not(g->fail->ranks, "one command on two ranks is one origin");
+  objects_dropped_failure_origin(o, 2, ERR_REMOTE_FAILURE, 1, 8, 6, "another");
+  cr_assert(g->fail->ranks, "another command's on another rank: where is not known");
+  objects_dropped_failure_origin(o, 99, ERR_REMOTE_FAILURE, 0, 7, 4, "never defined"); /* no-op */
+
+  for (uint64_t r = 100; r < 100 + 3 * OBJECTS_GRAVE_FAILS_MAX; r++) {
+    objects_fail_tensor(o, tensor(r), 3, ERR_REMOTE_FAILURE, 3, big);
+    objects_drop_storage(o, objects_get(o, r)->tensor.storage, r);
+    cr_assert_leq(o->ngrave_fails, OBJECTS_GRAVE_FAILS_MAX);
+  }
+  cr_assert_not_null(objects_dropped(o, 99 + 3 * OBJECTS_GRAVE_FAILS_MAX)->fail,
+                     "the newest drop keeps its record");
+  cr_assert_null(objects_dropped(o, 100)->fail, "an old one's was let go");
+  cr_assert(objects_dropped(o, 100)->failure_noted, "but it is still known as failed");
+}

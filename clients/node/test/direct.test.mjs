@@ -521,3 +521,37 @@ test('proxy: an Upload whose answer was lost lets go of the tensor the server de
     await s.close();
   }
 });
+
+test('direct: more fetches waiting on one agent than it keeps (64) all succeed: its QUOTA refusal is retried', async () => {
+  // 9 sessions each fetch a value still being computed 8 times at once (--session-max-transfers):
+  // 72 Reads wait for their seq on rank 0, past the 64 an agent lets wait. The agent refuses the
+  // rest RESOURCE_EXHAUSTED "64 Reads already wait for seqs" and keeps their grants; the client
+  // retries that refusal until the fetch's deadline (it failed the user's fetch before).
+  const nsess = 9; const nfetch = 8;
+  // rank 0's first 9 op calls (each session's add_) run 4 s: the fetches wait for them
+  const m = await startMeshd({ name: 'reads-full', work, agents: 1, args: ['--data-path=direct'],
+    env: { MESHD_FAULT: `call:slow=4000,rank=0,count=${nsess}` }, connectOpts: { token: '' } });
+  const sessions = [];
+  try {
+    for (let i = 0; i < nsess; i += 1) {
+      sessions.push(await connect(m.addr, { clientName: 'node-reads-full', token: '', dataPath: 'direct', timeoutMs: 60000 }));
+    }
+    const xs = [];
+    for (const s of sessions) {
+      const mesh = await s.createMesh({ gpu: 1 });
+      const x = await s.factory({ kind: 'zeros', mesh, shape: [16] });
+      xs.push(x);
+    }
+    const all = sessions.map((s, i) => {
+      s.call('add_', [xs[i], 3]); // not awaited: slow on the agent, the fetches wait for it
+      return Promise.allSettled(Array.from({ length: nfetch }, () => s.fetch(xs[i], { gpu: 0 })));
+    });
+    const results = (await Promise.all(all)).flat();
+    const failed = results.filter((r) => r.status === 'rejected').map((r) => r.reason?.message ?? String(r.reason));
+    assert.deepEqual(failed, [], `${failed.length} of ${results.length} fetches failed: ${failed.slice(0, 2).join(' | ')}`);
+    for (const r of results) assert.deepEqual([...r.value], Array(16).fill(3));
+  } finally {
+    await Promise.allSettled(sessions.map((s) => s.close()));
+    await m.stop();
+  }
+});
