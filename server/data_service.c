@@ -1076,8 +1076,7 @@ static void fetch_read(fetch_t *f) {
  * instruction (an in-place command after the fetch), leaves the value the
  * Snapshot holds, which the Fetch promises. Unknown (no memory to say,
  * reports of several ranks, a rank not waited for): failed, as before. */
-static bool failed_before_plan(const fetch_t *f, const obj_t *t) {
-  const tensor_failure_t *why = t->tensor.fail;
+static bool failed_before_plan(const fetch_t *f, const tensor_failure_t *why) {
   if (!why || why->ranks) return true;
   if (!why->rank_seq) return false;
   for (size_t i = 0; i < f->ntargets; i++)
@@ -1118,9 +1117,18 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
   pthread_mutex_lock(&f->sess->mu);
   objects_t *o = f->sess->objects;
   obj_t *t = o ? objects_get(o, f->ref) : NULL;
-  if (t && t->kind == OBJ_TENSOR && t->state == TENSOR_FAILED && failed_before_plan(f, t))
+  /* Dropped since the plan: its tombstone says whether and where it failed;
+   * failed without a record (no memory to keep it): failed, as above. */
+  const tombstone_t *g = o && !t ? objects_dropped(o, f->ref) : NULL;
+  if (t && t->kind == OBJ_TENSOR && t->state == TENSOR_FAILED &&
+      failed_before_plan(f, t->tensor.fail))
     error_set(&e, obj_fail_kind(t), "Fetch: tensor %llu failed: %s", (unsigned long long)f->ref,
               obj_fail_msg(t));
+  else if (g && (g->fail ? failed_before_plan(f, g->fail) : g->failure_noted))
+    error_set(&e, g->fail ? g->fail->kind : ERR_REMOTE_FAILURE,
+              "Fetch: tensor %llu failed (it was dropped since, at command seq %llu): %s",
+              (unsigned long long)f->ref, (unsigned long long)g->seq,
+              g->fail ? g->fail->msg : "(no memory to keep the message)");
   pthread_mutex_unlock(&f->sess->mu);
   if (e.kind != ERR_NONE) {
     fetch_give_back(f);
@@ -1529,6 +1537,46 @@ static void shards_free(Meshd__V1__ShardGrant *sh, size_t n) {
   free(sh);
 }
 
+typedef struct held_answer {
+  rpc_call_t *call;
+  rpc_bytes_t *msg;
+  int ms;
+} held_answer_t;
+
+static void *answer_main(void *arg) {
+  held_answer_t *h = arg;
+  struct timespec d = {h->ms / 1000, (long)(h->ms % 1000) * 1000000L};
+  nanosleep(&d, NULL);
+  if (rpc_call_send_raw(h->call, h->msg) == 0) rpc_call_finish(h->call, GRPC_STATUS_OK, NULL, "%s", "");
+  rpc_call_unref(h->call);
+  free(h);
+  return NULL;
+}
+
+/* The answer sent ms from now by a thread of its own (an injected fault): the
+ * handler's thread may be the server's only rpc thread, which must not sleep. */
+static int answer_later(rpc_call_t *call, const ProtobufCMessage *msg, int ms) {
+  held_answer_t *h = malloc(sizeof *h);
+  if (!h || !(h->msg = rpc_bytes_pack(msg))) {
+    free(h);
+    return -1;
+  }
+  h->call = call;
+  h->ms = ms;
+  rpc_call_ref(call);
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  pthread_t th;
+  int rc = pthread_create(&th, &at, answer_main, h);
+  pthread_attr_destroy(&at);
+  if (rc == 0) return 0;
+  rpc_call_unref(call);
+  rpc_bytes_free(h->msg);
+  free(h);
+  return -1;
+}
+
 /* A plan's answer, once its transfer is in the table. The call keeps the
  * transfer's id: a call that ends cancelled (plan_end) never told its client
  * the id, and the plan is undone then rather than at its grants' expiry. */
@@ -1546,8 +1594,7 @@ static void plan_answer(data_service_t *ds, rpc_call_t *call, uint64_t id,
     case FAULT_HANG:
     case FAULT_SLOW:
       log_warn("data", "PlanTransfer: answer held %d ms (injected fault)", ms);
-      struct timespec d = {ms / 1000, (long)(ms % 1000) * 1000000L};
-      nanosleep(&d, NULL);
+      if (answer_later(call, &reply->base, ms) == 0) return;
       break;
     default:
       break;

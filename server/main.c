@@ -75,7 +75,9 @@ static const config_flag_t flags[] = {
     {"min-agents", CONFIG_INT, "-1",
      "TensorService is SERVING with at least N healthy agents (-1: --local-agents, or 1)", &opt.min_agents, -1, 1 << 20},
     {"drain-seconds", CONFIG_DOUBLE, "10", "on SIGTERM, how long running calls may finish", &opt.drain_seconds, 0, 3600},
-    {"threads", CONFIG_INT, "2", "completion-queue threads", &opt.threads, 1, 64},
+    {"threads", CONFIG_INT, "1",
+     "rpc threads, the only ones that poll the sockets (1: the fewest handoffs per call; more "
+     "for many busy connections on many cores)", &opt.threads, 1, 64},
     {"link-hold-ms", CONFIG_INT, "20",
      "how long an agent's link may hold instructions back to send them with more: a Submit "
      "batch's, a unary Execute's (a Sync or Fetch sends them at once); 0: never",
@@ -434,6 +436,14 @@ int main(int argc, char **argv) {
   runtime_block_signals();
   runtime_tune_malloc();
   rpc_init();
+  /* One queue and its threads for every port and every call to the agents:
+   * the fewest handoffs between threads per call (rpc.h; docs/architecture.md,
+   * "Threads"). */
+  if (rpc_loop_start((int)opt.threads, before_wait) != 0) {
+    log_error("server", "cannot start the rpc threads");
+    rpc_shutdown();
+    return 1;
+  }
   auth_t *auth = auth_create(opt.auth_tokens, err, sizeof err);
   if (!auth) {
     log_error("server", "%s", err);

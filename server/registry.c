@@ -49,6 +49,8 @@ struct registry {
   pthread_t dialers[REGISTRY_DIALERS], sweeper;
   int ndialers;
   bool sweeper_started;
+  int removals;             /* removal threads running (remove_later) */
+  pthread_cond_t removed_cv;
   log_limit_t refusals;
   log_limit_t dial_failures; /* dial-backs that failed (the same bound, apart) */
 };
@@ -266,6 +268,49 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   }
 }
 
+typedef struct removal {
+  registry_t *r;
+  uint32_t rank;
+  char agent_id[64];
+  const char *why;
+} removal_t;
+
+static void *remover(void *arg) {
+  removal_t *rm = arg;
+  registry_t *r = rm->r;
+  agent_pool_remove(r->pool, rm->rank, rm->agent_id, rm->why);
+  free(rm);
+  pthread_mutex_lock(&r->mu);
+  if (--r->removals == 0) pthread_cond_broadcast(&r->removed_cv);
+  pthread_mutex_unlock(&r->mu);
+  return NULL;
+}
+
+/* Takes the agent out of the pool. Its link's writer is joined there, and
+ * the writer may wait for its call's end, which only the rpc loop delivers:
+ * on a loop thread the removal runs on a thread of its own (rpc.h). */
+static void remove_agent(registry_t *r, const conn_t *c, const char *why) {
+  removal_t *rm = rpc_on_loop_thread() ? malloc(sizeof *rm) : NULL;
+  if (rm) {
+    *rm = (removal_t){.r = r, .rank = (uint32_t)c->rank, .why = why};
+    memcpy(rm->agent_id, c->agent_id, sizeof rm->agent_id);
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_mutex_lock(&r->mu);
+    pthread_t th;
+    bool started = pthread_create(&th, &at, remover, rm) == 0;
+    if (started) r->removals++;
+    pthread_mutex_unlock(&r->mu);
+    pthread_attr_destroy(&at);
+    if (started) return;
+    free(rm);
+    log_error("registry", "rank %d: no thread to remove its agent: removed on the rpc thread",
+              c->rank);
+  }
+  agent_pool_remove(r->pool, (uint32_t)c->rank, c->agent_id, why);
+}
+
 static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
   registry_t *r = arg;
   conn_t *c = rpc_call_data(call);
@@ -279,8 +324,7 @@ static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
   }
   pthread_mutex_unlock(&r->mu);
   if (c->rank >= 0)
-    agent_pool_remove(r->pool, (uint32_t)c->rank, c->agent_id,
-                      cancelled ? "registration call broken (agent gone)" : "registration ended");
+    remove_agent(r, c, cancelled ? "registration call broken (agent gone)" : "registration ended");
   free(c);
   rpc_call_unref(call);
 }
@@ -445,6 +489,7 @@ registry_t *registry_create(agent_pool_t *pool, const registry_opts_t *o) {
   if (r->o.max_agents <= 0) r->o.max_agents = agent_pool_max_agents(pool);
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->jobs_cv, NULL);
+  pthread_cond_init(&r->removed_cv, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -461,6 +506,7 @@ registry_t *registry_create(agent_pool_t *pool, const registry_opts_t *o) {
     stop_threads(r);
     pthread_cond_destroy(&r->jobs_cv);
     pthread_cond_destroy(&r->stop_cv);
+    pthread_cond_destroy(&r->removed_cv);
     pthread_mutex_destroy(&r->mu);
     free(r);
     return NULL;
@@ -509,6 +555,9 @@ void registry_close_all(registry_t *r) {
 void registry_destroy(registry_t *r) {
   if (!r) return;
   stop_threads(r);
+  pthread_mutex_lock(&r->mu);
+  while (r->removals > 0) pthread_cond_wait(&r->removed_cv, &r->mu);
+  pthread_mutex_unlock(&r->mu);
   for (job_t *j = r->jobs, *next; j; j = next) {
     next = j->next;
     rpc_call_unref(j->call);
@@ -517,6 +566,7 @@ void registry_destroy(registry_t *r) {
   }
   pthread_cond_destroy(&r->jobs_cv);
   pthread_cond_destroy(&r->stop_cv);
+  pthread_cond_destroy(&r->removed_cv);
   pthread_mutex_destroy(&r->mu);
   free(r);
 }

@@ -577,6 +577,24 @@ rpc_pull_t *rpc_pull_open_raw(rpc_channel_t *ch, const char *method, const Proto
 void rpc_init(void);
 void rpc_shutdown(void);
 
+/* One queue for the whole process (the meshd server), served by `threads`
+ * threads that are its only pollers. With gRPC's epoll engine every thread
+ * that waits on a polling queue takes turns at polling the sockets, and each
+ * event hands the turn to another waiting thread: a wake and a context switch
+ * or more per event, with a server's threads and the client thread all
+ * waiting. On the loop a server's events are dispatched where they are
+ * polled, and a pull's or duplex's go to the client thread (their callbacks
+ * keep running there, one at a time). Servers created after this call use
+ * the loop instead of threads of their own (their before_wait is the loop's),
+ * and so do pulls and duplexes opened after it. Code on a loop thread (server
+ * handlers, before_wait) must never wait for a pull's or duplex's progress:
+ * only the loop can deliver it. Call after rpc_init, before any server or
+ * call; rpc_shutdown stops it. 0, or -1 if no thread could start. */
+int rpc_loop_start(int threads, void (*before_wait)(void));
+/* Whether the caller is one of the loop's threads (where nothing may wait for
+ * a pull's or duplex's progress). */
+bool rpc_on_loop_thread(void);
+
 /* Milliseconds on a monotonic clock. */
 int64_t rpc_now_ms(void);
 

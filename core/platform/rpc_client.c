@@ -500,9 +500,11 @@ void rpc_stream_destroy(rpc_stream_t *s) {
 /* A tag on the client thread's completion queue: the function that takes its
  * event, which of the owner's batches it is, and the owner. */
 typedef struct async_tag {
-  void (*fn)(struct async_tag *t, bool ok);
+  void (*fn)(struct async_tag *t, bool ok); /* first: an rpc_loop_tag_t on the loop */
   int kind;
   void *owner;
+  struct async_tag *qnext; /* forwarded by the loop, waiting for the client thread */
+  bool qok;
 } async_tag_t;
 
 /* What pulls and duplexes share: the call, its metadata and status, and the
@@ -569,13 +571,21 @@ static grpc_status_code async_status_locked(async_call_t *ac,
   return code;
 }
 
-/* The thread and queue that serve every pull's and duplex's events. */
+/* The thread and queue that serve every pull's and duplex's events. On the
+ * process loop (rpc_loop_start) the queue is the loop's: its threads poll,
+ * and hand the client's events to this thread through `head` (this thread
+ * then never polls, so it never takes a turn at polling from them). */
 static struct {
   pthread_mutex_t mu;
   grpc_completion_queue *cq;
   pthread_t thread;
   bool running;
-} client = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, false};
+  bool on_loop;
+  pthread_cond_t cv;          /* on_loop: an event, or stop */
+  async_tag_t *head, *tail;   /* on_loop: forwarded events, oldest first */
+  bool stop;
+} client = {PTHREAD_MUTEX_INITIALIZER, NULL, 0, false, false, PTHREAD_COND_INITIALIZER,
+            NULL, NULL, false};
 
 static void *client_thread(void *arg) {
   grpc_completion_queue *cq = arg;
@@ -590,16 +600,52 @@ static void *client_thread(void *arg) {
   return NULL;
 }
 
+static void *client_thread_on_loop(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&client.mu);
+  for (;;) {
+    while (!client.head && !client.stop) pthread_cond_wait(&client.cv, &client.mu);
+    async_tag_t *t = client.head;
+    if (!t) break; /* stop, and nothing left */
+    client.head = t->qnext;
+    if (!client.head) client.tail = NULL;
+    pthread_mutex_unlock(&client.mu);
+    t->fn(t, t->qok);
+    pthread_mutex_lock(&client.mu);
+  }
+  pthread_mutex_unlock(&client.mu);
+  return NULL;
+}
+
+void rpc_client_forward(void *tag, bool ok) {
+  async_tag_t *t = tag;
+  t->qnext = NULL;
+  t->qok = ok;
+  pthread_mutex_lock(&client.mu);
+  bool wake = !client.head;
+  if (client.tail) client.tail->qnext = t;
+  else client.head = t;
+  client.tail = t;
+  if (wake) pthread_cond_signal(&client.cv);
+  pthread_mutex_unlock(&client.mu);
+}
+
 static grpc_completion_queue *client_cq(void) {
   pthread_mutex_lock(&client.mu);
   if (!client.running) {
-    client.cq = grpc_completion_queue_create_for_next(NULL);
-    if (pthread_create(&client.thread, NULL, client_thread, client.cq) == 0) {
+    grpc_completion_queue *loop_cq = rpc_loop_cq(NULL);
+    client.on_loop = loop_cq != NULL;
+    client.stop = false;
+    client.cq = loop_cq ? loop_cq : grpc_completion_queue_create_for_next(NULL);
+    if (pthread_create(&client.thread, NULL, loop_cq ? client_thread_on_loop : client_thread,
+                       client.cq) == 0) {
       pthread_setname_np(client.thread, "rpc-client"); /* for top -H and perf */
       client.running = true;
     } else {
-      grpc_completion_queue_shutdown(client.cq);
-      grpc_completion_queue_destroy(client.cq);
+      if (!loop_cq) {
+        grpc_completion_queue_shutdown(client.cq);
+        grpc_completion_queue_destroy(client.cq);
+      }
       client.cq = NULL;
     }
   }
@@ -612,12 +658,17 @@ void rpc_client_stop_thread(void) {
   pthread_mutex_lock(&client.mu);
   bool running = client.running;
   client.running = false;
+  bool on_loop = client.on_loop;
+  if (on_loop) { /* the loop stopped first: what it forwarded is all there is */
+    client.stop = true;
+    pthread_cond_signal(&client.cv);
+  }
   pthread_mutex_unlock(&client.mu);
   if (!running) return;
   /* Calls still running would hold this up: their owners cancelled them. */
-  grpc_completion_queue_shutdown(client.cq);
+  if (!on_loop) grpc_completion_queue_shutdown(client.cq);
   pthread_join(client.thread, NULL);
-  grpc_completion_queue_destroy(client.cq);
+  if (!on_loop) grpc_completion_queue_destroy(client.cq);
   client.cq = NULL;
 }
 
@@ -729,9 +780,9 @@ rpc_pull_t *rpc_pull_open(rpc_channel_t *ch, const char *method, const ProtobufC
   p->fn = fn;
   p->arg = arg;
   p->req = wire_pack(req);
-  p->t_start = (async_tag_t){pull_event, PULL_START, p};
-  p->t_read = (async_tag_t){pull_event, PULL_READ, p};
-  p->t_status = (async_tag_t){pull_event, PULL_STATUS, p};
+  p->t_start = (async_tag_t){.fn = pull_event, .kind = PULL_START, .owner = p};
+  p->t_read = (async_tag_t){.fn = pull_event, .kind = PULL_READ, .owner = p};
+  p->t_status = (async_tag_t){.fn = pull_event, .kind = PULL_STATUS, .owner = p};
 
   grpc_op ops[4];
   memset(ops, 0, sizeof ops);
@@ -909,10 +960,10 @@ rpc_duplex_t *rpc_duplex_open(rpc_channel_t *ch, const char *method, const rpc_m
   d->desc = desc;
   d->fn = fn;
   d->arg = arg;
-  d->t_start = (async_tag_t){duplex_event, DUPLEX_START, d};
-  d->t_read = (async_tag_t){duplex_event, DUPLEX_READ, d};
-  d->t_write = (async_tag_t){duplex_event, DUPLEX_WRITE, d};
-  d->t_status = (async_tag_t){duplex_event, DUPLEX_STATUS, d};
+  d->t_start = (async_tag_t){.fn = duplex_event, .kind = DUPLEX_START, .owner = d};
+  d->t_read = (async_tag_t){.fn = duplex_event, .kind = DUPLEX_READ, .owner = d};
+  d->t_write = (async_tag_t){.fn = duplex_event, .kind = DUPLEX_WRITE, .owner = d};
+  d->t_status = (async_tag_t){.fn = duplex_event, .kind = DUPLEX_STATUS, .owner = d};
   pthread_cond_init(&d->cv, NULL);
 
   grpc_op ops[2];

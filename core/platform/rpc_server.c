@@ -10,6 +10,7 @@
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -28,6 +29,7 @@
 typedef enum { TAG_NEW, TAG_READ, TAG_WRITE, TAG_STATUS, TAG_CLOSE } tag_kind_t;
 
 typedef struct tag {
+  rpc_loop_fn fn; /* first, as in every tag on the process loop's queue (rpc_wire.h) */
   tag_kind_t kind;
   rpc_call_t *call;
 } tag_t;
@@ -101,10 +103,12 @@ struct rpc_call {
 struct rpc_server {
   int max_msg; /* GRPC_ARG_MAX_SEND_MESSAGE_LENGTH: rpc_call_reply refuses larger */
   grpc_server *server;
-  grpc_completion_queue *cq;
+  grpc_completion_queue *cq; /* its own, or the process loop's (in_loop) */
+  bool in_loop;              /* served by the process loop (rpc_loop_start): no threads */
   grpc_completion_queue *shutdown_cq;
   pthread_t *threads;
-  int nthreads;
+  int nthreads;  /* its own, or the loop's (in_loop): the calls it asks for scale with them */
+  int nworkers;  /* threads it started (none on the loop) */
   int port;
   char listen[256];
   bool started, stopping, shut_down;
@@ -118,6 +122,10 @@ struct rpc_server {
   int posts_per_method;
   pthread_mutex_t mu;
   int active;
+  /* Batches and requests started and not yet dispatched: a server on the
+   * process loop is freed only once none is left on the loop's queue. */
+  int tags_out;
+  pthread_cond_t tags_cv;
   int shutdown_tag;
   /* Requests of callers that nothing authenticated, not complete yet (under
    * mu): gRPC holds up to a message each; past max_open the oldest goes. */
@@ -172,16 +180,29 @@ static rpc_call_t *call_new(rpc_server_t *srv, method_slot_t *slot) {
   grpc_metadata_array_init(&c->md);
   if (!slot) grpc_call_details_init(&c->details);
   c->status_details = grpc_empty_slice();
-  c->t_new = (tag_t){TAG_NEW, c};
-  c->t_read = (tag_t){TAG_READ, c};
-  c->t_write = (tag_t){TAG_WRITE, c};
-  c->t_status = (tag_t){TAG_STATUS, c};
-  c->t_close = (tag_t){TAG_CLOSE, c};
+  c->t_new = (tag_t){rpc_server_event, TAG_NEW, c};
+  c->t_read = (tag_t){rpc_server_event, TAG_READ, c};
+  c->t_write = (tag_t){rpc_server_event, TAG_WRITE, c};
+  c->t_status = (tag_t){rpc_server_event, TAG_STATUS, c};
+  c->t_close = (tag_t){rpc_server_event, TAG_CLOSE, c};
   c->refs = 1; /* the NEW batch */
   return c;
 }
 
 /* ------------------------------------------------------------------ batches */
+
+static void tags_started(rpc_server_t *srv) {
+  pthread_mutex_lock(&srv->mu);
+  srv->tags_out++;
+  pthread_mutex_unlock(&srv->mu);
+}
+
+/* A tag of srv was dispatched: srv is not touched after this. */
+static void tags_done(rpc_server_t *srv) {
+  pthread_mutex_lock(&srv->mu);
+  if (--srv->tags_out == 0) pthread_cond_broadcast(&srv->tags_cv);
+  pthread_mutex_unlock(&srv->mu);
+}
 
 static bool start_batch_locked(rpc_call_t *c, grpc_op *ops, size_t n, tag_t *tag) {
   /* Once the server's queue is shutting down no batch may start on it (gRPC
@@ -190,6 +211,7 @@ static bool start_batch_locked(rpc_call_t *c, grpc_op *ops, size_t n, tag_t *tag
   pthread_rwlock_rdlock(&c->srv->cq_lock);
   grpc_call_error e = c->srv->cq_closed ? GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN
                                         : grpc_call_start_batch(c->call, ops, n, tag, NULL);
+  if (e == GRPC_CALL_OK) tags_started(c->srv);
   pthread_rwlock_unlock(&c->srv->cq_lock);
   if (e == GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN) return false;
   if (e != GRPC_CALL_OK) {
@@ -889,7 +911,7 @@ static void on_close(rpc_call_t *c, bool ok) {
   maybe_end_locked(c);
 }
 
-static void dispatch(tag_t *t, bool ok) {
+static void dispatch_call(tag_t *t, bool ok) {
   rpc_call_t *c = t->call;
   switch (t->kind) {
     case TAG_NEW:
@@ -913,6 +935,14 @@ static void dispatch(tag_t *t, bool ok) {
   if (left == 0) call_free(c);
 }
 
+static void dispatch(tag_t *t, bool ok) {
+  rpc_server_t *srv = t->call->srv; /* the call may be freed by the dispatch */
+  dispatch_call(t, ok);
+  tags_done(srv);
+}
+
+void rpc_server_event(void *tag, bool ok) { dispatch(tag, ok); }
+
 static _Thread_local bool worker_with_hook, worker_holds;
 static _Thread_local int64_t worker_holds_since; /* rpc_now_ms when it began holding */
 
@@ -928,33 +958,116 @@ bool rpc_server_hold_until_idle(void) {
   return worker_with_hook;
 }
 
-static void *worker(void *arg) {
-  rpc_server_t *srv = arg;
-  worker_with_hook = srv->before_wait != NULL;
+/* Waits on cq and dispatches its events until it shuts down: a server's own
+ * threads, or the process loop's. The loop's queue carries the client's
+ * events too, which go to the client thread (rpc_client_forward). */
+static void serve_queue(grpc_completion_queue *cq, void (*before_wait)(void)) {
+  worker_with_hook = before_wait != NULL;
   for (;;) {
     grpc_event ev = {.type = GRPC_QUEUE_TIMEOUT};
     if (worker_holds) { /* a ready event first; the hook before a real wait */
-      ev = grpc_completion_queue_next(srv->cq, gpr_inf_past(GPR_CLOCK_REALTIME), NULL);
+      ev = grpc_completion_queue_next(cq, gpr_inf_past(GPR_CLOCK_REALTIME), NULL);
       if (ev.type == GRPC_QUEUE_TIMEOUT) {
         worker_holds = false;
-        srv->before_wait();
+        before_wait();
       }
     }
     if (ev.type == GRPC_QUEUE_TIMEOUT)
-      ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+      ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
-    dispatch(ev.tag, ev.success != 0);
+    rpc_loop_tag_t *t = ev.tag;
+    if (t->fn == rpc_server_event) dispatch(ev.tag, ev.success != 0);
+    else rpc_client_forward(ev.tag, ev.success != 0);
     if (worker_holds && rpc_now_ms() - worker_holds_since > HOLD_MAX_MS) {
       worker_holds = false;
-      srv->before_wait();
+      before_wait();
     }
   }
   if (worker_holds) { /* what it held goes before the thread ends */
     worker_holds = false;
-    srv->before_wait();
+    before_wait();
   }
+}
+
+static void *worker(void *arg) {
+  rpc_server_t *srv = arg;
+  serve_queue(srv->cq, srv->before_wait);
   return NULL;
+}
+
+/* ------------------------------------------------------------------ loop */
+
+/* The process loop (rpc_loop_start): one queue, polled by its threads only,
+ * that every server made after it and every pull and duplex use. */
+static struct {
+  pthread_mutex_t mu;
+  grpc_completion_queue *cq;
+  pthread_t *threads;
+  int nthreads;
+  void (*before_wait)(void);
+} loop = {PTHREAD_MUTEX_INITIALIZER, NULL, NULL, 0, NULL};
+
+static _Thread_local bool on_loop_thread;
+
+bool rpc_on_loop_thread(void) { return on_loop_thread; }
+
+static void *loop_main(void *arg) {
+  (void)arg;
+  on_loop_thread = true;
+  serve_queue(loop.cq, loop.before_wait);
+  return NULL;
+}
+
+int rpc_loop_start(int threads, void (*before_wait)(void)) {
+  pthread_mutex_lock(&loop.mu);
+  int rc = 0;
+  if (!loop.cq) {
+    int n = threads > 0 ? threads : 1;
+    loop.before_wait = before_wait;
+    loop.cq = grpc_completion_queue_create_for_next(NULL);
+    loop.threads = calloc((size_t)n, sizeof *loop.threads);
+    for (loop.nthreads = 0; loop.threads && loop.nthreads < n; loop.nthreads++) {
+      if (pthread_create(&loop.threads[loop.nthreads], NULL, loop_main, NULL) != 0) break;
+      pthread_setname_np(loop.threads[loop.nthreads], "rpc-loop");
+    }
+    rc = loop.nthreads > 0 ? 0 : -1;
+    if (rc) {
+      grpc_completion_queue_shutdown(loop.cq);
+      grpc_completion_queue_destroy(loop.cq);
+      loop.cq = NULL;
+      free(loop.threads);
+      loop.threads = NULL;
+    }
+  }
+  pthread_mutex_unlock(&loop.mu);
+  return rc;
+}
+
+grpc_completion_queue *rpc_loop_cq(int *threads) {
+  pthread_mutex_lock(&loop.mu);
+  grpc_completion_queue *cq = loop.cq;
+  if (threads) *threads = loop.nthreads;
+  pthread_mutex_unlock(&loop.mu);
+  return cq;
+}
+
+void rpc_loop_stop(void) {
+  pthread_mutex_lock(&loop.mu);
+  grpc_completion_queue *cq = loop.cq;
+  pthread_mutex_unlock(&loop.mu);
+  if (!cq) return;
+  /* Every server is gone and every pull and duplex ended: nothing starts
+   * on the queue any more. */
+  grpc_completion_queue_shutdown(cq);
+  for (int i = 0; i < loop.nthreads; i++) pthread_join(loop.threads[i], NULL);
+  grpc_completion_queue_destroy(cq);
+  pthread_mutex_lock(&loop.mu);
+  loop.cq = NULL;
+  free(loop.threads);
+  loop.threads = NULL;
+  loop.nthreads = 0;
+  pthread_mutex_unlock(&loop.mu);
 }
 
 static void post_request(rpc_server_t *srv, method_slot_t *slot) {
@@ -969,6 +1082,7 @@ static void post_request(rpc_server_t *srv, method_slot_t *slot) {
     e = grpc_server_request_call(srv->server, &c->call, &c->details, &c->md, srv->cq, srv->cq,
                                  &c->t_new);
   }
+  if (e == GRPC_CALL_OK) tags_started(srv);
   if (e != GRPC_CALL_OK) {
     log_error("rpc", "cannot accept calls for %s: %s", slot ? slot->m->path : "unknown methods",
               grpc_call_error_to_string(e));
@@ -990,7 +1104,10 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
     return NULL;
   }
   snprintf(srv->listen, sizeof srv->listen, "%s", opts->listen ? opts->listen : "127.0.0.1:0");
-  srv->nthreads = opts->threads > 0 ? opts->threads : 2;
+  int loop_threads = 0;
+  grpc_completion_queue *loop_cq = rpc_loop_cq(&loop_threads);
+  srv->in_loop = loop_cq != NULL;
+  srv->nthreads = srv->in_loop ? loop_threads : opts->threads > 0 ? opts->threads : 2;
   srv->before_wait = opts->before_wait;
   srv->posts_per_method = srv->nthreads * 2 < 4 ? 4 : srv->nthreads * 2;
   srv->max_open = opts->max_unauthenticated_requests > 0 ? opts->max_unauthenticated_requests
@@ -1035,9 +1152,10 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
   }
   srv->server = grpc_server_create(wire_args_done(&a), NULL);
   if (quota) grpc_resource_quota_unref(quota); /* the server's args hold their own ref */
-  srv->cq = grpc_completion_queue_create_for_next(NULL);
+  srv->cq = srv->in_loop ? loop_cq : grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
   pthread_mutex_init(&srv->mu, NULL);
+  pthread_cond_init(&srv->tags_cv, NULL);
   pthread_rwlock_init(&srv->cq_lock, NULL);
   return srv;
 }
@@ -1082,10 +1200,11 @@ int rpc_server_start(rpc_server_t *srv, char *err, size_t errlen) {
   for (size_t i = 0; i < srv->nslots; i++)
     for (int k = 0; k < srv->posts_per_method; k++) post_request(srv, &srv->slots[i]);
   for (int k = 0; k < srv->posts_per_method; k++) post_request(srv, NULL);
-  srv->threads = calloc((size_t)srv->nthreads, sizeof *srv->threads);
+  srv->nworkers = srv->in_loop ? 0 : srv->nthreads;
+  srv->threads = calloc((size_t)(srv->nworkers ? srv->nworkers : 1), sizeof *srv->threads);
   /* Named here, not by the thread itself: the name is there once start returns
    * (for top -H and perf; a test counted the threads before they ran). */
-  for (int i = 0; i < srv->nthreads; i++)
+  for (int i = 0; i < srv->nworkers; i++)
     if (pthread_create(&srv->threads[i], NULL, worker, srv) == 0)
       pthread_setname_np(srv->threads[i], "rpc-server");
   return srv->port;
@@ -1111,6 +1230,21 @@ void rpc_server_stop_accepting(rpc_server_t *srv) {
   srv->stopping = true;
   pthread_mutex_unlock(&srv->mu);
   if (first) grpc_server_shutdown_and_notify(srv->server, srv->shutdown_cq, &srv->shutdown_tag);
+}
+
+/* On the process loop: the queue goes on without this server, which may be
+ * freed only once the loop dispatched the last of its events (the requests
+ * the shutdown failed, the batches of cancelled calls). Not on a loop thread. */
+static void wait_tags(rpc_server_t *srv) {
+  pthread_mutex_lock(&srv->mu);
+  for (int waited = 0; srv->tags_out > 0; waited++) {
+    struct timespec dl;
+    runtime_deadline(&dl, CLOCK_REALTIME, 1000);
+    if (pthread_cond_timedwait(&srv->tags_cv, &srv->mu, &dl) == ETIMEDOUT && waited == 5)
+      log_warn("rpc", "%s: %d event(s) of its calls not dispatched after 5 s: still waiting",
+               srv->listen, srv->tags_out);
+  }
+  pthread_mutex_unlock(&srv->mu);
 }
 
 void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
@@ -1146,9 +1280,10 @@ void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
   srv->shutdown_cq = NULL;
   pthread_rwlock_wrlock(&srv->cq_lock);
   srv->cq_closed = true;
-  grpc_completion_queue_shutdown(srv->cq);
+  if (!srv->in_loop) grpc_completion_queue_shutdown(srv->cq);
   pthread_rwlock_unlock(&srv->cq_lock);
-  for (int i = 0; i < srv->nthreads; i++) pthread_join(srv->threads[i], NULL);
+  for (int i = 0; i < srv->nworkers; i++) pthread_join(srv->threads[i], NULL);
+  if (srv->in_loop) wait_tags(srv);
   srv->shut_down = true;
 }
 
@@ -1156,22 +1291,24 @@ void rpc_server_destroy(rpc_server_t *srv) {
   if (!srv) return;
   if (srv->started) rpc_server_shutdown(srv, 0);
   grpc_server_destroy(srv->server);
-  if (!srv->started) {
+  if (!srv->in_loop && !srv->started) {
     pthread_rwlock_wrlock(&srv->cq_lock);
     srv->cq_closed = true;
     grpc_completion_queue_shutdown(srv->cq);
     pthread_rwlock_unlock(&srv->cq_lock);
   }
-  /* Drain whatever is left (nothing when the workers ran to the shutdown). */
-  for (;;) {
+  /* Drain whatever is left (nothing when the workers ran to the shutdown).
+   * The loop's queue is the loop's: wait_tags saw this server's last event. */
+  for (; !srv->in_loop;) {
     grpc_event ev = grpc_completion_queue_next(srv->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type == GRPC_OP_COMPLETE) dispatch(ev.tag, false);
   }
-  grpc_completion_queue_destroy(srv->cq);
+  if (!srv->in_loop) grpc_completion_queue_destroy(srv->cq);
   grpc_server_credentials_release(srv->creds);
   rpc_tls_server_free(srv->tls);
   pthread_mutex_destroy(&srv->mu);
+  pthread_cond_destroy(&srv->tags_cv);
   pthread_rwlock_destroy(&srv->cq_lock);
   free(srv->threads);
   free(srv->slots);

@@ -193,6 +193,7 @@ void rpc_init(void) {
 void rpc_shutdown(void) {
   pthread_mutex_lock(&init_mu);
   if (init_count > 0 && --init_count == 0) {
+    rpc_loop_stop(); /* its last client events go to the client thread */
     rpc_client_stop_thread();
     /* Blocking: grpc_shutdown may leave its clean-up to a thread of its own,
      * which a process that exits next (meshctl after a failed TLS handshake,

@@ -3,6 +3,7 @@
 #define MESHD_RPC_WIRE_H
 
 #include <grpc/byte_buffer.h>
+#include <stdbool.h>
 #include <grpc/grpc.h>
 #include <protobuf-c/protobuf-c.h>
 
@@ -40,6 +41,21 @@ const grpc_channel_args *wire_args_done(wire_args_t *a);
 /* Stops the client thread of pulls and duplexes (rpc_client.c); rpc_shutdown
  * calls it. */
 void rpc_client_stop_thread(void);
+
+/* Every tag on the process loop's queue (rpc_loop_start) begins with the
+ * function its event goes to: the server's events are dispatched on the
+ * loop's thread, the client's go to the client thread. */
+typedef void (*rpc_loop_fn)(void *tag, bool ok);
+typedef struct rpc_loop_tag {
+  rpc_loop_fn fn;
+} rpc_loop_tag_t;
+void rpc_server_event(void *tag, bool ok);
+/* Hands a client event taken off the loop's queue to the client thread. */
+void rpc_client_forward(void *tag, bool ok);
+/* The loop's queue and its thread count, or NULL if it does not run. */
+grpc_completion_queue *rpc_loop_cq(int *threads);
+/* Stops the loop once every server and client call is gone (rpc_shutdown). */
+void rpc_loop_stop(void);
 
 /* Absolute deadline timeout_ms from now; infinite for timeout_ms <= 0. */
 gpr_timespec wire_deadline(int timeout_ms);

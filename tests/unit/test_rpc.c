@@ -2482,3 +2482,81 @@ Test(rpc_guard, a_unary_call_that_ends_during_its_guard_is_given_back) {
                (long long)(rpc_now_ms() - t0));
   rpc_shutdown();
 }
+
+/* ------------------------------------------------------------------ the process loop */
+
+/* rpc_loop_start: one queue and one thread for every server and every pull
+ * and duplex of the process (the meshd server runs this way). */
+static void loop_hook(void) {}
+
+static echo_server_t *loop_echo(char *tgt, size_t len) {
+  rpc_server_opts_t opts = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256] = "";
+  echo_server_t *s = echo_server_start(&opts, err, sizeof err);
+  cr_assert_not_null(s, "echo_server_start: %s", err);
+  snprintf(tgt, len, "127.0.0.1:%d", echo_server_port(s));
+  return s;
+}
+
+Test(rpc_loop, every_server_and_call_is_served_by_the_loops_one_thread, .timeout = 60) {
+  rpc_init();
+  cr_assert_eq(rpc_loop_start(1, loop_hook), 0);
+  cr_assert_not(rpc_on_loop_thread());
+  char ta[64], tb[64];
+  echo_server_t *a = loop_echo(ta, sizeof ta), *b = loop_echo(tb, sizeof tb);
+  /* One poller: the servers' threads are the loop's (their .threads is not used). */
+  cr_assert_eq(proc_threads_named("rpc-server"), 0, "a server on the loop started threads");
+  cr_assert_eq(proc_threads_named("rpc-loop"), 1);
+
+  /* A pull on a channel that has not connected yet: its pick waits in gRPC
+   * with the call's queue as its pollset (a queue that does not poll fails
+   * there, a gRPC assertion). */
+  rpc_channel_t *ca = rpc_channel_create(ta, &(rpc_channel_opts_t){.connect_timeout_ms = 5000});
+  pull_log_t pl;
+  pull_log_init(&pl, true);
+  EchoRequest req = ECHO_REQUEST__INIT;
+  req.text = "tick";
+  req.reply_count = 200;
+  rpc_pull_t *p = rpc_pull_open(ca, ECHO_SERVER_STREAM, &req.base, &echo_reply__descriptor, NULL,
+                                0, 10000, pull_got, &pl);
+  cr_assert_not_null(p);
+  rpc_pull_next(p);
+  cr_assert_eq(pull_wait(&pl, 200, true, 10000), 200);
+  cr_assert_eq(pl.bad_order, 0);
+  cr_assert_eq(pl.st.code, GRPC_STATUS_OK, "%s", pl.st.message);
+  rpc_pull_destroy(p);
+  cr_assert_eq(proc_threads_named("rpc-client"), 1, "the pull's events go to the client thread");
+
+  /* A duplex to b stays open while a is shut down with a call still open. */
+  rpc_channel_t *cb = rpc_channel_create(tb, &(rpc_channel_opts_t){.connect_timeout_ms = 5000});
+  pull_log_t dl;
+  pull_log_init(&dl, false);
+  rpc_duplex_t *d = rpc_duplex_open(cb, ECHO_BIDI, NULL, 0, -1, &echo_reply__descriptor,
+                                    duplex_got, &dl);
+  cr_assert_not_null(d);
+  EchoRequest one = ECHO_REQUEST__INIT;
+  one.text = "before";
+  cr_assert_eq(rpc_duplex_write(d, &one.base), 0);
+  cr_assert_eq(pull_wait(&dl, 1, false, 10000), 1);
+  rpc_stream_t *held = rpc_stream_open(ca, ECHO_BIDI, NULL, 0, 10000);
+  cr_assert_not_null(held);
+  EchoRequest h = ECHO_REQUEST__INIT;
+  h.text = "held";
+  cr_assert_eq(rpc_stream_write(held, &h.base, false), 0);
+  int64_t t0 = rpc_now_ms();
+  echo_server_stop(a, 0); /* cancels the held call; waits for its last event on the loop */
+  cr_assert_lt(rpc_now_ms() - t0, 5000, "a's shutdown took %lld ms", (long long)(rpc_now_ms() - t0));
+  one.text = "after";
+  cr_assert_eq(rpc_duplex_write(d, &one.base), 0);
+  cr_assert_eq(pull_wait(&dl, 2, false, 10000), 2, "b stopped answering when a was shut down");
+
+  rpc_duplex_cancel(d);
+  rpc_duplex_finish(d, NULL);
+  rpc_duplex_destroy(d);
+  rpc_stream_destroy(held);
+  rpc_channel_destroy(ca);
+  rpc_channel_destroy(cb);
+  echo_server_stop(b, 0);
+  rpc_shutdown();
+  cr_assert_eq(proc_threads_named("rpc-loop"), 0, "rpc_shutdown left the loop running");
+}
