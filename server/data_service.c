@@ -17,6 +17,7 @@
 #include "metrics.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "objects.h"
+#include "runtime.h"
 #include "session_service.h"
 
 /* Upload and Fetch call the agents on the pool's data channels
@@ -1564,13 +1565,7 @@ static int answer_later(rpc_call_t *call, const ProtobufCMessage *msg, int ms) {
   h->call = call;
   h->ms = ms;
   rpc_call_ref(call);
-  pthread_attr_t at;
-  pthread_attr_init(&at);
-  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-  pthread_t th;
-  int rc = pthread_create(&th, &at, answer_main, h);
-  pthread_attr_destroy(&at);
-  if (rc == 0) return 0;
+  if (runtime_spawn_detached(answer_main, h) == 0) return 0;
   rpc_call_unref(call);
   rpc_bytes_free(h->msg);
   free(h);

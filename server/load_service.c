@@ -100,13 +100,7 @@ static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, const c
     return -1;
   }
   rpc_call_ref(call);
-  pthread_t th;
-  pthread_attr_t at;
-  pthread_attr_init(&at);
-  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-  int rc = pthread_create(&th, &at, fn, arg);
-  pthread_attr_destroy(&at);
-  if (rc == 0) return 0;
+  if (runtime_spawn_detached(fn, arg) == 0) return 0;
   rpc_call_unref(call);
   done(ls, *slot);
   rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "%s: out of threads", what);

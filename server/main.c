@@ -564,11 +564,6 @@ int main(int argc, char **argv) {
     log_info("server", "plaintext health on %s (port %d)", opt.health_listen,
              rpc_server_port(health_srv));
   }
-  if (opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
-    log_error("server", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
-    rpc_server_destroy(srv);
-    return 1;
-  }
   metrics_registry_t *metrics = NULL;
   metrics_http_t *metrics_http = NULL;
   if (opt.metrics_listen && *opt.metrics_listen) {
@@ -618,6 +613,14 @@ int main(int argc, char **argv) {
       return 1;
     }
     log_info("server", "metrics on http://%s/metrics (port %d)", opt.metrics_listen, metrics_http_port(metrics_http));
+  }
+  /* Once every port serves: a port file left by a startup that failed past it
+   * (--metrics-listen taken) named a port nobody served. */
+  if (opt.port_file && runtime_write_port_file(opt.port_file, port) != 0) {
+    log_error("server", "cannot write --port-file %s: %s", opt.port_file, strerror(errno));
+    rpc_server_shutdown(srv, 0);
+    rpc_server_destroy(srv);
+    return 1;
   }
   log_info("server", "meshd %s (server %s) listening on %s, port %d (%s, %s); TensorService needs "
            "%d agent(s)", MESHD_VERSION, server_id, opt.listen, port,
@@ -672,6 +675,7 @@ int main(int argc, char **argv) {
                                .reflection = opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {
+      if (opt.port_file) unlink(opt.port_file); /* nobody will serve it */
       rpc_server_shutdown(srv, 0);
       rpc_server_destroy(srv);
       return 1;

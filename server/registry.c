@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #include "agent_link.h"
@@ -131,6 +132,39 @@ static bool all_printable(const char *s) {
   return true;
 }
 
+/* HOST:PORT as the server dials it back (and hands its host to the other
+ * agents for the data plane): a name or IPv4 address of [A-Za-z0-9._-], or an
+ * IPv6 one in brackets (a zone too), and a decimal port 1..65535. gRPC reads "x:..." as a
+ * URI when x is one of its resolvers' schemes, so those names are refused as
+ * hosts: a stranger's "unix:5" would have the server dial a local socket. */
+static bool host_port(const char *a) {
+  const char *colon = strrchr(a, ':');
+  if (!colon || !colon[1] || strlen(colon + 1) > 5 ||
+      strspn(colon + 1, "0123456789") != strlen(colon + 1))
+    return false;
+  long port = atol(colon + 1);
+  if (port < 1 || port > 65535) return false;
+  size_t n = (size_t)(colon - a);
+  if (n == 0) return false;
+  if (a[0] == '[') {
+    if (n < 3 || a[n - 1] != ']') return false;
+    for (size_t i = 1; i + 1 < n; i++) /* and a zone: [fe80::1%eth0] */
+      if (!((a[i] >= 'a' && a[i] <= 'z') || (a[i] >= 'A' && a[i] <= 'Z') ||
+            (a[i] >= '0' && a[i] <= '9') || a[i] == ':' || a[i] == '.' || a[i] == '%'))
+        return false;
+    return true;
+  }
+  for (size_t i = 0; i < n; i++)
+    if (!((a[i] >= 'a' && a[i] <= 'z') || (a[i] >= 'A' && a[i] <= 'Z') ||
+          (a[i] >= '0' && a[i] <= '9') || a[i] == '.' || a[i] == '-' || a[i] == '_'))
+      return false;
+  static const char *const schemes[] = {"dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock",
+                                        "xds", "google-c2p", "google-c2p-experimental", "c2p"};
+  for (size_t i = 0; i < sizeof schemes / sizeof *schemes; i++)
+    if (strlen(schemes[i]) == n && !strncasecmp(a, schemes[i], n)) return false;
+  return true;
+}
+
 static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *req) {
   if (!req->agent_id || !*req->agent_id || strlen(req->agent_id) >= sizeof c->agent_id)
     { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest.agent_id must be 1..63 characters"); return; }
@@ -149,6 +183,11 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
       !all_printable(req->device))
     { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT,
              "RegisterRequest: agent_id, address and device must be printable ASCII"); return; }
+  if (!host_port(req->address))
+    { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT,
+             "RegisterRequest.address must be the agent's host:port (a host name or IPv4 "
+             "address, or an IPv6 one in brackets, and a port 1..65535; no URI scheme), the "
+             "address the server dials back (the agent's --advertise)"); return; }
   if (req->data_port > 65535) { /* 0: no data plane (the proto's "none yet") */
     char msg[160];
     snprintf(msg, sizeof msg, "RegisterRequest.data_port %u is not a port (1..65535, or 0 for "
@@ -294,15 +333,10 @@ static void remove_agent(registry_t *r, const conn_t *c, const char *why) {
   if (rm) {
     *rm = (removal_t){.r = r, .rank = (uint32_t)c->rank, .why = why};
     memcpy(rm->agent_id, c->agent_id, sizeof rm->agent_id);
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
     pthread_mutex_lock(&r->mu);
-    pthread_t th;
-    bool started = pthread_create(&th, &at, remover, rm) == 0;
+    bool started = runtime_spawn_detached(remover, rm) == 0;
     if (started) r->removals++;
     pthread_mutex_unlock(&r->mu);
-    pthread_attr_destroy(&at);
     if (started) return;
     free(rm);
     log_error("registry", "rank %d: no thread to remove its agent: removed on the rpc thread",

@@ -171,3 +171,13 @@ unsigned long long runtime_memory_bytes(void) {
   };
   return runtime_memory_bytes_in(files, sizeof files / sizeof files[0]);
 }
+
+int runtime_spawn_detached(void *(*fn)(void *), void *arg) {
+  pthread_attr_t at;
+  pthread_attr_init(&at);
+  pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+  pthread_t th;
+  int rc = pthread_create(&th, &at, fn, arg);
+  pthread_attr_destroy(&at);
+  return rc;
+}

@@ -35,6 +35,10 @@ void runtime_host_of(const char *addr, char *out, size_t len);
  * naming addr; an address without a decimal port is left to the listener. */
 int runtime_check_port(const char *addr, char *err, size_t errlen);
 
+/* Starts fn(arg) on a detached thread: 0, or the pthread_create error (then
+ * fn does not run and arg is still the caller's). */
+int runtime_spawn_detached(void *(*fn)(void *), void *arg);
+
 /* Physical memory, or the container's limit when that is smaller (cgroup v2
  * memory.max, v1 memory.limit_in_bytes): allocating past a cgroup limit gets a
  * process OOM-killed, not an error. 0 when neither is known. */

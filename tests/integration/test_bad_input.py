@@ -1134,6 +1134,18 @@ def _(ctx):
     register_fails(ctx, [_hello(address="")], INVALID, "address")
 
 
+@case("register-address-not-host-port")
+def _(ctx):
+    # The server dials the advertised address back as a gRPC target: without a check a
+    # stranger's "unix:/run/x.sock" made it dial a local Unix socket, "dns:///h:1" or
+    # "ipv4:10.0.0.1:1" chose a resolver, and a missing or bad port was taken as given.
+    for address in ("unix:/tmp/meshd-x.sock", "unix:5", "unix-abstract:x", "dns:///h:1",
+                    "ipv4:10.0.0.1:1", "127.0.0.1", "127.0.0.1:", "127.0.0.1:0",
+                    "127.0.0.1:70000", "127.0.0.1:http", ":5000", "::1:5000", "[::1:5000",
+                    "a b:1", "user@host:1", "host/path:1", "h%2f:1"):
+        register_fails(ctx, [_hello(address=address)], INVALID, "address", "host:port")
+
+
 @case("register-no-device")
 def _(ctx):
     register_fails(ctx, [_hello(device="")], INVALID, "device")

@@ -292,6 +292,29 @@ def test_second_server_on_a_taken_port_fails(meshd_server, tmp_path):
     assert lib.health_check(first.port, "") == lib.SERVING()
 
 
+def test_a_metrics_port_that_fails_leaves_no_port_file(tmp_path):
+    """--port-file was written as soon as the client port served, before --metrics-listen
+    was tried: with the metrics port taken, meshd exited 1 and left the file naming a port
+    nobody serves (an orchestrator waiting on it connected to nothing)."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    pf = tmp_path / "meshd.port"
+    try:
+        try:
+            r = lib.run(lib.MESHD, ["--listen", "127.0.0.1:0", "--port-file", str(pf),
+                                    "--metrics-listen", f"127.0.0.1:{taken.getsockname()[1]}"],
+                        timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("meshd kept running with its --metrics-listen port taken")
+    finally:
+        taken.close()
+    assert r.returncode != 0, r.stderr
+    assert "metrics-listen" in r.stderr, r.stderr
+    assert not pf.exists(), f"a stale --port-file is left: {pf.read_text()!r}\n{r.stderr}"
+
+
 # ---------------------------------------------------------------- flags and env
 
 BINARIES = {"meshd": lambda: lib.MESHD, "meshd-agent": lambda: lib.AGENT,

@@ -2560,3 +2560,58 @@ Test(rpc_loop, every_server_and_call_is_served_by_the_loops_one_thread, .timeout
   rpc_shutdown();
   cr_assert_eq(proc_threads_named("rpc-loop"), 0, "rpc_shutdown left the loop running");
 }
+
+/* A peer that accepts the TCP connection and never says a word of HTTP/2
+ * (a wrong port, a stuck process): a stream opened on it with no deadline,
+ * as an agent's registration is, must come back with an error, not hang in
+ * rpc_stream_open's wait for its headers to go out. */
+typedef struct {
+  rpc_channel_t *ch;
+  atomic_int done;
+  int wrote, read;
+  grpc_status_code code;
+} silent_open_t;
+
+static void *silent_open(void *p) {
+  silent_open_t *so = p;
+  rpc_stream_t *s = rpc_stream_open(so->ch, ECHO_BIDI, NULL, 0, 0);
+  if (s) {
+    EchoRequest req = ECHO_REQUEST__INIT;
+    req.text = "anyone?";
+    so->wrote = rpc_stream_write(s, &req.base, false);
+    ProtobufCMessage *m = NULL;
+    so->read = rpc_stream_read(s, &echo_reply__descriptor, &m, 0);
+    if (m) protobuf_c_message_free_unpacked(m, NULL);
+    rpc_status_t st;
+    so->code = rpc_stream_finish(s, &st);
+    rpc_stream_destroy(s);
+  }
+  atomic_store(&so->done, 1);
+  return NULL;
+}
+
+Test(rpc, stream_to_a_silent_peer_without_deadline_ends, .timeout = 30) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  cr_assert_geq(fd, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+  cr_assert_eq(listen(fd, 16), 0); /* the kernel accepts; nobody answers */
+  socklen_t len = sizeof a;
+  cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+  char silent[64];
+  snprintf(silent, sizeof silent, "127.0.0.1:%d", ntohs(a.sin_port));
+  silent_open_t so = {.ch = rpc_channel_create(silent, NULL)};
+  cr_assert_not_null(so.ch);
+  pthread_t t;
+  pthread_create(&t, NULL, silent_open, &so);
+  int64_t t0 = rpc_now_ms();
+  while (!atomic_load(&so.done) && rpc_now_ms() - t0 < 20000) usleep(20 * 1000);
+  int64_t took = rpc_now_ms() - t0;
+  cr_assert(atomic_load(&so.done), "a stream to a silent peer %s still waits after %lld ms",
+            silent, (long long)took);
+  pthread_join(t, NULL);
+  cr_assert_neq(so.code, GRPC_STATUS_OK, "a silent peer cannot answer OK");
+  cr_assert_neq(so.read, 1);
+  rpc_channel_destroy(so.ch);
+  close(fd);
+}
