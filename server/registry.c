@@ -26,6 +26,9 @@ typedef struct conn {
    * marked healthy, so from now on an unhealthy agent has lost its link.
    * ending: the registry asked the call to end (once). */
   bool dialed, ending;
+  /* Its agent's removal, off the rpc loop (remove_agent): the conn goes with it. */
+  struct registry *reg;
+  const char *gone_why;
 } conn_t;
 
 typedef struct job {
@@ -50,7 +53,8 @@ struct registry {
   pthread_t dialers[REGISTRY_DIALERS], sweeper;
   int ndialers;
   bool sweeper_started;
-  int removals;             /* removal threads running (remove_later) */
+  int removals;             /* removal threads running (remove_agent) */
+  conn_t *deferred;         /* removals waiting for the sweeper (remove_agent) */
   pthread_cond_t removed_cv;
   log_limit_t refusals;
   log_limit_t dial_failures; /* dial-backs that failed (the same bound, apart) */
@@ -307,42 +311,56 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   }
 }
 
-typedef struct removal {
-  registry_t *r;
-  uint32_t rank;
-  char agent_id[64];
-  const char *why;
-} removal_t;
+/* Takes c's agent out of the pool and frees c. */
+static void remove_now(conn_t *c) {
+  agent_pool_remove(c->reg->pool, (uint32_t)c->rank, c->agent_id, c->gone_why);
+  free(c);
+}
 
 static void *remover(void *arg) {
-  removal_t *rm = arg;
-  registry_t *r = rm->r;
-  agent_pool_remove(r->pool, rm->rank, rm->agent_id, rm->why);
-  free(rm);
+  conn_t *c = arg;
+  registry_t *r = c->reg;
+  remove_now(c);
   pthread_mutex_lock(&r->mu);
   if (--r->removals == 0) pthread_cond_broadcast(&r->removed_cv);
   pthread_mutex_unlock(&r->mu);
   return NULL;
 }
 
-/* Takes the agent out of the pool. Its link's writer is joined there, and
- * the writer may wait for its call's end, which only the rpc loop delivers:
- * on a loop thread the removal runs on a thread of its own (rpc.h). */
-static void remove_agent(registry_t *r, const conn_t *c, const char *why) {
-  removal_t *rm = rpc_on_loop_thread() ? malloc(sizeof *rm) : NULL;
-  if (rm) {
-    *rm = (removal_t){.r = r, .rank = (uint32_t)c->rank, .why = why};
-    memcpy(rm->agent_id, c->agent_id, sizeof rm->agent_id);
-    pthread_mutex_lock(&r->mu);
-    bool started = runtime_spawn_detached(remover, rm) == 0;
-    if (started) r->removals++;
-    pthread_mutex_unlock(&r->mu);
-    if (started) return;
-    free(rm);
-    log_error("registry", "rank %d: no thread to remove its agent: removed on the rpc thread",
+/* Takes the agent out of the pool, then frees c (taken out of r->conns). Its
+ * link's writer is joined there, and the writer may wait for its call's end,
+ * which only the rpc loop delivers: on a loop thread the removal runs on a
+ * thread of its own (rpc.h), or, with no thread to be had, at the sweeper's
+ * next turn; never on the loop. */
+static void remove_agent(registry_t *r, conn_t *c, const char *why) {
+  c->reg = r;
+  c->gone_why = why;
+  if (!rpc_on_loop_thread()) {
+    remove_now(c);
+    return;
+  }
+  pthread_mutex_lock(&r->mu);
+  if (runtime_spawn_detached(remover, c) == 0) {
+    r->removals++;
+  } else {
+    c->next = r->deferred;
+    r->deferred = c;
+    log_error("registry", "rank %d: no thread to remove its agent now: the sweeper removes it",
               c->rank);
   }
-  agent_pool_remove(r->pool, (uint32_t)c->rank, c->agent_id, why);
+  pthread_mutex_unlock(&r->mu);
+}
+
+/* The removals no thread could be started for, oldest last. */
+static void remove_deferred(registry_t *r) {
+  pthread_mutex_lock(&r->mu);
+  conn_t *c = r->deferred;
+  r->deferred = NULL;
+  pthread_mutex_unlock(&r->mu);
+  for (conn_t *next; c; c = next) {
+    next = c->next;
+    remove_now(c);
+  }
 }
 
 static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
@@ -359,7 +377,8 @@ static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
   pthread_mutex_unlock(&r->mu);
   if (c->rank >= 0)
     remove_agent(r, c, cancelled ? "registration call broken (agent gone)" : "registration ended");
-  free(c);
+  else
+    free(c);
   rpc_call_unref(call);
 }
 
@@ -495,6 +514,7 @@ static void *sweeper(void *arg) {
     bool stop = r->stopping;
     pthread_mutex_unlock(&r->mu);
     if (stop) return NULL;
+    remove_deferred(r);
     sweep(r);
   }
 }
@@ -592,6 +612,7 @@ void registry_destroy(registry_t *r) {
   pthread_mutex_lock(&r->mu);
   while (r->removals > 0) pthread_cond_wait(&r->removed_cv, &r->mu);
   pthread_mutex_unlock(&r->mu);
+  remove_deferred(r);
   for (job_t *j = r->jobs, *next; j; j = next) {
     next = j->next;
     rpc_call_unref(j->call);

@@ -151,8 +151,12 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
                     (unsigned long long)c->b->capacity);
     goto out;
   }
-  if ((ret = cuda_check(cuda_state(c->b), cudaMalloc(&ws, BLAS_WS_BYTES), kernel_opname(c),
-                        e)) != 0) {
+  /* From the device's pool in the stream's order, given back the same way
+   * (cuda_blas_release): cudaMalloc / cudaFree wait for every stream of the
+   * device, every session's work. */
+  if ((ret = cuda_check(cuda_state(c->b),
+                        cudaMallocFromPoolAsync(&ws, BLAS_WS_BYTES, cuda_state(c->b)->pool, bs->s),
+                        kernel_opname(c), e)) != 0) {
     backend_unreserve(c->b, BLAS_WS_BYTES);
     ws = NULL;
     goto out;
@@ -169,7 +173,7 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
 out:
   if (h) blas.cublasDestroy(h);
   if (ws) {
-    cudaFree(ws);
+    cudaFreeAsync(ws, bs->s);
     backend_unreserve(c->b, BLAS_WS_BYTES);
   }
   *out = (cublasHandle_t)bs->blas;
@@ -180,7 +184,7 @@ out:
 void cuda_blas_release(backend_t *b, backend_stream_t *bs) {
   if (bs->blas) blas.cublasDestroy((cublasHandle_t)bs->blas);
   if (bs->blas_ws) {
-    cudaFree(bs->blas_ws);
+    cudaFreeAsync(bs->blas_ws, bs->s); /* after the stream's last use: no device-wide wait */
     backend_unreserve(b, bs->blas_ws_bytes);
   }
   bs->blas = NULL;

@@ -189,6 +189,14 @@ dp_watch_t *dp_watch_begin(dataplane_t *dp, const dp_group_t *g) {
 
 bool dp_watch_fired(dataplane_t *dp, dp_watch_t *w, char *why, size_t len) {
   if (!w) return false;
+  /* Its session ended here (dataplane_end_comm; or another instruction of it
+   * failed midway, dataplane_drop_comm): the wait outside the data plane ends
+   * now, as a call on the comm does, not at the comm timeout. */
+  if (atomic_load(&w->cl.dropped)) {
+    snprintf(why, len, "the channel was closed on this agent (its session ended here, or another "
+                       "of the session's instructions failed midway on it)");
+    return true;
+  }
   int64_t now = dp__now_ms();
   if (now < w->next_ms) return false;
   w->next_ms = now + 1;

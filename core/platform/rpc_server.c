@@ -209,9 +209,12 @@ static bool start_batch_locked(rpc_call_t *c, grpc_op *ops, size_t n, tag_t *tag
    * asserts in grpc_cq_begin_op): a handler released late by shutdown (a read
    * re-armed after its on_message returned) must find it closed instead. */
   pthread_rwlock_rdlock(&c->srv->cq_lock);
-  grpc_call_error e = c->srv->cq_closed ? GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN
-                                        : grpc_call_start_batch(c->call, ops, n, tag, NULL);
-  if (e == GRPC_CALL_OK) tags_started(c->srv);
+  grpc_call_error e = GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN;
+  if (!c->srv->cq_closed) {
+    tags_started(c->srv); /* before: another thread may dispatch it at once */
+    e = grpc_call_start_batch(c->call, ops, n, tag, NULL);
+    if (e != GRPC_CALL_OK) tags_done(c->srv);
+  }
   pthread_rwlock_unlock(&c->srv->cq_lock);
   if (e == GRPC_CALL_ERROR_COMPLETION_QUEUE_SHUTDOWN) return false;
   if (e != GRPC_CALL_OK) {
@@ -1073,6 +1076,7 @@ void rpc_loop_stop(void) {
 static void post_request(rpc_server_t *srv, method_slot_t *slot) {
   rpc_call_t *c = call_new(srv, slot);
   grpc_call_error e;
+  tags_started(srv); /* before: another thread may dispatch it at once */
   if (slot) {
     /* Without the payload: gRPC hands the call over at its headers, so the
      * guard runs before any of the request is read (on_new). */
@@ -1082,8 +1086,8 @@ static void post_request(rpc_server_t *srv, method_slot_t *slot) {
     e = grpc_server_request_call(srv->server, &c->call, &c->details, &c->md, srv->cq, srv->cq,
                                  &c->t_new);
   }
-  if (e == GRPC_CALL_OK) tags_started(srv);
   if (e != GRPC_CALL_OK) {
+    tags_done(srv);
     log_error("rpc", "cannot accept calls for %s: %s", slot ? slot->m->path : "unknown methods",
               grpc_call_error_to_string(e));
     call_free(c);

@@ -1380,6 +1380,41 @@ Test(dataplane, dropping_a_comm_fails_its_calls_that_wait_to_connect, .timeout =
   world_stop(&w);
 }
 
+/* A member waiting in NCCL (cuda:N: a communicator's setup or its op) when
+ * its session ends here (dataplane_end_comm, at EndSession): its watch fires
+ * at once, so that the wait ends and the session's state is freed, instead of
+ * the EndSession waiting out the comm timeout for a peer that never comes. A
+ * watch begun after the end fires too. */
+Test(dataplane, a_session_end_fires_the_watch_of_a_member_waiting_outside_the_data_plane,
+     .timeout = 30) {
+  world_t w;
+  world_start(&w, 2, 20000);
+  dp_group_t g0 = group(&w, 83, 0);
+  g0.call = 5;
+  dp_watch_t *w0 = dp_watch_begin(w.dp[0], &g0);
+  cr_assert(w0);
+  char why[600] = "";
+  cr_assert(!dp_watch_fired(w.dp[0], w0, why, sizeof why), "fired before the end: %s", why);
+  int64_t t0 = now_ms();
+  dataplane_end_comm(w.dp[0], 83);
+  bool fired = false;
+  while (!fired && now_ms() - t0 < 3000) {
+    fired = dp_watch_fired(w.dp[0], w0, why, sizeof why);
+    usleep(2000);
+  }
+  cr_assert(fired, "the session's end did not fire the watch in 3 s");
+  cr_expect(now_ms() - t0 < 1000, "took %lld ms", (long long)(now_ms() - t0));
+  cr_expect(strstr(why, "session ended"), "%s", why);
+  dp_watch_end(w.dp[0], w0);
+  dp_watch_t *late = dp_watch_begin(w.dp[0], &g0);
+  cr_assert(late);
+  usleep(2000);
+  cr_expect(dp_watch_fired(w.dp[0], late, why, sizeof why), "a watch begun after the end");
+  dp_watch_end(w.dp[0], late);
+  dataplane_forget_comm(w.dp[0], 83);
+  world_stop(&w);
+}
+
 /* The session ended here (dataplane_end_comm) before a worker of it joined
  * its call: that call fails at once (its peers have left), a send and a
  * receive alike, instead of waiting out the comm timeout; once the session is

@@ -97,7 +97,7 @@ typedef struct {
 
 static const uint32_t RANKS[2] = {0, 1};
 
-static void *member_allreduce(void *arg) {
+__attribute__((unused)) static void *member_allreduce(void *arg) {
   member_job_t *j = arg;
   dp_group_t g = {.comm_id = 9, .call = 3 * 4, .ranks = RANKS, .addrs = j->addrs, .n = 2,
                   .me = j->me, .secret = j->secret};
@@ -111,7 +111,7 @@ static void *member_allreduce(void *arg) {
   return NULL;
 }
 
-static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcde";
+__attribute__((unused)) static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcde";
 
 /* Rank 0's agent has --max-tensor-elements 4, below the Reduce's 8 elements
  * that its peer (and the server) accept; it has no stream worker for the

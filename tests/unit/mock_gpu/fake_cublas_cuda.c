@@ -27,6 +27,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes) {
   }
   *p = fake_dev_alloc(bytes);
   fake.workspaces_live++;
+  fake.device_syncs++;
   return cudaSuccess;
 }
 
@@ -34,6 +35,27 @@ cudaError_t cudaFree(void *p) {
   REQUIRE(p);
   fake_dev_free(p);
   fake.workspaces_live--;
+  fake.device_syncs++; /* cudaFree waits for every stream of the device */
+  return cudaSuccess;
+}
+
+/* The stream-ordered pair: no device-wide wait. */
+cudaError_t cudaMallocFromPoolAsync(void **p, size_t bytes, cudaMemPool_t pool, cudaStream_t s) {
+  REQUIRE(s);
+  if (fake_malloc_fails) {
+    *p = NULL;
+    return cudaErrorMemoryAllocation;
+  }
+  *p = fake_dev_alloc(bytes);
+  fake.workspaces_live++;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
+  REQUIRE(p && s);
+  fake_dev_free(p);
+  fake.workspaces_live--;
+  fake.last_free_stream = s;
   return cudaSuccess;
 }
 

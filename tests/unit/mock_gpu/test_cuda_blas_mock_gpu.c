@@ -350,6 +350,28 @@ Test(cuda_blas_mock_gpu, one_handle_per_stream_with_workspace_and_no_reduced_pre
   cr_expect_eq(fake_dev_live(), 0);
 }
 
+/* A stream's workspace is made and given back in the stream's own order: a
+ * cudaMalloc / cudaFree (which wait for every stream of the device: every
+ * session's work) at each stream's first matmul and at each stream's end
+ * stalled the whole agent for the longest kernel in flight. */
+Test(cuda_blas_mock_gpu, a_stream_workspace_comes_and_goes_without_synchronising_the_device) {
+  tens_t x, y, out;
+  meshd_error_t e = {0};
+  square(&x, &y, DTYPE_FLOAT32);
+  backend_stream_t other = {.s = (cudaStream_t)(void *)&stream_tokens[1]};
+  cr_assert_eq(multiply_on(&other, "mm", &x, &y, &out, NULL, &e), 0, "%s", e.msg);
+  tens_free(&out);
+  cr_expect_eq(fake.workspaces_live, 1);
+  cuda_blas_release(&B, &other); /* the stream's end (cuda_stream_destroy) */
+  cr_expect_eq(fake.workspaces_live, 0);
+  cr_expect_eq(fake.device_syncs, 0, "%d device-wide synchronisations for one stream's workspace",
+               fake.device_syncs);
+  cr_expect_eq(B.allocated, 0);
+  tens_free(&x);
+  tens_free(&y);
+  cr_expect_eq(fake_dev_live(), 0);
+}
+
 /* A stream's workspace is held for good: an agent without room for it under
  * --memory-bytes fails the matmul as QUOTA, naming the workspace, makes no
  * handle, and keeps nothing; with room, the next product makes it. */
