@@ -459,9 +459,35 @@ static void run_borrow(ctx_t *c) {
       }
       break;
     }
-    case MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE:
+    case MESHD__AGENT__V1__BORROW_OP__PHASE__LAST_USE: {
+      /* A failure written into the handle (a mutable borrow: a read one fails
+       * only with its origin) is the origin's too, the same memory (Monarch's
+       * last use makes the origin depend on the handle). The agent fails the
+       * origin with it; the server learns of it only from a report for the
+       * origin, since it may have dropped the borrow, and with it the link
+       * from the handle to the origin, before the handle's report came. */
+      agent_tensor_t h = {0}, org = {0};
+      ref_failure_t why = {0}, owhy;
+      int rc = session_state_get(c->s, c->ins->stream, c->ins->seq, c->bs, b->result, &h, &why);
+      if (rc == 0) storage_release(h.storage);
+      /* A handle dropped before (Drop, then DropBorrow): its failure failed
+       * the origin here already (refs: the same storage). */
+      int orc = rc != 0 ? refs_get(&c->s->refs, b->tensor, &org, &owhy) : -1;
+      if (orc == 0) storage_release(org.storage);
+      if (orc == 0 && rc == 1) {
+        dependent_failure(c, &b->tensor, 1, b->result, &why);
+      } else if (orc == 1) { /* failed with the handle here (the same memory): told */
+        char msg[sizeof why.msg];
+        if (rc != 1) why = owhy;
+        if (why.kind == ERR_DEPENDENT_FAILURE) snprintf(msg, sizeof msg, "%s", why.msg);
+        else
+          snprintf(msg, sizeof msg, "depends on tensor %llu, which failed (seq %llu): %.500s",
+                   (unsigned long long)b->result, (unsigned long long)why.root_seq, why.msg);
+        report(c, ERR_DEPENDENT_FAILURE, msg, b->tensor);
+      }
       session_state_delete(c->s, c->ins->stream, c->ins->seq, c->bs, b->result);
       break;
+    }
     case MESHD__AGENT__V1__BORROW_OP__PHASE__DROP:
       session_state_end_borrow(c->s, b->borrow, c->ins->stream, c->ins->seq, c->bs);
       break;

@@ -225,3 +225,45 @@ def test_every_result_of_a_failed_op_fails_and_sync_tells_it_once(meshd_server):
         assert state(s, indices.ref) == "TENSOR_STATE_FAILED"
         err = s.run(describe(indices.ref)).tensors[0].error
         assert err.seq == errors[0].seq and "injected fault" in err.message, err
+
+
+@pytest.mark.parametrize("drop", ["after_sync", "in_the_batch", "handle_then_borrow"])
+def test_a_failure_written_into_a_mutable_borrow_fails_its_origin(s2, drop):
+    """Monarch: a mutable borrow's last use makes the origin depend on the handle
+    (new_node(origin_aliases, (r,))), so a failure written into the handle fails the
+    origin (protocol.md, Failures). meshd did so only when the server learned of the
+    handle's failure before the DropBorrow: dropped in the same batch (a client that
+    drops the borrow right after writing it, `with b: h.copy_(...)`), or the handle
+    dropped first (h.drop(), then b.drop()), the handle's report came for a dropped ref,
+    the origin stayed LIVE and a fetch of it returned the stale values from every rank,
+    although the agents had failed it (the same memory)."""
+    m = s2.mesh(gpu=2).ref
+    side = s2.stream("side")
+    x, idx = _inputs(s2, m, only_rank1=True)
+    y = upload(s2, m, np.zeros((2, 2), dtype=np.float32))
+    h, b = s2.new_ref(), s2.new_ref()
+    s2.run(borrow(h, y, side, True, b))
+    xh, xb, ih, ib = s2.new_ref(), s2.new_ref(), s2.new_ref(), s2.new_ref()
+    s2.run(borrow(xh, x, side, False, xb))
+    s2.run(borrow(ih, idx, side, False, ib))
+    bad = s2.new_ref()
+    cmds = [call("index_select", Ref(xh), 1, Ref(ih), results=[bad], stream=side),
+            call("copy_", Ref(h), Ref(bad), stream=side)]
+    if drop == "in_the_batch":
+        cmds.append(lib.drop_borrow(b))
+    if drop == "handle_then_borrow":  # h.drop(), then b.drop()
+        cmds += [lib.drop(h), lib.drop_borrow(b)]
+    _batch(s2, *cmds)
+    errors = s2.run(sync()).errors
+    assert [lib.kind_name(e.kind) for e in errors] == ["REMOTE_FAILURE"], errors
+    if drop == "after_sync":
+        s2.run(lib.drop_borrow(b))
+    assert state(s2, y) == "TENSOR_STATE_FAILED", s2.run(describe(y))
+    for g in (0, 1):
+        with pytest.raises(FetchError) as e:
+            fetch(s2, y, gpu=g)
+        assert e.value.kind == "DEPENDENT_FAILURE", (g, e.value)
+        assert "index 7 is out of range" in e.value.message, (g, e.value)
+    # ... and what reads it afterwards fails too, naming the root.
+    dep = s2.op("add", Ref(y), 1)[0]
+    assert lib.kind_name(dep.error.kind) == "DEPENDENT_FAILURE", dep

@@ -208,7 +208,8 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
         raise TypeError(f"meshd.load: dim must be an int, got {dim!r}")
     mesh = _active.mesh()
     if shard is not None and shard not in mesh.sizes:
-        raise ValueError(f"meshd.load: shard dim {shard!r} is not a dim of {mesh!r}")
+        raise MeshdError.of_kind("BAD_DIM", f"meshd.load: shard dim {shard!r} is not a dim of "
+                                 f"{mesh!r}")
     if (dtype is None) != (shape is None):
         raise TypeError("meshd.load: raw bytes need both dtype= and shape=; give neither for "
                         ".npy and safetensors files")

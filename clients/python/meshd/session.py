@@ -97,6 +97,9 @@ class Stream:
         if not isinstance(t, Tensor):
             raise TypeError(f"meshd: borrow takes a Tensor, got {type(t).__name__}")
         s, pb = self.session, self.session._pb
+        if t.session is not s:  # its ref would name another tensor (or none) here
+            raise ValueError(f"meshd: {self!r} is of another session than the tensor to "
+                             f"borrow; a tensor is borrowed onto a stream of its own session")
         box = {}
 
         def build(refs):

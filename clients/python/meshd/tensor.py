@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import concurrent.futures
 import itertools
+import os
 import queue
 import sys
 import threading
@@ -75,13 +76,15 @@ def dtype_name(d: DType) -> str:
         try:
             d = np.dtype(d)
         except TypeError:
-            raise ValueError(f"meshd: unknown dtype {d!r}; meshd has {', '.join(DTYPES)}") from None
+            raise MeshdError.of_kind("BAD_ARGUMENT", f"meshd: unknown dtype {d!r}; meshd has "
+                                     f"{', '.join(DTYPES)}") from None
     try:
         nd = np.dtype(d)
     except TypeError:
         raise TypeError(f"meshd: {d!r} is not a dtype") from None
     if nd.name not in _NP:
-        raise ValueError(f"meshd: dtype {nd.name} is not supported; meshd has {', '.join(DTYPES)}")
+        raise MeshdError.of_kind("BAD_ARGUMENT", f"meshd: dtype {nd.name} is not supported; "
+                                 f"meshd has {', '.join(DTYPES)}")
     return nd.name
 
 
@@ -107,6 +110,15 @@ def _shape(shape):
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
             raise TypeError(f"meshd: shape entries must be ints, got {s!r}")
     return [int(s) for s in out]
+
+
+def _same_session(obj, session, what):
+    """obj (a Tensor, Mesh or Stream) belongs to `session`; refs are per session, so one
+    of another session would name something else (or nothing) in this one."""
+    if obj.session is not session:
+        raise ValueError(f"meshd: {what} is of another session than the tensor it is used with; "
+                         f"refs are per session: move the data through numpy (fetch_shard, "
+                         f"meshd.tensor) instead")
 
 
 def _drop_counts(d) -> bool:
@@ -356,7 +368,11 @@ class Tensor:
     def _reduce(self, dims, reduction, scatter, out, inplace, mesh=None):
         if isinstance(dims, str):
             dims = (dims,)
-        dims = tuple(dims)
+        try:
+            dims = tuple(dims)
+        except TypeError:  # reduce(0): a tensor dim where a mesh dim name goes
+            raise TypeError(f"meshd: reduce dims are mesh dim names (a str or a sequence of "
+                            f"str, () for all), got {dims!r}") from None
         if not all(isinstance(d, str) for d in dims):
             raise TypeError(f"meshd: reduce dims are mesh dim names, got {dims!r}")
         if out is not None and not isinstance(out, Tensor):
@@ -364,6 +380,10 @@ class Tensor:
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(f"meshd: reduce's mesh must be a Mesh, got {type(mesh).__name__}")
         s, pb = self.session, self.session._pb
+        if out is not None:
+            _same_session(out, s, "reduce's out=")
+        if mesh is not None:
+            _same_session(mesh, s, "reduce's mesh=")
         stream = _active.stream_ref(s)
         box = {}
 
@@ -404,6 +424,9 @@ def _to_mesh(t, sel, mesh, stream):
     if not isinstance(mesh, Mesh):
         raise TypeError(f"meshd: to_mesh needs a Mesh, got {type(mesh).__name__}")
     s, pb = t.session, t.session._pb
+    _same_session(mesh, s, "to_mesh's mesh")
+    if stream is not None:
+        _same_session(stream, s, "to_mesh's stream")
     dst_stream = t._stream_ref if stream is None else stream.ref
     sels = selectors(pb, sel)
     box = {}
@@ -434,8 +457,7 @@ def _check_operand(o, op):
 
 def _arg(pb, v, session, name=None):
     if isinstance(v, Tensor):
-        if v.session is not session:
-            raise ValueError("meshd: a tensor from another session")
+        _same_session(v, session, f"argument {name!r}" if name else "an argument")
         return pb.Arg(ref=v.ref)
     if v is None:
         return pb.Arg(none=True)
@@ -451,6 +473,8 @@ def _arg(pb, v, session, name=None):
         return pb.Arg(s=v)
     if isinstance(v, (list, tuple)):
         if v and all(isinstance(x, Tensor) for x in v):
+            for x in v:
+                _same_session(x, session, f"a tensor in {name or 'a list argument'}")
             return pb.Arg(refs=pb.RefList(refs=[x.ref for x in v]))
         if all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v):
             return pb.Arg(ints=pb.IntList(values=[int(x) for x in v]))
@@ -655,11 +679,12 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
     per_rank = shard is not None
     if per_rank:
         if shard not in mesh.sizes:
-            raise ValueError(f"meshd: shard dim {shard!r} is not a dim of {mesh!r}")
+            raise MeshdError.of_kind("BAD_DIM", f"meshd: shard dim {shard!r} is not a dim of "
+                                     f"{mesh!r}")
         n = mesh.sizes[shard]
         if data.ndim == 0 or data.shape[0] != n:
-            raise ValueError(f"meshd: shard={shard!r} needs size({shard})={n} rows, got shape "
-                             f"{data.shape}")
+            raise MeshdError.of_kind("SHAPE_MISMATCH", f"meshd: shard={shard!r} needs "
+                                     f"size({shard})={n} rows, got shape {data.shape}")
         axis = mesh.names.index(shard)
         coords = np.indices([mesh.sizes[d] for d in mesh.names]).reshape(len(mesh.names), -1)
         rows = coords[axis]  # the coordinate along `shard` of each rank, row-major
@@ -940,6 +965,50 @@ def _fetch_direct(t, d, coords, timeout, progress=None):
                                                on_stop)
 
 
+class _Workers:
+    """Daemon threads that read fetches (fetch_shard's work): an idle one takes the
+    next, a new one starts only when none is idle, and one idle for IDLE_S ends.
+    A thread started per fetch cost its caller Thread.start()'s wait for the new
+    thread to run, which takes the GIL from the fetches already reading: 2-3 ms per
+    shard here, and 4-agent fetches came 10-45% slower (tests/bench/bench_data.py)."""
+
+    IDLE_S = 2.0
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._work: list = []  # fns not taken yet
+        self._idle = 0  # threads waiting for work
+
+    def run(self, fn) -> None:
+        with self._cv:
+            self._work.append(fn)
+            if self._idle >= len(self._work):  # an idle thread for each fn queued
+                self._cv.notify()
+                return
+        threading.Thread(target=self._loop, name="meshd-fetch", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._idle += 1
+                while not self._work:
+                    if not self._cv.wait(self.IDLE_S) and not self._work:
+                        self._idle -= 1
+                        return
+                self._idle -= 1
+                fn = self._work.pop(0)
+            fn()  # (fetch_shard's fns hand every exception to their Future)
+            del fn
+
+    def _after_fork(self) -> None:  # the child has none of the parent's threads
+        self.__init__()  # type: ignore[misc]
+
+
+_workers = _Workers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_workers._after_fork)
+
+
 class Future(concurrent.futures.Future, Generic[_T]):  # type: ignore[type-arg]
     """A fetch's result to come: `.result(timeout)`, or Monarch's `.get(timeout)`."""
 
@@ -1017,7 +1086,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
                 except BaseException as e:  # handed to .result()
                     fut.set_exception(e)
             fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
-            threading.Thread(target=run, daemon=True).start()
+            _workers.run(run)
             return fut
     try:  # planned before the next command is sent: that one cannot change the value
         call, first = _fetch_open(t, coords, timeout)
@@ -1037,7 +1106,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
     fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
-    threading.Thread(target=work, daemon=True).start()
+    _workers.run(work)
     return fut
 
 
