@@ -403,7 +403,7 @@ int main(int argc, char **argv) {
   }
   health_set(health, "", HEALTH_SERVING);
   if (opt.health_listen && *opt.health_listen) {
-    health_srv = health_serve(health, opt.health_listen, opt.rpc_memory_bytes, err, sizeof err);
+    health_srv = health_serve(health, opt.health_listen, &sopts, err, sizeof err);
     if (!health_srv) {
       log_error("agent", "--health-listen: %s", err);
       goto out;

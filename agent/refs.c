@@ -136,6 +136,7 @@ static void fail_sharing_locked(refs_t *r, const agent_storage_t *shared, const 
       break;
     }
     *copy = *why;
+    copy->by_sharing = true;
     *f = (ref_slot_t){.ref = refs[i], .failed = true, .why = copy};
     ref_slot_t *old = refmap_remove(&r->map, refs[i]);
     if (refmap_put(&r->map, f)) { /* out of memory: the old one stays */
@@ -197,6 +198,7 @@ int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why) {
     return -1;
   }
   *copy = *why;
+  copy->by_sharing = false; /* its own failure, reported for it */
   s->ref = ref;
   s->failed = true;
   s->why = copy;

@@ -53,6 +53,9 @@ typedef struct ref_failure {
   error_kind_t kind; /* REMOTE_FAILURE, DEPENDENT_FAILURE, QUOTA */
   uint64_t root_seq; /* Execute seq of the root failure */
   uint64_t root_ref; /* the root's first result */
+  /* Failed because another ref of its storage failed (fail_sharing_locked):
+   * reported for that ref, not for this one. */
+  bool by_sharing;
   char msg[600];
 } ref_failure_t;
 

@@ -476,7 +476,12 @@ static void run_borrow(ctx_t *c) {
       if (orc == 0) storage_release(org.storage);
       if (orc == 0 && rc == 1) {
         dependent_failure(c, &b->tensor, 1, b->result, &why);
-      } else if (orc == 1) { /* failed with the handle here (the same memory): told */
+      } else if (orc == 1 && owhy.by_sharing) {
+        /* Failed with the handle here (the same memory), and reported for the
+         * handle only: the server hears of it for the origin now. An origin
+         * that failed on its own (a read borrow of a failed tensor) was
+         * reported when it failed: a second report would name the borrow's
+         * seq and command, and make a fetch planned before count it. */
         char msg[sizeof why.msg];
         if (rc != 1) why = owhy;
         if (why.kind == ERR_DEPENDENT_FAILURE) snprintf(msg, sizeof msg, "%s", why.msg);

@@ -98,6 +98,9 @@ int cluster_serve_registry(cluster_t *c, registry_t *r, rpc_server_t *client_srv
   rpc_server_opts_t so = {.listen = listen,
                           .threads = c->o.threads,
                           .max_message_bytes = c->o.max_message_bytes,
+                          .max_connection_idle_ms = c->o.max_connection_idle_ms,
+                          .max_concurrent_streams = c->o.max_concurrent_streams,
+                          .max_unauthenticated_requests = c->o.max_unauthenticated_requests,
                           .memory_bytes = c->o.memory_bytes,
                           .tls = {.on = c->agent_tls.on, .ca_file = c->o.ca,
                                   .cert_file = c->o.cert, .key_file = c->o.key}};

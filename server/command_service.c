@@ -453,8 +453,19 @@ void command_service_on_report(command_service_t *cs, uint32_t rank,
       bool tensor = t && t->kind == OBJ_TENSOR;
       /* Dropped or released: its tombstone keeps where the failure came from,
        * for a fetch planned before the drop (fetch_caught_up). */
-      if (!t && err->ref)
+      if (!t && err->ref) {
         objects_dropped_failure_origin(o, err->ref, kind, rank, err->seq, err->command_seq, msg);
+        /* Released while a view of its storage stays live: the view holds the
+         * same bytes, and fails as it would have with the report before the
+         * Release (objects_fail_tensor fails every alias). */
+        obj_t *alias = objects_dropped_live_alias(o, err->ref);
+        if (alias && alias->state == TENSOR_LIVE) {
+          uint64_t aseq = kind != ERR_DEPENDENT_FAILURE && err->command_seq
+                              ? err->command_seq
+                              : alias->tensor.born_seq;
+          objects_fail_tensor(o, alias, aseq, kind, aseq, msg);
+        }
+      }
       if (tensor && t->state == TENSOR_FAILED && t->tensor.fail)
         objects_failure_origin(t->tensor.fail, rank, err->seq, err->command_seq); /* failed already */
       if (kind == ERR_DEPENDENT_FAILURE) {

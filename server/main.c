@@ -413,6 +413,9 @@ int main(int argc, char **argv) {
                           .local_agents = opt.local_agents > 0, .client_tls = tls.on,
                           .client_auth = opt.auth_tokens != NULL, .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes,
+                          .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
+                          .max_concurrent_streams = (int)opt.max_streams_per_connection,
+                          .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
                           .memory_bytes = opt.rpc_memory_bytes};
   if (cluster_check(&copts, err, sizeof err) != 0) return usage_error("meshd", err);
 
@@ -554,8 +557,8 @@ int main(int argc, char **argv) {
   }
   rpc_server_t *health_srv = NULL;
   if (opt.health_listen && *opt.health_listen) {
-    health_srv = health_serve(state.health, opt.health_listen, opt.rpc_memory_bytes, err,
-                              sizeof err);
+    /* Strangers reach it too: the client port's bounds apply to it. */
+    health_srv = health_serve(state.health, opt.health_listen, &so, err, sizeof err);
     if (!health_srv) {
       log_error("server", "--health-listen: %s", err);
       rpc_server_destroy(srv);

@@ -224,10 +224,8 @@ static tensor_failure_t *grave_fail(objects_t *o, tensor_failure_t *f, const cha
   return g;
 }
 
-void objects_dropped_failure_origin(objects_t *o, uint64_t ref, error_kind_t kind, uint32_t rank,
-                                    uint64_t seq, uint64_t command, const char *msg) {
-  tombstone_t *t = (tombstone_t *)objects_dropped(o, ref);
-  if (!t) return;
+static void grave_failure_origin(objects_t *o, tombstone_t *t, error_kind_t kind, uint32_t rank,
+                                 uint64_t seq, uint64_t command, const char *msg) {
   if (t->fail) {
     objects_failure_origin(t->fail, rank, seq, command);
     return;
@@ -240,6 +238,31 @@ void objects_dropped_failure_origin(objects_t *o, uint64_t ref, error_kind_t kin
   f->rank_seq = seq;
   f->rank_command = command;
   t->fail = f;
+}
+
+void objects_dropped_failure_origin(objects_t *o, uint64_t ref, error_kind_t kind, uint32_t rank,
+                                    uint64_t seq, uint64_t command, const char *msg) {
+  tombstone_t *t = (tombstone_t *)objects_dropped(o, ref);
+  if (!t) return;
+  grave_failure_origin(o, t, kind, rank, seq, command, msg);
+  /* The other views of its storage hold the same bytes (a report names only
+   * the ref its instruction used): their tombstones fail too, as every alias
+   * of a live tensor does (objects_fail_tensor). */
+  for (size_t i = 0; t->storage && i < o->gcap; i++)
+    if (o->graves[i].storage == t->storage && o->graves[i].ref != ref &&
+        o->graves[i].borrow != o->graves[i].ref)
+      grave_failure_origin(o, &o->graves[i], kind, rank, seq, command, msg);
+}
+
+obj_t *objects_dropped_live_alias(objects_t *o, uint64_t ref) {
+  const tombstone_t *t = objects_dropped(o, ref);
+  if (!t || !t->storage) return NULL;
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));)
+    if (it->kind == OBJ_TENSOR && it->tensor.storage->id == t->storage &&
+        it->tensor.storage->shared)
+      return it;
+  return NULL;
 }
 
 const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref) {
@@ -281,7 +304,7 @@ static void forget_older_half(objects_t *o) {
 /* failed: the tensor failed already, so its failure is told (failure_noted);
  * fail: its failure record, taken (kept for fetches planned before the drop). */
 static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool failed,
-                 tensor_failure_t *fail) {
+                 tensor_failure_t *fail, uint64_t storage) {
   if (o->ngraves >= OBJECTS_GRAVES_MAX) forget_older_half(o);
   if (fail) fail = grave_fail(o, fail, NULL);
   if ((o->ngraves + 1) * 2 > o->gcap) { /* keep the load under 1/2 */
@@ -302,11 +325,11 @@ static void bury(objects_t *o, uint64_t ref, uint64_t seq, uint64_t borrow, bool
   if (!o->graves[i].ref) o->ngraves++;
   if (o->graves[i].fail) o->ngrave_fails--;
   free(o->graves[i].fail);
-  o->graves[i] = (tombstone_t){ref, seq, borrow, fail, failed};
+  o->graves[i] = (tombstone_t){ref, seq, borrow, fail, failed, storage};
 }
 
 void objects_bury_borrow(objects_t *o, obj_t *b, uint64_t seq) {
-  bury(o, b->ref, seq, b->ref, false, NULL);
+  bury(o, b->ref, seq, b->ref, false, NULL, 0);
   refmap_remove(&o->table, b->ref);
   storage_unref(b->borrow.origin_storage);
   storage_unref(b->borrow.result_storage);
@@ -372,6 +395,7 @@ static obj_t *new_tensor_record(objects_t *o, uint64_t ref, const tensor_meta_t 
   t->tensor.stream = stream;
   t->state = TENSOR_LIVE;
   t->tensor.born_seq = o->current_seq;
+  if (s->aliases) s->shared = true;
   t->tensor.next_alias = s->aliases;
   s->aliases = t;
   s->refs++;
@@ -418,7 +442,7 @@ void objects_drop_storage(objects_t *o, storage_t *storage, uint64_t seq) {
   for (obj_t *it = storage->aliases, *next; it; it = next) {
     next = it->tensor.next_alias;
     bury(o, it->ref, seq, storage->borrow, it->state == TENSOR_FAILED,
-         it->state == TENSOR_FAILED ? it->tensor.fail : NULL);
+         it->state == TENSOR_FAILED ? it->tensor.fail : NULL, storage->shared ? storage->id : 0);
     if (it->state != TENSOR_FAILED) free(it->tensor.fail);
     refmap_remove(&o->table, it->ref);
     free(it);
@@ -439,7 +463,7 @@ void objects_release(objects_t *o, obj_t *t, uint64_t seq) {
       break;
     }
   bury(o, t->ref, seq, storage->borrow, t->state == TENSOR_FAILED,
-       t->state == TENSOR_FAILED ? t->tensor.fail : NULL);
+       t->state == TENSOR_FAILED ? t->tensor.fail : NULL, storage->shared ? storage->id : 0);
   if (t->state != TENSOR_FAILED) free(t->tensor.fail);
   refmap_remove(&o->table, t->ref);
   free(t);

@@ -45,6 +45,7 @@ typedef struct storage {
   uint64_t borrow;         /* on a borrowed storage: the borrow that made it */
   uint64_t bytes;          /* per rank */
   uint64_t ranks;          /* ranks holding it (bytes * ranks count against the quota) */
+  bool shared;             /* viewed by more than one tensor record, ever */
 } storage_t;
 
 /* Why a tensor failed: kept apart, since few tensors fail. */
@@ -149,6 +150,8 @@ typedef struct tombstone {
   tensor_failure_t *fail;
   bool failure_noted; /* its failure is told already: by a rank's report, or it had
                        * failed before it was dropped */
+  uint64_t storage;   /* its storage's id where the storage had other views (0: none): a
+                       * late report fails them too, dropped or live */
 } tombstone_t;
 
 #define OBJECTS_GRAVES_MAX 65536 /* tombstones kept per session (about 5 MiB at most) */
@@ -233,6 +236,10 @@ bool objects_dropped_failure_first(objects_t *o, uint64_t ref);
  * for a live tensor), its kind and message. No-op for a ref without one. */
 void objects_dropped_failure_origin(objects_t *o, uint64_t ref, error_kind_t kind, uint32_t rank,
                                     uint64_t seq, uint64_t command, const char *msg);
+/* A live tensor viewing the storage of `ref`, which is released, or NULL (a
+ * late report of ref's failure fails it, and so every alias). O(live refs):
+ * for a released view's report only. */
+obj_t *objects_dropped_live_alias(objects_t *o, uint64_t ref);
 /* The tombstone of a dropped borrow ref, or NULL. */
 const tombstone_t *objects_dropped_borrow(const objects_t *o, uint64_t ref);
 /* Frees a borrow's record, leaving its tombstone (borrow_drop's last step). */

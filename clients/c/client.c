@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -582,6 +583,15 @@ void meshd_sessions_free(meshd_session_info_t *list, size_t n) {
   free(list);
 }
 
+/* Refs are numbered per session and handed to the caller as bare numbers: so
+ * that a ref of another session (which names another object here, or none:
+ * wrong results, no error) is refused at the call, the n-th session a process
+ * opens numbers its refs from (n mod REF_TAGS) * REF_SPAN + 1: the first 1,
+ * 2, ..., the second 1000000000001, ... (decimal: "session 1, ref 1"). */
+#define REF_SPAN 1000000000000ULL
+#define REF_TAGS 9000u /* REF_TAGS * REF_SPAN < 2^53: refs stay exact as doubles (JSON, JavaScript) */
+static atomic_uint_fast64_t sessions_opened;
+
 struct meshd_session {
   meshd_client_t *client;
   char *id;
@@ -589,6 +599,7 @@ struct meshd_session {
   rpc_md_t md[3]; /* the client's (authorization), then meshd-session, meshd-token */
   size_t nmd;
   meshd_ref_t next_ref;
+  uint64_t ref_tag; /* its refs are ref_tag * REF_SPAN + 1, + 2, ... (own_ref) */
   /* The last execute_keep's Execute failed in flight (a deadline, a broken
    * connection): the server may have taken its refs (refs_taken). */
   bool sent_unsure;
@@ -746,7 +757,8 @@ meshd_session_t *meshd_session_open(meshd_client_t *client, const char *name, me
     s->md[s->nmd++] = client->md[i];
   s->md[s->nmd++] = (rpc_md_t){"meshd-session", s->id};
   s->md[s->nmd++] = (rpc_md_t){"meshd-token", s->token};
-  s->next_ref = 1;
+  s->ref_tag = atomic_fetch_add(&sessions_opened, 1) % REF_TAGS;
+  s->next_ref = s->ref_tag * REF_SPAN + 1;
   s->next_seq = 1;
   s->ttl_s = reply->ttl_seconds;
   for (size_t i = 0; i < reply->n_features; i++)
@@ -1007,6 +1019,31 @@ static bool check_out(meshd_session_t *s, const void *out, const char *fn) {
   return false;
 }
 
+/* Whether `ref` (0: none) may be a ref of session s; else MESHD_E_INVALID is
+ * recorded, naming fn's argument `what` (index: its place in a list, or -1). */
+static bool own_ref(meshd_session_t *s, const char *fn, const char *what, long index,
+                    meshd_ref_t ref) {
+  if (ref == 0 || ref / REF_SPAN == s->ref_tag)
+    return true;
+  char at[32] = "";
+  if (index >= 0)
+    snprintf(at, sizeof at, "[%ld]", index);
+  set_error(s->client, MESHD_E_INVALID, 0, NULL,
+            "%s: %s%s (ref %llu) is of another session than this one: refs are per session, "
+            "so it would name another object here; use refs this session handed out (move "
+            "data with fetch and upload)",
+            fn, what, at, (unsigned long long)ref);
+  return false;
+}
+
+static bool own_refs(meshd_session_t *s, const char *fn, const char *what,
+                     const meshd_ref_t *refs, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (!own_ref(s, fn, what, (long)i, refs[i]))
+      return false;
+  return true;
+}
+
 meshd_err_t meshd_session_create_mesh(meshd_session_t *s, const char *const *names,
                                       const int64_t *sizes, size_t ndims, meshd_ref_t *mesh_out) {
   if (!s)
@@ -1047,6 +1084,8 @@ meshd_err_t meshd_session_slice_mesh(meshd_session_t *s, meshd_ref_t parent, con
               "meshd_session_slice_mesh: need 0 to 16 dims with their indices");
     return MESHD_E_INVALID;
   }
+  if (!own_ref(s, "meshd_session_slice_mesh", "parent", -1, parent))
+    return MESHD_E_INVALID;
   Meshd__V1__MeshSelector sel[16];
   Meshd__V1__MeshSelector *psel[16];
   for (size_t i = 0; i < n; i++) {
@@ -1078,6 +1117,8 @@ meshd_err_t meshd_session_factory(meshd_session_t *s, meshd_ref_t mesh, const ch
     set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_factory: kind or shape is NULL");
     return MESHD_E_INVALID;
   }
+  if (!own_ref(s, "meshd_session_factory", "mesh", -1, mesh))
+    return MESHD_E_INVALID;
   Meshd__V1__Factory f = MESHD__V1__FACTORY__INIT;
   f.ref = s->next_ref;
   f.mesh = mesh;
@@ -1224,6 +1265,8 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
               "(dtype and shape) have none", o.name);
     return MESHD_E_INVALID;
   }
+  if (!own_ref(s, "meshd_session_load", "mesh", -1, mesh))
+    return MESHD_E_INVALID;
   Meshd__V1__Load l = MESHD__V1__LOAD__INIT;
   l.mesh = mesh;
   l.url = (char *)url;
@@ -1233,8 +1276,8 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
   char *file_url = NULL;
   if (o.dtype) {
     if (!(l.dtype = (Meshd__V1__DType)dtype_by_name(o.dtype))) {
-      set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_load: unknown dtype '%s'",
-                o.dtype);
+      set_error(s->client, MESHD_E_INVALID, 0, "BAD_ARGUMENT",
+                "meshd_session_load: unknown dtype '%s'", o.dtype);
       return MESHD_E_INVALID;
     }
     l.n_shape = o.ndim;
@@ -1369,6 +1412,8 @@ meshd_err_t meshd_session_load_progress(meshd_session_t *s, const meshd_ref_t *r
               refs ? "set" : "NULL");
     return MESHD_E_INVALID;
   }
+  if (!own_refs(s, "meshd_session_load_progress", "refs", refs, n))
+    return MESHD_E_INVALID;
   return load_progress(s, refs, n, out, 0, NULL, NULL);
 }
 
@@ -1417,6 +1462,8 @@ meshd_err_t meshd_session_wait_load(meshd_session_t *s, const meshd_ref_t *refs,
               refs ? "set" : "NULL");
     return MESHD_E_INVALID;
   }
+  if (!own_refs(s, "meshd_session_wait_load", "refs", refs, n))
+    return MESHD_E_INVALID;
   const meshd_wait_load_options_t *o = opts ? opts : &defaults;
   int interval = o->interval_ms > 0 ? o->interval_ms : 250;
   int64_t deadline = o->timeout_ms > 0 ? mono_ms() + o->timeout_ms : 0;
@@ -1519,6 +1566,10 @@ meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_a
     meshd__v1__arg__init(&a[i]);
     switch (args[i].type) {
     case MESHD_ARG_REF:
+      char what[32];
+      snprintf(what, sizeof what, "argument %zu", i);
+      if (!own_ref(s, "meshd_session_call", what, -1, args[i].ref))
+        return MESHD_E_INVALID;
       a[i].value_case = MESHD__V1__ARG__VALUE_REF;
       a[i].ref = args[i].ref;
       break;
@@ -1561,6 +1612,8 @@ static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t in
     set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: reduction is empty", fn);
     return MESHD_E_INVALID;
   }
+  if (!own_ref(s, fn, "input", -1, input) || !own_ref(s, fn, "mesh", -1, mesh))
+    return MESHD_E_INVALID;
   char *dims[1] = {(char *)dim};
   Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
   r.ref = s->next_ref;
@@ -1618,6 +1671,8 @@ static meshd_err_t refs_command(meshd_session_t *s, const meshd_ref_t *refs, siz
     set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: refs is NULL", fn);
     return MESHD_E_INVALID;
   }
+  if (!own_refs(s, fn, "refs", refs, n))
+    return MESHD_E_INVALID;
   Meshd__V1__Drop d = MESHD__V1__DROP__INIT;
   Meshd__V1__Release r = MESHD__V1__RELEASE__INIT;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
@@ -1649,6 +1704,9 @@ meshd_err_t meshd_session_to_mesh(meshd_session_t *s, meshd_ref_t input, meshd_r
     return MESHD_E_INVALID;
   if (!check_out(s, out, "meshd_session_to_mesh"))
     return MESHD_E_INVALID;
+  if (!own_ref(s, "meshd_session_to_mesh", "input", -1, input) ||
+      !own_ref(s, "meshd_session_to_mesh", "mesh", -1, mesh))
+    return MESHD_E_INVALID;
   Meshd__V1__ToMesh t = MESHD__V1__TO_MESH__INIT;
   t.ref = s->next_ref;
   t.input = input;
@@ -1664,6 +1722,9 @@ meshd_err_t meshd_session_borrow(meshd_session_t *s, meshd_ref_t input, meshd_re
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, handle, "meshd_session_borrow") || !check_out(s, borrow, "meshd_session_borrow"))
+    return MESHD_E_INVALID;
+  if (!own_ref(s, "meshd_session_borrow", "input", -1, input) ||
+      !own_ref(s, "meshd_session_borrow", "stream", -1, stream))
     return MESHD_E_INVALID;
   Meshd__V1__Borrow b = MESHD__V1__BORROW__INIT;
   b.ref = s->next_ref;
@@ -1685,6 +1746,8 @@ meshd_err_t meshd_session_borrow(meshd_session_t *s, meshd_ref_t input, meshd_re
 
 meshd_err_t meshd_session_drop_borrow(meshd_session_t *s, meshd_ref_t borrow) {
   if (!s)
+    return MESHD_E_INVALID;
+  if (!own_ref(s, "meshd_session_drop_borrow", "borrow", -1, borrow))
     return MESHD_E_INVALID;
   Meshd__V1__DropBorrow d = MESHD__V1__DROP_BORROW__INIT;
   d.borrow = borrow;
@@ -1792,9 +1855,10 @@ meshd_err_t meshd_session_upload(meshd_session_t *s, meshd_ref_t mesh, const cha
 
 /* The arguments of an upload or a Literal (fn names it): *dt gets the dtype,
  * *opts the defaults when NULL. */
-static bool check_tensor_args(meshd_session_t *s, const char *fn, const char *dtype,
-                              const int64_t *shape, size_t ndim, const void *data, size_t bytes,
-                              meshd_ref_t *out, const meshd_upload_options_t **opts, int *dt) {
+static bool check_tensor_args(meshd_session_t *s, const char *fn, meshd_ref_t mesh,
+                              const char *dtype, const int64_t *shape, size_t ndim,
+                              const void *data, size_t bytes, meshd_ref_t *out,
+                              const meshd_upload_options_t **opts, int *dt) {
   static const meshd_upload_options_t defaults = MESHD_UPLOAD_OPTIONS_INIT;
   if (!*opts)
     *opts = &defaults;
@@ -1802,12 +1866,12 @@ static bool check_tensor_args(meshd_session_t *s, const char *fn, const char *dt
     return false;
   *dt = dtype ? dtype_by_name(dtype) : 0;
   if (!*dt || (ndim && !shape) || (bytes && !data) || ndim > 16) {
-    set_error(s->client, MESHD_E_INVALID, 0, NULL,
+    set_error(s->client, MESHD_E_INVALID, 0, !*dt ? "BAD_ARGUMENT" : NULL,
               "%s: need a known dtype (got '%s'), at most 16 dims with a shape, and data for %zu "
               "bytes", fn, dtype ? dtype : "(null)", bytes);
     return false;
   }
-  return true;
+  return own_ref(s, fn, "mesh", -1, mesh) && own_ref(s, fn, "opts->stream", -1, (*opts)->stream);
 }
 
 /* Lets go of the tensor of an upload the caller was told failed, which holds
@@ -1842,7 +1906,7 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
                                       size_t bytes, const meshd_upload_options_t *opts,
                                       meshd_ref_t *out) {
   int dt = 0;
-  if (!s || !check_tensor_args(s, "meshd_session_upload", dtype, shape, ndim, data, bytes, out,
+  if (!s || !check_tensor_args(s, "meshd_session_upload", mesh, dtype, shape, ndim, data, bytes, out,
                                &opts, &dt))
     return MESHD_E_INVALID;
   /* One deadline for the whole upload: the queued commands' answers, a
@@ -1903,7 +1967,7 @@ meshd_err_t meshd_session_literal(meshd_session_t *s, meshd_ref_t mesh, const ch
                                   size_t bytes, const meshd_upload_options_t *opts,
                                   meshd_ref_t *out) {
   int dt = 0;
-  if (!s || !check_tensor_args(s, "meshd_session_literal", dtype, shape, ndim, data, bytes, out,
+  if (!s || !check_tensor_args(s, "meshd_session_literal", mesh, dtype, shape, ndim, data, bytes, out,
                                &opts, &dt))
     return MESHD_E_INVALID;
   uint64_t sent = literal_sent(s, mesh, opts->per_rank, bytes);
@@ -2209,6 +2273,8 @@ static bool fetch_request(meshd_session_t *s, meshd_ref_t tensor, const char *co
               "meshd_session_fetch: need at most 16 coordinates with dims and indexes");
     return false;
   }
+  if (!own_ref(s, "meshd_session_fetch", "tensor", -1, tensor))
+    return false;
   for (size_t i = 0; i < ncoords; i++) {
     meshd__v1__coordinate__init(&co[i]);
     co[i].dim = (char *)dims[i];

@@ -256,7 +256,10 @@ MESHD_API meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_
 MESHD_API void meshd_sessions_free(meshd_session_info_t *list, size_t n);
 
 /* A session of one client: meshes and tensors live in it, named by refs that the
- * session hands out (>= 1, increasing). Errors of session calls are recorded on
+ * session hands out (>= 1, increasing). Refs are per session: the n-th session
+ * a process opens numbers them from n * 10^12 + 1 (the first from 1), and a
+ * call given a ref of another session fails MESHD_E_INVALID naming the
+ * argument (it would name another object here). Errors of session calls are recorded on
  * the client (meshd_last_error(client)); the kind is the server's error kind
  * ("UNKNOWN_OP", "SHAPE_MISMATCH", ...). A session is used by one thread at a
  * time and must be closed before its client.

@@ -172,7 +172,9 @@ export type Fetched = FetchArray & { shape: number[]; dtype: DType };
 
 // ------------------------------------------------------------------ requests
 
-/** A tensor or mesh: its ref, or anything with .ref (a TensorMeta, a MeshMeta). */
+/** A tensor or mesh: its ref, or anything with .ref (a TensorMeta, a MeshMeta). Refs are
+ * per session: a TensorMeta or MeshMeta another session handed out is refused (MeshdError
+ * BAD_ARGUMENT naming the argument); a bare number is sent as it is. */
 export type Ref = number | { ref: number };
 
 /**

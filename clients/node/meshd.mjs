@@ -106,6 +106,11 @@ const QUEUE_BYTES = 2 * BATCH_BYTES;
 // KeepAlive, CreateSession...) are still retried transparently.
 const RETRY_BUFFER_BYTES = 16 << 10;
 const NOT_SENT = Symbol('notSent'); // on an error: the command never went out
+// On each TensorMeta and MeshMeta a session hands out (not enumerable: inspect, JSON and
+// deepEqual do not see it): the session's mark. Refs are numbered per session, so two
+// sessions made alike hand out the same refs: one of another session would name another
+// object (or none) here, and a call that takes it refuses it (Session.#own).
+const OWNER = Symbol('meshd.owner');
 
 // About how many bytes a command takes on the wire (its strings, lists and bytes;
 // 10 a number): what a pipelined message may hold (BATCH_BYTES) is counted in these.
@@ -230,6 +235,16 @@ export class MeshdError extends Error {
   }
 }
 
+// The proto's DType names: a string it lacks ('float64', a typo) was sent as
+// DTYPE_UNSPECIFIED, which the server takes as float32: a tensor of another dtype, no error.
+const DTYPE_NAMES = ['DTYPE_FLOAT32', 'DTYPE_FLOAT64', 'DTYPE_FLOAT16', 'DTYPE_BFLOAT16', 'DTYPE_INT8',
+  'DTYPE_UINT8', 'DTYPE_INT16', 'DTYPE_INT32', 'DTYPE_INT64', 'DTYPE_BOOL'];
+function checkDtype(fn, dtype) {
+  if (dtype === undefined || DTYPE_NAMES.includes(dtype) || (Number.isInteger(dtype) && dtype > 0 && dtype <= DTYPE_NAMES.length)) return;
+  throw new MeshdError('BAD_ARGUMENT', `meshd: ${fn}: unknown dtype ${inspect(dtype)}; meshd has `
+    + `${DTYPE_NAMES.join(', ')}`, grpc.status.INVALID_ARGUMENT);
+}
+
 const DTYPES = {
   DTYPE_FLOAT32: Float32Array,
   DTYPE_FLOAT64: Float64Array,
@@ -320,6 +335,7 @@ export class Session {
   #closeCalled = false; // close() was called: later calls reject NO_SESSION unsent
   #fetches = new Set(); // fetches whose bytes are still moving (close() waits for them)
   #held = []; // refs of lost answers whose Release was refused BORROWED: sent again once a borrow ends
+  #mark = Symbol('meshd.session'); // OWNER of the handles this session hands out
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -389,6 +405,28 @@ export class Session {
   deadline(timeoutMs) { return Date.now() + (timeoutMs ?? this.timeoutMs); }
 
   newRef() { this.nextRef += 1; return this.nextRef; }
+
+  // Marks a TensorMeta or MeshMeta as this session's (OWNER); returns it.
+  #mine(meta) {
+    if (meta && typeof meta === 'object' && !(OWNER in meta)) {
+      Object.defineProperty(meta, OWNER, { value: this.#mark });
+    }
+    return meta;
+  }
+
+  // Throws when h, an argument named `what` of `fn`, is a handle of another session:
+  // its ref would name another object, or none, in this one (wrong results, no error).
+  // A bare ref (a number) is taken as it is.
+  #own(h, fn, what) {
+    const list = Array.isArray(h) ? h : [h];
+    list.forEach((x, i) => {
+      if (x === null || typeof x !== 'object' || x[OWNER] === undefined || x[OWNER] === this.#mark) return;
+      throw new MeshdError('BAD_ARGUMENT', `meshd: ${fn}: ${what}${Array.isArray(h) ? `[${i}]` : ''} `
+        + `(ref ${x.ref}) is of another session than this one: refs are per session, so it would name `
+        + 'another object here; use handles of this session (move data with fetch and upload)',
+      grpc.status.INVALID_ARGUMENT);
+    });
+  }
 
   // Refs must reach the server in strictly increasing order (docs/protocol.md), and
   // they are taken in the order calls are issued. So every send that claims refs
@@ -508,6 +546,8 @@ export class Session {
     const res = QUEUED in sent ? await sent[QUEUED] : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     if (command.drop_borrow) this.#borrowEnded();
+    for (const t of res.tensors ?? []) this.#mine(t);
+    this.#mine(res.mesh);
     return res;
   }
 
@@ -924,6 +964,7 @@ export class Session {
   // The sub-mesh of `parent` (a MeshMeta or its ref) at the given index of each named
   // dim, which goes away ({gpu: 0}: Monarch's mesh.slice(gpu=0)); returns its MeshMeta.
   async sliceMesh(parent, sel) {
+    this.#own(parent, 'sliceMesh', 'parent');
     const ref = this.newRef();
     const selectors = Object.entries(sel).map(([dim, index]) => ({ dim, index }));
     const res = await this.execute({ slice_mesh: { ref, parent: parent?.ref ?? parent, selectors } });
@@ -933,6 +974,8 @@ export class Session {
 
   // A Factory ({kind, mesh, shape, dtype, value, ...}); returns the result TensorMeta.
   async factory(f) {
+    this.#own(f.mesh, 'factory', 'mesh');
+    checkDtype('factory', f.dtype);
     const ref = this.newRef();
     const mesh = f.mesh?.ref ?? f.mesh; // a MeshMeta, as load and upload take, or its ref
     const res = await this.execute({ factory: { dtype: 'DTYPE_FLOAT32', ...f, mesh, ref } });
@@ -943,6 +986,7 @@ export class Session {
   // {format, file_size, version, tensors: [{name, dtype, shape, offset, nbytes}], metadata_json}.
   inspectUrl(url, mesh = 0) {
     if (this.#shut) return Promise.reject(Session.#noSession('inspectUrl'));
+    try { this.#own(mesh, 'inspectUrl', 'mesh'); } catch (e) { return Promise.reject(e); }
     const limitMs = this.timeoutMs;
     const deadline = Date.now() + limitMs; // from the call, as fetch: its turn too
     return this.#inOrder(async () => { // after the calls issued before it, as fetch
@@ -958,6 +1002,8 @@ export class Session {
   // from the file it names, relative to the index's URL (its query dropped).
   // {shard: 'gpu', dim} splits the tensor's dim over that mesh dim.
   async load(mesh, url, { dtype, shape, name, shard = '', dim = 0, stream = 0 } = {}) {
+    this.#own(mesh, 'load', 'mesh');
+    checkDtype('load', dtype);
     const m = mesh.ref ?? mesh;
     // fi: what InspectUrl said of the file (its size and version, which the agents
     // check: a file rewritten since is refused), or null for raw bytes
@@ -1042,6 +1088,8 @@ export class Session {
 
   // A catalogue op: args as toArg() reads them; returns the first result TensorMeta.
   async call(op, args = [], kwargs = {}, { stream = 0, timeoutMs } = {}) {
+    args.forEach((a, i) => this.#own(a, `call '${op}'`, `argument ${i}`));
+    for (const [name, v] of Object.entries(kwargs)) this.#own(v, `call '${op}'`, `argument '${name}'`);
     const ref = this.newRef();
     const res = await this.execute({
       call: {
@@ -1056,6 +1104,8 @@ export class Session {
   // mesh: a sub-mesh (MeshMeta or ref) holding one rank of each reduced group and none
   // of the reduced dims, e.g. sliceMesh(m, {gpu: 0}): the result lives there only.
   async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0, mesh = 0 } = {}) {
+    this.#own(input, 'reduce', 'input');
+    this.#own(mesh, 'reduce', 'mesh');
     const ref = this.newRef();
     const res = await this.execute({
       reduce: { ref, input: input.ref ?? input, dims, reduction, scatter, stream, mesh: mesh?.ref ?? mesh },
@@ -1087,13 +1137,14 @@ export class Session {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: upload takes a Float32Array, Float64Array or integer typed array');
     if (this.#shut) return Promise.reject(Session.#noSession('upload'));
+    this.#own(mesh, 'upload', 'mesh');
     const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     const header = { ref: this.newRef(), mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank,
       total_bytes: bytes.length };
     // Taken now, below every later call's refs: the proxy's ref should a direct plan
     // have claimed header.ref and then fallen back.
     const spare = this.newRef();
-    return this.#inOrder(() => this.#upload(header, spare, bytes));
+    return this.#inOrder(() => this.#upload(header, spare, bytes)).then((t) => this.#mine(t));
   }
 
   // A small tensor whose bytes travel in the command itself (a Literal,
@@ -1109,6 +1160,7 @@ export class Session {
     const dtype = Object.keys(DTYPES).find((k) => data instanceof DTYPES[k]);
     if (!dtype) throw new TypeError('meshd: literal takes a Float32Array, Float64Array or integer typed array');
     if (this.#shut) throw Session.#noSession('literal');
+    this.#own(mesh, 'literal', 'mesh');
     const n = data.byteLength;
     const meta = Array.isArray(mesh?.ranks) ? mesh : this.#meshes.get(Number(mesh?.ref ?? mesh));
     const sent = perRank ? n : meta ? n * (meta.ranks.length || 1) : LITERAL_MAX_SENT;
@@ -1187,6 +1239,7 @@ export class Session {
   // planned the fetch, which fixes the value, not for its bytes (close() waits for them).
   async fetch(ref, coords = {}, { timeoutMs } = {}) {
     if (this.#shut) throw Session.#noSession('fetch');
+    this.#own(ref, 'fetch', 'tensor');
     const request = {
       ref: ref.ref ?? ref,
       coords: Object.entries(coords).map(([dim, index]) => ({ dim, index })),

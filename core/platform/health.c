@@ -248,13 +248,17 @@ int health_add_methods_guarded(health_t *h, rpc_server_t *srv, rpc_guard_fn guar
                                         guard, guard_arg);
 }
 
-rpc_server_t *health_serve(health_t *h, const char *listen, uint64_t memory_bytes, char *err,
-                           size_t errlen) {
+rpc_server_t *health_serve(health_t *h, const char *listen, const rpc_server_opts_t *limits,
+                           char *err, size_t errlen) {
   /* Probes send a Check at a time (a Watch or two): a stranger's connection
-   * keeps no more calls open than that. */
+   * keeps no more calls open than that, or than the operator allows. */
+  int streams = limits->max_concurrent_streams;
+  if (streams <= 0 || streams > HEALTH_PORT_STREAMS) streams = HEALTH_PORT_STREAMS;
   rpc_server_opts_t o = {.listen = listen, .threads = 1, .max_message_bytes = 4096,
-                         .max_concurrent_streams = HEALTH_PORT_STREAMS,
-                         .memory_bytes = memory_bytes};
+                         .max_concurrent_streams = streams,
+                         .max_connection_idle_ms = limits->max_connection_idle_ms,
+                         .max_unauthenticated_requests = limits->max_unauthenticated_requests,
+                         .memory_bytes = limits->memory_bytes};
   rpc_server_t *srv = rpc_server_create(&o, err, errlen);
   if (!srv) return NULL;
   if (health_add_methods(h, srv) != 0 || rpc_server_start(srv, err, errlen) < 0) {

@@ -35,10 +35,13 @@ int health_add_methods_guarded(health_t *h, rpc_server_t *srv, rpc_guard_fn guar
 /* A plaintext server on `listen` that serves only Health (kubelet gRPC
  * probes speak plaintext, so a TLS port needs this beside it). Started; stop
  * it with rpc_server_shutdown + rpc_server_destroy. NULL with err on failure.
- * memory_bytes: gRPC's memory quota for the port (rpc_server_opts_t), as the
- * other ports' (--rpc-memory-bytes): strangers reach it too. */
-rpc_server_t *health_serve(health_t *h, const char *listen, uint64_t memory_bytes, char *err,
-                           size_t errlen);
+ * limits: the operator's bounds on what strangers may take of a port, as the
+ * other ports get them (strangers reach this one too): its memory_bytes
+ * (--rpc-memory-bytes), max_connection_idle_ms, max_unauthenticated_requests
+ * and max_concurrent_streams (never above the port's own 16) are used; its
+ * other fields are not. */
+rpc_server_t *health_serve(health_t *h, const char *listen, const rpc_server_opts_t *limits,
+                           char *err, size_t errlen);
 /* Sets a service's status and pushes it to its watchers if it changed. */
 void health_set(health_t *h, const char *service, health_status_t status);
 /* HEALTH_SERVICE_UNKNOWN if the service was never set. */

@@ -7,6 +7,7 @@ to end (certificates from tests/support/make_certs.sh), with the agent's plainte
 health port for probes."""
 
 import os
+import re
 import stat
 import sys
 import threading
@@ -567,3 +568,31 @@ def test_cluster_flags_are_checked_at_startup(pki):
         assert r.returncode == 2 and want in r.stderr, (flags, r.stderr[-400:])
     r = lib.run(lib.AGENT, ["--server", "127.0.0.1:1"] + [str(f) for f in _cluster_flags(pki)[:2]])
     assert r.returncode == 2 and "--cluster-cert" in r.stderr, r.stderr[-400:]
+
+
+def test_the_registry_ports_take_the_operators_connection_bounds(meshd_server, pki, tmp_path):
+    """--cluster-listen (anyone may reach it) and the local agents' loopback registry
+    port got none of --max-connection-idle and --max-streams-per-connection (nor
+    --max-unauthenticated-requests): an idle stranger's connection stayed 10
+    minutes and 1024 calls a connection stood whatever the operator set."""
+    from test_security import assert_port_takes_the_connection_flags
+    bounds = ["--max-connection-idle", 1, "--max-streams-per-connection", 4]
+    tf = _token_file(tmp_path, "join", TOKEN)
+    cpf = tmp_path / "cluster.port"
+    srv = meshd_server(0, "--join-token-file", tf, "--cluster-listen", "127.0.0.1:0",
+                       "--cluster-port-file", cpf, *bounds)
+    assert_port_takes_the_connection_flags(int(cpf.read_text()), "--cluster-listen")
+    # TLS on --listen: the local agents register on a loopback port of their own.
+    hport = lib.free_port()
+    srv = meshd_server(1, "--tls-cert", pki / "server.pem", "--tls-key", pki / "server.key",
+                       "--health-listen", f"127.0.0.1:{hport}", *bounds, wait_serving=False)
+    lib.wait_health(hport, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
+                    proc=srv.proc, log=srv.log)
+    _wait_log(srv, "plaintext, loopback only: for the local agents")
+    m = re.search(r"port (\d+) \(plaintext, loopback only", srv.log_text())
+    assert m, lib.log_tail(srv.log)
+    assert_port_takes_the_connection_flags(int(m.group(1)), "the local agents' registry port")
+    # Its local agent keeps its registration through it.
+    time.sleep(1.5)
+    lib.wait_health(hport, lib.TENSOR_SERVICE, lib.SERVING(), timeout=5, proc=srv.proc,
+                    log=srv.log)

@@ -267,3 +267,30 @@ def test_a_failure_written_into_a_mutable_borrow_fails_its_origin(s2, drop):
     # ... and what reads it afterwards fails too, naming the root.
     dep = s2.op("add", Ref(y), 1)[0]
     assert lib.kind_name(dep.error.kind) == "DEPENDENT_FAILURE", dep
+
+
+def test_a_failure_written_into_a_view_of_a_mutable_borrow_fails_its_origin(s2):
+    """The same written through a view of the handle (v = h.T; v.copy_(bad)), the view and
+    the handle dropped before the borrow, all in one batch: the DeleteRefs of v and h reach
+    the agent before the borrow's last use, and the origin must still fail."""
+    m = s2.mesh(gpu=2).ref
+    side = s2.stream("side")
+    x, idx = _inputs(s2, m, only_rank1=True)
+    y = upload(s2, m, np.zeros((2, 2), dtype=np.float32))
+    h, b = s2.new_ref(), s2.new_ref()
+    s2.run(borrow(h, y, side, True, b))
+    xh, xb, ih, ib = s2.new_ref(), s2.new_ref(), s2.new_ref(), s2.new_ref()
+    s2.run(borrow(xh, x, side, False, xb))
+    s2.run(borrow(ih, idx, side, False, ib))
+    bad, v = s2.new_ref(), s2.new_ref()
+    _batch(s2, call("index_select", Ref(xh), 1, Ref(ih), results=[bad], stream=side),
+           call("transpose", Ref(h), 0, 1, results=[v], stream=side),
+           call("copy_", Ref(v), Ref(bad), stream=side),
+           lib.drop(v), lib.drop(h), lib.drop_borrow(b))
+    errors = s2.run(sync()).errors
+    assert [lib.kind_name(e.kind) for e in errors] == ["REMOTE_FAILURE"], errors
+    assert state(s2, y) == "TENSOR_STATE_FAILED", s2.run(describe(y))
+    for g in (0, 1):
+        with pytest.raises(FetchError) as e:
+            fetch(s2, y, gpu=g)
+        assert "index 7 is out of range" in e.value.message, (g, e.value)

@@ -467,6 +467,8 @@ class _H2Stranger:
         self.win = {}
         self.ended = set()  # streams the server answered (END_STREAM) or reset
         self.closed = False
+        self.settings = {}  # the server's SETTINGS, by identifier
+        self.goaway = False  # the server sent GOAWAY
         self.sock = sock
         if sock is None:
             self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -495,6 +497,7 @@ class _H2Stranger:
             if typ == 4 and not flags & 1:  # SETTINGS
                 for k in range(0, len(payload), 6):
                     ident, value = struct.unpack(">HI", payload[k:k + 6])
+                    self.settings[ident] = value
                     if ident == 4:  # INITIAL_WINDOW_SIZE
                         for st in self.win:
                             self.win[st] += value - self.init_win
@@ -510,6 +513,8 @@ class _H2Stranger:
                 self.ended.add(sid)
             elif typ == 6 and not flags & 1:  # PING
                 self.sock.sendall(_h2_frame(6, 1, 0, payload))
+            elif typ == 7:  # GOAWAY
+                self.goaway = True
         return True
 
     def call(self, sid, path, message_bytes, announced=4000000, extra=()):
@@ -538,6 +543,37 @@ class _H2Stranger:
 
     def close(self):
         self.sock.close()
+
+
+def _idle_connection_closed(port, within):
+    """True once the server sent GOAWAY to (or closed) a connection that opened
+    no call, within `within` seconds."""
+    st = _H2Stranger(port)
+    try:
+        deadline = time.monotonic() + within
+        while not (st.goaway or st.closed) and time.monotonic() < deadline:
+            st.pump(0.2)
+        return st.goaway or st.closed
+    finally:
+        st.close()
+
+
+def assert_port_takes_the_connection_flags(port, what):
+    """A port started with --max-connection-idle 1 and --max-streams-per-connection
+    4 announces 4 streams per connection and closes a connection without calls."""
+    st = _H2Stranger(port)
+    try:
+        deadline = time.monotonic() + 5
+        while 3 not in st.settings and time.monotonic() < deadline:
+            st.pump(0.2)
+        assert st.settings.get(3) == 4, (
+            f"{what}: SETTINGS_MAX_CONCURRENT_STREAMS {st.settings.get(3)}, not "
+            f"--max-streams-per-connection 4")
+    finally:
+        st.close()
+    assert _idle_connection_closed(port, 6), (
+        f"{what}: a connection without calls was still open 6 s later "
+        f"(--max-connection-idle 1)")
 
 
 def test_a_stranger_without_a_token_holds_bounded_memory(tmp_path, tokens_file):
@@ -716,6 +752,68 @@ def test_a_strangers_unfinished_health_requests_are_bounded(tmp_path, tokens_fil
     finally:
         st.close()
         lib.stop(p)
+
+
+def test_the_health_port_takes_the_operators_connection_bounds(tmp_path):
+    """--health-listen is open to anyone like --listen, but its gRPC server got
+    none of --max-connection-idle, --max-streams-per-connection and
+    --max-unauthenticated-requests: an idle stranger's connection stayed 10
+    minutes, and 16 calls a connection and 16 unfinished requests stood whatever
+    the operator set. They apply to it too (its streams never above its own 16)."""
+    hport = lib.free_port()
+    p = _start(tmp_path, "--health-listen", f"127.0.0.1:{hport}", "--max-connection-idle", 1,
+               "--max-streams-per-connection", 4, "--max-unauthenticated-requests", 1,
+               wait=False)
+    strangers = []
+    try:
+        lib.wait_health(hport, "", lib.SERVING(), proc=p.proc, log=p.log)
+        assert_port_takes_the_connection_flags(hport, "--health-listen")
+        # --max-unauthenticated-requests 1 is raised to 2 x 4 + 1 (1 rpc-loop
+        # thread): 12 unfinished Checks on 3 connections leave at most 9.
+        for _ in range(3):
+            st = _H2Stranger(hport)
+            strangers.append(st)
+            for i in range(4):
+                st.call(2 * i + 1, "/grpc.health.v1.Health/Check", 1000, announced=4000)
+        deadline = time.monotonic() + 5
+        while sum(len(st.ended) for st in strangers) < 3 and time.monotonic() < deadline:
+            for st in strangers:
+                st.pump(0.1)
+        ended = sum(len(st.ended) for st in strangers)
+        assert ended >= 3, (f"{ended} of 12 unfinished Checks ended: the health port ignored "
+                            f"--max-unauthenticated-requests (9 here)")
+        assert lib.health_check(hport, "") == lib.SERVING()
+    finally:
+        for st in strangers:
+            st.close()
+        lib.stop(p)
+
+
+def test_an_agents_health_port_takes_its_unauthenticated_bound(agent):
+    """meshd-agent's --health-listen ignored its --max-unauthenticated-requests
+    (16 unfinished Checks stood whatever was set)."""
+    hport = lib.free_port()
+    a = agent(lib.free_port(), "--health-listen", f"127.0.0.1:{hport}",
+              "--max-unauthenticated-requests", 1, wait_registered=False)
+    strangers = []
+    try:
+        lib.wait_health(hport, "", lib.SERVING(), proc=a.proc, log=a.log)
+        for _ in range(3):
+            st = _H2Stranger(hport)
+            strangers.append(st)
+            for i in range(4):
+                st.call(2 * i + 1, "/grpc.health.v1.Health/Check", 1000, announced=4000)
+        deadline = time.monotonic() + 5
+        while sum(len(st.ended) for st in strangers) < 3 and time.monotonic() < deadline:
+            for st in strangers:
+                st.pump(0.1)
+        ended = sum(len(st.ended) for st in strangers)
+        assert ended >= 3, f"{ended} of 12 unfinished Checks ended (bound 9 here)"
+        assert lib.health_check(hport, "") == lib.SERVING()
+    finally:
+        for st in strangers:
+            st.close()
+        lib.stop(a)
 
 
 def test_a_stranger_with_a_forged_grant_is_refused_at_the_headers(tmp_path, tokens_file):

@@ -323,3 +323,82 @@ def test_a_proxied_fetch_fails_for_a_value_failed_before_it_though_dropped_while
         assert "injected hang" in e.value.details(), e.value.details()
         assert lib.trailer(e.value.trailing_metadata(), "meshd-error-kind") == "REMOTE_FAILURE"
         assert _kinds(s.run(lib.sync()).errors) == ["REMOTE_FAILURE"]
+
+
+def test_finish_fetch_of_a_view_fails_for_its_base_failed_before_the_plan_though_dropped_since(
+        meshd_server):
+    """v is a view of x; an in-place add_ of x (sent before the fetch of v is planned) hangs
+    1.5 s on rank 1, then fails; the client reads rank 0's bytes of v and drops x (and with it
+    v, the same storage) before rank 1's report, which names x, lands. FinishFetch of v must
+    fail with that failure, as it does when the report lands first (every alias fails) or
+    nothing is dropped. (Each alias had its own tombstone: the late report gave x's one a
+    failure record, v's none, and FinishFetch answered OK with bytes that failed on rank 1.)"""
+    srv = lib.wait_ready(meshd_server(
+        2, env={"MESHD_FAULT": "call:hang=1500,rank=1,after=1,count=1"}), 2)
+    with lib.Session(srv.port, "view-of-failed-dropped", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        x = s.tensor(m, (2, 2), "ones").ref
+        (v,) = s.op("transpose", lib.Ref(x), 0, 1)  # rank 1's first call: not faulted
+        s.run(lib.call("add_", lib.Ref(x), lib.Ref(x)))  # hangs on rank 1, then fails
+        p = _plan_fetch(s, v.ref, gpu=0)
+        assert agent_read(p.shards[0], s.id, v.ref) == b"\x00\x00\x00\x40" * 4
+        s.run(lib.drop(x))  # v goes with it
+        assert _kinds(s.run(lib.sync()).errors) == ["REMOTE_FAILURE"]
+        with pytest.raises(grpc.RpcError) as e:
+            _finish_fetch(s, p)
+        assert e.value.code() == grpc.StatusCode.ABORTED, e.value
+        assert "injected" in e.value.details(), e.value.details()
+
+
+def test_a_late_failure_of_a_released_tensor_fails_its_live_views(meshd_server):
+    """The same with x released (not dropped) while its view v stays live: the add_ of x
+    fails on rank 1 after the Release. Its storage was written by a failed in-place op, so v
+    fails (as when the report lands before the Release: every alias fails), and a fetch of v
+    planned before the report fails too. (v stayed LIVE: Describe said so, and FinishFetch of
+    rank 0's shard answered OK.)"""
+    srv = lib.wait_ready(meshd_server(
+        2, env={"MESHD_FAULT": "call:hang=1500,rank=1,after=1,count=1"}), 2)
+    t = lib.tensor_pb2()
+    with lib.Session(srv.port, "view-of-failed-released", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        x = s.tensor(m, (2, 2), "ones").ref
+        (v,) = s.op("transpose", lib.Ref(x), 0, 1)
+        s.run(lib.call("add_", lib.Ref(x), lib.Ref(x)))  # hangs on rank 1, then fails
+        p = _plan_fetch(s, v.ref, gpu=0)
+        assert agent_read(p.shards[0], s.id, v.ref) == b"\x00\x00\x00\x40" * 4
+        s.run(lib.release(x))
+        assert _kinds(s.run(lib.sync()).errors) == ["REMOTE_FAILURE"]
+        state = s.run(lib.describe(v.ref)).tensors[0].state
+        assert t.TensorState.Name(state) == "TENSOR_STATE_FAILED", state
+        with pytest.raises(grpc.RpcError) as e:
+            _finish_fetch(s, p)
+        assert e.value.code() == grpc.StatusCode.ABORTED, e.value
+
+
+def test_a_read_borrow_of_a_failed_tensor_does_not_move_its_failure_before_a_fetch(
+        meshd_server):
+    """x is good when a fetch of rank 0's shard is planned; an add_ sent after the plan fails
+    on both ranks (one command: one origin), so FinishFetch succeeds (the Snapshot holds the
+    value from before it). A read borrow of the failed x, taken and dropped before the
+    FinishFetch, changes nothing: its last use on each agent reports x's failure again (under
+    the DropBorrow's seq), which is no new failure. (The server took the second rank's
+    report of another command as 'failed on several ranks, where unknown', and FinishFetch
+    failed with the add_'s failure.)"""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:fail"}), 2)
+    ones = b"\x00\x00\x80\x3f" * 4
+    with lib.Session(srv.port, "read-borrow-of-failed", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        side = s.stream("side")
+        x = s.tensor(m, (4,), "ones").ref
+        p = _plan_fetch(s, x, gpu=0)
+        s.run(lib.call("add_", lib.Ref(x), lib.Ref(x)))  # after the plan: fails on both ranks
+        assert _kinds(s.run(lib.sync()).errors) == ["REMOTE_FAILURE"]
+        h, b = s.new_ref(), s.new_ref()
+        s.run(lib.borrow(h, x, side, False, b))
+        s.run(lib.drop_borrow(b))
+        assert _kinds(s.run(lib.sync()).errors) == []
+        assert agent_read(p.shards[0], s.id, x) == ones
+        try:
+            _finish_fetch(s, p)
+        except grpc.RpcError as e:
+            raise AssertionError(f"FinishFetch failed: {e.code()} {e.details()}") from None

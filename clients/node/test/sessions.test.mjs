@@ -1,0 +1,103 @@
+// Handles of another session (against a live meshd): refs are numbered per session, so
+// two sessions made alike hand out the same refs, and a TensorMeta or MeshMeta of session
+// B used in a call of session A named another object of A (wrong results, no error).
+// Each call that takes a handle refuses one of another session, naming the argument.
+// Also: an unknown dtype is BAD_ARGUMENT and a bad shard dim BAD_DIM (DESIGN.md §6).
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { startMeshd, stopAll } from '../test-lib/meshd.mjs';
+import { connect, MeshdError } from '../meshd.mjs';
+
+let meshd;
+let addr;
+const URL_ = 'http://127.0.0.1:9/none.bin'; // never fetched: every load here is refused first
+
+before(async () => {
+  meshd = await startMeshd({ name: 'sessions', ready: 'serving' });
+  addr = meshd.addr;
+});
+
+after(() => stopAll());
+
+// A session with a mesh gpu=2, its slice at gpu=0 and full(value) of shape [2].
+async function world(value) {
+  const s = await connect(addr, { clientName: 'sessions', timeoutMs: 30000 });
+  const mesh = await s.createMesh({ gpu: 2 });
+  const slice = await s.sliceMesh(mesh, { gpu: 0 });
+  const x = await s.factory({ kind: 'full', mesh, shape: [2], value });
+  return { s, mesh, slice, x };
+}
+
+// p rejects with a MeshdError BAD_ARGUMENT naming `what` and another session.
+async function refused(p, what) {
+  const e = await Promise.resolve().then(() => p).then(() => null, (err) => err);
+  assert.ok(e, `not refused (${what}): the call went through`);
+  assert.ok(e instanceof MeshdError, `${what}: ${e}`);
+  assert.equal(e.kind, 'BAD_ARGUMENT', e.message);
+  assert.match(e.message, /another session/);
+  assert.ok(e.message.includes(what), `${what}: ${e.message}`);
+}
+
+test('a handle of another session is refused, naming the argument', async () => {
+  const a = await world(1);
+  const b = await world(10);
+  try {
+    assert.equal(a.x.ref, b.x.ref, 'two sessions made alike hand out the same refs');
+    // a.x + b.x was a.x + a.x (2, not 11), without an error
+    await refused(a.s.call('add', [a.x, b.x]), 'argument 1');
+    await refused(a.s.call('cat', [[a.x, b.x]]), 'argument 0[1]');
+    await refused(a.s.call('add', [a.x], { other: b.x }), "argument 'other'");
+    await refused(a.s.factory({ kind: 'ones', mesh: b.mesh, shape: [2] }), 'mesh');
+    await refused(a.s.sliceMesh(b.mesh, { gpu: 0 }), 'parent');
+    await refused(a.s.reduce(b.x, ['gpu'], 'sum'), 'input');
+    await refused(a.s.reduce(a.x, ['gpu'], 'sum', { mesh: b.slice }), 'mesh');
+    await refused(a.s.upload(b.mesh, [2], Float32Array.of(3, 3)), 'mesh');
+    await refused(a.s.literal(b.mesh, [2], Float32Array.of(3, 3)), 'mesh');
+    await refused(a.s.load(b.mesh, URL_, { dtype: 'DTYPE_FLOAT32', shape: [2] }), 'mesh');
+    await refused(a.s.inspectUrl(URL_, b.mesh), 'mesh');
+    await refused(a.s.fetch(b.x, { gpu: 0 }), 'tensor');
+
+    // nothing of either was touched, and each session's own handles still work
+    await a.s.sync();
+    assert.deepEqual([...await a.s.fetch(a.x, { gpu: 0 })], [1, 1]);
+    assert.deepEqual([...await b.s.fetch(b.x, { gpu: 0 })], [10, 10]);
+    const y = await a.s.call('add', [a.x, 2]);
+    assert.deepEqual([...await a.s.fetch(y, { gpu: 1 })], [3, 3]);
+    const u = await b.s.upload(b.mesh, [2], Float32Array.of(4, 5));
+    const z = await b.s.call('add', [u, b.x]);
+    assert.deepEqual([...await b.s.fetch(z, { gpu: 1 })], [14, 15]);
+    await refused(a.s.call('add', [a.x, u]), 'argument 1'); // an upload's handle is b's too
+    // a bare ref is taken as it is (the server checks it)
+    assert.deepEqual([...await a.s.fetch(a.x.ref, { gpu: 0 })], [1, 1]);
+    // the mark is not enumerable: a handle looks as the server sent it
+    assert.deepEqual(Object.keys(a.x).sort(), Object.keys({ ...a.x }).sort());
+    assert.equal(JSON.stringify(a.x), JSON.stringify({ ...a.x }));
+  } finally {
+    await a.s.close();
+    await b.s.close();
+  }
+});
+
+test('an unknown dtype is BAD_ARGUMENT and a shard dim the mesh lacks BAD_DIM', async () => {
+  const a = await world(1);
+  try {
+    for (const dtype of ['float64', 'DTYPE_FLOAT33', 11]) {
+      for (const call of [
+        () => a.s.factory({ kind: 'ones', mesh: a.mesh, shape: [2], dtype }),
+        () => a.s.load(a.mesh, URL_, { dtype, shape: [2] }),
+      ]) {
+        const e = await Promise.resolve().then(call).then((t) => `taken as ${t.dtype}`, (err) => err);
+        assert.ok(e instanceof MeshdError, `dtype '${dtype}': ${e}`);
+        assert.equal(e.kind, 'BAD_ARGUMENT', e.message);
+        assert.ok(e.message.includes(String(dtype)), e.message);
+      }
+    }
+    const e = await a.s.load(a.mesh, URL_, { dtype: 'DTYPE_FLOAT32', shape: [4], shard: 'nodim' })
+      .then(() => null, (err) => err);
+    assert.ok(e instanceof MeshdError, String(e));
+    assert.equal(e.kind, 'BAD_DIM', e.message);
+    await a.s.sync();
+  } finally {
+    await a.s.close();
+  }
+});
