@@ -296,13 +296,8 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     read_run(j);
     return;
   }
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_t t;
   atomic_fetch_add(&read_threads, 1);
-  int rc = pthread_create(&t, &attr, read_main, j);
-  pthread_attr_destroy(&attr);
+  int rc = runtime_spawn_detached(read_main, j);
   if (rc != 0) {
     atomic_fetch_sub(&read_threads, 1);
     if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
@@ -494,12 +489,7 @@ static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1
   rpc_call_pause_reads(call);
   rpc_call_ref(call);
   atomic_fetch_add(&w->owners, 1);
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_t t;
-  int rc = pthread_create(&t, &attr, write_open_main, w);
-  pthread_attr_destroy(&attr);
+  int rc = runtime_spawn_detached(write_open_main, w);
   if (rc == 0) return 1;
   atomic_fetch_sub(&write_waiting, 1);
   atomic_fetch_sub(&w->owners, 1); /* the call still holds one */

@@ -612,12 +612,7 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
   }
   *wa = (worker_arg_t){x, st};
   executor_ref(x);
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_t t;
-  int rc = pthread_create(&t, &attr, worker_main, wa);
-  pthread_attr_destroy(&attr);
+  int rc = runtime_spawn_detached(worker_main, wa);
   if (rc != 0) {
     atomic_fetch_sub(&x->refs, 1); /* cannot be the last: the caller holds one */
     pthread_cond_destroy(&st->wake);
@@ -705,12 +700,7 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
   else error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
   executor_ref(x);
   if (batch) atomic_fetch_add(&batch->refs, 1);
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  pthread_t t;
-  int rc = pthread_create(&t, &attr, refuser_main, r);
-  pthread_attr_destroy(&attr);
+  int rc = runtime_spawn_detached(refuser_main, r);
   if (rc != 0) { /* neither count can drop to 0: the caller holds one of each */
     atomic_fetch_sub(&x->refs, 1);
     if (batch) atomic_fetch_sub(&batch->refs, 1);
