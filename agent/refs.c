@@ -205,6 +205,13 @@ int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why) {
   return replace(r, s, false);
 }
 
+void refs_told(refs_t *r, uint64_t ref) {
+  pthread_mutex_lock(&r->mu);
+  ref_slot_t *s = refmap_get(&r->map, ref);
+  if (s && s->failed && s->why) s->why->by_sharing = false;
+  pthread_mutex_unlock(&r->mu);
+}
+
 void refs_delete(refs_t *r, uint64_t ref) {
   pthread_mutex_lock(&r->mu);
   ref_slot_t *s = refmap_remove(&r->map, ref);

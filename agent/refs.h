@@ -72,6 +72,9 @@ int refs_put(refs_t *r, uint64_t ref, const agent_tensor_t *t);
 int refs_fail(refs_t *r, uint64_t ref, const ref_failure_t *why);
 /* refs_put for a Write: 2 (nothing defined) when ref was deleted before it. */
 int refs_put_write(refs_t *r, uint64_t ref, const agent_tensor_t *t);
+/* A failed ref's failure is no longer by_sharing: the server knows of it
+ * (a borrow of it was taken after it failed: not the borrow's to report). */
+void refs_told(refs_t *r, uint64_t ref);
 void refs_delete(refs_t *r, uint64_t ref);
 size_t refs_count(refs_t *r);
 

@@ -452,6 +452,12 @@ static void run_borrow(ctx_t *c) {
          * before it learned of the failure, and must fail the handle on
          * every rank (a borrow of a failed tensor is a failed handle). */
         dependent_failure(c, &b->result, 1, b->tensor, &why);
+        /* Failed before the borrow (by_sharing: through a view, reported for
+         * that view, whose aliases the server fails): the handle brings it no
+         * failure, and its last use must not report it for the origin again
+         * (a second rank's report under another command: 'failed on several
+         * ranks', and a fetch planned before the failure failed). */
+        refs_told(&c->s->refs, b->tensor);
       } else { /* never defined here: a root failure, as any reader's (hold) */
         error_set(&e, ERR_REMOTE_FAILURE, "Borrow: tensor %llu is not on the agent",
                   (unsigned long long)b->tensor);

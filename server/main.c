@@ -313,6 +313,23 @@ static double link_instructions_counter(void *arg) {
   return (double)agent_pool_totals(arg).instructions;
 }
 
+/* The port files this process wrote: a startup that fails after writing one
+ * (a port taken further on) must not leave it naming a port nobody serves. */
+static const char *port_files_written[3];
+static bool started;
+static void port_file_written(const char *path) {
+  for (size_t i = 0; i < sizeof port_files_written / sizeof port_files_written[0]; i++)
+    if (!port_files_written[i]) {
+      port_files_written[i] = path;
+      return;
+    }
+}
+static void remove_port_files_at_exit(void) {
+  if (started) return;
+  for (size_t i = 0; i < sizeof port_files_written / sizeof port_files_written[0]; i++)
+    if (port_files_written[i]) unlink(port_files_written[i]);
+}
+
 static int usage_error(const char *prog, const char *msg) {
   fprintf(stderr, "meshd: %s\n", msg);
   config_usage_line(stderr, prog, synopsis);
@@ -523,11 +540,14 @@ int main(int argc, char **argv) {
   health_set(state.health, TENSOR_SERVICE_NAME, min_agents == 0 ? HEALTH_SERVING : HEALTH_NOT_SERVING);
   /* The registry has its own guard (join token, cluster certificate), on the
    * client port or a port of its own (cluster.h). */
+  atexit(remove_port_files_at_exit); /* whichever way a failed startup returns */
   if (cluster_serve_registry(cluster, registry, srv, err, sizeof err) != 0) {
     log_error("server", "%s", err);
     rpc_server_destroy(srv);
     return 1;
   }
+  if (opt.cluster_listen && *opt.cluster_listen && opt.cluster_port_file)
+    port_file_written(opt.cluster_port_file);
   /* Every client-facing method is guarded; Health stays open. */
   const rpc_method_t *m = tensor_service_methods(&n);
   rpc_server_add_methods_guarded(srv, m, n, pool, auth_guard, auth);
@@ -615,6 +635,7 @@ int main(int argc, char **argv) {
       rpc_server_destroy(srv);
       return 1;
     }
+    if (opt.metrics_port_file) port_file_written(opt.metrics_port_file);
     log_info("server", "metrics on http://%s/metrics (port %d)", opt.metrics_listen, metrics_http_port(metrics_http));
   }
   /* Once every port serves: a port file left by a startup that failed past it
@@ -625,6 +646,7 @@ int main(int argc, char **argv) {
     rpc_server_destroy(srv);
     return 1;
   }
+  if (opt.port_file) port_file_written(opt.port_file);
   log_info("server", "meshd %s (server %s) listening on %s, port %d (%s, %s); TensorService needs "
            "%d agent(s)", MESHD_VERSION, server_id, opt.listen, port,
            !tls.on ? "plaintext" : tls.ca_file ? "mTLS" : "TLS",
@@ -678,12 +700,13 @@ int main(int argc, char **argv) {
                                .reflection = opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {
-      if (opt.port_file) unlink(opt.port_file); /* nobody will serve it */
-      rpc_server_shutdown(srv, 0);
+      rpc_server_shutdown(srv, 0); /* its port files go at exit: nobody will serve them */
       rpc_server_destroy(srv);
       return 1;
     }
   }
+
+  started = true;
 
   int sig;
   while ((sig = runtime_wait_signal(1000)) == 0 || sig == SIGHUP) {

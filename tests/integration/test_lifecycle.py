@@ -315,6 +315,38 @@ def test_a_metrics_port_that_fails_leaves_no_port_file(tmp_path):
     assert not pf.exists(), f"a stale --port-file is left: {pf.read_text()!r}\n{r.stderr}"
 
 
+@pytest.mark.parametrize("fail", ["metrics-taken", "client-taken", "port-file-unwritable"])
+def test_a_startup_failure_leaves_none_of_the_port_files(tmp_path, fail):
+    """--cluster-port-file is written when the registry's port serves, --metrics-port-file
+    when the metrics port does, both before the client port, --metrics-listen and
+    --port-file are tried: a startup that failed past them exited 1 and left them naming
+    ports nobody serves (only --port-file was looked after)."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    busy = f"127.0.0.1:{taken.getsockname()[1]}"
+    cpf, mpf, pf = tmp_path / "cluster.port", tmp_path / "metrics.port", tmp_path / "meshd.port"
+    args = ["--listen", busy if fail == "client-taken" else "127.0.0.1:0",
+            "--cluster-listen", "127.0.0.1:0", "--cluster-port-file", str(cpf),
+            "--port-file", str(tmp_path / "no-such-dir" / "meshd.port")
+            if fail == "port-file-unwritable" else str(pf)]
+    if fail != "metrics-taken":
+        args += ["--metrics-listen", "127.0.0.1:0", "--metrics-port-file", str(mpf)]
+    else:
+        args += ["--metrics-listen", busy]
+    try:
+        try:
+            r = lib.run(lib.MESHD, args, timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"meshd kept running ({fail})")
+    finally:
+        taken.close()
+    assert r.returncode != 0, r.stderr
+    left = [f.name for f in (cpf, mpf, pf) if f.exists()]
+    assert not left, f"stale port files left ({fail}): {left}\n{r.stderr}"
+
+
 # ---------------------------------------------------------------- flags and env
 
 BINARIES = {"meshd": lambda: lib.MESHD, "meshd-agent": lambda: lib.AGENT,

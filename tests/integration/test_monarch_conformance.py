@@ -294,3 +294,33 @@ def test_a_failure_written_into_a_view_of_a_mutable_borrow_fails_its_origin(s2):
         with pytest.raises(FetchError) as e:
             fetch(s2, y, gpu=g)
         assert "index 7 is out of range" in e.value.message, (g, e.value)
+
+
+@pytest.mark.parametrize("only_rank1", [True, False])
+def test_a_failure_written_into_a_mutable_borrow_of_a_view_fails_its_base_once(s2, only_rank1):
+    """h mutably borrows v = x.T; a failed value copied into h fails v and x (one storage
+    on the agents; v and x are aliases on the server), each once, naming the root; Sync
+    lists the root once; a view w of x taken before fails too."""
+    m = s2.mesh(gpu=2).ref
+    side = s2.stream("side")
+    xi, idx = _inputs(s2, m, only_rank1=only_rank1)
+    x = upload(s2, m, np.zeros((2, 2), dtype=np.float32))
+    v = s2.op("transpose", Ref(x), 0, 1)[0].ref
+    w = s2.op("view", Ref(x), [4])[0].ref
+    h, b = s2.new_ref(), s2.new_ref()
+    s2.run(borrow(h, v, side, True, b))
+    xh, xb, ih, ib = s2.new_ref(), s2.new_ref(), s2.new_ref(), s2.new_ref()
+    s2.run(borrow(xh, xi, side, False, xb))
+    s2.run(borrow(ih, idx, side, False, ib))
+    bad = s2.new_ref()
+    _batch(s2, call("index_select", Ref(xh), 1, Ref(ih), results=[bad], stream=side),
+           call("copy_", Ref(h), Ref(bad), stream=side), lib.drop_borrow(b))
+    errors = s2.run(sync()).errors
+    assert [lib.kind_name(e.kind) for e in errors] == ["REMOTE_FAILURE"], errors
+    for t in (v, x, w):
+        assert state(s2, t) == "TENSOR_STATE_FAILED", (t, s2.run(describe(t)))
+        for g in (0, 1):
+            with pytest.raises(FetchError) as e:
+                fetch(s2, t, gpu=g)
+            assert "index 7 is out of range" in e.value.message, (t, g, e.value)
+    assert list(s2.run(sync()).errors) == []

@@ -402,3 +402,33 @@ def test_a_read_borrow_of_a_failed_tensor_does_not_move_its_failure_before_a_fet
             _finish_fetch(s, p)
         except grpc.RpcError as e:
             raise AssertionError(f"FinishFetch failed: {e.code()} {e.details()}") from None
+
+
+@pytest.mark.parametrize("mutable", [False, True])
+def test_a_borrow_of_a_tensor_failed_through_its_view_does_not_move_its_failure_before_a_fetch(
+        meshd_server, mutable):
+    """The same with x failed through its view v: an add_ of v (after the plan) fails on
+    both ranks; the agents fail x with it (the same storage: by_sharing), the server fails
+    x as v's alias. A borrow of x, taken and dropped, reports nothing new: x's failure was
+    told with v's. (Its last use reported x again on each rank, under the DropBorrow's
+    command: the server took it as 'failed on several ranks', and FinishFetch of x failed
+    with the add_'s failure, though the Snapshot holds the value from before it.)"""
+    srv = lib.wait_ready(meshd_server(2, env={"MESHD_FAULT": "call:fail,after=1"}), 2)
+    ones = b"\x00\x00\x80\x3f" * 4
+    with lib.Session(srv.port, "borrow-of-failed-via-view", timeout=30) as s:
+        m = s.mesh(gpu=2).ref
+        side = s.stream("side")
+        x = s.tensor(m, (2, 2), "ones").ref
+        (v,) = s.op("transpose", lib.Ref(x), 0, 1)  # each rank's first call: not faulted
+        p = _plan_fetch(s, x, gpu=0)
+        s.run(lib.call("add_", lib.Ref(v.ref), lib.Ref(v.ref)))  # after the plan: fails
+        assert _kinds(s.run(lib.sync()).errors) == ["REMOTE_FAILURE"]
+        h, b = s.new_ref(), s.new_ref()
+        s.run(lib.borrow(h, x, side, mutable, b))
+        s.run(lib.drop_borrow(b))
+        assert _kinds(s.run(lib.sync()).errors) == []
+        assert agent_read(p.shards[0], s.id, x) == ones
+        try:
+            _finish_fetch(s, p)
+        except grpc.RpcError as e:
+            raise AssertionError(f"FinishFetch failed: {e.code()} {e.details()}") from None

@@ -48,8 +48,15 @@ def mesh() -> Mesh:
 
 
 def stream_ref(session: Session) -> int:
-    """The ref of this thread's active stream for `session` (0: main)."""
+    """The ref of this thread's active stream for `session` (0: main); ValueError when
+    the active stream is of another session (its ref names another stream, or none, in
+    `session`: the work ran on main, silently)."""
     s = current("stream")
-    if s is None or s.session is not session:
+    if s is None:
         return 0
+    if s.session is not session:
+        raise ValueError(f"meshd: the active stream {s.name!r} is of session "
+                         f"{getattr(s.session, 'id', None)!r}, another session than "
+                         f"{getattr(session, 'id', None)!r}, whose work it would run; activate "
+                         f"a stream of that session (session.stream(name)) instead")
     return s.ref

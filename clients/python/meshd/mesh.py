@@ -60,8 +60,10 @@ class Mesh:
         return self.session._mesh_from(meta)
 
     def activate(self) -> contextlib.AbstractContextManager[Mesh]:
-        """Context manager making this the thread's active mesh (and main its stream
-        unless a stream is activated inside)."""
+        """Context manager making this the thread's active mesh. Its work runs on the
+        thread's innermost active stream, activated inside or outside this block (as in
+        Monarch), else on main; an active stream of another session is refused
+        (ValueError)."""
         return _active.push("mesh", self)
 
     def rank(self, dim: str) -> Tensor:

@@ -160,10 +160,10 @@ class Session:
     """A meshd session (use as a context manager, or call close()).
 
     While it is open, a daemon thread ("meshd-keepalive") sends KeepAlive every third of
-    the session's ttl (at least every 1 s), so a session that makes no call for longer
-    than its ttl stays alive; close() stops and joins it, and a session garbage-collected
-    without close() stops it too. `timeout` (seconds) is the deadline of every call;
-    sync() and fetch_shard() take their own.
+    the session's ttl (the server's answer), never more often than every 0.25 s, so a
+    session that makes no call for longer than its ttl stays alive; close() stops and
+    joins it, and a session garbage-collected without close() stops it too. `timeout`
+    (seconds) is the deadline of every call; sync() and fetch_shard() take their own.
 
     Security (connect() documents the arguments): the bearer token travels as
     `authorization: Bearer ...` metadata on every call, streams and KeepAlive included;

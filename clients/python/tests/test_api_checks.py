@@ -86,3 +86,18 @@ def test_reduce_over_an_int_names_the_mistake(mesh):
     x = meshd.ones(2)
     with pytest.raises(TypeError, match="mesh dim names.*got 0"):
         x.reduce(0)
+
+
+def test_stream_of_another_session_is_refused(two):
+    """`with b_stream.activate(): with a_mesh.activate(): zeros(...)` ran on session a's
+    main stream, silently (the active stream was ignored as of another session)."""
+    a, b, ma, mb, ta, tb = two
+    side = b.stream("side")
+    with side.activate(), ma.activate():
+        for make in (lambda: meshd.zeros(2), lambda: ta + 1,
+                     lambda: meshd.tensor(np.ones(2, np.float32)), lambda: ta.reduce("gpu")):
+            with pytest.raises(ValueError, match="another session") as e:
+                make()
+            assert "'side'" in str(e.value) and b.id in str(e.value), str(e.value)
+    with ma.activate(), a.stream("side").activate():  # its own session's stream: fine
+        assert meshd.zeros(2).stream.name == "side"
