@@ -158,10 +158,11 @@ static const config_flag_t flags[] = {
      "open sessions one principal may hold (0: no bound)", &opt.max_sessions_per_principal, 0,
      1 << 24},
     {"max-connection-idle", CONFIG_DOUBLE, "600",
-     "close a client connection with no call for this many seconds", &opt.max_connection_idle,
+     "close a connection (any port) with no call for this many seconds", &opt.max_connection_idle,
      1, 86400},
     {"max-streams-per-connection", CONFIG_INT, "1024",
-     "calls one client connection may have open at once", &opt.max_streams_per_connection, 1,
+     "calls one connection (any port; the health port at most 16) may have open at once",
+     &opt.max_streams_per_connection, 1,
      1 << 20},
     {"max-unauthenticated-requests", CONFIG_INT, "16",
      "requests of callers no guard authenticated (Health) still arriving at once, each up to "
