@@ -963,13 +963,22 @@ static int cmd_version(meshd_client_t *c, int argc, char **argv) {
   return EXIT_OK;
 }
 
-static int drain_or_undrain(meshd_client_t *c, const char *cmd, const char *arg, bool drain) {
+/* RANK of drain/undrain: 0, or a usage error (exit 64), checked before connecting. */
+static int parse_rank(const char *cmd, const char *arg, unsigned long long *v) {
   char *end;
   errno = 0;
-  unsigned long long v = strtoull(arg, &end, 10);
-  if (!*arg || *end || errno || !isdigit((unsigned char)*arg) || v > UINT32_MAX)
+  *v = strtoull(arg, &end, 10);
+  if (!*arg || *end || errno || !isdigit((unsigned char)*arg) || *v > UINT32_MAX)
     return usage_error(false, "%s: RANK '%s' is not a rank (an integer >= 0; meshctl agents "
                        "lists them)", cmd, arg);
+  return 0;
+}
+
+static int drain_or_undrain(meshd_client_t *c, const char *cmd, const char *arg, bool drain) {
+  unsigned long long v;
+  int bad = parse_rank(cmd, arg, &v);
+  if (bad)
+    return bad;
   meshd_agent_t *a = NULL;
   meshd_err_t e = meshd_drain_agent(c, (uint32_t)v, drain, &a);
   if (e != MESHD_E_OK) {
@@ -1893,6 +1902,10 @@ static int run(int argc, char **argv) {
   /* A script that cannot be read is the caller's mistake, whatever the server. */
   if (cmd->run == cmd_run && strcmp(argv[2], "-") != 0 && access(argv[2], R_OK) != 0)
     return usage_error(false, "run: cannot open %s: %s", argv[2], strerror(errno));
+  /* So is a mistyped RANK: exit 64 at once, not "cannot connect" first. */
+  unsigned long long rank;
+  if ((cmd->run == cmd_drain || cmd->run == cmd_undrain) && parse_rank(cmd->name, argv[2], &rank))
+    return EXIT_USAGE;
   if (cmd->run == cmd_version)
     print_own_version();
 

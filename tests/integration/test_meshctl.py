@@ -433,6 +433,23 @@ def test_a_refused_port_fails_at_once():
             assert _json(r)["error"]["code"] == "UNAVAILABLE", _show(r)
 
 
+@pytest.mark.parametrize("cmd", ["drain", "undrain"])
+def test_a_bad_rank_is_a_usage_error_before_any_connection(cmd):
+    # A mistyped RANK is the operator's mistake whatever the server: exit 64 naming
+    # it, at once, as for load's flags and run's script; not "cannot connect"
+    # (exit 2) after the connection attempt, which sends them looking at the network.
+    port = lib.free_port()  # nothing listens there
+    for fmt in ("table", "json"):
+        t0 = time.monotonic()
+        r = meshctl(f"127.0.0.1:{port}", "--output", fmt, cmd, "x3", timeout_ms=30000)
+        took = time.monotonic() - t0
+        assert r.returncode == 64 and "RANK 'x3' is not a rank" in r.stderr, _show(r)
+        assert "cannot connect" not in r.stderr, _show(r)
+        assert took < 3.0, f"{took:.1f} s for a usage error"
+        if fmt == "json":
+            assert _json(r)["error"]["code"] == "USAGE", _show(r)
+
+
 def test_a_server_that_accepts_but_never_answers_is_not_called_absent(meshd_server):
     # A hung or stopped meshd (SIGSTOP, a paused container): the kernel still
     # accepts its connections, nothing answers. meshctl gives up after --timeout-ms
