@@ -17,7 +17,6 @@
 /* An inspection reads at most two header pieces; the transfer timeout of the
  * policy bounds each, this the whole call. */
 #define INSPECT_CALL_MS 120000
-#define INSPECT_LOOK_MS 100   /* how often the helper looks whether its client is gone */
 /* The largest InspectUrl reply taken from an agent (whose own limit is its
  * --max-message-bytes), as much as the Python client takes. */
 #define INSPECT_REPLY_MAX (64 << 20)
@@ -115,73 +114,10 @@ static int inspect_ms(rpc_call_t *call) {
   return left >= 0 && left < INSPECT_CALL_MS ? (int)(left ? left : 1) : INSPECT_CALL_MS;
 }
 
-/* The agent's answer to one InspectUrl, taken as a pull so that the helper can
- * cancel it when its client goes (a blocking call ran on to its deadline, up
- * to INSPECT_CALL_MS, and held the agent's inspection slot all that time). */
-typedef struct inspect_wait {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  ProtobufCMessage *reply;
-  rpc_status_t st;
-  bool ended;
-} inspect_wait_t;
-
-static void inspect_got(rpc_pull_t *pull, ProtobufCMessage *msg, void *arg) {
-  inspect_wait_t *w = arg;
-  if (msg) {
-    pthread_mutex_lock(&w->mu);
-    if (w->reply) protobuf_c_message_free_unpacked(msg, NULL); /* a unary call: one */
-    else w->reply = msg;
-    pthread_mutex_unlock(&w->mu);
-    rpc_pull_next(pull); /* the end and the status */
-    return;
-  }
-  rpc_status_t st;
-  rpc_pull_status(pull, &st);
-  pthread_mutex_lock(&w->mu);
-  w->st = st;
-  w->ended = true;
-  pthread_cond_broadcast(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
-
-/* Asks the agent; its answer in *reply (or NULL) and *st. Cancels the agent's
- * call as soon as the client's call ended. */
-static void inspect_ask(rpc_channel_t *ch, const ProtobufCMessage *rq, const rpc_md_t *md,
-                        rpc_call_t *call, ProtobufCMessage **reply, rpc_status_t *st) {
-  inspect_wait_t w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-  rpc_pull_t *pull = rpc_pull_open(ch, "/meshd.agent.v1.Agent/InspectUrl", rq,
-                                   &meshd__v1__inspect_url_reply__descriptor, md, 1,
-                                   inspect_ms(call), inspect_got, &w);
-  if (!pull) {
-    *st = (rpc_status_t){.code = GRPC_STATUS_RESOURCE_EXHAUSTED, .kind = "QUOTA"};
-    snprintf(st->message, sizeof st->message, "InspectUrl: could not start the agent's call "
-             "(out of memory)");
-    return;
-  }
-  rpc_pull_next(pull);
-  bool cancelled = false;
-  pthread_mutex_lock(&w.mu);
-  while (!w.ended) {
-    struct timespec dl;
-    runtime_deadline(&dl, CLOCK_REALTIME, INSPECT_LOOK_MS);
-    pthread_cond_timedwait(&w.cv, &w.mu, &dl);
-    if (!w.ended && !cancelled && rpc_call_ended(call)) {
-      cancelled = true;
-      pthread_mutex_unlock(&w.mu);
-      rpc_pull_cancel(pull); /* the agent stops its fetch when its call ends */
-      pthread_mutex_lock(&w.mu);
-    }
-  }
-  pthread_mutex_unlock(&w.mu);
-  rpc_pull_destroy(pull);
-  *reply = w.reply;
-  *st = w.st;
-  if (st->code == GRPC_STATUS_OK && !*reply) {
-    st->code = GRPC_STATUS_INTERNAL;
-    snprintf(st->message, sizeof st->message, "the agent answered no InspectUrlReply");
-  }
-}
+/* The client of an InspectUrl gave up: its agent's call is cancelled, which
+ * stops the agent's fetch and frees its inspection slot (a call left to run
+ * held one for up to INSPECT_CALL_MS). */
+static bool client_gone(void *call) { return rpc_call_ended(call); }
 
 static void *inspect_main(void *arg) {
   inspect_t *in = arg;
@@ -202,7 +138,10 @@ static void *inspect_main(void *arg) {
   if (!targeted || !(ch = rpc_channel_create(t.address, &t.opts))) {
     rpc_call_finish(in->call, GRPC_STATUS_UNAVAILABLE, "AGENT_LOST",
                     "InspectUrl: rank %u has no agent", in->rank);
-  } else if (inspect_ask(ch, &rq.base, t.md, in->call, &reply, &st), st.code != GRPC_STATUS_OK) {
+  } else if (rpc_unary_until(ch, "/meshd.agent.v1.Agent/InspectUrl", &rq.base,
+                             &meshd__v1__inspect_url_reply__descriptor, &reply, t.md, 1,
+                             inspect_ms(in->call), client_gone, in->call,
+                             &st) != GRPC_STATUS_OK) {
     /* The agent's kind and message are the answer (they name the URL and rank). */
     if (st.kind[0])
       rpc_call_finish(in->call, st.code, st.kind, "%s", st.message);

@@ -186,16 +186,23 @@ bool objects_dropped_failure_first(objects_t *o, uint64_t ref) {
   return true;
 }
 
-/* At OBJECTS_GRAVE_FAILS_MAX: lets the failure records of the older half (by
- * ref) of the tombstones holding one go. */
-static void forget_older_fails(objects_t *o) {
+/* The ref halfway between the smallest and the largest of the tombstones (of
+ * those holding a failure record only, with fails_only): refs only grow within
+ * a session, so the ones at or below it are the older half. */
+static uint64_t graves_mid_ref(const objects_t *o, bool fails_only) {
   uint64_t lo = UINT64_MAX, hi = 0;
   for (size_t i = 0; i < o->gcap; i++)
-    if (o->graves[i].fail) {
+    if (fails_only ? o->graves[i].fail != NULL : o->graves[i].ref != 0) {
       if (o->graves[i].ref < lo) lo = o->graves[i].ref;
       if (o->graves[i].ref > hi) hi = o->graves[i].ref;
     }
-  uint64_t cut = lo + (hi - lo) / 2;
+  return lo + (hi - lo) / 2;
+}
+
+/* At OBJECTS_GRAVE_FAILS_MAX: lets the failure records of the older half (by
+ * ref) of the tombstones holding one go. */
+static void forget_older_fails(objects_t *o) {
+  uint64_t cut = graves_mid_ref(o, true);
   for (size_t i = 0; i < o->gcap; i++)
     if (o->graves[i].fail && o->graves[i].ref <= cut) {
       free(o->graves[i].fail);
@@ -277,13 +284,7 @@ bool objects_forgotten(const objects_t *o, uint64_t ref) {
 /* At OBJECTS_GRAVES_MAX: lets the older half go (refs only grow within a
  * session, so the smaller refs are the older drops), in place. */
 static void forget_older_half(objects_t *o) {
-  uint64_t lo = UINT64_MAX, hi = 0;
-  for (size_t i = 0; i < o->gcap; i++)
-    if (o->graves[i].ref) {
-      if (o->graves[i].ref < lo) lo = o->graves[i].ref;
-      if (o->graves[i].ref > hi) hi = o->graves[i].ref;
-    }
-  uint64_t cut = lo + (hi - lo) / 2;
+  uint64_t cut = graves_mid_ref(o, false);
   tombstone_t *g = calloc(o->gcap, sizeof *g);
   if (!g) return;
   size_t n = 0;

@@ -1272,37 +1272,34 @@ export class Session {
     return work;
   }
 
-  // start() again while it rejects for --session-max-transfers only (QUOTA, refused at its
-  // start: the session's own transfers in flight end soon, e.g. fetches issued together),
-  // waiting 5 ms, doubling to 200 ms, until deadline; then that error goes to the caller
-  // (as the Python client's retry_transfers_full).
-  static async #slot(start, deadline) {
+  // fn() again while it rejects RESOURCE_EXHAUSTED with `refusal` in its message (refused
+  // before any byte moved, so trying again is safe), waiting 5 ms, doubling to 200 ms, until
+  // deadline; then that error goes to the caller.
+  static async #retryRefused(fn, deadline, refusal) {
     for (let wait = 5; ; wait = Math.min(2 * wait, 200)) {
       try {
-        return await start();
+        return await fn();
       } catch (e) {
         if (!(e instanceof MeshdError) || e.code !== grpc.status.RESOURCE_EXHAUSTED
-          || !e.message.includes('--session-max-transfers') || Date.now() + wait >= deadline) throw e;
+          || !e.message.includes(refusal) || Date.now() + wait >= deadline) throw e;
       }
       await new Promise((resolve) => { setTimeout(resolve, wait); });
     }
   }
 
+  // start() again while it rejects for --session-max-transfers only (QUOTA, refused at its
+  // start: the session's own transfers in flight end soon, e.g. fetches issued together), as
+  // the Python client's retry_transfers_full.
+  static #slot(start, deadline) {
+    return Session.#retryRefused(start, deadline, '--session-max-transfers');
+  }
+
   // read() again while it rejects only because its agent already has its most Reads waiting
   // for their seqs (QUOTA "... Reads already wait for seqs on this agent", agent/data.c
   // READ_WAITING_MAX): refused before any byte, its grant kept for a retry; the waiting
-  // Reads end as their seqs run. Waits 5 ms, doubling to 200 ms, until deadline; then that
-  // error goes to the caller (as the Python client's _reads_full).
-  static async #readsFull(read, deadline) {
-    for (let wait = 5; ; wait = Math.min(2 * wait, 200)) {
-      try {
-        return await read();
-      } catch (e) {
-        if (!(e instanceof MeshdError) || e.code !== grpc.status.RESOURCE_EXHAUSTED
-          || !e.message.includes('Reads already wait for seqs') || Date.now() + wait >= deadline) throw e;
-      }
-      await new Promise((resolve) => { setTimeout(resolve, wait); });
-    }
+  // Reads end as their seqs run (as the Python client's _reads_full).
+  static #readsFull(read, deadline) {
+    return Session.#retryRefused(read, deadline, 'Reads already wait for seqs');
   }
 
   // fetch's typed array for meta: the type for its dtype (UNIMPLEMENTED for one this

@@ -387,6 +387,14 @@ bool rpc_channel_wait_idle(rpc_channel_t *ch, int timeout_ms);
 grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
                            const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_status_t *st);
+/* rpc_unary that asks stop(stop_arg) every 100 ms while it waits and cancels
+ * the call once it says true (then CANCELLED): a call made for a caller who
+ * may give up first (the server's InspectUrl on its client's behalf). */
+grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                                 const ProtobufCMessageDescriptor *resp_desc,
+                                 ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
+                                 int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
+                                 rpc_status_t *st);
 
 /* A client-streaming, server-streaming or bidi call. One thread may read while
  * another writes; each side is used by one thread at a time. */

@@ -205,9 +205,13 @@ static void destroy_cq(grpc_completion_queue *cq) {
   grpc_completion_queue_destroy(cq);
 }
 
-grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
-                           const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
-                           const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_status_t *st) {
+#define UNARY_LOOK_MS 100 /* rpc_unary_until: how often it asks whether to go on */
+
+grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                                 const ProtobufCMessageDescriptor *resp_desc,
+                                 ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
+                                 int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
+                                 rpc_status_t *st) {
   *resp = NULL;
   void *handle = method_handle(ch, method);
   if (!handle) {
@@ -245,7 +249,14 @@ grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const Protobuf
   int tag;
   grpc_call_error e = grpc_call_start_batch(call, ops, 6, &tag, NULL);
   if (e == GRPC_CALL_OK) {
-    grpc_completion_queue_pluck(cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    for (bool cancelled = false;;) {
+      gpr_timespec until = stop ? wire_deadline(UNARY_LOOK_MS) : gpr_inf_future(GPR_CLOCK_REALTIME);
+      if (grpc_completion_queue_pluck(cq, &tag, until, NULL).type == GRPC_OP_COMPLETE) break;
+      if (stop && !cancelled && stop(stop_arg)) { /* the status says CANCELLED */
+        grpc_call_cancel(call, NULL);
+        cancelled = true;
+      }
+    }
   } else {
     code = GRPC_STATUS_INTERNAL;
     grpc_slice_unref(details);
@@ -271,6 +282,12 @@ grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const Protobuf
   grpc_call_unref(call);
   destroy_cq(cq);
   return code;
+}
+
+grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *resp_desc, ProtobufCMessage **resp,
+                           const rpc_md_t *md, size_t nmd, int timeout_ms, rpc_status_t *st) {
+  return rpc_unary_until(ch, method, req, resp_desc, resp, md, nmd, timeout_ms, NULL, NULL, st);
 }
 
 /* ------------------------------------------------------------------ streams */
