@@ -429,7 +429,8 @@ static bool wanted(direct_t *d, const direct_session_t *s) {
 }
 
 /* PlanTransfer: its reply, or NULL with *rc DIRECT_PROXY (auto, the server does
- * not offer it) or DIRECT_FAILED (e). */
+ * not offer it) or DIRECT_FAILED (e). d NULL: no fallback (a plan made beside
+ * others, after the first showed that the server offers it). */
 static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s,
                                           const Meshd__V1__PlanTransferRequest *rq, int timeout_ms,
                                           direct_rc_t *rc, direct_err_t *e) {
@@ -447,7 +448,7 @@ static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s
   st.message[sizeof st.message - 1] = '\0';
   bool not_offered = st.code == GRPC_STATUS_UNIMPLEMENTED ||
                      (st.code == GRPC_STATUS_FAILED_PRECONDITION && strstr(st.message, "--data-path"));
-  if (d->mode == MESHD_DATA_PATH_AUTO && not_offered) {
+  if (d && d->mode == MESHD_DATA_PATH_AUTO && not_offered) {
     d->refused = true;
     fallback(d, "the server refused PlanTransfer: %s", st.message);
     *rc = DIRECT_PROXY;
@@ -1065,6 +1066,53 @@ bool direct_meta_bytes(const Meshd__V1__TensorMeta *m, uint64_t *out) {
   return true;
 }
 
+/* *rq, the PlanTransferRequest of a FetchRequest (it points to fr). */
+static const Meshd__V1__PlanTransferRequest *fetch_plan_request(Meshd__V1__PlanTransferRequest *rq,
+                                                              const Meshd__V1__FetchRequest *fr) {
+  meshd__v1__plan_transfer_request__init(rq);
+  rq->what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_FETCH;
+  rq->fetch = (Meshd__V1__FetchRequest *)fr;
+  return rq;
+}
+
+/* Plans 1..n-1 of a fetch, each on a thread of the shard pool. */
+typedef struct {
+  const direct_session_t *s;
+  const Meshd__V1__FetchRequest *const *reqs;
+  Meshd__V1__PlanTransferReply **plans;
+  direct_err_t *errs;
+  direct_rc_t *rcs;
+  int64_t end;
+} fetch_plans_t;
+
+static void plan_one(void *arg, size_t k) {
+  fetch_plans_t *fp = arg;
+  size_t i = k + 1;
+  /* No direct_t: auto's fallback was settled by the first plan; a refusal
+   * now is this fetch's error. */
+  Meshd__V1__PlanTransferRequest rq;
+  fp->plans[i] = plan(NULL, fp->s, fetch_plan_request(&rq, fp->reqs[i]), left_ms(fp->end),
+                      &fp->rcs[i], &fp->errs[i]);
+}
+
+/* Every planned fetch's FinishFetch, each on a thread of the shard pool. */
+typedef struct {
+  const direct_session_t *s;
+  Meshd__V1__PlanTransferReply **plans;
+  int wait; /* -1: what is left until end */
+  int64_t end;
+  rpc_status_t *sts;
+  bool *failed;
+} fetch_finishes_t;
+
+static void finish_one(void *arg, size_t i) {
+  fetch_finishes_t *ff = arg;
+  if (!ff->plans[i])
+    return;
+  int wait = ff->wait < 0 ? left_ms(ff->end) : ff->wait;
+  ff->failed[i] = finish_fetch(ff->s, ff->plans[i]->transfer_id, wait, &ff->sts[i]) != 0;
+}
+
 direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
                          const Meshd__V1__FetchRequest *const *reqs, const direct_sink_t *sinks,
                          size_t n, int64_t end, direct_err_t *e) {
@@ -1077,24 +1125,42 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
   f.got = calloc(n, sizeof *f.got);
   f.errs = calloc(n, sizeof *f.errs);
   direct_rc_t rc = DIRECT_DONE;
-  size_t planned = 0;
-  rpc_status_t st;
   if (!f.plans || !f.chans || !f.want || !f.got || !f.errs) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
     rc = DIRECT_FAILED;
     goto out;
   }
-  /* Planned in order, each before the next: the value each reads is fixed then. */
-  for (; planned < n; planned++) {
-    Meshd__V1__PlanTransferRequest rq = MESHD__V1__PLAN_TRANSFER_REQUEST__INIT;
-    rq.what_case = MESHD__V1__PLAN_TRANSFER_REQUEST__WHAT_FETCH;
-    rq.fetch = (Meshd__V1__FetchRequest *)reqs[planned];
-    f.plans[planned] = plan(d, s, &rq, left_ms(end), &rc, e);
-    if (!f.plans[planned])
+  /* The first planned alone: auto learns there whether the server offers
+   * PlanTransfer at all. The others at once: each is ordered at the server
+   * after every command sent before this fetch and before any sent after it
+   * (the caller waits for all), so the values they read are the same as when
+   * planned one after another, and n plans cost about one round trip. */
+  Meshd__V1__PlanTransferRequest rq0;
+  f.plans[0] = plan(d, s, fetch_plan_request(&rq0, reqs[0]), left_ms(end), &rc, e);
+  if (!f.plans[0])
+    goto out;
+  if (n > 1) {
+    fetch_plans_t fp = {.s = s, .reqs = reqs, .plans = f.plans, .errs = f.errs, .end = end,
+                        .rcs = calloc(n, sizeof *fp.rcs)};
+    if (!fp.rcs || direct_parallel(n - 1, plan_one, &fp) != 0) {
+      free(fp.rcs);
+      direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
+      rc = DIRECT_FAILED;
       goto out;
-    const Meshd__V1__PlanTransferReply *p = f.plans[planned];
+    }
+    for (size_t i = 1; i < n && rc == DIRECT_DONE; i++)
+      if (!f.plans[i]) {
+        *e = f.errs[i]; /* plan_one's */
+        rc = DIRECT_FAILED;
+      }
+    free(fp.rcs);
+    memset(f.errs, 0, n * sizeof *f.errs);
+    if (rc != DIRECT_DONE)
+      goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const Meshd__V1__PlanTransferReply *p = f.plans[i];
     if (p->n_shards != 1 || !p->meta) {
-      planned++;
       direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                      "direct fetch: the plan names %zu shards%s (expected 1 and a TensorMeta)",
                      p->n_shards, p->meta ? "" : " and no TensorMeta");
@@ -1135,14 +1201,33 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
 out:
   /* Every planned fetch is finished, whatever happened: its snapshot and the
    * session's transfer slot go. One abandoned need not wait for the ranks: the
-   * server takes the transfer when the call arrives. */
-  for (size_t i = 0; i < planned; i++) {
-    int wait = rc == DIRECT_DONE ? left_ms(end) : ABANDON_MS;
-    if (finish_fetch(s, f.plans[i]->transfer_id, wait, &st) != 0 && rc == DIRECT_DONE) {
-      direct_err_status(e, &st, "");
-      rc = DIRECT_FAILED;
+   * server takes the transfer when the call arrives. All at once, as planned. */
+  if (f.plans) {
+    fetch_finishes_t ff = {.s = s, .plans = f.plans, .wait = rc == DIRECT_DONE ? -1 : ABANDON_MS,
+                           .end = end, .sts = calloc(n, sizeof *ff.sts),
+                           .failed = calloc(n, sizeof *ff.failed)};
+    if (ff.sts && ff.failed && direct_parallel(n, finish_one, &ff) == 0) {
+      for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
+        if (ff.failed[i]) {
+          direct_err_status(e, &ff.sts[i], "");
+          rc = DIRECT_FAILED;
+        }
+    } else {
+      for (size_t i = 0; i < n; i++) /* no memory for more: one after another */
+        if (f.plans[i]) {
+          rpc_status_t st;
+          int wait = rc == DIRECT_DONE ? left_ms(end) : ABANDON_MS;
+          if (finish_fetch(s, f.plans[i]->transfer_id, wait, &st) != 0 && rc == DIRECT_DONE) {
+            direct_err_status(e, &st, "");
+            rc = DIRECT_FAILED;
+          }
+        }
     }
-    protobuf_c_message_free_unpacked(&f.plans[i]->base, NULL);
+    free(ff.sts);
+    free(ff.failed);
+    for (size_t i = 0; i < n; i++)
+      if (f.plans[i])
+        protobuf_c_message_free_unpacked(&f.plans[i]->base, NULL);
   }
   if (rc == DIRECT_DONE)
     d->stats.direct_fetches += n;

@@ -2338,6 +2338,54 @@ Test(c_client_lease, a_fetch_of_more_parts_than_the_transfer_slots_goes_in_waves
   meshd_close(c);
 }
 
+static void start_three_transfers(void) {
+  const char *const flags[] = {"--data-path=direct", "--session-max-transfers=3", NULL};
+  start_server_with(flags);
+}
+
+TestSuite(c_client_three_transfers, .init = start_three_transfers, .fini = stop_server,
+          .timeout = 60);
+
+/* A direct fetch plans its parts at once (one round trip, not one a part).
+ * Five parts against --session-max-transfers 3: two plans are refused, the
+ * fetch fails naming the flag, and the three planned are finished all the
+ * same: their slots come back (three parts fetch next, twice), and every
+ * value is the one uploaded. */
+Test(c_client_three_transfers, a_direct_fetch_whose_later_plans_are_refused_gives_every_slot_back) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, t = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  uint8_t data[2 * 100];
+  for (size_t i = 0; i < sizeof data; i++)
+    data[i] = (uint8_t)(i * 13 + 5);
+  meshd_upload_options_t uo = MESHD_UPLOAD_OPTIONS_INIT;
+  uo.per_rank = true;
+  int64_t shape[] = {100};
+  cr_assert_eq(meshd_session_upload_with(s, m, "uint8", shape, 1, data, sizeof data, &uo, &t),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  static uint8_t back[5][100];
+  int64_t rank[5];
+  const char *dims[] = {"gpu"};
+  meshd_fetch_part_t parts[5];
+  for (int i = 0; i < 5; i++) {
+    rank[i] = i % 2;
+    parts[i] = (meshd_fetch_part_t){dims, &rank[i], 1, back[i], sizeof back[i], 0};
+  }
+  cr_assert_eq(meshd_session_fetch_bytes(s, t, parts, 5, NULL), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "--session-max-transfers (3)"), "%s",
+            meshd_last_error(c)->message);
+  for (int round = 0; round < 2; round++) {
+    memset(back, 0, sizeof back);
+    cr_assert_eq(meshd_session_fetch_bytes(s, t, parts, 3, NULL), MESHD_E_OK, "round %d: %s",
+                 round, meshd_last_error(c)->message);
+    for (int i = 0; i < 3; i++)
+      cr_assert_eq(memcmp(back[i], data + 100 * rank[i], 100), 0, "round %d, part %d", round, i);
+  }
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* ------------------------------------------------------------------ literals */
 
 /* The bytes of `t` at rank gpu=`rank` (-1: a mesh without dims) into buf (cap
