@@ -1810,6 +1810,34 @@ static direct_session_t session_view(const meshd_session_t *s, int timeout_ms) {
                             .tls = s->client->tls};
 }
 
+/* A per_rank upload's bytes per rank (0: replicated, or unknown): its
+ * chunks end where a rank's slice ends, so the server sends each on to its
+ * agent as it came (a chunk across two slices is split and copied there, and
+ * a small tensor's slices go one after another instead of at once). */
+static size_t upload_slice_bytes(const Meshd__V1__UploadHeader *h) {
+  if (!h->per_rank)
+    return 0;
+  uint64_t b = direct_dtype_bytes(h->dtype);
+  for (size_t i = 0; i < h->n_shape && b; i++) {
+    if (h->shape[i] < 0 || (h->shape[i] && b > UINT64_MAX / (uint64_t)h->shape[i]))
+      return 0;
+    b *= (uint64_t)h->shape[i];
+  }
+  return b <= SIZE_MAX ? (size_t)b : 0;
+}
+
+/* The next chunk's bytes at off of `bytes`: at most `chunk`, and not past the
+ * end of the slice (of `slice` bytes; 0: none) it starts in. */
+static size_t upload_chunk_bytes(size_t off, size_t bytes, size_t slice, size_t chunk) {
+  size_t n = bytes - off < chunk ? bytes - off : chunk;
+  if (slice) {
+    size_t to_end = slice - off % slice;
+    if (to_end < n)
+      n = to_end;
+  }
+  return n;
+}
+
 /* The proxied Upload of header h, within timeout_ms. */
 static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, const void *data,
                                 size_t bytes, int timeout_ms) {
@@ -1822,11 +1850,13 @@ static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, 
     return MESHD_E_RPC;
   }
   int rc = rpc_stream_write(st, &first.base, false);
-  for (size_t off = 0; rc == 0 && off < bytes; off += UPLOAD_CHUNK) {
+  size_t slice = upload_slice_bytes(h);
+  for (size_t off = 0, n; rc == 0 && off < bytes; off += n) {
+    n = upload_chunk_bytes(off, bytes, slice, UPLOAD_CHUNK);
     Meshd__V1__UploadChunk c = MESHD__V1__UPLOAD_CHUNK__INIT;
     c.part_case = MESHD__V1__UPLOAD_CHUNK__PART_DATA;
     c.data.data = (uint8_t *)data + off;
-    c.data.len = bytes - off < UPLOAD_CHUNK ? bytes - off : UPLOAD_CHUNK;
+    c.data.len = n;
     rc = rpc_stream_write(st, &c.base, false);
   }
   if (rc == 0)

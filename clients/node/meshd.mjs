@@ -1223,7 +1223,15 @@ export class Session {
         else resolve(reply.tensor);
       });
       call.write({ header });
-      for (let i = 0; i < bytes.length; i += CHUNK) call.write({ data: bytes.subarray(i, i + CHUNK) });
+      // A per-rank upload's chunks end where a rank's slice ends: the server sends each on
+      // to its agent as it came (a chunk across two slices is split and copied there).
+      const slice = header.per_rank
+        ? header.shape.reduce((a, d) => a * Number(d), 1) * DTYPES[header.dtype].BYTES_PER_ELEMENT : 0;
+      for (let i = 0; i < bytes.length;) {
+        const end = Math.min(i + CHUNK, bytes.length, slice > 0 ? (Math.floor(i / slice) + 1) * slice : Infinity);
+        call.write({ data: bytes.subarray(i, end) });
+        i = end;
+      }
       call.end();
     });
   }

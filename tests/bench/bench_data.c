@@ -32,7 +32,8 @@
  *
  * meshd: `meshd --local-agents N` in a child process (bench_server.h). Upload
  * sends an UploadHeader, then the bytes in 1 MiB UploadChunk{data} messages
- * packed by hand (rpc_bytes_field: what a C client that does not copy sends);
+ * (none across two ranks' slices, as the clients send them) packed by hand
+ * (rpc_bytes_field: what a C client that does not copy sends);
  * with N agents it is per_rank (a 1/N slice per rank). Fetch reads every
  * rank's shard, all at once, on the rpc layer's pull thread. Before each
  * upload round, untimed, the last round's tensor is dropped.
@@ -232,8 +233,11 @@ static int upload(session_t *c, int nagents, size_t bytes, const uint8_t *block,
   first.part_case = MESHD__V1__UPLOAD_CHUNK__PART_HEADER;
   first.header = &h;
   int rc = rpc_stream_write(s, &first.base, false);
-  for (size_t off = 0; rc == 0 && off < bytes; off += CHUNK) {
-    size_t n = bytes - off < CHUNK ? bytes - off : CHUNK;
+  size_t slice = bytes / (size_t)nagents; /* chunks end with a rank's slice, as the clients' */
+  for (size_t off = 0, n; rc == 0 && off < bytes; off += n) {
+    n = bytes - off < CHUNK ? bytes - off : CHUNK;
+    if (slice - off % slice < n)
+      n = slice - off % slice;
     uint8_t *dst;
     rpc_bytes_t *m = rpc_bytes_field(MESHD__V1__UPLOAD_CHUNK__PART_DATA, n, &dst);
     memcpy(dst, block, n); /* the one copy a client makes, from its array */
