@@ -847,7 +847,11 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     /* A Sync checkpoints too: after it nothing of the session counts as queued. */
     if ((fl & FLOW_CHECKPOINT) || (rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC))
       take_checkpoint(o, &ck);
-    if (fl & FLOW_OVER) hold_call(s, o, call, stream);
+    /* An Execute's Sync is not held: its answer waits for the session's own
+     * work anyway, and held it would wait for other sessions' (the server's
+     * bound); the client's next command waits for room instead. */
+    if ((fl & FLOW_OVER) && (stream || cmd->kind_case != MESHD__V1__COMMAND__KIND_SYNC))
+      hold_call(s, o, call, stream);
   }
   bool sync = rc == 0 && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC;
   if (o) {

@@ -529,20 +529,16 @@ static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                      "agents, and this one would make %llu; send it in a later message",
                      LITERAL_MAX_SENT_BYTES, (unsigned long long)(batch_literal_sent + sent));
   /* A Submit stream stops reading while the session's window is full; Execute
-   * calls in parallel would each still run: one more Literal waits for room. */
+   * calls in parallel would each still run: one more Literal waits for room.
+   * Only the session's own window refuses it: the server over its bound because
+   * of other sessions' work holds its answer (run_one), as any Execute's. */
   bool server_wide = false;
-  if (batch_literal_sent < 0 && o->flow && flow_over(o->flow, &server_wide))
-    return server_wide
-               ? error_set(e, ERR_QUOTA,
-                           "Literal: the server has more queued for its agents, over all "
-                           "sessions, than flow control allows (--max-queued or "
-                           "--max-queued-bytes); send it again in a moment, or on the Submit "
-                           "stream, which waits for room")
-               : error_set(e, ERR_QUOTA,
-                           "Literal: session %.8s already has more queued for its agents than "
-                           "flow control allows (--session-max-queued or "
-                           "--session-max-queued-bytes); wait for its Executes' answers, or "
-                           "Sync, and send it again", s->id);
+  if (batch_literal_sent < 0 && o->flow && flow_over(o->flow, &server_wide) && !server_wide)
+    return error_set(e, ERR_QUOTA,
+                     "Literal: session %.8s already has more queued for its agents than "
+                     "flow control allows (--session-max-queued or "
+                     "--session-max-queued-bytes); wait for its Executes' answers, or "
+                     "Sync, and send it again", s->id);
   if (check_room(fe, s, o, mesh, "Literal", meta_nbytes(&meta), e) ||
       check_runs_literals(fe, mesh, e))
     return -1;

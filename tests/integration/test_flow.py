@@ -515,3 +515,62 @@ def test_one_reduce_too_big_to_queue_alone_is_refused_saying_so(meshd_server):
         assert list(s.run(sync(), timeout=30).errors) == []
         np.testing.assert_array_equal(fetch(s, ok, host=1, gpu=0), 2 * ONES)
 
+
+
+def test_another_sessions_burst_does_not_refuse_a_literal(meshd_server):
+    """The server-wide bound (--max-queued) makes every session that submits wait, but
+    it must not refuse them: a Literal sent by Execute in session B, while session A's
+    slow Reduces hold the whole server over its bound, is accepted and answered once
+    there is room (it was refused QUOTA "the server has more queued ... send it again",
+    so one client's burst failed another client's plain meshd.tensor())."""
+    import struct
+    from test_transfers import fetch_floats, literal
+    srv = lib.wait_ready(meshd_server(1, "--max-queued", 4,
+                                      env={"MESHD_FAULT": "reduce:slow=800"}), 1)
+    with Session(srv.port, "burst", timeout=30) as a, Session(srv.port, "bystander",
+                                                                timeout=30) as b:
+        ma = a.mesh(gpu=1).ref
+        x = upload(a, ma, ONES)
+        a.run(sync())
+        cmds, _ = _reduces(a, x, 5, drop_every=1000)
+        p = Pipeline(a, cmds + [a.command(sync())], timeout=60)
+        # A's Sync checkpoints its 6 commands: the whole server is over its bound of 4
+        _until(lambda: len(p.results) >= len(cmds), 10, "A's Reduces were not answered")
+        time.sleep(0.2)
+        assert len(p.results) == len(cmds), "A's Sync returned before its Reduces ran"
+        mb = b.mesh(gpu=1).ref
+        y = b.new_ref()
+        res = b.run(literal(y, mb, struct.pack("<2f", 3, 4), (2,)), timeout=30)
+        assert res.tensors, res
+        assert fetch_floats(b, y) == [3.0, 4.0]
+        p.join(30)
+        assert not p.results[-1].HasField("error"), p.results[-1]
+
+
+def test_another_sessions_backlog_does_not_hold_a_sync(meshd_server):
+    """A Sync waits for its own session's work only (protocol.md, progress per
+    session): session B, whose work all ran, is answered at once while session A's
+    slow Reduces hold the whole server over --max-queued (B's Execute Sync was held
+    for room until A's backlog drained: 4 s here, forever behind a stalled session)."""
+    srv = lib.wait_ready(meshd_server(1, "--max-queued", 4,
+                                      env={"MESHD_FAULT": "reduce:slow=800"}), 1)
+    with Session(srv.port, "burst", timeout=30) as a, Session(srv.port, "bystander",
+                                                                timeout=30) as b:
+        ma = a.mesh(gpu=1).ref
+        x = upload(a, ma, ONES)
+        a.run(sync())
+        mb = b.mesh(gpu=1).ref
+        y = upload(b, mb, ONES)
+        b.run(sync())
+        cmds, _ = _reduces(a, x, 5, drop_every=1000)
+        p = Pipeline(a, cmds + [a.command(sync())], timeout=60)
+        # A's Sync checkpoints its 6 commands: the whole server is over its bound of 4
+        _until(lambda: len(p.results) >= len(cmds), 10, "A's Reduces were not answered")
+        t0 = time.monotonic()
+        assert list(b.run(sync(), timeout=30).errors) == []
+        took = time.monotonic() - t0
+        assert len(p.results) == len(cmds), "A's Sync returned before B's: no backlog to test"
+        assert took < 1.5, f"B's Sync waited {took:.1f} s for session A's work"
+        np.testing.assert_array_equal(fetch(b, y, gpu=0), ONES)
+        p.join(30)
+        assert not p.results[-1].HasField("error"), p.results[-1]
