@@ -135,6 +135,7 @@ static void cuda_close(backend_t *b) {
     cudaStreamSynchronize(st->own.s);
     cudaStreamSynchronize(st->release.s);
     cuda_blas_release(b, &st->own);
+    cuda_blas_close(b);
   }
   state_free(st); /* destroys own and release */
   b->impl = NULL;

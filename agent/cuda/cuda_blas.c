@@ -115,33 +115,33 @@ static int blas_error(const kernel_call_t *c, cublasStatus_t rc, const char *ste
  * the backend's own stream may be used by several. */
 static pthread_mutex_t handle_mu = PTHREAD_MUTEX_INITIALIZER;
 
+/* A handle no stream uses any more, kept for the next (bound to its stream
+ * and given its workspace then: cublasSetStream and cublasSetWorkspace do not
+ * synchronise); destroyed only past the pool's room. handle_mu held. */
+static void handle_put_locked(cuda_state_t *st, cublasHandle_t h) {
+  int room = (int)(sizeof st->blas_idle / sizeof st->blas_idle[0]);
+  if (st->blas_nidle < room) st->blas_idle[st->blas_nidle++] = (void *)h;
+  else blas.cublasDestroy(h);
+}
+
 static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_t *e) {
   backend_stream_t *bs = c->bs;
   cublasHandle_t h = NULL;
   void *ws = NULL;
   cublasStatus_t rc;
   int ret = 0;
+  bool broken = false; /* h failed its setup: destroyed, not kept */
   const char *why;
   *out = NULL;
   if (!cuda_blas_available(&why))
     return error_set(e, ERR_REMOTE_FAILURE, "%s: cuBLAS could not be loaded: %s", kernel_opname(c),
                      why);
+  cuda_state_t *st = cuda_state(c->b);
+  bool reserved = false;
   pthread_mutex_lock(&handle_mu);
   if (bs->blas) goto out;
-  if ((rc = blas.cublasCreate(&h)) != CUBLAS_STATUS_SUCCESS) {
-    ret = blas_error(c, rc, "handle creation", e);
-    goto out;
-  }
-  /* SetStream resets the workspace, so it comes first. */
-  if ((rc = blas.cublasSetStream(h, bs->s)) != CUBLAS_STATUS_SUCCESS ||
-      (rc = blas.cublasSetMathMode(h, CUBLAS_DEFAULT_MATH |
-                                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) !=
-          CUBLAS_STATUS_SUCCESS) {
-    ret = blas_error(c, rc, "handle setup", e);
-    goto out;
-  }
   /* The workspace is device memory the stream holds for good: counted
-   * against --memory-bytes like a tensor. */
+   * against --memory-bytes like a tensor, before anything is made. */
   if (!backend_reserve(c->b, BLAS_WS_BYTES)) {
     ret = error_set(e, ERR_QUOTA,
                     "%s: no room on this agent for cuBLAS's %d MiB workspace of this stream (it "
@@ -151,17 +151,33 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
                     (unsigned long long)c->b->capacity);
     goto out;
   }
+  reserved = true;
+  if (st->blas_nidle > 0) {
+    h = (cublasHandle_t)st->blas_idle[--st->blas_nidle]; /* an ended stream's */
+  } else if ((rc = blas.cublasCreate(&h)) != CUBLAS_STATUS_SUCCESS) {
+    h = NULL;
+    ret = blas_error(c, rc, "handle creation", e);
+    goto out;
+  }
+  /* SetStream resets the workspace, so it comes first. */
+  if ((rc = blas.cublasSetStream(h, bs->s)) != CUBLAS_STATUS_SUCCESS ||
+      (rc = blas.cublasSetMathMode(h, CUBLAS_DEFAULT_MATH |
+                                     CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) !=
+          CUBLAS_STATUS_SUCCESS) {
+    broken = true;
+    ret = blas_error(c, rc, "handle setup", e);
+    goto out;
+  }
   /* From the device's pool in the stream's order, given back the same way
    * (cuda_blas_release): cudaMalloc / cudaFree wait for every stream of the
    * device, every session's work. */
-  if ((ret = cuda_check(cuda_state(c->b),
-                        cudaMallocFromPoolAsync(&ws, BLAS_WS_BYTES, cuda_state(c->b)->pool, bs->s),
+  if ((ret = cuda_check(st, cudaMallocFromPoolAsync(&ws, BLAS_WS_BYTES, st->pool, bs->s),
                         kernel_opname(c), e)) != 0) {
-    backend_unreserve(c->b, BLAS_WS_BYTES);
     ws = NULL;
     goto out;
   }
   if ((rc = blas.cublasSetWorkspace(h, ws, BLAS_WS_BYTES)) != CUBLAS_STATUS_SUCCESS) {
+    broken = true;
     ret = blas_error(c, rc, "workspace setup", e);
     goto out;
   }
@@ -170,19 +186,23 @@ static int blas_handle(const kernel_call_t *c, cublasHandle_t *out, meshd_error_
   bs->blas_ws_bytes = BLAS_WS_BYTES;
   h = NULL;
   ws = NULL;
+  reserved = false; /* the stream's now */
 out:
-  if (h) blas.cublasDestroy(h);
-  if (ws) {
-    cudaFreeAsync(ws, bs->s);
-    backend_unreserve(c->b, BLAS_WS_BYTES);
-  }
+  if (h && broken) blas.cublasDestroy(h);
+  else if (h) handle_put_locked(st, h); /* (no memory for the workspace: kept for later) */
+  if (ws) cudaFreeAsync(ws, bs->s);
+  if (reserved) backend_unreserve(c->b, BLAS_WS_BYTES);
   *out = (cublasHandle_t)bs->blas;
   pthread_mutex_unlock(&handle_mu);
   return ret;
 }
 
 void cuda_blas_release(backend_t *b, backend_stream_t *bs) {
-  if (bs->blas) blas.cublasDestroy((cublasHandle_t)bs->blas);
+  if (bs->blas) {
+    pthread_mutex_lock(&handle_mu);
+    handle_put_locked(cuda_state(b), (cublasHandle_t)bs->blas);
+    pthread_mutex_unlock(&handle_mu);
+  }
   if (bs->blas_ws) {
     cudaFreeAsync(bs->blas_ws, bs->s); /* after the stream's last use: no device-wide wait */
     backend_unreserve(b, bs->blas_ws_bytes);
@@ -190,6 +210,13 @@ void cuda_blas_release(backend_t *b, backend_stream_t *bs) {
   bs->blas = NULL;
   bs->blas_ws = NULL;
   bs->blas_ws_bytes = 0;
+}
+
+void cuda_blas_close(backend_t *b) {
+  cuda_state_t *st = cuda_state(b);
+  pthread_mutex_lock(&handle_mu);
+  while (st->blas_nidle > 0) blas.cublasDestroy((cublasHandle_t)st->blas_idle[--st->blas_nidle]);
+  pthread_mutex_unlock(&handle_mu);
 }
 
 /* ---- geometry ---- */

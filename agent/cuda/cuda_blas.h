@@ -21,12 +21,17 @@ int cuda_matmul_functor(const kernel_call_t *c, meshd_error_t *e);
  * where it looks). If not, *why (when why is not NULL) is the loader's reason. */
 bool cuda_blas_available(const char **why);
 
-/* Destroys the cuBLAS handle and workspace the first matmul on bs made
- * (bs->blas, bs->blas_ws), giving the workspace's bytes back to b's count
- * (the first matmul reserved them: --memory-bytes); nothing when there are
- * none. The backend calls it from stream_destroy (and for its own stream at
- * close), after syncing bs. */
+/* Gives back the cuBLAS handle and workspace the first matmul on bs made
+ * (bs->blas, bs->blas_ws): the workspace is freed in bs's order and its bytes
+ * go back to b's count (the first matmul reserved them: --memory-bytes); the
+ * handle is kept for another stream's first matmul (cublasDestroy would
+ * synchronise the whole device). Nothing when there are none. The backend
+ * calls it from stream_destroy (and for its own stream at close), after
+ * syncing bs. */
 void cuda_blas_release(backend_t *b, backend_stream_t *bs);
+
+/* Destroys the handles kept by cuda_blas_release (at the backend's close). */
+void cuda_blas_close(backend_t *b);
 
 #ifdef __cplusplus
 }

@@ -57,6 +57,11 @@ typedef struct cuda_state {
   backend_stream_t *streams; /* live streams (not `own`) */
   uint64_t rand_offset;      /* running offset of unseeded draws (philox.h); under mu */
   cuda_comms_t *comms;
+  /* cuBLAS handles of ended streams, kept for the next streams' first matmul:
+   * cublasDestroy synchronises the whole device (every session's work), so a
+   * stream's end gives its handle here instead (cuda_blas.c; under its lock). */
+  void *blas_idle[16];
+  int blas_nidle;
   int comm_timeout_ms;       /* a collective or communicator that takes longer is aborted */
   bool lost;                 /* a sticky CUDA error was seen: the device is unusable */
   char lost_why[200];

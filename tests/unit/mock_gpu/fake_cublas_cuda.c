@@ -151,6 +151,7 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t hh) {
   REQUIRE(hh);
   free(hh);
   fake.handles_live--;
+  fake.device_syncs++; /* as cuBLAS's: it implicitly calls cudaDeviceSynchronize */
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -22,7 +22,7 @@ typedef struct {
   int handles_live, creates;     /* cublasCreate / Destroy */
   int scratch_live, scratch_allocs;
   int workspaces_live;           /* cudaMalloc'd and not freed */
-  int device_syncs;              /* cudaMalloc / cudaFree: each synchronises the whole device */
+  int device_syncs;              /* cudaMalloc / cudaFree / cublasDestroy: each synchronises the whole device */
   cudaStream_t last_free_stream; /* of the last cudaFreeAsync */
   int gemms;                     /* cublasGemmStridedBatchedEx calls */
   int functor_calls;             /* cuda_matmul_functor */

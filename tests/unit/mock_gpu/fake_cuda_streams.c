@@ -581,6 +581,8 @@ void cuda_blas_release(backend_t *b, backend_stream_t *bs) {
   REQUIRE(!bs->blas && !bs->blas_ws);
 }
 
+void cuda_blas_close(backend_t *b) { REQUIRE(cuda_state(b)->blas_nidle == 0); }
+
 struct cuda_comms {
   int unused;
 };

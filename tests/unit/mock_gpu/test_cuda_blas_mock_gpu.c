@@ -13,7 +13,7 @@
 
 static backend_t B;
 static cuda_state_t ST;
-static int stream_tokens[2]; /* what the fake streams point at */
+static int stream_tokens[3]; /* what the fake streams point at */
 
 static void open_backend(void) {
   memset(&ST, 0, sizeof ST);
@@ -21,7 +21,10 @@ static void open_backend(void) {
   B = (backend_t){.impl = &ST};
 }
 
-static void close_backend(void) { cuda_blas_release(&B, &ST.own); }
+static void close_backend(void) {
+  cuda_blas_release(&B, &ST.own);
+  cuda_blas_close(&B);
+}
 
 TestSuite(cuda_blas_mock_gpu, .init = open_backend, .fini = close_backend, .timeout = 30);
 
@@ -342,9 +345,13 @@ Test(cuda_blas_mock_gpu, one_handle_per_stream_with_workspace_and_no_reduced_pre
   cuda_blas_release(&B, &ST.own);
   cuda_blas_release(&B, &ST.own); /* nothing left: no double free */
   cr_expect_eq(B.allocated, 0, "the workspaces' bytes were not given back");
-  cr_expect_eq(fake.handles_live, 0);
+  cr_expect_eq(fake.handles_live, 2, "kept for later streams");
+  cr_expect_eq(ST.blas_nidle, 2);
   cr_expect_eq(fake.workspaces_live, 0);
   cr_expect(!ST.own.blas && !ST.own.blas_ws && ST.own.blas_ws_bytes == 0);
+  cuda_blas_close(&B);
+  cr_expect_eq(fake.handles_live, 0, "the backend's close destroys the kept handles");
+  cr_expect_eq(ST.blas_nidle, 0);
   tens_free(&x);
   tens_free(&y);
   cr_expect_eq(fake_dev_live(), 0);
@@ -353,7 +360,9 @@ Test(cuda_blas_mock_gpu, one_handle_per_stream_with_workspace_and_no_reduced_pre
 /* A stream's workspace is made and given back in the stream's own order: a
  * cudaMalloc / cudaFree (which wait for every stream of the device: every
  * session's work) at each stream's first matmul and at each stream's end
- * stalled the whole agent for the longest kernel in flight. */
+ * stalled the whole agent for the longest kernel in flight. So did the
+ * handle's cublasDestroy at each stream's end: the handle is kept for the
+ * next stream, which binds it to itself. */
 Test(cuda_blas_mock_gpu, a_stream_workspace_comes_and_goes_without_synchronising_the_device) {
   tens_t x, y, out;
   meshd_error_t e = {0};
@@ -364,8 +373,17 @@ Test(cuda_blas_mock_gpu, a_stream_workspace_comes_and_goes_without_synchronising
   cr_expect_eq(fake.workspaces_live, 1);
   cuda_blas_release(&B, &other); /* the stream's end (cuda_stream_destroy) */
   cr_expect_eq(fake.workspaces_live, 0);
-  cr_expect_eq(fake.device_syncs, 0, "%d device-wide synchronisations for one stream's workspace",
-               fake.device_syncs);
+  cr_expect_eq(fake.device_syncs, 0, "%d device-wide synchronisations for one stream's workspace "
+               "and handle", fake.device_syncs);
+  backend_stream_t next = {.s = (cudaStream_t)(void *)&stream_tokens[2]};
+  cr_assert_eq(multiply_on(&next, "mm", &x, &y, &out, NULL, &e), 0, "%s", e.msg);
+  cr_expect_eq(wrong_elements(&x.t, &y.t, &out.t), 0);
+  tens_free(&out);
+  cr_expect_eq(fake.creates, 1, "the next stream made a handle instead of taking the kept one");
+  cr_expect_eq(fake.last_stream, next.s, "the kept handle is bound to the stream that takes it");
+  cr_expect_eq(fake.last_ws_bytes, (size_t)32 << 20, "and given that stream's workspace");
+  cuda_blas_release(&B, &next);
+  cr_expect_eq(fake.device_syncs, 0, "%d device-wide synchronisations", fake.device_syncs);
   cr_expect_eq(B.allocated, 0);
   tens_free(&x);
   tens_free(&y);
@@ -470,7 +488,8 @@ Test(cuda_blas_mock_gpu, handle_setup_failures_leave_nothing_and_are_retried) {
   fake_malloc_fails = 1;
   cr_assert_eq(multiply("mm", &x, &y, &out, NULL, &e), -1);
   cr_expect_eq(e.kind, ERR_QUOTA, "no memory for the workspace: %s", e.msg);
-  cr_expect_eq(fake.handles_live, 0, "the half-made handle is destroyed");
+  cr_expect_eq(fake.handles_live, 1, "the handle is kept for the next try, not leaked");
+  cr_expect_eq(ST.blas_nidle, 1);
   cr_expect(!ST.own.blas && !ST.own.blas_ws);
   tens_free(&out);
 
@@ -478,6 +497,8 @@ Test(cuda_blas_mock_gpu, handle_setup_failures_leave_nothing_and_are_retried) {
   cr_assert_eq(multiply("mm", &x, &y, &out, NULL, &e), 0, "%s", e.msg);
   cr_expect_eq(wrong_elements(&x.t, &y.t, &out.t), 0);
   cr_expect_eq(fake.handles_live, 1);
+  cr_expect_eq(fake.creates, 1, "the kept handle was taken");
+  cr_expect_eq(ST.blas_nidle, 0);
   tens_free(&out);
   tens_free(&x);
   tens_free(&y);
