@@ -272,9 +272,11 @@ static int check_lost_locked(dataplane_t *dp, const call_t *cl, meshd_error_t *e
                      cl->what, (unsigned long long)cl->comm_id);
   uint64_t gen = atomic_load(&dp->gen);
   if (!cl || !cl->g || gen == cl->gen) return 0;
-  uint64_t from = gen - cl->gen > DP_DEAD_MAX ? gen - DP_DEAD_MAX : cl->gen;
-  for (uint64_t k = from; k < gen; k++) {
-    const dead_peer_t *d = &dp->dead[k % DP_DEAD_MAX];
+  /* Every peer declared since the call began (one entry per address: a
+   * loss declared again, once per session, does not push another out). */
+  for (size_t k = 0; k < DP_DEAD_MAX; k++) {
+    const dead_peer_t *d = &dp->dead[k];
+    if (d->gen <= cl->gen) continue;
     for (size_t i = 0; i < cl->g->n; i++) {
       if (i == cl->g->me && cl->g->n > 1) continue;
       if (!cl->g->addrs[i] || strcmp(cl->g->addrs[i], d->addr) != 0) continue;
@@ -297,7 +299,16 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
   if (!dp || !addr || !*addr) return;
   pthread_mutex_lock(&dp->mu);
   uint64_t gen = atomic_load(&dp->gen);
-  dead_peer_t *d = &dp->dead[gen % DP_DEAD_MAX];
+  /* Its entry if it was declared before (PeerLost comes once per session
+   * with work on it), else the oldest one's. */
+  dead_peer_t *d = &dp->dead[0];
+  for (size_t k = 0; k < DP_DEAD_MAX; k++) {
+    if (dp->dead[k].gen && strcmp(dp->dead[k].addr, addr) == 0) {
+      d = &dp->dead[k];
+      break;
+    }
+    if (dp->dead[k].gen < d->gen) d = &dp->dead[k];
+  }
   d->gen = gen + 1;
   d->rank = rank;
   snprintf(d->addr, sizeof d->addr, "%s", addr);
@@ -339,9 +350,8 @@ bool dp__abort_pending(dataplane_t *dp, const call_t *cl, char *why, size_t len)
 bool dp__declared_lost(dataplane_t *dp, const char *addr) {
   bool lost = false;
   pthread_mutex_lock(&dp->mu);
-  uint64_t gen = atomic_load(&dp->gen);
-  for (uint64_t k = gen > DP_DEAD_MAX ? gen - DP_DEAD_MAX : 0; k < gen && !lost; k++)
-    lost = strcmp(dp->dead[k % DP_DEAD_MAX].addr, addr) == 0;
+  for (size_t k = 0; k < DP_DEAD_MAX && !lost; k++)
+    lost = dp->dead[k].gen && strcmp(dp->dead[k].addr, addr) == 0;
   pthread_mutex_unlock(&dp->mu);
   return lost;
 }

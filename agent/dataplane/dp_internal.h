@@ -91,8 +91,8 @@ typedef struct conn {
   char addr[DP_ADDR_MAX];
 } conn_t;
 
-/* A peer the server declared lost (dataplane_peer_lost); the n-th one
- * declared has gen n. */
+/* A peer the server declared lost (dataplane_peer_lost): gen is the
+ * generation its latest declaration made (0: an unused entry). */
 typedef struct dead_peer {
   uint64_t gen;
   uint32_t rank;
@@ -139,8 +139,9 @@ struct dataplane {
    * would page-fault (and zero) every page again. One per concurrent call. */
   struct scratch *spare;
   int nspare;
-  /* Peers declared lost, the last DP_DEAD_MAX of them (mu); gen counts them
-   * all (atomic: calls compare it with the one they started at, lock-free). */
+  /* Peers declared lost, the last DP_DEAD_MAX addresses (mu), one entry
+   * each; gen counts the declarations (atomic: calls compare it with the one
+   * they started at, lock-free). */
   dead_peer_t dead[DP_DEAD_MAX];
   _Atomic uint64_t gen;
   /* The groups of the calls in progress, against which the listener checks
