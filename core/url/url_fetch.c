@@ -276,6 +276,11 @@ static bool body_start(xfer_t *x) {
     x->total = total;
     return true;
   }
+  /* Another 2xx: not the bytes asked, and nothing below would stop its body. */
+  if (x->status != 200) {
+    fail(x, ERR_UNAVAILABLE, "unexpected HTTP %ld", x->status);
+    return false;
+  }
   /* 200: the whole body; ours starts at offset. */
   if (x->offset + x->length > x->max_bytes) {
     fail(x, ERR_BAD_ARGUMENT,

@@ -219,6 +219,29 @@ Test(url_fetch, server_ignoring_range) {
   HAS(e, "got 20 of the 50 bytes asked");
 }
 
+/* A Range request answered with a 2xx other than 200 or 206 and a body that
+ * never ends: refused at its first bytes, not read until a timeout (or, with
+ * none, for ever) after the slice is full. A 200's rest is dropped unread. */
+Test(url_fetch, an_endless_body_under_another_2xx_is_refused_at_once) {
+  uint8_t buf[1000];
+  meshd_error_t e;
+  url_fetch_info_t info;
+  url_fetch_opts_t o = quick;
+  o.timeout_ms = 4000; /* bounds the test on code that reads on */
+  double t0 = now();
+  cr_assert_eq(url_fetch_range(url("/endless/200"), 100, sizeof buf, buf, &o, &info, &e), 0,
+               "%s", e.msg);
+  for (int i = 0; i < (int)sizeof buf; i++) cr_assert_eq(buf[i], pattern(100 + (uint64_t)i));
+  cr_assert_lt(now() - t0, 2.0);
+  t0 = now();
+  int rc = url_fetch_range(url("/endless/203"), 100, sizeof buf, buf, &o, &info, &e);
+  double took = now() - t0;
+  cr_assert_eq(rc, -1);
+  cr_assert_lt(took, 2.0, "took %.1f s: %s", took, e.msg);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE, "%s", e.msg);
+  HAS(e, "unexpected HTTP 203");
+}
+
 Test(url_fetch, timeouts) {
   uint8_t buf[10];
   meshd_error_t e;
