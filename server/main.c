@@ -734,6 +734,14 @@ int main(int argc, char **argv) {
       break;
     usleep(20000);
   }
+  /* What is still running is told why it ends before the agents stop (their
+   * links breaking under a waiting Sync or Fetch read as a lost agent). */
+  char why[160];
+  snprintf(why, sizeof why, "the server is shutting down: this call was still running when its "
+           "--drain-seconds (%.1f s) passed; call again once it is back", opt.drain_seconds);
+  int ended = rpc_server_end_calls(srv, "/meshd.v1.AgentRegistry/RegisterAgent",
+                                   GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE", why);
+  if (ended > 0) log_info("server", "%d call(s) still running after the drain: ended", ended);
   agent_links_server_stopping();
   supervisor_stop(sup, 3.0);
   registry_close_all(registry);

@@ -225,6 +225,11 @@ int rpc_server_port(const rpc_server_t *srv);
 size_t rpc_server_paths(const rpc_server_t *srv, const char **paths, size_t cap);
 /* Calls started and not yet ended (all methods). */
 int rpc_server_active_calls(rpc_server_t *srv);
+/* Ends every call started and not yet ended, except those of except_path
+ * (NULL: none), as rpc_call_abort(code, kind, msg) would: what was queued for
+ * them goes, their on_end runs as usual. How many. */
+int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status_code code,
+                         const char *kind, const char *msg);
 /* Stops accepting new calls; calls already running go on. Idempotent. */
 void rpc_server_stop_accepting(rpc_server_t *srv);
 /* Waits up to grace_seconds for running calls to end, then cancels the rest,

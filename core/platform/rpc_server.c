@@ -64,7 +64,7 @@ struct rpc_call {
    * started by a write's completion, against the read chain's on_start /
    * on_raw / on_refused / on_message), never with mu held. */
   pthread_mutex_t cb_mu;
-  int refs;
+  _Atomic int refs; /* changed under mu, but for rpc_server_end_calls's (under srv->mu) */
   int in_callback;
   wire_arena_t *msg_arena; /* the message on_message is given lives here */
   bool keep_msg;           /* on_message took it (rpc_call_keep_message) */
@@ -93,6 +93,8 @@ struct rpc_call {
   /* Under srv->mu: one of srv's open requests (a caller not authenticated,
    * its request incomplete), and its place in that list, oldest first. */
   bool in_open;
+  /* srv's live list (under srv->mu): accepted and not ended. */
+  struct rpc_call *live_prev, *live_next;
   struct rpc_call *open_prev, *open_next;
   /* rpc_call_when_drained: cb runs once out_len <= drain_below, or at the end. */
   void (*drain_cb)(rpc_call_t *call, void *arg);
@@ -131,6 +133,7 @@ struct rpc_server {
    * mu): gRPC holds up to a message each; past max_open the oldest goes. */
   int max_open, nopen;
   rpc_call_t *open_head, *open_tail;
+  rpc_call_t *live_head; /* accepted calls not ended yet (under mu) */
 };
 
 static void post_request(rpc_server_t *srv, method_slot_t *slot);
@@ -577,6 +580,10 @@ static void maybe_end_locked(rpc_call_t *c) {
   c->refs--; /* the alive reference */
   pthread_mutex_lock(&c->srv->mu);
   c->srv->active--;
+  if (c->live_prev) c->live_prev->live_next = c->live_next;
+  else c->srv->live_head = c->live_next;
+  if (c->live_next) c->live_next->live_prev = c->live_prev;
+  c->live_prev = c->live_next = NULL;
   pthread_mutex_unlock(&c->srv->mu);
 }
 
@@ -711,6 +718,10 @@ static void on_new(rpc_call_t *c, bool ok) {
   const rpc_method_t *m = c->slot->m;
   pthread_mutex_lock(&srv->mu);
   srv->active++;
+  c->live_prev = NULL;
+  c->live_next = srv->live_head;
+  if (srv->live_head) srv->live_head->live_prev = c;
+  srv->live_head = c;
   pthread_mutex_unlock(&srv->mu);
 
   pthread_mutex_lock(&c->mu);
@@ -1249,6 +1260,30 @@ static void wait_tags(rpc_server_t *srv) {
                srv->listen, srv->tags_out);
   }
   pthread_mutex_unlock(&srv->mu);
+}
+
+int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status_code code,
+                         const char *kind, const char *msg) {
+  pthread_mutex_lock(&srv->mu);
+  int n = 0;
+  for (rpc_call_t *c = srv->live_head; c; c = c->live_next) n++;
+  rpc_call_t **calls = n ? malloc(sizeof *calls * (size_t)n) : NULL;
+  int k = 0;
+  /* A listed call has a reference besides its alive one until it leaves the
+   * list (maybe_end_locked's caller's): one more keeps it past the lock
+   * (atomic, as c->mu comes before srv->mu). */
+  for (rpc_call_t *c = srv->live_head; calls && c; c = c->live_next) {
+    if (except_path && strcmp(c->slot->m->path, except_path) == 0) continue;
+    c->refs++;
+    calls[k++] = c;
+  }
+  pthread_mutex_unlock(&srv->mu);
+  for (int i = 0; i < k; i++) {
+    rpc_call_abort(calls[i], code, kind, "%s", msg);
+    rpc_call_unref(calls[i]);
+  }
+  free(calls);
+  return k;
 }
 
 void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {
