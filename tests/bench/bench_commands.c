@@ -89,6 +89,16 @@ static void usage(void) {
   exit(2);
 }
 
+/* Context switches of every thread of the agents (bench_server's proc_ctx_switches). */
+static int64_t agents_ctx_switches(const pid_t *pids, int n) {
+  int64_t sum = 0;
+  for (int i = 0; i < n; i++) {
+    int64_t v = proc_ctx_switches(pids[i]);
+    if (v > 0) sum += v;
+  }
+  return sum;
+}
+
 /* ------------------------------------------------------------------ JSON */
 
 /* bench_json_num keeps one decimal; ratios and small costs need more. */
@@ -547,7 +557,7 @@ typedef struct {
   double server_cpu_us, agents_cpu_us, echo_cpu_us;
   /* Context switches per call of the server's and the echo server's threads:
    * the handoffs between threads that a unary call costs. */
-  double server_ctxsw, echo_ctxsw;
+  double server_ctxsw, echo_ctxsw, agents_ctxsw;
 } unary_t;
 
 static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double seconds, unary_t *u) {
@@ -560,10 +570,10 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
   ec.v = malloc(ec.cap * sizeof *ec.v);
   int rc = ex.v && ec.v ? 0 : -1;
   int64_t slice = (int64_t)(seconds * 1e9 / UNARY_ROUNDS);
-  int64_t srv_cpu = 0, ag_cpu = 0, echo_cpu = 0, srv_sw = 0, echo_sw = 0;
+  int64_t srv_cpu = 0, ag_cpu = 0, echo_cpu = 0, srv_sw = 0, echo_sw = 0, ag_sw = 0;
   for (int round = 0; round <= UNARY_ROUNDS && rc == 0; round++) {
     int64_t srv0 = proc_cpu_us(u->server), ag0 = agents_cpu_us(u->agents, u->nagents);
-    int64_t sw0 = proc_ctx_switches(u->server);
+    int64_t sw0 = proc_ctx_switches(u->server), agsw0 = agents_ctx_switches(u->agents, u->nagents);
     int64_t end = bench_now_ns() + slice;
     for (int64_t now = bench_now_ns(); now < end && ex.n < ex.cap; now = bench_now_ns()) {
       cmd->seq = (*seq)++;
@@ -588,6 +598,7 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
       srv_cpu += proc_cpu_us(u->server) - srv0;
       ag_cpu += agents_cpu_us(u->agents, u->nagents) - ag0;
       srv_sw += proc_ctx_switches(u->server) - sw0;
+      ag_sw += agents_ctx_switches(u->agents, u->nagents) - agsw0;
     }
     int64_t echo0 = u->echo ? proc_cpu_us(u->echo_pid) : 0;
     int64_t esw0 = u->echo ? proc_ctx_switches(u->echo_pid) : 0;
@@ -605,6 +616,7 @@ static int unary_latency(client_t *c, uint64_t *seq, uint64_t *ref, double secon
     }
   }
   u->server_ctxsw = ex.n ? (double)srv_sw / (double)ex.n : NAN;
+  u->agents_ctxsw = ex.n ? (double)ag_sw / (double)ex.n : NAN;
   u->echo_ctxsw = ec.n ? (double)echo_sw / (double)ec.n : NAN;
   u->server_cpu_us = ex.n ? (double)srv_cpu / (double)ex.n : NAN;
   u->agents_cpu_us = ex.n ? (double)ag_cpu / (double)ex.n : NAN;
@@ -704,6 +716,7 @@ static int commands_case(int nagents, const opts_t *o, double baseline_bidi,
   json_numf(&j, "baseline_unary_server_cpu_us_per_call", u.echo_cpu_us, 2);
   json_numf(&j, "unary_server_ctx_switches_per_call", u.server_ctxsw, 2);
   json_numf(&j, "baseline_unary_ctx_switches_per_call", u.echo_ctxsw, 2);
+  json_numf(&j, "unary_agents_ctx_switches_per_call", u.agents_ctxsw, 2);
   json_numf(&j, "server_cpu_us_per_command", (double)(r.srv_cpu1 - r.srv_cpu0) / cmds, 2);
   json_numf(&j, "server_cpu_us_per_command_to_sync",
             r.srv_cpu_sync > 0 ? (double)(r.srv_cpu_sync - r.srv_cpu0) / cmds_to_end : NAN, 2);
@@ -772,7 +785,7 @@ static int c_client_case(int nagents, const opts_t *o, double baseline_bidi, dou
   meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = input}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
   meshd_pipeline_stats_t st0 = {0}, st1 = {0}, st_end = {0};
   int64_t t0 = 0, t1 = 0, sync_ns = 0;
-  int64_t srv0 = 0, srv1 = 0, ag0 = 0, ag1 = 0, self0 = 0, self1 = 0;
+  int64_t srv0 = 0, srv1 = 0, ag0 = 0, ag1 = 0, self0 = 0, self1 = 0, agsw0 = 0, agsw1 = 0;
   uint64_t calls = 0;
   int64_t warm_end = bench_now_ns() + (int64_t)(o->warmup * 1e9);
   while (rc == 0) {
@@ -796,12 +809,14 @@ static int c_client_case(int nagents, const opts_t *o, double baseline_bidi, dou
       t0 = now;
       srv0 = proc_cpu_us(srv.pid);
       ag0 = agents_cpu_us(srv.agents, srv.nagents);
+      agsw0 = agents_ctx_switches(srv.agents, srv.nagents);
       self0 = self_cpu_us();
     } else if (t0 && now >= t0 + (int64_t)(o->seconds * 1e9)) {
       meshd_session_pipeline_stats(s, &st1);
       t1 = bench_now_ns();
       srv1 = proc_cpu_us(srv.pid);
       ag1 = agents_cpu_us(srv.agents, srv.nagents);
+      agsw1 = agents_ctx_switches(srv.agents, srv.nagents);
       self1 = self_cpu_us();
       break;
     }
@@ -842,6 +857,7 @@ static int c_client_case(int nagents, const opts_t *o, double baseline_bidi, dou
   json_numf(&j, "commands_per_reply", cmds / (double)(st1.replies - st0.replies), 1);
   json_numf(&j, "server_cpu_us_per_command", (double)(srv1 - srv0) / cmds, 2);
   json_numf(&j, "agents_cpu_us_per_command", (double)(ag1 - ag0) / cmds, 2);
+  json_numf(&j, "agents_ctx_switches_per_command", (double)(agsw1 - agsw0) / cmds, 3);
   json_numf(&j, "client_cpu_us_per_command", (double)(self1 - self0) / cmds, 2);
   json_numf(&j, "sync_wait_ms", (double)sync_ns / 1e6, 1);
   bench_json_num(&j, "max_batch", (double)po.max_batch);
