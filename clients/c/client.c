@@ -107,9 +107,35 @@ const meshd_error_info_t *meshd_last_error(const meshd_client_t *client) {
   return client ? &client->last : &null_client;
 }
 
-void meshd_global_init(void) { rpc_init(); }
+/* fork(): gRPC does not follow it. A child forked while the library's
+ * transport was up (a client open, or meshd_global_init held) inherits it half
+ * there: its calls wait, past every deadline, for pollers that stayed in the
+ * parent. Such a child is refused a client (meshd_connect_with) at once. */
+static atomic_int transport_holds;
+static atomic_bool forked_live;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-void meshd_global_shutdown(void) { rpc_shutdown(); }
+static void atfork_child(void) {
+  if (atomic_load(&transport_holds) > 0)
+    atomic_store(&forked_live, true);
+}
+
+static void atfork_register(void) { pthread_atfork(NULL, NULL, atfork_child); }
+
+static void transport_hold(void) {
+  pthread_once(&atfork_once, atfork_register);
+  atomic_fetch_add(&transport_holds, 1);
+  rpc_init();
+}
+
+static void transport_release(void) {
+  rpc_shutdown();
+  atomic_fetch_sub(&transport_holds, 1);
+}
+
+void meshd_global_init(void) { transport_hold(); }
+
+void meshd_global_shutdown(void) { transport_release(); }
 
 meshd_client_t *meshd_connect(const char *target, int timeout_ms, meshd_err_t *err) {
   meshd_connect_options_t o = MESHD_CONNECT_OPTIONS_INIT;
@@ -191,10 +217,18 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
     ret = MESHD_E_INVALID;
     goto out;
   }
-  rpc_init(); /* counted; balanced in meshd_close or below */
+  if (atomic_load(&forked_live)) {
+    errbuf_set(errbuf, errlen,
+               "this process is a child of fork() made while its parent had a meshd client open "
+               "(or meshd_global_init held): gRPC does not follow fork, and a client here would "
+               "hang; fork before the first connect or after the last meshd_close, or exec");
+    ret = MESHD_E_CONNECT;
+    goto out;
+  }
+  transport_hold(); /* counted; balanced in meshd_close or below */
   c = calloc(1, sizeof *c);
   if (!c) {
-    rpc_shutdown();
+    transport_release();
     goto nomem;
   }
   c->timeout_ms = o->timeout_ms;
@@ -273,7 +307,7 @@ void meshd_close(meshd_client_t *client) {
     free(client->bearer);
   }
   free(client);
-  rpc_shutdown();
+  transport_release();
 }
 
 /* A failed call's status on the client: a passed deadline is MESHD_E_DEADLINE. */
@@ -1797,8 +1831,12 @@ meshd_err_t meshd_session_set_data_path(meshd_session_t *s, meshd_data_path_t pa
 }
 
 meshd_err_t meshd_session_transfer_stats(const meshd_session_t *s, meshd_transfer_stats_t *out) {
-  if (!s || !out)
+  if (!s)
     return MESHD_E_INVALID;
+  if (!out) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_transfer_stats: out is NULL");
+    return MESHD_E_INVALID;
+  }
   direct_stats(s->direct, out);
   return MESHD_E_OK;
 }
@@ -2571,8 +2609,12 @@ meshd_err_t meshd_session_set_pipeline(meshd_session_t *s, const meshd_pipeline_
 }
 
 meshd_err_t meshd_session_pipeline_stats(const meshd_session_t *s, meshd_pipeline_stats_t *out) {
-  if (!s || !out)
+  if (!s)
     return MESHD_E_INVALID;
+  if (!out) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_pipeline_stats: out is NULL");
+    return MESHD_E_INVALID;
+  }
   memset(out, 0, sizeof *out);
   if (s->pipe)
     pipeline_stats(s->pipe, out);

@@ -119,7 +119,11 @@ typedef struct meshd_connect_options {
  * that would go in plaintext to a target that is not loopback (localhost,
  * 127.0.0.0/8, ::1, unix:) without `insecure`; MESHD_E_CONNECT if no
  * connection was ready in time (with TLS also: the handshake failed, e.g. the
- * server's certificate is not signed by tls_ca_file); MESHD_E_NOMEM. A server
+ * server's certificate is not signed by tls_ca_file), and at once in a child
+ * of fork() made while the parent held the transport (a client open, or
+ * meshd_global_init): gRPC does not follow fork, so such a child execs, or the
+ * parent forks before its first connect or after its last meshd_close;
+ * MESHD_E_NOMEM. A server
  * that refuses the token is seen on the first call: MESHD_E_RPC with kind
  * "UNAUTHENTICATED" (another principal's session: "PERMISSION_DENIED"). */
 MESHD_API meshd_client_t *meshd_connect_with(const char *target,
