@@ -331,6 +331,11 @@ static void *writer_main(void *arg) {
     last->next = NULL;
     l->queued -= n;
     l->queued_bytes -= bytes;
+    /* Counted as they go (not once the write completed: its completion can
+     * come after the agent ran them and a Sync was answered, and a scrape
+     * after that Sync must see them). */
+    l->batches_sent++;
+    l->instructions_sent += n;
     pthread_mutex_unlock(&l->mu);
 
     raw_batch_t batch = {PROTOBUF_C_MESSAGE_INIT(&raw_batch_descriptor), n, items};
@@ -339,8 +344,6 @@ static void *writer_main(void *arg) {
 
     pthread_mutex_lock(&l->mu);
     if (rc != 0) break; /* the call is over; its status says why */
-    l->batches_sent++;
-    l->instructions_sent += n;
   }
   pthread_mutex_unlock(&l->mu);
   if (!items) {

@@ -653,6 +653,18 @@ static pending_sync_t *start_sync(command_service_t *cs, session_t *s, objects_t
   return p;
 }
 
+/* What a stream's Sync held, given back once its wait was withdrawn
+ * (watermark_cancel) and it left the stream's list: it is never answered. */
+static void sync_withdrawn(submit_state_t *st, pending_sync_t *p) {
+  pthread_mutex_lock(&st->mu);
+  st->pending--;
+  pthread_mutex_unlock(&st->mu);
+  submit_unref(st); /* the Sync's */
+  rpc_call_unref(p->call);
+  session_release(p->session);
+  free(p);
+}
+
 static void wait_sync(command_service_t *cs, pending_sync_t *p) {
   watermark_target_t *targets = p->targets;
   p->targets = NULL;
@@ -676,9 +688,21 @@ static void wait_sync(command_service_t *cs, pending_sync_t *p) {
     submit_state_t *st = rpc_call_data(call);
     if (!st) return;
     pthread_mutex_lock(&st->mu);
+    bool listed = false;
     for (pending_sync_t *q = st->waits; q; q = q->next)
-      if (q == p) p->wait_id = id;
+      if (q == p) {
+        p->wait_id = id;
+        listed = true;
+      }
+    /* A batch's rest runs on a job, not in a callback of the call: the
+     * stream's on_end may have run meanwhile and passed over this wait, which
+     * had no id yet. Withdrawn here then, as on_end would have (behind a hung
+     * instruction it would hold the session for good). */
+    bool withdraw = listed && rpc_call_ended(call) &&
+                    watermark_cancel(agent_pool_watermark(cs->fe.pool), id);
+    if (withdraw) unlink_sync_locked(st, p);
     pthread_mutex_unlock(&st->mu);
+    if (withdraw) sync_withdrawn(st, p);
     return;
   }
   exec_state_t *x = rpc_call_data(call);
@@ -1187,13 +1211,7 @@ static void on_submit_end(rpc_call_t *call, bool cancelled, void *arg) {
   while (gone) {
     pending_sync_t *p = gone;
     gone = p->next;
-    pthread_mutex_lock(&st->mu);
-    st->pending--;
-    pthread_mutex_unlock(&st->mu);
-    submit_unref(st); /* the Sync's */
-    rpc_call_unref(p->call);
-    session_release(p->session);
-    free(p);
+    sync_withdrawn(st, p);
   }
   session_release(st->session);
   submit_unref(st); /* pending Syncs keep it until they are answered */
