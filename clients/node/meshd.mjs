@@ -672,6 +672,7 @@ export class Session {
         this.#roomy(pipe);
         return;
       }
+      if (this.closed) throw Session.#noSession('setPipeline'); // close() gave up waiting for this turn
       this.#pipe = null; // a failed stream: every command on it has its error
       await this.#drain(deadline, limitMs, 'setPipeline'); // the old streams' refs before the new one's
       this.#pipe = this.#open(maxBatch);
@@ -1214,6 +1215,8 @@ export class Session {
   // (test/client.test.mjs measures it).
   #proxyUpload(header, bytes, deadline) {
     return new Promise((resolve, reject) => {
+      // the channel is closed (close() gave up waiting for this call's turn): grpc-js would throw its own plain Error
+      if (this.closed) { reject(Session.#noSession('Upload')); return; }
       const call = this.client.Upload(this.#md, { deadline }, (err, reply) => {
         if (err) {
           const e = MeshdError.fromRpc(err);
@@ -1342,6 +1345,7 @@ export class Session {
   // they must be exactly what its shape and dtype need (else INTERNAL).
   #proxyFetch(request, deadline, fixed = () => {}) {
     return new Promise((resolve, reject) => {
+      if (this.closed) { reject(Session.#noSession('Fetch')); return; } // as #proxyUpload
       const call = this.client.Fetch(request, this.#md, { deadline });
       let out = null;
       let view = null;

@@ -571,3 +571,28 @@ test('close() behind stuck uploads, on a server that never answers CloseSession,
   assert.ok(took < 1100, `close() with timeoutMs 600 settled after ${took} ms`); // 850 ms: 600, then CloseSession's 250
   assert.ok(s.closed);
 });
+
+// A call issued before close() whose turn comes only after close() gave up waiting for it
+// (its turn cut at the session's timeoutMs) and closed the channel: it rejects NO_SESSION,
+// as the doc of close() says, never grpc-js's plain "Channel has been shut down" Error.
+test('calls whose turn comes after close() gave up on them reject NO_SESSION, not a grpc-js Error', async () => {
+  const m = await fakeMeshd({
+    Upload: (call) => { call.on('data', () => {}); }, // never answers
+    CloseSession: () => {}, // never answers
+  });
+  const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 400 });
+  // the first two hold the turn past close()'s deadline; the rest go after the channel closed
+  const calls = [
+    s.upload(1, [1], new Float32Array([1])),
+    s.upload(1, [1], new Float32Array([1])),
+    s.upload(1, [1], new Float32Array([1])),
+    s.fetch(1, {}, { timeoutMs: 5000 }),
+    s.setPipeline({}),
+  ].map((p) => p.then(() => null, (e) => e));
+  const err = await s.close().then(() => null, (e) => e);
+  assert.ok(err instanceof MeshdError && err.kind === 'DEADLINE_EXCEEDED', String(err));
+  const got = await Promise.all(calls);
+  for (const [i, e] of got.entries()) assert.ok(e instanceof MeshdError, `call ${i}: ${e}`);
+  for (const e of got.slice(2)) assert.equal(e.kind, 'NO_SESSION', String(e));
+  assert.equal(m.count('Submit'), 0);
+});
