@@ -1465,7 +1465,11 @@ static void *sweeper_main(void *arg) {
     int64_t now = grant_now_unix_ms();
     transfer_t *expired = NULL, **pp = &ds->pending, *t;
     while ((t = *pp)) {
-      if (!t->busy && t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now) {
+      /* A closed session's transfers go now: nothing of it can be finished or
+       * read any more, and each holds the session (its object table). */
+      session_t *ts = t->fetch ? t->fetch->sess : t->sess;
+      if (!t->busy && (t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now ||
+                       (ts && atomic_load(&ts->closed)))) {
         *pp = t->next;
         t->next = expired;
         expired = t;
@@ -1476,7 +1480,8 @@ static void *sweeper_main(void *arg) {
     pthread_mutex_unlock(&ds->mu);
     while ((t = expired)) {
       expired = t->next;
-      if (!t->failed && !t->finished)
+      session_t *ts = t->fetch ? t->fetch->sess : t->sess;
+      if (!t->failed && !t->finished && !(ts && atomic_load(&ts->closed)))
         log_info("data", "direct %s of tensor %llu expired unfinished; %s",
                  t->fetch ? "fetch" : "upload",
                  (unsigned long long)(t->fetch ? t->fetch->ref : t->ref),

@@ -1127,3 +1127,47 @@ def test_finish_fetch_fails_for_a_value_that_failed_before_the_plan_though_dropp
             "injected hang")
         md = dict(e.trailing_metadata() or ())
         assert md.get("meshd-error-kind") == "REMOTE_FAILURE", md
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_a_closed_sessions_finished_direct_upload_does_not_pin_the_session(meshd_server):
+    """A finished direct upload's record stays until its grants' expiry (to answer a
+    repeated FinishUpload), holding its session: a closed session with a direct upload
+    kept everything it defined (its object table) on the server for --transfer-grant-ms
+    (10 minutes by default), so a server churning such sessions grew by the sessions'
+    tables for 10 minutes. Closing the session lets them go."""
+    if os.environ.get("MESHD_SANITIZED"):
+        pytest.skip("a sanitized meshd's RSS holds freed memory back (ASan's quarantine)")
+    srv = meshd_server(2)  # default grants: 600 s, far beyond the test
+    lib.wait_ready(srv, 2)
+    big = np.ones((300, 300), np.float32)  # 360 KB: an Upload, not a Literal
+
+    def one_session():
+        with connect(srv, "direct") as s:
+            mesh = s.mesh(gpu=2)
+            with mesh.activate():
+                meshd.tensor(big)
+                with s.pipeline():
+                    keep = [meshd.zeros(1) for _ in range(1000)]  # a table of 1000 objects
+                s.sync(timeout=30)
+            assert s._direct.counts["upload"] == 1, s._direct.counts
+            del keep
+
+    for _ in range(5):  # warm-up
+        one_session()
+    before = _rss_kib(srv.pid)
+    n = 40
+    for _ in range(n):
+        one_session()
+    grown = _rss_kib(srv.pid) - before
+    # each closed session's table is freed (and its memory reused by the next); kept,
+    # each adds its 1000 objects (several hundred KB)
+    assert grown < 4 * 1024, (f"server RSS grew by {grown} KiB over {n} closed sessions "
+                              f"({grown * 1024 // n} bytes per session)")
