@@ -273,6 +273,9 @@ class Session:
             args=(weakref.ref(self), self._ka_stop, period, call, pb.KeepAliveRequest(), self._md,
                   min(self.timeout, _KEEPALIVE_DEADLINE)))
         weakref.finalize(self, self._ka_stop.set)
+        # ... and its direct fetches' io loop (a thread running forever, with its
+        # channels): the loop holds nothing of the session, so it can be ended here.
+        weakref.finalize(self, self._direct._io.close).atexit = False
         self._ka_thread.start()
 
     def _stop_keepalive(self):
@@ -533,7 +536,12 @@ class Session:
                 raise RuntimeError("meshd: another thread has a pipeline open on this session")
             if outer is None:
                 self._flush_drain(self.timeout)
-                pipe = self._pipe = Pipeline(self)
+                try:
+                    pipe = self._pipe = Pipeline(self)
+                except ValueError as e:  # close() (another thread) closed the channel
+                    if not closed_channel(e):
+                        raise
+                    raise MeshdError("NO_SESSION", "the session is closed") from None
         if outer is not None:
             yield outer
             return

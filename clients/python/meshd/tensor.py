@@ -782,6 +782,8 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
             if call is not None and not call.cancel() and call.code() == grpc.StatusCode.OK:
                 s._release_later(ref)  # it ended just before: the caller gets no handle
             tr.close()
+            if closed_channel(e):  # close() (another thread) closed the channel
+                raise MeshdError("NO_SESSION", "the session is closed") from None
             raise
         if aborted:
             tr.close()
