@@ -349,6 +349,11 @@ static bool idle_past_ttl(const session_t *s, int64_t now_ms) {
 
 session_t *session_acquire(session_table_t *t, const char *id, const char *token,
                            meshd_error_t *err) {
+  return session_acquire_as(t, id, token, NULL, err);
+}
+
+session_t *session_acquire_as(session_table_t *t, const char *id, const char *token,
+                              const char *owner, meshd_error_t *err) {
   if (!id || !id[0] || !token || !token[0]) {
     error_set(err, ERR_NO_SESSION,
               "the call carries no %s: send the session id and token from CreateSession as "
@@ -374,6 +379,14 @@ session_t *session_acquire(session_table_t *t, const char *id, const char *token
     error_set(err, ERR_NO_SESSION,
               "wrong token for session '%s': send the token CreateSession returned with this id",
               s->id);
+    return NULL;
+  }
+  /* Before anything changes: another principal's call renews nothing. */
+  if (owner && strcmp(s->owner, owner) != 0) {
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_PERMISSION_DENIED,
+              "session %.8s belongs to another principal; '%s' may use only the sessions it "
+              "created", id, owner);
     return NULL;
   }
   if (idle_past_ttl(s, now)) {

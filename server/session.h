@@ -149,6 +149,11 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
  * idle past its ttl is expired here rather than returned. */
 session_t *session_acquire(session_table_t *t, const char *id, const char *token,
                            meshd_error_t *err);
+/* session_acquire for the principal owner (NULL: any): a session of another
+ * principal is NULL with err kind PERMISSION_DENIED, neither acquired, renewed
+ * nor expired (the stranger's call leaves it as it was). */
+session_t *session_acquire_as(session_table_t *t, const char *id, const char *token,
+                              const char *owner, meshd_error_t *err);
 /* Server-internal lookup (agent reports name sessions by id): the open session
  * with this id, acquired, without a token and without renewing its lease; NULL
  * if there is none. */

@@ -175,6 +175,30 @@ def test_another_principal_cannot_use_a_session_even_with_its_token(server):
         a.close()
 
 
+def test_another_principals_calls_do_not_keep_a_session_alive(server):
+    # Bob holds alice's session id and token: his calls are refused, and must
+    # leave the session as it was; in particular they must not renew its lease.
+    t = lib.tensor_pb2()
+    a = Session(server.port, "alice-short", ttl_seconds=1, auth=bearer(ALICE))
+    try:
+        stolen = ((lib.SESSION_MD, a.id), (lib.TOKEN_MD, a.token)) + bearer(BOB)
+        end = time.monotonic() + 3.5  # well past alice's 1 s ttl (expiry runs every 0.5 s)
+        while time.monotonic() < end:
+            code, details, _ = _denied(lambda: lib.unary(
+                server.port, _SVC + "KeepAlive", t.KeepAliveRequest(), t.KeepAliveReply,
+                metadata=stolen))
+            if code != grpc.StatusCode.PERMISSION_DENIED:
+                break  # the session expired: what should happen
+            time.sleep(0.2)
+        # Alice's own first call since: her session is gone (idle > 1 s for 3.5 s).
+        with pytest.raises(grpc.RpcError) as e:
+            a.unary("KeepAlive", t.KeepAliveRequest(), t.KeepAliveReply, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        assert "no session" in e.value.details() or "expired" in e.value.details(), e.value
+    finally:
+        a.shut()
+
+
 def test_list_sessions_shows_a_principal_its_own_and_an_admin_all(server):
     with Session(server.port, "a1", auth=bearer(ALICE)) as a, \
             Session(server.port, "b1", auth=bearer(BOB)) as b:

@@ -241,6 +241,24 @@ Test(session, acquire_renews_the_lease) {
   ASSERT_NO_BAD();
 }
 
+Test(session, another_principals_acquire_changes_nothing) {
+  session_t *s = NULL;
+  cr_assert_eq(session_create(table, "alice", "c", 1, 0, &s, &err), 0, "%s", err.msg);
+  session_release(s); /* CreateSession's call ended: s is idle */
+  int64_t old = rpc_now_ms() - 900;
+  atomic_store(&s->last_used_ms, old);
+  cr_assert_null(session_acquire_as(table, s->id, s->token, "bob", &err));
+  cr_assert_eq(err.kind, ERR_PERMISSION_DENIED, "kind %s: %s", error_kind_name(err.kind), err.msg);
+  cr_assert(strstr(err.msg, "belongs to another principal") && strstr(err.msg, "'bob'"), "%s",
+            err.msg);
+  cr_assert_eq(atomic_load(&s->last_used_ms), old, "the stranger's call renewed the lease");
+  cr_assert_eq(atomic_load(&s->calls), 0);
+  session_t *a = session_acquire_as(table, s->id, s->token, "alice", &err);
+  cr_assert_eq(a, s, "%s", err.msg);
+  session_release(a);
+  ASSERT_NO_BAD();
+}
+
 Test(session, acquire_of_an_idle_session_expires_it) {
   session_t *s = create("c", 1, 0);
   char id[SESSION_ID_LEN + 1], token[SESSION_TOKEN_LEN + 1];
