@@ -209,6 +209,12 @@ def test_a_sync_whose_only_work_on_a_lost_agent_was_its_own_check_does_not_claim
         assert not s.run(sync(), timeout=10).errors
         os.kill(a0.pid, signal.SIGSTOP)
         try:
+            # SIGSTOP takes effect as each thread is next scheduled: on a loaded machine
+            # the agent still ran the Sync's check when it was sent at once
+            stop_by = time.monotonic() + 5
+            while not lib.all_threads_stopped(a0.pid) and time.monotonic() < stop_by:
+                time.sleep(0.01)
+            assert lib.all_threads_stopped(a0.pid), "rank 0's agent did not stop"
             out = _sync_in_thread(s, timeout=20)
             time.sleep(0.3)
             assert "t" not in out, "the Sync answered while rank 0 was stopped"
