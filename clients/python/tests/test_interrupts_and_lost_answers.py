@@ -301,7 +301,8 @@ def test_fetch_shard_timeout_bounds_the_auto_pool_probe(server, monkeypatch):
                 monkeypatch.undo()
                 with contextlib.suppress(meshd.MeshdError):
                     f.result(10)
-                assert took < 0.6, f"fetch_shard(timeout=0.3) took {took:.2f} s to return"
+                # unbounded, the probe alone waits CONNECT_TIMEOUT (1 s)
+                assert took < 0.9, f"fetch_shard(timeout=0.3) took {took:.2f} s to return"
     finally:
         silent.close()
 
