@@ -54,12 +54,18 @@ typedef struct submit_state {
   struct reply_batch *held;
 } submit_state_t;
 
+#define CMD_KINDS 32 /* above the highest Command kind_case */
+
 struct command_service {
   frontend_t fe;
   session_table_t *sessions;
   flow_t *flow;
   metrics_registry_t *metrics; /* NULL: not counted */
   metrics_series_t *sync_hist; /* meshd_sync_duration_seconds */
+  /* Each kind's meshd_commands_total{status="ok"} and duration series, found
+   * on its first command (a series appears once used): the labels are not
+   * rendered and looked up again per command. Index: kind_case. */
+  _Atomic(metrics_series_t *) ok_total[CMD_KINDS], duration[CMD_KINDS];
   workpool_t *jobs; /* runs the rest of a batch once there is room (batch_run) */
 };
 
@@ -898,10 +904,27 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
   /* Counted before the answer: a client that scrapes after its reply sees it. */
   if (cs->metrics) {
     const char *kind = command_name(cmd);
-    metrics_inc(cs->metrics, "meshd_commands_total",
-                (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
-    metrics_observe(cs->metrics, "meshd_command_duration_seconds", (const char *[]){"kind", kind, NULL},
-                    now_seconds() - t0);
+    unsigned k = (unsigned)cmd->kind_case; /* (a kind past the table: looked up each time) */
+    metrics_series_t *total = rc || k >= CMD_KINDS ? NULL : atomic_load(&cs->ok_total[k]);
+    if (!rc && k < CMD_KINDS && !total) {
+      total = metrics_series(cs->metrics, "meshd_commands_total",
+                             (const char *[]){"kind", kind, "status", "ok", NULL});
+      atomic_store(&cs->ok_total[k], total);
+    }
+    if (total) metrics_series_inc(total, 1);
+    else
+      metrics_inc(cs->metrics, "meshd_commands_total",
+                  (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
+    metrics_series_t *dur = k < CMD_KINDS ? atomic_load(&cs->duration[k]) : NULL;
+    if (!dur && k < CMD_KINDS) {
+      dur = metrics_series(cs->metrics, "meshd_command_duration_seconds",
+                           (const char *[]){"kind", kind, NULL});
+      atomic_store(&cs->duration[k], dur);
+    }
+    if (dur) metrics_series_observe(dur, now_seconds() - t0);
+    else
+      metrics_observe(cs->metrics, "meshd_command_duration_seconds",
+                      (const char *[]){"kind", kind, NULL}, now_seconds() - t0);
     /* A refused Sync is answered now; an accepted one when its wait fires. */
     if (rc && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC)
       metrics_series_observe(cs->sync_hist, now_seconds() - t0);
