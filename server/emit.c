@@ -321,7 +321,7 @@ void emit_reduce(frontend_t *fe, session_t *s, objects_t *o, const mesh_t *mesh,
   char *addr_buf = malloc((size_t)group_size * EMIT_ADDR_MAX);
   size_t n;
   uint32_t *ranks = ranks_of(mesh, &n);
-  if (!group || !ranks || !addrs || !addr_buf) goto out;
+  if (!group || !pairs || !ranks || !addrs || !addr_buf) goto out;
   for (int64_t k = 0; k < group_size; k++) addrs[k] = addr_buf + k * EMIT_ADDR_MAX;
   Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
   g.comm_id = comm_id(s, mesh->ref, mask, r->stream);
