@@ -1636,8 +1636,8 @@ meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_a
 }
 
 static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t input,
-                              const char *dim, const char *reduction, meshd_ref_t mesh,
-                              meshd_ref_t *out) {
+                              const char *const *dims, size_t ndims, const char *reduction,
+                              meshd_ref_t mesh, meshd_ref_t *out) {
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, out, fn))
@@ -1646,18 +1646,25 @@ static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t in
     set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: reduction is empty", fn);
     return MESHD_E_INVALID;
   }
+  if (ndims && !dims) {
+    set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: dims is NULL with ndims %zu", fn, ndims);
+    return MESHD_E_INVALID;
+  }
+  for (size_t i = 0; i < ndims; i++)
+    if (!dims[i] || !*dims[i]) {
+      set_error(s->client, MESHD_E_INVALID, 0, NULL, "%s: dims[%zu] is %s", fn, i,
+                dims[i] ? "empty" : "NULL");
+      return MESHD_E_INVALID;
+    }
   if (!own_ref(s, fn, "input", -1, input) || !own_ref(s, fn, "mesh", -1, mesh))
     return MESHD_E_INVALID;
-  char *dims[1] = {(char *)dim};
   Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
   r.ref = s->next_ref;
   r.input = input;
   r.reduction = (char *)reduction;
   r.mesh = mesh;
-  if (dim && *dim) {
-    r.n_dims = 1;
-    r.dims = dims;
-  }
+  r.n_dims = ndims;
+  r.dims = (char **)dims;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_REDUCE;
   cmd.reduce = &r;
@@ -1666,7 +1673,9 @@ static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t in
 
 meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const char *dim,
                                  const char *reduction, meshd_ref_t *out) {
-  return reduce_cmd(s, "meshd_session_reduce", input, dim, reduction, 0, out);
+  const char *dims[1] = {dim};
+  return reduce_cmd(s, "meshd_session_reduce", input, dims, dim && *dim ? 1 : 0, reduction, 0,
+                    out);
 }
 
 meshd_err_t meshd_session_reduce_onto(meshd_session_t *s, meshd_ref_t input, const char *dim,
@@ -1675,7 +1684,15 @@ meshd_err_t meshd_session_reduce_onto(meshd_session_t *s, meshd_ref_t input, con
     set_error(s->client, MESHD_E_INVALID, 0, NULL, "meshd_session_reduce_onto: mesh is 0");
     return MESHD_E_INVALID;
   }
-  return reduce_cmd(s, "meshd_session_reduce_onto", input, dim, reduction, mesh, out);
+  const char *dims[1] = {dim};
+  return reduce_cmd(s, "meshd_session_reduce_onto", input, dims, dim && *dim ? 1 : 0, reduction,
+                    mesh, out);
+}
+
+meshd_err_t meshd_session_reduce_dims(meshd_session_t *s, meshd_ref_t input,
+                                      const char *const *dims, size_t ndims,
+                                      const char *reduction, meshd_ref_t mesh, meshd_ref_t *out) {
+  return reduce_cmd(s, "meshd_session_reduce_dims", input, dims, ndims, reduction, mesh, out);
 }
 
 meshd_err_t meshd_session_stream(meshd_session_t *s, const char *name, meshd_ref_t *out) {

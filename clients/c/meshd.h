@@ -428,6 +428,15 @@ MESHD_API meshd_err_t meshd_session_reduce_onto(meshd_session_t *session, meshd_
                                                 const char *dim, const char *reduction,
                                                 meshd_ref_t mesh, meshd_ref_t *out);
 
+/* Reduce `input` over the ndims mesh dims `dims` at once (ndims 0: every dim)
+ * with `reduction`, onto the sub-mesh `mesh` (0: every rank of the input's
+ * mesh keeps the result, as meshd_session_reduce; else as
+ * meshd_session_reduce_onto, without any of the reduced dims). */
+MESHD_API meshd_err_t meshd_session_reduce_dims(meshd_session_t *session, meshd_ref_t input,
+                                                const char *const *dims, size_t ndims,
+                                                const char *reduction, meshd_ref_t mesh,
+                                                meshd_ref_t *out);
+
 /* A new stream named `name` (Monarch's Stream); *out gets its ref. Commands
  * take stream refs where they name one; 0 is the default stream "main". */
 MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char *name,

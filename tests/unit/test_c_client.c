@@ -1996,6 +1996,64 @@ Test(c_client, data_paths_direct_proxy_auto) {
   meshd_close(c);
 }
 
+/* Several mesh dims reduced at once (meshd_session_reduce_dims), onto every
+ * rank and onto a one-rank sub-mesh; bad dims are named before anything is
+ * sent. A {host: 1, gpu: 2} mesh over the two agents, rank r holding r + 1. */
+Test(c_client, reduce_over_several_dims_at_once_onto_a_sub_mesh) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-reduce-dims", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"host", "gpu"};
+  int64_t sizes[] = {1, 2};
+  meshd_ref_t m = 0, x = 0, all = 0, one = 0, onto = 0, bad = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 2, &m), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  float data[2 * 3] = {1, 1, 1, 2, 2, 2};
+  int64_t shape[] = {3};
+  meshd_upload_options_t uo = MESHD_UPLOAD_OPTIONS_INIT;
+  uo.per_rank = true;
+  cr_assert_eq(meshd_session_upload_with(s, m, "float32", shape, 1, data, sizeof data, &uo, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_reduce_dims(s, x, dims, 2, "sum", 0, &all), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  int64_t at[] = {0, 1};
+  cr_assert_eq(meshd_session_slice_mesh(s, m, dims, at, 2, &one), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_reduce_dims(s, x, dims, 2, "max", one, &onto), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_values_t v;
+  int64_t r0[] = {0, 0};
+  cr_assert_eq(meshd_session_fetch(s, all, dims, r0, 2, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  for (size_t i = 0; i < v.n; i++)
+    cr_assert_float_eq(v.values[i], 3.0, 1e-9, "sum over both dims, element %zu", i);
+  meshd_values_free(&v);
+  cr_assert_eq(meshd_session_fetch(s, onto, NULL, NULL, 0, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  for (size_t i = 0; i < v.n; i++)
+    cr_assert_float_eq(v.values[i], 2.0, 1e-9, "max onto gpu=1, element %zu", i);
+  meshd_values_free(&v);
+  /* the target still has one of the reduced dims: the server names it */
+  meshd_ref_t row = 0;
+  int64_t at_gpu[] = {1};
+  const char *gpu[] = {"gpu"};
+  cr_assert_eq(meshd_session_slice_mesh(s, m, gpu, at_gpu, 1, &row), MESHD_E_OK);
+  cr_assert_neq(meshd_session_reduce_dims(s, x, dims, 2, "sum", row, &bad), MESHD_E_OK);
+  cr_assert(strstr(meshd_last_error(c)->message, "reduced dim 'host'"), "%s",
+            meshd_last_error(c)->message);
+  const char *holes[] = {"host", ""};
+  cr_assert_eq(meshd_session_reduce_dims(s, x, holes, 2, "sum", 0, &bad), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "dims[1] is empty"), "%s",
+            meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_reduce_dims(s, x, NULL, 1, "sum", 0, &bad), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "dims is NULL"), "%s",
+            meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* meshctl --data-path=MODE run SCRIPT: exit status, stderr in err. */
 static int meshctl_data_path(const char *mode, const char *script, char *err, size_t errlen) {
   char spath[128], epath[128], flag[64], bin[512];
