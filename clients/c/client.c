@@ -248,8 +248,11 @@ meshd_client_t *meshd_connect_with(const char *target, const meshd_connect_optio
   /* One connection attempt may take the whole wait: a TLS handshake on a busy
    * host or a server a long round trip away outlasts rpc's 100 ms default (and
    * with fail_fast, one attempt is all there is). A refused port still fails at
-   * once. */
-  rpc_channel_opts_t copts = {.tls = tls, .connect_timeout_ms = o->timeout_ms}; /* > 0: checked */
+   * once. Replies up to 64 MiB, as the Python and Node clients take: a server
+   * whose --max-message-bytes is raised sends a ListSessions or ListAgents that
+   * large, and gRPC's 4 MiB default refused it naming no flag. */
+  rpc_channel_opts_t copts = {.tls = tls, .connect_timeout_ms = o->timeout_ms, /* > 0: checked */
+                              .max_message_bytes = 64 << 20};
   c->ch = rpc_channel_create(target, &copts);
   if (!c->ch) { /* out of memory, or TLS files that changed since they were checked */
     meshd_close(c);

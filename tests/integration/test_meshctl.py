@@ -1233,3 +1233,41 @@ def test_an_ec_key_file_that_starts_with_its_parameters_is_a_key(pki, tmp_path):
         assert r.returncode == 0 and r.stdout == "SERVING\n", _show(r)
     finally:
         lib.stop(p)
+
+
+def test_sessions_lists_a_reply_over_4_mib_the_server_allows(meshd_server):
+    """A server whose --max-message-bytes is raised above 4 MiB sends a ListSessions reply
+    that large (here ~23,000 sessions with 128-character client names, ~4.3 MB). The
+    Python and Node clients take replies up to 64 MiB; meshctl kept gRPC's 4 MiB default
+    and failed with gRPC's bare "Received message larger than max (N vs. 4194304)", which
+    names no flag, so an operator could not list the sessions of a busy server at all."""
+    if os.environ.get("MESHD_SANITIZED"):
+        pytest.skip("23,000 sessions: the plain pass covers the client's limit")
+    import concurrent.futures
+    import grpc
+    srv = meshd_server(0, "--max-sessions-per-principal", "0", "--max-message-bytes", "16MiB",
+                       "--session-ttl", "600")
+    t = lib.tensor_pb2()
+    n = 23000
+    chans = [lib.channel(srv.port) for _ in range(4)]
+    fns = [ch.unary_unary("/meshd.v1.TensorService/CreateSession",
+                          request_serializer=lambda m: m.SerializeToString(),
+                          response_deserializer=t.CreateSessionReply.FromString) for ch in chans]
+    req = t.CreateSessionRequest(client_name="n" * 128)
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        ids = list(ex.map(lambda i: fns[i % 4](req, timeout=30).session_id, range(n)))
+    assert len(set(ids)) == n
+    big = grpc.insecure_channel(srv.address, options=[("grpc.enable_http_proxy", 0),
+                                                      ("grpc.max_receive_message_length", 64 << 20)])
+    chans.append(big)
+    reply = big.unary_unary("/meshd.v1.TensorService/ListSessions",
+                            request_serializer=lambda m: m.SerializeToString(),
+                            response_deserializer=t.ListSessionsReply.FromString)(
+                                t.ListSessionsRequest(), timeout=30)
+    assert len(reply.sessions) == n and reply.ByteSize() > 4 << 20, reply.ByteSize()
+    r = lib.run(lib.MESHCTL, ["--server", srv.address, "--timeout-ms", "20000", "--output=json",
+                              "sessions"], timeout=60)
+    assert r.returncode == 0, _show(r)[:2000]
+    assert len(json.loads(r.stdout)["sessions"]) == n
+    for ch in chans:
+        ch.close()
