@@ -900,8 +900,8 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
   }
   pthread_mutex_unlock(&s->mu);
   wait_checkpoint(cs, s, &ck);
-  if (pending) wait_sync(cs, pending);
-  /* Counted before the answer: a client that scrapes after its reply sees it. */
+  /* Counted before the answer: a client that scrapes after its reply sees it
+   * (a Sync's too: wait_sync, below, may answer it at once). */
   if (cs->metrics) {
     const char *kind = command_name(cmd);
     unsigned k = (unsigned)cmd->kind_case; /* (a kind past the table: looked up each time) */
@@ -929,6 +929,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
     if (rc && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC)
       metrics_series_observe(cs->sync_hist, now_seconds() - t0);
   }
+  if (pending) wait_sync(cs, pending);
   if (rc) {
     log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, .seq = cmd->seq},
               "session %.8s: %s seq %llu rejected: %s: %s", s->id, command_name(cmd),

@@ -473,3 +473,30 @@ def test_bad_log_format_stops_startup():
         assert "--log-format: 'yaml' is not one of text, json" in r.stderr, r.stderr
         r = lib.run(binary, args, env={"MESHD_LOG_FORMAT": "yaml"})
         assert r.returncode == 2 and "'yaml' is not one of text, json" in r.stderr, r.stderr
+
+
+def test_a_sync_is_counted_before_its_answer(meshd_server, tmp_path):
+    """meshd_commands_total and meshd_command_duration_seconds count a Sync before the
+    Sync is answered, as every other command: a client that scrapes right after its
+    Sync's answer sees it. (A Sync whose wait was over at once was answered from
+    wait_sync, and counted only after that.)"""
+    pf = tmp_path / "metrics.port"
+    srv = meshd_server(1, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf)
+    lib.wait_ready(srv, 1)
+    mport = port_of(pf, srv)
+    with Session(srv.port, "sync-count") as s:
+        missed = []
+        for i in range(1, 301):
+            s.run(sync())
+            fams = parse(scrape(mport))
+            n = sample(fams, "meshd_commands_total", kind="Sync", status="ok")
+            d = sample(fams, "meshd_command_duration_seconds_count", kind="Sync")
+            if n != i or d != i:
+                missed.append((i, n, d))
+                deadline = time.monotonic() + 5  # it comes, late: wait for it
+                while sample(parse(scrape(mport)), "meshd_command_duration_seconds_count",
+                             kind="Sync") != i:
+                    assert time.monotonic() < deadline, f"Sync {i} never counted"
+                    time.sleep(0.01)
+        assert not missed, f"Syncs answered before they were counted: {missed[:5]} " \
+            f"({len(missed)} of 300)"
