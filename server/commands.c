@@ -512,7 +512,7 @@ static int cmd_literal(frontend_t *fe, session_t *s, objects_t *o, const Meshd__
                      l->per_rank ? " per rank" : "", LITERAL_MAX_BYTES);
   uint64_t want = l->per_rank ? each * ranks : each; /* no overflow: each <= 1 MiB */
   if (want != l->data.len)
-    return error_set(e, ERR_SHAPE_MISMATCH,
+    return error_set(e, ERR_BAD_ARGUMENT,
                      "Literal: %zu bytes of data, but shape and dtype%s need %llu", l->data.len,
                      l->per_rank ? " (per rank, times the mesh's ranks)" : "",
                      (unsigned long long)want);

@@ -425,7 +425,7 @@ static int upload_header(upload_t *u, const Meshd__V1__UploadHeader *h, meshd_er
   u->each = (size_t)layout_numel(&u->meta.layout) * dtype_size(u->meta.dtype);
   u->total = h->per_rank ? u->each * u->nranks : u->each;
   if (h->total_bytes && h->total_bytes != u->total) {
-    error_set(e, ERR_SHAPE_MISMATCH,
+    error_set(e, ERR_BAD_ARGUMENT,
               "Upload: total_bytes is %llu but shape and dtype%s need %zu bytes",
               (unsigned long long)h->total_bytes, h->per_rank ? " (per rank, times the mesh's ranks)" : "",
               u->total);
@@ -785,7 +785,7 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
     if (u->got != u->total) {
       char why[160];
       snprintf(why, sizeof why, "got %zu bytes of data but the header needs %zu", u->got, u->total);
-      return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
+      return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", why);
     }
     u->failed = true; /* no more messages are expected */
     pthread_mutex_lock(&u->mu);
@@ -813,7 +813,7 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
   if (c->data.len > u->total - u->got) {
     char why[160];
     snprintf(why, sizeof why, "more data than the %zu bytes the header describes", u->total);
-    return upload_fail(u, ERR_SHAPE_MISMATCH, "Upload: %s", why);
+    return upload_fail(u, ERR_BAD_ARGUMENT, "Upload: %s", why);
   }
   size_t pos = u->got;
   u->got += c->data.len;

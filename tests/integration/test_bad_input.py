@@ -790,7 +790,7 @@ def _(ctx):
 def _(ctx):
     s = ctx.session()
     upload_fails(ctx, s, [_hdr(s), _data(16), _data(1)], INVALID, "Upload", "16 bytes",
-                 kind="SHAPE_MISMATCH")
+                 kind="BAD_ARGUMENT")
 
 
 @case("upload-too-few-bytes")
@@ -800,7 +800,7 @@ def _(ctx):
     s = ctx.session()
     ref = s.new_ref()
     upload_fails(ctx, s, [_hdr(s, ref=ref), _data(15)], INVALID, "Upload", "15", "16",
-                 f"ref {ref} is spent", kind="SHAPE_MISMATCH")
+                 f"ref {ref} is spent", kind="BAD_ARGUMENT")
     upload_fails(ctx, s, [_hdr(s, ref=ref), _data(16)], INVALID, "Upload", str(ref),
                  "already used", kind="REF_REUSED")
 
@@ -809,14 +809,14 @@ def _(ctx):
 def _(ctx):
     s = ctx.session()
     upload_fails(ctx, s, [_hdr(s)] + [_data(1)] * 17, INVALID, "Upload", "16 bytes",
-                 kind="SHAPE_MISMATCH")
+                 kind="BAD_ARGUMENT")
 
 
 @case("upload-wrong-total-bytes")
 def _(ctx):
     s = ctx.session()
     upload_fails(ctx, s, [_hdr(s, total_bytes=17), _data(16)], INVALID, "total_bytes", "17", "16",
-                 kind="SHAPE_MISMATCH")
+                 kind="BAD_ARGUMENT")
 
 
 @case("upload-dtype-999")
@@ -905,19 +905,19 @@ def literal_fails(ctx, s, lit, kind, *words):
 @case("literal-too-few-bytes")
 def _(ctx):
     s = ctx.session()
-    literal_fails(ctx, s, _lit(s, 15), "SHAPE_MISMATCH", "Literal", "15", "16")
+    literal_fails(ctx, s, _lit(s, 15), "BAD_ARGUMENT", "Literal", "15", "16")
 
 
 @case("literal-too-many-bytes")
 def _(ctx):
     s = ctx.session()
-    literal_fails(ctx, s, _lit(s, 17), "SHAPE_MISMATCH", "Literal", "17", "16")
+    literal_fails(ctx, s, _lit(s, 17), "BAD_ARGUMENT", "Literal", "17", "16")
 
 
 @case("literal-per-rank-one-slice-short")
 def _(ctx):
     s = ctx.session()
-    literal_fails(ctx, s, _lit(s, 16, per_rank=True), "SHAPE_MISMATCH", "Literal", "16", "32",
+    literal_fails(ctx, s, _lit(s, 16, per_rank=True), "BAD_ARGUMENT", "Literal", "16", "32",
                   "per rank")
 
 

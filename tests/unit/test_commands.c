@@ -754,9 +754,9 @@ Test(commands, literals_define_a_tensor_of_their_bytes) {
 
 Test(commands, literal_rejections) {
   uint64_t bytes = objs->bytes;
-  REJECT(LITERAL(10, ROOT, DTYPE_FLOAT32, 20, false, 2, 3), ERR_SHAPE_MISMATCH,
+  REJECT(LITERAL(10, ROOT, DTYPE_FLOAT32, 20, false, 2, 3), ERR_BAD_ARGUMENT,
          "Literal: 20 bytes of data, but shape and dtype need 24");
-  REJECT(LITERAL(10, SUB, DTYPE_FLOAT32, 24, true, 2, 3), ERR_SHAPE_MISMATCH,
+  REJECT(LITERAL(10, SUB, DTYPE_FLOAT32, 24, true, 2, 3), ERR_BAD_ARGUMENT,
          "Literal: 24 bytes of data, but shape and dtype (per rank, times the mesh's ranks) "
          "need 96");
   REJECT(LITERAL(10, ROOT, DTYPE_FLOAT32, (1 << 20) + 4, false, (1 << 18) + 1), ERR_BAD_ARGUMENT,
