@@ -543,8 +543,54 @@ static json_object *the_doc(void) {
   return doc;
 }
 
+/* Length of the well-formed UTF-8 sequence at s (RFC 3629: no overlongs, no
+ * surrogates, nothing past U+10FFFF), 0 when the bytes there are not one. */
+static size_t utf8_seq(const unsigned char *s) {
+  unsigned char c = s[0];
+  size_t n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3
+                                                    : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+  if (n == 0)
+    return 0;
+  for (size_t i = 1; i < n; i++)
+    if ((s[i] & 0xc0) != 0x80)
+      return 0;
+  if ((c == 0xe0 && s[1] < 0xa0) || (c == 0xed && s[1] > 0x9f) || (c == 0xf0 && s[1] < 0x90) ||
+      (c == 0xf4 && s[1] > 0x8f))
+    return 0;
+  return n;
+}
+
+/* A JSON string of v (NULL: ""). JSON is UTF-8: a byte that is not part of a
+ * well-formed sequence (a name or message from a hostile server or client)
+ * becomes U+FFFD, so the document always parses. */
+static json_object *json_str(const char *v) {
+  const unsigned char *u = (const unsigned char *)(v ? v : "");
+  size_t bad = 0;
+  for (size_t i = 0, k; u[i]; i += k ? k : 1)
+    if (!(k = utf8_seq(u + i)))
+      bad++;
+  if (!bad)
+    return json_object_new_string((const char *)u);
+  char *clean = malloc(strlen((const char *)u) + 2 * bad + 1), *p = clean;
+  if (!clean)
+    return json_object_new_string("");
+  for (size_t i = 0, k; u[i]; i += k ? k : 1) {
+    if ((k = utf8_seq(u + i))) {
+      memcpy(p, u + i, k);
+      p += k;
+    } else {
+      memcpy(p, "\xef\xbf\xbd", 3);
+      p += 3;
+    }
+  }
+  *p = '\0';
+  json_object *o = json_object_new_string(clean);
+  free(clean);
+  return o;
+}
+
 static void put_str(json_object *o, const char *key, const char *v) {
-  json_object_object_add(o, key, json_object_new_string(v ? v : ""));
+  json_object_object_add(o, key, json_str(v));
 }
 static void put_u64(json_object *o, const char *key, uint64_t v) {
   json_object_object_add(o, key, json_object_new_uint64(v));

@@ -1271,3 +1271,51 @@ def test_sessions_lists_a_reply_over_4_mib_the_server_allows(meshd_server):
     assert len(json.loads(r.stdout)["sessions"]) == n
     for ch in chans:
         ch.close()
+
+
+
+def test_json_output_stays_utf8_whatever_bytes_a_name_holds(meshd_server, tmp_path):
+    """JSON is UTF-8 (RFC 8259) and --output json promises one document a script can
+    parse. meshctl copied strings into it byte for byte: a server (hostile, or a fake)
+    whose ListSessions names a client b'bad\\xff\\xfe\\xc0\\xafq\\\\"', or a script
+    line with a Latin-1 byte that `run`'s error message quotes, gave a document that
+    json.loads (or any strict parser) refuses. Bytes that are not UTF-8 come out as
+    U+FFFD; quotes and backslashes stay escaped."""
+    import concurrent.futures
+    import grpc
+    t = lib.tensor_pb2()
+    placeholder = "bad____q__"
+    evil = b'bad\xff\xfe\xc0\xafq\\"'
+    assert len(evil) == len(placeholder)
+    row = t.ListSessionsReply(sessions=[t.SessionInfo(session_id="s1", owner="anonymous",
+                                                      client_name=placeholder)])
+    raw = row.SerializeToString().replace(placeholder.encode(), evil)
+
+    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
+        "ListSessions": grpc.unary_unary_rpc_method_handler(
+            lambda request, context: raw, request_deserializer=lambda b: b,
+            response_serializer=lambda b: b)})
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        r = subprocess.run([lib.MESHCTL, "--server", f"127.0.0.1:{port}", "--timeout-ms", "5000",
+                            "--output=json", "sessions"], stdin=subprocess.DEVNULL,
+                           capture_output=True, env=lib.clean_env(None), timeout=30)
+    finally:
+        server.stop(0)
+    assert r.returncode == 0, r
+    doc = json.loads(r.stdout)  # bytes: strict UTF-8
+    name = doc["sessions"][0]["client_name"]
+    assert name == "bad\ufffd\ufffd\ufffd\ufffdq\\\"", name
+
+    srv = meshd_server(0)
+    script = tmp_path / "s.txt"
+    script.write_bytes(b"fetch caf\xe9\n")
+    r = subprocess.run([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "5000",
+                        "--output=json", "run", str(script)], stdin=subprocess.DEVNULL,
+                       capture_output=True, env=lib.clean_env(None), timeout=30)
+    assert r.returncode == 3, r
+    err = json.loads(r.stdout)["error"]
+    assert err["line"] == 1 and "'caf\ufffd' is not defined" in err["message"], err
