@@ -25,6 +25,20 @@ static meshd_client_t *connect_ok(void) {
   return c;
 }
 
+/* The forked child's wait status, within 40 s (killed and failed past it). */
+static int wait_child(pid_t pid) {
+  int st = 0;
+  pid_t w = 0;
+  for (int i = 0; i < 400 && (w = waitpid(pid, &st, WNOHANG)) == 0; i++)
+    sleep_ms(100);
+  if (w == 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    cr_assert_fail("the forked child hung");
+  }
+  return st;
+}
+
 static int64_t now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -97,15 +111,7 @@ Test(c_lifecycle, a_child_forked_while_a_client_is_open_is_refused_not_hung) {
     }
     _exit(g == 5.0 ? 0 : 20);
   }
-  int st = 0;
-  pid_t w = 0;
-  for (int i = 0; i < 400 && (w = waitpid(pid, &st, WNOHANG)) == 0; i++)
-    sleep_ms(100);
-  if (w == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &st, 0);
-    cr_assert_fail("the forked child hung");
-  }
+  int st = wait_child(pid);
   cr_assert(!WIFSIGNALED(st), "the forked child died of signal %d (%s)", WTERMSIG(st),
             WTERMSIG(st) == SIGALRM ? "it hung" : "a crash");
   cr_assert_eq(WEXITSTATUS(st), 0, "the forked child failed with %d", WEXITSTATUS(st));
@@ -228,15 +234,7 @@ Test(c_lifecycle, a_child_forked_after_the_last_close_can_fetch) {
     meshd_close(c2);
     _exit(g == 5.0 ? 0 : 20);
   }
-  int st = 0;
-  pid_t w = 0;
-  for (int i = 0; i < 400 && (w = waitpid(pid, &st, WNOHANG)) == 0; i++)
-    sleep_ms(100);
-  if (w == 0) {
-    kill(pid, SIGKILL);
-    waitpid(pid, &st, 0);
-    cr_assert_fail("the forked child hung");
-  }
+  int st = wait_child(pid);
   cr_assert(!WIFSIGNALED(st), "the forked child died of signal %d", WTERMSIG(st));
   cr_assert_eq(WEXITSTATUS(st), 0, "the forked child failed with %d", WEXITSTATUS(st));
 }
