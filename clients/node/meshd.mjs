@@ -1488,6 +1488,14 @@ export class Session {
     }
   }
 
+  // Whether the deadline is what ended a wait of `wait` ms for an agent's connection: the
+  // wait was cut short by it and it has passed (within a few ms of timer slack). A
+  // connection attempt that failed at once (refused, a failed handshake), with time left,
+  // is the agent's failure, however little time was left.
+  static #cutShort(wait, deadline) {
+    return wait < DIRECT_CONNECT_MS && Date.now() + 10 >= deadline;
+  }
+
   // The agent of shard sh could not be reached: throws (direct, or the deadline was what
   // cut the wait short), else records the fallback (auto).
   #unreachable(what, sh, cut) {
@@ -1558,8 +1566,9 @@ export class Session {
     }
     const bad = agents.findIndex((a) => !a);
     if (bad >= 0) {
+      const cut = Session.#cutShort(wait, deadline); // (before abandon's own wait)
       await abandon();
-      this.#unreachable('upload', shards[bad], wait < DIRECT_CONNECT_MS);
+      this.#unreachable('upload', shards[bad], cut);
       return PROXY;
     }
     const each = header.per_rank ? bytes.length / shards.length : bytes.length;
@@ -1677,8 +1686,9 @@ export class Session {
       const wait = Math.min(DIRECT_CONNECT_MS, deadline - Date.now());
       agent = await this.#agent(sh.address, plan.agent_tls, Math.max(1, wait));
       if (!agent) {
+        const cut = Session.#cutShort(wait, deadline); // (before quiet's own wait)
         await quiet();
-        this.#unreachable('fetch', sh, wait < DIRECT_CONNECT_MS);
+        this.#unreachable('fetch', sh, cut);
         return PROXY;
       }
       out = Session.#allocate(T, meta, 'direct fetch');

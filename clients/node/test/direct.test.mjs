@@ -303,6 +303,39 @@ test('cluster mTLS: straight to the agents over TLS; an agent that does not answ
   }
 });
 
+test('auto: an agent whose connection fails at once with under DIRECT_CONNECT_MS left is no deadline: the proxy takes the transfer', async () => {
+  const s = await open('old', 'auto'); // (rank 1 predates Literal: no matter for upload and fetch)
+  const real = grpc.credentials.createInsecure;
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const data = new Float32Array([1.5, 2, 3]);
+    // This session's agent channels (made on first use) speak TLS to the agents' plaintext
+    // ports: every connection attempt fails at once, as to a port that refuses.
+    grpc.credentials.createInsecure = () => grpc.credentials.createSsl();
+    s.timeoutMs = 800; // less than the 1 s an agent gets to connect
+    const t0 = Date.now();
+    const t = await s.upload(mesh, [3], data);
+    assert.deepEqual([...await s.fetch(t, { gpu: 1 })], [...data]);
+    assert.ok(Date.now() - t0 < 800, `took ${Date.now() - t0} ms`);
+    const st = s.transferStats;
+    assert.equal(st.directUploads + st.directFetches, 0, JSON.stringify(st));
+    assert.equal(st.proxyUploads, 1, JSON.stringify(st));
+    assert.equal(st.proxyFetches, 1, JSON.stringify(st));
+    assert.match(st.lastFallback, /agent did not connect|rank \d's agent at 127\.0\.0\.1:\d+ does not answer/);
+    // direct: the agent's failure (UNAVAILABLE naming its rank), not a deadline that has not passed
+    s.setDataPath('direct');
+    await assert.rejects(s.fetch(t, { gpu: 0 }), (e) => {
+      assert.equal(e.kind, 'UNAVAILABLE', e.message);
+      assert.match(e.message, /direct fetch: rank 0's agent at 127\.0\.0\.1:\d+ does not answer/);
+      return true;
+    });
+  } finally {
+    grpc.credentials.createInsecure = real;
+    s.timeoutMs = 60000;
+    await s.close();
+  }
+});
+
 test('direct: an agent killed mid-upload fails it with AGENT_LOST naming the rank; the session goes on', async () => {
   const s = await open('direct', 'direct');
   const mesh = async () => { // rank 1's replacement may still be registering

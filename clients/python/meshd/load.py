@@ -265,9 +265,10 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
 
 def _redact(url):
     """The URL without credentials, query or fragment (as the agents' messages show it)."""
+    url = url.split("?")[0].split("#")[0]  # first: a URL without a path has them too
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url.split("?")[0].split("#")[0]
+        return url
     host, slash, path = rest.partition("/")
     host = host.rpartition("@")[2]
-    return scheme + sep + host + slash + path.split("?")[0].split("#")[0]
+    return scheme + sep + host + slash + path
