@@ -503,7 +503,9 @@ static direct_rc_t shard_channels(direct_t *d, const direct_session_t *s,
                            cut ? wait : DIRECT_CONNECT_MS);
     if (out[i])
       continue;
-    if (cut) {
+    /* The deadline only if it passed: an attempt that failed at once (refused, a
+     * failed handshake) with time left is the agent's failure (auto falls back). */
+    if (cut && left_ms(end) <= 10) {
       direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                      "direct %s: no connection to rank %u's agent at %s before the deadline",
                      what, p->shards[i]->rank, p->shards[i]->address);
