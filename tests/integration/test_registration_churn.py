@@ -1,0 +1,45 @@
+"""Agent registration under churn: an agent that crash-loops (registers, is killed, again,
+100 times) beside a steady one leaves the server's memory flat and its other rank
+healthy. Every wait is bounded."""
+import os
+import signal
+import time
+
+import pytest
+
+import meshd_testlib as lib
+
+
+def _rss_kb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def test_crash_looping_agent_leaks_nothing_per_cycle(meshd_server, agent):
+    if os.environ.get("MESHD_SANITIZED"):
+        pytest.skip("a sanitized meshd's RSS holds freed memory back (ASan's quarantine)")
+    srv = meshd_server(0, min_agents=1, wait_serving=True)
+    steady = agent(srv.port, rank=0)
+    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0], what="rank 0", log=srv.log)
+    samples = []
+    cycles = int(os.environ.get("CHURN_CYCLES", "100"))
+    for i in range(cycles):
+        a = agent(srv.port, rank=1)
+        lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1], timeout=10.0,
+                        what=f"cycle {i}: rank 1", log=srv.log)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0], timeout=10.0,
+                        what=f"cycle {i}: rank 1 gone", log=srv.log)
+        if i in (20, cycles - 1):
+            samples.append(_rss_kb(srv.proc.pid))
+        time.sleep(0.01)
+    print("RSS samples", samples)
+    assert steady.proc.poll() is None
+    # Measured: about 400 KiB from cycle 20 to 99, growth shrinking per cycle (allocator
+    # warm-up, 1.5 KiB/cycle by cycle 300): a per-cycle leak of a link or conn shows here.
+    assert samples[1] - samples[0] < 2048, f"server RSS grew {samples} KiB over the cycles"
+    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=10.0, log=srv.log)
