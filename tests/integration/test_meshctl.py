@@ -974,11 +974,13 @@ def test_load_errors_name_the_url(shared_meshd, load_files, tmp_path):
 
 @pytest.fixture
 def versioned_files(tmp_path):
-    """tests/support/range_http_server.py over a folder holding x.npy (float32 [4, 8]): its
+    """tests/support/range_http_server.py over a folder holding x.npy (float32 [4, 196608]:
+    rows of 768 KiB, so that half a row's gap to the next is over the agents' 256 KiB
+    coalescing bound and a split along dim 1 reads one range per row): its
     /files/KEY/HOW/H/x.npy serves a new version (validators) from the first GET after H
     HEADs on; yields (the base URL, the array)."""
     import numpy as np
-    a = np.arange(32, dtype=np.float32).reshape(4, 8)
+    a = np.arange(4 * 196608, dtype=np.float32).reshape(4, 196608)
     np.save(tmp_path / "x.npy", a)
     script = os.path.join(lib.SOURCE_DIR, "tests", "support", "range_http_server.py")
     p = subprocess.Popen(["/usr/bin/python3", script, str(tmp_path)], stdin=subprocess.PIPE,
@@ -1019,7 +1021,7 @@ def test_load_fails_when_the_file_changes_between_its_ranges(shared_meshd, versi
     r = meshctl(srv.address, "--output", "json", "load", f"{base}/same/etag/99/x.npy",
                 "--shard", "gpu", "--dim", "1")
     doc = _json(r)
-    assert r.returncode == 0 and doc["shape"] == [4, 4], _show(r)
+    assert r.returncode == 0 and doc["shape"] == [4, a.shape[1] // 2], _show(r)
     assert doc["fetched_bytes"] == a.nbytes, doc
 
 
