@@ -269,6 +269,15 @@ def proc_state(pid):
     return data[data.rindex(")") + 2:].split()[0]
 
 
+def rss_kib(pid):
+    """VmRSS of process pid, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def all_threads_stopped(pid):
     """Every thread of pid is in the stopped state (SIGSTOP has taken effect)."""
     tids = glob.glob(f"/proc/{pid}/task/*")

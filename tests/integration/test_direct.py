@@ -1129,14 +1129,6 @@ def test_finish_fetch_fails_for_a_value_that_failed_before_the_plan_though_dropp
         assert md.get("meshd-error-kind") == "REMOTE_FAILURE", md
 
 
-def _rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 def test_a_closed_sessions_finished_direct_upload_does_not_pin_the_session(meshd_server):
     """A finished direct upload's record stays until its grants' expiry (to answer a
     repeated FinishUpload), holding its session: a closed session with a direct upload
@@ -1162,11 +1154,11 @@ def test_a_closed_sessions_finished_direct_upload_does_not_pin_the_session(meshd
 
     for _ in range(5):  # warm-up
         one_session()
-    before = _rss_kib(srv.pid)
+    before = lib.rss_kib(srv.pid)
     n = 40
     for _ in range(n):
         one_session()
-    grown = _rss_kib(srv.pid) - before
+    grown = lib.rss_kib(srv.pid) - before
     # each closed session's table is freed (and its memory reused by the next); kept,
     # each adds its 1000 objects (several hundred KB)
     assert grown < 4 * 1024, (f"server RSS grew by {grown} KiB over {n} closed sessions "

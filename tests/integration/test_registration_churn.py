@@ -10,14 +10,6 @@ import pytest
 import meshd_testlib as lib
 
 
-def _rss_kb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 def test_crash_looping_agent_leaks_nothing_per_cycle(meshd_server, agent):
     if os.environ.get("MESHD_SANITIZED"):
         pytest.skip("a sanitized meshd's RSS holds freed memory back (ASan's quarantine)")
@@ -35,7 +27,7 @@ def test_crash_looping_agent_leaks_nothing_per_cycle(meshd_server, agent):
         lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0], timeout=10.0,
                         what=f"cycle {i}: rank 1 gone", log=srv.log)
         if i in (20, cycles - 1):
-            samples.append(_rss_kb(srv.proc.pid))
+            samples.append(lib.rss_kib(srv.proc.pid))
         time.sleep(0.01)
     print("RSS samples", samples)
     assert steady.proc.poll() is None

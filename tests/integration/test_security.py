@@ -358,14 +358,6 @@ def test_a_key_that_is_not_the_certificates_fails_at_startup_naming_both(pki):
         assert all(f in out for f in files) and "address in use" not in out, (args, out[-600:])
 
 
-def _rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def test_a_strangers_health_watches_hold_bounded_memory(tmp_path, tokens_file):
     """Health is open to strangers (no token): a Watch stream stays open as long as
     its client likes, so what one holds must not grow with what the stranger sent.
@@ -380,7 +372,7 @@ def test_a_strangers_health_watches_hold_bounded_memory(tmp_path, tokens_file):
                             response_deserializer=h.HealthCheckResponse.FromString)
     calls = []
     try:
-        before = _rss_mib(p.pid)
+        before = lib.rss_kib(p.pid) / 1024
         name = "x" * (2 << 20)
         for _ in range(48):
             call = watch(h.HealthCheckRequest(service=name), timeout=60)
@@ -390,7 +382,7 @@ def test_a_strangers_health_watches_hold_bounded_memory(tmp_path, tokens_file):
             except grpc.RpcError as e:
                 assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                     grpc.StatusCode.RESOURCE_EXHAUSTED), e
-        grown = _rss_mib(p.pid) - before
+        grown = lib.rss_kib(p.pid) / 1024 - before
         assert grown < 40, (f"48 Health/Watch streams of a stranger with 2 MiB service names "
                             f"grew meshd by {grown:.0f} MiB")
         # The probes' own use stays as it was.
@@ -613,14 +605,14 @@ def test_a_stranger_without_a_token_holds_bounded_memory(tmp_path, tokens_file):
     p = _start(tmp_path, "--auth-tokens", tokens_file)
     socks = []
     try:
-        before = _rss_mib(p.pid)
+        before = lib.rss_kib(p.pid) / 1024
         accepted = 0
         for _ in range(5):
             s, sent = _h2_partial_unary_calls(p.port, _SVC + "ListSessions", 1000, 60000)
             socks.append(s)
             accepted += sent
         time.sleep(1.0)
-        grown = _rss_mib(p.pid) - before
+        grown = lib.rss_kib(p.pid) / 1024 - before
         assert grown < (accepted >> 20) * 3 / 4, (
             f"a stranger with no token made meshd hold {grown:.0f} MiB "
             f"({accepted >> 20} MiB of unfinished requests on 5 connections)")
@@ -658,14 +650,14 @@ def _flood_grows(port, path, pid, socks, conns=60, calls=1000, body=60000):
     (the flood still runs: what they check is that it is memory-safe)."""
     with open(f"/proc/{pid}/maps") as f:
         sanitized = "libasan" in f.read()
-    before = _rss_mib(pid)
+    before = lib.rss_kib(pid) / 1024
     t0 = time.monotonic()
     for _ in range(conns):
         s, _sent = _h2_partial_unary_calls(port, path, calls, body)
         socks.append(s)
         assert time.monotonic() - t0 < 50, "the flood took too long"
     time.sleep(1.0)
-    return 0 if sanitized else _rss_mib(pid) - before
+    return 0 if sanitized else lib.rss_kib(pid) / 1024 - before
 
 
 def _proxy_round_trip(p, name):
@@ -735,10 +727,10 @@ def test_a_stranger_that_keeps_to_flow_control_is_refused_at_the_headers(tmp_pat
     p = _start(tmp_path, "--auth-tokens", tokens_file)
     st = _H2Stranger(p.port)
     try:
-        before = _rss_mib(p.pid)
+        before = lib.rss_kib(p.pid) / 1024
         sent = sum(st.call(2 * i + 1, _SVC + "ListSessions", 3999000) for i in range(64))
         time.sleep(0.5)
-        grown = _rss_mib(p.pid) - before
+        grown = lib.rss_kib(p.pid) / 1024 - before
         assert grown < 32, (f"a stranger with no token made meshd hold {grown:.0f} MiB "
                             f"({sent >> 20} MiB of unfinished requests on one connection)")
         deadline = time.monotonic() + 10
@@ -762,13 +754,13 @@ def test_a_strangers_unfinished_health_requests_are_bounded(tmp_path, tokens_fil
                "--max-unauthenticated-requests", 16)
     st = _H2Stranger(p.port)
     try:
-        before = _rss_mib(p.pid)
+        before = lib.rss_kib(p.pid) / 1024
         sent = sum(st.call(2 * i + 1, "/grpc.health.v1.Health/Check", 1000000, announced=1040000)
                    for i in range(100))
         time.sleep(0.5)
         while st.pump(0):
             pass
-        grown = _rss_mib(p.pid) - before
+        grown = lib.rss_kib(p.pid) / 1024 - before
         assert grown < 64, (f"a stranger made meshd hold {grown:.0f} MiB with unfinished Health "
                             f"requests ({sent >> 20} MiB sent on one connection)")
         assert len(st.ended) >= 100 - 16, f"only {len(st.ended)} of 100 unfinished Checks ended"
@@ -868,11 +860,11 @@ def test_a_stranger_with_a_forged_grant_is_refused_at_the_headers(tmp_path, toke
     forged = (("meshd-transfer-grant-bin", base64.b64encode(os.urandom(60)).decode().rstrip("=")),)
     st = _H2Stranger(agent_port)
     try:
-        before = _rss_mib(agent_pid)
+        before = lib.rss_kib(agent_pid) / 1024
         sent = sum(st.call(2 * i + 1, "/meshd.agent.v1.Agent/Read", 3999000, extra=forged)
                    for i in range(32))
         time.sleep(0.5)
-        grown = _rss_mib(agent_pid) - before
+        grown = lib.rss_kib(agent_pid) / 1024 - before
         assert grown < 64, (f"a stranger with a forged grant made an agent hold {grown:.0f} MiB "
                             f"({sent >> 20} MiB of unfinished Read requests)")
         while len(st.ended) < 32 and st.pump(2):

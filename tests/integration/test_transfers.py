@@ -17,14 +17,6 @@ SVC = "/meshd.v1.TensorService/"
 MIB = 1 << 20
 
 
-def rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def sanitized(pid):
     """A sanitizer build: ASan keeps freed memory in quarantine, so RSS says little."""
     with open(f"/proc/{pid}/maps") as f:
@@ -106,7 +98,8 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
         x = s.tensor(m, (64 * MIB // 4,), "ones").ref
         s.run(lib.sync())  # the agents hold it before RSS is measured
         sessions.append((s, m, x))
-    rss0, threads0, agent_rss0 = rss_mib(srv.pid), nthreads(srv.pid), rss_mib(agent0)
+    rss0, threads0 = lib.rss_kib(srv.pid) / 1024, nthreads(srv.pid)
+    agent_rss0 = lib.rss_kib(agent0) / 1024
     agent_threads0 = nthreads(agent0)
 
     ch = stingy_channel(srv.port)
@@ -116,14 +109,14 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
         # call measured); then the server's RSS levels off (within 2 MiB over 1.5 s)
         # or the bound fails.
         deadline = time.monotonic() + 30
-        while rss_mib(srv.pid) - rss0 < 16 * 2 and time.monotonic() < deadline:
+        while lib.rss_kib(srv.pid) / 1024 - rss0 < 16 * 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        samples = [rss_mib(srv.pid)]
+        samples = [lib.rss_kib(srv.pid) / 1024]
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and (len(samples) < 8
                                                or max(samples[-8:]) - min(samples[-8:]) > 2):
             time.sleep(0.2)
-            samples.append(rss_mib(srv.pid))
+            samples.append(lib.rss_kib(srv.pid) / 1024)
         peak = max(samples)
         assert not [c for c in calls if c.done()], \
             [(c.code(), c.details()) for c in calls if c.done()]
@@ -135,7 +128,7 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
         # The agent streams each call from the tensor's own memory (a snapshot that
         # copies only when a later command writes the tensor): a few chunks per call
         # (before, a 64 MiB copy per call: +1 GiB).
-        agent_rss = rss_mib(agent0)
+        agent_rss = lib.rss_kib(agent0) / 1024
         if not sanitized(agent0):
             assert agent_rss - agent_rss0 < 16 * 8, \
                 f"agent RSS {agent_rss0:.0f} -> {agent_rss:.0f} MiB for 16 unread Fetches"
@@ -250,11 +243,11 @@ def test_an_upload_streams_through_the_server(meshd_server):
 
         fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda m: m.SerializeToString(),
                                response_deserializer=t.UploadReply.FromString)
-        rss0, peak, done = rss_mib(srv.pid), [0.0], threading.Event()
+        rss0, peak, done = lib.rss_kib(srv.pid) / 1024, [0.0], threading.Event()
 
         def sample():
             while not done.is_set():
-                peak[0] = max(peak[0], rss_mib(srv.pid))
+                peak[0] = max(peak[0], lib.rss_kib(srv.pid) / 1024)
                 time.sleep(0.05)
         sampler = threading.Thread(target=sample)
         sampler.start()
