@@ -57,7 +57,7 @@ typedef struct options {
   const char *url_allow;
   const char *server_fault;
   uint64_t url_max_bytes;
-  int64_t url_connect_timeout_ms, url_timeout_ms, url_retries;
+  int64_t url_connect_timeout_ms, url_timeout_ms, url_retries, url_min_speed, url_slow_s;
   bool reflection;
 } options_t;
 
@@ -202,6 +202,11 @@ static const config_flag_t flags[] = {
     {"url-timeout-ms", CONFIG_INT, "0",
      "a load's timeout for one request, the whole transfer (0: none)", &opt.url_timeout_ms, 0,
      86400000},
+    {"url-min-speed", CONFIG_INT, "1024",
+     "bytes/s a load's request must average over --url-slow-s seconds, else it fails as a timeout "
+     "(a server that drips bytes cannot hold a load for ever)", &opt.url_min_speed, 1, 1LL << 30},
+    {"url-slow-s", CONFIG_INT, "60", "the window --url-min-speed is measured over",
+     &opt.url_slow_s, 1, 3600},
     {"url-retries", CONFIG_INT, "3",
      "retries of a load's request after 5xx, resets and bodies cut short, with backoff",
      &opt.url_retries, 0, 100},
@@ -453,6 +458,8 @@ int main(int argc, char **argv) {
   urls.opts.connect_timeout_ms = (long)opt.url_connect_timeout_ms;
   urls.opts.timeout_ms = (long)opt.url_timeout_ms;
   urls.opts.max_retries = (int)opt.url_retries;
+  urls.opts.min_speed = (long)opt.url_min_speed;
+  urls.opts.slow_s = (long)opt.url_slow_s;
 
   runtime_block_signals();
   runtime_tune_malloc();

@@ -526,10 +526,10 @@ static void set_hop_options(xfer_t *x, const char *url, const char *scheme,
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, x->errbuf);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
   curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, o->timeout_ms);
-  /* A server that stops sending mid-body fails the attempt (a timeout) even
-   * without timeout_ms, instead of holding the caller for ever. */
-  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
-  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, (long)URL_FETCH_STALL_S);
+  /* A server that stops sending mid-body, or drips, fails the attempt (a
+   * timeout) even without timeout_ms, instead of holding the caller for ever. */
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, o->min_speed);
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, o->slow_s);
   curl_easy_setopt(c, CURLOPT_USERAGENT, "meshd-agent/" MESHD_VERSION);
   if (x->share && strcmp(scheme, "file") != 0) curl_easy_setopt(c, CURLOPT_SHARE, x->share);
   if (x->mode == MODE_RANGE || x->mode == MODE_PROBE) {
@@ -572,6 +572,8 @@ static url_fetch_opts_t with_defaults(const url_fetch_opts_t *in) {
   url_fetch_opts_t o = in ? *in : (url_fetch_opts_t){0};
   if (o.connect_timeout_ms <= 0) o.connect_timeout_ms = 10000;
   if (o.timeout_ms < 0) o.timeout_ms = 0;
+  if (o.min_speed <= 0) o.min_speed = URL_FETCH_MIN_SPEED;
+  if (o.slow_s <= 0) o.slow_s = URL_FETCH_SLOW_S;
   if (o.max_retries < 0) o.max_retries = 0;
   if (o.backoff_ms <= 0) o.backoff_ms = 100;
   if (o.backoff_max_ms <= 0) o.backoff_max_ms = 5000;

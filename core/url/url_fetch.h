@@ -97,6 +97,12 @@ typedef struct url_fetch_opts {
   const url_allow_t *allow; /* NULL: http and https to public or loopback addresses */
   long connect_timeout_ms;  /* per connection [10000] */
   long timeout_ms;          /* per attempt, the whole transfer [0: none] */
+  /* An attempt that averages fewer than min_speed bytes/s over slow_s
+   * seconds fails as a timeout (DEADLINE_EXCEEDED, not retried), whatever
+   * timeout_ms says: a server that drips a byte now and then cannot hold a
+   * load for ever. */
+  long min_speed; /* bytes per second [URL_FETCH_MIN_SPEED] */
+  long slow_s;    /* seconds [URL_FETCH_SLOW_S] */
   int max_retries;          /* after the first attempt [0]; negative: 0 */
   long backoff_ms;          /* before the first retry [100] */
   long backoff_max_ms;      /* the longest wait [5000] */
@@ -127,9 +133,8 @@ typedef struct url_fetch_opts {
 } url_fetch_opts_t;
 
 #define URL_FETCH_MAX_BYTES ((uint64_t)1 << 34) /* 16 GiB */
-/* An attempt that receives nothing for this long fails as a timeout
- * (DEADLINE_EXCEEDED), whatever timeout_ms says. */
-#define URL_FETCH_STALL_S 60
+#define URL_FETCH_MIN_SPEED 1024
+#define URL_FETCH_SLOW_S 60
 
 /* What a call did, for logs and tests. */
 typedef struct url_fetch_info {

@@ -134,6 +134,8 @@ void url_policy_to_proto(const url_policy_t *p, Meshd__Agent__V1__UrlPolicy *w) 
   w->timeout_ms = p->opts.timeout_ms;
   w->max_retries = p->opts.max_retries;
   w->max_bytes = p->opts.max_bytes;
+  w->min_speed = p->opts.min_speed;
+  w->slow_s = p->opts.slow_s;
 }
 
 void url_policy_from_proto(const Meshd__Agent__V1__UrlPolicy *w, url_allow_t *a,
@@ -155,4 +157,6 @@ void url_policy_from_proto(const Meshd__Agent__V1__UrlPolicy *w, url_allow_t *a,
   o->timeout_ms = w->timeout_ms;
   o->max_retries = w->max_retries;
   o->max_bytes = w->max_bytes;
+  o->min_speed = (long)w->min_speed;
+  o->slow_s = (long)w->slow_s;
 }

@@ -257,6 +257,35 @@ Test(url_fetch, timeouts) {
   HAS(e, "/slow/3000/10: timed out (curl: ");
 }
 
+/* A server that drips its body slower than min_speed over slow_s fails the
+ * attempt as a timeout, even without timeout_ms (a byte now and then passed
+ * before: the check was "nothing at all for 60 s"); one that keeps above it
+ * finishes. */
+Test(url_fetch, a_body_dripped_under_min_speed_times_out) {
+  static uint8_t buf[6000];
+  meshd_error_t e;
+  url_fetch_opts_t o = quick;
+  o.timeout_ms = 0;
+  o.max_retries = 2;
+  o.min_speed = 2000;
+  o.slow_s = 1;
+  url_fetch_info_t info;
+  double t0 = now();
+  cr_assert_eq(url_fetch_range(url("/drip/200/6000"), 0, 6000, buf, &o, &info, &e), -1);
+  double took = now() - t0;
+  cr_assert_lt(took, 5.0, "took %.1f s", took);
+  cr_assert_eq(e.kind, ERR_DEADLINE_EXCEEDED, "%s", e.msg);
+  cr_assert_eq(info.attempts, 1);
+  HAS(e, "/drip/200/6000: timed out (curl: ");
+  HAS(e, "2000 bytes/sec");
+  t0 = now();
+  o.min_speed = 100;
+  cr_assert_eq(url_fetch_range(url("/drip/4000/6000"), 0, 6000, buf, &o, &info, &e), 0, "%s",
+               e.msg);
+  cr_assert_eq(info.bytes, 6000);
+  for (int i = 0; i < 6000; i++) cr_assert_eq(buf[i], (uint8_t)(i * 7 + 3));
+}
+
 /* A caller's stop ends a transfer that waits for bytes, at curl's next
  * progress look (about a second), and is not retried. */
 static bool stop_after(void *arg) {

@@ -65,6 +65,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         trickle = parts[0] == "trickle"  # the body in 64 KiB pieces, 20 ms apart
         if trickle:
             parts = parts[1:]
+        drip = parts[0] == "drip"  # the body in 100-byte pieces, 100 ms apart (1 KB/s)
+        if drip:
+            parts = parts[1:]
         truncated = parts[0] == "truncated"
         if truncated:
             parts = parts[1:]
@@ -101,16 +104,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             return
-        if trickle and self.command == "GET":
+        if (trickle or drip) and self.command == "GET":
             self.send_response(code)
             for k, v in headers:
                 self.send_header(k, v)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            for i in range(0, len(body), 65536):
-                self.wfile.write(body[i:i + 65536])
-                self.wfile.flush()
-                time.sleep(0.02)
+            step, pause = (100, 0.1) if drip else (65536, 0.02)
+            try:
+                for i in range(0, len(body), step):
+                    self.wfile.write(body[i:i + step])
+                    self.wfile.flush()
+                    time.sleep(pause)
+            except OSError:
+                self.close_connection = True
             return
         self._send(code, body, headers)
 
@@ -504,6 +511,29 @@ def test_timeout_and_connection_refused(gpu4, http_base):
     e = failure(t)
     assert e.kind == "UNAVAILABLE" and f"127.0.0.1:{port}/x.bin" in e.message, e
     still_works()
+
+
+def test_a_server_that_drips_its_body_fails_the_load_under_url_min_speed(http_base):
+    """Without --url-timeout-ms, a server sending a byte now and then held a load for
+    ever (the check was "nothing at all for 60 s"); --url-min-speed over --url-slow-s
+    fails it as a timeout naming the URL and the rate."""
+    write("drip.bin", np.arange(4000, dtype=np.float32).tobytes())
+    addr, proc = start_meshd(1, name="meshd-drip", flags=(
+        "--url-allow=http://127.0.0.1", "--url-min-speed", "4096", "--url-slow-s", "1"))
+    try:
+        with meshd.connect(addr) as s:
+            with s.mesh(gpu=1).activate():
+                t0 = time.monotonic()
+                t = meshd.load(f"{http_base}/drip/drip.bin", dtype="float32", shape=(4000,))
+                e = failure(t)
+                assert time.monotonic() - t0 < 8, e
+                assert e.kind == "DEADLINE_EXCEEDED", e
+                assert "drip/drip.bin" in e.message and "4096 bytes/sec" in e.message, e
+                # above the rate the same server's body loads
+                t = meshd.load(f"{http_base}/trickle/drip.bin", dtype="float32", shape=(4000,))
+                assert (fetch(t, gpu=0) == np.arange(4000, dtype=np.float32)).all()
+    finally:
+        stop_meshd(proc)
 
 
 def test_inspections_their_callers_gave_up_free_the_agents_slots(http_base):
