@@ -848,6 +848,39 @@ static void hold_call(session_t *s, objects_t *o, rpc_call_t *call, submit_state
 
 /* ------------------------------------------------------------------ one command */
 
+/* meshd_commands_total and meshd_command_duration_seconds for one command,
+ * run or refused (those refused before run_one too: a seq not above the
+ * last, a nested batch, a batch's rest that found no thread). */
+static void count_command(command_service_t *cs, const Meshd__V1__Command *cmd, int rc,
+                          const meshd_error_t *e, double t0) {
+  if (!cs->metrics) return;
+  const char *kind = command_name(cmd);
+  unsigned k = (unsigned)cmd->kind_case; /* (a kind past the table: looked up each time) */
+  metrics_series_t *total = rc || k >= CMD_KINDS ? NULL : atomic_load(&cs->ok_total[k]);
+  if (!rc && k < CMD_KINDS && !total) {
+    total = metrics_series(cs->metrics, "meshd_commands_total",
+                           (const char *[]){"kind", kind, "status", "ok", NULL});
+    atomic_store(&cs->ok_total[k], total);
+  }
+  if (total) metrics_series_inc(total, 1);
+  else
+    metrics_inc(cs->metrics, "meshd_commands_total",
+                (const char *[]){"kind", kind, "status", rc ? error_kind_name(e->kind) : "ok", NULL}, 1);
+  metrics_series_t *dur = k < CMD_KINDS ? atomic_load(&cs->duration[k]) : NULL;
+  if (!dur && k < CMD_KINDS) {
+    dur = metrics_series(cs->metrics, "meshd_command_duration_seconds",
+                         (const char *[]){"kind", kind, NULL});
+    atomic_store(&cs->duration[k], dur);
+  }
+  if (dur) metrics_series_observe(dur, now_seconds() - t0);
+  else
+    metrics_observe(cs->metrics, "meshd_command_duration_seconds",
+                    (const char *[]){"kind", kind, NULL}, now_seconds() - t0);
+  /* A refused Sync is answered now; an accepted one when its wait fires. */
+  if (rc && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC)
+    metrics_series_observe(cs->sync_hist, now_seconds() - t0);
+}
+
 static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool submit,
                     const Meshd__V1__Command *cmd, submit_state_t *stream, reply_batch_t *batch) {
   cmd_out_t out;
@@ -902,33 +935,7 @@ static void run_one(command_service_t *cs, session_t *s, rpc_call_t *call, bool 
   wait_checkpoint(cs, s, &ck);
   /* Counted before the answer: a client that scrapes after its reply sees it
    * (a Sync's too: wait_sync, below, may answer it at once). */
-  if (cs->metrics) {
-    const char *kind = command_name(cmd);
-    unsigned k = (unsigned)cmd->kind_case; /* (a kind past the table: looked up each time) */
-    metrics_series_t *total = rc || k >= CMD_KINDS ? NULL : atomic_load(&cs->ok_total[k]);
-    if (!rc && k < CMD_KINDS && !total) {
-      total = metrics_series(cs->metrics, "meshd_commands_total",
-                             (const char *[]){"kind", kind, "status", "ok", NULL});
-      atomic_store(&cs->ok_total[k], total);
-    }
-    if (total) metrics_series_inc(total, 1);
-    else
-      metrics_inc(cs->metrics, "meshd_commands_total",
-                  (const char *[]){"kind", kind, "status", rc ? error_kind_name(e.kind) : "ok", NULL}, 1);
-    metrics_series_t *dur = k < CMD_KINDS ? atomic_load(&cs->duration[k]) : NULL;
-    if (!dur && k < CMD_KINDS) {
-      dur = metrics_series(cs->metrics, "meshd_command_duration_seconds",
-                           (const char *[]){"kind", kind, NULL});
-      atomic_store(&cs->duration[k], dur);
-    }
-    if (dur) metrics_series_observe(dur, now_seconds() - t0);
-    else
-      metrics_observe(cs->metrics, "meshd_command_duration_seconds",
-                      (const char *[]){"kind", kind, NULL}, now_seconds() - t0);
-    /* A refused Sync is answered now; an accepted one when its wait fires. */
-    if (rc && cmd->kind_case == MESHD__V1__COMMAND__KIND_SYNC)
-      metrics_series_observe(cs->sync_hist, now_seconds() - t0);
-  }
+  count_command(cs, cmd, rc, &e, t0);
   if (pending) wait_sync(cs, pending);
   if (rc) {
     log_event(LOG_LEVEL_DEBUG, "command", &(log_fields_t){.session = s->id, .seq = cmd->seq},
@@ -1062,6 +1069,7 @@ static void submit_command(submit_state_t *st, rpc_call_t *call, const Meshd__V1
               "stream: answers are matched by seq, so a stream's seqs must strictly increase "
               "(0 means unmatched)",
               command_name(cmd), (unsigned long long)cmd->seq, (unsigned long long)st->last_seq);
+    count_command(st->cs, cmd, -1, &e, now_seconds());
     answer_error(call, true, batch, cmd->seq, &e);
     return;
   }
@@ -1125,6 +1133,7 @@ static bool batch_run(submit_state_t *st, rpc_call_t *call, const Meshd__V1__Com
       if (c->n_batch) {
         error_set(&e, ERR_BAD_ARGUMENT, "Submit: command seq %llu of a batch is a batch itself; "
                   "batches do not nest", (unsigned long long)c->seq);
+        count_command(st->cs, c, -1, &e, now_seconds());
         answer_error(call, true, &b, c->seq, &e);
         continue;
       }
@@ -1180,6 +1189,7 @@ static bool batch_rest_start(batch_rest_t *r) {
     const Meshd__V1__Command *c = r->cmd->batch[i];
     error_set(&e, ERR_QUOTA, "%s: the server could not start a thread to run the rest of its "
               "Submit message; send it again", command_name(c));
+    count_command(r->st->cs, c, -1, &e, now_seconds());
     answer_error(r->call, true, &b, c->seq, &e);
     if (c->seq) r->st->last_seq = c->seq > r->st->last_seq ? c->seq : r->st->last_seq;
   }

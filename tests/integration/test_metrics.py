@@ -500,3 +500,27 @@ def test_a_sync_is_counted_before_its_answer(meshd_server, tmp_path):
                     time.sleep(0.01)
         assert not missed, f"Syncs answered before they were counted: {missed[:5]} " \
             f"({len(missed)} of 300)"
+
+
+def test_commands_refused_before_they_run_are_counted(meshd_server, tmp_path):
+    """A command refused on its stream before it runs (a seq not above the last one, a
+    batch inside a batch) is counted in meshd_commands_total with its error kind, as
+    every other refused command: before, these refusals left no trace in the metrics."""
+    from meshd_testlib import create_mesh
+    pb = lib.tensor_pb2
+    pf = tmp_path / "metrics.port"
+    srv = meshd_server(1, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf)
+    lib.wait_ready(srv, 1)
+    mport = port_of(pf, srv)
+    with Session(srv.port, "refused-count") as s:
+        nested = pb().Command(seq=3, batch=[s.command(create_mesh(2, gpu=1), seq=2)])
+        results, _, _ = s.submit([s.command(create_mesh(1, gpu=1), seq=4),
+                                  s.command(create_mesh(5, gpu=1), seq=4),  # not above 4
+                                  pb().Command(batch=[nested])])           # nests
+        assert [r.HasField("error") for r in results] == [False, True, True], results
+    fams = parse(scrape(mport))
+    assert sample(fams, "meshd_commands_total", kind="CreateMesh", status="ok") == 1
+    assert sample(fams, "meshd_commands_total", kind="CreateMesh", status="BAD_ARGUMENT") == 1
+    refused = [(ls["kind"], v) for _, ls, v in fams["meshd_commands_total"]["samples"]
+               if ls["status"] == "BAD_ARGUMENT"]
+    assert sum(v for _, v in refused) == 2, refused
