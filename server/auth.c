@@ -196,6 +196,28 @@ int auth_reload(auth_t *a, char *err, size_t errlen) {
   return load(a, err, errlen);
 }
 
+bool auth_call_revoked(const rpc_identity_t *id, void *arg) {
+  auth_t *a = arg;
+  if (!auth_enabled(a) || !id->has_credential) return false;
+  bool ok = false;
+  pthread_rwlock_rdlock(&a->lock);
+  for (size_t i = 0; i < a->set.n; i++)
+    if (!strcmp(a->set.v[i].name, id->name) &&
+        !CRYPTO_memcmp(a->set.v[i].digest, id->credential, sizeof id->credential))
+      ok = true;
+  pthread_rwlock_unlock(&a->lock);
+  return !ok;
+}
+
+bool auth_has_principal(auth_t *a, const char *name) {
+  if (!auth_enabled(a)) return true;
+  bool found = false;
+  pthread_rwlock_rdlock(&a->lock);
+  for (size_t i = 0; i < a->set.n && !found; i++) found = !strcmp(a->set.v[i].name, name);
+  pthread_rwlock_unlock(&a->lock);
+  return found;
+}
+
 /* One warn line per second at most, with how many were not logged. */
 static void log_refusal(auth_t *a, rpc_call_t *call, const char *why) {
   int64_t now = rpc_now_ms();
@@ -253,6 +275,8 @@ grpc_status_code auth_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, cha
   if (found != SIZE_MAX) {
     snprintf(id->name, sizeof id->name, "%s", a->set.v[found].name);
     id->admin = a->set.v[found].admin;
+    id->has_credential = true;
+    memcpy(id->credential, digest, sizeof id->credential);
   }
   pthread_rwlock_unlock(&a->lock);
   if (found == SIZE_MAX) {

@@ -34,6 +34,13 @@ bool auth_enabled(const auth_t *a);
  * (the old ones stay). A no-op returning 0 when open. */
 int auth_reload(auth_t *a, char *err, size_t errlen);
 
+/* After a reload: whether the call admitted as id can no longer be (its
+ * token removed, or now another's or its principal's gone). For
+ * rpc_server_end_calls_of (arg: the auth_t). */
+bool auth_call_revoked(const rpc_identity_t *id, void *auth);
+/* Whether principal `name` is in the file loaded last (always when open). */
+bool auth_has_principal(auth_t *a, const char *name);
+
 /* The guard for client-facing methods (guard_arg: the auth_t). */
 grpc_status_code auth_guard(rpc_call_t *call, void *auth, rpc_identity_t *id, char *msg,
                             size_t msglen);

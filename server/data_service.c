@@ -1375,6 +1375,7 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
 
 typedef struct transfer {
   struct transfer *next;
+  struct transfer *undo_next; /* data_service_revoke's list */
   uint64_t id;
   session_t *sess;   /* referenced (a fetch's is its fetch_t's) */
   int64_t expiry_ms; /* the grants', Unix ms */
@@ -1813,6 +1814,25 @@ static void plan_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
   if (rc) finish_error(call, &e);
 }
 
+/* Undoes a planned transfer nobody will finish, taken by the caller: a fetch
+ * (out of the table) is freed with its snapshot; an upload (left in the table,
+ * busy) is deleted on its ranks, gives its slot back and is settled failed, to
+ * be undone again at its expiry (a Write still running could define it until
+ * then) and FinishUpload refused. */
+static void transfer_undo(data_service_t *ds, transfer_t *t) {
+  if (t->fetch) {
+    transfer_free(ds, t, true);
+    return;
+  }
+  session_t *s = t->sess;
+  pthread_mutex_lock(&s->mu);
+  if (!atomic_load(&s->closed) && s->objects)
+    refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
+  pthread_mutex_unlock(&s->mu);
+  transfer_end(s);
+  transfer_settle(ds, t, false, true);
+}
+
 /* A plan's call is over. Cancelled (the client's deadline passed, it gave up,
  * its connection dropped before the status went out), its client never
  * learned the transfer's id and nobody will finish it: its session slot and
@@ -1842,17 +1862,7 @@ static void plan_end(rpc_call_t *call, bool cancelled, void *arg) {
   log_info("data", "PlanTransfer of tensor %llu: its call was cancelled before the answer "
            "reached the client; the direct %s is undone",
            (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), t->fetch ? "fetch" : "upload");
-  if (t->fetch) {
-    transfer_free(ds, t, true);
-    return;
-  }
-  session_t *s = t->sess;
-  pthread_mutex_lock(&s->mu);
-  if (!atomic_load(&s->closed) && s->objects)
-    refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
-  pthread_mutex_unlock(&s->mu);
-  transfer_end(s);
-  transfer_settle(ds, t, false, true);
+  transfer_undo(ds, t);
 }
 
 /* Every receipt checked: the tensor is defined. Any receipt missing, short
@@ -1998,6 +2008,41 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   rpc_call_ref(call);
   rpc_call_set_data(call, f);
   fetch_wait(f);
+}
+
+int data_service_revoke(data_service_t *ds, bool (*gone)(const char *owner, void *arg),
+                        void *arg) {
+  transfer_t *undo = NULL, **pp, *t;
+  pthread_mutex_lock(&ds->mu);
+  for (pp = &ds->pending; (t = *pp);) {
+    session_t *ts = t->fetch ? t->fetch->sess : t->sess;
+    /* Busy: a FinishUpload decides (its call is ended with the principal's);
+     * finished or failed: nothing left to undo before expiry. */
+    if (!ts || t->busy || t->finished || t->failed || !gone(ts->owner, arg)) {
+      pp = &t->next;
+      continue;
+    }
+    if (t->fetch) {
+      *pp = t->next;
+    } else {
+      t->busy = true; /* stays in the table, to be undone again at expiry */
+      pp = &t->next;
+    }
+    t->undo_next = undo;
+    undo = t;
+  }
+  pthread_mutex_unlock(&ds->mu);
+  int n = 0;
+  while ((t = undo)) {
+    undo = t->undo_next;
+    n++;
+    session_t *s = t->fetch ? t->fetch->sess : t->sess;
+    log_info("data", "direct %s of tensor %llu in session %.8s undone: principal '%s' was "
+             "revoked at a tokens reload", t->fetch ? "fetch" : "upload",
+             (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), s->id, s->owner);
+    transfer_undo(ds, t);
+  }
+  return n;
 }
 
 /* ------------------------------------------------------------------ table */

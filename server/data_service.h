@@ -55,6 +55,12 @@ void data_service_set_metrics(data_service_t *ds, struct metrics_registry *m);
 /* The rows (Upload, Fetch, PlanTransfer, FinishUpload, FinishFetch; static storage), *n their count. Register them with
  * the data_service_t * as arg; the service must outlive the server. */
 const rpc_method_t *data_service_methods(size_t *n);
+/* Undoes the planned direct transfers of sessions whose owner gone(owner,
+ * arg) says was revoked (a tokens reload): an upload as at its expiry (its
+ * ref deleted on its ranks, again at expiry, FinishUpload refused), a fetch's
+ * snapshot dropped (FinishFetch refused). How many. */
+int data_service_revoke(data_service_t *ds, bool (*gone)(const char *owner, void *arg),
+                        void *arg);
 void data_service_destroy(data_service_t *ds);
 
 #endif

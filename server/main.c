@@ -292,6 +292,9 @@ static void agents_changed(int healthy, void *arg) {
              healthy >= st->min_agents ? HEALTH_SERVING : HEALTH_NOT_SERVING);
 }
 
+/* data_service_revoke's question: the session's owner is no principal now. */
+static bool revoked_owner(const char *owner, void *auth) { return !auth_has_principal(auth, owner); }
+
 static void default_agent_binary(char *out, size_t len) {
   char self[PATH_MAX];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
@@ -721,7 +724,19 @@ int main(int argc, char **argv) {
     if (sig != SIGHUP) continue;
     int count = auth_reload(auth, err, sizeof err);
     if (count < 0) log_error("server", "SIGHUP: %s; the principals loaded before stay", err);
-    else if (auth_enabled(auth)) log_info("server", "SIGHUP: reloaded %d principal(s) from %s", count, opt.auth_tokens);
+    else if (auth_enabled(auth)) {
+      log_info("server", "SIGHUP: reloaded %d principal(s) from %s", count, opt.auth_tokens);
+      /* A token removed cuts its holder off now, not at its calls' end: its
+       * calls end, and a principal removed loses its planned transfers. */
+      int ended = rpc_server_end_calls_of(srv, auth_call_revoked, auth,
+                                          GRPC_STATUS_UNAUTHENTICATED, "UNAUTHENTICATED",
+                                          "its bearer token was revoked at a reload of "
+                                          "--auth-tokens (SIGHUP); call again with a valid token");
+      int undone = data ? data_service_revoke(data, revoked_owner, auth) : 0;
+      if (ended || undone)
+        log_info("server", "SIGHUP: ended %d call(s) and undid %d planned transfer(s) of revoked "
+                 "tokens", ended, undone);
+    }
     else log_info("server", "SIGHUP: no --auth-tokens to reload");
   }
   log_info("server", "%s: draining for up to %.1f s", strsignal(sig), opt.drain_seconds);

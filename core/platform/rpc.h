@@ -91,6 +91,10 @@ typedef struct rpc_identity {
    * as unauthenticated (rpc_server_opts_t.max_unauthenticated_requests), as
    * every call to a method without a guard does. */
   bool unauthenticated;
+  /* What the guard checked, when it can be revoked later (a bearer token's
+   * digest): rpc_server_end_calls_of asks again with it. */
+  bool has_credential;
+  uint8_t credential[32];
 } rpc_identity_t;
 
 /* Runs before on_start for every call to a guarded method, at its headers
@@ -230,6 +234,13 @@ int rpc_server_active_calls(rpc_server_t *srv);
  * them goes, their on_end runs as usual. How many. */
 int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status_code code,
                          const char *kind, const char *msg);
+/* Ends, as rpc_server_end_calls does, every call not yet ended whose guard's
+ * identity has a credential that revoked(id, arg) says no longer holds (a
+ * token removed at a reload); the status reads "principal 'NAME': msg".
+ * revoked runs without the server's locks. How many. */
+int rpc_server_end_calls_of(rpc_server_t *srv,
+                            bool (*revoked)(const rpc_identity_t *id, void *arg), void *arg,
+                            grpc_status_code code, const char *kind, const char *msg);
 /* Stops accepting new calls; calls already running go on. Idempotent. */
 void rpc_server_stop_accepting(rpc_server_t *srv);
 /* Waits up to grace_seconds for running calls to end, then cancels the rest,

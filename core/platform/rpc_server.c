@@ -748,7 +748,7 @@ static void on_new(rpc_call_t *c, bool ok) {
      * client gave up) leaves the end to this thread, so the call is never
      * ended before on_start and then started (its on_end would never run). */
     char why[300] = "";
-    rpc_identity_t id = {{0}, false, false};
+    rpc_identity_t id = {{0}, false, false, false, {0}};
     c->in_callback++;
     pthread_mutex_unlock(&c->mu);
     grpc_status_code code = c->slot->guard(c, c->slot->guard_arg, &id, why, sizeof why);
@@ -1284,6 +1284,36 @@ int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status
   }
   free(calls);
   return k;
+}
+
+int rpc_server_end_calls_of(rpc_server_t *srv,
+                            bool (*revoked)(const rpc_identity_t *id, void *arg), void *arg,
+                            grpc_status_code code, const char *kind, const char *msg) {
+  pthread_mutex_lock(&srv->mu);
+  int n = 0;
+  for (rpc_call_t *c = srv->live_head; c; c = c->live_next) n++;
+  rpc_call_t **calls = n ? malloc(sizeof *calls * (size_t)n) : NULL;
+  int k = 0;
+  for (rpc_call_t *c = srv->live_head; calls && c; c = c->live_next) {
+    c->refs++; /* as in rpc_server_end_calls */
+    calls[k++] = c;
+  }
+  pthread_mutex_unlock(&srv->mu);
+  int ended = 0;
+  for (int i = 0; i < k; i++) {
+    rpc_call_t *c = calls[i];
+    pthread_mutex_lock(&c->mu);
+    bool has = c->has_identity && c->identity.has_credential;
+    rpc_identity_t id = c->identity;
+    pthread_mutex_unlock(&c->mu);
+    if (has && revoked(&id, arg)) {
+      rpc_call_abort(c, code, kind, "principal '%s': %s", id.name, msg);
+      ended++;
+    }
+    rpc_call_unref(c);
+  }
+  free(calls);
+  return ended;
 }
 
 void rpc_server_shutdown(rpc_server_t *srv, double grace_seconds) {

@@ -894,3 +894,94 @@ def test_a_strangers_many_connections_to_an_agent_hold_bounded_memory(tmp_path, 
         for s in socks:
             s.close()
         lib.stop(p)
+
+
+def _open_submit(s, auth):
+    """A bidi Submit of session s under `auth`, kept open: (queue of commands, replies)."""
+    import queue
+    q = queue.Queue()
+
+    def gen():
+        while True:
+            c = q.get(timeout=30)  # bounded: grpc cancels the call if the test stalls
+            if c is None:
+                return
+            yield c.SerializeToString()
+    fn = s.ch.stream_stream(_SVC + "Submit", request_serializer=lambda b: b,
+                            response_deserializer=lib.tensor_pb2().SubmitReply.FromString)
+    md = ((lib.SESSION_MD, s.id), (lib.TOKEN_MD, s.token)) + tuple(auth)
+    return q, fn(gen(), metadata=md, timeout=30)
+
+
+def _submit_one(s, q, it):
+    q.put(s.command(lib.create_stream(s.new_ref(), f"st{s._ref}")))
+    got = lib.answers(next(it))
+    assert not got[0].HasField("error"), got
+    return got
+
+
+def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(tmp_path):
+    """kill -HUP without bob's token: bob's open Submit stream ends UNAUTHENTICATED naming
+    the revocation, and his planned direct fetch's snapshot is dropped on its agent (its
+    grant reads nothing). carol's token changed: her old-token stream ends, her session
+    works with the new token. alice is untouched."""
+    carol_old, carol_new = "carol-0123456789abcdef", "carol-fedcba9876543210"
+    f = tmp_path / "tokens"
+    f.write_text(f"alice {ALICE}\nbob {BOB}\ncarol {carol_old}\n")
+    p = _start(tmp_path, "--auth-tokens", f, "--transfer-grant-ms", 60000, n=2)
+    try:
+        deadline = time.monotonic() + lib.REGISTER_TIMEOUT
+        t = lib.tensor_pb2()
+        while len([a for a in lib.unary(p.port, _SVC + "ListAgents", t.ListAgentsRequest(),
+                                        t.ListAgentsReply, metadata=bearer(ALICE)).agents
+                   if a.healthy]) < 2:
+            assert time.monotonic() < deadline, lib.log_tail(p.log)
+            time.sleep(0.1)
+        sa = Session(p.port, "a", auth=bearer(ALICE))
+        sb = Session(p.port, "b", auth=bearer(BOB))
+        sc = Session(p.port, "c", auth=bearer(carol_old))
+        streams = {}
+        for name, s, tok in (("a", sa, ALICE), ("b", sb, BOB), ("c", sc, carol_old)):
+            q, it = _open_submit(s, bearer(tok))
+            _submit_one(s, q, it)
+            streams[name] = (s, q, it)
+        m = sb.mesh(gpu=2)
+        x = sb.tensor(m.ref, (8,))
+        fetch = sb.unary("PlanTransfer", t.PlanTransferRequest(fetch=t.FetchRequest(
+            ref=x.ref, coords=[t.Coordinate(dim="gpu", index=0)])), t.PlanTransferReply)
+        shard = fetch.shards[0]
+
+        f.write_text(f"alice {ALICE}\ncarol {carol_new}\n")  # bob revoked, carol rotated
+        os.kill(p.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "SIGHUP: reloaded" not in lib.log_tail(p.log, 400):
+            assert time.monotonic() < deadline, lib.log_tail(p.log)
+            time.sleep(0.05)
+        time.sleep(0.5)  # what the reload does after its log line
+
+        for name in ("b", "c"):
+            s, q, it = streams[name]
+            with pytest.raises(grpc.RpcError) as e:
+                _submit_one(s, q, it)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, e.value)
+            assert "revoked at a reload" in e.value.details(), e.value.details()
+        s, q, it = streams["a"]  # another principal's stream goes on
+        _submit_one(s, q, it)
+        q.put(None)
+        assert list(it) == [] and it.code() == grpc.StatusCode.OK
+        # carol's session, with her new token: unary calls and a new stream
+        sc.auth = bearer(carol_new)
+        assert not sc.run(lib.create_stream(sc.new_ref(), "after")).HasField("error")
+        q, it = _open_submit(sc, bearer(carol_new))
+        _submit_one(sc, q, it)
+        q.put(None)
+        list(it)
+        # bob's planned fetch: its snapshot is gone from the agent
+        from test_direct import agent_read
+        with pytest.raises(grpc.RpcError) as e:
+            agent_read(shard, sb.id, x.ref)
+        assert "no snapshot" in e.value.details(), e.value.details()
+        for s in (sa, sb, sc):
+            s.shut()
+    finally:
+        assert lib.stop(p) == 0
