@@ -40,7 +40,7 @@ typedef struct options {
   int64_t local_agent_metrics_port_base;
   const char *local_agent_device;
   const char *tls_cert, *tls_key, *tls_client_ca, *auth_tokens, *health_listen;
-  int64_t max_sessions_per_principal, max_streams_per_connection, max_unauthenticated_requests;
+  int64_t max_sessions, max_sessions_per_principal, max_streams_per_connection, max_unauthenticated_requests;
   double max_connection_idle;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   int64_t link_hold_ms, link_lone_ms;
@@ -154,6 +154,9 @@ static const config_flag_t flags[] = {
     {"health-listen", CONFIG_STRING, NULL,
      "also serve only grpc.health.v1, in plaintext, here (kubelet probes when --listen is TLS)",
      &opt.health_listen, 0, 0},
+    {"max-sessions", CONFIG_INT, "10000",
+     "open sessions the server may hold, every principal together (0: no bound)",
+     &opt.max_sessions, 0, 1LL << 32},
     {"max-sessions-per-principal", CONFIG_INT, "256",
      "open sessions one principal may hold (0: no bound)", &opt.max_sessions_per_principal, 0,
      1 << 24},
@@ -529,6 +532,7 @@ int main(int argc, char **argv) {
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel
    * (--agent-timeout), not by pinging their registration call. */
   session_table_set_owner_limit(sessions, (uint64_t)opt.max_sessions_per_principal);
+  session_table_set_max_sessions(sessions, (uint64_t)opt.max_sessions);
   rpc_server_opts_t so = {.listen = opt.listen,
                           .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes,

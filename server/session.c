@@ -20,6 +20,9 @@ struct session_table {
   session_t *by_id;    /* uthash, in creation order; holds one ref each */
   uint64_t default_ttl_s, default_quota;
   uint64_t max_per_owner; /* 0: none */
+  uint64_t max_sessions;  /* 0: none */
+  uint64_t last_seq;      /* the last session_t.seq given */
+  uint32_t epoch;         /* random, per table: page tokens of another run are refused */
   session_limits_t limits;
   session_closed_fn on_closed;
   void *arg;
@@ -178,6 +181,8 @@ session_table_t *session_table_create(uint64_t default_ttl_s, uint64_t default_q
   t->default_quota = default_quota_bytes;
   t->on_closed = on_closed;
   t->arg = arg;
+  while (getrandom(&t->epoch, sizeof t->epoch, 0) < 0 && errno == EINTR) {
+  }
   atomic_store(&t->accepting, true);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -268,6 +273,14 @@ void session_table_set_owner_limit(session_table_t *t, uint64_t max_per_owner) {
   pthread_mutex_unlock(&t->mu);
 }
 
+uint32_t session_table_epoch(const session_table_t *t) { return t->epoch; }
+
+void session_table_set_max_sessions(session_table_t *t, uint64_t max_sessions) {
+  pthread_mutex_lock(&t->mu);
+  t->max_sessions = max_sessions;
+  pthread_mutex_unlock(&t->mu);
+}
+
 /* Under t->mu. */
 static uint64_t owned_by(const session_table_t *t, const char *owner) {
   uint64_t n = 0;
@@ -311,6 +324,18 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
     free(s);
     return -1;
   }
+  uint64_t open_now = HASH_COUNT(t->by_id);
+  if (t->max_sessions && open_now >= t->max_sessions) {
+    uint64_t limit = t->max_sessions;
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_QUOTA,
+              "CreateSession: the server holds %llu open sessions, the most --max-sessions "
+              "(%llu) allows; retry once sessions close",
+              (unsigned long long)open_now, (unsigned long long)limit);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+    return -1;
+  }
   s->limits = t->limits;
   for (;;) {
     if (random_hex(s->id, SESSION_ID_LEN / 2) != 0) {
@@ -324,6 +349,7 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
     HASH_FIND_STR(t->by_id, s->id, dup);
     if (!dup) break;
   }
+  s->seq = ++t->last_seq;
   HASH_ADD_STR(t->by_id, id, s);
   pthread_mutex_unlock(&t->mu);
   log_event(LOG_LEVEL_INFO, "session", &(log_fields_t){.session = s->id},
@@ -451,6 +477,22 @@ size_t session_count(session_table_t *t) {
   return n;
 }
 
+/* Under t->mu. */
+static void info_of(session_t *s, int64_t now, session_info_t *r) {
+  memcpy(r->id, s->id, sizeof r->id);
+  memcpy(r->owner, s->owner, sizeof r->owner);
+  memcpy(r->client_name, s->client_name, sizeof r->client_name);
+  r->bytes_held = atomic_load(&s->bytes_held);
+  r->live_tensors = atomic_load(&s->live_tensors);
+  r->queued_commands = atomic_load(&s->queued_commands);
+  r->commands = atomic_load(&s->commands);
+  r->age_ms = now > s->created_ms ? (uint64_t)(now - s->created_ms) : 0;
+  int64_t idle = now - atomic_load(&s->last_used_ms);
+  r->idle_ms = idle > 0 && atomic_load(&s->calls) == 0 ? (uint64_t)idle : 0;
+  r->ttl_s = s->ttl_s;
+  r->seq = s->seq;
+}
+
 int session_list(session_table_t *t, session_info_t **out, size_t *n) {
   *out = NULL;
   *n = 0;
@@ -463,22 +505,50 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n) {
     return -1;
   }
   size_t i = 0;
-  for (session_t *s = t->by_id; s; s = s->hh.next, i++) {
-    memcpy(v[i].id, s->id, sizeof v[i].id);
-    memcpy(v[i].owner, s->owner, sizeof v[i].owner);
-    memcpy(v[i].client_name, s->client_name, sizeof v[i].client_name);
-    v[i].bytes_held = atomic_load(&s->bytes_held);
-    v[i].live_tensors = atomic_load(&s->live_tensors);
-    v[i].queued_commands = atomic_load(&s->queued_commands);
-    v[i].commands = atomic_load(&s->commands);
-    v[i].age_ms = now > s->created_ms ? (uint64_t)(now - s->created_ms) : 0;
-    int64_t idle = now - atomic_load(&s->last_used_ms);
-    v[i].idle_ms = idle > 0 && atomic_load(&s->calls) == 0 ? (uint64_t)idle : 0;
-    v[i].ttl_s = s->ttl_s;
-  }
+  for (session_t *s = t->by_id; s; s = s->hh.next, i++) info_of(s, now, &v[i]);
   pthread_mutex_unlock(&t->mu);
   *out = v;
   *n = count;
+  return 0;
+}
+
+int session_list_page(session_table_t *t, const char *owner, uint64_t after, size_t limit,
+                      session_info_t **out, size_t *n, uint64_t *next) {
+  *out = NULL;
+  *n = 0;
+  *next = 0;
+  if (limit == 0) limit = 1;
+  int64_t now = rpc_now_ms();
+  pthread_mutex_lock(&t->mu);
+  if (after > t->last_seq) {
+    pthread_mutex_unlock(&t->mu);
+    return -2;
+  }
+  /* by_id is in creation order, so seq increases along it. */
+  size_t count = HASH_COUNT(t->by_id);
+  size_t cap = count < limit ? count : limit;
+  session_info_t *v = cap ? calloc(cap, sizeof *v) : NULL;
+  if (cap && !v) {
+    pthread_mutex_unlock(&t->mu);
+    return -1;
+  }
+  size_t i = 0;
+  for (session_t *s = t->by_id; s; s = s->hh.next) {
+    if (s->seq <= after) continue;
+    if (owner && strcmp(s->owner, owner) != 0) continue;
+    if (i == cap) {
+      *next = v[i - 1].seq; /* another row follows */
+      break;
+    }
+    info_of(s, now, &v[i++]);
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (!i) {
+    free(v);
+    v = NULL;
+  }
+  *out = v;
+  *n = i;
   return 0;
 }
 

@@ -100,6 +100,7 @@ typedef struct session {
   _Atomic int refs;
   _Atomic int calls; /* references held by calls in flight: every one but the table's */
   _Atomic bool closed;
+  uint64_t seq;      /* 1, 2, ... in creation order (ListSessions' page tokens) */
   UT_hash_handle hh; /* the table's by-id index */
 } session_t;
 
@@ -133,13 +134,19 @@ bool session_table_accepting(const session_table_t *t);
 
 /* Open sessions one principal may hold at once (0: no bound). Default 0. */
 void session_table_set_owner_limit(session_table_t *t, uint64_t max_per_owner);
+/* Open sessions the whole server may hold at once, every principal together
+ * (--max-sessions; 0: no bound). Default 0. */
+void session_table_set_max_sessions(session_table_t *t, uint64_t max_sessions);
+/* A random number drawn when the table was made: ListSessions' page tokens
+ * carry it, so that one from before a restart is refused, not misread. */
+uint32_t session_table_epoch(const session_table_t *t);
 
 /* A new open session of principal `owner` with a random id and token. ttl_s 0
  * or quota_bytes 0 take the table's defaults. The caller validates its
  * arguments (session_service.c does); client_name is truncated to
  * SESSION_CLIENT_NAME_MAX. Returns 0 with *out acquired (release it), or -1
- * with err: QUOTA when the owner holds the most sessions allowed, UNAVAILABLE
- * out of memory. */
+ * with err: QUOTA when the owner or the server holds the most sessions allowed,
+ * UNAVAILABLE out of memory. */
 int session_create(session_table_t *t, const char *owner, const char *client_name, uint64_t ttl_s,
                    uint64_t quota_bytes, session_t **out, meshd_error_t *err);
 
@@ -204,11 +211,19 @@ typedef struct session_info {
   uint64_t age_ms;   /* since it was created */
   uint64_t idle_ms; /* 0 while a call is in flight */
   uint64_t ttl_s;
+  uint64_t seq; /* creation order (session_t.seq) */
 } session_info_t;
 
 /* Open sessions, oldest first, as a malloc'd array of *n rows (free() it; NULL
  * when there are none). Returns 0, or -1 out of memory. */
 int session_list(session_table_t *t, session_info_t **out, size_t *n);
+/* One page of session_list: at most limit (>= 1) rows of owner's sessions
+ * (NULL: everyone's) created after the session numbered `after` (0: from the
+ * first), oldest first. *next is the seq of the last row when more rows
+ * follow, 0 on the last page. Returns 0; -1 out of memory; -2 when `after` is
+ * no seq this table ever gave (a forged page token). */
+int session_list_page(session_table_t *t, const char *owner, uint64_t after, size_t limit,
+                      session_info_t **out, size_t *n, uint64_t *next);
 
 /* Claims ref for a new object of s. Refs are >= 1 and strictly increase within
  * a session; a claimed ref stays claimed even if the command then fails.

@@ -1,5 +1,7 @@
 #include "session_service.h"
 
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,11 +133,61 @@ static void keep_alive(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
   rpc_call_reply(call, &reply.base);
 }
 
-/* ListSessions shows a principal its own sessions; an admin sees every one. */
+/* ListSessions shows a principal its own sessions; an admin sees every one.
+ * Paged: a page token is "SEQ.EPOCH", the decimal seq of the last session a
+ * page showed and the table's epoch in 8 hex digits. */
+#define LIST_SESSIONS_PAGE_DEFAULT 1000
+#define LIST_SESSIONS_PAGE_MAX 5000
+
+static bool parse_page_token(const char *tok, uint32_t epoch, uint64_t *out) {
+  *out = 0;
+  if (!tok || !tok[0]) return true;
+  char want[16];
+  snprintf(want, sizeof want, ".%08x", epoch);
+  const char *dot = strchr(tok, '.');
+  if (!dot || strcmp(dot, want) != 0) return false;
+  size_t len = (size_t)(dot - tok);
+  if (len == 0 || len > 20 || tok[0] == '0') return false;
+  uint64_t v = 0;
+  for (size_t i = 0; i < len; i++) {
+    if (tok[i] < '0' || tok[i] > '9') return false;
+    unsigned d = (unsigned)(tok[i] - '0');
+    if (v > (UINT64_MAX - d) / 10) return false;
+    v = v * 10 + d;
+  }
+  *out = v;
+  return true;
+}
+
 static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
+  const Meshd__V1__ListSessionsRequest *r = (const Meshd__V1__ListSessionsRequest *)req;
+  uint64_t after;
+  if (!parse_page_token(r->page_token, session_table_epoch(arg), &after)) {
+    meshd_error_t e;
+    error_set(&e, ERR_BAD_ARGUMENT,
+              "ListSessions: page_token is not a next_page_token this server gave (a "
+              "restarted server starts over); send \"\" for the first page");
+    fail(call, &e);
+    return;
+  }
+  size_t limit = r->page_size == 0 ? LIST_SESSIONS_PAGE_DEFAULT
+                 : r->page_size > LIST_SESSIONS_PAGE_MAX ? LIST_SESSIONS_PAGE_MAX
+                                                         : r->page_size;
+  const rpc_identity_t *id = rpc_call_identity(call);
+  bool all = !id || id->admin;
   session_info_t *v;
   size_t n;
-  if (session_list(arg, &v, &n) != 0) {
+  uint64_t next;
+  int rc = session_list_page(arg, all ? NULL : id->name, after, limit, &v, &n, &next);
+  if (rc == -2) {
+    meshd_error_t e;
+    error_set(&e, ERR_BAD_ARGUMENT,
+              "ListSessions: page_token is not a next_page_token this server gave (a "
+              "restarted server starts over); send \"\" for the first page");
+    fail(call, &e);
+    return;
+  }
+  if (rc != 0) {
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing sessions");
     return;
   }
@@ -148,11 +200,7 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing sessions");
     return;
   }
-  const rpc_identity_t *id = rpc_call_identity(call);
-  bool all = !id || id->admin;
-  size_t shown = 0;
   for (size_t i = 0; i < n; i++) {
-    if (!all && strcmp(v[i].owner, id->name) != 0) continue;
     Meshd__V1__SessionInfo row = MESHD__V1__SESSION_INFO__INIT;
     row.session_id = v[i].id;
     row.owner = v[i].owner;
@@ -163,13 +211,17 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
     row.queued_commands = v[i].queued_commands;
     row.commands = v[i].commands;
     row.age_ms = v[i].age_ms;
-    rows[shown] = row;
-    ptrs[shown] = &rows[shown];
-    shown++;
+    rows[i] = row;
+    ptrs[i] = &rows[i];
   }
+  char token[40] = "";
+  if (next)
+    snprintf(token, sizeof token, "%llu.%08x", (unsigned long long)next,
+             session_table_epoch(arg));
   Meshd__V1__ListSessionsReply reply = MESHD__V1__LIST_SESSIONS_REPLY__INIT;
   reply.sessions = ptrs;
-  reply.n_sessions = shown;
+  reply.n_sessions = n;
+  reply.next_page_token = token;
   rpc_call_reply(call, &reply.base);
   free(ptrs);
   free(rows);

@@ -556,10 +556,13 @@ void meshd_server_info_free(meshd_server_info_t *info) {
 
 #define TS "/meshd.v1.TensorService/"
 
+#define MESHD_SESSIONS_MAX (1u << 24)
+
 meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, size_t *n) {
   ProtobufCMessage *resp = NULL;
   meshd_session_info_t *out = NULL;
-  size_t count = 0;
+  size_t count = 0, cap = 0;
+  char *token = NULL;
 
   if (!client)
     return MESHD_E_INVALID;
@@ -570,19 +573,34 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
   }
   *list = NULL;
   *n = 0;
-  Meshd__V1__ListSessionsRequest req = MESHD__V1__LIST_SESSIONS_REQUEST__INIT;
-  meshd_err_t ret = call(client, TS "ListSessions", &req.base,
-                         &meshd__v1__list_sessions_reply__descriptor, &resp);
-  if (ret != MESHD_E_OK)
-    return ret;
-  const Meshd__V1__ListSessionsReply *reply = (const Meshd__V1__ListSessionsReply *)resp;
-  if (reply->n_sessions > 0) {
-    out = calloc(reply->n_sessions, sizeof *out);
-    if (!out)
-      goto nomem;
-    for (; count < reply->n_sessions; count++) {
-      const Meshd__V1__SessionInfo *si = reply->sessions[count];
-      meshd_session_info_t *d = &out[count];
+  /* ListSessions is paged: follow next_page_token to the last page. */
+  for (;;) {
+    Meshd__V1__ListSessionsRequest req = MESHD__V1__LIST_SESSIONS_REQUEST__INIT;
+    if (token)
+      req.page_token = token;
+    meshd_err_t ret = call(client, TS "ListSessions", &req.base,
+                           &meshd__v1__list_sessions_reply__descriptor, &resp);
+    free(token);
+    token = NULL;
+    if (ret != MESHD_E_OK) {
+      meshd_sessions_free(out, count);
+      return ret;
+    }
+    const Meshd__V1__ListSessionsReply *reply = (const Meshd__V1__ListSessionsReply *)resp;
+    if (reply->n_sessions > cap - count) {
+      size_t want = count + reply->n_sessions;
+      if (want < cap * 2)
+        want = cap * 2;
+      meshd_session_info_t *grown = realloc(out, want * sizeof *out);
+      if (!grown)
+        goto nomem;
+      memset(grown + cap, 0, (want - cap) * sizeof *grown);
+      out = grown;
+      cap = want;
+    }
+    for (size_t i = 0; i < reply->n_sessions; i++) {
+      const Meshd__V1__SessionInfo *si = reply->sessions[i];
+      meshd_session_info_t *d = &out[count++];
       d->bytes_held = si->bytes_held;
       d->live_tensors = si->live_tensors;
       d->idle_ms = si->idle_ms;
@@ -592,15 +610,31 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
       d->session_id = dup_str(si->session_id);
       d->client_name = dup_str(si->client_name);
       d->owner = dup_str(si->owner);
-      if (!d->session_id || !d->client_name || !d->owner) {
-        count++;
+      if (!d->session_id || !d->client_name || !d->owner)
         goto nomem;
-      }
     }
+    if (reply->next_page_token && reply->next_page_token[0]) {
+      /* A page that shows nothing yet says more follow, or a list past
+       * any server's bound: a server leading the client on, not a list. */
+      if (reply->n_sessions == 0 || count > MESHD_SESSIONS_MAX) {
+        protobuf_c_message_free_unpacked(resp, NULL);
+        meshd_sessions_free(out, count);
+        set_error(client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                  "meshd_sessions: the server's ListSessions pages do not end (%s)",
+                  reply->n_sessions ? "over 16M sessions" : "an empty page with a next_page_token");
+        return MESHD_E_RPC;
+      }
+      token = dup_str(reply->next_page_token);
+      if (!token)
+        goto nomem;
+    }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    resp = NULL;
+    if (!token)
+      break;
   }
   *list = out;
   *n = count;
-  protobuf_c_message_free_unpacked(resp, NULL);
   return MESHD_E_OK;
 nomem:
   set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_sessions: out of memory");

@@ -250,7 +250,7 @@ typedef struct meshd_session_info {
   uint64_t queued_commands;
 } meshd_session_info_t;
 
-/* meshd.v1.TensorService/ListSessions. On MESHD_E_OK, *list is an array of *n
+/* meshd.v1.TensorService/ListSessions, every page. On MESHD_E_OK, *list is an array of *n
  * sessions owned by the caller: free it with meshd_sessions_free(*list, *n).
  * With none, *list = NULL and *n = 0; the same on failure. */
 MESHD_API meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list,

@@ -264,7 +264,7 @@ export interface UnaryMethods {
   GetInfo: [Record<string, never>, GetInfoReply];
   /** admin principals only; drain false puts the rank back */
   DrainAgent: [{ rank: number; drain?: boolean }, { agent: AgentInfo | null }];
-  ListSessions: [Record<string, never>, { sessions: SessionInfo[] }];
+  ListSessions: [{ page_size?: number; page_token?: string }, { sessions: SessionInfo[]; next_page_token: string }];
   ListOps: [Record<string, never>, { ops: OpInfo[] }];
   Execute: [Command & { seq: number }, CommandResult];
   InspectUrl: [{ url: string; mesh?: number }, InspectUrlReply];
