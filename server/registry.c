@@ -26,6 +26,10 @@ typedef struct conn {
    * marked healthy, so from now on an unhealthy agent has lost its link.
    * ending: the registry asked the call to end (once). */
   bool dialed, ending;
+  /* Under the registry's mu: a message came (REGISTRY_FIRST_MESSAGE_MS), and
+   * when the call opened (CLOCK_MONOTONIC, ms). */
+  bool heard;
+  int64_t opened_ms;
   /* Its agent's removal, off the rpc loop (remove_agent): the conn goes with it. */
   struct registry *reg;
   const char *gone_why;
@@ -76,6 +80,12 @@ static void reject(registry_t *r, rpc_call_t *call, grpc_status_code code, const
   rpc_call_finish(call, code, NULL, "%s", msg);
 }
 
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 static bool is_hex(const char *s, size_t n) {
   for (size_t i = 0; i < n; i++)
     if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f') ||
@@ -103,6 +113,9 @@ static grpc_status_code guard(rpc_call_t *call, void *arg, rpc_identity_t *id, c
   }
   if (!why) {
     snprintf(id->name, sizeof id->name, "agent");
+    /* Open registry: anyone. Until its first message the call counts against
+     * --max-unauthenticated-requests like any stranger's request. */
+    id->unauthenticated = !r->o.join_tokens && !r->o.require_cluster_cert;
     return GRPC_STATUS_OK;
   }
   int held = 0;
@@ -271,6 +284,7 @@ static void on_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   }
   c->call = call;
   c->rank = -1;
+  c->opened_ms = mono_ms();
   rpc_call_ref(call);
   pthread_mutex_lock(&r->mu);
   c->next = r->conns;
@@ -285,6 +299,9 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   registry_t *r = arg;
   conn_t *c = rpc_call_data(call);
   if (!c) return;
+  pthread_mutex_lock(&r->mu);
+  c->heard = true;
+  pthread_mutex_unlock(&r->mu);
   if (!msg) { /* the agent said goodbye */
     rpc_call_finish(call, GRPC_STATUS_OK, NULL, "goodbye");
     return;
@@ -463,7 +480,15 @@ static void sweep(registry_t *r) {
     pthread_mutex_unlock(&r->mu);
     return;
   }
+  int64_t now = mono_ms();
   for (conn_t *c = r->conns; c; c = c->next) {
+    if (!c->heard && !c->ending && now - c->opened_ms >= REGISTRY_FIRST_MESSAGE_MS) {
+      c->ending = true;
+      rpc_call_finish(c->call, GRPC_STATUS_DEADLINE_EXCEEDED, NULL,
+                      "no RegisterRequest within %.1f s of the call's start: an agent sends it "
+                      "at once", REGISTRY_FIRST_MESSAGE_MS / 1000.0);
+      continue;
+    }
     if (!c->dialed || c->ending || ((size_t)c->rank < world && healthy[c->rank])) continue;
     c->ending = true;
     /* A server that stops ends its local agents' links itself: not a loss. */

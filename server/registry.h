@@ -45,6 +45,10 @@ typedef struct registry registry_t;
 #define REGISTRY_SWEEP_MS 250
 #define REGISTRY_PING_MS 1000 /* keepalive period of the dial-back channels */
 #define REGISTRY_DIALERS 16   /* dial-backs at once */
+/* A registration call whose first message has not come this long after it
+ * opened is ended (DEADLINE_EXCEEDED): an agent sends its RegisterRequest at
+ * once; a stranger's silent calls would be held for ever. */
+#define REGISTRY_FIRST_MESSAGE_MS 5000
 
 typedef struct registry_opts {
   const char *server_id;

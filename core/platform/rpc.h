@@ -184,7 +184,8 @@ typedef struct rpc_server_opts {
    * and a read makes gRPC take the whole message, up to max_message_bytes.
    * Calls that nothing authenticated (methods without a guard, identities
    * marked unauthenticated) may have at most this many requests incomplete
-   * at once; past it the oldest is cancelled RESOURCE_EXHAUSTED. What
+   * at once (a streaming request counts until its first message comes);
+   * past it the oldest is cancelled RESOURCE_EXHAUSTED. What
    * strangers make the server hold before a guard: about this many messages.
    * <= 0: RPC_DEFAULT_MAX_UNAUTHENTICATED; never below 2 * max(4, 2 * threads)
    * + threads (the calls a burst of probes has queued ahead of its reads). */

@@ -90,6 +90,9 @@ struct rpc_call {
   /* A unary or server-streaming call whose request is being read: on_start
    * waits for it. */
   bool first_read;
+  /* A streaming request of a caller not authenticated, in srv's open list
+   * until its first message (or half-close) comes. */
+  bool stream_open;
   /* Under srv->mu: one of srv's open requests (a caller not authenticated,
    * its request incomplete), and its place in that list, oldest first. */
   bool in_open;
@@ -788,6 +791,12 @@ static void on_new(rpc_call_t *c, bool ok) {
     pthread_mutex_unlock(&c->mu);
     return;
   }
+  /* A stream of a caller nothing authenticated counts too until its first
+   * message: a stranger's silent streams are bounded like its requests. */
+  if (!c->slot->guard || c->identity.unauthenticated) {
+    open_add(c);
+    c->stream_open = true;
+  }
   begin_locked(c, NULL);
   pthread_mutex_unlock(&c->mu);
 }
@@ -801,6 +810,10 @@ static void on_read(rpc_call_t *c, bool ok) {
   bool first = c->first_read;
   c->first_read = false;
   if (first) open_remove(c);
+  if (c->stream_open) {
+    c->stream_open = false;
+    open_remove(c);
+  }
   if (c->closed || c->status_queued) {
     if (buf) grpc_byte_buffer_destroy(buf);
     return;

@@ -4,12 +4,12 @@
  *    "__metadata__": {"format": "pt"}}
  * Offsets count from the end of the header. The JSON goes through json-c
  * (reentrant, exact 64-bit integers). Its objects keep the last of duplicate
- * keys, as the reference reader (serde) does; a duplicated tensor's earlier
- * bytes are then a gap, which this reader allows (the reference refuses gaps
- * between tensors; they are harmless here: only overlaps are refused). Even
- * in strict mode json-c takes a few things JSON does not: single-quoted keys,
- * NaN and Infinity (refused anyway where a number is read: sizes and offsets
- * must be integers), and a key holding \u0000 is cut there. */
+ * keys and cut a key at \u0000, so the header's names are checked apart
+ * (check_names): a name given twice, or holding \u0000, is refused. Gaps
+ * between tensors are allowed (the reference refuses them; they are harmless
+ * here: only overlaps are refused). Even in strict mode json-c takes a few
+ * things JSON does not: single-quoted keys and NaN and Infinity (refused
+ * anyway where a number is read: sizes and offsets must be integers). */
 #include <inttypes.h>
 #include <json-c/json.h>
 #include <stdbool.h>
@@ -175,6 +175,102 @@ int tensor_file_json(const char *ctx, const char *text, size_t n, const char *pa
   return rc;
 }
 
+typedef struct {
+  const char *s;
+  size_t len;
+} key_t_;
+
+static int by_key(const void *a, const void *b) {
+  const key_t_ *x = a, *y = b;
+  size_t n = x->len < y->len ? x->len : y->len;
+  int c = memcmp(x->s, y->s, n);
+  return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* json-c keeps the last of duplicate keys and cuts a key at \u0000, so two
+ * tensors could silently become one. The root object's keys are found by a
+ * scan of its text (valid JSON: json-c parsed it) that follows only strings
+ * and brackets, and each is decoded by json-c: a name that holds NUL or
+ * appears twice is refused. */
+static int check_names(const char *text, size_t n, meshd_error_t *e) {
+  struct json_tokener *tok = json_tokener_new_ex(2);
+  key_t_ *keys = NULL;
+  json_object **held = NULL;
+  size_t nkeys = 0, cap = 0, nheld = 0;
+  int depth = 0, rc = 0;
+  if (!tok) return error_set(e, ERR_QUOTA, CTX ": out of memory");
+  for (size_t i = 0; i < n && !rc; i++) {
+    char ch = text[i];
+    if (ch == '{' || ch == '[') depth++;
+    else if (ch == '}' || ch == ']') depth--;
+    if (ch != '"' && ch != '\'') continue;
+    size_t k = i + 1; /* the closing quote */
+    for (; k < n && text[k] != ch; k++)
+      if (text[k] == '\\') k++;
+    if (k >= n) break;
+    size_t after = k + 1;
+    while (after < n && strchr(" \t\r\n", text[after])) after++;
+    bool key = depth == 1 && after < n && text[after] == ':';
+    size_t start = i;
+    i = k;
+    if (!key) continue;
+    const char *s = text + start + 1;
+    size_t len = k - start - 1;
+    if (memchr(s, '\\', len)) { /* escapes: json-c decodes them */
+      json_tokener_reset(tok);
+      json_object *o = json_tokener_parse_ex(tok, text + start, (int)(k - start + 1));
+      if (!o || !json_object_is_type(o, json_type_string)) {
+        json_object_put(o);
+        rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": cannot read the name at byte %zu", start);
+        break;
+      }
+      if (nheld % 64 == 0) {
+        json_object **h = realloc(held, (nheld + 64) * sizeof *h);
+        if (!h) {
+          json_object_put(o);
+          rc = error_set(e, ERR_QUOTA, CTX ": out of memory");
+          break;
+        }
+        held = h;
+      }
+      held[nheld++] = o;
+      s = json_object_get_string(o);
+      len = (size_t)json_object_get_string_len(o);
+    }
+    if (memchr(s, '\0', len)) {
+      rc = error_set(e, ERR_BAD_ARGUMENT,
+                     CTX ": the name '%.*s\\u0000...' holds \\u0000 (NUL), which tensor names "
+                     "must not", (int)strnlen(s, TF_NAME_MAX), s);
+      break;
+    }
+    if (nkeys == cap) {
+      size_t ncap = cap ? 2 * cap : 64;
+      key_t_ *nk = realloc(keys, ncap * sizeof *nk);
+      if (!nk) {
+        rc = error_set(e, ERR_QUOTA, CTX ": out of memory");
+        break;
+      }
+      keys = nk;
+      cap = ncap;
+    }
+    keys[nkeys++] = (key_t_){s, len};
+  }
+  if (!rc && nkeys > 1) {
+    qsort(keys, nkeys, sizeof *keys, by_key);
+    for (size_t i = 1; i < nkeys && !rc; i++)
+      if (!by_key(&keys[i - 1], &keys[i]))
+        rc = error_set(e, ERR_BAD_ARGUMENT,
+                       CTX ": the name '%.*s' appears more than once (each tensor must be named "
+                       "once)", (int)(keys[i].len < TF_NAME_MAX ? keys[i].len : TF_NAME_MAX),
+                       keys[i].s);
+  }
+  for (size_t i = 0; i < nheld; i++) json_object_put(held[i]);
+  free(held);
+  free(keys);
+  json_tokener_free(tok);
+  return rc;
+}
+
 int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_opts_t *o,
                              tensor_file_t *out, uint64_t *need, meshd_error_t *e) {
   uint64_t n = 0;
@@ -198,6 +294,10 @@ int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_o
                      "file?)");
   json_object *root;
   if (tensor_file_json(CTX, (const char *)buf + 8, n, " ", &root, e)) return -1;
+  if (check_names((const char *)buf + 8, n, e)) {
+    json_object_put(root);
+    return -1;
+  }
   uint64_t data_size = o->file_size ? o->file_size - data_start : UINT64_MAX;
   size_t cap = (size_t)json_object_object_length(root);
   int rc = -1;

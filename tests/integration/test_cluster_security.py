@@ -275,6 +275,59 @@ def test_refusals_after_the_guard_are_logged_at_a_bounded_rate(meshd_server):
     assert 1 <= logged <= 20, f"{logged} lines for 40 failed dial-backs"
 
 
+def test_silent_registrations_are_ended_and_bounded(meshd_server, agent):
+    """An open registry admits anyone to RegisterAgent: a stranger's calls that never send
+    their RegisterRequest are ended after a bounded time, at most about
+    --max-unauthenticated-requests of them are held at once (the oldest ended past it), and
+    real agents register and compute meanwhile."""
+    srv = meshd_server(0, "--max-unauthenticated-requests", "32", min_agents=0)
+    reg = lib.registry_pb2()
+    stop = threading.Event()
+
+    def silent():  # opens the call, never sends a message
+        stop.wait(60)
+        return
+        yield
+
+    chans = [lib.channel(srv.port) for _ in range(4)]
+    try:
+        calls = []
+        for ch in chans:
+            fn = ch.stream_stream(_REGISTER, request_serializer=_serialize,
+                                  response_deserializer=reg.ServerToAgent.FromString)
+            calls += [fn(silent(), timeout=60) for _ in range(40)]
+        # Real agents register and compute while the stranger holds its calls.
+        agent(srv.port, rank=0)
+        agent(srv.port, rank=1)
+        lib.wait_agents(srv.port, lambda a: len(lib.healthy_ranks(a)) == 2, what="2 agents")
+        _compute_on_two_ranks(srv.port)
+        # Past the bound, the oldest are ended at once ...
+        deadline = time.monotonic() + 5
+        while sum(c.done() for c in calls) < len(calls) - 32 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = [c for c in calls if c.done()]
+        assert len(ended) >= len(calls) - 32, f"{len(calls) - len(ended)} silent calls held"
+        # ... and every one within a bounded time, saying why.
+        deadline = time.monotonic() + 15
+        while not all(c.done() for c in calls) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = [c for c in calls if not c.done()]
+        assert not held, f"{len(held)} silent registration calls still open after 15 s"
+        for c in calls:
+            assert c.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                grpc.StatusCode.DEADLINE_EXCEEDED), (c.code(), c.details())
+            assert ("RegisterRequest" in c.details() or
+                    "--max-unauthenticated-requests" in c.details()), c.details()
+        assert any("RegisterRequest" in c.details() for c in calls)
+        # The agents were not disturbed.
+        assert len(lib.healthy_ranks(lib.list_agents(srv.port))) == 2
+        _compute_on_two_ranks(srv.port)
+    finally:
+        stop.set()
+        for ch in chans:
+            ch.close()
+
+
 def test_local_agents_get_a_private_join_token(meshd_server, agent):
     srv = lib.wait_ready(meshd_server(1), 1)
     kids = lib.agent_children(srv.pid)

@@ -280,6 +280,33 @@ def test_safetensors_header_past_the_first_read(shared_meshd, files):
              st[k][1:])
 
 
+def test_safetensors_names_given_twice_or_holding_nul_are_refused(shared_meshd, files):
+    """json-c keeps the last of duplicate keys and cuts a key at \\u0000: two tensors of
+    one name (or of names equal up to a NUL) would silently become one."""
+    root, f = files
+    srv = shared_meshd(2)
+    w = '{"dtype": "F32", "shape": [2], "data_offsets": [%d, %d]}'
+    cases = {
+        "dup.safetensors": ('{"w": %s, "w": %s}' % (w % (0, 8), w % (8, 16)),
+                            "'w' appears more than once"),
+        "dupesc.safetensors": ('{"w": %s, "\\u0077": %s}' % (w % (0, 8), w % (8, 16)),
+                               "'w' appears more than once"),
+        "nul2.safetensors": ('{"a\\u0000x": %s, "a\\u0000y": %s}' % (w % (0, 8), w % (8, 16)),
+                             "\\u0000"),
+        "nul.safetensors": ('{"a\\u0000x": %s}' % (w % (0, 8)), "\\u0000"),
+    }
+    with meshd.connect(srv.address, timeout=30) as s, s.mesh(gpu=2).activate():
+        for name, (header, needle) in cases.items():
+            h = header.encode()
+            h += b" " * (-len(h) % 8)
+            (root / name).write_bytes(struct.pack("<Q", len(h)) + h + bytes(16))
+            for fn in (lambda: meshd.inspect_url(f.url(name)), lambda: meshd.load(f.url(name))):
+                with pytest.raises(MeshdError) as e:
+                    fn()
+                msg = str(e.value)
+                assert needle in msg and name in msg, (name, msg)
+
+
 def test_raw_bytes_through_redirects_and_retries(shared_meshd):
     srv = shared_meshd(2)
     p = range_server()

@@ -401,6 +401,30 @@ Test(tensor_file, safetensors_malformed) {
             8, 0, 0, "");
 }
 
+/* json-c keeps the last of duplicate keys and cuts a key at \u0000: names given
+ * twice, or equal up to a NUL, would silently become one tensor. */
+Test(tensor_file, safetensors_names_given_twice_or_holding_nul) {
+#define W(a, b) "{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[" #a "," #b "]}"
+  expect_st("{\"w\":" W(0, 8) ",\"w\":" W(8, 16) "}", 16, -1, ERR_BAD_ARGUMENT,
+            "safetensors header: the name 'w' appears more than once");
+  expect_st("{\"w\":" W(0, 8) ",\"v\":" W(8, 16) ", \"w\" :" W(16, 24) "}", 24, -1,
+            ERR_BAD_ARGUMENT, "the name 'w' appears more than once");
+  expect_st("{\"w\":" W(0, 8) ",\"\\u0077\":" W(8, 16) "}", 16, -1, ERR_BAD_ARGUMENT,
+            "the name 'w' appears more than once");
+  expect_st("{\"__metadata__\":{},\"__metadata__\":{}}", 0, -1, ERR_BAD_ARGUMENT,
+            "the name '__metadata__' appears more than once");
+  expect_st("{\"a\\u0000x\":" W(0, 8) ",\"a\\u0000y\":" W(8, 16) "}", 16, -1, ERR_BAD_ARGUMENT,
+            "holds \\u0000");
+  expect_st("{\"a\\u0000x\":" W(0, 8) "}", 8, -1, ERR_BAD_ARGUMENT,
+            "the name 'a\\u0000...' holds \\u0000");
+  /* Accepted: the same keys inside each tensor, names that only look alike, escapes,
+   * and keys in strings. */
+  expect_st("{\"w\":" W(0, 8) ",\"w \":" W(8, 16) ",\"W\":" W(16, 24) ",\"a\\\"b\\\\\":"
+            W(24, 32) ",\"__metadata__\":{\"w\":\"w:\",\"x\":\"{\\\"w\\\": 1}\"}}",
+            32, 0, 0, "");
+#undef W
+}
+
 Test(tensor_file, safetensors_header_length) {
   size_t len;
   uint8_t *b = make_st("{}", 0, &len);
