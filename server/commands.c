@@ -382,7 +382,8 @@ static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
   int64_t existing = objects_stream_by_name(o, m->name);
   if (existing >= 0)
     return error_set(e, ERR_BAD_ARGUMENT,
-                     "CreateStream: this session already has a stream named '%s' (ref %lld)%s",
+                     "CreateStream: this session already has a stream named '%s' (ref %lld)%s; "
+                     "names are unique per session: use that stream again or pick another name",
                      m->name, (long long)existing, existing == 0 ? ", the default stream" : "");
   if (!objects_add_stream(o, m->ref, m->name))
     return error_set(e, ERR_QUOTA, "CreateStream: out of memory on the server");

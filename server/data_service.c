@@ -1544,40 +1544,6 @@ static void shards_free(Meshd__V1__ShardGrant *sh, size_t n) {
   free(sh);
 }
 
-typedef struct held_answer {
-  rpc_call_t *call;
-  rpc_bytes_t *msg;
-  int ms;
-} held_answer_t;
-
-static void *answer_main(void *arg) {
-  held_answer_t *h = arg;
-  struct timespec d = {h->ms / 1000, (long)(h->ms % 1000) * 1000000L};
-  nanosleep(&d, NULL);
-  if (rpc_call_send_raw(h->call, h->msg) == 0) rpc_call_finish(h->call, GRPC_STATUS_OK, NULL, "%s", "");
-  rpc_call_unref(h->call);
-  free(h);
-  return NULL;
-}
-
-/* The answer sent ms from now by a thread of its own (an injected fault): the
- * handler's thread may be the server's only rpc thread, which must not sleep. */
-static int answer_later(rpc_call_t *call, const ProtobufCMessage *msg, int ms) {
-  held_answer_t *h = malloc(sizeof *h);
-  if (!h || !(h->msg = rpc_bytes_pack(msg))) {
-    free(h);
-    return -1;
-  }
-  h->call = call;
-  h->ms = ms;
-  rpc_call_ref(call);
-  if (runtime_spawn_detached(answer_main, h) == 0) return 0;
-  rpc_call_unref(call);
-  rpc_bytes_free(h->msg);
-  free(h);
-  return -1;
-}
-
 /* A plan's answer, once its transfer is in the table. The call keeps the
  * transfer's id: a call that ends cancelled (plan_end) never told its client
  * the id, and the plan is undone then rather than at its grants' expiry. */
@@ -1595,7 +1561,7 @@ static void plan_answer(data_service_t *ds, rpc_call_t *call, uint64_t id,
     case FAULT_HANG:
     case FAULT_SLOW:
       log_warn("data", "PlanTransfer: answer held %d ms (injected fault)", ms);
-      if (answer_later(call, &reply->base, ms) == 0) return;
+      if (rpc_call_reply_after(call, &reply->base, ms) == 0) return;
       break;
     default:
       break;

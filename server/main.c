@@ -136,7 +136,8 @@ static const config_flag_t flags[] = {
      "is undone", &opt.transfer_grant_ms, 100, 86400000},
     {"server-fault", CONFIG_STRING, NULL,
      "fault injection for tests: plan:slow=MS holds each PlanTransfer's answer MS ms once its "
-     "transfer is planned (a lost answer), plan:fail loses it (see core/platform/fault.h)",
+     "transfer is planned (a lost answer), plan:fail loses it; session:slow=MS holds each "
+     "CreateSession's answer MS ms once its session exists (see core/platform/fault.h)",
      &opt.server_fault, 0, 0},
     {"max-queued", CONFIG_INT, "8192",
      "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
@@ -527,6 +528,7 @@ int main(int argc, char **argv) {
   if (data) data_service_set_path(data, data_path, opt.transfer_grant_ms);
   if (data) data_service_set_max_relays(data, (int)opt.max_relayed_transfers);
   if (data && server_fault_on) data_service_set_fault(data, &server_fault);
+  if (server_fault_on) session_service_set_fault(&server_fault);
   load_service_t *loads = sessions ? load_service_create(pool, sessions, &urls) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
    * calls are in flight; rpc.h). Agents are watched on the dial-back channel

@@ -4,9 +4,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "error_kind.h"
+#include "fault.h"
+#include "log.h"
 #include "meshd/v1/tensor_service.pb-c.h"
+#include "runtime.h"
+
+static fault_t *create_fault; /* --server-fault session:...; NULL: none */
+
+void session_service_set_fault(fault_t *f) { create_fault = f; }
 
 static void fail(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
@@ -110,8 +118,40 @@ static void create_session(rpc_call_t *call, const ProtobufCMessage *req, void *
   char *features[] = {"literal"};
   reply.features = features;
   reply.n_features = sizeof features / sizeof *features;
+  /* The call keeps the session's id: a call that ends cancelled (create_end)
+   * never told its client the token, and the session is closed then rather
+   * than left to hold a --max-sessions(-per-principal) slot until its ttl. */
+  char *kept = strdup(s->id); /* none: it lingers until its ttl, as before */
+  rpc_call_set_data(call, kept);
+  int ms = 0;
+  if (fault_hit(create_fault, "session", -1, &ms) == FAULT_SLOW) {
+    log_warn("session", "CreateSession: answer held %d ms (injected fault)", ms);
+    if (rpc_call_reply_after(call, &reply.base, ms) == 0) {
+      session_release(s);
+      return;
+    }
+  }
   rpc_call_reply(call, &reply.base);
   session_release(s);
+}
+
+/* A CreateSession's call is over. Cancelled (the client's deadline passed, it
+ * gave up, its connection dropped before the status went out), its client
+ * never learned the token: nobody can use or close the session, so it is
+ * closed now, as CloseSession would, and its slot is free for the retry. */
+static void create_end(rpc_call_t *call, bool cancelled, void *arg) {
+  session_table_t *t = arg;
+  char *id = rpc_call_data(call);
+  rpc_call_set_data(call, NULL);
+  if (!id) return;
+  session_t *s = cancelled ? session_find(t, id) : NULL;
+  if (s) {
+    log_info("session", "CreateSession of session %s: its call was cancelled before the answer "
+             "reached the client; the session is closed", s->id);
+    session_close(t, s);
+    session_unfind(s);
+  }
+  free(id);
 }
 
 static void close_session(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -234,6 +274,7 @@ static const rpc_method_t methods[] = {
         .kind = RPC_UNARY,
         .request = &meshd__v1__create_session_request__descriptor,
         .on_start = create_session,
+        .on_end = create_end,
     },
     {
         .path = "/meshd.v1.TensorService/CloseSession",

@@ -6,6 +6,7 @@
 
 #include <stddef.h>
 
+#include "fault.h"
 #include "rpc.h"
 #include "session.h"
 
@@ -16,6 +17,10 @@
 /* The four rows (static storage), *n their count. Register them with the
  * session_table_t * as arg; the table must outlive the server. */
 const rpc_method_t *session_service_methods(size_t *n);
+
+/* --server-fault session:slow=MS: CreateSession's answer is held MS ms once
+ * its session is in the table (a lost answer, for tests). NULL: none. */
+void session_service_set_fault(fault_t *f);
 
 /* The session named by the call's metadata, acquired (session_release it when
  * the call no longer needs it). On failure it FINISHES the call with

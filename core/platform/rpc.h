@@ -271,6 +271,10 @@ void rpc_call_abort(rpc_call_t *call, grpc_status_code code, const char *kind,
                     const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* rpc_call_send(msg) then rpc_call_finish(OK). */
 void rpc_call_reply(rpc_call_t *call, const ProtobufCMessage *msg);
+/* rpc_call_reply, ms from now, from a thread of its own (injected faults:
+ * a late answer, while the handler's thread, maybe the server's only rpc
+ * thread, goes on). 0, or -1 when it could not (answer now instead). */
+int rpc_call_reply_after(rpc_call_t *call, const ProtobufCMessage *msg, int ms);
 /* What is left of the deadline the client gave the call, in ms (0 once past);
  * -1: none. For a handler's own calls on its behalf. */
 int64_t rpc_call_deadline_left_ms(const rpc_call_t *call);

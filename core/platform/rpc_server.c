@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "rpc.h"
@@ -1297,6 +1298,38 @@ int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status
   }
   free(calls);
   return k;
+}
+
+typedef struct held_answer {
+  rpc_call_t *call;
+  rpc_bytes_t *msg;
+  int ms;
+} held_answer_t;
+
+static void *answer_main(void *arg) {
+  held_answer_t *h = arg;
+  struct timespec d = {h->ms / 1000, (long)(h->ms % 1000) * 1000000L};
+  nanosleep(&d, NULL);
+  if (rpc_call_send_raw(h->call, h->msg) == 0) rpc_call_finish(h->call, GRPC_STATUS_OK, NULL, "%s", "");
+  rpc_call_unref(h->call);
+  free(h);
+  return NULL;
+}
+
+int rpc_call_reply_after(rpc_call_t *call, const ProtobufCMessage *msg, int ms) {
+  held_answer_t *h = malloc(sizeof *h);
+  if (!h || !(h->msg = rpc_bytes_pack(msg))) {
+    free(h);
+    return -1;
+  }
+  h->call = call;
+  h->ms = ms;
+  rpc_call_ref(call);
+  if (runtime_spawn_detached(answer_main, h) == 0) return 0;
+  rpc_call_unref(call);
+  rpc_bytes_free(h->msg);
+  free(h);
+  return -1;
 }
 
 int rpc_server_end_calls_of(rpc_server_t *srv,

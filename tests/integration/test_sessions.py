@@ -293,3 +293,61 @@ def test_list_sessions_needs_no_metadata_and_session_calls_do(shared_meshd):
         reply = lib.unary(srv.port, "/meshd.v1.TensorService/ListSessions", t.ListSessionsRequest(),
                           t.ListSessionsReply)
         assert any(x.session_id == s.id for x in reply.sessions)
+
+
+def test_a_create_session_whose_answer_is_lost_frees_its_slot(meshd_server):
+    """A CreateSession whose client never got the answer (its 0.5 s deadline passed
+    while the server held the answer: --server-fault session:slow; or the client
+    cancelled the call) never told anyone the session's token: nobody can use or close
+    that session. The server closes it when the call ends cancelled, so a retry is not
+    refused QUOTA by --max-sessions-per-principal 1 for the lost session's ttl (an hour
+    here); a session whose answer came is kept."""
+    srv = meshd_server(0, "--max-sessions-per-principal", "1",
+                       "--server-fault", "session:slow=1500,count=2")
+    pb = _tensor_pb()
+    path = "/meshd.v1.TensorService/CreateSession"
+    req = pb.CreateSessionRequest(client_name="lost-answer", ttl_seconds=3600)
+
+    def admitted(timeout=5):
+        """CreateSession, asked again while the principal's one slot is taken (8 s at most)."""
+        end = time.monotonic() + 8
+        while True:
+            try:
+                return lib.unary(srv.port, path, req, pb.CreateSessionReply, timeout=timeout)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                assert "--max-sessions-per-principal" in err.details(), err.details()
+                assert time.monotonic() < end, \
+                    "a CreateSession whose answer was lost still holds the principal's slot"
+                time.sleep(0.1)
+
+    # 1: the client's deadline passes while the answer is held
+    with pytest.raises(grpc.RpcError) as e:
+        lib.unary(srv.port, path, req, pb.CreateSessionReply, timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+    end = time.monotonic() + 8
+    while lib.unary(srv.port, "/meshd.v1.TensorService/ListSessions",
+                    pb.ListSessionsRequest(), pb.ListSessionsReply).sessions:
+        assert time.monotonic() < end, \
+            "the session whose CreateSession answer was lost is still open 8 s later"
+        time.sleep(0.1)
+    # 2: the client gives up (cancels) while the answer is held
+    with lib.channel(srv.port) as ch:
+        call = ch.unary_unary(path, request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=pb.CreateSessionReply.FromString)
+        fut = call.future(req, timeout=30)
+        time.sleep(0.5)
+        assert fut.cancel(), "the held CreateSession answered early"
+    # the retry gets the slot, and its session (whose answer came) works and stays
+    reply = admitted()
+    md = (("meshd-session", reply.session_id), ("meshd-token", reply.token))
+    time.sleep(1.6)  # past the fault's hold: nothing closes an answered session
+    lib.unary(srv.port, "/meshd.v1.TensorService/KeepAlive", pb.KeepAliveRequest(),
+              pb.KeepAliveReply, metadata=md)
+    listed = lib.unary(srv.port, "/meshd.v1.TensorService/ListSessions",
+                       pb.ListSessionsRequest(), pb.ListSessionsReply).sessions
+    assert [s.session_id for s in listed] == [reply.session_id], listed
+    log = open(srv.log).read()
+    assert log.count("its call was cancelled before the answer reached the client") == 2, \
+        lib.log_tail(srv.log)

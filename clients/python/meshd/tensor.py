@@ -322,11 +322,15 @@ class Tensor:
         return out
 
     # ------------------------------------------------------------ methods
-    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return _call("sum", self, _dims(dim), keepdim)
+    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False, *,
+            dtype: DType | None = None) -> Tensor:
+        kw = {} if dtype is None else {"dtype": dtype}  # torch's: the result's dtype
+        return _call("sum", self, _dims(dim), keepdim, **kw)
 
-    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
-        return _call("mean", self, _dims(dim), keepdim)
+    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False, *,
+             dtype: DType | None = None) -> Tensor:
+        kw = {} if dtype is None else {"dtype": dtype}  # e.g. the mean of an int tensor
+        return _call("mean", self, _dims(dim), keepdim, **kw)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         # any catalogue op as a method: t.relu(), t.reshape([2, 3]), t.transpose(0, 1)

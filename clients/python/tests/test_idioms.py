@@ -125,3 +125,21 @@ def test_reduce_over_a_pytree_keeps_its_structure(session, mesh):
     (same,) = meshd.reduce_((t,), "gpu", "avg")
     assert same is t
     np.testing.assert_array_equal(meshd.inspect(t, gpu=1), [1.5])
+
+
+def test_sum_and_mean_methods_take_dtype_as_torch_and_the_server_message_say(session, mesh):
+    # The server's check says "mean needs a floating dtype (pass dtype=float32 or cast
+    # self)"; the methods took no dtype= (a TypeError), though the catalogue's
+    # sum/mean have it and meshd.ops.mean(t, dtype=...) accepts it.
+    a = meshd.arange(4)
+    with pytest.raises(meshd.MeshdError, match="pass dtype=float32"):
+        a.mean()
+    m = a.mean(dtype="float32")
+    assert m.dtype == "float32" and float(meshd.inspect(m)) == 1.5
+    assert float(meshd.inspect(a.mean(0, dtype="float64"))) == 1.5
+    s = a.sum(dtype="float64")
+    assert s.dtype == "float64" and float(meshd.inspect(s)) == 6.0
+    x = meshd.ones((2, 3), dtype="int32")
+    np.testing.assert_array_equal(meshd.inspect(x.sum(dim=1, keepdim=True, dtype="int64")),
+                                  [[3], [3]])
+    assert x.sum().dtype == meshd.ops.sum(x).dtype  # unchanged without dtype=
