@@ -6,7 +6,9 @@
  * reads dtype, shape and offset from that file's own header. File names are
  * relative to the index and go into URLs, so only plain paths pass: segments
  * of [A-Za-z0-9._-], no "." or ".." segment, no leading '/', no scheme, query
- * or escapes. Keys other than "metadata" and "weight_map" are ignored. */
+ * or escapes. Keys other than "metadata" and "weight_map" are ignored. A key
+ * of the root or of "weight_map" given twice, or holding \u0000, is refused
+ * (tensor_file_check_names: json-c would keep the last one, or cut it). */
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -65,6 +67,13 @@ int safetensors_index_parse(const uint8_t *buf, size_t len, const tensor_file_op
                      o->max_header_bytes);
   json_object *root;
   if (tensor_file_json(CTX, (const char *)buf, len, " \t\r\n", &root, e)) return -1;
+  /* json-c keeps the last of a key given twice: a tensor named twice in the
+   * map (or the map given twice) would silently come from one of its files. */
+  if (tensor_file_check_names(CTX, (const char *)buf, len, NULL, e) ||
+      tensor_file_check_names(CTX, (const char *)buf, len, "weight_map", e)) {
+    json_object_put(root);
+    return -1;
+  }
   json_object *map = NULL, *meta = NULL;
   json_object_object_get_ex(root, "weight_map", &map);
   json_object_object_get_ex(root, "metadata", &meta);

@@ -23,6 +23,12 @@ int safetensors_index_parse(const uint8_t *buf, size_t len, const tensor_file_op
 
 /* The JSON object in text[0..n), json-c strict; only bytes of `padding` may
  * follow it. ctx starts every message. *out: the caller's (json_object_put). */
+/* The keys of one JSON object in `text` (json-c parsed it): the root's when
+ * `within` is NULL, else those of the object that is the root's key `within`.
+ * One that holds \u0000, or appears twice, is refused (json-c would cut it,
+ * or keep the last of the two), with `ctx` leading the message. */
+int tensor_file_check_names(const char *ctx, const char *text, size_t n, const char *within,
+                            meshd_error_t *e);
 int tensor_file_json(const char *ctx, const char *text, size_t n, const char *padding,
                      json_object **out, meshd_error_t *e);
 

@@ -191,18 +191,30 @@ static int by_key(const void *a, const void *b) {
  * tensors could silently become one. The root object's keys are found by a
  * scan of its text (valid JSON: json-c parsed it) that follows only strings
  * and brackets, and each is decoded by json-c: a name that holds NUL or
- * appears twice is refused. */
-static int check_names(const char *text, size_t n, meshd_error_t *e) {
+ * appears twice is refused. The index (within "weight_map") is checked by
+ * the same scan, one level down. */
+int tensor_file_check_names(const char *ctx, const char *text, size_t n, const char *within,
+                            meshd_error_t *e) {
   struct json_tokener *tok = json_tokener_new_ex(2);
   key_t_ *keys = NULL;
   json_object **held = NULL;
   size_t nkeys = 0, cap = 0, nheld = 0;
   int depth = 0, rc = 0;
-  if (!tok) return error_set(e, ERR_QUOTA, CTX ": out of memory");
+  int want = within ? -1 : 1; /* the depth whose keys are checked; -1: not inside it */
+  bool value_next = false;    /* the last root key was `within`: its value comes */
+  if (!tok) return error_set(e, ERR_QUOTA, "%s: out of memory", ctx);
   for (size_t i = 0; i < n && !rc; i++) {
     char ch = text[i];
-    if (ch == '{' || ch == '[') depth++;
-    else if (ch == '}' || ch == ']') depth--;
+    if (ch == '{' || ch == '[') {
+      depth++;
+      if (value_next && ch == '{' && depth == 2) want = 2;
+      value_next = false;
+    } else if (ch == '}' || ch == ']') {
+      if (within && depth == want) want = -1;
+      depth--;
+    } else if (value_next && !strchr(" \t\r\n:", ch)) {
+      value_next = false;
+    }
     if (ch != '"' && ch != '\'') continue;
     size_t k = i + 1; /* the closing quote */
     for (; k < n && text[k] != ch; k++)
@@ -210,10 +222,11 @@ static int check_names(const char *text, size_t n, meshd_error_t *e) {
     if (k >= n) break;
     size_t after = k + 1;
     while (after < n && strchr(" \t\r\n", text[after])) after++;
-    bool key = depth == 1 && after < n && text[after] == ':';
+    bool named = after < n && text[after] == ':';
+    bool key = named && depth == want, outer = within && named && depth == 1;
     size_t start = i;
     i = k;
-    if (!key) continue;
+    if (!key && !outer) continue;
     const char *s = text + start + 1;
     size_t len = k - start - 1;
     if (memchr(s, '\\', len)) { /* escapes: json-c decodes them */
@@ -221,14 +234,14 @@ static int check_names(const char *text, size_t n, meshd_error_t *e) {
       json_object *o = json_tokener_parse_ex(tok, text + start, (int)(k - start + 1));
       if (!o || !json_object_is_type(o, json_type_string)) {
         json_object_put(o);
-        rc = error_set(e, ERR_BAD_ARGUMENT, CTX ": cannot read the name at byte %zu", start);
+        rc = error_set(e, ERR_BAD_ARGUMENT, "%s: cannot read the name at byte %zu", ctx, start);
         break;
       }
       if (nheld % 64 == 0) {
         json_object **h = realloc(held, (nheld + 64) * sizeof *h);
         if (!h) {
           json_object_put(o);
-          rc = error_set(e, ERR_QUOTA, CTX ": out of memory");
+          rc = error_set(e, ERR_QUOTA, "%s: out of memory", ctx);
           break;
         }
         held = h;
@@ -237,17 +250,21 @@ static int check_names(const char *text, size_t n, meshd_error_t *e) {
       s = json_object_get_string(o);
       len = (size_t)json_object_get_string_len(o);
     }
+    if (outer) {
+      value_next = len == strlen(within) && memcmp(s, within, len) == 0;
+      continue;
+    }
     if (memchr(s, '\0', len)) {
       rc = error_set(e, ERR_BAD_ARGUMENT,
-                     CTX ": the name '%.*s\\u0000...' holds \\u0000 (NUL), which tensor names "
-                     "must not", (int)strnlen(s, TF_NAME_MAX), s);
+                     "%s: the name '%.*s\\u0000...' holds \\u0000 (NUL), which tensor names "
+                     "must not", ctx, (int)strnlen(s, TF_NAME_MAX), s);
       break;
     }
     if (nkeys == cap) {
       size_t ncap = cap ? 2 * cap : 64;
       key_t_ *nk = realloc(keys, ncap * sizeof *nk);
       if (!nk) {
-        rc = error_set(e, ERR_QUOTA, CTX ": out of memory");
+        rc = error_set(e, ERR_QUOTA, "%s: out of memory", ctx);
         break;
       }
       keys = nk;
@@ -260,8 +277,8 @@ static int check_names(const char *text, size_t n, meshd_error_t *e) {
     for (size_t i = 1; i < nkeys && !rc; i++)
       if (!by_key(&keys[i - 1], &keys[i]))
         rc = error_set(e, ERR_BAD_ARGUMENT,
-                       CTX ": the name '%.*s' appears more than once (each tensor must be named "
-                       "once)", (int)(keys[i].len < TF_NAME_MAX ? keys[i].len : TF_NAME_MAX),
+                       "%s: the name '%.*s' appears more than once (each tensor must be named "
+                       "once)", ctx, (int)(keys[i].len < TF_NAME_MAX ? keys[i].len : TF_NAME_MAX),
                        keys[i].s);
   }
   for (size_t i = 0; i < nheld; i++) json_object_put(held[i]);
@@ -294,7 +311,7 @@ int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_o
                      "file?)");
   json_object *root;
   if (tensor_file_json(CTX, (const char *)buf + 8, n, " ", &root, e)) return -1;
-  if (check_names((const char *)buf + 8, n, e)) {
+  if (tensor_file_check_names(CTX, (const char *)buf + 8, n, NULL, e)) {
     json_object_put(root);
     return -1;
   }

@@ -206,6 +206,25 @@ static const char *header(xfer_t *x, const char *name) {
   return curl_easy_header(x->curl, name, 0, CURLH_HEADER, -1, &h) == CURLHE_OK ? h->value : NULL;
 }
 
+/* A 206's body of `body` bytes against its Content-Range: true where they
+ * agree, else false and failed naming what the server did wrong. */
+static bool body_matches_range(xfer_t *x, uint64_t body) {
+  const char *cr = header(x, "Content-Range");
+  bool has;
+  uint64_t a = 0, b = 0, total;
+  char what[64] = "an empty body";
+  if (body) snprintf(what, sizeof what, "a body of %" PRIu64 " bytes", body);
+  if (!cr || !parse_content_range(cr, &has, &a, &b, &total) || !has) {
+    fail(x, ERR_UNAVAILABLE, "HTTP 206 with %s and without a valid Content-Range (\"%.64s\")", what,
+         cr ? cr : "");
+    return false;
+  }
+  if (b - a + 1 == body) return true;
+  fail(x, ERR_UNAVAILABLE, "HTTP 206 with %s, but its Content-Range \"%.64s\" says %" PRIu64
+       " bytes: the server's answer contradicts itself", what, cr, b - a + 1);
+  return false;
+}
+
 static void printable(char *v) {
   for (; *v; v++)
     if (*v < 0x20 || *v > 0x7e) *v = '?';
@@ -255,6 +274,10 @@ static bool body_start(xfer_t *x) {
       fail(x, ERR_UNAVAILABLE, "HTTP 206 without a valid Content-Range (\"%.64s\")", cr ? cr : "");
       return false;
     }
+    if (x->status == 206 &&
+        !curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0 &&
+        !body_matches_range(x, (uint64_t)len))
+      return false;
     if (x->status == 206) x->total = total;
     else if (x->status == 200 && !curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0)
       x->total = (uint64_t)len;
@@ -427,6 +450,11 @@ static outcome_t http_outcome(xfer_t *x, bool http) {
     fail(x, ERR_UNAVAILABLE, "unexpected HTTP %ld", s);
     return OUT_FAIL;
   }
+  /* A 206 with no body never reached body_start: nor its checks. */
+  if (x->mode == MODE_PROBE && s == 206 && !x->started && !body_matches_range(x, 0))
+    return OUT_FAIL;
+  if (x->mode == MODE_RANGE && s == 206 && x->got < x->length && !body_matches_range(x, x->got))
+    return OUT_FAIL;
   if (x->mode == MODE_RANGE && x->got < x->length) {
     char tot[48] = "";
     if (x->total != UINT64_MAX) snprintf(tot, sizeof tot, " of the %" PRIu64 "-byte resource", x->total);
@@ -639,7 +667,7 @@ static bool file_is_expected(xfer_t *x, int fd) {
 /* Runs x's request on url: allow-list checks, redirects, retries. */
 static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch_info_t *info,
                meshd_error_t *e) {
-  char shown[URL_SHOWN], scheme[16];
+  char shown[URL_SHOWN], asked[URL_SHOWN], target[URL_SHOWN], scheme[16];
   char *url = strdup(url0);
   int rc = -1, attempt = 0, hop = 0, file_fd = -1;
   url_redact(url0, shown, sizeof shown);
@@ -718,7 +746,15 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
       error_set(e, ERR_QUOTA, "fetch %s: out of memory", shown);
       goto out;
     }
-    url_redact(url, shown, sizeof shown);
+    /* The URL asked and where it led: a user who asked for one must see it. */
+    url_redact(url0, asked, sizeof asked);
+    url_redact(url, target, sizeof target);
+    size_t tl = strlen(target);
+    if (strlen(asked) + tl > URL_REDACT_MAX + 60) /* room for what follows in the message */
+      snprintf(shown, sizeof shown, "%.240s (redirected to %.60s...%.60s)", asked, target,
+               target + (tl > 120 ? tl - 60 : 60 < tl ? 60 : tl));
+    else
+      snprintf(shown, sizeof shown, "%.240s (redirected to %.240s)", asked, target);
   }
 out:
   if (info) {

@@ -194,6 +194,25 @@ def test_checkpoint_index_over_files(shared_meshd, files):
                 same(fetch(sd[k], gpu=g), np.split(v, 2, axis=0)[g])
 
 
+def test_checkpoint_index_naming_a_tensor_twice_is_refused(shared_meshd, files):
+    """json-c keeps the last of duplicate keys: the index is refused, naming the
+    tensor and the index's URL, instead of loading it from one of its files."""
+    root, f = files
+    srv = shared_meshd(2)
+    (root / "dup").mkdir()
+    for n in ("m-1", "m-2"):
+        (root / "dup" / (n + ".safetensors")).write_bytes(
+            lib.safetensors_bytes({"w": sample("float32", (2, 2), 1)}))
+    (root / "dup" / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"w": "m-1.safetensors", "w": "m-2.safetensors"}}')
+    with meshd.connect(srv.address, timeout=30) as s, s.mesh(gpu=2).activate():
+        with pytest.raises(MeshdError) as ei:
+            meshd.load(f.url("dup/model.safetensors.index.json"))
+    msg = str(ei.value)
+    assert "dup/model.safetensors.index.json" in msg, msg
+    assert "the name 'w' appears more than once" in msg, msg
+
+
 def test_sliced_meshes_npy_versions_and_many_rows(shared_meshd, files):
     root, f = files
     srv = shared_meshd(4)

@@ -17,6 +17,10 @@ Byte i of every body is (i * 7 + 3) % 256. Paths (N: a length in bytes):
   /badtotal/T/N             as /nohead/N, but its Content-Range says the total is T
                             (a server's answer that contradicts itself when T <= the
                             range's end)
+  /empty206/N               HEAD refused (405); a GET with a Range gets 206 and the
+                            Content-Range of the range asked, but an empty body
+  /shortbody/K/N            as /empty206/N, but a K-byte body (Content-Length K)
+                            under the Content-Range of the range asked
   /slow/MS/N                waits MS ms before answering /bytes/N
   /drip/BPS/N               as /bytes/N, its body sent at about BPS bytes/s (a tenth
                             of a second's bytes at a time)
@@ -206,6 +210,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_status(405, headers=[("Allow", "GET")])
             else:
                 self.serve_bytes(int(args[1]), total=int(args[0]))
+        elif kind in ("empty206", "shortbody"):
+            n = int(args[-1])
+            k = 0 if kind == "empty206" else int(args[0])
+            r = self.parse_range(n)
+            if self.command == "HEAD":
+                self.send_status(405, headers=[("Allow", "GET")])
+            elif not r or r == "bad":
+                self.serve_bytes(n)
+            else:
+                self.send_status(206, body(k),
+                                 headers=[("Content-Range", "bytes %d-%d/%d" % (r[0], r[1], n))])
         elif kind == "status":
             self.send_status(int(args[0]), b"error page\n")
         elif kind == "flaky":

@@ -666,3 +666,22 @@ Test(tensor_file, shard_ranges_match_the_slices) {
     }
   }
 }
+
+/* json-c keeps the last of duplicate keys: an index naming a tensor twice (two
+ * files for one tensor) must be refused, not loaded from whichever came last. */
+Test(tensor_file, safetensors_index_refuses_a_tensor_named_twice) {
+  expect_index("{\"weight_map\": {\"w\": \"a.st\", \"v\": \"a.st\", \"w\": \"b.st\"}}",
+               ERR_BAD_ARGUMENT, "safetensors index: the name 'w' appears more than once");
+  /* Decoded before compared: "\u0077" is "w". */
+  expect_index("{\"weight_map\": {\"w\": \"a.st\", \"\\u0077\": \"b.st\"}}", ERR_BAD_ARGUMENT,
+               "the name 'w' appears more than once");
+  expect_index("{\"weight_map\": {\"w\\u0000x\": \"a.st\"}}", ERR_BAD_ARGUMENT, "holds \\u0000");
+  /* The same name in metadata, or a key inside a nested object, is no duplicate. */
+  tensor_file_t f;
+  meshd_error_t e = {0};
+  const char *ok = "{\"metadata\": {\"w\": 1, \"total_size\": 4}, \"x\": {\"w\": 1},"
+                   " \"weight_map\": {\"w\": \"a.st\", \"v\": \"a.st\"}}";
+  cr_assert_eq(parse((const uint8_t *)ok, strlen(ok), strlen(ok), &f, &e), 0, "%s", e.msg);
+  cr_assert_eq(f.count, 2);
+  tensor_file_free(&f);
+}

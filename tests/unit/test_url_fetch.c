@@ -504,7 +504,7 @@ Test(url_fetch, redirects_followed_and_checked) {
                                NULL, &e),
                -1);
   cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
-  HAS(e, "fetch http://10.0.0.1/x: refused before connecting");
+  HAS(e, "(redirected to http://10.0.0.1/x): refused before connecting");
   url_fetch_opts_t o = quick;
   o.max_redirects = 1;
   cr_assert_eq(url_fetch_range(url("/redirect/redirect/bytes/100"), 0, 10, buf, &o, NULL, &e), -1);
@@ -913,7 +913,7 @@ Test(url_fetch, a_share_keeps_no_allow_list_decision) {
   cr_assert_eq(url_fetch_range(url("/redirect-to?url=http://10.0.0.1/x"), 0, 10, buf, &o, NULL,
                                &e), -1);
   cr_assert_eq(e.kind, ERR_PERMISSION_DENIED);
-  HAS(e, "fetch http://10.0.0.1/x: refused before connecting");
+  HAS(e, "(redirected to http://10.0.0.1/x): refused before connecting");
   /* Checks of the URL as text run on every call. */
   url_allow_t named = {.hosts = (const char *[]){"localhost"}, .n_hosts = 1};
   o.allow = &named;
@@ -1053,4 +1053,62 @@ Test(url_allow, a_percent_in_a_host_name_does_not_cut_it_for_the_host_patterns) 
                                    sizeof scheme, &e), 0, "%s", e.msg);
   cr_expect_eq(url_allow_check_url(&hosts, "https://models.internal./w.npy", "x", NULL, scheme,
                                    sizeof scheme, &e), 0, "%s", e.msg);
+}
+
+/* An error after a redirect names the URL asked and the one it led to, both
+ * without credentials or query: a user who asked for A must see A. */
+Test(url_fetch, an_error_after_a_redirect_names_the_url_asked_and_its_target) {
+  uint8_t buf[10];
+  meshd_error_t e;
+  char u[256], want[384];
+  snprintf(u, sizeof u, "http://alice:s3cr3t@127.0.0.1:%d/redirect/status/404?sig=deadbeef", port);
+  cr_assert_eq(url_fetch_range(u, 0, 10, buf, &quick, NULL, &e), -1);
+  snprintf(want, sizeof want,
+           "fetch http://127.0.0.1:%d/redirect/status/404 (redirected to "
+           "http://127.0.0.1:%d/status/404): HTTP 404 (not found)", port, port);
+  cr_assert_str_eq(e.msg, want);
+  const char *secrets[] = {"alice", "s3cr3t", "sig", "deadbeef"};
+  for (size_t i = 0; i < sizeof secrets / sizeof secrets[0]; i++)
+    cr_assert(!strstr(e.msg, secrets[i]), "'%s' shows '%s'", e.msg, secrets[i]);
+  /* Refused by the allow list at the target: both again. */
+  cr_assert_eq(url_fetch_range(url("/redirect-to?url=http://u:pw@10.0.0.1/x"), 0, 10, buf, &quick,
+                               NULL, &e), -1);
+  snprintf(want, sizeof want, "fetch http://127.0.0.1:%d/redirect-to (redirected to "
+           "http://10.0.0.1/x): refused before connecting", port);
+  HAS(e, want);
+  cr_assert(!strstr(e.msg, "pw"), "%s", e.msg);
+  /* Without a redirect: the URL alone, as before. */
+  cr_assert_eq(url_fetch_range(url("/status/404"), 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert(!strstr(e.msg, "redirected"), "%s", e.msg);
+}
+
+/* A server whose 206 contradicts itself (an empty body, or a body of another
+ * length than its Content-Range) is named for what it did, not taken for a
+ * server that gives no length or a resource that is shorter. */
+Test(url_fetch, a_206_whose_body_contradicts_its_content_range_says_so) {
+  uint8_t buf[10];
+  uint64_t size = 0;
+  meshd_error_t e;
+  /* The size probe (HEAD refused): 206 "bytes 0-0/100" and no body. */
+  cr_assert_eq(url_fetch_size(url("/empty206/100"), &quick, &size, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE, "%s", error_kind_name(e.kind));
+  HAS(e, "HTTP 206 with an empty body");
+  HAS(e, "bytes 0-0/100");
+  cr_assert(!strstr(e.msg, "neither on HEAD"), "%s", e.msg);
+  /* ... and "bytes 0-0/100" over a 5-byte body. */
+  cr_assert_eq(url_fetch_size(url("/shortbody/5/100"), &quick, &size, NULL, &e), -1);
+  HAS(e, "bytes 0-0/100");
+  HAS(e, "5 bytes");
+  /* A range read: "bytes 0-9/100" and no body, or a 5-byte body. */
+  cr_assert_eq(url_fetch_range(url("/empty206/100"), 0, 10, buf, &quick, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE, "%s", error_kind_name(e.kind));
+  HAS(e, "bytes 0-9/100");
+  cr_assert(!strstr(e.msg, "the resource is shorter"), "%s", e.msg);
+  cr_assert_eq(url_fetch_range(url("/shortbody/5/100"), 0, 10, buf, &quick, NULL, &e), -1);
+  HAS(e, "bytes 0-9/100");
+  HAS(e, "5 bytes");
+  cr_assert(!strstr(e.msg, "the resource is shorter"), "%s", e.msg);
+  /* A range cut at the resource's end, said so in its Content-Range: shorter. */
+  cr_assert_eq(url_fetch_range(url("/bytes/5"), 0, 10, buf, &quick, NULL, &e), -1);
+  HAS(e, "the resource is shorter");
 }
