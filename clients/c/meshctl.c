@@ -1892,6 +1892,26 @@ out:
   return r;
 }
 
+/* -h/--help: for people, on stdout; under --output json, which promises one
+ * JSON document on stdout for every invocation, {"usage": TEXT} there and the
+ * text for people on stderr (docs/operations.md). */
+static void help(void) {
+  if (!json_out) {
+    usage(stdout);
+    return;
+  }
+  char *text = NULL;
+  size_t len = 0;
+  FILE *mem = open_memstream(&text, &len);
+  if (mem) {
+    usage(mem);
+    fclose(mem);
+  }
+  usage(stderr);
+  json_object_object_add(the_doc(), "usage", json_object_new_string(text ? text : ""));
+  free(text);
+}
+
 static int run(int argc, char **argv) {
   char err[256];
   int npos = 0;
@@ -1905,7 +1925,7 @@ static int run(int argc, char **argv) {
   }
   int r = parse_flags(argc, argv, &npos, err, sizeof err);
   if (r == 1) {
-    usage(stdout);
+    help();
     return EXIT_OK;
   }
   if (r < 0)

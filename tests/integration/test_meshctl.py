@@ -1324,3 +1324,17 @@ def test_json_output_stays_utf8_whatever_bytes_a_name_holds(meshd_server, tmp_pa
     assert r.returncode == 3, r
     err = json.loads(r.stdout)["error"]
     assert err["line"] == 1 and "'caf\ufffd' is not defined" in err["message"], err
+
+
+def test_help_under_output_json_is_one_json_document():
+    """--output json promises one JSON document on stdout for every invocation (--version
+    and usage errors keep it): --help too, the help text itself for people on stderr."""
+    for args in (["--output", "json", "--help"], ["--help", "--output=json"],
+                 ["--output", "json", "--bogus", "-h"]):
+        r = meshctl(None, *args)
+        assert r.returncode == 0, _show(r)
+        doc = _json(r)
+        assert doc["usage"].startswith("usage: meshctl ") and "--output" in doc["usage"], _show(r)
+        assert r.stderr.startswith("usage: meshctl "), _show(r)
+    r = meshctl(None, "--help")  # the table (default) output: plain help on stdout, as before
+    assert r.returncode == 0 and r.stdout.startswith("usage: meshctl ") and not r.stderr, _show(r)
