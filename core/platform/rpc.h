@@ -185,7 +185,9 @@ typedef struct rpc_server_opts {
    * Calls that nothing authenticated (methods without a guard, identities
    * marked unauthenticated) may have at most this many requests incomplete
    * at once (a streaming request counts until its first message comes);
-   * past it the oldest is cancelled RESOURCE_EXHAUSTED. What
+   * past it the oldest are cancelled RESOURCE_EXHAUSTED (a stream only once
+   * it waited 1 s for its first message: honest bursts are read late, not
+   * refused). What
    * strangers make the server hold before a guard: about this many messages.
    * <= 0: RPC_DEFAULT_MAX_UNAUTHENTICATED; never below 2 * max(4, 2 * threads)
    * + threads (the calls a burst of probes has queued ahead of its reads). */

@@ -97,6 +97,7 @@ struct rpc_call {
   /* Under srv->mu: one of srv's open requests (a caller not authenticated,
    * its request incomplete), and its place in that list, oldest first. */
   bool in_open;
+  int64_t open_ms; /* rpc_now_ms when it entered the open list */
   /* srv's live list (under srv->mu): accepted and not ended. */
   struct rpc_call *live_prev, *live_next;
   struct rpc_call *open_prev, *open_next;
@@ -634,35 +635,45 @@ static void open_remove(rpc_call_t *c) {
   pthread_mutex_unlock(&c->srv->mu);
 }
 
-/* Adds c, and cancels the oldest open request past srv->max_open: a stranger
+/* Adds c, and cancels the oldest open requests past srv->max_open: a stranger
  * can make the server hold at most max_open incomplete requests, while a
  * probe's, whose request comes with its headers, is done long before it is
- * the oldest. */
+ * the oldest. A stream's first message gets RPC_STREAM_OPEN_GRACE_MS before
+ * it can be the one cancelled: a burst of honest streams (agents registering
+ * at once) on a busy server is read late, not refused; a stranger's silent
+ * ones go at the next open past the grace. */
+#define RPC_STREAM_OPEN_GRACE_MS 1000
+enum { EVICT_MAX = 256 };
+
 static void open_add(rpc_call_t *c) {
   rpc_server_t *srv = c->srv;
-  grpc_call *evict = NULL;
+  grpc_call *evict[EVICT_MAX];
+  int n = 0;
+  int64_t now = rpc_now_ms();
   pthread_mutex_lock(&srv->mu);
   c->in_open = true;
+  c->open_ms = now;
   c->open_prev = srv->open_tail;
   c->open_next = NULL;
   if (srv->open_tail) srv->open_tail->open_next = c;
   else srv->open_head = c;
   srv->open_tail = c;
   srv->nopen++;
-  if (srv->nopen > srv->max_open) {
+  while (srv->nopen > srv->max_open && n < EVICT_MAX) {
     rpc_call_t *old = srv->open_head;
+    if (old->stream_open && now - old->open_ms < RPC_STREAM_OPEN_GRACE_MS) break;
     open_remove_locked(srv, old);
-    evict = old->call; /* old lives while it is listed: its batch holds it */
-    grpc_call_ref(evict);
+    evict[n] = old->call; /* old lives while it is listed: its batch holds it */
+    grpc_call_ref(evict[n++]);
   }
   int max_open = srv->max_open;
   pthread_mutex_unlock(&srv->mu);
-  if (evict) {
+  for (int i = 0; i < n; i++) {
     char msg[200];
     snprintf(msg, sizeof msg, "more than %d requests of unauthenticated callers are incomplete "
              "(--max-unauthenticated-requests): the oldest is cancelled", max_open);
-    grpc_call_cancel_with_status(evict, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, NULL);
-    grpc_call_unref(evict);
+    grpc_call_cancel_with_status(evict[i], GRPC_STATUS_RESOURCE_EXHAUSTED, msg, NULL);
+    grpc_call_unref(evict[i]);
   }
 }
 
@@ -795,8 +806,8 @@ static void on_new(rpc_call_t *c, bool ok) {
   /* A stream of a caller nothing authenticated counts too until its first
    * message: a stranger's silent streams are bounded like its requests. */
   if (!c->slot->guard || c->identity.unauthenticated) {
-    open_add(c);
     c->stream_open = true;
+    open_add(c);
   }
   begin_locked(c, NULL);
   pthread_mutex_unlock(&c->mu);
@@ -812,8 +823,8 @@ static void on_read(rpc_call_t *c, bool ok) {
   c->first_read = false;
   if (first) open_remove(c);
   if (c->stream_open) {
+    open_remove(c); /* first: open_add reads stream_open of listed calls */
     c->stream_open = false;
-    open_remove(c);
   }
   if (c->closed || c->status_queued) {
     if (buf) grpc_byte_buffer_destroy(buf);
