@@ -92,10 +92,13 @@ bool transfer_grant_call(rpc_call_t *call);
  * the current call secret, expiry, direction, this agent's rank, and for a
  * Read the request's session, ref and after_seq (session NULL for a Write);
  * then takes its nonce (each is accepted once; remembered until the grant's
- * expiry, at most TRANSFER_NONCES at a time). 0 with *out (free with
+ * start-by time, at most --max-transfer-nonces at a time; a grant first
+ * presented after its start-by time is refused as expired). 0 with *out (free with
  * protobuf_c_message_free_unpacked); else a gRPC code (PERMISSION_DENIED, or
  * RESOURCE_EXHAUSTED for a full nonce table) and msg naming the check. */
 #define TRANSFER_NONCES 65536
+/* The table's size (--max-transfer-nonces; TRANSFER_NONCES unless set). */
+void transfer_grant_set_max_nonces(size_t n);
 /* What became of the grants presented (meshd_transfer_grants_total{result}). */
 enum {
   GRANT_ACCEPTED, GRANT_MALFORMED, GRANT_BAD_SIGNATURE, GRANT_EXPIRED, GRANT_WRONG_CALL,
@@ -106,10 +109,11 @@ uint64_t transfer_grant_results(int result);
 int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
                          uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
                          size_t msglen);
-/* Forgets a nonce transfer_grant_admit took: its call was refused for a cause
+/* Frees a nonce transfer_grant_admit took: its call was refused for a cause
  * not about the grant (QUOTA, a session not open) before anything moved, and
- * the client may present the grant again. */
-void transfer_grant_give_back(const uint8_t *nonce);
+ * the client may present the grant again until expiry_ms (the grant's expiry),
+ * past its start-by time too. */
+void transfer_grant_give_back(const uint8_t *nonce, int64_t expiry_ms);
 /* For agent_auth_guard, before the request is read: 0 when the call's grant
  * carries this agent's server's signature and its nonce is not taken; 1 when
  * that cannot be told (not registered now: transfer_grant_admit refuses it)

@@ -45,6 +45,7 @@ typedef struct options {
   int64_t threads;
   uint64_t max_message_bytes, rpc_memory_bytes;
   int64_t max_unauthenticated_requests;
+  int64_t max_transfer_nonces;
   const char *log_level;
   const char *log_format;
   const char *metrics_listen;
@@ -100,6 +101,10 @@ static const config_flag_t flags[] = {
      "requests of callers no guard authenticated (Health without cluster TLS) still arriving at "
      "once, each up to --max-message-bytes; past it the oldest is cancelled",
      &opt.max_unauthenticated_requests, 1, 65536},
+    {"max-transfer-nonces", CONFIG_INT, "65536",
+     "transfer grants (direct data path) this agent remembers at once, each until its grant's "
+     "start-by time; past it a grant is refused RESOURCE_EXHAUSTED", &opt.max_transfer_nonces, 1,
+     16777216},
     {"rpc-memory-bytes", CONFIG_BYTES, "1GiB",
      "memory gRPC may take for this port's connections (read buffers, calls) before it closes "
      "idle ones and then cancels calls (0: no bound)", &opt.rpc_memory_bytes, 0, 0},
@@ -349,6 +354,7 @@ int main(int argc, char **argv) {
   }
 
   runtime_tune_malloc();
+  transfer_grant_set_max_nonces((size_t)opt.max_transfer_nonces);
   rpc_init();
   rc = 1;
   static backend_t backend;

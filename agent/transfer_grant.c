@@ -2,9 +2,9 @@
  * call secret (docs/protocol.md, Direct data path): the grant is checked
  * against the call it arrives on, and each one is accepted once.
  *
- * Seen nonces are kept until their grant's expiry (after which the grant is
- * refused as expired anyway), in one table of at most TRANSFER_NONCES; the
- * expired ones are swept when it fills.
+ * Seen nonces are kept until their grant's start-by time (after which a grant
+ * not seen is refused as expired), in a table of at most --max-transfer-nonces;
+ * one given back for a retry (QUOTA) until its expiry.
  *
  * A call a grant admitted ends at that grant's expiry if it still runs then
  * (transfer_grant_watch): one thread, started with the first such call,
@@ -25,7 +25,8 @@
 
 typedef struct seen {
   uint8_t nonce[GRANT_NONCE_LEN];
-  int64_t expiry_ms;
+  int64_t expiry_ms; /* forgotten from then on */
+  bool in_use;       /* kept only: taken again after it was given back */
   UT_hash_handle hh;
 } seen_t;
 
@@ -42,57 +43,97 @@ uint64_t transfer_grant_results(int r) {
 }
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+/* Taken nonces, each until its grant's start-by time, in the order taken (a
+ * hash keeps insertion order): grants issued with one window expire in about
+ * that order, so the expired ones are forgotten from the head, each take
+ * paying for what it frees. */
 static seen_t *seen;
-static size_t nseen;
+/* Nonces given back once (QUOTA: their client presents the grant again, maybe
+ * past its start-by time), kept until the grant's expiry; few. */
+static seen_t *kept;
+static size_t nseen; /* in both */
+static size_t max_nonces = TRANSFER_NONCES;
+static int64_t kept_swept_ms;
 static log_limit_t refusals;
+
+void transfer_grant_set_max_nonces(size_t n) { max_nonces = n ? n : TRANSFER_NONCES; }
 
 bool transfer_grant_call(rpc_call_t *call) {
   const rpc_identity_t *id = rpc_call_identity(call);
   return id && strcmp(id->name, "grant") == 0;
 }
 
+/* The forgotten: seen's expired head, and (full, at most once a second) kept's expired. */
 static void sweep(int64_t now) {
   seen_t *e, *tmp;
   HASH_ITER(hh, seen, e, tmp) {
+    if (e->expiry_ms > now) break;
+    HASH_DEL(seen, e);
+    free(e);
+    nseen--;
+  }
+  if (nseen < max_nonces || !kept || now - kept_swept_ms < 1000) return;
+  kept_swept_ms = now;
+  HASH_ITER(hh, kept, e, tmp) {
     if (e->expiry_ms <= now) {
-      HASH_DEL(seen, e);
+      HASH_DEL(kept, e);
       free(e);
       nseen--;
     }
   }
 }
 
-/* 0 taken; 1 seen before; -1 the table is full. */
-static int take_nonce(const uint8_t *nonce, int64_t expiry_ms, int64_t now) {
+/* When a grant's nonce may be forgotten: its start-by time (0: an older
+ * server's grant, its expiry). */
+static int64_t start_by(const Meshd__Agent__V1__TransferGrant *g) {
+  return g->start_by_unix_ms > 0 && g->start_by_unix_ms < g->expiry_unix_ms ? g->start_by_unix_ms
+                                                                            : g->expiry_unix_ms;
+}
+
+/* 0 taken; 1 seen before; 2 presented after its start-by time; -1 the table is full. */
+static int take_nonce(const uint8_t *nonce, int64_t start_by_ms, int64_t now) {
   int rc = 0;
   pthread_mutex_lock(&mu);
-  seen_t *e = NULL;
+  sweep(now);
+  seen_t *e = NULL, *k = NULL;
   HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  if (!e) HASH_FIND(hh, kept, nonce, GRANT_NONCE_LEN, k);
   if (e) {
     rc = 1;
+  } else if ((e = k)) {
+    if (e->in_use) rc = 1;
+    else e->in_use = true;
+  } else if (start_by_ms <= now) {
+    rc = 2;
+  } else if (nseen >= max_nonces || !(e = calloc(1, sizeof *e))) {
+    rc = -1;
   } else {
-    if (nseen >= TRANSFER_NONCES) sweep(now);
-    if (nseen >= TRANSFER_NONCES || !(e = calloc(1, sizeof *e))) {
-      rc = -1;
-    } else {
-      memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
-      e->expiry_ms = expiry_ms;
-      HASH_ADD(hh, seen, nonce, GRANT_NONCE_LEN, e);
-      nseen++;
-    }
+    memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
+    e->expiry_ms = start_by_ms;
+    HASH_ADD(hh, seen, nonce, GRANT_NONCE_LEN, e);
+    nseen++;
   }
   pthread_mutex_unlock(&mu);
   return rc;
 }
 
-void transfer_grant_give_back(const uint8_t *nonce) {
+void transfer_grant_give_back(const uint8_t *nonce, int64_t expiry_ms) {
   pthread_mutex_lock(&mu);
   seen_t *e = NULL;
-  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  HASH_FIND(hh, kept, nonce, GRANT_NONCE_LEN, e);
+  if (!e) {
+    HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+    if (e) {
+      HASH_DEL(seen, e);
+    } else if (nseen < max_nonces && (e = calloc(1, sizeof *e))) { /* swept meanwhile */
+      memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
+      nseen++;
+    }
+    if (e) HASH_ADD(hh, kept, nonce, GRANT_NONCE_LEN, e);
+  }
   if (e) {
-    HASH_DEL(seen, e);
-    free(e);
-    nseen--;
+    e->expiry_ms = expiry_ms;
+    e->in_use = false;
   }
   pthread_mutex_unlock(&mu);
 }
@@ -141,13 +182,18 @@ static int open_grant(rpc_call_t *call, Meshd__Agent__V1__TransferGrant **out, c
   return 0;
 }
 
-/* Whether nonce is in the table: used, or in use, until its grant's expiry. */
-static bool nonce_seen(const uint8_t *nonce) {
+/* Whether nonce is taken (used, or in use): 1; given back, free to take: 2;
+ * neither: 0. */
+static int nonce_state(const uint8_t *nonce) {
   pthread_mutex_lock(&mu);
-  seen_t *e = NULL;
+  seen_t *e = NULL, *k = NULL;
+  int st = 0;
   HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  if (!e) HASH_FIND(hh, kept, nonce, GRANT_NONCE_LEN, k);
+  if (e) st = 1;
+  else if (k) st = k->in_use ? 1 : 2;
   pthread_mutex_unlock(&mu);
-  return e != NULL;
+  return st;
 }
 
 int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen) {
@@ -167,8 +213,16 @@ int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen) {
       code = refuse(call, GRANT_EXPIRED, GRPC_STATUS_PERMISSION_DENIED, msg, msglen,
                     "transfer grant refused: expired %lld ms ago; ask the server for a new one "
                     "(PlanTransfer)", (long long)(now - g->expiry_unix_ms));
-    else if (g->nonce.len == GRANT_NONCE_LEN && nonce_seen(g->nonce.data))
-      code = 1;
+    else if (g->nonce.len == GRANT_NONCE_LEN) {
+      int st = nonce_state(g->nonce.data);
+      if (st == 1)
+        code = 1;
+      else if (st == 0 && start_by(g) <= now) /* late, and not given back */
+        code = refuse(call, GRANT_EXPIRED, GRPC_STATUS_PERMISSION_DENIED, msg, msglen,
+                      "transfer grant refused: expired: its call did not start by its start-by "
+                      "time (%lld ms ago); ask the server for a new one (PlanTransfer)",
+                      (long long)(now - start_by(g)));
+    }
   }
   if (g) protobuf_c_message_free_unpacked(&g->base, NULL);
   return code;
@@ -211,13 +265,17 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
     code = refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (nonce of %zu "
                   "bytes)", g->nonce.len);
   if (!code) {
-    int t = take_nonce(g->nonce.data, g->expiry_unix_ms, now);
-    if (t > 0)
+    int t = take_nonce(g->nonce.data, start_by(g), now);
+    if (t == 2)
+      code = refuse(call, GRANT_EXPIRED, denied, msg, msglen, "transfer grant refused: expired: its "
+                    "call did not start by its start-by time (%lld ms ago); ask the server for a "
+                    "new one (PlanTransfer)", (long long)(now - start_by(g)));
+    else if (t > 0)
       code = refuse(call, GRANT_REUSED, denied, msg, msglen, "transfer grant refused: reused (each grant is "
                     "good for one call; ask the server for a new one)");
     else if (t < 0)
       code = refuse(call, GRANT_TABLE_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen, "transfer grant refused: "
-                    "%d grants are in use on this agent already; retry later", TRANSFER_NONCES);
+                    "%zu grants are in use on this agent already; retry later", max_nonces);
   }
   if (code) {
     protobuf_c_message_free_unpacked(&g->base, NULL);

@@ -39,6 +39,7 @@ struct data_service {
 
   data_path_t path;  /* which of Upload/Fetch and PlanTransfer are served */
   int64_t grant_ms;  /* a direct transfer's grants live this long */
+  int64_t grant_start_ms; /* and their calls start within this */
   /* Direct transfers planned and not finished (under mu), and the thread
    * that expires them. */
   struct transfer *pending;
@@ -1644,6 +1645,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   g.ref = t->ref;
   g.direction = GRANT_WRITE;
   g.expiry_unix_ms = t->expiry_ms;
+  g.start_by_unix_ms = grant_start_by(t->expiry_ms, ds->grant_ms, ds->grant_start_ms);
   g.spec = &sp;
   for (size_t i = 0; rc == 0 && i < t->nranks; i++) {
     meshd__v1__shard_grant__init(&sh[i]);
@@ -1720,6 +1722,7 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   g.ref = f->ref;
   g.direction = GRANT_READ;
   g.expiry_unix_ms = t->expiry_ms;
+  g.start_by_unix_ms = grant_start_by(t->expiry_ms, ds->grant_ms, ds->grant_start_ms);
   g.after_seq = f->after_seq;
   g.nonce.data = nonce;
   g.nonce.len = sizeof nonce;
@@ -2028,6 +2031,7 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
   if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
   ds->path = DATA_PATH_AUTO;
   ds->grant_ms = 600000;
+  ds->grant_start_ms = 60000;
   pthread_cond_init(&ds->wake, NULL);
   pthread_cond_init(&ds->settled, NULL);
   ds->sweeping = pthread_create(&ds->sweeper, NULL, sweeper_main, ds) == 0;
@@ -2038,6 +2042,10 @@ void data_service_set_fault(data_service_t *ds, fault_t *f) { ds->fault = f; }
 
 void data_service_set_max_relays(data_service_t *ds, int max_relays) {
   ds->max_relays = max_relays > 0 ? max_relays : 0;
+}
+
+void data_service_set_grant_start(data_service_t *ds, int64_t start_ms) {
+  if (start_ms > 0) ds->grant_start_ms = start_ms;
 }
 
 void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms) {

@@ -38,6 +38,8 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
                                     size_t max_message_bytes, int max_transfers);
 /* The data path (default AUTO) and how long a direct transfer's grants live
  * (grant_ms > 0; default 10 minutes). Before the server starts. */
+/* Grants' start-by window (--transfer-grant-start-ms; default 60000). */
+void data_service_set_grant_start(data_service_t *ds, int64_t start_ms);
 void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_ms);
 /* Upload and Fetch calls the server relays at once, over all sessions (each
  * holds up to 8 MiB of queued chunks): more are refused QUOTA naming

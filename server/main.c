@@ -46,7 +46,7 @@ typedef struct options {
   int64_t link_hold_ms, link_lone_ms;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
   int64_t session_max_streams, max_command_refs;
-  int64_t session_max_transfers, transfer_grant_ms, max_relayed_transfers;
+  int64_t session_max_transfers, transfer_grant_ms, transfer_grant_start_ms, max_relayed_transfers;
   const char *data_path;
   double drain_seconds, agent_timeout;
   uint64_t max_message_bytes, session_quota_bytes, session_max_queued_bytes, max_queued_bytes;
@@ -134,6 +134,10 @@ static const config_flag_t flags[] = {
     {"transfer-grant-ms", CONFIG_INT, "600000",
      "how long a direct transfer's grants are good for, in ms; an upload not finished by then "
      "is undone", &opt.transfer_grant_ms, 100, 86400000},
+    {"transfer-grant-start-ms", CONFIG_INT, "60000",
+     "a direct transfer's call must start this soon after its plan (its agent remembers the "
+     "grant's nonce this long); it may then run until --transfer-grant-ms",
+     &opt.transfer_grant_start_ms, 100, 86400000},
     {"server-fault", CONFIG_STRING, NULL,
      "fault injection for tests: plan:slow=MS holds each PlanTransfer's answer MS ms once its "
      "transfer is planned (a lost answer), plan:fail loses it; session:slow=MS holds each "
@@ -526,6 +530,7 @@ int main(int argc, char **argv) {
   data_service_t *data = sessions ? data_service_create(pool, sessions, opt.max_message_bytes,
                                                                (int)opt.session_max_transfers) : NULL;
   if (data) data_service_set_path(data, data_path, opt.transfer_grant_ms);
+  if (data) data_service_set_grant_start(data, opt.transfer_grant_start_ms);
   if (data) data_service_set_max_relays(data, (int)opt.max_relayed_transfers);
   if (data && server_fault_on) data_service_set_fault(data, &server_fault);
   if (server_fault_on) session_service_set_fault(&server_fault);

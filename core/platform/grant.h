@@ -43,6 +43,14 @@ int grant_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, ui
 /* Whether `mac` (mac_len bytes) is the receipt for these values; constant time. */
 bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
                       uint32_t rank, uint64_t bytes, const uint8_t *mac, size_t mac_len);
+/* The start-by time (start_by_unix_ms) of a grant issued now for grant_ms
+ * that expires at expiry_ms: start_ms after issue (the server's
+ * --transfer-grant-start-ms), or the expiry if sooner. Its agent remembers the
+ * nonce only until then, so its table holds the grants of that window, not of
+ * the whole grant_ms. */
+static inline int64_t grant_start_by(int64_t expiry_ms, int64_t grant_ms, int64_t start_ms) {
+  return start_ms > 0 && grant_ms > start_ms ? expiry_ms - grant_ms + start_ms : expiry_ms;
+}
 /* Milliseconds since the Unix epoch (what expiry_unix_ms counts). */
 int64_t grant_now_unix_ms(void);
 

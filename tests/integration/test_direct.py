@@ -1163,3 +1163,39 @@ def test_a_closed_sessions_finished_direct_upload_does_not_pin_the_session(meshd
     # each adds its 1000 objects (several hundred KB)
     assert grown < 4 * 1024, (f"server RSS grew by {grown} KiB over {n} closed sessions "
                               f"({grown * 1024 // n} bytes per session)")
+
+
+def test_sustained_small_direct_fetches_never_fill_the_agents_nonce_table(meshd_server):
+    """An agent remembers each grant's nonce only until the grant's start-by time
+    (--transfer-grant-start-ms after issue), not its expiry (--transfer-grant-ms):
+    a loop of small direct fetches (a training loop fetching its loss each step)
+    that does more of them within --transfer-grant-ms than the agent's table holds
+    (--max-transfer-nonces, 8 here) keeps working. It was refused
+    RESOURCE_EXHAUSTED "8 grants are in use on this agent already" from the 9th
+    fetch on (with the default 65,536: past ~109 fetches a second for 10 min)."""
+    import time
+    srv = meshd_server(1, "--transfer-grant-ms", "60000", "--transfer-grant-start-ms", "300",
+                       env={"MESHD_MAX_TRANSFER_NONCES": "8"})
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        with mesh.activate():
+            for i in range(32):
+                want = np.arange(4, dtype=np.float32) + i
+                t = meshd.tensor(want) * 1
+                got = meshd.fetch_shard(t, gpu=0).result(timeout=30)
+                np.testing.assert_array_equal(got, want)
+                time.sleep(0.15)  # (a Write and a Read each) at most ~6 grants within 300 ms
+        assert s._direct.counts["fetch"] == 32, s._direct.counts
+        # A used grant stays refused: reused before its start-by time, expired after.
+        with mesh.activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32))
+        sh = plan_fetch(s, x, gpu=0).shards[0]
+        agent_read(sh, s.id, x.ref)
+        refused(lambda: agent_read(sh, s.id, x.ref), grpc.StatusCode.PERMISSION_DENIED, "reused")
+        time.sleep(0.6)
+        refused(lambda: agent_read(sh, s.id, x.ref), grpc.StatusCode.PERMISSION_DENIED, "start")
+        # One never presented before its start-by time is refused too.
+        late = plan_fetch(s, x, gpu=0).shards[0]
+        time.sleep(0.6)
+        refused(lambda: agent_read(late, s.id, x.ref), grpc.StatusCode.PERMISSION_DENIED, "start")
