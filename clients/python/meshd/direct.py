@@ -207,6 +207,16 @@ class _IoLoop:
             self._channels[key] = ch
         return ch
 
+    def _forked(self):
+        """In a forked child: the loop's thread is the parent's; close() does nothing
+        and run() refuses. Returns what the child must keep and never close."""
+        self._lock = threading.Lock()
+        kept = (self._loop, self._thread, self._channels, self._futures)
+        self._loop = self._thread = None
+        self._closed = True
+        self._channels, self._futures = {}, set()
+        return kept
+
     def close(self):
         """Cancels the reads running on the loop and waits for them to end (their
         calls cancelled), closes the channels, stops the loop."""
@@ -284,6 +294,14 @@ class Direct:
         self._io.close()
         for ch in chans:
             ch.close()
+
+    def _forked(self):
+        """In a forked child (Session._forked): no transfer; returns the inherited
+        channels and io loop state, which the child keeps and never closes."""
+        self._lock = threading.Lock()
+        self._closed = True
+        kept, self._channels = self._channels, {}
+        return kept, self._io._forked()
 
     # ------------------------------------------------------------ reachability
     def _channel(self, address, tls=None, timeout=CONNECT_TIMEOUT):

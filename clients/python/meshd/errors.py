@@ -79,6 +79,25 @@ _BUILTIN.update({k: MeshdValueError for k in ("BAD_ARGUMENT", "SHAPE_MISMATCH",
                                               "DTYPE_MISMATCH", "BAD_DIM", "UNKNOWN_OP")})
 
 
+# A session used in a process forked from the one that opened it (meshd/session.py).
+FORKED = ("the session belongs to the parent process (this process is a fork of the one "
+          "that connected, and shares its connection); call meshd.connect() again in the child")
+
+
+class ForkedChannel:
+    """A forked child's stand-in for its inherited gRPC channel: every call is refused
+    with MeshdError NO_SESSION (FORKED) before anything is sent; close() does nothing."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise MeshdError("NO_SESSION", FORKED)
+
+    unary_unary = unary_stream = stream_unary = stream_stream = _refuse
+    subscribe = unsubscribe = _refuse
+
+    def close(self) -> None:
+        pass
+
+
 def closed_channel(e):
     """Whether e is grpc's refusal to start a call on a closed channel (the session
     was closed): 'Cannot invoke RPC on closed channel!' (unary calls) or 'Cannot

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -15,7 +16,7 @@ import grpc
 
 from . import _active, _catalogue, _conn, _proto
 from . import direct as _direct
-from .errors import MeshdError, closed_channel
+from .errors import FORKED, ForkedChannel, MeshdError, closed_channel
 from .mesh import Mesh
 from ._conn import Pem
 from .pipeline import Pipeline, _Pending
@@ -41,6 +42,29 @@ _RELEASE_BATCH = 256
 _TRANSPORT_KINDS = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED")
 # Commands whose claimed refs are all tensors (a Release may name them).
 _TENSOR_FIELDS = ("factory", "call", "reduce", "to_mesh", "literal", "load")
+
+
+# Every Session of this process (a forked child's hook refuses their use there), and,
+# in a forked child, the gRPC objects it inherited: kept for good, never closed or
+# collected (a close or a channel's finalizer would act on the parent's connection).
+_sessions: weakref.WeakSet = weakref.WeakSet()
+_fork_kept: list = []
+_used_grpc = False  # a Session was made in this process (its gRPC core is in use)
+_no_fork_support = False  # a forked child of such a process, without gRPC's fork support
+
+
+def _after_fork_in_child():
+    global _no_fork_support
+    for s in list(_sessions):
+        s._forked()
+    _sessions.clear()
+    if _used_grpc:
+        from grpc._cython import cygrpc
+        _no_fork_support = not cygrpc.is_fork_support_enabled()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _left(deadline):
@@ -174,6 +198,13 @@ class Session:
                  tls: bool = False, root_certs: Pem = None, cert_chain: Pem = None,
                  private_key: Pem = None, server_name: str | None = None, insecure: bool = False,
                  data_path: DataPath = "auto") -> None:
+        global _used_grpc
+        if _no_fork_support:  # a new channel would hang, and break the parent's connection
+            raise MeshdError("NO_SESSION", "this process was forked from one that connected, "
+                             "and gRPC's fork support is off (a new connection would hang and "
+                             "break the parent's): connect in a process started with "
+                             "multiprocessing's 'spawn' or 'forkserver', or set "
+                             "GRPC_ENABLE_FORK_SUPPORT=1 before the parent imports grpc")
         self._direct = _direct.Direct(self, data_path)  # checks data_path first
         creds = _conn.resolve(addr, token=token, tls=tls, root_certs=root_certs,
                               cert_chain=cert_chain, private_key=private_key,
@@ -183,6 +214,7 @@ class Session:
         self.tls = creds.tls
         self._auth = creds.auth_metadata()  # () without a token
         self._ch = _conn.open_channel(addr, creds, _OPTIONS)
+        _used_grpc = True
         self._calls: dict = {}  # (method, reply class) -> grpc callable
         self._lock = threading.Lock()
         self._close_lock = threading.RLock()  # (a signal handler may close inside a close)
@@ -209,6 +241,8 @@ class Session:
         # unanswered when collected): their DropBorrow refused UNKNOWN_REF is no news.
         self._maybe_borrows: set = set()
         self.closed = False
+        self._fork_child = False  # this is a forked child's copy (_forked)
+        _sessions.add(self)
         pb = self._pb
         try:
             reply = self._unary("CreateSession", pb.CreateSessionRequest(
@@ -262,6 +296,27 @@ class Session:
             self._direct.close()
             self._ch.close()
 
+    def _forked(self):
+        """In a forked child (os.register_at_fork): the session is the parent's, and so
+        is its connection (socket, poller), used by threads the child does not have.
+        Every later use raises MeshdError NO_SESSION (FORKED); close(), handles
+        collected and the session's finalizers send nothing and close nothing."""
+        self.closed = True
+        self._fork_child = True
+        # Locks another thread may have held at the fork (the child has no such thread).
+        self._lock, self._close_lock = threading.Lock(), threading.RLock()
+        _fork_kept.append((self._ch, self._calls, self._pipe, self._drain,
+                           self._direct._forked()))
+        self._ch, self._calls = ForkedChannel(), {}
+        self._pipe = self._drain = None
+        self._released.clear()
+        self._unborrowed.clear()
+        self._held.clear()
+
+    def _closed_error(self):
+        """The MeshdError of a call on a closed session (or a forked child's copy)."""
+        return MeshdError("NO_SESSION", FORKED if self._fork_child else "the session is closed")
+
     def _start_keepalive(self):
         period = _keepalive_period(self.ttl_seconds)
         pb = self._pb
@@ -314,7 +369,7 @@ class Session:
         (seconds, default the session's) is the deadline of all the call waits for: the
         pipelined answers before it, its room in the pipeline, the unary call."""
         if self.closed:
-            raise MeshdError("NO_SESSION", "the session is closed")
+            raise self._closed_error()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             pipe = self._pipe
@@ -529,7 +584,7 @@ class Session:
         nested in it joins it (its commands are the outer block's, answered at its end),
         as Monarch's coalescing blocks nest."""
         if self.closed:
-            raise MeshdError("NO_SESSION", "the session is closed")
+            raise self._closed_error()
         with self._lock:  # one check and one pipeline: another thread waits for this one
             outer = self._pipe
             if outer is not None and outer.owner != threading.get_ident():

@@ -715,7 +715,7 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
         response_deserializer=pb.UploadReply.FromString)
     if s.closed:
-        raise MeshdError("NO_SESSION", "the session is closed")
+        raise s._closed_error()
     # One deadline, the session's timeout, for the pipeline's answers, a direct attempt
     # and the Upload (each took a whole timeout of its own)
     deadline = time.monotonic() + s.timeout
