@@ -70,6 +70,7 @@
 // MeshdError NO_SESSION (code UNAUTHENTICATED, as the server's) without being sent.
 import { existsSync, readFileSync } from 'node:fs';
 import { BlockList, isIP } from 'node:net';
+import tls from 'node:tls';
 import path from 'node:path';
 import { inspect } from 'node:util';
 import { fileURLToPath } from 'node:url';
@@ -192,16 +193,44 @@ function loadAgentService(tensorProto) {
 // Whether channel becomes READY by `end`; false at once on a failed attempt (refused,
 // reset, a handshake it cannot do), where waitForReady would wait out the time.
 async function connected(channel, end) {
-  const { READY, TRANSIENT_FAILURE, SHUTDOWN } = grpc.connectivityState;
+  const { IDLE, READY, TRANSIENT_FAILURE, SHUTDOWN } = grpc.connectivityState;
   let state = channel.getConnectivityState(true);
   while (state !== READY) {
     if (state === TRANSIENT_FAILURE || state === SHUTDOWN) return false;
     const from = state;
     const changed = await new Promise((resolve) => channel.watchConnectivityState(from, end, (err) => resolve(!err)));
     if (!changed) return false;
-    state = channel.getConnectivityState(true);
+    // asked to connect only when idle: grpc-js dials again for a channel closed meanwhile
+    // (SHUTDOWN), a connection nothing would ever close
+    state = channel.getConnectivityState(false);
+    if (state === IDLE) state = channel.getConnectivityState(true);
   }
   return true;
+}
+
+// Why a TLS handshake with the agent at address (host:port) fails, under the plan's CA
+// and name, within ms; '' when it succeeds, or when the connection itself fails (refused,
+// no answer): what a failed gRPC connection over TLS does not say.
+function tlsFailure(address, ca, name, ms) {
+  const i = address.lastIndexOf(':');
+  const host = address.slice(0, i).replace(/^\[|\]$/g, '');
+  const port = Number(address.slice(i + 1));
+  const sni = name || host;
+  return new Promise((resolve) => {
+    let sock;
+    const done = (why) => { clearTimeout(timer); sock?.destroy(); resolve(why); };
+    const timer = setTimeout(() => done(''), Math.max(1, ms));
+    try {
+      sock = tls.connect({ host, port, ca, ALPNProtocols: ['h2'], servername: isIP(sni) ? undefined : sni,
+        checkServerIdentity: (h, cert) => tls.checkServerIdentity(sni, cert) });
+    } catch (e) {
+      done(e.message);
+      return;
+    }
+    sock.once('secureConnect', () => done(''));
+    sock.once('error', (e) => done(/^E(CONNREFUSED|CONNRESET|TIMEDOUT|HOSTUNREACH|NETUNREACH|PIPE)$/.test(e.code ?? '')
+      ? '' : e.message));
+  });
 }
 
 function checkDataPath(mode) {
@@ -319,6 +348,8 @@ export class Session {
   #md; // every call's metadata: authorization (with a token), meshd-session, meshd-token
 
   #agents = new Map(); // address + the plan's AgentTls -> Agent client (direct path), made on first use
+  #dialing = new Set(); // Agent clients still connecting (close() closes them too)
+  #handshakes = new Map(); // address -> why the last TLS handshake with its agent failed
   #refused = false; // the server refused PlanTransfer for its --data-path
   #agentsPlain = false; // a plan said the agents speak plaintext (for a session over TLS)
   #offUntil = 0; // auto: no direct try before this (an agent did not connect)
@@ -1430,8 +1461,27 @@ export class Session {
     };
     if (ca && name) options['grpc.ssl_target_name_override'] = name;
     const creds = ca ? grpc.credentials.createSsl(Buffer.from(ca)) : grpc.credentials.createInsecure();
+    if (this.closed) throw Session.#noSession('direct transfer');
     const c = new Agent(address, creds, options);
-    if (!await connected(c.getChannel(), Date.now() + waitMs)) { c.close(); return null; }
+    this.#dialing.add(c);
+    let up;
+    const end = Date.now() + waitMs;
+    try {
+      up = await connected(c.getChannel(), end);
+    } finally {
+      this.#dialing.delete(c);
+    }
+    // close() gave up on this transfer meanwhile: the channel would outlive the session
+    if (this.closed) { c.close(); throw Session.#noSession('direct transfer'); }
+    if (!up) {
+      c.close();
+      // a failed attempt, not the wait's end: over TLS, whether the handshake is why
+      const why = ca && Date.now() + 10 < end ? await tlsFailure(address, ca, name, end - Date.now()) : '';
+      if (why) this.#handshakes.set(address, why);
+      else this.#handshakes.delete(address);
+      return null;
+    }
+    this.#handshakes.delete(address);
     if (this.#agents.has(key)) { c.close(); return this.#agents.get(key); }
     this.#agents.set(key, c);
     return c;
@@ -1499,8 +1549,11 @@ export class Session {
   // The agent of shard sh could not be reached: throws (direct, or the deadline was what
   // cut the wait short), else records the fallback (auto).
   #unreachable(what, sh, cut) {
-    const why = `direct ${what}: rank ${sh.rank}'s agent at ${sh.address} does not answer within ${DIRECT_CONNECT_MS} ms`;
-    if (cut) {
+    const tlsWhy = this.#handshakes.get(sh.address);
+    const why = tlsWhy ? `direct ${what}: the TLS handshake with rank ${sh.rank}'s agent at ${sh.address} failed `
+      + `(${tlsWhy}), verifying it with the plan's cluster CA under its name`
+      : `direct ${what}: rank ${sh.rank}'s agent at ${sh.address} does not answer within ${DIRECT_CONNECT_MS} ms`;
+    if (cut && !tlsWhy) {
       throw new MeshdError('DEADLINE_EXCEEDED', `direct ${what}: no connection to rank ${sh.rank}'s agent at ${sh.address} before the deadline`, grpc.status.DEADLINE_EXCEEDED);
     }
     if (this.dataPath === 'direct') {
@@ -1524,6 +1577,27 @@ export class Session {
     const md = new grpc.Metadata();
     md.set(GRANT_MD, Buffer.from(sh.grant));
     return md;
+  }
+
+  // Why a direct upload's plan does not split the tensor over the mesh as it should
+  // (docs/protocol.md: one shard per rank of the mesh, in its row-major order, each rank
+  // once; with per_rank, shard i gets the i-th slice of the shape's bytes), else ''.
+  // The ranks' order is checked where this session knows the mesh's MeshMeta.
+  #splitMismatch(header, bytes, shards) {
+    const ranks = shards.map((sh) => Number(sh.rank));
+    const n = ranks.length;
+    if (new Set(ranks).size !== n) return `names a rank twice (ranks ${ranks.join(', ')})`;
+    const want = this.#meshes.get(Number(header.mesh))?.ranks?.map(Number);
+    if (want?.length && (n !== want.length || ranks.some((r, i) => r !== want[i]))) {
+      return `names ranks ${ranks.join(', ')} where mesh ${header.mesh} has ranks ${want.join(', ')}`;
+    }
+    if (header.per_rank) {
+      const slice = header.shape.reduce((a, d) => a * Number(d), 1) * DTYPES[header.dtype].BYTES_PER_ELEMENT;
+      if (slice * n !== bytes.length) {
+        return `has ${n} shards for ${slice ? bytes.length / slice : 0} ranks' rows (${bytes.length} bytes, ${slice} a rank)`;
+      }
+    }
+    return '';
   }
 
   // Every shard's bytes straight to its agent, all at once; the tensor's TensorMeta, or
@@ -1554,6 +1628,10 @@ export class Session {
     try { // (agent.proto missing next to a protoPath: the slot goes back all the same)
       if (!shards.length) {
         throw new MeshdError('INTERNAL', 'direct upload: the plan names no shard', grpc.status.INTERNAL);
+      }
+      const mismatch = this.#splitMismatch(header, bytes, shards);
+      if (mismatch) {
+        throw new MeshdError('INTERNAL', `direct upload: the plan ${mismatch}; no byte was sent`, grpc.status.INTERNAL);
       }
       if (this.#plainForTls(plan, 'upload') || this.#notHostPort(plan, 'upload')) {
         await abandon();
@@ -1774,6 +1852,7 @@ export class Session {
       this.client.close();
       for (const a of this.#agents.values()) a.close();
       this.#agents.clear();
+      for (const a of this.#dialing) a.close();
     }
     if (err) throw err;
   }

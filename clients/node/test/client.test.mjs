@@ -596,3 +596,145 @@ test('calls whose turn comes after close() gave up on them reject NO_SESSION, no
   for (const e of got.slice(2)) assert.equal(e.kind, 'NO_SESSION', String(e));
   assert.equal(m.count('Submit'), 0);
 });
+
+// A direct upload's plan must name every rank of the mesh once, in the mesh's order, one
+// slice each (docs/protocol.md, Direct data path): one that does not (a shard too many or
+// too few, a rank twice, ranks out of the mesh's order) is refused INTERNAL before any
+// byte goes to an agent, and given back (FinishUpload without receipts).
+test('a direct upload whose plan does not match the mesh ranks is refused before any byte moves', async () => {
+  let writes = 0;
+  const agent = await serve(Agent, { Write: (call, cb) => {
+    writes += 1;
+    call.on('data', () => {});
+    call.on('end', () => cb(null, { bytes: 4, receipt: Buffer.from([1]) }));
+  } });
+  let shards = [];
+  const m = await fakeMeshd({
+    Execute: (c, cb) => cb(null, { seq: c.request.seq, mesh: { ref: c.request.create_mesh?.ref ?? 0,
+      dims: [{ name: 'gpu', size: 2 }], ranks: [3, 5], literals: true } }),
+    PlanTransfer: (c, cb) => cb(null, plan(shards)),
+    FinishUpload: (c, cb) => cb(null, { tensor: null }),
+  });
+  const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 4000 });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    assert.deepEqual(mesh.ranks, [3, 5]);
+    const cases = [
+      [[shard(3, agent), shard(5, agent), shard(7, agent)], true], // a shard too many
+      [[shard(3, agent)], true], // too few: all the bytes to rank 3
+      [[shard(3, agent), shard(3, agent)], true], // a rank twice, rank 5 skipped
+      [[shard(5, agent), shard(3, agent)], true], // rank 3's rows to rank 5
+      [[shard(5, agent), shard(3, agent)], false], // replicated: the ranks all the same
+    ];
+    for (const [i, [sh, perRank]] of cases.entries()) {
+      shards = sh;
+      const finishes = m.count('FinishUpload');
+      await assert.rejects(s.upload(mesh, [2], new Float32Array(perRank ? 4 : 2), { perRank }), (err) => {
+        assert.ok(err instanceof MeshdError, `case ${i}: ${err}`);
+        assert.equal(err.kind, 'INTERNAL', `case ${i}: ${err.message}`);
+        assert.match(err.message, /direct upload: the plan/, `case ${i}`);
+        return true;
+      });
+      assert.equal(writes, 0, `case ${i}: bytes were sent on a plan that does not match the mesh`);
+      assert.equal(m.count('FinishUpload'), finishes + 1, `case ${i}: the plan was not given back`);
+    }
+    // the mesh as a bare ref this session did not make: the split is still checked
+    shards = [shard(0, agent), shard(1, agent), shard(2, agent)];
+    await assert.rejects(s.upload(9, [2], new Float32Array(4), { perRank: true }), /direct upload: the plan/);
+    shards = [shard(0, agent), shard(0, agent)];
+    await assert.rejects(s.upload(9, [2], new Float32Array(4), { perRank: true }), /direct upload: the plan/);
+    assert.equal(writes, 0, 'bytes were sent on a plan that does not match the mesh');
+  } finally {
+    await s.close();
+  }
+});
+
+// close() gives up on an upload that holds its turn past the session's timeoutMs; the
+// upload's agent channel, still connecting then, must not outlive the session: every
+// agent channel the session opened is closed once close() returned (a long-lived
+// process would keep one connection per such session).
+test("an agent channel still connecting when close() gave up is closed, not kept", async () => {
+  const net = await import('node:net');
+  const agent = await serve(Agent, { Write: (call, cb) => {
+    call.on('data', () => {});
+    call.on('end', () => cb(null, { bytes: 4, receipt: Buffer.from([1]) }));
+  } });
+  const [host, port] = agent.split(':');
+  const open_ = new Set(); // the client's connections to the slow agent, until they close
+  const slow = net.createServer((sock) => { // passes a connection on to the agent 400 ms late
+    open_.add(sock);
+    sock.on('close', () => open_.delete(sock));
+    sock.on('error', () => {});
+    sock.pause();
+    setTimeout(() => {
+      if (sock.destroyed) return;
+      const up = net.connect(Number(port), host, () => { sock.pipe(up); up.pipe(sock); sock.resume(); });
+      up.on('error', () => sock.destroy());
+      sock.on('close', () => up.destroy());
+    }, 400);
+  });
+  await new Promise((resolve) => slow.listen(0, '127.0.0.1', resolve));
+  const slowAddr = `127.0.0.1:${slow.address().port}`;
+  let plans = 0;
+  const m = await fakeMeshd({
+    // the first plan never answers (its upload holds the turn for a whole timeoutMs)
+    PlanTransfer: (c, cb) => { plans += 1; if (plans > 1) cb(null, plan([shard(0, slowAddr)])); },
+    FinishUpload: (c, cb) => cb(null, { tensor: null }),
+    CloseSession: () => {}, // never answers
+  });
+  const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 600 });
+  try {
+    const ups = [1, 2].map(() => s.upload(1, [1], new Float32Array([1])).then(() => null, (e) => e));
+    await s.close().catch(() => {}); // gives up at ~850 ms; the second upload dials from ~600 ms
+    const got = await Promise.all(ups);
+    for (const [i, e] of got.entries()) assert.ok(e instanceof MeshdError, `upload ${i}: ${e}`);
+    assert.ok(plans === 2, `${plans} plans`);
+    for (let i = 0; i < 100 && open_.size; i += 1) await sleep(20);
+    assert.equal(open_.size, 0, 'the agent channel opened for the closed session is still connected');
+  } finally {
+    slow.close();
+    for (const sock of open_) sock.destroy();
+  }
+});
+
+// An agent over TLS whose certificate the plan's CA does not verify: the error says the
+// TLS handshake failed, with the agent's address, not that the agent does not answer.
+test('a direct transfer whose agent fails the TLS handshake says so, naming the address', async () => {
+  const { execFileSync } = await import('node:child_process');
+  const { mkdtempSync, readFileSync, rmSync } = await import('node:fs');
+  const { tmpdir } = await import('node:os');
+  const src = process.env.MESHD_SOURCE_DIR ?? path.resolve(path.dirname(tensorProto), '..', '..', '..');
+  const pki = mkdtempSync(path.join(tmpdir(), 'meshd-node-tls-'));
+  try {
+    execFileSync('bash', [path.join(src, 'tests', 'support', 'make_certs.sh'), pki], { stdio: 'ignore' });
+    const f = (n) => readFileSync(path.join(pki, n));
+    const server = new grpc.Server();
+    server.addService(Agent, { Write: (call, cb) => { call.on('data', () => {}); call.on('end', () => cb(null, { bytes: 4 })); } });
+    servers.push(server);
+    const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createSsl(
+      null, [{ cert_chain: f('cluster.pem'), private_key: f('cluster.key') }], false), (e, p) => (e ? reject(e) : resolve(p))));
+    const agent = `127.0.0.1:${port}`;
+    const m = await fakeMeshd({
+      PlanTransfer: (c, cb) => cb(null, { ...plan([shard(0, agent)], c.request.fetch ? f32meta(1) : null),
+        agent_tls: { ca_pem: f('rogue-ca.pem').toString(), server_name: 'meshd-cluster' } }),
+      FinishUpload: (c, cb) => cb(null, { tensor: null }),
+      FinishFetch: (c, cb) => cb(null, {}),
+    });
+    const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 5000 });
+    try {
+      for (const call of [() => s.upload(1, [1], new Float32Array(1)), () => s.fetch(1, {})]) {
+        await assert.rejects(call(), (err) => {
+          assert.ok(err instanceof MeshdError, String(err));
+          assert.equal(err.kind, 'UNAVAILABLE', err.message);
+          assert.ok(err.message.includes(`TLS handshake with rank 0's agent at ${agent} failed`), err.message);
+          assert.doesNotMatch(err.message, /does not answer/);
+          return true;
+        });
+      }
+    } finally {
+      await s.close();
+    }
+  } finally {
+    rmSync(pki, { recursive: true, force: true });
+  }
+});
