@@ -15,6 +15,7 @@ Environment (set by ctest through MESHD_TEST_ENV):
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import glob
 import importlib
 import os
@@ -267,6 +268,28 @@ def proc_state(pid):
     except (FileNotFoundError, ProcessLookupError):
         return None
     return data[data.rindex(")") + 2:].split()[0]
+
+
+@contextlib.contextmanager
+def range_http_server(root=None):
+    """tests/support/range_http_server.py (serving `root` under /files/ when given): yields
+    its base URL http://127.0.0.1:PORT; stopped at the end by closing its stdin (it serves
+    until then), killed if it has not exited 5 s later."""
+    script = os.path.join(SOURCE_DIR, "tests", "support", "range_http_server.py")
+    p = subprocess.Popen(["/usr/bin/python3", script] + ([str(root)] if root else []),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        port = int(p.stdout.readline() or 0)
+        assert port > 0, "the range server did not print its port"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        p.stdin.close()
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        p.stdout.close()
 
 
 def rss_kib(pid):

@@ -2,7 +2,6 @@
 import atexit
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,20 +22,8 @@ SVC = "/meshd.v1.TensorService/"
 
 @pytest.fixture
 def range_server():
-    script = os.path.join(lib.SOURCE_DIR, "tests", "support", "range_http_server.py")
-    p = subprocess.Popen(["/usr/bin/python3", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        port = int(p.stdout.readline() or 0)
-        assert port > 0
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        p.stdin.close()
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        p.stdout.close()
+    with lib.range_http_server() as url:
+        yield url
 
 
 def test_cancelled_inspections_give_their_slots_back(shared_meshd, range_server):

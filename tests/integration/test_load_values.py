@@ -238,33 +238,20 @@ def test_sliced_meshes_npy_versions_and_many_rows(shared_meshd, files):
                     same(fetch(t, gpu=g), np.split(big, 4, axis=dim)[g])
 
 
-def range_server():
-    import subprocess
-    script = os.path.join(lib.SOURCE_DIR, "tests", "support", "range_http_server.py")
-    return subprocess.Popen(["/usr/bin/python3", script], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE)
-
-
 def test_raw_bytes_from_a_server_that_ignores_range(shared_meshd):
     srv = shared_meshd(2)
-    p = range_server()
-    try:
-        port = int(p.stdout.readline())
+    with lib.range_http_server() as base:
         n = 4096
         body = np.array([(i * 7 + 3) % 256 for i in range(n)], np.uint8)
         with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate():
             for path in ("norange", "bytes", "nohead"):
-                url = f"http://127.0.0.1:{port}/{path}/{n}"
+                url = f"{base}/{path}/{n}"
                 for dim in (0, 1, 2):
                     t = meshd.load(url, dtype="uint8", shape=(16, 16, 16), shard="gpu", dim=dim)
                     for g in range(2):
                         same(fetch(t, gpu=g), np.split(body.reshape(16, 16, 16), 2, axis=dim)[g])
                 t = meshd.load(url, dtype="int16", shape=(2048,))
                 same(fetch(t, gpu=1), body.view("<i2"))
-    finally:
-        p.stdin.close()
-        p.wait(timeout=10)
-        p.stdout.close()
 
 
 def test_file_urls_sharded(shared_meshd, tmp_path_factory):
@@ -328,23 +315,17 @@ def test_safetensors_names_given_twice_or_holding_nul_are_refused(shared_meshd, 
 
 def test_raw_bytes_through_redirects_and_retries(shared_meshd):
     srv = shared_meshd(2)
-    p = range_server()
-    try:
-        port = int(p.stdout.readline())
+    with lib.range_http_server() as base:
         n = 4096
         body = np.array([(i * 7 + 3) % 256 for i in range(n)], np.uint8).reshape(16, 16, 16)
         with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate():
             for i, path in enumerate(["redirect/bytes", "flaky/k{}/2", "reset/r{}/2",
                                       "redirect/nohead"]):
                 for dim in (0, 2):
-                    url = f"http://127.0.0.1:{port}/{path.format(f'{i}{dim}')}/{n}"
+                    url = f"{base}/{path.format(f'{i}{dim}')}/{n}"
                     t = meshd.load(url, dtype="uint8", shape=(16, 16, 16), shard="gpu", dim=dim)
                     for g in range(2):
                         same(fetch(t, gpu=g), np.split(body, 2, axis=dim)[g])
-    finally:
-        p.stdin.close()
-        p.wait(timeout=10)
-        p.stdout.close()
 
 
 def test_ranges_past_the_staging_buffer(shared_meshd, files):
@@ -366,20 +347,15 @@ def test_ranges_past_the_staging_buffer(shared_meshd, files):
 def test_versioned_files_every_range_checked(shared_meshd, tmp_path):
     """Loads through a server with an ETag (If-Match on every range) or only a
     Last-Modified (If-Unmodified-Since), split along a later dim (a range per row)."""
-    import subprocess
     a = sample("float32", (6, 4), seed=51)
     np.save(tmp_path / "v.npy", a)
     st = {"w": sample("int64", (2, 6), 52), "b": sample("float16", (4,), 53)}
     (tmp_path / "v.safetensors").write_bytes(lib.safetensors_bytes(st))
-    script = os.path.join(lib.SOURCE_DIR, "tests", "support", "range_http_server.py")
-    p = subprocess.Popen(["/usr/bin/python3", script, str(tmp_path)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE)
     srv = shared_meshd(2)
-    try:
-        port = int(p.stdout.readline())
+    with lib.range_http_server(tmp_path) as base:
         with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate():
             for how in ("etag", "mtime"):
-                url = f"http://127.0.0.1:{port}/files/k{how}/{how}/100000/"
+                url = f"{base}/files/k{how}/{how}/100000/"
                 for dim in (0, 1):
                     t = meshd.load(url + "v.npy", shard="gpu", dim=dim)
                     for g in range(2):
@@ -388,10 +364,6 @@ def test_versioned_files_every_range_checked(shared_meshd, tmp_path):
                 for k, v in st.items():
                     for g in range(2):
                         same(fetch(sd[k], gpu=g), np.split(v, 2, axis=-1)[g])
-    finally:
-        p.stdin.close()
-        p.wait(timeout=10)
-        p.stdout.close()
 
 
 def test_python_messages_hide_the_query_of_a_url_without_a_path():

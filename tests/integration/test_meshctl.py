@@ -982,21 +982,8 @@ def versioned_files(tmp_path):
     import numpy as np
     a = np.arange(4 * 196608, dtype=np.float32).reshape(4, 196608)
     np.save(tmp_path / "x.npy", a)
-    script = os.path.join(lib.SOURCE_DIR, "tests", "support", "range_http_server.py")
-    p = subprocess.Popen(["/usr/bin/python3", script, str(tmp_path)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE)
-    try:
-        port = int(p.stdout.readline() or 0)
-        assert port > 0, "the range server did not print its port"
-        yield f"http://127.0.0.1:{port}/files", a
-    finally:
-        p.stdin.close()  # it serves until its stdin closes
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        p.stdout.close()
+    with lib.range_http_server(tmp_path) as url:
+        yield f"{url}/files", a
 
 
 def test_load_fails_when_the_file_changes_between_its_ranges(shared_meshd, versioned_files):
