@@ -202,9 +202,9 @@ bool auth_call_revoked(const rpc_identity_t *id, void *arg) {
   bool ok = false;
   pthread_rwlock_rdlock(&a->lock);
   for (size_t i = 0; i < a->set.n; i++)
-    if (!strcmp(a->set.v[i].name, id->name) &&
+    if (!strcmp(a->set.v[i].name, id->name) && a->set.v[i].admin == id->admin &&
         !CRYPTO_memcmp(a->set.v[i].digest, id->credential, sizeof id->credential))
-      ok = true;
+      ok = true; /* (a token that lost or gained admin: its calls end, to come back as it is now) */
   pthread_rwlock_unlock(&a->lock);
   return !ok;
 }

@@ -35,7 +35,8 @@ bool auth_enabled(const auth_t *a);
 int auth_reload(auth_t *a, char *err, size_t errlen);
 
 /* After a reload: whether the call admitted as id can no longer be (its
- * token removed, or now another's or its principal's gone). For
+ * token removed, or now another's, its principal's gone, or its admin flag
+ * changed). For
  * rpc_server_end_calls_of (arg: the auth_t). */
 bool auth_call_revoked(const rpc_identity_t *id, void *auth);
 /* Whether principal `name` is in the file loaded last (always when open). */

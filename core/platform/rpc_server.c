@@ -659,9 +659,11 @@ static void open_add(rpc_call_t *c) {
   else srv->open_head = c;
   srv->open_tail = c;
   srv->nopen++;
-  while (srv->nopen > srv->max_open && n < EVICT_MAX) {
-    rpc_call_t *old = srv->open_head;
-    if (old->stream_open && now - old->open_ms < RPC_STREAM_OPEN_GRACE_MS) break;
+  /* Oldest first, past the streams still in their grace. */
+  for (rpc_call_t *old = srv->open_head, *next; old && srv->nopen > srv->max_open &&
+                                               n < EVICT_MAX; old = next) {
+    next = old->open_next;
+    if (old->stream_open && now - old->open_ms < RPC_STREAM_OPEN_GRACE_MS) continue;
     open_remove_locked(srv, old);
     evict[n] = old->call; /* old lives while it is listed: its batch holds it */
     grpc_call_ref(evict[n++]);

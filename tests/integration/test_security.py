@@ -924,10 +924,12 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
     """kill -HUP without bob's token: bob's open Submit stream ends UNAUTHENTICATED naming
     the revocation, and his planned direct fetch's snapshot is dropped on its agent (its
     grant reads nothing). carol's token changed: her old-token stream ends, her session
-    works with the new token. alice is untouched."""
+    works with the new token. dave's token lost its admin flag: his stream ends too (to
+    come back without admin rights). alice is untouched."""
     carol_old, carol_new = "carol-0123456789abcdef", "carol-fedcba9876543210"
+    dave = "dave-00112233445566778899"
     f = tmp_path / "tokens"
-    f.write_text(f"alice {ALICE}\nbob {BOB}\ncarol {carol_old}\n")
+    f.write_text(f"alice {ALICE}\nbob {BOB}\ncarol {carol_old}\ndave {dave} admin\n")
     p = _start(tmp_path, "--auth-tokens", f, "--transfer-grant-ms", 60000, n=2)
     try:
         deadline = time.monotonic() + lib.REGISTER_TIMEOUT
@@ -940,8 +942,10 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
         sa = Session(p.port, "a", auth=bearer(ALICE))
         sb = Session(p.port, "b", auth=bearer(BOB))
         sc = Session(p.port, "c", auth=bearer(carol_old))
+        sd = Session(p.port, "d", auth=bearer(dave))
         streams = {}
-        for name, s, tok in (("a", sa, ALICE), ("b", sb, BOB), ("c", sc, carol_old)):
+        for name, s, tok in (("a", sa, ALICE), ("b", sb, BOB), ("c", sc, carol_old),
+                             ("d", sd, dave)):
             q, it = _open_submit(s, bearer(tok))
             _submit_one(s, q, it)
             streams[name] = (s, q, it)
@@ -951,7 +955,7 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
             ref=x.ref, coords=[t.Coordinate(dim="gpu", index=0)])), t.PlanTransferReply)
         shard = fetch.shards[0]
 
-        f.write_text(f"alice {ALICE}\ncarol {carol_new}\n")  # bob revoked, carol rotated
+        f.write_text(f"alice {ALICE}\ncarol {carol_new}\ndave {dave}\n")  # bob revoked, ...
         os.kill(p.pid, signal.SIGHUP)
         deadline = time.monotonic() + 10
         while "SIGHUP: reloaded" not in lib.log_tail(p.log, 400):
@@ -959,7 +963,7 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
             time.sleep(0.05)
         time.sleep(0.5)  # what the reload does after its log line
 
-        for name in ("b", "c"):
+        for name in ("b", "c", "d"):
             s, q, it = streams[name]
             with pytest.raises(grpc.RpcError) as e:
                 _submit_one(s, q, it)
@@ -981,7 +985,7 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
         with pytest.raises(grpc.RpcError) as e:
             agent_read(shard, sb.id, x.ref)
         assert "no snapshot" in e.value.details(), e.value.details()
-        for s in (sa, sb, sc):
+        for s in (sa, sb, sc, sd):
             s.shut()
     finally:
         assert lib.stop(p) == 0
