@@ -693,6 +693,7 @@ struct meshd_session {
     meshd_ref_t ref;
     uint64_t ranks;
     bool literals;
+    uint32_t *rank_ids; /* its ranks in row-major order (NULL: not kept) */
   } *meshes;
   size_t nmeshes, meshes_cap;
 };
@@ -752,6 +753,8 @@ static void session_free(meshd_session_t *s) {
     pthread_mutex_destroy(&s->ka_mu);
   }
   direct_free(s->direct);
+  for (size_t i = 0; i < s->nmeshes; i++)
+    free(s->meshes[i].rank_ids);
   free(s->meshes);
   free(s->id);
   free(s->token);
@@ -939,7 +942,10 @@ static void mesh_remember(meshd_session_t *s, const Meshd__V1__MeshMeta *m) {
     s->meshes = v;
     s->meshes_cap = cap;
   }
-  s->meshes[s->nmeshes++] = (struct mesh_info){m->ref, m->n_ranks, m->literals};
+  uint32_t *ids = m->n_ranks ? malloc(m->n_ranks * sizeof *ids) : NULL;
+  if (ids)
+    memcpy(ids, m->ranks, m->n_ranks * sizeof *ids);
+  s->meshes[s->nmeshes++] = (struct mesh_info){m->ref, m->n_ranks, m->literals, ids};
 }
 
 /* What a Literal of `bytes` sends the agents in all: bytes on each rank of the
@@ -2048,6 +2054,11 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   h.total_bytes = bytes;
   int64_t left = end - rpc_now_ms();
   direct_session_t view = session_view(s, left < 1 ? 1 : (int)left);
+  const struct mesh_info *mi = mesh_find(s, mesh);
+  if (mi && mi->rank_ids) { /* the plan's shards are checked against them */
+    view.mesh_ranks = mi->rank_ids;
+    view.n_mesh_ranks = (size_t)mi->ranks;
+  }
   direct_err_t e = {0};
   bool spent = false, defined = false;
   direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &defined, &e);

@@ -757,6 +757,51 @@ static int finish_upload(const direct_session_t *s, uint64_t id, Meshd__V1__Writ
   return -1;
 }
 
+/* Appends the ranks of v, n of them, to b as "a, b, c". */
+static void ranks_text(char *b, size_t len, const uint32_t *v, size_t n, bool shards,
+                       const Meshd__V1__PlanTransferReply *p) {
+  size_t at = 0;
+  b[0] = '\0';
+  for (size_t i = 0; i < n && at < len; i++) {
+    int k = snprintf(b + at, len - at, "%s%u", i ? ", " : "", shards ? p->shards[i]->rank : v[i]);
+    if (k < 0)
+      break;
+    at += (size_t)k;
+  }
+}
+
+void direct_plan_mismatch(const Meshd__V1__PlanTransferReply *p, bool per_rank, size_t bytes,
+                          size_t slice, const uint32_t *mesh_ranks, size_t n_mesh_ranks, char *why,
+                          size_t len) {
+  size_t n = p->n_shards;
+  char got[256], want[256];
+  why[0] = '\0';
+  if (n == 0) {
+    snprintf(why, len, "names no shard");
+    return;
+  }
+  ranks_text(got, sizeof got, NULL, n, true, p);
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = 0; j < i; j++)
+      if (p->shards[i]->rank == p->shards[j]->rank) {
+        snprintf(why, len, "names a rank twice (ranks %s)", got);
+        return;
+      }
+  if (mesh_ranks && n_mesh_ranks) {
+    bool same = n == n_mesh_ranks;
+    for (size_t i = 0; same && i < n; i++)
+      same = p->shards[i]->rank == mesh_ranks[i];
+    if (!same) {
+      ranks_text(want, sizeof want, mesh_ranks, n_mesh_ranks, false, NULL);
+      snprintf(why, len, "names ranks %s where the mesh has ranks %s", got, want);
+      return;
+    }
+  }
+  if (per_rank && ((bytes / n) * n != bytes || (slice && bytes / n != slice)))
+    snprintf(why, len, "has %zu shards for %zu bytes of per-rank rows (%zu a rank)", n, bytes,
+             slice);
+}
+
 direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
                           const uint8_t *data, size_t bytes, bool *ref_spent, bool *defined,
                           direct_err_t *e) {
@@ -798,9 +843,16 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
     rc = DIRECT_FAILED;
     goto out;
   }
-  if (n == 0 || (h->per_rank && u.each * n != bytes)) {
+  char why[640];
+  size_t slice = h->per_rank ? direct_dtype_bytes(h->dtype) : 0; /* a rank's bytes, 0: unknown */
+  for (size_t i = 0; i < h->n_shape && slice; i++)
+    slice = h->shape[i] > 0 && slice <= SIZE_MAX / (size_t)h->shape[i]
+                ? slice * (size_t)h->shape[i]
+                : 0;
+  direct_plan_mismatch(p, h->per_rank, bytes, slice, s->mesh_ranks, s->n_mesh_ranks, why, sizeof why);
+  if (why[0]) { /* before any dial: no byte goes to a rank not its own */
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                   "direct upload: the plan has %zu shards for %zu bytes", n, bytes);
+                   "direct upload: the plan %s; no byte was sent", why);
     abandon_upload(s, p->transfer_id, end);
     rc = DIRECT_FAILED;
     goto out;

@@ -55,7 +55,20 @@ typedef struct direct_session {
   const char *id;
   int timeout_ms;     /* every call's deadline */
   bool tls;           /* the session is over TLS */
+  /* An upload's mesh's ranks in row-major order, where the session knows them
+   * (NULL: only the plan's own consistency is checked). */
+  const uint32_t *mesh_ranks;
+  size_t n_mesh_ranks;
 } direct_session_t;
+
+/* Why a direct upload's plan does not split it over the mesh as it should
+ * (docs/protocol.md: one shard per rank of the mesh, in its row-major order,
+ * each rank once; per_rank: shard i gets the i-th slice of `bytes`, `slice`
+ * bytes each where known, else 0), written
+ * to why (why[0] '\0': it does). mesh_ranks NULL: the order is not checked. */
+void direct_plan_mismatch(const Meshd__V1__PlanTransferReply *p, bool per_rank, size_t bytes,
+                          size_t slice, const uint32_t *mesh_ranks, size_t n_mesh_ranks, char *why,
+                          size_t len);
 
 /* Where one fetched local tensor goes: begin(meta) once before any byte, then
  * data() for each piece in order (from a shard's thread when there are several

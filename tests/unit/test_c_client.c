@@ -3428,3 +3428,47 @@ Test(c_client_reads_full, more_direct_fetches_waiting_on_one_agent_than_it_keeps
     meshd_close(r[i].c);
   }
 }
+
+/* A direct upload's plan must name every rank of the mesh once, in the mesh's
+ * row-major order, one slice each (docs/protocol.md, Direct data path), as the
+ * Node client checks: a rank twice, ranks out of the mesh's order, a shard too
+ * many or too few is refused before any byte moves. (Only the per-rank count
+ * was checked: ranks swapped sent one rank's rows to the other.) */
+Test(c_client, a_direct_upload_plan_that_does_not_match_the_mesh_is_refused) {
+  Meshd__V1__ShardGrant g[3];
+  Meshd__V1__ShardGrant *gp[3] = {&g[0], &g[1], &g[2]};
+  for (int i = 0; i < 3; i++)
+    meshd__v1__shard_grant__init(&g[i]);
+  Meshd__V1__PlanTransferReply p = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
+  p.shards = gp;
+  const uint32_t mesh[] = {3, 5};
+  char why[640];
+  struct {
+    uint32_t r[3];
+    size_t n;
+    bool per_rank, ok;
+  } cases[] = {
+      {{3, 5}, 2, true, true},      {{3, 5}, 2, false, true},
+      {{5, 3}, 2, true, false},     {{5, 3}, 2, false, false}, /* out of the mesh's order */
+      {{3, 3}, 2, true, false},     {{3, 3}, 2, false, false}, /* a rank twice, 5 skipped */
+      {{3}, 1, true, false},        {{3, 5, 7}, 3, true, false}, /* too few, too many */
+      {{0}, 0, false, false},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    for (size_t i = 0; i < cases[c].n; i++)
+      g[i].rank = cases[c].r[i];
+    p.n_shards = cases[c].n;
+    direct_plan_mismatch(&p, cases[c].per_rank, 16, cases[c].per_rank ? 8 : 0, mesh, 2, why,
+                         sizeof why);
+    cr_assert_eq(why[0] == '\0', cases[c].ok, "case %zu: '%s'", c, why);
+  }
+  /* the mesh not known here: a rank twice and a split that does not fit still are */
+  g[0].rank = g[1].rank = 0;
+  p.n_shards = 2;
+  direct_plan_mismatch(&p, true, 16, 8, NULL, 0, why, sizeof why);
+  cr_assert(strstr(why, "names a rank twice"), "'%s'", why);
+  g[1].rank = 1;
+  p.n_shards = 1;
+  direct_plan_mismatch(&p, true, 16, 8, NULL, 0, why, sizeof why);
+  cr_assert(why[0], "one shard for two ranks' rows was accepted");
+}

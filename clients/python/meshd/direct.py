@@ -445,6 +445,27 @@ class Direct:
         return None
 
     # ------------------------------------------------------------ upload
+    def _split_mismatch(self, hdr, pieces, shards):
+        """Why a direct upload's plan does not split the tensor over the mesh as it
+        should (docs/protocol.md: one shard per rank of the mesh, in its row-major
+        order, each rank once; with per_rank, shard i gets the i-th rank's rows), else
+        "". The ranks' order is checked where this session knows the mesh."""
+        ranks = [int(sh.rank) for sh in shards]
+        n = len(ranks)
+        listed = ", ".join(map(str, ranks))
+        if n == 0:
+            return "names no shard"
+        if len(set(ranks)) != n:
+            return f"names a rank twice (ranks {listed})"
+        mesh = self.session._meshes.get(hdr.mesh)
+        want = [int(r) for r in mesh.ranks] if mesh is not None and mesh.ranks else None
+        if want and ranks != want:
+            return (f"names ranks {listed} where mesh {hdr.mesh} has ranks "
+                    f"{', '.join(map(str, want))}")
+        if hdr.per_rank and len(pieces) != n:
+            return f"has {n} shards for {len(pieces)} ranks' rows"
+        return ""
+
     def upload(self, hdr, pieces, progress=None, timeout=None):
         """Uploads pieces (byte memoryviews: one per rank with per_rank, else one) as
         UploadHeader hdr (ref already chosen, the session lock held). Returns
@@ -464,6 +485,10 @@ class Direct:
         reply = self.plan(pb.PlanTransferRequest(upload=hdr), deadline)
         if reply is None:
             return None
+        mismatch = self._split_mismatch(hdr, pieces, reply.shards)
+        if mismatch:  # before any dial: no byte goes to a rank not its own
+            self._abandon_upload(reply.transfer_id)
+            raise MeshdError("INTERNAL", f"direct upload: the plan {mismatch}; no byte was sent")
         try:
             chans = self._channels_for(reply, "upload", deadline)
         except BaseException:
@@ -473,10 +498,6 @@ class Direct:
             self._abandon_upload(reply.transfer_id)
             return None
         n = len(reply.shards)
-        if hdr.per_rank and len(pieces) != n:
-            self._abandon_upload(reply.transfer_id)
-            raise MeshdError("INTERNAL", f"direct upload: the plan has {n} shards for "
-                             f"{len(pieces)} ranks' rows")
         from .tensor import _data_field
         tr = _progress.tracker(sum(len(p) for p in pieces), progress, "upload")
         lock = threading.Lock()  # tr, sent, failed: from any shard's thread

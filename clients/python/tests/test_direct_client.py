@@ -294,3 +294,71 @@ def test_an_agent_killed_mid_transfer_fails_it_and_the_session_goes_on(data_path
     finally:
         _progress.CALLBACK_INTERVAL = old
         stop_meshd(proc)
+
+
+def test_a_direct_upload_whose_plan_does_not_match_the_mesh_ranks_is_refused(server, monkeypatch):
+    """A direct upload's plan must name every rank of the mesh once, in the mesh's
+    row-major order (docs/protocol.md, Direct data path): one that does not (a shard too
+    many or too few, a rank twice, ranks out of order: one rank's rows sent to another,
+    or a rank skipped) is refused INTERNAL before any agent is dialled, and given back
+    (FinishUpload without receipts), as the Node client does. (Only the per-rank count
+    was checked: ranks swapped or a rank twice had the bytes written where the plan said.)"""
+    arr = np.arange(2 * (1 << 17), dtype=np.float32).reshape(2, -1)  # 1 MiB: not a Literal
+    with meshd.connect(server[0], data_path="direct") as s:
+        d = s._direct
+        real_plan, dials, abandons = d.plan, [], []
+        real_channels, real_abandon = d._channels_for, d._abandon_upload
+        bad = None  # shards -> the shards the plan names instead
+
+        def plan(request, deadline):
+            reply = real_plan(request, deadline)
+            if reply is not None and request.HasField("upload") and bad is not None:
+                shards = [type(sh)() for sh in reply.shards]
+                for new, old in zip(shards, reply.shards):
+                    new.CopyFrom(old)
+                want = bad(shards)
+                del reply.shards[:]
+                reply.shards.extend(want)
+            return reply
+
+        def channels_for(*a, **kw):
+            dials.append(1)
+            return real_channels(*a, **kw)
+
+        def abandon(tid):
+            abandons.append(tid)
+            return real_abandon(tid)
+        monkeypatch.setattr(d, "plan", plan)
+        monkeypatch.setattr(d, "_channels_for", channels_for)
+        monkeypatch.setattr(d, "_abandon_upload", abandon)
+
+        def renumbered(sh, rank):
+            c = type(sh)()
+            c.CopyFrom(sh)
+            c.rank = rank
+            return c
+        with s.mesh(gpu=2).activate():
+            cases = [
+                ("sharded", lambda sh: [sh[1], sh[0]]),  # rank 0's rows to rank 1
+                ("sharded", lambda sh: [sh[0], sh[0]]),  # a rank twice, one skipped
+                ("sharded", lambda sh: [sh[0]]),  # too few
+                ("sharded", lambda sh: sh + [renumbered(sh[0], 99)]),  # too many
+                ("replicated", lambda sh: [sh[1], sh[0]]),  # out of the mesh's order
+                ("replicated", lambda sh: [sh[0], sh[0]]),  # a rank twice
+            ]
+            for i, (kind, f) in enumerate(cases):
+                bad = f
+                before = len(abandons)
+                with pytest.raises(meshd.MeshdError) as ei:
+                    if kind == "sharded":
+                        meshd.tensor(arr, shard="gpu")
+                    else:
+                        meshd.tensor(arr[0])
+                assert ei.value.kind == "INTERNAL", (i, ei.value)
+                assert "direct upload: the plan" in str(ei.value), (i, ei.value)
+                assert not dials, f"case {i}: an agent was dialled for a plan that does not match the mesh"
+                assert len(abandons) == before + 1, f"case {i}: the plan was not given back"
+            bad = None
+            x = meshd.tensor(arr, shard="gpu")  # the session's slot was given back
+            for g in range(2):
+                np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=g).result(), arr[g])
