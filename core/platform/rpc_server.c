@@ -1289,22 +1289,30 @@ static void wait_tags(rpc_server_t *srv) {
   pthread_mutex_unlock(&srv->mu);
 }
 
-int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status_code code,
-                         const char *kind, const char *msg) {
+/* Every listed call but except_path's, each with a reference (the caller
+ * drops it), as a malloc'd array of *k; NULL when none or out of memory. A
+ * listed call has a reference besides its alive one until it leaves the list
+ * (maybe_end_locked's caller's): one more keeps it past the lock (atomic, as
+ * c->mu comes before srv->mu). */
+static rpc_call_t **live_calls(rpc_server_t *srv, const char *except_path, int *k) {
   pthread_mutex_lock(&srv->mu);
   int n = 0;
   for (rpc_call_t *c = srv->live_head; c; c = c->live_next) n++;
   rpc_call_t **calls = n ? malloc(sizeof *calls * (size_t)n) : NULL;
-  int k = 0;
-  /* A listed call has a reference besides its alive one until it leaves the
-   * list (maybe_end_locked's caller's): one more keeps it past the lock
-   * (atomic, as c->mu comes before srv->mu). */
+  *k = 0;
   for (rpc_call_t *c = srv->live_head; calls && c; c = c->live_next) {
     if (except_path && strcmp(c->slot->m->path, except_path) == 0) continue;
     c->refs++;
-    calls[k++] = c;
+    calls[(*k)++] = c;
   }
   pthread_mutex_unlock(&srv->mu);
+  return calls;
+}
+
+int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status_code code,
+                         const char *kind, const char *msg) {
+  int k;
+  rpc_call_t **calls = live_calls(srv, except_path, &k);
   for (int i = 0; i < k; i++) {
     rpc_call_abort(calls[i], code, kind, "%s", msg);
     rpc_call_unref(calls[i]);
@@ -1348,16 +1356,8 @@ int rpc_call_reply_after(rpc_call_t *call, const ProtobufCMessage *msg, int ms) 
 int rpc_server_end_calls_of(rpc_server_t *srv,
                             bool (*revoked)(const rpc_identity_t *id, void *arg), void *arg,
                             grpc_status_code code, const char *kind, const char *msg) {
-  pthread_mutex_lock(&srv->mu);
-  int n = 0;
-  for (rpc_call_t *c = srv->live_head; c; c = c->live_next) n++;
-  rpc_call_t **calls = n ? malloc(sizeof *calls * (size_t)n) : NULL;
-  int k = 0;
-  for (rpc_call_t *c = srv->live_head; calls && c; c = c->live_next) {
-    c->refs++; /* as in rpc_server_end_calls */
-    calls[k++] = c;
-  }
-  pthread_mutex_unlock(&srv->mu);
+  int k;
+  rpc_call_t **calls = live_calls(srv, NULL, &k);
   int ended = 0;
   for (int i = 0; i < k; i++) {
     rpc_call_t *c = calls[i];
