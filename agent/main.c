@@ -40,7 +40,7 @@ typedef struct options {
   int64_t rank;
   int64_t memory_share;
   uint64_t memory_bytes;
-  double drain_seconds;
+  double drain_seconds, handshake_timeout;
   double server_timeout;
   int64_t threads;
   uint64_t max_message_bytes, rpc_memory_bytes;
@@ -101,6 +101,9 @@ static const config_flag_t flags[] = {
      "requests of callers no guard authenticated (Health without cluster TLS) still arriving at "
      "once, each up to --max-message-bytes; past it the oldest is cancelled",
      &opt.max_unauthenticated_requests, 1, 65536},
+    {"handshake-timeout", CONFIG_DOUBLE, "10",
+     "close a connection (gRPC and health ports) that has not finished its TLS and HTTP/2 "
+     "handshake within this many seconds", &opt.handshake_timeout, 0.1, 3600},
     {"max-transfer-nonces", CONFIG_INT, "65536",
      "transfer grants (direct data path) this agent remembers at once, each until its grant's "
      "start-by time; past it a grant is refused RESOURCE_EXHAUSTED", &opt.max_transfer_nonces, 1,
@@ -377,6 +380,7 @@ int main(int argc, char **argv) {
       .threads = (int)opt.threads,
       .max_message_bytes = (int)opt.max_message_bytes,
       .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
+      .handshake_timeout_ms = (int)(opt.handshake_timeout * 1000),
       .memory_bytes = opt.rpc_memory_bytes,
       .tls = {.on = cluster, .ca_file = opt.cluster_ca, .cert_file = opt.cluster_cert,
               .key_file = opt.cluster_key, .client_cert_optional = true},

@@ -99,6 +99,7 @@ int cluster_serve_registry(cluster_t *c, registry_t *r, rpc_server_t *client_srv
                           .threads = c->o.threads,
                           .max_message_bytes = c->o.max_message_bytes,
                           .max_connection_idle_ms = c->o.max_connection_idle_ms,
+                          .handshake_timeout_ms = c->o.handshake_timeout_ms,
                           .max_concurrent_streams = c->o.max_concurrent_streams,
                           .max_unauthenticated_requests = c->o.max_unauthenticated_requests,
                           .memory_bytes = c->o.memory_bytes,

@@ -42,7 +42,7 @@ typedef struct cluster_opts {
   bool client_tls, client_auth; /* the client port has TLS, bearer tokens */
   int threads, max_message_bytes;
   /* rpc_server_opts_t's of its own port, as the client port's (strangers reach it) */
-  int max_connection_idle_ms, max_concurrent_streams, max_unauthenticated_requests;
+  int max_connection_idle_ms, handshake_timeout_ms, max_concurrent_streams, max_unauthenticated_requests;
   uint64_t memory_bytes;        /* rpc_server_opts_t.memory_bytes of its own port */
 } cluster_opts_t;
 

@@ -41,7 +41,7 @@ typedef struct options {
   const char *local_agent_device;
   const char *tls_cert, *tls_key, *tls_client_ca, *auth_tokens, *health_listen;
   int64_t max_sessions, max_sessions_per_principal, max_streams_per_connection, max_unauthenticated_requests;
-  double max_connection_idle;
+  double max_connection_idle, handshake_timeout;
   int64_t local_agents, min_agents, threads, session_ttl, session_max_queued, max_queued;
   int64_t link_hold_ms, link_lone_ms;
   int64_t max_tensor_dims, max_tensor_elements, session_max_refs, session_max_meshes;
@@ -168,6 +168,9 @@ static const config_flag_t flags[] = {
     {"max-connection-idle", CONFIG_DOUBLE, "600",
      "close a connection (any port) with no call for this many seconds", &opt.max_connection_idle,
      1, 86400},
+    {"handshake-timeout", CONFIG_DOUBLE, "10",
+     "close a connection (any gRPC port; local agents take it) that has not finished its TLS "
+     "and HTTP/2 handshake within this many seconds", &opt.handshake_timeout, 0.1, 3600},
     {"max-streams-per-connection", CONFIG_INT, "1024",
      "calls one connection (any port; the health port at most 16) may have open at once",
      &opt.max_streams_per_connection, 1,
@@ -448,6 +451,7 @@ int main(int argc, char **argv) {
                           .client_auth = opt.auth_tokens != NULL, .threads = (int)opt.threads,
                           .max_message_bytes = (int)opt.max_message_bytes,
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
+                          .handshake_timeout_ms = (int)(opt.handshake_timeout * 1000),
                           .max_concurrent_streams = (int)opt.max_streams_per_connection,
                           .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
                           .memory_bytes = opt.rpc_memory_bytes};
@@ -546,6 +550,7 @@ int main(int argc, char **argv) {
                           .stream_window_bytes = (int)opt.stream_window_bytes,
                           .tls = tls,
                           .max_connection_idle_ms = (int)(opt.max_connection_idle * 1000),
+                          .handshake_timeout_ms = (int)(opt.handshake_timeout * 1000),
                           .max_concurrent_streams = (int)opt.max_streams_per_connection,
                           .max_unauthenticated_requests = (int)opt.max_unauthenticated_requests,
                           .memory_bytes = opt.rpc_memory_bytes,
@@ -719,6 +724,7 @@ int main(int argc, char **argv) {
                                .max_tensor_elements = opt.max_tensor_elements,
                                .max_message_bytes = opt.max_message_bytes,
                                .rpc_memory_bytes = opt.rpc_memory_bytes,
+                               .handshake_timeout = opt.handshake_timeout,
                                .reflection = opt.reflection};
     sup = supervisor_start(&sopts);
     if (!sup) {

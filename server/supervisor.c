@@ -78,7 +78,7 @@ static pid_t spawn(supervisor_t *s, int i) {
   if (!strcmp(dev, "cuda")) snprintf(device, sizeof device, "cuda:%d", i);
   else snprintf(device, sizeof device, "%s", dev);
   snprintf(mem, sizeof mem, "%llu", (unsigned long long)s->o.memory_bytes);
-  char *argv[48];
+  char *argv[52];
   int n = 0;
   argv[n++] = (char *)s->o.agent_binary;
   argv[n++] = "--server";
@@ -127,14 +127,16 @@ static pid_t spawn(supervisor_t *s, int i) {
   snprintf(dims, sizeof dims, "%lld", (long long)s->o.max_tensor_dims);
   snprintf(elems, sizeof elems, "%lld", (long long)s->o.max_tensor_elements);
   snprintf(msg, sizeof msg, "%llu", (unsigned long long)s->o.max_message_bytes);
-  char rpcmem[32];
+  char rpcmem[32], handshake[32];
   snprintf(rpcmem, sizeof rpcmem, "%llu", (unsigned long long)s->o.rpc_memory_bytes);
+  snprintf(handshake, sizeof handshake, "%g", s->o.handshake_timeout);
   const struct { const char *flag, *value; } creds[] = {
       {"--log-format", s->o.log_format},
       {"--max-tensor-dims", s->o.max_tensor_dims ? dims : NULL},
       {"--max-tensor-elements", s->o.max_tensor_elements ? elems : NULL},
       {"--max-message-bytes", s->o.max_message_bytes ? msg : NULL},
       {"--rpc-memory-bytes", s->o.rpc_memory_bytes ? rpcmem : NULL},
+      {"--handshake-timeout", s->o.handshake_timeout > 0 ? handshake : NULL},
       {"--join-token-file", s->o.join_token_file}, {"--cluster-ca", s->o.cluster_ca},
       {"--cluster-cert", s->o.cluster_cert},       {"--cluster-key", s->o.cluster_key},
       {"--cluster-name", s->o.cluster_ca ? s->o.cluster_name : NULL}};

@@ -49,6 +49,7 @@ typedef struct supervisor_opts {
   int64_t max_tensor_dims, max_tensor_elements; /* the server's, passed on; 0: the default */
   uint64_t max_message_bytes;                    /* the server's, passed on; 0: the default */
   uint64_t rpc_memory_bytes;                     /* the server's, passed on; 0: the default */
+  double handshake_timeout;                      /* the server's, passed on; 0: the default */
   bool reflection;           /* passed on as --reflection=true|false (the server's setting) */
 } supervisor_opts_t;
 

@@ -257,6 +257,7 @@ rpc_server_t *health_serve(health_t *h, const char *listen, const rpc_server_opt
   rpc_server_opts_t o = {.listen = listen, .threads = 1, .max_message_bytes = 4096,
                          .max_concurrent_streams = streams,
                          .max_connection_idle_ms = limits->max_connection_idle_ms,
+                         .handshake_timeout_ms = limits->handshake_timeout_ms,
                          .max_unauthenticated_requests = limits->max_unauthenticated_requests,
                          .memory_bytes = limits->memory_bytes};
   rpc_server_t *srv = rpc_server_create(&o, err, errlen);

@@ -151,6 +151,7 @@ typedef struct rpc_method {
 
 /* rpc_server_opts_t.max_unauthenticated_requests when <= 0. */
 #define RPC_DEFAULT_MAX_UNAUTHENTICATED 16
+#define RPC_DEFAULT_HANDSHAKE_TIMEOUT_MS 10000
 
 typedef struct rpc_server_opts {
   const char *listen;          /* "127.0.0.1:0", "[::]:50051"; port 0 picks a free one */
@@ -177,6 +178,11 @@ typedef struct rpc_server_opts {
   /* A connection with no call for this long is closed (GRPC_ARG_MAX_CONNECTION_IDLE_MS);
    * <= 0: 10 minutes. Clients reconnect on their next call. */
   int max_connection_idle_ms;
+  /* A connection must finish its handshake (TLS, and the HTTP/2 preface with
+   * its SETTINGS) within this long (GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS), else
+   * it is closed: a stranger's silent connection holds an fd and ~20 KiB.
+   * <= 0: RPC_DEFAULT_HANDSHAKE_TIMEOUT_MS (gRPC's own default is 120 s). */
+  int handshake_timeout_ms;
   /* Calls one connection may have open at once; <= 0: 1024. */
   int max_concurrent_streams;
   /* A unary or server-streaming call's request is read only once its guard

@@ -1179,6 +1179,10 @@ rpc_server_t *rpc_server_create(const rpc_server_opts_t *opts, char *err, size_t
    * connection cannot open calls without end. */
   wire_args_int(&a, GRPC_ARG_MAX_CONNECTION_IDLE_MS,
                 opts->max_connection_idle_ms > 0 ? opts->max_connection_idle_ms : 600000);
+  /* ... and so do connections that never finish their handshake (gRPC: 120 s). */
+  wire_args_int(&a, GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                opts->handshake_timeout_ms > 0 ? opts->handshake_timeout_ms
+                                               : RPC_DEFAULT_HANDSHAKE_TIMEOUT_MS);
   wire_args_int(&a, GRPC_ARG_MAX_CONCURRENT_STREAMS,
                 opts->max_concurrent_streams > 0 ? opts->max_concurrent_streams : 1024);
   if (opts->stream_window_bytes > 0) {

@@ -989,3 +989,77 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
             s.shut()
     finally:
         assert lib.stop(p) == 0
+
+
+def _silent_connections(port, n, magic=False):
+    """n connections to port that send nothing (or, magic, only the HTTP/2 client
+    magic without its SETTINGS): a stranger's half-open handshakes."""
+    import socket
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        if magic:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        s.setblocking(False)
+        socks.append(s)
+    return socks
+
+
+def _open_after(socks, within):
+    """How many of socks the server has not closed `within` seconds from now."""
+    import select
+    open_ = set(socks)
+    deadline = time.monotonic() + within
+    while open_ and time.monotonic() < deadline:
+        for s in select.select(list(open_), [], [], 0.2)[0]:
+            try:
+                while True:
+                    if not s.recv(65536):
+                        open_.discard(s)
+                        break
+            except BlockingIOError:
+                pass
+            except OSError:
+                open_.discard(s)
+    return len(open_)
+
+
+def test_a_strangers_silent_connections_are_closed_after_the_handshake_timeout(tmp_path):
+    """A connection that never sends its HTTP/2 preface (or only the magic, no
+    SETTINGS) was kept for gRPC's default handshake timeout, 120 s, on every gRPC
+    port: 2000 such connections held 2000 fds and ~40 MiB (~19 KiB each) of meshd
+    or of an agent for two minutes, renewed at will. --handshake-timeout (default
+    10 s, passed to local agents) closes them; legitimate calls go on meanwhile."""
+    hport = lib.free_port()
+    p = _start(tmp_path, "--health-listen", f"127.0.0.1:{hport}", "--handshake-timeout", 1, n=1,
+               wait=False)
+    socks = []
+    try:
+        lib.wait_health(p.port, "", lib.SERVING(), proc=p.proc, log=p.log)
+        agent_port = int(_healthy_agents(p)[0].address.rsplit(":", 1)[1])
+        for port in (p.port, hport, agent_port):
+            socks += _silent_connections(port, 20) + _silent_connections(port, 20, magic=True)
+        assert lib.health_check(p.port, "") == lib.SERVING()
+        assert lib.health_check(hport, "") == lib.SERVING()
+        left = _open_after(socks, 6)
+        assert left == 0, f"{left} of {len(socks)} silent connections still open 6 s later " \
+                          f"(--handshake-timeout 1)"
+        assert lib.health_check(p.port, "") == lib.SERVING()
+    finally:
+        for s in socks:
+            s.close()
+        lib.stop(p)
+
+
+def test_a_silent_connection_is_closed_by_default_within_seconds(tmp_path):
+    """Without the flag: 10 s, not gRPC's 120 s."""
+    p = _start(tmp_path)
+    socks = []
+    try:
+        socks = _silent_connections(p.port, 5)
+        left = _open_after(socks, 15)
+        assert left == 0, f"{left} of 5 silent connections still open 15 s later"
+    finally:
+        for s in socks:
+            s.close()
+        lib.stop(p)
