@@ -357,6 +357,7 @@ int main(int argc, char **argv) {
   }
 
   runtime_tune_malloc();
+  runtime_raise_fd_limit();
   transfer_grant_set_max_nonces((size_t)opt.max_transfer_nonces);
   rpc_init();
   rc = 1;

@@ -478,6 +478,7 @@ int main(int argc, char **argv) {
 
   runtime_block_signals();
   runtime_tune_malloc();
+  runtime_raise_fd_limit();
   rpc_init();
   /* One queue and its threads for every port and every call to the agents:
    * the fewest handoffs between threads per call (rpc.h; docs/architecture.md,

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -127,6 +128,15 @@ void runtime_tune_malloc(void) {
    * 32 MiB free at a heap's top kept rather than trimmed. */
   mallopt(M_MMAP_THRESHOLD, 8 << 20);
   mallopt(M_TRIM_THRESHOLD, 32 << 20);
+}
+
+void runtime_raise_fd_limit(void) {
+  struct rlimit r;
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return;
+  rlim_t want = r.rlim_max == RLIM_INFINITY || r.rlim_max > (1u << 20) ? (1u << 20) : r.rlim_max;
+  if (r.rlim_cur == RLIM_INFINITY || r.rlim_cur >= want) return;
+  r.rlim_cur = want;
+  setrlimit(RLIMIT_NOFILE, &r); /* (a refusal leaves the limit as it was) */
 }
 
 void *runtime_scratch(runtime_scratch_t *s) {

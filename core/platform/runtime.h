@@ -18,6 +18,11 @@ void runtime_block_signals(void);
  * page-fault it in again for the next one, which was most of an agent's CPU
  * in an Upload. Daemons call it once at startup. */
 void runtime_tune_malloc(void);
+/* Raises the soft limit on open files to the hard one (at most 2^20): every
+ * port a daemon opens takes strangers' connections, one fd each until the
+ * handshake timeout, and a soft limit of 1,024 (many containers' default)
+ * let a few hundred of them refuse clients and agents. */
+void runtime_raise_fd_limit(void);
 /* Waits up to timeout_ms for one of the blocked signals; returns it, or 0. */
 int runtime_wait_signal(int timeout_ms);
 /* Writes "PORT\n" to path atomically (temp file + rename), so a reader never

@@ -1063,3 +1063,37 @@ def test_a_silent_connection_is_closed_by_default_within_seconds(tmp_path):
         for s in socks:
             s.close()
         lib.stop(p)
+
+
+def _open_files_soft_limit(pid):
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                soft = line.split()[3]
+                return -1 if soft == "unlimited" else int(soft)
+    raise AssertionError(f"no 'Max open files' in /proc/{pid}/limits")
+
+
+def test_daemons_raise_their_open_files_limit_to_the_hard_one(tmp_path):
+    """A soft limit of 1,024 open files (many containers' default) let a few hundred
+    strangers' connections refuse clients and agents: meshd and its agents raise the
+    soft limit to the hard one (at most 2^20) at start."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if want <= 256:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by what starts now
+    try:
+        p = _start(tmp_path, n=1, wait=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        lib.wait_ready(p, 1)
+        assert _open_files_soft_limit(p.pid) == want
+        kids = lib.agent_children(p.pid)
+        assert kids, "no local agent"
+        for kid in kids:
+            assert _open_files_soft_limit(kid) == want, kid
+    finally:
+        assert lib.stop(p) == 0
