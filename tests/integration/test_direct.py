@@ -1199,3 +1199,68 @@ def test_sustained_small_direct_fetches_never_fill_the_agents_nonce_table(meshd_
         late = plan_fetch(s, x, gpu=0).shards[0]
         time.sleep(0.6)
         refused(lambda: agent_read(late, s.id, x.ref), grpc.StatusCode.PERMISSION_DENIED, "start")
+
+
+def _pause_after_plans(monkeypatch, n, seconds=0.5):
+    """Direct.plan sleeps `seconds` after each of its next n answers: the client was
+    paused (a debugger, SIGSTOP, a laptop lid) between the plan and the transfer."""
+    import time
+    real, left = _direct.Direct.plan, [n]
+
+    def paused(self, request, deadline):
+        reply = real(self, request, deadline)
+        if left[0] > 0:
+            left[0] -= 1
+            time.sleep(seconds)
+        return reply
+    monkeypatch.setattr(_direct.Direct, "plan", paused)
+    return left
+
+
+def test_a_transfer_paused_past_its_grants_start_by_time_is_planned_again(meshd_server,
+                                                                             monkeypatch):
+    """A direct upload or fetch whose Write/Read starts past its grants' start-by
+    time (--transfer-grant-start-ms after the plan) is refused by the agent before any
+    byte moved; the client gives the plan back and plans once more (an upload with a
+    new ref), within the call's deadline. It failed PERMISSION_DENIED "transfer grant
+    refused: expired: its call did not start by its start-by time", which reads as
+    an authentication problem."""
+    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        want = np.arange(6, dtype=np.float32)
+        with mesh.activate():
+            left = _pause_after_plans(monkeypatch, 1)
+            t = meshd.tensor(want)
+            assert left[0] == 0
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+            left = _pause_after_plans(monkeypatch, 1)
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+            assert left[0] == 0
+        assert s._direct.counts["upload"] == 1 and s._direct.counts["fetch"] == 2, s._direct.counts
+        still_works(s, mesh)
+
+
+def test_a_transfer_paused_past_its_grants_start_by_time_twice_says_so(meshd_server, monkeypatch):
+    """Paused past the start-by time on its new plan too (or a command changed what a
+    new plan would read): the error says what happened, not an authentication
+    refusal, and the session goes on working."""
+    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        want = np.arange(6, dtype=np.float32)
+        with mesh.activate():
+            t = meshd.tensor(want)
+            _pause_after_plans(monkeypatch, 2)
+            with pytest.raises(meshd.MeshdError) as e:
+                meshd.fetch_shard(t, gpu=0).result(timeout=30)
+            assert "grant expired before it started" in e.value.message, e.value.message
+            _pause_after_plans(monkeypatch, 2)
+            with pytest.raises(meshd.MeshdError) as e:
+                meshd.tensor(want)
+            assert "grant expired before it started" in e.value.message, e.value.message
+            monkeypatch.undo()
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        still_works(s, mesh)

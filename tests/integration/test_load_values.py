@@ -397,3 +397,41 @@ def test_load_in_a_pipeline_block_after_its_mesh(shared_meshd, files):
                     t = meshd.load(f.url("piped.npy"), shard="gpu", dim=0)
             for g in range(2):
                 same(fetch(t, gpu=g), np.split(a, 2)[g])
+
+
+def _exact_or_clear_error(t, parts, url, n):
+    """Each rank's value is numpy's part, or the load fails naming the URL: never other
+    bytes."""
+    for g in range(n):
+        try:
+            got = fetch(t, gpu=g)
+        except MeshdError as e:
+            msg = str(e)
+            assert url.split("//", 1)[1].split("/", 1)[1] in msg and "rank" in msg, msg
+            return msg
+        same(got, parts[g])
+    return None
+
+
+@pytest.mark.parametrize("path", ["crshift", "short206", "long206", "norange", "bytes"])
+def test_misbehaving_servers_give_numpy_or_an_error(shared_meshd, path):
+    """Coalesced ranges (a split along a later dim) and whole ranges against a server
+    that answers another range, fewer or more bytes, or the whole body; 1- and 8-byte
+    dtypes, odd shapes, empty parts."""
+    srv = shared_meshd(2)
+    cases = [("uint8", (3, 10, 7)), ("int64", (5, 2, 3)), ("uint8", (7, 2)),
+             ("float64", (1, 4, 1)), ("uint8", (2, 0, 3)), ("int8", (0, 4))]
+    with lib.range_http_server() as base:
+        with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate():
+            for dtype, shape in cases:
+                nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                url = f"{base}/{path}/{nbytes}"
+                a = np.frombuffer(bytes((i * 7 + 3) % 256 for i in range(nbytes)),
+                                  dtype).reshape(shape)
+                for dim in range(len(shape)):
+                    if shape[dim] % 2:
+                        continue
+                    t = meshd.load(url, dtype=dtype, shape=shape, shard="gpu", dim=dim)
+                    msg = _exact_or_clear_error(t, np.split(a, 2, axis=dim), url, 2)
+                    if path in ("bytes", "norange"):
+                        assert msg is None, msg

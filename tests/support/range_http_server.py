@@ -31,6 +31,14 @@ Byte i of every body is (i * 7 + 3) % 256. Paths (N: a length in bytes):
   /count/KEY                how many requests KEY saw (flaky, reset)
   /connections              how many TCP connections the server accepted, this
                             one's included
+  /crshift/N                HEAD refused (405); a Range a-b (b > a: a size probe of one
+                            byte is answered right) gets 206 with the bytes and
+                            Content-Range of a+1-b+1 (another range than asked)
+  /short206/N               HEAD refused (405); a Range a-b (b > a) gets 206 with the
+                            bytes and Content-Range of a-(b-1) (fewer than asked)
+  /long206/N                HEAD refused (405); a Range a-b (b > a) gets 206 with Content-Range
+                            a-b, but one byte more in its body (Content-Length too)
+  /headlies/H/N             HEAD says H bytes; a GET serves N (ranges past N clamped, or 416)
   /lastcall/N               as /bytes/N, then the connection's next request is
                             closed unanswered (a kept-alive connection the
                             server drops as the client sends on it)
@@ -221,6 +229,34 @@ class Handler(http.server.BaseHTTPRequestHandler):
             else:
                 self.send_status(206, body(k),
                                  headers=[("Content-Range", "bytes %d-%d/%d" % (r[0], r[1], n))])
+        elif kind in ("crshift", "short206", "long206"):
+            n = int(args[0])
+            r = self.parse_range(n)
+            if self.command == "HEAD":
+                self.send_status(405, headers=[("Allow", "GET")])
+            elif not r or r == "bad" or r[1] == r[0]:  # (the size probe: answered right)
+                self.serve_bytes(n)
+            else:
+                a, b = r
+                data = body(n)
+                if kind == "crshift":
+                    a, b = a + 1, min(b + 1, n - 1)
+                    part = data[a:b + 1]
+                elif kind == "short206":
+                    b = b - 1
+                    part = data[a:b + 1]
+                else:
+                    part = data[a:b + 1] + b"\x00"
+                self.send_status(206, part,
+                                 headers=[("Content-Range", "bytes %d-%d/%d" % (a, b, n))])
+        elif kind == "headlies":
+            h, n = int(args[0]), int(args[1])
+            if self.command == "HEAD":
+                self.send_response(200)
+                self.send_header("Content-Length", str(h))
+                self.end_headers()
+            else:
+                self.serve_bytes(n)
         elif kind == "status":
             self.send_status(int(args[0]), b"error page\n")
         elif kind == "flaky":

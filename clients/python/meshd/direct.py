@@ -90,6 +90,8 @@ def _shard_error(e, what, sh):
     the proxied path). A broken connection says that the agent died or is unreachable."""
     err = MeshdError.from_rpc(e)
     kind, msg = err.kind, err.message
+    if _late_grant(e):  # not an auth problem: say what happened and what to do
+        msg = f"{_LATE_MSG} ({msg})"
     if kind == "UNAVAILABLE" and not any(k == KIND_MD for k, _ in (e.trailing_metadata() or ())):
         # AGENT_LOST, as the server says of the same break on the proxied path
         kind = "AGENT_LOST"
@@ -251,6 +253,19 @@ class _IoLoop:
             f.cancel()
 
 
+_LATE_REFUSAL = "did not start by its start-by time"
+_LATE_MSG = ("the transfer's grant expired before it started (the client was paused or the "
+             "clocks differ by more than --transfer-grant-start-ms); call again")
+
+
+def _late_grant(e):
+    """Whether an agent refused a Read or Write only because it started past its
+    grant's start-by time (--transfer-grant-start-ms after the plan): nothing moved,
+    and a new plan (PlanTransfer) gets grants that are good again."""
+    return (e.code() == grpc.StatusCode.PERMISSION_DENIED
+            and _LATE_REFUSAL in (e.details() or ""))
+
+
 def _reads_full(e):
     """Whether a Read was refused only because its agent already has its most Reads
     waiting for their seqs (QUOTA, agent/data.c READ_WAITING_MAX): nothing was read
@@ -284,6 +299,7 @@ class Direct:
         self.counts = {"upload": 0, "fetch": 0}  # transfers that took the direct path
         self._io = _IoLoop()  # reads fetches that run together
         self._reading = 0  # fetches reading now (_lock)
+        self._fetch_req = {}  # planned fetches' (FetchRequest, session seq) by transfer_id (_lock)
 
     def close(self):
         """Ends the transfers in flight: reads on the io loop are cancelled, calls on
@@ -466,7 +482,7 @@ class Direct:
             return f"has {n} shards for {len(pieces)} ranks' rows"
         return ""
 
-    def upload(self, hdr, pieces, progress=None, timeout=None):
+    def upload(self, hdr, pieces, progress=None, timeout=None, _late_retry=True):
         """Uploads pieces (byte memoryviews: one per rank with per_rank, else one) as
         UploadHeader hdr (ref already chosen, the session lock held). Returns
         (the UploadReply-like FinishUploadReply, its progress tracker, which the caller
@@ -586,6 +602,15 @@ class Direct:
             with lock:
                 tr.close()  # the bar stops where it stood; the callback hears no more
             self._abandon_upload(reply.transfer_id)  # the server undoes it at once
+            late = (isinstance(failed[0], MeshdError) and failed[0].kind == "PERMISSION_DENIED"
+                    and _LATE_REFUSAL in failed[0].message)
+            if late and _late_retry and _left(deadline) > 0:
+                # The Writes started past their grants' start-by time (this process was
+                # paused between plan and Write): nothing was stored. Planned once more,
+                # with a new ref as the proxy's fallback takes (the plan claimed this one).
+                hdr.ref = s._new_ref()
+                return self.upload(hdr, pieces, progress, timeout=_left(deadline),
+                                   _late_retry=False)
             raise failed[0]
         try:
             res = self._finish_upload(reply.transfer_id, receipts, deadline)
@@ -653,7 +678,11 @@ class Direct:
         Planned before it returns: later commands cannot change the value. deadline
         (time.monotonic()): the fetch's."""
         pb = self.session._pb
+        seq = self.session._seq  # (commands sent before the plan: see fetch_finish)
         reply = self.plan(pb.PlanTransferRequest(fetch=req), deadline)
+        if reply is not None:
+            with self._lock:
+                self._fetch_req[reply.transfer_id] = (req, seq)
         if reply is None:
             return None
         if len(reply.shards) != 1:
@@ -675,6 +704,8 @@ class Direct:
         fetch that failed and raises nothing. Past the deadline the transfer is ended
         quietly too (the call may not have reached the server, which would keep the
         slot)."""
+        with self._lock:  # (its plan's request is no longer wanted)
+            self._fetch_req.pop(transfer_id, None)
         s, pb = self.session, self.session._pb
         fin = s._ch.unary_unary(_SVC + "FinishFetch", request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=pb.FinishFetchReply.FromString)
@@ -735,6 +766,11 @@ class Direct:
                         self._read(ch, sh, ref, flat, tr, deadline, on_stop)
                     break
                 except grpc.RpcError as e:
+                    again = self._replan_late_fetch(e, reply, deadline)
+                    if again is not None:  # its grant came too late: a new plan, once
+                        reply, ch = again
+                        sh = reply.shards[0]
+                        continue
                     # The agent's bound on Reads waiting for their seq (64, all sessions):
                     # refused before any byte, its grant kept for a retry; the waiting
                     # Reads end as their seqs run. Again until the deadline.
@@ -763,6 +799,25 @@ class Direct:
         self.counts["fetch"] += 1
         tr.close(ok=True)
         return out
+
+    def _replan_late_fetch(self, e, reply, deadline):
+        """(reply, channel) of a new plan for a fetch whose Read (grpc.RpcError e) was
+        refused only because it started past its grant's start-by time (this process
+        was paused between plan and Read: nothing was read), its old plan given back;
+        else None. Only when no command was sent since the first plan (a new plan
+        snapshots the tensor where the stream is now: a later in-place command would
+        change the value) and only once."""
+        with self._lock:
+            req, seq = self._fetch_req.pop(reply.transfer_id, (None, None))
+        if req is None or not _late_grant(e) or _left(deadline) <= 0 or seq != self.session._seq:
+            return None
+        self._finish_fetch(reply.transfer_id, quiet=True)
+        again = self.fetch_plan(req, deadline)
+        if again is None:  # (auto, and the direct path is gone meanwhile)
+            return None
+        with self._lock:
+            self._fetch_req.pop(again[0].transfer_id, None)  # once
+        return again
 
     def _read_call(self, ch, sh, ref, deadline):
         """Agent/Read of the shard on ch (a channel of grpc or grpc.aio), by deadline."""
