@@ -562,7 +562,7 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
   ProtobufCMessage *resp = NULL;
   meshd_session_info_t *out = NULL;
   size_t count = 0, cap = 0;
-  char *token = NULL;
+  char *token = NULL, *sent = NULL;
 
   if (!client)
     return MESHD_E_INVALID;
@@ -580,9 +580,11 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
       req.page_token = token;
     meshd_err_t ret = call(client, TS "ListSessions", &req.base,
                            &meshd__v1__list_sessions_reply__descriptor, &resp);
-    free(token);
+    free(sent);
+    sent = token; /* (kept: a server answering the same token again leads nowhere) */
     token = NULL;
     if (ret != MESHD_E_OK) {
+      free(sent);
       meshd_sessions_free(out, count);
       return ret;
     }
@@ -616,12 +618,15 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
     if (reply->next_page_token && reply->next_page_token[0]) {
       /* A page that shows nothing yet says more follow, or a list past
        * any server's bound: a server leading the client on, not a list. */
-      if (reply->n_sessions == 0 || count > MESHD_SESSIONS_MAX) {
-        protobuf_c_message_free_unpacked(resp, NULL);
-        meshd_sessions_free(out, count);
+      bool again = sent && !strcmp(sent, reply->next_page_token);
+      if (reply->n_sessions == 0 || again || count > MESHD_SESSIONS_MAX) {
         set_error(client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
                   "meshd_sessions: the server's ListSessions pages do not end (%s)",
-                  reply->n_sessions ? "over 16M sessions" : "an empty page with a next_page_token");
+                  again ? "the same next_page_token again"
+                  : reply->n_sessions ? "over 16M sessions" : "an empty page with a next_page_token");
+        protobuf_c_message_free_unpacked(resp, NULL);
+        meshd_sessions_free(out, count);
+        free(sent);
         return MESHD_E_RPC;
       }
       token = dup_str(reply->next_page_token);
@@ -633,6 +638,7 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
     if (!token)
       break;
   }
+  free(sent);
   *list = out;
   *n = count;
   return MESHD_E_OK;
@@ -640,6 +646,7 @@ nomem:
   set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_sessions: out of memory");
   meshd_sessions_free(out, count);
   protobuf_c_message_free_unpacked(resp, NULL);
+  free(sent);
   return MESHD_E_NOMEM;
 }
 

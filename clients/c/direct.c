@@ -770,6 +770,13 @@ static void ranks_text(char *b, size_t len, const uint32_t *v, size_t n, bool sh
   }
 }
 
+#define DIRECT_MAX_SHARDS 65536
+
+static int by_rank(const void *a, const void *b) {
+  uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+  return (x > y) - (x < y);
+}
+
 void direct_plan_mismatch(const Meshd__V1__PlanTransferReply *p, bool per_rank, size_t bytes,
                           size_t slice, const uint32_t *mesh_ranks, size_t n_mesh_ranks, char *why,
                           size_t len) {
@@ -780,13 +787,25 @@ void direct_plan_mismatch(const Meshd__V1__PlanTransferReply *p, bool per_rank, 
     snprintf(why, len, "names no shard");
     return;
   }
+  if (n > DIRECT_MAX_SHARDS) { /* (a mesh has at most --max-agents ranks) */
+    snprintf(why, len, "names %zu shards, more than any mesh's %d ranks", n, DIRECT_MAX_SHARDS);
+    return;
+  }
   ranks_text(got, sizeof got, NULL, n, true, p);
-  for (size_t i = 0; i < n; i++)
-    for (size_t j = 0; j < i; j++)
-      if (p->shards[i]->rank == p->shards[j]->rank) {
-        snprintf(why, len, "names a rank twice (ranks %s)", got);
-        return;
-      }
+  uint32_t *sorted = malloc(n * sizeof *sorted);
+  if (!sorted) {
+    snprintf(why, len, "could not be checked (out of memory)");
+    return;
+  }
+  for (size_t i = 0; i < n; i++) sorted[i] = p->shards[i]->rank;
+  qsort(sorted, n, sizeof *sorted, by_rank);
+  bool twice = false;
+  for (size_t i = 1; i < n && !twice; i++) twice = sorted[i] == sorted[i - 1];
+  free(sorted);
+  if (twice) {
+    snprintf(why, len, "names a rank twice (ranks %s)", got);
+    return;
+  }
   if (mesh_ranks && n_mesh_ranks) {
     bool same = n == n_mesh_ranks;
     for (size_t i = 0; same && i < n; i++)

@@ -607,14 +607,18 @@ class Session:
             failed = e
             raise
         finally:
-            with self._lock:
-                if self._pipe is pipe:
-                    self._pipe = None
-                try:
-                    errs = pipe.close()
-                finally:  # (Ctrl-C in close's wait too: what is queued still goes first)
-                    if pipe.unanswered():  # the server is not reading: they still go
-                        self._drain = pipe
+            errs = None
+            # A forked child leaving a block opened before the fork: its answers come to
+            # the parent's threads alone (the parent's block awaits them), none to wait for.
+            if not self._fork_child:
+                with self._lock:
+                    if self._pipe is pipe:
+                        self._pipe = None
+                    try:
+                        errs = pipe.close()
+                    finally:  # (Ctrl-C in close's wait too: what is queued still goes first)
+                        if pipe.unanswered():  # the server is not reading: they still go
+                            self._drain = pipe
             if errs:
                 errs[0].errors = errs
                 if failed is None:

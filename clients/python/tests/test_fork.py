@@ -259,3 +259,60 @@ def test_child_without_grpc_fork_support_is_refused_not_hung(server, tmp_path):
                        text=True, timeout=60, env=env)
     assert p.returncode == 0 and "parent ok" in p.stdout, (p.stdout, p.stderr[-3000:])
     assert "NO_SESSION" in p.stdout and "fork support is off" in p.stdout, p.stdout
+
+
+
+def test_child_leaving_a_pipeline_block_opened_before_the_fork_does_not_wait():
+    """A fork inside a pipeline() block whose commands are still unanswered (the rank-0
+    agent is stopped, the server queues 2 commands a session): the child that leaves the block must not wait the session's
+    timeout for answers that only the parent's threads can read (then raise
+    DEADLINE_EXCEEDED); it ends at once, its session being the parent's. The parent's
+    block then ends with every answer."""
+    from conftest import start_meshd, stop_meshd
+    from test_keepalive import _agent_pid, _stopped
+    addr, proc = start_meshd(2, name="meshd-forkpipe", flags=("--session-max-queued", 2, "--agent-timeout", 60))
+    try:
+        with meshd.connect(addr, timeout=6) as s:
+            m = s.mesh(gpu=2)
+            agent = _agent_pid(proc.pid, 0)
+            with m.activate():
+                r, w = os.pipe()
+                pid = -1
+                with _stopped(agent):
+                    try:
+                        with s.pipeline():
+                            x = meshd.tensor(np.ones((2, 3), np.float32), shard="gpu")
+                            y = x + 1
+                            s._pipe.flush(5)  # the 2 the server queues: it reads no more
+                            z = [y * float(i) for i in range(3)]  # sent, unanswered
+                            time.sleep(0.3)
+                            pid = os.fork()
+                            t0 = time.monotonic()
+                            if pid:
+                                os.kill(agent, signal.SIGCONT)  # the parent's block ends well
+                        out = ["ok", ""]
+                    except BaseException as e:  # noqa: BLE001 - the child reports it
+                        if pid:
+                            raise
+                        out = [getattr(e, "kind", "raised"), getattr(e, "message", repr(e))]
+                    finally:
+                        if pid == 0:  # the child: report, and leave without pytest
+                            try:
+                                os.write(w, json.dumps(out + [time.monotonic() - t0]).encode())
+                            finally:
+                                os._exit(0)
+                os.close(w)
+                ready, _, _ = select.select([r], [], [], CHILD_S)
+                data = os.read(r, 1 << 16) if ready else b""
+                os.close(r)
+                if not data:
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                assert data, f"the forked child hung in its pipeline block's end ({CHILD_S} s)"
+                got = json.loads(data)
+                assert got[0] in ("ok", "NO_SESSION"), got
+                assert got[2] < 2.0, got
+                # the parent's block ended with its answers
+                assert np.array_equal(meshd.fetch_shard(z[2], gpu=0).result(10), np.full(3, 4.0))
+    finally:
+        stop_meshd(proc)
