@@ -1912,7 +1912,7 @@ meshd_err_t meshd_session_transfer_stats(const meshd_session_t *s, meshd_transfe
 static direct_session_t session_view(const meshd_session_t *s, int timeout_ms) {
   return (direct_session_t){.ch = s->client->ch, .md = s->md, .nmd = s->nmd, .id = s->id,
                             .timeout_ms = timeout_ms > 0 ? timeout_ms : s->client->timeout_ms,
-                            .tls = s->client->tls};
+                            .tls = s->client->tls, .next_seq = &s->next_seq};
 }
 
 /* A per_rank upload's bytes per rank (0: replicated, or unknown): its
@@ -2071,6 +2071,19 @@ meshd_err_t meshd_session_upload_with(meshd_session_t *s, meshd_ref_t mesh, cons
   direct_rc_t rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &defined, &e);
   if (spent) /* the plan claimed the ref, done or not: nothing else may take it */
     s->next_ref++;
+  left = end - rpc_now_ms();
+  if (rc == DIRECT_FAILED && spent && !defined && direct_late_grant(&e) && left > 0) {
+    /* The Writes started past their grants' start-by time (this process was
+     * paused between plan and Write): nothing was stored, the plan was given
+     * back. Planned once more, with a new ref (the plan claimed this one). */
+    h.ref = s->next_ref;
+    view.timeout_ms = (int)left;
+    view.replan = true;
+    e = (direct_err_t){0};
+    rc = direct_upload(s->direct, &view, &h, data, bytes, &spent, &defined, &e);
+    if (spent)
+      s->next_ref++;
+  }
   if (rc == DIRECT_FAILED) {
     if (defined)
       let_go_stray(s, h.ref, end, true);

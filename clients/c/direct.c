@@ -69,6 +69,55 @@ void direct_err_status(direct_err_t *e, const rpc_status_t *st, const char *pref
                  late ? "DEADLINE_EXCEEDED" : st->kind, "%s%s", prefix, st->message);
 }
 
+/* An agent's refusal of a Read or Write first presented past its grant's
+ * start-by time (agent/transfer_grant.c), and what the client says of it. */
+#define LATE_REFUSAL "did not start by its start-by time"
+#define LATE_MSG                                                                          \
+  "the transfer's grant expired before it started (the client was paused or the clocks " \
+  "differ by more than --transfer-grant-start-ms); call again"
+
+/* Whether e is the agent's refusal of a call that started past its grant's
+ * start-by time, as the agent said it (not yet late_say's). */
+static bool late_refusal(const direct_err_t *e) {
+  return e->err != MESHD_E_OK && e->code == GRPC_STATUS_PERMISSION_DENIED &&
+         strncmp(e->msg, LATE_MSG, strlen(LATE_MSG)) != 0 && strstr(e->msg, LATE_REFUSAL);
+}
+
+/* A late refusal (late_refusal) says what happened and what to do, not an
+ * authentication problem: LATE_MSG, then the agent's words. */
+static void late_say(direct_err_t *e) {
+  if (!late_refusal(e))
+    return;
+  char was[sizeof e->msg];
+  memcpy(was, e->msg, sizeof was);
+  size_t at = (size_t)snprintf(e->msg, sizeof e->msg, "%s (", LATE_MSG);
+  size_t room = sizeof e->msg - at - 2; /* the agent's words, cut to fit, then ")" */
+  memcpy(e->msg + at, was, strnlen(was, room));
+  at += strnlen(was, room);
+  memcpy(e->msg + at, ")", 2);
+}
+
+bool direct_late_grant(const direct_err_t *e) {
+  return e->err != MESHD_E_OK && e->code == GRPC_STATUS_PERMISSION_DENIED &&
+         strncmp(e->msg, LATE_MSG, strlen(LATE_MSG)) == 0;
+}
+
+/* Tests only (tests/unit/test_c_client.c), never set in use:
+ * MESHD_TEST_DIRECT_DELAY_MS=<ms> sleeps <ms> after each PlanTransfer answer,
+ * a client paused between its plan and its transfer; "<ms>,once" only after a
+ * transfer's first plans, not after a re-plan for a late grant (again). */
+static void test_pause(bool again) {
+  const char *v = getenv("MESHD_TEST_DIRECT_DELAY_MS");
+  if (!v || !*v)
+    return;
+  char *rest = NULL;
+  long ms = strtol(v, &rest, 10);
+  if (ms <= 0 || ms > 60000 || (again && rest && strcmp(rest, ",once") == 0))
+    return;
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
 size_t direct_dtype_bytes(int dtype) {
   switch (dtype) {
   case MESHD__V1__DTYPE__DTYPE_FLOAT64:
@@ -430,18 +479,21 @@ static bool wanted(direct_t *d, const direct_session_t *s) {
 
 /* PlanTransfer: its reply, or NULL with *rc DIRECT_PROXY (auto, the server does
  * not offer it) or DIRECT_FAILED (e). d NULL: no fallback (a plan made beside
- * others, after the first showed that the server offers it). */
+ * others, after the first showed that the server offers it). again: a re-plan
+ * after a late grant (test_pause). */
 static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s,
                                           const Meshd__V1__PlanTransferRequest *rq, int timeout_ms,
-                                          direct_rc_t *rc, direct_err_t *e) {
+                                          direct_rc_t *rc, direct_err_t *e, bool again) {
   ProtobufCMessage *rep = NULL;
   rpc_status_t st;
   memset(&st, 0, sizeof st);
   st.code = rpc_unary(s->ch, TS "PlanTransfer", &rq->base,
                       &meshd__v1__plan_transfer_reply__descriptor, &rep, s->md, s->nmd,
                       timeout_ms, &st);
-  if (st.code == GRPC_STATUS_OK && rep)
+  if (st.code == GRPC_STATUS_OK && rep) {
+    test_pause(again);
     return (Meshd__V1__PlanTransferReply *)rep;
+  }
   if (rep)
     protobuf_c_message_free_unpacked(rep, NULL);
   st.kind[sizeof st.kind - 1] = '\0';
@@ -832,7 +884,7 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   rq.upload = (Meshd__V1__UploadHeader *)h;
   direct_rc_t rc = DIRECT_FAILED;
   int64_t end = rpc_now_ms() + s->timeout_ms; /* one deadline for the plan, writes and finish */
-  Meshd__V1__PlanTransferReply *p = plan(d, s, &rq, s->timeout_ms, &rc, e);
+  Meshd__V1__PlanTransferReply *p = plan(d, s, &rq, s->timeout_ms, &rc, e, s->replan);
   if (!p) {
     /* No answer is no refusal: the server claims the ref once it can answer the
      * plan, and an answer lost on the way (a deadline, a dropped connection)
@@ -897,6 +949,7 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   }
   if (rc != DIRECT_DONE) {
     abandon_upload(s, p->transfer_id, end); /* so that the server undoes the rest now */
+    late_say(e); /* the caller plans once more (direct_late_grant) */
   } else if (finish_upload(s, p->transfer_id, done, nd, end, &st, defined) != 0) {
     direct_err_status(e, &st, "");
     rc = DIRECT_FAILED;
@@ -1165,7 +1218,7 @@ static void plan_one(void *arg, size_t k) {
    * now is this fetch's error. */
   Meshd__V1__PlanTransferRequest rq;
   fp->plans[i] = plan(NULL, fp->s, fetch_plan_request(&rq, fp->reqs[i]), left_ms(fp->end),
-                      &fp->rcs[i], &fp->errs[i]);
+                      &fp->rcs[i], &fp->errs[i], false);
 }
 
 /* Every planned fetch's FinishFetch, each on a thread of the shard pool. */
@@ -1184,6 +1237,81 @@ static void finish_one(void *arg, size_t i) {
     return;
   int wait = ff->wait < 0 ? left_ms(ff->end) : ff->wait;
   ff->failed[i] = finish_fetch(ff->s, ff->plans[i]->transfer_id, wait, &ff->sts[i]) != 0;
+}
+
+/* The parts whose Read the agent refused only because it started past its
+ * grant's start-by time (this process was paused between plan and Read:
+ * nothing was read) are planned once more, their old plans given back, and
+ * read again by the deadline: only while no command was sent on the session
+ * since the first plan (seq: its next seq then), since a new plan snapshots
+ * the tensor where its stream is now. A late refusal that stays says so
+ * (late_say). */
+static void replan_late(direct_t *d, fetch_t *f, size_t n, uint64_t seq) {
+  const direct_session_t *s = f->s;
+  size_t *idx = calloc(n, sizeof *idx);
+  direct_call_t *calls = calloc(n, sizeof *calls);
+  Meshd__Agent__V1__ReadRequest *rqs = calloc(n, sizeof *rqs);
+  rpc_md_t *md = calloc(n, sizeof *md);
+  char **grants = calloc(n, sizeof *grants);
+  size_t m = 0;
+  bool same = !s->next_seq || *s->next_seq == seq;
+  for (size_t i = 0; idx && calls && rqs && md && grants && same && i < n; i++) {
+    if (!late_refusal(&f->errs[i]) || f->got[i] != 0 || f->end - rpc_now_ms() <= 0)
+      continue;
+    rpc_status_t st;
+    finish_fetch(s, f->plans[i]->transfer_id, ABANDON_MS, &st); /* its slot, now */
+    protobuf_c_message_free_unpacked(&f->plans[i]->base, NULL);
+    Meshd__V1__PlanTransferRequest rq;
+    direct_rc_t rc = DIRECT_FAILED;
+    direct_err_t e = {0};
+    f->plans[i] = plan(NULL, s, fetch_plan_request(&rq, f->reqs[i]), left_ms(f->end), &rc, &e,
+                       true);
+    const Meshd__V1__PlanTransferReply *p = f->plans[i];
+    uint64_t want = 0;
+    if (!p) {
+      f->errs[i] = e;
+      continue;
+    }
+    if (p->n_shards != 1 || !p->meta || !direct_meta_bytes(p->meta, &want) ||
+        want != f->want[i]) { /* (its sink began with the first plan's meta) */
+      direct_err_set(&f->errs[i], MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+                     "direct fetch: planned again after a late grant, the plan names another "
+                     "tensor (%zu shards, %llu bytes where the first plan had %llu)",
+                     p->n_shards, (unsigned long long)want, (unsigned long long)f->want[i]);
+      continue;
+    }
+    if (shard_channels(d, s, p, &f->chans[i], "fetch", f->end, &e) != DIRECT_DONE) {
+      if (e.err == MESHD_E_OK) /* (auto's fallback: too late for the proxy, its sink began) */
+        direct_err_set(&e, MESHD_E_RPC, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
+                       "direct fetch, planned again after a late grant: %s",
+                       d->stats.last_fallback);
+      f->errs[i] = e;
+      continue;
+    }
+    const Meshd__V1__ShardGrant *sh = p->shards[0];
+    if (!(grants[m] = grant_hex(&sh->grant)))
+      continue; /* (the late refusal stays its error) */
+    md[m] = (rpc_md_t){GRANT_MD, grants[m]};
+    meshd__agent__v1__read_request__init(&rqs[m]);
+    rqs[m].session_id = (char *)s->id;
+    rqs[m].ref = f->reqs[i]->ref;
+    rqs[m].max_chunk_bytes = READ_CHUNK;
+    rqs[m].after_seq = sh->after_seq;
+    calls[m] = (direct_call_t){f->chans[i], AGENT "Read", &rqs[m].base, &md[m], 1};
+    memset(&f->errs[i], 0, sizeof f->errs[i]);
+    idx[m++] = i;
+  }
+  if (m)
+    direct_pull_all(m, calls, left_ms(f->end), again_msg, again_end, &(again_t){f, idx});
+  for (size_t i = 0; i < n; i++)
+    late_say(&f->errs[i]);
+  for (size_t k = 0; grants && k < m; k++)
+    free(grants[k]);
+  free(grants);
+  free(md);
+  free(rqs);
+  free(calls);
+  free(idx);
 }
 
 direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
@@ -1209,7 +1337,8 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
    * (the caller waits for all), so the values they read are the same as when
    * planned one after another, and n plans cost about one round trip. */
   Meshd__V1__PlanTransferRequest rq0;
-  f.plans[0] = plan(d, s, fetch_plan_request(&rq0, reqs[0]), left_ms(end), &rc, e);
+  uint64_t seq = s->next_seq ? *s->next_seq : 0; /* (see replan_late) */
+  f.plans[0] = plan(d, s, fetch_plan_request(&rq0, reqs[0]), left_ms(end), &rc, e, false);
   if (!f.plans[0])
     goto out;
   if (n > 1) {
@@ -1266,6 +1395,7 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
     }
   }
   read_shards(&f, n);
+  replan_late(d, &f, n, seq);
   for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
     if (f.errs[i].err != MESHD_E_OK) {
       *e = f.errs[i];

@@ -59,6 +59,11 @@ typedef struct direct_session {
    * (NULL: only the plan's own consistency is checked). */
   const uint32_t *mesh_ranks;
   size_t n_mesh_ranks;
+  /* The session's next command seq (NULL: unknown): a fetch whose Read came
+   * past its grant's start-by time is planned again only while it is the same
+   * as at the first plan (a new plan snapshots the tensor as it stands then). */
+  const uint64_t *next_seq;
+  bool replan; /* an upload planned again after a late grant (direct_late_grant) */
 } direct_session_t;
 
 /* Why a direct upload's plan does not split it over the mesh as it should
@@ -103,6 +108,13 @@ void direct_count_proxy(direct_t *d, bool upload);
 direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V1__UploadHeader *h,
                           const uint8_t *data, size_t bytes, bool *ref_spent, bool *defined,
                           direct_err_t *e);
+
+/* Whether e is a transfer refused only because its Writes or Reads started
+ * past their grants' start-by time (--transfer-grant-start-ms after the plan;
+ * the process was paused between plan and transfer): nothing was stored or
+ * read, the plan was given back, and a new plan would get grants good again.
+ * Its message starts with "the transfer's grant expired before it started". */
+bool direct_late_grant(const direct_err_t *e);
 
 /* The time for a call that undoes a transfer: what is left until `end`
  * (rpc_now_ms), but at least a second, even past it. */

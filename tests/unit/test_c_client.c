@@ -2444,6 +2444,100 @@ Test(c_client_three_transfers, a_direct_fetch_whose_later_plans_are_refused_give
   meshd_close(c);
 }
 
+/* Grants that must be presented within 100 ms of their plan; three transfers
+ * a session at a time (so a plan not given back shows at once). */
+static void start_late_grants(void) {
+  const char *const flags[] = {"--data-path=direct", "--transfer-grant-start-ms=100",
+                               "--session-max-transfers=3", NULL};
+  start_server_with(flags);
+}
+
+TestSuite(c_client_late_grants, .init = start_late_grants, .fini = stop_server, .timeout = 60);
+
+/* Both ranks of t (100 bytes each) fetched at once: MESHD_E_OK with the bytes
+ * checked against want, or the fetch's failure. */
+static meshd_err_t fetch_both(meshd_session_t *s, meshd_ref_t t, const uint8_t *want) {
+  uint8_t back[2][100];
+  memset(back, 0, sizeof back);
+  const char *dims[] = {"gpu"};
+  int64_t r0[] = {0}, r1[] = {1};
+  meshd_fetch_part_t parts[2] = {{dims, r0, 1, back[0], 100, 0}, {dims, r1, 1, back[1], 100, 0}};
+  meshd_err_t e = meshd_session_fetch_bytes(s, t, parts, 2, NULL);
+  if (e == MESHD_E_OK)
+    for (int i = 0; i < 2; i++)
+      cr_assert_eq(memcmp(back[i], want + 100 * i, 100), 0, "rank %d's bytes differ", i);
+  return e;
+}
+
+/* A direct upload or fetch whose Writes/Reads start past their grants'
+ * start-by time (the process paused 300 ms after PlanTransfer answered:
+ * MESHD_TEST_DIRECT_DELAY_MS, its first plan only) is refused by the agents
+ * before any byte moved; the client gives the plan back and plans once more
+ * (an upload with a new ref). It failed PERMISSION_DENIED "transfer grant
+ * refused: expired: ...", which reads as an authentication problem. */
+Test(c_client_late_grants, a_transfer_paused_past_its_grants_start_by_time_is_planned_again) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, t = 0, u = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  uint8_t data[2 * 100];
+  for (size_t i = 0; i < sizeof data; i++)
+    data[i] = (uint8_t)(i * 7 + 3);
+  meshd_upload_options_t uo = MESHD_UPLOAD_OPTIONS_INIT;
+  uo.per_rank = true;
+  int64_t shape[] = {100};
+  setenv("MESHD_TEST_DIRECT_DELAY_MS", "300,once", 1);
+  meshd_err_t rc = meshd_session_upload_with(s, m, "uint8", shape, 1, data, sizeof data, &uo, &t);
+  cr_assert_eq(rc, MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  for (int round = 0; round < 4; round++) /* more than 3: every plan's slot came back */
+    cr_assert_eq(fetch_both(s, t, data), MESHD_E_OK, "round %d: %s", round,
+                 meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_upload_with(s, m, "uint8", shape, 1, data, sizeof data, &uo, &u),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_neq(t, u);
+  unsetenv("MESHD_TEST_DIRECT_DELAY_MS");
+  cr_assert_eq(fetch_both(s, u, data), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 2);
+  cr_assert_eq(st.direct_fetches, 10);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* Paused past the start-by time after its new plan too: the error says what
+ * happened and what to do, not an authentication refusal, and the session
+ * goes on working (its slots and refs were given back). */
+Test(c_client_late_grants, a_transfer_paused_past_its_grants_start_by_time_twice_says_so) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, t = 0, u = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  uint8_t data[2 * 100];
+  for (size_t i = 0; i < sizeof data; i++)
+    data[i] = (uint8_t)(i * 11 + 1);
+  meshd_upload_options_t uo = MESHD_UPLOAD_OPTIONS_INIT;
+  uo.per_rank = true;
+  int64_t shape[] = {100};
+  cr_assert_eq(meshd_session_upload_with(s, m, "uint8", shape, 1, data, sizeof data, &uo, &t),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  static const char late[] = "the transfer's grant expired before it started";
+  setenv("MESHD_TEST_DIRECT_DELAY_MS", "300", 1);
+  for (int round = 0; round < 2; round++) {
+    cr_assert_eq(fetch_both(s, t, data), MESHD_E_RPC);
+    const char *msg = meshd_last_error(c)->message;
+    cr_assert(strncmp(msg, late, strlen(late)) == 0 && strstr(msg, "call again"), "%s", msg);
+    cr_assert_eq(meshd_session_upload_with(s, m, "uint8", shape, 1, data, sizeof data, &uo, &u),
+                 MESHD_E_RPC);
+    msg = meshd_last_error(c)->message;
+    cr_assert(strncmp(msg, late, strlen(late)) == 0, "%s", msg);
+  }
+  unsetenv("MESHD_TEST_DIRECT_DELAY_MS");
+  cr_assert_eq(fetch_both(s, t, data), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(round_trip(s, m, 100, 4), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* ------------------------------------------------------------------ literals */
 
 /* The bytes of `t` at rank gpu=`rank` (-1: a mesh without dims) into buf (cap
