@@ -236,6 +236,7 @@ static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V
   /* Every range carries the version this rank checked: a file saved again
    * between two of them fails the load instead of mixing two versions. */
   o.expect_version = version;
+  o.expect_size = size; /* and the size: a server without validators still says it */
   sink_t k = {.b = b, .bs = bs, .t = t, .progress = progress};
   /* cpu: the tensor is host memory, where curl's bytes go straight. */
   if (b->ops == &cpu_backend_ops)
@@ -348,7 +349,18 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   tensor_file_t f = {0};
   char version[URL_VERSION_MAX];
   if (url_fetch_size_version(rq->url, &o, &size, version, sizeof version, NULL, &e)) goto fail;
+  if (rq->size_only) { /* a raw load's: the version its ranks must all read */
+    Meshd__V1__InspectUrlReply raw = MESHD__V1__INSPECT_URL_REPLY__INIT;
+    raw.format = "raw";
+    raw.file_size = size;
+    raw.version = version;
+    raw.metadata_json = "";
+    rpc_call_reply(call, &raw.base);
+    url_share_free(o.share);
+    return;
+  }
   o.expect_version = version; /* the header read is of the version answered */
+  o.expect_size = size;
   int rc = TENSOR_FILE_NEED_MORE;
   tensor_file_opts_t fo = {.file_size = size};
   for (int round = 0; rc == TENSOR_FILE_NEED_MORE && round < 2; round++) {

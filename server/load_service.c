@@ -41,6 +41,7 @@ typedef struct inspect {
   rpc_call_t *call; /* referenced */
   uint32_t rank;
   char *url;
+  bool size_only;
 } inspect_t;
 
 static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
@@ -129,6 +130,7 @@ static void *inspect_main(void *arg) {
   url_policy_to_proto(ls->urls, &policy);
   rq.url = in->url;
   rq.policy = &policy;
+  rq.size_only = in->size_only;
   ProtobufCMessage *reply = NULL;
   rpc_status_t st = {0};
   bool targeted = agent_pool_target(ls->pool, in->rank, AGENT_CONNECT_MS, &t) == 0;
@@ -224,7 +226,7 @@ static void inspect_start(rpc_call_t *call, const ProtobufCMessage *req, void *a
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "InspectUrl: out of memory");
     return;
   }
-  *in = (inspect_t){.ls = ls, .call = call, .rank = rank, .url = url};
+  *in = (inspect_t){.ls = ls, .call = call, .rank = rank, .url = url, .size_only = rq->size_only};
   int slot;
   if (spawn(ls, call, "InspectUrl", NULL, &slot, inspect_main, in)) {
     free(in);

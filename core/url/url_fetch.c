@@ -38,6 +38,7 @@ typedef struct xfer {
   void *caller_stop_arg;
   uint64_t max_bytes;
   const char *expect; /* RANGE, ALL: url_fetch_opts_t's expect_version; NULL: any */
+  uint64_t expect_size; /* RANGE: url_fetch_opts_t's expect_size; 0: any */
   struct curl_slist *headers; /* its If-Match or If-Unmodified-Since; owned by run() */
   const char *shown; /* the redacted URL of this hop */
   CURLSH *share;     /* url_fetch_opts_t's share, when this call holds it; NULL: none */
@@ -257,6 +258,16 @@ static bool answer_is_expected(xfer_t *x) {
   return false;
 }
 
+/* Whether the resource's size an answer gives (UINT64_MAX: none) is the one
+ * the caller checked, where it gave one: a file that grew or shrank since
+ * is another version, validators or not. */
+static bool size_is_expected(xfer_t *x, uint64_t total) {
+  if (!x->expect_size || total == UINT64_MAX || total == x->expect_size) return true;
+  fail(x, ERR_BAD_ARGUMENT, "the resource changed during the load (it was %" PRIu64 " bytes, "
+       "now %" PRIu64 "); load it again", x->expect_size, total);
+  return false;
+}
+
 /* The first body bytes of an answer: is it the answer asked for? */
 static bool body_start(xfer_t *x) {
   curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &x->status);
@@ -297,7 +308,7 @@ static bool body_start(xfer_t *x) {
       return false;
     }
     x->total = total;
-    return true;
+    return size_is_expected(x, total);
   }
   /* Another 2xx: not the bytes asked, and nothing below would stop its body. */
   if (x->status != 200) {
@@ -312,6 +323,10 @@ static bool body_start(xfer_t *x) {
          x->offset + x->length, x->max_bytes);
     return false;
   }
+  curl_off_t len = -1;
+  if (!curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0 &&
+      !size_is_expected(x, (uint64_t)len))
+    return false;
   x->skip = x->offset;
   return true;
 }
@@ -797,7 +812,7 @@ static int fetch_range(const char *url, uint64_t offset, uint64_t length, void *
   }
   xfer_t x = {.mode = MODE_RANGE, .offset = offset, .length = length, .buf = buf,
               .sink = sink, .sink_arg = sink_arg, .max_bytes = o.max_bytes,
-              .expect = o.expect_version};
+              .expect = o.expect_version, .expect_size = o.expect_size};
   return run(&x, url, &o, info, e);
 }
 

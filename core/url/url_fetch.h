@@ -127,6 +127,12 @@ typedef struct url_fetch_opts {
    * rewrite within that same second is not seen). Another form is
    * BAD_ARGUMENT. Borrowed for the call. */
   const char *expect_version;
+  /* The resource's size as the caller checked it (url_fetch_size); 0: not
+   * known. A range answer (206) whose Content-Range total is another size, or
+   * a whole body (200) of another Content-Length, fails the call with
+   * BAD_ARGUMENT, "the resource changed during the load", not retried: a
+   * server that names no validator still says its length. */
+  uint64_t expect_size;
   /* Connections kept between calls (url_share_t above); NULL: each call its
    * own. Borrowed for the call. */
   url_share_t *share;

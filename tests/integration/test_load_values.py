@@ -435,3 +435,52 @@ def test_misbehaving_servers_give_numpy_or_an_error(shared_meshd, path):
                     msg = _exact_or_clear_error(t, np.split(a, 2, axis=dim), url, 2)
                     if path in ("bytes", "norange"):
                         assert msg is None, msg
+
+
+def _same_or_changed(t, n, gpus):
+    """Every rank's bytes of one load are one version (all equal), or the load failed
+    saying the file changed: never rank 0 old and rank 1 new."""
+    got = []
+    try:
+        for g in range(gpus):
+            got.append(fetch(t, gpu=g))
+    except MeshdError as e:
+        assert "changed" in str(e), e
+        return
+    for g in range(1, gpus):
+        assert got[g].tobytes() == got[0].tobytes(), (
+            f"rank 0 and rank {g} loaded different versions of one file with no error")
+
+
+def test_raw_load_pins_one_version_across_ranks(meshd_server):
+    """A raw load (dtype=, shape=) rewritten between two ranks' requests: rank 1's
+    first op call runs 3 s, so rank 0 has read the file (whose first GET turns it into
+    version 2) before rank 1 asks for its size. Each rank checked only its own HEAD:
+    rank 0 held version 1, rank 1 version 2, and no error said so."""
+    n = 4096
+    srv = meshd_server(2, *lib.device_flags(2),
+                       env={"MESHD_FAULT": "call:slow=3000,rank=1,count=2"})
+    lib.wait_ready(srv, 2)
+    with lib.range_http_server() as base:
+        with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate():
+            for how in ("etag", "mtime-lax"):
+                meshd.tensor(np.zeros(4, np.float32)) * 3  # held 3 s on rank 1
+                # H = 1: rank 0's first GET (after its HEAD, or the inspection's)
+                # changes the file, before rank 1's HEAD
+                t = meshd.load(f"{base}/versioned/raw{how}/{how}/1/{n}", dtype="uint8",
+                               shape=(n,))
+                _same_or_changed(t, n, 2)
+
+
+def test_a_range_of_another_total_size_fails_the_load(shared_meshd):
+    """A server with no ETag or Last-Modified whose file grew after the size check:
+    HEAD says 100 bytes, every range's Content-Range says /200. Ranges within the old
+    size pass every other check: the load must fail, not read a file that changed."""
+    srv = shared_meshd(2)
+    with lib.range_http_server() as base:
+        with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate():
+            for shard in (None, "gpu"):
+                t = meshd.load(f"{base}/headlies/100/200", dtype="uint8", shape=(100,),
+                               shard=shard)
+                with pytest.raises(MeshdError, match="changed during the load"):
+                    fetch(t, gpu=1)

@@ -224,7 +224,19 @@ def load(url: str, *, dtype: DType | None = None, shape: Shape | None = None,
                 raise ValueError(f"meshd.load: shape {tuple(_shape(shape))} has no dim {dim} to "
                                  "shard")
             d += nd
-        t = _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, d)
+        # Every rank reads the version the first agent sees now (its size is not
+        # pinned: a raw file of another size says "check dtype= and shape="). A URL the
+        # agent cannot read now loads unpinned: the tensor then fails on its ranks,
+        # naming each, as it always did.
+        s, pb = mesh.session, mesh.session._pb
+        try:
+            version = s._unary("InspectUrl", pb.InspectUrlRequest(
+                url=url, mesh=mesh.ref, size_only=True), pb.InspectUrlReply).version
+        except MeshdError as e:
+            if e.kind in ("NO_SESSION", "PERMISSION_DENIED"):
+                raise
+            version = ""
+        t = _load_one(mesh, url, dtype_name(dtype), shape, 0, 0, shard, d, version=version)
         _watch(mesh, [t], progress, "load")
         return t
     info = inspect_url(url, mesh)
