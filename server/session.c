@@ -313,25 +313,21 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
 
   pthread_mutex_lock(&t->mu);
   uint64_t held = t->max_per_owner ? owned_by(t, s->owner) : 0;
-  if (t->max_per_owner && held >= t->max_per_owner) {
-    uint64_t limit = t->max_per_owner;
-    pthread_mutex_unlock(&t->mu);
-    error_set(err, ERR_QUOTA,
-              "CreateSession: principal '%s' already holds %llu open sessions, the most "
-              "--max-sessions-per-principal (%llu) allows; close sessions you no longer use",
-              s->owner, (unsigned long long)held, (unsigned long long)limit);
-    pthread_mutex_destroy(&s->mu);
-    free(s);
-    return -1;
-  }
   uint64_t open_now = HASH_COUNT(t->by_id);
-  if (t->max_sessions && open_now >= t->max_sessions) {
-    uint64_t limit = t->max_sessions;
+  int refused = 0;
+  if (t->max_per_owner && held >= t->max_per_owner)
+    refused = error_set(err, ERR_QUOTA,
+                        "CreateSession: principal '%s' already holds %llu open sessions, the most "
+                        "--max-sessions-per-principal (%llu) allows; close sessions you no longer "
+                        "use", s->owner, (unsigned long long)held,
+                        (unsigned long long)t->max_per_owner);
+  else if (t->max_sessions && open_now >= t->max_sessions)
+    refused = error_set(err, ERR_QUOTA,
+                        "CreateSession: the server holds %llu open sessions, the most "
+                        "--max-sessions (%llu) allows; retry once sessions close",
+                        (unsigned long long)open_now, (unsigned long long)t->max_sessions);
+  if (refused) {
     pthread_mutex_unlock(&t->mu);
-    error_set(err, ERR_QUOTA,
-              "CreateSession: the server holds %llu open sessions, the most --max-sessions "
-              "(%llu) allows; retry once sessions close",
-              (unsigned long long)open_now, (unsigned long long)limit);
     pthread_mutex_destroy(&s->mu);
     free(s);
     return -1;

@@ -1128,6 +1128,24 @@ static void read_again(fetch_t *f, size_t n, const direct_call_t *calls) {
   free(idx);
 }
 
+/* Part i's Agent/Read under its plan's grant: *call, with its request, metadata
+ * and grant (hex, malloc'd: the caller frees it) in the caller's storage.
+ * false out of memory. */
+static bool read_call(const fetch_t *f, size_t i, Meshd__Agent__V1__ReadRequest *rq,
+                      rpc_md_t *md, char **grant, direct_call_t *call) {
+  const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
+  if (!(*grant = grant_hex(&sh->grant)))
+    return false;
+  *md = (rpc_md_t){GRANT_MD, *grant};
+  meshd__agent__v1__read_request__init(rq);
+  rq->session_id = (char *)f->s->id;
+  rq->ref = f->reqs[i]->ref;
+  rq->max_chunk_bytes = READ_CHUNK;
+  rq->after_seq = sh->after_seq;
+  *call = (direct_call_t){f->chans[i], AGENT "Read", &rq->base, md, 1};
+  return true;
+}
+
 /* Every shard's Agent/Read at once, each under its grant. */
 static void read_shards(fetch_t *f, size_t n) {
   direct_call_t *calls = calloc(n, sizeof *calls);
@@ -1135,20 +1153,8 @@ static void read_shards(fetch_t *f, size_t n) {
   rpc_md_t *md = calloc(n, sizeof *md);
   char **grants = calloc(n, sizeof *grants);
   bool ok = calls && rqs && md && grants;
-  for (size_t i = 0; ok && i < n; i++) {
-    const Meshd__V1__ShardGrant *sh = f->plans[i]->shards[0];
-    if (!(grants[i] = grant_hex(&sh->grant))) {
-      ok = false;
-      break;
-    }
-    md[i] = (rpc_md_t){GRANT_MD, grants[i]};
-    meshd__agent__v1__read_request__init(&rqs[i]);
-    rqs[i].session_id = (char *)f->s->id;
-    rqs[i].ref = f->reqs[i]->ref;
-    rqs[i].max_chunk_bytes = READ_CHUNK;
-    rqs[i].after_seq = sh->after_seq;
-    calls[i] = (direct_call_t){f->chans[i], AGENT "Read", &rqs[i].base, &md[i], 1};
-  }
+  for (size_t i = 0; ok && i < n; i++)
+    ok = read_call(f, i, &rqs[i], &md[i], &grants[i], &calls[i]);
   f->timeout_ms = left_ms(f->end);
   if (ok) {
     direct_pull_all(n, calls, f->timeout_ms, shard_msg, shard_end, f);
@@ -1288,16 +1294,8 @@ static void replan_late(direct_t *d, fetch_t *f, size_t n, uint64_t seq) {
       f->errs[i] = e;
       continue;
     }
-    const Meshd__V1__ShardGrant *sh = p->shards[0];
-    if (!(grants[m] = grant_hex(&sh->grant)))
+    if (!read_call(f, i, &rqs[m], &md[m], &grants[m], &calls[m]))
       continue; /* (the late refusal stays its error) */
-    md[m] = (rpc_md_t){GRANT_MD, grants[m]};
-    meshd__agent__v1__read_request__init(&rqs[m]);
-    rqs[m].session_id = (char *)s->id;
-    rqs[m].ref = f->reqs[i]->ref;
-    rqs[m].max_chunk_bytes = READ_CHUNK;
-    rqs[m].after_seq = sh->after_seq;
-    calls[m] = (direct_call_t){f->chans[i], AGENT "Read", &rqs[m].base, &md[m], 1};
     memset(&f->errs[i], 0, sizeof f->errs[i]);
     idx[m++] = i;
   }

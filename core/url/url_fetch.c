@@ -765,9 +765,9 @@ static int run(xfer_t *x, const char *url0, const url_fetch_opts_t *o, url_fetch
     url_redact(url0, asked, sizeof asked);
     url_redact(url, target, sizeof target);
     size_t tl = strlen(target);
-    if (strlen(asked) + tl > URL_REDACT_MAX + 60) /* room for what follows in the message */
-      snprintf(shown, sizeof shown, "%.240s (redirected to %.60s...%.60s)", asked, target,
-               target + (tl > 120 ? tl - 60 : 60 < tl ? 60 : tl));
+    if (tl > 120 && strlen(asked) + tl > URL_REDACT_MAX + 60) /* room for what follows */
+      snprintf(shown, sizeof shown, "%.240s (redirected to %.60s...%s)", asked, target,
+               target + tl - 60);
     else
       snprintf(shown, sizeof shown, "%.240s (redirected to %.240s)", asked, target);
   }
