@@ -173,8 +173,9 @@ export type Fetched = FetchArray & { shape: number[]; dtype: DType };
 // ------------------------------------------------------------------ requests
 
 /** A tensor or mesh: its ref, or anything with .ref (a TensorMeta, a MeshMeta). Refs are
- * per session: a TensorMeta or MeshMeta another session handed out is refused (MeshdError
- * BAD_ARGUMENT naming the argument); a bare number is sent as it is. */
+ * per session: a TensorMeta or MeshMeta another session handed out, or a bare ref this
+ * session did not hand out (another session's, one never handed out), is refused
+ * (MeshdError BAD_ARGUMENT naming the argument). */
 export type Ref = number | { ref: number };
 
 /**
@@ -365,6 +366,9 @@ export function resolveSecurity(addr: string, options?: SecurityOptions): Resolv
  * agents' port is TLS (cluster mTLS) or the session is not over TLS, and the agents connect
  * within DIRECT_CONNECT_MS, else through the server; 'direct' always straight (fails when it
  * cannot: UNAVAILABLE naming the rank); 'proxy' always through the server (Upload, Fetch).
+ * A transfer whose grants came too late (--transfer-grant-start-ms) is planned once more,
+ * then fails "the transfer's grant expired before it started ..."; one an agent refuses
+ * because its --max-transfer-nonces table is full: 'auto' takes the proxy, 'direct' fails.
  */
 export type DataPath = 'auto' | 'direct' | 'proxy';
 
@@ -411,7 +415,9 @@ export function connect(addr: string, options?: ConnectOptions): Promise<Session
 /** The gRPC client connect() made (methods by RPC name, untyped). */
 export type TensorServiceClient = InstanceType<grpc.ServiceClientConstructor>;
 
-/** An open session; make one with connect(). Refs and seqs are handed out from 1. */
+/** An open session; make one with connect(). Seqs are handed out from 1; refs from
+ * (n mod 9000) * 10^12 + 1 for the n-th session of the process (from 0), so a bare ref of
+ * another session (or one never handed out) is refused by every call that takes one. */
 export class Session {
   /** Used by connect(); baseMd is copied, then carries the session's id and token. */
   constructor(client: TensorServiceClient, reply: CreateSessionReply, timeoutMs: number,
@@ -424,7 +430,7 @@ export class Session {
   /** default deadline of every call, from now */
   timeoutMs: number;
   tls: boolean;
-  /** the last ref handed out */
+  /** the last ref handed out (the span's start before the first) */
   nextRef: number;
   /** the last command's seq */
   seq: number;
@@ -488,7 +494,8 @@ export class Session {
   /**
    * A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
    * with {dtype, shape}, else what a .npy or safetensors header says. A safetensors file
-   * without `name` gives every tensor's TensorMeta by name.
+   * without `name` gives every tensor's TensorMeta by name. Raw bytes ask InspectUrl for the
+   * file's version first (unpinned if it fails), which every rank checks.
    */
   load(mesh: Ref, url: string, options: LoadOptions & { dtype: DType; shape: number[] }): Promise<TensorMeta>;
   load(mesh: Ref, url: string, options: LoadOptions & { name: string }): Promise<TensorMeta>;

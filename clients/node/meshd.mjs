@@ -7,8 +7,10 @@
 // path given as connect(addr, {protoPath}).
 //
 // 64-bit integers (refs, seqs, shapes; uint64/int64 in the proto) are plain JS Numbers
-// (proto-loader `longs: Number`): refs and seqs are counters this client hands out from
-// 1, far below Number.MAX_SAFE_INTEGER (2^53 - 1); values above that would lose precision.
+// (proto-loader `longs: Number`): seqs are counters this client hands out from 1, refs
+// counters too, each session's from a span of its own (the n-th session a process opens
+// numbers its refs from (n mod 9000) * 10^12 + 1, as the C client: the first 1, 2, ...,
+// the second 1000000000001, ...), all below Number.MAX_SAFE_INTEGER (2^53 - 1).
 // Enums are their names (`enums: String`): dtype "DTYPE_FLOAT32", kind "ERROR_KIND_...".
 // fetch() gives a typed array by dtype: Float32Array, Float64Array, Int8Array, Uint8Array
 // (uint8 and bool), Int16Array, Int32Array, BigInt64Array, and for float16 and bfloat16 a
@@ -47,8 +49,15 @@
 // reason counted in session.transferStats. 'direct' always goes straight and fails when it
 // cannot (UNAVAILABLE naming the rank and address); 'proxy' always through the server.
 // A plan's agents are dialled only at host:port addresses (another, unix:/path say: auto
-// takes the proxy, direct UNAVAILABLE). The first shard of an upload to fail cancels the
-// others' Writes and undoes the upload at once (FinishUpload without receipts). A
+// takes the proxy, direct UNAVAILABLE). A Read or Write refused because it started past
+// its grant's start-by time (this process paused between plan and transfer, or clocks
+// apart by more than the server's --transfer-grant-start-ms) is planned once more (a fetch
+// only while no command was issued after it); late again, it rejects "the transfer's
+// grant expired before it started ...; call again". One refused because the agent's grant
+// table (--max-transfer-nonces) is full: auto takes the proxy for that transfer (a fetch
+// on the same terms), direct rejects saying the agent has too many transfers in flight.
+// The first shard of an upload to fail cancels the others' Writes and undoes the upload
+// at once (FinishUpload without receipts). A
 // FinishUpload that got no answer (DEADLINE_EXCEEDED, UNAVAILABLE) is asked once more with
 // the cleanup deadline (the server answers a finished upload's again): an answer and the
 // upload succeeds; none, and it is undone and the upload rejects with the first error
@@ -112,6 +121,14 @@ const NOT_SENT = Symbol('notSent'); // on an error: the command never went out
 // sessions made alike hand out the same refs: one of another session would name another
 // object (or none) here, and a call that takes it refuses it (Session.#own).
 const OWNER = Symbol('meshd.owner');
+// Refs handed to the caller as bare numbers (t.ref, a BigInt argument) carry no mark: so
+// that one of another session is refused at the call too, each session numbers its refs
+// in a span of its own, REF_SPAN wide: the n-th a process opens from
+// (n mod REF_TAGS) * REF_SPAN + 1 (the C client's numbering; REF_TAGS * REF_SPAN < 2^53,
+// so every ref is an exact Number).
+const REF_SPAN = 1e12;
+const REF_TAGS = 9000;
+let sessionsOpened = 0;
 
 // About how many bytes a command takes on the wire (its strings, lists and bytes;
 // 10 a number): what a pipelined message may hold (BATCH_BYTES) is counted in these.
@@ -151,6 +168,27 @@ const ABANDON_MS = 300; // FinishFetch of a fetch given up on
 const CLOSE_LAST_TRY_MS = 250; // CloseSession's time at least, should the waits before it have taken the rest
 const CLEANUP_MS = 5000; // FinishUpload undoing an upload given up on (the session's timeoutMs if less)
 const PROXY = Symbol('proxy'); // #directUpload, #directFetch: use the proxy instead
+// An agent's refusal of a Read or Write that started past its grant's start-by time
+// (--transfer-grant-start-ms after the plan: the client was paused between the plan and
+// the call, or the clocks differ): nothing moved, and a new plan's grants are good again.
+const LATE_REFUSAL = 'did not start by its start-by time';
+const LATE_MSG = "the transfer's grant expired before it started (the client was paused or the "
+  + 'clocks differ by more than --transfer-grant-start-ms); call again';
+// An agent's refusal of a grant because its table of grants in use (--max-transfer-nonces)
+// is full (agent/transfer_grant.c, RESOURCE_EXHAUSTED): nothing moved.
+const TABLE_FULL_REFUSAL = 'grants are in use on this agent already';
+const REFUSAL = Symbol('refusal'); // on a shard's MeshdError: 'late' or 'full', as above
+
+// Tests only (test/direct.test.mjs), never set in use, as the C client's:
+// MESHD_TEST_DIRECT_DELAY_MS=<ms> waits <ms> after each PlanTransfer answer (a client
+// paused between its plan and its transfer); "<ms>,once" only after a transfer's first
+// plan, not after a new plan for a late grant (again).
+function testPause(again) {
+  const m = /^(\d+)(,once)?$/.exec(process.env.MESHD_TEST_DIRECT_DELAY_MS ?? '');
+  const ms = m ? Number(m[1]) : 0;
+  if (ms <= 0 || ms > 60000 || (again && m[2])) return undefined;
+  return new Promise((resolve) => { setTimeout(resolve, ms); });
+}
 const UNKINDED = Symbol('unkinded'); // a MeshdError with no kind of the server's (its answer may be lost)
 
 export function protoPath() {
@@ -367,6 +405,7 @@ export class Session {
   #fetches = new Set(); // fetches whose bytes are still moving (close() waits for them)
   #held = []; // refs of lost answers whose Release was refused BORROWED: sent again once a borrow ends
   #mark = Symbol('meshd.session'); // OWNER of the handles this session hands out
+  #refBase; // this session's refs are #refBase + 1, + 2, ... (REF_SPAN)
 
   constructor(client, reply, timeoutMs, baseMd = new grpc.Metadata(), { tls = false, dataPath = 'auto', protoFile } = {}) {
     this.client = client;
@@ -377,7 +416,8 @@ export class Session {
     this.#md = baseMd.clone();
     this.#md.set('meshd-session', this.id);
     this.#md.set('meshd-token', reply.token);
-    this.nextRef = 0;
+    this.#refBase = (sessionsOpened++ % REF_TAGS) * REF_SPAN;
+    this.nextRef = this.#refBase;
     this.seq = 0;
     this.closed = false;
     this.literals = (reply.features ?? []).includes('literal'); // the server takes Literals
@@ -445,18 +485,41 @@ export class Session {
     return meta;
   }
 
-  // Throws when h, an argument named `what` of `fn`, is a handle of another session:
-  // its ref would name another object, or none, in this one (wrong results, no error).
-  // A bare ref (a number) is taken as it is.
-  #own(h, fn, what) {
+  // Throws when h, an argument named `what` of `fn`, is a handle of another session, or
+  // a bare ref (a number, a BigInt, an unmarked {ref}) this session did not hand out (0:
+  // none): its ref would name another object, or none, in this one (wrong results, no error).
+  // numbers false: a Number is no ref (a call's argument: a double).
+  #own(h, fn, what, numbers = true) {
     const list = Array.isArray(h) ? h : [h];
-    list.forEach((x, i) => {
-      if (x === null || typeof x !== 'object' || x[OWNER] === undefined || x[OWNER] === this.#mark) return;
-      throw new MeshdError('BAD_ARGUMENT', `meshd: ${fn}: ${what}${Array.isArray(h) ? `[${i}]` : ''} `
-        + `(ref ${x.ref}) is of another session than this one: refs are per session, so it would name `
-        + 'another object here; use handles of this session (move data with fetch and upload)',
+    for (let i = 0; i < list.length; i += 1) {
+      const x = list[i];
+      const at = () => `meshd: ${fn}: ${what}${Array.isArray(h) ? `[${i}]` : ''}`;
+      const mark = x !== null && typeof x === 'object' ? x[OWNER] : undefined;
+      if (mark === this.#mark) continue;
+      if (mark !== undefined) {
+        throw new MeshdError('BAD_ARGUMENT', `${at()} (ref ${x.ref}) is of another session than this one: refs `
+          + 'are per session, so it would name another object here; use handles of this session (move data with '
+          + 'fetch and upload)', grpc.status.INVALID_ARGUMENT);
+      }
+      const ref = Session.#bareRef(x, numbers);
+      if (ref === undefined || ref === 0 || (ref > this.#refBase && ref <= this.nextRef)) continue;
+      const span = this.nextRef > this.#refBase ? `${this.#refBase + 1} to ${this.nextRef}` : 'none yet';
+      throw new MeshdError('BAD_ARGUMENT', `${at()} (ref ${ref}) is not a ref this session handed out (its refs: `
+        + `${span}): refs are per session, so one of another session, or a number never handed out, would name `
+        + 'another object here, or none; use refs and handles of this session (move data with fetch and upload)',
       grpc.status.INVALID_ARGUMENT);
-    });
+    }
+  }
+
+  // The ref a bare argument names (a BigInt, a Number unless numbers is false, an
+  // object's .ref), else undefined (not a ref: a string, an Arg such as {ints}...).
+  static #bareRef(x, numbers) {
+    if (typeof x === 'bigint') return Number(x);
+    if (typeof x === 'number') return numbers ? x : undefined;
+    if (x === null || typeof x !== 'object' || !('ref' in x)) return undefined;
+    const v = x.ref;
+    if (typeof v === 'bigint' || typeof v === 'number' || (typeof v === 'string' && /^[0-9]+$/.test(v))) return Number(v);
+    return undefined;
   }
 
   // Refs must reach the server in strictly increasing order (docs/protocol.md), and
@@ -1019,12 +1082,34 @@ export class Session {
   inspectUrl(url, mesh = 0) {
     if (this.#shut) return Promise.reject(Session.#noSession('inspectUrl'));
     try { this.#own(mesh, 'inspectUrl', 'mesh'); } catch (e) { return Promise.reject(e); }
+    return this.#inspect(url, mesh.ref ?? mesh, false);
+  }
+
+  // InspectUrl in its turn (after the calls issued before it, as fetch); sizeOnly: the
+  // file's size and version only (format "raw"), what a raw load pins.
+  #inspect(url, mesh, sizeOnly) {
     const limitMs = this.timeoutMs;
     const deadline = Date.now() + limitMs; // from the call, as fetch: its turn too
-    return this.#inOrder(async () => { // after the calls issued before it, as fetch
+    return this.#inOrder(async () => {
       await this.#drain(deadline, limitMs, 'inspectUrl');
-      return this.#unary('InspectUrl', { url, mesh: mesh.ref ?? mesh }, deadline);
+      return this.#unary('InspectUrl', { url, mesh, size_only: sizeOnly }, deadline);
     }, deadline, limitMs, 'inspectUrl');
+  }
+
+  // The version every rank of a raw load must read: the one the first agent of the mesh
+  // sees now (InspectUrl size_only; its size is not pinned: a raw file of another size
+  // says "check dtype and shape"). Without it each rank checked only its own look, and a
+  // file rewritten between two ranks' requests loaded old bytes on one and new on the
+  // other, with no error. A URL the agent cannot read now loads unpinned ('') and fails
+  // on its ranks, naming each, as it always did; a closed session or a URL the server
+  // does not allow fails here, as Python's meshd.load.
+  async #rawVersion(url, mesh) {
+    try {
+      return (await this.#inspect(url, mesh, true)).version ?? '';
+    } catch (e) {
+      if (!(e instanceof MeshdError) || ['NO_SESSION', 'PERMISSION_DENIED'].includes(e.kind)) throw e;
+      return '';
+    }
   }
 
   // A tensor each agent of `mesh` fetches itself from `url` (docs/loading.md): raw bytes
@@ -1035,10 +1120,11 @@ export class Session {
   // {shard: 'gpu', dim} splits the tensor's dim over that mesh dim.
   async load(mesh, url, { dtype, shape, name, shard = '', dim = 0, stream = 0 } = {}) {
     this.#own(mesh, 'load', 'mesh');
+    this.#own(stream, 'load', 'stream');
     checkDtype('load', dtype);
     const m = mesh.ref ?? mesh;
     // fi: what InspectUrl said of the file (its size and version, which the agents
-    // check: a file rewritten since is refused), or null for raw bytes
+    // check: a file rewritten since is refused); for raw bytes its version only
     const one = async (t, fi, from = url) => {
       const ref = this.newRef();
       // a negative dim counts from the end, as in Python's meshd.load
@@ -1053,7 +1139,7 @@ export class Session {
     if (dtype !== undefined || shape !== undefined) {
       if (dtype === undefined || shape === undefined) throw new TypeError('meshd: raw bytes need both dtype and shape');
       if (name !== undefined) throw new TypeError('meshd: name picks a tensor of a safetensors file; raw bytes (dtype and shape) have none');
-      return one({ dtype, shape }, null);
+      return one({ dtype, shape }, { version: await this.#rawVersion(url, m) });
     }
     const info = await this.inspectUrl(url, m);
     if (info.format === 'safetensors_index') return this.#loadIndex(m, url, info, name, one);
@@ -1120,8 +1206,9 @@ export class Session {
 
   // A catalogue op: args as toArg() reads them; returns the first result TensorMeta.
   async call(op, args = [], kwargs = {}, { stream = 0, timeoutMs } = {}) {
-    args.forEach((a, i) => this.#own(a, `call '${op}'`, `argument ${i}`));
-    for (const [name, v] of Object.entries(kwargs)) this.#own(v, `call '${op}'`, `argument '${name}'`);
+    args.forEach((a, i) => this.#own(a, `call '${op}'`, `argument ${i}`, false));
+    for (const [name, v] of Object.entries(kwargs)) this.#own(v, `call '${op}'`, `argument '${name}'`, false);
+    this.#own(stream, `call '${op}'`, 'stream');
     const ref = this.newRef();
     const res = await this.execute({
       call: {
@@ -1138,6 +1225,7 @@ export class Session {
   async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0, mesh = 0 } = {}) {
     this.#own(input, 'reduce', 'input');
     this.#own(mesh, 'reduce', 'mesh');
+    this.#own(stream, 'reduce', 'stream');
     const ref = this.newRef();
     const res = await this.execute({
       reduce: { ref, input: input.ref ?? input, dims, reduction, scatter, stream, mesh: mesh?.ref ?? mesh },
@@ -1170,11 +1258,14 @@ export class Session {
     if (!dtype) throw new TypeError('meshd: upload takes a Float32Array, Float64Array or integer typed array');
     if (this.#shut) return Promise.reject(Session.#noSession('upload'));
     this.#own(mesh, 'upload', 'mesh');
+    this.#own(stream, 'upload', 'stream');
     const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
     const header = { ref: this.newRef(), mesh: mesh.ref ?? mesh, stream, shape, dtype, per_rank: perRank,
       total_bytes: bytes.length };
-    // Taken now, below every later call's refs: the proxy's ref should a direct plan
-    // have claimed header.ref and then fallen back.
+    // Taken now, below every later call's refs: a new plan's, should the grants of the
+    // first have come too late, then the proxy's, should a direct plan have claimed
+    // header.ref and then fallen back.
+    this.newRef();
     const spare = this.newRef();
     return this.#inOrder(() => this.#upload(header, spare, bytes)).then((t) => this.#mine(t));
   }
@@ -1193,6 +1284,7 @@ export class Session {
     if (!dtype) throw new TypeError('meshd: literal takes a Float32Array, Float64Array or integer typed array');
     if (this.#shut) throw Session.#noSession('literal');
     this.#own(mesh, 'literal', 'mesh');
+    this.#own(stream, 'literal', 'stream');
     const n = data.byteLength;
     const meta = Array.isArray(mesh?.ranks) ? mesh : this.#meshes.get(Number(mesh?.ref ?? mesh));
     const sent = perRank ? n : meta ? n * (meta.ranks.length || 1) : LITERAL_MAX_SENT;
@@ -1222,7 +1314,7 @@ export class Session {
     // the header's ref after every queued command's
     await this.#drain(deadline, limitMs, 'upload');
     if (this.#wanted()) {
-      const tensor = await this.#directUpload(header, bytes, deadline);
+      const tensor = await this.#directUpload(header, bytes, deadline, spare - 1);
       if (tensor !== PROXY) return tensor;
       header = { ...header, ref: spare }; // a plan claimed the old one
     }
@@ -1288,6 +1380,7 @@ export class Session {
     };
     const limitMs = timeoutMs ?? this.timeoutMs;
     const deadline = Date.now() + limitMs; // one for the whole fetch, whichever path and every wait
+    const seq = this.seq; // the last command issued before it (#directFetch)
     let fixed; // later calls may go
     const planned = new Promise((resolve) => { fixed = resolve; });
     let work;
@@ -1296,7 +1389,7 @@ export class Session {
         try {
           await this.#drain(deadline, limitMs, 'fetch'); // the tensor's command answered first
           if (this.#wanted()) {
-            const out = await this.#directFetch(request, deadline, fixed);
+            const out = await this.#directFetch(request, deadline, fixed, seq);
             if (out !== PROXY) return out;
           }
           const out = await Session.#slot(() => this.#proxyFetch(request, deadline, fixed), deadline);
@@ -1523,9 +1616,12 @@ export class Session {
 
   // PlanTransfer's reply (transfer_id and after_seq as decimal strings, which requests
   // take as they are), or null when auto should use the proxy (the server does not offer it).
-  async #plan(request, deadline) {
+  // again: a new plan for a transfer whose grants came too late (testPause).
+  async #plan(request, deadline, again = false) {
     try {
-      return await Session.#slot(() => this.#unary('PlanTransfer', request, deadline), deadline);
+      const plan = await Session.#slot(() => this.#unary('PlanTransfer', request, deadline), deadline);
+      await testPause(again);
+      return plan;
     } catch (e) {
       const notOffered = e.code === grpc.status.UNIMPLEMENTED
         || (e.code === grpc.status.FAILED_PRECONDITION && e.message.includes('--data-path'));
@@ -1565,11 +1661,22 @@ export class Session {
 
   // A broken connection (UNAVAILABLE, the agent gave no kind) is AGENT_LOST, as the
   // server says of the same break on the proxied path.
+  // A grant refused as late or for a full table says so, not the agent's bare refusal
+  // (which reads as an authentication problem, or names no flag): marked REFUSAL.
   static #shardError(what, sh, err) {
     const e = MeshdError.fromRpc(err);
     const broke = e.kind === 'UNAVAILABLE' && !(err.metadata?.get(KIND_MD) ?? []).length;
     const why = err.details ?? err.message;
-    return new MeshdError(broke ? 'AGENT_LOST' : e.kind, `direct ${what}, rank ${sh.rank} (agent ${sh.address}): ${
+    const at = `direct ${what}, rank ${sh.rank} (agent ${sh.address})`;
+    if (err.code === grpc.status.PERMISSION_DENIED && why.includes(LATE_REFUSAL)) {
+      return Object.assign(new MeshdError(e.kind, `${LATE_MSG} (${at}: ${why})`, e.code), { [REFUSAL]: 'late' });
+    }
+    if (err.code === grpc.status.RESOURCE_EXHAUSTED && why.includes(TABLE_FULL_REFUSAL)) {
+      return Object.assign(new MeshdError(e.kind, `${at}: the agent has too many transfers in flight (its `
+        + "--max-transfer-nonces table is full); retry later, or use the proxied path (dataPath 'proxy', "
+        + `or 'auto', which takes it then) (${why})`, e.code), { [REFUSAL]: 'full' });
+    }
+    return new MeshdError(broke ? 'AGENT_LOST' : e.kind, `${at}: ${
       broke ? `the connection to its agent broke (${why}): the agent died or cannot be reached` : why}`, e.code);
   }
 
@@ -1604,8 +1711,11 @@ export class Session {
   // PROXY to use the proxy (nothing was defined). The first shard that fails stops
   // the others (their Writes cancelled) and undoes the plan at once (FinishUpload
   // without receipts); the upload rejects with that shard's error, naming its rank.
-  async #directUpload(header, bytes, deadline) {
-    const plan = await this.#plan({ upload: header }, deadline);
+  // Writes refused before any byte was stored because they started past their grants'
+  // start-by time: the plan is undone and planned once more with retryRef (0: this is
+  // that new plan); one refused because its agent's grant table is full: PROXY (auto).
+  async #directUpload(header, bytes, deadline, retryRef = 0) {
+    const plan = await this.#plan({ upload: header }, deadline, !retryRef);
     if (!plan) return PROXY;
     const { shards } = plan;
     let undone = false;
@@ -1658,6 +1768,13 @@ export class Session {
     } catch (e) {
       for (const stop of calls) stop(); // (their CANCELLED goes nowhere: Promise.all has settled)
       await abandon();
+      if (e?.[REFUSAL] === 'late' && retryRef && Date.now() < deadline) {
+        return this.#directUpload({ ...header, ref: retryRef }, bytes, deadline); // (the plan claimed its ref)
+      }
+      if (e?.[REFUSAL] === 'full' && this.dataPath === 'auto') {
+        this.#fallback(e.message);
+        return PROXY;
+      }
       throw e;
     }
     if (Date.now() >= deadline) { // a FinishUpload past it would not go out: undo instead
@@ -1740,9 +1857,55 @@ export class Session {
   }
 
   // The shard straight from its agent into one preallocated typed array, or PROXY to
-  // use the proxy.
-  async #directFetch(request, deadline, fixed = () => {}) {
-    const plan = await this.#plan({ fetch: request }, deadline);
+  // use the proxy. A Read refused before any byte moved because it started past its
+  // grant's start-by time is planned once more; one refused because its agent's grant
+  // table is full goes through the proxy (auto). Either only while no command was issued
+  // since the fetch was issued (seq: the last command issued before it; #sameValue);
+  // else, and the second time late, it rejects saying so.
+  async #directFetch(request, deadline, fixed, seq) {
+    try {
+      return await this.#fetchOnce(request, deadline, fixed, false);
+    } catch (e) {
+      const viaProxy = async (f) => {
+        const out = await Session.#slot(() => this.#proxyFetch(request, deadline, f), deadline);
+        this.transferStats.proxyFetches += 1;
+        return out;
+      };
+      let again;
+      if (e?.[REFUSAL] === 'late') {
+        again = async (f) => { // (auto: the new plan may send it through the proxy, in this turn too)
+          const out = await this.#fetchOnce(request, deadline, f, true);
+          return out === PROXY ? viaProxy(f) : out;
+        };
+      } else if (e?.[REFUSAL] === 'full' && this.dataPath === 'auto') {
+        again = (f) => { this.#fallback(e.message); return viaProxy(f); };
+      }
+      const out = again && Date.now() < deadline ? await this.#sameValue(seq, again, deadline) : undefined;
+      if (out === undefined) throw e;
+      return out;
+    }
+  }
+
+  // start(fixed) in a turn of its own (#inOrder) when no command was issued after seq,
+  // later calls waiting until it calls fixed() or settles; its result, else undefined.
+  // A fetch's new plan, or the proxy, then fixes the value its first plan did: a command
+  // issued after the fetch (which let later calls go once planned) could have changed it.
+  async #sameValue(seq, start, deadline) {
+    let work;
+    await this.#inOrder(() => {
+      if (this.seq !== seq) return undefined;
+      let fixed;
+      const planned = new Promise((resolve) => { fixed = resolve; });
+      work = start(fixed);
+      work.then(fixed, fixed);
+      return planned;
+    }, deadline, this.timeoutMs, 'fetch');
+    return work;
+  }
+
+  // One plan of #directFetch (again: a new plan for a late grant), or PROXY.
+  async #fetchOnce(request, deadline, fixed, again) {
+    const plan = await this.#plan({ fetch: request }, deadline, again);
     if (!plan) return PROXY;
     const finish = (ms) => this.#unaryBy('FinishFetch', { transfer_id: plan.transfer_id }, Date.now() + ms);
     let quieted = false;
@@ -1775,7 +1938,7 @@ export class Session {
       await quiet();
       throw e;
     }
-    fixed(); // no fallback from here: the plan fixed the value
+    fixed(); // later calls may go: the plan fixed the value (from here a new plan, or the proxy, only by #sameValue)
     try {
       await Session.#readsFull(() => new Promise((resolve, reject) => {
         let got = 0;

@@ -160,3 +160,32 @@ export async function stopAll() {
   const failed = rs.find((r) => r.status === 'rejected');
   if (failed) throw failed.reason;
 }
+
+// tests/support/range_http_server.py (the integration tests' HTTP server: ranges,
+// validators, misbehaving and versioned resources; its docstring lists the paths):
+// resolves to { base: 'http://127.0.0.1:PORT', stop() }. It serves until its stdin
+// closes, which stop() does (then kills it by its pid if it has not exited within 5 s);
+// a test that dies leaves no server behind.
+export async function startRangeServer() {
+  const script = path.join(sourceDir, 'tests', 'support', 'range_http_server.py');
+  const python = existsSync('/usr/bin/python3') ? '/usr/bin/python3' : 'python3';
+  const proc = spawn(python, [script], { stdio: ['pipe', 'pipe', 'inherit'] });
+  const stop = async () => {
+    proc.stdin.end();
+    if (!await exited(proc, 5000)) proc.kill('SIGKILL');
+  };
+  const port = await new Promise((resolve) => {
+    let text = '';
+    const timer = setTimeout(() => resolve(0), 10000);
+    proc.stdout.on('data', (d) => {
+      text += d;
+      if (text.includes('\n')) { clearTimeout(timer); resolve(Number(text.split('\n')[0])); }
+    });
+    proc.once('exit', () => { clearTimeout(timer); resolve(0); });
+  });
+  if (!(port > 0)) {
+    await stop();
+    throw new Error(`${script} did not print its port`);
+  }
+  return { base: `http://127.0.0.1:${port}`, stop };
+}

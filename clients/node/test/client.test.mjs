@@ -59,7 +59,15 @@ async function fakeMeshd(impl = {}, { ttl = 300 } = {}) {
   return { addr, log, got, count: (name) => log.filter((n) => n === name).length };
 }
 
-const open = (addr, opts = {}) => connect(addr, { token: '', clientName: 'node-fake', ...opts });
+// Each session's refs are its own (a bare ref it did not hand out is refused): one(s) is
+// a ref s handed out at open, which the fake servers take for any tensor or mesh.
+const firstRefs = new WeakMap();
+const one = (s) => firstRefs.get(s);
+const open = async (addr, opts = {}) => {
+  const s = await connect(addr, { token: '', clientName: 'node-fake', ...opts });
+  firstRefs.set(s, s.newRef());
+  return s;
+};
 const plan = (shards, meta = null) => ({ transfer_id: '18446744073709551615', shards, meta,
   expiry_unix_ms: String(Date.now() + 600000) });
 const shard = (rank, address, extra = {}) => ({ rank, address, grant: Buffer.from([rank]), ...extra });
@@ -84,7 +92,7 @@ test('direct upload: a shard that fails at once stops the others and undoes the 
   const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 4000 });
   try {
     t0 = Date.now();
-    await assert.rejects(s.upload(1, [4], new Float32Array(4)), (err) => {
+    await assert.rejects(s.upload(one(s), [4], new Float32Array(4)), (err) => {
       assert.ok(err instanceof MeshdError, String(err));
       assert.equal(err.kind, 'RESOURCE_EXHAUSTED', err.message);
       assert.match(err.message, /direct upload, rank 0 \(agent 127\.0\.0\.1:\d+\): out of memory/);
@@ -117,7 +125,7 @@ test('close() waits for a direct fetch in flight: its bytes arrive, FinishFetch 
     FinishFetch: (c, cb) => cb(null, {}),
   });
   const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 5000 });
-  const fetched = s.fetch(1, { gpu: 0 });
+  const fetched = s.fetch(one(s), { gpu: 0 });
   await readStarted;
   await s.close();
   const v = await fetched;
@@ -131,8 +139,8 @@ test('once close() is called, awaited or not, every call rejects NO_SESSION (UNA
   const m = await fakeMeshd({ Execute: (c, cb) => cb(null, { seq: c.request.seq }) });
   const s = await open(m.addr, { timeoutMs: 5000 });
   const calls = () => [
-    s.execute({ sync: {} }), s.call('add', [1, 2]), s.fetch(1, {}), s.upload(1, [1], new Float32Array(1)),
-    s.literal(1, [1], new Float32Array(1)), s.inspectUrl('http://127.0.0.1:1/x.npy'),
+    s.execute({ sync: {} }), s.call('add', [1, 2]), s.fetch(one(s), {}), s.upload(one(s), [1], new Float32Array(1)),
+    s.literal(one(s), [1], new Float32Array(1)), s.inspectUrl('http://127.0.0.1:1/x.npy'),
     s.unary('KeepAlive', {}), s.setPipeline({}),
   ];
   const check = async (what) => {
@@ -156,7 +164,7 @@ test('once close() is called, awaited or not, every call rejects NO_SESSION (UNA
 test('upload() and literal() reject bad data (a TypeError), never throw at the call', async () => {
   const m = await fakeMeshd();
   const s = await open(m.addr, { timeoutMs: 5000 });
-  for (const [name, go] of [['upload', () => s.upload(1, [2], [1, 2])], ['literal', () => s.literal(1, [2], 'ab')],
+  for (const [name, go] of [['upload', () => s.upload(one(s), [2], [1, 2])], ['literal', () => s.literal(one(s), [2], 'ab')],
     ['upload', () => s.upload(undefined, [2], new Float32Array(2))]]) {
     let p;
     assert.doesNotThrow(() => { p = go(); }, `${name} threw at the call`);
@@ -200,7 +208,7 @@ test('fetch: float16 and bfloat16 are a Uint16Array of the raw bits; an unknown 
     const s = await open(m.addr, { dataPath, timeoutMs: 5000 });
     try {
       for (dtype of ['DTYPE_FLOAT16', 'DTYPE_BFLOAT16']) {
-        const v = await s.fetch(1, { gpu: 0 });
+        const v = await s.fetch(one(s), { gpu: 0 });
         assert.ok(v instanceof Uint16Array, `${dataPath} ${dtype}: ${v?.constructor?.name}`);
         assert.equal(v.dtype, dtype);
         assert.deepEqual(v.shape, [2]);
@@ -209,7 +217,7 @@ test('fetch: float16 and bfloat16 are a Uint16Array of the raw bits; an unknown 
       dtype = 'DTYPE_UNSPECIFIED';
       const t0 = Date.now();
       const finishes = m.count('FinishFetch');
-      await assert.rejects(s.fetch(1, { gpu: 0 }), (err) => {
+      await assert.rejects(s.fetch(one(s), { gpu: 0 }), (err) => {
         assert.ok(err instanceof MeshdError, String(err));
         assert.equal(err.kind, 'UNIMPLEMENTED', err.message);
         assert.match(err.message, /no typed array for DTYPE_UNSPECIFIED/);
@@ -238,7 +246,7 @@ test('proxy fetch: bytes that are not what the shape needs reject INTERNAL', asy
     for (const [m2, re] of [['short', /got 8 bytes where shape \[4\] of DTYPE_FLOAT32 needs 16/],
       ['long', /more bytes than shape \[4\] of DTYPE_FLOAT32 holds \(16\)/], ['none', /without a TensorMeta/]]) {
       mode = m2;
-      await assert.rejects(s.fetch(1, {}), (err) => {
+      await assert.rejects(s.fetch(one(s), {}), (err) => {
         assert.ok(err instanceof MeshdError, `${m2}: ${err}`);
         assert.equal(err.kind, 'INTERNAL', err.message);
         assert.match(err.message, re);
@@ -246,7 +254,7 @@ test('proxy fetch: bytes that are not what the shape needs reject INTERNAL', asy
       });
     }
     mode = 'exact';
-    const v = await s.fetch(1, {});
+    const v = await s.fetch(one(s), {});
     assert.deepEqual([...v], [0, 0, 0, 0]);
     assert.deepEqual(v.shape, [4]);
   } finally {
@@ -307,18 +315,18 @@ test('a plan naming an address that is not host:port: direct refuses to dial it,
   try {
     for (fake.mode of ['unix', 'scheme']) {
       const finishes = fake.finishes();
-      await assert.rejects(s.fetch(1, {}), (err) => {
+      await assert.rejects(s.fetch(one(s), {}), (err) => {
         assert.equal(err.kind, 'UNAVAILABLE', err.message);
         assert.match(err.message, /as the agent of rank 0, not host:port; refusing to dial it/);
         return true;
       });
-      await assert.rejects(s.upload(1, [1], new Float32Array(1)), /not host:port; refusing to dial it/);
+      await assert.rejects(s.upload(one(s), [1], new Float32Array(1)), /not host:port; refusing to dial it/);
       assert.equal(fake.finishes(), finishes + 2, 'the plans were not given back');
     }
     s.setDataPath('auto');
     fake.mode = 'unix';
-    assert.deepEqual([...await s.fetch(1, {})], [0]);
-    assert.equal((await s.upload(1, [1], new Float32Array(1))).ref, 9);
+    assert.deepEqual([...await s.fetch(one(s), {})], [0]);
+    assert.equal((await s.upload(one(s), [1], new Float32Array(1))).ref, 9);
     assert.match(s.transferStats.lastFallback, /"unix:\/nonexistent\/meshd-node-evil\.sock" as the agent of rank 0, not host:port/);
     assert.equal(s.transferStats.proxyFetches + s.transferStats.proxyUploads, 2);
   } finally {
@@ -331,13 +339,13 @@ test('a plan with no shard rejects INTERNAL and is given back', async () => {
   fake.mode = 'none';
   const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
   try {
-    await assert.rejects(s.fetch(1, {}), (err) => {
+    await assert.rejects(s.fetch(one(s), {}), (err) => {
       assert.ok(err instanceof MeshdError, String(err));
       assert.equal(err.kind, 'INTERNAL', err.message);
       assert.match(err.message, /the plan names 0 shards/);
       return true;
     });
-    await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
+    await assert.rejects(s.upload(one(s), [1], new Float32Array(1)), (err) => {
       assert.equal(err.kind, 'INTERNAL', err.message);
       assert.match(err.message, /direct upload: the plan names no shard/);
       return true;
@@ -353,7 +361,7 @@ test('a direct fetch whose agent does not answer abandons its plan once', async 
   fake.mode = 'refused';
   const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
   try {
-    await assert.rejects(s.fetch(1, {}), /rank 0's agent at 127\.0\.0\.1:1 does not answer/);
+    await assert.rejects(s.fetch(one(s), {}), /rank 0's agent at 127\.0\.0\.1:1 does not answer/);
     assert.equal(fake.m.count('FinishFetch'), 1, 'the plan was abandoned more than once');
   } finally {
     await s.close();
@@ -364,7 +372,7 @@ test("a FinishUpload that answers no tensor rejects INTERNAL; 'direct' never tak
   const fake = await planFake();
   const s = await open(fake.m.addr, { dataPath: 'direct', timeoutMs: 5000 });
   try {
-    await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
+    await assert.rejects(s.upload(one(s), [1], new Float32Array(1)), (err) => {
       assert.equal(err.kind, 'INTERNAL', err.message);
       assert.match(err.message, /FinishUpload answered no TensorMeta/);
       return true;
@@ -393,7 +401,7 @@ test('upload: one deadline for the plan, the Writes and FinishUpload; one with n
   const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 1000 });
   try {
     t0 = Date.now();
-    await assert.rejects(s.upload(1, [1], new Float32Array(1)), (err) => {
+    await assert.rejects(s.upload(one(s), [1], new Float32Array(1)), (err) => {
       assert.equal(err.kind, 'DEADLINE_EXCEEDED', err.message);
       return true;
     });
@@ -424,7 +432,7 @@ test('proxy upload to a server that does not read holds about one chunk beyond t
     gc();
     const base = process.memoryUsage().arrayBuffers;
     const t0 = Date.now();
-    const up = s.upload(1, [data.length], data);
+    const up = s.upload(one(s), [data.length], data);
     up.catch(() => {});
     await sleep(700);
     gc();
@@ -485,8 +493,8 @@ test('a lost Upload answer released on a pipeline does not push the seq of a cal
   const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 3000 });
   try {
     await s.setPipeline({});
-    const up = s.upload(1, [1], new Float32Array([1])).then(() => null, (e) => e);
-    const after = s.call('add', [{ ref: 1 }, 1]).then(() => null, (e) => e);
+    const up = s.upload(one(s), [1], new Float32Array([1])).then(() => null, (e) => e);
+    const after = s.call('add', [{ ref: one(s) }, 1]).then(() => null, (e) => e);
     const upErr = await up;
     assert.ok(upErr instanceof MeshdError && upErr.kind === 'UNAVAILABLE', String(upErr));
     const callErr = await after;
@@ -521,7 +529,7 @@ test('a direct fetch whose FinishFetch got no answer still ends the transfer', a
     return real(req, md, opts, cb);
   };
   try {
-    await assert.rejects(s.fetch(1, {}), (err) => err instanceof MeshdError && err.kind === 'DEADLINE_EXCEEDED');
+    await assert.rejects(s.fetch(one(s), {}), (err) => err instanceof MeshdError && err.kind === 'DEADLINE_EXCEEDED');
     await sleep(100);
     assert.equal(m.count('FinishFetch'), 1, 'no FinishFetch reached the server: the slot and the snapshot stay held for the grant\'s 10 min');
   } finally {
@@ -539,7 +547,7 @@ test('inspectUrl behind a stuck upload rejects within the session timeoutMs', as
   });
   const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 600 });
   try {
-    const up = s.upload(1, [1], new Float32Array([1])).catch((e) => e);
+    const up = s.upload(one(s), [1], new Float32Array([1])).catch((e) => e);
     const t0 = Date.now();
     const err = await s.inspectUrl('http://127.0.0.1:1/x.npy').then(() => null, (e) => e);
     const took = Date.now() - t0;
@@ -562,7 +570,7 @@ test('close() behind stuck uploads, on a server that never answers CloseSession,
   });
   const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 600 });
   // two: the second's turn (and its timeoutMs) starts when the first's ends
-  const ups = [1, 2].map(() => s.upload(1, [1], new Float32Array([1])).catch((e) => e));
+  const ups = [1, 2].map(() => s.upload(one(s), [1], new Float32Array([1])).catch((e) => e));
   const t0 = Date.now();
   const err = await s.close().then(() => null, (e) => e);
   const took = Date.now() - t0;
@@ -583,10 +591,10 @@ test('calls whose turn comes after close() gave up on them reject NO_SESSION, no
   const s = await open(m.addr, { dataPath: 'proxy', timeoutMs: 400 });
   // the first two hold the turn past close()'s deadline; the rest go after the channel closed
   const calls = [
-    s.upload(1, [1], new Float32Array([1])),
-    s.upload(1, [1], new Float32Array([1])),
-    s.upload(1, [1], new Float32Array([1])),
-    s.fetch(1, {}, { timeoutMs: 5000 }),
+    s.upload(one(s), [1], new Float32Array([1])),
+    s.upload(one(s), [1], new Float32Array([1])),
+    s.upload(one(s), [1], new Float32Array([1])),
+    s.fetch(one(s), {}, { timeoutMs: 5000 }),
     s.setPipeline({}),
   ].map((p) => p.then(() => null, (e) => e));
   const err = await s.close().then(() => null, (e) => e);
@@ -638,11 +646,12 @@ test('a direct upload whose plan does not match the mesh ranks is refused before
       assert.equal(writes, 0, `case ${i}: bytes were sent on a plan that does not match the mesh`);
       assert.equal(m.count('FinishUpload'), finishes + 1, `case ${i}: the plan was not given back`);
     }
-    // the mesh as a bare ref this session did not make: the split is still checked
+    // the mesh as a bare ref this session did not make a mesh with: the split is still checked
+    const other = s.newRef();
     shards = [shard(0, agent), shard(1, agent), shard(2, agent)];
-    await assert.rejects(s.upload(9, [2], new Float32Array(4), { perRank: true }), /direct upload: the plan/);
+    await assert.rejects(s.upload(other, [2], new Float32Array(4), { perRank: true }), /direct upload: the plan/);
     shards = [shard(0, agent), shard(0, agent)];
-    await assert.rejects(s.upload(9, [2], new Float32Array(4), { perRank: true }), /direct upload: the plan/);
+    await assert.rejects(s.upload(other, [2], new Float32Array(4), { perRank: true }), /direct upload: the plan/);
     assert.equal(writes, 0, 'bytes were sent on a plan that does not match the mesh');
   } finally {
     await s.close();
@@ -684,7 +693,7 @@ test("an agent channel still connecting when close() gave up is closed, not kept
   });
   const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 600 });
   try {
-    const ups = [1, 2].map(() => s.upload(1, [1], new Float32Array([1])).then(() => null, (e) => e));
+    const ups = [1, 2].map(() => s.upload(one(s), [1], new Float32Array([1])).then(() => null, (e) => e));
     await s.close().catch(() => {}); // gives up at ~850 ms; the second upload dials from ~600 ms
     const got = await Promise.all(ups);
     for (const [i, e] of got.entries()) assert.ok(e instanceof MeshdError, `upload ${i}: ${e}`);
@@ -722,7 +731,7 @@ test('a direct transfer whose agent fails the TLS handshake says so, naming the 
     });
     const s = await open(m.addr, { dataPath: 'direct', timeoutMs: 5000 });
     try {
-      for (const call of [() => s.upload(1, [1], new Float32Array(1)), () => s.fetch(1, {})]) {
+      for (const call of [() => s.upload(one(s), [1], new Float32Array(1)), () => s.fetch(one(s), {})]) {
         await assert.rejects(call(), (err) => {
           assert.ok(err instanceof MeshdError, String(err));
           assert.equal(err.kind, 'UNAVAILABLE', err.message);

@@ -37,6 +37,8 @@ before(async () => {
     start('old', [], { MESHD_FAULT: 'hello:old,rank=1' }), // rank 1: a build before Literal
     start('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
       '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0', '--agent-timeout', '10']),
+    start('late', ['--data-path=direct', '--transfer-grant-start-ms', '200']),
+    start('nonces', [], { MESHD_MAX_TRANSFER_NONCES: '2' }), // each agent: 2 grants a minute
   ]);
 });
 
@@ -586,5 +588,83 @@ test('direct: more fetches waiting on one agent than it keeps (64) all succeed: 
   } finally {
     await Promise.allSettled(sessions.map((s) => s.close()));
     await m.stop();
+  }
+});
+
+// The C client's test hook (MESHD_TEST_DIRECT_DELAY_MS): this process waits 400 ms after
+// each PlanTransfer answer, past the 200 ms its grants must start within.
+const LATE = /^PERMISSION_DENIED: the transfer's grant expired before it started \(the client was paused or the clocks differ by more than --transfer-grant-start-ms\); call again \(direct (upload|fetch), rank \d \(agent 127\.0\.0\.1:\d+\): transfer grant refused: expired/;
+
+test('direct: a transfer paused past its grants\' start-by time is planned once more; paused again, it says so', async () => {
+  const s = await open('late', 'direct');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    process.env.MESHD_TEST_DIRECT_DELAY_MS = '400,once'; // the first plan of each transfer only
+    const t = await roundTrip(s, mesh, 100, 8); // was PERMISSION_DENIED "transfer grant refused: expired"
+    assert.deepEqual(s.transferStats, {
+      directUploads: 1, directFetches: 2, proxyUploads: 0, proxyFetches: 0, fallbacks: 0, lastFallback: '',
+    });
+    process.env.MESHD_TEST_DIRECT_DELAY_MS = '400'; // every plan: the new one is late too
+    for (const go of [() => s.fetch(t, { gpu: 1 }), () => s.upload(mesh, [2], new Float32Array([1, 2]))]) {
+      await assert.rejects(go(), (err) => {
+        assert.ok(err instanceof MeshdError, String(err));
+        assert.equal(err.kind, 'PERMISSION_DENIED', err.message);
+        assert.match(err.message, LATE);
+        return true;
+      });
+    }
+    delete process.env.MESHD_TEST_DIRECT_DELAY_MS;
+    await roundTrip(s, mesh, 100, 9); // every plan's slot and ref came back
+    await s.sync();
+  } finally {
+    delete process.env.MESHD_TEST_DIRECT_DELAY_MS;
+    await s.close();
+  }
+});
+
+test('direct: a fetch whose grant came too late is not planned again once a later command may have changed the value', async () => {
+  const s = await open('late', 'direct');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const x = await s.upload(mesh, [2], new Float32Array([1, 2]));
+    process.env.MESHD_TEST_DIRECT_DELAY_MS = '400,once';
+    const got = s.fetch(x, { gpu: 0 });
+    const later = s.call('add', [x, 1]); // issued while the fetch waits for its late Read
+    await assert.rejects(got, (err) => { assert.match(err.message, LATE); return true; });
+    delete process.env.MESHD_TEST_DIRECT_DELAY_MS;
+    assert.deepEqual([...await s.fetch(await later, { gpu: 0 })], [2, 3]);
+  } finally {
+    delete process.env.MESHD_TEST_DIRECT_DELAY_MS;
+    await s.close();
+  }
+});
+
+test('an agent whose grant table is full (--max-transfer-nonces): auto takes the proxy for that transfer, direct says so', async () => {
+  const s = await open('nonces', 'auto');
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const u = await s.upload(mesh, [3], new Float32Array([1, 2, 3])); // a grant on each agent
+    assert.deepEqual([...await s.fetch(u, { gpu: 0 })], [1, 2, 3]); // rank 0's second: its table is full
+    assert.deepEqual([...await s.fetch(u, { gpu: 0 })], [1, 2, 3]); // was RESOURCE_EXHAUSTED
+    const v = await s.upload(mesh, [2], new Float32Array([4, 5])); // rank 0 refuses, rank 1's last
+    assert.deepEqual([...await s.fetch(v, { gpu: 1 })], [4, 5]);
+    const st = s.transferStats;
+    assert.deepEqual([st.directUploads, st.directFetches, st.proxyUploads, st.proxyFetches, st.fallbacks],
+      [1, 1, 1, 2, 3], JSON.stringify(st));
+    assert.match(st.lastFallback, /direct fetch, rank 1 \(agent 127\.0\.0\.1:\d+\): the agent has too many transfers in flight \(its --max-transfer-nonces table is full\)/);
+    s.setDataPath('direct');
+    for (const go of [() => s.fetch(u, { gpu: 1 }), () => s.upload(mesh, [1], new Float32Array([6]))]) {
+      await assert.rejects(go(), (err) => {
+        assert.ok(err instanceof MeshdError, String(err));
+        assert.equal(err.code, grpc.status.RESOURCE_EXHAUSTED, err.message);
+        assert.match(err.message, /direct (fetch|upload), rank \d \(agent 127\.0\.0\.1:\d+\): the agent has too many transfers in flight \(its --max-transfer-nonces table is full\); retry later, or use the proxied path/);
+        return true;
+      });
+    }
+    s.setDataPath('proxy');
+    await roundTrip(s, mesh, 10, 10);
+    await s.sync();
+  } finally {
+    await s.close();
   }
 });

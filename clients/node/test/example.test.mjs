@@ -7,7 +7,7 @@ import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { startMeshd, stopAll } from '../test-lib/meshd.mjs';
+import { startMeshd, startRangeServer, stopAll } from '../test-lib/meshd.mjs';
 import { connect, MeshdError } from '../meshd.mjs';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -182,6 +182,38 @@ test('load: name= of a .npy file is refused, a negative dim counts from the end,
   } finally {
     await s.close();
     srv.close();
+  }
+});
+
+// A raw load (dtype and shape) over 2 ranks of a file rewritten between the ranks'
+// requests: rank 1's stream runs a 2 s op first (MESHD_FAULT), so rank 0 has read the
+// file, whose first GET turns it into version 2 (range_http_server.py /versioned/), before
+// rank 1 looks at it. Each rank checked only its own look: rank 0 held version 1, rank 1
+// version 2, and no error said so. The load now carries the version InspectUrl saw.
+test('load: raw bytes pin one version of the file for every rank', async () => {
+  const slow = await startMeshd({ name: 'versions', ready: 'serving',
+    env: { MESHD_FAULT: 'call:slow=2000,rank=1,count=1' } });
+  const http = await startRangeServer();
+  const s = await connect(slow.addr, { clientName: 'node-load-version' });
+  try {
+    const mesh = await s.createMesh({ gpu: 2 });
+    const x = await s.factory({ kind: 'zeros', mesh, shape: [4] });
+    await s.call('mul', [x, 3]); // held 2 s on rank 1
+    const n = 4096;
+    const t = await s.load(mesh, `${http.base}/versioned/raw/etag/1/${n}`, { dtype: 'DTYPE_UINT8', shape: [n] });
+    const got = [];
+    try {
+      for (const gpu of [0, 1]) got.push(Buffer.from(await s.fetch(t, { gpu })));
+    } catch (e) {
+      assert.ok(e instanceof MeshdError, String(e));
+      assert.match(e.message, /changed/);
+      return;
+    }
+    assert.ok(got[0].equals(got[1]), 'rank 0 and rank 1 loaded different versions of one file with no error');
+  } finally {
+    await s.close();
+    await http.stop();
+    await slow.stop();
   }
 });
 

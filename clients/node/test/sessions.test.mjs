@@ -1,7 +1,9 @@
 // Handles of another session (against a live meshd): refs are numbered per session, so
-// two sessions made alike hand out the same refs, and a TensorMeta or MeshMeta of session
+// two sessions made alike handed out the same refs, and a TensorMeta or MeshMeta of session
 // B used in a call of session A named another object of A (wrong results, no error).
-// Each call that takes a handle refuses one of another session, naming the argument.
+// Each call that takes a handle refuses one of another session, naming the argument; a
+// bare ref (a number, a BigInt, {ref}) too: each session numbers its refs in a span of its
+// own, and a ref it did not hand out is refused.
 // Also: an unknown dtype is BAD_ARGUMENT and a bad shard dim BAD_DIM (DESIGN.md §6).
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -42,7 +44,7 @@ test('a handle of another session is refused, naming the argument', async () => 
   const a = await world(1);
   const b = await world(10);
   try {
-    assert.equal(a.x.ref, b.x.ref, 'two sessions made alike hand out the same refs');
+    assert.notEqual(a.x.ref, b.x.ref, 'two sessions made alike hand out refs of their own');
     // a.x + b.x was a.x + a.x (2, not 11), without an error
     await refused(a.s.call('add', [a.x, b.x]), 'argument 1');
     await refused(a.s.call('cat', [[a.x, b.x]]), 'argument 0[1]');
@@ -67,8 +69,18 @@ test('a handle of another session is refused, naming the argument', async () => 
     const z = await b.s.call('add', [u, b.x]);
     assert.deepEqual([...await b.s.fetch(z, { gpu: 1 })], [14, 15]);
     await refused(a.s.call('add', [a.x, u]), 'argument 1'); // an upload's handle is b's too
-    // a bare ref is taken as it is (the server checks it)
+    // a bare ref of this session is taken as it is; of another, or never handed out, refused
     assert.deepEqual([...await a.s.fetch(a.x.ref, { gpu: 0 })], [1, 1]);
+    const w = await a.s.call('add', [{ ref: a.x.ref }, BigInt(a.x.ref)]);
+    assert.deepEqual([...await a.s.fetch(w.ref, { gpu: 0 })], [2, 2]);
+    await refused(a.s.fetch(b.x.ref, { gpu: 0 }), 'tensor');
+    await refused(a.s.call('add', [a.x, BigInt(b.x.ref)]), 'argument 1');
+    await refused(a.s.call('add', [a.x, { ref: b.x.ref }]), 'argument 1');
+    await refused(a.s.call('add', [a.x, 1], {}, { stream: b.mesh.ref }), 'stream');
+    await refused(a.s.factory({ kind: 'ones', mesh: b.mesh.ref, shape: [2] }), 'mesh');
+    await refused(a.s.reduce(b.x.ref, ['gpu'], 'sum'), 'input');
+    await refused(a.s.upload(b.mesh.ref, [2], Float32Array.of(3, 3)), 'mesh');
+    await refused(a.s.fetch(a.s.nextRef + 1, { gpu: 0 }), 'tensor'); // never handed out
     // the mark is not enumerable: a handle looks as the server sent it
     assert.deepEqual(Object.keys(a.x).sort(), Object.keys({ ...a.x }).sort());
     assert.equal(JSON.stringify(a.x), JSON.stringify({ ...a.x }));
