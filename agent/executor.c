@@ -47,6 +47,16 @@ typedef struct item {
 
 typedef struct xsession xsession_t;
 
+/* The executor's pending seqs (the watermark section). */
+typedef struct pending {
+  uint64_t *v;
+  size_t head, n, cap, dead;
+} pending_t;
+/* Marks a done entry still held among pending ones (seqs stay below 2^63:
+ * execute.c refuses larger ones). */
+#define PENDING_DEAD ((uint64_t)1 << 63)
+#define PENDING_MIN 64
+
 /* One (session, stream) queue and its worker. Fields guarded by executor.mu. */
 /* Streams one batch's deferred wake-ups track; past it, a stream is woken at
  * once, as outside a batch. */
@@ -71,7 +81,12 @@ typedef struct xstream {
 struct xsession {
   session_state_t *state;
   xstream_t *streams;
-  int live_workers; /* stream workers, and refusers (start_refuser_locked) */
+  /* stream workers, refusers (start_refuser_locked), and whoever lets go
+   * of its data when it ends (drop_ended_data) */
+  int live_workers;
+  /* Its instructions on refuser threads, not done yet: the session has not
+   * run them (session_through_locked) until their failures are queued. */
+  struct refuser *refusing;
   uint64_t end_seq; /* EndSession's seq; 0 while open */
   bool ended;       /* EndSession, or the executor closed: the last live worker frees it */
   struct xsession *live_prev, *live_next; /* executor.live: not yet freed */
@@ -94,10 +109,10 @@ struct executor {
   xsession_t *sessions; /* open sessions by id */
   xsession_t *live;     /* every session not yet freed, open or ended */
 
-  /* Watermark: done flags for seqs [front, last] in a ring of cap entries. */
-  uint64_t front, last;
-  bool *done;
-  size_t cap;
+  /* Watermark: the seqs taken and not yet done (pending_t), and the last
+   * seq taken. */
+  pending_t pending;
+  uint64_t last;
 
   Meshd__V1__Error **errs;
   size_t nerrs, caperrs;
@@ -133,34 +148,83 @@ struct executor {
 
 /* ------------------------------------------------------------------ watermark */
 
-static uint64_t through_locked(const executor_t *x) { return x->front ? x->front - 1 : 0; }
+/* The seqs not done yet, in the order taken (ascending: submit takes them in
+ * seq order), in a ring of cap entries (a power of 2) from head; a done one
+ * left among them is marked DEAD until compaction. Only what is pending is
+ * kept: seqs that finish behind one that hangs (a slow step, a wait for a
+ * peer) cost nothing, where a done flag per seq from the oldest pending one
+ * grew without bound. Its size is bounded by the work queued, which the
+ * instructions themselves already hold in memory. */
+static uint64_t *pending_at(const pending_t *p, size_t i) {
+  return &p->v[(p->head + i) & (p->cap - 1)];
+}
 
-/* Room for seq in the ring. Holds mu. */
-static int ring_reserve_locked(executor_t *x, uint64_t seq) {
-  if (x->front && seq - x->front < x->cap) return 0;
-  if (!x->front) x->front = seq;
-  size_t need = (size_t)(seq - x->front + 1), cap = x->cap ? x->cap : 1024;
-  while (cap < need) cap *= 2;
-  if (cap == x->cap) return 0;
-  bool *d = calloc(cap, sizeof *d);
-  if (!d) return -1;
-  for (uint64_t s = x->front; x->done && s <= x->last; s++) d[s % cap] = x->done[s % x->cap];
-  free(x->done);
-  x->done = d;
-  x->cap = cap;
+/* Moves the live entries into a ring of cap entries: 0, or -1 out of memory
+ * (p unchanged). */
+static int pending_resize(pending_t *p, size_t cap) {
+  uint64_t *v = malloc(cap * sizeof *v);
+  if (!v) return -1;
+  size_t n = 0;
+  for (size_t i = 0; i < p->n; i++)
+    if (!(*pending_at(p, i) & PENDING_DEAD)) v[n++] = *pending_at(p, i);
+  free(p->v);
+  *p = (pending_t){.v = v, .cap = cap, .n = n};
   return 0;
 }
 
-static void mark_done_locked(executor_t *x, uint64_t seq) {
-  if (seq < x->front || seq > x->last) return;
-  x->done[seq % x->cap] = true;
-  while (x->front <= x->last && x->done[x->front % x->cap]) {
-    x->done[x->front % x->cap] = false;
-    x->front++;
+static int pending_add(pending_t *p, uint64_t seq) {
+  if (p->n == p->cap && pending_resize(p, p->cap ? 2 * p->cap : PENDING_MIN) != 0) return -1;
+  *pending_at(p, p->n++) = seq;
+  return 0;
+}
+
+/* Index of seq among the entries (dead ones keep their seq's order), or n. */
+static size_t pending_find(const pending_t *p, uint64_t seq) {
+  size_t lo = 0, hi = p->n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if ((*pending_at(p, mid) & ~PENDING_DEAD) < seq) lo = mid + 1;
+    else hi = mid;
   }
+  return lo < p->n && *pending_at(p, lo) == seq ? lo : p->n;
+}
+
+/* seq is done: false when it was not pending. */
+static bool pending_remove(pending_t *p, uint64_t seq) {
+  size_t i = pending_find(p, seq);
+  if (i == p->n) return false;
+  *pending_at(p, i) |= PENDING_DEAD;
+  p->dead++;
+  while (p->n && (*pending_at(p, 0) & PENDING_DEAD)) {
+    p->head = (p->head + 1) & (p->cap - 1);
+    p->n--;
+    p->dead--;
+  }
+  while (p->n && (*pending_at(p, p->n - 1) & PENDING_DEAD)) {
+    p->n--;
+    p->dead--;
+  }
+  /* Dead entries held behind a pending one: dropped once they are half, and
+   * a ring left mostly empty shrinks (out of memory: kept as it is). */
+  size_t live = p->n - p->dead, cap = p->cap;
+  while (cap > PENDING_MIN && live < cap / 4) cap /= 2;
+  if ((p->dead > PENDING_MIN && p->dead > live) || cap != p->cap) pending_resize(p, cap);
+  return true;
+}
+
+/* The oldest pending seq, 0 when none. */
+static uint64_t pending_first(const pending_t *p) { return p->n ? *pending_at(p, 0) : 0; }
+
+static uint64_t through_locked(const executor_t *x) {
+  uint64_t first = pending_first(&x->pending);
+  return first ? first - 1 : x->last;
+}
+
+static void mark_done_locked(executor_t *x, uint64_t seq) {
+  if (!pending_remove(&x->pending, seq)) return;
   x->dirty = true;
   /* A holding reporter wants only the end of the work (reporter_main). */
-  if (!x->report_holding || x->front > x->last) pthread_cond_signal(&x->report_cv);
+  if (!x->report_holding || !x->pending.n) pthread_cond_signal(&x->report_cv);
   pthread_cond_broadcast(&x->progress);
 }
 
@@ -173,10 +237,13 @@ static uint64_t oldest_locked(const xstream_t *st) {
   return st->head ? st->head->ins->seq : 0;
 }
 
+static uint64_t refusing_oldest_locked(const xsession_t *s);
+
 /* Every seq of session s <= the result is done: the oldest pending one of
- * its streams - 1, or everything taken when none is pending. Holds mu. */
+ * its streams and its refusers - 1, or everything taken when none is
+ * pending. Holds mu. */
 static uint64_t session_through_locked(const executor_t *x, xsession_t *s) {
-  uint64_t low = 0;
+  uint64_t low = refusing_oldest_locked(s);
   xstream_t *st, *tmp;
   HASH_ITER(hh, s->streams, st, tmp) {
     uint64_t o = oldest_locked(st);
@@ -298,7 +365,7 @@ static uint64_t allocated(const executor_t *x) {
 #define REPORT_HOLD_MS 1
 
 /* Some received seq is not done yet. Holds mu. */
-static bool busy_locked(const executor_t *x) { return x->front && x->front <= x->last; }
+static bool busy_locked(const executor_t *x) { return x->pending.n > 0; }
 
 static void *reporter_main(void *arg) {
   executor_t *x = arg;
@@ -642,7 +709,25 @@ typedef struct refuser {
   instr_t *ins; /* owned, or inside batch */
   executor_batch_t *batch;
   meshd_error_t why;
+  uint64_t seq;
+  struct refuser *next; /* xsession.refusing (executor.mu) */
 } refuser_t;
+
+/* The oldest seq of s a refuser still runs, 0 when none. Holds mu. */
+static uint64_t refusing_oldest_locked(const xsession_t *s) {
+  uint64_t low = 0;
+  for (const refuser_t *r = s->refusing; r; r = r->next)
+    if (!low || r->seq < low) low = r->seq;
+  return low;
+}
+
+static void refusing_unlink_locked(xsession_t *s, refuser_t *r) {
+  for (refuser_t **p = &s->refusing; *p; p = &(*p)->next)
+    if (*p == r) {
+      *p = r->next;
+      return;
+    }
+}
 
 static void queue_failure_msg(char *buf, size_t len, uint64_t seq) {
   snprintf(buf, len, "agent out of memory or threads queueing instruction seq %" PRIu64
@@ -666,7 +751,7 @@ static void *refuser_main(void *arg) {
   executor_t *x = r->x;
   xsession_t *s = r->s;
   session_state_t *ss = s->state;
-  uint64_t seq = r->ins->seq;
+  uint64_t seq = r->seq;
   pthread_setname_np(pthread_self(), "refuser");
   run_failures_t failed;
   failed.n = 0;
@@ -676,11 +761,15 @@ static void *refuser_main(void *arg) {
                  r->ins->command_seq);
   if (r->batch) executor_batch_release(r->batch);
   else protobuf_c_message_free_unpacked(&r->ins->base, NULL);
-  free(r);
+  /* Done, for the executor and for its session, only now that its failures
+   * are queued: a report (or a Read's executor_wait_session) that passes the
+   * seq carries them. */
   pthread_mutex_lock(&x->mu);
+  refusing_unlink_locked(s, r);
   x->refusers--;
   mark_done_locked(x, seq);
   leave_session_locked(x, s);
+  free(r);
   executor_unref(x);
   return NULL;
 }
@@ -695,7 +784,7 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
   if (!r) return false;
   char msg[160];
   queue_failure_msg(msg, sizeof msg, ins->seq);
-  *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch};
+  *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch, .seq = ins->seq};
   if (why) r->why = *why;
   else error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
   executor_ref(x);
@@ -709,6 +798,8 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
   }
   s->live_workers++;
   x->refusers++;
+  r->next = s->refusing; /* before the thread can take mu: we hold it */
+  s->refusing = r;
   return true;
 }
 
@@ -768,6 +859,19 @@ static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq
   return NULL;
 }
 
+/* An ended session that still has workers (a step running): its memory
+ * goes now, but for what the running steps hold. Called with mu, holding s
+ * as one more live worker (so that it is not freed meanwhile); returns
+ * without mu, and s may be freed then. */
+static void drop_ended_data_locked(executor_t *x, xsession_t *s) {
+  pthread_mutex_unlock(&x->mu);
+  session_state_drop_data(s->state);
+  pthread_mutex_lock(&x->mu);
+  x->dirty = true; /* the bytes freed go out in the next report */
+  pthread_cond_signal(&x->report_cv);
+  leave_session_locked(x, s);
+}
+
 static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
                   executor_batch_t *batch) {
   instr_t *copy = NULL;
@@ -798,7 +902,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     refusal = error_new(ins->session_id, ERR_REMOTE_FAILURE, verr.msg, ins->seq, 0);
   }
   pthread_mutex_lock(&x->mu);
-  if (ring_reserve_locked(x, ins->seq) != 0) {
+  if (pending_add(&x->pending, ins->seq) != 0) {
     pthread_mutex_unlock(&x->mu);
     log_error("executor", "out of memory tracking seq %" PRIu64, ins->seq);
     if (copy && !batch) protobuf_c_message_free_unpacked(&copy->base, NULL);
@@ -809,7 +913,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   }
   x->last = ins->seq;
   bool done_now = false, failed = false, refuse_later = false;
-  xsession_t *to_free = NULL;
+  xsession_t *to_free = NULL, *to_drop = NULL;
   const Meshd__Agent__V1__PeerLost *lost = NULL;
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: {
@@ -831,7 +935,10 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION: {
       xsession_t *s = session_find_locked(x, ins->session_id);
-      if (s) to_free = end_session_locked(x, s, ins->seq);
+      if (s && !(to_free = end_session_locked(x, s, ins->seq))) {
+        s->live_workers++; /* held for drop_ended_data_locked */
+        to_drop = s;
+      }
       done_now = !s;
       break;
     }
@@ -896,6 +1003,10 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     pthread_mutex_lock(&x->mu);
     mark_done_locked(x, ins->seq);
     pthread_mutex_unlock(&x->mu);
+  }
+  if (to_drop) {
+    pthread_mutex_lock(&x->mu);
+    drop_ended_data_locked(x, to_drop);
   }
   return failed || refuse_later ? -1 : 0;
 }
@@ -1044,7 +1155,7 @@ void executor_unref(executor_t *x) {
     free(x->errs[i]);
   }
   free(x->errs);
-  free(x->done);
+  free(x->pending.v);
   pthread_cond_destroy(&x->progress);
   pthread_cond_destroy(&x->report_cv);
   pthread_mutex_destroy(&x->mu);
@@ -1068,12 +1179,17 @@ void executor_close(executor_t *x) {
   for (idle_worker_t *w = x->idle; w; w = w->next) pthread_cond_signal(&w->cv); /* they end */
   /* Waits between streams stop waiting, in sessions already ended too. */
   for (xsession_t *l = x->live; l; l = l->live_next) session_state_close(l->state);
-  xsession_t *s, *tmp, *free_now = NULL;
+  /* Off the table, a session's hh.next links it into one of these. */
+  xsession_t *s, *tmp, *free_now = NULL, *drop_now = NULL;
   HASH_ITER(hh, x->sessions, s, tmp) {
     xsession_t *f = end_session_locked(x, s, 0);
     if (f) {
       f->hh.next = free_now;
       free_now = f;
+    } else {
+      s->live_workers++; /* held for drop_ended_data_locked */
+      s->hh.next = drop_now;
+      drop_now = s;
     }
   }
   pthread_mutex_unlock(&x->mu);
@@ -1081,6 +1197,12 @@ void executor_close(executor_t *x) {
     xsession_t *next = free_now->hh.next;
     session_free(free_now);
     free_now = next;
+  }
+  while (drop_now) {
+    xsession_t *next = drop_now->hh.next;
+    pthread_mutex_lock(&x->mu);
+    drop_ended_data_locked(x, drop_now);
+    drop_now = next;
   }
   executor_unref(x);
 }

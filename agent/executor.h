@@ -55,7 +55,8 @@ typedef void (*executor_report_fn)(const executor_report_t *r, void *arg);
 executor_t *executor_create(const run_env_t *env, executor_report_fn report, void *arg);
 /* Stops reporting (the callback never runs after it returns), then drops the
  * owner's reference: workers drop what is queued (sessions are ended, their
- * memory freed) and the last reference frees the executor. Never blocks on
+ * memory freed at once but for what a running step holds until it returns)
+ * and the last reference frees the executor. Never blocks on
  * workers; call once. */
 void executor_close(executor_t *x);
 void executor_ref(executor_t *x);

@@ -147,6 +147,20 @@ void session_state_close(session_state_t *s) {
   pthread_mutex_unlock(&s->mu);
 }
 
+void session_state_drop_data(session_state_t *s) {
+  pthread_mutex_lock(&s->mu);
+  kept_snapshot_t *k = s->snapshots;
+  s->snapshots = s->snapshots_tail = NULL;
+  s->nsnapshots = 0;
+  pthread_mutex_unlock(&s->mu);
+  while (k) {
+    kept_snapshot_t *next = k->next;
+    kept_free(k);
+    k = next;
+  }
+  refs_clear(&s->refs);
+}
+
 bool session_state_closing(session_state_t *s) {
   pthread_mutex_lock(&s->mu);
   bool closing = s->closing;

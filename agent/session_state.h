@@ -26,9 +26,10 @@
  * backend.
  *
  * Lifetime. Made by the executor when a session's first instruction arrives;
- * freed by the executor once the session ended and the last of its workers
- * exited (session_state_free: its tensors, its backend streams, the backend's
- * session_end). */
+ * its tensors and snapshots go when it ends (session_state_drop_data), but
+ * for what a step still running holds; freed by the executor once the last of
+ * its workers exited (session_state_free: what is left, its backend streams,
+ * the backend's session_end). */
 #ifndef MESHD_AGENT_SESSION_STATE_H
 #define MESHD_AGENT_SESSION_STATE_H
 
@@ -101,6 +102,13 @@ void session_state_queued(session_state_t *s, stream_progress_t *p, uint64_t seq
  * in one of its collectives fails at once instead of at the comm timeout, and
  * no socket outlives the session). */
 void session_state_close(session_state_t *s);
+/* After session_state_close: lets go of the session's tensors and kept
+ * snapshots now, rather than when its last worker exits (a step still
+ * running, slow and not interruptible, held all of the session's memory
+ * until it returned). What a running step uses it holds references to
+ * (refs_get), and is freed when the step lets go; what it defines after this
+ * goes at session_state_free. Not under the executor's lock: it frees. */
+void session_state_drop_data(session_state_t *s);
 /* session_state_close ran: what the session still runs is for nobody. */
 bool session_state_closing(session_state_t *s);
 /* The session's work used data-plane channel comm_id (collectives, sends). */

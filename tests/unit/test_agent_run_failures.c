@@ -10,8 +10,13 @@
  *   calloc of 16 pointers, which is the first growth of an empty ref index
  *   (core/tensor/refmap.c);
  * - the injected fault call:fail (core/platform/fault.h) fails an op "as a
- *   kernel would": an in-place op's target fails with it. */
+ *   kernel would": an in-place op's target fails with it;
+ * - a step that does not end (call:slow, whose sleep this suite's nanosleep
+ *   turns into a gate the test opens): the seqs done behind it cost the
+ *   executor nothing, and a session ended meanwhile frees at once what the
+ *   step does not hold. */
 #include <criterion/criterion.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -204,4 +209,205 @@ Test(agent_refs, the_latest_undone_refs_are_remembered_past_the_bound) {
   pthread_mutex_destroy(&r.mu);
   cr_assert_eq(atomic_load(&b.allocated), 0);
   cpu_backend_ops.close(&b);
+}
+
+/* ------------------------------------------------- a step that does not end */
+
+/* call:slow=GATE_MS: the slow op's sleep (run.c's nanosleep of exactly that
+ * long) waits instead for the test to open the gate, so that "while the step
+ * runs" is a state the test holds, not a time it guesses. */
+#define GATE_MS 4321
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static bool gate_entered, gate_open;
+
+int nanosleep(const struct timespec *req, struct timespec *rem) {
+  (void)rem;
+  bool gated = req->tv_sec == GATE_MS / 1000 && req->tv_nsec == (GATE_MS % 1000) * 1000000L;
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  if (gated) {
+    dl.tv_sec += 30; /* a test that never opens it fails, it does not hang */
+    pthread_mutex_lock(&gate_mu);
+    gate_entered = true;
+    pthread_cond_broadcast(&gate_cv);
+    while (!gate_open && pthread_cond_timedwait(&gate_cv, &gate_mu, &dl) == 0) {
+    }
+    pthread_mutex_unlock(&gate_mu);
+    return 0;
+  }
+  /* Other sleeps (the tests' polls): a timed wait on a private condition. */
+  dl.tv_sec += req->tv_sec;
+  dl.tv_nsec += req->tv_nsec;
+  if (dl.tv_nsec >= 1000000000L) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
+  pthread_cond_t c = PTHREAD_COND_INITIALIZER;
+  pthread_mutex_lock(&m);
+  while (pthread_cond_timedwait(&c, &m, &dl) == 0) {
+  }
+  pthread_mutex_unlock(&m);
+  return 0;
+}
+
+static bool gate_wait_entered(void) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += 10;
+  pthread_mutex_lock(&gate_mu);
+  while (!gate_entered && pthread_cond_timedwait(&gate_cv, &gate_mu, &dl) == 0) {
+  }
+  bool in = gate_entered;
+  pthread_mutex_unlock(&gate_mu);
+  return in;
+}
+
+static void gate_release(void) {
+  pthread_mutex_lock(&gate_mu);
+  gate_open = true;
+  pthread_cond_broadcast(&gate_cv);
+  pthread_mutex_unlock(&gate_mu);
+}
+
+/* An executor on the cpu backend whose first op Call is slow (gated). */
+typedef struct {
+  backend_t b;
+  fault_t fault;
+  _Atomic int64_t rank;
+  run_env_t env;
+  executor_t *x;
+} slow_agent_t;
+
+static void slow_agent_start(slow_agent_t *a) {
+  *a = (slow_agent_t){.b = {.ops = &cpu_backend_ops, .capacity = 1 << 28}};
+  meshd_error_t e = {0};
+  cr_assert_eq(cpu_backend_ops.open(&a->b, "cpu", &e), 0, "%s", e.msg);
+  char why[200], spec[64];
+  snprintf(spec, sizeof spec, "call:slow=%d,count=1", GATE_MS);
+  cr_assert_eq(fault_parse(spec, FAULT_AGENT_PLACES, &a->fault, why, sizeof why), 0, "%s", why);
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank, .fault = &a->fault};
+  a->x = executor_create(&a->env, on_report, NULL);
+  cr_assert_not_null(a->x);
+}
+
+static void slow_agent_stop(slow_agent_t *a) {
+  executor_close(a->x);
+  cr_assert_eq(executor_wait_all_freed(10000), 0);
+  cpu_backend_ops.close(&a->b);
+}
+
+static void submit_ones(executor_t *x, const char *session, uint64_t seq, uint64_t ref, int64_t n) {
+  factory_instr_t f;
+  Meshd__Agent__V1__Instruction *ins = factory_instr(&f, "ones", ref, n, DTYPE_FLOAT32);
+  ins->seq = seq;
+  ins->session_id = (char *)session;
+  ins->stream = 1;
+  cr_assert_eq(executor_submit(x, ins), 0);
+}
+
+/* add_(ref, ref) on stream 1: the slow step. */
+static void submit_add_(executor_t *x, const char *session, uint64_t seq, uint64_t ref) {
+  Meshd__V1__Arg a0 = MESHD__V1__ARG__INIT, a1 = MESHD__V1__ARG__INIT;
+  a0.value_case = a1.value_case = MESHD__V1__ARG__VALUE_REF;
+  a0.ref = a1.ref = ref;
+  Meshd__V1__Arg *args[2] = {&a0, &a1};
+  Meshd__Agent__V1__OpCall call = MESHD__AGENT__V1__OP_CALL__INIT;
+  call.op = "add_";
+  call.n_args = 2;
+  call.args = args;
+  Meshd__Agent__V1__Instruction ci = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ci.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_CALL;
+  ci.call = &call;
+  ci.seq = seq;
+  ci.session_id = (char *)session;
+  ci.stream = 1;
+  cr_assert_eq(executor_submit(x, &ci), 0);
+}
+
+static void submit_status(executor_t *x, const char *session, uint64_t seq) {
+  Meshd__Agent__V1__StatusRequest st = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.seq = seq;
+  ins.session_id = (char *)session;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
+  ins.status = &st;
+  cr_assert_eq(executor_submit(x, &ins), 0);
+}
+
+static void submit_end(executor_t *x, const char *session, uint64_t seq) {
+  Meshd__Agent__V1__EndSession es = MESHD__AGENT__V1__END_SESSION__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.seq = seq;
+  ins.session_id = (char *)session;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION;
+  ins.end_session = &es;
+  cr_assert_eq(executor_submit(x, &ins), 0);
+}
+
+static size_t heap_in_use(void) {
+  struct mallinfo2 mi = mallinfo2();
+  return mi.uordblks + mi.hblkhd;
+}
+
+/* agent/executor.c: while one instruction hangs, the watermark stays behind
+ * it and later instructions finish ahead of it. The executor kept a done flag
+ * for every seq from the hung one to the last taken (a ring that doubled), so
+ * an agent whose one step hung grew by a byte per instruction any session ran
+ * meanwhile, without bound. It now keeps only the seqs not yet done: the
+ * 600000 instructions run behind the hung one cost nothing once done. */
+Test(agent_watermark, seqs_done_behind_a_hung_one_are_not_kept, .timeout = 120) {
+  slow_agent_t a;
+  slow_agent_start(&a);
+  submit_ones(a.x, "hung", 1, 10, 4);
+  submit_add_(a.x, "hung", 2, 10);
+  cr_assert(gate_wait_entered(), "the slow step did not start");
+  enum { BEHIND = 600000 };
+  uint64_t last = 2 + BEHIND;
+  submit_status(a.x, "busy", 3); /* opens the session: its table exists before the count */
+  size_t before = heap_in_use();
+  for (uint64_t seq = 4; seq <= last; seq++) submit_status(a.x, "busy", seq);
+  size_t after = heap_in_use();
+  cr_assert_eq(executor_executed(a.x), 1, "the watermark passed the hung seq 2");
+  cr_assert_eq(executor_received(a.x), last);
+  (void)before;
+  (void)after;
+#if !defined(__SANITIZE_ADDRESS__) /* its allocator is not glibc's: mallinfo2 sees nothing */
+  cr_expect(after < before + 256 * 1024,
+            "%d seqs done behind the hung one took %zu bytes (before %zu, after %zu)", BEHIND,
+            after - before, before, after);
+#endif
+  gate_release();
+  cr_assert_eq(executor_wait(a.x, last, 20000), 0, "the hung seq's end did not pass the rest");
+  slow_agent_stop(&a);
+}
+
+/* agent/executor.c: a session ended (EndSession) while one of its steps runs,
+ * slow and not interruptible (a long kernel; here the gated call:slow), freed
+ * its tensors only when that step returned and its last worker exited. What
+ * the step does not use is freed at once now: tensor 11 here (the step holds
+ * tensor 10 until it returns). */
+Test(agent_memory, an_ended_sessions_tensors_go_before_its_running_step_ends, .timeout = 60) {
+  slow_agent_t a;
+  slow_agent_start(&a);
+  enum { N = 1 << 18 }; /* 1 MiB of floats each */
+  submit_ones(a.x, "ending", 1, 10, N);
+  submit_ones(a.x, "ending", 2, 11, N);
+  submit_add_(a.x, "ending", 3, 10);
+  cr_assert(gate_wait_entered(), "the slow step did not start");
+  uint64_t both = atomic_load(&a.b.allocated);
+  cr_assert_geq(both, 2 * (uint64_t)N * 4, "both tensors are allocated: %llu bytes",
+                (unsigned long long)both);
+  submit_end(a.x, "ending", 4);
+  uint64_t ended = atomic_load(&a.b.allocated);
+  cr_expect_leq(ended, both - (uint64_t)N * 4,
+                "the ended session still holds tensor 11 (%llu bytes allocated, %llu before its "
+                "end) while its step runs", (unsigned long long)ended, (unsigned long long)both);
+  cr_expect_geq(ended, (uint64_t)N * 4, "tensor 10, which the step uses, was freed under it");
+  cr_assert_eq(executor_sessions(a.x), 0);
+  gate_release();
+  cr_assert_eq(executor_wait(a.x, 4, 20000), 0, "the session's end did not complete");
+  cr_assert_eq(atomic_load(&a.b.allocated), 0, "the session's memory outlived its last step");
+  slow_agent_stop(&a);
 }

@@ -6,6 +6,9 @@
  * - agent/executor.c: a Reduce refused only by this agent's own
  *   --max-tensor-elements (QUOTA, validate.h) when no stream worker can be
  *   started for it (this suite's pthread_create fails once, when armed);
+ *   and, the same way, that its seq is not done, for its session either,
+ *   before its failure is queued (a peer that never answers holds the
+ *   refuser thread);
  * - agent/dataplane/transfer.c: dp__plan_init's own allocations fail (this
  *   suite's calloc refuses the plan's transfer array once, on the armed
  *   thread only). Both interpositions are off under ASan. */
@@ -19,6 +22,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "backend.h"
 #include "dataplane/dataplane.h"
@@ -65,15 +71,47 @@ static char errors[16][700];
 static uint64_t error_seqs[16], error_refs[16];
 static int nerrors;
 
+/* A report that said SESSION ran seq 1 (listed with its own watermark past
+ * it, or not listed: it ran everything taken) before one carried seq 1's
+ * failure: the server would read seq 1 as done and fine. */
+static bool ran_seq1, ran_seq1_before_its_failure;
+
 static void on_report(const executor_report_t *r, void *arg) {
   (void)arg;
   pthread_mutex_lock(&mu);
+  bool failure_seen = false;
+  for (int k = 0; k < nerrors; k++) failure_seen |= error_seqs[k] == 1;
   for (size_t i = 0; i < r->n_errors && nerrors < 16; i++) {
     snprintf(errors[nerrors], sizeof errors[0], "%s", r->errors[i]->message);
     error_refs[nerrors] = r->errors[i]->ref;
+    failure_seen |= r->errors[i]->seq == 1;
     error_seqs[nerrors++] = r->errors[i]->seq;
   }
+  uint64_t through = r->received_through;
+  for (size_t i = 0; i < r->n_sessions; i++)
+    if (strcmp(r->sessions[i]->session_id, SESSION) == 0)
+      through = r->sessions[i]->executed_through;
+  if (through >= 1 && !ran_seq1) {
+    ran_seq1 = true;
+    ran_seq1_before_its_failure = !failure_seen;
+  }
   pthread_mutex_unlock(&mu);
+}
+
+/* The failure reported for seq (a bounded wait, kicking the reporter), or NULL. */
+__attribute__((unused)) static const char *wait_error(executor_t *x, uint64_t seq) {
+  const char *m = NULL;
+  for (int i = 0; i < 1000 && !m; i++) {
+    pthread_mutex_lock(&mu);
+    for (int k = 0; k < nerrors && !m; k++)
+      if (error_seqs[k] == seq) m = errors[k];
+    pthread_mutex_unlock(&mu);
+    if (!m) {
+      executor_kick(x);
+      nanosleep(&(struct timespec){0, 2000000}, NULL);
+    }
+  }
+  return m;
 }
 
 static int64_t mono_ms(void) {
@@ -113,6 +151,53 @@ __attribute__((unused)) static void *member_allreduce(void *arg) {
 
 __attribute__((unused)) static const uint8_t SECRET[32] = "0123456789abcdef0123456789abcde";
 
+/* A Reduce (sum) of ref 1, n floats, into ref 9001 over ranks 0 and 1 at
+ * addrs (comm 9, call 3), as seq 1 of SESSION on stream 1; built in place. */
+typedef struct {
+  int64_t shape[1];
+  Meshd__V1__Reduce r;
+  Meshd__Agent__V1__TensorSpec is, rs;
+  Meshd__Agent__V1__Group g;
+  Meshd__Agent__V1__ReduceOp ro;
+  instr_t ins;
+} reduce_instr_t;
+
+__attribute__((unused)) static instr_t *reduce_instr(reduce_instr_t *b, const char **addrs,
+                                                     int64_t n) {
+  b->shape[0] = n;
+  meshd__v1__reduce__init(&b->r);
+  b->r.ref = 9001;
+  b->r.input = 1;
+  b->r.reduction = "sum";
+  meshd__agent__v1__tensor_spec__init(&b->is);
+  meshd__agent__v1__tensor_spec__init(&b->rs);
+  b->is.ref = 1;
+  b->rs.ref = 9001;
+  b->is.n_shape = b->rs.n_shape = 1;
+  b->is.shape = b->rs.shape = b->shape;
+  b->is.dtype = b->rs.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  meshd__agent__v1__group__init(&b->g);
+  b->g.n_ranks = b->g.n_addresses = 2;
+  b->g.ranks = (uint32_t *)RANKS;
+  b->g.addresses = (char **)addrs;
+  b->g.comm_id = 9;
+  b->g.call = 3;
+  b->g.secret.len = 32;
+  b->g.secret.data = (uint8_t *)SECRET;
+  meshd__agent__v1__reduce_op__init(&b->ro);
+  b->ro.reduce = &b->r;
+  b->ro.input = &b->is;
+  b->ro.result = &b->rs;
+  b->ro.group = &b->g;
+  meshd__agent__v1__instruction__init(&b->ins);
+  b->ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  b->ins.reduce = &b->ro;
+  b->ins.seq = 1;
+  b->ins.session_id = (char *)SESSION;
+  b->ins.stream = 1;
+  return &b->ins;
+}
+
 /* Rank 0's agent has --max-tensor-elements 4, below the Reduce's 8 elements
  * that its peer (and the server) accept; it has no stream worker for the
  * Reduce's stream (no thread). It refuses the Reduce in its checks (QUOTA:
@@ -145,55 +230,16 @@ Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails
   cr_assert_eq(pthread_create(&th, NULL, member_allreduce, &pj), 0);
   usleep(100 * 1000); /* the peer waits for rank 0 */
 
-  int64_t shape[1] = {8};
-  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
-  r.ref = 9001;
-  r.input = 1;
-  r.reduction = "sum";
-  Meshd__Agent__V1__TensorSpec is = MESHD__AGENT__V1__TENSOR_SPEC__INIT,
-                               rs = MESHD__AGENT__V1__TENSOR_SPEC__INIT;
-  is.ref = 1;
-  rs.ref = 9001;
-  is.n_shape = rs.n_shape = 1;
-  is.shape = rs.shape = shape;
-  is.dtype = rs.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
-  g.n_ranks = g.n_addresses = 2;
-  g.ranks = (uint32_t *)RANKS;
-  g.addresses = (char **)addrs;
-  g.comm_id = 9;
-  g.call = 3;
-  g.secret.len = 32;
-  g.secret.data = (uint8_t *)SECRET;
-  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
-  ro.reduce = &r;
-  ro.input = &is;
-  ro.result = &rs;
-  ro.group = &g;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
-  ins.reduce = &ro;
-  ins.seq = 1;
-  ins.session_id = (char *)SESSION;
-  ins.stream = 1;
+  reduce_instr_t ri;
+  instr_t *ins = reduce_instr(&ri, addrs, 8);
   armed_thread = pthread_self();
   atomic_store(&fail_next_detached, true);
-  executor_submit(x, &ins); /* -1 or 0: either way it is not run */
+  executor_submit(x, ins); /* -1 or 0: either way it is not run */
   bool fired = !atomic_exchange(&fail_next_detached, false);
   pthread_join(th, NULL);
   cr_assert(fired, "no worker thread was asked for");
   cr_assert_eq(executor_wait(x, 1, 10000), 0, "seq 1 not done");
-  const char *m = NULL;
-  for (int i = 0; i < 1000 && !m; i++) {
-    pthread_mutex_lock(&mu);
-    for (int k = 0; k < nerrors && !m; k++)
-      if (error_seqs[k] == 1) m = errors[k];
-    pthread_mutex_unlock(&mu);
-    if (!m) {
-      executor_kick(x);
-      nanosleep(&(struct timespec){0, 2000000}, NULL);
-    }
-  }
+  const char *m = wait_error(x, 1);
   cr_assert_not_null(m, "no error reported for the Reduce");
   cr_assert(strstr(m, "--max-tensor-elements"), "the agent's error: %s", m);
   cr_assert_eq(pj.rc, -1, "the peer's allreduce succeeded");
@@ -207,6 +253,84 @@ Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails
   cpu_backend_ops.close(&b);
   dataplane_stop(b.net);
   dataplane_stop(peer);
+#endif
+}
+
+/* A Reduce that no stream worker can be started for is refused on a
+ * refuser thread, which tells its peers before it fails the result: here
+ * the peer is a listener that never answers, so the telling takes the data
+ * plane's whole timeout. The session had no stream with work pending, so its
+ * own watermark (a report's session list, executor_wait_session: what a
+ * Read of the result waits for) passed seq 1 at once, while its failure came
+ * only when the refuser was done: a Read then found the result missing (or
+ * an old value) instead of the failure. */
+Test(run_refusals, a_refused_instruction_on_a_refuser_thread_is_not_done_before_its_failure,
+     .timeout = 60) {
+#if defined(__SANITIZE_ADDRESS__)
+  cr_skip_test("pthread_create is interposed");
+#else
+  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
+  meshd_error_t e = {0};
+  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
+  b.net = dataplane_start("127.0.0.1", 0, 1000, &e);
+  cr_assert_not_null(b.net, "%s", e.msg);
+  /* The peer: accepts connections (the kernel does) and never answers. */
+  int silent = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t slen = sizeof sa;
+  cr_assert(silent >= 0 && bind(silent, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+            listen(silent, 8) == 0 && getsockname(silent, (struct sockaddr *)&sa, &slen) == 0);
+  char me[64], other[64];
+  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(b.net));
+  snprintf(other, sizeof other, "127.0.0.1:%d", ntohs(sa.sin_port));
+  _Atomic int64_t rank = 0;
+  run_env_t env = {.backend = &b, .rank = &rank, .data_address = me};
+  executor_t *x = executor_create(&env, on_report, NULL);
+  cr_assert_not_null(x);
+
+  const char *addrs[2] = {me, other};
+  reduce_instr_t ri;
+  instr_t *ins = reduce_instr(&ri, addrs, 8);
+  armed_thread = pthread_self();
+  atomic_store(&fail_next_detached, true);
+  executor_submit(x, ins); /* on a refuser thread: no worker */
+  bool fired = !atomic_exchange(&fail_next_detached, false);
+  cr_assert(fired, "no worker thread was asked for");
+  /* The refuser dials the silent peer until the data plane's timeout. */
+  bool early = executor_wait_session(x, SESSION, 1, 0) == 0;
+  const char *m = NULL;
+  pthread_mutex_lock(&mu);
+  for (int k = 0; k < nerrors && !m; k++)
+    if (error_seqs[k] == 1) m = errors[k];
+  pthread_mutex_unlock(&mu);
+  cr_expect(!early || m, "the session had run seq 1 while its failure was not queued");
+  for (int i = 0; i < 10 && executor_wait(x, 1, 0) != 0; i++) { /* reports while it refuses */
+    executor_kick(x);
+    nanosleep(&(struct timespec){0, 20 * 1000000L}, NULL);
+  }
+  cr_assert_eq(executor_wait(x, 1, 20000), 0, "seq 1 not done");
+  cr_assert_eq(executor_wait_session(x, SESSION, 1, 0), 0);
+  m = wait_error(x, 1);
+  cr_assert_not_null(m, "no error reported for the Reduce");
+  cr_assert(strstr(m, "queueing instruction seq 1"), "the agent's error: %s", m);
+  for (int i = 0; i < 500; i++) { /* a report that covers seq 1 */
+    pthread_mutex_lock(&mu);
+    bool ran = ran_seq1;
+    pthread_mutex_unlock(&mu);
+    if (ran) break;
+    executor_kick(x);
+    nanosleep(&(struct timespec){0, 2000000}, NULL);
+  }
+  pthread_mutex_lock(&mu);
+  bool ran = ran_seq1, before = ran_seq1_before_its_failure;
+  pthread_mutex_unlock(&mu);
+  cr_assert(ran, "no report said the session ran seq 1");
+  cr_assert(!before, "a report said the session ran seq 1 before one carried its failure");
+  executor_close(x);
+  cr_assert_eq(executor_wait_all_freed(10000), 0);
+  cpu_backend_ops.close(&b);
+  dataplane_stop(b.net);
+  close(silent);
 #endif
 }
 
