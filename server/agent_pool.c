@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "log.h"
+#include "page_token.h"
 
 /* The pool's side of one Execute link: what its callbacks need, and whether
  * its loss was reported yet (once, by whichever of the link's reader thread
@@ -76,6 +77,7 @@ struct agent_pool {
   uint64_t losses; /* mu */
   uint64_t old_batches, old_instructions; /* mu: sent by links since closed */
   int max_agents;
+  uint32_t epoch; /* ListAgents' page tokens (page_token.h) */
   rpc_tls_t agent_tls;
   /* The agent CA as clients get it (agent_pool_client_tls): its own lock, so
    * a file read never holds mu. */
@@ -99,6 +101,7 @@ agent_pool_t *agent_pool_create(const agent_pool_callbacks_t *cb) {
   pthread_mutex_init(&p->ca_mu, NULL);
   pthread_mutex_init(&p->notify_mu, NULL);
   p->max_agents = AGENT_POOL_DEFAULT_MAX;
+  p->epoch = page_token_new_epoch();
   if (cb) p->cb = *cb;
   p->changed = p->cb.changed;
   p->arg = p->cb.arg;
@@ -759,12 +762,35 @@ int agent_pool_size(agent_pool_t *p) {
 }
 
 int agent_pool_snapshot(agent_pool_t *p, Meshd__V1__AgentInfo ***out, size_t *n) {
+  uint64_t next;
+  return agent_pool_snapshot_page(p, 0, SIZE_MAX, out, n, &next) == 0 ? 0 : -1;
+}
+
+int agent_pool_snapshot_page(agent_pool_t *p, uint64_t after, size_t limit,
+                             Meshd__V1__AgentInfo ***out, size_t *n, uint64_t *next) {
+  *out = NULL;
+  *n = 0;
+  *next = 0;
+  if (limit == 0) limit = 1;
   pthread_mutex_lock(&p->mu);
-  size_t count = 0;
-  for (size_t i = 0; i < p->cap; i++) count += p->agents[i].used;
+  /* A row's number is its rank + 1: "after" names the rank to start at. */
+  size_t bound = p->cap > (size_t)p->max_agents ? p->cap : (size_t)p->max_agents;
+  if (after > bound) {
+    pthread_mutex_unlock(&p->mu);
+    return -2;
+  }
+  size_t count = 0, end = p->cap;
+  for (size_t i = (size_t)after; i < p->cap; i++) {
+    if (!p->agents[i].used) continue;
+    if (count == limit) { /* another row follows this page's last */
+      end = i;
+      break;
+    }
+    count++;
+  }
   Meshd__V1__AgentInfo **infos = calloc(count ? count : 1, sizeof *infos);
   size_t k = 0;
-  for (size_t i = 0; infos && i < p->cap; i++) {
+  for (size_t i = (size_t)after; infos && i < end; i++) {
     agent_t *a = &p->agents[i];
     if (!a->used) continue;
     Meshd__V1__AgentInfo *info = malloc(sizeof *info);
@@ -790,16 +816,17 @@ int agent_pool_snapshot(agent_pool_t *p, Meshd__V1__AgentInfo ***out, size_t *n)
       break;
   }
   pthread_mutex_unlock(&p->mu);
-  *out = infos;
-  *n = k;
   if (!infos || k != count) {
     agent_pool_snapshot_free(infos, k);
-    *out = NULL;
-    *n = 0;
     return -1;
   }
+  *out = infos;
+  *n = k;
+  if (end < p->cap && k) *next = (uint64_t)infos[k - 1]->rank + 1;
   return 0;
 }
+
+uint32_t agent_pool_epoch(const agent_pool_t *p) { return p->epoch; }
 
 void agent_pool_snapshot_free(Meshd__V1__AgentInfo **infos, size_t n) {
   for (size_t i = 0; infos && i < n; i++) {

@@ -226,5 +226,15 @@ uint64_t agent_pool_min_capacity(agent_pool_t *pool, const uint32_t *ranks, size
  * malloc'd; free with agent_pool_snapshot_free. Returns 0 or -1 (out of memory). */
 int agent_pool_snapshot(agent_pool_t *pool, Meshd__V1__AgentInfo ***out, size_t *n);
 void agent_pool_snapshot_free(Meshd__V1__AgentInfo **infos, size_t n);
+/* One page of agent_pool_snapshot for ListAgents (page_token.h): at most limit
+ * (>= 1) agents, rank order, from rank `after` on (a row's number is its rank
+ * + 1, so after is the number of the last row a page showed; 0: from the
+ * first). *next is the number of this page's last row when more agents follow,
+ * 0 on the last page. Returns 0; -1 out of memory; -2 when `after` is past any
+ * rank this pool may hold (a forged page token). */
+int agent_pool_snapshot_page(agent_pool_t *pool, uint64_t after, size_t limit,
+                             Meshd__V1__AgentInfo ***out, size_t *n, uint64_t *next);
+/* A random number drawn when the pool was made: ListAgents' page tokens carry it. */
+uint32_t agent_pool_epoch(const agent_pool_t *pool);
 
 #endif

@@ -10,14 +10,37 @@
 #include <openssl/rand.h>
 
 #include "log.h"
+#include "page_token.h"
 #include "rpc.h"
 
 #define EXPIRE_PERIOD_MS 500
+
+/* Open sessions per principal: CreateSession checks --max-sessions-per-principal
+ * against this count instead of walking every session. An entry lives while
+ * its principal holds a session (each session points at its own). */
+typedef struct owner_count {
+  char owner[SESSION_OWNER_MAX + 1];
+  uint64_t open;
+  UT_hash_handle hh;
+} owner_count_t;
+
+/* One slot of the open sessions in seq order; s NULL once it left. */
+typedef struct seq_slot {
+  uint64_t seq;
+  session_t *s;
+} seq_slot_t;
 
 struct session_table {
   pthread_mutex_t mu;
   pthread_cond_t wake; /* CLOCK_MONOTONIC; signalled to stop the thread */
   session_t *by_id;    /* uthash, in creation order; holds one ref each */
+  owner_count_t *owners; /* uthash by owner: open sessions of each principal */
+  /* The open sessions by seq, for ListSessions' pages: a page finds where it
+   * starts by binary search instead of walking every session before it.
+   * Appended at creation (seqs only grow); a session that leaves empties its
+   * slot, and the empty slots are squeezed out once they are half of all. */
+  seq_slot_t *order;
+  size_t norder, order_cap, order_empty;
   uint64_t default_ttl_s, default_quota;
   uint64_t max_per_owner; /* 0: none */
   uint64_t max_sessions;  /* 0: none */
@@ -127,10 +150,62 @@ void session_set_objects(session_t *s, void *objects, void (*destroy)(void *obje
   s->destroy_objects = destroy;
 }
 
-/* Under t->mu: out of the index, marked closed. The table's reference moves to
- * the caller, who announces the end and then releases it. */
+/* ------------------------------------------------------------------ indexes (under t->mu) */
+
+/* Room in t->order for one more slot: 0, or -1 out of memory. */
+static int order_reserve(session_table_t *t) {
+  if (t->norder < t->order_cap) return 0;
+  size_t cap = t->order_cap ? t->order_cap * 2 : 64;
+  seq_slot_t *v = realloc(t->order, cap * sizeof *v);
+  if (!v) return -1;
+  t->order = v;
+  t->order_cap = cap;
+  return 0;
+}
+
+/* The first slot whose seq is above `after` (t->norder when none is). */
+static size_t order_first_after(const session_table_t *t, uint64_t after) {
+  size_t lo = 0, hi = t->norder;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (t->order[mid].seq <= after) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+static void order_remove(session_table_t *t, const session_t *s) {
+  size_t i = order_first_after(t, s->seq - 1);
+  if (i == t->norder || t->order[i].s != s) return; /* not in the table: nothing to do */
+  t->order[i].s = NULL;
+  if (++t->order_empty * 2 <= t->norder) return;
+  /* Squeezed once half are empty: each squeeze follows as many removals as
+   * the slots it moves, so a removal costs O(1) on average. */
+  size_t k = 0;
+  for (size_t j = 0; j < t->norder; j++)
+    if (t->order[j].s) t->order[k++] = t->order[j];
+  t->norder = k;
+  t->order_empty = 0;
+}
+
+/* A session that leaves the table gives back its principal's count. */
+static void uncount_owner(session_table_t *t, session_t *s) {
+  owner_count_t *c = s->counted;
+  s->counted = NULL;
+  if (c && --c->open == 0) {
+    HASH_DEL(t->owners, c);
+    free(c);
+  }
+}
+
+/* Out of every index, marked closed: the one way a session leaves the table
+ * (CloseSession, a cancelled CreateSession, expiry, destroy), so the counts
+ * and the order stay right whichever way it ended. The table's reference
+ * moves to the caller, who announces the end and then releases it. */
 static void unlink_locked(session_table_t *t, session_t *s) {
   HASH_DEL(t->by_id, s);
+  order_remove(t, s);
+  uncount_owner(t, s);
   atomic_store(&s->closed, true);
 }
 
@@ -181,8 +256,7 @@ session_table_t *session_table_create(uint64_t default_ttl_s, uint64_t default_q
   t->default_quota = default_quota_bytes;
   t->on_closed = on_closed;
   t->arg = arg;
-  while (getrandom(&t->epoch, sizeof t->epoch, 0) < 0 && errno == EINTR) {
-  }
+  t->epoch = page_token_new_epoch();
   atomic_store(&t->accepting, true);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -225,6 +299,12 @@ void session_table_destroy(session_table_t *t) {
     ended_init(&e);
     if (!full) break;
   }
+  owner_count_t *c, *ctmp;
+  HASH_ITER(hh, t->owners, c, ctmp) { /* none: each left with its last session */
+    HASH_DEL(t->owners, c);
+    free(c);
+  }
+  free(t->order);
   pthread_cond_destroy(&t->wake);
   pthread_mutex_destroy(&t->mu);
   free(t);
@@ -281,11 +361,24 @@ void session_table_set_max_sessions(session_table_t *t, uint64_t max_sessions) {
   pthread_mutex_unlock(&t->mu);
 }
 
-/* Under t->mu. */
-static uint64_t owned_by(const session_table_t *t, const char *owner) {
-  uint64_t n = 0;
-  for (const session_t *s = t->by_id; s; s = s->hh.next) n += !strcmp(s->owner, owner);
-  return n;
+/* A session that never entered the table. */
+static int discard_new(session_t *s) {
+  pthread_mutex_destroy(&s->mu);
+  free(s);
+  return -1;
+}
+
+/* Under t->mu: the count of owner's open sessions, made (at 0) if there is
+ * none, so that the session about to be added can be counted; NULL out of memory. */
+static owner_count_t *owner_count_for(session_table_t *t, const char *owner) {
+  owner_count_t *c;
+  HASH_FIND_STR(t->owners, owner, c);
+  if (c) return c;
+  c = calloc(1, sizeof *c);
+  if (!c) return NULL;
+  snprintf(c->owner, sizeof c->owner, "%s", owner);
+  HASH_ADD_STR(t->owners, owner, c);
+  return c;
 }
 
 int session_create(session_table_t *t, const char *owner, const char *client_name, uint64_t ttl_s,
@@ -312,7 +405,9 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
   pthread_mutex_init(&s->mu, NULL);
 
   pthread_mutex_lock(&t->mu);
-  uint64_t held = t->max_per_owner ? owned_by(t, s->owner) : 0;
+  owner_count_t *mine;
+  HASH_FIND_STR(t->owners, s->owner, mine);
+  uint64_t held = mine ? mine->open : 0;
   uint64_t open_now = HASH_COUNT(t->by_id);
   int refused = 0;
   if (t->max_per_owner && held >= t->max_per_owner)
@@ -328,25 +423,30 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
                         (unsigned long long)open_now, (unsigned long long)t->max_sessions);
   if (refused) {
     pthread_mutex_unlock(&t->mu);
-    pthread_mutex_destroy(&s->mu);
-    free(s);
-    return -1;
+    return discard_new(s);
   }
   s->limits = t->limits;
   for (;;) {
     if (random_hex(s->id, SESSION_ID_LEN / 2) != 0) {
       pthread_mutex_unlock(&t->mu);
-      pthread_mutex_destroy(&s->mu);
-      free(s);
-      return error_set(err, ERR_UNAVAILABLE, "CreateSession: no randomness for an id: %s",
-                       strerror(errno));
+      error_set(err, ERR_UNAVAILABLE, "CreateSession: no randomness for an id: %s",
+                strerror(errno));
+      return discard_new(s);
     }
     session_t *dup;
     HASH_FIND_STR(t->by_id, s->id, dup);
     if (!dup) break;
   }
+  if (order_reserve(t) != 0 || !(mine = owner_count_for(t, s->owner))) {
+    pthread_mutex_unlock(&t->mu);
+    error_set(err, ERR_UNAVAILABLE, "CreateSession: out of memory");
+    return discard_new(s);
+  }
   s->seq = ++t->last_seq;
   HASH_ADD_STR(t->by_id, id, s);
+  t->order[t->norder++] = (seq_slot_t){.seq = s->seq, .s = s};
+  mine->open++;
+  s->counted = mine;
   pthread_mutex_unlock(&t->mu);
   log_event(LOG_LEVEL_INFO, "session", &(log_fields_t){.session = s->id},
             "session %s created by %s for '%s' (ttl %llu s, quota %llu bytes)", s->id,
@@ -520,7 +620,6 @@ int session_list_page(session_table_t *t, const char *owner, uint64_t after, siz
     pthread_mutex_unlock(&t->mu);
     return -2;
   }
-  /* by_id is in creation order, so seq increases along it. */
   size_t count = HASH_COUNT(t->by_id);
   size_t cap = count < limit ? count : limit;
   session_info_t *v = cap ? calloc(cap, sizeof *v) : NULL;
@@ -529,9 +628,9 @@ int session_list_page(session_table_t *t, const char *owner, uint64_t after, siz
     return -1;
   }
   size_t i = 0;
-  for (session_t *s = t->by_id; s; s = s->hh.next) {
-    if (s->seq <= after) continue;
-    if (owner && strcmp(s->owner, owner) != 0) continue;
+  for (size_t k = order_first_after(t, after); k < t->norder; k++) {
+    session_t *s = t->order[k].s;
+    if (!s || (owner && strcmp(s->owner, owner) != 0)) continue;
     if (i == cap) {
       *next = v[i - 1].seq; /* another row follows */
       break;

@@ -101,6 +101,7 @@ typedef struct session {
   _Atomic int calls; /* references held by calls in flight: every one but the table's */
   _Atomic bool closed;
   uint64_t seq;      /* 1, 2, ... in creation order (ListSessions' page tokens) */
+  struct owner_count *counted; /* its principal's count of open sessions, while in the table */
   UT_hash_handle hh; /* the table's by-id index */
 } session_t;
 

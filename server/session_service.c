@@ -9,6 +9,7 @@
 #include "error_kind.h"
 #include "fault.h"
 #include "log.h"
+#include "page_token.h"
 #include "meshd/v1/tensor_service.pb-c.h"
 #include "runtime.h"
 
@@ -174,38 +175,15 @@ static void keep_alive(rpc_call_t *call, const ProtobufCMessage *req, void *arg)
 }
 
 /* ListSessions shows a principal its own sessions; an admin sees every one.
- * Paged: a page token is "SEQ.EPOCH", the decimal seq of the last session a
- * page showed and the table's epoch in 8 hex digits. */
+ * Paged by the sessions' seq (page_token.h). */
 #define LIST_SESSIONS_PAGE_DEFAULT 1000
 #define LIST_SESSIONS_PAGE_MAX 5000
-
-static bool parse_page_token(const char *tok, uint32_t epoch, uint64_t *out) {
-  *out = 0;
-  if (!tok || !tok[0]) return true;
-  char want[16];
-  snprintf(want, sizeof want, ".%08x", epoch);
-  const char *dot = strchr(tok, '.');
-  if (!dot || strcmp(dot, want) != 0) return false;
-  size_t len = (size_t)(dot - tok);
-  if (len == 0 || len > 20 || tok[0] == '0') return false;
-  uint64_t v = 0;
-  for (size_t i = 0; i < len; i++) {
-    if (tok[i] < '0' || tok[i] > '9') return false;
-    unsigned d = (unsigned)(tok[i] - '0');
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-  }
-  *out = v;
-  return true;
-}
 
 static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   const Meshd__V1__ListSessionsRequest *r = (const Meshd__V1__ListSessionsRequest *)req;
   uint64_t after;
-  bool token_ok = parse_page_token(r->page_token, session_table_epoch(arg), &after);
-  size_t limit = r->page_size == 0 ? LIST_SESSIONS_PAGE_DEFAULT
-                 : r->page_size > LIST_SESSIONS_PAGE_MAX ? LIST_SESSIONS_PAGE_MAX
-                                                         : r->page_size;
+  bool token_ok = page_token_parse(r->page_token, session_table_epoch(arg), &after);
+  size_t limit = page_size_of(r->page_size, LIST_SESSIONS_PAGE_DEFAULT, LIST_SESSIONS_PAGE_MAX);
   const rpc_identity_t *id = rpc_call_identity(call);
   bool all = !id || id->admin;
   session_info_t *v;
@@ -215,9 +193,7 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
                     : -2;
   if (rc == -2) {
     meshd_error_t e;
-    error_set(&e, ERR_BAD_ARGUMENT,
-              "ListSessions: page_token is not a next_page_token this server gave (a "
-              "restarted server starts over); send \"\" for the first page");
+    page_token_refuse(&e, "ListSessions");
     fail(call, &e);
     return;
   }
@@ -248,10 +224,8 @@ static void list_sessions(rpc_call_t *call, const ProtobufCMessage *req, void *a
     rows[i] = row;
     ptrs[i] = &rows[i];
   }
-  char token[40] = "";
-  if (next)
-    snprintf(token, sizeof token, "%llu.%08x", (unsigned long long)next,
-             session_table_epoch(arg));
+  char token[PAGE_TOKEN_LEN];
+  page_token_format(token, next, session_table_epoch(arg));
   Meshd__V1__ListSessionsReply reply = MESHD__V1__LIST_SESSIONS_REPLY__INIT;
   reply.sessions = ptrs;
   reply.n_sessions = n;

@@ -418,12 +418,81 @@ static int copy_agents(meshd_agent_t **list, Meshd__V1__AgentInfo *const *agents
   return 0;
 }
 
+/* ---------------------------------------------------------------- paged listings */
+
+/* Rows past any server's bound (--max-agents is at most 65,536; sessions are
+ * bounded by memory): a list that long is a server leading the client on. */
+#define MESHD_AGENTS_MAX (1u << 20)
+#define MESHD_SESSIONS_MAX (1u << 24)
+
+/* Room in *v (*cap elements of size elem) for need; new elements zeroed. 0, or -1
+ * out of memory (*v as it was). */
+static int grow_rows(void **v, size_t *cap, size_t need, size_t elem) {
+  if (need <= *cap)
+    return 0;
+  size_t want = need < *cap * 2 ? *cap * 2 : need;
+  char *grown = realloc(*v, want * elem);
+  if (!grown)
+    return -1;
+  memset(grown + *cap * elem, 0, (want - *cap) * elem);
+  *v = grown;
+  *cap = want;
+  return 0;
+}
+
+/* ListSessions and ListAgents are paged (docs/protocol.md): after a page of
+ * `rows` rows (`total` so far) that answered next_page_token `next`, *token is
+ * the token to ask the next page with, NULL after the last page. `sent`: the
+ * token this page was asked with (NULL for the first). A page that shows
+ * nothing yet says more follow, the token it was sent again, or a list past
+ * max rows: a server leading the client on, not a list (MESHD_E_RPC). */
+static meshd_err_t next_page(meshd_client_t *c, const char *fn, const char *method,
+                             const char *next, const char *sent, size_t rows, size_t total,
+                             size_t max, char **token) {
+  *token = NULL;
+  if (!next || !next[0])
+    return MESHD_E_OK;
+  bool again = sent && !strcmp(sent, next);
+  if (rows == 0 || again || total > max) {
+    char why[64];
+    if (again)
+      snprintf(why, sizeof why, "the same next_page_token again");
+    else if (rows == 0)
+      snprintf(why, sizeof why, "an empty page with a next_page_token");
+    else
+      snprintf(why, sizeof why, "over %zu rows", max);
+    set_error(c, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
+              "%s: the server's %s pages do not end (%s)", fn, method, why);
+    return MESHD_E_RPC;
+  }
+  *token = dup_str(next);
+  if (!*token) {
+    set_error(c, MESHD_E_NOMEM, 0, NULL, "%s: out of memory", fn);
+    return MESHD_E_NOMEM;
+  }
+  return MESHD_E_OK;
+}
+
+/* One page's agents appended to out[*count...], each with the page's AgentTls.
+ * 0, or -1 out of memory (*count counts the agent whose strings were partly copied). */
+static int take_agents(meshd_agent_t *out, size_t *count, const Meshd__V1__ListAgentsReply *r) {
+  const Meshd__V1__AgentTls *tls = r->agent_tls;
+  bool has_tls = tls && tls->ca_pem && *tls->ca_pem;
+  for (size_t i = 0; i < r->n_agents; i++) {
+    meshd_agent_t *a = &out[(*count)++];
+    if (copy_agent(a, r->agents[i]) != 0 ||
+        (has_tls && (!(a->tls_server_name = dup_str(tls->server_name)) ||
+                     !(a->tls_ca_pem = dup_str(tls->ca_pem)))))
+      return -1;
+  }
+  return 0;
+}
+
 meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n) {
-  meshd_err_t ret = MESHD_E_OK;
   ProtobufCMessage *resp = NULL;
-  const Meshd__V1__ListAgentsReply *reply = NULL;
   meshd_agent_t *out = NULL;
-  size_t count = 0;
+  size_t count = 0, cap = 0;
+  char *token = NULL, *sent = NULL;
 
   if (!client)
     return MESHD_E_INVALID;
@@ -434,41 +503,38 @@ meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n
   }
   *list = NULL;
   *n = 0;
-  Meshd__V1__ListAgentsRequest req = MESHD__V1__LIST_AGENTS_REQUEST__INIT;
-  ret = call(client, LIST_AGENTS, &req.base, &meshd__v1__list_agents_reply__descriptor, &resp);
-  if (ret != MESHD_E_OK)
-    goto out;
-
-  reply = (const Meshd__V1__ListAgentsReply *)resp;
-  if (reply->n_agents == 0)
-    goto out;
-  out = calloc(reply->n_agents, sizeof *out);
-  if (!out)
-    goto nomem;
-  const Meshd__V1__AgentTls *tls = reply->agent_tls;
-  bool has_tls = tls && tls->ca_pem && *tls->ca_pem;
-  for (; count < reply->n_agents; count++) {
-    meshd_agent_t *a = &out[count];
-    if (copy_agent(a, reply->agents[count]) != 0 ||
-        (has_tls && (!(a->tls_server_name = dup_str(tls->server_name)) ||
-                     !(a->tls_ca_pem = dup_str(tls->ca_pem))))) {
-      count++; /* free this one's partial strings too */
-      goto nomem;
+  meshd_err_t ret;
+  do {
+    Meshd__V1__ListAgentsRequest req = MESHD__V1__LIST_AGENTS_REQUEST__INIT;
+    if (token)
+      req.page_token = token;
+    ret = call(client, LIST_AGENTS, &req.base, &meshd__v1__list_agents_reply__descriptor, &resp);
+    free(sent);
+    sent = token; /* kept: a server answering the same token again leads nowhere */
+    token = NULL;
+    if (ret != MESHD_E_OK)
+      break;
+    const Meshd__V1__ListAgentsReply *reply = (const Meshd__V1__ListAgentsReply *)resp;
+    if (grow_rows((void **)&out, &cap, count + reply->n_agents, sizeof *out) != 0 ||
+        take_agents(out, &count, reply) != 0) {
+      set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_agents: out of memory copying %zu agents",
+                count + reply->n_agents);
+      ret = MESHD_E_NOMEM;
+    } else {
+      ret = next_page(client, "meshd_agents", "ListAgents", reply->next_page_token, sent,
+                      reply->n_agents, count, MESHD_AGENTS_MAX, &token);
     }
+    protobuf_c_message_free_unpacked(resp, NULL);
+    resp = NULL;
+  } while (ret == MESHD_E_OK && token);
+  free(sent);
+  if (ret != MESHD_E_OK) {
+    meshd_agents_free(out, count);
+    return ret;
   }
   *list = out;
   *n = count;
-  goto out;
-
-nomem:
-  set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_agents: out of memory copying %zu agents",
-            reply->n_agents);
-  meshd_agents_free(out, count);
-  ret = MESHD_E_NOMEM;
-out:
-  if (resp)
-    protobuf_c_message_free_unpacked(resp, NULL);
-  return ret;
+  return MESHD_E_OK;
 }
 
 void meshd_agents_free(meshd_agent_t *list, size_t n) {
@@ -556,7 +622,27 @@ void meshd_server_info_free(meshd_server_info_t *info) {
 
 #define TS "/meshd.v1.TensorService/"
 
-#define MESHD_SESSIONS_MAX (1u << 24)
+/* One page's sessions appended to out[*count...]. 0, or -1 out of memory
+ * (*count counts the row whose strings were partly copied). */
+static int take_sessions(meshd_session_info_t *out, size_t *count,
+                         const Meshd__V1__ListSessionsReply *r) {
+  for (size_t i = 0; i < r->n_sessions; i++) {
+    const Meshd__V1__SessionInfo *si = r->sessions[i];
+    meshd_session_info_t *d = &out[(*count)++];
+    d->bytes_held = si->bytes_held;
+    d->live_tensors = si->live_tensors;
+    d->idle_ms = si->idle_ms;
+    d->commands = si->commands;
+    d->age_ms = si->age_ms;
+    d->queued_commands = si->queued_commands;
+    d->session_id = dup_str(si->session_id);
+    d->client_name = dup_str(si->client_name);
+    d->owner = dup_str(si->owner);
+    if (!d->session_id || !d->client_name || !d->owner)
+      return -1;
+  }
+  return 0;
+}
 
 meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, size_t *n) {
   ProtobufCMessage *resp = NULL;
@@ -573,81 +659,38 @@ meshd_err_t meshd_sessions(meshd_client_t *client, meshd_session_info_t **list, 
   }
   *list = NULL;
   *n = 0;
-  /* ListSessions is paged: follow next_page_token to the last page. */
-  for (;;) {
+  meshd_err_t ret;
+  do {
     Meshd__V1__ListSessionsRequest req = MESHD__V1__LIST_SESSIONS_REQUEST__INIT;
     if (token)
       req.page_token = token;
-    meshd_err_t ret = call(client, TS "ListSessions", &req.base,
-                           &meshd__v1__list_sessions_reply__descriptor, &resp);
+    ret = call(client, TS "ListSessions", &req.base, &meshd__v1__list_sessions_reply__descriptor,
+               &resp);
     free(sent);
-    sent = token; /* (kept: a server answering the same token again leads nowhere) */
+    sent = token; /* kept: a server answering the same token again leads nowhere */
     token = NULL;
-    if (ret != MESHD_E_OK) {
-      free(sent);
-      meshd_sessions_free(out, count);
-      return ret;
-    }
+    if (ret != MESHD_E_OK)
+      break;
     const Meshd__V1__ListSessionsReply *reply = (const Meshd__V1__ListSessionsReply *)resp;
-    if (reply->n_sessions > cap - count) {
-      size_t want = count + reply->n_sessions;
-      if (want < cap * 2)
-        want = cap * 2;
-      meshd_session_info_t *grown = realloc(out, want * sizeof *out);
-      if (!grown)
-        goto nomem;
-      memset(grown + cap, 0, (want - cap) * sizeof *grown);
-      out = grown;
-      cap = want;
-    }
-    for (size_t i = 0; i < reply->n_sessions; i++) {
-      const Meshd__V1__SessionInfo *si = reply->sessions[i];
-      meshd_session_info_t *d = &out[count++];
-      d->bytes_held = si->bytes_held;
-      d->live_tensors = si->live_tensors;
-      d->idle_ms = si->idle_ms;
-      d->commands = si->commands;
-      d->age_ms = si->age_ms;
-      d->queued_commands = si->queued_commands;
-      d->session_id = dup_str(si->session_id);
-      d->client_name = dup_str(si->client_name);
-      d->owner = dup_str(si->owner);
-      if (!d->session_id || !d->client_name || !d->owner)
-        goto nomem;
-    }
-    if (reply->next_page_token && reply->next_page_token[0]) {
-      /* A page that shows nothing yet says more follow, or a list past
-       * any server's bound: a server leading the client on, not a list. */
-      bool again = sent && !strcmp(sent, reply->next_page_token);
-      if (reply->n_sessions == 0 || again || count > MESHD_SESSIONS_MAX) {
-        set_error(client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL,
-                  "meshd_sessions: the server's ListSessions pages do not end (%s)",
-                  again ? "the same next_page_token again"
-                  : reply->n_sessions ? "over 16M sessions" : "an empty page with a next_page_token");
-        protobuf_c_message_free_unpacked(resp, NULL);
-        meshd_sessions_free(out, count);
-        free(sent);
-        return MESHD_E_RPC;
-      }
-      token = dup_str(reply->next_page_token);
-      if (!token)
-        goto nomem;
+    if (grow_rows((void **)&out, &cap, count + reply->n_sessions, sizeof *out) != 0 ||
+        take_sessions(out, &count, reply) != 0) {
+      set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_sessions: out of memory");
+      ret = MESHD_E_NOMEM;
+    } else {
+      ret = next_page(client, "meshd_sessions", "ListSessions", reply->next_page_token, sent,
+                      reply->n_sessions, count, MESHD_SESSIONS_MAX, &token);
     }
     protobuf_c_message_free_unpacked(resp, NULL);
     resp = NULL;
-    if (!token)
-      break;
-  }
+  } while (ret == MESHD_E_OK && token);
   free(sent);
+  if (ret != MESHD_E_OK) {
+    meshd_sessions_free(out, count);
+    return ret;
+  }
   *list = out;
   *n = count;
   return MESHD_E_OK;
-nomem:
-  set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_sessions: out of memory");
-  meshd_sessions_free(out, count);
-  protobuf_c_message_free_unpacked(resp, NULL);
-  free(sent);
-  return MESHD_E_NOMEM;
 }
 
 void meshd_sessions_free(meshd_session_info_t *list, size_t n) {

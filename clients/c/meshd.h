@@ -201,8 +201,8 @@ typedef struct meshd_agent {
   char *tls_ca_pem;
 } meshd_agent_t;
 
-/* meshd.v1.TensorService/ListAgents. On MESHD_E_OK, *list is an array of *n
- * agents in the server's order, owned by the caller: free it with
+/* meshd.v1.TensorService/ListAgents, every page (rank order). On MESHD_E_OK,
+ * *list is an array of *n agents in the server's order, owned by the caller: free it with
  * meshd_agents_free(*list, *n). With no agents, *list = NULL and *n = 0.
  * On failure *list = NULL and *n = 0. */
 MESHD_API meshd_err_t meshd_agents(meshd_client_t *client, meshd_agent_t **list, size_t *n);

@@ -261,7 +261,8 @@ export interface UnaryMethods {
   CreateSession: [{ client_name?: string; ttl_seconds?: number; quota_bytes?: number }, CreateSessionReply];
   CloseSession: [Record<string, never>, Record<string, never>];
   KeepAlive: [Record<string, never>, KeepAliveReply];
-  ListAgents: [Record<string, never>, { agents: AgentInfo[]; agent_tls: AgentTls | null }];
+  /** paged: follow next_page_token ("" on the last page), or call agents() */
+  ListAgents: [{ page_size?: number; page_token?: string }, { agents: AgentInfo[]; agent_tls: AgentTls | null; next_page_token: string }];
   GetInfo: [Record<string, never>, GetInfoReply];
   /** admin principals only; drain false puts the rank back */
   DrainAgent: [{ rank: number; drain?: boolean }, { agent: AgentInfo | null }];
@@ -457,6 +458,9 @@ export class Session {
   /** The next ref. */
   newRef(): number;
 
+  /** Every registered agent (ListAgents, every page followed) and how to dial their port;
+   * timeoutMs bounds all the pages, pageSize is a page's rows (0: the server's default). */
+  agents(options?: { timeoutMs?: number; pageSize?: number }): Promise<{ agents: AgentInfo[]; agent_tls: AgentTls | null }>;
   /** One unary RPC with the session's metadata; a failure rejects with a MeshdError
    * (NO_SESSION, not sent, once close() was called, as every call of the session). */
   unary<M extends keyof UnaryMethods>(method: M, request: UnaryMethods[M][0], options?: CallOptions): Promise<UnaryMethods[M][1]>;

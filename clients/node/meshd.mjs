@@ -96,6 +96,7 @@ const CHUNK = 1 << 20; // Upload data chunk size
 const QUEUED = Symbol('queued'); // execute: a pipelined command's answer, still to come
 const WEIGHT = Symbol('weight'); // a queued Literal's {bytes, sent}: what the batch may hold
 const LITERAL_MAX_BYTES = 1 << 20; // the data one Literal carries (docs/protocol.md)
+const AGENTS_MAX = 1 << 20; // past any server's --max-agents: agents() stops a list that never ends
 const LITERAL_MAX_SENT = 8 << 20; // what it, or one message's Literals, sends the agents
 const BATCH_BYTES = 1 << 20; // a pipelined message ends past about this many bytes
 const MESSAGE_MAX = 4 << 20; // the server's largest message
@@ -571,6 +572,29 @@ export class Session {
   unary(method, request, { timeoutMs } = {}) {
     if (this.#shut) return Promise.reject(Session.#noSession(method));
     return this.#unary(method, request, this.deadline(timeoutMs));
+  }
+
+  // Every registered agent and how a client dials their port: ListAgents, every page
+  // (each next_page_token followed to the last page; agent_tls is the same on each).
+  // timeoutMs (default: the session's) bounds all the pages together; pageSize: the
+  // rows a page may hold (0: the server's default, 4096). A server that answers a page
+  // with nothing, or the token it was sent, and says more follow, is leading the client
+  // on: INTERNAL, not a loop.
+  async agents({ timeoutMs, pageSize = 0 } = {}) {
+    if (this.#shut) throw Session.#noSession('ListAgents');
+    const deadline = this.deadline(timeoutMs);
+    const agents = [];
+    let token = '';
+    for (;;) {
+      const r = await this.#unary('ListAgents', { page_size: pageSize, page_token: token }, deadline);
+      agents.push(...r.agents);
+      if (!r.next_page_token) return { agents, agent_tls: r.agent_tls };
+      const why = r.next_page_token === token ? 'the same next_page_token again'
+        : !r.agents.length ? 'an empty page with a next_page_token'
+          : agents.length > AGENTS_MAX ? `over ${AGENTS_MAX} agents` : '';
+      if (why) throw new MeshdError('INTERNAL', `ListAgents: the server's pages do not end (${why})`, grpc.status.INTERNAL);
+      token = r.next_page_token;
+    }
   }
 
   #unary(method, request, deadline) {

@@ -1,6 +1,6 @@
-"""Server-wide admin listing and limits (docs/operations.md): ListSessions is paged
-(page_size, page_token, next_page_token) and meshctl follows the pages; --max-sessions
-bounds the open sessions of every principal together."""
+"""Server-wide admin listing and limits (docs/operations.md): ListSessions and
+ListAgents are paged (page_size, page_token, next_page_token) and meshctl follows the
+pages; --max-sessions bounds the open sessions of every principal together."""
 
 import json
 
@@ -173,3 +173,95 @@ def test_max_sessions_bounds_every_principal_together(tmp_path):
         raw.create("after-close")
     finally:
         assert lib.stop(p) == 0
+
+
+# ------------------------------------------------------------------ ListAgents' pages
+
+def _agents_page(port, size=0, token=""):
+    t = lib.tensor_pb2()
+    return lib.unary(port, _SVC + "ListAgents",
+                     t.ListAgentsRequest(page_size=size, page_token=token), t.ListAgentsReply)
+
+
+def _all_agent_pages(port, size):
+    ranks, token, pages = [], "", 0
+    while True:
+        r = _agents_page(port, size, token)
+        assert len(r.agents) <= size
+        ranks += [a.rank for a in r.agents]
+        pages += 1
+        assert pages < 100, "next_page_token never ran out"
+        if not r.next_page_token:
+            return ranks, pages
+        token = r.next_page_token
+
+
+def test_list_agents_is_paged_by_rank(meshd_server, agent):
+    """ListAgents answered every agent in one reply, past gRPC's 4 MiB at ~8000 agents
+    where --max-agents allows 65,536. Paged by rank as ListSessions is by age: agents at
+    ranks 4, 0 and 2 (registered in that order) come in rank order, each once."""
+    srv = meshd_server(0, "--max-agents", 8, min_agents=0)
+    for rank in (4, 0, 2):
+        agent(srv.port, rank=rank)
+    lib.wait_agents(srv.port, lambda ag: sorted(a.rank for a in ag) == [0, 2, 4], log=srv.log)
+    assert _all_agent_pages(srv.port, 1) == ([0, 2, 4], 3)
+    assert _all_agent_pages(srv.port, 2) == ([0, 2, 4], 2)
+    assert _all_agent_pages(srv.port, 3) == ([0, 2, 4], 1)  # no empty page after the last
+    r = _agents_page(srv.port)  # no fields (an older client): every agent, one page
+    assert [a.rank for a in r.agents] == [0, 2, 4] and r.next_page_token == ""
+    tok = _agents_page(srv.port, 1).next_page_token
+    seq, _, epoch = tok.partition(".")
+    assert seq == "1" and len(epoch) == 8, tok  # a row's number is its rank + 1
+    other = "%08x" % (int(epoch, 16) ^ 1)
+    for bad in ("zzz", "0", f"0.{epoch}", f"{seq}.{other}", f"9.{epoch}", f"{seq}.{epoch}x"):
+        with pytest.raises(grpc.RpcError) as e:
+            _agents_page(srv.port, 1, bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, e.value.details())
+        assert "ListAgents: page_token" in e.value.details(), e.value.details()
+    # the last rank --max-agents allows is a token the server may give: an empty last page
+    r = _agents_page(srv.port, 1, f"8.{epoch}")
+    assert list(r.agents) == [] and r.next_page_token == ""
+    assert [a.rank for a in _agents_page(srv.port, 5, tok).agents] == [2, 4]
+
+
+def test_meshctl_agents_follows_the_pages():
+    """meshctl agents (the C client's meshd_agents) asks for every page: a fake server
+    that answers two agents a page lists all five; one that answers the same token
+    again, or an empty page that says more follow, is an error, not a loop."""
+    import concurrent.futures
+    t = lib.tensor_pb2()
+    agents = [t.AgentInfo(rank=r, healthy=True, address=f"127.0.0.1:{9000 + r}", device="cpu")
+              for r in range(5)]
+    mode = {"v": "pages"}
+
+    def list_agents(request, context):
+        start = int(request.page_token.split(".")[0]) if request.page_token else 0
+        if mode["v"] == "repeat":
+            return t.ListAgentsReply(agents=agents[:1], next_page_token="1.00000000")
+        if mode["v"] == "empty":
+            return t.ListAgentsReply(next_page_token="7.00000000")
+        page = [a for a in agents if a.rank >= start][:2]
+        more = page and page[-1].rank < agents[-1].rank
+        return t.ListAgentsReply(agents=page,
+                                 next_page_token=f"{page[-1].rank + 1}.00000000" if more else "")
+
+    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
+        "ListAgents": grpc.unary_unary_rpc_method_handler(
+            list_agents, request_deserializer=t.ListAgentsRequest.FromString,
+            response_serializer=lambda m: m.SerializeToString())})
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        r = tm.meshctl(f"127.0.0.1:{port}", "--output", "json", "agents")
+        assert r.returncode == 0, tm._show(r)
+        assert [a["rank"] for a in json.loads(r.stdout)["agents"]] == [0, 1, 2, 3, 4], tm._show(r)
+        for m, says in (("repeat", "the same next_page_token again"),
+                        ("empty", "an empty page with a next_page_token")):
+            mode["v"] = m
+            r = tm.meshctl(f"127.0.0.1:{port}", "agents", timeout_ms=5000)
+            assert r.returncode != 0 and "pages do not end" in r.stderr and says in r.stderr, \
+                tm._show(r)
+    finally:
+        server.stop(0)

@@ -351,3 +351,83 @@ def test_a_create_session_whose_answer_is_lost_frees_its_slot(meshd_server):
     log = open(srv.log).read()
     assert log.count("its call was cancelled before the answer reached the client") == 2, \
         lib.log_tail(srv.log)
+
+
+def test_the_per_principal_cap_gives_a_place_back_however_a_session_ends(meshd_server,
+                                                                          tmp_path):
+    """--max-sessions-per-principal 2 counts each principal's open sessions as they open
+    and end (CreateSession walked every session to count them). A place comes back when
+    the session is closed and when its lease runs out, once each: the cap still holds
+    afterwards. A principal whose token a SIGHUP revoked keeps its sessions until their
+    lease (docs/security.md): re-admitted, it still has only the places they left."""
+    import os
+    import signal
+    alice, bob = "alice-0123456789abcdef", "bob-0123456789abcdefgh"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {alice}\nbob {bob}\n")
+    srv = meshd_server(0, "--auth-tokens", tokens, "--max-sessions-per-principal", 2,
+                       min_agents=0)
+    pb = _tensor_pb()
+
+    def call(tok, method, req, reply_cls, md=()):
+        return lib.unary(srv.port, "/meshd.v1.TensorService/" + method, req, reply_cls,
+                         metadata=(("authorization", f"Bearer {tok}"),) + tuple(md))
+
+    def create(tok, ttl=3600):
+        r = call(tok, "CreateSession", pb.CreateSessionRequest(ttl_seconds=ttl),
+                 pb.CreateSessionReply)
+        return r.session_id, r.token
+
+    def refused(tok, who):
+        with pytest.raises(grpc.RpcError) as e:
+            create(tok)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert f"'{who}' already holds 2 open sessions" in e.value.details(), e.value.details()
+
+    def listed(tok):
+        return {s.session_id for s in call(tok, "ListSessions", pb.ListSessionsRequest(),
+                                           pb.ListSessionsReply).sessions}
+
+    def wait_expired(tok, sid):
+        end = time.monotonic() + 10
+        while sid in listed(tok):
+            assert time.monotonic() < end, f"session {sid} outlived its lease (2 or 3 s) by 7 s or more"
+            time.sleep(0.1)
+
+    def reload(text, bob_works):
+        tokens.write_text(text)
+        os.kill(srv.pid, signal.SIGHUP)
+        end = time.monotonic() + 10
+        while True:
+            try:
+                listed(bob)
+                works = True
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e.details()
+                works = False
+            if works == bob_works:
+                return
+            assert time.monotonic() < end, f"bob's token {'not ' * bob_works}in force 10 s after SIGHUP"
+            time.sleep(0.05)
+
+    # closed
+    a1 = create(alice)
+    a2 = create(alice, ttl=2)
+    refused(alice, "alice")
+    call(alice, "CloseSession", pb.CloseSessionRequest(), pb.CloseSessionReply,
+         md=(("meshd-session", a1[0]), ("meshd-token", a1[1])))
+    create(alice)
+    refused(alice, "alice")
+    # expired
+    wait_expired(alice, a2[0])
+    create(alice)
+    refused(alice, "alice")  # each end gave back one place, not more
+    # revoked at SIGHUP, then expired
+    create(bob)
+    b2 = create(bob, ttl=3)
+    reload(f"alice {alice}\n", bob_works=False)
+    reload(f"alice {alice}\nbob {bob}\n", bob_works=True)
+    refused(bob, "bob")  # the revoked token's sessions still hold their places
+    wait_expired(bob, b2[0])
+    create(bob)
+    refused(bob, "bob")

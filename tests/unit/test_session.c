@@ -153,6 +153,114 @@ Test(session, one_principal_holds_at_most_its_limit_of_sessions) {
   session_release(b);
 }
 
+/* CreateSession checks --max-sessions-per-principal against a count kept as
+ * sessions enter and leave (it walked every session). Each way a session ends
+ * must give its principal's place back, once: closed (CloseSession, and a
+ * CreateSession whose call was cancelled closes so), expired by the table's
+ * sweep, expired by the acquire that found it idle. A principal's count that
+ * forgot one end refuses it for good; one given back twice lets it past the cap. */
+static void alice_admitted(session_t **s, uint64_t ttl) {
+  cr_assert_eq(session_create(table, "alice", "a", ttl, 0, s, &err), 0, "%s", err.msg);
+}
+
+static void alice_refused(void) {
+  session_t *s = NULL;
+  cr_assert_eq(session_create(table, "alice", "over", 0, 0, &s, &err), -1,
+               "a third session of alice's got past --max-sessions-per-principal 2");
+  cr_assert_eq(err.kind, ERR_QUOTA);
+  cr_assert(strstr(err.msg, "'alice' already holds 2 open sessions"), "%s", err.msg);
+}
+
+Test(session, a_principals_place_comes_back_however_its_session_ends) {
+  session_table_set_owner_limit(table, 2);
+  session_t *keep = NULL, *s = NULL, *bob = NULL;
+  alice_admitted(&keep, 300);
+  cr_assert_eq(session_create(table, "bob", "b", 0, 0, &bob, &err), 0, "%s", err.msg);
+
+  alice_admitted(&s, 1); /* closed */
+  alice_refused();
+  session_close(table, s);
+  cr_expect_not(session_close(table, s), "closed twice");
+  session_release(s);
+
+  alice_admitted(&s, 1); /* expired by the sweep */
+  alice_refused();
+  session_release(s);
+  cr_assert_eq(session_expire(table, rpc_now_ms() + 1500), 1);
+
+  alice_admitted(&s, 1); /* expired by the acquire that found it idle */
+  alice_refused();
+  char id[SESSION_ID_LEN + 1], token[SESSION_TOKEN_LEN + 1];
+  strcpy(id, s->id);
+  strcpy(token, s->token);
+  session_release(s);
+  atomic_store(&s->last_used_ms, rpc_now_ms() - 1500);
+  expect_no_session(session_acquire(table, id, token, &err), "expired after 1 s idle");
+
+  alice_admitted(&s, 300); /* and the cap still holds: each end gave back exactly one */
+  alice_refused();
+  cr_assert_eq(session_count(table), 3);
+  session_release(s);
+  session_release(keep);
+  session_release(bob);
+  ASSERT_NO_BAD();
+}
+
+/* ListSessions' pages come from an index by seq that drops closed sessions and
+ * is squeezed as they add up: every page after any churn is the open sessions
+ * after the token's seq, oldest first, once each. */
+Test(session, pages_follow_seq_order_while_sessions_close) {
+  enum { N = 300 };
+  session_t *s[N];
+  bool open[N];
+  for (int i = 0; i < N; i++) {
+    s[i] = create("p", 0, 0);
+    open[i] = true;
+    cr_assert_eq(s[i]->seq, (uint64_t)i + 1);
+  }
+  /* Close 2 of every 3, in an order that empties slots all over the index. */
+  for (int i = N - 1; i >= 0; i--)
+    if (i % 3) {
+      session_close(table, s[i]);
+      open[i] = false;
+    }
+  for (size_t size = 1; size <= 7; size += 3) {
+    uint64_t after = 0;
+    int want = 0, pages = 0;
+    for (;;) {
+      session_info_t *v;
+      size_t n;
+      uint64_t next;
+      cr_assert_eq(session_list_page(table, NULL, after, size, &v, &n, &next), 0);
+      cr_assert_leq(n, size);
+      for (size_t k = 0; k < n; k++) {
+        while (want < N && !open[want]) want++;
+        cr_assert_lt(want, N, "a page shows more than the open sessions");
+        cr_assert_str_eq(v[k].id, s[want]->id, "page %d row %zu", pages, k);
+        want++;
+      }
+      free(v);
+      pages++;
+      if (!next) break;
+      cr_assert_eq(next, s[want - 1]->seq);
+      after = next;
+    }
+    while (want < N && !open[want]) want++;
+    cr_assert_eq(want, N, "the pages left out open sessions (page size %zu)", size);
+  }
+  /* A token that names a closed session goes on from the next open one. */
+  session_info_t *v;
+  size_t n;
+  uint64_t next;
+  cr_assert_eq(session_list_page(table, NULL, s[1]->seq, 1, &v, &n, &next), 0);
+  cr_assert_eq(n, 1);
+  cr_assert_str_eq(v[0].id, s[3]->id);
+  free(v);
+  cr_assert_eq(session_list_page(table, NULL, N + 1, 1, &v, &n, &next), -2);
+  for (int i = 0; i < N; i++) session_release(s[i]);
+  ASSERT_NO_BAD();
+}
+
 Test(session, wrong_or_missing_credentials) {
   session_t *s = create("c", 0, 0);
   char bad[SESSION_TOKEN_LEN + 2];

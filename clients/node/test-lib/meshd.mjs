@@ -135,7 +135,7 @@ export async function startMeshd({ name = 'meshd', work, agents = 2, args = [], 
         try {
           const s = await connect(m.addr, { ...connectOpts, clientName: 'node-wait', timeoutMs: 2000 });
           try {
-            const { agents: list } = await s.unary('ListAgents', {});
+            const { agents: list } = await s.agents();
             if (list.filter((a) => a.healthy).length >= agents) return m;
             last = `${list.filter((a) => a.healthy).length} of ${agents} agents healthy: ${JSON.stringify(list)}`;
           } finally {

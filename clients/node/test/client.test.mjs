@@ -161,6 +161,37 @@ test('once close() is called, awaited or not, every call rejects NO_SESSION (UNA
   assert.deepEqual(m.log.filter((n) => n !== 'KeepAlive'), ['CreateSession', 'Execute', 'CloseSession']);
 });
 
+test('agents() follows ListAgents\' pages; pages that do not end reject INTERNAL, not a loop', async () => {
+  const agents = [0, 1, 2, 3, 4].map((rank) => ({ rank, address: `127.0.0.1:${9000 + rank}`, healthy: true }));
+  let mode = 'pages';
+  const m = await fakeMeshd({
+    ListAgents: ({ request: r }, cb) => {
+      if (mode === 'repeat') return cb(null, { agents: agents.slice(0, 1), next_page_token: '1.00000000' });
+      if (mode === 'empty') return cb(null, { agents: [], next_page_token: '7.00000000' });
+      const from = r.page_token ? Number(r.page_token.split('.')[0]) : 0;
+      const page = agents.filter((a) => a.rank >= from).slice(0, r.page_size || 2);
+      const more = page.length && page[page.length - 1].rank < 4;
+      return cb(null, { agents: page, agent_tls: { ca_pem: 'PEM', server_name: 'agents' },
+        next_page_token: more ? `${page[page.length - 1].rank + 1}.00000000` : '' });
+    },
+  });
+  const s = await open(m.addr, { timeoutMs: 5000 });
+  try {
+    const got = await s.agents();
+    assert.deepEqual(got.agents.map((a) => a.rank), [0, 1, 2, 3, 4]);
+    assert.equal(got.agent_tls.server_name, 'agents');
+    assert.deepEqual(m.got.ListAgents.map((r) => r.page_token), ['', '2.00000000', '4.00000000']);
+    assert.deepEqual((await s.agents({ pageSize: 4 })).agents.map((a) => a.rank), [0, 1, 2, 3, 4]);
+    for (const [how, says] of [['repeat', 'the same next_page_token again'], ['empty', 'an empty page with a next_page_token']]) {
+      mode = how;
+      await assert.rejects(s.agents(), (e) => e instanceof MeshdError && e.kind === 'INTERNAL'
+        && e.message.includes("ListAgents: the server's pages do not end") && e.message.includes(says));
+    }
+  } finally {
+    await s.close();
+  }
+});
+
 test('upload() and literal() reject bad data (a TypeError), never throw at the call', async () => {
   const m = await fakeMeshd();
   const s = await open(m.addr, { timeoutMs: 5000 });

@@ -58,6 +58,10 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const loaded = isMeta(any) ? [any] : Object.values(any);
 
     const { agents, agent_tls } = await s.unary('ListAgents', {});
+    const paged = await s.unary('ListAgents', { page_size: 1, page_token: '' });
+    const nextPage: string = paged.next_page_token;
+    const every = await s.agents({ pageSize: 1, timeoutMs: 1000 });
+    const listedRank: number = every.agents[0].rank + (every.agent_tls ? 1 : 0);
     const built: string = agents[0].version + agents[0].commit + agents[0].build_type;
     const drained: boolean = agents[0].drained || agents[0].cuda;
     const server = await s.unary('GetInfo', {});
@@ -72,7 +76,7 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const planned: number | undefined = plan.meta?.ref;
     await s.unary('FinishFetch', { transfer_id: plan.transfer_id });
     const progress = await s.unary('LoadProgress', { refs: [1] });
-    void [built, drained, up, back.agent?.drained, counted, expires, id, after, planned, agent_tls?.server_name,
+    void [nextPage, listedRank, built, drained, up, back.agent?.drained, counted, expires, id, after, planned, agent_tls?.server_name,
       progress.unanswered[0]?.kind];
     // @ts-expect-error DrainAgent names a rank
     await s.unary('DrainAgent', { drain: true });

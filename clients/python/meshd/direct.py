@@ -370,8 +370,7 @@ class Direct:
             self._probed = time.monotonic()
             s = self.session
             try:
-                reply = s._unary("ListAgents", s._pb.ListAgentsRequest(), s._pb.ListAgentsReply,
-                                 metadata=(), timeout=None if deadline is None else _left(deadline))
+                agents, reply = s._list_agents(None if deadline is None else _left(deadline))
             except MeshdError:
                 return False
             tls = _tls_of(reply)
@@ -379,7 +378,7 @@ class Direct:
                 self._pool_ok = False
                 return False
             wait = CONNECT_TIMEOUT if deadline is None else min(CONNECT_TIMEOUT, _left(deadline))
-            addrs = [a.address for a in reply.agents]
+            addrs = [a.address for a in agents]
             with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(addrs)))) as ex:
                 ok = all(ex.map(lambda a: self._channel(a, tls, timeout=wait) is not None, addrs))
             if not ok and wait < CONNECT_TIMEOUT:

@@ -72,6 +72,13 @@ def _left(deadline):
     return max(0.0, deadline - time.monotonic())
 
 
+# ListAgents' page_size: 0 takes the server's default page (4096 agents, so a pool of
+# up to that many comes in one call); the tests set a smaller one to see every page
+# followed. _AGENTS_MAX: past any server's --max-agents, a list that never ends.
+_AGENTS_PAGE = 0
+_AGENTS_MAX = 1 << 20
+
+
 def _keepalive_period(ttl_seconds):
     """Seconds between background KeepAlives: a third of the lease, at least 0.25 s
     (a floor of 1 s made it the whole lease of a 1 s session, which then expired)."""
@@ -632,11 +639,32 @@ class Session:
 
     def agents(self) -> list[dict[str, Any]]:
         """[{rank, address, device, memory_bytes, allocated_bytes, healthy, drained}, ...]"""
-        reply = self._unary("ListAgents", self._pb.ListAgentsRequest(), self._pb.ListAgentsReply,
-                            metadata=())
+        agents, _ = self._list_agents()
         return [dict(rank=a.rank, address=a.address, device=a.device, memory_bytes=a.memory_bytes,
                      allocated_bytes=a.allocated_bytes, healthy=a.healthy, drained=a.drained)
-                for a in reply.agents]
+                for a in agents]
+
+    def _list_agents(self, timeout=None):
+        """(every agent, the last page's reply) from ListAgents, which is paged: each
+        next_page_token is followed to the last page (the reply's agent_tls is the same
+        on every page). timeout (seconds, default the session's) bounds all the pages
+        together. A server that answers a page with nothing, or the token it was sent,
+        and says more follow, is leading the client on: INTERNAL, not a loop."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        agents, token = [], ""
+        while True:
+            reply = self._unary("ListAgents", self._pb.ListAgentsRequest(
+                page_size=_AGENTS_PAGE, page_token=token), self._pb.ListAgentsReply,
+                metadata=(), timeout=_left(deadline))
+            agents += reply.agents
+            if not reply.next_page_token:
+                return agents, reply
+            why = ("the same next_page_token again" if reply.next_page_token == token
+                   else "an empty page with a next_page_token" if not reply.agents
+                   else f"over {_AGENTS_MAX} agents" if len(agents) > _AGENTS_MAX else None)
+            if why:
+                raise MeshdError("INTERNAL", f"ListAgents: the server's pages do not end ({why})")
+            token = reply.next_page_token
 
     def server_info(self) -> dict[str, Any]:
         """The server's build and uptime, and the version every agent reported (GetInfo):

@@ -45,6 +45,48 @@ def test_agents(session):
                for a in info["agents"]), info
 
 
+def test_agents_and_the_pool_probe_follow_every_page(server, monkeypatch):
+    """ListAgents is paged (4096 agents a page unless asked otherwise): a client that
+    read one reply saw only a large pool's first page. Here every ListAgents is cut to
+    pages of one agent: agents() and the direct path's probe of the pool (which also
+    reads AgentTls from ListAgents) still see both agents."""
+    with meshd.connect(server[0], data_path="auto") as s:
+        real, tokens = s._unary, []
+
+        def one_a_page(method, request, *a, **kw):
+            if method == "ListAgents":
+                request.page_size = 1
+                tokens.append(request.page_token)
+            return real(method, request, *a, **kw)
+        monkeypatch.setattr(s, "_unary", one_a_page)
+        ag = s.agents()
+        assert sorted(a["rank"] for a in ag) == [0, 1] and len(tokens) == 2, (ag, tokens)
+        probed, channel = [], s._direct._channel
+
+        def probe(address, tls=None, **kw):
+            probed.append(address)
+            return channel(address, tls, **kw)
+        monkeypatch.setattr(s._direct, "_channel", probe)
+        assert s._direct._pool_reachable() is True
+        assert sorted(probed) == sorted(a["address"] for a in ag)
+
+
+@pytest.mark.parametrize("rows,says", [(1, "the same next_page_token again"),
+                                       (0, "an empty page with a next_page_token")])
+def test_agents_refuse_pages_that_do_not_end(session, monkeypatch, rows, says):
+    """A server (hostile, or broken) whose ListAgents pages say more follow forever:
+    INTERNAL naming why, not a loop."""
+    pb = session._pb
+
+    def endless(method, request, reply_cls, *a, **kw):
+        assert method == "ListAgents"
+        return pb.ListAgentsReply(agents=[pb.AgentInfo(rank=0)] * rows,
+                                  next_page_token="7.00000000")
+    monkeypatch.setattr(session, "_unary", endless)
+    e = raises_kind("INTERNAL", session.agents)
+    assert "ListAgents: the server's pages do not end" in e.message and says in e.message, e
+
+
 def test_mesh_names_sizes_slice_rank(session):
     m = session.mesh(host=1, gpu=2)
     assert m.names == ("host", "gpu") and m.sizes == {"host": 1, "gpu": 2}
