@@ -92,28 +92,44 @@ bool transfer_grant_call(rpc_call_t *call);
  * the current call secret, expiry, direction, this agent's rank, and for a
  * Read the request's session, ref and after_seq (session NULL for a Write);
  * then takes its nonce (each is accepted once; remembered until the grant's
- * start-by time, at most --max-transfer-nonces at a time; a grant first
+ * start-by time, at most --max-transfer-nonces at a time and
+ * --max-transfer-nonces-per-session of one session's; a grant first
  * presented after its start-by time is refused as expired). 0 with *out (free with
  * protobuf_c_message_free_unpacked); else a gRPC code (PERMISSION_DENIED, or
- * RESOURCE_EXHAUSTED for a full nonce table) and msg naming the check. */
+ * RESOURCE_EXHAUSTED for a full nonce table or session share, its message
+ * naming the flag) and msg naming the check. */
 #define TRANSFER_NONCES 65536
+#define TRANSFER_NONCES_PER_SESSION 16384
 /* The table's size (--max-transfer-nonces; TRANSFER_NONCES unless set). */
 void transfer_grant_set_max_nonces(size_t n);
+/* One session's share of it (--max-transfer-nonces-per-session;
+ * TRANSFER_NONCES_PER_SESSION unless set). */
+void transfer_grant_set_max_nonces_per_session(size_t n);
 /* What became of the grants presented (meshd_transfer_grants_total{result}). */
 enum {
   GRANT_ACCEPTED, GRANT_MALFORMED, GRANT_BAD_SIGNATURE, GRANT_EXPIRED, GRANT_WRONG_CALL,
-  GRANT_REUSED, GRANT_TABLE_FULL, GRANT_UNREGISTERED, GRANT_RESULT_COUNT
+  GRANT_REUSED, GRANT_TABLE_FULL, GRANT_SESSION_FULL, GRANT_UNREGISTERED, GRANT_RESULT_COUNT
 };
 const char *transfer_grant_result_name(int result);
 uint64_t transfer_grant_results(int result);
 int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, uint64_t ref,
                          uint64_t after_seq, Meshd__Agent__V1__TransferGrant **out, char *msg,
                          size_t msglen);
-/* Frees a nonce transfer_grant_admit took: its call was refused for a cause
- * not about the grant (QUOTA, a session not open) before anything moved, and
- * the client may present the grant again until expiry_ms (the grant's expiry),
- * past its start-by time too. */
-void transfer_grant_give_back(const uint8_t *nonce, int64_t expiry_ms);
+/* Frees a nonce transfer_grant_admit took: its call (of session, the
+ * grant's) was refused for a cause not about the grant (QUOTA, a session not
+ * open) before anything moved, and the client may present the grant again
+ * until expiry_ms (the grant's expiry), past its start-by time too. Kept
+ * even when the table is full meanwhile (within a bound). */
+void transfer_grant_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms);
+/* The nonce table itself, on the caller's clock (now, unix ms; tests give
+ * theirs): take a nonce of session's, to be forgotten at forget_ms (its
+ * grant's start-by time), -> NONCE_*; give one back, kept until expiry_ms;
+ * forget them all. */
+enum { NONCE_TAKEN, NONCE_TAKEN_BEFORE, NONCE_LATE, NONCE_TABLE_FULL, NONCE_SESSION_FULL };
+int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forget_ms, int64_t now);
+void transfer_nonce_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms,
+                              int64_t now);
+void transfer_nonces_clear(void);
 /* For agent_auth_guard, before the request is read: 0 when the call's grant
  * carries this agent's server's signature and its nonce is not taken; 1 when
  * that cannot be told (not registered now: transfer_grant_admit refuses it)

@@ -239,7 +239,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   executor_t *ex = execute_executor();
   if (!ex || !executor_backend(ex)) {
     if (ex) executor_unref(ex);
-    if (grant_expiry) transfer_grant_give_back(nonce, grant_expiry); /* nothing read: the grant may come again */
+    if (grant_expiry) transfer_grant_give_back(nonce, req->session_id, grant_expiry); /* nothing read: the grant may come again */
     rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, "UNAVAILABLE",
                     "Read: no server drives this agent (no Execute call)");
     return;
@@ -266,7 +266,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   }
   if (code != GRPC_STATUS_OK) {
     executor_unref(ex);
-    if (grant_expiry) transfer_grant_give_back(nonce, grant_expiry); /* refused for a cause not the grant's */
+    if (grant_expiry) transfer_grant_give_back(nonce, req->session_id, grant_expiry); /* refused for a cause not the grant's */
     rpc_call_finish(call, code, kind, "Read: %s", why);
     return;
   }
@@ -274,7 +274,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   if (!j) {
     if (!ready) atomic_fetch_sub(&read_waiting, 1);
     executor_unref(ex);
-    if (grant_expiry) transfer_grant_give_back(nonce, grant_expiry);
+    if (grant_expiry) transfer_grant_give_back(nonce, req->session_id, grant_expiry);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of memory");
     return;
   }
@@ -301,7 +301,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   if (rc != 0) {
     atomic_fetch_sub(&read_threads, 1);
     if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
-    if (grant_expiry) transfer_grant_give_back(nonce, grant_expiry);
+    if (grant_expiry) transfer_grant_give_back(nonce, req->session_id, grant_expiry);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads");
     read_job_free(j); /* unwatches its grant first: the watch thread must not find it freed */
   }
@@ -374,6 +374,7 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
   }
   memcpy(w->nonce, g->nonce.data, GRANT_NONCE_LEN);
   w->expiry_ms = g->expiry_unix_ms;
+  snprintf(w->session, sizeof w->session, "%s", g->session_id); /* for a give-back */
   transfer_grant_watch(&w->watch, call, "Write", w->expiry_ms);
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
@@ -381,7 +382,7 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
   c.session_id = g->session_id;
   /* Refused before a byte came (QUOTA, the session not open...): not the
    * grant's fault, which the client may present again. */
-  if (write_spec(call, w, &c) < 0) transfer_grant_give_back(w->nonce, w->expiry_ms);
+  if (write_spec(call, w, &c) < 0) transfer_grant_give_back(w->nonce, w->session, w->expiry_ms);
   protobuf_c_message_free_unpacked(&g->base, NULL);
 }
 
@@ -438,7 +439,7 @@ static void *write_open_main(void *arg) {
   if (!rpc_call_ended(call)) {
     int rc = open ? write_ready(w) : (write_not_open(w), -1);
     if (rc == 0) rpc_call_resume_reads(call);
-    else if (w->granted) transfer_grant_give_back(w->nonce, w->expiry_ms); /* no byte came: not the grant's fault */
+    else if (w->granted) transfer_grant_give_back(w->nonce, w->session, w->expiry_ms); /* no byte came: not the grant's fault */
   }
   /* The call first: the executor's last reference may let main go on to
    * shut gRPC down (executor_wait_all_freed), and the call's free uses it. */

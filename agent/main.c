@@ -46,6 +46,7 @@ typedef struct options {
   uint64_t max_message_bytes, rpc_memory_bytes;
   int64_t max_unauthenticated_requests;
   int64_t max_transfer_nonces;
+  int64_t max_transfer_nonces_per_session;
   const char *log_level;
   const char *log_format;
   const char *metrics_listen;
@@ -108,6 +109,10 @@ static const config_flag_t flags[] = {
      "transfer grants (direct data path) this agent remembers at once, each until its grant's "
      "start-by time; past it a grant is refused RESOURCE_EXHAUSTED", &opt.max_transfer_nonces, 1,
      16777216},
+    {"max-transfer-nonces-per-session", CONFIG_INT, "16384",
+     "of those, the most one session's grants may hold, so that one session's transfers "
+     "cannot refuse every other session's; past it its grants are refused RESOURCE_EXHAUSTED",
+     &opt.max_transfer_nonces_per_session, 1, 16777216},
     {"rpc-memory-bytes", CONFIG_BYTES, "1GiB",
      "memory gRPC may take for this port's connections (read buffers, calls) before it closes "
      "idle ones and then cancels calls (0: no bound)", &opt.rpc_memory_bytes, 0, 0},
@@ -359,6 +364,7 @@ int main(int argc, char **argv) {
   runtime_tune_malloc();
   runtime_raise_fd_limit();
   transfer_grant_set_max_nonces((size_t)opt.max_transfer_nonces);
+  transfer_grant_set_max_nonces_per_session((size_t)opt.max_transfer_nonces_per_session);
   rpc_init();
   rc = 1;
   static backend_t backend;

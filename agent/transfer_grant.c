@@ -2,9 +2,12 @@
  * call secret (docs/protocol.md, Direct data path): the grant is checked
  * against the call it arrives on, and each one is accepted once.
  *
- * Seen nonces are kept until their grant's start-by time (after which a grant
- * not seen is refused as expired), in a table of at most --max-transfer-nonces;
- * one given back for a retry (QUOTA) until its expiry.
+ * Taken nonces are kept until their grant's start-by time (after which a
+ * grant not seen is refused as expired), in a table of at most
+ * --max-transfer-nonces, at most --max-transfer-nonces-per-session of them
+ * one session's (so that one session's burst of transfers cannot refuse every
+ * other session's); one given back for a retry (QUOTA) is kept until its
+ * grant's expiry.
  *
  * A call a grant admitted ends at that grant's expiry if it still runs then
  * (transfer_grant_watch): one thread, started with the first such call,
@@ -23,16 +26,26 @@
 #include "grant.h"
 #include "log.h"
 
+/* The nonces one session holds in the table. */
+typedef struct share {
+  char session[64]; /* the grant's session id (cut: ids are at most 63 bytes) */
+  size_t held;
+  UT_hash_handle hh;
+} share_t;
+
 typedef struct seen {
   uint8_t nonce[GRANT_NONCE_LEN];
-  int64_t expiry_ms; /* forgotten from then on */
-  bool in_use;       /* kept only: taken again after it was given back */
+  int64_t forget_ms; /* forgotten from then on: the start-by time, or given back the expiry */
+  size_t at;         /* its place in `order` */
+  bool given_back;   /* kept for a retry of its grant */
+  bool in_use;       /* given back, then taken again */
+  share_t *share;    /* its session's */
   UT_hash_handle hh;
 } seen_t;
 
 static const char *const result_names[GRANT_RESULT_COUNT] = {
     "accepted", "malformed", "bad_signature", "expired", "wrong_call", "reused", "table_full",
-    "unregistered"};
+    "session_full", "unregistered"};
 static _Atomic uint64_t results[GRANT_RESULT_COUNT];
 
 const char *transfer_grant_result_name(int r) {
@@ -43,44 +56,180 @@ uint64_t transfer_grant_results(int r) {
 }
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-/* Taken nonces, each until its grant's start-by time, in the order taken (a
- * hash keeps insertion order): grants issued with one window expire in about
- * that order, so the expired ones are forgotten from the head, each take
- * paying for what it frees. */
+/* Taken nonces by nonce, and the same as a binary min-heap by forget time:
+ * grants of different lifetimes (an older server's, forgotten at their expiry
+ * 10 min on, among start-by times a minute on) are each forgotten when theirs
+ * comes, whatever the order they came in; each take pays O(log n) for what it
+ * adds and for what it forgets. */
 static seen_t *seen;
-/* Nonces given back once (QUOTA: their client presents the grant again, maybe
- * past its start-by time), kept until the grant's expiry; few. */
-static seen_t *kept;
-static size_t nseen; /* in both */
+static seen_t **order;
+static size_t nseen, order_cap;
+static share_t *shares;
 static size_t max_nonces = TRANSFER_NONCES;
-static int64_t kept_swept_ms;
+static size_t max_per_session = TRANSFER_NONCES_PER_SESSION;
 static log_limit_t refusals;
 
 void transfer_grant_set_max_nonces(size_t n) { max_nonces = n ? n : TRANSFER_NONCES; }
+void transfer_grant_set_max_nonces_per_session(size_t n) {
+  max_per_session = n ? n : TRANSFER_NONCES_PER_SESSION;
+}
+
+/* Nonces given back past their start-by time (forgotten meanwhile) are kept
+ * beyond --max-transfer-nonces, up to this many more: each is a call's that
+ * the table admitted, refused for a cause not its grant's (a Write that
+ * waited for its session to open), and dropping it would turn its client's
+ * retry into "expired". */
+static size_t given_back_extra(void) { return max_nonces / 16 + 16; }
 
 bool transfer_grant_call(rpc_call_t *call) {
   const rpc_identity_t *id = rpc_call_identity(call);
   return id && strcmp(id->name, "grant") == 0;
 }
 
-/* The forgotten: seen's expired head, and (full, at most once a second) kept's expired. */
+/* ---------------------------------------------------- order: the min-heap */
+
+static void order_put(seen_t *e, size_t i) {
+  order[i] = e;
+  e->at = i;
+}
+
+static void order_up(size_t i) {
+  seen_t *e = order[i];
+  while (i > 0 && order[(i - 1) / 2]->forget_ms > e->forget_ms) {
+    order_put(order[(i - 1) / 2], i);
+    i = (i - 1) / 2;
+  }
+  order_put(e, i);
+}
+
+static void order_down(size_t i) {
+  seen_t *e = order[i];
+  for (;;) {
+    size_t c = 2 * i + 1;
+    if (c >= nseen) break;
+    if (c + 1 < nseen && order[c + 1]->forget_ms < order[c]->forget_ms) c++;
+    if (order[c]->forget_ms >= e->forget_ms) break;
+    order_put(order[c], i);
+    i = c;
+  }
+  order_put(e, i);
+}
+
+/* After e's forget time changed. */
+static void order_fix(seen_t *e) {
+  order_up(e->at);
+  order_down(e->at);
+}
+
+/* ------------------------------------------------------------ the table */
+
+static share_t *share_of(const char *session, bool add) {
+  char key[sizeof ((share_t *)0)->session];
+  snprintf(key, sizeof key, "%s", session ? session : "");
+  share_t *s = NULL;
+  HASH_FIND_STR(shares, key, s);
+  if (!s && add && (s = calloc(1, sizeof *s))) {
+    memcpy(s->session, key, sizeof key);
+    HASH_ADD_STR(shares, session, s);
+  }
+  return s;
+}
+
+static void forget(seen_t *e) {
+  seen_t *last = order[--nseen];
+  if (last != e) {
+    order_put(last, e->at);
+    order_fix(last);
+  }
+  HASH_DEL(seen, e);
+  if (--e->share->held == 0) {
+    HASH_DEL(shares, e->share);
+    free(e->share);
+  }
+  free(e);
+}
+
+/* The forgotten: every nonce whose time has come. */
 static void sweep(int64_t now) {
-  seen_t *e, *tmp;
-  HASH_ITER(hh, seen, e, tmp) {
-    if (e->expiry_ms > now) break;
-    HASH_DEL(seen, e);
+  while (nseen && order[0]->forget_ms <= now) forget(order[0]);
+}
+
+/* A new entry (NULL out of memory). */
+static seen_t *remember(const uint8_t *nonce, const char *session, int64_t forget_ms) {
+  if (nseen == order_cap) {
+    size_t cap = order_cap ? 2 * order_cap : 1024;
+    seen_t **o = realloc(order, cap * sizeof *o);
+    if (!o) return NULL;
+    order = o;
+    order_cap = cap;
+  }
+  seen_t *e = calloc(1, sizeof *e);
+  share_t *s = e ? share_of(session, true) : NULL;
+  if (!s) {
     free(e);
-    nseen--;
+    return NULL;
   }
-  if (nseen < max_nonces || !kept || now - kept_swept_ms < 1000) return;
-  kept_swept_ms = now;
-  HASH_ITER(hh, kept, e, tmp) {
-    if (e->expiry_ms <= now) {
-      HASH_DEL(kept, e);
-      free(e);
-      nseen--;
-    }
+  memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
+  e->forget_ms = forget_ms;
+  e->share = s;
+  s->held++;
+  HASH_ADD(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  order_put(e, nseen++);
+  order_up(e->at);
+  return e;
+}
+
+int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forget_ms, int64_t now) {
+  int rc = NONCE_TAKEN;
+  pthread_mutex_lock(&mu);
+  sweep(now);
+  seen_t *e = NULL;
+  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  share_t *s = e ? NULL : share_of(session, false);
+  if (e) {
+    if (!e->given_back || e->in_use) rc = NONCE_TAKEN_BEFORE;
+    else e->in_use = true;
+  } else if (forget_ms <= now) {
+    rc = NONCE_LATE;
+  } else if (nseen >= max_nonces) {
+    rc = NONCE_TABLE_FULL;
+  } else if (s && s->held >= max_per_session) {
+    rc = NONCE_SESSION_FULL;
+  } else if (!remember(nonce, session, forget_ms)) {
+    rc = NONCE_TABLE_FULL;
   }
+  pthread_mutex_unlock(&mu);
+  return rc;
+}
+
+void transfer_nonce_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms,
+                              int64_t now) {
+  pthread_mutex_lock(&mu);
+  sweep(now);
+  seen_t *e = NULL;
+  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  /* Forgotten meanwhile (its start-by time passed during its call): its
+   * place was its own when it was taken, so a full table keeps it too, within
+   * a bound. */
+  if (!e && expiry_ms > now && nseen < max_nonces + given_back_extra())
+    e = remember(nonce, session, expiry_ms);
+  if (e) {
+    e->given_back = true;
+    e->in_use = false;
+    e->forget_ms = expiry_ms;
+    order_fix(e);
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+void transfer_grant_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms) {
+  transfer_nonce_give_back(nonce, session, expiry_ms, grant_now_unix_ms());
+}
+
+void transfer_nonces_clear(void) {
+  pthread_mutex_lock(&mu);
+  while (nseen) forget(order[nseen - 1]);
+  pthread_mutex_unlock(&mu);
 }
 
 /* When a grant's nonce may be forgotten: its start-by time (0: an older
@@ -88,54 +237,6 @@ static void sweep(int64_t now) {
 static int64_t start_by(const Meshd__Agent__V1__TransferGrant *g) {
   return g->start_by_unix_ms > 0 && g->start_by_unix_ms < g->expiry_unix_ms ? g->start_by_unix_ms
                                                                             : g->expiry_unix_ms;
-}
-
-/* 0 taken; 1 seen before; 2 presented after its start-by time; -1 the table is full. */
-static int take_nonce(const uint8_t *nonce, int64_t start_by_ms, int64_t now) {
-  int rc = 0;
-  pthread_mutex_lock(&mu);
-  sweep(now);
-  seen_t *e = NULL, *k = NULL;
-  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
-  if (!e) HASH_FIND(hh, kept, nonce, GRANT_NONCE_LEN, k);
-  if (e) {
-    rc = 1;
-  } else if ((e = k)) {
-    if (e->in_use) rc = 1;
-    else e->in_use = true;
-  } else if (start_by_ms <= now) {
-    rc = 2;
-  } else if (nseen >= max_nonces || !(e = calloc(1, sizeof *e))) {
-    rc = -1;
-  } else {
-    memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
-    e->expiry_ms = start_by_ms;
-    HASH_ADD(hh, seen, nonce, GRANT_NONCE_LEN, e);
-    nseen++;
-  }
-  pthread_mutex_unlock(&mu);
-  return rc;
-}
-
-void transfer_grant_give_back(const uint8_t *nonce, int64_t expiry_ms) {
-  pthread_mutex_lock(&mu);
-  seen_t *e = NULL;
-  HASH_FIND(hh, kept, nonce, GRANT_NONCE_LEN, e);
-  if (!e) {
-    HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
-    if (e) {
-      HASH_DEL(seen, e);
-    } else if (nseen < max_nonces && (e = calloc(1, sizeof *e))) { /* swept meanwhile */
-      memcpy(e->nonce, nonce, GRANT_NONCE_LEN);
-      nseen++;
-    }
-    if (e) HASH_ADD(hh, kept, nonce, GRANT_NONCE_LEN, e);
-  }
-  if (e) {
-    e->expiry_ms = expiry_ms;
-    e->in_use = false;
-  }
-  pthread_mutex_unlock(&mu);
 }
 
 static const char *dir_name(int d) {
@@ -184,14 +285,12 @@ static int open_grant(rpc_call_t *call, Meshd__Agent__V1__TransferGrant **out, c
 
 /* Whether nonce is taken (used, or in use): 1; given back, free to take: 2;
  * neither: 0. */
-static int nonce_state(const uint8_t *nonce) {
+static int nonce_state(const uint8_t *nonce, int64_t now) {
   pthread_mutex_lock(&mu);
-  seen_t *e = NULL, *k = NULL;
-  int st = 0;
+  sweep(now);
+  seen_t *e = NULL;
   HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
-  if (!e) HASH_FIND(hh, kept, nonce, GRANT_NONCE_LEN, k);
-  if (e) st = 1;
-  else if (k) st = k->in_use ? 1 : 2;
+  int st = !e ? 0 : e->given_back && !e->in_use ? 2 : 1;
   pthread_mutex_unlock(&mu);
   return st;
 }
@@ -214,7 +313,7 @@ int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen) {
                     "transfer grant refused: expired %lld ms ago; ask the server for a new one "
                     "(PlanTransfer)", (long long)(now - g->expiry_unix_ms));
     else if (g->nonce.len == GRANT_NONCE_LEN) {
-      int st = nonce_state(g->nonce.data);
+      int st = nonce_state(g->nonce.data, now);
       if (st == 1)
         code = 1;
       else if (st == 0 && start_by(g) <= now) /* late, and not given back */
@@ -265,17 +364,24 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
     code = refuse(call, GRANT_MALFORMED, denied, msg, msglen, "transfer grant refused: malformed (nonce of %zu "
                   "bytes)", g->nonce.len);
   if (!code) {
-    int t = take_nonce(g->nonce.data, start_by(g), now);
-    if (t == 2)
+    int t = transfer_nonce_take(g->nonce.data, g->session_id, start_by(g), now);
+    if (t == NONCE_LATE)
       code = refuse(call, GRANT_EXPIRED, denied, msg, msglen, "transfer grant refused: expired: its "
                     "call did not start by its start-by time (%lld ms ago); ask the server for a "
                     "new one (PlanTransfer)", (long long)(now - start_by(g)));
-    else if (t > 0)
+    else if (t == NONCE_TAKEN_BEFORE)
       code = refuse(call, GRANT_REUSED, denied, msg, msglen, "transfer grant refused: reused (each grant is "
                     "good for one call; ask the server for a new one)");
-    else if (t < 0)
-      code = refuse(call, GRANT_TABLE_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen, "transfer grant refused: "
-                    "%zu grants are in use on this agent already; retry later", max_nonces);
+    else if (t == NONCE_TABLE_FULL)
+      code = refuse(call, GRANT_TABLE_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen, "transfer "
+                    "grant refused: %zu grants are in use on this agent already, the most "
+                    "--max-transfer-nonces allows; retry later", max_nonces);
+    else if (t == NONCE_SESSION_FULL)
+      code = refuse(call, GRANT_SESSION_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen,
+                    "transfer grant refused: %zu grants of this session are in use on this agent "
+                    "already, the most --max-transfer-nonces-per-session allows (of "
+                    "--max-transfer-nonces %zu for all sessions); retry later", max_per_session,
+                    max_nonces);
   }
   if (code) {
     protobuf_c_message_free_unpacked(&g->base, NULL);

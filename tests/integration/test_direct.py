@@ -1201,6 +1201,36 @@ def test_sustained_small_direct_fetches_never_fill_the_agents_nonce_table(meshd_
         refused(lambda: agent_read(late, s.id, x.ref), grpc.StatusCode.PERMISSION_DENIED, "start")
 
 
+def test_one_session_cannot_fill_an_agents_nonce_table_for_another(meshd_server):
+    """A session whose grants the agent keeps until their start-by time (60 s here)
+    holds at most --max-transfer-nonces-per-session (3) of the agent's table
+    (--max-transfer-nonces, 6): past it its direct Reads are refused RESOURCE_EXHAUSTED
+    naming both flags, and another session's uploads and fetches still go directly.
+    Before, the first session filled the table and the other's were refused."""
+    srv = meshd_server(1, "--session-max-transfers", "64",
+                       env={"MESHD_MAX_TRANSFER_NONCES": "6",
+                            "MESHD_MAX_TRANSFER_NONCES_PER_SESSION": "3"})
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as a, connect(srv, "direct") as b:
+        with a.mesh(gpu=1).activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32))  # 1 grant: a Write
+        flood = None
+        for _ in range(8):
+            try:
+                agent_read(plan_fetch(a, x, gpu=0).shards[0], a.id, x.ref)
+            except grpc.RpcError as e:
+                flood = e
+                break
+        assert flood is not None, "8 Reads of one session were all admitted"
+        with b.mesh(gpu=1).activate():  # 2 grants: a Write and a Read
+            want = np.arange(4, dtype=np.float32) + 1
+            t = meshd.tensor(want)
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        assert b._direct.counts["upload"] == 1 and b._direct.counts["fetch"] == 1, b._direct.counts
+        assert flood.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (flood.code(), flood.details())
+        assert "--max-transfer-nonces-per-session" in flood.details(), flood.details()
+
+
 def _pause_after_plans(monkeypatch, n, seconds=0.5):
     """Direct.plan sleeps `seconds` after each of its next n answers: the client was
     paused (a debugger, SIGSTOP, a laptop lid) between the plan and the transfer."""

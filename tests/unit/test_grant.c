@@ -1,9 +1,12 @@
 /* core/platform/grant.c: transfer grants and write receipts (the direct data
- * path): what one key signs, another key, a flipped bit or a cut never passes. */
+ * path): what one key signs, another key, a flipped bit or a cut never passes.
+ * And the agent's table of the grants' nonces (agent/transfer_grant.c), on a
+ * synthetic clock. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "agent.h"
 #include "grant.h"
 #include "secret.h"
 
@@ -71,4 +74,119 @@ Test(grant, receipts_bind_nonce_ref_rank_and_bytes) {
   cr_assert_not(grant_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 4096, mac, sizeof mac - 1));
   nonce[3] = 1;
   cr_assert_not(grant_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 4096, mac, sizeof mac));
+}
+
+/* ------------------------------------------------------------ nonce table */
+
+#define T0 1700000000000LL
+
+static const uint8_t *nonce_of(int i) {
+  static uint8_t n[GRANT_NONCE_LEN];
+  memset(n, 0, sizeof n);
+  memcpy(n, &i, sizeof i);
+  n[15] = 0xa5;
+  return n;
+}
+
+static void table(size_t max, size_t per_session) {
+  transfer_nonces_clear();
+  transfer_grant_set_max_nonces(max);
+  transfer_grant_set_max_nonces_per_session(per_session);
+}
+
+static void table_reset(void) { table(0, 0); }
+
+/* A transfer refused QUOTA after its grant's start-by time (a Write that
+ * waited for its session to open) gives its nonce back while the table is
+ * full: it is kept, and the client's retry is admitted. It was dropped, and
+ * the retry refused "expired: did not start by its start-by time". */
+Test(nonce_table, a_nonce_given_back_into_a_full_table_is_kept, .fini = table_reset) {
+  table(2, 0);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(2), "s", T0 + 1000, T0), NONCE_TAKEN);
+  /* Past 1's start-by time: forgotten, and its place taken. */
+  cr_assert_eq(transfer_nonce_take(nonce_of(3), "s", T0 + 1000, T0 + 150), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(4), "s", T0 + 1000, T0 + 150), NONCE_TABLE_FULL);
+  transfer_nonce_give_back(nonce_of(1), "s", T0 + 10000, T0 + 160);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 200), NONCE_TAKEN,
+               "the retry of a grant given back into a full table was refused");
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 210), NONCE_TAKEN_BEFORE);
+  /* Given back again, kept until the grant's expiry, then forgotten. */
+  transfer_nonce_give_back(nonce_of(1), "s", T0 + 10000, T0 + 220);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 230), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(5), "s", T0 + 20000, T0 + 10001), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 10002), NONCE_LATE);
+}
+
+/* An older server's grant (start-by 0: its expiry, 10 min) taken first does
+ * not hold the newer grants taken after it, whose start-by times pass long
+ * before: they are forgotten then, and the table has room. It was full until
+ * the old grant's expiry (the table was swept from its head, in the order
+ * taken). */
+Test(nonce_table, a_long_lived_nonce_does_not_hold_shorter_ones_behind_it, .fini = table_reset) {
+  table(3, 0);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 600000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(2), "s", T0 + 100, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(3), "s", T0 + 200, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(4), "s", T0 + 300, T0 + 50), NONCE_TABLE_FULL);
+  for (int i = 4; i < 40; i++) /* each taken once the one before it is forgotten */
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "s", T0 + 300 + 100 * i, T0 + 201 + 100 * i),
+                 NONCE_TAKEN, "nonce %d: the table stayed full behind the long-lived one", i);
+  /* The long-lived one is still remembered; the short ones past theirs are late. */
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 600000, T0 + 5000), NONCE_TAKEN_BEFORE);
+  cr_assert_eq(transfer_nonce_take(nonce_of(2), "s", T0 + 100, T0 + 5000), NONCE_LATE);
+}
+
+/* One session taking grants as fast as it can holds at most its share
+ * (--max-transfer-nonces-per-session) of the table: another session's
+ * grants are still taken. Before, the first filled the whole table and every
+ * other session's direct transfers were refused. */
+Test(nonce_table, one_session_cannot_fill_the_table_for_another, .fini = table_reset) {
+  table(8, 3);
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "flood", T0 + 1000, T0), NONCE_TAKEN);
+  for (int i = 3; i < 10; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "flood", T0 + 1000, T0), NONCE_SESSION_FULL,
+                 "nonce %d: a session took more than its share", i);
+  for (int i = 10; i < 13; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "other", T0 + 1000, T0), NONCE_TAKEN,
+                 "nonce %d: refused to another session", i);
+  /* Its share is free again as its nonces are forgotten. */
+  cr_assert_eq(transfer_nonce_take(nonce_of(20), "flood", T0 + 3000, T0 + 1000), NONCE_TAKEN);
+  /* The table's bound still holds over all sessions. */
+  table(4, 3);
+  for (int i = 0; i < 3; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "a", T0 + 1000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(3), "b", T0 + 1000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(4), "c", T0 + 1000, T0), NONCE_TABLE_FULL);
+}
+
+/* Nonces of mixed lifetimes, some given back (kept until a later expiry,
+ * free to take once), each remembered exactly until its own time, whatever
+ * the order taken. */
+Test(nonce_table, every_nonce_is_forgotten_at_its_own_time, .fini = table_reset) {
+  enum { N = 600 };
+  static int64_t until[N];
+  static bool free_once[N];
+  table(N, N);
+  uint32_t r = 12345;
+  for (int i = 0; i < N; i++) {
+    r = r * 1103515245u + 12345u;
+    until[i] = T0 + 1 + (r >> 8) % 2000;
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "s", until[i], T0), NONCE_TAKEN);
+  }
+  for (int i = 0; i < N; i += 5) {
+    until[i] = T0 + 3000 + i;
+    free_once[i] = true;
+    transfer_nonce_give_back(nonce_of(i), "s", until[i], T0);
+  }
+  for (int64_t now = T0; now < T0 + 4000; now += 3) {
+    r = r * 1103515245u + 12345u;
+    int i = (int)((r >> 8) % N);
+    int got = transfer_nonce_take(nonce_of(i), "s", until[i], now);
+    int want = now >= until[i] ? NONCE_LATE : free_once[i] ? NONCE_TAKEN : NONCE_TAKEN_BEFORE;
+    cr_assert_eq(got, want, "nonce %d at +%lld (until +%lld): %d, not %d", i,
+                 (long long)(now - T0), (long long)(until[i] - T0), got, want);
+    if (got == NONCE_TAKEN) free_once[i] = false;
+  }
 }
