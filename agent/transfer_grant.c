@@ -378,8 +378,8 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
                     "--max-transfer-nonces allows; retry later", max_nonces);
     else if (t == NONCE_SESSION_FULL)
       code = refuse(call, GRANT_SESSION_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen,
-                    "transfer grant refused: %zu grants of this session are in use on this agent "
-                    "already, the most --max-transfer-nonces-per-session allows (of "
+                    "transfer grant refused: %zu grants are in use on this agent already for this "
+                    "session, the most --max-transfer-nonces-per-session allows (of "
                     "--max-transfer-nonces %zu for all sessions); retry later", max_per_session,
                     max_nonces);
   }
