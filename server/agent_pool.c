@@ -21,6 +21,7 @@ typedef struct pool_link {
   uint32_t rank;
   char agent_id[64];
   char data_address[300];
+  uint64_t registration; /* its agent's (agent_desc_t) */
   atomic_bool gone;
   /* Its number among all losses once counted (under the pool's mu; 0: not yet):
    * when the agent leaves the pool, or when link_gone reports it. */
@@ -230,7 +231,7 @@ static void link_gone(pool_link_t *pl) {
 static void link_lost(uint32_t rank, void *arg) {
   pool_link_t *pl = arg;
   /* An agent that cannot take instructions is of no use to sessions. */
-  agent_pool_set_healthy(pl->pool, rank, pl->agent_id, false);
+  agent_pool_set_healthy(pl->pool, rank, pl->agent_id, pl->registration, false);
   link_gone(pl);
 }
 
@@ -279,9 +280,13 @@ static bool grow_locked(agent_pool_t *p, size_t need) {
   return true;
 }
 
-static agent_t *find_locked(agent_pool_t *p, uint32_t rank, const char *agent_id) {
+/* rank's agent if it is agent_id, and the registration `registration` of it
+ * unless that is 0. */
+static agent_t *find_locked(agent_pool_t *p, uint32_t rank, const char *agent_id,
+                            uint64_t registration) {
   if (rank >= p->cap || !p->agents[rank].used) return NULL;
   agent_t *a = &p->agents[rank];
+  if (registration && a->d.registration != registration) return NULL;
   return strcmp(a->d.agent_id, agent_id) == 0 ? a : NULL;
 }
 
@@ -434,9 +439,31 @@ out:
   return rank;
 }
 
-void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, const char *why) {
+bool agent_pool_holder(agent_pool_t *p, const agent_desc_t *d, int requested,
+                       agent_pool_holder_t *out) {
+  memset(out, 0, sizeof *out);
   pthread_mutex_lock(&p->mu);
-  agent_t *a = find_locked(p, rank, agent_id);
+  agent_t *a = NULL;
+  for (size_t i = 0; i < p->cap && !a; i++)
+    if (p->agents[i].used && strcmp(p->agents[i].d.agent_id, d->agent_id) == 0) a = &p->agents[i];
+  if (!a && requested >= 0 && (size_t)requested < p->cap &&
+      (p->agents[requested].used || p->agents[requested].leaving))
+    a = &p->agents[requested];
+  if (a) {
+    out->rank = (uint32_t)(a - p->agents);
+    out->leaving = !a->used; /* its slot is emptied before its link is dropped */
+    out->healthy = a->used && a->healthy;
+    out->registration = a->d.registration;
+    snprintf(out->agent_id, sizeof out->agent_id, "%s", a->d.agent_id);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return a != NULL;
+}
+
+void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, uint64_t registration,
+                       const char *why) {
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = find_locked(p, rank, agent_id, registration);
   rpc_channel_t *ch = NULL;
   pool_link_t *pl = NULL;
   agent_data_t *data = NULL;
@@ -480,9 +507,10 @@ void agent_pool_remove(agent_pool_t *p, uint32_t rank, const char *agent_id, con
   notify(p, changed);
 }
 
-void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id, bool healthy) {
+void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id,
+                            uint64_t registration, bool healthy) {
   pthread_mutex_lock(&p->mu);
-  agent_t *a = find_locked(p, rank, agent_id);
+  agent_t *a = find_locked(p, rank, agent_id, registration);
   int count = 0;
   bool changed = false;
   /* A dialed-back agent needs its Execute link to be of use to sessions. */
@@ -503,19 +531,22 @@ void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id
 
 void agent_pool_set_allocated(agent_pool_t *p, uint32_t rank, const char *agent_id, uint64_t bytes) {
   pthread_mutex_lock(&p->mu);
-  agent_t *a = find_locked(p, rank, agent_id);
+  agent_t *a = find_locked(p, rank, agent_id, 0);
   if (a) a->allocated_bytes = bytes;
   pthread_mutex_unlock(&p->mu);
 }
 
-void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id, rpc_channel_t *ch) {
+void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id,
+                            uint64_t registration, rpc_channel_t *ch) {
   pthread_mutex_lock(&p->mu);
-  agent_t *a = find_locked(p, rank, agent_id);
+  agent_t *a = find_locked(p, rank, agent_id, registration);
   rpc_channel_t *old = NULL;
   pool_link_t *old_link = NULL;
   uint64_t first_seq = 0;
   char secret[SECRET_HEX_LEN + 1] = "";
+  uint64_t reg_no = 0; /* the slot's own, also when the caller named none */
   if (a) {
+    reg_no = a->d.registration;
     memcpy(secret, a->d.call_secret, sizeof secret);
     old = a->channel;
     old_link = a->link;
@@ -537,6 +568,7 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
   if (pl) {
     pl->pool = p;
     pl->rank = rank;
+    pl->registration = reg_no;
     snprintf(pl->agent_id, sizeof pl->agent_id, "%s", agent_id);
     agent_pool_data_address(p, rank, pl->data_address, sizeof pl->data_address);
     agent_link_callbacks_t cb = {link_report, link_lost, pl};
@@ -547,7 +579,7 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
     }
   }
   pthread_mutex_lock(&p->mu);
-  a = find_locked(p, rank, agent_id);
+  a = find_locked(p, rank, agent_id, reg_no);
   bool kept = a && !a->channel && !a->link;
   if (kept) {
     a->channel = ch;

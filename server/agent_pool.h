@@ -43,6 +43,12 @@ typedef struct agent_desc {
   /* What every call to the agent carries (SECRET_AGENT_MD; RegisterRequest.call_secret).
    * Never shown (ListAgents) nor logged. */
   char call_secret[SECRET_HEX_LEN + 1];
+  /* The registry's number for this registration (0: none). An agent that
+   * registers again (same agent_id, often the same rank) is a registration of
+   * its own: the calls below that name a number act on that registration only,
+   * never on a later one of the same agent (an old dial-back's channel, an old
+   * call's removal). 0 in those calls: whichever registration of agent_id. */
+  uint64_t registration;
 } agent_desc_t;
 
 /* Ranks 0 .. max - 1 (--max-agents): the pool's array is sized by rank. */
@@ -106,17 +112,33 @@ int agent_pool_client_tls(agent_pool_t *pool, char **ca_pem, const char **server
  * max_agents or more (the message names --max-agents). */
 int agent_pool_add(agent_pool_t *pool, const agent_desc_t *d, int requested, char *err,
                    size_t errlen);
-/* Removes rank's agent if it is still `agent_id` (a newer agent may hold the rank). */
-void agent_pool_remove(agent_pool_t *pool, uint32_t rank, const char *agent_id, const char *why);
+/* Who stands in the way of agent_pool_add(d, requested): the agent already
+ * registered as d->agent_id, else the agent holding the requested rank (or
+ * the one still being released from it: leaving, agent_id ""). */
+typedef struct agent_pool_holder {
+  uint32_t rank;
+  char agent_id[64];
+  uint64_t registration;
+  bool leaving;
+  bool healthy;
+} agent_pool_holder_t;
+/* True, with *out, when such an agent holds d->agent_id or the requested rank. */
+bool agent_pool_holder(agent_pool_t *pool, const agent_desc_t *d, int requested,
+                       agent_pool_holder_t *out);
+/* Removes rank's agent if it is still `agent_id` (and registration, if not 0):
+ * a newer agent, or a newer registration of the same one, may hold the rank. */
+void agent_pool_remove(agent_pool_t *pool, uint32_t rank, const char *agent_id,
+                       uint64_t registration, const char *why);
 /* Marks the agent healthy (dial-back answered, agent reports healthy) or not. */
-void agent_pool_set_healthy(agent_pool_t *pool, uint32_t rank, const char *agent_id, bool healthy);
+void agent_pool_set_healthy(agent_pool_t *pool, uint32_t rank, const char *agent_id,
+                            uint64_t registration, bool healthy);
 void agent_pool_set_allocated(agent_pool_t *pool, uint32_t rank, const char *agent_id,
                               uint64_t bytes);
 /* Keeps the dial-back channel (the pool owns and destroys it from now on) and
  * opens the agent's Execute link on it. A healthy agent always has a link; an
  * agent whose link breaks turns unhealthy. */
 void agent_pool_set_channel(agent_pool_t *pool, uint32_t rank, const char *agent_id,
-                            rpc_channel_t *ch);
+                            uint64_t registration, rpc_channel_t *ch);
 
 /* Queues an instruction for rank (see agent_link_send: the caller keeps ins,
  * its seq field is ignored). Never waits for the agent. Returns 0 and the seq

@@ -141,7 +141,9 @@ static const config_flag_t flags[] = {
     {"server-fault", CONFIG_STRING, NULL,
      "fault injection for tests: plan:slow=MS holds each PlanTransfer's answer MS ms once its "
      "transfer is planned (a lost answer), plan:fail loses it; session:slow=MS holds each "
-     "CreateSession's answer MS ms once its session exists (see core/platform/fault.h)",
+     "CreateSession's answer MS ms once its session exists; remove:slow=MS holds each lost "
+     "agent's removal from the pool MS ms, remove:fail leaves it to the registry's sweeper "
+     "(see core/platform/fault.h)",
      &opt.server_fault, 0, 0},
     {"max-queued", CONFIG_INT, "8192",
      "flow control: the bound over all sessions together (0: none)", &opt.max_queued, 0, 1LL << 40},
@@ -510,7 +512,8 @@ int main(int argc, char **argv) {
   agent_pool_t *pool = agent_pool_create(&pool_cb);
   registry_opts_t ropts = {.server_id = server_id, .dial_timeout_ms = 3000,
                            .agent_timeout_ms = (int)(opt.agent_timeout * 1000),
-                           .max_agents = (int)opt.max_agents};
+                           .max_agents = (int)opt.max_agents,
+                           .fault = server_fault_on ? &server_fault : NULL};
   cluster_registry_opts(cluster, &ropts);
   if (pool) {
     agent_pool_set_max_agents(pool, (int)opt.max_agents);

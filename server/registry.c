@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "agent_link.h"
+#include "fault.h"
 #include "log.h"
 #include "runtime.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -22,10 +23,12 @@ typedef struct conn {
   int rank;              /* -1 until admitted */
   char agent_id[64];
   char address[256];
+  uint64_t registration; /* its agent_desc_t.registration once admitted */
   /* Under the registry's mu. dialed: the dial-back answered and the agent was
    * marked healthy, so from now on an unhealthy agent has lost its link.
-   * ending: the registry asked the call to end (once). */
-  bool dialed, ending;
+   * ending: the registry asked the call to end (once). admitting: a dialer
+   * admits it once the agent gone from its rank is removed (take_over). */
+  bool dialed, ending, admitting;
   /* Under the registry's mu: a message came (REGISTRY_FIRST_MESSAGE_MS), and
    * when the call opened (CLOCK_MONOTONIC, ms). */
   bool heard;
@@ -33,15 +36,18 @@ typedef struct conn {
   /* Its agent's removal, off the rpc loop (remove_agent): the conn goes with it. */
   struct registry *reg;
   const char *gone_why;
+  int slow_ms; /* --server-fault remove:slow=MS: the removal waits that long first */
 } conn_t;
 
+/* A dialer's job: dial an admitted agent back, or first admit it (take_over:
+ * its rank, or its agent id, is still held by an agent known gone). */
 typedef struct job {
   struct job *next;
   rpc_call_t *call;      /* referenced */
-  uint32_t rank;
-  char agent_id[64];
-  char address[256];
-  char secret[SECRET_HEX_LEN + 1];
+  bool admit;            /* take_over first */
+  int requested;         /* the RegisterRequest's rank, for admit */
+  uint32_t rank;         /* once admitted */
+  agent_desc_t d;        /* id, address, call secret, registration */
 } job_t;
 
 struct registry {
@@ -59,7 +65,9 @@ struct registry {
   bool sweeper_started;
   int removals;             /* removal threads running (remove_agent) */
   conn_t *deferred;         /* removals waiting for the sweeper (remove_agent) */
-  pthread_cond_t removed_cv;
+  uint64_t removed;         /* removals done (remove_now), for take_over's wait */
+  pthread_cond_t removed_cv; /* a removal done */
+  uint64_t registrations;   /* the last agent_desc_t.registration given */
   log_limit_t refusals;
   log_limit_t dial_failures; /* dial-backs that failed (the same bound, apart) */
 };
@@ -182,6 +190,115 @@ static bool host_port(const char *a) {
   return true;
 }
 
+/* The registration call behind `call`, if it is still open. Under r->mu. */
+static conn_t *conn_of_locked(registry_t *r, rpc_call_t *call) {
+  conn_t *c = r->conns;
+  while (c && c->call != call) c = c->next;
+  return c;
+}
+
+/* Adds the agent to the pool and its call's conn, under r->mu (so a call
+ * that ended meanwhile never gets a slot: its on_end would not remove it).
+ * Returns the rank, or -1 with err (the call ended: nothing added). */
+static int add_to_pool(registry_t *r, rpc_call_t *call, const agent_desc_t *d, int requested,
+                       char *err, size_t errlen) {
+  pthread_mutex_lock(&r->mu);
+  conn_t *c = conn_of_locked(r, call);
+  int rank = -1;
+  if (!c) snprintf(err, errlen, "the registration call ended");
+  else rank = agent_pool_add(r->pool, d, requested, err, errlen);
+  if (rank >= 0) {
+    c->rank = rank;
+    c->registration = d->registration;
+    snprintf(c->agent_id, sizeof c->agent_id, "%s", d->agent_id);
+    snprintf(c->address, sizeof c->address, "%s", d->address);
+  }
+  if (c) c->admitting = false;
+  pthread_mutex_unlock(&r->mu);
+  return rank;
+}
+
+/* Logs the admission and answers RegisterAccepted. */
+static void accept_agent(registry_t *r, rpc_call_t *call, const agent_desc_t *d, int rank) {
+  char *peer = rpc_call_peer(call);
+  log_event(LOG_LEVEL_INFO, "registry", &(log_fields_t){LOG_RANK(rank)},
+            "agent %s at %s (%s, pid %u, from %s) registered as rank %d", d->agent_id,
+            d->address, d->device, d->pid, peer ? peer : "?", rank);
+  free(peer);
+  Meshd__V1__RegisterAccepted acc = MESHD__V1__REGISTER_ACCEPTED__INIT;
+  acc.rank = (uint32_t)rank;
+  acc.server_id = r->server_id;
+  Meshd__V1__ServerToAgent out = MESHD__V1__SERVER_TO_AGENT__INIT;
+  out.msg_case = MESHD__V1__SERVER_TO_AGENT__MSG_ACCEPTED;
+  out.accepted = &acc;
+  rpc_call_send(call, &out.base);
+}
+
+/* Hands call's agent to the dialers: to dial back (admitted at rank) or,
+ * with admit, to admit first (take_over). */
+static void queue_job(registry_t *r, rpc_call_t *call, const agent_desc_t *d, int rank,
+                      bool admit, int requested) {
+  job_t *j = calloc(1, sizeof *j);
+  if (!j) {
+    reject(r, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  j->call = call;
+  j->admit = admit;
+  j->requested = requested;
+  j->rank = (uint32_t)rank;
+  j->d = *d;
+  rpc_call_ref(call);
+  pthread_mutex_lock(&r->mu);
+  if (r->jobs_tail) r->jobs_tail->next = j;
+  else r->jobs = j;
+  r->jobs_tail = j;
+  pthread_cond_signal(&r->jobs_cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+/* Ends the registration of c, whose agent lost its Execute link (so that it
+ * registers again). Under r->mu. */
+static void end_lost_locked(registry_t *r, conn_t *c) {
+  c->ending = true;
+  /* A server that stops ends its local agents' links itself: not a loss. */
+  log_event(agent_links_stopping() ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, "registry",
+            &(log_fields_t){LOG_RANK(c->rank)},
+            "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
+            "within %.1f s, or the link broke): ending its registration so that it registers "
+            "again", c->rank, c->address, c->agent_id, r->o.agent_timeout_ms / 1000.0);
+  rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL,
+                  "the server lost its link to this agent (no keepalive answer within %.1f s, "
+                  "or the Execute stream broke); register again",
+                  r->o.agent_timeout_ms / 1000.0);
+}
+
+typedef enum { HOLDER_NONE, HOLDER_LIVE, HOLDER_GONE } holder_t;
+
+/* Whether the agent in the way of registering d (agent_pool_holder) is gone:
+ * its registration call ended (its removal runs, or has yet to), or it was
+ * dialed back and has lost its link since (its call is ended here, as the
+ * sweeper would at its next turn). A live agent's rank or id is never taken:
+ * only the registry ends a registration, and it ends only these. */
+static holder_t holder(registry_t *r, const agent_desc_t *d, int requested) {
+  agent_pool_holder_t h;
+  /* The pool is read under r->mu, as sweep() does: a conn seen dialed here was
+   * healthy before this look, so unhealthy now means its link broke. */
+  pthread_mutex_lock(&r->mu);
+  holder_t v = HOLDER_NONE;
+  if (agent_pool_holder(r->pool, d, requested, &h)) {
+    conn_t *c = r->conns;
+    while (c && !(c->rank == (int)h.rank && c->registration == h.registration)) c = c->next;
+    if (h.leaving || !c || c->ending) v = HOLDER_GONE;
+    else if (c->dialed && !h.healthy) {
+      end_lost_locked(r, c);
+      v = HOLDER_GONE;
+    } else v = HOLDER_LIVE;
+  }
+  pthread_mutex_unlock(&r->mu);
+  return v;
+}
+
 static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *req) {
   if (!req->agent_id || !*req->agent_id || strlen(req->agent_id) >= sizeof c->agent_id)
     { reject(r, c->call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest.agent_id must be 1..63 characters"); return; }
@@ -238,41 +355,28 @@ static void admit(registry_t *r, conn_t *c, const Meshd__V1__RegisterRequest *re
   d.instructions = req->instructions;
   d.data_plane = req->data_plane;
   memcpy(d.call_secret, req->call_secret, SECRET_HEX_LEN + 1);
-  char err[256];
-  int rank = agent_pool_add(r->pool, &d, req->requested_rank, err, sizeof err);
-  if (rank < 0) { reject(r, c->call, GRPC_STATUS_FAILED_PRECONDITION, err); return; }
-  c->rank = rank;
-  snprintf(c->agent_id, sizeof c->agent_id, "%s", d.agent_id);
-  snprintf(c->address, sizeof c->address, "%s", d.address);
-  char *peer = rpc_call_peer(c->call);
-  log_event(LOG_LEVEL_INFO, "registry", &(log_fields_t){LOG_RANK(rank)},
-            "agent %s at %s (%s, pid %u, from %s) registered as rank %d", d.agent_id,
-            d.address, d.device, d.pid, peer ? peer : "?", rank);
-  free(peer);
-
-  Meshd__V1__RegisterAccepted acc = MESHD__V1__REGISTER_ACCEPTED__INIT;
-  acc.rank = (uint32_t)rank;
-  acc.server_id = r->server_id;
-  Meshd__V1__ServerToAgent out = MESHD__V1__SERVER_TO_AGENT__INIT;
-  out.msg_case = MESHD__V1__SERVER_TO_AGENT__MSG_ACCEPTED;
-  out.accepted = &acc;
-  rpc_call_send(c->call, &out.base);
-
-  job_t *j = calloc(1, sizeof *j);
-  if (!j) { reject(r, c->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory"); return; }
-  j->call = c->call;
-  j->rank = (uint32_t)rank;
-  memcpy(j->agent_id, c->agent_id, sizeof j->agent_id);
-  memcpy(j->address, c->address, sizeof j->address);
-  memcpy(j->secret, d.call_secret, sizeof j->secret);
-  memset(&d, 0, sizeof d);
-  rpc_call_ref(c->call);
   pthread_mutex_lock(&r->mu);
-  if (r->jobs_tail) r->jobs_tail->next = j;
-  else r->jobs = j;
-  r->jobs_tail = j;
-  pthread_cond_signal(&r->jobs_cv);
+  d.registration = ++r->registrations;
   pthread_mutex_unlock(&r->mu);
+  char err[256];
+  int rank = add_to_pool(r, c->call, &d, req->requested_rank, err, sizeof err);
+  if (rank >= 0) {
+    accept_agent(r, c->call, &d, rank);
+    queue_job(r, c->call, &d, rank, false, -1);
+  } else if (holder(r, &d, req->requested_rank) != HOLDER_LIVE) {
+    /* Its rank (or its id) is held by an agent already gone whose removal
+     * has not run yet (an agent restarted at once, one that registers again
+     * after its link broke), or was until just now: a dialer admits it once
+     * the removal is done, rather than refusing it until then. Off the loop:
+     * that waits. */
+    pthread_mutex_lock(&r->mu);
+    c->admitting = true;
+    pthread_mutex_unlock(&r->mu);
+    queue_job(r, c->call, &d, -1, true, req->requested_rank);
+  } else {
+    reject(r, c->call, GRPC_STATUS_FAILED_PRECONDITION, err);
+  }
+  memset(&d, 0, sizeof d);
 }
 
 static void on_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -301,6 +405,8 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   if (!c) return;
   pthread_mutex_lock(&r->mu);
   c->heard = true;
+  /* A dialer may admit it (take_over): its rank is written under mu. */
+  bool registered = c->rank >= 0 || c->admitting;
   pthread_mutex_unlock(&r->mu);
   if (!msg) { /* the agent said goodbye */
     rpc_call_finish(call, GRPC_STATUS_OK, NULL, "goodbye");
@@ -309,18 +415,22 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   const Meshd__V1__AgentToServer *m = (const void *)msg;
   switch (m->msg_case) {
     case MESHD__V1__AGENT_TO_SERVER__MSG_HELLO:
-      if (c->rank >= 0) {
+      if (registered) {
         reject(r, call, GRPC_STATUS_INVALID_ARGUMENT, "RegisterRequest sent twice on one call");
         return;
       }
       admit(r, c, m->hello);
       return;
     case MESHD__V1__AGENT_TO_SERVER__MSG_STATUS:
-      if (c->rank < 0) {
+      if (!registered) {
         reject(r, call, GRPC_STATUS_INVALID_ARGUMENT, "AgentStatus before RegisterRequest");
         return;
       }
-      agent_pool_set_allocated(r->pool, (uint32_t)c->rank, c->agent_id, m->status->allocated_bytes);
+      pthread_mutex_lock(&r->mu);
+      int rank = c->rank;
+      pthread_mutex_unlock(&r->mu);
+      if (rank >= 0) /* else still being admitted: its next status counts */
+        agent_pool_set_allocated(r->pool, (uint32_t)rank, c->agent_id, m->status->allocated_bytes);
       return;
     default:
       reject(r, call, GRPC_STATUS_INVALID_ARGUMENT,
@@ -328,10 +438,20 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
   }
 }
 
-/* Takes c's agent out of the pool and frees c. */
+/* Takes c's agent out of the pool and frees c; wakes the registrations that
+ * wait for that (take_over). */
 static void remove_now(conn_t *c) {
-  agent_pool_remove(c->reg->pool, (uint32_t)c->rank, c->agent_id, c->gone_why);
+  registry_t *r = c->reg;
+  if (c->slow_ms > 0) { /* --server-fault remove:slow=MS */
+    struct timespec ts = {c->slow_ms / 1000, (long)(c->slow_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  agent_pool_remove(r->pool, (uint32_t)c->rank, c->agent_id, c->registration, c->gone_why);
   free(c);
+  pthread_mutex_lock(&r->mu);
+  r->removed++;
+  pthread_cond_broadcast(&r->removed_cv);
+  pthread_mutex_unlock(&r->mu);
 }
 
 static void *remover(void *arg) {
@@ -352,12 +472,16 @@ static void *remover(void *arg) {
 static void remove_agent(registry_t *r, conn_t *c, const char *why) {
   c->reg = r;
   c->gone_why = why;
+  int ms = 0;
+  fault_action_t fault = fault_hit(r->o.fault, "remove", -1, &ms);
+  c->slow_ms = fault == FAULT_SLOW ? ms : 0;
   if (!rpc_on_loop_thread()) {
     remove_now(c);
     return;
   }
   pthread_mutex_lock(&r->mu);
-  if (runtime_spawn_detached(remover, c) == 0) {
+  /* remove:fail: as if no thread could be had (tests of the sweeper's turn) */
+  if (fault != FAULT_FAIL && runtime_spawn_detached(remover, c) == 0) {
     r->removals++;
   } else {
     c->next = r->deferred;
@@ -399,13 +523,6 @@ static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
   rpc_call_unref(call);
 }
 
-/* The registration call behind `call`, if it is still open. Under r->mu. */
-static conn_t *conn_of_locked(registry_t *r, rpc_call_t *call) {
-  conn_t *c = r->conns;
-  while (c && c->call != call) c = c->next;
-  return c;
-}
-
 /* Dials an admitted agent back; marks it healthy if the right process answers. */
 static void dial(registry_t *r, job_t *j) {
   if (rpc_call_ended(j->call)) return;
@@ -418,14 +535,14 @@ static void dial(registry_t *r, job_t *j) {
                                                    : r->o.agent_tls.on       ? 2000
                                                                              : 0,
                              .tls = r->o.agent_tls};
-  rpc_channel_t *ch = rpc_channel_create(j->address, &opts);
+  rpc_channel_t *ch = rpc_channel_create(j->d.address, &opts);
   Meshd__Agent__V1__HelloRequest req = MESHD__AGENT__V1__HELLO_REQUEST__INIT;
-  req.agent_id = j->agent_id;
+  req.agent_id = j->d.agent_id;
   req.rank = j->rank;
   req.server_id = r->server_id;
   ProtobufCMessage *resp = NULL;
   rpc_status_t st = {0};
-  rpc_md_t md = {SECRET_AGENT_MD, j->secret};
+  rpc_md_t md = {SECRET_AGENT_MD, j->d.call_secret};
   grpc_status_code code =
       ch ? rpc_unary(ch, "/meshd.agent.v1.Agent/Hello", &req.base,
                      &meshd__agent__v1__hello_reply__descriptor, &resp, &md, 1,
@@ -434,12 +551,16 @@ static void dial(registry_t *r, job_t *j) {
   if (!ch) snprintf(st.message, sizeof st.message, "cannot make a channel (cluster TLS files?)");
   else if (code == GRPC_STATUS_UNAUTHENTICATED)
     snprintf(st.message, sizeof st.message, "%s answered UNAUTHENTICATED: it is not the agent "
-             "that registered (another agent's address?)", j->address);
+             "that registered (another agent's address?)", j->d.address);
   if (code == GRPC_STATUS_OK) {
     const Meshd__Agent__V1__HelloReply *rep = (const void *)resp;
-    if (strcmp(rep->agent_id, j->agent_id) == 0) {
-      agent_pool_set_channel(r->pool, j->rank, j->agent_id, ch);
-      agent_pool_set_healthy(r->pool, j->rank, j->agent_id, true);
+    if (strcmp(rep->agent_id, j->d.agent_id) == 0) {
+      /* This registration's slot only: its call may have ended since the
+       * check above, and the agent registered again at the same rank with the
+       * same id; that registration has a dial-back of its own, and this
+       * channel, installed there, would replace its link (a loss). */
+      agent_pool_set_channel(r->pool, j->rank, j->d.agent_id, j->d.registration, ch);
+      agent_pool_set_healthy(r->pool, j->rank, j->d.agent_id, j->d.registration, true);
       protobuf_c_message_free_unpacked(resp, NULL);
       pthread_mutex_lock(&r->mu);
       conn_t *c = conn_of_locked(r, j->call);
@@ -447,20 +568,21 @@ static void dial(registry_t *r, job_t *j) {
       pthread_mutex_unlock(&r->mu);
       return;
     }
-    snprintf(st.message, sizeof st.message, "%s answered as agent %s", j->address, rep->agent_id);
+    snprintf(st.message, sizeof st.message, "%s answered as agent %s", j->d.address,
+             rep->agent_id);
     protobuf_c_message_free_unpacked(resp, NULL);
   }
   int held = 0; /* an open registry dials whatever address anyone registers: bounded */
   if (log_allow(&r->dial_failures, 10, 10000, &held)) {
     if (held)
       log_warn("registry", "cannot dial agent rank %u back at %s: %s (and %d more failed in the "
-               "last 10 s, not logged)", j->rank, j->address, st.message, held);
+               "last 10 s, not logged)", j->rank, j->d.address, st.message, held);
     else
-      log_warn("registry", "cannot dial agent rank %u back at %s: %s", j->rank, j->address,
+      log_warn("registry", "cannot dial agent rank %u back at %s: %s", j->rank, j->d.address,
                st.message);
   }
   rpc_call_finish(j->call, GRPC_STATUS_FAILED_PRECONDITION, NULL,
-                  "the server could not reach the agent at %s (%s); check --advertise", j->address,
+                  "the server could not reach the agent at %s (%s); check --advertise", j->d.address,
                   st.message);
   rpc_channel_destroy(ch);
 }
@@ -490,20 +612,52 @@ static void sweep(registry_t *r) {
       continue;
     }
     if (!c->dialed || c->ending || ((size_t)c->rank < world && healthy[c->rank])) continue;
-    c->ending = true;
-    /* A server that stops ends its local agents' links itself: not a loss. */
-    log_event(agent_links_stopping() ? LOG_LEVEL_INFO : LOG_LEVEL_WARN, "registry",
-              &(log_fields_t){LOG_RANK(c->rank)},
-              "agent rank %d (%s, %s) lost its Execute link (no keepalive answer "
-              "within %.1f s, or the link broke): ending its registration so that it registers "
-              "again", c->rank, c->address, c->agent_id, r->o.agent_timeout_ms / 1000.0);
-    rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL,
-                    "the server lost its link to this agent (no keepalive answer within %.1f s, "
-                    "or the Execute stream broke); register again",
-                    r->o.agent_timeout_ms / 1000.0);
+    end_lost_locked(r, c);
   }
   pthread_mutex_unlock(&r->mu);
   free(healthy);
+}
+
+/* Admits j's agent once the agent gone from its way (holder(): its rank, or
+ * its id) is removed: it waits for removals, up to REGISTRY_TAKEOVER_MS, and
+ * refuses as the pool does if that holder turns out live or is not removed
+ * by then. Returns true when admitted (j->rank set). On a dialer. */
+static bool take_over(registry_t *r, job_t *j) {
+  int64_t end = mono_ms() + REGISTRY_TAKEOVER_MS;
+  char err[256];
+  holder_t last = HOLDER_GONE;
+  for (;;) {
+    pthread_mutex_lock(&r->mu);
+    uint64_t seen = r->removed;
+    pthread_mutex_unlock(&r->mu);
+    int rank = add_to_pool(r, j->call, &j->d, j->requested, err, sizeof err);
+    if (rank >= 0) {
+      j->rank = (uint32_t)rank;
+      accept_agent(r, j->call, &j->d, rank);
+      return true;
+    }
+    if (rpc_call_ended(j->call)) return false;
+    int64_t now = mono_ms();
+    holder_t h = holder(r, &j->d, j->requested);
+    /* None in the way twice: refused for another reason (the pool is full). */
+    if (now >= end || h == HOLDER_LIVE || (h == HOLDER_NONE && last == HOLDER_NONE)) {
+      reject(r, j->call, GRPC_STATUS_FAILED_PRECONDITION, err);
+      return false;
+    }
+    last = h;
+    if (h == HOLDER_NONE) continue; /* it was removed just now: again at once */
+    /* The next removal, or a recheck: a deferred one runs at the sweeper's turn. */
+    struct timespec until;
+    runtime_deadline(&until, CLOCK_MONOTONIC, end - now < REGISTRY_SWEEP_MS ? (int)(end - now)
+                                                                             : REGISTRY_SWEEP_MS);
+    pthread_mutex_lock(&r->mu);
+    while (r->removed == seen && !r->stopping &&
+           pthread_cond_timedwait(&r->removed_cv, &r->mu, &until) != ETIMEDOUT) {
+    }
+    bool stopping = r->stopping;
+    pthread_mutex_unlock(&r->mu);
+    if (stopping) return false;
+  }
 }
 
 /* A dialer: dial-back jobs as they come, one at a time. */
@@ -517,7 +671,7 @@ static void *dialer(void *arg) {
     r->jobs = j->next;
     if (!r->jobs) r->jobs_tail = NULL;
     pthread_mutex_unlock(&r->mu);
-    dial(r, j);
+    if (!j->admit || take_over(r, j)) dial(r, j);
     rpc_call_unref(j->call);
     memset(j, 0, sizeof *j);
     free(j);
@@ -549,6 +703,7 @@ static void stop_threads(registry_t *r) {
   r->stopping = true;
   pthread_cond_broadcast(&r->jobs_cv);
   pthread_cond_broadcast(&r->stop_cv);
+  pthread_cond_broadcast(&r->removed_cv); /* take_over's wait */
   pthread_mutex_unlock(&r->mu);
   for (int i = 0; i < r->ndialers; i++) pthread_join(r->dialers[i], NULL);
   r->ndialers = 0;
@@ -568,10 +723,10 @@ registry_t *registry_create(agent_pool_t *pool, const registry_opts_t *o) {
   if (r->o.max_agents <= 0) r->o.max_agents = agent_pool_max_agents(pool);
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->jobs_cv, NULL);
-  pthread_cond_init(&r->removed_cv, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&r->removed_cv, &ca);
   pthread_cond_init(&r->stop_cv, &ca);
   pthread_condattr_destroy(&ca);
   bool ok = true;

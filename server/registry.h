@@ -19,7 +19,19 @@
  * REGISTRY_DIALERS threads, each bounded by dial_timeout_ms, so registrations
  * whose addresses do not answer delay a real agent's by about their number /
  * REGISTRY_DIALERS times their timeout at most. The agent counts as healthy
- * once its Hello answered. The call's end removes the agent from the pool.
+ * once its Hello answered. The call's end removes the agent from the pool (on
+ * a thread of its own, or at the sweeper's next turn).
+ *
+ * An agent restarted at once, or one that registers again right after its
+ * link broke, finds its rank (or its id) still held by the agent it replaces
+ * while that one's removal has yet to run. The registration then waits for
+ * that removal (up to REGISTRY_TAKEOVER_MS, on a dialer) instead of being
+ * refused: it takes a rank or id only from an agent whose registration call
+ * has ended, or which was dialed back and has lost its link since (whose call
+ * it ends, as the sweeper would). A live agent's rank is refused as before
+ * (FAILED_PRECONDITION "rank N is held by agent ..."). A dial-back acts on its
+ * own registration only (agent_desc_t.registration): the Hello of an attempt
+ * that ended never installs its channel on the agent's next registration.
  *
  * Liveness: the dial-back channel, which the pool keeps for the agent's
  * Execute link, pings the agent every second and gives up after
@@ -37,6 +49,7 @@
 #include <stddef.h>
 
 #include "agent_pool.h"
+#include "fault.h"
 #include "rpc.h"
 #include "secret.h"
 
@@ -49,6 +62,9 @@ typedef struct registry registry_t;
  * opened is ended (DEADLINE_EXCEEDED): an agent sends its RegisterRequest at
  * once; a stranger's silent calls would be held for ever. */
 #define REGISTRY_FIRST_MESSAGE_MS 5000
+/* The longest a registration waits for the removal of the gone agent whose
+ * rank or id it asks for (a removal joins that agent's link threads). */
+#define REGISTRY_TAKEOVER_MS 5000
 
 typedef struct registry_opts {
   const char *server_id;
@@ -62,6 +78,10 @@ typedef struct registry_opts {
   secret_file_t *join_tokens;
   bool require_cluster_cert; /* the call must come with a verified client certificate */
   rpc_tls_t agent_tls;       /* TLS of dial-back channels (cluster mTLS); strings must outlive it */
+  /* --server-fault (tests; NULL: none), which must outlive the registry:
+   * remove:slow=MS holds each agent's removal MS ms, remove:fail leaves it to
+   * the sweeper's next turn (as when no thread can be had). */
+  fault_t *fault;
 } registry_opts_t;
 
 /* pool must outlive the registry. Returns NULL if its threads cannot start. */

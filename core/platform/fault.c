@@ -13,7 +13,7 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
 }
 
 const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "call", "any", "hello", "write", NULL};
-const char *const FAULT_SERVER_PLACES[] = {"plan", "session", NULL};
+const char *const FAULT_SERVER_PLACES[] = {"plan", "session", "remove", NULL};
 
 int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {
   memset(f, 0, sizeof *f);
@@ -63,6 +63,10 @@ int fault_parse(const char *spec, const char *const *places, fault_t *f, char *e
   if (f->action == FAULT_HANG && (!strcmp(f->where, "write") || !strcmp(f->where, "plan"))) {
     snprintf(err, errlen, "fault spec '%s': %s takes fail or slow=MS, not hang (it runs on the "
              "server's call threads: use slow=MS for a late answer)", spec, f->where);
+    return -1;
+  }
+  if (!strcmp(f->where, "remove") && f->action == FAULT_HANG) {
+    snprintf(err, errlen, "fault spec '%s': remove takes fail or slow=MS, not hang", spec);
     return -1;
   }
   if (!strcmp(f->where, "session") && f->action != FAULT_SLOW) {

@@ -9,7 +9,9 @@
  *           slow=MS delays it), or hello (with ACTION old);
  *           the server: plan (a PlanTransfer's answer, once its transfer is
  *           in the table: slow=MS makes a client's deadline pass before it),
- *           session (a CreateSession's answer, once its session exists: slow=MS)
+ *           session (a CreateSession's answer, once its session exists: slow=MS),
+ *           remove (a lost agent's removal from the pool: slow=MS holds it,
+ *           fail leaves it to the registry's sweeper, as when no thread can be had)
  *   ACTION  fail            the instruction fails (REMOTE_FAILURE "injected fault")
  *           hang[=MS]       it blocks, like a wedged device, until the session
  *                           learns of a lost peer or ends (or MS passes; default 1 h);
@@ -46,7 +48,7 @@ typedef struct fault {
 /* The places each program knows ("any" is the agent's reduce and send
  * instructions, the collectives and transfers; not call). */
 extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write */
-extern const char *const FAULT_SERVER_PLACES[]; /* plan, session */
+extern const char *const FAULT_SERVER_PLACES[]; /* plan, session, remove */
 
 /* Parses spec into *f, with WHERE one of places (NULL-terminated). 0, or -1
  * with a message naming what is wrong. */

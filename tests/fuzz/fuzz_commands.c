@@ -76,7 +76,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     d.instructions = i < HEALTHY ? MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL : 0;
     char msg[200];
     FZ_CHECK(agent_pool_add(pool, &d, i, msg, sizeof msg) == i, "%s", msg);
-    if (i < HEALTHY) agent_pool_set_healthy(pool, (uint32_t)i, d.agent_id, true);
+    if (i < HEALTHY) agent_pool_set_healthy(pool, (uint32_t)i, d.agent_id, 0, true);
   }
   FZ_CHECK(agent_pool_healthy(pool) == HEALTHY, "healthy agents");
   fe.pool = pool;

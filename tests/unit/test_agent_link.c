@@ -754,8 +754,8 @@ static void admit(agent_pool_t *p, int rank, const char *id, fake_t *f) {
   snprintf(d.device, sizeof d.device, "cpu");
   char err[256];
   cr_assert_eq(agent_pool_add(p, &d, rank, err, sizeof err), rank, "%s", err);
-  agent_pool_set_channel(p, (uint32_t)rank, id, rpc_channel_create(f->target, &live_peer));
-  agent_pool_set_healthy(p, (uint32_t)rank, id, true);
+  agent_pool_set_channel(p, (uint32_t)rank, id, 0, rpc_channel_create(f->target, &live_peer));
+  agent_pool_set_healthy(p, (uint32_t)rank, id, 0, true);
 }
 
 typedef struct { agent_pool_t *p; uint32_t rank; uint64_t want; } pool_want_t;
@@ -903,7 +903,7 @@ Test(agent_link, pool_lost_agent_fails_waits) {
   cr_assert_eq(agent_pool_executed(p, 0), 20);
 
   /* The agent leaves (its registration ends): no second on_lost. */
-  agent_pool_remove(p, 0, "agent-0", "test");
+  agent_pool_remove(p, 0, "agent-0", 0, "test");
   cr_assert_eq(atomic_load(&obs.lost), 1);
   agent_pool_destroy(p);
   fake_free(a);
@@ -925,7 +925,7 @@ Test(agent_link, pool_replaced_agent_continues_seqs) {
                WATERMARK_PENDING);
 
   /* The old agent leaves with its link healthy but nothing executed. */
-  agent_pool_remove(p, 0, "agent-old", "registration ended");
+  agent_pool_remove(p, 0, "agent-old", 0, "registration ended");
   cr_assert_eq(atomic_load(&obs.lost), 1, "leaving counts as a loss");
   cr_assert(eventually(fired, &f, 1000));
   cr_assert_eq(f.result, WATERMARK_LOST);
@@ -991,7 +991,7 @@ static void on_report_blocking(uint32_t rank, const agent_link_report_t *r, void
 }
 
 static void *remove_rank0(void *p) {
-  agent_pool_remove(p, 0, "agent-0", "registration ended");
+  agent_pool_remove(p, 0, "agent-0", 0, "registration ended");
   return NULL;
 }
 

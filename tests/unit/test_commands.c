@@ -509,7 +509,7 @@ static void setup(void) {
   for (int i = 0; i < 8; i++) {
     char id[32];
     snprintf(id, sizeof id, "agent-%d", i);
-    agent_pool_set_healthy(pool, (uint32_t)i, id, true);
+    agent_pool_set_healthy(pool, (uint32_t)i, id, 0, true);
   }
   cr_assert_eq(agent_pool_healthy(pool), 8);
   fe.pool = pool;
@@ -787,7 +787,7 @@ static void add_eight_more(int old) {
     d.instructions = r >= 16u - (uint32_t)old ? 0 : MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL;
     char msg[200];
     cr_assert_eq(agent_pool_add(pool, &d, (int)r, msg, sizeof msg), (int)r, "%s", msg);
-    agent_pool_set_healthy(pool, r, d.agent_id, true);
+    agent_pool_set_healthy(pool, r, d.agent_id, 0, true);
   }
 }
 
@@ -1871,7 +1871,7 @@ Test(commands, drain_belongs_to_the_rank) {
   cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), 0, "%s", e.msg);
   cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), 0, "%s", e.msg); /* idempotent */
   /* The agent leaves and another registers at rank 2: still drained. */
-  agent_pool_remove(pool, 2, "agent-2", "test");
+  agent_pool_remove(pool, 2, "agent-2", 0, "test");
   agent_desc_t d = {0};
   snprintf(d.agent_id, sizeof d.agent_id, "agent-2b");
   snprintf(d.address, sizeof d.address, "127.0.0.1:2002");
@@ -1883,7 +1883,7 @@ Test(commands, drain_belongs_to_the_rank) {
   for (int i = 0; i < 8; i++) cr_assert_eq(drained[i], i == 2, "rank %d", i);
   free(drained);
   /* Away, it can be undrained (not drained). */
-  agent_pool_remove(pool, 2, "agent-2b", "test");
+  agent_pool_remove(pool, 2, "agent-2b", 0, "test");
   cr_assert_eq(agent_pool_set_drained(pool, 2, true, &e), -1);
   cr_assert_eq(agent_pool_set_drained(pool, 2, false, &e), 0, "%s", e.msg);
 }
@@ -1917,7 +1917,7 @@ static void *turn_healthy(void *arg) {
   char id[32];
   snprintf(id, sizeof id, "racer-%u", t->rank);
   pthread_barrier_wait(&t->h->go);
-  agent_pool_set_healthy(t->h->pool, t->rank, id, true);
+  agent_pool_set_healthy(t->h->pool, t->rank, id, 0, true);
   return NULL;
 }
 
@@ -1938,8 +1938,8 @@ Test(agent_pool, the_last_health_notification_has_the_last_count, .timeout = 60)
     cr_assert_eq(agent_pool_healthy(h.pool), 2);
     cr_assert_eq(atomic_load(&h.last), 2, "round %d: the last notification said %d healthy",
                  round, atomic_load(&h.last));
-    agent_pool_set_healthy(h.pool, 0, "racer-0", false);
-    agent_pool_set_healthy(h.pool, 1, "racer-1", false);
+    agent_pool_set_healthy(h.pool, 0, "racer-0", 0, false);
+    agent_pool_set_healthy(h.pool, 1, "racer-1", 0, false);
     cr_assert_eq(atomic_load(&h.last), 0);
   }
   agent_pool_destroy(h.pool);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "agent_pool.h"
+#include "fault.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "meshd/v1/agent_registry.pb-c.h"
 #include "registry.h"
@@ -19,6 +20,10 @@
 
 #define TOKEN "join-token-0123456789abcdef"
 #define SECRET "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
+/* Another attempt's secret (each attempt of a real agent has its own). */
+#define SECRET2 "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100"
+/* An attempt whose Hello the fake holds until the test lets it answer. */
+#define SECRET_LATE "1111111111111111111111111111111111111111111111111111111111111111"
 
 /* ---------------------------------------------------------------- fake agent */
 
@@ -26,11 +31,22 @@ static struct {
   rpc_server_t *srv;
   char target[64];
   atomic_int hellos, hellos_ok, executes_ok;
+  /* The Hello with SECRET_LATE: held (late_held) until late_go, then answered
+   * (late_answered). */
+  atomic_bool late_held, late_go, late_answered;
+  /* The last Execute call opened, kept (referenced) for a test to end. */
+  _Atomic(rpc_call_t *) execute;
 } fake;
 
 static bool has_secret(rpc_call_t *call) {
   char v[128];
-  return rpc_call_metadata(call, SECRET_AGENT_MD, v, sizeof v) && strcmp(v, SECRET) == 0;
+  return rpc_call_metadata(call, SECRET_AGENT_MD, v, sizeof v) &&
+         (!strcmp(v, SECRET) || !strcmp(v, SECRET2) || !strcmp(v, SECRET_LATE));
+}
+
+static bool is_late(rpc_call_t *call) {
+  char v[128];
+  return rpc_call_metadata(call, SECRET_AGENT_MD, v, sizeof v) && !strcmp(v, SECRET_LATE);
 }
 
 static void fake_hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
@@ -40,11 +56,18 @@ static void fake_hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
     rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, NULL, "no secret");
     return;
   }
+  bool late = is_late(call);
+  if (late) { /* bounded: the test lets it go within seconds */
+    atomic_store(&fake.late_held, true);
+    int64_t end = rpc_now_ms() + 20000;
+    while (!atomic_load(&fake.late_go) && rpc_now_ms() < end) usleep(2000);
+  }
   atomic_fetch_add(&fake.hellos_ok, 1);
   Meshd__Agent__V1__HelloReply r = MESHD__AGENT__V1__HELLO_REPLY__INIT;
   r.agent_id = req->agent_id; /* answers as whoever was asked for */
   r.device = "cpu";
   rpc_call_reply(call, &r.base);
+  if (late) atomic_store(&fake.late_answered, true);
 }
 
 static void fake_execute(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
@@ -52,6 +75,9 @@ static void fake_execute(rpc_call_t *call, const ProtobufCMessage *msg, void *ar
     rpc_call_finish(call, GRPC_STATUS_UNAUTHENTICATED, NULL, "no secret");
     return;
   }
+  rpc_call_ref(call);
+  rpc_call_t *old = atomic_exchange(&fake.execute, call);
+  if (old) rpc_call_unref(old);
   atomic_fetch_add(&fake.executes_ok, 1);
 }
 
@@ -75,6 +101,22 @@ static rpc_server_t *reg_srv;
 static char reg_target[64];
 static secret_file_t *tokens;
 static char token_path[4096];
+/* What the next start_registry uses besides its arguments (a test sets them first). */
+static fault_t reg_fault;
+static bool reg_fault_on;
+static int reg_dial_ms = 3000;
+/* The pool's callbacks: the last healthy count it reported, and losses reported. */
+static atomic_int pool_changed_last = -1, pool_on_lost;
+
+static void pool_changed(int healthy, void *arg) { atomic_store(&pool_changed_last, healthy); }
+static void pool_lost(const agent_lost_t *lost, void *arg) { atomic_fetch_add(&pool_on_lost, 1); }
+
+/* --server-fault SPEC for the next start_registry. */
+static void with_fault(const char *spec) {
+  char err[256];
+  cr_assert_eq(fault_parse(spec, FAULT_SERVER_PLACES, &reg_fault, err, sizeof err), 0, "%s", err);
+  reg_fault_on = true;
+}
 
 static void start_registry(int max_agents, bool with_tokens, bool require_cert) {
   char err[512];
@@ -88,12 +130,14 @@ static void start_registry(int max_agents, bool with_tokens, bool require_cert) 
     tokens = secret_file_open("--join-token-file", token_path, err, sizeof err);
     cr_assert_not_null(tokens, "%s", err);
   }
-  pool = agent_pool_create(NULL);
+  pool = agent_pool_create(&(agent_pool_callbacks_t){.changed = pool_changed,
+                                                     .on_lost = pool_lost});
   agent_pool_set_max_agents(pool, max_agents);
-  registry_opts_t o = {.server_id = "test-server", .dial_timeout_ms = 3000,
+  registry_opts_t o = {.server_id = "test-server", .dial_timeout_ms = reg_dial_ms,
                        .connect_timeout_ms = 2000, /* a busy CI machine */
                        .agent_timeout_ms = 3000, .max_agents = max_agents,
-                       .join_tokens = tokens, .require_cluster_cert = require_cert};
+                       .join_tokens = tokens, .require_cluster_cert = require_cert,
+                       .fault = reg_fault_on ? &reg_fault : NULL};
   registry = registry_create(pool, &o);
   cr_assert_not_null(registry);
   rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
@@ -107,8 +151,12 @@ static void start_registry(int max_agents, bool with_tokens, bool require_cert) 
 
 static void setup(void) {
   rpc_init();
+  /* As meshd runs: every server on the process loop, where the registry must
+   * not wait (an agent's removal goes to a thread, or to the sweeper). Four
+   * threads: the fake may hold one (a late Hello). */
+  cr_assert_eq(rpc_loop_start(4, NULL), 0);
   char err[256];
-  rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
+  rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 4}; /* one may hold a Hello */
   fake.srv = rpc_server_create(&so, err, sizeof err);
   cr_assert_not_null(fake.srv, "%s", err);
   cr_assert_eq(rpc_server_add_methods(fake.srv, fake_rows, 2, NULL), 0);
@@ -122,6 +170,8 @@ static void teardown(void) {
   rpc_server_destroy(reg_srv);
   registry_destroy(registry);
   agent_pool_destroy(pool);
+  rpc_call_t *ex = atomic_exchange(&fake.execute, NULL);
+  if (ex) rpc_call_unref(ex);
   rpc_server_destroy(fake.srv);
   secret_file_close(tokens);
   if (token_path[0]) unlink(token_path);
@@ -455,4 +505,191 @@ Test(registry, an_agent_out_of_the_pool_is_already_counted_lost) {
   cr_assert_eq(atomic_load(&w.gaps), 0,
                "%d of %d looks at a rank whose agent was out of the pool found it not lost yet",
                atomic_load(&w.gaps), atomic_load(&w.gone_seen));
+}
+
+/* ---------------------------------------------------------------- a rank's next agent */
+
+static bool wait_size(int n, int timeout_ms) {
+  int64_t end = rpc_now_ms() + timeout_ms;
+  while (agent_pool_size(pool) != n) {
+    if (rpc_now_ms() > end) return false;
+    usleep(2000);
+  }
+  return true;
+}
+
+/* The agent_id of rank's agent ("" if none), from the ListAgents snapshot. */
+static void agent_at(uint32_t rank, char *id, size_t len) {
+  Meshd__V1__AgentInfo **infos = NULL;
+  size_t n = 0;
+  cr_assert_eq(agent_pool_snapshot(pool, &infos, &n), 0);
+  id[0] = '\0';
+  for (size_t i = 0; i < n; i++)
+    if (infos[i]->rank == rank) snprintf(id, len, "%s", infos[i]->agent_id);
+  agent_pool_snapshot_free(infos, n);
+}
+
+/* An agent restarted at once (Kubernetes restarts a crashed container in about a
+ * second) asks for its rank while the removal of the agent it replaces has yet to
+ * run (held here 1 s): it was refused ("rank 0 is held by agent-a", then "still
+ * being released") and had to retry. It waits for that removal instead; a live
+ * agent's rank is refused as before. */
+Test(registry, an_agent_restarted_at_once_gets_its_rank_while_the_old_removal_is_pending) {
+  with_fault("remove:slow=1000");
+  start_registry(8, true, false);
+  reg_call_t a, b, c;
+  reg_open(&a, TOKEN, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(a.rank, 0, "%d %s", a.st.code, a.st.message);
+  cr_assert(wait_healthy(1, 5000));
+
+  reg_open(&b, TOKEN, "agent-b", fake.target, 0, SECRET2); /* agent-a lives */
+  cr_assert_eq(b.st.code, GRPC_STATUS_FAILED_PRECONDITION, "%d %s", b.st.code, b.st.message);
+  cr_assert(strstr(b.st.message, "held by agent agent-a"), "%s", b.st.message);
+  reg_close(&b);
+
+  reg_close(&a); /* killed: its call breaks, its removal is pending */
+  reg_open(&b, TOKEN, "agent-b", fake.target, 0, SECRET2);
+  cr_assert_eq(b.rank, 0, "refused: %d %s", b.st.code, b.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  char id[64];
+  agent_at(0, id, sizeof id);
+  cr_assert_str_eq(id, "agent-b");
+  cr_assert_eq(agent_pool_losses(pool), 1, "agent-a's loss counted %llu times",
+               (unsigned long long)agent_pool_losses(pool));
+
+  /* The same agent registering again at once (its call broke): "agent-b is
+   * already registered" until the removal ran. */
+  reg_close(&b);
+  reg_open(&c, TOKEN, "agent-b", fake.target, 0, SECRET);
+  cr_assert_eq(c.rank, 0, "refused: %d %s", c.st.code, c.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  cr_assert_eq(agent_pool_size(pool), 1);
+  reg_close(&c);
+}
+
+/* Its link broke (the Execute call ended): the agent is gone though its
+ * registration call is still open until the sweeper's next turn. A replacement
+ * asking for its rank ends that call itself and takes the rank. */
+Test(registry, an_agent_whose_link_broke_is_replaced_without_waiting_for_the_sweeper) {
+  with_fault("remove:slow=1000");
+  start_registry(8, true, false);
+  reg_call_t a, b;
+  reg_open(&a, TOKEN, "agent-a", fake.target, 3, SECRET);
+  cr_assert_eq(a.rank, 3);
+  cr_assert(wait_healthy(1, 5000));
+  int64_t end = rpc_now_ms() + 5000;
+  while (!atomic_load(&fake.execute) && rpc_now_ms() < end) usleep(2000);
+  rpc_call_t *ex = atomic_exchange(&fake.execute, NULL);
+  cr_assert_not_null(ex);
+  rpc_call_finish(ex, GRPC_STATUS_UNAVAILABLE, NULL, "the agent's link breaks");
+  rpc_call_unref(ex);
+  end = rpc_now_ms() + 5000;
+  while (agent_pool_healthy(pool) > 0 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(agent_pool_healthy(pool), 0);
+
+  reg_open(&b, TOKEN, "agent-b", fake.target, 3, SECRET2);
+  cr_assert_eq(b.rank, 3, "refused: %d %s", b.st.code, b.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  /* agent-a's registration was ended, telling it to register again. */
+  ProtobufCMessage *out = NULL;
+  cr_assert_eq(rpc_stream_read(a.s, &meshd__v1__server_to_agent__descriptor, &out, 5000), 0);
+  rpc_stream_finish(a.s, &a.st);
+  cr_assert_eq(a.st.code, GRPC_STATUS_UNAVAILABLE, "%d %s", a.st.code, a.st.message);
+  cr_assert(strstr(a.st.message, "register again"), "%s", a.st.message);
+  cr_assert_eq(agent_pool_losses(pool), 1);
+  reg_close(&a);
+  reg_close(&b);
+}
+
+/* A lost agent is removed once, whichever thread removes it: a thread of its
+ * own, or (no thread to be had: remove:fail) the sweeper's next turn. Removed,
+ * its slot is free (ListAgents, the registered gauge), the healthy count (the
+ * meshd_agents gauge, TensorService's health) says 0, a mesh with its rank sees
+ * it lost, and its loss counts once. Removed twice, the second removal took the
+ * slot of the agent's own next registration (same id, same rank). */
+static void a_lost_agent_is_removed_once(const char *fault) {
+  if (fault) with_fault(fault);
+  start_registry(8, true, false);
+  reg_call_t a, again;
+  reg_open(&a, TOKEN, "agent-a", fake.target, 1, SECRET);
+  cr_assert_eq(a.rank, 1);
+  cr_assert(wait_healthy(1, 5000));
+  uint64_t since = agent_pool_losses(pool);
+  reg_close(&a);
+  cr_assert(wait_size(0, 5000), "the lost agent was never removed");
+  char id[64];
+  agent_at(1, id, sizeof id);
+  cr_assert_str_eq(id, "");
+  cr_assert_eq(agent_pool_healthy(pool), 0);
+  int64_t end = rpc_now_ms() + 5000; /* told after the removal's lock is let go */
+  while (atomic_load(&pool_changed_last) != 0 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(atomic_load(&pool_changed_last), 0);
+  uint32_t rank = 1;
+  meshd_error_t e;
+  cr_assert_eq(agent_pool_check_lost(pool, &rank, 1, since, "Test", &e), -1,
+               "a mesh with rank 1 does not see its agent lost");
+  cr_assert_eq(agent_pool_losses(pool), since + 1);
+
+  reg_open(&again, TOKEN, "agent-a", fake.target, 1, SECRET2);
+  cr_assert_eq(again.rank, 1, "%d %s", again.st.code, again.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  usleep(3 * REGISTRY_SWEEP_MS * 1000); /* a second removal would come at a sweeper's turn */
+  cr_assert_eq(agent_pool_size(pool), 1, "the agent's next registration was removed");
+  cr_assert_eq(agent_pool_healthy(pool), 1);
+  cr_assert_eq(agent_pool_losses(pool), since + 1);
+  cr_assert_eq(atomic_load(&pool_on_lost), 1, "the loss was reported %d times",
+               atomic_load(&pool_on_lost));
+  reg_close(&again);
+}
+
+Test(registry, a_lost_agent_is_removed_once_on_a_thread_of_its_own) {
+  a_lost_agent_is_removed_once(NULL);
+}
+
+Test(registry, a_lost_agent_is_removed_once_by_the_sweeper_when_no_thread_can_be_had) {
+  a_lost_agent_is_removed_once("remove:fail");
+}
+
+/* The dial-back of an attempt whose call has ended answers late, after the agent
+ * registered again (same id, same rank) and its new registration was dialed back.
+ * That old Hello installed its channel on the new registration, replacing its
+ * Execute link: a loss (sessions' instructions on it failed AGENT_LOST) and a
+ * second link. It acts on its own registration only, which is gone. */
+Test(registry, a_late_dial_back_of_an_ended_attempt_leaves_the_next_registration_alone) {
+  reg_dial_ms = 15000; /* the late Hello is held a few seconds at most */
+  start_registry(8, true, false);
+  reg_call_t a, b;
+  reg_open(&a, TOKEN, "agent-x", fake.target, 0, SECRET_LATE);
+  cr_assert_eq(a.rank, 0);
+  int64_t end = rpc_now_ms() + 5000;
+  while (!atomic_load(&fake.late_held) && rpc_now_ms() < end) usleep(2000);
+  cr_assert(atomic_load(&fake.late_held), "the dial-back never came");
+  reg_close(&a); /* the attempt ends while its Hello is out */
+  cr_assert(wait_size(0, 5000));
+
+  reg_open(&b, TOKEN, "agent-x", fake.target, 0, SECRET2);
+  cr_assert_eq(b.rank, 0, "%d %s", b.st.code, b.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  end = rpc_now_ms() + 5000;
+  while (atomic_load(&fake.executes_ok) < 1 && rpc_now_ms() < end) usleep(2000);
+  cr_assert_eq(atomic_load(&fake.executes_ok), 1);
+  uint64_t losses = agent_pool_losses(pool);
+
+  atomic_store(&fake.late_go, true);
+  end = rpc_now_ms() + 5000;
+  while (!atomic_load(&fake.late_answered) && rpc_now_ms() < end) usleep(2000);
+  cr_assert(atomic_load(&fake.late_answered));
+  /* What the old dial-back did with its answer shows within this bound: a new
+   * Execute call at the fake, a loss in the pool. */
+  end = rpc_now_ms() + 1500;
+  while (atomic_load(&fake.executes_ok) == 1 && agent_pool_losses(pool) == losses &&
+         rpc_now_ms() < end)
+    usleep(2000);
+  cr_assert_eq(agent_pool_losses(pool), losses, "the late dial-back replaced the link");
+  cr_assert_eq(atomic_load(&fake.executes_ok), 1, "the late dial-back opened a second link");
+  cr_assert_eq(agent_pool_healthy(pool), 1);
+  agent_target_t t;
+  cr_assert_eq(agent_pool_target(pool, 0, 5000, &t), 0);
+  cr_assert_str_eq(t.secret, SECRET2);
+  reg_close(&b);
 }

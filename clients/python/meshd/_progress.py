@@ -25,7 +25,9 @@ For code that moves bytes (tensor.py, load.py):
             send(chunk)
             tr.update(len(chunk))   # bytes moved since the last update
     # (or tr.set(done): bytes moved so far, e.g. polled from the agents of a load;
-    #  tr.note(text): a remark after the bar, "" clears it, a callback is not told)
+    #  tr.note(text): a remark after the bar, "" clears it, a callback is not told;
+    #  tr.again(): the transfer starts over (a retry, the proxy after a direct
+    #  attempt): counted from 0 again, shown on the same bar once past its mark)
 
 Leaving the block normally completes it (bar to total, the callback's done == total);
 leaving it by an exception closes the bar where it stood and calls nothing more.
@@ -84,6 +86,7 @@ class _Tracker:
 
     def __init__(self, total, progress, desc):
         self.total, self.done = int(total), 0
+        self._moved = 0  # update()'s bytes in this attempt (again())
         self._cb = progress if callable(progress) and not isinstance(progress, bool) else None
         self._bar = None
         self._closed = False
@@ -100,8 +103,16 @@ class _Tracker:
         return self._bar is not None or self._cb is not None
 
     def update(self, n):
-        """n more bytes moved."""
-        self.set(self.done + n)
+        """n more bytes moved (in this attempt: see again())."""
+        self._moved += n
+        self.set(self._moved)
+
+    def again(self):
+        """The transfer starts over (an upload planned again, a direct transfer the
+        proxy takes over): what it moves from now on counts from 0 (update(), or set()
+        with this attempt's bytes) and shows only once past what was shown already, on
+        the same bar: the bar and the callback never go back, nor start a second time."""
+        self._moved = 0
 
     def set(self, done):
         """done bytes moved so far (clamped to [previous, total])."""

@@ -18,6 +18,7 @@ generates only tensor_service.proto."""
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import queue
 import re
@@ -92,6 +93,8 @@ def _shard_error(e, what, sh):
     kind, msg = err.kind, err.message
     if _late_grant(e):  # not an auth problem: say what happened and what to do
         msg = f"{_LATE_MSG} ({msg})"
+    elif _nonces_full(e):  # not the session's quota: the agent's, for every client
+        msg = f"{_NONCES_FULL_MSG} ({msg})"
     if kind == "UNAVAILABLE" and not any(k == KIND_MD for k, _ in (e.trailing_metadata() or ())):
         # AGENT_LOST, as the server says of the same break on the proxied path
         kind = "AGENT_LOST"
@@ -264,6 +267,29 @@ def _late_grant(e):
     and a new plan (PlanTransfer) gets grants that are good again."""
     return (e.code() == grpc.StatusCode.PERMISSION_DENIED
             and _LATE_REFUSAL in (e.details() or ""))
+
+
+# An agent's refusal of a grant when its table of grants taken (--max-transfer-nonces,
+# each kept until its start-by time) is full (agent/transfer_grant.c, table_full).
+_NONCES_FULL = "grants are in use on this agent already"
+_NONCES_FULL_MSG = ("the agent has too many transfers in flight (its --max-transfer-nonces "
+                    "table of transfer grants is full); retry later or use data_path=\"proxy\"")
+
+
+def _nonces_full(e):
+    """Whether an agent refused a Read or Write (grpc.RpcError e) only because its
+    table of grants taken is full: nothing moved, and the table empties only as those
+    grants reach their start-by times (--transfer-grant-start-ms, a minute by default),
+    longer than a transfer should wait, so auto takes the proxy for this transfer and
+    direct fails saying so. (Not _reads_full's QUOTA, which is waited out.)"""
+    return (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and _NONCES_FULL in (e.details() or ""))
+
+
+def _refused(err, code, words):
+    """Whether err, a shard's error (_shard_error's MeshdError, or another exception),
+    is its agent's refusal with status code whose message says words."""
+    return isinstance(err, MeshdError) and err.code == code and words in err.message
 
 
 def _reads_full(e):
@@ -481,14 +507,16 @@ class Direct:
             return f"has {n} shards for {len(pieces)} ranks' rows"
         return ""
 
-    def upload(self, hdr, pieces, progress=None, timeout=None, _late_retry=True):
+    def upload(self, hdr, pieces, tr, timeout=None, _late_retry=True):
         """Uploads pieces (byte memoryviews: one per rank with per_rank, else one) as
         UploadHeader hdr (ref already chosen, the session lock held). Returns
-        (the UploadReply-like FinishUploadReply, its progress tracker, which the caller
-        completes), or None when the direct path is not available (nothing was defined;
-        the caller uses the proxy with a new ref). progress (meshd._progress) counts the array's bytes
-        as the proxy does: with per_rank the bytes sent to all agents together, else
-        the bytes every agent got (the slowest's). timeout (default: the session's):
+        (the UploadReply-like FinishUploadReply, tr, which the caller completes), or
+        None when the direct path is not available, or (auto) an agent's table of
+        grants is full (nothing was defined; the caller uses the proxy with a new ref
+        and the same tr, tr.again()). tr (meshd._progress tracker, the caller's: one
+        bar for every attempt) counts the array's bytes as the proxy does: with
+        per_rank the bytes sent to all agents together, else the bytes every agent got
+        (the slowest's); closed when this raises. timeout (default: the session's):
         seconds for the plan, the Writes and FinishUpload together, as the proxy's
         one Upload call. All shards' Writes run at once; the first that fails, the
         progress callback's exception or any exception here (KeyboardInterrupt)
@@ -514,7 +542,6 @@ class Direct:
             return None
         n = len(reply.shards)
         from .tensor import _data_field
-        tr = _progress.tracker(sum(len(p) for p in pieces), progress, "upload")
         lock = threading.Lock()  # tr, sent, failed: from any shard's thread
         stop = threading.Event()  # set by the first error: every shard's chunks end
         failed = []  # the first error: a shard's MeshdError or the progress callback's
@@ -538,6 +565,8 @@ class Direct:
                 yield _data_field(part[off:off + _CHUNK])
                 try:  # runs when gRPC takes the next message
                     with lock:
+                        if stop.is_set():  # (tr may have gone on to another attempt)
+                            return
                         sent[i] += min(_CHUNK, len(part) - off)
                         tr.set(sum(sent) if hdr.per_rank else min(sent))
                 except BaseException as e:
@@ -597,19 +626,21 @@ class Direct:
                                  f"{sh.address}): its reply could not be read ({e!r})"))
                 continue
             receipts[i] = pb.WriteReceipt(rank=sh.rank, bytes=out.get(1, 0), receipt=out.get(2, b""))
-        if failed:
-            with lock:
-                tr.close()  # the bar stops where it stood; the callback hears no more
+        if failed:  # (stop is set: no shard's thread updates tr any more)
             self._abandon_upload(reply.transfer_id)  # the server undoes it at once
-            late = (isinstance(failed[0], MeshdError) and failed[0].kind == "PERMISSION_DENIED"
-                    and _LATE_REFUSAL in failed[0].message)
-            if late and _late_retry and _left(deadline) > 0:
+            if (_refused(failed[0], grpc.StatusCode.PERMISSION_DENIED, _LATE_REFUSAL)
+                    and _late_retry and _left(deadline) > 0):
                 # The Writes started past their grants' start-by time (this process was
                 # paused between plan and Write): nothing was stored. Planned once more,
-                # with a new ref as the proxy's fallback takes (the plan claimed this one).
+                # with a new ref as the proxy's fallback takes (the plan claimed this
+                # one), on the same bar.
                 hdr.ref = s._new_ref()
-                return self.upload(hdr, pieces, progress, timeout=_left(deadline),
-                                   _late_retry=False)
+                tr.again()
+                return self.upload(hdr, pieces, tr, timeout=_left(deadline), _late_retry=False)
+            if self.mode == "auto" and _refused(failed[0], grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                _NONCES_FULL):
+                return None  # an agent's grant table is full: the proxy takes this upload
+            tr.close()  # the bar stops where it stood; the callback hears no more
             raise failed[0]
         try:
             res = self._finish_upload(reply.transfer_id, receipts, deadline)
@@ -746,6 +777,7 @@ class Direct:
             self._reading += 1
             together = self._reading > 1
         wait = 0.005
+        replanned = False
         try:
             while True:
                 try:
@@ -765,10 +797,11 @@ class Direct:
                         self._read(ch, sh, ref, flat, tr, deadline, on_stop)
                     break
                 except grpc.RpcError as e:
-                    again = self._replan_late_fetch(e, reply, deadline)
+                    again = None if replanned else self._replan_late_fetch(e, reply, deadline)
                     if again is not None:  # its grant came too late: a new plan, once
                         reply, ch = again
                         sh = reply.shards[0]
+                        replanned = True
                         continue
                     # The agent's bound on Reads waiting for their seq (64, all sessions):
                     # refused before any byte, its grant kept for a retry; the waiting
@@ -778,6 +811,10 @@ class Direct:
                 time.sleep(wait)
                 wait = min(wait * 2, 0.2)
         except grpc.RpcError as e:
+            if self.mode == "auto" and _nonces_full(e):  # the proxy takes it over, if it may
+                proxied = self._fetch_by_proxy(reply, tr, deadline, on_stop)
+                if proxied is not None:
+                    return proxied
             tr.close()
             self._finish_fetch(reply.transfer_id, quiet=True)
             raise _shard_error(e, "fetch", sh) from None
@@ -805,18 +842,56 @@ class Direct:
         was paused between plan and Read: nothing was read), its old plan given back;
         else None. Only when no command was sent since the first plan (a new plan
         snapshots the tensor where the stream is now: a later in-place command would
-        change the value) and only once."""
-        with self._lock:
-            req, seq = self._fetch_req.pop(reply.transfer_id, (None, None))
-        if req is None or not _late_grant(e) or _left(deadline) <= 0 or seq != self.session._seq:
+        change the value; see _given_back_unchanged)."""
+        if not _late_grant(e) or _left(deadline) <= 0:
             return None
+        with self._given_back_unchanged(reply) as req:
+            # (None: a command since, or auto and the direct path gone meanwhile)
+            return None if req is None else self.fetch_plan(req, deadline)
+
+    @contextlib.contextmanager
+    def _given_back_unchanged(self, reply):
+        """Gives planned fetch reply's plan back (FinishFetch), then yields its
+        FetchRequest with the session's commands held back (its lock) while the block
+        plans it again or fetches it through the server, so that no command sent
+        meanwhile changes the value it gets; or None (the lock not held) when a
+        command was sent since its plan: the fetch cannot be made again with the
+        value its plan snapshot. (A fetch's thread is not the caller's: fetch_shard
+        returned, and the caller may send commands at once.) The plan goes first: its
+        transfer slot may be what the lock's holder waits for (an upload's plan with
+        --session-max-transfers taken)."""
+        s = self.session
+        with self._lock:
+            req, seq = self._fetch_req.get(reply.transfer_id, (None, None))
         self._finish_fetch(reply.transfer_id, quiet=True)
-        again = self.fetch_plan(req, deadline)
-        if again is None:  # (auto, and the direct path is gone meanwhile)
-            return None
-        with self._lock:
-            self._fetch_req.pop(again[0].transfer_id, None)  # once
-        return again
+        if req is None or seq != s._seq:  # (a cheap look first: no wait for the lock)
+            yield None
+            return
+        with s._lock:
+            yield req if seq == s._seq else None
+
+    def _fetch_by_proxy(self, reply, tr, deadline, on_stop=None):
+        """auto: the array of planned fetch reply, its plan given back, read by the
+        proxied Fetch (on tr's bar, which goes on) instead of its Read, which its agent
+        refused before any byte (the agent's grant table is full: _nonces_full); None
+        (the caller raises that refusal) when a command was sent since its plan
+        (_given_back_unchanged). Raises what the Fetch does."""
+        from .tensor import _fetch_finish, _fetch_start
+        s = self.session
+        try:
+            with self._given_back_unchanged(reply) as req:
+                if req is None:
+                    return None
+                call, first = _fetch_start(s, req, _left(deadline))
+        except BaseException as e:
+            tr.close()
+            if _closed_channel(e):
+                raise _closed_error("Fetch") from None
+            raise
+        if on_stop is not None:
+            on_stop(call.cancel)
+        tr.again()
+        return _fetch_finish(s, call, first, tr=tr)
 
     def _read_call(self, ch, sh, ref, deadline):
         """Agent/Read of the shard on ch (a channel of grpc or grpc.aio), by deadline."""

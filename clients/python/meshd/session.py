@@ -67,6 +67,11 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# fetch_shard Futures being planned at once, at most (Session._fetch_placing): the
+# 4 shards of a fetch over 4 agents all at once, and no unbounded threads.
+_PLACING_MAX = 8
+
+
 def _left(deadline):
     """Seconds until deadline (time.monotonic()), at least 0."""
     return max(0.0, deadline - time.monotonic())
@@ -227,6 +232,10 @@ class Session:
         self._close_lock = threading.RLock()  # (a signal handler may close inside a close)
         self._ref = 0
         self._seq = 0
+        # fetch_shard Futures whose place among the commands is not fixed yet (their
+        # plan or Fetch not answered): commands wait for them (_wait_fetches_placed).
+        self._placing = 0
+        self._placed = threading.Condition(threading.Lock())
         self._meshes = {}
         self._streams = {}
         self._pipe = None  # the open Pipeline (session.pipeline()), if any
@@ -312,6 +321,7 @@ class Session:
         self._fork_child = True
         # Locks another thread may have held at the fork (the child has no such thread).
         self._lock, self._close_lock = threading.Lock(), threading.RLock()
+        self._placing, self._placed = 0, threading.Condition(threading.Lock())
         _fork_kept.append((self._ch, self._calls, self._pipe, self._drain,
                            self._direct._forked()))
         self._ch, self._calls = ForkedChannel(), {}
@@ -379,6 +389,7 @@ class Session:
             raise self._closed_error()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
+            self._wait_fetches_placed(deadline)
             pipe = self._pipe
             mine = pipe is not None and pipe.owner == threading.get_ident()
             self._flush_drain(_left(deadline))
@@ -423,6 +434,38 @@ class Session:
                     # a DropBorrow ends it, or is refused UNKNOWN_REF if it never was
                     self._borrow_collected(refs[1], maybe=True)
                 raise
+
+    def _fetch_placing(self, deadline):
+        """A fetch_shard's place among the commands is being fixed (its plan or Fetch
+        sent from its own thread; _fetch_placed() once answered or failed). At most
+        _PLACING_MAX at once: beyond, the caller waits here (by deadline: MeshdError
+        DEADLINE_EXCEEDED) as it waited for each plan before, instead of a thread per
+        fetch polling for the session's transfer slots (--session-max-transfers)."""
+        with self._placed:
+            while self._placing >= _PLACING_MAX:
+                if not self._placed.wait(_left(deadline)) and time.monotonic() >= deadline:
+                    raise MeshdError("DEADLINE_EXCEEDED", f"fetch_shard: {_PLACING_MAX} fetches "
+                                     "were still being planned at its deadline",
+                                     grpc.StatusCode.DEADLINE_EXCEEDED)
+            self._placing += 1
+
+    def _fetch_placed(self):
+        with self._placed:
+            self._placing -= 1
+            self._placed.notify_all()
+
+    def _wait_fetches_placed(self, deadline):
+        """Waits (the caller holds self._lock, by deadline) until every fetch_shard
+        before this command has its plan or Fetch answered: the server snapshots the
+        tensor then, and a command sent before could change the value fetched. The
+        fetches' own threads plan them, all at once, so fetch_shard returns at once
+        (4 shards' plans one after another were 12% of a 64 MiB fetch)."""
+        with self._placed:
+            while self._placing:
+                if not self._placed.wait(_left(deadline)) and time.monotonic() >= deadline:
+                    raise MeshdError("DEADLINE_EXCEEDED", "the command waited past its deadline "
+                                     "for the fetches before it to be planned (fetch_shard)",
+                                     grpc.StatusCode.DEADLINE_EXCEEDED)
 
     def _release_later(self, ref):
         """A handle of ref was garbage-collected (Tensor.__del__): the ref joins the next

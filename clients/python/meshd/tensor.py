@@ -725,12 +725,19 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
         hdr = pb.UploadHeader(ref=ref, mesh=mesh.ref, stream=stream, shape=list(shape),
                               dtype=_dtype_value(pb, name), per_rank=per_rank,
                               total_bytes=total)
+        # One bar (or callback) for every attempt: a direct one, its retry, the proxy.
+        tr = _progress.tracker(total, progress, "upload")
         if s._direct.wanted():  # straight to the agents (meshd/direct.py)
-            done = s._direct.upload(hdr, pieces, progress,
-                                    timeout=max(deadline - time.monotonic(), 0.001))
+            try:
+                done = s._direct.upload(hdr, pieces, tr,
+                                        timeout=max(deadline - time.monotonic(), 0.001))
+            except BaseException:
+                tr.close()
+                raise
             if done is not None:
                 return _uploaded(s, done[0].tensor, done[1])
             hdr.ref = ref = s._new_ref()  # the proxy instead; the plan may have claimed ref
+            tr.again()
 
         aborted = []  # the progress callback's exception, raised in gRPC's thread
 
@@ -746,7 +753,6 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
                     except BaseException as e:  # a short upload: the server refuses it
                         aborted.append(e)
                         return
-        tr = _progress.tracker(total, progress, "upload")
         call = None
         wait = 0.005
         try:
@@ -768,6 +774,7 @@ def tensor(data: ArrayData, shard: str | None = None, dtype: DType | None = None
                     time.sleep(wait)
                     wait = min(wait * 2, 0.2)
                     hdr.ref = ref = s._new_ref()  # the next ref, whatever the refused one's fate
+                    tr.again()  # (msgs() may have counted chunks of the refused call)
                     continue
                 reply = call.result()
                 break
@@ -888,11 +895,16 @@ def _fetch_open(t, coords, timeout=None):
     """Starts the Fetch and waits for its first message, which the server sends once
     it planned the Fetch: commands sent after it cannot change the value fetched.
     Returns (the call, that message); raises MeshdError."""
-    s, pb = t.session, t.session._pb
+    return _fetch_start(t.session, _fetch_request(t, coords), timeout)
+
+
+def _fetch_start(s, req, timeout=None):
+    """_fetch_open of FetchRequest req on session s (a direct fetch that the proxy
+    takes over: meshd/direct.py)."""
+    pb = s._pb
     fn = s._ch.unary_stream(
         _SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
         response_deserializer=lambda raw: _split_data_field(raw) or pb.FetchChunk.FromString(raw))
-    req = _fetch_request(t, coords)
 
     def start():
         call = fn(req, metadata=s._md, timeout=s.timeout if timeout is None else timeout)
@@ -903,11 +915,13 @@ def _fetch_open(t, coords, timeout=None):
         raise MeshdError.from_rpc(e) from None
 
 
-def _fetch_finish(t, call, first, progress=None):
-    """Reads the Fetch into one array, made from the meta (the first message): each
-    chunk is copied once, into its place. progress: see meshd._progress."""
-    pb = t.session._pb
-    out = flat = tr = None
+def _fetch_finish(s, call, first, progress=None, tr=None):
+    """Reads session s's Fetch into one array, made from the meta (the first
+    message): each chunk is copied once, into its place. progress: see
+    meshd._progress; or tr, the tracker of a direct attempt that this Fetch takes
+    over (its bar goes on)."""
+    pb = s._pb
+    out = flat = None
     got = 0
     try:
         for c in itertools.chain([first] if first is not None else [], call):
@@ -927,7 +941,8 @@ def _fetch_finish(t, call, first, progress=None):
                                      f"(t.to(...))")
                 out = np.empty(tuple(c.meta.shape), dtype=_WIRE[name])
                 flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
-                tr = _progress.tracker(len(flat), progress, "fetch")
+                if tr is None:
+                    tr = _progress.tracker(len(flat), progress, "fetch")
         if out is None:
             raise MeshdError("INTERNAL", "Fetch: the server sent no TensorMeta")
         if got != len(flat):
@@ -1055,7 +1070,10 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     back as float32 (exact), or with raw=True as its bits in a uint16 array (which
     meshd.tensor(bits, dtype="bfloat16") uploads as they are). Without coords: the
     first rank (coordinate 0 along every dim), as Monarch. The Future has Monarch's
-    .get() too. (Mesh dims named "timeout", "progress" or "raw" cannot be given here.)"""
+    .get() too. It returns at once: the fetch is planned on its own thread, and the
+    session's next command waits for that, so the value is the tensor's as the
+    commands before this call left it. (Mesh dims named "timeout", "progress" or "raw"
+    cannot be given here.)"""
     _progress.check(progress)
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
@@ -1072,47 +1090,47 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     except MeshdError as e:
         fut.set_exception(e)
         return fut
-    timeout = max(deadline - time.monotonic(), 0.001)
     if not coords:  # Monarch: the first rank
         coords = {d: 0 for d in t.mesh.names}
 
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
-    d = t.session._direct
-    if d.wanted(deadline):  # straight from the agent (meshd/direct.py)
-        try:
-            work = _fetch_direct(t, d, coords, timeout, progress)
-        except (MeshdError, ValueError) as e:
-            fut.set_exception(e)
-            return fut
-        if work is not None:
-            def run():
-                try:
-                    fut.set_result(values(work(fut._on_stop)))
-                except BaseException as e:  # handed to .result()
-                    fut.set_exception(e)
-            fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
-            _workers.run(run)
-            return fut
-    try:  # planned before the next command is sent: that one cannot change the value
-        call, first = _fetch_open(t, coords, timeout)
-    except ValueError as e:
-        if not closed_channel(e):
-            raise
-        fut.set_exception(MeshdError("NO_SESSION", "the session is closed"))
-        return fut
+    s = t.session
+    try:  # the session's next command waits until it is planned
+        s._fetch_placing(deadline)
     except MeshdError as e:
         fut.set_exception(e)
         return fut
-    fut._on_stop(call.cancel)
 
-    def work():
+    def place():
+        """Plans the fetch (direct) or starts it (proxy), on the fetch's thread: what
+        reads it. Commands wait meanwhile (Session._wait_fetches_placed): the value
+        fetched is the tensor's as the commands before fetch_shard left it."""
         try:
-            fut.set_result(values(_fetch_finish(t, call, first, progress)))
+            left = max(deadline - time.monotonic(), 0.001)
+            d = s._direct
+            if d.wanted(deadline):  # straight from the agent (meshd/direct.py)
+                work = _fetch_direct(t, d, coords, left, progress)
+                if work is not None:
+                    return work
+            try:
+                call, first = _fetch_open(t, coords, left)
+            except ValueError as e:
+                if not closed_channel(e):
+                    raise
+                raise MeshdError("NO_SESSION", "the session is closed") from None
+            fut._on_stop(call.cancel)
+            return lambda on_stop: _fetch_finish(s, call, first, progress)
+        finally:
+            s._fetch_placed()
+
+    def run():
+        try:
+            fut.set_result(values(place()(fut._on_stop)))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
     fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
-    _workers.run(work)
+    _workers.run(run)  # (once queued, it runs: a later run() starts a thread if needed)
     return fut
 
 

@@ -3,6 +3,8 @@ against a local server, proxy never does, and a bad value is refused before any
 connection is made. The protocol's refusals are in tests/integration/test_direct.py."""
 
 import contextlib
+import importlib
+import threading
 
 import numpy as np
 import pytest
@@ -156,6 +158,59 @@ def test_a_sharded_upload_copies_no_rank_rows(server, data_path):
             for g in range(2):
                 np.testing.assert_array_equal(meshd.fetch_shard(x, gpu=g).result(), arr[g])
 
+
+
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_fetch_shard_returns_before_its_plan_and_commands_wait_for_it(server, data_path,
+                                                                      monkeypatch):
+    """fetch_shard no longer waits for its plan (direct) or its Fetch's first answer
+    (proxy): the fetch's own thread does, the shards' all at once (one after another
+    they were 12% of a 4-agent fetch). A command sent meanwhile waits for them, so
+    the values fetched are the tensor's as the commands before fetch_shard left it.
+    At most 8 at once: beyond, fetch_shard waits, as it did for each plan (a thread
+    per fetch would poll for the session's transfer slots). (fetch_shard waited for
+    each, here held: it did not return.)"""
+    _tensor = importlib.import_module("meshd.tensor")
+    gate = threading.Event()
+
+    def held(real):
+        def place(*args, **kw):
+            assert gate.wait(5), "fetch_shard waited for its plan"
+            return real(*args, **kw)
+        return place
+    monkeypatch.setattr(_tensor, "_fetch_direct", held(_tensor._fetch_direct))
+    monkeypatch.setattr(_tensor, "_fetch_open", held(_tensor._fetch_open))
+    a = np.arange(6, dtype=np.float32)
+    with meshd.connect(server[0], data_path=data_path, timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(a)
+            twice = t * 2
+            futs = [meshd.fetch_shard(t, gpu=r) for r in (0, 1)]
+            done = []
+            cmd = threading.Thread(target=lambda: done.append(
+                twice.reduce("gpu", "sum", out=t)))  # t := 4a, once both are planned
+            cmd.start()
+            cmd.join(0.3)
+            assert not done and s._placing == 2
+            gate.set()
+            for f in futs:
+                np.testing.assert_array_equal(f.result(20), a)
+            cmd.join(20)
+            assert done
+            np.testing.assert_array_equal(meshd.inspect(t, gpu=1), a * 4)
+            assert s._direct.counts["fetch"] == (3 if data_path == "direct" else 0)
+            # At most 8 are planned at once: the 9th fetch_shard waits for one of them.
+            gate.clear()
+            futs = [meshd.fetch_shard(t, gpu=r % 2) for r in range(8)]
+            ninth = []
+            late = threading.Thread(target=lambda: ninth.append(meshd.fetch_shard(t, gpu=1)))
+            late.start()
+            late.join(0.3)
+            assert not ninth and s._placing == 8
+            gate.set()
+            late.join(20)
+            for f in futs + ninth:
+                np.testing.assert_array_equal(f.result(20), a * 4)
 
 class Stop(Exception):
     pass

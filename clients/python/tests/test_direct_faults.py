@@ -419,6 +419,67 @@ def test_a_fetch_future_cannot_be_cancelled_and_its_thread_raises_nothing(server
     assert not raised, [r.exc_value for r in raised]
 
 
+# ------------------------------------------------------------ an agent's grant table full
+
+def _refused_full(e):
+    """An agent's full grant table said as direct.py says it: its rank, its agent,
+    what is full and what to do."""
+    msg = e.message
+    assert ("rank 0 (agent 127.0.0.1:" in msg and "too many transfers in flight" in msg
+            and "--max-transfer-nonces" in msg and 'data_path="proxy"' in msg), msg
+
+
+@pytest.mark.parametrize("data_path", ["auto", "direct"])
+def test_a_full_agent_grant_table_takes_the_proxy_or_says_so(data_path, monkeypatch):
+    """An agent keeps each direct grant it took until the grant's start-by time (a
+    minute here) in a table of --max-transfer-nonces (2 here); full, it refuses the
+    next Read or Write RESOURCE_EXHAUSTED before any byte moves. auto: that upload and
+    that fetch go through the server instead (right values), unless a command was
+    sent since the fetch's plan (a Fetch now could read a later value); direct: the
+    error names the rank and its agent, says the table is full and what to do. Both
+    failed before with the agent's bare refusal ("2 grants are in use ...")."""
+    addr, proc = start_meshd(1, name=f"meshd-nonces-{data_path}",
+                             env={"MESHD_MAX_TRANSFER_NONCES": "2"})
+    try:
+        with meshd.connect(addr, data_path=data_path, timeout=20) as s:
+            with s.mesh(gpu=1).activate():
+                a = np.arange(1 << 17, dtype=np.float32)  # 512 KiB: an upload, no Literal
+                t = meshd.tensor(a, progress=False)  # the table: a Write's grant ...
+                np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(20), a)  # a Read's
+                assert s._direct.counts == {"upload": 1, "fetch": 1}, s._direct.counts
+                if data_path == "direct":
+                    for move in (lambda: meshd.tensor(a + 1, progress=False),
+                                 lambda: meshd.fetch_shard(t, gpu=0).result(20)):
+                        with pytest.raises(meshd.MeshdError) as e:
+                            move()
+                        _refused_full(e.value)
+                    assert (t * 2).shape == a.shape  # the session goes on
+                    s.sync()
+                    return
+                b = meshd.tensor(a + 1, progress=False)
+                np.testing.assert_array_equal(meshd.fetch_shard(b, gpu=0).result(20), a + 1)
+                np.testing.assert_array_equal(meshd.inspect(t, gpu=0), a)
+                assert s._direct.counts == {"upload": 1, "fetch": 1}, s._direct.counts
+                # The Read held until a command went after the plan: refused, said so.
+                gate = threading.Event()
+                real = _direct.Direct._read
+
+                def held(self, *args, **kw):
+                    assert gate.wait(20)
+                    return real(self, *args, **kw)
+                monkeypatch.setattr(_direct.Direct, "_read", held)
+                f = meshd.fetch_shard(t, gpu=0)
+                t2 = t * 2
+                gate.set()
+                with pytest.raises(meshd.MeshdError) as e:
+                    f.result(20)
+                _refused_full(e.value)
+                monkeypatch.undo()
+                np.testing.assert_array_equal(meshd.inspect(t2, gpu=0), a * 2)
+    finally:
+        stop_meshd(proc)
+
+
 # ------------------------------------------------------------ plans not to follow
 
 def test_a_tls_session_never_sends_to_plaintext_agents(server):

@@ -196,6 +196,46 @@ def test_a_callback_raising_at_the_end_of_an_upload_lets_its_ref_go(server, data
         assert _live(s) == base, "the tensor of the raising callback lives on"
 
 
+
+def test_an_upload_planned_again_keeps_one_bar_and_one_count(fake_tqdm, fast_callbacks,
+                                                             monkeypatch):
+    """A direct upload whose Writes start past their grants' start-by time (the
+    process paused between plan and Write: --transfer-grant-start-ms 200, a 0.5 s
+    pause) is planned once more: its progress goes on, one bar and a callback that
+    never goes back nor ends twice. (The retry made a second bar, its callback
+    counting from 0 again.)"""
+    from conftest import start_meshd, stop_meshd
+    from meshd import direct as _direct
+    real, pauses = _direct.Direct.plan, [0]
+
+    def paused(self, request, deadline):  # the first plan of each upload below
+        reply = real(self, request, deadline)
+        if pauses[0] > 0:
+            pauses[0] -= 1
+            time.sleep(0.5)
+        return reply
+    monkeypatch.setattr(_direct.Direct, "plan", paused)
+    addr, proc = start_meshd(1, name="meshd-late-progress",
+                             flags=("--transfer-grant-start-ms", "200"))
+    try:
+        with meshd.connect(addr, data_path="direct", timeout=20) as s, s.mesh(gpu=1).activate():
+            a = np.arange(N, dtype=np.float32)
+            pauses[0] = 1
+            t = meshd.tensor(a, progress=True)
+            assert pauses[0] == 0 and s._direct.counts["upload"] == 1
+            assert len(fake_tqdm.bars) == 1, [b.n for b in fake_tqdm.bars]
+            bar = fake_tqdm.bars[0]
+            assert bar.n == a.nbytes and bar.closed
+            calls = []
+            pauses[0] = 1
+            t2 = meshd.tensor(a + 1, progress=lambda d, n: calls.append((d, n)))
+            assert pauses[0] == 0 and s._direct.counts["upload"] == 2
+            _check_calls(calls, a.nbytes)
+            np.testing.assert_array_equal(meshd.inspect(t2 - t, gpu=0, progress=False),
+                                          np.ones(N, np.float32))
+    finally:
+        stop_meshd(proc)
+
 def _live(s):
     pb = s._pb
     reply = s._unary("ListSessions", pb.ListSessionsRequest(), pb.ListSessionsReply)
