@@ -1730,7 +1730,7 @@ meshd_err_t meshd_session_call(meshd_session_t *s, const char *op, const meshd_a
 
 static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t input,
                               const char *const *dims, size_t ndims, const char *reduction,
-                              meshd_ref_t mesh, meshd_ref_t *out) {
+                              const meshd_reduce_options_t *o, meshd_ref_t *out) {
   if (!s)
     return MESHD_E_INVALID;
   if (!check_out(s, out, fn))
@@ -1749,25 +1749,38 @@ static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t in
                 dims[i] ? "empty" : "NULL");
       return MESHD_E_INVALID;
     }
-  if (!own_ref(s, fn, "input", -1, input) || !own_ref(s, fn, "mesh", -1, mesh))
+  if (!own_ref(s, fn, "input", -1, input) || !own_ref(s, fn, "mesh", -1, o->mesh) ||
+      !own_ref(s, fn, "out", -1, o->out))
     return MESHD_E_INVALID;
+  /* Into out, or into the input: the result is a tensor the caller holds, so
+   * no ref is made (ref 0: the server's answer names that tensor). The server
+   * checks the pair (its kinds and messages are the ones to pass on). */
+  bool into = o->out || o->inplace;
   Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
-  r.ref = s->next_ref;
+  r.ref = into ? 0 : s->next_ref;
   r.input = input;
   r.reduction = (char *)reduction;
-  r.mesh = mesh;
+  r.mesh = o->mesh;
+  r.out = o->out;
+  r.inplace = o->inplace;
   r.n_dims = ndims;
   r.dims = (char **)dims;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;
   cmd.kind_case = MESHD__V1__COMMAND__KIND_REDUCE;
   cmd.reduce = &r;
-  return execute_new(s, &cmd, out);
+  if (!into)
+    return execute_new(s, &cmd, out);
+  meshd_err_t ret = execute(s, &cmd);
+  if (ret == MESHD_E_OK)
+    *out = o->inplace ? input : o->out;
+  return ret;
 }
 
 meshd_err_t meshd_session_reduce(meshd_session_t *s, meshd_ref_t input, const char *dim,
                                  const char *reduction, meshd_ref_t *out) {
   const char *dims[1] = {dim};
-  return reduce_cmd(s, "meshd_session_reduce", input, dims, dim && *dim ? 1 : 0, reduction, 0,
+  const meshd_reduce_options_t o = MESHD_REDUCE_OPTIONS_INIT;
+  return reduce_cmd(s, "meshd_session_reduce", input, dims, dim && *dim ? 1 : 0, reduction, &o,
                     out);
 }
 
@@ -1778,14 +1791,25 @@ meshd_err_t meshd_session_reduce_onto(meshd_session_t *s, meshd_ref_t input, con
     return MESHD_E_INVALID;
   }
   const char *dims[1] = {dim};
+  const meshd_reduce_options_t o = {.mesh = mesh};
   return reduce_cmd(s, "meshd_session_reduce_onto", input, dims, dim && *dim ? 1 : 0, reduction,
-                    mesh, out);
+                    &o, out);
 }
 
 meshd_err_t meshd_session_reduce_dims(meshd_session_t *s, meshd_ref_t input,
                                       const char *const *dims, size_t ndims,
                                       const char *reduction, meshd_ref_t mesh, meshd_ref_t *out) {
-  return reduce_cmd(s, "meshd_session_reduce_dims", input, dims, ndims, reduction, mesh, out);
+  const meshd_reduce_options_t o = {.mesh = mesh};
+  return reduce_cmd(s, "meshd_session_reduce_dims", input, dims, ndims, reduction, &o, out);
+}
+
+meshd_err_t meshd_session_reduce_with(meshd_session_t *s, meshd_ref_t input,
+                                      const char *const *dims, size_t ndims,
+                                      const char *reduction, const meshd_reduce_options_t *opts,
+                                      meshd_ref_t *result) {
+  const meshd_reduce_options_t none = MESHD_REDUCE_OPTIONS_INIT;
+  return reduce_cmd(s, "meshd_session_reduce_with", input, dims, ndims, reduction,
+                    opts ? opts : &none, result);
 }
 
 meshd_err_t meshd_session_stream(meshd_session_t *s, const char *name, meshd_ref_t *out) {

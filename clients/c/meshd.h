@@ -437,6 +437,33 @@ MESHD_API meshd_err_t meshd_session_reduce_dims(meshd_session_t *session, meshd_
                                                 const char *reduction, meshd_ref_t mesh,
                                                 meshd_ref_t *out);
 
+/* Options of meshd_session_reduce_with; start from MESHD_REDUCE_OPTIONS_INIT. */
+typedef struct meshd_reduce_options {
+  meshd_ref_t mesh; /* the sub-mesh the result goes to, as meshd_session_reduce_onto
+                       (0: every rank of the input's mesh) */
+  meshd_ref_t out;  /* 0: a new tensor; else a tensor of this session the result is
+                       written into (Monarch's out=): of the result's shape and the
+                       input's dtype, on the input's mesh, or on `mesh` when given */
+  bool inplace;     /* the result is written into `input` itself (Monarch's reduce_);
+                       not with out or mesh */
+} meshd_reduce_options_t;
+
+#define MESHD_REDUCE_OPTIONS_INIT {0, 0, false}
+
+/* meshd_session_reduce_dims with options (NULL: MESHD_REDUCE_OPTIONS_INIT):
+ * Monarch's reduce(dims, reduction, mesh=, _inplace=, out=). *result gets the
+ * result's ref: a new one, or out's, or input's in place (then no ref is made
+ * and nothing new needs dropping). The server checks out and inplace: a bad
+ * one (out of another shape or dtype, out not on the result's mesh, inplace
+ * with out or mesh) is MESHD_E_RPC with its kind (SHAPE_MISMATCH,
+ * DTYPE_MISMATCH, WRONG_MESH, BAD_ARGUMENT); an out of another session is
+ * MESHD_E_INVALID, never sent. */
+MESHD_API meshd_err_t meshd_session_reduce_with(meshd_session_t *session, meshd_ref_t input,
+                                                const char *const *dims, size_t ndims,
+                                                const char *reduction,
+                                                const meshd_reduce_options_t *opts,
+                                                meshd_ref_t *result);
+
 /* A new stream named `name` (Monarch's Stream); *out gets its ref. Commands
  * take stream refs where they name one; 0 is the default stream "main". */
 MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char *name,
@@ -577,7 +604,7 @@ MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
  * Execute calls: they are queued and go out together, as one batch Command on
  * one Submit stream per session (docs/protocol.md, Batches), and the call
  * returns at once with MESHD_E_OK. Those are meshd_session_call, _factory,
- * _reduce, _reduce_onto, _to_mesh, _drop, _release, _borrow and _drop_borrow:
+ * _reduce, _reduce_onto, _reduce_dims, _reduce_with, _to_mesh, _drop, _release, _borrow and _drop_borrow:
  * every ref they hand out is chosen by the library before the server answers.
  *
  * The queue goes out when it holds max_batch commands, when max_delay_us

@@ -507,8 +507,16 @@ export class Session {
   /** A catalogue op (ListOps) on args and kwargs; returns the first result's TensorMeta.
    * timeoutMs (default: the session's): past it without an answer, DEADLINE_EXCEEDED. */
   call(op: string, args?: CallArg[], kwargs?: Record<string, CallArg>, options?: { stream?: number; timeoutMs?: number }): Promise<TensorMeta>;
-  /** Reduces `input` over mesh dims (default []: every dim) with `reduction` (default 'sum'). */
-  reduce(input: Ref, dims?: string[], reduction?: Reduction, options?: { scatter?: boolean; stream?: number; mesh?: MeshMeta | Ref }): Promise<TensorMeta>;
+  /**
+   * Reduces `input` over mesh dims (default []: every dim) with `reduction` (default 'sum'):
+   * Monarch's reduce(dims, reduction, scatter, mesh, _inplace, out). `mesh`: a sub-mesh holding
+   * one rank of each reduced group and none of the reduced dims (the result lives there only).
+   * `out`: a tensor of this session the result is written into (on `mesh` when given);
+   * `inplace`: the result is written into `input`. With either, the answer is that tensor
+   * (no new ref). A bad one rejects with the server's kind (SHAPE_MISMATCH, DTYPE_MISMATCH,
+   * WRONG_MESH, BAD_ARGUMENT); an `out` of another session is refused unsent.
+   */
+  reduce(input: Ref, dims?: string[], reduction?: Reduction, options?: { scatter?: boolean; stream?: number; mesh?: MeshMeta | Ref; out?: Ref; inplace?: boolean }): Promise<TensorMeta>;
   /**
    * Waits until everything issued so far ran; rejects with the first run-time error not
    * reported before (.errors holds all), or kind DEADLINE_EXCEEDED past timeoutMs.

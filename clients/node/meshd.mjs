@@ -1244,15 +1244,25 @@ export class Session {
     return res.tensors[0];
   }
 
+  // Monarch's reduce(dims, reduction, scatter, mesh, _inplace, out).
   // mesh: a sub-mesh (MeshMeta or ref) holding one rank of each reduced group and none
   // of the reduced dims, e.g. sliceMesh(m, {gpu: 0}): the result lives there only.
-  async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0, mesh = 0 } = {}) {
+  // out: a tensor of this session the result is written into (on `mesh` when given);
+  // inplace: the result is written into the input. Either way no ref is made (ref 0):
+  // the answer is that tensor's TensorMeta, nothing new to drop. The server checks them
+  // (SHAPE_MISMATCH, DTYPE_MISMATCH, WRONG_MESH, BAD_ARGUMENT: its kind and message).
+  async reduce(input, dims = [], reduction = 'sum', { scatter = false, stream = 0, mesh = 0, out = 0, inplace = false } = {}) {
     this.#own(input, 'reduce', 'input');
     this.#own(mesh, 'reduce', 'mesh');
+    this.#own(out, 'reduce', 'out');
     this.#own(stream, 'reduce', 'stream');
-    const ref = this.newRef();
+    const into = !!out || !!inplace;
+    const ref = into ? 0 : this.newRef();
     const res = await this.execute({
-      reduce: { ref, input: input.ref ?? input, dims, reduction, scatter, stream, mesh: mesh?.ref ?? mesh },
+      reduce: {
+        ref, input: input.ref ?? input, dims, reduction, scatter, stream, mesh: mesh?.ref ?? mesh,
+        out: out?.ref ?? out, inplace: !!inplace,
+      },
     });
     return res.tensors[0];
   }

@@ -2054,6 +2054,105 @@ Test(c_client, reduce_over_several_dims_at_once_onto_a_sub_mesh) {
   meshd_close(c);
 }
 
+/* Asserts that `t`'s 3 values at gpu=`rank` (-1: a mesh without dims) are want's. */
+static void expect_three(meshd_client_t *c, meshd_session_t *s, meshd_ref_t t, int64_t rank,
+                         const double want[3], const char *what) {
+  const char *gpu[] = {"gpu"};
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, t, gpu, &rank, rank >= 0, &v), MESHD_E_OK, "%s: %s", what,
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3, "%s", what);
+  for (size_t i = 0; i < 3; i++)
+    cr_assert_float_eq(v.values[i], want[i], 1e-6, "%s, element %zu", what, i);
+  meshd_values_free(&v);
+}
+
+/* Monarch's reduce(..., out=) and reduce_ (meshd_session_reduce_with): the
+ * result is written into out (onto a sub-mesh too) or into the input, and
+ * *result names that tensor; a bad out gets the server's kind, one of another
+ * session is refused at the call. A {gpu: 2} mesh, rank 0 holding {1, 2, 3},
+ * rank 1 {3, 4, 5}. */
+Test(c_client, reduce_into_out_and_in_place) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-reduce-out", NULL);
+  cr_assert_not_null(s);
+  const char *gpu[] = {"gpu"};
+  int64_t two[] = {2}, at0[] = {0}, shape[] = {3};
+  meshd_ref_t m = 0, one = 0, x = 0, sum = 0, avg = 0, onto = 0, r = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, gpu, two, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_slice_mesh(s, m, gpu, at0, 1, &one), MESHD_E_OK);
+  float data[2 * 3] = {1, 2, 3, 3, 4, 5};
+  meshd_upload_options_t uo = MESHD_UPLOAD_OPTIONS_INIT;
+  uo.per_rank = true;
+  cr_assert_eq(meshd_session_upload_with(s, m, "float32", shape, 1, data, sizeof data, &uo, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  double want_sum[3], want_avg[3], want_max[3];
+  for (int i = 0; i < 3; i++) {
+    want_sum[i] = (double)data[i] + data[3 + i];
+    want_avg[i] = want_sum[i] / 2;
+    want_max[i] = data[i] > data[3 + i] ? data[i] : data[3 + i];
+  }
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", shape, 1, 0, &sum), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", shape, 1, 0, &avg), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, one, "zeros", shape, 1, 0, &onto), MESHD_E_OK);
+
+  meshd_reduce_options_t o = MESHD_REDUCE_OPTIONS_INIT;
+  o.out = sum;
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "sum", &o, &r), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(r, sum, "the result is out itself");
+  o.out = avg;
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "avg", &o, &r), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  o = (meshd_reduce_options_t){.mesh = one, .out = onto};
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "max", &o, &r), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(r, onto);
+  for (int64_t rank = 0; rank < 2; rank++) {
+    expect_three(c, s, sum, rank, want_sum, "sum into out");
+    expect_three(c, s, avg, rank, want_avg, "avg into out");
+  }
+  expect_three(c, s, onto, -1, want_max, "max into out on the sub-mesh");
+
+  /* bad uses: the server's kind and message, nothing written */
+  meshd_ref_t small = 0, foreign = 0;
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", two, 1, 0, &small), MESHD_E_OK);
+  o = (meshd_reduce_options_t){.out = small};
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "sum", &o, &r), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "SHAPE_MISMATCH", "%s",
+                   meshd_last_error(c)->message);
+  o = (meshd_reduce_options_t){.mesh = one, .out = sum}; /* out on the input's mesh */
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "sum", &o, &r), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "WRONG_MESH", "%s", meshd_last_error(c)->message);
+  o = (meshd_reduce_options_t){.out = sum, .inplace = true};
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "sum", &o, &r), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "BAD_ARGUMENT");
+  cr_assert(strstr(meshd_last_error(c)->message, "inplace and out cannot both be given"), "%s",
+            meshd_last_error(c)->message);
+  meshd_session_t *s2 = meshd_session_open(c, "c-reduce-out-2", NULL);
+  cr_assert_not_null(s2);
+  meshd_ref_t m2 = 0;
+  cr_assert_eq(meshd_session_create_mesh(s2, gpu, two, 1, &m2), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s2, m2, "zeros", shape, 1, 0, &foreign), MESHD_E_OK);
+  o = (meshd_reduce_options_t){.out = foreign};
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "sum", &o, &r), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "out (ref"), "%s", meshd_last_error(c)->message);
+  cr_assert(strstr(meshd_last_error(c)->message, "another session"), "%s",
+            meshd_last_error(c)->message);
+  meshd_session_close(s2);
+  expect_three(c, s, sum, 1, want_sum, "out after the refused reduces");
+
+  /* in place: the input holds the sum on every rank */
+  o = (meshd_reduce_options_t){.inplace = true};
+  cr_assert_eq(meshd_session_reduce_with(s, x, gpu, 1, "sum", &o, &r), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(r, x, "in place, the result is the input");
+  for (int64_t rank = 0; rank < 2; rank++)
+    expect_three(c, s, x, rank, want_sum, "sum in place");
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* meshctl --data-path=MODE run SCRIPT: exit status, stderr in err. */
 static int meshctl_data_path(const char *mode, const char *script, char *err, size_t errlen) {
   char spath[128], epath[128], flag[64], bin[512];

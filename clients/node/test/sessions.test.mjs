@@ -4,7 +4,8 @@
 // Each call that takes a handle refuses one of another session, naming the argument; a
 // bare ref (a number, a BigInt, {ref}) too: each session numbers its refs in a span of its
 // own, and a ref it did not hand out is refused.
-// Also: an unknown dtype is BAD_ARGUMENT and a bad shard dim BAD_DIM (DESIGN.md §6).
+// Also: an unknown dtype is BAD_ARGUMENT and a bad shard dim BAD_DIM (DESIGN.md §6);
+// reduce's out and inplace (Monarch's reduce(..., _inplace, out)).
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { startMeshd, stopAll } from '../test-lib/meshd.mjs';
@@ -53,6 +54,7 @@ test('a handle of another session is refused, naming the argument', async () => 
     await refused(a.s.sliceMesh(b.mesh, { gpu: 0 }), 'parent');
     await refused(a.s.reduce(b.x, ['gpu'], 'sum'), 'input');
     await refused(a.s.reduce(a.x, ['gpu'], 'sum', { mesh: b.slice }), 'mesh');
+    await refused(a.s.reduce(a.x, ['gpu'], 'sum', { out: b.x }), 'out');
     await refused(a.s.upload(b.mesh, [2], Float32Array.of(3, 3)), 'mesh');
     await refused(a.s.literal(b.mesh, [2], Float32Array.of(3, 3)), 'mesh');
     await refused(a.s.load(b.mesh, URL_, { dtype: 'DTYPE_FLOAT32', shape: [2] }), 'mesh');
@@ -79,6 +81,7 @@ test('a handle of another session is refused, naming the argument', async () => 
     await refused(a.s.call('add', [a.x, 1], {}, { stream: b.mesh.ref }), 'stream');
     await refused(a.s.factory({ kind: 'ones', mesh: b.mesh.ref, shape: [2] }), 'mesh');
     await refused(a.s.reduce(b.x.ref, ['gpu'], 'sum'), 'input');
+    await refused(a.s.reduce(a.x, ['gpu'], 'sum', { out: b.x.ref }), 'out');
     await refused(a.s.upload(b.mesh.ref, [2], Float32Array.of(3, 3)), 'mesh');
     await refused(a.s.fetch(a.s.nextRef + 1, { gpu: 0 }), 'tensor'); // never handed out
     // the mark is not enumerable: a handle looks as the server sent it
@@ -87,6 +90,54 @@ test('a handle of another session is refused, naming the argument', async () => 
   } finally {
     await a.s.close();
     await b.s.close();
+  }
+});
+
+// p rejects with a MeshdError of `kind` whose message matches re.
+async function rejectsWith(p, kind, re) {
+  await assert.rejects(p, (e) => {
+    assert.ok(e instanceof MeshdError, String(e));
+    assert.equal(e.kind, kind, e.message);
+    assert.match(e.message, re);
+    return true;
+  });
+}
+
+test("reduce's out and inplace write the result into out (onto a sub-mesh too) or the input", async () => {
+  const { s, mesh, slice } = await world(0);
+  try {
+    const data = Float32Array.of(1, 2, 3, 3, 4, 5); // rank 0's, then rank 1's
+    const x = await s.upload(mesh, [3], data, { perRank: true });
+    const [r0, r1] = [[...data.subarray(0, 3)], [...data.subarray(3)]];
+    const sum = r0.map((v, i) => v + r1[i]);
+    const avg = sum.map((v) => v / 2);
+    const max = r0.map((v, i) => Math.max(v, r1[i]));
+    const zeros = (m, shape = [3], dtype = 'DTYPE_FLOAT32') => s.factory({ kind: 'zeros', mesh: m, shape, dtype });
+    const [sumOut, avgOut, maxOut] = [await zeros(mesh), await zeros(mesh), await zeros(slice)];
+    const refs = s.nextRef;
+    assert.equal((await s.reduce(x, ['gpu'], 'sum', { out: sumOut })).ref, sumOut.ref);
+    assert.equal((await s.reduce(x, ['gpu'], 'avg', { out: avgOut })).ref, avgOut.ref);
+    const w = await s.reduce(x, ['gpu'], 'max', { mesh: slice, out: maxOut });
+    assert.deepEqual([w.ref, w.mesh], [maxOut.ref, slice.ref]);
+    assert.equal(s.nextRef, refs, 'into out, no ref is made');
+    for (const gpu of [0, 1]) {
+      assert.deepEqual([...await s.fetch(sumOut, { gpu })], sum);
+      assert.deepEqual([...await s.fetch(avgOut, { gpu })], avg);
+    }
+    assert.deepEqual([...await s.fetch(maxOut, {})], max);
+
+    // bad uses: the server's kind and message; nothing is written
+    await rejectsWith(s.reduce(x, ['gpu'], 'sum', { out: await zeros(mesh, [2]) }), 'SHAPE_MISMATCH', /out has shape/);
+    await rejectsWith(s.reduce(x, ['gpu'], 'sum', { out: await zeros(mesh, [3], 'DTYPE_INT32') }), 'DTYPE_MISMATCH', /out is/);
+    await rejectsWith(s.reduce(x, ['gpu'], 'sum', { mesh: slice, out: sumOut }), 'WRONG_MESH', /out \(tensor/);
+    await rejectsWith(s.reduce(x, ['gpu'], 'sum', { out: sumOut, inplace: true }), 'BAD_ARGUMENT', /inplace and out/);
+    assert.deepEqual([...await s.fetch(sumOut, { gpu: 1 })], sum);
+
+    const y = await s.reduce(x, ['gpu'], 'sum', { inplace: true });
+    assert.equal(y.ref, x.ref, 'in place, the answer is the input');
+    for (const gpu of [0, 1]) assert.deepEqual([...await s.fetch(x, { gpu })], sum);
+  } finally {
+    await s.close();
   }
 });
 

@@ -30,6 +30,9 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const y = await s.call('add', [x, three]);
     const z = await s.call('mul', [y, 0.5], { alpha: { i: 2 } }, { stream: 0 });
     const total = await s.reduce(z, ['gpu'], 'sum', { scatter: false });
+    const into: TensorMeta = await s.reduce(z, ['gpu'], 'avg', { out: total, mesh: mesh.ref });
+    await s.reduce(z, [], 'max', { inplace: true });
+    void into;
     await s.sync({ timeoutMs: 5000 });
     s.setDataPath('direct');
     const path: DataPath = s.dataPath;
@@ -105,6 +108,8 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     await s.factory({ kind: 'one', mesh: mesh.ref, shape: [2] });
     // @ts-expect-error no such reduction
     await s.reduce(z, ['gpu'], 'mean');
+    // @ts-expect-error inplace is a boolean
+    await s.reduce(z, ['gpu'], 'sum', { inplace: 1 });
     // @ts-expect-error not a dtype name
     await s.load(mesh, url, { dtype: 'float32', shape: [2] });
     // @ts-expect-error Uint16Array has no meshd dtype
