@@ -1374,6 +1374,34 @@ static meshd_err_t inspect_index_file(meshd_session_t *s, meshd_ref_t mesh, cons
   return MESHD_E_OK;
 }
 
+/* The version every rank of a raw load (dtype and shape) reads: InspectUrl
+ * size_only, the first agent's now. Unpinned, each rank checked only its own
+ * request: a file rewritten between two ranks' requests loaded old bytes on
+ * one rank and new on another, with no error. *resp gets the reply (the
+ * caller frees it; its version goes into the Load), or stays NULL when the
+ * inspection failed: the load then goes unpinned and a URL the agent cannot
+ * read fails on its ranks, naming each, as it always did (the last error is
+ * left as it was). Only a session refused (NO_SESSION, PERMISSION_DENIED: the
+ * URL's policy too) fails the load here, as Python's meshd.load does. */
+static meshd_err_t raw_version(meshd_session_t *s, meshd_ref_t mesh, const char *url,
+                               ProtobufCMessage **resp) {
+  Meshd__V1__InspectUrlRequest rq = MESHD__V1__INSPECT_URL_REQUEST__INIT;
+  rq.url = (char *)url;
+  rq.mesh = mesh;
+  rq.size_only = true;
+  saved_error_t saved;
+  error_save(s->client, &saved);
+  meshd_err_t ret = call_md(s->client, TS "InspectUrl", &rq.base,
+                            &meshd__v1__inspect_url_reply__descriptor, resp, s->md, s->nmd);
+  if (ret == MESHD_E_OK)
+    return MESHD_E_OK;
+  if (ret == MESHD_E_RPC && (strcmp(s->client->kind, "NO_SESSION") == 0 ||
+                             strcmp(s->client->kind, "PERMISSION_DENIED") == 0))
+    return ret;
+  error_restore(s->client, &saved);
+  return MESHD_E_OK;
+}
+
 meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                const meshd_load_options_t *opts, meshd_ref_t *out) {
   if (!s)
@@ -1409,6 +1437,11 @@ meshd_err_t meshd_session_load(meshd_session_t *s, meshd_ref_t mesh, const char 
     }
     l.n_shape = o.ndim;
     l.shape = (int64_t *)o.shape;
+    meshd_err_t ret = raw_version(s, mesh, url, &resp);
+    if (ret != MESHD_E_OK)
+      return ret;
+    if (resp) /* its size is not pinned: a raw file of another size fails on the ranks */
+      l.version = ((const Meshd__V1__InspectUrlReply *)resp)->version;
   } else {
     Meshd__V1__InspectUrlRequest rq = MESHD__V1__INSPECT_URL_REQUEST__INIT;
     rq.url = (char *)url;
@@ -2469,7 +2502,8 @@ static meshd_err_t fetch_parts(meshd_session_t *s, const Meshd__V1__FetchRequest
       set_error(s->client, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
       return MESHD_E_NOMEM;
     }
-    /* The sinks are untouched: direct_fetch begins them only once it cannot fall back. */
+    /* The sinks start over at their next begin: a direct fetch that fell back
+     * after its Reads (an agent's grant table full) may have begun them. */
     if (proxy_fetch_all(s, reqs, sinks, n, timeout_ms, errs) != 0)
       direct_err_set(&e, MESHD_E_NOMEM, 0, NULL, "Fetch: out of memory");
     for (size_t i = 0; i < n && e.err == MESHD_E_OK; i++)
@@ -2521,6 +2555,9 @@ typedef struct {
 
 static int values_begin(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e) {
   values_sink_t *v = arg;
+  meshd_values_free(v->out); /* a second begin starts over (direct_sink_t) */
+  v->done = 0;
+  v->ncarry = 0;
   v->dtype = meta->dtype;
   v->es = dtype_size(meta->dtype);
   if (v->es == 0) {
@@ -2613,6 +2650,7 @@ typedef struct {
 static int bytes_begin(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e) {
   bytes_sink_t *b = arg;
   uint64_t total = 0;
+  b->part->nbytes = 0; /* a second begin starts over (direct_sink_t) */
   if (direct_dtype_bytes(meta->dtype) == 0) {
     direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Fetch: unsupported dtype %d",
                    meta->dtype);

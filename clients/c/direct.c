@@ -618,12 +618,35 @@ static char *grant_hex(const ProtobufCBinaryData *g) {
   return out;
 }
 
+/* An agent's refusal of a Read or Write because its table of the grants it
+ * took (--max-transfer-nonces, each kept until its start-by time) is full
+ * (agent/transfer_grant.c): RESOURCE_EXHAUSTED before any byte moved, told
+ * from its other QUOTA refusals ("Reads already wait for seqs", out of memory
+ * or threads, a tensor past its capacity) by its words; and what the client
+ * says of it. */
+#define NONCES_FULL_REFUSAL "grants are in use on this agent already"
+#define NONCES_FULL_SAY "has too many direct transfers in flight"
+
 /* A shard call's failure, naming the rank and its agent. */
 static void shard_error(direct_err_t *e, const char *what, const Meshd__V1__ShardGrant *sh,
                         const rpc_status_t *st) {
   char prefix[320];
   snprintf(prefix, sizeof prefix, "direct %s, rank %u (agent %s): ", what, sh->rank, sh->address);
+  if (st->code == GRPC_STATUS_RESOURCE_EXHAUSTED && strstr(st->message, NONCES_FULL_REFUSAL)) {
+    direct_err_set(e, MESHD_E_RPC, st->code, st->kind,
+                   "%sthe agent " NONCES_FULL_SAY " (its --max-transfer-nonces table is full: "
+                   "%.300s); retry later, or use the proxy data path (auto takes it then)",
+                   prefix, st->message);
+    return;
+  }
   direct_err_status(e, st, prefix);
+}
+
+/* Whether e is a Read or Write refused for its agent's full grant table
+ * (shard_error's words): nothing moved, and the proxy would take it. */
+static bool nonces_full(const direct_err_t *e) {
+  return e->err == MESHD_E_RPC && e->code == GRPC_STATUS_RESOURCE_EXHAUSTED &&
+         strstr(e->msg, NONCES_FULL_SAY) != NULL;
 }
 
 /* ------------------------------------------------------------------ upload */
@@ -950,6 +973,10 @@ direct_rc_t direct_upload(direct_t *d, const direct_session_t *s, const Meshd__V
   if (rc != DIRECT_DONE) {
     abandon_upload(s, p->transfer_id, end); /* so that the server undoes the rest now */
     late_say(e); /* the caller plans once more (direct_late_grant) */
+    if (d->mode == MESHD_DATA_PATH_AUTO && nonces_full(e)) { /* this upload only */
+      fallback(d, "%s", e->msg);
+      rc = DIRECT_PROXY;
+    }
   } else if (finish_upload(s, p->transfer_id, done, nd, end, &st, defined) != 0) {
     direct_err_status(e, &st, "");
     rc = DIRECT_FAILED;
@@ -1312,6 +1339,22 @@ static void replan_late(direct_t *d, fetch_t *f, size_t n, uint64_t seq) {
   free(idx);
 }
 
+/* Whether every part of the fetch that failed was refused only for its
+ * agent's full grant table, nothing of it read (*first: the first such part):
+ * the proxy fetches them all again, the sinks beginning anew. */
+static bool fetch_nonces_full(const fetch_t *f, size_t n, size_t *first) {
+  *first = SIZE_MAX;
+  for (size_t i = 0; i < n; i++) {
+    if (f->errs[i].err == MESHD_E_OK)
+      continue;
+    if (!nonces_full(&f->errs[i]) || f->got[i] != 0)
+      return false;
+    if (*first == SIZE_MAX)
+      *first = i;
+  }
+  return *first != SIZE_MAX;
+}
+
 direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
                          const Meshd__V1__FetchRequest *const *reqs, const direct_sink_t *sinks,
                          size_t n, int64_t end, direct_err_t *e) {
@@ -1394,6 +1437,12 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
   }
   read_shards(&f, n);
   replan_late(d, &f, n, seq);
+  size_t full = 0;
+  if (d->mode == MESHD_DATA_PATH_AUTO && fetch_nonces_full(&f, n, &full)) {
+    fallback(d, "%s", f.errs[full].msg); /* this fetch only; its plans are finished below */
+    rc = DIRECT_PROXY;
+    goto out;
+  }
   for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
     if (f.errs[i].err != MESHD_E_OK) {
       *e = f.errs[i];

@@ -11,8 +11,11 @@
  * is over TLS and a plan said the agents speak plaintext (with cluster TLS
  * the plan's AgentTls says how to verify them), the server refused
  * PlanTransfer for its --data-path (remembered), or an agent did not connect
- * within DIRECT_CONNECT_MS in the last DIRECT_RETRY_MS; a fallback is counted
- * and its reason kept (meshd_session_transfer_stats). */
+ * within DIRECT_CONNECT_MS in the last DIRECT_RETRY_MS; and a transfer whose
+ * Read or Write an agent refused for its full grant table
+ * (--max-transfer-nonces: too many direct transfers in flight there) takes
+ * the proxy, that transfer only (direct fails saying so); a fallback is
+ * counted and its reason kept (meshd_session_transfer_stats). */
 #ifndef MESHD_CLIENT_DIRECT_H
 #define MESHD_CLIENT_DIRECT_H
 
@@ -75,9 +78,12 @@ void direct_plan_mismatch(const Meshd__V1__PlanTransferReply *p, bool per_rank, 
                           size_t slice, const uint32_t *mesh_ranks, size_t n_mesh_ranks, char *why,
                           size_t len);
 
-/* Where one fetched local tensor goes: begin(meta) once before any byte, then
+/* Where one fetched local tensor goes: begin(meta) before any byte, then
  * data() for each piece in order (from a shard's thread when there are several
- * parts). Each returns 0, or -1 with e set (the fetch stops). */
+ * parts). Each returns 0, or -1 with e set (the fetch stops). begin may come
+ * again, after bytes too: a direct fetch that fell back to the proxy once its
+ * Reads had run (auto: an agent's grant table was full) begins every sink
+ * anew, which starts over. */
 typedef struct direct_sink {
   int (*begin)(void *arg, const Meshd__V1__TensorMeta *meta, direct_err_t *e);
   int (*data)(void *arg, const uint8_t *p, size_t n, direct_err_t *e);

@@ -340,6 +340,11 @@ typedef struct meshd_load_options {
  * safetensors file is read first by one agent (TensorService/InspectUrl);
  * errors there (404, a dtype meshd lacks) fail this call, and so does a name
  * the file lacks (MESHD_E_INVALID, naming the URL and the names it holds).
+ * For raw bytes that agent reads only the version (InspectUrl size_only),
+ * which every rank then loads: a file rewritten meanwhile fails the load
+ * ("changed") instead of loading two versions; when it cannot read the URL
+ * (a server that does not answer: once the client's timeout passed) the load
+ * goes unpinned and fails on the ranks, naming each.
  * The call returns once the server accepted the load, before the agents
  * fetched; transfer failures on the agents fail the tensor: they surface at
  * sync, fetch or meshd_session_wait_load. *out gets the tensor's ref. */
@@ -476,9 +481,14 @@ MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char 
  *          transfer needs connects within 1 s; else through the server. An
  *          agent that did not connect is not tried again for 30 s; a server
  *          that refused PlanTransfer (--data-path=proxy) is not asked again.
+ *          A transfer whose Read or Write an agent refused because it has
+ *          too many direct transfers in flight (its --max-transfer-nonces
+ *          table is full) goes through the server, that transfer only.
  *   DIRECT always straight to the agents: fails (MESHD_E_RPC, UNAVAILABLE,
- *          naming the rank and address) when an agent does not connect, and
- *          with the server's FAILED_PRECONDITION under --data-path=proxy.
+ *          naming the rank and address) when an agent does not connect,
+ *          (RESOURCE_EXHAUSTED, kind QUOTA, naming them: retry later) when an
+ *          agent has too many direct transfers in flight, and with the
+ *          server's FAILED_PRECONDITION under --data-path=proxy.
  *   PROXY  always through the server (Upload, Fetch).
  * Shards move in parallel, one thread each; memory stays bounded: uploads
  * stream from the caller's buffer, fetches write into the result. */

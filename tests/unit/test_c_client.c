@@ -1429,6 +1429,125 @@ Test(c_client_load, a_name_with_raw_bytes_is_refused) {
   meshd_close(c);
 }
 
+/* tests/support/range_http_server.py as a process; *stdin_fd ends it (closed). */
+static pid_t start_range_server(int *stdin_fd, char *base, size_t len) {
+  const char *src = getenv("MESHD_SOURCE_DIR");
+  cr_assert(src && *src, "MESHD_SOURCE_DIR is not set (run through ctest)");
+  char script[512];
+  snprintf(script, sizeof script, "%s/tests/support/range_http_server.py", src);
+  int in[2], out[2];
+  cr_assert_eq(pipe(in), 0);
+  cr_assert_eq(pipe(out), 0);
+  pid_t pid = fork();
+  cr_assert_geq(pid, 0);
+  if (pid == 0) {
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    close(in[0]), close(in[1]), close(out[0]), close(out[1]);
+    execl("/usr/bin/python3", "python3", script, (char *)NULL);
+    _exit(127);
+  }
+  close(in[0]);
+  close(out[1]);
+  *stdin_fd = in[1];
+  char line[32] = {0};
+  size_t n = 0;
+  struct pollfd pf = {out[0], POLLIN, 0};
+  while (n < sizeof line - 1 && poll(&pf, 1, 10000) == 1 && read(out[0], line + n, 1) == 1 &&
+         line[n] != '\n')
+    n++;
+  close(out[0]);
+  cr_assert_gt(atoi(line), 0, "the range server did not print its port (%s)", script);
+  snprintf(base, len, "http://127.0.0.1:%d", atoi(line));
+  return pid;
+}
+
+/* Closing its stdin ends it; killed if it has not within 5 s. */
+static void stop_range_server(pid_t pid, int stdin_fd) {
+  close(stdin_fd);
+  for (int i = 0; i < 100 && waitpid(pid, NULL, WNOHANG) == 0; i++)
+    sleep_ms(50);
+  if (kill(pid, SIGKILL) == 0)
+    waitpid(pid, NULL, 0);
+}
+
+/* Rank 1's first op call runs 3 s (so rank 0 is done with a load issued after it
+ * before rank 1 starts it); otherwise c_client_load's server. */
+static void start_load_server_rank1_slow(void) {
+  setenv("MESHD_FAULT", "call:slow=3000,rank=1,count=1", 1); /* the local agents inherit it */
+  start_load_server();
+  unsetenv("MESHD_FAULT");
+}
+
+TestSuite(c_client_load_pin, .init = start_load_server_rank1_slow, .fini = stop_load_server,
+          .timeout = 60);
+
+/* A raw load (dtype and shape) of a file rewritten between two ranks' requests:
+ * rank 1 first runs a 3 s op, so rank 0 has read the file (whose first GET after
+ * one HEAD turns it into version 2, other bytes) before rank 1 asks for it. Each
+ * rank checked only its own request: rank 0 held version 1, rank 1 version 2, and
+ * no error said so. Pinned (InspectUrl size_only before the load, as Python's
+ * meshd.load), both ranks hold one version, or the load fails saying the file
+ * changed. A URL the inspection cannot read still loads unpinned and fails on the
+ * ranks, the last error left as it was. */
+Test(c_client_load_pin, a_raw_load_pins_one_version_across_ranks) {
+  int srv_in = -1;
+  char base[64], url[256];
+  pid_t srv = start_range_server(&srv_in, base, sizeof base);
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-load-pin", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, four[] = {4}, n[] = {4096};
+  meshd_ref_t m = 0, x = 0, y = 0, t = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", four, 1, 0, &x), MESHD_E_OK);
+  meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 3}};
+  cr_assert_eq(meshd_session_call(s, "mul", args, 2, &y), MESHD_E_OK, "%s", /* 3 s on rank 1 */
+               meshd_last_error(c)->message);
+  snprintf(url, sizeof url, "%s/versioned/raw/etag/1/%lld", base, (long long)n[0]);
+  meshd_load_options_t o = {.dtype = "uint8", .shape = n, .ndim = 1};
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &t), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_values_t v[2] = {{0}};
+  meshd_err_t rc = MESHD_E_OK;
+  for (int64_t g = 0; g < 2 && rc == MESHD_E_OK; g++)
+    rc = meshd_session_fetch(s, t, dims, &g, 1, &v[g]);
+  if (rc != MESHD_E_OK) {
+    cr_assert(strstr(meshd_last_error(c)->message, "changed"), "%s",
+              meshd_last_error(c)->message);
+  } else {
+    cr_assert_eq(v[0].n, (size_t)n[0]);
+    cr_assert_eq(v[1].n, (size_t)n[0]);
+    cr_assert(memcmp(v[0].values, v[1].values, v[0].n * sizeof *v[0].values) == 0,
+              "rank 0 and rank 1 loaded different versions of one file with no error");
+  }
+  meshd_values_free(&v[0]);
+  meshd_values_free(&v[1]);
+  stop_range_server(srv, srv_in);
+
+  /* nothing listens there: the inspection fails, the load goes unpinned */
+  if (rc != MESHD_E_OK) /* the failed load, reported once */
+    cr_assert_eq(meshd_session_sync(s), MESHD_E_RPC);
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  const meshd_error_info_t *before = meshd_last_error(c);
+  meshd_err_t err = before->err;
+  char was[256];
+  snprintf(was, sizeof was, "%s", before->message);
+  snprintf(url, sizeof url, "%s/gone.bin", base);
+  cr_assert_eq(meshd_session_load(s, m, url, &o, &t), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_last_error(c)->err, err);
+  cr_assert_str_eq(meshd_last_error(c)->message, was);
+  int64_t at1[] = {1};
+  cr_assert_eq(meshd_session_fetch(s, t, dims, at1, 1, &v[0]), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "gone.bin") &&
+                strstr(meshd_last_error(c)->message, "rank"),
+            "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* A session of its own polling LoadProgress until *stop (each look takes the
  * server's 2 s deadline while an agent is stopped: it holds a helper slot). */
 typedef struct {
@@ -1473,16 +1592,16 @@ Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) 
   int64_t sizes[] = {2}, shape[] = {6};
   meshd_ref_t m = 0, t = 0;
   cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
-  /* the pollers' loads never end (a socket that listens and never accepts): every
+  /* the pollers' loads do not end within the test (4 KiB sent at 10 bytes a second;
+   * its HEAD answers at once, so a raw load's version inspection does not wait): every
    * look asks the agents, and waits 2 s for the stopped one */
-  int lfd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t slen = sizeof sa;
-  cr_assert(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
-            listen(lfd, 128) == 0 && getsockname(lfd, (struct sockaddr *)&sa, &slen) == 0);
-  char stuck[128], url[256];
-  snprintf(stuck, sizeof stuck, "http://127.0.0.1:%d/stuck.bin", ntohs(sa.sin_port));
+  int rs_in = -1;
+  char base[64], stuck[128], url[256];
+  pid_t rs = start_range_server(&rs_in, base, sizeof base);
+  snprintf(stuck, sizeof stuck, "%s/drip/1/4096", base);
+  int64_t floats1k[] = {1024};
   meshd_load_options_t o = {.dtype = "float32", .shape = shape, .ndim = 1};
+  meshd_load_options_t po = {.dtype = "float32", .shape = floats1k, .ndim = 1};
   atomic_int stop = 0;
   static poller_t pl[POLLERS];
   pthread_t th[POLLERS];
@@ -1492,7 +1611,7 @@ Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) 
     cr_assert_not_null(pl[i].s);
     meshd_ref_t pm = 0;
     cr_assert_eq(meshd_session_create_mesh(pl[i].s, dims, sizes, 1, &pm), MESHD_E_OK);
-    cr_assert_eq(meshd_session_load(pl[i].s, pm, stuck, &o, &pl[i].t), MESHD_E_OK);
+    cr_assert_eq(meshd_session_load(pl[i].s, pm, stuck, &po, &pl[i].t), MESHD_E_OK);
   }
   pid_t agent = agent_pid(1);
   cr_assert_gt(agent, 0);
@@ -1520,7 +1639,7 @@ Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) 
     meshd_session_close(pl[i].s);
     meshd_close(pl[i].c);
   }
-  close(lfd);
+  stop_range_server(rs, rs_in);
   cr_assert_eq(rc, MESHD_E_OK, "%s: %s", meshd_strerror(rc), msg);
   meshd_session_close(s);
   meshd_close(c);
@@ -1757,16 +1876,16 @@ Test(c_client_load, info_progress_and_wait) {
   cr_assert(p[0].failed);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "reported once: %s", e->message);
 
-  /* A URL whose server never answers (a socket that listens and never accepts): the
+  /* A load that does not end within the test (4 KiB sent at 10 bytes a second; its
+   * HEAD answers at once, so the version inspection does not wait): the
    * wait looks at the progress only, so the session's command count (Syncs included)
    * stays where it was however long the wait, and the wait ends at its timeout. */
-  int ls = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t slen = sizeof sa;
-  cr_assert(ls >= 0 && bind(ls, (struct sockaddr *)&sa, sizeof sa) == 0 && listen(ls, 8) == 0 &&
-            getsockname(ls, (struct sockaddr *)&sa, &slen) == 0);
-  snprintf(url, sizeof url, "http://127.0.0.1:%d/stuck.bin", ntohs(sa.sin_port));
-  raw.shape = six;
+  int rs_in = -1;
+  char base[64];
+  pid_t rs = start_range_server(&rs_in, base, sizeof base);
+  snprintf(url, sizeof url, "%s/drip/1/4096", base); /* 10 bytes a second */
+  int64_t floats1k[] = {1024};
+  raw.shape = floats1k;
   meshd_ref_t stuck = 0;
   cr_assert_eq(meshd_session_load(s, m, url, &raw, &stuck), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
@@ -1791,7 +1910,7 @@ Test(c_client_load, info_progress_and_wait) {
   cr_assert(strstr(meshd_last_error(c)->message, "stopped by the caller"), "%s",
             meshd_last_error(c)->message);
   cr_assert_str_eq(meshd_strerror(MESHD_E_CANCELLED), "stopped by the caller");
-  close(ls); /* the agents' requests are reset: the load fails, the session closes below */
+  stop_range_server(rs, rs_in); /* the agents' requests are reset: the load fails */
 
   /* refusals: no refs, a ref the session lacks, a name a .npy file has not */
   cr_assert_eq(meshd_session_wait_load(s, NULL, 1, NULL), MESHD_E_INVALID);
@@ -1992,6 +2111,90 @@ Test(c_client, data_paths_direct_proxy_auto) {
   /* still usable: more transfers than --session-max-transfers (8) ran, so
    * every one gave its slot back */
   cr_assert_eq(round_trip(s, m, 64, 10), MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* Agents that remember one transfer grant at a time (--max-transfer-nonces 1,
+ * each until its start-by time, 60 s): after one direct transfer, an agent
+ * refuses the next's Read or Write RESOURCE_EXHAUSTED before any byte moves. */
+static void start_server_one_nonce(void) {
+  setenv("MESHD_MAX_TRANSFER_NONCES", "1", 1); /* the local agents inherit it */
+  start_server();
+  unsetenv("MESHD_MAX_TRANSFER_NONCES");
+}
+
+TestSuite(c_client_nonces, .init = start_server_one_nonce, .fini = stop_server, .timeout = 60);
+
+/* An agent whose grant table is full: auto takes the proxy for that transfer (a
+ * fetch whose other part was read directly already starts that part over), direct
+ * fails saying the agent (rank, address) has too many direct transfers in flight.
+ * Both failed before with the agent's bare refusal. */
+Test(c_client_nonces, a_full_grant_table_falls_back_on_auto_and_is_named_on_direct) {
+  meshd_client_t *c = connect_ok();
+  meshd_ref_t m = 0, one = 0, a = 0, b = 0, t = 0;
+  meshd_session_t *s = session_on_mesh(c, &m);
+  const char *dims[] = {"gpu"};
+  int64_t at0[] = {0}, at1[] = {1}, three[] = {3};
+  cr_assert_eq(meshd_session_slice_mesh(s, m, dims, at1, 1, &one), MESHD_E_OK);
+  cr_assert_eq(meshd_session_factory(s, m, "full", three, 1, 2.5, &a), MESHD_E_OK);
+  float x[3] = {1, 2, 3};
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  cr_assert_eq(meshd_session_upload(s, one, "float32", three, 1, x, sizeof x, &b), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message); /* rank 1's table is full now */
+
+  /* auto: rank 0's part is read directly, rank 1's refused; both through the server */
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_AUTO), MESHD_E_OK);
+  float p0[3] = {0}, p1[3] = {0};
+  meshd_fetch_part_t parts[2] = {{dims, at0, 1, p0, sizeof p0, 0},
+                                 {dims, at1, 1, p1, sizeof p1, 0}};
+  cr_assert_eq(meshd_session_fetch_bytes(s, a, parts, 2, NULL), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(parts[0].nbytes, sizeof p0);
+  cr_assert_eq(parts[1].nbytes, sizeof p1);
+  for (int i = 0; i < 3; i++)
+    cr_assert(p0[i] == 2.5f && p1[i] == 2.5f);
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.proxy_fetches, 2);
+  cr_assert_eq(st.fallbacks, 1);
+  cr_assert(strstr(st.last_fallback, "rank 1") &&
+                strstr(st.last_fallback, "too many direct transfers in flight"),
+            "%s", st.last_fallback);
+  /* rank 0's table is full too now: an upload and a fetch as values */
+  cr_assert_eq(meshd_session_upload(s, m, "float32", three, 1, x, sizeof x, &t), MESHD_E_OK,
+               "%s", meshd_last_error(c)->message);
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, t, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 3);
+  for (size_t i = 0; i < 3; i++)
+    cr_assert_float_eq(v.values[i], x[i], 1e-9);
+  meshd_values_free(&v);
+  st = stats_of(s);
+  cr_assert_eq(st.direct_uploads, 1);
+  cr_assert_eq(st.proxy_uploads, 1);
+  cr_assert_eq(st.proxy_fetches, 3);
+  cr_assert_eq(st.fallbacks, 3, "%s", st.last_fallback);
+
+  /* direct: refused, naming the agent and what to do */
+  cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_DIRECT), MESHD_E_OK);
+  meshd_ref_t bad = 0;
+  for (int fetch = 0; fetch < 2; fetch++) {
+    meshd_err_t rc = fetch ? meshd_session_fetch(s, t, dims, at1, 1, &v)
+                           : meshd_session_upload(s, m, "float32", three, 1, x, sizeof x, &bad);
+    cr_assert_eq(rc, MESHD_E_RPC, "%s", meshd_last_error(c)->message);
+    const meshd_error_info_t *e = meshd_last_error(c);
+    cr_assert_str_eq(e->grpc_code_name, "RESOURCE_EXHAUSTED");
+    cr_assert_str_eq(e->kind, "QUOTA");
+    cr_assert(strstr(e->message, fetch ? "direct fetch, rank 1 (agent 127.0.0.1:"
+                                       : "direct upload, rank ") &&
+                  strstr(e->message, "(agent 127.0.0.1:") &&
+                  strstr(e->message, "too many direct transfers in flight") &&
+                  strstr(e->message, "--max-transfer-nonces") &&
+                  strstr(e->message, "retry later"),
+              "%s", e->message);
+  }
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);
 }
