@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "agent.h"
 #include "log.h"
@@ -164,6 +165,89 @@ static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V
                        agent_tensor_t *t, tracked_t *progress, url_share_t *share,
                        bool (*stop)(void *), void *stop_arg, meshd_error_t *e);
 
+/* The header of url (size bytes, the version o expects) parsed into *f, its
+ * bytes in *head (the caller frees both, whatever the result): 64 KiB, then
+ * at most once more what the header says it needs. 0, or -1 with e. */
+static int read_header(const char *url, const url_fetch_opts_t *o, uint64_t size, uint8_t **head,
+                       tensor_file_t *f, meshd_error_t *e) {
+  char shown[512];
+  url_redact(url, shown, sizeof shown);
+  uint64_t need = TENSOR_FILE_PROBE_BYTES;
+  int rc = TENSOR_FILE_NEED_MORE;
+  tensor_file_opts_t fo = {.file_size = size};
+  for (int round = 0; rc == TENSOR_FILE_NEED_MORE && round < 2; round++) {
+    uint64_t len = need < size ? need : size;
+    if (len > TENSOR_FILE_MAX_HEADER + 8u) len = TENSOR_FILE_MAX_HEADER + 8u;
+    free(*head);
+    if (!(*head = malloc(len ? len : 1)))
+      return error_set(e, ERR_QUOTA, "out of memory for a %" PRIu64 "-byte header", len);
+    if (len && url_fetch_range(url, 0, len, *head, o, NULL, e)) return -1;
+    if (!len)
+      return error_set(e, ERR_BAD_ARGUMENT, "%s is empty: no .npy or safetensors file", shown);
+    rc = tensor_file_parse(*head, (size_t)len, &fo, f, &need, e);
+    if (rc < 0) {
+      error_prefix(e, shown, ": ");
+      return -1;
+    }
+  }
+  if (rc != TENSOR_FILE_OK)
+    return error_set(e, ERR_BAD_ARGUMENT, "the header is longer than it said");
+  return 0;
+}
+
+/* " file BOOT:DEV:INO" after a file:// version: which file the inspection
+ * read (url_file_identity), so that each rank knows whether it reads that
+ * very file or its own copy of it. */
+#define FILE_MARK " file "
+
+/* This rank's own copy of a file:// checkpoint (the same path on another
+ * host's disk, with its own mtime): its size agreed already; its header must
+ * hold the tensor where the inspection found it (dtype, shape, byte offset),
+ * or the copy is another file. A tensor that is the whole file (raw bytes)
+ * has no header: its size is all there is to compare. 0, or -1 with e. */
+static int copy_agrees(const char *url, const url_fetch_opts_t *o, uint64_t size,
+                       const tensor_file_entry_t *want, const char *shown, meshd_error_t *e) {
+  if (want->offset == 0 && want->nbytes == size) return 0;
+  uint8_t *head = NULL;
+  tensor_file_t f = {0};
+  int rc = read_header(url, o, size, &head, &f, e);
+  bool found = false;
+  for (size_t i = 0; rc == 0 && i < f.count && !found; i++) {
+    const tensor_file_entry_t *t = &f.tensors[i];
+    found = t->offset == want->offset && t->nbytes == want->nbytes && t->dtype == want->dtype &&
+            t->ndim == want->ndim &&
+            !memcmp(t->shape, want->shape, (size_t)t->ndim * sizeof *t->shape);
+  }
+  free(head);
+  tensor_file_free(&f);
+  if (rc) return -1;
+  if (found) return 0;
+  char sh[LAYOUT_SHAPE_BUF];
+  layout_format_shape(want->shape, want->ndim, sh, sizeof sh);
+  return error_set(e, ERR_BAD_ARGUMENT, "this rank's copy of %s is not the file inspected: its "
+                   "header has no %s %s tensor at byte %" PRIu64 " (each host's copy must be the "
+                   "same file)", shown, dtype_name(want->dtype), sh, want->offset);
+}
+
+/* Whether this rank may read the version it found (`version`, its own size
+ * check's) of the one inspected (l->version): the same, or for file:// on
+ * another machine or another file (a per-host copy, whose mtime is its own)
+ * a copy that agrees (copy_agrees). The file the inspection read must still
+ * be the version it read: a checkpoint saved again in place is refused. */
+static int version_agrees(const Meshd__V1__Load *l, const char *version, const url_fetch_opts_t *o,
+                          uint64_t size, const tensor_file_entry_t *ent, const char *shown,
+                          meshd_error_t *e) {
+  if (!l->version || !*l->version) return 0;
+  const char *mark = strncasecmp(l->url, "file:", 5) == 0 ? strstr(l->version, FILE_MARK) : NULL;
+  size_t k = mark ? (size_t)(mark - l->version) : strlen(l->version);
+  char mine[128];
+  if (mark && strcmp(mark + strlen(FILE_MARK), url_file_identity(l->url, mine, sizeof mine)) != 0)
+    return copy_agrees(l->url, o, size, ent, shown, e);
+  if (strlen(version) == k && strncmp(l->version, version, k) == 0) return 0;
+  return error_set(e, ERR_BAD_ARGUMENT, "%s changed since it was inspected (it was %s, now %s); "
+                   "load it again", shown, l->version, *version ? version : "unmarked");
+}
+
 int load_run(backend_t *b, backend_stream_t *bs, const char *session,
              const Meshd__Agent__V1__LoadOp *op, agent_tensor_t *t, bool (*stop)(void *),
              void *stop_arg, meshd_error_t *e) {
@@ -203,13 +287,6 @@ static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V
     return prefixed(e, "Load");
   char shown[512];
   url_redact(l->url, shown, sizeof shown);
-  /* Rewritten at the same size since the inspection (a checkpoint saved again):
-   * each rank compares, so that none reads another version than the rest. */
-  if (l->version && *l->version && strcmp(l->version, version) != 0) {
-    error_set(e, ERR_BAD_ARGUMENT, "%s changed since it was inspected (it was %s, now %s); load "
-              "it again", shown, l->version, *version ? version : "unmarked");
-    return prefixed(e, "Load");
-  }
   if (size != want) {
     if (l->file_size)
       error_set(e, ERR_BAD_ARGUMENT,
@@ -224,6 +301,13 @@ static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V
     }
     return prefixed(e, "Load");
   }
+  /* Every range carries the version this rank checked: a file saved again
+   * between two of them fails the load instead of mixing two versions. */
+  o.expect_version = version;
+  o.expect_size = size; /* and the size: a server without validators still says it */
+  /* Rewritten at the same size since the inspection (a checkpoint saved again):
+   * each rank compares, so that none reads another version than the rest. */
+  if (version_agrees(l, version, &o, size, &ent, shown, e)) return prefixed(e, "Load");
   tensor_file_slice_t sl = {.first = ent.offset, .length = ent.nbytes, .count = ent.nbytes ? 1 : 0};
   if (op->parts > 1 && tensor_file_shard(&ent, l->dim, op->parts, op->coordinate, &sl, e))
     return prefixed(e, "Load");
@@ -233,10 +317,6 @@ static int fetch_slice(backend_t *b, backend_stream_t *bs, const Meshd__Agent__V
               "result's", shown, sl.length * sl.count);
     return prefixed(e, "Load");
   }
-  /* Every range carries the version this rank checked: a file saved again
-   * between two of them fails the load instead of mixing two versions. */
-  o.expect_version = version;
-  o.expect_size = size; /* and the size: a server without validators still says it */
   sink_t k = {.b = b, .bs = bs, .t = t, .progress = progress};
   /* cpu: the tensor is host memory, where curl's bytes go straight. */
   if (b->ops == &cpu_backend_ops)
@@ -336,6 +416,18 @@ static void inspect_fail(rpc_call_t *call, meshd_error_t *e) {
  * the LOAD_INSPECTS_MAX slots past that. */
 static bool inspect_gone(void *arg) { return rpc_call_ended(arg); }
 
+/* The version an inspection answers: a file's "mtime S" followed by which
+ * file it is on this machine (FILE_MARK), so that the ranks reading their
+ * own host's copy check that copy, not this one's mtime (version_agrees). */
+static void mark_file(const char *url, const char *version, char *out, size_t n) {
+  char id[128];
+  int w = -1;
+  if (strncmp(version, "mtime ", 6) == 0 && *url_file_identity(url, id, sizeof id))
+    w = snprintf(out, n, "%s" FILE_MARK "%s", version, id);
+  if (w < 0 || (size_t)w >= n) /* (a cut mark would name no file: then unmarked, compared as is) */
+    snprintf(out, n, "%s", version);
+}
+
 static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequest *rq) {
   url_allow_t allow;
   url_fetch_opts_t o;
@@ -344,16 +436,17 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   o.stop_arg = call;
   o.share = url_share_new(); /* the HEAD and the header's reads on one connection */
   meshd_error_t e = {0};
-  uint64_t size = 0, need = TENSOR_FILE_PROBE_BYTES;
+  uint64_t size = 0;
   uint8_t *head = NULL;
   tensor_file_t f = {0};
-  char version[URL_VERSION_MAX];
+  char version[URL_VERSION_MAX], marked[URL_VERSION_MAX];
   if (url_fetch_size_version(rq->url, &o, &size, version, sizeof version, NULL, &e)) goto fail;
+  mark_file(rq->url, version, marked, sizeof marked);
   if (rq->size_only) { /* a raw load's: the version its ranks must all read */
     Meshd__V1__InspectUrlReply raw = MESHD__V1__INSPECT_URL_REPLY__INIT;
     raw.format = "raw";
     raw.file_size = size;
-    raw.version = version;
+    raw.version = marked;
     raw.metadata_json = "";
     rpc_call_reply(call, &raw.base);
     url_share_free(o.share);
@@ -361,40 +454,13 @@ static void inspect_url(rpc_call_t *call, const Meshd__Agent__V1__InspectUrlRequ
   }
   o.expect_version = version; /* the header read is of the version answered */
   o.expect_size = size;
-  int rc = TENSOR_FILE_NEED_MORE;
-  tensor_file_opts_t fo = {.file_size = size};
-  for (int round = 0; rc == TENSOR_FILE_NEED_MORE && round < 2; round++) {
-    uint64_t len = need < size ? need : size;
-    if (len > TENSOR_FILE_MAX_HEADER + 8u) len = TENSOR_FILE_MAX_HEADER + 8u;
-    free(head);
-    if (!(head = malloc(len ? len : 1))) {
-      error_set(&e, ERR_QUOTA, "out of memory for a %" PRIu64 "-byte header", len);
-      goto fail;
-    }
-    if (len && url_fetch_range(rq->url, 0, len, head, &o, NULL, &e)) goto fail;
-    if (!len) {
-      char shown[512];
-      error_set(&e, ERR_BAD_ARGUMENT, "%s is empty: no .npy or safetensors file",
-                url_redact(rq->url, shown, sizeof shown));
-      goto fail;
-    }
-    rc = tensor_file_parse(head, (size_t)len, &fo, &f, &need, &e);
-    if (rc < 0) {
-      char shown[512];
-      error_prefix(&e, url_redact(rq->url, shown, sizeof shown), ": ");
-      goto fail;
-    }
-  }
-  if (rc != TENSOR_FILE_OK) {
-    error_set(&e, ERR_BAD_ARGUMENT, "the header is longer than it said");
-    goto fail;
-  }
+  if (read_header(rq->url, &o, size, &head, &f, &e)) goto fail;
   Meshd__V1__InspectUrlReply reply = MESHD__V1__INSPECT_URL_REPLY__INIT;
   reply.format = f.format == TENSOR_FILE_NPY                   ? "npy"
                  : f.format == TENSOR_FILE_SAFETENSORS_INDEX ? "safetensors_index"
                                                              : "safetensors";
   reply.file_size = size;
-  reply.version = version;
+  reply.version = marked;
   reply.metadata_json = f.metadata_json ? f.metadata_json : "";
   Meshd__V1__UrlTensor *ts = calloc(f.count ? f.count : 1, sizeof *ts);
   Meshd__V1__UrlTensor **tp = calloc(f.count ? f.count : 1, sizeof *tp);

@@ -881,3 +881,34 @@ int url_fetch_size_version(const char *url, const url_fetch_opts_t *opts, uint64
   if (version && cap) snprintf(version, cap, "%s", x.version);
   return 0;
 }
+
+/* The kernel's boot id: one per running machine (containers on it share it),
+ * read once. "" where /proc does not say. */
+static char boot_id[64];
+static pthread_once_t boot_once = PTHREAD_ONCE_INIT;
+static void read_boot_id(void) {
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  if (!fgets(boot_id, sizeof boot_id, f)) boot_id[0] = '\0';
+  fclose(f);
+  boot_id[strcspn(boot_id, "\r\n")] = '\0';
+  printable(boot_id);
+}
+
+const char *url_file_identity(const char *url, char *out, size_t n) {
+  if (!n) return out;
+  out[0] = '\0';
+  if (!url || strncasecmp(url, "file:", 5) != 0) return out;
+  CURLU *u = curl_url();
+  char *path = NULL;
+  struct stat st;
+  if (u && !curl_url_set(u, CURLUPART_URL, url, 0) &&
+      !curl_url_get(u, CURLUPART_PATH, &path, CURLU_URLDECODE) && path && stat(path, &st) == 0) {
+    pthread_once(&boot_once, read_boot_id);
+    snprintf(out, n, "%s:%llu:%llu", boot_id, (unsigned long long)st.st_dev,
+             (unsigned long long)st.st_ino);
+  }
+  curl_free(path);
+  curl_url_cleanup(u);
+  return out;
+}

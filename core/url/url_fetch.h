@@ -185,6 +185,12 @@ int url_fetch_size_version(const char *url, const url_fetch_opts_t *o, uint64_t 
                            char *version, size_t cap, url_fetch_info_t *info, meshd_error_t *e);
 /* Whether v could be such a validator (printable ASCII, under URL_VERSION_MAX). */
 bool url_version_ok(const char *v);
+/* Which file a file:// URL names on this machine, into out (n bytes): "BOOT:DEV:INO"
+ * (the kernel's boot_id, the file's device and inode), so that two agents can
+ * tell whether they read the same file or each its own copy (a checkpoint
+ * copied to every host's disk). "" for another scheme or a file not found;
+ * returns out. Nothing here is a check: the fetch checks the path itself. */
+const char *url_file_identity(const char *url, char *out, size_t n);
 
 /* url for a message: "https://host/path", without "user:password@", "?query"
  * (presigned URLs carry their signature there) or "#fragment". Truncated to n. */

@@ -472,6 +472,66 @@ def test_raw_load_pins_one_version_across_ranks(meshd_server):
                 _same_or_changed(t, n, 2)
 
 
+def test_file_loads_read_each_hosts_own_copy(shared_meshd, tmp_path_factory):
+    """A checkpoint copied to every host's disk (file:///data/ckpt on each node): each
+    copy has its own mtime, and the ranks reading another copy than the inspected one
+    refused the load, "changed since it was inspected". Here rank 0 inspects and loads
+    the file, then rank 1 loads the same tensors from its "own copy": the file replaced
+    by another (another inode, mtime + 5 s). Where the copy holds each tensor as
+    inspected (dtype, shape, offset) it loads; where its header says otherwise, or its
+    size differs, it fails on rank 1, naming it. (The file inspected, saved again in
+    place, stays refused: test_a_file_rewritten_at_the_same_size_is_refused in
+    clients/python/tests/test_load.py.)"""
+    from meshd.load import _load_one
+    root = tmp_path_factory.mktemp("load-copies")
+    srv = shared_meshd(2, "--url-allow", f"file://{root}")
+    a, b = sample("float32", (4, 2), 41), sample("float32", (2, 2), 42)
+    path, raw = root / "ckpt.safetensors", root / "raw.bin"
+    header = {"a": {"dtype": "F32", "shape": [4, 2], "data_offsets": [0, 32]},
+              "b": {"dtype": "F32", "shape": [2, 2], "data_offsets": [32, 48]}}
+    path.write_bytes(raw_safetensors(header, a.tobytes() + b.tobytes()))
+    raw.write_bytes(a.tobytes())
+
+    def copy_to(dst, data):
+        """dst replaced by another file holding data, 5 s newer: another host's copy."""
+        tmp = root / "copy.tmp"
+        tmp.write_bytes(data)
+        st = os.stat(dst)
+        os.utime(tmp, (st.st_atime, st.st_mtime + 5))
+        os.replace(tmp, dst)
+
+    with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate() as m:
+        url, raw_url = f"file://{path}", f"file://{raw}"
+        info = meshd.inspect_url(url)  # on rank 0, the mesh's first
+        raw_version = s._unary("InspectUrl", s._pb.InspectUrlRequest(
+            url=raw_url, mesh=m.ref, size_only=True), s._pb.InspectUrlReply).version
+        assert info["version"].startswith("mtime ") and " file " in info["version"], info
+
+        def load(rank, name):
+            dt, shape, off, _ = info["tensors"][name]
+            return _load_one(m.slice(gpu=rank), url, dt, shape, off, info["file_size"],
+                             None, 0, info["version"])
+
+        def load_raw(rank):
+            return _load_one(m.slice(gpu=rank), raw_url, "float32", (4, 2), 0, 0, None, 0,
+                             raw_version)
+
+        same(fetch(load(0, "a")), a)  # rank 0 reads the file inspected
+        same(fetch(load_raw(0)), a)
+        header["b"]["dtype"] = "I32"  # rank 1's copy: the same bytes, but b's dtype
+        copy_to(path, raw_safetensors(header, a.tobytes() + b.tobytes()))
+        copy_to(raw, a.tobytes())
+        same(fetch(load(1, "a")), a)
+        same(fetch(load_raw(1)), a)
+        with pytest.raises(MeshdError) as ei:
+            fetch(load(1, "b"))
+        msg = str(ei.value)
+        assert "rank 1" in msg and "copy of" in msg and "float32 [2, 2]" in msg, msg
+        copy_to(raw, a.tobytes()[:16])  # a copy of another size
+        with pytest.raises(MeshdError, match=r"16 bytes.*rank 1|rank 1.*16 bytes"):
+            fetch(load_raw(1))
+
+
 def test_a_range_of_another_total_size_fails_the_load(shared_meshd):
     """A server with no ETag or Last-Modified whose file grew after the size check:
     HEAD says 100 bytes, every range's Content-Range says /200. Ranges within the old

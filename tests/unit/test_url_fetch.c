@@ -826,6 +826,35 @@ Test(url_fetch, a_file_changed_mid_load_fails) {
   rmdir(dir);
 }
 
+/* Which file a file:// URL names here: the same file by any spelling of its
+ * path gives one identity, a file put in its place (a host's own copy, a
+ * rename) another, and no file or another scheme none. */
+Test(url_fetch, file_identity_tells_a_file_from_its_copy) {
+  char dir[] = "/tmp/url_fetch_XXXXXX", path[128], tmp[128], u[200], v[200];
+  char a[128], b[128], c[128];
+  cr_assert(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/m x.bin", dir);
+  snprintf(tmp, sizeof tmp, "%s/copy.bin", dir);
+  FILE *f = fopen(path, "wb");
+  fputs("same bytes", f);
+  fclose(f);
+  snprintf(u, sizeof u, "file://%s/m%%20x.bin", dir);
+  snprintf(v, sizeof v, "file://localhost%s/./m%%20x.bin", dir);
+  url_file_identity(u, a, sizeof a);
+  cr_assert(strlen(a) > 4 && strchr(a, ':'), "%s", a);
+  cr_assert_str_eq(url_file_identity(v, b, sizeof b), a);
+  f = fopen(tmp, "wb");
+  fputs("same bytes", f);
+  fclose(f);
+  cr_assert_eq(rename(tmp, path), 0);
+  cr_assert_str_neq(url_file_identity(u, c, sizeof c), a);
+  cr_assert_str_eq(url_file_identity("https://example.com/m.bin", c, sizeof c), "");
+  snprintf(v, sizeof v, "file://%s/missing.bin", dir);
+  cr_assert_str_eq(url_file_identity(v, c, sizeof c), "");
+  unlink(path);
+  rmdir(dir);
+}
+
 /* ------------------------------------------------ connections kept (url_share_t)
  * The range server counts the TCP connections it accepted (/connections). */
 

@@ -32,7 +32,8 @@ from .tensor import DType, Shape, Tensor, _dtype_from_value, _dtype_value, _shap
 def inspect_url(url: str, mesh: Mesh | None = None) -> dict[str, Any]:
     """What the file at `url` holds, read by the first agent of the (active) mesh:
     {"format": "npy" | "safetensors" | "safetensors_index", "file_size": int,
-     "version": str (its ETag or modification time, which loads check; "": none),
+     "version": str (its ETag or modification time, which loads check; "": none;
+                     a file's also names which file it is on the inspecting host),
      "metadata": str, "tensors": {name: (dtype, shape, offset, nbytes)},
      "files": {name: file}} (name "" for .npy). A safetensors index
     (model.safetensors.index.json) names each tensor's file, relative to the index;
