@@ -847,6 +847,7 @@ int agent_pool_snapshot_page(agent_pool_t *p, uint64_t after, size_t limit,
         !info->commit || !info->build_type)
       break;
   }
+  bool more = end < p->cap; /* under mu: a registration may grow the array after */
   pthread_mutex_unlock(&p->mu);
   if (!infos || k != count) {
     agent_pool_snapshot_free(infos, k);
@@ -854,7 +855,7 @@ int agent_pool_snapshot_page(agent_pool_t *p, uint64_t after, size_t limit,
   }
   *out = infos;
   *n = k;
-  if (end < p->cap && k) *next = (uint64_t)infos[k - 1]->rank + 1;
+  if (more && k) *next = (uint64_t)infos[k - 1]->rank + 1;
   return 0;
 }
 

@@ -199,7 +199,10 @@ static conn_t *conn_of_locked(registry_t *r, rpc_call_t *call) {
 
 /* Adds the agent to the pool and its call's conn, under r->mu (so a call
  * that ended meanwhile never gets a slot: its on_end would not remove it).
- * Returns the rank, or -1 with err (the call ended: nothing added). */
+ * Returns the rank, or -1 with err (the call ended: nothing added). A call
+ * being admitted (take_over) stays so when this fails: it is registered
+ * already for on_message (a second RegisterRequest on it is refused; one
+ * admitted meanwhile took a second rank, which its call's end left behind). */
 static int add_to_pool(registry_t *r, rpc_call_t *call, const agent_desc_t *d, int requested,
                        char *err, size_t errlen) {
   pthread_mutex_lock(&r->mu);
@@ -212,8 +215,8 @@ static int add_to_pool(registry_t *r, rpc_call_t *call, const agent_desc_t *d, i
     c->registration = d->registration;
     snprintf(c->agent_id, sizeof c->agent_id, "%s", d->agent_id);
     snprintf(c->address, sizeof c->address, "%s", d->address);
+    c->admitting = false;
   }
-  if (c) c->admitting = false;
   pthread_mutex_unlock(&r->mu);
   return rank;
 }

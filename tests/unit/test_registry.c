@@ -189,17 +189,9 @@ typedef struct reg_call {
   rpc_status_t st;   /* when it ended */
 } reg_call_t;
 
-/* Opens RegisterAgent with the token (NULL: none), sends one RegisterRequest
- * and waits up to 5 s for RegisterAccepted or the end. */
-static void reg_open(reg_call_t *c, const char *token, const char *id, const char *address,
-                     int rank, const char *secret) {
-  memset(c, 0, sizeof *c);
-  c->rank = -1;
-  rpc_channel_opts_t co = {.connect_timeout_ms = 5000}; /* a busy CI machine */
-  c->ch = rpc_channel_create(reg_target, &co);
-  rpc_md_t md = {SECRET_JOIN_MD, token};
-  c->s = rpc_stream_open(c->ch, "/meshd.v1.AgentRegistry/RegisterAgent", &md, token ? 1 : 0, 0);
-  cr_assert_not_null(c->s);
+/* Sends a RegisterRequest on c's call. */
+static void reg_hello(reg_call_t *c, const char *id, const char *address, int rank,
+                      const char *secret) {
   Meshd__V1__RegisterRequest h = MESHD__V1__REGISTER_REQUEST__INIT;
   h.agent_id = (char *)id;
   h.address = (char *)address;
@@ -210,6 +202,10 @@ static void reg_open(reg_call_t *c, const char *token, const char *id, const cha
   m.msg_case = MESHD__V1__AGENT_TO_SERVER__MSG_HELLO;
   m.hello = &h;
   rpc_stream_write(c->s, &m.base, false); /* fails when refused already: read the status */
+}
+
+/* Waits up to 5 s for RegisterAccepted (c->rank) or the call's end (c->st). */
+static void reg_answer(reg_call_t *c) {
   ProtobufCMessage *out = NULL;
   int rc = rpc_stream_read(c->s, &meshd__v1__server_to_agent__descriptor, &out, 5000);
   if (rc == 1) {
@@ -220,6 +216,25 @@ static void reg_open(reg_call_t *c, const char *token, const char *id, const cha
   cr_assert_neq(rc, -2, "no answer within 5 s");
   if (rc != 0) rpc_stream_cancel(c->s);
   rpc_stream_finish(c->s, &c->st);
+}
+
+/* Opens RegisterAgent with the token (NULL: none). */
+static void reg_start(reg_call_t *c, const char *token) {
+  memset(c, 0, sizeof *c);
+  c->rank = -1;
+  rpc_channel_opts_t co = {.connect_timeout_ms = 5000}; /* a busy CI machine */
+  c->ch = rpc_channel_create(reg_target, &co);
+  rpc_md_t md = {SECRET_JOIN_MD, token};
+  c->s = rpc_stream_open(c->ch, "/meshd.v1.AgentRegistry/RegisterAgent", &md, token ? 1 : 0, 0);
+  cr_assert_not_null(c->s);
+}
+
+/* reg_start, one RegisterRequest, and up to 5 s for RegisterAccepted or the end. */
+static void reg_open(reg_call_t *c, const char *token, const char *id, const char *address,
+                     int rank, const char *secret) {
+  reg_start(c, token);
+  reg_hello(c, id, address, rank, secret);
+  reg_answer(c);
 }
 
 static void reg_close(reg_call_t *c) {
@@ -565,6 +580,33 @@ Test(registry, an_agent_restarted_at_once_gets_its_rank_while_the_old_removal_is
   cr_assert(wait_healthy(1, 5000));
   cr_assert_eq(agent_pool_size(pool), 1);
   reg_close(&c);
+}
+
+/* A registration waiting for the removal of the agent gone from its rank
+ * (take_over) is registered already: a second RegisterRequest on its call was
+ * admitted as a new registration (its first try in the wait had cleared the
+ * call's "being admitted" mark), at another rank; the wait then admitted the
+ * first too, and the call's end removed only the last rank it got: the other
+ * stayed in the pool for good, and its agent id could not register again. */
+Test(registry, a_second_register_request_while_waiting_for_a_rank_is_refused) {
+  with_fault("remove:slow=2000");
+  start_registry(8, true, false);
+  reg_call_t a, b;
+  reg_open(&a, TOKEN, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(a.rank, 0, "%d %s", a.st.code, a.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  reg_close(&a); /* its removal is held 2 s */
+
+  reg_start(&b, TOKEN);
+  reg_hello(&b, "agent-b", fake.target, 0, SECRET2); /* waits for rank 0 */
+  usleep(300000); /* a dialer takes it and tries once (not an assertion: fixed, any time refuses) */
+  reg_hello(&b, "agent-c", fake.target, -1, SECRET2);
+  reg_answer(&b);
+  cr_assert_eq(b.rank, -1, "the second RegisterRequest was admitted as rank %d", b.rank);
+  cr_assert_eq(b.st.code, GRPC_STATUS_INVALID_ARGUMENT, "%d %s", b.st.code, b.st.message);
+  cr_assert(strstr(b.st.message, "sent twice"), "%s", b.st.message);
+  reg_close(&b);
+  cr_assert(wait_size(0, 5000), "a rank of the refused call stayed in the pool");
 }
 
 /* Its link broke (the Execute call ended): the agent is gone though its
