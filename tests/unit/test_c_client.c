@@ -1340,7 +1340,10 @@ static void start_load_server(void) {
   memcpy(npy + 128, v, sizeof v);
   write_file("v.npy", npy, sizeof npy);
   snprintf(load_flag, sizeof load_flag, "--url-allow=file://%s,http://127.0.0.1", load_dir);
-  const char *const flags[] = {load_flag, NULL};
+  /* --agent-timeout 30: tests here stop an agent (SIGSTOP) for about 3 s, which a
+   * busy machine stretches past the default 3 s (then AGENT_LOST, not the test's
+   * point: wait_load_looks_again_after_a_quota_answer failed so under ASan). */
+  const char *const flags[] = {load_flag, "--agent-timeout", "30", NULL};
   start_server_with(flags);
 }
 
