@@ -20,6 +20,38 @@
 static const rpc_channel_opts_t live_peer = {.connect_timeout_ms = 5000};
 
 
+/* ---------------------------------------------------------------- leftovers */
+
+/* What a test made and has not freed yet. A failed assertion leaves the test
+ * there, with fakes that still hold their calls open: rpc_shutdown (teardown)
+ * waits for every call to end, so it waited out Criterion's 60 s timeout, and
+ * the failure read as a timeout. Teardown frees what is left instead, the
+ * servers first (their calls end, so no close waits on a peer). Owned by the
+ * test's thread; a test that frees all it made leaves nothing here. */
+typedef enum { LEFT_SERVER, LEFT_FAKE, LEFT_STREAM, LEFT_POOL, LEFT_LINK, LEFT_CHANNEL } left_kind_t;
+
+typedef struct {
+  left_kind_t kind;
+  void *obj;
+} left_t;
+
+static left_t left[32];
+static size_t nleft;
+
+static void *keep(left_kind_t kind, void *obj) {
+  cr_assert_lt(nleft, sizeof left / sizeof left[0], "too many objects for teardown's list");
+  if (obj) left[nleft++] = (left_t){kind, obj};
+  return obj;
+}
+
+static void forget(const void *obj) {
+  for (size_t i = 0; obj && i < nleft; i++)
+    if (left[i].obj == obj) {
+      left[i] = left[--nleft];
+      return;
+    }
+}
+
 /* ---------------------------------------------------------------- fake agent */
 
 typedef enum { FAKE_ACK, FAKE_SILENT, FAKE_DIE_AFTER, FAKE_LIE, FAKE_STUCK } fake_mode_t;
@@ -122,7 +154,7 @@ static fake_t *fake_start(fake_mode_t mode) {
   int port = rpc_server_start(f->srv, err, sizeof err);
   cr_assert_gt(port, 0, "%s", err);
   snprintf(f->target, sizeof f->target, "127.0.0.1:%d", port);
-  return f;
+  return keep(LEFT_FAKE, f);
 }
 
 /* Ends the fake's server (as if the agent process died): open calls are cancelled. */
@@ -138,6 +170,7 @@ static void fake_kill(fake_t *f) {
 
 static void fake_free(fake_t *f) {
   if (!f) return;
+  forget(f);
   fake_kill(f);
   pthread_cond_destroy(&f->cv);
   pthread_mutex_destroy(&f->mu);
@@ -194,7 +227,84 @@ static void setup(void) {
   pthread_mutex_init(&obs.mu, NULL);
 }
 
-static void teardown(void) { rpc_shutdown(); }
+/* The test's channels, links, pools and servers, kept for teardown (leftovers). */
+static rpc_channel_t *channel_create(const char *target, const rpc_channel_opts_t *o) {
+  return keep(LEFT_CHANNEL, rpc_channel_create(target, o));
+}
+
+static void channel_destroy(rpc_channel_t *ch) {
+  forget(ch);
+  rpc_channel_destroy(ch);
+}
+
+static agent_link_t *link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
+                               uint64_t first_seq) {
+  return keep(LEFT_LINK, agent_link_open(ch, rank, agent_id, first_seq, NULL, &cbs));
+}
+
+static void link_close(agent_link_t *l) {
+  forget(l);
+  agent_link_close(l);
+}
+
+static agent_pool_t *pool_create(const agent_pool_callbacks_t *cb) {
+  agent_pool_t *p = agent_pool_create(cb);
+  cr_assert_not_null(p);
+  return keep(LEFT_POOL, p);
+}
+
+static void pool_destroy(agent_pool_t *p) {
+  forget(p);
+  agent_pool_destroy(p);
+}
+
+static void server_destroy(rpc_server_t *srv) {
+  forget(srv);
+  rpc_server_destroy(srv);
+}
+
+static void stream_destroy(rpc_stream_t *st) {
+  forget(st);
+  rpc_stream_destroy(st);
+}
+
+static void release_blocked_report(void);
+
+/* Frees what a failed test left (leftovers), in an order in which nothing
+ * waits: the servers go first, which ends their calls (a fake's blocked
+ * handlers let go), then the client side, which has nothing left to wait for. */
+static void free_leftovers(void) {
+  release_blocked_report(); /* the client thread, if a test held it */
+  left_t was[sizeof left / sizeof left[0]];
+  size_t n = nleft;
+  memcpy(was, left, n * sizeof *was);
+  nleft = 0;
+  static const left_kind_t order[] = {LEFT_SERVER, LEFT_FAKE, LEFT_STREAM, LEFT_POOL,
+                                      LEFT_LINK,   LEFT_CHANNEL, LEFT_FAKE};
+  const size_t steps = sizeof order / sizeof order[0];
+  for (size_t k = 0; k < steps; k++) {
+    for (size_t i = 0; i < n; i++) {
+      void *o = was[i].obj;
+      if (was[i].kind != order[k]) continue;
+      switch (order[k]) {
+      case LEFT_SERVER: rpc_server_destroy(o); break;
+      case LEFT_FAKE: k == steps - 1 ? fake_free(o) : fake_kill(o); break; /* killed, then freed */
+      case LEFT_STREAM: rpc_stream_destroy(o); break;
+      case LEFT_POOL: agent_pool_destroy(o); break;
+      case LEFT_LINK: agent_link_close(o); break;
+      case LEFT_CHANNEL: rpc_channel_destroy(o); break;
+      }
+    }
+  }
+}
+
+static void teardown(void) {
+  if (nleft) {
+    cr_log_warn("teardown: the test left %zu objects (it failed?); freeing them", nleft);
+    free_leftovers();
+  }
+  rpc_shutdown();
+}
 
 TestSuite(agent_link, .init = setup, .fini = teardown, .timeout = 60);
 
@@ -247,16 +357,16 @@ typedef struct rig {
 
 static void rig_open(rig_t *r, fake_mode_t mode) {
   r->f = fake_start(mode);
-  r->ch = rpc_channel_create(r->f->target, &live_peer);
-  r->l = agent_link_open(r->ch, 0, "agent-a", 1, NULL, &cbs);
+  r->ch = channel_create(r->f->target, &live_peer);
+  r->l = link_open(r->ch, 0, "agent-a", 1);
   cr_assert_not_null(r->l);
   make_ins(&r->ins, "sess", 3);
 }
 
 /* Closes the link unless closed already (r->l NULL), then the rest. */
 static void rig_close(rig_t *r) {
-  agent_link_close(r->l);
-  rpc_channel_destroy(r->ch);
+  link_close(r->l);
+  channel_destroy(r->ch);
   fake_free(r->f);
 }
 
@@ -264,8 +374,8 @@ static void rig_close(rig_t *r) {
 
 Test(agent_link, seqs_in_order_and_all_acked) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 0, "agent-a", 1);
   cr_assert_not_null(l);
   cr_assert_eq(agent_link_executed(l), 0);
   cr_assert_eq(agent_link_last_seq(l), 0);
@@ -301,16 +411,16 @@ Test(agent_link, seqs_in_order_and_all_acked) {
   cr_assert_eq(obs.last_exec[0], n);
   cr_assert_eq(obs.allocated, 4096);
   cr_assert_eq(atomic_load(&obs.lost), 0);
-  agent_link_close(l);
+  link_close(l);
   cr_assert_eq(atomic_load(&obs.lost), 0, "close does not report a loss");
-  rpc_channel_destroy(ch);
+  channel_destroy(ch);
   fake_free(f);
 }
 
 Test(agent_link, first_seq_sets_the_base) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 2, "agent-b", 41, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 2, "agent-b", 41);
   cr_assert_eq(agent_link_executed(l), 40);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
@@ -319,8 +429,8 @@ Test(agent_link, first_seq_sets_the_base) {
   exec_want_t w = {l, 42};
   cr_assert(eventually(executed_reaches, &w, 5000));
   cr_assert_eq(f->first_seq_of_call, 41);
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
+  link_close(l);
+  channel_destroy(ch);
   fake_free(f);
 }
 
@@ -328,8 +438,8 @@ Test(agent_link, first_seq_sets_the_base) {
 
 Test(agent_link, many_sends_fewer_batches) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 0, "agent-a", 1);
   const uint64_t n = 10000;
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "sess", 3);
@@ -348,8 +458,8 @@ Test(agent_link, many_sends_fewer_batches) {
   cr_assert_eq(fake_get(f, &f->batches), st.batches_sent);
   cr_assert_eq(fake_get(f, &f->reports), st.batches_sent);
   cr_assert_eq(st.reports, st.batches_sent);
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
+  link_close(l);
+  channel_destroy(ch);
   fake_free(f);
 }
 
@@ -360,8 +470,8 @@ Test(agent_link, corked_sends_go_as_one_batch) {
    * thread is off the CPU between its pushes (a loaded CI machine). */
   agent_link_set_hold_ms(60000);
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 0, "agent-a", 1);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "sess", 3);
   /* Uncorked first: the lone instruction goes at once. */
@@ -382,8 +492,8 @@ Test(agent_link, corked_sends_go_as_one_batch) {
   cr_assert_eq(st.batches_sent, 2, "99 corked instructions took %llu batches (plus the first)",
                (unsigned long long)st.batches_sent - 1);
   cr_assert_eq(f->max_batch, 99);
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
+  link_close(l);
+  channel_destroy(ch);
   fake_free(f);
   agent_link_set_hold_ms(20);
 }
@@ -400,7 +510,7 @@ Test(agent_link, a_cork_never_held_back_stalls_nothing) {
   /* And a link closed while a cork holds it is released safely. */
   agent_link_cork();
   cr_assert_eq(agent_link_send(r.l, &r.ins), 2);
-  agent_link_close(r.l);
+  link_close(r.l);
   r.l = NULL;
   agent_link_uncork();
   rig_close(&r);
@@ -534,19 +644,22 @@ static bool front_done(void *arg) { return atomic_load(&((front_t *)arg)->messag
 Test(agent_link, messages_back_to_back_go_as_few_batches) {
   agent_link_set_hold_ms(60000); /* only idleness lets a batch go */
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  front_t fr = {.link = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs)};
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  /* Static: the front's threads use it, and may still after a failed assertion left
+   * this frame (until teardown ends them). */
+  static front_t fr;
+  fr = (front_t){.link = link_open(ch, 0, "agent-a", 1)};
   rpc_server_opts_t o = {.listen = "127.0.0.1:0", .threads = 1,
                          .before_wait = agent_link_uncork_idle};
   char err[256], target[64];
-  rpc_server_t *srv = rpc_server_create(&o, err, sizeof err);
+  rpc_server_t *srv = keep(LEFT_SERVER, rpc_server_create(&o, err, sizeof err));
   cr_assert_not_null(srv, "%s", err);
   cr_assert_eq(rpc_server_add_methods(srv, &front_row, 1, &fr), 0);
   int port = rpc_server_start(srv, err, sizeof err);
   cr_assert_gt(port, 0, "%s", err);
   snprintf(target, sizeof target, "127.0.0.1:%d", port);
-  rpc_channel_t *fch = rpc_channel_create(target, &live_peer);
-  rpc_stream_t *st = rpc_stream_open(fch, front_row.path, NULL, 0, 0);
+  rpc_channel_t *fch = channel_create(target, &live_peer);
+  rpc_stream_t *st = keep(LEFT_STREAM, rpc_stream_open(fch, front_row.path, NULL, 0, 0));
   cr_assert_not_null(st);
   Meshd__Agent__V1__InstructionBatch empty = MESHD__AGENT__V1__INSTRUCTION_BATCH__INIT;
   for (int i = 0; i < 50; i++) {
@@ -566,19 +679,19 @@ Test(agent_link, messages_back_to_back_go_as_few_batches) {
   cr_assert_leq(ls.batches_sent, 25, "50 messages back to back took %llu batches",
                 (unsigned long long)ls.batches_sent);
   rpc_stream_cancel(st);
-  rpc_stream_destroy(st);
-  rpc_channel_destroy(fch);
-  rpc_server_destroy(srv); /* its thread lets its cork go as it ends */
-  agent_link_close(fr.link);
-  rpc_channel_destroy(ch);
+  stream_destroy(st);
+  channel_destroy(fch);
+  server_destroy(srv); /* its thread lets its cork go as it ends */
+  link_close(fr.link);
+  channel_destroy(ch);
   fake_free(f);
   agent_link_set_hold_ms(20);
 }
 
 Test(agent_link, batches_stay_under_the_byte_limit) {
   fake_t *f = fake_start(FAKE_ACK);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-a", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 0, "agent-a", 1);
   /* 100 KiB session ids: ten fit in a batch. */
   size_t big = 100 * 1024;
   char *sid = malloc(big + 1);
@@ -601,10 +714,10 @@ Test(agent_link, batches_stay_under_the_byte_limit) {
   cr_assert_eq(agent_link_send(l, &ins), 0);
   make_ins(&ins, "small", 0);
   cr_assert_eq(agent_link_send(l, &ins), 61);
-  agent_link_close(l);
+  link_close(l);
   free(huge);
   free(sid);
-  rpc_channel_destroy(ch);
+  channel_destroy(ch);
   fake_free(f);
 }
 
@@ -613,8 +726,8 @@ Test(agent_link, batches_stay_under_the_byte_limit) {
 Test(agent_link, agent_dies_mid_stream) {
   fake_t *f = fake_start(FAKE_DIE_AFTER);
   f->die_after = 10;
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 3, "agent-d", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 3, "agent-d", 1);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   for (int i = 1; i <= 10; i++) cr_assert_eq(agent_link_send(l, &ins), (uint64_t)i);
@@ -628,16 +741,16 @@ Test(agent_link, agent_dies_mid_stream) {
   usleep(100 * 1000);
   cr_assert_eq(atomic_load(&obs.lost), 1, "on_lost runs once");
   cr_assert_eq(obs.lost_rank, 3);
-  agent_link_close(l);
+  link_close(l);
   cr_assert_eq(atomic_load(&obs.lost), 1);
-  rpc_channel_destroy(ch);
+  channel_destroy(ch);
   fake_free(f);
 }
 
 Test(agent_link, agent_process_gone) {
   fake_t *f = fake_start(FAKE_SILENT);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 1, "agent-e", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 1, "agent-e", 1);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   for (int i = 0; i < 100; i++) agent_link_send(l, &ins);
@@ -648,22 +761,22 @@ Test(agent_link, agent_process_gone) {
   cr_assert_eq(agent_link_executed(l), 0);
   usleep(100 * 1000);
   cr_assert_eq(atomic_load(&obs.lost), 1);
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
+  link_close(l);
+  channel_destroy(ch);
   fake_free(f);
 }
 
 Test(agent_link, agent_claims_unsent_seqs) {
   fake_t *f = fake_start(FAKE_LIE);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-f", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 0, "agent-f", 1);
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   agent_link_send(l, &ins);
   cr_assert(eventually(lost_seen, NULL, 5000));
   cr_assert_eq(agent_link_executed(l), 0, "a lie does not move the watermark");
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
+  link_close(l);
+  channel_destroy(ch);
   fake_free(f);
 }
 
@@ -672,23 +785,23 @@ Test(agent_link, no_agent_listening) {
   char target[64];
   snprintf(target, sizeof target, "%s", f->target);
   fake_free(f); /* nothing listens on that port any more */
-  rpc_channel_t *ch = rpc_channel_create(target, NULL);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-g", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(target, NULL);
+  agent_link_t *l = link_open(ch, 0, "agent-g", 1);
   cr_assert_not_null(l);
   cr_assert(eventually(lost_seen, NULL, 5000));
   Meshd__Agent__V1__Instruction ins;
   make_ins(&ins, "s", 0);
   cr_assert_eq(agent_link_send(l, &ins), 0);
-  agent_link_close(l);
-  rpc_channel_destroy(ch);
+  link_close(l);
+  channel_destroy(ch);
 }
 
 /* ---------------------------------------------------------------- close */
 
 static void assert_prompt_close(fake_mode_t mode, size_t n, size_t bytes_each) {
   fake_t *f = fake_start(mode);
-  rpc_channel_t *ch = rpc_channel_create(f->target, &live_peer);
-  agent_link_t *l = agent_link_open(ch, 0, "agent-h", 1, NULL, &cbs);
+  rpc_channel_t *ch = channel_create(f->target, &live_peer);
+  agent_link_t *l = link_open(ch, 0, "agent-h", 1);
   char *sid = malloc(bytes_each + 1);
   memset(sid, 's', bytes_each);
   sid[bytes_each] = '\0';
@@ -701,12 +814,12 @@ static void assert_prompt_close(fake_mode_t mode, size_t n, size_t bytes_each) {
   cr_log_info("before close: %zu queued, %llu batches sent", st.queued,
               (unsigned long long)st.batches_sent);
   int64_t t0 = rpc_now_ms();
-  agent_link_close(l);
+  link_close(l);
   int64_t took = rpc_now_ms() - t0;
   cr_assert_lt(took, 1000, "close took %lld ms", (long long)took);
   cr_assert_eq(atomic_load(&obs.lost), 0);
   free(sid);
-  rpc_channel_destroy(ch);
+  channel_destroy(ch);
   fake_free(f);
 }
 
@@ -741,9 +854,7 @@ static void pool_changed(int healthy, void *arg) { atomic_store(&healthy_now, he
 
 static agent_pool_t *make_pool(void) {
   agent_pool_callbacks_t cb = {pool_changed, on_report, on_pool_lost, &obs};
-  agent_pool_t *p = agent_pool_create(&cb);
-  cr_assert_not_null(p);
-  return p;
+  return pool_create(&cb);
 }
 
 /* Admits an agent at rank and connects it to fake f as the registry would. */
@@ -802,7 +913,7 @@ Test(agent_link, pool_send_and_wait) {
   cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 2, on_fire, &again, NULL, NULL),
                WATERMARK_REACHED);
   cr_assert_eq(atomic_load(&again.calls), 0);
-  agent_pool_destroy(p);
+  pool_destroy(p);
   cr_assert_eq(atomic_load(&obs.lost), 0, "destroy is not a loss");
   fake_free(a);
   fake_free(b);
@@ -842,7 +953,7 @@ Test(agent_link, pool_wait_sends_deferred_work) {
   cr_assert_eq(watermark_wait(agent_pool_watermark(p), &t, 1, on_fire, &f1, NULL, NULL),
                WATERMARK_PENDING);
   cr_assert(eventually(fired, &f1, 5000));
-  agent_pool_destroy(p);
+  pool_destroy(p);
   fake_free(a);
   fake_free(b);
   agent_link_set_hold_ms(20);
@@ -905,7 +1016,7 @@ Test(agent_link, pool_lost_agent_fails_waits) {
   /* The agent leaves (its registration ends): no second on_lost. */
   agent_pool_remove(p, 0, "agent-0", 0, "test");
   cr_assert_eq(atomic_load(&obs.lost), 1);
-  agent_pool_destroy(p);
+  pool_destroy(p);
   fake_free(a);
   fake_free(b);
 }
@@ -941,7 +1052,7 @@ Test(agent_link, pool_replaced_agent_continues_seqs) {
   fire_t g = {0};
   cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 1, on_fire, &g, NULL, NULL),
                WATERMARK_LOST, "seq 7 was on the old agent and stays lost");
-  agent_pool_destroy(p);
+  pool_destroy(p);
   fake_free(a);
   fake_free(b);
 }
@@ -959,7 +1070,7 @@ Test(agent_link, pool_destroy_cancels_waits) {
   cr_assert_eq(watermark_wait(agent_pool_watermark(p), t, 1, on_fire, &f, NULL, NULL),
                WATERMARK_PENDING);
   int64_t t0 = rpc_now_ms();
-  agent_pool_destroy(p);
+  pool_destroy(p);
   cr_assert_lt(rpc_now_ms() - t0, 1000);
   cr_assert_eq(atomic_load(&f.calls), 1);
   cr_assert_eq(f.result, WATERMARK_CANCELLED);
@@ -976,6 +1087,14 @@ static struct {
   uint32_t rank;
   bool armed, blocked, release;
 } blk = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, false, false, false};
+
+static void release_blocked_report(void) {
+  pthread_mutex_lock(&blk.mu);
+  blk.armed = false;
+  blk.release = true;
+  pthread_cond_broadcast(&blk.cv);
+  pthread_mutex_unlock(&blk.mu);
+}
 
 static void on_report_blocking(uint32_t rank, const agent_link_report_t *r, void *arg) {
   (void)r;
@@ -1003,8 +1122,7 @@ static void *remove_rank0(void *p) {
 Test(agent_link, pool_report_taken_as_the_agent_leaves_still_ends_waits) {
   fake_t *a = fake_start(FAKE_ACK), *b = fake_start(FAKE_ACK);
   agent_pool_callbacks_t cb = {pool_changed, on_report_blocking, on_pool_lost, &obs};
-  agent_pool_t *p = agent_pool_create(&cb);
-  cr_assert_not_null(p);
+  agent_pool_t *p = pool_create(&cb);
   admit(p, 0, "agent-0", a);
   admit(p, 1, "agent-1", b);
   Meshd__Agent__V1__Instruction ins;
@@ -1050,7 +1168,7 @@ Test(agent_link, pool_report_taken_as_the_agent_leaves_still_ends_waits) {
             (unsigned long long)seq0, (unsigned long long)agent_pool_executed(p, 0),
             watermark_lost_ranges(agent_pool_watermark(p), 0));
   cr_assert(f.result == WATERMARK_REACHED || f.result == WATERMARK_LOST);
-  agent_pool_destroy(p);
+  pool_destroy(p);
   fake_free(a);
   fake_free(b);
 }
