@@ -14,7 +14,8 @@
  * unread Read holds no thread, and no copy of a tensor nobody writes). The
  * wait ends at once when the call is cancelled; a seq the agent never
  * received is refused (far beyond: at once; otherwise after READ_UNSEEN_MS),
- * and at most READ_WAITING_MAX Reads wait at a time. A failed ref ends the
+ * and at most READ_WAITING_MAX Reads wait at a time, half of them at most of
+ * one session (waiting_take). A failed ref ends the
  * call with the failure's kind in the meshd-error-kind trailer and the root's
  * message.
  *
@@ -23,8 +24,8 @@
  * client half-closes; a Write that ends otherwise frees it. A spec for
  * a session not open yet (its opening instruction may still be on its way)
  * pauses the call's reads for up to WRITE_OPEN_WAIT_MS on a helper thread
- * (at most WRITE_WAITING_MAX of them); then it is refused and nothing is
- * stored. */
+ * (at most WRITE_WAITING_MAX of them, half at most of one session); then it
+ * is refused and nothing is stored. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,6 +51,10 @@
 #define READ_WAITING_MAX 64
 #define WRITE_OPEN_WAIT_MS 3000
 #define WRITE_WAITING_MAX 16
+/* The share of those places one session may hold: its server lets it have
+ * 64 transfers in flight, and a burst of them must not refuse every other
+ * session's waiting Reads (or Writes) until it drains. */
+#define WAITING_SHARE(max) ((max) / 2)
 /* How often a waiting helper looks whether its call was cancelled. */
 #define POLL_MS 100
 #define CHUNK_DEFAULT (1u << 20)
@@ -64,7 +69,7 @@ typedef struct read_job {
   char session[64];
   uint64_t ref, after_seq;
   uint32_t chunk;
-  bool waiting; /* counted in read_waiting */
+  bool waiting; /* holds a place in read_places */
   snapshot_t *snap;  /* what is read, once taken */
   size_t bytes, off; /* off: the bytes queued on the call so far */
   grant_watch_t watch; /* a client's direct Read: ended at its grant's expiry */
@@ -83,7 +88,76 @@ static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tens
   sp->dtype = (Meshd__V1__DType)m->dtype;
 }
 
-static _Atomic int read_waiting, write_waiting, read_threads;
+static _Atomic int read_threads;
+
+/* The places to wait on this agent, counted over all sessions and per
+ * session. A lock, not atomics: the session's count and the total change
+ * together. Taken once per call that waits (a Read whose seq is ready, a
+ * Write whose session is open, takes none); the scan is short, and a
+ * session holds an entry only while it holds a place (so max entries suffice). */
+typedef struct waiting_places {
+  pthread_mutex_t mu;
+  int max, total;
+  struct {
+    char session[64];
+    int n; /* 0: a free entry */
+  } held[READ_WAITING_MAX];
+} waiting_places_t;
+
+typedef enum { PLACE_TAKEN, PLACES_FULL, SHARE_FULL } place_t;
+
+static waiting_places_t read_places = {PTHREAD_MUTEX_INITIALIZER, READ_WAITING_MAX, 0, {{"", 0}}};
+static waiting_places_t write_places = {PTHREAD_MUTEX_INITIALIZER, WRITE_WAITING_MAX, 0, {{"", 0}}};
+
+/* The entry of session, or a free one (-1 when neither). Under p->mu. */
+static int places_entry(waiting_places_t *p, const char *session) {
+  int free_at = -1;
+  for (int i = 0; i < p->max; i++) {
+    if (p->held[i].n && strcmp(p->held[i].session, session) == 0) return i;
+    if (!p->held[i].n && free_at < 0) free_at = i;
+  }
+  return free_at;
+}
+
+/* A place for one of session's calls to wait, or which bound refused it. */
+static place_t waiting_take(waiting_places_t *p, const char *session) {
+  place_t r = PLACES_FULL;
+  pthread_mutex_lock(&p->mu);
+  int i = p->total < p->max ? places_entry(p, session) : -1;
+  if (i >= 0 && p->held[i].n >= WAITING_SHARE(p->max)) {
+    r = SHARE_FULL;
+  } else if (i >= 0) {
+    if (!p->held[i].n) snprintf(p->held[i].session, sizeof p->held[i].session, "%s", session);
+    p->held[i].n++;
+    p->total++;
+    r = PLACE_TAKEN;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return r;
+}
+
+/* Gives back a place waiting_take gave session: on every way a waiting call
+ * ends (its wait over, cancelled, failed, or no thread to wait on). */
+static void waiting_leave(waiting_places_t *p, const char *session) {
+  pthread_mutex_lock(&p->mu);
+  int i = places_entry(p, session);
+  if (i >= 0 && p->held[i].n) {
+    p->held[i].n--;
+    p->total--;
+  }
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* The refusal's words for the bound hit: "<n> Reads already wait for seqs",
+ * which the clients match to retry it, in both. */
+static void read_places_refused(place_t r, const char *session, char *why, size_t len) {
+  if (r == SHARE_FULL)
+    snprintf(why, len, "%d Reads already wait for seqs of session %s on this agent, the most one "
+             "session may hold of its %d waiting places", WAITING_SHARE(READ_WAITING_MAX), session,
+             READ_WAITING_MAX);
+  else
+    snprintf(why, len, "%d Reads already wait for seqs on this agent", READ_WAITING_MAX);
+}
 
 static const char *grant_kind(int code) {
   return code == GRPC_STATUS_PERMISSION_DENIED     ? "PERMISSION_DENIED"
@@ -176,7 +250,7 @@ static void read_drained(rpc_call_t *call, void *arg) {
 static void read_run(read_job_t *j) {
   rpc_call_t *call = j->call;
   int rc = read_wait(j);
-  if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
+  if (j->waiting) waiting_leave(&read_places, j->session);
   if (rc) {
     read_job_free(j);
     return;
@@ -216,7 +290,7 @@ static void *read_main(void *arg) {
 
 void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   const Meshd__Agent__V1__ReadRequest *req = (const void *)msg;
-  char why[160];
+  char why[256];
   if (validate_session_id(req->session_id, why, sizeof why)) {
     rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT", "Read: %s", why);
     return;
@@ -258,11 +332,13 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
     code = GRPC_STATUS_NOT_FOUND;
     kind = "UNKNOWN_REF";
     snprintf(why, sizeof why, "session %s is not open on this agent", req->session_id);
-  } else if (!ready && atomic_fetch_add(&read_waiting, 1) >= READ_WAITING_MAX) {
-    atomic_fetch_sub(&read_waiting, 1);
-    code = GRPC_STATUS_RESOURCE_EXHAUSTED;
-    kind = "QUOTA";
-    snprintf(why, sizeof why, "%d Reads already wait for seqs on this agent", READ_WAITING_MAX);
+  } else if (!ready) {
+    place_t r = waiting_take(&read_places, req->session_id);
+    if (r != PLACE_TAKEN) {
+      code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      kind = "QUOTA";
+      read_places_refused(r, req->session_id, why, sizeof why);
+    }
   }
   if (code != GRPC_STATUS_OK) {
     executor_unref(ex);
@@ -272,7 +348,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   }
   read_job_t *j = calloc(1, sizeof *j);
   if (!j) {
-    if (!ready) atomic_fetch_sub(&read_waiting, 1);
+    if (!ready) waiting_leave(&read_places, req->session_id);
     executor_unref(ex);
     if (grant_expiry) transfer_grant_give_back(nonce, req->session_id, grant_expiry);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of memory");
@@ -300,7 +376,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   int rc = runtime_spawn_detached(read_main, j);
   if (rc != 0) {
     atomic_fetch_sub(&read_threads, 1);
-    if (j->waiting) atomic_fetch_sub(&read_waiting, 1);
+    if (j->waiting) waiting_leave(&read_places, j->session);
     if (grant_expiry) transfer_grant_give_back(nonce, req->session_id, grant_expiry);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "agent out of threads");
     read_job_free(j); /* unwatches its grant first: the watch thread must not find it freed */
@@ -392,10 +468,18 @@ static void write_fail(rpc_call_t *call, write_state_t *w, grpc_status_code code
   rpc_call_finish(call, code, kind, "Write: %s", msg);
 }
 
-static void write_not_open(write_state_t *w) {
-  char why[200];
+/* bound: the waiting places that were full (PLACE_TAKEN: it waited its time). */
+static void write_not_open(write_state_t *w, place_t bound) {
+  char why[400], full[200] = "";
+  if (bound == SHARE_FULL)
+    snprintf(full, sizeof full, " (%d Writes already wait for session %s to open, the most one "
+             "session may hold of this agent's %d waiting places)",
+             WAITING_SHARE(WRITE_WAITING_MAX), w->session, WRITE_WAITING_MAX);
+  else if (bound == PLACES_FULL)
+    snprintf(full, sizeof full, " (%d Writes already wait for sessions to open on this agent)",
+             WRITE_WAITING_MAX);
   snprintf(why, sizeof why, "session %s is not open on this agent (the server opens a session "
-           "with an instruction before it writes to it); nothing was stored", w->session);
+           "with an instruction before it writes to it)%s; nothing was stored", w->session, full);
   /* Its kind too (as a Read's unseen seq): the server relays it, not AGENT_LOST. */
   write_fail(w->call, w, GRPC_STATUS_FAILED_PRECONDITION, "UNAVAILABLE", why);
 }
@@ -435,9 +519,9 @@ static void *write_open_main(void *arg) {
   while (!rpc_call_ended(call) && !executor_closing(w->ex) &&
          rpc_now_ms() - start < WRITE_OPEN_WAIT_MS)
     if ((open = executor_wait_open(w->ex, w->session, POLL_MS))) break;
-  atomic_fetch_sub(&write_waiting, 1);
+  waiting_leave(&write_places, w->session);
   if (!rpc_call_ended(call)) {
-    int rc = open ? write_ready(w) : (write_not_open(w), -1);
+    int rc = open ? write_ready(w) : (write_not_open(w, PLACE_TAKEN), -1);
     if (rc == 0) rpc_call_resume_reads(call);
     else if (w->granted) transfer_grant_give_back(w->nonce, w->session, w->expiry_ms); /* no byte came: not the grant's fault */
   }
@@ -482,9 +566,9 @@ static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1
   if (executor_session_open(w->ex, w->session)) return write_ready(w);
   /* Its opening instruction may still be on the Execute stream: wait a
    * little, without reading the data meanwhile. */
-  if (atomic_fetch_add(&write_waiting, 1) >= WRITE_WAITING_MAX) {
-    atomic_fetch_sub(&write_waiting, 1);
-    write_not_open(w);
+  place_t place = waiting_take(&write_places, w->session);
+  if (place != PLACE_TAKEN) {
+    write_not_open(w, place);
     return -1;
   }
   rpc_call_pause_reads(call);
@@ -492,7 +576,7 @@ static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1
   atomic_fetch_add(&w->owners, 1);
   int rc = runtime_spawn_detached(write_open_main, w);
   if (rc == 0) return 1;
-  atomic_fetch_sub(&write_waiting, 1);
+  waiting_leave(&write_places, w->session);
   atomic_fetch_sub(&w->owners, 1); /* the call still holds one */
   rpc_call_unref(call);
   rpc_call_resume_reads(call);

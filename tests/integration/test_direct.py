@@ -733,8 +733,8 @@ def test_reads_fit_an_agents_smaller_message_limit(meshd_server, agent):
 
 
 def test_a_read_refused_quota_keeps_its_grant_for_a_retry(meshd_server):
-    """An agent lets at most 64 Reads wait for their seq; a direct Read past them is
-    refused RESOURCE_EXHAUSTED / QUOTA. That refusal is not about the grant, so the
+    """An agent lets at most 64 Reads wait for their seq (32 of one session at most); a
+    direct Read past them is refused RESOURCE_EXHAUSTED / QUOTA. That refusal is not about the grant, so the
     grant is not used up: the client retries it once the waiting Reads left and gets
     its bytes (it was refused "reused" before, the real cause lost)."""
     import time
@@ -751,15 +751,17 @@ def test_a_read_refused_quota_keeps_its_grant_for_a_retry(meshd_server):
         with mesh2.activate():
             z = meshd.tensor(arr) * 3  # and this one
         a = lib.agent_pb2()
-        plans = [plan_fetch(s, y, gpu=0) for _ in range(64)]
+        # 32 of each session's: the most one session may have waiting there
+        plans = ([(s, y, plan_fetch(s, y, gpu=0)) for _ in range(32)] +
+                 [(s2, z, plan_fetch(s2, z, gpu=0)) for _ in range(32)])
         last = plan_fetch(s2, z, gpu=0).shards[0]
         with _agent_channel(last.address) as ch:
             fn = ch.unary_stream(AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
                                  response_deserializer=a.DataChunk.FromString)
-            waiting = [fn(a.ReadRequest(session_id=s.id, ref=y.ref, max_chunk_bytes=1 << 20,
+            waiting = [fn(a.ReadRequest(session_id=ses.id, ref=t.ref, max_chunk_bytes=1 << 20,
                                         after_seq=p.shards[0].after_seq),
                           metadata=((_direct.GRANT_MD, p.shards[0].grant),), timeout=30)
-                       for p in plans]
+                       for ses, t, p in plans]
             time.sleep(1.0)  # the 64 wait on the agent now
             e = refused(lambda: agent_read(last, s2.id, z.ref),
                         grpc.StatusCode.RESOURCE_EXHAUSTED, "64 Reads already wait")

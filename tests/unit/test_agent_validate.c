@@ -1097,24 +1097,35 @@ Test(service, a_write_that_overtakes_its_sessions_opening_waits_for_it) {
 }
 
 typedef struct reader {
+  const char *session;
+  int timeout_ms; /* 0: 3 s */
   grpc_status_code code;
+  char msg[512];
+  _Atomic bool done;
 } reader_t;
 
 static void *read_waiting(void *arg) {
   reader_t *r = arg;
   rpc_status_t st;
   /* A seq not sent yet: the Read waits, until its deadline cancels it. */
-  r->code = read_ref("r", 1, next_seq + 10, 3000, NULL, 0, &st);
+  r->code = read_ref(r->session, 1, next_seq + 10, r->timeout_ms ? r->timeout_ms : 3000, NULL, 0,
+                     &st);
+  snprintf(r->msg, sizeof r->msg, "%s", st.message);
+  atomic_store(&r->done, true);
   return NULL;
 }
 
 Test(service, cancelled_reads_give_their_threads_back_at_once) {
   open_session("r");
+  open_session("r2");
   enum { N = 64 };
   pthread_t t[N];
   reader_t r[N];
   cr_assert_eq(data_read_threads(), 0);
-  for (int i = 0; i < N; i++) cr_assert_eq(pthread_create(&t[i], NULL, read_waiting, &r[i]), 0);
+  for (int i = 0; i < N; i++) { /* two sessions: one may hold half the places */
+    r[i] = (reader_t){.session = i % 2 ? "r2" : "r"};
+    cr_assert_eq(pthread_create(&t[i], NULL, read_waiting, &r[i]), 0);
+  }
   /* Every slot taken: one more waiting Read is refused at once. */
   int64_t end = rpc_now_ms() + 2500;
   while (data_read_threads() < N && rpc_now_ms() < end) usleep(5000);
@@ -1133,4 +1144,78 @@ Test(service, cancelled_reads_give_their_threads_back_at_once) {
   cr_assert_eq(data_read_threads(), 0, "%d Read threads still wait", data_read_threads());
   /* And the slots are free again. */
   cr_assert_eq(read_ref("r", 1, next_seq + 10, 300, NULL, 0, &st), GRPC_STATUS_DEADLINE_EXCEEDED);
+}
+
+typedef struct late_read {
+  uint64_t after_seq;
+  grpc_status_code code;
+  char msg[512];
+  float v[4];
+  _Atomic bool done;
+} late_read_t;
+
+static void *read_late(void *arg) {
+  late_read_t *l = arg;
+  rpc_status_t st;
+  l->code = read_ref("b", 10, l->after_seq, 20000, l->v, 4, &st);
+  snprintf(l->msg, sizeof l->msg, "%s", st.message);
+  atomic_store(&l->done, true);
+  return NULL;
+}
+
+/* One session's burst of Reads waiting for seqs (its server lets it have 64
+ * transfers in flight) takes half the agent's 64 places at most: its other
+ * Reads are refused QUOTA naming the session's share, in words the clients
+ * retry ("Reads already wait for seqs"), and another session's Read still
+ * waits and gets its bytes (it was refused "64 Reads already wait" until the
+ * burst drained). */
+Test(service, one_sessions_waiting_reads_leave_places_to_another_session) {
+  open_session("a");
+  kit_t k;
+  kit_init(&k, 0, "b");
+  execute(factory(&k, 10, "ones", four, 1));
+  enum { N = 64 };
+  pthread_t t[N];
+  reader_t r[N];
+  for (int i = 0; i < N; i++) {
+    r[i] = (reader_t){.session = "a", .timeout_ms = 5000}; /* past b's wait below */
+    cr_assert_eq(pthread_create(&t[i], NULL, read_waiting, &r[i]), 0);
+  }
+  int refused = 0;
+  int64_t end = rpc_now_ms() + 2500;
+  for (;;) { /* every Read of a's burst either waits or was refused */
+    refused = 0;
+    for (int i = 0; i < N; i++) refused += atomic_load(&r[i].done);
+    if (data_read_threads() + refused >= N || rpc_now_ms() >= end) break;
+    usleep(5000);
+  }
+  cr_assert_eq(data_read_threads(), N / 2, "%d of session a's Reads wait", data_read_threads());
+  cr_assert_eq(refused, N / 2);
+  for (int i = 0; i < N; i++) {
+    if (!atomic_load(&r[i].done)) continue;
+    cr_assert_eq(r[i].code, GRPC_STATUS_RESOURCE_EXHAUSTED, "%d %s", r[i].code, r[i].msg);
+    cr_assert(strstr(r[i].msg, "Read: 32 Reads already wait for seqs of session a on this agent, "
+                               "the most one session may hold of its 64 waiting places"),
+              "%s", r[i].msg);
+  }
+  /* b's Read of a seq still to come waits (a thread more), then is answered. */
+  late_read_t l = {.after_seq = next_seq};
+  pthread_t lt;
+  cr_assert_eq(pthread_create(&lt, NULL, read_late, &l), 0);
+  end = rpc_now_ms() + 2500;
+  while (data_read_threads() < N / 2 + 1 && !atomic_load(&l.done) && rpc_now_ms() < end)
+    usleep(5000);
+  cr_assert_eq(data_read_threads(), N / 2 + 1, "session b's Read waits: %s", atomic_load(&l.done) ? l.msg : "");
+  cr_assert_eq(snapshot("b", 10), l.after_seq);
+  pthread_join(lt, NULL);
+  cr_assert_eq(l.code, GRPC_STATUS_OK, "%d %s", l.code, l.msg);
+  for (int i = 0; i < 4; i++) cr_assert_float_eq(l.v[i], 1.0f, 1e-6);
+  for (int i = 0; i < N; i++) pthread_join(t[i], NULL);
+  /* The waiting ones ended at their deadline and gave their places back. */
+  end = rpc_now_ms() + 1000;
+  while (data_read_threads() > 0 && rpc_now_ms() < end) usleep(10000);
+  cr_assert_eq(data_read_threads(), 0, "%d Read threads still wait", data_read_threads());
+  rpc_status_t st;
+  cr_assert_eq(read_ref("a", 1, next_seq + 10, 300, NULL, 0, &st), GRPC_STATUS_DEADLINE_EXCEEDED,
+               "%s", st.message);
 }
