@@ -1001,12 +1001,20 @@ class _Workers:
         self._idle = 0  # threads waiting for work
 
     def run(self, fn) -> None:
+        """Runs fn on a worker; raises (fn not run) if no thread could start for it."""
         with self._cv:
             self._work.append(fn)
             if self._idle >= len(self._work):  # an idle thread for each fn queued
                 self._cv.notify()
                 return
-        threading.Thread(target=self._loop, name="meshd-fetch", daemon=True).start()
+        try:
+            threading.Thread(target=self._loop, name="meshd-fetch", daemon=True).start()
+        except BaseException:  # (a thread limit; interpreter shutdown): not queued either,
+            with self._cv:  # or the next fetch's thread would run it, long after
+                if not any(w is fn for w in self._work):
+                    return  # a worker took it meanwhile: it runs
+                self._work = [w for w in self._work if w is not fn]
+            raise
 
     def _loop(self) -> None:
         while True:
@@ -1096,11 +1104,6 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
     s = t.session
-    try:  # the session's next command waits until it is planned
-        s._fetch_placing(deadline)
-    except MeshdError as e:
-        fut.set_exception(e)
-        return fut
 
     def place():
         """Plans the fetch (direct) or starts it (proxy), on the fetch's thread: what
@@ -1129,8 +1132,17 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
             fut.set_result(values(place()(fut._on_stop)))
         except BaseException as e:  # handed to .result()
             fut.set_exception(e)
+    try:  # the session's next command waits until it is planned
+        s._fetch_placing(deadline)
+    except MeshdError as e:
+        fut.set_exception(e)
+        return fut
     fut.set_running_or_notify_cancel()  # running: cancel() cannot stop a fetch
-    _workers.run(run)  # (once queued, it runs: a later run() starts a thread if needed)
+    try:
+        _workers.run(run)
+    except BaseException:  # no thread for it: it is not planned, and nothing waits for it
+        s._fetch_placed()
+        raise
     return fut
 
 

@@ -212,6 +212,35 @@ def test_fetch_shard_returns_before_its_plan_and_commands_wait_for_it(server, da
             for f in futs + ninth:
                 np.testing.assert_array_equal(f.result(20), a * 4)
 
+
+def test_a_fetch_with_no_thread_to_plan_it_leaves_the_session_usable(server, monkeypatch):
+    """fetch_shard counts its fetch as being planned (commands wait for it) before it
+    queues the plan on a worker thread. A thread that could not start (a process at
+    its thread limit; "can't create new thread at interpreter shutdown") left it
+    counted: every later command waited its whole deadline and failed
+    DEADLINE_EXCEEDED, and the queued plan ran on whichever fetch came next. Now
+    fetch_shard raises that error and the session goes on."""
+    _tensor = importlib.import_module("meshd.tensor")
+    monkeypatch.setattr(_tensor, "_workers", _tensor._Workers())  # no idle thread
+    real_start = threading.Thread.start
+
+    def no_thread(self):
+        if self.name == "meshd-fetch":
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+    a = np.arange(4, dtype=np.float32)
+    with meshd.connect(server[0], data_path="proxy", timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(a)
+            monkeypatch.setattr(threading.Thread, "start", no_thread)
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                meshd.fetch_shard(t, gpu=0)
+            monkeypatch.setattr(threading.Thread, "start", real_start)
+            s.sync(timeout=2)  # (waited 2 s for the fetch, then DEADLINE_EXCEEDED)
+            assert s._placing == 0 and not _tensor._workers._work
+            np.testing.assert_array_equal(meshd.fetch_shard(t + 1, gpu=1).result(20), a + 1)
+
+
 class Stop(Exception):
     pass
 
