@@ -195,11 +195,6 @@ static int read_header(const char *url, const url_fetch_opts_t *o, uint64_t size
   return 0;
 }
 
-/* " file BOOT:DEV:INO" after a file:// version: which file the inspection
- * read (url_file_identity), so that each rank knows whether it reads that
- * very file or its own copy of it. */
-#define FILE_MARK " file "
-
 /* This rank's own copy of a file:// checkpoint (the same path on another
  * host's disk, with its own mtime): its size agreed already; its header must
  * hold the tensor where the inspection found it (dtype, shape, byte offset),
@@ -233,19 +228,22 @@ static int copy_agrees(const char *url, const url_fetch_opts_t *o, uint64_t size
  * check's) of the one inspected (l->version): the same, or for file:// on
  * another machine or another file (a per-host copy, whose mtime is its own)
  * a copy that agrees (copy_agrees). The file the inspection read must still
- * be the version it read: a checkpoint saved again in place is refused. */
+ * be the version it read: a checkpoint saved again in place, or another file
+ * renamed into its place (the same machine and device, another inode and
+ * mtime), is refused (url_version_match). */
 static int version_agrees(const Meshd__V1__Load *l, const char *version, const url_fetch_opts_t *o,
                           uint64_t size, const tensor_file_entry_t *ent, const char *shown,
                           meshd_error_t *e) {
-  if (!l->version || !*l->version) return 0;
-  const char *mark = strncasecmp(l->url, "file:", 5) == 0 ? strstr(l->version, FILE_MARK) : NULL;
-  size_t k = mark ? (size_t)(mark - l->version) : strlen(l->version);
   char mine[128];
-  if (mark && strcmp(mark + strlen(FILE_MARK), url_file_identity(l->url, mine, sizeof mine)) != 0)
-    return copy_agrees(l->url, o, size, ent, shown, e);
-  if (strlen(version) == k && strncmp(l->version, version, k) == 0) return 0;
-  return error_set(e, ERR_BAD_ARGUMENT, "%s changed since it was inspected (it was %s, now %s); "
-                   "load it again", shown, l->version, *version ? version : "unmarked");
+  bool file = strncasecmp(l->url, "file:", 5) == 0;
+  const char *id = file ? url_file_identity(l->url, mine, sizeof mine) : NULL;
+  url_version_match_t m = url_version_match(l->version, version, id);
+  if (m == URL_VERSION_SAME) return 0;
+  if (m == URL_VERSION_COPY) return copy_agrees(l->url, o, size, ent, shown, e);
+  return error_set(e, ERR_BAD_ARGUMENT, "%s changed since it was inspected (it was %s, now %s%s); "
+                   "load it again", shown, l->version, *version ? version : "unmarked",
+                   m == URL_VERSION_REPLACED ? ": another file on the same filesystem, put in its "
+                   "place since, or a copy that did not keep the mtime" : "");
 }
 
 int load_run(backend_t *b, backend_stream_t *bs, const char *session,
@@ -417,13 +415,13 @@ static void inspect_fail(rpc_call_t *call, meshd_error_t *e) {
 static bool inspect_gone(void *arg) { return rpc_call_ended(arg); }
 
 /* The version an inspection answers: a file's "mtime S" followed by which
- * file it is on this machine (FILE_MARK), so that the ranks reading their
+ * file it is on this machine (URL_FILE_MARK), so that the ranks reading their
  * own host's copy check that copy, not this one's mtime (version_agrees). */
 static void mark_file(const char *url, const char *version, char *out, size_t n) {
   char id[128];
   int w = -1;
   if (strncmp(version, "mtime ", 6) == 0 && *url_file_identity(url, id, sizeof id))
-    w = snprintf(out, n, "%s" FILE_MARK "%s", version, id);
+    w = snprintf(out, n, "%s" URL_FILE_MARK "%s", version, id);
   if (w < 0 || (size_t)w >= n) /* (a cut mark would name no file: then unmarked, compared as is) */
     snprintf(out, n, "%s", version);
 }

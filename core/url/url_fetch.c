@@ -912,3 +912,35 @@ const char *url_file_identity(const char *url, char *out, size_t n) {
   curl_url_cleanup(u);
   return out;
 }
+
+/* The "BOOT:DEV:" of identity id (n chars): its length, 0 where the boot id
+ * is unknown ("" from a machine without /proc) or id is of another form. */
+static size_t machine_and_device(const char *id, size_t n) {
+  size_t last = n;
+  while (last && id[last - 1] != ':') last--;
+  const char *first = memchr(id, ':', n);
+  if (!last || !first || first == id || (size_t)(first - id) + 1 >= last - 1) return 0;
+  return last;
+}
+
+url_version_match_t url_version_match(const char *inspected, const char *mine,
+                                      const char *identity) {
+  if (!inspected || !*inspected) return URL_VERSION_SAME;
+  const char *mark = identity ? strstr(inspected, URL_FILE_MARK) : NULL;
+  size_t k = mark ? (size_t)(mark - inspected) : strlen(inspected);
+  bool same = strlen(mine) == k && strncmp(inspected, mine, k) == 0;
+  if (!mark) return same ? URL_VERSION_SAME : URL_VERSION_CHANGED;
+  const char *id = mark + strlen(URL_FILE_MARK);
+  size_t n = strcspn(id, " ");
+  if (strlen(identity) == n && strncmp(id, identity, n) == 0)
+    return same ? URL_VERSION_SAME : URL_VERSION_CHANGED;
+  /* Another inode on the inspected machine's device: a copy there (cp -p,
+   * rsync -t) keeps the mtime; a file renamed into place since has its own.
+   * One of the same mtime is a COPY: its header is checked (its layout may
+   * be another). */
+  size_t m = machine_and_device(id, n);
+  if (!same && m && machine_and_device(identity, strlen(identity)) == m &&
+      strncmp(id, identity, m) == 0)
+    return URL_VERSION_REPLACED;
+  return URL_VERSION_COPY;
+}

@@ -192,6 +192,29 @@ bool url_version_ok(const char *v);
  * returns out. Nothing here is a check: the fetch checks the path itself. */
 const char *url_file_identity(const char *url, char *out, size_t n);
 
+/* A file:// inspection's version: "mtime S" URL_FILE_MARK "BOOT:DEV:INO" (the
+ * identity of the file it read), so that each rank can tell that file from its
+ * own host's copy. */
+#define URL_FILE_MARK " file "
+/* What a rank's file is to the one inspected, for a load's version check. */
+typedef enum {
+  URL_VERSION_SAME,     /* the version inspected: read it */
+  URL_VERSION_CHANGED,  /* the file inspected, at another version (saved again in place) */
+  URL_VERSION_REPLACED, /* another file of another mtime on the inspected machine's device:
+                           put in its place since (a rename), or a copy that kept no mtime */
+  URL_VERSION_COPY,     /* another file (another host's, or one whose mtime was kept):
+                           the caller checks that it agrees (size, header) */
+} url_version_match_t;
+/* inspected: the inspection's version (Load.version); mine: this rank's own
+ * (url_fetch_size_version); identity: this rank's url_file_identity, NULL for
+ * a URL that is not file://. An empty inspected version is SAME (nothing to
+ * compare). Of a marked version only "BOOT:DEV:INO" is read: what a later
+ * agent adds after it (" key value") is ignored, and a mark of another form
+ * names another file (COPY). Without a boot id (no /proc), two files are never
+ * known to share a machine: another inode is a COPY, as another host's. */
+url_version_match_t url_version_match(const char *inspected, const char *mine,
+                                      const char *identity);
+
 /* url for a message: "https://host/path", without "user:password@", "?query"
  * (presigned URLs carry their signature there) or "#fragment". Truncated to n. */
 const char *url_redact(const char *url, char *out, size_t n);

@@ -476,12 +476,15 @@ def test_file_loads_read_each_hosts_own_copy(shared_meshd, tmp_path_factory):
     """A checkpoint copied to every host's disk (file:///data/ckpt on each node): each
     copy has its own mtime, and the ranks reading another copy than the inspected one
     refused the load, "changed since it was inspected". Here rank 0 inspects and loads
-    the file, then rank 1 loads the same tensors from its "own copy": the file replaced
-    by another (another inode, mtime + 5 s). Where the copy holds each tensor as
-    inspected (dtype, shape, offset) it loads; where its header says otherwise, or its
-    size differs, it fails on rank 1, naming it. (The file inspected, saved again in
-    place, stays refused: test_a_file_rewritten_at_the_same_size_is_refused in
-    clients/python/tests/test_load.py.)"""
+    the file, then rank 1 loads the same tensors from another file at that path. One
+    put in its place by a rename since (same size and header, other bytes, mtime + 5 s)
+    is refused on rank 1, naming it: on the inspecting host's filesystem another file
+    with another mtime is a replaced one (it loaded unnoticed). A copy that kept the
+    mtime (cp -p, rsync -t; another host's copy keeps its own) loads where it holds
+    each tensor as inspected (dtype, shape, offset); where its header says otherwise,
+    or its size differs, it fails on rank 1, naming it. (The file inspected, saved
+    again in place, stays refused: test_a_file_rewritten_at_the_same_size_is_refused
+    in clients/python/tests/test_load.py.)"""
     from meshd.load import _load_one
     root = tmp_path_factory.mktemp("load-copies")
     srv = shared_meshd(2, "--url-allow", f"file://{root}")
@@ -491,13 +494,13 @@ def test_file_loads_read_each_hosts_own_copy(shared_meshd, tmp_path_factory):
               "b": {"dtype": "F32", "shape": [2, 2], "data_offsets": [32, 48]}}
     path.write_bytes(raw_safetensors(header, a.tobytes() + b.tobytes()))
     raw.write_bytes(a.tobytes())
+    inspected = {p: os.stat(p).st_mtime for p in (path, raw)}
 
-    def copy_to(dst, data):
-        """dst replaced by another file holding data, 5 s newer: another host's copy."""
+    def copy_to(dst, data, later=0):
+        """dst replaced by another file holding data, with the inspected mtime + later."""
         tmp = root / "copy.tmp"
         tmp.write_bytes(data)
-        st = os.stat(dst)
-        os.utime(tmp, (st.st_atime, st.st_mtime + 5))
+        os.utime(tmp, (inspected[dst], inspected[dst] + later))
         os.replace(tmp, dst)
 
     with meshd.connect(srv.address, timeout=60) as s, s.mesh(gpu=2).activate() as m:
@@ -518,10 +521,18 @@ def test_file_loads_read_each_hosts_own_copy(shared_meshd, tmp_path_factory):
 
         same(fetch(load(0, "a")), a)  # rank 0 reads the file inspected
         same(fetch(load_raw(0)), a)
-        header["b"]["dtype"] = "I32"  # rank 1's copy: the same bytes, but b's dtype
+        copy_to(path, raw_safetensors(header, (a * 2).tobytes() + b.tobytes()), later=5)
+        copy_to(raw, (a * 2).tobytes(), later=5)
+        for t, version in ((load(1, "a"), info["version"]), (load_raw(1), raw_version)):
+            with pytest.raises(MeshdError) as ei:
+                fetch(t)
+            msg = str(ei.value)
+            assert "rank 1" in msg and "changed since it was inspected" in msg, msg
+            assert version in msg and "another file" in msg, msg
+        header["b"]["dtype"] = "I32"  # a copy that kept the mtime: b's dtype differs
         copy_to(path, raw_safetensors(header, a.tobytes() + b.tobytes()))
         copy_to(raw, a.tobytes())
-        same(fetch(load(1, "a")), a)
+        same(fetch(load(1, "a")), a)  # (the session goes on after the refusals)
         same(fetch(load_raw(1)), a)
         with pytest.raises(MeshdError) as ei:
             fetch(load(1, "b"))

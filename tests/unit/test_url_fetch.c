@@ -848,11 +848,60 @@ Test(url_fetch, file_identity_tells_a_file_from_its_copy) {
   fclose(f);
   cr_assert_eq(rename(tmp, path), 0);
   cr_assert_str_neq(url_file_identity(u, c, sizeof c), a);
+  /* Read back by a load's check: a file renamed into place (another inode on
+   * this machine's device) with another mtime is refused, where /proc gives
+   * the boot id that says it is this machine. */
+  char inspected[300];
+  snprintf(inspected, sizeof inspected, "mtime 1" URL_FILE_MARK "%s", a);
+  cr_assert_eq(url_version_match(inspected, "mtime 2", c),
+               a[0] != ':' ? URL_VERSION_REPLACED : URL_VERSION_COPY, "%s, now %s", a, c);
+  cr_assert_eq(url_version_match(inspected, "mtime 1", c), URL_VERSION_COPY);
   cr_assert_str_eq(url_file_identity("https://example.com/m.bin", c, sizeof c), "");
   snprintf(v, sizeof v, "file://%s/missing.bin", dir);
   cr_assert_str_eq(url_file_identity(v, c, sizeof c), "");
   unlink(path);
   rmdir(dir);
+}
+
+/* A load's version check: the inspection's version (for file://, which file it
+ * read) against a rank's own version and file. */
+Test(url_fetch, version_match_tells_a_replaced_file_from_a_copy) {
+  static const struct {
+    const char *inspected, *mine, *identity;
+    url_version_match_t want;
+  } cases[] = {
+      /* the file inspected: its mtime decides */
+      {"mtime 100 file B1:7:42", "mtime 100", "B1:7:42", URL_VERSION_SAME},
+      {"mtime 100 file B1:7:42", "mtime 101", "B1:7:42", URL_VERSION_CHANGED},
+      /* another inode on the inspected machine's device: renamed into place
+       * since (its own mtime), or a copy that kept the mtime (its header checked) */
+      {"mtime 100 file B1:7:42", "mtime 101", "B1:7:43", URL_VERSION_REPLACED},
+      {"mtime 100 file B1:7:42", "mtime 100", "B1:7:43", URL_VERSION_COPY},
+      /* another machine or another device: a copy with its own mtime */
+      {"mtime 100 file B1:7:42", "mtime 101", "B2:7:42", URL_VERSION_COPY},
+      {"mtime 100 file B1:7:42", "mtime 101", "B1:8:43", URL_VERSION_COPY},
+      /* no boot id (no /proc): never known to be one machine */
+      {"mtime 100 file :7:42", "mtime 101", ":7:43", URL_VERSION_COPY},
+      {"mtime 100 file :7:42", "mtime 101", ":7:42", URL_VERSION_CHANGED},
+      /* what a later agent adds after the identity is not read */
+      {"mtime 100 file B1:7:42 ns 5", "mtime 100", "B1:7:42", URL_VERSION_SAME},
+      {"mtime 100 file B1:7:42 ns 5", "mtime 101", "B1:7:43", URL_VERSION_REPLACED},
+      /* a mark of another form names another file */
+      {"mtime 100 file 7:42", "mtime 101", "B1:7:43", URL_VERSION_COPY},
+      {"mtime 100 file B1::42", "mtime 101", "B1::43", URL_VERSION_COPY},
+      {"mtime 100 file ", "mtime 101", "B1:7:43", URL_VERSION_COPY},
+      /* unmarked (an older inspecting agent), or not file://: compared whole */
+      {"mtime 100", "mtime 101", "B1:7:42", URL_VERSION_CHANGED},
+      {"etag \"a file B1:7:42\"", "etag \"a file B1:7:42\"", NULL, URL_VERSION_SAME},
+      {"etag \"a file B1:7:42\"", "etag \"a\"", NULL, URL_VERSION_CHANGED},
+      /* nothing inspected: nothing to compare */
+      {"", "mtime 101", "B1:7:42", URL_VERSION_SAME},
+      {NULL, "mtime 101", NULL, URL_VERSION_SAME},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+    cr_assert_eq(url_version_match(cases[i].inspected, cases[i].mine, cases[i].identity),
+                 cases[i].want, "%s, now %s in %s", cases[i].inspected ? cases[i].inspected : "-",
+                 cases[i].mine, cases[i].identity ? cases[i].identity : "-");
 }
 
 /* ------------------------------------------------ connections kept (url_share_t)
