@@ -28,6 +28,12 @@ def pki(tmp_path_factory):
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "plain: checks what only a plain (unsanitized) build can show: a process's "
+        "memory bound (ASan's quarantine and shadow make RSS say little) or a scale the "
+        "sanitizers make too slow. CI's plain pass runs the marked tests "
+        "(integration.python_plain), its sanitizer pass every test (those that can show "
+        "nothing there skip themselves).")
     missing = [b for b in (lib.MESHD, lib.AGENT, lib.MESHCTL) if not os.access(b, os.X_OK)]
     config._meshd_missing = missing
 

@@ -1131,6 +1131,7 @@ def test_finish_fetch_fails_for_a_value_that_failed_before_the_plan_though_dropp
         assert md.get("meshd-error-kind") == "REMOTE_FAILURE", md
 
 
+@pytest.mark.plain
 def test_a_closed_sessions_finished_direct_upload_does_not_pin_the_session(meshd_server):
     """A finished direct upload's record stays until its grants' expiry (to answer a
     repeated FinishUpload), holding its session: a closed session with a direct upload

@@ -158,7 +158,8 @@ def test_demo_says_why_when_its_agents_cannot_start(tmp_path):
     (stub / "cmake").write_text("#!/bin/sh\nexit 0\n")
     (stub / "cmake").chmod(0o755)
     env = lib.clean_env({"PATH": f"{stub}:{os.environ['PATH']}",
-                         "MESHD_DEMO_DEVICE": "cuda:63", "MESHD_DEMO_STEPS": "1"})
+                         "MESHD_DEMO_DEVICE": "cuda:63", "MESHD_DEMO_STEPS": "1",
+                         "MESHD_DEMO_WAIT_S": "3"})
     p = subprocess.run(["bash", str(root / ".ci" / "demo")], capture_output=True, text=True,
                        env=env, timeout=120)
     out = p.stdout + p.stderr

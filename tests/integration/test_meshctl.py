@@ -1224,6 +1224,7 @@ def test_an_ec_key_file_that_starts_with_its_parameters_is_a_key(pki, tmp_path):
         lib.stop(p)
 
 
+@pytest.mark.plain
 def test_sessions_lists_a_reply_over_4_mib_the_server_allows(meshd_server):
     """A server whose --max-message-bytes is raised above 4 MiB sends a ListSessions reply
     that large (here ~23,000 sessions with 128-character client names, ~4.3 MB). The

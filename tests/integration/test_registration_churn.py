@@ -11,6 +11,7 @@ import pytest
 import meshd_testlib as lib
 
 
+@pytest.mark.plain
 def test_crash_looping_agent_leaks_nothing_per_cycle(meshd_server, agent):
     if os.environ.get("MESHD_SANITIZED"):
         pytest.skip("a sanitized meshd's RSS holds freed memory back (ASan's quarantine)")

@@ -81,6 +81,7 @@ def refused(call, timeout=10):
     raise AssertionError("the call was accepted")
 
 
+@pytest.mark.plain
 def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
     """2 sessions x 8 unread Fetches of a 64 MiB tensor (1 GiB if a process kept a copy
     per call): the server and the agent each stay within a few chunks per call, and
@@ -219,6 +220,7 @@ def test_a_fetch_streams_the_value_at_its_point_in_the_stream(meshd_server):
                 ch.close()
 
 
+@pytest.mark.plain
 def test_an_upload_streams_through_the_server(meshd_server):
     """An Upload is forwarded to the agents as it arrives: the server holds a few chunks,
     never the tensor (128 MiB to both ranks grew it by 128 MiB before), every rank gets
