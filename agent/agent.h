@@ -99,11 +99,10 @@ bool transfer_grant_call(rpc_call_t *call);
  * RESOURCE_EXHAUSTED for a full nonce table or session share, its message
  * naming the flag) and msg naming the check. */
 #define TRANSFER_NONCES 65536
-#define TRANSFER_NONCES_PER_SESSION 16384
-/* The table's size (--max-transfer-nonces; TRANSFER_NONCES unless set). */
+/* The table's size (--max-transfer-nonces; TRANSFER_NONCES unless set: 0). */
 void transfer_grant_set_max_nonces(size_t n);
-/* One session's share of it (--max-transfer-nonces-per-session;
- * TRANSFER_NONCES_PER_SESSION unless set). */
+/* One session's share of it (--max-transfer-nonces-per-session): n, at most
+ * the whole table; 0 (unset): a quarter of the table, whatever its size. */
 void transfer_grant_set_max_nonces_per_session(size_t n);
 /* What became of the grants presented (meshd_transfer_grants_total{result}). */
 enum {

@@ -93,11 +93,18 @@ struct xsession {
   UT_hash_handle hh;
 };
 
+/* What a worker thread is handed: a (session, stream) to run, or an ended
+ * session whose data to let go of (drop_ended_data_locked). */
+typedef struct work {
+  struct xstream *st;
+  xsession_t *drop;
+} work_t;
+
 /* A worker thread parked between streams (on its own stack), waiting to be
  * handed one: thread creation costs ~0.5 ms here, more than a short session. */
 typedef struct idle_worker {
   pthread_cond_t cv;
-  struct xstream *st; /* set by the one who hands it a stream */
+  work_t work; /* set by the one who hands it work */
   struct idle_worker *next;
 } idle_worker_t;
 
@@ -504,7 +511,7 @@ size_t executor_sessions(executor_t *x) {
 
 typedef struct worker_arg {
   executor_t *x;
-  xstream_t *st;
+  work_t work;
 } worker_arg_t;
 
 /* A live worker of session s (a stream's, or a refuser) is done with it;
@@ -602,10 +609,12 @@ static void run_stream(executor_t *x, xstream_t *st) {
   leave_session_locked(x, s);
 }
 
-/* Parks the calling worker until it is handed a stream (returned), or
- * IDLE_WORKER_MS pass, or the executor closes (NULL: the thread ends). */
-static xstream_t *park(executor_t *x) {
-  idle_worker_t me = {.st = NULL};
+static bool has_work(const work_t *w) { return w->st || w->drop; }
+
+/* Parks the calling worker until it is handed work (returned), or
+ * IDLE_WORKER_MS pass, or the executor closes (none: the thread ends). */
+static work_t park(executor_t *x) {
+  idle_worker_t me = {.work = {0}};
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -619,9 +628,9 @@ static xstream_t *park(executor_t *x) {
     x->idle = &me;
     x->nidle++;
     int rc = 0;
-    while (!me.st && !x->closing && rc != ETIMEDOUT)
+    while (!has_work(&me.work) && !x->closing && rc != ETIMEDOUT)
       rc = pthread_cond_timedwait(&me.cv, &x->mu, &dl);
-    if (!me.st) { /* still listed: whoever hands out a stream unlinks */
+    if (!has_work(&me.work)) { /* still listed: whoever hands out work unlinks */
       for (idle_worker_t **p = &x->idle; *p; p = &(*p)->next)
         if (*p == &me) {
           *p = me.next;
@@ -630,25 +639,56 @@ static xstream_t *park(executor_t *x) {
       x->nidle--;
     }
   }
-  xstream_t *st = me.st;
-  if (!st) x->workers--;
+  if (!has_work(&me.work)) x->workers--;
   pthread_mutex_unlock(&x->mu);
   pthread_cond_destroy(&me.cv);
-  return st;
+  return me.work;
 }
+
+static void drop_ended_data_locked(executor_t *x, xsession_t *s);
 
 static void *worker_main(void *arg) {
   worker_arg_t *wa = arg;
   executor_t *x = wa->x;
-  xstream_t *st = wa->st;
+  work_t w = wa->work;
   free(wa);
   pthread_setname_np(pthread_self(), "stream-worker");
-  while (st) {
-    run_stream(x, st);
-    st = park(x);
+  while (has_work(&w)) {
+    if (w.st) {
+      run_stream(x, w.st);
+    } else {
+      pthread_mutex_lock(&x->mu);
+      drop_ended_data_locked(x, w.drop);
+    }
+    w = park(x);
   }
   executor_unref(x);
   return NULL;
+}
+
+/* Hands w to a parked worker, or starts a worker thread for it. Holds mu.
+ * 0, or -1 when there is neither (MAX_WORKERS, or no memory or thread). */
+static int start_work_locked(executor_t *x, work_t w) {
+  if (x->idle) {
+    idle_worker_t *iw = x->idle;
+    x->idle = iw->next;
+    x->nidle--;
+    iw->work = w;
+    pthread_cond_signal(&iw->cv);
+    return 0;
+  }
+  if (x->workers >= MAX_WORKERS) return -1;
+  worker_arg_t *wa = malloc(sizeof *wa);
+  if (!wa) return -1;
+  *wa = (worker_arg_t){x, w};
+  executor_ref(x);
+  if (runtime_spawn_detached(worker_main, wa) != 0) {
+    atomic_fetch_sub(&x->refs, 1); /* cannot be the last: the caller holds one */
+    free(wa);
+    return -1;
+  }
+  x->workers++;
+  return 0;
 }
 
 static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
@@ -661,39 +701,23 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
     return NULL;
   }
   st = calloc(1, sizeof *st);
-  worker_arg_t *wa = x->idle ? NULL : malloc(sizeof *wa);
-  if (!st || (!x->idle && !wa)) goto fail;
-  if (!(st->progress = session_state_add_stream(s->state, id))) goto fail;
+  if (!st) return NULL;
+  if (!(st->progress = session_state_add_stream(s->state, id))) {
+    free(st);
+    return NULL;
+  }
   st->id = id;
   st->sess = s;
   pthread_cond_init(&st->wake, NULL);
-  if (x->idle) { /* a parked worker takes it */
-    idle_worker_t *w = x->idle;
-    x->idle = w->next;
-    x->nidle--;
-    w->st = st;
-    pthread_cond_signal(&w->cv);
-    s->live_workers++;
-    HASH_ADD(hh, s->streams, id, sizeof st->id, st);
-    return st;
-  }
-  *wa = (worker_arg_t){x, st};
-  executor_ref(x);
-  int rc = runtime_spawn_detached(worker_main, wa);
-  if (rc != 0) {
-    atomic_fetch_sub(&x->refs, 1); /* cannot be the last: the caller holds one */
+  if (start_work_locked(x, (work_t){.st = st}) != 0) {
     pthread_cond_destroy(&st->wake);
     session_state_remove_stream(s->state, st->progress);
-    goto fail;
+    free(st);
+    return NULL;
   }
   s->live_workers++;
-  x->workers++;
   HASH_ADD(hh, s->streams, id, sizeof st->id, st);
   return st;
-fail:
-  free(st);
-  free(wa);
-  return NULL;
 }
 
 /* An instruction with a data plane call (a Reduce, a ToMesh broadcast or
@@ -859,10 +883,13 @@ static xsession_t *end_session_locked(executor_t *x, xsession_t *s, uint64_t seq
   return NULL;
 }
 
-/* An ended session that still has workers (a step running): its memory
- * goes now, but for what the running steps hold. Called with mu, holding s
- * as one more live worker (so that it is not freed meanwhile); returns
- * without mu, and s may be freed then. */
+/* An ended session's memory goes now, but for what its running steps hold
+ * (a slow step held all of it until it returned); and the session itself
+ * when no worker of it is left. Called with mu, holding s as one more live
+ * worker (so that it is not freed meanwhile); returns without mu, and s may
+ * be freed then. On a worker (submit hands it one), not on the thread that
+ * reads the Execute stream, where a large free delayed the instructions of
+ * every other session behind it. */
 static void drop_ended_data_locked(executor_t *x, xsession_t *s) {
   pthread_mutex_unlock(&x->mu);
   session_state_drop_data(s->state);
@@ -913,7 +940,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   }
   x->last = ins->seq;
   bool done_now = false, failed = false, refuse_later = false;
-  xsession_t *to_free = NULL, *to_drop = NULL;
+  xsession_t *to_drop = NULL;
   const Meshd__Agent__V1__PeerLost *lost = NULL;
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: {
@@ -935,9 +962,13 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION: {
       xsession_t *s = session_find_locked(x, ins->session_id);
-      if (s && !(to_free = end_session_locked(x, s, ins->seq))) {
-        s->live_workers++; /* held for drop_ended_data_locked */
-        to_drop = s;
+      if (s) {
+        /* Held for drop_ended_data_locked (so end_session_locked frees
+         * nothing here), which a worker runs; the last one out frees the
+         * session and completes this seq. With no worker to be had: here. */
+        s->live_workers++;
+        end_session_locked(x, s, ins->seq);
+        if (start_work_locked(x, (work_t){.drop = s}) != 0) to_drop = s;
       }
       done_now = !s;
       break;
@@ -980,7 +1011,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   else error_free(refusal);
   if (failed)
     error_push_locked(x, error_new(ins->session_id, ERR_REMOTE_FAILURE, failmsg, ins->seq, 0));
-  if (done_now && !to_free) mark_done_locked(x, ins->seq);
+  if (done_now) mark_done_locked(x, ins->seq);
   pthread_mutex_unlock(&x->mu);
   if (lost) {
     backend_t *b = x->env.backend;
@@ -998,12 +1029,6 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   if (copy && !batch) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
   free(why);
-  if (to_free) {
-    session_free(to_free);
-    pthread_mutex_lock(&x->mu);
-    mark_done_locked(x, ins->seq);
-    pthread_mutex_unlock(&x->mu);
-  }
   if (to_drop) {
     pthread_mutex_lock(&x->mu);
     drop_ended_data_locked(x, to_drop);

@@ -109,9 +109,10 @@ static const config_flag_t flags[] = {
      "transfer grants (direct data path) this agent remembers at once, each until its grant's "
      "start-by time; past it a grant is refused RESOURCE_EXHAUSTED", &opt.max_transfer_nonces, 1,
      16777216},
-    {"max-transfer-nonces-per-session", CONFIG_INT, "16384",
+    {"max-transfer-nonces-per-session", CONFIG_INT, NULL,
      "of those, the most one session's grants may hold, so that one session's transfers "
-     "cannot refuse every other session's; past it its grants are refused RESOURCE_EXHAUSTED",
+     "cannot refuse every other session's; past it its grants are refused RESOURCE_EXHAUSTED. "
+     "Unset: a quarter of --max-transfer-nonces; at or above it: no share",
      &opt.max_transfer_nonces_per_session, 1, 16777216},
     {"rpc-memory-bytes", CONFIG_BYTES, "1GiB",
      "memory gRPC may take for this port's connections (read buffers, calls) before it closes "

@@ -5,9 +5,9 @@
  * Taken nonces are kept until their grant's start-by time (after which a
  * grant not seen is refused as expired), in a table of at most
  * --max-transfer-nonces, at most --max-transfer-nonces-per-session of them
- * one session's (so that one session's burst of transfers cannot refuse every
- * other session's); one given back for a retry (QUOTA) is kept until its
- * grant's expiry.
+ * one session's (a quarter of the table unless set; so that one session's
+ * burst of transfers cannot refuse every other session's); one given back for
+ * a retry (QUOTA) is kept until its grant's expiry.
  *
  * A call a grant admitted ends at that grant's expiry if it still runs then
  * (transfer_grant_watch): one thread, started with the first such call,
@@ -66,12 +66,18 @@ static seen_t **order;
 static size_t nseen, order_cap;
 static share_t *shares;
 static size_t max_nonces = TRANSFER_NONCES;
-static size_t max_per_session = TRANSFER_NONCES_PER_SESSION;
+static size_t per_session_set; /* --max-transfer-nonces-per-session; 0: unset */
 static log_limit_t refusals;
 
 void transfer_grant_set_max_nonces(size_t n) { max_nonces = n ? n : TRANSFER_NONCES; }
-void transfer_grant_set_max_nonces_per_session(size_t n) {
-  max_per_session = n ? n : TRANSFER_NONCES_PER_SESSION;
+void transfer_grant_set_max_nonces_per_session(size_t n) { per_session_set = n; }
+
+/* One session's share of the table. Unset, a quarter of it whatever its size:
+ * a fixed default (16384, a quarter of 65536) was no share at all in a table
+ * of 16384 or fewer, and one session filled it for every other again. */
+static size_t max_per_session(void) {
+  if (per_session_set) return per_session_set < max_nonces ? per_session_set : max_nonces;
+  return max_nonces >= 4 ? max_nonces / 4 : 1;
 }
 
 /* Nonces given back past their start-by time (forgotten meanwhile) are kept
@@ -193,7 +199,7 @@ int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forge
     rc = NONCE_LATE;
   } else if (nseen >= max_nonces) {
     rc = NONCE_TABLE_FULL;
-  } else if (s && s->held >= max_per_session) {
+  } else if (s && s->held >= max_per_session()) {
     rc = NONCE_SESSION_FULL;
   } else if (!remember(nonce, session, forget_ms)) {
     rc = NONCE_TABLE_FULL;
@@ -380,7 +386,7 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
       code = refuse(call, GRANT_SESSION_FULL, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, msglen,
                     "transfer grant refused: %zu grants are in use on this agent already for this "
                     "session, the most --max-transfer-nonces-per-session allows (of "
-                    "--max-transfer-nonces %zu for all sessions); retry later", max_per_session,
+                    "--max-transfer-nonces %zu for all sessions); retry later", max_per_session(),
                     max_nonces);
   }
   if (code) {

@@ -66,7 +66,8 @@ struct registry {
   int removals;             /* removal threads running (remove_agent) */
   conn_t *deferred;         /* removals waiting for the sweeper (remove_agent) */
   uint64_t removed;         /* removals done (remove_now), for take_over's wait */
-  pthread_cond_t removed_cv; /* a removal done */
+  pthread_cond_t removed_cv; /* a removal done, or stopping (take_over's wait) */
+  int takeovers;            /* registrations in take_over now */
   uint64_t registrations;   /* the last agent_desc_t.registration given */
   log_limit_t refusals;
   log_limit_t dial_failures; /* dial-backs that failed (the same bound, apart) */
@@ -651,16 +652,31 @@ static bool take_over(registry_t *r, job_t *j) {
     if (h == HOLDER_NONE) continue; /* it was removed just now: again at once */
     /* The next removal, or a recheck: a deferred one runs at the sweeper's turn. */
     struct timespec until;
-    runtime_deadline(&until, CLOCK_MONOTONIC, end - now < REGISTRY_SWEEP_MS ? (int)(end - now)
-                                                                             : REGISTRY_SWEEP_MS);
+    runtime_deadline(&until, CLOCK_MONOTONIC,
+                     end - now < r->o.sweep_ms ? (int)(end - now) : r->o.sweep_ms);
     pthread_mutex_lock(&r->mu);
     while (r->removed == seen && !r->stopping &&
            pthread_cond_timedwait(&r->removed_cv, &r->mu, &until) != ETIMEDOUT) {
     }
     bool stopping = r->stopping;
     pthread_mutex_unlock(&r->mu);
-    if (stopping) return false;
+    if (stopping) { /* close_all ended the call already; this is for a stop without it */
+      rpc_call_finish(j->call, GRPC_STATUS_UNAVAILABLE, NULL, "server shutting down");
+      return false;
+    }
   }
+}
+
+/* take_over, counted in r->takeovers while it runs. */
+static bool take_over_counted(registry_t *r, job_t *j) {
+  pthread_mutex_lock(&r->mu);
+  r->takeovers++;
+  pthread_mutex_unlock(&r->mu);
+  bool admitted = take_over(r, j);
+  pthread_mutex_lock(&r->mu);
+  r->takeovers--;
+  pthread_mutex_unlock(&r->mu);
+  return admitted;
 }
 
 /* A dialer: dial-back jobs as they come, one at a time. */
@@ -674,7 +690,7 @@ static void *dialer(void *arg) {
     r->jobs = j->next;
     if (!r->jobs) r->jobs_tail = NULL;
     pthread_mutex_unlock(&r->mu);
-    if (!j->admit || take_over(r, j)) dial(r, j);
+    if (!j->admit || take_over_counted(r, j)) dial(r, j);
     rpc_call_unref(j->call);
     memset(j, 0, sizeof *j);
     free(j);
@@ -684,12 +700,12 @@ static void *dialer(void *arg) {
   return NULL;
 }
 
-/* The sweeper: sweep() every REGISTRY_SWEEP_MS. */
+/* The sweeper: sweep() every sweep_ms (REGISTRY_SWEEP_MS). */
 static void *sweeper(void *arg) {
   registry_t *r = arg;
   for (;;) {
     struct timespec next;
-    runtime_deadline(&next, CLOCK_MONOTONIC, REGISTRY_SWEEP_MS);
+    runtime_deadline(&next, CLOCK_MONOTONIC, r->o.sweep_ms);
     pthread_mutex_lock(&r->mu);
     while (!r->stopping && pthread_cond_timedwait(&r->stop_cv, &r->mu, &next) != ETIMEDOUT) {
     }
@@ -724,6 +740,7 @@ registry_t *registry_create(agent_pool_t *pool, const registry_opts_t *o) {
   if (r->o.agent_timeout_ms <= 0) r->o.agent_timeout_ms = 1;
   if (r->o.dial_timeout_ms <= 0) r->o.dial_timeout_ms = 3000;
   if (r->o.max_agents <= 0) r->o.max_agents = agent_pool_max_agents(pool);
+  if (r->o.sweep_ms <= 0) r->o.sweep_ms = REGISTRY_SWEEP_MS;
   pthread_mutex_init(&r->mu, NULL);
   pthread_cond_init(&r->jobs_cv, NULL);
   pthread_condattr_t ca;
@@ -786,7 +803,16 @@ void registry_close_all(registry_t *r) {
     rpc_call_finish(c->call, GRPC_STATUS_UNAVAILABLE, NULL, "server shutting down");
   pthread_cond_broadcast(&r->jobs_cv);
   pthread_cond_broadcast(&r->stop_cv);
+  /* take_over's wait: it gave up only at its next look (the sweeper's period). */
+  pthread_cond_broadcast(&r->removed_cv);
   pthread_mutex_unlock(&r->mu);
+}
+
+int registry_takeovers_waiting(registry_t *r) {
+  pthread_mutex_lock(&r->mu);
+  int n = r->takeovers;
+  pthread_mutex_unlock(&r->mu);
+  return n;
 }
 
 void registry_destroy(registry_t *r) {

@@ -82,6 +82,11 @@ typedef struct registry_opts {
    * remove:slow=MS holds each agent's removal MS ms, remove:fail leaves it to
    * the sweeper's next turn (as when no thread can be had). */
   fault_t *fault;
+  /* The sweeper's period, which is also how often a registration waiting for
+   * a gone agent's removal (take_over) looks again unprompted; <= 0:
+   * REGISTRY_SWEEP_MS. Tests set it long, so that only what wakes a waiting
+   * registration (a removal, close_all) ends its wait before its deadline. */
+  int sweep_ms;
 } registry_opts_t;
 
 /* pool must outlive the registry. Returns NULL if its threads cannot start. */
@@ -93,8 +98,12 @@ int registry_add_methods(registry_t *r, rpc_server_t *srv);
 bool registry_open(const registry_t *r);
 /* Registration calls open now. */
 int registry_open_calls(registry_t *r);
-/* Ends every registration call with UNAVAILABLE "server shutting down". */
+/* Ends every registration call with UNAVAILABLE "server shutting down", and
+ * wakes the registrations waiting for a gone agent's removal: they give up at
+ * once rather than at their next look (take_over). */
 void registry_close_all(registry_t *r);
+/* Registrations waiting now to take a gone agent's rank or id (take_over). */
+int registry_takeovers_waiting(registry_t *r);
 /* After the rpc server is shut down: stops the threads, frees. */
 void registry_destroy(registry_t *r);
 

@@ -1178,7 +1178,8 @@ def test_sustained_small_direct_fetches_never_fill_the_agents_nonce_table(meshd_
     fetch on (with the default 65,536: past ~109 fetches a second for 10 min)."""
     import time
     srv = meshd_server(1, "--transfer-grant-ms", "60000", "--transfer-grant-start-ms", "300",
-                       env={"MESHD_MAX_TRANSFER_NONCES": "8"})
+                       env={"MESHD_MAX_TRANSFER_NONCES": "8",  # all of it one session's
+                            "MESHD_MAX_TRANSFER_NONCES_PER_SESSION": "8"})
     lib.wait_ready(srv, 1)
     with connect(srv, "direct") as s:
         mesh = s.mesh(gpu=1)

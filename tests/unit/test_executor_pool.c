@@ -5,6 +5,7 @@
  * real cpu backend; threads are read from /proc/self/task. */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -259,5 +260,76 @@ Test(executor_refs, a_write_may_not_define_a_ref_deleted_before_it, .timeout = 3
   submit_delete(a->x, sid, ++seq, 1, 10);
   cr_assert_eq(executor_wait(a->x, seq, 10000), 0);
   cr_expect_eq(atomic_load(&a->b.allocated), 0);
+  executor_close(a->x);
+}
+
+/* ------------------------------------------------------------ an ended session's memory */
+
+/* The cpu backend, with a free that notes whether it ran on the thread that
+ * submits (the test's; in the agent, the one reading the Execute stream) and,
+ * while hold_frees is set, waits to be let go (2 s at most). */
+static backend_ops_t held_ops;
+static pthread_t submitter;
+static _Atomic bool hold_frees, free_held, freed_on_submitter;
+
+static int64_t mono_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void held_free(backend_t *b, void *ptr, size_t bytes) {
+  if (pthread_equal(pthread_self(), submitter)) atomic_store(&freed_on_submitter, true);
+  if (atomic_load(&hold_frees)) {
+    atomic_store(&free_held, true);
+    for (int64_t end = mono_ms() + 2000; atomic_load(&hold_frees) && mono_ms() < end;)
+      nanosleep(&(struct timespec){0, 1000000L}, NULL);
+  }
+  backend_for_device("cpu")->free(b, ptr, bytes);
+}
+
+static agent_t held_agent; /* static: see the_agent */
+
+/* EndSession lets go of the session's tensors on a worker, not in the submit
+ * call: in the agent that runs on the thread reading the Execute stream, and
+ * a large free there (a device's) held every other session's instructions
+ * behind it. Here session A's free is held until session B's next
+ * instruction ran. */
+Test(executor_pool, an_ended_sessions_memory_is_freed_off_the_submitting_thread, .timeout = 30) {
+  agent_t *a = &held_agent;
+  held_ops = *backend_for_device("cpu");
+  held_ops.free = held_free;
+  a->b.ops = &held_ops;
+  meshd_error_t e = {0};
+  cr_assert_eq(a->b.ops->open(&a->b, "cpu", &e), 0, "%s", e.msg);
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank};
+  a->x = executor_create(&a->env, on_report, NULL);
+  cr_assert_not_null(a->x);
+  submitter = pthread_self();
+  uint64_t seq = 0;
+  submit_factory(a->x, "A", ++seq, 1, 1, 1 << 20);
+  submit_factory(a->x, "B", ++seq, 1, 1, 4);
+  cr_assert_eq(executor_wait(a->x, seq, 10000), 0);
+
+  atomic_store(&hold_frees, true);
+  submit_end(a->x, "A", ++seq);
+  uint64_t end_a = seq;
+  cr_assert_not(atomic_load(&freed_on_submitter), "EndSession freed A's tensor in the submit call");
+  int64_t end = mono_ms() + 5000;
+  while (!atomic_load(&free_held) && mono_ms() < end) nanosleep(&(struct timespec){0, 1000000L}, NULL);
+  cr_assert(atomic_load(&free_held), "A's tensor was never freed");
+  submit_factory(a->x, "B", ++seq, 1, 2, 4); /* while A's free is held */
+  cr_assert_eq(executor_wait_session(a->x, "B", seq, 10000), 0);
+  cr_assert(atomic_load(&hold_frees) && executor_executed(a->x) < end_a,
+            "A's free was not held while B ran");
+  atomic_store(&hold_frees, false);
+  cr_assert_eq(executor_wait(a->x, seq, 10000), 0, "A's EndSession never completed");
+
+  submit_end(a->x, "B", ++seq); /* a session whose worker is idle */
+  cr_assert_eq(executor_wait(a->x, seq, 10000), 0);
+  cr_assert_eq(executor_sessions(a->x), 0);
+  cr_assert_eq(atomic_load(&a->b.allocated), 0, "%llu bytes still held",
+               (unsigned long long)atomic_load(&a->b.allocated));
+  cr_assert_not(atomic_load(&freed_on_submitter), "a session's tensors were freed in the submit call");
   executor_close(a->x);
 }

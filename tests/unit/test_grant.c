@@ -88,6 +88,8 @@ static const uint8_t *nonce_of(int i) {
   return n;
 }
 
+/* A table of max nonces (0: TRANSFER_NONCES), per_session of them one
+ * session's at most (0: the default share; max: no share). */
 static void table(size_t max, size_t per_session) {
   transfer_nonces_clear();
   transfer_grant_set_max_nonces(max);
@@ -101,7 +103,7 @@ static void table_reset(void) { table(0, 0); }
  * full: it is kept, and the client's retry is admitted. It was dropped, and
  * the retry refused "expired: did not start by its start-by time". */
 Test(nonce_table, a_nonce_given_back_into_a_full_table_is_kept, .fini = table_reset) {
-  table(2, 0);
+  table(2, 2);
   cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0), NONCE_TAKEN);
   cr_assert_eq(transfer_nonce_take(nonce_of(2), "s", T0 + 1000, T0), NONCE_TAKEN);
   /* Past 1's start-by time: forgotten, and its place taken. */
@@ -124,7 +126,7 @@ Test(nonce_table, a_nonce_given_back_into_a_full_table_is_kept, .fini = table_re
  * the old grant's expiry (the table was swept from its head, in the order
  * taken). */
 Test(nonce_table, a_long_lived_nonce_does_not_hold_shorter_ones_behind_it, .fini = table_reset) {
-  table(3, 0);
+  table(3, 3);
   cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 600000, T0), NONCE_TAKEN);
   cr_assert_eq(transfer_nonce_take(nonce_of(2), "s", T0 + 100, T0), NONCE_TAKEN);
   cr_assert_eq(transfer_nonce_take(nonce_of(3), "s", T0 + 200, T0), NONCE_TAKEN);
@@ -159,6 +161,30 @@ Test(nonce_table, one_session_cannot_fill_the_table_for_another, .fini = table_r
     cr_assert_eq(transfer_nonce_take(nonce_of(i), "a", T0 + 1000, T0), NONCE_TAKEN);
   cr_assert_eq(transfer_nonce_take(nonce_of(3), "b", T0 + 1000, T0), NONCE_TAKEN);
   cr_assert_eq(transfer_nonce_take(nonce_of(4), "c", T0 + 1000, T0), NONCE_TABLE_FULL);
+}
+
+/* Unset, a session's share is a quarter of the table whatever its size. It was
+ * 16384, a quarter of the default table: with --max-transfer-nonces 16384 or
+ * fewer there was no share, and one session filled the table for every other
+ * again. Set, the share is taken as given, at most the whole table. */
+Test(nonce_table, the_default_share_is_a_quarter_of_any_table, .fini = table_reset) {
+  table(16, 0);
+  for (int i = 0; i < 4; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "flood", T0 + 1000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(4), "flood", T0 + 1000, T0), NONCE_SESSION_FULL,
+               "a session took more than a quarter of a table of 16");
+  cr_assert_eq(transfer_nonce_take(nonce_of(5), "other", T0 + 1000, T0), NONCE_TAKEN);
+  table(3, 0); /* a quarter of a tiny table is still one */
+  cr_assert_eq(transfer_nonce_take(nonce_of(0), "flood", T0 + 1000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "flood", T0 + 1000, T0), NONCE_SESSION_FULL);
+  table(16, 10); /* set: as given */
+  for (int i = 0; i < 10; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "flood", T0 + 1000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(10), "flood", T0 + 1000, T0), NONCE_SESSION_FULL);
+  table(16, 1000); /* set above the table: the whole table */
+  for (int i = 0; i < 16; i++)
+    cr_assert_eq(transfer_nonce_take(nonce_of(i), "flood", T0 + 1000, T0), NONCE_TAKEN);
+  cr_assert_eq(transfer_nonce_take(nonce_of(16), "flood", T0 + 1000, T0), NONCE_TABLE_FULL);
 }
 
 /* Nonces of mixed lifetimes, some given back (kept until a later expiry,

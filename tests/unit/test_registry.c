@@ -105,6 +105,7 @@ static char token_path[4096];
 static fault_t reg_fault;
 static bool reg_fault_on;
 static int reg_dial_ms = 3000;
+static int reg_sweep_ms; /* <= 0: REGISTRY_SWEEP_MS */
 /* The pool's callbacks: the last healthy count it reported, and losses reported. */
 static atomic_int pool_changed_last = -1, pool_on_lost;
 
@@ -137,7 +138,7 @@ static void start_registry(int max_agents, bool with_tokens, bool require_cert) 
                        .connect_timeout_ms = 2000, /* a busy CI machine */
                        .agent_timeout_ms = 3000, .max_agents = max_agents,
                        .join_tokens = tokens, .require_cluster_cert = require_cert,
-                       .fault = reg_fault_on ? &reg_fault : NULL};
+                       .fault = reg_fault_on ? &reg_fault : NULL, .sweep_ms = reg_sweep_ms};
   registry = registry_create(pool, &o);
   cr_assert_not_null(registry);
   rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
@@ -607,6 +608,48 @@ Test(registry, a_second_register_request_while_waiting_for_a_rank_is_refused) {
   cr_assert(strstr(b.st.message, "sent twice"), "%s", b.st.message);
   reg_close(&b);
   cr_assert(wait_size(0, 5000), "a rank of the refused call stayed in the pool");
+}
+
+static bool wait_takeovers(int n, int64_t until_ms) {
+  while (registry_takeovers_waiting(registry) != n) {
+    if (rpc_now_ms() > until_ms) return false;
+    usleep(2000);
+  }
+  return true;
+}
+
+/* The server stops while a registration waits for the removal of the agent
+ * gone from its rank (take_over): registry_close_all ended its call, but the
+ * wait went on to its next look (the sweeper's period), holding a dialer. It
+ * is woken and gives up at once. Here the sweeper's turn is a minute away and
+ * the old agent's removal left to it (remove:fail): nothing but the close can
+ * end the wait before its deadline, REGISTRY_TAKEOVER_MS on. */
+Test(registry, closing_the_registry_ends_a_wait_for_a_rank_at_once) {
+  with_fault("remove:fail");
+  reg_sweep_ms = 60000;
+  start_registry(8, true, false);
+  reg_call_t a, b;
+  reg_open(&a, TOKEN, "agent-a", fake.target, 0, SECRET);
+  cr_assert_eq(a.rank, 0, "%d %s", a.st.code, a.st.message);
+  cr_assert(wait_healthy(1, 5000));
+  reg_close(&a); /* its removal waits for the sweeper's turn */
+  int64_t end = rpc_now_ms() + 5000;
+  while (registry_open_calls(registry) > 0 && rpc_now_ms() < end) usleep(2000);
+  cr_assert_eq(registry_open_calls(registry), 0, "agent-a's call never ended");
+
+  int64_t asked = rpc_now_ms(); /* the wait's deadline is REGISTRY_TAKEOVER_MS after this */
+  reg_start(&b, TOKEN);
+  reg_hello(&b, "agent-b", fake.target, 0, SECRET2);
+  cr_assert(wait_takeovers(1, asked + 5000), "agent-b never waited for rank 0");
+  registry_close_all(registry);
+  cr_assert(wait_takeovers(0, asked + REGISTRY_TAKEOVER_MS - 1000),
+            "the wait for rank 0 went on after the close (ended %s)",
+            registry_takeovers_waiting(registry) ? "not yet" : "late");
+  reg_answer(&b);
+  cr_assert_eq(b.rank, -1);
+  cr_assert_eq(b.st.code, GRPC_STATUS_UNAVAILABLE, "%d %s", b.st.code, b.st.message);
+  cr_assert(strstr(b.st.message, "server shutting down"), "%s", b.st.message);
+  reg_close(&b);
 }
 
 /* Its link broke (the Execute call ended): the agent is gone though its

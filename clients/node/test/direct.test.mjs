@@ -38,7 +38,8 @@ before(async () => {
     start('mtls', ['--cluster-ca', f('cluster-ca.pem'), '--cluster-cert', f('cluster.pem'),
       '--cluster-key', f('cluster.key'), '--cluster-listen', '127.0.0.1:0', '--agent-timeout', '10']),
     start('late', ['--data-path=direct', '--transfer-grant-start-ms', '200']),
-    start('nonces', [], { MESHD_MAX_TRANSFER_NONCES: '2' }), // each agent: 2 grants a minute
+    // each agent: 2 grants a minute, all of them one session's (unset, its share is a quarter)
+    start('nonces', [], { MESHD_MAX_TRANSFER_NONCES: '2', MESHD_MAX_TRANSFER_NONCES_PER_SESSION: '2' }),
   ]);
 });
 

@@ -439,7 +439,8 @@ def test_a_full_agent_grant_table_takes_the_proxy_or_says_so(data_path, monkeypa
     error names the rank and its agent, says the table is full and what to do. Both
     failed before with the agent's bare refusal ("2 grants are in use ...")."""
     addr, proc = start_meshd(1, name=f"meshd-nonces-{data_path}",
-                             env={"MESHD_MAX_TRANSFER_NONCES": "2"})
+                             env={"MESHD_MAX_TRANSFER_NONCES": "2",  # all of it one session's
+                                  "MESHD_MAX_TRANSFER_NONCES_PER_SESSION": "2"})
     try:
         with meshd.connect(addr, data_path=data_path, timeout=20) as s:
             with s.mesh(gpu=1).activate():
