@@ -793,6 +793,20 @@ int agent_pool_size(agent_pool_t *p) {
   return n;
 }
 
+agent_pool_census_t agent_pool_census(agent_pool_t *p) {
+  agent_pool_census_t c = {0};
+  pthread_mutex_lock(&p->mu);
+  for (size_t i = 0; i < p->cap; i++) {
+    const agent_t *a = &p->agents[i];
+    if (!a->used) continue;
+    c.total++;
+    c.healthy += a->healthy;
+    c.drained += a->drained;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return c;
+}
+
 int agent_pool_snapshot(agent_pool_t *p, Meshd__V1__AgentInfo ***out, size_t *n) {
   uint64_t next;
   return agent_pool_snapshot_page(p, 0, SIZE_MAX, out, n, &next) == 0 ? 0 : -1;

@@ -224,6 +224,12 @@ int64_t agent_pool_first_without(agent_pool_t *pool, const uint32_t *ranks, size
  * RegisterRequest.data_plane; 0 when one is gone). */
 uint32_t agent_pool_data_plane(agent_pool_t *pool, const uint32_t *ranks, size_t n);
 int agent_pool_size(agent_pool_t *pool);
+/* How many agents are registered, and of them healthy and drained (GetInfo's
+ * counts), all read at one moment. */
+typedef struct agent_pool_census {
+  uint32_t total, healthy, drained;
+} agent_pool_census_t;
+agent_pool_census_t agent_pool_census(agent_pool_t *pool);
 /* Agents lost so far (agent_lost_t.loss of the latest). A mesh made when this
  * was L is broken if one of its ranks was lost later. */
 uint64_t agent_pool_losses(agent_pool_t *pool);

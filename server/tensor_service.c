@@ -64,7 +64,16 @@ static void list_agents(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   free(ca);
 }
 
-/* The server's build and uptime, and every agent (with the version it reported). */
+/* GetInfo's agents: the first this many by rank, the default --max-agents, so
+ * that a pool of the default size is never cut (clients that predate the
+ * counts see every agent there). The reply stays bounded (~530 KiB at most,
+ * ~520 bytes an agent) and never fails by the pool's size, where every agent in
+ * one reply passed gRPC's 4 MiB at ~8000; agents_truncated and the counts say
+ * what it left out (ListAgents has all). */
+#define GET_INFO_AGENTS_MAX 1024
+
+/* The server's build and uptime, the pool's counts, and its first agents (with
+ * the version each reported). */
 static void get_info(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   agent_pool_t *pool = arg;
   const build_info_t *b = build_info();
@@ -75,10 +84,17 @@ static void get_info(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   reply.cuda = b->cuda;
   int64_t up = rpc_now_ms() - started_ms;
   reply.uptime_ms = up > 0 ? (uint64_t)up : 0;
-  if (agent_pool_snapshot(pool, &reply.agents, &reply.n_agents) != 0) {
+  agent_pool_census_t c = agent_pool_census(pool);
+  reply.agents_total = c.total;
+  reply.agents_healthy = c.healthy;
+  reply.agents_drained = c.drained;
+  uint64_t next = 0;
+  if (agent_pool_snapshot_page(pool, 0, GET_INFO_AGENTS_MAX, &reply.agents, &reply.n_agents,
+                               &next) != 0) {
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing agents");
     return;
   }
+  reply.agents_truncated = next != 0;
   rpc_call_reply(call, &reply.base);
   agent_pool_snapshot_free(reply.agents, reply.n_agents);
 }

@@ -596,13 +596,18 @@ meshd_err_t meshd_server_info(meshd_client_t *client, meshd_server_info_t *out) 
   out->build_type = dup_str(r->build_type);
   out->cuda = r->cuda;
   out->uptime_ms = r->uptime_ms;
+  /* GetInfo holds a large pool's first 1024 agents only (agents_truncated):
+   * then every agent comes from ListAgents' pages. */
+  bool all = !r->agents_truncated;
   if (!out->version || !out->commit || !out->build_type ||
-      copy_agents(&out->agents, r->agents, r->n_agents) != 0) {
+      (all && copy_agents(&out->agents, r->agents, r->n_agents) != 0)) {
     meshd_server_info_free(out);
     set_error(client, MESHD_E_NOMEM, 0, NULL, "meshd_server_info: out of memory");
     ret = MESHD_E_NOMEM;
-  } else {
+  } else if (all) {
     out->n_agents = r->n_agents;
+  } else if ((ret = meshd_agents(client, &out->agents, &out->n_agents)) != MESHD_E_OK) {
+    meshd_server_info_free(out);
   }
   protobuf_c_message_free_unpacked(resp, NULL);
   return ret;

@@ -224,13 +224,15 @@ typedef struct meshd_server_info {
   char *version, *commit, *build_type;
   bool cuda;
   uint64_t uptime_ms;
-  meshd_agent_t *agents; /* n_agents, with the versions they reported */
+  meshd_agent_t *agents; /* n_agents (every agent, rank order), with the versions they reported */
   size_t n_agents;
 } meshd_server_info_t;
 
 /* meshd.v1.TensorService/GetInfo. On MESHD_E_OK fills *out (free with
  * meshd_server_info_free); on failure *out is zeroed. A server older than
- * GetInfo answers MESHD_E_RPC, grpc_code_name "UNIMPLEMENTED". */
+ * GetInfo answers MESHD_E_RPC, grpc_code_name "UNIMPLEMENTED". GetInfo's reply
+ * holds a pool's first 1024 agents only: for a larger pool the agents come from
+ * ListAgents, every page (meshd_agents, and its errors). */
 MESHD_API meshd_err_t meshd_server_info(meshd_client_t *client, meshd_server_info_t *out);
 /* Frees what meshd_server_info put in *info and zeroes it. NULL is ignored. */
 MESHD_API void meshd_server_info_free(meshd_server_info_t *info);

@@ -138,9 +138,16 @@ export interface SessionInfo {
   /** since CreateSession */
   age_ms: number;
 }
-/** What the server is (GetInfo): its build, how long it has run, every registered agent. */
+/** What the server is (GetInfo): its build, how long it has run, the pool's counts and its
+ * first agents (rank order, 1024 at most). Every agent: `Session.agents()` (ListAgents, paged). */
 export interface GetInfoReply {
-  version: string; commit: string; build_type: string; cuda: boolean; uptime_ms: number; agents: AgentInfo[];
+  version: string; commit: string; build_type: string; cuda: boolean; uptime_ms: number;
+  /** every agent unless agents_truncated: then the 256 of the lowest ranks */
+  agents: AgentInfo[];
+  /** more agents are registered than `agents` holds */
+  agents_truncated: boolean;
+  /** registered agents, those healthy, those drained (0 from a server older than these) */
+  agents_total: number; agents_healthy: number; agents_drained: number;
 }
 /** LoadProgress: a rank that did not answer in time. */
 export interface LoadProgressRank { rank: number; kind: ErrorKindName; message: string }

@@ -224,35 +224,83 @@ def test_list_agents_is_paged_by_rank(meshd_server, agent):
     assert [a.rank for a in _agents_page(srv.port, 5, tok).agents] == [2, 4]
 
 
-def test_meshctl_agents_follows_the_pages():
-    """meshctl agents (the C client's meshd_agents) asks for every page: a fake server
-    that answers two agents a page lists all five; one that answers the same token
-    again, or an empty page that says more follow, is an error, not a loop."""
+def _fake_tensor_service(**methods):
+    """An in-process TensorService answering methods {name: (fn, request class)}: a
+    server that says what a test needs. (server, port); server.stop(0) it."""
     import concurrent.futures
-    t = lib.tensor_pb2()
-    agents = [t.AgentInfo(rank=r, healthy=True, address=f"127.0.0.1:{9000 + r}", device="cpu")
-              for r in range(5)]
-    mode = {"v": "pages"}
-
-    def list_agents(request, context):
-        start = int(request.page_token.split(".")[0]) if request.page_token else 0
-        if mode["v"] == "repeat":
-            return t.ListAgentsReply(agents=agents[:1], next_page_token="1.00000000")
-        if mode["v"] == "empty":
-            return t.ListAgentsReply(next_page_token="7.00000000")
-        page = [a for a in agents if a.rank >= start][:2]
-        more = page and page[-1].rank < agents[-1].rank
-        return t.ListAgentsReply(agents=page,
-                                 next_page_token=f"{page[-1].rank + 1}.00000000" if more else "")
-
     handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
-        "ListAgents": grpc.unary_unary_rpc_method_handler(
-            list_agents, request_deserializer=t.ListAgentsRequest.FromString,
-            response_serializer=lambda m: m.SerializeToString())})
+        name: grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString,
+            response_serializer=lambda m: m.SerializeToString())
+        for name, (fn, req) in methods.items()})
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return server, port
+
+
+def _paged_agents(agents, per_page):
+    """A ListAgents handler answering `agents` per_page a page, by rank."""
+    t = lib.tensor_pb2()
+
+    def list_agents(request, context):
+        start = int(request.page_token.split(".")[0]) if request.page_token else 0
+        page = [a for a in agents if a.rank >= start][:per_page]
+        more = page and page[-1].rank < agents[-1].rank
+        return t.ListAgentsReply(agents=page,
+                                 next_page_token=f"{page[-1].rank + 1}.00000000" if more else "")
+    return list_agents
+
+
+def test_meshctl_version_lists_every_agent_past_what_get_info_holds():
+    """GetInfo holds a pool's first 1024 agents and says agents_truncated past them (one
+    reply with every agent passed gRPC's 4 MiB at ~8,000 and failed for everyone).
+    meshctl version (the C client's meshd_server_info) then takes the agents from
+    ListAgents' pages: a fake server whose GetInfo holds 2 of 5 agents, ListAgents 2
+    a page, shows all five, in text and in JSON."""
+    t = lib.tensor_pb2()
+    agents = [t.AgentInfo(rank=r, healthy=True, address=f"127.0.0.1:{9000 + r}", device="cpu",
+                          version="9.9.9", commit="abc", build_type="Release") for r in range(5)]
+
+    def get_info(request, context):
+        return t.GetInfoReply(version="9.9.9", commit="abc", build_type="Release", uptime_ms=5,
+                              agents=agents[:2], agents_truncated=True, agents_total=5,
+                              agents_healthy=5)
+    server, port = _fake_tensor_service(GetInfo=(get_info, t.GetInfoRequest),
+                                        ListAgents=(_paged_agents(agents, 2), t.ListAgentsRequest))
+    try:
+        r = tm.meshctl(f"127.0.0.1:{port}", "--output", "json", "version")
+        assert r.returncode == 0, tm._show(r)
+        v = json.loads(r.stdout)
+        assert [a["rank"] for a in v["agents"]] == [0, 1, 2, 3, 4], tm._show(r)
+        assert all(a["version"] == "9.9.9" for a in v["agents"]), tm._show(r)
+        r = tm.meshctl(f"127.0.0.1:{port}", "version")
+        assert r.returncode == 0, tm._show(r)
+        rows = [line for line in r.stdout.splitlines() if line.startswith("rank ")]
+        assert [row.split(":")[0] for row in rows] == [f"rank {i}" for i in range(5)], tm._show(r)
+    finally:
+        server.stop(0)
+
+
+def test_meshctl_agents_follows_the_pages():
+    """meshctl agents (the C client's meshd_agents) asks for every page: a fake server
+    that answers two agents a page lists all five; one that answers the same token
+    again, or an empty page that says more follow, is an error, not a loop."""
+    t = lib.tensor_pb2()
+    agents = [t.AgentInfo(rank=r, healthy=True, address=f"127.0.0.1:{9000 + r}", device="cpu")
+              for r in range(5)]
+    mode = {"v": "pages"}
+    pages = _paged_agents(agents, 2)
+
+    def list_agents(request, context):
+        if mode["v"] == "repeat":
+            return t.ListAgentsReply(agents=agents[:1], next_page_token="1.00000000")
+        if mode["v"] == "empty":
+            return t.ListAgentsReply(next_page_token="7.00000000")
+        return pages(request, context)
+
+    server, port = _fake_tensor_service(ListAgents=(list_agents, t.ListAgentsRequest))
     try:
         r = tm.meshctl(f"127.0.0.1:{port}", "--output", "json", "agents")
         assert r.returncode == 0, tm._show(r)

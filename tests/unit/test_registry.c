@@ -1,7 +1,8 @@
 /* server/registry.c: who may register (join tokens, a verified certificate),
  * bounded ranks, the call secret on the dial-back, dial-backs in parallel.
  * Against a fake agent in process: Hello answers only with the secret the
- * registration gave, Execute stays open. */
+ * registration gave, Execute stays open. GetInfo over a pool larger than its
+ * reply holds. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -12,11 +13,13 @@
 
 #include "agent_pool.h"
 #include "fault.h"
+#include "meshd.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "meshd/v1/agent_registry.pb-c.h"
 #include "registry.h"
 #include "rpc.h"
 #include "secret.h"
+#include "tensor_service.h"
 
 #define TOKEN "join-token-0123456789abcdef"
 #define SECRET "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff"
@@ -166,7 +169,18 @@ static void setup(void) {
   snprintf(fake.target, sizeof fake.target, "127.0.0.1:%d", port);
 }
 
+/* A TensorService on the pool (the GetInfo test), its client's channel and
+ * connection: teardown ends them first, so that a failed assertion does not
+ * leave them calling into a destroyed pool. */
+static rpc_server_t *info_srv;
+static rpc_channel_t *info_ch;
+static meshd_client_t *info_client;
+
 static void teardown(void) {
+  meshd_close(info_client);
+  rpc_channel_destroy(info_ch);
+  rpc_server_destroy(info_srv);
+  info_client = NULL, info_ch = NULL, info_srv = NULL;
   if (registry) registry_close_all(registry);
   rpc_server_destroy(reg_srv);
   registry_destroy(registry);
@@ -777,4 +791,91 @@ Test(registry, a_late_dial_back_of_an_ended_attempt_leaves_the_next_registration
   cr_assert_eq(agent_pool_target(pool, 0, 5000, &t), 0);
   cr_assert_str_eq(t.secret, SECRET2);
   reg_close(&b);
+}
+
+/* ---------------------------------------------------------------- GetInfo */
+
+/* Agents at ranks from..to-1, "agent-<rank>", reporting version 9.9.9 (no dial-back). */
+static void add_agents(int from, int to) {
+  for (int i = from; i < to; i++) {
+    agent_desc_t d = {0};
+    snprintf(d.agent_id, sizeof d.agent_id, "agent-%d", i);
+    snprintf(d.address, sizeof d.address, "127.0.0.1:%d", 20000 + i);
+    snprintf(d.device, sizeof d.device, "cpu");
+    snprintf(d.version, sizeof d.version, "9.9.9");
+    char err[256];
+    cr_assert_eq(agent_pool_add(pool, &d, i, err, sizeof err), i, "%s", err);
+  }
+}
+
+/* GetInfo on ch: the reply (free it), its packed size in *bytes. */
+static Meshd__V1__GetInfoReply *get_info(rpc_channel_t *ch, size_t *bytes) {
+  Meshd__V1__GetInfoRequest req = MESHD__V1__GET_INFO_REQUEST__INIT;
+  ProtobufCMessage *out = NULL;
+  rpc_status_t st;
+  grpc_status_code code = rpc_unary(ch, "/meshd.v1.TensorService/GetInfo", &req.base,
+                                    &meshd__v1__get_info_reply__descriptor, &out, NULL, 0, 10000,
+                                    &st);
+  cr_assert_eq(code, GRPC_STATUS_OK, "GetInfo: %s", st.message);
+  *bytes = protobuf_c_message_get_packed_size(out);
+  return (Meshd__V1__GetInfoReply *)out;
+}
+
+/* GetInfo answered every agent in one reply: past gRPC's 4 MiB (~8000 agents)
+ * it failed for every caller. Now it holds the first 1024 by rank (the default --max-agents) and counts
+ * the pool; past 1024 it says it is truncated, and the C client's
+ * meshd_server_info (meshctl version) takes every agent from ListAgents. */
+Test(registry, get_info_holds_the_first_1024_agents_and_counts_them_all) {
+  start_registry(2048, false, false);
+  char err[256];
+  rpc_server_opts_t so = {.listen = "127.0.0.1:0", .threads = 2};
+  info_srv = rpc_server_create(&so, err, sizeof err);
+  cr_assert_not_null(info_srv, "%s", err);
+  size_t nm;
+  const rpc_method_t *rows = tensor_service_methods(&nm);
+  cr_assert_eq(rpc_server_add_methods(info_srv, rows, nm, pool), 0);
+  int port = rpc_server_start(info_srv, err, sizeof err);
+  cr_assert_gt(port, 0, "%s", err);
+  char target[64];
+  snprintf(target, sizeof target, "127.0.0.1:%d", port);
+  rpc_channel_opts_t co = {.connect_timeout_ms = 5000};
+  info_ch = rpc_channel_create(target, &co);
+
+  add_agents(0, 1024); /* exactly what the reply holds: every agent, not truncated */
+  size_t bytes;
+  Meshd__V1__GetInfoReply *r = get_info(info_ch, &bytes);
+  cr_assert_eq(r->n_agents, 1024);
+  cr_assert_not(r->agents_truncated);
+  cr_assert_eq(r->agents_total, 1024);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  add_agents(1024, 1100);
+  agent_pool_set_healthy(pool, 7, "agent-7", 0, true);
+  agent_pool_set_healthy(pool, 1080, "agent-1080", 0, true);
+  meshd_error_t e;
+  cr_assert_eq(agent_pool_set_drained(pool, 1099, true, &e), 0, "%s", e.msg);
+  r = get_info(info_ch, &bytes);
+  cr_assert_eq(r->n_agents, 1024, "%zu agents in GetInfo", r->n_agents);
+  for (size_t i = 0; i < r->n_agents; i++) cr_assert_eq(r->agents[i]->rank, i);
+  cr_assert_str_eq(r->agents[1023]->version, "9.9.9");
+  cr_assert(r->agents_truncated);
+  cr_assert_eq(r->agents_total, 1100);
+  cr_assert_eq(r->agents_healthy, 2);
+  cr_assert_eq(r->agents_drained, 1);
+  cr_assert_lt(bytes, 1024 * 600, "GetInfo is %zu bytes", bytes);
+  protobuf_c_message_free_unpacked(&r->base, NULL);
+
+  meshd_err_t ce;
+  info_client = meshd_connect(target, 5000, &ce);
+  cr_assert_not_null(info_client, "meshd_connect: %d", (int)ce);
+  meshd_server_info_t info;
+  cr_assert_eq(meshd_server_info(info_client, &info), MESHD_E_OK, "%s",
+               meshd_last_error(info_client)->message);
+  cr_assert_eq(info.n_agents, 1100, "meshd_server_info: %zu agents", info.n_agents);
+  for (size_t i = 0; i < info.n_agents; i++) {
+    cr_assert_eq(info.agents[i].rank, i);
+    cr_assert_str_eq(info.agents[i].version, "9.9.9");
+  }
+  cr_assert(info.agents[1099].drained && info.agents[1080].healthy && !info.agents[1081].healthy);
+  meshd_server_info_free(&info);
 }

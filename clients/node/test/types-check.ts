@@ -69,6 +69,8 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const drained: boolean = agents[0].drained || agents[0].cuda;
     const server = await s.unary('GetInfo', {});
     const up: number = server.uptime_ms + server.agents.length;
+    const pool: number = server.agents_total + server.agents_healthy + server.agents_drained;
+    const partial: boolean = server.agents_truncated;
     const back = await s.unary('DrainAgent', { rank: 1, drain: false });
     const { sessions } = await s.unary('ListSessions', {});
     const counted: number = sessions[0].commands + sessions[0].age_ms;
@@ -79,7 +81,7 @@ export async function usage(addr: string, url: string): Promise<number[]> {
     const planned: number | undefined = plan.meta?.ref;
     await s.unary('FinishFetch', { transfer_id: plan.transfer_id });
     const progress = await s.unary('LoadProgress', { refs: [1] });
-    void [nextPage, listedRank, built, drained, up, back.agent?.drained, counted, expires, id, after, planned, agent_tls?.server_name,
+    void [nextPage, listedRank, built, drained, up, pool, partial, back.agent?.drained, counted, expires, id, after, planned, agent_tls?.server_name,
       progress.unanswered[0]?.kind];
     // @ts-expect-error DrainAgent names a rank
     await s.unary('DrainAgent', { drain: true });

@@ -712,12 +712,14 @@ class Session:
     def server_info(self) -> dict[str, Any]:
         """The server's build and uptime, and the version every agent reported (GetInfo):
         {version, commit, build_type, cuda, uptime_ms, agents: [{rank, version, commit,
-        build_type, cuda}, ...]}."""
+        build_type, cuda}, ...]}, agents in rank order. GetInfo holds a pool's first 1024
+        agents only (agents_truncated): a larger pool's come from ListAgents' pages."""
         r = self._unary("GetInfo", self._pb.GetInfoRequest(), self._pb.GetInfoReply, metadata=())
+        agents = self._list_agents()[0] if r.agents_truncated else r.agents
         return dict(version=r.version, commit=r.commit, build_type=r.build_type, cuda=r.cuda,
                     uptime_ms=r.uptime_ms,
                     agents=[dict(rank=a.rank, version=a.version, commit=a.commit,
-                                 build_type=a.build_type, cuda=a.cuda) for a in r.agents])
+                                 build_type=a.build_type, cuda=a.cuda) for a in agents])
 
     def mesh(self, **dims: int) -> Mesh:
         """A root mesh, e.g. session.mesh(host=1, gpu=2)."""

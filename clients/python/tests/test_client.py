@@ -45,6 +45,30 @@ def test_agents(session):
                for a in info["agents"]), info
 
 
+def test_server_info_lists_every_agent_when_get_info_holds_only_the_first(session, monkeypatch):
+    """GetInfo holds a pool's first 1024 agents (a reply with every agent passed gRPC's
+    4 MiB at ~8,000 and failed); agents_truncated says more are registered. Here the
+    real reply is cut to its first agent and marked so: server_info() still lists every agent,
+    from ListAgents, with the versions they reported."""
+    ranks = [a["rank"] for a in session.agents()]
+    assert len(ranks) >= 2, ranks
+    real, asked = session._unary, []
+
+    def first_only(method, request, *a, **kw):
+        asked.append(method)
+        r = real(method, request, *a, **kw)
+        if method == "GetInfo":
+            assert not r.agents_truncated and r.agents_total == len(r.agents) == len(ranks), r
+            del r.agents[1:]
+            r.agents_truncated = True
+        return r
+    monkeypatch.setattr(session, "_unary", first_only)
+    info = session.server_info()
+    assert [a["rank"] for a in info["agents"]] == ranks, info
+    assert all(a["version"] == info["version"] for a in info["agents"]), info
+    assert asked == ["GetInfo", "ListAgents"], asked
+
+
 def test_agents_and_the_pool_probe_follow_every_page(server, monkeypatch):
     """ListAgents is paged (4096 agents a page unless asked otherwise): a client that
     read one reply saw only a large pool's first page. Here every ListAgents is cut to
