@@ -115,9 +115,11 @@ static void drain_agent(rpc_call_t *call, const ProtobufCMessage *req, void *arg
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, NULL, "%s", e.msg);
     return;
   }
+  /* rank's row alone (the page from rank on): not a copy of the whole pool. */
   Meshd__V1__AgentInfo **agents = NULL;
   size_t n = 0;
-  if (agent_pool_snapshot(pool, &agents, &n) != 0) {
+  uint64_t next;
+  if (agent_pool_snapshot_page(pool, r->rank, 1, &agents, &n, &next) == -1) {
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, NULL, "out of memory listing agents");
     return;
   }
