@@ -322,6 +322,9 @@ class Direct:
         self._offered = None  # None: not known yet; False: the server refused PlanTransfer
         self._pool_ok = None  # auto: every agent of the pool answered
         self._probed = 0.0  # when _pool_ok was last found
+        # One probe at a time: the fetches that start together wait for it (each made
+        # its own, with a channel per agent that all but one closed again).
+        self._probe_lock = threading.Lock()
         self.counts = {"upload": 0, "fetch": 0}  # transfers that took the direct path
         self._io = _IoLoop()  # reads fetches that run together
         self._reading = 0  # fetches reading now (_lock)
@@ -340,7 +343,7 @@ class Direct:
     def _forked(self):
         """In a forked child (Session._forked): no transfer; returns the inherited
         channels and io loop state, which the child keeps and never closes."""
-        self._lock = threading.Lock()
+        self._lock, self._probe_lock = threading.Lock(), threading.Lock()
         self._closed = True
         kept, self._channels = self._channels, {}
         return kept, self._io._forked()
@@ -385,31 +388,46 @@ class Direct:
             raise _closed_error("direct transfer")
         return other
 
+    def _probe_due(self):
+        return self._pool_ok is None or (not self._pool_ok and
+                                         time.monotonic() - self._probed > _UNREACHABLE_FOR)
+
     def _pool_reachable(self, deadline=None):
         """auto: whether every agent of the pool answers (probed in parallel, once; a
         failed probe is tried again after a while). A session over TLS asked for its
         bytes encrypted: with agents in plaintext it keeps to the server. deadline
-        (time.monotonic()): the transfer's, which bounds the probe; a probe it cuts
-        short answers False (the proxy) and is made again next time."""
-        if self._pool_ok is None or (not self._pool_ok and
-                                     time.monotonic() - self._probed > _UNREACHABLE_FOR):
-            self._probed = time.monotonic()
-            s = self.session
-            try:
-                agents, reply = s._list_agents(None if deadline is None else _left(deadline))
-            except MeshdError:
-                return False
-            tls = _tls_of(reply)
-            if s.tls and tls is None:
-                self._pool_ok = False
-                return False
-            wait = CONNECT_TIMEOUT if deadline is None else min(CONNECT_TIMEOUT, _left(deadline))
-            addrs = [a.address for a in agents]
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(addrs)))) as ex:
-                ok = all(ex.map(lambda a: self._channel(a, tls, timeout=wait) is not None, addrs))
-            if not ok and wait < CONNECT_TIMEOUT:
-                return False  # cut short by the deadline: not known yet
-            self._pool_ok = ok and bool(addrs)
+        (time.monotonic()): the transfer's, which bounds the probe and the wait for
+        another transfer's probe; a probe it cuts short answers False (the proxy)
+        and is made again next time. One probe at a time: the others wait for it."""
+        if not self._probe_due():
+            return self._pool_ok
+        if not self._probe_lock.acquire(timeout=-1 if deadline is None else _left(deadline)):
+            return False  # another transfer's probe outlasted this one's deadline
+        try:
+            return self._probe(deadline) if self._probe_due() else self._pool_ok
+        finally:
+            self._probe_lock.release()
+
+    def _probe(self, deadline):
+        """_pool_reachable's probe (its lock held): ListAgents, then a connection to
+        each agent, all at once."""
+        self._probed = time.monotonic()
+        s = self.session
+        try:
+            agents, reply = s._list_agents(None if deadline is None else _left(deadline))
+        except MeshdError:
+            return False
+        tls = _tls_of(reply)
+        if s.tls and tls is None:
+            self._pool_ok = False
+            return False
+        wait = CONNECT_TIMEOUT if deadline is None else min(CONNECT_TIMEOUT, _left(deadline))
+        addrs = [a.address for a in agents]
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(addrs)))) as ex:
+            ok = all(ex.map(lambda a: self._channel(a, tls, timeout=wait) is not None, addrs))
+        if not ok and wait < CONNECT_TIMEOUT:
+            return False  # cut short by the deadline: not known yet
+        self._pool_ok = ok and bool(addrs)
         return self._pool_ok
 
     def wanted(self, deadline=None):
@@ -708,8 +726,11 @@ class Direct:
         Planned before it returns: later commands cannot change the value. deadline
         (time.monotonic()): the fetch's."""
         pb = self.session._pb
-        seq = self.session._seq  # (commands sent before the plan: see fetch_finish)
         reply = self.plan(pb.PlanTransferRequest(fetch=req), deadline)
+        # The commands sent by the time it was planned (_given_back_unchanged): taken
+        # after the answer, as commands that write no tensor may go during the plan
+        # (Session._execute), and one that may write waits for it (fetch_shard's).
+        seq = self.session._seq
         if reply is not None:
             with self._lock:
                 self._fetch_req[reply.transfer_id] = (req, seq)

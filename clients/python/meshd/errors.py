@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import grpc
@@ -114,18 +116,44 @@ def transfers_full(e):
             and "--session-max-transfers" in (e.details() or ""))
 
 
+# What this thread's retry_transfers_full calls at their first refusal (on_transfers_full).
+_slot_wait = threading.local()
+
+
+@contextlib.contextmanager
+def on_transfers_full(fn):
+    """Within the block, this thread's retry_transfers_full calls fn() when it first
+    finds the session's transfer slots all taken, before it waits: a fetch_shard's
+    plan that waits so no longer holds back the session's commands that write no
+    tensor (Session._fetch_parked). A thread-local, not a parameter, so that the
+    calls between (Direct.fetch_plan, Direct.plan, the Fetch's start) keep theirs."""
+    before = getattr(_slot_wait, "fn", None)
+    _slot_wait.fn = fn
+    try:
+        yield
+    finally:
+        _slot_wait.fn = before
+
+
 def retry_transfers_full(start, timeout):
     """start() again while it raises a grpc.RpcError for which transfers_full holds,
     waiting 5 ms, doubling to 200 ms, for at most `timeout` seconds (None: 60); then
-    the error goes to the caller."""
+    the error goes to the caller. At the first such refusal it tells the thread's
+    on_transfers_full hook, if any."""
     import time
     deadline = time.monotonic() + (60 if timeout is None else timeout)
     wait = 0.005
+    told = False
     while True:
         try:
             return start()
         except grpc.RpcError as e:
             if not transfers_full(e) or time.monotonic() + wait > deadline:
                 raise
+        if not told:
+            told = True
+            hook = getattr(_slot_wait, "fn", None)
+            if hook is not None:
+                hook()
         time.sleep(wait)
         wait = min(wait * 2, 0.2)

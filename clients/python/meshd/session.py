@@ -70,6 +70,28 @@ if hasattr(os, "register_at_fork"):
 # fetch_shard Futures being planned at once, at most (Session._fetch_placing): the
 # 4 shards of a fetch over 4 agents all at once, and no unbounded threads.
 _PLACING_MAX = 8
+# Commands that only define new objects, or wait (Sync): they cannot change the
+# value of a tensor an earlier fetch_shard reads, so they need not wait for a fetch
+# whose plan waits for a transfer slot (Session._execute). Calls and reduces are
+# told apart by their message (_may_write); anything else (Drop, Borrow, DropBorrow,
+# Release, a kind this client does not know) may end or change a tensor.
+_DEFINES_ONLY = frozenset(("create_mesh", "slice_mesh", "create_stream", "factory", "literal",
+                           "load", "to_mesh", "sync", "describe"))
+
+
+def _may_write(field, msg):
+    """Whether Command field `field` with message msg may change or end a tensor that
+    exists: an op the catalogue marks as writing a parameter (in place, "(a!)"), an op
+    it does not know, a Reduce in place or into out=, and every kind not in
+    _DEFINES_ONLY."""
+    if field in _DEFINES_ONLY:
+        return False
+    if field == "call":
+        op = _catalogue.get(msg.op)
+        return op is None or op.inplace or "!" in op.schema
+    if field == "reduce":
+        return msg.inplace or msg.out != 0
+    return True
 
 
 def _left(deadline):
@@ -233,8 +255,9 @@ class Session:
         self._ref = 0
         self._seq = 0
         # fetch_shard Futures whose place among the commands is not fixed yet (their
-        # plan or Fetch not answered): commands wait for them (_wait_fetches_placed).
-        self._placing = 0
+        # plan or Fetch not answered): commands wait for them (_wait_fetches_placed);
+        # _parked of them wait for a transfer slot (only writing commands wait for those).
+        self._placing = self._parked = 0
         self._placed = threading.Condition(threading.Lock())
         self._meshes = {}
         self._streams = {}
@@ -321,7 +344,8 @@ class Session:
         self._fork_child = True
         # Locks another thread may have held at the fork (the child has no such thread).
         self._lock, self._close_lock = threading.Lock(), threading.RLock()
-        self._placing, self._placed = 0, threading.Condition(threading.Lock())
+        self._placing = self._parked = 0
+        self._placed = threading.Condition(threading.Lock())
         _fork_kept.append((self._ch, self._calls, self._pipe, self._drain,
                            self._direct._forked()))
         self._ch, self._calls = ForkedChannel(), {}
@@ -384,12 +408,17 @@ class Session:
         """Runs one Command under the session lock: `build` gets the claimed ref (claim=1),
         a list of refs (claim>1) or None, and returns the message for `field`. `timeout`
         (seconds, default the session's) is the deadline of all the call waits for: the
-        pipelined answers before it, its room in the pipeline, the unary call."""
+        pipelined answers before it, the fetch_shard plans before it, its room in the
+        pipeline, the unary call."""
         if self.closed:
             raise self._closed_error()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
-            self._wait_fetches_placed(deadline)
+            # (the refs it will claim: only a holder of this lock claims refs)
+            refs = [self._ref + i + 1 for i in range(claim)]
+            msg = build(refs[0] if claim == 1 else (refs or None))
+            writes = _may_write(field, msg)
+            self._wait_fetches_placed(deadline, writes)
             pipe = self._pipe
             mine = pipe is not None and pipe.owner == threading.get_ident()
             self._flush_drain(_left(deadline))
@@ -398,12 +427,12 @@ class Session:
             if mine and field == "sync":
                 pipe.flush(_left(deadline))
             if (len(self._released) >= _RELEASE_BATCH or self._unborrowed
-                    or (field == "sync" and self._released)):
+                    or (field == "sync" and self._released)) and (writes or not self._placing):
+                # (a Release or DropBorrow ends tensors: with a fetch still waiting for
+                # its plan, one goes with a later command that waited for it)
                 self._send_release(pipe if mine else None)
-            refs = [self._ref + i + 1 for i in range(claim)]
             self._ref += claim
             self._seq += 1
-            msg = build(refs[0] if claim == 1 else (refs or None))
             if getattr(msg, "packed_command", False):  # meshd.tensor's Literal, packed by hand
                 cmd, cmd.seq = msg, self._seq
             else:
@@ -449,23 +478,40 @@ class Session:
                                      grpc.StatusCode.DEADLINE_EXCEEDED)
             self._placing += 1
 
-    def _fetch_placed(self):
+    def _fetch_parked(self):
+        """A fetch being placed found the session's transfer slots all taken: its plan
+        waits for one of the session's transfers to be read to its end."""
         with self._placed:
-            self._placing -= 1
+            self._parked += 1
             self._placed.notify_all()
 
-    def _wait_fetches_placed(self, deadline):
+    def _fetch_placed(self, parked=False):
+        """A fetch is placed (or failed); parked: it was _fetch_parked."""
+        with self._placed:
+            self._placing -= 1
+            self._parked -= 1 if parked else 0
+            self._placed.notify_all()
+
+    def _wait_fetches_placed(self, deadline, writes=True):
         """Waits (the caller holds self._lock, by deadline) until every fetch_shard
         before this command has its plan or Fetch answered: the server snapshots the
         tensor then, and a command sent before could change the value fetched. The
         fetches' own threads plan them, all at once, so fetch_shard returns at once
-        (4 shards' plans one after another were 12% of a 64 MiB fetch)."""
+        (4 shards' plans one after another were 12% of a 64 MiB fetch). A command that
+        writes no tensor (writes=False: _may_write) does not wait for the fetches
+        whose plans wait for a transfer slot, which may take as long as the reads
+        before them (16 big fetches with 8 slots: an add waited for 8 whole reads and
+        failed DEADLINE_EXCEEDED); it waits for the plans in flight, quick, so the
+        fetch's snapshot comes before it and does not wait for its work."""
         with self._placed:
-            while self._placing:
+            while self._placing - (0 if writes else self._parked) > 0:
                 if not self._placed.wait(_left(deadline)) and time.monotonic() >= deadline:
+                    slots = (f"; {self._parked} of them wait for a transfer slot "
+                             f"(--session-max-transfers), which the transfers before them "
+                             f"hold until read" if self._parked else "")
                     raise MeshdError("DEADLINE_EXCEEDED", "the command waited past its deadline "
-                                     "for the fetches before it to be planned (fetch_shard)",
-                                     grpc.StatusCode.DEADLINE_EXCEEDED)
+                                     "for the fetches before it to be planned (fetch_shard)"
+                                     + slots, grpc.StatusCode.DEADLINE_EXCEEDED)
 
     def _release_later(self, ref):
         """A handle of ref was garbage-collected (Tensor.__del__): the ref joins the next

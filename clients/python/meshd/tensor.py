@@ -19,7 +19,8 @@ import numpy.typing as npt
 
 from . import _active, _catalogue, _progress
 from ._progress import Progress
-from .errors import KIND_MD, MeshdError, closed_channel, retry_transfers_full, transfers_full
+from .errors import (KIND_MD, MeshdError, closed_channel, on_transfers_full, retry_transfers_full,
+                     transfers_full)
 from .mesh import Mesh, selectors
 from .pipeline import _Pending, _varint
 
@@ -1080,8 +1081,12 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     first rank (coordinate 0 along every dim), as Monarch. The Future has Monarch's
     .get() too. It returns at once: the fetch is planned on its own thread, and the
     session's next command waits for that, so the value is the tensor's as the
-    commands before this call left it. (Mesh dims named "timeout", "progress" or "raw"
-    cannot be given here.)"""
+    commands before this call left it. A fetch whose plan waits for a transfer slot
+    (the session's --session-max-transfers all taken by transfers still reading) holds
+    back only the commands that may write or end a tensor (an in-place op, out=, a
+    drop, a borrow, a release); the others go meanwhile, and a command never waits
+    for a fetch's bytes. (Mesh dims named "timeout", "progress" or "raw" cannot be
+    given here.)"""
     _progress.check(progress)
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
@@ -1104,28 +1109,40 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
     s = t.session
+    parked = []  # its plan waited for a transfer slot (Session._fetch_parked)
+
+    def park():  # (once: a direct plan, then the proxy's Fetch, may each wait)
+        if not parked:
+            parked.append(True)
+            s._fetch_parked()
 
     def place():
         """Plans the fetch (direct) or starts it (proxy), on the fetch's thread: what
         reads it. Commands wait meanwhile (Session._wait_fetches_placed): the value
-        fetched is the tensor's as the commands before fetch_shard left it."""
+        fetched is the tensor's as the commands before fetch_shard left it; once its
+        plan waits for a transfer slot (park), only those that may write a tensor."""
         try:
-            left = max(deadline - time.monotonic(), 0.001)
-            d = s._direct
-            if d.wanted(deadline):  # straight from the agent (meshd/direct.py)
-                work = _fetch_direct(t, d, coords, left, progress)
-                if work is not None:
-                    return work
-            try:
-                call, first = _fetch_open(t, coords, left)
-            except ValueError as e:
-                if not closed_channel(e):
-                    raise
-                raise MeshdError("NO_SESSION", "the session is closed") from None
-            fut._on_stop(call.cancel)
-            return lambda on_stop: _fetch_finish(s, call, first, progress)
+            with on_transfers_full(park):
+                return plan()
         finally:
-            s._fetch_placed()
+            s._fetch_placed(bool(parked))
+
+    def plan():
+        """place()'s work: what reads the fetch."""
+        left = max(deadline - time.monotonic(), 0.001)
+        d = s._direct
+        if d.wanted(deadline):  # straight from the agent (meshd/direct.py)
+            work = _fetch_direct(t, d, coords, left, progress)
+            if work is not None:
+                return work
+        try:
+            call, first = _fetch_open(t, coords, left)
+        except ValueError as e:
+            if not closed_channel(e):
+                raise
+            raise MeshdError("NO_SESSION", "the session is closed") from None
+        fut._on_stop(call.cancel)
+        return lambda on_stop: _fetch_finish(s, call, first, progress)
 
     def run():
         try:

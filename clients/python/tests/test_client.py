@@ -95,6 +95,39 @@ def test_agents_and_the_pool_probe_follow_every_page(server, monkeypatch):
         assert sorted(probed) == sorted(a["address"] for a in ag)
 
 
+def test_fetches_starting_together_share_one_pool_probe(server, monkeypatch):
+    """data_path="auto" probes the pool at the first transfer. 8 fetch_shards at once
+    plan on 8 threads, and each probed it (8 ListAgents, a channel per agent each,
+    all but one closed again); now one probes and the others wait for its answer."""
+    with meshd.connect(server[0], data_path="auto", timeout=20) as s:
+        with s.mesh(gpu=2).activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32), progress=False)  # a Literal
+            real, listed, gate = s._unary, [], threading.Event()
+
+            def held(method, request, *a, **kw):
+                if method == "ListAgents":
+                    listed.append(request.page_token)
+                    assert gate.wait(10), "ListAgents held too long"
+                return real(method, request, *a, **kw)
+            entered, probe = threading.Condition(), s._direct._pool_reachable
+
+            def counted(*a, **kw):
+                with entered:
+                    entered.n = getattr(entered, "n", 0) + 1
+                    entered.notify_all()
+                return probe(*a, **kw)
+            monkeypatch.setattr(s, "_unary", held)
+            monkeypatch.setattr(s._direct, "_pool_reachable", counted)
+            futs = [meshd.fetch_shard(x, gpu=i % 2) for i in range(8)]
+            with entered:  # every fetch asked whether to go direct (bounded: 10 s)
+                assert entered.wait_for(lambda: getattr(entered, "n", 0) == 8, 10)
+            gate.set()
+            for f in futs:
+                np.testing.assert_array_equal(f.result(20), np.arange(4, dtype=np.float32))
+            assert listed == [""], f"{len(listed)} ListAgents for one probe"
+            assert s._direct._pool_ok is True and s._direct.counts["fetch"] == 8
+
+
 @pytest.mark.parametrize("rows,says", [(1, "the same next_page_token again"),
                                        (0, "an empty page with a next_page_token")])
 def test_agents_refuse_pages_that_do_not_end(session, monkeypatch, rows, says):

@@ -213,6 +213,68 @@ def test_fetch_shard_returns_before_its_plan_and_commands_wait_for_it(server, da
                 np.testing.assert_array_equal(f.result(20), a * 4)
 
 
+@pytest.mark.parametrize("data_path", ["direct", "proxy"])
+def test_a_command_does_not_wait_for_fetches_waiting_for_a_transfer_slot(server, data_path):
+    """The session's 8 transfer slots (the server's default) taken by 8 fetches being
+    read (planned, not finished), then 8 more fetch_shards: their plans wait for a
+    slot. An add (it writes no tensor) goes at once; before, it waited for the 8
+    reads, charged to its own deadline (DEADLINE_EXCEEDED, the server healthy). An
+    in-place write still waits for every plan, so the 8 values are the tensor's from
+    before it."""
+    _tensor = importlib.import_module("meshd.tensor")
+    a = np.arange(6, dtype=np.float32)
+    with meshd.connect(server[0], data_path=data_path, timeout=5) as s:
+        pb = s._pb
+        with s.mesh(gpu=2).activate():
+            t = meshd.tensor(a)
+            reading = [s._unary("PlanTransfer", pb.PlanTransferRequest(
+                fetch=_tensor._fetch_request(t, {"gpu": i % 2})), pb.PlanTransferReply)
+                for i in range(8)]
+            try:
+                futs = [meshd.fetch_shard(t, gpu=i % 2, timeout=30) for i in range(8)]
+                with s._placed:  # all 8 found the slots taken (bounded: 5 s)
+                    assert s._placed.wait_for(lambda: s._parked == 8, 5), (s._placing, s._parked)
+                u = t + 1  # (the session's timeout, 5 s: it waited for the reads)
+                assert u.shape == a.shape
+                written = []
+                writer = threading.Thread(target=lambda: written.append(t.add_(1)))
+                writer.start()
+                writer.join(0.3)
+                assert not written and s._placing == 8  # it waits for their plans
+            finally:
+                for r in reading:  # (their reads end)
+                    s._unary("FinishFetch", pb.FinishFetchRequest(transfer_id=r.transfer_id),
+                             pb.FinishFetchReply)
+            for f in futs:
+                np.testing.assert_array_equal(f.result(30), a)
+            writer.join(30)
+            assert written
+            np.testing.assert_array_equal(meshd.inspect(u, gpu=0), a + 1)
+            np.testing.assert_array_equal(meshd.inspect(t, gpu=1), a + 1)
+            assert s._direct.counts["fetch"] == (10 if data_path == "direct" else 0)
+
+
+def test_which_commands_wait_for_fetches_waiting_for_a_slot(server):
+    """What may change or end a tensor a fetch waiting for its plan reads, and so waits
+    for that plan: in-place ops (the catalogue's "(a!)"), ops the catalogue does not
+    know, a Reduce in place or into out=, Drop, Borrow, DropBorrow, Release. Ops that
+    make new tensors (views too), factories, literals, loads, to_mesh, Sync do not."""
+    may_write = importlib.import_module("meshd.session")._may_write
+    with meshd.connect(server[0]) as s:
+        pb = s._pb
+        for field, msg, writes in [
+                ("call", pb.Call(op="add"), False), ("call", pb.Call(op="view"), False),
+                ("call", pb.Call(op="add_"), True), ("call", pb.Call(op="zero_"), True),
+                ("call", pb.Call(op="no_such_op"), True),
+                ("reduce", pb.Reduce(ref=5), False), ("reduce", pb.Reduce(inplace=True), True),
+                ("reduce", pb.Reduce(ref=5, out=3), True), ("factory", pb.Factory(), False),
+                ("to_mesh", pb.ToMesh(), False), ("load", pb.Load(), False),
+                ("sync", pb.Sync(), False), ("drop", pb.Drop(), True),
+                ("borrow", pb.Borrow(), True), ("drop_borrow", pb.DropBorrow(), True),
+                ("release", pb.Release(), True), ("a_newer_kind", None, True)]:
+            assert may_write(field, msg) is writes, (field, msg)
+
+
 def test_a_fetch_with_no_thread_to_plan_it_leaves_the_session_usable(server, monkeypatch):
     """fetch_shard counts its fetch as being planned (commands wait for it) before it
     queues the plan on a worker thread. A thread that could not start (a process at
