@@ -31,6 +31,10 @@ import dockerfiles as df
 import meshd_testlib as lib
 from test_manifests import load_objects
 
+# Runs no meshd code of its own: the plain pass runs it (integration.python_plain); a
+# sanitized build leaves this file out (CMakeLists.txt).
+pytestmark = pytest.mark.plain
+
 OCI = ["title", "description", "version", "revision", "source", "licenses"]
 GPU_WORDS = re.compile(r"cuda|nvidia|nccl|cublas|cudnn|nvrtc|tensorrt", re.I)
 # Provided by every base image (glibc, the compiler runtime).
