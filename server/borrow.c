@@ -5,10 +5,12 @@
 int borrow_create(objects_t *o, uint64_t ref, uint64_t result, obj_t *origin, uint64_t to_stream,
                   bool is_mutable, meshd_error_t *e) {
   storage_t *s = origin->tensor.storage;
+  char label[OBJ_STREAM_LABEL_MAX];
   if (origin->tensor.stream == to_stream)
     return error_set(e, ERR_BAD_ARGUMENT,
-                     "Borrow: tensor %llu is already on stream '%s'; borrow it onto another stream",
-                     (unsigned long long)origin->ref, objects_stream_name(o, to_stream));
+                     "Borrow: tensor %llu is already on stream %s; borrow it onto another stream",
+                     (unsigned long long)origin->ref,
+                     objects_stream_label(o, to_stream, label, sizeof label));
   if (!(s->access & ACCESS_R))
     return error_set(e, ERR_BORROWED,
                      "Borrow: tensor %llu (or a view of it) is mutably borrowed by borrow %llu; "

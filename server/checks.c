@@ -59,10 +59,12 @@ int check_uses(objects_t *o, const char *cmd, const tensor_use_t *uses, size_t n
                        "to_mesh", cmd, u->what, ref, got, want);
     }
     if (t->stream != stream) {
-      const char *have = objects_stream_name(o, t->stream), *want = objects_stream_name(o, stream);
+      char have[OBJ_STREAM_LABEL_MAX], want[OBJ_STREAM_LABEL_MAX];
+      objects_stream_label(o, t->stream, have, sizeof have);
+      objects_stream_label(o, stream, want, sizeof want);
       return error_set(e, ERR_WRONG_STREAM,
-                       "%s: %s (tensor %llu) is on stream '%s' but the command runs on stream "
-                       "'%s'; borrow it onto '%s' first, or run the command on '%s'",
+                       "%s: %s (tensor %llu) is on stream %s but the command runs on stream "
+                       "%s; borrow it onto %s first, or run the command on %s",
                        cmd, u->what, ref, have, want, want, have);
     }
     const storage_t *s = t->storage;

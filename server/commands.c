@@ -379,12 +379,8 @@ static int cmd_create_stream(frontend_t *fe, session_t *s, objects_t *o,
   if (len == 0 || len > OBJ_STREAM_NAME_MAX)
     return error_set(e, ERR_BAD_ARGUMENT, "CreateStream: the name must be 1..%d characters, got %zu",
                      OBJ_STREAM_NAME_MAX, len);
-  int64_t existing = objects_stream_by_name(o, m->name);
-  if (existing >= 0)
-    return error_set(e, ERR_BAD_ARGUMENT,
-                     "CreateStream: this session already has a stream named '%s' (ref %lld)%s; "
-                     "names are unique per session: use that stream again or pick another name",
-                     m->name, (long long)existing, existing == 0 ? ", the default stream" : "");
+  /* No check that the name is new: it is a label (Monarch's Stream(name)), and
+   * the ref identifies the stream; messages add the ref to a shared name. */
   if (!objects_add_stream(o, m->ref, m->name))
     return error_set(e, ERR_QUOTA, "CreateStream: out of memory on the server");
   claim_refs(s, &m->ref, 1);

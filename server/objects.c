@@ -1,5 +1,6 @@
 #include "objects.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,7 +23,7 @@ void objects_destroy(objects_t *o) {
     } else if (it->kind == OBJ_MESH) {
       free(it->mesh);
     } else if (it->kind == OBJ_STREAM) {
-      free(it->stream_name);
+      free(it->stream.name);
     }
     free(it);
   }
@@ -135,6 +136,21 @@ obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind) {
   return add_record(o, ref, kind, 0);
 }
 
+/* Marks the session's streams named like the new stream s, and s itself if
+ * there was one. Streams are never dropped, so a shared name stays shared.
+ * O(records), once per CreateStream (--session-max-streams of them). */
+static void mark_shared_name(objects_t *o, obj_t *s) {
+  const char *name = s->stream.name;
+  bool shared = false;
+  if (strcmp(name, "main") == 0) shared = o->main_name_shared = true;
+  obj_t *it;
+  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
+    if (it != s && it->kind == OBJ_STREAM && strcmp(it->stream.name, name) == 0)
+      shared = it->stream.name_shared = true;
+  }
+  s->stream.name_shared = shared;
+}
+
 obj_t *objects_add_stream(objects_t *o, uint64_t ref, const char *name) {
   char *copy = strndup(name, OBJ_STREAM_NAME_MAX);
   obj_t *it = copy ? add_record(o, ref, OBJ_STREAM, 0) : NULL;
@@ -142,7 +158,8 @@ obj_t *objects_add_stream(objects_t *o, uint64_t ref, const char *name) {
     free(copy);
     return NULL;
   }
-  it->stream_name = copy;
+  it->stream.name = copy;
+  mark_shared_name(o, it);
   return it;
 }
 
@@ -371,19 +388,25 @@ obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *w
   return it;
 }
 
-const char *objects_stream_name(objects_t *o, uint64_t ref) {
-  if (ref == STREAM_MAIN) return "main";
+static const stream_obj_t *stream_record(objects_t *o, uint64_t ref) {
   obj_t *s = objects_get(o, ref);
-  return s && s->kind == OBJ_STREAM ? s->stream_name : "?";
+  return s && s->kind == OBJ_STREAM ? &s->stream : NULL;
 }
 
-int64_t objects_stream_by_name(objects_t *o, const char *name) {
-  if (strcmp(name, "main") == 0) return STREAM_MAIN;
-  obj_t *it;
-  for (size_t i = 0; (it = refmap_next(&o->table, &i));) {
-    if (it->kind == OBJ_STREAM && strcmp(it->stream_name, name) == 0) return (int64_t)it->ref;
-  }
-  return -1;
+const char *objects_stream_name(objects_t *o, uint64_t ref) {
+  if (ref == STREAM_MAIN) return "main";
+  const stream_obj_t *s = stream_record(o, ref);
+  return s ? s->name : "?";
+}
+
+const char *objects_stream_label(objects_t *o, uint64_t ref, char *buf, size_t size) {
+  const stream_obj_t *s = ref == STREAM_MAIN ? NULL : stream_record(o, ref);
+  bool shared = ref == STREAM_MAIN ? o->main_name_shared : s && s->name_shared;
+  if (shared)
+    snprintf(buf, size, "'%s' (ref %llu)", objects_stream_name(o, ref), (unsigned long long)ref);
+  else
+    snprintf(buf, size, "'%s'", objects_stream_name(o, ref));
+  return buf;
 }
 
 static obj_t *new_tensor_record(objects_t *o, uint64_t ref, const tensor_meta_t *meta,

@@ -102,6 +102,16 @@ typedef struct borrow_obj {
 } borrow_obj_t;
 
 #define OBJ_STREAM_NAME_MAX 63 /* bytes of a stream's name */
+/* Bytes of a stream's label in messages (objects_stream_label), its NUL included. */
+#define OBJ_STREAM_LABEL_MAX (OBJ_STREAM_NAME_MAX + 32)
+
+/* A stream's name is a label, as Monarch's Stream(name) is: several streams
+ * of a session may share one (two modules each making Stream("side")). */
+typedef struct stream_obj {
+  char *name;       /* owned */
+  bool name_shared; /* another stream of the session has this name (default
+                     * "main" included): messages add the ref */
+} stream_obj_t;
 
 /* One ref's record, as small as its kind allows: a live 1-D tensor takes 84
  * bytes (and its storage 64, the index about 12). */
@@ -111,7 +121,7 @@ typedef struct obj {
   uint8_t state; /* a tensor's tensor_state_t */
   union {
     mesh_t *mesh;      /* owned; a pointer keeps tensor records small */
-    char *stream_name; /* owned */
+    stream_obj_t stream;
     tensor_obj_t tensor;
     borrow_obj_t borrow;
   };
@@ -169,6 +179,7 @@ typedef struct objects {
   size_t ngrave_fails;     /* tombstones with a failure record (tombstone_t.fail) */
   uint64_t live_tensors;
   uint64_t meshes, streams; /* made so far (neither is ever dropped) */
+  bool main_name_shared;   /* a stream of the session besides the default one is named "main" */
   uint64_t live_borrows;   /* borrows not dropped */
   uint64_t bytes;          /* sum over live storages of bytes * ranks */
   uint64_t current_seq;    /* client seq of the command running now (new tensors' born_seq) */
@@ -210,7 +221,8 @@ uint64_t objects_live_refs(const objects_t *o);
 obj_t *objects_get(objects_t *o, uint64_t ref);
 /* Adds a zeroed record; the ref must be new (the session checked it). NULL on OOM. */
 obj_t *objects_add(objects_t *o, uint64_t ref, obj_kind_t kind);
-/* A stream record named `name` (at most OBJ_STREAM_NAME_MAX bytes). NULL on OOM. */
+/* A stream record named `name` (at most OBJ_STREAM_NAME_MAX bytes), which the
+ * session's other streams may share (they are then marked name_shared). NULL on OOM. */
 obj_t *objects_add_stream(objects_t *o, uint64_t ref, const char *name);
 
 /* Looks up ref as kind; `what` names the argument for the message:
@@ -218,10 +230,13 @@ obj_t *objects_add_stream(objects_t *o, uint64_t ref, const char *name);
  * defined" or "... is a mesh, not a tensor". */
 obj_t *objects_expect(objects_t *o, uint64_t ref, obj_kind_t kind, const char *what,
                       meshd_error_t *e);
-/* A stream by ref (0 = main). */
+/* A stream's name by ref (0 = main); "?" where ref is not a stream. */
 const char *objects_stream_name(objects_t *o, uint64_t ref);
-/* A stream ref by name, or -1 (main is 0). */
-int64_t objects_stream_by_name(objects_t *o, const char *name);
+/* A stream as messages name it, into buf (OBJ_STREAM_LABEL_MAX bytes do):
+ * "'side'", or "'side' (ref 3)" where another stream of the session is named
+ * "side" too, so that a message about two same-named streams tells them apart.
+ * Returns buf. */
+const char *objects_stream_label(objects_t *o, uint64_t ref, char *buf, size_t size);
 
 /* A mesh record holding a copy of *mesh. NULL on OOM. */
 obj_t *objects_add_mesh(objects_t *o, uint64_t ref, const mesh_t *mesh);

@@ -471,7 +471,8 @@ MESHD_API meshd_err_t meshd_session_reduce_with(meshd_session_t *session, meshd_
                                                 const meshd_reduce_options_t *opts,
                                                 meshd_ref_t *result);
 
-/* A new stream named `name` (Monarch's Stream); *out gets its ref. Commands
+/* A new stream named `name` (Monarch's Stream; the name is a label, which
+ * other streams of the session may share); *out gets its ref. Commands
  * take stream refs where they name one; 0 is the default stream "main". */
 MESHD_API meshd_err_t meshd_session_stream(meshd_session_t *session, const char *name,
                                            meshd_ref_t *out);

@@ -268,6 +268,7 @@ def command_seeds():
     bad.cmd(slice_mesh=pb.SliceMesh(ref=29, parent=1, selectors=[sel_index("gpu", 0), sel_index("gpu", 1)]))
     bad.cmd(create_mesh=pb.CreateMesh(ref=30, dims=[pb.Dim(name="x", size=1 << 40)]))
     bad.cmd(create_mesh=pb.CreateMesh(ref=31, dims=[pb.Dim(name="9bad", size=2)]))
+    # accepted since names are labels: a second "side" (the prelude made ref 3)
     bad.cmd(create_stream=pb.CreateStream(ref=32, name="side"))
     bad.cmd(drop=pb.Drop(refs=[1]))
     bad.cmd(borrow=pb.Borrow(ref=34, input=1, stream=3, borrow=33))

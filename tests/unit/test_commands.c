@@ -620,7 +620,7 @@ Test(commands, create_stream_and_use_it) {
   ok(create_stream(10, "comm"));
   cr_assert_eq(out.res.n_tensors, 0);
   cr_assert_null(out.res.mesh);
-  cr_assert_eq(objects_stream_by_name(objs, "comm"), 10);
+  cr_assert_str_eq(objects_stream_name(objs, 10), "comm");
   ok(FACTORY(.ref = 11, .mesh = ROOT, .stream = 10, SHAPE(2)));
   cr_assert_eq(result(0)->stream, 10);
 }
@@ -631,14 +631,49 @@ Test(commands, create_stream_rejections) {
   memset(longname, 'x', 64);
   longname[64] = '\0';
   REJECT(create_stream(10, longname), ERR_BAD_ARGUMENT, "CreateStream", "got 64");
-  REJECT(create_stream(10, "main"), ERR_BAD_ARGUMENT,
-         "CreateStream: this session already has a stream named 'main' (ref 0), the default stream");
-  REJECT(create_stream(10, "side"), ERR_BAD_ARGUMENT,
-         "CreateStream: this session already has a stream named 'side' (ref 3)");
-  cr_assert_null(strstr(err.msg, "default"), "side is not the default stream: %s", err.msg);
   REJECT(create_stream(SIDE, "other"), ERR_REF_REUSED, "CreateStream: ref 3 was already used");
   expect_ref_free(10);
-  cr_assert_eq(objects_stream_by_name(objs, "other"), -1);
+  cr_assert_str_eq(objects_stream_name(objs, SIDE), "side", "the refused command renamed nothing");
+}
+
+/* A stream's name is a label, as Monarch's Stream(name) is: two modules that
+ * each make Stream("side") (or a Stream("main") beside the default stream)
+ * get streams of their own, each with its tensors and borrows, and messages
+ * tell same-named streams apart by ref. Before, the second "side" was refused
+ * ("names are unique per session"). */
+Test(commands, streams_may_share_a_name) {
+  ok(create_stream(10, "side")); /* SIDE (ref 3) is "side" too */
+  ok(create_stream(11, "main"));
+  cr_assert_eq(objs->streams, 3);
+  zeros(20, ROOT, SIDE, 0, I64(2), 1);
+  zeros(21, ROOT, 10, 0, I64(2), 1);
+  zeros(22, ROOT, 11, 0, I64(2), 1);
+  ZEROS(23, 2);
+  ok(CALL("neg", 10, ARGS(aref(21)), RES(30)));
+  expect_meta(result(0), 30, DTYPE_FLOAT32, ROOT, 10);
+  REJECT(CALL("add", SIDE, ARGS(aref(20), aref(21)), RES(31)), ERR_WRONG_STREAM,
+         "Call add: argument 'other' (tensor 21) is on stream 'side' (ref 10) but the command "
+         "runs on stream 'side' (ref 3); borrow it onto 'side' (ref 3) first, or run the command "
+         "on 'side' (ref 10)");
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(22)), RES(31)), ERR_WRONG_STREAM,
+         "(tensor 22) is on stream 'main' (ref 11) but the command runs on stream 'main' (ref 0)");
+  REJECT(CALL("neg", 11, ARGS(aref(23)), RES(31)), ERR_WRONG_STREAM,
+         "(tensor 23) is on stream 'main' (ref 0) but the command runs on stream 'main' (ref 11)");
+  expect_ref_free(31);
+  /* borrows between the two "side" streams keep every check */
+  ok(borrow(31, 21, SIDE, true, 32));
+  ok(CALL("add_", SIDE, ARGS(aref(31), aref(20)), NORES));
+  REJECT(CALL("neg", 10, ARGS(aref(21)), RES(33)), ERR_BORROWED,
+         "(tensor 21) is mutably borrowed (borrow 32)");
+  REJECT(borrow(33, 20, SIDE, false, 34), ERR_BAD_ARGUMENT,
+         "Borrow: tensor 20 is already on stream 'side' (ref 3)");
+  ok(drop_borrow(32));
+  ok(CALL("neg", 10, ARGS(aref(21)), RES(33)));
+  /* a name no other stream has keeps its plain label */
+  ok(create_stream(40, "solo"));
+  zeros(41, ROOT, 40, 0, I64(2), 1);
+  REJECT(CALL("neg", STREAM_MAIN, ARGS(aref(41)), RES(42)), ERR_WRONG_STREAM,
+         "(tensor 41) is on stream 'solo' but the command runs on stream 'main' (ref 0);");
 }
 
 /* ------------------------------------------------------------------ factories */

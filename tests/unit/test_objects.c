@@ -289,17 +289,35 @@ Test(objects, expect_names_the_argument_and_the_kinds) {
   cr_assert_eq(err.kind, ERR_NONE);
 }
 
-Test(objects, streams_by_name_and_ref) {
+Test(objects, stream_names_and_labels) {
+  char buf[OBJ_STREAM_LABEL_MAX];
   cr_assert_not_null(objects_add_stream(o, 4, "side"));
   tensor(5);
   cr_assert_str_eq(objects_stream_name(o, STREAM_MAIN), "main");
   cr_assert_str_eq(objects_stream_name(o, 4), "side");
   cr_assert_str_eq(objects_stream_name(o, 5), "?", "a tensor is not a stream");
   cr_assert_str_eq(objects_stream_name(o, 99), "?");
-  cr_assert_eq(objects_stream_by_name(o, "main"), 0);
-  cr_assert_eq(objects_stream_by_name(o, "side"), 4);
-  cr_assert_eq(objects_stream_by_name(o, "sid"), -1);
-  cr_assert_eq(objects_stream_by_name(o, "other"), -1);
+  /* a name of one stream is its label; a shared one adds each stream's ref */
+  cr_assert_str_eq(objects_stream_label(o, 4, buf, sizeof buf), "'side'");
+  cr_assert_str_eq(objects_stream_label(o, STREAM_MAIN, buf, sizeof buf), "'main'");
+  cr_assert_not_null(objects_add_stream(o, 6, "side"));
+  cr_assert_not_null(objects_add_stream(o, 7, "sid"));
+  cr_assert_str_eq(objects_stream_label(o, 4, buf, sizeof buf), "'side' (ref 4)");
+  cr_assert_str_eq(objects_stream_label(o, 6, buf, sizeof buf), "'side' (ref 6)");
+  cr_assert_str_eq(objects_stream_label(o, 7, buf, sizeof buf), "'sid'");
+  cr_assert_str_eq(objects_stream_label(o, STREAM_MAIN, buf, sizeof buf), "'main'");
+  cr_assert_not_null(objects_add_stream(o, 8, "main"));
+  cr_assert_str_eq(objects_stream_label(o, STREAM_MAIN, buf, sizeof buf), "'main' (ref 0)");
+  cr_assert_str_eq(objects_stream_label(o, 8, buf, sizeof buf), "'main' (ref 8)");
+  cr_assert_eq(o->streams, 4);
+  /* the longest name and ref fit */
+  char longname[OBJ_STREAM_NAME_MAX + 1];
+  memset(longname, 'x', OBJ_STREAM_NAME_MAX);
+  longname[OBJ_STREAM_NAME_MAX] = '\0';
+  cr_assert_not_null(objects_add_stream(o, UINT64_MAX - 1, longname));
+  cr_assert_not_null(objects_add_stream(o, UINT64_MAX, longname));
+  objects_stream_label(o, UINT64_MAX, buf, sizeof buf);
+  cr_assert(strstr(buf, "' (ref 18446744073709551615)"), "%s", buf);
 }
 
 Test(objects, kind_names) {

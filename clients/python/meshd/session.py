@@ -143,8 +143,8 @@ class Stream:
             session._streams[ref] = self  # this object is the stream's handle
         self.session, self.ref, self.name = session, ref, name
 
-    def __repr__(self) -> str:
-        return f"Stream({self.name!r})"
+    def __repr__(self) -> str:  # the ref: several streams may share a name, as in Monarch
+        return f"Stream({self.name!r}, ref={self.ref})"
 
     def activate(self) -> contextlib.AbstractContextManager[Stream]:
         """Context manager making this the thread's active stream."""

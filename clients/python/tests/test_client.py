@@ -502,6 +502,35 @@ def test_streams_and_borrows(session, mesh):
     assert x.dropped
 
 
+def test_streams_sharing_a_name_are_distinct(session, mesh):
+    # Monarch's Stream(name) is a label: two modules that each make Stream("side")
+    # get two streams, each running its own work in order (meshd refused the second).
+    a, b = meshd.Stream("side"), session.stream("side")
+    assert a.name == b.name == "side" and a.ref != b.ref
+    assert repr(a) != repr(b) and str(a.ref) in repr(a)
+    with a.activate():
+        x = meshd.ones(2)
+        x.add_(1)
+        x.mul_(3)  # (1 + 1) * 3
+    with b.activate():
+        y = meshd.ones(2)
+        y.mul_(3)
+        y.add_(1)  # 1 * 3 + 1
+    assert x.stream is a and y.stream is b
+    with a.activate():
+        e = raises_kind("WRONG_STREAM", lambda: x + y)
+    assert f"'side' (ref {b.ref})" in e.message and f"'side' (ref {a.ref})" in e.message, e.message
+    yb, borrow = a.borrow(y, mutable=True)  # from one "side" onto the other
+    with b.activate():
+        raises_kind("BORROWED", lambda: y + 1)
+    with a.activate():
+        z = x + yb
+        yb.add_(1)
+    borrow.drop()
+    np.testing.assert_array_equal(get(z, gpu=1), np.full(2, 10, np.float32))
+    np.testing.assert_array_equal(get(y, gpu=0), np.full(2, 5, np.float32))
+
+
 def test_mutable_borrow_twice_is_borrowed(session, mesh):
     side, other = session.stream("s1"), session.stream("s2")
     x = meshd.zeros((2,))
