@@ -475,8 +475,8 @@ export class Session {
    * Runs one Command and returns its CommandResult; a rejected command throws a MeshdError
    * with .kind. timeoutMs (default: the session's) bounds all the call waits for: its turn
    * after the calls issued before it, room in the pipeline's queue, its answer; past it
-   * kind DEADLINE_EXCEEDED (a command that was not queued gives its seq and refs back when
-   * no later call took any).
+   * kind DEADLINE_EXCEEDED (a command that was not queued, or was taken out of the pipeline's
+   * queue unsent, gives its seq and refs back when no later call took any).
    */
   execute(command: Command, options?: CallOptions): Promise<CommandResult>;
   /**
@@ -484,10 +484,13 @@ export class Session {
    * event loop turns, at most maxBatch, about 1 MiB); each still settles with its own answer.
    * Upload, fetch, inspectUrl and close wait for every outstanding answer first. A server that
    * stops reading the stream (flow control) fills a bounded queue: a command that finds it full
-   * waits until its deadline, then rejects DEADLINE_EXCEEDED, not queued. With a pipeline on,
+   * waits until its deadline, then rejects DEADLINE_EXCEEDED, not queued; one queued whose
+   * deadline passes before the stream took it is taken out and rejects DEADLINE_EXCEEDED,
+   * never sent (it did not run). With a pipeline on,
    * options change maxBatch (a failed stream is replaced). null: back to unary Execute once
    * every answer is in, the session's timeoutMs at most (then DEADLINE_EXCEEDED, the pipeline
-   * off all the same: what is queued still goes out, and later calls wait for it first).
+   * off all the same: what is queued still goes out, each before its own deadline, and later
+   * calls wait for it first).
    * The open stream keeps the process alive: close() the session when done.
    */
   setPipeline(options?: PipelineOptions | null): Promise<void>;

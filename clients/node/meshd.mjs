@@ -532,26 +532,32 @@ export class Session {
   // a ref that arrived after a higher one was refused REF_REUSED.
   // With a deadline (execute, fetch) the wait for the turn is bounded too: past it the
   // call rejects DEADLINE_EXCEEDED (marked NOT_SENT) and its send is skipped when the
-  // turn comes. setPipeline and close take their turn here as well, so a call issued
-  // before them goes out before the pipeline changes.
+  // turn comes, also where the turn came first, its deadline already past (the event
+  // loop was busy: the timer had not run yet). setPipeline and close take their turn
+  // here as well, so a call issued before them goes out before the pipeline changes.
   #inOrder(send, deadline, limitMs, what) {
     let timer;
     let cut = null; // the error the caller got when its turn did not come in time
     const idle = this.#steps === 0; // the turn comes at once (a microtask)
+    const late = () => {
+      const e = new MeshdError('DEADLINE_EXCEEDED', `${what} was not queued or sent within ${limitMs} ms: the calls `
+        + 'issued before it had not gone out yet (an upload, a fetch not yet planned, or pipelined commands '
+        + 'waiting for the server to read the Submit stream: flow control)', grpc.status.DEADLINE_EXCEEDED);
+      e[NOT_SENT] = true;
+      return e;
+    };
     this.#steps += 1;
     const p = this.#order.then(() => {
-      if (cut) throw cut;
       clearTimeout(timer);
+      if (!cut && !idle && deadline !== undefined && Date.now() >= deadline) cut = late();
+      if (cut) throw cut;
       return send();
     }).finally(() => { this.#steps -= 1; });
     this.#order = p.then(() => {}, () => {});
     if (deadline === undefined || idle) return p;
     return new Promise((resolve, reject) => {
       timer = setTimeout(() => {
-        cut = new MeshdError('DEADLINE_EXCEEDED', `${what} was not queued or sent within ${limitMs} ms: the calls `
-          + 'issued before it had not gone out yet (an upload, a fetch not yet planned, or pipelined commands '
-          + 'waiting for the server to read the Submit stream: flow control)', grpc.status.DEADLINE_EXCEEDED);
-        cut[NOT_SENT] = true;
+        cut = late();
         reject(cut);
       }, Math.max(1, deadline - Date.now()));
       p.then(resolve, reject); // (after a cut, p rejects with it: a no-op)
@@ -661,7 +667,11 @@ export class Session {
       if (e?.[NOT_SENT]) this.#giveBack(cmd.seq, command);
       throw e;
     }
-    const res = QUEUED in sent ? await sent[QUEUED] : sent;
+    // (taken out of the pipeline's queue at its deadline: never sent, as above)
+    const res = QUEUED in sent ? await sent[QUEUED].catch((e) => {
+      if (e?.[NOT_SENT]) this.#giveBack(cmd.seq, command);
+      throw e;
+    }) : sent;
     if (res.error && res.error.kind && res.error.kind !== 'ERROR_KIND_UNSPECIFIED') throw MeshdError.fromError(res.error);
     if (command.drop_borrow) this.#borrowEnded();
     for (const t of res.tensors ?? []) this.#mine(t);
@@ -759,9 +769,11 @@ export class Session {
   // WRITES_MAX messages in the stream and 2 * maxBatch commands (QUEUE_BYTES) queued
   // behind them; a command that finds the queue full waits for room until its deadline,
   // then rejects DEADLINE_EXCEEDED, not queued (it never went out: calling again is
-  // safe). Nothing queued is dropped because the server is slow: a command whose answer
-  // did not come in time rejects DEADLINE_EXCEEDED but stays queued, goes out once the
-  // server reads again, and every later call that must follow it waits for its answer.
+  // safe). A queued command whose deadline passes before it was handed to the stream is
+  // taken out of the queue and rejects DEADLINE_EXCEEDED, never sent (it did not run:
+  // calling again is safe). One handed to the stream whose answer did not come in time
+  // rejects DEADLINE_EXCEEDED but may still run: it goes to the server once it reads
+  // again, and every later call that must follow it waits for its answer.
   //
   // setPipeline(opts) with a pipeline on changes maxBatch for it; on a stream that
   // failed it opens a new one (after the answers of a pipeline turned off before).
@@ -889,8 +901,8 @@ export class Session {
         pipe.room.splice(i, 1);
         const e = new MeshdError('DEADLINE_EXCEEDED', `pipeline: command seq ${cmd.seq} was not queued within `
           + `${limitMs} ms: the ${pipe.queue.length} commands queued before it did not go out (the server is not `
-          + 'reading the Submit stream: flow control); they stay queued and go out once it reads again',
-        grpc.status.DEADLINE_EXCEEDED, cmd.seq);
+          + 'reading the Submit stream: flow control); they stay queued and go out once it reads again, '
+          + 'each unless its deadline passes first', grpc.status.DEADLINE_EXCEEDED, cmd.seq);
         e[NOT_SENT] = true;
         reject(e);
       }, Math.max(1, deadline - Date.now()));
@@ -907,10 +919,25 @@ export class Session {
     }
   }
 
-  // No answer by its deadline: the command rejects; it stays queued (or sent) and its
-  // answer may still come, with the errors it took (a sync's go to the next one).
+  // No answer by its deadline: the command rejects. Still in the client's queue (the
+  // stream took nothing more: flow control), it is taken out and never sent, so its
+  // caller knows it did not run; handed to the stream, it may still run and its answer
+  // come, with the errors it took (a sync's go to the next one).
   #expire(pipe, seq, entry) {
     pipe.pending.delete(seq);
+    const i = pipe.queue.indexOf(entry.cmd); // near the head: the oldest wait there
+    if (i >= 0) {
+      pipe.queue.splice(i, 1);
+      pipe.bytes -= entry.cmd[WEIGHT].bytes;
+      const e = new MeshdError('DEADLINE_EXCEEDED', `pipeline: command seq ${seq} was not sent within `
+        + `${entry.timeoutMs} ms: it waited in the client's queue (the server is not reading the Submit stream: `
+        + 'flow control); it was taken out of the queue and never sent, so it did not run (calling again is safe)',
+      grpc.status.DEADLINE_EXCEEDED, seq);
+      e[NOT_SENT] = true;
+      entry.reject(e);
+      this.#flush(pipe); // its room to a command waiting; a pipeline turned off may end now
+      return;
+    }
     pipe.late.add(seq);
     entry.reject(new MeshdError('DEADLINE_EXCEEDED', `no answer to command seq ${seq} within `
       + `${entry.timeoutMs} ms (the server is slow or not reading the Submit stream: flow control; it stays `
@@ -1061,8 +1088,9 @@ export class Session {
         }
         const e = new MeshdError('DEADLINE_EXCEEDED', `${what}: ${n} pipelined command(s) sent before it `
           + `(seq ${first} first) not answered within ${limitMs} ms, ${queued} of them still queued on `
-          + 'the client (the server is slow or not reading the Submit stream: flow control); they stay queued and '
-          + 'go out and run once it reads again', grpc.status.DEADLINE_EXCEEDED);
+          + 'the client (the server is slow or not reading the Submit stream: flow control); they go out and run '
+          + 'once it reads again (one still on the client when its own deadline passes is taken out, never sent)',
+        grpc.status.DEADLINE_EXCEEDED);
         if (notSent) e[NOT_SENT] = true;
         reject(e);
       }, Math.max(1, deadline - Date.now()));

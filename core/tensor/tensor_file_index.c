@@ -69,8 +69,8 @@ int safetensors_index_parse(const uint8_t *buf, size_t len, const tensor_file_op
   if (tensor_file_json(CTX, (const char *)buf, len, " \t\r\n", &root, e)) return -1;
   /* json-c keeps the last of a key given twice: a tensor named twice in the
    * map (or the map given twice) would silently come from one of its files. */
-  if (tensor_file_check_names(CTX, (const char *)buf, len, NULL, e) ||
-      tensor_file_check_names(CTX, (const char *)buf, len, "weight_map", e)) {
+  if (tensor_file_check_names(CTX, (const char *)buf, len, NULL, false, e) ||
+      tensor_file_check_names(CTX, (const char *)buf, len, "weight_map", true, e)) {
     json_object_put(root);
     return -1;
   }

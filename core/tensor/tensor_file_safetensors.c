@@ -178,6 +178,7 @@ int tensor_file_json(const char *ctx, const char *text, size_t n, const char *pa
 typedef struct {
   const char *s;
   size_t len;
+  size_t at; /* its opening quote's byte in the text */
 } key_t_;
 
 static int by_key(const void *a, const void *b) {
@@ -187,6 +188,32 @@ static int by_key(const void *a, const void *b) {
   return c ? c : (x->len > y->len) - (x->len < y->len);
 }
 
+/* Whether key k names a tensor: every key checked, where they are tensor
+ * names, but a header's "__metadata__". */
+static bool names_a_tensor(const key_t_ *k, const char *within, bool tensor_names) {
+  static const char meta[] = "__metadata__";
+  return tensor_names && (within || k->len != sizeof meta - 1 || memcmp(k->s, meta, k->len) != 0);
+}
+
+/* Key a given again as b: named with both places, and why once is the rule
+ * (a tensor's file or entry would be one of two; any other key's value too). */
+static int duplicate_key(const char *ctx, const char *within, bool tensor_names,
+                         const key_t_ *a, const key_t_ *b, meshd_error_t *e) {
+  char where[TF_NAME_MAX + 16] = "at the top level";
+  if (within) snprintf(where, sizeof where, "in \"%.*s\"", TF_NAME_MAX, within);
+  size_t first = a->at < b->at ? a->at : b->at, second = a->at < b->at ? b->at : a->at;
+  int len = (int)(b->len < TF_NAME_MAX ? b->len : TF_NAME_MAX);
+  if (names_a_tensor(b, within, tensor_names))
+    return error_set(e, ERR_BAD_ARGUMENT,
+                     "%s: the name '%.*s' appears more than once %s, at bytes %zu and %zu of "
+                     "its JSON (each tensor must be named once)",
+                     ctx, len, b->s, where, first, second);
+  return error_set(e, ERR_BAD_ARGUMENT,
+                   "%s: the key '%.*s' appears more than once %s, at bytes %zu and %zu of its "
+                   "JSON (each key must be given once: a JSON reader keeps only one of them)",
+                   ctx, len, b->s, where, first, second);
+}
+
 /* json-c keeps the last of duplicate keys and cuts a key at \u0000, so two
  * tensors could silently become one. The root object's keys are found by a
  * scan of its text (valid JSON: json-c parsed it) that follows only strings
@@ -194,7 +221,7 @@ static int by_key(const void *a, const void *b) {
  * appears twice is refused. The index (within "weight_map") is checked by
  * the same scan, one level down. */
 int tensor_file_check_names(const char *ctx, const char *text, size_t n, const char *within,
-                            meshd_error_t *e) {
+                            bool tensor_names, meshd_error_t *e) {
   struct json_tokener *tok = json_tokener_new_ex(2);
   key_t_ *keys = NULL;
   json_object **held = NULL;
@@ -256,8 +283,8 @@ int tensor_file_check_names(const char *ctx, const char *text, size_t n, const c
     }
     if (memchr(s, '\0', len)) {
       rc = error_set(e, ERR_BAD_ARGUMENT,
-                     "%s: the name '%.*s\\u0000...' holds \\u0000 (NUL), which tensor names "
-                     "must not", ctx, (int)strnlen(s, TF_NAME_MAX), s);
+                     "%s: the name '%.*s\\u0000...' holds \\u0000 (NUL), which %s must not",
+                     ctx, (int)strnlen(s, TF_NAME_MAX), s, tensor_names ? "tensor names" : "keys");
       break;
     }
     if (nkeys == cap) {
@@ -270,16 +297,13 @@ int tensor_file_check_names(const char *ctx, const char *text, size_t n, const c
       keys = nk;
       cap = ncap;
     }
-    keys[nkeys++] = (key_t_){s, len};
+    keys[nkeys++] = (key_t_){s, len, start};
   }
   if (!rc && nkeys > 1) {
     qsort(keys, nkeys, sizeof *keys, by_key);
     for (size_t i = 1; i < nkeys && !rc; i++)
       if (!by_key(&keys[i - 1], &keys[i]))
-        rc = error_set(e, ERR_BAD_ARGUMENT,
-                       "%s: the name '%.*s' appears more than once (each tensor must be named "
-                       "once)", ctx, (int)(keys[i].len < TF_NAME_MAX ? keys[i].len : TF_NAME_MAX),
-                       keys[i].s);
+        rc = duplicate_key(ctx, within, tensor_names, &keys[i - 1], &keys[i], e);
   }
   for (size_t i = 0; i < nheld; i++) json_object_put(held[i]);
   free(held);
@@ -311,7 +335,7 @@ int safetensors_header_parse(const uint8_t *buf, size_t len, const tensor_file_o
                      "file?)");
   json_object *root;
   if (tensor_file_json(CTX, (const char *)buf + 8, n, " ", &root, e)) return -1;
-  if (tensor_file_check_names(CTX, (const char *)buf + 8, n, NULL, e)) {
+  if (tensor_file_check_names(CTX, (const char *)buf + 8, n, NULL, true, e)) {
     json_object_put(root);
     return -1;
   }

@@ -226,6 +226,20 @@ static bool body_matches_range(xfer_t *x, uint64_t body) {
   return false;
 }
 
+/* A 206's range a-b against the one asked, first-last: it must start at the
+ * first byte asked and end no later than the last (a shorter one is "fewer
+ * bytes than asked" once its body is in). Else false and failed, quoting
+ * what the server said: another range's bytes, or its total, are not ours. */
+static bool range_is_asked(xfer_t *x, uint64_t first, uint64_t last, uint64_t a, uint64_t b,
+                           const char *cr) {
+  if (a == first && b <= last) return true;
+  fail(x, ERR_UNAVAILABLE,
+       "asked bytes %" PRIu64 "-%" PRIu64 ", the server answered bytes %" PRIu64 "-%" PRIu64
+       " (HTTP 206, Content-Range \"%.64s\")",
+       first, last, a, b, cr);
+  return false;
+}
+
 static void printable(char *v) {
   for (; *v; v++)
     if (*v < 0x20 || *v > 0x7e) *v = '?';
@@ -285,6 +299,8 @@ static bool body_start(xfer_t *x) {
       fail(x, ERR_UNAVAILABLE, "HTTP 206 without a valid Content-Range (\"%.64s\")", cr ? cr : "");
       return false;
     }
+    /* Byte 0 was asked: another range's total may be another resource's. */
+    if (x->status == 206 && !range_is_asked(x, 0, 0, a, b, cr)) return false;
     if (x->status == 206 &&
         !curl_easy_getinfo(x->curl, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &len) && len >= 0 &&
         !body_matches_range(x, (uint64_t)len))
@@ -301,12 +317,7 @@ static bool body_start(xfer_t *x) {
       fail(x, ERR_UNAVAILABLE, "HTTP 206 without a valid Content-Range (\"%.64s\")", cr ? cr : "");
       return false;
     }
-    if (a != x->offset || b > x->offset + x->length - 1) {
-      fail(x, ERR_UNAVAILABLE,
-           "asked bytes %" PRIu64 "-%" PRIu64 ", the server answered bytes %" PRIu64 "-%" PRIu64,
-           x->offset, x->offset + x->length - 1, a, b);
-      return false;
-    }
+    if (!range_is_asked(x, x->offset, x->offset + x->length - 1, a, b, cr)) return false;
     x->total = total;
     return size_is_expected(x, total);
   }

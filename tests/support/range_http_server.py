@@ -38,6 +38,9 @@ Byte i of every body is (i * 7 + 3) % 256. Paths (N: a length in bytes):
                             bytes and Content-Range of a-(b-1) (fewer than asked)
   /long206/N                HEAD refused (405); a Range a-b (b > a) gets 206 with Content-Range
                             a-b, but one byte more in its body (Content-Length too)
+  /cr206/N?cr=CR            HEAD refused (405); a GET with a Range gets 206 with the
+                            bytes of the range asked under Content-Range CR as given
+                            (another range than asked, or one that does not parse)
   /headlies/H/N             HEAD says H bytes; a GET serves N (ranges past N clamped, or 416)
   /lastcall/N               as /bytes/N, then the connection's next request is
                             closed unanswered (a kept-alive connection the
@@ -249,6 +252,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     part = data[a:b + 1] + b"\x00"
                 self.send_status(206, part,
                                  headers=[("Content-Range", "bytes %d-%d/%d" % (a, b, n))])
+        elif kind == "cr206":
+            n = int(args[0])
+            r = self.parse_range(n)
+            if self.command == "HEAD":
+                self.send_status(405, headers=[("Allow", "GET")])
+            elif not r or r == "bad":
+                self.serve_bytes(n)
+            else:
+                cr = urllib.parse.parse_qs(url.query)["cr"][0]
+                self.send_status(206, body(n)[r[0]:r[1] + 1], headers=[("Content-Range", cr)])
         elif kind == "headlies":
             h, n = int(args[0]), int(args[1])
             if self.command == "HEAD":

@@ -411,8 +411,9 @@ Test(tensor_file, safetensors_names_given_twice_or_holding_nul) {
             ERR_BAD_ARGUMENT, "the name 'w' appears more than once");
   expect_st("{\"w\":" W(0, 8) ",\"\\u0077\":" W(8, 16) "}", 16, -1, ERR_BAD_ARGUMENT,
             "the name 'w' appears more than once");
+  /* The header's metadata is no tensor: its message says so. */
   expect_st("{\"__metadata__\":{},\"__metadata__\":{}}", 0, -1, ERR_BAD_ARGUMENT,
-            "the name '__metadata__' appears more than once");
+            "the key '__metadata__' appears more than once at the top level, at bytes 1 and 19");
   expect_st("{\"a\\u0000x\":" W(0, 8) ",\"a\\u0000y\":" W(8, 16) "}", 16, -1, ERR_BAD_ARGUMENT,
             "holds \\u0000");
   expect_st("{\"a\\u0000x\":" W(0, 8) "}", 8, -1, ERR_BAD_ARGUMENT,
@@ -671,11 +672,26 @@ Test(tensor_file, shard_ranges_match_the_slices) {
  * files for one tensor) must be refused, not loaded from whichever came last. */
 Test(tensor_file, safetensors_index_refuses_a_tensor_named_twice) {
   expect_index("{\"weight_map\": {\"w\": \"a.st\", \"v\": \"a.st\", \"w\": \"b.st\"}}",
-               ERR_BAD_ARGUMENT, "safetensors index: the name 'w' appears more than once");
+               ERR_BAD_ARGUMENT, "safetensors index: the name 'w' appears more than once in "
+               "\"weight_map\", at bytes 16 and 42 of its JSON (each tensor must be named once)");
   /* Decoded before compared: "\u0077" is "w". */
   expect_index("{\"weight_map\": {\"w\": \"a.st\", \"\\u0077\": \"b.st\"}}", ERR_BAD_ARGUMENT,
                "the name 'w' appears more than once");
   expect_index("{\"weight_map\": {\"w\\u0000x\": \"a.st\"}}", ERR_BAD_ARGUMENT, "holds \\u0000");
+  /* A key of the index's root given twice is refused too, named as the key it
+   * is and where, not as a tensor named twice. */
+  const char *meta2 = "{\"metadata\": {\"total_size\": 4}, \"metadata\": {}, "
+                      "\"weight_map\": {\"w\": \"a.st\"}}";
+  expect_index(meta2, ERR_BAD_ARGUMENT, "safetensors index: the key 'metadata' appears more "
+               "than once at the top level, at bytes 1 and 32 of its JSON");
+  expect_index(meta2, ERR_BAD_ARGUMENT, "each key must be given once");
+  {
+    tensor_file_t g;
+    meshd_error_t ge = {0};
+    cr_assert_eq(parse((const uint8_t *)meta2, strlen(meta2), strlen(meta2), &g, &ge), -1);
+    cr_assert_null(strstr(ge.msg, "each tensor"), "an index's own key read as a tensor: %s",
+                   ge.msg);
+  }
   /* The same name in metadata, or a key inside a nested object, is no duplicate. */
   tensor_file_t f;
   meshd_error_t e = {0};

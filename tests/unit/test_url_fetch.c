@@ -1160,6 +1160,36 @@ Test(url_fetch, an_error_after_a_redirect_names_the_url_asked_and_its_target) {
   cr_assert(!strstr(e.msg, "redirected"), "%s", e.msg);
 }
 
+/* The size probe asks byte 0: a 206 for another range (whose total may be
+ * another resource's), or with a Content-Range that does not parse, is
+ * refused naming the URL (without its credentials) and what came back, not
+ * taken as the length. */
+Test(url_fetch, a_size_probe_answered_with_another_range_is_refused) {
+  uint64_t size = 0;
+  meshd_error_t e;
+  char u[600];
+  snprintf(u, sizeof u, "http://user:secret@127.0.0.1:%d/cr206/100?cr=bytes%%205-5/100", port);
+  cr_assert_eq(url_fetch_size(u, &quick, &size, NULL, &e), -1, "took %llu from \"bytes 5-5/100\"",
+               (unsigned long long)size);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE, "%s", error_kind_name(e.kind));
+  HAS(e, "/cr206/100");
+  HAS(e, "asked bytes 0-0, the server answered bytes 5-5");
+  HAS(e, "bytes 5-5/100");
+  cr_assert(!strstr(e.msg, "secret") && !strstr(e.msg, "user"), "%s", e.msg);
+  /* More than byte 0, its body as long as its Content-Range says: still another range. */
+  cr_assert_eq(url_fetch_size(url("/cr206/100?cr=bytes%200-9/100"), &quick, &size, NULL, &e), -1,
+               "took %llu from \"bytes 0-9/100\"", (unsigned long long)size);
+  HAS(e, "the server answered bytes 0-9");
+  cr_assert_eq(url_fetch_size(url("/cr206/100?cr=bytes%20zero/100"), &quick, &size, NULL, &e), -1);
+  cr_assert_eq(e.kind, ERR_UNAVAILABLE, "%s", error_kind_name(e.kind));
+  HAS(e, "/cr206/100");
+  HAS(e, "without a valid Content-Range (\"bytes zero/100\")");
+  /* The range asked: its total is the size. */
+  cr_assert_eq(url_fetch_size(url("/cr206/100?cr=bytes%200-0/100"), &quick, &size, NULL, &e), 0,
+               "%s", e.msg);
+  cr_assert_eq(size, 100);
+}
+
 /* A server whose 206 contradicts itself (an empty body, or a body of another
  * length than its Content-Range) is named for what it did, not taken for a
  * server that gives no length or a resource that is shorter. */

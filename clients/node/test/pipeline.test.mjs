@@ -82,9 +82,10 @@ test('a server that stops reading bounds the pipeline queue: a command that find
     await sleep(300);
     const held = s.pipelineStats();
     const rs = await within(Promise.all(calls), 10000, 'the 100 literals');
-    const notQueued = rs.filter((r) => r.err && /not queued/.test(r.err.message));
+    // never went out: refused room, or taken out of the queue at its deadline
+    const notQueued = rs.filter((r) => r.err && /not queued|never sent/.test(r.err.message));
     const handed = held.commands - 2; // the literals the stream took (the two stalling commands aside)
-    assert.ok(notQueued.length >= 40, `only ${notQueued.length} of 100 were refused room: ${JSON.stringify(held)}`);
+    assert.ok(notQueued.length >= 40, `only ${notQueued.length} of 100 never went out: ${JSON.stringify(held)}`);
     assert.ok(handed + held.queued <= 40, `the client held ${handed} + ${held.queued} literals of 240 KB`);
     for (const r of rs) {
       assert.ok(r.err, 'the server read nothing: no literal can be answered');
@@ -92,17 +93,19 @@ test('a server that stops reading bounds the pipeline queue: a command that find
       assert.ok(r.at >= 1300 && r.at < 6000, `a 1.5 s deadline took ${r.at} ms`);
     }
     assert.match(notQueued[0].err.message, /within 1500 ms/);
-    // Alone, with the queue still full: refused, and it gives its seq and ref back.
+    // Alone, the stream still taking nothing: it never goes out (its queue was emptied at
+    // the deadlines: queued, then taken out at its own), and it gives its seq and ref back.
     const [seq, ref] = [s.seq, s.nextRef];
     const one = await within(settle(s.literal(mesh, [n], new Float32Array(n))), 5000, 'one more literal');
     assert.equal(one.err?.kind, 'DEADLINE_EXCEEDED', String(one.err));
-    assert.match(one.err.message, /was not queued/);
+    assert.match(one.err.message, /was not queued|never sent/);
     assert.deepEqual([s.seq, s.nextRef], [seq, ref], 'the refused command kept its seq or ref');
-    // What was queued goes out once the server reads again; the last one queued ran.
+    // What the stream took goes out once the server reads again; the last one it took
+    // ran (those still queued on the client at their deadline were taken out, never sent).
     resume();
     await within(s.sync({ timeoutMs: 20000 }), 25000, 'sync after resume');
-    const last = rs.findLastIndex((r) => !/not queued/.test(r.err.message));
-    assert.ok(last >= 0, 'no literal was queued at all');
+    const last = rs.findLastIndex((r) => !/not queued|never sent/.test(r.err.message));
+    assert.ok(last >= 0, 'no literal went out at all');
     const got = await s.fetch(first + last, { gpu: 1 }, { timeoutMs: 10000 });
     assert.deepEqual([got[0], got[n - 1]], [last, last]);
     const after = await within(s.literal(mesh, [2], new Float32Array([7, 8])), 10000, 'a literal after');
@@ -143,26 +146,92 @@ test('a server that stops reading: tiny commands are accepted up to the queue an
       if (i % 200 === 199) await new Promise(setImmediate);
     }
     const rs = await within(Promise.all(calls), 30000, `the ${n} adds`); // a hang guard only
-    const notQueued = (r) => /not queued/.test(r.err?.message);
+    // never went out: refused room, or taken out of the queue at its deadline
+    const notQueued = (r) => /not queued|never sent/.test(r.err?.message);
     const accepted = rs.filter((r) => !notQueued(r)).length;
     assert.ok(accepted <= bound, `${accepted} of ${n} tiny commands accepted while the server did not read (at most ${bound})`);
     assert.ok(accepted > 2 * maxBatch, `only ${accepted} accepted: the queue alone takes ${2 * maxBatch}`);
-    // Full stays full: an add issued after one refused room gets in only if the stream
-    // took more after that refusal (on a loaded machine the transport may still be
+    // Full stays full: an add issued after one that never went out (refused room, or
+    // taken out of the queue at its deadline) went out only if the stream took more after (on a loaded machine the transport may still be
     // filling the window when the first deadline comes: at load 17, add 1300 got in
     // after add 1276 was refused, the stream still taking commands).
     const all = taken();
     const lastIn = rs.findLastIndex((r) => !notQueued(r));
     const early = rs.findIndex((r, i) => i < lastIn && notQueued(r) && r.taken >= all);
-    assert.equal(early, -1, `add ${lastIn} was accepted, issued after add ${early} was refused room when `
+    assert.equal(early, -1, `add ${lastIn} was accepted, issued after add ${early} never went out when `
       + `the stream had taken all it would (${all} commands)`);
     for (const r of rs) assert.equal(r.err?.kind, 'DEADLINE_EXCEEDED', String(r.err));
-    // What was accepted goes out and runs once the server reads again.
+    // What the stream took goes out and runs once the server reads again (what was still
+    // queued on the client at its deadline was taken out, never sent).
     resume();
     await within(s.sync({ timeoutMs: 20000 }), 25000, 'sync after resume');
     assert.deepEqual([...await s.fetch(rs[lastIn].ref, { gpu: 1 }, { timeoutMs: 10000 })], [2, 2, 2, 2]);
   } finally {
     resume();
+    await s.close().catch(() => {});
+  }
+});
+
+test('a command whose deadline passes in the client\'s queue is taken out, never sent; one the stream took still runs', async () => {
+  const { s, mesh, stop, resume, x } = await setup(1000);
+  try {
+    await s.setPipeline();
+    await stop();
+    await stall(s, x);
+    // 12 Literals of 240 KB: the stream takes two messages of four, which the transport
+    // cannot pass on (the server reads nothing), and the rest wait in the client's queue.
+    const n = 60000;
+    const first = s.nextRef + 1; // literal i takes ref first + i
+    const seq = s.seq;
+    const calls = [];
+    for (let i = 0; i < 12; i += 1) calls.push(settle(s.literal(mesh, [n], new Float32Array(n).fill(i))));
+    const rs = await within(Promise.all(calls), 10000, 'the 12 literals');
+    const neverSent = (r) => /never sent/.test(r.err?.message);
+    const taken = rs.findLastIndex((r) => /may still run/.test(r.err?.message));
+    assert.ok(taken >= 0 && rs.some(neverSent), rs.map((r) => String(r.err)).join('\n'));
+    for (const [i, r] of rs.entries()) {
+      assert.equal(r.err?.kind, 'DEADLINE_EXCEEDED', String(r.err));
+      if (i <= taken) assert.match(r.err.message, /no answer to command seq \d+ within 1000 ms/);
+      else if (neverSent(r)) {
+        assert.match(r.err.message, new RegExp(`pipeline: command seq ${seq + i + 1} was not sent within 1000 ms: `
+          + 'it waited in the client\'s queue .*; it was taken out of the queue and never sent, so it did not run'));
+      } else assert.match(r.err.message, /not queued/);
+    }
+    assert.equal(s.pipelineStats().queued, 0, 'a command past its deadline is still queued');
+    assert.deepEqual([s.seq, s.nextRef], [seq + 11, first + 10], 'the last literal, never sent, kept its seq or ref');
+    // Once the server reads again: the last literal the stream took ran, the first one
+    // taken out of the queue never reached it.
+    resume();
+    await within(s.sync({ timeoutMs: 20000 }), 25000, 'sync after resume');
+    const got = await s.fetch(first + taken, { gpu: 1 }, { timeoutMs: 10000 });
+    assert.deepEqual([got[0], got[n - 1]], [taken, taken]);
+    const gone = rs.findIndex(neverSent);
+    const f = await within(settle(s.fetch(first + gone, { gpu: 1 }, { timeoutMs: 10000 })), 15000, 'the fetch of one never sent');
+    assert.equal(f.err?.kind, 'UNKNOWN_REF', String(f.err ?? 'it was fetched: it ran'));
+  } finally {
+    resume();
+    await s.close().catch(() => {});
+  }
+});
+
+test('a pipelined command whose turn comes after its deadline (the event loop was busy) is not queued, never sent', async () => {
+  const { s, x } = await setup(10000);
+  try {
+    await s.setPipeline();
+    const [seq, ref] = [s.seq, s.nextRef];
+    const a = settle(s.call('add', [x, 1]));
+    const b = settle(s.call('add', [x, 2], {}, { timeoutMs: 20 }));
+    // Busy past b's deadline: b's turn (microtasks, once a is queued) comes before its
+    // timer can run. Before the fix b was queued and sent all the same, then rejected
+    // "no answer ... may still run".
+    Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 100);
+    const [ra, rb] = await within(Promise.all([a, b]), 10000, 'the two adds');
+    assert.ok(ra.ok, String(ra.err));
+    assert.equal(rb.err?.kind, 'DEADLINE_EXCEEDED', String(rb.err));
+    assert.match(rb.err.message, /command seq \d+ was not queued or sent within 20 ms/);
+    assert.deepEqual([s.seq, s.nextRef], [seq + 1, ref + 1], 'b kept its seq or ref');
+    assert.equal(s.pipelineStats().commands, 1, 'b was sent');
+  } finally {
     await s.close().catch(() => {});
   }
 });
