@@ -29,6 +29,7 @@ typedef struct agent_info {
   uint32_t data_port;     /* the data plane's port (0: none) */
   uint32_t instructions;  /* the newest Instruction body it says it runs (Hello) */
   uint32_t data_plane;    /* the newest data plane feature it has (Hello; 1: pair secrets) */
+  bool clock;             /* Hello's reply carries its clock (HelloReply.unix_ms) */
   char data_address[256]; /* its "host:port" as peers reach it */
   run_env_t env;          /* backend, rank, stats: what instructions run with (run.h) */
   /* How to register (docs/operations.md "Cluster security"): .on = mTLS to the

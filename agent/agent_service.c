@@ -5,6 +5,7 @@
 #include "backend.h"
 #include "dataplane/dataplane.h"
 #include "execute.h"
+#include "grant.h"
 #include "load.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -35,6 +36,8 @@ static void hello(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   reply.device = (char *)self->device;
   reply.memory_bytes = self->memory_bytes;
   reply.allocated_bytes = self->env.backend ? atomic_load(&self->env.backend->allocated) : 0;
+  /* Last: the server's estimate of our clock errs by what follows. */
+  if (self->clock) reply.unix_ms = grant_now_unix_ms();
   rpc_call_reply(call, &reply.base);
 }
 

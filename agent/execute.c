@@ -8,6 +8,7 @@
 #include <uthash.h>
 
 #include "agent.h"
+#include "grant.h"
 #include "log.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "validate.h"
@@ -28,6 +29,7 @@ typedef struct exec_call {
   session_t *sessions;
   uint64_t batches, instructions;
   bool failed;
+  bool clock; /* its reports carry our clock (agent_info_t.clock) */
   executor_t *ex;
   /* A refused stream ends once everything before the bad seq ran (mu). */
   bool finishing, finished;
@@ -62,6 +64,7 @@ static void report(const executor_report_t *r, void *arg) {
   rep.errors = r->errors;
   rep.n_errors = r->n_errors;
   rep.allocated_bytes = r->allocated_bytes;
+  if (x->clock) rep.unix_ms = grant_now_unix_ms(); /* the server's estimate of our clock */
   rpc_call_send(x->call, &rep.base);
   pthread_mutex_lock(&mu);
   bool finish = x->finishing && !x->finished && r->executed_through >= x->finish_after;
@@ -82,6 +85,7 @@ void execute_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
     return;
   }
   x->call = call;
+  x->clock = self->clock;
   x->peer = rpc_call_peer(call);
   rpc_call_set_data(call, x);
   rpc_call_ref(call);

@@ -24,6 +24,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "fault.h"
+#include "grant.h"
 #include "reflection.h"
 #include "rpc.h"
 #include "runtime.h"
@@ -306,6 +307,25 @@ static void usr1_forward(int sig) {
   errno = saved;
 }
 
+/* Test only (docs/operations.md, Clocks): MESHD_TEST_AGENT_CLOCK_SHIFT_MS runs
+ * this agent's clock for grants that many ms ahead of the machine's (negative:
+ * behind), so that a test on one machine sees an agent whose clock is off. */
+static void test_clock_shift(void) {
+  const char *v = getenv("MESHD_TEST_AGENT_CLOCK_SHIFT_MS");
+  if (!v || !*v) return;
+  char *end = NULL;
+  errno = 0;
+  long long ms = strtoll(v, &end, 10);
+  if (errno || *end || ms > GRANT_OFFSET_MAX_MS || ms < -GRANT_OFFSET_MAX_MS) {
+    log_warn("agent", "MESHD_TEST_AGENT_CLOCK_SHIFT_MS=%s is not a number of ms (within a "
+             "century); ignored", v);
+    return;
+  }
+  grant_clock_shift(ms);
+  log_warn("agent", "MESHD_TEST_AGENT_CLOCK_SHIFT_MS: this agent's clock for transfer grants "
+           "runs %lld ms off the machine's (a test setting)", ms);
+}
+
 int main(int argc, char **argv) {
   int rc = parse_options(argc, argv);
   if (rc >= 0)
@@ -327,11 +347,14 @@ int main(int argc, char **argv) {
   info.requested_rank = (int32_t)opt.rank;
   info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
   info.data_plane = 1; /* Group.pair_secrets */
+  info.clock = true;   /* HelloReply.unix_ms: grants in this agent's clock */
   int unused_ms;
   if (fault_on && fault_hit(&fault, "hello", opt.rank, &unused_ms) == FAULT_OLD) {
     info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL - 1; /* drills: an older build */
     info.data_plane = 0;
+    info.clock = false;
   }
+  test_clock_shift();
   if (opt.rank >= 0) atomic_store(&agent_rank, opt.rank);
   if (opt.rank >= 0) log_set_rank(opt.rank);
 

@@ -452,8 +452,10 @@ static void *watch_main(void *arg) {
       pthread_cond_wait(&watch_cond, &watch_mu);
       continue;
     }
-    /* CLOCK_REALTIME, the grants' clock (a condition variable's default). */
-    struct timespec ts = {.tv_sec = next / 1000, .tv_nsec = (long)(next % 1000) * 1000000};
+    /* CLOCK_REALTIME, the grants' clock (a condition variable's default),
+     * less a test's shift of it (grant_clock_shift). */
+    int64_t at = next - grant_clock_shift_ms();
+    struct timespec ts = {.tv_sec = at / 1000, .tv_nsec = (long)(at % 1000) * 1000000};
     pthread_cond_timedwait(&watch_cond, &watch_mu, &ts);
   }
   return NULL;

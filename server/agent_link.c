@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grant.h"
 #include "log.h"
 #include "runtime.h"
 #include "secret.h"
@@ -415,6 +416,8 @@ static void link_read(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
         .errors = (const Meshd__V1__Error *const *)rep->errors,
         .n_errors = rep->n_errors,
         .allocated_bytes = rep->allocated_bytes,
+        .agent_unix_ms = rep->unix_ms,
+        .recv_unix_ms = rep->unix_ms > 0 ? grant_now_unix_ms() : 0,
     };
     l->cb.on_report(l->rank, &r, l->cb.arg);
   }

@@ -48,6 +48,9 @@ typedef struct agent_link_report {
   const Meshd__V1__Error *const *errors; /* root failures */
   size_t n_errors;
   uint64_t allocated_bytes;
+  /* The agent's clock when it sent the report (0: an older agent), and ours
+   * when it came (both Unix ms): a sample of its clock's offset. */
+  int64_t agent_unix_ms, recv_unix_ms;
 } agent_link_report_t;
 
 /* On the rpc layer's client thread, one report at a time: must not block. */

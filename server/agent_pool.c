@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "grant.h"
 #include "log.h"
 #include "page_token.h"
 
@@ -39,6 +40,7 @@ typedef struct agent {
   agent_desc_t d;
   uint64_t allocated_bytes;
   int64_t registered_unix_ms;
+  grant_clock_t clock; /* its clock minus ours: from its Hello, then its reports */
   rpc_channel_t *channel;
   pool_link_t *link;
   agent_data_t *data; /* the data calls' channel, made at the first (agent_pool_data) */
@@ -182,10 +184,31 @@ static bool grow_locked(agent_pool_t *p, size_t need);
 
 /* ------------------------------------------------------------------ links */
 
+static agent_t *find_locked(agent_pool_t *p, uint32_t rank, const char *agent_id,
+                            uint64_t registration);
+
+/* What a report says of its agent, under one lock (one per report): its
+ * allocation, and when stamped with its clock, a sample of that clock's
+ * offset, so that its grants follow the clock's drift and steps (grant.h,
+ * Clocks); the sample only for this link's registration of it. */
+static void report_note(pool_link_t *pl, const agent_link_report_t *r) {
+  agent_pool_t *p = pl->pool;
+  bool clock = r->agent_unix_ms > 0;
+  int64_t sample = clock ? grant_clock_offset(r->agent_unix_ms, r->recv_unix_ms) : 0;
+  int64_t now = clock ? rpc_now_ms() : 0;
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = find_locked(p, pl->rank, pl->agent_id, 0);
+  if (a) {
+    a->allocated_bytes = r->allocated_bytes;
+    if (clock && a->d.registration == pl->registration) grant_clock_sample(&a->clock, sample, now);
+  }
+  pthread_mutex_unlock(&p->mu);
+}
+
 static void link_report(uint32_t rank, const agent_link_report_t *r, void *arg) {
   pool_link_t *pl = arg;
   agent_pool_t *p = pl->pool;
-  agent_pool_set_allocated(p, rank, pl->agent_id, r->allocated_bytes);
+  report_note(pl, r);
   if (p->cb.on_report) p->cb.on_report(rank, r, p->cb.arg);
   watermark_session_t few[16], *ss = few;
   if (r->n_sessions > 16 && !(ss = malloc(r->n_sessions * sizeof *ss))) {
@@ -536,6 +559,17 @@ void agent_pool_set_allocated(agent_pool_t *p, uint32_t rank, const char *agent_
   pthread_mutex_unlock(&p->mu);
 }
 
+int64_t agent_pool_clock_sample(agent_pool_t *p, uint32_t rank, const char *agent_id,
+                                uint64_t registration, int64_t agent_ms, int64_t recv_ms) {
+  if (agent_ms <= 0) return 0; /* an older agent: no clock, the server's times */
+  int64_t sample = grant_clock_offset(agent_ms, recv_ms), now = rpc_now_ms(), est = 0;
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = find_locked(p, rank, agent_id, registration);
+  if (a) est = grant_clock_sample(&a->clock, sample, now);
+  pthread_mutex_unlock(&p->mu);
+  return est;
+}
+
 void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id,
                             uint64_t registration, rpc_channel_t *ch) {
   pthread_mutex_lock(&p->mu);
@@ -651,6 +685,7 @@ int agent_pool_target(agent_pool_t *p, uint32_t rank, int connect_timeout_ms,
     snprintf(out->address, sizeof out->address, "%s", a->d.address);
     memcpy(out->secret, a->d.call_secret, sizeof out->secret);
     out->opts.tls = p->agent_tls;
+    out->clock_offset_ms = a->clock.offset_ms;
   }
   pthread_mutex_unlock(&p->mu);
   out->opts.connect_timeout_ms = connect_timeout_ms;

@@ -134,6 +134,14 @@ void agent_pool_set_healthy(agent_pool_t *pool, uint32_t rank, const char *agent
                             uint64_t registration, bool healthy);
 void agent_pool_set_allocated(agent_pool_t *pool, uint32_t rank, const char *agent_id,
                               uint64_t bytes);
+/* A message the agent stamped agent_ms by its clock (HelloReply.unix_ms,
+ * AgentReport.unix_ms), received at recv_ms by the server's
+ * (grant_now_unix_ms): a sample of its clock's offset from the server's
+ * (grant.h, Clocks), which its transfer grants' times are written with.
+ * agent_ms 0 (an older agent) is none: its offset stays 0. Returns the
+ * estimate now. */
+int64_t agent_pool_clock_sample(agent_pool_t *pool, uint32_t rank, const char *agent_id,
+                                uint64_t registration, int64_t agent_ms, int64_t recv_ms);
 /* Keeps the dial-back channel (the pool owns and destroys it from now on) and
  * opens the agent's Execute link on it. A healthy agent always has a link; an
  * agent whose link breaks turns unhealthy. */
@@ -168,6 +176,7 @@ typedef struct agent_target {
   rpc_channel_opts_t opts; /* the pool's agent TLS, connect_timeout_ms as asked */
   char secret[SECRET_HEX_LEN + 1];
   rpc_md_t md[1];          /* {SECRET_AGENT_MD, secret} */
+  int64_t clock_offset_ms; /* its clock's offset (agent_pool_clock_sample): for its grants */
 } agent_target_t;
 /* The channel data calls (Agent/Read, Agent/Write) to rank's agent go on:
  * one per agent, made at the first transfer and kept while the agent is

@@ -1370,7 +1370,9 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
 
 /* After a grant's expiry, how long the server waits before it undoes the
  * transfer: agents refuse to finish a Write past the expiry by their own
- * clock, which may lag the server's a little. */
+ * clock, which the grant is written in (grant.h, Clocks) but for the offset
+ * estimate's error, and an agent stepped back may still be behind for a few
+ * seconds (an older agent: by however far its clock lags). */
 #define TRANSFER_UNDO_SLACK_MS 2000
 #define SWEEP_MS 200
 
@@ -1505,16 +1507,21 @@ static void *sweeper_main(void *arg) {
 }
 
 /* One shard of the reply: rank's address and its grant (g signed with the
- * rank's call secret). g->nonce must be filled. */
+ * rank's call secret). g->nonce must be filled, and its times in the server's
+ * clock: the rank's grant has them in its agent's (grant.h, Clocks), the
+ * server's transfer keeps its own. */
 static int shard_grant(data_service_t *ds, uint32_t rank, Meshd__Agent__V1__TransferGrant *g,
                        Meshd__V1__ShardGrant *out, meshd_error_t *e) {
   agent_target_t t;
   if (agent_pool_target(ds->pool, rank, AGENT_DATA_CONNECT_MS, &t))
     return error_set(e, ERR_AGENT_LOST, "PlanTransfer: rank %u has no agent", rank);
-  g->rank = rank;
+  Meshd__Agent__V1__TransferGrant ag = *g;
+  ag.rank = rank;
+  ag.expiry_unix_ms = grant_agent_time(g->expiry_unix_ms, t.clock_offset_ms);
+  ag.start_by_unix_ms = grant_agent_time(g->start_by_unix_ms, t.clock_offset_ms);
   out->rank = rank;
   out->address = strdup(t.address);
-  int rc = out->address ? grant_issue(t.secret, g, &out->grant.data, &out->grant.len) : -1;
+  int rc = out->address ? grant_issue(t.secret, &ag, &out->grant.data, &out->grant.len) : -1;
   memset(t.secret, 0, sizeof t.secret);
   if (rc) return error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
   return 0;

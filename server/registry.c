@@ -10,6 +10,7 @@
 
 #include "agent_link.h"
 #include "fault.h"
+#include "grant.h"
 #include "log.h"
 #include "runtime.h"
 #include "meshd/agent/v1/agent.pb-c.h"
@@ -527,6 +528,19 @@ static void on_end(rpc_call_t *call, bool cancelled, void *arg) {
   rpc_call_unref(call);
 }
 
+/* Keeps the agent's clock offset for its grants (grant.h, Clocks); an offset
+ * of a second or more is worth a line: its operator may want NTP looked at,
+ * though direct transfers no longer depend on it. */
+static void note_clock(registry_t *r, const job_t *j, int64_t agent_ms, int64_t recv_ms) {
+  int64_t offset_ms = agent_pool_clock_sample(r->pool, j->rank, j->d.agent_id,
+                                              j->d.registration, agent_ms, recv_ms);
+  if (offset_ms >= 1000 || offset_ms <= -1000)
+    log_info("registry", "agent rank %u (%s): its clock is %.1f s %s the server's; its transfer "
+             "grants are written in its clock", j->rank, j->d.address,
+             (double)(offset_ms < 0 ? -offset_ms : offset_ms) / 1000.0,
+             offset_ms < 0 ? "behind" : "ahead of");
+}
+
 /* Dials an admitted agent back; marks it healthy if the right process answers. */
 static void dial(registry_t *r, job_t *j) {
   if (rpc_call_ended(j->call)) return;
@@ -556,9 +570,12 @@ static void dial(registry_t *r, job_t *j) {
   else if (code == GRPC_STATUS_UNAUTHENTICATED)
     snprintf(st.message, sizeof st.message, "%s answered UNAUTHENTICATED: it is not the agent "
              "that registered (another agent's address?)", j->d.address);
+  int64_t recv_ms = grant_now_unix_ms(); /* at once: the offset's error is what passes here */
   if (code == GRPC_STATUS_OK) {
     const Meshd__Agent__V1__HelloReply *rep = (const void *)resp;
     if (strcmp(rep->agent_id, j->d.agent_id) == 0) {
+      /* Before the agent counts: its first grant is in its clock already. */
+      note_clock(r, j, rep->unix_ms, recv_ms);
       /* This registration's slot only: its call may have ended since the
        * check above, and the agent registered again at the same rank with the
        * same id; that registration has a dial-back of its own, and this

@@ -3,6 +3,8 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -78,8 +80,49 @@ bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len
   return ok;
 }
 
+static _Atomic int64_t clock_shift_ms;
+
+void grant_clock_shift(int64_t shift_ms) { atomic_store(&clock_shift_ms, shift_ms); }
+int64_t grant_clock_shift_ms(void) { return atomic_load(&clock_shift_ms); }
+
 int64_t grant_now_unix_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000 + atomic_load(&clock_shift_ms);
+}
+
+static int64_t clamp_offset(int64_t ms) {
+  return ms > GRANT_OFFSET_MAX_MS    ? GRANT_OFFSET_MAX_MS
+         : ms < -GRANT_OFFSET_MAX_MS ? -GRANT_OFFSET_MAX_MS
+                                     : ms;
+}
+
+int64_t grant_clock_offset(int64_t agent_ms, int64_t recv_ms) {
+  if (agent_ms <= 0) return 0;
+  int64_t d; /* whatever int64 the agent sent: no overflow */
+  if (__builtin_sub_overflow(agent_ms, recv_ms, &d)) d = agent_ms > recv_ms ? INT64_MAX : INT64_MIN;
+  return clamp_offset(d);
+}
+
+int64_t grant_agent_time(int64_t server_ms, int64_t offset_ms) {
+  if (server_ms == 0) return 0;
+  int64_t t;
+  if (__builtin_add_overflow(server_ms, clamp_offset(offset_ms), &t)) t = INT64_MAX;
+  /* A time before the epoch is one long past: 1, not 0 (which means none). */
+  return t > 0 ? t : 1;
+}
+
+int64_t grant_clock_sample(grant_clock_t *c, int64_t sample_ms, int64_t now_mono_ms) {
+  sample_ms = clamp_offset(sample_ms);
+  int64_t age = now_mono_ms - c->window_ms;
+  if (!c->window_ms || age >= GRANT_CLOCK_WINDOW_MS) { /* a new window */
+    c->have_prev = c->window_ms && age < 2 * GRANT_CLOCK_WINDOW_MS;
+    c->prev_max = c->window_max;
+    c->window_ms = now_mono_ms ? now_mono_ms : 1;
+    c->window_max = sample_ms;
+  } else if (sample_ms > c->window_max) {
+    c->window_max = sample_ms;
+  }
+  c->offset_ms = c->have_prev && c->prev_max > c->window_max ? c->prev_max : c->window_max;
+  return c->offset_ms;
 }

@@ -51,7 +51,54 @@ bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len
 static inline int64_t grant_start_by(int64_t expiry_ms, int64_t grant_ms, int64_t start_ms) {
   return start_ms > 0 && grant_ms > start_ms ? expiry_ms - grant_ms + start_ms : expiry_ms;
 }
-/* Milliseconds since the Unix epoch (what expiry_unix_ms counts). */
+/* Milliseconds since the Unix epoch by this process's wall clock
+ * (CLOCK_REALTIME, plus grant_clock_shift's test offset: none but in a test). */
 int64_t grant_now_unix_ms(void);
+
+/* Clocks (docs/protocol.md, Direct data path): the server issues a grant, its
+ * agent checks its times, each by its own wall clock, and clocks drift apart
+ * (NTP down, a VM resumed). So the server writes a grant's times in the
+ * agent's clock: its own plus the agent's offset, measured when it dials the
+ * agent back (Agent/Hello, whose reply carries the agent's clock) and kept
+ * current by the agent's reports (AgentReport.unix_ms; grant_clock_t).
+ *
+ * The offset from a message the agent stamped agent_ms by its clock and the
+ * server received at recv_ms by its own: agent_ms - recv_ms. The stamp was
+ * taken before the message left, so this is a lower bound of the true
+ * offset, off by the message's way to the server and no more (a midpoint of
+ * a Hello's send and receive would also count the call's connection and TLS
+ * handshake, on its way out only); a grant's times err early by that much,
+ * never late: skew cannot let a grant live past its time. Clamped to
+ * +-GRANT_OFFSET_MAX_MS; 0 when the agent sent no clock (agent_ms 0: an
+ * older agent, checked by the server's clock as before). */
+#define GRANT_OFFSET_MAX_MS (100LL * 366 * 24 * 3600 * 1000) /* a century */
+int64_t grant_clock_offset(int64_t agent_ms, int64_t recv_ms);
+/* An agent's offset as the server keeps it: every message that carries the
+ * agent's clock (its Hello, then each AgentReport on its Execute link) gives
+ * a sample, a lower bound (grant_clock_offset); a sample that waited in a
+ * queue is lower by that wait. The estimate is the best (largest) sample of
+ * the last one to two GRANT_CLOCK_WINDOW_MS windows (by the server's
+ * monotonic clock), so a late sample does not shorten grants while a better
+ * one came just before, a clock stepped forward counts from its first
+ * sample, and one stepped back from at most two windows on (until then its
+ * grants may outlive their time by the step). Zeroed: no sample yet (the
+ * estimate 0: the server's times, as for an older agent). */
+#define GRANT_CLOCK_WINDOW_MS 5000
+typedef struct grant_clock {
+  int64_t offset_ms;  /* the estimate, what grants use */
+  int64_t window_ms;  /* when the current window began (monotonic; 0: no sample yet) */
+  int64_t window_max; /* the best sample of the current window */
+  int64_t prev_max;   /* ... of the window just before it */
+  bool have_prev;     /* the window before held a sample and ended less than a window ago */
+} grant_clock_t;
+/* Takes one sample at now_mono_ms; returns the estimate (c->offset_ms). */
+int64_t grant_clock_sample(grant_clock_t *c, int64_t sample_ms, int64_t now_mono_ms);
+/* server_ms (the server's clock) in the agent's clock, given its offset; 0
+ * stays 0 (a start_by_unix_ms of 0 means none). */
+int64_t grant_agent_time(int64_t server_ms, int64_t offset_ms);
+/* Test only: from now on grant_now_unix_ms runs shift_ms ahead of the wall
+ * clock (the agent's MESHD_TEST_AGENT_CLOCK_SHIFT_MS, a skewed agent). */
+void grant_clock_shift(int64_t shift_ms);
+int64_t grant_clock_shift_ms(void);
 
 #endif

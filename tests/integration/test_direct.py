@@ -7,6 +7,7 @@ case of refusal the session and the pool go on working."""
 import atexit
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -1274,6 +1275,51 @@ def test_a_transfer_paused_past_its_grants_start_by_time_is_planned_again(meshd_
             assert left[0] == 0
         assert s._direct.counts["upload"] == 1 and s._direct.counts["fetch"] == 2, s._direct.counts
         still_works(s, mesh)
+
+
+def _grant(shard):
+    """A shard's grant as its agent reads it (the packed message before its 32-byte MAC)."""
+    return lib.agent_pb2().TransferGrant.FromString(shard.grant[:-32])
+
+
+@pytest.mark.parametrize("shift_ms,fault", [(120000, None), (-120000, None),
+                                            (-120000, "hello:old")])
+def test_direct_transfers_on_an_agent_whose_clock_is_off(meshd_server, shift_ms, fault):
+    """An agent whose clock runs 2 min ahead of or behind the server's (NTP down, a VM
+    resumed; MESHD_TEST_AGENT_CLOCK_SHIFT_MS): the server writes its grants' times in
+    the agent's clock, the offset measured at its dial-back (Hello) and its reports, so direct
+    uploads and fetches go through, and a grant ends by the agent's clock when the
+    server's expiry says, up to the estimate's error early, never later. Before, an
+    agent 60 s ahead refused every grant ("did not start by its start-by time"), and
+    one behind kept grants alive 2 min past their time. An older agent (hello:old,
+    no clock in its Hello) gets the server's times, as before."""
+    env = {"MESHD_TEST_AGENT_CLOCK_SHIFT_MS": str(shift_ms)}
+    if fault:
+        env["MESHD_FAULT"] = fault
+    srv = meshd_server(1, env=env)
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        mesh = s.mesh(gpu=1)
+        want = np.arange(6, dtype=np.float32)
+        with mesh.activate():
+            t = meshd.tensor(want)
+            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        assert s._direct.counts["upload"] == 1 and s._direct.counts["fetch"] == 1, s._direct.counts
+        reply = plan_fetch(s, t, gpu=0)
+        g = _grant(reply.shards[0])
+        offset = g.expiry_unix_ms - reply.expiry_unix_ms
+        said = r"its clock is 1[12]\d\.\d s %s the server's" % (
+            "ahead of" if shift_ms > 0 else "behind")  # 2 min, less the estimate's error
+        if fault:  # no clock from the agent: the server's times
+            assert offset == 0, offset
+            assert "its clock is" not in srv.log_text()
+        else:  # a lower bound of the agent's offset, off by its messages' way to the server
+            assert shift_ms - 10000 <= offset <= shift_ms, offset
+            assert re.search(said, srv.log_text()), said
+        # the defaults: start by 60 s after the plan, of a 600 s grant
+        assert g.expiry_unix_ms - g.start_by_unix_ms == 540000, g
+        np.testing.assert_array_equal(
+            np.frombuffer(agent_read(reply.shards[0], s.id, t.ref), np.float32), want)
 
 
 def test_a_transfer_paused_past_its_grants_start_by_time_twice_says_so(meshd_server, monkeypatch):

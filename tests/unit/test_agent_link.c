@@ -11,6 +11,7 @@
 
 #include "agent_link.h"
 #include "agent_pool.h"
+#include "grant.h"
 #include "rpc.h"
 #include "watermark.h"
 
@@ -63,6 +64,7 @@ typedef struct fake {
   char target[64];
   fake_mode_t mode;
   uint64_t die_after; /* FAKE_DIE_AFTER: instructions taken before the call ends */
+  int64_t clock_ahead_ms; /* its reports carry a clock this far ahead of ours (0: none) */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -127,6 +129,7 @@ static void fake_message(rpc_call_t *call, const ProtobufCMessage *msg, void *ar
     Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
     rep.executed_through = f->mode == FAKE_LIE ? through + 5 : through;
     rep.allocated_bytes = 4096;
+    if (f->clock_ahead_ms) rep.unix_ms = grant_now_unix_ms() + f->clock_ahead_ms;
     rpc_call_send(call, &rep.base);
   }
   if (die) rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL, "agent died");
@@ -915,6 +918,35 @@ Test(agent_link, pool_send_and_wait) {
   cr_assert_eq(atomic_load(&again.calls), 0);
   pool_destroy(p);
   cr_assert_eq(atomic_load(&obs.lost), 0, "destroy is not a loss");
+  fake_free(a);
+  fake_free(b);
+}
+
+/* An agent's reports carry its clock (AgentReport.unix_ms): the offset its
+ * transfer grants are written with (agent_pool_target) follows it, early by
+ * at most the report's way here, never late; an agent whose reports carry
+ * none (an older one) keeps 0, the server's times. */
+Test(agent_link, reports_stamped_with_the_agents_clock_set_its_grants_offset) {
+  fake_t *a = fake_start(FAKE_ACK), *b = fake_start(FAKE_ACK);
+  a->clock_ahead_ms = 90000;
+  agent_pool_t *p = make_pool();
+  admit(p, 0, "agent-0", a);
+  admit(p, 1, "agent-1", b);
+  Meshd__Agent__V1__Instruction ins;
+  make_ins(&ins, "s", 0);
+  for (uint32_t rank = 0; rank < 2; rank++) {
+    uint64_t seq = 0;
+    cr_assert_eq(agent_pool_send(p, rank, &ins, &seq), 0);
+    pool_want_t w = {p, rank, seq};
+    cr_assert(eventually(pool_reaches, &w, 10000), "rank %u never reported", rank);
+  }
+  agent_target_t t;
+  cr_assert_eq(agent_pool_target(p, 0, 1000, &t), 0);
+  cr_assert(t.clock_offset_ms <= 90000 && t.clock_offset_ms > 80000, "offset %lld",
+            (long long)t.clock_offset_ms);
+  cr_assert_eq(agent_pool_target(p, 1, 1000, &t), 0);
+  cr_assert_eq(t.clock_offset_ms, 0);
+  pool_destroy(p);
   fake_free(a);
   fake_free(b);
 }

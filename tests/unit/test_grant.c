@@ -5,6 +5,7 @@
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "agent.h"
 #include "grant.h"
@@ -215,4 +216,92 @@ Test(nonce_table, every_nonce_is_forgotten_at_its_own_time, .fini = table_reset)
                  (long long)(now - T0), (long long)(until[i] - T0), got, want);
     if (got == NONCE_TAKEN) free_once[i] = false;
   }
+}
+
+/* ---- clocks (grant.h, Clocks): a grant's times in its agent's clock ---- */
+
+/* A Hello the agent stamps by its clock (real + skew) at real time `at`, whose
+ * reply takes back_ms to come back: the offset the server measures. */
+static int64_t measured(int64_t skew, int64_t at, int64_t back_ms) {
+  return grant_clock_offset(at + skew, at + back_ms);
+}
+
+Test(clock, a_grant_is_good_on_an_agent_hours_off_and_never_lives_past_its_time) {
+  const int64_t t0 = 1800000000000, grant_ms = 600000, start_ms = 60000, back = 7;
+  const int64_t skews[] = {-7200000, -120000, -61000, 0, 61000, 120000, 7200000};
+  for (size_t i = 0; i < sizeof skews / sizeof *skews; i++) {
+    int64_t skew = skews[i], off = measured(skew, t0, back);
+    cr_assert(off <= skew && off >= skew - back, "skew %lld: offset %lld", (long long)skew,
+              (long long)off);
+    /* Planned 5 s later by the server's clock; presented 1 s after that. */
+    int64_t expiry = t0 + 5000 + grant_ms;
+    int64_t g_expiry = grant_agent_time(expiry, off);
+    int64_t g_start = grant_agent_time(grant_start_by(expiry, grant_ms, start_ms), off);
+    int64_t agent_now = t0 + 6000 + skew;
+    cr_assert(g_start > agent_now && g_expiry > agent_now, "skew %lld: refused at once",
+              (long long)skew);
+    /* By the agent's clock the grant ends when the server's does, or up to
+     * the reply's way back earlier: never later. */
+    cr_assert(g_expiry <= expiry + skew && g_expiry >= expiry + skew - back, "skew %lld",
+              (long long)skew);
+    cr_assert(g_start <= t0 + 5000 + start_ms + skew, "skew %lld", (long long)skew);
+  }
+}
+
+Test(clock, an_older_agent_and_an_unset_start_by_keep_the_servers_times) {
+  cr_assert_eq(grant_clock_offset(0, 1800000000000), 0); /* HelloReply without unix_ms */
+  cr_assert_eq(grant_agent_time(1800000600000, 0), 1800000600000);
+  cr_assert_eq(grant_agent_time(0, 120000), 0); /* start_by 0: none, not "long past" */
+  cr_assert_eq(grant_start_by(1800000600000, 600000, 0), 1800000600000);
+}
+
+Test(clock, any_clock_an_agent_reports_is_clamped_without_overflow) {
+  int64_t now = 1800000000000;
+  cr_assert_eq(grant_clock_offset(INT64_MAX, now), GRANT_OFFSET_MAX_MS);
+  cr_assert_eq(grant_clock_offset(-5, now), 0); /* before the epoch: no clock */
+  cr_assert_eq(grant_clock_offset(1, INT64_MAX), -GRANT_OFFSET_MAX_MS);
+  cr_assert_eq(grant_agent_time(INT64_MAX - 1, GRANT_OFFSET_MAX_MS), INT64_MAX);
+  cr_assert_eq(grant_agent_time(INT64_MAX - 1, INT64_MAX), INT64_MAX);
+  /* A time before the epoch is long past (1), never "none" (0) nor negative. */
+  cr_assert_eq(grant_agent_time(now, INT64_MIN), 1);
+  cr_assert_eq(grant_agent_time(now, -now), 1);
+}
+
+Test(clock, the_test_shift_moves_the_grant_clock_only) {
+  struct timespec a, b;
+  clock_gettime(CLOCK_REALTIME, &a);
+  grant_clock_shift(-90000);
+  int64_t shifted = grant_now_unix_ms();
+  grant_clock_shift(0);
+  clock_gettime(CLOCK_REALTIME, &b);
+  int64_t lo = (int64_t)a.tv_sec * 1000 + a.tv_nsec / 1000000 - 90000;
+  int64_t hi = (int64_t)b.tv_sec * 1000 + b.tv_nsec / 1000000 - 90000;
+  cr_assert(shifted >= lo && shifted <= hi, "%lld not in [%lld, %lld]", (long long)shifted,
+            (long long)lo, (long long)hi);
+  cr_assert_eq(grant_clock_shift_ms(), 0);
+}
+
+Test(clock, the_estimate_keeps_the_best_recent_sample_and_follows_steps) {
+  grant_clock_t c = {0};
+  const int64_t W = GRANT_CLOCK_WINDOW_MS;
+  int64_t t = 1000;
+  cr_assert_eq(grant_clock_sample(&c, 120000, t), 120000); /* the Hello's */
+  /* A report that waited 3 s in a queue: its sample is 3 s low, the estimate
+   * keeps the better one (the grant is not cut by the wait). */
+  cr_assert_eq(grant_clock_sample(&c, 117000, t += 100), 120000);
+  /* The next window: the last one's best still counts. */
+  cr_assert_eq(grant_clock_sample(&c, 117000, t += W), 120000);
+  /* Stepped forward 30 s: at once. */
+  cr_assert_eq(grant_clock_sample(&c, 150000, t += 100), 150000);
+  /* Stepped back 140 s: once the windows holding the old samples are over
+   * (at most two), never later. */
+  int64_t est = grant_clock_sample(&c, 10000, t += 100);
+  cr_assert_eq(est, 150000);
+  int64_t step = t;
+  while (est != 10000 && t - step <= 2 * W) est = grant_clock_sample(&c, 10000, t += 250);
+  cr_assert_eq(est, 10000, "still %lld after %lld ms", (long long)est, (long long)(t - step));
+  /* No sample for long: the last estimate stands; the next sample alone then. */
+  cr_assert_eq(c.offset_ms, 10000);
+  cr_assert_eq(grant_clock_sample(&c, 9000, t += 10 * W), 9000);
+  cr_assert_eq(grant_clock_sample(&c, INT64_MAX, t += 1), GRANT_OFFSET_MAX_MS); /* clamped */
 }
