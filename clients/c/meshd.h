@@ -143,7 +143,8 @@ typedef struct meshd_error_info {
                                  "DEADLINE_EXCEEDED" for MESHD_E_DEADLINE; else "" */
   const char *message;        /* what went wrong ("unknown service"); "" when err is OK */
   uint64_t seq;               /* a pipelined command's rejection: that command's seq
-                                 (meshd_session_last_seq); else 0 */
+                                 (meshd_session_last_seq); the first pipelined command
+                                 taken out of the queue unsent at a deadline; else 0 */
 } meshd_error_info_t;
 
 /* The last failed call on `client` (successful calls leave it unchanged).
@@ -649,8 +650,13 @@ MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
  * then waits, within the client's timeout, for the full batch before it to go
  * out; past it the call fails MESHD_E_DEADLINE and that command is not queued
  * (its ref is not taken: calling again later is safe). A call that needs an
- * answer fails MESHD_E_DEADLINE at its deadline, naming the commands not yet
- * sent; they stay queued and go out once the server reads again. */
+ * answer fails MESHD_E_DEADLINE at its deadline; the commands still in the
+ * client's queue then (not yet handed to the stream) are taken out and never
+ * sent, so they did not run: the message names their seqs (`seq` the first)
+ * and calling again is safe. Seqs then have gaps, their refs stay unused, and a
+ * later command that uses one is refused by the server (UNKNOWN_REF). Those
+ * handed to the stream may still run: they go out once the server reads
+ * again, and the next call that needs an answer waits for them. */
 typedef struct meshd_pipeline_options {
   size_t max_batch; /* commands per Submit message, 1..4096 (0: 256); a batch
                        also goes out past 1 MiB */

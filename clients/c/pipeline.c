@@ -44,6 +44,7 @@ struct pipeline {
   size_t len, cap, nq;
   uint64_t sent;           /* what the batch's Literals send the agents */
   int64_t first_at_ns;     /* when the batch's first command was queued */
+  uint64_t first_queued;   /* the batch's first seq (while nq) */
   uint64_t queued_through; /* the last queued seq */
   uint64_t answered_through;
   bool waiting, stop, ended, write_failed;
@@ -423,7 +424,8 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
       direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                      "pipeline: the server took no batch within %d ms (it is not reading the "
                      "Submit stream); command seq %llu was not queued, the %zu before it "
-                     "stay queued",
+                     "stay queued (a call that waits for their answers past its deadline "
+                     "takes them out, never sent)",
                      timeout_ms, (unsigned long long)seq, p->nq);
       pthread_mutex_unlock(&p->mu);
       return -1;
@@ -450,6 +452,7 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
   p->len += protobuf_c_message_pack(cmd, p->buf + p->len);
   if (p->nq++ == 0) {
     p->first_at_ns = now_ns();
+    p->first_queued = seq;
     pthread_cond_signal(&p->fl_cv);
   }
   p->queued_through = seq;
@@ -459,6 +462,30 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
   pthread_mutex_unlock(&p->mu);
   if (full) send_queued(p, false, deadline); /* queued either way: it goes out later */
   return 0;
+}
+
+/* A call's wait for the answers ran out of time with commands still in the
+ * batch, not handed to the stream (the write side stayed busy: the server is
+ * not reading it): they are taken out, never sent, so their caller is told
+ * they did not run and may call again safely. Those handed to the stream may
+ * still run. Under mu. */
+static void take_out_unsent(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
+  char sent[160] = "";
+  if (p->sent_through > p->answered_through)
+    snprintf(sent, sizeof sent, "; commands up to seq %llu were sent and may still run "
+             "(answered through seq %llu)", (unsigned long long)p->sent_through,
+             (unsigned long long)p->answered_through);
+  direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
+                 "pipeline: %zu command(s) queued from seq %llu to %llu were not sent within "
+                 "%d ms: they waited in the client's queue (the server is not reading the "
+                 "Submit stream: flow control); they were taken out of the queue and never "
+                 "sent, so they did not run (calling again is safe)%s",
+                 p->nq, (unsigned long long)p->first_queued,
+                 (unsigned long long)p->queued_through, timeout_ms, sent);
+  *seq = p->first_queued;
+  p->len = p->nq = 0;
+  p->sent = 0;
+  p->queued_through = p->sent_through; /* what is left to answer */
 }
 
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
@@ -505,11 +532,14 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   } else if (p->answered_through < p->queued_through) {
     if (p->ended || p->write_failed)
       ended_error(p, e);
-    else if (p->sent_through < p->queued_through || p->nq || p->in_flight)
+    else if (p->nq)
+      take_out_unsent(p, timeout_ms, e, seq);
+    else if (p->in_flight) /* handed to the stream: sent */
       direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                     "pipeline: commands up to seq %llu not sent within %d ms: the server is "
-                     "not reading the Submit stream (answered through seq %llu); they stay "
-                     "queued and may still run",
+                     "pipeline: commands up to seq %llu not answered within %d ms: their batch "
+                     "is still being written (the server is not reading the Submit stream: "
+                     "flow control; answered through seq %llu); they were sent and may still "
+                     "run",
                      (unsigned long long)p->queued_through, timeout_ms,
                      (unsigned long long)p->answered_through);
     else

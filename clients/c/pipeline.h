@@ -63,8 +63,10 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
  * Then hands over the rejections: 0 when there were none; -1 with e naming
  * the first (lowest seq; asynchronous reports, seq 0, after) and how many
  * followed, *seq its seq; the rejections are then forgotten. -1 also when
- * the wait timed out (MESHD_E_DEADLINE; the answers still come, a later
- * flush waits for them) or the stream ended (*seq 0). */
+ * the wait timed out (MESHD_E_DEADLINE): the commands still queued, never
+ * handed to the stream, are taken out (they never run; *seq the first of
+ * them, else 0), and the answers of those sent still come (a later flush
+ * waits for them); or when the stream ended (*seq 0). */
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq);
 
 /* Whether rejections wait to be handed over (pipeline_flush). */

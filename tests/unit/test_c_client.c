@@ -909,6 +909,8 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
   cr_assert_lt(took, 3000, "a 1 s sync took %lld ms", (long long)took);
   cr_assert(strstr(meshd_last_error(c)->message, "not sent within"), "%s",
             meshd_last_error(c)->message);
+  /* (those still in the client's queue were taken out there, never sent) */
+  uint64_t gone = meshd_last_error(c)->seq;
 
   kill(pid, SIGCONT);
   stopped_agent = -1;
@@ -918,8 +920,11 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
   cr_assert_eq(se, MESHD_E_OK, "%s", meshd_last_error(c)->message);
   meshd_pipeline_stats_t ps;
   cr_assert_eq(meshd_session_pipeline_stats(s, &ps), MESHD_E_OK);
-  cr_assert_eq(ps.commands_answered, (uint64_t)queued, "%llu of %d answered",
-               (unsigned long long)ps.commands_answered, queued);
+  cr_assert_eq(ps.commands_answered, ps.commands_sent, "%llu of %llu sent answered",
+               (unsigned long long)ps.commands_answered, (unsigned long long)ps.commands_sent);
+  cr_assert_gt(ps.commands_sent, 1024, "%llu sent", (unsigned long long)ps.commands_sent);
+  if (gone) /* each add took one seq and one ref: the last one sent ran */
+    last -= (meshd_ref_t)(meshd_session_last_seq(s) - gone + 1);
   meshd_values_t v;
   cr_assert_eq(meshd_session_fetch(s, last, dims, at1, 1, &v), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
@@ -963,6 +968,69 @@ Test(c_client_lease, closing_a_session_on_a_frozen_server_takes_one_timeout) {
   kill(server_pid, SIGCONT);
   stopped_agent = -1;
   cr_assert_lt(took, 1900, "closing took %lld ms with a 1000 ms timeout", (long long)took);
+  meshd_close(c);
+}
+
+/* A server that reads nothing (SIGSTOPped): a Literal of 240 KB fills the
+ * Submit stream's window and stays in flight; one queued after it waits in the
+ * client's queue. A Sync that runs out of time takes it out, never sent, and
+ * says so: once the server reads again the first one ran, the second did not
+ * (its ref is unknown). It used to stay queued, go out later and run: a caller
+ * that called again ran it twice. */
+Test(c_client_lease, a_pipelined_command_still_queued_at_a_deadline_is_taken_out_never_sent) {
+  meshd_err_t err;
+  meshd_client_t *c = meshd_connect(target, 2000, &err);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_session_t *s = meshd_session_open(c, "c-taken-out", NULL);
+  cr_assert_not_null(s);
+  const char *dims[] = {"gpu"};
+  int64_t sizes[] = {2}, at1[] = {1}, n[] = {60000};
+  meshd_ref_t m = 0, a = 0, b = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_pipeline_options_t po = MESHD_PIPELINE_OPTIONS_INIT;
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  static float data[60000];
+  for (int i = 0; i < 60000; i++)
+    data[i] = 3.0f;
+  stop_agent(server_pid);
+  cr_assert_eq(meshd_session_literal(s, m, "float32", n, 1, data, sizeof data, NULL, &a),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_pipeline_stats_t ps = {0};
+  for (int i = 0; i < 500 && !ps.commands_sent; i++) { /* the flusher took it: in flight */
+    sleep_ms(2);
+    cr_assert_eq(meshd_session_pipeline_stats(s, &ps), MESHD_E_OK);
+  }
+  cr_assert_eq(ps.commands_sent, 1);
+  data[0] = 4.0f;
+  cr_assert_eq(meshd_session_literal(s, m, "float32", n, 1, data, sizeof data, NULL, &b),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  uint64_t seq_b = meshd_session_last_seq(s);
+  cr_assert_eq(meshd_session_sync_timeout(s, 200), MESHD_E_DEADLINE, "%s",
+               meshd_last_error(c)->message);
+  const meshd_error_info_t *ei = meshd_last_error(c);
+  char want[128];
+  snprintf(want, sizeof want,
+           "1 command(s) queued from seq %llu to %llu were not sent within 200 ms",
+           (unsigned long long)seq_b, (unsigned long long)seq_b);
+  cr_assert(strstr(ei->message, want) && strstr(ei->message, "waited in the client's queue") &&
+                strstr(ei->message, "never sent, so they did not run (calling again is safe)"),
+            "%s", ei->message);
+  cr_assert_eq(ei->seq, seq_b);
+  kill(server_pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(meshd_session_sync_timeout(s, 20000), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_pipeline_stats(s, &ps), MESHD_E_OK);
+  cr_assert_eq(ps.commands_sent, 1, "the Literal taken out was sent");
+  meshd_values_t v;
+  cr_assert_eq(meshd_session_fetch(s, a, dims, at1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_float_eq(v.values[0], 3.0, 1e-9);
+  meshd_values_free(&v);
+  cr_assert_neq(meshd_session_fetch(s, b, dims, at1, 1, &v), MESHD_E_OK, "the Literal taken "
+                "out ran");
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
   meshd_close(c);
 }
 

@@ -19,11 +19,17 @@ Design (the simplest correct one):
 - Flow control: a server that stops reading the stream (--session-max-queued) makes
   the client's queue fill; it is bounded (_QUEUE_MAX commands, _QUEUE_BYTES), and a
   command that finds it full waits up to the session's timeout, then raises
-  DEADLINE_EXCEEDED without being queued (its ref is not taken). Nothing queued is ever
-  dropped because the server is slow: at the end of a block whose answers did not all
-  come within the timeout, the block raises DEADLINE_EXCEEDED (after its rejections)
-  and the stream is left to finish: what is queued goes out once the server reads
-  again, and the session's next call waits for those answers first (Session._drain).
+  DEADLINE_EXCEEDED without being queued (its ref is not taken). A wait of the
+  pipelining thread for answers that runs out of time (reading a handle, sync, fetch,
+  the end of the block) takes the commands it waited for that are still in the client's
+  queue out of it: they were never sent, so they did not run, and their caller is told
+  so (DEADLINE_EXCEEDED "never sent"; calling again is safe). A later command that used
+  a ref one of them would have defined is then refused by the server as usual
+  (UNKNOWN_REF), and seqs have gaps. Those gRPC took (a batch taken is sent, even while
+  it is written) may still run: at the end of a block whose answers did not all come
+  within the timeout, the block raises DEADLINE_EXCEEDED (after its rejections) and the
+  stream is left to finish: they go out once the server reads again, and the session's
+  next call waits for those answers first (Session._drain).
 - Every wait for an answer has a deadline: the session's timeout, or the caller's
   (sync(timeout=...), fetch_shard(timeout=...)) for all the answers it waits for.
 - Only the thread that opened the pipeline uses it; other threads keep using unary
@@ -71,8 +77,10 @@ def _batch(packed):
 
 
 class _Queue(queue.Queue):
-    """The packed commands gRPC has not taken yet, (bytes, bytes it sends) each, bounded
-    by put_within; the end mark (_END) always goes in."""
+    """The packed commands gRPC has not taken yet, (bytes, bytes it sends, seq) each,
+    bounded by put_within; the end mark (_END) always goes in. gRPC takes them a batch
+    at a time (take_batch); take_out removes commands that never went out, under the
+    same lock, so a command is either still here or in a batch gRPC has (sent)."""
 
     def _init(self, maxsize):
         super()._init(maxsize)
@@ -105,10 +113,55 @@ class _Queue(queue.Queue):
             self.not_empty.notify()
             return True
 
+    def take_batch(self):
+        """The next Submit message's commands (their bytes), waiting for the first: what
+        is queued, up to _BATCH_MAX, _BATCH_BYTES and _BATCH_SENT (the first always
+        goes); the one that does not fit stays at the head. _END once it is the head."""
+        with self.not_empty:
+            while not self._qsize():
+                self.not_empty.wait()
+            q = self.queue
+            if q[0] is _END:
+                self._get()
+                return _END
+            batch, size, sent = [], 0, 0
+            while q and q[0] is not _END and len(batch) < _BATCH_MAX:
+                m = q[0]
+                if batch and (size + len(m[0]) > _BATCH_BYTES or sent + m[1] > _BATCH_SENT):
+                    break
+                self._get()
+                batch.append(m[0])
+                size, sent = size + len(m[0]), sent + m[1]
+            self.not_full.notify_all()
+            return batch
+
+    def take_out(self, seqs):
+        """Removes the commands of these seqs that are still queued (gRPC did not take
+        them: never sent); returns the seqs removed, in queue order."""
+        with self.mutex:
+            gone = [m for m in self.queue if m is not _END and m[2] in seqs]
+            for m in gone:
+                self.queue.remove(m)
+                self.nbytes -= len(m[0])
+            if gone:
+                self.not_full.notify_all()
+            return [m[2] for m in gone]
+
 
 def _deadline_error(what, limit, seq=None):
     return MeshdError("DEADLINE_EXCEEDED", f"{what} within {limit:.3g} s",
                       grpc.StatusCode.DEADLINE_EXCEEDED, seq)
+
+
+# (the Node client's words, for a command still in the client's queue at its deadline)
+_NEVER_SENT = ("it waited in the client's queue (the server is not reading the Submit stream: "
+               "flow control); it was taken out of the queue and never sent, so it did not run "
+               "(calling again is safe)")
+
+
+def _never_sent_error(seq, limit):
+    return MeshdError("DEADLINE_EXCEEDED", f"pipeline: command seq {seq} was not sent within "
+                      f"{limit:.3g} s: {_NEVER_SENT}", grpc.StatusCode.DEADLINE_EXCEEDED, seq)
 
 
 class _Pending:
@@ -116,20 +169,23 @@ class _Pending:
     most the session's timeout (`timeout`)."""
 
     __slots__ = ("seq", "_event", "_result", "_error", "_quiet", "_timeout", "_refused_borrowed",
-                 "_unknown_ok")
+                 "_unknown_ok", "_pipe", "_taken_out")
 
-    def __init__(self, seq, timeout=None):
+    def __init__(self, seq, timeout=None, pipe=None):
         self.seq = seq
+        self._pipe = pipe  # its Pipeline: a wait that runs out takes it out of the queue
         self._quiet = False
         self._timeout = timeout
         self._refused_borrowed = None  # a Release's: called if it is refused BORROWED
         self._unknown_ok = False  # a DropBorrow of a borrow that may not exist: quiet
+        self._taken_out = None  # housekeeping's: called if it is taken out, never sent
         self._event = threading.Event()
         self._result = None
         self._error = None
 
     def _set(self, result=None, error=None):
         self._result, self._error = result, error
+        self._pipe = None  # nothing to take out any more (and an unread handle keeps no stream)
         self._event.set()
 
     def done(self):
@@ -139,9 +195,12 @@ class _Pending:
         """Waits for the answer, `timeout` seconds at most (None: the session's)."""
         timeout = self._timeout if timeout is None else timeout
         if not self._event.wait(timeout):
+            pipe = self._pipe
+            if (pipe is not None and pipe._take_out([self], timeout)) or self._event.is_set():
+                return  # never sent (its error is set: result() raises it), or just answered
             raise _deadline_error(f"no answer to pipelined command seq {self.seq} (the server "
-                                  f"is slow or not reading the Submit stream: flow control)",
-                                  timeout, self.seq)
+                                  f"is slow or not reading the Submit stream: flow control; it "
+                                  f"stays queued and may still run)", timeout, self.seq)
 
     def result(self, timeout=None):
         """The CommandResult; raises the command's MeshdError if it was rejected (which
@@ -191,29 +250,14 @@ class Pipeline:
     def _requests(self):
         """The Submit stream's messages: whatever is queued when gRPC asks for the next
         one goes as one batch Command (up to _BATCH_MAX), so a fast caller sends few
-        messages and a slow one loses no time waiting for a batch to fill."""
-        carry = None  # the (packed command, bytes it sends) that did not fit the last batch
+        messages and a slow one loses no time waiting for a batch to fill. gRPC asks
+        for the next once it wrote the last: a server that does not read leaves the
+        rest in the queue (where a wait that runs out can still take them out)."""
         while True:
-            m, carry = (carry, None) if carry is not None else (self._q.get(), None)
-            if m is _END:
+            batch = self._q.take_batch()
+            if batch is _END:
                 return
-            batch, size, sent, end = [m[0]], len(m[0]), m[1], False
-            while len(batch) < _BATCH_MAX and size < _BATCH_BYTES:
-                try:
-                    m = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if m is _END:
-                    end = True
-                    break
-                if size + len(m[0]) > _BATCH_BYTES or sent + m[1] > _BATCH_SENT:
-                    carry = m
-                    break
-                batch.append(m[0])
-                size, sent = size + len(m[0]), sent + m[1]
             yield batch[0] if len(batch) == 1 else _batch(batch)
-            if end:
-                return
 
     def _read(self):
         pb = self.session._pb
@@ -284,7 +328,7 @@ class Pipeline:
         A full queue (the server is not reading) is waited on `timeout` seconds at most
         (None: the session's); then MeshdError DEADLINE_EXCEEDED, the command not
         queued. A stream that ended raises its error; that command is not queued either."""
-        p = _Pending(cmd.seq, self.session.timeout)
+        p = _Pending(cmd.seq, self.session.timeout, self)
         p._quiet = quiet
         with self._plock:
             if self._done:
@@ -292,8 +336,8 @@ class Pipeline:
             self._pending[cmd.seq] = p
         limit = self.session.timeout if timeout is None else timeout
         try:
-            queued = self._q.put_within((cmd.SerializeToString(), getattr(cmd, "sent", 0)),
-                                        time.monotonic() + limit, lambda: self._done)
+            queued = self._q.put_within((cmd.SerializeToString(), getattr(cmd, "sent", 0),
+                                         cmd.seq), time.monotonic() + limit, lambda: self._done)
         except BaseException:  # Ctrl-C while waiting for room: it was not queued
             with self._plock:
                 self._pending.pop(cmd.seq, None)
@@ -306,7 +350,8 @@ class Pipeline:
             raise _deadline_error(f"pipeline: command seq {cmd.seq} was not queued: the "
                                   f"{self._q.qsize()} commands queued before it did not go out "
                                   f"(the server is not reading the Submit stream: flow control; "
-                                  f"they stay queued and go out once it reads again)",
+                                  f"they stay queued and go out once it reads again, each "
+                                  f"unless a wait for its answer runs out first)",
                                   limit, cmd.seq)
         return p
 
@@ -315,22 +360,54 @@ class Pipeline:
         with self._plock:
             return len(self._pending)
 
+    def _take_out(self, waited, limit):
+        """A wait of `limit` seconds for these _Pendings ran out: those still in the
+        client's queue are taken out (never sent, they did not run) and get that error,
+        when the waiting thread pipelines them (another thread's wait leaves the
+        owner's commands alone: it was not their caller). Returns the seqs taken out."""
+        if threading.get_ident() != self.owner:
+            return []
+        by_seq = {p.seq: p for p in waited if not p.done()}
+        gone = self._q.take_out(by_seq.keys())
+        with self._plock:
+            for seq in gone:
+                self._pending.pop(seq, None)
+        for seq in gone:
+            p = by_seq[seq]
+            p._set(error=_never_sent_error(seq, limit))
+            if p._taken_out is not None:
+                p._taken_out()  # a Release or DropBorrow: it goes again with a later call
+        return gone
+
     def flush(self, timeout=None):
         """Waits for the answer to every command sent so far (errors stay deferred),
         `timeout` seconds in all at most (None: the session's timeout); then MeshdError
-        DEADLINE_EXCEEDED (the commands stay queued and sent)."""
+        DEADLINE_EXCEEDED: those gRPC took may still run, those still in the client's
+        queue are taken out (the pipelining thread's wait: see _take_out)."""
         limit = self.session.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._plock:
             waiting = list(self._pending.values())
         for p in waiting:
             if not p._event.wait(max(0.0, deadline - time.monotonic())):
-                left = [q for q in waiting if not q.done()]
-                raise _deadline_error(
-                    f"pipeline: {len(left)} of the commands sent (seq {left[0].seq} first) were "
-                    f"not answered, {self._q.qsize()} of them still queued on the client (the "
-                    f"server is slow or not reading the Submit stream: flow control; they go "
-                    f"out and run once it reads again)", limit, left[0].seq)
+                gone = self._take_out(waiting, limit)
+                left = [q for q in waiting if not q.done() or q.seq in gone]
+                sent = len(left) - len(gone)
+                if gone:
+                    shown = ", ".join(str(q) for q in gone[:6]) + (", ..." if len(gone) > 6 else "")
+                    what = (f"{len(gone)} of them (seq {shown}) waited in the client's queue (the "
+                            f"server is not reading the Submit stream: flow control); they were "
+                            f"taken out of the queue and never sent, so they did not run (calling "
+                            f"again is safe)" + (f"; the other {sent} were sent and may still run"
+                                                 if sent else ""))
+                else:
+                    what = (f"{self._q.qsize()} of them still queued on the client (the server is "
+                            f"slow or not reading the Submit stream: flow control; they go out "
+                            f"and run once it reads again)")
+                raise MeshdError("DEADLINE_EXCEEDED",
+                                 f"pipeline: {len(left)} of the commands sent (seq {left[0].seq} "
+                                 f"first) were not answered within {limit:.3g} s, {what}",
+                                 grpc.StatusCode.DEADLINE_EXCEEDED, left[0].seq)
 
     def close(self):
         """Flushes and ends the stream (its end goes after what is queued); returns the

@@ -557,6 +557,11 @@ class Session:
                     if what == "refs":  # refused BORROWED: held (the reader thread's)
                         p._refused_borrowed = lambda refs=list(cmd.release.refs): (
                             self._held.extend(refs))
+                        p._taken_out = lambda refs=list(cmd.release.refs): (
+                            self._released.extend(refs))
+                    else:  # (a borrow that may not exist stays so)
+                        p._taken_out = lambda b=cmd.drop_borrow.borrow, maybe=p._unknown_ok: (
+                            self._borrow_collected(b, maybe))
                 else:
                     self._unary("Execute", cmd, pb.CommandResult)
                     if what == "borrow":

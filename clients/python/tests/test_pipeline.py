@@ -100,17 +100,17 @@ def test_batches_end_at_1_mib_of_commands_and_8_mib_sent_in_order():
     goes in one Submit message, which ends before 1 MiB of commands or 8 MiB that the
     commands' Literals send to the agents; the command that did not fit opens the
     next message. Nothing is lost or reordered, and the end mark ends the stream."""
-    import queue
     from meshd import _proto
-    from meshd.pipeline import Pipeline
+    from meshd.pipeline import Pipeline, _Queue
     pb = _proto.tensor_pb2()
 
     def lit(seq, nbytes):
         return pb.Command(seq=seq, literal=pb.Literal(data=bytes(nbytes))).SerializeToString()
-    queued = [(lit(1, 10), 10), (lit(2, 600 << 10), 600 << 10), (lit(3, 600 << 10), 600 << 10),
-              (lit(4, 10), 10), (lit(5, 100), 5 << 20), (lit(6, 100), 5 << 20), (lit(7, 10), 10)]
+    queued = [(lit(1, 10), 10, 1), (lit(2, 600 << 10), 600 << 10, 2),
+              (lit(3, 600 << 10), 600 << 10, 3), (lit(4, 10), 10, 4), (lit(5, 100), 5 << 20, 5),
+              (lit(6, 100), 5 << 20, 6), (lit(7, 10), 10, 7)]
     p = Pipeline.__new__(Pipeline)
-    p._q = queue.Queue()
+    p._q = _Queue()
     for m in queued:
         p._q.put(m)
     p._q.put(meshd.pipeline._END)

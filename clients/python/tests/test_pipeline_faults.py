@@ -158,6 +158,52 @@ def test_a_server_that_does_not_read_bounds_the_clients_queue(slow_server):
         np.testing.assert_array_equal(_bounded(lambda: _get(after, gpu=0), 25), arr - 1)
 
 
+def test_a_command_whose_wait_runs_out_in_the_clients_queue_is_taken_out(slow_server):
+    """Literals of 240 KB to a server that reads nothing, until gRPC took some and two
+    wait in the client's queue. Reading the last one's handle runs out of time: it is
+    taken out of the queue and never sent (DEADLINE_EXCEEDED says so), so once the server
+    reads again it did not run (a command on its ref is refused UNKNOWN_REF), while the
+    one queued before it, whose answer nobody waited for, goes out and runs. (It used to stay queued, go out
+    later and run: a caller that retried ran it twice.)"""
+    addr, pid = slow_server
+    with _session(addr, timeout=1) as (s, m):
+        arr = np.zeros(60000, np.float32)
+
+        def block():
+            ts = []
+            with pytest.raises(meshd.MeshdError) as end:
+                with s.pipeline() as p:
+                    with _stopped(pid):
+                        _stall(s)
+                        # until gRPC took a batch (its write, past the stream's window,
+                        # cannot end) and two more wait in the client's queue
+                        while len(ts) < 30:
+                            ts.append(meshd.tensor(arr + len(ts)))
+                            waiting = p._q.qsize()
+                            if waiting >= 2 and len(ts) > waiting:
+                                break
+                        with pytest.raises(meshd.MeshdError) as read:
+                            ts[-1].shape
+                        queued = (waiting, p._q.qsize())
+                    u = ts[-1] + 1  # the server reads again: refused, its operand never ran
+                    s.sync(timeout=20)
+            return ts, read.value, queued, u, end.value
+        ts, read, queued, u, end = _bounded(block, 30, m)
+        assert len(ts) < 30, "the client's queue never held two commands"
+        assert read.kind == "DEADLINE_EXCEEDED" and read.seq is not None, read
+        assert read.message.startswith(f"pipeline: command seq {read.seq} was not sent within 1 s: "
+                                       "it waited in the client's queue"), read
+        assert "never sent, so it did not run" in read.message, read
+        assert queued[1] == queued[0] - 1, queued  # taken out; those before it stay queued
+        with pytest.raises(meshd.MeshdError) as again:
+            ts[-1].shape
+        assert again.value is read
+        assert end.kind == "UNKNOWN_REF" and str(ts[-1].ref) in end.message, end.errors
+        assert [e.kind for e in end.errors] == ["UNKNOWN_REF"], end.errors
+        np.testing.assert_array_equal(_bounded(lambda: _get(ts[-2], gpu=1), 25),
+                                      arr + len(ts) - 2)
+
+
 # ------------------------------------------------------------ one pipeline (bug 3)
 
 class _SlowLock:
