@@ -292,6 +292,13 @@ def range_http_server(root=None):
         p.stdout.close()
 
 
+def sanitized(pid):
+    """Whether process pid runs a sanitizer build (ASan keeps freed memory in its
+    quarantine and maps shadow memory, so its RSS says little)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libasan" in f.read()
+
+
 def rss_kib(pid):
     """VmRSS of process pid, in KiB."""
     with open(f"/proc/{pid}/status") as f:

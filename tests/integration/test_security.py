@@ -651,8 +651,7 @@ def _flood_grows(port, path, pid, socks, conns=60, calls=1000, body=60000):
     0 under the sanitizers, whose shadow memory and quarantine make RSS say little:
     there the flood is 8 connections (what they check is that it is memory-safe, the
     same code at any count; the plain pass runs these tests with the bound, @plain)."""
-    with open(f"/proc/{pid}/maps") as f:
-        sanitized = "libasan" in f.read()
+    sanitized = lib.sanitized(pid)
     if sanitized:
         conns = min(conns, 8)
     before = lib.rss_kib(pid) / 1024
@@ -875,8 +874,11 @@ def test_a_stranger_with_a_forged_grant_is_refused_at_the_headers(tmp_path, toke
                    for i in range(32))
         time.sleep(0.5)
         grown = lib.rss_kib(agent_pid) / 1024 - before
-        assert grown < 64, (f"a stranger with a forged grant made an agent hold {grown:.0f} MiB "
-                            f"({sent >> 20} MiB of unfinished Read requests)")
+        # (under the sanitizers 65 MiB was seen on a loaded machine: their shadow
+        # and quarantine; the plain pass checks the bound that matters, @plain)
+        bound = 96 if lib.sanitized(agent_pid) else 64
+        assert grown < bound, (f"a stranger with a forged grant made an agent hold {grown:.0f} "
+                               f"MiB ({sent >> 20} MiB of unfinished Read requests)")
         while len(st.ended) < 32 and st.pump(2):
             pass
         assert len(st.ended) == 32, f"{len(st.ended)} of 32 unfinished Reads answered"

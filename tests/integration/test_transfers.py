@@ -17,12 +17,6 @@ SVC = "/meshd.v1.TensorService/"
 MIB = 1 << 20
 
 
-def sanitized(pid):
-    """A sanitizer build: ASan keeps freed memory in quarantine, so RSS says little."""
-    with open(f"/proc/{pid}/maps") as f:
-        return "libasan" in f.read()
-
-
 def nthreads(pid):
     return len(os.listdir(f"/proc/{pid}/task"))
 
@@ -123,14 +117,14 @@ def test_unread_fetches_hold_neither_threads_nor_tensors(meshd_server):
             [(c.code(), c.details()) for c in calls if c.done()]
         # 4.5 MiB per call measured (2 queued 1 MiB chunks, one more in flight, the
         # agent's 1 MiB window); the old relay held 18 MiB per call.
-        if not sanitized(srv.pid):
+        if not lib.sanitized(srv.pid):
             assert peak - rss0 < 16 * 8, \
                 f"server RSS {rss0:.0f} -> {peak:.0f} MiB for 16 unread Fetches"
         # The agent streams each call from the tensor's own memory (a snapshot that
         # copies only when a later command writes the tensor): a few chunks per call
         # (before, a 64 MiB copy per call: +1 GiB).
         agent_rss = lib.rss_kib(agent0) / 1024
-        if not sanitized(agent0):
+        if not lib.sanitized(agent0):
             assert agent_rss - agent_rss0 < 16 * 8, \
                 f"agent RSS {agent_rss0:.0f} -> {agent_rss:.0f} MiB for 16 unread Fetches"
         assert nthreads(srv.pid) <= threads0 + 3, \
@@ -259,7 +253,7 @@ def test_an_upload_streams_through_the_server(meshd_server):
         finally:
             done.set()
             sampler.join()
-        if not sanitized(srv.pid):
+        if not lib.sanitized(srv.pid):
             assert peak[0] - rss0 < 48, f"server RSS {rss0:.0f} -> {peak[0]:.0f} MiB"
         for rank in (0, 1):
             fn_f = s.ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
