@@ -1252,7 +1252,18 @@ def _pause_after_plans(monkeypatch, n, seconds=0.5):
     return left
 
 
-def test_a_transfer_paused_past_its_grants_start_by_time_is_planned_again(meshd_server,
+@pytest.fixture
+def start_by_200ms(meshd_server):
+    """A "direct" session and its mesh on one agent whose grants must be presented
+    within 200 ms of their plan (--transfer-grant-start-ms 200): a transfer paused
+    (_pause_after_plans) 0.5 s between its plan and its Write/Read starts too late."""
+    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        yield s, s.mesh(gpu=1)
+
+
+def test_a_transfer_paused_past_its_grants_start_by_time_is_planned_again(start_by_200ms,
                                                                              monkeypatch):
     """A direct upload or fetch whose Write/Read starts past its grants' start-by
     time (--transfer-grant-start-ms after the plan) is refused by the agent before any
@@ -1260,21 +1271,18 @@ def test_a_transfer_paused_past_its_grants_start_by_time_is_planned_again(meshd_
     new ref), within the call's deadline. It failed PERMISSION_DENIED "transfer grant
     refused: expired: its call did not start by its start-by time", which reads as
     an authentication problem."""
-    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
-    lib.wait_ready(srv, 1)
-    with connect(srv, "direct") as s:
-        mesh = s.mesh(gpu=1)
-        want = np.arange(6, dtype=np.float32)
-        with mesh.activate():
-            left = _pause_after_plans(monkeypatch, 1)
-            t = meshd.tensor(want)
-            assert left[0] == 0
-            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
-            left = _pause_after_plans(monkeypatch, 1)
-            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
-            assert left[0] == 0
-        assert s._direct.counts["upload"] == 1 and s._direct.counts["fetch"] == 2, s._direct.counts
-        still_works(s, mesh)
+    s, mesh = start_by_200ms
+    want = np.arange(6, dtype=np.float32)
+    with mesh.activate():
+        left = _pause_after_plans(monkeypatch, 1)
+        t = meshd.tensor(want)
+        assert left[0] == 0
+        np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        left = _pause_after_plans(monkeypatch, 1)
+        np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        assert left[0] == 0
+    assert s._direct.counts["upload"] == 1 and s._direct.counts["fetch"] == 2, s._direct.counts
+    still_works(s, mesh)
 
 
 def _grant(shard):
@@ -1322,73 +1330,67 @@ def test_direct_transfers_on_an_agent_whose_clock_is_off(meshd_server, shift_ms,
             np.frombuffer(agent_read(reply.shards[0], s.id, t.ref), np.float32), want)
 
 
-def test_a_transfer_paused_past_its_grants_start_by_time_twice_says_so(meshd_server, monkeypatch):
+def test_a_transfer_paused_past_its_grants_start_by_time_twice_says_so(start_by_200ms, monkeypatch):
     """Paused past the start-by time on its new plan too (or a command changed what a
     new plan would read): the error says what happened, not an authentication
     refusal, and the session goes on working."""
-    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
-    lib.wait_ready(srv, 1)
-    with connect(srv, "direct") as s:
-        mesh = s.mesh(gpu=1)
-        want = np.arange(6, dtype=np.float32)
-        with mesh.activate():
-            t = meshd.tensor(want)
-            _pause_after_plans(monkeypatch, 2)
-            with pytest.raises(meshd.MeshdError) as e:
-                meshd.fetch_shard(t, gpu=0).result(timeout=30)
-            assert "grant expired before it started" in e.value.message, e.value.message
-            _pause_after_plans(monkeypatch, 2)
-            with pytest.raises(meshd.MeshdError) as e:
-                meshd.tensor(want)
-            assert "grant expired before it started" in e.value.message, e.value.message
-            monkeypatch.undo()
-            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
-        still_works(s, mesh)
+    s, mesh = start_by_200ms
+    want = np.arange(6, dtype=np.float32)
+    with mesh.activate():
+        t = meshd.tensor(want)
+        _pause_after_plans(monkeypatch, 2)
+        with pytest.raises(meshd.MeshdError) as e:
+            meshd.fetch_shard(t, gpu=0).result(timeout=30)
+        assert "grant expired before it started" in e.value.message, e.value.message
+        _pause_after_plans(monkeypatch, 2)
+        with pytest.raises(meshd.MeshdError) as e:
+            meshd.tensor(want)
+        assert "grant expired before it started" in e.value.message, e.value.message
+        monkeypatch.undo()
+        np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+    still_works(s, mesh)
 
 
 def test_a_fetch_read_on_the_io_loop_paused_past_its_start_by_time_is_planned_again(
-        meshd_server, monkeypatch):
+        start_by_200ms, monkeypatch):
     """A fetch whose Read starts while another fetch reads goes to the session's io
     loop (direct._IoLoop); paused past its grant's start-by time, it too is planned
     once more and reads the value, and paused on its new plan too, it says what
     happened (the grant expired before it started), not PERMISSION_DENIED alone."""
     import threading
     import time
-    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
-    lib.wait_ready(srv, 1)
-    with connect(srv, "direct") as s:
-        mesh = s.mesh(gpu=1)
-        want = np.arange(6, dtype=np.float32)
-        with mesh.activate():
-            t = meshd.tensor(want)
-            gate = threading.Event()  # the first fetch reads (on its own thread) until set
-            real = _direct.Direct._read
+    s, mesh = start_by_200ms
+    want = np.arange(6, dtype=np.float32)
+    with mesh.activate():
+        t = meshd.tensor(want)
+        gate = threading.Event()  # the first fetch reads (on its own thread) until set
+        real = _direct.Direct._read
 
-            def held(self, *args, **kw):
-                assert gate.wait(30)
-                return real(self, *args, **kw)
-            monkeypatch.setattr(_direct.Direct, "_read", held)
-            first = meshd.fetch_shard(t, gpu=0)
-            until = time.monotonic() + 10
-            while s._direct._reading < 1:
-                assert time.monotonic() < until, "the first fetch never started its Read"
-                time.sleep(0.01)
-            left = _pause_after_plans(monkeypatch, 1)
-            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
-            assert left[0] == 0
-            assert s._direct._io._loop is not None  # (it read on the io loop)
-            _pause_after_plans(monkeypatch, 2)
-            with pytest.raises(meshd.MeshdError) as e:
-                meshd.fetch_shard(t, gpu=0).result(timeout=30)
-            assert "grant expired before it started" in e.value.message, e.value.message
-            gate.set()  # (its grant is late by now too: planned again on its thread)
-            np.testing.assert_array_equal(first.result(timeout=30), want)
-        assert s._direct.counts["fetch"] == 2, s._direct.counts
-        monkeypatch.undo()
-        still_works(s, mesh)
+        def held(self, *args, **kw):
+            assert gate.wait(30)
+            return real(self, *args, **kw)
+        monkeypatch.setattr(_direct.Direct, "_read", held)
+        first = meshd.fetch_shard(t, gpu=0)
+        until = time.monotonic() + 10
+        while s._direct._reading < 1:
+            assert time.monotonic() < until, "the first fetch never started its Read"
+            time.sleep(0.01)
+        left = _pause_after_plans(monkeypatch, 1)
+        np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        assert left[0] == 0
+        assert s._direct._io._loop is not None  # (it read on the io loop)
+        _pause_after_plans(monkeypatch, 2)
+        with pytest.raises(meshd.MeshdError) as e:
+            meshd.fetch_shard(t, gpu=0).result(timeout=30)
+        assert "grant expired before it started" in e.value.message, e.value.message
+        gate.set()  # (its grant is late by now too: planned again on its thread)
+        np.testing.assert_array_equal(first.result(timeout=30), want)
+    assert s._direct.counts["fetch"] == 2, s._direct.counts
+    monkeypatch.undo()
+    still_works(s, mesh)
 
 
-def test_a_fetch_planned_again_holds_back_commands_until_it_is(meshd_server, monkeypatch):
+def test_a_fetch_planned_again_holds_back_commands_until_it_is(start_by_200ms, monkeypatch):
     """A fetch re-planned past its start-by time runs on the fetch's thread, while the
     caller, whose fetch_shard returned, may send commands: one that changes the tensor
     waits until the new plan has snapshot it, and the fetch gets the value of the
@@ -1396,31 +1398,28 @@ def test_a_fetch_planned_again_holds_back_commands_until_it_is(meshd_server, mon
     changed the value the new plan read: here 2x the array instead of it.)"""
     import threading
     import time
-    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
-    lib.wait_ready(srv, 1)
-    with connect(srv, "direct") as s:
-        mesh = s.mesh(gpu=1)
-        want = np.arange(6, dtype=np.float32)
-        with mesh.activate():
-            t = meshd.tensor(want)
-            twice = t * 2
-            real, calls, sent = _direct.Direct.fetch_plan, [], []
+    s, mesh = start_by_200ms
+    want = np.arange(6, dtype=np.float32)
+    with mesh.activate():
+        t = meshd.tensor(want)
+        twice = t * 2
+        real, calls, sent = _direct.Direct.fetch_plan, [], []
 
-            def replan_with_a_command_under_way(self, req, deadline):
-                calls.append(req)
-                if len(calls) == 2:  # the re-plan, on the fetch's thread
-                    w = threading.Thread(target=lambda: sent.append(
-                        twice.reduce("gpu", "sum", out=t)))
-                    w.start()
-                    w.join(0.5)  # (a command that does not wait for it ends in ms)
-                return real(self, req, deadline)
-            monkeypatch.setattr(_direct.Direct, "fetch_plan", replan_with_a_command_under_way)
-            _pause_after_plans(monkeypatch, 1)
-            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
-            assert len(calls) == 2, len(calls)
-            monkeypatch.undo()
-            until = time.monotonic() + 10
-            while not sent:
-                assert time.monotonic() < until, "the command never went"
-                time.sleep(0.01)
-            np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want * 2)
+        def replan_with_a_command_under_way(self, req, deadline):
+            calls.append(req)
+            if len(calls) == 2:  # the re-plan, on the fetch's thread
+                w = threading.Thread(target=lambda: sent.append(
+                    twice.reduce("gpu", "sum", out=t)))
+                w.start()
+                w.join(0.5)  # (a command that does not wait for it ends in ms)
+            return real(self, req, deadline)
+        monkeypatch.setattr(_direct.Direct, "fetch_plan", replan_with_a_command_under_way)
+        _pause_after_plans(monkeypatch, 1)
+        np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want)
+        assert len(calls) == 2, len(calls)
+        monkeypatch.undo()
+        until = time.monotonic() + 10
+        while not sent:
+            assert time.monotonic() < until, "the command never went"
+            time.sleep(0.01)
+        np.testing.assert_array_equal(meshd.fetch_shard(t, gpu=0).result(timeout=30), want * 2)

@@ -63,4 +63,24 @@ static inline Meshd__Agent__V1__Instruction *borrow_instr(borrow_instr_t *b, int
   return &b->ins;
 }
 
+/* A Status (the executor reports what it ran) or an EndSession: the
+ * instructions whose bodies have no fields; body_case says which. */
+typedef struct control_instr {
+  Meshd__Agent__V1__StatusRequest status;
+  Meshd__Agent__V1__EndSession end;
+  Meshd__Agent__V1__Instruction ins;
+} control_instr_t;
+
+static inline Meshd__Agent__V1__Instruction *control_instr(control_instr_t *b, int body_case) {
+  meshd__agent__v1__status_request__init(&b->status);
+  meshd__agent__v1__end_session__init(&b->end);
+  meshd__agent__v1__instruction__init(&b->ins);
+  b->ins.body_case = (Meshd__Agent__V1__Instruction__BodyCase)body_case;
+  if (body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS)
+    b->ins.status = &b->status;
+  else
+    b->ins.end_session = &b->end;
+  return &b->ins;
+}
+
 #endif

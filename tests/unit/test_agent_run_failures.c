@@ -84,25 +84,84 @@ static const char *wait_error(executor_t *x, uint64_t seq, uint64_t *ref, int *k
   return m;
 }
 
+/* An executor on the cpu backend reporting to on_report, with the injected
+ * fault fault_spec (core/platform/fault.h; NULL: none). */
+typedef struct {
+  backend_t b;
+  fault_t fault;
+  _Atomic int64_t rank;
+  run_env_t env;
+  executor_t *x;
+} cpu_agent_t;
+
+static void cpu_agent_start(cpu_agent_t *a, const char *fault_spec) {
+  *a = (cpu_agent_t){.b = {.ops = &cpu_backend_ops, .capacity = 1 << 28}};
+  meshd_error_t e = {0};
+  cr_assert_eq(cpu_backend_ops.open(&a->b, "cpu", &e), 0, "%s", e.msg);
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank};
+  if (fault_spec) {
+    char why[200];
+    cr_assert_eq(fault_parse(fault_spec, FAULT_AGENT_PLACES, &a->fault, why, sizeof why), 0,
+                 "%s", why);
+    a->env.fault = &a->fault;
+  }
+  a->x = executor_create(&a->env, on_report, NULL);
+  cr_assert_not_null(a->x);
+}
+
+static void cpu_agent_stop(cpu_agent_t *a) {
+  executor_close(a->x);
+  cr_assert_eq(executor_wait_all_freed(10000), 0);
+  cpu_backend_ops.close(&a->b);
+}
+
+/* ones(n) as ref, seq of session on stream 1. */
+static void submit_ones(executor_t *x, const char *session, uint64_t seq, uint64_t ref, int64_t n) {
+  factory_instr_t f;
+  Meshd__Agent__V1__Instruction *ins = factory_instr(&f, "ones", ref, n, DTYPE_FLOAT32);
+  ins->seq = seq;
+  ins->session_id = (char *)session;
+  ins->stream = 1;
+  cr_assert_eq(executor_submit(x, ins), 0);
+}
+
+/* add_(ref, ref) on stream 1: an in-place op (under call:slow, the slow step). */
+static void submit_add_(executor_t *x, const char *session, uint64_t seq, uint64_t ref) {
+  Meshd__V1__Arg a0 = MESHD__V1__ARG__INIT, a1 = MESHD__V1__ARG__INIT;
+  a0.value_case = a1.value_case = MESHD__V1__ARG__VALUE_REF;
+  a0.ref = a1.ref = ref;
+  Meshd__V1__Arg *args[2] = {&a0, &a1};
+  Meshd__Agent__V1__OpCall call = MESHD__AGENT__V1__OP_CALL__INIT;
+  call.op = "add_";
+  call.n_args = 2;
+  call.args = args;
+  Meshd__Agent__V1__Instruction ci = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ci.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_CALL;
+  ci.call = &call;
+  ci.seq = seq;
+  ci.session_id = (char *)session;
+  ci.stream = 1;
+  cr_assert_eq(executor_submit(x, &ci), 0);
+}
+
+/* A Status or an EndSession (body_case, instr_build.h's control_instr) as seq of session. */
+static void submit_control(executor_t *x, const char *session, uint64_t seq, int body_case) {
+  control_instr_t c;
+  Meshd__Agent__V1__Instruction *ins = control_instr(&c, body_case);
+  ins->seq = seq;
+  ins->session_id = (char *)session;
+  cr_assert_eq(executor_submit(x, ins), 0);
+}
+
 Test(agent_oom, a_result_the_ref_table_cannot_record_fails_and_is_reported) {
 #if defined(__SANITIZE_ADDRESS__)
   cr_skip_test("calloc is the sanitizer's");
 #else
-  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
-  meshd_error_t e = {0};
-  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
-  _Atomic int64_t rank = 0;
-  run_env_t env = {.backend = &b, .rank = &rank};
-  executor_t *x = executor_create(&env, on_report, NULL);
-  cr_assert_not_null(x);
-
-  factory_instr_t f;
-  Meshd__Agent__V1__Instruction *ins = factory_instr(&f, "ones", 10, 4, DTYPE_FLOAT32);
-  ins->seq = 1;
-  ins->session_id = (char *)SESSION;
-  ins->stream = 1;
+  cpu_agent_t a;
+  cpu_agent_start(&a, NULL);
+  executor_t *x = a.x;
   atomic_store(&fail_index_growth, 1);
-  cr_assert_eq(executor_submit(x, ins), 0);
+  submit_ones(x, SESSION, 1, 10, 4);
   cr_assert_eq(executor_wait(x, 1, 10000), 0, "seq 1 not executed");
   atomic_store(&fail_index_growth, 0);
   cr_assert(atomic_load(&fired), "the interposed calloc did not fire");
@@ -117,9 +176,7 @@ Test(agent_oom, a_result_the_ref_table_cannot_record_fails_and_is_reported) {
   agent_tensor_t t;
   ref_failure_t why;
   cr_assert_eq(executor_lookup(x, SESSION, 10, &t, &why), 1, "ref 10 is failed, not missing");
-  executor_close(x);
-  cr_assert_eq(executor_wait_all_freed(5000), 0);
-  cpu_backend_ops.close(&b);
+  cpu_agent_stop(&a);
 #endif
 }
 
@@ -129,39 +186,11 @@ Test(agent_oom, a_result_the_ref_table_cannot_record_fails_and_is_reported) {
  * before the op's arguments were resolved, so the report named no tensor and
  * tensor 10 stayed live here and on the server. */
 Test(agent_fault, call_fail_fails_an_in_place_target_as_a_kernel_failure_would) {
-  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
-  meshd_error_t e = {0};
-  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
-  fault_t fault;
-  char why[200];
-  cr_assert_eq(fault_parse("call:fail", FAULT_AGENT_PLACES, &fault, why, sizeof why), 0, "%s", why);
-  _Atomic int64_t rank = 0;
-  run_env_t env = {.backend = &b, .rank = &rank, .fault = &fault};
-  executor_t *x = executor_create(&env, on_report, NULL);
-  cr_assert_not_null(x);
-
-  factory_instr_t f;
-  Meshd__Agent__V1__Instruction *ins = factory_instr(&f, "ones", 10, 4, DTYPE_FLOAT32);
-  ins->seq = 1;
-  ins->session_id = (char *)SESSION;
-  ins->stream = 1;
-  cr_assert_eq(executor_submit(x, ins), 0);
-
-  Meshd__V1__Arg a0 = MESHD__V1__ARG__INIT, a1 = MESHD__V1__ARG__INIT;
-  a0.value_case = a1.value_case = MESHD__V1__ARG__VALUE_REF;
-  a0.ref = a1.ref = 10;
-  Meshd__V1__Arg *args[2] = {&a0, &a1};
-  Meshd__Agent__V1__OpCall call = MESHD__AGENT__V1__OP_CALL__INIT;
-  call.op = "add_";
-  call.n_args = 2;
-  call.args = args;
-  Meshd__Agent__V1__Instruction ci = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ci.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_CALL;
-  ci.call = &call;
-  ci.seq = 2;
-  ci.session_id = (char *)SESSION;
-  ci.stream = 1;
-  cr_assert_eq(executor_submit(x, &ci), 0);
+  cpu_agent_t a;
+  cpu_agent_start(&a, "call:fail");
+  executor_t *x = a.x;
+  submit_ones(x, SESSION, 1, 10, 4);
+  submit_add_(x, SESSION, 2, 10);
   cr_assert_eq(executor_wait(x, 2, 10000), 0, "seq 2 not executed");
 
   uint64_t ref = 0;
@@ -176,9 +205,7 @@ Test(agent_fault, call_fail_fails_an_in_place_target_as_a_kernel_failure_would) 
   int rc = executor_lookup(x, SESSION, 10, &t, &rf);
   if (rc == 0) storage_release(t.storage);
   cr_assert_eq(rc, 1, "tensor 10 failed with its in-place op");
-  executor_close(x);
-  cr_assert_eq(executor_wait_all_freed(5000), 0);
-  cpu_backend_ops.close(&b);
+  cpu_agent_stop(&a);
 }
 
 /* A ref deleted here before it was defined (the server undid a transfer
@@ -271,79 +298,11 @@ static void gate_release(void) {
   pthread_mutex_unlock(&gate_mu);
 }
 
-/* An executor on the cpu backend whose first op Call is slow (gated). */
-typedef struct {
-  backend_t b;
-  fault_t fault;
-  _Atomic int64_t rank;
-  run_env_t env;
-  executor_t *x;
-} slow_agent_t;
-
-static void slow_agent_start(slow_agent_t *a) {
-  *a = (slow_agent_t){.b = {.ops = &cpu_backend_ops, .capacity = 1 << 28}};
-  meshd_error_t e = {0};
-  cr_assert_eq(cpu_backend_ops.open(&a->b, "cpu", &e), 0, "%s", e.msg);
-  char why[200], spec[64];
+/* An executor whose first op Call is slow (gated). */
+static void slow_agent_start(cpu_agent_t *a) {
+  char spec[64];
   snprintf(spec, sizeof spec, "call:slow=%d,count=1", GATE_MS);
-  cr_assert_eq(fault_parse(spec, FAULT_AGENT_PLACES, &a->fault, why, sizeof why), 0, "%s", why);
-  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank, .fault = &a->fault};
-  a->x = executor_create(&a->env, on_report, NULL);
-  cr_assert_not_null(a->x);
-}
-
-static void slow_agent_stop(slow_agent_t *a) {
-  executor_close(a->x);
-  cr_assert_eq(executor_wait_all_freed(10000), 0);
-  cpu_backend_ops.close(&a->b);
-}
-
-static void submit_ones(executor_t *x, const char *session, uint64_t seq, uint64_t ref, int64_t n) {
-  factory_instr_t f;
-  Meshd__Agent__V1__Instruction *ins = factory_instr(&f, "ones", ref, n, DTYPE_FLOAT32);
-  ins->seq = seq;
-  ins->session_id = (char *)session;
-  ins->stream = 1;
-  cr_assert_eq(executor_submit(x, ins), 0);
-}
-
-/* add_(ref, ref) on stream 1: the slow step. */
-static void submit_add_(executor_t *x, const char *session, uint64_t seq, uint64_t ref) {
-  Meshd__V1__Arg a0 = MESHD__V1__ARG__INIT, a1 = MESHD__V1__ARG__INIT;
-  a0.value_case = a1.value_case = MESHD__V1__ARG__VALUE_REF;
-  a0.ref = a1.ref = ref;
-  Meshd__V1__Arg *args[2] = {&a0, &a1};
-  Meshd__Agent__V1__OpCall call = MESHD__AGENT__V1__OP_CALL__INIT;
-  call.op = "add_";
-  call.n_args = 2;
-  call.args = args;
-  Meshd__Agent__V1__Instruction ci = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ci.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_CALL;
-  ci.call = &call;
-  ci.seq = seq;
-  ci.session_id = (char *)session;
-  ci.stream = 1;
-  cr_assert_eq(executor_submit(x, &ci), 0);
-}
-
-static void submit_status(executor_t *x, const char *session, uint64_t seq) {
-  Meshd__Agent__V1__StatusRequest st = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
-  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)session;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS;
-  ins.status = &st;
-  cr_assert_eq(executor_submit(x, &ins), 0);
-}
-
-static void submit_end(executor_t *x, const char *session, uint64_t seq) {
-  Meshd__Agent__V1__EndSession es = MESHD__AGENT__V1__END_SESSION__INIT;
-  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)session;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION;
-  ins.end_session = &es;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  cpu_agent_start(a, spec);
 }
 
 static size_t heap_in_use(void) {
@@ -358,16 +317,18 @@ static size_t heap_in_use(void) {
  * meanwhile, without bound. It now keeps only the seqs not yet done: the
  * 600000 instructions run behind the hung one cost nothing once done. */
 Test(agent_watermark, seqs_done_behind_a_hung_one_are_not_kept, .timeout = 120) {
-  slow_agent_t a;
+  cpu_agent_t a;
   slow_agent_start(&a);
   submit_ones(a.x, "hung", 1, 10, 4);
   submit_add_(a.x, "hung", 2, 10);
   cr_assert(gate_wait_entered(), "the slow step did not start");
   enum { BEHIND = 600000 };
   uint64_t last = 2 + BEHIND;
-  submit_status(a.x, "busy", 3); /* opens the session: its table exists before the count */
+  /* opens the session: its table exists before the count */
+  submit_control(a.x, "busy", 3, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS);
   size_t before = heap_in_use();
-  for (uint64_t seq = 4; seq <= last; seq++) submit_status(a.x, "busy", seq);
+  for (uint64_t seq = 4; seq <= last; seq++)
+    submit_control(a.x, "busy", seq, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS);
   size_t after = heap_in_use();
   cr_assert_eq(executor_executed(a.x), 1, "the watermark passed the hung seq 2");
   cr_assert_eq(executor_received(a.x), last);
@@ -380,7 +341,7 @@ Test(agent_watermark, seqs_done_behind_a_hung_one_are_not_kept, .timeout = 120) 
 #endif
   gate_release();
   cr_assert_eq(executor_wait(a.x, last, 20000), 0, "the hung seq's end did not pass the rest");
-  slow_agent_stop(&a);
+  cpu_agent_stop(&a);
 }
 
 /* agent/executor.c: a session ended (EndSession) while one of its steps runs,
@@ -389,7 +350,7 @@ Test(agent_watermark, seqs_done_behind_a_hung_one_are_not_kept, .timeout = 120) 
  * the step does not use is freed at once now: tensor 11 here (the step holds
  * tensor 10 until it returns), by a worker of the executor. */
 Test(agent_memory, an_ended_sessions_tensors_go_before_its_running_step_ends, .timeout = 60) {
-  slow_agent_t a;
+  cpu_agent_t a;
   slow_agent_start(&a);
   enum { N = 1 << 18 }; /* 1 MiB of floats each */
   submit_ones(a.x, "ending", 1, 10, N);
@@ -399,7 +360,7 @@ Test(agent_memory, an_ended_sessions_tensors_go_before_its_running_step_ends, .t
   uint64_t both = atomic_load(&a.b.allocated);
   cr_assert_geq(both, 2 * (uint64_t)N * 4, "both tensors are allocated: %llu bytes",
                 (unsigned long long)both);
-  submit_end(a.x, "ending", 4);
+  submit_control(a.x, "ending", 4, MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION);
   /* Let go of on a worker (not in the submit call): soon, the step still held. */
   uint64_t ended = atomic_load(&a.b.allocated);
   for (int i = 0; i < 5000 && ended > both - (uint64_t)N * 4; i++) {
@@ -414,5 +375,5 @@ Test(agent_memory, an_ended_sessions_tensors_go_before_its_running_step_ends, .t
   gate_release();
   cr_assert_eq(executor_wait(a.x, 4, 20000), 0, "the session's end did not complete");
   cr_assert_eq(atomic_load(&a.b.allocated), 0, "the session's memory outlived its last step");
-  slow_agent_stop(&a);
+  cpu_agent_stop(&a);
 }

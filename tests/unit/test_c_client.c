@@ -22,6 +22,7 @@
 #include "direct.h"
 #include "meshd.h"
 #include "proc_threads.h"
+#include "range_server.h"
 
 #include "c_client_server.h"
 
@@ -41,17 +42,20 @@ static meshd_client_t *connect_ok(void) {
   return c;
 }
 
+/* A session named name on c and its mesh: 2 ranks along "gpu" (*m). */
+static meshd_session_t *open_on_two_gpus(meshd_client_t *c, const char *name, meshd_ref_t *m) {
+  meshd_session_t *s = meshd_session_open(c, name, NULL);
+  cr_assert_not_null(s, "open %s: %s", name, meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){2}, 1, m),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  return s;
+}
+
 Test(c_client, compute_and_fetch) {
   meshd_client_t *c = connect_ok();
-  meshd_err_t e;
-  meshd_session_t *s = meshd_session_open(c, "c-test", &e);
-  cr_assert_not_null(s, "open: %s: %s", meshd_strerror(e), meshd_last_error(c)->message);
-
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2};
   meshd_ref_t m = 0, x = 0, y = 0, z = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK, "%s",
-               meshd_last_error(c)->message);
+  meshd_session_t *s = open_on_two_gpus(c, "c-test", &m);
+  const char *dims[] = {"gpu"};
   int64_t shape[] = {2, 3};
   cr_assert_eq(meshd_session_factory(s, m, "ones", shape, 2, 0, &x), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
@@ -293,12 +297,10 @@ static void log_progress(void *user, uint64_t done, uint64_t total) {
  * on the calling thread (the streams are read on a thread of the library's). */
 Test(c_client, fetch_progress_callback) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-progress", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, shape[] = {2 << 20}, at0[] = {0};
   meshd_ref_t m = 0, x = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-progress", &m);
+  const char *dims[] = {"gpu"};
+  int64_t shape[] = {2 << 20}, at0[] = {0};
   cr_assert_eq(meshd_session_factory(s, m, "ones", shape, 1, 0, &x), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
 
@@ -793,12 +795,10 @@ Test(c_client_lease, idle_session_outlives_its_ttl) {
  * MESHD_E_DEADLINE at that deadline, and work again once it runs. */
 Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-deadline", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at1[] = {1};
   meshd_ref_t m = 0, x = 0, y = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-deadline", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
   cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
 
@@ -869,12 +869,10 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
   meshd_err_t err;
   meshd_client_t *c = meshd_connect(target, 1000, &err);
   cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
-  meshd_session_t *s = meshd_session_open(c, "c-stall", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at1[] = {1};
   meshd_ref_t m = 0, x = 0, y = 0, last = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-stall", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
   cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   meshd_pipeline_options_t po = {.max_batch = 64};
@@ -948,12 +946,8 @@ Test(c_client_lease, closing_a_session_on_a_frozen_server_takes_one_timeout) {
   meshd_err_t err;
   meshd_client_t *c = meshd_connect(target, 1000, &err);
   cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
-  meshd_session_t *s = meshd_session_open(c, "c-frozen", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2};
   meshd_ref_t m = 0, x = 0, y = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-frozen", &m);
   cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
   meshd_pipeline_options_t po = {.max_batch = 64, .max_delay_us = 1000000};
   cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
@@ -1247,13 +1241,10 @@ static meshd_client_t *connect_token(const char *token) {
 Test(c_client_tokens, every_call_carries_the_token) {
   meshd_client_t *c = connect_token(ALICE);
   meshd_err_t e;
-  meshd_session_t *s = meshd_session_open(c, "c-alice", &e);
-  cr_assert_not_null(s, "open: %s: %s", meshd_strerror(e), meshd_last_error(c)->message);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at1[] = {1};
   meshd_ref_t m = 0, x = 0, y = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK, "%s",
-               meshd_last_error(c)->message);
+  meshd_session_t *s = open_on_two_gpus(c, "c-alice", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
   cr_assert_eq(meshd_session_factory(s, m, "full", (int64_t[]){3}, 1, 2.0, &x), MESHD_E_OK);
   sleep_ms(3500); /* longer than the lease: only the keepalive thread keeps it */
   meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 0.5}};
@@ -1430,12 +1421,10 @@ TestSuite(c_client_load, .init = start_load_server, .fini = stop_load_server, .t
  * list and a size mismatch fail with their kinds. */
 Test(c_client_load, npy_raw_sharded_and_errors) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at0[] = {0}, at1[] = {1};
   meshd_ref_t m = 0, a = 0, b = 0, bad = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at0[] = {0}, at1[] = {1};
   char url[256];
   snprintf(url, sizeof url, "file://%s/v.npy", load_dir);
   cr_assert_eq(meshd_session_load(s, m, url, NULL, &a), MESHD_E_OK, "%s",
@@ -1482,12 +1471,9 @@ Test(c_client_load, npy_raw_sharded_and_errors) {
  * it, not loaded as the whole file with the name ignored (review-117). */
 Test(c_client_load, a_name_with_raw_bytes_is_refused) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load-name", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, shape[] = {6};
   meshd_ref_t m = 0, t = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load-name", &m);
+  int64_t shape[] = {6};
   char url[256];
   snprintf(url, sizeof url, "file://%s/v.bin", load_dir);
   meshd_load_options_t o = {.dtype = "float32", .shape = shape, .ndim = 1, .name = "w"};
@@ -1500,46 +1486,15 @@ Test(c_client_load, a_name_with_raw_bytes_is_refused) {
   meshd_close(c);
 }
 
-/* tests/support/range_http_server.py as a process; *stdin_fd ends it (closed). */
+/* tests/support/range_http_server.py as a process (range_server_stop(pid,
+ * *stdin_fd) ends it), whose URLs start with base. */
 static pid_t start_range_server(int *stdin_fd, char *base, size_t len) {
-  const char *src = getenv("MESHD_SOURCE_DIR");
-  cr_assert(src && *src, "MESHD_SOURCE_DIR is not set (run through ctest)");
-  char script[512];
-  snprintf(script, sizeof script, "%s/tests/support/range_http_server.py", src);
-  int in[2], out[2];
-  cr_assert_eq(pipe(in), 0);
-  cr_assert_eq(pipe(out), 0);
-  pid_t pid = fork();
-  cr_assert_geq(pid, 0);
-  if (pid == 0) {
-    dup2(in[0], 0);
-    dup2(out[1], 1);
-    close(in[0]), close(in[1]), close(out[0]), close(out[1]);
-    execl("/usr/bin/python3", "python3", script, (char *)NULL);
-    _exit(127);
-  }
-  close(in[0]);
-  close(out[1]);
-  *stdin_fd = in[1];
-  char line[32] = {0};
-  size_t n = 0;
-  struct pollfd pf = {out[0], POLLIN, 0};
-  while (n < sizeof line - 1 && poll(&pf, 1, 10000) == 1 && read(out[0], line + n, 1) == 1 &&
-         line[n] != '\n')
-    n++;
-  close(out[0]);
-  cr_assert_gt(atoi(line), 0, "the range server did not print its port (%s)", script);
-  snprintf(base, len, "http://127.0.0.1:%d", atoi(line));
+  pid_t pid = -1;
+  char why[1200];
+  int port = range_server_start(&pid, stdin_fd, why, sizeof why);
+  cr_assert_gt(port, 0, "%s", why);
+  snprintf(base, len, "http://127.0.0.1:%d", port);
   return pid;
-}
-
-/* Closing its stdin ends it; killed if it has not within 5 s. */
-static void stop_range_server(pid_t pid, int stdin_fd) {
-  close(stdin_fd);
-  for (int i = 0; i < 100 && waitpid(pid, NULL, WNOHANG) == 0; i++)
-    sleep_ms(50);
-  if (kill(pid, SIGKILL) == 0)
-    waitpid(pid, NULL, 0);
 }
 
 /* Rank 1's first op call runs 3 s (so rank 0 is done with a load issued after it
@@ -1566,12 +1521,10 @@ Test(c_client_load_pin, a_raw_load_pins_one_version_across_ranks) {
   char base[64], url[256];
   pid_t srv = start_range_server(&srv_in, base, sizeof base);
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load-pin", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, four[] = {4}, n[] = {4096};
   meshd_ref_t m = 0, x = 0, y = 0, t = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load-pin", &m);
+  const char *dims[] = {"gpu"};
+  int64_t four[] = {4}, n[] = {4096};
   cr_assert_eq(meshd_session_factory(s, m, "zeros", four, 1, 0, &x), MESHD_E_OK);
   meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 3}};
   cr_assert_eq(meshd_session_call(s, "mul", args, 2, &y), MESHD_E_OK, "%s", /* 3 s on rank 1 */
@@ -1595,7 +1548,7 @@ Test(c_client_load_pin, a_raw_load_pins_one_version_across_ranks) {
   }
   meshd_values_free(&v[0]);
   meshd_values_free(&v[1]);
-  stop_range_server(srv, srv_in);
+  range_server_stop(srv, srv_in);
 
   /* nothing listens there: the inspection fails, the load goes unpinned */
   if (rc != MESHD_E_OK) /* the failed load, reported once */
@@ -1657,12 +1610,9 @@ static void *release_later(void *arg) {
  * Python's poller does, instead of failing MESHD_E_RPC at once (review-117). */
 Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load-quota", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, shape[] = {6};
   meshd_ref_t m = 0, t = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load-quota", &m);
+  int64_t shape[] = {6};
   /* the pollers' loads do not end within the test (4 KiB sent at 10 bytes a second;
    * its HEAD answers at once, so a raw load's version inspection does not wait): every
    * look asks the agents, and waits 2 s for the stopped one */
@@ -1678,10 +1628,8 @@ Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) 
   pthread_t th[POLLERS];
   for (int i = 0; i < POLLERS; i++) {
     pl[i] = (poller_t){connect_ok(), NULL, 0, &stop};
-    pl[i].s = meshd_session_open(pl[i].c, "c-load-quota-poller", NULL);
-    cr_assert_not_null(pl[i].s);
     meshd_ref_t pm = 0;
-    cr_assert_eq(meshd_session_create_mesh(pl[i].s, dims, sizes, 1, &pm), MESHD_E_OK);
+    pl[i].s = open_on_two_gpus(pl[i].c, "c-load-quota-poller", &pm);
     cr_assert_eq(meshd_session_load(pl[i].s, pm, stuck, &po, &pl[i].t), MESHD_E_OK);
   }
   pid_t agent = agent_pid(1);
@@ -1710,7 +1658,7 @@ Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) 
     meshd_session_close(pl[i].s);
     meshd_close(pl[i].c);
   }
-  stop_range_server(rs, rs_in);
+  range_server_stop(rs, rs_in);
   cr_assert_eq(rc, MESHD_E_OK, "%s: %s", meshd_strerror(rc), msg);
   meshd_session_close(s);
   meshd_close(c);
@@ -1720,12 +1668,10 @@ Test(c_client_load, wait_load_looks_again_after_a_quota_answer, .timeout = 120) 
  * .npy file's (2, 3) split along dim -2 (its rows), raw bytes (6) along -1. */
 Test(c_client_load, a_negative_dim_counts_from_the_end) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load-negative-dim", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at1[] = {1};
   meshd_ref_t m = 0, a = 0, b = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load-negative-dim", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
   char url[256];
   snprintf(url, sizeof url, "file://%s/v.npy", load_dir);
   meshd_load_options_t o = {.shard = "gpu", .dim = -2};
@@ -1783,12 +1729,10 @@ Test(c_client_load, a_tensor_through_a_safetensors_index) {
   write_file("model.safetensors.index.json", index, strlen(index));
 
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load-index", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at1[] = {1};
   meshd_ref_t m = 0, t = 0, bad = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load-index", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at1[] = {1};
   char url[256];
   snprintf(url, sizeof url, "file://%s/model.safetensors.index.json?sig=x", load_dir);
   meshd_load_info_t info;
@@ -1876,12 +1820,8 @@ static uint64_t session_commands(meshd_client_t *c, const char *name) {
  * progress calls refuse. */
 Test(c_client_load, info_progress_and_wait) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-load-progress", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2};
   meshd_ref_t m = 0, a = 0, b = 0, bad = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-load-progress", &m);
   char url[256];
   meshd_load_info_t info;
   memset(&info, 0x5a, sizeof info);
@@ -1981,7 +1921,7 @@ Test(c_client_load, info_progress_and_wait) {
   cr_assert(strstr(meshd_last_error(c)->message, "stopped by the caller"), "%s",
             meshd_last_error(c)->message);
   cr_assert_str_eq(meshd_strerror(MESHD_E_CANCELLED), "stopped by the caller");
-  stop_range_server(rs, rs_in); /* the agents' requests are reset: the load fails */
+  range_server_stop(rs, rs_in); /* the agents' requests are reset: the load fails */
 
   /* refusals: no refs, a ref the session lacks, a name a .npy file has not */
   cr_assert_eq(meshd_session_wait_load(s, NULL, 1, NULL), MESHD_E_INVALID);
@@ -3731,12 +3671,10 @@ Test(c_client_write_fault, a_direct_upload_ends_on_its_first_failed_shard) {
  * rank and its agent). */
 Test(c_client_lease, a_proxied_fetch_that_times_out_names_its_part) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-proxy-part", NULL);
-  cr_assert_not_null(s);
-  const char *dims[] = {"gpu"};
-  int64_t sizes[] = {2}, at0[] = {0}, at1[] = {1};
   meshd_ref_t m = 0, x = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, dims, sizes, 1, &m), MESHD_E_OK);
+  meshd_session_t *s = open_on_two_gpus(c, "c-proxy-part", &m);
+  const char *dims[] = {"gpu"};
+  int64_t at0[] = {0}, at1[] = {1};
   cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
   cr_assert_eq(meshd_session_sync(s), MESHD_E_OK, "%s", meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_set_data_path(s, MESHD_DATA_PATH_PROXY), MESHD_E_OK);

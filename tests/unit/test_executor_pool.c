@@ -48,13 +48,11 @@ static void submit_ones(executor_t *x, const char *session, uint64_t seq) {
 }
 
 static void submit_end(executor_t *x, const char *session, uint64_t seq) {
-  Meshd__Agent__V1__EndSession es = MESHD__AGENT__V1__END_SESSION__INIT;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.seq = seq;
-  ins.session_id = (char *)session;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION;
-  ins.end_session = &es;
-  cr_assert_eq(executor_submit(x, &ins), 0);
+  control_instr_t c;
+  instr_t *ins = control_instr(&c, MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION);
+  ins->seq = seq;
+  ins->session_id = (char *)session;
+  cr_assert_eq(executor_submit(x, ins), 0);
 }
 
 Test(executor_pool, a_parked_worker_serves_the_next_session_and_ends_at_close, .timeout = 60) {

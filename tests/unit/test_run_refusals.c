@@ -198,6 +198,56 @@ __attribute__((unused)) static instr_t *reduce_instr(reduce_instr_t *b, const ch
   return &b->ins;
 }
 
+/* Rank 0's agent: an executor on the cpu backend reporting to on_report and,
+ * when comm_timeout_ms > 0, its own data plane (that comm timeout) at me,
+ * with its peer, rank 1, at other (127.0.0.1:peer_port): addrs, by rank. */
+typedef struct {
+  backend_t b;
+  _Atomic int64_t rank;
+  run_env_t env;
+  executor_t *x;
+  char me[64], other[64];
+  const char *addrs[2];
+} rank0_agent_t;
+
+static void rank0_agent_start(rank0_agent_t *a, int comm_timeout_ms, int peer_port) {
+  *a = (rank0_agent_t){.b = {.ops = &cpu_backend_ops, .capacity = 1 << 26}};
+  meshd_error_t e = {0};
+  cr_assert_eq(cpu_backend_ops.open(&a->b, "cpu", &e), 0, "%s", e.msg);
+  a->env = (run_env_t){.backend = &a->b, .rank = &a->rank};
+  if (comm_timeout_ms > 0) {
+    a->b.net = dataplane_start("127.0.0.1", 0, comm_timeout_ms, &e);
+    cr_assert_not_null(a->b.net, "%s", e.msg);
+    snprintf(a->me, sizeof a->me, "127.0.0.1:%d", dataplane_port(a->b.net));
+    snprintf(a->other, sizeof a->other, "127.0.0.1:%d", peer_port);
+    a->env.data_address = a->me;
+  }
+  a->addrs[0] = a->me;
+  a->addrs[1] = a->other;
+  a->x = executor_create(&a->env, on_report, NULL);
+  cr_assert_not_null(a->x);
+}
+
+static void rank0_agent_stop(rank0_agent_t *a) {
+  dataplane_t *net = a->b.net;
+  executor_close(a->x);
+  cr_assert_eq(executor_wait_all_freed(10000), 0);
+  cpu_backend_ops.close(&a->b);
+  if (net) dataplane_stop(net);
+}
+
+#if !defined(__SANITIZE_ADDRESS__)
+/* Submits ins while no stream worker can be started for it (the next
+ * detached thread this thread creates fails): true if one was asked for, so
+ * that the instruction went to a refuser thread. */
+static bool submit_with_no_worker(executor_t *x, instr_t *ins) {
+  armed_thread = pthread_self();
+  atomic_store(&fail_next_detached, true);
+  executor_submit(x, ins); /* -1 or 0: either way it is not run */
+  return !atomic_exchange(&fail_next_detached, false);
+}
+#endif
+
 /* Rank 0's agent has --max-tensor-elements 4, below the Reduce's 8 elements
  * that its peer (and the server) accept; it has no stream worker for the
  * Reduce's stream (no thread). It refuses the Reduce in its checks (QUOTA:
@@ -208,34 +258,21 @@ Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails
 #if defined(__SANITIZE_ADDRESS__)
   cr_skip_test("pthread_create is interposed");
 #else
-  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
   meshd_error_t e = {0};
-  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
-  b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
-  cr_assert_not_null(b.net, "%s", e.msg);
   dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
   cr_assert_not_null(peer, "%s", e.msg);
-  char me[64], other[64];
-  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(b.net));
-  snprintf(other, sizeof other, "127.0.0.1:%d", dataplane_port(peer));
-  _Atomic int64_t rank = 0;
-  run_env_t env = {.backend = &b, .rank = &rank, .data_address = me};
-  executor_t *x = executor_create(&env, on_report, NULL);
-  cr_assert_not_null(x);
+  rank0_agent_t a;
+  rank0_agent_start(&a, 10000, dataplane_port(peer));
+  executor_t *x = a.x;
   layout_set_limits(&(layout_limits_t){.max_dims = 8, .max_elements = 4});
 
-  const char *addrs[2] = {me, other};
-  member_job_t pj = {.dp = peer, .addrs = addrs, .secret = SECRET, .me = 1};
+  member_job_t pj = {.dp = peer, .addrs = a.addrs, .secret = SECRET, .me = 1};
   pthread_t th;
   cr_assert_eq(pthread_create(&th, NULL, member_allreduce, &pj), 0);
   usleep(100 * 1000); /* the peer waits for rank 0 */
 
   reduce_instr_t ri;
-  instr_t *ins = reduce_instr(&ri, addrs, 8);
-  armed_thread = pthread_self();
-  atomic_store(&fail_next_detached, true);
-  executor_submit(x, ins); /* -1 or 0: either way it is not run */
-  bool fired = !atomic_exchange(&fail_next_detached, false);
+  bool fired = submit_with_no_worker(x, reduce_instr(&ri, a.addrs, 8));
   pthread_join(th, NULL);
   cr_assert(fired, "no worker thread was asked for");
   cr_assert_eq(executor_wait(x, 1, 10000), 0, "seq 1 not done");
@@ -248,10 +285,7 @@ Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails
   cr_assert(strstr(pj.err.msg, "rank 0") && strstr(pj.err.msg, "--max-tensor-elements"),
             "the peer's error does not say why rank 0 did not take part: %s", pj.err.msg);
   layout_set_limits(NULL);
-  executor_close(x);
-  cr_assert_eq(executor_wait_all_freed(10000), 0);
-  cpu_backend_ops.close(&b);
-  dataplane_stop(b.net);
+  rank0_agent_stop(&a);
   dataplane_stop(peer);
 #endif
 }
@@ -269,33 +303,19 @@ Test(run_refusals, a_refused_instruction_on_a_refuser_thread_is_not_done_before_
 #if defined(__SANITIZE_ADDRESS__)
   cr_skip_test("pthread_create is interposed");
 #else
-  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
-  meshd_error_t e = {0};
-  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
-  b.net = dataplane_start("127.0.0.1", 0, 1000, &e);
-  cr_assert_not_null(b.net, "%s", e.msg);
   /* The peer: accepts connections (the kernel does) and never answers. */
   int silent = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t slen = sizeof sa;
   cr_assert(silent >= 0 && bind(silent, (struct sockaddr *)&sa, sizeof sa) == 0 &&
             listen(silent, 8) == 0 && getsockname(silent, (struct sockaddr *)&sa, &slen) == 0);
-  char me[64], other[64];
-  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(b.net));
-  snprintf(other, sizeof other, "127.0.0.1:%d", ntohs(sa.sin_port));
-  _Atomic int64_t rank = 0;
-  run_env_t env = {.backend = &b, .rank = &rank, .data_address = me};
-  executor_t *x = executor_create(&env, on_report, NULL);
-  cr_assert_not_null(x);
+  rank0_agent_t a;
+  rank0_agent_start(&a, 1000, ntohs(sa.sin_port));
+  executor_t *x = a.x;
 
-  const char *addrs[2] = {me, other};
   reduce_instr_t ri;
-  instr_t *ins = reduce_instr(&ri, addrs, 8);
-  armed_thread = pthread_self();
-  atomic_store(&fail_next_detached, true);
-  executor_submit(x, ins); /* on a refuser thread: no worker */
-  bool fired = !atomic_exchange(&fail_next_detached, false);
-  cr_assert(fired, "no worker thread was asked for");
+  cr_assert(submit_with_no_worker(x, reduce_instr(&ri, a.addrs, 8)),
+            "no worker thread was asked for");
   /* The refuser dials the silent peer until the data plane's timeout. */
   bool early = executor_wait_session(x, SESSION, 1, 0) == 0;
   const char *m = NULL;
@@ -326,10 +346,7 @@ Test(run_refusals, a_refused_instruction_on_a_refuser_thread_is_not_done_before_
   pthread_mutex_unlock(&mu);
   cr_assert(ran, "no report said the session ran seq 1");
   cr_assert(!before, "a report said the session ran seq 1 before one carried its failure");
-  executor_close(x);
-  cr_assert_eq(executor_wait_all_freed(10000), 0);
-  cpu_backend_ops.close(&b);
-  dataplane_stop(b.net);
+  rank0_agent_stop(&a);
   close(silent);
 #endif
 }
@@ -379,13 +396,9 @@ Test(run_refusals, a_member_whose_plan_cannot_be_allocated_fails_its_peers_at_on
  * missing origin. */
 Test(run_refusals, a_borrow_of_a_tensor_not_on_the_agent_fails_its_handle_and_is_reported,
      .timeout = 30) {
-  backend_t b = {.ops = &cpu_backend_ops, .capacity = 1 << 26};
-  meshd_error_t e = {0};
-  cr_assert_eq(cpu_backend_ops.open(&b, "cpu", &e), 0, "%s", e.msg);
-  _Atomic int64_t rank = 0;
-  run_env_t env = {.backend = &b, .rank = &rank};
-  executor_t *x = executor_create(&env, on_report, NULL);
-  cr_assert_not_null(x);
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
   borrow_instr_t bi;
   instr_t *ins = borrow_instr(&bi, MESHD__AGENT__V1__BORROW_OP__PHASE__CREATE, 1, 5, 6);
   ins->seq = 1;
@@ -414,7 +427,5 @@ Test(run_refusals, a_borrow_of_a_tensor_not_on_the_agent_fails_its_handle_and_is
   agent_tensor_t t;
   ref_failure_t why;
   cr_assert_eq(executor_lookup(x, SESSION, 6, &t, &why), 1, "handle 6 is failed, not missing");
-  executor_close(x);
-  cr_assert_eq(executor_wait_all_freed(10000), 0);
-  cpu_backend_ops.close(&b);
+  rank0_agent_stop(&a);
 }

@@ -1,5 +1,5 @@
 /* url_fetch against tests/support/range_http_server.py (started per test on a
- * free port, ended by its pid in fini), file:// URLs, and the allow list. */
+ * free port, ended in fini: range_server.h), file:// URLs, and the allow list. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <fcntl.h>
@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "range_server.h"
 #include "url_allow.h"
 #include "url_fetch.h"
 
@@ -23,38 +24,13 @@ static pid_t server_pid = -1;
 static int server_stdin = -1, port;
 
 static void start_server(void) {
-  const char *src = getenv("MESHD_SOURCE_DIR");
-  char script[1024];
-  snprintf(script, sizeof script, "%s/tests/support/range_http_server.py", src ? src : ".");
-  int in[2], out[2];
-  cr_assert_eq(pipe(in), 0);
-  cr_assert_eq(pipe(out), 0);
-  server_pid = fork();
-  cr_assert_neq(server_pid, -1);
-  if (server_pid == 0) {
-    dup2(in[0], 0);
-    dup2(out[1], 1);
-    close(in[0]), close(in[1]), close(out[0]), close(out[1]);
-    execl("/usr/bin/python3", "python3", script, (char *)NULL);
-    _exit(127);
-  }
-  close(in[0]);
-  close(out[1]);
-  server_stdin = in[1];
-  char line[32] = {0};
-  size_t n = 0;
-  while (n < sizeof line - 1 && read(out[0], line + n, 1) == 1 && line[n] != '\n') n++;
-  close(out[0]);
-  port = atoi(line);
-  cr_assert_gt(port, 0, "the test server did not print its port (%s)", script);
+  char why[1200];
+  port = range_server_start(&server_pid, &server_stdin, why, sizeof why);
+  cr_assert_gt(port, 0, "%s", why);
 }
 
 static void stop_server(void) {
-  if (server_stdin >= 0) close(server_stdin);
-  if (server_pid > 0) {
-    kill(server_pid, SIGTERM);
-    waitpid(server_pid, NULL, 0);
-  }
+  if (server_pid > 0) range_server_stop(server_pid, server_stdin);
   server_pid = -1, server_stdin = -1;
 }
 
