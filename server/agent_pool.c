@@ -190,17 +190,18 @@ static agent_t *find_locked(agent_pool_t *p, uint32_t rank, const char *agent_id
 /* What a report says of its agent, under one lock (one per report): its
  * allocation, and when stamped with its clock, a sample of that clock's
  * offset, so that its grants follow the clock's drift and steps (grant.h,
- * Clocks); the sample only for this link's registration of it. */
+ * Clocks); both only for this link's registration of it (a link of an
+ * earlier registration still ending must not set the new one's figures). */
 static void report_note(pool_link_t *pl, const agent_link_report_t *r) {
   agent_pool_t *p = pl->pool;
   bool clock = r->agent_unix_ms > 0;
   int64_t sample = clock ? grant_clock_offset(r->agent_unix_ms, r->recv_unix_ms) : 0;
   int64_t now = clock ? rpc_now_ms() : 0;
   pthread_mutex_lock(&p->mu);
-  agent_t *a = find_locked(p, pl->rank, pl->agent_id, 0);
+  agent_t *a = find_locked(p, pl->rank, pl->agent_id, pl->registration);
   if (a) {
     a->allocated_bytes = r->allocated_bytes;
-    if (clock && a->d.registration == pl->registration) grant_clock_sample(&a->clock, sample, now);
+    if (clock) grant_clock_sample(&a->clock, sample, now);
   }
   pthread_mutex_unlock(&p->mu);
 }
