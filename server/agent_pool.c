@@ -236,6 +236,15 @@ static void count_loss_locked(agent_pool_t *p, pool_link_t *pl) {
 /* The link carried its last instruction: tell the owner, then fail the waits
  * on what it had not executed. The link must be broken or stopped, so its
  * numbers are final. */
+/* Whether another registration holds pl's rank now: then pl was never put in
+ * its slot (a removal waits for an installed link's reader, and the rank is
+ * not given again before), so it carried no instruction and nothing was lost
+ * on it; a loss counted on the rank would fail the new agent's meshes. */
+static bool registered_again_locked(agent_pool_t *p, const pool_link_t *pl) {
+  return pl->registration && pl->rank < p->cap && p->agents[pl->rank].used &&
+         p->agents[pl->rank].d.registration != pl->registration;
+}
+
 static void link_gone(pool_link_t *pl) {
   if (atomic_exchange(&pl->gone, true)) return;
   agent_pool_t *p = pl->pool;
@@ -244,10 +253,12 @@ static void link_gone(pool_link_t *pl) {
   snprintf(lost.agent_id, sizeof lost.agent_id, "%s", pl->agent_id);
   snprintf(lost.data_address, sizeof lost.data_address, "%s", pl->data_address);
   pthread_mutex_lock(&p->mu);
-  count_loss_locked(p, pl);
+  bool stale = registered_again_locked(p, pl);
+  if (!stale) count_loss_locked(p, pl);
   lost.loss = pl->loss;
   lost.unix_ms = pl->loss_unix_ms;
   pthread_mutex_unlock(&p->mu);
+  if (stale) return;
   if (p->cb.on_lost) p->cb.on_lost(&lost, p->cb.arg);
   watermark_lost(p->marks, pl->rank, executed, last);
 }
@@ -553,9 +564,10 @@ void agent_pool_set_healthy(agent_pool_t *p, uint32_t rank, const char *agent_id
   notify(p, changed);
 }
 
-void agent_pool_set_allocated(agent_pool_t *p, uint32_t rank, const char *agent_id, uint64_t bytes) {
+void agent_pool_set_allocated(agent_pool_t *p, uint32_t rank, const char *agent_id,
+                              uint64_t registration, uint64_t bytes) {
   pthread_mutex_lock(&p->mu);
-  agent_t *a = find_locked(p, rank, agent_id, 0);
+  agent_t *a = find_locked(p, rank, agent_id, registration);
   if (a) a->allocated_bytes = bytes;
   pthread_mutex_unlock(&p->mu);
 }

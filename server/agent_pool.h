@@ -132,8 +132,11 @@ void agent_pool_remove(agent_pool_t *pool, uint32_t rank, const char *agent_id,
 /* Marks the agent healthy (dial-back answered, agent reports healthy) or not. */
 void agent_pool_set_healthy(agent_pool_t *pool, uint32_t rank, const char *agent_id,
                             uint64_t registration, bool healthy);
+/* The agent's allocated bytes (AgentStatus), for that registration of it (if
+ * not 0): a status still coming on an earlier registration's call must not
+ * set the new one's figure. */
 void agent_pool_set_allocated(agent_pool_t *pool, uint32_t rank, const char *agent_id,
-                              uint64_t bytes);
+                              uint64_t registration, uint64_t bytes);
 /* A message the agent stamped agent_ms by its clock (HelloReply.unix_ms,
  * AgentReport.unix_ms), received at recv_ms by the server's
  * (grant_now_unix_ms): a sample of its clock's offset from the server's

@@ -433,9 +433,11 @@ static void on_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg)
       }
       pthread_mutex_lock(&r->mu);
       int rank = c->rank;
+      uint64_t registration = c->registration;
       pthread_mutex_unlock(&r->mu);
       if (rank >= 0) /* else still being admitted: its next status counts */
-        agent_pool_set_allocated(r->pool, (uint32_t)rank, c->agent_id, m->status->allocated_bytes);
+        agent_pool_set_allocated(r->pool, (uint32_t)rank, c->agent_id, registration,
+                                 m->status->allocated_bytes);
       return;
     default:
       reject(r, call, GRPC_STATUS_INVALID_ARGUMENT,

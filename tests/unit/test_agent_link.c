@@ -65,10 +65,11 @@ typedef struct fake {
   fake_mode_t mode;
   uint64_t die_after; /* FAKE_DIE_AFTER: instructions taken before the call ends */
   int64_t clock_ahead_ms; /* its reports carry a clock this far ahead of ours (0: none) */
+  bool report_at_start;   /* it reports (nothing executed) as each call starts, once released */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  bool release; /* FAKE_STUCK handlers return */
+  bool release; /* FAKE_STUCK handlers return; report_at_start reports */
   int calls;
   uint64_t batches, instructions, reports;
   uint64_t last_seq;
@@ -81,13 +82,27 @@ typedef struct fake {
   int body_case;
 } fake_t;
 
+/* One AgentReport: executed through `through`, 4096 bytes allocated, stamped
+ * with its clock if it has one. */
+static void fake_report(fake_t *f, rpc_call_t *call, uint64_t through) {
+  Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
+  rep.executed_through = through;
+  rep.allocated_bytes = 4096;
+  if (f->clock_ahead_ms) rep.unix_ms = grant_now_unix_ms() + f->clock_ahead_ms;
+  rpc_call_send(call, &rep.base);
+}
+
 static void fake_start_call(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   fake_t *f = arg;
   pthread_mutex_lock(&f->mu);
   f->calls++;
   f->last_seq = 0;
   f->first_seq_of_call = 0;
+  bool report = f->report_at_start;
+  while (report && !f->release) pthread_cond_wait(&f->cv, &f->mu); /* fake_kill releases */
+  if (report) f->reports++;
   pthread_mutex_unlock(&f->mu);
+  if (report) fake_report(f, call, 0);
 }
 
 static void fake_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
@@ -125,13 +140,7 @@ static void fake_message(rpc_call_t *call, const ProtobufCMessage *msg, void *ar
   bool ack = f->mode == FAKE_ACK || f->mode == FAKE_DIE_AFTER || f->mode == FAKE_LIE;
   if (ack) f->reports++;
   pthread_mutex_unlock(&f->mu);
-  if (ack) {
-    Meshd__Agent__V1__AgentReport rep = MESHD__AGENT__V1__AGENT_REPORT__INIT;
-    rep.executed_through = f->mode == FAKE_LIE ? through + 5 : through;
-    rep.allocated_bytes = 4096;
-    if (f->clock_ahead_ms) rep.unix_ms = grant_now_unix_ms() + f->clock_ahead_ms;
-    rpc_call_send(call, &rep.base);
-  }
+  if (ack) fake_report(f, call, f->mode == FAKE_LIE ? through + 5 : through);
   if (die) rpc_call_finish(call, GRPC_STATUS_UNAVAILABLE, NULL, "agent died");
 }
 
@@ -860,16 +869,35 @@ static agent_pool_t *make_pool(void) {
   return pool_create(&cb);
 }
 
-/* Admits an agent at rank and connects it to fake f as the registry would. */
-static void admit(agent_pool_t *p, int rank, const char *id, fake_t *f) {
-  agent_desc_t d = {0};
+/* Adds registration `registration` (0: none) of agent id at rank, at fake f's address. */
+static void add_registration(agent_pool_t *p, int rank, const char *id, uint64_t registration,
+                             fake_t *f) {
+  agent_desc_t d = {.registration = registration};
   snprintf(d.agent_id, sizeof d.agent_id, "%s", id);
   snprintf(d.address, sizeof d.address, "%s", f->target);
   snprintf(d.device, sizeof d.device, "cpu");
   char err[256];
   cr_assert_eq(agent_pool_add(p, &d, rank, err, sizeof err), rank, "%s", err);
+}
+
+/* Admits an agent at rank and connects it to fake f as the registry would. */
+static void admit(agent_pool_t *p, int rank, const char *id, fake_t *f) {
+  add_registration(p, rank, id, 0, f);
   agent_pool_set_channel(p, (uint32_t)rank, id, 0, rpc_channel_create(f->target, &live_peer));
   agent_pool_set_healthy(p, (uint32_t)rank, id, 0, true);
+}
+
+/* rank's allocated bytes as the pool lists them (ListAgents). */
+static uint64_t pool_allocated(agent_pool_t *p, uint32_t rank) {
+  Meshd__V1__AgentInfo **infos = NULL;
+  size_t n = 0;
+  cr_assert_eq(agent_pool_snapshot(p, &infos, &n), 0);
+  uint64_t bytes = UINT64_MAX;
+  for (size_t i = 0; i < n; i++)
+    if (infos[i]->rank == rank) bytes = infos[i]->allocated_bytes;
+  agent_pool_snapshot_free(infos, n);
+  cr_assert_neq(bytes, UINT64_MAX, "no agent at rank %u", rank);
+  return bytes;
 }
 
 typedef struct { agent_pool_t *p; uint32_t rank; uint64_t want; } pool_want_t;
@@ -949,6 +977,100 @@ Test(agent_link, reports_stamped_with_the_agents_clock_set_its_grants_offset) {
   pool_destroy(p);
   fake_free(a);
   fake_free(b);
+}
+
+/* agent_pool_set_channel opens an agent's Execute link outside the pool's
+ * lock (it may take a round trip); the agent can leave and register again
+ * (same id, same rank) before the pool takes the lock again and finds the
+ * link stale. A test runs then: after_open(rank, after_open_arg), once, on
+ * the thread that opened the link, with the link open. agent_link_open is
+ * wrapped for this suite (-Wl,--wrap, tests/unit/CMakeLists.txt); unarmed,
+ * the wrapper only opens the link. */
+agent_link_t *__real_agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
+                                     uint64_t first_seq, const char *call_secret,
+                                     const agent_link_callbacks_t *cb);
+agent_link_t *__wrap_agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
+                                     uint64_t first_seq, const char *call_secret,
+                                     const agent_link_callbacks_t *cb);
+static void (*after_open)(uint32_t rank, void *arg);
+static void *after_open_arg;
+
+agent_link_t *__wrap_agent_link_open(rpc_channel_t *ch, uint32_t rank, const char *agent_id,
+                                     uint64_t first_seq, const char *call_secret,
+                                     const agent_link_callbacks_t *cb) {
+  agent_link_t *l = __real_agent_link_open(ch, rank, agent_id, first_seq, call_secret, cb);
+  void (*fn)(uint32_t, void *) = after_open;
+  after_open = NULL;
+  if (fn && l) fn(rank, after_open_arg);
+  return l;
+}
+
+static bool reported(void *arg) { return atomic_load(&((observer_t *)arg)->reports) > 0; }
+
+typedef struct {
+  agent_pool_t *p;
+  fake_t *old, *now;
+} reregister_t;
+
+/* Registration 1 of agent-0 leaves and registration 2 takes rank 0, with
+ * 1000 bytes allocated; then registration 1's agent, its link open by now,
+ * reports (the pool's on_report runs after the pool took the report's figures). */
+static void reregister_then_report(uint32_t rank, void *arg) {
+  reregister_t *rr = arg;
+  agent_pool_remove(rr->p, rank, "agent-0", 1, "registration ended");
+  add_registration(rr->p, (int)rank, "agent-0", 2, rr->now);
+  agent_pool_set_allocated(rr->p, rank, "agent-0", 2, 1000);
+  pthread_mutex_lock(&rr->old->mu);
+  rr->old->release = true;
+  pthread_cond_broadcast(&rr->old->cv);
+  pthread_mutex_unlock(&rr->old->mu);
+  cr_assert(eventually(reported, &obs, 10000), "registration 1's link never reported");
+}
+
+/* A late report of an earlier registration's link (4096 bytes allocated, a
+ * clock 90 s ahead) sets neither the new registration's allocated bytes
+ * (ListAgents) nor the clock offset its grants are written with. */
+Test(agent_link, stale_registrations_link_report_leaves_the_new_ones_figures) {
+  fake_t *old = fake_start(FAKE_ACK), *now = fake_start(FAKE_ACK);
+  old->clock_ahead_ms = 90000;
+  old->report_at_start = true;
+  agent_pool_t *p = make_pool();
+  add_registration(p, 0, "agent-0", 1, old);
+  reregister_t rr = {p, old, now};
+  after_open_arg = &rr;
+  after_open = reregister_then_report;
+  agent_pool_set_channel(p, 0, "agent-0", 1, rpc_channel_create(old->target, &live_peer));
+  cr_assert_null(after_open, "registration 1's link was never opened");
+  cr_assert_eq(pool_allocated(p, 0), 1000, "registration 2's allocated bytes were overwritten "
+               "by registration 1's link");
+  agent_target_t t;
+  cr_assert_eq(agent_pool_target(p, 0, 1000, &t), 0);
+  cr_assert_eq(t.clock_offset_ms, 0, "registration 1's clock set registration 2's offset: %lld",
+               (long long)t.clock_offset_ms);
+  /* Registration 1's link, dropped unused, carried nothing: no loss on the rank
+   * that registration 2 holds now (its meshes would read it as lost). */
+  cr_assert_eq(atomic_load(&obs.lost), 0, "a loss was reported on registration 2's rank");
+  pool_destroy(p);
+  fake_free(old);
+  fake_free(now);
+}
+
+/* An AgentStatus still coming on an earlier registration's call (registry.c)
+ * names that registration: it sets only that one's allocated bytes. */
+Test(agent_link, allocated_bytes_set_only_for_the_registration_named) {
+  fake_t *f = fake_start(FAKE_ACK);
+  agent_pool_t *p = make_pool();
+  add_registration(p, 0, "agent-0", 1, f);
+  agent_pool_set_allocated(p, 0, "agent-0", 1, 100);
+  cr_assert_eq(pool_allocated(p, 0), 100);
+  agent_pool_remove(p, 0, "agent-0", 1, "registration ended");
+  add_registration(p, 0, "agent-0", 2, f);
+  agent_pool_set_allocated(p, 0, "agent-0", 1, 200);
+  cr_assert_eq(pool_allocated(p, 0), 0, "registration 1's status set registration 2's bytes");
+  agent_pool_set_allocated(p, 0, "agent-0", 2, 300);
+  cr_assert_eq(pool_allocated(p, 0), 300);
+  pool_destroy(p);
+  fake_free(f);
 }
 
 /* A wait on a rank's progress sends what its link defers (watermark_set_kick):
