@@ -1292,7 +1292,11 @@ static void load_info(const Meshd__V1__CommandResult *r, meshd_load_info_t *info
   info->bytes = direct_dtype_bytes(t->dtype);
   for (size_t i = 0; i < info->ndim; i++) {
     info->shape[i] = t->shape[i];
-    info->bytes *= t->shape[i] > 0 ? (uint64_t)t->shape[i] : 0;
+    /* A shape is the server's to say: past 2^64 bytes the product wrapped (to
+     * 0 for [2^62] float32); UINT64_MAX says "too large" instead. */
+    if (__builtin_mul_overflow(info->bytes, t->shape[i] > 0 ? (uint64_t)t->shape[i] : 0,
+                               &info->bytes))
+      info->bytes = UINT64_MAX;
   }
 }
 

@@ -726,6 +726,15 @@ static json_object *agent_tls_json(const meshd_agent_t *a) {
   return t;
 }
 
+/* The agents table's TLS cell: the name the agents' certificates carry; "on"
+ * when the server sends the CA but no name (a direct-path client then checks
+ * the agent's address), which left the cell blank; "-" in plaintext. */
+static const char *agent_tls_cell(const meshd_agent_t *a) {
+  if (!a->tls_ca_pem)
+    return "-";
+  return a->tls_server_name && *a->tls_server_name ? a->tls_server_name : "on";
+}
+
 static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
   (void)argc;
   (void)argv;
@@ -747,7 +756,7 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
     int w_addr = (int)strlen("ADDRESS"), w_dev = (int)strlen("DEVICE"), w_tls = (int)strlen("TLS");
     for (size_t i = 0; i < n; i++) {
       int a = (int)strlen(agents[i].address), d = (int)strlen(agents[i].device);
-      int t = agents[i].tls_server_name ? (int)strlen(agents[i].tls_server_name) : 1;
+      int t = (int)strlen(agent_tls_cell(&agents[i]));
       w_addr = a > w_addr ? a : w_addr;
       w_dev = d > w_dev ? d : w_dev;
       w_tls = t > w_tls ? t : w_tls;
@@ -761,8 +770,7 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
       printf("%-5" PRIu32 " %-*s %-*s %-9s %-9s %-7s %-7s %-*s %s\n", agents[i].rank, w_addr,
              agents[i].address, w_dev, agents[i].device, mem, alloc,
              agents[i].healthy ? "yes" : "no", agents[i].drained ? "yes" : "no", w_tls,
-             agents[i].tls_server_name ? agents[i].tls_server_name : "-",
-             *agents[i].version ? agents[i].version : "-");
+             agent_tls_cell(&agents[i]), *agents[i].version ? agents[i].version : "-");
     }
   }
   if (n == 0)
@@ -776,7 +784,21 @@ static int cmd_agents(meshd_client_t *c, int argc, char **argv) {
 /* The signal (SIGINT, SIGTERM) that came during --watch or a load's wait; 0: none. */
 static volatile sig_atomic_t interrupted;
 
-static void on_interrupt(int sig) { interrupted = sig; }
+/* The first signal is noted for the loop in progress to stop at its next look
+ * and close its session. A second one ends meshctl at once, with a line and
+ * exit 128 + the signal: the first may be waiting on a call that does not
+ * answer (a load's Execute, a CloseSession), and Ctrl-C again was swallowed
+ * until that call's --timeout-ms. Only async-signal-safe calls here. */
+static void on_interrupt(int sig) {
+  if (interrupted) {
+    static const char msg[] = "meshctl: interrupted again; exiting now (a session "
+                              "not yet closed ends at its lease)\n";
+    ssize_t w = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)w;
+    _exit(128 + sig);
+  }
+  interrupted = sig;
+}
 
 static double now_s(void) {
   struct timespec ts;
@@ -1186,6 +1208,8 @@ typedef struct progress {
   bool shown;
   char note[96];      /* after the figures: "  (no answer from rank 1)"; "" none */
   bool note_changed;  /* redraw at the next call, however recent the last */
+  bool ended;         /* the complete line is out: a load's last look, then its Sync's
+                         call, drew it twice */
 } progress_t;
 
 /* meshd_wait_load_options_t.silent: the ranks the last look did not hear from. */
@@ -1205,8 +1229,31 @@ static void show_silent(void *user, const uint32_t *ranks, size_t n) {
   }
 }
 
+/* "12.0MiB / 64.0MiB  18%  45.1 MB/s"; an empty tensor (total 0: the server
+ * knows the size before the first look) "0B  done", not "0B / 0B 100%". The
+ * percentage in floating point: done * 100 wrapped past 2^64 / 100 (a figure
+ * the server sends) into a wrong or negative one. */
+static void progress_figures(uint64_t done, uint64_t total, double ran, char *buf, size_t len) {
+  char d[32], n[32];
+  human_bytes(done, d, sizeof d);
+  if (total == 0) {
+    snprintf(buf, len, "%s  done", d);
+    return;
+  }
+  human_bytes(total, n, sizeof n);
+  int pct = 100;
+  if (done < total) { /* 99% at most until it is in, however the double rounds */
+    double x = (double)done * 100.0 / (double)total;
+    pct = x < 99.0 ? (int)x : 99;
+  }
+  snprintf(buf, len, "%s / %s %3d%%  %.1f MB/s", d, n, pct,
+           ran > 0 ? (double)done / ran / 1e6 : 0.0);
+}
+
 static void show_progress(void *user, uint64_t done, uint64_t total) {
   progress_t *p = user;
+  if (p->ended)
+    return;
   double t = now_s(), ran = t - p->start;
   bool late = ran * 1000.0 >= (double)progress_delay_ms;
   if (done == total) p->note[0] = '\0'; /* complete: nothing is missing */
@@ -1214,18 +1261,17 @@ static void show_progress(void *user, uint64_t done, uint64_t total) {
   p->note_changed = false;
   if (!redraw && (done < total ? !late || (p->shown && t - p->last < 0.2) : !late && !p->shown))
     return;
-  char d[32], n[32];
-  human_bytes(done, d, sizeof d);
-  human_bytes(total, n, sizeof n);
+  char figures[128];
+  progress_figures(done, total, ran, figures, sizeof figures);
   /* Not a terminal (--progress=true into a log): no escape to clear the line. */
   static int tty = -1;
   if (tty < 0)
     tty = isatty(STDERR_FILENO);
-  fprintf(stderr, "\r%s: %s / %s %3d%%  %.1f MB/s%s%s%s", p->what, d, n,
-          total ? (int)(done * 100 / total) : 100, ran > 0 ? (double)done / ran / 1e6 : 0.0,
-          p->note, tty ? "\033[K" : "", done == total ? "\n" : "");
+  fprintf(stderr, "\r%s: %s%s%s%s", p->what, figures, p->note, tty ? "\033[K" : "",
+          done == total ? "\n" : "");
   fflush(stderr);
   p->shown = done < total;
+  p->ended = done == total;
   p->last = t;
 }
 
@@ -1243,7 +1289,7 @@ static int run_fetch(script_t *sc, char **tok, int ntok) {
   meshd_values_t v;
   char what[128];
   snprintf(what, sizeof what, "fetch %s", tok[1]);
-  progress_t p = {what, now_s(), 0, false, "", false};
+  progress_t p = {what, now_s(), 0, false, "", false, false};
   meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
   if (progress_on) {
     o.progress = show_progress;
@@ -1375,7 +1421,7 @@ static int load_check(const load_req_t *q, const char *pre, char *err, size_t er
  * lease; the default handlers are back on return. */
 static meshd_err_t load_and_wait(meshd_session_t *s, meshd_ref_t mesh, const char *url,
                                  load_req_t *q, const char *what, meshd_ref_t *ref) {
-  progress_t p = {what, now_s(), 0, false, "", false};
+  progress_t p = {what, now_s(), 0, false, "", false, false};
   struct sigaction sa, old_int, old_term;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_interrupt;
@@ -1649,11 +1695,11 @@ static int cmd_run(meshd_client_t *c, int argc, char **argv) {
   int r = EXIT_OK;
   /* SIGINT and SIGTERM stop the script after its line (a sync within a second),
    * and the session is closed below instead of left to its lease with its
-   * tensors; a second signal ends meshctl at once. */
+   * tensors; a second signal ends meshctl at once (on_interrupt), a load's
+   * wait and handler in between included. */
   struct sigaction sa, old_int, old_term;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_interrupt;
-  sa.sa_flags = (int)SA_RESETHAND;
   sigemptyset(&sa.sa_mask);
   interrupted = 0;
   sigaction(SIGINT, &sa, &old_int);
@@ -1853,7 +1899,9 @@ static int cmd_load(meshd_client_t *c, int argc, char **argv) {
     r = load_failed(c, what, e);
     goto out;
   }
-  uint64_t fetched = info.bytes * ranks;
+  uint64_t fetched; /* sizes a server sends: capped at UINT64_MAX ("16.0EiB"), not wrapped */
+  if (__builtin_mul_overflow(info.bytes, ranks, &fetched))
+    fetched = UINT64_MAX;
   double mbps = secs > 0 ? (double)fetched / secs / 1e6 : 0.0;
   char shape[16 * 21 + 3] = "[";
   size_t used = 1;

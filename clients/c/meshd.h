@@ -320,7 +320,7 @@ typedef struct meshd_load_info {
   char dtype[16];     /* "float32", "bfloat16", ... */
   int64_t shape[16];  /* each rank's local shape (sharded: its slice) */
   size_t ndim;
-  uint64_t bytes;     /* one rank's bytes: numel x dtype size */
+  uint64_t bytes;     /* one rank's bytes: numel x dtype size (UINT64_MAX past 2^64) */
 } meshd_load_info_t;
 
 /* What meshd_session_load loads (docs/loading.md). Zeroed: a .npy file, or a

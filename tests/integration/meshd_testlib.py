@@ -139,6 +139,23 @@ def tensor_pb2():
     return _pb["tensor"]
 
 
+def fake_tensor_service(**methods):
+    """An in-process TensorService answering methods {name: (fn, request class)} (unary):
+    a server that says what a test needs, hostile figures included. (server, port);
+    server.stop(0) it."""
+    t = tensor_pb2()  # noqa: F841 (the messages' module loaded before a handler needs it)
+    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
+        name: grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString,
+            response_serializer=lambda m: m.SerializeToString())
+        for name, (fn, req) in methods.items()})
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
 def registry_pb2():
     """meshd.v1.AgentRegistry's messages (agent_registry.proto)."""
     if not _pb:

@@ -224,22 +224,6 @@ def test_list_agents_is_paged_by_rank(meshd_server, agent):
     assert [a.rank for a in _agents_page(srv.port, 5, tok).agents] == [2, 4]
 
 
-def _fake_tensor_service(**methods):
-    """An in-process TensorService answering methods {name: (fn, request class)}: a
-    server that says what a test needs. (server, port); server.stop(0) it."""
-    import concurrent.futures
-    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
-        name: grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString,
-            response_serializer=lambda m: m.SerializeToString())
-        for name, (fn, req) in methods.items()})
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
-
-
 def _paged_agents(agents, per_page):
     """A ListAgents handler answering `agents` per_page a page, by rank."""
     t = lib.tensor_pb2()
@@ -267,7 +251,7 @@ def test_meshctl_version_lists_every_agent_past_what_get_info_holds():
         return t.GetInfoReply(version="9.9.9", commit="abc", build_type="Release", uptime_ms=5,
                               agents=agents[:2], agents_truncated=True, agents_total=5,
                               agents_healthy=5)
-    server, port = _fake_tensor_service(GetInfo=(get_info, t.GetInfoRequest),
+    server, port = lib.fake_tensor_service(GetInfo=(get_info, t.GetInfoRequest),
                                         ListAgents=(_paged_agents(agents, 2), t.ListAgentsRequest))
     try:
         r = tm.meshctl(f"127.0.0.1:{port}", "--output", "json", "version")
@@ -300,7 +284,7 @@ def test_meshctl_agents_follows_the_pages():
             return t.ListAgentsReply(next_page_token="7.00000000")
         return pages(request, context)
 
-    server, port = _fake_tensor_service(ListAgents=(list_agents, t.ListAgentsRequest))
+    server, port = lib.fake_tensor_service(ListAgents=(list_agents, t.ListAgentsRequest))
     try:
         r = tm.meshctl(f"127.0.0.1:{port}", "--output", "json", "agents")
         assert r.returncode == 0, tm._show(r)

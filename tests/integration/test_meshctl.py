@@ -117,6 +117,31 @@ def test_agents_lists_two_ranks(meshd_server):
         assert row[head.index("TLS")] == "-", _show(r)  # plaintext agents
 
 
+def test_agents_tls_cell_is_never_blank():
+    """A server that sends the agents' CA but no server name (`--cluster-name ""`, or an
+    older server) left the TLS cell blank, the columns after it shifted; it says `on`
+    (a direct-path client checks the agent's address), `-` in plaintext."""
+    t = lib.tensor_pb2()
+    agent = t.AgentInfo(rank=0, healthy=True, address="127.0.0.1:9000", device="cpu",
+                        version="9.9.9")
+    tls = {"v": t.AgentTls(ca_pem="-----BEGIN CERTIFICATE-----\n", server_name="")}
+
+    def list_agents(request, context):
+        return t.ListAgentsReply(agents=[agent], agent_tls=tls["v"])
+
+    server, port = lib.fake_tensor_service(ListAgents=(list_agents, t.ListAgentsRequest))
+    try:
+        for v, cell in ((tls["v"], "on"), (t.AgentTls(), "-"),
+                        (t.AgentTls(ca_pem="x", server_name="meshd-cluster"), "meshd-cluster")):
+            tls["v"] = v
+            r = meshctl(f"127.0.0.1:{port}", "agents")
+            assert r.returncode == 0, _show(r)
+            head, row = r.stdout.splitlines()
+            cols = dict(zip(head.split(), row.split()))
+            assert cols["TLS"] == cell and cols["VERSION"] == "9.9.9", _show(r)
+    finally:
+        server.stop(0)
+
 
 # ------------------------------------------------- TLS, mTLS and bearer tokens
 # One server of each kind for the tests below: plaintext with tokens and 2 agents (a
@@ -626,6 +651,7 @@ def load_files(tmp_path_factory):
         lib.safetensors_bytes({"wte": arrays["wte"], "bias": arrays["bias"]}))
     (root / "raw.bin").write_bytes(arrays["raw.bin"].tobytes())
     (root / "two.bin").write_bytes(arrays["two.bin"].tobytes())
+    (root / "empty.bin").write_bytes(b"")
     with lib.HttpFiles(root) as files:
         yield files, arrays
 
@@ -711,6 +737,121 @@ def test_load_progress_line_forced_and_hidden(shared_meshd, load_files, tmp_path
     assert rc == 0 and "float32" in out and term == "", repr(term)
     rc, out, term = _meshctl_on_pty(srv, *args)
     assert rc == 0 and "load x.npy: 48B / 48B 100%" in term, repr(term)
+
+
+def test_progress_of_an_empty_tensor_says_done_not_0_of_0(shared_meshd, load_files, tmp_path):
+    """A load or fetch of a tensor with no bytes drew `0B / 0B 100%`; it says `0B  done`."""
+    srv = shared_meshd(2)
+    files, _ = load_files
+    script = tmp_path / "empty.txt"
+    script.write_text(f"mesh m gpu=2\ne = load m {files.url('empty.bin')} dtype=float32 shape=0\n"
+                      f"fetch e gpu=0\n")
+    r = meshctl(srv.address, "--progress", "--progress-delay-ms", "0", "run", str(script))
+    assert r.returncode == 0 and r.stdout == "e [0]\n", _show(r)
+    assert "0B / 0B" not in r.stderr, repr(r.stderr)
+    assert re.search(r"(?m)^load e: 0B  done$", r.stderr), repr(r.stderr)
+    assert re.search(r"(?m)^fetch e: 0B  done$", r.stderr), repr(r.stderr)
+
+
+def _fake_load_server(shape, progress, hang_load=None):
+    """A TensorService that takes a session, a mesh and a load of a float32 tensor of
+    `shape` (what the server says, however large), answers LoadProgress with the
+    (done, total) pairs of `progress` in turn (the last one again after them), and
+    Syncs. hang_load: an Event the Load's Execute sets, then waits up to 10 s.
+    (server, port)."""
+    import threading
+    t = lib.tensor_pb2()
+    looks = iter(progress)
+    last = [progress[-1]]
+
+    def create_session(request, context):
+        return t.CreateSessionReply(session_id="fake", token="fake-token", ttl_seconds=300)
+
+    def execute(request, context):
+        kind = request.WhichOneof("kind")
+        if kind == "create_mesh":
+            return t.CommandResult(seq=request.seq, mesh=t.MeshMeta(ref=1, ranks=[0, 1]))
+        if kind == "load":
+            if hang_load is not None:
+                hang_load.set()
+                threading.Event().wait(10)
+            return t.CommandResult(seq=request.seq, tensors=[t.TensorMeta(
+                ref=2, shape=shape, dtype=t.DTYPE_FLOAT32, mesh=1)])
+        return t.CommandResult(seq=request.seq)
+
+    def load_progress(request, context):
+        done, total = next(looks, last[0])
+        return t.LoadProgressReply(loads=[t.LoadProgress(ref=r, done_bytes=done,
+                                                         total_bytes=total)
+                                          for r in request.refs])
+
+    return lib.fake_tensor_service(
+        CreateSession=(create_session, t.CreateSessionRequest),
+        CloseSession=(lambda rq, ctx: t.CloseSessionReply(), t.CloseSessionRequest),
+        KeepAlive=(lambda rq, ctx: t.KeepAliveReply(ttl_seconds=300), t.KeepAliveRequest),
+        Execute=(execute, t.Command),
+        LoadProgress=(load_progress, t.LoadProgressRequest))
+
+
+def test_load_figures_a_server_sends_past_2_64_do_not_wrap():
+    """A server's shape sizes the load (BYTES, FETCHED) and its LoadProgress the line:
+    [2^61] float32 on 2 ranks is 2^64 bytes, which wrapped FETCHED to 0B, and done
+    past 2^64 / 100 wrapped the percentage (done * 100); [2^62] wrapped BYTES to 0.
+    Capped at 2^64 - 1 and computed in floating point: 16.0EiB and 33%."""
+    big = (1 << 64) - 1
+    shape = [1 << 61]
+    server, port = _fake_load_server(shape, [(big // 3, big), (big, big)])
+    try:
+        r = meshctl(f"127.0.0.1:{port}", "--progress", "--progress-delay-ms", "0", "load",
+                    "http://127.0.0.1:1/w.bin", "--dtype", "float32", "--shape", str(1 << 61),
+                    "--mesh", "gpu=2")
+        assert r.returncode == 0, _show(r)
+        head, row = r.stdout.splitlines()
+        cols = dict(zip(head.split(), row.split()))
+        assert cols["BYTES"] == "8.0EiB" and cols["FETCHED"] == "16.0EiB", _show(r)
+        assert re.search(r"(?m)^load w\.bin: 5\.3EiB / 16\.0EiB  33%", r.stderr), repr(r.stderr)
+        assert len(re.findall(r"(?m)^load w\.bin: 16\.0EiB / 16\.0EiB 100%", r.stderr)) == 1, \
+            repr(r.stderr)  # once: the last look's line was drawn again after the Sync
+        r = meshctl(f"127.0.0.1:{port}", "--output", "json", "load", "http://127.0.0.1:1/w.bin",
+                    "--dtype", "float32", "--shape", str(1 << 61), "--mesh", "gpu=2")
+        doc = _json(r)
+        assert r.returncode == 0 and doc["bytes"] == 1 << 63 and doc["fetched_bytes"] == big, doc
+        shape[0] = 1 << 62  # one rank's bytes past 2^64 (the client's product wrapped to 0)
+        r = meshctl(f"127.0.0.1:{port}", "--output", "json", "load", "http://127.0.0.1:1/w.bin",
+                    "--dtype", "float32", "--shape", str(1 << 62), "--mesh", "gpu=2")
+        doc = _json(r)
+        assert r.returncode == 0 and doc["bytes"] == big and doc["fetched_bytes"] == big, doc
+    finally:
+        server.stop(0)
+
+
+def test_a_second_ctrl_c_ends_run_while_a_load_does_not_answer(tmp_path):
+    """Ctrl-C during a `run` script's load whose Execute the server does not answer:
+    the first stops the script at the call's end; a second was swallowed (the load's
+    handler, then run's own) and meshctl waited out --timeout-ms. The second ends it
+    at once: a line, exit 130."""
+    import threading
+    at_load = threading.Event()
+    server, port = _fake_load_server([4], [(16, 16)], hang_load=at_load)
+    script = tmp_path / "s.txt"
+    script.write_text("mesh m gpu=2\nx = load m http://127.0.0.1:1/w.bin dtype=float32 shape=4\n")
+    p = subprocess.Popen([lib.MESHCTL, "--server", f"127.0.0.1:{port}", "--timeout-ms", "20000",
+                          "run", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=lib.clean_env(None))
+    try:
+        assert at_load.wait(10), p.poll()
+        p.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(0.3)  # the first waits for the call (at most --timeout-ms)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=5)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        server.stop(0)
+    assert p.returncode == 130, f"rc={p.returncode}\n{out}\n{err}"
+    assert "meshctl: interrupted again; exiting now" in err, err
 
 
 def _agent_of_rank(srv, rank):
@@ -1032,7 +1173,6 @@ def test_load_survives_a_server_that_lists_absurd_ranks():
     ranks. A rank is the server's to say: 0xffffffff wrapped the array's bound to 0 and
     meshctl wrote past it (SIGSEGV); 0x7fffffff allocated 2 GiB. A fake server lists
     such ranks and then refuses the session: meshctl reports that, exit 3."""
-    import concurrent.futures
     import grpc
     t = lib.tensor_pb2()
     agents = [t.AgentInfo(rank=r, healthy=True, address=f"127.0.0.1:{9000 + i}")
@@ -1044,17 +1184,9 @@ def test_load_survives_a_server_that_lists_absurd_ranks():
     def create_session(request, context):
         context.abort(grpc.StatusCode.UNAVAILABLE, "this fake serves no sessions")
 
-    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
-        "ListAgents": grpc.unary_unary_rpc_method_handler(
-            list_agents, request_deserializer=t.ListAgentsRequest.FromString,
-            response_serializer=lambda m: m.SerializeToString()),
-        "CreateSession": grpc.unary_unary_rpc_method_handler(
-            create_session, request_deserializer=t.CreateSessionRequest.FromString,
-            response_serializer=lambda m: m.SerializeToString())})
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = lib.fake_tensor_service(
+        ListAgents=(list_agents, t.ListAgentsRequest),
+        CreateSession=(create_session, t.CreateSessionRequest))
     try:
         r = meshctl(f"127.0.0.1:{port}", "load", "file:///tmp/nowhere.npy")
     finally:
@@ -1121,9 +1253,7 @@ def test_load_out_of_memory_still_prints_its_json_document(tmp_path):
     exited 3 (a call failed) where report() says out of memory is exit 1 and
     RESOURCE_EXHAUSTED. A fake server lists 777 agents and an LD_PRELOAD shim fails that
     one allocation."""
-    import concurrent.futures
     import shutil
-    import grpc
     cc = shutil.which("cc")
     if not cc:
         pytest.skip("no C compiler for the allocation shim")
@@ -1140,14 +1270,7 @@ def test_load_out_of_memory_still_prints_its_json_document(tmp_path):
     def list_agents(request, context):
         return t.ListAgentsReply(agents=agents)
 
-    handler = grpc.method_handlers_generic_handler("meshd.v1.TensorService", {
-        "ListAgents": grpc.unary_unary_rpc_method_handler(
-            list_agents, request_deserializer=t.ListAgentsRequest.FromString,
-            response_serializer=lambda m: m.SerializeToString())})
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = lib.fake_tensor_service(ListAgents=(list_agents, t.ListAgentsRequest))
     env = {"LD_PRELOAD": str(so)}
     try:
         r = meshctl(f"127.0.0.1:{port}", "--output", "json", "load", "file:///tmp/nowhere.npy",
