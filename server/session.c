@@ -15,32 +15,40 @@
 
 #define EXPIRE_PERIOD_MS 500
 
-/* Open sessions per principal: CreateSession checks --max-sessions-per-principal
- * against this count instead of walking every session. An entry lives while
- * its principal holds a session (each session points at its own). */
-typedef struct owner_count {
-  char owner[SESSION_OWNER_MAX + 1];
-  uint64_t open;
-  UT_hash_handle hh;
-} owner_count_t;
-
 /* One slot of the open sessions in seq order; s NULL once it left. */
 typedef struct seq_slot {
   uint64_t seq;
   session_t *s;
 } seq_slot_t;
 
+/* Open sessions by seq, for ListSessions' pages: a page finds where it starts
+ * by binary search instead of walking every session before it. Appended at
+ * creation (seqs only grow); a session that leaves empties its slot, the empty
+ * slots are squeezed out once they are half of all, and the array halves when
+ * less than a quarter of it is used (a burst of sessions does not keep its
+ * memory once they are gone). */
+typedef struct seq_index {
+  seq_slot_t *v;
+  size_t n, cap, empty;
+} seq_index_t;
+
+/* Open sessions per principal: CreateSession checks --max-sessions-per-principal
+ * against this count instead of walking every session, and a non-admin's
+ * ListSessions page walks this principal's own index, not everyone's. An entry
+ * lives while its principal holds a session (each session points at its own). */
+typedef struct owner_count {
+  char owner[SESSION_OWNER_MAX + 1];
+  uint64_t open;
+  seq_index_t order; /* its open sessions */
+  UT_hash_handle hh;
+} owner_count_t;
+
 struct session_table {
   pthread_mutex_t mu;
   pthread_cond_t wake; /* CLOCK_MONOTONIC; signalled to stop the thread */
   session_t *by_id;    /* uthash, in creation order; holds one ref each */
   owner_count_t *owners; /* uthash by owner: open sessions of each principal */
-  /* The open sessions by seq, for ListSessions' pages: a page finds where it
-   * starts by binary search instead of walking every session before it.
-   * Appended at creation (seqs only grow); a session that leaves empties its
-   * slot, and the empty slots are squeezed out once they are half of all. */
-  seq_slot_t *order;
-  size_t norder, order_cap, order_empty;
+  seq_index_t order;     /* every open session (an admin's pages) */
   uint64_t default_ttl_s, default_quota;
   uint64_t max_per_owner; /* 0: none */
   uint64_t max_sessions;  /* 0: none */
@@ -152,50 +160,83 @@ void session_set_objects(session_t *s, void *objects, void (*destroy)(void *obje
 
 /* ------------------------------------------------------------------ indexes (under t->mu) */
 
-/* Room in t->order for one more slot: 0, or -1 out of memory. */
-static int order_reserve(session_table_t *t) {
-  if (t->norder < t->order_cap) return 0;
-  size_t cap = t->order_cap ? t->order_cap * 2 : 64;
-  seq_slot_t *v = realloc(t->order, cap * sizeof *v);
+/* The fewest slots an index keeps once it has any (a principal's few sessions). */
+#define SEQ_INDEX_MIN_CAP 8
+
+/* Room in x for one more slot: 0, or -1 out of memory. */
+static int index_reserve(seq_index_t *x) {
+  if (x->n < x->cap) return 0;
+  size_t cap = x->cap ? x->cap * 2 : SEQ_INDEX_MIN_CAP;
+  seq_slot_t *v = realloc(x->v, cap * sizeof *v);
   if (!v) return -1;
-  t->order = v;
-  t->order_cap = cap;
+  x->v = v;
+  x->cap = cap;
   return 0;
 }
 
-/* The first slot whose seq is above `after` (t->norder when none is). */
-static size_t order_first_after(const session_table_t *t, uint64_t after) {
-  size_t lo = 0, hi = t->norder;
+/* After index_reserve: s has the highest seq yet. */
+static void index_append(seq_index_t *x, session_t *s) {
+  x->v[x->n++] = (seq_slot_t){.seq = s->seq, .s = s};
+}
+
+/* The first slot whose seq is above `after` (x->n when none is). */
+static size_t index_first_after(const seq_index_t *x, uint64_t after) {
+  size_t lo = 0, hi = x->n;
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
-    if (t->order[mid].seq <= after) lo = mid + 1;
+    if (x->v[mid].seq <= after) lo = mid + 1;
     else hi = mid;
   }
   return lo;
 }
 
-static void order_remove(session_table_t *t, const session_t *s) {
-  size_t i = order_first_after(t, s->seq - 1);
-  if (i == t->norder || t->order[i].s != s) return; /* not in the table: nothing to do */
-  t->order[i].s = NULL;
-  if (++t->order_empty * 2 <= t->norder) return;
+/* Halves the array while less than a quarter of it is used: growth doubles at
+ * full, so a size near either bound does not flip between the two. A failed
+ * shrink keeps the larger array (it still works). */
+static void index_shrink(seq_index_t *x) {
+  size_t cap = x->cap;
+  while (cap > SEQ_INDEX_MIN_CAP && x->n < cap / 4) cap /= 2;
+  if (cap == x->cap) return;
+  seq_slot_t *v = realloc(x->v, cap * sizeof *v);
+  if (!v) return;
+  x->v = v;
+  x->cap = cap;
+}
+
+static void index_remove(seq_index_t *x, const session_t *s) {
+  size_t i = index_first_after(x, s->seq - 1);
+  if (i == x->n || x->v[i].s != s) return; /* not in the index: nothing to do */
+  x->v[i].s = NULL;
+  if (++x->empty * 2 <= x->n) return;
   /* Squeezed once half are empty: each squeeze follows as many removals as
    * the slots it moves, so a removal costs O(1) on average. */
   size_t k = 0;
-  for (size_t j = 0; j < t->norder; j++)
-    if (t->order[j].s) t->order[k++] = t->order[j];
-  t->norder = k;
-  t->order_empty = 0;
+  for (size_t j = 0; j < x->n; j++)
+    if (x->v[j].s) x->v[k++] = x->v[j];
+  x->n = k;
+  x->empty = 0;
+  index_shrink(x);
 }
 
-/* A session that leaves the table gives back its principal's count. */
+static void index_free(seq_index_t *x) {
+  free(x->v);
+  *x = (seq_index_t){0};
+}
+
+static void free_owner(session_table_t *t, owner_count_t *c) {
+  HASH_DEL(t->owners, c);
+  index_free(&c->order);
+  free(c);
+}
+
+/* A session that leaves the table leaves its principal's index and gives back
+ * its count. */
 static void uncount_owner(session_table_t *t, session_t *s) {
   owner_count_t *c = s->counted;
   s->counted = NULL;
-  if (c && --c->open == 0) {
-    HASH_DEL(t->owners, c);
-    free(c);
-  }
+  if (!c) return;
+  index_remove(&c->order, s);
+  if (--c->open == 0) free_owner(t, c);
 }
 
 /* Out of every index, marked closed: the one way a session leaves the table
@@ -204,7 +245,7 @@ static void uncount_owner(session_table_t *t, session_t *s) {
  * moves to the caller, who announces the end and then releases it. */
 static void unlink_locked(session_table_t *t, session_t *s) {
   HASH_DEL(t->by_id, s);
-  order_remove(t, s);
+  index_remove(&t->order, s);
   uncount_owner(t, s);
   atomic_store(&s->closed, true);
 }
@@ -300,11 +341,8 @@ void session_table_destroy(session_table_t *t) {
     if (!full) break;
   }
   owner_count_t *c, *ctmp;
-  HASH_ITER(hh, t->owners, c, ctmp) { /* none: each left with its last session */
-    HASH_DEL(t->owners, c);
-    free(c);
-  }
-  free(t->order);
+  HASH_ITER(hh, t->owners, c, ctmp) free_owner(t, c); /* none: each left with its last session */
+  index_free(&t->order);
   pthread_cond_destroy(&t->wake);
   pthread_mutex_destroy(&t->mu);
   free(t);
@@ -369,16 +407,20 @@ static int discard_new(session_t *s) {
 }
 
 /* Under t->mu: the count of owner's open sessions, made (at 0) if there is
- * none, so that the session about to be added can be counted; NULL out of memory. */
+ * none, with room in its index for the session about to be added; NULL out of
+ * memory (a count made here is not kept). */
 static owner_count_t *owner_count_for(session_table_t *t, const char *owner) {
   owner_count_t *c;
   HASH_FIND_STR(t->owners, owner, c);
-  if (c) return c;
-  c = calloc(1, sizeof *c);
-  if (!c) return NULL;
-  snprintf(c->owner, sizeof c->owner, "%s", owner);
-  HASH_ADD_STR(t->owners, owner, c);
-  return c;
+  if (!c) {
+    c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    snprintf(c->owner, sizeof c->owner, "%s", owner);
+    HASH_ADD_STR(t->owners, owner, c);
+  }
+  if (index_reserve(&c->order) == 0) return c;
+  if (c->open == 0) free_owner(t, c);
+  return NULL;
 }
 
 int session_create(session_table_t *t, const char *owner, const char *client_name, uint64_t ttl_s,
@@ -437,14 +479,15 @@ int session_create(session_table_t *t, const char *owner, const char *client_nam
     HASH_FIND_STR(t->by_id, s->id, dup);
     if (!dup) break;
   }
-  if (order_reserve(t) != 0 || !(mine = owner_count_for(t, s->owner))) {
+  if (index_reserve(&t->order) != 0 || !(mine = owner_count_for(t, s->owner))) {
     pthread_mutex_unlock(&t->mu);
     error_set(err, ERR_UNAVAILABLE, "CreateSession: out of memory");
     return discard_new(s);
   }
   s->seq = ++t->last_seq;
   HASH_ADD_STR(t->by_id, id, s);
-  t->order[t->norder++] = (seq_slot_t){.seq = s->seq, .s = s};
+  index_append(&t->order, s);
+  index_append(&mine->order, s);
   mine->open++;
   s->counted = mine;
   pthread_mutex_unlock(&t->mu);
@@ -620,7 +663,16 @@ int session_list_page(session_table_t *t, const char *owner, uint64_t after, siz
     pthread_mutex_unlock(&t->mu);
     return -2;
   }
+  /* A principal's page walks its own sessions only, whoever else holds many. */
+  static const seq_index_t none; /* a principal with no open session */
+  const seq_index_t *x = &t->order;
   size_t count = HASH_COUNT(t->by_id);
+  if (owner) {
+    owner_count_t *c;
+    HASH_FIND_STR(t->owners, owner, c);
+    x = c ? &c->order : &none;
+    count = c ? c->open : 0;
+  }
   size_t cap = count < limit ? count : limit;
   session_info_t *v = cap ? calloc(cap, sizeof *v) : NULL;
   if (cap && !v) {
@@ -628,9 +680,9 @@ int session_list_page(session_table_t *t, const char *owner, uint64_t after, siz
     return -1;
   }
   size_t i = 0;
-  for (size_t k = order_first_after(t, after); k < t->norder; k++) {
-    session_t *s = t->order[k].s;
-    if (!s || (owner && strcmp(s->owner, owner) != 0)) continue;
+  for (size_t k = index_first_after(x, after); k < x->n; k++) {
+    session_t *s = x->v[k].s;
+    if (!s) continue;
     if (i == cap) {
       *next = v[i - 1].seq; /* another row follows */
       break;
@@ -645,6 +697,18 @@ int session_list_page(session_table_t *t, const char *owner, uint64_t after, siz
   *out = v;
   *n = i;
   return 0;
+}
+
+size_t session_table_index_capacity(session_table_t *t, const char *owner) {
+  pthread_mutex_lock(&t->mu);
+  size_t cap = t->order.cap;
+  if (owner) {
+    owner_count_t *c;
+    HASH_FIND_STR(t->owners, owner, c);
+    cap = c ? c->order.cap : 0;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return cap;
 }
 
 /* ------------------------------------------------------------------ refs */

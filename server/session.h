@@ -225,6 +225,10 @@ int session_list(session_table_t *t, session_info_t **out, size_t *n);
  * no seq this table ever gave (a forged page token). */
 int session_list_page(session_table_t *t, const char *owner, uint64_t after, size_t limit,
                       session_info_t **out, size_t *n, uint64_t *next);
+/* Slots allocated for the seq index of owner's open sessions (NULL: of every
+ * session; 0 when owner holds none): for tests, which check that the index
+ * gives its memory back as sessions leave. */
+size_t session_table_index_capacity(session_table_t *t, const char *owner);
 
 /* Claims ref for a new object of s. Refs are >= 1 and strictly increase within
  * a session; a claimed ref stays claimed even if the command then fails.

@@ -261,6 +261,121 @@ Test(session, pages_follow_seq_order_while_sessions_close) {
   ASSERT_NO_BAD();
 }
 
+static session_t *create_as(const char *owner) {
+  session_t *s = NULL;
+  cr_assert_eq(session_create(table, owner, "c", 0, 0, &s, &err), 0, "%s", err.msg);
+  return s;
+}
+
+/* Every page of owner's sessions (NULL: an admin's listing) after `after`,
+ * page size `size`: the rows must be want[0..nwant) in order, each once. */
+static void expect_pages(const char *owner, uint64_t after, size_t size, session_t **want,
+                         size_t nwant) {
+  const char *label = owner ? owner : "admin";
+  size_t got = 0;
+  for (int pages = 0;; pages++) {
+    cr_assert_lt(pages, 10000, "next never ran out");
+    session_info_t *v;
+    size_t n;
+    uint64_t next;
+    cr_assert_eq(session_list_page(table, owner, after, size, &v, &n, &next), 0);
+    cr_assert_leq(n, size);
+    for (size_t k = 0; k < n; k++, got++) {
+      cr_assert_lt(got, nwant, "%s: more rows than its open sessions", label);
+      cr_assert_str_eq(v[k].id, want[got]->id, "%s: row %zu (page size %zu)", label, got, size);
+      if (owner) cr_assert_str_eq(v[k].owner, owner);
+    }
+    free(v);
+    if (!next) break;
+    cr_assert_eq(next, want[got - 1]->seq);
+    after = next;
+  }
+  cr_assert_eq(got, nwant, "%s: the pages left out open sessions (page size %zu)", label, size);
+}
+
+/* A principal's pages come from its own index: with many principals' sessions
+ * interleaved and some closed, each principal's pages are its open sessions
+ * after the token's seq, oldest first, once each; a token naming another
+ * principal's session (or a closed one) goes on after that seq, as before. */
+Test(session, a_principals_pages_among_many_interleaved_principals) {
+  enum { N = 600, P = 5 };
+  static const char *const who[P] = {"p0", "p1", "p2", "p3", "p4"};
+  session_t *s[N];
+  int owner_of[N];
+  unsigned r = 12345;
+  for (int i = 0; i < N; i++) {
+    r = r * 1103515245u + 12345u;
+    owner_of[i] = (int)((r >> 16) % P);
+    s[i] = create_as(who[owner_of[i]]);
+  }
+  bool open[N];
+  for (int i = 0; i < N; i++) {
+    open[i] = (i % 5) != 2 && (i % 7) != 3;
+    if (!open[i]) session_close(table, s[i]);
+  }
+  session_t *mine[N];
+  for (int p = 0; p < P; p++) {
+    size_t m = 0;
+    for (int i = 0; i < N; i++)
+      if (open[i] && owner_of[i] == p) mine[m++] = s[i];
+    cr_assert_gt(m, 50);
+    for (size_t size = 1; size <= 10; size += 9) expect_pages(who[p], 0, size, mine, m);
+    /* From a seq of another principal's session and of a closed one. */
+    for (int i = 100; i < 110; i++) {
+      size_t k = 0;
+      while (k < m && mine[k]->seq <= s[i]->seq) k++;
+      expect_pages(who[p], s[i]->seq, 4, mine + k, m - k);
+    }
+  }
+  /* A principal with no session: one empty last page; a forged token is still refused. */
+  expect_pages("nobody", 0, 3, NULL, 0);
+  session_info_t *v;
+  size_t n;
+  uint64_t next;
+  cr_assert_eq(session_list_page(table, "p1", N + 1, 1, &v, &n, &next), -2);
+  cr_assert_eq(session_list_page(table, "nobody", N + 1, 1, &v, &n, &next), -2);
+  for (int i = 0; i < N; i++) session_release(s[i]);
+  ASSERT_NO_BAD();
+}
+
+/* After a burst of sessions closes, the seq indexes give their memory back:
+ * a server that once held 10k sessions and holds 3 now keeps a few slots, not
+ * 16k; a principal's index goes with its last session. */
+Test(session, the_seq_index_gives_memory_back_after_a_burst) {
+  enum { BURST = 10000 };
+  session_t *keep[3];
+  keep[0] = create_as("stays");
+  session_t **burst = malloc(BURST * sizeof *burst);
+  cr_assert_not_null(burst);
+  for (int i = 0; i < BURST; i++) {
+    burst[i] = create_as("burst");
+    if (i == BURST / 2) keep[1] = create_as("stays");
+  }
+  keep[2] = create_as("stays");
+  size_t peak = session_table_index_capacity(table, NULL);
+  cr_assert_geq(peak, BURST + 3);
+  size_t burst_peak = session_table_index_capacity(table, "burst");
+  for (int i = 0; i < BURST; i++) {
+    session_close(table, burst[i]);
+    session_release(burst[i]);
+  }
+  free(burst);
+  size_t now = session_table_index_capacity(table, NULL);
+  cr_assert_leq(now, 64, "the index keeps %zu slots for 3 sessions (peak %zu)", now, peak);
+  cr_assert_geq(burst_peak, BURST);
+  cr_assert_leq(session_table_index_capacity(table, "stays"), 8);
+  cr_assert_eq(session_table_index_capacity(table, "burst"), 0);
+  expect_pages("stays", 0, 2, keep, 3);
+  expect_pages(NULL, 0, 1, keep, 3); /* an admin's */
+  /* It grows again as needed. */
+  session_t *more[100];
+  for (int i = 0; i < 100; i++) more[i] = create_as("stays");
+  cr_assert_geq(session_table_index_capacity(table, NULL), 103);
+  for (int i = 0; i < 100; i++) session_release(more[i]);
+  for (int i = 0; i < 3; i++) session_release(keep[i]);
+  ASSERT_NO_BAD();
+}
+
 Test(session, wrong_or_missing_credentials) {
   session_t *s = create("c", 0, 0);
   char bad[SESSION_TOKEN_LEN + 2];
