@@ -34,6 +34,8 @@ struct supervisor {
   bool stopping;
   int failing; /* children with .failing */
   pthread_t thread;
+  char **env;      /* the agents' environment (agent_env) */
+  char blas[48];   /* its OPENBLAS_NUM_THREADS=N, where meshd's environment has none */
 };
 
 #define LIVED_MS 5000 /* an exit this long after the start is not a fast one */
@@ -47,7 +49,7 @@ static void set_failing(supervisor_t *s, int i, bool failing) {
 }
 
 /* Runs in the child between fork and exec: async-signal-safe calls only. */
-static void exec_agent(char *const argv[], pid_t parent) {
+static void exec_agent(char *const argv[], char *const env[], pid_t parent) {
   struct sigaction dfl;
   memset(&dfl, 0, sizeof dfl);
   dfl.sa_handler = SIG_DFL;
@@ -67,7 +69,7 @@ static void exec_agent(char *const argv[], pid_t parent) {
    * group) reaches meshd alone, which drains its sessions and then stops the
    * agents, rather than the agents dying under the draining sessions. */
   setpgid(0, 0);
-  execv(argv[0], argv);
+  execve(argv[0], argv, env);
   _exit(127);
 }
 
@@ -148,7 +150,7 @@ static pid_t spawn(supervisor_t *s, int i) {
   argv[n] = NULL;
   pid_t parent = getpid();
   pid_t pid = fork();
-  if (pid == 0) exec_agent(argv, parent);
+  if (pid == 0) exec_agent(argv, s->env, parent);
   if (pid < 0) {
     log_error("supervisor", "cannot start agent %d: %s", i, strerror(errno));
     return 0;
@@ -236,6 +238,30 @@ static void *watch(void *arg) {
   return NULL;
 }
 
+/* The local agents share this host's cores: unless meshd's environment sets
+ * OPENBLAS_NUM_THREADS, each agent's BLAS (the cpu backend's matmul) gets
+ * cores / agents threads (at least 1). OpenBLAS starts a thread per core in
+ * every process, and its idle threads spin (sched_yield) for a while after
+ * each call and at start: N agents of as many threads each contended for the
+ * same cores (a tenth of the agents' CPU time in the test suites, 2 cores).
+ * The rest of the environment is meshd's. NULL when out of memory. */
+static char **agent_env(supervisor_t *s) {
+  extern char **environ;
+  size_t n = 0;
+  bool set = false;
+  for (char **e = environ; *e; e++, n++) set |= strncmp(*e, "OPENBLAS_NUM_THREADS=", 21) == 0;
+  char **env = calloc(n + 2, sizeof *env);
+  if (!env) return NULL;
+  memcpy(env, environ, n * sizeof *env);
+  if (!set) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    long each = cores > 0 && s->o.count > 0 ? cores / s->o.count : 1;
+    snprintf(s->blas, sizeof s->blas, "OPENBLAS_NUM_THREADS=%ld", each > 0 ? each : 1);
+    env[n] = s->blas;
+  }
+  return env;
+}
+
 supervisor_t *supervisor_start(const supervisor_opts_t *opts) {
   if (access(opts->agent_binary, X_OK) != 0) {
     log_error("supervisor", "cannot run the agent binary %s: %s (set --agent-binary)",
@@ -246,6 +272,7 @@ supervisor_t *supervisor_start(const supervisor_opts_t *opts) {
   if (!s) return NULL;
   s->o = *opts;
   s->children = calloc((size_t)opts->count, sizeof *s->children);
+  s->env = agent_env(s);
   pthread_mutex_init(&s->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -256,8 +283,9 @@ supervisor_t *supervisor_start(const supervisor_opts_t *opts) {
    * and this thread lives until supervisor_stop joins it. Its end is already
    * the children's SIGTERM (the death signal); supervisor_stop then sends its
    * own, reaps them, and SIGKILLs what outlives its timeout. */
-  if (!s->children || pthread_create(&s->thread, NULL, watch, s) != 0) {
+  if (!s->children || !s->env || pthread_create(&s->thread, NULL, watch, s) != 0) {
     free(s->children);
+    free(s->env);
     free(s);
     return NULL;
   }
@@ -309,5 +337,6 @@ void supervisor_stop(supervisor_t *s, double timeout_s) {
   pthread_cond_destroy(&s->cv);
   pthread_mutex_destroy(&s->mu);
   free(s->children);
+  free(s->env);
   free(s);
 }

@@ -45,6 +45,31 @@ def test_local_agents_are_children_with_ranks(meshd_server):
         assert os.getpgid(p) == p != os.getpgid(srv.proc.pid), (p, os.getpgid(p))
 
 
+def _blas_threads(pids):
+    """OPENBLAS_NUM_THREADS in each process's environment (None where unset)."""
+    out = []
+    for p in pids:
+        with open(f"/proc/{p}/environ", "rb") as f:
+            env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        v = env.get(b"OPENBLAS_NUM_THREADS")
+        out.append(v.decode() if v is not None else None)
+    return out
+
+
+def test_local_agents_share_the_cores_between_their_blas_threads(meshd_server, monkeypatch):
+    """OpenBLAS (the cpu backend's matmul) starts a thread per core in every process,
+    and its idle threads spin after each call: N local agents ran N x cores threads on
+    the same cores. Each gets cores / N (at least 1) unless meshd's environment sets
+    OPENBLAS_NUM_THREADS, which then reaches the agents as it is."""
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    srv = meshd_server(2)
+    want = str(max(1, os.cpu_count() // 2))
+    assert _blas_threads(_wait_children(srv, 2)) == [want, want]
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    srv = meshd_server(1)
+    assert _blas_threads(_wait_children(srv, 1)) == ["3"]
+
+
 def test_sigkilled_agent_is_dropped_and_restarted(meshd_server):
     srv = meshd_server(2)
     before = lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1],
