@@ -1792,7 +1792,7 @@ static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t in
       return MESHD_E_INVALID;
     }
   if (!own_ref(s, fn, "input", -1, input) || !own_ref(s, fn, "mesh", -1, o->mesh) ||
-      !own_ref(s, fn, "out", -1, o->out))
+      !own_ref(s, fn, "out", -1, o->out) || !own_ref(s, fn, "stream", -1, o->stream))
     return MESHD_E_INVALID;
   /* Into out, or into the input: the result is a tensor the caller holds, so
    * no ref is made (ref 0: the server's answer names that tensor). The server
@@ -1805,6 +1805,8 @@ static meshd_err_t reduce_cmd(meshd_session_t *s, const char *fn, meshd_ref_t in
   r.mesh = o->mesh;
   r.out = o->out;
   r.inplace = o->inplace;
+  r.scatter = o->scatter;
+  r.stream = o->stream;
   r.n_dims = ndims;
   r.dims = (char **)dims;
   Meshd__V1__Command cmd = MESHD__V1__COMMAND__INIT;

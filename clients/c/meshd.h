@@ -454,9 +454,14 @@ typedef struct meshd_reduce_options {
                        input's dtype, on the input's mesh, or on `mesh` when given */
   bool inplace;     /* the result is written into `input` itself (Monarch's reduce_);
                        not with out or mesh */
+  bool scatter;     /* a reduce-scatter (Monarch's scatter=True): the input's dim 0 has
+                       the reduced group's size, and rank k of each group keeps row k
+                       of the result (without that dim); not with mesh */
+  meshd_ref_t stream; /* the stream it runs on (0: the default stream): the input (and
+                         out) must be on it, else WRONG_STREAM */
 } meshd_reduce_options_t;
 
-#define MESHD_REDUCE_OPTIONS_INIT {0, 0, false}
+#define MESHD_REDUCE_OPTIONS_INIT {0, 0, false, false, 0}
 
 /* meshd_session_reduce_dims with options (NULL: MESHD_REDUCE_OPTIONS_INIT):
  * Monarch's reduce(dims, reduction, mesh=, _inplace=, out=). *result gets the

@@ -2363,6 +2363,76 @@ Test(c_client, reduce_into_out_and_in_place) {
   cr_assert_eq(r, x, "in place, the result is the input");
   for (int64_t rank = 0; rank < 2; rank++)
     expect_three(c, s, x, rank, want_sum, "sum in place");
+
+  /* scatter: of the sum, a [2, 2] tensor, rank k keeps row k */
+  int64_t four[] = {2, 2};
+  float rows[2 * 4] = {1, 2, 3, 4, 10, 20, 30, 40};
+  meshd_ref_t y = 0, part = 0;
+  cr_assert_eq(meshd_session_upload_with(s, m, "float32", four, 2, rows, sizeof rows, &uo, &y),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  o = (meshd_reduce_options_t){.scatter = true};
+  cr_assert_eq(meshd_session_reduce_with(s, y, gpu, 1, "sum", &o, &part), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  for (int64_t rank = 0; rank < 2; rank++) {
+    meshd_values_t v;
+    cr_assert_eq(meshd_session_fetch(s, part, gpu, &rank, 1, &v), MESHD_E_OK, "%s",
+                 meshd_last_error(c)->message);
+    cr_assert_eq(v.n, 2, "rank %lld keeps its row, got %zu", (long long)rank, v.n);
+    for (size_t i = 0; i < 2; i++)
+      cr_assert_float_eq(v.values[i], rows[2 * rank + i] + rows[4 + 2 * rank + i], 1e-6,
+                         "scatter rank %lld element %zu", (long long)rank, i);
+    meshd_values_free(&v);
+  }
+  o = (meshd_reduce_options_t){.scatter = true, .mesh = one};
+  cr_assert_eq(meshd_session_reduce_with(s, y, gpu, 1, "sum", &o, &r), MESHD_E_RPC);
+  cr_assert(strstr(meshd_last_error(c)->message, "scatter"), "%s", meshd_last_error(c)->message);
+
+  /* stream: a tensor of a side stream reduces there, not on the default one */
+  meshd_upload_options_t side = MESHD_UPLOAD_OPTIONS_INIT;
+  side.per_rank = true;
+  cr_assert_eq(meshd_session_stream(s, "side", &side.stream), MESHD_E_OK);
+  meshd_ref_t z = 0, zs = 0;
+  cr_assert_eq(meshd_session_upload_with(s, m, "float32", shape, 1, data, sizeof data, &side, &z),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  o = (meshd_reduce_options_t)MESHD_REDUCE_OPTIONS_INIT;
+  cr_assert_eq(meshd_session_reduce_with(s, z, gpu, 1, "sum", &o, &r), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "WRONG_STREAM", "%s", meshd_last_error(c)->message);
+  o.stream = side.stream;
+  cr_assert_eq(meshd_session_reduce_with(s, z, gpu, 1, "sum", &o, &zs), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  meshd_ref_t zsum = 0;
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", shape, 1, 0, &zsum), MESHD_E_OK);
+  o = (meshd_reduce_options_t){.out = zsum, .stream = side.stream}; /* out on main */
+  cr_assert_eq(meshd_session_reduce_with(s, z, gpu, 1, "sum", &o, &r), MESHD_E_RPC);
+  cr_assert_str_eq(meshd_last_error(c)->kind, "WRONG_STREAM", "%s", meshd_last_error(c)->message);
+  meshd_session_t *s3 = meshd_session_open(c, "c-reduce-out-3", NULL);
+  cr_assert_not_null(s3);
+  meshd_ref_t st3 = 0;
+  cr_assert_eq(meshd_session_stream(s3, "other", &st3), MESHD_E_OK);
+  o = (meshd_reduce_options_t){.stream = st3};
+  cr_assert_eq(meshd_session_reduce_with(s, z, gpu, 1, "sum", &o, &r), MESHD_E_INVALID);
+  cr_assert(strstr(meshd_last_error(c)->message, "stream (ref"), "%s",
+            meshd_last_error(c)->message);
+  meshd_session_close(s3);
+
+  /* pipelined into out: queued, sent by the fetch, out itself as the result */
+  meshd_pipeline_options_t po = {.max_batch = 256, .max_delay_us = 30000000};
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  meshd_ref_t pout = 0;
+  cr_assert_eq(meshd_session_factory(s, m, "zeros", four, 2, 0, &pout), MESHD_E_OK);
+  o = (meshd_reduce_options_t){.out = pout};
+  cr_assert_eq(meshd_session_reduce_with(s, y, gpu, 1, "max", &o, &r), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(r, pout, "pipelined, the result is out itself");
+  cr_assert_eq(pipe_stats(s).messages_sent, 0, "the reduce went out before the fetch");
+  meshd_values_t v;
+  int64_t rank1 = 1;
+  cr_assert_eq(meshd_session_fetch(s, pout, gpu, &rank1, 1, &v), MESHD_E_OK, "%s",
+               meshd_last_error(c)->message);
+  cr_assert_eq(v.n, 4);
+  for (size_t i = 0; i < 4; i++)
+    cr_assert_float_eq(v.values[i], rows[4 + i], 1e-6, "max into out, element %zu", i);
+  meshd_values_free(&v);
   meshd_session_close(s);
   meshd_close(c);
 }
