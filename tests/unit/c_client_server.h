@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +20,7 @@ static pid_t server_pid = -1;
 static pid_t stopped_agent = -1; /* SIGSTOPped by a test; SIGCONTed at teardown whatever happens */
 static char dir[64];
 static char target[64];
+#define REPORTS_ENV "MESHD_TEST_SANITIZER_REPORTS" /* the runner's file of teardowns' reports */
 
 static inline void sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
@@ -132,6 +134,31 @@ static inline void start_server_with(const char *const *extra) { start_server_fu
 
 static inline void start_server(void) { start_server_with(NULL); }
 
+/* The first sanitizer report in the server's log (its local agents write
+ * there too), up to len bytes of it in out; false when there is none. Under
+ * ASan+UBSan a leak at exit or an undefined behaviour would otherwise go
+ * unseen: the log goes with dir. */
+static inline bool sanitizer_report(const char *path, char *out, size_t len) {
+  static const char *const marks[] = {"ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
+                                      "runtime error:", "WARNING: ThreadSanitizer"};
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return false;
+  char line[1024];
+  size_t n = 0;
+  bool found = false;
+  while (fgets(line, sizeof line, f) && n + 1 < len) {
+    for (size_t i = 0; !found && i < sizeof marks / sizeof marks[0]; i++)
+      found = strstr(line, marks[i]) != NULL;
+    if (found) { /* the report's lines, as many as fit */
+      size_t k = strlen(line) < len - n - 1 ? strlen(line) : len - n - 1;
+      memcpy(out + n, line, k);
+      out[n += k] = '\0';
+    }
+  }
+  fclose(f);
+  return found;
+}
 
 static inline void stop_server(void) {
   if (stopped_agent > 0)
@@ -152,10 +179,45 @@ static inline void stop_server(void) {
       server_pid = -1;
     }
   }
-  char cmd[128];
+  char cmd[128], path[128], report[4096] = "";
+  snprintf(path, sizeof path, "%s/meshd.log", dir);
+  bool reported = dir[0] && sanitizer_report(path, report, sizeof report);
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
   if (dir[0] && system(cmd) != 0)
     fprintf(stderr, "could not remove %s\n", dir);
+  const char *reports = getenv(REPORTS_ENV);
+  if (reported && reports) { /* for the runner: a .fini's assertion (or crash) fails no test */
+    FILE *f = fopen(reports, "a");
+    if (f) {
+      fprintf(f, "%s::%s: a sanitizer report in meshd's log (server or agent):\n%s\n",
+              criterion_current_test->category, criterion_current_test->name, report);
+      fclose(f);
+    }
+  }
+  cr_assert(!reported, "a sanitizer report in meshd's log (server or agent):\n%s", report);
+}
+
+/* The runner makes the file teardowns write their reports to (PRE_ALL, so
+ * every test's process inherits its name), and fails the run when one did
+ * (POST_ALL): Criterion prints an assertion failed in a .fini, or a crash
+ * there, as a warning and counts the test as passed. */
+ReportHook(PRE_ALL)(struct criterion_test_set *set) {
+  (void)set;
+  static char path[64];
+  snprintf(path, sizeof path, "/tmp/meshd-c-client-reports-%d", (int)getpid());
+  unlink(path);
+  setenv(REPORTS_ENV, path, 1);
+}
+
+ReportHook(POST_ALL)(struct criterion_global_stats *stats) {
+  (void)stats;
+  const char *path = getenv(REPORTS_ENV);
+  char text[16384];
+  if (!path || slurp(path, text, sizeof text) <= 0)
+    return;
+  unlink(path);
+  fprintf(stderr, "FAILED: sanitizer reports of the servers these tests started:\n%s", text);
+  exit(1);
 }
 
 #endif
