@@ -653,15 +653,22 @@ MESHD_API uint64_t meshd_session_ttl(const meshd_session_t *session);
  * Flow control: a server whose session has too much work queued on its agents
  * (--session-max-queued) stops reading the Submit stream. A queued command
  * then waits, within the client's timeout, for the full batch before it to go
- * out; past it the call fails MESHD_E_DEADLINE and that command is not queued
- * (its ref is not taken: calling again later is safe). A call that needs an
- * answer fails MESHD_E_DEADLINE at its deadline; the commands still in the
- * client's queue then (not yet handed to the stream) are taken out and never
- * sent, so they did not run: the message names their seqs (`seq` the first)
- * and calling again is safe. Seqs then have gaps, their refs stay unused, and a
- * later command that uses one is refused by the server (UNKNOWN_REF). Those
- * handed to the stream may still run: they go out once the server reads
- * again, and the next call that needs an answer waits for them. */
+ * out (or for those before it to reach their deadlines); past it the call
+ * fails MESHD_E_DEADLINE and that command is not queued (its ref is not
+ * taken: calling again later is safe). A command still in the client's
+ * queue (not yet handed to the stream) at its deadline (its call's timeout)
+ * is taken out there and never sent, so it did not run, whether a call
+ * waits for the answers or none does (the "meshd-pipe-fl" thread, as in the
+ * Node client): the next call that needs an answer reports it as it reports
+ * a rejection (it fails MESHD_E_DEADLINE without running, `seq` the first
+ * taken out, the message names their seqs; calling again is safe). A call
+ * that needs an answer fails MESHD_E_DEADLINE at its own deadline; the
+ * commands still queued then are taken out the same way and named in its
+ * message (after a rejection it reports, too). Seqs then have gaps, their
+ * refs stay unused, and a later command that uses one is refused by the
+ * server (UNKNOWN_REF). Those handed to the stream may still run: they go
+ * out once the server reads again, and the next call that needs an answer
+ * waits for them. */
 typedef struct meshd_pipeline_options {
   size_t max_batch; /* commands per Submit message, 1..4096 (0: 256); a batch
                        also goes out past 1 MiB */
@@ -683,7 +690,9 @@ MESHD_API meshd_err_t meshd_session_set_pipeline(meshd_session_t *session,
 
 /* What a session's pipeline did since it was turned on. */
 typedef struct meshd_pipeline_stats {
-  uint64_t commands_queued;   /* commands the session queued */
+  uint64_t commands_queued;   /* commands the session queued, less those taken
+                                 out unsent at a deadline (queued less sent:
+                                 what waits in the client's queue) */
   uint64_t commands_sent;     /* of those, written to the Submit stream */
   uint64_t messages_sent;     /* the Submit messages (batches) they went in */
   uint64_t delay_flushes;     /* of those, sent because max_delay_us passed */

@@ -15,12 +15,29 @@
 
 #define SUBMIT "/meshd.v1.TensorService/Submit"
 #define KEEP_REJECTIONS 64 /* kept in full; later ones are only counted */
+#define KEEP_UNSENT 8      /* seq ranges of commands taken out unsent, named */
 
 typedef struct rejection {
   uint64_t seq;
   int kind, code;
   char msg[384];
 } rejection_t;
+
+/* A command in the queued batch: where its bytes end in buf (they start where
+ * the one before it ends) and when it must be out of the client's queue. */
+typedef struct queued {
+  uint64_t seq, sent; /* sent: what it, a Literal, sends the agents */
+  int64_t deadline_ns;
+  size_t end;
+  int timeout_ms; /* its call's, for the message */
+} queued_t;
+
+/* Commands taken out of the queue unsent, seqs first..last, at a deadline of
+ * ms milliseconds (their own, or a flush's). */
+typedef struct unsent {
+  uint64_t first, last;
+  int ms;
+} unsent_t;
 
 struct pipeline {
   rpc_stream_t *st;
@@ -44,13 +61,17 @@ struct pipeline {
   size_t len, cap, nq;
   uint64_t sent;           /* what the batch's Literals send the agents */
   int64_t first_at_ns;     /* when the batch's first command was queued */
-  uint64_t first_queued;   /* the batch's first seq (while nq) */
   uint64_t queued_through; /* the last queued seq */
   uint64_t answered_through;
+  queued_t *marks; /* the queued batch's commands (nq of them), in seq order */
+  size_t marks_cap;
+  int64_t earliest_ns; /* the earliest of their deadlines (while nq) */
   bool waiting, stop, ended, write_failed;
   rpc_status_t status; /* how the stream ended, once ended */
   rejection_t *rej;
   size_t nrej, rej_cap, rej_dropped;
+  unsent_t unsent[KEEP_UNSENT]; /* taken out unsent, not yet handed over */
+  size_t nunsent, unsent_count;
   meshd_pipeline_stats_t stats;
 };
 
@@ -91,12 +112,67 @@ static size_t varint_get(const uint8_t *p, size_t len, uint64_t *v) {
 
 /* ------------------------------------------------------------------ sending */
 
-/* Milliseconds left until deadline_ns (0: no bound, -1). */
+/* Milliseconds left until deadline_ns (0: no bound, -1), rounded up: a wait
+ * of them ends at the deadline, not just before it. */
 static int ms_left(int64_t deadline_ns) {
   if (!deadline_ns) return -1;
-  int64_t left = (deadline_ns - now_ns()) / 1000000;
+  int64_t left = (deadline_ns - now_ns() + 999999) / 1000000;
   return left < 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
 }
+
+/* ------------------------------------------------------------ taking out */
+
+/* Notes seq as taken out unsent at a deadline of ms: it joins the last range
+ * when it follows it; past KEEP_UNSENT ranges the last one grows. Under mu. */
+static void unsent_note(pipeline_t *p, uint64_t seq, int ms) {
+  unsent_t *last = p->nunsent ? &p->unsent[p->nunsent - 1] : NULL;
+  if (last && ((last->last + 1 == seq && last->ms == ms) || p->nunsent == KEEP_UNSENT))
+    last->last = seq;
+  else
+    p->unsent[p->nunsent++] = (unsent_t){seq, seq, ms};
+  p->unsent_count++;
+}
+
+/* Takes the queued commands whose deadline is by_ns or earlier out of the
+ * batch, never sent (they did not run: their caller is told at the next
+ * flush); flush_ms > 0: at that flush's deadline, else each at its own.
+ * Returns how many. Under mu: the batch is cut under it too, so a command is
+ * either here or handed to the stream. */
+static size_t take_out(pipeline_t *p, int64_t by_ns, int flush_ms) {
+  size_t kept = 0, len = 0, start = 0;
+  uint64_t sent = 0;
+  int64_t earliest = INT64_MAX;
+  for (size_t i = 0; i < p->nq; i++) {
+    queued_t m = p->marks[i];
+    size_t n = m.end - start;
+    start = m.end;
+    if (m.deadline_ns <= by_ns) {
+      unsent_note(p, m.seq, flush_ms > 0 ? flush_ms : m.timeout_ms);
+      continue;
+    }
+    if (len != m.end - n) memmove(p->buf + len, p->buf + m.end - n, n);
+    len += n;
+    m.end = len;
+    sent += m.sent;
+    if (m.deadline_ns < earliest) earliest = m.deadline_ns;
+    p->marks[kept++] = m;
+  }
+  size_t gone = p->nq - kept;
+  if (!gone) return 0;
+  p->nq = kept;
+  p->earliest_ns = earliest;
+  p->len = len;
+  p->sent = sent;
+  p->stats.commands_queued -= gone; /* they were not queued after all */
+  p->queued_through = kept ? p->marks[kept - 1].seq : p->sent_through; /* left to answer */
+  pthread_cond_broadcast(&p->ans_cv); /* a flush may have nothing left to wait for */
+  return gone;
+}
+
+/* The earliest deadline of a queued command (INT64_MAX: none); kept as
+ * commands join, so that a queue's every command does not scan the batch.
+ * Under mu. */
+static int64_t next_deadline(const pipeline_t *p) { return p->nq ? p->earliest_ns : INT64_MAX; }
 
 /* Takes the write side by deadline_ns (0: no bound). Under mu; false when the
  * time passed first. */
@@ -181,23 +257,28 @@ static int send_queued(pipeline_t *p, bool only_due, int64_t deadline_ns) {
   return rc;
 }
 
+/* The pipeline's timer too: a command still queued at its deadline (the
+ * server is not reading: flow control) is taken out there, whether a call
+ * waits for the answers or none does; its every wait ends by the earliest
+ * deadline queued, so it is never stuck in a write past one. */
 static void *flusher_main(void *arg) {
   pipeline_t *p = arg;
   prctl(PR_SET_NAME, "meshd-pipe-fl");
   pthread_mutex_lock(&p->mu);
   while (!p->stop) {
+    if (!p->ended && !p->write_failed) take_out(p, now_ns(), 0);
     if (!p->nq || p->ended || p->write_failed) {
       pthread_cond_wait(&p->fl_cv, &p->mu);
       continue;
     }
-    int64_t due = p->first_at_ns + p->max_delay_ns;
+    int64_t due = p->first_at_ns + p->max_delay_ns, next = next_deadline(p);
     if (now_ns() < due) {
-      struct timespec at = at_ns(due);
+      struct timespec at = at_ns(due < next ? due : next);
       pthread_cond_timedwait(&p->fl_cv, &p->mu, &at);
       continue;
     }
     pthread_mutex_unlock(&p->mu);
-    send_queued(p, true, 0); /* a close cancels the stream if this never ends */
+    send_queued(p, true, next); /* a close cancels the stream before joining */
     pthread_mutex_lock(&p->mu);
   }
   pthread_mutex_unlock(&p->mu);
@@ -410,6 +491,26 @@ static bool batch_full(const pipeline_t *p, uint64_t sent) {
                    (sent && p->sent + sent > PIPELINE_MAX_SENT));
 }
 
+/* Room in buf for a command of n bytes, and for its mark. Under mu. */
+static bool queue_room(pipeline_t *p, size_t n) {
+  size_t need = p->len + n + 12; /* tag (2) + length (<= 10) + the command */
+  if (need > p->cap) {
+    size_t cap = p->cap * 2 > need ? p->cap * 2 : need;
+    uint8_t *b = realloc(p->buf, cap);
+    if (!b) return false;
+    p->buf = b;
+    p->cap = cap;
+  }
+  if (p->nq == p->marks_cap) {
+    size_t cap = p->marks_cap ? p->marks_cap * 2 : 64;
+    queued_t *q = realloc(p->marks, cap * sizeof *q);
+    if (!q) return false;
+    p->marks = q;
+    p->marks_cap = cap;
+  }
+  return true;
+}
+
 int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uint64_t sent,
                    int timeout_ms, direct_err_t *e) {
   size_t n = protobuf_c_message_get_packed_size(cmd);
@@ -417,15 +518,19 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
   int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000LL;
   pthread_mutex_lock(&p->mu);
   while (batch_full(p, sent) && !p->ended && !p->write_failed) {
+    /* Room comes when the batch goes out, or when those in it reach their
+     * deadlines (queued before this one, they mostly do first). */
+    int64_t next = next_deadline(p), until = next < deadline ? next : deadline;
     pthread_mutex_unlock(&p->mu);
-    int rc = send_queued(p, false, deadline);
+    int rc = send_queued(p, false, until);
     pthread_mutex_lock(&p->mu);
-    if (rc == -2) { /* the server stopped reading: the queue stays bounded */
+    if (!p->ended && !p->write_failed) take_out(p, now_ns(), 0);
+    if (rc == -2 && now_ns() >= deadline && batch_full(p, sent)) {
+      /* the server stopped reading: the queue stays bounded */
       direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                      "pipeline: the server took no batch within %d ms (it is not reading the "
                      "Submit stream); command seq %llu was not queued, the %zu before it "
-                     "stay queued (a call that waits for their answers past its deadline "
-                     "takes them out, never sent)",
+                     "stay queued (each is taken out, never sent, at its deadline)",
                      timeout_ms, (unsigned long long)seq, p->nq);
       pthread_mutex_unlock(&p->mu);
       return -1;
@@ -436,56 +541,115 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
     pthread_mutex_unlock(&p->mu);
     return -1;
   }
-  if (p->len + n + 12 > p->cap) { /* tag (2) + length (<= 10) + the command */
-    size_t cap = p->cap * 2 > p->len + n + 12 ? p->cap * 2 : p->len + n + 12;
-    uint8_t *b = realloc(p->buf, cap);
-    if (!b) {
-      pthread_mutex_unlock(&p->mu);
-      direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: out of memory queueing a command");
-      return -1;
-    }
-    p->buf = b;
-    p->cap = cap;
+  if (!queue_room(p, n)) {
+    pthread_mutex_unlock(&p->mu);
+    direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "pipeline: out of memory queueing a command");
+    return -1;
   }
   p->len += varint_put(p->buf + p->len, (30 << 3) | 2); /* Command.batch */
   p->len += varint_put(p->buf + p->len, n);
   p->len += protobuf_c_message_pack(cmd, p->buf + p->len);
+  p->marks[p->nq] = (queued_t){seq, sent, deadline, p->len, timeout_ms};
+  if (!p->nq || deadline < p->earliest_ns) p->earliest_ns = deadline;
   if (p->nq++ == 0) {
     p->first_at_ns = now_ns();
-    p->first_queued = seq;
     pthread_cond_signal(&p->fl_cv);
   }
   p->queued_through = seq;
   p->sent += sent;
   p->stats.commands_queued++;
   bool full = batch_full(p, 0);
+  int64_t next = next_deadline(p); /* past it the batch is not full: no use waiting */
   pthread_mutex_unlock(&p->mu);
-  if (full) send_queued(p, false, deadline); /* queued either way: it goes out later */
+  if (full) send_queued(p, false, next); /* queued either way: it goes out later */
   return 0;
 }
 
-/* A call's wait for the answers ran out of time with commands still in the
- * batch, not handed to the stream (the write side stayed busy: the server is
- * not reading it): they are taken out, never sent, so their caller is told
- * they did not run and may call again safely. Those handed to the stream may
- * still run. Under mu. */
-static void take_out_unsent(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
+/* The rejections waiting to be handed over, in e: the first (lowest seq;
+ * asynchronous reports, seq 0, after) and the seqs of a few later ones.
+ * Returns its seq. Under mu. */
+static uint64_t rejections_report(const pipeline_t *p, direct_err_t *e) {
+  size_t first = 0;
+  for (size_t i = 0; i < p->nrej; i++)
+    if (p->rej[i].seq && (!p->rej[first].seq || p->rej[i].seq < p->rej[first].seq)) first = i;
+  size_t more = p->nrej + p->rej_dropped - 1;
+  char tail[256] = "";
+  if (p->nrej && more) { /* name a few of the later ones */
+    size_t k = (size_t)snprintf(tail, sizeof tail, " (and %zu more rejected after it:", more);
+    size_t shown = 0;
+    for (size_t i = 0; i < p->nrej && shown < 6; i++)
+      if (i != first) {
+        k += (size_t)snprintf(tail + k, sizeof tail - k, " seq %llu",
+                              (unsigned long long)p->rej[i].seq);
+        shown++;
+      }
+    snprintf(tail + k, sizeof tail - k, "%s)", more > shown ? " ..." : "");
+  }
+  const rejection_t *r = &p->rej[first];
+  if (!p->nrej) {
+    direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNKNOWN, NULL,
+                   "%zu pipelined commands were rejected (too many to keep their errors)",
+                   p->rej_dropped);
+    return 0;
+  }
+  direct_err_set(e, MESHD_E_RPC, (grpc_status_code)r->code, kind_name(r->kind),
+                 "pipelined command seq %llu was rejected: %s%s", (unsigned long long)r->seq,
+                 r->msg, tail);
+  return r->seq;
+}
+
+/* The commands taken out of the queue unsent (take_out) since the last
+ * flush, in e: never sent, so their caller is told they did not run and may
+ * call again safely; those handed to the stream may still run. Returns the
+ * first one's seq. Under mu. */
+static uint64_t unsent_report(const pipeline_t *p, direct_err_t *e) {
+  uint64_t first = p->unsent[0].first, last = p->unsent[0].last;
+  char ranges[384] = "";
+  size_t k = 0;
+  for (size_t i = 0; i < p->nunsent; i++) {
+    const unsent_t *u = &p->unsent[i];
+    first = u->first < first ? u->first : first;
+    last = u->last > last ? u->last : last;
+    if (p->nunsent > 1 && k < sizeof ranges)
+      k += (size_t)snprintf(ranges + k, sizeof ranges - k, "%s%llu to %llu", i ? ", " : " (seq ",
+                            (unsigned long long)u->first, (unsigned long long)u->last);
+  }
+  if (k && k < sizeof ranges) snprintf(ranges + k, sizeof ranges - k, ")");
   char sent[160] = "";
   if (p->sent_through > p->answered_through)
     snprintf(sent, sizeof sent, "; commands up to seq %llu were sent and may still run "
              "(answered through seq %llu)", (unsigned long long)p->sent_through,
              (unsigned long long)p->answered_through);
   direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                 "pipeline: %zu command(s) queued from seq %llu to %llu were not sent within "
+                 "pipeline: %zu command(s) queued from seq %llu to %llu%s were not sent within "
                  "%d ms: they waited in the client's queue (the server is not reading the "
                  "Submit stream: flow control); they were taken out of the queue and never "
                  "sent, so they did not run (calling again is safe)%s",
-                 p->nq, (unsigned long long)p->first_queued,
-                 (unsigned long long)p->queued_through, timeout_ms, sent);
-  *seq = p->first_queued;
-  p->len = p->nq = 0;
-  p->sent = 0;
-  p->queued_through = p->sent_through; /* what is left to answer */
+                 p->unsent_count, (unsigned long long)first, (unsigned long long)last, ranges,
+                 p->unsent[0].ms, sent);
+  return first;
+}
+
+/* Hands over what the caller was not told yet: the rejections and the
+ * commands taken out unsent, the lowest seq first (a rejection's seq 0, an
+ * asynchronous report, last), the other named after it; then forgets them.
+ * 0 when there was nothing. Under mu. */
+static int reports_hand_over(pipeline_t *p, direct_err_t *e, uint64_t *seq) {
+  bool rejected = p->nrej || p->rej_dropped, unsent = p->nunsent > 0;
+  if (!rejected && !unsent) return 0;
+  direct_err_t r = {0}, u = {0};
+  uint64_t rs = rejected ? rejections_report(p, &r) : 0;
+  uint64_t us = unsent ? unsent_report(p, &u) : 0;
+  bool unsent_first = unsent && (!rejected || !rs || us < rs);
+  *e = unsent_first ? u : r;
+  *seq = unsent_first ? us : rs;
+  if (rejected && unsent) {
+    size_t k = strlen(e->msg);
+    snprintf(e->msg + k, sizeof e->msg - k, "; also: %s", unsent_first ? r.msg : u.msg);
+  }
+  p->nrej = p->rej_dropped = 0;
+  p->nunsent = p->unsent_count = 0;
+  return -1;
 }
 
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq) {
@@ -500,40 +664,15 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
     if (pthread_cond_timedwait(&p->ans_cv, &p->mu, &at) == ETIMEDOUT) break;
   }
   p->waiting = false;
-  if (p->nrej || p->rej_dropped) {
-    size_t first = 0; /* the lowest seq; asynchronous reports (seq 0) after */
-    for (size_t i = 0; i < p->nrej; i++)
-      if (p->rej[i].seq && (!p->rej[first].seq || p->rej[i].seq < p->rej[first].seq)) first = i;
-    size_t more = p->nrej + p->rej_dropped - 1;
-    char tail[256] = "";
-    if (p->nrej && more) { /* name a few of the later ones */
-      size_t k = (size_t)snprintf(tail, sizeof tail, " (and %zu more rejected after it:", more);
-      size_t shown = 0;
-      for (size_t i = 0; i < p->nrej && shown < 6; i++)
-        if (i != first) {
-          k += (size_t)snprintf(tail + k, sizeof tail - k, " seq %llu",
-                                (unsigned long long)p->rej[i].seq);
-          shown++;
-        }
-      snprintf(tail + k, sizeof tail - k, "%s)", more > shown ? " ..." : "");
-    }
-    const rejection_t *r = &p->rej[first];
-    if (p->nrej)
-      direct_err_set(e, MESHD_E_RPC, (grpc_status_code)r->code, kind_name(r->kind),
-                     "pipelined command seq %llu was rejected: %s%s", (unsigned long long)r->seq,
-                     r->msg, tail);
-    else
-      direct_err_set(e, MESHD_E_RPC, GRPC_STATUS_UNKNOWN, NULL,
-                     "%zu pipelined commands were rejected (too many to keep their errors)",
-                     p->rej_dropped);
-    *seq = p->nrej ? r->seq : 0;
-    p->nrej = p->rej_dropped = 0;
+  /* The caller gives up on what is still queued: taken out, never sent (a
+   * rejection to report as well changes nothing of that). */
+  if (p->answered_through < p->queued_through && !p->ended && !p->write_failed && p->nq)
+    take_out(p, INT64_MAX, timeout_ms);
+  if (reports_hand_over(p, e, seq) != 0) {
     ret = -1;
   } else if (p->answered_through < p->queued_through) {
     if (p->ended || p->write_failed)
       ended_error(p, e);
-    else if (p->nq)
-      take_out_unsent(p, timeout_ms, e, seq);
     else if (p->in_flight) /* handed to the stream: sent */
       direct_err_set(e, MESHD_E_DEADLINE, GRPC_STATUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
                      "pipeline: commands up to seq %llu not answered within %d ms: their batch "
@@ -559,7 +698,7 @@ int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
 
 bool pipeline_rejections(pipeline_t *p) {
   pthread_mutex_lock(&p->mu);
-  bool any = p->nrej || p->rej_dropped;
+  bool any = p->nrej || p->rej_dropped || p->nunsent;
   pthread_mutex_unlock(&p->mu);
   return any;
 }
@@ -620,6 +759,7 @@ int pipeline_close(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq
   pthread_cond_destroy(&p->wr_cv);
   pthread_mutex_destroy(&p->mu);
   free(p->buf);
+  free(p->marks);
   free(p->rej);
   free(p);
   return ret;

@@ -7,13 +7,17 @@
  * flusher thread), or when the session needs an answer (pipeline_flush).
  *
  * Threads: the session's thread queues and flushes; "meshd-pipe-fl" sends
- * batches whose delay passed; "meshd-pipe-rd" reads the SubmitReplies. `mu`
+ * batches whose delay passed and takes a command still queued at its
+ * deadline out of the batch, never sent (the pipeline's one timer: its waits
+ * end by the earliest deadline queued); "meshd-pipe-rd" reads the
+ * SubmitReplies. `mu`
  * guards the buffer, the counters and the rejections; `wmu` the stream's
  * write side and is taken before `mu`, so batches reach the stream in the
  * order they were cut. The background threads never touch the client's last
  * error: rejections wait in the pipeline until the session's thread asks.
  *
- * Hot path: no allocation per command. A batch costs one copy into a gRPC
+ * Hot path: no allocation per command (each has a mark in an array that
+ * grows with the batch: its seq, deadline and end). A batch costs one copy into a gRPC
  * buffer; a reply is read into a reused buffer and scanned in place for each
  * answer's seq and error; only a rejected command's answer is unpacked. */
 #ifndef MESHD_CLIENT_PIPELINE_H
@@ -48,9 +52,12 @@ void pipeline_set(pipeline_t *p, size_t max_batch, int max_delay_us);
 /* Queues cmd, whose seq is `seq` (above every seq queued before). `sent`:
  * what cmd, a Literal, sends the agents in all (0 for other commands); the
  * batch goes out first if its Literals would pass PIPELINE_MAX_SENT with it.
- * Sends the batch when it is full. A full batch the server does not take
- * within timeout_ms (> 0; it stopped reading: flow control) leaves cmd out:
- * -1 with e (MESHD_E_DEADLINE), so the queue stays bounded. 0, or -1 with e
+ * Sends the batch when it is full. cmd's deadline is timeout_ms (> 0) from
+ * now: still queued then (the server stopped reading: flow control), it is
+ * taken out, never sent, and the next pipeline_flush reports it. A full
+ * batch that neither goes out nor loses commands to their deadlines within
+ * timeout_ms leaves cmd out: -1 with e (MESHD_E_DEADLINE), so the queue
+ * stays bounded. 0, or -1 with e
  * when the stream is over (it says why; nothing more can be queued). 1 (not
  * queued) for a command of more than PIPELINE_MAX_BYTES: the caller sends it
  * alone (Execute), where a server whose --max-message-bytes it passes refuses
@@ -60,16 +67,20 @@ int pipeline_queue(pipeline_t *p, const ProtobufCMessage *cmd, uint64_t seq, uin
 
 /* Sends what is queued and waits up to timeout_ms (> 0) for every answer
  * (a server that is not reading leaves the batch queued or in flight).
- * Then hands over the rejections: 0 when there were none; -1 with e naming
- * the first (lowest seq; asynchronous reports, seq 0, after) and how many
- * followed, *seq its seq; the rejections are then forgotten. -1 also when
- * the wait timed out (MESHD_E_DEADLINE): the commands still queued, never
- * handed to the stream, are taken out (they never run; *seq the first of
- * them, else 0), and the answers of those sent still come (a later flush
- * waits for them); or when the stream ended (*seq 0). */
+ * When the wait timed out, the commands still queued, never handed to the
+ * stream, are taken out (they never run), and the answers of those sent
+ * still come (a later flush waits for them). Then hands over the rejections
+ * and the commands taken out unsent (here or, earlier, at their own
+ * deadlines): 0 when there were none; -1 with e naming the one of lowest
+ * seq (MESHD_E_RPC for a rejection, with how many followed; MESHD_E_DEADLINE
+ * for commands taken out, with their seqs; asynchronous reports, seq 0,
+ * last) and the other kind after it, *seq its seq; they are then forgotten.
+ * -1 also when the wait timed out (MESHD_E_DEADLINE, *seq 0), or when the
+ * stream ended (*seq 0). */
 int pipeline_flush(pipeline_t *p, int timeout_ms, direct_err_t *e, uint64_t *seq);
 
-/* Whether rejections wait to be handed over (pipeline_flush). */
+/* Whether rejections or commands taken out wait to be handed over
+ * (pipeline_flush). */
 bool pipeline_rejections(pipeline_t *p);
 
 /* True once the stream failed or ended: nothing more can be queued. */

@@ -862,14 +862,15 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
 
 /* A wedged agent fills the session's queue (--session-max-queued), so the
  * server stops reading the Submit stream: a pipeline's calls end by the
- * client's timeout (1 s) instead of hanging in a write, the command that found
- * no room is not queued (its ref not taken), and once the agent runs every
- * queued command runs and the session goes on. */
+ * client's timeout (1 s) instead of hanging in a write. One that finds the
+ * batch full waits for room, which comes when the oldest commands queued
+ * reach their deadline and are taken out, never sent; a Sync reports them,
+ * and once the agent runs every command sent runs and the session goes on. */
 Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the_timeout) {
   meshd_err_t err;
   meshd_client_t *c = meshd_connect(target, 1000, &err);
   cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
-  meshd_ref_t m = 0, x = 0, y = 0, last = 0;
+  meshd_ref_t m = 0, x = 0, y = 0, first = 0, last = 0;
   meshd_session_t *s = open_on_two_gpus(c, "c-stall", &m);
   const char *dims[] = {"gpu"};
   int64_t at1[] = {1};
@@ -882,33 +883,32 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
   cr_assert_gt(pid, 0);
   stop_agent(pid);
   meshd_arg_t args[2] = {{.type = MESHD_ARG_REF, .ref = x}, {.type = MESHD_ARG_FLOAT, .f = 1.0}};
-  meshd_err_t e = MESHD_E_OK;
-  int queued = 0;
+  uint64_t queued = 0;
   int64_t took = 0;
-  for (; queued < 200000; queued++) {
+  while (queued < 200000) { /* until one waited for the oldest to be taken out */
     int64_t t0 = now_ms();
-    e = meshd_session_call(s, "add", args, 2, &y);
-    took = now_ms() - t0;
-    if (e != MESHD_E_OK)
-      break;
+    cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK, "after %llu commands: %s",
+                 (unsigned long long)queued, meshd_last_error(c)->message);
+    int64_t t = now_ms() - t0;
+    took = t > took ? t : took;
+    first = first ? first : y;
     last = y;
+    if (pipe_stats(s).commands_queued < ++queued)
+      break;
   }
-  cr_assert_eq(e, MESHD_E_DEADLINE, "after %d commands: %s", queued,
-               meshd_last_error(c)->message);
   cr_assert_lt(took, 3000, "a call with a 1 s timeout took %lld ms", (long long)took);
-  cr_assert(strstr(meshd_last_error(c)->message, "was not queued"), "%s",
-            meshd_last_error(c)->message);
-  cr_assert_gt(queued, 1024, "the server read only %d commands", queued);
+  cr_assert_lt(queued, 200000, "no command was taken out at its deadline");
+  cr_assert_gt(queued, 1024, "the server read only %llu commands", (unsigned long long)queued);
 
   int64_t t0 = now_ms();
   cr_assert_eq(meshd_session_sync_timeout(s, 1000), MESHD_E_DEADLINE, "%s",
                meshd_last_error(c)->message);
   took = now_ms() - t0;
   cr_assert_lt(took, 3000, "a 1 s sync took %lld ms", (long long)took);
-  cr_assert(strstr(meshd_last_error(c)->message, "not sent within"), "%s",
-            meshd_last_error(c)->message);
-  /* (those still in the client's queue were taken out there, never sent) */
-  uint64_t gone = meshd_last_error(c)->seq;
+  cr_assert(strstr(meshd_last_error(c)->message, "not sent within") &&
+                strstr(meshd_last_error(c)->message, "never sent, so they did not run"),
+            "%s", meshd_last_error(c)->message);
+  cr_assert_gt(meshd_last_error(c)->seq, 0, "no seq for the first taken out");
 
   kill(pid, SIGCONT);
   stopped_agent = -1;
@@ -921,14 +921,13 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
   cr_assert_eq(ps.commands_answered, ps.commands_sent, "%llu of %llu sent answered",
                (unsigned long long)ps.commands_answered, (unsigned long long)ps.commands_sent);
   cr_assert_gt(ps.commands_sent, 1024, "%llu sent", (unsigned long long)ps.commands_sent);
-  if (gone) /* each add took one seq and one ref: the last one sent ran */
-    last -= (meshd_ref_t)(meshd_session_last_seq(s) - gone + 1);
-  meshd_values_t v;
-  cr_assert_eq(meshd_session_fetch(s, last, dims, at1, 1, &v), MESHD_E_OK, "%s",
+  meshd_values_t v; /* the first one was sent and ran; the last one was taken out */
+  cr_assert_eq(meshd_session_fetch(s, first, dims, at1, 1, &v), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
   cr_assert_float_eq(v.values[0], 2.0, 1e-9);
   meshd_values_free(&v);
-  /* the refused command took no ref: the next one's is fresh */
+  cr_assert_neq(meshd_session_fetch(s, last, dims, at1, 1, &v), MESHD_E_OK, "it ran");
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
   cr_assert_eq(meshd_session_call(s, "add", args, 2, &y), MESHD_E_OK);
   cr_assert_eq(meshd_session_fetch(s, y, dims, at1, 1, &v), MESHD_E_OK, "%s",
                meshd_last_error(c)->message);
@@ -1023,6 +1022,131 @@ Test(c_client_lease, a_pipelined_command_still_queued_at_a_deadline_is_taken_out
   meshd_values_free(&v);
   cr_assert_neq(meshd_session_fetch(s, b, dims, at1, 1, &v), MESHD_E_OK, "the Literal taken "
                 "out ran");
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* With the server SIGSTOPped (it reads nothing): a Literal of 240 KB that
+ * fills the Submit stream's window, in flight (the flusher took it), and one
+ * more after it, *b, which waits in the client's queue. Returns b's seq. */
+static uint64_t literal_queued_behind_one_in_flight(meshd_client_t *c, meshd_session_t *s,
+                                                    meshd_ref_t m, meshd_ref_t *a,
+                                                    meshd_ref_t *b) {
+  static float data[60000];
+  int64_t n[] = {60000};
+  for (int i = 0; i < 60000; i++)
+    data[i] = 3.0f;
+  meshd_pipeline_stats_t ps = pipe_stats(s);
+  uint64_t sent = ps.commands_sent;
+  stop_agent(server_pid);
+  cr_assert_eq(meshd_session_literal(s, m, "float32", n, 1, data, sizeof data, NULL, a),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  for (int i = 0; i < 500 && ps.commands_sent == sent; i++) { /* the flusher took it */
+    sleep_ms(2);
+    ps = pipe_stats(s);
+  }
+  cr_assert_eq(ps.commands_sent, sent + 1);
+  cr_assert_eq(meshd_session_literal(s, m, "float32", n, 1, data, sizeof data, NULL, b),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  return meshd_session_last_seq(s);
+}
+
+/* The server stopped: a pipelined command still in the client's queue at its
+ * own deadline (the client's timeout, 1 s) is taken out there, never sent,
+ * though no call waits for the answers (as in the Node client): it leaves
+ * commands_queued, and the next call that needs an answer reports it
+ * (MESHD_E_DEADLINE, its seq) and did not run; it did not run once the server
+ * reads again either. It used to stay queued until a call's wait ran out, and
+ * go out and run if the server read again first. */
+Test(c_client, a_pipelined_command_queued_past_its_own_deadline_is_taken_out_with_no_call_waiting) {
+  meshd_err_t err;
+  meshd_client_t *c = meshd_connect(target, 1000, &err);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_ref_t m = 0, a = 0, b = 0;
+  meshd_session_t *s = open_on_two_gpus(c, "c-own-deadline", &m);
+  meshd_pipeline_options_t po = MESHD_PIPELINE_OPTIONS_INIT;
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  uint64_t seq_b = literal_queued_behind_one_in_flight(c, s, m, &a, &b);
+  meshd_pipeline_stats_t ps = pipe_stats(s);
+  cr_assert_eq(ps.commands_queued, 2);
+  for (int i = 0; i < 500 && ps.commands_queued == 2; i++) { /* 5 s: its deadline is 1 s */
+    sleep_ms(10);
+    ps = pipe_stats(s);
+  }
+  cr_assert_eq(ps.commands_queued, 1, "the Literal still queued past its deadline was not "
+               "taken out (%llu queued)", (unsigned long long)ps.commands_queued);
+  kill(server_pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(meshd_session_sync_timeout(s, 20000), MESHD_E_DEADLINE, "%s",
+               meshd_last_error(c)->message);
+  const meshd_error_info_t *ei = meshd_last_error(c);
+  char want[128];
+  snprintf(want, sizeof want,
+           "1 command(s) queued from seq %llu to %llu were not sent within 1000 ms",
+           (unsigned long long)seq_b, (unsigned long long)seq_b);
+  cr_assert(strstr(ei->message, want) &&
+                strstr(ei->message, "never sent, so they did not run (calling again is safe)"),
+            "%s", ei->message);
+  cr_assert_eq(ei->seq, seq_b);
+  cr_assert_str_eq(ei->kind, "DEADLINE_EXCEEDED");
+  cr_assert_eq(meshd_session_sync_timeout(s, 20000), MESHD_E_OK, "reported once: %s",
+               meshd_last_error(c)->message);
+  ps = pipe_stats(s);
+  cr_assert_eq(ps.commands_sent, 1, "the Literal taken out was sent");
+  cr_assert_eq(ps.commands_answered, 1);
+  meshd_values_t v;
+  cr_assert_neq(meshd_session_fetch(s, b, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &v),
+                MESHD_E_OK, "the Literal taken out ran");
+  cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A call that needs an answer runs out of time while a rejection waits to be
+ * reported: it reports the rejection (the lower seq), and the command still
+ * in the client's queue is taken out all the same, never sent, and named in
+ * the message. It used to stay queued (and counted in commands_queued) and go
+ * out later and run, though its caller's wait had run out. */
+Test(c_client, a_flush_that_reports_a_rejection_takes_out_what_is_still_queued) {
+  meshd_err_t err;
+  meshd_client_t *c = meshd_connect(target, 5000, &err);
+  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_ref_t m = 0, x = 0, bad = 0, a = 0, b = 0;
+  meshd_session_t *s = open_on_two_gpus(c, "c-rejected-and-unsent", &m);
+  cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){2}, 1, 0, &x), MESHD_E_OK);
+  meshd_pipeline_options_t po = MESHD_PIPELINE_OPTIONS_INIT;
+  cr_assert_eq(meshd_session_set_pipeline(s, &po), MESHD_E_OK);
+  meshd_arg_t arg = {.type = MESHD_ARG_REF, .ref = x};
+  cr_assert_eq(meshd_session_call(s, "no_such_op", &arg, 1, &bad), MESHD_E_OK);
+  uint64_t bad_seq = meshd_session_last_seq(s);
+  meshd_pipeline_stats_t ps = pipe_stats(s);
+  for (int i = 0; i < 500 && !ps.rejected; i++) { /* answered, not yet reported */
+    sleep_ms(10);
+    ps = pipe_stats(s);
+  }
+  cr_assert_eq(ps.rejected, 1);
+  uint64_t seq_b = literal_queued_behind_one_in_flight(c, s, m, &a, &b);
+  cr_assert_eq(meshd_session_sync_timeout(s, 200), MESHD_E_RPC, "%s",
+               meshd_last_error(c)->message);
+  const meshd_error_info_t *ei = meshd_last_error(c);
+  cr_assert_eq(ei->seq, bad_seq);
+  cr_assert_str_eq(ei->kind, "UNKNOWN_OP");
+  char want[128];
+  snprintf(want, sizeof want,
+           "; also: pipeline: 1 command(s) queued from seq %llu to %llu were not sent within "
+           "200 ms", (unsigned long long)seq_b, (unsigned long long)seq_b);
+  cr_assert(strstr(ei->message, want) && strstr(ei->message, "never sent"), "%s", ei->message);
+  ps = pipe_stats(s);
+  cr_assert_eq(ps.commands_queued, ps.commands_sent, "%llu queued, %llu sent: one left queued",
+               (unsigned long long)ps.commands_queued, (unsigned long long)ps.commands_sent);
+  kill(server_pid, SIGCONT);
+  stopped_agent = -1;
+  cr_assert_eq(meshd_session_sync_timeout(s, 20000), MESHD_E_OK, "reported once: %s",
+               meshd_last_error(c)->message);
+  meshd_values_t v;
+  cr_assert_neq(meshd_session_fetch(s, b, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &v),
+                MESHD_E_OK, "the Literal taken out ran");
   cr_assert_str_eq(meshd_last_error(c)->kind, "UNKNOWN_REF", "%s", meshd_last_error(c)->message);
   meshd_session_close(s);
   meshd_close(c);

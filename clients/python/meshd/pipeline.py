@@ -18,14 +18,19 @@ Design (the simplest correct one):
   failure. A rejection the caller already got (reading a handle) is not raised again.
 - Flow control: a server that stops reading the stream (--session-max-queued) makes
   the client's queue fill; it is bounded (_QUEUE_MAX commands, _QUEUE_BYTES), and a
-  command that finds it full waits up to the session's timeout, then raises
-  DEADLINE_EXCEEDED without being queued (its ref is not taken). A wait of the
-  pipelining thread for answers that runs out of time (reading a handle, sync, fetch,
-  the end of the block) takes the commands it waited for that are still in the client's
-  queue out of it: they were never sent, so they did not run, and their caller is told
-  so (DEADLINE_EXCEEDED "never sent"; calling again is safe). A later command that used
-  a ref one of them would have defined is then refused by the server as usual
-  (UNKNOWN_REF), and seqs have gaps. Those gRPC took (a batch taken is sent, even while
+  command that finds it full waits for room up to the session's timeout (room comes
+  when those queued go out or reach their deadlines), then raises DEADLINE_EXCEEDED
+  without being queued (its ref is not taken). A command still in
+  the client's queue at its own deadline (its call's start plus the session's timeout,
+  or the call's) is taken out of it there, as the Node client does: by the pipeline's
+  one timer thread, whichever thread waits for its answer, or none. It was never sent,
+  so it did not run: reading its handle raises DEADLINE_EXCEEDED "never sent" (calling
+  again is safe), and a handle nobody read raises it at the end of the block, as a
+  rejection does. A wait of the pipelining thread for answers that runs out of time
+  first (reading a handle, sync, fetch, the end of the block, with a shorter timeout)
+  takes the commands it waited for out of the queue the same way, and says so. A later
+  command that used a ref one of them would have defined is then refused by the server
+  as usual (UNKNOWN_REF), and seqs have gaps. Those gRPC took (a batch taken is sent, even while
   it is written) may still run: at the end of a block whose answers did not all come
   within the timeout, the block raises DEADLINE_EXCEEDED (after its rejections) and the
   stream is left to finish: they go out once the server reads again, and the session's
@@ -36,6 +41,8 @@ Design (the simplest correct one):
   Execute, after flushing the pipeline so refs stay in order.
 """
 
+import collections
+import math
 import queue
 import threading
 import time
@@ -77,10 +84,16 @@ def _batch(packed):
 
 
 class _Queue(queue.Queue):
-    """The packed commands gRPC has not taken yet, (bytes, bytes it sends, seq) each,
-    bounded by put_within; the end mark (_END) always goes in. gRPC takes them a batch
-    at a time (take_batch); take_out removes commands that never went out, under the
-    same lock, so a command is either still here or in a batch gRPC has (sent)."""
+    """The packed commands gRPC has not taken yet, (bytes, bytes it sends, seq, deadline)
+    each, bounded by put_within; the end mark (_END) always goes in. gRPC takes them a
+    batch at a time (take_batch); take_out and take_due remove commands that never went
+    out, under the same lock, so a command is either still here or in a batch gRPC has
+    (sent). wait_due is the pipeline's timer: it sleeps until the earliest deadline."""
+
+    def __init__(self):
+        super().__init__()
+        self.timer_cv = threading.Condition(self.mutex)  # wait_due's
+        self.timer_at = math.inf  # when wait_due wakes (inf: when a command comes)
 
     def _init(self, maxsize):
         super()._init(maxsize)
@@ -111,6 +124,9 @@ class _Queue(queue.Queue):
             self._put(item)
             self.unfinished_tasks += 1
             self.not_empty.notify()
+            if item[3] < self.timer_at:  # sooner than the timer wakes (or it sleeps)
+                self.timer_at = item[3]
+                self.timer_cv.notify()
             return True
 
     def take_batch(self):
@@ -135,17 +151,51 @@ class _Queue(queue.Queue):
             self.not_full.notify_all()
             return batch
 
+    def _remove(self, gone):
+        """Takes the commands for which gone(item) holds out (under mutex; one pass);
+        returns their seqs, in queue order."""
+        keep, seqs = collections.deque(), []
+        for m in self.queue:
+            if m is not _END and gone(m):
+                seqs.append(m[2])
+                self.nbytes -= len(m[0])
+            else:
+                keep.append(m)
+        if seqs:
+            self.queue = keep
+            self.not_full.notify_all()
+        return seqs
+
     def take_out(self, seqs):
         """Removes the commands of these seqs that are still queued (gRPC did not take
         them: never sent); returns the seqs removed, in queue order."""
         with self.mutex:
-            gone = [m for m in self.queue if m is not _END and m[2] in seqs]
-            for m in gone:
-                self.queue.remove(m)
-                self.nbytes -= len(m[0])
-            if gone:
-                self.not_full.notify_all()
-            return [m[2] for m in gone]
+            return self._remove(lambda m: m[2] in seqs)
+
+    def take_due(self):
+        """Removes the queued commands whose deadline passed (never sent); their seqs."""
+        with self.mutex:
+            now = time.monotonic()
+            return self._remove(lambda m: m[3] <= now)
+
+    def wait_due(self, stopped):
+        """Sleeps until a queued command's deadline passed (True) or stopped() holds
+        (False, once notified: stop_timer). No busy loop: it wakes at the earliest
+        deadline queued, or when a command with an earlier one comes (put_within)."""
+        with self.mutex:
+            while not stopped():
+                now = time.monotonic()
+                self.timer_at = min((m[3] for m in self.queue if m is not _END),
+                                    default=math.inf)
+                if self.timer_at <= now:
+                    return True
+                self.timer_cv.wait(None if self.timer_at == math.inf else self.timer_at - now)
+            return False
+
+    def stop_timer(self):
+        """Wakes wait_due to look at its stopped() again."""
+        with self.mutex:
+            self.timer_cv.notify()
 
 
 def _deadline_error(what, limit, seq=None):
@@ -169,13 +219,14 @@ class _Pending:
     most the session's timeout (`timeout`)."""
 
     __slots__ = ("seq", "_event", "_result", "_error", "_quiet", "_timeout", "_refused_borrowed",
-                 "_unknown_ok", "_pipe", "_taken_out")
+                 "_unknown_ok", "_pipe", "_taken_out", "_limit")
 
-    def __init__(self, seq, timeout=None, pipe=None):
+    def __init__(self, seq, timeout=None, pipe=None, limit=None):
         self.seq = seq
         self._pipe = pipe  # its Pipeline: a wait that runs out takes it out of the queue
         self._quiet = False
         self._timeout = timeout
+        self._limit = timeout if limit is None else limit  # its send's: its deadline's
         self._refused_borrowed = None  # a Release's: called if it is refused BORROWED
         self._unknown_ok = False  # a DropBorrow of a borrow that may not exist: quiet
         self._taken_out = None  # housekeeping's: called if it is taken out, never sent
@@ -246,6 +297,12 @@ class Pipeline:
         self._call = fn(self._requests(), metadata=session._md)
         self._reader = threading.Thread(target=self._read, name="meshd-pipeline", daemon=True)
         self._reader.start()
+        # The one timer of the pipeline: commands still queued at their deadline go. It
+        # ends with the reader (after the block, what is left queued still goes out).
+        self._timer_stop = False
+        self._timer = threading.Thread(target=self._expire, name="meshd-pipeline-timer",
+                                       daemon=True)
+        self._timer.start()
 
     def _requests(self):
         """The Submit stream's messages: whatever is queued when gRPC asks for the next
@@ -284,6 +341,7 @@ class Pipeline:
                 p._set(error=err)
             with self._q.not_full:  # a send waiting for room: nothing takes from the queue
                 self._q.not_full.notify_all()
+            self._stop_timer()  # every command has its error: nothing to take out
 
     def _answer(self, pb, res):
         if res.seq == 0:
@@ -326,18 +384,19 @@ class Pipeline:
         """Queues one Command (its seq set); returns its _Pending. quiet: a rejection
         is not raised at the end of the block (the session's Release housekeeping).
         A full queue (the server is not reading) is waited on `timeout` seconds at most
-        (None: the session's); then MeshdError DEADLINE_EXCEEDED, the command not
-        queued. A stream that ended raises its error; that command is not queued either."""
-        p = _Pending(cmd.seq, self.session.timeout, self)
+        (None: the session's), the command's deadline (room comes as those queued reach
+        theirs, _expire); then MeshdError DEADLINE_EXCEEDED, the command not queued. A stream that ended raises its error; that command is not queued either."""
+        limit = self.session.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit  # for room, and in the queue (_expire)
+        p = _Pending(cmd.seq, self.session.timeout, self, limit)
         p._quiet = quiet
         with self._plock:
             if self._done:
                 raise self._ended()
             self._pending[cmd.seq] = p
-        limit = self.session.timeout if timeout is None else timeout
         try:
             queued = self._q.put_within((cmd.SerializeToString(), getattr(cmd, "sent", 0),
-                                         cmd.seq), time.monotonic() + limit, lambda: self._done)
+                                         cmd.seq, deadline), deadline, lambda: self._done)
         except BaseException:  # Ctrl-C while waiting for room: it was not queued
             with self._plock:
                 self._pending.pop(cmd.seq, None)
@@ -351,7 +410,7 @@ class Pipeline:
                                   f"{self._q.qsize()} commands queued before it did not go out "
                                   f"(the server is not reading the Submit stream: flow control; "
                                   f"they stay queued and go out once it reads again, each "
-                                  f"unless a wait for its answer runs out first)",
+                                  f"unless its deadline passes first)",
                                   limit, cmd.seq)
         return p
 
@@ -364,20 +423,48 @@ class Pipeline:
         """A wait of `limit` seconds for these _Pendings ran out: those still in the
         client's queue are taken out (never sent, they did not run) and get that error,
         when the waiting thread pipelines them (another thread's wait leaves the
-        owner's commands alone: it was not their caller). Returns the seqs taken out."""
+        owner's commands alone: it was not their caller; their deadlines take them
+        out, _expire). Returns the seqs taken out."""
         if threading.get_ident() != self.owner:
             return []
-        by_seq = {p.seq: p for p in waited if not p.done()}
-        gone = self._q.take_out(by_seq.keys())
+        seqs = {p.seq for p in waited if not p.done()}
+        return self._never_sent(lambda: self._q.take_out(seqs), limit, report=False)
+
+    def _expire(self):
+        """The timer thread: each command still queued at its deadline is taken out, never
+        sent, whoever waits for its answer. Nobody may read its handle, so its error is
+        kept for the end of the block too (not raised again if a read raised it)."""
+        while self._q.wait_due(lambda: self._timer_stop):
+            self._never_sent(self._q.take_due, None, report=True)
+
+    def _stop_timer(self):
+        self._timer_stop = True
+        self._q.stop_timer()
+
+    def _never_sent(self, take, limit, report):
+        """Takes commands out of the queue (take(): their seqs) and fails each with its
+        never-sent error (limit: the wait's, None: each command's own). Their _Pendings
+        leave _pending and get their error under _plock, so a wait that finds nothing to
+        take out finds its answer set. report: the errors are raised at the end of the
+        block (quiet housekeeping's excepted). Returns the seqs taken out."""
+        done = []
         with self._plock:
-            for seq in gone:
-                self._pending.pop(seq, None)
-        for seq in gone:
-            p = by_seq[seq]
-            p._set(error=_never_sent_error(seq, limit))
+            for seq in take():
+                p = self._pending.pop(seq, None)
+                if p is None:  # (the stream ended: its error is set already)
+                    continue
+                e = _never_sent_error(seq, p._limit if limit is None else limit)
+                if report and not p._quiet and not self._closed:
+                    self._errors.append(e)
+                elif report and not p._quiet:  # (the block ended: Ctrl-C in its last flush)
+                    warnings.warn(f"meshd: {e} (after its pipeline block ended)",
+                                  RuntimeWarning, stacklevel=1)
+                p._set(error=e)
+                done.append(p)
+        for p in done:
             if p._taken_out is not None:
                 p._taken_out()  # a Release or DropBorrow: it goes again with a later call
-        return gone
+        return [p.seq for p in done]
 
     def flush(self, timeout=None):
         """Waits for the answer to every command sent so far (errors stay deferred),

@@ -18,6 +18,7 @@ import pytest
 
 import meshd
 from conftest import start_meshd, stop_meshd
+from meshd.pipeline import _QUEUE_BYTES
 from test_keepalive import _agent_pid, _stopped
 
 
@@ -131,8 +132,10 @@ def test_the_blocks_own_exception_wins_and_chains_the_deferred_ones(slow_server)
 
 def test_a_server_that_does_not_read_bounds_the_clients_queue(slow_server):
     """Literals of 240 KB to a server that reads nothing: the queue fills, then a send
-    waits the session's timeout and raises DEADLINE_EXCEEDED; that command was not
-    queued and took no ref. Those before it go out once the server reads again."""
+    waits for room until its deadline. Room comes when those queued reach theirs (taken
+    out, never sent): here they were queued with a longer timeout, so none comes and the
+    send raises DEADLINE_EXCEEDED; that command was not queued and took no ref. Those
+    before it go out once the server reads again."""
     addr, pid = slow_server
     with _session(addr, timeout=2) as (s, m):
         arr = np.zeros(60000, np.float32)
@@ -144,7 +147,10 @@ def test_a_server_that_does_not_read_bounds_the_clients_queue(slow_server):
                     _stall(s)
                     with pytest.raises(meshd.MeshdError) as e:
                         for i in range(400):
+                            full = p._q.qsize() and p._q.nbytes + arr.nbytes + 1024 > _QUEUE_BYTES
+                            s.timeout = 1 if full else 20  # those queued are due after it
                             sent.append(meshd.tensor(arr + i))
+                    s.timeout = 2
                     queued = p._q.qsize()
                     ref = s._ref
                 after = meshd.tensor(arr - 1)
@@ -158,13 +164,16 @@ def test_a_server_that_does_not_read_bounds_the_clients_queue(slow_server):
         np.testing.assert_array_equal(_bounded(lambda: _get(after, gpu=0), 25), arr - 1)
 
 
-def test_a_command_whose_wait_runs_out_in_the_clients_queue_is_taken_out(slow_server):
+def test_queued_commands_are_taken_out_at_their_own_deadline_whoever_waits(slow_server):
     """Literals of 240 KB to a server that reads nothing, until gRPC took some and two
-    wait in the client's queue. Reading the last one's handle runs out of time: it is
-    taken out of the queue and never sent (DEADLINE_EXCEEDED says so), so once the server
-    reads again it did not run (a command on its ref is refused UNKNOWN_REF), while the
-    one queued before it, whose answer nobody waited for, goes out and runs. (It used to stay queued, go out
-    later and run: a caller that retried ran it twice.)"""
+    wait in the client's queue. At their own deadline (the session's timeout) every one
+    still queued is taken out and never sent, as in the Node client: the last one while a
+    thread other than the pipeline's reads its handle, the others with nobody waiting for
+    their answer (DEADLINE_EXCEEDED says so; the end of the block raises those nobody
+    read). Once the server reads again none of them ran (a command on the last one's ref
+    is refused UNKNOWN_REF), while the one gRPC took before them ran. (They used to stay
+    queued, go out later and run: only a wait of the pipelining thread took a command out,
+    at that wait's end, and only the commands it waited for.)"""
     addr, pid = slow_server
     with _session(addr, timeout=1) as (s, m):
         arr = np.zeros(60000, np.float32)
@@ -182,26 +191,32 @@ def test_a_command_whose_wait_runs_out_in_the_clients_queue_is_taken_out(slow_se
                             waiting = p._q.qsize()
                             if waiting >= 2 and len(ts) > waiting:
                                 break
-                        with pytest.raises(meshd.MeshdError) as read:
-                            ts[-1].shape
-                        queued = (waiting, p._q.qsize())
+                        with pytest.raises(meshd.MeshdError) as read:  # not the owner's wait
+                            _bounded(lambda: ts[-1].shape, 10)
+                        unread = [t._pending[0] for t in ts[len(ts) - waiting:-1]]
+                        state = (waiting, p._q.qsize(), [q.done() for q in unread])
                     u = ts[-1] + 1  # the server reads again: refused, its operand never ran
                     s.sync(timeout=20)
-            return ts, read.value, queued, u, end.value
-        ts, read, queued, u, end = _bounded(block, 30, m)
+            return ts, read.value, state, unread, u, end.value
+        ts, read, (waiting, left, done), unread, u, end = _bounded(block, 30, m)
         assert len(ts) < 30, "the client's queue never held two commands"
         assert read.kind == "DEADLINE_EXCEEDED" and read.seq is not None, read
         assert read.message.startswith(f"pipeline: command seq {read.seq} was not sent within 1 s: "
                                        "it waited in the client's queue"), read
         assert "never sent, so it did not run" in read.message, read
-        assert queued[1] == queued[0] - 1, queued  # taken out; those before it stay queued
+        assert left == 0 and all(done), (waiting, left, done)  # none waited for, all out
+        for q in unread:
+            assert q._error.kind == "DEADLINE_EXCEEDED" and "never sent" in q._error.message
         with pytest.raises(meshd.MeshdError) as again:
             ts[-1].shape
         assert again.value is read
-        assert end.kind == "UNKNOWN_REF" and str(ts[-1].ref) in end.message, end.errors
-        assert [e.kind for e in end.errors] == ["UNKNOWN_REF"], end.errors
-        np.testing.assert_array_equal(_bounded(lambda: _get(ts[-2], gpu=1), 25),
-                                      arr + len(ts) - 2)
+        # the block's end: those nobody read (lowest seq first), then u's refusal
+        assert [e.kind for e in end.errors] == ["DEADLINE_EXCEEDED"] * len(unread) + [
+            "UNKNOWN_REF"], end.errors
+        assert end.errors[:-1] == [q._error for q in unread], end.errors
+        assert str(ts[-1].ref) in end.errors[-1].message, end.errors
+        i = len(ts) - waiting - 1  # the last one gRPC took
+        np.testing.assert_array_equal(_bounded(lambda: _get(ts[i], gpu=1), 25), arr + i)
 
 
 # ------------------------------------------------------------ one pipeline (bug 3)
