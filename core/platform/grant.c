@@ -116,9 +116,13 @@ int64_t grant_clock_sample(grant_clock_t *c, int64_t sample_ms, int64_t now_mono
   sample_ms = clamp_offset(sample_ms);
   int64_t age = now_mono_ms - c->window_ms;
   if (!c->window_ms || age >= GRANT_CLOCK_WINDOW_MS) { /* a new window */
-    c->have_prev = c->window_ms && age < 2 * GRANT_CLOCK_WINDOW_MS;
+    /* The one right after the current window, or after a gap of a window or
+     * more one from now: one begun at now after a shorter gap kept the window
+     * before it (samples up to two windows old then) a whole window more. */
+    bool next = c->window_ms && age < 2 * GRANT_CLOCK_WINDOW_MS;
+    c->have_prev = next;
     c->prev_max = c->window_max;
-    c->window_ms = now_mono_ms ? now_mono_ms : 1;
+    c->window_ms = next ? c->window_ms + GRANT_CLOCK_WINDOW_MS : now_mono_ms ? now_mono_ms : 1;
     c->window_max = sample_ms;
   } else if (sample_ms > c->window_max) {
     c->window_max = sample_ms;

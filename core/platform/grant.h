@@ -89,7 +89,7 @@ typedef struct grant_clock {
   int64_t window_ms;  /* when the current window began (monotonic; 0: no sample yet) */
   int64_t window_max; /* the best sample of the current window */
   int64_t prev_max;   /* ... of the window just before it */
-  bool have_prev;     /* the window before held a sample and ended less than a window ago */
+  bool have_prev;     /* the window before held a sample and ended when this one began */
 } grant_clock_t;
 /* Takes one sample at now_mono_ms; returns the estimate (c->offset_ms). */
 int64_t grant_clock_sample(grant_clock_t *c, int64_t sample_ms, int64_t now_mono_ms);

@@ -305,3 +305,21 @@ Test(clock, the_estimate_keeps_the_best_recent_sample_and_follows_steps) {
   cr_assert_eq(grant_clock_sample(&c, 9000, t += 10 * W), 9000);
   cr_assert_eq(grant_clock_sample(&c, INT64_MAX, t += 1), GRANT_OFFSET_MAX_MS); /* clamped */
 }
+
+/* Windows follow one another: the estimate holds no sample older than two
+ * windows (docs/protocol.md, Clocks: "the best sample of the last 5 to 10 s").
+ * An agent idle for most of two windows after its clock stepped back, then
+ * busy, had its old sample counted for up to three (a window began at the
+ * first sample after the gap, and the one before it was kept a whole window
+ * more), so its grants outlived their time by the step for 15 s, not 10. */
+Test(clock, no_sample_older_than_two_windows_counts) {
+  grant_clock_t c = {0};
+  const int64_t W = GRANT_CLOCK_WINDOW_MS, t0 = 1000;
+  cr_assert_eq(grant_clock_sample(&c, 150000, t0), 150000); /* its last report before the step */
+  /* Stepped back 140 s; reports again just before two windows passed, then often. */
+  for (int64_t t = t0 + 2 * W - 1; t < t0 + 4 * W; t += 250) {
+    int64_t est = grant_clock_sample(&c, 10000, t);
+    if (t - t0 > 2 * W)
+      cr_assert_eq(est, 10000, "a sample %lld ms old still counts", (long long)(t - t0));
+  }
+}
