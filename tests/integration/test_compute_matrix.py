@@ -789,6 +789,69 @@ def test_to_mesh_broadcast_down_a_chain_on_8_agents(shared_meshd):
         np.testing.assert_array_equal(fetch(s, here, gpu=6), X[3])  # nothing stored was lost
 
 
+def nccl_host_of_its_own(rank):
+    """An agent's environment that makes it a host of its own to NCCL. NCCL refuses two
+    ranks on one GPU of one host ("Duplicate GPU detected"), and tells hosts apart by a
+    hash of NCCL_HOSTID when set: agents sharing the one GPU of a test machine then join
+    one communicator as separate hosts, over NCCL's socket transport on loopback (no
+    InfiniBand probe, no multi-node NVLink: the two hosts are one GPU)."""
+    return {"NCCL_HOSTID": f"meshd-test-agent-{rank}", "NCCL_SOCKET_IFNAME": "lo",
+            "NCCL_IB_DISABLE": "1", "NCCL_MNNVL_ENABLE": "0"}
+
+
+def test_nccl_paths_with_agents_sharing_one_gpu(meshd_server, agent):
+    """Issue 16's NCCL paths, for a machine with one GPU (tests/gpu/run.sh), where the
+    shared servers' agents skip every collective: all-reduce (native, and gathered where
+    NCCL has no op), reduce-scatter, allgather, alltoall, reduce onto a sub-mesh whose
+    root is member 1 (ncclReduce's root is the communicator's rank; the fallback gathers
+    to it), the rooted gather (stack), and to_mesh with broadcast (ncclBroadcast: a chain
+    needs two destinations besides the source, hence three agents) and without
+    (send/recv). cuda:emulated runs the same calls on the data plane (a check of this
+    test); the cpu agents' are the shared-server tests'."""
+    if lib.DEVICE in ("cpu", "cuda"):
+        pytest.skip("the shared-server tests cover these (no GPU shared by the agents)")
+    n = 3
+    srv = meshd_server(0, min_agents=n)
+    for r in range(n):
+        # a communicator NCCL cannot make fails its call well inside a Fetch's 30 s
+        agent(srv.port, "--comm-timeout-ms", "15000", rank=r, env=nccl_host_of_its_own(r))
+    lib.wait_ready(srv, n)
+    with Session(srv.port, "matrix-nccl") as s:
+        if not data_plane(s):
+            pytest.skip("agents report no data_port (no data plane)")
+        m = s.mesh(gpu=n).ref
+        one = s.slice(m, gpu=1).ref
+        for dt in ("float32", "int32"):
+            X = _parts(n, dt, (n, 2), seed=16)  # rank r holds X[r]
+            x = upload(s, m, X, per_rank=True)
+            for reduction in ("sum", "max", "bor" if dt == "int32" else "avg"):
+                want = NP_RED[reduction](X).astype(X.dtype)
+                what = f"{reduction} {dt}"
+                allred = _red(s, x, dims=["gpu"], reduction=reduction)
+                scat = _red(s, x, dims=["gpu"], reduction=reduction, scatter=True)
+                rooted = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction=reduction,
+                                      mesh=one)).tensors[0].ref
+                for g in range(n):
+                    _close(fetch(s, allred, gpu=g), want, f"allreduce {what} rank {g}")
+                    _close(fetch(s, scat, gpu=g), want[g], f"reduce_scatter {what} rank {g}")
+                _close(fetch(s, rooted), want, f"reduce {what} onto rank 1")
+            ag = _red(s, x, dims=["gpu"], reduction="stack")
+            a2a = _red(s, x, dims=["gpu"], reduction="stack", scatter=True)
+            gathered = s.run(reduce(s.new_ref(), x, dims=["gpu"], reduction="stack",
+                                    mesh=one)).tensors[0].ref
+            for g in range(n):
+                _close(fetch(s, ag, gpu=g), X, f"allgather {dt} rank {g}")
+                _close(fetch(s, a2a, gpu=g), X[:, g], f"alltoall {dt} rank {g}")
+            _close(fetch(s, gathered), X, f"gather {dt} onto rank 1")
+            zero = s.slice(m, gpu=0).ref
+            moved = s.run(to_mesh(s.new_ref(), x, zero, selection={"gpu": 1})).tensors[0].ref
+            spread = s.run(to_mesh(s.new_ref(), x, m, selection={"gpu": 1})).tensors[0].ref
+            _close(fetch(s, moved), X[1], f"to_mesh {dt} rank 1 -> rank 0")
+            for g in range(n):
+                _close(fetch(s, spread, gpu=g), X[1], f"to_mesh {dt} broadcast rank {g}")
+        assert not s.run(sync()).errors
+
+
 # ================================================================ (4) borrows, streams
 
 def test_borrow_on_a_side_stream_with_concurrent_main(s2m):
