@@ -47,6 +47,12 @@ struct data_service {
   bool sweeping, stop;
   pthread_cond_t wake;
   pthread_cond_t settled; /* a busy transfer is not any more */
+  /* Proxied Fetches planned while their session's slots were all taken
+   * (FetchRequest.wait_for_slot), oldest first, under mu: the sweeper starts
+   * each once a slot frees (queue_run); a slot given back wakes it (kick). */
+  struct fetch *queued, **queued_tail;
+  _Atomic int nqueued;
+  bool kick;
   fault_t *fault; /* --server-fault; NULL: none */
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
   metrics_series_t *bytes[2][2];
@@ -150,7 +156,51 @@ static int transfer_begin(data_service_t *ds, session_t *s, const char *method, 
                    "to its end) before starting another", method, before, ds->max_transfers);
 }
 
-static void transfer_end(session_t *s) { atomic_fetch_sub(&s->transfers, 1); }
+/* Wakes the sweeper now (queue_run), not at its next tick. */
+static void kick(data_service_t *ds) {
+  pthread_mutex_lock(&ds->mu);
+  ds->kick = true;
+  pthread_cond_broadcast(&ds->wake);
+  pthread_mutex_unlock(&ds->mu);
+}
+
+/* The slot given back: a proxied Fetch waiting for one may start. */
+static void transfer_end(data_service_t *ds, session_t *s) {
+  atomic_fetch_sub(&s->transfers, 1);
+  if (atomic_load(&ds->nqueued) > 0) kick(ds);
+}
+
+/* A fetch planned without a slot (wait_for_slot) keeps its Snapshot unread on
+ * its agent until it gets one: with the fetches holding slots, a session's
+ * unread snapshots stay within what an agent keeps (DATA_TRANSFERS_MAX; more
+ * would fail the oldest there). Returns 0, or -1 with the slots' error in e
+ * (it names --session-max-transfers: a client waits and tries again). */
+static int wait_begin(data_service_t *ds, session_t *s, const char *method, meshd_error_t *e) {
+  int most = ds->sweeping ? DATA_TRANSFERS_MAX - ds->max_transfers : 0;
+  int before = atomic_fetch_add(&s->fetches_waiting, 1);
+  if (before < most) return 0;
+  atomic_fetch_sub(&s->fetches_waiting, 1);
+  return error_set(e, ERR_QUOTA,
+                   "%s: the session has --session-max-transfers (%d) Upload and Fetch calls in "
+                   "flight and %d planned fetches waiting for a slot, the most its agents keep "
+                   "unread (%d in all); wait for one to end before starting another", method,
+                   ds->max_transfers, before, DATA_TRANSFERS_MAX);
+}
+
+static void wait_end(session_t *s) { atomic_fetch_sub(&s->fetches_waiting, 1); }
+
+/* A fetch's slot; or, with wait_for_slot and every slot taken, a place among
+ * the session's fetches that wait for one (*waits): it is planned now all the
+ * same, so that its value is fixed where its client's stream is, and only its
+ * bytes wait. */
+static int fetch_slot_begin(data_service_t *ds, session_t *s, const char *method,
+                            const Meshd__V1__FetchRequest *rq, bool *waits, meshd_error_t *e) {
+  *waits = false;
+  if (transfer_begin(ds, s, method, e) == 0) return 0;
+  if (!rq->wait_for_slot || wait_begin(ds, s, method, e)) return -1;
+  *waits = true;
+  return 0;
+}
 
 /* The server's Upload and Fetch calls in flight, over every session, are at
  * most --max-relayed-transfers: what they queue is the server's memory. */
@@ -250,7 +300,7 @@ static void queue_free(rank_write_t *w) {
  * client's answer (it may start its next transfer on it), or at on_end. */
 static void upload_give_back(upload_t *u) {
   if (atomic_exchange(&u->given_back, true)) return;
-  transfer_end(u->session);
+  transfer_end(u->ds, u->session);
   relay_end(u->ds);
 }
 
@@ -344,7 +394,7 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
     return;
   }
   if (relay_begin(ds, "Upload", &e)) {
-    transfer_end(s);
+    transfer_end(ds, s);
     session_release(s);
     finish_error(call, &e);
     return;
@@ -352,7 +402,7 @@ static void upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *ar
   upload_t *u = calloc(1, sizeof *u);
   if (!u) {
     relay_end(ds);
-    transfer_end(s);
+    transfer_end(ds, s);
     session_release(s);
     rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "Upload: out of memory");
     return;
@@ -893,7 +943,11 @@ typedef struct fetch {
   uint64_t stream;             /* the tensor's: where the Snapshot (after_seq) went */
   _Atomic bool read_all;       /* the agent's Read ended OK: it took the Snapshot */
   bool direct;                 /* a direct transfer's FinishFetch: no relay, just the wait */
-  _Atomic bool slot_freed;     /* its --session-max-transfers slot is given back already */
+  _Atomic bool slot_freed;     /* it holds no --session-max-transfers slot (any more) */
+  _Atomic bool waiting;        /* planned without a slot, one of sess->fetches_waiting */
+  _Atomic bool gone;           /* on_end ran (read without f->mu: queue_run) */
+  struct fetch *queued_next;   /* ds->queued's */
+  bool queued_slot;            /* queue_run took a slot for it (else it goes) */
   size_t bytes;                /* the shard's */
 
   pthread_mutex_t mu;
@@ -905,7 +959,13 @@ typedef struct fetch {
   bool sess_held;    /* sess is a hold (session_hold: a planned fetch), not a call's */
 } fetch_t;
 
+/* A fetch planned without a slot has one now, or goes: it waits no more. */
+static void fetch_stop_waiting(fetch_t *f) {
+  if (atomic_exchange(&f->waiting, false)) wait_end(f->sess);
+}
+
 static void fetch_free(fetch_t *f) {
+  if (f->sess) fetch_stop_waiting(f);
   if (f->sess && f->sess_held) session_unhold(f->sess); /* a plan's (plan_fetch) */
   else if (f->sess) session_release(f->sess);
   if (f->call) rpc_call_unref(f->call);
@@ -938,7 +998,7 @@ static void fetch_drop_snapshot(fetch_t *f) {
  * (it may start its next transfer on it), or at on_end. */
 static void fetch_give_back(fetch_t *f) {
   if (atomic_exchange(&f->slot_freed, true)) return;
-  transfer_end(f->sess);
+  transfer_end(f->ds, f->sess);
   if (!f->direct) relay_end(f->ds);
 }
 
@@ -1287,19 +1347,38 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   return 0;
 }
 
+/* A proxied Fetch planned without a slot waits in ds->queued, holding the
+ * relay's reference, until queue_run starts it. */
+static void fetch_queue(data_service_t *ds, fetch_t *f) {
+  pthread_mutex_lock(&ds->mu);
+  *ds->queued_tail = f;
+  ds->queued_tail = &f->queued_next;
+  atomic_fetch_add(&ds->nqueued, 1);
+  pthread_mutex_unlock(&ds->mu);
+  kick(ds); /* a slot may have freed while it was planned */
+}
+
 static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   data_service_t *ds = arg;
+  const Meshd__V1__FetchRequest *rq = (const void *)req;
   if (proxy_refused(ds, call, "Fetch")) return;
+  if (rq->transfer_id) {
+    rpc_call_finish(call, GRPC_STATUS_INVALID_ARGUMENT, "BAD_ARGUMENT",
+                    "Fetch: transfer_id names a planned fetch's grant, for PlanTransfer; a "
+                    "Fetch names its tensor by ref and coords");
+    return;
+  }
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
   meshd_error_t e;
-  if (transfer_begin(ds, s, "Fetch", &e)) {
+  bool waits; /* planned now, relayed once a slot frees (queue_run) */
+  if (fetch_slot_begin(ds, s, "Fetch", rq, &waits, &e)) {
     session_release(s);
     finish_error(call, &e);
     return;
   }
-  if (relay_begin(ds, "Fetch", &e)) {
-    transfer_end(s);
+  if (!waits && relay_begin(ds, "Fetch", &e)) {
+    transfer_end(ds, s);
     session_release(s);
     finish_error(call, &e);
     return;
@@ -1308,17 +1387,23 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   int rc = f ? 0 : error_set(&e, ERR_QUOTA, "Fetch: out of memory on the server");
   if (!rc) {
     pthread_mutex_lock(&s->mu);
-    rc = fetch_plan(ds, s, (const Meshd__V1__FetchRequest *)req, f, &e);
+    rc = fetch_plan(ds, s, rq, f, &e);
     pthread_mutex_unlock(&s->mu);
   }
   if (rc) {
-    relay_end(ds);
-    transfer_end(s);
+    if (waits) {
+      wait_end(s);
+    } else {
+      relay_end(ds);
+      transfer_end(ds, s);
+    }
     session_release(s);
     if (f) fetch_free(f);
     finish_error(call, &e);
     return;
   }
+  atomic_store(&f->slot_freed, waits);
+  atomic_store(&f->waiting, waits);
   session_release(s); /* f->sess holds its own */
   live_add(ds);
   f->ds = ds;
@@ -1335,7 +1420,63 @@ static void fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg
   first.meta = &f->meta;
   rpc_call_send(call, &first.base);
   f->sent_meta = true;
-  fetch_wait(f);
+  if (waits) fetch_queue(ds, f);
+  else fetch_wait(f);
+}
+
+/* Starts a queued Fetch that got a slot (slot: taken for it), or ends one
+ * whose call ended or whose session closed meanwhile (its snapshot is
+ * dropped). */
+static void queued_start(fetch_t *f, bool slot) {
+  meshd_error_t e = {0};
+  if (slot && relay_begin(f->ds, "Fetch", &e)) {
+    transfer_end(f->ds, f->sess);
+    slot = false;
+  } else if (!slot) {
+    error_set(&e, ERR_NO_SESSION, "Fetch: session %.8s was closed", f->session);
+  }
+  /* Under f->mu, against fetch_end: either it sees the slot and gives it
+   * back, or the slot is given back here. */
+  pthread_mutex_lock(&f->mu);
+  bool ended = f->ended;
+  if (slot && !ended) atomic_store(&f->slot_freed, false);
+  pthread_mutex_unlock(&f->mu);
+  fetch_stop_waiting(f);
+  if (slot && ended) {
+    transfer_end(f->ds, f->sess);
+    relay_end(f->ds);
+  }
+  if (slot && !ended) return fetch_wait(f);
+  if (!ended) finish_error(f->call, &e);
+  relay_stop(f);
+}
+
+/* The sweeper's: the queued Fetches that can take a slot now start, oldest
+ * first; those whose call ended or whose session closed go. */
+static void queue_run(data_service_t *ds) {
+  fetch_t *go = NULL, **tail = &go, *f, **pp;
+  meshd_error_t full;
+  pthread_mutex_lock(&ds->mu);
+  for (pp = &ds->queued; (f = *pp);) {
+    bool gone = atomic_load(&f->gone) || atomic_load(&f->sess->closed);
+    if (!gone && transfer_begin(ds, f->sess, "Fetch", &full)) {
+      pp = &f->queued_next;
+      continue;
+    }
+    f->queued_slot = !gone;
+    *pp = f->queued_next;
+    if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
+    f->queued_next = NULL;
+    *tail = f;
+    tail = &f->queued_next;
+    atomic_fetch_sub(&ds->nqueued, 1);
+  }
+  pthread_mutex_unlock(&ds->mu);
+  while ((f = go)) {
+    go = f->queued_next;
+    f->queued_next = NULL;
+    queued_start(f, f->queued_slot);
+  }
 }
 
 static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
@@ -1348,6 +1489,8 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   uint64_t wait = f->wait_id;
   if (f->pull) rpc_pull_cancel(f->pull); /* the relay's next step ends it */
   pthread_mutex_unlock(&f->mu);
+  atomic_store(&f->gone, true);
+  if (atomic_load(&f->waiting)) kick(ds); /* queued: it leaves the queue now */
   fetch_give_back(f);
   /* Parked on the watermark: withdrawn, the relay will take no more steps. */
   if (wait && watermark_cancel(agent_pool_watermark(ds->pool), wait)) fetch_unref(f);
@@ -1417,7 +1560,7 @@ static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
       refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
     pthread_mutex_unlock(&s->mu);
   }
-  if (!t->failed && !t->finished) transfer_end(s);
+  if (!t->failed && !t->finished) transfer_end(ds, s);
   session_unhold(s);
   free(t->ranks);
   free(t->nonces);
@@ -1466,6 +1609,7 @@ static void *sweeper_main(void *arg) {
   data_service_t *ds = arg;
   pthread_mutex_lock(&ds->mu);
   while (!ds->stop) {
+    ds->kick = false;
     int64_t now = grant_now_unix_ms();
     transfer_t *expired = NULL, **pp = &ds->pending, *t;
     while ((t = *pp)) {
@@ -1492,6 +1636,7 @@ static void *sweeper_main(void *arg) {
                  t->fetch ? "its snapshot is dropped" : "the ref stays undefined");
       transfer_free(ds, t, true);
     }
+    queue_run(ds);
     pthread_mutex_lock(&ds->mu);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
@@ -1500,7 +1645,7 @@ static void *sweeper_main(void *arg) {
       until.tv_sec++;
       until.tv_nsec -= 1000000000L;
     }
-    if (!ds->stop) pthread_cond_timedwait(&ds->wake, &ds->mu, &until);
+    if (!ds->stop && !ds->kick) pthread_cond_timedwait(&ds->wake, &ds->mu, &until);
   }
   pthread_mutex_unlock(&ds->mu);
   return NULL;
@@ -1594,7 +1739,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   if (!u || !t) {
     free(u);
     free(t);
-    transfer_end(s);
+    transfer_end(ds, s);
     return error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
   }
   u->ds = ds;
@@ -1609,7 +1754,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
     free(u->ranks);
     free(u);
     free(t);
-    transfer_end(s);
+    transfer_end(ds, s);
     if (strncmp(e->msg, "Upload", 6) != 0) error_prefix(e, "PlanTransfer", ": ");
     return -1;
   }
@@ -1617,7 +1762,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
     free(u->ranks);
     free(u);
     free(t);
-    transfer_end(s);
+    transfer_end(ds, s);
     return error_set(e, ERR_NO_SESSION, "PlanTransfer: session %.8s was closed", s->id);
   }
   live_add(ds);
@@ -1656,6 +1801,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   g.spec = &sp;
   for (size_t i = 0; rc == 0 && i < t->nranks; i++) {
     meshd__v1__shard_grant__init(&sh[i]);
+    sh[i].address = NULL; /* (init's is protobuf-c's static "": shards_free frees it) */
     shp[i] = &sh[i];
     g.nonce.data = t->nonces[i];
     g.nonce.len = GRANT_NONCE_LEN;
@@ -1694,36 +1840,16 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   return 0;
 }
 
-/* A fetch's plan: Fetch's checks and its Snapshot, a Read grant for the rank. */
-static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
-                      const Meshd__V1__FetchRequest *rq, meshd_error_t *e) {
-  if (transfer_begin(ds, s, "PlanTransfer", e)) return -1;
-  fetch_t *f = calloc(1, sizeof *f);
-  transfer_t *t = calloc(1, sizeof *t);
-  int rc = f && t ? 0 : error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
-  if (!rc) {
-    pthread_mutex_lock(&s->mu);
-    rc = fetch_plan(ds, s, rq, f, e);
-    pthread_mutex_unlock(&s->mu);
-  }
-  if (rc) {
-    transfer_end(s);
-    if (f) fetch_free(f);
-    free(t);
-    return -1;
-  }
-  live_add(ds);
-  f->ds = ds;
-  f->direct = true;
-  session_detach(s); /* f->sess's: the plan keeps the session, not its lease */
-  f->sess_held = true;
-  pthread_mutex_init(&f->mu, NULL);
-  f->refs = 1; /* the transfer's, then FinishFetch's wait's */
-  t->fetch = f;
+/* A planned fetch's answer: with its Read grant for the rank (a new expiry),
+ * or, planned without a slot (f->waiting), slot_pending without a grant.
+ * t is not in the table; on failure it is freed (its snapshot dropped). */
+static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, meshd_error_t *e) {
+  fetch_t *f = t->fetch;
+  bool pending = atomic_load(&f->waiting);
   t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
-  t->id = transfer_new_id();
   uint8_t nonce[GRANT_NONCE_LEN];
   Meshd__V1__ShardGrant sh = MESHD__V1__SHARD_GRANT__INIT, *shp = &sh;
+  sh.address = NULL; /* (INIT's is protobuf-c's static "": freed below) */
   Meshd__Agent__V1__TransferGrant g = MESHD__AGENT__V1__TRANSFER_GRANT__INIT;
   g.session_id = f->session;
   g.ref = f->ref;
@@ -1734,13 +1860,14 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   g.nonce.data = nonce;
   g.nonce.len = sizeof nonce;
   sh.after_seq = f->after_seq;
-  rc = t->id && RAND_bytes(nonce, sizeof nonce) == 1
-           ? shard_grant(ds, f->rank, &g, &sh, e)
-           : error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
+  int rc = pending ? 0
+           : RAND_bytes(nonce, sizeof nonce) == 1
+               ? shard_grant(ds, f->rank, &g, &sh, e)
+               : error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
   Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
   Meshd__V1__AgentTls tls = MESHD__V1__AGENT_TLS__INIT;
   char *ca = NULL;
-  if (rc == 0) rc = plan_tls(ds, &reply, &tls, &ca, e);
+  if (rc == 0 && !pending) rc = plan_tls(ds, &reply, &tls, &ca, e);
   if (rc) {
     free(sh.address);
     free(sh.grant.data);
@@ -1748,8 +1875,9 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
     return -1;
   }
   reply.transfer_id = t->id;
-  reply.shards = &shp;
-  reply.n_shards = 1;
+  reply.shards = pending ? NULL : &shp;
+  reply.n_shards = pending ? 0 : 1;
+  reply.slot_pending = pending;
   reply.meta = &f->meta;
   reply.expiry_unix_ms = t->expiry_ms;
   /* Put first: FinishFetch names the id this reply carries. The reply points
@@ -1765,6 +1893,67 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
   free(sh.grant.data);
   free(ca);
   return 0;
+}
+
+/* The grant of a fetch a plan answered slot_pending, once the session has a
+ * slot for it; refused, as any transfer, while the slots are all taken. */
+static int plan_fetch_grant(data_service_t *ds, session_t *s, rpc_call_t *call, uint64_t id,
+                            meshd_error_t *e) {
+  transfer_t *t = transfer_take(ds, id, s, false);
+  if (!t)
+    return error_set(e, ERR_UNKNOWN_REF, "PlanTransfer: this session has no pending fetch %llu "
+                     "(it finished, or its grant expired)", (unsigned long long)id);
+  fetch_t *f = t->fetch;
+  int rc = atomic_load(&f->waiting) ? transfer_begin(ds, s, "PlanTransfer", e)
+           : error_set(e, ERR_BAD_ARGUMENT, "PlanTransfer: fetch %llu has its grant already "
+                       "(it was planned with a slot)", (unsigned long long)id);
+  if (rc) {
+    transfer_put(ds, t); /* still pending: the client asks again, or finishes it */
+    return -1;
+  }
+  atomic_store(&f->slot_freed, false);
+  fetch_stop_waiting(f);
+  return fetch_answer(ds, call, t, e);
+}
+
+/* A fetch's plan: Fetch's checks and its Snapshot, a Read grant for the rank
+ * (or slot_pending: FetchRequest.wait_for_slot). */
+static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
+                      const Meshd__V1__FetchRequest *rq, meshd_error_t *e) {
+  if (rq->transfer_id) return plan_fetch_grant(ds, s, call, rq->transfer_id, e);
+  bool waits;
+  if (fetch_slot_begin(ds, s, "PlanTransfer", rq, &waits, e)) return -1;
+  fetch_t *f = calloc(1, sizeof *f);
+  transfer_t *t = calloc(1, sizeof *t);
+  int rc = f && t ? 0 : error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
+  if (!rc) {
+    pthread_mutex_lock(&s->mu);
+    rc = fetch_plan(ds, s, rq, f, e);
+    pthread_mutex_unlock(&s->mu);
+  }
+  if (rc) {
+    if (waits) wait_end(s);
+    else transfer_end(ds, s);
+    if (f) fetch_free(f);
+    free(t);
+    return -1;
+  }
+  live_add(ds);
+  f->ds = ds;
+  f->direct = true;
+  atomic_store(&f->slot_freed, waits);
+  atomic_store(&f->waiting, waits);
+  session_detach(s); /* f->sess's: the plan keeps the session, not its lease */
+  f->sess_held = true;
+  pthread_mutex_init(&f->mu, NULL);
+  f->refs = 1; /* the transfer's, then FinishFetch's wait's */
+  t->fetch = f;
+  t->id = transfer_new_id();
+  if (!t->id) {
+    transfer_free(ds, t, true);
+    return error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
+  }
+  return fetch_answer(ds, call, t, e);
 }
 
 static void plan_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -1805,7 +1994,7 @@ static void transfer_undo(data_service_t *ds, transfer_t *t) {
   if (!atomic_load(&s->closed) && s->objects)
     refs_undo(ds, s, s->objects, t->ref, t->stream, t->ranks, t->nranks);
   pthread_mutex_unlock(&s->mu);
-  transfer_end(s);
+  transfer_end(ds, s);
   transfer_settle(ds, t, false, true);
 }
 
@@ -1937,7 +2126,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
      * asks again as soon as it got it (it lost it on its side) must find it
      * (it found nothing now and then under ASan). t is not ours once put. */
     count_bytes(ds, DIR_UPLOAD, PATH_DIRECT, t->each * t->nranks);
-    transfer_end(s);
+    transfer_end(ds, s);
     transfer_settle(ds, t, true, false);
     rpc_call_reply(call, &reply.base);
     return;
@@ -1953,7 +2142,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   if (!atomic_load(&s->closed) && o)
     refs_undo(ds, s, o, t->ref, t->stream, t->ranks, t->nranks);
   pthread_mutex_unlock(&s->mu);
-  transfer_end(s);
+  transfer_end(ds, s);
   transfer_settle(ds, t, false, true);
   rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "%s", msg);
 }
@@ -2033,6 +2222,7 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
                           ? max_transfers : DATA_TRANSFERS_MAX;
   pthread_mutex_init(&ds->mu, NULL);
   pthread_cond_init(&ds->idle, NULL);
+  ds->queued_tail = &ds->queued;
   size_t limit = max_message_bytes ? max_message_bytes : 4u << 20;
   ds->chunk = limit > 2048 ? limit / 2 : 1024; /* room for the envelope */
   if (ds->chunk > (1u << 20)) ds->chunk = 1u << 20;
@@ -2113,6 +2303,14 @@ void data_service_destroy(data_service_t *ds) {
   ds->pending = NULL;
   pthread_mutex_unlock(&ds->mu);
   if (ds->sweeping) pthread_join(ds->sweeper, NULL);
+  /* Queued Fetches: their calls ended with the server's; the relays' go. */
+  for (fetch_t *f = ds->queued, *next; f; f = next) {
+    next = f->queued_next;
+    atomic_store(&f->read_all, true); /* nothing is sent to agents any more */
+    fetch_stop_waiting(f);
+    relay_stop(f);
+  }
+  ds->queued = NULL;
   while (t) { /* the server is gone: nothing is sent to agents any more */
     transfer_t *next = t->next;
     if (t->fetch) atomic_store(&t->fetch->read_all, true);

@@ -9,7 +9,9 @@
  * run on a helper thread once its data is in, never on a completion-queue
  * thread; a Fetch relays the agent's chunks as the client reads them, with no
  * thread of its own. A session has at most max_transfers of these calls in
- * flight; more are refused RESOURCE_EXHAUSTED (QUOTA). */
+ * flight; more are refused RESOURCE_EXHAUSTED (QUOTA), but for a fetch with
+ * wait_for_slot: planned at once, its bytes wait for a slot (at most
+ * DATA_TRANSFERS_MAX - max_transfers such fetches per session). */
 #ifndef MESHD_DATA_SERVICE_H
 #define MESHD_DATA_SERVICE_H
 

@@ -83,6 +83,7 @@ typedef struct session {
   _Atomic uint64_t queued_commands; /* accepted, not yet known to have run (flow.h) */
   _Atomic uint64_t commands;        /* accepted so far (command_service.c) */
   _Atomic int transfers;            /* Upload and Fetch calls in flight (data_service.c) */
+  _Atomic int fetches_waiting;      /* planned fetches waiting for a transfer slot (ditto) */
 
   /* The command layer's lock for `objects` and whatever else it keeps per session. */
   pthread_mutex_t mu;

@@ -717,6 +717,85 @@ def test_a_finished_transfer_gives_its_slot_back_before_the_answer(meshd_server)
                    s._pb.FinishFetchReply)
 
 
+def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
+    """--session-max-transfers 1, its slot held by a planned fetch. A fetch with
+    wait_for_slot is planned at once all the same (its value fixed, no slot taken):
+    PlanTransfer answers slot_pending (no grant), a Fetch sends its meta; so the
+    client's next command, an in-place write, runs while they wait. The grant is
+    refused while the slot is held; once it frees, the queued Fetch streams and the
+    grant comes, both with the value from before the write. Fetches wait so at most
+    while the session's unread snapshots fit what its agents keep (64); one whose
+    call ends while it waits frees its place. Without wait_for_slot: refused, as
+    before (older clients)."""
+    import time
+    srv = meshd_server(1, "--session-max-transfers", "1")
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        pb = s._pb
+        arr = np.arange(6, dtype=np.float32)
+        with s.mesh(gpu=1).activate():
+            t = meshd.tensor(arr)
+        req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim="gpu", index=0)],
+                              wait_for_slot=True)
+        hold = plan_fetch(s, t, gpu=0)
+        assert not hold.slot_pending and len(hold.shards) == 1
+        refused(lambda: plan_fetch(s, t, gpu=0), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "--session-max-transfers (1)")
+        pending = plan(s, fetch=req)
+        assert pending.slot_pending and not pending.shards, pending
+        assert list(pending.meta.shape) == [6] and pending.transfer_id, pending
+        fn = s._ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
+                                response_deserializer=pb.FetchChunk.FromString)
+        queued = [fn(req, metadata=s._md, timeout=30) for _ in range(2)]
+        for q in queued:
+            assert next(q).WhichOneof("part") == "meta"  # planned, without the slot
+        t.add_(1)  # after them in the stream
+        s.sync()
+        grant = lambda: plan(s, fetch=pb.FetchRequest(transfer_id=pending.transfer_id))
+        refused(grant, grpc.StatusCode.RESOURCE_EXHAUSTED, "--session-max-transfers")
+        # 1 slot + 63 waiting: what the agent keeps unread; the next is refused.
+        more = [plan(s, fetch=req) for _ in range(60)]
+        assert all(m.slot_pending for m in more)
+        refused(lambda: plan(s, fetch=req), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "63 planned fetches waiting for a slot")
+        queued[1].cancel()  # its place frees once its call ended
+        end = time.monotonic() + 5
+        while True:
+            try:
+                more.append(plan(s, fetch=req))
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert time.monotonic() < end, "the cancelled Fetch kept its place"
+                time.sleep(0.02)
+        for m in more:  # given back unread: their snapshots go
+            finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=m.transfer_id),
+                   pb.FinishFetchReply)
+        agent_read(hold.shards[0], s.id, t.ref)
+        finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=hold.transfer_id),
+               pb.FinishFetchReply)
+        data = b"".join(c.data for c in queued[0] if c.WhichOneof("part") == "data")
+        np.testing.assert_array_equal(np.frombuffer(data, np.float32), arr)
+        end = time.monotonic() + 10
+        while True:  # the slot: once the queued Fetch's end gave it back
+            try:
+                granted = grant()
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert time.monotonic() < end, "the slot did not free"
+                time.sleep(0.02)
+        assert not granted.slot_pending and len(granted.shards) == 1
+        assert granted.transfer_id == pending.transfer_id
+        got = agent_read(granted.shards[0], s.id, t.ref)
+        np.testing.assert_array_equal(np.frombuffer(got, np.float32), arr)
+        finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=pending.transfer_id),
+               pb.FinishFetchReply)
+        refused(grant, grpc.StatusCode.NOT_FOUND, "no pending fetch")
+        with s.mesh(gpu=1).activate():
+            assert meshd.inspect(t, gpu=0).tolist() == (arr + 1).tolist()
+
+
 def test_reads_fit_an_agents_smaller_message_limit(meshd_server, agent):
     """An agent with --max-message-bytes 256KiB: a fetch whose client asks for 1 MiB
     chunks (the Python client's) gets them cut to fit, on the direct path and through

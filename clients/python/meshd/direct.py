@@ -724,7 +724,9 @@ class Direct:
     def fetch_plan(self, req, deadline):
         """PlanTransfer for a FetchRequest: (reply, channel), or None to use the proxy.
         Planned before it returns: later commands cannot change the value. deadline
-        (time.monotonic()): the fetch's."""
+        (time.monotonic()): the fetch's. With the session's transfer slots all taken
+        (req.wait_for_slot) the server plans it all the same and answers slot_pending:
+        (reply, None), whose grant fetch_finish waits for (_fetch_grant)."""
         pb = self.session._pb
         reply = self.plan(pb.PlanTransferRequest(fetch=req), deadline)
         # The commands sent by the time it was planned (_given_back_unchanged): taken
@@ -736,6 +738,31 @@ class Direct:
                 self._fetch_req[reply.transfer_id] = (req, seq)
         if reply is None:
             return None
+        if reply.slot_pending:
+            return reply, None
+        return self._fetch_channel(reply, deadline)
+
+    def _fetch_grant(self, reply, deadline):
+        """(reply, channel) for a fetch whose plan was answered slot_pending: its grant,
+        PlanTransfer{fetch: FetchRequest{transfer_id}}, refused while the session's
+        transfer slots are all taken and asked again until one frees (by deadline).
+        The plan fixed its value, so the session's commands go meanwhile. None (auto:
+        its agent does not answer) with the plan kept, for _fetch_by_proxy. Raises,
+        the plan given back, when refused otherwise."""
+        pb = self.session._pb
+        try:
+            granted = self.plan(pb.PlanTransferRequest(fetch=pb.FetchRequest(
+                transfer_id=reply.transfer_id)), deadline)
+            if granted is None:  # (auto, and the server no longer offers it)
+                return None
+            return self._fetch_channel(granted, deadline, give_back=False)
+        except BaseException:
+            self._finish_fetch(reply.transfer_id, quiet=True)
+            raise
+
+    def _fetch_channel(self, reply, deadline, give_back=True):
+        """(reply, channel) of a fetch's plan with its grant; None (auto) to use the
+        proxy, the plan given back unless give_back=False."""
         if len(reply.shards) != 1:
             self._finish_fetch(reply.transfer_id, quiet=True)
             raise MeshdError("INTERNAL", f"direct fetch: the plan has {len(reply.shards)} "
@@ -745,10 +772,9 @@ class Direct:
         except BaseException:
             self._finish_fetch(reply.transfer_id, quiet=True)
             raise
-        if chans is None:
+        if chans is None and give_back:
             self._finish_fetch(reply.transfer_id, quiet=True)
-            return None
-        return reply, chans[0]
+        return None if chans is None else (reply, chans[0])
 
     def _finish_fetch(self, transfer_id, deadline=None, quiet=False):
         """FinishFetch by deadline; quiet (no deadline: a short one of its own) ends a
@@ -785,7 +811,6 @@ class Direct:
         A fetch that the session's close() cuts raises MeshdError CANCELLED.
         on_stop(fn), if given, gets what cancels the read (tensor.Future._on_stop)."""
         reply, ch = planned
-        sh = reply.shards[0]
         try:  # (a tensor larger than this machine's memory: MemoryError)
             out = np.empty(tuple(reply.meta.shape), dtype=np_dtype)
             flat = memoryview(out).cast("B") if out.size else memoryview(bytearray())
@@ -793,6 +818,22 @@ class Direct:
         except BaseException:
             self._finish_fetch(reply.transfer_id, quiet=True)
             raise
+        if ch is None:  # planned slot_pending: its grant, once a slot frees
+            try:
+                granted = self._fetch_grant(reply, deadline)
+                if granted is None:  # its agent does not answer (auto): the server's Fetch
+                    proxied = self._fetch_by_proxy(reply, tr, deadline, on_stop)
+                    if proxied is None:
+                        raise MeshdError("UNAVAILABLE", "direct fetch: its agent does not "
+                                         "answer, and the session's commands since its plan "
+                                         "may have changed the tensor: not fetched through "
+                                         "the server either; use data_path=\"proxy\"")
+                    return proxied
+            except BaseException:
+                tr.close()
+                raise
+            reply, ch = granted
+        sh = reply.shards[0]
         what = f"direct fetch of rank {sh.rank} (agent {sh.address})"
         with self._lock:
             self._reading += 1
@@ -868,7 +909,13 @@ class Direct:
             return None
         with self._given_back_unchanged(reply) as req:
             # (None: a command since, or auto and the direct path gone meanwhile)
-            return None if req is None else self.fetch_plan(req, deadline)
+            again = None if req is None else self.fetch_plan(req, deadline)
+        if again is not None and again[1] is None:  # slot_pending: outside the lock
+            pending = again[0]
+            again = self._fetch_grant(pending, deadline)
+            if again is None:  # (auto, its agent does not answer)
+                self._finish_fetch(pending.transfer_id, quiet=True)
+        return again
 
     @contextlib.contextmanager
     def _given_back_unchanged(self, reply):

@@ -256,7 +256,9 @@ class Session:
         self._seq = 0
         # fetch_shard Futures whose place among the commands is not fixed yet (their
         # plan or Fetch not answered): commands wait for them (_wait_fetches_placed);
-        # _parked of them wait for a transfer slot (only writing commands wait for those).
+        # _parked of them wait for a transfer slot (only writing commands wait for those;
+        # a server that plans them without a slot, FetchRequest.wait_for_slot, answers at
+        # once: none park until 64 less --session-max-transfers of them wait).
         self._placing = self._parked = 0
         self._placed = threading.Condition(threading.Lock())
         self._meshes = {}

@@ -963,9 +963,14 @@ def _fetch_finish(s, call, first, progress=None, tr=None):
 
 
 def _fetch_request(t, coords):
+    """The FetchRequest of t's shard at coords. wait_for_slot: with the session's
+    transfer slots all taken, the server plans it anyway (its value fixed now) and
+    only its bytes wait for a slot, so fetch_shard's place among the commands is
+    fixed at once (an older server refuses it until a slot frees: Session._fetch_parked)."""
     pb = t.session._pb
     return pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim=k, index=v)
-                                              for k, v in coords.items()])
+                                              for k, v in coords.items()],
+                           wait_for_slot=True)
 
 
 def _fetch_direct(t, d, coords, timeout, progress=None):
@@ -1081,12 +1086,13 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     first rank (coordinate 0 along every dim), as Monarch. The Future has Monarch's
     .get() too. It returns at once: the fetch is planned on its own thread, and the
     session's next command waits for that, so the value is the tensor's as the
-    commands before this call left it. A fetch whose plan waits for a transfer slot
-    (the session's --session-max-transfers all taken by transfers still reading) holds
-    back only the commands that may write or end a tensor (an in-place op, out=, a
-    drop, a borrow, a release); the others go meanwhile, and a command never waits
-    for a fetch's bytes. (Mesh dims named "timeout", "progress" or "raw" cannot be
-    given here.)"""
+    commands before this call left it. With the session's transfer slots all taken
+    (--session-max-transfers, by transfers still reading) the server plans it all the
+    same and only its bytes wait for a slot, so no command waits for those transfers,
+    and a command never waits for a fetch's bytes. (A server older than that refuses
+    the plan until a slot frees: such a fetch holds back only the commands that may
+    write or end a tensor, an in-place op, out=, a drop, a borrow, a release.) (Mesh
+    dims named "timeout", "progress" or "raw" cannot be given here.)"""
     _progress.check(progress)
     if not isinstance(t, Tensor):
         raise TypeError(f"meshd: fetch_shard takes a Tensor, got {type(t).__name__}")
@@ -1109,7 +1115,7 @@ def fetch_shard(t: Tensor, timeout: float | None = None, progress: Progress = No
     def values(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
         return _bf16_values(a) if a.dtype == np.uint16 and not raw else a  # only bfloat16
     s = t.session
-    parked = []  # its plan waited for a transfer slot (Session._fetch_parked)
+    parked = []  # its plan waited for a transfer slot (an older server: Session._fetch_parked)
 
     def park():  # (once: a direct plan, then the proxy's Fetch, may each wait)
         if not parked:

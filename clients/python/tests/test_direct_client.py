@@ -214,13 +214,14 @@ def test_fetch_shard_returns_before_its_plan_and_commands_wait_for_it(server, da
 
 
 @pytest.mark.parametrize("data_path", ["direct", "proxy"])
-def test_a_command_does_not_wait_for_fetches_waiting_for_a_transfer_slot(server, data_path):
+def test_fetches_waiting_for_a_transfer_slot_hold_no_command_back(server, data_path):
     """The session's 8 transfer slots (the server's default) taken by 8 fetches being
-    read (planned, not finished), then 8 more fetch_shards: their plans wait for a
-    slot. An add (it writes no tensor) goes at once; before, it waited for the 8
-    reads, charged to its own deadline (DEADLINE_EXCEEDED, the server healthy). An
-    in-place write still waits for every plan, so the 8 values are the tensor's from
-    before it."""
+    read (planned, not finished), then 9 fetch_shards: the server plans each at once,
+    its value fixed, and only its bytes wait for a slot (FetchRequest.wait_for_slot).
+    So the 9th fetch_shard (the session's 17th fetch) returns at once, where it waited
+    for one of 8 plans that waited for a slot; an in-place write after them runs at
+    once, where it waited (on its own deadline: DEADLINE_EXCEEDED) for the 8 reads;
+    and every fetch still returns the value from before the write."""
     _tensor = importlib.import_module("meshd.tensor")
     a = np.arange(6, dtype=np.float32)
     with meshd.connect(server[0], data_path=data_path, timeout=5) as s:
@@ -230,26 +231,26 @@ def test_a_command_does_not_wait_for_fetches_waiting_for_a_transfer_slot(server,
             reading = [s._unary("PlanTransfer", pb.PlanTransferRequest(
                 fetch=_tensor._fetch_request(t, {"gpu": i % 2})), pb.PlanTransferReply)
                 for i in range(8)]
+            futs = []
             try:
-                futs = [meshd.fetch_shard(t, gpu=i % 2, timeout=30) for i in range(8)]
-                with s._placed:  # all 8 found the slots taken (bounded: 5 s)
-                    assert s._placed.wait_for(lambda: s._parked == 8, 5), (s._placing, s._parked)
-                u = t + 1  # (the session's timeout, 5 s: it waited for the reads)
-                assert u.shape == a.shape
-                written = []
-                writer = threading.Thread(target=lambda: written.append(t.add_(1)))
-                writer.start()
-                writer.join(0.3)
-                assert not written and s._placing == 8  # it waits for their plans
+                starter = threading.Thread(target=lambda: futs.extend(
+                    meshd.fetch_shard(t, gpu=i % 2, timeout=30) for i in range(9)))
+                starter.start()
+                starter.join(10)
+                assert len(futs) == 9, (len(futs), s._placing, s._parked)
+                with s._placed:  # every plan answered (bounded: 5 s), none parked
+                    assert s._placed.wait_for(lambda: s._placing == 0, 5), (s._placing, s._parked)
+                assert s._parked == 0
+                t.add_(1)  # (a write: before, it waited for the 8 reads)
+                s.sync()
+                assert not [f for f in futs if f.done()]  # their bytes wait for a slot
             finally:
                 for r in reading:  # (their reads end)
                     s._unary("FinishFetch", pb.FinishFetchRequest(transfer_id=r.transfer_id),
                              pb.FinishFetchReply)
+                starter.join(30)
             for f in futs:
                 np.testing.assert_array_equal(f.result(30), a)
-            writer.join(30)
-            assert written
-            np.testing.assert_array_equal(meshd.inspect(u, gpu=0), a + 1)
             np.testing.assert_array_equal(meshd.inspect(t, gpu=1), a + 1)
             assert s._direct.counts["fetch"] == (10 if data_path == "direct" else 0)
 
