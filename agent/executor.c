@@ -920,6 +920,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
                           .data_address = x->env.data_address};
   meshd_error_t verr = {0};
   bool refused = validate_instruction(ins, &self, &verr) != 0;
+  if (!refused) run_expect(&x->env, ins);
   meshd_error_t *why = NULL;
   Meshd__V1__Error *refusal = NULL; /* reported with the seq, when it is done at once */
   if (refused) {

@@ -629,6 +629,22 @@ static int join_group(ctx_t *c, const Meshd__Agent__V1__Group *g, size_t me, con
   return 0;
 }
 
+void run_expect(const run_env_t *env, const Meshd__Agent__V1__Instruction *ins) {
+  const Meshd__Agent__V1__Group *g = NULL;
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE && ins->reduce)
+    g = ins->reduce->group;
+  else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST && ins->broadcast)
+    g = ins->broadcast->group;
+  dataplane_t *net = env->backend ? env->backend->net : NULL;
+  if (!g || !net || g->n_ranks < 2 || g->secret.len != DP_SECRET_LEN) return;
+  dp_group_t dg = {.comm_id = g->comm_id, .ranks = g->ranks, .n = g->n_ranks,
+                   .secret = g->secret.data,
+                   .pair_secrets = g->pair_secrets.len == g->n_ranks * DP_SECRET_LEN
+                                       ? g->pair_secrets.data
+                                       : NULL};
+  dataplane_expect(net, &dg); /* best effort: without it, early hellos wait as before */
+}
+
 /* The instruction fails on this agent before it joined the data plane call
  * of group g (a collective or a broadcast) that its peers run: they are told
  * why now (backend refuse, dataplane.h's dp_refuse), instead of waiting out

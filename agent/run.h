@@ -62,6 +62,11 @@ typedef struct run_failures {
  * What failed is appended to *out (which the caller zeroed). */
 void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t *bs,
                      const Meshd__Agent__V1__Instruction *ins, run_failures_t *out);
+/* ins is queued (validated) and will run once the instructions before it on
+ * its stream did: a collective's group is announced to the data plane
+ * (dataplane_expect), so that members that reach the call before this agent
+ * does are held proven, not crowded out by the cap on unproven connections. */
+void run_expect(const run_env_t *env, const Meshd__Agent__V1__Instruction *ins);
 /* ins failed validation (validate.h) with *why: instead of running, it fails
  * the refs it would define (validate_result_refs) with why as their root
  * failure, which is appended to *out. tell_peers: the failure is this

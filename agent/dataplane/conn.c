@@ -19,7 +19,15 @@
  * closed, counted by reason and logged (rate-limited); no byte after the hello
  * is ever read from it. Everything it sends before its ack, a member's dialer
  * treats as "dial again", so a stranger that crowds the listener delays a
- * member by a redial at most. A hello for a call that failed or was refused
+ * member by a redial at most. That cap bounds what strangers hold, so it
+ * cannot grow with a group: a collective that fans in (a gather's root, a
+ * direct exchange) has every other member dial a late member at once, and
+ * past 64 of them they would be closed and redial, again and again, until it
+ * starts. A group whose call is known to be coming (dataplane_expect: its
+ * instruction is queued here) lets its members' early hellos be proven
+ * against its secret on arrival: those are held apart, at most one per
+ * member of each known group, and strangers, who cannot prove a secret,
+ * never reach them. A hello for a call that failed or was refused
  * here (failed_call_t), while no call of its comm runs, is acked and answered
  * at once with that call's abort instead of being held.
  *
@@ -64,6 +72,7 @@ typedef struct pending {
   int64_t deadline; /* reading: DP_HELLO_MS after accept; parked: timeout_ms after */
   int64_t accepted;
   bool local; /* came in on the unix socket */
+  bool proven; /* parked, proven for a known group: outside DP_UNPROVEN_MAX (dp->held) */
   uint8_t nonce[DP_NONCE_LEN];
   uint8_t hello[DP_HELLO_LEN];
   char from[64]; /* the peer's address, for the log */
@@ -366,6 +375,35 @@ bool dp__superseded(dataplane_t *dp, const conn_t *c) {
   return newer;
 }
 
+/* Groups whose call is coming (dataplane_expect, below). */
+static void known_free(known_group_t *k) {
+  free(k->ranks);
+  free(k->member_secrets);
+}
+
+static bool known_is(const known_group_t *k, const known_group_t *o) {
+  return k->comm_id == o->comm_id && k->n == o->n &&
+         memcmp(k->secret, o->secret, DP_SECRET_LEN) == 0 &&
+         memcmp(k->ranks, o->ranks, k->n * sizeof *k->ranks) == 0 &&
+         !k->member_secrets == !o->member_secrets &&
+         (!k->member_secrets ||
+          memcmp(k->member_secrets, o->member_secrets, k->n * DP_SECRET_LEN) == 0);
+}
+
+/* Drops known[i] (freed), keeping the others oldest first. Under mu. */
+static void known_drop_locked(dataplane_t *dp, size_t i) {
+  known_free(&dp->known[i]);
+  memmove(&dp->known[i], &dp->known[i + 1], (dp->nknown - i - 1) * sizeof dp->known[0]);
+  dp->nknown--;
+}
+
+/* The groups of comm_id are not coming any more (its session ended). Under mu. */
+static void known_forget_locked(dataplane_t *dp, uint64_t comm_id) {
+  for (size_t i = 0; i < dp->nknown;)
+    if (dp->known[i].comm_id == comm_id) known_drop_locked(dp, i);
+    else i++;
+}
+
 void dataplane_drop_link(dataplane_t *dp, uint64_t comm_id, uint32_t peer, bool outgoing) {
   if (!dp) return;
   pthread_mutex_lock(&dp->mu);
@@ -400,6 +438,7 @@ void dataplane_end_comm(dataplane_t *dp, uint64_t comm_id) {
     }
   }
   if (dp->nended < dp->capended) dp->ended[dp->nended++] = comm_id;
+  known_forget_locked(dp, comm_id);
   pthread_mutex_unlock(&dp->mu);
   dataplane_drop_comm(dp, comm_id);
 }
@@ -410,6 +449,7 @@ void dataplane_forget_comm(dataplane_t *dp, uint64_t comm_id) {
   for (size_t i = 0; i < dp->nended;) /* every copy (a session closed twice) */
     if (dp->ended[i] == comm_id) dp->ended[i] = dp->ended[--dp->nended];
     else i++;
+  known_forget_locked(dp, comm_id);
   pthread_mutex_unlock(&dp->mu);
 }
 
@@ -1032,6 +1072,45 @@ void dp__unregister(dataplane_t *dp, uint64_t id) {
   pthread_mutex_unlock(&dp->mu);
 }
 
+/* -------------------------------------------------------- known groups */
+
+int dataplane_expect(dataplane_t *dp, const dp_group_t *g) {
+  if (!dp || !g || !g->secret || !g->ranks || g->n < 2) return -1;
+  known_group_t k = {.comm_id = g->comm_id, .n = g->n};
+  k.ranks = malloc(g->n * sizeof *k.ranks);
+  k.member_secrets = g->pair_secrets ? malloc(g->n * DP_SECRET_LEN) : NULL;
+  if (!k.ranks || (g->pair_secrets && !k.member_secrets)) {
+    known_free(&k);
+    return -1;
+  }
+  memcpy(k.ranks, g->ranks, g->n * sizeof *k.ranks);
+  memcpy(k.secret, g->secret, DP_SECRET_LEN);
+  if (g->pair_secrets) memcpy(k.member_secrets, g->pair_secrets, g->n * DP_SECRET_LEN);
+  pthread_mutex_lock(&dp->mu);
+  /* Known already (a comm used call after call): the newest now. */
+  for (size_t i = 0; i < dp->nknown; i++)
+    if (known_is(&dp->known[i], &k)) {
+      known_drop_locked(dp, i);
+      break;
+    }
+  if (dp->nknown == DP_KNOWN_MAX) known_drop_locked(dp, 0);
+  dp->known[dp->nknown++] = k;
+  bool wake = dp->parked > 0; /* hellos held already may be its members' */
+  pthread_mutex_unlock(&dp->mu);
+  if (wake) wake_listener(dp);
+  return 0;
+}
+
+size_t dataplane_parked(dataplane_t *dp, size_t *proven) {
+  if (proven) *proven = 0;
+  if (!dp) return 0;
+  pthread_mutex_lock(&dp->mu);
+  size_t n = (size_t)dp->parked;
+  if (proven) *proven = dp->held;
+  pthread_mutex_unlock(&dp->mu);
+  return n;
+}
+
 /* -------------------------------------------------------- failed calls */
 
 static void failed_calls_expire_locked(dataplane_t *dp, int64_t now, size_t keep) {
@@ -1144,11 +1223,18 @@ uint64_t dataplane_aborts(const dataplane_t *dp, dp_abort_t reason) {
 #define LOG_WINDOW_MS 10000
 #define LOG_LINES_PER_WINDOW 5
 
+/* p no longer waits for its call: out of the counts. Under mu. */
+static void unpark_locked(dataplane_t *dp, pending_t *p) {
+  if (p->parked) dp->parked--;
+  if (p->proven) dp->held--;
+  p->parked = p->proven = false;
+}
+
 /* Closes an unproven socket. reason < 0: the peer withdrew (not a refusal). */
 static void pending_close(dataplane_t *dp, pending_t *p, int reason, const char *why) {
   if (p->parked) {
     pthread_mutex_lock(&dp->mu);
-    dp->parked--;
+    unpark_locked(dp, p);
     pthread_mutex_unlock(&dp->mu);
   }
   close(p->fd);
@@ -1222,6 +1308,32 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
   pthread_mutex_unlock(&dp->mu);
 }
 
+/* Room for one more held hello: one per member (but itself) of each known
+ * group. Under mu. */
+static bool held_room_locked(const dataplane_t *dp) {
+  size_t max = 0;
+  for (size_t i = 0; i < dp->nknown; i++) max += dp->known[i].n - 1;
+  return dp->held < max;
+}
+
+/* Whether p's complete hello, for a call not started here, proves the
+ * secret of a known group (dataplane_expect) for its comm and sender, with
+ * room to hold it. Under mu. */
+static bool known_proves_locked(dataplane_t *dp, const pending_t *p) {
+  if (dp->nknown == 0 || !held_room_locked(dp)) return false;
+  dp_wire_group_t grp[DP_KNOWN_MAX];
+  for (size_t i = 0; i < dp->nknown; i++) {
+    const known_group_t *k = &dp->known[i];
+    /* call: no call runs here; a wrong mac is only "not proven" */
+    grp[i] = (dp_wire_group_t){.comm_id = k->comm_id, .ranks = k->ranks, .n = k->n,
+                               .secret = k->secret, .member_secrets = k->member_secrets,
+                               .call = UINT64_MAX};
+  }
+  size_t which;
+  return dp_wire_admit(p->hello, p->got, dp->rank, p->nonce, grp, dp->nknown, &which, NULL, 0) ==
+         DP_ADMIT_OK;
+}
+
 /* Decides on p's hello so far (wire.h's dp_wire_admit against the calls in
  * progress). true while p stays pending (more to read, or parked). */
 static bool pending_admit(dataplane_t *dp, pending_t *p) {
@@ -1246,6 +1358,10 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
     p->deadline = p->accepted + dp->timeout_ms;
     dp->parked++;
   }
+  if (a == DP_ADMIT_UNKNOWN_GROUP && !p->proven && known_proves_locked(dp, p)) {
+    p->proven = true; /* a member of a group whose call is coming: held apart */
+    dp->held++;
+  }
   pthread_mutex_unlock(&dp->mu);
   switch (a) {
   case DP_ADMIT_MORE:
@@ -1256,9 +1372,8 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   }
   if (p->parked) {
     pthread_mutex_lock(&dp->mu);
-    dp->parked--;
+    unpark_locked(dp, p);
     pthread_mutex_unlock(&dp->mu);
-    p->parked = false;
   }
   uint8_t ack[DP_ACK_LEN];
   dp_wire_ack(ack, p->hello, p->nonce, secret);
@@ -1345,17 +1460,47 @@ static bool pending_open(dataplane_t *dp, pending_t *p, int fd, const struct soc
 
 #define DP_ACCEPT_BACKOFF_MS 100
 
+/* Room in the listener's arrays for one more socket. false out of memory. */
+static bool pending_room(dataplane_t *dp, size_t np) {
+  if (np < dp->pcap) return true;
+  size_t cap = 2 * dp->pcap;
+  pending_t *pend = realloc(dp->pend, cap * sizeof *pend);
+  if (!pend) return false;
+  dp->pend = pend;
+  struct pollfd *pfds = realloc(dp->pfds, (cap + 3) * sizeof *pfds);
+  if (!pfds) return false;
+  dp->pfds = pfds;
+  dp->pcap = cap;
+  return true;
+}
+
+/* Makes room for a new unproven socket: past DP_UNPROVEN_MAX of them, the
+ * oldest unproven one is closed (a held one, proven, stays). The new count. */
+static size_t pending_evict(dataplane_t *dp, size_t np, int64_t now) {
+  size_t unproven = 0, oldest = np;
+  for (size_t i = 0; i < np; i++)
+    if (!dp->pend[i].proven && unproven++ == 0) oldest = i;
+  if (unproven < DP_UNPROVEN_MAX) return np;
+  pending_t *pend = dp->pend;
+  char why[120];
+  snprintf(why, sizeof why, "the oldest of more than %d unproven connections (after %lld ms)",
+           DP_UNPROVEN_MAX, (long long)(now - pend[oldest].accepted));
+  pending_close(dp, &pend[oldest], DP_REJECT_TOO_MANY_PENDING, why);
+  memmove(pend + oldest, pend + oldest + 1, (np - oldest - 1) * sizeof *pend);
+  return np - 1;
+}
+
 /* Accepts connections and runs their handshakes without ever blocking on one.
  * pend[] is in accept order: pend[0] is the oldest. */
 static void *listener_main(void *arg) {
   dataplane_t *dp = arg;
-  pending_t pend[DP_UNPROVEN_MAX];
   size_t np = 0;
-  struct pollfd pfds[DP_UNPROVEN_MAX + 3];
   /* Out of file descriptors, a listener stays readable with nothing it can
    * accept: it is left out of the poll for a while instead of spinning. */
   int64_t accept_off_until = 0;
   for (;;) {
+    pending_t *pend = dp->pend; /* (moves only where it grows: pending_room) */
+    struct pollfd *pfds = dp->pfds;
     int64_t now = dp__now_ms(), next = accept_off_until > now ? accept_off_until : INT64_MAX;
     bool listening = accept_off_until <= now;
     pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
@@ -1414,19 +1559,19 @@ static void *listener_main(void *arg) {
           }
           break;
         }
-        if (np == DP_UNPROVEN_MAX) { /* the oldest unproven one makes room */
-          char why[120];
-          snprintf(why, sizeof why, "the oldest of more than %d unproven connections (after %lld ms)",
-                   DP_UNPROVEN_MAX, (long long)(now - pend[0].accepted));
-          pending_close(dp, &pend[0], DP_REJECT_TOO_MANY_PENDING, why);
-          memmove(pend, pend + 1, (np - 1) * sizeof *pend);
-          np--;
+        np = pending_evict(dp, np, now);
+        if (!pending_room(dp, np)) { /* out of memory, with held ones: the new one goes */
+          close(fd);
+          atomic_fetch_add(&dp->rejected[DP_REJECT_TOO_MANY_PENDING], 1);
+          continue;
         }
+        pend = dp->pend;
+        pfds = dp->pfds;
         if (pending_open(dp, &pend[np], fd, &ss, now)) np++;
       }
     }
   }
-  for (size_t i = 0; i < np; i++) pending_close(dp, &pend[i], -1, "stopping");
+  for (size_t i = 0; i < np; i++) pending_close(dp, &dp->pend[i], -1, "stopping");
   return NULL;
 }
 
@@ -1476,6 +1621,13 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
     error_set(err, ERR_UNAVAILABLE, "data plane: pipe: %s", strerror(errno));
     goto fail;
   }
+  dp->pcap = DP_UNPROVEN_MAX;
+  dp->pend = malloc(dp->pcap * sizeof *dp->pend);
+  dp->pfds = malloc((dp->pcap + 3) * sizeof *dp->pfds);
+  if (!dp->pend || !dp->pfds) {
+    error_set(err, ERR_UNAVAILABLE, "data plane: out of memory");
+    goto fail;
+  }
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1496,6 +1648,8 @@ fail:
   if (dp->ufd >= 0) close(dp->ufd);
   if (dp->wake[0] >= 0) close(dp->wake[0]);
   if (dp->wake[1] >= 0) close(dp->wake[1]);
+  free(dp->pend);
+  free(dp->pfds);
   free(dp);
   return NULL;
 }
@@ -1548,10 +1702,13 @@ void dataplane_stop(dataplane_t *dp) {
     free(sc);
   }
   failed_calls_expire_locked(dp, INT64_MAX, 0);
+  while (dp->nknown > 0) known_drop_locked(dp, dp->nknown - 1);
   free(dp->regs);
   free(dp->reg_ids);
   free(dp->reg_calls);
   free(dp->ended);
+  free(dp->pend);
+  free(dp->pfds);
   pthread_mutex_destroy(&dp->mu);
   free(dp);
 }

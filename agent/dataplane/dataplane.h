@@ -162,6 +162,23 @@ void dataplane_drop_comm(dataplane_t *dp, uint64_t comm_id);
 void dataplane_end_comm(dataplane_t *dp, uint64_t comm_id);
 /* No call of comm_id's session can start any more (its workers are gone). */
 void dataplane_forget_comm(dataplane_t *dp, uint64_t comm_id);
+/* This agent will run a call of g's group (an instruction of it is queued
+ * here, behind others): from now on a hello of a member of g (comm_id,
+ * ranks, secret and pair_secrets are copied; addrs, me and call are not
+ * used) that comes before the call starts is proven at once and held
+ * outside the cap on unproven connections (DP_UNPROVEN_MAX, which strangers
+ * can fill), up to one per member of each group known this way; so that
+ * more members than that cap dialing a late member wait for it instead of
+ * being closed and redialing. Known until its comm ends or is forgotten
+ * (dataplane_end_comm, dataplane_forget_comm), or past the last
+ * DP_KNOWN_MAX groups. 0; -1 (out of memory, no secret, one member) when
+ * nothing changes: the hellos are held as before. */
+#define DP_KNOWN_MAX 64
+int dataplane_expect(dataplane_t *dp, const dp_group_t *g);
+/* Hellos the listener holds now for calls that have not started here (0 for
+ * NULL); *proven (if not NULL): how many of them proved a group of
+ * dataplane_expect's. */
+size_t dataplane_parked(dataplane_t *dp, size_t *proven);
 /* Closes this agent's link of channel comm_id to (outgoing) or from the agent
  * of world rank `peer`: a point-to-point transfer on a shared channel failed
  * here between its calls, and its peer should fail now rather than wait out

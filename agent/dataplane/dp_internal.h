@@ -36,7 +36,7 @@
  * for a call that has not started here): beyond this many the oldest is
  * closed. A member's dialer redials, so strangers cannot crowd members out
  * for long. */
-#define DP_UNPROVEN_MAX 64
+#define DP_UNPROVEN_MAX 64 /* (hellos proven for a known group aside: dataplane_expect) */
 #define DP_HELLO_MS 5000 /* to send a complete hello (or timeout_ms, if shorter) */
 /* A peer's "host:port" and its NUL: what an instruction may name (agent/validate.h
  * VALIDATE_ADDRESS_MAX, 255; Kubernetes service names run past 90). Shorter,
@@ -119,6 +119,17 @@ typedef struct failed_call {
   char why[DP_ABORT_MAX + 1];
 } failed_call_t;
 
+/* A group whose call is coming (dataplane_expect): hellos of its members
+ * that come before the call are proven against it and held outside
+ * DP_UNPROVEN_MAX. Owns its arrays. */
+typedef struct known_group {
+  uint64_t comm_id;
+  uint32_t *ranks;
+  size_t n;
+  uint8_t secret[DP_SECRET_LEN];
+  uint8_t *member_secrets; /* n * DP_SECRET_LEN, or NULL */
+} known_group_t;
+
 struct dataplane {
   _Atomic uint32_t rank; /* the world rank: --rank, else the server's Hello's */
   int timeout_ms;
@@ -152,6 +163,16 @@ struct dataplane {
   size_t nregs, capregs;
   uint64_t next_reg;
   int parked; /* hellos the listener holds for a call not registered yet (mu) */
+  /* Of those, the ones proven for a known group (outside DP_UNPROVEN_MAX),
+   * and the groups (oldest first; mu). At most one per member of each. */
+  size_t held;
+  known_group_t known[DP_KNOWN_MAX];
+  size_t nknown;
+  /* The listener's sockets not admitted yet, oldest first, and its poll set
+   * (3 + pcap): DP_UNPROVEN_MAX, grown for held ones (listener thread only). */
+  struct pending *pend;
+  struct pollfd *pfds;
+  size_t pcap;
   /* Comms whose session ended here (dataplane_end_comm): a call registered
    * on one is dropped at once (mu). */
   uint64_t *ended;

@@ -454,3 +454,67 @@ Test(run_reduce, a_reduce_the_agent_cannot_queue_fails_its_peers_at_once, .timeo
   dataplane_stop(a.b.net);
   dataplane_stop(peer);
 }
+
+/* A Reduce queued on an agent announces its group to the data plane
+ * (run_expect, from executor_submit): a peer that dials the agent before
+ * the agent runs it has its hello proven at once and held apart from the
+ * cap on unproven connections, which strangers can fill (and more than 64
+ * members dialing a late root would overflow). */
+Test(run_reduce, a_queued_reduce_holds_its_peers_early_hellos_as_proven, .timeout = 30) {
+  agent_t a;
+  open_agent(&a, "cpu");
+  meshd_error_t e = {0};
+  a.b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
+  cr_assert_not_null(a.b.net, "%s", e.msg);
+  dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
+  cr_assert_not_null(peer, "%s", e.msg);
+  char me[64], other[64];
+  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(a.b.net));
+  snprintf(other, sizeof other, "127.0.0.1:%d", dataplane_port(peer));
+  static const uint8_t secret[32] = "0123456789abcdef0123456789abcde";
+  const char *addrs[2] = {me, other};
+  static uint32_t ranks[2] = {0, 1};
+  int64_t one[1] = {1};
+  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
+  r.ref = 9001;
+  r.input = 1;
+  r.reduction = "sum";
+  Meshd__Agent__V1__TensorSpec is = spec(1, one, DTYPE_FLOAT32), rs = spec(9001, one, DTYPE_FLOAT32);
+  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
+  g.n_ranks = g.n_addresses = 2;
+  g.ranks = ranks;
+  g.addresses = (char **)addrs;
+  g.comm_id = 9;
+  g.call = 3;
+  g.secret.len = 32;
+  g.secret.data = (uint8_t *)secret;
+  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
+  ro.reduce = &r;
+  ro.input = &is;
+  ro.result = &rs;
+  ro.group = &g;
+  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  ins.reduce = &ro;
+  run_expect(&a.env, &ins);
+  peer_job_t pj = {.dp = peer, .addrs = addrs, .secret = secret};
+  pthread_t th;
+  pthread_create(&th, NULL, peer_allreduce, &pj);
+  size_t proven = 0;
+  int64_t until = mono_ms() + 5000;
+  while (dataplane_parked(a.b.net, &proven) == 0 && mono_ms() < until) usleep(1000);
+  cr_assert_eq(proven, 1, "the peer's early hello was not proven against the Reduce's group");
+  /* The agent joins: the held hello is admitted, and the allreduce runs. */
+  dp_group_t dg = {.comm_id = 9, .call = 3 * 4, .ranks = ranks, .addrs = addrs, .n = 2, .me = 0,
+                   .secret = secret};
+  float v[4] = {1, 1, 1, 1};
+  cr_assert_eq(dp_allreduce(a.b.net, &dg, v, 4, DTYPE_FLOAT32, RED_SUM, &e), 0, "%s", e.msg);
+  pthread_join(th, NULL);
+  cr_assert_eq(pj.rc, 0, "%s", pj.err.msg);
+  cr_assert_eq(v[0], 2.0f);
+  cr_assert_eq(dataplane_parked(a.b.net, &proven), 0);
+  cr_assert_eq(proven, 0);
+  close_agent(&a);
+  dataplane_stop(a.b.net);
+  dataplane_stop(peer);
+}
