@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "executor.h"
+#include "grant.h"
 #include "meshd/agent/v1/agent.pb-c.h"
 #include "health.h"
 #include "log.h"
@@ -108,7 +109,8 @@ void transfer_grant_set_max_nonces_per_session(size_t n);
 /* What became of the grants presented (meshd_transfer_grants_total{result}). */
 enum {
   GRANT_ACCEPTED, GRANT_MALFORMED, GRANT_BAD_SIGNATURE, GRANT_EXPIRED, GRANT_WRONG_CALL,
-  GRANT_REUSED, GRANT_TABLE_FULL, GRANT_SESSION_FULL, GRANT_UNREGISTERED, GRANT_RESULT_COUNT
+  GRANT_REUSED, GRANT_TABLE_FULL, GRANT_SESSION_FULL, GRANT_UNREGISTERED, GRANT_REVOKED,
+  GRANT_RESULT_COUNT
 };
 const char *transfer_grant_result_name(int result);
 uint64_t transfer_grant_results(int result);
@@ -125,11 +127,21 @@ void transfer_grant_give_back(const uint8_t *nonce, const char *session, int64_t
  * theirs): take a nonce of session's, to be forgotten at forget_ms (its
  * grant's start-by time), -> NONCE_*; give one back, kept until expiry_ms;
  * forget them all. */
-enum { NONCE_TAKEN, NONCE_TAKEN_BEFORE, NONCE_LATE, NONCE_TABLE_FULL, NONCE_SESSION_FULL };
+enum { NONCE_TAKEN, NONCE_TAKEN_BEFORE, NONCE_LATE, NONCE_TABLE_FULL, NONCE_SESSION_FULL,
+       NONCE_REVOKED };
 int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forget_ms, int64_t now);
 void transfer_nonce_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms,
                               int64_t now);
 void transfer_nonces_clear(void);
+/* Marks a nonce revoked until forget_ms (taken or not, given back or not; kept
+ * past --max-transfer-nonces): taking it is NONCE_REVOKED from then on. */
+void transfer_nonce_revoke(const uint8_t *nonce, const char *session, int64_t forget_ms,
+                           int64_t now);
+/* RevokeGrants (the Execute link, as it arrives): each nonce revoked for
+ * keep_ms (at most REVOKE_KEEP_MAX_MS), and the Read or Write a nonce admitted
+ * ended PERMISSION_DENIED if it still runs. */
+#define REVOKE_KEEP_MAX_MS (24LL * 3600 * 1000)
+void transfer_grants_revoke(const Meshd__Agent__V1__Instruction *ins);
 /* For agent_auth_guard, before the request is read: 0 when the call's grant
  * carries this agent's server's signature and its nonce is not taken; 1 when
  * that cannot be told (not registered now: transfer_grant_admit refuses it)
@@ -147,13 +159,14 @@ typedef struct grant_watch {
   struct grant_watch *prev, *next;
   rpc_call_t *call;
   const char *what; /* "Read" or "Write" */
+  uint8_t nonce[GRANT_NONCE_LEN]; /* its grant's: a revocation ends it too */
   int64_t expiry_ms;
   bool listed;
 } grant_watch_t;
-/* Watches the call until transfer_grant_unwatch, which the handler calls
+/* Watches the call (admitted by nonce's grant) until transfer_grant_unwatch, which the handler calls
  * before it lets go of the call (on_end, or its last reference). */
 void transfer_grant_watch(grant_watch_t *w, rpc_call_t *call, const char *what,
-                          int64_t expiry_ms);
+                          const uint8_t *nonce, int64_t expiry_ms);
 /* Idempotent; w may be one never watched (zeroed). */
 void transfer_grant_unwatch(grant_watch_t *w);
 /* Calls ended at their grant's expiry so far. */

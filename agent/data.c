@@ -367,7 +367,7 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   int max_msg = rpc_call_max_message(call);
   if (max_msg > 64 && j->chunk > (uint32_t)max_msg - 64) j->chunk = (uint32_t)max_msg - 64;
   rpc_call_ref(call);
-  if (grant_expiry) transfer_grant_watch(&j->watch, call, "Read", grant_expiry);
+  if (grant_expiry) transfer_grant_watch(&j->watch, call, "Read", nonce, grant_expiry);
   if (ready) { /* nothing to wait for: no thread (a start cost ~0.5 ms, a 1 MiB Read's time) */
     read_run(j);
     return;
@@ -451,7 +451,7 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) 
   memcpy(w->nonce, g->nonce.data, GRANT_NONCE_LEN);
   w->expiry_ms = g->expiry_unix_ms;
   snprintf(w->session, sizeof w->session, "%s", g->session_id); /* for a give-back */
-  transfer_grant_watch(&w->watch, call, "Write", w->expiry_ms);
+  transfer_grant_watch(&w->watch, call, "Write", w->nonce, w->expiry_ms);
   Meshd__Agent__V1__DataChunk c = MESHD__AGENT__V1__DATA_CHUNK__INIT;
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
   c.spec = g->spec;

@@ -135,10 +135,17 @@ static bool check_locked(const exec_call_t *x, const Meshd__Agent__V1__Instructi
   return validate_envelope(ins, why, len) == 0;
 }
 
-/* Records what later execution needs; for now, which sessions are open. */
+/* Records what later execution needs: which sessions are open; and acts on
+ * a RevokeGrants at once. */
 static void take_locked(exec_call_t *x, const Meshd__Agent__V1__Instruction *ins) {
   x->last_seq = ins->seq;
   x->instructions++;
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS) {
+    /* Now, not in its turn: a Read or Write must not get in while what was
+     * queued before it runs. It opens no session (the executor passes it). */
+    transfer_grants_revoke(ins);
+    return;
+  }
   session_t *s = NULL;
   HASH_FIND_STR(x->sessions, ins->session_id, s);
   if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION) {

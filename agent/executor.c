@@ -954,6 +954,10 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       if (s) session_state_peer_lost(s->state, lost->rank, ins->seq, lost->reason);
       break;
     }
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS:
+      /* Acted on as it arrived (execute.c); opens no session. */
+      done_now = true;
+      break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS:
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CREATE_STREAM:
       /* They open the session (Agent/Write and Read need it open), and the

@@ -345,7 +345,7 @@ int main(int argc, char **argv) {
   info.memory_bytes = opt.memory_bytes ? opt.memory_bytes : gpu ? 0 : runtime_memory_bytes();
   if (!opt.memory_bytes) info.memory_bytes /= (uint64_t)opt.memory_share; /* the GPU's: below */
   info.requested_rank = (int32_t)opt.rank;
-  info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL; /* the newest body run.c runs */
+  info.instructions = MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS; /* the newest body it runs */
   info.data_plane = 1; /* Group.pair_secrets */
   info.clock = true;   /* HelloReply.unix_ms: grants in this agent's clock */
   int unused_ms;

@@ -39,13 +39,14 @@ typedef struct seen {
   size_t at;         /* its place in `order` */
   bool given_back;   /* kept for a retry of its grant */
   bool in_use;       /* given back, then taken again */
+  bool revoked;      /* its server revoked the grant (RevokeGrants): never taken again */
   share_t *share;    /* its session's */
   UT_hash_handle hh;
 } seen_t;
 
 static const char *const result_names[GRANT_RESULT_COUNT] = {
     "accepted", "malformed", "bad_signature", "expired", "wrong_call", "reused", "table_full",
-    "session_full", "unregistered"};
+    "session_full", "unregistered", "revoked"};
 static _Atomic uint64_t results[GRANT_RESULT_COUNT];
 
 const char *transfer_grant_result_name(int r) {
@@ -193,7 +194,8 @@ int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forge
   HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
   share_t *s = e ? NULL : share_of(session, false);
   if (e) {
-    if (!e->given_back || e->in_use) rc = NONCE_TAKEN_BEFORE;
+    if (e->revoked) rc = NONCE_REVOKED;
+    else if (!e->given_back || e->in_use) rc = NONCE_TAKEN_BEFORE;
     else e->in_use = true;
   } else if (forget_ms <= now) {
     rc = NONCE_LATE;
@@ -219,13 +221,36 @@ void transfer_nonce_give_back(const uint8_t *nonce, const char *session, int64_t
    * a bound. */
   if (!e && expiry_ms > now && nseen < max_nonces + given_back_extra())
     e = remember(nonce, session, expiry_ms);
-  if (e) {
+  if (e && !e->revoked) {
     e->given_back = true;
     e->in_use = false;
     e->forget_ms = expiry_ms;
     order_fix(e);
   }
   pthread_mutex_unlock(&mu);
+}
+
+void transfer_nonce_revoke(const uint8_t *nonce, const char *session, int64_t forget_ms,
+                          int64_t now) {
+  pthread_mutex_lock(&mu);
+  sweep(now);
+  seen_t *e = NULL;
+  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  /* Beyond --max-transfer-nonces if need be: the server sends one per grant
+   * it planned and revoked, a bound of its own, and a revocation dropped for
+   * room would let the grant in. */
+  if (!e) e = remember(nonce, session, forget_ms);
+  if (e) {
+    e->revoked = true;
+    e->given_back = false;
+    if (forget_ms > e->forget_ms) {
+      e->forget_ms = forget_ms;
+      order_fix(e);
+    }
+  }
+  pthread_mutex_unlock(&mu);
+  if (!e) log_error("agent", "out of memory revoking a transfer grant of session %.8s",
+                    session ? session : "");
 }
 
 void transfer_grant_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms) {
@@ -237,6 +262,10 @@ void transfer_nonces_clear(void) {
   while (nseen) forget(order[nseen - 1]);
   pthread_mutex_unlock(&mu);
 }
+
+#define REVOKED_MSG                                                                        \
+  "transfer grant refused: revoked (the principal that planned the transfer lost its token at " \
+  "a reload of the server's --auth-tokens)"
 
 /* When a grant's nonce may be forgotten: its start-by time (0: an older
  * server's grant, its expiry). */
@@ -290,13 +319,13 @@ static int open_grant(rpc_call_t *call, Meshd__Agent__V1__TransferGrant **out, c
 }
 
 /* Whether nonce is taken (used, or in use): 1; given back, free to take: 2;
- * neither: 0. */
+ * revoked: 3; neither: 0. */
 static int nonce_state(const uint8_t *nonce, int64_t now) {
   pthread_mutex_lock(&mu);
   sweep(now);
   seen_t *e = NULL;
   HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
-  int st = !e ? 0 : e->given_back && !e->in_use ? 2 : 1;
+  int st = !e ? 0 : e->revoked ? 3 : e->given_back && !e->in_use ? 2 : 1;
   pthread_mutex_unlock(&mu);
   return st;
 }
@@ -320,7 +349,9 @@ int transfer_grant_signed(rpc_call_t *call, char *msg, size_t msglen) {
                     "(PlanTransfer)", (long long)(now - g->expiry_unix_ms));
     else if (g->nonce.len == GRANT_NONCE_LEN) {
       int st = nonce_state(g->nonce.data, now);
-      if (st == 1)
+      if (st == 3)
+        code = refuse(call, GRANT_REVOKED, GRPC_STATUS_PERMISSION_DENIED, msg, msglen, REVOKED_MSG);
+      else if (st == 1)
         code = 1;
       else if (st == 0 && start_by(g) <= now) /* late, and not given back */
         code = refuse(call, GRANT_EXPIRED, GRPC_STATUS_PERMISSION_DENIED, msg, msglen,
@@ -375,6 +406,8 @@ int transfer_grant_admit(rpc_call_t *call, int direction, const char *session, u
       code = refuse(call, GRANT_EXPIRED, denied, msg, msglen, "transfer grant refused: expired: its "
                     "call did not start by its start-by time (%lld ms ago); ask the server for a "
                     "new one (PlanTransfer)", (long long)(now - start_by(g)));
+    else if (t == NONCE_REVOKED)
+      code = refuse(call, GRANT_REVOKED, denied, msg, msglen, REVOKED_MSG);
     else if (t == NONCE_TAKEN_BEFORE)
       code = refuse(call, GRANT_REUSED, denied, msg, msglen, "transfer grant refused: reused (each grant is "
                     "good for one call; ask the server for a new one)");
@@ -477,10 +510,11 @@ static void watch_start(void) {
 }
 
 void transfer_grant_watch(grant_watch_t *w, rpc_call_t *call, const char *what,
-                          int64_t expiry_ms) {
+                          const uint8_t *nonce, int64_t expiry_ms) {
   pthread_once(&watch_once, watch_start);
   pthread_mutex_lock(&watch_mu);
   w->call = call;
+  memcpy(w->nonce, nonce, GRANT_NONCE_LEN);
   w->what = what;
   w->expiry_ms = expiry_ms;
   w->prev = NULL;
@@ -499,4 +533,42 @@ void transfer_grant_unwatch(grant_watch_t *w) {
   pthread_mutex_lock(&watch_mu);
   if (w->listed) unlink_locked(w);
   pthread_mutex_unlock(&watch_mu);
+}
+
+/* ------------------------------------------------------------ revocation */
+
+/* Ends the running calls that a revoked nonce admitted (under watch_mu, as
+ * an expiry does: their handlers' unwatch waits for it). */
+static size_t watch_revoke(const uint8_t *nonce) {
+  size_t ended = 0;
+  pthread_mutex_lock(&watch_mu);
+  for (grant_watch_t *w = watched, *n; w; w = n) {
+    n = w->next;
+    if (memcmp(w->nonce, nonce, GRANT_NONCE_LEN) != 0) continue;
+    unlink_locked(w);
+    ended++;
+    bool write = strcmp(w->what, "Write") == 0;
+    rpc_call_abort(w->call, GRPC_STATUS_PERMISSION_DENIED, "PERMISSION_DENIED",
+                   "%s: transfer grant revoked during the %s (the principal that planned the "
+                   "transfer lost its token at a reload of the server's --auth-tokens); %s",
+                   w->what, w->what, write ? "nothing was stored" : "the rest was not sent");
+  }
+  pthread_mutex_unlock(&watch_mu);
+  return ended;
+}
+
+void transfer_grants_revoke(const Meshd__Agent__V1__Instruction *ins) {
+  const Meshd__Agent__V1__RevokeGrants *r = ins->revoke_grants;
+  if (!r) return;
+  int64_t now = grant_now_unix_ms();
+  int64_t keep = r->keep_ms > 0 && r->keep_ms < REVOKE_KEEP_MAX_MS ? r->keep_ms : REVOKE_KEEP_MAX_MS;
+  size_t ended = 0, n = 0;
+  for (size_t i = 0; i < r->n_nonces; i++) {
+    if (r->nonces[i].len != GRANT_NONCE_LEN) continue; /* validate refused it before */
+    transfer_nonce_revoke(r->nonces[i].data, ins->session_id, now + keep, now);
+    ended += watch_revoke(r->nonces[i].data);
+    n++;
+  }
+  log_info("agent", "session %.8s: %zu transfer grant(s) revoked by the server (a tokens reload); "
+           "%zu running Read/Write ended", ins->session_id ? ins->session_id : "", n, ended);
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "dataplane/dataplane.h"
+#include "grant.h"
 #include "layout.h"
 #include "reduction.h"
 #include "url_fetch.h"
@@ -566,6 +567,18 @@ static int check_body(const instr_t *ins, const validate_self_t *self, meshd_err
       return ins->snapshot->ref ? 0 : error_set(e, ERR_BAD_ARGUMENT, "Snapshot.ref: ref 0");
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT:
       return ins->drop_snapshot ? 0 : -1;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS: {
+      const Meshd__Agent__V1__RevokeGrants *r = ins->revoke_grants;
+      if (!r) return -1;
+      if (r->n_nonces > VALIDATE_REVOKE_MAX)
+        return error_set(e, ERR_BAD_ARGUMENT, "RevokeGrants.nonces: %zu, more than %d",
+                         r->n_nonces, VALIDATE_REVOKE_MAX);
+      for (size_t i = 0; i < r->n_nonces; i++)
+        if (r->nonces[i].len != GRANT_NONCE_LEN)
+          return error_set(e, ERR_BAD_ARGUMENT, "RevokeGrants.nonces[%zu]: %zu bytes, not %d", i,
+                           r->nonces[i].len, GRANT_NONCE_LEN);
+      return 0;
+    }
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS:
       return ins->status ? 0 : -1;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_END_SESSION:
@@ -590,6 +603,7 @@ const char *validate_kind_name(const instr_t *ins) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: return "PeerLost";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: return "Snapshot";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT: return "DropSnapshot";
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS: return "RevokeGrants";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_LOAD: return "LoadOp";
     case MESHD__AGENT__V1__INSTRUCTION__BODY_LITERAL: return "LiteralOp";
     default: return "instruction";

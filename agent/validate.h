@@ -36,6 +36,8 @@
 #define VALIDATE_GROUP_MAX REDUCE_GROUP_MAX
 /* A data plane "host:port". */
 #define VALIDATE_ADDRESS_MAX 255
+/* Nonces one RevokeGrants names at most (the server sends one per grant). */
+#define VALIDATE_REVOKE_MAX 1024
 /* Positional and keyword arguments of one OpCall, tensors in one argument list. */
 #define VALIDATE_ARGS_MAX 16
 #define VALIDATE_LIST_MAX 64

@@ -196,26 +196,43 @@ int auth_reload(auth_t *a, char *err, size_t errlen) {
   return load(a, err, errlen);
 }
 
-bool auth_call_revoked(const rpc_identity_t *id, void *arg) {
-  auth_t *a = arg;
-  if (!auth_enabled(a) || !id->has_credential) return false;
+/* Whether id's token is still its principal's (and, with admin, with the same
+ * admin flag). Holds a->lock. */
+static bool holds_locked(const auth_t *a, const rpc_identity_t *id, bool admin) {
   bool ok = false;
-  pthread_rwlock_rdlock(&a->lock);
   for (size_t i = 0; i < a->set.n; i++)
-    if (!strcmp(a->set.v[i].name, id->name) && a->set.v[i].admin == id->admin &&
+    if (!strcmp(a->set.v[i].name, id->name) && (!admin || a->set.v[i].admin == id->admin) &&
         !CRYPTO_memcmp(a->set.v[i].digest, id->credential, sizeof id->credential))
-      ok = true; /* (a token that lost or gained admin: its calls end, to come back as it is now) */
+      ok = true;
+  return ok;
+}
+
+static bool revoked(auth_t *a, const rpc_identity_t *id, bool admin) {
+  if (!auth_enabled(a) || !id->has_credential) return false;
+  pthread_rwlock_rdlock(&a->lock);
+  bool ok = holds_locked(a, id, admin);
   pthread_rwlock_unlock(&a->lock);
   return !ok;
 }
 
-bool auth_has_principal(auth_t *a, const char *name) {
+/* (A token that lost or gained admin: its calls end, to come back as it is now.) */
+bool auth_call_revoked(const rpc_identity_t *id, void *arg) { return revoked(arg, id, true); }
+
+bool auth_token_revoked(const rpc_identity_t *id, void *arg) { return revoked(arg, id, false); }
+
+bool auth_pin(auth_t *a, const rpc_identity_t *const *ids, size_t n) {
   if (!auth_enabled(a)) return true;
-  bool found = false;
   pthread_rwlock_rdlock(&a->lock);
-  for (size_t i = 0; i < a->set.n && !found; i++) found = !strcmp(a->set.v[i].name, name);
-  pthread_rwlock_unlock(&a->lock);
-  return found;
+  for (size_t i = 0; i < n; i++)
+    if (ids[i] && ids[i]->has_credential && !holds_locked(a, ids[i], false)) {
+      pthread_rwlock_unlock(&a->lock);
+      return false;
+    }
+  return true;
+}
+
+void auth_unpin(auth_t *a) {
+  if (auth_enabled(a)) pthread_rwlock_unlock(&a->lock);
 }
 
 /* One warn line per second at most, with how many were not logged. */

@@ -39,8 +39,17 @@ int auth_reload(auth_t *a, char *err, size_t errlen);
  * changed). For
  * rpc_server_end_calls_of (arg: the auth_t). */
 bool auth_call_revoked(const rpc_identity_t *id, void *auth);
-/* Whether principal `name` is in the file loaded last (always when open). */
-bool auth_has_principal(auth_t *a, const char *name);
+/* After a reload: whether id's token is no longer its principal's (removed,
+ * or the principal gone; an admin flag changed does not count). What a direct
+ * transfer planned under it follows (data_service_revoke). */
+bool auth_token_revoked(const rpc_identity_t *id, void *auth);
+/* Whether each of ids (NULL, or without a credential: passed) still holds
+ * its token, as auth_token_revoked says; if so the principals stay as they
+ * are (a reload waits) until auth_unpin, which must follow a true and only
+ * that. So a step that must not happen for a token revoked (FinishUpload
+ * defining its tensor) is done either before a reload or not at all. */
+bool auth_pin(auth_t *a, const rpc_identity_t *const *ids, size_t n);
+void auth_unpin(auth_t *a);
 
 /* The guard for client-facing methods (guard_arg: the auth_t). */
 grpc_status_code auth_guard(rpc_call_t *call, void *auth, rpc_identity_t *id, char *msg,

@@ -10,6 +10,7 @@
 
 #include <openssl/rand.h>
 
+#include "auth.h"
 #include "commands.h"
 #include "fault.h"
 #include "grant.h"
@@ -54,6 +55,7 @@ struct data_service {
   _Atomic int nqueued;
   bool kick;
   fault_t *fault; /* --server-fault; NULL: none */
+  auth_t *auth;   /* the tokens (FinishUpload's pin); NULL: none */
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
   metrics_series_t *bytes[2][2];
 };
@@ -1521,7 +1523,6 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
 
 typedef struct transfer {
   struct transfer *next;
-  struct transfer *undo_next; /* data_service_revoke's list */
   uint64_t id;
   session_t *sess;   /* referenced (a fetch's is its fetch_t's) */
   int64_t expiry_ms; /* the grants', Unix ms */
@@ -1533,12 +1534,18 @@ typedef struct transfer {
    * another FinishUpload of it waits for the outcome instead of finding
    * nothing; the sweeper leaves it. */
   bool busy;
+  /* Its grants were revoked on its agents (RevokeGrants): once is enough. */
+  bool revoked;
+  /* Who planned it: a reload that revokes that token undoes it (and its
+   * grants), whoever holds the session now. */
+  rpc_identity_t planner;
+  /* the grants' nonces, one per rank (a fetch: one, its rank's) */
+  uint8_t (*nonces)[GRANT_NONCE_LEN];
   /* upload */
   uint64_t ref, stream, mesh;
   tensor_meta_t meta;
   uint32_t *ranks;
   size_t nranks, each;
-  uint8_t (*nonces)[GRANT_NONCE_LEN];
   uint64_t losses; /* the pool's agent losses when it was planned */
   /* fetch */
   fetch_t *fetch;
@@ -1550,6 +1557,7 @@ static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
   if (t->fetch) {
     fetch_give_back(t->fetch); /* a direct fetch's: its slot (it took no relay) */
     fetch_unref(t->fetch); /* drops the snapshot: nobody said it was read */
+    free(t->nonces);
     free(t);
     return;
   }
@@ -1573,6 +1581,12 @@ static void transfer_put(data_service_t *ds, transfer_t *t) {
   t->next = ds->pending;
   ds->pending = t;
   pthread_mutex_unlock(&ds->mu);
+}
+
+/* The plan call's identity, for data_service_revoke. */
+static void transfer_note_planner(transfer_t *t, rpc_call_t *call) {
+  const rpc_identity_t *id = rpc_call_identity(call);
+  if (id) t->planner = *id;
 }
 
 /* The session's pending transfer `id` of that kind: a fetch is taken out of
@@ -1777,6 +1791,7 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   t->each = u->each;
   t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
   t->losses = agent_pool_losses(ds->pool);
+  transfer_note_planner(t, call);
   free(u);
   pthread_mutex_lock(&s->mu);
   for (size_t i = 0; s->objects && i < t->nranks; i++) objects_touch(s->objects, t->ranks[i]);
@@ -1847,7 +1862,10 @@ static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, mes
   fetch_t *f = t->fetch;
   bool pending = atomic_load(&f->waiting);
   t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
-  uint8_t nonce[GRANT_NONCE_LEN];
+  transfer_note_planner(t, call); /* the token this answer goes to (a reload's check) */
+  uint8_t *nonce = NULL; /* kept in t: a reload revokes its grant (grants_revoke) */
+  if (!pending && !t->nonces) t->nonces = calloc(1, sizeof *t->nonces);
+  if (!pending && t->nonces) nonce = t->nonces[0];
   Meshd__V1__ShardGrant sh = MESHD__V1__SHARD_GRANT__INIT, *shp = &sh;
   sh.address = NULL; /* (INIT's is protobuf-c's static "": freed below) */
   Meshd__Agent__V1__TransferGrant g = MESHD__AGENT__V1__TRANSFER_GRANT__INIT;
@@ -1858,10 +1876,10 @@ static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, mes
   g.start_by_unix_ms = grant_start_by(t->expiry_ms, ds->grant_ms, ds->grant_start_ms);
   g.after_seq = f->after_seq;
   g.nonce.data = nonce;
-  g.nonce.len = sizeof nonce;
+  g.nonce.len = GRANT_NONCE_LEN;
   sh.after_seq = f->after_seq;
   int rc = pending ? 0
-           : RAND_bytes(nonce, sizeof nonce) == 1
+           : nonce && RAND_bytes(nonce, GRANT_NONCE_LEN) == 1
                ? shard_grant(ds, f->rank, &g, &sh, e)
                : error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
   Meshd__V1__PlanTransferReply reply = MESHD__V1__PLAN_TRANSFER_REPLY__INIT;
@@ -2059,6 +2077,16 @@ static void finish_again(data_service_t *ds, rpc_call_t *call, transfer_t *t) {
                     (unsigned long long)ref);
 }
 
+/* --server-fault finish:slow=MS: a FinishUpload whose receipts checked out
+ * waits before it defines its tensor (tests of a tokens reload meanwhile). */
+static void finish_fault(data_service_t *ds, const meshd_error_t *e) {
+  int ms = 0;
+  if (e->kind != ERR_NONE || fault_hit(ds->fault, "finish", -1, &ms) != FAULT_SLOW) return;
+  log_warn("data", "FinishUpload: held %d ms before it defines its tensor (injected fault)", ms);
+  struct timespec d = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&d, NULL);
+}
+
 static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
   data_service_t *ds = arg;
   const Meshd__V1__FinishUploadRequest *rq = (const void *)req;
@@ -2100,10 +2128,20 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
                 "its agent's answer to this transfer's Write)", t->ranks[i]);
     memset(tg.secret, 0, sizeof tg.secret);
   }
+  finish_fault(ds, &e);
   Meshd__V1__FinishUploadReply reply = MESHD__V1__FINISH_UPLOAD_REPLY__INIT;
   Meshd__V1__TensorMeta meta;
   int64_t dims[2 * LAYOUT_MAX_DIMS];
   obj_t *obj = NULL;
+  /* Its tensor is defined before a reload that revokes this call's token or
+   * the plan's, or not at all: the reload waits for the pin, and one that
+   * came first is seen here (it ends this call anyway; the answer would be
+   * lost and the tensor defined behind a revoked principal's back). */
+  const rpc_identity_t *who[2] = {rpc_call_identity(call), &t->planner};
+  bool pinned = e.kind == ERR_NONE && ds->auth;
+  if (pinned && !(pinned = auth_pin(ds->auth, who, 2)))
+    error_set(&e, ERR_UNAUTHENTICATED, "FinishUpload: the bearer token that planned this upload, "
+              "or this call's, was revoked at a reload of --auth-tokens (SIGHUP)");
   pthread_mutex_lock(&s->mu);
   objects_t *o = objects_of(s);
   if (e.kind == ERR_NONE && atomic_load(&s->closed))
@@ -2118,6 +2156,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
     }
   }
   pthread_mutex_unlock(&s->mu);
+  if (pinned) auth_unpin(ds->auth);
   if (obj) {
     /* The slot first: a client that starts its next transfer on the answer
      * must find it free (--session-max-transfers). The transfer stays, as
@@ -2163,6 +2202,7 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
     return;
   }
   fetch_t *f = t->fetch;
+  free(t->nonces);
   free(t);
   session_attach(f->sess); /* a call in flight again: its wait holds the lease */
   f->sess_held = false;
@@ -2175,38 +2215,97 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   fetch_wait(f);
 }
 
-int data_service_revoke(data_service_t *ds, bool (*gone)(const char *owner, void *arg),
-                        void *arg) {
-  transfer_t *undo = NULL, **pp, *t;
-  pthread_mutex_lock(&ds->mu);
-  for (pp = &ds->pending; (t = *pp);) {
-    session_t *ts = t->fetch ? t->fetch->sess : t->sess;
-    /* Busy: a FinishUpload decides (its call is ended with the principal's);
-     * finished or failed: nothing left to undo before expiry. */
-    if (!ts || t->busy || t->finished || t->failed || !gone(ts->owner, arg)) {
-      pp = &t->next;
+/* Tells t's agents that its grants are revoked (RevokeGrants), before any
+ * undo follows on the same links: a grant not yet presented is refused, a
+ * Read or Write it admitted is ended. An agent too old for it (registered
+ * instructions < 25) is not told: its grant stays good until its start-by
+ * time, as before, and what it writes is undone with the transfer. */
+static void grants_revoke(data_service_t *ds, transfer_t *t) {
+  session_t *s = t->fetch ? t->fetch->sess : t->sess;
+  size_t n = t->fetch ? 1 : t->nranks;
+  int64_t keep = t->expiry_ms - grant_now_unix_ms() + TRANSFER_UNDO_SLACK_MS;
+  Meshd__Agent__V1__RevokeGrants r = MESHD__AGENT__V1__REVOKE_GRANTS__INIT;
+  Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  ProtobufCBinaryData nonce = {GRANT_NONCE_LEN, NULL};
+  r.nonces = &nonce;
+  r.n_nonces = 1;
+  r.keep_ms = keep > 1000 ? keep : 1000;
+  ins.session_id = s->id;
+  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS;
+  ins.revoke_grants = &r;
+  pthread_mutex_lock(&s->mu);
+  /* A closed session's agents ended it: they serve no Read or Write of it. */
+  bool open = !atomic_load(&s->closed) && s->objects;
+  for (size_t i = 0; open && t->nonces && i < n; i++) {
+    uint32_t rank = t->fetch ? t->fetch->rank : t->ranks[i];
+    char version[32] = "";
+    if (agent_pool_first_without(ds->pool, &rank, 1, MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS,
+                                 version, sizeof version) >= 0) {
+      log_warn("data", "rank %u's agent (%s) is too old to be told of a revoked transfer grant: "
+               "it admits one Read/Write until the grant's start-by time", rank, version);
       continue;
     }
-    if (t->fetch) {
-      *pp = t->next;
-    } else {
-      t->busy = true; /* stays in the table, to be undone again at expiry */
-      pp = &t->next;
+    nonce.data = t->nonces[i];
+    uint64_t seq = 0;
+    if (agent_pool_send(ds->pool, rank, &ins, &seq) == 0) objects_sent(s->objects, rank, seq, 0);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* One transfer whose planner's token is revoked and that still has
+ * something to revoke, taken for data_service_revoke (under ds->mu): a fetch
+ * out of the table, an upload marked busy in it (the sweeper leaves it); NULL
+ * with *wait when one is busy (a FinishUpload decides first: its pin sees the
+ * reload), NULL when none is left. */
+static transfer_t *revoke_next_locked(data_service_t *ds, bool (*revoked)(const rpc_identity_t *,
+                                                                          void *),
+                                      void *arg, bool *wait) {
+  *wait = false;
+  for (transfer_t **pp = &ds->pending, *t; (t = *pp); pp = &t->next) {
+    session_t *ts = t->fetch ? t->fetch->sess : t->sess;
+    if (!ts || t->finished || t->revoked || !revoked(&t->planner, arg)) continue;
+    if (t->busy) {
+      *wait = true;
+      continue;
     }
-    t->undo_next = undo;
-    undo = t;
+    t->revoked = true;
+    if (t->fetch) *pp = t->next;
+    else t->busy = true; /* stays in the table, to be undone (again) at expiry */
+    return t;
+  }
+  return NULL;
+}
+
+int data_service_revoke(data_service_t *ds, bool (*revoked)(const rpc_identity_t *id, void *arg),
+                        void *arg) {
+  int n = 0;
+  pthread_mutex_lock(&ds->mu);
+  for (;;) {
+    bool wait;
+    transfer_t *t = revoke_next_locked(ds, revoked, arg, &wait);
+    if (!t && !wait) break;
+    if (!t) { /* a FinishUpload's checks are quick: bounded only by them */
+      pthread_cond_wait(&ds->settled, &ds->mu);
+      continue;
+    }
+    bool undo = t->fetch || !t->failed;
+    pthread_mutex_unlock(&ds->mu);
+    session_t *s = t->fetch ? t->fetch->sess : t->sess;
+    log_info("data", "direct %s of tensor %llu in session %.8s %s: the token of principal '%s' "
+             "that planned it was revoked at a tokens reload", t->fetch ? "fetch" : "upload",
+             (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), s->id,
+             undo ? "undone, its grants revoked" : "failed before: its grants revoked",
+             t->planner.name);
+    grants_revoke(ds, t);
+    if (undo) {
+      transfer_undo(ds, t);
+      n++;
+    } else {
+      transfer_settle(ds, t, false, true); /* failed, as it was */
+    }
+    pthread_mutex_lock(&ds->mu);
   }
   pthread_mutex_unlock(&ds->mu);
-  int n = 0;
-  while ((t = undo)) {
-    undo = t->undo_next;
-    n++;
-    session_t *s = t->fetch ? t->fetch->sess : t->sess;
-    log_info("data", "direct %s of tensor %llu in session %.8s undone: principal '%s' was "
-             "revoked at a tokens reload", t->fetch ? "fetch" : "upload",
-             (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), s->id, s->owner);
-    transfer_undo(ds, t);
-  }
   return n;
 }
 
@@ -2236,6 +2335,8 @@ data_service_t *data_service_create(agent_pool_t *pool, session_table_t *session
 }
 
 void data_service_set_fault(data_service_t *ds, fault_t *f) { ds->fault = f; }
+
+void data_service_set_auth(data_service_t *ds, auth_t *auth) { ds->auth = auth; }
 
 void data_service_set_max_relays(data_service_t *ds, int max_relays) {
   ds->max_relays = max_relays > 0 ? max_relays : 0;

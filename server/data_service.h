@@ -59,12 +59,21 @@ void data_service_set_metrics(data_service_t *ds, struct metrics_registry *m);
 /* The rows (Upload, Fetch, PlanTransfer, FinishUpload, FinishFetch; static storage), *n their count. Register them with
  * the data_service_t * as arg; the service must outlive the server. */
 const rpc_method_t *data_service_methods(size_t *n);
-/* Undoes the planned direct transfers of sessions whose owner gone(owner,
- * arg) says was revoked (a tokens reload): an upload as at its expiry (its
- * ref deleted on its ranks, again at expiry, FinishUpload refused), a fetch's
- * snapshot dropped (FinishFetch refused). How many. */
-int data_service_revoke(data_service_t *ds, bool (*gone)(const char *owner, void *arg),
+/* After a tokens reload: every planned direct transfer whose plan call's
+ * identity revoked(id, arg) says lost its token (auth_token_revoked) has its
+ * grants revoked on its agents (RevokeGrants on the Execute link: a grant not
+ * yet used is refused, a Read or Write it admitted ends) and is undone: an
+ * upload as at its expiry (its ref deleted on its ranks, again at expiry,
+ * FinishUpload refused), a fetch's snapshot dropped (FinishFetch refused).
+ * An upload a FinishUpload is checking is waited for (its pin, set with
+ * data_service_set_auth, sees the reload). How many were undone. */
+int data_service_revoke(data_service_t *ds, bool (*revoked)(const rpc_identity_t *id, void *arg),
                         void *arg);
+/* The tokens, for FinishUpload: it defines its tensor only while neither its
+ * own token nor its plan's is revoked (auth_pin). NULL (default): unchecked.
+ * Before the server starts; auth outlives ds. */
+struct auth;
+void data_service_set_auth(data_service_t *ds, struct auth *auth);
 void data_service_destroy(data_service_t *ds);
 
 #endif

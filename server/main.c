@@ -142,7 +142,8 @@ static const config_flag_t flags[] = {
      "fault injection for tests: plan:slow=MS holds each PlanTransfer's answer MS ms once its "
      "transfer is planned (a lost answer), plan:fail loses it; session:slow=MS holds each "
      "CreateSession's answer MS ms once its session exists; remove:slow=MS holds each lost "
-     "agent's removal from the pool MS ms, remove:fail leaves it to the registry's sweeper "
+     "agent's removal from the pool MS ms, remove:fail leaves it to the registry's sweeper; "
+     "finish:slow=MS holds each FinishUpload MS ms once its receipts checked out "
      "(see core/platform/fault.h)",
      &opt.server_fault, 0, 0},
     {"max-queued", CONFIG_INT, "8192",
@@ -304,9 +305,6 @@ static void agents_changed(int healthy, void *arg) {
   health_set(st->health, TENSOR_SERVICE_NAME,
              healthy >= st->min_agents ? HEALTH_SERVING : HEALTH_NOT_SERVING);
 }
-
-/* data_service_revoke's question: the session's owner is no principal now. */
-static bool revoked_owner(const char *owner, void *auth) { return !auth_has_principal(auth, owner); }
 
 static void default_agent_binary(char *out, size_t len) {
   char self[PATH_MAX];
@@ -541,6 +539,7 @@ int main(int argc, char **argv) {
   if (data) data_service_set_grant_start(data, opt.transfer_grant_start_ms);
   if (data) data_service_set_max_relays(data, (int)opt.max_relayed_transfers);
   if (data && server_fault_on) data_service_set_fault(data, &server_fault);
+  if (data) data_service_set_auth(data, auth);
   if (server_fault_on) session_service_set_fault(&server_fault);
   load_service_t *loads = sessions ? load_service_create(pool, sessions, &urls) : NULL;
   /* Keepalive: the rpc layer's defaults (30 s, ack within 20 s, only while
@@ -748,12 +747,14 @@ int main(int argc, char **argv) {
     else if (auth_enabled(auth)) {
       log_info("server", "SIGHUP: reloaded %d principal(s) from %s", count, opt.auth_tokens);
       /* A token removed cuts its holder off now, not at its calls' end: its
-       * calls end, and a principal removed loses its planned transfers. */
+       * calls end (one admitted meanwhile too: the rpc layer asks again), and
+       * the direct transfers planned under it are undone, their grants
+       * revoked on the agents. */
       int ended = rpc_server_end_calls_of(srv, auth_call_revoked, auth,
                                           GRPC_STATUS_UNAUTHENTICATED, "UNAUTHENTICATED",
                                           "its bearer token was revoked at a reload of "
                                           "--auth-tokens (SIGHUP); call again with a valid token");
-      int undone = data ? data_service_revoke(data, revoked_owner, auth) : 0;
+      int undone = data ? data_service_revoke(data, auth_token_revoked, auth) : 0;
       if (ended || undone)
         log_info("server", "SIGHUP: ended %d call(s) and undid %d planned transfer(s) of revoked "
                  "tokens", ended, undone);

@@ -13,7 +13,7 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
 }
 
 const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "call", "any", "hello", "write", NULL};
-const char *const FAULT_SERVER_PLACES[] = {"plan", "session", "remove", NULL};
+const char *const FAULT_SERVER_PLACES[] = {"plan", "session", "remove", "finish", NULL};
 
 int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {
   memset(f, 0, sizeof *f);
@@ -72,6 +72,11 @@ int fault_parse(const char *spec, const char *const *places, fault_t *f, char *e
   if (!strcmp(f->where, "session") && f->action != FAULT_SLOW) {
     snprintf(err, errlen, "fault spec '%s': session takes slow=MS only (a late CreateSession "
              "answer)", spec);
+    return -1;
+  }
+  if (!strcmp(f->where, "finish") && f->action != FAULT_SLOW) {
+    snprintf(err, errlen, "fault spec '%s': finish takes slow=MS only (a FinishUpload held "
+             "before it defines its tensor)", spec);
     return -1;
   }
   if (eq && parse_num(eq + 1, 0, 86400000, &v)) {

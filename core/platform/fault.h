@@ -11,7 +11,9 @@
  *           in the table: slow=MS makes a client's deadline pass before it),
  *           session (a CreateSession's answer, once its session exists: slow=MS),
  *           remove (a lost agent's removal from the pool: slow=MS holds it,
- *           fail leaves it to the registry's sweeper, as when no thread can be had)
+ *           fail leaves it to the registry's sweeper, as when no thread can be had),
+ *           finish (a FinishUpload once its receipts checked out, before it
+ *           defines its tensor: slow=MS, so a tokens reload can come meanwhile)
  *   ACTION  fail            the instruction fails (REMOTE_FAILURE "injected fault")
  *           hang[=MS]       it blocks, like a wedged device, until the session
  *                           learns of a lost peer or ends (or MS passes; default 1 h);
@@ -48,7 +50,7 @@ typedef struct fault {
 /* The places each program knows ("any" is the agent's reduce and send
  * instructions, the collectives and transfers; not call). */
 extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write */
-extern const char *const FAULT_SERVER_PLACES[]; /* plan, session, remove */
+extern const char *const FAULT_SERVER_PLACES[]; /* plan, session, remove, finish */
 
 /* Parses spec into *f, with WHERE one of places (NULL-terminated). 0, or -1
  * with a message naming what is wrong. */

@@ -246,7 +246,11 @@ int rpc_server_end_calls(rpc_server_t *srv, const char *except_path, grpc_status
 /* Ends, as rpc_server_end_calls does, every call not yet ended whose guard's
  * identity has a credential that revoked(id, arg) says no longer holds (a
  * token removed at a reload); the status reads "principal 'NAME': msg".
- * revoked runs without the server's locks. How many. */
+ * revoked runs without the server's locks. How many. A call whose guard was
+ * admitting it meanwhile (its identity not yet stored) is asked the same by
+ * its own thread once the guard returns, and refused with that status
+ * (nothing of it runs): revoked and arg must stay valid while the server
+ * lives. */
 int rpc_server_end_calls_of(rpc_server_t *srv,
                             bool (*revoked)(const rpc_identity_t *id, void *arg), void *arg,
                             grpc_status_code code, const char *kind, const char *msg);

@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -139,9 +140,36 @@ struct rpc_server {
   int max_open, nopen;
   rpc_call_t *open_head, *open_tail;
   rpc_call_t *live_head; /* accepted calls not ended yet (under mu) */
+  /* How many rpc_server_end_calls_of ran, and the last one's question and
+   * status (under mu): a call whose guard ran while one looked for calls to
+   * end had no identity yet to be seen by it, and is asked again
+   * (guard_ask_again). */
+  _Atomic uint64_t revocations;
+  bool (*revoked)(const rpc_identity_t *id, void *arg);
+  void *revoked_arg;
+  grpc_status_code revoked_code;
+  char revoked_msg[300];
 };
 
 static void post_request(rpc_server_t *srv, method_slot_t *slot);
+
+/* The last revocation's question about an identity its guard admitted while
+ * that revocation ran: OK, or its status with why ("principal 'NAME': msg",
+ * as rpc_server_end_calls_of writes it). */
+static grpc_status_code guard_ask_again(rpc_server_t *srv, const rpc_identity_t *id, char *why,
+                                        size_t len) {
+  pthread_mutex_lock(&srv->mu);
+  bool (*revoked)(const rpc_identity_t *, void *) = srv->revoked;
+  void *arg = srv->revoked_arg;
+  grpc_status_code code = srv->revoked_code;
+  char msg[sizeof srv->revoked_msg];
+  memcpy(msg, srv->revoked_msg, sizeof msg);
+  pthread_mutex_unlock(&srv->mu);
+  if (!revoked || !revoked(id, arg)) return GRPC_STATUS_OK;
+  snprintf(why, len, "principal '%s': %s", id->name, msg);
+  return code;
+}
+
 static void start_reading_locked(rpc_call_t *c);
 static void pump_locked(rpc_call_t *c);
 
@@ -766,11 +794,23 @@ static void on_new(rpc_call_t *c, bool ok) {
      * ended before on_start and then started (its on_end would never run). */
     char why[300] = "";
     rpc_identity_t id = {{0}, false, false, false, {0}};
+    uint64_t revocations = atomic_load(&srv->revocations);
     c->in_callback++;
     pthread_mutex_unlock(&c->mu);
     grpc_status_code code = c->slot->guard(c, c->slot->guard_arg, &id, why, sizeof why);
     pthread_mutex_lock(&c->mu);
     c->in_callback--;
+    /* Read in the same hold of c->mu that stores the identity below: a
+     * revocation that counted itself after this read finds the identity. */
+    for (uint64_t now; code == GRPC_STATUS_OK && id.has_credential &&
+                       (now = atomic_load(&srv->revocations)) != revocations;) {
+      revocations = now;
+      c->in_callback++;
+      pthread_mutex_unlock(&c->mu);
+      code = guard_ask_again(srv, &id, why, sizeof why);
+      pthread_mutex_lock(&c->mu);
+      c->in_callback--;
+    }
     if (code != GRPC_STATUS_OK) {
       finish_locked(c, code, code == GRPC_STATUS_PERMISSION_DENIED ? "PERMISSION_DENIED"
                                                                    : "UNAUTHENTICATED", why);
@@ -1360,6 +1400,13 @@ int rpc_call_reply_after(rpc_call_t *call, const ProtobufCMessage *msg, int ms) 
 int rpc_server_end_calls_of(rpc_server_t *srv,
                             bool (*revoked)(const rpc_identity_t *id, void *arg), void *arg,
                             grpc_status_code code, const char *kind, const char *msg) {
+  pthread_mutex_lock(&srv->mu);
+  srv->revoked = revoked;
+  srv->revoked_arg = arg;
+  srv->revoked_code = code;
+  snprintf(srv->revoked_msg, sizeof srv->revoked_msg, "%s", msg);
+  pthread_mutex_unlock(&srv->mu);
+  atomic_fetch_add(&srv->revocations, 1); /* before the calls are looked at */
   int k;
   rpc_call_t **calls = live_calls(srv, NULL, &k);
   int ended = 0;

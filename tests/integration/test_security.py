@@ -933,17 +933,49 @@ def _submit_one(s, q, it):
     return got
 
 
+def _plan_upload(s, mesh, n):
+    """A planned direct upload of n float32 onto mesh (raw PlanTransfer)."""
+    t = lib.tensor_pb2()
+    return s.unary("PlanTransfer", t.PlanTransferRequest(upload=t.UploadHeader(
+        ref=s.new_ref(), mesh=mesh.ref, shape=[n], dtype=lib.dtype("float32"),
+        total_bytes=4 * n)), t.PlanTransferReply)
+
+
+def _finish_upload(s, up, receipts=()):
+    t = lib.tensor_pb2()
+    return s.unary("FinishUpload", t.FinishUploadRequest(transfer_id=up.transfer_id,
+                                                         receipts=list(receipts)),
+                   t.FinishUploadReply)
+
+
+def _log_has(log, text, count=1, seconds=10):
+    """Waits (bounded) until text is in the log count times; whether it came."""
+    deadline = time.monotonic() + seconds
+    while lib.log_tail(log, 4000).count(text) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(tmp_path):
     """kill -HUP without bob's token: bob's open Submit stream ends UNAUTHENTICATED naming
-    the revocation, and his planned direct fetch's snapshot is dropped on its agent (its
-    grant reads nothing). carol's token changed: her old-token stream ends, her session
-    works with the new token. dave's token lost its admin flag: his stream ends too (to
-    come back without admin rights). alice is untouched."""
+    the revocation, and the grants of his planned direct fetch and upload are revoked on
+    their agents: neither moves a byte (they admitted one Read/Write until their start-by
+    time). carol's token changed: her old-token stream ends, her session works with the
+    new token, and what she planned under the old one is undone, its grants revoked too
+    (it was kept until expiry). Her FinishUpload held across the reload (--server-fault
+    finish:slow) does not define its tensor (it did, and its answer was lost). dave's
+    token lost its admin flag: his stream ends too (to come back without admin rights).
+    alice is untouched."""
+    from concurrent.futures import ThreadPoolExecutor
+    from test_direct import agent_read, agent_write, refused
     carol_old, carol_new = "carol-0123456789abcdef", "carol-fedcba9876543210"
     dave = "dave-00112233445566778899"
     f = tmp_path / "tokens"
     f.write_text(f"alice {ALICE}\nbob {BOB}\ncarol {carol_old}\ndave {dave} admin\n")
-    p = _start(tmp_path, "--auth-tokens", f, "--transfer-grant-ms", 60000, n=2)
+    p = _start(tmp_path, "--auth-tokens", f, "--transfer-grant-ms", 60000,
+               "--server-fault", "finish:slow=2500,count=1", n=2)
     try:
         deadline = time.monotonic() + lib.REGISTER_TIMEOUT
         t = lib.tensor_pb2()
@@ -967,14 +999,27 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
         fetch = sb.unary("PlanTransfer", t.PlanTransferRequest(fetch=t.FetchRequest(
             ref=x.ref, coords=[t.Coordinate(dim="gpu", index=0)])), t.PlanTransferReply)
         shard = fetch.shards[0]
+        up_b = _plan_upload(sb, m, 4)
+        mc = sc.mesh(gpu=2)
+        up_c = _plan_upload(sc, mc, 4)
+        # carol's second upload is written, and its FinishUpload held when the reload comes
+        up_held = _plan_upload(sc, mc, 4)
+        receipts = [t.WriteReceipt(rank=sh.rank, bytes=16, receipt=agent_write(sh, bytes(16)).receipt)
+                    for sh in up_held.shards]
+        pool = ThreadPoolExecutor(1)
+        held = pool.submit(_finish_upload, sc, up_held, receipts)
+        assert _log_has(p.log, "FinishUpload: held"), lib.log_tail(p.log)
 
         f.write_text(f"alice {ALICE}\ncarol {carol_new}\ndave {dave}\n")  # bob revoked, ...
         os.kill(p.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while "SIGHUP: reloaded" not in lib.log_tail(p.log, 400):
-            assert time.monotonic() < deadline, lib.log_tail(p.log)
-            time.sleep(0.05)
-        time.sleep(0.5)  # what the reload does after its log line
+        assert _log_has(p.log, "SIGHUP: ended"), lib.log_tail(p.log)
+        with pytest.raises(grpc.RpcError) as e:
+            held.result(timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        pool.shutdown()
+        # the agents hear of it on their Execute links: bob's fetch and upload, carol's two
+        # uploads (bounded: the old code never says it; the refusals below then fail)
+        _log_has(p.log, "transfer grant(s) revoked by the server", count=7)
 
         for name in ("b", "c", "d"):
             s, q, it = streams[name]
@@ -993,11 +1038,17 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
         _submit_one(sc, q, it)
         q.put(None)
         list(it)
-        # bob's planned fetch: its snapshot is gone from the agent
-        from test_direct import agent_read
-        with pytest.raises(grpc.RpcError) as e:
-            agent_read(shard, sb.id, x.ref)
-        assert "no snapshot" in e.value.details(), e.value.details()
+        # no grant planned under a revoked token moves a byte
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        refused(lambda: agent_read(shard, sb.id, x.ref), denied, "revoked")
+        for up in (up_b, up_c):
+            for sh in up.shards:
+                refused(lambda: agent_write(sh, bytes(16)), denied, "revoked")
+        # carol's uploads under her old token are undone: her new token finishes neither
+        for up in (up_c, up_held):
+            with pytest.raises(grpc.RpcError) as e:
+                _finish_upload(sc, up)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value
         for s in (sa, sb, sc, sd):
             s.shut()
     finally:

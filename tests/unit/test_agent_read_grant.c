@@ -120,7 +120,7 @@ Test(agent_read_grant, a_read_refused_for_want_of_a_thread_leaves_no_watch, .tim
   /* The watch thread first (it starts with the first watch), so that the
    * failure is the Read's helper's. */
   grant_watch_t first = {0};
-  transfer_grant_watch(&first, NULL, "Read", grant_now_unix_ms() + 3600000);
+  transfer_grant_watch(&first, NULL, "Read", (uint8_t[GRANT_NONCE_LEN]){0}, grant_now_unix_ms() + 3600000);
   transfer_grant_unwatch(&first);
   atomic_store(&fail_next_detached, true);
   rpc_stream_t *rd = rpc_stream_open(ch, "/meshd.agent.v1.Agent/Read", &gmd, 1, 5000);

@@ -121,6 +121,30 @@ Test(nonce_table, a_nonce_given_back_into_a_full_table_is_kept, .fini = table_re
   cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 10002), NONCE_LATE);
 }
 
+/* A grant revoked by its server (RevokeGrants, at a tokens reload) is refused
+ * whatever its state: never seen, taken and given back for a retry, and in a
+ * full table; and the revocation outlives the nonce's start-by time, until
+ * the time the server gave. */
+Test(nonce_table, a_revoked_nonce_is_never_taken_again, .fini = table_reset) {
+  table(2, 2);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0), NONCE_TAKEN);
+  transfer_nonce_give_back(nonce_of(1), "s", T0 + 10000, T0 + 10); /* a QUOTA refusal */
+  cr_assert_eq(transfer_nonce_take(nonce_of(2), "s", T0 + 1000, T0 + 20), NONCE_TAKEN);
+  /* The table is full: revoked anyway, the unseen 3 as well. */
+  transfer_nonce_revoke(nonce_of(1), "s", T0 + 20000, T0 + 30);
+  transfer_nonce_revoke(nonce_of(3), "s", T0 + 20000, T0 + 30);
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 40), NONCE_REVOKED,
+               "a grant given back for a retry was taken again after its revocation");
+  cr_assert_eq(transfer_nonce_take(nonce_of(3), "s", T0 + 1000, T0 + 40), NONCE_REVOKED,
+               "a grant never presented was taken after its revocation");
+  transfer_nonce_give_back(nonce_of(1), "s", T0 + 10000, T0 + 50); /* no give-back undoes it */
+  cr_assert_eq(transfer_nonce_take(nonce_of(1), "s", T0 + 100, T0 + 60), NONCE_REVOKED);
+  /* Past its start-by time (1000) and its first forget time: still revoked. */
+  cr_assert_eq(transfer_nonce_take(nonce_of(3), "s", T0 + 30000, T0 + 15000), NONCE_REVOKED);
+  /* Forgotten at the time the server gave. */
+  cr_assert_eq(transfer_nonce_take(nonce_of(3), "s", T0 + 30000, T0 + 20001), NONCE_TAKEN);
+}
+
 /* An older server's grant (start-by 0: its expiry, 10 min) taken first does
  * not hold the newer grants taken after it, whose start-by times pass long
  * before: they are forgotten then, and the table has room. It was full until

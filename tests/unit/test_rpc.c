@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <grpc/byte_buffer.h>
@@ -2614,4 +2615,91 @@ Test(rpc, stream_to_a_silent_peer_without_deadline_ends, .timeout = 30) {
   cr_assert_neq(so.read, 1);
   rpc_channel_destroy(so.ch);
   close(fd);
+}
+
+/* ---------------------------------------------------------- review-214 */
+
+/* A guard that admits "bob" with a credential, once the test opens its gate:
+ * a bearer token checked against the tokens a reload is about to replace. */
+typedef struct gate {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  bool entered, open;
+} gate_t;
+
+static grpc_status_code gated_guard(rpc_call_t *call, void *arg, rpc_identity_t *id, char *why,
+                                    size_t whylen) {
+  (void)call, (void)why, (void)whylen;
+  gate_t *g = arg;
+  pthread_mutex_lock(&g->mu);
+  g->entered = true;
+  pthread_cond_broadcast(&g->cv);
+  int64_t end = rpc_now_ms() + 5000; /* bounded: a test that fails does not hang */
+  while (!g->open && rpc_now_ms() < end) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 10 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(&g->cv, &g->mu, &ts);
+  }
+  pthread_mutex_unlock(&g->mu);
+  snprintf(id->name, sizeof id->name, "bob");
+  id->has_credential = true;
+  memset(id->credential, 7, sizeof id->credential);
+  return GRPC_STATUS_OK;
+}
+
+static bool every_token_revoked(const rpc_identity_t *id, void *arg) {
+  (void)id, (void)arg;
+  return true;
+}
+
+/* A reload's rpc_server_end_calls_of that runs while a call's guard is
+ * admitting it (the token checked against the old tokens, the identity not
+ * stored yet) cannot see that call: the call was then served under a revoked
+ * token. It is asked again once its guard returns, and refused. */
+Test(rpc_guard, a_call_admitted_while_its_token_is_revoked_is_refused) {
+  rpc_init();
+  gate_t g = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+  rpc_server_opts_t opts = {.listen = "127.0.0.1:0", .threads = 2};
+  char err[256] = "";
+  echo_server_t *gs = echo_server_start_guarded(&opts, gated_guard, &g, err, sizeof err);
+  cr_assert_not_null(gs, "%s", err);
+  char t[64];
+  snprintf(t, sizeof t, "127.0.0.1:%d", echo_server_port(gs));
+  rpc_channel_t *c = rpc_channel_create(t, &live_peer);
+  cr_assert(rpc_channel_wait_ready(c, 5000), "the server is not ready");
+  rpc_stream_t *s = rpc_stream_open(c, ECHO_CLIENT_STREAM, NULL, 0, 5000);
+  cr_assert_not_null(s);
+  pthread_mutex_lock(&g.mu);
+  int64_t end = rpc_now_ms() + 5000;
+  while (!g.entered && rpc_now_ms() < end) {
+    pthread_mutex_unlock(&g.mu);
+    usleep(1000);
+    pthread_mutex_lock(&g.mu);
+  }
+  bool entered = g.entered;
+  pthread_mutex_unlock(&g.mu);
+  cr_assert(entered, "the call's guard never ran");
+  int ended = rpc_server_end_calls_of(echo_server_rpc(gs), every_token_revoked, NULL,
+                                      GRPC_STATUS_UNAUTHENTICATED, "UNAUTHENTICATED",
+                                      "revoked at a reload");
+  cr_assert_eq(ended, 0, "the call in its guard has no identity yet: nothing to end");
+  pthread_mutex_lock(&g.mu);
+  g.open = true;
+  pthread_cond_broadcast(&g.cv);
+  pthread_mutex_unlock(&g.mu);
+  rpc_stream_close_send(s);
+  EchoReply *rep = NULL;
+  while (rpc_stream_read(s, &echo_reply__descriptor, (ProtobufCMessage **)&rep, 5000) == 1)
+    free_reply(rep);
+  rpc_status_t st;
+  cr_assert_eq(rpc_stream_finish(s, &st), GRPC_STATUS_UNAUTHENTICATED,
+               "the call admitted across the revocation ran: %d %s", st.code, st.message);
+  cr_assert(strstr(st.message, "principal 'bob': revoked at a reload"), "%s", st.message);
+  rpc_stream_destroy(s);
+  cr_assert_eq(echo_server_calls_started(gs), 0, "its handler ran");
+  rpc_channel_destroy(c);
+  echo_server_stop(gs, 0);
+  rpc_shutdown();
 }
