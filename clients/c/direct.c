@@ -45,6 +45,7 @@ typedef struct {
 struct direct {
   meshd_data_path_t mode;
   bool refused;        /* the server refused PlanTransfer for its --data-path */
+  bool offered;        /* a plan was answered: the server offers PlanTransfer */
   bool agents_plain;   /* a plan said the agents speak plaintext (for a TLS session) */
   int64_t off_until;   /* auto: not tried before this (rpc_now_ms), an agent did not connect */
   chan_t *chans;
@@ -221,18 +222,20 @@ static void job_run(void *p) {
   pthread_mutex_unlock(&w->mu);
 }
 
+/* The calling thread runs the last job itself: it would only wait meanwhile,
+ * and each pool thread's wake-up is one more hand-over (context switches
+ * were most of a 1 MiB transfer's CPU here: tests/bench/bench_data). */
 int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg) {
-  if (n == 1) {
-    fn(arg, 0);
+  if (n == 0)
     return 0;
-  }
-  pthread_once(&shard_pool_once, shard_pool_init);
-  job_t *jobs = calloc(n, sizeof *jobs);
+  if (n > 1)
+    pthread_once(&shard_pool_once, shard_pool_init);
+  job_t *jobs = n > 1 ? calloc(n - 1, sizeof *jobs) : NULL;
   join_t w = {.left = 0};
   pthread_mutex_init(&w.mu, NULL);
   pthread_cond_init(&w.done, NULL);
   size_t started = 0;
-  for (; jobs && shard_pool && started < n; started++) {
+  for (; jobs && shard_pool && started < n - 1; started++) {
     jobs[started] = (job_t){fn, arg, started, &w};
     pthread_mutex_lock(&w.mu);
     w.left++;
@@ -244,6 +247,9 @@ int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg) {
       break;
     }
   }
+  /* Not when another could not start: fn runs for none of the rest. */
+  if (started == n - 1)
+    fn(arg, started++);
   pthread_mutex_lock(&w.mu);
   while (w.left > 0)
     pthread_cond_wait(&w.done, &w.mu);
@@ -491,6 +497,8 @@ static Meshd__V1__PlanTransferReply *plan(direct_t *d, const direct_session_t *s
                       &meshd__v1__plan_transfer_reply__descriptor, &rep, s->md, s->nmd,
                       timeout_ms, &st);
   if (st.code == GRPC_STATUS_OK && rep) {
+    if (d)
+      d->offered = true;
     test_pause(again);
     return (Meshd__V1__PlanTransferReply *)rep;
   }
@@ -1234,42 +1242,125 @@ static const Meshd__V1__PlanTransferRequest *fetch_plan_request(Meshd__V1__PlanT
   return rq;
 }
 
-/* Plans 1..n-1 of a fetch, each on a thread of the shard pool. */
+/* Unary calls read as pulls (on the wire a unary answer is a stream of one
+ * message): all at once on the library's pull thread (direct_pull_all), no
+ * thread each. */
 typedef struct {
-  const direct_session_t *s;
-  const Meshd__V1__FetchRequest *const *reqs;
-  Meshd__V1__PlanTransferReply **plans;
-  direct_err_t *errs;
-  direct_rc_t *rcs;
-  int64_t end;
-} fetch_plans_t;
+  const ProtobufCMessageDescriptor *desc;
+  ProtobufCMessage **reps; /* each call's answer, unpacked; NULL: none */
+  rpc_status_t *sts;
+} unary_all_t;
 
-static void plan_one(void *arg, size_t k) {
-  fetch_plans_t *fp = arg;
-  size_t i = k + 1;
-  /* No direct_t: auto's fallback was settled by the first plan; a refusal
-   * now is this fetch's error. */
-  Meshd__V1__PlanTransferRequest rq;
-  fp->plans[i] = plan(NULL, fp->s, fetch_plan_request(&rq, fp->reqs[i]), left_ms(fp->end),
-                      &fp->rcs[i], &fp->errs[i], false);
+static int unary_msg(void *arg, size_t i, rpc_bytes_t *m) {
+  unary_all_t *u = arg;
+  if (u->reps[i]) /* a second message: no unary answer */
+    return -1;
+  u->reps[i] = rpc_bytes_unpack(m, u->desc);
+  return u->reps[i] ? 0 : -1;
 }
 
-/* Every planned fetch's FinishFetch, each on a thread of the shard pool. */
-typedef struct {
-  const direct_session_t *s;
-  Meshd__V1__PlanTransferReply **plans;
-  int wait; /* -1: what is left until end */
-  int64_t end;
-  rpc_status_t *sts;
-  bool *failed;
-} fetch_finishes_t;
+static void unary_end(void *arg, size_t i, grpc_status_code code, const rpc_status_t *st) {
+  unary_all_t *u = arg;
+  u->sts[i] = *st;
+  u->sts[i].code = code;
+  u->sts[i].kind[sizeof u->sts[i].kind - 1] = '\0';
+  u->sts[i].message[sizeof u->sts[i].message - 1] = '\0';
+  if (code == GRPC_STATUS_OK && !u->reps[i]) {
+    u->sts[i].code = GRPC_STATUS_INTERNAL;
+    u->sts[i].kind[0] = '\0';
+    snprintf(u->sts[i].message, sizeof u->sts[i].message, "OK status without a valid %s",
+             u->desc->name);
+  }
+  if (u->sts[i].code != GRPC_STATUS_OK && u->reps[i]) {
+    protobuf_c_message_free_unpacked(u->reps[i], NULL);
+    u->reps[i] = NULL;
+  }
+}
 
-static void finish_one(void *arg, size_t i) {
-  fetch_finishes_t *ff = arg;
-  if (!ff->plans[i])
-    return;
-  int wait = ff->wait < 0 ? left_ms(ff->end) : ff->wait;
-  ff->failed[i] = finish_fetch(ff->s, ff->plans[i]->transfer_id, wait, &ff->sts[i]) != 0;
+/* The plans of the fetch's parts reqs[0..n), at once, by `end`: plans[i], or
+ * NULL with errs[i]. No direct_t: auto's fallback was settled by this fetch's
+ * or an earlier plan; a refusal now is this fetch's error. -1 out of memory. */
+static int plans_at_once(const direct_session_t *s, const Meshd__V1__FetchRequest *const *reqs,
+                         size_t n, int64_t end, Meshd__V1__PlanTransferReply **plans,
+                         direct_err_t *errs) {
+  if (n == 1) { /* on this thread: no hand-over from the pull thread */
+    Meshd__V1__PlanTransferRequest rq;
+    direct_rc_t rc;
+    plans[0] = plan(NULL, s, fetch_plan_request(&rq, reqs[0]), left_ms(end), &rc, &errs[0], false);
+    return 0;
+  }
+  Meshd__V1__PlanTransferRequest *rqs = calloc(n, sizeof *rqs);
+  direct_call_t *calls = calloc(n, sizeof *calls);
+  rpc_status_t *sts = calloc(n, sizeof *sts);
+  int rc = rqs && calls && sts ? 0 : -1;
+  for (size_t i = 0; rc == 0 && i < n; i++)
+    calls[i] = (direct_call_t){s->ch, TS "PlanTransfer", &fetch_plan_request(&rqs[i], reqs[i])->base,
+                               s->md, s->nmd};
+  if (rc == 0) {
+    direct_pull_all(n, calls, left_ms(end), unary_msg, unary_end,
+                    &(unary_all_t){&meshd__v1__plan_transfer_reply__descriptor,
+                                   (ProtobufCMessage **)plans, sts});
+    bool answered = false;
+    for (size_t i = 0; i < n; i++) {
+      answered = answered || plans[i];
+      if (!plans[i])
+        direct_err_status(&errs[i], &sts[i], "");
+    }
+    if (answered)
+      test_pause(false); /* as plan() after its answer */
+  }
+  free(sts);
+  free(calls);
+  free(rqs);
+  return rc;
+}
+
+/* The FinishFetch of every part planned (plans[i] not NULL), at once, each
+ * within timeout_ms: failed[i] with sts[i] when one failed. -1 out of memory
+ * (none was sent). */
+static int finishes_at_once(const direct_session_t *s, Meshd__V1__PlanTransferReply **plans,
+                            size_t n, int timeout_ms, rpc_status_t *sts, bool *failed) {
+  Meshd__V1__FinishFetchRequest *rqs = calloc(n, sizeof *rqs);
+  direct_call_t *calls = calloc(n, sizeof *calls);
+  rpc_status_t *got = calloc(n, sizeof *got);
+  ProtobufCMessage **reps = calloc(n, sizeof *reps);
+  size_t *idx = calloc(n, sizeof *idx);
+  if (!rqs || !calls || !got || !reps || !idx) {
+    free(rqs);
+    free(calls);
+    free(got);
+    free(reps);
+    free(idx);
+    return -1;
+  }
+  size_t m = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (!plans[i])
+      continue;
+    if (n == 1) { /* on this thread: no hand-over from the pull thread */
+      failed[i] = finish_fetch(s, plans[i]->transfer_id, timeout_ms, &sts[i]) != 0;
+      break;
+    }
+    meshd__v1__finish_fetch_request__init(&rqs[m]);
+    rqs[m].transfer_id = plans[i]->transfer_id;
+    calls[m] = (direct_call_t){s->ch, TS "FinishFetch", &rqs[m].base, s->md, s->nmd};
+    idx[m++] = i;
+  }
+  if (m)
+    direct_pull_all(m, calls, timeout_ms, unary_msg, unary_end,
+                    &(unary_all_t){&meshd__v1__finish_fetch_reply__descriptor, reps, got});
+  for (size_t k = 0; k < m; k++) {
+    failed[idx[k]] = got[k].code != GRPC_STATUS_OK;
+    sts[idx[k]] = got[k];
+    if (reps[k])
+      protobuf_c_message_free_unpacked(reps[k], NULL);
+  }
+  free(rqs);
+  free(calls);
+  free(got);
+  free(reps);
+  free(idx);
+  return 0;
 }
 
 /* The parts whose Read the agent refused only because it started past its
@@ -1372,31 +1463,34 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
     rc = DIRECT_FAILED;
     goto out;
   }
-  /* The first planned alone: auto learns there whether the server offers
-   * PlanTransfer at all. The others at once: each is ordered at the server
-   * after every command sent before this fetch and before any sent after it
-   * (the caller waits for all), so the values they read are the same as when
-   * planned one after another, and n plans cost about one round trip. */
-  Meshd__V1__PlanTransferRequest rq0;
+  /* Auto's first plan of the session goes alone: it learns there whether the
+   * server offers PlanTransfer at all (a lone part is planned here too). Then
+   * the rest at once, and once auto knows (or with the direct path, where a
+   * refusal is the fetch's error either way) every plan at once: each is
+   * ordered at the server after every command sent before this fetch and
+   * before any sent after it (the caller waits for all), so the values they
+   * read are the same as when planned one after another, and n plans cost
+   * about one round trip, not two. */
   uint64_t seq = s->next_seq ? *s->next_seq : 0; /* (see replan_late) */
-  f.plans[0] = plan(d, s, fetch_plan_request(&rq0, reqs[0]), left_ms(end), &rc, e, false);
-  if (!f.plans[0])
-    goto out;
-  if (n > 1) {
-    fetch_plans_t fp = {.s = s, .reqs = reqs, .plans = f.plans, .errs = f.errs, .end = end,
-                        .rcs = calloc(n, sizeof *fp.rcs)};
-    if (!fp.rcs || direct_parallel(n - 1, plan_one, &fp) != 0) {
-      free(fp.rcs);
+  size_t first = 0;
+  if (n == 1 || (d->mode == MESHD_DATA_PATH_AUTO && !d->offered)) {
+    Meshd__V1__PlanTransferRequest rq0;
+    f.plans[0] = plan(d, s, fetch_plan_request(&rq0, reqs[0]), left_ms(end), &rc, e, false);
+    if (!f.plans[0])
+      goto out;
+    first = 1;
+  }
+  if (n > first) {
+    if (plans_at_once(s, reqs + first, n - first, end, f.plans + first, f.errs + first) != 0) {
       direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
       rc = DIRECT_FAILED;
       goto out;
     }
-    for (size_t i = 1; i < n && rc == DIRECT_DONE; i++)
+    for (size_t i = first; i < n && rc == DIRECT_DONE; i++)
       if (!f.plans[i]) {
-        *e = f.errs[i]; /* plan_one's */
+        *e = f.errs[i]; /* plans_at_once's */
         rc = DIRECT_FAILED;
       }
-    free(fp.rcs);
     memset(f.errs, 0, n * sizeof *f.errs);
     if (rc != DIRECT_DONE)
       goto out;
@@ -1453,13 +1547,13 @@ out:
    * session's transfer slot go. One abandoned need not wait for the ranks: the
    * server takes the transfer when the call arrives. All at once, as planned. */
   if (f.plans) {
-    fetch_finishes_t ff = {.s = s, .plans = f.plans, .wait = rc == DIRECT_DONE ? -1 : ABANDON_MS,
-                           .end = end, .sts = calloc(n, sizeof *ff.sts),
-                           .failed = calloc(n, sizeof *ff.failed)};
-    if (ff.sts && ff.failed && direct_parallel(n, finish_one, &ff) == 0) {
+    rpc_status_t *sts = calloc(n, sizeof *sts);
+    bool *failed = calloc(n, sizeof *failed);
+    int wait = rc == DIRECT_DONE ? left_ms(end) : ABANDON_MS;
+    if (sts && failed && finishes_at_once(s, f.plans, n, wait, sts, failed) == 0) {
       for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
-        if (ff.failed[i]) {
-          direct_err_status(e, &ff.sts[i], "");
+        if (failed[i]) {
+          direct_err_status(e, &sts[i], "");
           rc = DIRECT_FAILED;
         }
     } else {
@@ -1473,8 +1567,8 @@ out:
           }
         }
     }
-    free(ff.sts);
-    free(ff.failed);
+    free(sts);
+    free(failed);
     for (size_t i = 0; i < n; i++)
       if (f.plans[i])
         protobuf_c_message_free_unpacked(&f.plans[i]->base, NULL);

@@ -132,10 +132,10 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
                          const Meshd__V1__FetchRequest *const *reqs, const direct_sink_t *sinks,
                          size_t n, int64_t end, direct_err_t *e);
 
-/* Runs fn(arg, i) for i in [0, n): on threads of a process-wide pool (parked
- * between calls) when n > 1, inline when n == 1. Returns 0, or -1 if a thread
- * could not start (the ones started are waited for; fn did not run for the
- * rest). */
+/* Runs fn(arg, i) for i in [0, n): i < n - 1 on threads of a process-wide
+ * pool (parked between calls), the last on the calling thread, which would
+ * only wait meanwhile. Returns 0, or -1 if a thread could not start (the ones
+ * started are waited for; fn did not run for the rest). */
 int direct_parallel(size_t n, void (*fn)(void *arg, size_t i), void *arg);
 
 /* n server-streaming calls (calls[i]: one request, then messages until the
