@@ -213,27 +213,19 @@ static void comm_free_mem(comm_t *c) {
   free(c);
 }
 
-/* Ends the NCCL side. graceful: finalize and destroy, aborting instead when
- * that errs or runs past the deadline; else abort at once. */
-static void comm_teardown(comm_t *c, bool graceful, int64_t deadline) {
+/* Ends c's NCCL side: destroyed when its finalize completed, else aborted. */
+static void comm_end_nccl(comm_t *c, bool finalized) {
   if (c->device >= 0) cudaSetDevice(c->device);
-  if (c->nc) {
-    bool finalized = false;
-    if (graceful) {
-      ncclResult_t r = ncclCommFinalize(c->nc);
-      long ns = POLL_MIN_NS;
-      while (r == ncclInProgress && now_ns() < deadline) {
-        nap(&ns);
-        ncclResult_t a = ncclSuccess;
-        r = ncclCommGetAsyncError(c->nc, &a);
-        if (r == ncclSuccess) r = a;
-      }
-      finalized = r == ncclSuccess;
-    }
-    if (finalized) ncclCommDestroy(c->nc);
-    else ncclCommAbort(c->nc);
-    c->nc = NULL;
-  }
+  if (finalized) ncclCommDestroy(c->nc);
+  else ncclCommAbort(c->nc);
+  c->nc = NULL;
+}
+
+/* Aborts the NCCL side, if any is left, and frees the CUDA objects. */
+static void comm_teardown(comm_t *c) {
+  if (c->device >= 0) cudaSetDevice(c->device);
+  if (c->nc) ncclCommAbort(c->nc);
+  c->nc = NULL;
   if (c->done) cudaEventDestroy(c->done);
   if (c->ready) cudaEventDestroy(c->ready);
   if (c->stream) cudaStreamDestroy(c->stream);
@@ -242,13 +234,51 @@ static void comm_teardown(comm_t *c, bool graceful, int64_t deadline) {
 }
 
 /* Drops one reference; the last one tears the communicator down. */
-static void comm_put(cuda_comms_t *cs, comm_t *c, bool graceful, int64_t deadline) {
+static void comm_put(cuda_comms_t *cs, comm_t *c) {
   pthread_mutex_lock(&cs->mu);
   bool last = --c->refs == 0;
   pthread_mutex_unlock(&cs->mu);
   if (!last) return;
-  comm_teardown(c, graceful, deadline);
+  comm_teardown(c);
   comm_free_mem(c);
+}
+
+/* Polls c's finalize; once it has settled, ends c's NCCL side. Whether it is
+ * still in progress. */
+static bool finalize_pending(comm_t *c) {
+  if (c->device >= 0) cudaSetDevice(c->device);
+  ncclResult_t a = ncclSuccess, r = ncclCommGetAsyncError(c->nc, &a);
+  if (r == ncclSuccess) r = a;
+  if (r == ncclInProgress) return true;
+  comm_end_nccl(c, r == ncclSuccess);
+  return false;
+}
+
+/* Finalizes the communicators of `list` (through next) together. A finalize
+ * completes only once the communicator is globally quiescent (nccl.h), i.e.
+ * once its peers finalize theirs, and a peer may hold the same communicators
+ * in another order (two streams made them at once): waiting for one at a
+ * time, each agent would wait for a peer that waits for it on another one,
+ * until the deadline. So every finalize starts first, then all are polled;
+ * those unfinished at the deadline (or that err) are aborted. */
+static void comms_finalize(comm_t *list, int64_t deadline) {
+  size_t pending = 0;
+  for (comm_t *c = list; c; c = c->next) {
+    if (!c->nc) continue;
+    if (c->device >= 0) cudaSetDevice(c->device);
+    ncclResult_t r = ncclCommFinalize(c->nc);
+    if (r == ncclInProgress) pending++;
+    else comm_end_nccl(c, r == ncclSuccess);
+  }
+  long ns = POLL_MIN_NS;
+  while (pending > 0 && now_ns() < deadline) {
+    nap(&ns);
+    pending = 0;
+    for (comm_t *c = list; c; c = c->next)
+      if (c->nc && finalize_pending(c)) pending++;
+  }
+  for (comm_t *c = list; c; c = c->next)
+    if (c->nc) comm_end_nccl(c, false); /* a peer never finalized its own */
 }
 
 static void comm_unlink(cuda_comms_t *cs, comm_t *c) {
@@ -271,7 +301,7 @@ void cuda_comms_destroy(cuda_comms_t *cs) {
   comm_t *c = cs->list;
   while (c) {
     comm_t *next = c->next;
-    comm_teardown(c, false, 0);
+    comm_teardown(c);
     comm_free_mem(c);
     c = next;
   }
@@ -283,26 +313,28 @@ void cuda_session_end(backend_t *b, uint64_t session) {
   cuda_state_t *st = cuda_state(b);
   cuda_comms_t *cs = st->comms;
   if (st->emulated || !cs) return;
-  comm_t *mine = NULL;
+  comm_t *mine = NULL; /* those whose last reference was the cache's */
   pthread_mutex_lock(&cs->mu);
   for (comm_t **p = &cs->list; *p;) {
     comm_t *c = *p;
-    if (c->session == session) {
-      *p = c->next;
-      c->linked = false;
-      c->next = mine;
-      mine = c;
-    } else {
+    if (c->session != session) {
       p = &c->next;
+      continue;
     }
+    *p = c->next;
+    c->linked = false;
+    if (--c->refs > 0) continue; /* in use: its user's comm_put aborts it */
+    c->next = mine;
+    mine = c;
   }
   pthread_mutex_unlock(&cs->mu);
   /* One deadline for the whole session: a dead peer costs one timeout, not one
    * per communicator. */
-  int64_t deadline = now_ns() + (int64_t)timeout_ms_of(st) * 1000000;
+  comms_finalize(mine, now_ns() + (int64_t)timeout_ms_of(st) * 1000000);
   while (mine) {
     comm_t *next = mine->next;
-    comm_put(cs, mine, true, deadline); /* the cache's reference */
+    comm_teardown(mine);
+    comm_free_mem(mine);
     mine = next;
   }
 }
@@ -334,7 +366,7 @@ void cuda_peer_lost(backend_t *b, uint64_t session, uint32_t rank) {
       c->refs--; /* the cache's */
       if (c->refs == 0) { /* nobody uses it: tear it down now */
         pthread_mutex_unlock(&cs->mu);
-        comm_teardown(c, false, 0);
+        comm_teardown(c);
         comm_free_mem(c);
         pthread_mutex_lock(&cs->mu);
         p = &cs->list;
@@ -601,7 +633,7 @@ fail:
   pthread_mutex_lock(&cs->mu);
   setup_remove_locked(cs, c);
   pthread_mutex_unlock(&cs->mu);
-  comm_teardown(c, false, 0);
+  comm_teardown(c);
   comm_free_mem(c);
   return NULL;
 }
@@ -917,7 +949,7 @@ out:
   if (dout && dout != din) cuda_scratch_free(b, bs, dout, out_bytes);
   if (din) cuda_scratch_free(b, bs, din, in_bytes);
   j->gather = NULL;
-  comm_put(st->comms, c, false, 0);
+  comm_put(st->comms, c);
   return rc;
 }
 
@@ -1063,7 +1095,7 @@ void cuda_refuse(backend_t *b, const dp_group_t *g, dp_refuse_t what, uint64_t c
     comm_t *found = comm_find(cs, kind, g->session, &key);
     if (found) {
       comm_unlink(cs, found);
-      comm_put(cs, found, false, 0);
+      comm_put(cs, found);
     }
   }
   /* Its peers wait for it in NCCL (watching the data plane: wait_done), or

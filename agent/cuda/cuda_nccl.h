@@ -74,7 +74,9 @@ int cuda_recv(backend_t *b, backend_stream_t *s, uint64_t session, uint64_t comm
               uint64_t call, const uint8_t *secret, uint32_t from_rank, const char *addr, void *buf, size_t bytes,
               meshd_error_t *err);
 /* Destroys (or, when that errs or takes past comm_timeout_ms, aborts) every
- * communicator of the session. */
+ * communicator of the session: all finalized at once, then polled together,
+ * since each finalize waits for the peers' (they may hold them in another
+ * order). One in use by a call is aborted when that call lets it go. */
 void cuda_session_end(backend_t *b, uint64_t session);
 /* backend_ops_t.peer_lost: the session's communicators with `rank` are
  * flagged; the thread using one aborts it at once (AGENT_LOST). */

@@ -15,6 +15,7 @@
 
 fake_counters_t fake;
 atomic_int fake_never_join, fake_init_error, fake_op_error, fake_finalize_hangs, fake_stream_busy;
+atomic_int fake_hold_rank1_inits;
 
 
 /* ------------------------------------------- cuda helpers (cuda_device.c) */
@@ -375,6 +376,7 @@ typedef struct clique {
   ncclUniqueId id;
   int nranks, joined, refs;
   ncclComm_t members[MAX_RANKS];
+  bool finalized[MAX_RANKS]; /* by rank: its member called ncclCommFinalize */
 } clique_t;
 struct ncclComm {
   clique_t *cl;
@@ -435,13 +437,24 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId i
   return ncclInProgress;
 }
 
+/* As nccl.h: a finalize completes once the communicator is globally
+ * quiescent, i.e. every member has called ncclCommFinalize (a member that
+ * aborted instead never does). Under nccl_mu. */
+static bool quiescent_locked(const clique_t *c) {
+  for (int r = 0; r < c->nranks; r++)
+    if (!c->finalized[r]) return false;
+  return true;
+}
+
 ncclResult_t ncclCommGetAsyncError(ncclComm_t nc, ncclResult_t *async) {
   REQUIRE(nc);
   pthread_mutex_lock(&nccl_mu);
-  if (nc->finalizing) *async = fake_finalize_hangs ? ncclInProgress : ncclSuccess;
+  if (nc->finalizing)
+    *async = fake_finalize_hangs || !quiescent_locked(nc->cl) ? ncclInProgress : ncclSuccess;
   else if (fake_op_error && nc->nops > 0) *async = (ncclResult_t)fake_op_error;
   else if (fake_init_error) *async = (ncclResult_t)fake_init_error;
   else if (fake_never_join || nc->cl->joined < nc->cl->nranks) *async = ncclInProgress;
+  else if (fake_hold_rank1_inits && nc->rank == 1 && nc->nops == 0) *async = ncclInProgress;
   else *async = ncclSuccess;
   pthread_mutex_unlock(&nccl_mu);
   return ncclSuccess;
@@ -478,6 +491,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t nc) {
   REQUIRE(nc);
   pthread_mutex_lock(&nccl_mu);
   nc->finalizing = true;
+  nc->cl->finalized[nc->rank] = true;
   pthread_mutex_unlock(&nccl_mu);
   fake.finalizes++;
   return ncclInProgress;

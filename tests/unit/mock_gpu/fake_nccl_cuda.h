@@ -6,7 +6,10 @@
  * "Device memory" is host memory registered by fake_dev_alloc; NCCL calls and
  * device copies abort the process when handed anything else, which is how the
  * suite proves that host buffers are staged. Collectives complete when every
- * member of the clique has posted the same op (its n-th), as NCCL's kernels do.
+ * member of the clique has posted the same op (its n-th), as NCCL's kernels do;
+ * a finalize once every member has called ncclCommFinalize (nccl.h: "globally
+ * quiescent"), so that members finalizing in different orders would wait on
+ * each other.
  * Counters are process-wide; Criterion runs each test in its own process. */
 #ifndef MESHD_TEST_FAKE_NCCL_CUDA_H
 #define MESHD_TEST_FAKE_NCCL_CUDA_H
@@ -59,7 +62,10 @@ extern fake_counters_t fake;
 extern atomic_int fake_never_join;     /* communicator init never completes */
 extern atomic_int fake_init_error;     /* init completes with this ncclResult_t (0: none) */
 extern atomic_int fake_op_error;       /* posted ops never complete; async error = this */
-extern atomic_int fake_finalize_hangs; /* ncclCommFinalize never completes */
+extern atomic_int fake_finalize_hangs; /* ncclCommFinalize never completes (else: once every
+                                          member has called it) */
 extern atomic_int fake_stream_busy;    /* cudaStreamQuery: never drained (NotReady) */
+extern atomic_int fake_hold_rank1_inits; /* NCCL rank 1's inits do not complete while set
+                                            (orders when members' communicators are made) */
 
 #endif

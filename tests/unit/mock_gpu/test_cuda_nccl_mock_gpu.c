@@ -5,7 +5,8 @@
  * ncclBroadcast), host staging, point to point in both directions, the cache, and
  * every way a round fails: a missing member, an init that never finishes or
  * errs, a peer that skips an op, an NCCL error mid-op, members that disagree,
- * a stale id from a missed round; then session end and teardown. Each failure
+ * a stale id from a missed round; then session end (peers holding their
+ * communicators in different orders included) and teardown. Each failure
  * must come back within a short comm_timeout_ms, name the op and its ranks,
  * abort the communicator and free what it made. */
 #include <criterion/criterion.h>
@@ -798,6 +799,69 @@ Test(cuda_nccl_mock_gpu, finalize_that_hangs_is_aborted_with_one_deadline_per_se
   cr_expect_geq(secs, 0.15, "gave finalize %.3f s", secs);
   cr_expect_lt(secs, 0.5, "three hung communicators cost %.2f s, not one timeout", secs);
   cr_expect_eq(fake.streams_live, 5, "agent 0's session 7 streams destroyed");
+}
+
+/* Two streams of each agent make a communicator at once: an allreduce's
+ * (comm 900) and a send from agent 1 to agent 0 (comm 901). NCCL rank 1's
+ * inits are held until each agent has made its rank 0 one, so agent 0 holds
+ * 900 before 901 and agent 1 holds 901 before 900. */
+static void allreduce_900(agent_t *a, res_t *r) {
+  dp_group_t g = group(900, 9, 2, (size_t)r->me);
+  int32_t v = r->me + 1;
+  r->rc |= cuda_allreduce(&a->b, NULL, &g, &v, 1, DTYPE_INT32, RED_SUM, &r->e);
+  r->wrong += v != 3;
+}
+
+static void send_901(agent_t *a, res_t *r) {
+  int64_t v = 901;
+  r->rc |= cuda_send(&a->b, NULL, 9, 901, 1, SECRET, 0, ADDRS[0], &v, sizeof v, &r->e);
+}
+
+static void recv_901(agent_t *a, res_t *r) {
+  int64_t v = 0;
+  r->rc |= cuda_recv(&a->b, NULL, 9, 901, 1, SECRET, 1, ADDRS[1], &v, sizeof v, &r->e);
+  r->wrong += v != 901;
+}
+
+static void end_session_9(agent_t *a, res_t *r) { cuda_session_end(&a->b, 9); }
+
+Test(cuda_nccl_mock_gpu, session_end_finalizes_together_when_peers_made_them_in_another_order) {
+  static const agent_fn fns[4] = {allreduce_900, allreduce_900, send_901, recv_901};
+  static const int who[4] = {0, 1, 1, 0};
+  res_t r[4];
+  pthread_t th[4];
+  thread_arg_t args[4];
+  /* Long enough that a loaded machine never reaches it: the proof is the
+   * abort count (finalized one by one, each agent waits for this long). */
+  A[0].st.comm_timeout_ms = A[1].st.comm_timeout_ms = 3000;
+  fake_hold_rank1_inits = 1;
+  for (int i = 0; i < 4; i++) {
+    memset(&r[i], 0, sizeof r[i]);
+    r[i].me = who[i];
+    args[i] = (thread_arg_t){fns[i], &r[i]};
+    cr_assert_eq(pthread_create(&th[i], NULL, agent_main, &args[i]), 0);
+  }
+  /* Agent 0's allreduce and agent 1's send are posted: their communicators
+   * are cached first. */
+  double until = now_s() + 5;
+  while ((fake.native_ops < 1 || fake.p2p_ops < 1) && now_s() < until) usleep(200);
+  bool ordered = fake.native_ops == 1 && fake.p2p_ops == 1;
+  fake_hold_rank1_inits = 0;
+  for (int i = 0; i < 4; i++) pthread_join(th[i], NULL);
+  cr_assert(ordered, "the rank 0 communicators were not made first (%d, %d ops)",
+            (int)fake.native_ops, (int)fake.p2p_ops);
+  expect_ok(r, 4);
+  cr_assert_eq(fake.comms_live, 4);
+  /* Finalized one at a time, each agent would wait for the other's first
+   * until the deadline, then abort them all. */
+  run_agents(2, end_session_9, r);
+  cr_expect_eq(fake.finalizes, 4);
+  cr_expect_eq(fake.aborts, 0, "finalizes that waited on each other were aborted: %d",
+               (int)fake.aborts);
+  cr_expect_eq(fake.destroys, 4, "finalized, then destroyed: %d", (int)fake.destroys);
+  cr_expect_eq(fake.comms_live, 0);
+  cr_expect_eq(fake.streams_live, 0);
+  cr_log_info("session end took %.3f s and %.3f s", r[0].secs, r[1].secs);
 }
 
 static void build_group_and_pairs(agent_t *a, res_t *r) {
