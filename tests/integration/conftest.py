@@ -153,26 +153,27 @@ def watches():
 @pytest.fixture(scope="module")
 def shared_meshd(request, tmp_path_factory):
     """meshd servers shared by the tests of one module (sessions keep the tests apart):
-    shared_meshd(n, *flags) starts `meshd --local-agents n flags` on first use, waits until
-    TensorService is SERVING with ranks 0..n-1 healthy, and returns the same Process
-    afterwards. One that died is replaced (and the death reported at module teardown).
-    Teardown stops them and checks them like meshd_server does."""
+    shared_meshd(n, *flags, env=None) starts `meshd --local-agents n flags` (env added to
+    its environment, as meshd_server's) on first use, waits until TensorService is SERVING
+    with ranks 0..n-1 healthy, and returns the same Process afterwards. One that died is
+    replaced (and the death reported at module teardown). Teardown stops them and checks
+    them like meshd_server does."""
     reg = _Registry(tmp_path_factory.mktemp("shared"))
     servers = {}
     deaths = []
     failed_before = request.session.testsfailed
 
-    def get(n=2, *flags):
-        key = (n,) + tuple(str(f) for f in flags)
+    def get(n=2, *flags, env=None):
+        key = (n,) + tuple(str(f) for f in flags) + tuple(sorted((env or {}).items()))
         p = servers.get(key)
         if p is not None and p.proc.poll() is not None:
             deaths.append(f"shared meshd pid {p.pid} ({' '.join(p.args)}) died with "
                           f"{p.proc.returncode} during the module")
             p = None
         if p is None:
-            args = ["--listen", "127.0.0.1:0", "--local-agents", str(n)] + list(key[1:])
-            args += lib.device_flags(n)
-            p = lib.spawn("meshd", lib.MESHD, args, str(reg.tmp))
+            args = ["--listen", "127.0.0.1:0", "--local-agents", str(n)]
+            args += [str(f) for f in flags] + lib.device_flags(n)
+            p = lib.spawn("meshd", lib.MESHD, args, str(reg.tmp), env=env)
             reg.servers.append(p)
             lib.wait_health(p.port, "", lib.SERVING(), proc=p.proc, log=p.log)
             lib.wait_ready(p, n)

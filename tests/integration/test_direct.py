@@ -130,11 +130,11 @@ def connect_like(s, data_path):
 
 
 @pytest.mark.parametrize("agents", [1, 4])
-def test_direct_round_trip(meshd_server, agents):
+def test_direct_round_trip(meshd_server, shared_meshd, agents):
     """Replicated and sharded uploads and fetches take the direct path (both ways),
     with every rank's values right, for float32, int64, float16 and an empty tensor."""
-    srv = meshd_server(agents)
-    lib.wait_ready(srv, agents)
+    # one agent: the module's server; four: one of its own (no other test needs four)
+    srv = shared_meshd(1) if agents == 1 else lib.wait_ready(meshd_server(agents), agents)
     with connect(srv, "direct") as s:
         mesh = s.mesh(gpu=agents)
         rng = np.random.default_rng(7)
@@ -175,13 +175,12 @@ def test_direct_round_trip(meshd_server, agents):
                         assert np.array_equal(meshd.fetch_shard(t, host=h, gpu=g).result(), b[g])
 
 
-def test_agents_refuse_bad_grants(meshd_server):
+def test_agents_refuse_bad_grants(shared_meshd):
     """A forged grant (one flipped byte, in its body or its MAC), a grant for another
     ref or session, a read grant on a Write (and the reverse), and a grant used twice
     are refused PERMISSION_DENIED naming the check; the Agent's other methods still
     want the call secret; afterwards the session and the pool work."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with connect(srv, "direct") as s:
         mesh = s.mesh(gpu=2)
         with mesh.activate():
@@ -277,13 +276,13 @@ def test_expired_grants_are_refused_and_undone(meshd_server):
         still_works(s, mesh)
 
 
-def test_a_planned_transfer_does_not_hold_its_sessions_lease(meshd_server):
+def test_a_planned_transfer_does_not_hold_its_sessions_lease(shared_meshd):
     """A client that plans a direct fetch and upload and then goes away: its session
     expires at its ttl, not at the grants' expiry (10 min by default). The plans keep
     the session's memory, not its lease; a client moving bytes keeps the lease with
-    KeepAlive (every meshd client does), and a FinishFetch waiting holds it as a call."""
-    srv = meshd_server(2, "--transfer-grant-ms", "60000")
-    lib.wait_ready(srv, 2)
+    KeepAlive (every meshd client does), and a FinishFetch waiting holds it as a call.
+    The module's server: its grants' 10 minutes are far past the 1 s ttl."""
+    srv = shared_meshd(2)
     pb = lib.tensor_pb2()
     with lib.Session(srv.port, "planner", ttl_seconds=1) as s:
         m = s.mesh(gpu=2)
@@ -490,12 +489,11 @@ def test_finish_upload_after_an_agent_was_replaced_says_agent_lost(meshd_server)
         still_works(s, m2)
 
 
-def test_forged_or_missing_receipts_leave_the_ref_undefined(meshd_server):
+def test_forged_or_missing_receipts_leave_the_ref_undefined(shared_meshd):
     """FinishUpload with a forged receipt, a short count or none at all is refused
     and undoes the upload: a command on the ref fails UNKNOWN_REF; a later upload and
     commands work."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with connect(srv, "direct") as s:
         mesh = s.mesh(gpu=2)
         arr = np.arange(32, dtype=np.float32)
@@ -570,11 +568,10 @@ def test_data_path_flag(meshd_server):
         assert s._direct.counts == {"upload": 1, "fetch": 2}
 
 
-def test_auto_falls_back_when_agents_are_unreachable(meshd_server, monkeypatch):
+def test_auto_falls_back_when_agents_are_unreachable(shared_meshd, monkeypatch):
     """A client that cannot connect to the agents (here: every agent address made
     unreachable for it) uses the proxied path in auto mode."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     real = _direct.Direct._channel
 
     def unreachable(self, address, tls=None, timeout=_direct.CONNECT_TIMEOUT):
@@ -947,7 +944,7 @@ def test_finish_upload_is_accepted_within_2_s_past_the_grants_expiry(meshd_serve
                         grpc.StatusCode.NOT_FOUND, "no pending upload")
 
 
-def test_a_burst_of_direct_fetches_from_one_agent_all_succeed(meshd_server):
+def test_a_burst_of_direct_fetches_from_one_agent_all_succeed(shared_meshd):
     """8 sessions each fetch 8 tensors (their --session-max-transfers) directly from
     one agent at once: 64 granted Reads arrive together. A grant whose signature
     the agent's guard checked at the headers authenticates its call, so none of
@@ -955,8 +952,7 @@ def test_a_burst_of_direct_fetches_from_one_agent_all_succeed(meshd_server):
     while its request is read; every fetch gets its bytes (none is cancelled
     RESOURCE_EXHAUSTED "the oldest is cancelled", which no client retries)."""
     import threading
-    srv = meshd_server(1)
-    lib.wait_ready(srv, 1)
+    srv = shared_meshd(1)
     nsess, ntens = 8, 8
     sessions = [connect(srv, "direct") for _ in range(nsess)]
     try:
@@ -1066,7 +1062,7 @@ def _replay_held(shard, session_id, ref, n, release):
 
 
 @pytest.mark.parametrize("how", ["used", "expired"])
-def test_replayed_used_or_expired_grants_are_not_authenticated(meshd_server, how):
+def test_replayed_used_or_expired_grants_are_not_authenticated(meshd_server, shared_meshd, how):
     """A grant already used, or expired, replayed on 24 Reads whose requests are held
     back (an old user's, or one sniffed off plaintext agent traffic) does not pass
     the agent's guard as authenticated: its calls are strangers' and at most
@@ -1075,9 +1071,10 @@ def test_replayed_used_or_expired_grants_are_not_authenticated(meshd_server, how
     import threading
     import time
     n = 24
-    args = ("--transfer-grant-ms", "600") if how == "expired" else ()
-    srv = meshd_server(1, *args)
-    lib.wait_ready(srv, 1)
+    if how == "expired":
+        srv = lib.wait_ready(meshd_server(1, "--transfer-grant-ms", "600"), 1)
+    else:
+        srv = shared_meshd(1)
     with connect(srv, "direct") as s:
         arr = np.arange(16, dtype=np.float32)
         with s.mesh(gpu=1).activate():
@@ -1159,13 +1156,12 @@ def test_more_direct_fetches_waiting_on_one_agent_than_it_keeps_all_succeed(mesh
     finally:
         for s in sessions:
             s.close()
-def test_a_write_after_its_upload_was_undone_says_dropped(meshd_server):
+def test_a_write_after_its_upload_was_undone_says_dropped(shared_meshd):
     """FinishUpload without rank 1's receipt undoes the upload (DeleteRefs on every
     rank); rank 1's Write under its grant that only then finishes stores nothing and is
     refused FAILED_PRECONDITION with a kind (DROPPED), not a bare status a client can
     only call UNKNOWN or AGENT_LOST."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with connect(srv, "direct") as s:
         mesh = s.mesh(gpu=2)
         arr = np.arange(16, dtype=np.float32)
@@ -1332,12 +1328,12 @@ def _pause_after_plans(monkeypatch, n, seconds=0.5):
 
 
 @pytest.fixture
-def start_by_200ms(meshd_server):
+def start_by_200ms(shared_meshd):
     """A "direct" session and its mesh on one agent whose grants must be presented
     within 200 ms of their plan (--transfer-grant-start-ms 200): a transfer paused
-    (_pause_after_plans) 0.5 s between its plan and its Write/Read starts too late."""
-    srv = meshd_server(1, "--transfer-grant-start-ms", "200")
-    lib.wait_ready(srv, 1)
+    (_pause_after_plans) 0.5 s between its plan and its Write/Read starts too late.
+    The server is the module's (each test its own session)."""
+    srv = shared_meshd(1, "--transfer-grant-start-ms", "200")
     with connect(srv, "direct") as s:
         yield s, s.mesh(gpu=1)
 

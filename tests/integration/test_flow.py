@@ -26,6 +26,13 @@ BOUND = 64
 ONES = np.ones(8, dtype=np.float32)
 
 
+def _over_the_server_bound(shared_meshd):
+    """The module's server whose bound of queued commands over all sessions (--max-queued 4)
+    one session's slow Reduces (0.8 s each) overrun; each test its own sessions, its work
+    done by its end."""
+    return shared_meshd(1, "--max-queued", 4, env={"MESHD_FAULT": "reduce:slow=800"})
+
+
 def _server(meshd_server, slow_ms, *flags):
     env = {"MESHD_FAULT": f"reduce:slow={slow_ms}"}
     return lib.wait_ready(meshd_server(1, "--session-max-queued", BOUND, *flags, env=env), 1)
@@ -517,7 +524,7 @@ def test_one_reduce_too_big_to_queue_alone_is_refused_saying_so(meshd_server):
 
 
 
-def test_another_sessions_burst_does_not_refuse_a_literal(meshd_server):
+def test_another_sessions_burst_does_not_refuse_a_literal(shared_meshd):
     """The server-wide bound (--max-queued) makes every session that submits wait, but
     it must not refuse them: a Literal sent by Execute in session B, while session A's
     slow Reduces hold the whole server over its bound, is accepted and answered once
@@ -525,8 +532,7 @@ def test_another_sessions_burst_does_not_refuse_a_literal(meshd_server):
     so one client's burst failed another client's plain meshd.tensor())."""
     import struct
     from test_transfers import fetch_floats, literal
-    srv = lib.wait_ready(meshd_server(1, "--max-queued", 4,
-                                      env={"MESHD_FAULT": "reduce:slow=800"}), 1)
+    srv = _over_the_server_bound(shared_meshd)
     with Session(srv.port, "burst", timeout=30) as a, Session(srv.port, "bystander",
                                                                 timeout=30) as b:
         ma = a.mesh(gpu=1).ref
@@ -547,13 +553,12 @@ def test_another_sessions_burst_does_not_refuse_a_literal(meshd_server):
         assert not p.results[-1].HasField("error"), p.results[-1]
 
 
-def test_another_sessions_backlog_does_not_hold_a_sync(meshd_server):
+def test_another_sessions_backlog_does_not_hold_a_sync(shared_meshd):
     """A Sync waits for its own session's work only (protocol.md, progress per
     session): session B, whose work all ran, is answered at once while session A's
     slow Reduces hold the whole server over --max-queued (B's Execute Sync was held
     for room until A's backlog drained: 4 s here, forever behind a stalled session)."""
-    srv = lib.wait_ready(meshd_server(1, "--max-queued", 4,
-                                      env={"MESHD_FAULT": "reduce:slow=800"}), 1)
+    srv = _over_the_server_bound(shared_meshd)
     with Session(srv.port, "burst", timeout=30) as a, Session(srv.port, "bystander",
                                                                 timeout=30) as b:
         ma = a.mesh(gpu=1).ref

@@ -26,24 +26,31 @@ def _show(r):
     return f"rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
 
 
-def test_health_serving_exit_0(meshd_server):
-    srv = meshd_server()
+# Most tests share the module's servers (conftest.py's shared_meshd; sessions keep them
+# apart): shared_meshd(2) with two local agents, and this one without agents, whose
+# TensorService is NOT_SERVING (--min-agents 3) while the process is SERVING.
+def no_agents_server(shared_meshd):
+    return shared_meshd(0, "--min-agents", "3")
+
+
+def test_health_serving_exit_0(shared_meshd):
+    srv = shared_meshd(2)
     r = meshctl(srv.address, "health")
     assert r.returncode == 0, _show(r)
     assert "SERVING" in r.stdout, _show(r)
 
 
-def test_health_default_service_is_process(meshd_server):
-    srv = meshd_server()
+def test_health_default_service_is_process(shared_meshd):
+    srv = shared_meshd(2)
     r = meshctl(srv.address, "health", "")
     assert r.returncode == 0, _show(r)
 
 
-def test_a_server_slow_to_answer_the_handshake_is_reached(meshd_server):
+def test_a_server_slow_to_answer_the_handshake_is_reached(shared_meshd):
     # Each connection attempt of the C client had 100 ms (gRPC's minimum connect
     # timeout, set for the agents' fast reconnects): a server whose first bytes
     # take longer (TLS on a busy host, a far region) was "cannot connect" at once.
-    srv = meshd_server()
+    srv = shared_meshd(2)
     link = lib.DelayRelay(srv.port, 0, 0.3)  # the server's bytes come 0.3 s late
     try:
         t0 = time.monotonic()
@@ -65,44 +72,40 @@ def test_health_connection_failed_exit_2():
     assert r.returncode == 2, _show(r)
 
 
-def test_health_unknown_service_exit_3(meshd_server):
-    srv = meshd_server()
+def test_health_unknown_service_exit_3(shared_meshd):
+    srv = shared_meshd(2)
     r = meshctl(srv.address, "health", "no.such.Service")
     assert r.returncode == 3, _show(r)
 
 
-def test_health_not_serving_exit_4(meshd_server):
-    srv = meshd_server(0, min_agents=3)
+def test_health_not_serving_exit_4(shared_meshd):
+    srv = no_agents_server(shared_meshd)
     r = meshctl(srv.address, "health", lib.TENSOR_SERVICE)
     assert r.returncode == 4, _show(r)
     assert "NOT_SERVING" in r.stdout, _show(r)
 
 
-def test_health_tensor_service_serving_with_agents(meshd_server):
-    srv = meshd_server(2)
-    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
-                    proc=srv.proc, log=srv.log)
+def test_health_tensor_service_serving_with_agents(shared_meshd):
+    srv = shared_meshd(2)  # SERVING with ranks 0 and 1 healthy
     r = meshctl(srv.address, "health", lib.TENSOR_SERVICE)
     assert r.returncode == 0, _show(r)
 
 
-def test_server_from_env(meshd_server):
-    srv = meshd_server()
+def test_server_from_env(shared_meshd):
+    srv = shared_meshd(2)
     r = meshctl(None, "health", env={"MESHD_SERVER": srv.address})
     assert r.returncode == 0, _show(r)
 
 
-def test_agent_health_with_meshctl(meshd_server, agent):
-    srv = meshd_server()
-    a = agent(srv.port)
-    r = meshctl(a.address, "health", lib.AGENT_SERVICE)
+def test_agent_health_with_meshctl(shared_meshd):
+    srv = shared_meshd(2)
+    address = lib.list_agents(srv.port)[0].address  # a local agent's own port
+    r = meshctl(address, "health", lib.AGENT_SERVICE)
     assert r.returncode == 0, _show(r)
 
 
-def test_agents_lists_two_ranks(meshd_server):
-    srv = meshd_server(2)
-    lib.wait_agents(srv.port, lambda ag: lib.healthy_ranks(ag) == [0, 1],
-                    what="ranks 0 and 1 healthy", log=srv.log)
+def test_agents_lists_two_ranks(shared_meshd):
+    srv = shared_meshd(2)  # ranks 0 and 1 healthy
     r = meshctl(srv.address, "agents")
     assert r.returncode == 0, _show(r)
     rows = [line.split() for line in r.stdout.splitlines()
@@ -311,10 +314,8 @@ def _meshctl_on_pty(srv, *args):
             os.close(slave)
 
 
-def test_fetch_progress_only_on_a_terminal(meshd_server, tmp_path):
-    srv = meshd_server(2)
-    lib.wait_health(srv.port, lib.TENSOR_SERVICE, lib.SERVING(), timeout=lib.REGISTER_TIMEOUT,
-                    proc=srv.proc, log=srv.log)
+def test_fetch_progress_only_on_a_terminal(shared_meshd, tmp_path):
+    srv = shared_meshd(2)
     script = tmp_path / "big.txt"
     script.write_text(BIG)
     expected = "x [262144]" + " 1" * 262144 + "\n"
@@ -475,12 +476,13 @@ def test_a_bad_rank_is_a_usage_error_before_any_connection(cmd):
             assert _json(r)["error"]["code"] == "USAGE", _show(r)
 
 
-def test_a_server_that_accepts_but_never_answers_is_not_called_absent(meshd_server):
+def test_a_server_that_accepts_but_never_answers_is_not_called_absent(shared_meshd):
     # A hung or stopped meshd (SIGSTOP, a paused container): the kernel still
     # accepts its connections, nothing answers. meshctl gives up after --timeout-ms
     # (exit 2), and must not send the operator looking for a process that is not
-    # running ("nothing listens there").
-    srv = meshd_server()
+    # running ("nothing listens there"). The module's server without agents (no
+    # agent's link to it is stalled by the stop); it goes on after SIGCONT.
+    srv = no_agents_server(shared_meshd)
     os.kill(srv.pid, signal.SIGSTOP)
     try:
         for fmt in ("table", "json"):
@@ -1218,12 +1220,12 @@ def test_inspect_error_with_a_long_url_keeps_its_status_and_rank(shared_meshd, l
 
 # ------------------------------------------------- operators' edge cases (review 100)
 
-def test_load_with_no_usable_agent_is_a_refused_command_not_unavailable(meshd_server):
+def test_load_with_no_usable_agent_is_a_refused_command_not_unavailable(shared_meshd):
     """A server with no agent: `meshctl load` without --mesh has nothing to load onto. That
     is a refused command (exit 3) whose JSON code is not UNAVAILABLE: operations.md keeps
     UNAVAILABLE for "could not connect" (exit 2), and a script telling the two apart by the
     code took a reachable server for an absent one."""
-    srv = meshd_server()
+    srv = no_agents_server(shared_meshd)
     addr = f"127.0.0.1:{srv.port}"
     r = meshctl(addr, "load", "file:///tmp/nowhere.npy")
     assert r.returncode == 3, _show(r)
@@ -1283,11 +1285,11 @@ def test_load_out_of_memory_still_prints_its_json_document(tmp_path):
     assert err["code"] == "RESOURCE_EXHAUSTED" and "out of memory" in err["message"], err
 
 
-def test_run_takes_a_4095_character_line_with_or_without_its_newline(meshd_server, tmp_path):
+def test_run_takes_a_4095_character_line_with_or_without_its_newline(shared_meshd, tmp_path):
     """run reads a script line into 4096 bytes: 4095 characters fit. A last line of 4095
     characters without a newline was refused as "longer than 4094 characters" (and one with
     its newline too); a longer line is still refused, naming the limit."""
-    srv = meshd_server()
+    srv = shared_meshd(2)
     addr = f"127.0.0.1:{srv.port}"
     long_comment = "#" + "x" * 4094
     assert len(long_comment) == 4095
@@ -1304,11 +1306,11 @@ def test_run_takes_a_4095_character_line_with_or_without_its_newline(meshd_serve
         _show(r)
 
 
-def test_every_column_of_the_sessions_table_is_documented(meshd_server):
+def test_every_column_of_the_sessions_table_is_documented(shared_meshd):
     """operations.md's `sessions` entry names the table's columns by the headers meshctl
     prints: CMD/S (commands per second, `-` outside --watch's later frames) was in the
     table and in no document."""
-    srv = meshd_server()
+    srv = shared_meshd(2)
     r = meshctl(f"127.0.0.1:{srv.port}", "sessions")
     assert r.returncode == 0, _show(r)
     header = r.stdout.splitlines()[0].split()
@@ -1390,7 +1392,7 @@ def test_sessions_lists_a_reply_over_4_mib_the_server_allows(meshd_server):
 
 
 
-def test_json_output_stays_utf8_whatever_bytes_a_name_holds(meshd_server, tmp_path):
+def test_json_output_stays_utf8_whatever_bytes_a_name_holds(shared_meshd, tmp_path):
     """JSON is UTF-8 (RFC 8259) and --output json promises one document a script can
     parse. meshctl copied strings into it byte for byte: a server (hostile, or a fake)
     whose ListSessions names a client b'bad\\xff\\xfe\\xc0\\xafq\\\\"', or a script
@@ -1426,7 +1428,7 @@ def test_json_output_stays_utf8_whatever_bytes_a_name_holds(meshd_server, tmp_pa
     name = doc["sessions"][0]["client_name"]
     assert name == "bad\ufffd\ufffd\ufffd\ufffdq\\\"", name
 
-    srv = meshd_server(0)
+    srv = shared_meshd(2)
     script = tmp_path / "s.txt"
     script.write_bytes(b"fetch caf\xe9\n")
     r = subprocess.run([lib.MESHCTL, "--server", srv.address, "--timeout-ms", "5000",

@@ -263,14 +263,17 @@ def test_sighup_reloads_the_tokens_file(tmp_path):
         assert lib.stop(p) == 0
 
 
-def test_an_open_server_says_so_in_one_warning(tmp_path):
-    p = _start(tmp_path)
-    try:
-        lines = [l for l in lib.log_tail(p.log, 1000).splitlines() if "this server is open" in l]
-        assert len(lines) == 1 and "WARN" in lines[0], lines
-        assert "no TLS" in lines[0] and "no --auth-tokens" in lines[0], lines
-    finally:
-        lib.stop(p)
+def open_server(shared_meshd):
+    """The module's meshd without TLS, --auth-tokens or agents (conftest.py's shared_meshd:
+    checked for sanitizer reports at the module's end)."""
+    return shared_meshd(0, "--min-agents", "0")
+
+
+def test_an_open_server_says_so_in_one_warning(shared_meshd):
+    p = open_server(shared_meshd)
+    lines = [l for l in lib.log_tail(p.log, 1000).splitlines() if "this server is open" in l]
+    assert len(lines) == 1 and "WARN" in lines[0], lines
+    assert "no TLS" in lines[0] and "no --auth-tokens" in lines[0], lines
 
 
 def _tls_channel(port, pki, cert=None, key=None, host="localhost"):
@@ -400,11 +403,12 @@ def test_a_strangers_health_watches_hold_bounded_memory(tmp_path, tokens_file):
         lib.stop(p)
 
 
-def test_a_stranger_cannot_open_health_watches_without_end(tmp_path, tokens_file):
+def test_a_stranger_cannot_open_health_watches_without_end(server):
     """Each Watch a stranger leaves open holds a call on the server (~13 KiB) for
     as long as the stranger likes, and connections are not bounded: the open
-    Watch calls are (RESOURCE_EXHAUSTED past the bound), Check still answers."""
-    p = _start(tmp_path, "--auth-tokens", tokens_file)
+    Watch calls are (RESOURCE_EXHAUSTED past the bound), Check still answers.
+    On the module's server (its log is checked at the module's end)."""
+    p = server
     h = lib.health_pb2()
     chans, calls = [], []
     try:
@@ -430,7 +434,6 @@ def test_a_stranger_cannot_open_health_watches_without_end(tmp_path, tokens_file
             c.cancel()
         for ch in chans:
             ch.close()
-        lib.stop(p)
 
 
 def _h2_frame(typ, flags, sid, payload):
@@ -1115,9 +1118,9 @@ def test_a_strangers_silent_connections_are_closed_after_the_handshake_timeout(t
         lib.stop(p)
 
 
-def test_a_silent_connection_is_closed_by_default_within_seconds(tmp_path):
+def test_a_silent_connection_is_closed_by_default_within_seconds(shared_meshd):
     """Without the flag: 10 s, not gRPC's 120 s."""
-    p = _start(tmp_path)
+    p = open_server(shared_meshd)
     socks = []
     try:
         socks = _silent_connections(p.port, 5)
@@ -1126,7 +1129,6 @@ def test_a_silent_connection_is_closed_by_default_within_seconds(tmp_path):
     finally:
         for s in socks:
             s.close()
-        lib.stop(p)
 
 
 def _open_files_soft_limit(pid):

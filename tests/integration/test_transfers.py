@@ -66,6 +66,22 @@ def other_session_computes(port):
     assert got == [2.0] * 4, got
 
 
+def agents_allocated(port):
+    """The bytes the server's agents hold, all ranks together."""
+    return sum(a.allocated_bytes for a in lib.list_agents(port))
+
+
+def agents_idle(port, limit=10):
+    """Waits until the agents hold no tensor: a test that counts the bytes on the agents
+    runs on the module's shared server, where the earlier tests' sessions are closed
+    but their tensors may still be on their way out."""
+    deadline = time.monotonic() + limit
+    while agents_allocated(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = agents_allocated(port)
+    assert held == 0, f"the agents still hold {held} bytes of closed sessions"
+
+
 def refused(call, timeout=10):
     try:
         for _ in call:
@@ -181,15 +197,14 @@ def fetch_values(call):
     return set(struct.unpack(f"<{len(data) // 4}f", data))
 
 
-def test_a_fetch_streams_the_value_at_its_point_in_the_stream(meshd_server):
+def test_a_fetch_streams_the_value_at_its_point_in_the_stream(shared_meshd):
     """A Fetch is answered with the tensor as the commands before it left it. Commands
     after it that write the tensor in place (add_, an in-place reduce) change what later
     Fetches see, never what it streams, even while its client has not read it yet; and
     they do not wait for that client (a writer that waited would deadlock a client that
     syncs before it reads). Before, the agent copied the shard whenever its Read got
     round to it: the Fetch returned values from after it, or a mix."""
-    srv = meshd_server(1)
-    lib.wait_ready(srv, 1)
+    srv = shared_meshd(2)  # the module's; its mesh takes one of the two ranks
     n = 4 * MIB // 4
     with lib.Session(srv.port, "snap", timeout=30) as s:
         m = s.mesh(gpu=1).ref
@@ -408,18 +423,18 @@ class _HeldUpload:
         return self.fn(self.chunks(ref), metadata=self.s.metadata, timeout=timeout)
 
 
-def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(meshd_server):
+def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(shared_meshd):
     """Two Uploads of one session at once, the higher ref finishing first: the lower is
     refused when it settles (refs must increase), and the agents let go of the 4 MiB it
     wrote to each rank (they kept it until the session's end before)."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with lib.Session(srv.port, "late-upload", timeout=30) as s:
         m = s.mesh(gpu=2).ref
 
         def allocated():
-            return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
+            return agents_allocated(srv.port)
 
+        agents_idle(srv.port)
         base = allocated()
         low, high = s.new_ref(), s.new_ref()
         up = _HeldUpload(s, m, 2 * MIB)
@@ -438,13 +453,12 @@ def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(meshd_server)
         assert allocated() == want, f"agents hold {allocated() - base} bytes, want {2 * 4 * MIB}"
 
 
-def test_a_ref_being_uploaded_is_taken_by_nothing_else_until_the_upload_ends(meshd_server):
+def test_a_ref_being_uploaded_is_taken_by_nothing_else_until_the_upload_ends(shared_meshd):
     """An Upload of ref r holds r from its header to its end: a second Upload of r and a
     command naming r are refused meanwhile (before, they were accepted, and the first
     one's failure then deleted r on the agents under them); lower and higher refs stay
     free; the first Upload ends with its tensor; and r, once spent, stays taken."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with lib.Session(srv.port, "reserved-ref", timeout=30) as s:
         m = s.mesh(gpu=2).ref
         low, r = s.new_ref(), s.new_ref()
@@ -465,12 +479,11 @@ def test_a_ref_being_uploaded_is_taken_by_nothing_else_until_the_upload_ends(mes
         assert "already used" in ei.value.details(), ei.value.details()
 
 
-def test_upload_chunks_of_any_size_reach_the_right_ranks(meshd_server):
+def test_upload_chunks_of_any_size_reach_the_right_ranks(shared_meshd):
     """Chunks the server sends on untouched (one field, at most its agent chunk, inside
     one rank's slice) and chunks it repacks (larger, or straddling two ranks' slices)
     mix in one per_rank upload; every rank gets exactly its slice."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     t = lib.tensor_pb2()
     with lib.Session(srv.port, "mixed-chunks", timeout=60) as s:
         m = s.mesh(gpu=2).ref
@@ -627,20 +640,20 @@ def test_an_upload_outliving_its_session_leaves_nothing_on_the_agents(meshd_serv
     print(f"{when}: {r.code()}: {r.details()}")
 
 
-def test_an_upload_is_held_to_the_quota_when_it_ends(meshd_server):
+def test_an_upload_is_held_to_the_quota_when_it_ends(shared_meshd):
     """The quota is checked at an Upload's header and again when it ends: a session
     with a 10 MiB quota starts an 8 MiB Upload (4 MiB per rank; the header passes),
     then a Factory takes 4 MiB while the bytes stream. At its end the Upload would put
     the session at 12 MiB: refused QUOTA, its ref undefined, nothing of it left on the
     agents, and the session usable. (It was defined, past the quota.)"""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
 
     def allocated():
-        return sum(a.allocated_bytes for a in lib.list_agents(srv.port))
+        return agents_allocated(srv.port)
 
     with lib.Session(srv.port, "quota-at-end", quota_bytes=10 * MIB, timeout=30) as s:
         m = s.mesh(gpu=2).ref
+        agents_idle(srv.port)
         base = allocated()
         f_ref = s.new_ref()  # below the Upload's: claimed first, as it will be
         up_ref = s.new_ref()
@@ -681,14 +694,13 @@ def fetch_bytes(s, ref, rank):
                     if c.WhichOneof("part") == "data")
 
 
-def test_literals_define_their_bytes_on_every_rank_in_command_order(meshd_server):
+def test_literals_define_their_bytes_on_every_rank_in_command_order(shared_meshd):
     """A Literal (tensor_service.proto) carries a small tensor's bytes in the command:
     replicated, every rank holds them; per_rank, each rank its slice. Sent in one
     Submit batch with a sum over the mesh that reads them and a Literal on a stream of
     its own, each runs in command order: the fetched bytes are exact, for dtypes of
     1, 2, 4 and 8 bytes. A Literal of exactly 1 MiB is taken."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with lib.Session(srv.port, "literals", timeout=30) as s:
         m = s.mesh(gpu=2).ref
         side = s.stream("side")
@@ -724,12 +736,11 @@ def test_literals_define_their_bytes_on_every_rank_in_command_order(meshd_server
             assert fetch_bytes(s, big, rank) == bytes(range(256)) * 4096
 
 
-def test_a_literal_is_held_to_the_quota_and_the_session_goes_on(meshd_server):
+def test_a_literal_is_held_to_the_quota_and_the_session_goes_on(shared_meshd):
     """A Literal is charged to the session's quota as an Upload is: one that would pass
     it is refused QUOTA naming the quota, its ref stays undefined, and the tensors made
     before it keep their values."""
-    srv = meshd_server(2)
-    lib.wait_ready(srv, 2)
+    srv = shared_meshd(2)
     with lib.Session(srv.port, "literal-quota", quota_bytes=MIB, timeout=30) as s:
         m = s.mesh(gpu=2).ref
         a = s.new_ref()
@@ -744,13 +755,12 @@ def test_a_literal_is_held_to_the_quota_and_the_session_goes_on(meshd_server):
         assert fetch_bytes(s, c, 0) == bytes(MIB // 4)
 
 
-def test_the_literals_of_one_submit_message_send_at_most_8_mib(meshd_server):
+def test_the_literals_of_one_submit_message_send_at_most_8_mib(shared_meshd):
     """One Submit message of three replicated 1 MiB Literals on 3 agents would queue
     9 MiB at once, past flow control (which holds a session back between messages):
     the third is refused QUOTA naming the bound, the first two and the commands after
     it run, and the same Literal in the next message is taken."""
-    srv = meshd_server(3)
-    lib.wait_ready(srv, 3)
+    srv = shared_meshd(4)  # the 2-D literals test's server; the mesh takes 3 of its ranks
     with lib.Session(srv.port, "literal-batch", timeout=30) as s:
         m = s.mesh(gpu=3).ref
         t = lib.tensor_pb2()
@@ -811,13 +821,12 @@ def test_a_literal_while_the_session_window_is_full_is_refused(meshd_server):
         assert fetch_bytes(s, big, 1) == bytes(MIB // 2)
 
 
-def test_per_rank_literals_follow_the_mesh_rank_order_on_2d_meshes_and_slices(meshd_server):
+def test_per_rank_literals_follow_the_mesh_rank_order_on_2d_meshes_and_slices(shared_meshd):
     """A per_rank Literal's slices go to the mesh's ranks in row-major order over its
     dims, as an Upload's do: on a {host: 2, gpu: 2} mesh the slice at host*2 + gpu,
     and on its slice host=1 (world ranks 2 and 3) slices 0 and 1; each rank holds
     exactly its own."""
-    srv = meshd_server(4)
-    lib.wait_ready(srv, 4)
+    srv = shared_meshd(4)
     with lib.Session(srv.port, "literal-2d", timeout=30) as s:
         t = lib.tensor_pb2()
         mesh = s.mesh(host=2, gpu=2)
