@@ -166,7 +166,8 @@ static grpc_status_code guard_ask_again(rpc_server_t *srv, const rpc_identity_t 
   memcpy(msg, srv->revoked_msg, sizeof msg);
   pthread_mutex_unlock(&srv->mu);
   if (!revoked || !revoked(id, arg)) return GRPC_STATUS_OK;
-  snprintf(why, len, "principal '%s': %s", id->name, msg);
+  if (snprintf(why, len, "principal '%s': %s", id->name, msg) >= (int)len)
+    why[len - 1] = '\0'; /* cut: the start says which and why */
   return code;
 }
 
