@@ -10,7 +10,8 @@ Every process a fixture started is stopped at teardown, even when the test faile
 SIGTERM, then SIGKILL after a bound. The agents a meshd supervises are collected
 from /proc/<pid>/task/*/children before it is stopped and must be gone after.
 On failure the tail of every log is printed. A log holding a sanitizer report
-(ASan, LSan, UBSan; local agents log into meshd's log) fails the test.
+(ASan, LSan, UBSan; local agents log into meshd's log) fails the test; so does one of
+a process the test started with lib.spawn itself and that ended by its end.
 """
 
 import os
@@ -48,6 +49,19 @@ def pytest_runtest_makereport(item, call):
 def _failed(request):
     rep = getattr(request.node, "rep_call", None)
     return rep is None or rep.failed
+
+
+@pytest.fixture(autouse=True)
+def _spawned_logs_checked():
+    """A process the test started with lib.spawn itself (not through a fixture, whose
+    teardown checks its logs) and that ended by the test's end: a sanitizer report in
+    its log fails the test. Those still running (a module's server) are checked where
+    they are stopped."""
+    first = len(lib.spawned)
+    yield
+    hits = [f"{p.kind} pid {p.pid}: sanitizer report: {hit}" for p in lib.spawned[first:]
+            if p.proc.poll() is not None and (hit := lib.sanitizer_report(p.log))]
+    assert not hits, "; ".join(hits)
 
 
 @pytest.fixture(scope="session", autouse=True)

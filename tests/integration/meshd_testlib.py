@@ -240,6 +240,7 @@ def SERVICE_UNKNOWN():
 # ---------------------------------------------------------------- processes
 
 _started = []  # every Popen this module started; the atexit net kills survivors
+spawned = []  # every Process spawn() made, in order (conftest checks their logs)
 
 
 def _kill_leftovers():
@@ -495,7 +496,9 @@ def spawn(kind, binary, args, workdir, env=None, port_file=True, wait_port=True)
                                 env=clean_env(env))
     _started.append(proc)
     port = read_port_file(pf, proc, log) if (pf and wait_port) else None
-    return Process(kind, proc, port, log, pf, argv)
+    p = Process(kind, proc, port, log, pf, argv)
+    spawned.append(p)
+    return p
 
 
 def stop(p, sig=signal.SIGTERM, timeout=EXIT_TIMEOUT):
