@@ -35,12 +35,15 @@ static void start_server_fault(const char *fault, const char *const *extra) {
 
 TestSuite(c_client, .init = start_server, .fini = stop_server, .timeout = 60);
 
-static meshd_client_t *connect_ok(void) {
+/* A client of the suite's server whose calls wait timeout_ms at most. */
+static meshd_client_t *connect_within(int timeout_ms) {
   meshd_err_t e;
-  meshd_client_t *c = meshd_connect(target, 10000, &e);
+  meshd_client_t *c = meshd_connect(target, timeout_ms, &e);
   cr_assert_not_null(c, "connect: %s", meshd_strerror(e));
   return c;
 }
+
+static meshd_client_t *connect_ok(void) { return connect_within(10000); }
 
 /* A session named name on c and its mesh: 2 ranks along "gpu" (*m). */
 static meshd_session_t *open_on_two_gpus(meshd_client_t *c, const char *name, meshd_ref_t *m) {
@@ -867,9 +870,7 @@ Test(c_client_lease, sync_and_fetch_deadlines_on_a_wedged_agent) {
  * reach their deadline and are taken out, never sent; a Sync reports them,
  * and once the agent runs every command sent runs and the session goes on. */
 Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the_timeout) {
-  meshd_err_t err;
-  meshd_client_t *c = meshd_connect(target, 1000, &err);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_client_t *c = connect_within(1000);
   meshd_ref_t m = 0, x = 0, y = 0, first = 0, last = 0;
   meshd_session_t *s = open_on_two_gpus(c, "c-stall", &m);
   const char *dims[] = {"gpu"};
@@ -942,9 +943,7 @@ Test(c_client_lease, a_pipeline_whose_server_stops_reading_ends_its_calls_by_the
  * (1 s), not once for the pipeline's flush, once for its half-close and once
  * more for CloseSession (3 s and more). */
 Test(c_client_lease, closing_a_session_on_a_frozen_server_takes_one_timeout) {
-  meshd_err_t err;
-  meshd_client_t *c = meshd_connect(target, 1000, &err);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_client_t *c = connect_within(1000);
   meshd_ref_t m = 0, x = 0, y = 0;
   meshd_session_t *s = open_on_two_gpus(c, "c-frozen", &m);
   cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){4}, 1, 0, &x), MESHD_E_OK);
@@ -971,9 +970,7 @@ Test(c_client_lease, closing_a_session_on_a_frozen_server_takes_one_timeout) {
  * (its ref is unknown). It used to stay queued, go out later and run: a caller
  * that called again ran it twice. */
 Test(c_client_lease, a_pipelined_command_still_queued_at_a_deadline_is_taken_out_never_sent) {
-  meshd_err_t err;
-  meshd_client_t *c = meshd_connect(target, 2000, &err);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_client_t *c = connect_within(2000);
   meshd_session_t *s = meshd_session_open(c, "c-taken-out", NULL);
   cr_assert_not_null(s);
   const char *dims[] = {"gpu"};
@@ -1060,9 +1057,7 @@ static uint64_t literal_queued_behind_one_in_flight(meshd_client_t *c, meshd_ses
  * reads again either. It used to stay queued until a call's wait ran out, and
  * go out and run if the server read again first. */
 Test(c_client, a_pipelined_command_queued_past_its_own_deadline_is_taken_out_with_no_call_waiting) {
-  meshd_err_t err;
-  meshd_client_t *c = meshd_connect(target, 1000, &err);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_client_t *c = connect_within(1000);
   meshd_ref_t m = 0, a = 0, b = 0;
   meshd_session_t *s = open_on_two_gpus(c, "c-own-deadline", &m);
   meshd_pipeline_options_t po = MESHD_PIPELINE_OPTIONS_INIT;
@@ -1109,9 +1104,7 @@ Test(c_client, a_pipelined_command_queued_past_its_own_deadline_is_taken_out_wit
  * the message. It used to stay queued (and counted in commands_queued) and go
  * out later and run, though its caller's wait had run out. */
 Test(c_client, a_flush_that_reports_a_rejection_takes_out_what_is_still_queued) {
-  meshd_err_t err;
-  meshd_client_t *c = meshd_connect(target, 5000, &err);
-  cr_assert_not_null(c, "connect: %s", meshd_strerror(err));
+  meshd_client_t *c = connect_within(5000);
   meshd_ref_t m = 0, x = 0, bad = 0, a = 0, b = 0;
   meshd_session_t *s = open_on_two_gpus(c, "c-rejected-and-unsent", &m);
   cr_assert_eq(meshd_session_factory(s, m, "ones", (int64_t[]){2}, 1, 0, &x), MESHD_E_OK);

@@ -379,6 +379,59 @@ static void *peer_allreduce(void *arg) {
   return NULL;
 }
 
+/* A sum Reduce of ref 1 into ref 9001, [1] float32, over ranks 0 (the agent)
+ * and 1 at addrs with secret, comm 9 call 3: what peer_allreduce joins. The
+ * instruction points into *sr. */
+typedef struct {
+  Meshd__V1__Reduce r;
+  Meshd__Agent__V1__TensorSpec is, rs;
+  Meshd__Agent__V1__Group g;
+  Meshd__Agent__V1__ReduceOp ro;
+  instr_t ins;
+  int64_t one[1];
+} sum_reduce_t;
+
+static instr_t *sum_reduce(sum_reduce_t *sr, const char **addrs, const uint8_t *secret) {
+  static uint32_t ranks[2] = {0, 1};
+  sr->one[0] = 1;
+  sr->r = (Meshd__V1__Reduce)MESHD__V1__REDUCE__INIT;
+  sr->r.ref = 9001;
+  sr->r.input = 1;
+  sr->r.reduction = "sum";
+  sr->is = spec(1, sr->one, DTYPE_FLOAT32);
+  sr->rs = spec(9001, sr->one, DTYPE_FLOAT32);
+  sr->g = (Meshd__Agent__V1__Group)MESHD__AGENT__V1__GROUP__INIT;
+  sr->g.n_ranks = sr->g.n_addresses = 2;
+  sr->g.ranks = ranks;
+  sr->g.addresses = (char **)addrs;
+  sr->g.comm_id = 9;
+  sr->g.call = 3;
+  sr->g.secret.len = 32;
+  sr->g.secret.data = (uint8_t *)secret;
+  sr->ro = (Meshd__Agent__V1__ReduceOp)MESHD__AGENT__V1__REDUCE_OP__INIT;
+  sr->ro.reduce = &sr->r;
+  sr->ro.input = &sr->is;
+  sr->ro.result = &sr->rs;
+  sr->ro.group = &sr->g;
+  sr->ins = (instr_t)MESHD__AGENT__V1__INSTRUCTION__INIT;
+  sr->ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
+  sr->ins.reduce = &sr->ro;
+  return &sr->ins;
+}
+
+/* An agent with a data plane and its peer's (world rank 1): their
+ * addresses in me and other. */
+static dataplane_t *two_data_planes(agent_t *a, char me[64], char other[64]) {
+  meshd_error_t e = {0};
+  a->b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
+  cr_assert_not_null(a->b.net, "%s", e.msg);
+  dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
+  cr_assert_not_null(peer, "%s", e.msg);
+  snprintf(me, 64, "127.0.0.1:%d", dataplane_port(a->b.net));
+  snprintf(other, 64, "127.0.0.1:%d", dataplane_port(peer));
+  return peer;
+}
+
 /* An agent that already runs as many stream workers as it may (4096, over
  * all sessions) cannot queue a Reduce on a new stream: its peer, waiting for
  * it in the allreduce, fails at once with that reason, not after the comm
@@ -386,18 +439,11 @@ static void *peer_allreduce(void *arg) {
 Test(run_reduce, a_reduce_the_agent_cannot_queue_fails_its_peers_at_once, .timeout = 180) {
   agent_t a;
   open_agent(&a, "cpu");
-  meshd_error_t e = {0};
-  a.b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
-  cr_assert_not_null(a.b.net, "%s", e.msg);
-  dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
-  cr_assert_not_null(peer, "%s", e.msg);
   char me[64], other[64];
-  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(a.b.net));
-  snprintf(other, sizeof other, "127.0.0.1:%d", dataplane_port(peer));
+  dataplane_t *peer = two_data_planes(&a, me, other);
   a.env.data_address = me;
   /* Every worker the agent may start, each on its own stream. */
   const uint64_t workers = 4096;
-  int64_t one[1] = {1};
   for (uint64_t i = 1; i <= workers; i++) {
     factory_instr_t b;
     instr_t *ins = factory_instr(&b, "ones", i, 1, DTYPE_FLOAT32);
@@ -413,32 +459,12 @@ Test(run_reduce, a_reduce_the_agent_cannot_queue_fails_its_peers_at_once, .timeo
   pthread_t th;
   pthread_create(&th, NULL, peer_allreduce, &pj);
   usleep(100 * 1000); /* the peer waits for it */
-  static uint32_t ranks[2] = {0, 1};
-  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
-  r.ref = 9001;
-  r.input = 1;
-  r.reduction = "sum";
-  Meshd__Agent__V1__TensorSpec is = spec(1, one, DTYPE_FLOAT32), rs = spec(9001, one, DTYPE_FLOAT32);
-  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
-  g.n_ranks = g.n_addresses = 2;
-  g.ranks = ranks;
-  g.addresses = (char **)addrs;
-  g.comm_id = 9;
-  g.call = 3;
-  g.secret.len = 32;
-  g.secret.data = (uint8_t *)secret;
-  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
-  ro.reduce = &r;
-  ro.input = &is;
-  ro.result = &rs;
-  ro.group = &g;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
-  ins.reduce = &ro;
-  ins.seq = workers + 1;
-  ins.session_id = (char *)SESSION;
-  ins.stream = workers + 1;
-  executor_submit(a.x, &ins); /* -1 or 0: either way it is not run */
+  sum_reduce_t sr;
+  instr_t *ins = sum_reduce(&sr, addrs, secret);
+  ins->seq = workers + 1;
+  ins->session_id = (char *)SESSION;
+  ins->stream = workers + 1;
+  executor_submit(a.x, ins); /* -1 or 0: either way it is not run */
   pthread_join(th, NULL);
   const char *m = wait_error(&a, workers + 1, workers + 1);
   cr_assert_not_null(m, "no error reported for the Reduce");
@@ -463,40 +489,14 @@ Test(run_reduce, a_reduce_the_agent_cannot_queue_fails_its_peers_at_once, .timeo
 Test(run_reduce, a_queued_reduce_holds_its_peers_early_hellos_as_proven, .timeout = 30) {
   agent_t a;
   open_agent(&a, "cpu");
-  meshd_error_t e = {0};
-  a.b.net = dataplane_start("127.0.0.1", 0, 10000, &e);
-  cr_assert_not_null(a.b.net, "%s", e.msg);
-  dataplane_t *peer = dataplane_start("127.0.0.1", 1, 10000, &e);
-  cr_assert_not_null(peer, "%s", e.msg);
   char me[64], other[64];
-  snprintf(me, sizeof me, "127.0.0.1:%d", dataplane_port(a.b.net));
-  snprintf(other, sizeof other, "127.0.0.1:%d", dataplane_port(peer));
+  dataplane_t *peer = two_data_planes(&a, me, other);
   static const uint8_t secret[32] = "0123456789abcdef0123456789abcde";
   const char *addrs[2] = {me, other};
-  static uint32_t ranks[2] = {0, 1};
-  int64_t one[1] = {1};
-  Meshd__V1__Reduce r = MESHD__V1__REDUCE__INIT;
-  r.ref = 9001;
-  r.input = 1;
-  r.reduction = "sum";
-  Meshd__Agent__V1__TensorSpec is = spec(1, one, DTYPE_FLOAT32), rs = spec(9001, one, DTYPE_FLOAT32);
-  Meshd__Agent__V1__Group g = MESHD__AGENT__V1__GROUP__INIT;
-  g.n_ranks = g.n_addresses = 2;
-  g.ranks = ranks;
-  g.addresses = (char **)addrs;
-  g.comm_id = 9;
-  g.call = 3;
-  g.secret.len = 32;
-  g.secret.data = (uint8_t *)secret;
-  Meshd__Agent__V1__ReduceOp ro = MESHD__AGENT__V1__REDUCE_OP__INIT;
-  ro.reduce = &r;
-  ro.input = &is;
-  ro.result = &rs;
-  ro.group = &g;
-  instr_t ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE;
-  ins.reduce = &ro;
-  run_expect(&a.env, &ins);
+  static const uint32_t ranks[2] = {0, 1};
+  meshd_error_t e = {0};
+  sum_reduce_t sr;
+  run_expect(&a.env, sum_reduce(&sr, addrs, secret));
   peer_job_t pj = {.dp = peer, .addrs = addrs, .secret = secret};
   pthread_t th;
   pthread_create(&th, NULL, peer_allreduce, &pj);
