@@ -186,12 +186,19 @@ static seen_t *remember(const uint8_t *nonce, const char *session, int64_t forge
   return e;
 }
 
-int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forget_ms, int64_t now) {
-  int rc = NONCE_TAKEN;
-  pthread_mutex_lock(&mu);
+/* The table's entry of nonce (NULL: none), after forgetting those past
+ * their time. Under mu. */
+static seen_t *find_swept(const uint8_t *nonce, int64_t now) {
   sweep(now);
   seen_t *e = NULL;
   HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  return e;
+}
+
+int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forget_ms, int64_t now) {
+  int rc = NONCE_TAKEN;
+  pthread_mutex_lock(&mu);
+  seen_t *e = find_swept(nonce, now);
   share_t *s = e ? NULL : share_of(session, false);
   if (e) {
     if (e->revoked) rc = NONCE_REVOKED;
@@ -213,9 +220,7 @@ int transfer_nonce_take(const uint8_t *nonce, const char *session, int64_t forge
 void transfer_nonce_give_back(const uint8_t *nonce, const char *session, int64_t expiry_ms,
                               int64_t now) {
   pthread_mutex_lock(&mu);
-  sweep(now);
-  seen_t *e = NULL;
-  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  seen_t *e = find_swept(nonce, now);
   /* Forgotten meanwhile (its start-by time passed during its call): its
    * place was its own when it was taken, so a full table keeps it too, within
    * a bound. */
@@ -233,9 +238,7 @@ void transfer_nonce_give_back(const uint8_t *nonce, const char *session, int64_t
 void transfer_nonce_revoke(const uint8_t *nonce, const char *session, int64_t forget_ms,
                           int64_t now) {
   pthread_mutex_lock(&mu);
-  sweep(now);
-  seen_t *e = NULL;
-  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  seen_t *e = find_swept(nonce, now);
   /* Beyond --max-transfer-nonces if need be: the server sends one per grant
    * it planned and revoked, a bound of its own, and a revocation dropped for
    * room would let the grant in. */
@@ -322,9 +325,7 @@ static int open_grant(rpc_call_t *call, Meshd__Agent__V1__TransferGrant **out, c
  * revoked: 3; neither: 0. */
 static int nonce_state(const uint8_t *nonce, int64_t now) {
   pthread_mutex_lock(&mu);
-  sweep(now);
-  seen_t *e = NULL;
-  HASH_FIND(hh, seen, nonce, GRANT_NONCE_LEN, e);
+  seen_t *e = find_swept(nonce, now);
   int st = !e ? 0 : e->revoked ? 3 : e->given_back && !e->in_use ? 2 : 1;
   pthread_mutex_unlock(&mu);
   return st;
