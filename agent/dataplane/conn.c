@@ -1474,12 +1474,28 @@ static bool pending_room(dataplane_t *dp, size_t np) {
   return true;
 }
 
+/* The oldest unproven socket (np: none), and in *n how many are unproven. */
+static size_t oldest_unproven(const dataplane_t *dp, size_t np, size_t *n) {
+  size_t oldest = np;
+  *n = 0;
+  for (size_t i = 0; i < np; i++)
+    if (!dp->pend[i].proven && (*n)++ == 0) oldest = i;
+  return oldest;
+}
+
+/* Until when accepting pauses: the cap of unproven sockets is full and its
+ * oldest younger than DP_EVICT_GRACE_MS (0: it does not). */
+static int64_t accept_paused_until(const dataplane_t *dp, size_t np, int64_t now) {
+  size_t unproven, oldest = oldest_unproven(dp, np, &unproven);
+  if (unproven < DP_UNPROVEN_MAX) return 0;
+  int64_t until = dp->pend[oldest].accepted + DP_EVICT_GRACE_MS;
+  return until > now ? until : 0;
+}
+
 /* Makes room for a new unproven socket: past DP_UNPROVEN_MAX of them, the
  * oldest unproven one is closed (a held one, proven, stays). The new count. */
 static size_t pending_evict(dataplane_t *dp, size_t np, int64_t now) {
-  size_t unproven = 0, oldest = np;
-  for (size_t i = 0; i < np; i++)
-    if (!dp->pend[i].proven && unproven++ == 0) oldest = i;
+  size_t unproven, oldest = oldest_unproven(dp, np, &unproven);
   if (unproven < DP_UNPROVEN_MAX) return np;
   pending_t *pend = dp->pend;
   char why[120];
@@ -1502,7 +1518,9 @@ static void *listener_main(void *arg) {
     pending_t *pend = dp->pend; /* (moves only where it grows: pending_room) */
     struct pollfd *pfds = dp->pfds;
     int64_t now = dp__now_ms(), next = accept_off_until > now ? accept_off_until : INT64_MAX;
-    bool listening = accept_off_until <= now;
+    int64_t paused = accept_paused_until(dp, np, now);
+    bool listening = accept_off_until <= now && !paused;
+    if (paused && paused < next) next = paused;
     pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
     pfds[1] = (struct pollfd){.fd = listening ? dp->lfd : -1, .events = POLLIN};
     pfds[2] = (struct pollfd){.fd = listening ? dp->ufd : -1, .events = POLLIN}; /* -1: ignored */
@@ -1547,6 +1565,7 @@ static void *listener_main(void *arg) {
       /* A burst at most, then back to the pending ones: a flood of new
        * connections must not keep the hellos already here from being read. */
       for (int burst = 0; burst < DP_UNPROVEN_MAX; burst++) {
+        if (accept_paused_until(dp, np, now)) break; /* the rest wait in the backlog */
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
         int fd = accept4(pfds[l].fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);

@@ -38,6 +38,12 @@
  * for long. */
 #define DP_UNPROVEN_MAX 64 /* (hellos proven for a known group aside: dataplane_expect) */
 #define DP_HELLO_MS 5000 /* to send a complete hello (or timeout_ms, if shorter) */
+/* With DP_UNPROVEN_MAX unproven sockets, accepting pauses (new connections
+ * wait in the listen backlog) until the oldest is this old; then it is
+ * closed for a newcomer. A burst of members is accepted faster than their
+ * hellos arrive: meanwhile the hellos read prove their senders (those of a
+ * known group leave the cap), so a burst is not cut by its own arrival. */
+#define DP_EVICT_GRACE_MS 500
 /* A peer's "host:port" and its NUL: what an instruction may name (agent/validate.h
  * VALIDATE_ADDRESS_MAX, 255; Kubernetes service names run past 90). Shorter,
  * a long address was cut: no link matched it again, and no loss was seen. */
