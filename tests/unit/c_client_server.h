@@ -33,6 +33,15 @@ static inline const char *bin_dir(void) {
   return d;
 }
 
+/* Where the meshd these suites start is: $MESHD_SERVER_BIN_DIR where set (the
+ * sanitizer pass of .ci/test points it at the plain build: these suites test the
+ * client library, sanitized; the daemons' paths run sanitized in the integration
+ * suites), else $MESHD_BIN_DIR. */
+static inline const char *server_bin_dir(void) {
+  const char *d = getenv("MESHD_SERVER_BIN_DIR");
+  return d && *d ? d : bin_dir();
+}
+
 /* Reads a whole small file into buf (NUL-terminated); returns its length or -1. */
 static inline long slurp(const char *path, char *buf, size_t len) {
   FILE *f = fopen(path, "r");
@@ -61,7 +70,7 @@ static inline void start_failed(void) {
 static inline void start_server_full(const char *agents, const char *const *extra,
                               const meshd_connect_options_t *o) {
   char port_file[128], log_file[128], bin[512];
-  snprintf(bin, sizeof bin, "%s/meshd", bin_dir()); /* before dir: it may fail */
+  snprintf(bin, sizeof bin, "%s/meshd", server_bin_dir()); /* before dir: it may fail */
   snprintf(dir, sizeof dir, "/tmp/meshd-c-client-XXXXXX");
   cr_assert_not_null(mkdtemp(dir));
   snprintf(port_file, sizeof port_file, "%s/port", dir);
