@@ -145,13 +145,25 @@ static void finish_error(rpc_call_t *call, const meshd_error_t *e) {
   rpc_call_finish(call, error_kind_code(e->kind), error_kind_name(e->kind), "%s", e->msg);
 }
 
+/* Adds one to *n unless it holds `most` already (most <= 0: no bound); the
+ * count before in *before. A compare-and-swap, not an add taken back when
+ * full: a full count never shows one over its bound, so a begin racing the
+ * sweeper's retries (queue_run, every tick) and an end is not refused for it. */
+static bool count_take(_Atomic int *n, int most, int *before) {
+  int cur = atomic_load(n);
+  do {
+    *before = cur;
+    if (most > 0 && cur >= most) return false;
+  } while (!atomic_compare_exchange_weak(n, &cur, cur + 1));
+  return true;
+}
+
 /* A session's Upload and Fetch calls in flight, from on_start to on_end, are
  * at most --session-max-transfers: each holds server memory (a tensor for an
  * Upload, a few chunks for a Fetch) and agent resources. */
 static int transfer_begin(data_service_t *ds, session_t *s, const char *method, meshd_error_t *e) {
-  int before = atomic_fetch_add(&s->transfers, 1);
-  if (ds->max_transfers <= 0 || before < ds->max_transfers) return 0;
-  atomic_fetch_sub(&s->transfers, 1);
+  int before;
+  if (count_take(&s->transfers, ds->max_transfers, &before)) return 0;
   return error_set(e, ERR_QUOTA,
                    "%s: the session has %d Upload and Fetch calls in flight already, the most "
                    "--session-max-transfers (%d) allows; wait for one to end (read each Fetch "
@@ -178,10 +190,9 @@ static void transfer_end(data_service_t *ds, session_t *s) {
  * would fail the oldest there). Returns 0, or -1 with the slots' error in e
  * (it names --session-max-transfers: a client waits and tries again). */
 static int wait_begin(data_service_t *ds, session_t *s, const char *method, meshd_error_t *e) {
-  int most = ds->sweeping ? DATA_TRANSFERS_MAX - ds->max_transfers : 0;
-  int before = atomic_fetch_add(&s->fetches_waiting, 1);
-  if (before < most) return 0;
-  atomic_fetch_sub(&s->fetches_waiting, 1);
+  int most = ds->sweeping ? DATA_TRANSFERS_MAX - ds->max_transfers : 0; /* 0: none may wait */
+  int before = atomic_load(&s->fetches_waiting);
+  if (most > 0 && count_take(&s->fetches_waiting, most, &before)) return 0;
   return error_set(e, ERR_QUOTA,
                    "%s: the session has --session-max-transfers (%d) Upload and Fetch calls in "
                    "flight and %d planned fetches waiting for a slot, the most its agents keep "
@@ -207,9 +218,8 @@ static int fetch_slot_begin(data_service_t *ds, session_t *s, const char *method
 /* The server's Upload and Fetch calls in flight, over every session, are at
  * most --max-relayed-transfers: what they queue is the server's memory. */
 static int relay_begin(data_service_t *ds, const char *method, meshd_error_t *e) {
-  int before = atomic_fetch_add(&ds->relays, 1);
-  if (ds->max_relays <= 0 || before < ds->max_relays) return 0;
-  atomic_fetch_sub(&ds->relays, 1);
+  int before;
+  if (count_take(&ds->relays, ds->max_relays, &before)) return 0;
   return error_set(e, ERR_QUOTA,
                    "%s: the server relays %d Upload and Fetch calls already, the most "
                    "--max-relayed-transfers (%d) allows; retry in a moment, or use the direct "
