@@ -37,6 +37,15 @@ static void cpu_close(backend_t *b) {
 
 #define ALIGN 64
 
+/* Tensors this large are private mappings of their own, not glibc's heap
+ * (glibc's default mmap threshold, which runtime_tune_malloc raises to 8 MiB
+ * for gRPC's buffers): aligned 1 MiB tensors of an Upload loop left holes in
+ * the heaps of the threads that allocate them, each a little too small for
+ * the next tensor, and an agent so held ~250 MB resident for 2 MiB of live
+ * tensors, faulting each new heap page in (tests/unit/test_backend_kernels.c). */
+#define MAP_FROM (128u << 10)
+#define PAGE (4u << 10)
+
 /* Tensors this large sit on 2 MiB pages where the kernel allows it
  * (transparent huge pages, "madvise" mode): filling one takes a page fault
  * per 2 MiB instead of per 4 KiB, which dominated an Upload's agent CPU
@@ -58,11 +67,23 @@ static void *huge_map(size_t size) {
   return a;
 }
 
+/* A mapping of size bytes, a multiple of align (block_align). */
+static void *block_map(size_t size, size_t align) {
+  if (align == HUGE_PAGE) return huge_map(size);
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+
+/* The alignment, and the multiple of which its size is, of a tensor of bytes. */
+static size_t block_align(size_t bytes) {
+  return bytes >= HUGE_FROM ? HUGE_PAGE : bytes >= MAP_FROM ? PAGE : ALIGN;
+}
+
 /* ---- memory: large tensors come from a small cache of freed ones ---------
  *
  * The kernel zeroes every page a process touches for the first time, and on
  * virtual machines each fault is dear: filling a fresh 64 MiB tensor cost an
- * Upload more CPU than moving its bytes. A freed tensor of HUGE_FROM bytes or
+ * Upload more CPU than moving its bytes. A freed tensor of MAP_FROM bytes or
  * more is kept (CPU_CACHE_SLOTS of them, cache_max bytes at most, the oldest
  * going first) and handed to the next tensor of the same rounded size: a
  * loop that uploads, computes and drops batches of one shape faults once.
@@ -139,18 +160,18 @@ static int cache_drain(cpu_state_t *s) { return cache_trim(s, 0); }
 static void *cpu_alloc(backend_t *b, backend_stream_t *s, size_t bytes) {
   if (!backend_reserve(b, bytes)) return NULL;
   cpu_state_t *st = b->impl;
-  bool huge = bytes >= HUGE_FROM;
-  size_t align = huge ? HUGE_PAGE : ALIGN;
+  bool mapped = bytes >= MAP_FROM;
+  size_t align = block_align(bytes);
   size_t rounded = rounded_size(bytes, align);
   void *p = NULL;
   if (rounded < bytes) goto out; /* overflow */
-  if (huge && (p = cache_take(st, rounded))) return p;
+  if (mapped && (p = cache_take(st, rounded))) return p;
   if (b->capacity) { /* live and cached bytes within the capacity */
     uint64_t live = atomic_load(&b->allocated);
     cache_trim(st, live < b->capacity ? b->capacity - live : 0);
   }
-  if (huge) {
-    if (!(p = huge_map(rounded)) && cache_drain(st)) p = huge_map(rounded);
+  if (mapped) {
+    if (!(p = block_map(rounded, align)) && cache_drain(st)) p = block_map(rounded, align);
   } else if (!(p = aligned_alloc(align, rounded)) && cache_drain(st)) {
     p = aligned_alloc(align, rounded);
   }
@@ -161,7 +182,7 @@ out:
 
 static void cpu_free(backend_t *b, void *ptr, size_t bytes) {
   if (!ptr) return;
-  if (bytes >= HUGE_FROM) cache_put(b->impl, ptr, rounded_size(bytes, HUGE_PAGE));
+  if (bytes >= MAP_FROM) cache_put(b->impl, ptr, rounded_size(bytes, block_align(bytes)));
   else free(ptr);
   backend_unreserve(b, bytes);
 }

@@ -14,13 +14,14 @@
 #include "kernel_family.h"
 #include "half.h"
 
-/* Freed tensors of HUGE_FROM bytes or more that the cpu backend keeps for
- * the next tensor of the same rounded size (cpu_backend.c). */
-#define CPU_CACHE_SLOTS 8
+/* Freed tensors of MAP_FROM bytes or more that the cpu backend keeps for
+ * the next tensor of the same rounded size (cpu_backend.c): 16, so that a
+ * loop's 128 KiB..4 MiB temporaries do not push its large tensors out. */
+#define CPU_CACHE_SLOTS 16
 
 typedef struct cpu_block {
   void *p;
-  size_t size; /* rounded to HUGE_PAGE */
+  size_t size; /* rounded to its block_align */
 } cpu_block_t;
 
 /* backend_t.impl of the cpu backend. */
