@@ -73,6 +73,8 @@ typedef struct read_job {
   snapshot_t *snap;  /* what is read, once taken */
   size_t bytes, off; /* off: the bytes queued on the call so far */
   grant_watch_t watch; /* a client's direct Read: ended at its grant's expiry */
+  bool granted;        /* ...admitted by its grant, whose nonce its receipt signs */
+  uint8_t nonce[GRANT_NONCE_LEN];
 } read_job_t;
 
 static void fill_spec(Meshd__Agent__V1__TensorSpec *sp, uint64_t ref, const tensor_meta_t *m,
@@ -245,6 +247,19 @@ static void read_drained(rpc_call_t *call, void *arg) {
   read_pump(arg);
 }
 
+/* A direct Read's proof that it took its snapshot (DataChunk.read_receipt):
+ * its client hands it to FinishFetch, and the server sends no DropSnapshot
+ * for a snapshot that the Read lets go of itself. 0, or -1 (not registered
+ * now: no receipt, and the server drops it as before). */
+static int read_receipt(const read_job_t *j, uint8_t out[GRANT_MAC_LEN]) {
+  char secret[SECRET_HEX_LEN + 1];
+  int rc = agent_auth_secret(secret) ||
+           grant_read_receipt(secret, j->nonce, sizeof j->nonce, j->ref,
+                              (uint32_t)atomic_load(&agent_rank), j->after_seq, out);
+  memset(secret, 0, sizeof secret);
+  return rc ? -1 : 0;
+}
+
 /* On the Read's helper thread: waits for the seq, reads the shard out, sends
  * the spec, then hands the chunks to read_pump. Owns j. */
 static void read_run(read_job_t *j) {
@@ -278,6 +293,11 @@ static void read_run(read_job_t *j) {
   c.part_case = MESHD__AGENT__V1__DATA_CHUNK__PART_SPEC;
   c.spec = &sp;
   c.session_id = j->session;
+  uint8_t receipt[GRANT_MAC_LEN];
+  if (j->granted && read_receipt(j, receipt) == 0) {
+    c.read_receipt.data = receipt;
+    c.read_receipt.len = sizeof receipt;
+  }
   rpc_call_send(call, &c.base);
   read_pump(j);
 }
@@ -367,7 +387,11 @@ void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
   int max_msg = rpc_call_max_message(call);
   if (max_msg > 64 && j->chunk > (uint32_t)max_msg - 64) j->chunk = (uint32_t)max_msg - 64;
   rpc_call_ref(call);
-  if (grant_expiry) transfer_grant_watch(&j->watch, call, "Read", nonce, grant_expiry);
+  if (grant_expiry) {
+    j->granted = true;
+    memcpy(j->nonce, nonce, sizeof j->nonce);
+    transfer_grant_watch(&j->watch, call, "Read", nonce, grant_expiry);
+  }
   if (ready) { /* nothing to wait for: no thread (a start cost ~0.5 ms, a 1 MiB Read's time) */
     read_run(j);
     return;

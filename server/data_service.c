@@ -953,7 +953,8 @@ typedef struct fetch {
   int64_t dims[2 * LAYOUT_MAX_DIMS];
   bool sent_meta;              /* touched by the relay's steps only, one at a time */
   uint64_t stream;             /* the tensor's: where the Snapshot (after_seq) went */
-  _Atomic bool read_all;       /* the agent's Read ended OK: it took the Snapshot */
+  _Atomic bool read_all;       /* the agent's Read took the Snapshot (a proxied Read that
+                                * ended OK, a direct one's receipt), or it was dropped */
   bool direct;                 /* a direct transfer's FinishFetch: no relay, just the wait */
   _Atomic bool slot_freed;     /* it holds no --session-max-transfers slot (any more) */
   _Atomic bool waiting;        /* planned without a slot, one of sess->fetches_waiting */
@@ -1212,9 +1213,11 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
   }
   if (f->direct) { /* the client read the shard itself: the value is good on every rank */
     Meshd__V1__FinishFetchReply ok = MESHD__V1__FINISH_FETCH_REPLY__INIT;
-    /* read_all stays false: a client that abandons the plan before its Read
-     * ends it with FinishFetch too, and its Snapshot would stay pinned on the
-     * agent; a DropSnapshot after a Read took it is a no-op there. */
+    /* Without the Read's receipt (read_all false: a client that abandons the
+     * plan before its Read ends it with FinishFetch too) the snapshot may
+     * still be pinned on the agent: dropped before the answer, so that the
+     * client's next command runs after the drop there. */
+    if (!atomic_exchange(&f->read_all, true) && f->after_seq) fetch_drop_snapshot(f);
     /* The slot before the answer: the client may start its next transfer on it. */
     fetch_give_back(f);
     count_bytes(f->ds, DIR_FETCH, PATH_DIRECT, f->bytes);
@@ -2196,6 +2199,22 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   rpc_call_finish(call, error_kind_code(e.kind), error_kind_name(e.kind), "%s", msg);
 }
 
+/* Whether `receipt` is the Read receipt of f's agent for this transfer's grant
+ * (DataChunk.read_receipt): that Read took the snapshot and lets go of it
+ * itself. One that does not verify (forged, or signed by an agent replaced
+ * since, whose snapshot went with it) is as none: the DropSnapshot follows,
+ * which is always safe. */
+static bool read_took_snapshot(data_service_t *ds, const fetch_t *f,
+                               uint8_t (*nonces)[GRANT_NONCE_LEN],
+                               const ProtobufCBinaryData *receipt) {
+  agent_target_t tg;
+  if (!nonces || !receipt->len || agent_pool_target(ds->pool, f->rank, 0, &tg)) return false;
+  bool ok = grant_read_receipt_ok(tg.secret, nonces[0], GRANT_NONCE_LEN, f->ref, f->rank,
+                                  f->after_seq, receipt->data, receipt->len);
+  memset(tg.secret, 0, sizeof tg.secret);
+  return ok;
+}
+
 /* The client read its shard: answered once every rank of the mesh ran what
  * came before the plan, with the tensor's failure if it failed anywhere. */
 static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -2212,6 +2231,8 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
     return;
   }
   fetch_t *f = t->fetch;
+  if (read_took_snapshot(ds, f, t->nonces, &rq->read_receipt))
+    atomic_store(&f->read_all, true); /* the Read lets go of it: no DropSnapshot */
   free(t->nonces);
   free(t);
   session_attach(f->sess); /* a call in flight again: its wait holds the lease */

@@ -1015,6 +1015,13 @@ out:
 
 /* ------------------------------------------------------------------ fetch */
 
+/* A Read's proof that it took its snapshot (DataChunk.read_receipt): handed
+ * to FinishFetch, the server sends its agent no DropSnapshot. */
+typedef struct {
+  uint8_t mac[32];
+  bool have;
+} direct_receipt_t;
+
 typedef struct {
   const direct_session_t *s;
   Meshd__V1__PlanTransferReply **plans;
@@ -1023,6 +1030,7 @@ typedef struct {
   const Meshd__V1__FetchRequest *const *reqs;
   uint64_t *want; /* bytes each part must get */
   uint64_t *got;  /* bytes each part got so far (the pull thread's) */
+  direct_receipt_t *receipts; /* each part's Read receipt, for its FinishFetch */
   int64_t end;    /* the deadline, rpc_now_ms */
   int timeout_ms; /* what was left of it when the reads started */
   direct_err_t *errs;
@@ -1082,6 +1090,11 @@ static int shard_msg(void *arg, size_t i, rpc_bytes_t *raw) {
     rc = shard_fits(f, i, f->got[i], c->data.len) ? 0 : -1;
     if (rc == 0) rc = k->data(k->arg, c->data.data, c->data.len, e);
     f->got[i] += c->data.len;
+  }
+  direct_receipt_t *r = f->receipts ? &f->receipts[i] : NULL;
+  if (r && c->read_receipt.len == sizeof r->mac) {
+    memcpy(r->mac, c->read_receipt.data, sizeof r->mac);
+    r->have = true;
   }
   protobuf_c_message_free_unpacked(&c->base, NULL);
   return rc;
@@ -1205,10 +1218,23 @@ static void read_shards(fetch_t *f, size_t n) {
   free(calls);
 }
 
-/* FinishFetch: 0, or -1 with st (the tensor failed on some rank, ...). */
-static int finish_fetch(const direct_session_t *s, uint64_t id, int timeout_ms, rpc_status_t *st) {
-  Meshd__V1__FinishFetchRequest fin = MESHD__V1__FINISH_FETCH_REQUEST__INIT;
-  fin.transfer_id = id;
+/* The FinishFetch request of transfer id, with the Read's receipt r if it has one. */
+static void finish_fetch_request(Meshd__V1__FinishFetchRequest *fin, uint64_t id,
+                                 const direct_receipt_t *r) {
+  meshd__v1__finish_fetch_request__init(fin);
+  fin->transfer_id = id;
+  if (r && r->have) {
+    fin->read_receipt.data = (uint8_t *)r->mac;
+    fin->read_receipt.len = sizeof r->mac;
+  }
+}
+
+/* FinishFetch (r: the Read's receipt, or NULL): 0, or -1 with st (the tensor
+ * failed on some rank, ...). */
+static int finish_fetch(const direct_session_t *s, uint64_t id, const direct_receipt_t *r,
+                        int timeout_ms, rpc_status_t *st) {
+  Meshd__V1__FinishFetchRequest fin;
+  finish_fetch_request(&fin, id, r);
   ProtobufCMessage *rep = NULL;
   memset(st, 0, sizeof *st);
   grpc_status_code code = rpc_unary(s->ch, TS "FinishFetch", &fin.base,
@@ -1319,7 +1345,8 @@ static int plans_at_once(const direct_session_t *s, const Meshd__V1__FetchReques
  * within timeout_ms: failed[i] with sts[i] when one failed. -1 out of memory
  * (none was sent). */
 static int finishes_at_once(const direct_session_t *s, Meshd__V1__PlanTransferReply **plans,
-                            size_t n, int timeout_ms, rpc_status_t *sts, bool *failed) {
+                            const direct_receipt_t *receipts, size_t n, int timeout_ms,
+                            rpc_status_t *sts, bool *failed) {
   Meshd__V1__FinishFetchRequest *rqs = calloc(n, sizeof *rqs);
   direct_call_t *calls = calloc(n, sizeof *calls);
   rpc_status_t *got = calloc(n, sizeof *got);
@@ -1337,12 +1364,12 @@ static int finishes_at_once(const direct_session_t *s, Meshd__V1__PlanTransferRe
   for (size_t i = 0; i < n; i++) {
     if (!plans[i])
       continue;
+    const direct_receipt_t *r = receipts ? &receipts[i] : NULL;
     if (n == 1) { /* on this thread: no hand-over from the pull thread */
-      failed[i] = finish_fetch(s, plans[i]->transfer_id, timeout_ms, &sts[i]) != 0;
+      failed[i] = finish_fetch(s, plans[i]->transfer_id, r, timeout_ms, &sts[i]) != 0;
       break;
     }
-    meshd__v1__finish_fetch_request__init(&rqs[m]);
-    rqs[m].transfer_id = plans[i]->transfer_id;
+    finish_fetch_request(&rqs[m], plans[i]->transfer_id, r);
     calls[m] = (direct_call_t){s->ch, TS "FinishFetch", &rqs[m].base, s->md, s->nmd};
     idx[m++] = i;
   }
@@ -1383,7 +1410,7 @@ static void replan_late(direct_t *d, fetch_t *f, size_t n, uint64_t seq) {
     if (!late_refusal(&f->errs[i]) || f->got[i] != 0 || f->end - rpc_now_ms() <= 0)
       continue;
     rpc_status_t st;
-    finish_fetch(s, f->plans[i]->transfer_id, ABANDON_MS, &st); /* its slot, now */
+    finish_fetch(s, f->plans[i]->transfer_id, NULL, ABANDON_MS, &st); /* its slot, now */
     protobuf_c_message_free_unpacked(&f->plans[i]->base, NULL);
     Meshd__V1__PlanTransferRequest rq;
     direct_rc_t rc = DIRECT_FAILED;
@@ -1457,6 +1484,7 @@ direct_rc_t direct_fetch(direct_t *d, const direct_session_t *s,
   f.want = calloc(n, sizeof *f.want);
   f.got = calloc(n, sizeof *f.got);
   f.errs = calloc(n, sizeof *f.errs);
+  f.receipts = calloc(n, sizeof *f.receipts); /* none: every snapshot is dropped, as before */
   direct_rc_t rc = DIRECT_DONE;
   if (!f.plans || !f.chans || !f.want || !f.got || !f.errs) {
     direct_err_set(e, MESHD_E_NOMEM, 0, NULL, "direct fetch: out of memory");
@@ -1550,7 +1578,7 @@ out:
     rpc_status_t *sts = calloc(n, sizeof *sts);
     bool *failed = calloc(n, sizeof *failed);
     int wait = rc == DIRECT_DONE ? left_ms(end) : ABANDON_MS;
-    if (sts && failed && finishes_at_once(s, f.plans, n, wait, sts, failed) == 0) {
+    if (sts && failed && finishes_at_once(s, f.plans, f.receipts, n, wait, sts, failed) == 0) {
       for (size_t i = 0; i < n && rc == DIRECT_DONE; i++)
         if (failed[i]) {
           direct_err_status(e, &sts[i], "");
@@ -1561,7 +1589,8 @@ out:
         if (f.plans[i]) {
           rpc_status_t st;
           int wait = rc == DIRECT_DONE ? left_ms(end) : ABANDON_MS;
-          if (finish_fetch(s, f.plans[i]->transfer_id, wait, &st) != 0 && rc == DIRECT_DONE) {
+          const direct_receipt_t *r = f.receipts ? &f.receipts[i] : NULL;
+          if (finish_fetch(s, f.plans[i]->transfer_id, r, wait, &st) != 0 && rc == DIRECT_DONE) {
             direct_err_status(e, &st, "");
             rc = DIRECT_FAILED;
           }
@@ -1580,5 +1609,6 @@ out:
   free(f.want);
   free(f.got);
   free(f.errs);
+  free(f.receipts);
   return rc;
 }

@@ -1969,7 +1969,12 @@ export class Session {
   async #fetchOnce(request, deadline, fixed, again) {
     const plan = await this.#plan({ fetch: request }, deadline, again);
     if (!plan) return PROXY;
-    const finish = (ms) => this.#unaryBy('FinishFetch', { transfer_id: plan.transfer_id }, Date.now() + ms);
+    // The Read's read_receipt (it took the snapshot): FinishFetch with it sends the
+    // agent no DropSnapshot; a plan given up on goes without one (its snapshot is dropped).
+    let receipt;
+    const finish = (ms, readReceipt) => this.#unaryBy('FinishFetch',
+      { transfer_id: plan.transfer_id, ...(readReceipt ? { read_receipt: readReceipt } : {}) },
+      Date.now() + ms);
     let quieted = false;
     const quiet = () => { // the plan given up on: its slot goes back (once)
       if (quieted) return undefined;
@@ -2007,7 +2012,10 @@ export class Session {
         const call = agent.Read({ session_id: this.id, ref: request.ref, max_chunk_bytes: READ_CHUNK,
           after_seq: sh.after_seq }, this.#grantMd(sh), { deadline });
         call.on('data', (c) => {
-          if (c.part !== 'data') return; // the spec: the plan's meta said it
+          if (c.part !== 'data') { // the spec: the plan's meta said it, but for the receipt
+            if (c.read_receipt?.length) receipt = c.read_receipt;
+            return;
+          }
           if (got + c.data.length > view.length) {
             call.cancel();
             reject(new MeshdError('INTERNAL', `direct fetch, rank ${sh.rank}: the agent sent more bytes than the TensorMeta's ${view.length}`, grpc.status.INTERNAL));
@@ -2025,7 +2033,7 @@ export class Session {
       throw e;
     }
     try {
-      await finish(Math.max(1, deadline - Date.now())); // throws if the value failed on any rank
+      await finish(Math.max(1, deadline - Date.now()), receipt); // throws if the value failed on any rank
     } catch (e) {
       // No answer: it may not have reached the server (little time was left, the connection
       // dropped), which would hold the slot and the agent's snapshot until the grant expires.

@@ -60,24 +60,50 @@ static void put_le(uint8_t *p, uint64_t v, int n) {
   for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
-int grant_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
-                  uint32_t rank, uint64_t bytes, uint8_t out[GRANT_MAC_LEN]) {
+/* HMAC-SHA256(secret, label || nonce || ref (8 LE) || rank (4 LE) || n (8 LE)):
+ * a Write's receipt (n: its bytes) or a Read's (n: its after_seq). */
+static int receipt_of(const char *secret, const char *label, const uint8_t *nonce,
+                      size_t nonce_len, uint64_t ref, uint32_t rank, uint64_t n,
+                      uint8_t out[GRANT_MAC_LEN]) {
   uint8_t tail[20];
   put_le(tail, ref, 8);
   put_le(tail + 8, rank, 4);
-  put_le(tail + 12, bytes, 8);
-  return mac2(secret, RECEIPT_LABEL, nonce, nonce_len, tail, sizeof tail, out);
+  put_le(tail + 12, n, 8);
+  return mac2(secret, label, nonce, nonce_len, tail, sizeof tail, out);
 }
 
-bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
-                      uint32_t rank, uint64_t bytes, const uint8_t *mac, size_t mac_len) {
+static bool receipt_is(const char *secret, const char *label, const uint8_t *nonce,
+                       size_t nonce_len, uint64_t ref, uint32_t rank, uint64_t n,
+                       const uint8_t *mac, size_t mac_len) {
   uint8_t want[GRANT_MAC_LEN];
   if (mac_len != GRANT_MAC_LEN ||
-      grant_receipt(secret, nonce, nonce_len, ref, rank, bytes, want))
+      receipt_of(secret, label, nonce, nonce_len, ref, rank, n, want))
     return false;
   bool ok = CRYPTO_memcmp(want, mac, GRANT_MAC_LEN) == 0;
   OPENSSL_cleanse(want, sizeof want);
   return ok;
+}
+
+int grant_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
+                  uint32_t rank, uint64_t bytes, uint8_t out[GRANT_MAC_LEN]) {
+  return receipt_of(secret, RECEIPT_LABEL, nonce, nonce_len, ref, rank, bytes, out);
+}
+
+bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
+                      uint32_t rank, uint64_t bytes, const uint8_t *mac, size_t mac_len) {
+  return receipt_is(secret, RECEIPT_LABEL, nonce, nonce_len, ref, rank, bytes, mac, mac_len);
+}
+
+int grant_read_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
+                       uint32_t rank, uint64_t after_seq, uint8_t out[GRANT_MAC_LEN]) {
+  return receipt_of(secret, READ_RECEIPT_LABEL, nonce, nonce_len, ref, rank, after_seq, out);
+}
+
+bool grant_read_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len,
+                           uint64_t ref, uint32_t rank, uint64_t after_seq, const uint8_t *mac,
+                           size_t mac_len) {
+  return receipt_is(secret, READ_RECEIPT_LABEL, nonce, nonce_len, ref, rank, after_seq, mac,
+                    mac_len);
 }
 
 static _Atomic int64_t clock_shift_ms;

@@ -6,8 +6,10 @@
  * GRANT_MAC_LEN bytes: HMAC-SHA256 keyed with the agent's call secret (its 64
  * hex characters as they are) over GRANT_LABEL || the packed message. A
  * receipt is HMAC-SHA256 with the same key over RECEIPT_LABEL || nonce ||
- * ref (8 bytes LE) || rank (4 bytes LE) || bytes (8 bytes LE). The labels keep
- * one kind of MAC from passing for the other. Only the server and that agent
+ * ref (8 bytes LE) || rank (4 bytes LE) || bytes (8 bytes LE); a Read's
+ * receipt (the Read took its snapshot: no DropSnapshot need follow) the same
+ * over READ_RECEIPT_LABEL with after_seq for bytes. The labels keep one kind
+ * of MAC from passing for another. Only the server and that agent
  * know the key, so a client can neither forge nor alter either. */
 #ifndef MESHD_GRANT_H
 #define MESHD_GRANT_H
@@ -27,6 +29,7 @@
 #define GRANT_MAX_BYTES 4096
 #define GRANT_LABEL "meshd-transfer-grant-v1"
 #define RECEIPT_LABEL "meshd-write-receipt-v1"
+#define READ_RECEIPT_LABEL "meshd-read-receipt-v1"
 
 /* g packed and signed with `secret` into a malloc'd buffer (*out, *len).
  * Returns 0, or -1 when out of memory or OpenSSL fails. */
@@ -43,6 +46,14 @@ int grant_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, ui
 /* Whether `mac` (mac_len bytes) is the receipt for these values; constant time. */
 bool grant_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
                       uint32_t rank, uint64_t bytes, const uint8_t *mac, size_t mac_len);
+/* The receipt for a Read under a grant with `nonce` that took its snapshot
+ * (DataChunk.read_receipt). Returns 0 or -1. */
+int grant_read_receipt(const char *secret, const uint8_t *nonce, size_t nonce_len, uint64_t ref,
+                       uint32_t rank, uint64_t after_seq, uint8_t out[GRANT_MAC_LEN]);
+/* Whether `mac` is that Read receipt; constant time. */
+bool grant_read_receipt_ok(const char *secret, const uint8_t *nonce, size_t nonce_len,
+                           uint64_t ref, uint32_t rank, uint64_t after_seq, const uint8_t *mac,
+                           size_t mac_len);
 /* The start-by time (start_by_unix_ms) of a grant issued now for grant_ms
  * that expires at expiry_ms: start_ms after issue (the server's
  * --transfer-grant-start-ms), or the expiry if sooner. Its agent remembers the

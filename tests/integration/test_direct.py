@@ -690,6 +690,79 @@ def test_grant_metrics(meshd_server, agent, tmp_path):
         and got["reused"] == 1 and got["expired"] == 0, got
 
 
+def _read_with_receipt(sh, session_id, ref):
+    """Agent/Read under sh's grant: (the data bytes, the spec's read_receipt)."""
+    a = lib.agent_pb2()
+    with _agent_channel(sh.address) as ch:
+        fn = ch.unary_stream(AGENT + "Read", request_serializer=lambda m: m.SerializeToString(),
+                             response_deserializer=a.DataChunk.FromString)
+        req = a.ReadRequest(session_id=session_id, ref=ref, max_chunk_bytes=1 << 20,
+                            after_seq=sh.after_seq)
+        got = list(fn(req, metadata=((_direct.GRANT_MD, sh.grant),), timeout=10))
+    return (b"".join(c.data for c in got if c.WhichOneof("part") == "data"),
+            got[0].read_receipt)
+
+
+def test_finish_fetch_with_the_reads_receipt_sends_no_drop_snapshot(meshd_server):
+    """A direct Read takes its snapshot and answers, with its spec, a receipt that says
+    so (signed by its agent); FinishFetch carrying it (by hand, and as the Python
+    client passes it on) sends the agent no DropSnapshot
+    (it cost every direct fetch an instruction on the agent's link and a run there,
+    for nothing). A plan given back unread, or finished with a receipt that does not
+    verify, still drops its snapshot, before FinishFetch answers: counted by the
+    agent's meshd_agent_instructions_total, the session synced after each step; the
+    snapshots are gone either way (meshd_agent_allocated_bytes after a drop)."""
+    mport = lib.free_port()
+    srv = meshd_server(1, "--local-agent-metrics-port-base", str(mport))
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        pb = s._pb
+        mesh = s.mesh(gpu=1)
+        arr = np.arange(1 << 16, dtype=np.float32)
+        with mesh.activate():
+            x = meshd.tensor(arr)
+        s.sync()
+
+        def ran():  # instructions the agent ran so far, once it ran all it was sent
+            s.sync()
+            return _agent_metric(mport, "meshd_agent_instructions_total")
+
+        def fetch(receipt=None, read=True):
+            reply = plan_fetch(s, x, gpu=0)  # its Snapshot
+            sh = reply.shards[0]
+            if read:
+                data, got = _read_with_receipt(sh, s.id, x.ref)
+                assert np.frombuffer(data, np.float32).tolist() == arr.tolist()
+                assert len(got) == 32, got
+                receipt = got if receipt is None else receipt
+            finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=reply.transfer_id,
+                                                           read_receipt=receipt or b""),
+                   pb.FinishFetchReply)
+
+        syncs = -ran() + ran()  # what a sync itself sends (none, as it stands)
+        n = ran()
+        for _ in range(3):
+            fetch()
+        assert ran() - n == 3 + syncs, "a DropSnapshot went with the receipt"
+        n = ran()
+        with mesh.activate():  # the Python client passes its Reads' receipts on too
+            for _ in range(2):
+                assert meshd.fetch_shard(x, gpu=0).result().tolist() == arr.tolist()
+        assert ran() - n == 2 + syncs, "a DropSnapshot went with the Python client's receipt"
+        n = ran()
+        fetch(read=False)  # given back unread: its snapshot is dropped
+        assert ran() - n == 2 + syncs
+        n = ran()
+        fetch(receipt=bytes(32))  # read, but a forged receipt: dropped, as without one
+        assert ran() - n == 2 + syncs
+        with mesh.activate():
+            x.drop()
+        s.sync()
+        _until(lambda: _agent_metric(mport, "meshd_agent_allocated_bytes") == 0, 10,
+               "a snapshot still holds the dropped tensor")
+        still_works(s, mesh)
+
+
 def test_a_finished_transfer_gives_its_slot_back_before_the_answer(meshd_server):
     """With --session-max-transfers 1, each planned upload and fetch can start the moment
     the previous one's FinishUpload or FinishFetch answered: the server frees the slot

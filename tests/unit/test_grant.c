@@ -77,6 +77,25 @@ Test(grant, receipts_bind_nonce_ref_rank_and_bytes) {
   cr_assert_not(grant_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 4096, mac, sizeof mac));
 }
 
+/* A Read's receipt (its Read took the snapshot: FinishFetch sends no
+ * DropSnapshot) binds the same and after_seq, and neither kind of receipt
+ * passes for the other over the same values. */
+Test(grant, read_receipts_bind_nonce_ref_rank_and_after_seq_and_are_no_write_receipts) {
+  uint8_t nonce[GRANT_NONCE_LEN] = {9}, mac[GRANT_MAC_LEN], wmac[GRANT_MAC_LEN];
+  cr_assert_eq(grant_read_receipt(KEY, nonce, sizeof nonce, 5, 1, 77, mac), 0);
+  cr_assert(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, mac, sizeof mac));
+  cr_assert_not(grant_read_receipt_ok(OTHER, nonce, sizeof nonce, 5, 1, 77, mac, sizeof mac));
+  cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 6, 1, 77, mac, sizeof mac));
+  cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 2, 77, mac, sizeof mac));
+  cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 78, mac, sizeof mac));
+  cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, mac, 0));
+  cr_assert_not(grant_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, mac, sizeof mac));
+  cr_assert_eq(grant_receipt(KEY, nonce, sizeof nonce, 5, 1, 77, wmac), 0);
+  cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, wmac, sizeof wmac));
+  nonce[3] = 1;
+  cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, mac, sizeof mac));
+}
+
 /* ------------------------------------------------------------ nonce table */
 
 #define T0 1700000000000LL

@@ -9,7 +9,8 @@
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import net from 'node:net';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { agentPid as agentChild } from '../test-lib/agents.mjs';
@@ -26,8 +27,25 @@ async function start(name, args, extraEnv = {}) {
   servers[name] = await startMeshd({ name, work, args, env: extraEnv, connectOpts: { token: '' } });
 }
 
+// A port nothing listens on, below the kernel's ephemeral range (no port-0 bind lands on
+// it meanwhile), for a process this file starts (as meshd_testlib.free_port).
+async function freePort() {
+  const lo = Number(readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').trim().split(/\s+/)[0]);
+  for (let i = 0; i < 200; i += 1) {
+    const port = Math.max(1024, lo - 12000) + Math.floor(Math.random() * Math.min(12000, lo - 1024));
+    const free = await new Promise((resolve) => {
+      const srv = net.createServer().once('error', () => resolve(false));
+      srv.listen(port, '127.0.0.1', () => srv.close(() => resolve(true)));
+    });
+    if (free) return port;
+  }
+  throw new Error('no free port');
+}
+let receiptsMetrics; // the 'receipts' server's agent's /metrics port
+
 before(async () => {
   work = mkdtempSync(path.join(tmpdir(), 'meshd-node-direct-'));
+  receiptsMetrics = await freePort();
   const pki = path.join(work, 'pki');
   execFileSync('bash', [path.join(sourceDir, 'tests', 'support', 'make_certs.sh'), pki], { stdio: 'ignore' });
   const f = (n) => path.join(pki, n);
@@ -40,6 +58,8 @@ before(async () => {
     start('late', ['--data-path=direct', '--transfer-grant-start-ms', '200']),
     // each agent: 2 grants a minute, all of them one session's (unset, its share is a quarter)
     start('nonces', [], { MESHD_MAX_TRANSFER_NONCES: '2', MESHD_MAX_TRANSFER_NONCES_PER_SESSION: '2' }),
+    startMeshd({ name: 'receipts', work, agents: 1, connectOpts: { token: '' },
+      args: ['--local-agent-metrics-port-base', String(receiptsMetrics)] }).then((m) => { servers.receipts = m; }),
   ]);
 });
 
@@ -89,6 +109,25 @@ test('--data-path=direct: sharded bytes go straight to and from both agents, nev
     s.setDataPath('direct');
     await roundTrip(s, mesh, 100, 2);
     assert.throws(() => s.setDataPath('fast'), /dataPath must be one of auto, direct, proxy/);
+  } finally {
+    await s.close();
+  }
+});
+
+test('direct: a fetch hands its Read\'s receipt to FinishFetch, and its agent runs no DropSnapshot', async () => {
+  const s = await open('receipts', 'direct');
+  try {
+    const mesh = await s.createMesh({ gpu: 1 });
+    const x = await s.upload(mesh, [4], new Float32Array([1, 2, 3, 4]));
+    const ran = async () => { // instructions the agent ran, once it ran all it was sent
+      await s.sync();
+      const text = await (await fetch(`http://127.0.0.1:${receiptsMetrics}/metrics`)).text();
+      return Number(text.split('\n').find((l) => l.startsWith('meshd_agent_instructions_total ')).split(' ')[1]);
+    };
+    const syncs = -(await ran()) + (await ran()); // what a sync itself sends
+    const n = await ran();
+    for (let i = 0; i < 2; i += 1) assert.deepEqual([...await s.fetch(x, { gpu: 0 })], [1, 2, 3, 4]);
+    assert.equal(await ran() - n, 2 + syncs, 'a DropSnapshot went with the receipt (2 Snapshots expected)');
   } finally {
     await s.close();
   }

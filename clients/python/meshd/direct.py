@@ -307,6 +307,48 @@ def _read_request(session_id, ref, max_chunk, after_seq):
             _varint(max_chunk) + b"\x20" + _varint(after_seq))
 
 
+class _ReadSpec:
+    """A Read's first message (DataChunk{spec}) as _read_call yields it: only its
+    read_receipt matters here (the plan's meta said the rest)."""
+    __slots__ = ("receipt",)
+
+    def __init__(self, receipt):
+        self.receipt = receipt
+
+
+def _read_receipt_of(raw):
+    """DataChunk.read_receipt (field 4) of a packed Read message, b"" if none: the
+    agent's proof that the Read took its snapshot, which FinishFetch passes on so
+    that the server sends no DropSnapshot."""
+    i, n = 0, len(raw)
+    try:
+        while i < n:
+            key = shift = 0
+            while True:
+                b = raw[i]
+                i += 1
+                key |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    break
+            if key & 7 != 2:  # DataChunk has only length-delimited fields
+                return b""
+            length = shift = 0
+            while True:
+                b = raw[i]
+                i += 1
+                length |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    break
+            if key >> 3 == 4:
+                return bytes(raw[i:i + length])
+            i += length
+    except IndexError:
+        pass
+    return b""
+
+
 class Direct:
     """A session's side of the direct path: its mode, channels to agents, and what it
     learned (whether the server offers PlanTransfer, which addresses answer)."""
@@ -776,18 +818,19 @@ class Direct:
             self._finish_fetch(reply.transfer_id, quiet=True)
         return None if chans is None else (reply, chans[0])
 
-    def _finish_fetch(self, transfer_id, deadline=None, quiet=False):
+    def _finish_fetch(self, transfer_id, deadline=None, quiet=False, receipt=b""):
         """FinishFetch by deadline; quiet (no deadline: a short one of its own) ends a
         fetch that failed and raises nothing. Past the deadline the transfer is ended
         quietly too (the call may not have reached the server, which would keep the
-        slot)."""
+        slot). receipt: the Read's read_receipt (it took the snapshot: no
+        DropSnapshot follows)."""
         with self._lock:  # (its plan's request is no longer wanted)
             self._fetch_req.pop(transfer_id, None)
         s, pb = self.session, self.session._pb
         fin = s._ch.unary_unary(_SVC + "FinishFetch", request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=pb.FinishFetchReply.FromString)
         try:
-            fin(pb.FinishFetchRequest(transfer_id=transfer_id), metadata=s._md,
+            fin(pb.FinishFetchRequest(transfer_id=transfer_id, read_receipt=receipt), metadata=s._md,
                 timeout=min(s.timeout, _CLEANUP_TIMEOUT) if deadline is None else _left(deadline))
         except grpc.RpcError as e:
             if quiet:
@@ -840,6 +883,7 @@ class Direct:
             together = self._reading > 1
         wait = 0.005
         replanned = False
+        receipt = b""
         try:
             while True:
                 try:
@@ -848,7 +892,7 @@ class Direct:
                         if on_stop is not None:
                             on_stop(fut.cancel)
                         try:
-                            fut.result(_left(deadline) + _IO_GRACE)
+                            receipt = fut.result(_left(deadline) + _IO_GRACE)
                         except concurrent.futures.TimeoutError:
                             fut.cancel()
                             raise MeshdError("DEADLINE_EXCEEDED", f"{what}: no end by its deadline",
@@ -856,7 +900,7 @@ class Direct:
                         except concurrent.futures.CancelledError:  # close() ended it
                             raise _closed_error(what) from None
                     else:  # alone: here, a hop less (1 shard: 1.13-1.18 GB/s on the loop, 1.34 here)
-                        self._read(ch, sh, ref, flat, tr, deadline, on_stop)
+                        receipt = self._read(ch, sh, ref, flat, tr, deadline, on_stop)
                     break
                 except grpc.RpcError as e:
                     again = None if replanned else self._replan_late_fetch(e, reply, deadline)
@@ -890,7 +934,7 @@ class Direct:
             with self._lock:
                 self._reading -= 1
         try:  # raises if the value failed on any rank of its mesh
-            self._finish_fetch(reply.transfer_id, deadline)
+            self._finish_fetch(reply.transfer_id, deadline, receipt=receipt)
         except BaseException:
             tr.close()
             raise
@@ -965,15 +1009,16 @@ class Direct:
         """Agent/Read of the shard on ch (a channel of grpc or grpc.aio), by deadline."""
         from .tensor import _split_data_field
         fn = ch.unary_stream(_AGENT + "Read", request_serializer=lambda b: b,
-                             # False for the spec (grpc takes None for a failed decode)
-                             response_deserializer=lambda raw: _split_data_field(raw) or False)
+                             # the spec: its receipt (grpc takes None for a failed decode)
+                             response_deserializer=lambda raw: (_split_data_field(raw) or
+                                                                _ReadSpec(_read_receipt_of(raw))))
         return fn(_read_request(self.session.id, ref, _READ_CHUNK, sh.after_seq),
                   metadata=((GRANT_MD, sh.grant),), timeout=_left(deadline))
 
     @staticmethod
     def _into(flat, got, piece, tr):
         """Copies a Read's message into place: the bytes now in flat."""
-        if piece is False:  # the spec: the plan's meta already said it
+        if isinstance(piece, _ReadSpec):  # the spec: the plan's meta already said it
             return got
         if got + len(piece) > len(flat):
             raise MeshdError("INTERNAL", "direct fetch: the agent sent more bytes than the "
@@ -989,29 +1034,35 @@ class Direct:
                              f"needs {len(flat)}")
 
     def _read(self, ch, sh, ref, flat, tr, deadline, on_stop=None):
-        """Agent/Read of the shard into flat on this thread, on ch (fetch_plan's);
-        raises grpc.RpcError, our MeshdError, or the progress callback's exception
-        (the call then cancelled)."""
+        """Agent/Read of the shard into flat on this thread, on ch (fetch_plan's): its
+        read_receipt (b"" if none); raises grpc.RpcError, our MeshdError, or the
+        progress callback's exception (the call then cancelled)."""
         call = self._read_call(ch, sh, ref, deadline)
         if on_stop is not None:
             on_stop(call.cancel)
-        got = 0
+        got, receipt = 0, b""
         try:
             for piece in call:
+                if isinstance(piece, _ReadSpec):
+                    receipt = piece.receipt
                 got = self._into(flat, got, piece, tr)
             self._check_all(flat, got)
         except BaseException:  # (a call that failed is over: its cancel does nothing)
             call.cancel()
             raise
+        return receipt
 
     async def _read_async(self, reply, sh, ref, flat, tr, deadline):
         """_read on the io loop."""
         call = self._read_call(self._io.channel(sh.address, _tls_of(reply)), sh, ref, deadline)
-        got = 0
+        got, receipt = 0, b""
         try:
             async for piece in call:
+                if isinstance(piece, _ReadSpec):
+                    receipt = piece.receipt
                 got = self._into(flat, got, piece, tr)
             self._check_all(flat, got)
         except BaseException:  # (a call that failed is over: its cancel does nothing)
             call.cancel()
             raise
+        return receipt
