@@ -320,33 +320,11 @@ def _read_receipt_of(raw):
     """DataChunk.read_receipt (field 4) of a packed Read message, b"" if none: the
     agent's proof that the Read took its snapshot, which FinishFetch passes on so
     that the server sends no DropSnapshot."""
-    i, n = 0, len(raw)
     try:
-        while i < n:
-            key = shift = 0
-            while True:
-                b = raw[i]
-                i += 1
-                key |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-            if key & 7 != 2:  # DataChunk has only length-delimited fields
-                return b""
-            length = shift = 0
-            while True:
-                b = raw[i]
-                i += 1
-                length |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-            if key >> 3 == 4:
-                return bytes(raw[i:i + length])
-            i += length
-    except IndexError:
-        pass
-    return b""
+        receipt = _fields(raw).get(4, b"")
+    except (IndexError, ValueError):  # not a DataChunk: as no receipt
+        return b""
+    return receipt if isinstance(receipt, bytes) else b""
 
 
 class Direct:
