@@ -7,7 +7,8 @@ Seeds are realistic inputs in each target's own format (see the comment at the
 top of fuzz_<target>.c), plus a few broken ones. Protobuf messages are built
 with the Python modules protoc generates from api/ into a temporary directory.
 Files this script writes are named seed-*; crash inputs added by hand
-(crash-*) are left alone. Rerun it after changing a target's input format.
+(crash-*) and inputs a campaign found (cov-*) are left alone. Rerun it after
+changing a target's input format.
 """
 
 import glob
