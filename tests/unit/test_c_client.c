@@ -4021,6 +4021,87 @@ Test(c_client_reads_full, more_direct_fetches_waiting_on_one_agent_than_it_keeps
   }
 }
 
+/* ------------------------------- read receipts: no DropSnapshot after a direct fetch */
+
+static int receipts_metrics_port; /* the one local agent's /metrics */
+
+/* A port nothing listens on now (the kernel's pick, released). */
+static int unused_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  cr_assert(fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+            getsockname(fd, (struct sockaddr *)&a, &len) == 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+static void start_receipts(void) {
+  receipts_metrics_port = unused_port();
+  static char port[16];
+  snprintf(port, sizeof port, "%d", receipts_metrics_port);
+  const char *const flags[] = {"--data-path=direct", "--local-agent-metrics-port-base", port,
+                               NULL};
+  start_server_full("1", flags, NULL);
+}
+
+TestSuite(c_client_receipts, .init = start_receipts, .fini = stop_server, .timeout = 60);
+
+/* meshd_agent_instructions_total of the agent, once it ran all the session sent. */
+static long agent_instructions_ran(meshd_session_t *s) {
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(receipts_metrics_port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  cr_assert(fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0, "metrics port %d",
+            receipts_metrics_port);
+  static const char get[] = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  cr_assert_eq(write(fd, get, sizeof get - 1), (ssize_t)sizeof get - 1);
+  static char text[1 << 16];
+  size_t got = 0;
+  ssize_t n;
+  while (got < sizeof text - 1 && (n = read(fd, text + got, sizeof text - 1 - got)) > 0)
+    got += (size_t)n;
+  close(fd);
+  text[got] = '\0';
+  const char *line = strstr(text, "\nmeshd_agent_instructions_total ");
+  cr_assert_not_null(line, "no instruction count in the agent's /metrics: %.300s", text);
+  return atol(line + strlen("\nmeshd_agent_instructions_total "));
+}
+
+/* The C client hands its Read's receipt to FinishFetch: each direct fetch
+ * costs its agent one Snapshot and no DropSnapshot (without the receipt, the
+ * server drops the snapshot before answering: 2 instructions a fetch). */
+Test(c_client_receipts, a_direct_fetch_hands_its_reads_receipt_and_its_agent_runs_no_drop) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-receipts", NULL);
+  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  float v[4] = {1, 2, 3, 4};
+  cr_assert_eq(meshd_session_upload(s, m, "float32", (int64_t[]){4}, 1, v, sizeof v, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  long syncs = -agent_instructions_ran(s) + agent_instructions_ran(s); /* a sync's own */
+  long before = agent_instructions_ran(s);
+  for (int i = 0; i < 2; i++) {
+    meshd_values_t back;
+    cr_assert_eq(meshd_session_fetch(s, x, (const char *[]){"gpu"}, (int64_t[]){0}, 1, &back),
+                 MESHD_E_OK, "%s", meshd_last_error(c)->message);
+    cr_assert_eq(back.n, 4);
+    for (int k = 0; k < 4; k++)
+      cr_assert_float_eq(back.values[k], v[k], 0);
+    meshd_values_free(&back);
+  }
+  long ran = agent_instructions_ran(s) - before;
+  meshd_transfer_stats_t st = stats_of(s);
+  cr_assert_eq(st.direct_fetches, 2, "the fetches did not go direct: %s", st.last_fallback);
+  cr_assert_eq(ran, 2 + syncs, "%ld instructions for 2 fetches (a sync: %ld): a DropSnapshot went "
+               "with the receipt", ran - syncs, syncs);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
 /* A direct upload's plan must name every rank of the mesh once, in the mesh's
  * row-major order, one slice each (docs/protocol.md, Direct data path), as the
  * Node client checks: a rank twice, ranks out of the mesh's order, a shard too
