@@ -930,8 +930,20 @@ class _HoldingRelay:
         self.until = time.monotonic() + seconds
 
     def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Ends every connection's tasks, then the loop (no "Task was destroyed but
+        it is pending" at the interpreter's exit)."""
+        import asyncio
+
+        async def end():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.loop.stop()
+        asyncio.run_coroutine_threadsafe(end(), self.loop)
         self.thread.join(10)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def test_an_upload_refused_by_its_agent_says_the_agents_kind(meshd_server, agent):
