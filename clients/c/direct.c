@@ -74,8 +74,9 @@ void direct_err_status(direct_err_t *e, const rpc_status_t *st, const char *pref
  * start-by time (agent/transfer_grant.c), and what the client says of it. */
 #define LATE_REFUSAL "did not start by its start-by time"
 #define LATE_MSG                                                                          \
-  "the transfer's grant expired before it started (the client was paused or the clocks " \
-  "differ by more than --transfer-grant-start-ms); call again"
+  "the transfer's grant expired before it started (the client was paused after its plan, an " \
+  "agent's clock was stepped, or, with an older server or agent, the clocks differ by more " \
+  "than --transfer-grant-start-ms); call again"
 
 /* Whether e is the agent's refusal of a call that started past its grant's
  * start-by time, as the agent said it (not yet late_say's). */

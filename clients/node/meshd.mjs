@@ -171,10 +171,11 @@ const CLEANUP_MS = 5000; // FinishUpload undoing an upload given up on (the sess
 const PROXY = Symbol('proxy'); // #directUpload, #directFetch: use the proxy instead
 // An agent's refusal of a Read or Write that started past its grant's start-by time
 // (--transfer-grant-start-ms after the plan: the client was paused between the plan and
-// the call, or the clocks differ): nothing moved, and a new plan's grants are good again.
+// the call, or a clock was stepped): nothing moved, and a new plan's grants are good again.
 const LATE_REFUSAL = 'did not start by its start-by time';
-const LATE_MSG = "the transfer's grant expired before it started (the client was paused or the "
-  + 'clocks differ by more than --transfer-grant-start-ms); call again';
+const LATE_MSG = "the transfer's grant expired before it started (the client was paused after its plan, an "
+  + "agent's clock was stepped, or, with an older server or agent, the clocks differ by more than "
+  + '--transfer-grant-start-ms); call again';
 // An agent's refusal of a grant because its table of grants in use (--max-transfer-nonces)
 // is full (agent/transfer_grant.c, RESOURCE_EXHAUSTED): nothing moved.
 const TABLE_FULL_REFUSAL = 'grants are in use on this agent already';

@@ -257,8 +257,9 @@ class _IoLoop:
 
 
 _LATE_REFUSAL = "did not start by its start-by time"
-_LATE_MSG = ("the transfer's grant expired before it started (the client was paused or the "
-             "clocks differ by more than --transfer-grant-start-ms); call again")
+_LATE_MSG = ("the transfer's grant expired before it started (the client was paused after its "
+             "plan, an agent's clock was stepped, or, with an older server or agent, the clocks "
+             "differ by more than --transfer-grant-start-ms); call again")
 
 
 def _late_grant(e):
