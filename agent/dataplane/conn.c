@@ -15,14 +15,15 @@
  * progress here (dp__register). A hello for a call that has not started here
  * yet is held, unanswered, until it starts (the dialer waits for the ack), for
  * at most timeout_ms. A wrong mac, a malformed hello, a silent socket past
- * DP_HELLO_MS, or the oldest of more than DP_UNPROVEN_MAX unproven sockets is
+ * DP_HELLO_MS, or, past the cap on unproven sockets (DP_UNPROVEN_MAX), one
+ * that made room for a newcomer (a silent one first: dp_internal.h) is
  * closed, counted by reason and logged (rate-limited); no byte after the hello
  * is ever read from it. Everything it sends before its ack, a member's dialer
  * treats as "dial again", so a stranger that crowds the listener delays a
  * member by a redial at most. That cap bounds what strangers hold, so it
  * cannot grow with a group: a collective that fans in (a gather's root, a
  * direct exchange) has every other member dial a late member at once, and
- * past 64 of them they would be closed and redial, again and again, until it
+ * past the cap they would be closed and redial, again and again, until it
  * starts. A group whose call is known to be coming (dataplane_expect: its
  * instruction is queued here) lets its members' early hellos be proven
  * against its secret on arrival: those are held apart, at most one per
@@ -53,6 +54,7 @@
 #include <string.h>
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -72,7 +74,7 @@ typedef struct pending {
   int64_t deadline; /* reading: DP_HELLO_MS after accept; parked: timeout_ms after */
   int64_t accepted;
   bool local; /* came in on the unix socket */
-  bool proven; /* parked, proven for a known group: outside DP_UNPROVEN_MAX (dp->held) */
+  bool proven; /* parked, proven for a known group: outside the cap (dp->held) */
   uint8_t nonce[DP_NONCE_LEN];
   uint8_t hello[DP_HELLO_LEN];
   char from[64]; /* the peer's address, for the log */
@@ -1474,35 +1476,46 @@ static bool pending_room(dataplane_t *dp, size_t np) {
   return true;
 }
 
-/* The oldest unproven socket (np: none), and in *n how many are unproven. */
-static size_t oldest_unproven(const dataplane_t *dp, size_t np, size_t *n) {
-  size_t oldest = np;
-  *n = 0;
-  for (size_t i = 0; i < np; i++)
-    if (!dp->pend[i].proven && (*n)++ == 0) oldest = i;
-  return oldest;
+/* Whether a newcomer may be accepted now, and in *victim the unproven socket
+ * closed to make room for it (np: none, the cap is not full). With the cap
+ * full: the oldest that has sent nothing once DP_SILENT_GRACE_MS old, else
+ * the oldest once DP_EVICT_GRACE_MS old (a held one, proven, never goes);
+ * while neither may go, false, and *until is when one may (accepting pauses
+ * until then). */
+static bool accept_room(const dataplane_t *dp, size_t np, int64_t now, size_t *victim,
+                        int64_t *until) {
+  size_t unproven = 0, oldest = np, silent = np;
+  for (size_t i = 0; i < np; i++) {
+    const pending_t *p = &dp->pend[i];
+    if (p->proven) continue;
+    if (unproven++ == 0) oldest = i;
+    if (silent == np && !p->parked && p->got == 0) silent = i;
+  }
+  *victim = np;
+  *until = 0;
+  if (unproven < atomic_load(&dp->unproven_max)) return true;
+  int64_t silent_at = silent < np ? dp->pend[silent].accepted + DP_SILENT_GRACE_MS : INT64_MAX;
+  int64_t oldest_at = dp->pend[oldest].accepted + DP_EVICT_GRACE_MS;
+  if (silent_at <= now) *victim = silent;
+  else if (oldest_at <= now) *victim = oldest;
+  else *until = silent_at < oldest_at ? silent_at : oldest_at;
+  return *victim < np;
 }
 
-/* Until when accepting pauses: the cap of unproven sockets is full and its
- * oldest younger than DP_EVICT_GRACE_MS (0: it does not). */
-static int64_t accept_paused_until(const dataplane_t *dp, size_t np, int64_t now) {
-  size_t unproven, oldest = oldest_unproven(dp, np, &unproven);
-  if (unproven < DP_UNPROVEN_MAX) return 0;
-  int64_t until = dp->pend[oldest].accepted + DP_EVICT_GRACE_MS;
-  return until > now ? until : 0;
-}
-
-/* Makes room for a new unproven socket: past DP_UNPROVEN_MAX of them, the
- * oldest unproven one is closed (a held one, proven, stays). The new count. */
-static size_t pending_evict(dataplane_t *dp, size_t np, int64_t now) {
-  size_t unproven, oldest = oldest_unproven(dp, np, &unproven);
-  if (unproven < DP_UNPROVEN_MAX) return np;
-  pending_t *pend = dp->pend;
-  char why[120];
-  snprintf(why, sizeof why, "the oldest of more than %d unproven connections (after %lld ms)",
-           DP_UNPROVEN_MAX, (long long)(now - pend[oldest].accepted));
-  pending_close(dp, &pend[oldest], DP_REJECT_TOO_MANY_PENDING, why);
-  memmove(pend + oldest, pend + oldest + 1, (np - oldest - 1) * sizeof *pend);
+/* Closes pend[victim] for a newcomer (accept_room). The new count. */
+static size_t pending_evict(dataplane_t *dp, size_t np, size_t victim, int64_t now) {
+  pending_t *pend = dp->pend, *p = &pend[victim];
+  char why[160];
+  long long age = (long long)(now - p->accepted);
+  size_t cap = atomic_load(&dp->unproven_max);
+  if (!p->parked && p->got == 0)
+    snprintf(why, sizeof why, "sent nothing in %lld ms, with %zu unproven connections held", age,
+             cap);
+  else
+    snprintf(why, sizeof why, "the oldest of more than %zu unproven connections (after %lld ms)",
+             cap, age);
+  pending_close(dp, p, DP_REJECT_TOO_MANY_PENDING, why);
+  memmove(pend + victim, pend + victim + 1, (np - victim - 1) * sizeof *pend);
   return np - 1;
 }
 
@@ -1518,9 +1531,11 @@ static void *listener_main(void *arg) {
     pending_t *pend = dp->pend; /* (moves only where it grows: pending_room) */
     struct pollfd *pfds = dp->pfds;
     int64_t now = dp__now_ms(), next = accept_off_until > now ? accept_off_until : INT64_MAX;
-    int64_t paused = accept_paused_until(dp, np, now);
-    bool listening = accept_off_until <= now && !paused;
-    if (paused && paused < next) next = paused;
+    size_t victim;
+    int64_t until;
+    bool room = accept_room(dp, np, now, &victim, &until);
+    bool listening = accept_off_until <= now && room;
+    if (!room && until < next) next = until; /* paused: the rest wait in the backlog */
     pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
     pfds[1] = (struct pollfd){.fd = listening ? dp->lfd : -1, .events = POLLIN};
     pfds[2] = (struct pollfd){.fd = listening ? dp->ufd : -1, .events = POLLIN}; /* -1: ignored */
@@ -1564,8 +1579,8 @@ static void *listener_main(void *arg) {
       if (n <= 0 || !(pfds[l].revents & POLLIN)) continue;
       /* A burst at most, then back to the pending ones: a flood of new
        * connections must not keep the hellos already here from being read. */
-      for (int burst = 0; burst < DP_UNPROVEN_MAX; burst++) {
-        if (accept_paused_until(dp, np, now)) break; /* the rest wait in the backlog */
+      for (int burst = 0; burst < DP_ACCEPT_BURST; burst++) {
+        if (!accept_room(dp, np, now, &victim, &until)) break; /* the rest wait in the backlog */
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
         int fd = accept4(pfds[l].fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -1578,8 +1593,8 @@ static void *listener_main(void *arg) {
           }
           break;
         }
-        np = pending_evict(dp, np, now);
-        if (!pending_room(dp, np)) { /* out of memory, with held ones: the new one goes */
+        if (victim < np) np = pending_evict(dp, np, victim, now);
+        if (!pending_room(dp, np)) { /* out of memory: the new one goes */
           close(fd);
           atomic_fetch_add(&dp->rejected[DP_REJECT_TOO_MANY_PENDING], 1);
           continue;
@@ -1592,6 +1607,21 @@ static void *listener_main(void *arg) {
   }
   for (size_t i = 0; i < np; i++) pending_close(dp, &dp->pend[i], -1, "stopping");
   return NULL;
+}
+
+/* The default cap on unproven sockets (dp_internal.h): DP_UNPROVEN_MAX, or a
+ * quarter of the descriptors this process may open where that is less, but
+ * at least DP_UNPROVEN_MIN. */
+static size_t unproven_cap(void) {
+  struct rlimit r;
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return DP_UNPROVEN_MAX;
+  rlim_t quarter = r.rlim_cur / 4;
+  if (quarter < DP_UNPROVEN_MIN) return DP_UNPROVEN_MIN;
+  return quarter < DP_UNPROVEN_MAX ? (size_t)quarter : DP_UNPROVEN_MAX;
+}
+
+void dataplane_max_unproven(dataplane_t *dp, size_t n) {
+  if (dp) atomic_store(&dp->unproven_max, n > 0 ? n : 1);
 }
 
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
@@ -1640,7 +1670,8 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
     error_set(err, ERR_UNAVAILABLE, "data plane: pipe: %s", strerror(errno));
     goto fail;
   }
-  dp->pcap = DP_UNPROVEN_MAX;
+  dp->pcap = DP_UNPROVEN_MIN; /* pending_room grows it */
+  dp->unproven_max = unproven_cap();
   dp->pend = malloc(dp->pcap * sizeof *dp->pend);
   dp->pfds = malloc((dp->pcap + 3) * sizeof *dp->pfds);
   if (!dp->pend || !dp->pfds) {

@@ -19,7 +19,8 @@
  * it back before the dialer sends a byte; anything else is closed before a
  * byte of payload is read, and counted (dataplane_rejected). Strangers cannot
  * make a member's call fail or wait: unproven connections have a deadline and
- * a cap, beyond which the oldest is closed (a member's dialer simply redials).
+ * a cap, beyond which one is closed for each newcomer, a silent one first (a
+ * member's dialer simply redials).
  *
  * Inside (agent/dataplane/): conn.c connections and listener, transfer.c the
  * transfer engine, collectives.c, p2p.c, reduce_ops.c (dp_internal.h), wire.c
@@ -166,8 +167,8 @@ void dataplane_forget_comm(dataplane_t *dp, uint64_t comm_id);
  * here, behind others): from now on a hello of a member of g (comm_id,
  * ranks, secret and pair_secrets are copied; addrs, me and call are not
  * used) that comes before the call starts is proven at once and held
- * outside the cap on unproven connections (DP_UNPROVEN_MAX, which strangers
- * can fill), up to one per member of each group known this way; so that
+ * outside the cap on unproven connections (dataplane_max_unproven, which
+ * strangers can fill), up to one per member of each group known this way; so that
  * more members than that cap dialing a late member wait for it instead of
  * being closed and redialing. Known until its comm ends or is forgotten
  * (dataplane_end_comm, dataplane_forget_comm), or past the last
@@ -193,6 +194,12 @@ void dataplane_drop_link(dataplane_t *dp, uint64_t comm_id, uint32_t peer, bool 
  * on a closed one dials again. Set before the first call. */
 #define DP_LINKS_DEFAULT 256
 void dataplane_max_links(dataplane_t *dp, size_t n);
+/* The cap on accepted connections not proven yet (strangers' among them),
+ * past which one is closed for each newcomer (dp_internal.h): by default
+ * 1024, or a quarter of the process's fd limit at dataplane_start where that
+ * is less, but at least 64. For a test that crowds a listener with fewer
+ * sockets, or a process short of descriptors. */
+void dataplane_max_unproven(dataplane_t *dp, size_t n);
 /* Connections this agent holds now, dialed and accepted (0 for NULL). */
 size_t dataplane_links(dataplane_t *dp);
 /* Bytes of ring scratch kept between calls (at most 4 segments of 16 MiB or

@@ -33,17 +33,30 @@
 #define DP_CHUNK ((size_t)1 << 20)       /* bytes per frame */
 #define DP_DIRECT_MAX ((size_t)64 << 10) /* ring above this many bytes per member */
 /* Accepted connections not proven yet (reading their hello, or holding one
- * for a call that has not started here): beyond this many the oldest is
- * closed. A member's dialer redials, so strangers cannot crowd members out
- * for long. */
-#define DP_UNPROVEN_MAX 64 /* (hellos proven for a known group aside: dataplane_expect) */
+ * for a call that has not started here): at most DP_UNPROVEN_MAX, or a
+ * quarter of the process's fd limit where that is less (the agent raises it
+ * to the hard limit; the rest of the agent needs descriptors too), but at
+ * least DP_UNPROVEN_MIN (dataplane_max_unproven). More than the listen
+ * backlog (512) holds, so that whatever waits there ahead of a member is
+ * taken in one pass. Beyond the cap one is closed for each newcomer (below);
+ * a member's dialer redials, so strangers cannot crowd members out for long.
+ * (Hellos proven for a known group aside: dataplane_expect.) */
+#define DP_UNPROVEN_MAX 1024
+#define DP_UNPROVEN_MIN 64
 #define DP_HELLO_MS 5000 /* to send a complete hello (or timeout_ms, if shorter) */
-/* With DP_UNPROVEN_MAX unproven sockets, accepting pauses (new connections
- * wait in the listen backlog) until the oldest is this old; then it is
- * closed for a newcomer. A burst of members is accepted faster than their
- * hellos arrive: meanwhile the hellos read prove their senders (those of a
- * known group leave the cap), so a burst is not cut by its own arrival. */
+/* With the cap full, a newcomer takes the place of the oldest socket that has
+ * sent nothing once it is DP_SILENT_GRACE_MS old (a member's dialer writes
+ * its whole hello as soon as our challenge reaches it), else of the oldest
+ * unproven one once it is DP_EVICT_GRACE_MS old (mid-hello, or parked); until
+ * then accepting pauses (new connections wait in the listen backlog). The
+ * graces let the hellos of a burst of members be read (those of a known group
+ * leave the cap) before any of it is closed, so a burst is not cut by its own
+ * arrival; the short one keeps sockets that never speak from holding members
+ * back: a flood of them passes at DP_UNPROVEN_MAX per DP_SILENT_GRACE_MS. */
+#define DP_SILENT_GRACE_MS 100
 #define DP_EVICT_GRACE_MS 500
+/* Connections accepted in a row before the hellos already here are read. */
+#define DP_ACCEPT_BURST 64
 /* A peer's "host:port" and its NUL: what an instruction may name (agent/validate.h
  * VALIDATE_ADDRESS_MAX, 255; Kubernetes service names run past 90). Shorter,
  * a long address was cut: no link matched it again, and no loss was seen. */
@@ -175,10 +188,12 @@ struct dataplane {
   known_group_t known[DP_KNOWN_MAX];
   size_t nknown;
   /* The listener's sockets not admitted yet, oldest first, and its poll set
-   * (3 + pcap): DP_UNPROVEN_MAX, grown for held ones (listener thread only). */
+   * (3 + pcap), grown as needed (listener thread only); the cap on the
+   * unproven ones among them (dataplane_max_unproven). */
   struct pending *pend;
   struct pollfd *pfds;
   size_t pcap;
+  _Atomic size_t unproven_max;
   /* Comms whose session ended here (dataplane_end_comm): a call registered
    * on one is dropped at once (mu). */
   uint64_t *ended;

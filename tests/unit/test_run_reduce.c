@@ -484,8 +484,8 @@ Test(run_reduce, a_reduce_the_agent_cannot_queue_fails_its_peers_at_once, .timeo
 /* A Reduce queued on an agent announces its group to the data plane
  * (run_expect, from executor_submit): a peer that dials the agent before
  * the agent runs it has its hello proven at once and held apart from the
- * cap on unproven connections, which strangers can fill (and more than 64
- * members dialing a late root would overflow). */
+ * cap on unproven connections, which strangers can fill (and more members
+ * than it holds dialing a late root would overflow). */
 Test(run_reduce, a_queued_reduce_holds_its_peers_early_hellos_as_proven, .timeout = 30) {
   agent_t a;
   open_agent(&a, "cpu");
