@@ -179,9 +179,12 @@ void data_write_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg);
 void data_write_message(rpc_call_t *call, const ProtobufCMessage *msg, void *arg);
 void data_write_end(rpc_call_t *call, bool cancelled, void *arg);
 bool data_write_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg);
-/* Read helper threads alive now (each Read has one until it is answered or
- * cancelled; a cancelled one ends within 100 ms). For tests. */
+/* Reads waiting on a helper thread now (each until it is answered or
+ * cancelled; a cancelled one lets go within 100 ms). For tests. */
 int data_read_threads(void);
+/* The helper threads of waiting Reads: started ever, and parked now, waiting
+ * for the next one (tests). */
+void data_read_helpers(unsigned long *started, int *parked);
 
 /* ---- registration.c ---------------------------------------------------- */
 

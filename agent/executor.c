@@ -371,6 +371,19 @@ static uint64_t allocated(const executor_t *x) {
  * of work, are reported at once. */
 #define REPORT_HOLD_MS 1
 
+/* A test's hold of each report (MESHD_FAULT report:slow=MS): the progress and
+ * failures it carries reach the server MS later, as from an agent whose
+ * reporter is not scheduled. Ends early at a stop. Holds mu. */
+static void report_fault_locked(executor_t *x) {
+  int ms = 0;
+  int64_t rank = x->env.rank ? atomic_load(x->env.rank) : -1;
+  if (fault_hit(x->env.fault, "report", rank, &ms) != FAULT_SLOW) return;
+  struct timespec until;
+  runtime_deadline(&until, CLOCK_MONOTONIC, ms);
+  while (!x->report_stop && pthread_cond_timedwait(&x->report_cv, &x->mu, &until) != ETIMEDOUT) {
+  }
+}
+
 /* Some received seq is not done yet. Holds mu. */
 static bool busy_locked(const executor_t *x) { return x->pending.n > 0; }
 
@@ -395,6 +408,7 @@ static void *reporter_main(void *arg) {
       }
       x->report_holding = false;
     }
+    if (!x->report_stop) report_fault_locked(x);
     if (x->report_stop) break;
     x->dirty = false;
     executor_report_t r = {.executed_through = through_locked(x), .received_through = x->last};

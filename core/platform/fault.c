@@ -12,7 +12,8 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
   return 0;
 }
 
-const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "call", "any", "hello", "write", NULL};
+const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "call", "any", "hello", "write",
+                                           "report", NULL};
 const char *const FAULT_SERVER_PLACES[] = {"plan", "session", "remove", "finish", NULL};
 
 int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {
@@ -72,6 +73,11 @@ int fault_parse(const char *spec, const char *const *places, fault_t *f, char *e
   if (!strcmp(f->where, "session") && f->action != FAULT_SLOW) {
     snprintf(err, errlen, "fault spec '%s': session takes slow=MS only (a late CreateSession "
              "answer)", spec);
+    return -1;
+  }
+  if (!strcmp(f->where, "report") && f->action != FAULT_SLOW) {
+    snprintf(err, errlen, "fault spec '%s': report takes slow=MS only (each progress report "
+             "held back)", spec);
     return -1;
   }
   if (!strcmp(f->where, "finish") && f->action != FAULT_SLOW) {

@@ -6,7 +6,8 @@
  *   WHERE   the agent: reduce | send | any (collectives and sends), call
  *           (an op's Call: fail makes it fail as a kernel would), write (a
  *           client's Agent/Write under a grant: fail refuses it at once,
- *           slow=MS delays it), or hello (with ACTION old);
+ *           slow=MS delays it), report (each progress report to the server:
+ *           slow=MS holds it back that long), or hello (with ACTION old);
  *           the server: plan (a PlanTransfer's answer, once its transfer is
  *           in the table: slow=MS makes a client's deadline pass before it),
  *           session (a CreateSession's answer, once its session exists: slow=MS),
@@ -49,7 +50,7 @@ typedef struct fault {
 
 /* The places each program knows ("any" is the agent's reduce and send
  * instructions, the collectives and transfers; not call). */
-extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write */
+extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write, report */
 extern const char *const FAULT_SERVER_PLACES[]; /* plan, session, remove, finish */
 
 /* Parses spec into *f, with WHERE one of places (NULL-terminated). 0, or -1

@@ -23,6 +23,7 @@ struct workpool {
   int njobs;
   int parked;          /* threads waiting for a job */
   int threads;         /* alive */
+  unsigned long started; /* threads started, ever */
   int max_parked, park_ms;
   bool stop;
   char name[16];
@@ -94,6 +95,7 @@ int workpool_run(workpool_t *p, void (*fn)(void *arg), void *arg) {
     }
   }
   p->threads++;
+  p->started++;
   pthread_mutex_unlock(&p->mu);
   start_t *st = malloc(sizeof *st);
   pthread_attr_t attr;
@@ -109,6 +111,7 @@ int workpool_run(workpool_t *p, void (*fn)(void *arg), void *arg) {
   if (rc == 0) return 0;
   free(st);
   pthread_mutex_lock(&p->mu);
+  p->started--;
   if (--p->threads == 0) pthread_cond_broadcast(&p->gone);
   pthread_mutex_unlock(&p->mu);
   return -1;
@@ -116,7 +119,7 @@ int workpool_run(workpool_t *p, void (*fn)(void *arg), void *arg) {
 
 workpool_stats_t workpool_stats(workpool_t *p) {
   pthread_mutex_lock(&p->mu);
-  workpool_stats_t st = {p->threads, p->parked};
+  workpool_stats_t st = {p->threads, p->parked, p->started};
   pthread_mutex_unlock(&p->mu);
   return st;
 }

@@ -19,9 +19,11 @@ typedef struct workpool workpool_t;
 workpool_t *workpool_create(const char *name, int max_parked, int park_ms);
 /* 0, or -1 when no thread could start (fn did not run). */
 int workpool_run(workpool_t *p, void (*fn)(void *arg), void *arg);
-/* Threads alive now (running a job or parked), and those of them parked. */
+/* Threads alive now (running a job or parked), those of them parked, and
+ * the threads the pool ever started. */
 typedef struct workpool_stats {
   int threads, parked;
+  unsigned long started;
 } workpool_stats_t;
 workpool_stats_t workpool_stats(workpool_t *p);
 /* Wakes the parked threads and waits until every thread of the pool ended

@@ -763,6 +763,54 @@ def test_finish_fetch_with_the_reads_receipt_sends_no_drop_snapshot(meshd_server
         still_works(s, mesh)
 
 
+def test_finish_fetch_with_the_reads_receipt_does_not_wait_for_that_agents_report(meshd_server):
+    """The Read's receipt proves what FinishFetch waited for on the fetched rank: its
+    agent ran the session through the plan's Snapshot, with the value good there.
+    FinishFetch carrying it no longer waits for that agent's progress report, which
+    can come well after the Read (70 ms once in ~300 back-to-back 1 MiB fetches on a
+    loaded machine, the whole fetch being ~2 ms). Each report is held back here
+    (MESHD_FAULT report:slow): a one-rank tensor's FinishFetch answers at once; on a
+    two-rank mesh the other rank is still waited for (a value that failed there fails
+    the fetch), so the same FinishFetch runs into its deadline."""
+    srv = meshd_server(2, env={"MESHD_FAULT": "report:slow=30000"})
+    lib.wait_ready(srv, 2)
+    with connect(srv, "direct") as s:
+        pb = s._pb
+        arr = np.arange(64, dtype=np.float32)
+
+        def uploaded(mesh):
+            up, ref = plan_upload(s, mesh, arr)
+            receipts = []
+            for g in up.shards:
+                w = agent_write(g, arr.tobytes())
+                receipts.append(pb.WriteReceipt(rank=g.rank, bytes=w.bytes, receipt=w.receipt))
+            finish(s, "FinishUpload", pb.FinishUploadRequest(transfer_id=up.transfer_id,
+                                                             receipts=receipts),
+                   pb.FinishUploadReply)
+            return meshd.Tensor(s, ref, arr.shape, "float32", mesh.ref, 0)
+
+        def finish_fetch(t, timeout, want=arr):
+            reply = plan_fetch(s, t, gpu=0)
+            data, receipt = _read_with_receipt(reply.shards[0], s.id, t.ref)
+            assert np.frombuffer(data, np.float32).tolist() == want.tolist()
+            fn = s._ch.unary_unary(SVC + "FinishFetch",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=pb.FinishFetchReply.FromString)
+            return lambda: fn(pb.FinishFetchRequest(transfer_id=reply.transfer_id,
+                                                    read_receipt=receipt),
+                              metadata=s._md, timeout=timeout)
+
+        one = s.mesh(gpu=1)
+        for _ in range(2):  # each answered without a report of its Snapshot
+            finish_fetch(uploaded(one), 10)()
+        two = s.mesh(gpu=2)
+        x = uploaded(two)
+        with two.activate():
+            y = x * 2  # a seq on each rank before the plan, which rank 1 reports late
+        s._flush_pipeline()
+        refused(finish_fetch(y, 0.5, arr * 2), grpc.StatusCode.DEADLINE_EXCEEDED, "")
+
+
 def test_a_finished_transfer_gives_its_slot_back_before_the_answer(meshd_server):
     """With --session-max-transfers 1, each planned upload and fetch can start the moment
     the previous one's FinishUpload or FinishFetch answered: the server frees the slot

@@ -34,6 +34,22 @@ Test(fault, any_fires_for_collectives_and_sends_only) {
   cr_assert_eq(fault_hit(&f, "send", 0, &ms), FAULT_FAIL);
   cr_assert_eq(fault_hit(&f, "call", 0, &ms), FAULT_NONE);
   cr_assert_eq(fault_hit(&f, "write", 0, &ms), FAULT_NONE);
+  cr_assert_eq(fault_hit(&f, "report", 0, &ms), FAULT_NONE);
+}
+
+/* report holds each progress report back (tests of what waits for one): slow
+ * only, since fail or hang would say nothing a held report does not. */
+Test(fault, report_takes_slow_only) {
+  fault_t f;
+  char why[200] = "";
+  int ms = 0;
+  cr_assert_eq(parse("report:fail", FAULT_AGENT_PLACES, &f, why), -1);
+  cr_assert(strstr(why, "report takes slow=MS only"), "%s", why);
+  cr_assert_eq(parse("report:hang", FAULT_AGENT_PLACES, &f, why), -1);
+  cr_assert_eq(parse("report:slow=30,rank=1", FAULT_AGENT_PLACES, &f, why), 0, "%s", why);
+  cr_assert_eq(fault_hit(&f, "report", 0, &ms), FAULT_NONE);
+  cr_assert_eq(fault_hit(&f, "report", 1, &ms), FAULT_SLOW);
+  cr_assert_eq(ms, 30);
 }
 
 Test(fault, unknown_places_and_actions_are_named) {

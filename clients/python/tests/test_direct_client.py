@@ -355,8 +355,10 @@ def test_more_fetches_than_the_session_may_have_in_flight_wait_their_turn(data_p
 
 @pytest.mark.parametrize("data_path", ["direct", "proxy"])
 def test_an_agent_killed_mid_transfer_fails_it_and_the_session_goes_on(data_path):
-    """Rank 1's agent is SIGKILLed halfway through a fetch_shard from it, then halfway
-    through a sharded upload (the progress callback kills it). Each raises a MeshdError
+    """Rank 1's agent is SIGKILLed an eighth of the way through a fetch_shard from it,
+    then through a sharded upload (the progress callback kills it; not halfway: the
+    16 MiB left of a 32 MiB fetch could be in the sockets and gRPC's windows already,
+    and a Read that delivered its last byte and receipt has succeeded). Each raises a MeshdError
     naming rank 1 within seconds; the upload's ref stays undefined; the survivor keeps
     nothing of it; and with --session-max-transfers 1 the next transfers still get the
     slot (a failed transfer gave it back): on a new mesh, once the supervisor replaced
@@ -381,7 +383,7 @@ def test_an_agent_killed_mid_transfer_fails_it_and_the_session_goes_on(data_path
                 fired = []
 
                 def cb(done, total):
-                    if not fired and done >= total // 2:
+                    if not fired and done >= total // 8:
                         fired.append(time.monotonic())
                         os.kill(pid, signal.SIGKILL)
                 return cb, fired
@@ -404,7 +406,7 @@ def test_an_agent_killed_mid_transfer_fails_it_and_the_session_goes_on(data_path
                 before = rank1()["address"]
                 with pytest.raises(meshd.MeshdError) as ei:
                     meshd.fetch_shard(t, gpu=1, progress=cb).result(timeout=30)
-                assert fired, "the fetch ended before it was halfway"
+                assert fired, "the fetch ended before an eighth of it"
                 took = time.monotonic() - fired[0]
                 assert "rank 1" in str(ei.value), ei.value
                 assert ei.value.kind == "AGENT_LOST", ei.value  # on either path
@@ -418,7 +420,7 @@ def test_an_agent_killed_mid_transfer_fails_it_and_the_session_goes_on(data_path
                 before = rank1()["address"]
                 with pytest.raises(meshd.MeshdError) as ei:
                     meshd.tensor(big, shard="gpu", progress=cb)
-                assert fired, "the upload ended before it was halfway"
+                assert fired, "the upload ended before an eighth of it"
                 took = time.monotonic() - fired[0]
                 assert "rank 1" in str(ei.value), ei.value
                 assert ei.value.kind == "AGENT_LOST", ei.value  # on either path
