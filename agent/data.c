@@ -110,6 +110,7 @@ static void read_pool_init(void) {
 
 void data_read_helpers(unsigned long *started, int *parked) {
   workpool_stats_t st = {0};
+  pthread_once(&read_pool_once, read_pool_init); /* (read_pool is written there) */
   if (read_pool) st = workpool_stats(read_pool);
   *started = st.started;
   *parked = st.parked;
