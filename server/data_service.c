@@ -48,9 +48,11 @@ struct data_service {
   bool sweeping, stop;
   pthread_cond_t wake;
   pthread_cond_t settled; /* a busy transfer is not any more */
-  /* Proxied Fetches planned while their session's slots were all taken
-   * (FetchRequest.wait_for_slot), oldest first, under mu: the sweeper starts
-   * each once a slot frees (queue_run); a slot given back wakes it (kick). */
+  /* Fetches planned while their session's slots were all taken
+   * (FetchRequest.wait_for_slot), oldest first, under mu: proxied Fetches, and
+   * direct fetches whose grant request is held (plan_fetch_grant). The sweeper
+   * starts or answers each once a slot frees (queue_run); a slot given back
+   * wakes it (kick). */
   struct fetch *queued, **queued_tail;
   _Atomic int nqueued;
   bool kick;
@@ -962,6 +964,8 @@ typedef struct fetch {
   _Atomic bool waiting;        /* planned without a slot, one of sess->fetches_waiting */
   _Atomic bool gone;           /* on_end ran (read without f->mu: queue_run) */
   struct fetch *queued_next;   /* ds->queued's */
+  struct transfer *granting;   /* while queued, a direct fetch's: its transfer, whose grant
+                                * request is held (plan_fetch_grant), under ds->mu */
   bool queued_slot;            /* queue_run took a slot for it (else it goes) */
   size_t bytes;                /* the shard's */
 
@@ -1469,34 +1473,6 @@ static void queued_start(fetch_t *f, bool slot) {
   relay_stop(f);
 }
 
-/* The sweeper's: the queued Fetches that can take a slot now start, oldest
- * first; those whose call ended or whose session closed go. */
-static void queue_run(data_service_t *ds) {
-  fetch_t *go = NULL, **tail = &go, *f, **pp;
-  meshd_error_t full;
-  pthread_mutex_lock(&ds->mu);
-  for (pp = &ds->queued; (f = *pp);) {
-    bool gone = atomic_load(&f->gone) || atomic_load(&f->sess->closed);
-    if (!gone && transfer_begin(ds, f->sess, "Fetch", &full)) {
-      pp = &f->queued_next;
-      continue;
-    }
-    f->queued_slot = !gone;
-    *pp = f->queued_next;
-    if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
-    f->queued_next = NULL;
-    *tail = f;
-    tail = &f->queued_next;
-    atomic_fetch_sub(&ds->nqueued, 1);
-  }
-  pthread_mutex_unlock(&ds->mu);
-  while ((f = go)) {
-    go = f->queued_next;
-    f->queued_next = NULL;
-    queued_start(f, f->queued_slot);
-  }
-}
-
 static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   data_service_t *ds = arg;
   fetch_t *f = rpc_call_data(call);
@@ -1565,12 +1541,59 @@ typedef struct transfer {
   uint64_t losses; /* the pool's agent losses when it was planned */
   /* fetch */
   fetch_t *fetch;
+  /* A grant request held until a slot frees (plan_fetch_grant), referenced,
+   * with a call reference to the session (a call in flight holds its lease);
+   * its fetch is in ds->queued meanwhile. grant_cancelled: its call ended while
+   * the sweeper answered it (busy), which then undoes the fetch (held_settle). */
+  rpc_call_t *grant_call;
+  bool grant_cancelled;
 } transfer_t;
+
+/* Takes f, queued, out of ds->queued (under ds->mu). */
+static void queue_unlink_locked(data_service_t *ds, fetch_t *f) {
+  for (fetch_t **pp = &ds->queued; *pp; pp = &(*pp)->queued_next) {
+    if (*pp != f) continue;
+    *pp = f->queued_next;
+    if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
+    f->queued_next = NULL;
+    f->granting = NULL;
+    atomic_fetch_sub(&ds->nqueued, 1);
+    return;
+  }
+}
+
+/* Takes the transfer at *pp out of the table (under ds->mu). A grant request
+ * held for it leaves the queue with it and stays in t->grant_call, for the
+ * caller to end (grant_end): every way out of the table answers it. */
+static transfer_t *pending_unlink_locked(data_service_t *ds, transfer_t **pp) {
+  transfer_t *t = *pp;
+  *pp = t->next;
+  t->next = NULL;
+  if (t->grant_call) queue_unlink_locked(ds, t->fetch);
+  return t;
+}
+
+/* Ends t's held grant request, if any: with e, or (e NULL) without an answer,
+ * its call being over (plan_end). */
+static void grant_end(transfer_t *t, const meshd_error_t *e) {
+  rpc_call_t *call = t->grant_call;
+  if (!call) return;
+  t->grant_call = NULL;
+  if (e) finish_error(call, e);
+  rpc_call_unref(call);
+  session_release(t->fetch->sess); /* the held call's */
+}
 
 /* Frees t; undo: an upload's ref is deleted on its ranks (unless the session
  * closed: its EndSession freed everything), a fetch's snapshot dropped. */
 static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
   if (t->fetch) {
+    if (t->grant_call) { /* (each path out of the table says why first; the server's end) */
+      meshd_error_t e;
+      error_set(&e, ERR_UNAVAILABLE, "PlanTransfer: fetch %llu was undone while its grant "
+                "request waited for a slot", (unsigned long long)t->id);
+      grant_end(t, &e);
+    }
     fetch_give_back(t->fetch); /* a direct fetch's: its slot (it took no relay) */
     fetch_unref(t->fetch); /* drops the snapshot: nobody said it was read */
     free(t->nonces);
@@ -1620,7 +1643,7 @@ static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, 
     pthread_cond_wait(&ds->settled, &ds->mu);
   }
   if (t && upload) t->busy = true;
-  else if (t) *pp = t->next;
+  else if (t) pending_unlink_locked(ds, pp);
   pthread_mutex_unlock(&ds->mu);
   return t;
 }
@@ -1633,6 +1656,69 @@ static void transfer_settle(data_service_t *ds, transfer_t *t, bool finished, bo
   t->busy = false;
   pthread_cond_broadcast(&ds->settled);
   pthread_mutex_unlock(&ds->mu);
+}
+
+static void grant_start(data_service_t *ds, transfer_t *t);
+
+/* The sweeper's: the queued fetches that can take a slot now start (a proxied
+ * Fetch) or get their grant (a direct fetch's held grant request), oldest
+ * first; proxied ones whose call ended or whose session closed go (a direct
+ * one's ends are its transfer's: pending_unlink_locked). */
+static void queue_run(data_service_t *ds) {
+  fetch_t *go = NULL, **tail = &go, *f, **pp;
+  meshd_error_t full;
+  pthread_mutex_lock(&ds->mu);
+  for (pp = &ds->queued; (f = *pp);) {
+    if (f->direct) { /* a closed session's: the table's pass ends it (sweeper_main) */
+      if (atomic_load(&f->sess->closed) || transfer_begin(ds, f->sess, "PlanTransfer", &full)) {
+        pp = &f->queued_next;
+        continue;
+      }
+      f->granting->busy = true; /* answered outside the lock, still in the table */
+    } else {
+      bool gone = atomic_load(&f->gone) || atomic_load(&f->sess->closed);
+      if (!gone && transfer_begin(ds, f->sess, "Fetch", &full)) {
+        pp = &f->queued_next;
+        continue;
+      }
+      f->queued_slot = !gone;
+    }
+    *pp = f->queued_next;
+    if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
+    f->queued_next = NULL;
+    *tail = f;
+    tail = &f->queued_next;
+    atomic_fetch_sub(&ds->nqueued, 1);
+  }
+  pthread_mutex_unlock(&ds->mu);
+  while ((f = go)) {
+    go = f->queued_next;
+    f->queued_next = NULL;
+    if (f->direct) {
+      transfer_t *t = f->granting; /* (busy: nobody else touches it) */
+      f->granting = NULL;
+      grant_start(ds, t);
+    } else {
+      queued_start(f, f->queued_slot);
+    }
+  }
+}
+
+/* Ends the grant request held for t, which the sweeper took out of the table:
+ * its session closed, or its fetch waited past the plan's expiry. */
+static void grant_expired(data_service_t *ds, transfer_t *t) {
+  fetch_t *f = t->fetch;
+  meshd_error_t e;
+  if (atomic_load(&f->sess->closed))
+    error_set(&e, ERR_NO_SESSION, "PlanTransfer: session %.8s was closed while fetch %llu (of "
+              "tensor %llu) waited for a transfer slot", f->session, (unsigned long long)t->id,
+              (unsigned long long)f->ref);
+  else
+    error_set(&e, ERR_UNKNOWN_REF, "PlanTransfer: fetch %llu (of tensor %llu) waited for a "
+              "transfer slot past its plan's expiry (--transfer-grant-ms %lld); its snapshot is "
+              "dropped: fetch the tensor again", (unsigned long long)t->id,
+              (unsigned long long)f->ref, (long long)ds->grant_ms);
+  grant_end(t, &e);
 }
 
 static void *sweeper_main(void *arg) {
@@ -1648,7 +1734,7 @@ static void *sweeper_main(void *arg) {
       session_t *ts = t->fetch ? t->fetch->sess : t->sess;
       if (!t->busy && (t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now ||
                        (ts && atomic_load(&ts->closed)))) {
-        *pp = t->next;
+        pending_unlink_locked(ds, pp);
         t->next = expired;
         expired = t;
       } else {
@@ -1664,6 +1750,7 @@ static void *sweeper_main(void *arg) {
                  t->fetch ? "fetch" : "upload",
                  (unsigned long long)(t->fetch ? t->fetch->ref : t->ref),
                  t->fetch ? "its snapshot is dropped" : "the ref stays undefined");
+      if (t->grant_call) grant_expired(ds, t);
       transfer_free(ds, t, true);
     }
     queue_run(ds);
@@ -1727,14 +1814,25 @@ static void shards_free(Meshd__V1__ShardGrant *sh, size_t n) {
   free(sh);
 }
 
+/* What a PlanTransfer call keeps for its end (plan_end): its transfer's id,
+ * and whether it is a grant request that was held (plan_fetch_grant). */
+typedef struct {
+  uint64_t id;
+  bool held;
+} plan_kept_t;
+
 /* A plan's answer, once its transfer is in the table. The call keeps the
  * transfer's id: a call that ends cancelled (plan_end) never told its client
- * the id, and the plan is undone then rather than at its grants' expiry. */
-static void plan_answer(data_service_t *ds, rpc_call_t *call, uint64_t id,
+ * the id, and the plan is undone then rather than at its grants' expiry. A
+ * held grant request (kept: false) kept it when it was held (plan_fetch_grant):
+ * set only in its on_start, never beside its plan_end. */
+static void plan_answer(data_service_t *ds, rpc_call_t *call, uint64_t id, bool keep,
                         const Meshd__V1__PlanTransferReply *reply) {
-  uint64_t *kept = malloc(sizeof *kept); /* none: undone at expiry, as before */
-  if (kept) *kept = id;
-  rpc_call_set_data(call, kept);
+  if (keep) {
+    plan_kept_t *kept = malloc(sizeof *kept); /* none: undone at expiry, as before */
+    if (kept) *kept = (plan_kept_t){id, false};
+    rpc_call_set_data(call, kept);
+  }
   int ms = 0;
   switch (fault_hit(ds->fault, "plan", -1, &ms)) {
     case FAULT_FAIL:
@@ -1864,21 +1962,47 @@ static int plan_upload(data_service_t *ds, session_t *s, rpc_call_t *call,
   size_t n = t->nranks;
   uint64_t id = t->id;
   transfer_put(ds, t);
-  plan_answer(ds, call, id, &reply);
+  plan_answer(ds, call, id, true, &reply);
   shards_free(sh, n);
   free(shp);
   free(ca);
   return 0;
 }
 
+/* A held grant request answered (held: t is in the table, busy, since
+ * queue_run took a slot for it): t is not busy any more, its grant_call given
+ * back to the caller; out of the table unless keep, and so whatever happens
+ * when its call ended meanwhile (grant_cancelled: plan_end left it to us).
+ * Returns whether it did. */
+static bool held_settle(data_service_t *ds, transfer_t *t, bool keep) {
+  pthread_mutex_lock(&ds->mu);
+  bool cancelled = t->grant_cancelled;
+  t->busy = t->grant_cancelled = false;
+  t->grant_call = NULL;
+  if (!keep || cancelled) {
+    transfer_t **pp = &ds->pending;
+    while (*pp && *pp != t) pp = &(*pp)->next;
+    if (*pp) pending_unlink_locked(ds, pp);
+  }
+  pthread_cond_broadcast(&ds->settled);
+  pthread_mutex_unlock(&ds->mu);
+  return cancelled;
+}
+
 /* A planned fetch's answer: with its Read grant for the rank (a new expiry),
  * or, planned without a slot (f->waiting), slot_pending without a grant.
- * t is not in the table; on failure it is freed (its snapshot dropped). */
-static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, meshd_error_t *e) {
+ * t is not in the table, or (held) in it and busy (held_settle); on failure
+ * it is freed (its snapshot dropped). */
+static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, bool held,
+                        meshd_error_t *e) {
   fetch_t *f = t->fetch;
   bool pending = atomic_load(&f->waiting);
   t->expiry_ms = grant_now_unix_ms() + ds->grant_ms;
-  transfer_note_planner(t, call); /* the token this answer goes to (a reload's check) */
+  /* The token this answer goes to (a reload's check; held: the table's, which
+   * data_service_revoke reads under ds->mu). */
+  if (held) pthread_mutex_lock(&ds->mu);
+  transfer_note_planner(t, call);
+  if (held) pthread_mutex_unlock(&ds->mu);
   uint8_t *nonce = NULL; /* kept in t: a reload revokes its grant (grants_revoke) */
   if (!pending && !t->nonces) t->nonces = calloc(1, sizeof *t->nonces);
   if (!pending && t->nonces) nonce = t->nonces[0];
@@ -1905,6 +2029,7 @@ static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, mes
   if (rc) {
     free(sh.address);
     free(sh.grant.data);
+    if (held) held_settle(ds, t, false);
     transfer_free(ds, t, true);
     return -1;
   }
@@ -1920,8 +2045,11 @@ static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, mes
   f->refs++;
   pthread_mutex_unlock(&f->mu);
   uint64_t id = t->id;
-  transfer_put(ds, t);
-  plan_answer(ds, call, id, &reply);
+  bool lost = false; /* a held request's call ended meanwhile: nobody gets the grant */
+  if (held) lost = held_settle(ds, t, true);
+  else transfer_put(ds, t);
+  if (lost) transfer_free(ds, t, true); /* its slot and snapshot given back */
+  else plan_answer(ds, call, id, !held, &reply);
   fetch_unref(f);
   free(sh.address);
   free(sh.grant.data);
@@ -1930,24 +2058,72 @@ static int fetch_answer(data_service_t *ds, rpc_call_t *call, transfer_t *t, mes
 }
 
 /* The grant of a fetch a plan answered slot_pending, once the session has a
- * slot for it; refused, as any transfer, while the slots are all taken. */
+ * slot for it: at once when one is free and no other fetch waits for one;
+ * else the request is held (no answer yet) in ds->queued, behind the fetches
+ * that wait already, and answered by the sweeper (queue_run, grant_start) as
+ * a slot frees. Its call's end (cancelled, its deadline passed) undoes the
+ * fetch (plan_end); the fetch's end (FinishFetch, expiry, the session's close,
+ * a revoked token) ends the request with why. */
 static int plan_fetch_grant(data_service_t *ds, session_t *s, rpc_call_t *call, uint64_t id,
                             meshd_error_t *e) {
-  transfer_t *t = transfer_take(ds, id, s, false);
+  plan_kept_t *kept = malloc(sizeof *kept); /* a held call's, for plan_end */
+  if (!kept) return error_set(e, ERR_QUOTA, "PlanTransfer: out of memory on the server");
+  *kept = (plan_kept_t){id, true};
+  meshd_error_t full;
+  pthread_mutex_lock(&ds->mu);
+  transfer_t **pp = &ds->pending, *t;
+  while ((t = *pp) && !(t->id == id && t->fetch && t->fetch->sess == s)) pp = &t->next;
+  fetch_t *f = t ? t->fetch : NULL;
+  int rc = 0;
   if (!t)
-    return error_set(e, ERR_UNKNOWN_REF, "PlanTransfer: this session has no pending fetch %llu "
-                     "(it finished, or its grant expired)", (unsigned long long)id);
-  fetch_t *f = t->fetch;
-  int rc = atomic_load(&f->waiting) ? transfer_begin(ds, s, "PlanTransfer", e)
-           : error_set(e, ERR_BAD_ARGUMENT, "PlanTransfer: fetch %llu has its grant already "
-                       "(it was planned with a slot)", (unsigned long long)id);
-  if (rc) {
-    transfer_put(ds, t); /* still pending: the client asks again, or finishes it */
-    return -1;
+    rc = error_set(e, ERR_UNKNOWN_REF, "PlanTransfer: this session has no pending fetch %llu (it "
+                   "finished, or its grant expired)", (unsigned long long)id);
+  else if (t->grant_call) /* (busy too: the sweeper answers it) */
+    rc = error_set(e, ERR_BAD_ARGUMENT, "PlanTransfer: a grant request for fetch %llu waits for "
+                   "a slot already; wait for its answer", (unsigned long long)id);
+  else if (!atomic_load(&f->waiting))
+    rc = error_set(e, ERR_BAD_ARGUMENT, "PlanTransfer: fetch %llu has its grant already (it was "
+                   "planned with a slot)", (unsigned long long)id);
+  /* Oldest first: a slot that freed for a queued fetch is not taken past it. */
+  bool now = rc == 0 && atomic_load(&ds->nqueued) == 0 &&
+             transfer_begin(ds, s, "PlanTransfer", &full) == 0;
+  if (now) {
+    pending_unlink_locked(ds, pp);
+  } else if (rc == 0) {
+    t->grant_call = call;
+    rpc_call_ref(call);
+    session_ref(s); /* a call in flight: it holds the session's lease */
+    f->granting = t;
+    *ds->queued_tail = f;
+    ds->queued_tail = &f->queued_next;
+    atomic_fetch_add(&ds->nqueued, 1);
+    rpc_call_set_data(call, kept); /* in on_start: never beside plan_end */
+    kept = NULL;
+  }
+  pthread_mutex_unlock(&ds->mu);
+  free(kept);
+  if (rc) return -1;
+  if (!now) {
+    kick(ds); /* a slot may have freed while it was queued */
+    return 0;
   }
   atomic_store(&f->slot_freed, false);
   fetch_stop_waiting(f);
-  return fetch_answer(ds, call, t, e);
+  return fetch_answer(ds, call, t, false, e);
+}
+
+/* A held grant request's slot, taken by queue_run (t busy in the table): its
+ * grant, or the error that kept it from one. */
+static void grant_start(data_service_t *ds, transfer_t *t) {
+  fetch_t *f = t->fetch;
+  rpc_call_t *call = t->grant_call;
+  session_t *s = f->sess; /* the held call's reference keeps it past f */
+  meshd_error_t e = {0};
+  atomic_store(&f->slot_freed, false);
+  fetch_stop_waiting(f);
+  if (fetch_answer(ds, call, t, true, &e)) finish_error(call, &e);
+  rpc_call_unref(call);
+  session_release(s);
 }
 
 /* A fetch's plan: Fetch's checks and its Snapshot, a Read grant for the rank
@@ -1987,7 +2163,7 @@ static int plan_fetch(data_service_t *ds, session_t *s, rpc_call_t *call,
     transfer_free(ds, t, true);
     return error_set(e, ERR_QUOTA, "PlanTransfer: out of randomness on the server");
   }
-  return fetch_answer(ds, call, t, e);
+  return fetch_answer(ds, call, t, false, e);
 }
 
 static void plan_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -2039,28 +2215,44 @@ static void transfer_undo(data_service_t *ds, transfer_t *t) {
  * lost answers would block the session's transfers for --transfer-grant-ms).
  * An upload is undone on its ranks now and, like a refused FinishUpload, once
  * more at expiry (a client that kept the grant may still Write); its ref
- * stays claimed and undefined, as a client that lost the answer expects. */
+ * stays claimed and undefined, as a client that lost the answer expects. A
+ * grant request that ended while it was held, however it ended (cancelled,
+ * or by the rpc layer: a drain, a revoked token), undoes its fetch too. */
 static void plan_end(rpc_call_t *call, bool cancelled, void *arg) {
   data_service_t *ds = arg;
-  uint64_t *kept = rpc_call_data(call);
+  plan_kept_t *kept = rpc_call_data(call);
   rpc_call_set_data(call, NULL);
   if (!kept) return;
-  uint64_t id = *kept;
+  uint64_t id = kept->id;
+  bool was_held = kept->held;
   free(kept);
-  if (!cancelled) return;
+  if (!cancelled && !was_held) return;
   pthread_mutex_lock(&ds->mu);
   transfer_t **pp = &ds->pending, *t;
   while ((t = *pp) && t->id != id) pp = &t->next;
+  /* A grant request held for it (this call: it ended waiting) goes with it;
+   * one the sweeper is answering (busy) is undone there (held_settle). */
+  bool held = t && t->grant_call == call;
+  if (!held && !cancelled) t = NULL; /* answered (the sweeper's grant_start, or an error) */
+  if (held && t->busy) t->grant_cancelled = true;
   /* Busy, finished or failed: a FinishUpload came (the client had the
    * answer after all) and decides. */
   if (t && (t->busy || t->finished || t->failed)) t = NULL;
-  if (t && t->fetch) *pp = t->next;
+  if (t && t->fetch) pending_unlink_locked(ds, pp);
   else if (t) t->busy = true;
   pthread_mutex_unlock(&ds->mu);
   if (!t) return;
-  log_info("data", "PlanTransfer of tensor %llu: its call was cancelled before the answer "
-           "reached the client; the direct %s is undone",
-           (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), t->fetch ? "fetch" : "upload");
+  if (held) {
+    grant_end(t, NULL);
+    log_info("data", "PlanTransfer: the grant request of a direct fetch of tensor %llu ended "
+             "(%s) while it waited for a slot; the fetch is undone",
+             (unsigned long long)t->fetch->ref,
+             cancelled ? "cancelled, or its deadline passed" : "ended by the server");
+  } else {
+    log_info("data", "PlanTransfer of tensor %llu: its call was cancelled before the answer "
+             "reached the client; the direct %s is undone",
+             (unsigned long long)(t->fetch ? t->fetch->ref : t->ref), t->fetch ? "fetch" : "upload");
+  }
   transfer_undo(ds, t);
 }
 
@@ -2254,6 +2446,12 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
     return;
   }
   fetch_t *f = t->fetch;
+  if (t->grant_call) {
+    meshd_error_t e;
+    error_set(&e, ERR_UNKNOWN_REF, "PlanTransfer: fetch %llu was finished (FinishFetch) while "
+              "this grant request waited for a slot", (unsigned long long)t->id);
+    grant_end(t, &e);
+  }
   if (read_took_snapshot(ds, f, t->nonces, &rq->read_receipt)) {
     atomic_store(&f->read_all, true); /* the Read lets go of it: no DropSnapshot */
     fetch_rank_read(f);
@@ -2325,7 +2523,7 @@ static transfer_t *revoke_next_locked(data_service_t *ds, bool (*revoked)(const 
       continue;
     }
     t->revoked = true;
-    if (t->fetch) *pp = t->next;
+    if (t->fetch) pending_unlink_locked(ds, pp);
     else t->busy = true; /* stays in the table, to be undone (again) at expiry */
     return t;
   }
@@ -2353,6 +2551,13 @@ int data_service_revoke(data_service_t *ds, bool (*revoked)(const rpc_identity_t
              undo ? "undone, its grants revoked" : "failed before: its grants revoked",
              t->planner.name);
     grants_revoke(ds, t);
+    if (t->grant_call) {
+      meshd_error_t e;
+      error_set(&e, ERR_UNAUTHENTICATED, "PlanTransfer: fetch %llu was undone while its grant "
+                "request waited for a slot: the bearer token that planned it was revoked at a "
+                "reload of --auth-tokens (SIGHUP)", (unsigned long long)t->id);
+      grant_end(t, &e);
+    }
     if (undo) {
       transfer_undo(ds, t);
       n++;
@@ -2460,9 +2665,11 @@ void data_service_destroy(data_service_t *ds) {
   ds->pending = NULL;
   pthread_mutex_unlock(&ds->mu);
   if (ds->sweeping) pthread_join(ds->sweeper, NULL);
-  /* Queued Fetches: their calls ended with the server's; the relays' go. */
+  /* Queued Fetches: their calls ended with the server's; the relays' go. (A
+   * direct fetch's held grant request goes with its transfer, below.) */
   for (fetch_t *f = ds->queued, *next; f; f = next) {
     next = f->queued_next;
+    if (f->direct) continue;
     atomic_store(&f->read_all, true); /* nothing is sent to agents any more */
     fetch_stop_waiting(f);
     relay_stop(f);

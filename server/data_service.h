@@ -11,7 +11,9 @@
  * thread of its own. A session has at most max_transfers of these calls in
  * flight; more are refused RESOURCE_EXHAUSTED (QUOTA), but for a fetch with
  * wait_for_slot: planned at once, its bytes wait for a slot (at most
- * DATA_TRANSFERS_MAX - max_transfers such fetches per session). */
+ * DATA_TRANSFERS_MAX - max_transfers such fetches per session): a proxied
+ * Fetch's relay, a direct one's grant request (PlanTransfer with its
+ * transfer_id, held until then). */
 #ifndef MESHD_DATA_SERVICE_H
 #define MESHD_DATA_SERVICE_H
 

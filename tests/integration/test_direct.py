@@ -33,12 +33,14 @@ def connect(srv, data_path="auto", **kw):
     return meshd.connect(f"127.0.0.1:{srv.port}", data_path=data_path, timeout=30, **kw)
 
 
-def plan(s, **what):
-    """A raw PlanTransfer (upload=UploadHeader or fetch=FetchRequest)."""
+def plan(s, timeout=10, future=False, **what):
+    """A raw PlanTransfer (upload=UploadHeader or fetch=FetchRequest); future: its
+    grpc future instead of its answer."""
     pb = s._pb
     fn = s._ch.unary_unary(SVC + "PlanTransfer", request_serializer=lambda m: m.SerializeToString(),
                            response_deserializer=pb.PlanTransferReply.FromString)
-    return fn(pb.PlanTransferRequest(**what), metadata=s._md, timeout=10)
+    call = fn.future if future else fn
+    return call(pb.PlanTransferRequest(**what), metadata=s._md, timeout=timeout)
 
 
 def plan_fetch(s, t, **coords):
@@ -96,10 +98,11 @@ def agent_write(shard, data, grant=None, creds=None, options=()):
 
 
 def refused(fn, code, text):
+    """fn's grpc.RpcError, with code (None: any) and text in its details."""
     with pytest.raises(grpc.RpcError) as ei:
         fn()
     e = ei.value
-    assert e.code() == code, (e.code(), e.details())
+    assert code is None or e.code() == code, (e.code(), e.details())
     assert text in e.details(), e.details()
     return e
 
@@ -839,12 +842,15 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
     """--session-max-transfers 1, its slot held by a planned fetch. A fetch with
     wait_for_slot is planned at once all the same (its value fixed, no slot taken):
     PlanTransfer answers slot_pending (no grant), a Fetch sends its meta; so the
-    client's next command, an in-place write, runs while they wait. The grant is
-    refused while the slot is held; once it frees, the queued Fetch streams and the
-    grant comes, both with the value from before the write. Fetches wait so at most
-    while the session's unread snapshots fit what its agents keep (64); one whose
-    call ends while it waits frees its place. Without wait_for_slot: refused, as
-    before (older clients)."""
+    client's next command, an in-place write, runs while they wait. The grant request
+    is held while the slot is taken (it was refused, and clients polled): one whose
+    deadline passes ends DEADLINE_EXCEEDED and its fetch is undone (its place among
+    the waiting ones comes back); the queued Fetch streams once the slot frees and
+    the held request is answered with the grant after it, both with the value from
+    before the write. Fetches wait so at most while the session's unread snapshots
+    fit what its agents keep (64); one whose call ends while it waits frees its
+    place. Without wait_for_slot: refused, as before (older clients). A session
+    closed while a grant request is held ends it NO_SESSION."""
     import time
     srv = meshd_server(1, "--session-max-transfers", "1")
     lib.wait_ready(srv, 1)
@@ -869,9 +875,23 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
             assert next(q).WhichOneof("part") == "meta"  # planned, without the slot
         t.add_(1)  # after them in the stream
         s.sync()
-        grant = lambda: plan(s, fetch=pb.FetchRequest(transfer_id=pending.transfer_id))
-        refused(grant, grpc.StatusCode.RESOURCE_EXHAUSTED, "--session-max-transfers")
-        # 1 slot + 63 waiting: what the agent keeps unread; the next is refused.
+        grant_of = lambda p, **kw: plan(s, fetch=pb.FetchRequest(transfer_id=p.transfer_id), **kw)
+        # Held, not refused; past its deadline its fetch is undone (a second request
+        # finds it held until the server saw the call end, then nothing).
+        doomed = plan(s, fetch=req)
+        refused(lambda: grant_of(doomed, timeout=0.5), grpc.StatusCode.DEADLINE_EXCEEDED, "")
+
+        def doomed_gone():
+            e = refused(lambda: grant_of(doomed, timeout=5), None, "")
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # (one request at a time)
+                assert "waits for a slot already" in e.details(), e.details()
+                return False
+            assert e.code() == grpc.StatusCode.NOT_FOUND, (e.code(), e.details())
+            return "no pending fetch" in e.details()
+        _until(doomed_gone, 5, "the fetch of a grant request past its deadline was not undone")
+        granting = grant_of(pending, timeout=30, future=True)  # held until the slot is its
+        # 1 slot + 63 waiting (the undone one's place back): what the agent keeps
+        # unread; the next is refused.
         more = [plan(s, fetch=req) for _ in range(60)]
         assert all(m.slot_pending for m in more)
         refused(lambda: plan(s, fetch=req), grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -889,29 +909,54 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
         for m in more:  # given back unread: their snapshots go
             finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=m.transfer_id),
                    pb.FinishFetchReply)
+        assert not granting.done()  # (the slot is still held)
         agent_read(hold.shards[0], s.id, t.ref)
         finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=hold.transfer_id),
                pb.FinishFetchReply)
         data = b"".join(c.data for c in queued[0] if c.WhichOneof("part") == "data")
         np.testing.assert_array_equal(np.frombuffer(data, np.float32), arr)
-        end = time.monotonic() + 10
-        while True:  # the slot: once the queued Fetch's end gave it back
-            try:
-                granted = grant()
-                break
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
-                assert time.monotonic() < end, "the slot did not free"
-                time.sleep(0.02)
+        granted = granting.result(10)  # the slot, once the queued Fetch's end gave it back
         assert not granted.slot_pending and len(granted.shards) == 1
         assert granted.transfer_id == pending.transfer_id
         got = agent_read(granted.shards[0], s.id, t.ref)
         np.testing.assert_array_equal(np.frombuffer(got, np.float32), arr)
         finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=pending.transfer_id),
                pb.FinishFetchReply)
-        refused(grant, grpc.StatusCode.NOT_FOUND, "no pending fetch")
+        refused(lambda: grant_of(pending), grpc.StatusCode.NOT_FOUND, "no pending fetch")
+        # The slot is free: a fetch without wait_for_slot gets it at once.
+        again = plan_fetch(s, t, gpu=0)
+        assert not again.slot_pending and len(again.shards) == 1
+        finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=again.transfer_id),
+               pb.FinishFetchReply)
         with s.mesh(gpu=1).activate():
             assert meshd.inspect(t, gpu=0).tolist() == (arr + 1).tolist()
+    s2 = connect(srv, "direct")  # closed while its grant requests are held
+    try:
+        pb = s2._pb
+        with s2.mesh(gpu=1).activate():
+            t2 = meshd.tensor(arr)
+        req = pb.FetchRequest(ref=t2.ref, coords=[pb.Coordinate(dim="gpu", index=0)],
+                              wait_for_slot=True)
+        assert not plan(s2, fetch=req).slot_pending  # the slot
+        waiting = [plan(s2, fetch=req) for _ in range(3)]
+        held = [plan(s2, fetch=pb.FetchRequest(transfer_id=w.transfer_id), timeout=30,
+                     future=True) for w in waiting]
+        ended = held.pop()  # its fetch ended (FinishFetch) while it is held: it ends too
+        finish(s2, "FinishFetch", pb.FinishFetchRequest(transfer_id=waiting[-1].transfer_id),
+               pb.FinishFetchReply)
+        e = ended.exception(10)
+        assert e is not None and e.code() == grpc.StatusCode.NOT_FOUND, e
+        # (or, had the FinishFetch overtaken the request: no pending fetch)
+        assert re.search("was finished [(]FinishFetch[)] while this grant request waited|"
+                         "no pending fetch", e.details()), e.details()
+        # (CloseSession alone: the channel, whose close would cancel them, stays)
+        s2._unary("CloseSession", pb.CloseSessionRequest(), pb.CloseSessionReply)
+        for h in held:
+            e = h.exception(10)
+            assert e is not None and e.code() == grpc.StatusCode.UNAUTHENTICATED, e
+            assert "was closed while fetch" in e.details(), e.details()
+    finally:
+        s2._abandon()  # (its channel; the session is closed already)
 
 
 def test_reads_fit_an_agents_smaller_message_limit(meshd_server, agent):

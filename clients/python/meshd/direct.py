@@ -765,15 +765,27 @@ class Direct:
 
     def _fetch_grant(self, reply, deadline):
         """(reply, channel) for a fetch whose plan was answered slot_pending: its grant,
-        PlanTransfer{fetch: FetchRequest{transfer_id}}, refused while the session's
-        transfer slots are all taken and asked again until one frees (by deadline).
-        The plan fixed its value, so the session's commands go meanwhile. None (auto:
-        its agent does not answer) with the plan kept, for _fetch_by_proxy. Raises,
-        the plan given back, when refused otherwise."""
+        PlanTransfer{fetch: FetchRequest{transfer_id}}, one call that the server holds
+        until a slot frees for it, oldest waiting first (by deadline: past it the server
+        undoes the fetch). A server older than that refuses it at once while the
+        session's transfer slots are all taken, and it is asked again until one frees
+        (Direct.plan's retry_transfers_full). The plan fixed its value, so the session's
+        commands go meanwhile. None (auto: its agent does not answer) with the plan
+        kept, for _fetch_by_proxy. Raises, the plan given back, when refused otherwise
+        (DEADLINE_EXCEEDED naming the slots when none freed in time)."""
         pb = self.session._pb
         try:
-            granted = self.plan(pb.PlanTransferRequest(fetch=pb.FetchRequest(
-                transfer_id=reply.transfer_id)), deadline)
+            try:
+                granted = self.plan(pb.PlanTransferRequest(fetch=pb.FetchRequest(
+                    transfer_id=reply.transfer_id)), deadline)
+            except MeshdError as e:
+                if e.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise
+                raise MeshdError("DEADLINE_EXCEEDED", "direct fetch: planned, it waited for one "
+                                 "of the session's transfer slots until its deadline passed (its "
+                                 "other transfers in flight hold all --session-max-transfers of "
+                                 "them); read or end those first, or give it a longer timeout",
+                                 grpc.StatusCode.DEADLINE_EXCEEDED) from None
             if granted is None:  # (auto, and the server no longer offers it)
                 return None
             return self._fetch_channel(granted, deadline, give_back=False)

@@ -214,15 +214,27 @@ def test_fetch_shard_returns_before_its_plan_and_commands_wait_for_it(server, da
 
 
 @pytest.mark.parametrize("data_path", ["direct", "proxy"])
-def test_fetches_waiting_for_a_transfer_slot_hold_no_command_back(server, data_path):
+def test_fetches_waiting_for_a_transfer_slot_hold_no_command_back(server, data_path, monkeypatch):
     """The session's 8 transfer slots (the server's default) taken by 8 fetches being
     read (planned, not finished), then 9 fetch_shards: the server plans each at once,
     its value fixed, and only its bytes wait for a slot (FetchRequest.wait_for_slot).
     So the 9th fetch_shard (the session's 17th fetch) returns at once, where it waited
     for one of 8 plans that waited for a slot; an in-place write after them runs at
     once, where it waited (on its own deadline: DEADLINE_EXCEEDED) for the 8 reads;
-    and every fetch still returns the value from before the write."""
+    and every fetch still returns the value from before the write. Direct, each costs
+    two PlanTransfer calls, its plan and its grant request, which the server holds
+    until a slot frees (it refused it, and the client asked again and again)."""
     _tensor = importlib.import_module("meshd.tensor")
+    _direct = importlib.import_module("meshd.direct")
+    plans = []  # PlanTransfer calls made (each try of Direct.plan's)
+    real_retry = _direct.retry_transfers_full
+
+    def counted(start, timeout):
+        def once():
+            plans.append(1)
+            return start()
+        return real_retry(once, timeout)
+    monkeypatch.setattr(_direct, "retry_transfers_full", counted)
     a = np.arange(6, dtype=np.float32)
     with meshd.connect(server[0], data_path=data_path, timeout=5) as s:
         pb = s._pb
@@ -232,6 +244,7 @@ def test_fetches_waiting_for_a_transfer_slot_hold_no_command_back(server, data_p
                 fetch=_tensor._fetch_request(t, {"gpu": i % 2})), pb.PlanTransferReply)
                 for i in range(8)]
             futs = []
+            plans.clear()  # (the tensor's upload planned one)
             try:
                 starter = threading.Thread(target=lambda: futs.extend(
                     meshd.fetch_shard(t, gpu=i % 2, timeout=30) for i in range(9)))
@@ -251,6 +264,8 @@ def test_fetches_waiting_for_a_transfer_slot_hold_no_command_back(server, data_p
                 starter.join(30)
             for f in futs:
                 np.testing.assert_array_equal(f.result(30), a)
+            if data_path == "direct":  # a plan and a grant request each, no retry
+                assert len(plans) == 2 * 9, len(plans)
             np.testing.assert_array_equal(meshd.inspect(t, gpu=1), a + 1)
             assert s._direct.counts["fetch"] == (10 if data_path == "direct" else 0)
 

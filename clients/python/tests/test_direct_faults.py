@@ -213,7 +213,9 @@ def test_a_failing_shard_stops_the_others_at_once(server, monkeypatch):
 
 def test_fetch_shard_timeout_bounds_the_wait_for_a_transfer_slot(one_slot):
     """fetch_shard(timeout=0.5) while the session's one transfer slot is taken fails
-    QUOTA after about 0.5 s, as on the proxied path (before: the session's timeout)."""
+    after about 0.5 s (before: the session's timeout): DEADLINE_EXCEEDED naming the
+    slots, its grant request held by the server until then (a server that refuses it
+    at once, as before, leaves QUOTA, the last refusal)."""
     with meshd.connect(one_slot, data_path="direct", timeout=4) as s:
         with s.mesh(gpu=2).activate():
             t = meshd.tensor(np.ones(4 * MIB, np.float32), progress=False)
@@ -226,7 +228,8 @@ def test_fetch_shard_timeout_bounds_the_wait_for_a_transfer_slot(one_slot):
                 took = time.monotonic() - t0
             finally:
                 held.cancel()
-            assert ei.value.kind == "QUOTA", ei.value
+            assert ei.value.kind == "DEADLINE_EXCEEDED", ei.value
+            assert "--session-max-transfers" in ei.value.message, ei.value
             assert took < 1.5, f"fetch_shard(timeout=0.5) failed after {took:.2f} s"
 
 
