@@ -1494,7 +1494,8 @@ static bool accept_room(const dataplane_t *dp, size_t np, int64_t now, size_t *v
   *victim = np;
   *until = 0;
   if (unproven < atomic_load(&dp->unproven_max)) return true;
-  int64_t silent_at = silent < np ? dp->pend[silent].accepted + DP_SILENT_GRACE_MS : INT64_MAX;
+  int64_t silent_at =
+      silent < np ? dp->pend[silent].accepted + atomic_load(&dp->silent_grace_ms) : INT64_MAX;
   int64_t oldest_at = dp->pend[oldest].accepted + DP_EVICT_GRACE_MS;
   if (silent_at <= now) *victim = silent;
   else if (oldest_at <= now) *victim = oldest;
@@ -1624,6 +1625,10 @@ void dataplane_max_unproven(dataplane_t *dp, size_t n) {
   if (dp) atomic_store(&dp->unproven_max, n > 0 ? n : 1);
 }
 
+void dataplane_silent_grace(dataplane_t *dp, int ms) {
+  if (dp) atomic_store(&dp->silent_grace_ms, ms > 0 ? ms : 0);
+}
+
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
                              meshd_error_t *err) {
   dataplane_t *dp = calloc(1, sizeof *dp);
@@ -1672,6 +1677,7 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   }
   dp->pcap = DP_UNPROVEN_MIN; /* pending_room grows it */
   dp->unproven_max = unproven_cap();
+  dp->silent_grace_ms = DP_SILENT_GRACE_MS;
   dp->pend = malloc(dp->pcap * sizeof *dp->pend);
   dp->pfds = malloc((dp->pcap + 3) * sizeof *dp->pfds);
   if (!dp->pend || !dp->pfds) {

@@ -200,6 +200,11 @@ void dataplane_max_links(dataplane_t *dp, size_t n);
  * is less, but at least 64. For a test that crowds a listener with fewer
  * sockets, or a process short of descriptors. */
 void dataplane_max_unproven(dataplane_t *dp, size_t n);
+/* How long past the cap a socket that has sent nothing is kept before a
+ * newcomer takes its place (default 100 ms, dp_internal.h). For a test whose
+ * burst of members overflows a lowered cap on a loaded machine, where their
+ * dialers may take longer than that to answer the challenge. */
+void dataplane_silent_grace(dataplane_t *dp, int ms);
 /* Connections this agent holds now, dialed and accepted (0 for NULL). */
 size_t dataplane_links(dataplane_t *dp);
 /* Bytes of ring scratch kept between calls (at most 4 segments of 16 MiB or

@@ -194,6 +194,7 @@ struct dataplane {
   struct pollfd *pfds;
   size_t pcap;
   _Atomic size_t unproven_max;
+  _Atomic int silent_grace_ms; /* DP_SILENT_GRACE_MS (dataplane_silent_grace) */
   /* Comms whose session ended here (dataplane_end_comm): a call registered
    * on one is dropped at once (mu). */
   uint64_t *ended;
