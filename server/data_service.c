@@ -1369,13 +1369,29 @@ static int fetch_plan(data_service_t *ds, session_t *s, const Meshd__V1__FetchRe
   return 0;
 }
 
+/* Puts f at the end of ds->queued (under ds->mu). */
+static void queue_append_locked(data_service_t *ds, fetch_t *f) {
+  *ds->queued_tail = f;
+  ds->queued_tail = &f->queued_next;
+  atomic_fetch_add(&ds->nqueued, 1);
+}
+
+/* Takes the fetch at *pp out of ds->queued (under ds->mu): *pp is then the
+ * one after it. */
+static fetch_t *queue_take_locked(data_service_t *ds, fetch_t **pp) {
+  fetch_t *f = *pp;
+  *pp = f->queued_next;
+  if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
+  f->queued_next = NULL;
+  atomic_fetch_sub(&ds->nqueued, 1);
+  return f;
+}
+
 /* A proxied Fetch planned without a slot waits in ds->queued, holding the
  * relay's reference, until queue_run starts it. */
 static void fetch_queue(data_service_t *ds, fetch_t *f) {
   pthread_mutex_lock(&ds->mu);
-  *ds->queued_tail = f;
-  ds->queued_tail = &f->queued_next;
-  atomic_fetch_add(&ds->nqueued, 1);
+  queue_append_locked(ds, f);
   pthread_mutex_unlock(&ds->mu);
   kick(ds); /* a slot may have freed while it was planned */
 }
@@ -1553,11 +1569,7 @@ typedef struct transfer {
 static void queue_unlink_locked(data_service_t *ds, fetch_t *f) {
   for (fetch_t **pp = &ds->queued; *pp; pp = &(*pp)->queued_next) {
     if (*pp != f) continue;
-    *pp = f->queued_next;
-    if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
-    f->queued_next = NULL;
-    f->granting = NULL;
-    atomic_fetch_sub(&ds->nqueued, 1);
+    queue_take_locked(ds, pp)->granting = NULL;
     return;
   }
 }
@@ -1631,14 +1643,23 @@ static void transfer_note_planner(transfer_t *t, rpc_call_t *call) {
 /* The session's pending transfer `id` of that kind: a fetch is taken out of
  * the table; an upload stays in it, marked busy, until transfer_settle (a
  * FinishUpload asked again meanwhile waits for the first's outcome). */
+/* Where the session's pending transfer `id` of that kind is in the table
+ * (*result NULL: none; a failed upload is none). Under ds->mu. */
+static transfer_t **pending_find_locked(data_service_t *ds, uint64_t id, session_t *s,
+                                        bool upload) {
+  transfer_t **pp = &ds->pending, *t;
+  while ((t = *pp) && !(t->id == id && !t->failed &&
+                        (t->fetch ? t->fetch->sess : t->sess) == s && upload == !t->fetch))
+    pp = &t->next;
+  return pp;
+}
+
 static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, bool upload) {
   pthread_mutex_lock(&ds->mu);
   transfer_t **pp, *t;
   for (;;) {
-    pp = &ds->pending;
-    while ((t = *pp) && !(t->id == id && !t->failed &&
-                          (t->fetch ? t->fetch->sess : t->sess) == s && upload == !t->fetch))
-      pp = &t->next;
+    pp = pending_find_locked(ds, id, s, upload);
+    t = *pp;
     if (!t || !t->busy) break;
     pthread_cond_wait(&ds->settled, &ds->mu);
   }
@@ -1683,12 +1704,8 @@ static void queue_run(data_service_t *ds) {
       }
       f->queued_slot = !gone;
     }
-    *pp = f->queued_next;
-    if (ds->queued_tail == &f->queued_next) ds->queued_tail = pp;
-    f->queued_next = NULL;
-    *tail = f;
+    *tail = queue_take_locked(ds, pp);
     tail = &f->queued_next;
-    atomic_fetch_sub(&ds->nqueued, 1);
   }
   pthread_mutex_unlock(&ds->mu);
   while ((f = go)) {
@@ -2071,8 +2088,7 @@ static int plan_fetch_grant(data_service_t *ds, session_t *s, rpc_call_t *call, 
   *kept = (plan_kept_t){id, true};
   meshd_error_t full;
   pthread_mutex_lock(&ds->mu);
-  transfer_t **pp = &ds->pending, *t;
-  while ((t = *pp) && !(t->id == id && t->fetch && t->fetch->sess == s)) pp = &t->next;
+  transfer_t **pp = pending_find_locked(ds, id, s, false), *t = *pp;
   fetch_t *f = t ? t->fetch : NULL;
   int rc = 0;
   if (!t)
@@ -2094,9 +2110,7 @@ static int plan_fetch_grant(data_service_t *ds, session_t *s, rpc_call_t *call, 
     rpc_call_ref(call);
     session_ref(s); /* a call in flight: it holds the session's lease */
     f->granting = t;
-    *ds->queued_tail = f;
-    ds->queued_tail = &f->queued_next;
-    atomic_fetch_add(&ds->nqueued, 1);
+    queue_append_locked(ds, f);
     rpc_call_set_data(call, kept); /* in on_start: never beside plan_end */
     kept = NULL;
   }
