@@ -35,7 +35,7 @@ typedef struct {
 struct echo_server {
   rpc_server_t *srv;
   int port;
-  atomic_int started, ended, cancelled;
+  atomic_int started, ended, cancelled, delayed_answered;
 
   pthread_t timer;
   bool timer_running;
@@ -112,6 +112,7 @@ static void *timer_main(void *p) {
                    d->metadata);
     rpc_call_unref(d->call);
     delayed_free(d);
+    atomic_fetch_add(&es->delayed_answered, 1);
     pthread_mutex_lock(&es->mu);
   }
   delayed_t *rest = es->queue;
@@ -358,6 +359,7 @@ rpc_server_t *echo_server_rpc(echo_server_t *es) { return es->srv; }
 int echo_server_calls_started(echo_server_t *es) { return atomic_load(&es->started); }
 int echo_server_calls_ended(echo_server_t *es) { return atomic_load(&es->ended); }
 int echo_server_calls_cancelled(echo_server_t *es) { return atomic_load(&es->cancelled); }
+int echo_server_delayed_answered(echo_server_t *es) { return atomic_load(&es->delayed_answered); }
 
 void echo_server_stop(echo_server_t *es, double grace_seconds) {
   if (!es) return;

@@ -63,5 +63,7 @@ void echo_server_stop(echo_server_t *es, double grace_seconds);
 int echo_server_calls_started(echo_server_t *es);
 int echo_server_calls_ended(echo_server_t *es);
 int echo_server_calls_cancelled(echo_server_t *es);
+/* Delayed answers given (or aborts), whether or not their call was still open. */
+int echo_server_delayed_answered(echo_server_t *es);
 
 #endif
