@@ -72,6 +72,7 @@ typedef struct xstream {
   uint64_t running, unsynced_first;
   bool stop; /* the session ended: drop what is queued (not run), then exit */
   bool wake_deferred; /* in executor.wake */
+  bool idle; /* its worker waits: nothing it may run now (stream_runnable_locked) */
   pthread_cond_t wake;
   UT_hash_handle hh;
 } xstream_t;
@@ -139,6 +140,11 @@ struct executor {
   int refusers; /* refuser threads alive (mu; start_refuser_locked) */
   idle_worker_t *idle; /* parked workers (mu) */
   int nidle;
+  int max_workers; /* MAX_WORKERS, or a test's (executor_set_max_workers_for_test) */
+  /* A test's hold of each refuser thread before it refuses (mu). */
+  void (*refuser_hold)(void *arg, uint64_t seq);
+  void *refuser_hold_arg;
+  int idle_waiters; /* in executor_wait_stream_idle_for_test (mu) */
 };
 
 /* Worker threads one executor runs at most: one per (session, stream) with
@@ -245,6 +251,7 @@ static uint64_t oldest_locked(const xstream_t *st) {
 }
 
 static uint64_t refusing_oldest_locked(const xsession_t *s);
+static bool refusing_stream_locked(const xsession_t *s, uint64_t stream);
 
 /* Every seq of session s <= the result is done: the oldest pending one of
  * its streams and its refusers - 1, or everything taken when none is
@@ -544,6 +551,13 @@ static void leave_session_locked(executor_t *x, xsession_t *s) {
   }
 }
 
+/* The stream's worker may run the head of its queue now: there is one, and
+ * no refuser thread of its stream still fails an instruction sent before it
+ * (start_refuser_locked). Holds mu. */
+static bool stream_runnable_locked(const xstream_t *st) {
+  return st->head && !refusing_stream_locked(st->sess, st->id);
+}
+
 /* Seqs a worker ran whose device work may still be in flight (backends with
  * stream_sync): marked done together once the stream is synchronised, when
  * the queue runs dry or this many are waiting. */
@@ -582,7 +596,12 @@ static void run_stream(executor_t *x, xstream_t *st) {
       nunsynced = 0;
       continue;
     }
-    while (!st->head && !st->stop) pthread_cond_wait(&st->wake, &x->mu);
+    while (!stream_runnable_locked(st) && !st->stop) {
+      st->idle = true;
+      if (x->idle_waiters) pthread_cond_broadcast(&x->progress);
+      pthread_cond_wait(&st->wake, &x->mu);
+      st->idle = false;
+    }
     item_t *it = st->head;
     if (!it) break;
     st->head = it->next;
@@ -691,7 +710,7 @@ static int start_work_locked(executor_t *x, work_t w) {
     pthread_cond_signal(&iw->cv);
     return 0;
   }
-  if (x->workers >= MAX_WORKERS) return -1;
+  if (x->workers >= x->max_workers) return -1;
   worker_arg_t *wa = malloc(sizeof *wa);
   if (!wa) return -1;
   *wa = (worker_arg_t){x, w};
@@ -709,9 +728,9 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
   xstream_t *st = NULL;
   HASH_FIND(hh, s->streams, &id, sizeof id, st);
   if (st) return st;
-  if (!x->idle && x->workers >= MAX_WORKERS) {
+  if (!x->idle && x->workers >= x->max_workers) {
     log_warn("executor", "session %.8s stream %" PRIu64 ": %d worker threads already run",
-             s->state->id, id, MAX_WORKERS);
+             s->state->id, id, x->max_workers);
     return NULL;
   }
   st = calloc(1, sizeof *st);
@@ -740,14 +759,20 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
  * thread of its own refuses it as its worker would have (run_refused: the
  * peers are told why at once rather than at the comm timeout, its results
  * fail here), counted as a live worker of the session so that the session
- * outlives it; its seq is done when it returns. */
+ * outlives it; its seq is done when it returns. It keeps its place in its
+ * stream's order: the stream's later instructions, queued once a worker
+ * can be had, run only after it (stream_runnable_locked), or they would read
+ * the old value of a result it fails (an in-place Reduce's out=, read by
+ * the Snapshot of a Fetch that then answered it as fine). */
 typedef struct refuser {
   executor_t *x;
   xsession_t *s;
   instr_t *ins; /* owned, or inside batch */
   executor_batch_t *batch;
   meshd_error_t why;
-  uint64_t seq;
+  uint64_t seq, stream;
+  void (*hold)(void *arg, uint64_t seq); /* executor.refuser_hold */
+  void *hold_arg;
   struct refuser *next; /* xsession.refusing (executor.mu) */
 } refuser_t;
 
@@ -759,6 +784,13 @@ static uint64_t refusing_oldest_locked(const xsession_t *s) {
   return low;
 }
 
+/* A refuser of s still runs an instruction of stream. Holds mu. */
+static bool refusing_stream_locked(const xsession_t *s, uint64_t stream) {
+  for (const refuser_t *r = s->refusing; r; r = r->next)
+    if (r->stream == stream) return true;
+  return false;
+}
+
 static void refusing_unlink_locked(xsession_t *s, refuser_t *r) {
   for (refuser_t **p = &s->refusing; *p; p = &(*p)->next)
     if (*p == r) {
@@ -767,9 +799,9 @@ static void refusing_unlink_locked(xsession_t *s, refuser_t *r) {
     }
 }
 
-static void queue_failure_msg(char *buf, size_t len, uint64_t seq) {
+static void queue_failure_msg(const executor_t *x, char *buf, size_t len, uint64_t seq) {
   snprintf(buf, len, "agent out of memory or threads queueing instruction seq %" PRIu64
-           " (it runs at most %d streams at once, over all sessions)", seq, MAX_WORKERS);
+           " (it runs at most %d streams at once, over all sessions)", seq, x->max_workers);
 }
 
 static bool has_data_plane_call(const instr_t *ins) {
@@ -791,6 +823,7 @@ static void *refuser_main(void *arg) {
   session_state_t *ss = s->state;
   uint64_t seq = r->seq;
   pthread_setname_np(pthread_self(), "refuser");
+  if (r->hold) r->hold(r->hold_arg, seq);
   run_failures_t failed;
   failed.n = 0;
   run_refused(&x->env, ss, r->ins, &r->why, true, &failed);
@@ -804,6 +837,10 @@ static void *refuser_main(void *arg) {
    * seq carries them. */
   pthread_mutex_lock(&x->mu);
   refusing_unlink_locked(s, r);
+  /* Its stream's worker, if one was started meanwhile, may run what it holds. */
+  xstream_t *st = NULL;
+  HASH_FIND(hh, s->streams, &r->stream, sizeof r->stream, st);
+  if (st) pthread_cond_signal(&st->wake);
   x->refusers--;
   mark_done_locked(x, seq);
   leave_session_locked(x, s);
@@ -821,8 +858,10 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
   refuser_t *r = malloc(sizeof *r);
   if (!r) return false;
   char msg[160];
-  queue_failure_msg(msg, sizeof msg, ins->seq);
-  *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch, .seq = ins->seq};
+  queue_failure_msg(x, msg, sizeof msg, ins->seq);
+  *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch, .seq = ins->seq,
+                   .stream = ins->stream, .hold = x->refuser_hold,
+                   .hold_arg = x->refuser_hold_arg};
   if (why) r->why = *why;
   else error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
   executor_ref(x);
@@ -1025,7 +1064,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   /* The failure goes in before the watermark passes the seq: a report that
    * says it ran says how it failed. */
   char failmsg[160] = "";
-  if (failed) queue_failure_msg(failmsg, sizeof failmsg, ins->seq);
+  if (failed) queue_failure_msg(x, failmsg, sizeof failmsg, ins->seq);
   if (done_now && refused) error_push_locked(x, refusal);
   else error_free(refusal);
   if (failed)
@@ -1164,6 +1203,7 @@ executor_t *executor_create(const run_env_t *env, executor_report_fn report, voi
   x->env = *env;
   x->report = report;
   x->arg = arg;
+  x->max_workers = MAX_WORKERS;
   atomic_init(&x->refs, 1);
   pthread_mutex_lock(&live_mu);
   live_executors++;
@@ -1249,4 +1289,41 @@ void executor_close(executor_t *x) {
     drop_now = next;
   }
   executor_unref(x);
+}
+
+/* ------------------------------------------------------------------ tests */
+
+void executor_set_max_workers_for_test(executor_t *x, int n) {
+  pthread_mutex_lock(&x->mu);
+  x->max_workers = n >= 0 ? n : MAX_WORKERS;
+  pthread_mutex_unlock(&x->mu);
+}
+
+void executor_set_refuser_hold_for_test(executor_t *x, void (*hold)(void *arg, uint64_t seq),
+                                        void *arg) {
+  pthread_mutex_lock(&x->mu);
+  x->refuser_hold = hold;
+  x->refuser_hold_arg = arg;
+  pthread_mutex_unlock(&x->mu);
+}
+
+int executor_wait_stream_idle_for_test(executor_t *x, const char *session, uint64_t stream,
+                                       int timeout_ms) {
+  struct timespec dl;
+  runtime_deadline(&dl, CLOCK_REALTIME, timeout_ms);
+  pthread_mutex_lock(&x->mu);
+  x->idle_waiters++;
+  int rc = 0;
+  bool idle;
+  for (;;) {
+    xsession_t *s = session_find_locked(x, session);
+    xstream_t *st = NULL;
+    if (s) HASH_FIND(hh, s->streams, &stream, sizeof stream, st);
+    idle = st && st->idle && !stream_runnable_locked(st);
+    if (idle || x->closing || rc != 0) break;
+    rc = pthread_cond_timedwait(&x->progress, &x->mu, &dl);
+  }
+  x->idle_waiters--;
+  pthread_mutex_unlock(&x->mu);
+  return idle ? 0 : -1;
 }

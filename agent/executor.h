@@ -131,4 +131,18 @@ bool executor_closing(executor_t *x);
 /* The last seq taken (0: none yet). */
 uint64_t executor_received(executor_t *x);
 
+/* Tests. The worker threads x starts at most (n < 0: 4096, the default):
+ * past them a new stream's instruction cannot be queued (one with a data
+ * plane call then goes to a refuser thread). */
+void executor_set_max_workers_for_test(executor_t *x, int n);
+/* hold(arg, seq) runs on each refuser thread x starts from now on, before
+ * it refuses instruction seq: a test holds the refusal there (NULL: none). */
+void executor_set_refuser_hold_for_test(executor_t *x, void (*hold)(void *arg, uint64_t seq),
+                                        void *arg);
+/* Waits up to timeout_ms until the worker of (session, stream) waits with
+ * nothing it may run now (its queue empty, or held behind a refuser of its
+ * stream): 0, or -1. */
+int executor_wait_stream_idle_for_test(executor_t *x, const char *session, uint64_t stream,
+                                       int timeout_ms);
+
 #endif

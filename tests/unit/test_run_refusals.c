@@ -8,7 +8,9 @@
  *   started for it (this suite's pthread_create fails once, when armed);
  *   and, the same way, that its seq is not done, for its session either,
  *   before its failure is queued (a peer that never answers holds the
- *   refuser thread);
+ *   refuser thread); and that the later instructions of its stream run only
+ *   after that thread failed its results (a lowered worker cap and a held
+ *   refuser: executor_set_max_workers_for_test, _set_refuser_hold_for_test);
  * - agent/dataplane/transfer.c: dp__plan_init's own allocations fail (this
  *   suite's calloc refuses the plan's transfer array once, on the armed
  *   thread only). Both interpositions are off under ASan. */
@@ -32,6 +34,8 @@
 #include "executor.h"
 #include "instr_build.h"
 #include "layout.h"
+#include "refs.h"
+#include "snapshot.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 
@@ -349,6 +353,123 @@ Test(run_refusals, a_refused_instruction_on_a_refuser_thread_is_not_done_before_
   rank0_agent_stop(&a);
   close(silent);
 #endif
+}
+
+/* The test's hold of a refuser thread (executor_set_refuser_hold_for_test):
+ * until let_go, bounded so that a hang fails rather than the CI clock. */
+static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
+static uint64_t held_seq;
+static bool let_go;
+
+static struct timespec in_10s(void) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += 10;
+  return dl;
+}
+
+static void hold_refuser(void *arg, uint64_t seq) {
+  (void)arg;
+  struct timespec dl = in_10s();
+  pthread_mutex_lock(&hold_mu);
+  held_seq = seq;
+  pthread_cond_broadcast(&hold_cv);
+  while (!let_go && pthread_cond_timedwait(&hold_cv, &hold_mu, &dl) == 0) {
+  }
+  pthread_mutex_unlock(&hold_mu);
+}
+
+static void submit_seq(executor_t *x, instr_t *ins, uint64_t seq) {
+  ins->seq = seq;
+  ins->session_id = (char *)SESSION;
+  ins->stream = 1;
+  executor_submit(x, ins);
+}
+
+/* A Reduce into a tensor written before (out=, ref 9001, 8 floats of 7, an
+ * upload) that no stream worker can be had for goes to a refuser thread,
+ * outside its stream's order; a worker frees, and the next instructions of
+ * the stream (a Fetch's Snapshot of the tensor, a copy of it) start the
+ * stream and ran before the refuser failed the tensor: the Snapshot kept the
+ * old 7s and the Fetch answered them as fine. Here the refuser is held until
+ * the stream's worker has nothing it may run (it ran them, or they wait
+ * behind the refuser); both must then see the Reduce's failure. */
+Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failure, .timeout = 30) {
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
+  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
+  executor_set_max_workers_for_test(x, 0);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  agent_tensor_t t;
+  meshd_error_t e = {0};
+  tensor_meta_t m = {.dtype = DTYPE_FLOAT32, .layout = {.ndim = 1, .sizes = {8}}};
+  cr_assert_eq(tensor_alloc(&a.b, NULL, &m, &t, "test", &e), 0, "%s", e.msg);
+  for (int i = 0; i < 8; i++) ((float *)t.storage->data)[i] = 7;
+  cr_assert_eq(executor_define(x, SESSION, 9001, &t), 0);
+  storage_release(t.storage);
+
+  reduce_instr_t ri;
+  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
+  submit_seq(x, reduce_instr(&ri, addrs, 8), 2); /* no worker: a refuser, held */
+  executor_set_max_workers_for_test(x, -1);       /* a worker frees */
+  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
+  snap.ref = 9001;
+  instr_t sins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  sins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+  sins.snapshot = &snap;
+  submit_seq(x, &sins, 3);
+  /* A copy of it to stream 2 (a local SendTensor): a value of its own. */
+  int64_t shape[1] = {8};
+  Meshd__Agent__V1__TensorSpec in = MESHD__AGENT__V1__TENSOR_SPEC__INIT, out;
+  in.ref = 9001;
+  in.n_shape = 1;
+  in.shape = shape;
+  in.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  out = in;
+  out.ref = 9002;
+  Meshd__Agent__V1__SendTensor copy = MESHD__AGENT__V1__SEND_TENSOR__INIT;
+  copy.input = &in;
+  copy.result = &out;
+  copy.to_stream = 2;
+  instr_t cins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  cins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+  cins.send = &copy;
+  submit_seq(x, &cins, 4);
+  cr_assert_eq(executor_wait_stream_idle_for_test(x, SESSION, 1, 10000), 0,
+               "stream 1's worker never came to wait");
+  struct timespec dl = in_10s();
+  pthread_mutex_lock(&hold_mu);
+  while (!held_seq && pthread_cond_timedwait(&hold_cv, &hold_mu, &dl) == 0) {
+  }
+  uint64_t held = held_seq;
+  let_go = true;
+  pthread_cond_broadcast(&hold_cv);
+  pthread_mutex_unlock(&hold_mu);
+  cr_assert_eq(held, 2, "the Reduce (seq 2) did not go to a refuser thread");
+  cr_assert_eq(executor_wait(x, 4, 10000), 0, "seqs 2..4 not done");
+
+  snapshot_t *sn = NULL;
+  ref_failure_t why = {0};
+  int rc = executor_take_snapshot(x, SESSION, 3, 9001, &sn, &why);
+  float v[8] = {0};
+  if (rc == 0) {
+    snapshot_read(sn, 0, sizeof v, v, &e);
+    snapshot_release(sn);
+  }
+  cr_assert_eq(rc, 1, "the Snapshot after the refused Reduce took ref 9001's old value (%g), "
+               "not its failure (rc %d: %s)", v[0], rc, why.msg);
+  cr_assert_eq(why.root_seq, 2, "the Snapshot's failure is not the Reduce's: %s", why.msg);
+  cr_assert(strstr(why.msg, "queueing instruction seq 2"), "the Snapshot's failure: %s", why.msg);
+  memset(&why, 0, sizeof why);
+  rc = executor_lookup(x, SESSION, 9002, &t, &why);
+  if (rc == 0) storage_release(t.storage);
+  cr_assert_eq(rc, 1, "the copy after the refused Reduce copied ref 9001's old value (rc %d: %s)",
+               rc, why.msg);
+  cr_assert_eq(why.root_seq, 2, "the copy's failure is not the Reduce's: %s", why.msg);
+  rank0_agent_stop(&a);
 }
 
 /* Rank 0's data plane cannot allocate its plan for the allreduce (a tiny
