@@ -54,6 +54,7 @@ typedef struct options {
   const char *metrics_port_file;
   const char *fault;
   int64_t comm_timeout_ms;
+  int64_t data_max_unproven;
   const char *cluster_ca, *cluster_cert, *cluster_key, *cluster_name;
   const char *join_token_file;
   const char *health_listen, *health_port_file;
@@ -128,6 +129,11 @@ static const config_flag_t flags[] = {
     {"comm-timeout-ms", CONFIG_INT, "30000",
      "a collective or send fails when a peer moves no byte for this long", &opt.comm_timeout_ms,
      100, 3600000},
+    {"data-max-unproven", CONFIG_INT, NULL,
+     "data port: accepted connections not proven yet (strangers' among them) held at once; past "
+     "it one that sent nothing, else the oldest, is closed for each newcomer. Unset: 1024, or a "
+     "quarter of the fd limit where that is less, but at least 64",
+     &opt.data_max_unproven, 1, 1048576},
     {"same-host-data", CONFIG_BOOL, "true",
      "reach data planes of this host over their unix socket, passing large broadcasts as "
      "shared memory mapped by every destination; false: TCP to every peer", &opt.same_host_data,
@@ -506,6 +512,7 @@ int main(int argc, char **argv) {
     goto out;
   }
   dataplane_same_host(dp, opt.same_host_data);
+  if (opt.data_max_unproven > 0) dataplane_max_unproven(dp, (size_t)opt.data_max_unproven);
   info.data_port = (uint32_t)dataplane_port(dp);
   backend.net = dp; /* the cpu backend's communicators run on it */
   snprintf(info.data_address, sizeof info.data_address, "%s:%u", host, info.data_port);

@@ -15,9 +15,9 @@
  * progress here (dp__register). A hello for a call that has not started here
  * yet is held, unanswered, until it starts (the dialer waits for the ack), for
  * at most timeout_ms. A wrong mac, a malformed hello, a silent socket past
- * DP_HELLO_MS, or, past the cap on unproven sockets (DP_UNPROVEN_MAX), one
- * that made room for a newcomer (a silent one first: dp_internal.h) is
- * closed, counted by reason and logged (rate-limited); no byte after the hello
+ * DP_HELLO_MS, or, past the cap on unproven sockets (DP_UNPROVEN_MAX) or out
+ * of descriptors, one that made room for a newcomer (a silent one first:
+ * dp_internal.h) is closed, counted by reason and logged (rate-limited); no byte after the hello
  * is ever read from it. Everything it sends before its ack, a member's dialer
  * treats as "dial again", so a stranger that crowds the listener delays a
  * member by a redial at most. That cap bounds what strangers hold, so it
@@ -53,6 +53,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <linux/sockios.h>
+#include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -73,8 +74,12 @@ typedef struct pending {
   size_t got;
   int64_t deadline; /* reading: DP_HELLO_MS after accept; parked: timeout_ms after */
   int64_t accepted;
+  uint64_t seq; /* accept order */
   bool local; /* came in on the unix socket */
   bool proven; /* parked, proven for a known group: outside the cap (dp->held) */
+  /* On which of the listener's lists (listener_t) it is, and its links there. */
+  bool on[4];
+  struct pending *prev[4], *next[4];
   uint8_t nonce[DP_NONCE_LEN];
   uint8_t hello[DP_HELLO_LEN];
   char from[64]; /* the peer's address, for the log */
@@ -1372,6 +1377,8 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   case DP_ADMIT_BAD_PROOF: pending_close(dp, p, DP_REJECT_BAD_PROOF, why); return false;
   case DP_ADMIT_OK: break;
   }
+  /* No longer the listener's: out of its epoll set (the descriptor stays open). */
+  epoll_ctl(dp->ep, EPOLL_CTL_DEL, p->fd, NULL);
   if (p->parked) {
     pthread_mutex_lock(&dp->mu);
     unpark_locked(dp, p);
@@ -1461,152 +1468,301 @@ static bool pending_open(dataplane_t *dp, pending_t *p, int fd, const struct soc
 }
 
 #define DP_ACCEPT_BACKOFF_MS 100
+#define LISTENER_EVENTS 64 /* epoll events taken per wake-up */
 
-/* Room in the listener's arrays for one more socket. false out of memory. */
-static bool pending_room(dataplane_t *dp, size_t np) {
-  if (np < dp->pcap) return true;
-  size_t cap = 2 * dp->pcap;
-  pending_t *pend = realloc(dp->pend, cap * sizeof *pend);
-  if (!pend) return false;
-  dp->pend = pend;
-  struct pollfd *pfds = realloc(dp->pfds, (cap + 3) * sizeof *pfds);
-  if (!pfds) return false;
-  dp->pfds = pfds;
-  dp->pcap = cap;
-  return true;
+/* The listener's pending sockets, each list oldest first (accept order), so
+ * that whatever a wake-up needs is at a head and a wake-up costs what is
+ * ready, not what is held (a stranger trickling bytes on a thousand sockets
+ * made each one-byte segment cost a scan of them all). Every socket is on
+ * READING or PARKED, and on those of the others its state puts it on. The
+ * deadlines are the accept time plus one delay per list, so each list's head
+ * is its next deadline. */
+enum {
+  PL_READING,  /* reading its hello: the next hello deadline first */
+  PL_PARKED,   /* holding a complete hello: the next parked deadline first */
+  PL_SILENT,   /* reading, nothing received yet: the first a full cap closes */
+  PL_UNPROVEN, /* all but the held (proven) ones: the cap's count, the oldest */
+  PL_COUNT
+};
+
+typedef struct plist {
+  pending_t *head, *tail;
+  size_t n;
+} plist_t;
+
+typedef struct listener {
+  dataplane_t *dp;
+  plist_t list[PL_COUNT];
+  uint64_t seq;          /* the next accept's */
+  bool listening;        /* the listening sockets are in the epoll set's interest */
+  int64_t off_until;     /* out of descriptors or memory: not accepting until then */
+  int64_t fd_evict_log;  /* the last "out of descriptors, closing" line */
+} listener_t;
+
+_Static_assert(PL_COUNT == sizeof ((pending_t *)0)->on, "pending_t's links, one per list");
+
+/* p goes on list w after every one accepted before it (the tail, but for a
+ * socket that parks behind one accepted later: walks back past those). */
+static void plist_insert(listener_t *L, pending_t *p, int w) {
+  plist_t *l = &L->list[w];
+  pending_t *after = l->tail;
+  while (after && after->seq > p->seq) after = after->prev[w];
+  p->prev[w] = after;
+  p->next[w] = after ? after->next[w] : l->head;
+  if (p->next[w]) p->next[w]->prev[w] = p;
+  else l->tail = p;
+  if (after) after->next[w] = p;
+  else l->head = p;
+  p->on[w] = true;
+  l->n++;
+}
+
+static void plist_remove(listener_t *L, pending_t *p, int w) {
+  if (!p->on[w]) return;
+  plist_t *l = &L->list[w];
+  if (p->prev[w]) p->prev[w]->next[w] = p->next[w];
+  else l->head = p->next[w];
+  if (p->next[w]) p->next[w]->prev[w] = p->prev[w];
+  else l->tail = p->prev[w];
+  p->on[w] = false;
+  l->n--;
+}
+
+/* After p was read or looked at again: gone (its descriptor closed or filed
+ * by then), it leaves every list; else it moves to the lists its state puts
+ * it on (parking, a first byte and a proof happen once each). */
+static void pending_settle(listener_t *L, pending_t *p, bool alive) {
+  if (!alive) {
+    for (int w = 0; w < PL_COUNT; w++) plist_remove(L, p, w);
+    free(p);
+    return;
+  }
+  if (p->parked && p->on[PL_READING]) {
+    plist_remove(L, p, PL_READING);
+    plist_insert(L, p, PL_PARKED);
+  }
+  if (p->got > 0 || p->parked) plist_remove(L, p, PL_SILENT);
+  if (p->proven) plist_remove(L, p, PL_UNPROVEN);
+}
+
+/* Closes p (counted as `reason`, logged with why) and forgets it. */
+static void pending_drop(listener_t *L, pending_t *p, int reason, const char *why) {
+  pending_close(L->dp, p, reason, why);
+  pending_settle(L, p, false);
+}
+
+/* The listening sockets in the epoll set's interest, or left out of it (the
+ * rest wait in the backlog). */
+static void listen_set(listener_t *L, bool on) {
+  if (L->listening == on) return;
+  L->listening = on;
+  dataplane_t *dp = L->dp;
+  int *fds[2] = {&dp->lfd, &dp->ufd};
+  for (int l = 0; l < 2; l++) {
+    if (*fds[l] < 0) continue;
+    struct epoll_event ev = {.events = on ? EPOLLIN : 0, .data.ptr = fds[l]};
+    epoll_ctl(dp->ep, EPOLL_CTL_MOD, *fds[l], &ev);
+  }
+}
+
+/* The unproven socket a newcomer may take the place of now: the oldest that
+ * has sent nothing once DP_SILENT_GRACE_MS old, else the oldest once
+ * DP_EVICT_GRACE_MS old (a held one, proven, never goes). NULL while neither
+ * may go, and *until is when one may (INT64_MAX: none is unproven). */
+static pending_t *room_victim(const listener_t *L, int64_t now, int64_t *until) {
+  pending_t *silent = L->list[PL_SILENT].head, *oldest = L->list[PL_UNPROVEN].head;
+  int64_t silent_at =
+      silent ? silent->accepted + atomic_load(&L->dp->silent_grace_ms) : INT64_MAX;
+  int64_t oldest_at = oldest ? oldest->accepted + DP_EVICT_GRACE_MS : INT64_MAX;
+  *until = 0;
+  if (silent_at <= now) return silent;
+  if (oldest_at <= now) return oldest;
+  *until = silent_at < oldest_at ? silent_at : oldest_at;
+  return NULL;
 }
 
 /* Whether a newcomer may be accepted now, and in *victim the unproven socket
- * closed to make room for it (np: none, the cap is not full). With the cap
- * full: the oldest that has sent nothing once DP_SILENT_GRACE_MS old, else
- * the oldest once DP_EVICT_GRACE_MS old (a held one, proven, never goes);
- * while neither may go, false, and *until is when one may (accepting pauses
- * until then). */
-static bool accept_room(const dataplane_t *dp, size_t np, int64_t now, size_t *victim,
-                        int64_t *until) {
-  size_t unproven = 0, oldest = np, silent = np;
-  for (size_t i = 0; i < np; i++) {
-    const pending_t *p = &dp->pend[i];
-    if (p->proven) continue;
-    if (unproven++ == 0) oldest = i;
-    if (silent == np && !p->parked && p->got == 0) silent = i;
-  }
-  *victim = np;
+ * closed to make room for it (NULL: none, the cap is not full). With the cap
+ * full, room_victim's; while none may go, false, and *until is when one may
+ * (accepting pauses until then). */
+static bool accept_room(const listener_t *L, int64_t now, pending_t **victim, int64_t *until) {
+  *victim = NULL;
   *until = 0;
-  if (unproven < atomic_load(&dp->unproven_max)) return true;
-  int64_t silent_at =
-      silent < np ? dp->pend[silent].accepted + atomic_load(&dp->silent_grace_ms) : INT64_MAX;
-  int64_t oldest_at = dp->pend[oldest].accepted + DP_EVICT_GRACE_MS;
-  if (silent_at <= now) *victim = silent;
-  else if (oldest_at <= now) *victim = oldest;
-  else *until = silent_at < oldest_at ? silent_at : oldest_at;
-  return *victim < np;
+  if (L->list[PL_UNPROVEN].n < atomic_load(&L->dp->unproven_max)) return true;
+  return (*victim = room_victim(L, now, until)) != NULL;
 }
 
-/* Closes pend[victim] for a newcomer (accept_room). The new count. */
-static size_t pending_evict(dataplane_t *dp, size_t np, size_t victim, int64_t now) {
-  pending_t *pend = dp->pend, *p = &pend[victim];
+/* Closes victim for a newcomer (accept_room). */
+static void pending_evict(listener_t *L, pending_t *victim, int64_t now) {
   char why[160];
-  long long age = (long long)(now - p->accepted);
-  size_t cap = atomic_load(&dp->unproven_max);
-  if (!p->parked && p->got == 0)
+  long long age = (long long)(now - victim->accepted);
+  size_t cap = atomic_load(&L->dp->unproven_max);
+  if (!victim->parked && victim->got == 0)
     snprintf(why, sizeof why, "sent nothing in %lld ms, with %zu unproven connections held", age,
              cap);
   else
     snprintf(why, sizeof why, "the oldest of more than %zu unproven connections (after %lld ms)",
              cap, age);
-  pending_close(dp, p, DP_REJECT_TOO_MANY_PENDING, why);
-  memmove(pend + victim, pend + victim + 1, (np - victim - 1) * sizeof *pend);
-  return np - 1;
+  pending_drop(L, victim, DP_REJECT_TOO_MANY_PENDING, why);
 }
 
-/* Accepts connections and runs their handshakes without ever blocking on one.
- * pend[] is in accept order: pend[0] is the oldest. */
-static void *listener_main(void *arg) {
-  dataplane_t *dp = arg;
-  size_t np = 0;
-  /* Out of file descriptors, a listener stays readable with nothing it can
-   * accept: it is left out of the poll for a while instead of spinning. */
-  int64_t accept_off_until = 0;
-  for (;;) {
-    pending_t *pend = dp->pend; /* (moves only where it grows: pending_room) */
-    struct pollfd *pfds = dp->pfds;
-    int64_t now = dp__now_ms(), next = accept_off_until > now ? accept_off_until : INT64_MAX;
-    size_t victim;
-    int64_t until;
-    bool room = accept_room(dp, np, now, &victim, &until);
-    bool listening = accept_off_until <= now && room;
-    if (!room && until < next) next = until; /* paused: the rest wait in the backlog */
-    pfds[0] = (struct pollfd){.fd = dp->wake[0], .events = POLLIN};
-    pfds[1] = (struct pollfd){.fd = listening ? dp->lfd : -1, .events = POLLIN};
-    pfds[2] = (struct pollfd){.fd = listening ? dp->ufd : -1, .events = POLLIN}; /* -1: ignored */
-    for (size_t i = 0; i < np; i++) {
-      pfds[i + 3] = (struct pollfd){.fd = pend[i].fd, .events = POLLIN};
-      if (pend[i].deadline < next) next = pend[i].deadline;
-    }
-    int wait = next == INT64_MAX ? -1 : next <= now ? 0 : (int)dp__min((size_t)(next - now), 1000);
-    int n = poll(pfds, (nfds_t)(np + 3), wait);
-    if (n < 0 && errno != EINTR) break;
-    bool registered = false;
-    if (n > 0 && pfds[0].revents) {
-      char buf[64];
-      while (read(dp->wake[0], buf, sizeof buf) > 0) {
-      }
-      if (dp__stopping(dp)) break;
-      registered = true; /* a call started: parked hellos may be its members' */
-    }
-    now = dp__now_ms();
-    size_t keep = 0;
-    for (size_t i = 0; i < np; i++) {
-      pending_t *p = &pend[i];
-      bool alive = true;
-      if (n > 0 && pfds[i + 3].revents) alive = pending_read(dp, p);
-      else if (registered && p->parked) alive = pending_admit(dp, p);
-      if (alive && now > p->deadline) {
-        char why[120];
-        if (p->parked)
-          snprintf(why, sizeof why, "its hello named no call that started here within %d ms",
-                   dp->timeout_ms);
-        else
-          snprintf(why, sizeof why, "sent %zu of the hello's %d bytes in %lld ms", p->got,
-                   DP_HELLO_LEN, (long long)(now - p->accepted));
-        pending_close(dp, p, p->parked ? DP_REJECT_UNKNOWN_GROUP : DP_REJECT_HELLO_TIMEOUT, why);
-        alive = false;
-      }
-      if (alive) pend[keep++] = *p;
-    }
-    np = keep;
-    for (int l = 1; l <= 2; l++) {
-      if (n <= 0 || !(pfds[l].revents & POLLIN)) continue;
-      /* A burst at most, then back to the pending ones: a flood of new
-       * connections must not keep the hellos already here from being read. */
-      for (int burst = 0; burst < DP_ACCEPT_BURST; burst++) {
-        if (!accept_room(dp, np, now, &victim, &until)) break; /* the rest wait in the backlog */
-        struct sockaddr_storage ss;
-        socklen_t sl = sizeof ss;
-        int fd = accept4(pfds[l].fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-            if (accept_off_until == 0 || now - accept_off_until > 10000)
-              log_warn("dataplane", "rank %u cannot accept connections: %s; trying again every "
-                       "%d ms", dp->rank, strerror(errno), DP_ACCEPT_BACKOFF_MS);
-            accept_off_until = now + DP_ACCEPT_BACKOFF_MS;
-          }
-          break;
-        }
-        if (victim < np) np = pending_evict(dp, np, victim, now);
-        if (!pending_room(dp, np)) { /* out of memory: the new one goes */
-          close(fd);
-          atomic_fetch_add(&dp->rejected[DP_REJECT_TOO_MANY_PENDING], 1);
-          continue;
-        }
-        pend = dp->pend;
-        pfds = dp->pfds;
-        if (pending_open(dp, &pend[np], fd, &ss, now)) np++;
-      }
-    }
+/* The process is out of descriptors (accept4: EMFILE, ENFILE) and a
+ * connection waits: closes the unproven socket the cap would close first,
+ * once its grace is over, as if the cap were full (a held one never goes), so
+ * that a member's dial is not kept out by strangers holding every descriptor
+ * until their hello deadlines. true if one was closed (accept again). */
+static bool out_of_fds_evict(listener_t *L, int64_t now, int err) {
+  int64_t until;
+  pending_t *victim = room_victim(L, now, &until);
+  if (!victim) return false;
+  if (L->fd_evict_log == 0 || now - L->fd_evict_log >= LOG_WINDOW_MS) {
+    log_warn("dataplane", "rank %u is out of file descriptors (%s): closing the oldest unproven "
+             "connections to accept new ones", L->dp->rank, strerror(err));
+    L->fd_evict_log = now;
   }
-  for (size_t i = 0; i < np; i++) pending_close(dp, &dp->pend[i], -1, "stopping");
+  char why[160];
+  snprintf(why, sizeof why, "%s after %lld ms, closed for a newcomer: out of file descriptors",
+           !victim->parked && victim->got == 0 ? "sent nothing" : "unproven",
+           (long long)(now - victim->accepted));
+  pending_drop(L, victim, DP_REJECT_TOO_MANY_PENDING, why);
+  return true;
+}
+
+/* Whether a connection waits in listening socket lfd's backlog. */
+static bool backlog_waits(int lfd) {
+  int err = errno;
+  struct pollfd p = {.fd = lfd, .events = POLLIN};
+  bool waits = poll(&p, 1, 0) > 0 && (p.revents & POLLIN);
+  errno = err;
+  return waits;
+}
+
+/* Takes one connection from listening socket lfd. false: none now (the
+ * backlog is empty, or accepting pauses). */
+static bool accept_one(listener_t *L, int lfd, int64_t now) {
+  dataplane_t *dp = L->dp;
+  pending_t *victim;
+  int64_t until;
+  if (!accept_room(L, now, &victim, &until)) return false; /* the rest wait in the backlog */
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  int fd = accept4(lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd < 0) {
+    /* (accept4 fails so before it looks at the backlog: one must wait there) */
+    if ((errno == EMFILE || errno == ENFILE) && backlog_waits(lfd) && out_of_fds_evict(L, now, errno))
+      return true;
+    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+      if (L->off_until == 0 || now - L->off_until > 10000)
+        log_warn("dataplane", "rank %u cannot accept connections: %s; trying again every "
+                 "%d ms", dp->rank, strerror(errno), DP_ACCEPT_BACKOFF_MS);
+      L->off_until = now + DP_ACCEPT_BACKOFF_MS;
+    }
+    return false;
+  }
+  if (victim) pending_evict(L, victim, now);
+  pending_t *p = malloc(sizeof *p);
+  if (!p) { /* out of memory: the new one goes */
+    close(fd);
+    atomic_fetch_add(&dp->rejected[DP_REJECT_TOO_MANY_PENDING], 1);
+    return true;
+  }
+  if (!pending_open(dp, p, fd, &ss, now)) {
+    free(p);
+    return true;
+  }
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = p};
+  if (epoll_ctl(dp->ep, EPOLL_CTL_ADD, fd, &ev) != 0) { /* out of memory (or of watches) */
+    close(fd);
+    free(p);
+    atomic_fetch_add(&dp->rejected[DP_REJECT_TOO_MANY_PENDING], 1);
+    return true;
+  }
+  p->seq = L->seq++;
+  plist_insert(L, p, PL_READING);
+  plist_insert(L, p, PL_SILENT);
+  plist_insert(L, p, PL_UNPROVEN);
+  return true;
+}
+
+/* Closes the sockets past their deadline: the heads of READING and PARKED. */
+static void pending_expire(listener_t *L, int64_t now) {
+  char why[120];
+  for (pending_t *p; (p = L->list[PL_READING].head) && now > p->deadline;) {
+    snprintf(why, sizeof why, "sent %zu of the hello's %d bytes in %lld ms", p->got, DP_HELLO_LEN,
+             (long long)(now - p->accepted));
+    pending_drop(L, p, DP_REJECT_HELLO_TIMEOUT, why);
+  }
+  for (pending_t *p; (p = L->list[PL_PARKED].head) && now > p->deadline;) {
+    snprintf(why, sizeof why, "its hello named no call that started here within %d ms",
+             L->dp->timeout_ms);
+    pending_drop(L, p, DP_REJECT_UNKNOWN_GROUP, why);
+  }
+}
+
+/* A call started (or one was refused): the parked hellos, oldest first, may
+ * be its members'. */
+static void pending_readmit(listener_t *L) {
+  for (pending_t *p = L->list[PL_PARKED].head, *next; p; p = next) {
+    next = p->next[PL_PARKED];
+    pending_settle(L, p, pending_admit(L->dp, p));
+  }
+}
+
+/* How long the next wait may be: until the next deadline, or the end of a
+ * pause in accepting (at most a second). */
+static int listener_wait_ms(const listener_t *L, int64_t now, bool room, int64_t until) {
+  int64_t next = L->off_until > now ? L->off_until : INT64_MAX;
+  if (!room && until < next) next = until;
+  for (int w = PL_READING; w <= PL_PARKED; w++)
+    if (L->list[w].head && L->list[w].head->deadline < next) next = L->list[w].head->deadline;
+  return next == INT64_MAX ? -1 : next <= now ? 0 : (int)dp__min((size_t)(next - now), 1000);
+}
+
+/* Accepts connections and runs their handshakes without ever blocking on one. */
+static void *listener_main(void *arg) {
+  listener_t L = {.dp = arg, .listening = true};
+  dataplane_t *dp = L.dp;
+  struct epoll_event evs[LISTENER_EVENTS];
+  for (;;) {
+    int64_t now = dp__now_ms(), until;
+    pending_t *victim;
+    bool room = accept_room(&L, now, &victim, &until);
+    /* Out of file descriptors, a listener stays readable with nothing it can
+     * accept: it is left out for a while instead of spinning. */
+    listen_set(&L, L.off_until <= now && room);
+    int n = epoll_wait(dp->ep, evs, LISTENER_EVENTS, listener_wait_ms(&L, now, room, until));
+    if (n < 0 && errno != EINTR) break;
+    bool registered = false, stop = false, ready[2] = {false, false};
+    for (int i = 0; i < n; i++) {
+      void *tag = evs[i].data.ptr;
+      if (tag == &dp->wake[0]) {
+        char buf[64];
+        while (read(dp->wake[0], buf, sizeof buf) > 0) {
+        }
+        stop = dp__stopping(dp);
+        registered = true; /* a call started: parked hellos may be its members' */
+      } else if (tag == &dp->lfd || tag == &dp->ufd) {
+        ready[tag == &dp->ufd] = true;
+      } else { /* this batch frees no other socket than the one read */
+        pending_settle(&L, tag, pending_read(dp, tag));
+      }
+    }
+    if (stop) break;
+    if (registered) pending_readmit(&L);
+    now = dp__now_ms();
+    pending_expire(&L, now);
+    /* A burst at most, then back to the pending ones: a flood of new
+     * connections must not keep the hellos already here from being read. */
+    for (int l = 0; l < 2; l++)
+      for (int burst = 0; ready[l] && burst < DP_ACCEPT_BURST; burst++)
+        if (!accept_one(&L, l ? dp->ufd : dp->lfd, now)) break;
+  }
+  for (int w = PL_READING; w <= PL_PARKED; w++)
+    while (L.list[w].head) {
+      pending_t *p = L.list[w].head;
+      pending_close(dp, p, -1, "stopping");
+      pending_settle(&L, p, false);
+    }
   return NULL;
 }
 
@@ -1629,6 +1785,12 @@ void dataplane_silent_grace(dataplane_t *dp, int ms) {
   if (dp) atomic_store(&dp->silent_grace_ms, ms > 0 ? ms : 0);
 }
 
+/* The listener's epoll set watches fd (-1: none), tagged with tag. */
+static bool listener_watch(dataplane_t *dp, int fd, void *tag) {
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = tag};
+  return fd < 0 || epoll_ctl(dp->ep, EPOLL_CTL_ADD, fd, &ev) == 0;
+}
+
 dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
                              meshd_error_t *err) {
   dataplane_t *dp = calloc(1, sizeof *dp);
@@ -1639,7 +1801,7 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   }
   dp->rank = my_rank;
   dp->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000;
-  dp->lfd = dp->ufd = dp->wake[0] = dp->wake[1] = -1;
+  dp->lfd = dp->ufd = dp->wake[0] = dp->wake[1] = dp->ep = -1;
   dp->same_host = true;
   dp->max_outs = DP_LINKS_DEFAULT;
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
@@ -1675,13 +1837,11 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
     error_set(err, ERR_UNAVAILABLE, "data plane: pipe: %s", strerror(errno));
     goto fail;
   }
-  dp->pcap = DP_UNPROVEN_MIN; /* pending_room grows it */
   dp->unproven_max = unproven_cap();
   dp->silent_grace_ms = DP_SILENT_GRACE_MS;
-  dp->pend = malloc(dp->pcap * sizeof *dp->pend);
-  dp->pfds = malloc((dp->pcap + 3) * sizeof *dp->pfds);
-  if (!dp->pend || !dp->pfds) {
-    error_set(err, ERR_UNAVAILABLE, "data plane: out of memory");
+  if ((dp->ep = epoll_create1(EPOLL_CLOEXEC)) < 0 || !listener_watch(dp, dp->wake[0], &dp->wake[0]) ||
+      !listener_watch(dp, dp->lfd, &dp->lfd) || !listener_watch(dp, dp->ufd, &dp->ufd)) {
+    error_set(err, ERR_UNAVAILABLE, "data plane: epoll: %s", strerror(errno));
     goto fail;
   }
   pthread_condattr_t ca;
@@ -1704,8 +1864,7 @@ fail:
   if (dp->ufd >= 0) close(dp->ufd);
   if (dp->wake[0] >= 0) close(dp->wake[0]);
   if (dp->wake[1] >= 0) close(dp->wake[1]);
-  free(dp->pend);
-  free(dp->pfds);
+  if (dp->ep >= 0) close(dp->ep);
   free(dp);
   return NULL;
 }
@@ -1763,8 +1922,7 @@ void dataplane_stop(dataplane_t *dp) {
   free(dp->reg_ids);
   free(dp->reg_calls);
   free(dp->ended);
-  free(dp->pend);
-  free(dp->pfds);
+  close(dp->ep);
   pthread_mutex_destroy(&dp->mu);
   free(dp);
 }

@@ -197,8 +197,10 @@ void dataplane_max_links(dataplane_t *dp, size_t n);
 /* The cap on accepted connections not proven yet (strangers' among them),
  * past which one is closed for each newcomer (dp_internal.h): by default
  * 1024, or a quarter of the process's fd limit at dataplane_start where that
- * is less, but at least 64. For a test that crowds a listener with fewer
- * sockets, or a process short of descriptors. */
+ * is less, but at least 64 (meshd-agent --data-max-unproven). For a test
+ * that crowds a listener with fewer sockets, or a process short of
+ * descriptors. Out of descriptors with a connection waiting, the listener
+ * closes the unproven socket this cap would close first (past its grace). */
 void dataplane_max_unproven(dataplane_t *dp, size_t n);
 /* How long past the cap a socket that has sent nothing is kept before a
  * newcomer takes its place (default 100 ms, dp_internal.h). For a test whose

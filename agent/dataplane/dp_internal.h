@@ -187,12 +187,10 @@ struct dataplane {
   size_t held;
   known_group_t known[DP_KNOWN_MAX];
   size_t nknown;
-  /* The listener's sockets not admitted yet, oldest first, and its poll set
-   * (3 + pcap), grown as needed (listener thread only); the cap on the
+  /* The listener's epoll set: the wake pipe, the listening sockets and the
+   * sockets not admitted yet (listener thread only, conn.c); the cap on the
    * unproven ones among them (dataplane_max_unproven). */
-  struct pending *pend;
-  struct pollfd *pfds;
-  size_t pcap;
+  int ep;
   _Atomic size_t unproven_max;
   _Atomic int silent_grace_ms; /* DP_SILENT_GRACE_MS (dataplane_silent_grace) */
   /* Comms whose session ended here (dataplane_end_comm): a call registered

@@ -28,6 +28,7 @@ MAGIC_HELLO, MAGIC_DATA, VERSION = 0x4D445048, 0x4D445044, 2
 # unit.test_dataplane checks that none of them is closed first). 4 s, not 2: room
 # for sanitized agents on a loaded machine. The agents' default is 30 s.
 COMM_TIMEOUT_MS = 4000
+DATA_MAX_UNPROVEN = 200
 
 
 def pb():
@@ -125,8 +126,10 @@ def test_a_stranger_on_the_data_ports_changes_no_result(meshd_server, agent, tmp
     mports, procs = {}, []
     for rank in range(2):
         pf = tmp_path / f"agent{rank}.metrics.port"
+        # Rank 1's cap on unproven sockets lowered (still above the stranger's share).
+        cap = ("--data-max-unproven", DATA_MAX_UNPROVEN) if rank == 1 else ()
         a = agent(srv.port, "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", pf,
-                  "--comm-timeout-ms", COMM_TIMEOUT_MS, rank=rank)
+                  "--comm-timeout-ms", COMM_TIMEOUT_MS, *cap, rank=rank)
         mports[rank] = lib.read_port_file(str(pf), a.proc, a.log)
         procs.append(a)
     lib.wait_ready(srv, 2)
@@ -189,3 +192,16 @@ def test_a_stranger_on_the_data_ports_changes_no_result(meshd_server, agent, tmp
     # Logged at warn with the stranger's address (rate-limited: a few lines per 10 s).
     for p in procs:
         assert "refused a connection from 127.0.0.1:" in p.log_text()
+
+    # --data-max-unproven: past rank 1's cap of 200, silent sockets make room for
+    # newcomers (the default, 1024, would hold all 260); bounded wait.
+    crowded = rejected(1, "too_many_pending")
+    more = [connect(data_ports[1]) for _ in range(DATA_MAX_UNPROVEN + 60)]
+    try:
+        deadline = time.monotonic() + 10
+        while rejected(1, "too_many_pending") < crowded + 60 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rejected(1, "too_many_pending") >= crowded + 60, scrape(mports[1])
+    finally:
+        for c in more:
+            c.close()

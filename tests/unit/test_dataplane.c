@@ -2386,6 +2386,62 @@ Test(dataplane, a_listener_out_of_fds_does_not_spin, .timeout = 60) {
   dataplane_stop(dp);
 }
 
+/* Out of descriptors with strangers holding them unproven, the listener only
+ * backed off: a member's dial waited in the backlog until the strangers'
+ * hello deadlines (5 s) freed some. Now the unproven socket the cap would
+ * close first goes (here the oldest silent one: the grace is 0), never a
+ * held one, and the newcomer is accepted and challenged at once. The fd
+ * limit is lowered in this test's own process (Criterion runs each test in
+ * one), filled with dups but for the newcomer's own socket. */
+Test(dataplane_security, out_of_fds_an_unproven_socket_makes_room_for_a_newcomer, .timeout = 30) {
+  world_t w;
+  world_start(&w, 2, 10000);
+  dataplane_silent_grace(w.dp[0], 0);
+  dp_group_t g = group(&w, 78, 0);
+  cr_assert_eq(dataplane_expect(w.dp[0], &g), 0);
+  uint8_t na[DP_NONCE_LEN], nd[DP_NONCE_LEN] = {3}, hello[DP_HELLO_LEN];
+  int held = stranger_connect(&w, 0); /* the oldest: a member's hello, proven and held */
+  stranger_challenge(held, na);
+  dp_wire_hello(hello, w.ranks[0], w.ranks[1], 78, 1, nd, na, SECRET);
+  cr_assert_eq(send(held, hello, sizeof hello, MSG_NOSIGNAL), (ssize_t)sizeof hello);
+  size_t proven = 0;
+  for (int64_t until = now_ms() + 5000; proven < 1 && now_ms() < until; usleep(5 * 1000))
+    dataplane_parked(w.dp[0], &proven);
+  cr_assert_eq(proven, 1, "the member's hello was not held");
+  int silent[4];
+  for (size_t i = 0; i < 4; i++) {
+    silent[i] = stranger_connect(&w, 0);
+    stranger_challenge(silent[i], na); /* accepted: pending */
+  }
+  struct rlimit old;
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+  struct rlimit low = {.rlim_cur = (rlim_t)open_fds() + 8, .rlim_max = old.rlim_max};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  int dups[64], n = 0;
+  while (n < 64 && (dups[n] = dup(2)) >= 0) n++;
+  cr_assert_lt(n, 64, "the fd limit was not reached");
+  close(dups[--n]); /* room for the newcomer's socket, none for the listener's end of it */
+  int newcomer = stranger_connect(&w, 0);
+  uint8_t ch[DP_CHALLENGE_LEN];
+  ssize_t got = recv(newcomer, ch, sizeof ch, MSG_WAITALL); /* 3 s at most (SO_RCVTIMEO) */
+  for (int i = 0; i < n; i++) close(dups[i]);
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+  cr_assert_eq(got, (ssize_t)sizeof ch, "the newcomer was not accepted within 3 s: %s",
+               got < 0 ? strerror(errno) : "closed");
+  cr_assert_eq(dataplane_rejected(w.dp[0], DP_REJECT_TOO_MANY_PENDING), 1);
+  cr_assert_eq(dataplane_rejected(w.dp[0], DP_REJECT_HELLO_TIMEOUT), 0);
+  cr_assert(closed_without_ack(silent[0], 2000), "the oldest unproven socket is still open");
+  for (size_t i = 1; i < 4; i++)
+    cr_assert(!closed_without_ack(silent[i], 0), "silent socket %zu was closed as well", i);
+  cr_assert(!closed_without_ack(held, 0), "the held hello was closed");
+  cr_assert_eq(dataplane_parked(w.dp[0], &proven), 1);
+  cr_assert_eq(proven, 1);
+  close(newcomer);
+  close(held);
+  for (size_t i = 0; i < 4; i++) close(silent[i]);
+  world_stop(&w);
+}
+
 /* One send from member `from` to the other on comm, call `call`: bytes a land in b. */
 static void pair_once(world_t *w, size_t from, uint64_t comm, uint64_t call) {
   uint8_t a[64], b[64];
