@@ -56,6 +56,9 @@ struct data_service {
   struct fetch *queued, **queued_tail;
   _Atomic int nqueued;
   bool kick;
+  /* Read grants of direct fetches that left the table without their Read's
+   * receipt, until their expiry (open_grant_t), under mu. */
+  struct open_grant *open_grants;
   fault_t *fault; /* --server-fault; NULL: none */
   auth_t *auth;   /* the tokens (FinishUpload's pin); NULL: none */
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
@@ -996,6 +999,12 @@ static void fetch_free(fetch_t *f) {
  * the agent lets it go now rather than at the session's end. */
 static void fetch_drop_snapshot(fetch_t *f) {
   session_t *s = f->sess;
+  int ms = 0; /* --server-fault drop:slow=MS: tests of what may happen before it is sent */
+  if (fault_hit(f->ds->fault, "drop", -1, &ms) == FAULT_SLOW) {
+    log_warn("data", "DropSnapshot of tensor %llu held %d ms (injected fault)",
+             (unsigned long long)f->ref, ms);
+    nanosleep(&(struct timespec){ms / 1000, (long)(ms % 1000) * 1000000L}, NULL);
+  }
   Meshd__Agent__V1__DropSnapshot d = MESHD__AGENT__V1__DROP_SNAPSHOT__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   d.seq = f->after_seq;
@@ -1019,6 +1028,17 @@ static void fetch_give_back(fetch_t *f) {
   if (atomic_exchange(&f->slot_freed, true)) return;
   transfer_end(f->ds, f->sess);
   if (!f->direct) relay_end(f->ds);
+}
+
+/* A fetch that ends without its Read taking the snapshot (abandoned,
+ * cancelled, failed, expired): the snapshot's drop is sent, once, before its
+ * slot goes back. A slot given back first let the session's next plan send
+ * its Snapshot ahead of the drop on the agent's link, and the agent, which
+ * keeps a session's 64 latest unread snapshots (the slots and waiting
+ * fetches together), let the oldest go for it, another fetch's. */
+static void fetch_abandon(fetch_t *f) {
+  if (f->after_seq && !atomic_exchange(&f->read_all, true)) fetch_drop_snapshot(f);
+  fetch_give_back(f);
 }
 
 static void fetch_unref(fetch_t *f) {
@@ -1047,7 +1067,7 @@ static void relay_stop(fetch_t *f) {
 }
 
 static void relay_fail(fetch_t *f, grpc_status_code code, const char *kind, const char *msg) {
-  fetch_give_back(f);
+  fetch_abandon(f);
   rpc_call_finish(f->call, code, kind, "%s", msg);
   relay_stop(f);
 }
@@ -1069,11 +1089,12 @@ static void fetch_chunk(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
   if (!m) { /* the agent's stream is over */
     rpc_status_t st = {0};
     grpc_status_code code = rpc_pull_status(p, &st);
-    fetch_give_back(f);
     if (code == GRPC_STATUS_OK) {
       atomic_store(&f->read_all, true);
+      fetch_give_back(f);
       rpc_call_finish(f->call, GRPC_STATUS_OK, NULL, "fetched");
     } else {
+      fetch_abandon(f);
       char why[sizeof st.message + 100];
       rpc_call_finish(f->call, code, st.kind[0] ? st.kind : "AGENT_LOST",
                       "Fetch of tensor %llu from rank %u: %s", (unsigned long long)f->ref, f->rank,
@@ -1212,7 +1233,7 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
               g->fail ? g->fail->msg : "(no memory to keep the message)");
   pthread_mutex_unlock(&f->sess->mu);
   if (e.kind != ERR_NONE) {
-    fetch_give_back(f);
+    fetch_abandon(f);
     finish_error(f->call, &e);
     relay_stop(f);
     return true;
@@ -1223,9 +1244,8 @@ static bool fetch_caught_up(fetch_t *f, watermark_result_t r, uint32_t lost) {
      * plan before its Read ends it with FinishFetch too) the snapshot may
      * still be pinned on the agent: dropped before the answer, so that the
      * client's next command runs after the drop there. */
-    if (!atomic_exchange(&f->read_all, true) && f->after_seq) fetch_drop_snapshot(f);
     /* The slot before the answer: the client may start its next transfer on it. */
-    fetch_give_back(f);
+    fetch_abandon(f);
     count_bytes(f->ds, DIR_FETCH, PATH_DIRECT, f->bytes);
     rpc_call_reply(f->call, &ok.base);
     relay_stop(f);
@@ -1479,12 +1499,18 @@ static void queued_start(fetch_t *f, bool slot) {
   bool ended = f->ended;
   if (slot && !ended) atomic_store(&f->slot_freed, false);
   pthread_mutex_unlock(&f->mu);
+  if (slot && !ended) {
+    fetch_stop_waiting(f);
+    return fetch_wait(f);
+  }
+  /* Its snapshot's drop before its place (and the slot) go back: see
+   * fetch_abandon. */
+  if (f->after_seq && !atomic_exchange(&f->read_all, true)) fetch_drop_snapshot(f);
   fetch_stop_waiting(f);
-  if (slot && ended) {
+  if (slot) {
     transfer_end(f->ds, f->sess);
     relay_end(f->ds);
   }
-  if (slot && !ended) return fetch_wait(f);
   if (!ended) finish_error(f->call, &e);
   relay_stop(f);
 }
@@ -1501,7 +1527,7 @@ static void fetch_end(rpc_call_t *call, bool cancelled, void *arg) {
   pthread_mutex_unlock(&f->mu);
   atomic_store(&f->gone, true);
   if (atomic_load(&f->waiting)) kick(ds); /* queued: it leaves the queue now */
-  fetch_give_back(f);
+  fetch_abandon(f); /* unless answered: cut short, its snapshot is not read now */
   /* Parked on the watermark: withdrawn, the relay will take no more steps. */
   if (wait && watermark_cancel(agent_pool_watermark(ds->pool), wait)) fetch_unref(f);
   fetch_unref(f);
@@ -1565,6 +1591,24 @@ typedef struct transfer {
   bool grant_cancelled;
 } transfer_t;
 
+/* A direct fetch's Read grant once FinishFetch took the fetch out of the
+ * table, kept unless the Read's receipt came with it (its Read took the
+ * snapshot: the grant is spent). Without it (an abandoned plan, an older
+ * client, a FinishFetch cut short) the grant stays good on its agent until
+ * the snapshot's drop runs there, in its stream's order, behind whatever the
+ * session queued after the plan; so it is kept until its expiry (the
+ * sweeper), for a tokens reload that revokes its planner's token to revoke it
+ * too (data_service_revoke): the reload ends that token's calls first, a
+ * FinishFetch waiting for the mesh's ranks with them. */
+typedef struct open_grant {
+  struct open_grant *next;
+  session_t *sess; /* held (session_hold) */
+  uint32_t rank;
+  int64_t expiry_ms;
+  rpc_identity_t planner;
+  uint8_t nonce[1][GRANT_NONCE_LEN];
+} open_grant_t;
+
 /* Takes f, queued, out of ds->queued (under ds->mu). */
 static void queue_unlink_locked(data_service_t *ds, fetch_t *f) {
   for (fetch_t **pp = &ds->queued; *pp; pp = &(*pp)->queued_next) {
@@ -1606,8 +1650,8 @@ static void transfer_free(data_service_t *ds, transfer_t *t, bool undo) {
                 "request waited for a slot", (unsigned long long)t->id);
       grant_end(t, &e);
     }
-    fetch_give_back(t->fetch); /* a direct fetch's: its slot (it took no relay) */
-    fetch_unref(t->fetch); /* drops the snapshot: nobody said it was read */
+    fetch_abandon(t->fetch); /* a direct fetch's slot (it took no relay), after its drop */
+    fetch_unref(t->fetch);
     free(t->nonces);
     free(t);
     return;
@@ -1640,9 +1684,6 @@ static void transfer_note_planner(transfer_t *t, rpc_call_t *call) {
   if (id) t->planner = *id;
 }
 
-/* The session's pending transfer `id` of that kind: a fetch is taken out of
- * the table; an upload stays in it, marked busy, until transfer_settle (a
- * FinishUpload asked again meanwhile waits for the first's outcome). */
 /* Where the session's pending transfer `id` of that kind is in the table
  * (*result NULL: none; a failed upload is none). Under ds->mu. */
 static transfer_t **pending_find_locked(data_service_t *ds, uint64_t id, session_t *s,
@@ -1654,7 +1695,45 @@ static transfer_t **pending_find_locked(data_service_t *ds, uint64_t id, session
   return pp;
 }
 
-static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, bool upload) {
+/* g (allocated, or NULL) becomes the open grant of t, a fetch with a grant,
+ * in the same step that takes t out of the table: a reload never finds it in
+ * neither. Whether it did. Under ds->mu. */
+static bool open_grant_put_locked(data_service_t *ds, transfer_t *t, open_grant_t *g) {
+  if (!g || !t->nonces) return false;
+  g->sess = t->fetch->sess;
+  session_hold(g->sess);
+  g->rank = t->fetch->rank;
+  g->expiry_ms = t->expiry_ms;
+  g->planner = t->planner;
+  memcpy(g->nonce[0], t->nonces[0], GRANT_NONCE_LEN);
+  g->next = ds->open_grants;
+  ds->open_grants = g;
+  return true;
+}
+
+/* Takes g out of ds->open_grants if it is still there (under ds->mu): whoever
+ * does owns it. */
+static bool open_grant_unlink_locked(data_service_t *ds, open_grant_t *g) {
+  for (open_grant_t **pp = &ds->open_grants; *pp; pp = &(*pp)->next) {
+    if (*pp != g) continue;
+    *pp = g->next;
+    g->next = NULL;
+    return true;
+  }
+  return false;
+}
+
+static void open_grant_free(open_grant_t *g) {
+  session_unhold(g->sess);
+  free(g);
+}
+
+/* The session's pending transfer `id`: an upload stays in the table, marked
+ * busy, until transfer_settle (a FinishUpload asked again meanwhile waits for
+ * the first's outcome); a fetch is taken out of it, its grant kept in og
+ * (may be NULL; *og_kept says whether it was: open_grant_put_locked). */
+static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, bool upload,
+                                 open_grant_t *og, bool *og_kept) {
   pthread_mutex_lock(&ds->mu);
   transfer_t **pp, *t;
   for (;;) {
@@ -1663,9 +1742,11 @@ static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, 
     if (!t || !t->busy) break;
     pthread_cond_wait(&ds->settled, &ds->mu);
   }
+  bool kept = false;
   if (t && upload) t->busy = true;
-  else if (t) pending_unlink_locked(ds, pp);
+  else if (t) kept = open_grant_put_locked(ds, pending_unlink_locked(ds, pp), og);
   pthread_mutex_unlock(&ds->mu);
+  if (og_kept) *og_kept = kept;
   return t;
 }
 
@@ -1738,6 +1819,33 @@ static void grant_expired(data_service_t *ds, transfer_t *t) {
   grant_end(t, &e);
 }
 
+/* Whether t's time is up at `now`: a fetch's at its expiry, an upload's
+ * TRANSFER_UNDO_SLACK_MS later; or, with --server-fault expire:fail, a held
+ * grant request's fetch at once (tests of that ending: with a short
+ * --transfer-grant-ms a slow client's request could come after the expiry
+ * instead of being held before it). Under ds->mu. */
+static bool transfer_expired_locked(data_service_t *ds, const transfer_t *t, int64_t now) {
+  int ms = 0;
+  return t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now ||
+         (t->grant_call && fault_hit(ds->fault, "expire", -1, &ms) == FAULT_FAIL);
+}
+
+/* The open grants past their expiry, or of a closed session (its agents
+ * ended it), out of ds->open_grants for the caller to free. Under ds->mu. */
+static open_grant_t *open_grants_expired_locked(data_service_t *ds, int64_t now) {
+  open_grant_t *out = NULL;
+  for (open_grant_t **pp = &ds->open_grants, *g; (g = *pp);) {
+    if (g->expiry_ms > now && !atomic_load(&g->sess->closed)) {
+      pp = &g->next;
+      continue;
+    }
+    *pp = g->next;
+    g->next = out;
+    out = g;
+  }
+  return out;
+}
+
 static void *sweeper_main(void *arg) {
   data_service_t *ds = arg;
   pthread_mutex_lock(&ds->mu);
@@ -1749,8 +1857,7 @@ static void *sweeper_main(void *arg) {
       /* A closed session's transfers go now: nothing of it can be finished or
        * read any more, and each holds the session (its object table). */
       session_t *ts = t->fetch ? t->fetch->sess : t->sess;
-      if (!t->busy && (t->expiry_ms + (t->fetch ? 0 : TRANSFER_UNDO_SLACK_MS) <= now ||
-                       (ts && atomic_load(&ts->closed)))) {
+      if (!t->busy && ((ts && atomic_load(&ts->closed)) || transfer_expired_locked(ds, t, now))) {
         pending_unlink_locked(ds, pp);
         t->next = expired;
         expired = t;
@@ -1758,7 +1865,12 @@ static void *sweeper_main(void *arg) {
         pp = &t->next;
       }
     }
+    open_grant_t *spent = open_grants_expired_locked(ds, now);
     pthread_mutex_unlock(&ds->mu);
+    for (open_grant_t *g; (g = spent);) {
+      spent = g->next;
+      open_grant_free(g);
+    }
     while ((t = expired)) {
       expired = t->next;
       session_t *ts = t->fetch ? t->fetch->sess : t->sess;
@@ -1792,7 +1904,10 @@ static void *sweeper_main(void *arg) {
 static int shard_grant(data_service_t *ds, uint32_t rank, Meshd__Agent__V1__TransferGrant *g,
                        Meshd__V1__ShardGrant *out, meshd_error_t *e) {
   agent_target_t t;
-  if (agent_pool_target(ds->pool, rank, AGENT_DATA_CONNECT_MS, &t))
+  /* A copy of the pool's entry under its lock, no connection (the timeout
+   * would be a channel's, and none is made): the sweeper answers held grant
+   * requests with this, and never waits on an agent. */
+  if (agent_pool_target(ds->pool, rank, 0, &t))
     return error_set(e, ERR_AGENT_LOST, "PlanTransfer: rank %u has no agent", rank);
   Meshd__Agent__V1__TransferGrant ag = *g;
   ag.rank = rank;
@@ -2314,7 +2429,7 @@ static void finish_upload_start(rpc_call_t *call, const ProtobufCMessage *req, v
   const Meshd__V1__FinishUploadRequest *rq = (const void *)req;
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
-  transfer_t *t = transfer_take(ds, rq->transfer_id, s, true);
+  transfer_t *t = transfer_take(ds, rq->transfer_id, s, true, NULL, NULL);
   session_release(s);
   if (!t) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
@@ -2451,8 +2566,14 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   const Meshd__V1__FinishFetchRequest *rq = (const void *)req;
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
-  transfer_t *t = transfer_take(ds, rq->transfer_id, s, false);
+  open_grant_t *og = calloc(1, sizeof *og); /* none: its grant is not revoked at a reload */
+  bool og_kept;
+  transfer_t *t = transfer_take(ds, rq->transfer_id, s, false, og, &og_kept);
   session_release(s);
+  if (!og_kept) {
+    free(og);
+    og = NULL;
+  }
   if (!t) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
                     "FinishFetch: this session has no pending fetch %llu (it finished, or its "
@@ -2469,6 +2590,11 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   if (read_took_snapshot(ds, f, t->nonces, &rq->read_receipt)) {
     atomic_store(&f->read_all, true); /* the Read lets go of it: no DropSnapshot */
     fetch_rank_read(f);
+    /* Its grant is spent: nothing to revoke (unless a reload took it already). */
+    pthread_mutex_lock(&ds->mu);
+    bool mine = og && open_grant_unlink_locked(ds, og);
+    pthread_mutex_unlock(&ds->mu);
+    if (mine) open_grant_free(og);
   }
   free(t->nonces);
   free(t);
@@ -2483,15 +2609,15 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   fetch_wait(f);
 }
 
-/* Tells t's agents that its grants are revoked (RevokeGrants), before any
- * undo follows on the same links: a grant not yet presented is refused, a
- * Read or Write it admitted is ended. An agent too old for it (registered
+/* Tells the agents of `ranks` that these grants of session s (nonces[i]
+ * rank i's, good until expiry_ms) are revoked (RevokeGrants), before any undo
+ * follows on the same links: a grant not yet presented is refused, a Read or
+ * Write it admitted is ended. An agent too old for it (registered
  * instructions < 25) is not told: its grant stays good until its start-by
  * time, as before, and what it writes is undone with the transfer. */
-static void grants_revoke(data_service_t *ds, transfer_t *t) {
-  session_t *s = t->fetch ? t->fetch->sess : t->sess;
-  size_t n = t->fetch ? 1 : t->nranks;
-  int64_t keep = t->expiry_ms - grant_now_unix_ms() + TRANSFER_UNDO_SLACK_MS;
+static void revoke_on_agents(data_service_t *ds, session_t *s, const uint32_t *ranks, size_t n,
+                             uint8_t (*nonces)[GRANT_NONCE_LEN], int64_t expiry_ms) {
+  int64_t keep = expiry_ms - grant_now_unix_ms() + TRANSFER_UNDO_SLACK_MS;
   Meshd__Agent__V1__RevokeGrants r = MESHD__AGENT__V1__REVOKE_GRANTS__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   ProtobufCBinaryData nonce = {GRANT_NONCE_LEN, NULL};
@@ -2504,8 +2630,8 @@ static void grants_revoke(data_service_t *ds, transfer_t *t) {
   pthread_mutex_lock(&s->mu);
   /* A closed session's agents ended it: they serve no Read or Write of it. */
   bool open = !atomic_load(&s->closed) && s->objects;
-  for (size_t i = 0; open && t->nonces && i < n; i++) {
-    uint32_t rank = t->fetch ? t->fetch->rank : t->ranks[i];
+  for (size_t i = 0; open && nonces && i < n; i++) {
+    uint32_t rank = ranks[i];
     char version[32] = "";
     if (agent_pool_first_without(ds->pool, &rank, 1, MESHD__AGENT__V1__INSTRUCTION__BODY_REVOKE_GRANTS,
                                  version, sizeof version) >= 0) {
@@ -2513,11 +2639,16 @@ static void grants_revoke(data_service_t *ds, transfer_t *t) {
                "it admits one Read/Write until the grant's start-by time", rank, version);
       continue;
     }
-    nonce.data = t->nonces[i];
+    nonce.data = nonces[i];
     uint64_t seq = 0;
     if (agent_pool_send(ds->pool, rank, &ins, &seq) == 0) objects_sent(s->objects, rank, seq, 0);
   }
   pthread_mutex_unlock(&s->mu);
+}
+
+static void grants_revoke(data_service_t *ds, transfer_t *t) {
+  if (t->fetch) revoke_on_agents(ds, t->fetch->sess, &t->fetch->rank, 1, t->nonces, t->expiry_ms);
+  else revoke_on_agents(ds, t->sess, t->ranks, t->nranks, t->nonces, t->expiry_ms);
 }
 
 /* One transfer whose planner's token is revoked and that still has
@@ -2542,6 +2673,25 @@ static transfer_t *revoke_next_locked(data_service_t *ds, bool (*revoked)(const 
     return t;
   }
   return NULL;
+}
+
+/* The open grants (open_grant_t) whose planner's token is revoked: revoked on
+ * their agents, and let go. */
+static void open_grants_revoke(data_service_t *ds,
+                               bool (*revoked)(const rpc_identity_t *id, void *arg), void *arg) {
+  for (;;) {
+    pthread_mutex_lock(&ds->mu);
+    open_grant_t *g = ds->open_grants;
+    while (g && !revoked(&g->planner, arg)) g = g->next;
+    if (g) open_grant_unlink_locked(ds, g);
+    pthread_mutex_unlock(&ds->mu);
+    if (!g) return;
+    log_info("data", "the Read grant of a direct fetch in session %.8s, left without its Read's "
+             "receipt, is revoked: the token of principal '%s' that planned it was revoked at a "
+             "tokens reload", g->sess->id, g->planner.name);
+    revoke_on_agents(ds, g->sess, &g->rank, 1, g->nonce, g->expiry_ms);
+    open_grant_free(g);
+  }
 }
 
 int data_service_revoke(data_service_t *ds, bool (*revoked)(const rpc_identity_t *id, void *arg),
@@ -2581,6 +2731,7 @@ int data_service_revoke(data_service_t *ds, bool (*revoked)(const rpc_identity_t
     pthread_mutex_lock(&ds->mu);
   }
   pthread_mutex_unlock(&ds->mu);
+  open_grants_revoke(ds, revoked, arg);
   return n;
 }
 
@@ -2688,7 +2839,14 @@ void data_service_destroy(data_service_t *ds) {
     fetch_stop_waiting(f);
     relay_stop(f);
   }
-  ds->queued = NULL;
+  ds->queued = NULL; /* (no slot given back below wakes the stopped sweeper) */
+  ds->queued_tail = &ds->queued;
+  atomic_store(&ds->nqueued, 0);
+  for (open_grant_t *g = ds->open_grants, *next; g; g = next) {
+    next = g->next;
+    open_grant_free(g);
+  }
+  ds->open_grants = NULL;
   while (t) { /* the server is gone: nothing is sent to agents any more */
     transfer_t *next = t->next;
     if (t->fetch) atomic_store(&t->fetch->read_all, true);

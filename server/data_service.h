@@ -50,7 +50,9 @@ void data_service_set_path(data_service_t *ds, data_path_t path, int64_t grant_m
  * --max-relayed-transfers. 0: no bound. Before the server starts. */
 void data_service_set_max_relays(data_service_t *ds, int max_relays);
 /* Fault injection for tests (fault.h, --server-fault): "plan" delays or
- * fails a PlanTransfer's answer once its transfer is in the table. f
+ * fails a PlanTransfer's answer once its transfer is in the table, "finish"
+ * delays a FinishUpload, "expire" expires a held grant request's fetch,
+ * "drop" delays a DropSnapshot. f
  * outlives ds; NULL: none. Before the server starts. */
 struct fault;
 void data_service_set_fault(data_service_t *ds, struct fault *f);
@@ -66,7 +68,9 @@ const rpc_method_t *data_service_methods(size_t *n);
  * grants revoked on its agents (RevokeGrants on the Execute link: a grant not
  * yet used is refused, a Read or Write it admitted ends) and is undone: an
  * upload as at its expiry (its ref deleted on its ranks, again at expiry,
- * FinishUpload refused), a fetch's snapshot dropped (FinishFetch refused).
+ * FinishUpload refused), a fetch's snapshot dropped (FinishFetch refused);
+ * a fetch that FinishFetch took without its Read's receipt has its grant
+ * revoked too, until the grant's expiry.
  * An upload a FinishUpload is checking is waited for (its pin, set with
  * data_service_set_auth, sees the reload). How many were undone. */
 int data_service_revoke(data_service_t *ds, bool (*revoked)(const rpc_identity_t *id, void *arg),

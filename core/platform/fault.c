@@ -14,7 +14,8 @@ static int parse_num(const char *s, long long lo, long long hi, long long *out) 
 
 const char *const FAULT_AGENT_PLACES[] = {"reduce", "send", "call", "any", "hello", "write",
                                            "report", NULL};
-const char *const FAULT_SERVER_PLACES[] = {"plan", "session", "remove", "finish", NULL};
+const char *const FAULT_SERVER_PLACES[] = {"plan", "session", "remove", "finish", "expire", "drop",
+                                            NULL};
 
 int fault_parse(const char *spec, const char *const *places, fault_t *f, char *err, size_t errlen) {
   memset(f, 0, sizeof *f);
@@ -83,6 +84,16 @@ int fault_parse(const char *spec, const char *const *places, fault_t *f, char *e
   if (!strcmp(f->where, "finish") && f->action != FAULT_SLOW) {
     snprintf(err, errlen, "fault spec '%s': finish takes slow=MS only (a FinishUpload held "
              "before it defines its tensor)", spec);
+    return -1;
+  }
+  if (!strcmp(f->where, "drop") && f->action != FAULT_SLOW) {
+    snprintf(err, errlen, "fault spec '%s': drop takes slow=MS only (a DropSnapshot held "
+             "before it is sent)", spec);
+    return -1;
+  }
+  if (!strcmp(f->where, "expire") && f->action != FAULT_FAIL) {
+    snprintf(err, errlen, "fault spec '%s': expire takes fail only (a held grant request's "
+             "fetch taken as past its expiry)", spec);
     return -1;
   }
   if (eq && parse_num(eq + 1, 0, 86400000, &v)) {

@@ -15,6 +15,11 @@
  *           fail leaves it to the registry's sweeper, as when no thread can be had),
  *           finish (a FinishUpload once its receipts checked out, before it
  *           defines its tensor: slow=MS, so a tokens reload can come meanwhile)
+ *           expire (a direct fetch's grant request held for a slot: fail makes
+ *           the sweeper take its fetch as past its plan's expiry at its next
+ *           pass, as --transfer-grant-ms would once it passed), drop (a
+ *           DropSnapshot of a fetch that ends unread: slow=MS holds it MS ms
+ *           before it is sent)
  *   ACTION  fail            the instruction fails (REMOTE_FAILURE "injected fault")
  *           hang[=MS]       it blocks, like a wedged device, until the session
  *                           learns of a lost peer or ends (or MS passes; default 1 h);
@@ -51,7 +56,7 @@ typedef struct fault {
 /* The places each program knows ("any" is the agent's reduce and send
  * instructions, the collectives and transfers; not call). */
 extern const char *const FAULT_AGENT_PLACES[];  /* reduce, send, call, any, hello, write, report */
-extern const char *const FAULT_SERVER_PLACES[]; /* plan, session, remove, finish */
+extern const char *const FAULT_SERVER_PLACES[]; /* plan, session, remove, finish, expire, drop */
 
 /* Parses spec into *f, with WHERE one of places (NULL-terminated). 0, or -1
  * with a message naming what is wrong. */

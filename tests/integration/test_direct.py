@@ -850,9 +850,12 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
     before the write. Fetches wait so at most while the session's unread snapshots
     fit what its agents keep (64); one whose call ends while it waits frees its
     place. Without wait_for_slot: refused, as before (older clients). A session
-    closed while a grant request is held ends it NO_SESSION."""
+    closed while a grant request is held ends it NO_SESSION. One whose plan expires
+    while it is held (--server-fault expire:fail, once: the sweeper takes it as past
+    --transfer-grant-ms, which a short flag raced with the request's arrival) ends
+    NOT_FOUND naming the flag, its fetch undone."""
     import time
-    srv = meshd_server(1, "--session-max-transfers", "1")
+    srv = meshd_server(1, "--session-max-transfers", "1", "--server-fault", "expire:fail,count=1")
     lib.wait_ready(srv, 1)
     with connect(srv, "direct") as s:
         pb = s._pb
@@ -868,6 +871,11 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
         pending = plan(s, fetch=req)
         assert pending.slot_pending and not pending.shards, pending
         assert list(pending.meta.shape) == [6] and pending.transfer_id, pending
+        expiring = plan(s, fetch=req)
+        grant_req = pb.FetchRequest(transfer_id=expiring.transfer_id)
+        refused(lambda: plan(s, fetch=grant_req, timeout=10), grpc.StatusCode.NOT_FOUND,
+                "waited for a transfer slot past its plan's expiry (--transfer-grant-ms 600000)")
+        refused(lambda: plan(s, fetch=grant_req), grpc.StatusCode.NOT_FOUND, "no pending fetch")
         fn = s._ch.unary_stream(SVC + "Fetch", request_serializer=lambda m: m.SerializeToString(),
                                 response_deserializer=pb.FetchChunk.FromString)
         queued = [fn(req, metadata=s._md, timeout=30) for _ in range(2)]
@@ -957,6 +965,58 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
             assert "was closed while fetch" in e.details(), e.details()
     finally:
         s2._abandon()  # (its channel; the session is closed already)
+
+
+def test_a_fetch_that_ends_unread_gives_its_slot_back_after_its_snapshots_drop(meshd_server):
+    """A session's slots and its fetches waiting for one are together what an agent
+    keeps unread (64 snapshots; a 65th lets the oldest go). A fetch that ended unread
+    (its FinishFetch cut short by its deadline here, MESHD_FAULT report:slow holding the
+    wait) gave its slot back before its DropSnapshot was sent: the session's next plan,
+    on that slot, sent its Snapshot first (the drop held here, --server-fault drop:slow),
+    the agent held 65, and the oldest waiting fetch's snapshot was gone when its turn
+    came ("no snapshot"). The slot comes back once the drop is sent, which the agent
+    then runs first."""
+    import time
+    srv = meshd_server(1, "--session-max-transfers", "1", "--threads", "2",  # one held
+                       "--server-fault", "drop:slow=300,count=1",
+                       env={"MESHD_FAULT": "report:slow=30000"})
+    lib.wait_ready(srv, 1)
+    with connect(srv, "direct") as s:
+        pb = s._pb
+        arr = np.arange(6, dtype=np.float32)
+        with s.mesh(gpu=1).activate():
+            t = meshd.tensor(arr)
+        req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim="gpu", index=0)],
+                              wait_for_slot=True)
+
+        def finish_read(p):  # with its receipt: a one-rank fetch is answered at once
+            data, receipt = _read_with_receipt(p.shards[0], s.id, t.ref)
+            np.testing.assert_array_equal(np.frombuffer(data, np.float32), arr)
+            finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=p.transfer_id,
+                                                           read_receipt=receipt),
+                   pb.FinishFetchReply)
+        first = plan_fetch(s, t, gpu=0)
+        waiting = [plan(s, fetch=req) for _ in range(63)]
+        assert all(w.slot_pending for w in waiting)
+        finish_read(first)
+        unread = plan_fetch(s, t, gpu=0)  # the slot: 63 + 1 snapshots kept
+        fn = s._ch.unary_unary(SVC + "FinishFetch", request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=pb.FinishFetchReply.FromString)
+        refused(lambda: fn(pb.FinishFetchRequest(transfer_id=unread.transfer_id), metadata=s._md,
+                           timeout=0.3), grpc.StatusCode.DEADLINE_EXCEEDED, "")
+        end = time.monotonic() + 10
+        while True:  # the slot, once the server saw the call end (and sent the drop)
+            try:
+                nxt = plan_fetch(s, t, gpu=0)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                assert time.monotonic() < end, "the cut-short FinishFetch kept its slot"
+                time.sleep(0.01)
+        finish_read(nxt)
+        oldest = plan(s, fetch=pb.FetchRequest(transfer_id=waiting[0].transfer_id))
+        assert not oldest.slot_pending and len(oldest.shards) == 1, oldest
+        finish_read(oldest)
 
 
 def test_reads_fit_an_agents_smaller_message_limit(meshd_server, agent):

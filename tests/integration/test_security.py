@@ -37,10 +37,10 @@ def tokens_file(tmp_path_factory):
     return p
 
 
-def _start(tmp, *flags, n=0, wait=True):
+def _start(tmp, *flags, n=0, wait=True, env=None):
     args = ["--listen", "127.0.0.1:0", "--local-agents", str(n), "--min-agents", "0"]
     args += [str(f) for f in flags]
-    p = lib.spawn("meshd", lib.MESHD, args, str(tmp))
+    p = lib.spawn("meshd", lib.MESHD, args, str(tmp), env=env)
     if wait:
         lib.wait_health(p.port, "", lib.SERVING(), proc=p.proc, log=p.log)
     return p
@@ -970,7 +970,11 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
     (it was kept until expiry). Her FinishUpload held across the reload (--server-fault
     finish:slow) does not define its tensor (it did, and its answer was lost). dave's
     token lost its admin flag: his stream ends too (to come back without admin rights).
-    alice is untouched."""
+    alice is untouched. bob's fetch whose FinishFetch waits (for rank 1, MESHD_FAULT
+    call:hang) without its Read's receipt at the reload had left the table: the reload
+    ended the call, but its snapshot's drop waits in its stream behind a command hung on
+    rank 0, and its grant read the snapshot until its expiry; it is revoked too. His grant
+    request held for a slot (--session-max-transfers 3) ends UNAUTHENTICATED."""
     from concurrent.futures import ThreadPoolExecutor
     from test_direct import agent_read, agent_write, refused
     carol_old, carol_new = "carol-0123456789abcdef", "carol-fedcba9876543210"
@@ -978,7 +982,8 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
     f = tmp_path / "tokens"
     f.write_text(f"alice {ALICE}\nbob {BOB}\ncarol {carol_old}\ndave {dave} admin\n")
     p = _start(tmp_path, "--auth-tokens", f, "--transfer-grant-ms", 60000,
-               "--server-fault", "finish:slow=2500,count=1", n=2)
+               "--server-fault", "finish:slow=2500,count=1", "--session-max-transfers", 3, n=2,
+               env={"MESHD_FAULT": "call:hang,count=1"})  # each agent's first op call
     try:
         deadline = time.monotonic() + lib.REGISTER_TIMEOUT
         t = lib.tensor_pb2()
@@ -1003,6 +1008,50 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
             ref=x.ref, coords=[t.Coordinate(dim="gpu", index=0)])), t.PlanTransferReply)
         shard = fetch.shards[0]
         up_b = _plan_upload(sb, m, 4)
+        # bob's third: its FinishFetch waits for rank 1, whose first op call hangs, and the
+        # snapshot's drop would wait on rank 0 behind the hung op after the plan
+        m1 = sb.slice(m.ref, gpu=1)
+        sb.op("add", lib.Ref(sb.tensor(m1.ref, (8,)).ref), 1)  # hangs rank 1
+        y = sb.tensor(m.ref, (8,))
+        unread = sb.unary("PlanTransfer", t.PlanTransferRequest(fetch=t.FetchRequest(
+            ref=y.ref, coords=[t.Coordinate(dim="gpu", index=0)])), t.PlanTransferReply)
+        sb.op("add", lib.Ref(y.ref), 1)  # hangs rank 0, after the Snapshot
+        plan_fn = sb.ch.unary_unary(_SVC + "PlanTransfer",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=t.PlanTransferReply.FromString)
+        grant_req = lambda p: t.PlanTransferRequest(fetch=t.FetchRequest(transfer_id=p.transfer_id))
+        finish_fn = sb.ch.unary_unary(_SVC + "FinishFetch",
+                                      request_serializer=lambda m: m.SerializeToString(),
+                                      response_deserializer=t.FinishFetchReply.FromString)
+        fin = finish_fn.future(t.FinishFetchRequest(transfer_id=unread.transfer_id),
+                               metadata=sb.metadata, timeout=30)
+
+        def finishing():  # its FinishFetch took it (a grant request then finds nothing)
+            try:
+                plan_fn(grant_req(unread), metadata=sb.metadata, timeout=5)
+            except grpc.RpcError as e:
+                assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), e
+                return e.code() == grpc.StatusCode.NOT_FOUND
+            raise AssertionError("a fetch planned with its grant got another")
+        deadline = time.monotonic() + 10
+        while not finishing():
+            assert time.monotonic() < deadline and not fin.done(), "FinishFetch did not wait"
+            time.sleep(0.02)
+        # his fourth waits for a slot: of two grant requests one is held, the other refused
+        waits = sb.unary("PlanTransfer", t.PlanTransferRequest(fetch=t.FetchRequest(
+            ref=x.ref, coords=[t.Coordinate(dim="gpu", index=0)], wait_for_slot=True)),
+            t.PlanTransferReply)
+        assert waits.slot_pending, waits
+        two = [plan_fn.future(grant_req(waits), metadata=sb.metadata, timeout=30) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while not any(g.done() for g in two):
+            assert time.monotonic() < deadline, "neither grant request was answered"
+            time.sleep(0.02)
+        held_grant = [g for g in two if not g.done()]
+        assert len(held_grant) == 1, [g.exception() for g in two]
+        e = [g for g in two if g.done()][0].exception()
+        assert e and e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+        assert "waits for a slot already" in e.details(), e.details()
         mc = sc.mesh(gpu=2)
         up_c = _plan_upload(sc, mc, 4)
         # carol's second upload is written, and its FinishUpload held when the reload comes
@@ -1020,9 +1069,13 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
             held.result(timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
         pool.shutdown()
-        # the agents hear of it on their Execute links: bob's fetch and upload, carol's two
-        # uploads (bounded: the old code never says it; the refusals below then fail)
-        _log_has(p.log, "transfer grant(s) revoked by the server", count=7)
+        for call in (fin, held_grant[0]):  # (the rpc layer's end, or the revocation's)
+            e = call.exception(timeout=10)
+            assert e and e.code() == grpc.StatusCode.UNAUTHENTICATED, e
+            assert "revoked at a reload of --auth-tokens" in e.details(), e.details()
+        # the agents hear of it on their Execute links: bob's two fetches and upload, carol's
+        # two uploads (bounded: the old code never says it; the refusals below then fail)
+        _log_has(p.log, "transfer grant(s) revoked by the server", count=8)
 
         for name in ("b", "c", "d"):
             s, q, it = streams[name]
@@ -1044,6 +1097,7 @@ def test_sighup_cuts_off_a_revoked_principals_open_calls_and_planned_transfers(t
         # no grant planned under a revoked token moves a byte
         denied = grpc.StatusCode.PERMISSION_DENIED
         refused(lambda: agent_read(shard, sb.id, x.ref), denied, "revoked")
+        refused(lambda: agent_read(unread.shards[0], sb.id, y.ref), denied, "revoked")
         for up in (up_b, up_c):
             for sh in up.shards:
                 refused(lambda: agent_write(sh, bytes(16)), denied, "revoked")

@@ -52,6 +52,26 @@ Test(fault, report_takes_slow_only) {
   cr_assert_eq(ms, 30);
 }
 
+/* expire takes a held grant request's fetch as past its expiry: fail only
+ * (a slow or hung expiry is no expiry); drop holds a DropSnapshot back: slow
+ * only. The server's places alone. */
+Test(fault, expire_takes_fail_and_drop_slow_only) {
+  fault_t f;
+  char why[200] = "";
+  int ms = 0;
+  cr_assert_eq(parse("expire:slow=10", FAULT_SERVER_PLACES, &f, why), -1);
+  cr_assert(strstr(why, "expire takes fail only"), "%s", why);
+  cr_assert_eq(parse("expire:fail", FAULT_AGENT_PLACES, &f, why), -1);
+  cr_assert_eq(parse("expire:fail,count=1", FAULT_SERVER_PLACES, &f, why), 0, "%s", why);
+  cr_assert_eq(fault_hit(&f, "expire", -1, &ms), FAULT_FAIL);
+  cr_assert_eq(fault_hit(&f, "expire", -1, &ms), FAULT_NONE);
+  cr_assert_eq(parse("drop:fail", FAULT_SERVER_PLACES, &f, why), -1);
+  cr_assert(strstr(why, "drop takes slow=MS only"), "%s", why);
+  cr_assert_eq(parse("drop:slow=300", FAULT_SERVER_PLACES, &f, why), 0, "%s", why);
+  cr_assert_eq(fault_hit(&f, "drop", -1, &ms), FAULT_SLOW);
+  cr_assert_eq(ms, 300);
+}
+
 Test(fault, unknown_places_and_actions_are_named) {
   fault_t f;
   char why[200] = "";
