@@ -352,14 +352,24 @@ static void error_push_locked(executor_t *x, Meshd__V1__Error *e) {
   pthread_cond_signal(&x->report_cv);
 }
 
-/* Queues a failure for the next report. */
-static void report_error(executor_t *x, const char *session, error_kind_t kind, const char *msg,
-                         uint64_t seq, uint64_t ref, uint64_t command_seq) {
-  Meshd__V1__Error *e = error_new(session, kind, msg, seq, ref);
-  if (!e) return;
-  e->command_seq = command_seq; /* the server names the client's command by it */
+/* Queues the failures running (or refusing) ins appended, each under its
+ * ref, for the next report. Holds mu. */
+static void report_failures_locked(executor_t *x, const char *session, const instr_t *ins,
+                                   const run_failures_t *failed) {
+  for (size_t i = 0; i < failed->n; i++) {
+    const run_failure_t *f = &failed->v[i];
+    Meshd__V1__Error *e = error_new(session, f->kind, f->msg, ins->seq, f->ref);
+    if (!e) continue;
+    e->command_seq = ins->command_seq; /* the server names the client's command by it */
+    error_push_locked(x, e);
+  }
+}
+
+static void report_failures(executor_t *x, const char *session, const instr_t *ins,
+                            const run_failures_t *failed) {
+  if (!failed->n) return;
   pthread_mutex_lock(&x->mu);
-  error_push_locked(x, e);
+  report_failures_locked(x, session, ins, failed);
   pthread_mutex_unlock(&x->mu);
 }
 
@@ -621,9 +631,7 @@ static void run_stream(executor_t *x, xstream_t *st) {
     else if (!skip && no_stream.kind != ERR_NONE)
       run_refused(&x->env, ss, it->ins, &no_stream, true, &failed);
     else if (!skip) run_instruction(&x->env, ss, bs, it->ins, &failed);
-    for (size_t i = 0; i < failed.n; i++)
-      report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref,
-                   it->ins->command_seq);
+    report_failures(x, ss->id, it->ins, &failed);
     if (it->batch) executor_batch_release(it->batch);
     else protobuf_c_message_free_unpacked(&it->ins->base, NULL);
     free(it->refused);
@@ -827,9 +835,7 @@ static void *refuser_main(void *arg) {
   run_failures_t failed;
   failed.n = 0;
   run_refused(&x->env, ss, r->ins, &r->why, true, &failed);
-  for (size_t i = 0; i < failed.n; i++)
-    report_error(x, ss->id, failed.v[i].kind, failed.v[i].msg, seq, failed.v[i].ref,
-                 r->ins->command_seq);
+  report_failures(x, ss->id, r->ins, &failed);
   if (r->batch) executor_batch_release(r->batch);
   else protobuf_c_message_free_unpacked(&r->ins->base, NULL);
   /* Done, for the executor and for its session, only now that its failures
@@ -878,6 +884,32 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
   r->next = s->refusing; /* before the thread can take mu: we hold it */
   s->refusing = r;
   return true;
+}
+
+/* ins (of session s) can be neither queued nor handed to a refuser: it fails
+ * here, as a refusal on its worker would (run_refused), with why (its
+ * checks' refusal) or, NULL, the queue's failure. Its results and what it
+ * writes in place fail in the session's table with that root cause, each
+ * reported under its ref: a tensor it writes in place (an add_'s self) no
+ * longer reads as its old value to the stream's later instructions (a
+ * Fetch's Snapshot), and a fresh result is failed, not missing. Peers are not told (no data plane call, or
+ * MAX_REFUSERS already run). Under mu, so that the failures are in before
+ * any later instruction is routed and before the seq is done; the lock order
+ * allows it (executor.mu before session_state.mu and the refs' lock,
+ * session_state.h; nothing there calls back into the executor). */
+static void refuse_now_locked(executor_t *x, xsession_t *s, const instr_t *ins,
+                              const meshd_error_t *why) {
+  meshd_error_t queue_err;
+  if (!why) {
+    char msg[160];
+    queue_failure_msg(x, msg, sizeof msg, ins->seq);
+    error_set(&queue_err, ERR_REMOTE_FAILURE, "%s", msg);
+    why = &queue_err;
+  }
+  run_failures_t failed;
+  failed.n = 0;
+  run_refused(&x->env, s->state, ins, why, false, &failed);
+  report_failures_locked(x, s->state->id, ins, &failed);
 }
 
 /* ------------------------------------------------------------------ routing */
@@ -994,6 +1026,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   }
   x->last = ins->seq;
   bool done_now = false, failed = false, refuse_later = false;
+  bool failures_queued = false; /* refuse_now_locked reported it */
   xsession_t *to_drop = NULL;
   const Meshd__Agent__V1__PeerLost *lost = NULL;
   switch (ins->body_case) {
@@ -1046,6 +1079,13 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
           break;
         }
         done_now = failed = true;
+        /* An open session (its item could not be allocated: s is NULL)
+         * fails the results; without one, the seq's one failure below. */
+        if (!s) s = session_find_locked(x, ins->session_id);
+        if (s) {
+          refuse_now_locked(x, s, ins, refused ? &verr : NULL);
+          failures_queued = true;
+        }
         break;
       }
       session_state_note_order(s->state, copy);
@@ -1064,10 +1104,11 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   /* The failure goes in before the watermark passes the seq: a report that
    * says it ran says how it failed. */
   char failmsg[160] = "";
-  if (failed) queue_failure_msg(x, failmsg, sizeof failmsg, ins->seq);
-  if (done_now && refused) error_push_locked(x, refusal);
+  bool seq_failure = failed && !failures_queued; /* one error for the seq, ref 0 */
+  if (seq_failure) queue_failure_msg(x, failmsg, sizeof failmsg, ins->seq);
+  if (done_now && refused && !failures_queued) error_push_locked(x, refusal);
   else error_free(refusal);
-  if (failed)
+  if (seq_failure)
     error_push_locked(x, error_new(ins->session_id, ERR_REMOTE_FAILURE, failmsg, ins->seq, 0));
   if (done_now) mark_done_locked(x, ins->seq);
   pthread_mutex_unlock(&x->mu);

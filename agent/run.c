@@ -316,6 +316,28 @@ static uint64_t ref_of_meta(const held_t *h, const tensor_meta_t *m) {
 
 static int injected(ctx_t *c, const char *where, const char *what, meshd_error_t *e);
 
+/* Appends to refs[0..n) (room for cap) the tensors call writes in place: the
+ * parameters the server named in `mutates` (self, out=...), given by position
+ * or by keyword; not `skip` (a failed input keeps its own root). Returns the
+ * new count. Safe on an instruction that failed validation (a missing arg, an
+ * unknown op: by position only). */
+static size_t call_written_refs(const Meshd__Agent__V1__OpCall *call, uint64_t skip,
+                                uint64_t *refs, size_t n, size_t cap) {
+  const op_def_t *op = call->op ? ops_find(call->op) : NULL;
+  for (size_t m = 0; m < call->n_mutates && n < cap; m++) {
+    uint64_t p = call->mutates[m];
+    const Meshd__V1__Arg *a = NULL;
+    if (p < call->n_args) a = call->args[p];
+    for (size_t k = 0; !a && op && p < (uint64_t)op->nparams && k < call->n_kwargs; k++) {
+      const Meshd__V1__Kwarg *kw = call->kwargs[k];
+      if (kw && kw->name && strcmp(kw->name, op->params[p].name) == 0) a = kw->value;
+    }
+    if (a && a->value_case == MESHD__V1__ARG__VALUE_REF && a->ref && a->ref != skip)
+      refs[n++] = a->ref;
+  }
+  return n;
+}
+
 static void run_call(ctx_t *c) {
   const Meshd__Agent__V1__OpCall *call = c->ins->call;
   held_t *h = held_get();
@@ -349,18 +371,9 @@ static void run_call(ctx_t *c) {
     rc = call->kwargs[i]->value ? resolve(c, h, call->kwargs[i]->value, &kw[i].value, &e) : -1;
   }
   if (h->failed) {
-    /* What it writes in place fails with it: the parameters the server named
-     * (self, out=...), given by position or by keyword; not the failed input
-     * itself, which keeps its own root. */
-    for (size_t m = 0; op && m < call->n_mutates && nouts < OP_MAX_RESULTS * 2; m++) {
-      uint64_t p = call->mutates[m];
-      const Meshd__V1__Arg *a = NULL;
-      if (p < call->n_args) a = call->args[p];
-      for (size_t k = 0; !a && p < (uint64_t)op->nparams && k < call->n_kwargs; k++)
-        if (strcmp(call->kwargs[k]->name, op->params[p].name) == 0) a = call->kwargs[k]->value;
-      if (a && a->value_case == MESHD__V1__ARG__VALUE_REF && a->ref != h->failed_ref)
-        outs[nouts++] = a->ref;
-    }
+    /* What it writes in place fails with it; not the failed input itself,
+     * which keeps its own root. */
+    nouts = call_written_refs(call, h->failed_ref, outs, nouts, OP_MAX_RESULTS * 2);
     if (h->why.root_seq == c->ins->seq) {
       error_set(&e, ERR_REMOTE_FAILURE, "%s: %.500s", call->op, h->why.msg);
       root_failure(c, outs, nouts, &e);
@@ -1185,8 +1198,14 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
 void run_refused(const run_env_t *env, session_state_t *s, const Meshd__Agent__V1__Instruction *ins,
                  const meshd_error_t *why, bool tell_peers, run_failures_t *out) {
   ctx_t c = {env, s, ins, env->backend, NULL, out, false};
-  uint64_t refs[OP_MAX_RESULTS + 1];
-  size_t n = validate_result_refs(ins, refs, sizeof refs / sizeof refs[0]);
+  uint64_t refs[OP_MAX_RESULTS * 2 + 1];
+  size_t cap = sizeof refs / sizeof refs[0];
+  size_t n = validate_result_refs(ins, refs, cap);
+  /* What a Call would have written in place (add_'s self) fails with it
+   * too, as when it fails running (run_call): a later reader of it (a
+   * Fetch's Snapshot) would read its old value as fine. */
+  if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_CALL && ins->call)
+    n = call_written_refs(ins->call, 0, refs, n, cap);
   /* Peers that run it wait for this agent in its data plane call: told. */
   bool reduce = ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_REDUCE && ins->reduce;
   bool bcast = ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST && ins->broadcast;

@@ -67,9 +67,11 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
  * (dataplane_expect), so that members that reach the call before this agent
  * does are held proven, not crowded out by the cap on unproven connections. */
 void run_expect(const run_env_t *env, const Meshd__Agent__V1__Instruction *ins);
-/* ins failed validation (validate.h) with *why: instead of running, it fails
- * the refs it would define (validate_result_refs) with why as their root
- * failure, which is appended to *out. tell_peers: the failure is this
+/* ins failed validation (validate.h) with *why, or could not be queued:
+ * instead of running, it fails the refs it would define
+ * (validate_result_refs) and, for a Call, the tensors it would write in place
+ * (its `mutates`: add_'s self) with why as their root failure, which is
+ * appended to *out. tell_peers: the failure is this
  * agent's own (no device stream), not the instruction's, which every member
  * finds alike: the peers of a collective or send are told (dp_refuse)
  * rather than left waiting for it. */

@@ -11,6 +11,8 @@
  *   refuser thread); and that the later instructions of its stream run only
  *   after that thread failed its results (a lowered worker cap and a held
  *   refuser: executor_set_max_workers_for_test, _set_refuser_hold_for_test);
+ *   and that an instruction with no data plane call, failed at once as it
+ *   is routed, fails its results and what it writes in place (run_refused);
  * - agent/dataplane/transfer.c: dp__plan_init's own allocations fail (this
  *   suite's calloc refuses the plan's transfer array once, on the armed
  *   thread only). Both interpositions are off under ASan. */
@@ -469,6 +471,157 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   cr_assert_eq(rc, 1, "the copy after the refused Reduce copied ref 9001's old value (rc %d: %s)",
                rc, why.msg);
   cr_assert_eq(why.root_seq, 2, "the copy's failure is not the Reduce's: %s", why.msg);
+  rank0_agent_stop(&a);
+}
+
+/* add_(self, self) (a Call writing self in place, `mutates` it; no data
+ * plane call) with result ref `result`, a view of it. */
+typedef struct {
+  Meshd__V1__Arg a0, a1;
+  Meshd__V1__Arg *args[2];
+  int64_t shape[1];
+  Meshd__Agent__V1__TensorSpec res;
+  Meshd__Agent__V1__TensorSpec *resp[1];
+  uint64_t mutates[1];
+  Meshd__Agent__V1__OpCall call;
+  instr_t ins;
+} add_inplace_instr_t;
+
+static instr_t *add_inplace_instr(add_inplace_instr_t *b, uint64_t self, uint64_t result) {
+  meshd__v1__arg__init(&b->a0);
+  b->a0.value_case = MESHD__V1__ARG__VALUE_REF;
+  b->a0.ref = self;
+  b->a1 = b->a0;
+  b->args[0] = &b->a0;
+  b->args[1] = &b->a1;
+  b->shape[0] = 8;
+  meshd__agent__v1__tensor_spec__init(&b->res);
+  b->res.ref = result;
+  b->res.n_shape = 1;
+  b->res.shape = b->shape;
+  b->res.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  b->resp[0] = &b->res;
+  b->mutates[0] = 0; /* self */
+  meshd__agent__v1__op_call__init(&b->call);
+  b->call.op = "add_";
+  b->call.n_args = 2;
+  b->call.args = b->args;
+  b->call.n_results = 1;
+  b->call.results = b->resp;
+  b->call.n_mutates = 1;
+  b->call.mutates = b->mutates;
+  meshd__agent__v1__instruction__init(&b->ins);
+  b->ins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_CALL;
+  b->ins.call = &b->call;
+  return &b->ins;
+}
+
+/* ref: 8 floats of 7, written in SESSION (an upload). */
+static void define_sevens(rank0_agent_t *a, uint64_t ref) {
+  agent_tensor_t t;
+  meshd_error_t e = {0};
+  tensor_meta_t m = {.dtype = DTYPE_FLOAT32, .layout = {.ndim = 1, .sizes = {8}}};
+  cr_assert_eq(tensor_alloc(&a->b, NULL, &m, &t, "test", &e), 0, "%s", e.msg);
+  for (int i = 0; i < 8; i++) ((float *)t.storage->data)[i] = 7;
+  cr_assert_eq(executor_define(a->x, SESSION, ref, &t), 0);
+  storage_release(t.storage);
+}
+
+/* The error reported for (seq, ref) (a bounded wait, kicking the reporter):
+ * its message, or NULL; *count: how many were reported for seq. */
+static const char *wait_ref_error(executor_t *x, uint64_t seq, uint64_t ref, int *count) {
+  const char *m = NULL;
+  for (int i = 0; i < 1000 && !m; i++) {
+    pthread_mutex_lock(&mu);
+    *count = 0;
+    for (int k = 0; k < nerrors; k++)
+      if (error_seqs[k] == seq) {
+        ++*count;
+        if (error_refs[k] == ref && !m) m = errors[k];
+      }
+    pthread_mutex_unlock(&mu);
+    if (!m) {
+      executor_kick(x);
+      nanosleep(&(struct timespec){0, 2000000}, NULL);
+    }
+  }
+  return m;
+}
+
+/* An instruction with no data plane call that no stream worker can be had
+ * for fails at once in the router: add_(t, t) of a tensor written
+ * before (ref 9001, 8 floats of 7), with a fresh result (9003). It only
+ * reported one failure for its seq (ref 0) and failed none of its refs on
+ * the agent: once a worker was free, a Fetch's Snapshot of 9001 on its
+ * stream read the old 7s as fine, and 9003 was missing ("not on this
+ * agent"), not failed. Both must fail with its root cause, each reported
+ * under its ref. */
+Test(run_refusals, an_instruction_failed_at_once_in_routing_fails_what_it_writes,
+     .timeout = 30) {
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
+  executor_set_max_workers_for_test(x, 0);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  define_sevens(&a, 9001);
+  agent_tensor_t t;
+  meshd_error_t e = {0};
+
+  add_inplace_instr_t ai;
+  submit_seq(x, add_inplace_instr(&ai, 9001, 9003), 2); /* no worker, no refuser: fails at once */
+  cr_assert_eq(executor_wait(x, 2, 10000), 0, "seq 2 not done");
+  executor_set_max_workers_for_test(x, -1); /* a worker frees */
+  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
+  snap.ref = 9001;
+  instr_t sins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  sins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+  sins.snapshot = &snap;
+  submit_seq(x, &sins, 3);
+  cr_assert_eq(executor_wait(x, 3, 10000), 0, "seq 3 not done");
+
+  snapshot_t *sn = NULL;
+  ref_failure_t why = {0};
+  int rc = executor_take_snapshot(x, SESSION, 3, 9001, &sn, &why);
+  float v[8] = {0};
+  if (rc == 0) {
+    snapshot_read(sn, 0, sizeof v, v, &e);
+    snapshot_release(sn);
+  }
+  cr_assert_eq(rc, 1, "the Snapshot after the failed add_ took ref 9001's old value (%g), "
+               "not its failure (rc %d: %s)", v[0], rc, why.msg);
+  cr_assert_eq(why.root_seq, 2, "the Snapshot's failure is not the add's: %s", why.msg);
+  cr_assert(strstr(why.msg, "queueing instruction seq 2"), "the Snapshot's failure: %s", why.msg);
+  memset(&why, 0, sizeof why);
+  rc = executor_lookup(x, SESSION, 9003, &t, &why);
+  if (rc == 0) storage_release(t.storage);
+  cr_assert_eq(rc, 1, "the add's fresh result 9003 is not failed (rc %d: %s)", rc, why.msg);
+  cr_assert_eq(why.root_seq, 2, "9003's failure is not the add's: %s", why.msg);
+  cr_assert(strstr(why.msg, "queueing instruction seq 2"), "9003's failure: %s", why.msg);
+
+  /* Reported under each ref (the server fails both tensors), once each. */
+  int n = 0;
+  const char *m3 = wait_ref_error(x, 2, 9003, &n);
+  cr_assert_not_null(m3, "no failure of seq 2 reported for ref 9003");
+  cr_assert(strstr(m3, "queueing instruction seq 2"), "%s", m3);
+  const char *m1 = wait_ref_error(x, 2, 9001, &n);
+  cr_assert_not_null(m1, "no failure of seq 2 reported for ref 9001");
+  cr_assert_eq(n, 2, "seq 2 reported %d failures, not one per tensor", n);
+
+  /* The same on its worker: an add_ its checks refuse (a result dtype no
+   * agent knows) fails its self too, not only its result. */
+  define_sevens(&a, 9004);
+  add_inplace_instr_t bad;
+  instr_t *bins = add_inplace_instr(&bad, 9004, 9005);
+  bad.res.dtype = (Meshd__V1__DType)999;
+  submit_seq(x, bins, 4);
+  cr_assert_eq(executor_wait(x, 4, 10000), 0, "seq 4 not done");
+  memset(&why, 0, sizeof why);
+  rc = executor_lookup(x, SESSION, 9004, &t, &why);
+  if (rc == 0) storage_release(t.storage);
+  cr_assert_eq(rc, 1, "the refused add_ left its self 9004 live (rc %d: %s)", rc, why.msg);
+  cr_assert_eq(why.root_seq, 4, "9004's failure is not the add_'s: %s", why.msg);
+  cr_assert(strstr(why.msg, "invalid OpCall"), "9004's failure: %s", why.msg);
   rank0_agent_stop(&a);
 }
 
