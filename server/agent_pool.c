@@ -23,6 +23,7 @@ typedef struct pool_link {
   char agent_id[64];
   char data_address[300];
   uint64_t registration; /* its agent's (agent_desc_t) */
+  uint64_t first_seq;    /* the link's first seq: every earlier link's are below it */
   atomic_bool gone;
   /* Its number among all losses once counted (under the pool's mu; 0: not yet):
    * when the agent leaves the pool, or when link_gone reports it. */
@@ -616,6 +617,7 @@ void agent_pool_set_channel(agent_pool_t *p, uint32_t rank, const char *agent_id
     pl->pool = p;
     pl->rank = rank;
     pl->registration = reg_no;
+    pl->first_seq = first_seq;
     snprintf(pl->agent_id, sizeof pl->agent_id, "%s", agent_id);
     agent_pool_data_address(p, rank, pl->data_address, sizeof pl->data_address);
     agent_link_callbacks_t cb = {link_report, link_lost, pl};
@@ -712,6 +714,15 @@ uint64_t agent_pool_last_seq(agent_pool_t *p, uint32_t rank) {
   uint64_t seq = a && a->link ? agent_link_last_seq(a->link->link) : 0;
   pthread_mutex_unlock(&p->mu);
   return seq;
+}
+
+bool agent_pool_on_link(agent_pool_t *p, uint32_t rank, uint64_t seq) {
+  pthread_mutex_lock(&p->mu);
+  agent_t *a = rank < p->cap && p->agents[rank].used ? &p->agents[rank] : NULL;
+  bool on = seq && a && a->link && seq >= a->link->first_seq &&
+            seq <= agent_link_last_seq(a->link->link) && !agent_link_broken(a->link->link);
+  pthread_mutex_unlock(&p->mu);
+  return on;
 }
 
 uint64_t agent_pool_executed(agent_pool_t *p, uint32_t rank) {

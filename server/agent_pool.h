@@ -198,6 +198,12 @@ int agent_pool_target(agent_pool_t *pool, uint32_t rank, int connect_timeout_ms,
                       agent_target_t *out);
 /* Highest seq given out to rank (0: none). */
 uint64_t agent_pool_last_seq(agent_pool_t *pool, uint32_t rank);
+/* Whether instruction `seq` (0: none) went to rank on its current Execute link,
+ * and that link is not broken. The agent keeps a session that an instruction
+ * opened for as long as that link's call lasts (unless EndSession ends it): a
+ * new link is a new call with no sessions, and its seqs start above every
+ * earlier link's. */
+bool agent_pool_on_link(agent_pool_t *pool, uint32_t rank, uint64_t seq);
 /* The same for an instruction packed with agent_link_pack, which it consumes
  * (send one instruction to many ranks: pack once, agent_link_msg_clone each). */
 int agent_pool_send_msg(agent_pool_t *pool, uint32_t rank, agent_link_msg_t *m,

@@ -518,7 +518,10 @@ out:
 /* Agents take data only for sessions open on them (docs/protocol.md): a
  * StatusRequest of the session opens it on each rank, ahead of the writes
  * (the agent waits briefly for it when the write overtakes it), and marks the
- * rank touched so that EndSession closes it there. */
+ * rank touched so that EndSession closes it there. Once per rank and Execute
+ * link: the session stays open there until EndSession or the link's end (a
+ * new link's agent has no sessions: opened again), and a Status for every
+ * upload cost each of its agents an instruction, and its report, per upload. */
 static int upload_open(upload_t *u) {
   Meshd__Agent__V1__StatusRequest sr = MESHD__AGENT__V1__STATUS_REQUEST__INIT;
   Meshd__Agent__V1__Instruction ins = MESHD__AGENT__V1__INSTRUCTION__INIT;
@@ -532,8 +535,13 @@ static int upload_open(upload_t *u) {
   bool closed = atomic_load(&s->closed);
   objects_t *o = closed ? NULL : objects_of(s);
   for (size_t i = 0; o && i < u->nranks; i++) {
+    uint32_t r = u->ranks[i];
     uint64_t seq = 0;
-    if (agent_pool_send(u->ds->pool, u->ranks[i], &ins, &seq) == 0) objects_sent(o, u->ranks[i], seq, 0);
+    if (r < o->ntouched && agent_pool_on_link(u->ds->pool, r, o->opened_seq[r])) continue;
+    if (agent_pool_send(u->ds->pool, r, &ins, &seq) == 0) {
+      objects_sent(o, r, seq, 0);
+      if (r < o->ntouched) o->opened_seq[r] = seq; /* (touched by objects_sent) */
+    }
   }
   pthread_mutex_unlock(&s->mu);
   return closed ? -1 : 0;

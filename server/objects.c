@@ -34,6 +34,7 @@ void objects_destroy(objects_t *o) {
   free(o->unreported_seq);
   free(o->touched);
   free(o->last_seq);
+  free(o->opened_seq);
   free(o);
 }
 
@@ -77,8 +78,12 @@ bool objects_touch(objects_t *o, uint32_t rank) {
     uint64_t *ls = realloc(o->last_seq, n * sizeof *ls);
     if (!ls) return false;
     o->last_seq = ls;
+    uint64_t *os = realloc(o->opened_seq, n * sizeof *os);
+    if (!os) return false;
+    o->opened_seq = os;
     memset(t + o->ntouched, 0, n - o->ntouched);
     memset(ls + o->ntouched, 0, (n - o->ntouched) * sizeof *ls);
+    memset(os + o->ntouched, 0, (n - o->ntouched) * sizeof *os);
     o->ntouched = n;
   }
   o->touched[rank] = 1;

@@ -191,6 +191,8 @@ typedef struct objects {
   size_t nunreported;
   uint8_t *touched;        /* touched[rank]: the rank got instructions of this session */
   uint64_t *last_seq;      /* last_seq[rank]: the seq of its latest one (0: none) */
+  uint64_t *opened_seq;    /* opened_seq[rank]: the seq of the Status that opened the
+                            * session there for a transfer (0: none; upload_open) */
   size_t ntouched;
   uint64_t sent_bytes;     /* packed bytes of every instruction sent, ever */
   struct flow_window *flow; /* the command service's (flow.h): it opens and closes it */

@@ -428,6 +428,16 @@ grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const Pr
                                  ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
                                  int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
                                  rpc_status_t *st);
+/* rpc_unary_until sending req as it is packed (rpc_bytes_*; the caller keeps
+ * it): on the wire one request message then the half-close, so it serves a
+ * client-streaming method whose request fits one message, in one batch
+ * instead of a stream's open, write, close, read and status one after
+ * another (a client's direct Write of a 1 MiB shard). stop may be NULL. */
+grpc_status_code rpc_unary_raw(rpc_channel_t *ch, const char *method, rpc_bytes_t *req,
+                               const ProtobufCMessageDescriptor *resp_desc,
+                               ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
+                               int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
+                               rpc_status_t *st);
 
 /* A client-streaming, server-streaming or bidi call. One thread may read while
  * another writes; each side is used by one thread at a time. */

@@ -207,14 +207,16 @@ static void destroy_cq(grpc_completion_queue *cq) {
 
 #define UNARY_LOOK_MS 100 /* rpc_unary_until: how often it asks whether to go on */
 
-grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
-                                 const ProtobufCMessageDescriptor *resp_desc,
-                                 ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
-                                 int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
-                                 rpc_status_t *st) {
+/* rpc_unary_until's call, sending `out` (taken: destroyed here). */
+static grpc_status_code unary_call(rpc_channel_t *ch, const char *method, grpc_byte_buffer *out,
+                                   const ProtobufCMessageDescriptor *resp_desc,
+                                   ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
+                                   int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
+                                   rpc_status_t *st) {
   *resp = NULL;
   void *handle = method_handle(ch, method);
   if (!handle) {
+    if (out) grpc_byte_buffer_destroy(out);
     fill_status(st, GRPC_STATUS_INTERNAL, grpc_slice_from_static_string("out of memory"), NULL);
     return GRPC_STATUS_INTERNAL;
   }
@@ -222,7 +224,6 @@ grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const Pr
   grpc_call *call = grpc_channel_create_registered_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                                         handle, wire_deadline(timeout_ms), NULL);
   grpc_metadata *send_md = make_md(md, nmd);
-  grpc_byte_buffer *out = wire_pack(req);
   grpc_byte_buffer *in = NULL;
   grpc_metadata_array init_md, trailers;
   grpc_metadata_array_init(&init_md);
@@ -282,6 +283,24 @@ grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const Pr
   grpc_call_unref(call);
   destroy_cq(cq);
   return code;
+}
+
+grpc_status_code rpc_unary_until(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,
+                                 const ProtobufCMessageDescriptor *resp_desc,
+                                 ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
+                                 int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
+                                 rpc_status_t *st) {
+  return unary_call(ch, method, wire_pack(req), resp_desc, resp, md, nmd, timeout_ms, stop,
+                    stop_arg, st);
+}
+
+grpc_status_code rpc_unary_raw(rpc_channel_t *ch, const char *method, rpc_bytes_t *req,
+                               const ProtobufCMessageDescriptor *resp_desc,
+                               ProtobufCMessage **resp, const rpc_md_t *md, size_t nmd,
+                               int timeout_ms, bool (*stop)(void *arg), void *stop_arg,
+                               rpc_status_t *st) {
+  return unary_call(ch, method, grpc_byte_buffer_copy(req) /* references, not bytes */,
+                    resp_desc, resp, md, nmd, timeout_ms, stop, stop_arg, st);
 }
 
 grpc_status_code rpc_unary(rpc_channel_t *ch, const char *method, const ProtobufCMessage *req,

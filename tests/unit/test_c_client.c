@@ -4036,25 +4036,29 @@ static int unused_port(void) {
   return ntohs(a.sin_port);
 }
 
+static int receipts_server_metrics_port;
+
 static void start_receipts(void) {
   receipts_metrics_port = unused_port();
-  static char port[16];
+  receipts_server_metrics_port = unused_port();
+  static char port[16], listen[32];
   snprintf(port, sizeof port, "%d", receipts_metrics_port);
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", receipts_server_metrics_port);
   const char *const flags[] = {"--data-path=direct", "--local-agent-metrics-port-base", port,
-                               NULL};
+                               "--metrics-listen", listen, NULL};
   start_server_full("1", flags, NULL);
 }
 
 TestSuite(c_client_receipts, .init = start_receipts, .fini = stop_server, .timeout = 60);
 
-/* meshd_agent_instructions_total of the agent, once it ran all the session sent. */
-static long agent_instructions_ran(meshd_session_t *s) {
-  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK);
+/* The value of `series` (a name, with its labels if it has any) on the
+ * /metrics of 127.0.0.1:port. */
+static long metric_at(int port, const char *series) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(receipts_metrics_port),
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port),
                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   cr_assert(fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0, "metrics port %d",
-            receipts_metrics_port);
+            port);
   static const char get[] = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
   cr_assert_eq(write(fd, get, sizeof get - 1), (ssize_t)sizeof get - 1);
   static char text[1 << 16];
@@ -4064,9 +4068,30 @@ static long agent_instructions_ran(meshd_session_t *s) {
     got += (size_t)n;
   close(fd);
   text[got] = '\0';
-  const char *line = strstr(text, "\nmeshd_agent_instructions_total ");
-  cr_assert_not_null(line, "no instruction count in the agent's /metrics: %.300s", text);
-  return atol(line + strlen("\nmeshd_agent_instructions_total "));
+  char key[160];
+  snprintf(key, sizeof key, "\n%s ", series);
+  const char *line = strstr(text, key);
+  cr_assert_not_null(line, "no %s in the /metrics of port %d: %.300s", series, port, text);
+  return atol(line + strlen(key));
+}
+
+/* Counter `name` on the /metrics of 127.0.0.1:port, once the agents ran all
+ * that session s sent. */
+static long metric_after_sync(meshd_session_t *s, int port, const char *name) {
+  cr_assert_eq(meshd_session_sync(s), MESHD_E_OK);
+  return metric_at(port, name);
+}
+
+/* meshd_agent_instructions_total of the agent, once it ran all the session sent. */
+static long agent_instructions_ran(meshd_session_t *s) {
+  return metric_after_sync(s, receipts_metrics_port, "meshd_agent_instructions_total");
+}
+
+/* meshd_link_instructions_total of the server: the instructions it sent its
+ * agents (a StatusRequest too, which the agent's count leaves out: it runs on
+ * no stream). */
+static long link_instructions_sent(meshd_session_t *s) {
+  return metric_after_sync(s, receipts_server_metrics_port, "meshd_link_instructions_total");
 }
 
 /* The C client hands its Read's receipt to FinishFetch: each direct fetch
@@ -4099,6 +4124,118 @@ Test(c_client_receipts, a_direct_fetch_hands_its_reads_receipt_and_its_agent_run
   cr_assert_eq(st.direct_fetches, 2, "the fetches did not go direct: %s", st.last_fallback);
   cr_assert_eq(ran, 2 + syncs, "%ld instructions for 2 fetches (a sync: %ld): a DropSnapshot went "
                "with the receipt", ran - syncs, syncs);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+/* A direct upload opens its session on its agent once, not per upload: the
+ * server sent every upload's ranks a StatusRequest, an instruction on each
+ * agent's link (taken there, and answered with a report) per upload, although
+ * the session stays open on an agent until EndSession or the end of its
+ * Execute link. */
+Test(c_client_receipts, direct_uploads_open_the_session_on_their_agent_once) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-upload-opens", NULL);
+  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  long before = link_instructions_sent(s); /* (the session has nothing on the agent yet) */
+  float v[4] = {1, 2, 3, 4};
+  cr_assert_eq(meshd_session_upload(s, m, "float32", (int64_t[]){4}, 1, v, sizeof v, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  long after = link_instructions_sent(s);
+  long syncs = link_instructions_sent(s) - after; /* a sync's own, now that the agent has it */
+  cr_assert_eq(after - before - syncs, 1, "the session's first upload cost %ld instructions on "
+               "its agent's link, not the one that opens the session there",
+               after - before - syncs);
+  before = link_instructions_sent(s);
+  for (int i = 0; i < 3; i++) {
+    v[0] = (float)(10 + i);
+    cr_assert_eq(meshd_session_upload(s, m, "float32", (int64_t[]){4}, 1, v, sizeof v, &x),
+                 MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  }
+  long ran = link_instructions_sent(s) - before - syncs;
+  cr_assert_eq(stats_of(s).direct_uploads, 4, "the uploads did not go direct: %s",
+               stats_of(s).last_fallback);
+  cr_assert_eq(ran, 0, "3 more uploads cost %ld instructions on the agent's link (a "
+               "StatusRequest each)", ran);
+  meshd_values_t back;
+  cr_assert_eq(meshd_session_fetch(s, x, (const char *[]){"gpu"}, (int64_t[]){0}, 1, &back),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(back.n, 4);
+  for (int k = 0; k < 4; k++)
+    cr_assert_float_eq(back.values[k], v[k], 0);
+  meshd_values_free(&back);
+  meshd_session_close(s);
+  meshd_close(c);
+}
+
+#define DIRECT_FETCHED "meshd_transfer_bytes_total{direction=\"fetch\",path=\"direct\"}"
+
+/* What fetch_finished_mid_read's progress callback saw. */
+typedef struct {
+  long before;     /* the server's direct fetch bytes before the fetch */
+  long want;       /* ...and its count once the fetch's FinishFetch was answered */
+  int calls;
+  bool mid_read;   /* at its first chunk, the FinishFetch was answered already */
+} mid_read_t;
+
+/* At the first chunk, with the rest of the Read still to come (the callback
+ * runs inside the fetch, on the calling thread), waits up to 5 s for the
+ * server to count the fetch's bytes: it does when FinishFetch answers. */
+static void fetch_finished_mid_read(void *user, uint64_t done, uint64_t total) {
+  mid_read_t *m = user;
+  if (m->calls++ || done >= total)
+    return;
+  for (int64_t until = rpc_now_ms() + 5000; !m->mid_read && rpc_now_ms() < until;) {
+    m->mid_read = metric_at(receipts_server_metrics_port, DIRECT_FETCHED) == m->want;
+    if (!m->mid_read)
+      nanosleep(&(struct timespec){0, 2000000}, NULL);
+  }
+}
+
+/* A direct fetch sends its FinishFetch as soon as its Read's receipt arrives
+ * (the Read's first message), beside the rest of the Read: the round trip came
+ * after the Read's end (~0.25 ms of a 1 MiB fetch's ~1.8). Seen from inside the
+ * fetch: at its first data chunk, with 1 MiB still to come, the server has
+ * answered the FinishFetch (it counts a direct fetch's bytes then); before,
+ * no FinishFetch went while the Read ran, and the callback waited in vain. */
+Test(c_client_receipts, a_direct_fetch_finishes_while_its_read_still_runs) {
+  meshd_client_t *c = connect_ok();
+  meshd_session_t *s = meshd_session_open(c, "c-finish-early", NULL);
+  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
+  meshd_ref_t m = 0, x = 0;
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  enum { N = 512 * 1024 }; /* 2 MiB of float32: two 1 MiB chunks */
+  float *v = malloc(N * sizeof *v);
+  cr_assert_not_null(v);
+  for (int i = 0; i < N; i++)
+    v[i] = (float)i;
+  cr_assert_eq(meshd_session_upload(s, m, "float32", (int64_t[]){N}, 1, v, N * sizeof *v, &x),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  mid_read_t seen = {.before = metric_after_sync(s, receipts_server_metrics_port, DIRECT_FETCHED)};
+  seen.want = seen.before + (long)(N * sizeof *v);
+  meshd_fetch_options_t o = MESHD_FETCH_OPTIONS_INIT;
+  o.progress = fetch_finished_mid_read;
+  o.progress_user = &seen;
+  meshd_values_t back;
+  cr_assert_eq(meshd_session_fetch_with(s, x, (const char *[]){"gpu"}, (int64_t[]){0}, 1, &o,
+                                        &back),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(stats_of(s).direct_fetches, 1, "the fetch did not go direct: %s",
+               stats_of(s).last_fallback);
+  cr_assert_eq(back.n, (size_t)N);
+  for (int i = 0; i < N; i++)
+    cr_assert_float_eq(back.values[i], v[i], 0, "value %d", i);
+  cr_assert(seen.calls >= 2, "the progress callback ran %d times", seen.calls);
+  cr_assert(seen.mid_read, "the FinishFetch was not answered while the Read still ran (the "
+            "server counted %ld direct fetch bytes, %ld after it)",
+            metric_at(receipts_server_metrics_port, DIRECT_FETCHED) - seen.before,
+            seen.want - seen.before);
+  meshd_values_free(&back);
+  free(v);
   meshd_session_close(s);
   meshd_close(c);
 }
