@@ -59,6 +59,7 @@ struct data_service {
   /* Read grants of direct fetches that left the table without their Read's
    * receipt, until their expiry (open_grant_t), under mu. */
   struct open_grant *open_grants;
+  uint64_t open_grant_ids; /* the last open grant's id (under mu) */
   fault_t *fault; /* --server-fault; NULL: none */
   auth_t *auth;   /* the tokens (FinishUpload's pin); NULL: none */
   /* meshd_transfer_bytes_total{direction, path}; NULL: not counted. */
@@ -1610,6 +1611,9 @@ typedef struct transfer {
  * FinishFetch waiting for the mesh's ranks with them. */
 typedef struct open_grant {
   struct open_grant *next;
+  uint64_t id; /* its own (ds->open_grant_ids): who put it there takes it out by id,
+                * not by pointer (the sweeper or a reload may have freed it, and
+                * the memory may hold another's record by then) */
   session_t *sess; /* held (session_hold) */
   uint32_t rank;
   int64_t expiry_ms;
@@ -1705,9 +1709,10 @@ static transfer_t **pending_find_locked(data_service_t *ds, uint64_t id, session
 
 /* g (allocated, or NULL) becomes the open grant of t, a fetch with a grant,
  * in the same step that takes t out of the table: a reload never finds it in
- * neither. Whether it did. Under ds->mu. */
-static bool open_grant_put_locked(data_service_t *ds, transfer_t *t, open_grant_t *g) {
-  if (!g || !t->nonces) return false;
+ * neither. Its id, or 0 when it did not. Under ds->mu. */
+static uint64_t open_grant_put_locked(data_service_t *ds, transfer_t *t, open_grant_t *g) {
+  if (!g || !t->nonces) return 0;
+  g->id = ++ds->open_grant_ids;
   g->sess = t->fetch->sess;
   session_hold(g->sess);
   g->rank = t->fetch->rank;
@@ -1716,7 +1721,7 @@ static bool open_grant_put_locked(data_service_t *ds, transfer_t *t, open_grant_
   memcpy(g->nonce[0], t->nonces[0], GRANT_NONCE_LEN);
   g->next = ds->open_grants;
   ds->open_grants = g;
-  return true;
+  return g->id;
 }
 
 /* Takes g out of ds->open_grants if it is still there (under ds->mu): whoever
@@ -1731,17 +1736,50 @@ static bool open_grant_unlink_locked(data_service_t *ds, open_grant_t *g) {
   return false;
 }
 
+/* The open grant `id` taken out of ds->open_grants, NULL if it is gone
+ * already (revoked, or expired). Under ds->mu. */
+static open_grant_t *open_grant_take_locked(data_service_t *ds, uint64_t id) {
+  open_grant_t *g = ds->open_grants;
+  while (g && g->id != id) g = g->next;
+  return g && open_grant_unlink_locked(ds, g) ? g : NULL;
+}
+
 static void open_grant_free(open_grant_t *g) {
   session_unhold(g->sess);
   free(g);
 }
 
+/* A session's open grants on record at most: past them, the oldest is revoked
+ * on its agent at once (open_grant_over_cap_locked), as a reload would, so
+ * that a client planning and finishing fetches it never reads cannot grow the
+ * record (walked under ds->mu at every sweep) for the grants' whole life. Its
+ * FinishFetch said that fetch was over: its client runs no Read on it. */
+#define OPEN_GRANTS_MAX DATA_TRANSFERS_MAX
+
+/* Session s's oldest open grant when it has more than OPEN_GRANTS_MAX, out of
+ * ds->open_grants (newest first) for the caller to revoke; NULL if none.
+ * Under ds->mu. */
+static open_grant_t *open_grant_over_cap_locked(data_service_t *ds, const session_t *s) {
+  size_t n = 0;
+  open_grant_t **oldest = NULL;
+  for (open_grant_t **pp = &ds->open_grants; *pp; pp = &(*pp)->next)
+    if ((*pp)->sess == s) {
+      n++;
+      oldest = pp;
+    }
+  if (n <= OPEN_GRANTS_MAX) return NULL;
+  open_grant_t *g = *oldest;
+  *oldest = g->next;
+  g->next = NULL;
+  return g;
+}
+
 /* The session's pending transfer `id`: an upload stays in the table, marked
  * busy, until transfer_settle (a FinishUpload asked again meanwhile waits for
  * the first's outcome); a fetch is taken out of it, its grant kept in og
- * (may be NULL; *og_kept says whether it was: open_grant_put_locked). */
+ * (may be NULL; *og_id: its id, 0 when it was not: open_grant_put_locked). */
 static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, bool upload,
-                                 open_grant_t *og, bool *og_kept) {
+                                 open_grant_t *og, uint64_t *og_id) {
   pthread_mutex_lock(&ds->mu);
   transfer_t **pp, *t;
   for (;;) {
@@ -1750,11 +1788,11 @@ static transfer_t *transfer_take(data_service_t *ds, uint64_t id, session_t *s, 
     if (!t || !t->busy) break;
     pthread_cond_wait(&ds->settled, &ds->mu);
   }
-  bool kept = false;
+  uint64_t kept = 0;
   if (t && upload) t->busy = true;
   else if (t) kept = open_grant_put_locked(ds, pending_unlink_locked(ds, pp), og);
   pthread_mutex_unlock(&ds->mu);
-  if (og_kept) *og_kept = kept;
+  if (og_id) *og_id = kept;
   return t;
 }
 
@@ -2567,6 +2605,8 @@ static void fetch_rank_read(fetch_t *f) {
   }
 }
 
+static void open_grant_revoke(data_service_t *ds, open_grant_t *g);
+
 /* The client read its shard: answered once every rank of the mesh ran what
  * came before the plan, with the tensor's failure if it failed anywhere. */
 static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, void *arg) {
@@ -2575,13 +2615,11 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
   session_t *s = session_from_call(ds->sessions, call);
   if (!s) return;
   open_grant_t *og = calloc(1, sizeof *og); /* none: its grant is not revoked at a reload */
-  bool og_kept;
-  transfer_t *t = transfer_take(ds, rq->transfer_id, s, false, og, &og_kept);
+  uint64_t og_id; /* on record from here: og is the sweeper's and a reload's too */
+  transfer_t *t = transfer_take(ds, rq->transfer_id, s, false, og, &og_id);
   session_release(s);
-  if (!og_kept) {
-    free(og);
-    og = NULL;
-  }
+  if (!og_id) free(og);
+  og = NULL;
   if (!t) {
     rpc_call_finish(call, GRPC_STATUS_NOT_FOUND, "UNKNOWN_REF",
                     "FinishFetch: this session has no pending fetch %llu (it finished, or its "
@@ -2600,9 +2638,19 @@ static void finish_fetch_start(rpc_call_t *call, const ProtobufCMessage *req, vo
     fetch_rank_read(f);
     /* Its grant is spent: nothing to revoke (unless a reload took it already). */
     pthread_mutex_lock(&ds->mu);
-    bool mine = og && open_grant_unlink_locked(ds, og);
+    open_grant_t *mine = og_id ? open_grant_take_locked(ds, og_id) : NULL;
     pthread_mutex_unlock(&ds->mu);
-    if (mine) open_grant_free(og);
+    if (mine) open_grant_free(mine);
+  } else if (og_id) { /* on record: the session's oldest goes past OPEN_GRANTS_MAX */
+    pthread_mutex_lock(&ds->mu);
+    open_grant_t *oldest = open_grant_over_cap_locked(ds, f->sess);
+    pthread_mutex_unlock(&ds->mu);
+    if (oldest) {
+      log_debug("data", "session %.8s: more than %d direct fetches finished unread hold a "
+                "grant: the oldest one's is revoked on rank %u now", f->sess->id,
+                OPEN_GRANTS_MAX, oldest->rank);
+      open_grant_revoke(ds, oldest);
+    }
   }
   free(t->nonces);
   free(t);
@@ -2683,6 +2731,12 @@ static transfer_t *revoke_next_locked(data_service_t *ds, bool (*revoked)(const 
   return NULL;
 }
 
+/* g, out of ds->open_grants: revoked on its agent, and let go. */
+static void open_grant_revoke(data_service_t *ds, open_grant_t *g) {
+  revoke_on_agents(ds, g->sess, &g->rank, 1, g->nonce, g->expiry_ms);
+  open_grant_free(g);
+}
+
 /* The open grants (open_grant_t) whose planner's token is revoked: revoked on
  * their agents, and let go. */
 static void open_grants_revoke(data_service_t *ds,
@@ -2697,8 +2751,7 @@ static void open_grants_revoke(data_service_t *ds,
     log_info("data", "the Read grant of a direct fetch in session %.8s, left without its Read's "
              "receipt, is revoked: the token of principal '%s' that planned it was revoked at a "
              "tokens reload", g->sess->id, g->planner.name);
-    revoke_on_agents(ds, g->sess, &g->rank, 1, g->nonce, g->expiry_ms);
-    open_grant_free(g);
+    open_grant_revoke(ds, g);
   }
 }
 

@@ -331,9 +331,10 @@ static void pull_got(rpc_pull_t *p, rpc_bytes_t *m, void *arg) {
 }
 
 /* Starts call c as the group's next (on the calling thread); one that cannot
- * start ends at once (on_end, UNAVAILABLE). Its index, or SIZE_MAX when the
- * group has no room for it (nothing started). */
-static size_t pull_start(pull_group_t *g, const direct_call_t *c) {
+ * start ends at once (on_end, UNAVAILABLE), or, `taken_back`, is not counted
+ * (SIZE_MAX). Its index, or SIZE_MAX when the group has no room for it
+ * (nothing started). */
+static size_t pull_start(pull_group_t *g, const direct_call_t *c, bool taken_back) {
   if (g->n >= g->cap)
     return SIZE_MAX;
   size_t i = g->n++;
@@ -344,6 +345,10 @@ static size_t pull_start(pull_group_t *g, const direct_call_t *c) {
     g->left++;
     rpc_pull_next(g->pulls[i]);
     return i;
+  }
+  if (taken_back) {
+    g->n--;
+    return SIZE_MAX;
   }
   rpc_status_t st;
   memset(&st, 0, sizeof st);
@@ -359,10 +364,10 @@ static _Thread_local pull_group_t *pulling;
 /* From inside on_msg or on_end of pull_all: starts call c in the same group
  * (its messages and end go to the same on_msg and on_end, under the index
  * returned; pull_all returns once it ended too). c's request is packed at once;
- * its metadata must outlive the call. SIZE_MAX: no room (the caller's `extra`
- * is used up, or none was asked for): nothing started. */
+ * its metadata must outlive the call. SIZE_MAX: nothing started (no room: the
+ * caller's `extra` is used up, or none was asked for; or it could not start). */
 static size_t pull_add(const direct_call_t *c) {
-  return pulling ? pull_start(pulling, c) : SIZE_MAX;
+  return pulling ? pull_start(pulling, c, true) : SIZE_MAX;
 }
 
 /* direct_pull_all with room for `extra` calls that on_msg or on_end start
@@ -382,7 +387,7 @@ static void pull_all(size_t n, size_t extra, const direct_call_t *calls, int tim
   if (g.ones && g.pulls && g.cancelled)
     g.cap = cap;
   for (size_t i = 0; i < n; i++) {
-    if (pull_start(&g, &calls[i]) != SIZE_MAX)
+    if (pull_start(&g, &calls[i], false) != SIZE_MAX)
       continue;
     rpc_status_t st; /* no room: out of memory */
     memset(&st, 0, sizeof st);
@@ -1213,9 +1218,9 @@ static void finish_early(fetch_t *f, size_t i) {
     return;
   finish_fetch_request(&f->early_rq[i], f->plans[i]->transfer_id, &f->receipts[i]);
   direct_call_t c = {f->s->ch, TS "FinishFetch", &f->early_rq[i].base, f->s->md, f->s->nmd};
-  f->early_of[f->nearly++] = i; /* before: a call that cannot start ends at once */
+  f->early_of[f->nearly++] = i; /* (recorded first: its answer is handed on by this thread) */
   f->early[i] = true;
-  if (pull_add(&c) == SIZE_MAX) { /* not in a group with room: sent at the end */
+  if (pull_add(&c) == SIZE_MAX) { /* no room, or it could not start: sent at the end */
     f->early[i] = false;
     f->nearly--;
   }

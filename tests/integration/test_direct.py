@@ -132,6 +132,33 @@ def connect_like(s, data_path):
     return meshd.connect(s.addr, data_path=data_path, timeout=30)
 
 
+def test_a_sessions_fetches_finished_unread_keep_at_most_64_grants_on_record(shared_meshd):
+    """A direct fetch finished without its Read's receipt keeps its grant on record until
+    the grant's expiry (10 minutes), for a tokens reload to revoke it: a client planning
+    and finishing fetches it never reads grew that record without bound (each one a
+    server allocation, walked under the data service's lock every 200 ms). Past 64 of a
+    session's, the oldest is revoked on its agent at once, as a reload would."""
+    srv = shared_meshd(2)
+    with connect(srv, "direct") as s:
+        pb = s._pb
+        with s.mesh(gpu=2).activate():
+            x = meshd.tensor(np.arange(4, dtype=np.float32))
+        plans = []
+        for _ in range(65):
+            p = plan_fetch(s, x, gpu=0)
+            finish(s, "FinishFetch", pb.FinishFetchRequest(transfer_id=p.transfer_id),
+                   pb.FinishFetchReply)  # no receipt: its grant stays on record
+            plans.append(p)
+        # a fetch of the session's, after the 65th FinishFetch: the agent has its
+        # instructions up to there, a revocation among them (each grant reads once)
+        assert meshd.fetch_shard(x, gpu=0).result().tolist() == [0.0, 1.0, 2.0, 3.0]
+        refused(lambda: agent_read(plans[0].shards[0], s.id, x.ref),
+                grpc.StatusCode.PERMISSION_DENIED, "revoked")
+        # the 64 newer ones stay on record (not revoked): the second's Read finds no snapshot
+        e = refused(lambda: agent_read(plans[1].shards[0], s.id, x.ref), None, "")
+        assert "revoked" not in e.details(), e.details()
+
+
 @pytest.mark.parametrize("agents", [1, 4])
 def test_direct_round_trip(meshd_server, shared_meshd, agents):
     """Replicated and sharded uploads and fetches take the direct path (both ways),
