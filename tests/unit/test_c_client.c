@@ -4094,16 +4094,22 @@ static long link_instructions_sent(meshd_session_t *s) {
   return metric_after_sync(s, receipts_server_metrics_port, "meshd_link_instructions_total");
 }
 
+/* A session named name on a mesh of one rank ("gpu": 1), in *m. */
+static meshd_session_t *one_rank_session(meshd_client_t *c, const char *name, meshd_ref_t *m) {
+  meshd_session_t *s = meshd_session_open(c, name, NULL);
+  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, m),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  return s;
+}
+
 /* The C client hands its Read's receipt to FinishFetch: each direct fetch
  * costs its agent one Snapshot and no DropSnapshot (without the receipt, the
  * server drops the snapshot before answering: 2 instructions a fetch). */
 Test(c_client_receipts, a_direct_fetch_hands_its_reads_receipt_and_its_agent_runs_no_drop) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-receipts", NULL);
-  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
   meshd_ref_t m = 0, x = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
-               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_t *s = one_rank_session(c, "c-receipts", &m);
   float v[4] = {1, 2, 3, 4};
   cr_assert_eq(meshd_session_upload(s, m, "float32", (int64_t[]){4}, 1, v, sizeof v, &x),
                MESHD_E_OK, "%s", meshd_last_error(c)->message);
@@ -4135,11 +4141,8 @@ Test(c_client_receipts, a_direct_fetch_hands_its_reads_receipt_and_its_agent_run
  * Execute link. */
 Test(c_client_receipts, direct_uploads_open_the_session_on_their_agent_once) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-upload-opens", NULL);
-  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
   meshd_ref_t m = 0, x = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
-               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_t *s = one_rank_session(c, "c-upload-opens", &m);
   long before = link_instructions_sent(s); /* (the session has nothing on the agent yet) */
   float v[4] = {1, 2, 3, 4};
   cr_assert_eq(meshd_session_upload(s, m, "float32", (int64_t[]){4}, 1, v, sizeof v, &x),
@@ -4203,11 +4206,8 @@ static void fetch_finished_mid_read(void *user, uint64_t done, uint64_t total) {
  * no FinishFetch went while the Read ran, and the callback waited in vain. */
 Test(c_client_receipts, a_direct_fetch_finishes_while_its_read_still_runs) {
   meshd_client_t *c = connect_ok();
-  meshd_session_t *s = meshd_session_open(c, "c-finish-early", NULL);
-  cr_assert_not_null(s, "%s", meshd_last_error(c)->message);
   meshd_ref_t m = 0, x = 0;
-  cr_assert_eq(meshd_session_create_mesh(s, (const char *[]){"gpu"}, (int64_t[]){1}, 1, &m),
-               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  meshd_session_t *s = one_rank_session(c, "c-finish-early", &m);
   enum { N = 512 * 1024 }; /* 2 MiB of float32: two 1 MiB chunks */
   float *v = malloc(N * sizeof *v);
   cr_assert_not_null(v);

@@ -389,6 +389,27 @@ static void submit_seq(executor_t *x, instr_t *ins, uint64_t seq) {
   executor_submit(x, ins);
 }
 
+/* The Snapshot seq took of ref (8 floats) is its failure with root seq root
+ * (the queue's message), not the old value: `after` names what failed. */
+static void assert_snapshot_failed(executor_t *x, uint64_t seq, uint64_t ref, uint64_t root,
+                                   const char *after) {
+  snapshot_t *sn = NULL;
+  ref_failure_t why = {0};
+  meshd_error_t e = {0};
+  int rc = executor_take_snapshot(x, SESSION, seq, ref, &sn, &why);
+  float v[8] = {0};
+  if (rc == 0) {
+    snapshot_read(sn, 0, sizeof v, v, &e);
+    snapshot_release(sn);
+  }
+  cr_assert_eq(rc, 1, "the Snapshot after %s took ref %llu's old value (%g), not its failure "
+               "(rc %d: %s)", after, (unsigned long long)ref, v[0], rc, why.msg);
+  cr_assert_eq(why.root_seq, root, "the Snapshot's failure is not from %s: %s", after, why.msg);
+  char want[64];
+  snprintf(want, sizeof want, "queueing instruction seq %llu", (unsigned long long)root);
+  cr_assert(strstr(why.msg, want), "the Snapshot's failure: %s", why.msg);
+}
+
 /* A Reduce into a tensor written before (out=, ref 9001, 8 floats of 7, an
  * upload) that no stream worker can be had for goes to a refuser thread,
  * outside its stream's order; a worker frees, and the next instructions of
@@ -453,20 +474,9 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   cr_assert_eq(held, 2, "the Reduce (seq 2) did not go to a refuser thread");
   cr_assert_eq(executor_wait(x, 4, 10000), 0, "seqs 2..4 not done");
 
-  snapshot_t *sn = NULL;
+  assert_snapshot_failed(x, 3, 9001, 2, "the refused Reduce");
   ref_failure_t why = {0};
-  int rc = executor_take_snapshot(x, SESSION, 3, 9001, &sn, &why);
-  float v[8] = {0};
-  if (rc == 0) {
-    snapshot_read(sn, 0, sizeof v, v, &e);
-    snapshot_release(sn);
-  }
-  cr_assert_eq(rc, 1, "the Snapshot after the refused Reduce took ref 9001's old value (%g), "
-               "not its failure (rc %d: %s)", v[0], rc, why.msg);
-  cr_assert_eq(why.root_seq, 2, "the Snapshot's failure is not the Reduce's: %s", why.msg);
-  cr_assert(strstr(why.msg, "queueing instruction seq 2"), "the Snapshot's failure: %s", why.msg);
-  memset(&why, 0, sizeof why);
-  rc = executor_lookup(x, SESSION, 9002, &t, &why);
+  int rc = executor_lookup(x, SESSION, 9002, &t, &why);
   if (rc == 0) storage_release(t.storage);
   cr_assert_eq(rc, 1, "the copy after the refused Reduce copied ref 9001's old value (rc %d: %s)",
                rc, why.msg);
@@ -566,7 +576,6 @@ Test(run_refusals, an_instruction_failed_at_once_in_routing_fails_what_it_writes
   submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
   define_sevens(&a, 9001);
   agent_tensor_t t;
-  meshd_error_t e = {0};
 
   add_inplace_instr_t ai;
   submit_seq(x, add_inplace_instr(&ai, 9001, 9003), 2); /* no worker, no refuser: fails at once */
@@ -580,20 +589,9 @@ Test(run_refusals, an_instruction_failed_at_once_in_routing_fails_what_it_writes
   submit_seq(x, &sins, 3);
   cr_assert_eq(executor_wait(x, 3, 10000), 0, "seq 3 not done");
 
-  snapshot_t *sn = NULL;
+  assert_snapshot_failed(x, 3, 9001, 2, "the failed add_");
   ref_failure_t why = {0};
-  int rc = executor_take_snapshot(x, SESSION, 3, 9001, &sn, &why);
-  float v[8] = {0};
-  if (rc == 0) {
-    snapshot_read(sn, 0, sizeof v, v, &e);
-    snapshot_release(sn);
-  }
-  cr_assert_eq(rc, 1, "the Snapshot after the failed add_ took ref 9001's old value (%g), "
-               "not its failure (rc %d: %s)", v[0], rc, why.msg);
-  cr_assert_eq(why.root_seq, 2, "the Snapshot's failure is not the add's: %s", why.msg);
-  cr_assert(strstr(why.msg, "queueing instruction seq 2"), "the Snapshot's failure: %s", why.msg);
-  memset(&why, 0, sizeof why);
-  rc = executor_lookup(x, SESSION, 9003, &t, &why);
+  int rc = executor_lookup(x, SESSION, 9003, &t, &why);
   if (rc == 0) storage_release(t.storage);
   cr_assert_eq(rc, 1, "the add's fresh result 9003 is not failed (rc %d: %s)", rc, why.msg);
   cr_assert_eq(why.root_seq, 2, "9003's failure is not the add's: %s", why.msg);
