@@ -49,6 +49,17 @@ def plan_fetch(s, t, **coords):
                                                              for k, v in coords.items()]))
 
 
+def _tensor_and_waiting_fetch(s):
+    """(arr, t, req): six float32 on a one-rank mesh, and a FetchRequest of rank 0's
+    shard that waits for a slot (wait_for_slot)."""
+    pb = s._pb
+    arr = np.arange(6, dtype=np.float32)
+    with s.mesh(gpu=1).activate():
+        t = meshd.tensor(arr)
+    return arr, t, pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim="gpu", index=0)],
+                                   wait_for_slot=True)
+
+
 def plan_upload(s, mesh, arr):
     """(reply, ref) of a planned replicated float32 upload of arr onto mesh."""
     pb = s._pb
@@ -886,11 +897,7 @@ def test_fetches_waiting_for_a_slot_are_planned_at_once(meshd_server):
     lib.wait_ready(srv, 1)
     with connect(srv, "direct") as s:
         pb = s._pb
-        arr = np.arange(6, dtype=np.float32)
-        with s.mesh(gpu=1).activate():
-            t = meshd.tensor(arr)
-        req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim="gpu", index=0)],
-                              wait_for_slot=True)
+        arr, t, req = _tensor_and_waiting_fetch(s)
         hold = plan_fetch(s, t, gpu=0)
         assert not hold.slot_pending and len(hold.shards) == 1
         refused(lambda: plan_fetch(s, t, gpu=0), grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -1010,11 +1017,7 @@ def test_a_fetch_that_ends_unread_gives_its_slot_back_after_its_snapshots_drop(m
     lib.wait_ready(srv, 1)
     with connect(srv, "direct") as s:
         pb = s._pb
-        arr = np.arange(6, dtype=np.float32)
-        with s.mesh(gpu=1).activate():
-            t = meshd.tensor(arr)
-        req = pb.FetchRequest(ref=t.ref, coords=[pb.Coordinate(dim="gpu", index=0)],
-                              wait_for_slot=True)
+        arr, t, req = _tensor_and_waiting_fetch(s)
 
         def finish_read(p):  # with its receipt: a one-rank fetch is answered at once
             data, receipt = _read_with_receipt(p.shards[0], s.id, t.ref)

@@ -4103,6 +4103,18 @@ static meshd_session_t *one_rank_session(meshd_client_t *c, const char *name, me
   return s;
 }
 
+/* Rank 0's shard of x (4 float32) fetched: the values v. */
+static void assert_fetches_four(meshd_client_t *c, meshd_session_t *s, meshd_ref_t x,
+                                const float *v) {
+  meshd_values_t back;
+  cr_assert_eq(meshd_session_fetch(s, x, (const char *[]){"gpu"}, (int64_t[]){0}, 1, &back),
+               MESHD_E_OK, "%s", meshd_last_error(c)->message);
+  cr_assert_eq(back.n, 4);
+  for (int k = 0; k < 4; k++)
+    cr_assert_float_eq(back.values[k], v[k], 0);
+  meshd_values_free(&back);
+}
+
 /* The C client hands its Read's receipt to FinishFetch: each direct fetch
  * costs its agent one Snapshot and no DropSnapshot (without the receipt, the
  * server drops the snapshot before answering: 2 instructions a fetch). */
@@ -4116,15 +4128,8 @@ Test(c_client_receipts, a_direct_fetch_hands_its_reads_receipt_and_its_agent_run
   long first = agent_instructions_ran(s);
   long syncs = agent_instructions_ran(s) - first; /* a sync's own */
   long before = agent_instructions_ran(s);
-  for (int i = 0; i < 2; i++) {
-    meshd_values_t back;
-    cr_assert_eq(meshd_session_fetch(s, x, (const char *[]){"gpu"}, (int64_t[]){0}, 1, &back),
-                 MESHD_E_OK, "%s", meshd_last_error(c)->message);
-    cr_assert_eq(back.n, 4);
-    for (int k = 0; k < 4; k++)
-      cr_assert_float_eq(back.values[k], v[k], 0);
-    meshd_values_free(&back);
-  }
+  for (int i = 0; i < 2; i++)
+    assert_fetches_four(c, s, x, v);
   long ran = agent_instructions_ran(s) - before;
   meshd_transfer_stats_t st = stats_of(s);
   cr_assert_eq(st.direct_fetches, 2, "the fetches did not go direct: %s", st.last_fallback);
@@ -4163,13 +4168,7 @@ Test(c_client_receipts, direct_uploads_open_the_session_on_their_agent_once) {
                stats_of(s).last_fallback);
   cr_assert_eq(ran, 0, "3 more uploads cost %ld instructions on the agent's link (a "
                "StatusRequest each)", ran);
-  meshd_values_t back;
-  cr_assert_eq(meshd_session_fetch(s, x, (const char *[]){"gpu"}, (int64_t[]){0}, 1, &back),
-               MESHD_E_OK, "%s", meshd_last_error(c)->message);
-  cr_assert_eq(back.n, 4);
-  for (int k = 0; k < 4; k++)
-    cr_assert_float_eq(back.values[k], v[k], 0);
-  meshd_values_free(&back);
+  assert_fetches_four(c, s, x, v);
   meshd_session_close(s);
   meshd_close(c);
 }

@@ -389,6 +389,16 @@ static void submit_seq(executor_t *x, instr_t *ins, uint64_t seq) {
   executor_submit(x, ins);
 }
 
+/* A Snapshot of ref (a Fetch's) as instruction seq on stream 1 (submit copies it). */
+static void submit_snapshot(executor_t *x, uint64_t ref, uint64_t seq) {
+  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
+  snap.ref = ref;
+  instr_t sins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  sins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
+  sins.snapshot = &snap;
+  submit_seq(x, &sins, seq);
+}
+
 /* The Snapshot seq took of ref (8 floats) is its failure with root seq root
  * (the queue's message), not the old value: `after` names what failed. */
 static void assert_snapshot_failed(executor_t *x, uint64_t seq, uint64_t ref, uint64_t root,
@@ -438,12 +448,7 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
   submit_seq(x, reduce_instr(&ri, addrs, 8), 2); /* no worker: a refuser, held */
   executor_set_max_workers_for_test(x, -1);       /* a worker frees */
-  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
-  snap.ref = 9001;
-  instr_t sins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  sins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
-  sins.snapshot = &snap;
-  submit_seq(x, &sins, 3);
+  submit_snapshot(x, 9001, 3);
   /* A copy of it to stream 2 (a local SendTensor): a value of its own. */
   int64_t shape[1] = {8};
   Meshd__Agent__V1__TensorSpec in = MESHD__AGENT__V1__TENSOR_SPEC__INIT, out;
@@ -581,12 +586,7 @@ Test(run_refusals, an_instruction_failed_at_once_in_routing_fails_what_it_writes
   submit_seq(x, add_inplace_instr(&ai, 9001, 9003), 2); /* no worker, no refuser: fails at once */
   cr_assert_eq(executor_wait(x, 2, 10000), 0, "seq 2 not done");
   executor_set_max_workers_for_test(x, -1); /* a worker frees */
-  Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
-  snap.ref = 9001;
-  instr_t sins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  sins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
-  sins.snapshot = &snap;
-  submit_seq(x, &sins, 3);
+  submit_snapshot(x, 9001, 3);
   cr_assert_eq(executor_wait(x, 3, 10000), 0, "seq 3 not done");
 
   assert_snapshot_failed(x, 3, 9001, 2, "the failed add_");
