@@ -771,7 +771,9 @@ static xstream_t *stream_get_locked(executor_t *x, xsession_t *s, uint64_t id) {
  * stream's order: the stream's later instructions, queued once a worker
  * can be had, run only after it (stream_runnable_locked), or they would read
  * the old value of a result it fails (an in-place Reduce's out=, read by
- * the Snapshot of a Fetch that then answered it as fine). */
+ * the Snapshot of a Fetch that then answered it as fine). A DeleteRefs the
+ * router cannot do at once (delete_now_locked) runs on one the same way,
+ * deleting instead (the test's hold is only of those that refuse). */
 typedef struct refuser {
   executor_t *x;
   xsession_t *s;
@@ -781,6 +783,9 @@ typedef struct refuser {
   uint64_t seq, stream;
   void (*hold)(void *arg, uint64_t seq); /* executor.refuser_hold */
   void *hold_arg;
+  /* A DeleteRefs (delete_later_locked): it deletes, after the refusers of
+   * its stream before it, instead of refusing. */
+  bool deletes;
   struct refuser *next; /* xsession.refusing (executor.mu) */
 } refuser_t;
 
@@ -799,12 +804,32 @@ static bool refusing_stream_locked(const xsession_t *s, uint64_t stream) {
   return false;
 }
 
+/* A refuser of s runs an instruction of r's stream sent before r's. Holds mu. */
+static bool refusing_before_locked(const xsession_t *s, const refuser_t *r) {
+  for (const refuser_t *o = s->refusing; o; o = o->next)
+    if (o->stream == r->stream && o->seq < r->seq) return true;
+  return false;
+}
+
 static void refusing_unlink_locked(xsession_t *s, refuser_t *r) {
   for (refuser_t **p = &s->refusing; *p; p = &(*p)->next)
     if (*p == r) {
       *p = r->next;
       return;
     }
+}
+
+/* r (a refuser thread's, or the router's own: router_take_locked) is done:
+ * off its session's list, its stream's worker may run what it holds, its seq
+ * is done, and the session has one live worker less. Called with mu (after
+ * r's failures are queued), returns without it; s may be freed then. */
+static void refusing_end_locked(executor_t *x, xsession_t *s, refuser_t *r) {
+  refusing_unlink_locked(s, r);
+  xstream_t *st = NULL;
+  HASH_FIND(hh, s->streams, &r->stream, sizeof r->stream, st);
+  if (st) pthread_cond_signal(&st->wake);
+  mark_done_locked(x, r->seq);
+  leave_session_locked(x, s);
 }
 
 static void queue_failure_msg(const executor_t *x, char *buf, size_t len, uint64_t seq) {
@@ -834,7 +859,20 @@ static void *refuser_main(void *arg) {
   if (r->hold) r->hold(r->hold_arg, seq);
   run_failures_t failed;
   failed.n = 0;
-  run_refused(&x->env, ss, r->ins, &r->why, true, &failed);
+  if (r->deletes) {
+    /* After the earlier instructions of its stream (their refusers fail
+     * what they define, which a delete before them left defined), and each
+     * ref's definition on another stream (session_state_delete waits). */
+    pthread_mutex_lock(&x->mu);
+    while (refusing_before_locked(s, r)) pthread_cond_wait(&x->progress, &x->mu);
+    pthread_mutex_unlock(&x->mu);
+    const Meshd__Agent__V1__DeleteRefs *d = r->ins->delete_refs;
+    for (size_t i = 0; i < d->n_refs; i++)
+      session_state_delete(ss, r->stream, seq, NULL, d->refs[i]);
+    if (x->env.stats) atomic_fetch_add(&x->env.stats->instructions, 1);
+  } else {
+    run_refused(&x->env, ss, r->ins, &r->why, true, &failed);
+  }
   report_failures(x, ss->id, r->ins, &failed);
   if (r->batch) executor_batch_release(r->batch);
   else protobuf_c_message_free_unpacked(&r->ins->base, NULL);
@@ -842,14 +880,8 @@ static void *refuser_main(void *arg) {
    * are queued: a report (or a Read's executor_wait_session) that passes the
    * seq carries them. */
   pthread_mutex_lock(&x->mu);
-  refusing_unlink_locked(s, r);
-  /* Its stream's worker, if one was started meanwhile, may run what it holds. */
-  xstream_t *st = NULL;
-  HASH_FIND(hh, s->streams, &r->stream, sizeof r->stream, st);
-  if (st) pthread_cond_signal(&st->wake);
   x->refusers--;
-  mark_done_locked(x, seq);
-  leave_session_locked(x, s);
+  refusing_end_locked(x, s, r);
   free(r);
   executor_unref(x);
   return NULL;
@@ -860,14 +892,16 @@ static void *refuser_main(void *arg) {
  * QUOTA), or NULL for the queue's failure. Holds mu. */
 static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
                                  executor_batch_t *batch, const meshd_error_t *why) {
-  if (!ins || !has_data_plane_call(ins) || x->refusers >= MAX_REFUSERS) return false;
+  bool deletes = ins && ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS &&
+                 ins->delete_refs && !why;
+  if (!ins || !(deletes || has_data_plane_call(ins)) || x->refusers >= MAX_REFUSERS) return false;
   refuser_t *r = malloc(sizeof *r);
   if (!r) return false;
   char msg[160];
   queue_failure_msg(x, msg, sizeof msg, ins->seq);
   *r = (refuser_t){.x = x, .s = s, .ins = ins, .batch = batch, .seq = ins->seq,
-                   .stream = ins->stream, .hold = x->refuser_hold,
-                   .hold_arg = x->refuser_hold_arg};
+                   .stream = ins->stream, .hold = deletes ? NULL : x->refuser_hold,
+                   .hold_arg = x->refuser_hold_arg, .deletes = deletes};
   if (why) r->why = *why;
   else error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
   executor_ref(x);
@@ -892,13 +926,12 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
  * writes in place fail in the session's table with that root cause, each
  * reported under its ref: a tensor it writes in place (an add_'s self) no
  * longer reads as its old value to the stream's later instructions (a
- * Fetch's Snapshot), and a fresh result is failed, not missing. Peers are not told (no data plane call, or
- * MAX_REFUSERS already run). Under mu, so that the failures are in before
- * any later instruction is routed and before the seq is done; the lock order
- * allows it (executor.mu before session_state.mu and the refs' lock,
- * session_state.h; nothing there calls back into the executor). */
-static void refuse_now_locked(executor_t *x, xsession_t *s, const instr_t *ins,
-                              const meshd_error_t *why) {
+ * Fetch's Snapshot), and a fresh result is failed, not missing. Peers are
+ * not told (no data plane call, or MAX_REFUSERS already run). The router
+ * does it (router_do) before it routes the next instruction, and its seq is
+ * done once the failures are queued. */
+static void refuse_now(executor_t *x, session_state_t *ss, const instr_t *ins,
+                       const meshd_error_t *why, run_failures_t *failed) {
   meshd_error_t queue_err;
   if (!why) {
     char msg[160];
@@ -906,10 +939,73 @@ static void refuse_now_locked(executor_t *x, xsession_t *s, const instr_t *ins,
     error_set(&queue_err, ERR_REMOTE_FAILURE, "%s", msg);
     why = &queue_err;
   }
+  run_refused(&x->env, ss, ins, why, false, failed);
+}
+
+/* A DeleteRefs that no worker can be had for (MAX_WORKERS) still deletes:
+ * failed, its refs stayed on the agent until the session ended, a leak per
+ * session under load. The router does it at once, when nothing before it in
+ * its stream's order is still to run there: its stream has no queue (no
+ * worker was ever had for it, so none of its instructions waits) and no
+ * refuser thread, and each ref's definition on another stream is queued
+ * (session_state_def_queued). A reader that took the tensor before holds
+ * its storage (refs_get), and the backend orders the free after the device
+ * work queued on it. Otherwise it goes to a refuser thread (refuser_t.deletes)
+ * that waits for those first (the router must not: it would hold up every
+ * session's instructions): a delete done before an earlier instruction of its
+ * stream that a refuser still fails (a Reduce's result) was undone by that
+ * failure. With no thread to be had either, it fails as before and its refs
+ * go when the session ends. Holds mu. */
+static bool delete_now_locked(const xsession_t *s, const instr_t *ins) {
+  const Meshd__Agent__V1__DeleteRefs *d = ins->delete_refs;
+  if (ins->body_case != MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS || !d) return false;
+  xstream_t *st = NULL;
+  HASH_FIND(hh, s->streams, &ins->stream, sizeof ins->stream, st);
+  if (st || refusing_stream_locked(s, ins->stream)) return false;
+  for (size_t i = 0; i < d->n_refs; i++)
+    if (!session_state_def_queued(s->state, ins->stream, ins->seq, d->refs[i])) return false;
+  return true;
+}
+
+/* What the router does itself rather than queue (router_do). */
+typedef enum { ROUTER_NONE, ROUTER_REFUSE, ROUTER_DELETE, ROUTER_DROP_SNAPSHOT } router_job_t;
+
+/* The router takes ins (of session s) to do itself once it lets go of mu
+ * (router_do): it frees memory, which under mu held up every worker and the
+ * reporter. Listed meanwhile among the session's refusing instructions in r,
+ * as a refuser thread is, so that neither the session's watermark nor its
+ * stream's later instructions pass it; and holding the session, so that it
+ * is not freed. Holds mu. */
+static void router_take_locked(xsession_t *s, refuser_t *r, const instr_t *ins) {
+  *r = (refuser_t){.s = s, .seq = ins->seq, .stream = ins->stream, .next = s->refusing};
+  s->refusing = r;
+  s->live_workers++;
+}
+
+/* Does job for ins (router_take_locked took it in r; why: as refuse_now),
+ * queues its failures, and completes its seq. Without mu. */
+static void router_do(executor_t *x, router_job_t job, refuser_t *r, const instr_t *ins,
+                      const meshd_error_t *why) {
+  session_state_t *ss = r->s->state;
   run_failures_t failed;
   failed.n = 0;
-  run_refused(&x->env, s->state, ins, why, false, &failed);
-  report_failures_locked(x, s->state->id, ins, &failed);
+  switch (job) {
+    case ROUTER_REFUSE: refuse_now(x, ss, ins, why, &failed); break;
+    case ROUTER_DELETE:
+      /* No wait: delete_now_locked found nothing before it to wait for. */
+      for (size_t i = 0; i < ins->delete_refs->n_refs; i++) {
+        refs_delete(&ss->refs, ins->delete_refs->refs[i]);
+        session_state_forget_def(ss, ins->delete_refs->refs[i]);
+      }
+      break;
+    case ROUTER_DROP_SNAPSHOT: session_state_drop_snapshot(ss, ins->drop_snapshot->seq); break;
+    case ROUTER_NONE: break;
+  }
+  if (job != ROUTER_REFUSE && x->env.stats) /* it ran, as on a worker (run_instruction) */
+    atomic_fetch_add(&x->env.stats->instructions, 1);
+  pthread_mutex_lock(&x->mu);
+  report_failures_locked(x, ss->id, ins, &failed);
+  refusing_end_locked(x, r->s, r); /* a report follows, with the bytes freed */
 }
 
 /* ------------------------------------------------------------------ routing */
@@ -1026,8 +1122,10 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
   }
   x->last = ins->seq;
   bool done_now = false, failed = false, refuse_later = false;
-  bool failures_queued = false; /* refuse_now_locked reported it */
+  bool failures_queued = false; /* router_do reports them */
   xsession_t *to_drop = NULL;
+  router_job_t job = ROUTER_NONE; /* done after mu (router_do) */
+  refuser_t own;                  /* its place in its session's refusing list */
   const Meshd__Agent__V1__PeerLost *lost = NULL;
   switch (ins->body_case) {
     case MESHD__AGENT__V1__INSTRUCTION__BODY_PEER_LOST: {
@@ -1044,6 +1142,17 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       /* Acted on as it arrived (execute.c); opens no session. */
       done_now = true;
       break;
+    case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT: {
+      /* Acted on as it arrives, not in its stream's order
+       * (session_state_drop_snapshot says why); opens no session. */
+      xsession_t *s = refused ? NULL : session_find_locked(x, ins->session_id);
+      if (s) {
+        router_take_locked(s, &own, ins);
+        job = ROUTER_DROP_SNAPSHOT;
+      }
+      done_now = !s;
+      break;
+    }
     case MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS:
     case MESHD__AGENT__V1__INSTRUCTION__BODY_CREATE_STREAM:
       /* They open the session (Agent/Write and Read need it open), and the
@@ -1067,6 +1176,12 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
     default: {
       xsession_t *s = it ? session_get_locked(x, ins->session_id) : NULL;
       xstream_t *st = s && (!refused || why) ? stream_get_locked(x, s, ins->stream) : NULL;
+      xsession_t *owner = st ? NULL : s ? s : session_find_locked(x, ins->session_id);
+      if (!st && !refused && owner && delete_now_locked(owner, ins)) {
+        router_take_locked(owner, &own, ins);
+        job = ROUTER_DELETE;
+        break;
+      }
       if (!st) {
         /* Peers that wait for it in its data plane call are told, on a
          * thread of its own (which reports it and completes the seq). */
@@ -1074,18 +1189,19 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
          * it, and are told as its worker would have told them. */
         bool tell = !refused || (why && why->kind == ERR_QUOTA);
         if (s && tell && start_refuser_locked(x, s, copy, batch, refused ? why : NULL)) {
+          refuse_later = copy->body_case != MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
           copy = NULL;
-          refuse_later = true;
           break;
         }
-        done_now = failed = true;
+        failed = true;
         /* An open session (its item could not be allocated: s is NULL)
          * fails the results; without one, the seq's one failure below. */
-        if (!s) s = session_find_locked(x, ins->session_id);
-        if (s) {
-          refuse_now_locked(x, s, ins, refused ? &verr : NULL);
+        if (owner) {
+          router_take_locked(owner, &own, ins);
+          job = ROUTER_REFUSE;
           failures_queued = true;
         }
+        done_now = !owner;
         break;
       }
       session_state_note_order(s->state, copy);
@@ -1125,6 +1241,7 @@ static int submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins,
       if (key) b->ops->peer_lost(b, key, lost->rank);
     }
   }
+  if (job != ROUTER_NONE) router_do(x, job, &own, ins, refused ? &verr : NULL);
   if (copy && !batch) protobuf_c_message_free_unpacked(&copy->base, NULL);
   free(it);
   free(why);

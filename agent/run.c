@@ -1188,9 +1188,8 @@ void run_instruction(const run_env_t *env, session_state_t *s, backend_stream_t 
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SEND: run_send(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_BROADCAST: run_broadcast(&c); break;
     case MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT: run_snapshot(&c); break;
-    case MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT:
-      session_state_drop_snapshot(s, ins->drop_snapshot->seq);
-      break;
+    /* DropSnapshot, like RevokeGrants, is done as it arrives (executor.c),
+     * never queued. */
     default: break;
   }
 }

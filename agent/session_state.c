@@ -44,6 +44,21 @@ static void kept_free(kept_snapshot_t *k) {
   free(k);
 }
 
+/* A Snapshot routed and not run yet (session_state_t.coming). */
+struct coming_snapshot {
+  uint64_t seq;
+  bool dropped; /* its DropSnapshot came first: it keeps nothing */
+  UT_hash_handle hh;
+};
+
+static void coming_clear_locked(session_state_t *s) {
+  coming_snapshot_t *c, *tmp;
+  HASH_ITER(hh, s->coming, c, tmp) {
+    HASH_DEL(s->coming, c);
+    free(c);
+  }
+}
+
 session_state_t *session_state_new(const char *id, backend_t *backend) {
   session_state_t *s = calloc(1, sizeof *s);
   if (!s || !(s->id = strdup(id))) {
@@ -67,6 +82,7 @@ void session_state_free(session_state_t *s) {
     s->snapshots = k->next;
     kept_free(k);
   }
+  coming_clear_locked(s);
   refs_clear(&s->refs);
   pthread_mutex_destroy(&s->refs.mu);
   stream_progress_t *p, *p2;
@@ -228,6 +244,15 @@ void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instru
     const Meshd__Agent__V1__SendTensor *t = ins->send;
     if (t->input && t->result && t->to_stream != ins->stream)
       add_def_locked(s, t->result->ref, ins->stream, ins->seq);
+  } else if (ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT) {
+    /* Out of memory: not listed, and a drop before it runs finds nothing
+     * (it is kept until read or evicted, as before drops came at once). */
+    coming_snapshot_t *c = NULL;
+    HASH_FIND(hh, s->coming, &ins->seq, sizeof ins->seq, c);
+    if (!c && (c = calloc(1, sizeof *c))) {
+      c->seq = ins->seq;
+      HASH_ADD(hh, s->coming, seq, sizeof c->seq, c);
+    }
   }
   pthread_mutex_unlock(&s->mu);
 }
@@ -243,7 +268,10 @@ void session_state_wait_stream(session_state_t *s, uint64_t stream, uint64_t seq
   backend_stream_t *sbs = p ? p->bs : NULL;
   pthread_mutex_unlock(&s->mu);
   backend_t *b = s->backend;
-  if (sbs && b && b->ops->event_record) {
+  /* No waiter stream (a DeleteRefs on a refuser thread, executor.c): nothing
+   * to order on the device; a free once the work is queued is the backend's
+   * to order (backend.h). */
+  if (sbs && wbs && b && b->ops->event_record) {
     backend_event_t *ev = b->ops->event_record(b, sbs);
     int rc = ev ? b->ops->event_wait(b, wbs, ev) : -1;
     if (ev) b->ops->event_destroy(b, ev);
@@ -264,6 +292,20 @@ static void wait_definition(session_state_t *s, uint64_t stream, uint64_t seq,
   uint64_t dstream = d ? d->stream : stream, dseq = d ? d->seq : 0;
   pthread_mutex_unlock(&s->mu);
   if (dstream != stream) session_state_wait_stream(s, dstream, dseq, stream, seq, bs);
+}
+
+bool session_state_def_queued(session_state_t *s, uint64_t stream, uint64_t seq, uint64_t ref) {
+  pthread_mutex_lock(&s->mu);
+  pending_def_t *d = NULL;
+  HASH_FIND(hh, s->defs, &ref, sizeof ref, d);
+  stream_progress_t *p = NULL;
+  /* As session_state_wait_stream: no wait for a definition after seq, on an
+   * unknown stream, or once the session closes. */
+  if (d && d->stream != stream && d->seq < seq && !s->closing)
+    HASH_FIND(hh, s->streams, &d->stream, sizeof d->stream, p);
+  bool queued = !p || p->queued_seq >= d->seq;
+  pthread_mutex_unlock(&s->mu);
+  return queued;
 }
 
 int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend_stream_t *bs,
@@ -354,6 +396,18 @@ bool session_state_wait_lost(session_state_t *s, int timeout_ms) {
 
 /* ------------------------------------------------------------------ snapshots */
 
+/* Snapshot seq runs: no longer coming. true when its DropSnapshot came
+ * first (it keeps nothing). Holds mu. */
+static bool coming_done_locked(session_state_t *s, uint64_t seq) {
+  coming_snapshot_t *c = NULL;
+  HASH_FIND(hh, s->coming, &seq, sizeof seq, c);
+  if (!c) return false;
+  bool dropped = c->dropped;
+  HASH_DEL(s->coming, c);
+  free(c);
+  return dropped;
+}
+
 void session_state_keep_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t *snap,
                                  int rc, const ref_failure_t *why) {
   kept_snapshot_t *k = calloc(1, sizeof *k);
@@ -361,33 +415,36 @@ void session_state_keep_snapshot(session_state_t *s, uint64_t seq, uint64_t ref,
     free(k);
     k = NULL;
   }
-  if (!k) { /* its Read finds nothing kept and says so */
-    snapshot_release(snap);
-    return;
+  if (k) {
+    k->seq = seq;
+    k->ref = ref;
+    k->snap = snap;
+    k->rc = snap ? 0 : rc;
+    if (k->why) *k->why = *why;
   }
-  k->seq = seq;
-  k->ref = ref;
-  k->snap = snap;
-  k->rc = snap ? 0 : rc;
-  if (k->why) *k->why = *why;
   kept_snapshot_t *old = NULL;
   pthread_mutex_lock(&s->mu);
-  if (s->snapshots_tail) s->snapshots_tail->next = k;
-  else s->snapshots = k;
-  s->snapshots_tail = k;
-  if (++s->nsnapshots > SESSION_SNAPSHOTS_MAX) {
-    old = s->snapshots;
-    s->snapshots = old->next;
-    s->nsnapshots--;
+  /* Checked and kept under one lock: a drop in between would find neither. */
+  bool dropped = coming_done_locked(s, seq);
+  if (k && !dropped) {
+    if (s->snapshots_tail) s->snapshots_tail->next = k;
+    else s->snapshots = k;
+    s->snapshots_tail = k;
+    if (++s->nsnapshots > SESSION_SNAPSHOTS_MAX) {
+      old = s->snapshots;
+      s->snapshots = old->next;
+      s->nsnapshots--;
+    }
   }
   pthread_mutex_unlock(&s->mu);
   if (old) kept_free(old);
+  if (k && dropped) kept_free(k); /* its pin or copy goes at once */
+  else if (!k) snapshot_release(snap); /* its Read finds nothing kept and says so */
 }
 
 /* Takes what Snapshot `seq` kept (of *ref, when given) out of the list;
- * NULL when nothing matches. */
-static kept_snapshot_t *kept_remove(session_state_t *s, uint64_t seq, const uint64_t *ref) {
-  pthread_mutex_lock(&s->mu);
+ * NULL when nothing matches. Holds mu. */
+static kept_snapshot_t *kept_remove_locked(session_state_t *s, uint64_t seq, const uint64_t *ref) {
   kept_snapshot_t **p = &s->snapshots, *prev = NULL;
   while (*p && !((*p)->seq == seq && (!ref || (*p)->ref == *ref))) {
     prev = *p;
@@ -399,13 +456,14 @@ static kept_snapshot_t *kept_remove(session_state_t *s, uint64_t seq, const uint
     if (s->snapshots_tail == k) s->snapshots_tail = prev;
     s->nsnapshots--;
   }
-  pthread_mutex_unlock(&s->mu);
   return k;
 }
 
 int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t **snap,
                                 ref_failure_t *why) {
-  kept_snapshot_t *k = kept_remove(s, seq, &ref);
+  pthread_mutex_lock(&s->mu);
+  kept_snapshot_t *k = kept_remove_locked(s, seq, &ref);
+  pthread_mutex_unlock(&s->mu);
   if (!k) {
     snprintf(why->msg, sizeof why->msg,
              "no snapshot of tensor %llu at seq %llu in session %.8s on this agent (a Read "
@@ -425,6 +483,11 @@ int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, 
 }
 
 void session_state_drop_snapshot(session_state_t *s, uint64_t seq) {
-  kept_snapshot_t *k = kept_remove(s, seq, NULL);
+  pthread_mutex_lock(&s->mu);
+  kept_snapshot_t *k = kept_remove_locked(s, seq, NULL);
+  coming_snapshot_t *c = NULL;
+  if (!k) HASH_FIND(hh, s->coming, &seq, sizeof seq, c);
+  if (c) c->dropped = true; /* it runs later (queued, or running now) */
+  pthread_mutex_unlock(&s->mu);
   if (k) kept_free(k);
 }

@@ -46,6 +46,7 @@ typedef struct stream_progress stream_progress_t;
 typedef struct pending_def pending_def_t;
 typedef struct borrow_record borrow_record_t;
 typedef struct kept_snapshot kept_snapshot_t;
+typedef struct coming_snapshot coming_snapshot_t;
 
 /* Snapshots (Snapshot instructions) a session keeps unread; past it the
  * oldest goes (its Read then says so). The server reads each at once, and a
@@ -79,6 +80,11 @@ typedef struct session_state {
   kept_snapshot_t *snapshots;         /* mu: not read yet, oldest first */
   kept_snapshot_t *snapshots_tail;    /* mu */
   size_t nsnapshots;                  /* mu */
+  /* mu: Snapshots routed (note_order) that have not kept anything yet, by
+   * seq, each marked when its DropSnapshot came first: one per Snapshot
+   * queued, so bounded by the session's queued work; freed with the
+   * session (a Snapshot an ended session never runs). */
+  coming_snapshot_t *coming;
 } session_state_t;
 
 /* A new session state; NULL when out of memory. */
@@ -131,8 +137,9 @@ int session_state_check_peers(session_state_t *s, const uint32_t *ranks, size_t 
 bool session_state_wait_lost(session_state_t *s, int timeout_ms);
 
 /* Records what ordering `ins` needs besides its own stream's order (borrow
- * records, refs defined on one stream for another). Called by the executor
- * for every instruction of the session in seq order, as it routes it. */
+ * records, refs defined on one stream for another), and a Snapshot as coming
+ * (session_state_drop_snapshot). Called by the executor for every
+ * instruction of the session it queues, in seq order, as it routes it. */
 void session_state_note_order(session_state_t *s, const Meshd__Agent__V1__Instruction *ins);
 
 /* Orders the waiter's stream (id `waiter`, running instruction `waiter_seq`,
@@ -152,6 +159,12 @@ int session_state_get(session_state_t *s, uint64_t stream, uint64_t seq, backend
 /* ref is gone (deleted, or a borrow handle past its last use): readers no
  * longer order after its defining stream. */
 void session_state_forget_def(session_state_t *s, uint64_t ref);
+/* A delete of ref by instruction (stream, seq) may be done now, with no wait:
+ * ref's definition is on that stream, or queued already on the other stream
+ * that defines it (or comes after seq), as session_state_delete would wait
+ * for. Otherwise the definition is still to come there, and would outlive
+ * the delete. */
+bool session_state_def_queued(session_state_t *s, uint64_t stream, uint64_t seq, uint64_t ref);
 /* Deletes ref for the instruction (stream, seq): after its definition when that
  * is on another stream, as a read waits (a definition still to come there would
  * otherwise hold the tensor until the session ends); then forgets it. */
@@ -173,7 +186,12 @@ void session_state_keep_snapshot(session_state_t *s, uint64_t seq, uint64_t ref,
  * (why->msg says why). */
 int session_state_take_snapshot(session_state_t *s, uint64_t seq, uint64_t ref, snapshot_t **snap,
                                 ref_failure_t *why);
-/* Lets go of what Snapshot `seq` kept, unless its Read took it already. */
+/* Lets go of what Snapshot `seq` kept, unless its Read took it already; a
+ * Snapshot still to run (queued, or running: routed by note_order, nothing
+ * kept yet) keeps nothing when it runs. Done as the DropSnapshot arrives, not
+ * in its stream's order: a drop queued behind a long instruction let the
+ * session hold one snapshot too many meanwhile, and the oldest unread one,
+ * another Fetch's, went for it. Frees; not under the executor's lock. */
 void session_state_drop_snapshot(session_state_t *s, uint64_t seq);
 
 #endif

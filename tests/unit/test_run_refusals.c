@@ -12,7 +12,9 @@
  *   after that thread failed its results (a lowered worker cap and a held
  *   refuser: executor_set_max_workers_for_test, _set_refuser_hold_for_test);
  *   and that an instruction with no data plane call, failed at once as it
- *   is routed, fails its results and what it writes in place (run_refused);
+ *   is routed, fails its results and what it writes in place (run_refused),
+ *   but for a DeleteRefs, which still deletes; and that a DropSnapshot
+ *   queued behind a held instruction (a held refuser) is done at once;
  * - agent/dataplane/transfer.c: dp__plan_init's own allocations fail (this
  *   suite's calloc refuses the plan's transfer array once, on the armed
  *   thread only). Both interpositions are off under ASan. */
@@ -37,6 +39,7 @@
 #include "instr_build.h"
 #include "layout.h"
 #include "refs.h"
+#include "session_state.h"
 #include "snapshot.h"
 
 typedef Meshd__Agent__V1__Instruction instr_t;
@@ -382,21 +385,28 @@ static void hold_refuser(void *arg, uint64_t seq) {
   pthread_mutex_unlock(&hold_mu);
 }
 
-static void submit_seq(executor_t *x, instr_t *ins, uint64_t seq) {
+/* Submits ins as instruction seq of SESSION on stream: executor_submit's result. */
+static int submit_on(executor_t *x, instr_t *ins, uint64_t seq, uint64_t stream) {
   ins->seq = seq;
   ins->session_id = (char *)SESSION;
-  ins->stream = 1;
-  executor_submit(x, ins);
+  ins->stream = stream;
+  return executor_submit(x, ins);
 }
 
-/* A Snapshot of ref (a Fetch's) as instruction seq on stream 1 (submit copies it). */
-static void submit_snapshot(executor_t *x, uint64_t ref, uint64_t seq) {
+static void submit_seq(executor_t *x, instr_t *ins, uint64_t seq) { submit_on(x, ins, seq, 1); }
+
+/* A Snapshot of ref (a Fetch's) as instruction seq on stream (submit copies it). */
+static void submit_snapshot_on(executor_t *x, uint64_t ref, uint64_t seq, uint64_t stream) {
   Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
   snap.ref = ref;
   instr_t sins = MESHD__AGENT__V1__INSTRUCTION__INIT;
   sins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SNAPSHOT;
   sins.snapshot = &snap;
-  submit_seq(x, &sins, seq);
+  submit_on(x, &sins, seq, stream);
+}
+
+static void submit_snapshot(executor_t *x, uint64_t ref, uint64_t seq) {
+  submit_snapshot_on(x, ref, seq, 1);
 }
 
 /* The Snapshot seq took of ref (8 floats) is its failure with root seq root
@@ -486,6 +496,151 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   cr_assert_eq(rc, 1, "the copy after the refused Reduce copied ref 9001's old value (rc %d: %s)",
                rc, why.msg);
   cr_assert_eq(why.root_seq, 2, "the copy's failure is not the Reduce's: %s", why.msg);
+  rank0_agent_stop(&a);
+}
+
+/* The test's refuser thread (hold_refuser) holds seq: a bounded wait. */
+static uint64_t wait_held(void) {
+  struct timespec dl = in_10s();
+  pthread_mutex_lock(&hold_mu);
+  while (!held_seq && pthread_cond_timedwait(&hold_cv, &hold_mu, &dl) == 0) {
+  }
+  uint64_t held = held_seq;
+  pthread_mutex_unlock(&hold_mu);
+  return held;
+}
+
+static void release_refuser(void) {
+  pthread_mutex_lock(&hold_mu);
+  let_go = true;
+  pthread_cond_broadcast(&hold_cv);
+  pthread_mutex_unlock(&hold_mu);
+}
+
+/* The DropSnapshot of Snapshot `of` as instruction seq on stream. */
+static void submit_drop_snapshot(executor_t *x, uint64_t of, uint64_t seq, uint64_t stream) {
+  Meshd__Agent__V1__DropSnapshot d = MESHD__AGENT__V1__DROP_SNAPSHOT__INIT;
+  d.seq = of;
+  instr_t dins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  dins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DROP_SNAPSHOT;
+  dins.drop_snapshot = &d;
+  submit_on(x, &dins, seq, stream);
+}
+
+static void define_sevens(rank0_agent_t *a, uint64_t ref);
+
+/* A Fetch's DropSnapshot queued on its stream behind a long instruction
+ * (here a Reduce its refuser thread holds, which stream 1's later
+ * instructions wait for) while the session's next Fetches' Snapshots run on
+ * another stream: the agent held one snapshot too many (it keeps the 64
+ * latest unread) and let the oldest unread one go, another Fetch's (seq 2),
+ * whose Read then failed NOT_FOUND. A drop is done as it arrives: of a
+ * snapshot kept already (seq 3), and of one still queued (seq 6), which then
+ * keeps nothing when it runs. */
+Test(run_refusals, a_drop_snapshot_queued_behind_a_long_instruction_evicts_no_other_snapshot,
+     .timeout = 30) {
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
+  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  define_sevens(&a, 9001);
+  submit_snapshot_on(x, 9001, 2, 3); /* a Fetch whose Read comes last */
+  submit_snapshot_on(x, 9001, 3, 3); /* a Fetch that ends unread */
+  cr_assert_eq(executor_wait(x, 3, 10000), 0, "seqs 1..3 not done");
+
+  executor_set_max_workers_for_test(x, 0); /* stream 1's Reduce goes to a refuser, held */
+  reduce_instr_t ri;
+  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
+  instr_t *rins = reduce_instr(&ri, addrs, 8);
+  ri.r.ref = ri.rs.ref = 9100; /* a result of its own */
+  submit_seq(x, rins, 4);
+  executor_set_max_workers_for_test(x, -1);
+  cr_assert_eq(wait_held(), 4, "the Reduce (seq 4) did not go to a refuser thread");
+  submit_drop_snapshot(x, 3, 5, 1); /* behind the Reduce */
+  submit_snapshot_on(x, 9001, 6, 1); /* another Fetch, behind the Reduce too */
+  submit_drop_snapshot(x, 6, 7, 1);
+  enum { FIRST = 8, LAST = FIRST + SESSION_SNAPSHOTS_MAX - 2 }; /* 63 more on stream 2 */
+  for (uint64_t seq = FIRST; seq <= LAST; seq++) submit_snapshot_on(x, 9001, seq, 2);
+  cr_assert_eq(executor_wait_stream_idle_for_test(x, SESSION, 2, 10000), 0,
+               "stream 2's worker never came to wait");
+  release_refuser();
+  cr_assert_eq(executor_wait(x, LAST, 10000), 0, "seqs 4..%d not done", LAST);
+
+  snapshot_t *sn = NULL;
+  ref_failure_t why = {0};
+  for (uint64_t seq = 2; seq <= LAST; seq++) {
+    if (seq >= 3 && seq < FIRST) continue;
+    memset(&why, 0, sizeof why);
+    int rc = executor_take_snapshot(x, SESSION, seq, 9001, &sn, &why);
+    cr_assert_eq(rc, 0, "the unread snapshot of seq %llu went while drops waited (rc %d: %s)",
+                 (unsigned long long)seq, rc, why.msg);
+    snapshot_release(sn);
+  }
+  cr_assert_eq(executor_take_snapshot(x, SESSION, 3, 9001, &sn, &why), -1, "seq 3 not dropped");
+  cr_assert_eq(executor_take_snapshot(x, SESSION, 6, 9001, &sn, &why), -1, "seq 6 kept a snapshot");
+  rank0_agent_stop(&a);
+}
+
+/* DeleteRefs of refs[0..n) as instruction seq on stream: executor_submit's result. */
+static int submit_delete(executor_t *x, uint64_t *refs, size_t n, uint64_t seq, uint64_t stream) {
+  Meshd__Agent__V1__DeleteRefs d = MESHD__AGENT__V1__DELETE_REFS__INIT;
+  d.n_refs = n;
+  d.refs = refs;
+  instr_t dins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  dins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS;
+  dins.delete_refs = &d;
+  return submit_on(x, &dins, seq, stream);
+}
+
+/* ref is not on the agent any more (deleted): neither a tensor nor a failure. */
+static void assert_deleted(executor_t *x, uint64_t ref, const char *what) {
+  agent_tensor_t t;
+  ref_failure_t why = {0};
+  int rc = executor_lookup(x, SESSION, ref, &t, &why);
+  if (rc == 0) storage_release(t.storage);
+  cr_assert_eq(rc, -1, "%s %llu is still on the agent (rc %d: %s)", what, (unsigned long long)ref,
+               rc, rc == 1 ? why.msg : "a tensor");
+}
+
+/* A DeleteRefs that no stream worker can be had for (MAX_WORKERS) was failed
+ * as it was routed: its tensor (an upload, 8 floats) stayed on the agent until
+ * the session ended, a leak per session under load. Nothing before it on its
+ * stream is still to run (the stream has no queue), so it deletes at once.
+ * Behind a refuser thread of its stream (a held Reduce, which fails its
+ * result 9100) it deletes once that is done: deleted before, 9100 was failed
+ * again after it, and stayed. */
+Test(run_refusals, a_delete_no_worker_can_be_had_for_still_deletes, .timeout = 30) {
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
+  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
+  executor_set_max_workers_for_test(x, 0);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  uint64_t before = atomic_load(&a.b.allocated);
+  define_sevens(&a, 9001);
+  cr_assert_gt(atomic_load(&a.b.allocated), before);
+  int submitted = submit_delete(x, (uint64_t[]){9001}, 1, 2, 1);
+  cr_assert_eq(executor_wait(x, 2, 10000), 0, "seq 2 not done");
+  assert_deleted(x, 9001, "the deleted tensor");
+  cr_assert_eq(atomic_load(&a.b.allocated), before, "its memory was not freed");
+  cr_assert_eq(submitted, 0, "the DeleteRefs was failed as it was routed");
+
+  reduce_instr_t ri;
+  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
+  instr_t *rins = reduce_instr(&ri, addrs, 8);
+  ri.r.ref = ri.rs.ref = 9100;
+  submit_on(x, rins, 3, 5); /* no worker: a refuser, held */
+  define_sevens(&a, 9002);
+  submit_delete(x, (uint64_t[]){9100, 9002}, 2, 4, 5);
+  cr_assert_eq(wait_held(), 3, "the Reduce (seq 3) did not go to a refuser thread");
+  release_refuser();
+  cr_assert_eq(executor_wait(x, 4, 10000), 0, "seqs 3, 4 not done");
+  assert_deleted(x, 9100, "the refused Reduce's deleted result");
+  assert_deleted(x, 9002, "the deleted tensor");
+  cr_assert_eq(atomic_load(&a.b.allocated), before, "the memory was not freed");
   rank0_agent_stop(&a);
 }
 
