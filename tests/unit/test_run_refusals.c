@@ -430,6 +430,8 @@ static void assert_snapshot_failed(executor_t *x, uint64_t seq, uint64_t ref, ui
   cr_assert(strstr(why.msg, want), "the Snapshot's failure: %s", why.msg);
 }
 
+static void define_sevens(rank0_agent_t *a, uint64_t ref);
+
 /* A Reduce into a tensor written before (out=, ref 9001, 8 floats of 7, an
  * upload) that no stream worker can be had for goes to a refuser thread,
  * outside its stream's order; a worker frees, and the next instructions of
@@ -446,13 +448,7 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   executor_set_max_workers_for_test(x, 0);
   control_instr_t ci;
   submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
-  agent_tensor_t t;
-  meshd_error_t e = {0};
-  tensor_meta_t m = {.dtype = DTYPE_FLOAT32, .layout = {.ndim = 1, .sizes = {8}}};
-  cr_assert_eq(tensor_alloc(&a.b, NULL, &m, &t, "test", &e), 0, "%s", e.msg);
-  for (int i = 0; i < 8; i++) ((float *)t.storage->data)[i] = 7;
-  cr_assert_eq(executor_define(x, SESSION, 9001, &t), 0);
-  storage_release(t.storage);
+  define_sevens(&a, 9001);
 
   reduce_instr_t ri;
   const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
@@ -490,6 +486,7 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   cr_assert_eq(executor_wait(x, 4, 10000), 0, "seqs 2..4 not done");
 
   assert_snapshot_failed(x, 3, 9001, 2, "the refused Reduce");
+  agent_tensor_t t;
   ref_failure_t why = {0};
   int rc = executor_lookup(x, SESSION, 9002, &t, &why);
   if (rc == 0) storage_release(t.storage);
@@ -527,7 +524,6 @@ static void submit_drop_snapshot(executor_t *x, uint64_t of, uint64_t seq, uint6
   submit_on(x, &dins, seq, stream);
 }
 
-static void define_sevens(rank0_agent_t *a, uint64_t ref);
 
 /* A Fetch's DropSnapshot queued on its stream behind a long instruction
  * (here a Reduce its refuser thread holds, which stream 1's later
