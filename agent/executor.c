@@ -783,8 +783,9 @@ typedef struct refuser {
   uint64_t seq, stream;
   void (*hold)(void *arg, uint64_t seq); /* executor.refuser_hold */
   void *hold_arg;
-  /* A DeleteRefs (delete_later_locked): it deletes, after the refusers of
-   * its stream before it, instead of refusing. */
+  /* A DeleteRefs the router could not do at once (delete_now_locked): it
+   * deletes, after the refusers of its stream before it, instead of
+   * refusing. */
   bool deletes;
   struct refuser *next; /* xsession.refusing (executor.mu) */
 } refuser_t;
@@ -849,6 +850,15 @@ static bool has_data_plane_call(const instr_t *ins) {
   }
 }
 
+/* The refs of DeleteRefs ins go, each once its definition on another stream
+ * is queued (session_state_delete), as run_delete does on a worker; here on
+ * no device stream (a refuser thread, or the router: delete_now_locked). */
+static void delete_refs(session_state_t *ss, const instr_t *ins) {
+  const Meshd__Agent__V1__DeleteRefs *d = ins->delete_refs;
+  for (size_t i = 0; i < d->n_refs; i++)
+    session_state_delete(ss, ins->stream, ins->seq, NULL, d->refs[i]);
+}
+
 static void *refuser_main(void *arg) {
   refuser_t *r = arg;
   executor_t *x = r->x;
@@ -866,9 +876,7 @@ static void *refuser_main(void *arg) {
     pthread_mutex_lock(&x->mu);
     while (refusing_before_locked(s, r)) pthread_cond_wait(&x->progress, &x->mu);
     pthread_mutex_unlock(&x->mu);
-    const Meshd__Agent__V1__DeleteRefs *d = r->ins->delete_refs;
-    for (size_t i = 0; i < d->n_refs; i++)
-      session_state_delete(ss, r->stream, seq, NULL, d->refs[i]);
+    delete_refs(ss, r->ins);
     if (x->env.stats) atomic_fetch_add(&x->env.stats->instructions, 1);
   } else {
     run_refused(&x->env, ss, r->ins, &r->why, true, &failed);
@@ -993,10 +1001,7 @@ static void router_do(executor_t *x, router_job_t job, refuser_t *r, const instr
     case ROUTER_REFUSE: refuse_now(x, ss, ins, why, &failed); break;
     case ROUTER_DELETE:
       /* No wait: delete_now_locked found nothing before it to wait for. */
-      for (size_t i = 0; i < ins->delete_refs->n_refs; i++) {
-        refs_delete(&ss->refs, ins->delete_refs->refs[i]);
-        session_state_forget_def(ss, ins->delete_refs->refs[i]);
-      }
+      delete_refs(ss, ins);
       break;
     case ROUTER_DROP_SNAPSHOT: session_state_drop_snapshot(ss, ins->drop_snapshot->seq); break;
     case ROUTER_NONE: break;

@@ -70,9 +70,15 @@ int executor_wait_all_freed(int timeout_ms);
  * session and body set). PeerLost is not queued but handled here, before
  * anything queued runs: the session's instructions that need the lost rank
  * then fail with AGENT_LOST without running, and the data plane's and the
- * backend's waits on that peer end at once. Returns 0, or -1 out of memory (the instruction is
- * then counted as done with a root failure reported; one with a data plane call once a thread
- * of its own told its peers, as run_refused does). */
+ * backend's waits on that peer end at once. A DropSnapshot is done here too,
+ * and so is what cannot be queued (a refusal with no data plane call, a
+ * DeleteRefs with no worker to be had), outside the executor's lock but
+ * before it returns: one caller at a time, in seq order (the one Execute
+ * call's handler, whose callbacks never run at once), so that the next
+ * instruction is routed only after it. Returns 0, or -1 out of memory (the
+ * instruction is then counted as done with a root failure reported; one with
+ * a data plane call once a thread of its own told its peers, as run_refused
+ * does). */
 int executor_submit(executor_t *x, const Meshd__Agent__V1__Instruction *ins);
 /* The same without the copy: ins stays where it is, inside the message b
  * holds, which the last of its queued instructions frees when done. */

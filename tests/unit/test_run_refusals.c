@@ -17,7 +17,9 @@
  *   queued behind a held instruction (a held refuser) is done at once;
  * - agent/dataplane/transfer.c: dp__plan_init's own allocations fail (this
  *   suite's calloc refuses the plan's transfer array once, on the armed
- *   thread only). Both interpositions are off under ASan. */
+ *   thread only). Both interpositions are off under ASan and TSan, whose
+ *   allocators and thread starts they would bypass (TSan's free of a calloc
+ *   from libc aborts). */
 #include <criterion/criterion.h>
 #include <dlfcn.h>
 #include <errno.h>
@@ -44,7 +46,13 @@
 
 typedef Meshd__Agent__V1__Instruction instr_t;
 
-#if !defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define INTERPOSED 0
+#else
+#define INTERPOSED 1
+#endif
+
+#if INTERPOSED
 static _Atomic bool fail_next_detached; /* the next detached thread of the armed thread */
 static pthread_t armed_thread;
 
@@ -149,7 +157,7 @@ __attribute__((unused)) static void *member_allreduce(void *arg) {
   dp_group_t g = {.comm_id = 9, .call = 3 * 4, .ranks = RANKS, .addrs = j->addrs, .n = 2,
                   .me = j->me, .secret = j->secret};
   float v[8] = {1, 1, 1, 1, 1, 1, 1, 1};
-#if !defined(__SANITIZE_ADDRESS__)
+#if INTERPOSED
   fail_plan_calloc = j->oom;
 #endif
   int64_t t0 = mono_ms();
@@ -245,7 +253,7 @@ static void rank0_agent_stop(rank0_agent_t *a) {
   if (net) dataplane_stop(net);
 }
 
-#if !defined(__SANITIZE_ADDRESS__)
+#if INTERPOSED
 /* Submits ins while no stream worker can be started for it (the next
  * detached thread this thread creates fails): true if one was asked for, so
  * that the instruction went to a refuser thread. */
@@ -264,7 +272,7 @@ static bool submit_with_no_worker(executor_t *x, instr_t *ins) {
  * its own: that thread must tell the peer, which waits in the allreduce. */
 Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails_its_peers_at_once,
      .timeout = 60) {
-#if defined(__SANITIZE_ADDRESS__)
+#if !INTERPOSED
   cr_skip_test("pthread_create is interposed");
 #else
   meshd_error_t e = {0};
@@ -309,7 +317,7 @@ Test(run_refusals, a_collective_over_the_agents_own_limits_it_cannot_queue_fails
  * an old value) instead of the failure. */
 Test(run_refusals, a_refused_instruction_on_a_refuser_thread_is_not_done_before_its_failure,
      .timeout = 60) {
-#if defined(__SANITIZE_ADDRESS__)
+#if !INTERPOSED
   cr_skip_test("pthread_create is interposed");
 #else
   /* The peer: accepts connections (the kernel does) and never answers. */
@@ -405,6 +413,28 @@ static void submit_snapshot_on(executor_t *x, uint64_t ref, uint64_t seq, uint64
   submit_on(x, &sins, seq, stream);
 }
 
+/* A local SendTensor (a same-rank to_mesh) of ref in (8 floats) on stream
+ * as ref out on to_stream, instruction seq. */
+static void submit_local_copy(executor_t *x, uint64_t in, uint64_t out, uint64_t seq,
+                              uint64_t stream, uint64_t to_stream) {
+  int64_t shape[1] = {8};
+  Meshd__Agent__V1__TensorSpec ispec = MESHD__AGENT__V1__TENSOR_SPEC__INIT, ospec;
+  ispec.ref = in;
+  ispec.n_shape = 1;
+  ispec.shape = shape;
+  ispec.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
+  ospec = ispec;
+  ospec.ref = out;
+  Meshd__Agent__V1__SendTensor copy = MESHD__AGENT__V1__SEND_TENSOR__INIT;
+  copy.input = &ispec;
+  copy.result = &ospec;
+  copy.to_stream = to_stream;
+  instr_t cins = MESHD__AGENT__V1__INSTRUCTION__INIT;
+  cins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
+  cins.send = &copy;
+  submit_on(x, &cins, seq, stream);
+}
+
 static void submit_snapshot(executor_t *x, uint64_t ref, uint64_t seq) {
   submit_snapshot_on(x, ref, seq, 1);
 }
@@ -455,23 +485,7 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   submit_seq(x, reduce_instr(&ri, addrs, 8), 2); /* no worker: a refuser, held */
   executor_set_max_workers_for_test(x, -1);       /* a worker frees */
   submit_snapshot(x, 9001, 3);
-  /* A copy of it to stream 2 (a local SendTensor): a value of its own. */
-  int64_t shape[1] = {8};
-  Meshd__Agent__V1__TensorSpec in = MESHD__AGENT__V1__TENSOR_SPEC__INIT, out;
-  in.ref = 9001;
-  in.n_shape = 1;
-  in.shape = shape;
-  in.dtype = (Meshd__V1__DType)DTYPE_FLOAT32;
-  out = in;
-  out.ref = 9002;
-  Meshd__Agent__V1__SendTensor copy = MESHD__AGENT__V1__SEND_TENSOR__INIT;
-  copy.input = &in;
-  copy.result = &out;
-  copy.to_stream = 2;
-  instr_t cins = MESHD__AGENT__V1__INSTRUCTION__INIT;
-  cins.body_case = MESHD__AGENT__V1__INSTRUCTION__BODY_SEND;
-  cins.send = &copy;
-  submit_seq(x, &cins, 4);
+  submit_local_copy(x, 9001, 9002, 4, 1, 2); /* a value of its own, on stream 2 */
   cr_assert_eq(executor_wait_stream_idle_for_test(x, SESSION, 1, 10000), 0,
                "stream 1's worker never came to wait");
   struct timespec dl = in_10s();
@@ -640,6 +654,39 @@ Test(run_refusals, a_delete_no_worker_can_be_had_for_still_deletes, .timeout = 3
   rank0_agent_stop(&a);
 }
 
+/* A DeleteRefs with no worker whose ref another stream still has to define
+ * (a local SendTensor from stream 1 to stream 2, queued behind a held
+ * refuser there): deleted at once, before the copy defined it, the copy's
+ * tensor stayed until the session ended. It deletes once the definition is
+ * queued (session_state_def_queued, then session_state_delete's wait). */
+Test(run_refusals, a_delete_no_worker_can_be_had_for_waits_for_a_definition_to_come,
+     .timeout = 30) {
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
+  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
+  executor_set_max_workers_for_test(x, 0);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  define_sevens(&a, 9001);
+  uint64_t before = atomic_load(&a.b.allocated);
+  reduce_instr_t ri;
+  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
+  instr_t *rins = reduce_instr(&ri, addrs, 8);
+  ri.r.ref = ri.rs.ref = 9100;
+  submit_seq(x, rins, 2); /* no worker: a refuser, held */
+  cr_assert_eq(wait_held(), 2, "the Reduce (seq 2) did not go to a refuser thread");
+  executor_set_max_workers_for_test(x, -1); /* stream 1 gets a worker, behind the Reduce */
+  submit_local_copy(x, 9001, 9002, 3, 1, 2);
+  executor_set_max_workers_for_test(x, 0); /* stream 2 gets none */
+  submit_delete(x, (uint64_t[]){9002}, 1, 4, 2);
+  release_refuser();
+  cr_assert_eq(executor_wait(x, 4, 10000), 0, "seqs 2..4 not done");
+  assert_deleted(x, 9002, "the copy deleted after it");
+  cr_assert_eq(atomic_load(&a.b.allocated), before, "the copy's memory was not freed");
+  rank0_agent_stop(&a);
+}
+
 /* add_(self, self) (a Call writing self in place, `mutates` it; no data
  * plane call) with result ref `result`, a view of it. */
 typedef struct {
@@ -777,7 +824,7 @@ Test(run_refusals, an_instruction_failed_at_once_in_routing_fails_what_it_writes
 /* Rank 0's data plane cannot allocate its plan for the allreduce (a tiny
  * calloc in dp__plan_init): it fails, and its peer must learn why at once. */
 Test(run_refusals, a_member_whose_plan_cannot_be_allocated_fails_its_peers_at_once, .timeout = 60) {
-#if defined(__SANITIZE_ADDRESS__)
+#if !INTERPOSED
   cr_skip_test("calloc is the sanitizer's");
 #else
   meshd_error_t e = {0};
