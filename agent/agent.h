@@ -185,6 +185,12 @@ int data_read_threads(void);
 /* The helper threads of waiting Reads: started ever, and parked now, waiting
  * for the next one (tests). */
 void data_read_helpers(unsigned long *started, int *parked);
+/* At the agent's exit, once no Read can run any more (the server is
+ * destroyed and every executor freed: a Read holds its executor until its
+ * helper's job ends): the parked helpers end, and a job's last steps
+ * (finished by then) are waited for, so that no thread of this file outlives
+ * the agent's shutdown. */
+void data_stop(void);
 
 /* ---- registration.c ---------------------------------------------------- */
 

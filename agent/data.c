@@ -29,6 +29,7 @@
  * (at most WRITE_WAITING_MAX of them, half at most of one session); then it
  * is refused and nothing is stored. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,19 +102,25 @@ static _Atomic int read_threads;
  * paid it. A burst's helpers beyond READ_PARKED end after their Read. */
 #define READ_PARKED 8
 #define READ_PARK_MS 10000
-static workpool_t *read_pool;
+static _Atomic(workpool_t *) read_pool;
 static pthread_once_t read_pool_once = PTHREAD_ONCE_INIT;
 
 static void read_pool_init(void) {
-  read_pool = workpool_create("read-wait", READ_PARKED, READ_PARK_MS);
+  atomic_store(&read_pool, workpool_create("read-wait", READ_PARKED, READ_PARK_MS));
 }
 
 void data_read_helpers(unsigned long *started, int *parked) {
   workpool_stats_t st = {0};
-  pthread_once(&read_pool_once, read_pool_init); /* (read_pool is written there) */
-  if (read_pool) st = workpool_stats(read_pool);
+  pthread_once(&read_pool_once, read_pool_init);
+  workpool_t *pool = atomic_load(&read_pool);
+  if (pool) st = workpool_stats(pool);
   *started = st.started;
   *parked = st.parked;
+}
+
+void data_stop(void) {
+  pthread_once(&read_pool_once, read_pool_init); /* none made after this one is gone */
+  workpool_destroy(atomic_exchange(&read_pool, NULL));
 }
 
 /* The places to wait on this agent, counted over all sessions and per
@@ -339,8 +346,9 @@ static void *read_main(void *arg) {
 /* j's wait on a helper: a parked one, else a new thread. 0, or -1 (none). */
 static int read_helper_start(read_job_t *j) {
   pthread_once(&read_pool_once, read_pool_init);
-  if (read_pool) return workpool_run(read_pool, read_job, j);
-  return runtime_spawn_detached(read_main, j); /* no memory for the pool */
+  workpool_t *pool = atomic_load(&read_pool);
+  if (pool) return workpool_run(pool, read_job, j);
+  return runtime_spawn_detached(read_main, j); /* no memory for the pool (or data_stop ran) */
 }
 
 void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {

@@ -650,6 +650,7 @@ out:
    * backend outlive them (a stuck one keeps both: the process exits anyway). */
   dataplane_shutdown(dp);
   bool idle = executor_wait_all_freed(5000) == 0;
+  if (idle) data_stop(); /* every Read ended: its helpers only park (a stuck one: left, as below) */
   if (dp && idle) dataplane_stop(dp);
   if (backend_open && idle) backend.ops->close(&backend);
   else if (backend_open) log_warn("agent", "workers still running at exit: the device is left open");

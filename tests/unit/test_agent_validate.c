@@ -17,6 +17,7 @@
 #include "agent_link.h"
 #include "backend.h"
 #include "executor.h"
+#include "proc_threads.h"
 #include "rpc.h"
 #include "session_state.h"
 #include "validate.h"
@@ -1195,6 +1196,37 @@ Test(service, reads_that_overtake_their_seq_one_after_another_start_one_helper) 
   data_read_helpers(&started, &parked);
   cr_assert_leq(started - before, 1, "%lu helper threads started for 4 Reads, one after another",
                started - before);
+}
+
+/* The parked helper of a Read that overtook its seq waited out its 10 s park
+ * after the agent's shutdown: an idle thread at exit (a sanitized agent's too).
+ * data_stop, at the agent's exit, ends it. */
+Test(service, the_read_helpers_end_at_the_agents_shutdown) {
+  kit_t k;
+  kit_init(&k, 0, "b");
+  execute(factory(&k, 10, "ones", four, 1));
+  late_read_t l = {.after_seq = next_seq};
+  pthread_t lt;
+  cr_assert_eq(pthread_create(&lt, NULL, read_late, &l), 0);
+  int64_t end = rpc_now_ms() + 2500;
+  while (data_read_threads() < 1 && !atomic_load(&l.done) && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(data_read_threads(), 1, "the Read waits for its seq: %s",
+               atomic_load(&l.done) ? l.msg : "");
+  cr_assert_eq(snapshot("b", 10), l.after_seq);
+  pthread_join(lt, NULL);
+  cr_assert_eq(l.code, GRPC_STATUS_OK, "%d %s", l.code, l.msg);
+  unsigned long started;
+  int parked;
+  end = rpc_now_ms() + 2000;
+  do data_read_helpers(&started, &parked);
+  while (parked < 1 && rpc_now_ms() < end && usleep(1000) == 0);
+  cr_assert_eq(parked, 1, "the Read's helper did not park");
+  cr_assert_eq(proc_threads_named("read-wait"), 1);
+  data_stop();
+  /* (a thread that ended may show in /proc a moment longer) */
+  end = rpc_now_ms() + 2000;
+  while (proc_threads_named("read-wait") > 0 && rpc_now_ms() < end) usleep(1000);
+  cr_assert_eq(proc_threads_named("read-wait"), 0, "a Read helper outlived the shutdown");
 }
 
 /* One session's burst of Reads waiting for seqs (its server lets it have 64
