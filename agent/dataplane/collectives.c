@@ -102,7 +102,7 @@ static int ring(dataplane_t *dp, const char *what, const dp_group_t *g, uint8_t 
   p.xs[0].nmsgs = steps;
   p.xs[1].msgs = rm;
   p.xs[1].nmsgs = steps;
-  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  int64_t deadline = dp__now_ms() + dp__timeout(dp, g);
   rc = dp__plan_connect(&p, g, 0, next, true, deadline, err);
   if (rc == 0) rc = dp__plan_connect(&p, g, 1, prev, false, deadline, err);
   if (rc == 0) rc = dp__plan_run(&p, err);
@@ -132,7 +132,7 @@ static int direct(dataplane_t *dp, const char *what, const dp_group_t *g, dtype_
     p.xs[2 * i].nmsgs = p.xs[2 * i + 1].nmsgs = 1;
     i++;
   }
-  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  int64_t deadline = dp__now_ms() + dp__timeout(dp, g);
   for (int recv_pass = 0; recv_pass < 2 && rc == 0; recv_pass++)
     for (size_t i = 0, j = 0; j < n && rc == 0; j++) {
       if (j == g->me) continue;
@@ -153,7 +153,7 @@ static int to_root(dataplane_t *dp, const char *what, const dp_group_t *g, size_
   plan_t p;
   int rc = dp__plan_init(&p, dp, what, g, dtype, RED_SUM, nx, nx, err);
   if (rc != 0) return dp__plan_finish(&p, rc, err);
-  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  int64_t deadline = dp__now_ms() + dp__timeout(dp, g);
   if (me != root) {
     p.msgs[0] = (msg_t){.buf = (uint8_t *)send, .len = (off[me + 1] - off[me]) * esz};
     p.xs[0].msgs = &p.msgs[0];
@@ -380,7 +380,7 @@ int dp_broadcast(dataplane_t *dp, const dp_group_t *g, void *buf, size_t bytes, 
       p.xs[k].msgs = &p.msgs[k];
       p.xs[k].nmsgs = 1;
     }
-    int64_t deadline = dp__now_ms() + dp->timeout_ms;
+    int64_t deadline = dp__now_ms() + dp__timeout(dp, g);
     /* Dial the next member first (that needs only its listener), then wait for the previous. */
     if (send) rc = dp__plan_connect(&p, g, recv ? 1 : 0, me + 1, true, deadline, err);
     if (rc == 0 && recv) rc = dp__plan_connect(&p, g, 0, me - 1, false, deadline, err);

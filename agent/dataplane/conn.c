@@ -137,10 +137,20 @@ size_t dataplane_scratch_bytes(dataplane_t *dp) {
   return n;
 }
 
-static void conn_put_locked(conn_t *c) {
+static void wake_listener(dataplane_t *dp);
+
+/* Closes fd, one of the data plane's descriptors: a listener out of them
+ * (accept_one) tries again now, not at the end of its back-off. */
+static void close_ours(dataplane_t *dp, int fd) {
+  close(fd);
+  atomic_fetch_add(&dp->fds_closed, 1);
+  if (atomic_exchange(&dp->accept_waits, false)) wake_listener(dp);
+}
+
+static void conn_put_locked(dataplane_t *dp, conn_t *c) {
   if (--c->refs > 0) return;
-  close(c->fd);
-  if (c->held_rfd > 0) close(c->held_rfd - 1);
+  close_ours(dp, c->fd);
+  if (c->held_rfd > 0) close_ours(dp, c->held_rfd - 1);
   free(c);
 }
 
@@ -148,7 +158,7 @@ void dp__conn_put(dataplane_t *dp, conn_t *c) {
   if (!c) return;
   pthread_mutex_lock(&dp->mu);
   c->used_ms = dp__now_ms();
-  conn_put_locked(c);
+  conn_put_locked(dp, c);
   pthread_mutex_unlock(&dp->mu);
 }
 
@@ -160,7 +170,7 @@ bool dp__conn_busy(dataplane_t *dp, const conn_t *c) {
 }
 
 /* Unlinks c from `list` and shuts its socket down, so a call still using it fails. */
-static void conn_unlink_locked(conn_t **list, conn_t *c) {
+static void conn_unlink_locked(dataplane_t *dp, conn_t **list, conn_t *c) {
   for (conn_t **p = list; *p; p = &(*p)->next) {
     if (*p == c) {
       *p = c->next;
@@ -173,7 +183,7 @@ static void conn_unlink_locked(conn_t **list, conn_t *c) {
         setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
       }
       shutdown(c->fd, SHUT_RDWR);
-      conn_put_locked(c);
+      conn_put_locked(dp, c);
       return;
     }
   }
@@ -186,7 +196,7 @@ void dp__drop_comm(dataplane_t *dp, uint64_t comm_id) {
     conn_t *c = *lists[l];
     while (c) {
       conn_t *next = c->next;
-      if (c->comm_id == comm_id) conn_unlink_locked(lists[l], c);
+      if (c->comm_id == comm_id) conn_unlink_locked(dp, lists[l], c);
       c = next;
     }
   }
@@ -222,7 +232,8 @@ void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_
      * on it are read by our next call (this one's it skips). */
     ssize_t w = send(c->fd, frame, len, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)w;
-    if (call == 0) conn_unlink_locked(&dp->ins, c); /* unnumbered calls cannot tell them apart */
+    if (call == 0) /* unnumbered calls cannot tell them apart */
+      conn_unlink_locked(dp, &dp->ins, c);
   }
   pthread_mutex_unlock(&dp->mu);
 }
@@ -230,8 +241,8 @@ void dp__abort_untaken(dataplane_t *dp, uint64_t comm_id, uint64_t call, uint32_
 void dp__conn_discard(dataplane_t *dp, conn_t *c) {
   pthread_mutex_lock(&dp->mu);
   if (c->linked) { /* in one of the two tables; unlinking from the other is a no-op */
-    conn_unlink_locked(&dp->ins, c);
-    if (c->linked) conn_unlink_locked(&dp->outs, c);
+    conn_unlink_locked(dp, &dp->ins, c);
+    if (c->linked) conn_unlink_locked(dp, &dp->outs, c);
   }
   pthread_mutex_unlock(&dp->mu);
 }
@@ -335,7 +346,7 @@ void dataplane_peer_lost(dataplane_t *dp, const char *addr, uint32_t rank, const
   for (int l = 0; l < 2; l++)
     for (conn_t *c = *lists[l], *next; c; c = next) {
       next = c->next;
-      if (strcmp(c->addr, addr) == 0) conn_unlink_locked(lists[l], c);
+      if (strcmp(c->addr, addr) == 0) conn_unlink_locked(dp, lists[l], c);
     }
   pthread_cond_broadcast(&dp->cv);
   pthread_mutex_unlock(&dp->mu);
@@ -417,7 +428,7 @@ void dataplane_drop_link(dataplane_t *dp, uint64_t comm_id, uint32_t peer, bool 
   conn_t **list = outgoing ? &dp->outs : &dp->ins;
   for (conn_t *c = *list, *next; c; c = next) {
     next = c->next;
-    if (c->comm_id == comm_id && c->peer == peer) conn_unlink_locked(list, c);
+    if (c->comm_id == comm_id && c->peer == peer) conn_unlink_locked(dp, list, c);
   }
   pthread_mutex_unlock(&dp->mu);
 }
@@ -548,7 +559,7 @@ static int dial(dataplane_t *dp, const call_t *cl, const char *addr, int64_t dea
     }
     if (rc == 0) break;
     last_errno = errno;
-    close(fd);
+    close_ours(dp, fd);
     fd = -1;
     int64_t left = deadline - dp__now_ms();
     if (left <= 0 || dp__stopping(dp) || last_errno == ETIMEDOUT) break;
@@ -637,7 +648,7 @@ static void trim_outs_locked(dataplane_t *dp) {
     }
     *p = c->next;
     c->linked = false;
-    conn_put_locked(c);
+    conn_put_locked(dp, c);
     n--;
   }
   while (n > dp->max_outs) {
@@ -657,7 +668,7 @@ static void trim_outs_locked(dataplane_t *dp) {
     ssize_t w = send(c->fd, bye, sizeof bye, MSG_NOSIGNAL | MSG_DONTWAIT);
     (void)w;
     shutdown(c->fd, SHUT_WR);
-    conn_put_locked(c);
+    conn_put_locked(dp, c);
     n--;
   }
 }
@@ -674,7 +685,7 @@ static void sweep_ins_locked(dataplane_t *dp) {
     }
     *p = c->next;
     c->linked = false;
-    conn_put_locked(c);
+    conn_put_locked(dp, c);
   }
 }
 
@@ -780,7 +791,7 @@ io:
   snprintf(why, whylen,
            "did not admit our connection within %d ms (waiting for its %s; is it running this "
            "call?)",
-           dp->timeout_ms, step);
+           dp__timeout(dp, cl ? cl->g : NULL), step);
   return -1;
 }
 
@@ -872,7 +883,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
       pthread_mutex_unlock(&dp->mu);
       return c;
     }
-    conn_unlink_locked(&dp->outs, c);
+    conn_unlink_locked(dp, &dp->outs, c);
     break;
   }
   pthread_mutex_unlock(&dp->mu);
@@ -882,7 +893,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   bool local = fd >= 0, redial = false;
   int hs = local ? handshake(dp, cl, fd, peer, deadline, why, sizeof why) : 0;
   if (hs != 0) {
-    close(fd);
+    close_ours(dp, fd);
     fd = -1;
     local = false;
     if (dp__check_lost(dp, cl, err)) return NULL;
@@ -912,7 +923,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
     }
     hs = handshake(dp, cl, fd, peer, deadline, why, sizeof why);
     if (hs == 0) break;
-    close(fd);
+    close_ours(dp, fd);
     if (dp__check_lost(dp, cl, err)) return NULL;
     if (dp__stopping(dp)) goto stopping;
     int64_t left = deadline - dp__now_ms();
@@ -928,7 +939,7 @@ conn_t *dp__get_out(dataplane_t *dp, const call_t *cl, uint32_t peer, const char
   }
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
-    close(fd);
+    close_ours(dp, fd);
     error_set(err, ERR_QUOTA, "%s: out of memory", what);
     return NULL;
   }
@@ -992,7 +1003,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
       c = c->next;
     /* (An unnumbered call cannot tell an abort's call: any is dead.) */
     if (c && c->refs == 1 && in_dead(c, cl->call ? cl->call : UINT64_MAX)) {
-      conn_unlink_locked(&dp->ins, c);
+      conn_unlink_locked(dp, &dp->ins, c);
       continue;
     }
     if (c) {
@@ -1019,7 +1030,7 @@ conn_t *dp__get_in(dataplane_t *dp, const call_t *cl, uint32_t peer, const char 
   error_set(err, ERR_REMOTE_FAILURE,
             "%s on comm %llu: rank %u at %s did not connect within %d ms (is it running this "
             "collective?)",
-            what, (unsigned long long)comm_id, peer, addr, dp->timeout_ms);
+            what, (unsigned long long)comm_id, peer, addr, dp__timeout(dp, cl->g));
   return NULL;
 }
 
@@ -1153,7 +1164,7 @@ void dp__failed_call_add(dataplane_t *dp, const dp_group_t *g, uint64_t last, co
   *r = (failed_call_t){.comm_id = g->comm_id, .call = g->call,
                        .last = last > g->call ? last : g->call, .ranks = ranks, .n = g->n,
                        .member_secrets = pairs,
-                   .until_ms = now + dp->timeout_ms};
+                   .until_ms = now + dp__timeout(dp, g)};
   memcpy(r->secret, g->secret, DP_SECRET_LEN);
   snprintf(r->why, sizeof r->why, "%s", why && *why ? why : "it failed this call");
   bool wake = dp->parked > 0;
@@ -1244,7 +1255,7 @@ static void pending_close(dataplane_t *dp, pending_t *p, int reason, const char 
     unpark_locked(dp, p);
     pthread_mutex_unlock(&dp->mu);
   }
-  close(p->fd);
+  close_ours(dp, p->fd);
   p->fd = -1;
   if (reason < 0) { /* counted, not logged: under load members do it often */
     atomic_fetch_add(&dp->withdrawn, 1);
@@ -1276,7 +1287,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
   uint64_t comm_id = h.comm_id;
   conn_t *c = calloc(1, sizeof *c);
   if (!c) {
-    close(p->fd);
+    close_ours(dp, p->fd);
     return;
   }
   c->fd = p->fd;
@@ -1291,7 +1302,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
   pthread_mutex_lock(&dp->mu);
   if (dp->stopping) { /* nothing will take it any more */
     pthread_mutex_unlock(&dp->mu);
-    close(c->fd);
+    close_ours(dp, c->fd);
     free(c);
     return;
   }
@@ -1302,7 +1313,7 @@ static void file_accepted(dataplane_t *dp, pending_t *p, const uint8_t *secret) 
   for (conn_t *o = dp->ins; o; o = o->next) {
     if (o->comm_id == comm_id && o->peer == from &&
         memcmp(o->secret, secret, DP_SECRET_LEN) == 0 && o->refs == 1 && in_empty(o)) {
-      conn_unlink_locked(&dp->ins, o);
+      conn_unlink_locked(dp, &dp->ins, o);
       break;
     }
   }
@@ -1388,7 +1399,7 @@ static bool pending_admit(dataplane_t *dp, pending_t *p) {
   dp_wire_ack(ack, p->hello, p->nonce, secret);
   /* A fresh socket whose peer read our challenge has room for 40 bytes. */
   if (send(p->fd, ack, sizeof ack, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof ack) {
-    close(p->fd);
+    close_ours(dp, p->fd);
     return false;
   }
   if (refuse) { /* as dp__abort_untaken writes it: the link stays for its dialer to close */
@@ -1467,6 +1478,8 @@ static bool pending_open(dataplane_t *dp, pending_t *p, int fd, const struct soc
   return true;
 }
 
+/* Out of kernel memory, or of descriptors with none of ours closing: how
+ * long accepting pauses (a descriptor of ours closed wakes it at once). */
 #define DP_ACCEPT_BACKOFF_MS 100
 #define LISTENER_EVENTS 64 /* epoll events taken per wake-up */
 
@@ -1496,7 +1509,9 @@ typedef struct listener {
   uint64_t seq;          /* the next accept's */
   bool listening;        /* the listening sockets are in the epoll set's interest */
   int64_t off_until;     /* out of descriptors or memory: not accepting until then */
+  bool fd_wait;          /* ...of descriptors: until one of ours closes (accept_waits) */
   int64_t fd_evict_log;  /* the last "out of descriptors, closing" line */
+  int64_t off_log;       /* the last "cannot accept" line */
 } listener_t;
 
 _Static_assert(PL_COUNT == sizeof ((pending_t *)0)->on, "pending_t's links, one per list");
@@ -1567,13 +1582,17 @@ static void listen_set(listener_t *L, bool on) {
 
 /* The unproven socket a newcomer may take the place of now: the oldest that
  * has sent nothing once DP_SILENT_GRACE_MS old, else the oldest once
- * DP_EVICT_GRACE_MS old (a held one, proven, never goes). NULL while neither
- * may go, and *until is when one may (INT64_MAX: none is unproven). */
+ * DP_EVICT_GRACE_MS old, or as old as a silent one must be where that is
+ * longer (a hello under way is kept no shorter than nothing; a held one,
+ * proven, never goes). NULL while neither may go, and *until is when one may
+ * (INT64_MAX: none is unproven). */
 static pending_t *room_victim(const listener_t *L, int64_t now, int64_t *until) {
   pending_t *silent = L->list[PL_SILENT].head, *oldest = L->list[PL_UNPROVEN].head;
-  int64_t silent_at =
-      silent ? silent->accepted + atomic_load(&L->dp->silent_grace_ms) : INT64_MAX;
-  int64_t oldest_at = oldest ? oldest->accepted + DP_EVICT_GRACE_MS : INT64_MAX;
+  int grace = atomic_load(&L->dp->silent_grace_ms);
+  int64_t silent_at = silent ? silent->accepted + grace : INT64_MAX;
+  int64_t oldest_at =
+      oldest ? oldest->accepted + (grace > DP_EVICT_GRACE_MS ? grace : DP_EVICT_GRACE_MS)
+             : INT64_MAX;
   *until = 0;
   if (silent_at <= now) return silent;
   if (oldest_at <= now) return oldest;
@@ -1610,10 +1629,10 @@ static void pending_evict(listener_t *L, pending_t *victim, int64_t now) {
  * connection waits: closes the unproven socket the cap would close first,
  * once its grace is over, as if the cap were full (a held one never goes), so
  * that a member's dial is not kept out by strangers holding every descriptor
- * until their hello deadlines. true if one was closed (accept again). */
-static bool out_of_fds_evict(listener_t *L, int64_t now, int err) {
-  int64_t until;
-  pending_t *victim = room_victim(L, now, &until);
+ * until their hello deadlines. true if one was closed (accept again); else
+ * *until is when one may be (INT64_MAX: none is unproven). */
+static bool out_of_fds_evict(listener_t *L, int64_t now, int err, int64_t *until) {
+  pending_t *victim = room_victim(L, now, until);
   if (!victim) return false;
   if (L->fd_evict_log == 0 || now - L->fd_evict_log >= LOG_WINDOW_MS) {
     log_warn("dataplane", "rank %u is out of file descriptors (%s): closing the oldest unproven "
@@ -1637,6 +1656,22 @@ static bool backlog_waits(int lfd) {
   return waits;
 }
 
+/* Out of descriptors since fds_closed was `closed`: accepting pauses until a
+ * descriptor of ours closes (close_ours wakes the listener), or the back-off
+ * ends (one of another part of the process may free). false if one of ours
+ * closed already: accept again now. */
+static bool accept_wait_fd(listener_t *L, uint64_t closed) {
+  dataplane_t *dp = L->dp;
+  L->fd_wait = true;
+  atomic_store(&dp->accept_waits, true);
+  /* (a close before that store counted: seen here; one after it wakes us) */
+  if (atomic_load(&dp->fds_closed) == closed) return true;
+  atomic_store(&dp->accept_waits, false);
+  L->fd_wait = false;
+  L->off_until = 0;
+  return false;
+}
+
 /* Takes one connection from listening socket lfd. false: none now (the
  * backlog is empty, or accepting pauses). */
 static bool accept_one(listener_t *L, int lfd, int64_t now) {
@@ -1646,18 +1681,25 @@ static bool accept_one(listener_t *L, int lfd, int64_t now) {
   if (!accept_room(L, now, &victim, &until)) return false; /* the rest wait in the backlog */
   struct sockaddr_storage ss;
   socklen_t sl = sizeof ss;
+  uint64_t closed = atomic_load(&dp->fds_closed);
   int fd = accept4(lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
   if (fd < 0) {
+    bool no_fd = errno == EMFILE || errno == ENFILE;
+    until = INT64_MAX;
     /* (accept4 fails so before it looks at the backlog: one must wait there) */
-    if ((errno == EMFILE || errno == ENFILE) && backlog_waits(lfd) && out_of_fds_evict(L, now, errno))
-      return true;
-    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-      if (L->off_until == 0 || now - L->off_until > 10000)
-        log_warn("dataplane", "rank %u cannot accept connections: %s; trying again every "
-                 "%d ms", dp->rank, strerror(errno), DP_ACCEPT_BACKOFF_MS);
-      L->off_until = now + DP_ACCEPT_BACKOFF_MS;
+    if (no_fd && backlog_waits(lfd) && out_of_fds_evict(L, now, errno, &until)) return true;
+    if (no_fd || errno == ENOBUFS || errno == ENOMEM) {
+      int backoff = atomic_load(&dp->accept_backoff_ms);
+      if (L->off_log == 0 || now - L->off_log >= LOG_WINDOW_MS) {
+        L->off_log = now;
+        log_warn("dataplane", "rank %u cannot accept connections: %s; trying again %s%d ms",
+                 dp->rank, strerror(errno),
+                 no_fd ? "when a descriptor of the data plane's closes, or in " : "in ", backoff);
+      }
+      L->off_until = now + backoff;
+      if (until < L->off_until) L->off_until = until; /* an unproven one may go then */
     }
-    return false;
+    return no_fd && !accept_wait_fd(L, closed);
   }
   if (victim) pending_evict(L, victim, now);
   pending_t *p = malloc(sizeof *p);
@@ -1749,6 +1791,13 @@ static void *listener_main(void *arg) {
     }
     if (stop) break;
     if (registered) pending_readmit(&L);
+    /* Waiting for a descriptor: one of ours closed (close_ours took the flag
+     * back), or the back-off is over; both mean try again now. */
+    if (L.fd_wait && (!atomic_load(&dp->accept_waits) || L.off_until <= dp__now_ms())) {
+      atomic_store(&dp->accept_waits, false);
+      L.fd_wait = false;
+      L.off_until = 0;
+    }
     now = dp__now_ms();
     pending_expire(&L, now);
     /* A burst at most, then back to the pending ones: a flood of new
@@ -1780,6 +1829,12 @@ static size_t unproven_cap(void) {
 void dataplane_max_unproven(dataplane_t *dp, size_t n) {
   if (dp) atomic_store(&dp->unproven_max, n > 0 ? n : 1);
 }
+
+void dataplane_accept_backoff(dataplane_t *dp, int ms) {
+  if (dp) atomic_store(&dp->accept_backoff_ms, ms > 0 ? ms : 1);
+}
+
+bool dataplane_accept_paused(dataplane_t *dp) { return dp && atomic_load(&dp->accept_waits); }
 
 void dataplane_silent_grace(dataplane_t *dp, int ms) {
   if (dp) atomic_store(&dp->silent_grace_ms, ms > 0 ? ms : 0);
@@ -1839,6 +1894,7 @@ dataplane_t *dataplane_start(const char *host, uint32_t my_rank, int timeout_ms,
   }
   dp->unproven_max = unproven_cap();
   dp->silent_grace_ms = DP_SILENT_GRACE_MS;
+  dp->accept_backoff_ms = DP_ACCEPT_BACKOFF_MS;
   if ((dp->ep = epoll_create1(EPOLL_CLOEXEC)) < 0 || !listener_watch(dp, dp->wake[0], &dp->wake[0]) ||
       !listener_watch(dp, dp->lfd, &dp->lfd) || !listener_watch(dp, dp->ufd, &dp->ufd)) {
     error_set(err, ERR_UNAVAILABLE, "data plane: epoll: %s", strerror(errno));
@@ -1892,7 +1948,7 @@ void dataplane_shutdown(dataplane_t *dp) {
   dp->stopping = true;
   conn_t **lists[2] = {&dp->ins, &dp->outs};
   for (int l = 0; l < 2; l++)
-    while (*lists[l]) conn_unlink_locked(lists[l], *lists[l]);
+    while (*lists[l]) conn_unlink_locked(dp, lists[l], *lists[l]);
   pthread_cond_broadcast(&dp->cv);
   while (dp->active > 0) pthread_cond_wait(&dp->cv, &dp->mu);
   pthread_mutex_unlock(&dp->mu);

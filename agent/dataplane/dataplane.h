@@ -68,6 +68,11 @@ typedef struct dp_group {
   /* DP_SECRET_LEN bytes every member holds (the instruction's Group.secret):
    * connections of the call must prove it. Required when n > 1. */
   const uint8_t *secret;
+  /* The call's comm timeout (see above) in ms; 0: the data plane's
+   * (dataplane_start). For a caller whose comms differ in it (a test's
+   * chaos of late members, and its calls that must not fail on a loaded
+   * machine's stall). */
+  int timeout_ms;
   /* n * DP_SECRET_LEN bytes, or NULL: entry i is the secret of this member's
    * links with member i (Group.pair_secrets), which they prove instead of
    * `secret`, so that no member can pass for another (entry me unused). */
@@ -203,10 +208,19 @@ void dataplane_max_links(dataplane_t *dp, size_t n);
  * closes the unproven socket this cap would close first (past its grace). */
 void dataplane_max_unproven(dataplane_t *dp, size_t n);
 /* How long past the cap a socket that has sent nothing is kept before a
- * newcomer takes its place (default 100 ms, dp_internal.h). For a test whose
- * burst of members overflows a lowered cap on a loaded machine, where their
- * dialers may take longer than that to answer the challenge. */
+ * newcomer takes its place (default 100 ms, dp_internal.h); one part-way
+ * through its hello is kept 500 ms, or as long where this is longer. For a
+ * test whose burst of members overflows a lowered cap on a loaded machine,
+ * where their dialers may take longer than that to answer the challenge. */
 void dataplane_silent_grace(dataplane_t *dp, int ms);
+/* Out of descriptors with a connection waiting and no unproven socket it may
+ * close yet, the listener pauses accepting until a descriptor of the data
+ * plane's closes (a link, a socket it held: then at once), or `ms` pass
+ * (default 100 ms: another part of the process may free one). For a test
+ * that tells the two apart. */
+void dataplane_accept_backoff(dataplane_t *dp, int ms);
+/* Whether the listener pauses so now, waiting for a descriptor (tests). */
+bool dataplane_accept_paused(dataplane_t *dp);
 /* Connections this agent holds now, dialed and accepted (0 for NULL). */
 size_t dataplane_links(dataplane_t *dp);
 /* Bytes of ring scratch kept between calls (at most 4 segments of 16 MiB or
@@ -250,6 +264,11 @@ int dp_send(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *sec
             uint32_t to_rank, const char *addr, const void *buf, size_t bytes, meshd_error_t *err);
 int dp_recv(dataplane_t *dp, uint64_t comm_id, uint64_t call, const uint8_t *secret,
             uint32_t from_rank, const char *addr, void *buf, size_t bytes, meshd_error_t *err);
+/* dp_send (send) or dp_recv with a comm timeout of its own, as
+ * dp_group_t.timeout_ms (0: the data plane's). */
+int dp_p2p(dataplane_t *dp, bool send, int timeout_ms, uint64_t comm_id, uint64_t call,
+           const uint8_t *secret, uint32_t rank, const char *addr, void *buf, size_t bytes,
+           meshd_error_t *err);
 
 /* What a member refuses (dp_refuse): a collective or broadcast of group g,
  * or its side of a point-to-point transfer (g: the one-member group of the

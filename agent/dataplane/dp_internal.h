@@ -193,6 +193,13 @@ struct dataplane {
   int ep;
   _Atomic size_t unproven_max;
   _Atomic int silent_grace_ms; /* DP_SILENT_GRACE_MS (dataplane_silent_grace) */
+  /* Out of descriptors with a connection waiting, the listener backs off;
+   * each descriptor of ours closed meanwhile (conn.c's close_ours) wakes it
+   * to accept again at once: counted in fds_closed, and a wake-up if
+   * accept_waits. */
+  _Atomic uint64_t fds_closed;
+  _Atomic bool accept_waits;
+  _Atomic int accept_backoff_ms; /* DP_ACCEPT_BACKOFF_MS (dataplane_accept_backoff) */
   /* Comms whose session ended here (dataplane_end_comm): a call registered
    * on one is dropped at once (mu). */
   uint64_t *ended;
@@ -345,6 +352,12 @@ struct call {
    * (DP_ABORT_TIMEOUT, DP_ABORT_PEER_ABORTED); else from the kind. */
   int abort_reason; /* dp_abort_t + 1; 0: not set */
 };
+
+/* The comm timeout of a call of group g (NULL: none): the group's own, else
+ * the data plane's. */
+static inline int dp__timeout(const dataplane_t *dp, const dp_group_t *g) {
+  return g && g->timeout_ms > 0 ? g->timeout_ms : dp->timeout_ms;
+}
 
 /* The secret cl's link with world rank `peer` proves: the pair's, where the
  * group has them (dp_group_t.pair_secrets), else the group's. */

@@ -90,7 +90,7 @@ static void tell(notice_t *nt, size_t i) {
       error_set(&e, ERR_REMOTE_FAILURE,
                 "%s on comm %llu: rank %u at %s did not take the notice within %d ms",
                 nt->cl->what, (unsigned long long)g->comm_id, g->ranks[i], g->addrs[i],
-                nt->dp->timeout_ms);
+                dp__timeout(nt->dp, g));
     if (w <= 0) break;
   }
   if (e.kind == ERR_NONE) return;
@@ -146,7 +146,7 @@ int dp_refuse(dataplane_t *dp, const dp_group_t *g, dp_refuse_t what, uint64_t c
   uint64_t reg = 0;
   dp__register(dp, &cl, &reg, NULL); /* out of memory: its dials end only at the deadline */
   notice_t nt = {.dp = dp, .g = g, .cl = &cl, .group = group, .last = last, .text = text,
-                 .deadline = dp__now_ms() + dp->timeout_ms};
+                 .deadline = dp__now_ms() + dp__timeout(dp, g)};
   pthread_mutex_init(&nt.mu, NULL);
   /* A recv's peer only ever dials us: the record and its link tell it. */
   if (what != DP_REFUSE_RECV) {

@@ -139,7 +139,7 @@ static int redial_out(call_t *cl, xfer_t *x, meshd_error_t *err) {
   dp__conn_discard(dp, x->c);
   dp__conn_put(dp, x->c);
   x->stale = false;
-  x->c = dp__get_out(dp, cl, peer, addr, dp__now_ms() + dp->timeout_ms, err);
+  x->c = dp__get_out(dp, cl, peer, addr, dp__now_ms() + dp__timeout(dp, cl->g), err);
   if (x->c) return 0;
   snprintf(cl->root, sizeof cl->root, "%s", err ? err->msg : "no connection");
   return -1;
@@ -444,7 +444,7 @@ static int redial_in(call_t *cl, xfer_t *x, meshd_error_t *err) {
   drop_rfd(x);
   dp__conn_discard(dp, x->c);
   dp__conn_put(dp, x->c);
-  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  int64_t deadline = dp__now_ms() + dp__timeout(dp, cl->g);
   x->c = dp__get_in(dp, cl, peer, addr, deadline, NULL, 0, NULL, err);
   bool superseded = x->superseded;
   x->in_frame = x->skip = x->shm = x->stale = x->stray_fd = x->superseded = false;
@@ -513,8 +513,8 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
     /* A connected peer that is silent may itself be waiting for an absent one;
      * give that wait (bounded by timeout_ms) a head start so that its abort,
      * which names the absent member, arrives before we blame the silent one. */
-    int64_t grace = dp->timeout_ms / 4 < 500 ? dp->timeout_ms / 4 : 500;
-    int64_t left = last + dp->timeout_ms + grace - now;
+    int64_t timeout = dp__timeout(dp, cl->g), grace = timeout / 4 < 500 ? timeout / 4 : 500;
+    int64_t left = last + timeout + grace - now;
     if (left <= 0) {
       xfer_t *w = &xs[which[0]]; /* name a peer we wait to hear from, if any */
       for (nfds_t i = 0; i < np; i++)
@@ -524,7 +524,7 @@ static int run(call_t *cl, xfer_t *xs, size_t nx, meshd_error_t *err) {
         }
       cl->abort_reason = DP_ABORT_TIMEOUT + 1;
       peer_error(cl, w->c, err, "made no progress for %lld ms (%s)",
-                 (long long)(dp->timeout_ms + grace),
+                 (long long)(timeout + grace),
                  w->send ? "not reading what we send" : "sent nothing");
       goto out;
     }
@@ -667,10 +667,11 @@ static void plan_count_abort(plan_t *p, const meshd_error_t *err) {
 /* Sends the rest of the frame x is in the middle of (its own bytes: they
  * were ready when it began), waiting up to timeout_ms for the peer to take
  * them. 0, or -1 (the connection is then torn). */
-static int finish_frame(dataplane_t *dp, xfer_t *x) {
+static int finish_frame(const call_t *cl, xfer_t *x) {
+  dataplane_t *dp = cl->dp;
   const msg_t *m = &x->msgs[x->cur];
   const uint8_t *pay = x->shm ? x->pay : m->buf + m->done;
-  int64_t deadline = dp__now_ms() + dp->timeout_ms;
+  int64_t deadline = dp__now_ms() + dp__timeout(dp, cl->g);
   while (x->hdr_done < DP_HDR_LEN || x->fdone < x->flen) {
     bool hdr = x->hdr_done < DP_HDR_LEN;
     const uint8_t *at = hdr ? x->hdr + x->hdr_done : pay + x->fdone;
@@ -705,7 +706,7 @@ static void leave_behind(plan_t *p) {
     if (!x->c) continue;
     bool whole = true;
     if (x->send && x->in_frame && (x->hdr_done > 0 || x->fdone > 0)) {
-      whole = finish_frame(p->cl.dp, x) == 0;
+      whole = finish_frame(&p->cl, x) == 0;
     } else if (!x->send && x->in_frame) {
       whole = !x->shm; /* a shared-memory frame half read: rare, closed */
       if (whole) x->c->skip_left = x->flen - x->fdone;
