@@ -137,7 +137,8 @@ struct executor {
   size_t nwake;
   xstream_t *wake[WAKE_MAX];
   int workers; /* worker threads alive, parked ones too (mu) */
-  int refusers; /* refuser threads alive (mu; start_refuser_locked) */
+  int refusers; /* refuser threads alive that refuse (mu; start_refuser_locked) */
+  int deleters; /* and that delete (refuser_t.deletes), counted apart (mu) */
   idle_worker_t *idle; /* parked workers (mu) */
   int nidle;
   int max_workers; /* MAX_WORKERS, or a test's (executor_set_max_workers_for_test) */
@@ -157,6 +158,12 @@ struct executor {
  * it, an instruction that could not be queued fails without telling its
  * peers, as before. */
 #define MAX_REFUSERS 64
+/* And those that delete (a DeleteRefs no worker can be had for), bounded
+ * apart: one may wait long (for a slow stream's earlier instructions), and
+ * deletes that took the refusers' places left a later collective that could
+ * not be queued none, failing without telling its peers (they waited out
+ * the comm timeout). */
+#define MAX_DELETERS 64
 #define IDLE_WORKER_MS 10000
 
 /* ------------------------------------------------------------------ watermark */
@@ -888,7 +895,8 @@ static void *refuser_main(void *arg) {
    * are queued: a report (or a Read's executor_wait_session) that passes the
    * seq carries them. */
   pthread_mutex_lock(&x->mu);
-  x->refusers--;
+  if (r->deletes) x->deleters--;
+  else x->refusers--;
   refusing_end_locked(x, s, r);
   free(r);
   executor_unref(x);
@@ -902,7 +910,8 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
                                  executor_batch_t *batch, const meshd_error_t *why) {
   bool deletes = ins && ins->body_case == MESHD__AGENT__V1__INSTRUCTION__BODY_DELETE_REFS &&
                  ins->delete_refs && !why;
-  if (!ins || !(deletes || has_data_plane_call(ins)) || x->refusers >= MAX_REFUSERS) return false;
+  if (!ins || !(deletes || has_data_plane_call(ins))) return false;
+  if (deletes ? x->deleters >= MAX_DELETERS : x->refusers >= MAX_REFUSERS) return false;
   refuser_t *r = malloc(sizeof *r);
   if (!r) return false;
   char msg[160];
@@ -922,7 +931,8 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
     return false;
   }
   s->live_workers++;
-  x->refusers++;
+  if (deletes) x->deleters++;
+  else x->refusers++;
   r->next = s->refusing; /* before the thread can take mu: we hold it */
   s->refusing = r;
   return true;

@@ -510,16 +510,20 @@ Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failur
   rank0_agent_stop(&a);
 }
 
-/* The test's refuser thread (hold_refuser) holds seq: a bounded wait. */
-static uint64_t wait_held(void) {
+/* The seq the test's refuser threads (hold_refuser) hold last, once it is
+ * `want` (0: any): a bounded wait. */
+static uint64_t wait_held_for(uint64_t want) {
   struct timespec dl = in_10s();
   pthread_mutex_lock(&hold_mu);
-  while (!held_seq && pthread_cond_timedwait(&hold_cv, &hold_mu, &dl) == 0) {
+  while ((want ? held_seq != want : !held_seq) &&
+         pthread_cond_timedwait(&hold_cv, &hold_mu, &dl) == 0) {
   }
   uint64_t held = held_seq;
   pthread_mutex_unlock(&hold_mu);
   return held;
 }
+
+static uint64_t wait_held(void) { return wait_held_for(0); }
 
 static void release_refuser(void) {
   pthread_mutex_lock(&hold_mu);
@@ -684,6 +688,39 @@ Test(run_refusals, a_delete_no_worker_can_be_had_for_waits_for_a_definition_to_c
   cr_assert_eq(executor_wait(x, 4, 10000), 0, "seqs 2..4 not done");
   assert_deleted(x, 9002, "the copy deleted after it");
   cr_assert_eq(atomic_load(&a.b.allocated), before, "the copy's memory was not freed");
+  rank0_agent_stop(&a);
+}
+
+/* Deletes waiting on refuser threads (behind a held Reduce of their stream)
+ * took the refusers' places: with 64 of them, a Reduce of another stream
+ * that no worker could be had for got no refuser thread and failed without
+ * telling its peers (they wait out the comm timeout). Deleters are bounded
+ * apart (MAX_DELETERS), so it still gets one. */
+Test(run_refusals, deletes_waiting_on_refuser_threads_leave_a_collective_its_refuser,
+     .timeout = 30) {
+  rank0_agent_t a;
+  rank0_agent_start(&a, 0, 0);
+  executor_t *x = a.x;
+  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
+  executor_set_max_workers_for_test(x, 0);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  reduce_instr_t ri;
+  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
+  submit_seq(x, reduce_instr(&ri, addrs, 8), 2); /* no worker: a refuser, held */
+  cr_assert_eq(wait_held(), 2, "the Reduce (seq 2) did not go to a refuser thread");
+  uint64_t seq = 3;
+  for (int i = 0; i < 64; i++, seq++) /* each on a refuser thread, behind seq 2 */
+    submit_delete(x, (uint64_t[]){9001}, 1, seq, 1);
+  reduce_instr_t r2;
+  instr_t *rins = reduce_instr(&r2, addrs, 8);
+  r2.r.ref = r2.rs.ref = 9100;
+  submit_on(x, rins, seq, 2);
+  uint64_t held = wait_held_for(seq);
+  release_refuser();
+  cr_assert_eq(held, seq, "the Reduce of stream 2 (seq %llu) got no refuser thread",
+               (unsigned long long)seq);
+  cr_assert_eq(executor_wait(x, seq, 10000), 0, "seqs 2..%llu not done", (unsigned long long)seq);
   rank0_agent_stop(&a);
 }
 
