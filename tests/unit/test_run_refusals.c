@@ -403,6 +403,19 @@ static int submit_on(executor_t *x, instr_t *ins, uint64_t seq, uint64_t stream)
 
 static void submit_seq(executor_t *x, instr_t *ins, uint64_t seq) { submit_on(x, ins, seq, 1); }
 
+/* A started agent with SESSION open (seq 1) and no stream worker to be had:
+ * what is routed goes to refuser threads, which the test holds
+ * (hold_refuser) until release_refuser. */
+static executor_t *refusing_agent(rank0_agent_t *a) {
+  rank0_agent_start(a, 0, 0);
+  executor_t *x = a->x;
+  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
+  executor_set_max_workers_for_test(x, 0);
+  control_instr_t ci;
+  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  return x;
+}
+
 /* A Snapshot of ref (a Fetch's) as instruction seq on stream (submit copies it). */
 static void submit_snapshot_on(executor_t *x, uint64_t ref, uint64_t seq, uint64_t stream) {
   Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
@@ -472,12 +485,7 @@ static void define_sevens(rank0_agent_t *a, uint64_t ref);
  * behind the refuser); both must then see the Reduce's failure. */
 Test(run_refusals, instructions_after_a_refused_one_on_its_stream_see_its_failure, .timeout = 30) {
   rank0_agent_t a;
-  rank0_agent_start(&a, 0, 0);
-  executor_t *x = a.x;
-  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
-  executor_set_max_workers_for_test(x, 0);
-  control_instr_t ci;
-  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  executor_t *x = refusing_agent(&a);
   define_sevens(&a, 9001);
 
   reduce_instr_t ri;
@@ -627,12 +635,7 @@ static void assert_deleted(executor_t *x, uint64_t ref, const char *what) {
  * again after it, and stayed. */
 Test(run_refusals, a_delete_no_worker_can_be_had_for_still_deletes, .timeout = 30) {
   rank0_agent_t a;
-  rank0_agent_start(&a, 0, 0);
-  executor_t *x = a.x;
-  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
-  executor_set_max_workers_for_test(x, 0);
-  control_instr_t ci;
-  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  executor_t *x = refusing_agent(&a);
   uint64_t before = atomic_load(&a.b.allocated);
   define_sevens(&a, 9001);
   cr_assert_gt(atomic_load(&a.b.allocated), before);
@@ -666,12 +669,7 @@ Test(run_refusals, a_delete_no_worker_can_be_had_for_still_deletes, .timeout = 3
 Test(run_refusals, a_delete_no_worker_can_be_had_for_waits_for_a_definition_to_come,
      .timeout = 30) {
   rank0_agent_t a;
-  rank0_agent_start(&a, 0, 0);
-  executor_t *x = a.x;
-  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
-  executor_set_max_workers_for_test(x, 0);
-  control_instr_t ci;
-  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  executor_t *x = refusing_agent(&a);
   define_sevens(&a, 9001);
   uint64_t before = atomic_load(&a.b.allocated);
   reduce_instr_t ri;
@@ -699,12 +697,7 @@ Test(run_refusals, a_delete_no_worker_can_be_had_for_waits_for_a_definition_to_c
 Test(run_refusals, deletes_waiting_on_refuser_threads_leave_a_collective_its_refuser,
      .timeout = 30) {
   rank0_agent_t a;
-  rank0_agent_start(&a, 0, 0);
-  executor_t *x = a.x;
-  executor_set_refuser_hold_for_test(x, hold_refuser, NULL);
-  executor_set_max_workers_for_test(x, 0);
-  control_instr_t ci;
-  submit_seq(x, control_instr(&ci, MESHD__AGENT__V1__INSTRUCTION__BODY_STATUS), 1);
+  executor_t *x = refusing_agent(&a);
   reduce_instr_t ri;
   const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
   submit_seq(x, reduce_instr(&ri, addrs, 8), 2); /* no worker: a refuser, held */
