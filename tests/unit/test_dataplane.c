@@ -2236,6 +2236,26 @@ static int open_fds(void) {
   return n;
 }
 
+/* This process out of descriptors but for one (RLIMIT_NOFILE lowered, the
+ * rest filled with dups of stderr, in dups[64]): room for a newcomer's socket,
+ * none for the listener's end of it. *old: the limit fds_restore puts back.
+ * Returns how many dups are open. */
+static int fds_fill_but_one(int *dups, struct rlimit *old) {
+  cr_assert_eq(getrlimit(RLIMIT_NOFILE, old), 0);
+  struct rlimit low = {.rlim_cur = (rlim_t)open_fds() + 8, .rlim_max = old->rlim_max};
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+  int n = 0;
+  while (n < 64 && (dups[n] = dup(2)) >= 0) n++;
+  cr_assert_lt(n, 64, "the fd limit was not reached");
+  close(dups[--n]);
+  return n;
+}
+
+static void fds_restore(int *dups, int n, const struct rlimit *old) {
+  for (int i = 0; i < n; i++) close(dups[i]);
+  cr_assert_eq(setrlimit(RLIMIT_NOFILE, old), 0);
+}
+
 /* A same-host broadcast whose middle member never comes: the source (which
  * made its memfd) and the last member fail within the timeout, naming it; the
  * same comm with everyone present then succeeds; and once the data planes
@@ -2379,8 +2399,7 @@ Test(dataplane, a_listener_out_of_fds_does_not_spin, .timeout = 60) {
                 r0.ru_stime.tv_usec) / 1e6;
   kill(child, SIGKILL);
   waitpid(child, NULL, 0);
-  for (int i = 0; i < n; i++) close(dups[i]);
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+  fds_restore(dups, n, &old);
   cr_assert_lt(cpu, 0.15, "the process used %.2f CPU-s in 0.6 s while out of fds: the "
                "listener spins", cpu);
   dataplane_stop(dp);
@@ -2414,18 +2433,11 @@ Test(dataplane_security, out_of_fds_an_unproven_socket_makes_room_for_a_newcomer
     stranger_challenge(silent[i], na); /* accepted: pending */
   }
   struct rlimit old;
-  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
-  struct rlimit low = {.rlim_cur = (rlim_t)open_fds() + 8, .rlim_max = old.rlim_max};
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-  int dups[64], n = 0;
-  while (n < 64 && (dups[n] = dup(2)) >= 0) n++;
-  cr_assert_lt(n, 64, "the fd limit was not reached");
-  close(dups[--n]); /* room for the newcomer's socket, none for the listener's end of it */
+  int dups[64], n = fds_fill_but_one(dups, &old);
   int newcomer = stranger_connect(&w, 0);
   uint8_t ch[DP_CHALLENGE_LEN];
   ssize_t got = recv(newcomer, ch, sizeof ch, MSG_WAITALL); /* 3 s at most (SO_RCVTIMEO) */
-  for (int i = 0; i < n; i++) close(dups[i]);
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+  fds_restore(dups, n, &old);
   cr_assert_eq(got, (ssize_t)sizeof ch, "the newcomer was not accepted within 3 s: %s",
                got < 0 ? strerror(errno) : "closed");
   cr_assert_eq(dataplane_rejected(w.dp[0], DP_REJECT_TOO_MANY_PENDING), 1);
@@ -2476,13 +2488,7 @@ Test(dataplane_security, out_of_fds_a_descriptor_the_data_plane_closes_lets_a_ne
   cr_assert_gt(dataplane_links(w.dp[0]), 0);
   dataplane_accept_backoff(w.dp[0], 60000);
   struct rlimit old;
-  cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
-  struct rlimit low = {.rlim_cur = (rlim_t)open_fds() + 8, .rlim_max = old.rlim_max};
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
-  int dups[64], n = 0;
-  while (n < 64 && (dups[n] = dup(2)) >= 0) n++;
-  cr_assert_lt(n, 64, "the fd limit was not reached");
-  close(dups[--n]); /* room for the newcomer's socket, none for the listener's end of it */
+  int dups[64], n = fds_fill_but_one(dups, &old);
   int newcomer = stranger_connect(&w, 0);
   int64_t until = now_ms() + 5000;
   while (!dataplane_accept_paused(w.dp[0]) && now_ms() < until) usleep(1000);
@@ -2491,8 +2497,7 @@ Test(dataplane_security, out_of_fds_a_descriptor_the_data_plane_closes_lets_a_ne
   uint8_t ch[DP_CHALLENGE_LEN];
   ssize_t got = paused ? recv(newcomer, ch, sizeof ch, MSG_WAITALL) : -1;
   int e = errno;
-  for (int i = 0; i < n; i++) close(dups[i]);
-  cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+  fds_restore(dups, n, &old);
   cr_assert(paused, "the listener did not pause, out of descriptors");
   cr_assert_eq(got, (ssize_t)sizeof ch, "the newcomer was not accepted within 3 s: %s",
                got < 0 ? strerror(e) : "closed");

@@ -416,6 +416,16 @@ static executor_t *refusing_agent(rank0_agent_t *a) {
   return x;
 }
 
+/* A Reduce into 9100 (a result of its own) as instruction seq on stream; on
+ * a refusing_agent, a refuser thread takes it (held by the test). */
+static void submit_reduce_9100(executor_t *x, reduce_instr_t *ri, uint64_t seq,
+                               uint64_t stream) {
+  static const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
+  instr_t *ins = reduce_instr(ri, addrs, 8);
+  ri->r.ref = ri->rs.ref = 9100;
+  submit_on(x, ins, seq, stream);
+}
+
 /* A Snapshot of ref (a Fetch's) as instruction seq on stream (submit copies it). */
 static void submit_snapshot_on(executor_t *x, uint64_t ref, uint64_t seq, uint64_t stream) {
   Meshd__Agent__V1__Snapshot snap = MESHD__AGENT__V1__SNAPSHOT__INIT;
@@ -574,10 +584,7 @@ Test(run_refusals, a_drop_snapshot_queued_behind_a_long_instruction_evicts_no_ot
 
   executor_set_max_workers_for_test(x, 0); /* stream 1's Reduce goes to a refuser, held */
   reduce_instr_t ri;
-  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
-  instr_t *rins = reduce_instr(&ri, addrs, 8);
-  ri.r.ref = ri.rs.ref = 9100; /* a result of its own */
-  submit_seq(x, rins, 4);
+  submit_reduce_9100(x, &ri, 4, 1);
   executor_set_max_workers_for_test(x, -1);
   cr_assert_eq(wait_held(), 4, "the Reduce (seq 4) did not go to a refuser thread");
   submit_drop_snapshot(x, 3, 5, 1); /* behind the Reduce */
@@ -646,10 +653,7 @@ Test(run_refusals, a_delete_no_worker_can_be_had_for_still_deletes, .timeout = 3
   cr_assert_eq(submitted, 0, "the DeleteRefs was failed as it was routed");
 
   reduce_instr_t ri;
-  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
-  instr_t *rins = reduce_instr(&ri, addrs, 8);
-  ri.r.ref = ri.rs.ref = 9100;
-  submit_on(x, rins, 3, 5); /* no worker: a refuser, held */
+  submit_reduce_9100(x, &ri, 3, 5); /* no worker: a refuser, held */
   define_sevens(&a, 9002);
   submit_delete(x, (uint64_t[]){9100, 9002}, 2, 4, 5);
   cr_assert_eq(wait_held(), 3, "the Reduce (seq 3) did not go to a refuser thread");
@@ -673,10 +677,7 @@ Test(run_refusals, a_delete_no_worker_can_be_had_for_waits_for_a_definition_to_c
   define_sevens(&a, 9001);
   uint64_t before = atomic_load(&a.b.allocated);
   reduce_instr_t ri;
-  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:2"}; /* no data plane: nobody to tell */
-  instr_t *rins = reduce_instr(&ri, addrs, 8);
-  ri.r.ref = ri.rs.ref = 9100;
-  submit_seq(x, rins, 2); /* no worker: a refuser, held */
+  submit_reduce_9100(x, &ri, 2, 1); /* no worker: a refuser, held */
   cr_assert_eq(wait_held(), 2, "the Reduce (seq 2) did not go to a refuser thread");
   executor_set_max_workers_for_test(x, -1); /* stream 1 gets a worker, behind the Reduce */
   submit_local_copy(x, 9001, 9002, 3, 1, 2);
@@ -706,9 +707,7 @@ Test(run_refusals, deletes_waiting_on_refuser_threads_leave_a_collective_its_ref
   for (int i = 0; i < 64; i++, seq++) /* each on a refuser thread, behind seq 2 */
     submit_delete(x, (uint64_t[]){9001}, 1, seq, 1);
   reduce_instr_t r2;
-  instr_t *rins = reduce_instr(&r2, addrs, 8);
-  r2.r.ref = r2.rs.ref = 9100;
-  submit_on(x, rins, seq, 2);
+  submit_reduce_9100(x, &r2, seq, 2);
   uint64_t held = wait_held_for(seq);
   release_refuser();
   cr_assert_eq(held, seq, "the Reduce of stream 2 (seq %llu) got no refuser thread",
