@@ -171,6 +171,10 @@ void transfer_grant_watch(grant_watch_t *w, rpc_call_t *call, const char *what,
 void transfer_grant_unwatch(grant_watch_t *w);
 /* Calls ended at their grant's expiry so far. */
 uint64_t transfer_grant_watch_ended(void);
+/* Ends the watching thread (the agent's exit, once no Read or Write runs): a
+ * thread left waiting made every agent's exit wait out its bound for threads
+ * (runtime_await_alone). Calls watched after it are only listed. */
+void transfer_grant_watch_stop(void);
 
 /* ---- data.c: Agent/Read and Agent/Write -------------------------------- */
 

@@ -348,7 +348,7 @@ static int read_helper_start(read_job_t *j) {
   pthread_once(&read_pool_once, read_pool_init);
   workpool_t *pool = atomic_load(&read_pool);
   if (pool) return workpool_run(pool, read_job, j);
-  return runtime_spawn_detached(read_main, j); /* no memory for the pool (or data_stop ran) */
+  return runtime_spawn_detached("read", read_main, j); /* no memory for the pool (or data_stop ran) */
 }
 
 void data_read_start(rpc_call_t *call, const ProtobufCMessage *msg, void *arg) {
@@ -641,7 +641,7 @@ static int write_spec(rpc_call_t *call, write_state_t *w, const Meshd__Agent__V1
   rpc_call_pause_reads(call);
   rpc_call_ref(call);
   atomic_fetch_add(&w->owners, 1);
-  int rc = runtime_spawn_detached(write_open_main, w);
+  int rc = runtime_spawn_detached("write-open", write_open_main, w);
   if (rc == 0) return 1;
   waiting_leave(&write_places, w->session);
   atomic_fetch_sub(&w->owners, 1); /* the call still holds one */

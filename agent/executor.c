@@ -730,7 +730,7 @@ static int start_work_locked(executor_t *x, work_t w) {
   if (!wa) return -1;
   *wa = (worker_arg_t){x, w};
   executor_ref(x);
-  if (runtime_spawn_detached(worker_main, wa) != 0) {
+  if (runtime_spawn_detached("stream-worker", worker_main, wa) != 0) {
     atomic_fetch_sub(&x->refs, 1); /* cannot be the last: the caller holds one */
     free(wa);
     return -1;
@@ -923,7 +923,7 @@ static bool start_refuser_locked(executor_t *x, xsession_t *s, instr_t *ins,
   else error_set(&r->why, ERR_REMOTE_FAILURE, "%s", msg);
   executor_ref(x);
   if (batch) atomic_fetch_add(&batch->refs, 1);
-  int rc = runtime_spawn_detached(refuser_main, r);
+  int rc = runtime_spawn_detached("refuser", refuser_main, r);
   if (rc != 0) { /* neither count can drop to 0: the caller holds one of each */
     atomic_fetch_sub(&x->refs, 1);
     if (batch) atomic_fetch_sub(&batch->refs, 1);

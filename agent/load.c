@@ -509,6 +509,7 @@ fail:
 
 static void *inspect_main(void *arg) {
   inspect_t *in = arg;
+  pthread_setname_np(pthread_self(), "load-inspect");
   inspect_url(in->call, in->rq);
   protobuf_c_message_free_unpacked(&in->rq->base, NULL);
   rpc_call_unref(in->call);

@@ -651,10 +651,14 @@ out:
   dataplane_shutdown(dp);
   bool idle = executor_wait_all_freed(5000) == 0;
   if (idle) data_stop(); /* every Read ended: its helpers only park (a stuck one: left, as below) */
+  if (idle) transfer_grant_watch_stop(); /* no Read or Write left to end */
   if (dp && idle) dataplane_stop(dp);
   if (backend_open && idle) backend.ops->close(&backend);
   else if (backend_open) log_warn("agent", "workers still running at exit: the device is left open");
   rpc_shutdown();
+  char names[256];
+  int left = runtime_await_named_threads(idle ? EXIT_THREADS_WAIT_MS : 0, names, sizeof names);
+  if (left > 0) log_warn("agent", "%d thread(s) still running at exit: %s", left, names);
   if (rc == 0)
     log_info("agent", "stopped");
   return rc;

@@ -440,6 +440,8 @@ static grant_watch_t *watched; /* a doubly linked list, unordered */
 static int64_t watch_wake_ms;  /* when the thread wakes next; 0: not before a signal */
 static pthread_once_t watch_once = PTHREAD_ONCE_INIT;
 static bool watch_running;
+static bool watch_stopping;
+static pthread_t watch_thread;
 static _Atomic uint64_t watch_ended;
 
 uint64_t transfer_grant_watch_ended(void) { return atomic_load(&watch_ended); }
@@ -479,7 +481,7 @@ static int64_t watch_sweep_locked(int64_t now) {
 static void *watch_main(void *arg) {
   (void)arg;
   pthread_mutex_lock(&watch_mu);
-  for (;;) {
+  while (!watch_stopping) {
     int64_t next = watch_sweep_locked(grant_now_unix_ms());
     watch_wake_ms = next;
     if (!next) {
@@ -492,22 +494,30 @@ static void *watch_main(void *arg) {
     struct timespec ts = {.tv_sec = at / 1000, .tv_nsec = (long)(at % 1000) * 1000000};
     pthread_cond_timedwait(&watch_cond, &watch_mu, &ts);
   }
+  pthread_mutex_unlock(&watch_mu);
   return NULL;
 }
 
 static void watch_start(void) {
-  pthread_t t;
-  pthread_attr_t attr;
-  pthread_attr_init(&attr);
-  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  if (pthread_create(&t, &attr, watch_main, NULL) == 0) {
-    pthread_setname_np(t, "grant-watch");
+  pthread_mutex_lock(&watch_mu);
+  if (!watch_stopping && pthread_create(&watch_thread, NULL, watch_main, NULL) == 0) {
+    pthread_setname_np(watch_thread, "grant-watch");
     watch_running = true;
-  } else {
+  } else if (!watch_stopping) {
     log_error("agent", "cannot start the grant-watch thread: calls under transfer grants are "
               "not ended at their grants' expiry");
   }
-  pthread_attr_destroy(&attr);
+  pthread_mutex_unlock(&watch_mu);
+}
+
+void transfer_grant_watch_stop(void) {
+  pthread_mutex_lock(&watch_mu);
+  bool join = watch_running;
+  watch_stopping = true;
+  watch_running = false;
+  pthread_cond_signal(&watch_cond);
+  pthread_mutex_unlock(&watch_mu);
+  if (join) pthread_join(watch_thread, NULL);
 }
 
 void transfer_grant_watch(grant_watch_t *w, rpc_call_t *call, const char *what,

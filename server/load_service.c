@@ -101,7 +101,7 @@ static int spawn(load_service_t *ls, rpc_call_t *call, const char *what, const c
     return -1;
   }
   rpc_call_ref(call);
-  if (runtime_spawn_detached(fn, arg) == 0) return 0;
+  if (runtime_spawn_detached("load-progress", fn, arg) == 0) return 0;
   rpc_call_unref(call);
   done(ls, *slot);
   rpc_call_finish(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "QUOTA", "%s: out of threads", what);

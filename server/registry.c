@@ -488,7 +488,7 @@ static void remove_agent(registry_t *r, conn_t *c, const char *why) {
   }
   pthread_mutex_lock(&r->mu);
   /* remove:fail: as if no thread could be had (tests of the sweeper's turn) */
-  if (fault != FAULT_FAIL && runtime_spawn_detached(remover, c) == 0) {
+  if (fault != FAULT_FAIL && runtime_spawn_detached("reg-remover", remover, c) == 0) {
     r->removals++;
   } else {
     c->next = r->deferred;

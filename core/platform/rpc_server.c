@@ -1391,7 +1391,7 @@ int rpc_call_reply_after(rpc_call_t *call, const ProtobufCMessage *msg, int ms) 
   h->call = call;
   h->ms = ms;
   rpc_call_ref(call);
-  if (runtime_spawn_detached(answer_main, h) == 0) return 0;
+  if (runtime_spawn_detached("held-answer", answer_main, h) == 0) return 0;
   rpc_call_unref(call);
   rpc_bytes_free(h->msg);
   free(h);

@@ -1,5 +1,6 @@
 #include "runtime.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <malloc.h>
@@ -182,12 +183,81 @@ unsigned long long runtime_memory_bytes(void) {
   return runtime_memory_bytes_in(files, sizeof files / sizeof files[0]);
 }
 
-int runtime_spawn_detached(void *(*fn)(void *), void *arg) {
+/* A thread's name (/proc/self/task/TID/comm); "" when unreadable. */
+static void thread_name(const char *tid, char *out, size_t n) {
+  char path[300];
+  snprintf(path, sizeof path, "/proc/self/task/%s/comm", tid);
+  out[0] = 0;
+  FILE *f = fopen(path, "r");
+  if (!f) return;
+  if (fgets(out, (int)n, f)) out[strcspn(out, "\n")] = 0;
+  fclose(f);
+}
+
+/* The threads other than the caller with a name other than its own, listed
+ * into names (n bytes, ", "-separated); -1 when /proc cannot tell. */
+static int named_threads(char *names, size_t n) {
+  DIR *dir = opendir("/proc/self/task");
+  if (!dir) return -1;
+  char self[32], own[32];
+  snprintf(self, sizeof self, "%ld", (long)gettid());
+  thread_name(self, own, sizeof own);
+  int count = 0;
+  size_t at = 0;
+  if (n) names[0] = 0;
+  for (struct dirent *e; (e = readdir(dir));) {
+    char name[32];
+    if (e->d_name[0] == '.' || strcmp(e->d_name, self) == 0) continue;
+    thread_name(e->d_name, name, sizeof name);
+    if (strcmp(name, own) == 0) continue;
+    count++;
+    int w = snprintf(names + at, at < n ? n - at : 0, "%s%s", at ? ", " : "", name);
+    if (w > 0 && at + (size_t)w < n) at += (size_t)w;
+  }
+  closedir(dir);
+  return count;
+}
+
+int runtime_await_named_threads(int timeout_ms, char *left, size_t n) {
+  struct timespec t0, now, ms = {0, 1000000};
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    int count = named_threads(left, n);
+    if (count <= 0) return count;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if ((now.tv_sec - t0.tv_sec) * 1000 + (now.tv_nsec - t0.tv_nsec) / 1000000 >= timeout_ms)
+      return count;
+    nanosleep(&ms, NULL);
+  }
+}
+
+typedef struct {
+  char name[16];
+  void *(*fn)(void *);
+  void *arg;
+} spawned_t;
+
+/* The thread names itself: a detached thread's handle is no longer valid
+ * once it may have ended. */
+static void *spawned_main(void *p) {
+  spawned_t sp = *(spawned_t *)p;
+  free(p);
+  pthread_setname_np(pthread_self(), sp.name);
+  return sp.fn(sp.arg);
+}
+
+int runtime_spawn_detached(const char *name, void *(*fn)(void *), void *arg) {
+  spawned_t *sp = malloc(sizeof *sp);
+  if (!sp) return ENOMEM;
+  snprintf(sp->name, sizeof sp->name, "%s", name);
+  sp->fn = fn;
+  sp->arg = arg;
   pthread_attr_t at;
   pthread_attr_init(&at);
   pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
   pthread_t th;
-  int rc = pthread_create(&th, &at, fn, arg);
+  int rc = pthread_create(&th, &at, spawned_main, sp);
   pthread_attr_destroy(&at);
+  if (rc != 0) free(sp);
   return rc;
 }

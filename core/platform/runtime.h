@@ -40,9 +40,21 @@ void runtime_host_of(const char *addr, char *out, size_t len);
  * naming addr; an address without a decimal port is left to the listener. */
 int runtime_check_port(const char *addr, char *err, size_t errlen);
 
-/* Starts fn(arg) on a detached thread: 0, or the pthread_create error (then
- * fn does not run and arg is still the caller's). */
-int runtime_spawn_detached(void *(*fn)(void *), void *arg);
+/* Starts fn(arg) on a detached thread named `name` (at most 15 characters:
+ * what top -H, perf and runtime_await_named_threads show): 0, or the
+ * pthread_create error (then fn does not run and arg is still the caller's). */
+int runtime_spawn_detached(const char *name, void *(*fn)(void *), void *arg);
+
+/* Waits, at most timeout_ms, until no thread but the caller has a name other
+ * than the caller's, and returns how many are left (0; -1 when /proc cannot
+ * tell), their names in left (n bytes, ", "-separated). gRPC's threads and
+ * meshd's are named; unnamed ones are libraries' pools that live to the end
+ * (OpenBLAS's). A daemon's last step: a thread still ending when main returns
+ * may be mid-way through its thread-exit hooks, and the leak check at exit
+ * then reports what they were freeing (OpenSSL's per-thread error state, CI
+ * run 173); and a thread that never ends is named in the log. */
+int runtime_await_named_threads(int timeout_ms, char *left, size_t n);
+#define EXIT_THREADS_WAIT_MS 1000 /* the daemons' bound for it */
 
 /* Physical memory, or the container's limit when that is smaller (cgroup v2
  * memory.max, v1 memory.limit_in_bytes): allocating past a cgroup limit gets a

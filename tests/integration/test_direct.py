@@ -173,7 +173,8 @@ def test_a_sessions_fetches_finished_unread_keep_at_most_64_grants_on_record(sha
 @pytest.mark.parametrize("agents", [1, 4])
 def test_direct_round_trip(meshd_server, shared_meshd, agents):
     """Replicated and sharded uploads and fetches take the direct path (both ways),
-    with every rank's values right, for float32, int64, float16 and an empty tensor."""
+    with every rank's values right, for float32, int64, float16 and an empty tensor;
+    the daemons then exit with no thread left behind."""
     # one agent: the module's server; four: one of its own (no other test needs four)
     srv = shared_meshd(1) if agents == 1 else lib.wait_ready(meshd_server(agents), agents)
     with connect(srv, "direct") as s:
@@ -214,6 +215,12 @@ def test_direct_round_trip(meshd_server, shared_meshd, agents):
                 for h in range(2):
                     for g in range(2):
                         assert np.array_equal(meshd.fetch_shard(t, host=h, gpu=g).result(), b[g])
+    if agents == 4:  # its own server: each daemon ends with no thread of its own left
+        # (the agents' grant watch, which the direct Reads and Writes started)
+        assert lib.stop(srv) == 0
+        log = srv.log_text()
+        assert log.count("agent: stopped") == 4, log[-3000:]
+        assert "still running at exit" not in log, log[-3000:]
 
 
 def test_agents_refuse_bad_grants(shared_meshd):
