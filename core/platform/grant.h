@@ -31,6 +31,12 @@
 #define RECEIPT_LABEL "meshd-write-receipt-v1"
 #define READ_RECEIPT_LABEL "meshd-read-receipt-v1"
 
+/* n bytes of the kernel's CSPRNG (getrandom) into buf: grants' nonces and
+ * transfers' ids. OpenSSL's RAND_bytes cost 10-40 us a call in the server
+ * (its DRBG behind the provider layer, cold), once or twice per plan; the
+ * kernel's is the source OpenSSL seeds from. Returns 0, or -1 (no
+ * randomness: nothing to fall back to). */
+int grant_random(void *buf, size_t n);
 /* g packed and signed with `secret` into a malloc'd buffer (*out, *len).
  * Returns 0, or -1 when out of memory or OpenSSL fails. */
 int grant_issue(const char *secret, const Meshd__Agent__V1__TransferGrant *g, uint8_t **out,

@@ -3,6 +3,10 @@
  * And the agent's table of the grants' nonces (agent/transfer_grant.c), on a
  * synthetic clock. */
 #include <criterion/criterion.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -102,6 +106,101 @@ Test(grant, read_receipts_bind_nonce_ref_rank_and_after_seq_and_are_no_write_rec
   cr_assert_not(grant_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, mac, sizeof mac));
   cr_assert_eq(grant_receipt(KEY, nonce, sizeof nonce, 5, 1, 77, wmac), 0);
   cr_assert_not(grant_read_receipt_ok(KEY, nonce, sizeof nonce, 5, 1, 77, wmac, sizeof wmac));
+}
+
+/* A write receipt as RFC 2104 has it, by OpenSSL's one-shot HMAC() (what
+ * grant.c called for every MAC before it kept each secret's key states). */
+static void receipt_by_hmac(const char *secret, uint64_t ref, uint8_t out[GRANT_MAC_LEN]) {
+  uint8_t msg[sizeof RECEIPT_LABEL - 1 + GRANT_NONCE_LEN + 20] = {0}, *p = msg;
+  memcpy(p, RECEIPT_LABEL, sizeof RECEIPT_LABEL - 1);
+  p += sizeof RECEIPT_LABEL - 1;
+  memset(p, 7, GRANT_NONCE_LEN); /* the nonce */
+  p += GRANT_NONCE_LEN;
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(ref >> (8 * i)); /* ref; rank 2, bytes 9: */
+  p[8] = 2;
+  p[12] = 9;
+  unsigned int n = 0;
+  cr_assert_not_null(HMAC(EVP_sha256(), secret, (int)strlen(secret), msg, sizeof msg, out, &n));
+  cr_assert_eq(n, GRANT_MAC_LEN);
+}
+
+#define MANY_SECRETS 200 /* over grant.c's 64 slots: each is taken by others between uses */
+static char many[MANY_SECRETS][300];
+static uint8_t many_mac[MANY_SECRETS][GRANT_MAC_LEN];
+
+/* Secrets of a server's agents (64 hex characters) and, every tenth, of any
+ * length up to 299 (longer than a SHA-256 block: RFC 2104 hashes those first;
+ * longer than grant.c keeps: keyed each time), each with its receipt by HMAC(). */
+static void many_secrets(void) {
+  for (int i = 0; i < MANY_SECRETS; i++) {
+    size_t len = i % 10 ? SECRET_HEX_LEN : (size_t)(1 + i * 3 % 299);
+    for (size_t k = 0; k < len; k++) many[i][k] = "0123456789abcdef"[(i * 7 + k * 13 + k / 3) % 16];
+    snprintf(many[i], 5, "%04x", i); /* distinct */
+    many[i][4] = 'k';
+    many[i][len] = '\0';
+    receipt_by_hmac(many[i], (uint64_t)i, many_mac[i]);
+  }
+}
+
+/* Whether secret i's receipt is its HMAC, and passes with i's secret only
+ * (no Criterion assert: threads call it too). */
+static bool receipt_is_hmacs(int i) {
+  uint8_t mac[GRANT_MAC_LEN], nonce[GRANT_NONCE_LEN];
+  memset(nonce, 7, sizeof nonce);
+  return grant_receipt(many[i], nonce, sizeof nonce, (uint64_t)i, 2, 9, mac) == 0 &&
+         memcmp(mac, many_mac[i], GRANT_MAC_LEN) == 0 &&
+         grant_receipt_ok(many[i], nonce, sizeof nonce, (uint64_t)i, 2, 9, mac, sizeof mac) &&
+         !grant_receipt_ok(many[(i + 1) % MANY_SECRETS], nonce, sizeof nonce, (uint64_t)i, 2, 9,
+                           mac, sizeof mac);
+}
+
+/* Each secret's key states are kept (grant.c: a MAC no longer keys HMAC anew):
+ * every MAC is still HMAC-SHA256 of its own secret, whatever secrets went
+ * before it in the table (slots shared, taken over, taken back), of any length. */
+Test(grant, every_mac_is_its_own_secrets_hmac_as_the_kept_keys_turn_over) {
+  many_secrets();
+  for (int round = 0; round < 3; round++)
+    for (int k = 0; k < MANY_SECRETS; k++) {
+      int i = round == 1 ? MANY_SECRETS - 1 - k : k;
+      cr_assert(receipt_is_hmacs(i), "round %d, secret %d (%zu bytes)", round, i, strlen(many[i]));
+    }
+}
+
+static void *macs_of_one_thread(void *arg) {
+  int t = (int)(intptr_t)arg;
+  intptr_t wrong = 0;
+  for (int k = 0; k < 1000; k++) wrong += !receipt_is_hmacs((t * 31 + k * 17) % MANY_SECRETS);
+  return (void *)wrong;
+}
+
+/* The kept keys are shared by the server's threads (plans, FinishUploads):
+ * four at once, over secrets that take each other's slots, each get their
+ * own secret's MAC. */
+Test(grant, threads_at_once_each_get_their_own_secrets_mac) {
+  many_secrets();
+  pthread_t th[4];
+  for (int t = 0; t < 4; t++)
+    cr_assert_eq(pthread_create(&th[t], NULL, macs_of_one_thread, (void *)(intptr_t)t), 0);
+  for (int t = 0; t < 4; t++) {
+    void *wrong = NULL;
+    pthread_join(th[t], &wrong);
+    cr_assert_eq((intptr_t)wrong, 0, "thread %d: %ld of its 1000 MACs were not its secret's", t,
+                 (long)(intptr_t)wrong);
+  }
+}
+
+/* Nonces and ids come from the kernel (grant_random): every byte asked for
+ * is filled, past getrandom's 256 bytes per call too. */
+Test(grant, grant_random_fills_every_byte) {
+  uint8_t a[1000], b[1000];
+  memset(a, 0, sizeof a);
+  memset(b, 0, sizeof b);
+  cr_assert_eq(grant_random(a, sizeof a), 0);
+  cr_assert_eq(grant_random(b, sizeof b), 0);
+  cr_assert(memcmp(a, b, sizeof a) != 0);
+  size_t zero_tail = 0; /* 1000 random bytes end in 16 zeros once in 2^128 */
+  for (size_t i = sizeof a - 16; i < sizeof a; i++) zero_tail += a[i] == 0;
+  cr_assert_lt(zero_tail, 16);
 }
 
 /* ------------------------------------------------------------ nonce table */
