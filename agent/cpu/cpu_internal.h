@@ -15,9 +15,13 @@
 #include "half.h"
 
 /* Freed tensors of MAP_FROM bytes or more that the cpu backend keeps for
- * the next tensor of the same rounded size (cpu_backend.c): 16, so that a
- * loop's 128 KiB..4 MiB temporaries do not push its large tensors out. */
-#define CPU_CACHE_SLOTS 16
+ * the next tensor of the same rounded size (cpu_backend.c), within its bytes'
+ * bound: 256, so that a loop's 128 KiB..4 MiB temporaries do not push its
+ * large tensors out, and a burst of them comes back whole (64 pipelined
+ * 256 KiB Literals, dropped and made again, found 16 kept and faulted the
+ * other 48 in fresh: 889 us a Literal where 64 KiB ones, off the heap, took
+ * 92). */
+#define CPU_CACHE_SLOTS 256
 
 typedef struct cpu_block {
   void *p;
