@@ -1311,8 +1311,12 @@ int executor_define(executor_t *x, const char *session, uint64_t ref, const agen
   pthread_mutex_lock(&x->mu);
   xsession_t *s = session_find_locked(x, session);
   int rc = !s ? 1 : refs_put_write(&s->state->refs, ref, t);
+  /* Its bytes go out with the next report (within ALLOC_POLL_MS), not one of
+   * their own: a Write is no numbered command, nothing waits on a report of
+   * it, and a report per Write woke the reporter and sent the server a
+   * message (on its one rpc thread) right as the Write answered, on an
+   * Upload's way to its answer. */
   x->dirty = true;
-  pthread_cond_signal(&x->report_cv);
   pthread_mutex_unlock(&x->mu);
   return rc;
 }
