@@ -2065,7 +2065,7 @@ static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, 
     set_error(s->client, MESHD_E_RPC, GRPC_STATUS_INTERNAL, NULL, "Upload: cannot open the call");
     return MESHD_E_RPC;
   }
-  int rc = rpc_stream_write(st, &first.base, false);
+  int rc = rpc_stream_write(st, &first.base, bytes == 0);
   size_t slice = upload_slice_bytes(h);
   for (size_t off = 0, n; rc == 0 && off < bytes; off += n) {
     n = upload_chunk_bytes(off, bytes, slice, UPLOAD_CHUNK);
@@ -2073,10 +2073,10 @@ static meshd_err_t proxy_upload(meshd_session_t *s, Meshd__V1__UploadHeader *h, 
     c.part_case = MESHD__V1__UPLOAD_CHUNK__PART_DATA;
     c.data.data = (uint8_t *)data + off;
     c.data.len = n;
-    rc = rpc_stream_write(st, &c.base, false);
+    /* The last chunk half-closes with it: one write, not a second one that
+     * waits for the first to go out. */
+    rc = rpc_stream_write(st, &c.base, off + n == bytes);
   }
-  if (rc == 0)
-    rpc_stream_close_send(st);
   ProtobufCMessage *m = NULL;
   while (rpc_stream_read(st, &meshd__v1__upload_reply__descriptor, &m, timeout_ms) == 1) {
     protobuf_c_message_free_unpacked(m, NULL);
