@@ -543,10 +543,11 @@ Test(runtime, memory_is_the_cgroup_limit_when_smaller) {
 #include <sys/wait.h>
 #include <time.h>
 
-static atomic_bool lingerer_go;
+static atomic_bool lingerer_go, lingerer_named;
 
 static void *lingerer(void *arg) {
   (void)arg;
+  atomic_store(&lingerer_named, true); /* runtime_spawn_detached named it before fn */
   while (!atomic_load(&lingerer_go)) {
     struct timespec ms = {0, 1000000};
     nanosleep(&ms, NULL);
@@ -575,6 +576,11 @@ Test(runtime, await_named_threads_waits_for_a_detached_thread_to_end) {
     int rc = runtime_await_named_threads(0, left, sizeof left) == 0 ? 0 : 10;
     if (!rc && pthread_create(&t, NULL, unnamed, NULL) != 0) rc = 11;
     if (!rc && runtime_spawn_detached("lingerer", lingerer, NULL) != 0) rc = 12;
+    for (int ms = 0; !rc && !atomic_load(&lingerer_named); ms++) { /* started: named */
+      if (ms == 10000) rc = 15;
+      struct timespec one = {0, 1000000};
+      nanosleep(&one, NULL);
+    }
     if (!rc && (runtime_await_named_threads(20, left, sizeof left) != 1 ||
                 strcmp(left, "lingerer") != 0))
       rc = 13; /* not let go yet: it is left, by name; the unnamed one is not counted */
