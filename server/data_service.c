@@ -244,15 +244,12 @@ static void relay_end(data_service_t *ds) { atomic_fetch_sub(&ds->relays, 1); }
  * UPLOAD_QUEUED bytes: past that the call's reads pause (HTTP/2 flow control
  * then holds the client back) until the sends drained half. So the server
  * holds a few chunks, never the tensor, and receiving and forwarding overlap.
- * A rank's last bytes go with its half-close, in one send (its agent defines
- * the ref and answers without waiting for the client's half-close, which came
- * a hop later; a 1 MiB upload paid that hop and the Write's round trip after
- * it, in series). A rank is defined only when its Write got exactly its
- * bytes; the Upload settles once every Write ended and the client
- * half-closed with every byte (or it failed): any failure, or the client's
- * extra data or cancel after a rank took its bytes, cancels the other Writes
- * and deletes the ref on every rank: it stays undefined, and spent once
- * Writes opened (spend_locked). Settling answers the client. */
+ * Once the client half-closed with every byte, each rank half-closes when its
+ * queue is empty and the agent answers. A rank is defined only when its Write
+ * got exactly its bytes; any failure cancels the other Writes and deletes the
+ * ref on every rank: it stays undefined, and spent once Writes opened
+ * (spend_locked). The last Write to end settles the Upload and answers the
+ * client. */
 #define UPLOAD_QUEUED (8u << 20)
 /* What a queued message costs beyond its bytes (its entry, gRPC's buffer):
  * counted against UPLOAD_QUEUED, so that a client sending 1-byte chunks
@@ -274,7 +271,6 @@ typedef struct rank_write {
   queued_msg_t *head, *tail;
   size_t in_flight; /* bytes of the send in flight */
   bool sending;
-  bool all_queued; /* its last bytes are queued: the send of the last message half-closes */
   bool closed; /* half-closed after every byte */
   bool ended;  /* the call is over: ok if the agent took exactly its bytes */
   bool ok;
@@ -301,7 +297,6 @@ typedef struct upload {
   bool paused;        /* the call's reads are paused for a full queue */
   bool received;      /* the client half-closed with every byte sent */
   bool aborted;       /* a failure, or the call ended: the Writes are cancelled */
-  bool settling;      /* upload_settle ran or runs (once) */
   bool answered;      /* the call has its error already: settling adds none */
   _Atomic bool given_back; /* its slot and relay (transfer_end, relay_end) */
   meshd_error_t err;  /* the first failure of a Write, ERR_NONE if none */
@@ -345,17 +340,10 @@ static void upload_abort_locked(upload_t *u) {
     if (!u->w[i].ended && u->w[i].d) rpc_duplex_cancel(u->w[i].d);
 }
 
-static bool upload_settle_due_locked(upload_t *u);
-static void upload_settle(upload_t *u);
-
-/* The call ended: the Writes are cancelled; when they all ended already (they
- * half-closed with their last bytes), it settles here. */
 static void upload_abort(upload_t *u) {
   pthread_mutex_lock(&u->mu);
   upload_abort_locked(u);
-  bool due = upload_settle_due_locked(u);
   pthread_mutex_unlock(&u->mu);
-  if (due) upload_settle(u);
 }
 
 /* An Upload that fails once its Writes opened spends its ref: a rank may have
@@ -396,11 +384,9 @@ static void upload_fail(upload_t *u, error_kind_t kind, const char *fmt, const c
   pthread_mutex_lock(&u->mu);
   u->answered = true;
   upload_abort_locked(u);
-  bool due = upload_settle_due_locked(u); /* every Write ended already: none will settle it */
   pthread_mutex_unlock(&u->mu);
   upload_give_back(u);
   finish_error(u->call, &e);
-  if (due) upload_settle(u);
 }
 
 /* --data-path=direct: the bytes never pass through the server. */
@@ -615,21 +601,6 @@ static void upload_resume_locked(upload_t *u) {
   rpc_call_resume_reads(u->call);
 }
 
-/* Whether the Upload settles now (lock held): once its relay started, every
- * Write ended with no send of it in flight, and the client half-closed with
- * every byte or the Upload failed (a Write half-closes with its last bytes:
- * every Write may end before the client's half-close comes, and settling
- * then runs on the call's thread, not the Writes': no Write callback may be
- * running then, since settling frees what they use). True once: the caller
- * settles. */
-static bool upload_settle_due_locked(upload_t *u) {
-  if (!u->w || u->settling || u->open > 0 || !(u->received || u->aborted)) return false;
-  for (size_t i = 0; i < u->nranks; i++)
-    if (u->w[i].sending) return false; /* its write_sent comes, and settles */
-  u->settling = true;
-  return true;
-}
-
 /* Every Write ended (or none opened): the ranks that took their bytes define
  * the ref, or let it go if any failed, and the client gets its answer. */
 static void upload_settle(upload_t *u) {
@@ -695,23 +666,22 @@ static void upload_settle(upload_t *u) {
 
 static void write_sent(rpc_duplex_t *d, bool ok, void *arg);
 
-/* Starts rank w's next send (lock held): the last message of its bytes goes
- * with the half-close; the half-close alone once the client sent every byte
- * and the queue is empty (a rank with no bytes). A send that cannot start
- * ends the Write: its status says why. */
+/* Starts rank w's next send, or its half-close once the client sent every
+ * byte and the queue is empty (lock held). A send that cannot start ends the
+ * Write: its status says why. */
 static void write_kick_locked(upload_t *u, rank_write_t *w) {
   if (w->sending || w->ended || w->closed || u->aborted) return;
   queued_msg_t *q = w->head;
-  bool last = q ? !q->next && w->all_queued : u->received || w->all_queued;
-  if (!q && !last) return;
+  if (!q && !u->received) return;
   if (q) {
     w->head = q->next;
     if (!w->head) w->tail = NULL;
+  } else {
+    w->closed = true;
   }
-  w->closed = last;
   w->sending = true;
   w->in_flight = q ? q->len : 0;
-  if (rpc_duplex_send_raw(w->d, q ? q->msg : NULL, last, write_sent) != 0) {
+  if (rpc_duplex_send_raw(w->d, q ? q->msg : NULL, !q, write_sent) != 0) {
     w->sending = false;
     u->queued -= w->in_flight;
     rpc_duplex_cancel(w->d);
@@ -749,9 +719,7 @@ static void write_sent(rpc_duplex_t *d, bool ok, void *arg) {
   w->in_flight = 0;
   if (ok) write_kick_locked(u, w);
   if (u->paused && u->queued <= UPLOAD_QUEUED / 2 && !u->aborted) upload_resume_locked(u);
-  bool due = upload_settle_due_locked(u); /* its Write ended before this send's end came */
   pthread_mutex_unlock(&u->mu);
-  if (due) upload_settle(u);
 }
 
 /* From the client thread: the agent's WriteReply, then the Write's end. The
@@ -779,10 +747,9 @@ static void write_event(rpc_duplex_t *d, ProtobufCMessage *msg, void *arg) {
               code == GRPC_STATUS_OK ? "its agent ended it before every byte came"
                                      : agent_failure(&st, why, sizeof why));
   if (!w->ok) upload_abort_locked(u);
-  u->open--;
-  bool due = upload_settle_due_locked(u);
+  bool last = --u->open == 0;
   pthread_mutex_unlock(&u->mu);
-  if (due) upload_settle(u);
+  if (last) upload_settle(u);
 }
 
 /* Opens rank w's Write and queues its spec (lock held). */
@@ -843,18 +810,9 @@ static int upload_begin(upload_t *u, meshd_error_t *e) {
     upload_abort_locked(u);
   }
   bool none = u->open == 0;
-  if (none) u->settling = true; /* at once: no Write will end to settle it */
   pthread_mutex_unlock(&u->mu);
   if (none) upload_settle(u);
   return 0;
-}
-
-/* Ranks first..last are to get bytes up to stream offset end: those whose
- * bytes end there are marked (lock held), so that the message queued next
- * for them goes with their half-close. */
-static void upload_mark_last_locked(upload_t *u, size_t first, size_t last, size_t end) {
-  bool done = u->per_rank ? end == (first + 1) * u->each : end == u->total;
-  for (size_t k = first; done && k <= last; k++) u->w[k].all_queued = true;
 }
 
 /* Bytes at stream offset pos to the ranks they are for, as DataChunk{data}
@@ -872,7 +830,6 @@ static int upload_split_locked(upload_t *u, size_t pos, const uint8_t *data, siz
     c.data.len = n;
     rpc_bytes_t *m = rpc_bytes_pack(&c.base); /* one copy, every rank's reference */
     size_t last = u->per_rank ? i : u->nranks - 1;
-    upload_mark_last_locked(u, i, last, pos + off + n);
     for (size_t k = i; k < last; k++)
       if (!m || write_queue_locked(u, &u->w[k], rpc_bytes_share(m), n)) {
         rpc_bytes_free(m);
@@ -909,9 +866,7 @@ static void upload_message(rpc_call_t *call, const ProtobufCMessage *msg, void *
     pthread_mutex_lock(&u->mu);
     u->received = true;
     for (size_t i = 0; i < u->nranks; i++) write_kick_locked(u, &u->w[i]);
-    bool due = upload_settle_due_locked(u); /* the Writes may all have ended */
     pthread_mutex_unlock(&u->mu);
-    if (due) upload_settle(u);
     return;
   }
   const Meshd__V1__UploadChunk *c = (const void *)msg;
@@ -962,7 +917,6 @@ static bool upload_raw(rpc_call_t *call, rpc_bytes_t *msg, void *arg) {
   count_bytes(u->ds, DIR_UPLOAD, PATH_PROXY, len);
   int rc = 0;
   pthread_mutex_lock(&u->mu);
-  if (!u->aborted) upload_mark_last_locked(u, first, u->per_rank ? first : u->nranks - 1, u->got);
   if (u->aborted) { /* the Writes are ending: the call is too */
     rpc_bytes_free(msg);
   } else if (u->per_rank) {

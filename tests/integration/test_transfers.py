@@ -453,53 +453,6 @@ def test_an_upload_refused_at_its_end_leaves_nothing_on_the_agents(shared_meshd)
         assert allocated() == want, f"agents hold {allocated() - base} bytes, want {2 * 4 * MIB}"
 
 
-def test_an_upload_whose_ranks_took_their_bytes_before_it_failed_leaves_nothing_on_them(
-        shared_meshd):
-    """A rank's Write half-closes with its last bytes, so the agents may define the ref
-    before the client half-closes. The client then sends a byte too many, or gives up:
-    the Upload fails, its ref is spent, and every rank lets go of what it took."""
-    srv = shared_meshd(2)
-    t = lib.tensor_pb2()
-    half = 64 * 1024  # bytes per rank
-    with lib.Session(srv.port, "late-failure", timeout=30) as s:
-        m = s.mesh(gpu=2).ref
-        fn = s.ch.stream_unary(SVC + "Upload", request_serializer=lambda x: x.SerializeToString(),
-                               response_deserializer=t.UploadReply.FromString)
-        agents_idle(srv.port)
-
-        def chunks(ref, then):
-            yield t.UploadChunk(header=t.UploadHeader(ref=ref, mesh=m, shape=[half // 4],
-                                                      dtype=lib.dtype("float32"), per_rank=True))
-            yield t.UploadChunk(data=b"\x01" * half)  # rank 0's slice
-            yield t.UploadChunk(data=b"\x02" * half)  # rank 1's
-            time.sleep(0.3)  # their Writes end (nothing tells the client when)
-            if then == "gives up":
-                raise RuntimeError("the client gives up")
-            yield t.UploadChunk(data=b"\x03")
-
-        for then, words in (("sends a byte too many", ("more data than", "is spent")),
-                            ("gives up", ())):
-            ref = s.new_ref()
-            try:
-                fn(chunks(ref, then), metadata=s.metadata, timeout=20)
-                raise AssertionError(f"the Upload whose client {then} was accepted")
-            except grpc.RpcError as e:
-                assert all(w in e.details() for w in words), (then, e.details())
-            s.fails("UNKNOWN_REF", lib.describe(ref))
-            # A Fetch waits for every rank to report that it ran what came before it (the
-            # undo too), with its allocated bytes: then only x's 16 bytes a rank are held.
-            x = s.tensor(m, (4,), "ones").ref
-            assert fetch_floats(s, x) == [1.0] * 4
-            assert agents_allocated(srv.port) == 2 * 16, \
-                f"the agents hold {agents_allocated(srv.port) - 32} bytes after the client {then}"
-            s.run(lib.drop(x))
-            with pytest.raises(grpc.RpcError, match="already used"):  # spent
-                fn(iter([t.UploadChunk(header=t.UploadHeader(
-                    ref=ref, mesh=m, shape=[1], dtype=lib.dtype("float32"))),
-                    t.UploadChunk(data=b"\x00" * 4)]), metadata=s.metadata, timeout=20)
-        assert fetch_floats(s, upload(s, m, [1.0, 2.0]).tensor.ref) == [1.0, 2.0]
-
-
 def test_a_ref_being_uploaded_is_taken_by_nothing_else_until_the_upload_ends(shared_meshd):
     """An Upload of ref r holds r from its header to its end: a second Upload of r and a
     command naming r are refused meanwhile (before, they were accepted, and the first
