@@ -656,9 +656,7 @@ out:
   if (backend_open && idle) backend.ops->close(&backend);
   else if (backend_open) log_warn("agent", "workers still running at exit: the device is left open");
   rpc_shutdown();
-  char names[256];
-  int left = runtime_await_named_threads(idle ? EXIT_THREADS_WAIT_MS : 0, names, sizeof names);
-  if (left > 0) log_warn("agent", "%d thread(s) still running at exit: %s", left, names);
+  runtime_await_exit_threads("agent", idle ? EXIT_THREADS_WAIT_MS : 0); /* a stuck worker stays */
   if (rc == 0)
     log_info("agent", "stopped");
   return rc;

@@ -811,9 +811,7 @@ int main(int argc, char **argv) {
   metrics_destroy(metrics);
   auth_destroy(auth);
   rpc_shutdown();
-  char names[256];
-  int threads_left = runtime_await_named_threads(EXIT_THREADS_WAIT_MS, names, sizeof names);
-  if (threads_left > 0) log_warn("server", "%d thread(s) still running at exit: %s", threads_left, names);
+  runtime_await_exit_threads("server", EXIT_THREADS_WAIT_MS);
   log_info("server", "stopped");
   return 0;
 }

@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "log.h"
+
 static sigset_t blocked(void) {
   sigset_t s;
   sigemptyset(&s);
@@ -229,6 +231,12 @@ int runtime_await_named_threads(int timeout_ms, char *left, size_t n) {
       return count;
     nanosleep(&ms, NULL);
   }
+}
+
+void runtime_await_exit_threads(const char *component, int timeout_ms) {
+  char names[256];
+  int left = runtime_await_named_threads(timeout_ms, names, sizeof names);
+  if (left > 0) log_warn(component, "%d thread(s) still running at exit: %s", left, names);
 }
 
 typedef struct {

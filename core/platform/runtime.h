@@ -54,6 +54,9 @@ int runtime_spawn_detached(const char *name, void *(*fn)(void *), void *arg);
  * then reports what they were freeing (OpenSSL's per-thread error state, CI
  * run 173); and a thread that never ends is named in the log. */
 int runtime_await_named_threads(int timeout_ms, char *left, size_t n);
+/* The daemons' last step: runtime_await_named_threads for at most timeout_ms,
+ * then a warning from `component` naming the threads left, if any. */
+void runtime_await_exit_threads(const char *component, int timeout_ms);
 #define EXIT_THREADS_WAIT_MS 1000 /* the daemons' bound for it */
 
 /* Physical memory, or the container's limit when that is smaller (cgroup v2

@@ -545,15 +545,13 @@ Test(runtime, memory_is_the_cgroup_limit_when_smaller) {
 
 static atomic_bool lingerer_go, lingerer_named;
 
+static void nap_ms(long ms) { nanosleep(&(struct timespec){ms / 1000, ms % 1000 * 1000000}, NULL); }
+
 static void *lingerer(void *arg) {
   (void)arg;
   atomic_store(&lingerer_named, true); /* runtime_spawn_detached named it before fn */
-  while (!atomic_load(&lingerer_go)) {
-    struct timespec ms = {0, 1000000};
-    nanosleep(&ms, NULL);
-  }
-  struct timespec ms = {0, 50000000}; /* still running a while after main lets go */
-  nanosleep(&ms, NULL);
+  while (!atomic_load(&lingerer_go)) nap_ms(1);
+  nap_ms(50); /* still running a while after main lets go */
   return NULL;
 }
 
@@ -576,11 +574,8 @@ Test(runtime, await_named_threads_waits_for_a_detached_thread_to_end) {
     int rc = runtime_await_named_threads(0, left, sizeof left) == 0 ? 0 : 10;
     if (!rc && pthread_create(&t, NULL, unnamed, NULL) != 0) rc = 11;
     if (!rc && runtime_spawn_detached("lingerer", lingerer, NULL) != 0) rc = 12;
-    for (int ms = 0; !rc && !atomic_load(&lingerer_named); ms++) { /* started: named */
-      if (ms == 10000) rc = 15;
-      struct timespec one = {0, 1000000};
-      nanosleep(&one, NULL);
-    }
+    for (int ms = 0; !rc && !atomic_load(&lingerer_named); ms++) /* started: named */
+      rc = ms == 10000 ? 15 : (nap_ms(1), 0);
     if (!rc && (runtime_await_named_threads(20, left, sizeof left) != 1 ||
                 strcmp(left, "lingerer") != 0))
       rc = 13; /* not let go yet: it is left, by name; the unnamed one is not counted */
